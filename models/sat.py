@@ -1,0 +1,77 @@
+"""Show, Attend and Tell (Xu et al., 2015), soft attention — SPEC §2.
+
+Equations (SPEC §2.3): initial state from the mean annotation, additive attention ``α_t`` from ``h_{t-1}``,
+gated context ``ẑ_t = β_t Σ_i α_{t,i} a_i``, an LSTM on ``[E y_{t-1}; ẑ_t]`` and the deep output layer
+``p(y_t) = softmax(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t))``.  Training adds the doubly stochastic penalty
+``λ Σ_i (1 − Σ_t α_{t,i})²`` (SPEC §2.4).  The attention exported for word ``y_t`` is ``α_t`` of the same step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import get_normaliser
+from .layers import AdditiveAttention, masked_mean
+from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
+from .registry import register
+
+
+@register("sat")
+class ShowAttendTell(Captioner):
+    attention_kind = "soft_attention"
+    selection_metric = "BLEU-4"  # the paper early-stops on validation BLEU (SPEC §2.4, [REC] BLEU-4)
+
+    def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 512, hidden_dim: int = 1024,
+                 attn_dim: int = 512, dropout: float = 0.5, doubly_stochastic: float = 1.0, **ids: int):
+        super().__init__(vocab_size, feat_dim, **ids)
+        self.hparams = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, attn_dim=attn_dim, dropout=dropout,
+                            doubly_stochastic=doubly_stochastic)
+        self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=self.pad_id)
+        self.init_h = nn.Linear(feat_dim, hidden_dim)  # f_init,h: one affine layer + tanh ([REC])
+        self.init_c = nn.Linear(feat_dim, hidden_dim)
+        self.attend = AdditiveAttention(feat_dim, hidden_dim, attn_dim, get_normaliser("softmax"))
+        self.gate = nn.Linear(hidden_dim, 1)  # β_t = σ(w_β^T h_{t-1} + b_β)
+        self.lstm = nn.LSTMCell(embed_dim + feat_dim, hidden_dim)
+        self.out_h = nn.Linear(hidden_dim, embed_dim)  # L_h
+        self.out_z = nn.Linear(feat_dim, embed_dim)  # L_z
+        self.out_word = nn.Linear(embed_dim, vocab_size)  # L_o
+        self.drop = nn.Dropout(dropout)
+        self.doubly_stochastic = doubly_stochastic
+
+    def config(self) -> dict:
+        return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
+
+    def encode(self, vis: VisualBatch) -> EncState:
+        feats, mask = vis.feats.to(self.embed.weight.dtype), vis.mask
+        return {"feats": feats, "mask": mask, "keys": self.attend.project_keys(feats),
+                "mean": masked_mean(feats, mask)}
+
+    def init_state(self, enc: EncState) -> DecState:
+        return {"h": torch.tanh(self.init_h(enc["mean"])), "c": torch.tanh(self.init_c(enc["mean"]))}
+
+    def attention(self, state: DecState, enc: EncState) -> Tensor:
+        """α_t from h_{t-1} (SAT Eq. 4–5)."""
+        return self.attend(enc["keys"], state["h"], enc["mask"])
+
+    def context(self, alpha: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, dict[str, Tensor]]:
+        """Soft context ẑ_t = β_t Σ_i α_{t,i} a_i (SAT Eq. 13 with the gate of §4.2.1)."""
+        beta = torch.sigmoid(self.gate(state["h"]))
+        return beta * torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1), {"beta_gate": beta}
+
+    def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        alpha = self.attention(state, enc)
+        z, extras = self.context(alpha, state, enc)
+        emb = self.embed(prev_tokens)
+        h, c = self.lstm(torch.cat([emb, z], dim=1), (state["h"], state["c"]))
+        deep = emb + self.out_h(self.drop(h)) + self.out_z(z)  # deep output layer (SAT Eq. 7), no non-linearity
+        logprobs = F.log_softmax(self.out_word(self.drop(deep)), dim=-1)
+        return logprobs, {"h": h, "c": c}, AttnRecord(alpha, extras)
+
+    def auxiliary_losses(self, attention: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
+        """Doubly stochastic penalty λ Σ_i (1 − Σ_t α_{t,i})², summing t over real steps (SAT Eq. 14)."""
+        if not self.doubly_stochastic:
+            return {}
+        per_location = (attention * token_mask.unsqueeze(-1).to(attention.dtype)).sum(1)
+        return {"doubly_stochastic": self.doubly_stochastic * ((1.0 - per_location) ** 2).sum(1).mean()}

@@ -1,0 +1,48 @@
+"""Caption a split with the shared beam search and score it (the code behind ``captioner eval``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tqdm import tqdm
+
+from ..checkpoint import Checkpoint
+from ..data.features import FeatureStore
+from ..data.karpathy import CaptionedImage
+from ..decoding import beam_search
+from ..metrics import ALL_METRICS, score_captions
+from ..protocol import Captioner, VisualBatch
+from ..vocab import Vocabulary
+
+
+def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[CaptionedImage], store: FeatureStore,
+                    beam_size: int = 3, max_len: int = 20, batch_size: int = 50, device: str = "cpu",
+                    progress: bool = False) -> dict[int, list[str]]:
+    """Beam-search captions (as token lists) for every image, keyed by image id."""
+    was_training = model.training
+    model.eval()
+    captions = {}
+    for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
+        chunk = images[start:start + batch_size]
+        feats = store.get([im.key for im in chunk]).to(device)
+        hyps = beam_search(model, VisualBatch.from_features(feats), k=beam_size, max_len=max_len, extras=())
+        for im, best in zip(chunk, hyps):
+            captions[im.image_id] = vocab.decode(best[0].token_ids)
+    model.train(was_training)
+    return captions
+
+
+def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImage],
+                  metrics: Sequence[str] = ALL_METRICS) -> dict[str, float]:
+    refs = {im.image_id: [" ".join(r) for r in im.references] for im in images}
+    return score_captions({i: " ".join(c) for i, c in captions.items()}, refs, metrics)
+
+
+@torch.no_grad()
+def evaluate_checkpoint(ckpt: Checkpoint, images: Sequence[CaptionedImage], store: FeatureStore,
+                        beam_size: int = 3, max_len: int = 20, metrics: Sequence[str] = ALL_METRICS,
+                        device: str = "cpu", progress: bool = True) -> tuple[dict[str, float], dict[int, list[str]]]:
+    captions = caption_dataset(ckpt.model, ckpt.vocab, images, store, beam_size, max_len, device=device,
+                               progress=progress)
+    return score_dataset(captions, images, metrics), captions

@@ -1,0 +1,3 @@
+"""Imports every built-in captioner so that its ``@register`` runs; add new model modules here."""
+
+from . import sat  # noqa: F401

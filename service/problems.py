@@ -1,0 +1,54 @@
+"""RFC 9457 problem details: every error leaves the service as ``application/problem+json``."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+PROBLEM_JSON = "application/problem+json"
+
+
+class Problem(Exception):
+    """Raise anywhere in a route to answer with a problem document."""
+
+    def __init__(self, status: int, detail: str, *, title: str | None = None, kind: str | None = None,
+                 headers: dict[str, str] | None = None, **extra: Any):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+        self.title = title or HTTPStatus(status).phrase
+        self.kind = kind or HTTPStatus(status).phrase.lower().replace(" ", "-")
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def problem_response(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
+                     headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    body = {"type": f"/problems/{kind or HTTPStatus(status).phrase.lower().replace(' ', '-')}",
+            "title": title or HTTPStatus(status).phrase, "status": status, "detail": detail,
+            "instance": request.url.path, **extra}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        return problem_response(request, exc.status, exc.detail, exc.title, exc.kind, exc.headers, **exc.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        return problem_response(request, 422, detail, kind="invalid-request", errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return problem_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return problem_response(request, 500, "internal error; the request was not processed", kind="internal")

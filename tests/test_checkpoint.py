@@ -1,0 +1,55 @@
+import json
+
+import pytest
+import torch
+
+from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from models.decoding import beam_search
+from models.encoder import EncoderSpec
+from models.vocab import Vocabulary
+
+
+@pytest.fixture
+def vocab():
+    return Vocabulary([f"w{i}" for i in range(19)])
+
+
+def test_round_trip_gives_identical_captions(tmp_path, tiny_sat, random_visuals, vocab):
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), {"note": "test"})
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "vocab.json"]
+    loaded = load_checkpoint(path)
+    assert loaded.meta == {"note": "test"} and loaded.vocab.itos == vocab.itos and len(loaded.checksum) == 64
+    before = beam_search(tiny_sat, random_visuals, k=3, max_len=8)
+    after = beam_search(loaded.model, random_visuals, k=3, max_len=8)
+    for a, b in zip(before, after):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(a[0].attention, b[0].attention)
+
+
+def test_overwrite_is_atomic_and_leaves_no_debris(tmp_path, tiny_sat, vocab):
+    save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(image_size=128))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert load_checkpoint(tmp_path / "ckpt").encoder.image_size == 128
+
+
+def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        load_checkpoint(tmp_path)
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "format": "something-else"}))
+    with pytest.raises(CheckpointError, match="unknown checkpoint format"):
+        load_checkpoint(path)
+
+
+def test_vocabulary_round_trip_and_tokenizer(tmp_path):
+    from models.vocab import tokenize
+
+    assert tokenize("A Dog, running!  Fast.") == ["a", "dog", "running", "fast"]
+    vocab = Vocabulary.build([["a", "b", "a"], ["c", "a", "b"]], min_count=2)
+    assert vocab.itos == ["<pad>", "<bos>", "<eos>", "<unk>", "a", "b"]
+    assert vocab.encode(["a", "c", "b"], max_len=2) == [4, 3, 2]
+    assert vocab.decode([4, 5, 2, 4]) == ["a", "b"]
+    vocab.save(tmp_path / "v.json")
+    assert Vocabulary.load(tmp_path / "v.json").itos == vocab.itos

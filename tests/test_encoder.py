@@ -1,0 +1,89 @@
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from skimage import data
+
+from models.encoder import CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry, load_image, preprocess
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return GridEncoder(EncoderSpec())
+
+
+def test_packaged_weights_are_real_imagenet_weights(encoder):
+    """A real photo of a cat (scikit-image's chelsea) is classified as a cat by the packaged weights."""
+    spec = EncoderSpec(image_size=224)
+    pixels, _ = preprocess(Image.fromarray(data.chelsea()), spec)
+    probs = encoder.classify(pixels[None])
+    assert int(probs.argmax()) in CAT_CLASSES
+    assert float(probs[0, sorted(CAT_CLASSES)].sum()) > 0.5
+
+
+def test_grid_features_shape_and_frozen(encoder):
+    pixels, geometry = preprocess(Image.fromarray(data.coffee()), EncoderSpec())
+    feats = encoder(pixels[None])
+    assert feats.shape == (1, 64, 320)
+    assert geometry.grid_hw == (8, 8) and geometry.boxes.shape == (64, 4)
+    assert not any(p.requires_grad for p in encoder.parameters())
+    encoder.train()
+    assert not encoder.training, "the backbone stays in eval mode (frozen BatchNorm)"
+
+
+def test_geometry_maps_cells_back_to_the_original_image():
+    geo = grid_geometry(EncoderSpec(), (640, 480))
+    assert geo.image_size == (640, 480)
+    np.testing.assert_allclose(geo.boxes[0], [0, 0, 80, 60])
+    np.testing.assert_allclose(geo.boxes[9], [80, 60, 160, 120])  # row 1, col 1
+    np.testing.assert_allclose(geo.boxes[63], [560, 420, 640, 480])
+    crop = grid_geometry(EncoderSpec(image_size=224, resize="center_crop", resize_to=256), (512, 256))
+    # shorter side 256 → scale 1; a 224 crop centred horizontally at (512-224)/2 = 144, vertically at 16
+    np.testing.assert_allclose(crop.boxes[0], [144, 16, 144 + 32, 16 + 32])
+
+
+def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kwargs)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt,mode", [("JPEG", "RGB"), ("PNG", "RGBA"), ("PNG", "L"), ("PNG", "P"), ("WEBP", "RGB"),
+                                      ("GIF", "P"), ("BMP", "RGB"), ("TIFF", "CMYK")])
+def test_formats_and_modes_become_rgb(fmt, mode):
+    image = Image.new("RGB", (30, 20), (200, 10, 10)).convert(mode)
+    loaded = load_image(_encode(image, fmt))
+    assert loaded.mode == "RGB" and loaded.size == (30, 20)
+
+
+def test_exif_orientation_is_applied():
+    image = Image.new("RGB", (40, 20), (0, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° clockwise for display
+    loaded = load_image(_encode(image, "JPEG", exif=exif))
+    assert loaded.size == (20, 40)
+
+
+def test_gif_first_frame():
+    frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
+    assert load_image(buffer.getvalue()).getpixel((5, 5))[0] > 200
+
+
+def test_bad_images_raise_clear_errors():
+    with pytest.raises(ImageDecodeError, match="cannot identify"):
+        load_image(b"not an image at all")
+    truncated = _encode(Image.fromarray(data.astronaut()), "JPEG")[:2000]
+    with pytest.raises(ImageDecodeError):
+        load_image(truncated)
+    with pytest.raises(ImageDecodeError, match="above the limit"):
+        load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 299)
+
+
+def test_preprocess_is_normalised():
+    pixels, _ = preprocess(Image.new("RGB", (100, 50), (255, 255, 255)), EncoderSpec())
+    assert pixels.shape == (3, 256, 256)
+    assert torch.allclose(pixels, torch.ones_like(pixels))  # (1 - 0.5) / 0.5

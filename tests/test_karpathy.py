@@ -1,0 +1,58 @@
+"""The loader on a COCO-style Karpathy fixture (filepath folders, restval, raw-only sentences)."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.data.features import extract_features
+from models.data.karpathy import load_karpathy
+from models.encoder import EncoderSpec
+
+
+@pytest.fixture
+def coco_fixture(tmp_path):
+    rng = np.random.default_rng(0)
+    images = []
+    for i, (folder, split) in enumerate([("train2014", "train"), ("val2014", "restval"), ("val2014", "val"),
+                                         ("val2014", "test")]):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        name = f"COCO_{folder}_{i:012d}.jpg"
+        Image.fromarray(rng.integers(0, 255, (40 + i, 60, 3), dtype=np.uint8)).save(tmp_path / folder / name)
+        sentences = [{"tokens": ["a", "photo", str(i)], "raw": f"A photo {i}."} for _ in range(6)]
+        sentences[0] = {"raw": "A Dog, running!"}  # raw only: tokenised by the shared tokenizer
+        images.append({"filepath": folder, "filename": name, "imgid": i, "cocoid": 1000 + i, "split": split,
+                       "sentences": sentences})
+    path = tmp_path / "dataset_coco.json"
+    path.write_text(json.dumps({"dataset": "coco", "images": images}))
+    return path
+
+
+def test_splits_paths_and_references(coco_fixture):
+    train = load_karpathy(coco_fixture, splits=("train",))
+    assert [im.image_id for im in train] == [0, 1], "restval is folded into train"
+    assert train[1].path == coco_fixture.parent / "val2014" / "COCO_val2014_000000000001.jpg"
+    assert len(train[0].references) == 5, "at most five references are kept"
+    assert train[0].references[0] == ["a", "dog", "running"]
+    assert [im.split for im in load_karpathy(coco_fixture)] == ["train", "train", "val", "test"]
+
+
+def test_feature_cache_round_trip(coco_fixture, tmp_path):
+    images = load_karpathy(coco_fixture)
+    spec = EncoderSpec(image_size=64)
+    store = extract_features(images, spec, tmp_path / "cache", batch_size=3, progress=False)
+    feats = store.get([images[2].key])
+    assert feats.shape == (1, 4, 320) and feats.dtype.is_floating_point
+    cached = list((tmp_path / "cache").glob("*.npy"))
+    assert len(cached) == 1 and not list((tmp_path / "cache").glob("*.partial.npy"))
+    again = extract_features(images, spec, tmp_path / "cache", progress=False, encoder=object())  # no re-encoding
+    assert np.array_equal(again.get([images[2].key]).numpy(), feats.numpy())
+
+
+def test_missing_file_and_bad_layout(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_karpathy(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="Karpathy"):
+        load_karpathy(tmp_path / "bad.json")

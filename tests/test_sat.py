@@ -1,0 +1,64 @@
+"""SAT soft attention: equations against naive references, gradients, auxiliary loss."""
+
+import torch
+
+from models.protocol import VisualBatch
+
+
+def test_attention_matches_naive_equation(tiny_sat, random_visuals):
+    enc = tiny_sat.encode(random_visuals)
+    state = tiny_sat.init_state(enc)
+    alpha = tiny_sat.attention(state, enc)
+    att = tiny_sat.attend
+    for b in range(3):
+        scores = torch.stack([
+            att.score.weight[0] @ torch.tanh(att.key.weight @ random_visuals.feats[b, i] + att.query.weight @ state["h"][b]
+                                            + att.query.bias) + att.score.bias[0]
+            for i in range(9)])
+        torch.testing.assert_close(alpha[b], scores.softmax(0))
+    mean = random_visuals.feats.mean(1)
+    torch.testing.assert_close(state["h"], torch.tanh(tiny_sat.init_h(mean)))
+
+
+def test_context_is_gated_expectation(tiny_sat, random_visuals):
+    enc = tiny_sat.encode(random_visuals)
+    state = tiny_sat.init_state(enc)
+    alpha = tiny_sat.attention(state, enc)
+    z, extras = tiny_sat.context(alpha, state, enc)
+    beta = torch.sigmoid(tiny_sat.gate(state["h"]))
+    naive = torch.stack([beta[b] * sum(alpha[b, i] * random_visuals.feats[b, i] for i in range(9)) for b in range(3)])
+    torch.testing.assert_close(z, naive)
+    torch.testing.assert_close(extras["beta_gate"], beta)
+
+
+def test_masked_items_get_no_attention(tiny_sat):
+    feats = torch.randn(2, 9, 16)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    enc = tiny_sat.encode(VisualBatch(feats, mask))
+    alpha = tiny_sat.attention(tiny_sat.init_state(enc), enc)
+    assert torch.all(alpha[1, 5:] == 0) and torch.allclose(alpha.sum(-1), torch.ones(2))
+
+
+def test_doubly_stochastic_penalty_is_eq14(tiny_sat):
+    attention = torch.rand(2, 5, 9).softmax(-1)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    tiny_sat.doubly_stochastic = 0.7
+    got = tiny_sat.auxiliary_losses(attention, mask)["doubly_stochastic"]
+    naive = sum(0.7 * sum((1 - sum(attention[b, t, i] for t in range(5) if mask[b, t])) ** 2 for i in range(9))
+                for b in range(2)) / 2
+    torch.testing.assert_close(got, naive)
+
+
+def test_forward_xe_shapes_and_gradcheck(tiny_sat):
+    feats = torch.randn(2, 9, 16, dtype=torch.float64)
+    model = tiny_sat.double()
+    captions = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
+    logprobs, aux = model.forward_xe(VisualBatch.from_features(feats), captions)
+    assert logprobs.shape == (2, 4, 23) and "doubly_stochastic" in aux
+
+    def loss_of(f):
+        out, extra = model.forward_xe(VisualBatch.from_features(f), captions)
+        return out.gather(-1, captions.unsqueeze(-1)).sum() + extra["doubly_stochastic"]
+
+    assert torch.autograd.gradcheck(loss_of, (feats.requires_grad_(),), eps=1e-6, atol=1e-5)

@@ -1,0 +1,155 @@
+"""HTTP end to end: real image bytes through FastAPI, problem responses, and a real uvicorn process."""
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from skimage import data
+
+from models.checkpoint import save_checkpoint
+from models.data.scenes import generate, named_objects
+from models.encoder import EncoderSpec
+from models.registry import create
+from models.vocab import Vocabulary
+from service.app import create_app
+from service.settings import Settings
+
+from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
+
+
+def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("weights")
+    vocab = Vocabulary(["a", "red", "circle"])
+    for name in ("tiny-a", "tiny-b"):
+        model = create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=16, hidden_dim=16, attn_dim=8)
+        save_checkpoint(root / name, model, vocab, EncoderSpec(image_size=96))
+    (root / "not-a-checkpoint").mkdir()
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(tiny_weights):
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", max_upload_bytes=200_000,
+                              max_pixels=1_000_000))
+    with TestClient(app) as c:
+        yield c
+
+
+def _post(client, content: bytes, **params):
+    return client.post("/caption", params=params, files={"file": ("upload", content, "application/octet-stream")})
+
+
+def test_caption_json_follows_the_export_format(client):
+    response = _post(client, _png(Image.fromarray(data.coffee()), "JPEG"), beam_size=2, max_len=5)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["model"] == "tiny-a" and body["beam_size"] == 2
+    assert len(body["tokens"]) == len(body["attention"]) == len(body["token_logprobs"]) == len(body["is_eos"])
+    assert body["geometry"]["grid_hw"] == [3, 3] and body["geometry"]["image_size"] == [600, 400]
+    assert len(body["geometry"]["boxes"]) == 9 == len(body["attention"][0])
+    assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"])
+    assert body["caption"] == " ".join(t for t in body["tokens"] if t != "<eos>")
+
+
+def test_models_are_listed_and_selectable(client):
+    models = client.get("/models").json()
+    assert [m["name"] for m in models] == ["tiny-a", "tiny-b"]
+    assert models[0]["default"] and models[0]["architecture"] == "sat" and models[0]["checksum"].startswith("sha256:")
+    assert _post(client, _png(Image.new("RGB", (50, 50))), model="tiny-b").json()["model"] == "tiny-b"
+
+
+@pytest.mark.parametrize("content,status,kind", [
+    (b"definitely not an image", 422, "invalid-image"),
+    (b"", 422, "invalid-image"),
+    (_png(Image.fromarray(data.astronaut()), "JPEG")[:3000], 422, "invalid-image"),
+    (_png(Image.new("RGB", (1100, 1000))), 413, "image-too-large"),
+    (os.urandom(300_000), 413, "upload-too-large"),
+])
+def test_bad_uploads_get_problem_responses(client, content, status, kind):
+    response = _post(client, content)
+    assert response.status_code == status
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body = response.json()
+    assert body["status"] == status and body["type"].endswith(kind) and body["detail"]
+
+
+def test_bad_parameters_get_problem_responses(client):
+    image = _png(Image.new("RGB", (20, 20)))
+    assert _post(client, image, model="nope").status_code == 404
+    assert _post(client, image, beam_size=0).status_code == 422
+    assert _post(client, image, beam_size=99).status_code == 422
+    missing = client.post("/caption")
+    assert missing.status_code == 422 and missing.json()["errors"][0]["loc"] == ["body", "file"]
+
+
+def test_health_and_readiness(client):
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert client.get("/readyz").json()["models"] == ["tiny-a", "tiny-b"]
+    assert "/caption" in client.get("/openapi.json").json()["paths"]
+
+
+# -- the shipped default checkpoint through a real server process ----------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--weights-dir",
+                             str(WEIGHTS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"server did not become ready: {proc.stdout.read()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_default_model_names_the_objects_of_a_generated_test_scene(server, tmp_path):
+    dataset = json.loads(generate(tmp_path, {"test": 6}, seed=123, progress=False).read_text())
+    named = []
+    for entry in dataset["images"]:
+        content = (tmp_path / "images" / entry["filename"]).read_bytes()
+        response = httpx.post(f"{server}/caption", files={"file": (entry["filename"], content, "image/jpeg")}, timeout=60)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["model"] == "sat-scenes" and body["geometry"]["grid_hw"] == [8, 8]
+        named += named_objects(body["tokens"], entry["objects"])
+    assert np.mean(named) >= 0.75, f"only {np.mean(named):.0%} of objects named"
+
+
+def test_default_model_captions_a_real_photo(server):
+    response = httpx.post(f"{server}/caption", files={"file": ("cat.jpg", _png(Image.fromarray(data.chelsea()), "JPEG"),
+                                                               "image/jpeg")}, timeout=60)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["caption"] and body["geometry"]["image_size"] == [451, 300]
+    assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"])

@@ -1,0 +1,83 @@
+"""XE training smoke tests: the loss falls, checkpoints load, and an interrupted run resumes exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.checkpoint import load_checkpoint
+from models.training import TrainConfig, train
+
+SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
+
+
+def _config(scenes, out, cache, **overrides):
+    cfg = dict(dataset=str(scenes), out=str(out), model_args=SMALL, cache_dir=str(cache), epochs=2, batch_size=16,
+               lr=3e-3, progress=False, encoder={"image_size": 128})
+    cfg.update(overrides)
+    return TrainConfig(**cfg)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("features")
+
+
+def test_loss_falls_and_best_checkpoint_loads(scenes, tmp_path, cache):
+    best = train(_config(scenes, tmp_path / "run", cache, epochs=3))
+    state = json.loads((tmp_path / "run" / "train_state.json").read_text())
+    xe = [h["xe"] for h in state["progress"]["history"]]
+    assert len(xe) == 3 and xe[-1] < xe[0]
+    ckpt = load_checkpoint(best)
+    assert ckpt.model.arch == "sat" and ckpt.encoder.image_size == 128 and "CIDEr-D" in ckpt.meta["val_scores"]
+
+
+def test_resume_continues_exactly(scenes, tmp_path, cache):
+    train(_config(scenes, tmp_path / "straight", cache))
+    partial = _config(scenes, tmp_path / "resumed", cache, max_steps=20)  # stops inside epoch 2 (15 steps/epoch)
+    train(partial)
+    state = json.loads((tmp_path / "resumed" / "train_state.json").read_text())["progress"]
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 5, 20)
+    train(_config(scenes, tmp_path / "resumed", cache), resume=True)
+    a = load_file(tmp_path / "straight" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "last" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=f"{key} differs after resume")
+
+
+def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
+    train(_config(scenes, tmp_path / "run", cache, max_steps=2))
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(_config(scenes, tmp_path / "run", cache, max_steps=2))
+
+
+def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "service.cli", "train", "--dataset", str(scenes), "--out", str(out), "--epochs", "50",
+           "--batch-size", "4", "--cache-dir", str(cache), "--encoder", "image_size=128", "--set", "embed_dim=32",
+           "--set", "hidden_dim=48", "--set", "attn_dim=32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "train_state.json").exists():
+        time.sleep(0.5)  # wait until the first epoch is done, then interrupt mid-epoch
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "--resume" in err
+    progress = json.loads((out / "train_state.json").read_text())["progress"]
+    assert progress["step_in_epoch"] > 0 and (out / "best" / "model.safetensors").exists()
+    resume = [*cmd[:cmd.index("--epochs") + 1], str(progress["epoch"] + 1), *cmd[cmd.index("--epochs") + 2:], "--resume"]
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming" in done.stdout
+    final = json.loads((out / "train_state.json").read_text())["progress"]
+    assert final["epoch"] == progress["epoch"] + 1 and final["step_in_epoch"] == 0
