@@ -45,7 +45,7 @@ data: $(STAMP)
 	$(BIN)/captioner data generate --out $(DATA)
 
 train-default: data
-	$(BIN)/captioner train --model sat --dataset $(DATA) --out runs/sat-scenes --epochs 15 \
+	$(BIN)/captioner train --model sat --dataset $(DATA) --out runs/sat-scenes --epochs 4 \
 	  --set embed_dim=256 --set hidden_dim=512 --set attn_dim=256
 	rm -rf weights/sat-scenes.new && cp -r runs/sat-scenes/best weights/sat-scenes.new
 	cp weights/sat-scenes/MODEL_CARD.md weights/sat-scenes.new/ 2>/dev/null || true

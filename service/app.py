@@ -7,17 +7,24 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+from pathlib import Path
+
 from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 
 from models.device import set_threads
 
 from .batcher import Batcher
+from .overlay import ResultStore
+from .overlay import router as overlay_router
 from .problems import install_problem_handlers
 from .routes import ServiceState, router
 from .runtime import load_runtimes
 from .settings import Settings
 
 log = logging.getLogger("captioner.app")
+STATIC = Path(__file__).parent / "static"
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -46,6 +53,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan,
                   description="Captions with per-word attention heatmaps from published attention captioners.")
     app.state.service = ServiceState(settings=settings)
+    app.state.results = ResultStore(settings.results_cache_bytes)
     install_problem_handlers(app)
     app.include_router(router)
+    app.include_router(overlay_router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def demo_page() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
     return app

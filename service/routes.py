@@ -85,6 +85,7 @@ async def run_caption(state: ServiceState, data: bytes, model: str | None, beam_
 
 @router.post("/caption", response_model=CaptionOut, summary="Caption an uploaded image, with per-word attention")
 async def caption(
+    request: Request,
     state: State,
     file: Annotated[UploadFile, File(description="image file: JPEG, PNG, WebP, GIF (first frame), BMP or TIFF")],
     model: Annotated[str | None, Query(description="model name (GET /models); default: the service default")] = None,
@@ -93,7 +94,7 @@ async def caption(
 ) -> dict:
     data = await read_upload(file, state.settings.max_upload_bytes)
     result = await run_caption(state, data, model, beam_size, max_len)
-    return result.to_json()
+    return {"id": request.app.state.results.put(result, data), **result.to_json()}
 
 
 @router.get("/models", response_model=list[ModelOut], summary="Models this service can caption with")

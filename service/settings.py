@@ -24,4 +24,5 @@ class Settings(BaseSettings):
     max_max_len: int = Field(50, ge=1)
     max_batch_images: int = Field(16, ge=1, description="images encoded and decoded together at most")
     queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
+    results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline before 504")

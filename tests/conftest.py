@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -35,3 +40,36 @@ def tiny_sat():
 def random_visuals():
     torch.manual_seed(1)
     return VisualBatch.from_features(torch.randn(3, 9, 16))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server():
+    """``captioner serve`` in a real process on a free localhost port, with the shipped weights."""
+    assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--weights-dir",
+                             str(WEIGHTS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+        if proc.poll() is not None:
+            break
+    else:
+        proc.kill()
+        pytest.fail(f"server did not become ready: {proc.stdout.read()[-3000:]}")
+    if proc.poll() is not None:
+        pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -3,10 +3,6 @@
 import io
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
@@ -23,7 +19,6 @@ from models.vocab import Vocabulary
 from service.app import create_app
 from service.settings import Settings
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -104,35 +99,7 @@ def test_health_and_readiness(client):
     assert "/caption" in client.get("/openapi.json").json()["paths"]
 
 
-# -- the shipped default checkpoint through a real server process ----------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server():
-    assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--weights-dir",
-                             str(WEIGHTS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not become ready: {proc.stdout.read()[-3000:]}")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
+# -- the shipped default checkpoint through a real server process (fixture `server` in conftest) ---------------
 def test_default_model_names_the_objects_of_a_generated_test_scene(server, tmp_path):
     dataset = json.loads(generate(tmp_path, {"test": 6}, seed=123, progress=False).read_text())
     named = []

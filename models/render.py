@@ -1,0 +1,190 @@
+"""Attention heatmaps on the original image, in every mode of SPEC §8.4 (shared by the CLI and the service).
+
+All modes start from a :class:`~models.protocol.Geometry`, whose boxes are already in original-image pixels
+(after EXIF orientation, through the resize/crop of preprocessing), so the same code serves grids and regions,
+square and non-square images.  ``scale`` renders onto a resized copy of the image (e.g. a thumbnail) by scaling
+the boxes.
+
+| mode          | input          | rendering                                                             |
+|---------------|----------------|-----------------------------------------------------------------------|
+| grid_smooth   | grid weights   | bilinear upsampling + Gaussian blur (σ = half a cell), as in SAT      |
+| grid_blocks   | grid weights   | nearest upsampling, exact zeros transparent, as in the P4 figures     |
+| region_sum    | region weights | heat(x, y) = Σ_i w_i 1[(x, y) ∈ box_i], normalised to [0, 1]          |
+| top1_box      | region weights | outline of the single highest-weight item                             |
+| area_topk     | area weights   | the top-k area rectangles, labelled with their weights                |
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from .protocol import Geometry
+
+MODES = ("grid_smooth", "grid_blocks", "region_sum", "top1_box", "area_topk")
+
+
+class RenderError(ValueError):
+    """The request cannot be rendered (unknown mode, mode not valid for this geometry, bad token index)."""
+
+
+def default_mode(geometry: Geometry, attention_kind: str = "") -> str:
+    if geometry.kind == "regions":
+        return "region_sum"
+    return "grid_blocks" if "output_attention" in attention_kind or "sparse" in attention_kind else "grid_smooth"
+
+
+def _scaled_boxes(geometry: Geometry, scale: float) -> np.ndarray:
+    return np.asarray(geometry.boxes, dtype=np.float64) * scale
+
+
+def _grid_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], scale: float, smooth: bool) -> np.ndarray:
+    from scipy.ndimage import gaussian_filter
+
+    rows, cols = geometry.grid_hw
+    grid = weights.reshape(rows, cols).astype(np.float32)
+    boxes = _scaled_boxes(geometry, scale)
+    x1, y1, x2, y2 = boxes[0, 0], boxes[0, 1], boxes[-1, 2], boxes[-1, 3]  # the crop the network saw
+    width, height = size
+    heat = np.zeros((height, width), dtype=np.float32)
+    # pixel centres of the output image, expressed in cell units of the grid
+    xs = (np.arange(width) + 0.5 - x1) / ((x2 - x1) / cols)
+    ys = (np.arange(height) + 0.5 - y1) / ((y2 - y1) / rows)
+    inside_x, inside_y = (xs >= 0) & (xs < cols), (ys >= 0) & (ys < rows)
+    if smooth:
+        # bilinear interpolation between cell centres (cell c has its centre at c + 0.5), edges clamped
+        fx, fy = np.clip(xs - 0.5, 0, cols - 1), np.clip(ys - 0.5, 0, rows - 1)
+        x0, y0 = np.floor(fx).astype(int), np.floor(fy).astype(int)
+        x1i, y1i = np.minimum(x0 + 1, cols - 1), np.minimum(y0 + 1, rows - 1)
+        wx, wy = (fx - x0)[None, :], (fy - y0)[:, None]
+        top = grid[y0][:, x0] * (1 - wx) + grid[y0][:, x1i] * wx
+        bottom = grid[y1i][:, x0] * (1 - wx) + grid[y1i][:, x1i] * wx
+        heat = (top * (1 - wy) + bottom * wy).astype(np.float32)
+        sigma = 0.5 * min((x2 - x1) / cols, (y2 - y1) / rows)  # half a cell (SPEC §8.4 [REC])
+        heat = gaussian_filter(heat, sigma=sigma, mode="nearest")
+    else:
+        cx, cy = np.clip(np.floor(xs).astype(int), 0, cols - 1), np.clip(np.floor(ys).astype(int), 0, rows - 1)
+        heat = grid[cy][:, cx]
+    heat[~inside_y, :] = 0.0
+    heat[:, ~inside_x] = 0.0
+    return heat
+
+
+def _region_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], scale: float) -> np.ndarray:
+    width, height = size
+    heat = np.zeros((height, width), dtype=np.float32)
+    for w, (x1, y1, x2, y2) in zip(weights, _scaled_boxes(geometry, scale)):
+        if w > 0:
+            heat[max(int(round(y1)), 0):int(round(y2)), max(int(round(x1)), 0):int(round(x2))] += w
+    return heat
+
+
+def heatmap(weights: Sequence[float], geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
+            scale: float = 1.0) -> np.ndarray:
+    """Heat ``[H, W]`` in [0, 1] over an image of ``size`` (default: the original image size × scale)."""
+    weights = np.asarray(weights, dtype=np.float32)
+    size = size or (round(geometry.image_size[0] * scale), round(geometry.image_size[1] * scale))
+    if mode in ("grid_smooth", "grid_blocks"):
+        if geometry.kind != "grid" or geometry.grid_hw is None:
+            raise RenderError(f"mode {mode} needs grid features; this model attends over {geometry.kind}")
+        heat = _grid_heat(weights, geometry, size, scale, smooth=(mode == "grid_smooth"))
+    elif mode in ("region_sum", "top1_box"):
+        heat = _region_heat(weights, geometry, size, scale)
+    else:
+        raise RenderError(f"unknown heat mode {mode!r}; choose from {', '.join(MODES)}")
+    peak = float(heat.max())
+    return heat / peak if peak > 0 else heat
+
+
+def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str | None = None,
+            cmap: str = "jet", alpha: float = 0.5, area_boxes: np.ndarray | None = None, top_k: int = 3) -> Image.Image:
+    """The image with one word's attention drawn on it (RGB, same size as ``image``).
+
+    ``image`` may be a resized copy of the original: boxes are scaled by ``image.width / original width``.
+    ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``.
+    """
+    import matplotlib
+
+    mode = mode or default_mode(geometry)
+    if mode not in MODES:
+        raise RenderError(f"unknown heat mode {mode!r}; choose from {', '.join(MODES)}")
+    if not 0.0 <= alpha <= 1.0:
+        raise RenderError(f"alpha must be in [0, 1], got {alpha}")
+    try:
+        colormap = matplotlib.colormaps[cmap]
+    except KeyError:
+        raise RenderError(f"unknown matplotlib colormap {cmap!r}") from None
+    base = image.convert("RGB")
+    scale = base.width / geometry.image_size[0]
+    if mode in ("top1_box", "area_topk"):
+        return _draw_boxes(base, weights, geometry, mode, colormap, scale, area_boxes, top_k)
+    heat = heatmap(weights, geometry, mode, base.size, scale)
+    colours = (colormap(heat)[..., :3] * 255).astype(np.float32)
+    # smooth maps cover the whole image (SAT's look); blocks and regions leave zero weight fully transparent
+    opacity = np.full(heat.shape, alpha, np.float32) if mode == "grid_smooth" else alpha * (heat > 0)
+    pixels = np.asarray(base, dtype=np.float32)
+    blended = pixels * (1 - opacity[..., None]) + colours * opacity[..., None]
+    return Image.fromarray(np.clip(blended, 0, 255).astype(np.uint8))
+
+
+def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str, colormap, scale: float,
+                area_boxes: np.ndarray | None, top_k: int) -> Image.Image:
+    weights = np.asarray(weights, dtype=np.float32)
+    out = image.copy()
+    draw = ImageDraw.Draw(out)
+    if mode == "top1_box":
+        boxes, order = _scaled_boxes(geometry, scale), [int(weights.argmax())]
+    else:
+        if area_boxes is None or geometry.grid_hw is None:
+            raise RenderError("area_topk needs area attention over a grid (a model with decoder area attention)")
+        cells = _scaled_boxes(geometry, scale)
+        cols = geometry.grid_hw[1]
+        area_boxes = np.asarray(area_boxes, dtype=int)
+        # an area spans cells (r1, c1)..(r2, c2): its rectangle runs from the first cell's corner to the last's
+        boxes = np.array([[cells[r1 * cols + c1, 0], cells[r1 * cols + c1, 1], cells[r2 * cols + c2, 2],
+                           cells[r2 * cols + c2, 3]] for r1, c1, r2, c2 in area_boxes])
+        order = [int(i) for i in np.argsort(-weights)[:top_k]]
+    width = max(2, round(min(image.size) / 100))
+    top = float(weights[order[0]]) or 1.0
+    for i in order:
+        colour = tuple(int(255 * c) for c in colormap(float(weights[i]) / top)[:3])
+        draw.rectangle([float(v) for v in boxes[i]], outline=colour, width=width)
+        if mode == "area_topk":
+            draw.text((float(boxes[i][0]) + width + 1, float(boxes[i][1]) + width), f"{weights[i]:.2f}", fill=colour)
+    return out
+
+
+def caption_figure(image: Image.Image, words: Sequence[str], attention: Sequence[Sequence[float]], geometry: Geometry,
+                   mode: str | None = None, cmap: str = "jet", alpha: float = 0.5, columns: int = 5,
+                   area_boxes: np.ndarray | None = None, panel_size: int = 224) -> Image.Image:
+    """The papers' figure: the image, then one panel per word with that word's heatmap (PNG-ready RGB)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    thumb = image.convert("RGB").copy()
+    thumb.thumbnail((panel_size * 2, panel_size * 2))
+    panels = [("(image)", thumb)] + [
+        (word, overlay(thumb, attention[i], geometry, mode, cmap, alpha, area_boxes)) for i, word in enumerate(words)]
+    rows = -(-len(panels) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(columns * 2.2, rows * 2.4), squeeze=False)
+    for axis in axes.flat:
+        axis.axis("off")
+    for axis, (word, picture) in zip(axes.flat, panels):
+        axis.imshow(picture)
+        axis.set_title(word, fontsize=11)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

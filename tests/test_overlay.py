@@ -1,0 +1,105 @@
+"""Overlay endpoints: valid PNGs of the right size, every mode, reuse without re-running the model."""
+
+import base64
+import io
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from skimage import data
+
+from service.app import create_app
+from service.settings import Settings
+
+from .test_service import _png, tiny_weights  # noqa: F401  (fixture)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_weights):  # noqa: F811
+    with TestClient(create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a"))) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def result(client):
+    photo = _png(Image.fromarray(data.coffee()), "JPEG")
+    body = client.post("/caption", params={"max_len": 4}, files={"file": ("coffee.jpg", photo, "image/jpeg")}).json()
+    return body
+
+
+def _image(response) -> Image.Image:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "image/png"
+    return Image.open(io.BytesIO(response.content))
+
+
+@pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks", None])
+def test_word_overlay_png_has_the_image_size(client, result, mode):
+    params = {"token": 0, **({"mode": mode} if mode else {})}
+    image = _image(client.get(f"/captions/{result['id']}/overlay", params=params))
+    assert image.size == (600, 400)
+    small = _image(client.get(f"/captions/{result['id']}/overlay", params={**params, "max_side": 150}))
+    assert small.size == (150, 100)
+
+
+def test_figure_and_json_formats(client, result):
+    figure = _image(client.get(f"/captions/{result['id']}/overlay", params={"format": "figure"}))
+    assert figure.width > 400
+    body = client.get(f"/captions/{result['id']}/overlay", params={"format": "json", "max_side": 300}).json()
+    assert [h["token"] for h in body["heatmaps"]] == result["tokens"]
+    heat = Image.open(io.BytesIO(base64.b64decode(body["heatmaps"][0]["heat_png"])))
+    assert heat.size == (300, 200) and heat.mode == "L"
+
+
+def test_reusing_a_result_does_not_run_the_model(client, result):
+    runtime = client.app.state.service.runtimes["tiny-a"]
+    calls = []
+    original = runtime.caption
+    runtime.caption = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    try:
+        for token in range(len(result["tokens"])):
+            _image(client.get(f"/captions/{result['id']}/overlay", params={"token": token}))
+        assert client.get(f"/captions/{result['id']}").json()["caption"] == result["caption"]
+    finally:
+        runtime.caption = original
+    assert calls == []
+
+
+def test_post_overlay_captions_and_renders_in_one_call(client):
+    response = client.post("/caption/overlay", params={"format": "png", "token": 0, "mode": "grid_blocks"},
+                           files={"file": ("x.png", _png(Image.new("RGB", (90, 60), (9, 9, 9))), "image/png")})
+    assert _image(response).size == (90, 60)
+    assert client.get(f"/captions/{response.headers['x-caption-id']}").status_code == 200
+
+
+def test_exif_rotated_upload_overlay_has_the_displayed_size(client):
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    Image.new("RGB", (120, 200)).save(buffer, format="JPEG", exif=exif)
+    response = client.post("/caption/overlay", params={"format": "png", "token": 0},
+                           files={"file": ("r.jpg", buffer.getvalue(), "image/jpeg")})
+    assert _image(response).size == (200, 120)
+
+
+@pytest.mark.parametrize("params,status", [({"token": 99}, 422), ({}, 422), ({"token": 0, "mode": "region_sum"}, 200),
+                                           ({"token": 0, "mode": "area_topk"}, 422), ({"token": 0, "mode": "nope"}, 422),
+                                           ({"token": 0, "cmap": "nope"}, 422), ({"token": 0, "alpha": 2}, 422)])
+def test_bad_overlay_requests_are_problems(client, result, params, status):
+    response = client.get(f"/captions/{result['id']}/overlay", params=params)
+    assert response.status_code == status
+    if status != 200:
+        assert response.headers["content-type"].startswith("application/problem+json")
+
+
+def test_unknown_result_is_404(client):
+    response = client.get("/captions/does-not-exist/overlay", params={"token": 0})
+    assert response.status_code == 404 and response.json()["type"].endswith("unknown-result")
+
+
+def test_demo_page_is_served_without_external_resources(client):
+    page = client.get("/")
+    assert page.status_code == 200 and "<html" in page.text
+    for asset in ("/static/app.js", "/static/style.css"):
+        assert client.get(asset).status_code == 200
+    assert "http://" not in page.text and "https://" not in page.text

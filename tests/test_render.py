@@ -1,0 +1,108 @@
+"""Pixel-level checks of the heatmap renderer (SPEC §8.4)."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
+from models.protocol import Geometry
+from models.render import RenderError, caption_figure, heatmap, overlay
+
+
+def one_hot(index: int, n: int = 64) -> np.ndarray:
+    weights = np.zeros(n, np.float32)
+    weights[index] = 1.0
+    return weights
+
+
+@pytest.mark.parametrize("size", [(640, 480), (300, 700), (256, 256)])
+def test_one_hot_cell_lights_exactly_its_rectangle(size):
+    geometry = grid_geometry(EncoderSpec(), size)
+    r, c = 2, 5
+    heat = heatmap(one_hot(r * 8 + c), geometry, "grid_blocks")
+    width, height = size
+    assert heat.shape == (height, width)
+    ys, xs = np.nonzero(heat)
+    cell_w, cell_h = width / 8, height / 8
+    assert xs.min() == int(np.ceil(c * cell_w - 0.5)) and xs.max() == int(np.ceil((c + 1) * cell_w - 0.5)) - 1
+    assert ys.min() == int(np.ceil(r * cell_h - 0.5)) and ys.max() == int(np.ceil((r + 1) * cell_h - 0.5)) - 1
+    assert np.all(heat[ys.min():ys.max() + 1, xs.min():xs.max() + 1] == 1.0)
+
+
+def test_blocks_overlay_leaves_zero_cells_untouched():
+    image = Image.new("RGB", (640, 480), (128, 128, 128))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    out = np.asarray(overlay(image, one_hot(9), geometry, "grid_blocks", alpha=0.6)).astype(int)
+    changed = np.any(out != 128, axis=-1)
+    ys, xs = np.nonzero(changed)
+    assert (xs.min(), xs.max(), ys.min(), ys.max()) == (80, 159, 60, 119)
+
+
+def test_smooth_heat_peaks_in_the_attended_cell():
+    geometry = grid_geometry(EncoderSpec(), (800, 400))
+    heat = heatmap(one_hot(3 * 8 + 6), geometry, "grid_smooth")
+    y, x = np.unravel_index(heat.argmax(), heat.shape)
+    assert 600 <= x < 700 and 150 <= y < 200
+    assert heat.max() == pytest.approx(1.0) and heat.min() >= 0
+
+
+def test_center_crop_geometry_is_respected():
+    spec = EncoderSpec(image_size=224, resize="center_crop", resize_to=256)
+    geometry = grid_geometry(spec, (512, 256))  # crop x ∈ [144, 368), cells of 32 px (7×7 grid)
+    heat = heatmap(one_hot(0, 49), geometry, "grid_blocks")
+    ys, xs = np.nonzero(heat)
+    assert (xs.min(), xs.max(), ys.min(), ys.max()) == (144, 175, 16, 47)
+    assert heat[:, :144].max() == 0, "outside the crop nothing is lit"
+
+
+def test_exif_rotated_upload_maps_to_the_displayed_image():
+    stored = Image.new("RGB", (480, 640))  # stored portrait, displayed landscape after orientation 6
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.save(buffer, format="JPEG", exif=exif)
+    image = load_image(buffer.getvalue())
+    _, geometry = preprocess(image, EncoderSpec())
+    assert image.size == (640, 480) and geometry.image_size == (640, 480)
+    out = overlay(image, one_hot(7), geometry, "grid_blocks")  # top-right cell of the displayed image
+    lit = np.nonzero(np.any(np.asarray(out).astype(int) > 40, axis=-1))
+    assert lit[1].min() == 560 and lit[0].max() == 59
+
+
+def test_region_modes():
+    geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
+    heat = heatmap(np.array([0.25, 0.75]), geometry, "region_sum")
+    assert heat[10, 75] == pytest.approx(1.0) and heat[80, 20] == pytest.approx(0.25 / 1.0)
+    assert heat[80, 150] == 0
+    boxed = np.asarray(overlay(Image.new("RGB", (200, 100)), [0.1, 0.9], geometry, "top1_box")).astype(int)
+    assert boxed[0:3, 60:190].any() and not boxed[60:100, 0:40].any()
+    with pytest.raises(RenderError, match="grid"):
+        heatmap([0.5, 0.5], geometry, "grid_blocks")
+
+
+def test_area_topk_draws_rectangles_and_needs_areas():
+    geometry = grid_geometry(EncoderSpec(), (256, 256))
+    areas = np.array([[0, 0, 1, 1], [4, 4, 4, 4], [6, 0, 7, 2]])
+    out = np.asarray(overlay(Image.new("RGB", (256, 256)), [0.2, 0.7, 0.1], geometry, "area_topk",
+                             area_boxes=areas, top_k=2)).astype(int)
+    assert out[128:160, 128].any() and out[0:64, 0].any()
+    assert not out[192:256, 0:96][10:50, 10:50].any()
+    with pytest.raises(RenderError, match="area"):
+        overlay(Image.new("RGB", (64, 64)), [1.0], grid_geometry(EncoderSpec(), (64, 64)), "area_topk")
+
+
+def test_bad_render_requests():
+    geometry = grid_geometry(EncoderSpec(), (64, 64))
+    with pytest.raises(RenderError, match="mode"):
+        overlay(Image.new("RGB", (64, 64)), one_hot(0), geometry, "rainbow")
+    with pytest.raises(RenderError, match="colormap"):
+        overlay(Image.new("RGB", (64, 64)), one_hot(0), geometry, "grid_blocks", cmap="nope")
+
+
+def test_caption_figure_has_one_panel_per_word():
+    image = Image.new("RGB", (300, 200), (200, 200, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    figure = caption_figure(image, ["a", "red", "circle", "<eos>"], [one_hot(i) for i in range(4)], geometry)
+    assert figure.mode == "RGB" and figure.width > figure.height > 100
