@@ -103,6 +103,46 @@ def cmd_eval(args: argparse.Namespace) -> None:
         Path(args.output).write_text(text + "\n")
 
 
+def cmd_caption(args: argparse.Namespace) -> None:
+    from .device import resolve_device, set_threads
+    from .encoder import ImageDecodeError
+    from .pipeline import Pipeline
+    from .render import RenderError, caption_figure, overlay
+
+    set_threads(args.threads)
+    pipeline = Pipeline(args.checkpoint, resolve_device(args.device))
+    try:
+        results = pipeline(args.images, beam_size=args.beam_size, max_len=args.max_len)
+    except (ImageDecodeError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    for path, result in zip(args.images, results):
+        hyp = result.hypothesis
+        if args.json:
+            print(json.dumps({"image": str(path), "caption": " ".join(result.words), "tokens": result.tokens,
+                              "token_logprobs": [round(v, 5) for v in hyp.token_logprobs],
+                              "geometry": result.geometry.to_json(),
+                              "attention": [[round(v, 6) for v in row] for row in hyp.attention.tolist()]}))
+        else:
+            print(f"{path}: {' '.join(result.words)}")
+    if args.overlay:
+        if len(results) != 1:
+            raise SystemExit("error: --overlay takes exactly one image")
+        result = results[0]
+        try:
+            if args.token is None:
+                picture = caption_figure(result.image, result.tokens, result.hypothesis.attention.numpy(),
+                                         result.geometry, args.mode, args.cmap, args.alpha)
+            else:
+                if not 0 <= args.token < len(result.tokens):
+                    raise RenderError(f"--token {args.token} is out of range (0..{len(result.tokens) - 1})")
+                picture = overlay(result.image, result.hypothesis.attention[args.token].numpy(), result.geometry,
+                                  args.mode, args.cmap, args.alpha)
+        except RenderError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        picture.save(args.overlay)
+        print(f"wrote {args.overlay}", file=sys.stderr)
+
+
 def cmd_params(args: argparse.Namespace) -> None:
     from .params import parameter_table
 
@@ -162,6 +202,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--threads", type=int)
     ev.add_argument("--output", help="also write the JSON report here")
     ev.set_defaults(func=cmd_eval, split=None)
+
+    cap = sub.add_parser("caption", help="caption image files, optionally rendering the attention (no server)")
+    cap.add_argument("images", nargs="+")
+    cap.add_argument("--checkpoint", default="weights/sat-scenes")
+    cap.add_argument("--beam-size", type=int, default=3)
+    cap.add_argument("--max-len", type=int, default=20)
+    cap.add_argument("--overlay", metavar="OUT.png", help="write the per-word figure (or one word with --token)")
+    cap.add_argument("--token", type=int, help="render only this token's heatmap")
+    cap.add_argument("--mode", help="grid_smooth, grid_blocks, region_sum, top1_box (default: by model)")
+    cap.add_argument("--cmap", default="jet")
+    cap.add_argument("--alpha", type=float, default=0.5)
+    cap.add_argument("--json", action="store_true", help="print the full result as JSON lines")
+    cap.add_argument("--device", default="auto")
+    cap.add_argument("--threads", type=int)
+    cap.set_defaults(func=cmd_caption)
 
     pa = sub.add_parser("params", help="parameter counts of every model at the papers' sizes")
     pa.add_argument("--vocab-size", type=int, default=10369)
