@@ -8,11 +8,12 @@ reordering too (SPEC §8.2 alignment rule).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .protocol import Captioner, VisualBatch, index_rows
+from .protocol import AttnRecord, Captioner, VisualBatch, index_rows
 
 
 @dataclass
@@ -39,6 +40,141 @@ def _length_normalised(score: float, length: int, length_penalty: float | None) 
     return score / (((5.0 + length) / 6.0) ** length_penalty)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Beam search over a table of rows.  The rows of one decoding table are split into beam groups (one group per
+# image / request, ``k`` contiguous rows each); groups may have different ``k``.  ``beam_search`` below runs one
+# table with equal groups; the service's continuous batcher runs the same functions over a table whose groups
+# come and go between steps, so both produce the same hypotheses.
+# --------------------------------------------------------------------------------------------------------------
+class BeamLayout:
+    """Row layout of a decoding table: group ``g`` owns rows ``offsets[g] .. offsets[g] + sizes[g] - 1``."""
+
+    def __init__(self, sizes: Sequence[int], device: torch.device | str = "cpu"):
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"every beam group needs at least one row, got {list(sizes)}")
+        self.sizes = list(sizes)
+        self.offsets = [0]
+        for size in self.sizes[:-1]:
+            self.offsets.append(self.offsets[-1] + size)
+        self.rows = sum(self.sizes)
+        self.device = torch.device(device)
+        sizes_t = torch.tensor(self.sizes, device=device)
+        self.sizes_tensor = sizes_t
+        self.group_of_row = torch.repeat_interleave(torch.arange(len(self.sizes), device=device), sizes_t)
+        # one top-k per distinct beam width: (k, rows of those groups in table order or None for all rows,
+        # first row of each of those groups)
+        self.by_width: list[tuple[int, Tensor | None, Tensor]] = []
+        for k in sorted(set(self.sizes)):
+            groups = [g for g, size in enumerate(self.sizes) if size == k]
+            firsts = torch.tensor([self.offsets[g] for g in groups], device=device)
+            if len(groups) == len(self.sizes):
+                self.by_width.append((k, None, firsts))
+            else:
+                rows = (firsts[:, None] + torch.arange(k, device=device)).reshape(-1)
+                self.by_width.append((k, rows, firsts))
+
+    @property
+    def groups(self) -> int:
+        return len(self.sizes)
+
+    def initial_scores(self) -> Tensor:
+        """Only the first row of each group is live at the start; the others get -inf, so the first top-k of
+        a group picks ``k`` different words from its one live row."""
+        scores = torch.full((self.rows,), float("-inf"), device=self.device)
+        scores[torch.tensor(self.offsets, device=self.device)] = 0.0
+        return scores
+
+    def groups_done(self, finished: Tensor) -> Tensor:
+        """``[groups]`` bool: every row of the group has emitted EOS."""
+        counts = torch.zeros(self.groups, dtype=torch.long, device=finished.device)
+        counts.index_add_(0, self.group_of_row, finished.long())
+        return counts == self.sizes_tensor
+
+
+@dataclass
+class BeamStep:
+    """The outcome of one beam step: new row ``i`` continues old row ``pointer[i]`` with ``tokens[i]``."""
+
+    pointer: Tensor
+    tokens: Tensor
+    token_logprobs: Tensor
+    scores: Tensor
+    finished: Tensor
+
+
+def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int) -> BeamStep:
+    """Top-k of (beam × vocabulary) within every beam group, with back-pointers.
+
+    Finished rows may only be extended by EOS at log-prob 0, so they keep competing with live ones on their
+    final score.  Everything stays on the device: no host synchronisation happens here.
+    """
+    logprobs = logprobs.float()
+    vocab = logprobs.shape[1]
+    allowed = logprobs.masked_fill(finished[:, None], float("-inf"))
+    allowed[:, eos_id] = torch.where(finished, torch.zeros_like(scores), logprobs[:, eos_id])
+    candidates = scores[:, None] + allowed
+    if len(layout.by_width) == 1:
+        k, _, firsts = layout.by_width[0]
+        top_scores, top_index = candidates.view(layout.groups, k * vocab).topk(k, dim=1)
+        pointer = (firsts[:, None] + torch.div(top_index, vocab, rounding_mode="floor")).view(-1)
+        tokens, new_scores = (top_index % vocab).view(-1), top_scores.view(-1)
+    else:
+        pointer = torch.empty(layout.rows, dtype=torch.long, device=scores.device)
+        tokens = torch.empty_like(pointer)
+        new_scores = torch.empty_like(scores)
+        for k, rows, firsts in layout.by_width:
+            top_scores, top_index = candidates.index_select(0, rows).view(len(firsts), k * vocab).topk(k, dim=1)
+            pointer.index_copy_(0, rows, (firsts[:, None] + torch.div(top_index, vocab, rounding_mode="floor")).view(-1))
+            tokens.index_copy_(0, rows, (top_index % vocab).view(-1))
+            new_scores.index_copy_(0, rows, top_scores.view(-1))
+    return BeamStep(pointer=pointer, tokens=tokens, token_logprobs=allowed[pointer, tokens], scores=new_scores,
+                    finished=finished.index_select(0, pointer) | (tokens == eos_id))
+
+
+@dataclass
+class StepRecord:
+    """What one step emitted, row by row, and where each row came from (``parent``: a row of the previous
+    record).  The attention stored for a row is the one that fed its token: the parent's row of this step's
+    attention (SPEC §8.2 alignment rule)."""
+
+    parent: Tensor
+    tokens: Tensor
+    token_logprobs: Tensor
+    attention: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+
+def record_step(step: BeamStep, attn: AttnRecord, parent: Tensor | None = None,
+                extras: tuple[str, ...] | bool = True) -> StepRecord:
+    """The history entry of ``step``; ``parent`` defaults to the step's back-pointers (a table whose rows did not
+    change between steps)."""
+    wanted = attn.extras if extras is True else {n: v for n, v in attn.extras.items() if extras and n in extras}
+    return StepRecord(
+        parent=step.pointer if parent is None else parent, tokens=step.tokens, token_logprobs=step.token_logprobs,
+        attention=attn.primary.index_select(0, step.pointer).float(),
+        extras={name: value.index_select(0, step.pointer).float() for name, value in wanted.items()})
+
+
+def backtrack(records: Sequence[StepRecord], rows: Tensor) -> dict[str, Tensor]:
+    """Follow the back-pointers from ``rows`` of the last record to the first: ``{name: [len(rows), T, ...]}``
+    with names ``tokens``, ``logprobs``, ``attention`` and ``extra:<name>``."""
+    columns: dict[str, list[Tensor]] = {}
+    for record in reversed(records):
+        values = {"tokens": record.tokens, "logprobs": record.token_logprobs, "attention": record.attention,
+                  **{f"extra:{name}": value for name, value in record.extras.items()}}
+        for name, value in values.items():
+            columns.setdefault(name, []).append(value.index_select(0, rows))
+        rows = record.parent.index_select(0, rows)
+    return {name: torch.stack(values[::-1], dim=1) for name, values in columns.items()}
+
+
+def expand_rows(state: dict[str, Tensor], counts: Sequence[int]) -> dict[str, Tensor]:
+    """Repeat row ``i`` of every tensor ``counts[i]`` times (``Captioner.expand`` with a width per image)."""
+    device = next(iter(state.values())).device
+    index = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+    return index_rows(state, index)
+
+
 @torch.no_grad()
 def beam_search(
     model: Captioner,
@@ -56,75 +192,51 @@ def beam_search(
     """
     if k < 1 or n_best < 1 or n_best > k:
         raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
-    enc = model.encode(vis)
     batch = vis.feats.shape[0]
     device = vis.feats.device
-    enc = model.expand(enc, k)
+    enc = model.expand(model.encode(vis), k)
     state = model.init_state(enc)
-    rows = batch * k
-
-    # Only beam 0 of each image is live at the start; the others get -inf so the first top-k picks k words.
-    scores = torch.full((batch, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0
-    scores = scores.view(rows)
-    prev = torch.full((rows,), model.bos_id, dtype=torch.long, device=device)
-    finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    history: dict[str, Tensor] = {}  # every tensor [rows, t, ...]
-    base = (torch.arange(batch, device=device) * k).repeat_interleave(k)
+    layout = BeamLayout([k] * batch, device)
+    scores = layout.initial_scores()
+    prev = torch.full((layout.rows,), model.bos_id, dtype=torch.long, device=device)
+    finished = torch.zeros(layout.rows, dtype=torch.bool, device=device)
+    records: list[StepRecord] = []
 
     for _ in range(max_len):
         logprobs, state, attn = model.step(prev, state, enc)
-        vocab = logprobs.shape[1]
-        logprobs = logprobs.float()
-        if finished.any():
-            eos_only = torch.full_like(logprobs, float("-inf"))
-            eos_only[:, model.eos_id] = 0.0
-            logprobs = torch.where(finished[:, None], eos_only, logprobs)
-        candidates = (scores[:, None] + logprobs).view(batch, k * vocab)
-        top_scores, top_index = candidates.topk(k, dim=1)
-        pointer = base + torch.div(top_index, vocab, rounding_mode="floor").view(rows)
-        tokens = (top_index % vocab).view(rows)
-
-        step_values = {"tokens": tokens[:, None], "logprobs": logprobs[pointer, tokens][:, None],
-                       "attention": attn.primary.index_select(0, pointer)[:, None].float()}
-        wanted = attn.extras if extras is True else {n: v for n, v in attn.extras.items() if extras and n in extras}
-        for name, value in wanted.items():
-            step_values[f"extra:{name}"] = value.index_select(0, pointer)[:, None].float()
-        history = index_rows(history, pointer) if history else {}
-        history = {name: torch.cat([history[name], v], 1) if name in history else v for name, v in step_values.items()}
-
-        state = model.reorder(state, pointer)
-        finished = finished.index_select(0, pointer) | (tokens == model.eos_id)
-        scores = top_scores.view(rows)
-        prev = tokens
+        step = beam_step(logprobs, scores, finished, layout, model.eos_id)
+        records.append(record_step(step, attn, extras=extras))
+        state = model.reorder(state, step.pointer)
+        scores, finished, prev = step.scores, step.finished, step.tokens
         if bool(finished.all()):
             break
 
-    return _collect(history, scores.view(batch, k), model.eos_id, n_best, length_penalty)
+    history = backtrack(records, torch.arange(layout.rows, device=device))
+    return [collect_hypotheses({name: value[b * k:(b + 1) * k] for name, value in history.items()},
+                               scores[b * k:(b + 1) * k], model.eos_id, n_best, length_penalty)
+            for b in range(batch)]
 
 
-def _collect(history: dict[str, Tensor], scores: Tensor, eos_id: int, n_best: int,
-             length_penalty: float | None) -> list[list[Hypothesis]]:
-    batch, k = scores.shape
+def collect_hypotheses(history: dict[str, Tensor], scores: Tensor, eos_id: int, n_best: int,
+                       length_penalty: float | None) -> list[Hypothesis]:
+    """The ``n_best`` hypotheses of one beam group, best first, from its backtracked ``history`` (``[k, T, ...]``
+    per name) and final ``scores`` ``[k]``; tokens after the first EOS are dropped."""
     history = {name: value.cpu() for name, value in history.items()}
-    results = []
-    for b in range(batch):
-        hyps = []
-        for j in range(k):
-            row = b * k + j
-            ids = history["tokens"][row].tolist()
-            length = ids.index(eos_id) + 1 if eos_id in ids else len(ids)
-            hyps.append(Hypothesis(
-                token_ids=ids[:length],
-                token_logprobs=history["logprobs"][row, :length].tolist(),
-                attention=history["attention"][row, :length],
-                extras={n[6:]: v[row, :length] for n, v in history.items() if n.startswith("extra:")},
-                score=_length_normalised(float(scores[b, j]), length, length_penalty),
-                ended_with_eos=eos_id in ids,
-            ))
-        hyps.sort(key=lambda h: h.score, reverse=True)
-        results.append(hyps[:n_best])
-    return results
+    scores = scores.cpu()
+    hyps = []
+    for j in range(scores.shape[0]):
+        ids = history["tokens"][j].tolist()
+        length = ids.index(eos_id) + 1 if eos_id in ids else len(ids)
+        hyps.append(Hypothesis(
+            token_ids=ids[:length],
+            token_logprobs=history["logprobs"][j, :length].tolist(),
+            attention=history["attention"][j, :length],
+            extras={n[6:]: v[j, :length] for n, v in history.items() if n.startswith("extra:")},
+            score=_length_normalised(float(scores[j]), length, length_penalty),
+            ended_with_eos=eos_id in ids,
+        ))
+    hyps.sort(key=lambda h: h.score, reverse=True)
+    return hyps[:n_best]
 
 
 @torch.no_grad()

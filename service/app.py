@@ -1,21 +1,31 @@
 """App factory: ``create_app(settings)`` loads checkpoints in the lifespan handler and wires the layers
-routes → batcher → runtime → model."""
+routes → batcher → runtime → model.
+
+Start-up: set thread counts, load every checkpoint (PyTorch or ONNX Runtime per model), start one batcher per
+model, warm it up over the encoder batch sizes it will use, then report ready.  With
+``load_in_background`` this happens after the server starts listening, so ``/healthz`` answers at once while
+``/readyz`` and caption requests answer 503 until the models are warm.  Shutdown: stop reporting ready, let
+every batcher drain its queued and running requests (up to ``drain_timeout_s``), then stop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import AsyncIterator
 
-from pathlib import Path
-
+import torch
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from PIL import Image
 
 from models.device import set_threads
 
 from .batcher import Batcher
+from .middleware import RequestContextMiddleware
 from .overlay import ResultStore
 from .overlay import router as overlay_router
 from .problems import install_problem_handlers
@@ -27,6 +37,57 @@ log = logging.getLogger("captioner.app")
 STATIC = Path(__file__).parent / "static"
 
 
+def _set_interop_threads(threads: int | None) -> None:
+    if not threads:
+        return
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError as exc:  # only possible before the first parallel work of the process
+        log.warning("cannot set inter-op threads to %d: %s", threads, exc)
+
+
+def warmup_sizes(max_batch: int) -> list[int]:
+    """Encoder batch sizes to run once before serving: powers of two up to ``max_batch``, and ``max_batch``."""
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_batch]
+
+
+async def warm_up(batcher: Batcher, settings: Settings) -> None:
+    """Send the batcher requests shaped like real traffic (each encoder batch size, the default beam) through
+    the normal path, so that first-use costs (allocator growth, kernel selection, ONNX Runtime arenas) are paid
+    before the first client arrives."""
+    runtime = batcher.runtime
+    prepared = await asyncio.to_thread(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
+    beam = min(settings.default_beam_size, settings.max_rows)
+    for size in warmup_sizes(min(settings.max_batch_images, max(1, settings.max_rows // beam))):
+        await asyncio.gather(*(batcher.caption(prepared, beam, 2, settings.request_timeout_s) for _ in range(size)))
+
+
+async def start_models(app: FastAPI, settings: Settings) -> None:
+    state: ServiceState = app.state.service
+    runtimes = await asyncio.to_thread(load_runtimes, settings.weights_dir, settings.checkpoints, settings.device,
+                                       settings.backends, settings.backend, settings.onnx_dir, settings.threads)
+    if not runtimes:
+        log.error("no checkpoint found in %s: every caption request will get 503", settings.weights_dir)
+    elif settings.default_model not in runtimes:
+        fallback = sorted(runtimes)[0]
+        log.warning("default model %r not found; using %r", settings.default_model, fallback)
+        settings.default_model = fallback
+    state.runtimes = runtimes
+    for name, runtime in runtimes.items():
+        batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics)
+        batcher.start()
+        if settings.warmup:
+            await warm_up(batcher, settings)
+        state.batchers[name] = batcher
+    state.ready = True
+    state.metrics.ready.set(1)
+    log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
@@ -34,27 +95,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state: ServiceState = app.state.service
         set_threads(settings.threads)
-        state.runtimes = load_runtimes(settings.weights_dir, settings.checkpoints, settings.device)
-        if not state.runtimes:
-            log.error("no checkpoint found in %s: every caption request will get 503", settings.weights_dir)
-        elif settings.default_model not in state.runtimes:
-            fallback = sorted(state.runtimes)[0]
-            log.warning("default model %r not found; using %r", settings.default_model, fallback)
-            settings.default_model = fallback
-        for name, runtime in state.runtimes.items():
-            state.batchers[name] = Batcher(runtime, settings.max_batch_images, settings.queue_size)
-            state.batchers[name].start()
-        state.ready = True
+        _set_interop_threads(settings.interop_threads)
+        loading = None
+        if settings.load_in_background:
+            loading = asyncio.create_task(start_models(app, settings))
+        else:
+            await start_models(app, settings)
         yield
         state.ready = False
-        for batcher in state.batchers.values():
-            await batcher.stop()
+        state.metrics.ready.set(0)
+        if loading is not None and not loading.done():
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+        await asyncio.gather(*(b.stop(settings.drain_timeout_s) for b in state.batchers.values()))
 
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan,
                   description="Captions with per-word attention heatmaps from published attention captioners.")
     app.state.service = ServiceState(settings=settings)
     app.state.results = ResultStore(settings.results_cache_bytes)
     install_problem_handlers(app)
+    app.add_middleware(RequestContextMiddleware)
     app.include_router(router)
     app.include_router(overlay_router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

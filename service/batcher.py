@@ -1,83 +1,369 @@
-"""Request batcher: one per model; collects concurrent requests into batches for the runtime.
+"""Continuous batching of beam search: one :class:`Batcher` (and one worker thread) per model.
 
-The worker never waits for a batch to fill: it takes whatever is queued when the previous batch finishes
-(so an idle server adds no latency) and runs the runtime in one dedicated thread, keeping the event loop free.
-A bounded queue gives back-pressure: when it is full, :class:`QueueFull` is raised and the route answers 429.
+Requests wait in a bounded queue.  At every step boundary the worker
+
+1. drops waiting requests whose client is gone or whose deadline has passed;
+2. admits waiting requests while their rows fit under ``max_rows``, encoding up to ``max_batch_images`` images
+   in one batch, and appends their (request, beam) rows to a row table;
+3. runs one decoding step over every row of every table, then one top-k per beam group
+   (:func:`models.decoding.beam_step`, the function :func:`models.decoding.beam_search` uses);
+4. hands finished requests their result and removes their rows, together with the rows of requests that were
+   cancelled or ran out of time.
+
+So a request joins and leaves at step boundaries without waiting for anybody else's caption, and an idle worker
+sleeps on a condition variable: a request arriving at an idle server starts at once.
+
+Rows are grouped into tables by the shapes of their state (dim 0 aside): all rows of an LSTM captioner share
+one table, while a Transformer whose cache grows every step gets one table per cohort that started together.
+Per step the worker synchronises with the device once per table (to learn which requests finished), never per
+request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
+
+from models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, record_step
+from models.protocol import index_rows
+
+from .metrics import Metrics
 from .runtime import CaptionResult, ModelRuntime, Prepared
 
 log = logging.getLogger("captioner.batcher")
 
 
 class QueueFull(RuntimeError):
-    pass
+    """Too many requests are waiting for this model; the client should retry later."""
 
 
-@dataclass
-class _Job:
+class NotAccepting(RuntimeError):
+    """The batcher is shutting down (or not started) and takes no new requests."""
+
+
+class DeadlineExceeded(TimeoutError):
+    """The request's deadline passed before its caption was finished."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One caption request inside the batcher."""
+
     prepared: Prepared
     beam_size: int
     max_len: int
+    deadline: float  # time.monotonic() value
+    loop: asyncio.AbstractEventLoop = field(repr=False)
     future: asyncio.Future = field(repr=False)
+    enqueued: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set from the event loop; read by the worker at step boundaries
+    steps: int = 0
+    first_record: int = 0  # index (in its table's record numbering) of the first step this job took part in
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Complete the future from the worker thread (futures belong to the event loop)."""
+        def complete() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(complete)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+class RowTable:
+    """The (job, beam) rows decoded together: every tensor holds one row per beam of each job, job by job."""
+
+    def __init__(self, jobs: list[Job], enc: dict, state: dict, bos_id: int):
+        self.jobs = list(jobs)
+        self.enc, self.state = enc, state
+        self.layout = BeamLayout([j.beam_size for j in jobs], self._device)
+        self.prev = torch.full((self.layout.rows,), bos_id, dtype=torch.long, device=self._device)
+        self.scores = self.layout.initial_scores()
+        self.finished = torch.zeros(self.layout.rows, dtype=torch.bool, device=self._device)
+        self.records: list[StepRecord] = []
+        self.records_base = 0  # record number of self.records[0]
+        # row i of the next step's input continues row parent_map[i] of the last record (None: identity)
+        self.parent_map: torch.Tensor | None = None
+        for job in jobs:
+            job.first_record = 0
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.state.values())).device
+
+    @property
+    def rows(self) -> int:
+        return self.layout.rows
+
+    @staticmethod
+    def signature(enc: dict, state: dict) -> tuple:
+        """Rows can share a table when every tensor has the same shape apart from the row axis."""
+        return tuple((f"{kind}.{key}", tuple(value.shape[1:]), value.dtype)
+                     for kind, tensors in (("enc", enc), ("state", state)) for key, value in sorted(tensors.items()))
+
+    def current_signature(self) -> tuple:
+        return self.signature(self.enc, self.state)
+
+    def next_record(self) -> int:
+        return self.records_base + len(self.records)
+
+    def add(self, jobs: list[Job], enc: dict, state: dict, bos_id: int) -> None:
+        """Append the rows of newly admitted jobs (their decoding starts at the next step)."""
+        device = self._device
+        new_rows = sum(j.beam_size for j in jobs)
+        parent_map = self.parent_map if self.parent_map is not None else torch.arange(self.rows, device=device)
+        self.parent_map = torch.cat([parent_map, torch.zeros(new_rows, dtype=torch.long, device=device)])
+        self.enc = {k: torch.cat([v, enc[k]]) for k, v in self.enc.items()}
+        self.state = {k: torch.cat([v, state[k]]) for k, v in self.state.items()}
+        fresh = BeamLayout([j.beam_size for j in jobs], device)
+        self.prev = torch.cat([self.prev, torch.full((new_rows,), bos_id, dtype=torch.long, device=device)])
+        self.scores = torch.cat([self.scores, fresh.initial_scores()])
+        self.finished = torch.cat([self.finished, torch.zeros(new_rows, dtype=torch.bool, device=device)])
+        for job in jobs:
+            job.first_record = self.next_record()
+        self.jobs += jobs
+        self.layout = BeamLayout([j.beam_size for j in self.jobs], device)
+
+    def remove(self, leaving: set[Job]) -> None:
+        """Drop the rows of ``leaving`` jobs; the others keep their order."""
+        keep_rows: list[int] = []
+        for job, offset, size in zip(self.jobs, self.layout.offsets, self.layout.sizes):
+            if job not in leaving:
+                keep_rows.extend(range(offset, offset + size))
+        self.jobs = [j for j in self.jobs if j not in leaving]
+        if not self.jobs:
+            return
+        device = self._device
+        keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
+        self.parent_map = keep if self.parent_map is None else self.parent_map.index_select(0, keep)
+        self.enc, self.state = index_rows(self.enc, keep), index_rows(self.state, keep)
+        self.prev, self.scores = self.prev.index_select(0, keep), self.scores.index_select(0, keep)
+        self.finished = self.finished.index_select(0, keep)
+        self.layout = BeamLayout([j.beam_size for j in self.jobs], device)
+        # history older than every remaining job's first step is no longer reachable
+        oldest = min(j.first_record for j in self.jobs)
+        if oldest > self.records_base:
+            del self.records[:oldest - self.records_base]
+            self.records_base = oldest
+
+    def step(self, runtime: ModelRuntime) -> list[bool]:
+        """One decoding step over every row; returns, per job, whether all its beams have emitted EOS."""
+        logprobs, state, attn = runtime.step(self.prev, self.state, self.enc)
+        step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id)
+        parent = step.pointer if self.parent_map is None else self.parent_map.index_select(0, step.pointer)
+        self.records.append(record_step(step, attn, parent))
+        self.parent_map = None
+        self.state = index_rows(state, step.pointer)
+        self.scores, self.finished, self.prev = step.scores, step.finished, step.tokens
+        for job in self.jobs:
+            job.steps += 1
+        return self.layout.groups_done(self.finished).tolist()  # the one host synchronisation of the step
+
+    def finish(self, job: Job, runtime: ModelRuntime) -> CaptionResult:
+        """The best hypothesis of ``job`` (its rows must still be in the table)."""
+        g = self.jobs.index(job)
+        offset, size = self.layout.offsets[g], self.layout.sizes[g]
+        rows = torch.arange(offset, offset + size, device=self._device)
+        history = backtrack(self.records[job.first_record - self.records_base:], rows)
+        best = collect_hypotheses(history, self.scores[offset:offset + size], runtime.eos_id, 1, None)[0]
+        return runtime.result(best, job.prepared.geometry, job.beam_size)
 
 
 class Batcher:
-    def __init__(self, runtime: ModelRuntime, max_batch: int = 16, queue_size: int = 64):
+    """Continuous-batching beam search for one model (see the module docstring)."""
+
+    def __init__(self, runtime: ModelRuntime, max_batch: int = 16, queue_size: int = 64, max_rows: int = 256,
+                 metrics: Metrics | None = None):
+        if max_rows < 1 or max_batch < 1 or queue_size < 1:
+            raise ValueError("max_rows, max_batch and queue_size must be positive")
         self.runtime = runtime
-        self.max_batch = max_batch
-        self.queue: asyncio.Queue[_Job] = asyncio.Queue(maxsize=queue_size)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runtime-{runtime.name}")
-        self._worker: asyncio.Task | None = None
+        self.max_batch, self.queue_size, self.max_rows = max_batch, queue_size, max_rows
+        self.metrics = metrics or Metrics()
+        self._pending: deque[Job] = deque()
+        self._tables: list[RowTable] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._stop_when_idle = False
+        self._abort = False
+        self.active_rows = 0
+        self.steps = 0
 
+    # -- event-loop side ------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._worker = asyncio.create_task(self._run(), name=f"batcher-{self.runtime.name}")
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name=f"batcher-{self.runtime.name}", daemon=True)
+        self._thread.start()
 
-    async def stop(self) -> None:
-        """Finish every queued request, then stop the worker (graceful shutdown)."""
-        await self.queue.join()
-        if self._worker:
-            self._worker.cancel()
-            await asyncio.gather(self._worker, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
 
-    async def submit(self, prepared: Prepared, beam_size: int, max_len: int) -> CaptionResult:
-        job = _Job(prepared, beam_size, max_len, asyncio.get_running_loop().create_future())
-        try:
-            self.queue.put_nowait(job)
-        except asyncio.QueueFull:
-            raise QueueFull(f"model {self.runtime.name!r} has {self.queue.qsize()} requests waiting") from None
-        return await job.future
+    def submit(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float) -> Job:
+        """Queue a request; await ``job.future`` for its :class:`~service.runtime.CaptionResult`.
 
-    async def _run(self) -> None:
+        Raises :class:`QueueFull` when ``queue_size`` requests are already waiting, :class:`NotAccepting` while
+        stopping, and ``ValueError`` for a beam wider than the row budget.
+        """
+        if not self._accepting:
+            raise NotAccepting(f"model {self.runtime.name!r} is not accepting requests")
+        if beam_size > self.max_rows:
+            raise ValueError(f"beam_size {beam_size} is above the row budget of {self.max_rows}")
         loop = asyncio.get_running_loop()
-        while True:
-            jobs = [await self.queue.get()]
-            while len(jobs) < self.max_batch and not self.queue.empty():
-                jobs.append(self.queue.get_nowait())
-            groups: dict[tuple[int, int], list[_Job]] = {}
-            for job in jobs:
-                if not job.future.cancelled():
-                    groups.setdefault((job.beam_size, job.max_len), []).append(job)
-            for (beam_size, max_len), group in groups.items():
+        job = Job(prepared, beam_size, max_len, time.monotonic() + timeout_s, loop, loop.create_future())
+        with self._wake:
+            if len(self._pending) >= self.queue_size:
+                raise QueueFull(f"model {self.runtime.name!r} has {len(self._pending)} requests waiting")
+            self._pending.append(job)
+            self._wake.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone or gave up: free the job's rows at the next step boundary."""
+        job.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    async def caption(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float) -> CaptionResult:
+        """Submit and wait; on cancellation or timeout the job is cancelled so its rows are freed."""
+        job = self.submit(prepared, beam_size, max_len, timeout_s)
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), timeout_s)
+        except TimeoutError:
+            self.cancel(job)
+            raise DeadlineExceeded(f"captioning took longer than {timeout_s:g} s") from None
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Graceful shutdown: take no new requests, finish the queued and running ones (up to ``timeout_s``),
+        then stop the worker; whatever is left after the timeout fails with :class:`NotAccepting`."""
+        self._accepting = False
+        if self._thread is None:
+            return
+        with self._wake:
+            self._stop_when_idle = True
+            self._wake.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            log.warning("%s: drain timed out after %g s; failing the remaining requests", self.runtime.name, timeout_s)
+            with self._wake:
+                self._abort = True
+                self._wake.notify()
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    # -- worker thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not self._pending and not self._tables and not self._stop_when_idle and not self._abort:
+                        self._wake.wait()
+                    if self._abort or (self._stop_when_idle and not self._pending and not self._tables):
+                        break
                 try:
-                    results = await loop.run_in_executor(
-                        self._executor, self.runtime.caption, [j.prepared for j in group], beam_size, max_len)
-                except Exception as exc:  # a failing batch must not kill the worker
-                    log.exception("captioning failed")
-                    for job in group:
-                        if not job.future.done():
-                            job.future.set_exception(exc)
+                    self._iteration()
+                except Exception as exc:  # a failing step must not kill the worker: fail its requests instead
+                    log.exception("%s: decoding failed", self.runtime.name)
+                    self._fail_everything(exc)
+            self._fail_everything(NotAccepting("the service is shutting down"))
+
+    def _iteration(self) -> None:
+        now = time.monotonic()
+        self._expire_pending(now)
+        self._admit()
+        if not self._tables:
+            return
+        started = time.perf_counter()
+        rows = sum(t.rows for t in self._tables)
+        done = [table.step(self.runtime) for table in self._tables]
+        self.steps += 1
+        self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
+        now = time.monotonic()
+        for table, flags in zip(self._tables, done):
+            leaving: set[Job] = set()
+            for job, all_eos in zip(table.jobs, flags):
+                if job.cancelled or job.future.done():
+                    leaving.add(job)
+                    self.metrics.rows_freed(self.runtime.name, "cancelled", job.beam_size)
+                elif all_eos or job.steps >= job.max_len:
+                    leaving.add(job)
+                    self.metrics.rows_freed(self.runtime.name, "finished", job.beam_size)
+                    try:
+                        job.resolve(table.finish(job, self.runtime))
+                    except Exception as exc:
+                        log.exception("%s: collecting a result failed", self.runtime.name)
+                        job.resolve(error=exc)
+                elif now > job.deadline:
+                    leaving.add(job)
+                    self.metrics.rows_freed(self.runtime.name, "deadline", job.beam_size)
+                    job.resolve(error=DeadlineExceeded("the deadline passed while decoding"))
+            if leaving:
+                table.remove(leaving)
+        self._tables = [t for t in self._tables if t.jobs]
+        self.active_rows = sum(t.rows for t in self._tables)
+        self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
+
+    def _expire_pending(self, now: float) -> None:
+        with self._wake:
+            keep = deque()
+            for job in self._pending:
+                if job.cancelled or job.future.done():
                     continue
-                for job, result in zip(group, results):
-                    if not job.future.done():
-                        job.future.set_result(result)
-            for _ in jobs:
-                self.queue.task_done()
+                if now > job.deadline:
+                    job.resolve(error=DeadlineExceeded("the deadline passed while waiting in the queue"))
+                else:
+                    keep.append(job)
+            self._pending = keep
+
+    def _admit(self) -> None:
+        free = self.max_rows - sum(t.rows for t in self._tables)
+        admitted: list[Job] = []
+        with self._wake:
+            while self._pending and len(admitted) < self.max_batch and self._pending[0].beam_size <= free:
+                job = self._pending.popleft()
+                free -= job.beam_size
+                admitted.append(job)
+        if not admitted:
+            return
+        now = time.monotonic()
+        for job in admitted:
+            self.metrics.observe_queue(self.runtime.name, now - job.enqueued)
+        self.metrics.observe_encode(self.runtime.name, len(admitted))
+        try:
+            enc, state = self.runtime.begin([j.prepared for j in admitted], [j.beam_size for j in admitted])
+        except Exception as exc:
+            log.exception("%s: encoding failed", self.runtime.name)
+            for job in admitted:
+                job.resolve(error=exc)
+            return
+        signature = RowTable.signature(enc, state)
+        for table in self._tables:
+            if table.current_signature() == signature:
+                table.add(admitted, enc, state, self.runtime.bos_id)
+                break
+        else:
+            self._tables.append(RowTable(admitted, enc, state, self.runtime.bos_id))
+        self.active_rows = sum(t.rows for t in self._tables)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._wake:
+            pending, self._pending = list(self._pending), deque()
+        for job in pending + [j for t in self._tables for j in t.jobs]:
+            job.resolve(error=error)
+        self._tables = []
+        self.active_rows = 0

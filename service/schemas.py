@@ -40,6 +40,8 @@ class ModelOut(BaseModel):
     encoder: dict[str, Any]
     parameters: int
     device: str
+    backend: str = Field("torch", description="torch or onnx")
+    providers: list[str] | None = Field(None, description="ONNX Runtime execution providers, in priority order")
     default: bool = False
 
 

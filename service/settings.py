@@ -1,28 +1,63 @@
-"""Service settings, read from ``CAPTIONER_*`` environment variables (pydantic-settings)."""
+"""Service settings, read from ``CAPTIONER_*`` environment variables (pydantic-settings).
+
+Every field is documented in the README's settings table; keep the two in step.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Backend = Literal["torch", "onnx"]
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTIONER_", env_file=None)
 
+    # -- models -------------------------------------------------------------------------------------------------
     weights_dir: Path = Field(Path("weights"), description="every checkpoint folder below it is served by name")
     checkpoints: list[Path] = Field(default_factory=list, description="extra checkpoint folders (JSON list)")
     default_model: str = Field("sat-scenes", description="model used when a request names none")
+    backend: Backend = Field("torch", description="inference backend of every model not named in `backends`")
+    backends: dict[str, Backend] = Field(default_factory=dict,
+                                         description='per-model backend, JSON: {"sat-scenes": "onnx"}')
+    onnx_dir: Path = Field(Path(".cache/onnx"), description="ONNX exports, one folder per model; made when missing")
+
+    # -- device -------------------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto, cpu or cuda")
-    threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
-    max_upload_bytes: int = Field(10 * 1024 * 1024, description="larger uploads get 413")
-    max_pixels: int = Field(40_000_000, description="larger images (decompression bombs) get 413")
+    threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime")
+    interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads")
+    warmup: bool = Field(True, description="run the batcher over its batch shapes before reporting ready")
+    load_in_background: bool = Field(False, description="answer /healthz while models load; /readyz says when ready")
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1, description="larger uploads get 413")
+    max_pixels: int = Field(40_000_000, ge=1, description="larger images (decompression bombs) get 413")
     default_beam_size: int = Field(3, ge=1)
     max_beam_size: int = Field(10, ge=1)
     default_max_len: int = Field(20, ge=1)
     max_max_len: int = Field(50, ge=1)
-    max_batch_images: int = Field(16, ge=1, description="images encoded and decoded together at most")
-    queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
-    results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline before 504")
+
+    # -- batching and back-pressure -----------------------------------------------------------------------------
+    max_batch_images: int = Field(16, ge=1, description="images encoded together at most (per step boundary)")
+    max_rows: int = Field(256, ge=1, description="(request, beam) rows decoded together at most, per model")
+    queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 answers (503 answers use 5)")
+    drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight requests may finish")
+
+    # -- results, logs, binding ---------------------------------------------------------------------------------
+    results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
+    log_format: Literal["json", "text"] = Field("json", description="access and service log lines")
+    log_level: str = Field("info", description="log level of the service loggers")
+    host: str = Field("127.0.0.1", description="bind address of `captioner serve`")
+    port: int = Field(8000, description="port of `captioner serve`")
+
+    @model_validator(mode="after")
+    def _rows_fit_the_widest_beam(self) -> "Settings":
+        if self.max_rows < self.max_beam_size:
+            raise ValueError(f"max_rows ({self.max_rows}) must be at least max_beam_size ({self.max_beam_size})")
+        return self

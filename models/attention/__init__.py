@@ -1,23 +1,34 @@
 """Attention normalisers: plain functions that map scores ``[..., N]`` (+ mask) to weights on the simplex.
 
 Every normaliser has the signature ``normalise(scores, mask) -> weights`` where ``mask`` is True for real
-items; masked items get exactly zero weight.  Models pick one by name from :data:`NORMALISERS`.
+items; masked items get exactly zero weight.  Models pick one by name from :data:`NORMALISERS`:
+
+* ``softmax`` — dense (P4 Eq. 1);
+* ``sparsemax`` — Euclidean projection onto the simplex, exact zeros (P4 Eq. 2);
+* ``tvmax`` — sparsemax of the 2D total-variation prox (P4 Eq. 5, λ = 0.01).  The items must be the row-major
+  cells of a **square** grid: the entry infers ``side = √N`` and raises for any other ``N``.  For another λ use
+  ``get_normaliser("tvmax", lam=...)``; for a non-square grid call :func:`.tvmax.tvmax` with ``grid_hw``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from functools import partial
+from typing import Any, Callable
 
 from torch import Tensor
 
 from .softmax import masked_softmax
+from .sparsemax import sparsemax
+from .tvmax import tvmax_square
 
 Normaliser = Callable[[Tensor, Tensor | None], Tensor]
-NORMALISERS: dict[str, Normaliser] = {"softmax": masked_softmax}
+NORMALISERS: dict[str, Normaliser] = {"softmax": masked_softmax, "sparsemax": sparsemax, "tvmax": tvmax_square}
 
 
-def get_normaliser(name: str) -> Normaliser:
+def get_normaliser(name: str, **options: Any) -> Normaliser:
+    """The normaliser called ``name``; keyword ``options`` are bound to it (e.g. ``lam`` for ``tvmax``)."""
     try:
-        return NORMALISERS[name]
+        normalise = NORMALISERS[name]
     except KeyError:
         raise KeyError(f"unknown attention normaliser {name!r}; choose from {sorted(NORMALISERS)}") from None
+    return partial(normalise, **options) if options else normalise

@@ -1,0 +1,297 @@
+"""Area attention (Li et al., P5; SPEC §6): attend to groups of adjacent items, not only to single items.
+
+An *area* is a span of 1..S adjacent items of a 1D memory or an axis-aligned rectangle of 1..H × 1..W cells of a
+2D grid (P5 §2, Fig. 1–2).  Attention runs over all areas up to the maximum size:
+
+* area key  ``μ_r = (1/|r|) Σ_{j∈r} k_j``                                   (P5 Eq. 3, the parameter-free form)
+* area value ``v_r = Σ_{j∈r} v_j``                                          (P5 Eq. 4)
+* or the combined-feature key ``k_r = ReLU(μ_r W_μ + σ_r W_σ + e_r W_e) W_d`` with the per-dimension standard
+  deviation ``σ_r`` (Eq. 5) and learned height/width embeddings ``e_r = [1(h_r)E^h; 1(w_r)E^w]`` (Eq. 6–9),
+* then ordinary attention over areas, ``a_r = softmax_r(q·k_r/√d)`` and ``o = Σ_r a_r v_r`` (Eq. 1–2).
+
+Every area feature comes from summed-area tables (integral images, P5 §2.2).  The paper's Eq. 10 drops the
+inclusion–exclusion term; we use the correct ``I_{x,y} = g_{x,y} + I_{x,y−1} + I_{x−1,y} − I_{x−1,y−1}``, computed
+as two cumulative sums (Algorithm 1, SPEC §6.4), and the area sum of Eq. 11 from the zero-padded table.
+
+Areas are listed in the canonical order of SPEC §6.2: height ``h = 1..H`` outer, width ``w = 1..W`` inner, then
+top-left corners in row-major order.  A 1D memory of length ``L`` is the grid ``1 × L`` with areas ``1 × S``.
+Masking follows SPEC decision #37: an area is masked as soon as it holds one masked item, so with the causal
+mask of decoder self-attention a query only sees spans that end at or before its own position.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .softmax import masked_softmax
+
+Grid = tuple[int, int]
+
+
+# -- counting and enumerating areas ------------------------------------------------------------------------------
+def area_count_1d(length: int, max_size: int) -> int:
+    """``|R| = (L − S)S + S(S+1)/2`` (P5 §2), with ``S`` clamped to ``L``."""
+    s = min(max_size, length)
+    return (length - s) * s + s * (s + 1) // 2
+
+
+def area_count_2d(rows: int, cols: int, max_h: int, max_w: int) -> int:
+    """``|R| = |R_v| · |R_h|`` with each factor the 1D count (P5 §2): 225 for 8×8 up to 2×2, 441 up to 3×3."""
+    return area_count_1d(rows, max_h) * area_count_1d(cols, max_w)
+
+
+def _clamp(rows: int, cols: int, max_h: int, max_w: int) -> tuple[int, int]:
+    # larger maxima would give empty or negative slices of the integral image (SPEC §6.4 guard)
+    if min(rows, cols, max_h, max_w) < 1:
+        raise ValueError(f"grid {rows}×{cols} and maximum area {max_h}×{max_w} must all be positive")
+    return min(max_h, rows), min(max_w, cols)
+
+
+@lru_cache(maxsize=256)
+def _boxes(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    max_h, max_w = _clamp(rows, cols, max_h, max_w)
+    out = []
+    for h in range(1, max_h + 1):
+        for w in range(1, max_w + 1):
+            r0, c0 = torch.meshgrid(torch.arange(rows - h + 1), torch.arange(cols - w + 1), indexing="ij")
+            r0, c0 = r0.reshape(-1), c0.reshape(-1)
+            out.append(torch.stack([r0, c0, r0 + h - 1, c0 + w - 1], 1))
+    return torch.cat(out)
+
+
+def enumerate_areas_2d(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    """All areas of a ``rows × cols`` grid up to ``max_h × max_w``, as ``[|R|, 4]`` long boxes
+    ``(r1, c1, r2, c2)`` with inclusive cell coordinates, in the canonical order of SPEC §6.2."""
+    return _boxes(rows, cols, max_h, max_w).clone()
+
+
+def enumerate_areas_1d(length: int, max_size: int) -> Tensor:
+    """All spans of 1..``max_size`` items of a length-``length`` sequence as ``[|R|, 2]`` (start, end), inclusive."""
+    return _boxes(1, length, 1, max_size)[:, [1, 3]].clone()
+
+
+def area_shapes(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    """Height and width of every area, ``[|R|, 2]`` long (the ``S_h``, ``S_w`` of Algorithm 1)."""
+    boxes = _boxes(rows, cols, max_h, max_w)
+    return torch.stack([boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1], 1)
+
+
+# -- summed-area tables ----------------------------------------------------------------------------------------
+def _accumulator(x: Tensor) -> torch.dtype:
+    # summed-area tables grow with the whole grid while an area is small, so their differences lose digits (in
+    # float32, σ of a low-spread area comes out visibly wrong); the tables are tiny, so work in float64
+    return torch.float32 if x.device.type == "mps" else torch.float64
+
+
+def area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    """Sum of the item vectors of every area: ``x [..., rows*cols, D]`` → ``[..., |R|, D]`` (P5 Eq. 11).
+
+    The integral image is two cumulative sums, zero-padded on top and left (Algorithm 1 lines 1–3, with the
+    inclusion–exclusion that Eq. 10 omits); each area sum is then ``Ĩ[r2+1, c2+1] − Ĩ[r1, c2+1] − Ĩ[r2+1, c1]
+    + Ĩ[r1, c1]`` (the paper's Algorithm 1 slices these per area shape; we gather them for all areas at once).
+    Computed in float64 and returned in ``x.dtype``.
+    """
+    return _area_sums(x.to(_accumulator(x)), rows, cols, max_h, max_w).to(x.dtype)
+
+
+@lru_cache(maxsize=256)
+def _corners(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    """Flat indices into the padded ``(rows+1) × (cols+1)`` table of each area's four corners, ``[4 · |R|]``:
+    ``Ĩ[r2+1, c2+1]``, ``Ĩ[r1, c2+1]``, ``Ĩ[r2+1, c1]``, ``Ĩ[r1, c1]`` (Eq. 11 with the corrected signs)."""
+    r1, c1, r2, c2 = _boxes(rows, cols, max_h, max_w).T
+    width = cols + 1
+    return torch.cat([(r2 + 1) * width + c2 + 1, r1 * width + c2 + 1, (r2 + 1) * width + c1, r1 * width + c1])
+
+
+def _area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    lead, depth = x.shape[:-2], x.shape[-1]
+    if x.shape[-2] != rows * cols:
+        raise ValueError(f"memory has {x.shape[-2]} items, not a {rows}×{cols} grid")
+    table = F.pad(x.reshape(*lead, rows, cols, depth).cumsum(-3).cumsum(-2), (0, 0, 1, 0, 1, 0))
+    # one gather of all four corners instead of a slice per area shape: far fewer ops to run and to backprop
+    corners = table.flatten(-3, -2).index_select(-2, _corners(rows, cols, max_h, max_w).to(x.device))
+    bottom_right, top_right, bottom_left, top_left = corners.unflatten(-2, (4, -1)).unbind(-3)
+    return bottom_right - top_right - bottom_left + top_left
+
+
+def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
+                     eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Mean, standard deviation and sum of every area, plus the area shapes (P5 Algorithm 2).
+
+    ``x [..., rows*cols, D]`` → ``mean, std, sum [..., |R|, D]`` and ``sizes [|R|, 2]`` (height, width).
+    ``σ = sqrt(|E[x²] − μ²| + eps)`` (Eq. 12 with the [REF-CODE] guard of SPEC §6.3; ``eps=0`` gives the plain
+    formula).  The variance is taken of ``x`` minus its first item: σ does not change under a shift, and
+    centring keeps ``E[x²] − μ²`` from cancelling when the items share a large offset; the first item (not the
+    mean) is used so a causal memory and its prefix are centred identically.  Computed in float64.
+    """
+    sizes = area_shapes(rows, cols, max_h, max_w).to(x.device)
+    wide = x.to(_accumulator(x))
+    count = (sizes[:, 0] * sizes[:, 1]).to(wide.dtype).unsqueeze(-1)
+    total = _area_sums(wide, rows, cols, max_h, max_w)
+    centred = wide - wide[..., :1, :]
+    shifted_mean = _area_sums(centred, rows, cols, max_h, max_w) / count
+    second = _area_sums(centred * centred, rows, cols, max_h, max_w) / count
+    # a single item has no spread; the table differences would leave rounding noise there that the square root
+    # magnifies (and that differs between a causal memory and its prefix), so use the exact zero
+    variance = torch.where(count > 1, (second - shifted_mean ** 2).abs(), torch.zeros_like(second))
+    std = torch.sqrt(variance + eps)
+    return (total / count).to(x.dtype), std.to(x.dtype), total.to(x.dtype), sizes
+
+
+def area_features_1d(x: Tensor, max_size: int, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`area_features_2d` of a sequence ``x [..., L, D]`` seen as a ``1 × L`` grid with ``1 × S`` areas."""
+    return area_features_2d(x, 1, x.shape[-2], 1, max_size, eps)
+
+
+def area_mask(item_mask: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    """SPEC decision #37: ``item_mask [..., N]`` (True = usable) → ``[..., |R|]``, False for every area that
+    holds at least one masked item (area sums of the masked-item indicator, as [REF-CODE] does)."""
+    masked = (~item_mask).to(torch.float32).unsqueeze(-1)
+    return area_sums(masked, rows, cols, max_h, max_w).squeeze(-1) < 0.5
+
+
+def causal_area_mask(length: int, max_size: int, device: torch.device | str | None = None) -> Tensor:
+    """``[L, |R|]``: query ``t`` may use a 1D area only if the area holds no position after ``t``."""
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return area_mask(causal, 1, length, 1, max_size)
+
+
+# -- from areas back to cells (SPEC §6.8, decision #39) ----------------------------------------------------------
+def membership(areas: Tensor, rows: int, cols: int) -> Tensor:
+    """``[|R|, rows*cols]`` 0/1 matrix: entry ``(r, j)`` is 1 when cell ``j`` (row-major) lies inside area ``r``."""
+    r = torch.arange(rows, device=areas.device).repeat_interleave(cols)
+    c = torch.arange(cols, device=areas.device).repeat(rows)
+    inside = ((areas[:, 0:1] <= r) & (r <= areas[:, 2:3]) & (areas[:, 1:2] <= c) & (c <= areas[:, 3:4]))
+    return inside.to(torch.float32)
+
+
+def areas_to_cells(area_weights: Tensor, areas: Tensor, n_cells: int | Grid, value_mode: str = "sum") -> Tensor:
+    """Per-cell coefficients ``c_j = Σ_{r∋j} a_r`` (decision #39) of area weights ``[..., |R|]`` → ``[..., N]``.
+
+    With sum values (Eq. 4) the attention output is ``Σ_r a_r Σ_{j∈r} v_j = Σ_j c_j v_j``, so ``c_j`` is exactly
+    how much cell ``j`` contributes; ``Σ_j c_j = Σ_r a_r |r|``.  With ``value_mode="mean"`` it is
+    ``Σ_{r∋j} a_r/|r|``.  ``areas`` are ``(r1, c1, r2, c2)`` boxes; ``n_cells`` is the grid ``(rows, cols)`` or the
+    number of cells ``N`` (the grid width is then read off the boxes: the 1×1 areas cover every column).
+    """
+    if isinstance(n_cells, int):
+        cols = int(areas[:, 3].max()) + 1
+        rows = n_cells // cols
+        if rows * cols != n_cells:
+            raise ValueError(f"{n_cells} cells do not form a grid {cols} wide")
+    else:
+        rows, cols = n_cells
+    member = membership(areas, rows, cols).to(area_weights.dtype)
+    if value_mode == "mean":
+        member = member / member.sum(1, keepdim=True)
+    elif value_mode != "sum":
+        raise ValueError(f"unknown value mode {value_mode!r}")
+    return area_weights @ member
+
+
+# -- the attention module ------------------------------------------------------------------------------------------
+class AreaKeyCombiner(nn.Module):
+    """Combined-feature area key ``k_r = ReLU(μ_r W_μ + σ_r W_σ + e_r W_e) W_d`` (P5 Eq. 6–9).
+
+    ``W_μ, W_σ, W_e`` are one ``Linear`` over ``[μ; σ; e]``.  Decision #38: applied per head with weights shared
+    across heads, embedding depth ``S_e = d/2`` for per-head key size ``d``.
+    """
+
+    def __init__(self, depth: int, max_h: int, max_w: int):
+        super().__init__()
+        embed = max(depth // 2, 1)
+        self.height = nn.Embedding(max_h, embed)  # E^h, row h−1 for height h (Eq. 6)
+        self.width = nn.Embedding(max_w, embed)  # E^w (Eq. 7)
+        self.hidden = nn.Linear(2 * depth + 2 * embed, depth)
+        self.out = nn.Linear(depth, depth)  # W_d
+
+    def forward(self, mean: Tensor, std: Tensor, sizes: Tensor) -> Tensor:
+        shape = torch.cat([self.height(sizes[:, 0] - 1), self.width(sizes[:, 1] - 1)], -1)  # e_r (Eq. 8)
+        shape = shape.expand(*mean.shape[:-1], shape.shape[-1])
+        return self.out(torch.relu(self.hidden(torch.cat([mean, std, shape], -1))))
+
+
+class AreaMultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention over areas of the memory (area attention within each head, P5 §1).
+
+    ``max_area=(1, 1)`` with mean keys is ordinary multi-head attention (taken by a direct path, so it matches
+    exactly).  The memory is a ``rows × cols`` grid, or a sequence as the grid ``1 × L`` with
+    ``max_area=(1, S)``.  ``forward`` does everything; a decoder splits it into :meth:`memory_areas` (area keys
+    and values, once per image or per step) and :meth:`attend` (per query).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, max_area: Grid = (1, 1), key_mode: str = "mean"):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by {n_heads} heads")
+        if key_mode not in ("mean", "combined"):
+            raise ValueError(f"unknown area key mode {key_mode!r}; choose mean or combined")
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.max_area = (int(max_area[0]), int(max_area[1]))
+        self.key_mode = key_mode
+        self.q, self.k, self.v, self.o = (nn.Linear(d_model, d_model) for _ in range(4))
+        self.combiner = AreaKeyCombiner(self.head_dim, *self.max_area) if key_mode == "combined" else None
+
+    @property
+    def uses_areas(self) -> bool:
+        return self.max_area != (1, 1) or self.combiner is not None
+
+    def boxes(self, grid: Grid) -> Tensor:
+        return enumerate_areas_2d(*grid, *self.max_area)
+
+    def _heads(self, x: Tensor) -> Tensor:  # [B, L, D] → [B, heads, L, d]
+        return x.unflatten(-1, (self.n_heads, self.head_dim)).transpose(1, 2)
+
+    def memory_areas(self, keys: Tensor, values: Tensor, grid: Grid,
+                     key_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Area keys and values ``[B, heads, |R|, d]`` from projected item keys/values ``[B, N, D]``, and the
+        usable areas ``[B, 1, |R|]`` (None when nothing is masked)."""
+        if key_mask is not None:
+            # zero padded items so that they cannot disturb the integral image of the real ones
+            keys = keys.masked_fill(~key_mask.unsqueeze(-1), 0.0)
+            values = values.masked_fill(~key_mask.unsqueeze(-1), 0.0)
+        k, v = self._heads(keys), self._heads(values)
+        allowed = None
+        if not self.uses_areas:
+            if key_mask is not None:
+                allowed = key_mask.unsqueeze(1)
+            return k, v, allowed
+        mean, std, _, sizes = area_features_2d(k, *grid, *self.max_area)
+        area_k = mean if self.combiner is None else self.combiner(mean, std, sizes)
+        area_v = area_sums(v, *grid, *self.max_area)
+        if key_mask is not None:
+            allowed = area_mask(key_mask, *grid, *self.max_area).unsqueeze(1)
+        return area_k, area_v, allowed
+
+    def attend(self, query: Tensor, area_k: Tensor, area_v: Tensor,
+               allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``query [B, T, D]`` (not yet projected) → output ``[B, T, D]`` and area weights ``[B, heads, T, |R|]``;
+        ``allowed`` broadcasts to ``[B, T, |R|]`` (Eq. 1–2 over areas)."""
+        q = self._heads(self.q(query))
+        scores = q @ area_k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        weights = masked_softmax(scores, None if allowed is None else allowed.unsqueeze(1))
+        out = (weights @ area_v).transpose(1, 2).flatten(2)
+        return self.o(out), weights
+
+    def forward(self, query: Tensor, memory: Tensor, grid: Grid | None = None, key_mask: Tensor | None = None,
+                causal: bool = False) -> tuple[Tensor, Tensor]:
+        """Attend from ``query [B, T, D]`` over the areas of ``memory [B, N, D]``.
+
+        ``grid`` defaults to the sequence ``(1, N)``.  ``causal`` (1D only, ``T == N``) lets query ``t`` use only
+        areas that end at or before ``t``.
+        """
+        grid = grid or (1, memory.shape[1])
+        area_k, area_v, allowed = self.memory_areas(self.k(memory), self.v(memory), grid, key_mask)
+        if causal:
+            if grid[0] != 1 or query.shape[1] != memory.shape[1]:
+                raise ValueError("causal area attention needs a 1D memory aligned with the queries")
+            if self.uses_areas:
+                future = causal_area_mask(memory.shape[1], self.max_area[1], memory.device)
+            else:
+                future = torch.ones(query.shape[1], query.shape[1], dtype=torch.bool, device=memory.device).tril()
+            allowed = future.unsqueeze(0) if allowed is None else allowed & future
+        return self.attend(query, area_k, area_v, allowed)

@@ -1,0 +1,280 @@
+"""ONNX export of a captioner: an encoder graph and a decoder-step graph, both with dynamic row axes.
+
+* ``encoder.onnx``: ``pixels [B, 3, S, S]`` → the model's encoder state followed by its initial decoder state
+  (the frozen CNN, ``Captioner.encode`` and ``Captioner.init_state`` in one graph).
+* ``step.onnx``: ``prev_tokens [R]``, decoder state, encoder state → ``logprobs [R, V]``, the new decoder state,
+  the primary attention ``[R, N]`` and every extra map of :class:`~models.protocol.AttnRecord`.
+* ``onnx.json``: the tensor names in graph order, which state dimensions grow while decoding, and the checksum
+  of the weights the graphs were made from (so a runtime can tell that an export is stale).
+
+State dicts are flattened into tuples sorted by key (``enc.<key>``, ``state.<key>``, ``extra.<key>``); dim 0 of
+every tensor is the row axis, as the protocol guarantees, so a runtime can expand, reorder and concatenate ONNX
+state exactly like PyTorch state.  Graphs come from the TorchScript tracer, which records the operations run
+on example inputs; anything decided in Python from tensor *values* (data-dependent loops, ``.tolist()``) is
+frozen into the graph.  Every export is therefore verified against PyTorch on inputs of another row count and
+another decoding step, and a model whose graphs disagree is reported as :class:`ExportUnsupported` instead of
+being written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from .checkpoint import Checkpoint
+from .encoder import EncoderSpec, GridEncoder, grid_geometry
+from .protocol import Captioner, VisualBatch, index_rows
+
+FORMAT = "attention-captioner-onnx/1"
+ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
+OPSET = 17
+# verification tolerance: float32 graphs that differ only in kernel choice agree far better than this
+ATOL, RTOL = 1e-4, 1e-3
+
+
+class ExportUnsupported(RuntimeError):
+    """The model cannot be expressed as the two graphs (the message says why)."""
+
+
+@dataclass
+class GraphSpec:
+    """Names and shapes that tie the ONNX graphs to the protocol's state dicts (stored as ``onnx.json``)."""
+
+    arch: str
+    checksum: str
+    encoder: dict[str, Any]
+    enc_keys: list[str]
+    state_keys: list[str]
+    extra_keys: list[str]
+    # state key → dimensions (other than rows) whose size changes from step to step (e.g. a Transformer cache)
+    growing_dims: dict[str, list[int]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    format: str = FORMAT
+
+    @property
+    def encoder_outputs(self) -> list[str]:
+        return [f"enc.{k}" for k in self.enc_keys] + [f"state.{k}" for k in self.state_keys]
+
+    @property
+    def step_inputs(self) -> list[str]:
+        return ["prev_tokens"] + [f"state.{k}" for k in self.state_keys] + [f"enc.{k}" for k in self.enc_keys]
+
+    @property
+    def step_outputs(self) -> list[str]:
+        return (["logprobs"] + [f"next.{k}" for k in self.state_keys] + ["attention"]
+                + [f"extra.{k}" for k in self.extra_keys])
+
+    def save(self, folder: Path) -> None:
+        (folder / SPEC_FILE).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, folder: Path) -> "GraphSpec":
+        data = json.loads((Path(folder) / SPEC_FILE).read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{folder}: unknown ONNX export format {data.get('format')!r}")
+        return cls(**data)
+
+
+class EncoderGraph(nn.Module):
+    """pixels → (encoder state..., initial decoder state...) in :class:`GraphSpec` order."""
+
+    def __init__(self, visual: GridEncoder, model: Captioner, spec: EncoderSpec, enc_keys: list[str],
+                 state_keys: list[str]):
+        super().__init__()
+        self.visual, self.model = visual, model
+        # geometry only tells grid models their layout; the boxes are not part of the graph
+        self.geometry = grid_geometry(spec, (spec.image_size, spec.image_size))
+        self.enc_keys, self.state_keys = enc_keys, state_keys
+
+    def forward(self, pixels: Tensor) -> tuple[Tensor, ...]:
+        feats = self.visual(pixels)
+        enc = self.model.encode(VisualBatch.from_features(feats, [self.geometry] * feats.shape[0]))
+        state = self.model.init_state(enc)
+        return tuple(enc[k] for k in self.enc_keys) + tuple(state[k] for k in self.state_keys)
+
+
+class StepGraph(nn.Module):
+    """(prev_tokens, decoder state..., encoder state...) → (logprobs, new state..., attention, extras...)."""
+
+    def __init__(self, model: Captioner, enc_keys: list[str], state_keys: list[str], extra_keys: list[str]):
+        super().__init__()
+        self.model = model
+        self.enc_keys, self.state_keys, self.extra_keys = enc_keys, state_keys, extra_keys
+
+    def forward(self, prev_tokens: Tensor, *tensors: Tensor) -> tuple[Tensor, ...]:
+        n_state = len(self.state_keys)
+        state = dict(zip(self.state_keys, tensors[:n_state]))
+        enc = dict(zip(self.enc_keys, tensors[n_state:]))
+        logprobs, new_state, attn = self.model.step(prev_tokens, state, enc)
+        return (logprobs, *(new_state[k] for k in self.state_keys), attn.primary,
+                *(attn.extras[k] for k in self.extra_keys))
+
+
+def _example_pixels(spec: EncoderSpec, batch: int, seed: int) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, 3, spec.image_size, spec.image_size, generator=generator) * 2 - 1
+
+
+def _rows(batch: int, k: int) -> Tensor:
+    return torch.arange(batch).repeat_interleave(k)
+
+
+@torch.inference_mode(False)
+@torch.no_grad()
+def _probe(visual: GridEncoder, model: Captioner, spec: EncoderSpec, batch: int, k: int, steps: int, seed: int):
+    """Run the protocol in PyTorch: the encoder outputs, and (inputs, outputs) of every step."""
+    pixels = _example_pixels(spec, batch, seed)
+    feats = visual(pixels)
+    geometry = grid_geometry(spec, (spec.image_size, spec.image_size))
+    enc = model.encode(VisualBatch.from_features(feats, [geometry] * batch))
+    state0 = model.init_state(enc)
+    enc_rows, state = index_rows(enc, _rows(batch, k)), index_rows(state0, _rows(batch, k))
+    generator = torch.Generator().manual_seed(seed + 1)
+    prev = torch.full((batch * k,), model.bos_id, dtype=torch.long)
+    trace = []
+    for _ in range(steps):
+        logprobs, new_state, attn = model.step(prev, state, enc_rows)
+        trace.append(((prev, state), (logprobs, new_state, attn)))
+        # follow random but valid back-pointers and tokens, as a beam search would
+        state = index_rows(new_state, torch.randint(0, batch * k, (batch * k,), generator=generator))
+        prev = torch.randint(3, logprobs.shape[1], (batch * k,), generator=generator)
+    return pixels, enc, state0, enc_rows, trace
+
+
+def _growing_dims(trace) -> dict[str, list[int]]:
+    shapes = [{k: tuple(v.shape) for k, v in inputs[1].items()} for inputs, _ in trace]
+    return {key: [d for d in range(1, len(shapes[0][key])) if len({s[key][d] for s in shapes}) > 1]
+            for key in shapes[0]}
+
+
+def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None = None) -> GraphSpec:
+    """Write ``encoder.onnx``, ``step.onnx`` and ``onnx.json`` for ``ckpt`` into ``out`` (atomically).
+
+    Raises :class:`ExportUnsupported` when tracing fails or the graphs disagree with PyTorch.
+    """
+    import onnx
+
+    model = ckpt.model.eval()
+    spec_enc = ckpt.encoder
+    visual = visual or GridEncoder(spec_enc)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise ValueError("export from a CPU checkpoint (load_checkpoint(path, 'cpu'))")
+    k = 2
+    _, enc, state0, _, trace = _probe(visual, model, spec_enc, batch=2, k=k, steps=3, seed=0)
+    extras = trace[0][1][2].extras
+    spec = GraphSpec(arch=model.arch, checksum=ckpt.checksum, encoder=spec_enc.to_json(), enc_keys=sorted(enc),
+                     state_keys=sorted(state0), extra_keys=sorted(extras), growing_dims=_growing_dims(trace))
+    spec.dtypes = {**{f"enc.{k_}": str(v.dtype) for k_, v in enc.items()},
+                   **{f"state.{k_}": str(v.dtype) for k_, v in state0.items()}}
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        enc_graph = EncoderGraph(visual, model, spec_enc, spec.enc_keys, spec.state_keys).eval()
+        step_graph = StepGraph(model, spec.enc_keys, spec.state_keys, spec.extra_keys).eval()
+        enc_axes = {"pixels": {0: "batch"}, **{name: {0: "batch"} for name in spec.encoder_outputs}}
+        # trace the step at step 1 (not 0) so that growing dimensions are non-empty in the example
+        (prev, state), _ = trace[1]
+        enc_rows = index_rows(enc, _rows(2, k))
+        step_inputs = (prev, *(state[key] for key in spec.state_keys), *(enc_rows[key] for key in spec.enc_keys))
+        step_axes = {name: {0: "rows"} for name in spec.step_inputs + spec.step_outputs}
+        for key, dims in spec.growing_dims.items():
+            for d in dims:
+                step_axes[f"state.{key}"][d] = f"{key}_dim{d}"
+                step_axes[f"next.{key}"][d] = f"next_{key}_dim{d}"
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            try:
+                torch.onnx.export(enc_graph, (_example_pixels(spec_enc, 2, 0),), str(tmp / ENCODER_FILE),
+                                  input_names=["pixels"], output_names=spec.encoder_outputs, dynamic_axes=enc_axes,
+                                  opset_version=OPSET, dynamo=False)
+                torch.onnx.export(step_graph, step_inputs, str(tmp / STEP_FILE), input_names=spec.step_inputs,
+                                  output_names=spec.step_outputs, dynamic_axes=step_axes, opset_version=OPSET,
+                                  dynamo=False)
+            except Exception as exc:  # the tracer's errors have many types; all mean "cannot be expressed"
+                raise ExportUnsupported(f"tracing failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from exc
+        frozen = sorted({str(w.message).split("\n")[0] for w in caught if "Tracer" in type(w.message).__name__})
+        for name in (ENCODER_FILE, STEP_FILE):
+            onnx.checker.check_model(str(tmp / name))
+        spec.save(tmp)
+        _verify(tmp, spec, visual, model, spec_enc, frozen)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return spec
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _close(name: str, got: np.ndarray, want: Tensor, frozen: list[str]) -> None:
+    want_np = want.detach().cpu().numpy()
+    if got.shape != want_np.shape:
+        raise ExportUnsupported(f"{name}: shape {got.shape} from ONNX Runtime, {want_np.shape} from PyTorch"
+                                + (f" (the tracer froze: {frozen[0]})" if frozen else ""))
+    if want_np.dtype == np.bool_ or np.issubdtype(want_np.dtype, np.integer):
+        ok = np.array_equal(got, want_np)
+    else:
+        finite = np.isfinite(want_np)
+        ok = np.array_equal(finite, np.isfinite(got)) and np.allclose(got[finite], want_np[finite], atol=ATOL,
+                                                                       rtol=RTOL)
+    if not ok:
+        raise ExportUnsupported(f"{name}: ONNX Runtime disagrees with PyTorch on new shapes"
+                                + (f" (the tracer froze: {frozen[0]})" if frozen else ""))
+
+
+def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner, spec_enc: EncoderSpec,
+            frozen: list[str]) -> None:
+    """Run both graphs on a batch size, beam width and step count the trace never saw; compare with PyTorch."""
+    batch, k = 3, 3
+    pixels, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4, seed=5)
+    try:
+        encoder, step = _session(folder / ENCODER_FILE), _session(folder / STEP_FILE)
+        outputs = encoder.run(spec.encoder_outputs, {"pixels": pixels.numpy()})
+    except Exception as exc:
+        raise ExportUnsupported(f"ONNX Runtime cannot run the encoder graph: {str(exc).splitlines()[0]}") from exc
+    for name, got in zip(spec.encoder_outputs, outputs):
+        kind, key = name.split(".", 1)
+        _close(name, got, (enc if kind == "enc" else state0)[key], frozen)
+    for t, ((prev, state), (logprobs, new_state, attn)) in enumerate(trace):
+        feed = {"prev_tokens": prev.numpy(), **{f"state.{key}": state[key].numpy() for key in spec.state_keys},
+                **{f"enc.{key}": enc_rows[key].numpy() for key in spec.enc_keys}}
+        try:
+            outputs = step.run(spec.step_outputs, {i.name: feed[i.name] for i in step.get_inputs()})
+        except Exception as exc:
+            raise ExportUnsupported(f"ONNX Runtime cannot run the step graph at step {t}: "
+                                    f"{str(exc).splitlines()[0]}") from exc
+        want = {"logprobs": logprobs, "attention": attn.primary,
+                **{f"next.{key}": new_state[key] for key in spec.state_keys},
+                **{f"extra.{key}": attn.extras[key] for key in spec.extra_keys}}
+        for name, got in zip(spec.step_outputs, outputs):
+            _close(f"{name} at step {t}", got, want[name], frozen)
+
+
+def export_is_current(folder: str | Path, checksum: str) -> bool:
+    """True when ``folder`` holds a complete export made from weights with this checksum."""
+    folder = Path(folder)
+    try:
+        spec = GraphSpec.load(folder)
+    except (OSError, ValueError, TypeError):
+        return False
+    return spec.checksum == checksum and (folder / ENCODER_FILE).is_file() and (folder / STEP_FILE).is_file()

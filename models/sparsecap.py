@@ -1,0 +1,77 @@
+"""SparseCap: the input/output-attention LSTM captioner of P4 (Martins et al., "Sparse and Structured Visual
+Attention") — SPEC §5.4.
+
+Per step (P4 §3, SPEC §5.4): the grid features are projected once, ``V = ReLU(W_v a + b)`` (g = 512);
+the input attention ``α_t = softmax(wᵀ tanh(affine([v_i; h_{t−1}])))`` gives ``s_t = V α_t``; the LSTM runs on
+``[E y_{t−1}; s_t]``; the output attention ``α̃_t = π(w̃ᵀ tanh(affine~([v_i; h_t])))`` with ``π`` ∈ {softmax,
+sparsemax (P4 Eq. 2), TVmax (P4 Eq. 5)} gives ``s̃_t = V α̃_t``, ``r_t = tanh(affine(s̃_t))`` and
+``P(y_t) = softmax(affine([r_t; h_t]))`` (P4 Eq. 10).  The output attention is the exported (primary) map; both
+attentions of step ``t`` belong to word ``y_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import get_normaliser
+from .layers import AdditiveAttention
+from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
+from .registry import register
+
+OUTPUT_NORMALISERS = ("softmax", "sparsemax", "tvmax")
+
+
+@register("sparsecap")
+class SparseCap(Captioner):
+    attention_kind = "output_attention"
+
+    def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 256, hidden_dim: int = 512,
+                 visual_dim: int = 512, attn_dim: int = 512, dropout: float = 0.5, attention: str = "softmax",
+                 tvmax_lambda: float = 0.01, input_attention_normalizer: str = "softmax", **ids: int):
+        super().__init__(vocab_size, feat_dim, **ids)
+        if attention not in OUTPUT_NORMALISERS:
+            raise ValueError(f"attention must be one of {OUTPUT_NORMALISERS}, got {attention!r}")
+        self.hparams = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, visual_dim=visual_dim, attn_dim=attn_dim,
+                            dropout=dropout, attention=attention, tvmax_lambda=tvmax_lambda,
+                            input_attention_normalizer=input_attention_normalizer)
+        self.project = nn.Linear(feat_dim, visual_dim)  # the fine-tuned feed-forward layer (SPEC §5.3: + ReLU)
+        self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=self.pad_id)
+        # separate parameters for the two attentions (SPEC decision #29); AdditiveAttention is exactly
+        # wᵀ tanh(affine([v_i; h])) with the affine map split into its v and h blocks
+        self.input_attention = AdditiveAttention(visual_dim, hidden_dim, attn_dim,
+                                                 _normaliser(input_attention_normalizer, tvmax_lambda))
+        self.output_attention = AdditiveAttention(visual_dim, hidden_dim, attn_dim,
+                                                  _normaliser(attention, tvmax_lambda))
+        self.lstm = nn.LSTMCell(embed_dim + visual_dim, hidden_dim)
+        self.readout = nn.Linear(visual_dim, hidden_dim)  # r_t = tanh(affine(s̃_t))
+        self.out_word = nn.Linear(2 * hidden_dim, vocab_size)  # affine([r_t; h_t]) of P4 Eq. 10
+        self.drop = nn.Dropout(dropout)  # on the LSTM output where it feeds the word predictor (decision #30)
+
+    def config(self) -> dict:
+        return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
+
+    def encode(self, vis: VisualBatch) -> EncState:
+        feats = F.relu(self.project(vis.feats.to(self.project.weight.dtype)))
+        # keys of both attentions depend only on the image: computed once, reused (and beam-expanded) every step
+        return {"feats": feats, "mask": vis.mask, "keys_in": self.input_attention.project_keys(feats),
+                "keys_out": self.output_attention.project_keys(feats)}
+
+    def init_state(self, enc: EncState) -> DecState:
+        zeros = enc["feats"].new_zeros(enc["feats"].shape[0], self.lstm.hidden_size)  # [REC] zero initial state
+        return {"h": zeros, "c": zeros.clone()}
+
+    def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        alpha = self.input_attention(enc["keys_in"], state["h"], enc["mask"])  # from h_{t−1}
+        visual_in = torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1)  # s_t = V α_t
+        h, c = self.lstm(torch.cat([self.embed(prev_tokens), visual_in], dim=1), (state["h"], state["c"]))
+        alpha_out = self.output_attention(enc["keys_out"], h, enc["mask"])  # from h_t, with π under test
+        visual_out = torch.bmm(alpha_out.unsqueeze(1), enc["feats"]).squeeze(1)  # s̃_t = V α̃_t
+        readout = torch.tanh(self.readout(visual_out))
+        logits = self.out_word(torch.cat([readout, self.drop(h)], dim=1))
+        return F.log_softmax(logits, dim=-1), {"h": h, "c": c}, AttnRecord(alpha_out, {"input_attention": alpha})
+
+
+def _normaliser(name: str, tvmax_lambda: float):
+    return get_normaliser(name, lam=tvmax_lambda) if name == "tvmax" else get_normaliser(name)

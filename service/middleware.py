@@ -1,0 +1,148 @@
+"""ASGI middleware: request ids, structured access logs, and cancelling work whose client has gone.
+
+Pure ASGI (no ``BaseHTTPMiddleware``), so it does not buffer bodies or change how the app reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import re
+import time
+import uuid
+from typing import Any
+
+REQUEST_ID_HEADER = "x-request-id"
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+access_log = logging.getLogger("captioner.access")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+# not a standard status: nginx's "client closed request", used in the access log only (nothing is sent)
+CLIENT_CLOSED = 499
+
+
+class RequestContextMiddleware:
+    """Gives every request an id (the client's ``X-Request-ID`` when it is sane), echoes it in the response,
+    writes one access-log line per request, and — for requests with a body — cancels the app's handler when the
+    client disconnects before the response starts, so the caption it waits for is cancelled too (the batcher
+    frees its rows at the next step)."""
+
+    def __init__(self, app: Any, log_requests: bool = True):
+        self.app = app
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        started = time.perf_counter()
+        response: dict[str, Any] = {"status": None, "complete": False, "bytes": 0}
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                response["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER.encode(), request_id.encode())]}
+            elif message["type"] == "http.response.body":
+                response["bytes"] += len(message.get("body", b""))
+                response["complete"] = not message.get("more_body", False)
+            await send(message)
+
+        try:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                await self._call_watching_disconnect(scope, receive, send_with_id, response)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            if self.log_requests:
+                status = response["status"] or CLIENT_CLOSED
+                access_log.info("request", extra={"fields": {
+                    "method": scope["method"], "path": scope["path"],
+                    "query": scope.get("query_string", b"").decode("latin-1"), "status": status,
+                    "duration_ms": round((time.perf_counter() - started) * 1000, 2), "bytes_out": response["bytes"],
+                    "client": f"{scope['client'][0]}:{scope['client'][1]}" if scope.get("client") else None,
+                    "disconnected": response["status"] is None}})
+            request_id_var.reset(token)
+
+    async def _call_watching_disconnect(self, scope: dict, receive: Any, send: Any, response: dict) -> None:
+        body_read = asyncio.Event()
+        gone = asyncio.Event()
+
+        async def tracking_receive() -> dict:
+            if body_read.is_set():
+                # the body is consumed: the only message left is the disconnect the watcher is waiting for
+                await gone.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        handler = asyncio.create_task(self.app(scope, tracking_receive, send))
+
+        async def watch() -> None:
+            await body_read.wait()
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    gone.set()
+                    if response["status"] is None and not handler.done():
+                        handler.cancel()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await asyncio.shield(handler)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                handler.cancel()  # the server itself is cancelling us: pass it on
+                raise
+            if not gone.is_set():
+                raise
+            # the client went away: nothing can be sent, and the handler's work has been cancelled
+        finally:
+            watcher.cancel()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id and any ``extra={"fields": {...}}``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+                                 "level": record.levelname.lower(), "logger": record.name,
+                                 "msg": record.getMessage()}
+        request_id = getattr(record, "request_id", None) or request_id_var.get()
+        if request_id:
+            entry["request_id"] = request_id
+        entry.update(getattr(record, "fields", {}) or {})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        request_id = request_id_var.get()
+        fields = getattr(record, "fields", None)
+        extra = " ".join(f"{k}={v}" for k, v in (fields or {}).items())
+        return " ".join(part for part in (line, f"request_id={request_id}" if request_id else "", extra) if part)
+
+
+def configure_logging(fmt: str = "json", level: str = "info") -> None:
+    """Route the ``captioner.*`` loggers to stderr in the chosen format (idempotent)."""
+    logger = logging.getLogger("captioner")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else
+                         TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.handlers = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False

@@ -1,0 +1,219 @@
+"""Area attention (SPEC §6, checklist §11.3): area enumeration, summed-area tables against naive loops,
+masking, causal 1D areas, the area→cell attribution, and the module against the paper's equations."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from models.attention.area import (AreaMultiHeadAttention, area_count_1d, area_count_2d, area_features_1d,
+                                   area_features_2d, area_mask, area_sums, areas_to_cells, causal_area_mask,
+                                   enumerate_areas_1d, enumerate_areas_2d)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _naive_features(x, boxes, cols):
+    """Mean, std (no eps), sum of every area by an explicit loop over its cells."""
+    means, stds, sums = [], [], []
+    for r1, c1, r2, c2 in boxes.tolist():
+        cells = [r * cols + c for r in range(r1, r2 + 1) for c in range(c1, c2 + 1)]
+        items = x[..., cells, :]
+        means.append(items.mean(-2))
+        stds.append(items.std(-2, unbiased=False))
+        sums.append(items.sum(-2))
+    return torch.stack(means, -2), torch.stack(stds, -2), torch.stack(sums, -2)
+
+
+def test_area_counts_follow_the_paper_formulas():
+    assert area_count_1d(4, 3) == len(enumerate_areas_1d(4, 3)) == 9  # P5 Fig. 1
+    assert area_count_2d(3, 3, 2, 2) == len(enumerate_areas_2d(3, 3, 2, 2)) == 25  # P5 Fig. 2
+    # the captioner's 8×8 grid (SPEC §6.2 table): 15·15 and 21·21
+    assert [len(enumerate_areas_2d(8, 8, m, m)) for m in (1, 2, 3, 4)] == [64, 225, 441, 26 * 26]
+    for rows, cols, h, w in [(8, 8, 3, 2), (5, 7, 2, 4), (1, 9, 1, 5), (3, 2, 5, 5), (6, 1, 3, 1)]:
+        assert len(enumerate_areas_2d(rows, cols, h, w)) == area_count_2d(rows, cols, h, w)
+
+
+def test_enumeration_is_canonical_and_complete():
+    rows, cols = 4, 5
+    boxes = enumerate_areas_2d(rows, cols, 2, 3)
+    assert boxes.dtype == torch.long and boxes.shape[1] == 4
+    heights, widths = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
+    expected = [(r, c, r + h - 1, c + w - 1) for h in (1, 2) for w in (1, 2, 3)
+                for r in range(rows - h + 1) for c in range(cols - w + 1)]
+    assert [tuple(b) for b in boxes.tolist()] == expected  # height outer, width inner, corners row-major
+    assert heights.max() == 2 and widths.max() == 3 and boxes.min() >= 0
+    assert (boxes[:, 2] < rows).all() and (boxes[:, 3] < cols).all()
+    assert enumerate_areas_1d(4, 2).tolist() == [[0, 0], [1, 1], [2, 2], [3, 3], [0, 1], [1, 2], [2, 3]]
+
+
+@pytest.mark.parametrize("rows,cols,max_h,max_w", [(5, 6, 3, 2), (8, 8, 3, 3), (1, 9, 1, 4), (3, 4, 6, 6)])
+def test_summed_area_tables_equal_naive_loop(rows, cols, max_h, max_w):
+    x = torch.randn(2, 3, rows * cols, 5, dtype=torch.float64) + 4.0  # an offset makes E[x²] − μ² cancel
+    mean, std, total, sizes = area_features_2d(x, rows, cols, max_h, max_w, eps=0.0)
+    boxes = enumerate_areas_2d(rows, cols, max_h, max_w)
+    naive_mean, naive_std, naive_sum = _naive_features(x, boxes, cols)
+    torch.testing.assert_close(total, naive_sum)
+    torch.testing.assert_close(mean, naive_mean)
+    torch.testing.assert_close(std, naive_std)
+    torch.testing.assert_close(area_sums(x, rows, cols, max_h, max_w), naive_sum)
+    assert sizes.tolist() == (boxes[:, 2:] - boxes[:, :2] + 1).tolist()
+
+
+def test_float32_std_is_accurate_and_single_items_have_none():
+    x = torch.randn(2, 64, 8) * 3 + 10
+    mean, std, total, sizes = area_features_2d(x, 8, 8, 3, 3)
+    _, naive_std, naive_sum = _naive_features(x.double(), enumerate_areas_2d(8, 8, 3, 3), 8)
+    torch.testing.assert_close(std.double(), torch.sqrt(naive_std ** 2 + 1e-6), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(total.double(), naive_sum, atol=1e-4, rtol=1e-5)
+    single = (sizes[:, 0] * sizes[:, 1]) == 1
+    assert torch.all(std[:, single] == math.sqrt(1e-6))
+    seq_mean, seq_std, _, seq_sizes = area_features_1d(x, 3)
+    assert seq_mean.shape == (2, area_count_1d(64, 3), 8) and seq_sizes[:, 0].eq(1).all()
+
+
+def test_area_features_gradcheck():
+    x = torch.randn(1, 12, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: area_features_2d(v, 3, 4, 2, 3)[:3], (x,))
+
+
+def _copy_to_torch_mha(area_attn, d_model, heads):
+    mha = nn.MultiheadAttention(d_model, heads, batch_first=True).double()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([area_attn.q.weight, area_attn.k.weight, area_attn.v.weight]))
+        mha.in_proj_bias.copy_(torch.cat([area_attn.q.bias, area_attn.k.bias, area_attn.v.bias]))
+        mha.out_proj.weight.copy_(area_attn.o.weight)
+        mha.out_proj.bias.copy_(area_attn.o.bias)
+    return mha
+
+
+def test_max_area_1x1_is_ordinary_multi_head_attention():
+    attn = AreaMultiHeadAttention(16, 4, (1, 1)).double()
+    mha = _copy_to_torch_mha(attn, 16, 4)
+    query, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 12, 16, dtype=torch.float64)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 7:] = False
+    out, weights = attn(query, memory, (3, 4), mask)
+    ref, ref_weights = mha(query, memory, memory, key_padding_mask=~mask, average_attn_weights=False)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(weights, ref_weights)
+    causal_out, _ = attn(memory, memory, causal=True)
+    ref_causal, _ = mha(memory, memory, memory, attn_mask=~torch.ones(12, 12, dtype=torch.bool).tril())
+    torch.testing.assert_close(causal_out, ref_causal)
+    # the summed-area path itself, at 1×1, also gives back the items
+    mean, _, total, _ = area_features_2d(memory, 3, 4, 1, 1)
+    torch.testing.assert_close(mean, memory)
+    torch.testing.assert_close(total, memory)
+    assert torch.equal(area_mask(mask, 3, 4, 1, 1), mask)
+
+
+def test_mean_area_attention_matches_eq_1_to_4():
+    rows, cols, heads, d_model = 3, 4, 2, 8
+    attn = AreaMultiHeadAttention(d_model, heads, (2, 3)).double()
+    query, memory = torch.randn(2, 3, d_model, dtype=torch.float64), torch.randn(2, 12, d_model, dtype=torch.float64)
+    out, weights = attn(query, memory, (rows, cols))
+    boxes = enumerate_areas_2d(rows, cols, 2, 3)
+    d = d_model // heads
+    q = attn.q(query).view(2, 3, heads, d)
+    k, v = attn.k(memory).view(2, 12, heads, d), attn.v(memory).view(2, 12, heads, d)
+    heads_out = []
+    for h in range(heads):
+        mu, _, _ = _naive_features(k[:, :, h], boxes, cols)  # Eq. 3
+        _, _, v_area = _naive_features(v[:, :, h], boxes, cols)  # Eq. 4
+        a = (q[:, :, h] @ mu.transpose(1, 2) / math.sqrt(d)).softmax(-1)  # Eq. 1
+        torch.testing.assert_close(weights[:, h], a)
+        heads_out.append(a @ v_area)  # Eq. 2
+    torch.testing.assert_close(out, attn.o(torch.cat(heads_out, -1)))
+
+
+def test_combined_key_is_eq_9():
+    attn = AreaMultiHeadAttention(8, 2, (2, 2), key_mode="combined").double()
+    memory = torch.randn(1, 9, 8, dtype=torch.float64)
+    area_k, _, _ = attn.memory_areas(attn.k(memory), attn.v(memory), (3, 3))
+    boxes = enumerate_areas_2d(3, 3, 2, 2)
+    comb = attn.combiner
+    assert comb.height.weight.shape == (2, 2) and comb.width.weight.shape == (2, 2)  # S_e = d/2 (decision #38)
+    k = attn.k(memory).view(1, 9, 2, 4)
+    for h in range(2):  # one MLP shared by the heads
+        mu, sigma, _ = _naive_features(k[:, :, h], boxes, 3)
+        sigma = torch.sqrt(sigma ** 2 + 1e-6)
+        e = torch.cat([comb.height.weight[boxes[:, 2] - boxes[:, 0]], comb.width.weight[boxes[:, 3] - boxes[:, 1]]], -1)
+        w_mu, w_sigma, w_e = comb.hidden.weight.split([4, 4, 4], 1)
+        hidden = torch.relu(mu @ w_mu.T + sigma @ w_sigma.T + e @ w_e.T + comb.hidden.bias)
+        torch.testing.assert_close(area_k[:, h], hidden @ comb.out.weight.T + comb.out.bias, atol=1e-6, rtol=1e-6)
+
+
+def test_area_to_cell_coefficients():
+    rows, cols = 4, 5
+    boxes = enumerate_areas_2d(rows, cols, 3, 2)
+    a = torch.rand(3, len(boxes), dtype=torch.float64).softmax(-1)
+    c = areas_to_cells(a, boxes, rows * cols)
+    size = ((boxes[:, 2] - boxes[:, 0] + 1) * (boxes[:, 3] - boxes[:, 1] + 1)).double()
+    torch.testing.assert_close(c.sum(-1), (a * size).sum(-1))  # Σ_j c_j = Σ_r a_r |r|
+    naive = torch.zeros(3, rows * cols, dtype=torch.float64)
+    for r, (r1, c1, r2, c2) in enumerate(boxes.tolist()):
+        for i in range(r1, r2 + 1):
+            for j in range(c1, c2 + 1):
+                naive[:, i * cols + j] += a[:, r]
+    torch.testing.assert_close(c, naive)
+    torch.testing.assert_close(areas_to_cells(a, boxes, (rows, cols)), naive)
+    # with sum values the attention output is exactly Σ_j c_j v_j
+    values = torch.randn(3, rows * cols, 6, dtype=torch.float64)
+    torch.testing.assert_close((a.unsqueeze(1) @ area_sums(values, rows, cols, 3, 2)).squeeze(1),
+                               (c.unsqueeze(1) @ values).squeeze(1))
+    torch.testing.assert_close(areas_to_cells(a, boxes, rows * cols, value_mode="mean").sum(-1), a.sum(-1))
+
+
+def test_causal_1d_areas_never_include_future_positions():
+    length, span = 7, 3
+    allowed = causal_area_mask(length, span)
+    spans = enumerate_areas_1d(length, span)
+    for t in range(length):
+        assert allowed[t].tolist() == (spans[:, 1] <= t).tolist()
+    # and through the module: changing the future never changes the past, with mean or combined keys
+    for mode in ("mean", "combined"):
+        attn = AreaMultiHeadAttention(8, 2, (1, span), key_mode=mode).double()
+        x = torch.randn(2, length, 8, dtype=torch.float64)
+        out, weights = attn(x, x, causal=True)
+        changed = x.clone()
+        changed[:, 4:] = torch.randn(2, length - 4, 8, dtype=torch.float64)
+        torch.testing.assert_close(attn(changed, changed, causal=True)[0][:, :4], out[:, :4])
+        assert torch.all(weights[:, :, ~allowed] == 0)
+
+
+def test_areas_holding_a_masked_item_get_zero_weight():
+    rows, cols = 4, 4
+    attn = AreaMultiHeadAttention(8, 2, (2, 3), key_mode="combined")
+    memory, query = torch.randn(2, 16, 8), torch.randn(2, 3, 8)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[0, [5, 15]] = False
+    mask[1, 8:] = False
+    out, weights = attn(query, memory, (rows, cols), mask)
+    boxes = enumerate_areas_2d(rows, cols, 2, 3)
+    for b in range(2):
+        for r, (r1, c1, r2, c2) in enumerate(boxes.tolist()):
+            cells = [i * cols + j for i in range(r1, r2 + 1) for j in range(c1, c2 + 1)]
+            if not mask[b, cells].all():
+                assert torch.all(weights[b, :, :, r] == 0)
+            else:
+                assert torch.all(weights[b, :, :, r] > 0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 2, 3))
+    noisy = memory.masked_fill(~mask.unsqueeze(-1), 1e3)  # what sits in padded items does not matter
+    torch.testing.assert_close(attn(query, noisy, (rows, cols), mask)[0], out)
+    # a query with nothing left to attend to gets zeros, not NaN
+    nothing = torch.zeros(1, 16, dtype=torch.bool)
+    empty_out, empty_w = attn(query[:1], memory[:1], (rows, cols), nothing)
+    assert torch.all(empty_w == 0) and torch.isfinite(empty_out).all()

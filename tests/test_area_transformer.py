@@ -1,0 +1,185 @@
+"""AreaTransformer (SPEC §6.6): protocol, incremental decoding = parallel pass, beam alignment, attention export,
+masking, and a memorisation smoke test (SPEC §11.8)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.attention.area import areas_to_cells, enumerate_areas_2d
+from models.decoding import beam_search, greedy
+from models.metrics import score_captions
+from models.protocol import VisualBatch
+from models.registry import available, create
+
+VOCAB, FEAT = 23, 16
+CONFIGS = {
+    "regular": dict(encoder_area=None, decoder_area=None, area_key="mean"),
+    "2x2-basic": dict(encoder_area=2, decoder_area=2, area_key="mean"),
+    "3x3-combined+2": dict(encoder_area=3, decoder_area=[3, 2], caption_area=2, area_key="combined"),
+    "pre-norm-3-layers": dict(caption_area=3, pre_norm=True, enc_layers=3, dec_layers=3),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    config = dict(vocab_size=VOCAB, feat_dim=FEAT, d_model=32, n_heads=4, enc_layers=2, dec_layers=2, ffn_dim=64,
+                  dropout=0.0)
+    return create("area-transformer", **{**config, **overrides}).eval()
+
+
+@pytest.fixture
+def visuals():
+    torch.manual_seed(1)
+    return VisualBatch.from_features(torch.randn(3, 16, FEAT))  # a 4×4 grid
+
+
+def _stepwise(model, vis, captions):
+    enc = model.encode(vis)
+    state = model.init_state(enc)
+    prev = torch.full((captions.shape[0],), model.bos_id)
+    logps, records = [], []
+    for t in range(captions.shape[1]):
+        logprobs, state, record = model.step(prev, state, enc)
+        logps.append(logprobs)
+        records.append(record)
+        prev = captions[:, t]
+    return torch.stack(logps, 1), records
+
+
+def test_registered_and_config_round_trips():
+    assert "area-transformer" in available()
+    model = tiny(**CONFIGS["3x3-combined+2"], grid_hw=[4, 4])
+    config = json.loads(json.dumps(model.config()))
+    again = create("area-transformer", **config)
+    assert again.config() == model.config()
+    assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+
+
+def test_areas_only_in_the_first_area_layers():
+    model = tiny(enc_layers=6, dec_layers=6, caption_area=2)  # the paper's layout: areas in layers 1–2 only
+    assert [layer.attn.max_area for layer in model.encoder] == [(3, 3)] * 2 + [(1, 1)] * 4
+    assert [layer.cross.max_area for layer in model.decoder] == [(3, 3)] * 2 + [(1, 1)] * 4
+    assert [layer.self_attn.max_area for layer in model.decoder] == [(1, 2)] * 2 + [(1, 1)] * 4
+    assert [layer.cross.combiner is not None for layer in model.decoder] == [True] * 2 + [False] * 4
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_incremental_step_equals_parallel_forward(name, visuals):
+    captions = torch.tensor([[5, 6, 7, 8, 2, 0], [9, 10, 2, 0, 0, 0], [11, 12, 13, 14, 15, 2]])
+    model = tiny(**CONFIGS[name]).double()
+    vis = VisualBatch.from_features(visuals.feats.double())
+    parallel, aux = model.forward_xe(vis, captions)
+    assert parallel.shape == (3, 6, VOCAB) and aux == {}
+    stepwise, _ = _stepwise(model, vis, captions)
+    torch.testing.assert_close(stepwise, parallel, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(parallel.exp().sum(-1), torch.ones(3, 6, dtype=torch.float64))
+    model32 = tiny(**CONFIGS[name])
+    torch.testing.assert_close(_stepwise(model32, visuals, captions)[0], model32.forward_xe(visuals, captions)[0],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_beam_search_attention_lines_up_with_tokens(visuals):
+    model = tiny(**CONFIGS["3x3-combined+2"])
+    model.out.bias.data[model.eos_id] += 2.0  # let some captions end inside max_len
+    boxes = model.area_boxes((4, 4))
+    assert torch.equal(boxes, enumerate_areas_2d(4, 4, 3, 2))
+    for row, hyps in enumerate(beam_search(model, visuals, k=3, max_len=8, n_best=2)):
+        for hyp in hyps:
+            steps = len(hyp.token_ids)
+            single = VisualBatch(visuals.feats[row:row + 1], visuals.mask[row:row + 1])
+            tokens = torch.tensor([hyp.token_ids])
+            logps, records = _stepwise(model, single, tokens)
+            # re-scoring the returned tokens gives the same attention rows: reordering is right
+            torch.testing.assert_close(hyp.attention, torch.cat([r.primary for r in records]), atol=1e-5, rtol=1e-5)
+            chosen = logps[0].gather(1, tokens.T).squeeze(1)
+            torch.testing.assert_close(torch.tensor(hyp.token_logprobs), chosen, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.tensor(hyp.token_logprobs),
+                                       model.forward_xe(single, tokens)[0][0].gather(1, tokens.T).squeeze(1),
+                                       atol=1e-5, rtol=1e-5)
+            assert hyp.attention.shape == (steps, 16)
+            torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(steps))
+            areas = hyp.extras["areas"]
+            assert areas.shape == (steps, len(boxes))
+            torch.testing.assert_close(areas.sum(-1), torch.ones(steps))
+            cells = areas_to_cells(areas, boxes, 16)
+            torch.testing.assert_close(hyp.attention, cells / cells.sum(-1, keepdim=True))
+            assert set(hyp.extras) == {"areas", "cell_mass", "layer1", "layer2"}
+            size = ((boxes[:, 2] - boxes[:, 0] + 1) * (boxes[:, 3] - boxes[:, 1] + 1)).float()
+            torch.testing.assert_close(hyp.extras["cell_mass"][:, 0], areas @ size)  # Σ_j c_j = Σ_r a_r |r|
+
+
+def test_beam_one_equals_greedy(visuals):
+    model = tiny(**CONFIGS["2x2-basic"])
+    for by_beam, by_greedy in zip(beam_search(model, visuals, k=1, max_len=8), greedy(model, visuals, 8)):
+        assert by_beam[0].token_ids == by_greedy.token_ids
+        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+
+
+def test_regular_model_exports_plain_cell_attention(visuals):
+    model = tiny(**CONFIGS["regular"])
+    assert model.area_boxes() is None
+    _, records = _stepwise(model, visuals, torch.tensor([[5, 6]] * 3))
+    assert "areas" not in records[0].extras
+    torch.testing.assert_close(records[0].primary.sum(-1), torch.ones(3))
+
+
+def test_masked_cells_get_no_attention(visuals):
+    model = tiny(**CONFIGS["3x3-combined+2"])
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    mask[1, 10:] = False
+    mask[2, [0, 5]] = False
+    vis = VisualBatch(visuals.feats, mask)
+    _, records = _stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))
+    for record in records:
+        assert torch.all(record.primary[~mask] == 0)
+        torch.testing.assert_close(record.primary.sum(-1), torch.ones(3))
+    noisy = VisualBatch(visuals.feats.masked_fill(~mask.unsqueeze(-1), 50.0), mask)
+    torch.testing.assert_close(_stepwise(model, noisy, torch.tensor([[5, 6, 7]] * 3))[0],
+                               _stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))[0])
+
+
+def test_grid_comes_from_geometry_or_config():
+    model = tiny(grid_hw=[3, 5])
+    enc = model.encode(VisualBatch.from_features(torch.randn(2, 15, FEAT)))
+    assert enc["grid_hw"].tolist() == [[3, 5], [3, 5]]
+    with pytest.raises(ValueError, match="grid"):
+        tiny().encode(VisualBatch.from_features(torch.randn(1, 15, FEAT)))
+
+
+def test_memorises_ten_captions():
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(10, 64, 32, generator=gen)
+    lengths = torch.randint(5, 9, (10,), generator=gen).tolist()
+    captions = torch.zeros(10, 9, dtype=torch.long)
+    for i, length in enumerate(lengths):
+        captions[i, :length] = torch.randint(3, 20, (length,), generator=gen)
+        captions[i, length] = 2
+    torch.manual_seed(0)
+    model = create("area-transformer", vocab_size=20, feat_dim=32, d_model=64, n_heads=4, ffn_dim=128, dropout=0.0,
+                   caption_area=2)
+    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
+    vis = VisualBatch.from_features(feats)
+    for _ in range(100):
+        logprobs, _ = model.forward_xe(vis, captions)
+        loss = F.nll_loss(logprobs.flatten(0, 1), captions.flatten(), ignore_index=0)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    model.eval()
+    hyps = greedy(model, vis, max_len=12)
+    exact = sum(h.token_ids == captions[i, :lengths[i] + 1].tolist() for i, h in enumerate(hyps))
+    words = lambda ids: " ".join(f"w{i}" for i in ids if i != 2)  # noqa: E731
+    scores = score_captions({i: words(h.token_ids) for i, h in enumerate(hyps)},
+                            {i: [words(captions[i, :lengths[i]].tolist())] for i in range(10)}, metrics=("CIDEr-D",))
+    assert exact >= 8 and scores["CIDEr-D"] > 2.0, (exact, scores, float(loss))

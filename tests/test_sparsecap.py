@@ -1,0 +1,179 @@
+"""SparseCap (SPEC §5.4): equations, the shared decoder's alignment rule with sparse maps, memorisation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.attention import get_normaliser
+from models.decoding import beam_search, greedy
+from models.metrics import score_captions
+from models.protocol import VisualBatch
+from models.registry import available, create
+
+NORMALISERS = ("softmax", "sparsemax", "tvmax")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: extra threads only add contention on a busy machine
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _tiny(attention: str, **overrides):
+    torch.manual_seed(0)
+    config = dict(vocab_size=23, feat_dim=16, embed_dim=12, hidden_dim=20, visual_dim=18, attn_dim=14,
+                  dropout=0.0, attention=attention)
+    config.update(overrides)
+    return create("sparsecap", **config).eval()
+
+
+def _visuals(batch: int = 3, seed: int = 1) -> VisualBatch:
+    torch.manual_seed(seed)
+    return VisualBatch.from_features(torch.randn(batch, 64, 16))
+
+
+def test_registered_with_config_round_trip():
+    assert "sparsecap" in available()
+    model = _tiny("tvmax", tvmax_lambda=0.05)
+    assert model.arch == "sparsecap" and model.attention_kind == "output_attention"
+    config = model.config()
+    assert config["attention"] == "tvmax" and config["tvmax_lambda"] == 0.05
+    assert config["input_attention_normalizer"] == "softmax"
+    clone = create("sparsecap", **config)
+    clone.load_state_dict(model.state_dict())
+    with pytest.raises(ValueError):
+        create("sparsecap", vocab_size=5, feat_dim=4, attention="entmax")
+
+
+@pytest.mark.parametrize("attention", NORMALISERS)
+def test_step_matches_the_equations(attention):
+    model, vis = _tiny(attention), _visuals()
+    enc = model.encode(vis)
+    state = {"h": torch.randn(3, 20), "c": torch.randn(3, 20)}
+    prev = torch.tensor([1, 5, 7])
+    logprobs, new_state, record = model.step(prev, state, enc)
+    assert logprobs.shape == (3, 23) and record.primary.shape == (3, 64)
+    assert record.extras["input_attention"].shape == (3, 64)
+
+    feats = F.relu(model.project(vis.feats))  # V, g-dimensional
+    torch.testing.assert_close(enc["feats"], feats)
+
+    def scores(att, h):  # z_i = wᵀ tanh(affine([v_i; h]))
+        return att.score(torch.tanh(att.key(feats) + att.query(h).unsqueeze(1))).squeeze(-1)
+
+    alpha = scores(model.input_attention, state["h"]).softmax(-1)  # from h_{t−1}, always softmax
+    torch.testing.assert_close(record.extras["input_attention"], alpha)
+    h, c = model.lstm(torch.cat([model.embed(prev), torch.einsum("bn,bnd->bd", alpha, feats)], 1),
+                      (state["h"], state["c"]))
+    torch.testing.assert_close(new_state["h"], h)
+    torch.testing.assert_close(new_state["c"], c)
+    normalise = get_normaliser(attention, lam=0.01) if attention == "tvmax" else get_normaliser(attention)
+    alpha_out = normalise(scores(model.output_attention, h), None)  # from h_t, with the normaliser under test
+    torch.testing.assert_close(record.primary, alpha_out)
+    readout = torch.tanh(model.readout(torch.einsum("bn,bnd->bd", alpha_out, feats)))
+    torch.testing.assert_close(logprobs, model.out_word(torch.cat([readout, h], 1)).log_softmax(-1))
+    if attention != "softmax":
+        assert (record.primary == 0).any()
+
+
+def test_initial_state_is_zero_and_masks_are_respected():
+    model = _tiny("tvmax")
+    feats = torch.randn(2, 64, 16)
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    mask[1, 48:] = False
+    enc = model.encode(VisualBatch(feats, mask))
+    state = model.init_state(enc)
+    assert torch.all(state["h"] == 0) and torch.all(state["c"] == 0)
+    _, _, record = model.step(torch.tensor([1, 1]), state, enc)
+    for attention in (record.primary, record.extras["input_attention"]):
+        assert torch.all(attention[1, 48:] == 0)
+        torch.testing.assert_close(attention.sum(-1), torch.ones(2))
+
+
+@torch.no_grad()
+def _teacher_forced(model, vis, token_ids, row):
+    single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
+    enc = model.encode(single)
+    state = model.init_state(enc)
+    prev = torch.tensor([model.bos_id])
+    primary, extra = [], []
+    for token in token_ids:
+        _, state, record = model.step(prev, state, enc)
+        primary.append(record.primary[0])
+        extra.append(record.extras["input_attention"][0])
+        prev = torch.tensor([token])
+    return torch.stack(primary), torch.stack(extra)
+
+
+@pytest.mark.parametrize("attention", NORMALISERS)
+def test_beam_search_attention_is_aligned_and_keeps_exact_zeros(attention):
+    model, vis = _tiny(attention), _visuals()
+    model.out_word.bias.data[model.eos_id] += 2.0  # let some captions end before max_len
+    results = beam_search(model, vis, k=3, max_len=8, n_best=2)
+    for row, hyps in enumerate(results):
+        for hyp in hyps:
+            steps = len(hyp.token_ids)
+            assert hyp.attention.shape == (steps, 64) and hyp.extras["input_attention"].shape == (steps, 64)
+            primary, extra = _teacher_forced(model, vis, hyp.token_ids, row)
+            torch.testing.assert_close(hyp.attention, primary, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hyp.extras["input_attention"], extra, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(steps))
+            if attention == "softmax":
+                assert (hyp.attention > 0).all()
+            else:
+                # exact zeros survive the beam bookkeeping, in exactly the cells the model zeroed
+                assert (hyp.attention == 0).any()
+                assert torch.equal(hyp.attention == 0, primary == 0)
+
+
+def test_beam_one_equals_greedy_with_tvmax():
+    model, vis = _tiny("tvmax"), _visuals()
+    for by_beam, by_greedy in zip(beam_search(model, vis, k=1, max_len=8), greedy(model, vis, 8)):
+        assert by_beam[0].token_ids == by_greedy.token_ids
+        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+
+
+def test_forward_xe_gradients_reach_every_parameter():
+    model = _tiny("tvmax").train()
+    captions = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0]])
+    logprobs, aux = model.forward_xe(_visuals(2), captions)
+    assert logprobs.shape == (2, 4, 23) and aux == {}
+    F.nll_loss(logprobs.flatten(0, 1), captions.flatten(), ignore_index=0).backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert missing == [], missing
+    assert model.output_attention.query.weight.grad.abs().sum() > 0
+
+
+def test_memorises_ten_images_with_tvmax():
+    """SPEC §11.8: 10 random 8×8 feature maps with fixed random captions are memorised."""
+    generator = torch.Generator().manual_seed(0)
+    feats = torch.randn(10, 64, 32, generator=generator)
+    vocab = 20
+    captions = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() + [2]
+                for n in torch.randint(4, 9, (10,), generator=generator)]
+    targets = torch.zeros(10, max(map(len, captions)), dtype=torch.long)
+    for i, caption in enumerate(captions):
+        targets[i, :len(caption)] = torch.tensor(caption)
+    torch.manual_seed(0)
+    model = create("sparsecap", vocab_size=vocab, feat_dim=32, embed_dim=32, hidden_dim=64, visual_dim=32,
+                   attn_dim=32, dropout=0.0, attention="tvmax")
+    optimiser = torch.optim.Adam(model.parameters(), lr=5e-3)
+    vis = VisualBatch.from_features(feats)
+    for step in range(300):
+        logprobs, _ = model.forward_xe(vis, targets)
+        loss = F.nll_loss(logprobs.flatten(0, 1), targets.flatten(), ignore_index=0)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        if step % 25 == 24 and loss.item() < 0.05:
+            break
+    model.eval()
+    hyps = greedy(model, vis, max_len=12)
+    assert [h.token_ids for h in hyps] == captions
+    words = {i: " ".join(map(str, h.token_ids[:-1])) for i, h in enumerate(hyps)}
+    references = {i: [" ".join(map(str, c[:-1]))] for i, c in enumerate(captions)}
+    assert score_captions(words, references, metrics=("CIDEr-D",))["CIDEr-D"] > 2.0
+    assert all((h.attention == 0).any() for h in hyps)  # the trained TVmax attention is sparse

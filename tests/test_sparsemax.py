@@ -1,0 +1,112 @@
+"""Sparsemax (P4 Eq. 2 / Eq. 15) against brute force, autograd and its closed-form properties — SPEC §11.1."""
+
+import numpy as np
+import pytest
+import torch
+
+from models.attention import NORMALISERS, get_normaliser
+from models.attention.sparsemax import sparsemax, sparsemax_threshold
+
+
+def _bisection_sparsemax(z: np.ndarray) -> np.ndarray:
+    """Brute force: τ solves Σ_i max(z_i − τ, 0) = 1, found by bisection on [max z − 1, max z]."""
+    lo, hi = z.max() - 1.0, z.max()
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if np.maximum(z - mid, 0).sum() > 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return np.maximum(z - (lo + hi) / 2, 0)
+
+
+def test_output_lies_on_the_simplex():
+    torch.manual_seed(0)
+    scores = torch.randn(5, 7, 13) * 3
+    probs = sparsemax(scores)
+    assert probs.shape == scores.shape
+    assert (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(5, 7))
+    assert (probs == 0).any(), "sparsemax of spread-out scores should have exact zeros"
+
+
+def test_sort_based_equals_bisection_on_tau():
+    rng = np.random.default_rng(0)
+    for scale in (0.1, 1.0, 10.0):
+        z = rng.normal(size=(20, 64)) * scale
+        got = sparsemax(torch.tensor(z)).numpy()
+        for row in range(20):
+            np.testing.assert_allclose(got[row], _bisection_sparsemax(z[row]), atol=1e-12)
+
+
+def test_threshold_definition():
+    z = torch.tensor([[3.0, 1.0, 0.2, -1.0]], dtype=torch.float64)
+    # k* = 1 since 1 + 2·1 = 3 is not > 3 + 1; τ = (3 − 1)/1 = 2
+    assert sparsemax_threshold(z).item() == pytest.approx(2.0)
+    z = torch.tensor([[0.5, 0.4, 0.3, -1.0]], dtype=torch.float64)
+    # k* = 3: τ = (1.2 − 1)/3
+    assert sparsemax_threshold(z).item() == pytest.approx(0.2 / 3)
+
+
+def test_matches_entmax_package():
+    entmax = pytest.importorskip("entmax")
+    torch.manual_seed(1)
+    z = torch.randn(30, 64, dtype=torch.float64)
+    torch.testing.assert_close(sparsemax(z), entmax.sparsemax(z, dim=-1), atol=1e-12, rtol=0)
+
+
+def test_gradcheck_without_ties():
+    torch.manual_seed(2)
+    z = torch.randn(4, 12, dtype=torch.float64)
+    # keep every score well away from τ so a finite-difference step never changes the support
+    tau = sparsemax_threshold(z)
+    z = torch.where((z - tau).abs() < 1e-3, z + 1e-2, z).requires_grad_()
+    assert torch.autograd.gradcheck(sparsemax, (z,), eps=1e-6, atol=1e-8)
+
+
+def test_backward_is_the_closed_form_jacobian():
+    torch.manual_seed(3)
+    z = torch.randn(16, dtype=torch.float64)
+    p = sparsemax(z)
+    s = (p > 0).to(z.dtype)
+    expected = torch.diag(s) - torch.outer(s, s) / s.sum()  # P4 Eq. 15
+    jacobian = torch.autograd.functional.jacobian(sparsemax, z)
+    torch.testing.assert_close(jacobian, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(jacobian, jacobian.T)
+
+
+def test_one_dominant_score_gives_one_hot():
+    z = torch.zeros(3, 10)
+    z[0, 4], z[1, 0], z[2, 9] = 5.0, 1.0, 100.0  # a lead of ≥ 1 is enough for the whole mass
+    expected = torch.zeros(3, 10)
+    expected[0, 4] = expected[1, 0] = expected[2, 9] = 1.0
+    assert torch.equal(sparsemax(z), expected)
+
+
+def test_masked_items_get_exact_zeros():
+    torch.manual_seed(4)
+    z = torch.randn(6, 10, dtype=torch.float64) + 5.0  # large scores: masked ones would win without the mask
+    mask = torch.rand(6, 10) > 0.4
+    mask[:, 0] = True
+    mask[5] = False  # a fully masked row
+    p = sparsemax(z, mask)
+    assert torch.all(p[~mask] == 0)
+    torch.testing.assert_close(p[:5].sum(-1), torch.ones(5, dtype=torch.float64))
+    assert torch.all(p[5] == 0)
+    for row in range(5):
+        torch.testing.assert_close(p[row, mask[row]], sparsemax(z[row, mask[row]]))
+    # −inf on masked items (a common convention) must not produce NaN
+    p_inf = sparsemax(z.masked_fill(~mask, float("-inf")), mask)
+    torch.testing.assert_close(p_inf, p)
+    z = z.requires_grad_()
+    (sparsemax(z, mask) * torch.randn(6, 10, dtype=torch.float64)).sum().backward()
+    assert torch.all(z.grad[~mask] == 0) and torch.isfinite(z.grad).all()
+
+
+def test_batched_over_leading_dims_and_registered():
+    torch.manual_seed(5)
+    z = torch.randn(2, 3, 4, 9)
+    together = sparsemax(z)
+    for index in np.ndindex(2, 3, 4):
+        torch.testing.assert_close(together[index], sparsemax(z[index][None])[0])
+    assert NORMALISERS["sparsemax"] is sparsemax and get_normaliser("sparsemax") is sparsemax

@@ -1,0 +1,226 @@
+"""TVmax (P4 Definition 1) and its 2D TV prox against generic convex solvers — SPEC §11.2."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linprog, lsq_linear
+from scipy.sparse import coo_matrix
+from scipy.sparse.csgraph import connected_components as scipy_components
+
+from models.attention import NORMALISERS, get_normaliser
+from models.attention.sparsemax import sparsemax
+from models.attention.tvmax import connected_components, grid_edges, tv2d_prox, tvmax
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # the solver works on tiny tensors: extra threads only add contention (several-fold slower on a busy machine)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _difference_matrix(h: int, w: int) -> np.ndarray:
+    first, second = (t.numpy() for t in grid_edges((h, w)))
+    diff = np.zeros((first.size, h * w))
+    diff[np.arange(first.size), first] = -1.0
+    diff[np.arange(first.size), second] = 1.0
+    return diff
+
+
+def _reference_prox(z: np.ndarray, h: int, w: int, lam: float) -> tuple[np.ndarray, float]:
+    """Generic solver: the dual box-constrained least squares ``min_{|u| ≤ λ} ½‖z − Dᵀu‖²`` by scipy's BVLS
+    (an exact active-set method), ``w = z − Dᵀu``.  Returns w and the bound ``√(2·gap)`` on its error (the primal
+    is 1-strongly convex), so the reference certifies its own accuracy."""
+    diff = _difference_matrix(h, w)
+    u = lsq_linear(diff.T, z, bounds=(-lam, lam), method="bvls", tol=1e-15, max_iter=10000).x
+    prox = z - diff.T @ u
+    jump = diff @ prox
+    gap = float(np.sum(np.abs(jump) * (lam - u * np.sign(jump))))
+    return prox, float(np.sqrt(2 * max(gap, 0.0)))
+
+
+def _random_scores(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * scale
+
+
+# -- definition, convention, limits ------------------------------------------------------------------------------
+def test_lambda_zero_is_exactly_sparsemax():
+    for dtype in (torch.float32, torch.float64):
+        z = _random_scores(8, 0).to(dtype)
+        assert torch.equal(tvmax(z, (8, 8), lam=0.0), sparsemax(z))
+    # and λ = 0 through the solver itself: the prox of 0·Ω is the identity
+    z = _random_scores(4, 1)
+    assert torch.equal(tv2d_prox(z, (8, 8), lam=0.0), z)
+
+
+def test_lambda_convention_is_eq5_with_the_half():
+    # two cells, one edge: argmin ½‖w − z‖² + λ|w₁ − w₂| moves each end by exactly λ while |z₁ − z₂| > 2λ
+    # (Eq. 6 without the ½ would move them by λ/2); decision #32
+    z = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(tv2d_prox(z, (1, 2), lam=0.1), torch.tensor([[0.9, 0.1]], dtype=torch.float64))
+    torch.testing.assert_close(tv2d_prox(z, (2, 1), lam=0.6), torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    torch.testing.assert_close(tvmax(z, (1, 2), lam=0.1), torch.tensor([[0.9, 0.1]], dtype=torch.float64))
+
+
+def test_output_lies_on_the_simplex():
+    for lam in (0.01, 0.1, 1.0):
+        for dtype in (torch.float32, torch.float64):
+            p = tvmax(_random_scores(16, 2).to(dtype), (8, 8), lam=lam)
+            assert p.dtype == dtype and (p >= 0).all()
+            torch.testing.assert_close(p.sum(-1), torch.ones(16, dtype=dtype))
+
+
+def test_constant_input_is_uniform():
+    for value in (0.0, 0.3, -7.0):
+        p = tvmax(torch.full((2, 64), value), (8, 8))
+        torch.testing.assert_close(p, torch.full((2, 64), 1 / 64))
+
+
+def test_huge_lambda_fuses_everything_to_uniform():
+    z = _random_scores(4, 3, scale=3.0)
+    torch.testing.assert_close(tvmax(z, (8, 8), lam=1e3), torch.full((4, 64), 1 / 64, dtype=torch.float64))
+    w = tv2d_prox(z, (8, 8), lam=1e3)
+    torch.testing.assert_close(w, z.mean(1, keepdim=True).expand(4, 64))
+
+
+def test_tvmax_is_structured_and_sparse():
+    # the point of TVmax: at a moderate λ the support is made of few flat patches
+    z = _random_scores(1, 4, scale=0.1)
+    p = tvmax(z, (8, 8), lam=0.01)
+    assert (p == 0).any() and len(torch.unique(p[p > 0])) < (p > 0).sum()
+
+
+# -- the prox against generic solvers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("lam,scale", [(0.01, 1.0), (0.01, 0.05), (0.1, 1.0), (0.5, 1.0), (3.0, 1.0)])
+def test_prox_matches_generic_convex_solver(lam, scale):
+    z = _random_scores(6, 5, scale)
+    got = tv2d_prox(z, (8, 8), lam=lam).numpy()
+    for row in range(6):
+        expected, certified = _reference_prox(z[row].numpy(), 8, 8, lam)
+        assert certified < 5e-6, "the reference solver did not converge"
+        np.testing.assert_allclose(got[row], expected, atol=1e-5, rtol=0)
+        # in practice the two agree far better than the brief's 1e-5
+        assert np.abs(got[row] - expected).max() < max(certified, 1e-9)
+
+
+def test_prox_on_non_square_and_chain_grids():
+    rng = np.random.default_rng(6)
+    for h, w in ((1, 9), (5, 1), (3, 7)):
+        z = rng.normal(size=(4, h * w))
+        got = tv2d_prox(torch.tensor(z), (h, w), lam=0.2).numpy()
+        for row in range(4):
+            expected, _ = _reference_prox(z[row], h, w, 0.2)
+            np.testing.assert_allclose(got[row], expected, atol=1e-6, rtol=0)
+
+
+def test_prox_satisfies_kkt_conditions_by_linear_programming():
+    """Independent optimality check of the returned w: a dual u with |u| ≤ λ, u_e = λ·sign((Dw)_e) where the jump
+    is non-zero and Dᵀu = z − w must exist (P4 Eq. 16); scipy's LP finds one (or proves there is none)."""
+    lam = 0.1
+    diff = _difference_matrix(8, 8)
+    z = _random_scores(3, 7)
+    w = tv2d_prox(z, (8, 8), lam=lam).numpy()
+    for row in range(3):
+        jump = diff @ w[row]
+        bounds = [(lam * np.sign(j), lam * np.sign(j)) if abs(j) > 1e-9 else (-lam, lam) for j in jump]
+        result = linprog(np.zeros(len(jump)), A_eq=diff.T, b_eq=z[row].numpy() - w[row], bounds=bounds,
+                         method="highs")
+        assert result.status == 0, result.message
+
+
+def test_fused_groups_are_exactly_flat_connected_components():
+    z = _random_scores(8, 8, scale=0.3)
+    w, labels = tv2d_prox(z, (8, 8), lam=0.1, return_groups=True)
+    first, second = grid_edges((8, 8))
+    for row in range(8):
+        for label in labels[row].unique():
+            cells = labels[row] == label
+            assert len(torch.unique(w[row][cells])) == 1  # exactly flat, not just within a tolerance
+        # labels are the connected components of "neighbours with equal value"
+        equal = (w[row, first] == w[row, second]).numpy()
+        graph = coo_matrix((np.ones(equal.sum()), (first.numpy()[equal], second.numpy()[equal])), shape=(64, 64))
+        _, reference = scipy_components(graph, directed=False)
+        ours = labels[row].numpy()
+        assert all((ours == ours[i]).tolist() == (reference == reference[i]).tolist() for i in range(64))
+
+
+def test_connected_components_on_a_snake():
+    # a single path that winds through the whole 8×8 grid: the worst case for label propagation
+    first, second = grid_edges((8, 8))
+    fused = torch.zeros(1, first.numel(), dtype=torch.bool)
+    for e, (i, j) in enumerate(zip(first.tolist(), second.tolist())):
+        if i // 8 == j // 8 or (j == i + 8 and (i % 8 == 7 if (i // 8) % 2 == 0 else i % 8 == 0)):
+            fused[0, e] = True
+    labels = connected_components(fused, first, second, 64)
+    assert torch.all(labels == 0)
+    split = fused.clone()
+    split[0, (first == 27) & (second == 28)] = False
+    labels = connected_components(split, first, second, 64)
+    assert len(labels.unique()) == 2
+
+
+# -- batching, masks, determinism ----------------------------------------------------------------------------------
+def test_batched_result_equals_per_grid_result():
+    z = _random_scores(12, 9, scale=0.2).view(3, 4, 64)
+    together = tvmax(z, (8, 8), lam=0.05)
+    assert together.shape == (3, 4, 64)
+    for a in range(3):
+        for b in range(4):
+            torch.testing.assert_close(together[a, b], tvmax(z[a, b], (8, 8), lam=0.05), atol=1e-12, rtol=0)
+    assert torch.equal(together, tvmax(z, (8, 8), lam=0.05)), "not deterministic"
+
+
+def test_masked_cells_are_removed_from_the_grid():
+    z = _random_scores(3, 10, scale=0.3)
+    mask = torch.ones(3, 64, dtype=torch.bool)
+    mask[:, 56:] = False  # drop the last row: the rest is a 7×8 grid
+    z = z.masked_fill(~mask, 50.0)  # masked scores must not matter, however large
+    p = tvmax(z, (8, 8), mask, lam=0.05)
+    assert torch.all(p[:, 56:] == 0)
+    torch.testing.assert_close(p[:, :56], tvmax(z[:, :56], (7, 8), lam=0.05), atol=1e-12, rtol=0)
+    none_real = tvmax(z[:1], (8, 8), torch.zeros(1, 64, dtype=torch.bool))
+    assert torch.all(none_real == 0)
+
+
+# -- backward ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lam,scale", [(0.01, 0.05), (0.1, 1.0), (0.3, 1.0)])
+def test_backward_matches_finite_differences(lam, scale):
+    z = _random_scores(2, 11, scale).requires_grad_()
+    p = tvmax(z, (8, 8), lam=lam)
+    assert (p == 0).any() and (p > 0).sum() > 2  # a generic point with both zeros and fused groups
+    # the solver is exact up to rounding, so central differences with the same solver are accurate
+    assert torch.autograd.gradcheck(lambda x: tvmax(x, (8, 8), lam=lam), (z,), eps=1e-6, atol=1e-6)
+
+
+def test_jacobians_are_symmetric_group_averages():
+    z = _random_scores(1, 12, scale=0.3)[0]
+    w, labels = tv2d_prox(z, (8, 8), lam=0.1, return_groups=True)
+    same = (labels[:, None] == labels[None, :]).to(z.dtype)
+    expected_tv = same / same.sum(1, keepdim=True)  # P4 Eq. 9
+    jacobian_tv = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, (8, 8), lam=0.1), z)
+    torch.testing.assert_close(jacobian_tv, expected_tv, atol=1e-14, rtol=0)
+    jacobian = torch.autograd.functional.jacobian(lambda x: tvmax(x, (8, 8), lam=0.1), z)
+    torch.testing.assert_close(jacobian, jacobian.T, atol=1e-14, rtol=0)
+    s = (sparsemax(w) > 0).to(z.dtype)
+    expected = (torch.diag(s) - torch.outer(s, s) / s.sum()) @ expected_tv  # J_sp(w*) J_TV (Prop. 1 chain rule)
+    torch.testing.assert_close(jacobian, expected, atol=1e-14, rtol=0)
+
+
+# -- registry -----------------------------------------------------------------------------------------------------
+def test_normaliser_entry_infers_a_square_grid():
+    z = _random_scores(2, 13).float()
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    torch.testing.assert_close(NORMALISERS["tvmax"](z, mask), tvmax(z, (8, 8), mask, lam=0.01))
+    torch.testing.assert_close(get_normaliser("tvmax", lam=0.3)(z, None), tvmax(z, (8, 8), lam=0.3))
+    with pytest.raises(ValueError, match="square"):
+        NORMALISERS["tvmax"](torch.randn(2, 10), None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu_and_is_deterministic():
+    z = _random_scores(64, 14, scale=0.3)
+    on_gpu = tvmax(z.cuda(), (8, 8), lam=0.05)
+    torch.testing.assert_close(on_gpu.cpu(), tvmax(z, (8, 8), lam=0.05), atol=1e-12, rtol=0)
+    assert torch.equal(on_gpu, tvmax(z.cuda(), (8, 8), lam=0.05))
