@@ -76,7 +76,7 @@ def accuracy_table(grids: int) -> list[str]:
         expected = np.stack([r[0] for r in refs])
         bound = max(r[1] for r in refs)
         methods = {
-            "FISTA + Eq. 8 polish (ours)": lambda: tv2d_prox(z, GRID, lam),
+            "FISTA + Eq. 8 active set (ours)": lambda: tv2d_prox(z, GRID, lam),
             "Dykstra, 35 it / tol 1e-2 (ref. code)": lambda: dykstra_prox(z, lam, 35, 1e-2),
             "Dykstra, 100 it / tol 1e-6 (SPEC rec.)": lambda: dykstra_prox(z, lam, 100, 1e-6),
         }

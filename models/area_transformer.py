@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention.area import AreaMultiHeadAttention, Grid, areas_to_cells, enumerate_areas_2d
+from .layers import FeedForward, sinusoid_positions
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
 
@@ -36,13 +37,6 @@ def _area(value: Any, rows: int = 1) -> tuple[int, int] | None:
     if isinstance(value, int):
         return (1, value) if rows == 1 else (value, value)
     return int(value[0]), int(value[1])
-
-
-def _sinusoid(positions: Tensor, dim: int) -> Tensor:
-    """Vaswani et al.'s sinusoidal encoding of caption positions (no length limit, nothing to learn)."""
-    freqs = torch.exp(torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(1e4) / dim))
-    angles = positions.to(torch.float32)[:, None] * freqs
-    return torch.stack([angles.sin(), angles.cos()], -1).flatten(1)[:, :dim]
 
 
 class _Sublayer(nn.Module):
@@ -58,16 +52,11 @@ class _Sublayer(nn.Module):
         return (x if self.pre_norm else self.norm(x)), extra
 
 
-class _FeedForward(nn.Sequential):
-    def __init__(self, d_model: int, ffn_dim: int, dropout: float):
-        super().__init__(nn.Linear(d_model, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model))
-
-
 class _EncoderLayer(nn.Module):
     def __init__(self, d_model, n_heads, ffn_dim, dropout, pre_norm, area, area_key):
         super().__init__()
         self.attn = AreaMultiHeadAttention(d_model, n_heads, area or (1, 1), area_key if area else "mean")
-        self.ffn = _FeedForward(d_model, ffn_dim, dropout)
+        self.ffn = FeedForward(d_model, ffn_dim, dropout)
         self.sub1, self.sub2 = _Sublayer(d_model, dropout, pre_norm), _Sublayer(d_model, dropout, pre_norm)
 
     def forward(self, x: Tensor, grid: Grid, mask: Tensor) -> Tensor:
@@ -81,7 +70,7 @@ class _DecoderLayer(nn.Module):
         self.self_attn = AreaMultiHeadAttention(d_model, n_heads, caption_area or (1, 1),
                                                 area_key if caption_area else "mean")
         self.cross = AreaMultiHeadAttention(d_model, n_heads, image_area or (1, 1), area_key if image_area else "mean")
-        self.ffn = _FeedForward(d_model, ffn_dim, dropout)
+        self.ffn = FeedForward(d_model, ffn_dim, dropout)
         self.subs = nn.ModuleList(_Sublayer(d_model, dropout, pre_norm) for _ in range(3))
 
     def forward(self, x: Tensor, self_attend, cross: tuple[Tensor, Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
@@ -165,7 +154,7 @@ class AreaTransformer(Captioner):
     # -- decoder ------------------------------------------------------------------------------------------------
     def _embed_tokens(self, tokens: Tensor, start: int) -> Tensor:
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self.drop(self.embed(tokens) * math.sqrt(self.d_model) + _sinusoid(positions, self.d_model))
+        return self.drop(self.embed(tokens) * math.sqrt(self.d_model) + sinusoid_positions(positions, self.d_model))
 
     def _cross(self, enc: EncState, i: int) -> tuple[Tensor, Tensor, Tensor]:
         return enc[f"cross_k{i}"], enc[f"cross_v{i}"], enc[f"cross_mask{i}"]

@@ -102,3 +102,16 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Che
 
 def is_checkpoint(path: Path) -> bool:
     return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
+
+
+def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | tuple = ()) -> dict[str, Path]:
+    """Checkpoint folders by name (the folder name): every child of ``weights_dir`` that holds a checkpoint, then
+    ``extra`` folders (a later one with the same name wins).  This is how the service and ``captioner export``
+    name models."""
+    found: dict[str, Path] = {}
+    root = Path(weights_dir) if weights_dir else None
+    candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root and root.is_dir() else []
+    for path in [*candidates, *map(Path, extra)]:
+        if is_checkpoint(path):
+            found[path.name] = path
+    return found

@@ -102,13 +102,27 @@ class BeamStep:
     finished: Tensor
 
 
-def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int) -> BeamStep:
-    """Top-k of (beam × vocabulary) within every beam group, with back-pointers.
+def never_emitted(model: Captioner) -> tuple[int, ...]:
+    """Tokens a caption can never contain: ``<pad>`` (which the vocabulary drops, so an emitted one would leave an
+    attention row without a word) and ``<bos>`` (training never targets either, but an untrained or unlucky
+    model can still rank them first)."""
+    return (model.pad_id, model.bos_id)
+
+
+def _forbid(logprobs: Tensor, token_ids: tuple[int, ...]) -> Tensor:
+    return logprobs.index_fill(1, torch.tensor(token_ids, device=logprobs.device), float("-inf")) if token_ids \
+        else logprobs
+
+
+def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int,
+              forbidden: tuple[int, ...] = ()) -> BeamStep:
+    """Top-k of (beam × vocabulary) within every beam group, with back-pointers; ``forbidden`` tokens (see
+    :func:`never_emitted`) are never chosen.
 
     Finished rows may only be extended by EOS at log-prob 0, so they keep competing with live ones on their
     final score.  Everything stays on the device: no host synchronisation happens here.
     """
-    logprobs = logprobs.float()
+    logprobs = _forbid(logprobs.float(), forbidden)
     vocab = logprobs.shape[1]
     allowed = logprobs.masked_fill(finished[:, None], float("-inf"))
     allowed[:, eos_id] = torch.where(finished, torch.zeros_like(scores), logprobs[:, eos_id])
@@ -204,7 +218,7 @@ def beam_search(
 
     for _ in range(max_len):
         logprobs, state, attn = model.step(prev, state, enc)
-        step = beam_step(logprobs, scores, finished, layout, model.eos_id)
+        step = beam_step(logprobs, scores, finished, layout, model.eos_id, never_emitted(model))
         records.append(record_step(step, attn, extras=extras))
         state = model.reorder(state, step.pointer)
         scores, finished, prev = step.scores, step.finished, step.tokens
@@ -250,7 +264,7 @@ def greedy(model: Captioner, vis: VisualBatch, max_len: int = 20) -> list[Hypoth
     done = torch.zeros(rows, dtype=torch.bool, device=vis.feats.device)
     for _ in range(max_len):
         logprobs, state, attn = model.step(prev, state, enc)
-        best, prev = logprobs.float().max(-1)
+        best, prev = _forbid(logprobs.float(), never_emitted(model)).max(-1)
         tokens.append(prev)
         logps.append(best)
         attns.append(attn.primary.float())
@@ -288,7 +302,7 @@ def sample(model: Captioner, vis: VisualBatch, n: int = 1, max_len: int = 20, te
     for _ in range(max_len):
         logprobs, state, _ = model.step(prev, state, enc)
         with torch.no_grad():
-            drawn = torch.multinomial((logprobs / temperature).softmax(-1), 1).squeeze(1)
+            drawn = torch.multinomial(_forbid(logprobs / temperature, never_emitted(model)).softmax(-1), 1).squeeze(1)
         drawn = torch.where(alive, drawn, torch.full_like(drawn, model.pad_id))
         tokens.append(drawn)
         logps.append(logprobs.gather(1, drawn[:, None]).squeeze(1))

@@ -17,6 +17,7 @@ from typing import Literal
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .protocol import Geometry
@@ -31,6 +32,10 @@ class ImageDecodeError(ValueError):
     """The bytes are not an image we can read."""
 
 
+#: EfficientNet-Lite0 stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → their channels
+HYPERCOLUMN_STAGES = {2: 40, 4: 112, 6: 320}
+
+
 @dataclass(frozen=True)
 class EncoderSpec:
     """Everything that determines the visual items; stored in every checkpoint so serving matches training."""
@@ -39,7 +44,9 @@ class EncoderSpec:
     image_size: int = 256  # side of the square network input
     resize: Literal["stretch", "center_crop"] = "stretch"  # center_crop: shorter side → resize_to, then crop
     resize_to: int = 256  # only used by center_crop (SAT: 256 then a 224 crop)
-    layer: str = "blocks"  # efficientnet: "blocks" (320-d, last MBConv stage) or "head" (1280-d); resnet: "layer4"
+    # efficientnet: "blocks" (320-d, last MBConv stage), "head" (1280-d) or "hypercolumn" (472-d: the stride-8 and
+    # stride-16 stages average-pooled onto the stride-32 grid and stacked with it); resnet: "layer4"
+    layer: str = "blocks"
     weights: str | None = None  # local weight file; None = the weights a package ships
 
     def to_json(self) -> dict:
@@ -174,7 +181,7 @@ class GridEncoder(nn.Module):
         self.spec = spec
         if spec.backbone == "efficientnet_lite0":
             self.net = _efficientnet_lite0(spec.weights)
-            self.feat_dim = {"blocks": 320, "head": 1280}[spec.layer]
+            self.feat_dim = {"blocks": 320, "head": 1280, "hypercolumn": sum(HYPERCOLUMN_STAGES.values())}[spec.layer]
         elif spec.backbone.startswith("resnet"):
             self.net = _resnet(spec.backbone, spec.weights)
             self.feat_dim = self.net.fc.in_features
@@ -189,10 +196,25 @@ class GridEncoder(nn.Module):
     def feature_map(self, pixels: Tensor) -> Tensor:
         net = self.net
         if self.spec.backbone == "efficientnet_lite0":
-            x = net.blocks(net.bn1(net.conv_stem(pixels)))
+            x = net.bn1(net.conv_stem(pixels))
+            if self.spec.layer == "hypercolumn":
+                return self._hypercolumn(x)
+            x = net.blocks(x)
             return net.bn2(net.conv_head(x)) if self.spec.layer == "head" else x
         x = net.maxpool(net.relu(net.bn1(net.conv1(pixels))))
         return net.layer4(net.layer3(net.layer2(net.layer1(x))))
+
+    def _hypercolumn(self, x: Tensor) -> Tensor:
+        """Hypercolumns (Hariharan et al. 2015) on the final grid: the last stage's cells know *what* is there but
+        have pooled away much of the colour and exact shape that the earlier stages still hold, and a caption of
+        several objects needs both, bound to the same cell."""
+        stages = []
+        for index, stage in enumerate(self.net.blocks):
+            x = stage(x)
+            if index in HYPERCOLUMN_STAGES:
+                stages.append(x)
+        side = stages[-1].shape[-1]
+        return torch.cat([F.avg_pool2d(s, s.shape[-1] // side) if s.shape[-1] != side else s for s in stages], dim=1)
 
     @torch.no_grad()
     def forward(self, pixels: Tensor) -> Tensor:

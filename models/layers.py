@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -34,3 +36,17 @@ class AdditiveAttention(nn.Module):
     def forward(self, keys: Tensor, query: Tensor, mask: Tensor) -> Tensor:
         scores = self.score(torch.tanh(keys + self.query(query).unsqueeze(1))).squeeze(-1)
         return self.normalise(scores, mask)
+
+
+def sinusoid_positions(positions: Tensor, dim: int) -> Tensor:
+    """Vaswani et al.'s sinusoidal encoding of caption positions (no length limit, nothing to learn)."""
+    freqs = torch.exp(torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) * (-math.log(1e4) / dim))
+    angles = positions.to(torch.float32)[:, None] * freqs
+    return torch.stack([angles.sin(), angles.cos()], -1).flatten(1)[:, :dim]
+
+
+class FeedForward(nn.Sequential):
+    """The position-wise feed-forward sublayer of Vaswani et al.: Linear → ReLU → dropout → Linear."""
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float):
+        super().__init__(nn.Linear(d_model, ffn_dim), nn.ReLU(), nn.Dropout(dropout), nn.Linear(ffn_dim, d_model))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -43,7 +44,53 @@ ATOL, RTOL = 1e-4, 1e-3
 
 
 class ExportUnsupported(RuntimeError):
-    """The model cannot be expressed as the two graphs (the message says why)."""
+    """The model cannot be expressed as the two graphs (the message says why, naming the code responsible)."""
+
+
+FROZEN_HINT = ("values computed in Python from tensors are constants of a traced graph, so data-dependent control "
+               "flow or shape arithmetic there cannot follow other inputs")
+
+
+def _frozen_sites(caught: list[warnings.WarningMessage]) -> list[str]:
+    """``file:line (what)`` of every TracerWarning: the places where the trace froze a Python value."""
+    root = Path(__file__).resolve().parents[1]
+    sites = []
+    for w in caught:
+        if "Tracer" not in type(w.message).__name__:
+            continue
+        path = Path(w.filename)
+        try:
+            path = path.resolve().relative_to(root)
+        except ValueError:
+            pass
+        what = str(w.message).split(".")[0].split(" might")[0]
+        site = f"{path}:{w.lineno} ({what})"
+        if site not in sites:
+            sites.append(site)
+    return sites
+
+
+SHAPE_HINT = ("the graph only runs at the example's shapes: a size was recorded as a constant (Python ints taken "
+              "from tensor.shape and unpacked into expand/reshape/view are not traced)")
+
+
+def _ort_failure(exc: Exception, frozen: list[str]) -> str:
+    """ONNX Runtime's complaint, the node (and so the module) where it happened, and the likely cause."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+    node = re.search(r"Name:'([^']+)'", text)
+    # drop ONNX Runtime's source location and C++ signature in front of the actual complaint
+    status = re.search(r"Status Message: (?:\S+\.(?:h|cc):\d+ )?(?:[\w:]+\([^)]*\) )?(.*)$", text)
+    where = f" at node {node.group(1)} (module {node.group(1).strip('/').rsplit('/', 1)[0].replace('/', '.')})" \
+        if node else ""
+    detail = status.group(1).strip() if status else text[:300]
+    return f"{detail}{where}{_why(frozen) or ' — ' + SHAPE_HINT}"
+
+
+def _why(frozen: list[str]) -> str:
+    if not frozen:
+        return ""
+    shown = "; ".join(frozen[:4]) + (f"; and {len(frozen) - 4} more" if len(frozen) > 4 else "")
+    return f" — the tracer froze Python values at {shown}: {FROZEN_HINT}"
 
 
 @dataclass
@@ -59,6 +106,8 @@ class GraphSpec:
     # state key → dimensions (other than rows) whose size changes from step to step (e.g. a Transformer cache)
     growing_dims: dict[str, list[int]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)
+    # largest |ONNX Runtime − PyTorch| seen by the export's own verification, per output kind
+    max_abs_diff: dict[str, float] = field(default_factory=dict)
     format: str = FORMAT
 
     @property
@@ -160,11 +209,15 @@ def _growing_dims(trace) -> dict[str, list[int]]:
 def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None = None) -> GraphSpec:
     """Write ``encoder.onnx``, ``step.onnx`` and ``onnx.json`` for ``ckpt`` into ``out`` (atomically).
 
-    Raises :class:`ExportUnsupported` when tracing fails or the graphs disagree with PyTorch.
+    Raises :class:`ExportUnsupported`, saying why, when the model declares that it cannot be exported, when
+    tracing fails, or when the graphs disagree with PyTorch on shapes the trace never saw.
     """
     import onnx
 
     model = ckpt.model.eval()
+    blocker = model.export_blocker()
+    if blocker:
+        raise ExportUnsupported(f"{model.arch}: {blocker}")
     spec_enc = ckpt.encoder
     visual = visual or GridEncoder(spec_enc)
     device = next(model.parameters()).device
@@ -196,20 +249,24 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
                 step_axes[f"next.{key}"][d] = f"next_{key}_dim{d}"
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
-            try:
-                torch.onnx.export(enc_graph, (_example_pixels(spec_enc, 2, 0),), str(tmp / ENCODER_FILE),
-                                  input_names=["pixels"], output_names=spec.encoder_outputs, dynamic_axes=enc_axes,
-                                  opset_version=OPSET, dynamo=False)
-                torch.onnx.export(step_graph, step_inputs, str(tmp / STEP_FILE), input_names=spec.step_inputs,
-                                  output_names=spec.step_outputs, dynamic_axes=step_axes, opset_version=OPSET,
-                                  dynamo=False)
-            except Exception as exc:  # the tracer's errors have many types; all mean "cannot be expressed"
-                raise ExportUnsupported(f"tracing failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from exc
-        frozen = sorted({str(w.message).split("\n")[0] for w in caught if "Tracer" in type(w.message).__name__})
+            for what, graph, args, path, names_in, names_out, axes in (
+                    ("encoder", enc_graph, (_example_pixels(spec_enc, 2, 0),), tmp / ENCODER_FILE, ["pixels"],
+                     spec.encoder_outputs, enc_axes),
+                    ("decoder step", step_graph, step_inputs, tmp / STEP_FILE, spec.step_inputs, spec.step_outputs,
+                     step_axes)):
+                try:
+                    torch.onnx.export(graph, args, str(path), input_names=names_in, output_names=names_out,
+                                      dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+                except Exception as exc:  # the tracer's errors have many types; all mean "cannot be expressed"
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    raise ExportUnsupported(
+                        f"{model.arch}: the TorchScript tracer cannot record the {what} "
+                        f"({exc.__class__.__name__}: {first}){_why(_frozen_sites(caught))}") from exc
+        frozen = _frozen_sites(caught)
         for name in (ENCODER_FILE, STEP_FILE):
             onnx.checker.check_model(str(tmp / name))
+        spec.max_abs_diff = _verify(tmp, spec, visual, model, spec_enc, frozen)
         spec.save(tmp)
-        _verify(tmp, spec, visual, model, spec_enc, frozen)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -218,56 +275,86 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
     return spec
 
 
+def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
+                       log=None) -> dict[str, GraphSpec | ExportUnsupported]:
+    """Export every named checkpoint into ``out_dir/<name>`` (what the service's ONNX backend loads); a model
+    that cannot be expressed gets its :class:`ExportUnsupported` instead of a :class:`GraphSpec`."""
+    from .checkpoint import load_checkpoint
+
+    results: dict[str, GraphSpec | ExportUnsupported] = {}
+    visuals: dict[str, GridEncoder] = {}
+    for name, path in checkpoints.items():
+        ckpt = load_checkpoint(path, "cpu")
+        key = repr(ckpt.encoder)
+        visual = visuals.setdefault(key, GridEncoder(ckpt.encoder))
+        try:
+            results[name] = export_graphs(ckpt, Path(out_dir) / name, visual)
+        except ExportUnsupported as exc:
+            results[name] = exc
+        if log:
+            log(name, results[name])
+    return results
+
+
 def _session(path: Path):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # a failure is reported as ExportUnsupported, not also logged
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _close(name: str, got: np.ndarray, want: Tensor, frozen: list[str]) -> None:
+def _close(name: str, output: str, got: np.ndarray, want: Tensor, frozen: list[str], diffs: dict[str, float]) -> None:
+    """Fail unless ``got`` matches ``want``; ``name`` is for messages, ``output`` the graph output's name."""
     want_np = want.detach().cpu().numpy()
     if got.shape != want_np.shape:
         raise ExportUnsupported(f"{name}: shape {got.shape} from ONNX Runtime, {want_np.shape} from PyTorch"
-                                + (f" (the tracer froze: {frozen[0]})" if frozen else ""))
+                                f"{_why(frozen)}")
     if want_np.dtype == np.bool_ or np.issubdtype(want_np.dtype, np.integer):
         ok = np.array_equal(got, want_np)
     else:
         finite = np.isfinite(want_np)
         ok = np.array_equal(finite, np.isfinite(got)) and np.allclose(got[finite], want_np[finite], atol=ATOL,
                                                                        rtol=RTOL)
+        if ok and finite.any():
+            kind = output.split(".")[0]
+            diffs[kind] = max(diffs.get(kind, 0.0), float(np.abs(got[finite] - want_np[finite]).max()))
     if not ok:
         raise ExportUnsupported(f"{name}: ONNX Runtime disagrees with PyTorch on new shapes"
-                                + (f" (the tracer froze: {frozen[0]})" if frozen else ""))
+                                f"{_why(frozen) or ' — ' + SHAPE_HINT.replace('only runs', 'is only right')}")
 
 
 def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner, spec_enc: EncoderSpec,
-            frozen: list[str]) -> None:
-    """Run both graphs on a batch size, beam width and step count the trace never saw; compare with PyTorch."""
+            frozen: list[str]) -> dict[str, float]:
+    """Run both graphs on a batch size, beam width and step count the trace never saw; compare with PyTorch.
+    Returns the largest absolute difference per output kind."""
     batch, k = 3, 3
     pixels, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4, seed=5)
+    diffs: dict[str, float] = {}
+    prefix = f"{model.arch}: "
     try:
         encoder, step = _session(folder / ENCODER_FILE), _session(folder / STEP_FILE)
         outputs = encoder.run(spec.encoder_outputs, {"pixels": pixels.numpy()})
     except Exception as exc:
-        raise ExportUnsupported(f"ONNX Runtime cannot run the encoder graph: {str(exc).splitlines()[0]}") from exc
+        raise ExportUnsupported(f"{prefix}ONNX Runtime cannot run the encoder graph on a new batch size: "
+                                f"{_ort_failure(exc, frozen)}") from exc
     for name, got in zip(spec.encoder_outputs, outputs):
         kind, key = name.split(".", 1)
-        _close(name, got, (enc if kind == "enc" else state0)[key], frozen)
+        _close(prefix + name, name, got, (enc if kind == "enc" else state0)[key], frozen, diffs)
     for t, ((prev, state), (logprobs, new_state, attn)) in enumerate(trace):
         feed = {"prev_tokens": prev.numpy(), **{f"state.{key}": state[key].numpy() for key in spec.state_keys},
                 **{f"enc.{key}": enc_rows[key].numpy() for key in spec.enc_keys}}
         try:
             outputs = step.run(spec.step_outputs, {i.name: feed[i.name] for i in step.get_inputs()})
         except Exception as exc:
-            raise ExportUnsupported(f"ONNX Runtime cannot run the step graph at step {t}: "
-                                    f"{str(exc).splitlines()[0]}") from exc
+            raise ExportUnsupported(f"{prefix}ONNX Runtime cannot run the step graph on new row counts (step "
+                                    f"{t}): {_ort_failure(exc, frozen)}") from exc
         want = {"logprobs": logprobs, "attention": attn.primary,
                 **{f"next.{key}": new_state[key] for key in spec.state_keys},
                 **{f"extra.{key}": attn.extras[key] for key in spec.extra_keys}}
         for name, got in zip(spec.step_outputs, outputs):
-            _close(f"{name} at step {t}", got, want[name], frozen)
+            _close(f"{prefix}{name} at step {t}", name, got, want[name], frozen, diffs)
+    return diffs
 
 
 def export_is_current(folder: str | Path, checksum: str) -> bool:

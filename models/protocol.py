@@ -111,23 +111,31 @@ class Captioner(nn.Module):
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Teacher-forced log-probs ``[B, T, V]`` for ``captions`` ``[B, T]`` (BOS-less targets ending in EOS)
         plus auxiliary losses.  The default runs ``step`` in a loop, which is what LSTM models want."""
+        logprobs, records, _ = self.teacher_force(vis, captions, ss_prob)
+        aux = self.auxiliary_losses(torch.stack([r.primary for r in records], dim=1), captions != self.pad_id)
+        return logprobs, aux
+
+    def teacher_force(self, vis: VisualBatch, captions: Tensor,
+                      ss_prob: float = 0.0) -> tuple[Tensor, list[AttnRecord], EncState]:
+        """The ``step`` loop behind :meth:`forward_xe`: log-probs ``[B, T, V]``, the attention record of every
+        step and the encoder state, for models whose training objective needs more than the primary attention
+        (SAT-hard's REINFORCE terms)."""
         enc = self.encode(vis)
         state = self.init_state(enc)
         batch, steps = captions.shape
         prev = torch.full((batch,), self.bos_id, dtype=torch.long, device=captions.device)
-        outputs, attentions = [], []
+        outputs, records = [], []
         for t in range(steps):
             logprobs, state, attn = self.step(prev, state, enc)
             outputs.append(logprobs)
-            attentions.append(attn.primary)
+            records.append(attn)
             prev = captions[:, t]
             if ss_prob > 0.0 and t + 1 < steps:
                 # scheduled sampling (Bengio et al.): feed the model's own sample with probability ss_prob
                 use_sample = torch.rand(batch, device=captions.device) < ss_prob
                 sampled = torch.multinomial(logprobs.detach().exp(), 1).squeeze(1)
                 prev = torch.where(use_sample, sampled, prev)
-        aux = self.auxiliary_losses(torch.stack(attentions, dim=1), captions != self.pad_id)
-        return torch.stack(outputs, dim=1), aux
+        return torch.stack(outputs, dim=1), records, enc
 
     def auxiliary_losses(self, attention: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
         """Extra training losses from the per-step attention ``[B, T, N]``; none by default."""
@@ -147,3 +155,15 @@ class Captioner(nn.Module):
     def config(self) -> dict[str, Any]:
         """Constructor keyword arguments, stored in the checkpoint's config.json."""
         raise NotImplementedError
+
+    def area_boxes(self, grid_hw: tuple[int, int] | None = None) -> Tensor | None:
+        """``[|R|, 4]`` inclusive cell boxes ``(r1, c1, r2, c2)`` that index the ``areas`` extra of :meth:`step`, for
+        models that attend over areas (SPEC §6); None for everyone else."""
+        return None
+
+    def export_blocker(self) -> str | None:
+        """Why this model (with this configuration) cannot be exported to ONNX, or None to let the exporter try.
+
+        The exporter verifies every graph against PyTorch anyway; override this to give a clearer reason up front
+        (e.g. decoding that samples, or an iterative solver whose number of iterations depends on the data)."""
+        return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -161,22 +162,55 @@ def caption_figure(image: Image.Image, words: Sequence[str], attention: Sequence
                    mode: str | None = None, cmap: str = "jet", alpha: float = 0.5, columns: int = 5,
                    area_boxes: np.ndarray | None = None, panel_size: int = 224) -> Image.Image:
     """The papers' figure: the image, then one panel per word with that word's heatmap (PNG-ready RGB)."""
+    thumb = _thumbnail(image, panel_size)
+    panels = [("(image)", thumb)] + [
+        (word, overlay(thumb, attention[i], geometry, mode, cmap, alpha, area_boxes)) for i, word in enumerate(words)]
+    return _figure([panels[i:i + columns] for i in range(0, len(panels), columns)], columns)
+
+
+@dataclass
+class FigureRow:
+    """One captioner's result on the image, for :func:`comparison_figure`."""
+
+    label: str
+    words: Sequence[str]
+    attention: Sequence[Sequence[float]]
+    geometry: Geometry
+    area_boxes: np.ndarray | None = None
+    mode: str | None = None
+
+
+def comparison_figure(image: Image.Image, rows: Sequence[FigureRow], cmap: str = "jet", alpha: float = 0.5,
+                      panel_size: int = 224) -> Image.Image:
+    """One row per captioner: the image with its caption, then every word's heatmap (P4's Figure 1 layout, e.g.
+    softmax / sparsemax / TVmax on the same picture)."""
+    thumb = _thumbnail(image, panel_size)
+    grid = [[(f"{row.label}:", thumb)] + [
+        (word, overlay(thumb, row.attention[i], row.geometry, row.mode, cmap, alpha, row.area_boxes))
+        for i, word in enumerate(row.words)] for row in rows]
+    return _figure(grid, max(len(panels) for panels in grid))
+
+
+def _thumbnail(image: Image.Image, panel_size: int) -> Image.Image:
+    thumb = image.convert("RGB").copy()
+    thumb.thumbnail((panel_size * 2, panel_size * 2))
+    return thumb
+
+
+def _figure(grid: Sequence[Sequence[tuple[str, Image.Image]]], columns: int) -> Image.Image:
+    """Render rows of titled panels with matplotlib (headless) into an RGB image."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    thumb = image.convert("RGB").copy()
-    thumb.thumbnail((panel_size * 2, panel_size * 2))
-    panels = [("(image)", thumb)] + [
-        (word, overlay(thumb, attention[i], geometry, mode, cmap, alpha, area_boxes)) for i, word in enumerate(words)]
-    rows = -(-len(panels) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(columns * 2.2, rows * 2.4), squeeze=False)
+    figure, axes = plt.subplots(len(grid), columns, figsize=(columns * 2.2, len(grid) * 2.4), squeeze=False)
     for axis in axes.flat:
         axis.axis("off")
-    for axis, (word, picture) in zip(axes.flat, panels):
-        axis.imshow(picture)
-        axis.set_title(word, fontsize=11)
+    for axes_row, panels in zip(axes, grid):
+        for axis, (word, picture) in zip(axes_row, panels):
+            axis.imshow(picture)
+            axis.set_title(word, fontsize=11)
     figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)

@@ -8,6 +8,8 @@ gated context ``ẑ_t = β_t Σ_i α_{t,i} a_i``, an LSTM on ``[E y_{t-1}; ẑ_t
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,6 +24,8 @@ from .registry import register
 class ShowAttendTell(Captioner):
     attention_kind = "soft_attention"
     selection_metric = "BLEU-4"  # the paper early-stops on validation BLEU (SPEC §2.4, [REC] BLEU-4)
+    #: the β_t gate belongs to the soft model (SAT §4.2.1); SAT-hard leaves it out (SPEC §2.3 [REC])
+    gated: ClassVar[bool] = True
 
     def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 512, hidden_dim: int = 1024,
                  attn_dim: int = 512, dropout: float = 0.5, doubly_stochastic: float = 1.0, **ids: int):
@@ -32,7 +36,7 @@ class ShowAttendTell(Captioner):
         self.init_h = nn.Linear(feat_dim, hidden_dim)  # f_init,h: one affine layer + tanh ([REC])
         self.init_c = nn.Linear(feat_dim, hidden_dim)
         self.attend = AdditiveAttention(feat_dim, hidden_dim, attn_dim, get_normaliser("softmax"))
-        self.gate = nn.Linear(hidden_dim, 1)  # β_t = σ(w_β^T h_{t-1} + b_β)
+        self.gate = nn.Linear(hidden_dim, 1) if self.gated else None  # β_t = σ(w_β^T h_{t-1} + b_β)
         self.lstm = nn.LSTMCell(embed_dim + feat_dim, hidden_dim)
         self.out_h = nn.Linear(hidden_dim, embed_dim)  # L_h
         self.out_z = nn.Linear(feat_dim, embed_dim)  # L_z
@@ -70,8 +74,15 @@ class ShowAttendTell(Captioner):
         return logprobs, {"h": h, "c": c}, AttnRecord(alpha, extras)
 
     def auxiliary_losses(self, attention: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
-        """Doubly stochastic penalty λ Σ_i (1 − Σ_t α_{t,i})², summing t over real steps (SAT Eq. 14)."""
+        """Doubly stochastic penalty λ Σ_i (1 − Σ_t α_{t,i})², summing t over real steps (SAT Eq. 14), divided by
+        the caption's length.
+
+        Eq. 14 adds the penalty to −log P(y|x), a *sum* over the caption's words; our XE is a mean over words, so
+        the penalty is divided by the number of words to keep the paper's ratio between the two terms.  Undivided,
+        it outweighed the XE about tenfold on 8×8 grids and spread every word's attention over the whole image."""
         if not self.doubly_stochastic:
             return {}
-        per_location = (attention * token_mask.unsqueeze(-1).to(attention.dtype)).sum(1)
-        return {"doubly_stochastic": self.doubly_stochastic * ((1.0 - per_location) ** 2).sum(1).mean()}
+        mask = token_mask.to(attention.dtype)
+        per_location = (attention * mask.unsqueeze(-1)).sum(1)
+        per_caption = ((1.0 - per_location) ** 2).sum(1) / mask.sum(1).clamp_min(1.0)
+        return {"doubly_stochastic": self.doubly_stochastic * per_caption.mean()}

@@ -11,11 +11,15 @@ attentions of step ``t`` belong to word ``y_t``.
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import get_normaliser
+from .attention.tvmax import _tv2d_solve as tvmax_solver
 from .layers import AdditiveAttention
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
@@ -51,6 +55,17 @@ class SparseCap(Captioner):
 
     def config(self) -> dict:
         return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
+
+    def export_blocker(self) -> str | None:
+        if "tvmax" not in (self.hparams["attention"], self.hparams["input_attention_normalizer"]):
+            return None
+        # a trace would freeze the iteration count that happened to certify the example scores: the graph
+        # would agree on the export's checks and silently return an uncertified prox on other images
+        source = inspect.getsourcefile(tvmax_solver)
+        line = inspect.getsourcelines(tvmax_solver)[1]
+        where = f"{Path(source).relative_to(Path(__file__).resolve().parents[1])}:{line}"
+        return (f"TVmax's 2D TV prox ({where}) iterates until a certificate holds, so its number of iterations "
+                "depends on the scores; serve this model with the PyTorch backend")
 
     def encode(self, vis: VisualBatch) -> EncState:
         feats = F.relu(self.project(vis.feats.to(self.project.weight.dtype)))

@@ -35,6 +35,7 @@ from .settings import Settings
 
 log = logging.getLogger("captioner.app")
 STATIC = Path(__file__).parent / "static"
+WARMUP_TIMEOUT_S = 600.0
 
 
 def _set_interop_threads(threads: int | None) -> None:
@@ -62,8 +63,10 @@ async def warm_up(batcher: Batcher, settings: Settings) -> None:
     runtime = batcher.runtime
     prepared = await asyncio.to_thread(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
     beam = min(settings.default_beam_size, settings.max_rows)
-    for size in warmup_sizes(min(settings.max_batch_images, max(1, settings.max_rows // beam))):
-        await asyncio.gather(*(batcher.caption(prepared, beam, 2, settings.request_timeout_s) for _ in range(size)))
+    # the worker never encodes more images at once than fit the rows, the batch limit or the queue
+    largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)
+    # the request deadline does not apply (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start-up)
+    await batcher.warm_up(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S)
 
 
 async def start_models(app: FastAPI, settings: Settings) -> None:
@@ -113,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Captions with per-word attention heatmaps from published attention captioners.")
     app.state.service = ServiceState(settings=settings)
     app.state.results = ResultStore(settings.results_cache_bytes)
-    install_problem_handlers(app)
+    install_problem_handlers(app, on_problem=lambda request, status, kind: app.state.service.metrics.rejected(kind))
     app.add_middleware(RequestContextMiddleware)
     app.include_router(router)
     app.include_router(overlay_router)

@@ -1,17 +1,21 @@
 """Continuous batching of beam search: one :class:`Batcher` (and one worker thread) per model.
 
-Requests wait in a bounded queue.  At every step boundary the worker
+Requests wait in a bounded queue (full: :class:`QueueFull`, which the route answers with 429 + Retry-After).
+At every step boundary the worker
 
-1. drops waiting requests whose client is gone or whose deadline has passed;
-2. admits waiting requests while their rows fit under ``max_rows``, encoding up to ``max_batch_images`` images
-   in one batch, and appends their (request, beam) rows to a row table;
+1. drops waiting requests whose client is gone or whose deadline has passed, and removes the rows of running
+   requests in the same situation (so a disconnect or a deadline frees rows before the next step runs);
+2. admits waiting requests, first come first served, while their rows fit under ``max_rows``, encoding up to
+   ``max_batch_images`` images in one batch, and appends their (request, beam) rows to a row table;
 3. runs one decoding step over every row of every table, then one top-k per beam group
    (:func:`models.decoding.beam_step`, the function :func:`models.decoding.beam_search` uses);
-4. hands finished requests their result and removes their rows, together with the rows of requests that were
-   cancelled or ran out of time.
+4. hands finished requests their result (one backtrack and one device→host copy per table for all requests that
+   finished at this step) and removes their rows.
 
-So a request joins and leaves at step boundaries without waiting for anybody else's caption, and an idle worker
-sleeps on a condition variable: a request arriving at an idle server starts at once.
+So a request joins and leaves at step boundaries without waiting for anybody else's caption, each request keeps
+its own beam width and length limit, and an idle worker sleeps on a condition variable: a request arriving at an
+idle server starts at once.  Because every row's arithmetic is the same as in ``beam_search`` (the same step, the
+same per-group top-k), batching changes nothing but speed.
 
 Rows are grouped into tables by the shapes of their state (dim 0 aside): all rows of an LSTM captioner share
 one table, while a Transformer whose cache grows every step gets one table per cohort that started together.
@@ -64,6 +68,7 @@ class Job:
     future: asyncio.Future = field(repr=False)
     enqueued: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set from the event loop; read by the worker at step boundaries
+    cancel_reason: str = "cancelled"  # label of the freed rows: "cancelled" (client gone) or "deadline"
     steps: int = 0
     first_record: int = 0  # index (in its table's record numbering) of the first step this job took part in
 
@@ -162,7 +167,7 @@ class RowTable:
     def step(self, runtime: ModelRuntime) -> list[bool]:
         """One decoding step over every row; returns, per job, whether all its beams have emitted EOS."""
         logprobs, state, attn = runtime.step(self.prev, self.state, self.enc)
-        step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id)
+        step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id, runtime.never_emitted)
         parent = step.pointer if self.parent_map is None else self.parent_map.index_select(0, step.pointer)
         self.records.append(record_step(step, attn, parent))
         self.parent_map = None
@@ -172,14 +177,27 @@ class RowTable:
             job.steps += 1
         return self.layout.groups_done(self.finished).tolist()  # the one host synchronisation of the step
 
-    def finish(self, job: Job, runtime: ModelRuntime) -> CaptionResult:
-        """The best hypothesis of ``job`` (its rows must still be in the table)."""
-        g = self.jobs.index(job)
-        offset, size = self.layout.offsets[g], self.layout.sizes[g]
-        rows = torch.arange(offset, offset + size, device=self._device)
-        history = backtrack(self.records[job.first_record - self.records_base:], rows)
-        best = collect_hypotheses(history, self.scores[offset:offset + size], runtime.eos_id, 1, None)[0]
-        return runtime.result(best, job.prepared.geometry, job.beam_size)
+    def finish(self, jobs: list[Job], runtime: ModelRuntime) -> list[CaptionResult]:
+        """The best hypothesis of each of ``jobs`` (their rows must still be in the table).
+
+        One backtrack over the rows of all of them and one device→host copy, however many finish at this step:
+        a job that joined later simply drops the history columns from before its first step.
+        """
+        groups = [self.jobs.index(job) for job in jobs]
+        rows = torch.cat([torch.arange(self.layout.offsets[g], self.layout.offsets[g] + self.layout.sizes[g])
+                          for g in groups]).to(self._device)
+        first = min(job.first_record for job in jobs)
+        history = backtrack(self.records[first - self.records_base:], rows)
+        history = {name: value.cpu() for name, value in history.items()}
+        scores = self.scores.index_select(0, rows).cpu()
+        results, start = [], 0
+        for job in jobs:
+            skip = job.first_record - first
+            mine = {name: value[start:start + job.beam_size, skip:] for name, value in history.items()}
+            best = collect_hypotheses(mine, scores[start:start + job.beam_size], runtime.eos_id, 1, None)[0]
+            results.append(runtime.result(best, job.prepared.geometry, job.beam_size))
+            start += job.beam_size
+        return results
 
 
 class Batcher:
@@ -203,10 +221,25 @@ class Batcher:
         self.steps = 0
 
     # -- event-loop side ------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, worker: bool = True) -> None:
+        """Accept requests and start the worker thread; ``worker=False`` accepts requests but leaves the step
+        loop to :meth:`run_once` (deterministic tests and benchmarks)."""
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name=f"batcher-{self.runtime.name}", daemon=True)
-        self._thread.start()
+        if worker:
+            self._thread = threading.Thread(target=self._run, name=f"batcher-{self.runtime.name}", daemon=True)
+            self._thread.start()
+
+    def run_once(self) -> None:
+        """One step boundary in the calling thread (expire, admit, one decoding step, hand out results).  Only
+        for a batcher started with ``worker=False``."""
+        if self._thread is not None:
+            raise RuntimeError("run_once drives a batcher without a worker thread (start(worker=False))")
+        with torch.inference_mode():
+            self._iteration()
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and not self._tables
 
     @property
     def queued(self) -> int:
@@ -231,8 +264,9 @@ class Batcher:
             self._wake.notify()
         return job
 
-    def cancel(self, job: Job) -> None:
-        """The client is gone or gave up: free the job's rows at the next step boundary."""
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        """The client is gone (or its deadline passed): free the job's rows at the next step boundary."""
+        job.cancel_reason = reason
         job.cancelled = True
         with self._wake:
             self._wake.notify()
@@ -243,11 +277,20 @@ class Batcher:
         try:
             return await asyncio.wait_for(asyncio.shield(job.future), timeout_s)
         except TimeoutError:
-            self.cancel(job)
+            self.cancel(job, "deadline")
             raise DeadlineExceeded(f"captioning took longer than {timeout_s:g} s") from None
         except asyncio.CancelledError:
             self.cancel(job)
             raise
+
+    async def warm_up(self, prepared: Prepared, beam_size: int, batch_sizes: list[int], max_len: int = 2,
+                      timeout_s: float = 600.0) -> None:
+        """Run ``max_len`` steps for each encoder batch size: the requests of one size are queued together (the
+        worker cannot take any of them before the last is queued), so each size is encoded as one batch."""
+        for size in batch_sizes:
+            with self._wake:
+                jobs = [self.submit(prepared, beam_size, max_len, timeout_s) for _ in range(size)]
+            await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), timeout_s)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Graceful shutdown: take no new requests, finish the queued and running ones (up to ``timeout_s``),
@@ -285,29 +328,44 @@ class Batcher:
     def _iteration(self) -> None:
         now = time.monotonic()
         self._expire_pending(now)
+        self._drop_leavers(now)  # rows of cancelled or expired jobs never take part in another step
         self._admit()
-        if not self._tables:
-            return
-        started = time.perf_counter()
-        rows = sum(t.rows for t in self._tables)
-        done = [table.step(self.runtime) for table in self._tables]
-        self.steps += 1
-        self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
-        now = time.monotonic()
-        for table, flags in zip(self._tables, done):
+        if self._tables:
+            started = time.perf_counter()
+            rows = sum(t.rows for t in self._tables)
+            done = [table.step(self.runtime) for table in self._tables]
+            self.steps += 1
+            self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
+            for table, flags in zip(self._tables, done):
+                finished = [job for job, all_eos in zip(table.jobs, flags)
+                            if not job.cancelled and (all_eos or job.steps >= job.max_len)]
+                if not finished:
+                    continue
+                try:
+                    results = table.finish(finished, self.runtime)
+                except Exception as exc:
+                    log.exception("%s: collecting results failed", self.runtime.name)
+                    for job in finished:
+                        job.resolve(error=exc)
+                else:
+                    for job, result in zip(finished, results):
+                        job.resolve(result)
+                self.metrics.rows_freed(self.runtime.name, "finished", sum(j.beam_size for j in finished))
+                table.remove(set(finished))
+            self._tables = [t for t in self._tables if t.jobs]
+        # cancellations and deadlines that arrived during the step free their rows now, not one step later
+        self._drop_leavers(time.monotonic())
+        self.active_rows = sum(t.rows for t in self._tables)
+        self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
+
+    def _drop_leavers(self, now: float) -> None:
+        """Remove the rows of jobs whose client is gone or whose deadline has passed (no device work)."""
+        for table in self._tables:
             leaving: set[Job] = set()
-            for job, all_eos in zip(table.jobs, flags):
+            for job in table.jobs:
                 if job.cancelled or job.future.done():
                     leaving.add(job)
-                    self.metrics.rows_freed(self.runtime.name, "cancelled", job.beam_size)
-                elif all_eos or job.steps >= job.max_len:
-                    leaving.add(job)
-                    self.metrics.rows_freed(self.runtime.name, "finished", job.beam_size)
-                    try:
-                        job.resolve(table.finish(job, self.runtime))
-                    except Exception as exc:
-                        log.exception("%s: collecting a result failed", self.runtime.name)
-                        job.resolve(error=exc)
+                    self.metrics.rows_freed(self.runtime.name, job.cancel_reason, job.beam_size)
                 elif now > job.deadline:
                     leaving.add(job)
                     self.metrics.rows_freed(self.runtime.name, "deadline", job.beam_size)
@@ -316,7 +374,6 @@ class Batcher:
                 table.remove(leaving)
         self._tables = [t for t in self._tables if t.jobs]
         self.active_rows = sum(t.rows for t in self._tables)
-        self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
 
     def _expire_pending(self, now: float) -> None:
         with self._wake:

@@ -1,9 +1,8 @@
-"""The ``captioner`` console script: the models' subcommands plus ``serve``."""
+"""The ``captioner`` console script: the models' subcommands (``export`` included) plus ``serve``."""
 
 from __future__ import annotations
 
 import argparse
-import os
 
 from models.cli import add_commands
 
@@ -12,12 +11,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from .app import create_app
+    from .middleware import configure_logging
     from .settings import Settings
 
     overrides = {k: v for k, v in {"weights_dir": args.weights_dir, "default_model": args.model,
-                                    "device": args.device}.items() if v is not None}
-    app = create_app(Settings(**overrides))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+                                    "device": args.device, "host": args.host, "port": args.port,
+                                    "log_level": args.log_level}.items() if v is not None}
+    settings = Settings(**overrides)
+    configure_logging(settings.log_format, settings.log_level)
+    app = create_app(settings)
+    # the app writes its own structured access log (with request ids); uvicorn's would duplicate it
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                timeout_graceful_shutdown=settings.drain_timeout_s + 5)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,13 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      "evaluation and an HTTP service with per-word attention heatmaps.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub)
-    serve = sub.add_parser("serve", help="run the HTTP service (settings also from CAPTIONER_* variables)")
-    serve.add_argument("--host", default=os.environ.get("CAPTIONER_HOST", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(os.environ.get("CAPTIONER_PORT", "8000")))
-    serve.add_argument("--weights-dir")
-    serve.add_argument("--model", help="default model name")
-    serve.add_argument("--device")
-    serve.add_argument("--log-level", default="info")
+    serve = sub.add_parser("serve", help="run the HTTP service (settings from CAPTIONER_* variables; flags win)")
+    serve.add_argument("--host", help="bind address (CAPTIONER_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (CAPTIONER_PORT, default 8000)")
+    serve.add_argument("--weights-dir", help="checkpoint folder (CAPTIONER_WEIGHTS_DIR, default weights)")
+    serve.add_argument("--model", help="default model name (CAPTIONER_DEFAULT_MODEL)")
+    serve.add_argument("--device", help="auto, cpu or cuda (CAPTIONER_DEVICE)")
+    serve.add_argument("--log-level", help="CAPTIONER_LOG_LEVEL, default info")
     serve.set_defaults(func=cmd_serve)
     return parser
 

@@ -83,7 +83,7 @@ def _render(stored: StoredResult, fmt: Format, token: int | None, mode: str | No
         image.thumbnail((max_side, max_side))
     words = result.to_json()["tokens"]
     attention = hyp.attention.numpy()
-    area_boxes = getattr(result, "area_boxes", None)
+    area_boxes = result.area_boxes
     weights_of = (lambda i: hyp.extras["areas"][i].numpy()) if mode == "area_topk" and "areas" in hyp.extras else \
         (lambda i: attention[i])
     mode = mode or default_mode(result.geometry, result.attention_kind)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,21 +35,30 @@ def problem_response(request: Request, status: int, detail: str, title: str | No
     return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
 
 
-def install_problem_handlers(app: FastAPI) -> None:
+def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, str], None] | None = None) -> None:
+    """Answer every error as a problem document; ``on_problem(request, status, kind)`` sees each one (metrics)."""
+
+    def answer(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
+               headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+        if on_problem is not None:
+            on_problem(request, status, kind or HTTPStatus(status).phrase.lower().replace(" ", "-"))
+        return problem_response(request, status, detail, title, kind, headers, **extra)
+
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
-        return problem_response(request, exc.status, exc.detail, exc.title, exc.kind, exc.headers, **exc.extra)
+        return answer(request, exc.status, exc.detail, exc.title, exc.kind, exc.headers, **exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
-        return problem_response(request, 422, detail, kind="invalid-request", errors=errors)
+        return answer(request, 422, detail, kind="invalid-request", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return problem_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return answer(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return problem_response(request, 500, "internal error; the request was not processed", kind="internal")
+        logging.getLogger("captioner.app").error("unhandled error", exc_info=exc)
+        return answer(request, 500, "internal error; the request was not processed", kind="internal")

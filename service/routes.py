@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import time
@@ -202,12 +203,14 @@ async def run_caption(state: ServiceState, data: bytes, model: str | None, beam_
         except ValueError as exc:
             raise Problem(422, str(exc), kind="invalid-request") from None
     except Problem as problem:
-        status = problem.status
-        metrics.rejected(problem.kind)
+        status = problem.status  # counted by reason where it is answered (install_problem_handlers)
+        raise
+    except asyncio.CancelledError:
+        status = 499  # cancelled: the client went away (nothing is answered)
+        metrics.rejected("client-gone")
         raise
     except BaseException:
-        status = 499  # cancelled: the client went away
-        metrics.rejected("client-gone")
+        status = 500
         raise
     finally:
         metrics.observe_request(name, status, time.monotonic() - started)
@@ -241,7 +244,6 @@ async def caption(
     max_len: Annotated[int | None, Query(ge=1, description="maximum caption length in tokens")] = None,
 ) -> dict:
     if not state.ready:
-        state.metrics.rejected("not-ready")
         raise not_ready()  # before reading the body: nothing to do with it
     given = await read_caption_input(request, state.settings.max_upload_bytes)
     result = await run_caption(state, given.data, given.model or model, given.beam_size or beam_size,

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from models.checkpoint import Checkpoint, CheckpointError, is_checkpoint, load_checkpoint
-from models.decoding import Hypothesis, beam_search, expand_rows
+from models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
+from models.decoding import Hypothesis, beam_search, expand_rows, never_emitted
 from models.device import resolve_device
 from models.encoder import EncoderSpec, GridEncoder, preprocess
+from models.pipeline import area_boxes_of
 from models.protocol import AttnRecord, DecState, EncState, Geometry, VisualBatch
 from models.vocab import EOS
 
@@ -50,6 +51,8 @@ class CaptionResult:
     words: list[str]
     hypothesis: Hypothesis
     geometry: Geometry
+    #: cell boxes (r1, c1, r2, c2) of the ``areas`` extra, for area-attention models (SPEC §6; decision #39)
+    area_boxes: np.ndarray | None = None
 
     def to_json(self) -> dict[str, Any]:
         hyp = self.hypothesis
@@ -67,6 +70,7 @@ class CaptionResult:
             "attention": _rows(hyp.attention),
             "attention_kind": self.attention_kind,
             "extras": {name: _rows(value) for name, value in hyp.extras.items()},
+            **({"area_boxes": self.area_boxes.tolist()} if self.area_boxes is not None else {}),
         }
 
 
@@ -84,6 +88,7 @@ class ModelRuntime:
         self.name, self.ckpt, self.encoder, self.device = name, ckpt, encoder, device
         model = ckpt.model
         self.bos_id, self.eos_id = model.bos_id, model.eos_id
+        self.never_emitted = never_emitted(model)
 
     @property
     def spec(self) -> EncoderSpec:
@@ -126,7 +131,8 @@ class ModelRuntime:
 
     def result(self, hyp: Hypothesis, geometry: Geometry, beam_size: int) -> CaptionResult:
         return CaptionResult(self.name, str(self.ckpt.path), self.ckpt.model.attention_kind, beam_size,
-                             self.ckpt.vocab.decode(hyp.token_ids), hyp, geometry)
+                             self.ckpt.vocab.decode(hyp.token_ids), hyp, geometry,
+                             area_boxes_of(self.ckpt.model, hyp, geometry))
 
     # -- reference path -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -212,12 +218,7 @@ _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int
 
 def discover_checkpoints(weights_dir: Path, extra: list[Path]) -> dict[str, Path]:
     """Checkpoint folders by name: every child of ``weights_dir`` that holds a checkpoint, plus ``extra``."""
-    found: dict[str, Path] = {}
-    candidates = sorted(p for p in weights_dir.iterdir() if p.is_dir()) if weights_dir.is_dir() else []
-    for path in [*candidates, *extra]:
-        if is_checkpoint(path):
-            found[path.name] = path
-    return found
+    return find_checkpoints(weights_dir, extra)
 
 
 def onnx_folder(onnx_dir: Path, name: str, ckpt: Checkpoint) -> Path:

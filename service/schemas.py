@@ -28,6 +28,9 @@ class CaptionOut(BaseModel):
     attention: list[list[float]] = Field(description="one row per token: weights over the visual items")
     attention_kind: str
     extras: dict[str, Any] = Field(default_factory=dict, description="model-specific maps, one row per token")
+    area_boxes: list[list[int]] | None = Field(
+        None, description="area-attention models: the grid-cell box (r1, c1, r2, c2, inclusive) of every column of "
+                          "extras.areas, for drawing the top-k areas")
 
 
 class ModelOut(BaseModel):

@@ -28,7 +28,7 @@ class Settings(BaseSettings):
 
     # -- device -------------------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto, cpu or cuda")
-    threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime")
+    threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their defaults, one per core)")
     interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads")
     warmup: bool = Field(True, description="run the batcher over its batch shapes before reporting ready")
     load_in_background: bool = Field(False, description="answer /healthz while models load; /readyz says when ready")
@@ -36,10 +36,10 @@ class Settings(BaseSettings):
     # -- requests -----------------------------------------------------------------------------------------------
     max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1, description="larger uploads get 413")
     max_pixels: int = Field(40_000_000, ge=1, description="larger images (decompression bombs) get 413")
-    default_beam_size: int = Field(3, ge=1)
-    max_beam_size: int = Field(10, ge=1)
-    default_max_len: int = Field(20, ge=1)
-    max_max_len: int = Field(50, ge=1)
+    default_beam_size: int = Field(3, ge=1, description="beam width of requests that name none")
+    max_beam_size: int = Field(10, ge=1, description="wider beams get 422")
+    default_max_len: int = Field(20, ge=1, description="caption length limit (tokens) of requests that name none")
+    max_max_len: int = Field(50, ge=1, description="larger max_len gets 422")
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline before 504")
 
     # -- batching and back-pressure -----------------------------------------------------------------------------
@@ -60,4 +60,6 @@ class Settings(BaseSettings):
     def _rows_fit_the_widest_beam(self) -> "Settings":
         if self.max_rows < self.max_beam_size:
             raise ValueError(f"max_rows ({self.max_rows}) must be at least max_beam_size ({self.max_beam_size})")
+        if self.default_beam_size > self.max_beam_size or self.default_max_len > self.max_max_len:
+            raise ValueError("default_beam_size and default_max_len must not exceed max_beam_size and max_max_len")
         return self

@@ -23,6 +23,16 @@ DEFAULT_CHECKPOINT = WEIGHTS / "sat-scenes"
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``):
+    their ops are too small to split, and on a busy 2-core machine waiting for a second thread dominates."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def scenes(tmp_path_factory) -> Path:
     """A small scene dataset (images, masks, Karpathy JSON), generated once per test session."""
@@ -49,14 +59,23 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server():
-    """``captioner serve`` in a real process on a free localhost port, with the shipped weights."""
+def server_log(tmp_path_factory) -> Path:
+    """Where the session server writes its output (structured access logs included)."""
+    return tmp_path_factory.mktemp("server") / "server.log"
+
+
+@pytest.fixture(scope="session")
+def server(server_log):
+    """``captioner serve`` in a real process on a free localhost port, with the shipped weights.
+
+    Its output goes to a file (``server_log``), never to an undrained pipe that would block a chatty server."""
     assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
     port = free_port()
+    log = open(server_log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--weights-dir",
-                             str(WEIGHTS)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             str(WEIGHTS)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # every shipped checkpoint loads and warms up
     while time.time() < deadline:
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
@@ -67,9 +86,10 @@ def server():
             break
     else:
         proc.kill()
-        pytest.fail(f"server did not become ready: {proc.stdout.read()[-3000:]}")
+        pytest.fail(f"server did not become ready: {server_log.read_text()[-3000:]}")
     if proc.poll() is not None:
-        pytest.fail(f"server exited: {proc.stdout.read()[-3000:]}")
+        pytest.fail(f"server exited: {server_log.read_text()[-3000:]}")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+    log.close()

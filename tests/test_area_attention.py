@@ -11,14 +11,8 @@ from models.attention.area import (AreaMultiHeadAttention, area_count_1d, area_c
                                    area_features_2d, area_mask, area_sums, areas_to_cells, causal_area_mask,
                                    enumerate_areas_1d, enumerate_areas_2d)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

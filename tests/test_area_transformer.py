@@ -13,6 +13,11 @@ from models.metrics import score_captions
 from models.protocol import VisualBatch
 from models.registry import available, create
 
+from .model_checks import VOCAB, memorisation_cider, memorisation_task, stepwise, train_to_memorise
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB, FEAT = 23, 16
 CONFIGS = {
     "regular": dict(encoder_area=None, decoder_area=None, area_key="mean"),
@@ -20,15 +25,6 @@ CONFIGS = {
     "3x3-combined+2": dict(encoder_area=3, decoder_area=[3, 2], caption_area=2, area_key="combined"),
     "pre-norm-3-layers": dict(caption_area=3, pre_norm=True, enc_layers=3, dec_layers=3),
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(**overrides):
@@ -42,19 +38,6 @@ def tiny(**overrides):
 def visuals():
     torch.manual_seed(1)
     return VisualBatch.from_features(torch.randn(3, 16, FEAT))  # a 4×4 grid
-
-
-def _stepwise(model, vis, captions):
-    enc = model.encode(vis)
-    state = model.init_state(enc)
-    prev = torch.full((captions.shape[0],), model.bos_id)
-    logps, records = [], []
-    for t in range(captions.shape[1]):
-        logprobs, state, record = model.step(prev, state, enc)
-        logps.append(logprobs)
-        records.append(record)
-        prev = captions[:, t]
-    return torch.stack(logps, 1), records
 
 
 def test_registered_and_config_round_trips():
@@ -81,11 +64,11 @@ def test_incremental_step_equals_parallel_forward(name, visuals):
     vis = VisualBatch.from_features(visuals.feats.double())
     parallel, aux = model.forward_xe(vis, captions)
     assert parallel.shape == (3, 6, VOCAB) and aux == {}
-    stepwise, _ = _stepwise(model, vis, captions)
-    torch.testing.assert_close(stepwise, parallel, atol=1e-10, rtol=1e-10)
+    step_by_step, _ = stepwise(model, vis, captions)
+    torch.testing.assert_close(step_by_step, parallel, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(parallel.exp().sum(-1), torch.ones(3, 6, dtype=torch.float64))
     model32 = tiny(**CONFIGS[name])
-    torch.testing.assert_close(_stepwise(model32, visuals, captions)[0], model32.forward_xe(visuals, captions)[0],
+    torch.testing.assert_close(stepwise(model32, visuals, captions)[0], model32.forward_xe(visuals, captions)[0],
                                atol=1e-5, rtol=1e-5)
 
 
@@ -99,7 +82,7 @@ def test_beam_search_attention_lines_up_with_tokens(visuals):
             steps = len(hyp.token_ids)
             single = VisualBatch(visuals.feats[row:row + 1], visuals.mask[row:row + 1])
             tokens = torch.tensor([hyp.token_ids])
-            logps, records = _stepwise(model, single, tokens)
+            logps, records = stepwise(model, single, tokens)
             # re-scoring the returned tokens gives the same attention rows: reordering is right
             torch.testing.assert_close(hyp.attention, torch.cat([r.primary for r in records]), atol=1e-5, rtol=1e-5)
             chosen = logps[0].gather(1, tokens.T).squeeze(1)
@@ -129,7 +112,7 @@ def test_beam_one_equals_greedy(visuals):
 def test_regular_model_exports_plain_cell_attention(visuals):
     model = tiny(**CONFIGS["regular"])
     assert model.area_boxes() is None
-    _, records = _stepwise(model, visuals, torch.tensor([[5, 6]] * 3))
+    _, records = stepwise(model, visuals, torch.tensor([[5, 6]] * 3))
     assert "areas" not in records[0].extras
     torch.testing.assert_close(records[0].primary.sum(-1), torch.ones(3))
 
@@ -140,13 +123,13 @@ def test_masked_cells_get_no_attention(visuals):
     mask[1, 10:] = False
     mask[2, [0, 5]] = False
     vis = VisualBatch(visuals.feats, mask)
-    _, records = _stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))
+    _, records = stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))
     for record in records:
         assert torch.all(record.primary[~mask] == 0)
         torch.testing.assert_close(record.primary.sum(-1), torch.ones(3))
     noisy = VisualBatch(visuals.feats.masked_fill(~mask.unsqueeze(-1), 50.0), mask)
-    torch.testing.assert_close(_stepwise(model, noisy, torch.tensor([[5, 6, 7]] * 3))[0],
-                               _stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))[0])
+    torch.testing.assert_close(stepwise(model, noisy, torch.tensor([[5, 6, 7]] * 3))[0],
+                               stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))[0])
 
 
 def test_grid_comes_from_geometry_or_config():
@@ -158,28 +141,10 @@ def test_grid_comes_from_geometry_or_config():
 
 
 def test_memorises_ten_captions():
-    gen = torch.Generator().manual_seed(0)
-    feats = torch.randn(10, 64, 32, generator=gen)
-    lengths = torch.randint(5, 9, (10,), generator=gen).tolist()
-    captions = torch.zeros(10, 9, dtype=torch.long)
-    for i, length in enumerate(lengths):
-        captions[i, :length] = torch.randint(3, 20, (length,), generator=gen)
-        captions[i, length] = 2
+    vis, targets, captions = memorisation_task()
     torch.manual_seed(0)
-    model = create("area-transformer", vocab_size=20, feat_dim=32, d_model=64, n_heads=4, ffn_dim=128, dropout=0.0,
-                   caption_area=2)
-    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
-    vis = VisualBatch.from_features(feats)
-    for _ in range(100):
-        logprobs, _ = model.forward_xe(vis, captions)
-        loss = F.nll_loss(logprobs.flatten(0, 1), captions.flatten(), ignore_index=0)
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-    model.eval()
-    hyps = greedy(model, vis, max_len=12)
-    exact = sum(h.token_ids == captions[i, :lengths[i] + 1].tolist() for i, h in enumerate(hyps))
-    words = lambda ids: " ".join(f"w{i}" for i in ids if i != 2)  # noqa: E731
-    scores = score_captions({i: words(h.token_ids) for i, h in enumerate(hyps)},
-                            {i: [words(captions[i, :lengths[i]].tolist())] for i in range(10)}, metrics=("CIDEr-D",))
-    assert exact >= 8 and scores["CIDEr-D"] > 2.0, (exact, scores, float(loss))
+    model = create("area-transformer", vocab_size=VOCAB, feat_dim=32, d_model=64, n_heads=4, ffn_dim=128,
+                   dropout=0.0, caption_area=2)
+    loss = train_to_memorise(model, vis, targets, steps=100, lr=3e-3, stop_loss=0.0)
+    cider, exact, _ = memorisation_cider(model, vis, captions)
+    assert exact >= 8 and cider > 2.0, (exact, cider, loss)

@@ -51,3 +51,45 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
     for metric in ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named"):
         assert metric in report
     assert report["SPICE"].startswith("unavailable")
+
+
+def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
+    from models.checkpoint import save_checkpoint
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    area = tmp_path / "area-transformer"
+    save_checkpoint(area, tiny_model("area-transformer"), VOCAB, TINY_SPEC)
+    photo = tmp_path / "coffee.png"
+    Image.fromarray(data.coffee()).save(photo)
+    single = tmp_path / "single.png"
+    captioner("caption", str(photo), "--checkpoint", str(area), "--overlay", str(single), "--mode", "area_topk")
+    both = tmp_path / "both.png"
+    done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--checkpoint", str(area),
+                     "--overlay", str(both))
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and "[sat-scenes]" in lines[0] and "[area-transformer]" in lines[1]
+    assert Image.open(both).height == 2 * 240  # one row per checkpoint, 2.4 in at 100 dpi each
+    refused = captioner("caption", str(photo), "--checkpoint", str(area), "--checkpoint", str(area), "--token", "0",
+                        "--overlay", str(both), check=False)
+    assert refused.returncode != 0 and "--token" in refused.stderr
+
+
+def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
+    from models.checkpoint import save_checkpoint
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
+        "dataset": "scenes/dataset_scenes.json", "phase": "xe", "selected_by": "BLEU-4", "best_epoch": 1,
+        "train_seconds": 90.0, "history": [{"epoch": 1, "xe": 1.25, "CIDEr-D": 0.5}],
+        "train_config": {"dataset": "scenes/dataset_scenes.json", "out": "runs/x", "epochs": 1, "threads": 1,
+                         "model_args": {"hidden_dim": 24}, "encoder": {"layer": "hypercolumn"}}})
+    report = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5, "objects_named": 0.9,
+                                       "SPICE": "unavailable: no models"}}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    captioner("card", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report.json"))
+    card = (tmp_path / "ckpt" / "MODEL_CARD.md").read_text()
+    assert "--model sat --dataset scenes --out runs/x --epochs 1 --encoder layer=hypercolumn --set hidden_dim=24" in card
+    assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable |" in card
+    assert "| 1 | 1.25 | 0.5 |" in card and "1.5 min" in card

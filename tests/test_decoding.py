@@ -75,3 +75,16 @@ def test_sample_masks_after_eos(tiny_sat, random_visuals):
         if tiny_sat.eos_id in ids:
             end = ids.index(tiny_sat.eos_id)
             assert out.mask[row, : end + 1].all() and not out.mask[row, end + 1:].any()
+
+
+def test_pad_and_bos_are_never_emitted(tiny_sat, random_visuals):
+    with torch.no_grad():  # make <pad> and <bos> the model's favourite words
+        tiny_sat.out_word.bias[tiny_sat.pad_id] = 50.0
+        tiny_sat.out_word.bias[tiny_sat.bos_id] = 40.0
+    specials = {tiny_sat.pad_id, tiny_sat.bos_id}
+    for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=6):
+        assert not specials & set(hyps[0].token_ids)
+    for hyp in greedy(tiny_sat, random_visuals, max_len=6):
+        assert not specials & set(hyp.token_ids)
+    drawn = sample(tiny_sat, random_visuals, n=2, max_len=6)
+    assert not bool(((drawn.tokens == tiny_sat.bos_id) | ((drawn.tokens == tiny_sat.pad_id) & drawn.mask)).any())

@@ -33,6 +33,20 @@ def test_grid_features_shape_and_frozen(encoder):
     assert not encoder.training, "the backbone stays in eval mode (frozen BatchNorm)"
 
 
+def test_hypercolumns_stack_pooled_early_stages_with_the_last_stage(encoder):
+    pixels, _ = preprocess(Image.fromarray(data.coffee()), EncoderSpec())
+    hyper = GridEncoder(EncoderSpec(layer="hypercolumn"))
+    feats = hyper(pixels[None])
+    assert hyper.feat_dim == 472 and feats.shape == (1, 64, 472)
+    torch.testing.assert_close(feats[..., -320:], encoder(pixels[None]))  # the last stage, unchanged
+    # the first 40 channels of a cell are the mean of its 4×4 block of the stride-8 stage
+    net = hyper.net
+    x = net.bn1(net.conv_stem(pixels[None]))
+    for stage in net.blocks[:3]:
+        x = stage(x)
+    torch.testing.assert_close(feats[0, 8 * 2 + 5, :40], x[0, :, 8:12, 20:24].mean((1, 2)))
+
+
 def test_geometry_maps_cells_back_to_the_original_image():
     geo = grid_geometry(EncoderSpec(), (640, 480))
     assert geo.image_size == (640, 480)

@@ -103,3 +103,23 @@ def test_demo_page_is_served_without_external_resources(client):
     for asset in ("/static/app.js", "/static/style.css"):
         assert client.get(asset).status_code == 200
     assert "http://" not in page.text and "https://" not in page.text
+
+
+def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
+    from models.checkpoint import save_checkpoint
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    save_checkpoint(tmp_path / "area", tiny_model("area-transformer"), VOCAB, TINY_SPEC)
+    with TestClient(create_app(Settings(weights_dir=tmp_path, default_model="area"))) as client:
+        photo = _png(Image.fromarray(data.coffee()), "JPEG")
+        body = client.post("/caption", params={"max_len": 3},
+                           files={"file": ("coffee.jpg", photo, "image/jpeg")}).json()
+        grid = body["geometry"]["grid_hw"]
+        boxes = body["area_boxes"]
+        assert len(boxes) == len(body["extras"]["areas"][0]) and [0, 0, 0, 0] in boxes
+        assert all(0 <= r1 <= r2 < grid[0] and 0 <= c1 <= c2 < grid[1] for r1, c1, r2, c2 in boxes)
+        plain = _image(client.get(f"/captions/{body['id']}/overlay", params={"token": 0, "mode": "grid_blocks"}))
+        top = _image(client.get(f"/captions/{body['id']}/overlay", params={"token": 0, "mode": "area_topk"}))
+        assert top.size == plain.size == (600, 400)
+        assert top.tobytes() != plain.tobytes()

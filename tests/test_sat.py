@@ -40,13 +40,13 @@ def test_masked_items_get_no_attention(tiny_sat):
     assert torch.all(alpha[1, 5:] == 0) and torch.allclose(alpha.sum(-1), torch.ones(2))
 
 
-def test_doubly_stochastic_penalty_is_eq14(tiny_sat):
+def test_doubly_stochastic_penalty_is_eq14_per_word(tiny_sat):
     attention = torch.rand(2, 5, 9).softmax(-1)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     tiny_sat.doubly_stochastic = 0.7
     got = tiny_sat.auxiliary_losses(attention, mask)["doubly_stochastic"]
     naive = sum(0.7 * sum((1 - sum(attention[b, t, i] for t in range(5) if mask[b, t])) ** 2 for i in range(9))
-                for b in range(2)) / 2
+                / int(mask[b].sum()) for b in range(2)) / 2  # Eq. 14 per caption, over its words (XE is per word)
     torch.testing.assert_close(got, naive)
 
 

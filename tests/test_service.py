@@ -19,6 +19,7 @@ from models.vocab import Vocabulary
 from service.app import create_app
 from service.settings import Settings
 
+from .conftest import WEIGHTS
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -120,3 +121,20 @@ def test_default_model_captions_a_real_photo(server):
     body = response.json()
     assert body["caption"] and body["geometry"]["image_size"] == [451, 300]
     assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"])
+
+
+def test_every_shipped_checkpoint_is_served_side_by_side(server, tmp_path):
+    shipped = sorted(p.name for p in WEIGHTS.iterdir() if (p / "model.safetensors").exists())
+    listed = {m["name"]: m for m in httpx.get(f"{server}/models").json()}
+    assert sorted(listed) == shipped
+    dataset = json.loads(generate(tmp_path, {"test": 1}, seed=5, progress=False).read_text())
+    content = (tmp_path / "images" / dataset["images"][0]["filename"]).read_bytes()
+    for name in shipped:
+        response = httpx.post(f"{server}/caption", params={"model": name},
+                              files={"file": ("scene.jpg", content, "image/jpeg")}, timeout=120)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["model"] == name and body["caption"]
+        assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"])
+        if listed[name]["attention"] == "tvmax":
+            assert any(0.0 in row for row in body["attention"]), "TVmax attention keeps exact zeros in the JSON"

@@ -10,16 +10,12 @@ from models.metrics import score_captions
 from models.protocol import VisualBatch
 from models.registry import available, create
 
+from .model_checks import VOCAB, memorisation_cider, memorisation_task, train_to_memorise
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 NORMALISERS = ("softmax", "sparsemax", "tvmax")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: extra threads only add contention on a busy machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _tiny(attention: str, **overrides):
@@ -149,31 +145,11 @@ def test_forward_xe_gradients_reach_every_parameter():
 
 def test_memorises_ten_images_with_tvmax():
     """SPEC §11.8: 10 random 8×8 feature maps with fixed random captions are memorised."""
-    generator = torch.Generator().manual_seed(0)
-    feats = torch.randn(10, 64, 32, generator=generator)
-    vocab = 20
-    captions = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() + [2]
-                for n in torch.randint(4, 9, (10,), generator=generator)]
-    targets = torch.zeros(10, max(map(len, captions)), dtype=torch.long)
-    for i, caption in enumerate(captions):
-        targets[i, :len(caption)] = torch.tensor(caption)
+    vis, targets, captions = memorisation_task()
     torch.manual_seed(0)
-    model = create("sparsecap", vocab_size=vocab, feat_dim=32, embed_dim=32, hidden_dim=64, visual_dim=32,
+    model = create("sparsecap", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, visual_dim=32,
                    attn_dim=32, dropout=0.0, attention="tvmax")
-    optimiser = torch.optim.Adam(model.parameters(), lr=5e-3)
-    vis = VisualBatch.from_features(feats)
-    for step in range(300):
-        logprobs, _ = model.forward_xe(vis, targets)
-        loss = F.nll_loss(logprobs.flatten(0, 1), targets.flatten(), ignore_index=0)
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
-        if step % 25 == 24 and loss.item() < 0.05:
-            break
-    model.eval()
-    hyps = greedy(model, vis, max_len=12)
-    assert [h.token_ids for h in hyps] == captions
-    words = {i: " ".join(map(str, h.token_ids[:-1])) for i, h in enumerate(hyps)}
-    references = {i: [" ".join(map(str, c[:-1]))] for i, c in enumerate(captions)}
-    assert score_captions(words, references, metrics=("CIDEr-D",))["CIDEr-D"] > 2.0
+    loss = train_to_memorise(model, vis, targets)
+    cider, exact, hyps = memorisation_cider(model, vis, captions)
+    assert exact == 10 and cider > 2.0, (exact, cider, loss)
     assert all((h.attention == 0).any() for h in hyps)  # the trained TVmax attention is sparse

@@ -11,14 +11,8 @@ from models.attention import NORMALISERS, get_normaliser
 from models.attention.sparsemax import sparsemax
 from models.attention.tvmax import connected_components, grid_edges, tv2d_prox, tvmax
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the solver works on tiny tensors: extra threads only add contention (several-fold slower on a busy machine)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _difference_matrix(h: int, w: int) -> np.ndarray:

@@ -4,37 +4,49 @@
 Proposition 1 (P4 Eq. 7) as ``sparsemax(prox_{λΩ_2D}(z))``, where ``Ω_2D`` is the anisotropic 2D total
 variation of the row-major ``H × W`` grid (P4 Eq. 3 on the 4-neighbour grid graph, each pair counted once).
 
-The 2D TV prox (P4 Eq. 4) has no direct algorithm.  We solve its dual
+The 2D TV prox (P4 Eq. 4) has no direct algorithm.  We work on its dual
 
     min_{|u_e| ≤ λ}  ½‖z − Dᵀu‖²,      w = z − Dᵀu,
 
-(``D`` is the ``E × N`` edge-difference matrix, ``(Dw)_e = w_j − w_i`` for edge ``e = (i, j)``) with FISTA and
-gradient-based adaptive restart, batched over every grid of the call, then *polish* the iterate with the
-group-wise characterisation of Proposition 2 (P4 Eq. 8): once the fused groups and the signs across their
-boundaries are known, the solution is their closed form, and every group is then exactly flat.  Groups are read
-off the iterate as connected components of edges whose jump is within tolerance (decision #33: 1e-6 relative to
-the max) or whose dual is strictly inside the box (a boundary edge has ``|u*_e| = λ``, P4 Eq. 16).  The polished
-point is accepted only with a KKT certificate: a dual ``u`` with ``|u| ≤ λ``, ``u_e = λ sign((Dw)_e)`` across
-group boundaries and residual ``r = z − w − Dᵀu`` (the FISTA dual plus a least-norm flow correction inside the
-groups).  Such a ``w`` is the *exact* prox of ``z − r``, and the prox is non-expansive, so
-``‖w − prox(z)‖₂ ≤ ‖r‖₂``: the tolerance is a proven error bound, not a heuristic.  Why this algorithm rather
-than the paper's proximal Dykstra, and measurements: ``docs/tvmax.md``.
+(``D`` is the ``E × N`` edge-difference matrix, ``(Dw)_e = w_j − w_i`` for edge ``e = (i, j)``), batched over every
+grid of the call:
+
+1. **FISTA** with step ``1/L`` (``L = λ_max(DDᵀ)``) and momentum ``(k − 1)/(k + 2)``, never restarted,
+   warm-started at ``u = λ sign(Dz)`` (every cell its own group).  An iteration is three tensor ops and no host
+   synchronisation.
+2. Every ``check_every`` iterations, FISTA's dual names an *active set*: edges strictly inside the box are free
+   (fused), the others pinned at ``u_e = λ sign(u_e)`` (P4 Eq. 16).  Up to :data:`ACTIVE_SET_STEPS` primal–dual
+   active-set steps (:func:`_active_set_step`) follow: the fused groups are the connected components of the free
+   edges, the solution for the guess is their closed form, P4 Eq. 8 (every group exactly flat), and a KKT
+   certificate either accepts it or yields the next guess (free the pinned edges whose jump has the wrong sign,
+   pin the free edges whose flow leaves the box).  FISTA then continues from its own iterate.
+3. The certificate is a dual flow inside the box on the free edges that carries the rest of ``z − w``: a cheap
+   spanning-tree bound when it suffices, else an explicit flow (:func:`_flow`: leaf peeling, then conjugate
+   gradients on the cycles).  With it, ``w`` is the *exact* prox of ``z − ρ`` (``ρ`` what the flow leaves:
+   rounding), and the prox is non-expansive, so ``‖w − prox(z)‖₂ ≤ ‖ρ‖₂`` (+ ``√L`` × any box clipping): the
+   tolerance is a proven error bound, not a heuristic.  Certified grids leave the batch; after ``max_iter`` the
+   point with the smaller proven bound (the active-set point or the FISTA iterate, bound ``√(2·gap)``) is returned.
+
+Why this algorithm rather than the paper's proximal Dykstra, and details: ``docs/tvmax.md``.
 
 The backward pass is P4 Algorithm 1: ``J_TVmax = J_sp(w*) J_TV`` (Prop. 1 chain rule), with the sparsemax
 Jacobian of P4 Eq. 15 and ``(J_TV)_ij = 1/|G_i|`` for ``j`` in the fused group ``G_i`` (P4 Eq. 9), using the
-certified groups of the forward pass (exactly flat, so "connected components of equal values" without any
-tolerance left to choose).  Connected components are computed batched in torch by min-label propagation with
-pointer jumping.
+certified groups of the forward pass (exactly flat, and merged where neighbouring groups come out equal, so they
+are the "connected components of equal values" without any tolerance to choose).  Connected components are
+computed batched in torch by min-label propagation with pointer jumping.
 
-All grids of a call are solved together with pure tensor ops (no Python loop over grids, no per-iteration
-host synchronisation); the host looks at the data once per ``check_every`` iterations, to stop early and to
-drop finished grids from the batch.  Computation is in float64 by default (SPEC decision #31).
+No Python loop over grids.  The host synchronises only at checks (a few boolean reductions per active-set step,
+one per label-propagation round, leaf-peeling round and conjugate-gradient iteration, and the index of the grids
+still running), never inside the FISTA iterations.  Group sums use ``scatter_add`` on CPU and a ``bmm`` with the
+0/1 membership matrix on accelerators, so results are deterministic everywhere.  Computation is in float64 by
+default (SPEC decision #31).
 """
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,8 +55,8 @@ from .sparsemax import sparsemax
 
 #: SPEC decision #32: λ is the weight of Ω_2D in Eq. 5 *with* the ½ (the paper's value)
 DEFAULT_LAMBDA = 0.01
-#: SPEC decision #33: neighbours are fused when their values differ by less than this, relative to max |z|
-GROUP_TOL = 1e-6
+#: primal-dual active-set steps tried after every ``check_every`` FISTA iterations
+ACTIVE_SET_STEPS = 3
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -61,8 +73,7 @@ def grid_edges(grid_hw: tuple[int, int]) -> tuple[Tensor, Tensor]:
 
 
 @lru_cache(maxsize=32)
-def _operators(grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtype):
-    """``D`` [E, N], the FISTA iteration matrix ``K = I − D Dᵀ / L`` [E, E], ``L`` and the edge endpoints."""
+def _operators(grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtype) -> "_Grid":
     h, w = grid_hw
     first, second = grid_edges(grid_hw)
     edges = first.numel()
@@ -77,182 +88,245 @@ def _operators(grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtyp
 
     lipschitz = path_max(h) + path_max(w)
     iteration = torch.eye(edges, dtype=torch.float64) - diff @ diff.T / max(lipschitz, 1e-12)
-    return (diff.to(device, dtype), iteration.to(device, dtype), lipschitz,
-            first.to(device), second.to(device))
+    return _Grid(diff.to(device, dtype), diff.T.to(device, dtype).contiguous(), diff.abs().to(device, dtype),
+                 iteration.to(device, dtype), lipschitz, first.to(device), second.to(device))
 
 
-def connected_components(fused: Tensor, first: Tensor, second: Tensor, cells: int, check_every: int = 4) -> Tensor:
+class _Grid(NamedTuple):
+    """The operators of one grid shape (on one device, in one dtype)."""
+
+    diff: Tensor  # D [E, N]: (Dw)_e = w_second[e] − w_first[e]
+    diff_t: Tensor  # Dᵀ [N, E], contiguous: x @ diff_t is the jump of every edge
+    incidence: Tensor  # |D| [E, N]: a 0/1 edge-set row vector times it counts each cell's edges
+    iteration: Tensor  # the FISTA iteration matrix K = I − D Dᵀ / L [E, E]
+    lipschitz: float  # L = λ_max(D Dᵀ)
+    first: Tensor  # [E] long
+    second: Tensor  # [E] long
+
+
+def connected_components(fused: Tensor, first: Tensor, second: Tensor, cells: int) -> Tensor:
     """Component label (smallest cell index) of every cell, ``[B, N]`` long, for the graph whose edges
     ``(first[e], second[e])`` are kept where ``fused[b, e]``.
 
     Min-label propagation across kept edges, followed by pointer jumping (``ℓ ← ℓ[ℓ]``, valid because a label is
-    always the index of a cell of the same component and never exceeds the cell's own index), until nothing
-    changes.  Pure tensor ops; the host checks for convergence once every ``check_every`` rounds.
+    always the index of a cell of the same component and never exceeds the cell's own index).  It stops when every
+    kept edge joins two equal labels: labels are cells of their own component, so each component then has exactly
+    one.  Small groups need a single round; the host reads one boolean per round.
     """
     batch = fused.shape[0]
-    labels = torch.arange(cells, device=fused.device).expand(batch, cells).contiguous()
-    if fused.shape[1] == 0:
+    labels = torch.arange(cells, device=fused.device).repeat(batch, 1)
+    if not bool(fused.any()):
         return labels
-    sentinel = torch.full_like(fused, cells, dtype=torch.long)
-    for round_ in range(cells):  # every round shrinks the diameter a label still has to travel; N is a hard bound
-        previous = labels
-        a, b = labels[:, first], labels[:, second]
-        smaller = torch.where(fused, torch.minimum(a, b), sentinel)
+    for _ in range(cells):  # every round shrinks the diameter a label still has to travel; N is a hard bound
+        a, b = labels.index_select(1, first), labels.index_select(1, second)
+        smaller = torch.where(fused, torch.minimum(a, b), cells)
         labels = labels.scatter_reduce(1, first.expand(batch, -1), smaller, reduce="amin")
         labels = labels.scatter_reduce(1, second.expand(batch, -1), smaller, reduce="amin")
         labels = labels.gather(1, labels)
-        if round_ % check_every == check_every - 1 and torch.equal(labels, previous):
+        if not bool((fused & (labels.index_select(1, first) != labels.index_select(1, second))).any()):
             break
     return labels
 
 
-def group_means(values: Tensor, labels: Tensor) -> Tensor:
-    """Replace every value by the mean over its group (the action of ``J_TV`` of P4 Eq. 9, which is symmetric).
+def _group_sums(values: Tensor, labels: Tensor) -> Tensor:
+    """Sums of ``values`` ``[B, C, N]`` over the groups of ``labels`` ``[B, N]``, stored at each group's root
+    (the cell its label names; 0 elsewhere).
 
-    Deterministic on every device: the sums are a batched matrix product with the 0/1 membership matrix (no
-    atomics), and every cell reads its group's value from the root row, so a group is exactly flat.
+    Deterministic on every device: on CPU ``scatter_add`` runs sequentially; on accelerators, where it would use
+    floating-point atomics, the sums are a batched matrix product with the 0/1 membership matrix instead.
     """
-    member = (labels.unsqueeze(2) == torch.arange(labels.shape[1], device=labels.device)).to(values.dtype)
-    sums = torch.bmm(member.transpose(1, 2), values.unsqueeze(2)).squeeze(2)  # [B, N] indexed by root
-    sizes = member.sum(1)
+    if values.device.type == "cpu":
+        return torch.zeros_like(values).scatter_add_(2, labels.unsqueeze(1).expand_as(values), values)
+    member = labels.unsqueeze(2) == torch.arange(labels.shape[1], device=labels.device)  # [B, cell, root]
+    return torch.bmm(values, member.to(values.dtype))
+
+
+def group_means(values: Tensor, labels: Tensor) -> Tensor:
+    """Replace every value of ``[B, N]`` by the mean over its group (the action of ``J_TV`` of P4 Eq. 9, which is
+    symmetric).  Every cell reads its group's value from the root, so a group is exactly flat."""
+    sums, sizes = _group_sums(torch.stack([values, torch.ones_like(values)], 1), labels).unbind(1)
     return (sums / sizes.clamp_min(1.0)).gather(1, labels)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the 2D TV prox
 # ---------------------------------------------------------------------------------------------------------------
-def _polish(z: Tensor, w: Tensor, u: Tensor, bound: Tensor, diff: Tensor, first: Tensor, second: Tensor,
-            lam: float, lipschitz: float, fused: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Closed-form solution for the groups and boundary signs read off an approximate ``w`` (P4 Eq. 8), the
-    labels of those groups, and a proven bound on the polished point's L2 distance to the exact prox.
+def _flow(demand: Tensor, free: Tensor, grid: _Grid, tol: Tensor) -> tuple[Tensor, Tensor]:
+    """A flow ``c`` on the ``free`` edges with ``D_Fᵀ c = demand`` (``demand`` sums to 0 on every connected
+    component of the free graph, up to rounding), and what is left of the demand, ``demand − Dᵀc``.
 
-    Eq. 8 with our edge orientation: ``w_G = mean_{j ∈ G}(z_j − (Dᵀ(λ s))_j)`` where ``s_e = sign((Dw)_e)`` on edges
-    leaving the group and 0 inside it — every boundary edge pulls its cell by ``λ`` towards the neighbour.
-
-    Certificate (KKT of P4 Eq. 16): boundary edges carry ``u_e = λ s_e``; inside the groups we take the FISTA
-    dual and add the least-norm flow correction ``D_in ψ`` with ``L_in ψ = r`` (``L_in`` the Laplacian of the
-    inside edges, ``r`` the residual, which sums to 0 over every group), so the residual vanishes up to rounding.
-    A correction that leaves the box ``|u| ≤ λ`` is clipped back and its size (times ``‖D‖ = √L``) added to the
-    bound.  Then ``w`` is the exact prox of a point within that bound of ``z`` and the prox is non-expansive.
+    1. **Leaf peeling** (exact, no linear solve): an edge that is the only free edge of one of its cells must carry
+       that cell's whole remaining demand (``(Dᵀc)_i = −c_e`` at ``i = first[e]``, ``+c_e`` at ``second[e]``).  All
+       such edges are settled at once and removed, as long as there are any.  This settles every edge outside the
+       2-core of the free graph (all bridges, whose flow is the same in every solution), in as many rounds as the
+       hanging trees are deep.
+    2. What remains lies on cycles (fused 2×2 blocks and larger): the least-norm flow ``c = D_R ψ`` with
+       ``L_R ψ = demand`` (``L_R`` the Laplacian of the remaining edges) by conjugate gradients, which are exact
+       after as many steps as ``L_R`` has distinct eigenvalues; a row stops once its residual is below ``tol``.
     """
-    batch, cells = z.shape
-    jump = w @ diff.T
-    labels = connected_components(fused, first, second, cells)
-    # an edge whose two cells are in one group is interior even if its own jump was above the tolerance
-    inside = labels[:, first] == labels[:, second]
-    signs = torch.where(inside | (bound == 0), torch.zeros_like(jump), torch.sign(jump))
-    polished = group_means(z - (lam * signs) @ diff, labels)
+    first, second = grid.first, grid.second
+    flow = torch.zeros(free.shape, dtype=demand.dtype, device=demand.device)
+    remaining, left = free, demand
+    while True:
+        degree = remaining.to(demand.dtype) @ grid.incidence
+        leaf_first, leaf_second = degree.index_select(1, first) == 1, degree.index_select(1, second) == 1
+        peel = remaining & (leaf_first | leaf_second)
+        if not bool(peel.any()):
+            break
+        carried = torch.where(leaf_first, -left.index_select(1, first), left.index_select(1, second))
+        step = torch.where(peel, carried, 0.0)
+        flow = flow + step
+        left = torch.addmm(left, step, grid.diff, alpha=-1.0)
+        remaining = remaining ^ peel
+    if not bool(remaining.any()):
+        return flow, left
+    weight = remaining.to(demand.dtype)
+    psi = torch.zeros_like(left)
+    residual, direction = left, left
+    norm2 = (residual * residual).sum(1, keepdim=True)
+    target = tol.unsqueeze(1) ** 2
+    for _ in range(demand.shape[1]):  # L_R has at most N distinct eigenvalues
+        image = ((direction @ grid.diff_t) * weight) @ grid.diff
+        curvature = (direction * image).sum(1, keepdim=True)
+        going = (norm2 > target) & (curvature > 0)  # converged rows stay put (no 0/0 on exact zeros)
+        alpha = torch.where(going, norm2 / torch.where(going, curvature, 1.0), 0.0)
+        psi = torch.addcmul(psi, alpha, direction)
+        residual = torch.addcmul(residual, alpha, image, value=-1.0)
+        new_norm2 = (residual * residual).sum(1, keepdim=True)
+        beta = torch.where(going, new_norm2 / torch.where(going, norm2, 1.0), 0.0)
+        direction = torch.addcmul(residual, beta, direction)
+        norm2 = new_norm2
+        if not bool(going.any()):
+            break
+    flow = torch.addcmul(flow, weight, psi @ grid.diff_t)
+    return flow, torch.addmm(demand, flow, grid.diff, alpha=-1.0)
 
-    dual = torch.where(inside, u, lam * signs)
-    residual = z - polished - dual @ diff
-    weight = inside.to(z.dtype)
-    adjacency = z.new_zeros(batch, cells, cells)
-    adjacency[:, first, second] = weight  # every (i, j) pair is one edge: plain writes, no accumulation
-    adjacency[:, second, first] = weight
-    member = (labels.unsqueeze(2) == labels.unsqueeze(1)).to(z.dtype)
-    # L_in + (projector onto group-constant vectors) is positive definite; r ⊥ those vectors, so ψ solves L_in ψ = r
-    system = torch.diag_embed(adjacency.sum(2)) - adjacency + member / member.sum(2, keepdim=True)
-    factor, _ = torch.linalg.cholesky_ex(system)  # the _ex variant never synchronises to check for errors
-    psi = torch.cholesky_solve(residual.unsqueeze(2), factor).squeeze(2)
-    dual = dual + weight * (psi @ diff.T)
-    feasible = torch.maximum(torch.minimum(dual, bound), -bound)
-    error = (z - polished - dual @ diff).norm(dim=1) + math.sqrt(lipschitz) * (dual - feasible).norm(dim=1)
-    consistent = ((polished @ diff.T) * signs >= 0).all(1)  # no boundary may have flipped its sign
-    error = torch.where(consistent & torch.isfinite(error), error, torch.full_like(error, float("inf")))
-    return polished, labels, error
+
+def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor, lam: float, grid: _Grid,
+                     tol: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The exact prox for one guess of the dual's active set if the guess is right, a proven bound on its error,
+    and the next guess: one primal-dual active-set step on the dual box QP.
+
+    The guess: ``free`` edges, whose dual may lie strictly inside the box, and the others, *pinned* at
+    ``u_e = λ s_e`` (P4 Eq. 16; ``signs`` s, and 0 on masked edges).  The fused groups are the connected
+    components of the free edges, and the solution is their closed form, P4 Eq. 8, which with our edge orientation
+    reads ``w_G = mean_{j ∈ G}(z − Dᵀ u_pinned)_j``: every group is exactly flat.
+
+    Certificate (KKT of P4 Eq. 16): no pinned edge may see a jump against its sign, and the free edges must carry
+    the remaining *demand* ``d = z − Dᵀ u_pinned − w`` with a flow inside the box ``|c_e| ≤ λ``.  A cheap
+    sufficient test comes first: ``d`` sums to zero on each group, so the flow on any edge of a spanning tree of
+    the group (a partial sum of ``d``) is at most half the group's ``ℓ1`` demand.  Only when that test fails is the
+    flow computed (:func:`_flow`); an overloaded edge is then pinned at the flow's sign, and a pinned edge whose
+    jump has the wrong sign is freed: the next guess.  With a flow inside the box, ``w`` is the *exact* prox of
+    ``z − ρ``, where ``ρ`` is the part of the demand the flow does not carry (the group means of ``d`` for the
+    tree bound, what :func:`_flow` leaves otherwise: rounding), and the prox is non-expansive; a flow clipped
+    back into the box adds ``√L = ‖Dᵀ‖`` times the clipped amount.  The returned error bounds ``‖w − prox(z)‖₂``
+    (``inf`` when a sign is violated).
+    """
+    cells = z.shape[1]
+    labels = connected_components(free, grid.first, grid.second, cells)
+    pinned = torch.where(free, 0.0, bound * signs)
+    shifted = torch.addmm(z, pinned, grid.diff, alpha=-1.0)
+    sums, sizes = _group_sums(torch.stack([shifted, torch.ones_like(shifted)], 1), labels).unbind(1)
+    sizes = sizes.clamp_min(1.0)
+    polished = (sums / sizes).gather(1, labels)  # P4 Eq. 8
+    jump = polished @ grid.diff_t
+    crossing = jump * pinned < 0
+    demand = shifted - polished
+    total, spread = _group_sums(torch.stack([demand, demand.abs()], 1), labels).unbind(1)
+    carried = (spread + total.abs() <= 2.0 * lam).all(1)  # ½ Σ_G |d − mean_G d| ≤ ½ (Σ_G |d| + |Σ_G d|) ≤ λ
+    error = (total.square() / sizes).sum(1).sqrt()  # ‖ρ‖₂, ρ = the group means of d
+    following = free | crossing
+    if not bool(carried.all()):
+        flow, left = _flow(demand, free & ~carried.unsqueeze(1), grid, tol / 4)
+        overloaded = flow.abs() > bound
+        clipped = flow - torch.maximum(torch.minimum(flow, bound), -bound)
+        exact = left.norm(dim=1) + math.sqrt(grid.lipschitz) * clipped.norm(dim=1)
+        error = torch.where(carried, error, exact)
+        signs = torch.where(overloaded, torch.sign(flow), signs)
+        following = following & ~overloaded
+    error = error.masked_fill(crossing.any(1), float("inf"))
+    # Algorithm 1's groups are the connected components of equal values: two neighbouring groups that come out
+    # exactly equal (a degenerate point: |u_e| = λ with no jump) are one group
+    touching = (jump == 0) & (pinned != 0)
+    if bool(touching.any()):
+        labels = connected_components(free | touching, grid.first, grid.second, cells)
+    return polished, labels, error, following, signs
 
 
 def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
                 max_iter: int, check_every: int) -> tuple[Tensor, Tensor]:
     """Batched ``prox_{λΩ_2D}`` of ``z`` [B, N] (P4 Eq. 4) → ``(w, labels)``; see the module docstring."""
     batch, cells = z.shape
-    diff, iteration, lipschitz, first, second = _operators(tuple(grid_hw), z.device, z.dtype)
-    labels_all = torch.arange(cells, device=z.device).expand(batch, cells).clone()
-    if lam == 0.0 or first.numel() == 0 or batch == 0:
-        return z.clone(), labels_all
+    grid = _operators(tuple(grid_hw), z.device, z.dtype)
+    if lam == 0.0 or grid.first.numel() == 0 or batch == 0:
+        return z.clone(), torch.arange(cells, device=z.device).repeat(batch, 1)
     if mask is None:
-        bound = torch.full((batch, first.numel()), lam, dtype=z.dtype, device=z.device)
-        scale = z.abs().amax(1, keepdim=True)
+        bound = torch.full((batch, grid.first.numel()), lam, dtype=z.dtype, device=z.device)
     else:
         # a masked cell does not exist: drop its edges (their dual is pinned to 0) and ignore its score
-        bound = lam * (mask[:, first] & mask[:, second]).to(z.dtype)
-        z = torch.where(mask, z, torch.zeros_like(z))
-        scale = z.abs().amax(1, keepdim=True)
-    # fusion tolerance: decision #33's 1e-6 relative to the max is the cap; below it the tolerance follows the
-    # iterate's recent movement, so two truly distinct neighbours closer than the cap are split apart once the
-    # iterate is accurate enough (otherwise their wrong merge would fail the certificate forever)
-    tol_cap = GROUP_TOL * scale.clamp_min(1e-12)
+        bound = lam * (mask.index_select(1, grid.first) & mask.index_select(1, grid.second)).to(z.dtype)
+        z = torch.where(mask, z, 0.0)
+    # the certificate bound is absolute below |z| = 1 and relative above it (rounding grows with |z|); it cannot
+    # be asked below what the dtype resolves (float32 runs get ~1e-4)
     eps = torch.finfo(z.dtype).eps
-    tol_floor = 500 * eps * scale.clamp_min(1e-12)
-    # the certificate bound is absolute below |z| = 1 and relative above it (rounding of r grows with |z|); it
-    # cannot be asked below what the dtype resolves (float32 runs get ~1e-4)
-    cert_tol = (max(tol, 1e3 * eps) * scale.clamp_min(1.0)).squeeze(1)
+    cert_tol = max(tol, 1e3 * eps) * z.abs().amax(1).clamp_min(1.0)
+    inner = bound * (1.0 - 4 * eps)  # |u_e| below this: strictly inside the box, so the edge is free (Eq. 16)
 
-    out_w, out_labels = z.clone(), labels_all
-    rows = torch.arange(batch, device=z.device)  # grids still being solved
-    offset = (z @ diff.T) / lipschitz  # the constant part of the gradient step: u + (D z − D Dᵀ u)/L
-    u = torch.zeros_like(bound)
-    y = torch.zeros_like(bound)
-    since_restart = torch.zeros(batch, 1, dtype=z.dtype, device=z.device)
-    previous = z.clone()  # the primal iterate at the previous check
-    pattern = torch.full(bound.shape, 3, dtype=torch.int8, device=z.device)  # fused/sign pattern, ditto
-    done_iters = 0
+    out_w, out_labels = z, None
+    rows = None  # the grids still being solved (None: all of them)
+    offset = (z @ grid.diff_t) / grid.lipschitz  # the constant part of the gradient step: u + (D z − D Dᵀ u)/L
+    # warm start: every cell its own group, u_e = λ sign((Dz)_e): the exact dual when λ is small enough that no
+    # two neighbours fuse, and otherwise wrong only around the few pairs that do
+    u = bound * torch.sign(offset)
+    y = u
+    iterations = 0
     while True:
         lower = -bound
         for _ in range(check_every):
-            # projected gradient step on the dual at the extrapolated point (FISTA): a dozen small ops, no sync
-            u_next = torch.addmm(offset, y, iteration).clamp_(lower, bound)
-            step = u_next - u
-            # O'Donoghue & Candès gradient restart: drop a grid's momentum when it points uphill
-            restart = y.sub_(u_next).mul_(step).sum(1, keepdim=True) > 0
-            since_restart.add_(1.0).masked_fill_(restart, 0.0)
-            # momentum k/(k+3) after k steps without restart (Nesterov's t-sequence, asymptotically)
-            y = torch.addcmul(u_next, since_restart / (since_restart + 3.0), step)
+            # FISTA step on the dual: a projected gradient step at the extrapolated point, then momentum
+            # (k − 1)/(k + 2) (Chambolle & Dossal); three small ops and no host synchronisation
+            iterations += 1
+            u_next = torch.addmm(offset, y, grid.iteration).clamp_(lower, bound)
+            y = torch.lerp(u, u_next, 1.0 + (iterations - 1) / (iterations + 2))
             u = u_next
-        done_iters += check_every
-        last = done_iters >= max_iter
-
-        zr = z.index_select(0, rows)
-        w = zr - u @ diff
-        jump = w @ diff.T
-        movement = (w - previous).abs().amax(1, keepdim=True)
-        group_tol = torch.minimum(torch.maximum(10.0 * movement, tol_floor.index_select(0, rows)),
-                                  tol_cap.index_select(0, rows))
-        previous = w
-        # an edge is taken as fused when its jump is within tolerance OR its dual is strictly inside the box (an
-        # edge between two different groups has |u*_e| = λ, P4 Eq. 16): the dual test finds the groups after a
-        # handful of iterations, long before the primal iterate is accurate to 1e-6
-        fused = (bound > 0) & ((jump.abs() <= group_tol) | (u.abs() < bound * (1.0 - 4 * eps)))
-        new_pattern = torch.where(fused, torch.full_like(pattern, 2), torch.sign(jump).to(torch.int8))
-        # polishing costs as much as ~100 batched iterations, so only grids whose groups and boundary signs
-        # have not moved since the last check try it
-        ready = (new_pattern == pattern).all(1) | last
-        pattern = new_pattern
-        if not bool(ready.any()):
-            continue
-        trying = ready.nonzero().squeeze(1)
-        polished, labels, error = _polish(zr[trying], w[trying], u[trying], bound[trying], diff, first, second,
-                                          lam, lipschitz, fused[trying])
-        certified = error <= cert_tol[rows[trying]]
+        last = iterations >= max_iter
+        zr = z if rows is None else z.index_select(0, rows)
+        tol_r = cert_tol if rows is None else cert_tol.index_select(0, rows)
+        # the active set FISTA points at, then a few primal-dual active-set steps from it
+        free, signs = u.abs() < inner, torch.sign(u)
+        done = None
+        for _ in range(ACTIVE_SET_STEPS):
+            polished, labels, error, free, signs = _active_set_step(zr, free, signs, bound, lam, grid, tol_r)
+            certified = error <= tol_r
+            if done is None:
+                w_r, labels_r, error_r, done = polished, labels, error, certified
+            else:
+                newly = (certified & ~done).unsqueeze(1)
+                w_r, labels_r = torch.where(newly, polished, w_r), torch.where(newly, labels, labels_r)
+                error_r, done = torch.where(certified & ~done, error, error_r), done | certified
+            if bool(done.all()):
+                break
         if last:
             # out of budget: keep whichever point has the smaller proven error bound (the plain FISTA iterate's
             # bound is the duality gap, ‖w − w*‖² ≤ 2·gap by 1-strong convexity of the primal)
+            w = torch.addmm(zr, u, grid.diff, alpha=-1.0)
+            jump = w @ grid.diff_t
             gap = (jump.abs() * (bound - u * torch.sign(jump))).sum(1).clamp_min(0.0)
-            keep_polished = error <= (2.0 * gap).sqrt()
-            polished = torch.where(keep_polished[:, None], polished, w)
-            certified = torch.ones_like(certified)
-        if not bool(certified.any()):
-            continue
-        finished = trying[certified]
-        out_w.index_copy_(0, rows[finished], polished[certified])
-        out_labels.index_copy_(0, rows[finished], labels[certified])
-        if finished.numel() == rows.numel():
-            break
+            w_r = torch.where((error_r <= (2.0 * gap).sqrt()).unsqueeze(1), w_r, w)
+            done = torch.ones_like(done)
+        if rows is None:
+            if bool(done.all()):
+                return w_r, labels_r
+            out_w, out_labels, rows = w_r.clone(), labels_r.clone(), torch.arange(batch, device=z.device)
+        else:
+            out_w.index_copy_(0, rows, w_r)
+            out_labels.index_copy_(0, rows, labels_r)
+            if bool(done.all()):
+                return out_w, out_labels
         # drop finished grids so the remaining iterations only pay for the hard ones
-        running = torch.ones_like(rows, dtype=torch.bool).index_fill_(0, finished, False).nonzero().squeeze(1)
-        rows, u, y, since_restart = rows[running], u[running], y[running], since_restart[running]
-        previous, pattern, offset, bound = previous[running], pattern[running], offset[running], bound[running]
-    return out_w, out_labels
+        running = (~done).nonzero().squeeze(1)
+        rows, u, y, offset, bound, inner = (t.index_select(0, running) for t in (rows, u, y, offset, bound, inner))
 
 
 class TV2DProxFunction(torch.autograd.Function):
@@ -274,14 +348,16 @@ class TV2DProxFunction(torch.autograd.Function):
 
 
 def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, mask: Tensor | None = None, *,
-              tol: float = 1e-9, max_iter: int = 2000, check_every: int = 5,
+              tol: float = 1e-9, max_iter: int = 2000, check_every: int = 8,
               return_groups: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """``prox_{λΩ_2D}(z) = argmin_w ½‖w − z‖² + λ Ω_2D(w)`` (P4 Eq. 4) over ``[..., H*W]`` row-major grids.
 
     Differentiable (backward = group averaging, P4 Eq. 9).  The result is certified to lie within ``tol``
-    (L2, times ``max(1, max|z|)``) of the exact prox; fused groups are exactly flat.  With ``return_groups``
-    also returns the group label (smallest cell index of the group) of every cell.  Masked cells (False)
-    are removed from the grid graph and returned unchanged.
+    (L2, times ``max(1, max|z|)``; at least ``1e3·eps`` of the dtype) of the exact prox, unless ``max_iter`` FISTA
+    iterations run out first (then the candidate with the smaller proven bound is returned); fused groups are
+    exactly flat.  The solver looks for a certificate every ``check_every`` iterations.  With ``return_groups``
+    also returns the group label (smallest cell index of the group) of every cell.  Masked cells (False) are
+    removed from the grid graph; their output is 0.
     """
     h, w = grid_hw
     if z.shape[-1] != h * w:

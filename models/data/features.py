@@ -3,6 +3,10 @@
 Features are stored as one float16 ``.npy`` per (encoder spec, image list), memory-mapped at read time.  The
 file is filled in chunks next to a ``.progress`` counter, so an interrupted extraction resumes where it stopped,
 and it only gets its final name once complete.
+
+Training and evaluation read visual items through a *store*: ``store.feat_dim`` and ``store.batch(keys)`` →
+:class:`~models.protocol.VisualBatch`.  :func:`open_feature_store` picks this grid cache or precomputed region
+features (:class:`models.data.regions.RegionStore`) from a ``--features`` value.
 """
 
 from __future__ import annotations
@@ -11,13 +15,24 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess
+from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
+
+
+class VisualStore(Protocol):
+    """Where training and evaluation get visual items from, by image key (``CaptionedImage.key``)."""
+
+    @property
+    def feat_dim(self) -> int: ...
+
+    def batch(self, keys: Sequence[str]) -> VisualBatch: ...
 
 
 class FeatureStore:
@@ -25,9 +40,31 @@ class FeatureStore:
         self.array = array
         self.row_of = {key: row for row, key in enumerate(keys)}
 
+    @property
+    def feat_dim(self) -> int:
+        return int(self.array.shape[-1])
+
     def get(self, keys: Sequence[str]) -> torch.Tensor:
         rows = [self.row_of[k] for k in keys]
         return torch.from_numpy(np.asarray(self.array[rows], dtype=np.float32))
+
+    def batch(self, keys: Sequence[str]) -> VisualBatch:
+        """Every image has the same grid, so nothing is padded and the mask is all True."""
+        return VisualBatch.from_features(self.get(keys))
+
+
+def open_feature_store(features: str | None, images: Sequence[CaptionedImage], spec: EncoderSpec,
+                       cache_dir: str | Path, device: str = "cpu", progress: bool = True) -> VisualStore:
+    """The store behind ``--features``: ``None`` or ``"grid"`` → frozen-encoder grid features of ``spec``
+    (extracted once into ``cache_dir``); ``"regions:DIR"`` → precomputed region features in ``DIR``."""
+    kind, _, where = (features or "grid").partition(":")
+    if kind == "grid" and not where:
+        return extract_features(images, spec, cache_dir, device=device, progress=progress)
+    if kind == "regions" and where:
+        from .regions import RegionStore
+
+        return RegionStore(where, images)
+    raise ValueError(f"--features must be 'grid' or 'regions:DIR', got {features!r}")
 
 
 def _cache_name(spec: EncoderSpec, keys: Sequence[str]) -> str:

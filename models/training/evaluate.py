@@ -8,15 +8,15 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint
-from ..data.features import FeatureStore
+from ..data.features import VisualStore
 from ..data.karpathy import CaptionedImage
 from ..decoding import beam_search
 from ..metrics import ALL_METRICS, score_captions
-from ..protocol import Captioner, VisualBatch
+from ..protocol import Captioner
 from ..vocab import Vocabulary
 
 
-def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[CaptionedImage], store: FeatureStore,
+def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[CaptionedImage], store: VisualStore,
                     beam_size: int = 3, max_len: int = 20, batch_size: int = 50, device: str = "cpu",
                     progress: bool = False) -> dict[int, list[str]]:
     """Beam-search captions (as token lists) for every image, keyed by image id."""
@@ -25,8 +25,8 @@ def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[Captio
     captions = {}
     for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
         chunk = images[start:start + batch_size]
-        feats = store.get([im.key for im in chunk]).to(device)
-        hyps = beam_search(model, VisualBatch.from_features(feats), k=beam_size, max_len=max_len, extras=())
+        vis = store.batch([im.key for im in chunk]).to(device)
+        hyps = beam_search(model, vis, k=beam_size, max_len=max_len, extras=())
         for im, best in zip(chunk, hyps):
             captions[im.image_id] = vocab.decode(best[0].token_ids)
     model.train(was_training)
@@ -40,7 +40,7 @@ def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImag
 
 
 @torch.no_grad()
-def evaluate_checkpoint(ckpt: Checkpoint, images: Sequence[CaptionedImage], store: FeatureStore,
+def evaluate_checkpoint(ckpt: Checkpoint, images: Sequence[CaptionedImage], store: VisualStore,
                         beam_size: int = 3, max_len: int = 20, metrics: Sequence[str] = ALL_METRICS,
                         device: str = "cpu", progress: bool = True) -> tuple[dict[str, float], dict[int, list[str]]]:
     captions = caption_dataset(ckpt.model, ckpt.vocab, images, store, beam_size, max_len, device=device,

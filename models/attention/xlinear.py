@@ -1,0 +1,204 @@
+"""X-Linear attention (Pan et al., "X-Linear Attention Networks for Image Captioning", CVPR 2020 — P3 §3.2;
+SPEC §4.3–§4.4): bilinear query×key and query×value pooling with spatial *and* channel attention, and the
+stacked "higher-order" layer that refines its keys and values with each new attended vector.
+
+Single-head block, P3 Eq. 2–6 with biases (SPEC §4.3), ``ρ`` the embedding activation:
+
+* ``B^k_i  = ρ(W_k k_i) ⊙ ρ(W^k_q Q)``                                      query–key bilinear pooling  (Eq. 2)
+* ``B'^k_i = ReLU(W^k_B B^k_i)``, ``b^s_i = W_b B'^k_i``, ``β^s = softmax(b^s)``  spatial attention     (Eq. 3)
+* ``B̄ = (1/N) Σ_i B'^k_i``                                                  squeeze                     (Eq. 4)
+* ``β^c = sigmoid(W_e B̄)``                                                  excitation: channel attn.   (Eq. 5)
+* ``v̂ = β^c ⊙ Σ_i β^s_i B^v_i`` with ``B^v_i = ρ(W_v v_i) ⊙ ρ(W^v_q Q)``                               (Eq. 6)
+
+``ρ``: the paper's final "+ELU" block (P3 §3.2 "infinity order", Fig. 2; Table 3) encodes query, keys and values
+with an exponential unit instead of ReLU.  The paper says "ELU" but cites Barron's *continuously differentiable*
+ELU, so ``ρ`` is CELU with α = 1.3 (SPEC §4.4, decision #22); ``activation="relu"`` is the base block.  The ReLU
+inside Eq. 3 is not an embedding of Q, K or V and stays a ReLU.
+
+**Efficient batched form.**  ``ρ(W^v_q Q)`` does not depend on ``i``, so Eq. 6 is computed as
+``v̂ = β^c ⊙ ρ(W^v_q Q) ⊙ Σ_i β^s_i ρ(W_v v_i)``: one weighted sum of value embeddings per query instead of ``N``
+bilinear vectors.  The per-item embeddings ``ρ(W_k k_i)`` and ``ρ(W_v v_i)`` depend only on the image, so a
+decoder computes them once (:meth:`XLinearAttention.embed_memory`) and reuses them at every step; all queries
+(``[B, L, D_q]``, e.g. every caption position of a Transformer) and all heads run in one pass.
+
+**Multi-head form** (SPEC §4.3 [REC], decision #21).  ``D_B`` is split into ``H`` heads of ``D_B/H`` channels and
+``D_c`` into ``H`` slices of ``D_c/H``; every head runs Eq. 2–6 on its own channel slice and gets its own ``β^s``
+and ``β^c``.  As in the authors' code [REF-CODE] the per-head layers ``W^k_B`` (``D_B/H → D_c/H``), ``W_b`` and
+``W_e`` are one set of weights applied to every head.  ``heads=1`` is exactly the paper's single-head block.  The
+authors' code also GroupNorms the four embeddings (``group_norm=True``); the paper does not, so it is off.
+
+**Masking.**  ``mask`` is True for real items, ``[B, N]`` (the same items for every query) or ``[B, L, N]`` (per
+query, e.g. causal).  Masked items get exactly zero spatial weight and are left out of the squeeze mean (Eq. 4 is
+a mean over the real items — SPEC §1.3).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .softmax import masked_softmax
+
+ACTIVATIONS = ("celu", "relu")
+
+
+def embedding_activation(name: str, celu_alpha: float = 1.3) -> nn.Module:
+    """``ρ``: CELU(α) for the "+ELU" block (decision #22) or ReLU for the base block (P3 Eq. 2)."""
+    if name == "celu":
+        return nn.CELU(celu_alpha)
+    if name == "relu":
+        return nn.ReLU()
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
+
+
+class _ChannelGroupNorm(nn.GroupNorm):
+    """GroupNorm over the last dimension of a tensor with any leading shape (``nn.GroupNorm`` wants channels on
+    dim 1); with ``heads`` groups each head's channels are normalised together, as in the authors' code."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+class XLinearOutput(NamedTuple):
+    """Result of :meth:`XLinearAttention.attend`; the ``L`` axis is absent when the query was ``[B, D_q]``."""
+
+    attended: Tensor  # v̂    [B, (L,) D_B]
+    spatial: Tensor  # β^s  [B, H, (L,) N] — rows sum to 1 over the real items
+    channel: Tensor  # β^c  [B, (L,) D_B] — in (0, 1), head h owns channels h·D_B/H … (h+1)·D_B/H − 1
+
+
+class XLinearAttention(nn.Module):
+    """The X-Linear attention block ``F_X-Linear(K, V, Q)`` (P3 Eq. 2–6), multi-head, with masks.
+
+    ``bilinear_dim`` is ``D_B`` (paper: 1024) and ``channel_dim`` the total ``D_c`` (paper: 512); both must be
+    divisible by ``heads``.  ``dropout`` acts on ``B'^k`` (0.1 in the authors' code; [NS] in the paper).
+    """
+
+    def __init__(self, query_dim: int, key_dim: int, value_dim: int, bilinear_dim: int = 1024,
+                 channel_dim: int = 512, heads: int = 8, activation: str = "celu", celu_alpha: float = 1.3,
+                 group_norm: bool = False, dropout: float = 0.1):
+        super().__init__()
+        if bilinear_dim % heads or channel_dim % heads:
+            raise ValueError(f"D_B={bilinear_dim} and D_c={channel_dim} must both be divisible by heads={heads}")
+        self.heads = heads
+
+        def embedding(in_dim: int) -> nn.Sequential:  # ρ(W x + b), optionally GroupNorm-ed per head [REF-CODE]
+            layers = [nn.Linear(in_dim, bilinear_dim), embedding_activation(activation, celu_alpha)]
+            if group_norm:
+                layers.append(_ChannelGroupNorm(heads, bilinear_dim))
+            return nn.Sequential(*layers)
+
+        self.key_embed = embedding(key_dim)  # ρ(W_k k_i)      (Eq. 2)
+        self.query_key_embed = embedding(query_dim)  # ρ(W^k_q Q)      (Eq. 2)
+        self.value_embed = embedding(value_dim)  # ρ(W_v v_i)      (Eq. 6)
+        self.query_value_embed = embedding(query_dim)  # ρ(W^v_q Q)      (Eq. 6)
+        head_bilinear, head_channel = bilinear_dim // heads, channel_dim // heads
+        self.bilinear_embed = nn.Linear(head_bilinear, head_channel)  # W^k_B   (Eq. 3)
+        self.spatial_score = nn.Linear(head_channel, 1)  # W_b     (Eq. 3)
+        self.excitation = nn.Linear(head_channel, head_bilinear)  # W_e     (Eq. 5)
+        self.dropout = nn.Dropout(dropout)
+
+    def embed_memory(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """``ρ(W_k k_i)`` and ``ρ(W_v v_i)``, each ``[B, N, D_B]``: they depend only on the items, so a decoder
+        computes them once per image (or appends one position per step) and passes them to :meth:`attend`."""
+        return self.key_embed(keys), self.value_embed(values)
+
+    def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None) -> XLinearOutput:
+        """``F_X-Linear(K, V, Q)`` for ``query [B, D_q]`` or ``[B, L, D_q]`` over ``keys [B, N, D_k]`` and
+        ``values [B, N, D_v]``."""
+        return self.attend(query, *self.embed_memory(keys, values), mask)
+
+    def attend(self, query: Tensor, key_embedding: Tensor, value_embedding: Tensor,
+               mask: Tensor | None = None) -> XLinearOutput:
+        """The block from precomputed item embeddings (see :meth:`embed_memory`)."""
+        single_query = query.dim() == 2
+        if single_query:
+            query = query.unsqueeze(1)
+        if mask is not None and mask.dim() == 2:
+            mask = mask.unsqueeze(1)  # [B, 1, N]: every query sees the same items
+
+        def split(x: Tensor) -> Tensor:  # [..., D_B] → [..., H, D_B/H]
+            return x.unflatten(-1, (self.heads, -1))
+
+        query_for_keys = split(self.query_key_embed(query))  # ρ(W^k_q Q)            [B, L, H, d]
+        query_for_values = split(self.query_value_embed(query))  # ρ(W^v_q Q)            [B, L, H, d]
+        bilinear = query_for_keys.unsqueeze(2) * split(key_embedding).unsqueeze(1)  # B^k  [B, L, N, H, d]  (Eq. 2)
+        transformed = self.dropout(F.relu(self.bilinear_embed(bilinear)))  # B'^k [B, L, N, H, c]  (Eq. 3)
+        scores = self.spatial_score(transformed).squeeze(-1).permute(0, 3, 1, 2)  # b^s  [B, H, L, N]
+        spatial = masked_softmax(scores, None if mask is None else mask.unsqueeze(1))  # β^s          (Eq. 3)
+        channel = torch.sigmoid(self.excitation(self._squeeze(transformed, mask)))  # β^c  [B, L, H, d]  (Eq. 4–5)
+        pooled_values = torch.einsum("bhln,bnhd->blhd", spatial, split(value_embedding))  # Σ_i β^s_i ρ(W_v v_i)
+        attended = (channel * query_for_values * pooled_values).flatten(-2)  # (Eq. 6), efficient form
+        channel = channel.flatten(-2)
+        if single_query:
+            return XLinearOutput(attended.squeeze(1), spatial.squeeze(2), channel.squeeze(1))
+        return XLinearOutput(attended, spatial, channel)
+
+    @staticmethod
+    def _squeeze(transformed: Tensor, mask: Tensor | None) -> Tensor:
+        """``B̄`` (Eq. 4): the mean of ``B'^k [B, L, N, H, c]`` over each query's real items → ``[B, L, H, c]``.
+
+        :func:`~models.layers.masked_mean` for a per-query mask, written with broadcasting only (no sizes taken
+        from the input), so that a traced graph works for any number of rows, queries and items."""
+        if mask is None:
+            return transformed.mean(2)
+        weights = mask[..., None, None].to(transformed.dtype)  # [B, L or 1, N, 1, 1]
+        return (transformed * weights).sum(2) / weights.sum(2).clamp_min(1.0)
+
+
+class ItemUpdate(nn.Module):
+    """Refine every item with an attended vector (P3 Eq. 8): ``x_i ← LN(ReLU(W [v̂; x_i] + b) + x_i)``.
+
+    ``attended`` is ``[B, D]`` (one vector for all items, Eq. 8) or ``[B, L, D]`` (one per item, as X-Transformer's
+    decoder updates each caption position with its own state).  ``dropout`` follows the ReLU (0.3 in the authors'
+    code, [NS] in the paper).
+    """
+
+    def __init__(self, dim: int, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Linear(2 * dim, dim)  # W^k_m or W^v_m of Eq. 8
+        self.dropout = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, attended: Tensor, items: Tensor) -> Tensor:
+        if attended.dim() < items.dim():
+            attended = attended.unsqueeze(-2).expand_as(items)
+        return self.norm(self.dropout(F.relu(self.embed(torch.cat([attended, items], -1)))) + items)
+
+
+class XLinearLayer(nn.Module):
+    """One layer of the higher-order stack (P3 Eq. 7–8, SPEC §4.4): attend with the previous attended vector as
+    query, then update the keys and values with the new one,
+
+    ``v̂^(m) = F_X-Linear(K^(m−1), V^(m−1), v̂^(m−1))``                                   (Eq. 7)
+    ``k_i^(m) = LN(ReLU(W^k_m [v̂^(m); k_i^(m−1)]) + k_i^(m−1))``, ``v_i^(m)`` likewise with ``W^v_m``   (Eq. 8)
+
+    so ``M`` stacked layers model ``2M``-th order interactions.  The residual needs ``D_B = D_k = D_v = dim``.
+    ``shared_kv_update`` (decision #23, the authors' code): keys and values stay one tensor, updated by a single
+    ``W_m`` — with ``K^(0) = V^(0)`` (X-LAN's encoder) the paper's separate ``W^k_m``/``W^v_m`` would make them
+    diverge.  ``output_dropout`` acts on ``v̂^(m)`` (0.5 in the authors' code).
+    """
+
+    def __init__(self, dim: int, channel_dim: int, heads: int, *, shared_kv_update: bool = True,
+                 activation: str = "celu", celu_alpha: float = 1.3, group_norm: bool = False,
+                 attention_dropout: float = 0.1, output_dropout: float = 0.0, update_dropout: float = 0.0):
+        super().__init__()
+        self.attention = XLinearAttention(dim, dim, dim, bilinear_dim=dim, channel_dim=channel_dim, heads=heads,
+                                          activation=activation, celu_alpha=celu_alpha, group_norm=group_norm,
+                                          dropout=attention_dropout)
+        self.output_dropout = nn.Dropout(output_dropout)
+        self.value_update = ItemUpdate(dim, update_dropout)  # W^v_m (the shared W_m when shared_kv_update)
+        self.key_update = None if shared_kv_update else ItemUpdate(dim, update_dropout)  # W^k_m
+
+    def forward(self, query: Tensor, keys: Tensor, values: Tensor,
+                mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, XLinearOutput]:
+        """``query [B, D]`` = ``v̂^(m−1)``, ``keys``/``values [B, N, D]`` → ``v̂^(m)``, ``K^(m)``, ``V^(m)`` and
+        the block's output (for its attention maps)."""
+        block = self.attention(query, keys, values, mask)
+        attended = self.output_dropout(block.attended)
+        new_values = self.value_update(attended, values)
+        new_keys = new_values if self.key_update is None else self.key_update(attended, keys)
+        return attended, new_keys, new_values, block

@@ -1,0 +1,102 @@
+"""Model cards written from measurements only: the checkpoint's own training record (config.json ``meta``) and a
+``captioner eval`` report.  Nothing here is typed in by hand, so a card cannot quote a number nobody measured."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint
+
+CARD = "MODEL_CARD.md"
+METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
+
+
+def _train_command(meta: dict[str, Any], arch: str) -> str:
+    cfg = meta.get("train_config", {})
+    parts = ["captioner train", f"--model {arch}", f"--dataset {Path(cfg.get('dataset', '?')).parent}",
+             f"--out {cfg.get('out', '?')}", f"--epochs {cfg.get('epochs', '?')}"]
+    if cfg.get("phase", "xe") != "xe":
+        parts.append(f"--phase {cfg['phase']} --init {cfg.get('init')}")
+    parts += [f"--encoder {k}={v}" for k, v in cfg.get("encoder", {}).items()]
+    parts += [f"--set {k}={v}" for k, v in cfg.get("model_args", {}).items() if k != "attention"]
+    if "attention" in cfg.get("model_args", {}):
+        parts.append(f"--attention {cfg['model_args']['attention']}")
+    for flag in ("train_limit", "batch_size", "lr"):
+        if cfg.get(flag) is not None:
+            parts.append(f"--{flag.replace('_', '-')} {cfg[flag]}")
+    return " ".join(parts)
+
+
+def _number(value: Any) -> str:
+    return "—" if value is None else f"{value:.4f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+
+
+def _row(name: str, scores: dict[str, Any]) -> str:
+    cells = []
+    for metric in METRICS:
+        value = scores.get(metric)
+        cells.append("unavailable" if isinstance(value, str) else "—" if value is None else f"{value:.4f}")
+    return f"| {name} ({scores.get('images', '?')} images) | " + " | ".join(cells) + " |"
+
+
+def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None = None,
+               notes: str = "") -> Path:
+    """Write ``MODEL_CARD.md`` into ``checkpoint`` from its config ``meta`` and an eval ``report`` (the JSON that
+    ``captioner eval --output`` writes)."""
+    path = Path(checkpoint)
+    ckpt = load_checkpoint(path, "cpu")
+    config = json.loads((path / CONFIG).read_text())
+    meta = config.get("meta", {})
+    model = ckpt.model
+    params = sum(p.numel() for p in model.parameters())
+    history = meta.get("history", [])
+    seconds = meta.get("train_seconds")
+    columns = list(dict.fromkeys(key for h in history for key in h))
+    threads = meta.get("train_config", {}).get("threads")
+    splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
+    lines = [
+        f"# {title or path.name}",
+        "",
+        f"**Architecture** `{model.arch}` ({model.attention_kind}); {params:,} parameters; model config "
+        f"`{json.dumps(config['model'])}`.",
+        f"**Encoder** (frozen) `{json.dumps(config['encoder'])}`.",
+        f"**Vocabulary** {len(ckpt.vocab)} tokens. **Weights** `{WEIGHTS}` sha256 "
+        f"`{file_checksum(path / WEIGHTS)[:16]}…`.",
+        "",
+        "## Training",
+        "",
+        f"- Data: `{meta.get('dataset', '?')}` (training split; validation split for model selection).",
+        f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
+        f"(best epoch {meta.get('best_epoch', '?')} of {len(history)}).",
+        f"- Command: `{_train_command(meta, model.arch)}`",
+        f"- Training time: {seconds / 60:.1f} min of wall clock" if seconds else "- Training time: not recorded",
+        f"  on a 2-core {platform.machine()} CPU, "
+        + (f"{threads} intra-op thread(s) (`--threads {threads}`)" if threads else "default threads") + ", no GPU.",
+        "",
+        "Per epoch: the last training batch's losses, then validation scores (greedy decoding, the numbers the "
+        "run selected on):",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|---" * len(columns) + "|",
+    ]
+    lines += ["| " + " | ".join(_number(h.get(c)) for c in columns) + " |" for h in history]
+    lines += [
+        "",
+        f"## Measured by `captioner eval` (beam {report.get('beam_size', '?')})",
+        "",
+        "| split | " + " | ".join(METRICS) + " |",
+        "|---" * (len(METRICS) + 1) + "|",
+        *(_row(name, scores) for name, scores in splits),
+        "",
+        "`objects_named`: fraction of the objects of each image named with the right colour and shape. `heldout`: "
+        "colour–shape combinations never seen in training (reported, not a target). SPICE needs Stanford CoreNLP "
+        "models that cannot be downloaded here, so it is not measured.",
+    ]
+    if notes:
+        lines += ["", "## Notes", "", notes.strip()]
+    out = path / CARD
+    out.write_text("\n".join(lines) + "\n")
+    return out

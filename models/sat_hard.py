@@ -1,0 +1,137 @@
+"""Show, Attend and Tell with stochastic "hard" attention (Xu et al., 2015, §4.1) — SPEC §2.3–§2.4.
+
+The decoder is :class:`~models.sat.ShowAttendTell` (initial state, additive ``α_t``, LSTM, deep output); only
+the context vector and the training objective differ, and the β gate is left out (SPEC §2.3 [REC]):
+
+* training: ``s̃_t ~ Multinoulli(α_t)`` (Eq. 8) and ``ẑ_t = Σ_i s̃_{t,i} a_i = a_{s̃_t}`` (Eq. 9).  With
+  probability 0.5 per caption the indicator ``s̃_t`` is set to its expected value ``α_t`` for every step,
+  i.e. ``ẑ_t = Σ_i α_{t,i} a_i`` (the paper's variance-reduction trick, §4.1);
+* evaluation and decoding: the arg-max location ``ẑ_t = a_{argmax α_t}`` (SPEC decision #12).
+
+Every step exports ``α_t`` as the primary attention and the indicator actually used (one-hot, or ``α_t`` for a
+caption that took the expectation) as ``extras["location"]`` ``[B', N]`` (SPEC §2.7 [REC]: mark the chosen cell).
+
+Training is SPEC §8.6's ``hard_reinforce`` phase, run by the ordinary XE loop: :meth:`forward_xe` returns the
+teacher-forced log-probs, whose mean-token NLL is the first term of the paper's learning rule, and the other two
+terms as auxiliary losses, so ``captioner train --model sat-hard`` minimises (per caption, SPEC §2.4)::
+
+    -( log p(y|s̃,a) + λ_r (log p(y|s̃,a) - b) log p(s̃|a) + λ_e H[s̃] )
+
+with ``log p(s̃|a) = Σ_t log α_{t,s̃_t}``, ``H[s̃] = Σ_t H(α_t)`` and the moving-average baseline
+``b_k = 0.9 b_{k-1} + 0.1 log p(y|s̃_k,a)``.  All three terms are divided by the number of target tokens, the
+normalisation of the XE loss, so their ratio is the paper's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .protocol import DecState, EncState, VisualBatch
+from .registry import register
+from .sat import ShowAttendTell
+
+
+@register("sat-hard")
+class ShowAttendTellHard(ShowAttendTell):
+    attention_kind = "hard_attention"
+    gated = False
+
+    def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 512, hidden_dim: int = 1024,
+                 attn_dim: int = 512, dropout: float = 0.5, reinforce_weight: float = 1.0,
+                 entropy_weight: float = 0.002, location_samples: int = 1, expectation_prob: float = 0.5,
+                 baseline_decay: float = 0.9, **ids: int):
+        """``reinforce_weight`` λ_r, ``entropy_weight`` λ_e and ``location_samples`` N_s are [NS] in the paper
+        (SPEC decision #9: 1.0, 0.002, 1); ``expectation_prob`` (0.5) and ``baseline_decay`` (0.9) are §4.1's."""
+        # the doubly stochastic penalty is the soft model's regulariser (§4.2.1); hard attention has the entropy
+        super().__init__(vocab_size, feat_dim, embed_dim, hidden_dim, attn_dim, dropout, doubly_stochastic=0.0,
+                         **ids)
+        if location_samples < 1 or not 0.0 <= expectation_prob <= 1.0 or not 0.0 <= baseline_decay < 1.0:
+            raise ValueError("need location_samples >= 1, 0 <= expectation_prob <= 1 and 0 <= baseline_decay < 1")
+        del self.hparams["doubly_stochastic"]
+        self.hparams.update(reinforce_weight=reinforce_weight, entropy_weight=entropy_weight,
+                            location_samples=location_samples, expectation_prob=expectation_prob,
+                            baseline_decay=baseline_decay)
+        self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
+        self.location_samples, self.expectation_prob = location_samples, expectation_prob
+        self.baseline_decay = baseline_decay
+        # b_k and k: buffers, so the baseline travels with checkpoints and a resumed run continues it exactly
+        self.register_buffer("baseline", torch.zeros(()))
+        self.register_buffer("baseline_batches", torch.zeros((), dtype=torch.long))
+
+    # -- context -------------------------------------------------------------------------------------------
+    def encode(self, vis: VisualBatch) -> EncState:
+        enc = super().encode(vis)
+        if self.training:
+            # §4.1: "with probability 0.5 for a given image, we set the sampled attention location s̃ to its
+            # expected value α" — drawn once per caption row, so it holds for all of its steps
+            rows = vis.feats.shape[0]
+            enc["expected"] = torch.rand(rows, device=vis.feats.device) < self.expectation_prob
+        return enc
+
+    def draw_location(self, alpha: Tensor) -> Tensor:
+        """``s̃_t ~ Multinoulli_L(α_t)`` (Eq. 8), one location index per row."""
+        return torch.multinomial(alpha.detach(), 1).squeeze(1)
+
+    def context(self, alpha: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, dict[str, Tensor]]:
+        """``ẑ_t = Σ_i s_{t,i} a_i`` (Eq. 9) with ``s_t`` sampled (training) or the arg-max (evaluation)."""
+        location = self.draw_location(alpha) if self.training else alpha.argmax(-1)
+        indicator = F.one_hot(location, alpha.shape[-1]).to(alpha.dtype)
+        if "expected" in enc:
+            indicator = torch.where(enc["expected"].unsqueeze(1), alpha, indicator)
+        # a one-hot indicator is a constant: the sampled path gets its gradient from REINFORCE, not from here
+        z = torch.bmm(indicator.unsqueeze(1), enc["feats"]).squeeze(1)
+        return z, {"location": indicator}
+
+    # -- training objective ------------------------------------------------------------------------------
+    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+        """Teacher-forced log-probs ``[B, T, V]`` plus the REINFORCE and entropy terms of the learning rule.
+
+        In training mode each caption is decoded along ``N_s`` sampled location paths; the returned log-probs
+        are their mean, so the caller's token-mean NLL is ``1/N_s Σ_n -log p(y|s̃^n,a)`` (the NLL is linear in
+        the log-probs).  In evaluation mode the path is the arg-max one and there is nothing to add.
+        """
+        if not self.training:
+            return super().forward_xe(vis, captions, ss_prob)
+        n = self.location_samples
+        if n > 1:
+            vis = VisualBatch(vis.feats.repeat_interleave(n, 0), vis.mask.repeat_interleave(n, 0),
+                              [g for g in vis.geometry for _ in range(n)])
+        targets = captions.repeat_interleave(n, 0)
+        logprobs, records, enc = self.teacher_force(vis, targets, ss_prob)
+        tokens = (targets != self.pad_id).to(logprobs.dtype)  # real steps, EOS included
+        alpha = torch.stack([r.primary for r in records], dim=1)  # [R, T, N]
+        indicator = torch.stack([r.extras["location"] for r in records], dim=1)
+        tiny = torch.finfo(alpha.dtype).tiny  # log 0 guard; masked items have α = 0 and zero gradient anyway
+
+        logp_y = (logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * tokens).sum(1)  # log p(y|s̃,a)
+        logp_s = ((alpha * indicator).sum(-1).clamp_min(tiny).log() * tokens).sum(1)  # Σ_t log α_{t,s̃_t}
+        entropy = (-(alpha * alpha.clamp_min(tiny).log()).sum(-1) * tokens).sum(1)  # H[s̃] = Σ_t H(α_t)
+
+        sampled = ~enc["expected"]  # captions that took the expectation get no REINFORCE term (SPEC §2.4 [REC])
+        reward = logp_y.detach()
+        advantage = (reward - self._baseline_for(reward[sampled])) * sampled.to(reward.dtype)
+        self._update_baseline(reward[sampled])
+        n_tokens = tokens.sum().clamp_min(1.0)
+        aux = {"reinforce": -self.reinforce_weight * (advantage * logp_s).sum() / n_tokens,
+               "entropy": -self.entropy_weight * entropy.sum() / n_tokens}
+        return logprobs.unflatten(0, (captions.shape[0], n)).mean(1), aux
+
+    @torch.no_grad()
+    def _baseline_for(self, rewards: Tensor) -> Tensor:
+        """``b_{k-1}``: the baseline before this mini-batch, so it does not depend on the sampled paths (and
+        the estimator stays unbiased).  The first mini-batch has none yet and uses its own mean."""
+        if int(self.baseline_batches) == 0 and rewards.numel():
+            return rewards.mean()
+        return self.baseline.clone()
+
+    @torch.no_grad()
+    def _update_baseline(self, rewards: Tensor) -> None:
+        """``b_k = 0.9 b_{k-1} + 0.1 log p(y|s̃_k,a)`` with the mini-batch mean of the sampled captions."""
+        if not rewards.numel():
+            return  # every caption took the expectation: nothing was sampled, b stays
+        mean = rewards.mean().to(self.baseline.dtype)
+        first = int(self.baseline_batches) == 0
+        self.baseline.copy_(mean if first else self.baseline_decay * self.baseline + (1 - self.baseline_decay) * mean)
+        self.baseline_batches += 1

@@ -1,0 +1,61 @@
+"""Checks shared by the model tests: the step loop as a reference for parallel training passes, and the SPEC §11.8
+smoke test (memorise 10 random feature maps with fixed random captions)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from models.decoding import greedy
+from models.metrics import score_captions
+from models.protocol import Captioner, VisualBatch
+
+VOCAB = 20  # ids 0..2 are <pad>, <bos>, <eos>; captions use 3..19
+
+
+def stepwise(model: Captioner, vis: VisualBatch, tokens: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Teacher-forced log-probs ``[B, T, V]`` and attention records from the protocol's one-step-at-a-time loop
+    (the base class's, even where a model overrides it), the reference for a model's parallel ``forward_xe``."""
+    logprobs, records, _ = Captioner.teacher_force(model, vis, tokens)
+    return logprobs, records
+
+
+def memorisation_task(items: int = 64, feat_dim: int = 32, seed: int = 0) -> tuple[VisualBatch, torch.Tensor, list[list[int]]]:
+    """10 images of ``items`` random features, each with one random caption of 4–8 words (+ EOS)."""
+    generator = torch.Generator().manual_seed(seed)
+    feats = torch.randn(10, items, feat_dim, generator=generator)
+    captions = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist() + [2]
+                for n in torch.randint(4, 9, (10,), generator=generator)]
+    targets = torch.zeros(10, max(map(len, captions)), dtype=torch.long)
+    for i, caption in enumerate(captions):
+        targets[i, :len(caption)] = torch.tensor(caption)
+    return VisualBatch.from_features(feats), targets, captions
+
+
+def train_to_memorise(model: Captioner, vis: VisualBatch, targets: torch.Tensor, steps: int = 300,
+                      lr: float = 5e-3, stop_loss: float = 0.05) -> float:
+    """Adam on the teacher-forced XE loss (plus the model's auxiliary losses); returns the last loss."""
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    loss = torch.tensor(float("inf"))
+    for step in range(steps):
+        logprobs, aux = model.forward_xe(vis, targets)
+        loss = F.nll_loss(logprobs.flatten(0, 1), targets.flatten(), ignore_index=0)
+        total = loss + sum(aux.values()) if aux else loss
+        optimiser.zero_grad()
+        total.backward()
+        optimiser.step()
+        if step % 25 == 24 and loss.item() < stop_loss:
+            break
+    model.eval()
+    return loss.item()
+
+
+def memorisation_cider(model: Captioner, vis: VisualBatch, captions: list[list[int]]) -> tuple[float, int, list]:
+    """Training-set CIDEr-D of greedy captions, the number reproduced exactly, and the hypotheses."""
+    hyps = greedy(model, vis, max_len=12)
+    words = lambda ids: " ".join(f"w{i}" for i in ids if i != 2)  # noqa: E731
+    scores = score_captions({i: words(h.token_ids) for i, h in enumerate(hyps)},
+                            {i: [words(c)] for i, c in enumerate(captions)}, metrics=("CIDEr-D",))
+    exact = sum(h.token_ids == c for h, c in zip(hyps, captions))
+    return scores["CIDEr-D"], exact, hyps

@@ -1,0 +1,192 @@
+"""Helpers shared by the serving tests: tiny models of every registered architecture, runtimes around them, a
+deterministic driver for the batcher, result comparison, and real ``captioner serve`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from models.checkpoint import Checkpoint
+from models.encoder import EncoderSpec, GridEncoder
+from models.registry import MODELS, available, create
+from models.vocab import Vocabulary
+
+ROOT = Path(__file__).resolve().parents[1]
+FEAT_DIM = 320  # EfficientNet-Lite0 "blocks"
+TINY_SPEC = EncoderSpec(image_size=96)  # a 3×3 grid: cheap, and big enough for 2×2 areas
+VOCAB = Vocabulary([f"w{i}" for i in range(20)])
+
+# small, fast configurations of the architectures we know; any other registered one is shrunk generically
+TINY_CONFIGS: dict[str, dict] = {
+    "sat": dict(embed_dim=16, hidden_dim=24, attn_dim=12),
+    "sparsecap": dict(embed_dim=16, hidden_dim=24, visual_dim=16, attn_dim=12),
+    "area-transformer": dict(d_model=32, n_heads=4, enc_layers=1, dec_layers=1, ffn_dim=64, area_layers=1),
+}
+
+
+def generic_tiny_config(arch: str) -> dict:
+    """Shrink a constructor's integer sizes: widths → 32, heads → ≤ 2, layer counts → 1 (best effort)."""
+    config: dict = {}
+    available()  # imports the built-in models into the registry
+    for name, param in inspect.signature(MODELS[arch].__init__).parameters.items():
+        default = param.default
+        if name in ("self", "vocab_size", "feat_dim") or default is inspect.Parameter.empty:
+            continue
+        if isinstance(default, bool):
+            continue
+        if isinstance(default, float) and "dropout" in name:
+            config[name] = 0.0
+        elif isinstance(default, int):
+            if "head" in name:
+                config[name] = min(default, 2)
+            elif re.search(r"layers|depth|blocks|stack", name):
+                config[name] = min(default, 1)
+            elif default >= 64:
+                config[name] = 32
+    return config
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
+    """A tiny random ``arch`` on 320-d grid features, with sharpened word distributions: a random model's
+    near-uniform log-probs would let float noise between batch compositions reorder beams, which says nothing
+    about batching (a trained model's are far from uniform)."""
+    torch.manual_seed(seed)
+    attempts = [{**TINY_CONFIGS[arch], "dropout": 0.0}] if arch in TINY_CONFIGS else []
+    attempts += [generic_tiny_config(arch), {"dropout": 0.0}, {}]
+    error: Exception | None = None
+    for config in attempts:
+        try:
+            model = create(arch, vocab_size=len(VOCAB), feat_dim=FEAT_DIM, **{**config, **overrides}).eval()
+            break
+        except (TypeError, ValueError, RuntimeError) as exc:
+            error = exc
+    else:
+        raise RuntimeError(f"cannot build a tiny {arch}: {error}")
+    with torch.no_grad():
+        outputs = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == len(VOCAB)]
+        if outputs:
+            outputs[-1].weight.mul_(6.0)
+    return model
+
+
+def tiny_checkpoint(arch: str, seed: int = 0, **overrides) -> Checkpoint:
+    return Checkpoint(tiny_model(arch, seed, **overrides), VOCAB, TINY_SPEC, checksum=f"tiny-{arch}-{seed}")
+
+
+def all_architectures() -> list[str]:
+    return available()
+
+
+def random_images(n: int, seed: int = 0) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    sizes = [(96, 96), (120, 80), (64, 150), (200, 200), (97, 61), (300, 120), (75, 75), (140, 90)]
+    return [Image.fromarray(rng.integers(0, 256, (sizes[i % 8][1], sizes[i % 8][0], 3), dtype=np.uint8))
+            for i in range(n)]
+
+
+# -- batcher driving ----------------------------------------------------------------------------------------------
+async def drive(batcher, schedule: list[tuple[int, object, int, int]], timeout_s: float = 60.0) -> list:
+    """Run a batcher started with ``worker=False`` step by step; ``schedule`` holds ``(step, prepared, beam,
+    max_len)``: each request is submitted just before step boundary ``step``.  Returns the results in schedule
+    order."""
+    order = sorted(range(len(schedule)), key=lambda i: schedule[i][0])
+    jobs: dict[int, object] = {}
+    step = 0
+    while len(jobs) < len(schedule) or not batcher.idle:
+        for i in order:
+            if i not in jobs and schedule[i][0] <= step:
+                _, prepared, beam, max_len = schedule[i]
+                jobs[i] = batcher.submit(prepared, beam, max_len, timeout_s)
+        batcher.run_once()
+        step += 1
+        await asyncio.sleep(0)  # results arrive through call_soon_threadsafe
+        assert step < 10_000
+    await asyncio.sleep(0)
+    return [await jobs[i].future for i in range(len(schedule))]
+
+
+def assert_same_result(got, want, atol_attention: float = 1e-5, atol_logprob: float = 1e-4) -> None:
+    """Batching must change nothing but speed: same tokens, and the same numbers up to float noise."""
+    g, w = got.hypothesis, want.hypothesis
+    assert got.words == want.words and g.token_ids == w.token_ids, f"{got.words} != {want.words}"
+    assert g.ended_with_eos == w.ended_with_eos
+    np.testing.assert_allclose(g.token_logprobs, w.token_logprobs, atol=atol_logprob)
+    np.testing.assert_allclose(g.score, w.score, atol=atol_logprob * max(1, len(g.token_ids)))
+    np.testing.assert_allclose(g.attention.numpy(), w.attention.numpy(), atol=atol_attention)
+    assert set(g.extras) == set(w.extras)
+    for name in g.extras:
+        np.testing.assert_allclose(g.extras[name].numpy(), w.extras[name].numpy(), atol=atol_attention,
+                                   err_msg=f"extra {name}")
+
+
+def shared_encoder() -> GridEncoder:
+    return GridEncoder(TINY_SPEC).to(memory_format=torch.channels_last)
+
+
+# -- real server processes ----------------------------------------------------------------------------------------
+class ServerProcess:
+    """``captioner serve`` on a free localhost port with ``CAPTIONER_*`` settings from ``env``."""
+
+    def __init__(self, weights_dir: Path, env: dict[str, str] | None = None, log_path: Path | None = None):
+        from .conftest import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        environment = {**os.environ, "CAPTIONER_THREADS": "1", "CAPTIONER_LOG_FORMAT": "json", **(env or {})}
+        self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(self.port),
+                                      "--weights-dir", str(weights_dir)], cwd=ROOT, env=environment,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:] if self.log_path else ""
+
+    def wait_ready(self, timeout_s: float = 180) -> "ServerProcess":
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s} s: {self.log()}")
+
+    def stop(self, timeout_s: float = 30) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {'name{labels}': value} (samples only)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values

@@ -1,0 +1,286 @@
+"""AoANet (SPEC §3): AoA and the refiner against naive equations, the decoder step against P2 Eq. 11–14, masking,
+the shared decoder's alignment rule, checkpoints, gradients, ablation flags and memorisation (SPEC §11.5–11.8)."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.attention.aoa import AttentionOnAttention
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.decoding import beam_search, greedy
+from models.encoder import EncoderSpec
+from models.protocol import VisualBatch
+from models.registry import available, create
+from models.vocab import Vocabulary
+
+from .model_checks import VOCAB as MEMO_VOCAB, memorisation_cider, memorisation_task, train_to_memorise
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB, FEAT = 23, 10
+ABLATIONS = {  # P2 Table 4 rows (SPEC §3.6)
+    "base": dict(refiner="none", decoder_attention="additive", context="linear"),
+    "refine-without-aoa": dict(refiner="transformer", decoder_attention="additive", context="linear"),
+    "dec-lstm": dict(refiner="none", decoder_attention="additive", context="lstm"),
+    "dec-mh-att-aoa": dict(refiner="none", context="aoa"),
+    "full-pre-norm": dict(pre_norm=True),
+    "transformer-pre-norm-mh-lstm": dict(refiner="transformer", pre_norm=True, context="lstm"),
+}
+
+
+def tiny(dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    config = dict(vocab_size=VOCAB, feat_dim=FEAT, d_model=16, embed_dim=12, heads=4, refine_layers=2, ffn_dim=24,
+                  dropout=0.0, attention_dropout=0.0, aoa_dropout=0.0)
+    return create("aoanet", **{**config, **overrides}).to(dtype).eval()
+
+
+def padded_visuals(dtype=torch.float32, seed=1) -> VisualBatch:
+    """Three images with 7, 4 and 2 real items; the padding holds large garbage that must not matter."""
+    generator = torch.Generator().manual_seed(seed)
+    feats = torch.randn(3, 7, FEAT, generator=generator, dtype=dtype)
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    mask[1, 4:] = mask[2, 2:] = False
+    feats[~mask] = 1e3 * torch.randn(int((~mask).sum()), FEAT, generator=generator, dtype=dtype)
+    return VisualBatch(feats, mask)
+
+
+def grid_visuals(batch=3, seed=2) -> VisualBatch:
+    return VisualBatch.from_features(torch.randn(batch, 9, FEAT, generator=torch.Generator().manual_seed(seed)))
+
+
+def naive_aoa(aoa: AttentionOnAttention, attended, query):
+    """P2 Eq. 3–5 with the four D×D blocks of the fused weight (rows: information | gate; columns: v̂ | q)."""
+    d, w, b = aoa.dim, aoa.linear.weight, aoa.linear.bias
+    information = w[:d, :d] @ attended + w[:d, d:] @ query + b[:d]
+    gate = torch.sigmoid(w[d:, :d] @ attended + w[d:, d:] @ query + b[d:])
+    return gate * information
+
+
+def naive_layer_norm(x, norm):
+    return (x - x.mean()) / torch.sqrt(x.var(unbiased=False) + norm.eps) * norm.weight + norm.bias
+
+
+def naive_heads(query, keys, values, real, heads):
+    """f_mh-att for ONE query (P2 Eq. 8–10), head by head over the real items only; returns (v̂, weights [H, N])."""
+    d = query.shape[0] // heads
+    attended, weights = [], torch.zeros(heads, keys.shape[0], dtype=query.dtype)
+    for h in range(heads):
+        s = slice(h * d, (h + 1) * d)
+        scores = torch.stack([query[s] @ keys[j, s] / math.sqrt(d) for j in real])
+        alpha = scores.softmax(0)
+        weights[h, real] = alpha
+        attended.append(sum(alpha[n] * values[j, s] for n, j in enumerate(real)))
+    return torch.cat(attended), weights
+
+
+# -- the AoA module ------------------------------------------------------------------------------------------------
+def test_aoa_glu_equals_two_matrix_form():
+    """SPEC §11.5: Linear(2D, 2D) + GLU is Eq. 3–4 with the weights mapped blockwise."""
+    torch.manual_seed(0)
+    dim, query_dim = 5, 3
+    w_iv, w_iq, w_gv, w_gq = (torch.randn(dim, n, dtype=torch.float64) for n in (dim, query_dim, dim, query_dim))
+    b_i, b_g = torch.randn(dim, dtype=torch.float64), torch.randn(dim, dtype=torch.float64)
+    aoa = AttentionOnAttention(dim, query_dim).double()
+    with torch.no_grad():
+        aoa.linear.weight.copy_(torch.cat([torch.cat([w_iv, w_iq], 1), torch.cat([w_gv, w_gq], 1)], 0))
+        aoa.linear.bias.copy_(torch.cat([b_i, b_g]))
+    attended, query = torch.randn(4, 2, dim, dtype=torch.float64), torch.randn(4, 2, query_dim, dtype=torch.float64)
+    information = attended @ w_iv.T + query @ w_iq.T + b_i  # Eq. 3
+    gate = torch.sigmoid(attended @ w_gv.T + query @ w_gq.T + b_g)  # Eq. 4
+    torch.testing.assert_close(aoa(attended, query), gate * information)  # Eq. 5
+
+
+# -- encoder -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_refiner_layer_matches_naive_per_item_computation(pre_norm):
+    """Eq. 7 (or its pre-norm variant) item by item, head by head, over the real items only."""
+    model, vis = tiny(torch.float64, heads=2, pre_norm=pre_norm), padded_visuals(torch.float64)
+    layer = model.refine[0]
+    items = torch.randn(3, 7, 16, dtype=torch.float64)
+    got = layer(items, vis.mask)
+    for b in range(3):
+        real = vis.mask[b].nonzero().flatten().tolist()
+        x = torch.stack([naive_layer_norm(a, layer.norm) for a in items[b]]) if pre_norm else items[b]
+        q, k, v = x @ layer.query.weight.T, x @ layer.key.weight.T, x @ layer.value.weight.T
+        for i in real:
+            attended, _ = naive_heads(q[i], k, v, real, heads=2)
+            out = items[b, i] + naive_aoa(layer.aoa, attended, q[i])  # AoA^E's query is Q = W^{Q_e} A
+            torch.testing.assert_close(got[b, i], out if pre_norm else naive_layer_norm(out, layer.norm))
+
+
+def test_encoder_stacks_refiner_layers_and_masked_mean():
+    model, vis = tiny(torch.float64, refine_layers=3, pre_norm=True), padded_visuals(torch.float64)
+    enc = model.encode(vis)
+    items = F.relu(model.embed_items(vis.feats))
+    for layer in model.refine:
+        items = layer(items, vis.mask)
+    items = model.refine_norm(items)  # pre-norm ends with a LayerNorm
+    for b in range(3):
+        real = vis.mask[b]
+        torch.testing.assert_close(enc["mean"][b], items[b, real].mean(0))  # ā over the real items (Eq. 12)
+        torch.testing.assert_close(enc["keys"][b, real], items[b, real] @ model.key.weight.T)
+        torch.testing.assert_close(enc["values"][b, real], items[b, real] @ model.value.weight.T)
+
+
+# -- decoder -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads", [1, 4])
+def test_step_matches_naive_equations(heads):
+    """One decoder step from a random state: Eq. 12–14 and 11, the LSTM written out gate by gate."""
+    model, vis = tiny(torch.float64, heads=heads), padded_visuals(torch.float64)
+    enc = model.encode(vis)
+    generator = torch.Generator().manual_seed(3)
+    state = {name: torch.randn(3, 16, generator=generator, dtype=torch.float64) for name in ("h", "m", "context")}
+    prev = torch.tensor([1, 5, 7])
+    logprobs, new_state, record = model.step(prev, state, enc)
+    lstm = model.lstm
+    for b in range(3):
+        real = vis.mask[b].nonzero().flatten().tolist()
+        x = torch.cat([model.embed_words.weight[prev[b]], enc["mean"][b] + state["context"][b]])  # Eq. 12
+        gates = lstm.weight_ih @ x + lstm.bias_ih + lstm.weight_hh @ state["h"][b] + lstm.bias_hh
+        i, f, g, o = gates.chunk(4)  # PyTorch's gate order
+        m = torch.sigmoid(f) * state["m"][b] + torch.sigmoid(i) * torch.tanh(g)  # Eq. 13
+        h = torch.sigmoid(o) * torch.tanh(m)
+        query = model.query.weight @ h  # W^{Q_d} h_t
+        attended, weights = naive_heads(query, enc["keys"][b], enc["values"][b], real, heads)
+        context = naive_aoa(model.aoa, attended, query)  # Eq. 14
+        torch.testing.assert_close(new_state["h"][b], h)
+        torch.testing.assert_close(new_state["m"][b], m)
+        torch.testing.assert_close(new_state["context"][b], context)
+        torch.testing.assert_close(logprobs[b], (model.logit.weight @ context).log_softmax(0))  # Eq. 11
+        torch.testing.assert_close(record.primary[b], weights.mean(0))  # exported: mean over heads
+        if heads > 1:
+            torch.testing.assert_close(record.extras["heads"][b], weights)
+        else:
+            assert record.extras == {}
+
+
+@pytest.mark.parametrize("name", ["full", "refine-without-aoa", "base"])
+def test_padded_items_get_zero_attention_and_change_nothing(name):
+    """Region features: padding gets exactly zero weight, rows sum to 1, and a padded image decodes exactly like
+    the same image without padding (so refiner, masked mean and decoder all ignore the padding)."""
+    model, vis = tiny(**ABLATIONS.get(name, {})), padded_visuals()
+    enc = model.encode(vis)
+    state, prev = model.init_state(enc), torch.tensor([model.bos_id] * 3)
+    for b, n_real in enumerate((7, 4, 2)):
+        alone = VisualBatch.from_features(vis.feats[b:b + 1, :n_real])  # grid-style all-True mask
+        alone_enc = model.encode(alone)
+        alone_state, alone_prev = model.init_state(alone_enc), prev[:1]
+        batch_state, batch_prev = state, prev
+        for token in (5, 9, 4):
+            logprobs, batch_state, record = model.step(batch_prev, batch_state, enc)
+            alone_logprobs, alone_state, alone_record = model.step(alone_prev, alone_state, alone_enc)
+            assert torch.all(record.primary[b, n_real:] == 0)
+            for heads_map in record.extras.values():
+                assert torch.all(heads_map[b, :, n_real:] == 0)
+            torch.testing.assert_close(record.primary.sum(-1), torch.ones(3))
+            torch.testing.assert_close(record.primary[b, :n_real], alone_record.primary[0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logprobs[b], alone_logprobs[0], atol=1e-5, rtol=1e-5)
+            batch_prev, alone_prev = torch.full((3,), token), torch.tensor([token])
+
+
+@torch.no_grad()
+def _teacher_forced_attention(model, vis, token_ids, row):
+    single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
+    enc = model.encode(single)
+    state, prev, rows = model.init_state(enc), torch.tensor([model.bos_id]), []
+    for token in token_ids:
+        _, state, record = model.step(prev, state, enc)
+        rows.append((record.primary[0], record.extras["heads"][0]))
+        prev = torch.tensor([token])
+    return torch.stack([p for p, _ in rows]), torch.stack([h for _, h in rows])
+
+
+@pytest.mark.parametrize("vis", [padded_visuals(), grid_visuals()], ids=["regions", "grid"])
+def test_beam_search_attention_is_aligned_with_tokens(vis):
+    model = tiny()
+    for row, hyps in enumerate(beam_search(model, vis, k=3, max_len=6, n_best=2)):
+        for hyp in hyps:
+            steps = len(hyp.token_ids)
+            primary, heads = _teacher_forced_attention(model, vis, hyp.token_ids, row)
+            assert hyp.attention.shape == (steps, vis.feats.shape[1]) and hyp.extras["heads"].shape[:2] == (steps, 4)
+            torch.testing.assert_close(hyp.attention, primary, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hyp.extras["heads"], heads, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(steps))
+            assert torch.all(hyp.attention[:, ~vis.mask[row]] == 0)
+
+
+def test_beam_one_equals_greedy():
+    model, vis = tiny(), padded_visuals()
+    for by_beam, by_greedy in zip(beam_search(model, vis, k=1, max_len=8), greedy(model, vis, 8)):
+        assert by_beam[0].token_ids == by_greedy.token_ids
+        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+
+
+# -- model plumbing ------------------------------------------------------------------------------------------------
+def test_registered_with_paper_defaults_and_config_round_trip():
+    assert "aoanet" in available()
+    model = tiny(context="lstm", pre_norm=True)
+    assert model.arch == "aoanet" and model.attention_kind == "multihead_attention"
+    assert model.selection_metric == "CIDEr-D"
+    config = json.loads(json.dumps(model.config()))
+    assert create("aoanet", **config).config() == model.config()
+    with torch.device("meta"):
+        paper = create("aoanet", vocab_size=VOCAB, feat_dim=2048)  # defaults are the paper's sizes (SPEC §3)
+    assert (paper.lstm.hidden_size, paper.embed_words.embedding_dim, paper.heads, len(paper.refine)) == \
+        (1024, 1024, 8, 6)
+    dropouts = paper.hparams["dropout"], paper.hparams["attention_dropout"], paper.hparams["aoa_dropout"]
+    assert dropouts == (0.5, 0.1, 0.3)  # decision #17
+    for bad in (dict(refiner="ffn"), dict(context="gru"), dict(decoder_attention="dot")):
+        with pytest.raises(ValueError):
+            create("aoanet", vocab_size=5, feat_dim=4, **bad)
+
+
+def test_checkpoint_round_trip_gives_identical_captions(tmp_path):
+    model, vis = tiny(context="lstm"), padded_visuals()
+    path = save_checkpoint(tmp_path / "aoanet", model, Vocabulary([f"w{i}" for i in range(VOCAB - 4)]), EncoderSpec())
+    loaded = load_checkpoint(path)
+    assert loaded.model.config() == model.config()
+    for before, after in zip(beam_search(model, vis, k=3, max_len=8), beam_search(loaded.model, vis, k=3, max_len=8)):
+        assert before[0].token_ids == after[0].token_ids
+        torch.testing.assert_close(before[0].attention, after[0].attention)
+
+
+def test_gradcheck_tiny_float64_model():
+    model, vis = tiny(torch.float64, d_model=8, embed_dim=6, heads=2), padded_visuals(torch.float64)
+    feats = vis.feats[:2, :5].clone().requires_grad_()
+    mask = vis.mask[:2, :5]
+    captions = torch.tensor([[5, 6, 2], [8, 2, 0]])
+
+    def loss_of(f):
+        logprobs, _ = model.forward_xe(VisualBatch(f, mask), captions)
+        return logprobs.gather(-1, captions.unsqueeze(-1)).sum()
+
+    assert torch.autograd.gradcheck(loss_of, (feats,), eps=1e-6, atol=1e-5)
+    loss_of(feats).backward()
+    assert torch.all(feats.grad[~mask] == 0)  # padded items are outside the computation graph's reach
+
+
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_ablation_variants_train_and_decode(name):
+    model = tiny(**ABLATIONS[name]).train()
+    captions = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0], [4, 2, 0, 0]])
+    logprobs, aux = model.forward_xe(padded_visuals(), captions, ss_prob=0.5)
+    assert logprobs.shape == (3, 4, VOCAB) and aux == {}
+    F.nll_loss(logprobs.flatten(0, 1), captions.flatten(), ignore_index=0).backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert missing == [], missing
+    hyps = beam_search(model.eval(), padded_visuals(), k=2, max_len=5)
+    for row, (hyp,) in enumerate(hyps):
+        torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(len(hyp.token_ids)))
+        assert torch.all(hyp.attention[:, ~padded_visuals().mask[row]] == 0)
+
+
+def test_memorises_ten_images():
+    """SPEC §11.8: 10 images of random features with fixed random captions are memorised."""
+    vis, targets, captions = memorisation_task()
+    torch.manual_seed(0)
+    model = create("aoanet", vocab_size=MEMO_VOCAB, feat_dim=32, d_model=32, embed_dim=32, heads=4, refine_layers=2,
+                   dropout=0.0, attention_dropout=0.0, aoa_dropout=0.0)
+    loss = train_to_memorise(model, vis, targets)
+    cider, exact, _ = memorisation_cider(model, vis, captions)
+    assert exact == 10 and cider > 2.0, (exact, cider, loss)

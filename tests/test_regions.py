@@ -1,0 +1,111 @@
+"""Precomputed region features (SPEC §1.3, §8.1): the .npz format, padding and masks, the scene stand-in, and a
+model trained on regions that never attends to padding."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.checkpoint import load_checkpoint
+from models.data.karpathy import CaptionedImage, load_karpathy
+from models.data.regions import RegionStore, read_regions, save_regions, write_scene_regions
+from models.decoding import beam_search
+from models.encoder import EncoderSpec
+from models.training import TrainConfig, train
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPEC = EncoderSpec(image_size=128)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("features")
+
+
+@pytest.fixture(scope="module")
+def scene_regions_dir(scenes, cache, tmp_path_factory):
+    return write_scene_regions(scenes.parent, tmp_path_factory.mktemp("regions"), SPEC, cache, progress=False)
+
+
+def _image(i: int) -> CaptionedImage:
+    return CaptionedImage(image_id=100 + i, path=Path(f"/data/images/img_{i}.jpg"), split="train", references=[["a"]])
+
+
+def test_loader_pads_and_masks_varying_region_counts(tmp_path):
+    rng = np.random.default_rng(0)
+    images, saved = [_image(i) for i in range(3)], []
+    for i, n in enumerate([2, 5, 3]):
+        features = rng.normal(size=(n, 4)).astype(np.float32)
+        xy = rng.uniform(0, 300, size=(n, 2))
+        boxes = np.concatenate([xy, xy + rng.uniform(5, 100, size=(n, 2))], axis=1).astype(np.float32)
+        size = (640 + i, 480 - i)
+        name = f"img_{i}.npz" if i < 2 else f"{images[i].image_id}.npz"  # file name, or the image id
+        save_regions(tmp_path / name, features, boxes, size)
+        saved.append((features, boxes, size))
+    store = RegionStore(tmp_path, images)
+    vis = store.batch([im.key for im in images])
+    assert store.feat_dim == 4 and vis.feats.shape == (3, 5, 4)
+    assert vis.mask.tolist() == [[True] * 2 + [False] * 3, [True] * 5, [True] * 3 + [False] * 2]
+    for row, (features, boxes, size) in enumerate(saved):
+        n = len(features)
+        assert torch.equal(vis.feats[row, :n], torch.from_numpy(features))
+        assert torch.all(vis.feats[row, n:] == 0)
+        geometry = vis.geometry[row]
+        assert geometry.kind == "regions" and geometry.grid_hw is None and geometry.image_size == size
+        assert np.array_equal(geometry.boxes, boxes)  # one box per real region, in original-image pixels
+        assert np.allclose(geometry.to_json()["boxes"], boxes, atol=0.005)
+    # the same batch in another order: every image keeps its own regions
+    again = store.batch([images[2].key, images[0].key])
+    assert again.feats.shape == (2, 3, 4) and torch.equal(again.feats[0], vis.feats[2, :3])
+
+
+def test_missing_and_malformed_region_files_are_reported(tmp_path):
+    with pytest.raises(ValueError, match="boxes must be"):
+        save_regions(tmp_path / "img_0.npz", np.zeros((3, 4)), np.zeros((2, 4)), (10, 10))
+    save_regions(tmp_path / "img_0.npz", np.zeros((3, 4)), np.zeros((3, 4)), (10, 10))
+    with pytest.raises(FileNotFoundError, match="img_1.npz"):
+        RegionStore(tmp_path, [_image(0), _image(1)])
+    save_regions(tmp_path / "img_1.npz", np.zeros((2, 6)), np.zeros((2, 4)), (10, 10))
+    store = RegionStore(tmp_path, [_image(0), _image(1)])
+    with pytest.raises(ValueError, match="6-d features"):
+        store.batch([_image(0).key, _image(1).key])
+
+
+def test_scene_stand_in_has_one_region_per_object_plus_background(scenes, scene_regions_dir):
+    manifest = json.loads((scene_regions_dir / "regions.json").read_text())
+    assert manifest["feat_dim"] == 320 and manifest["encoder"]["image_size"] == 128
+    images = load_karpathy(scenes)
+    assert len(list(scene_regions_dir.glob("*.npz"))) == len(images)
+    counts = set()
+    for im in images[:12]:
+        features, geometry = read_regions(scene_regions_dir / f"{im.path.stem}.npz")
+        objects = im.info["objects"]
+        assert len(features) == len(objects) + 5 and np.isfinite(features.astype(np.float32)).all()
+        assert geometry.image_size == (256, 256)
+        for obj, (x1, y1, x2, y2) in zip(objects, geometry.boxes):  # object regions come first, in order
+            (cx, cy), r = obj["center"], obj["radius"]
+            assert x1 <= cx <= x2 and y1 <= cy <= y2
+            assert cx - r - 2 <= x1 and x2 <= cx + r + 2 and cy - r - 2 <= y1 and y2 <= cy + r + 2
+        assert geometry.boxes[len(objects)].tolist() == [0, 0, 256, 256]  # then the whole image
+        counts.add(len(features))
+    assert len(counts) > 1  # N varies from image to image
+
+
+def test_sat_trains_on_regions_and_never_attends_to_padding(scenes, scene_regions_dir, cache, tmp_path):
+    features = f"regions:{scene_regions_dir}"
+    best = train(TrainConfig(dataset=str(scenes), out=str(tmp_path / "run"), features=features, epochs=1,
+                             batch_size=16, lr=3e-3, train_limit=16, val_limit=4, cache_dir=str(cache),
+                             model_args=dict(embed_dim=32, hidden_dim=48, attn_dim=32), progress=False))
+    ckpt = load_checkpoint(best)
+    assert ckpt.meta["train_config"]["features"] == features and ckpt.model.feat_dim == 320
+    images = load_karpathy(scenes, splits=("val",))
+    vis = RegionStore(scene_regions_dir, images).batch([im.key for im in images])
+    assert not vis.mask.all()
+    for row, hyps in enumerate(beam_search(ckpt.model, vis, k=2, max_len=8)):
+        attention = hyps[0].attention
+        assert torch.all(attention[:, ~vis.mask[row]] == 0)
+        torch.testing.assert_close(attention[:, vis.mask[row]].sum(-1), torch.ones(len(attention)))

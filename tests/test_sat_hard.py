@@ -1,0 +1,181 @@
+"""SAT hard attention (SPEC §2.3–§2.4): sampling, arg-max decoding, the REINFORCE estimator and memorisation."""
+
+import itertools
+
+import pytest
+import torch
+
+from models.decoding import beam_search
+from models.protocol import VisualBatch
+from models.registry import create
+from models.training.xe import xe_loss
+
+from .model_checks import VOCAB, memorisation_cider, memorisation_task, train_to_memorise
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = dict(vocab_size=11, feat_dim=6, embed_dim=8, hidden_dim=10, attn_dim=7, dropout=0.0)
+
+
+def _model(**overrides):
+    torch.manual_seed(0)
+    return create("sat-hard", **{**TINY, **overrides})
+
+
+def _force(model, choose):
+    """Replace the Multinoulli draw by ``choose(alpha, t)`` (t counts calls), to enumerate or repeat paths."""
+    counter = itertools.count()
+    model.draw_location = lambda alpha: choose(alpha, next(counter))
+
+
+def test_training_samples_locations_with_probability_alpha():
+    model = _model().train()
+    vis = VisualBatch.from_features(torch.randn(1, 5, 6))
+    enc = model.expand(model.encode(vis), 20000)
+    state = model.init_state(enc)
+    alpha = model.attention(state, enc)
+    enc["expected"] = torch.rand(20000) < 0.5
+    z, extras = model.context(alpha, state, enc)
+    hard, soft = ~enc["expected"], enc["expected"]
+    chosen = extras["location"][hard]
+    assert torch.all(chosen.sum(-1) == 1) and torch.all((chosen == 0) | (chosen == 1))
+    freq, p = chosen.mean(0), alpha[0]
+    assert torch.all((freq - p).abs() < 5 * (p * (1 - p) / hard.sum()).sqrt() + 1e-3), (freq, p)
+    # ẑ_t = a_{s̃_t} for sampled rows (Eq. 9), the expectation Σ α a for the others (§4.1)
+    torch.testing.assert_close(z[hard], chosen @ vis.feats[0])
+    torch.testing.assert_close(z[soft], (alpha[soft] @ vis.feats[0]))
+    torch.testing.assert_close(extras["location"][soft], alpha[soft])
+    # the 0.5 expectation trick is drawn per caption
+    flags = model.encode(VisualBatch.from_features(torch.randn(4000, 5, 6)))["expected"]
+    assert abs(flags.float().mean().item() - 0.5) < 0.04
+
+
+def test_evaluation_uses_the_argmax_location_and_exports_alpha():
+    model = _model().eval()
+    vis = VisualBatch.from_features(torch.randn(3, 5, 6))
+    enc = model.encode(vis)
+    assert "expected" not in enc
+    state = model.init_state(enc)
+    logprobs, _, attn = model.step(torch.full((3,), model.bos_id), state, enc)
+    alpha = model.attention(state, enc)
+    torch.testing.assert_close(attn.primary, alpha)
+    best = alpha.argmax(-1)
+    torch.testing.assert_close(attn.extras["location"], torch.nn.functional.one_hot(best, 5).float())
+    z, _ = model.context(alpha, state, enc)
+    torch.testing.assert_close(z, vis.feats[torch.arange(3), best])
+    for hyps in beam_search(model, vis, k=2, max_len=6):
+        h = hyps[0]  # every emitted token: α is the heatmap, its arg-max cell is the chosen location
+        assert torch.equal(h.extras["location"].argmax(-1), h.attention.argmax(-1))
+        torch.testing.assert_close(h.attention.sum(-1), torch.ones(len(h.token_ids)))
+
+
+def test_reinforce_gradient_is_unbiased_for_the_lower_bound():
+    """Eq. 10–11: averaged over all location paths, the surrogate's gradient is -∇L_s / #tokens, whatever b."""
+    model = _model(entropy_weight=0.0, expectation_prob=0.0).double().train()
+    vis = VisualBatch.from_features(torch.randn(1, 3, 6, dtype=torch.float64))
+    captions = torch.tensor([[5, 2]])
+    params = [p for p in model.parameters()]
+    expected_grad = [torch.zeros_like(p) for p in params]
+    lower_bound = torch.zeros((), dtype=torch.float64)
+    for path in itertools.product(range(3), repeat=2):
+        _force(model, lambda alpha, t, path=path: torch.full((alpha.shape[0],), path[t]))
+        model.baseline.fill_(-1.7)  # an arbitrary fixed baseline leaves the expectation unchanged
+        model.baseline_batches.fill_(1)
+        logprobs, aux = model.forward_xe(vis, captions)
+        surrogate = xe_loss(logprobs, captions, model.pad_id) + sum(aux.values())
+        grads = torch.autograd.grad(surrogate, params, allow_unused=True)
+        # the same path again, for log p(s|a) and log p(y|s,a) as differentiable functions
+        _force(model, lambda alpha, t, path=path: torch.full((alpha.shape[0],), path[t]))
+        logprobs, records, _ = model.teacher_force(vis, captions)
+        logp_s = sum(torch.log(r.primary[0, s]) for r, s in zip(records, path))
+        logp_y = logprobs[0, [0, 1], captions[0]].sum()
+        weight = logp_s.detach().exp()
+        for acc, g in zip(expected_grad, grads):
+            if g is not None:
+                acc += weight * g
+        lower_bound = lower_bound + logp_s.exp() * logp_y  # L_s = Σ_s p(s|a) log p(y|s,a)
+    exact = torch.autograd.grad(lower_bound, params, allow_unused=True)
+    n_tokens = 2
+    checked = 0
+    for name_param, acc, g in zip(model.named_parameters(), expected_grad, exact):
+        if g is None:
+            assert torch.all(acc == 0), name_param[0]
+            continue
+        torch.testing.assert_close(acc, -g / n_tokens, msg=name_param[0])
+        checked += int(g.abs().sum() > 0)
+    assert checked >= 8  # attention parameters included: they only get gradient through REINFORCE
+
+
+def test_terms_and_moving_average_baseline_match_the_learning_rule():
+    model = _model(reinforce_weight=0.7, entropy_weight=0.05, expectation_prob=0.0).train()
+    _force(model, lambda alpha, t: alpha.argmin(-1))  # deterministic paths, so a second pass can replay them
+    vis = VisualBatch.from_features(torch.randn(3, 5, 6))
+    captions = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0], [4, 2, 0, 0]])
+
+    def naive(baseline):
+        logprobs, records, _ = model.teacher_force(vis, captions)
+        terms = []
+        for b in range(3):
+            steps = int((captions[b] != 0).sum())
+            logp_y = sum(logprobs[b, t, captions[b, t]] for t in range(steps))
+            chosen = [int(records[t].extras["location"][b].argmax()) for t in range(steps)]
+            logp_s = sum(torch.log(records[t].primary[b, chosen[t]]) for t in range(steps))
+            entropy = sum(-(records[t].primary[b] * records[t].primary[b].log()).sum() for t in range(steps))
+            terms.append((logp_y.detach(), logp_s, entropy))
+        rewards = torch.stack([r for r, _, _ in terms])
+        reinforce = -0.7 * sum((r - baseline) * s for r, s, _ in terms) / 9
+        entropy = -0.05 * sum(h for _, _, h in terms) / 9  # 9 target tokens
+        return rewards, reinforce, entropy
+
+    rewards, _, _ = naive(0.0)
+    _, aux = model.forward_xe(vis, captions)
+    first = rewards.mean()  # the first mini-batch is its own baseline
+    _, reinforce, entropy = naive(first)
+    torch.testing.assert_close(aux["reinforce"], reinforce)
+    torch.testing.assert_close(aux["entropy"], entropy)
+    torch.testing.assert_close(model.baseline, first)
+
+    with torch.no_grad():
+        model.out_word.bias += 0.3 * torch.randn(11)  # another model: other rewards in mini-batch 2
+    rewards, reinforce, _ = naive(first)  # b_{k-1} is used for mini-batch k
+    _, aux = model.forward_xe(vis, captions)
+    torch.testing.assert_close(aux["reinforce"], reinforce)
+    torch.testing.assert_close(model.baseline, 0.9 * first + 0.1 * rewards.mean())  # b_k = 0.9 b_{k-1} + 0.1 r_k
+    assert int(model.baseline_batches) == 2
+
+    # captions that took the expectation get no REINFORCE term and do not move the baseline
+    model.expectation_prob = 1.0
+    before = model.baseline.clone()
+    _, aux = model.forward_xe(vis, captions)
+    assert aux["reinforce"].item() == 0 and torch.equal(model.baseline, before)
+    # the baseline is model state: it is saved with the weights and restored on load (and on --resume)
+    clone = create("sat-hard", **TINY)
+    clone.load_state_dict(model.state_dict())
+    assert torch.equal(clone.baseline, model.baseline) and int(clone.baseline_batches) == 2
+
+
+def test_several_location_samples_average_the_xe_term():
+    vis = VisualBatch.from_features(torch.randn(2, 5, 6))
+    captions = torch.tensor([[5, 6, 2], [8, 2, 0]])
+    outputs = []
+    for n in (1, 3):
+        model = _model(location_samples=n, expectation_prob=0.0).train()
+        _force(model, lambda alpha, t: alpha.argmax(-1))  # identical paths: the N_s-sample estimate equals N_s=1
+        outputs.append(model.forward_xe(vis, captions))
+    (lp1, aux1), (lp3, aux3) = outputs
+    assert lp3.shape == lp1.shape == (2, 3, 11)
+    torch.testing.assert_close(lp3, lp1)
+    for key in aux1:
+        torch.testing.assert_close(aux3[key], aux1[key])
+
+
+def test_memorises_ten_images_with_reinforce():
+    """SPEC §11.8 through the hard_reinforce objective: training samples locations, decoding takes the arg-max."""
+    vis, targets, captions = memorisation_task()
+    torch.manual_seed(0)
+    model = create("sat-hard", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.0)
+    loss = train_to_memorise(model, vis, targets, steps=200)
+    cider, exact, hyps = memorisation_cider(model, vis, captions)
+    assert cider > 2.0, (cider, exact, loss)
+    assert int(model.baseline_batches) > 0 and model.baseline.item() < 0

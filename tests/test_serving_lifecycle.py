@@ -1,0 +1,176 @@
+"""Back-pressure and lifecycle against real ``captioner serve`` processes whose settings differ from the session
+server's: a tiny queue (429 + Retry-After), a client that disconnects mid-caption (its rows are freed), a
+tiny deadline (504, rows freed) and graceful shutdown (in-flight requests finish).
+
+They serve a deliberately slow random model (a wide LSTM, 4000 words, never confident enough to stop early):
+about 100 decoding steps of a few milliseconds each, so that "in flight" lasts long enough to act on."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from models.checkpoint import save_checkpoint
+from models.encoder import EncoderSpec
+from models.registry import create
+from models.vocab import Vocabulary
+
+from .serving_helpers import ServerProcess, scrape
+
+MAX_LEN = 100
+MODEL = '{model="slow"}'
+COMMON = {"CAPTIONER_DEFAULT_MODEL": "slow", "CAPTIONER_MAX_MAX_LEN": str(MAX_LEN), "CAPTIONER_MAX_BEAM_SIZE": "3",
+          "CAPTIONER_MAX_ROWS": "3", "CAPTIONER_MAX_BATCH_IMAGES": "1", "CAPTIONER_DEVICE": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def slow_weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("slow-weights")
+    torch.manual_seed(0)
+    vocab = Vocabulary([f"w{i}" for i in range(4000)])
+    model = create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=64, hidden_dim=1024, attn_dim=64,
+                   dropout=0.0)
+    save_checkpoint(root / "slow", model, vocab, EncoderSpec(image_size=64))
+    return root
+
+
+@pytest.fixture(scope="module")
+def servers(slow_weights, tmp_path_factory):
+    """Both servers start together (their start-up overlaps): one with a queue of 1, one with a 0.4 s deadline."""
+    logs = tmp_path_factory.mktemp("lifecycle-logs")
+    small_queue = ServerProcess(slow_weights, {**COMMON, "CAPTIONER_QUEUE_SIZE": "1", "CAPTIONER_RETRY_AFTER_S": "2",
+                                               "CAPTIONER_DRAIN_TIMEOUT_S": "30"}, logs / "queue.log")
+    deadline = ServerProcess(slow_weights, {**COMMON, "CAPTIONER_REQUEST_TIMEOUT_S": "0.4"}, logs / "deadline.log")
+    try:
+        yield small_queue.wait_ready(), deadline.wait_ready()
+    finally:
+        small_queue.stop()
+        deadline.stop()
+
+
+@pytest.fixture(scope="module")
+def png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (80, 60), (200, 40, 90)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def wait_for(condition, timeout_s: float = 15, every_s: float = 0.02):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError("condition not met in time")
+
+
+def caption_params(max_len: int = MAX_LEN) -> dict:
+    return {"beam_size": 3, "max_len": max_len}
+
+
+def test_a_full_queue_answers_429_with_retry_after(servers, png):
+    server = servers[0].url
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/caption", params=caption_params(),
+                                                      files={"file": ("a.png", png, "image/png")})
+                                          for _ in range(8)))
+
+    before = scrape(server).get('captioner_rejects_total{reason="overloaded"}', 0)
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    # three rows = one request decoding, one more may wait: everyone else is turned away at once
+    assert statuses.count(429) >= 5 and set(statuses) <= {200, 429} and statuses.count(200) >= 2, statuses
+    for response in responses:
+        if response.status_code == 429:
+            assert response.headers["retry-after"] == "2"
+            assert response.headers["content-type"].startswith("application/problem+json")
+            assert response.json()["type"] == "/problems/overloaded"
+    after = scrape(server)['captioner_rejects_total{reason="overloaded"}']
+    assert after - before == statuses.count(429)
+
+
+def test_a_client_that_disconnects_frees_its_rows_within_a_step(servers, png):
+    server = servers[0].url
+    before = scrape(server)
+
+    async def start_then_hang_up():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            task = asyncio.create_task(client.post("/caption", params=caption_params(),
+                                                   files={"file": ("a.png", png, "image/png")}))
+            while scrape(server).get(f"captioner_active_rows{MODEL}") != 3:
+                assert not task.done(), "the caption finished before the client could hang up"
+                await asyncio.sleep(0.02)
+            task.cancel()  # closes the connection mid-request
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(start_then_hang_up())
+    after = wait_for(lambda: (m := scrape(server)).get(f"captioner_active_rows{MODEL}") == 0 and m)
+    freed = after.get(f'captioner_rows_freed_total{{model="slow",reason="cancelled"}}', 0) - before.get(
+        f'captioner_rows_freed_total{{model="slow",reason="cancelled"}}', 0)
+    steps = after[f"captioner_rows_per_step_count{MODEL}"] - before[f"captioner_rows_per_step_count{MODEL}"]
+    assert freed == 3, "the request's three rows left the table as cancelled"
+    assert steps < MAX_LEN - 10, f"decoding stopped early ({steps} of {MAX_LEN} steps), not at the end"
+    assert after['captioner_rejects_total{reason="client-gone"}'] >= 1
+    log = [json.loads(line) for line in servers[0].log_path.read_text().splitlines() if line.startswith("{")]
+    gone = [e for e in log if e.get("path") == "/caption" and e.get("disconnected")]
+    assert gone and gone[-1]["status"] == 499
+
+
+def test_a_deadline_answers_504_and_frees_the_rows(servers, png):
+    server = servers[1].url
+    before = scrape(server)
+
+    async def two():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/caption", params=caption_params(),
+                                                      files={"file": ("a.png", png, "image/png")})
+                                          for _ in range(2)))
+
+    started = time.monotonic()
+    responses = asyncio.run(two())
+    assert time.monotonic() - started < 5
+    for response in responses:  # one timed out while decoding, the other while waiting for rows
+        assert response.status_code == 504, response.text
+        assert response.json()["type"] == "/problems/deadline"
+    after = wait_for(lambda: (m := scrape(server)).get(f"captioner_active_rows{MODEL}") == 0 and m)
+    label = 'captioner_rows_freed_total{model="slow",reason="deadline"}'
+    assert after.get(label, 0) - before.get(label, 0) == 3
+    assert after['captioner_rejects_total{reason="deadline"}'] - before.get(
+        'captioner_rejects_total{reason="deadline"}', 0) == 2
+    # the freed rows are usable at once: a short caption fits in the deadline
+    quick = httpx.post(f"{server}/caption", params=caption_params(max_len=2),
+                       files={"file": ("a.png", png, "image/png")}, timeout=60)
+    assert quick.status_code == 200, quick.text
+
+
+def test_graceful_shutdown_finishes_in_flight_requests(servers, png):
+    """Runs last in this module: it stops the small-queue server."""
+    process = servers[0]
+
+    async def caption_then_sigterm():
+        async with httpx.AsyncClient(base_url=process.url, timeout=60) as client:
+            task = asyncio.create_task(client.post("/caption", params=caption_params(),
+                                                   files={"file": ("a.png", png, "image/png")}))
+            while scrape(process.url).get(f"captioner_active_rows{MODEL}") != 3:
+                await asyncio.sleep(0.02)
+            process.proc.send_signal(signal.SIGTERM)
+            return await task
+
+    response = asyncio.run(caption_then_sigterm())
+    assert response.status_code == 200 and len(response.json()["tokens"]) == MAX_LEN
+    # uvicorn re-raises the SIGTERM it handled once it has shut down cleanly
+    assert process.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in process.log_path.read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{process.url}/healthz", timeout=2)

@@ -1,0 +1,203 @@
+"""ONNX Runtime backend: every registered architecture either exports (and then captions exactly like PyTorch
+through the same batcher) or says why it cannot; the shipped checkpoint agrees on both backends, through the
+runtime and through the HTTP service; ``captioner export`` writes what the service loads."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from skimage import data
+
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.data.scenes import generate
+from models.encoder import GridEncoder
+from models.onnx_export import ENCODER_FILE, STEP_FILE, ExportUnsupported, GraphSpec, export_graphs, \
+    export_is_current
+from service.app import create_app
+from service.batcher import Batcher
+from service.cli import main as captioner
+from service.runtime import ModelRuntime, OnnxModelRuntime
+from service.settings import Settings
+
+from .conftest import DEFAULT_CHECKPOINT
+from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \
+    tiny_checkpoint
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# architectures whose export is part of the product (the shipped model's and its siblings'): failure is a bug
+MUST_EXPORT = {"sat", "sparsecap"}
+# ONNX Runtime vs PyTorch through the whole decode (measured ≤ 2e-6 on attention, ≤ 2e-5 on log-probs)
+ATOL_ATTENTION, ATOL_LOGPROB = 1e-4, 1e-3
+SCHEDULE = [(0, 0, 3, 6), (0, 1, 1, 4), (1, 2, 4, 9), (2, 3, 2, 3), (4, 4, 3, 7), (6, 5, 2, 5)]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return shared_encoder()
+
+
+def run_schedule(runtime, images, schedule=SCHEDULE):
+    batcher = Batcher(runtime, max_batch=3, queue_size=16, max_rows=64)
+    batcher.start(worker=False)
+    prepared = [runtime.prepare(image) for image in images]
+    return asyncio.run(drive(batcher, [(step, prepared[i], beam, n) for step, i, beam, n in schedule]))
+
+
+def assert_backends_agree(torch_rt, onnx_rt, images, schedule=SCHEDULE):
+    for got, want in zip(run_schedule(onnx_rt, images, schedule), run_schedule(torch_rt, images, schedule)):
+        assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
+
+
+def export_or_skip(arch: str, ckpt, folder, encoder, must: bool) -> GraphSpec:
+    try:
+        return export_graphs(ckpt, folder, encoder)
+    except ExportUnsupported as exc:
+        message = str(exc)
+        assert message.startswith(f"{ckpt.model.arch}:") and len(message) > 40, "the reason must be specific"
+        assert not folder.exists(), "nothing is written for a model that cannot be exported"
+        if must:
+            raise
+        pytest.skip(f"cannot be exported (reported as ExportUnsupported): {message[:400]}")
+
+
+@pytest.mark.parametrize("arch", all_architectures())
+def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encoder, tmp_path):
+    ckpt = tiny_checkpoint(arch)
+    spec = export_or_skip(arch, ckpt, tmp_path / arch, encoder, must=arch in MUST_EXPORT)
+    assert export_is_current(tmp_path / arch, ckpt.checksum) and spec.arch == arch
+    assert max(spec.max_abs_diff.values()) < 1e-3
+    onnx_rt = OnnxModelRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
+    assert_backends_agree(ModelRuntime(arch, ckpt, encoder, CPU), onnx_rt, random_images(6, seed=2))
+
+
+@pytest.mark.parametrize("arch,config", [
+    ("area-transformer", dict(encoder_area=None, decoder_area=None, area_key="mean")),  # growing cache
+    ("sparsecap", dict(attention="sparsemax")),  # exact zeros must stay exact
+])
+def test_configuration_variants_export_and_match(arch, config, encoder, tmp_path):
+    ckpt = tiny_checkpoint(arch, **config)
+    if arch == "sparsecap":
+        with torch.no_grad():  # spread the attention scores, so that sparsemax has zeros to keep
+            for name, param in ckpt.model.named_parameters():
+                if name.startswith("output_attention"):
+                    param.mul_(10.0)
+    spec = export_graphs(ckpt, tmp_path / "model", encoder)
+    assert any(spec.growing_dims.values()) == (arch == "area-transformer")
+    onnx_rt = OnnxModelRuntime(arch, ckpt, tmp_path / "model", CPU, threads=1)
+    torch_rt = ModelRuntime(arch, ckpt, encoder, CPU)
+    assert_backends_agree(torch_rt, onnx_rt, random_images(6, seed=4))
+    if config.get("attention") == "sparsemax":
+        result = run_schedule(onnx_rt, random_images(6, seed=4))[0]
+        assert (result.hypothesis.attention == 0).any(), "sparsemax zeros survive the ONNX graph"
+
+
+def test_unexportable_configuration_names_the_code_responsible(encoder, tmp_path):
+    with pytest.raises(ExportUnsupported, match=r"sparsecap: .*models/attention/tvmax\.py:\d+"):
+        export_graphs(tiny_checkpoint("sparsecap", attention="tvmax"), tmp_path / "tvmax", encoder)
+    assert not (tmp_path / "tvmax").exists()
+
+
+# -- the shipped checkpoint -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """weights/sat-scenes, its ONNX export (made once for this module) and some images it knows how to caption."""
+    ckpt = load_checkpoint(DEFAULT_CHECKPOINT, "cpu")
+    onnx_dir = tmp_path_factory.mktemp("onnx")
+    visual = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
+    spec = export_graphs(ckpt, onnx_dir / "sat-scenes", visual)
+    scenes = tmp_path_factory.mktemp("scenes")
+    dataset = json.loads(generate(scenes, {"test": 5}, seed=321, progress=False).read_text())
+    images = [Image.open(scenes / "images" / entry["filename"]).convert("RGB") for entry in dataset["images"]]
+    images.append(Image.fromarray(data.chelsea()))
+    return ckpt, visual, onnx_dir, spec, images
+
+
+def test_shipped_checkpoint_captions_identically_on_both_backends(shipped):
+    ckpt, visual, onnx_dir, spec, images = shipped
+    assert max(spec.max_abs_diff.values()) < 1e-3
+    onnx_rt = OnnxModelRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
+    torch_rt = ModelRuntime("sat-scenes", ckpt, visual, CPU)
+    assert_backends_agree(torch_rt, onnx_rt, images)
+    assert onnx_rt.describe()["backend"] == "onnx" and onnx_rt.providers == ["CPUExecutionProvider"]
+
+
+def _jpeg(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=92)
+    return buffer.getvalue()
+
+
+def test_service_serves_a_model_on_onnx_runtime_by_config(shipped, tmp_path):
+    """Two names for the shipped checkpoint, one per backend (CAPTIONER_BACKENDS); their HTTP answers agree."""
+    _, _, onnx_dir, _, images = shipped
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("sat-torch", "sat-onnx"):
+        (weights / name).symlink_to(DEFAULT_CHECKPOINT.resolve(), target_is_directory=True)
+        (onnx_dir / name).symlink_to((onnx_dir / "sat-scenes").resolve(), target_is_directory=True)
+    settings = Settings(weights_dir=weights, default_model="sat-torch", backends={"sat-onnx": "onnx"},
+                        onnx_dir=onnx_dir, device="cpu", threads=1, max_batch_images=2, queue_size=8)
+    with TestClient(create_app(settings)) as client:
+        models = {m["name"]: m for m in client.get("/models").json()}
+        assert models["sat-onnx"]["backend"] == "onnx" and models["sat-torch"]["backend"] == "torch"
+        assert models["sat-onnx"]["providers"] == ["CPUExecutionProvider"]
+        assert models["sat-onnx"]["checksum"] == models["sat-torch"]["checksum"]
+        for image in images[:3] + images[-1:]:
+            answers = [client.post("/caption", params={"model": name, "beam_size": 3},
+                                   files={"file": ("x.jpg", _jpeg(image), "image/jpeg")}).json()
+                       for name in ("sat-torch", "sat-onnx")]
+            assert answers[0]["caption"] == answers[1]["caption"] and answers[0]["caption"]
+            np.testing.assert_allclose(answers[0]["attention"], answers[1]["attention"], atol=ATOL_ATTENTION)
+            np.testing.assert_allclose(answers[0]["token_logprobs"], answers[1]["token_logprobs"], atol=ATOL_LOGPROB)
+
+
+def test_captioner_export_writes_every_model_and_reports_the_ones_it_cannot(tmp_path, capsys):
+    weights = tmp_path / "weights"
+    for name, arch, config in (("tiny-sat", "sat", {}), ("tiny-tvmax", "sparsecap", {"attention": "tvmax"})):
+        ckpt = tiny_checkpoint(arch, **config)
+        save_checkpoint(weights / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    captioner(["export", "--weights-dir", str(weights), "--out", str(tmp_path / "onnx"), "--threads", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("tiny-sat: ") and "verified against PyTorch" in lines[0]
+    assert lines[1].startswith("tiny-tvmax: NOT EXPORTED: sparsecap: ") and "tvmax.py" in lines[1]
+    assert (tmp_path / "onnx" / "tiny-sat" / ENCODER_FILE).is_file()
+    assert (tmp_path / "onnx" / "tiny-sat" / STEP_FILE).is_file()
+    assert not (tmp_path / "onnx" / "tiny-tvmax").exists()
+    with pytest.raises(SystemExit):
+        captioner(["export", str(weights / "tiny-tvmax"), "--out", str(tmp_path / "onnx"), "--strict"])
+
+
+def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
+    ckpt = tiny_checkpoint("sparsecap", attention="tvmax")
+    save_checkpoint(tmp_path / "weights" / "tvmax", ckpt.model, ckpt.vocab, ckpt.encoder)
+    settings = Settings(weights_dir=tmp_path / "weights", default_model="tvmax", backend="onnx",
+                        onnx_dir=tmp_path / "onnx", device="cpu", threads=1, warmup=False)
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/models").json()[0]["backend"] == "torch"
+        image = random_images(1)[0]
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        assert client.post("/caption", content=buffer.getvalue(),
+                           headers={"content-type": "image/png"}).status_code == 200
+
+
+def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
+    import onnxruntime as ort
+
+    ckpt, _, onnx_dir, _, _ = shipped
+    runtime = OnnxModelRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
+    assert runtime.providers == ["CPUExecutionProvider"] and not runtime.on_gpu
+    if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
+        gpu = OnnxModelRuntime("sat-scenes", load_checkpoint(DEFAULT_CHECKPOINT, "cuda"), onnx_dir / "sat-scenes",
+                               torch.device("cuda"))
+        assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu

@@ -1,0 +1,145 @@
+"""X-Linear attention block (SPEC §4.3–§4.4, §11.4): the batched efficient form against a per-item loop written
+straight from P3 Eq. 2–6 and Eq. 8, masking, heads, and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.attention.xlinear import ItemUpdate, XLinearAttention, XLinearLayer
+
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUERY, KEY, VALUE, ITEMS = 5, 6, 7, 6
+
+
+def block(heads: int = 1, activation: str = "celu", bilinear_dim: int = 8, channel_dim: int = 4, **options):
+    torch.manual_seed(0)
+    return XLinearAttention(QUERY, KEY, VALUE, bilinear_dim, channel_dim, heads, activation, dropout=0.0,
+                            **options).double().eval()
+
+
+def inputs(batch: int = 3, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    mask = torch.ones(batch, ITEMS, dtype=torch.bool)
+    mask[1, 4:] = False  # a padded image
+    mask[2, [0, 3]] = False  # padding anywhere, not only at the end
+    return make(batch, QUERY), make(batch, ITEMS, KEY), make(batch, ITEMS, VALUE), mask
+
+
+def affine(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear.weight @ x + linear.bias
+
+
+def naive(block: XLinearAttention, query, keys, values, mask):
+    """P3 Eq. 2–6 for one image, item by item and head by head, with B^v_i formed per item (no factoring)."""
+    rho = torch.nn.CELU(1.3) if isinstance(block.key_embed[1], torch.nn.CELU) else torch.relu
+    heads, width = block.heads, block.key_embed[0].out_features // block.heads
+    real = [i for i in range(keys.shape[0]) if mask[i]]
+    query_for_keys, query_for_values = rho(affine(block.query_key_embed[0], query)), rho(
+        affine(block.query_value_embed[0], query))
+    attended, channel, spatial = [], [], torch.zeros(heads, keys.shape[0], dtype=query.dtype)
+    for h in range(heads):
+        part = slice(h * width, (h + 1) * width)
+        bilinear_key = {i: rho(affine(block.key_embed[0], keys[i]))[part] * query_for_keys[part] for i in real}  # Eq. 2
+        transformed = {i: torch.relu(affine(block.bilinear_embed, bilinear_key[i])) for i in real}  # B'^k_i, Eq. 3
+        beta_s = torch.stack([affine(block.spatial_score, transformed[i])[0] for i in real]).softmax(0)  # Eq. 3
+        squeezed = sum(transformed[i] for i in real) / len(real)  # Eq. 4
+        beta_c = torch.sigmoid(affine(block.excitation, squeezed))  # Eq. 5
+        bilinear_value = {i: rho(affine(block.value_embed[0], values[i]))[part] * query_for_values[part] for i in real}
+        attended.append(beta_c * sum(beta_s[j] * bilinear_value[i] for j, i in enumerate(real)))  # Eq. 6
+        channel.append(beta_c)
+        spatial[h, real] = beta_s
+    return torch.cat(attended), spatial, torch.cat(channel)
+
+
+@pytest.mark.parametrize("heads,activation", [(1, "celu"), (1, "relu"), (2, "celu"), (4, "relu")])
+def test_batched_block_equals_the_per_item_equations(heads, activation):
+    attention = block(heads, activation)
+    query, keys, values, mask = inputs()
+    out = attention(query, keys, values, mask)
+    assert out.attended.shape == (3, 8) and out.spatial.shape == (3, heads, ITEMS) and out.channel.shape == (3, 8)
+    for b in range(3):
+        attended, spatial, channel = naive(attention, query[b], keys[b], values[b], mask[b])
+        torch.testing.assert_close(out.attended[b], attended)
+        torch.testing.assert_close(out.spatial[b], spatial)
+        torch.testing.assert_close(out.channel[b], channel)
+
+
+def test_padded_items_get_exactly_zero_attention_and_change_nothing():
+    attention = block(heads=2)
+    query, keys, values, mask = inputs()
+    out = attention(query, keys, values, mask)
+    assert torch.all(out.spatial.masked_select(~mask[:, None, :]) == 0)
+    torch.testing.assert_close(out.spatial.sum(-1), torch.ones(3, 2, dtype=torch.float64))
+    assert torch.all((out.channel > 0) & (out.channel < 1))  # β^c ∈ (0, 1) (SPEC §11.4)
+    # the squeeze is a masked mean too: garbage in padded slots must not leak into β^c or v̂
+    noisy = attention(query, keys.masked_fill(~mask[..., None], 1e3), values.masked_fill(~mask[..., None], -1e3), mask)
+    for name in ("attended", "spatial", "channel"):
+        torch.testing.assert_close(getattr(noisy, name), getattr(out, name))
+    # an all-True mask (grid features) is the same as no mask
+    full = torch.ones_like(mask)
+    torch.testing.assert_close(attention(query, keys, values, full).attended, attention(query, keys, values).attended)
+
+
+def test_many_queries_with_per_query_masks_equal_one_query_at_a_time():
+    attention = block(heads=2)
+    _, keys, values, _ = inputs()
+    queries = torch.randn(3, ITEMS, QUERY, dtype=torch.float64)
+    causal = torch.ones(ITEMS, ITEMS, dtype=torch.bool).tril().expand(3, ITEMS, ITEMS)
+    out = attention(queries, keys, values, causal)
+    assert out.spatial.shape == (3, 2, ITEMS, ITEMS)
+    for t in range(ITEMS):
+        single = attention(queries[:, t], keys, values, causal[:, t])
+        torch.testing.assert_close(out.attended[:, t], single.attended)
+        torch.testing.assert_close(out.spatial[:, :, t], single.spatial)
+        torch.testing.assert_close(out.channel[:, t], single.channel)
+
+
+def test_precomputed_memory_is_the_same_block():
+    attention = block(heads=2, group_norm=True)
+    query, keys, values, mask = inputs()
+    direct = attention(query, keys, values, mask)
+    cached = attention.attend(query, *attention.embed_memory(keys, values), mask)
+    torch.testing.assert_close(cached.attended, direct.attended)
+    # GroupNorm (authors' code) normalises each head's channels of every embedding separately
+    embedded = attention.key_embed(keys).unflatten(-1, (2, 4))
+    torch.testing.assert_close(embedded.mean(-1), torch.zeros(3, ITEMS, 2, dtype=torch.float64))
+
+
+def test_gradcheck_on_a_tiny_block():
+    attention = block(heads=2)
+    query, keys, values, mask = inputs()
+    query, keys, values = (x.requires_grad_() for x in (query, keys, values))
+    assert torch.autograd.gradcheck(lambda q, k, v: tuple(attention(q, k, v, mask)), (query, keys, values),
+                                    eps=1e-6, atol=1e-6)
+
+
+def test_shapes_must_split_into_heads():
+    with pytest.raises(ValueError, match="divisible"):
+        XLinearAttention(4, 4, 4, bilinear_dim=10, channel_dim=4, heads=4)
+    with pytest.raises(ValueError, match="activation"):
+        XLinearAttention(4, 4, 4, bilinear_dim=8, channel_dim=4, heads=2, activation="elu")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_stacked_layer_is_eq7_then_eq8(shared):
+    torch.manual_seed(0)
+    layer = XLinearLayer(8, 4, heads=2, shared_kv_update=shared).double().eval()
+    _, _, _, mask = inputs()
+    keys, values = torch.randn(2, 3, ITEMS, 8, dtype=torch.float64)
+    query = torch.randn(3, 8, dtype=torch.float64)
+    attended, new_keys, new_values, _ = layer(query, keys, values, mask)
+    torch.testing.assert_close(attended, layer.attention(query, keys, values, mask).attended)  # Eq. 7
+
+    def eq8(update: ItemUpdate, items):  # LN(ReLU(W [v̂^(m); x_i]) + x_i), item by item
+        def one(b, i):
+            embedded = torch.relu(affine(update.embed, torch.cat([attended[b], items[b, i]])))
+            return F.layer_norm(embedded + items[b, i], (8,), update.norm.weight, update.norm.bias)
+
+        return torch.stack([torch.stack([one(b, i) for i in range(ITEMS)]) for b in range(3)])
+
+    torch.testing.assert_close(new_values, eq8(layer.value_update, values))
+    torch.testing.assert_close(new_keys, new_values if shared else eq8(layer.key_update, keys))
+    assert (layer.key_update is None) == shared
