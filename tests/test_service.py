@@ -138,3 +138,22 @@ def test_every_shipped_checkpoint_is_served_side_by_side(server, tmp_path):
         assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"])
         if listed[name]["attention"] == "tvmax":
             assert any(0.0 in row for row in body["attention"]), "TVmax attention keeps exact zeros in the JSON"
+
+
+def test_every_registered_architecture_round_trips_through_a_checkpoint_and_post_caption(tmp_path):
+    from models.registry import available
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    for arch in available():
+        save_checkpoint(tmp_path / arch, tiny_model(arch), VOCAB, TINY_SPEC)
+    photo = _png(Image.fromarray(data.astronaut()), "JPEG")
+    with TestClient(create_app(Settings(weights_dir=tmp_path, default_model="sat"))) as client:
+        assert sorted(m["architecture"] for m in client.get("/models").json()) == sorted(available())
+        for arch in available():
+            response = client.post("/caption", params={"model": arch, "max_len": 4, "beam_size": 2},
+                                   files={"file": ("astronaut.jpg", photo, "image/jpeg")})
+            assert response.status_code == 200, (arch, response.text)
+            body = response.json()
+            assert body["model"] == arch and len(body["attention"]) == len(body["tokens"]) >= 1
+            assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"]), arch
