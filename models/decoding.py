@@ -110,8 +110,13 @@ def never_emitted(model: Captioner) -> tuple[int, ...]:
 
 
 def _forbid(logprobs: Tensor, token_ids: tuple[int, ...]) -> Tensor:
-    return logprobs.index_fill(1, torch.tensor(token_ids, device=logprobs.device), float("-inf")) if token_ids \
-        else logprobs
+    if not token_ids:
+        return logprobs
+    # integer column writes: no index tensor to build and copy to the device at every step
+    logprobs = logprobs.clone()
+    for token in token_ids:
+        logprobs[:, token] = float("-inf")
+    return logprobs
 
 
 def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import get_normaliser
-from .attention.tvmax import _tv2d_solve as tvmax_solver
+from .attention.tvmax import tv2d_prox
 from .layers import AdditiveAttention
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
@@ -61,8 +61,8 @@ class SparseCap(Captioner):
             return None
         # a trace would freeze the iteration count that happened to certify the example scores: the graph
         # would agree on the export's checks and silently return an uncertified prox on other images
-        source = inspect.getsourcefile(tvmax_solver)
-        line = inspect.getsourcelines(tvmax_solver)[1]
+        source = inspect.getsourcefile(tv2d_prox)
+        line = inspect.getsourcelines(tv2d_prox)[1]
         where = f"{Path(source).relative_to(Path(__file__).resolve().parents[1])}:{line}"
         return (f"TVmax's 2D TV prox ({where}) iterates until a certificate holds, so its number of iterations "
                 "depends on the scores; serve this model with the PyTorch backend")

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.decoding import greedy
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.decoding import beam_search, greedy
+from models.encoder import EncoderSpec
+from models.vocab import Vocabulary
 from models.metrics import score_captions
 from models.protocol import Captioner, VisualBatch
 
@@ -18,6 +21,23 @@ def stepwise(model: Captioner, vis: VisualBatch, tokens: torch.Tensor) -> tuple[
     (the base class's, even where a model overrides it), the reference for a model's parallel ``forward_xe``."""
     logprobs, records, _ = Captioner.teacher_force(model, vis, tokens)
     return logprobs, records
+
+
+def assert_beam_one_is_greedy(model: Captioner, vis: VisualBatch, max_len: int = 8) -> None:
+    """SPEC §11.6: beam search with k = 1 returns the greedy caption and the same attention rows."""
+    for by_beam, by_greedy in zip(beam_search(model, vis, k=1, max_len=max_len), greedy(model, vis, max_len)):
+        assert by_beam[0].token_ids == by_greedy.token_ids
+        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+
+
+def assert_checkpoint_round_trip(model: Captioner, vis: VisualBatch, folder) -> None:
+    """Save and load through the one checkpoint format: same config, same beam-search captions and attention."""
+    path = save_checkpoint(folder, model, Vocabulary([f"w{i}" for i in range(model.vocab_size - 4)]), EncoderSpec())
+    loaded = load_checkpoint(path).model
+    assert loaded.config() == model.config()
+    for before, after in zip(beam_search(model, vis, k=3, max_len=8), beam_search(loaded, vis, k=3, max_len=8)):
+        assert before[0].token_ids == after[0].token_ids
+        torch.testing.assert_close(before[0].attention, after[0].attention)
 
 
 def memorisation_task(items: int = 64, feat_dim: int = 32, seed: int = 0) -> tuple[VisualBatch, torch.Tensor, list[list[int]]]:

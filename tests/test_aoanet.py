@@ -9,14 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.aoa import AttentionOnAttention
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.decoding import beam_search, greedy
-from models.encoder import EncoderSpec
+from models.decoding import beam_search
 from models.protocol import VisualBatch
 from models.registry import available, create
-from models.vocab import Vocabulary
 
-from .model_checks import VOCAB as MEMO_VOCAB, memorisation_cider, memorisation_task, train_to_memorise
+from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
+                          memorisation_cider, memorisation_task, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -211,9 +209,7 @@ def test_beam_search_attention_is_aligned_with_tokens(vis):
 
 def test_beam_one_equals_greedy():
     model, vis = tiny(), padded_visuals()
-    for by_beam, by_greedy in zip(beam_search(model, vis, k=1, max_len=8), greedy(model, vis, 8)):
-        assert by_beam[0].token_ids == by_greedy.token_ids
-        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+    assert_beam_one_is_greedy(model, vis, max_len=8)
 
 
 # -- model plumbing ------------------------------------------------------------------------------------------------
@@ -237,12 +233,7 @@ def test_registered_with_paper_defaults_and_config_round_trip():
 
 def test_checkpoint_round_trip_gives_identical_captions(tmp_path):
     model, vis = tiny(context="lstm"), padded_visuals()
-    path = save_checkpoint(tmp_path / "aoanet", model, Vocabulary([f"w{i}" for i in range(VOCAB - 4)]), EncoderSpec())
-    loaded = load_checkpoint(path)
-    assert loaded.model.config() == model.config()
-    for before, after in zip(beam_search(model, vis, k=3, max_len=8), beam_search(loaded.model, vis, k=3, max_len=8)):
-        assert before[0].token_ids == after[0].token_ids
-        torch.testing.assert_close(before[0].attention, after[0].attention)
+    assert_checkpoint_round_trip(model, vis, tmp_path / "aoanet")
 
 
 def test_gradcheck_tiny_float64_model():

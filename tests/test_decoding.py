@@ -5,6 +5,8 @@ import torch
 from models.decoding import beam_search, greedy, sample
 from models.protocol import VisualBatch
 
+from .model_checks import assert_beam_one_is_greedy
+
 
 @torch.no_grad()
 def _teacher_forced(model, vis, hyp, row):
@@ -24,9 +26,7 @@ def _teacher_forced(model, vis, hyp, row):
 
 
 def test_beam_one_equals_greedy(tiny_sat, random_visuals):
-    for by_beam, by_greedy in zip(beam_search(tiny_sat, random_visuals, k=1, max_len=12), greedy(tiny_sat, random_visuals, 12)):
-        assert by_beam[0].token_ids == by_greedy.token_ids
-        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+    assert_beam_one_is_greedy(tiny_sat, random_visuals, max_len=12)
 
 
 def test_beam_attention_is_aligned_with_tokens(tiny_sat, random_visuals):

@@ -7,15 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.decoding import beam_search, greedy
-from models.encoder import EncoderSpec
+from models.decoding import beam_search
 from models.layers import masked_mean
 from models.protocol import VisualBatch
 from models.registry import available, create
-from models.vocab import Vocabulary
 
-from .model_checks import VOCAB as MEMO_VOCAB, memorisation_cider, memorisation_task, stepwise, train_to_memorise
+from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
+                          memorisation_cider, memorisation_task, stepwise, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,19 +136,12 @@ def test_beam_search_attention_lines_up_with_tokens():
 
 def test_beam_one_equals_greedy():
     model, vis = tiny(), regions()
-    for by_beam, by_greedy in zip(beam_search(model, vis, k=1, max_len=8), greedy(model, vis, 8)):
-        assert by_beam[0].token_ids == by_greedy.token_ids
-        torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
+    assert_beam_one_is_greedy(model, vis, max_len=8)
 
 
 def test_checkpoint_round_trip(tmp_path):
     model, vis = tiny(lstm_input="sum", hidden_dim=32, group_norm=True), regions()
-    path = save_checkpoint(tmp_path / "xlan", model, Vocabulary([f"w{i}" for i in range(VOCAB - 4)]), EncoderSpec())
-    loaded = load_checkpoint(path).model
-    assert loaded.config() == model.config()
-    for before, after in zip(beam_search(model, vis, k=3, max_len=8), beam_search(loaded, vis, k=3, max_len=8)):
-        assert before[0].token_ids == after[0].token_ids
-        torch.testing.assert_close(before[0].attention, after[0].attention)
+    assert_checkpoint_round_trip(model, vis, tmp_path / "xlan")
 
 
 def test_forward_xe_reaches_every_parameter_and_supports_scheduled_sampling():
