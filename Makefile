@@ -55,7 +55,10 @@ ZOO_BUDGET := --epochs 1 --train-limit 2000
 SCENE_SAT := --set embed_dim=256 --set hidden_dim=512 --set attn_dim=256
 SCENE_SPARSECAP := --model sparsecap --epochs 1 --set embed_dim=256 --set hidden_dim=512 --set visual_dim=256 \
   --set attn_dim=256
-TRAIN_sat-scenes := --model sat --epochs 9 --encoder layer=hypercolumn $(SCENE_SAT)
+# the default: hypercolumns on a 16×16 grid, a lighter doubly stochastic penalty, ×0.1 learning rate for the last two
+# epochs, best epoch by validation objects_named (docs/decisions.md, "The default checkpoint")
+TRAIN_sat-scenes := --model sat --epochs 7 --lr-drop 5 --encoder layer=hypercolumn --encoder grid_stride=16 \
+  $(SCENE_SAT) --set doubly_stochastic=0.1 --select-metric objects_named
 TRAIN_sparsecap-tvmax := $(SCENE_SPARSECAP) --attention tvmax
 TRAIN_sparsecap-softmax := $(SCENE_SPARSECAP) --attention softmax
 TRAIN_aoanet := $(ZOO_BUDGET) --model aoanet --set d_model=256 --set embed_dim=256 --set ffn_dim=1024

@@ -24,14 +24,21 @@ def _train_command(meta: dict[str, Any], arch: str) -> str:
     parts += [f"--set {k}={v}" for k, v in cfg.get("model_args", {}).items() if k != "attention"]
     if "attention" in cfg.get("model_args", {}):
         parts.append(f"--attention {cfg['model_args']['attention']}")
-    for flag in ("train_limit", "batch_size", "lr"):
+    for flag in ("train_limit", "batch_size", "lr", "select_metric"):
         if cfg.get(flag) is not None:
             parts.append(f"--{flag.replace('_', '-')} {cfg[flag]}")
+    parts += [f"--lr-drop {epoch}" for epoch in cfg.get("lr_drops", [])]
+    if cfg.get("lr_drops") and cfg.get("lr_drop_factor", 0.1) != 0.1:
+        parts.append(f"--lr-drop-factor {cfg['lr_drop_factor']}")
     return " ".join(parts)
 
 
 def _number(value: Any) -> str:
-    return "—" if value is None else f"{value:.4f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+    if value is None:
+        return "—"
+    if isinstance(value, float) and 0 < abs(value) < 1e-3:  # learning rates
+        return f"{value:g}"
+    return f"{value:.4f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
 
 
 def _row(name: str, scores: dict[str, Any]) -> str:
@@ -73,8 +80,9 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         f"(best epoch {meta.get('best_epoch', '?')} of {len(history)}).",
         f"- Command: `{_train_command(meta, model.arch)}`",
         f"- Training time: {seconds / 60:.1f} min of wall clock" if seconds else "- Training time: not recorded",
-        f"  on a 2-core {platform.machine()} CPU, "
-        + (f"{threads} intra-op thread(s) (`--threads {threads}`)" if threads else "default threads") + ", no GPU.",
+        # checkpoints from before the hardware was recorded were all trained on this project's 2-core CI machine
+        f"  on a {meta.get('hardware', f'2-core {platform.machine()} CPU, no GPU')}, "
+        + (f"{threads} intra-op thread(s) (`--threads {threads}`)." if threads else "default threads."),
         "",
         "Per epoch: the last training batch's losses, then validation scores (greedy decoding, the numbers the "
         "run selected on):",

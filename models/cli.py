@@ -66,7 +66,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         dataset = dataset / "dataset_scenes.json"
     cfg = TrainConfig(dataset=str(dataset), out=args.out, model=args.model, model_args=model_args,
                       image_root=args.image_root, encoder=_key_values(args.encoder), cache_dir=args.cache_dir,
-                      epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, min_count=args.min_count,
+                      epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_drops=args.lr_drop,
+                      lr_drop_factor=args.lr_drop_factor, min_count=args.min_count,
                       label_smoothing=args.label_smoothing, seed=args.seed, device=args.device,
                       threads=args.threads, max_steps=args.max_steps, train_limit=args.train_limit,
                       val_limit=args.val_limit, select_metric=args.select_metric, phase=args.phase,
@@ -105,11 +106,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
         metrics = [m for m in ALL_METRICS if not (args.no_meteor and m == "METEOR")]
         scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
                                                device=str(device))
-        if images[0].info.get("objects") is not None:
-            from .data.scenes import object_naming_accuracy
-
-            scores["objects_named"] = object_naming_accuracy(
-                [(captions[im.image_id], im.info["objects"]) for im in images])
         report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
         for im in images[: args.show]:
@@ -269,9 +265,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--epochs", type=int, default=20)
     tr.add_argument("--batch-size", type=int, default=64, help="captions (xe) or images (scst) per batch")
     tr.add_argument("--lr", type=float, default=4e-4)
+    tr.add_argument("--lr-drop", type=int, action="append", default=[], metavar="EPOCH",
+                    help="after this many epochs multiply the learning rate by --lr-drop-factor (repeatable; "
+                         "with --resume, drops may be added ahead of the run)")
+    tr.add_argument("--lr-drop-factor", type=float, default=0.1)
     tr.add_argument("--min-count", type=int, default=1, help="keep words seen at least this often")
     tr.add_argument("--label-smoothing", type=float, default=0.0)
-    tr.add_argument("--select-metric", help="validation metric for the best checkpoint (default: the model's)")
+    tr.add_argument("--select-metric", help="validation metric that picks best/: BLEU-1..4, CIDEr-D, or objects_named "
+                         "on generated scenes (default: the model's)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default="auto")
     tr.add_argument("--threads", type=int)

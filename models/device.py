@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import platform
+
 import torch
 
 
@@ -18,3 +21,11 @@ def resolve_device(name: str = "auto") -> torch.device:
 def set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
+
+
+def describe_hardware(device: torch.device) -> str:
+    """What a run ran on, for model cards: the GPU's name, or the CPU's core count and architecture."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} GPU"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # a container's share
+    return f"{cores}-core {platform.machine()} CPU, no GPU"

@@ -34,6 +34,8 @@ class ImageDecodeError(ValueError):
 
 #: EfficientNet-Lite0 stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → their channels
 HYPERCOLUMN_STAGES = {2: 40, 4: 112, 6: 320}
+#: their strides in input pixels
+HYPERCOLUMN_STRIDES = {2: 8, 4: 16, 6: 32}
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,15 @@ class EncoderSpec:
     # stride-16 stages average-pooled onto the stride-32 grid and stacked with it); resnet: "layer4"
     layer: str = "blocks"
     weights: str | None = None  # local weight file; None = the weights a package ships
+    # pixels per grid cell: 32 is every layer's own grid; "hypercolumn" can also give 16, a 16×16 grid at 256 px
+    # that is as fine as SAT's 14×14 (the stride-32 stage is repeated onto it, the stride-8 stage pooled)
+    grid_stride: int = 32
+
+    def __post_init__(self) -> None:
+        if self.grid_stride not in (16, 32):
+            raise ValueError(f"grid_stride must be 16 or 32, got {self.grid_stride}")
+        if self.grid_stride == 16 and self.layer != "hypercolumn":
+            raise ValueError(f"grid_stride=16 needs layer=hypercolumn (layer {self.layer!r} has a stride-32 grid)")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -58,7 +69,7 @@ class EncoderSpec:
 
     @property
     def stride(self) -> int:
-        return 32
+        return self.grid_stride
 
     @property
     def grid_hw(self) -> tuple[int, int]:
@@ -86,6 +97,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     else:
         try:
             image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        except FileNotFoundError as exc:  # a path (the CLI), not an upload
+            raise ImageDecodeError(f"no such image file: {source}") from exc
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise ImageDecodeError(f"cannot identify an image in the upload ({exc.__class__.__name__})") from exc
     width, height = image.size
@@ -173,6 +186,16 @@ def _resnet(name: str, weights: str | None) -> nn.Module:
     return model
 
 
+def _resample(fmap: Tensor, stride: int, grid_stride: int) -> Tensor:
+    """A feature map of ``stride`` onto the grid of ``grid_stride``: finer maps are average-pooled, coarser ones
+    repeated.  The factors come from the strides, never from tensor shapes, so an ONNX trace stays general."""
+    if stride < grid_stride:
+        return F.avg_pool2d(fmap, grid_stride // stride)
+    if stride > grid_stride:
+        return F.interpolate(fmap, scale_factor=float(stride // grid_stride), mode="nearest")
+    return fmap
+
+
 class GridEncoder(nn.Module):
     """Frozen CNN → ``[B, N, F]`` grid features (row-major cells)."""
 
@@ -212,9 +235,8 @@ class GridEncoder(nn.Module):
         for index, stage in enumerate(self.net.blocks):
             x = stage(x)
             if index in HYPERCOLUMN_STAGES:
-                stages.append(x)
-        side = stages[-1].shape[-1]
-        return torch.cat([F.avg_pool2d(s, s.shape[-1] // side) if s.shape[-1] != side else s for s in stages], dim=1)
+                stages.append(_resample(x, HYPERCOLUMN_STRIDES[index], self.spec.grid_stride))
+        return torch.cat(stages, dim=1)
 
     @torch.no_grad()
     def forward(self, pixels: Tensor) -> Tensor:

@@ -95,9 +95,31 @@ def test_bad_images_raise_clear_errors():
         load_image(truncated)
     with pytest.raises(ImageDecodeError, match="above the limit"):
         load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 299)
+    with pytest.raises(ImageDecodeError, match="no such image file: /nonexistent/cat.jpg"):
+        load_image("/nonexistent/cat.jpg")
 
 
 def test_preprocess_is_normalised():
     pixels, _ = preprocess(Image.new("RGB", (100, 50), (255, 255, 255)), EncoderSpec())
     assert pixels.shape == (3, 256, 256)
     assert torch.allclose(pixels, torch.ones_like(pixels))  # (1 - 0.5) / 0.5
+
+
+def test_stride_16_hypercolumns_give_a_16x16_grid_of_the_same_stages(encoder):
+    pixels, _ = preprocess(Image.fromarray(data.coffee()), EncoderSpec())
+    coarse = GridEncoder(EncoderSpec(layer="hypercolumn"))(pixels[None])
+    fine_encoder = GridEncoder(EncoderSpec(layer="hypercolumn", grid_stride=16))
+    fine = fine_encoder(pixels[None])
+    assert fine.shape == (1, 256, 472) and fine_encoder.spec.grid_hw == (16, 16)
+    cells = fine[0].reshape(16, 16, 472)
+    # the stride-32 stage is repeated: each 2×2 block of fine cells holds its coarse cell's last-stage vector
+    torch.testing.assert_close(cells[6:8, 10:12, -320:], coarse[0, 3 * 8 + 5, -320:].expand(2, 2, 320))
+    # the stride-8 stage is pooled over 2×2 instead of 4×4: four fine cells average to the coarse cell
+    torch.testing.assert_close(cells[6:8, 10:12, :40].mean((0, 1)), coarse[0, 3 * 8 + 5, :40], atol=1e-3, rtol=1e-3)
+    assert grid_geometry(fine_encoder.spec, (512, 512)).boxes[17].tolist() == [32, 32, 64, 64]
+
+
+@pytest.mark.parametrize("kwargs", [dict(grid_stride=8, layer="hypercolumn"), dict(grid_stride=16)])
+def test_unsupported_grid_strides_are_refused(kwargs):
+    with pytest.raises(ValueError, match="grid_stride"):
+        EncoderSpec(**kwargs)

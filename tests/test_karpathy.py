@@ -56,3 +56,16 @@ def test_missing_file_and_bad_layout(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="Karpathy"):
         load_karpathy(tmp_path / "bad.json")
+
+
+def test_feature_cache_key_is_unchanged_by_fields_added_at_their_old_value():
+    import hashlib
+
+    from models.data.features import _cache_name
+
+    keys = ["a.jpg", "b.jpg"]
+    before = {"backbone": "efficientnet_lite0", "image_size": 256, "resize": "stretch", "resize_to": 256,
+              "layer": "hypercolumn", "weights": None}  # EncoderSpec before grid_stride existed
+    digest = hashlib.sha256(json.dumps([before, keys]).encode()).hexdigest()[:16]
+    assert _cache_name(EncoderSpec(layer="hypercolumn"), keys).endswith(digest)
+    assert not _cache_name(EncoderSpec(layer="hypercolumn", grid_stride=16), keys).endswith(digest)

@@ -89,8 +89,9 @@ def test_a_full_queue_answers_429_with_retry_after(servers, png):
     before = scrape(server).get('captioner_rejects_total{reason="overloaded"}', 0)
     responses = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)
-    # three rows = one request decoding, one more may wait: everyone else is turned away at once
-    assert statuses.count(429) >= 5 and set(statuses) <= {200, 429} and statuses.count(200) >= 2, statuses
+    # three rows = one request decoding, one more may wait (or none, when the burst arrives while the first request
+    # still holds the queue's only slot): everyone else is turned away at once
+    assert statuses.count(429) >= 5 and set(statuses) <= {200, 429} and statuses.count(200) >= 1, statuses
     for response in responses:
         if response.status_code == 429:
             assert response.headers["retry-after"] == "2"

@@ -36,6 +36,9 @@ def test_loss_falls_and_best_checkpoint_loads(scenes, tmp_path, cache):
     assert len(xe) == 3 and xe[-1] < xe[0]
     ckpt = load_checkpoint(best)
     assert ckpt.model.arch == "sat" and ckpt.encoder.image_size == 128 and "CIDEr-D" in ckpt.meta["val_scores"]
+    # generated scenes list their objects, so validation also says how many were named right
+    assert 0.0 <= ckpt.meta["val_scores"]["objects_named"] <= 1.0
+    assert "CPU" in ckpt.meta["hardware"] or "GPU" in ckpt.meta["hardware"]
 
 
 def test_resume_continues_exactly(scenes, tmp_path, cache):
@@ -45,11 +48,40 @@ def test_resume_continues_exactly(scenes, tmp_path, cache):
     state = json.loads((tmp_path / "resumed" / "train_state.json").read_text())["progress"]
     assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 5, 20)
     train(_config(scenes, tmp_path / "resumed", cache), resume=True)
+    # the recorded training time adds up both parts of the run
+    first_part = state["train_seconds"]
+    assert load_checkpoint(tmp_path / "resumed" / "last").meta["train_seconds"] > first_part > 0
     a = load_file(tmp_path / "straight" / "last" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "last" / "model.safetensors")
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], msg=f"{key} differs after resume")
+
+
+def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
+    from models.training.loop import learning_rate
+
+    scheduled = _config(scenes, tmp_path / "scheduled", cache, lr_drops=[1], lr_drop_factor=0.5)
+    assert [learning_rate(scheduled, e) for e in range(3)] == [3e-3, 1.5e-3, 1.5e-3]
+    train(scheduled)
+    train(_config(scenes, tmp_path / "extended", cache, epochs=1))
+    with pytest.raises(ValueError, match="already trained"):  # a drop inside the trained epochs would rewrite history
+        train(_config(scenes, tmp_path / "extended", cache, lr_drops=[0]), resume=True)
+    train(_config(scenes, tmp_path / "extended", cache, lr_drops=[1], lr_drop_factor=0.5), resume=True)
+    history = load_checkpoint(tmp_path / "extended" / "last").meta["history"]
+    assert [h["lr"] for h in history] == [3e-3, 1.5e-3]
+    a = load_file(tmp_path / "scheduled" / "last" / "model.safetensors")
+    b = load_file(tmp_path / "extended" / "last" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=f"{key} differs")
+
+
+def test_checkpoints_can_be_selected_on_object_naming_but_not_on_unmeasured_metrics(scenes, tmp_path, cache):
+    best = train(_config(scenes, tmp_path / "run", cache, epochs=1, select_metric="objects_named"))
+    assert load_checkpoint(best).meta["selected_by"] == "objects_named"
+    with pytest.raises(ValueError, match="METEOR"):
+        train(_config(scenes, tmp_path / "other", cache, select_metric="METEOR"))
+    assert not (tmp_path / "other" / "train_state.json").exists()
 
 
 def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):

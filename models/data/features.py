@@ -67,8 +67,14 @@ def open_feature_store(features: str | None, images: Sequence[CaptionedImage], s
     raise ValueError(f"--features must be 'grid' or 'regions:DIR', got {features!r}")
 
 
+#: EncoderSpec fields added after feature caches were first written, with the value all earlier caches were made
+#: with: at that value a field stays out of the cache key, so existing caches stay valid
+_LATER_FIELDS = {"grid_stride": 32}
+
+
 def _cache_name(spec: EncoderSpec, keys: Sequence[str]) -> str:
-    digest = hashlib.sha256(json.dumps([spec.to_json(), list(keys)]).encode()).hexdigest()[:16]
+    fields = {k: v for k, v in spec.to_json().items() if _LATER_FIELDS.get(k, object()) != v}
+    digest = hashlib.sha256(json.dumps([fields, list(keys)]).encode()).hexdigest()[:16]
     return f"{spec.backbone}-{spec.layer}-{spec.image_size}-{digest}"
 
 

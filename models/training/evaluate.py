@@ -35,8 +35,14 @@ def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[Captio
 
 def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImage],
                   metrics: Sequence[str] = ALL_METRICS) -> dict[str, float]:
+    """The caption metrics, plus ``objects_named`` when the images are generated scenes (they list their objects)."""
     refs = {im.image_id: [" ".join(r) for r in im.references] for im in images}
-    return score_captions({i: " ".join(c) for i, c in captions.items()}, refs, metrics)
+    scores = score_captions({i: " ".join(c) for i, c in captions.items()}, refs, metrics)
+    if images and images[0].info.get("objects") is not None:
+        from ..data.scenes import object_naming_accuracy
+
+        scores["objects_named"] = object_naming_accuracy([(captions[im.image_id], im.info["objects"]) for im in images])
+    return scores
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from ..data.features import VisualStore, open_feature_store
 from ..data.karpathy import CaptionedImage, load_karpathy
-from ..device import resolve_device, set_threads
+from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec
 from ..protocol import Captioner
 from ..registry import create
@@ -52,6 +52,10 @@ class TrainConfig:
     epochs: int = 20
     batch_size: int = 64  # captions per batch for XE, images per batch for SCST
     lr: float = 4e-4
+    # step schedule: after each of these many epochs the learning rate is multiplied by lr_drop_factor (the
+    # field's usual "decay at epoch N"; empty keeps it constant)
+    lr_drops: list[int] = field(default_factory=list)
+    lr_drop_factor: float = 0.1
     grad_clip: float = 5.0
     label_smoothing: float = 0.0
     min_count: int = 1  # a word is kept if it occurs at least this often in training captions
@@ -164,6 +168,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
+def _check_schedule_change(before: TrainConfig, after: TrainConfig, epochs_done: int) -> None:
+    """A schedule changed on --resume must agree with the old one on the epochs already trained, so the resumed run
+    equals one trained with the new schedule from the start."""
+    for epoch in range(epochs_done):
+        if learning_rate(before, epoch) != learning_rate(after, epoch):
+            raise ValueError(f"the new --lr-drop schedule changes the learning rate of epoch {epoch + 1}, which this "
+                             f"run has already trained; drops can only be added at epoch {epochs_done} or later")
+
+
+def learning_rate(cfg: TrainConfig, epoch: int) -> float:
+    """The rate for 0-based ``epoch``: ``lr`` times ``lr_drop_factor`` per drop at or before it."""
+    return cfg.lr * cfg.lr_drop_factor ** sum(epoch >= drop for drop in cfg.lr_drops)
+
+
 def train(cfg: TrainConfig, resume: bool = False) -> Path:
     """Run the phase ``cfg.phase``; returns the path of the best checkpoint."""
     set_threads(cfg.threads)
@@ -175,15 +193,17 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
                               "or choose another --out (nothing is overwritten)")
     if saved is not None:
+        # a resumed run keeps its recipe; only the length, the schedule's later drops and how it runs may change
+        schedule = {"lr_drops": cfg.lr_drops, "lr_drop_factor": cfg.lr_drop_factor} if cfg.lr_drops else {}
         cfg = TrainConfig(**{**saved["config"], "epochs": cfg.epochs, "max_steps": cfg.max_steps,
-                             "progress": cfg.progress, "threads": cfg.threads, "device": cfg.device})
+                             "progress": cfg.progress, "threads": cfg.threads, "device": cfg.device, **schedule})
+        _check_schedule_change(TrainConfig(**saved["config"]), cfg, saved["progress"]["epoch"])
     if cfg.phase not in PHASES:
         raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
     init = load_checkpoint(cfg.init) if cfg.init and saved is None else None
     if init is not None:
         cfg = _adopt_init(cfg, init)
     cfg = replace(cfg, model=cfg.model or "sat")
-    torch.manual_seed(cfg.seed)
 
     spec = EncoderSpec(**cfg.encoder)
     train_images = load_karpathy(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
@@ -191,6 +211,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     if not train_images or not val_images:
         raise ValueError(f"{cfg.dataset} needs non-empty 'train' and 'val' splits "
                          f"(found {len(train_images)} train, {len(val_images)} val)")
+    selectable = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D"]
+    if val_images[0].info.get("objects") is not None:
+        selectable.append("objects_named")  # generated scenes: the share of objects named with colour and shape
+    if cfg.select_metric and cfg.select_metric not in selectable:
+        raise ValueError(f"--select-metric {cfg.select_metric!r} is not measured on validation; "
+                         f"choose from {', '.join(selectable)}")
     store = open_feature_store(cfg.features, train_images + val_images, spec, cfg.cache_dir, device=str(device),
                                progress=cfg.progress)
 
@@ -200,6 +226,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         vocab = init.vocab
     else:
         vocab = Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+    # seeded here, not earlier: building the encoder (only when the feature cache is cold) draws random numbers too,
+    # and a run's initial weights must not depend on whether its features were cached
+    torch.manual_seed(cfg.seed)
     model = create(cfg.model, vocab_size=len(vocab), feat_dim=store.feat_dim, **cfg.model_args).to(device)
     if init is not None:
         model.load_state_dict(init.model.state_dict())
@@ -217,17 +246,26 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         progress = saved["progress"]
         print(f"resuming {run_dir} at epoch {progress['epoch'] + 1}, step {progress['step_in_epoch']}")
 
+    started, seconds_before = time.time(), progress.get("train_seconds", 0.0)
+
+    def elapsed() -> float:
+        """Wall clock of the whole run: it adds up across --resume, so a resumed run's card reports all of it."""
+        return round(seconds_before + time.time() - started, 1)
+
     def snapshot() -> None:
+        progress["train_seconds"] = elapsed()
         save_state(run_dir, {"config": cfg.to_json(), "vocab": vocab.to_json(), "progress": progress,
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state()})
 
-    meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json()}
-    started = time.time()
+    meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
+            "hardware": describe_hardware(device)}
     logs: dict[str, float] = {}
     with _StopFlag() as stop:
         while progress["epoch"] < cfg.epochs:
             epoch = progress["epoch"]
             order = np.random.default_rng([cfg.seed, epoch]).permutation(phase.size)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(cfg, epoch)
             model.train()
             bar = tqdm(total=steps_per_epoch, initial=progress["step_in_epoch"],
                        desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", unit="batch", disable=not cfg.progress,
@@ -258,11 +296,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
                                        device=str(device))
             scores = score_dataset(captions, val_images, ("BLEU", "CIDEr-D"))
             # the logged training numbers are those of the epoch's last batch
-            scores = {"epoch": epoch + 1, **{k: round(v, 4) for k, v in logs.items()},
+            scores = {"epoch": epoch + 1, "lr": learning_rate(cfg, epoch), **{k: round(v, 4) for k, v in logs.items()},
                       **{k: round(v, 4) for k, v in scores.items()}}
             progress["history"].append(scores)
             print(json.dumps(scores))
-            meta.update(history=progress["history"], train_seconds=round(time.time() - started, 1))
+            meta.update(history=progress["history"], train_seconds=elapsed())
             save_checkpoint(run_dir / "last", model, vocab, spec, meta)
             if scores[select] > progress["best_score"]:
                 progress["best_score"], progress["best_epoch"] = scores[select], epoch + 1
