@@ -32,10 +32,9 @@ class ImageDecodeError(ValueError):
     """The bytes are not an image we can read."""
 
 
-#: EfficientNet-Lite0 stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → their channels
-HYPERCOLUMN_STAGES = {2: 40, 4: 112, 6: 320}
-#: their strides in input pixels
-HYPERCOLUMN_STRIDES = {2: 8, 4: 16, 6: 32}
+#: EfficientNet-Lite0 stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → (channels, stride in
+#: input pixels)
+HYPERCOLUMN_STAGES = {2: (40, 8), 4: (112, 16), 6: (320, 32)}
 
 
 @dataclass(frozen=True)
@@ -204,7 +203,7 @@ class GridEncoder(nn.Module):
         self.spec = spec
         if spec.backbone == "efficientnet_lite0":
             self.net = _efficientnet_lite0(spec.weights)
-            self.feat_dim = {"blocks": 320, "head": 1280, "hypercolumn": sum(HYPERCOLUMN_STAGES.values())}[spec.layer]
+            self.feat_dim = {"blocks": 320, "head": 1280, "hypercolumn": sum(c for c, _ in HYPERCOLUMN_STAGES.values())}[spec.layer]
         elif spec.backbone.startswith("resnet"):
             self.net = _resnet(spec.backbone, spec.weights)
             self.feat_dim = self.net.fc.in_features
@@ -235,7 +234,7 @@ class GridEncoder(nn.Module):
         for index, stage in enumerate(self.net.blocks):
             x = stage(x)
             if index in HYPERCOLUMN_STAGES:
-                stages.append(_resample(x, HYPERCOLUMN_STRIDES[index], self.spec.grid_stride))
+                stages.append(_resample(x, HYPERCOLUMN_STAGES[index][1], self.spec.grid_stride))
         return torch.cat(stages, dim=1)
 
     @torch.no_grad()
