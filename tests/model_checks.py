@@ -30,6 +30,25 @@ def assert_beam_one_is_greedy(model: Captioner, vis: VisualBatch, max_len: int =
         torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
 
 
+def rescored_beams(model: Captioner, vis: VisualBatch, max_len: int = 8, tolerance: dict | None = None):
+    """SPEC §11.6 for beam search (k = 3, 2 best per image): re-scoring each returned caption step by step gives
+    the same attention rows and token log-probs (so rows were reordered with their beams), every row sums to 1
+    and masked items get none.  Yields ``(single-image batch, tokens, hypothesis, records)`` for model-specific
+    checks."""
+    tolerance = tolerance or {}
+    for row, hyps in enumerate(beam_search(model, vis, k=3, max_len=max_len, n_best=2)):
+        single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
+        for hyp in hyps:
+            tokens = torch.tensor([hyp.token_ids])
+            logps, records = stepwise(model, single, tokens)
+            torch.testing.assert_close(hyp.attention, torch.cat([r.primary for r in records]), **tolerance)
+            torch.testing.assert_close(torch.tensor(hyp.token_logprobs), logps[0].gather(1, tokens.T).squeeze(1),
+                                       **tolerance)
+            torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(len(hyp.token_ids)))
+            assert torch.all(hyp.attention[:, ~single.mask[0]] == 0)
+            yield single, tokens, hyp, records
+
+
 def assert_checkpoint_round_trip(model: Captioner, vis: VisualBatch, folder) -> None:
     """Save and load through the one checkpoint format: same config, same beam-search captions and attention."""
     path = save_checkpoint(folder, model, Vocabulary([f"w{i}" for i in range(model.vocab_size - 4)]), EncoderSpec())

@@ -8,18 +8,18 @@ import torch
 import torch.nn.functional as F
 
 from models.attention.area import areas_to_cells, enumerate_areas_2d
-from models.decoding import beam_search
 from models.metrics import score_captions
 from models.protocol import VisualBatch
 from models.registry import available, create
 
-from .model_checks import (VOCAB, assert_beam_one_is_greedy, memorisation_cider, memorisation_task, stepwise,
-                          train_to_memorise)
+from .model_checks import (VOCAB, assert_beam_one_is_greedy, memorisation_cider, memorisation_task, rescored_beams,
+                          stepwise, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, FEAT = 23, 16
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)  # cached incremental decoding vs the step loop
 CONFIGS = {
     "regular": dict(encoder_area=None, decoder_area=None, area_key="mean"),
     "2x2-basic": dict(encoder_area=2, decoder_area=2, area_key="mean"),
@@ -78,29 +78,19 @@ def test_beam_search_attention_lines_up_with_tokens(visuals):
     model.out.bias.data[model.eos_id] += 2.0  # let some captions end inside max_len
     boxes = model.area_boxes((4, 4))
     assert torch.equal(boxes, enumerate_areas_2d(4, 4, 3, 2))
-    for row, hyps in enumerate(beam_search(model, visuals, k=3, max_len=8, n_best=2)):
-        for hyp in hyps:
-            steps = len(hyp.token_ids)
-            single = VisualBatch(visuals.feats[row:row + 1], visuals.mask[row:row + 1])
-            tokens = torch.tensor([hyp.token_ids])
-            logps, records = stepwise(model, single, tokens)
-            # re-scoring the returned tokens gives the same attention rows: reordering is right
-            torch.testing.assert_close(hyp.attention, torch.cat([r.primary for r in records]), atol=1e-5, rtol=1e-5)
-            chosen = logps[0].gather(1, tokens.T).squeeze(1)
-            torch.testing.assert_close(torch.tensor(hyp.token_logprobs), chosen, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(torch.tensor(hyp.token_logprobs),
-                                       model.forward_xe(single, tokens)[0][0].gather(1, tokens.T).squeeze(1),
-                                       atol=1e-5, rtol=1e-5)
-            assert hyp.attention.shape == (steps, 16)
-            torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(steps))
-            areas = hyp.extras["areas"]
-            assert areas.shape == (steps, len(boxes))
-            torch.testing.assert_close(areas.sum(-1), torch.ones(steps))
-            cells = areas_to_cells(areas, boxes, 16)
-            torch.testing.assert_close(hyp.attention, cells / cells.sum(-1, keepdim=True))
-            assert set(hyp.extras) == {"areas", "cell_mass", "layer1", "layer2"}
-            size = ((boxes[:, 2] - boxes[:, 0] + 1) * (boxes[:, 3] - boxes[:, 1] + 1)).float()
-            torch.testing.assert_close(hyp.extras["cell_mass"][:, 0], areas @ size)  # Σ_j c_j = Σ_r a_r |r|
+    for single, tokens, hyp, _ in rescored_beams(model, visuals, tolerance=TOLERANCE):
+        steps = len(hyp.token_ids)
+        torch.testing.assert_close(torch.tensor(hyp.token_logprobs),
+                                   model.forward_xe(single, tokens)[0][0].gather(1, tokens.T).squeeze(1), **TOLERANCE)
+        assert hyp.attention.shape == (steps, 16)
+        areas = hyp.extras["areas"]
+        assert areas.shape == (steps, len(boxes))
+        torch.testing.assert_close(areas.sum(-1), torch.ones(steps))
+        cells = areas_to_cells(areas, boxes, 16)
+        torch.testing.assert_close(hyp.attention, cells / cells.sum(-1, keepdim=True))
+        assert set(hyp.extras) == {"areas", "cell_mass", "layer1", "layer2"}
+        size = ((boxes[:, 2] - boxes[:, 0] + 1) * (boxes[:, 3] - boxes[:, 1] + 1)).float()
+        torch.testing.assert_close(hyp.extras["cell_mass"][:, 0], areas @ size)  # Σ_j c_j = Σ_r a_r |r|
 
 
 def test_beam_one_equals_greedy(visuals):
