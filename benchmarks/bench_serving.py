@@ -55,10 +55,10 @@ def tutorial_app(checkpoint: Path, threads: int):
     """A per-image beam-search handler, as tutorials write it: no queue, no batching, one image at a time."""
     import torch
 
-    from models.checkpoint import load_checkpoint
-    from models.decoding import beam_search
-    from models.encoder import GridEncoder, load_image, preprocess
-    from models.protocol import VisualBatch
+    from captioner.models.checkpoint import load_checkpoint
+    from captioner.models.decoding import beam_search
+    from captioner.models.encoder import GridEncoder, load_image, preprocess
+    from captioner.models.protocol import VisualBatch
 
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(checkpoint, "cpu")
@@ -199,7 +199,7 @@ def alternating_latency(servers: list, bodies: list[bytes], rounds: int) -> dict
 
 
 def scene_jpegs(count: int) -> list[bytes]:
-    from models.data.scenes import generate
+    from captioner.models.data.scenes import generate
 
     with tempfile.TemporaryDirectory() as tmp:
         dataset = json.loads(generate(Path(tmp), {"test": count}, seed=2024, progress=False).read_text())
@@ -211,12 +211,12 @@ def decoder_only(threads: int, images: int = 32, repeats: int = 3) -> dict:
     import torch
     from PIL import Image
 
-    from models.checkpoint import load_checkpoint
-    from models.decoding import beam_search, expand_rows
-    from models.encoder import GridEncoder
-    from models.protocol import VisualBatch
-    from service.batcher import Batcher
-    from service.runtime import ModelRuntime, Prepared
+    from captioner.models.checkpoint import load_checkpoint
+    from captioner.models.decoding import beam_search, expand_rows
+    from captioner.models.encoder import GridEncoder
+    from captioner.models.protocol import VisualBatch
+    from captioner.service.batcher import Batcher
+    from captioner.service.runtime import ModelRuntime, Prepared
 
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(WEIGHTS / MODEL, "cpu")
@@ -429,12 +429,12 @@ def main() -> None:
 
     # the ONNX export is made once, before any timing (the service would export at start-up otherwise)
     onnx_dir = ROOT / ".cache" / "onnx"
-    subprocess.run([sys.executable, "-m", "service.cli", "export", "--out", str(onnx_dir), str(WEIGHTS / MODEL)],
+    subprocess.run([sys.executable, "-m", "captioner.service.cli", "export", "--out", str(onnx_dir), str(WEIGHTS / MODEL)],
                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # only the benchmarked model is loaded (weights/ ships several): an empty weights dir plus that checkpoint
     only = log_dir / "weights"
     only.mkdir()
-    serve = [sys.executable, "-m", "service.cli", "serve", "--weights-dir", str(only)]
+    serve = [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(only)]
     base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(WEIGHTS / MODEL)]), "CAPTIONER_THREADS": str(args.threads), "CAPTIONER_DEVICE": "cpu", "CAPTIONER_DEFAULT_MODEL": MODEL,
             "CAPTIONER_QUEUE_SIZE": "256", "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_ONNX_DIR": str(onnx_dir)}
     servers = [

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from scipy.optimize import lsq_linear
 
-from models.attention.tvmax import grid_edges, tv2d_prox
-from models.decoding import beam_search
-from models.protocol import VisualBatch
-from models.registry import create
+from captioner.models.attention.tvmax import grid_edges, tv2d_prox
+from captioner.models.decoding import beam_search
+from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import create
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "tvmax.md"
 GRID = (8, 8)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from .encoder import EncoderSpec
 from .protocol import Captioner
-from .registry import create
+from .zoo import create
 from .vocab import Vocabulary
 
 FORMAT = "attention-captioner/1"

@@ -1,8 +1,12 @@
-"""Name → class registry for captioners (a dict plus ``create(name)``, as in JDAI X-LAN, minus global config)."""
+"""Name → class registry for captioners (a dict plus a decorator, as in JDAI X-LAN, minus global config).
+
+A leaf module: model files import it to ``@register`` themselves, and :mod:`.zoo` imports every model file and
+offers ``create(name)``. Nothing here imports a model, so there is no import loop.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 from .protocol import Captioner
 
@@ -11,7 +15,7 @@ T = TypeVar("T", bound=type[Captioner])
 
 
 def register(name: str) -> Callable[[T], T]:
-    """Class decorator: make a captioner constructible as ``create(name, ...)``."""
+    """Class decorator: make a captioner constructible as ``zoo.create(name, ...)``."""
 
     def wrap(cls: T) -> T:
         if name in MODELS:
@@ -21,23 +25,3 @@ def register(name: str) -> Callable[[T], T]:
         return cls
 
     return wrap
-
-
-def available() -> list[str]:
-    _import_builtin_models()
-    return sorted(MODELS)
-
-
-def create(name: str, **config: Any) -> Captioner:
-    """Build a registered captioner from its config dict."""
-    _import_builtin_models()
-    try:
-        cls = MODELS[name]
-    except KeyError:
-        raise KeyError(f"unknown model {name!r}; registered: {', '.join(sorted(MODELS))}") from None
-    return cls(**config)
-
-
-def _import_builtin_models() -> None:
-    # Importing the package registers every built-in model (each module calls @register at import time).
-    from . import zoo  # noqa: F401

@@ -1,9 +1,27 @@
-"""Imports every built-in captioner so that its ``@register`` runs; add new model modules here."""
+"""The built-in captioners by name: importing this module imports (and so registers) every model file.
 
-from . import sat  # noqa: F401
-from . import sparsecap  # noqa: F401
-from . import area_transformer  # noqa: F401
-from . import aoanet  # noqa: F401
-from . import sat_hard  # noqa: F401
-from . import xlan  # noqa: F401
-from . import xtransformer  # noqa: F401
+``create(name, **config)`` is the one way the rest of the project builds a model; add a new model file to the
+imports below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import aoanet, area_transformer, sat, sat_hard, sparsecap, xlan, xtransformer  # noqa: F401 (registers)
+from .protocol import Captioner
+from .registry import MODELS
+
+
+def available() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(MODELS)
+
+
+def create(name: str, **config: Any) -> Captioner:
+    """Build a registered captioner from its config dict."""
+    try:
+        cls = MODELS[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; registered: {', '.join(available())}") from None
+    return cls(**config)

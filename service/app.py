@@ -22,7 +22,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from PIL import Image
 
-from models.device import set_threads
+from captioner.models.device import set_threads
 
 from .batcher import Batcher
 from .middleware import RequestContextMiddleware

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, record_step
-from models.protocol import index_rows
+from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, record_step
+from captioner.models.protocol import index_rows
 
 from .metrics import Metrics
 from .runtime import CaptionResult, ModelRuntime, Prepared

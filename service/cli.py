@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.cli import add_commands
+from captioner.models.cli.commands import add_commands
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

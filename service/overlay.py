@@ -20,8 +20,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 from PIL import Image
 
-from models.encoder import load_image
-from models.render import MODES, RenderError, caption_figure, default_mode, heatmap, overlay, png_bytes
+from captioner.models.encoder import load_image
+from captioner.models.rendering.heatmaps import MODES, RenderError, caption_figure, default_mode, heatmap, overlay, png_bytes
 
 from .problems import Problem
 from .routes import State, read_upload, run_caption

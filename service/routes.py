@@ -16,7 +16,7 @@ from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field, ValidationError
 
-from models.encoder import ImageDecodeError, load_image
+from captioner.models.encoder import ImageDecodeError, load_image
 
 from .batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
 from .metrics import Metrics

@@ -22,13 +22,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
-from models.decoding import Hypothesis, beam_search, expand_rows, never_emitted
-from models.device import resolve_device
-from models.encoder import EncoderSpec, GridEncoder, preprocess
-from models.pipeline import area_boxes_of
-from models.protocol import AttnRecord, DecState, EncState, Geometry, VisualBatch
-from models.vocab import EOS
+from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
+from captioner.models.decoding import Hypothesis, beam_search, expand_rows, never_emitted
+from captioner.models.device import resolve_device
+from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
+from captioner.models.pipeline import area_boxes_of
+from captioner.models.protocol import AttnRecord, DecState, EncState, Geometry, VisualBatch
+from captioner.models.vocab import EOS
 
 log = logging.getLogger("captioner.runtime")
 BACKENDS = ("torch", "onnx")
@@ -152,7 +152,7 @@ class OnnxModelRuntime(ModelRuntime):
     def __init__(self, name: str, ckpt: Checkpoint, folder: Path, device: torch.device, threads: int | None = None):
         import onnxruntime as ort
 
-        from models.onnx_export import ENCODER_FILE, STEP_FILE, GraphSpec
+        from captioner.models.export.onnx import ENCODER_FILE, STEP_FILE, GraphSpec
 
         super().__init__(name, ckpt, encoder=None, device=device)  # type: ignore[arg-type]
         self.graphs = GraphSpec.load(folder)
@@ -223,7 +223,7 @@ def discover_checkpoints(weights_dir: Path, extra: list[Path]) -> dict[str, Path
 
 def onnx_folder(onnx_dir: Path, name: str, ckpt: Checkpoint) -> Path:
     """Where the ONNX export of checkpoint ``name`` lives (exported now when missing or made from other weights)."""
-    from models.onnx_export import export_graphs, export_is_current
+    from captioner.models.export.onnx import export_graphs, export_is_current
 
     folder = onnx_dir / name
     if not export_is_current(folder, ckpt.checksum):
@@ -238,7 +238,7 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                   threads: int | None = None) -> dict[str, ModelRuntime]:
     """Every checkpoint as a runtime; ``backends`` picks ``torch`` or ``onnx`` per model name (default for the
     rest).  A model that cannot be exported falls back to the PyTorch backend with an error in the log."""
-    from models.onnx_export import ExportUnsupported
+    from captioner.models.export.onnx import ExportUnsupported
 
     device = resolve_device(device_name)
     backends = backends or {}

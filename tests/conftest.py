@@ -12,9 +12,9 @@ import httpx
 import pytest
 import torch
 
-from models.data.scenes import generate
-from models.protocol import VisualBatch
-from models.registry import create
+from captioner.models.data.scenes import generate
+from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import create
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
@@ -72,7 +72,7 @@ def server(server_log):
     assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
     port = free_port()
     log = open(server_log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--weights-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(port), "--weights-dir",
                              str(WEIGHTS)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300  # every shipped checkpoint loads and warms up

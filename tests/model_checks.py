@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.decoding import beam_search, greedy
-from models.encoder import EncoderSpec
-from models.vocab import Vocabulary
-from models.metrics import score_captions
-from models.protocol import Captioner, VisualBatch
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.decoding import beam_search, greedy
+from captioner.models.encoder import EncoderSpec
+from captioner.models.vocab import Vocabulary
+from captioner.models.evaluation.metrics import score_captions
+from captioner.models.protocol import Captioner, VisualBatch
 
 VOCAB = 20  # ids 0..2 are <pad>, <bos>, <eos>; captions use 3..19
 

@@ -18,10 +18,11 @@ import torch
 from PIL import Image
 from torch import nn
 
-from models.checkpoint import Checkpoint
-from models.encoder import EncoderSpec, GridEncoder
-from models.registry import MODELS, available, create
-from models.vocab import Vocabulary
+from captioner.models.checkpoint import Checkpoint
+from captioner.models.encoder import EncoderSpec, GridEncoder
+from captioner.models.registry import MODELS
+from captioner.models.zoo import available, create
+from captioner.models.vocab import Vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
 FEAT_DIM = 320  # EfficientNet-Lite0 "blocks"
@@ -147,7 +148,7 @@ class ServerProcess:
         self.log_path = log_path
         environment = {**os.environ, "CAPTIONER_THREADS": "1", "CAPTIONER_LOG_FORMAT": "json", **(env or {})}
         self._log = open(log_path, "w") if log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(self.port),
                                       "--weights-dir", str(weights_dir)], cwd=ROOT, env=environment,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention.aoa import AttentionOnAttention
-from models.decoding import beam_search
-from models.protocol import VisualBatch
-from models.registry import available, create
+from captioner.models.attention.aoa import AttentionOnAttention
+from captioner.models.decoding import beam_search
+from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import available, create
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
                           memorisation_cider, memorisation_task, train_to_memorise)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.attention.area import (AreaMultiHeadAttention, area_count_1d, area_count_2d, area_features_1d,
+from captioner.models.attention.area import (AreaMultiHeadAttention, area_count_1d, area_count_2d, area_features_1d,
                                    area_features_2d, area_mask, area_sums, areas_to_cells, causal_area_mask,
                                    enumerate_areas_1d, enumerate_areas_2d)
 

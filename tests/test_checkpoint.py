@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
-from models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from models.decoding import beam_search
-from models.encoder import EncoderSpec
-from models.vocab import Vocabulary
+from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from captioner.models.decoding import beam_search
+from captioner.models.encoder import EncoderSpec
+from captioner.models.vocab import Vocabulary
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
 
 
 def test_vocabulary_round_trip_and_tokenizer(tmp_path):
-    from models.vocab import tokenize
+    from captioner.models.vocab import tokenize
 
     assert tokenize("A Dog, running!  Fast.") == ["a", "dog", "running", "fast"]
     vocab = Vocabulary.build([["a", "b", "a"], ["c", "a", "b"]], min_count=2)

@@ -11,7 +11,7 @@ from .conftest import DEFAULT_CHECKPOINT, ROOT
 
 
 def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "captioner.service.cli", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -54,7 +54,7 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
 
 
 def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
-    from models.checkpoint import save_checkpoint
+    from captioner.models.checkpoint import save_checkpoint
 
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
@@ -76,7 +76,7 @@ def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
 
 
 def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
-    from models.checkpoint import save_checkpoint
+    from captioner.models.checkpoint import save_checkpoint
 
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 

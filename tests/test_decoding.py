@@ -2,8 +2,8 @@
 
 import torch
 
-from models.decoding import beam_search, greedy, sample
-from models.protocol import VisualBatch
+from captioner.models.decoding import beam_search, greedy, sample
+from captioner.models.protocol import VisualBatch
 
 from .model_checks import assert_beam_one_is_greedy
 

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from models.data.scenes import generate
+from captioner.models.data.scenes import generate
 
 from .conftest import ROOT
 

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from skimage import data
 
-from models.encoder import CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry, load_image, preprocess
+from captioner.models.encoder import CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry, load_image, preprocess
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models.data.features import extract_features
-from models.data.karpathy import load_karpathy
-from models.encoder import EncoderSpec
+from captioner.models.data.features import extract_features
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.encoder import EncoderSpec
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_missing_file_and_bad_layout(tmp_path):
 def test_feature_cache_key_is_unchanged_by_fields_added_at_their_old_value():
     import hashlib
 
-    from models.data.features import _cache_name
+    from captioner.models.data.features import _cache_name
 
     keys = ["a.jpg", "b.jpg"]
     before = {"backbone": "efficientnet_lite0", "image_size": 256, "resize": "stretch", "resize_to": 256,

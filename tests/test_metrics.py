@@ -2,7 +2,7 @@ import shutil
 
 import pytest
 
-from models.metrics import score_captions
+from captioner.models.evaluation.metrics import score_captions
 
 REFS = {1: ["a red circle and a blue square", "a red circle next to a blue square", "two shapes a red circle"],
         2: ["a green star on a striped background", "a green star", "one green star in the centre"]}

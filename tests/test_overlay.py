@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
-from service.app import create_app
-from service.settings import Settings
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
 
 from .test_service import _png, tiny_weights  # noqa: F401  (fixture)
 
@@ -106,7 +106,7 @@ def test_demo_page_is_served_without_external_resources(client):
 
 
 def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
-    from models.checkpoint import save_checkpoint
+    from captioner.models.checkpoint import save_checkpoint
 
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 

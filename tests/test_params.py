@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from models.params import PAPER_SIZES, parameter_table
-from models.registry import available
+from captioner.models.evaluation.params import PAPER_SIZES, parameter_table
+from captioner.models.zoo import available
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "parameters.md"
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from models.checkpoint import load_checkpoint
-from models.data.karpathy import CaptionedImage, load_karpathy
-from models.data.regions import RegionStore, read_regions, save_regions, write_scene_regions
-from models.decoding import beam_search
-from models.encoder import EncoderSpec
-from models.training import TrainConfig, train
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.data.karpathy import CaptionedImage, load_karpathy
+from captioner.models.data.regions import RegionStore, read_regions, save_regions, write_scene_regions
+from captioner.models.decoding import beam_search
+from captioner.models.encoder import EncoderSpec
+from captioner.models.training import TrainConfig, train
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")

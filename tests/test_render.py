@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
-from models.protocol import Geometry
-from models.render import RenderError, caption_figure, heatmap, overlay
+from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
+from captioner.models.protocol import Geometry
+from captioner.models.rendering.heatmaps import RenderError, caption_figure, heatmap, overlay
 
 
 def one_hot(index: int, n: int = 64) -> np.ndarray:

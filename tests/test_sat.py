@@ -2,7 +2,7 @@
 
 import torch
 
-from models.protocol import VisualBatch
+from captioner.models.protocol import VisualBatch
 
 
 def test_attention_matches_naive_equation(tiny_sat, random_visuals):

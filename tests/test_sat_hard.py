@@ -5,10 +5,10 @@ import itertools
 import pytest
 import torch
 
-from models.decoding import beam_search
-from models.protocol import VisualBatch
-from models.registry import create
-from models.training.xe import xe_loss
+from captioner.models.decoding import beam_search
+from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import create
+from captioner.models.training.xe import xe_loss
 
 from .model_checks import VOCAB, memorisation_cider, memorisation_task, train_to_memorise
 

@@ -4,8 +4,8 @@ import math
 import numpy as np
 from PIL import Image
 
-from models.data.karpathy import load_karpathy
-from models.data.scenes import COLOURS, HELDOUT_COMBOS, SHAPES, generate, named_objects, object_naming_accuracy
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.data.scenes import COLOURS, HELDOUT_COMBOS, SHAPES, generate, named_objects, object_naming_accuracy
 
 
 def test_generation_is_deterministic(tmp_path, scenes):

@@ -8,12 +8,12 @@ import torch
 from pycocoevalcap.cider.cider import Cider
 from safetensors.torch import load_file
 
-from models.checkpoint import load_checkpoint
-from models.decoding import sample
-from models.metrics import CiderD
-from models.registry import create
-from models.training import TrainConfig, train
-from models.training.scst import scst_advantages, scst_batch_loss, scst_loss
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.decoding import sample
+from captioner.models.evaluation.metrics import CiderD
+from captioner.models.zoo import create
+from captioner.models.training import TrainConfig, train
+from captioner.models.training.scst import scst_advantages, scst_batch_loss, scst_loss
 
 from .model_checks import VOCAB, memorisation_task, train_to_memorise
 

@@ -11,13 +11,13 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
-from models.checkpoint import save_checkpoint
-from models.data.scenes import generate, named_objects
-from models.encoder import EncoderSpec
-from models.registry import create
-from models.vocab import Vocabulary
-from service.app import create_app
-from service.settings import Settings
+from captioner.models.checkpoint import save_checkpoint
+from captioner.models.data.scenes import generate, named_objects
+from captioner.models.encoder import EncoderSpec
+from captioner.models.zoo import create
+from captioner.models.vocab import Vocabulary
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
 
 from .conftest import WEIGHTS
 
@@ -141,7 +141,7 @@ def test_every_shipped_checkpoint_is_served_side_by_side(server, tmp_path):
 
 
 def test_every_registered_architecture_round_trips_through_a_checkpoint_and_post_caption(tmp_path):
-    from models.registry import available
+    from captioner.models.zoo import available
 
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 

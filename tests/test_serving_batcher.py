@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
-from service.metrics import Metrics
-from service.runtime import ModelRuntime
+from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
+from captioner.service.metrics import Metrics
+from captioner.service.runtime import ModelRuntime
 
 from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \
     tiny_checkpoint

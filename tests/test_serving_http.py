@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 from PIL import Image, ImageOps
 from skimage import data
 
-from models.data.scenes import generate
-from service.app import create_app
-from service.settings import Settings
+from captioner.models.data.scenes import generate
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
 
 from .serving_helpers import scrape
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from PIL import Image
 
-from models.checkpoint import save_checkpoint
-from models.encoder import EncoderSpec
-from models.registry import create
-from models.vocab import Vocabulary
+from captioner.models.checkpoint import save_checkpoint
+from captioner.models.encoder import EncoderSpec
+from captioner.models.zoo import create
+from captioner.models.vocab import Vocabulary
 
 from .serving_helpers import ServerProcess, scrape
 

@@ -15,16 +15,16 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
-from models.checkpoint import load_checkpoint, save_checkpoint
-from models.data.scenes import generate
-from models.encoder import GridEncoder
-from models.onnx_export import ENCODER_FILE, STEP_FILE, ExportUnsupported, GraphSpec, export_graphs, \
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.data.scenes import generate
+from captioner.models.encoder import GridEncoder
+from captioner.models.export.onnx import ENCODER_FILE, STEP_FILE, ExportUnsupported, GraphSpec, export_graphs, \
     export_is_current
-from service.app import create_app
-from service.batcher import Batcher
-from service.cli import main as captioner
-from service.runtime import ModelRuntime, OnnxModelRuntime
-from service.settings import Settings
+from captioner.service.app import create_app
+from captioner.service.batcher import Batcher
+from captioner.service.cli import main as captioner
+from captioner.service.runtime import ModelRuntime, OnnxModelRuntime
+from captioner.service.settings import Settings
 
 from .conftest import DEFAULT_CHECKPOINT
 from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \

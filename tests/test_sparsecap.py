@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention import get_normaliser
-from models.decoding import beam_search
-from models.metrics import score_captions
-from models.protocol import VisualBatch
-from models.registry import available, create
+from captioner.models.attention import get_normaliser
+from captioner.models.decoding import beam_search
+from captioner.models.evaluation.metrics import score_captions
+from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import available, create
 
 from .model_checks import VOCAB, assert_beam_one_is_greedy, memorisation_cider, memorisation_task, train_to_memorise
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.attention import NORMALISERS, get_normaliser
-from models.attention.sparsemax import sparsemax, sparsemax_threshold
+from captioner.models.attention import NORMALISERS, get_normaliser
+from captioner.models.attention.sparsemax import sparsemax, sparsemax_threshold
 
 
 def _bisection_sparsemax(z: np.ndarray) -> np.ndarray:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.checkpoint import load_checkpoint
-from models.training import TrainConfig, train
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.training import TrainConfig, train
 
 SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
 
@@ -59,7 +59,7 @@ def test_resume_continues_exactly(scenes, tmp_path, cache):
 
 
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
-    from models.training.loop import learning_rate
+    from captioner.models.training.loop import learning_rate
 
     scheduled = _config(scenes, tmp_path / "scheduled", cache, lr_drops=[1], lr_drop_factor=0.5)
     assert [learning_rate(scheduled, e) for e in range(3)] == [3e-3, 1.5e-3, 1.5e-3]
@@ -92,7 +92,7 @@ def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
 
 def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
     out = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "service.cli", "train", "--dataset", str(scenes), "--out", str(out), "--epochs", "50",
+    cmd = [sys.executable, "-m", "captioner.service.cli", "train", "--dataset", str(scenes), "--out", str(out), "--epochs", "50",
            "--batch-size", "4", "--cache-dir", str(cache), "--encoder", "image_size=128", "--set", "embed_dim=32",
            "--set", "hidden_dim=48", "--set", "attn_dim=32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

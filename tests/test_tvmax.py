@@ -7,9 +7,9 @@ from scipy.optimize import linprog, lsq_linear
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components as scipy_components
 
-from models.attention import NORMALISERS, get_normaliser
-from models.attention.sparsemax import sparsemax
-from models.attention.tvmax import connected_components, grid_edges, tv2d_prox, tvmax
+from captioner.models.attention import NORMALISERS, get_normaliser
+from captioner.models.attention.sparsemax import sparsemax
+from captioner.models.attention.tvmax import connected_components, grid_edges, tv2d_prox, tvmax
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")

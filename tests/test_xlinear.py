@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention.xlinear import ItemUpdate, XLinearAttention, XLinearLayer
+from captioner.models.attention.xlinear import ItemUpdate, XLinearAttention, XLinearLayer
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")

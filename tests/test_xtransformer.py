@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import sinusoid_positions
-from models.layers import masked_mean
-from models.protocol import VisualBatch
-from models.registry import available, create
+from captioner.models.layers import sinusoid_positions
+from captioner.models.layers import masked_mean
+from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import available, create
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
                           memorisation_cider, memorisation_task, rescored_beams, stepwise, train_to_memorise)

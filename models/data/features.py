@@ -4,9 +4,8 @@ Features are stored as one float16 ``.npy`` per (encoder spec, image list), memo
 file is filled in chunks next to a ``.progress`` counter, so an interrupted extraction resumes where it stopped,
 and it only gets its final name once complete.
 
-Training and evaluation read visual items through a *store*: ``store.feat_dim`` and ``store.batch(keys)`` →
-:class:`~models.protocol.VisualBatch`.  :func:`open_feature_store` picks this grid cache or precomputed region
-features (:class:`models.data.regions.RegionStore`) from a ``--features`` value.
+Training and evaluation reach this cache, or precomputed region features, through
+:func:`captioner.models.data.stores.open_feature_store`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -24,15 +22,6 @@ from tqdm import tqdm
 from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
-
-
-class VisualStore(Protocol):
-    """Where training and evaluation get visual items from, by image key (``CaptionedImage.key``)."""
-
-    @property
-    def feat_dim(self) -> int: ...
-
-    def batch(self, keys: Sequence[str]) -> VisualBatch: ...
 
 
 class FeatureStore:
@@ -51,20 +40,6 @@ class FeatureStore:
     def batch(self, keys: Sequence[str]) -> VisualBatch:
         """Every image has the same grid, so nothing is padded and the mask is all True."""
         return VisualBatch.from_features(self.get(keys))
-
-
-def open_feature_store(features: str | None, images: Sequence[CaptionedImage], spec: EncoderSpec,
-                       cache_dir: str | Path, device: str = "cpu", progress: bool = True) -> VisualStore:
-    """The store behind ``--features``: ``None`` or ``"grid"`` → frozen-encoder grid features of ``spec``
-    (extracted once into ``cache_dir``); ``"regions:DIR"`` → precomputed region features in ``DIR``."""
-    kind, _, where = (features or "grid").partition(":")
-    if kind == "grid" and not where:
-        return extract_features(images, spec, cache_dir, device=device, progress=progress)
-    if kind == "regions" and where:
-        from .regions import RegionStore
-
-        return RegionStore(where, images)
-    raise ValueError(f"--features must be 'grid' or 'regions:DIR', got {features!r}")
 
 
 #: EncoderSpec fields added after feature caches were first written, with the value all earlier caches were made

@@ -26,14 +26,14 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from ..data.features import VisualStore, open_feature_store
+from ..data.stores import VisualStore, open_feature_store
 from ..data.karpathy import CaptionedImage, load_karpathy
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec
 from ..protocol import Captioner
-from ..registry import create
+from ..zoo import create
 from ..vocab import Vocabulary
-from .evaluate import caption_dataset, score_dataset
+from ..evaluation.evaluate import caption_dataset, score_dataset
 from .state import load_state, restore_optimizer_state, save_state
 
 

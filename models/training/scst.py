@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..decoding import greedy, sample
-from ..metrics import CiderD
+from ..evaluation.metrics import CiderD
 from ..protocol import Captioner, VisualBatch
 from .loop import Phase, register_phase
 

@@ -8,10 +8,10 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint
-from ..data.features import VisualStore
+from ..data.stores import VisualStore
 from ..data.karpathy import CaptionedImage
 from ..decoding import beam_search
-from ..metrics import ALL_METRICS, score_captions
+from .metrics import ALL_METRICS, score_captions
 from ..protocol import Captioner
 from ..vocab import Vocabulary
 

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint
+from ..checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint
 
 CARD = "MODEL_CARD.md"
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .registry import available, create
+from ..zoo import available, create
 
 #: Constructor arguments (besides ``vocab_size``) giving each model its paper's sizes.  ``feat_dim`` is the raw
 #: visual feature the paper feeds in (SPEC §1.3).  A model that is not registered is skipped, and so is an entry

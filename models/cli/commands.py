@@ -38,7 +38,7 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------------------
 def cmd_data_generate(args: argparse.Namespace) -> None:
-    from .data.scenes import generate
+    from ..data.scenes import generate
 
     sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
     path = generate(args.out, sizes, seed=args.seed, workers=args.workers)
@@ -46,9 +46,9 @@ def cmd_data_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_data_regions(args: argparse.Namespace) -> None:
-    from .data.regions import write_scene_regions
-    from .device import resolve_device
-    from .encoder import EncoderSpec
+    from ..data.regions import write_scene_regions
+    from ..device import resolve_device
+    from ..encoder import EncoderSpec
 
     out = write_scene_regions(args.dataset, args.out, EncoderSpec(**_key_values(args.encoder)), args.cache_dir,
                               device=str(resolve_device(args.device)))
@@ -56,7 +56,7 @@ def cmd_data_regions(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from .training import TrainConfig, TrainingInterrupted, train
+    from ..training import TrainConfig, TrainingInterrupted, train
 
     model_args = _key_values(args.set)
     if args.attention:
@@ -82,12 +82,12 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from .checkpoint import load_checkpoint
-    from .data.features import open_feature_store
-    from .data.karpathy import load_karpathy
-    from .device import resolve_device, set_threads
-    from .metrics import ALL_METRICS, UNAVAILABLE
-    from .training import evaluate_checkpoint
+    from ..checkpoint import load_checkpoint
+    from ..data.stores import open_feature_store
+    from ..data.karpathy import load_karpathy
+    from ..device import resolve_device, set_threads
+    from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
+    from ..training import evaluate_checkpoint
 
     set_threads(args.threads)
     device = resolve_device(args.device)
@@ -124,10 +124,10 @@ def _label(checkpoint: str | Path) -> str:
 
 def cmd_caption(args: argparse.Namespace) -> None:
     """Caption images with one checkpoint or several (``--checkpoint`` repeated: a side-by-side comparison)."""
-    from .device import resolve_device, set_threads
-    from .encoder import ImageDecodeError
-    from .pipeline import Pipeline
-    from .render import FigureRow, RenderError, caption_figure, comparison_figure, overlay
+    from ..device import resolve_device, set_threads
+    from ..encoder import ImageDecodeError
+    from ..pipeline import Pipeline
+    from ..rendering.heatmaps import FigureRow, RenderError, caption_figure, comparison_figure, overlay
 
     set_threads(args.threads)
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
@@ -178,9 +178,9 @@ def cmd_caption(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
-    from .checkpoint import find_checkpoints
-    from .device import set_threads
-    from .onnx_export import ENCODER_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
+    from ..checkpoint import find_checkpoints
+    from ..device import set_threads
+    from ..export.onnx import ENCODER_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
 
     set_threads(args.threads)
     weights_dir = None if args.checkpoints and not args.all else args.weights_dir
@@ -210,14 +210,14 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def cmd_card(args: argparse.Namespace) -> None:
     """Write a checkpoint's MODEL_CARD.md from its training record and a `captioner eval --output` report."""
-    from .card import write_card
+    from ..evaluation.card import write_card
 
     notes = Path(args.notes).read_text() if args.notes else ""
     print(f"wrote {write_card(args.checkpoint, json.loads(Path(args.report).read_text()), args.title, notes)}")
 
 
 def cmd_params(args: argparse.Namespace) -> None:
-    from .params import parameter_table
+    from ..evaluation.params import parameter_table
 
     for name, count in parameter_table(args.vocab_size).items():
         print(f"{name:16s} {count:>14,d}")
@@ -344,6 +344,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from .registry import available
+    from ..zoo import available
 
     print("\n".join(available()))

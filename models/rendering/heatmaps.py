@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .protocol import Geometry
+from ..protocol import Geometry
 
 MODES = ("grid_smooth", "grid_blocks", "region_sum", "top1_box", "area_topk")
 

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .checkpoint import Checkpoint
-from .encoder import EncoderSpec, GridEncoder, grid_geometry
-from .protocol import Captioner, VisualBatch, index_rows
+from ..checkpoint import Checkpoint
+from ..encoder import EncoderSpec, GridEncoder, grid_geometry
+from ..protocol import Captioner, VisualBatch, index_rows
 
 FORMAT = "attention-captioner-onnx/1"
 ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
@@ -279,7 +279,7 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
                        log=None) -> dict[str, GraphSpec | ExportUnsupported]:
     """Export every named checkpoint into ``out_dir/<name>`` (what the service's ONNX backend loads); a model
     that cannot be expressed gets its :class:`ExportUnsupported` instead of a :class:`GraphSpec`."""
-    from .checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
 
     results: dict[str, GraphSpec | ExportUnsupported] = {}
     visuals: dict[str, GridEncoder] = {}

@@ -1,0 +1,1 @@
+"""The model-side ``captioner`` subcommands (data, train, eval, caption, export, ...)."""

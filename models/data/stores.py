@@ -1,0 +1,39 @@
+"""Where training and evaluation get visual items from: one ``--features`` value → one store.
+
+A *store* answers ``store.feat_dim`` and ``store.batch(keys)`` → :class:`~captioner.models.protocol.VisualBatch`.
+This module sits above both kinds (the grid-feature cache of :mod:`.features` and the region files of
+:mod:`.regions`), so neither imports the other's reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from ..encoder import EncoderSpec
+from ..protocol import VisualBatch
+from .features import extract_features
+from .karpathy import CaptionedImage
+from .regions import RegionStore
+
+
+class VisualStore(Protocol):
+    """Where training and evaluation get visual items from, by image key (``CaptionedImage.key``)."""
+
+    @property
+    def feat_dim(self) -> int: ...
+
+    def batch(self, keys: Sequence[str]) -> VisualBatch: ...
+
+
+def open_feature_store(features: str | None, images: Sequence[CaptionedImage], spec: EncoderSpec,
+                       cache_dir: str | Path, device: str = "cpu", progress: bool = True) -> VisualStore:
+    """The store behind ``--features``: ``None`` or ``"grid"`` → frozen-encoder grid features of ``spec``
+    (extracted once into ``cache_dir``); ``"regions:DIR"`` → precomputed region features in ``DIR``."""
+    kind, _, where = (features or "grid").partition(":")
+    if kind == "grid" and not where:
+        return extract_features(images, spec, cache_dir, device=device, progress=progress)
+    if kind == "regions" and where:
+        return RegionStore(where, images)
+    raise ValueError(f"--features must be 'grid' or 'regions:DIR', got {features!r}")

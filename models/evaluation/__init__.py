@@ -1,0 +1,1 @@
+"""Evaluation: caption metrics (BLEU, METEOR, ROUGE-L, CIDEr-D, objects_named), dataset evaluation, model cards and parameter counts."""

@@ -1,0 +1,1 @@
+"""Export of trained checkpoints to other runtimes (ONNX)."""

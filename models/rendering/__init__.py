@@ -1,0 +1,1 @@
+"""Rendering of per-word attention onto the image (the heatmap modes)."""
