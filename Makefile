@@ -42,11 +42,11 @@ browser-deps:
 test: $(STAMP) browser-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-data: $(DATA)/dataset_scenes.json
-
-# made once: the generator is deterministic, and training runs read (and cache features of) these files
-$(DATA)/dataset_scenes.json: | $(STAMP)
-	$(BIN)/captioner data generate --out $(DATA)
+# rewritten only when the generator's version (GENERATOR_VERSION in models/data/scenes.py), seed or sizes differ
+# from the ones recorded in dataset_scenes.json: the generator is deterministic, and training runs read (and cache
+# features of) these files
+data: | $(STAMP)
+	$(BIN)/captioner data generate --out $(DATA) --if-stale
 
 # The shipped checkpoints: folder name under weights/ → `captioner train` arguments. `make train-NAME` retrains one
 # exactly as its MODEL_CARD.md records (1 thread: faster than 2 on a shared 2-core machine), evaluates it on the
@@ -93,3 +93,44 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache
+
+# The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
+# Needs root; installs buildah and debootstrap (Debian packages) when missing; builds a local Debian bookworm base
+# once (base images cannot be pulled here), builds the CPU image from the Dockerfile, runs its entrypoint as the
+# non-root user, captions an image through it and stops it with SIGTERM (docker/README.md).
+# GPU image where a CUDA base can be pulled: make container BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 TAG=gpu
+.PHONY: container
+container:
+	docker/build_and_check.sh
+
+# Robustness and grounding (issue 12): the varied training scenes (augmentation drawn into the images, its own
+# folder and feature cache), the out-of-distribution test set (a separate renderer; never trained on), the eval
+# reports the zoo table is generated from, and the table itself.
+DATA_VARIED := .cache/scenes-varied
+OOD := .cache/ood
+RESULTS := docs/results
+
+data-varied: | $(STAMP)
+	$(BIN)/captioner data generate --varied --out $(DATA_VARIED) --train 12000 --if-stale
+
+data-ood: | $(STAMP)
+	$(BIN)/captioner data ood --out $(OOD)
+
+# test + heldout with attention grounding, then the OOD split, for one checkpoint in weights/
+results-%: data data-ood
+	@mkdir -p $(RESULTS)
+	$(BIN)/captioner eval weights/$* --dataset $(DATA) --split test --split heldout --grounding --threads 1 \
+	  --output $(RESULTS)/$*.json
+	$(BIN)/captioner eval weights/$* --dataset $(OOD) --split ood --threads 1 --output $(RESULTS)/$*.ood.json
+
+zoo-table: | $(STAMP)
+	$(BIN)/captioner zoo-table --weights-dir weights --results $(RESULTS) --document docs/model_zoo.md \
+	  --figure docs/figures/grounding.png
+
+.PHONY: data-varied data-ood zoo-table
+
+# Hostile corpus, overload, soak and memory runs against real servers → docs/reliability.md (minutes; not in `make test`)
+.PHONY: reliability
+RELIABILITY_ARGS ?=
+reliability: $(STAMP)
+	$(BIN)/python benchmarks/reliability.py $(RELIABILITY_ARGS)

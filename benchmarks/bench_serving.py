@@ -9,8 +9,8 @@ measured in turns, so that background load that drifts during the run affects ea
   3 beams) decoded at a time, so requests queue and are served one after another.
 * ``onnx``: the shipped server with ``CAPTIONER_BACKEND=onnx`` (ONNX Runtime, CPU execution provider here).
 * ``tutorial loop``: what a reference tutorial does: a FastAPI handler (``--tutorial-server`` below) that decodes
-  the upload, runs the CNN and ``models.decoding.beam_search`` for that one image under a lock, and returns the
-  caption with its attention.  Same preprocessing, same channels-last encoder, same thread count: only the
+  the upload, runs the CNN and ``captioner.models.decoding.beam_search`` for that one image under a lock, and
+  returns the caption with its attention.  Same preprocessing, same channels-last encoder, same thread count: only the
   serving engine differs.
 
 Measurements: p50/p95 latency at one client, taking turns between the servers request by request; throughput
@@ -216,17 +216,17 @@ def decoder_only(threads: int, images: int = 32, repeats: int = 3) -> dict:
     from captioner.models.encoder import GridEncoder
     from captioner.models.protocol import VisualBatch
     from captioner.service.batcher import Batcher
-    from captioner.service.runtime import ModelRuntime, Prepared
+    from captioner.models.inference import Prepared, TorchRuntime
 
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(WEIGHTS / MODEL, "cpu")
     encoder = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
-    runtime = ModelRuntime(MODEL, ckpt, encoder, torch.device("cpu"))
+    runtime = TorchRuntime(MODEL, ckpt, encoder, torch.device("cpu"))
     pictures = [runtime.prepare(Image.open(io.BytesIO(b)).convert("RGB")) for b in scene_jpegs(images)]
     with torch.inference_mode():
         feats = [encoder(p.pixels[None].contiguous(memory_format=torch.channels_last)) for p in pictures]
 
-    class Encoded(ModelRuntime):  # images arrive already encoded: only decoding is timed
+    class Encoded(TorchRuntime):  # images arrive already encoded: only decoding is timed
         def begin(self, batch: list[Prepared], widths: list[int]):
             enc = ckpt.model.encode(VisualBatch.from_features(torch.cat([p.pixels for p in batch])))
             enc = expand_rows(enc, widths)
@@ -313,8 +313,8 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         f"batch, 256 rows); **batch-size-1** = the same server with `CAPTIONER_MAX_BATCH_IMAGES=1 "
         f"CAPTIONER_MAX_ROWS={BEAM}` (one request decoded at a time); **onnx** = the shipped server with "
         "`CAPTIONER_BACKEND=onnx` (continuous batching on ONNX Runtime, CPU execution provider); **tutorial loop** "
-        "= a FastAPI handler that runs the CNN and `models.decoding.beam_search` for its one image under a lock, "
-        "as a reference tutorial does (same preprocessing, same channels-last encoder, same threads: only the "
+        "= a FastAPI handler that runs the CNN and `captioner.models.decoding.beam_search` for its one image under a "
+        "lock, as a reference tutorial does (same preprocessing, same channels-last encoder, same threads: only the "
         "serving engine differs).",
         "",
         f"## Latency at one client (alternating between servers, {args.rounds} requests each)",

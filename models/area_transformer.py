@@ -1,18 +1,20 @@
-"""AreaTransformer (Li et al., P5 §3.2; SPEC §6.6): a Transformer captioner over the grid cells with area attention.
+"""AreaTransformer: a Transformer captioner over the grid cells with area attention (Li et al. 2019, "Area
+Attention", arXiv:1810.10126, §3.2).
 
-The encoder runs over the cells (learned row + column embeddings, decision #36); the decoder is a Transformer
-decoder over the caption.  Area attention (``models.attention.area``) replaces ordinary attention in the first
-``area_layers`` layers (paper: 2): 2D areas up to ``encoder_area`` in encoder self-attention, up to
-``decoder_area`` in decoder cross-attention, and 1D areas up to ``caption_area`` in decoder self-attention;
-``area_key`` picks the basic mean key (Eq. 3) or the combined-feature key (Eq. 9, the paper's "*").  Defaults are
-a small CPU model with the paper's best image setting, 3×3*; ``d_model=512, n_heads=8, enc_layers=dec_layers=6,
-ffn_dim=2048`` is the paper's T2T8x8.
+The encoder runs over the cells (learned row + column embeddings: docs/decisions.md#areatransformer-cell-positions);
+the decoder is a Transformer decoder over the caption.  Area attention (:mod:`captioner.models.attention.area`)
+replaces ordinary attention in the first ``area_layers`` layers (paper: 2): 2D areas up to ``encoder_area`` in encoder
+self-attention, up to ``decoder_area`` in decoder cross-attention, and 1D areas up to ``caption_area`` in decoder
+self-attention; ``area_key`` picks the basic mean key (Eq. 3) or the combined-feature key (Eq. 9, the paper's
+"*").  Defaults are a small CPU model with the paper's best image setting, 3×3*;
+``d_model=512, n_heads=8, enc_layers=dec_layers=6, ffn_dim=2048`` is the paper's T2T8x8.
 
-The attention exported for a word (SPEC §8.2) is the last decoder layer's cross-attention, averaged over heads
-and, when that layer attends over areas, spread back onto cells with ``c_j = Σ_{r∋j} a_r`` (decision #39) and
-renormalised.  Extras: ``areas`` (head-averaged area weights of the last decoder layer whose cross-attention
-uses areas; boxes from :meth:`AreaTransformer.area_boxes`), ``cell_mass`` (``Σ_j c_j`` before renormalising,
-when the last layer uses areas) and ``layer{i}`` (every layer's cell map, §6.8).
+The attention exported for a word (docs/decisions.md#exported-attention-of-multi-head-models) is the last decoder
+layer's cross-attention, averaged over heads and, when that layer attends over areas, spread back onto cells with
+``c_j = Σ_{r∋j} a_r`` (docs/decisions.md#area-to-cell-attribution) and renormalised.  Extras: ``areas`` (head-averaged
+area weights of the last decoder layer whose cross-attention uses areas; boxes from
+:meth:`AreaTransformer.area_boxes`), ``cell_mass`` (``Σ_j c_j`` before renormalising, when the last layer uses areas)
+and ``layer{i}`` (every layer's cell map).
 """
 
 from __future__ import annotations
@@ -202,7 +204,8 @@ class AreaTransformer(Captioner):
             if layer.cross.uses_areas:
                 extras["areas"] = mean
                 mean = areas_to_cells(mean, layer.cross.boxes(grid).to(mean.device), grid)
-                # c_j sums to Σ_r a_r |r|, not 1: renormalise for display, keep the raw mass (SPEC §6.8)
+                # c_j sums to Σ_r a_r |r|, not 1: renormalise for display, keep the raw mass
+                # (docs/decisions.md#area-to-cell-attribution)
                 mass = mean.sum(-1, keepdim=True)
                 if i == len(self.decoder) - 1:
                     extras["cell_mass"] = mass

@@ -1,4 +1,5 @@
-"""The one checkpoint format: a directory with ``model.safetensors`` + ``config.json`` + ``vocab.json``.
+"""The one checkpoint format: a directory with ``model.safetensors`` + ``config.json`` + ``vocab.json``, and
+``manifest.json`` (the sha256 of every file, verified when the checkpoint is loaded).
 
 No pickle anywhere: weights are safetensors, everything else is JSON.  ``config.json`` records the
 architecture name and its constructor arguments, the visual encoder spec (so serving preprocesses exactly as
@@ -7,17 +8,19 @@ training did) and free-form metadata (training command, metrics).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 
 from .encoder import EncoderSpec
 from .protocol import Captioner
@@ -25,7 +28,8 @@ from .zoo import create
 from .vocab import Vocabulary
 
 FORMAT = "attention-captioner/1"
-WEIGHTS, CONFIG, VOCAB = "model.safetensors", "config.json", "vocab.json"
+WEIGHTS, CONFIG, VOCAB, MANIFEST = "model.safetensors", "config.json", "vocab.json", "manifest.json"
+MANIFEST_FORMAT = "attention-captioner-manifest/1"
 
 
 class CheckpointError(ValueError):
@@ -48,25 +52,131 @@ class Checkpoint:
 
 def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encoder: EncoderSpec,
                     meta: dict[str, Any] | None = None) -> Path:
-    """Write atomically: files go to a temporary sibling directory that replaces ``path`` in one rename, so an
-    interrupted save never destroys the previous checkpoint."""
+    """Write atomically: the files (each fsynced) and their sha256 manifest go to a temporary sibling directory
+    that then takes ``path``'s place in one rename, so an interrupted save never leaves a torn checkpoint and
+    never destroys the previous one.  Files and folder get the usual permissions (the umask decides), so a
+    service running as another user can read them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    remove_debris(path)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700 whatever the umask says
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, tmp / WEIGHTS, metadata={"format": FORMAT, "arch": model.arch})
+    write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
     config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
               "special_ids": {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id},
               "meta": meta or {}}
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
     vocab.save(tmp / VOCAB)
-    old = path.with_name(f".{path.name}.old")
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    for name in (CONFIG, VOCAB):
+        fsync_path(tmp / name)
+    write_manifest(tmp)
+    fsync_path(tmp)
+    replace_directory(tmp, path)
     return path
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Create ``path`` with ``data``, flushed to disk.  Mode 0666 minus the umask, like ``open(path, "w")``
+    (``safetensors.save_file`` makes its files 0600, unreadable to a service running as another user)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's (its entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_debris(path: str | Path) -> None:
+    """Clear what a crash during :func:`save_checkpoint` of ``path`` left beside it: temporary folders are removed;
+    a previous checkpoint renamed aside (``.NAME.old``, where the OS cannot swap folders atomically) is put back if
+    ``path`` itself is missing, else removed."""
+    path = Path(path)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    old = path.with_name(f".{path.name}.old")
+    if old.exists() and not path.exists():
+        os.replace(old, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def replace_directory(tmp: Path, path: Path) -> None:
+    """Put the finished folder ``tmp`` at ``path``.  An existing ``path`` is swapped out atomically where the OS can
+    (so ``path`` always names a whole checkpoint); elsewhere it is renamed aside first, and a crash between the two
+    renames leaves it as ``.NAME.old``."""
+    if path.exists() and _exchange(tmp, path):
+        shutil.rmtree(tmp)
+    else:
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_path(path.parent)
+
+
+def write_manifest(path: str | Path) -> Path:
+    """Record the sha256 and size of every file in checkpoint folder ``path`` in ``manifest.json`` (written
+    atomically); :func:`load_checkpoint` verifies them."""
+    path = Path(path)
+    files = {f.name: {"sha256": file_checksum(f), "bytes": f.stat().st_size}
+             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
+    tmp = path / f".{MANIFEST}.tmp-{secrets.token_hex(4)}"
+    tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2))
+    fsync_path(tmp)
+    os.replace(tmp, path / MANIFEST)
+    return path / MANIFEST
+
+
+def verify_manifest(path: str | Path) -> dict[str, str]:
+    """Check every file the manifest lists against its sha256 (and the files a checkpoint needs are listed);
+    returns the digests.  A torn, foreign or altered file raises :class:`CheckpointError` naming it."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: it was not written by save_checkpoint; if you trust its "
+                              f"files, record them with `captioner manifest {path}`") from None
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path / MANIFEST} is not valid JSON (torn or altered)") from None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{path / MANIFEST}: unknown manifest format {manifest.get('format')!r}")
+    listed = manifest.get("files", {})
+    for name in (WEIGHTS, CONFIG, VOCAB):
+        if name not in listed:
+            raise CheckpointError(f"{path / MANIFEST} does not list {name}")
+    digests = {}
+    for name, entry in listed.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in {MANIFEST} but missing")
+        digests[name] = file_checksum(file)
+        if file.stat().st_size != entry.get("bytes") or digests[name] != entry.get("sha256"):
+            raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST}: the file is torn, from another "
+                                  "checkpoint or altered; refusing to load it")
+    return digests
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -88,16 +198,20 @@ def file_checksum(path: Path) -> str:
     return digest.hexdigest()
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
-    """Rebuild the model from ``config.json``, load its weights strictly, and put it in eval mode."""
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> Checkpoint:
+    """Rebuild the model from ``config.json``, load its weights strictly, and put it in eval mode.  With ``verify``
+    every file must first match the sha256 in ``manifest.json`` (see :func:`verify_manifest`)."""
     path = Path(path)
+    if not (path / CONFIG).is_file():
+        raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
+    digests = verify_manifest(path) if verify else {}
     config = read_config(path)
     vocab = Vocabulary.load(path / VOCAB)
     model = create(config["arch"], **config["model"], **config.get("special_ids", {}))
     model.load_state_dict(load_file(path / WEIGHTS, device="cpu"), strict=True)
     model.to(device).eval()
     return Checkpoint(model=model, vocab=vocab, encoder=EncoderSpec.from_json(config["encoder"]), path=path,
-                      meta=config.get("meta", {}), checksum=file_checksum(path / WEIGHTS))
+                      meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS))
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -1,19 +1,19 @@
-"""The one decoder every model shares (SPEC §1.7, §8.3): greedy, sampling and beam search.
+"""The one decoder every model shares: greedy, sampling and beam search.
 
 Models only supply ``step``; this module owns the search, the back-pointers and the per-token attention
 history, so the attention row returned for token ``t`` is always the one that fed its prediction — after beam
-reordering too (SPEC §8.2 alignment rule).
+reordering too (docs/decisions.md#model-protocol-and-alignment-rule).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from .protocol import AttnRecord, Captioner, VisualBatch, index_rows
+from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch, index_rows
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Hypothesis:
 
 
 def _length_normalised(score: float, length: int, length_penalty: float | None) -> float:
-    # GNMT length penalty ((5+|y|)/6)^α; None means raw summed log-prob (the papers' default, decision #3)
+    # GNMT length penalty ((5+|y|)/6)^α; None: summed log-prob (docs/decisions.md#no-length-penalty-by-default)
     if not length_penalty:
         return score
     return score / (((5.0 + length) / 6.0) ** length_penalty)
@@ -154,7 +154,7 @@ def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLa
 class StepRecord:
     """What one step emitted, row by row, and where each row came from (``parent``: a row of the previous
     record).  The attention stored for a row is the one that fed its token: the parent's row of this step's
-    attention (SPEC §8.2 alignment rule)."""
+    attention (docs/decisions.md#model-protocol-and-alignment-rule)."""
 
     parent: Tensor
     tokens: Tensor
@@ -211,29 +211,47 @@ def beam_search(
     """
     if k < 1 or n_best < 1 or n_best > k:
         raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
-    batch = vis.feats.shape[0]
-    device = vis.feats.device
     enc = model.expand(model.encode(vis), k)
     state = model.init_state(enc)
-    layout = BeamLayout([k] * batch, device)
+    return search_rows(model.step, model.reorder, enc, state, [k] * vis.feats.shape[0], model.bos_id, model.eos_id,
+                       never_emitted(model), max_len, length_penalty, n_best, extras)
+
+
+StepFn = Callable[[Tensor, DecState, EncState], tuple[Tensor, DecState, AttnRecord]]
+ReorderFn = Callable[[DecState, Tensor], DecState]
+
+
+@torch.no_grad()
+def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState, widths: Sequence[int], bos_id: int,
+                eos_id: int, forbidden: tuple[int, ...] = (), max_len: int = 20,
+                length_penalty: float | None = None, n_best: int = 1,
+                extras: tuple[str, ...] | bool = True) -> list[list[Hypothesis]]:
+    """The loop of :func:`beam_search` over rows that are already encoded and expanded (image ``g`` owns
+    ``widths[g]`` contiguous rows of ``enc`` and ``state``), driven by any ``step`` / ``reorder`` pair with the
+    :class:`~captioner.models.protocol.Captioner` signatures: a PyTorch model's own methods or an exported graph's.
+    Returns ``n_best`` hypotheses per image, best first."""
+    if n_best < 1 or n_best > min(widths):
+        raise ValueError(f"need 1 <= n_best <= every beam width, got widths={list(widths)}, n_best={n_best}")
+    device = next(iter(enc.values())).device
+    layout = BeamLayout(widths, device)
     scores = layout.initial_scores()
-    prev = torch.full((layout.rows,), model.bos_id, dtype=torch.long, device=device)
+    prev = torch.full((layout.rows,), bos_id, dtype=torch.long, device=device)
     finished = torch.zeros(layout.rows, dtype=torch.bool, device=device)
     records: list[StepRecord] = []
 
     for _ in range(max_len):
-        logprobs, state, attn = model.step(prev, state, enc)
-        step = beam_step(logprobs, scores, finished, layout, model.eos_id, never_emitted(model))
-        records.append(record_step(step, attn, extras=extras))
-        state = model.reorder(state, step.pointer)
-        scores, finished, prev = step.scores, step.finished, step.tokens
+        logprobs, state, attn = step(prev, state, enc)
+        beam = beam_step(logprobs, scores, finished, layout, eos_id, forbidden)
+        records.append(record_step(beam, attn, extras=extras))
+        state = reorder(state, beam.pointer)
+        scores, finished, prev = beam.scores, beam.finished, beam.tokens
         if bool(finished.all()):
             break
 
     history = backtrack(records, torch.arange(layout.rows, device=device))
-    return [collect_hypotheses({name: value[b * k:(b + 1) * k] for name, value in history.items()},
-                               scores[b * k:(b + 1) * k], model.eos_id, n_best, length_penalty)
-            for b in range(batch)]
+    return [collect_hypotheses({name: value[first:first + width] for name, value in history.items()},
+                               scores[first:first + width], eos_id, n_best, length_penalty)
+            for first, width in zip(layout.offsets, layout.sizes)]
 
 
 def collect_hypotheses(history: dict[str, Tensor], scores: Tensor, eos_id: int, n_best: int,

@@ -11,14 +11,14 @@ from .attention import Normaliser
 
 
 def masked_mean(feats: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``feats [B, N, D]`` over the real items of ``mask [B, N]`` (SPEC §1.3: padded regions)."""
+    """Mean of ``feats [B, N, D]`` over the real items of ``mask [B, N]`` (docs/decisions.md#masked-items)."""
     weights = mask.to(feats.dtype).unsqueeze(-1)
     return (feats * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 
 
 class AdditiveAttention(nn.Module):
-    """Bahdanau attention ``e_i = w^T tanh(U_a a_i + U_h h + b)`` (SAT Eq. 4 in the [REC] additive form;
-    SparseCap's input/output attention has the same form).
+    """Bahdanau attention ``e_i = w^T tanh(U_a a_i + U_h h + b)`` (SAT Eq. 4 in our additive form,
+    docs/decisions.md#sat-attention-score-and-initial-state; SparseCap's input/output attention has the same form).
 
     ``project_keys`` is computed once per image (``U_a a_i``) and cached in the encoder state.
     """

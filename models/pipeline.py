@@ -1,4 +1,8 @@
-"""Image → caption with attention, in one call (the CLI's path; the service batches the same steps)."""
+"""Image files → captions with attention, in one call: the CLI's path (``captioner caption``).
+
+A thin wrapper over :class:`~captioner.models.inference.TorchRuntime`: the same ``prepare`` / ``begin`` / ``step`` /
+``reorder`` / ``result`` steps the service's batcher drives, here over one fixed batch.
+"""
 
 from __future__ import annotations
 
@@ -9,44 +13,49 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .checkpoint import Checkpoint, load_checkpoint
-from .decoding import Hypothesis, beam_search
-from .encoder import GridEncoder, load_image, preprocess
-from .protocol import Captioner, Geometry, VisualBatch
-
-
-def area_boxes_of(model: Captioner, hyp: Hypothesis, geometry: Geometry) -> np.ndarray | None:
-    """The cell boxes that index ``hyp``'s ``areas`` extra (what ``area_topk`` rendering needs), or None."""
-    boxes = model.area_boxes(geometry.grid_hw) if "areas" in hyp.extras else None
-    return None if boxes is None else boxes.cpu().numpy()
+from .checkpoint import Checkpoint
+from .decoding import Hypothesis
+from .encoder import load_image
+from .inference import CaptionResult, torch_runtime
+from .protocol import Geometry
 
 
 @dataclass
 class Captioned:
+    """A caption together with the image it describes (the CLI draws overlays on it)."""
+
     image: Image.Image
-    words: list[str]
-    hypothesis: Hypothesis
-    geometry: Geometry
-    area_boxes: np.ndarray | None = None  # cell boxes of the ``areas`` extra (area-attention models only)
+    result: CaptionResult
+
+    @property
+    def words(self) -> list[str]:
+        return self.result.words
 
     @property
     def tokens(self) -> list[str]:
-        return self.words + (["<eos>"] if self.hypothesis.ended_with_eos else [])
+        return self.result.tokens
+
+    @property
+    def hypothesis(self) -> Hypothesis:
+        return self.result.hypothesis
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.result.geometry
+
+    @property
+    def area_boxes(self) -> np.ndarray | None:
+        """Cell boxes of the ``areas`` extra (area-attention models only)."""
+        return self.result.area_boxes
 
 
 class Pipeline:
     def __init__(self, checkpoint: str | Path | Checkpoint, device: str | torch.device = "cpu"):
-        self.ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint, device)
-        self.device = torch.device(device)
-        self.encoder = GridEncoder(self.ckpt.encoder).to(self.device)
+        self.runtime = torch_runtime(checkpoint, device)
+        self.ckpt = self.runtime.ckpt
 
-    @torch.inference_mode()
     def __call__(self, sources: list[str | Path | bytes | Image.Image], beam_size: int = 3,
                  max_len: int = 20) -> list[Captioned]:
         images = [load_image(s) for s in sources]
-        prepared = [preprocess(image, self.ckpt.encoder) for image in images]
-        feats = self.encoder(torch.stack([p for p, _ in prepared]).to(self.device))
-        vis = VisualBatch.from_features(feats, [g for _, g in prepared])
-        hyps = beam_search(self.ckpt.model, vis, k=beam_size, max_len=max_len)
-        return [Captioned(image, self.ckpt.vocab.decode(h[0].token_ids), h[0], geometry, area_boxes_of(self.ckpt.model, h[0], geometry))
-                for image, h, (_, geometry) in zip(images, hyps, prepared)]
+        results = self.runtime.caption([self.runtime.prepare(image) for image in images], beam_size, max_len)
+        return [Captioned(image, result) for image, result in zip(images, results)]

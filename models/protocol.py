@@ -1,7 +1,7 @@
-"""Shared data structures and the model protocol of SPEC §8.1–§8.2.
+"""Shared data structures and the model protocol (docs/decisions.md#model-protocol-and-alignment-rule).
 
 Every captioner subclasses :class:`Captioner` and supplies ``encode`` / ``init_state`` / ``step`` /
-``forward_xe``; decoding (greedy, sampling, beam search) lives once in :mod:`models.decoding` and only ever
+``forward_xe``; decoding (greedy, sampling, beam search) lives once in :mod:`captioner.models.decoding` and only ever
 talks to a model through this protocol.  Encoder and decoder states are plain ``dict[str, Tensor]`` whose
 tensors all have the (batch × beam) rows on dim 0, so :meth:`Captioner.expand` and :meth:`Captioner.reorder`
 are generic and no model needs to hand-write beam bookkeeping.
@@ -22,7 +22,7 @@ DecState = dict[str, Tensor]
 
 @dataclass
 class Geometry:
-    """Where each visual item sits in the ORIGINAL image (SPEC §8.1).
+    """Where each visual item sits in the ORIGINAL image (docs/decisions.md#geometry-of-visual-items).
 
     ``boxes`` are ``x1, y1, x2, y2`` in original-image pixels; for a grid, item ``i`` is the row-major cell
     ``(i // W, i % W)`` mapped back through the resize/crop of preprocessing.
@@ -61,7 +61,7 @@ class VisualBatch:
 
 @dataclass
 class AttnRecord:
-    """The attention that fed the word predicted at this step (alignment rule of SPEC §8.2).
+    """The attention that fed the word predicted at this step (docs/decisions.md#model-protocol-and-alignment-rule).
 
     ``primary`` is ``[B', N]`` non-negative weights over visual items; ``extras`` carries model-specific maps
     (e.g. ``beta_gate`` [B', 1] for SAT, ``input_attention`` [B', N] for SparseCap).
@@ -77,7 +77,7 @@ def index_rows(state: dict[str, Tensor], index: Tensor) -> dict[str, Tensor]:
 
 
 class Captioner(nn.Module):
-    """Base class of every captioner (SPEC §8.2).
+    """Base class of every captioner (docs/decisions.md#model-protocol-and-alignment-rule).
 
     Subclasses set ``arch`` (registry name), ``attention_kind`` (how the primary map should be read) and
     implement the abstract methods.  ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come from the
@@ -86,7 +86,7 @@ class Captioner(nn.Module):
 
     arch: ClassVar[str] = ""
     attention_kind: ClassVar[str] = "attention"
-    #: metric used to pick the best checkpoint during XE training (SPEC §8.6)
+    #: metric used to pick the best checkpoint during XE training (docs/decisions.md#checkpoint-selection-metric)
     selection_metric: ClassVar[str] = "CIDEr-D"
 
     def __init__(self, vocab_size: int, feat_dim: int, *, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2):
@@ -158,7 +158,7 @@ class Captioner(nn.Module):
 
     def area_boxes(self, grid_hw: tuple[int, int] | None = None) -> Tensor | None:
         """``[|R|, 4]`` inclusive cell boxes ``(r1, c1, r2, c2)`` that index the ``areas`` extra of :meth:`step`, for
-        models that attend over areas (SPEC §6); None for everyone else."""
+        models that attend over areas (Area attention, arXiv:1810.10126); None for everyone else."""
         return None
 
     def export_blocker(self) -> str | None:

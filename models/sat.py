@@ -1,9 +1,10 @@
-"""Show, Attend and Tell (Xu et al., 2015), soft attention — SPEC §2.
+"""Show, Attend and Tell (SAT: Xu et al., 2015, arXiv:1502.03044), soft attention — §3.1 and §4.2.
 
-Equations (SPEC §2.3): initial state from the mean annotation, additive attention ``α_t`` from ``h_{t-1}``,
-gated context ``ẑ_t = β_t Σ_i α_{t,i} a_i``, an LSTM on ``[E y_{t-1}; ẑ_t]`` and the deep output layer
+Equations (SAT Eq. 1–7, §4.2.1): initial state from the mean annotation, additive attention ``α_t`` from ``h_{t-1}``
+(Eq. 4–5; the score's form is ours: docs/decisions.md#sat-attention-score-and-initial-state), gated context
+``ẑ_t = β_t Σ_i α_{t,i} a_i``, an LSTM on ``[E y_{t-1}; ẑ_t]`` and the deep output layer
 ``p(y_t) = softmax(L_o(E y_{t-1} + L_h h_t + L_z ẑ_t))``.  Training adds the doubly stochastic penalty
-``λ Σ_i (1 − Σ_t α_{t,i})²`` (SPEC §2.4).  The attention exported for word ``y_t`` is ``α_t`` of the same step.
+``λ Σ_i (1 − Σ_t α_{t,i})²`` (Eq. 14).  The attention exported for word ``y_t`` is ``α_t`` of the same step.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from .registry import register
 @register("sat")
 class ShowAttendTell(Captioner):
     attention_kind = "soft_attention"
-    selection_metric = "BLEU-4"  # the paper early-stops on validation BLEU (SPEC §2.4, [REC] BLEU-4)
-    #: the β_t gate belongs to the soft model (SAT §4.2.1); SAT-hard leaves it out (SPEC §2.3 [REC])
+    # SAT §4.3 early-stops on validation BLEU (docs/decisions.md#checkpoint-selection-metric)
+    selection_metric = "BLEU-4"
+    #: the β_t gate belongs to the soft model (SAT §4.2.1); SAT-hard leaves it out (docs/decisions.md#sat-hard-decoding)
     gated: ClassVar[bool] = True
 
     def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 512, hidden_dim: int = 1024,
@@ -33,7 +35,7 @@ class ShowAttendTell(Captioner):
         self.hparams = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, attn_dim=attn_dim, dropout=dropout,
                             doubly_stochastic=doubly_stochastic)
         self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=self.pad_id)
-        self.init_h = nn.Linear(feat_dim, hidden_dim)  # f_init,h: one affine layer + tanh ([REC])
+        self.init_h = nn.Linear(feat_dim, hidden_dim)  # f_init,h: one affine layer + tanh (our choice)
         self.init_c = nn.Linear(feat_dim, hidden_dim)
         self.attend = AdditiveAttention(feat_dim, hidden_dim, attn_dim, get_normaliser("softmax"))
         self.gate = nn.Linear(hidden_dim, 1) if self.gated else None  # β_t = σ(w_β^T h_{t-1} + b_β)

@@ -1,19 +1,21 @@
-"""Show, Attend and Tell with stochastic "hard" attention (Xu et al., 2015, §4.1) — SPEC §2.3–§2.4.
+"""Show, Attend and Tell with stochastic "hard" attention (SAT: Xu et al., 2015, arXiv:1502.03044, §4.1).
 
-The decoder is :class:`~models.sat.ShowAttendTell` (initial state, additive ``α_t``, LSTM, deep output); only
-the context vector and the training objective differ, and the β gate is left out (SPEC §2.3 [REC]):
+The decoder is :class:`~captioner.models.sat.ShowAttendTell` (initial state, additive ``α_t``, LSTM, deep output);
+only the context vector and the training objective differ, and the β gate is left out
+(docs/decisions.md#sat-hard-decoding):
 
 * training: ``s̃_t ~ Multinoulli(α_t)`` (Eq. 8) and ``ẑ_t = Σ_i s̃_{t,i} a_i = a_{s̃_t}`` (Eq. 9).  With
   probability 0.5 per caption the indicator ``s̃_t`` is set to its expected value ``α_t`` for every step,
   i.e. ``ẑ_t = Σ_i α_{t,i} a_i`` (the paper's variance-reduction trick, §4.1);
-* evaluation and decoding: the arg-max location ``ẑ_t = a_{argmax α_t}`` (SPEC decision #12).
+* evaluation and decoding: the arg-max location ``ẑ_t = a_{argmax α_t}`` (docs/decisions.md#sat-hard-decoding).
 
 Every step exports ``α_t`` as the primary attention and the indicator actually used (one-hot, or ``α_t`` for a
-caption that took the expectation) as ``extras["location"]`` ``[B', N]`` (SPEC §2.7 [REC]: mark the chosen cell).
+caption that took the expectation) as ``extras["location"]`` ``[B', N]`` (to mark the chosen cell).
 
-Training is SPEC §8.6's ``hard_reinforce`` phase, run by the ordinary XE loop: :meth:`forward_xe` returns the
+Training runs in the ordinary XE loop (docs/decisions.md#training-phases): :meth:`forward_xe` returns the
 teacher-forced log-probs, whose mean-token NLL is the first term of the paper's learning rule, and the other two
-terms as auxiliary losses, so ``captioner train --model sat-hard`` minimises (per caption, SPEC §2.4)::
+terms as auxiliary losses, so ``captioner train --model sat-hard`` minimises (per caption, SAT's learning rule
+after Eq. 12)::
 
     -( log p(y|s̃,a) + λ_r (log p(y|s̃,a) - b) log p(s̃|a) + λ_e H[s̃] )
 
@@ -42,8 +44,9 @@ class ShowAttendTellHard(ShowAttendTell):
                  attn_dim: int = 512, dropout: float = 0.5, reinforce_weight: float = 1.0,
                  entropy_weight: float = 0.002, location_samples: int = 1, expectation_prob: float = 0.5,
                  baseline_decay: float = 0.9, **ids: int):
-        """``reinforce_weight`` λ_r, ``entropy_weight`` λ_e and ``location_samples`` N_s are [NS] in the paper
-        (SPEC decision #9: 1.0, 0.002, 1); ``expectation_prob`` (0.5) and ``baseline_decay`` (0.9) are §4.1's."""
+        """``reinforce_weight`` λ_r, ``entropy_weight`` λ_e and ``location_samples`` N_s are not given by the paper
+        (1.0, 0.002, 1: docs/decisions.md#sat-hard-training-weights); ``expectation_prob`` (0.5) and
+        ``baseline_decay`` (0.9) are §4.1's."""
         # the doubly stochastic penalty is the soft model's regulariser (§4.2.1); hard attention has the entropy
         super().__init__(vocab_size, feat_dim, embed_dim, hidden_dim, attn_dim, dropout, doubly_stochastic=0.0,
                          **ids)
@@ -109,7 +112,8 @@ class ShowAttendTellHard(ShowAttendTell):
         logp_s = ((alpha * indicator).sum(-1).clamp_min(tiny).log() * tokens).sum(1)  # Σ_t log α_{t,s̃_t}
         entropy = (-(alpha * alpha.clamp_min(tiny).log()).sum(-1) * tokens).sum(1)  # H[s̃] = Σ_t H(α_t)
 
-        sampled = ~enc["expected"]  # captions that took the expectation get no REINFORCE term (SPEC §2.4 [REC])
+        # captions that took the expectation get no REINFORCE term (our choice: docs/decisions.md#sat-hard-decoding)
+        sampled = ~enc["expected"]
         reward = logp_y.detach()
         advantage = (reward - self._baseline_for(reward[sampled])) * sampled.to(reward.dtype)
         self._update_baseline(reward[sampled])

@@ -1,11 +1,11 @@
-"""SparseCap: the input/output-attention LSTM captioner of P4 (Martins et al., "Sparse and Structured Visual
-Attention") — SPEC §5.4.
+"""SparseCap: the input/output-attention LSTM captioner of Martins et al., "Sparse and Structured Visual
+Attention" (arXiv:2002.05556, §3; "SparseCap" below).
 
-Per step (P4 §3, SPEC §5.4): the grid features are projected once, ``V = ReLU(W_v a + b)`` (g = 512);
+Per step (SparseCap §3): the grid features are projected once, ``V = ReLU(W_v a + b)`` (g = 512);
 the input attention ``α_t = softmax(wᵀ tanh(affine([v_i; h_{t−1}])))`` gives ``s_t = V α_t``; the LSTM runs on
 ``[E y_{t−1}; s_t]``; the output attention ``α̃_t = π(w̃ᵀ tanh(affine~([v_i; h_t])))`` with ``π`` ∈ {softmax,
-sparsemax (P4 Eq. 2), TVmax (P4 Eq. 5)} gives ``s̃_t = V α̃_t``, ``r_t = tanh(affine(s̃_t))`` and
-``P(y_t) = softmax(affine([r_t; h_t]))`` (P4 Eq. 10).  The output attention is the exported (primary) map; both
+sparsemax (Eq. 2), TVmax (Eq. 5)} gives ``s̃_t = V α̃_t``, ``r_t = tanh(affine(s̃_t))`` and
+``P(y_t) = softmax(affine([r_t; h_t]))`` (Eq. 10).  The output attention is the exported (primary) map; both
 attentions of step ``t`` belong to word ``y_t``.
 """
 
@@ -40,18 +40,20 @@ class SparseCap(Captioner):
         self.hparams = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, visual_dim=visual_dim, attn_dim=attn_dim,
                             dropout=dropout, attention=attention, tvmax_lambda=tvmax_lambda,
                             input_attention_normalizer=input_attention_normalizer)
-        self.project = nn.Linear(feat_dim, visual_dim)  # the fine-tuned feed-forward layer (SPEC §5.3: + ReLU)
+        # the fine-tuned feed-forward layer, + ReLU (docs/decisions.md#sparsecap-visual-projection)
+        self.project = nn.Linear(feat_dim, visual_dim)
         self.embed = nn.Embedding(vocab_size, embed_dim, padding_idx=self.pad_id)
-        # separate parameters for the two attentions (SPEC decision #29); AdditiveAttention is exactly
-        # wᵀ tanh(affine([v_i; h])) with the affine map split into its v and h blocks
+        # separate parameters for the two attentions (docs/decisions.md#sparsecap-attention-parameters);
+        # AdditiveAttention is exactly wᵀ tanh(affine([v_i; h])) with the affine map split into its v and h blocks
         self.input_attention = AdditiveAttention(visual_dim, hidden_dim, attn_dim,
                                                  _normaliser(input_attention_normalizer, tvmax_lambda))
         self.output_attention = AdditiveAttention(visual_dim, hidden_dim, attn_dim,
                                                   _normaliser(attention, tvmax_lambda))
         self.lstm = nn.LSTMCell(embed_dim + visual_dim, hidden_dim)
         self.readout = nn.Linear(visual_dim, hidden_dim)  # r_t = tanh(affine(s̃_t))
-        self.out_word = nn.Linear(2 * hidden_dim, vocab_size)  # affine([r_t; h_t]) of P4 Eq. 10
-        self.drop = nn.Dropout(dropout)  # on the LSTM output where it feeds the word predictor (decision #30)
+        self.out_word = nn.Linear(2 * hidden_dim, vocab_size)  # affine([r_t; h_t]) of SparseCap Eq. 10
+        # on the LSTM output where it feeds the word predictor (docs/decisions.md#sparsecap-dropout)
+        self.drop = nn.Dropout(dropout)
 
     def config(self) -> dict:
         return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
@@ -74,7 +76,7 @@ class SparseCap(Captioner):
                 "keys_out": self.output_attention.project_keys(feats)}
 
     def init_state(self, enc: EncState) -> DecState:
-        zeros = enc["feats"].new_zeros(enc["feats"].shape[0], self.lstm.hidden_size)  # [REC] zero initial state
+        zeros = enc["feats"].new_zeros(enc["feats"].shape[0], self.lstm.hidden_size)  # zero initial state (our choice)
         return {"h": zeros, "c": zeros.clone()}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:

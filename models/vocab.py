@@ -1,4 +1,4 @@
-"""Tokenizer and vocabulary (SPEC §1.2, decision #1).
+"""Tokenizer and vocabulary (docs/decisions.md#tokenizer-and-caption-length).
 
 One rule for every model: lower-case, strip punctuation, split on whitespace.  Special tokens come first so
 their ids are stable: ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3.  A word is kept if it occurs at

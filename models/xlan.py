@@ -1,27 +1,28 @@
-"""X-LAN (Pan et al., "X-Linear Attention Networks for Image Captioning", CVPR 2020 — P3 §3.3; SPEC §4.5–§4.6).
+"""X-LAN (Pan et al., "X-Linear Attention Networks for Image Captioning", CVPR 2020, arXiv:2003.14080 — §3.3).
 
-Encoder (P3 §3.3.2).  Visual items ``r_i`` (bottom-up regions, or grid cells with an all-True mask) are embedded,
-``v_i = Dropout(CELU(W_r r_i + b_r))`` (SPEC §4.5 [REF-CODE]), and refined by ``1 + M`` stacked X-Linear layers
-(:class:`~models.attention.xlinear.XLinearLayer`, P3 Eq. 7–8; paper: 4 "+ELU" layers) starting from the
+Encoder (§3.3.2).  Visual items ``r_i`` (bottom-up regions, or grid cells with an all-True mask) are embedded,
+``v_i = Dropout(CELU(W_r r_i + b_r))`` (the authors' code), and refined by ``1 + M`` stacked X-Linear layers
+(:class:`~captioner.models.attention.xlinear.XLinearLayer`, Eq. 7–8; paper: 4 "+ELU" layers) starting from the
 masked mean ``v̂^(0) = v̄`` with ``K^(0) = V^(0) = V``.  Outputs: the attended image-level vectors
 ``v̂^(1) … v̂^(1+M)`` and the enhanced regions ``V^(1+M)``.
 
-Decoder, per step ``t`` (input word ``w_t``, BOS first; ``c_{−1} = 0`` (SPEC §4.6 [REC]), ``h_{−1} = m_{−1} = 0``):
+Decoder, per step ``t`` (input word ``w_t``, BOS first; ``c_{−1} = 0``, ``h_{−1} = m_{−1} = 0``:
+docs/decisions.md#initial-decoder-states):
 
-* ``ṽ = LN(W_G [v̂^(0); v̂^(1); …; v̂^(1+M)])``   global image feature, computed once     (P3 Eq. 10; LN [REF-CODE])
-* ``h_t, m_t = LSTM([E w_t; ṽ; c_{t−1}], (h_{t−1}, m_{t−1}))``                            (P3 §3.3.3, decision #24)
-* ``v̂_d = F_X-Linear(V^(1+M), V^(1+M), h_t)``                       one "+ELU" block      (P3 Eq. 2–6)
-* ``c_t = GLU(W_c [v̂_d; h_t] + b_c)``                                                       (P3 §3.3.3)
+* ``ṽ = LN(W_G [v̂^(0); v̂^(1); …; v̂^(1+M)])``   global image feature, computed once     (Eq. 10; LN: authors' code)
+* ``h_t, m_t = LSTM([E w_t; ṽ; c_{t−1}], (h_{t−1}, m_{t−1}))``  (§3.3.3; docs/decisions.md#x-lan-lstm-input)
+* ``v̂_d = F_X-Linear(V^(1+M), V^(1+M), h_t)``                       one "+ELU" block      (Eq. 2–6)
+* ``c_t = GLU(W_c [v̂_d; h_t] + b_c)``                                                       (§3.3.3)
 * ``p(w_{t+1} | ·) = softmax(W_p c_t)``
 
 ``lstm_input="sum"`` feeds ``[E w_t; ṽ + c_{t−1}]`` as the authors' code does (needs ``dim == hidden_dim``).  The
 code's extra ``LN(Linear[h_t; v̂_d])`` between the block and the GLU is not in the paper and is left out.  The word
-embedding is ``Dropout(CELU(E w_t))`` [REF-CODE].
+embedding is ``Dropout(CELU(E w_t))`` as in the authors' code.
 
-Attention export (SPEC §8.2, decision #40): ``primary`` is the decoder block's spatial attention ``β^s`` at step
-``t`` — the one that fed ``c_t`` and hence the word predicted from it — **averaged over the heads**; padded items
-are exactly zero and every row sums to 1.  Extras: ``heads`` (the per-head ``β^s``, ``[B', H, N]``) and
-``channel_attn`` (``β^c``, ``[B', D_B]``; channel attention, not drawable as a heatmap).
+Attention export (docs/decisions.md#exported-attention-of-multi-head-models): ``primary`` is the decoder block's
+spatial attention ``β^s`` at step ``t`` — the one that fed ``c_t`` and hence the word predicted from it — **averaged
+over the heads**; padded items are exactly zero and every row sums to 1.  Extras: ``heads`` (the per-head
+``β^s``, ``[B', H, N]``) and ``channel_attn`` (``β^c``, ``[B', D_B]``; channel attention, not drawable as a heatmap).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ LSTM_INPUTS = ("concat", "sum")
 
 @register("xlan")
 class XLAN(Captioner):
-    """Defaults are the paper's sizes (P3 §4.1): ``D_v = D_B = 1024``, ``D_c = 512``, LSTM 1024, 4 encoder layers,
-    8 heads (decision #21) and the [REF-CODE] word embedding of 1024."""
+    """Defaults are the paper's sizes (X-LAN §4.1): ``D_v = D_B = 1024``, ``D_c = 512``, LSTM 1024, 4 encoder layers,
+    8 heads (docs/decisions.md#x-lan-heads) and the authors' code's word embedding of 1024."""
 
     attention_kind = "xlinear_spatial_attention"
 
@@ -51,7 +52,8 @@ class XLAN(Captioner):
                  embed_dim: int = 1024, channel_dim: int = 512, heads: int = 8, encoder_layers: int = 4,
                  activation: str = "celu", celu_alpha: float = 1.3, group_norm: bool = False,
                  shared_kv_update: bool = True, lstm_input: str = "concat", dropout: float = 0.5,
-                 attention_dropout: float = 0.1, update_dropout: float = 0.3, **ids: int):
+                 attention_dropout: float = 0.1, update_dropout: float = 0.3, block_projection: bool = False,
+                 **ids: int):
         super().__init__(vocab_size, feat_dim, **ids)
         if lstm_input not in LSTM_INPUTS:
             raise ValueError(f"lstm_input must be one of {LSTM_INPUTS}, got {lstm_input!r}")
@@ -62,9 +64,11 @@ class XLAN(Captioner):
                             celu_alpha=celu_alpha, group_norm=group_norm, shared_kv_update=shared_kv_update,
                             lstm_input=lstm_input, dropout=dropout, attention_dropout=attention_dropout,
                             update_dropout=update_dropout)
+        if block_projection:  # recorded only when set, so that earlier checkpoints' configs stay unchanged
+            self.hparams["block_projection"] = True
         self.lstm_input = lstm_input
         xlinear = dict(activation=activation, celu_alpha=celu_alpha, group_norm=group_norm)
-        # -- encoder (P3 §3.3.2) -------------------------------------------------------------------------------
+        # -- encoder (X-LAN §3.3.2) ----------------------------------------------------------------------------
         self.embed_items = nn.Sequential(nn.Linear(feat_dim, dim), embedding_activation(activation, celu_alpha),
                                          nn.Dropout(dropout))
         # K^(1+M) would feed nothing (the decoder attends over V^(1+M)), so the last layer has no key update W^k
@@ -74,16 +78,20 @@ class XLAN(Captioner):
                          **xlinear)
             for i in range(encoder_layers))
         self.global_embed = nn.Sequential(nn.Linear((encoder_layers + 1) * dim, dim), nn.LayerNorm(dim))  # W_G
-        # -- decoder (P3 §3.3.3) -------------------------------------------------------------------------------
+        # -- decoder (X-LAN §3.3.3) ----------------------------------------------------------------------------
         self.embed_words = nn.Sequential(nn.Embedding(vocab_size, embed_dim, padding_idx=self.pad_id),
                                          embedding_activation(activation, celu_alpha), nn.Dropout(dropout))
         visual_input = dim + hidden_dim if lstm_input == "concat" else dim  # [ṽ; c_{t−1}] or ṽ + c_{t−1}
         self.lstm = nn.LSTMCell(embed_dim + visual_input, hidden_dim)
         self.attention = XLinearAttention(hidden_dim, dim, dim, bilinear_dim=dim, channel_dim=channel_dim,
                                           heads=heads, dropout=attention_dropout, **xlinear)  # queried by h_t
+        # block_projection: the authors' code's v̂_d ← LN(W [h_t; v̂_d]) between the block and the GLU (not in the
+        # paper; docs/decisions.md#aoanet-reference-compatibility-flags)
+        self.block_projection = (nn.Sequential(nn.Linear(hidden_dim + dim, dim), nn.LayerNorm(dim))
+                                 if block_projection else None)
         self.context_gate = nn.Linear(dim + hidden_dim, 2 * hidden_dim)  # W_c, b_c; GLU halves it to c_t
         self.logit = nn.Linear(hidden_dim, vocab_size)  # W_p
-        self.drop = nn.Dropout(dropout)  # c_{t−1} fed back, the block output v̂_d, c_t before W_p [REF-CODE]
+        self.drop = nn.Dropout(dropout)  # c_{t−1} fed back, the block output v̂_d, c_t before W_p (authors' code)
 
     def config(self) -> dict[str, Any]:
         return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
@@ -113,7 +121,10 @@ class XLAN(Captioner):
                   else enc["global"] + previous_context)
         h, m = self.lstm(torch.cat([self.embed_words(prev_tokens), visual], 1), (state["h"], state["m"]))
         block = self.attention.attend(h, enc["keys"], enc["values"], enc["mask"])  # v̂_d, queried by h_t
-        context = F.glu(self.context_gate(torch.cat([self.drop(block.attended), h], 1)), dim=-1)  # c_t
+        attended = self.drop(block.attended)
+        if self.block_projection is not None:
+            attended = self.block_projection(torch.cat([h, attended], 1))
+        context = F.glu(self.context_gate(torch.cat([attended, h], 1)), dim=-1)  # c_t
         logprobs = F.log_softmax(self.logit(self.drop(context)), dim=-1)
         record = AttnRecord(block.spatial.mean(1), {"heads": block.spatial, "channel_attn": block.channel})
         return logprobs, {"h": h, "m": m, "context": context}, record

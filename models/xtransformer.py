@@ -1,14 +1,16 @@
-"""X-Transformer (Pan et al., CVPR 2020 — P3 §4.2, "plugging X-Linear attention blocks into Transformer"; SPEC §4.7).
+"""X-Transformer (X-LAN paper: Pan et al., CVPR 2020, arXiv:2003.14080 — §4.2, "plugging X-Linear attention
+blocks into Transformer").
 
-The paper gives no architecture for X-Transformer, so this follows the authors' code [REF-CODE] (decision #27),
-with every attention an X-Linear block (:class:`~models.attention.xlinear.XLinearAttention`, P3 Eq. 2–6, CELU
-"+ELU" embeddings, decision #22).  Defaults are the reference sizes of SPEC §4.7: width 768, 8 heads,
+The paper gives no architecture for X-Transformer, so this follows the authors' code
+(docs/decisions.md#x-transformer-architecture), with every attention an X-Linear block
+(:class:`~captioner.models.attention.xlinear.XLinearAttention`, X-LAN Eq. 2–6, CELU "+ELU" embeddings:
+docs/decisions.md#x-lan-activation).  Defaults are the sizes of the authors' code: width 768, 8 heads,
 ``D_c = 384`` (48 per head), 6 + 6 layers, FFN 4 × 768.
 
-Encoder.  ``x_i = Dropout(LN(CELU(W_r r_i + b_r)))``; ``g^(0)`` = masked mean of ``x``; layer ``l`` is X-LAN's
-encoder layer (P3 Eq. 7–8, keys = values, decision #23) followed by a position-wise FFN on the regions:
-``g^(l) = F_X-Linear(X, X, g^(l−1))``, ``x_i ← LN(ReLU(W [g^(l); x_i]) + x_i)``, ``x_i ← FFN(x_i)``.  The image
-vector is ``g = LN(W_G [g^(0); …; g^(L)])``.
+Encoder.  ``x_i = Dropout(LN(CELU(W_r r_i + b_r)))``; ``g^(0)`` = masked mean of ``x``; layer ``l`` is X-LAN's encoder
+layer (X-LAN Eq. 7–8, keys = values: docs/decisions.md#x-lan-key-and-value-update) followed by a position-wise FFN on
+the regions: ``g^(l) = F_X-Linear(X, X, g^(l−1))``, ``x_i ← LN(ReLU(W [g^(l); x_i]) + x_i)``, ``x_i ← FFN(x_i)``.  The
+image vector is ``g = LN(W_G [g^(0); …; g^(L)])``.
 
 Decoder, for caption position ``t`` (input word ``w_t``, BOS first):
 
@@ -26,10 +28,11 @@ state holds, per decoder layer, the X-Linear key/value embeddings of the word st
 ``word_values{i}`` ``[B', t, D]``, growing on dim 1) and the running sum of ``x_j`` (``word_sum``), so beam
 reordering is the generic row selection of the protocol.
 
-Attention export (SPEC §4.7 [REC], §8.2, decision #40): ``primary`` is the **last** decoder layer's cross-attention
-``β^s`` over the visual items at step ``t``, **averaged over the heads**; padded items are exactly zero and every
-row sums to 1.  Extras: ``heads`` (that layer's per-head ``β^s``, ``[B', H, N]``), ``layer{i}`` (layer ``i``'s
-head-averaged cross-attention, ``i = 1..L``) and ``channel_attn`` (the last layer's ``β^c``, ``[B', D]``).
+Attention export (docs/decisions.md#exported-attention-of-multi-head-models): ``primary`` is the **last** decoder
+layer's cross-attention ``β^s`` over the visual items at step ``t``, **averaged over the heads**; padded items are
+exactly zero and every row sums to 1.  Extras: ``heads`` (that layer's per-head ``β^s``, ``[B', H, N]``), ``layer{i}``
+(layer ``i``'s head-averaged cross-attention, ``i = 1..L``) and ``channel_attn`` (the last layer's ``β^c``,
+``[B', D]``).
 """
 
 from __future__ import annotations
@@ -63,8 +66,8 @@ class FeedForwardBlock(nn.Module):
 
 class XTransformerDecoderLayer(nn.Module):
     """Masked word X-Linear attention, cross X-Linear attention over the regions and, unless ``last``, the update
-    of the word states for the next layer [REF-CODE].  The last layer's word states would feed nothing, so it has
-    no update or FFN."""
+    of the word states for the next layer (the authors' code).  The last layer's word states would feed nothing, so
+    it has no update or FFN."""
 
     def __init__(self, dim: int, channel_dim: int, heads: int, ffn_dim: int, last: bool, *, dropout: float,
                  attention_dropout: float, update_dropout: float, **xlinear: Any):
@@ -95,7 +98,7 @@ class XTransformerDecoderLayer(nn.Module):
 
 @register("xtransformer")
 class XTransformer(Captioner):
-    """Defaults are the authors' reference sizes (SPEC §4.7): width 768, 8 heads, ``D_c = 384``, 6 + 6 layers,
+    """Defaults are the sizes of the authors' code: width 768, 8 heads, ``D_c = 384``, 6 + 6 layers,
     FFN 3072, dropout 0.5 (0.1 on the word embedding and inside the blocks, 0.3 in the item updates)."""
 
     attention_kind = "xlinear_spatial_attention"

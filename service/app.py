@@ -1,5 +1,5 @@
 """App factory: ``create_app(settings)`` loads checkpoints in the lifespan handler and wires the layers
-routes → batcher → runtime → model.
+routes → use case (captioning) → batcher → runtime → model.
 
 Start-up: set thread counts, load every checkpoint (PyTorch or ONNX Runtime per model), start one batcher per
 model, warm it up over the encoder batch sizes it will use, then report ready.  With
@@ -25,13 +25,18 @@ from PIL import Image
 from captioner.models.device import set_threads
 
 from .batcher import Batcher
+from .lifecycle import DrainMiddleware, ShutdownGate
+from .memory import configure_allocator, release_memory
 from .middleware import RequestContextMiddleware
-from .overlay import ResultStore
 from .overlay import router as overlay_router
 from .problems import install_problem_handlers
-from .routes import ServiceState, router
+from .results import ResultStore
+from .routes import router
 from .runtime import load_runtimes
+from .openapi import install_openapi
+from .security import install_security
 from .settings import Settings
+from .state import ServiceState
 
 log = logging.getLogger("captioner.app")
 STATIC = Path(__file__).parent / "static"
@@ -78,7 +83,7 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     elif settings.default_model not in runtimes:
         fallback = sorted(runtimes)[0]
         log.warning("default model %r not found; using %r", settings.default_model, fallback)
-        settings.default_model = fallback
+        state.default_model = fallback
     state.runtimes = runtimes
     for name, runtime in runtimes.items():
         batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics)
@@ -86,6 +91,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         if settings.warmup:
             await warm_up(batcher, settings)
         state.batchers[name] = batcher
+    if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
+        log.info("resident set after warm-up: %.0f MiB", await asyncio.to_thread(release_memory) / 2**20)
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")
@@ -93,6 +100,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
+    if settings.release_memory:
+        configure_allocator()  # before the batchers' threads exist: arenas are created per thread
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,11 +124,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan,
                   description="Captions with per-word attention heatmaps from published attention captioners.")
     app.state.service = ServiceState(settings=settings)
-    app.state.results = ResultStore(settings.results_cache_bytes)
+    app.state.results = ResultStore(settings.results_cache_bytes, settings.results_max_count,
+                                    settings.results_max_age_s)
     install_problem_handlers(app, on_problem=lambda request, status, kind: app.state.service.metrics.rejected(kind))
+    # graceful shutdown (lifecycle.py): SIGTERM flips /readyz and new requests to 503 before anything else stops;
+    # added before RequestContextMiddleware so that the access log still records the 503s
+    app.state.shutdown_gate = ShutdownGate(on_drain=lambda: app.state.service.metrics.ready.set(0),
+                                           on_reject=lambda: app.state.service.metrics.rejected("not-ready"))
+    app.add_middleware(DrainMiddleware, gate=app.state.shutdown_gate)
+    # API keys, CORS and security headers (security.py), inside the request-id middleware so 401s are logged
+    install_security(app, settings.api_keys, settings.cors_origins)
     app.add_middleware(RequestContextMiddleware)
     app.include_router(router)
     app.include_router(overlay_router)
+    install_openapi(app)  # every error documented as a problem document (openapi.py)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)

@@ -8,7 +8,7 @@ At every step boundary the worker
 2. admits waiting requests, first come first served, while their rows fit under ``max_rows``, encoding up to
    ``max_batch_images`` images in one batch, and appends their (request, beam) rows to a row table;
 3. runs one decoding step over every row of every table, then one top-k per beam group
-   (:func:`models.decoding.beam_step`, the function :func:`models.decoding.beam_search` uses);
+   (:func:`captioner.models.decoding.beam_step`, the function :func:`captioner.models.decoding.beam_search` uses);
 4. hands finished requests their result (one backtrack and one device→host copy per table for all requests that
    finished at this step) and removes their rows.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -36,16 +37,26 @@ from typing import Any
 import torch
 
 from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, record_step
+from captioner.models.inference import CaptionResult, Prepared, Runtime
 from captioner.models.protocol import index_rows
 
 from .metrics import Metrics
-from .runtime import CaptionResult, ModelRuntime, Prepared
 
 log = logging.getLogger("captioner.batcher")
 
 
 class QueueFull(RuntimeError):
-    """Too many requests are waiting for this model; the client should retry later."""
+    """Too many requests are waiting for this model; the client should retry later (``retry_after_s``: a
+    suggested wait in seconds, or None for the service default)."""
+
+    def __init__(self, detail: str, retry_after_s: float | None = None):
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
+
+
+class WouldMissDeadline(QueueFull):
+    """Admission control: at the measured service rate the request would not be finished before its deadline, so
+    it is refused now (429 + Retry-After) instead of being admitted to fail later with a 504."""
 
 
 class NotAccepting(RuntimeError):
@@ -63,10 +74,11 @@ class Job:
     prepared: Prepared
     beam_size: int
     max_len: int
-    deadline: float  # time.monotonic() value
+    deadline: float  # value of the batcher's clock (time.monotonic unless a test injects one)
     loop: asyncio.AbstractEventLoop = field(repr=False)
     future: asyncio.Future = field(repr=False)
     enqueued: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # clock value when its rows joined a table
     cancelled: bool = False  # set from the event loop; read by the worker at step boundaries
     cancel_reason: str = "cancelled"  # label of the freed rows: "cancelled" (client gone) or "deadline"
     steps: int = 0
@@ -142,7 +154,7 @@ class RowTable:
         self.jobs += jobs
         self.layout = BeamLayout([j.beam_size for j in self.jobs], device)
 
-    def remove(self, leaving: set[Job]) -> None:
+    def remove(self, leaving: set[Job], runtime: Runtime) -> None:
         """Drop the rows of ``leaving`` jobs; the others keep their order."""
         keep_rows: list[int] = []
         for job, offset, size in zip(self.jobs, self.layout.offsets, self.layout.sizes):
@@ -154,7 +166,9 @@ class RowTable:
         device = self._device
         keep = torch.tensor(keep_rows, dtype=torch.long, device=device)
         self.parent_map = keep if self.parent_map is None else self.parent_map.index_select(0, keep)
-        self.enc, self.state = index_rows(self.enc, keep), index_rows(self.state, keep)
+        # decoder state through the runtime's reorder hook (the model's, or the exported graphs' row selection);
+        # encoder state never follows beams, so it has no hook: the protocol's row primitive selects it
+        self.enc, self.state = index_rows(self.enc, keep), runtime.reorder(self.state, keep)
         self.prev, self.scores = self.prev.index_select(0, keep), self.scores.index_select(0, keep)
         self.finished = self.finished.index_select(0, keep)
         self.layout = BeamLayout([j.beam_size for j in self.jobs], device)
@@ -164,20 +178,20 @@ class RowTable:
             del self.records[:oldest - self.records_base]
             self.records_base = oldest
 
-    def step(self, runtime: ModelRuntime) -> list[bool]:
+    def step(self, runtime: Runtime) -> list[bool]:
         """One decoding step over every row; returns, per job, whether all its beams have emitted EOS."""
         logprobs, state, attn = runtime.step(self.prev, self.state, self.enc)
         step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id, runtime.never_emitted)
         parent = step.pointer if self.parent_map is None else self.parent_map.index_select(0, step.pointer)
         self.records.append(record_step(step, attn, parent))
         self.parent_map = None
-        self.state = index_rows(state, step.pointer)
+        self.state = runtime.reorder(state, step.pointer)
         self.scores, self.finished, self.prev = step.scores, step.finished, step.tokens
         for job in self.jobs:
             job.steps += 1
         return self.layout.groups_done(self.finished).tolist()  # the one host synchronisation of the step
 
-    def finish(self, jobs: list[Job], runtime: ModelRuntime) -> list[CaptionResult]:
+    def finish(self, jobs: list[Job], runtime: Runtime) -> list[CaptionResult]:
         """The best hypothesis of each of ``jobs`` (their rows must still be in the table).
 
         One backtrack over the rows of all of them and one device→host copy, however many finish at this step:
@@ -200,16 +214,39 @@ class RowTable:
         return results
 
 
-class Batcher:
-    """Continuous-batching beam search for one model (see the module docstring)."""
+#: weight of the newest sample in the moving averages of the service rate (admission control)
+RATE_SMOOTHING = 0.2
 
-    def __init__(self, runtime: ModelRuntime, max_batch: int = 16, queue_size: int = 64, max_rows: int = 256,
-                 metrics: Metrics | None = None):
+
+class Batcher:
+    """Continuous-batching beam search for one model (see the module docstring).
+
+    Two measurements steer it:
+
+    * ``encode_batch``: images are encoded in chunks of this size (at most ``max_batch`` are admitted per step
+      boundary).  It starts at ``max_batch``; :meth:`warm_up` times the encoder at each size and keeps the one
+      with the lowest time per image, because a bigger batch is not always cheaper per image (on a CPU, the early
+      activation maps of a large batch leave the cache: benchmarks/bench_encoder.py).
+    * deadline-aware admission: moving averages of the worker time spent per finished request
+      (``service_time_s``, the inverse of the throughput) and of a request's time from admission to its result
+      (``decode_time_s``).  A new request whose expected finish — ``queued × service_time_s + decode_time_s`` —
+      lies beyond its deadline is refused at once with :class:`WouldMissDeadline`, so that the requests that are
+      admitted meet theirs.  Until the first measurement every request is admitted.
+    """
+
+    def __init__(self, runtime: Runtime, max_batch: int = 16, queue_size: int = 64, max_rows: int = 256,
+                 metrics: Metrics | None = None, clock=time.monotonic):
         if max_rows < 1 or max_batch < 1 or queue_size < 1:
             raise ValueError("max_rows, max_batch and queue_size must be positive")
         self.runtime = runtime
         self.max_batch, self.queue_size, self.max_rows = max_batch, queue_size, max_rows
         self.metrics = metrics or Metrics()
+        self.clock = clock
+        self.encode_batch = max_batch
+        self.service_time_s: float | None = None
+        self.decode_time_s: float | None = None
+        self._busy_s = 0.0  # worker time since the last request finished
+        self._encode_timings: dict[int, float] | None = None  # per-image encode seconds by batch size (warm-up)
         self._pending: deque[Job] = deque()
         self._tables: list[RowTable] = []
         self._wake = threading.Condition()
@@ -246,7 +283,7 @@ class Batcher:
         return len(self._pending)
 
     def submit(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float) -> Job:
-        """Queue a request; await ``job.future`` for its :class:`~service.runtime.CaptionResult`.
+        """Queue a request; await ``job.future`` for its :class:`~captioner.models.inference.CaptionResult`.
 
         Raises :class:`QueueFull` when ``queue_size`` requests are already waiting, :class:`NotAccepting` while
         stopping, and ``ValueError`` for a beam wider than the row budget.
@@ -256,13 +293,27 @@ class Batcher:
         if beam_size > self.max_rows:
             raise ValueError(f"beam_size {beam_size} is above the row budget of {self.max_rows}")
         loop = asyncio.get_running_loop()
-        job = Job(prepared, beam_size, max_len, time.monotonic() + timeout_s, loop, loop.create_future())
+        now = self.clock()
+        job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now)
         with self._wake:
             if len(self._pending) >= self.queue_size:
                 raise QueueFull(f"model {self.runtime.name!r} has {len(self._pending)} requests waiting")
+            expected = self.expected_wait_s(len(self._pending))
+            if expected is not None and expected > timeout_s:
+                raise WouldMissDeadline(
+                    f"model {self.runtime.name!r} would need about {expected:.2f} s for this request "
+                    f"({len(self._pending)} waiting), more than the {timeout_s:.2f} s left to its deadline",
+                    retry_after_s=max(1.0, math.ceil(expected - (self.decode_time_s or 0.0))))
             self._pending.append(job)
             self._wake.notify()
         return job
+
+    def expected_wait_s(self, queued: int) -> float | None:
+        """Expected seconds from now until a request queued behind ``queued`` others has its result, at the
+        measured rates (None before the first measurement)."""
+        if self.service_time_s is None or self.decode_time_s is None:
+            return None
+        return queued * self.service_time_s + self.decode_time_s
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """The client is gone (or its deadline passed): free the job's rows at the next step boundary."""
@@ -286,11 +337,28 @@ class Batcher:
     async def warm_up(self, prepared: Prepared, beam_size: int, batch_sizes: list[int], max_len: int = 2,
                       timeout_s: float = 600.0) -> None:
         """Run ``max_len`` steps for each encoder batch size: the requests of one size are queued together (the
-        worker cannot take any of them before the last is queued), so each size is encoded as one batch."""
-        for size in batch_sizes:
-            with self._wake:
-                jobs = [self.submit(prepared, beam_size, max_len, timeout_s) for _ in range(size)]
-            await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), timeout_s)
+        worker cannot take any of them before the last is queued), so each size is encoded as one batch.  Each
+        size runs twice, and the second encoding is timed: ``encode_batch`` becomes the size with the lowest
+        time per image (first-use costs are paid by the first round)."""
+        saved = self.service_time_s, self.decode_time_s
+        self.service_time_s = self.decode_time_s = None  # warm-up requests are never refused
+        self.encode_batch = max(batch_sizes, default=self.max_batch)
+        try:
+            for measured in (False, True):
+                self._encode_timings = {} if measured else None
+                for size in batch_sizes:
+                    with self._wake:
+                        jobs = [self.submit(prepared, beam_size, max_len, timeout_s) for _ in range(size)]
+                    await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), timeout_s)
+            timings, self._encode_timings = self._encode_timings or {}, None
+        finally:
+            self._encode_timings = None
+        if timings:
+            self.encode_batch = min(timings, key=lambda size: (timings[size], -size))
+            log.info("%s: encoder batch %d (ms per image by batch size: %s)", self.runtime.name, self.encode_batch,
+                     ", ".join(f"{size}: {seconds * 1000:.1f}" for size, seconds in sorted(timings.items())))
+        if self.service_time_s is None:
+            self.service_time_s, self.decode_time_s = saved
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Graceful shutdown: take no new requests, finish the queued and running ones (up to ``timeout_s``),
@@ -326,7 +394,7 @@ class Batcher:
             self._fail_everything(NotAccepting("the service is shutting down"))
 
     def _iteration(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._expire_pending(now)
         self._drop_leavers(now)  # rows of cancelled or expired jobs never take part in another step
         self._admit()
@@ -336,6 +404,7 @@ class Batcher:
             done = [table.step(self.runtime) for table in self._tables]
             self.steps += 1
             self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
+            finished_now: list[Job] = []
             for table, flags in zip(self._tables, done):
                 finished = [job for job, all_eos in zip(table.jobs, flags)
                             if not job.cancelled and (all_eos or job.steps >= job.max_len)]
@@ -350,13 +419,31 @@ class Batcher:
                 else:
                     for job, result in zip(finished, results):
                         job.resolve(result)
+                    finished_now += finished
                 self.metrics.rows_freed(self.runtime.name, "finished", sum(j.beam_size for j in finished))
-                table.remove(set(finished))
+                table.remove(set(finished), self.runtime)
             self._tables = [t for t in self._tables if t.jobs]
+            self._measure_rates(now, finished_now)
         # cancellations and deadlines that arrived during the step free their rows now, not one step later
-        self._drop_leavers(time.monotonic())
+        self._drop_leavers(self.clock())
         self.active_rows = sum(t.rows for t in self._tables)
         self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
+
+    def _measure_rates(self, started: float, finished: list[Job]) -> None:
+        """Update the moving averages that admission control uses (see the class docstring)."""
+        end = self.clock()
+        self._busy_s += end - started
+        if not finished:
+            return
+        per_request = self._busy_s / len(finished)
+        self._busy_s = 0.0
+        decode = sum(end - (job.admitted if job.admitted is not None else job.enqueued) for job in finished) / len(finished)
+
+        def smooth(old: float | None, new: float) -> float:
+            return new if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
+
+        self.service_time_s = smooth(self.service_time_s, per_request)
+        self.decode_time_s = smooth(self.decode_time_s, decode)
 
     def _drop_leavers(self, now: float) -> None:
         """Remove the rows of jobs whose client is gone or whose deadline has passed (no device work)."""
@@ -371,7 +458,7 @@ class Batcher:
                     self.metrics.rows_freed(self.runtime.name, "deadline", job.beam_size)
                     job.resolve(error=DeadlineExceeded("the deadline passed while decoding"))
             if leaving:
-                table.remove(leaving)
+                table.remove(leaving, self.runtime)
         self._tables = [t for t in self._tables if t.jobs]
         self.active_rows = sum(t.rows for t in self._tables)
 
@@ -397,25 +484,34 @@ class Batcher:
                 admitted.append(job)
         if not admitted:
             return
-        now = time.monotonic()
+        now = self.clock()
         for job in admitted:
             self.metrics.observe_queue(self.runtime.name, now - job.enqueued)
-        self.metrics.observe_encode(self.runtime.name, len(admitted))
+            job.admitted = now
+        # encoded in chunks of the measured best size (all of them join the decoding table at this boundary)
+        for start in range(0, len(admitted), self.encode_batch):
+            self._encode(admitted[start:start + self.encode_batch])
+        self.active_rows = sum(t.rows for t in self._tables)
+
+    def _encode(self, jobs: list[Job]) -> None:
+        self.metrics.observe_encode(self.runtime.name, len(jobs))
+        started = time.perf_counter()
         try:
-            enc, state = self.runtime.begin([j.prepared for j in admitted], [j.beam_size for j in admitted])
+            enc, state = self.runtime.begin([j.prepared for j in jobs], [j.beam_size for j in jobs])
         except Exception as exc:
             log.exception("%s: encoding failed", self.runtime.name)
-            for job in admitted:
+            for job in jobs:
                 job.resolve(error=exc)
             return
+        if self._encode_timings is not None:
+            self._encode_timings[len(jobs)] = (time.perf_counter() - started) / len(jobs)
         signature = RowTable.signature(enc, state)
         for table in self._tables:
             if table.current_signature() == signature:
-                table.add(admitted, enc, state, self.runtime.bos_id)
+                table.add(jobs, enc, state, self.runtime.bos_id)
                 break
         else:
-            self._tables.append(RowTable(admitted, enc, state, self.runtime.bos_id))
-        self.active_rows = sum(t.rows for t in self._tables)
+            self._tables.append(RowTable(jobs, enc, state, self.runtime.bos_id))
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._wake:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from captioner.models.cli.commands import add_commands
 
@@ -11,6 +12,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from .app import create_app
+    from .lifecycle import DrainingServer
     from .middleware import configure_logging
     from .settings import Settings
 
@@ -21,8 +23,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     configure_logging(settings.log_format, settings.log_level)
     app = create_app(settings)
     # the app writes its own structured access log (with request ids); uvicorn's would duplicate it
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                timeout_graceful_shutdown=settings.drain_timeout_s + 5)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, timeout_graceful_shutdown=settings.drain_timeout_s + 5)
+    # SIGTERM: readiness and new requests 503 at once, admitted requests finish, exit 0 (lifecycle.py)
+    server = DrainingServer(config, app.state.shutdown_gate, settings.drain_timeout_s)
+    server.run()
+    if not server.started:
+        sys.exit(3)  # what uvicorn.run does when start-up fails (e.g. the port is taken)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,9 @@
-"""RFC 9457 problem details: every error leaves the service as ``application/problem+json``."""
+"""RFC 9457 problem details: every error leaves the service as ``application/problem+json``.
+
+Routes and use cases raise typed failures and never build problems themselves: :func:`problem_of` turns one into
+its problem (status and type from :data:`~captioner.service.errors.PROBLEM_TYPES`, ``Retry-After`` and per-field
+``errors`` from the exception), and :func:`install_problem_handlers` answers every error that way.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import PROBLEM_TYPES, problem_type
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -25,6 +32,15 @@ class Problem(Exception):
         self.kind = kind or HTTPStatus(status).phrase.lower().replace(" ", "-")
         self.headers = headers or {}
         self.extra = extra
+
+
+def problem_of(exc: Exception) -> Problem:
+    """The problem a typed failure answers with (see :data:`PROBLEM_TYPES`)."""
+    status, kind = problem_type(exc)
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    errors = getattr(exc, "errors", None)
+    return Problem(status, str(exc), kind=kind, headers=headers, **({"errors": errors} if errors else {}))
 
 
 def problem_response(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
@@ -47,6 +63,14 @@ def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, s
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
         return answer(request, exc.status, exc.detail, exc.title, exc.kind, exc.headers, **exc.extra)
+
+    async def _typed(request: Request, exc: Exception) -> JSONResponse:
+        problem = problem_of(exc)
+        return answer(request, problem.status, problem.detail, problem.title, problem.kind, problem.headers,
+                      **problem.extra)
+
+    for failure in PROBLEM_TYPES:
+        app.add_exception_handler(failure, _typed)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

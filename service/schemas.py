@@ -1,36 +1,126 @@
-"""Response models (they document the API in /docs; SPEC §8.5 export format)."""
+"""The wire format: every request body and response of the API, as pydantic models that document it in
+``/docs`` and serialise the domain objects (:class:`~captioner.models.inference.CaptionResult`,
+:class:`~captioner.models.protocol.Geometry`, :class:`~captioner.models.inference.ModelInfo`) in this one place,
+rounding included.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import PurePath
 from typing import Any
 
+import torch
 from pydantic import BaseModel, Field
 
+from captioner.models.inference import CaptionResult, ModelInfo
+from captioner.models.protocol import Geometry
 
+# 6 decimals keep attention rows summing to 1 within 1e-5 while exact zeros (sparsemax, TVmax) stay exactly 0.0
+ATTENTION_DECIMALS = 6
+LOGPROB_DECIMALS = 5
+
+
+def _rows(values: torch.Tensor) -> list:
+    return torch.round(values.float(), decimals=ATTENTION_DECIMALS).tolist()
+
+
+# -- requests -------------------------------------------------------------------------------------------------------
+class CaptionOptions(BaseModel):
+    """How to caption: the same three options as query parameters, multipart form fields or JSON fields."""
+
+    model: str | None = Field(None, description="model name (GET /models); default: the service default")
+    beam_size: int | None = Field(None, ge=1, description="beam width")
+    max_len: int | None = Field(None, ge=1, description="maximum caption length in tokens")
+
+
+CAPTION_OPTIONS = tuple(CaptionOptions.model_fields)
+
+
+class CaptionJSON(CaptionOptions):
+    """JSON alternative to the multipart upload, for clients that cannot send multipart; its options override
+    the query parameters."""
+
+    image: str = Field(description="the image file, base64-encoded (a data: URL is accepted too)")
+
+
+class CaptionForm(CaptionOptions):
+    """The multipart/form-data body: the image as the ``file`` part, options as form fields (given both here and as
+    query parameters, they must agree).  Any other part is refused."""
+
+    file: bytes = Field(json_schema_extra={"format": "binary"},
+                        description="image file: JPEG, PNG, WebP, GIF (first frame), BMP or TIFF")
+
+
+def _form_schema() -> dict:
+    schema = CaptionForm.model_json_schema()
+    schema["properties"]["file"] = {"type": "string", "format": "binary",
+                                    "description": CaptionForm.model_fields["file"].description}
+    schema["additionalProperties"] = False
+    return schema
+
+
+#: the request body of the caption endpoints in OpenAPI (the routes read it themselves, see ``inputs.py``)
+CAPTION_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {"schema": _form_schema()},
+            "application/json": {"schema": CaptionJSON.model_json_schema()},
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+CAPTION_PROBLEMS = {413: {"description": "upload or image too large"}, 422: {"description": "bad input"},
+                    429: {"description": "queue full (Retry-After)"}, 503: {"description": "not ready (Retry-After)"},
+                    504: {"description": "deadline passed"}}
+
+
+# -- responses ------------------------------------------------------------------------------------------------------
 class GeometryOut(BaseModel):
     kind: str = Field(description="grid or regions")
     image_size: list[int] = Field(description="(width, height) of the uploaded image after EXIF orientation")
     grid_hw: list[int] | None = Field(description="(rows, cols) of the grid; item i is row-major cell i")
     boxes: list[list[float]] = Field(description="x1, y1, x2, y2 of each visual item in original-image pixels")
 
+    @classmethod
+    def of(cls, geometry: Geometry) -> "GeometryOut":
+        # Geometry.to_json is the one rounding of boxes (2 decimals), shared with the CLI's JSON output
+        return cls.model_validate(geometry.to_json())
+
 
 class CaptionOut(BaseModel):
     id: str | None = Field(None, description="result id, reusable with the overlay endpoints")
     model: str
-    checkpoint: str
+    checkpoint: str = Field(description="checkpoint folder name (never a server path)")
     beam_size: int
     caption: str
     tokens: list[str] = Field(description="emitted words; the last is <eos> when the caption ended normally")
     is_eos: list[bool] = Field(description="flags the <eos> row of the attention")
-    token_logprobs: list[float]
+    token_logprobs: list[float] = Field(description=f"log-probability of each token ({LOGPROB_DECIMALS} decimals)")
     score: float = Field(description="summed log-probability of the caption (the beam score)")
     geometry: GeometryOut
-    attention: list[list[float]] = Field(description="one row per token: weights over the visual items")
+    attention: list[list[float]] = Field(
+        description=f"one row per token: weights over the visual items ({ATTENTION_DECIMALS} decimals)")
     attention_kind: str
     extras: dict[str, Any] = Field(default_factory=dict, description="model-specific maps, one row per token")
     area_boxes: list[list[int]] | None = Field(
         None, description="area-attention models: the grid-cell box (r1, c1, r2, c2, inclusive) of every column of "
                           "extras.areas, for drawing the top-k areas")
+
+    @classmethod
+    def of(cls, result: CaptionResult, result_id: str | None = None) -> "CaptionOut":
+        hyp = result.hypothesis
+        return cls(
+            id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
+            caption=" ".join(result.words), tokens=result.tokens, is_eos=hyp.is_eos,
+            token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
+            score=round(hyp.score, LOGPROB_DECIMALS), geometry=GeometryOut.of(result.geometry),
+            attention=_rows(hyp.attention), attention_kind=result.attention_kind,
+            extras={name: _rows(value) for name, value in hyp.extras.items()},
+            area_boxes=result.area_boxes.tolist() if result.area_boxes is not None else None)
 
 
 class ModelOut(BaseModel):
@@ -47,7 +137,24 @@ class ModelOut(BaseModel):
     providers: list[str] | None = Field(None, description="ONNX Runtime execution providers, in priority order")
     default: bool = False
 
+    @classmethod
+    def of(cls, info: ModelInfo, default: bool) -> "ModelOut":
+        return cls(**dataclasses.asdict(info), default=default)
+
 
 class Health(BaseModel):
     status: str
     models: list[str] = []
+
+
+class HeatmapOut(BaseModel):
+    token: str
+    index: int
+    heat_png: str = Field(description="base64 PNG: 8-bit grayscale heatmap at the (downscaled) image size")
+
+
+class HeatmapsOut(BaseModel):
+    id: str | None = Field(None, description="result id")
+    mode: str
+    size: list[int] = Field(description="(width, height) of the heatmaps")
+    heatmaps: list[HeatmapOut]

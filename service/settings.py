@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their defaults, one per core)")
     interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads")
     warmup: bool = Field(True, description="run the batcher over its batch shapes before reporting ready")
+    release_memory: bool = Field(True, description="pin glibc's mmap threshold, cap its arenas and return freed "
+                                 "memory after warm-up (service/memory.py)")
     load_in_background: bool = Field(False, description="answer /healthz while models load; /readyz says when ready")
 
     # -- requests -----------------------------------------------------------------------------------------------
@@ -51,10 +53,18 @@ class Settings(BaseSettings):
 
     # -- results, logs, binding ---------------------------------------------------------------------------------
     results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
+    results_max_count: int = Field(1000, ge=1, description="caption results kept for the overlay endpoints, at most")
+    results_max_age_s: float = Field(3600.0, gt=0, description="seconds a caption result is kept, at most")
     log_format: Literal["json", "text"] = Field("json", description="access and service log lines")
     log_level: str = Field("info", description="log level of the service loggers")
     host: str = Field("127.0.0.1", description="bind address of `captioner serve`")
     port: int = Field(8000, description="port of `captioner serve`")
+
+    # -- access and hardening (service/security.py) ---------------------------------------------------------
+    api_keys: list[str] = Field(default_factory=list, repr=False,
+                                description='bearer keys for /caption* (JSON list, several for rotation); empty: open')
+    cors_origins: list[str] = Field(default_factory=list,
+                                    description='origins allowed to call the API from a browser (JSON list); empty: none')
 
     @model_validator(mode="after")
     def _rows_fit_the_widest_beam(self) -> "Settings":

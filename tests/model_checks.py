@@ -1,4 +1,4 @@
-"""Checks shared by the model tests: the step loop as a reference for parallel training passes, and the SPEC §11.8
+"""Checks shared by the model tests: the step loop as a reference for parallel training passes, and the memorisation
 smoke test (memorise 10 random feature maps with fixed random captions)."""
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ def stepwise(model: Captioner, vis: VisualBatch, tokens: torch.Tensor) -> tuple[
 
 
 def assert_beam_one_is_greedy(model: Captioner, vis: VisualBatch, max_len: int = 8) -> None:
-    """SPEC §11.6: beam search with k = 1 returns the greedy caption and the same attention rows."""
+    """Decoding invariant: beam search with k = 1 returns the greedy caption and the same attention rows."""
     for by_beam, by_greedy in zip(beam_search(model, vis, k=1, max_len=max_len), greedy(model, vis, max_len)):
         assert by_beam[0].token_ids == by_greedy.token_ids
         torch.testing.assert_close(by_beam[0].attention, by_greedy.attention)
 
 
 def rescored_beams(model: Captioner, vis: VisualBatch, max_len: int = 8, tolerance: dict | None = None):
-    """SPEC §11.6 for beam search (k = 3, 2 best per image): re-scoring each returned caption step by step gives
+    """Alignment of beam search (k = 3, 2 best per image): re-scoring each returned caption step by step gives
     the same attention rows and token log-probs (so rows were reordered with their beams), every row sums to 1
     and masked items get none.  Yields ``(single-image batch, tokens, hypothesis, records)`` for model-specific
     checks."""

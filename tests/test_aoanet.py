@@ -1,5 +1,6 @@
-"""AoANet (SPEC §3): AoA and the refiner against naive equations, the decoder step against P2 Eq. 11–14, masking,
-the shared decoder's alignment rule, checkpoints, gradients, ablation flags and memorisation (SPEC §11.5–11.8)."""
+"""AoANet (Huang et al. 2019, arXiv:1908.06954): AoA and the refiner against naive equations, the decoder step
+against AoANet Eq. 11–14, masking, the shared decoder's alignment rule, checkpoints, gradients, ablation flags and
+memorisation."""
 
 import json
 import math
@@ -14,13 +15,13 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
-                          memorisation_cider, memorisation_task, train_to_memorise)
+                          memorisation_cider, memorisation_task, rescored_beams, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, FEAT = 23, 10
-ABLATIONS = {  # P2 Table 4 rows (SPEC §3.6)
+ABLATIONS = {  # AoANet Table 4 rows
     "base": dict(refiner="none", decoder_attention="additive", context="linear"),
     "refine-without-aoa": dict(refiner="transformer", decoder_attention="additive", context="linear"),
     "dec-lstm": dict(refiner="none", decoder_attention="additive", context="lstm"),
@@ -52,7 +53,7 @@ def grid_visuals(batch=3, seed=2) -> VisualBatch:
 
 
 def naive_aoa(aoa: AttentionOnAttention, attended, query):
-    """P2 Eq. 3–5 with the four D×D blocks of the fused weight (rows: information | gate; columns: v̂ | q)."""
+    """AoANet Eq. 3–5 with the four D×D blocks of the fused weight (rows: information | gate; columns: v̂ | q)."""
     d, w, b = aoa.dim, aoa.linear.weight, aoa.linear.bias
     information = w[:d, :d] @ attended + w[:d, d:] @ query + b[:d]
     gate = torch.sigmoid(w[d:, :d] @ attended + w[d:, d:] @ query + b[d:])
@@ -64,7 +65,7 @@ def naive_layer_norm(x, norm):
 
 
 def naive_heads(query, keys, values, real, heads):
-    """f_mh-att for ONE query (P2 Eq. 8–10), head by head over the real items only; returns (v̂, weights [H, N])."""
+    """f_mh-att for ONE query (AoANet Eq. 8–10), head by head over the real items only; returns (v̂, weights [H, N])."""
     d = query.shape[0] // heads
     attended, weights = [], torch.zeros(heads, keys.shape[0], dtype=query.dtype)
     for h in range(heads):
@@ -78,7 +79,7 @@ def naive_heads(query, keys, values, real, heads):
 
 # -- the AoA module ------------------------------------------------------------------------------------------------
 def test_aoa_glu_equals_two_matrix_form():
-    """SPEC §11.5: Linear(2D, 2D) + GLU is Eq. 3–4 with the weights mapped blockwise."""
+    """Linear(2D, 2D) + GLU is AoANet Eq. 3–4 with the weights mapped blockwise."""
     torch.manual_seed(0)
     dim, query_dim = 5, 3
     w_iv, w_iq, w_gv, w_gq = (torch.randn(dim, n, dtype=torch.float64) for n in (dim, query_dim, dim, query_dim))
@@ -212,6 +213,22 @@ def test_beam_one_equals_greedy():
     assert_beam_one_is_greedy(model, vis, max_len=8)
 
 
+@pytest.mark.parametrize("name", ["dec-lstm", "transformer-pre-norm-mh-lstm", "full-pre-norm"])
+def test_decoder_state_holds_every_tensor_once_and_beams_stay_aligned(name):
+    """Beam search reorders every state entry, so a tensor kept under two keys is copied twice per step.  With
+    ``context="lstm"`` the context c_t is the context LSTM's hidden state: it must live under one key only.  The
+    beams must still re-score to the same tokens, log-probs and attention step by step."""
+    model, vis = tiny(**ABLATIONS[name]), padded_visuals()
+    state = model.init_state(model.encode(vis))
+    for _ in range(3):
+        _, state, _ = model.step(torch.full((3,), 5), state, model.encode(vis))
+        tensors = list(state.values())
+        assert not any(a is b or torch.equal(a, b) for i, a in enumerate(tensors) for b in tensors[i + 1:]), \
+            sorted(state)
+    for _ in rescored_beams(model, vis, max_len=6, tolerance=dict(atol=1e-5, rtol=1e-5)):
+        pass
+
+
 # -- model plumbing ------------------------------------------------------------------------------------------------
 def test_registered_with_paper_defaults_and_config_round_trip():
     assert "aoanet" in available()
@@ -221,11 +238,11 @@ def test_registered_with_paper_defaults_and_config_round_trip():
     config = json.loads(json.dumps(model.config()))
     assert create("aoanet", **config).config() == model.config()
     with torch.device("meta"):
-        paper = create("aoanet", vocab_size=VOCAB, feat_dim=2048)  # defaults are the paper's sizes (SPEC §3)
+        paper = create("aoanet", vocab_size=VOCAB, feat_dim=2048)  # defaults are the paper's sizes
     assert (paper.lstm.hidden_size, paper.embed_words.embedding_dim, paper.heads, len(paper.refine)) == \
         (1024, 1024, 8, 6)
     dropouts = paper.hparams["dropout"], paper.hparams["attention_dropout"], paper.hparams["aoa_dropout"]
-    assert dropouts == (0.5, 0.1, 0.3)  # decision #17
+    assert dropouts == (0.5, 0.1, 0.3)  # docs/decisions.md#aoanet-dropout
     for bad in (dict(refiner="ffn"), dict(context="gru"), dict(decoder_attention="dot")):
         with pytest.raises(ValueError):
             create("aoanet", vocab_size=5, feat_dim=4, **bad)
@@ -267,7 +284,7 @@ def test_ablation_variants_train_and_decode(name):
 
 
 def test_memorises_ten_images():
-    """SPEC §11.8: 10 images of random features with fixed random captions are memorised."""
+    """Memorisation smoke test: 10 images of random features with fixed random captions are memorised."""
     vis, targets, captions = memorisation_task()
     torch.manual_seed(0)
     model = create("aoanet", vocab_size=MEMO_VOCAB, feat_dim=32, d_model=32, embed_dim=32, heads=4, refine_layers=2,

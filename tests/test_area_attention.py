@@ -1,4 +1,4 @@
-"""Area attention (SPEC §6, checklist §11.3): area enumeration, summed-area tables against naive loops,
+"""Area attention (Li et al. 2019, arXiv:1810.10126): area enumeration, summed-area tables against naive loops,
 masking, causal 1D areas, the area→cell attribution, and the module against the paper's equations."""
 
 import math
@@ -33,9 +33,9 @@ def _naive_features(x, boxes, cols):
 
 
 def test_area_counts_follow_the_paper_formulas():
-    assert area_count_1d(4, 3) == len(enumerate_areas_1d(4, 3)) == 9  # P5 Fig. 1
-    assert area_count_2d(3, 3, 2, 2) == len(enumerate_areas_2d(3, 3, 2, 2)) == 25  # P5 Fig. 2
-    # the captioner's 8×8 grid (SPEC §6.2 table): 15·15 and 21·21
+    assert area_count_1d(4, 3) == len(enumerate_areas_1d(4, 3)) == 9  # Area attention Fig. 1
+    assert area_count_2d(3, 3, 2, 2) == len(enumerate_areas_2d(3, 3, 2, 2)) == 25  # Area attention Fig. 2
+    # the captioner's 8×8 grid (§2 formula): 15·15 and 21·21
     assert [len(enumerate_areas_2d(8, 8, m, m)) for m in (1, 2, 3, 4)] == [64, 225, 441, 26 * 26]
     for rows, cols, h, w in [(8, 8, 3, 2), (5, 7, 2, 4), (1, 9, 1, 5), (3, 2, 5, 5), (6, 1, 3, 1)]:
         assert len(enumerate_areas_2d(rows, cols, h, w)) == area_count_2d(rows, cols, h, w)
@@ -139,7 +139,8 @@ def test_combined_key_is_eq_9():
     area_k, _, _ = attn.memory_areas(attn.k(memory), attn.v(memory), (3, 3))
     boxes = enumerate_areas_2d(3, 3, 2, 2)
     comb = attn.combiner
-    assert comb.height.weight.shape == (2, 2) and comb.width.weight.shape == (2, 2)  # S_e = d/2 (decision #38)
+    # S_e = d/2 (docs/decisions.md#area-key-network)
+    assert comb.height.weight.shape == (2, 2) and comb.width.weight.shape == (2, 2)
     k = attn.k(memory).view(1, 9, 2, 4)
     for h in range(2):  # one MLP shared by the heads
         mu, sigma, _ = _naive_features(k[:, :, h], boxes, 3)

@@ -1,5 +1,5 @@
-"""AreaTransformer (SPEC §6.6): protocol, incremental decoding = parallel pass, beam alignment, attention export,
-masking, and a memorisation smoke test (SPEC §11.8)."""
+"""AreaTransformer (Area attention, arXiv:1810.10126, §3.2): protocol, incremental decoding = parallel pass, beam
+alignment, attention export, masking, and a memorisation smoke test."""
 
 import json
 

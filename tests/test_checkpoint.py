@@ -16,7 +16,7 @@ def vocab():
 
 def test_round_trip_gives_identical_captions(tmp_path, tiny_sat, random_visuals, vocab):
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), {"note": "test"})
-    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors", "vocab.json"]
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "vocab.json"]
     loaded = load_checkpoint(path)
     assert loaded.meta == {"note": "test"} and loaded.vocab.itos == vocab.itos and len(loaded.checksum) == 64
     before = beam_search(tiny_sat, random_visuals, k=3, max_len=8)
@@ -39,8 +39,10 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "format": "something-else"}))
+    with pytest.raises(CheckpointError, match="config.json does not match its sha256"):
+        load_checkpoint(path)  # an edited file no longer matches the manifest written at save
     with pytest.raises(CheckpointError, match="unknown checkpoint format"):
-        load_checkpoint(path)
+        load_checkpoint(path, verify=False)
 
 
 def test_vocabulary_round_trip_and_tokenizer(tmp_path):

@@ -46,8 +46,12 @@ def test_models_and_data_generate(tmp_path):
 def test_eval_reports_all_metrics(tmp_path, scenes):
     out = tmp_path / "report.json"
     captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",
-              str(tmp_path / "cache"), "--output", str(out))
+              str(tmp_path / "cache"), "--output", str(out), "--results-json", str(tmp_path / "results.json"))
     report = json.loads(out.read_text())["test"]
+    results = json.loads((tmp_path / "results.json").read_text())  # the COCO results format
+    test_ids = {im["imgid"] for im in json.loads(scenes.read_text())["images"] if im["split"] == "test"}
+    assert {r["image_id"] for r in results} == test_ids and all(set(r) == {"image_id", "caption"} for r in results)
+    assert all(isinstance(r["caption"], str) and r["caption"] for r in results)
     for metric in ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named"):
         assert metric in report
     assert report["SPICE"].startswith("unavailable")

@@ -1,4 +1,4 @@
-"""Decoding invariants of SPEC §11.6 on a tiny random SAT."""
+"""Decoding invariants (docs/decisions.md#model-protocol-and-alignment-rule) on a tiny random SAT."""
 
 import torch
 

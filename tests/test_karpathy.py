@@ -44,8 +44,8 @@ def test_feature_cache_round_trip(coco_fixture, tmp_path):
     store = extract_features(images, spec, tmp_path / "cache", batch_size=3, progress=False)
     feats = store.get([images[2].key])
     assert feats.shape == (1, 4, 320) and feats.dtype.is_floating_point
-    cached = list((tmp_path / "cache").glob("*.npy"))
-    assert len(cached) == 1 and not list((tmp_path / "cache").glob("*.partial.npy"))
+    shards = list((tmp_path / "cache").glob("*/shard-*.npy"))
+    assert len(shards) == 1 and not list((tmp_path / "cache").glob("*/*.partial.npy"))
     again = extract_features(images, spec, tmp_path / "cache", progress=False, encoder=object())  # no re-encoding
     assert np.array_equal(again.get([images[2].key]).numpy(), feats.numpy())
 

@@ -20,7 +20,7 @@ def lstm_cell(n_in: int, hidden: int) -> int:
 
 
 def sat_by_hand(vocab: int, feat: int = 512, m: int = 512, n: int = 1024, attn: int = 512) -> int:
-    """SPEC §2.3 at the sizes of decision #5, layer by layer."""
+    """SAT Eq. 1–7 at the sizes of docs/decisions.md#sat-sizes, layer by layer."""
     return (vocab * m  # E
             + 2 * linear(feat, n)  # f_init,h and f_init,c
             + linear(feat, attn, bias=False) + linear(n, attn) + linear(attn, 1)  # U_a, U_h + b_e, w_e
@@ -30,7 +30,7 @@ def sat_by_hand(vocab: int, feat: int = 512, m: int = 512, n: int = 1024, attn: 
 
 
 def aoanet_by_hand(vocab: int, feat: int = 2048, d: int = 1024, e: int = 1024, layers: int = 6) -> int:
-    """P2 §3.2 / SPEC §3.3–3.5 at D = E = 1024, layer by layer."""
+    """AoANet §3.2 at D = E = 1024, layer by layer."""
     aoa = linear(2 * d, 2 * d)  # [v̂; q] → [i; g_pre] (Eq. 3–4)
     refiner_layer = 3 * linear(d, d, bias=False) + aoa + 2 * d  # W^{Q,K,V}_e, AoA^E, LayerNorm γ and β (Eq. 7)
     return (linear(feat, d)  # W_r, b_r
@@ -42,20 +42,21 @@ def aoanet_by_hand(vocab: int, feat: int = 2048, d: int = 1024, e: int = 1024, l
 
 
 def xlinear_block(query: int, memory: int, bilinear: int, channel: int, heads: int) -> int:
-    """P3 Eq. 2–6: the embeddings W_k, W^k_q, W_v, W^v_q and the per-head W^k_B, W_b, W_e shared by the heads."""
+    """X-LAN Eq. 2–6: the embeddings W_k, W^k_q, W_v, W^v_q and the per-head W^k_B, W_b, W_e shared by the heads."""
     d, c = bilinear // heads, channel // heads
     return 2 * linear(query, bilinear) + 2 * linear(memory, bilinear) + linear(d, c) + linear(c, 1) + linear(c, d)
 
 
 def xlan_by_hand(vocab: int, feat: int = 2048, d: int = 1024, n: int = 1024, e: int = 1024, channel: int = 512,
                  heads: int = 8, layers: int = 4) -> int:
-    """P3 §3.3 / SPEC §4.5–4.6 at the paper's sizes, keys and values updated together (decision #23)."""
+    """X-LAN §3.3 at the paper's sizes, keys and values updated together
+    (docs/decisions.md#x-lan-key-and-value-update)."""
     update = linear(2 * d, d) + 2 * d  # W_m and LayerNorm (Eq. 8)
     return (linear(feat, d)  # W_r, b_r
             + layers * (xlinear_block(d, d, d, channel, heads) + update)  # Eq. 7–8
             + linear((layers + 1) * d, d) + 2 * d  # W_G and LayerNorm (Eq. 10)
             + vocab * e  # E
-            + lstm_cell(e + d + n, n)  # input [E w_t; ṽ; c_{t−1}] (decision #24)
+            + lstm_cell(e + d + n, n)  # input [E w_t; ṽ; c_{t−1}] (docs/decisions.md#x-lan-lstm-input)
             + xlinear_block(n, d, d, channel, heads)  # decoder block queried by h_t
             + linear(d + n, 2 * n)  # W_c, b_c before the GLU
             + linear(n, vocab))  # W_p
@@ -63,7 +64,7 @@ def xlan_by_hand(vocab: int, feat: int = 2048, d: int = 1024, n: int = 1024, e: 
 
 def xtransformer_by_hand(vocab: int, feat: int = 2048, d: int = 768, channel: int = 384, heads: int = 8,
                          encoder: int = 6, decoder: int = 6, ffn: int = 3072) -> int:
-    """The authors' X-Transformer (decision #27, SPEC §4.7) at its reference sizes."""
+    """The authors' X-Transformer (docs/decisions.md#x-transformer-architecture) at its reference sizes."""
     norm, block = 2 * d, xlinear_block(d, d, d, channel, heads)
     update, feed_forward = linear(2 * d, d) + norm, linear(d, ffn) + linear(ffn, d) + norm
     return (linear(feat, d) + norm  # region embedding with LayerNorm

@@ -1,4 +1,4 @@
-"""Precomputed region features (SPEC §1.3, §8.1): the .npz format, padding and masks, the scene stand-in, and a
+"""Precomputed region features (bottom-up style): the .npz format, padding and masks, the scene stand-in, and a
 model trained on regions that never attends to padding."""
 
 import json
@@ -18,7 +18,7 @@ from captioner.models.training import TrainConfig, train
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SPEC = EncoderSpec(image_size=128)
+REGION_ENCODER = EncoderSpec(image_size=128)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,8 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scene_regions_dir(scenes, cache, tmp_path_factory):
-    return write_scene_regions(scenes.parent, tmp_path_factory.mktemp("regions"), SPEC, cache, progress=False)
+    return write_scene_regions(scenes.parent, tmp_path_factory.mktemp("regions"), REGION_ENCODER, cache,
+                               progress=False)
 
 
 def _image(i: int) -> CaptionedImage:

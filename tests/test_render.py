@@ -1,4 +1,4 @@
-"""Pixel-level checks of the heatmap renderer (SPEC §8.4)."""
+"""Pixel-level checks of the heatmap renderer (docs/decisions.md#heatmap-modes)."""
 
 import io
 

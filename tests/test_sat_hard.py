@@ -1,4 +1,5 @@
-"""SAT hard attention (SPEC §2.3–§2.4): sampling, arg-max decoding, the REINFORCE estimator and memorisation."""
+"""SAT hard attention (Xu et al. 2015, arXiv:1502.03044, §4.1): sampling, arg-max decoding, the REINFORCE estimator
+and memorisation."""
 
 import itertools
 
@@ -171,7 +172,8 @@ def test_several_location_samples_average_the_xe_term():
 
 
 def test_memorises_ten_images_with_reinforce():
-    """SPEC §11.8 through the hard_reinforce objective: training samples locations, decoding takes the arg-max."""
+    """Memorisation smoke test through the hard-attention objective: training samples locations, decoding takes the
+    arg-max."""
     vis, targets, captions = memorisation_task()
     torch.manual_seed(0)
     model = create("sat-hard", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.0)

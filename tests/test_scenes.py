@@ -78,3 +78,98 @@ def test_object_naming_accuracy():
     assert object_naming_accuracy([("a red circle and two blue squares".split(), objects)]) == 1.0
     assert object_naming_accuracy([("a red square and two blue circles".split(), objects)]) == 0.0
     assert object_naming_accuracy([("a red circle".split(), objects)]) == 1 / 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wording: articles
+# ---------------------------------------------------------------------------------------------------------------
+def test_article_for_every_word_that_can_follow_one():
+    from captioner.models.data.scenes import BACKGROUNDS, SIZES, article
+
+    vowel_sound = {"orange"}  # the only generator word that starts with a vowel sound
+    for word in [*COLOURS, *SHAPES, *SIZES, *BACKGROUNDS]:
+        assert article(word) == ("an" if word in vowel_sound else "a"), word
+    assert article("Orange") == "an" and article("umbrella") == "an"
+    assert article("unit") == "a" and article("hour") == "an"  # sound, not spelling
+
+
+def test_references_use_an_before_vowel_sounds():
+    import random
+
+    from captioner.models.data.scenes import captions_for, sample_scene
+
+    rng = random.Random(3)
+    seen_an = 0
+    for index in range(300):
+        objects, background = sample_scene(rng, heldout=index % 4 == 0)
+        for words in captions_for(objects, background, rng):
+            tokens = [w for w, _ in words]
+            for before, after in zip(tokens, tokens[1:]):
+                if before == "a":
+                    assert after[0] not in "aeiou", " ".join(tokens)
+                if before == "an":
+                    seen_an += 1
+                    assert after[0] in "aeiou", " ".join(tokens)
+            assert "middle" not in tokens and "top centre" not in " ".join(tokens)
+            # the article refers to the same objects as the words it introduces
+            for (word, ids), (_, next_ids) in zip(words, words[1:]):
+                if word in ("a", "an") and ids:
+                    assert ids == next_ids
+    assert seen_an > 20  # orange objects are common enough that "an" is exercised
+
+
+def test_written_dataset_has_no_a_before_orange(scenes):
+    for entry in json.loads(scenes.read_text())["images"]:
+        for sentence in entry["sentences"]:
+            assert "a orange" not in sentence["raw"]
+
+
+def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
+    from captioner.models.data.scenes import GENERATOR_VERSION, is_current
+
+    data = json.loads(scenes.read_text())
+    assert data["generator_version"] == GENERATOR_VERSION
+    sizes = {"train": 48, "val": 12, "test": 12, "heldout": 12}
+    assert is_current(scenes.parent, sizes, seed=7)
+    assert not is_current(scenes.parent, sizes, seed=8)
+    assert not is_current(scenes.parent, {**sizes, "train": 49}, seed=7)
+    # a dataset written by the previous generator (no version recorded) is stale
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "dataset_scenes.json").write_text(json.dumps({"dataset": "scenes", "seed": 7, "images": []}))
+    assert not is_current(old, sizes, seed=7)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Varied scenes (training-time augmentation)
+# ---------------------------------------------------------------------------------------------------------------
+def circular(a: float, b: float) -> float:
+    return min(abs(a - b), 1 - abs(a - b))
+
+
+def test_varied_scenes_vary_and_stay_consistent(tmp_path):
+    import colorsys
+
+    from captioner.models.data.scenes import Variation
+
+    path = generate(tmp_path / "v", {"train": 24, "test": 4}, seed=1, progress=False, variation=Variation())
+    again = generate(tmp_path / "w", {"train": 24, "test": 4}, seed=1, progress=False, variation=Variation())
+    data = json.loads(path.read_text())
+    assert data == json.loads(again.read_text()) and data["variation"]["hue_jitter"] == 0.02
+    canvases = {tuple(e["canvas"]) for e in data["images"]}
+    assert len(canvases) > 5 and any(w < h for w, h in canvases) and any(w > h for w, h in canvases)
+    for entry in data["images"]:
+        image = Image.open(path.parent / "images" / entry["filename"])
+        mask = np.asarray(Image.open(path.parent / entry["mask"]))
+        assert image.size == tuple(entry["canvas"]) == (mask.shape[1], mask.shape[0])
+        pixels = np.asarray(image).astype(int)
+        for index, obj in enumerate(entry["objects"]):
+            x, y = obj["center"]
+            assert mask[int(round(y)), int(round(x))] == index + 1
+            inside = mask == index + 1
+            # the jitter keeps each object's hue nearest to its own colour name's
+            mean = pixels[inside].mean(0) / 255
+            hue = colorsys.rgb_to_hsv(*mean)[0]
+            nearest = min(COLOURS, key=lambda c: circular(colorsys.rgb_to_hsv(*np.array(COLOURS[c]) / 255)[0], hue))
+            assert nearest == obj["colour"], (entry["filename"], mean * 255)
+        assert all(named_objects(entry["sentences"][0]["tokens"], entry["objects"]))

@@ -1,5 +1,6 @@
-"""Self-critical sequence training (SPEC §1.6, §11.7): reward, advantages and loss against naive code; SCST
-raises training CIDEr-D; the phase trains from an XE checkpoint, saves, and resumes exactly."""
+"""Self-critical sequence training (Rennie et al. 2017, arXiv:1612.00563; AoANet §3.3, X-LAN §3.3.1): reward,
+advantages and loss against naive code; SCST raises training CIDEr-D; the phase trains from an XE checkpoint, saves,
+and resumes exactly."""
 
 import json
 
@@ -65,13 +66,13 @@ def test_advantages_and_loss_match_the_naive_formula():
     loss = scst_loss(logprobs, mask, advantages)
     expected = -sum(advantages[r] * logprobs[r, t] for r in range(12) for t in range(int(lengths[r]))) / lengths.sum()
     torch.testing.assert_close(loss, expected)
-    # SPEC §11.7: a gradient step raises the log-probability of samples that beat the baseline, lowers the others
+    # a gradient step raises the log-probability of samples that beat the baseline, lowers the others
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert torch.all(grad[mask] * advantages[:, None].expand(-1, 5)[mask] <= 0) and torch.all(grad[~mask] == 0)
 
 
 def test_scst_raises_the_expected_training_cider_d():
-    """SCST maximises E_{y~p}[CIDEr-D(y)] (SPEC §1.6); estimated with 40 fixed-seed samples per image, it rises."""
+    """SCST maximises E_{y~p}[CIDEr-D(y)]; estimated with 40 fixed-seed samples per image, it rises."""
     vis, targets, captions = memorisation_task()
     refs = [[_words(c)] for c in captions]
     cider = CiderD(refs)
@@ -93,7 +94,7 @@ def test_scst_raises_the_expected_training_cider_d():
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
-    assert {"scst", "reward", "greedy_reward"} == set(logs)
+    assert {"scst", "reward", "greedy_reward", "tokens"} == set(logs)
     after = expected_reward(model)
     assert after > 1.25 * before, (before, after)
 

@@ -11,7 +11,7 @@ import torch
 
 from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
 from captioner.service.metrics import Metrics
-from captioner.service.runtime import ModelRuntime
+from captioner.models.inference import TorchRuntime
 
 from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \
     tiny_checkpoint
@@ -25,11 +25,11 @@ def encoder():
     return shared_encoder()
 
 
-def runtime_for(arch: str, encoder, **overrides) -> ModelRuntime:
-    return ModelRuntime(arch, tiny_checkpoint(arch, **overrides), encoder, torch.device("cpu"))
+def runtime_for(arch: str, encoder, **overrides) -> TorchRuntime:
+    return TorchRuntime(arch, tiny_checkpoint(arch, **overrides), encoder, torch.device("cpu"))
 
 
-def solo(runtime: ModelRuntime, prepared, beam: int, max_len: int):
+def solo(runtime: TorchRuntime, prepared, beam: int, max_len: int):
     return runtime.caption([prepared], beam, max_len)[0]
 
 

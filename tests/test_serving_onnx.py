@@ -23,7 +23,8 @@ from captioner.models.export.onnx import ENCODER_FILE, STEP_FILE, ExportUnsuppor
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
-from captioner.service.runtime import ModelRuntime, OnnxModelRuntime
+from captioner.models.inference import TorchRuntime
+from captioner.service.runtime import OnnxRuntime
 from captioner.service.settings import Settings
 
 from .conftest import DEFAULT_CHECKPOINT
@@ -56,6 +57,10 @@ def run_schedule(runtime, images, schedule=SCHEDULE):
 def assert_backends_agree(torch_rt, onnx_rt, images, schedule=SCHEDULE):
     for got, want in zip(run_schedule(onnx_rt, images, schedule), run_schedule(torch_rt, images, schedule)):
         assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
+    # the fixed-batch path (Runtime.caption: begin, then search_rows over step/reorder) agrees too
+    prepared = [torch_rt.prepare(image) for image in images[:3]]
+    for got, want in zip(onnx_rt.caption(prepared, 3, 8), torch_rt.caption(prepared, 3, 8)):
+        assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
 
 
 def export_or_skip(arch: str, ckpt, folder, encoder, must: bool) -> GraphSpec:
@@ -76,8 +81,8 @@ def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encode
     spec = export_or_skip(arch, ckpt, tmp_path / arch, encoder, must=arch in MUST_EXPORT)
     assert export_is_current(tmp_path / arch, ckpt.checksum) and spec.arch == arch
     assert max(spec.max_abs_diff.values()) < 1e-3
-    onnx_rt = OnnxModelRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
-    assert_backends_agree(ModelRuntime(arch, ckpt, encoder, CPU), onnx_rt, random_images(6, seed=2))
+    onnx_rt = OnnxRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
+    assert_backends_agree(TorchRuntime(arch, ckpt, encoder, CPU), onnx_rt, random_images(6, seed=2))
 
 
 @pytest.mark.parametrize("arch,config", [
@@ -93,8 +98,8 @@ def test_configuration_variants_export_and_match(arch, config, encoder, tmp_path
                     param.mul_(10.0)
     spec = export_graphs(ckpt, tmp_path / "model", encoder)
     assert any(spec.growing_dims.values()) == (arch == "area-transformer")
-    onnx_rt = OnnxModelRuntime(arch, ckpt, tmp_path / "model", CPU, threads=1)
-    torch_rt = ModelRuntime(arch, ckpt, encoder, CPU)
+    onnx_rt = OnnxRuntime(arch, ckpt, tmp_path / "model", CPU, threads=1)
+    torch_rt = TorchRuntime(arch, ckpt, encoder, CPU)
     assert_backends_agree(torch_rt, onnx_rt, random_images(6, seed=4))
     if config.get("attention") == "sparsemax":
         result = run_schedule(onnx_rt, random_images(6, seed=4))[0]
@@ -125,10 +130,10 @@ def shipped(tmp_path_factory):
 def test_shipped_checkpoint_captions_identically_on_both_backends(shipped):
     ckpt, visual, onnx_dir, spec, images = shipped
     assert max(spec.max_abs_diff.values()) < 1e-3
-    onnx_rt = OnnxModelRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
-    torch_rt = ModelRuntime("sat-scenes", ckpt, visual, CPU)
+    onnx_rt = OnnxRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
+    torch_rt = TorchRuntime("sat-scenes", ckpt, visual, CPU)
     assert_backends_agree(torch_rt, onnx_rt, images)
-    assert onnx_rt.describe()["backend"] == "onnx" and onnx_rt.providers == ["CPUExecutionProvider"]
+    assert onnx_rt.info().backend == "onnx" and onnx_rt.providers == ["CPUExecutionProvider"]
 
 
 def _jpeg(image: Image.Image) -> bytes:
@@ -195,9 +200,9 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
     import onnxruntime as ort
 
     ckpt, _, onnx_dir, _, _ = shipped
-    runtime = OnnxModelRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
+    runtime = OnnxRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
     assert runtime.providers == ["CPUExecutionProvider"] and not runtime.on_gpu
     if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
-        gpu = OnnxModelRuntime("sat-scenes", load_checkpoint(DEFAULT_CHECKPOINT, "cuda"), onnx_dir / "sat-scenes",
+        gpu = OnnxRuntime("sat-scenes", load_checkpoint(DEFAULT_CHECKPOINT, "cuda"), onnx_dir / "sat-scenes",
                                torch.device("cuda"))
         assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu

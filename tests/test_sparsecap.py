@@ -1,4 +1,5 @@
-"""SparseCap (SPEC §5.4): equations, the shared decoder's alignment rule with sparse maps, memorisation."""
+"""SparseCap (Martins et al., arXiv:2002.05556, §3): equations, the shared decoder's alignment rule with sparse maps,
+memorisation."""
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_forward_xe_gradients_reach_every_parameter():
 
 
 def test_memorises_ten_images_with_tvmax():
-    """SPEC §11.8: 10 random 8×8 feature maps with fixed random captions are memorised."""
+    """Memorisation smoke test: 10 random 8×8 feature maps with fixed random captions are memorised."""
     vis, targets, captions = memorisation_task()
     torch.manual_seed(0)
     model = create("sparsecap", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, visual_dim=32,

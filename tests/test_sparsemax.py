@@ -1,4 +1,5 @@
-"""Sparsemax (P4 Eq. 2 / Eq. 15) against brute force, autograd and its closed-form properties — SPEC §11.1."""
+"""Sparsemax (SparseCap, arXiv:2002.05556, Eq. 2 / Eq. 15) against brute force, autograd and its closed-form
+properties."""
 
 import numpy as np
 import pytest
@@ -69,7 +70,7 @@ def test_backward_is_the_closed_form_jacobian():
     z = torch.randn(16, dtype=torch.float64)
     p = sparsemax(z)
     s = (p > 0).to(z.dtype)
-    expected = torch.diag(s) - torch.outer(s, s) / s.sum()  # P4 Eq. 15
+    expected = torch.diag(s) - torch.outer(s, s) / s.sum()  # SparseCap Eq. 15
     jacobian = torch.autograd.functional.jacobian(sparsemax, z)
     torch.testing.assert_close(jacobian, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(jacobian, jacobian.T)

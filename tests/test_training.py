@@ -30,10 +30,18 @@ def cache(tmp_path_factory):
 
 
 def test_loss_falls_and_best_checkpoint_loads(scenes, tmp_path, cache):
-    best = train(_config(scenes, tmp_path / "run", cache, epochs=3))
+    # with AoANet's scheduled sampling, +0.05 a step here every epoch (the recipe: every 5 epochs)
+    best = train(_config(scenes, tmp_path / "run", cache, epochs=3, ss_increase=0.05, ss_every=1, log_every=5))
     state = json.loads((tmp_path / "run" / "train_state.json").read_text())
     xe = [h["xe"] for h in state["progress"]["history"]]
     assert len(xe) == 3 and xe[-1] < xe[0]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(5, 46, 5))  # 15 steps an epoch, one record every 5
+    assert sorted({(r["epoch"], r["ss_prob"]) for r in steps}) == [(1, 0.0), (2, 0.05), (3, 0.1)]
+    assert all(r["tokens_per_s"] > 0 and r["lr"] == 3e-3 for r in steps)
+    epochs = [{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "epoch"]
+    assert epochs == state["progress"]["history"]  # the log's epoch records are the run's history
     ckpt = load_checkpoint(best)
     assert ckpt.model.arch == "sat" and ckpt.encoder.image_size == 128 and "CIDEr-D" in ckpt.meta["val_scores"]
     # generated scenes list their objects, so validation also says how many were named right

@@ -1,4 +1,4 @@
-"""TVmax (P4 Definition 1) and its 2D TV prox against generic convex solvers — SPEC §11.2."""
+"""TVmax (SparseCap, arXiv:2002.05556, Definition 1) and its 2D TV prox against generic convex solvers."""
 
 import numpy as np
 import pytest
@@ -51,7 +51,7 @@ def test_lambda_zero_is_exactly_sparsemax():
 
 def test_lambda_convention_is_eq5_with_the_half():
     # two cells, one edge: argmin ½‖w − z‖² + λ|w₁ − w₂| moves each end by exactly λ while |z₁ − z₂| > 2λ
-    # (Eq. 6 without the ½ would move them by λ/2); decision #32
+    # (Eq. 6 without the ½ would move them by λ/2): docs/decisions.md#tvmax-lambda-convention
     z = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(tv2d_prox(z, (1, 2), lam=0.1), torch.tensor([[0.9, 0.1]], dtype=torch.float64))
     torch.testing.assert_close(tv2d_prox(z, (2, 1), lam=0.6), torch.tensor([[0.5, 0.5]], dtype=torch.float64))
@@ -111,7 +111,7 @@ def test_prox_on_non_square_and_chain_grids():
 
 def test_prox_satisfies_kkt_conditions_by_linear_programming():
     """Independent optimality check of the returned w: a dual u with |u| ≤ λ, u_e = λ·sign((Dw)_e) where the jump
-    is non-zero and Dᵀu = z − w must exist (P4 Eq. 16); scipy's LP finds one (or proves there is none)."""
+    is non-zero and Dᵀu = z − w must exist (SparseCap Eq. 16); scipy's LP finds one (or proves there is none)."""
     lam = 0.1
     diff = _difference_matrix(8, 8)
     z = _random_scores(3, 7)
@@ -192,7 +192,7 @@ def test_jacobians_are_symmetric_group_averages():
     z = _random_scores(1, 12, scale=0.3)[0]
     w, labels = tv2d_prox(z, (8, 8), lam=0.1, return_groups=True)
     same = (labels[:, None] == labels[None, :]).to(z.dtype)
-    expected_tv = same / same.sum(1, keepdim=True)  # P4 Eq. 9
+    expected_tv = same / same.sum(1, keepdim=True)  # SparseCap Eq. 9
     jacobian_tv = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, (8, 8), lam=0.1), z)
     torch.testing.assert_close(jacobian_tv, expected_tv, atol=1e-14, rtol=0)
     jacobian = torch.autograd.functional.jacobian(lambda x: tvmax(x, (8, 8), lam=0.1), z)

@@ -1,5 +1,5 @@
-"""X-LAN (SPEC §4.5–§4.6): encoder and decoder equations, masking, the shared decoder's alignment rule, checkpoint
-round trip and the memorisation smoke test (SPEC §11.8)."""
+"""X-LAN (Pan et al. 2020, arXiv:2003.14080, §3.3): encoder and decoder equations, masking, the shared decoder's
+alignment rule, checkpoint round trip and the memorisation smoke test."""
 
 import json
 

@@ -1,5 +1,5 @@
-"""X-Linear attention block (SPEC §4.3–§4.4, §11.4): the batched efficient form against a per-item loop written
-straight from P3 Eq. 2–6 and Eq. 8, masking, heads, and gradients."""
+"""X-Linear attention block (X-LAN, arXiv:2003.14080, §3.2): the batched efficient form against a per-item loop
+written straight from X-LAN Eq. 2–6 and Eq. 8, masking, heads, and gradients."""
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def affine(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def naive(block: XLinearAttention, query, keys, values, mask):
-    """P3 Eq. 2–6 for one image, item by item and head by head, with B^v_i formed per item (no factoring)."""
+    """X-LAN Eq. 2–6 for one image, item by item and head by head, with B^v_i formed per item (no factoring)."""
     rho = torch.nn.CELU(1.3) if isinstance(block.key_embed[1], torch.nn.CELU) else torch.relu
     heads, width = block.heads, block.key_embed[0].out_features // block.heads
     real = [i for i in range(keys.shape[0]) if mask[i]]
@@ -73,7 +73,7 @@ def test_padded_items_get_exactly_zero_attention_and_change_nothing():
     out = attention(query, keys, values, mask)
     assert torch.all(out.spatial.masked_select(~mask[:, None, :]) == 0)
     torch.testing.assert_close(out.spatial.sum(-1), torch.ones(3, 2, dtype=torch.float64))
-    assert torch.all((out.channel > 0) & (out.channel < 1))  # β^c ∈ (0, 1) (SPEC §11.4)
+    assert torch.all((out.channel > 0) & (out.channel < 1))  # β^c ∈ (0, 1): a sigmoid (X-LAN Eq. 5)
     # the squeeze is a masked mean too: garbage in padded slots must not leak into β^c or v̂
     noisy = attention(query, keys.masked_fill(~mask[..., None], 1e3), values.masked_fill(~mask[..., None], -1e3), mask)
     for name in ("attended", "spatial", "channel"):

@@ -1,5 +1,6 @@
-"""X-Transformer (SPEC §4.7): incremental decoding = the parallel teacher-forced pass, the decoder structure, masking,
-the shared decoder's alignment rule, checkpoint round trip and the memorisation smoke test (SPEC §11.8)."""
+"""X-Transformer (X-LAN paper, arXiv:2003.14080, §4.2; the authors' code's structure): incremental decoding = the
+parallel teacher-forced pass, the decoder structure, masking, the shared decoder's alignment rule, checkpoint round
+trip and the memorisation smoke test."""
 
 import json
 import math

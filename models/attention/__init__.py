@@ -3,11 +3,13 @@
 Every normaliser has the signature ``normalise(scores, mask) -> weights`` where ``mask`` is True for real
 items; masked items get exactly zero weight.  Models pick one by name from :data:`NORMALISERS`:
 
-* ``softmax`` — dense (P4 Eq. 1);
-* ``sparsemax`` — Euclidean projection onto the simplex, exact zeros (P4 Eq. 2);
-* ``tvmax`` — sparsemax of the 2D total-variation prox (P4 Eq. 5, λ = 0.01).  The items must be the row-major
+* ``softmax`` — dense (SparseCap Eq. 1);
+* ``sparsemax`` — Euclidean projection onto the simplex, exact zeros (SparseCap Eq. 2);
+* ``tvmax`` — sparsemax of the 2D total-variation prox (SparseCap Eq. 5, λ = 0.01).  The items must be the row-major
   cells of a **square** grid: the entry infers ``side = √N`` and raises for any other ``N``.  For another λ use
   ``get_normaliser("tvmax", lam=...)``; for a non-square grid call :func:`.tvmax.tvmax` with ``grid_hw``.
+
+SparseCap = Martins et al., "Sparse and Structured Visual Attention", arXiv:2002.05556.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Attention on Attention (Huang et al., ICCV 2019 — P2 §3.1, Eq. 3–6; SPEC §3.2).
+"""Attention on Attention (AoANet: Huang et al., ICCV 2019, arXiv:1908.06954 — §3.1, Eq. 3–6).
 
 After any attention function has produced its result ``v̂ = f_att(q, K, V)``, AoA builds
 
-* the information vector  ``i = W^i_q q + W^i_v v̂ + b^i``        (P2 Eq. 3)
-* the attention gate      ``g = σ(W^g_q q + W^g_v v̂ + b^g)``     (P2 Eq. 4)
+* the information vector  ``i = W^i_q q + W^i_v v̂ + b^i``        (AoANet Eq. 3)
+* the attention gate      ``g = σ(W^g_q q + W^g_v v̂ + b^g)``     (AoANet Eq. 4)
 
 and returns the attended information ``î = g ⊙ i`` (Eq. 5–6).  The module has no state and acts on each query
 independently, so it works for any leading shape.
@@ -21,8 +21,8 @@ class AttentionOnAttention(nn.Module):
 
     The two-matrix form of Eq. 3–4 is this map with ``linear.weight = [[W^i_v, W^i_q], [W^g_v, W^g_q]]`` and
     ``linear.bias = [b^i; b^g]``: GLU takes the first half of the output as the information vector and the sigmoid of
-    the second half as the gate.  ``input_dropout`` drops entries of ``[v̂; q]`` (SPEC decision #17: 0.3 in the
-    refiner, from the authors' code).
+    the second half as the gate.  ``input_dropout`` drops entries of ``[v̂; q]`` (0.3 in the refiner, from
+    the authors' code: docs/decisions.md#aoanet-dropout).
     """
 
     def __init__(self, dim: int, query_dim: int | None = None, input_dropout: float = 0.0):

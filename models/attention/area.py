@@ -1,21 +1,21 @@
-"""Area attention (Li et al., P5; SPEC §6): attend to groups of adjacent items, not only to single items.
+"""Area attention (Li et al. 2019, "Area Attention", arXiv:1810.10126): attend to groups of adjacent items.
 
 An *area* is a span of 1..S adjacent items of a 1D memory or an axis-aligned rectangle of 1..H × 1..W cells of a
-2D grid (P5 §2, Fig. 1–2).  Attention runs over all areas up to the maximum size:
+2D grid (Area attention §2, Fig. 1–2).  Attention runs over all areas up to the maximum size:
 
-* area key  ``μ_r = (1/|r|) Σ_{j∈r} k_j``                                   (P5 Eq. 3, the parameter-free form)
-* area value ``v_r = Σ_{j∈r} v_j``                                          (P5 Eq. 4)
+* area key  ``μ_r = (1/|r|) Σ_{j∈r} k_j``                                   (Eq. 3, the parameter-free form)
+* area value ``v_r = Σ_{j∈r} v_j``                                          (Eq. 4)
 * or the combined-feature key ``k_r = ReLU(μ_r W_μ + σ_r W_σ + e_r W_e) W_d`` with the per-dimension standard
   deviation ``σ_r`` (Eq. 5) and learned height/width embeddings ``e_r = [1(h_r)E^h; 1(w_r)E^w]`` (Eq. 6–9),
 * then ordinary attention over areas, ``a_r = softmax_r(q·k_r/√d)`` and ``o = Σ_r a_r v_r`` (Eq. 1–2).
 
-Every area feature comes from summed-area tables (integral images, P5 §2.2).  The paper's Eq. 10 drops the
+Every area feature comes from summed-area tables (integral images, §2.2).  The paper's Eq. 10 drops the
 inclusion–exclusion term; we use the correct ``I_{x,y} = g_{x,y} + I_{x,y−1} + I_{x−1,y} − I_{x−1,y−1}``, computed
-as two cumulative sums (Algorithm 1, SPEC §6.4), and the area sum of Eq. 11 from the zero-padded table.
+as two cumulative sums (Algorithm 1), and the area sum of Eq. 11 from the zero-padded table.
 
-Areas are listed in the canonical order of SPEC §6.2: height ``h = 1..H`` outer, width ``w = 1..W`` inner, then
+Areas are listed in the order of Algorithm 1: height ``h = 1..H`` outer, width ``w = 1..W`` inner, then
 top-left corners in row-major order.  A 1D memory of length ``L`` is the grid ``1 × L`` with areas ``1 × S``.
-Masking follows SPEC decision #37: an area is masked as soon as it holds one masked item, so with the causal
+Masking (docs/decisions.md#area-masking): an area is masked as soon as it holds one masked item, so with the causal
 mask of decoder self-attention a query only sees spans that end at or before its own position.
 """
 
@@ -35,18 +35,18 @@ Grid = tuple[int, int]
 
 # -- counting and enumerating areas ------------------------------------------------------------------------------
 def area_count_1d(length: int, max_size: int) -> int:
-    """``|R| = (L − S)S + S(S+1)/2`` (P5 §2), with ``S`` clamped to ``L``."""
+    """``|R| = (L − S)S + S(S+1)/2`` (Area attention §2), with ``S`` clamped to ``L``."""
     s = min(max_size, length)
     return (length - s) * s + s * (s + 1) // 2
 
 
 def area_count_2d(rows: int, cols: int, max_h: int, max_w: int) -> int:
-    """``|R| = |R_v| · |R_h|`` with each factor the 1D count (P5 §2): 225 for 8×8 up to 2×2, 441 up to 3×3."""
+    """``|R| = |R_v| · |R_h|`` with each factor the 1D count (§2 of the paper): 225 for 8×8 up to 2×2, 441 up to 3×3."""
     return area_count_1d(rows, max_h) * area_count_1d(cols, max_w)
 
 
 def _clamp(rows: int, cols: int, max_h: int, max_w: int) -> tuple[int, int]:
-    # larger maxima would give empty or negative slices of the integral image (SPEC §6.4 guard)
+    # larger maxima would give empty or negative slices of the integral image (so both are clamped to the grid)
     if min(rows, cols, max_h, max_w) < 1:
         raise ValueError(f"grid {rows}×{cols} and maximum area {max_h}×{max_w} must all be positive")
     return min(max_h, rows), min(max_w, cols)
@@ -66,7 +66,7 @@ def _boxes(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
 
 def enumerate_areas_2d(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
     """All areas of a ``rows × cols`` grid up to ``max_h × max_w``, as ``[|R|, 4]`` long boxes
-    ``(r1, c1, r2, c2)`` with inclusive cell coordinates, in the canonical order of SPEC §6.2."""
+    ``(r1, c1, r2, c2)`` with inclusive cell coordinates, in the order of Area attention Algorithm 1."""
     return _boxes(rows, cols, max_h, max_w).clone()
 
 
@@ -89,7 +89,7 @@ def _accumulator(x: Tensor) -> torch.dtype:
 
 
 def area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
-    """Sum of the item vectors of every area: ``x [..., rows*cols, D]`` → ``[..., |R|, D]`` (P5 Eq. 11).
+    """Sum of the item vectors of every area: ``x [..., rows*cols, D]`` → ``[..., |R|, D]`` (Area attention Eq. 11).
 
     The integral image is two cumulative sums, zero-padded on top and left (Algorithm 1 lines 1–3, with the
     inclusion–exclusion that Eq. 10 omits); each area sum is then ``Ĩ[r2+1, c2+1] − Ĩ[r1, c2+1] − Ĩ[r2+1, c1]
@@ -121,10 +121,10 @@ def _area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tenso
 
 def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
                      eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Mean, standard deviation and sum of every area, plus the area shapes (P5 Algorithm 2).
+    """Mean, standard deviation and sum of every area, plus the area shapes (Area attention Algorithm 2).
 
     ``x [..., rows*cols, D]`` → ``mean, std, sum [..., |R|, D]`` and ``sizes [|R|, 2]`` (height, width).
-    ``σ = sqrt(|E[x²] − μ²| + eps)`` (Eq. 12 with the [REF-CODE] guard of SPEC §6.3; ``eps=0`` gives the plain
+    ``σ = sqrt(|E[x²] − μ²| + eps)`` (Eq. 12 with the guard of tensor2tensor's code; ``eps=0`` gives the plain
     formula).  The variance is taken of ``x`` minus its first item: σ does not change under a shift, and
     centring keeps ``E[x²] − μ²`` from cancelling when the items share a large offset; the first item (not the
     mean) is used so a causal memory and its prefix are centred identically.  Computed in float64.
@@ -149,8 +149,8 @@ def area_features_1d(x: Tensor, max_size: int, eps: float = 1e-6) -> tuple[Tenso
 
 
 def area_mask(item_mask: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
-    """SPEC decision #37: ``item_mask [..., N]`` (True = usable) → ``[..., |R|]``, False for every area that
-    holds at least one masked item (area sums of the masked-item indicator, as [REF-CODE] does)."""
+    """``item_mask [..., N]`` (True = usable) → ``[..., |R|]``, False for every area that holds at least one
+    masked item (area sums of the masked-item indicator, as tensor2tensor does; docs/decisions.md#area-masking)."""
     masked = (~item_mask).to(torch.float32).unsqueeze(-1)
     return area_sums(masked, rows, cols, max_h, max_w).squeeze(-1) < 0.5
 
@@ -161,7 +161,7 @@ def causal_area_mask(length: int, max_size: int, device: torch.device | str | No
     return area_mask(causal, 1, length, 1, max_size)
 
 
-# -- from areas back to cells (SPEC §6.8, decision #39) ----------------------------------------------------------
+# -- from areas back to cells (docs/decisions.md#area-to-cell-attribution) -----------------------------------------
 def membership(areas: Tensor, rows: int, cols: int) -> Tensor:
     """``[|R|, rows*cols]`` 0/1 matrix: entry ``(r, j)`` is 1 when cell ``j`` (row-major) lies inside area ``r``."""
     r = torch.arange(rows, device=areas.device).repeat_interleave(cols)
@@ -171,7 +171,8 @@ def membership(areas: Tensor, rows: int, cols: int) -> Tensor:
 
 
 def areas_to_cells(area_weights: Tensor, areas: Tensor, n_cells: int | Grid, value_mode: str = "sum") -> Tensor:
-    """Per-cell coefficients ``c_j = Σ_{r∋j} a_r`` (decision #39) of area weights ``[..., |R|]`` → ``[..., N]``.
+    """Per-cell coefficients ``c_j = Σ_{r∋j} a_r`` of area weights ``[..., |R|]`` → ``[..., N]``
+    (docs/decisions.md#area-to-cell-attribution).
 
     With sum values (Eq. 4) the attention output is ``Σ_r a_r Σ_{j∈r} v_j = Σ_j c_j v_j``, so ``c_j`` is exactly
     how much cell ``j`` contributes; ``Σ_j c_j = Σ_r a_r |r|``.  With ``value_mode="mean"`` it is
@@ -195,7 +196,7 @@ def areas_to_cells(area_weights: Tensor, areas: Tensor, n_cells: int | Grid, val
 
 # -- the attention module ------------------------------------------------------------------------------------------
 class AreaKeyCombiner(nn.Module):
-    """Combined-feature area key ``k_r = ReLU(μ_r W_μ + σ_r W_σ + e_r W_e) W_d`` (P5 Eq. 6–9).
+    """Combined-feature area key ``k_r = ReLU(μ_r W_μ + σ_r W_σ + e_r W_e) W_d`` (Area attention Eq. 5–9).
 
     ``W_μ, W_σ, W_e`` are one ``Linear`` over ``[μ; σ; e]``.  Decision #38: applied per head with weights shared
     across heads, embedding depth ``S_e = d/2`` for per-head key size ``d``.
@@ -216,7 +217,7 @@ class AreaKeyCombiner(nn.Module):
 
 
 class AreaMultiHeadAttention(nn.Module):
-    """Multi-head scaled dot-product attention over areas of the memory (area attention within each head, P5 §1).
+    """Multi-head scaled dot-product attention over areas of the memory (within each head, Area attention §1).
 
     ``max_area=(1, 1)`` with mean keys is ordinary multi-head attention (taken by a direct path, so it matches
     exactly).  The memory is a ``rows × cols`` grid, or a sequence as the grid ``1 × L`` with

@@ -1,9 +1,9 @@
-"""Multi-head scaled dot-product attention *without* an output projection (AoANet's ``f_mh-att``, P2 Eq. 8–10).
+"""Multi-head scaled dot-product attention *without* an output projection (AoANet's ``f_mh-att``).
 
 ``f_mh-att(Q, K, V) = Concat(head_1, …, head_H)`` with ``head_h = softmax(Q_h K_hᵀ / √d) V_h``, where ``Q_h`` is
 the ``h``-th channel slice of width ``d = D/H`` (Vaswani et al.).  The inputs are already projected and nothing is
 applied to the concatenation, because in AoANet the AoA module takes the place of the output projection
-(SPEC §3.4).
+(AoANet = Huang et al., "Attention on Attention for Image Captioning", arXiv:1908.06954, §3.2.1, Eq. 7–10).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Sparsemax (Martins & Astudillo, 2016): Euclidean projection of the scores onto the probability simplex.
+"""Sparsemax (Martins & Astudillo, 2016, arXiv:1602.02068): Euclidean projection of the scores onto the simplex.
 
-P4 Eq. 2 / Eq. 14: ``sparsemax(z) = argmin_{p ∈ Δ} ½‖p − z‖²``.  The forward pass is the exact sort-based
-algorithm of SPEC §5.2 and the backward pass is the closed form of P4 Eq. 15,
+SparseCap (Martins et al., "Sparse and Structured Visual Attention", arXiv:2002.05556) Eq. 2 / Eq. 14:
+``sparsemax(z) = argmin_{p ∈ Δ} ½‖p − z‖²``.  The forward pass is the exact sort-based algorithm of Martins &
+Astudillo (2016, Algorithm 1), which SparseCap §2.1 cites, and the backward pass is the closed form of SparseCap Eq. 15,
 ``J = diag(s) − s sᵀ/‖s‖₁`` with ``s = [p > 0]``, applied as ``dz = s ⊙ (dp − mean_{s}(dp))``.
 """
 
@@ -25,7 +26,7 @@ def _fill_masked(scores: Tensor, mask: Tensor) -> Tensor:
 
 
 def sparsemax_threshold(scores: Tensor) -> Tensor:
-    """The threshold τ(z) of sparsemax, ``[..., 1]``, by the sort-based algorithm of SPEC §5.2.
+    """The threshold τ(z) of sparsemax, ``[..., 1]``, by the sort-based algorithm of Martins & Astudillo (2016).
 
     With ``z_(1) ≥ … ≥ z_(k)``: ``k* = max{j : 1 + j z_(j) > Σ_{r≤j} z_(r)}`` and
     ``τ = (Σ_{r≤k*} z_(r) − 1) / k*`` (Martins & Astudillo 2016, Alg. 1).
@@ -39,7 +40,7 @@ def sparsemax_threshold(scores: Tensor) -> Tensor:
 
 
 class SparsemaxFunction(torch.autograd.Function):
-    """Sparsemax with the closed-form Jacobian–vector product of P4 Eq. 15."""
+    """Sparsemax with the closed-form Jacobian–vector product of SparseCap Eq. 15."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, mask: Tensor | None) -> Tensor:  # type: ignore[override]
@@ -59,7 +60,7 @@ class SparsemaxFunction(torch.autograd.Function):
 
 
 def sparsemax_backward(probs: Tensor, grad_output: Tensor) -> Tensor:
-    """``J_spᵀ dp`` (P4 Eq. 15; J is symmetric): ``s ⊙ (dp − Σ_{s} dp / ‖s‖₁)``, ``s = [p > 0]``."""
+    """``J_spᵀ dp`` (SparseCap Eq. 15; J is symmetric): ``s ⊙ (dp − Σ_{s} dp / ‖s‖₁)``, ``s = [p > 0]``."""
     support = (probs > 0).to(grad_output.dtype)
     size = support.sum(-1, keepdim=True).clamp_min(1.0)  # rows with empty support (all masked) give zero
     mean = (grad_output * support).sum(-1, keepdim=True) / size
@@ -67,7 +68,7 @@ def sparsemax_backward(probs: Tensor, grad_output: Tensor) -> Tensor:
 
 
 def sparsemax(scores: Tensor, mask: Tensor | None = None) -> Tensor:
-    """``sparsemax(z) = argmin_{p ∈ Δ} ½‖p − z‖²`` over the last dim (P4 Eq. 2), batched over leading dims.
+    """``sparsemax(z) = argmin_{p ∈ Δ} ½‖p − z‖²`` over the last dim (SparseCap Eq. 2), batched over leading dims.
 
     ``mask`` (broadcastable to ``scores``, True = real item) gives exactly zero weight to False items; rows
     with no real item return all zeros.

@@ -1,10 +1,11 @@
-"""TVmax (Martins et al., P4 Definition 1): sparse attention whose non-zero weights form contiguous 2D patches.
+"""TVmax (SparseCap Definition 1): sparse attention whose non-zero weights form contiguous 2D patches.
 
-``TVmax(z) = argmin_{p ∈ Δ} ½‖p − z‖² + λ Ω_2D(p)`` (P4 Eq. 5, with the ½ — SPEC decision #32), computed by
-Proposition 1 (P4 Eq. 7) as ``sparsemax(prox_{λΩ_2D}(z))``, where ``Ω_2D`` is the anisotropic 2D total
-variation of the row-major ``H × W`` grid (P4 Eq. 3 on the 4-neighbour grid graph, each pair counted once).
+SparseCap = Martins et al., "Sparse and Structured Visual Attention", arXiv:2002.05556; equation numbers are its.
+``TVmax(z) = argmin_{p ∈ Δ} ½‖p − z‖² + λ Ω_2D(p)`` (Eq. 5, with the ½: docs/decisions.md#tvmax-lambda-convention),
+computed by Proposition 1 (Eq. 7) as ``sparsemax(prox_{λΩ_2D}(z))``, where ``Ω_2D`` is the anisotropic 2D total
+variation of the row-major ``H × W`` grid (Eq. 3 on the 4-neighbour grid graph, each pair counted once).
 
-The 2D TV prox (P4 Eq. 4) has no direct algorithm.  We work on its dual
+The 2D TV prox (Eq. 4) has no direct algorithm.  We work on its dual
 
     min_{|u_e| ≤ λ}  ½‖z − Dᵀu‖²,      w = z − Dᵀu,
 
@@ -15,9 +16,9 @@ grid of the call:
    warm-started at ``u = λ sign(Dz)`` (every cell its own group).  An iteration is three tensor ops and no host
    synchronisation.
 2. Every ``check_every`` iterations, FISTA's dual names an *active set*: edges strictly inside the box are free
-   (fused), the others pinned at ``u_e = λ sign(u_e)`` (P4 Eq. 16).  Up to :data:`ACTIVE_SET_STEPS` primal–dual
+   (fused), the others pinned at ``u_e = λ sign(u_e)`` (Eq. 16).  Up to :data:`ACTIVE_SET_STEPS` primal–dual
    active-set steps (:func:`_active_set_step`) follow: the fused groups are the connected components of the free
-   edges, the solution for the guess is their closed form, P4 Eq. 8 (every group exactly flat), and a KKT
+   edges, the solution for the guess is their closed form, Eq. 8 (every group exactly flat), and a KKT
    certificate either accepts it or yields the next guess (free the pinned edges whose jump has the wrong sign,
    pin the free edges whose flow leaves the box).  FISTA then continues from its own iterate.
 3. The certificate is a dual flow inside the box on the free edges that carries the rest of ``z − w``: a cheap
@@ -29,9 +30,9 @@ grid of the call:
 
 Why this algorithm rather than the paper's proximal Dykstra, and details: ``docs/tvmax.md``.
 
-The backward pass is P4 Algorithm 1: ``J_TVmax = J_sp(w*) J_TV`` (Prop. 1 chain rule), with the sparsemax
-Jacobian of P4 Eq. 15 and ``(J_TV)_ij = 1/|G_i|`` for ``j`` in the fused group ``G_i`` (P4 Eq. 9), using the
-certified groups of the forward pass (exactly flat, and merged where neighbouring groups come out equal, so they
+The backward pass is Algorithm 1: ``J_TVmax = J_sp(w*) J_TV`` (Prop. 1 chain rule), with the sparsemax Jacobian
+of Eq. 15 and ``(J_TV)_ij = 1/|G_i|`` for ``j`` in the fused group ``G_i`` (Eq. 9), using the certified groups
+of the forward pass (exactly flat, and merged where neighbouring groups come out equal, so they
 are the "connected components of equal values" without any tolerance to choose).  Connected components are
 computed batched in torch by min-label propagation with pointer jumping.
 
@@ -39,7 +40,7 @@ No Python loop over grids.  The host synchronises only at checks (a few boolean 
 one per label-propagation round, leaf-peeling round and conjugate-gradient iteration, and the index of the grids
 still running), never inside the FISTA iterations.  Group sums use ``scatter_add`` on CPU and a ``bmm`` with the
 0/1 membership matrix on accelerators, so results are deterministic everywhere.  Computation is in float64 by
-default (SPEC decision #31).
+default (docs/decisions.md#tvmax-solver-precision).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from torch import Tensor
 
 from .sparsemax import sparsemax
 
-#: SPEC decision #32: λ is the weight of Ω_2D in Eq. 5 *with* the ½ (the paper's value)
+#: λ weighs Ω_2D in SparseCap Eq. 5 *with* the ½, the paper's value (docs/decisions.md#tvmax-lambda-convention)
 DEFAULT_LAMBDA = 0.01
 #: primal-dual active-set steps tried after every ``check_every`` FISTA iterations
 ACTIVE_SET_STEPS = 3
@@ -64,7 +65,7 @@ ACTIVE_SET_STEPS = 3
 # ---------------------------------------------------------------------------------------------------------------
 def grid_edges(grid_hw: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """Endpoints ``(i, j)`` of the ``E`` grid edges: all horizontal ``(r,c)→(r,c+1)``, then all vertical
-    ``(r,c)→(r+1,c)`` (P4 §2.2.1: ``i ∼ j`` iff ``j`` is right of or immediately below ``i``)."""
+    ``(r,c)→(r+1,c)`` (SparseCap §2.2.1: ``i ∼ j`` iff ``j`` is right of or immediately below ``i``)."""
     h, w = grid_hw
     index = torch.arange(h * w).view(h, w)
     first = torch.cat([index[:, :-1].reshape(-1), index[:-1, :].reshape(-1)])
@@ -142,7 +143,7 @@ def _group_sums(values: Tensor, labels: Tensor) -> Tensor:
 
 
 def group_means(values: Tensor, labels: Tensor) -> Tensor:
-    """Replace every value of ``[B, N]`` by the mean over its group (the action of ``J_TV`` of P4 Eq. 9, which is
+    """Replace every value of ``[B, N]`` by the mean over its group (the action of ``J_TV`` of SparseCap Eq. 9, which is
     symmetric).  Every cell reads its group's value from the root, so a group is exactly flat."""
     sums, sizes = _group_sums(torch.stack([values, torch.ones_like(values)], 1), labels).unbind(1)
     return (sums / sizes.clamp_min(1.0)).gather(1, labels)
@@ -208,11 +209,11 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor, lam:
     and the next guess: one primal-dual active-set step on the dual box QP.
 
     The guess: ``free`` edges, whose dual may lie strictly inside the box, and the others, *pinned* at
-    ``u_e = λ s_e`` (P4 Eq. 16; ``signs`` s, and 0 on masked edges).  The fused groups are the connected
-    components of the free edges, and the solution is their closed form, P4 Eq. 8, which with our edge orientation
-    reads ``w_G = mean_{j ∈ G}(z − Dᵀ u_pinned)_j``: every group is exactly flat.
+    ``u_e = λ s_e`` (SparseCap Eq. 16; ``signs`` s, and 0 on masked edges).  The fused groups are the connected
+    components of the free edges, and the solution is their closed form, SparseCap Eq. 8, which with our edge
+    orientation reads ``w_G = mean_{j ∈ G}(z − Dᵀ u_pinned)_j``: every group is exactly flat.
 
-    Certificate (KKT of P4 Eq. 16): no pinned edge may see a jump against its sign, and the free edges must carry
+    Certificate (KKT of SparseCap Eq. 16): no pinned edge may see a jump against its sign, and the free edges must carry
     the remaining *demand* ``d = z − Dᵀ u_pinned − w`` with a flow inside the box ``|c_e| ≤ λ``.  A cheap
     sufficient test comes first: ``d`` sums to zero on each group, so the flow on any edge of a spanning tree of
     the group (a partial sum of ``d``) is at most half the group's ``ℓ1`` demand.  Only when that test fails is the
@@ -229,7 +230,7 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor, lam:
     shifted = torch.addmm(z, pinned, grid.diff, alpha=-1.0)
     sums, sizes = _group_sums(torch.stack([shifted, torch.ones_like(shifted)], 1), labels).unbind(1)
     sizes = sizes.clamp_min(1.0)
-    polished = (sums / sizes).gather(1, labels)  # P4 Eq. 8
+    polished = (sums / sizes).gather(1, labels)  # SparseCap Eq. 8
     jump = polished @ grid.diff_t
     crossing = jump * pinned < 0
     demand = shifted - polished
@@ -256,7 +257,7 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor, lam:
 
 def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
                 max_iter: int, check_every: int) -> tuple[Tensor, Tensor]:
-    """Batched ``prox_{λΩ_2D}`` of ``z`` [B, N] (P4 Eq. 4) → ``(w, labels)``; see the module docstring."""
+    """Batched ``prox_{λΩ_2D}`` of ``z`` [B, N] (SparseCap Eq. 4) → ``(w, labels)``; see the module docstring."""
     batch, cells = z.shape
     grid = _operators(tuple(grid_hw), z.device, z.dtype)
     if lam == 0.0 or grid.first.numel() == 0 or batch == 0:
@@ -330,7 +331,7 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
 
 
 class TV2DProxFunction(torch.autograd.Function):
-    """``w* = prox_{λΩ_2D}(z)`` (P4 Eq. 4) with the group-averaging Jacobian of P4 Eq. 9 as backward."""
+    """``w* = prox_{λΩ_2D}(z)`` (SparseCap Eq. 4) with the group-averaging Jacobian of SparseCap Eq. 9 as backward."""
 
     @staticmethod
     def forward(ctx, z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
@@ -343,16 +344,16 @@ class TV2DProxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_w: Tensor, _grad_labels: Tensor | None):  # type: ignore[override]
         (labels,) = ctx.saved_tensors
-        # J_TV is symmetric (P4 Eq. 9), so J_TVᵀ dw is again "average dw over each fused group"
+        # J_TV is symmetric (SparseCap Eq. 9), so J_TVᵀ dw is again "average dw over each fused group"
         return group_means(grad_w, labels), None, None, None, None, None, None
 
 
 def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, mask: Tensor | None = None, *,
               tol: float = 1e-9, max_iter: int = 2000, check_every: int = 8,
               return_groups: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """``prox_{λΩ_2D}(z) = argmin_w ½‖w − z‖² + λ Ω_2D(w)`` (P4 Eq. 4) over ``[..., H*W]`` row-major grids.
+    """``prox_{λΩ_2D}(z) = argmin_w ½‖w − z‖² + λ Ω_2D(w)`` (SparseCap Eq. 4) over ``[..., H*W]`` row-major grids.
 
-    Differentiable (backward = group averaging, P4 Eq. 9).  The result is certified to lie within ``tol``
+    Differentiable (backward = group averaging, SparseCap Eq. 9).  The result is certified to lie within ``tol``
     (L2, times ``max(1, max|z|)``; at least ``1e3·eps`` of the dtype) of the exact prox, unless ``max_iter`` FISTA
     iterations run out first (then the candidate with the smaller proven bound is returned); fused groups are
     exactly flat.  The solver looks for a certificate every ``check_every`` iterations.  With ``return_groups``
@@ -371,18 +372,18 @@ def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, 
 
 def tvmax(scores: Tensor, grid_hw: tuple[int, int], mask: Tensor | None = None, lam: float = DEFAULT_LAMBDA, *,
           dtype: torch.dtype | None = torch.float64, **solver: float) -> Tensor:
-    """TVmax (P4 Definition 1, Eq. 5) over ``[..., H*W]`` row-major grid scores, via Proposition 1:
-    ``TVmax(z) = sparsemax(prox_{λΩ_2D}(z))`` (P4 Eq. 7).
+    """TVmax (SparseCap Definition 1, Eq. 5) over ``[..., H*W]`` row-major grid scores, via Proposition 1:
+    ``TVmax(z) = sparsemax(prox_{λΩ_2D}(z))`` (SparseCap Eq. 7).
 
-    Backward = P4 Algorithm 1 (sparsemax Jacobian Eq. 15, then group averaging Eq. 9).  ``mask`` False cells get
+    Backward = SparseCap Algorithm 1 (sparsemax Jacobian Eq. 15, then group averaging Eq. 9).  ``mask`` False cells get
     exactly zero weight and are removed from the grid graph.  ``λ = 0`` is exactly sparsemax.  Internally in
-    ``dtype`` (float64 by default, SPEC decision #31; ``None`` keeps the input dtype); the result has the
-    input dtype.  ``solver`` forwards ``tol`` / ``max_iter`` / ``check_every`` to :func:`tv2d_prox`.
+    ``dtype`` (float64 by default: docs/decisions.md#tvmax-solver-precision; ``None`` keeps the input dtype); the
+    result has the input dtype.  ``solver`` forwards ``tol`` / ``max_iter`` / ``check_every`` to :func:`tv2d_prox`.
     """
     if lam < 0:
         raise ValueError(f"TVmax needs λ >= 0, got {lam}")
     if lam == 0:
-        return sparsemax(scores, mask)  # the prox of 0·Ω is the identity (P4: "λ = 0 recovers sparsemax")
+        return sparsemax(scores, mask)  # the prox of 0·Ω is the identity (SparseCap §2.2.2: λ = 0 gives sparsemax)
     work = scores if dtype is None else scores.to(dtype)
     fused = tv2d_prox(work, grid_hw, lam, mask, **solver)
     return sparsemax(fused, mask).to(scores.dtype)

@@ -1,8 +1,8 @@
-"""X-Linear attention (Pan et al., "X-Linear Attention Networks for Image Captioning", CVPR 2020 — P3 §3.2;
-SPEC §4.3–§4.4): bilinear query×key and query×value pooling with spatial *and* channel attention, and the
+"""X-Linear attention (X-LAN: Pan et al., "X-Linear Attention Networks for Image Captioning", CVPR 2020,
+arXiv:2003.14080, §3.2): bilinear query×key and query×value pooling with spatial *and* channel attention, and the
 stacked "higher-order" layer that refines its keys and values with each new attended vector.
 
-Single-head block, P3 Eq. 2–6 with biases (SPEC §4.3), ``ρ`` the embedding activation:
+Single-head block, X-LAN Eq. 2–6 with biases (the paper leaves them out), ``ρ`` the embedding activation:
 
 * ``B^k_i  = ρ(W_k k_i) ⊙ ρ(W^k_q Q)``                                      query–key bilinear pooling  (Eq. 2)
 * ``B'^k_i = ReLU(W^k_B B^k_i)``, ``b^s_i = W_b B'^k_i``, ``β^s = softmax(b^s)``  spatial attention     (Eq. 3)
@@ -10,10 +10,10 @@ Single-head block, P3 Eq. 2–6 with biases (SPEC §4.3), ``ρ`` the embedding a
 * ``β^c = sigmoid(W_e B̄)``                                                  excitation: channel attn.   (Eq. 5)
 * ``v̂ = β^c ⊙ Σ_i β^s_i B^v_i`` with ``B^v_i = ρ(W_v v_i) ⊙ ρ(W^v_q Q)``                               (Eq. 6)
 
-``ρ``: the paper's final "+ELU" block (P3 §3.2 "infinity order", Fig. 2; Table 3) encodes query, keys and values
+``ρ``: the paper's final "+ELU" block (X-LAN §3.2 "infinity order", Fig. 2; Table 3) encodes query, keys and values
 with an exponential unit instead of ReLU.  The paper says "ELU" but cites Barron's *continuously differentiable*
-ELU, so ``ρ`` is CELU with α = 1.3 (SPEC §4.4, decision #22); ``activation="relu"`` is the base block.  The ReLU
-inside Eq. 3 is not an embedding of Q, K or V and stays a ReLU.
+ELU, so ``ρ`` is CELU with α = 1.3 (docs/decisions.md#x-lan-activation); ``activation="relu"`` is the base
+block.  The ReLU inside Eq. 3 is not an embedding of Q, K or V and stays a ReLU.
 
 **Efficient batched form.**  ``ρ(W^v_q Q)`` does not depend on ``i``, so Eq. 6 is computed as
 ``v̂ = β^c ⊙ ρ(W^v_q Q) ⊙ Σ_i β^s_i ρ(W_v v_i)``: one weighted sum of value embeddings per query instead of ``N``
@@ -21,15 +21,15 @@ bilinear vectors.  The per-item embeddings ``ρ(W_k k_i)`` and ``ρ(W_v v_i)`` d
 decoder computes them once (:meth:`XLinearAttention.embed_memory`) and reuses them at every step; all queries
 (``[B, L, D_q]``, e.g. every caption position of a Transformer) and all heads run in one pass.
 
-**Multi-head form** (SPEC §4.3 [REC], decision #21).  ``D_B`` is split into ``H`` heads of ``D_B/H`` channels and
-``D_c`` into ``H`` slices of ``D_c/H``; every head runs Eq. 2–6 on its own channel slice and gets its own ``β^s``
-and ``β^c``.  As in the authors' code [REF-CODE] the per-head layers ``W^k_B`` (``D_B/H → D_c/H``), ``W_b`` and
+**Multi-head form** (our choice: docs/decisions.md#x-lan-heads).  ``D_B`` is split into ``H`` heads of ``D_B/H``
+channels and ``D_c`` into ``H`` slices of ``D_c/H``; every head runs Eq. 2–6 on its own channel slice and gets its
+own ``β^s`` and ``β^c``.  As in the authors' code the per-head layers ``W^k_B`` (``D_B/H → D_c/H``), ``W_b`` and
 ``W_e`` are one set of weights applied to every head.  ``heads=1`` is exactly the paper's single-head block.  The
 authors' code also GroupNorms the four embeddings (``group_norm=True``); the paper does not, so it is off.
 
 **Masking.**  ``mask`` is True for real items, ``[B, N]`` (the same items for every query) or ``[B, L, N]`` (per
 query, e.g. causal).  Masked items get exactly zero spatial weight and are left out of the squeeze mean (Eq. 4 is
-a mean over the real items — SPEC §1.3).
+a mean over the real items: docs/decisions.md#masked-items).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ ACTIVATIONS = ("celu", "relu")
 
 
 def embedding_activation(name: str, celu_alpha: float = 1.3) -> nn.Module:
-    """``ρ``: CELU(α) for the "+ELU" block (decision #22) or ReLU for the base block (P3 Eq. 2)."""
+    """``ρ``: CELU(α) for the "+ELU" block (docs/decisions.md#x-lan-activation) or ReLU for the base block
+    (X-LAN Eq. 2)."""
     if name == "celu":
         return nn.CELU(celu_alpha)
     if name == "relu":
@@ -71,10 +72,10 @@ class XLinearOutput(NamedTuple):
 
 
 class XLinearAttention(nn.Module):
-    """The X-Linear attention block ``F_X-Linear(K, V, Q)`` (P3 Eq. 2–6), multi-head, with masks.
+    """The X-Linear attention block ``F_X-Linear(K, V, Q)`` (X-LAN Eq. 2–6), multi-head, with masks.
 
     ``bilinear_dim`` is ``D_B`` (paper: 1024) and ``channel_dim`` the total ``D_c`` (paper: 512); both must be
-    divisible by ``heads``.  ``dropout`` acts on ``B'^k`` (0.1 in the authors' code; [NS] in the paper).
+    divisible by ``heads``.  ``dropout`` acts on ``B'^k`` (0.1 in the authors' code; the paper does not state it).
     """
 
     def __init__(self, query_dim: int, key_dim: int, value_dim: int, bilinear_dim: int = 1024,
@@ -85,7 +86,7 @@ class XLinearAttention(nn.Module):
             raise ValueError(f"D_B={bilinear_dim} and D_c={channel_dim} must both be divisible by heads={heads}")
         self.heads = heads
 
-        def embedding(in_dim: int) -> nn.Sequential:  # ρ(W x + b), optionally GroupNorm-ed per head [REF-CODE]
+        def embedding(in_dim: int) -> nn.Sequential:  # ρ(W x + b), GroupNorm-ed per head if asked
             layers = [nn.Linear(in_dim, bilinear_dim), embedding_activation(activation, celu_alpha)]
             if group_norm:
                 layers.append(_ChannelGroupNorm(heads, bilinear_dim))
@@ -141,8 +142,8 @@ class XLinearAttention(nn.Module):
     def _squeeze(transformed: Tensor, mask: Tensor | None) -> Tensor:
         """``B̄`` (Eq. 4): the mean of ``B'^k [B, L, N, H, c]`` over each query's real items → ``[B, L, H, c]``.
 
-        :func:`~models.layers.masked_mean` for a per-query mask, written with broadcasting only (no sizes taken
-        from the input), so that a traced graph works for any number of rows, queries and items."""
+        :func:`~captioner.models.layers.masked_mean` for a per-query mask, written with broadcasting only (no sizes
+        taken from the input), so that a traced graph works for any number of rows, queries and items."""
         if mask is None:
             return transformed.mean(2)
         weights = mask[..., None, None].to(transformed.dtype)  # [B, L or 1, N, 1, 1]
@@ -150,11 +151,11 @@ class XLinearAttention(nn.Module):
 
 
 class ItemUpdate(nn.Module):
-    """Refine every item with an attended vector (P3 Eq. 8): ``x_i ← LN(ReLU(W [v̂; x_i] + b) + x_i)``.
+    """Refine every item with an attended vector (X-LAN Eq. 8): ``x_i ← LN(ReLU(W [v̂; x_i] + b) + x_i)``.
 
     ``attended`` is ``[B, D]`` (one vector for all items, Eq. 8) or ``[B, L, D]`` (one per item, as X-Transformer's
     decoder updates each caption position with its own state).  ``dropout`` follows the ReLU (0.3 in the authors'
-    code, [NS] in the paper).
+    code; the paper does not state it).
     """
 
     def __init__(self, dim: int, dropout: float = 0.0):
@@ -170,16 +171,16 @@ class ItemUpdate(nn.Module):
 
 
 class XLinearLayer(nn.Module):
-    """One layer of the higher-order stack (P3 Eq. 7–8, SPEC §4.4): attend with the previous attended vector as
+    """One layer of the higher-order stack (X-LAN Eq. 7–8): attend with the previous attended vector as
     query, then update the keys and values with the new one,
 
     ``v̂^(m) = F_X-Linear(K^(m−1), V^(m−1), v̂^(m−1))``                                   (Eq. 7)
     ``k_i^(m) = LN(ReLU(W^k_m [v̂^(m); k_i^(m−1)]) + k_i^(m−1))``, ``v_i^(m)`` likewise with ``W^v_m``   (Eq. 8)
 
     so ``M`` stacked layers model ``2M``-th order interactions.  The residual needs ``D_B = D_k = D_v = dim``.
-    ``shared_kv_update`` (decision #23, the authors' code): keys and values stay one tensor, updated by a single
-    ``W_m`` — with ``K^(0) = V^(0)`` (X-LAN's encoder) the paper's separate ``W^k_m``/``W^v_m`` would make them
-    diverge.  ``output_dropout`` acts on ``v̂^(m)`` (0.5 in the authors' code).
+    ``shared_kv_update`` (the authors' code; docs/decisions.md#x-lan-key-and-value-update): keys and values stay
+    one tensor, updated by a single ``W_m`` — with ``K^(0) = V^(0)`` (X-LAN's encoder) the paper's separate
+    ``W^k_m``/``W^v_m`` would make them diverge.  ``output_dropout`` acts on ``v̂^(m)`` (0.5 in the authors' code).
     """
 
     def __init__(self, dim: int, channel_dim: int, heads: int, *, shared_kv_update: bool = True,

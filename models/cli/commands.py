@@ -1,6 +1,6 @@
 """``captioner`` subcommands that need only the models package: data, train, eval, caption, export, params.
 
-The console script itself lives in :mod:`service.cli`, which adds ``serve`` on top of these, so that models/
+The console script itself lives in :mod:`captioner.service.cli`, which adds ``serve`` on top of these, so that models/
 never imports service/.
 """
 
@@ -38,11 +38,21 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------------------
 def cmd_data_generate(args: argparse.Namespace) -> None:
-    from ..data.scenes import generate
+    from ..data.scenes import Variation, generate, is_current
 
     sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
-    path = generate(args.out, sizes, seed=args.seed, workers=args.workers)
+    variation = Variation() if args.varied else None
+    if args.if_stale and is_current(args.out, sizes, args.seed, variation):
+        print(f"{args.out} is up to date (same generator version, seed, sizes and variation)")
+        return
+    path = generate(args.out, sizes, seed=args.seed, workers=args.workers, variation=variation)
     print(f"wrote {path}")
+
+
+def cmd_data_ood(args: argparse.Namespace) -> None:
+    from ..data.ood import generate_ood
+
+    print(f"wrote {generate_ood(args.out, args.images, seed=args.seed)}")
 
 
 def cmd_data_regions(args: argparse.Namespace) -> None:
@@ -55,29 +65,92 @@ def cmd_data_regions(args: argparse.Namespace) -> None:
     print(f"wrote region features to {out}; train on them with --features regions:{out}")
 
 
-def cmd_train(args: argparse.Namespace) -> None:
-    from ..training import TrainConfig, TrainingInterrupted, train
+def _config_fields():
+    from dataclasses import fields
+    from typing import get_type_hints
 
-    model_args = _key_values(args.set)
+    from ..training import TrainConfig
+
+    hints = get_type_hints(TrainConfig)
+    return [(f, hints[f.name]) for f in fields(TrainConfig) if f.metadata.get("cli", True)]
+
+
+def _scalar_type(hint: Any) -> Any:
+    """``int | None`` → int; ``list[int]`` → int."""
+    import typing
+
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return args[0]
+    return args[0] if args else hint
+
+
+def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per :class:`TrainConfig` field, help from the field's metadata; defaults are the dataclass's
+    (shown, not restated): options left out are absent from the namespace, so a recipe's values stand unless a
+    flag overrides them."""
+    from dataclasses import MISSING
+
+    for f, hint in _config_fields():
+        meta = f.metadata
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
+                                                              else None)
+        help_text = meta.get("help", "")
+        if default not in (None, [], {}) and meta.get("kind") != "false":
+            help_text += f" (default: {default})"
+        kind = meta.get("kind")
+        common = dict(dest=f.name, help=help_text, default=argparse.SUPPRESS)
+        if kind == "keyvalue":
+            parser.add_argument(flag, action="append", metavar="KEY=VALUE", **common)
+        elif kind == "append":
+            parser.add_argument(flag, action="append", type=_scalar_type(hint), metavar=meta.get("metavar"), **common)
+        elif kind == "pair":
+            parser.add_argument(flag, nargs=2, type=_scalar_type(hint), metavar=("B1", "B2"), **common)
+        elif kind == "false":
+            parser.add_argument(flag, action="store_false", **common)
+        else:
+            parser.add_argument(flag, type=_scalar_type(hint), choices=meta.get("choices"), metavar=meta.get("metavar"),
+                                required=meta.get("required", False), **common)
+
+
+def train_config_from_args(args: argparse.Namespace):
+    """Config defaults ← the recipe (``--recipe``) ← the flags given."""
+    from ..training import TrainConfig, load_recipe
+
+    given = {f.name: getattr(args, f.name) for f, _ in _config_fields() if hasattr(args, f.name)}
+    for name in ("model_args", "encoder"):
+        if name in given:
+            given[name] = _key_values(given[name])
     if args.attention:
-        model_args["attention"] = args.attention
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
-    cfg = TrainConfig(dataset=str(dataset), out=args.out, model=args.model, model_args=model_args,
-                      image_root=args.image_root, encoder=_key_values(args.encoder), cache_dir=args.cache_dir,
-                      epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, lr_drops=args.lr_drop,
-                      lr_drop_factor=args.lr_drop_factor, min_count=args.min_count,
-                      label_smoothing=args.label_smoothing, seed=args.seed, device=args.device,
-                      threads=args.threads, max_steps=args.max_steps, train_limit=args.train_limit,
-                      val_limit=args.val_limit, select_metric=args.select_metric, phase=args.phase,
-                      init=args.init, features=args.features, scst_samples=args.scst_samples,
-                      scst_baseline=args.scst_baseline)
+        given.setdefault("model_args", {})["attention"] = args.attention
+    values: dict[str, Any] = {}
+    if given.get("recipe"):
+        try:
+            values = load_recipe(given["recipe"], given.get("phase"))
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    model_args = {**values.get("model_args", {}), **given.get("model_args", {})}
+    values.update(given)
+    if model_args:
+        values["model_args"] = model_args
+    return TrainConfig(**values)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from ..training import TrainingInterrupted, train
+
+    cfg = train_config_from_args(args)
     try:
         best = train(cfg, resume=args.resume)
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     print(f"best checkpoint: {best}")
 
 
@@ -96,6 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if dataset.is_dir():
         dataset = dataset / "dataset_scenes.json"
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size}
+    coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
         images = load_karpathy(dataset, args.image_root, (split,), limit=args.limit)
         if not images:
@@ -104,16 +178,34 @@ def cmd_eval(args: argparse.Namespace) -> None:
         features = args.features or ckpt.meta.get("train_config", {}).get("features")
         store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
         metrics = [m for m in ALL_METRICS if not (args.no_meteor and m == "METEOR")]
-        scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
-                                               device=str(device))
+        if args.grounding:
+            # one beam search gives both the captions that are scored and the attention rows that are grounded
+            from ..evaluation.evaluate import score_dataset
+            from ..evaluation.grounding import caption_with_attention, grounding_report
+
+            results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device))
+            captions = {im.image_id: r.tokens for im, r in zip(images, results)}
+            scores = score_dataset(captions, images, metrics)
+        else:
+            scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
+                                                   device=str(device))
         report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
+        if args.grounding:
+            report[split]["grounding"] = grounding_report(ckpt, images, results, dataset.parent,
+                                                          args.grounding_resamples)
         for im in images[: args.show]:
             print(f"  {im.path.name}: {' '.join(captions[im.image_id])}", file=sys.stderr)
+        # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid"
+        coco_results += [{"image_id": int(im.info.get("cocoid", im.image_id)), "caption": " ".join(captions[im.image_id])}
+                         for im in images]
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
+    if args.results_json:  # the COCO caption-evaluation results format
+        Path(args.results_json).write_text(json.dumps(coco_results) + "\n")
+        print(f"wrote {len(coco_results)} captions to {args.results_json}", file=sys.stderr)
 
 
 def _label(checkpoint: str | Path) -> str:
@@ -216,6 +308,30 @@ def cmd_card(args: argparse.Namespace) -> None:
     print(f"wrote {write_card(args.checkpoint, json.loads(Path(args.report).read_text()), args.title, notes)}")
 
 
+def cmd_plot(args: argparse.Namespace) -> None:
+    """Loss, learning rate and validation metrics of one or more training runs, overlaid, to a PNG."""
+    from ..training.curves import plot_runs
+
+    try:
+        print(f"wrote {plot_runs(args.runs, args.out, args.label)}")
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def cmd_manifest(args: argparse.Namespace) -> None:
+    """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
+    from ..checkpoint import CheckpointError, is_checkpoint, read_config, write_manifest
+
+    for folder in map(Path, args.checkpoints):
+        if not is_checkpoint(folder):
+            raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors)")
+        try:
+            read_config(folder)
+        except CheckpointError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        print(f"wrote {write_manifest(folder)}")
+
+
 def cmd_params(args: argparse.Namespace) -> None:
     from ..evaluation.params import parameter_table
 
@@ -234,7 +350,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--heldout", type=int, default=500)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--workers", type=int, default=2)
+    gen.add_argument("--varied", action="store_true",
+                     help="varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG): "
+                          "the training-time augmentation for robustness; write them to their own --out")
+    gen.add_argument("--if-stale", action="store_true",
+                     help="do nothing when --out already holds this generator version's dataset for these settings")
     gen.set_defaults(func=cmd_data_generate)
+    ood = data.add_parser("ood", help="the out-of-distribution test set: scenes drawn by a separate renderer "
+                          "(other canvases, backgrounds, colours, anti-aliasing, JPEG); split 'ood'")
+    ood.add_argument("--out", default=".cache/ood")
+    ood.add_argument("--images", type=int, default=500)
+    ood.add_argument("--seed", type=int, default=0)
+    ood.set_defaults(func=cmd_data_ood)
     reg = data.add_parser("regions", help="region features (.npz per image) for the generated scenes: object "
                           "masks pooled over the frozen encoder's grid, a detector stand-in")
     reg.add_argument("--dataset", default=DEFAULT_DATA, help="scene folder or its dataset_scenes.json")
@@ -244,41 +371,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     reg.add_argument("--device", default="auto")
     reg.set_defaults(func=cmd_data_regions)
 
-    tr = sub.add_parser("train", help="XE training with validation, best-checkpoint selection and resume")
-    tr.add_argument("--model", help="registered model name (see `captioner models`; default: sat, or --init's)")
-    tr.add_argument("--phase", choices=("xe", "scst"), default="xe",
-                    help="xe: cross-entropy (SAT-hard: its REINFORCE objective); scst: self-critical CIDEr-D")
-    tr.add_argument("--init", metavar="CHECKPOINT", help="start from this checkpoint's model, vocabulary and encoder "
-                    "(e.g. --phase scst --init runs/xe/best)")
-    tr.add_argument("--features", metavar="grid|regions:DIR",
-                    help="visual items: frozen-encoder grid (default) or precomputed region .npz files in DIR")
-    tr.add_argument("--scst-samples", type=int, default=5, help="captions sampled per image in SCST")
-    tr.add_argument("--scst-baseline", choices=("greedy", "mean"), default="greedy",
-                    help="SCST baseline: the greedy caption's reward (SPEC) or the mean of the other samples'"),
+    tr = sub.add_parser("train", help="XE or SCST training with validation, best-checkpoint selection and resume; "
+                        "paper schedules with --recipe; data-parallel under torchrun")
+    add_train_config_arguments(tr)
     tr.add_argument("--attention", help="attention normaliser for models that take one (softmax/sparsemax/tvmax)")
-    tr.add_argument("--dataset", default=DEFAULT_DATA, help="Karpathy-split JSON, or a folder holding dataset_scenes.json")
-    tr.add_argument("--image-root", help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
-    tr.add_argument("--out", required=True, help="run directory (best/, last/, train_state.*)")
-    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model hyper-parameter")
-    tr.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
-    tr.add_argument("--cache-dir", default=".cache/features")
-    tr.add_argument("--epochs", type=int, default=20)
-    tr.add_argument("--batch-size", type=int, default=64, help="captions (xe) or images (scst) per batch")
-    tr.add_argument("--lr", type=float, default=4e-4)
-    tr.add_argument("--lr-drop", type=int, action="append", default=[], metavar="EPOCH",
-                    help="after this many epochs multiply the learning rate by --lr-drop-factor (repeatable; "
-                         "with --resume, drops may be added ahead of the run)")
-    tr.add_argument("--lr-drop-factor", type=float, default=0.1)
-    tr.add_argument("--min-count", type=int, default=1, help="keep words seen at least this often")
-    tr.add_argument("--label-smoothing", type=float, default=0.0)
-    tr.add_argument("--select-metric", help="validation metric that picks best/: BLEU-1..4, CIDEr-D, or objects_named "
-                         "on generated scenes (default: the model's)")
-    tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--device", default="auto")
-    tr.add_argument("--threads", type=int)
-    tr.add_argument("--max-steps", type=int, help="stop after this many steps (smoke tests)")
-    tr.add_argument("--train-limit", type=int)
-    tr.add_argument("--val-limit", type=int)
     tr.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
     tr.set_defaults(func=cmd_train)
 
@@ -297,6 +393,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--device", default="auto")
     ev.add_argument("--threads", type=int)
     ev.add_argument("--output", help="also write the JSON report here")
+    ev.add_argument("--results-json", metavar="FILE",
+                    help='also write the captions in the COCO results format [{"image_id", "caption"}] here')
+    ev.add_argument("--grounding", action="store_true",
+                    help="also score attention grounding on the scenes' object masks: mass in object, pointing "
+                         "hit, area-normalised ratio per word class, with 95%% bootstrap intervals and chance rows")
+    ev.add_argument("--grounding-resamples", type=int, default=2000, help="bootstrap resamples over images")
     ev.set_defaults(func=cmd_eval, split=None)
 
     cap = sub.add_parser("caption", help="caption image files, optionally rendering the attention (no server)")
@@ -335,12 +437,91 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cd.add_argument("--notes", metavar="FILE", help="a Markdown file appended as the card's Notes section")
     cd.set_defaults(func=cmd_card)
 
+    pl = sub.add_parser("plot", help="training curves of runs (metrics.jsonl): loss, learning rate and validation "
+                        "metrics per epoch, several runs overlaid, to PNG")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="training run folders (--out of `captioner train`)")
+    pl.add_argument("--out", default="curves.png", help="PNG to write")
+    pl.add_argument("--label", action="append", help="legend name per run (default: the folder names)")
+    pl.set_defaults(func=cmd_plot)
+
+    mf = sub.add_parser("manifest", help="write the sha256 manifest.json that load_checkpoint verifies, for "
+                        "checkpoint folders whose files you trust")
+    mf.add_argument("checkpoints", nargs="+")
+    mf.set_defaults(func=cmd_manifest)
+
     pa = sub.add_parser("params", help="parameter counts of every model at the papers' sizes")
     pa.add_argument("--vocab-size", type=int, default=10369)
     pa.set_defaults(func=cmd_params)
 
+    zt = sub.add_parser("zoo-table", help="write docs/model_zoo.md's table of every checkpoint (and the grounding "
+                        "table and figure) from the checkpoints' training records and `captioner eval` reports")
+    zt.add_argument("--weights-dir", default="weights")
+    zt.add_argument("--results", default="docs/results", help="folder of eval reports NAME.json / NAME.*.json")
+    zt.add_argument("--document", default="docs/model_zoo.md", help="written between its zoo-table markers")
+    zt.add_argument("--figure", default="docs/figures/grounding.png")
+    zt.set_defaults(func=cmd_zoo_table)
+
     ls = sub.add_parser("models", help="list registered model architectures")
     ls.set_defaults(func=cmd_models)
+    add_interop_commands(sub, data)
+
+
+def add_interop_commands(sub: argparse._SubParsersAction, data: argparse._SubParsersAction) -> None:
+    """``captioner import`` (the authors' checkpoints) and ``captioner data features`` (fill the feature store)."""
+    im = sub.add_parser("import", help="convert an author-released checkpoint into this project's format")
+    im.add_argument("kind", choices=["aoanet"], help="aoanet: github.com/husthuaan/AoANet model-best.pth + infos")
+    im.add_argument("--weights", required=True, help="the authors' .pth (read with torch.load(weights_only=True))")
+    im.add_argument("--infos", required=True, help="AoANet's infos_*.pkl (read with a restricted unpickler)")
+    im.add_argument("--out", required=True, help="checkpoint folder to write")
+    im.set_defaults(func=cmd_import)
+    fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
+                                          "run once before multi-machine training)")
+    fe.add_argument("--dataset", default=DEFAULT_DATA, help="Karpathy JSON, or a folder with dataset_scenes.json")
+    fe.add_argument("--image-root")
+    fe.add_argument("--split", action="append", help="split(s) to extract (default: all)")
+    fe.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
+    fe.add_argument("--cache-dir", default=".cache/features")
+    fe.add_argument("--batch-size", type=int, default=32)
+    fe.add_argument("--shard-size", type=int, default=1024)
+    fe.add_argument("--device", default="auto")
+    fe.set_defaults(func=cmd_data_features)
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from ..checkpoint import save_checkpoint
+    from ..encoder import EncoderSpec
+    from ..interop.aoanet import ConversionError, convert_aoanet
+    from ..interop.safe_pickle import UnsafePickleError
+
+    try:
+        model, vocab, meta = convert_aoanet(args.weights, args.infos)
+    except (ConversionError, UnsafePickleError, FileNotFoundError) as error:
+        raise SystemExit(f"error: {error}") from None
+    out = save_checkpoint(args.out, model, vocab, EncoderSpec(), meta)
+    print(f"wrote {out} ({model.arch}, {len(vocab)} tokens); evaluate it with "
+          f"captioner eval {out} --features regions:DIR")
+
+
+def cmd_data_features(args: argparse.Namespace) -> None:
+    from ..data.features import extract_features
+    from ..data.karpathy import load_karpathy
+    from ..device import resolve_device
+    from ..encoder import EncoderSpec
+
+    dataset = Path(args.dataset)
+    if dataset.is_dir():
+        dataset = dataset / "dataset_scenes.json"
+    images = load_karpathy(dataset, args.image_root, tuple(args.split) if args.split else None)
+    store = extract_features(images, EncoderSpec(**_key_values(args.encoder)), args.cache_dir,
+                             batch_size=args.batch_size, device=str(resolve_device(args.device)),
+                             shard_size=args.shard_size)
+    print(f"{len(store)} images in {store.folder}")
+
+
+def cmd_zoo_table(args: argparse.Namespace) -> None:
+    from ..evaluation.zoo_table import write_zoo
+
+    print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure)))
 
 
 def cmd_models(args: argparse.Namespace) -> None:

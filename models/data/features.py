@@ -1,18 +1,41 @@
-"""On-disk cache of frozen-encoder grid features for training and evaluation.
+"""On-disk store of frozen-encoder grid features: float16, sharded, memory-mapped, resumable, shared by DDP ranks.
 
-Features are stored as one float16 ``.npy`` per (encoder spec, image list), memory-mapped at read time.  The
-file is filled in chunks next to a ``.progress`` counter, so an interrupted extraction resumes where it stopped,
-and it only gets its final name once complete.
+Layout of one store (one folder per encoder spec + image list, named by :func:`_cache_name`)::
 
-Training and evaluation reach this cache, or precomputed region features, through
+    <cache_dir>/<backbone>-<layer>-<size>-<digest>/
+        shard-00000.npy    float16 [≤ shard_size, rows, feat_dim]   plain .npy (no pickle), memory-mapped to read
+        shard-00001.npy
+        ...
+        index.json         format, encoder spec, item shape, shard files, key → [shard, row]; written last
+
+* **Incremental, resumable.**  Shard ``j`` holds images ``j·S … (j+1)·S − 1`` of the list.  It is filled in a
+  ``shard-0000j.partial.npy`` and renamed to its final name once complete (an atomic rename), so a finished
+  shard file is always whole.  An interrupted extraction (crash, Ctrl-C, preemption) keeps its finished shards
+  and the next run encodes only the missing ones; at most one shard of work is lost.
+* **Completion marker.**  ``index.json`` is written (atomically) after the last shard: a store without it is
+  unfinished and is never read.
+* **Read without loading.**  :class:`FeatureStore` maps each shard with ``np.load(mmap_mode="r")`` on first use
+  and copies only the rows of a batch; memory stays at the page cache, which the OS shares between processes.
+* **DDP.**  Only global rank 0 extracts (holding an ``fcntl`` lock on ``extract.lock``, which also keeps two
+  unrelated processes from writing the same store); the other ranks poll for ``index.json`` and then map the same
+  files.  If rank 0 fails it leaves ``failed.json`` and the waiting ranks stop with its message instead of
+  waiting forever.  Ranks must see the same ``cache_dir`` (one machine, or a shared filesystem); on several
+  machines without one, extract first with ``captioner data features``.
+
+Bytes per image and read throughput are measured by ``benchmarks/bench_feature_store.py``
+(docs/feature_store.md).  Training and evaluation reach this store, or precomputed region features, through
 :func:`captioner.models.data.stores.open_feature_store`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +46,65 @@ from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
 
+FORMAT = "attention-captioner-features/2"
+INDEX, FAILED, LOCK = "index.json", "failed.json", "extract.lock"
+#: images per shard: 1,024 COCO images at 16×16×472 float16 make a 247 MB file
+DEFAULT_SHARD_SIZE = 1024
+
+
+class FeatureStoreError(RuntimeError):
+    """A feature store is unfinished, of an unknown format, or its extraction failed on another rank."""
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}.npy"
+
 
 class FeatureStore:
-    def __init__(self, array: np.ndarray, keys: Sequence[str]):
-        self.array = array
-        self.row_of = {key: row for row, key in enumerate(keys)}
+    """A finished store, read through memory maps: ``store.batch(keys)`` copies only those images' rows."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        try:
+            index = json.loads((self.folder / INDEX).read_text())
+        except FileNotFoundError:
+            raise FeatureStoreError(f"{self.folder} is not a finished feature store: {INDEX} is missing") from None
+        if index.get("format") != FORMAT:
+            raise FeatureStoreError(f"{self.folder}: unknown feature store format {index.get('format')!r}")
+        self.item_shape = tuple(index["item_shape"])
+        self.shard_files = [self.folder / name for name in index["shards"]]
+        self.location: dict[str, tuple[int, int]] = {key: (s, r) for key, (s, r) in index["index"].items()}
+        self.encoder = index.get("encoder")
+        self._shards: list[np.ndarray | None] = [None] * len(self.shard_files)
 
     @property
     def feat_dim(self) -> int:
-        return int(self.array.shape[-1])
+        return int(self.item_shape[-1])
+
+    def __len__(self) -> int:
+        return len(self.location)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.location
+
+    def shard(self, number: int) -> np.ndarray:
+        if self._shards[number] is None:  # mapped on first use; nothing is read until rows are indexed
+            self._shards[number] = np.load(self.shard_files[number], mmap_mode="r", allow_pickle=False)
+        return self._shards[number]
+
+    def get_numpy(self, keys: Sequence[str]) -> np.ndarray:
+        """float16 ``[len(keys), rows, feat_dim]`` in the order of ``keys``; reads shard by shard in row order."""
+        out = np.empty((len(keys), *self.item_shape), dtype=np.float16)
+        where = np.array([self.location[k] for k in keys], dtype=np.int64).reshape(len(keys), 2)
+        for number in np.unique(where[:, 0]):
+            positions = np.nonzero(where[:, 0] == number)[0]
+            rows = where[positions, 1]
+            order = np.argsort(rows)  # ascending rows: the OS reads ahead instead of seeking back and forth
+            out[positions[order]] = self.shard(int(number))[rows[order]]
+        return out
 
     def get(self, keys: Sequence[str]) -> torch.Tensor:
-        rows = [self.row_of[k] for k in keys]
-        return torch.from_numpy(np.asarray(self.array[rows], dtype=np.float32))
+        return torch.from_numpy(self.get_numpy(keys).astype(np.float32))
 
     def batch(self, keys: Sequence[str]) -> VisualBatch:
         """Every image has the same grid, so nothing is padded and the mask is all True."""
@@ -53,32 +122,119 @@ def _cache_name(spec: EncoderSpec, keys: Sequence[str]) -> str:
     return f"{spec.backbone}-{spec.layer}-{spec.image_size}-{digest}"
 
 
+def distributed_rank() -> int:
+    """The global rank under ``torchrun`` (0 outside it): from the process group if it is up, else ``RANK``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another process extracts into the same folder
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_json_atomically(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str]) -> FeatureStore | None:
+    """A finished store in ``cache_dir`` of the same encoder spec that holds every key, if there is one: a store
+    of all splits serves training (train + val) and evaluation (test) alike."""
+    prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
+    for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
+        try:
+            store = FeatureStore(index.parent)
+        except (FeatureStoreError, ValueError, KeyError):
+            continue
+        if store.encoder == spec.to_json() and all(key in store.location for key in keys):
+            return store
+    return None
+
+
+def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = None) -> FeatureStore:
+    """What ranks other than 0 do: wait for rank 0's completion marker (``index.json``) or failure marker."""
+    start, started_at = time.monotonic(), time.time()
+    while not (folder / INDEX).exists():
+        try:  # a failure marker from an earlier run (older than this wait by a minute) is rank 0's to clear
+            failed = folder / FAILED
+            if failed.stat().st_mtime > started_at - 60:
+                raise FeatureStoreError(f"feature extraction into {folder} failed on rank 0: "
+                                        f"{json.loads(failed.read_text()).get('error')}")
+        except FileNotFoundError:  # no marker, or rank 0 removed it while this rank looked
+            pass
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise FeatureStoreError(f"waited {timeout_s:.0f} s for rank 0 to finish {folder / INDEX}")
+        time.sleep(poll_s)
+    return FeatureStore(folder)
+
+
 def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_dir: str | Path,
                      batch_size: int = 32, device: str = "cpu", encoder: GridEncoder | None = None,
-                     progress: bool = True) -> FeatureStore:
+                     progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE, rank: int | None = None,
+                     wait_timeout_s: float | None = None) -> FeatureStore:
+    """The store of ``spec``'s grid features for ``images`` in ``cache_dir``, extracted (or finished) first if
+    needed.  ``rank`` defaults to the DDP rank: rank 0 extracts, the others wait for it."""
     keys = [im.key for im in images]
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    final = cache_dir / f"{_cache_name(spec, keys)}.npy"
-    if final.exists():
-        return FeatureStore(np.load(final, mmap_mode="r"), keys)
+    folder = Path(cache_dir) / _cache_name(spec, keys)
+    if (folder / INDEX).exists():
+        return FeatureStore(folder)
+    covering = find_covering_store(cache_dir, spec, keys)
+    if covering is not None:  # e.g. all splits extracted once by `captioner data features`
+        return covering
+    folder.mkdir(parents=True, exist_ok=True)
+    if (distributed_rank() if rank is None else rank) != 0:
+        return wait_for_store(folder, timeout_s=wait_timeout_s)
+    with _exclusive(folder / LOCK):
+        if (folder / INDEX).exists():  # another process finished it while this one waited for the lock
+            return FeatureStore(folder)
+        (folder / FAILED).unlink(missing_ok=True)
+        try:
+            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size)
+        except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
+            _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
+            raise
+    return FeatureStore(folder)
 
-    encoder = (encoder or GridEncoder(spec)).to(device)
+
+def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
+                    device: str, encoder: GridEncoder | None, progress: bool, shard_size: int) -> None:
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
+    shards = [list(range(start, min(start + shard_size, len(images))))
+              for start in range(0, len(images), shard_size)]
+    done = [(folder / shard_name(j)).exists() for j in range(len(shards))]
     rows, cols = spec.grid_hw
-    shape = (len(images), rows * cols, encoder.feat_dim)
-    partial, counter = final.with_suffix(".partial.npy"), final.with_suffix(".progress")
-    done = int(counter.read_text()) if partial.exists() and counter.exists() else 0
-    mode = "r+" if done else "w+"
-    array = np.lib.format.open_memmap(partial, mode=mode, dtype=np.float16, shape=shape)
-    with tqdm(total=len(images), initial=done, desc="encoding images", unit="img", disable=not progress) as bar:
-        for start in range(done, len(images), batch_size):
-            chunk = images[start:start + batch_size]
-            pixels = torch.stack([preprocess(load_image(im.path), spec)[0] for im in chunk]).to(device)
-            array[start:start + len(chunk)] = encoder(pixels).cpu().numpy().astype(np.float16)
+    model = None
+    with tqdm(total=len(images), initial=sum(len(s) for s, d in zip(shards, done) if d), desc="encoding images",
+              unit="img", disable=not progress) as bar:
+        for number, members in enumerate(shards):
+            if done[number]:
+                continue
+            if model is None:  # a finished store needs no encoder at all
+                model = (encoder or GridEncoder(spec)).to(device).eval()
+            partial = folder / f"shard-{number:05d}.partial.npy"
+            array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16,
+                                              shape=(len(members), rows * cols, model.feat_dim))
+            for start in range(0, len(members), batch_size):
+                chunk = [images[i] for i in members[start:start + batch_size]]
+                pixels = torch.stack([preprocess(load_image(im.path), spec)[0] for im in chunk]).to(device)
+                with torch.no_grad():
+                    array[start:start + len(chunk)] = model(pixels).float().cpu().numpy().astype(np.float16)
+                bar.update(len(chunk))
             array.flush()
-            counter.write_text(str(start + len(chunk)))
-            bar.update(len(chunk))
-    del array
-    partial.replace(final)
-    counter.unlink(missing_ok=True)
-    return FeatureStore(np.load(final, mmap_mode="r"), keys)
+            del array
+            os.replace(partial, folder / shard_name(number))  # the shard is complete: it gets its final name
+    first = np.load(folder / shard_name(0), mmap_mode="r") if shards else np.zeros((0, rows * cols, 0), np.float16)
+    index = {im.key: [j // shard_size, j % shard_size] for j, im in enumerate(images)}
+    _write_json_atomically(folder / INDEX, {
+        "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
+        "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
+        "index": index})

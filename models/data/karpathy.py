@@ -32,7 +32,8 @@ class CaptionedImage:
 
 def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
                   max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
-    """Images of the requested splits with at most ``max_refs`` references each (the first ones, SPEC §1.2).
+    """Images of the requested splits with at most ``max_refs`` references each, the first ones
+    (docs/decisions.md#tokenizer-and-caption-length).
 
     ``image_root`` defaults to the JSON's folder; an image lives at ``image_root/filepath/filename``.
     """

@@ -1,5 +1,5 @@
-"""Region features read from precomputed files, bottom-up style (SPEC §1.3: AoANet / X-LAN / X-Transformer use
-a variable number of Faster R-CNN regions per image, each with its box in original-image pixels).
+"""Region features read from precomputed files, bottom-up style (AoANet §3.4 and X-LAN §4.1 use a variable number of
+Faster R-CNN regions per image, each with its box in original-image pixels).
 
 On-disk format: one folder holding one ``.npz`` per image, named after the image file without its extension
 (Karpathy JSON ``filename``: ``COCO_val2014_000000391895.npz``, ``scene_000042.npz``) or, failing that, after
@@ -13,8 +13,8 @@ the numeric image id (``391895.npz``, the layout of the common bottom-up convers
 the features came from (``format``, ``feat_dim``, ``source``, ``encoder``).  A row of the bottom-up-attention
 TSV (``image_w``, ``image_h``, ``boxes``, ``features``) maps one to one onto a file: see :func:`save_regions`.
 
-:class:`RegionStore` pads a batch to its largest ``N`` with a mask (SPEC §8.1) and gives every image a
-``Geometry(kind="regions")`` with its own boxes, so heatmaps follow the regions (``region_sum`` / ``top1_box``).
+:class:`RegionStore` pads a batch to its largest ``N`` with a mask (docs/decisions.md#masked-items) and gives every
+image a ``Geometry(kind="regions")`` with its own boxes, so heatmaps follow the regions (``region_sum`` / ``top1_box``).
 
 :func:`write_scene_regions` (``captioner data regions``) makes such a folder for the generated scenes without a
 detector: each object's box from its mask, with the frozen encoder's grid features averaged over the object's

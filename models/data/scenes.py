@@ -12,11 +12,12 @@ The dataset is written in the Karpathy split JSON layout (``dataset_coco.json``:
 
 from __future__ import annotations
 
+import colorsys
 import json
 import math
 import random
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,22 @@ HELDOUT_COMBOS = frozenset({("red", "triangle"), ("green", "star"), ("blue", "di
                             ("yellow", "circle"), ("purple", "square")})
 NUMBER_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
 SPLITS = ("train", "val", "test", "heldout")
+#: bumped whenever the images or references a seed produces change, so that `captioner data generate --if-stale`
+#: (and `make data`) rewrite a dataset made by an older generator.  2: "an" before vowel sounds ("an orange circle")
+GENERATOR_VERSION = 2
+#: words that begin with a vowel letter but a consonant sound ("a unit") or the reverse ("an hour"): none of the
+#: generator's words today, listed so that a new colour or shape word gets the right article without a code change
+_ARTICLE_EXCEPTIONS = {"one": "a", "unit": "a", "unique": "a", "uniform": "a", "user": "a", "hour": "an",
+                       "honest": "an"}
+
+
+def article(next_word: str) -> str:
+    """The indefinite article for the word that follows it: "an" before a vowel sound ("an orange circle"),
+    "a" otherwise ("a large orange circle": the article agrees with the word right after it)."""
+    word = next_word.lower()
+    if word in _ARTICLE_EXCEPTIONS:
+        return _ARTICLE_EXCEPTIONS[word]
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 @dataclass
@@ -77,22 +94,53 @@ def _sample_combos(rng: random.Random, heldout: bool) -> list[tuple[str, str]]:
     return [g for g, n in zip(groups, counts) for _ in range(n)]
 
 
-def _place(rng: random.Random, radius: float, placed: list[SceneObject]) -> tuple[float, float] | None:
+@dataclass(frozen=True)
+class Variation:
+    """How far a *varied* scene departs from the classic 256×256 one (``captioner data generate --varied``): the
+    training-time augmentation for robustness beyond the generator's own look.  Features are cached per image, so
+    the augmentation is drawn into the images once, each image with its own canvas, colours, noise and JPEG.
+
+    The words of the references are unchanged (same vocabulary); sizes "small" / "large" are relative to the
+    canvas's shorter side, and places ("on the left") to the canvas's own width and height.
+    """
+
+    classic_share: float = 0.25  # images on the classic 256×256 canvas (still with the other variations)
+    side: tuple[int, int] = (160, 400)  # geometric mean of width and height, pixels
+    aspect: tuple[float, float] = (0.5, 2.0)  # width / height; < 1 is portrait
+    small: tuple[float, float] = (0.045, 0.095)  # circumradius ÷ shorter side (classic: 0.066–0.086)
+    large: tuple[float, float] = (0.11, 0.19)  # classic: 0.125–0.156
+    # colour jitter in HSV, so a shade never drifts toward a neighbouring name (orange's hue sits 0.07 from both
+    # red's and yellow's); the classic generator jitters ±15 per RGB channel
+    hue_jitter: float = 0.02
+    saturation: tuple[float, float] = (0.75, 1.0)
+    value: tuple[float, float] = (0.85, 1.1)  # darker turns yellow olive and orange brown
+    channel_jitter: int = 10  # ± per RGB channel on top
+    noise: tuple[float, float] = (0.0, 25.0)  # Gaussian noise σ range (classic: 2–10)
+    rotation: float = 15.0  # ± degrees for polygons
+    supersample: tuple[int, ...] = (1, 3, 4)  # 1 = aliased edges as in the classic generator
+    jpeg_quality: tuple[int, int] = (35, 95)
+
+
+def _place(rng: random.Random, radius: float, placed: list[SceneObject],
+           canvas: tuple[int, int] = (CANVAS, CANVAS)) -> tuple[float, float] | None:
     margin = radius + 4
+    width, height = canvas
     for _ in range(200):
-        x, y = rng.uniform(margin, CANVAS - margin), rng.uniform(margin, CANVAS - margin)
+        x, y = rng.uniform(margin, width - margin), rng.uniform(margin, height - margin)
         if all(math.hypot(x - o.x, y - o.y) > radius + o.radius + 8 for o in placed):
             return x, y
     return None
 
 
-def sample_scene(rng: random.Random, heldout: bool) -> tuple[list[SceneObject], str]:
+def sample_scene(rng: random.Random, heldout: bool, canvas: tuple[int, int] = (CANVAS, CANVAS),
+                 sizes: dict[str, tuple[float, float]] | None = None) -> tuple[list[SceneObject], str]:
+    sizes = sizes or SIZES
     while True:
         objects: list[SceneObject] = []
         for colour, shape in _sample_combos(rng, heldout):
-            size = rng.choice(list(SIZES))
-            radius = rng.uniform(*SIZES[size])
-            spot = _place(rng, radius, objects)
+            size = rng.choice(list(sizes))
+            radius = rng.uniform(*sizes[size])
+            spot = _place(rng, radius, objects, canvas)
             if spot is None:
                 break
             objects.append(SceneObject(shape, colour, size, *spot, radius))
@@ -103,10 +151,12 @@ def sample_scene(rng: random.Random, heldout: bool) -> tuple[list[SceneObject], 
 # ---------------------------------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------------------------------
-def _polygon(obj: SceneObject) -> list[tuple[float, float]]:
+def _polygon(obj: SceneObject, scale: float = 1.0, rotation: float = 0.0) -> list[tuple[float, float]]:
+    """The shape's vertices; ``scale`` maps to a supersampled canvas, ``rotation`` (radians) turns it."""
     def ring(n: int, radius_at, phase: float) -> list[tuple[float, float]]:
-        return [(obj.x + radius_at(i) * math.cos(phase + 2 * math.pi * i / n),
-                 obj.y + radius_at(i) * math.sin(phase + 2 * math.pi * i / n)) for i in range(n)]
+        phase += rotation
+        return [(scale * (obj.x + radius_at(i) * math.cos(phase + 2 * math.pi * i / n)),
+                 scale * (obj.y + radius_at(i) * math.sin(phase + 2 * math.pi * i / n))) for i in range(n)]
 
     r = obj.radius
     if obj.shape == "square":
@@ -120,11 +170,13 @@ def _polygon(obj: SceneObject) -> list[tuple[float, float]]:
     raise ValueError(obj.shape)
 
 
-def _background(rng: random.Random, kind: str) -> Image.Image:
+def _background(rng: random.Random, kind: str, canvas: tuple[int, int] = (CANVAS, CANVAS),
+                noise: tuple[float, float] = (2.0, 10.0)) -> Image.Image:
     # muted colours (low saturation) so that the saturated object colours stay unambiguous
     base = np.array([rng.randint(90, 200)] * 3) + np.array([rng.randint(-20, 20) for _ in range(3)])
     other = np.clip(base + rng.choice([-1, 1]) * rng.randint(30, 55), 0, 255)
-    yy, xx = np.mgrid[0:CANVAS, 0:CANVAS]
+    width, height = canvas
+    yy, xx = np.mgrid[0:height, 0:width]
     if kind == "striped":
         period = rng.randint(10, 24)
         direction = rng.choice([(1, 0), (0, 1), (1, 1), (1, -1)])
@@ -136,9 +188,10 @@ def _background(rng: random.Random, kind: str) -> Image.Image:
         step = rng.randint(12, 20)
         pattern = ((xx % step - step / 2) ** 2 + (yy % step - step / 2) ** 2) < (step / 5) ** 2
     else:
-        pattern = np.zeros((CANVAS, CANVAS), dtype=bool)
+        pattern = np.zeros((height, width), dtype=bool)
     pixels = np.where(pattern[..., None], other, base).astype(np.float32)
-    pixels += np.asarray(rng.random() * 8 + 2) * np.random.default_rng(rng.getrandbits(32)).standard_normal(pixels.shape)
+    sigma = rng.random() * (noise[1] - noise[0]) + noise[0]
+    pixels += np.asarray(sigma) * np.random.default_rng(rng.getrandbits(32)).standard_normal(pixels.shape)
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
@@ -160,6 +213,52 @@ def render(objects: list[SceneObject], background: str, rng: random.Random) -> t
     return image, mask
 
 
+def _jittered_colour(rng: random.Random, name: str, variation: Variation) -> tuple[int, int, int]:
+    hue, saturation, value = colorsys.rgb_to_hsv(*(v / 255 for v in COLOURS[name]))
+    hue = (hue + rng.uniform(-variation.hue_jitter, variation.hue_jitter)) % 1.0
+    saturation = min(1.0, saturation * rng.uniform(*variation.saturation))
+    value = min(1.0, value * rng.uniform(*variation.value))
+    jitter = variation.channel_jitter
+    return tuple(int(np.clip(255 * v + rng.randint(-jitter, jitter), 0, 255))
+                 for v in colorsys.hsv_to_rgb(hue, saturation, value))
+
+
+def render_varied(objects: list[SceneObject], background: str, rng: random.Random, canvas: tuple[int, int],
+                  variation: Variation) -> tuple[Image.Image, Image.Image]:
+    """A varied scene: stronger colour jitter and background noise, turned polygons and, when supersampled,
+    anti-aliased edges (drawn at ``k``× and reduced with a box filter).  The label mask is drawn at 1× from the
+    same geometry, so each object's mask is its hard (non-anti-aliased) footprint."""
+    width, height = canvas
+    k = rng.choice(variation.supersample)
+    image = _background(rng, background, canvas, variation.noise)
+    layer = image.resize((width * k, height * k), Image.NEAREST) if k > 1 else image
+    mask = Image.new("L", canvas, 0)
+    draw, draw_mask = ImageDraw.Draw(layer), ImageDraw.Draw(mask)
+    for index, obj in enumerate(objects):
+        colour = _jittered_colour(rng, obj.colour, variation)
+        if obj.shape == "circle":
+            box = [obj.x - obj.radius, obj.y - obj.radius, obj.x + obj.radius, obj.y + obj.radius]
+            draw.ellipse([v * k for v in box], fill=colour)
+            draw_mask.ellipse(box, fill=index + 1)
+        else:
+            turn = math.radians(rng.uniform(-variation.rotation, variation.rotation))
+            draw.polygon(_polygon(obj, k, turn), fill=colour)
+            draw_mask.polygon(_polygon(obj, 1.0, turn), fill=index + 1)
+    if k > 1:
+        # the background keeps its own (1×) noise: NEAREST up then BOX down returns it unchanged
+        image = layer.resize(canvas, Image.BOX)
+    return image, mask
+
+
+def sample_varied_canvas(rng: random.Random, variation: Variation) -> tuple[int, int]:
+    """A canvas of varied size and aspect ratio (portrait included), or the classic square."""
+    if rng.random() < variation.classic_share:
+        return CANVAS, CANVAS
+    side = rng.uniform(*variation.side)
+    aspect = math.exp(rng.uniform(math.log(variation.aspect[0]), math.log(variation.aspect[1])))
+    return max(64, round(side * math.sqrt(aspect))), max(64, round(side / math.sqrt(aspect)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Captions
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,12 +275,13 @@ def _groups(objects: list[SceneObject]) -> list[list[int]]:
 
 def _phrase(objects: list[SceneObject], ids: list[int], with_size: bool) -> Words:
     obj = objects[ids[0]]
-    words = [NUMBER_WORDS[len(ids)]]
+    words = []
     sizes = {objects[i].size for i in ids}
     if with_size and len(sizes) == 1:
         words.append(obj.size)
     words += [obj.colour, obj.shape + ("es" if obj.shape.endswith("s") else "s") * (len(ids) > 1)]
-    return [(w, list(ids)) for w in words]
+    count = article(words[0]) if len(ids) == 1 else NUMBER_WORDS[len(ids)]
+    return [(w, list(ids)) for w in [count] + words]
 
 
 def _listing(objects: list[SceneObject], groups: list[list[int]], with_size: bool = False) -> Words:
@@ -201,7 +301,16 @@ def _centre(objects: list[SceneObject], ids: list[int]) -> tuple[float, float]:
     return float(np.mean([objects[i].x for i in ids])), float(np.mean([objects[i].y for i in ids]))
 
 
-def _relation(objects: list[SceneObject], groups: list[list[int]]) -> Words:
+def _place_phrase(vertical: str, horizontal: str) -> str:
+    """Where one group sits, in idiomatic English: "in the top left", "at the top", "on the left", "in the
+    centre" (never "in the middle left" or "in the top centre")."""
+    if vertical == "middle":
+        return "in the centre" if horizontal == "centre" else f"on the {horizontal}"
+    return f"at the {vertical}" if horizontal == "centre" else f"in the {vertical} {horizontal}"
+
+
+def _relation(objects: list[SceneObject], groups: list[list[int]],
+              canvas: tuple[int, int] = (CANVAS, CANVAS)) -> Words:
     """A spatial phrase: two groups → "A to the left of / above B"; one → its place; more → left to right."""
     if len(groups) == 2:
         (ax, ay), (bx, by) = _centre(objects, groups[0]), _centre(objects, groups[1])
@@ -211,22 +320,24 @@ def _relation(objects: list[SceneObject], groups: list[list[int]]) -> Words:
         return _phrase(objects, groups[0], False) + _plain("to the left of") + _phrase(objects, groups[1], False)
     if len(groups) == 1:
         x, y = _centre(objects, groups[0])
-        vertical = "top" if y < CANVAS / 3 else "bottom" if y > 2 * CANVAS / 3 else "middle"
-        horizontal = "left" if x < CANVAS / 3 else "right" if x > 2 * CANVAS / 3 else "centre"
-        place = "in the centre" if (vertical, horizontal) == ("middle", "centre") else f"in the {vertical} {horizontal}"
-        return _phrase(objects, groups[0], False) + _plain(place)
+        width, height = canvas
+        vertical = "top" if y < height / 3 else "bottom" if y > 2 * height / 3 else "middle"
+        horizontal = "left" if x < width / 3 else "right" if x > 2 * width / 3 else "centre"
+        return _phrase(objects, groups[0], False) + _plain(_place_phrase(vertical, horizontal))
     return _listing(objects, groups) + _plain("from left to right")
 
 
-def captions_for(objects: list[SceneObject], background: str, rng: random.Random) -> list[Words]:
+def captions_for(objects: list[SceneObject], background: str, rng: random.Random,
+                 canvas: tuple[int, int] = (CANVAS, CANVAS)) -> list[Words]:
+    """Five references; ``canvas`` (width, height) places a lone group ("in the top left")."""
     groups = _groups(objects)
     listing = _listing(objects, groups)
     n = len(objects)
     count = _plain(f"{'one' if n == 1 else NUMBER_WORDS[n]} {'shape' if n == 1 else 'shapes'}")
     return [
         listing,
-        listing + _plain(f"on a {background} background"),
-        _relation(objects, groups),
+        listing + _plain(f"on {article(background)} {background} background"),
+        _relation(objects, groups, canvas),
         _plain("there is" if len(groups[0]) == 1 else "there are") + listing + _plain("in the picture"),
         count + _plain(rng.choice(["with", "showing"])) + _listing(objects, groups, with_size=True),
     ]
@@ -235,30 +346,61 @@ def captions_for(objects: list[SceneObject], background: str, rng: random.Random
 # ---------------------------------------------------------------------------------------------------------------
 # Writing the dataset
 # ---------------------------------------------------------------------------------------------------------------
-def _make_image(args: tuple[int, str, int, str]) -> dict:
-    index, split, seed, out_dir = args
-    rng = random.Random(f"{seed}:{index}")  # one stream per image: deterministic and order-free
-    objects, background = sample_scene(rng, heldout=(split == "heldout"))
-    image, mask = render(objects, background, rng)
+def _make_image(args: tuple[int, str, int, str, Variation | None]) -> dict:
+    index, split, seed, out_dir, variation = args
+    if variation is None:
+        rng = random.Random(f"{seed}:{index}")  # one stream per image: deterministic and order-free
+        canvas = (CANVAS, CANVAS)
+        objects, background = sample_scene(rng, heldout=(split == "heldout"))
+        image, mask = render(objects, background, rng)
+        quality = 95
+    else:
+        rng = random.Random(f"{seed}:{index}:varied")  # other scenes than the classic dataset of the same seed
+        canvas = sample_varied_canvas(rng, variation)
+        short = min(canvas)
+        sizes = {"small": tuple(f * short for f in variation.small), "large": tuple(f * short for f in variation.large)}
+        objects, background = sample_scene(rng, heldout=(split == "heldout"), canvas=canvas, sizes=sizes)
+        image, mask = render_varied(objects, background, rng, canvas, variation)
+        quality = rng.randint(*variation.jpeg_quality)
     filename = f"scene_{index:06d}.jpg"
-    image.save(Path(out_dir) / "images" / filename, quality=95)
+    image.save(Path(out_dir) / "images" / filename, quality=quality)
     mask.save(Path(out_dir) / "masks" / filename.replace(".jpg", ".png"))
     sentences = []
-    for j, words in enumerate(captions_for(objects, background, rng)):
+    for j, words in enumerate(captions_for(objects, background, rng, canvas)):
         tokens = [w for w, _ in words]
         sentences.append({"tokens": tokens, "raw": " ".join(tokens), "imgid": index, "sentid": index * 5 + j,
                           "token_objects": [ids for _, ids in words]})
     return {"filepath": "images", "filename": filename, "imgid": index, "split": split,
             "sentids": [s["sentid"] for s in sentences], "sentences": sentences,
             "mask": f"masks/{filename.replace('.jpg', '.png')}", "background": background,
-            "objects": [o.to_json() for o in objects]}
+            "canvas": list(canvas), "objects": [o.to_json() for o in objects]}
+
+
+def dataset_header(seed: int, sizes: dict[str, int], variation: Variation | None) -> dict:
+    """What determines a dataset's content: compared by :func:`is_current` to skip an up-to-date regeneration."""
+    return {"dataset": "scenes", "generator_version": GENERATOR_VERSION, "seed": seed,
+            "sizes": {split: int(sizes.get(split, 0)) for split in SPLITS},
+            "variation": None if variation is None else asdict(variation)}
+
+
+def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variation: Variation | None = None) -> bool:
+    """Whether ``out_dir`` already holds the dataset this generator version would write for these settings."""
+    path = Path(out_dir) / "dataset_scenes.json"
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    header = dataset_header(seed, sizes, variation)
+    return all(data.get(key) == value for key, value in header.items())
 
 
 def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int = 0, workers: int = 1,
-             progress: bool = True) -> Path:
+             progress: bool = True, variation: Variation | None = None) -> Path:
     """Write images, masks and ``dataset_scenes.json`` to ``out_dir``; returns the JSON path.
 
-    The same ``seed`` and ``sizes`` always give byte-identical annotations and identical pixels.
+    The same ``seed``, ``sizes`` and ``variation`` always give byte-identical annotations and identical pixels.
+    ``variation`` draws varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG):
+    the training-time augmentation, written to its own folder so no feature cache mixes the two.
     """
     sizes = sizes or {"train": 6000, "val": 500, "test": 500, "heldout": 500}
     unknown = set(sizes) - set(SPLITS)
@@ -270,7 +412,7 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
     jobs, index = [], 0
     for split in SPLITS:
         for _ in range(sizes.get(split, 0)):
-            jobs.append((index, split, seed, str(out)))
+            jobs.append((index, split, seed, str(out), variation))
             index += 1
     bar = dict(total=len(jobs), desc="generating scenes", unit="img", disable=not progress)
     if workers > 1:
@@ -280,7 +422,7 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
         images = [_make_image(job) for job in tqdm(jobs, **bar)]
     path = out / "dataset_scenes.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"dataset": "scenes", "seed": seed, "images": images}))
+    tmp.write_text(json.dumps({**dataset_header(seed, sizes, variation), "images": images}))
     tmp.replace(path)  # atomic: a crash never leaves a half-written annotation file
     return path
 

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint
+from ..checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint, write_manifest
 
 CARD = "MODEL_CARD.md"
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
@@ -18,6 +18,8 @@ def _train_command(meta: dict[str, Any], arch: str) -> str:
     cfg = meta.get("train_config", {})
     parts = ["captioner train", f"--model {arch}", f"--dataset {Path(cfg.get('dataset', '?')).parent}",
              f"--out {cfg.get('out', '?')}", f"--epochs {cfg.get('epochs', '?')}"]
+    if cfg.get("recipe"):  # the paper recipe the other flags override
+        parts.insert(1, f"--recipe {cfg['recipe']}")
     if cfg.get("phase", "xe") != "xe":
         parts.append(f"--phase {cfg['phase']} --init {cfg.get('init')}")
     parts += [f"--encoder {k}={v}" for k, v in cfg.get("encoder", {}).items()]
@@ -107,4 +109,5 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         lines += ["", "## Notes", "", notes.strip()]
     out = path / CARD
     out.write_text("\n".join(lines) + "\n")
+    write_manifest(path)  # the card is part of the checkpoint: record its sha256 with the other files'
     return out

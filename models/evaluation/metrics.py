@@ -1,6 +1,7 @@
-"""Caption metrics through ``pycocoevalcap``: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D (raw scores, SPEC §0.3).
+"""Caption metrics: BLEU-1..4, METEOR, ROUGE-L through ``pycocoevalcap``, CIDEr-D through the vectorised
+:class:`CiderD` below (equal to ``pycocoevalcap``'s to 1e-6, tested); raw scores, not ×100.
 
-Captions are already tokenised by :func:`models.vocab.tokenize` (lower-case, no punctuation), so the PTB
+Captions are already tokenised by :func:`captioner.models.vocab.tokenize` (lower-case, no punctuation), so the PTB
 tokenizer step is skipped.  SPICE needs models that are downloaded at first use; it is reported as unavailable
 rather than faked.  METEOR runs a Java subprocess and is only computed when asked for.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections import Counter
+from collections import defaultdict
+from itertools import count
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -43,66 +45,207 @@ def score_captions(candidates: Mapping[int, str], references: Mapping[int, Seque
 
         scores["ROUGE-L"] = float(Rouge().compute_score(gts, res)[0])
     if "CIDEr-D" in metrics:
-        from pycocoevalcap.cider.cider import Cider  # coco-caption's "CIDEr" is CIDEr-D
-
-        scores["CIDEr-D"] = float(Cider().compute_score(gts, res)[0])
+        # the vectorised CIDEr-D below equals coco-caption's "CIDEr" (which is CIDEr-D) and is much faster
+        scores["CIDEr-D"] = float(np.mean(cider_d([res[i][0] for i in ids], [gts[i] for i in ids])))
     return scores
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` by sorting (NumPy 2's hash-based ``np.unique`` is several times slower on int64 keys)."""
+    values = np.sort(values)
+    keep = np.ones(len(values), dtype=bool)
+    keep[1:] = values[1:] != values[:-1]
+    return values[keep]
 
 
 class CiderD:
     """CIDEr-D of single captions with document frequencies fixed from a reference corpus: the SCST reward
-    (SPEC §1.6 step 4, decision #4: document frequencies from the training-split references).
+    (Rennie et al., "Self-critical Sequence Training for Image Captioning", arXiv:1612.00563; document frequencies
+    from the training-split references: docs/decisions.md#scst-samples-and-reward-statistics) and the ``CIDEr-D`` of
+    ``captioner eval``.
 
-    ``pycocoevalcap``'s ``Cider`` (which is CIDEr-D: clipped n-gram counts and the Gaussian length penalty,
-    σ = 6) recomputes the frequencies from whatever it is asked to score, which would make a sample's reward
-    depend on the rest of its mini-batch.  This class keeps the same n-gram extraction (``precook``), tf-idf
-    vectors and similarity, and takes the frequencies and ``log |corpus|`` from ``corpus`` once.
+    CIDEr-D (Vedantam et al., "CIDEr: Consensus-based Image Description Evaluation", arXiv:1411.5726, Eq. 2–5 and
+    the "-D" changes of its coco-caption release) of a candidate ``c`` against references ``S``::
+
+        g^n(s)        = tf(ω, s) · (log |corpus| − log max(1, df(ω)))          for every n-gram ω of order n
+        CIDEr-D_n     = 10/|S| Σ_s  Σ_ω min(g^n_ω(c), g^n_ω(s)) g^n_ω(s) / (‖g^n(c)‖ ‖g^n(s)‖) · exp(−Δℓ²/2σ²)
+        CIDEr-D       = mean over n = 1..4 of CIDEr-D_n
+
+    with ``Δℓ`` the difference of the bigram counts of ``c`` and ``s`` (coco-caption measures length in bigrams)
+    and σ = 6.  This is exactly ``pycocoevalcap``'s ``Cider`` (which is CIDEr-D) when ``corpus`` is the set of
+    references being scored (:func:`cider_d`); tests/test_cider.py checks the equality to 1e-6.
+
+    Vectorised: words get integer ids once (the only per-word Python work), every n-gram becomes one ``uint64``
+    code (16 bits per word), and term frequencies, tf-idf weights, norms and the clipped dot products of every
+    (candidate, reference) pair are sorted-array joins and ``bincount`` sums in NumPy.  pycocoevalcap instead
+    loops over n-gram dictionaries in Python for every pair; see benchmarks/bench_cider.py for the ratio.
     """
 
+    WORD_BITS = 16  # a 4-gram of 16-bit word ids fills a uint64
+
     def __init__(self, corpus: Iterable[Sequence[str]], n: int = 4, sigma: float = 6.0):
-        from pycocoevalcap.cider.cider_scorer import precook
-
-        self._precook = precook
         self.n, self.sigma = n, sigma
-        self.document_frequency: Counter = Counter()
-        images = 0
-        for references in corpus:  # one entry per image: its reference captions
-            self.document_frequency.update({gram for ref in references for gram in precook(ref, n)})
-            images += 1
-        self.log_corpus = math.log(float(max(images, 1)))
+        # word → id, a new word getting the next id inside the C-level lookup (no separate pass over the words);
+        # id 0 is the sentence separator of :meth:`_ngrams`
+        self.word_ids: defaultdict[str, int] = defaultdict(count().__next__)
+        self.word_ids["\0"]
+        corpus = [list(references) for references in corpus]  # one entry per image: its reference captions
+        self._set_document_frequencies(self._ngrams([ref for refs in corpus for ref in refs]),
+                                       np.repeat(np.arange(len(corpus)), [len(refs) for refs in corpus]))
+        self.log_corpus = math.log(float(max(len(corpus), 1)))
 
-    def _vector(self, caption: str) -> tuple[list[dict], np.ndarray, int]:
-        """tf-idf vector per n-gram order, its norms, and the caption length for the penalty."""
-        vec: list[dict] = [{} for _ in range(self.n)]
-        norm = np.zeros(self.n)
-        length = 0
-        for gram, tf in self._precook(caption, self.n).items():
-            order = len(gram) - 1
-            weight = float(tf) * (self.log_corpus - math.log(max(1.0, self.document_frequency[gram])))
-            vec[order][gram] = weight
-            norm[order] += weight * weight
-            if order == 1:  # coco-caption measures length in bigrams; only the difference matters
-                length += tf
-        return vec, np.sqrt(norm), length
+    def _set_document_frequencies(self, grams: list, image_of_sentence: np.ndarray, first: int = 0) -> None:
+        """df of every n-gram: the number of images with it in at least one of their references (sentences
+        ``first…`` of ``grams``, sentence ``first + j`` belonging to image ``image_of_sentence[j]``)."""
+        self._df_codes, self._df_counts = [], []
+        for sentence, gram, _, codes in grams:
+            keep = sentence >= first
+            image_gram = _sorted_unique(image_of_sentence[sentence[keep] - first] * len(codes) + gram[keep])
+            counts = np.bincount(image_gram % max(len(codes), 1), minlength=len(codes))
+            self._df_codes.append(codes[counts > 0])
+            self._df_counts.append(counts[counts > 0].astype(np.float64))
 
-    def _similarity(self, hyp: tuple[list[dict], np.ndarray, int],
-                    ref: tuple[list[dict], np.ndarray, int]) -> np.ndarray:
-        (vec_h, norm_h, len_h), (vec_r, norm_r, len_r) = hyp, ref
-        val = np.zeros(self.n)
-        for order in range(self.n):
-            for gram, weight in vec_h[order].items():
-                ref_weight = vec_r[order].get(gram, 0.0)
-                val[order] += min(weight, ref_weight) * ref_weight  # clipped counts (the "-D")
-            if norm_h[order] != 0 and norm_r[order] != 0:
-                val[order] /= norm_h[order] * norm_r[order]
-        return val * math.exp(-((len_h - len_r) ** 2) / (2 * self.sigma ** 2))  # length penalty (the "-D")
-
-    def score(self, captions: Sequence[str], references: Sequence[Sequence[str]]) -> np.ndarray:
-        """CIDEr-D of ``captions[i]`` against ``references[i]``; equal reference lists are vectorised once."""
-        cache: dict[int, list] = {}
-        out = np.zeros(len(captions))
-        for i, (caption, refs) in enumerate(zip(captions, references)):
-            ref_vecs = cache.setdefault(id(refs), [self._vector(r) for r in refs])
-            hyp = self._vector(caption)
-            out[i] = 10.0 * np.mean(sum(self._similarity(hyp, r) for r in ref_vecs)) / len(ref_vecs)
+    # -- n-grams -------------------------------------------------------------------------------------------------
+    def _ngrams(self, sentences: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per order ``k = 1..n``: ``(sentence, gram, tf, codes)``, one entry per distinct n-gram of a sentence,
+        sorted by sentence then gram; ``gram`` indexes the sorted table ``codes`` of the n-grams' uint64 codes.
+        Splitting on whitespace is ``pycocoevalcap``'s ``precook``."""
+        # one C-level split of the joined text; a separator token (never produced by splitting a sentence, as it
+        # holds no whitespace but is not a word we could meet: it contains a NUL) marks the sentence ends
+        separator = "\0"
+        tokens = f" {separator} ".join(sentences).split() + [separator] if len(sentences) else []
+        ids = self.word_ids
+        with_separators = np.fromiter(map(ids.__getitem__, tokens), dtype=np.uint64, count=len(tokens))
+        if len(ids) > 1 << self.WORD_BITS:
+            raise ValueError(f"more than {(1 << self.WORD_BITS) - 1} distinct words: n-gram codes would overflow")
+        is_word = with_separators != 0
+        ends = np.nonzero(~is_word)[0]
+        lengths = np.diff(np.concatenate([[-1], ends])) - 1  # words per sentence
+        flat = with_separators[is_word]
+        sentence_of = np.repeat(np.arange(len(sentences)), lengths)
+        remaining = np.repeat(np.cumsum(lengths), lengths) - np.arange(len(flat))  # words from i to the end
+        out = []
+        code = np.zeros(len(flat), dtype=np.uint64)
+        for k in range(1, self.n + 1):
+            # code of the k-gram starting at i: (code of the (k−1)-gram at i) << 16 | word i+k−1
+            code <<= np.uint64(self.WORD_BITS)
+            code[:max(len(flat) - k + 1, 0)] |= flat[k - 1:]
+            starts = np.nonzero(remaining >= k)[0]
+            gram_codes = code[starts]
+            if k == 1:  # a unigram's code is its word id: already a dense index
+                codes, gram = np.arange(len(ids), dtype=np.uint64), gram_codes.astype(np.int64)
+            else:
+                order = np.argsort(gram_codes)
+                is_new = np.ones(len(order), dtype=bool)
+                is_new[1:] = gram_codes[order[1:]] != gram_codes[order[:-1]]
+                codes = gram_codes[order[is_new]]  # the distinct codes, sorted
+                gram = np.empty(len(order), dtype=np.int64)
+                gram[order] = np.cumsum(is_new) - 1  # index of each n-gram's code in ``codes``
+            # (sentence, gram) as one int64 key: sorting it groups equal n-grams of a sentence (their tf); the gram
+            # takes the low bits so that shifts and masks split the key again (cheaper than // and %)
+            bits = max(int(len(codes)).bit_length(), 1)
+            key = np.sort((sentence_of[starts] << bits) | gram)
+            first = np.ones(len(key), dtype=bool)
+            first[1:] = key[1:] != key[:-1]
+            run_starts = np.nonzero(first)[0]
+            tf = np.diff(np.append(run_starts, len(key))).astype(np.float64)
+            unique_keys = key[run_starts]
+            out.append((unique_keys >> bits, unique_keys & ((1 << bits) - 1), tf, codes))
         return out
+
+    def _document_frequency(self, order: int, codes: np.ndarray) -> np.ndarray:
+        known, counts = self._df_codes[order], self._df_counts[order]
+        if not len(known):
+            return np.zeros(len(codes))
+        at = np.searchsorted(known, codes).clip(max=len(known) - 1)
+        return np.where(known[at] == codes, counts[at], 0.0)
+
+    # -- scoring -------------------------------------------------------------------------------------------------
+    def score(self, captions: Sequence[str], references: Sequence[Sequence[str]]) -> np.ndarray:
+        """CIDEr-D of ``captions[i]`` against ``references[i]`` (several strings).  Reference lists that are the
+        same object (SCST repeats an image's list for each of its samples) are processed once."""
+        if len(captions) != len(references):
+            raise ValueError(f"{len(captions)} captions but {len(references)} reference lists")
+        if not captions:
+            return np.zeros(0)
+        set_of: dict[int, int] = {}
+        ref_sets: list[Sequence[str]] = []
+        candidate_set = np.empty(len(captions), dtype=np.int64)
+        for i, refs in enumerate(references):
+            if id(refs) not in set_of:
+                set_of[id(refs)] = len(ref_sets)
+                ref_sets.append(refs)
+            candidate_set[i] = set_of[id(refs)]
+        set_sizes = np.array([len(refs) for refs in ref_sets], dtype=np.int64)
+        if (set_sizes == 0).any():
+            raise ValueError("every caption needs at least one reference")
+        grams = self._ngrams(list(captions) + [ref for refs in ref_sets for ref in refs])
+        return self._score(grams, candidate_set, set_sizes)
+
+    def _score(self, grams: list, candidate_set: np.ndarray, set_sizes: np.ndarray) -> np.ndarray:
+        """Scores from the n-grams of the captions (sentences ``0…C−1``) followed by those of the reference
+        sets (set ``s`` holds ``set_sizes[s]`` sentences); caption ``c`` is scored against set ``candidate_set[c]``."""
+        set_start = np.cumsum(set_sizes) - set_sizes
+        num_captions, num_refs = len(candidate_set), int(set_sizes.sum())
+
+        # (candidate, reference) pairs: candidate c meets every reference of its set
+        pair_candidate = np.repeat(np.arange(num_captions), set_sizes[candidate_set])
+        within = np.arange(len(pair_candidate)) - np.repeat(np.cumsum(set_sizes[candidate_set])
+                                                            - set_sizes[candidate_set], set_sizes[candidate_set])
+        pair_ref = set_start[candidate_set][pair_candidate] + within  # index among the references
+        num_pairs = len(pair_candidate)
+        # pairs are (reference 0, 1, 2, …) in order: no reference is shared by several captions
+        one_pair_per_reference = num_pairs == num_refs and bool((pair_ref == np.arange(num_refs)).all())
+
+        similarity = np.zeros((num_pairs, self.n))
+        lengths = np.zeros(num_captions + num_refs)
+        for order, (sentence, gram, tf, codes) in enumerate(grams):
+            idf = self.log_corpus - np.log(np.maximum(1.0, self._document_frequency(order, codes)))
+            weight = tf * idf[gram]
+            norm = np.sqrt(np.bincount(sentence, weight * weight, minlength=num_captions + num_refs))
+            if order == 1:  # coco-caption's length: the number of bigrams
+                lengths = np.bincount(sentence, tf, minlength=num_captions + num_refs)
+            first_ref = int(np.searchsorted(sentence, num_captions))  # entries are sorted: captions come first
+            vocabulary = max(len(codes), 1)  # (candidate, n-gram) as one sortable int64 key
+            hyp_key = sentence[:first_ref] * vocabulary + gram[:first_ref]  # sorted, as the entries are
+            hyp_weight = weight[:first_ref]
+            # every reference entry, once per pair that uses the reference
+            ref_rows = np.arange(first_ref, len(sentence))
+            if one_pair_per_reference:  # every reference meets exactly one caption, in order (cider_d's case)
+                pair_of_entry, entry = sentence[ref_rows] - num_captions, ref_rows
+            else:
+                ref_entry_start = np.searchsorted(sentence[ref_rows], num_captions + np.arange(num_refs))
+                ref_entry_count = np.diff(np.append(ref_entry_start, len(ref_rows)))
+                per_pair = ref_entry_count[pair_ref]
+                pair_of_entry = np.repeat(np.arange(num_pairs), per_pair)
+                entry = ref_rows[np.repeat(ref_entry_start[pair_ref], per_pair) + np.arange(int(per_pair.sum()))
+                                 - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)]
+            key = pair_candidate[pair_of_entry] * vocabulary + gram[entry]
+            at = np.searchsorted(hyp_key, key).clip(max=max(len(hyp_key) - 1, 0))
+            match = (hyp_key[at] == key) if len(hyp_key) else np.zeros(len(key), dtype=bool)
+            ref_weight = weight[entry[match]]
+            clipped = np.minimum(hyp_weight[at[match]], ref_weight) * ref_weight  # clipped counts (the "-D")
+            dot = np.bincount(pair_of_entry[match], clipped, minlength=num_pairs)
+            denominator = norm[pair_candidate] * norm[num_captions + pair_ref]
+            similarity[:, order] = np.where(denominator != 0, dot / np.where(denominator != 0, denominator, 1.0),
+                                            dot)
+        delta = lengths[pair_candidate] - lengths[num_captions + pair_ref]
+        similarity *= np.exp(-(delta ** 2) / (2 * self.sigma ** 2))[:, None]  # length penalty (the "-D")
+        per_candidate = np.bincount(pair_candidate, similarity.mean(1), minlength=num_captions)
+        return 10.0 * per_candidate / set_sizes[candidate_set]
+
+
+def cider_d(candidates: Sequence[str], references: Sequence[Sequence[str]]) -> np.ndarray:
+    """Per-caption CIDEr-D with document frequencies from ``references`` themselves: what ``pycocoevalcap``'s
+    ``Cider().compute_score`` returns (its mean is the corpus score), computed by :class:`CiderD`."""
+    if len(candidates) != len(references):
+        raise ValueError(f"{len(candidates)} captions but {len(references)} reference lists")
+    # one n-gram pass over captions and references serves both the document frequencies and the scores
+    scorer = CiderD([])
+    set_sizes = np.array([len(refs) for refs in references], dtype=np.int64)
+    if (set_sizes == 0).any():
+        raise ValueError("every caption needs at least one reference")
+    grams = scorer._ngrams(list(candidates) + [ref for refs in references for ref in refs])
+    scorer._set_document_frequencies(grams, np.repeat(np.arange(len(references)), set_sizes), first=len(candidates))
+    scorer.log_corpus = math.log(float(max(len(references), 1)))
+    return scorer._score(grams, np.arange(len(candidates)), set_sizes)

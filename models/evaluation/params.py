@@ -14,26 +14,29 @@ import torch
 from ..zoo import available, create
 
 #: Constructor arguments (besides ``vocab_size``) giving each model its paper's sizes.  ``feat_dim`` is the raw
-#: visual feature the paper feeds in (SPEC §1.3).  A model that is not registered is skipped, and so is an entry
+#: visual feature the paper feeds in.  A model that is not registered is skipped, and so is an entry
 #: left as None.
 PAPER_SIZES: dict[str, dict[str, Any] | None] = {
-    # VGG-19 conv5_4 (D = 512); m = 512, n = 1024, attention MLP 512 (SPEC §2.2, decision #5)
+    # VGG-19 conv5_4 (D = 512, SAT §3.1.1); m = 512, n = 1024, attention MLP 512 (docs/decisions.md#sat-sizes)
     "sat": dict(feat_dim=512, embed_dim=512, hidden_dim=1024, attn_dim=512),
     "sat-hard": dict(feat_dim=512, embed_dim=512, hidden_dim=1024, attn_dim=512),  # same network, no β gate
-    # bottom-up regions (2048-d) → D = 1024, E = 1024, 8 heads, 6 refining layers (P2 §4.1, decision #15)
+    # bottom-up regions (2048-d) → D = 1024, 6 refining layers (AoANet §3.2.1, §3.4), E = 1024, 8 decoder heads
+    # (docs/decisions.md#aoanet-sizes)
     "aoanet": dict(feat_dim=2048, d_model=1024, embed_dim=1024, heads=8, refine_layers=6),
-    # ResNet 8×8×2048 grid → g = 512; LSTM 512, word embedding 256, attention 512 (SPEC §5.3–5.4)
+    # ResNet 8×8×2048 grid → g = 512; LSTM 512, word embedding 256 (SparseCap §3–4); attention 512 (our choice)
     "sparsecap": dict(feat_dim=2048, embed_dim=256, hidden_dim=512, visual_dim=512, attn_dim=512),
-    # T2T8x8 with 3×3* areas (P5 Table 4); Inception-ResNet-v2 cells (1536-d), learned row/column embeddings of
-    # the 8×8 grid (decision #36), FFN 2048 (SPEC §6.6)
+    # T2T8x8 with 3×3* areas (Area attention §3.2, Table 4); Inception-ResNet-v2 cells (1536-d), learned row/column
+    # embeddings of the 8×8 grid (docs/decisions.md#areatransformer-cell-positions), FFN 2048
+    # (docs/decisions.md#areatransformer-recipe)
     "area-transformer": dict(feat_dim=1536, d_model=512, n_heads=8, enc_layers=6, dec_layers=6, ffn_dim=2048,
                              encoder_area=3, decoder_area=3, area_key="combined", area_layers=2, grid_hw=[8, 8],
                              max_grid=8),
-    # bottom-up regions (2048-d) → D_v = D_B = 1024, D_c = 512, LSTM 1024, 4 "+ELU" encoder blocks (P3 §4.1);
-    # 8 heads (decision #21), word embedding 1024 (SPEC §4.6 [REF-CODE])
+    # bottom-up regions (2048-d) → D_v = D_B = 1024, D_c = 512, LSTM 1024, 4 "+ELU" encoder blocks (X-LAN §4.1);
+    # 8 heads (docs/decisions.md#x-lan-heads), word embedding 1024 (the authors' code)
     "xlan": dict(feat_dim=2048, dim=1024, hidden_dim=1024, embed_dim=1024, channel_dim=512, heads=8,
                  encoder_layers=4),
-    # the authors' code (decision #27, SPEC §4.7): width 768, 8 heads, D_c = 384, 6 + 6 layers, FFN 4·768
+    # the authors' code (docs/decisions.md#x-transformer-architecture): width 768, 8 heads, D_c = 384, 6 + 6 layers,
+    # FFN 4·768
     "xtransformer": dict(feat_dim=2048, dim=768, channel_dim=384, heads=8, encoder_layers=6, decoder_layers=6,
                          ffn_dim=3072),
 }

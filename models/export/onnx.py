@@ -3,7 +3,7 @@
 * ``encoder.onnx``: ``pixels [B, 3, S, S]`` → the model's encoder state followed by its initial decoder state
   (the frozen CNN, ``Captioner.encode`` and ``Captioner.init_state`` in one graph).
 * ``step.onnx``: ``prev_tokens [R]``, decoder state, encoder state → ``logprobs [R, V]``, the new decoder state,
-  the primary attention ``[R, N]`` and every extra map of :class:`~models.protocol.AttnRecord`.
+  the primary attention ``[R, N]`` and every extra map of :class:`~captioner.models.protocol.AttnRecord`.
 * ``onnx.json``: the tensor names in graph order, which state dimensions grow while decoding, and the checksum
   of the weights the graphs were made from (so a runtime can tell that an export is stale).
 

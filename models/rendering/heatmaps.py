@@ -1,6 +1,6 @@
-"""Attention heatmaps on the original image, in every mode of SPEC §8.4 (shared by the CLI and the service).
+"""Attention heatmaps on the original image, in every mode of docs/decisions.md#heatmap-modes (CLI and service).
 
-All modes start from a :class:`~models.protocol.Geometry`, whose boxes are already in original-image pixels
+All modes start from a :class:`~captioner.models.protocol.Geometry`, whose boxes are already in original-image pixels
 (after EXIF orientation, through the resize/crop of preprocessing), so the same code serves grids and regions,
 square and non-square images.  ``scale`` renders onto a resized copy of the image (e.g. a thumbnail) by scaling
 the boxes.
@@ -8,7 +8,7 @@ the boxes.
 | mode          | input          | rendering                                                             |
 |---------------|----------------|-----------------------------------------------------------------------|
 | grid_smooth   | grid weights   | bilinear upsampling + Gaussian blur (σ = half a cell), as in SAT      |
-| grid_blocks   | grid weights   | nearest upsampling, exact zeros transparent, as in the P4 figures     |
+| grid_blocks   | grid weights   | nearest upsampling, exact zeros transparent, as in SparseCap figures |
 | region_sum    | region weights | heat(x, y) = Σ_i w_i 1[(x, y) ∈ box_i], normalised to [0, 1]          |
 | top1_box      | region weights | outline of the single highest-weight item                             |
 | area_topk     | area weights   | the top-k area rectangles, labelled with their weights                |
@@ -64,7 +64,7 @@ def _grid_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], s
         top = grid[y0][:, x0] * (1 - wx) + grid[y0][:, x1i] * wx
         bottom = grid[y1i][:, x0] * (1 - wx) + grid[y1i][:, x1i] * wx
         heat = (top * (1 - wy) + bottom * wy).astype(np.float32)
-        sigma = 0.5 * min((x2 - x1) / cols, (y2 - y1) / rows)  # half a cell (SPEC §8.4 [REC])
+        sigma = 0.5 * min((x2 - x1) / cols, (y2 - y1) / rows)  # half a cell (docs/decisions.md#heatmap-modes)
         heat = gaussian_filter(heat, sigma=sigma, mode="nearest")
     else:
         cx, cy = np.clip(np.floor(xs).astype(int), 0, cols - 1), np.clip(np.floor(ys).astype(int), 0, rows - 1)
@@ -182,7 +182,7 @@ class FigureRow:
 
 def comparison_figure(image: Image.Image, rows: Sequence[FigureRow], cmap: str = "jet", alpha: float = 0.5,
                       panel_size: int = 224) -> Image.Image:
-    """One row per captioner: the image with its caption, then every word's heatmap (P4's Figure 1 layout, e.g.
+    """One row per captioner: the image with its caption, then every word's heatmap (SparseCap's Figure 1 layout, e.g.
     softmax / sparsemax / TVmax on the same picture)."""
     thumb = _thumbnail(image, panel_size)
     grid = [[(f"{row.label}:", thumb)] + [

@@ -1,8 +1,11 @@
-"""Training phases of SPEC §8.6 on one shared loop (:mod:`.loop`): cross-entropy (:mod:`.xe`, which also runs
-SAT-hard's REINFORCE objective) and self-critical CIDEr-D optimisation (:mod:`.scst`)."""
+"""Training phases on one shared loop (:mod:`.loop`): cross-entropy (:mod:`.xe`, which also runs SAT-hard's
+REINFORCE objective) and self-critical CIDEr-D optimisation (:mod:`.scst`); paper schedules (:mod:`.schedules`,
+recipes in ``models/recipes``), data parallelism (:mod:`.distributed`) and mixed precision."""
 
 from . import scst, xe  # noqa: F401  (importing a phase registers it)
 from ..evaluation.evaluate import caption_dataset, evaluate_checkpoint
-from .loop import PHASES, TrainConfig, TrainingInterrupted, train
+from .loop import PHASES, Progress, Run, TrainConfig, TrainingInterrupted, fit, prepare_run, train
+from .recipes import RECIPES_DIR, available_recipes, load_recipe
 
-__all__ = ["PHASES", "TrainConfig", "TrainingInterrupted", "train", "caption_dataset", "evaluate_checkpoint"]
+__all__ = ["PHASES", "Progress", "Run", "TrainConfig", "TrainingInterrupted", "fit", "prepare_run", "train",
+           "caption_dataset", "evaluate_checkpoint", "RECIPES_DIR", "available_recipes", "load_recipe"]

@@ -1,80 +1,202 @@
-"""The one training loop behind every phase of SPEC §8.6 (``xe``, ``scst``; SAT-hard's ``hard_reinforce`` is
-the ``xe`` phase with the model's own REINFORCE terms, see :mod:`models.sat_hard`).
+"""The one training loop behind every phase (``xe``, ``scst``; SAT-hard's ``hard_reinforce`` is the ``xe`` phase
+with the model's own REINFORCE terms, see :mod:`captioner.models.sat_hard`).
 
-A phase only says what an epoch iterates over and what the loss of a batch is (:class:`Phase`); this module
-owns everything around it: data and features, vocabulary, model creation or initialisation from a checkpoint
-(``init``), Adam with gradient clipping, the progress bar, validation BLEU / CIDEr-D after every epoch,
-``best/`` and ``last/`` checkpoints, and exact resume.
+A phase only says what an epoch iterates over and what the loss of a batch is (:class:`Phase`).  This module
+owns the rest, in two parts:
 
-A run directory holds ``best/`` and ``last/`` checkpoints plus ``train_state.*`` (weights, optimiser, RNG,
-position inside the epoch).  Ctrl-C or SIGTERM finishes the current step, saves the state and exits; running
-the same command with ``--resume`` continues from that step with the same data order.
+* :func:`prepare_run` turns a :class:`TrainConfig` into a :class:`Run`: resume merging, data and features,
+  vocabulary, model (from scratch or ``init``), optimiser, schedules, precision and the process group;
+* :func:`fit` trains it: the epoch loop with progress bars, scheduled sampling, periodic crash-safe snapshots,
+  validation BLEU / CIDEr-D after every epoch, plateau decay, early stopping, ``best/`` and ``last/`` checkpoints and
+  a ``metrics.jsonl`` log.
+
+A run directory holds ``best/`` and ``last/`` checkpoints, ``metrics.jsonl`` and ``train_state.*`` (weights,
+optimiser, RNG, position inside the epoch), written every ``checkpoint_every`` steps and at each epoch's end.
+Ctrl-C or SIGTERM finishes the current step, saves the state and exits; a SIGKILL loses at most the steps since
+the last snapshot.  Running the same command with ``--resume`` continues from the saved step with the same data
+order.  Under ``torchrun`` every rank trains its share of each batch and only rank 0 writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from ..data.stores import VisualStore, open_feature_store
+from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint
 from ..data.karpathy import CaptionedImage, load_karpathy
+from ..data.stores import VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec
-from ..protocol import Captioner
-from ..zoo import create
-from ..vocab import Vocabulary
 from ..evaluation.evaluate import caption_dataset, score_dataset
+from ..protocol import Captioner
+from ..vocab import Vocabulary
+from ..zoo import create
+from .distributed import DistContext, init_distributed
+from .schedules import NoamWarmup, PlateauDecay, Schedules, ScheduledSampling, StepDecay
 from .state import load_state, restore_optimizer_state, save_state
 
+METRICS_LOG = "metrics.jsonl"
 
-@dataclass
+
+def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **cli: Any) -> Any:
+    """A config field with its command-line help (``captioner train`` is generated from these fields).  ``cli``
+    may hold ``flag`` (another option name), ``kind`` (``append``, ``keyvalue``, ``pair``), ``choices``,
+    ``metavar`` and ``cli=False`` (not on the command line)."""
+    meta = {"help": help, **cli}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
-    dataset: str
-    out: str
-    model: str | None = None  # registered name; default: "sat", or the architecture of ``init``
-    model_args: dict[str, Any] = field(default_factory=dict)
-    phase: str = "xe"  # "xe" (SPEC §1.5) or "scst" (SPEC §1.6)
-    init: str | None = None  # start from this checkpoint (its model, vocabulary and encoder) instead of scratch
-    features: str | None = None  # None/"grid": cached frozen-encoder grid; "regions:DIR": precomputed regions
-    image_root: str | None = None
-    encoder: dict[str, Any] = field(default_factory=dict)  # EncoderSpec fields; empty = defaults
-    cache_dir: str = ".cache/features"
-    epochs: int = 20
-    batch_size: int = 64  # captions per batch for XE, images per batch for SCST
-    lr: float = 4e-4
-    # step schedule: after each of these many epochs the learning rate is multiplied by lr_drop_factor (the
-    # field's usual "decay at epoch N"; empty keeps it constant)
-    lr_drops: list[int] = field(default_factory=list)
-    lr_drop_factor: float = 0.1
-    grad_clip: float = 5.0
-    label_smoothing: float = 0.0
-    min_count: int = 1  # a word is kept if it occurs at least this often in training captions
-    max_train_len: int = 16
-    max_decode_len: int = 20
-    scst_samples: int = 5  # captions sampled per image (SPEC decision #4)
-    scst_baseline: str = "greedy"  # "greedy" (SPEC §1.6) or "mean" (mean reward of the image's other samples)
-    val_beam: int = 1
-    val_limit: int | None = None
-    train_limit: int | None = None
-    select_metric: str | None = None  # default: the phase's (XE: the model's own, SCST: CIDEr-D)
-    seed: int = 0
-    device: str = "auto"
-    threads: int | None = None
-    max_steps: int | None = None  # stop after this many optimiser steps in total (smoke tests)
-    progress: bool = True
+    """Everything a training run depends on, with the defaults ``captioner train`` uses.  A recipe
+    (``models/recipes/NAME.toml``) replaces some of these; command-line flags replace single values again."""
+
+    out: str = option(help="run directory (best/, last/, train_state.*, metrics.jsonl)", required=True)
+    dataset: str = option(".cache/scenes", "Karpathy-split JSON, or a folder holding dataset_scenes.json")
+    recipe: str | None = option(help="paper recipe from models/recipes (sat, sat-hard, aoanet, xlan, xtransformer, "
+                                     "sparsecap, area-transformer); flags override its single values")
+    model: str | None = option(help="registered model name (see `captioner models`; default: sat, or --init's)")
+    model_args: dict[str, Any] = option(factory=dict, help="model hyper-parameter", flag="--set", kind="keyvalue")
+    phase: str = option("xe", "xe: cross-entropy (SAT-hard: its REINFORCE objective); scst: self-critical CIDEr-D",
+                        choices=("xe", "scst"))
+    init: str | None = option(help="start from this checkpoint's model, vocabulary and encoder "
+                                   "(e.g. --phase scst --init runs/xe/best)", metavar="CHECKPOINT")
+    features: str | None = option(help="visual items: frozen-encoder grid (default) or precomputed region .npz "
+                                       "files in DIR", metavar="grid|regions:DIR")
+    image_root: str | None = option(help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
+    encoder: dict[str, Any] = option(factory=dict, help="EncoderSpec field", kind="keyvalue")
+    cache_dir: str = option(".cache/features", "feature cache folder")
+    epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)")
+    batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes")
+    optimizer: str = option("adam", "optimiser", choices=("adam", "radam"))
+    lr: float = option(4e-4, "learning rate (base of the epoch schedule; ignored when --warmup-steps sets Noam)")
+    adam_betas: list[float] = option(factory=lambda: [0.9, 0.999], help="Adam β1 β2", kind="pair")
+    adam_eps: float = option(1e-8, "Adam ε")
+    lr_drops: list[int] = option(factory=list, help="after this many epochs multiply the learning rate by "
+                                 "--lr-drop-factor (repeatable; with --resume, drops may be added ahead of the run)",
+                                 flag="--lr-drop", kind="append", metavar="EPOCH")
+    lr_drop_factor: float = option(0.1, "factor of each --lr-drop")
+    lr_decay_every: int = option(0, "multiply the learning rate by --lr-decay-factor every this many epochs (0: off)")
+    lr_decay_factor: float = option(0.8, "factor of the periodic decay")
+    lr_decay_start: int = option(0, "first epoch (0-based) the periodic decay counts from")
+    warmup_steps: int = option(0, "Noam schedule with this many warm-up steps (0: off, use the epoch schedule)")
+    noam_dim: int = option(1024, "model width d of the Noam schedule")
+    noam_factor: float = option(1.0, "factor f of the Noam schedule")
+    plateau_factor: float = option(0.0, "multiply the learning rate by this when the validation score stops "
+                                        "improving (0: off)")
+    plateau_patience: int = option(3, "validations without improvement before a plateau decay")
+    ss_increase: float = option(0.0, "scheduled sampling: probability added every --ss-every epochs (0: off)")
+    ss_every: int = option(5, "scheduled sampling: epochs between increases")
+    ss_start: int = option(0, "scheduled sampling: first epoch (0-based)")
+    ss_max: float = option(0.5, "scheduled sampling: cap on the probability")
+    grad_clip: float = option(5.0, "gradient clipping threshold (0: off)")
+    grad_clip_mode: str = option("norm", "clip the global gradient norm or each value", choices=("norm", "value"))
+    label_smoothing: float = option(0.0, "XE label smoothing ε")
+    min_count: int = option(1, "keep words seen at least this often")
+    max_train_len: int = option(16, "training captions are cut to this many words")
+    max_decode_len: int = option(20, "decoding steps in validation and SCST")
+    scst_samples: int = option(5, "captions sampled per image in SCST")
+    scst_baseline: str = option("greedy", "SCST baseline: the greedy caption's reward or the mean of the other "
+                                          "samples'", choices=("greedy", "mean"))
+    val_beam: int = option(1, "beam size of the validation captions")
+    val_limit: int | None = option(help="validate on the first N validation images")
+    train_limit: int | None = option(help="train on the first N training images")
+    select_metric: str | None = option(help="validation metric that picks best/: BLEU-1..4, CIDEr-D, or "
+                                            "objects_named on generated scenes (default: the model's)")
+    early_stop: int = option(0, "stop after this many epochs without a better validation score (0: off)")
+    precision: str = option("auto", "auto: bf16 on a GPU that has it, else fp16 with a grad scaler on a GPU, fp32 "
+                                    "on CPU", choices=("auto", "fp32", "bf16", "fp16"))
+    seed: int = option(0, "random seed")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    threads: int | None = option(help="intra-op CPU threads")
+    max_steps: int | None = option(help="stop after this many optimiser steps in total (smoke tests)")
+    checkpoint_every: int = option(200, "save the resumable state every this many steps (and at every epoch's end)")
+    log_every: int = option(10, "write a metrics.jsonl record every this many steps")
+    progress: bool = option(True, "progress bars", flag="--no-progress", kind="false")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrainConfig":
+        """A saved config; fields added since it was written take their defaults."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class Progress:
+    """Where a run is: saved with every snapshot, so ``--resume`` continues from here."""
+
+    epoch: int = 0  # epochs completed
+    step_in_epoch: int = 0
+    global_step: int = 0
+    best_score: float = -1.0
+    best_epoch: int = -1
+    history: list[dict[str, Any]] = field(default_factory=list)  # one EpochRecord.to_json() per epoch
+    train_seconds: float = 0.0
+    plateau: dict[str, Any] | None = None
+    stopped_early: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Progress":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class StepRecord:
+    """One logged training step (a ``metrics.jsonl`` line with ``"kind": "step"``)."""
+
+    epoch: int  # 1-based
+    step: int  # global optimiser step, 1-based
+    lr: float
+    losses: dict[str, float]
+    ss_prob: float
+    tokens_per_s: float
+    seconds: float  # wall clock of the run so far
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "step", "epoch": self.epoch, "step": self.step, "lr": self.lr, "ss_prob": self.ss_prob,
+                "tokens_per_s": round(self.tokens_per_s, 1), "seconds": self.seconds,
+                **{k: round(v, 5) for k, v in self.losses.items()}}
+
+
+@dataclass
+class EpochRecord:
+    """One finished epoch: the last batch's losses and the validation scores (``"kind": "epoch"``)."""
+
+    epoch: int
+    step: int
+    lr: float
+    losses: dict[str, float]
+    scores: dict[str, float]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "epoch", "epoch": self.epoch, "step": self.step, "lr": self.lr, "seconds": self.seconds,
+                **{k: round(v, 4) for k, v in self.losses.items()}, **{k: round(v, 4) for k, v in self.scores.items()}}
+
+
+@dataclass
+class BatchLoss:
+    loss: torch.Tensor
+    logs: dict[str, float]
+    tokens: int  # target (XE) or sampled (SCST) tokens of this rank's share, for tokens/s
 
 
 class _StopFlag:
@@ -108,7 +230,9 @@ class TrainingInterrupted(RuntimeError):
 
 class Phase:
     """One training objective.  An epoch visits ``size`` examples in a seeded random order, ``batch_size`` at a
-    time; :meth:`loss` turns the indices of one batch into the loss to minimise and the numbers to log."""
+    time; :meth:`loss` turns this rank's indices of one batch into the loss to minimise.  ``global_batch`` is the
+    whole batch over all ranks: the loss is normalised by it (times the number of ranks, since DDP averages the
+    ranks' gradients), so N processes compute the gradient of one process with the same global batch."""
 
     name: ClassVar[str] = ""
 
@@ -116,16 +240,18 @@ class Phase:
                  images: Sequence[CaptionedImage], device: torch.device):
         self.cfg, self.model, self.vocab, self.store = cfg, model, vocab, store
         self.images, self.device = images, device
+        self.ss_prob = 0.0  # scheduled-sampling probability of the current epoch (set by the loop)
+        self.world = 1
 
     @property
     def size(self) -> int:
         raise NotImplementedError
 
-    def loss(self, batch: Sequence[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
         raise NotImplementedError
 
     def selection_metric(self) -> str:
-        """Validation metric that picks ``best/`` (SPEC §8.6)."""
+        """Validation metric that picks ``best/``."""
         return self.cfg.select_metric or self.model.selection_metric
 
 
@@ -140,6 +266,66 @@ def register_phase(name: str) -> Callable[[P], P]:
         return cls
 
     return wrap
+
+
+class _PhaseModule(nn.Module):
+    """Puts a phase's loss behind ``forward`` so DistributedDataParallel sees the forward pass it synchronises."""
+
+    def __init__(self, model: Captioner, phase: Phase):
+        super().__init__()
+        self.model = model
+        self._phase = (phase,)  # a tuple: not a registered submodule
+
+    def forward(self, batch: Sequence[int], global_batch: Sequence[int]) -> tuple[torch.Tensor, dict, int]:
+        out = self._phase[0].loss(batch, global_batch)
+        return out.loss, out.logs, out.tokens
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Autocast dtype (None: fp32) and whether a gradient scaler guards fp16 against underflow."""
+
+    name: str
+    dtype: torch.dtype | None
+    scaled: bool
+
+    def autocast(self, device: torch.device):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+
+def resolve_precision(name: str, device: torch.device) -> Precision:
+    """``auto`` → bf16 on a GPU that supports it, fp16 (scaled) on older GPUs, fp32 on CPU; an explicit
+    ``bf16`` also runs on CPU (autocast), ``fp16`` needs CUDA."""
+    if name == "auto":
+        if device.type != "cuda":
+            name = "fp32"
+        else:
+            name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if name == "fp32":
+        return Precision("fp32", None, False)
+    if name == "bf16":
+        return Precision("bf16", torch.bfloat16, False)
+    if name == "fp16":
+        if device.type != "cuda":
+            raise ValueError("--precision fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+        return Precision("fp16", torch.float16, True)
+    raise ValueError(f"unknown precision {name!r}; choose auto, fp32, bf16 or fp16")
+
+
+def build_schedules(cfg: TrainConfig) -> Schedules:
+    epoch_rate = StepDecay(cfg.lr, cfg.lr_decay_factor, cfg.lr_decay_every, cfg.lr_decay_start,
+                           tuple(cfg.lr_drops), cfg.lr_drop_factor)
+    warmup = NoamWarmup(cfg.noam_dim, cfg.warmup_steps, cfg.noam_factor) if cfg.warmup_steps else None
+    plateau = PlateauDecay(cfg.plateau_factor, cfg.plateau_patience) if cfg.plateau_factor else None
+    sampling = ScheduledSampling(cfg.ss_increase, cfg.ss_every, cfg.ss_start, cfg.ss_max)
+    return Schedules(epoch_rate, warmup, plateau, sampling)
+
+
+def learning_rate(cfg: TrainConfig, epoch: int, global_step: int = 0) -> float:
+    """The rate of 0-based ``epoch`` (and step, under Noam), before any plateau decay."""
+    return replace(build_schedules(cfg), plateau=None).learning_rate(epoch, global_step)
 
 
 def _adopt_init(cfg: TrainConfig, init: Checkpoint) -> TrainConfig:
@@ -177,33 +363,84 @@ def _check_schedule_change(before: TrainConfig, after: TrainConfig, epochs_done:
                              f"run has already trained; drops can only be added at epoch {epochs_done} or later")
 
 
-def learning_rate(cfg: TrainConfig, epoch: int) -> float:
-    """The rate for 0-based ``epoch``: ``lr`` times ``lr_drop_factor`` per drop at or before it."""
-    return cfg.lr * cfg.lr_drop_factor ** sum(epoch >= drop for drop in cfg.lr_drops)
+#: what --resume may change: the length of the run and how it runs, never the recipe
+RESUME_OVERRIDES = ("epochs", "max_steps", "progress", "threads", "device", "checkpoint_every", "log_every",
+                    "precision", "early_stop")
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> Path:
-    """Run the phase ``cfg.phase``; returns the path of the best checkpoint."""
+def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: int) -> TrainConfig:
+    before = TrainConfig.from_json(saved_config)
+    schedule = {"lr_drops": cfg.lr_drops, "lr_drop_factor": cfg.lr_drop_factor} if cfg.lr_drops else {}
+    merged = replace(before, **{k: getattr(cfg, k) for k in RESUME_OVERRIDES}, **schedule)
+    _check_schedule_change(before, merged, epochs_done)
+    return merged
+
+
+@dataclass
+class Run:
+    """A prepared training run: everything :func:`fit` needs, built by :func:`prepare_run`."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    device: torch.device
+    dist: DistContext
+    spec: EncoderSpec
+    vocab: Vocabulary
+    model: Captioner
+    store: VisualStore
+    phase: Phase
+    val_images: list[CaptionedImage]
+    optimizer: torch.optim.Optimizer
+    schedules: Schedules
+    precision: Precision
+    progress: Progress
+    select: str
+    meta: dict[str, Any]
+    scaler: torch.amp.GradScaler | None = None
+    trainer: nn.Module | None = None  # the DDP-wrapped phase under torchrun, else the plain _PhaseModule
+    started: float = field(default_factory=time.time)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.phase.size / self.cfg.batch_size)
+
+    def elapsed(self) -> float:
+        """Wall clock of the whole run: it adds up across --resume, so a resumed run's card reports all of it."""
+        return round(self.progress.train_seconds + time.time() - self.started, 1)
+
+
+def _resolve_dataset(path: str) -> str:
+    dataset = Path(path)
+    return str(dataset / "dataset_scenes.json") if dataset.is_dir() else str(dataset)
+
+
+def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
+    """Everything before the first step: resume merging, data, features, vocabulary, model, optimiser, schedules,
+    precision and (under torchrun) the process group."""
     set_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    ctx, device_name = init_distributed(cfg.device)
+    device = resolve_device(device_name)
     run_dir = Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
     saved = load_state(run_dir) if resume else None
     if saved is None and (run_dir / "train_state.json").exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
                               "or choose another --out (nothing is overwritten)")
-    if saved is not None:
-        # a resumed run keeps its recipe; only the length, the schedule's later drops and how it runs may change
-        schedule = {"lr_drops": cfg.lr_drops, "lr_drop_factor": cfg.lr_drop_factor} if cfg.lr_drops else {}
-        cfg = TrainConfig(**{**saved["config"], "epochs": cfg.epochs, "max_steps": cfg.max_steps,
-                             "progress": cfg.progress, "threads": cfg.threads, "device": cfg.device, **schedule})
-        _check_schedule_change(TrainConfig(**saved["config"]), cfg, saved["progress"]["epoch"])
+    if saved is not None:  # a resumed run keeps its recipe; only its length and how it runs may change
+        cfg = _merge_resume(cfg, saved["config"], saved["progress"]["epoch"])
+        if ctx.is_main:  # what a killed save left beside best/ and last/
+            for name in ("best", "last"):
+                remove_debris(run_dir / name)
+    cfg = replace(cfg, dataset=_resolve_dataset(cfg.dataset))
     if cfg.phase not in PHASES:
         raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
     init = load_checkpoint(cfg.init) if cfg.init and saved is None else None
     if init is not None:
         cfg = _adopt_init(cfg, init)
     cfg = replace(cfg, model=cfg.model or "sat")
+    precision = resolve_precision(cfg.precision, device)
 
     spec = EncoderSpec(**cfg.encoder)
     train_images = load_karpathy(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
@@ -217,8 +454,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     if cfg.select_metric and cfg.select_metric not in selectable:
         raise ValueError(f"--select-metric {cfg.select_metric!r} is not measured on validation; "
                          f"choose from {', '.join(selectable)}")
-    store = open_feature_store(cfg.features, train_images + val_images, spec, cfg.cache_dir, device=str(device),
-                               progress=cfg.progress)
+    # rank 0 extracts missing features first; the others then open the finished store
+    store = None
+    for turn in (True, False):
+        if ctx.is_main == turn:
+            store = open_feature_store(cfg.features, train_images + val_images, spec, cfg.cache_dir,
+                                       device=str(device), progress=cfg.progress and ctx.is_main)
+        ctx.barrier()
 
     if saved is not None:
         vocab = Vocabulary.from_json(saved["vocab"])
@@ -232,81 +474,195 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     model = create(cfg.model, vocab_size=len(vocab), feat_dim=store.feat_dim, **cfg.model_args).to(device)
     if init is not None:
         model.load_state_dict(init.model.state_dict())
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    optimizer_cls = {"adam": torch.optim.Adam, "radam": torch.optim.RAdam}[cfg.optimizer]
+    optimizer = optimizer_cls(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     phase = PHASES[cfg.phase](cfg, model, vocab, store, train_images, device)
-    select = phase.selection_metric()
+    phase.world = ctx.world
+    schedules = build_schedules(cfg)
+    scaler = torch.amp.GradScaler(device.type) if precision.scaled else None
 
-    steps_per_epoch = math.ceil(phase.size / cfg.batch_size)
-    progress = {"epoch": 0, "step_in_epoch": 0, "global_step": 0, "best_score": -1.0, "best_epoch": -1,
-                "history": []}
+    progress = Progress()
     if saved is not None:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(restore_optimizer_state(saved["optimizer"]))
-        _set_rng_state(saved["rng"])
-        progress = saved["progress"]
-        print(f"resuming {run_dir} at epoch {progress['epoch'] + 1}, step {progress['step_in_epoch']}")
+        progress = Progress.from_json(saved["progress"])
+        rngs = saved.get("rng_ranks") or [saved["rng"]]
+        if len(rngs) == ctx.world:
+            _set_rng_state(rngs[ctx.rank])
+        else:  # resumed on another number of processes: a fresh, still rank-distinct stream
+            torch.manual_seed(hash((cfg.seed, ctx.rank, progress.global_step)) & 0x7FFFFFFF)
+        if scaler is not None and saved.get("scaler"):
+            scaler.load_state_dict(saved["scaler"])
+        if ctx.is_main:
+            print(f"resuming {run_dir} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}")
+    elif ctx.active:
+        torch.manual_seed(cfg.seed * 1000 + ctx.rank)  # ranks draw different dropout masks and samples
+    if schedules.plateau is not None and progress.plateau:
+        schedules.plateau.load_state_dict(progress.plateau)
 
-    started, seconds_before = time.time(), progress.get("train_seconds", 0.0)
-
-    def elapsed() -> float:
-        """Wall clock of the whole run: it adds up across --resume, so a resumed run's card reports all of it."""
-        return round(seconds_before + time.time() - started, 1)
-
-    def snapshot() -> None:
-        progress["train_seconds"] = elapsed()
-        save_state(run_dir, {"config": cfg.to_json(), "vocab": vocab.to_json(), "progress": progress,
-                             "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": _rng_state()})
-
+    trainer: nn.Module = _PhaseModule(model, phase)
+    if ctx.active:
+        trainer = nn.parallel.DistributedDataParallel(
+            trainer, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+            # optional branches (flags, SAT-hard's soft/hard switch) leave some parameters without a gradient
+            find_unused_parameters=True)
     meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
-            "hardware": describe_hardware(device)}
+            "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
+            "precision": precision.name}
+    return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
+               phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
+               progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, trainer=trainer)
+
+
+# -- fit --------------------------------------------------------------------------------------------------------
+def _snapshot(run: Run) -> None:
+    """Save the resumable state (every rank takes part: the RNG states of all ranks are gathered to rank 0)."""
+    rngs = run.dist.gather(_rng_state())
+    if not run.dist.is_main:
+        return
+    run.progress.train_seconds = run.elapsed()
+    run.started = time.time()
+    run.progress.plateau = run.schedules.plateau.state_dict() if run.schedules.plateau else None
+    state = {"config": run.cfg.to_json(), "vocab": run.vocab.to_json(), "progress": run.progress.to_json(),
+             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+             "rng_ranks": rngs}
+    if run.scaler is not None:
+        state["scaler"] = run.scaler.state_dict()
+    save_state(run.run_dir, state)
+
+
+def _log(run: Run, record: StepRecord | EpochRecord) -> None:
+    if run.dist.is_main:
+        with open(run.run_dir / METRICS_LOG, "a") as handle:
+            handle.write(json.dumps(record.to_json()) + "\n")
+
+
+def _trim_metrics_log(run: Run) -> None:
+    """On resume, drop records of steps after the snapshot (they will be trained again) and a torn last line."""
+    path = run.run_dir / METRICS_LOG
+    if not run.dist.is_main or not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= run.progress.global_step:
+            keep.append(line)
+    path.write_text("".join(f"{line}\n" for line in keep))
+
+
+def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
+    cfg, params = run.cfg, [p for p in run.model.parameters() if p.requires_grad]
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.scaler is not None:
+        run.scaler.scale(loss).backward()
+        run.scaler.unscale_(run.optimizer)  # clip the true gradients
+    else:
+        loss.backward()
+    if cfg.grad_clip:
+        if cfg.grad_clip_mode == "value":
+            torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    if run.scaler is not None:
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+    else:
+        run.optimizer.step()
+
+
+def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochRecord:
+    """Rank 0 captions and scores the validation split; every rank gets the same record."""
+    scores = None
+    if run.dist.is_main:
+        captions = caption_dataset(run.model, run.vocab, run.val_images, run.store, run.cfg.val_beam,
+                                   run.cfg.max_decode_len, device=str(run.device))
+        scores = score_dataset(captions, run.val_images, ("BLEU", "CIDEr-D"))
+    scores = run.dist.from_main(scores)
+    return EpochRecord(epoch=epoch + 1, step=run.progress.global_step, lr=lr, losses=logs, scores=scores,
+                       seconds=run.elapsed())
+
+
+def _end_epoch(run: Run, record: EpochRecord) -> None:
+    progress, cfg = run.progress, run.cfg
+    row = record.to_json()
+    row.pop("kind")
+    progress.history.append(row)
+    score = record.scores[run.select]
+    improved = score > progress.best_score
+    if run.dist.is_main:
+        print(json.dumps(row))
+        _log(run, record)
+        run.meta.update(history=progress.history, train_seconds=run.elapsed())
+        save_checkpoint(run.run_dir / "last", run.model, run.vocab, run.spec, run.meta)
+        if improved:
+            save_checkpoint(run.run_dir / "best", run.model, run.vocab, run.spec,
+                            {**run.meta, "selected_by": run.select, "best_epoch": record.epoch, "val_scores": row})
+    if improved:
+        progress.best_score, progress.best_epoch = score, record.epoch
+    if run.schedules.plateau is not None:
+        run.schedules.plateau.update(score)
+    if cfg.early_stop and record.epoch - progress.best_epoch >= cfg.early_stop:
+        progress.stopped_early = True
+    progress.epoch += 1
+    progress.step_in_epoch = 0
+
+
+def fit(run: Run) -> Path:
+    """Train ``run`` to ``cfg.epochs`` (or ``max_steps``, early stopping, Ctrl-C); returns the best checkpoint."""
+    cfg, progress, ctx = run.cfg, run.progress, run.dist
+    if progress.global_step:
+        _trim_metrics_log(run)
+    steps_per_epoch = run.steps_per_epoch
     logs: dict[str, float] = {}
     with _StopFlag() as stop:
-        while progress["epoch"] < cfg.epochs:
-            epoch = progress["epoch"]
-            order = np.random.default_rng([cfg.seed, epoch]).permutation(phase.size)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(cfg, epoch)
-            model.train()
-            bar = tqdm(total=steps_per_epoch, initial=progress["step_in_epoch"],
-                       desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", unit="batch", disable=not cfg.progress,
-                       dynamic_ncols=True)
-            for step in range(progress["step_in_epoch"], steps_per_epoch):
-                loss, logs = phase.loss(order[step * cfg.batch_size:(step + 1) * cfg.batch_size])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.step()
-                progress["step_in_epoch"] = step + 1
-                progress["global_step"] += 1
+        while progress.epoch < cfg.epochs and not progress.stopped_early:
+            epoch = progress.epoch
+            order = np.random.default_rng([cfg.seed, epoch]).permutation(run.phase.size)
+            run.phase.ss_prob = run.schedules.sampling(epoch)
+            run.model.train()
+            bar = tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, unit="batch", dynamic_ncols=True,
+                       desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", disable=not (cfg.progress and ctx.is_main))
+            tick, tokens = time.time(), 0
+            lr = run.schedules.learning_rate(epoch, progress.global_step)
+            for step in range(progress.step_in_epoch, steps_per_epoch):
+                lr = run.schedules.learning_rate(epoch, progress.global_step)
+                for group in run.optimizer.param_groups:
+                    group["lr"] = lr
+                global_batch = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+                with run.precision.autocast(run.device):
+                    loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
+                _optimizer_step(run, loss)
+                progress.step_in_epoch, progress.global_step = step + 1, progress.global_step + 1
+                tokens += batch_tokens * ctx.world
+                rate = tokens / max(time.time() - tick, 1e-9)
                 bar.update(1)
-                bar.set_postfix({k: f"{v:.3f}" for k, v in logs.items()})
-                if stop.raised or (cfg.max_steps and progress["global_step"] >= cfg.max_steps):
+                bar.set_postfix_str(" ".join([*(f"{k}={v:.3f}" for k, v in logs.items()), f"lr={lr:.2e}",
+                                              f"tok/s={rate:.0f}"]))
+                if cfg.log_every and progress.global_step % cfg.log_every == 0:
+                    _log(run, StepRecord(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob, rate,
+                                         run.elapsed()))
+                stopping = ctx.any(stop.raised) or bool(cfg.max_steps and progress.global_step >= cfg.max_steps)
+                if stopping:
                     break
+                if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0 \
+                        and progress.step_in_epoch < steps_per_epoch:
+                    _snapshot(run)
             bar.close()
-            if stop.raised:
-                snapshot()
-                raise TrainingInterrupted(f"interrupted at epoch {epoch + 1}, step {progress['step_in_epoch']}; "
-                                          f"state saved in {run_dir}: rerun with --resume to continue")
-            if progress["step_in_epoch"] < steps_per_epoch:  # max_steps reached mid-epoch
-                snapshot()
+            if ctx.any(stop.raised):
+                _snapshot(run)
+                raise TrainingInterrupted(f"interrupted at epoch {epoch + 1}, step {progress.step_in_epoch}; "
+                                          f"state saved in {run.run_dir}: rerun with --resume to continue")
+            if progress.step_in_epoch < steps_per_epoch:  # max_steps reached mid-epoch
+                _snapshot(run)
                 break
+            _end_epoch(run, _validate(run, epoch, lr, logs))
+            _snapshot(run)
+    return run.run_dir / "best"
 
-            captions = caption_dataset(model, vocab, val_images, store, cfg.val_beam, cfg.max_decode_len,
-                                       device=str(device))
-            scores = score_dataset(captions, val_images, ("BLEU", "CIDEr-D"))
-            # the logged training numbers are those of the epoch's last batch
-            scores = {"epoch": epoch + 1, "lr": learning_rate(cfg, epoch), **{k: round(v, 4) for k, v in logs.items()},
-                      **{k: round(v, 4) for k, v in scores.items()}}
-            progress["history"].append(scores)
-            print(json.dumps(scores))
-            meta.update(history=progress["history"], train_seconds=elapsed())
-            save_checkpoint(run_dir / "last", model, vocab, spec, meta)
-            if scores[select] > progress["best_score"]:
-                progress["best_score"], progress["best_epoch"] = scores[select], epoch + 1
-                save_checkpoint(run_dir / "best", model, vocab, spec,
-                                {**meta, "selected_by": select, "best_epoch": epoch + 1, "val_scores": scores})
-            progress["epoch"] += 1
-            progress["step_in_epoch"] = 0
-            snapshot()
-    return run_dir / "best"
+
+def train(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Run the phase ``cfg.phase``; returns the path of the best checkpoint."""
+    return fit(prepare_run(cfg, resume))

@@ -1,16 +1,16 @@
-"""Self-critical sequence training with the CIDEr-D reward (Rennie et al., 2017): SPEC §1.6, phase ``scst`` of
-§8.6.  Generic over every registered captioner, since it only uses the protocol's ``encode`` / ``step`` through
-:func:`models.decoding.greedy` and :func:`models.decoding.sample`.
+"""Self-critical sequence training with the CIDEr-D reward (Rennie et al. 2017, arXiv:1612.00563), the second
+training stage of AoANet (arXiv:1908.06954 §3.3) and X-LAN (arXiv:2003.14080 §3.3.1).  Generic over every registered captioner, since it only uses the protocol's ``encode`` / ``step`` through
+:func:`captioner.models.decoding.greedy` and :func:`captioner.models.decoding.sample`.
 
-Per mini-batch of images (SPEC §1.6 steps 1–5):
+Per mini-batch of images:
 
 1. the greedy caption ``ŷ`` of each image, decoded with the model in eval mode and without gradient;
 2. ``n`` captions ``y^s`` per image sampled from the full softmax with the model in train mode;
 3. CIDEr-D of every caption against the image's references, with document frequencies from the training
-   references (decision #4);
+   references (as the authors' code does);
 4. ``L = -Σ (r(y^s) - r(ŷ)) Σ_t log p(y^s_t | y^s_<t) / #tokens``, summing up to and including EOS.
 
-The images are encoded once per decode rather than once per batch (step 1 of SPEC §1.6): the greedy baseline
+The images are encoded once per decode rather than once per batch (Rennie et al. encode once): the greedy baseline
 runs in eval mode, and for models with dropout in the encoder (AoANet's refiner) that needs an eval-mode
 encoding of its own.  ``scst_baseline="mean"`` replaces ``r(ŷ)`` by the mean reward of the image's other samples
 (no greedy decode; not in the papers, off by default).
@@ -30,7 +30,7 @@ from torch import Tensor
 from ..decoding import greedy, sample
 from ..evaluation.metrics import CiderD
 from ..protocol import Captioner, VisualBatch
-from .loop import Phase, register_phase
+from .loop import BatchLoss, Phase, register_phase
 
 BASELINES = ("greedy", "mean")
 
@@ -47,8 +47,8 @@ def scst_advantages(sample_rewards: Tensor, greedy_rewards: Tensor | None) -> Te
 
 
 def scst_loss(logprobs: Tensor, mask: Tensor, advantages: Tensor) -> Tensor:
-    """SPEC §1.6 step 5: ``-Σ_r A_r Σ_t log p(y_{r,t}) / #tokens`` over sampled rows ``[R, T]``, where ``mask``
-    marks the tokens up to and including EOS ([REC]: divide by the unmasked token count)."""
+    """Rennie et al. Eq. 9 with the greedy baseline: ``-Σ_r A_r Σ_t log p(y_{r,t}) / #tokens`` over sampled rows ``[R, T]``, where ``mask``
+    marks the tokens up to and including EOS (divided by the unmasked token count, as the authors' code does)."""
     mask = mask.to(logprobs.dtype)
     return -(advantages.detach()[:, None] * logprobs * mask).sum() / mask.sum().clamp_min(1.0)
 
@@ -73,8 +73,8 @@ def scst_batch_loss(model: Captioner, vis: VisualBatch, references: Sequence[Seq
                           [references[row // samples] for row in range(drawn.tokens.shape[0])])
     rewards = torch.from_numpy(rewards).view(-1, samples)
     advantages = scst_advantages(rewards, greedy_rewards).flatten().to(drawn.logprobs.device, drawn.logprobs.dtype)
-    loss = scst_loss(drawn.logprobs, drawn.mask, advantages)
-    return loss, {"scst": loss.item(), "reward": float(rewards.mean()), **logs}
+    loss = scst_loss(drawn.logprobs.float(), drawn.mask, advantages)
+    return loss, {"scst": loss.item(), "reward": float(rewards.mean()), **logs, "tokens": float(drawn.mask.sum())}
 
 
 @register_phase("scst")
@@ -84,7 +84,7 @@ class SCSTPhase(Phase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.references = [[" ".join(ref) for ref in im.references] for im in self.images]
-        self.cider = CiderD(self.references)  # document frequencies: the training references (decision #4)
+        self.cider = CiderD(self.references)  # document frequencies: the training references (as the authors' code does)
 
     @property
     def size(self) -> int:
@@ -93,8 +93,12 @@ class SCSTPhase(Phase):
     def selection_metric(self) -> str:
         return self.cfg.select_metric or "CIDEr-D"
 
-    def loss(self, batch: Sequence[int]) -> tuple[Tensor, dict[str, float]]:
+    def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
+        """The SCST loss of this rank's images, weighted by their share of the global batch times the number of
+        ranks (the token normaliser stays per rank: exact on one process, an approximation under DDP)."""
         vis = self.store.batch([self.images[i].key for i in batch]).to(self.device)
-        return scst_batch_loss(self.model, vis, [self.references[i] for i in batch], self.cider,
-                               lambda ids: " ".join(self.vocab.decode(ids)), self.cfg.scst_samples,
-                               self.cfg.max_decode_len, self.cfg.scst_baseline)
+        loss, logs = scst_batch_loss(self.model, vis, [self.references[i] for i in batch], self.cider,
+                                     lambda ids: " ".join(self.vocab.decode(ids)), self.cfg.scst_samples,
+                                     self.cfg.max_decode_len, self.cfg.scst_baseline)
+        share = len(batch) * self.world / len(global_batch) if global_batch is not None and self.world > 1 else 1.0
+        return BatchLoss(loss * share, logs, int(logs.pop("tokens")))

@@ -1,16 +1,21 @@
-"""Resumable training state without pickle: tensors → safetensors, everything else → JSON."""
+"""Resumable training state without pickle: tensors → safetensors, everything else → JSON, committed atomically."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
+
+from ..checkpoint import CheckpointError, file_checksum, fsync_path, write_durably
 
 STATE_TENSORS, STATE_JSON = "train_state.safetensors", "train_state.json"
+TENSORS_KEY = "__tensors__"
 
 
 def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -36,21 +41,45 @@ def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save_state(run_dir: Path, state: dict[str, Any]) -> None:
-    """Atomically write ``state`` (nested dicts with tensors); a crash mid-write keeps the previous state."""
+    """Write ``state`` (nested dicts with tensors) so that a crash at any moment leaves either the previous state
+    or the new one, never a mix: the tensors go to a new uniquely named file (fsynced), then ``train_state.json``,
+    which names that file and its sha256, replaces the old JSON in one atomic rename — the commit point — and only
+    then is the previous tensor file removed."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(state, "s", tensors)
-    tmp_t, tmp_j = run_dir / (STATE_TENSORS + ".tmp"), run_dir / (STATE_JSON + ".tmp")
-    save_file(tensors, tmp_t)
-    tmp_j.write_text(json.dumps(skeleton))
-    os.replace(tmp_t, run_dir / STATE_TENSORS)
-    os.replace(tmp_j, run_dir / STATE_JSON)
+    name = f"train_state.{secrets.token_hex(4)}.safetensors"
+    write_durably(run_dir / name, save_tensors(tensors))
+    skeleton[TENSORS_KEY] = {"file": name, "sha256": file_checksum(run_dir / name)}
+    tmp = run_dir / f".{STATE_JSON}.tmp-{secrets.token_hex(4)}"
+    tmp.write_text(json.dumps(skeleton))
+    fsync_path(tmp)
+    os.replace(tmp, run_dir / STATE_JSON)
+    fsync_path(run_dir)
+    for stale in [*run_dir.glob("train_state.*.safetensors"), *run_dir.glob(f".{STATE_JSON}.tmp-*")]:
+        if stale.name != name:  # older states and what a killed writer left
+            stale.unlink(missing_ok=True)
+    (run_dir / STATE_TENSORS).unlink(missing_ok=True)  # the single-file layout of older runs
 
 
 def load_state(run_dir: Path) -> dict[str, Any] | None:
+    """The saved state, or None; a state whose tensor file does not match the sha256 its JSON records (torn,
+    foreign, altered) is refused with :class:`~captioner.models.checkpoint.CheckpointError`."""
     if not (run_dir / STATE_JSON).exists():
         return None
-    skeleton = json.loads((run_dir / STATE_JSON).read_text())
-    return _join(skeleton, load_file(run_dir / STATE_TENSORS))
+    try:
+        skeleton = json.loads((run_dir / STATE_JSON).read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{run_dir / STATE_JSON} is not valid JSON (torn or altered)") from None
+    ref = skeleton.pop(TENSORS_KEY, None)
+    if ref is None:  # written before the state carried its own checksum
+        return _join(skeleton, load_file(run_dir / STATE_TENSORS))
+    tensor_file = run_dir / ref["file"]
+    if not tensor_file.is_file():
+        raise CheckpointError(f"{tensor_file}, named by {STATE_JSON}, is missing")
+    if file_checksum(tensor_file) != ref["sha256"]:
+        raise CheckpointError(f"{tensor_file} does not match the sha256 in {STATE_JSON}: torn, foreign or altered; "
+                              "refusing to resume from it")
+    return _join(skeleton, load_file(tensor_file))
 
 
 def restore_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:

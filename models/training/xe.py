@@ -1,6 +1,7 @@
-"""Cross-entropy training (SPEC §1.5, §8.6): teacher forcing plus the auxiliary losses the model returns (SAT's
-doubly stochastic penalty; SAT-hard's REINFORCE and entropy terms, which makes this phase also SPEC §8.6's
-``hard_reinforce``).  The loop, validation, checkpoints and resume are :mod:`models.training.loop`'s.
+"""Cross-entropy training: teacher forcing (optionally scheduled sampling, Bengio et al. 2015, arXiv:1506.03099,
+as AoANet, arXiv:1908.06954 §3.4, uses it) plus the auxiliary losses the model returns (SAT's doubly stochastic
+penalty, Xu et al. 2015, arXiv:1502.03044 §4.2.1; SAT-hard's REINFORCE and entropy terms, which makes this phase also the
+``hard_reinforce`` phase).  The loop, validation, checkpoints and resume are :mod:`captioner.models.training.loop`'s.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .loop import Phase, TrainConfig, TrainingInterrupted, register_phase, train
+from .loop import BatchLoss, Phase, TrainConfig, TrainingInterrupted, register_phase, train
 
 __all__ = ["TrainConfig", "TrainingInterrupted", "XEPhase", "train", "xe_loss"]
 
@@ -49,11 +50,20 @@ class XEPhase(Phase):
     def size(self) -> int:
         return len(self.pairs)
 
-    def loss(self, batch: Sequence[int]) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
+        """Token-mean XE (plus the model's auxiliary losses) of this rank's ``batch``, weighted by its share of
+        the global batch's tokens (images, for the auxiliary terms) times the number of ranks: averaged over the
+        ranks, that is the token-mean over the global batch, as on one process."""
         pairs = [self.pairs[i] for i in batch]
         vis = self.store.batch([key for key, _ in pairs]).to(self.device)
         targets = _pad([ids for _, ids in pairs], self.vocab.pad_id).to(self.device)
-        logprobs, aux = self.model.forward_xe(vis, targets)
-        loss = xe_loss(logprobs, targets, self.vocab.pad_id, self.cfg.label_smoothing)
-        total = loss + sum(aux.values()) if aux else loss
-        return total, {"xe": loss.item(), **{name: value.item() for name, value in aux.items()}}
+        logprobs, aux = self.model.forward_xe(vis, targets, self.ss_prob)
+        # the loss in float32 even under autocast: a bf16 log-probability sum loses the small terms
+        loss = xe_loss(logprobs.float(), targets, self.vocab.pad_id, self.cfg.label_smoothing)
+        tokens = sum(len(ids) for _, ids in pairs)
+        token_share, item_share = 1.0, 1.0
+        if global_batch is not None and self.world > 1:
+            token_share = tokens * self.world / sum(len(self.pairs[i][1]) for i in global_batch)
+            item_share = len(batch) * self.world / len(global_batch)
+        total = loss * token_share + sum(value.float() * item_share for value in aux.values())
+        return BatchLoss(total, {"xe": loss.item(), **{name: value.item() for name, value in aux.items()}}, tokens)

@@ -1,0 +1,128 @@
+"""Encoder benchmark: per-image time of the visual encoder at batch 1, 4 and 16, PyTorch and ONNX Runtime, one run.
+
+The encoder of the shipped default (``weights/sat-scenes``: EfficientNet-Lite0 hypercolumns, a 16×16 grid at
+256 px) is timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
+(``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX
+Runtime (CPU execution provider here).  Configurations are timed in turns, repetition by repetition, so that
+background load affects each alike; each cell is the median of the repetitions' per-image times.  The PyTorch row
+"unfolded" is the encoder before this change (BatchNorms as separate passes), for the record.
+
+Usage: ``python benchmarks/bench_encoder.py [--threads N] [--repeats R]``; writes ``docs/benchmarks/encoder.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "benchmarks" / "encoder.md"
+BATCHES = (1, 4, 16)
+
+
+def torch_encoders(spec):
+    import torch
+
+    import captioner.models.encoder as encoder_module
+    from captioner.models.inference import grid_encoder
+
+    served = grid_encoder(spec, "cpu")
+    fold = encoder_module.fold_batch_norm
+    encoder_module.fold_batch_norm = lambda net: 0  # the encoder as it was before folding
+    try:
+        unfolded = grid_encoder(spec, "cpu")
+    finally:
+        encoder_module.fold_batch_norm = fold
+
+    def runner(encoder):
+        def run(pixels):
+            with torch.inference_mode():
+                encoder(pixels.contiguous(memory_format=torch.channels_last))
+        return run
+
+    return {"torch (served: BN folded, channels-last)": runner(served), "torch unfolded (before)": runner(unfolded)}, served
+
+
+def onnx_encoder(encoder, spec, threads: int, folder: Path):
+    import onnxruntime as ort
+    import torch
+
+    path = folder / "encoder_only.onnx"
+    example = torch.randn(2, 3, spec.image_size, spec.image_size)
+    torch.onnx.export(encoder, (example,), str(path), input_names=["pixels"], output_names=["features"],
+                      dynamic_axes={"pixels": {0: "batch"}, "features": {0: "batch"}}, opset_version=17, dynamo=False)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    want = encoder(example).numpy()
+    got = session.run(None, {"pixels": example.numpy()})[0]
+    error = float(abs(got - want).max())
+
+    def run(pixels):
+        session.run(None, {"pixels": pixels.numpy()})
+    return run, error
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of both backends")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--checkpoint", type=Path, default=ROOT / "weights" / "sat-scenes")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from captioner.models.checkpoint import load_checkpoint
+
+    spec = load_checkpoint(args.checkpoint, "cpu").encoder
+    runners, served = torch_encoders(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        runners["onnx runtime"], onnx_error = onnx_encoder(served, spec, args.threads, Path(tmp))
+        inputs = {b: torch.randn(b, 3, spec.image_size, spec.image_size) for b in BATCHES}
+        for run in runners.values():  # first-use costs (allocator, kernel choice) are not measured
+            for pixels in inputs.values():
+                run(pixels)
+        times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in BATCHES} for name in runners}
+        started = datetime.datetime.now(datetime.timezone.utc)
+        for _ in range(args.repeats):
+            for batch, pixels in inputs.items():
+                for name, run in runners.items():
+                    t0 = time.perf_counter()
+                    run(pixels)
+                    times[name][batch].append((time.perf_counter() - t0) / batch * 1000)
+    median = {name: {b: statistics.median(v) for b, v in per.items()} for name, per in times.items()}
+    best = {name: min(BATCHES, key=lambda b: per[b]) for name, per in median.items()}
+    lines = [
+        "# Encoder: per-image time by batch size",
+        "",
+        f"`python benchmarks/bench_encoder.py --threads {args.threads} --repeats {args.repeats}`, "
+        f"{started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores shared with other work (numbers drift with the "
+        f"load; compare within a row and within this run only). Encoder of `{args.checkpoint.name}`: "
+        f"`{spec.backbone}` `{spec.layer}`, {spec.grid_hw[0]}×{spec.grid_hw[1]} grid at {spec.image_size} px. "
+        f"Median of {args.repeats} repetitions, configurations in turns. ONNX Runtime vs PyTorch max |Δ| of the "
+        f"features: {onnx_error:.1e}.",
+        "",
+        "| backend | " + " | ".join(f"batch {b} (ms/image)" for b in BATCHES) + " | fastest batch |",
+        "|---|" + "---:|" * len(BATCHES) + "---:|",
+    ]
+    for name, per in median.items():
+        lines.append(f"| {name} | " + " | ".join(f"{per[b]:.1f}" for b in BATCHES) + f" | {best[name]} |")
+    lines += ["", "The service does not assume the largest batch is the cheapest: each batcher times its encoder at "
+              "warm-up over the batch sizes it will use and encodes in chunks of the size with the lowest "
+              "per-image time (`Batcher.encode_batch`, logged at start-up).", ""]
+    text = "\n".join(lines)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The model-zoo table and grounding figure (``captioner zoo-table``), generated from measurements only.
+
+Inputs: every checkpoint folder under ``weights/`` (parameters counted from its safetensors file, training time and
+hardware from its ``config.json`` training record) and the ``captioner eval --output`` reports in a results folder,
+one or more per checkpoint, named ``NAME.json`` or ``NAME.SOMETHING.json`` (e.g. ``sat-scenes.json`` with the
+test / heldout splits and ``--grounding``, ``sat-scenes.ood.json`` with the ``ood`` split).  A number that no report
+holds is printed as "—", never filled in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
+
+
+def parameter_count(checkpoint: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
+        for key in handle.keys():
+            shape = handle.get_slice(key).get_shape()
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count
+    return total
+
+
+def merged_reports(results: Path, name: str) -> dict[str, Any]:
+    """The splits of every report for checkpoint ``name`` (later files win on a split both hold)."""
+    merged: dict[str, Any] = {}
+    for path in sorted(results.glob(f"{name}.json")) + sorted(results.glob(f"{name}.*.json")):
+        report = json.loads(path.read_text())
+        merged.update({k: v for k, v in report.items() if isinstance(v, dict) and "images" in v})
+    return merged
+
+
+def _grounding_all(split: dict[str, Any] | None, stat: str) -> dict | None:
+    rows = (split or {}).get("grounding", {}).get("rows", [])
+    row = next((r for r in rows if r["control"] == "model" and r["word_class"] == "all"), None)
+    return row[stat] if row else None
+
+
+def _metric(split: dict[str, Any] | None, key: str, digits: int = 3) -> str:
+    value = (split or {}).get(key)
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "—"
+
+
+def _with_ci(stat: dict | None) -> str:
+    return "—" if stat is None else f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
+
+
+def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
+    rows = []
+    for checkpoint in sorted(p for p in weights.iterdir() if (p / "config.json").exists()):
+        config = json.loads((checkpoint / "config.json").read_text())
+        meta = config.get("meta", {})
+        splits = merged_reports(results, checkpoint.name)
+        rows.append({"name": checkpoint.name, "arch": config.get("arch", "?"),
+                     "normaliser": config.get("model", {}).get("attention", "softmax" if config.get("arch") != "sat-hard"
+                                                               else "hard"),
+                     "parameters": parameter_count(checkpoint), "train_seconds": meta.get("train_seconds"),
+                     "hardware": meta.get("hardware"), "threads": meta.get("train_config", {}).get("threads"),
+                     "splits": splits})
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| checkpoint | architecture | normaliser | parameters | training | test objects_named | "
+            "held-out objects_named | OOD objects_named | CIDEr-D (test) | BLEU-4 (test) | grounding mass (test) | "
+            "pointing hit (test) |")
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
+    for row in rows:
+        test, heldout, ood = (row["splits"].get(s) for s in ("test", "heldout", "ood"))
+        minutes = f"{row['train_seconds'] / 60:.0f} min" if row["train_seconds"] else "not recorded"
+        hardware = row["hardware"] or "2-core CPU (not recorded)"
+        threads = f", {row['threads']} thread(s)" if row["threads"] else ""
+
+        def sized(split, key):
+            return f"{_metric(split, key)} (n={split['images']})" if split and key in split else "—"
+
+        lines.append(" | ".join([
+            f"| {row['name']}", row["arch"], row["normaliser"], f"{row['parameters'] / 1e6:.1f} M",
+            f"{minutes} on {hardware}{threads}", sized(test, "objects_named"), sized(heldout, "objects_named"),
+            sized(ood, "objects_named"), _metric(test, "CIDEr-D"), _metric(test, "BLEU-4"),
+            _with_ci(_grounding_all(test, "mass")), _with_ci(_grounding_all(test, "pointing"))]) + " |")
+    lines += ["", "Grounding: attention of every word that correctly names an object (colour adjective and shape "
+              "noun), test split; mean [95 % bootstrap interval over images]. Chance rows: "
+              "`captioner eval --grounding` reports (`docs/results/`)."]
+    return "\n".join(lines)
+
+
+def grounding_markdown(rows: list[dict[str, Any]]) -> str:
+    from .grounding import markdown_table
+
+    return markdown_table([(row["name"], row["splits"]["test"]["grounding"]) for row in rows
+                           if "grounding" in row["splits"].get("test", {})])
+
+
+def grounding_figure(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """Bars of mass in object and pointing hit per model (attention vs the two chance controls), all words, with
+    their 95 % intervals as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    models = [r for r in rows if "grounding" in r["splits"].get("test", {})]
+    if not models:
+        return None
+    controls = ("model", "other image", "uniform")
+    figure, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(models), 3.6))
+    width = 0.8 / len(controls)
+    for axis, stat, title in zip(axes, ("mass", "pointing"), ("mass in object", "pointing-game hit")):
+        for c, control in enumerate(controls):
+            means, errors = [], [[], []]
+            for row in models:
+                entry = next((r for r in row["splits"]["test"]["grounding"]["rows"]
+                              if r["control"] == control and r["word_class"] == "all"), None)
+                mean = entry[stat]["mean"] if entry else float("nan")
+                low, high = entry[stat]["ci95"] if entry else (mean, mean)
+                means.append(mean)
+                errors[0].append(mean - low)
+                errors[1].append(high - mean)
+            positions = [i + (c - 1) * width for i in range(len(models))]
+            axis.bar(positions, means, width, yerr=errors, capsize=3,
+                     label="attention" if control == "model" else f"chance: {control}")
+        axis.set_xticks(range(len(models)))
+        axis.set_xticklabels([f"{r['name']}\n({r['splits']['test']['grounding']['normaliser']})" for r in models],
+                             fontsize=8)
+        axis.set_title(title)
+        axis.set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def write_zoo(weights: Path, results: Path, document: Path, figure: Path) -> str:
+    """Write the tables between the markers of ``document`` (appended once if it has none) and the figure."""
+    rows = zoo_rows(weights, results)
+    picture = grounding_figure(rows, figure)
+    block = [START, "", "## All shipped checkpoints (generated by `captioner zoo-table`)", "", markdown(rows)]
+    grounding = grounding_markdown(rows)
+    if grounding.count("\n") > 1:
+        block += ["", "### Attention grounding (test split)", "", grounding]
+    if picture is not None:
+        block += ["", f"![grounding]({Path('figures') / picture.name})" if picture.parent.name == "figures"
+                  else f"![grounding]({picture})"]
+    block += ["", END]
+    text = document.read_text() if document.exists() else ""
+    if START in text and END in text:
+        before, rest = text.split(START, 1)
+        text = before + "\n".join(block) + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(block) + "\n"
+    document.write_text(text)
+    return "\n".join(block)

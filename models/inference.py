@@ -1,0 +1,190 @@
+"""Image → caption, one path for every caller: the CLI (:class:`~captioner.models.pipeline.Pipeline`), the service's
+continuous batcher and the tests.
+
+A :class:`Runtime` is one checkpoint on one device behind the small interface the batcher drives:
+
+* :meth:`Runtime.prepare` — decoded image → network input and geometry (the preprocessing function training uses);
+* :meth:`Runtime.begin` — encode a batch of prepared images into rows of encoder and decoder state, ``widths[i]``
+  rows (beams) for image ``i``;
+* :meth:`Runtime.step` / :meth:`Runtime.reorder` — one decoding step over any rows, and following beam
+  back-pointers (the model's ``step`` and ``reorder`` hooks of :class:`~captioner.models.protocol.Captioner`);
+* :meth:`Runtime.result` — a decoded hypothesis → :class:`CaptionResult` (a domain object; the service's schemas
+  serialise it).
+
+:meth:`Runtime.caption` runs ``prepare``-d images through ``begin`` and :func:`~captioner.models.decoding.search_rows` (the
+loop of :func:`~captioner.models.decoding.beam_search`) with the same ``step`` and ``reorder`` the batcher calls, so a fixed
+batch and the batcher's changing tables share every step.  :class:`TorchRuntime` is the PyTorch implementation;
+the ONNX Runtime one lives with the service (``service/runtime.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from .checkpoint import Checkpoint, load_checkpoint
+from .decoding import Hypothesis, expand_rows, never_emitted, search_rows
+from .encoder import EncoderSpec, GridEncoder, preprocess
+from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
+from .vocab import EOS
+
+
+@dataclass
+class Prepared:
+    """An image after decoding and preprocessing (CPU tensors, ready to batch)."""
+
+    pixels: Tensor
+    geometry: Geometry
+
+
+@dataclass
+class CaptionResult:
+    """One image's caption: the best hypothesis with its attention, where its visual items sit, and which model
+    (and beam width) produced it."""
+
+    model: str
+    checkpoint: str
+    attention_kind: str
+    beam_size: int
+    words: list[str]
+    hypothesis: Hypothesis
+    geometry: Geometry
+    #: cell boxes (r1, c1, r2, c2) of the ``areas`` extra, for area-attention models (see :func:`area_boxes_of`)
+    area_boxes: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> list[str]:
+        """The emitted words, plus ``<eos>`` when the caption ended normally: one per attention row."""
+        return self.words + ([EOS] if self.hypothesis.ended_with_eos else [])
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded model is and where it runs (``GET /models``)."""
+
+    name: str
+    architecture: str
+    attention_kind: str
+    attention: str
+    vocab_size: int
+    checksum: str
+    encoder: dict
+    parameters: int
+    device: str
+    backend: str
+    providers: list[str] | None = None
+
+
+def area_boxes_of(model: Captioner, hyp: Hypothesis, geometry: Geometry) -> np.ndarray | None:
+    """The cell boxes that index ``hyp``'s ``areas`` extra (what ``area_topk`` rendering needs), or None."""
+    boxes = model.area_boxes(geometry.grid_hw) if "areas" in hyp.extras else None
+    return None if boxes is None else boxes.cpu().numpy()
+
+
+class Runtime(ABC):
+    """One checkpoint on one device; subclasses supply :meth:`begin`, :meth:`step` and :meth:`reorder`."""
+
+    backend: str = ""
+
+    def __init__(self, name: str, ckpt: Checkpoint, device: torch.device):
+        self.name, self.ckpt, self.device = name, ckpt, torch.device(device)
+        model = ckpt.model
+        self.bos_id, self.eos_id = model.bos_id, model.eos_id
+        self.never_emitted = never_emitted(model)
+
+    @property
+    def spec(self) -> EncoderSpec:
+        return self.ckpt.encoder
+
+    def info(self) -> ModelInfo:
+        model = self.ckpt.model
+        return ModelInfo(name=self.name, architecture=model.arch, attention_kind=model.attention_kind,
+                         attention=getattr(model, "attention_name", model.config().get("attention", "softmax")),
+                         vocab_size=len(self.ckpt.vocab), checksum=f"sha256:{self.ckpt.checksum}",
+                         encoder=self.spec.to_json(), parameters=sum(p.numel() for p in model.parameters()),
+                         device=str(self.device), backend=self.backend)
+
+    def prepare(self, image: Image.Image) -> Prepared:
+        pixels, geometry = preprocess(image, self.spec)
+        return Prepared(pixels, geometry)
+
+    def pixels(self, batch: list[Prepared]) -> Tensor:
+        """The batch's network input on the runtime's device."""
+        pixels = torch.stack([p.pixels for p in batch])
+        if self.device.type == "cuda":
+            # page-locked host memory lets the copy run asynchronously with the work already queued on the GPU
+            return pixels.pin_memory().to(self.device, non_blocking=True)
+        return pixels
+
+    # -- what the batcher calls -----------------------------------------------------------------------------
+    @abstractmethod
+    def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
+        """Encode a batch of images; image ``i`` gets ``widths[i]`` rows of encoder and decoder state."""
+
+    @abstractmethod
+    def step(self, prev: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """One decoding step over every row: log-probs ``[rows, V]``, the new state and its attention."""
+
+    @abstractmethod
+    def reorder(self, state: DecState, index: Tensor) -> DecState:
+        """Row ``i`` of the returned state is row ``index[i]`` of ``state`` (beam back-pointers, rows leaving)."""
+
+    def result(self, hyp: Hypothesis, geometry: Geometry, beam_size: int) -> CaptionResult:
+        return CaptionResult(self.name, str(self.ckpt.path), self.ckpt.model.attention_kind, beam_size,
+                             self.ckpt.vocab.decode(hyp.token_ids), hyp, geometry,
+                             area_boxes_of(self.ckpt.model, hyp, geometry))
+
+    # -- a fixed batch, start to finish ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def caption(self, batch: list[Prepared], beam_size: int, max_len: int) -> list[CaptionResult]:
+        """Caption a fixed batch: :meth:`begin`, then :func:`~captioner.models.decoding.search_rows` over :meth:`step` and
+        :meth:`reorder` (the batcher runs the same steps over tables whose requests come and go)."""
+        enc, state = self.begin(batch, [beam_size] * len(batch))
+        hyps = search_rows(self.step, self.reorder, enc, state, [beam_size] * len(batch), self.bos_id, self.eos_id,
+                           self.never_emitted, max_len)
+        return [self.result(best, prepared.geometry, beam_size) for prepared, (best,) in zip(batch, hyps)]
+
+
+def grid_encoder(spec: EncoderSpec, device: torch.device | str) -> GridEncoder:
+    """The frozen visual encoder of ``spec`` on ``device``, channels-last (markedly faster convolutions on CPU
+    with oneDNN and on tensor cores)."""
+    return GridEncoder(spec).to(device).to(memory_format=torch.channels_last)
+
+
+class TorchRuntime(Runtime):
+    """The PyTorch backend: the frozen :class:`~captioner.models.encoder.GridEncoder` (shareable between models with the
+    same :class:`~captioner.models.encoder.EncoderSpec`) and the model's own protocol methods."""
+
+    backend = "torch"
+
+    def __init__(self, name: str, ckpt: Checkpoint, encoder: GridEncoder, device: torch.device):
+        super().__init__(name, ckpt, device)
+        self.encoder = encoder
+
+    @torch.inference_mode()
+    def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
+        """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
+        feats = self.encoder(self.pixels(batch).contiguous(memory_format=torch.channels_last))
+        model = self.ckpt.model
+        enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
+        return enc, model.init_state(enc)
+
+    @torch.inference_mode()
+    def step(self, prev: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        return self.ckpt.model.step(prev, state, enc)
+
+    def reorder(self, state: DecState, index: Tensor) -> DecState:
+        return self.ckpt.model.reorder(state, index)
+
+
+def torch_runtime(checkpoint: str | Path | Checkpoint, device: torch.device | str = "cpu",
+                  name: str | None = None) -> TorchRuntime:
+    """A :class:`TorchRuntime` of a checkpoint folder (or a loaded checkpoint) with its own encoder."""
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint, device)
+    return TorchRuntime(name or ckpt.name, ckpt, grid_encoder(ckpt.encoder, device), torch.device(device))

@@ -1,0 +1,56 @@
+"""A restricted unpickler for the authors' ``infos_*.pkl`` files: only allow-listed, data-only globals.
+
+``pickle.load`` runs whatever callables a file names, so a downloaded pickle is code.  The AoANet ``infos`` file
+only needs plain containers, ``argparse.Namespace`` (the training options) and NumPy scalars/arrays (scores,
+split indices); anything else is refused with :class:`UnsafePickleError` before it is called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import copyreg
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_NUMPY_CORE = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # type: ignore[attr-defined]
+
+#: (module, name) → the object; Python 2 spellings (``__builtin__``, ``copy_reg``) and NumPy 1/2 module paths
+ALLOWED: dict[tuple[str, str], Any] = {
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set, ("__builtin__", "set"): set,
+    ("builtins", "frozenset"): frozenset, ("__builtin__", "frozenset"): frozenset,
+    ("builtins", "object"): object, ("__builtin__", "object"): object,
+    ("copyreg", "_reconstructor"): copyreg._reconstructor, ("copy_reg", "_reconstructor"): copyreg._reconstructor,
+    # protocol-2 pickles spell bytes (e.g. a NumPy scalar's buffer) as _codecs.encode(text, "latin1"): data only
+    ("_codecs", "encode"): codecs.encode,
+    ("numpy", "dtype"): np.dtype, ("numpy", "ndarray"): np.ndarray,
+    ("numpy.core.multiarray", "scalar"): _NUMPY_CORE.scalar, ("numpy._core.multiarray", "scalar"): _NUMPY_CORE.scalar,
+    ("numpy.core.multiarray", "_reconstruct"): _NUMPY_CORE._reconstruct,
+    ("numpy._core.multiarray", "_reconstruct"): _NUMPY_CORE._reconstruct,
+}
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """The pickle names a global that is not on the allow-list."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return ALLOWED[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(f"refusing to load {module}.{name} from a pickle: only plain data, "
+                                    f"argparse.Namespace and NumPy values are allowed") from None
+
+
+def restricted_load(path: str | Path) -> Any:
+    """Load a pickle with the allow-list; ``latin1`` decodes Python 2 ``str`` objects as NumPy's pickles need."""
+    data = Path(path).read_bytes()
+    return RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()

@@ -1,0 +1,93 @@
+"""The captioning use case: one uploaded image and its options → a :class:`~captioner.models.inference.CaptionResult`.
+
+Model choice (the request's, else the service default), option limits, decoding and preprocessing the image in
+the thread pool (never on the event loop), the model's batcher under the request deadline, and the request
+latency metric.  Every failure leaves as a typed exception of ``errors.py`` (or the image decoder's
+:class:`~captioner.models.encoder.ImageDecodeError`); nothing here knows about HTTP beyond the status label of the metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
+
+from captioner.models.encoder import load_image
+from captioner.models.inference import CaptionResult, Prepared, Runtime
+
+from .batcher import DeadlineExceeded, NotAccepting, QueueFull
+from .errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel, problem_type
+from .schemas import CaptionOptions
+from .state import ServiceState
+
+CLIENT_GONE = 499  # status label of a request whose client went away (nothing is answered)
+
+
+@dataclass
+class CaptionRequest:
+    """An uploaded image (encoded bytes, not yet decoded) and the options it came with (``inputs.py`` reads it
+    from any body format)."""
+
+    data: bytes
+    options: CaptionOptions
+
+
+def ensure_ready(state: ServiceState) -> None:
+    if not state.ready:
+        raise NotReady("the service is starting or shutting down")
+
+
+def pick_model(state: ServiceState, name: str | None) -> str:
+    name = name or state.default_model
+    if name not in state.batchers:
+        if not state.batchers:
+            raise NotReady("no model is loaded")
+        raise UnknownModel(f"unknown model {name!r}; available: {', '.join(sorted(state.batchers))}")
+    return name
+
+
+def decode_and_prepare(runtime: Runtime, data: bytes, max_pixels: int) -> Prepared:
+    """Runs in the thread pool: image decoding and preprocessing never block the event loop."""
+    return runtime.prepare(load_image(data, max_pixels))
+
+
+async def caption_image(state: ServiceState, request: CaptionRequest) -> CaptionResult:
+    """Caption one uploaded image with its model's batcher."""
+    started = time.monotonic()
+    settings, metrics, options = state.settings, state.metrics, request.options
+    name = options.model or state.default_model
+    status = 200
+    try:
+        ensure_ready(state)
+        name = pick_model(state, options.model)
+        beam = options.beam_size or settings.default_beam_size
+        length = options.max_len or settings.default_max_len
+        if beam > settings.max_beam_size:
+            raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}")
+        if length > settings.max_max_len:
+            raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}")
+        prepared = await run_in_threadpool(decode_and_prepare, state.runtimes[name], request.data, settings.max_pixels)
+        remaining = settings.request_timeout_s - (time.monotonic() - started)
+        try:
+            return await state.batchers[name].caption(prepared, beam, length, max(remaining, 0.001))
+        except QueueFull as exc:  # also WouldMissDeadline: refused now rather than a 504 later
+            retry_after = settings.retry_after_s if exc.retry_after_s is None else int(exc.retry_after_s)
+            raise Overloaded(str(exc), max(retry_after, settings.retry_after_s)) from None
+        except NotAccepting:
+            raise NotReady("the service is starting or shutting down") from None
+        except DeadlineExceeded:
+            raise DeadlinePassed(f"captioning took longer than {settings.request_timeout_s:g} s") from None
+        except ValueError as exc:  # a beam wider than the row budget
+            raise InvalidRequest(str(exc)) from None
+    except asyncio.CancelledError:
+        status = CLIENT_GONE
+        metrics.rejected("client-gone")
+        raise
+    except Exception as exc:
+        # typed failures are counted by reason where they are answered (install_problem_handlers)
+        status = problem_type(exc)[0]
+        raise
+    finally:
+        metrics.observe_request(name, status, time.monotonic() - started)

@@ -1,0 +1,154 @@
+"""Reading a caption request: the image bytes and the options, from any of the three body formats.
+
+* ``multipart/form-data``: the image as the ``file`` part; options as form fields, honoured exactly like the
+  query parameters (given both ways with different values: 422 naming both); any other part: 422 naming it.
+* ``application/json``: ``{"image": base64 or data: URL, "model", "beam_size", "max_len"}``; its options
+  override the query parameters.
+* ``image/*`` or ``application/octet-stream``: the raw image; options from the query only.
+
+Size limits are enforced while reading (before reading, when the client announced the length), so an oversized
+body is never held in memory.  Every failure is a typed exception of ``errors.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections import Counter
+from typing import Annotated
+
+from fastapi import Query, Request
+from pydantic import ValidationError
+from starlette.datastructures import FormData, UploadFile
+
+from .captioning import CaptionRequest
+from .errors import InvalidImage, InvalidRequest, UploadTooLarge
+from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
+
+#: room for the multipart envelope around the file (boundaries, part headers, the option fields)
+MULTIPART_SLACK = 64 * 1024
+#: parts parsed before refusing: enough to name a client's stray parts in the 422, few enough to bound the work
+MAX_FORM_FILES, MAX_FORM_FIELDS = 8, 16
+FORM_PARTS = ("file", *CAPTION_OPTIONS)
+
+# the options as query parameters (the same names, bounds and meaning as CaptionOptions' fields)
+ModelQuery = Annotated[str | None, Query(description=CaptionOptions.model_fields["model"].description)]
+BeamQuery = Annotated[int | None, Query(ge=1, description=CaptionOptions.model_fields["beam_size"].description)]
+LengthQuery = Annotated[int | None, Query(ge=1, description=CaptionOptions.model_fields["max_len"].description)]
+
+
+def missing_file() -> InvalidRequest:
+    return InvalidRequest("body.file: Field required (send multipart/form-data with a `file` part, JSON with a "
+                          "base64 `image`, or the raw image bytes)",
+                          errors=[{"loc": ["body", "file"], "msg": "Field required"}])
+
+
+def _validation_failure(exc: ValidationError) -> InvalidRequest:
+    errors = [{"loc": ["body", *map(str, e["loc"])], "msg": e["msg"]} for e in exc.errors()]
+    return InvalidRequest("; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors), errors)
+
+
+def checked_image(data: bytes, limit: int) -> bytes:
+    """The uploaded image bytes, refused when above ``limit`` or empty (the same rule for every body format)."""
+    if len(data) > limit:
+        raise UploadTooLarge(limit)
+    if not data:
+        raise InvalidImage("the uploaded image is empty")
+    return data
+
+
+async def read_upload(upload: UploadFile, limit: int) -> bytes:
+    return checked_image(await upload.read(limit + 1), limit)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing as soon as it passes ``limit`` bytes — before reading it when the client announced
+    its length."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise UploadTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise UploadTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def merge_form_options(query: CaptionOptions, form: CaptionOptions) -> CaptionOptions:
+    """The options given either way; the same option given both ways must have the same value."""
+    conflicts = [name for name in CAPTION_OPTIONS
+                 if getattr(query, name) is not None and getattr(form, name) is not None
+                 and getattr(query, name) != getattr(form, name)]
+    if conflicts:
+        described = "; ".join(f"query parameter {n}={getattr(query, n)!r} and form field {n}={getattr(form, n)!r}"
+                              for n in conflicts)
+        errors = [error for n in conflicts for error in (
+            {"loc": ["query", n], "msg": f"conflicts with form field {n}={getattr(form, n)!r}"},
+            {"loc": ["body", n], "msg": f"conflicts with query parameter {n}={getattr(query, n)!r}"})]
+        raise InvalidRequest(f"conflicting values: {described} (give each option once, or the same value)", errors)
+    return CaptionOptions(**{name: getattr(form, name) if getattr(form, name) is not None else getattr(query, name)
+                             for name in CAPTION_OPTIONS})
+
+
+def form_options(form: FormData) -> tuple[UploadFile, CaptionOptions]:
+    """The ``file`` part and the option fields of a multipart form; anything else is refused by name."""
+    counts = Counter(name for name, _ in form.multi_items())
+    unknown = sorted(name for name in counts if name not in FORM_PARTS)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown multipart part(s) {', '.join(map(repr, unknown))}: send the image as `file` and only the "
+            f"options {', '.join(CAPTION_OPTIONS)} as form fields",
+            [{"loc": ["body", name], "msg": "unknown part"} for name in unknown])
+    repeated = sorted(name for name, count in counts.items() if count > 1)
+    if repeated:
+        raise InvalidRequest(f"multipart part(s) {', '.join(map(repr, repeated))} given more than once",
+                             [{"loc": ["body", name], "msg": "given more than once"} for name in repeated])
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise missing_file()
+    fields: dict[str, str] = {}
+    for name in CAPTION_OPTIONS:
+        value = form.get(name)
+        if isinstance(value, UploadFile):
+            raise InvalidRequest(f"{name} must be a form field, not a file",
+                                 [{"loc": ["body", name], "msg": "a file part, expected a form field"}])
+        if value:  # an empty field (curl -F model=) is the same as none, like an empty query parameter
+            fields[name] = value
+    try:
+        return upload, CaptionOptions.model_validate(fields)
+    except ValidationError as exc:
+        raise _validation_failure(exc) from None
+
+
+async def read_caption_request(request: Request, query: CaptionOptions, limit: int) -> CaptionRequest:
+    """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit + MULTIPART_SLACK:
+            raise UploadTooLarge(limit)
+        async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
+            upload, options = form_options(form)
+            return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
+    if content_type == "application/json" or content_type.endswith("+json"):
+        body = await read_body(request, (limit * 4 + 2) // 3 + 4096)
+        try:
+            parsed = CaptionJSON.model_validate_json(body)
+        except ValidationError as exc:
+            raise _validation_failure(exc) from None
+        encoded = parsed.image
+        if encoded.startswith("data:"):
+            encoded = encoded.partition(",")[2]
+        try:
+            data = base64.b64decode("".join(encoded.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidImage("`image` is not valid base64") from None
+        checked_image(data, limit)
+        # JSON options override the query parameters
+        options = CaptionOptions(**{name: getattr(parsed, name) or getattr(query, name) for name in CAPTION_OPTIONS})
+        return CaptionRequest(data, options)
+    if content_type.startswith("image/") or content_type == "application/octet-stream":
+        return CaptionRequest(checked_image(await read_body(request, limit), limit), query)
+    raise missing_file()

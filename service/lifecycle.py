@@ -1,0 +1,133 @@
+"""Graceful shutdown: on SIGTERM stop admitting, let admitted requests finish, then exit 0.
+
+Uvicorn's own SIGTERM handling closes the listening socket first, so a load balancer that still routes to the
+process sees refused connections rather than a 503 it can retry elsewhere, and the process then dies by the
+re-raised signal (exit code 143).  Here the order is:
+
+1. SIGTERM (or SIGINT): :class:`ShutdownGate` starts draining at once.  ``/readyz`` and every new request answer
+   503 with ``Retry-After`` (an RFC 9457 problem document); ``/healthz`` and ``/metrics`` keep answering, so the
+   orchestrator does not mistake a draining process for a dead one.
+2. Requests admitted before the signal run to the end, for at most ``CAPTIONER_DRAIN_TIMEOUT_S`` in total.
+3. Then uvicorn's shutdown runs (close the socket and idle connections, the app's lifespan shutdown stops the
+   batchers) and the process exits 0.  A second signal skips the wait (uvicorn's behaviour: exit by the signal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+from types import FrameType
+from typing import Any, Awaitable, Callable
+
+import uvicorn
+
+log = logging.getLogger("captioner.lifecycle")
+
+#: paths that keep answering while draining: liveness and monitoring, never work
+ALWAYS_OPEN = frozenset({"/healthz", "/metrics"})
+
+
+class ShutdownGate:
+    """Admission state shared by :class:`DrainMiddleware` (which counts and rejects requests) and
+    :class:`DrainingServer` (which starts the drain on SIGTERM and waits for it)."""
+
+    def __init__(self, retry_after_s: int = 5, on_drain: Callable[[], None] | None = None,
+                 on_reject: Callable[[], None] | None = None):
+        self.retry_after_s = retry_after_s
+        self.on_drain = on_drain
+        self.on_reject = on_reject
+        # a plain flag: set from a signal handler, where neither locks nor the event loop may be touched
+        self.draining = False
+        self.in_flight = 0
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting (if not yet) and wait until no admitted request is running or ``timeout_s`` passed.
+        Returns whether every admitted request finished."""
+        self.draining = True
+        if self.on_drain is not None:
+            self.on_drain()
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.in_flight == 0
+
+
+class DrainMiddleware:
+    """Pure ASGI: counts admitted HTTP requests and, once the gate drains, answers new ones with 503."""
+
+    def __init__(self, app: Any, gate: ShutdownGate):
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                       send: Callable[[dict], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope["path"] in ALWAYS_OPEN:
+            await self.app(scope, receive, send)
+            return
+        if self.gate.draining:
+            await self._reject(scope, send)
+            return
+        self.gate.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gate.in_flight -= 1
+
+    async def _reject(self, scope: dict, send: Callable[[dict], Awaitable[None]]) -> None:
+        if self.gate.on_reject is not None:
+            self.gate.on_reject()
+        body = json.dumps({"type": "/problems/not-ready", "title": "Service Unavailable", "status": 503,
+                           "detail": "the service is shutting down; retry on another replica",
+                           "instance": scope["path"]}).encode()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/problem+json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", str(self.gate.retry_after_s).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGTERM/SIGINT drains through the :class:`ShutdownGate` before uvicorn's
+    shutdown starts, and which then exits normally (status 0) instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, gate: ShutdownGate, drain_timeout_s: float):
+        super().__init__(config)
+        self.gate = gate
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.gate.draining or not self.started or self._loop is None:
+            # a second signal, or one before start-up finished: uvicorn's own handling
+            super().handle_exit(sig, frame)
+            return
+        self.gate.begin_drain()
+        # a fresh context: the signal may interrupt a request, whose context variables (request id) must not leak
+        self._loop.call_soon_threadsafe(self._start_drain, sig, context=contextvars.Context())
+
+    def _start_drain(self, sig: int) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit(sig))
+
+    async def _drain_then_exit(self, sig: int) -> None:
+        started = time.monotonic()
+        log.info("signal %d: draining (%d request(s) in flight, at most %g s)", sig, self.gate.in_flight,
+                 self.drain_timeout_s)
+        if not await self.gate.drain(self.drain_timeout_s):
+            log.warning("drain timeout of %g s passed with %d request(s) still running; they are cancelled",
+                        self.drain_timeout_s, self.gate.in_flight)
+        # what is left of the drain budget bounds uvicorn's wait for connections (at least 1 s to close them)
+        self.config.timeout_graceful_shutdown = max(1.0, self.drain_timeout_s - (time.monotonic() - started))
+        log.info("drained in %.2f s; shutting down", time.monotonic() - started)
+        self.should_exit = True

@@ -1,0 +1,74 @@
+"""Keeping the server's resident set small: glibc allocator limits and returning freed memory after warm-up.
+
+Where a server's memory goes (measured in docs/reliability.md): the libraries (``import torch`` maps its CUDA
+libraries even on a CPU-only machine, and torchvision, imported by timm, pulls in ``torch._dynamo``), the weights
+(a few tens of MB per model; one frozen encoder per distinct :class:`~captioner.models.encoder.EncoderSpec`, shared), and —
+the part this module addresses — memory the allocator keeps after it was freed.  Warm-up runs the encoder at
+every batch size up to the largest, so its activations (tens of MB per layer at batch 16) are allocated and
+freed; glibc raises its mmap threshold after such frees ("dynamic threshold") and from then on serves large
+tensors from heap arenas it never returns to the system, one arena per thread that ever allocated.
+
+* :func:`configure_allocator` pins the mmap threshold (large blocks are mapped and unmapped, never cached in an
+  arena) and caps the number of arenas.  Call it before worker threads start.
+* :func:`release_memory` runs the garbage collector and ``malloc_trim(0)``, which hands the free pages of every
+  arena back to the kernel.  The app calls it once the models are warm.
+
+Both are no-ops where glibc is not the C library (musl, macOS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+from pathlib import Path
+
+log = logging.getLogger("captioner.memory")
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+#: blocks at least this large are mmapped (and returned on free): above every small tensor of a decoding step,
+#: below the encoder's per-layer activations
+MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
+ARENA_MAX = 4
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc only: raise AttributeError elsewhere
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def configure_allocator(mmap_threshold: int = MMAP_THRESHOLD_BYTES, arena_max: int = ARENA_MAX) -> bool:
+    """Pin glibc's mmap threshold (no dynamic growth) and cap its arenas; False where that is not possible."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(libc.mallopt(M_ARENA_MAX, int(arena_max)))
+    # trim the heap top whenever this much is free at its end (the default, made explicit: setting the mmap
+    # threshold switches off the dynamic adjustment of both)
+    ok &= bool(libc.mallopt(M_TRIM_THRESHOLD, 2 * int(mmap_threshold)))
+    return ok
+
+
+def release_memory() -> int:
+    """Collect garbage and return the allocator's free pages to the system; the resident set in bytes after."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    return resident_bytes()
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """The resident set (VmRSS) of a process, in bytes (0 where /proc is not available)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,78 @@
+"""The OpenAPI document, completed with what the routes cannot declare themselves: every error answer is an RFC
+9457 problem document (``application/problem+json``), for the statuses each operation can produce, and the
+Prometheus text of ``/metrics``.  FastAPI's default 422 schema (``HTTPValidationError``) is replaced, because
+the service never answers with it.  The fuzz test (tests/test_fuzz_api.py) checks answers against this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+PROBLEM_JSON = "application/problem+json"
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "title": "Problem",
+    "description": "RFC 9457 problem details",
+    "type": "object",
+    "required": ["type", "title", "status", "detail"],
+    "properties": {
+        "type": {"type": "string", "description": "problem type, e.g. /problems/invalid-image"},
+        "title": {"type": "string"},
+        "status": {"type": "integer", "minimum": 400, "maximum": 599},
+        "detail": {"type": "string", "description": "what went wrong, for a person"},
+        "instance": {"type": "string", "description": "the request path"},
+        "errors": {"type": "array", "items": {"type": "object"}, "description": "invalid request: one per field"},
+    },
+    "additionalProperties": True,
+}
+REASONS = {400: "bad request", 401: "API key missing or invalid (only when keys are configured)",
+           404: "unknown model or result", 405: "method not allowed", 413: "upload or image too large",
+           415: "unsupported body type", 422: "invalid input", 429: "queue full (Retry-After)",
+           500: "internal error (no details are disclosed)", 503: "not ready or shutting down (Retry-After)",
+           504: "deadline passed"}
+EVERY_OPERATION = (404, 405, 422, 500, 503)
+CAPTIONING = (400, 401, 413, 415, 429, 504)
+RESULTS = (401,)
+
+
+def _statuses(path: str) -> tuple[int, ...]:
+    if path.startswith("/caption/") or path == "/caption":
+        return EVERY_OPERATION + CAPTIONING
+    if path.startswith("/captions/"):
+        return EVERY_OPERATION + RESULTS
+    return EVERY_OPERATION
+
+
+def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+    """Add the problem responses (and the metrics media type) to a FastAPI OpenAPI document, in place."""
+    schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+    problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            for status in _statuses(path):
+                entry = responses.setdefault(str(status), {})
+                entry["description"] = entry.get("description") or REASONS[status]
+                if entry["description"] == "Validation Error":
+                    entry["description"] = REASONS[status]
+                entry["content"] = problem["content"]
+    metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
+    if metrics:
+        metrics["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(unused, None)
+    return schema
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve the completed document at ``/openapi.json`` (built once, on first use, like FastAPI's own)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = complete_openapi(get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

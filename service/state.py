@@ -1,0 +1,37 @@
+"""The state of one app instance (settings, loaded runtimes, their batchers, metrics, readiness), handed to the
+routes with FastAPI ``Depends``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from captioner.models.inference import Runtime
+
+from .batcher import Batcher
+from .metrics import Metrics
+from .settings import Settings
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    runtimes: dict[str, Runtime] = field(default_factory=dict)
+    batchers: dict[str, Batcher] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
+    ready: bool = False
+    #: the model of requests that name none: ``settings.default_model``, or the first loaded model when that one
+    #: is missing (resolved at start-up; the settings themselves are never changed)
+    default_model: str = ""
+
+    def __post_init__(self) -> None:
+        self.default_model = self.default_model or self.settings.default_model
+
+
+def get_state(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+State = Annotated[ServiceState, Depends(get_state)]

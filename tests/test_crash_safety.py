@@ -1,0 +1,127 @@
+"""Crash safety: checkpoints carry a sha256 manifest that loading verifies (torn, foreign and altered files are
+refused, naming the file), files respect the umask, and a real training process killed with SIGKILL at a random
+moment resumes losing at most one checkpoint interval, never leaving a torn checkpoint."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from captioner.models.checkpoint import (CheckpointError, load_checkpoint, remove_debris, save_checkpoint,
+                                         write_manifest)
+from captioner.models.encoder import EncoderSpec
+from captioner.models.training import TrainConfig, train
+from captioner.models.training.state import load_state, save_state
+from captioner.models.vocab import Vocabulary
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = Vocabulary([f"w{i}" for i in range(19)])
+
+
+def test_torn_foreign_and_altered_files_are_refused_naming_the_file(tmp_path, tiny_sat):
+    a = save_checkpoint(tmp_path / "a", tiny_sat, VOCAB, EncoderSpec())
+    b = save_checkpoint(tmp_path / "b", tiny_sat, VOCAB, EncoderSpec(image_size=128))
+    assert sorted(p.name for p in a.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "vocab.json"]
+    load_checkpoint(a)
+
+    weights = (a / "model.safetensors").read_bytes()
+    (a / "model.safetensors").write_bytes(weights[: len(weights) // 2])  # torn: a write cut short
+    with pytest.raises(CheckpointError, match="model.safetensors does not match its sha256"):
+        load_checkpoint(a)
+    (a / "model.safetensors").write_bytes(weights)
+    (a / "config.json").write_bytes((b / "config.json").read_bytes())  # foreign: another checkpoint's file
+    with pytest.raises(CheckpointError, match="config.json does not match"):
+        load_checkpoint(a)
+    assert load_checkpoint(a, verify=False).encoder.image_size == 128  # the caller may opt out, knowingly
+    (a / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="no manifest.json.*captioner manifest"):
+        load_checkpoint(a)
+    write_manifest(a)  # what `captioner manifest` does for files one trusts
+    assert load_checkpoint(a).encoder.image_size == 128
+
+    saved = {"progress": {"global_step": 3}, "model": {"w": torch.ones(4)}}
+    save_state(tmp_path, saved)
+    (tensors,) = tmp_path.glob("train_state.*.safetensors")
+    tensors.write_bytes(tensors.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="refusing to resume"):
+        load_state(tmp_path)
+
+
+def test_a_save_killed_between_renames_is_recovered(tmp_path, tiny_sat):
+    """Where folders cannot be swapped atomically, the old checkpoint is renamed aside before the new one moves in;
+    a crash between the two renames leaves it as .NAME.old and a half-written .NAME.tmp-* folder."""
+    path = save_checkpoint(tmp_path / "last", tiny_sat, VOCAB, EncoderSpec(image_size=128))
+    os.replace(path, tmp_path / ".last.old")
+    torn = tmp_path / ".last.tmp-0badf00d"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"\0" * 10)
+    remove_debris(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    assert load_checkpoint(path).encoder.image_size == 128
+
+
+def test_saved_files_respect_the_umask(tmp_path, tiny_sat):
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path / "ckpt", tiny_sat, VOCAB, EncoderSpec())
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o755  # a service running as another user can list and read it
+    for file in path.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o644, file.name
+
+
+def _cli(scenes, cache, out, *extra):
+    return [sys.executable, "-m", "captioner.service.cli", "train", "--dataset", str(scenes), "--out", str(out),
+            "--cache-dir", str(cache), "--encoder", "image_size=96", "--set", "embed_dim=16", "--set", "hidden_dim=24",
+            "--set", "attn_dim=16", "--set", "dropout=0.2", "--train-limit", "8", "--val-limit", "2",
+            "--batch-size", "4", "--lr", "3e-3", "--epochs", "2", "--checkpoint-every", "3", "--log-every", "1",
+            "--threads", "1", "--no-progress", *extra]
+
+
+def test_sigkill_at_a_random_moment_loses_at_most_one_interval_and_resumes_exactly(scenes, tmp_path):
+    cache, out = tmp_path / "features", tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the uninterrupted run first (it also fills the feature cache): 8 images × 5 captions = 10 steps an epoch
+    straight = subprocess.run(_cli(scenes, cache, tmp_path / "straight"), capture_output=True, text=True, env=env,
+                              timeout=300)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+
+    proc = subprocess.Popen(_cli(scenes, cache, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "train_state.json").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(random.Random().uniform(0.0, 1.5))  # anywhere: mid-step, mid-snapshot, mid-validation, mid-save
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the kill (an unusually fast machine)")
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines[:-1]]  # the last line may be torn
+    saved = load_state(out)  # never torn: the state loads (its sha256 verified)
+    assert saved is not None
+    lost = max(steps, default=0) - saved["progress"]["global_step"]
+    assert lost <= 3, f"lost {lost} steps, more than one checkpoint interval (3)"
+    for name in ("best", "last"):
+        if (out / name).exists():
+            load_checkpoint(out / name)  # every checkpoint that exists is whole
+
+    resumed = subprocess.run([*_cli(scenes, cache, out), "--resume"], capture_output=True, text=True, env=env,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = load_file(tmp_path / "straight" / "last" / "model.safetensors")
+    b = load_file(out / "last" / "model.safetensors")
+    for key in a:  # an exact resume: the same data order, dropout masks and updates as without the kill
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"{key} differs after kill and resume")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 21))  # no step logged twice
+    assert not list(out.glob(".*tmp-*")), "temporary files of the killed run were left behind"

@@ -1,0 +1,139 @@
+"""Docs and docstrings resolve inside the repository.
+
+* No citation of documents a reader of the repository does not have: the external implementation spec ("SPEC §…"),
+  its numbered decision register ("decision #…"), its paper keys (P1–P5) and its tags ([REC], [NS], [REF-CODE]).
+  Papers are cited by name, arXiv id and equation; our own choices by a heading of docs/decisions.md.
+* Every ``docs/decisions.md#anchor`` and ``docs/decisions.md, section '…'`` reference names an existing heading.
+* Every relative link in README.md and docs/ points at an existing file (and heading, when it has an anchor).
+* Cross-references name the installed packages (``captioner.models.…``), not the folders.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DECISIONS = ROOT / "docs" / "decisions.md"
+
+# built from pieces so that this file does not match its own patterns
+FORBIDDEN = {
+    # a citation ("… §4.3", "…'s", "… decision", "… rec."), not a variable that happens to be named so
+    "the external spec": re.compile(r"\b" + "SP" + r"EC\b\s*(?:§|'s\b|decision|rec\b)"),
+    "a numbered decision": re.compile("deci" + r"sion #\d"),
+    "a spec tag": re.compile(r"\[(?:" + "R" + "EC|" + "N" + "S|" + "REF-" + r"CODE)\]"),
+    "a spec paper key": re.compile(r"\b" + "P" + r"[1-5]\b"),
+}
+ANCHOR_REFERENCE = re.compile(r"docs/decisions\.md#([\w-]+)")
+SECTION_REFERENCE = re.compile(r"docs/decisions\.md, section ['‘\"]([^'’\"]+)['’\"]")
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
+
+
+def repository_files(*suffixes: str) -> list[Path]:
+    """Tracked files plus untracked ones git does not ignore (new files count before they are committed)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return sorted({ROOT / name for name in listed if name.endswith(suffixes) and (ROOT / name).is_file()})
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip()).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def headings(markdown: Path) -> tuple[set[str], set[str]]:
+    """(anchors, heading texts in lower case) of a markdown file, outside code fences; repeated headings get
+    GitHub's ``-1``, ``-2`` suffixes."""
+    anchors: set[str] = set()
+    texts: set[str] = set()
+    counts: dict[str, int] = {}
+    fenced = False
+    for line in markdown.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+            continue
+        match = None if fenced else HEADING.match(line)
+        if match:
+            anchor = github_anchor(match.group(1))
+            anchors.add(anchor if anchor not in counts else f"{anchor}-{counts[anchor]}")
+            counts[anchor] = counts.get(anchor, 0) + 1
+            texts.add(match.group(1).strip().lower())
+    return anchors, texts
+
+
+def test_anchor_rule_matches_github():
+    assert github_anchor("SCST samples and reward statistics") == "scst-samples-and-reward-statistics"
+    assert github_anchor("X-LAN / X-Transformer") == "x-lan--x-transformer"
+    assert github_anchor("The `grid_smooth` mode, σ") == "the-grid_smooth-mode-σ"
+
+
+def test_no_citations_that_do_not_resolve_inside_the_repository():
+    found = []
+    for path in repository_files(".py", ".md", ".toml", "Makefile"):
+        if path == Path(__file__).resolve():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for what, pattern in FORBIDDEN.items():
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {what}: {line.strip()[:100]}")
+    assert not found, "cite papers by name + arXiv id + equation, our choices by docs/decisions.md#heading:\n" + \
+        "\n".join(found)
+
+
+def test_dotted_references_use_the_installed_package_names():
+    """``models`` and ``service`` install as ``captioner.models`` and ``captioner.service``: a cross-reference such
+    as :class:`~captioner.models.protocol.Captioner` or `captioner.models.decoding.beam_search` in a docstring or a
+    doc must use those names, or it points at nothing (or at a user's own ``models`` module)."""
+    stale = re.compile(r"[`~](?:models|service)\.(?!py\b)[A-Za-z_]")
+    found = []
+    for path in repository_files(".py", ".md"):
+        if path == Path(__file__).resolve():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if stale.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}")
+    assert not found, "write captioner.models.… / captioner.service.…:\n" + "\n".join(found)
+
+
+def test_decision_references_point_at_existing_headings():
+    anchors, texts = headings(DECISIONS)
+    broken, references = [], 0
+    for path in repository_files(".py", ".md"):
+        if path == Path(__file__).resolve():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for anchor in ANCHOR_REFERENCE.findall(text):
+            references += 1
+            if anchor not in anchors:
+                broken.append(f"{path.relative_to(ROOT)}: docs/decisions.md#{anchor}")
+        for section in SECTION_REFERENCE.findall(text):
+            references += 1
+            if section.strip().lower() not in texts:
+                broken.append(f"{path.relative_to(ROOT)}: docs/decisions.md, section '{section}'")
+    assert references > 0, "the code cites no decision at all: the reference patterns no longer match anything"
+    assert not broken, "references to missing headings of docs/decisions.md:\n" + "\n".join(broken)
+
+
+def test_relative_markdown_links_resolve():
+    documents = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = []
+    for document in documents:
+        text = re.sub(r"```.*?```", "", document.read_text(encoding="utf-8"), flags=re.S)
+        for target in MARKDOWN_LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("/"):
+                continue  # URLs (http:, mailto:) and paths served by the app, not files of the repository
+            path_part, _, anchor = target.partition("#")
+            linked = (document.parent / path_part).resolve() if path_part else document
+            if not linked.exists():
+                broken.append(f"{document.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in headings(linked)[0]:
+                broken.append(f"{document.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

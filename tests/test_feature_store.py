@@ -1,0 +1,125 @@
+"""The sharded float16 feature store: reads equal the encoder's output, an interrupted extraction resumes from
+its finished shards and ends byte-identical to an uninterrupted one, and non-zero DDP ranks wait for rank 0."""
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from captioner.models.data.features import (INDEX, FeatureStore, FeatureStoreError, _cache_name,
+                                            extract_features, shard_name)
+from captioner.models.data.karpathy import CaptionedImage
+from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPEC = EncoderSpec(image_size=64)  # a 2×2 grid of 320-d features: small and fast, the real encoder
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(7):
+        path = folder / f"img{i}.png"
+        Image.fromarray(rng.integers(0, 255, (48, 40 + 3 * i, 3), dtype=np.uint8)).save(path)
+        out.append(CaptionedImage(image_id=i, path=path, split="train", references=[["a", "b"]]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return GridEncoder(SPEC).eval()
+
+
+class CountingEncoder(torch.nn.Module):
+    """The real encoder, counting the images it encodes and failing after ``fail_after`` batches."""
+
+    def __init__(self, inner, fail_after=None):
+        super().__init__()
+        self.inner, self.fail_after, self.batches, self.images = inner, fail_after, 0, 0
+        self.feat_dim = inner.feat_dim
+
+    def forward(self, pixels):
+        if self.fail_after is not None and self.batches >= self.fail_after:
+            raise RuntimeError("simulated crash during extraction")
+        self.batches += 1
+        self.images += pixels.shape[0]
+        return self.inner(pixels)
+
+
+def test_reads_equal_the_encoder_output(images, encoder, tmp_path):
+    store = extract_features(images, SPEC, tmp_path, batch_size=2, encoder=encoder, progress=False, shard_size=3)
+    assert len(list(store.folder.glob("shard-*.npy"))) == 3 and len(store) == 7
+    with torch.no_grad():
+        expected = encoder(torch.stack([preprocess(load_image(im.path), SPEC)[0] for im in images]))
+    keys = [images[i].key for i in (6, 0, 4, 3)]  # across shards, out of order
+    got = store.get(keys)
+    assert got.dtype == torch.float32 and got.shape == (4, 4, encoder.feat_dim)
+    torch.testing.assert_close(got, expected[[6, 0, 4, 3]], rtol=1e-3, atol=1e-3)  # float16 storage
+    assert store.batch(keys).mask.all()
+    # a shard is a plain .npy: loading it refuses pickles and maps rather than reads
+    shard = np.load(store.folder / shard_name(0), mmap_mode="r", allow_pickle=False)
+    assert isinstance(shard, np.memmap) and shard.dtype == np.float16
+
+
+def test_interrupted_extraction_resumes_and_matches_a_fresh_store(images, encoder, tmp_path):
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=2)
+    crashing = CountingEncoder(encoder, fail_after=5)  # shards of 2 images, 1 per batch: dies inside shard 2
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=crashing, progress=False,
+                         shard_size=2)
+    folder = tmp_path / "resumed" / _cache_name(SPEC, [im.key for im in images])
+    assert sorted(p.name for p in folder.glob("shard-*.npy")) == ["shard-00000.npy", "shard-00001.npy",
+                                                                  "shard-00002.partial.npy"]
+    assert not (folder / INDEX).exists(), "an unfinished store has no completion marker"
+    with pytest.raises(FeatureStoreError, match="not a finished"):
+        FeatureStore(folder)
+    assert json.loads((folder / "failed.json").read_text())["error"].startswith("RuntimeError")
+
+    resuming = CountingEncoder(encoder)
+    resumed = extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=resuming,
+                               progress=False, shard_size=2)
+    assert resuming.images == 3, "only the unfinished shards (images 4–6) are encoded again"
+    assert not (folder / "failed.json").exists() and not list(folder.glob("*.partial.npy"))
+    for number in range(4):
+        assert (fresh.folder / shard_name(number)).read_bytes() == (folder / shard_name(number)).read_bytes()
+    assert (fresh.folder / INDEX).read_text() == (folder / INDEX).read_text()
+    keys = [im.key for im in images]
+    assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
+
+
+def test_other_ranks_wait_for_rank_zero(images, encoder, tmp_path):
+    results = {}
+
+    def rank_one():
+        results["store"] = extract_features(images, SPEC, tmp_path, rank=1, progress=False, encoder=object(),
+                                            wait_timeout_s=60)
+
+    waiter = threading.Thread(target=rank_one)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive(), "rank 1 waits while nothing is extracted"
+    mine = extract_features(images, SPEC, tmp_path, rank=0, progress=False, encoder=encoder, shard_size=4)
+    waiter.join(timeout=30)
+    assert np.array_equal(results["store"].get_numpy([images[5].key]), mine.get_numpy([images[5].key]))
+
+
+def test_waiting_rank_stops_when_rank_zero_fails(images, encoder, tmp_path):
+    with pytest.raises(RuntimeError):
+        extract_features(images, SPEC, tmp_path, rank=0, progress=False, encoder=CountingEncoder(encoder, 0))
+    with pytest.raises(FeatureStoreError, match="failed on rank 0: RuntimeError"):
+        extract_features(images, SPEC, tmp_path, rank=1, progress=False)
+
+
+def test_a_store_of_all_images_serves_any_subset(images, encoder, tmp_path):
+    everything = extract_features(images, SPEC, tmp_path, progress=False, encoder=encoder)
+    subset = extract_features(images[2:5], SPEC, tmp_path, progress=False, encoder=object())  # nothing to encode
+    assert subset.folder == everything.folder
+    assert np.array_equal(subset.get_numpy([images[3].key]), everything.get_numpy([images[3].key]))

@@ -1,0 +1,103 @@
+"""Graceful shutdown of a real ``captioner serve`` process (service/lifecycle.py): on SIGTERM ``/readyz`` turns
+503 at once, new requests get 503 + ``Retry-After``, the request admitted before the signal still gets its
+caption, and the process exits 0 — the contract the Kubernetes manifests (docker/k8s/) rely on.
+
+"In flight" is made deterministic by the client, not by a slow model: the admitted request uploads half of its
+body, the test sends SIGTERM and checks the other endpoints, then the upload finishes."""
+
+from __future__ import annotations
+
+import io
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from PIL import Image
+
+from captioner.models.checkpoint import save_checkpoint
+
+from .serving_helpers import TINY_SPEC, VOCAB, ServerProcess, tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shutdown-weights")
+    save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    return root
+
+
+def png_bytes() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48), (30, 160, 90)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_sigterm_drains_admitted_requests_rejects_new_ones_and_exits_0(tiny_weights, tmp_path):
+    server = ServerProcess(tiny_weights, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
+                                          "CAPTIONER_WARMUP": "false", "CAPTIONER_DRAIN_TIMEOUT_S": "20"},
+                           tmp_path / "server.log")
+    try:
+        server.wait_ready(timeout_s=120)
+        body, content_type = png_bytes(), "image/png"  # the raw-bytes form of POST /caption
+        half_sent, finish_upload = threading.Event(), threading.Event()
+
+        def slow_upload():
+            yield body[: len(body) // 2]
+            half_sent.set()
+            finish_upload.wait(timeout=30)
+            yield body[len(body) // 2:]
+
+        admitted: dict = {}
+
+        def send_admitted_request():
+            try:
+                admitted["response"] = httpx.post(f"{server.url}/caption", content=slow_upload(), timeout=60,
+                                                  headers={"content-type": content_type})
+            except httpx.HTTPError as exc:  # reported by the assertion below
+                admitted["error"] = exc
+
+        client = threading.Thread(target=send_admitted_request)
+        client.start()
+        assert half_sent.wait(timeout=30)
+        time.sleep(0.3)  # the headers and the first half are at the server: the request is admitted
+
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        readiness = None
+        while time.monotonic() - signalled < 5:
+            readiness = httpx.get(f"{server.url}/readyz", timeout=5)
+            if readiness.status_code == 503:
+                break
+            time.sleep(0.01)
+        flipped_after_s = time.monotonic() - signalled
+        assert readiness is not None and readiness.status_code == 503, readiness and readiness.text
+        assert flipped_after_s < 1.0  # "at once": one signal delivery and one event-loop turn
+        assert readiness.headers["retry-after"] == "5"
+
+        rejected = httpx.post(f"{server.url}/caption", content=body, headers={"content-type": content_type},
+                              timeout=10)
+        assert rejected.status_code == 503
+        assert rejected.headers["retry-after"] == "5"
+        assert rejected.headers["content-type"] == "application/problem+json"
+        assert rejected.json()["status"] == 503 and rejected.json()["type"] == "/problems/not-ready"
+        # liveness and monitoring keep answering while draining: the orchestrator must not restart the process
+        assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
+        assert server.proc.poll() is None  # still draining: the admitted request has not finished
+
+        finish_upload.set()
+        client.join(timeout=60)
+        assert "error" not in admitted, admitted.get("error")
+        response = admitted["response"]
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == "tiny" and response.json()["tokens"]
+
+        assert server.proc.wait(timeout=30) == 0, server.log()
+        log = server.log_path.read_text()
+        assert "draining" in log and "Application shutdown complete" in log
+    finally:
+        finish_upload_event = locals().get("finish_upload")
+        if finish_upload_event is not None:
+            finish_upload_event.set()
+        server.stop()

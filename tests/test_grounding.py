@@ -1,0 +1,187 @@
+"""Attention grounding (models/evaluation/grounding.py) on hand-built maps whose answers are known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.encoder import EncoderSpec, grid_geometry
+from captioner.models.evaluation.grounding import (
+    CaptionAttention, bootstrap_mean, grounded_words, markdown_table, pixel_distribution, score_images, score_map,
+    summarise)
+from captioner.models.protocol import Geometry
+
+
+def two_by_two(size=(8, 8), resize="stretch") -> Geometry:
+    """A 2×2 grid (64-pixel network input, stride 32) over an image of ``size``."""
+    return grid_geometry(EncoderSpec(image_size=64, resize=resize, resize_to=64), size)
+
+
+def naive_distribution(weights, geometry: Geometry) -> np.ndarray:
+    """Reference: each pixel centre takes weight / area of the item box containing it (boxes do not overlap)."""
+    width, height = geometry.image_size
+    out = np.zeros((height, width))
+    for y in range(height):
+        for x in range(width):
+            for w, (x1, y1, x2, y2) in zip(weights, geometry.boxes):
+                if x1 <= x + 0.5 < x2 and y1 <= y + 0.5 < y2:
+                    out[y, x] += w / ((x2 - x1) * (y2 - y1))
+    return out / out.sum()
+
+
+def test_one_hot_cell_on_its_quadrant():
+    dist = pixel_distribution([1, 0, 0, 0], two_by_two())
+    quadrant = np.zeros((8, 8), bool)
+    quadrant[:4, :4] = True
+    assert dist.sum() == pytest.approx(1.0)
+    assert score_map(dist, quadrant) == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+    # a 2×2 corner of that cell: a quarter of the mass; the maximum is the whole cell, a quarter of it inside
+    corner = np.zeros((8, 8), bool)
+    corner[:2, :2] = True
+    assert score_map(dist, corner) == pytest.approx({"mass": 0.25, "pointing": 0.25, "ratio": 4.0})
+    # the opposite quadrant: nothing
+    assert score_map(dist, quadrant[::-1, ::-1]) == pytest.approx({"mass": 0.0, "pointing": 0.0, "ratio": 0.0})
+
+
+def test_uniform_map_scores_the_area_share():
+    mask = np.zeros((8, 8), bool)
+    mask[1:4, 2:7] = True  # 15 of 64 pixels, across cells
+    scores = score_map(pixel_distribution(np.ones(4), two_by_two()), mask)
+    assert scores == pytest.approx({"mass": 15 / 64, "pointing": 15 / 64, "ratio": 1.0})
+
+
+@pytest.mark.parametrize("size", [(12, 8), (6, 10)])
+def test_grid_follows_the_heatmap_geometry_on_non_square_images(size):
+    geometry = two_by_two(size)
+    weights = np.array([0.1, 0.2, 0.3, 0.4])
+    assert np.allclose(pixel_distribution(weights, geometry), naive_distribution(weights, geometry))
+
+
+def test_centre_crop_puts_no_attention_outside_the_crop():
+    geometry = two_by_two((16, 8), resize="center_crop")  # the network sees the middle 8×8 square
+    dist = pixel_distribution(np.ones(4), geometry)
+    assert dist[:, :4].sum() == 0 and dist[:, 12:].sum() == 0
+    assert dist[:, 4:12].sum() == pytest.approx(1.0)
+
+
+def test_regions_spread_each_weight_over_its_own_box():
+    geometry = Geometry(kind="regions", image_size=(10, 10), grid_hw=None,
+                        boxes=np.array([[0, 0, 10, 10], [0, 0, 2, 2]], np.float32))
+    dist = pixel_distribution([0.5, 0.5], geometry)
+    small = np.zeros((10, 10), bool)
+    small[:2, :2] = True
+    # the small box holds its own 0.5 plus 4/100 of the whole-image region's 0.5
+    scores = score_map(dist, small)
+    assert scores["mass"] == pytest.approx(0.5 + 0.5 * 4 / 100)
+    assert scores["pointing"] == 1.0
+    assert scores["ratio"] == pytest.approx((0.5 + 0.02) / 0.04)
+
+
+def test_single_peak_outside_the_object_misses():
+    dist = np.full((4, 4), 0.5 / 15)
+    dist[3, 3] = 0.5
+    mask = np.zeros((4, 4), bool)
+    mask[:2, :2] = True
+    assert score_map(dist, mask)["pointing"] == 0.0
+    assert score_map(dist, mask)["mass"] == pytest.approx(4 * 0.5 / 15)
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError):
+        pixel_distribution([-1, 1, 1, 1], two_by_two())
+    with pytest.raises(ValueError):
+        score_map(np.ones((4, 4)) / 16, np.zeros((4, 4), bool))
+
+
+def test_grounded_words_only_for_correct_colour_shape_pairs():
+    objects = [{"colour": "red", "shape": "circle"}, {"colour": "blue", "shape": "square"},
+               {"colour": "blue", "shape": "square"}]
+    tokens = "a red circle and two blue squares and a green star".split()
+    assert grounded_words(tokens, objects) == [(1, "colour", [0]), (2, "shape", [0]), (5, "colour", [1, 2]),
+                                               (6, "shape", [1, 2])]
+    assert grounded_words("a red square".split(), objects) == []  # wrong pairing names nothing
+
+
+def test_bootstrap_interval():
+    mean, low, high = bootstrap_mean([[1.0, 1.0], [1.0]])
+    assert (mean, low, high) == (1.0, 1.0, 1.0)
+    # pooled over words: image A has 3 words at 1, image B one word at 0 → 0.75
+    mean, low, high = bootstrap_mean([[1, 1, 1], [0]], resamples=4000)
+    assert mean == pytest.approx(0.75)
+    assert low == 0.0 and high == 1.0  # some resamples hold B twice, some A twice
+    values = [[v] for v in np.random.default_rng(0).normal(0.5, 0.1, 400)]
+    mean, low, high = bootstrap_mean(values)
+    assert low < mean < high and high - low == pytest.approx(2 * 1.96 * 0.1 / 20, rel=0.2)
+
+
+def _scene(tmp_path: Path) -> list:
+    """Two 8×8 scenes with one object each: a red circle in the top-left quadrant, a blue square bottom-right."""
+    (tmp_path / "masks").mkdir()
+    entries = []
+    for index, (colour, shape, rows, cols) in enumerate([("red", "circle", slice(0, 4), slice(0, 4)),
+                                                         ("blue", "square", slice(4, 8), slice(4, 8))]):
+        label = np.zeros((8, 8), np.uint8)
+        label[rows, cols] = 1
+        Image.fromarray(label).save(tmp_path / "masks" / f"{index}.png")
+        entries.append({"filename": f"{index}.jpg", "imgid": index, "split": "test", "mask": f"masks/{index}.png",
+                        "objects": [{"colour": colour, "shape": shape}],
+                        "sentences": [{"tokens": ["a", colour, shape]}]})
+    (tmp_path / "d.json").write_text(json.dumps({"images": entries}))
+    return load_karpathy(tmp_path / "d.json")
+
+
+def test_score_images_with_chance_controls(tmp_path):
+    images = _scene(tmp_path)
+    geometry = two_by_two()
+    # each caption's colour and shape words attend to their own object's cell; the article attends elsewhere
+    results = [CaptionAttention(["a", "red", "circle"], np.array([[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]], float),
+                                geometry),
+               CaptionAttention(["a", "blue", "square"], np.array([[1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]], float),
+                                geometry)]
+    scores = score_images(images, results, tmp_path)
+    by = {(w.control, w.image, w.word_class): w.scores for w in scores}
+    assert by[("model", 0, "colour")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+    assert by[("uniform", 1, "shape")] == pytest.approx({"mass": 0.25, "pointing": 0.25, "ratio": 1.0})
+    # the other image's shape word looks at the opposite corner: a miss
+    assert by[("other image", 0, "shape")] == pytest.approx({"mass": 0.0, "pointing": 0.0, "ratio": 0.0})
+    rows = summarise(scores, len(images), resamples=200)
+    model_all = next(r for r in rows if r["control"] == "model" and r["word_class"] == "all")
+    assert model_all["words"] == 4 and model_all["images"] == 2 and model_all["mass"]["mean"] == 1.0
+    table = markdown_table([("toy", {"normaliser": "softmax", "rows": rows})])
+    assert "chance: uniform" in table and "chance: other image" in table and "1.000 [1.000, 1.000]" in table
+
+
+def test_zoo_table_from_records_and_reports(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from captioner.models.evaluation.zoo_table import write_zoo
+
+    checkpoint = tmp_path / "weights" / "toy"
+    checkpoint.mkdir(parents=True)
+    save_file({"a": torch.zeros(10, 20), "b": torch.zeros(5)}, str(checkpoint / "model.safetensors"))
+    (checkpoint / "config.json").write_text(json.dumps({"arch": "sparsecap", "model": {"attention": "tvmax"},
+                                                        "meta": {"train_seconds": 600, "hardware": "a test CPU"}}))
+    results = tmp_path / "results"
+    results.mkdir()
+    stat = {"mean": 0.5, "ci95": [0.4, 0.6]}
+    rows = [{"control": c, "word_class": "all", "words": 4, "images": 2, "mass": stat, "pointing": stat, "ratio": stat}
+            for c in ("model", "uniform", "other image")]
+    (results / "toy.json").write_text(json.dumps({"test": {"images": 2, "objects_named": 0.9, "CIDEr-D": 3.0,
+                                                           "BLEU-4": 0.6, "grounding": {"normaliser": "tvmax",
+                                                                                       "rows": rows}}}))
+    (results / "toy.ood.json").write_text(json.dumps({"ood": {"images": 3, "objects_named": 0.7}}))
+    document = tmp_path / "zoo.md"
+    document.write_text("# Zoo\n\nprose stays\n")
+    first = write_zoo(tmp_path / "weights", results, document, tmp_path / "figures" / "grounding.png")
+    assert "| toy | sparsecap | tvmax | 0.0 M | 10 min on a test CPU | 0.900 (n=2) | — | 0.700 (n=3) | 3.000 | " \
+           "0.600 | 0.500 [0.400, 0.600] | 0.500 [0.400, 0.600] |" in first
+    assert "chance: uniform" in first and (tmp_path / "figures" / "grounding.png").stat().st_size > 1000
+    write_zoo(tmp_path / "weights", results, document, tmp_path / "figures" / "grounding.png")
+    text = document.read_text()
+    assert text.startswith("# Zoo\n\nprose stays\n") and text.count("zoo-table:start") == 1

@@ -1,0 +1,216 @@
+"""``captioner import aoanet``: a checkpoint in the AoANet authors' format (random weights) converts into a model
+whose log-probabilities equal a reference forward pass written here from the authors' code structure; the infos
+pickle is read with an allow-list, never with plain ``pickle.load``."""
+
+import argparse
+import math
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.interop.aoanet import ConversionError, convert_aoanet
+from captioner.models.interop.safe_pickle import UnsafePickleError, restricted_load
+from captioner.models.protocol import VisualBatch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D, E, FEAT, HEADS, LAYERS = 16, 12, 10, 2, 2
+WORDS = ["a", "dog", "UNK", "on", "grass", "red"]  # the authors' ix_to_word numbers them 1..6; 0 is start/end
+
+
+def authors_state(seed=0):
+    """A state dict with the key names and shapes of husthuaan/AoANet's AoAModel (refine=1, use_multi_head=2,
+    multi_head_scale=1, decoder_type=AoA, mean_feats=1), random values."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.3):
+        return torch.randn(*shape, generator=g) * scale
+
+    state = {"embed.0.weight": r(len(WORDS) + 1, E), "att_embed.0.weight": r(D, FEAT), "att_embed.0.bias": r(D),
+             "logit.weight": r(len(WORDS) + 1, D), "logit.bias": r(len(WORDS) + 1),
+             "ctx2att.weight": r(2 * D, D), "ctx2att.bias": r(2 * D)}
+    for i in range(LAYERS):
+        p = f"refiner.layers.{i}"
+        for j in range(3):
+            state[f"{p}.self_attn.linears.{j}.weight"], state[f"{p}.self_attn.linears.{j}.bias"] = r(D, D), r(D)
+        state[f"{p}.self_attn.aoa_layer.0.weight"], state[f"{p}.self_attn.aoa_layer.0.bias"] = r(2 * D, 2 * D), r(2 * D)
+        state[f"{p}.sublayer.0.norm.a_2"], state[f"{p}.sublayer.0.norm.b_2"] = 1 + r(D), r(D)
+    state["refiner.norm.a_2"], state["refiner.norm.b_2"] = 1 + r(D), r(D)
+    state["core.att_lstm.weight_ih"], state["core.att_lstm.weight_hh"] = r(4 * D, E + D), r(4 * D, D)
+    state["core.att_lstm.bias_ih"], state["core.att_lstm.bias_hh"] = r(4 * D), r(4 * D)
+    state["core.att2ctx.0.weight"], state["core.att2ctx.0.bias"] = r(2 * D, 2 * D), r(2 * D)
+    state["core.attention.norm.a_2"], state["core.attention.norm.b_2"] = 1 + r(D), r(D)
+    state["core.attention.linears.0.weight"], state["core.attention.linears.0.bias"] = r(D, D), r(D)
+    return state
+
+
+# -- the reference: the authors' forward pass, written from their code's structure -----------------------------
+def annotated_layer_norm(x, gain, shift, eps=1e-6):
+    """Their LayerNorm: unbiased std, ε added to the std."""
+    return gain * (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + eps) + shift
+
+
+def linear(state, name, x):
+    return x @ state[f"{name}.weight"].T + state[f"{name}.bias"]
+
+
+def dot_attention(q, k, v, heads):
+    """Scaled dot-product attention per head over channel slices; heads concatenated, no output projection."""
+    b, n, d = k.shape
+    split = lambda t: t.view(b, -1, heads, d // heads).transpose(1, 2)
+    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // heads)
+    return (scores.softmax(-1) @ split(v)).transpose(1, 2).reshape(b, -1, d)
+
+
+def lstm_cell(state, x, h, c):
+    """PyTorch's LSTMCell (gate order i, f, g, o), which the authors' code uses."""
+    gates = (x @ state["core.att_lstm.weight_ih"].T + state["core.att_lstm.bias_ih"]
+             + h @ state["core.att_lstm.weight_hh"].T + state["core.att_lstm.bias_hh"])
+    i, f, g, o = gates.chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def authors_logprobs(state, feats, tokens):
+    """Log-probabilities ``[B, T, |words| + 1]`` after feeding ``tokens[:, t]`` (0 = start) at each step."""
+    a = F.relu(linear(state, "att_embed.0", feats))
+    for i in range(LAYERS):  # refiner: x + AoA(f_mh(LN(x))), AoA fed the normalised input, then a final LN
+        p = f"refiner.layers.{i}"
+        x = annotated_layer_norm(a, state[f"{p}.sublayer.0.norm.a_2"], state[f"{p}.sublayer.0.norm.b_2"])
+        q, k, v = (linear(state, f"{p}.self_attn.linears.{j}", x) for j in range(3))
+        attended = dot_attention(q, k, v, HEADS)
+        a = a + F.glu(linear(state, f"{p}.self_attn.aoa_layer.0", torch.cat([attended, x], -1)), -1)
+    a = annotated_layer_norm(a, state["refiner.norm.a_2"], state["refiner.norm.b_2"])
+    mean = a.mean(1)
+    keys_values = linear(state, "ctx2att", a)
+    keys, values = keys_values[..., :D], keys_values[..., D:]
+    h = c = context = torch.zeros(feats.shape[0], D)
+    out = []
+    for t in range(tokens.shape[1]):
+        xt = F.relu(state["embed.0.weight"][tokens[:, t]])
+        h, c = lstm_cell(state, torch.cat([xt, mean + context], 1), h, c)
+        query = linear(state, "core.attention.linears.0",
+                       annotated_layer_norm(h, state["core.attention.norm.a_2"], state["core.attention.norm.b_2"]))
+        attended = dot_attention(query.unsqueeze(1), keys, values, HEADS).squeeze(1)
+        context = F.glu(linear(state, "core.att2ctx.0", torch.cat([attended, h], 1)), -1)
+        out.append(F.log_softmax(linear(state, "logit", context), -1))
+    return torch.stack(out, 1)
+
+
+@pytest.fixture
+def authors_files(tmp_path):
+    torch.save(authors_state(), tmp_path / "model-best.pth")
+    infos = {"opt": argparse.Namespace(num_heads=HEADS, rnn_size=D, input_encoding_size=E, drop_prob_lm=0.5,
+                                       caption_model="aoa", refine=1, use_multi_head=2, label_smoothing=0.2),
+             "vocab": {str(i + 1): w for i, w in enumerate(WORDS)}, "epoch": 25, "best_val_score": np.float64(1.2),
+             "split_ix": {"train": np.arange(4)}}
+    with open(tmp_path / "infos_aoanet-best.pkl", "wb") as handle:
+        pickle.dump(infos, handle, protocol=2)
+    return tmp_path / "model-best.pth", tmp_path / "infos_aoanet-best.pkl"
+
+
+def our_logprobs(model, vocab, feats, their_tokens):
+    ours = torch.tensor([[vocab.bos_id if t == 0 else vocab.stoi.get(WORDS[t - 1], vocab.unk_id) for t in row]
+                         for row in their_tokens.tolist()])
+    vis = VisualBatch.from_features(feats)
+    with torch.no_grad():
+        enc = model.encode(vis)
+        state, out = model.init_state(enc), []
+        for t in range(ours.shape[1]):
+            logprobs, state, _ = model.step(ours[:, t], state, enc)
+            out.append(logprobs)
+    return torch.stack(out, 1)
+
+
+def assert_same_distribution(mine, theirs, vocab):
+    # column of each authors' index in our vocabulary: 0 → <eos>, UNK → <unk>, words → their ids
+    columns = [vocab.eos_id] + [vocab.unk_id if w == "UNK" else vocab.stoi[w] for w in WORDS]
+    torch.testing.assert_close(mine[..., columns], theirs, rtol=0, atol=2e-5)
+    assert (mine[..., [vocab.pad_id, vocab.bos_id]] < -1e8).all(), "tokens they cannot emit keep no mass"
+
+
+def test_converted_model_equals_the_authors_forward(authors_files):
+    model, vocab, meta = convert_aoanet(*authors_files)
+    feats = torch.randn(3, 5, FEAT)
+    tokens = torch.tensor([[0, 1, 2, 4, 5, 3], [0, 6, 6, 1, 2, 4], [0, 3, 1, 1, 5, 2]])
+    with torch.no_grad():
+        theirs = authors_logprobs(authors_state(), feats, tokens)
+    assert_same_distribution(our_logprobs(model, vocab, feats, tokens), theirs, vocab)
+    assert meta["source_options"]["num_heads"] == HEADS and "<unk>" in vocab.stoi and "UNK" not in vocab.stoi
+
+
+def test_import_command_writes_a_loadable_checkpoint(authors_files, tmp_path):
+    out = tmp_path / "imported"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "captioner.service.cli", "import", "aoanet", "--weights",
+                          str(authors_files[0]), "--infos", str(authors_files[1]), "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    ckpt = load_checkpoint(out)
+    assert ckpt.model.config()["layer_norm"] == "std" and (out / "model.safetensors").exists()
+    feats, tokens = torch.randn(2, 4, FEAT), torch.tensor([[0, 2, 4, 6], [0, 1, 1, 5]])
+    with torch.no_grad():
+        theirs = authors_logprobs(authors_state(), feats, tokens)
+    assert_same_distribution(our_logprobs(ckpt.model, ckpt.vocab, feats, tokens), theirs, ckpt.vocab)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_infos_pickle_is_allow_listed(tmp_path, authors_files):
+    evil = tmp_path / "infos_evil.pkl"
+    evil.write_bytes(pickle.dumps({"opt": argparse.Namespace(), "vocab": {"1": "a"}, "x": Exploit()}))
+    with pytest.raises(UnsafePickleError, match="posix.system|os.system"):
+        restricted_load(evil)
+    with pytest.raises(UnsafePickleError):
+        convert_aoanet(authors_files[0], evil)
+    infos = restricted_load(authors_files[1])
+    assert isinstance(infos["opt"], argparse.Namespace) and infos["best_val_score"] == 1.2
+
+
+def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
+    state = authors_state()
+    state["refiner.layers.0.feed_forward.w_1.weight"] = torch.zeros(2, 2)
+    torch.save(state, tmp_path / "ff.pth")
+    with pytest.raises(ConversionError, match="use_ff"):
+        convert_aoanet(tmp_path / "ff.pth", authors_files[1])
+    torch.save({"something": torch.zeros(1)}, tmp_path / "other.pth")
+    with pytest.raises(ConversionError, match="not an AoANet"):
+        convert_aoanet(tmp_path / "other.pth", authors_files[1])
+
+
+def test_compatibility_flags_default_to_the_paper_and_change_the_model_only_when_set():
+    from captioner.models.zoo import create
+
+    plain = create("aoanet", vocab_size=9, feat_dim=FEAT, d_model=D, embed_dim=E, heads=HEADS, refine_layers=1)
+    assert not {"query_norm", "word_embedding", "aoa_query", "projection_bias", "layer_norm"} & set(plain.config())
+    assert plain.logit.bias is None and isinstance(plain.query_norm, torch.nn.Identity)
+    xlan = create("xlan", vocab_size=9, feat_dim=FEAT, dim=D, hidden_dim=D, embed_dim=E, channel_dim=8, heads=HEADS,
+                  encoder_layers=1)
+    assert xlan.block_projection is None and "block_projection" not in xlan.config()
+    projected = create("xlan", vocab_size=9, feat_dim=FEAT, dim=D, hidden_dim=D, embed_dim=E, channel_dim=8,
+                       heads=HEADS, encoder_layers=1, block_projection=True).eval()
+    vis = VisualBatch.from_features(torch.randn(2, 3, FEAT))
+    with torch.no_grad():
+        enc = projected.encode(vis)
+        logprobs, _, _ = projected.step(torch.tensor([1, 1]), projected.init_state(enc), enc)
+        # the block output goes through LN(W [h; v̂]) before the GLU: recompute c_t by hand from the pieces
+        state = projected.init_state(enc)
+        words = projected.embed_words(torch.tensor([1, 1]))
+        h, _ = projected.lstm(torch.cat([words, enc["global"], state["context"]], 1), (state["h"], state["m"]))
+        block = projected.attention.attend(h, enc["keys"], enc["values"], enc["mask"]).attended
+        v = F.layer_norm(torch.cat([h, block], 1) @ projected.block_projection[0].weight.T
+                         + projected.block_projection[0].bias, (D,), projected.block_projection[1].weight,
+                         projected.block_projection[1].bias)
+        context = F.glu(torch.cat([v, h], 1) @ projected.context_gate.weight.T + projected.context_gate.bias, -1)
+        expected = F.log_softmax(projected.logit(context), -1)
+    torch.testing.assert_close(logprobs, expected)

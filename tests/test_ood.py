@@ -1,0 +1,102 @@
+"""The out-of-distribution scene set (models/data/ood.py) and scoring it with `captioner eval`."""
+
+from __future__ import annotations
+
+import colorsys
+import json
+import shutil
+
+import numpy as np
+import pytest
+from matplotlib.colors import to_rgb
+from PIL import Image
+from scipy.ndimage import binary_erosion
+
+from captioner.models.checkpoint import write_manifest
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.data.ood import SHADES, generate_ood
+from captioner.models.data.scenes import HELDOUT_COMBOS, named_objects
+
+from .conftest import DEFAULT_CHECKPOINT
+from .test_cli import captioner
+
+
+@pytest.fixture(scope="module")
+def ood(tmp_path_factory):
+    return generate_ood(tmp_path_factory.mktemp("ood"), images=24, seed=3)
+
+
+def test_deterministic_and_skips_an_up_to_date_set(ood, tmp_path):
+    again = generate_ood(tmp_path / "again", images=24, seed=3)
+    assert json.loads(ood.read_text()) == json.loads(again.read_text())
+    for name in ("ood_000000.jpg", "ood_000017.jpg"):
+        assert (ood.parent / "images" / name).read_bytes() == (again.parent / "images" / name).read_bytes()
+    stamp = again.stat().st_mtime_ns
+    generate_ood(tmp_path / "again", images=24, seed=3)
+    assert again.stat().st_mtime_ns == stamp
+
+
+def test_canvases_backgrounds_and_jpeg_vary(ood):
+    data = json.loads(ood.read_text())
+    canvases = [tuple(e["canvas"]) for e in data["images"]]
+    assert any(w < h for w, h in canvases) and any(w > h for w, h in canvases) and len(set(canvases)) > 10
+    assert {e["background"] for e in data["images"]} == {"plain", "noisy", "gradient"}
+    assert len({e["jpeg_quality"] for e in data["images"]}) > 5
+    for entry in data["images"]:
+        image = Image.open(ood.parent / "images" / entry["filename"])
+        assert image.format == "JPEG" and image.size == tuple(entry["canvas"])
+
+
+def test_masks_cover_objects_of_the_recorded_colour(ood):
+    hue = {name: [colorsys.rgb_to_hsv(*to_rgb(shade))[0] for shade in shades] for name, shades in SHADES.items()}
+
+    def distance(a, b):
+        return min(abs(a - b), 1 - abs(a - b))
+
+    data = json.loads(ood.read_text())
+    for entry in data["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        pixels = np.asarray(Image.open(ood.parent / "images" / entry["filename"])).astype(float) / 255
+        assert set(np.unique(labels)) == set(range(len(entry["objects"]) + 1))
+        for index, obj in enumerate(entry["objects"]):
+            assert (obj["colour"], obj["shape"]) not in HELDOUT_COMBOS
+            x, y = obj["center"]
+            assert labels[int(y), int(x)] == index + 1, "the object's centre is inside its mask"
+            inside = labels == index + 1
+            assert inside.sum() < np.pi * (obj["radius"] + 1.5) ** 2
+            # the object's own pixels (mask eroded past the anti-aliased rim and JPEG ringing) have its hue
+            core = binary_erosion(inside, iterations=2)
+            if core.sum() < 5:
+                continue  # a tiny object: its colour is all rim
+            h = colorsys.rgb_to_hsv(*np.median(pixels[core], axis=0))[0]
+            nearest = min(hue, key=lambda name: min(distance(h, v) for v in hue[name]))
+            assert nearest == obj["colour"], (entry["filename"], obj)
+
+
+def test_references_load_and_name_every_object(ood):
+    images = load_karpathy(ood, splits=("ood",))
+    assert len(images) == 24 and all(len(im.references) == 5 for im in images)
+    for im in images:
+        assert all(named_objects(im.references[0], im.info["objects"]))
+        assert "a orange" not in " ".join(" ".join(r) for r in im.references)
+
+
+def test_cli_generates_and_eval_scores_objects_named_and_grounding(tmp_path):
+    out = tmp_path / "ood"
+    captioner("data", "ood", "--out", str(out), "--images", "3")
+    checkpoint = tmp_path / "sat"
+    shutil.copytree(DEFAULT_CHECKPOINT, checkpoint)
+    if not (checkpoint / "manifest.json").exists():
+        write_manifest(checkpoint)
+    report_path = tmp_path / "report.json"
+    captioner("eval", str(checkpoint), "--dataset", str(out), "--split", "ood", "--no-meteor", "--grounding",
+              "--grounding-resamples", "100", "--cache-dir", str(tmp_path / "cache"), "--threads", "1",
+              "--output", str(report_path))
+    report = json.loads(report_path.read_text())["ood"]
+    assert report["images"] == 3 and 0.0 <= report["objects_named"] <= 1.0
+    rows = report["grounding"]["rows"]
+    assert {r["control"] for r in rows} <= {"model", "uniform", "other image"}
+    for row in rows:
+        assert 0.0 <= row["mass"]["mean"] <= 1.0 and row["mass"]["ci95"][0] <= row["mass"]["mean"]
+        if row["control"] == "uniform":
+            assert row["ratio"]["mean"] == pytest.approx(1.0)

@@ -1,0 +1,152 @@
+"""The request contract of the caption endpoints, over HTTP with real image bytes: options sent as multipart form
+fields count exactly like query parameters, a conflict between the two is refused naming both, unknown parts are
+refused by name, JSON options override the query as documented, and the OpenAPI schema describes the form."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from skimage import data
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
+
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    root = tmp_path_factory.mktemp("contract-weights")
+    for seed, name in enumerate(("tiny-a", "tiny-b")):  # different weights: different captions
+        save_checkpoint(root / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC)
+    settings = Settings(weights_dir=root, default_model="tiny-a", warmup=False, max_beam_size=4, max_max_len=12,
+                        default_max_len=6)
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def photo() -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(data.coffee()).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def post(client, photo, params=None, fields=None, extra_files=None, path="/caption"):
+    files = [("file", ("coffee.jpg", photo, "image/jpeg")), *(extra_files or [])]
+    return client.post(path, params=params or {}, data=fields or {}, files=files)
+
+
+def problem(response, status=422, kind="invalid-request") -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body = response.json()
+    assert body["type"] == f"/problems/{kind}" and body["status"] == status
+    return body
+
+
+def same_caption(a: dict, b: dict) -> None:
+    assert (a["model"], a["beam_size"], a["tokens"]) == (b["model"], b["beam_size"], b["tokens"])
+    np.testing.assert_allclose(a["attention"], b["attention"], atol=1e-6)
+
+
+def test_form_fields_choose_the_model_beam_and_length(client, photo):
+    default = post(client, photo).json()
+    chosen = post(client, photo, fields={"model": "tiny-b", "beam_size": "3", "max_len": "2"})
+    assert chosen.status_code == 200, chosen.text
+    body = chosen.json()
+    assert default["model"] == "tiny-a" and default["beam_size"] == 3
+    assert body["model"] == "tiny-b" and body["beam_size"] == 3 and len(body["tokens"]) <= 2
+    # exactly what the same options as query parameters give
+    same_caption(body, post(client, photo, params={"model": "tiny-b", "beam_size": 3, "max_len": 2}).json())
+    assert post(client, photo, fields={"beam_size": "1"}).json()["beam_size"] == 1
+
+
+def test_form_fields_have_the_query_parameters_bounds(client, photo):
+    for fields, field in (({"beam_size": "0"}, "beam_size"), ({"beam_size": "three"}, "beam_size"),
+                          ({"max_len": "-1"}, "max_len")):
+        body = problem(post(client, photo, fields=fields))
+        assert [e["loc"] for e in body["errors"]] == [["body", field]], body
+    assert "above the limit of 4" in problem(post(client, photo, fields={"beam_size": "9"}))["detail"]
+    assert "above the limit of 12" in problem(post(client, photo, fields={"max_len": "13"}))["detail"]
+    assert "unknown model 'nope'" in problem(post(client, photo, fields={"model": "nope"}), 404, "unknown-model")[
+        "detail"]
+
+
+def test_the_same_value_both_ways_is_accepted(client, photo):
+    response = post(client, photo, params={"model": "tiny-b", "beam_size": 2}, fields={"model": "tiny-b",
+                                                                                      "beam_size": "2"})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "tiny-b" and response.json()["beam_size"] == 2
+
+
+@pytest.mark.parametrize("name,query,form", [("model", "tiny-a", "tiny-b"), ("beam_size", 2, "3"),
+                                             ("max_len", 4, "5")])
+def test_a_conflict_between_form_and_query_names_both(client, photo, name, query, form):
+    body = problem(post(client, photo, params={name: query}, fields={name: form}))
+    shown = repr(form) if name == "model" else form
+    assert f"query parameter {name}={query!r}" in body["detail"] and f"form field {name}={shown}" in body["detail"]
+    assert [e["loc"] for e in body["errors"]] == [["query", name], ["body", name]]
+
+
+def test_unknown_parts_and_fields_are_refused_by_name(client, photo):
+    body = problem(post(client, photo, fields={"colour": "red", "beam_size": "2"}))
+    assert "'colour'" in body["detail"] and [e["loc"] for e in body["errors"]] == [["body", "colour"]]
+    extra_file = [("thumbnail", ("small.png", photo, "image/png"))]
+    body = problem(post(client, photo, fields={"format": "png"}, extra_files=extra_file))
+    assert "'format'" in body["detail"] and "'thumbnail'" in body["detail"]
+    assert sorted(e["loc"][1] for e in body["errors"]) == ["format", "thumbnail"]
+    # the image under another name is an unknown part too (it used to be a silent "file missing")
+    renamed = client.post("/caption", files={"image": ("coffee.jpg", photo, "image/jpeg")})
+    assert "'image'" in problem(renamed)["detail"]
+
+
+def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
+    twice = post(client, photo, extra_files=[("file", ("other.jpg", photo, "image/jpeg"))])
+    assert "'file' given more than once" in problem(twice)["detail"]
+    as_file = post(client, photo, extra_files=[("model", ("model.txt", b"tiny-b", "text/plain"))])
+    assert [e["loc"] for e in problem(as_file)["errors"]] == [["body", "model"]]
+    no_file = client.post("/caption", data={"model": "tiny-b"}, files={"other": ("", b"", "text/plain")})
+    assert problem(no_file)["detail"]
+    only_fields = client.post("/caption", data={"model": "tiny-b"},
+                              headers={"content-type": "multipart/form-data; boundary=x"},
+                              content=b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\ntiny-b\r\n--x--\r\n')
+    assert problem(only_fields)["errors"] == [{"loc": ["body", "file"], "msg": "Field required"}]
+
+
+def test_the_overlay_endpoint_follows_the_same_contract(client, photo):
+    response = post(client, photo, params={"format": "png", "token": 0}, fields={"model": "tiny-b", "max_len": "3"},
+                    path="/caption/overlay")
+    assert response.status_code == 200 and response.headers["content-type"] == "image/png"
+    stored = client.get(f"/captions/{response.headers['x-caption-id']}").json()
+    assert stored["model"] == "tiny-b" and len(stored["tokens"]) <= 3
+    conflict = post(client, photo, params={"model": "tiny-a"}, fields={"model": "tiny-b"}, path="/caption/overlay")
+    assert "form field model='tiny-b'" in problem(conflict)["detail"]
+    assert "'token'" in problem(post(client, photo, fields={"token": "0"}, path="/caption/overlay"))["detail"]
+
+
+def test_json_options_override_the_query_as_documented(client, photo):
+    encoded = base64.b64encode(photo).decode()
+    response = client.post("/caption", params={"model": "tiny-a", "beam_size": 1},
+                           json={"image": encoded, "model": "tiny-b"})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["model"] == "tiny-b" and body["beam_size"] == 1
+    same_caption(body, post(client, photo, fields={"model": "tiny-b", "beam_size": "1"}).json())
+
+
+def test_openapi_documents_the_form_fields(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/caption", "/caption/overlay"):
+        form = paths[path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+        assert set(form["properties"]) == {"file", "model", "beam_size", "max_len"}, path
+        assert form["required"] == ["file"] and form["additionalProperties"] is False
+        assert form["properties"]["file"]["format"] == "binary"
+        query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
+        assert {"model", "beam_size", "max_len"} <= query

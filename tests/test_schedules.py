@@ -1,0 +1,102 @@
+"""Paper schedules against hand-computed values, and the recipes that use them."""
+
+import math
+
+import pytest
+
+from captioner.models.training import TrainConfig, available_recipes, load_recipe
+from captioner.models.training.loop import build_schedules, learning_rate
+from captioner.models.training.schedules import NoamWarmup, PlateauDecay, ScheduledSampling, StepDecay
+
+
+def test_step_decay_aoanet_every_3_epochs_by_0_8():
+    # AoANet §3.4: 2e-4, ×0.8 every 3 epochs
+    decay = StepDecay(2e-4, factor=0.8, every=3)
+    expected = [2e-4, 2e-4, 2e-4, 1.6e-4, 1.6e-4, 1.6e-4, 1.28e-4, 1.28e-4, 1.28e-4, 1.024e-4]
+    assert [decay(e) for e in range(10)] == pytest.approx(expected, rel=1e-12)
+
+
+def test_step_decay_sparsecap_constant_then_0_99_per_epoch_and_milestones():
+    decay = StepDecay(1e-4, factor=0.99, every=1, start=10)
+    assert [decay(e) for e in (0, 9, 10, 11, 12)] == pytest.approx([1e-4, 1e-4, 1e-4, 0.99e-4, 0.9801e-4])
+    dropped = StepDecay(3e-3, milestones=(1, 4), milestone_factor=0.5)
+    assert [dropped(e) for e in range(6)] == pytest.approx([3e-3, 1.5e-3, 1.5e-3, 1.5e-3, 7.5e-4, 7.5e-4])
+
+
+def test_noam_warmup_rises_linearly_peaks_then_decays_as_inverse_sqrt():
+    noam = NoamWarmup(dim=1024, warmup=10_000)
+    # f · d^-1/2 · min(s^-1/2, s · w^-3/2), computed by hand: 1/32 · 1e-6 = 3.125e-8 per warm-up step
+    assert noam(1) == pytest.approx(1 / 32 * 10_000 ** -1.5)
+    assert noam(5_000) == pytest.approx(5_000 / 32 * 1e-6)
+    assert noam(10_000) == pytest.approx(1 / 32 / 100)  # the peak the X-LAN code reaches: 3.125e-4
+    assert noam(40_000) == pytest.approx(1 / 32 / 200)  # 4× the steps → half the rate
+    assert max(noam(s) for s in range(1, 30_000, 97)) <= noam(10_000)
+
+
+def test_plateau_decay_halves_after_patience_checks_without_improvement_and_round_trips():
+    plateau = PlateauDecay(factor=0.5, patience=3)
+    scales = [plateau.update(s) for s in (1.0, 1.2, 1.1, 1.2, 1.15, 1.3, 1.3, 1.3, 1.3, 1.29, 1.3, 1.3)]
+    # improvements at 1.0, 1.2, 1.3; then 3 checks without a gain (the equal 1.3s) → ×0.5, 3 more → ×0.25
+    assert scales == [1, 1, 1, 1, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25, 0.25, 0.125]
+    copy = PlateauDecay(factor=0.5, patience=3)
+    copy.load_state_dict(plateau.state_dict())
+    assert (copy.best, copy.bad_checks, copy.scale) == (1.3, 0, 0.125)
+    fresh = PlateauDecay()
+    fresh.load_state_dict(PlateauDecay().state_dict())  # JSON has no -inf: "no score yet" survives the round trip
+    assert fresh.best == -math.inf
+
+
+def test_scheduled_sampling_plus_0_05_every_5_epochs_capped_at_0_5():
+    ss = ScheduledSampling(increase=0.05, every=5, start=0, cap=0.5)
+    assert [ss(e) for e in (0, 4, 5, 9, 10, 24, 25, 49, 50, 120)] == pytest.approx(
+        [0, 0, 0.05, 0.05, 0.1, 0.2, 0.25, 0.45, 0.5, 0.5])
+    late = ScheduledSampling(increase=0.05, every=5, start=6)  # X-LAN's code starts at epoch 6
+    assert [late(e) for e in (5, 6, 10, 11)] == pytest.approx([0, 0, 0, 0.05])
+    assert ScheduledSampling()(30) == 0.0  # off by default
+
+
+def test_config_schedules_combine_noam_epoch_decay_and_plateau():
+    cfg = TrainConfig(out="x", lr=2e-4, lr_decay_every=3, lr_decay_factor=0.8, plateau_factor=0.5)
+    schedules = build_schedules(cfg)
+    assert schedules.learning_rate(3, 0) == pytest.approx(1.6e-4)
+    for score in (1.0, 0.9, 0.9, 0.9):
+        schedules.plateau.update(score)
+    assert schedules.learning_rate(3, 0) == pytest.approx(0.8e-4)
+    noam = TrainConfig(out="x", warmup_steps=100, noam_dim=64)
+    assert learning_rate(noam, epoch=7, global_step=99) == pytest.approx(64 ** -0.5 * 100 ** -0.5)
+
+
+def test_every_recipe_loads_into_a_config_and_states_its_sources():
+    from captioner.models.training.recipes import recipe_path
+
+    assert set(available_recipes()) == {"sat", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap",
+                                        "area-transformer"}
+    for name in available_recipes():
+        cfg = TrainConfig(out="x", **load_recipe(name))
+        assert cfg.recipe == name and cfg.model == name
+        for line in recipe_path(name).read_text().splitlines():
+            code = line.split("#")[0].strip()
+            if "=" in code and any(ch.isdigit() for ch in code.split("=", 1)[1]):
+                assert "#" in line, f"{name}: the number in {line!r} has no source comment"
+    aoanet = load_recipe("aoanet")
+    assert (aoanet["lr"], aoanet["lr_decay_every"], aoanet["lr_decay_factor"], aoanet["ss_increase"]) == \
+        (2e-4, 3, 0.8, 0.05)
+    scst = load_recipe("aoanet", "scst")
+    assert (scst["lr"], scst["plateau_factor"], scst["phase"]) == (2e-5, 0.5, "scst")
+    with pytest.raises(ValueError, match="no \\[scst\\] stage"):
+        load_recipe("sparsecap", "scst")
+    with pytest.raises(ValueError, match="unknown recipe"):
+        load_recipe("nope")
+
+
+def test_cli_flags_override_single_recipe_values():
+    from captioner.models.cli.commands import train_config_from_args
+    from captioner.service.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--recipe", "aoanet", "--out", "x", "--lr", "1e-3", "--set",
+                                      "d_model=256", "--ss-every", "1", "--no-progress"])
+    cfg = train_config_from_args(args)
+    assert (cfg.lr, cfg.ss_every, cfg.lr_decay_every, cfg.label_smoothing) == (1e-3, 1, 3, 0.2)
+    assert cfg.model_args == {"d_model": 256} and cfg.progress is False
+    plain = train_config_from_args(build_parser().parse_args(["train", "--out", "y"]))
+    assert plain == TrainConfig(out="y")  # no recipe, no flags: exactly the dataclass defaults

@@ -1,0 +1,171 @@
+"""Access control and hardening (service/security.py, service/results.py): optional bearer API keys on the
+captioning and result endpoints only, CORS closed unless configured, security headers, bounded and unguessable
+stored results, request ids, and no stack traces or server paths in any answer."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.models.encoder import EncoderSpec
+from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
+from captioner.service.app import create_app
+from captioner.service.results import ResultStore
+from captioner.service.security import key_matches
+from captioner.service.settings import Settings
+
+from .serving_helpers import ROOT
+
+KEYS = ["first-key-0123456789", "second-key-abcdefghij"]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("security-weights")
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "red", "circle"])
+    save_checkpoint(root / "tiny", create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=16, hidden_dim=16,
+                                          attn_dim=8), vocab, EncoderSpec(image_size=64))
+    return root
+
+
+def make_client(weights, **settings) -> TestClient:
+    return TestClient(create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False,
+                                          default_beam_size=1, default_max_len=4, **settings)))
+
+
+@pytest.fixture(scope="module")
+def keyed(weights):
+    with make_client(weights, api_keys=KEYS, cors_origins=["https://app.example"]) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def open_client(weights):
+    with make_client(weights) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def jpeg() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def caption(client, jpeg, **headers):
+    return client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}, headers=headers)
+
+
+def test_keys_guard_captioning_and_results_but_not_probes_or_the_page(keyed, jpeg):
+    missing = caption(keyed, jpeg)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert missing.headers["content-type"].startswith("application/problem+json")
+    assert {"type", "title", "status", "detail"} <= set(missing.json()) and missing.json()["status"] == 401
+    assert missing.headers["x-request-id"]
+    wrong = caption(keyed, jpeg, Authorization="Bearer first-key-0123456788")
+    assert wrong.status_code == 401 and "invalid_token" in wrong.headers["www-authenticate"]
+    assert caption(keyed, jpeg, Authorization="Basic Zmlyc3Q6a2V5").status_code == 401
+    assert caption(keyed, jpeg, Authorization=f"Bearer {KEYS[0]}x").status_code == 401
+    for key in KEYS:  # several keys, so one can be rotated while the other still works
+        ok = caption(keyed, jpeg, Authorization=f"Bearer {key}")
+        assert ok.status_code == 200, ok.text
+    result_id = ok.json()["id"]
+    assert keyed.get(f"/captions/{result_id}").status_code == 401
+    assert keyed.get(f"/captions/{result_id}", headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
+    overlay = keyed.post("/caption/overlay", files={"file": ("x.jpg", jpeg, "image/jpeg")})
+    assert overlay.status_code == 401
+    for path in ("/healthz", "/readyz", "/metrics", "/", "/static/app.js", "/models"):
+        assert keyed.get(path).status_code == 200, path
+
+
+def test_without_keys_everything_is_open(open_client, jpeg):
+    assert caption(open_client, jpeg).status_code == 200
+
+
+def test_key_comparison_is_exact():
+    assert key_matches("abc", ["xyz", "abc"]) and not key_matches("abd", ["abc"])
+    assert not key_matches("", ["abc"]) and not key_matches("ab", ["abc"]) and not key_matches("abcd", ["abc"])
+    assert key_matches("ключ", ["ключ"])
+
+
+def test_cors_is_closed_by_default_and_opens_only_to_configured_origins(open_client, keyed):
+    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    for client in (open_client, keyed):
+        answer = client.options("/caption", headers=preflight)
+        assert "access-control-allow-origin" not in answer.headers
+        assert "access-control-allow-origin" not in client.get("/healthz", headers={"Origin": "https://evil.example"}).headers
+    allowed = keyed.options("/caption", headers={**preflight, "Origin": "https://app.example",
+                                                 "Access-Control-Request-Headers": "authorization"})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+
+
+def test_the_demo_page_has_a_strict_csp_and_no_inline_script(open_client):
+    page = open_client.get("/")
+    csp = page.headers["content-security-policy"]
+    directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+    assert directives["default-src"] == "'self'" and directives["script-src"] == "'self'"
+    assert directives["frame-ancestors"] == "'none'" and "'unsafe-inline'" not in csp
+    assert page.headers["x-content-type-options"] == "nosniff" and page.headers["referrer-policy"]
+    # the CSP forbids inline code: the page must not need any
+    assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", page.text), "inline <script> on the demo page"
+    assert "<style" not in page.text and " style=" not in page.text and " onclick=" not in page.text
+    for path in ("/static/app.js", "/static/style.css"):
+        assert open_client.get(path).headers["content-security-policy"] == csp
+    assert open_client.get("/healthz").headers["x-content-type-options"] == "nosniff"
+
+
+def test_request_ids_are_echoed_and_logged(open_client, jpeg, caplog):
+    with caplog.at_level(logging.INFO, logger="captioner.access"):
+        answer = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
+                                  headers={"X-Request-ID": "trace-abc-123"})
+    assert answer.headers["x-request-id"] == "trace-abc-123"
+    generated = open_client.get("/healthz").headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", generated)
+
+
+def test_result_ids_are_random_and_the_store_is_bounded_in_count_and_age():
+    now = [0.0]
+    store = ResultStore(max_bytes=10_000, max_count=3, max_age_s=60, clock=lambda: now[0])
+    ids = [store.put(object(), b"x" * 10) for _ in range(5)]  # type: ignore[arg-type]
+    assert len(set(ids)) == 5 and all(len(i) >= 22 and re.fullmatch(r"[A-Za-z0-9_-]+", i) for i in ids)
+    assert len(store) == 3
+    with pytest.raises(Exception):
+        store.get(ids[0])  # evicted by count
+    assert store.get(ids[4])
+    now[0] = 61.0
+    with pytest.raises(Exception):
+        store.get(ids[4])  # expired, even though it was just read
+    assert len(store) == 0
+    store.put(object(), b"y" * 6000)  # type: ignore[arg-type]
+    store.put(object(), b"z" * 6000)  # type: ignore[arg-type]
+    assert len(store) == 1  # bounded by bytes too
+
+
+def test_no_answer_leaks_a_stack_trace_or_a_server_path(weights, jpeg):
+    """An unexpected failure inside a route is a bare 500 problem: no traceback, no file name, no folder."""
+    app = create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False))
+
+    @app.get("/boom", include_in_schema=False)
+    async def boom():
+        raise RuntimeError(f"secret failure in {ROOT}/service/whatever.py")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answers = [client.get("/boom"), client.get("/captions/nope"), client.get("/no/such/path"),
+                   client.post("/caption", content=b"garbage", headers={"content-type": "image/png"}),
+                   client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")})]
+    assert answers[0].status_code == 500
+    for answer in answers:
+        text = answer.text
+        assert "Traceback" not in text and "secret failure" not in text and ".py" not in text, text
+        assert str(ROOT) not in text and str(weights) not in text and "/tmp" not in text, text
