@@ -4,10 +4,12 @@ ONNX Runtime backend vs PyTorch — one run, one model (weights/sat-scenes), one
 Every configuration is a real HTTP server on localhost in its own process; all four start together and are
 measured in turns, so that background load that drifts during the run affects each alike:
 
-* ``batching``: ``captioner serve`` as shipped (continuous batching: 16 images per encoder batch, 256 rows).
+* ``batching``: ``captioner serve`` on PyTorch (continuous batching: up to 16 images admitted at a step boundary,
+  encoded in chunks of the batch size measured fastest at warm-up; 256 rows).
 * ``batch-size-1``: the same server with ``CAPTIONER_MAX_BATCH_IMAGES=1 CAPTIONER_MAX_ROWS=3``: one request (its
   3 beams) decoded at a time, so requests queue and are served one after another.
-* ``onnx``: the shipped server with ``CAPTIONER_BACKEND=onnx`` (ONNX Runtime, CPU execution provider here).
+* ``onnx``: the server with ``CAPTIONER_BACKEND=onnx`` (ONNX Runtime, CPU execution provider here): what the
+  shipped default ``auto`` picks for this model.
 * ``tutorial loop``: what a reference tutorial does: a FastAPI handler (``--tutorial-server`` below) that decodes
   the upload, runs the CNN and ``captioner.models.decoding.beam_search`` for that one image under a lock, and
   returns the caption with its attention.  Same preprocessing, same channels-last encoder, same thread count: only the
@@ -43,6 +45,7 @@ from fastapi import FastAPI, File, UploadFile  # module level: the tutorial hand
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from servers import Server  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
 WEIGHTS = ROOT / "weights"
 MODEL = "sat-scenes"
@@ -84,46 +87,7 @@ def tutorial_app(checkpoint: Path, threads: int):
     return app
 
 
-# -- servers -------------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path):
-        self.name, self.port = name, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_dir / f"{name.replace(' ', '-')}.log", "w")
-        self.proc = subprocess.Popen([*command, "--port", str(self.port)], cwd=ROOT, env={**os.environ, **env},
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 600) -> None:
-        import httpx
-
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+# -- servers: benchmarks/servers.py ------------------------------------------------------------------------------
 
 
 # -- load generator ------------------------------------------------------------------------------------------------
@@ -262,7 +226,27 @@ def decoder_only(threads: int, images: int = 32, repeats: int = 3) -> dict:
         encoder(pixels[:1])
         timings["encoder_ms_1"] = 1000 * min(_timed(lambda: encoder(pixels[:1])) for _ in range(5))
         timings["encoder_ms_16"] = 1000 * min(_timed(lambda: encoder(pixels)) for _ in range(2)) / 16
+        # the encoder-only ceiling of each backend: images/s at its best batch size (1, 4 or 16), as the service
+        # picks its encoder batch at warm-up
+        torch_ms = {b: 1000 * min(_timed(lambda: encoder(pixels[:b])) for _ in range(3)) / b for b in (1, 4, 16)}
+    onnx_ms = onnx_encoder_ms(pixels.contiguous(), threads)
+    timings["encoder_ms"] = {"torch": torch_ms, "onnx": onnx_ms}
     return {"images": images, **timings}
+
+
+def onnx_encoder_ms(pixels, threads: int) -> dict[int, float]:
+    """Per-image time of the served ONNX encoder graph (CNN + encode + init_state) at batch 1, 4 and 16."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(ROOT / ".cache" / "onnx" / MODEL / "encoder.onnx"), options,
+                                   providers=["CPUExecutionProvider"])
+    feed = pixels.numpy()
+    session.run(None, {"pixels": feed[:1]})
+    return {b: 1000 * min(_timed(lambda: session.run(None, {"pixels": feed[:b]})) for _ in range(3)) / b
+            for b in (1, 4, 16)}
 
 
 def _timed(fn) -> float:
@@ -309,10 +293,12 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "`uvicorn` process on localhost; all four run side by side and are measured in turns (an idle server "
         "costs nothing), so that background load that drifts during the run hits every configuration alike.",
         "",
-        "Configurations: **batching** = `captioner serve` as shipped (continuous batching, 16 images per encoder "
-        f"batch, 256 rows); **batch-size-1** = the same server with `CAPTIONER_MAX_BATCH_IMAGES=1 "
-        f"CAPTIONER_MAX_ROWS={BEAM}` (one request decoded at a time); **onnx** = the shipped server with "
-        "`CAPTIONER_BACKEND=onnx` (continuous batching on ONNX Runtime, CPU execution provider); **tutorial loop** "
+        "Configurations: **batching** = `captioner serve` with `CAPTIONER_BACKEND=torch` (continuous batching, up "
+        f"to 16 images admitted per step boundary and encoded in chunks of the batch size measured fastest at "
+        f"warm-up, 256 rows); **batch-size-1** = the same server with `CAPTIONER_MAX_BATCH_IMAGES=1 "
+        f"CAPTIONER_MAX_ROWS={BEAM}` (one request decoded at a time); **onnx** = the server with "
+        "`CAPTIONER_BACKEND=onnx` (continuous batching on ONNX Runtime, CPU execution provider; what the shipped "
+        "default `auto` serves this model with, since its captions equal PyTorch's on the check set); **tutorial loop** "
         "= a FastAPI handler that runs the CNN and `captioner.models.decoding.beam_search` for its one image under a "
         "lock, as a reference tutorial does (same preprocessing, same channels-last encoder, same threads: only the "
         "serving engine differs).",
@@ -336,7 +322,12 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         for clients, m in by_clients.items():
             lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.2f} | {m['p50']:.3f} | "
                          f"{m['p95']:.3f} | {sum(m['failures'].values()) or ''} |")
+    ceiling = {backend: 1000 / min(per.values()) for backend, per in decode["encoder_ms"].items()}
     ratios = [
+        (f"throughput, PyTorch batching ÷ its encoder-only ceiling, {top} clients", "≥ 0.8×",
+         tput("batching", top) / ceiling["torch"], lambda x: x >= 0.8),
+        (f"throughput, ONNX Runtime batching ÷ its encoder-only ceiling, {top} clients", "≥ 0.8×",
+         tput("onnx", top) / ceiling["onnx"], lambda x: x >= 0.8),
         (f"throughput, batching ÷ batch-size-1, {top} clients", "≥ 6× (32 clients)",
          tput("batching", top) / tput("batch-size-1", top), lambda x: x >= 6),
         *[(f"throughput, batching ÷ batch-size-1, {c} clients", "—",
@@ -351,7 +342,16 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
          tput("onnx", top) / tput("tutorial loop", top), None),
         (f"throughput, ONNX Runtime batching ÷ PyTorch batching, {top} clients", "—",
          tput("onnx", top) / tput("batching", top), None),
+        (f"decoder only, continuous batcher ÷ per-image beam_search, {decode['images']} images", "≥ 4×",
+         decode["per-image beam_search"] / decode["continuous batcher"], lambda x: x >= 4),
     ]
+    lines += ["", "## Encoder-only ceiling (in process, same threads)", "",
+              "Images/s the encoder alone allows at its best batch size: the limit of end-to-end throughput.", "",
+              "| backend | ms/image at batch 1 | at batch 4 | at batch 16 | ceiling (images/s) |",
+              "|---|---|---|---|---|"]
+    for backend, per in decode["encoder_ms"].items():
+        lines.append(f"| encoder ceiling, {backend} | {per[1]:.1f} | {per[4]:.1f} | {per[16]:.1f} | "
+                     f"{ceiling[backend]:.2f} |")
     lines += ["", "## Ratios against the aims", "", "| ratio | aim | measured | |", "|---|---|---|---|"]
     for label, aim, value, test in ratios:
         lines.append(f"| {label} | {aim} | {value:.2f}× | {verdict(test(value)) if test else ''} |")
@@ -370,6 +370,13 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         f"| continuous batcher (one table of {decode['images'] * BEAM} rows) | {batched:.3f} | "
         f"{decode['images'] / batched:.1f} | {per_image / batched:.2f}× |",
         "",
+        "## One decoding step by row count (in process, `benchmarks/profile_decoder_step.py`)",
+        "",
+        "Encoder state of random features on each checkpoint's grid, expanded to the rows as the batcher's tables "
+        "hold it; the model's `step` plus its `reorder`; median of 7.",
+        "",
+        *decode["profile"],
+        "",
         "## Checks",
         "",
         *[f"- {label}: {'same captions' if ok else '**captions differ**'} on 4 test scenes"
@@ -378,7 +385,19 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "## Reading the numbers",
         "",
         "On this CPU the frozen EfficientNet-Lite0 encoder costs tens of milliseconds per image whatever the batch "
-        "size (see the decoder-only section: a convolution at batch 1 already keeps the core busy). Continuous "
+        "size, and a batch of 16 used to cost *more* per image than a batch of 1: its BatchNorms ran as separate "
+        "passes over activation maps that, at 16 images, no longer fit the cache (now folded into the "
+        "convolutions), and the large batch itself still leaves the cache, so the service times each batch size at "
+        "warm-up and encodes in chunks of the fastest (benchmarks/bench_encoder.py, docs/benchmarks/encoder.md). "
+        "A decoding step (benchmarks/profile_decoder_step.py) recomputes nothing that depends only on the image "
+        "(the projected keys U_a a_i are part of the encoder state, expanded once per beam when a request joins, "
+        "and only the decoder state follows the beams); for SAT at 16×16 cells the step is dominated by tanh over "
+        "rows × 256 cells × 256 attention channels, which grows with every row, so per-row cost falls only "
+        "about 3× from 3 to 96 rows even computed in cache-sized blocks of rows; AoANet's step no longer copies "
+        "the image's keys and values into heads at every step (a block-diagonal query reads them as stored), and "
+        "SparseCap-TVmax's is the same additive-attention tanh plus the TV proximal solver. A table's encoder "
+        "state grows in place when requests join (it was concatenated, copying every row's image features at "
+        "each admission: the largest cost of the batching worker under load). Continuous "
         "batching shares each decoding step's fixed costs (Python, operator dispatch) among all rows, but not the "
         "arithmetic that grows with every row: with SAT's additive attention over the default's 16×16 = 256 cells, "
         "that arithmetic is most of a step on a CPU, which bounds the decoder-only speed-up. Batching cannot shrink "
@@ -388,6 +407,23 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "markedly faster than PyTorch's on this CPU, which is why the ONNX backend cuts latency and raises "
         "throughput. At one client every configuration does the same work, so batching costs no latency beyond "
         "noise.",
+        "",
+        "## Closing note",
+        "",
+        f"In this run the encoder alone allows {ceiling['torch']:.1f} images/s on PyTorch and {ceiling['onnx']:.1f} "
+        f"on ONNX Runtime. With {top} clients the service reached {tput('batching', top):.2f} req/s on PyTorch "
+        f"({tput('batching', top) / ceiling['torch']:.2f}× its ceiling) and {tput('onnx', top):.2f} req/s on ONNX "
+        f"Runtime ({tput('onnx', top) / ceiling['onnx']:.2f}×), against an aim of 0.8×: "
+        f"{verdict(tput('batching', top) / ceiling['torch'] >= 0.8)} on PyTorch, "
+        f"{verdict(tput('onnx', top) / ceiling['onnx'] >= 0.8)} on ONNX Runtime. Batching ÷ the tutorial loop: "
+        f"{tput('batching', top) / tput('tutorial loop', top):.2f}× on PyTorch and "
+        f"{tput('onnx', top) / tput('tutorial loop', top):.2f}× on ONNX Runtime (aim 5×: "
+        f"{verdict(tput('batching', top) / tput('tutorial loop', top) >= 5)}); decoder only "
+        f"{per_image / batched:.2f}× (aim 4×: {verdict(per_image / batched >= 4)}). The encoder ceiling is measured "
+        "in process with a core to itself; under load the batching worker thread is busy all the time (sampled "
+        "with py-spy while developing: the encoder about 40% of it, decoding steps and table bookkeeping the "
+        "rest) and shares the machine's two cores with the load generator, the HTTP event loop and whatever else "
+        "runs, so the end-to-end ÷ ceiling ratio measured here is a lower bound of what a dedicated machine gives.",
         "",
         f"Command: `{args.command}` (`make bench` runs every `benchmarks/bench_*.py`).",
         "",
@@ -436,14 +472,17 @@ def main() -> None:
     only.mkdir()
     serve = [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(only)]
     base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(WEIGHTS / MODEL)]), "CAPTIONER_THREADS": str(args.threads), "CAPTIONER_DEVICE": "cpu", "CAPTIONER_DEFAULT_MODEL": MODEL,
-            "CAPTIONER_QUEUE_SIZE": "256", "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_ONNX_DIR": str(onnx_dir)}
+            "CAPTIONER_QUEUE_SIZE": "256", "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_ONNX_DIR": str(onnx_dir),
+            # PyTorch unless a configuration says otherwise (the shipped default `auto` picks ONNX Runtime for this
+            # model: the `onnx` configuration)
+            "CAPTIONER_BACKEND": "torch"}
     servers = [
-        Server("batching", serve, base, log_dir),
+        Server("batching", serve, base, log_dir / "batching.log"),
         Server("batch-size-1", serve, {**base, "CAPTIONER_MAX_BATCH_IMAGES": "1", "CAPTIONER_MAX_ROWS": str(BEAM),
-                                       "CAPTIONER_MAX_BEAM_SIZE": str(BEAM)}, log_dir),
-        Server("onnx", serve, {**base, "CAPTIONER_BACKEND": "onnx"}, log_dir),
+                                       "CAPTIONER_MAX_BEAM_SIZE": str(BEAM)}, log_dir / "batch-size-1.log"),
+        Server("onnx", serve, {**base, "CAPTIONER_BACKEND": "onnx"}, log_dir / "onnx.log"),
         Server("tutorial loop", [sys.executable, str(Path(__file__).resolve()), "--tutorial-server", "--threads",
-                                 str(args.threads)], {}, log_dir),
+                                 str(args.threads)], {}, log_dir / "tutorial-loop.log"),
     ]
     try:
         for server in servers:
@@ -470,6 +509,10 @@ def main() -> None:
               if name != "batching"}
     decode = decoder_only(args.threads)
     print(f"decoder only: {decode}", file=sys.stderr)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_decoder_step import profile_table
+
+    decode["profile"] = profile_table()
     text = report(results, latency, decode, checks, args, started, host)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

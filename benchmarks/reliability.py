@@ -27,7 +27,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from PIL import Image
+from servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
@@ -51,54 +51,13 @@ def load_corpus_module():
     return module
 
 
-def rss_mib(pid: int, field: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, env: dict[str, str], log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log, "w")
-        environment = {**os.environ, "CAPTIONER_LOG_LEVEL": "warning", **env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port",
-                                      str(self.port), "--weights-dir", str(WEIGHTS)], cwd=ROOT, env=environment,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(log).read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("server not ready")
-        self.models = [m["name"] for m in httpx.get(f"{self.url}/models", timeout=10).json()]
-
-    def rss(self, field: str = "VmRSS") -> float:
-        return rss_mib(self.proc.pid, field)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def start_server(env: dict[str, str], log: Path) -> Server:
+    """A server with every shipped checkpoint, ready, with ``.models`` naming them."""
+    server = Server("server", [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(WEIGHTS)],
+                    {"CAPTIONER_LOG_LEVEL": "warning", **env}, log)
+    server.wait_ready()
+    server.models = [m["name"] for m in httpx.get(f"{server.url}/models", timeout=10).json()]
+    return server
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:
@@ -120,7 +79,7 @@ def post(client: httpx.Client, data: bytes, model: str | None = None, timeout: f
 def memory_run(threads: str, logs: Path) -> dict:
     out = {}
     for release in ("false", "true"):
-        server = Server({"CAPTIONER_RELEASE_MEMORY": release, "CAPTIONER_THREADS": threads}, logs / f"mem-{release}.log")
+        server = start_server({"CAPTIONER_RELEASE_MEMORY": release, "CAPTIONER_THREADS": threads}, logs / f"mem-{release}.log")
         try:
             ready = server.rss()
             images = [jpeg(*SIZES[i % len(SIZES)], i) for i in range(12)]
@@ -347,7 +306,7 @@ def main() -> None:
     print(memory, flush=True)
     env = {"CAPTIONER_THREADS": args.threads, "CAPTIONER_REQUEST_TIMEOUT_S": str(args.deadline),
            "CAPTIONER_QUEUE_SIZE": "16"}
-    server = Server(env, args.logs / "main.log")
+    server = start_server(env, args.logs / "main.log")
     try:
         print("hostile corpus ...", flush=True)
         corpus = corpus_run(server)

@@ -56,15 +56,24 @@ class EncoderSpec:
     # pixels per grid cell: 32 is every layer's own grid; "hypercolumn" can also give 16, a 16×16 grid at 256 px
     # that is as fine as SAT's 14×14 (the stride-32 stage is repeated onto it, the stride-8 stage pooled)
     grid_stride: int = 32
+    # side of a square grid that the feature map is adaptive-average-pooled onto (None: the layer's own grid).
+    # SAT's 14×14 annotation grid (Xu et al., arXiv:1502.03044, §4.3) from a ResNet at 256 px, as SAT
+    # implementations do (layer4's 8×8 map → 14×14)
+    pooled_grid: int | None = None
 
     def __post_init__(self) -> None:
         if self.grid_stride not in (16, 32):
             raise ValueError(f"grid_stride must be 16 or 32, got {self.grid_stride}")
+        if self.pooled_grid is not None and (self.pooled_grid < 1 or self.grid_stride != 32):
+            raise ValueError(f"pooled_grid must be a positive side with grid_stride=32, got {self.pooled_grid}")
         if self.grid_stride == 16 and self.layer != "hypercolumn":
             raise ValueError(f"grid_stride=16 needs layer=hypercolumn (layer {self.layer!r} has a stride-32 grid)")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["pooled_grid"] is None:  # checkpoints written before the field existed stay byte-identical
+            del data["pooled_grid"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "EncoderSpec":
@@ -76,6 +85,8 @@ class EncoderSpec:
 
     @property
     def grid_hw(self) -> tuple[int, int]:
+        if self.pooled_grid is not None:
+            return self.pooled_grid, self.pooled_grid
         side = math.ceil(self.image_size / self.stride)
         return side, side
 
@@ -277,6 +288,8 @@ class GridEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, pixels: Tensor) -> Tensor:
         fmap = self.feature_map(pixels)
+        if self.spec.pooled_grid is not None:
+            fmap = F.adaptive_avg_pool2d(fmap, self.spec.pooled_grid)
         return fmap.flatten(2).transpose(1, 2).contiguous()
 
     @torch.no_grad()

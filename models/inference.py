@@ -19,6 +19,7 @@ the ONNX Runtime one lives with the service (``service/runtime.py``).
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,34 +158,55 @@ def grid_encoder(spec: EncoderSpec, device: torch.device | str) -> GridEncoder:
     return GridEncoder(spec).to(device).to(memory_format=torch.channels_last)
 
 
+#: ``CAPTIONER_PRECISION`` values → the autocast dtype (None: plain float32)
+PRECISIONS: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class TorchRuntime(Runtime):
     """The PyTorch backend: the frozen :class:`~captioner.models.encoder.GridEncoder` (shareable between models with the
-    same :class:`~captioner.models.encoder.EncoderSpec`) and the model's own protocol methods."""
+    same :class:`~captioner.models.encoder.EncoderSpec`) and the model's own protocol methods.
+
+    ``precision`` ``bfloat16``/``float16`` runs the encoder and every step under :func:`torch.autocast` (weights stay
+    float32; matrix products and convolutions run in the lower precision, softmaxes in float32); the log-probs that
+    beam search accumulates are returned in float32, so only the network's arithmetic changes, not the search."""
 
     backend = "torch"
 
-    def __init__(self, name: str, ckpt: Checkpoint, encoder: GridEncoder, device: torch.device):
+    def __init__(self, name: str, ckpt: Checkpoint, encoder: GridEncoder, device: torch.device,
+                 precision: str = "float32"):
         super().__init__(name, ckpt, device)
-        self.encoder = encoder
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.encoder, self.precision = encoder, precision
+
+    def _autocast(self):
+        dtype = PRECISIONS[self.precision]
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     @torch.inference_mode()
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
-        feats = self.encoder(self.pixels(batch).contiguous(memory_format=torch.channels_last))
-        model = self.ckpt.model
-        enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
-        return enc, model.init_state(enc)
+        with self._autocast():
+            feats = self.encoder(self.pixels(batch).contiguous(memory_format=torch.channels_last))
+            model = self.ckpt.model
+            enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
+            return enc, model.init_state(enc)
 
     @torch.inference_mode()
     def step(self, prev: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
-        return self.ckpt.model.step(prev, state, enc)
+        if self.precision == "float32":
+            return self.ckpt.model.step(prev, state, enc)
+        with self._autocast():
+            logprobs, new_state, attn = self.ckpt.model.step(prev, state, enc)
+        return logprobs.float(), new_state, AttnRecord(attn.primary.float(),
+                                                       {k: v.float() for k, v in attn.extras.items()})
 
     def reorder(self, state: DecState, index: Tensor) -> DecState:
         return self.ckpt.model.reorder(state, index)
 
 
 def torch_runtime(checkpoint: str | Path | Checkpoint, device: torch.device | str = "cpu",
-                  name: str | None = None) -> TorchRuntime:
+                  name: str | None = None, precision: str = "float32") -> TorchRuntime:
     """A :class:`TorchRuntime` of a checkpoint folder (or a loaded checkpoint) with its own encoder."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint, device)
-    return TorchRuntime(name or ckpt.name, ckpt, grid_encoder(ckpt.encoder, device), torch.device(device))
+    return TorchRuntime(name or ckpt.name, ckpt, grid_encoder(ckpt.encoder, device), torch.device(device), precision)

@@ -77,7 +77,8 @@ async def warm_up(batcher: Batcher, settings: Settings) -> None:
 async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
     runtimes = await asyncio.to_thread(load_runtimes, settings.weights_dir, settings.checkpoints, settings.device,
-                                       settings.backends, settings.backend, settings.onnx_dir, settings.threads)
+                                       settings.backends, settings.backend, settings.onnx_dir, settings.threads,
+                                       settings.precision)
     if not runtimes:
         log.error("no checkpoint found in %s: every caption request will get 503", settings.weights_dir)
     elif settings.default_model not in runtimes:

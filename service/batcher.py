@@ -105,7 +105,9 @@ class RowTable:
 
     def __init__(self, jobs: list[Job], enc: dict, state: dict, bos_id: int):
         self.jobs = list(jobs)
-        self.enc, self.state = enc, state
+        # encoder state lives in buffers with room to grow: the rows of the jobs that join are written after the
+        # others instead of concatenating (copying) the whole table's image features at every admission
+        self._enc_buffers, self.state = dict(enc), state
         self.layout = BeamLayout([j.beam_size for j in jobs], self._device)
         self.prev = torch.full((self.layout.rows,), bos_id, dtype=torch.long, device=self._device)
         self.scores = self.layout.initial_scores()
@@ -125,6 +127,12 @@ class RowTable:
     def rows(self) -> int:
         return self.layout.rows
 
+    @property
+    def enc(self) -> dict:
+        """The encoder state of the table's rows (views of the first ``rows`` rows of the buffers)."""
+        rows = self.rows
+        return {k: v[:rows] for k, v in self._enc_buffers.items()}
+
     @staticmethod
     def signature(enc: dict, state: dict) -> tuple:
         """Rows can share a table when every tensor has the same shape apart from the row axis."""
@@ -143,7 +151,13 @@ class RowTable:
         new_rows = sum(j.beam_size for j in jobs)
         parent_map = self.parent_map if self.parent_map is not None else torch.arange(self.rows, device=device)
         self.parent_map = torch.cat([parent_map, torch.zeros(new_rows, dtype=torch.long, device=device)])
-        self.enc = {k: torch.cat([v, enc[k]]) for k, v in self.enc.items()}
+        rows, needed = self.rows, self.rows + new_rows
+        for key, buffer in self._enc_buffers.items():
+            if buffer.shape[0] < needed:  # grow geometrically: amortised, each row is copied O(1) times
+                grown = buffer.new_empty((max(needed, 2 * buffer.shape[0]), *buffer.shape[1:]))
+                grown[:rows] = buffer[:rows]
+                self._enc_buffers[key] = buffer = grown
+            buffer[rows:needed] = enc[key]
         self.state = {k: torch.cat([v, state[k]]) for k, v in self.state.items()}
         fresh = BeamLayout([j.beam_size for j in jobs], device)
         self.prev = torch.cat([self.prev, torch.full((new_rows,), bos_id, dtype=torch.long, device=device)])
@@ -168,7 +182,7 @@ class RowTable:
         self.parent_map = keep if self.parent_map is None else self.parent_map.index_select(0, keep)
         # decoder state through the runtime's reorder hook (the model's, or the exported graphs' row selection);
         # encoder state never follows beams, so it has no hook: the protocol's row primitive selects it
-        self.enc, self.state = index_rows(self.enc, keep), runtime.reorder(self.state, keep)
+        self._enc_buffers, self.state = index_rows(self.enc, keep), runtime.reorder(self.state, keep)
         self.prev, self.scores = self.prev.index_select(0, keep), self.scores.index_select(0, keep)
         self.finished = self.finished.index_select(0, keep)
         self.layout = BeamLayout([j.beam_size for j in self.jobs], device)
@@ -216,6 +230,8 @@ class RowTable:
 
 #: weight of the newest sample in the moving averages of the service rate (admission control)
 RATE_SMOOTHING = 0.2
+#: encoder batch sizes whose time per image is within this fraction of the lowest count as equally fast
+ENCODE_TOLERANCE = 0.05
 
 
 class Batcher:
@@ -243,6 +259,7 @@ class Batcher:
         self.metrics = metrics or Metrics()
         self.clock = clock
         self.encode_batch = max_batch
+        self.metrics.set_encode_batch(runtime.name, max_batch)
         self.service_time_s: float | None = None
         self.decode_time_s: float | None = None
         self._busy_s = 0.0  # worker time since the last request finished
@@ -338,8 +355,9 @@ class Batcher:
                       timeout_s: float = 600.0) -> None:
         """Run ``max_len`` steps for each encoder batch size: the requests of one size are queued together (the
         worker cannot take any of them before the last is queued), so each size is encoded as one batch.  Each
-        size runs twice, and the second encoding is timed: ``encode_batch`` becomes the size with the lowest
-        time per image (first-use costs are paid by the first round)."""
+        size runs twice; the first round pays first-use costs and the second is timed:
+        ``encode_batch`` becomes the largest size whose time per image is within ``ENCODE_TOLERANCE`` of the
+        lowest (a larger batch also shares per-call costs, and a near tie is measurement noise)."""
         saved = self.service_time_s, self.decode_time_s
         self.service_time_s = self.decode_time_s = None  # warm-up requests are never refused
         self.encode_batch = max(batch_sizes, default=self.max_batch)
@@ -354,7 +372,9 @@ class Batcher:
         finally:
             self._encode_timings = None
         if timings:
-            self.encode_batch = min(timings, key=lambda size: (timings[size], -size))
+            lowest = min(timings.values())
+            self.encode_batch = max(size for size, t in timings.items() if t <= lowest * (1 + ENCODE_TOLERANCE))
+            self.metrics.set_encode_batch(self.runtime.name, self.encode_batch)
             log.info("%s: encoder batch %d (ms per image by batch size: %s)", self.runtime.name, self.encode_batch,
                      ", ".join(f"{size}: {seconds * 1000:.1f}" for size, seconds in sorted(timings.items())))
         if self.service_time_s is None:
@@ -495,7 +515,7 @@ class Batcher:
 
     def _encode(self, jobs: list[Job]) -> None:
         self.metrics.observe_encode(self.runtime.name, len(jobs))
-        started = time.perf_counter()
+        started = self.clock()
         try:
             enc, state = self.runtime.begin([j.prepared for j in jobs], [j.beam_size for j in jobs])
         except Exception as exc:
@@ -504,7 +524,8 @@ class Batcher:
                 job.resolve(error=exc)
             return
         if self._encode_timings is not None:
-            self._encode_timings[len(jobs)] = (time.perf_counter() - started) / len(jobs)
+            per_image = (self.clock() - started) / len(jobs)
+            self._encode_timings[len(jobs)] = min(per_image, self._encode_timings.get(len(jobs), per_image))
         signature = RowTable.signature(enc, state)
         for table in self._tables:
             if table.current_signature() == signature:

@@ -18,6 +18,7 @@ from captioner.models.encoder import load_image
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 
 from .batcher import DeadlineExceeded, NotAccepting, QueueFull
+from .result_cache import CacheKey, content_digest
 from .errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel, problem_type
 from .schemas import CaptionOptions
 from .state import ServiceState
@@ -68,10 +69,20 @@ async def caption_image(state: ServiceState, request: CaptionRequest) -> Caption
             raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}")
         if length > settings.max_max_len:
             raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}")
+        cache, key = state.result_cache, None
+        if cache is not None and cache.enabled:
+            key = CacheKey(await run_in_threadpool(content_digest, request.data), name, beam, length)
+            cached = cache.get(key)
+            metrics.result_cache_lookup(name, cached is not None)
+            if cached is not None:  # decoding is deterministic: the same bytes and options give this result
+                return cached
         prepared = await run_in_threadpool(decode_and_prepare, state.runtimes[name], request.data, settings.max_pixels)
         remaining = settings.request_timeout_s - (time.monotonic() - started)
         try:
-            return await state.batchers[name].caption(prepared, beam, length, max(remaining, 0.001))
+            result = await state.batchers[name].caption(prepared, beam, length, max(remaining, 0.001))
+            if key is not None:
+                cache.put(key, result)
+            return result
         except QueueFull as exc:  # also WouldMissDeadline: refused now rather than a 504 later
             retry_after = settings.retry_after_s if exc.retry_after_s is None else int(exc.retry_after_s)
             raise Overloaded(str(exc), max(retry_after, settings.retry_after_s)) from None

@@ -31,6 +31,12 @@ class Metrics:
         self.active_rows = Gauge("captioner_active_rows", "Rows in the decoding tables now", ["model"], registry=r)
         self.queued = Gauge("captioner_queued_requests", "Requests waiting for rows", ["model"], registry=r)
         self.ready = Gauge("captioner_ready", "1 once every model is loaded and warm", registry=r)
+        self.encode_batch = Gauge("captioner_encoder_batch_limit",
+                                  "Images encoded in one call at most: the batch size measured fastest at warm-up",
+                                  ["model"], registry=r)
+        self.result_cache = Counter("captioner_result_cache_lookups_total",
+                                    "Caption requests looked up in the result cache, by outcome (hit or miss)",
+                                    ["model", "outcome"], registry=r)
 
     def observe_step(self, model: str, rows: int, seconds: float) -> None:
         self.rows_per_step.labels(model).observe(rows)
@@ -48,6 +54,12 @@ class Metrics:
     def set_load(self, model: str, rows: int, queued: int) -> None:
         self.active_rows.labels(model).set(rows)
         self.queued.labels(model).set(queued)
+
+    def set_encode_batch(self, model: str, images: int) -> None:
+        self.encode_batch.labels(model).set(images)
+
+    def result_cache_lookup(self, model: str, hit: bool) -> None:
+        self.result_cache.labels(model, "hit" if hit else "miss").inc()
 
     def rejected(self, reason: str) -> None:
         self.rejects.labels(reason).inc()

@@ -7,7 +7,12 @@ either backend, chosen per model name:
   :class:`~captioner.models.encoder.GridEncoder`, shared by every model with the same
   :class:`~captioner.models.encoder.EncoderSpec`;
 * ``onnx``: :class:`OnnxRuntime`, the graphs of :mod:`captioner.models.export.onnx` on ONNX Runtime (CUDA execution
-  provider when the device is CUDA, CPU otherwise), exported at start-up when no current export exists.
+  provider when the device is CUDA, CPU otherwise), exported at start-up when no current export exists;
+* ``hybrid``: :class:`HybridRuntime`, the frozen CNN alone on ONNX Runtime and the model on PyTorch, for models
+  whose decoder step cannot be exported (TVmax's data-dependent solver, the AreaTransformer) — on a CPU the CNN
+  is most of the cost;
+* ``auto`` (the default): the fastest of these whose captions equal the PyTorch ones on a check set of a few
+  generated images (:func:`check_images`): ``onnx``, else ``hybrid``, else ``torch``.
 
 This is the only service layer that touches torch; it uses the same preprocessing function as training.
 """
@@ -20,16 +25,38 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
 from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import GridEncoder
 from captioner.models.inference import ModelInfo, Prepared, Runtime, TorchRuntime, grid_encoder
-from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
+from captioner.models.protocol import AttnRecord, DecState, EncState, VisualBatch, index_rows
 
 log = logging.getLogger("captioner.runtime")
-BACKENDS = ("torch", "onnx")
+BACKENDS = ("torch", "onnx", "hybrid", "auto")
+#: the check set of ``auto``: this many generated images, captioned with this beam and length by each backend
+CHECK_IMAGES, CHECK_BEAM, CHECK_MAX_LEN = 3, 3, 20
+
+
+def _session_options(threads: int | None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
+def _providers(device: torch.device) -> list:
+    import onnxruntime as ort
+
+    if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
 
 
 class OnnxRuntime(Runtime):
@@ -46,15 +73,7 @@ class OnnxRuntime(Runtime):
         super().__init__(name, ckpt, device)
         self.graphs = GraphSpec.load(folder)
         self.folder = folder
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers: list = [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
+        options, providers = _session_options(threads), _providers(device)
         self.encoder_session = ort.InferenceSession(str(folder / ENCODER_FILE), options, providers=providers)
         self.step_session = ort.InferenceSession(str(folder / STEP_FILE), options, providers=providers)
         self.providers = self.step_session.get_providers()
@@ -66,20 +85,7 @@ class OnnxRuntime(Runtime):
         return dataclasses.replace(super().info(), providers=list(self.providers))
 
     def _run(self, session, inputs: dict[str, torch.Tensor], outputs: list[str]) -> list[torch.Tensor]:
-        if not self.on_gpu:
-            # CPU: numpy views of torch tensors and back, no copies
-            feed = {name: inputs[name].detach().contiguous().numpy() for name in inputs}
-            return [torch.from_numpy(np.ascontiguousarray(v)) for v in session.run(outputs, feed)]
-        # CUDA: bind device buffers directly, so state never leaves the GPU between steps
-        binding = session.io_binding()
-        for name, tensor in inputs.items():
-            tensor = tensor.contiguous()
-            binding.bind_input(name, "cuda", self.device.index or 0, _NUMPY_DTYPES[tensor.dtype], tuple(tensor.shape),
-                               tensor.data_ptr())
-        for name in outputs:
-            binding.bind_output(name, "cuda", self.device.index or 0)
-        session.run_with_iobinding(binding)
-        return [torch.from_dlpack(value) for value in binding.get_outputs()]
+        return run_session(session, inputs, outputs, self.device, self.on_gpu)
 
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         names = self.graphs.encoder_outputs
@@ -103,6 +109,107 @@ class OnnxRuntime(Runtime):
         return index_rows(state, index)
 
 
+def run_session(session, inputs: dict[str, torch.Tensor], outputs: list[str], device: torch.device,
+                on_gpu: bool) -> list[torch.Tensor]:
+    """Run an ONNX Runtime session on torch tensors, returning torch tensors on the same device."""
+    if not on_gpu:
+        # CPU: numpy views of torch tensors and back, no copies
+        feed = {name: inputs[name].detach().contiguous().numpy() for name in inputs}
+        return [torch.from_numpy(np.ascontiguousarray(v)) for v in session.run(outputs, feed)]
+    # CUDA: bind device buffers directly (I/O binding), so nothing goes through host memory
+    binding = session.io_binding()
+    for name, tensor in inputs.items():
+        tensor = tensor.contiguous()
+        binding.bind_input(name, "cuda", device.index or 0, _NUMPY_DTYPES[tensor.dtype], tuple(tensor.shape),
+                           tensor.data_ptr())
+    for name in outputs:
+        binding.bind_output(name, "cuda", device.index or 0)
+    session.run_with_iobinding(binding)
+    return [torch.from_dlpack(value) for value in binding.get_outputs()]
+
+
+class HybridRuntime(TorchRuntime):
+    """The frozen CNN on ONNX Runtime (``visual.onnx`` of :func:`~captioner.models.export.onnx.export_visual_encoder`),
+    the model's ``encode``, ``init_state``, ``step`` and ``reorder`` on PyTorch."""
+
+    backend = "hybrid"
+
+    def __init__(self, name: str, ckpt: Checkpoint, visual_path: Path, encoder: GridEncoder, device: torch.device,
+                 threads: int | None = None):
+        import onnxruntime as ort
+
+        super().__init__(name, ckpt, encoder, device)
+        self.visual_session = ort.InferenceSession(str(visual_path), _session_options(threads),
+                                                   providers=_providers(device))
+        self.providers = self.visual_session.get_providers()
+        self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
+
+    def info(self) -> ModelInfo:
+        return dataclasses.replace(super().info(), providers=list(self.providers))
+
+    @torch.inference_mode()
+    def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
+        # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory
+        pixels = self.pixels(batch) if self.on_gpu else torch.stack([p.pixels for p in batch])
+        (feats,) = run_session(self.visual_session, {"pixels": pixels}, ["features"], self.device, self.on_gpu)
+        model = self.ckpt.model
+        enc = expand_rows(model.encode(VisualBatch.from_features(feats.to(self.device), [p.geometry for p in batch])),
+                          widths)
+        return enc, model.init_state(enc)
+
+
+def check_images(count: int = CHECK_IMAGES) -> list[Image.Image]:
+    """Generated check images for ``auto``: coloured shapes on textured backgrounds, the same on every start."""
+    rng = np.random.default_rng(20240)
+    images = []
+    for _ in range(count):
+        width, height = (int(v) for v in rng.integers(200, 400, 2))
+        base = rng.integers(0, 256, 3)
+        noise = rng.normal(0, 20, (height, width, 3))
+        image = Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(image)
+        for _ in range(int(rng.integers(1, 4))):
+            x1, y1 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
+            x2, y2 = x1 + int(rng.integers(30, width // 2)), y1 + int(rng.integers(30, height // 2))
+            shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+            shape((x1, y1, x2, y2), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+        images.append(image)
+    return images
+
+
+def check_captions(runtime: Runtime, prepared: list[Prepared]) -> list[list[int]]:
+    """The token ids ``runtime`` gives the check set (beam ``CHECK_BEAM``, ``CHECK_MAX_LEN`` tokens)."""
+    return [result.hypothesis.token_ids for result in runtime.caption(prepared, CHECK_BEAM, CHECK_MAX_LEN)]
+
+
+def fastest_verified(name: str, ckpt: Checkpoint, encoder: GridEncoder, device: torch.device, onnx_dir: Path,
+                     threads: int | None) -> Runtime:
+    """``auto``: ONNX Runtime for the whole model, else the hybrid, else PyTorch — the first whose captions equal
+    PyTorch's on the check set (an export that cannot be made or disagrees is logged and skipped)."""
+    from captioner.models.export.onnx import ExportUnsupported, export_visual_encoder
+
+    reference = TorchRuntime(name, ckpt, encoder, device)
+    prepared = [reference.prepare(image) for image in check_images()]
+    want = check_captions(reference, prepared)
+    # the exporter traces on the CPU: a CUDA encoder is not handed to it (it builds its own)
+    cpu_encoder = encoder if next(encoder.parameters()).device.type == "cpu" else None
+    candidates = (("onnx", lambda: OnnxRuntime(name, ckpt, onnx_folder(onnx_dir, name, ckpt), device, threads)),
+                  ("hybrid", lambda: HybridRuntime(name, ckpt, export_visual_encoder(ckpt.encoder, onnx_dir,
+                                                                                     cpu_encoder),
+                                                   encoder, device, threads)))
+    for backend, make in candidates:
+        try:
+            runtime = make()
+            same = check_captions(runtime, prepared) == want
+        except (ExportUnsupported, OSError, RuntimeError, ValueError) as exc:
+            log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
+            continue
+        if same:
+            return runtime
+        log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name, backend)
+    return reference
+
+
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
                  torch.bool: np.bool_}
 
@@ -121,9 +228,11 @@ def onnx_folder(onnx_dir: Path, name: str, ckpt: Checkpoint) -> Path:
 
 def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto", backends: dict[str, str] | None = None,
                   default_backend: str = "torch", onnx_dir: Path = Path(".cache/onnx"),
-                  threads: int | None = None) -> dict[str, Runtime]:
-    """Every checkpoint as a runtime; ``backends`` picks ``torch`` or ``onnx`` per model name (default for the
-    rest).  A model that cannot be exported falls back to the PyTorch backend with an error in the log."""
+                  threads: int | None = None, precision: str = "float32") -> dict[str, Runtime]:
+    """Every checkpoint as a runtime; ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per model name
+    (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend with an
+    error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
+    is a PyTorch autocast option: those models run on PyTorch whatever their backend setting."""
     from captioner.models.export.onnx import ExportUnsupported
 
     device = resolve_device(device_name)
@@ -137,6 +246,28 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
             log.error("skipping checkpoint %s: %s", path, exc)
             continue
         backend = backends.get(name, default_backend)
+        if precision != "float32":
+            if backend not in ("torch", "auto"):
+                log.warning("%s: precision %s runs on PyTorch (the %s backend is float32 only)", name, precision,
+                            backend)
+            backend = "torch"
+        key = repr(ckpt.encoder)
+        if key not in encoders:
+            encoders[key] = grid_encoder(ckpt.encoder, device)
+        if backend == "auto":
+            runtimes[name] = fastest_verified(name, ckpt, encoders[key], device, onnx_dir, threads)
+            log.info("loaded %s (%s) from %s: %s backend on %s", name, ckpt.model.arch, path, runtimes[name].backend,
+                     device)
+            continue
+        if backend == "hybrid":
+            from captioner.models.export.onnx import export_visual_encoder
+
+            try:
+                runtimes[name] = HybridRuntime(name, ckpt, export_visual_encoder(ckpt.encoder, onnx_dir, encoders[key]),
+                                               encoders[key], device, threads)
+                continue
+            except ExportUnsupported as exc:
+                log.error("%s: its visual encoder cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
         if backend == "onnx":
             try:
                 runtimes[name] = OnnxRuntime(name, ckpt, onnx_folder(onnx_dir, name, ckpt), device, threads)
@@ -145,9 +276,6 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                 continue
             except ExportUnsupported as exc:
                 log.error("%s cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
-        key = repr(ckpt.encoder)
-        if key not in encoders:
-            encoders[key] = grid_encoder(ckpt.encoder, device)
-        runtimes[name] = TorchRuntime(name, ckpt, encoders[key], device)
-        log.info("loaded %s (%s) from %s on %s", name, ckpt.model.arch, path, device)
+        runtimes[name] = TorchRuntime(name, ckpt, encoders[key], device, precision)
+        log.info("loaded %s (%s) from %s on %s (%s)", name, ckpt.model.arch, path, device, precision)
     return runtimes

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Backend = Literal["torch", "onnx"]
+Backend = Literal["torch", "onnx", "hybrid", "auto"]
 
 
 class Settings(BaseSettings):
@@ -21,7 +21,9 @@ class Settings(BaseSettings):
     weights_dir: Path = Field(Path("weights"), description="every checkpoint folder below it is served by name")
     checkpoints: list[Path] = Field(default_factory=list, description="extra checkpoint folders (JSON list)")
     default_model: str = Field("sat-scenes", description="model used when a request names none")
-    backend: Backend = Field("torch", description="inference backend of every model not named in `backends`")
+    backend: Backend = Field("auto", description="inference backend of every model not named in `backends`: auto "
+                             "(ONNX Runtime where its captions equal PyTorch's on a check set, else the hybrid, "
+                             "else torch), torch, onnx or hybrid (ONNX Runtime CNN, PyTorch decoder)")
     backends: dict[str, Backend] = Field(default_factory=dict,
                                          description='per-model backend, JSON: {"sat-scenes": "onnx"}')
     onnx_dir: Path = Field(Path(".cache/onnx"), description="ONNX exports, one folder per model; made when missing")
@@ -29,6 +31,8 @@ class Settings(BaseSettings):
     # -- device -------------------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto, cpu or cuda")
     threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their defaults, one per core)")
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="PyTorch autocast precision of the encoder and decoder (not float32: PyTorch backend)")
     interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads")
     warmup: bool = Field(True, description="run the batcher over its batch shapes before reporting ready")
     release_memory: bool = Field(True, description="pin glibc's mmap threshold, cap its arenas and return freed "
@@ -55,6 +59,8 @@ class Settings(BaseSettings):
     results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
     results_max_count: int = Field(1000, ge=1, description="caption results kept for the overlay endpoints, at most")
     results_max_age_s: float = Field(3600.0, gt=0, description="seconds a caption result is kept, at most")
+    result_cache_entries: int = Field(0, ge=0, description="captions cached by (image SHA-256, model, beam_size, "
+                                      "max_len) so duplicate uploads skip the model; 0: off")
     log_format: Literal["json", "text"] = Field("json", description="access and service log lines")
     log_level: str = Field("info", description="log level of the service loggers")
     host: str = Field("127.0.0.1", description="bind address of `captioner serve`")

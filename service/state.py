@@ -12,6 +12,7 @@ from captioner.models.inference import Runtime
 
 from .batcher import Batcher
 from .metrics import Metrics
+from .result_cache import ResultCache
 from .settings import Settings
 
 
@@ -25,9 +26,12 @@ class ServiceState:
     #: the model of requests that name none: ``settings.default_model``, or the first loaded model when that one
     #: is missing (resolved at start-up; the settings themselves are never changed)
     default_model: str = ""
+    result_cache: ResultCache | None = None
 
     def __post_init__(self) -> None:
         self.default_model = self.default_model or self.settings.default_model
+        if self.result_cache is None:
+            self.result_cache = ResultCache(self.settings.result_cache_entries)
 
 
 def get_state(request: Request) -> ServiceState:

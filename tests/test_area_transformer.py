@@ -5,14 +5,12 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from captioner.models.attention.area import areas_to_cells, enumerate_areas_2d
-from captioner.models.evaluation.metrics import score_captions
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
-from .model_checks import (VOCAB, assert_beam_one_is_greedy, memorisation_cider, memorisation_task, rescored_beams,
+from .model_checks import (assert_beam_one_is_greedy, memorisation_cider, memorisation_task, rescored_beams,
                           stepwise, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates

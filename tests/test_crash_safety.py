@@ -17,7 +17,6 @@ from safetensors.torch import load_file
 from captioner.models.checkpoint import (CheckpointError, load_checkpoint, remove_debris, save_checkpoint,
                                          write_manifest)
 from captioner.models.encoder import EncoderSpec
-from captioner.models.training import TrainConfig, train
 from captioner.models.training.state import load_state, save_state
 from captioner.models.vocab import Vocabulary
 

@@ -123,3 +123,60 @@ def test_stride_16_hypercolumns_give_a_16x16_grid_of_the_same_stages(encoder):
 def test_unsupported_grid_strides_are_refused(kwargs):
     with pytest.raises(ValueError, match="grid_stride"):
         EncoderSpec(**kwargs)
+
+
+def test_resnet_gives_sat_14x14_grid_from_a_local_torchvision_state_dict(tmp_path):
+    """A user's torchvision ResNet weights (here a locally saved random state dict: nothing can be downloaded) load
+    strictly, and layer4 is adaptive-pooled onto SAT's 14×14 grid at 256 px."""
+    import torch
+    import torchvision
+
+    path = tmp_path / "resnet18.pth"
+    reference = torchvision.models.resnet18(weights=None).eval()
+    torch.save(reference.state_dict(), path)
+    spec = EncoderSpec(backbone="resnet18", layer="layer4", resize="center_crop", image_size=256, weights=str(path),
+                       pooled_grid=14)
+    assert spec.grid_hw == (14, 14) and EncoderSpec.from_json(spec.to_json()) == spec
+    encoder = GridEncoder(spec)
+    pixels = torch.randn(2, 3, 256, 256)
+    feats = encoder(pixels)
+    assert feats.shape == (2, 196, 512)
+    with torch.no_grad():  # the same weights: torchvision's own layer4, pooled the same way
+        x = reference.maxpool(reference.relu(reference.bn1(reference.conv1(pixels))))
+        fmap = reference.layer4(reference.layer3(reference.layer2(reference.layer1(x))))
+        want = torch.nn.functional.adaptive_avg_pool2d(fmap, 14).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+    assert grid_geometry(spec, (640, 480)).boxes.shape == (196, 4)
+    with pytest.raises(ValueError):
+        EncoderSpec(layer="hypercolumn", grid_stride=16, pooled_grid=14)
+
+
+def test_folding_batch_norm_into_the_convolution_changes_no_output():
+    """w' = w·γ/σ, b' = β − μ·γ/σ: a conv + BatchNorm (+ activation, timm's BatchNormAct2d) computes the same after
+    folding, with random running statistics, with and without a conv bias; a BatchNorm after a non-conv stays."""
+    import copy
+
+    import torch
+    from timm.layers import BatchNormAct2d
+    from torch import nn
+
+    from captioner.models.encoder import fold_batch_norm
+
+    torch.manual_seed(0)
+
+    def randomise(bn):
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.data.normal_()
+        bn.bias.data.normal_()
+        return bn
+
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), randomise(BatchNormAct2d(8, act_layer=nn.ReLU6)),
+                        nn.Conv2d(8, 8, 1, bias=True), randomise(nn.BatchNorm2d(8)),
+                        nn.ReLU(), randomise(nn.BatchNorm2d(8))).eval()
+    folded = copy.deepcopy(net)
+    assert fold_batch_norm(folded) == 2
+    assert isinstance(folded[5], nn.BatchNorm2d)  # after a ReLU: nothing to fold into
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), net(x), atol=1e-5, rtol=1e-5)

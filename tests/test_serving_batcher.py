@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
+from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull, WouldMissDeadline
 from captioner.service.metrics import Metrics
 from captioner.models.inference import TorchRuntime
 
@@ -192,3 +192,104 @@ def test_stop_drains_running_and_queued_requests_then_refuses(encoder):
 
     results = asyncio.run(scenario())
     assert len(results) == 3 and all(r.words == results[0].words for r in results)
+
+
+class FakeClock:
+    """A clock that only moves when the fake slow runtime works: admission decisions become deterministic."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def slow_runtime(encoder, clock: FakeClock, step_s: float = 1.0, encode_s: dict[int, float] | None = None):
+    """A real tiny SAT runtime whose steps (and encodings) take ``step_s`` (``encode_s[batch]``) of fake time."""
+    runtime = runtime_for("sat", encoder)
+    step, begin = runtime.step, runtime.begin
+    encoded: list[int] = []
+
+    def slow_step(prev, state, enc):
+        clock.now += step_s
+        return step(prev, state, enc)
+
+    def slow_begin(batch, widths):
+        encoded.append(len(batch))
+        clock.now += (encode_s or {}).get(len(batch), 0.0)
+        return begin(batch, widths)
+
+    runtime.step, runtime.begin = slow_step, slow_begin
+    return runtime, encoded
+
+
+def test_admission_refuses_requests_that_would_miss_their_deadline_and_admitted_ones_meet_it(encoder):
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock)
+    # one request at a time (3 rows): a queue of requests is served strictly one after another
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=3, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1, seed=5)[0])
+
+    async def scenario():
+        first = batcher.submit(prepared, 3, 6, 1000)  # nothing measured yet: admitted
+        while not first.future.done():
+            batcher.run_once()
+            await asyncio.sleep(0)
+        await first.future
+        service, decode = batcher.service_time_s, batcher.decode_time_s
+        assert service == decode == clock.now  # alone: its whole time is both its service and decoding time
+        timeout = decode + 1.5 * service  # room for this request and one ahead of it, not two
+        admitted = [batcher.submit(prepared, 3, 6, timeout), batcher.submit(prepared, 3, 6, timeout)]
+        with pytest.raises(WouldMissDeadline) as refused:
+            batcher.submit(prepared, 3, 6, timeout)
+        assert isinstance(refused.value, QueueFull) and refused.value.retry_after_s >= 1
+        assert batcher.expected_wait_s(2) > timeout >= batcher.expected_wait_s(1)
+        while not all(job.future.done() for job in admitted):
+            batcher.run_once()
+            await asyncio.sleep(0)
+        for job in admitted:  # no DeadlineExceeded: the refused third one would have ended past its deadline
+            assert (await job.future).words
+
+    asyncio.run(scenario())
+
+
+def test_warm_up_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
+    clock = FakeClock()
+    # fake encoder cost per call: 1.0 s/image alone, 0.8 at 2, 1.5 at 4 (a large batch leaving the cache)
+    runtime, encoded = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 1.6, 4: 6.0})
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher.start()
+    prepared = runtime.prepare(random_images(1, seed=6)[0])
+
+    async def scenario():
+        await batcher.warm_up(prepared, 1, [1, 2, 4], max_len=2, timeout_s=60)
+        assert batcher.encode_batch == 2
+        encoded.clear()
+        with batcher._wake:  # four requests arriving together: admitted together, encoded two by two
+            jobs = [batcher.submit(prepared, 1, 2, 60) for _ in range(4)]
+        await asyncio.gather(*(job.future for job in jobs))
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    assert encoded == [2, 2]
+
+
+@pytest.mark.parametrize("precision", ["bfloat16"])
+def test_lower_precision_runs_through_the_batcher_with_float32_scores(encoder, precision):
+    """CAPTIONER_PRECISION: autocast changes the network's arithmetic, not the search: log-probs and attention
+    reach beam search in float32, batched answers equal the same runtime's fixed-batch answers, and the captions
+    are valid (same vocabulary, attention rows summing to one)."""
+    ckpt = tiny_checkpoint("sat")
+    runtime = TorchRuntime("sat", ckpt, encoder, torch.device("cpu"), precision=precision)
+    images = [runtime.prepare(image) for image in random_images(3, seed=8)]
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
+    batcher.start(worker=False)
+    results = asyncio.run(drive(batcher, [(0, images[0], 3, 6), (1, images[1], 2, 5), (2, images[2], 3, 7)]))
+    for prepared, beam, max_len, got in zip(images, (3, 2, 3), (6, 5, 7), results):
+        want = runtime.caption([prepared], beam, max_len)[0]
+        assert got.words == want.words
+        attention = got.hypothesis.attention
+        assert attention.dtype == torch.float32 and torch.allclose(attention.sum(-1), torch.ones(1), atol=1e-2)
+    with pytest.raises(ValueError, match="precision"):
+        TorchRuntime("sat", ckpt, encoder, torch.device("cpu"), precision="int4")

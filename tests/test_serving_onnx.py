@@ -150,7 +150,7 @@ def test_service_serves_a_model_on_onnx_runtime_by_config(shipped, tmp_path):
     for name in ("sat-torch", "sat-onnx"):
         (weights / name).symlink_to(DEFAULT_CHECKPOINT.resolve(), target_is_directory=True)
         (onnx_dir / name).symlink_to((onnx_dir / "sat-scenes").resolve(), target_is_directory=True)
-    settings = Settings(weights_dir=weights, default_model="sat-torch", backends={"sat-onnx": "onnx"},
+    settings = Settings(weights_dir=weights, default_model="sat-torch", backend="torch", backends={"sat-onnx": "onnx"},
                         onnx_dir=onnx_dir, device="cpu", threads=1, max_batch_images=2, queue_size=8)
     with TestClient(create_app(settings)) as client:
         models = {m["name"]: m for m in client.get("/models").json()}
@@ -194,6 +194,51 @@ def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
         image.save(buffer, format="PNG")
         assert client.post("/caption", content=buffer.getvalue(),
                            headers={"content-type": "image/png"}).status_code == 200
+
+
+def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decoder_cannot_be_exported(tmp_path):
+    """The default backend: a tiny SAT runs wholly on ONNX Runtime, a tiny SparseCap-TVmax (no exportable step)
+    gets the hybrid (ONNX Runtime CNN, PyTorch decoder), and both answer exactly like PyTorch over HTTP."""
+    for name, arch, config in (("sat", "sat", {}), ("tvmax", "sparsecap", {"attention": "tvmax"})):
+        ckpt = tiny_checkpoint(arch, **config)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    common = dict(weights_dir=tmp_path / "weights", default_model="sat", onnx_dir=tmp_path / "onnx", device="cpu",
+                  threads=1, warmup=False)
+    image = random_images(1, seed=9)[0]
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    answers = {}
+    for backend in ("auto", "torch"):
+        with TestClient(create_app(Settings(backend=backend, **common))) as client:
+            models = {m["name"]: m["backend"] for m in client.get("/models").json()}
+            assert models == ({"sat": "onnx", "tvmax": "hybrid"} if backend == "auto" else
+                              {"sat": "torch", "tvmax": "torch"})
+            for name in models:
+                response = client.post("/caption", params={"model": name}, content=buffer.getvalue(),
+                                       headers={"content-type": "image/png"})
+                assert response.status_code == 200, response.text
+                answers[backend, name] = response.json()
+    for name in ("sat", "tvmax"):
+        assert answers["auto", name]["caption"] == answers["torch", name]["caption"]
+        np.testing.assert_allclose(answers["auto", name]["attention"], answers["torch", name]["attention"],
+                                   atol=ATOL_ATTENTION)
+
+
+def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, encoder, monkeypatch):
+    """A backend whose captions disagree with PyTorch's on the check set is not used (here ONNX Runtime's step is
+    made to return wrong log-probs): the next candidate, the hybrid, is verified and chosen instead."""
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat")
+    step = OnnxRuntime.step
+
+    def wrong_step(self, prev, state, enc):
+        logprobs, new_state, attn = step(self, prev, state, enc)
+        return logprobs.flip(-1), new_state, attn
+
+    monkeypatch.setattr(OnnxRuntime, "step", wrong_step)
+    chosen = runtime_module.fastest_verified("sat", ckpt, encoder, CPU, tmp_path / "onnx", 1)
+    assert chosen.backend == "hybrid"
 
 
 def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 from captioner.models.attention import get_normaliser
 from captioner.models.decoding import beam_search
-from captioner.models.evaluation.metrics import score_captions
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 

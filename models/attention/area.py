@@ -109,10 +109,10 @@ def _corners(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
 
 
 def _area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
-    lead, depth = x.shape[:-2], x.shape[-1]
     if x.shape[-2] != rows * cols:
         raise ValueError(f"memory has {x.shape[-2]} items, not a {rows}×{cols} grid")
-    table = F.pad(x.reshape(*lead, rows, cols, depth).cumsum(-3).cumsum(-2), (0, 0, 1, 0, 1, 0))
+    # unflatten, not reshape(*lead, …): the leading sizes stay symbolic in an ONNX trace (any row count)
+    table = F.pad(x.unflatten(-2, (rows, cols)).cumsum(-3).cumsum(-2), (0, 0, 1, 0, 1, 0))
     # one gather of all four corners instead of a slice per area shape: far fewer ops to run and to backprop
     corners = table.flatten(-3, -2).index_select(-2, _corners(rows, cols, max_h, max_w).to(x.device))
     bottom_right, top_right, bottom_left, top_left = corners.unflatten(-2, (4, -1)).unbind(-3)

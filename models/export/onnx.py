@@ -365,3 +365,57 @@ def export_is_current(folder: str | Path, checksum: str) -> bool:
     except (OSError, ValueError, TypeError):
         return False
     return spec.checksum == checksum and (folder / ENCODER_FILE).is_file() and (folder / STEP_FILE).is_file()
+
+
+VISUAL_FILE = "visual.onnx"
+
+
+def visual_encoder_key(spec: EncoderSpec) -> str:
+    """Folder name of the encoder-only export of ``spec`` (same spec, same packaged or local weights → same key)."""
+    import hashlib
+
+    weights = spec.weights
+    stamp = ""
+    if weights and Path(weights).is_file():  # a local weight file: its size and time identify its content
+        stat = Path(weights).stat()
+        stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
+    text = json.dumps({"spec": spec.to_json(), "weights": stamp, "format": FORMAT}, sort_keys=True)
+    return "visual-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEncoder | None = None) -> Path:
+    """The frozen CNN alone as ``visual.onnx`` (``pixels [B, 3, S, S]`` → ``features [B, N, F]``), for models whose
+    decoder cannot be exported (they run a hybrid: this graph on ONNX Runtime, the decoder on PyTorch).  Cached
+    in ``out_dir/<visual_encoder_key>``; verified against PyTorch on a batch size the trace never saw."""
+    import onnx
+
+    folder = Path(out_dir) / visual_encoder_key(spec)
+    path = folder / VISUAL_FILE
+    if path.is_file():
+        return path
+    visual = visual or GridEncoder(spec)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            try:
+                torch.onnx.export(visual, (_example_pixels(spec, 2, 0),), str(tmp / VISUAL_FILE),
+                                  input_names=["pixels"], output_names=["features"],
+                                  dynamic_axes={"pixels": {0: "batch"}, "features": {0: "batch"}},
+                                  opset_version=OPSET, dynamo=False)
+            except Exception as exc:
+                raise ExportUnsupported(f"visual encoder {spec.backbone}: the tracer cannot record it "
+                                        f"({exc.__class__.__name__})") from exc
+        onnx.checker.check_model(str(tmp / VISUAL_FILE))
+        pixels = _example_pixels(spec, 3, 7)
+        with torch.no_grad():
+            want = visual(pixels)
+        got = _session(tmp / VISUAL_FILE).run(["features"], {"pixels": pixels.numpy()})[0]
+        _close(f"visual encoder {spec.backbone}", "features", got, want, _frozen_sites(caught), {})
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,53 @@
+"""Inference fast paths of the attention layers compute what their plain forms compute: SAT/SparseCap's additive
+attention in cache-sized blocks of rows, and AoANet's one-query multi-head attention without per-head copies."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from captioner.models.attention import get_normaliser
+from captioner.models.attention.multihead import multi_head_attention
+from captioner.models.layers import CACHE_BLOCK_FLOATS, AdditiveAttention
+
+
+def test_additive_attention_in_blocks_of_rows_equals_the_whole_computation():
+    torch.manual_seed(0)
+    items, attn_dim = 64, 64
+    rows = 3 * CACHE_BLOCK_FLOATS // (items * attn_dim) + 5  # several blocks and a partial last one
+    layer = AdditiveAttention(feat_dim=32, query_dim=16, attn_dim=attn_dim, normalise=get_normaliser("softmax"))
+    keys = layer.project_keys(torch.randn(rows, items, 32)).detach()
+    query, mask = torch.randn(rows, 16), torch.rand(rows, items) > 0.2
+    whole = layer(keys, query, mask)  # grad enabled: the plain path
+    with torch.inference_mode():
+        blocked = layer(keys, query, mask)
+    torch.testing.assert_close(blocked, whole.detach(), atol=1e-6, rtol=1e-5)
+
+
+def naive_multi_head(query, key, value, heads, mask):
+    """softmax(q_h k_hᵀ/√d) v_h per head, concatenated (Vaswani et al.), one row and one head at a time."""
+    d = query.shape[-1] // heads
+    out = torch.zeros_like(query)
+    weights = torch.zeros(query.shape[0], heads, query.shape[1], key.shape[1])
+    for b in range(query.shape[0]):
+        for h in range(heads):
+            part = slice(h * d, (h + 1) * d)
+            scores = query[b, :, part] @ key[b, :, part].T / math.sqrt(d)
+            scores = scores.masked_fill(~mask[b], float("-inf"))
+            weights[b, h] = scores.softmax(-1)
+            out[b, :, part] = weights[b, h] @ value[b, :, part]
+    return out, weights
+
+
+def test_one_query_multi_head_attention_equals_the_per_head_computation():
+    torch.manual_seed(1)
+    batch, items, width, heads = 5, 12, 32, 4
+    query, key, value = torch.randn(batch, 1, width), torch.randn(batch, items, width), torch.randn(batch, items, width)
+    mask = torch.rand(batch, items) > 0.3
+    mask[:, 0] = True
+    got, got_weights = multi_head_attention(query, key, value, heads, mask)
+    want, want_weights = naive_multi_head(query, key, value, heads, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_weights, want_weights, atol=1e-6, rtol=1e-5)
+    assert float(got_weights.masked_select(~mask[:, None, None, :]).abs().max()) == 0.0

@@ -1,0 +1,75 @@
+"""The optional result cache over HTTP: a second identical upload (same bytes, model and options) is answered
+without the model and with the same caption; other options or other bytes miss; hits and misses are counted."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
+
+from .serving_helpers import random_images
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def jpeg(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    random_images(1, seed)[0].save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def scrape(text: str, name: str, **labels: str) -> float:
+    wanted = name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+    values = [float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(wanted)]
+    assert len(values) == 1, f"{wanted} not in /metrics"
+    return values[0]
+
+
+@pytest.fixture(scope="module")
+def cached_app(tmp_path_factory):
+    weights = tmp_path_factory.mktemp("weights")
+    (weights / "sat-scenes").symlink_to(ROOT / "weights" / "sat-scenes")
+    settings = Settings(weights_dir=weights, warmup=False, release_memory=False, result_cache_entries=2)
+    with TestClient(create_app(settings)) as client:
+        runtime = client.app.state.service.runtimes["sat-scenes"]
+        calls: list[int] = []
+        begin = runtime.begin
+
+        def counting_begin(batch, widths):
+            calls.append(len(batch))
+            return begin(batch, widths)
+
+        runtime.begin = counting_begin
+        yield client, calls
+
+
+def caption(client, data: bytes, **params):
+    response = client.post("/caption", files={"file": ("scene.jpg", data, "image/jpeg")}, params=params)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    body.pop("id")  # a fresh overlay id for every answer
+    return body
+
+
+def test_identical_upload_is_answered_from_the_cache(cached_app):
+    client, calls = cached_app
+    first_image, other_image = jpeg(1), jpeg(2)
+    first = caption(client, first_image, beam_size=3, max_len=12)
+    assert calls == [1]
+    again = caption(client, first_image, beam_size=3, max_len=12)
+    assert calls == [1]  # the model was not called
+    assert again == first
+    caption(client, first_image, beam_size=2, max_len=12)  # other options: a miss
+    caption(client, other_image, beam_size=3, max_len=12)  # other bytes: a miss (and evicts the oldest of 2)
+    assert len(calls) == 3
+    caption(client, first_image, beam_size=3, max_len=12)  # least recently used, evicted: a miss again
+    assert len(calls) == 4
+    metrics = client.get("/metrics").text
+    assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat-scenes", outcome="hit") == 1
+    assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat-scenes", outcome="miss") == 4
