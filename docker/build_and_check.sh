@@ -193,7 +193,8 @@ caption=$(python3 -c 'import json, sys
 model, text, tokens, attention = (json.load(open(sys.argv[1]))[k] for k in ("model", "caption", "tokens", "attention"))
 print(f"{model}: {text!r} (tokens {tokens}, {len(attention)} attention rows)")' "$response")
 echo "caption: $caption"
-curl -fsS "http://127.0.0.1:$PORT/metrics" | grep -q '^captioner_' || die "/metrics has no captioner_ series"
+metrics=$(curl -fsS "http://127.0.0.1:$PORT/metrics")  # not piped into grep -q: its early exit fails curl under pipefail
+grep -q '^captioner_request_latency_seconds_count' <<<"$metrics" || die "/metrics has no captioner_ request series"
 
 say "SIGTERM"
 kill -TERM "$server_pid"

@@ -23,6 +23,15 @@ DEFAULT_CHECKPOINT = WEIGHTS / "sat-scenes"
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def onnx_exports_in_a_temporary_folder(tmp_path_factory):
+    """Servers made by the tests (in-process or subprocess) export their ONNX graphs under pytest's temporary
+    folder, not into the repository's ``.cache/onnx``, where tiny test models would pile up beside real ones."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path_factory.mktemp("onnx-exports")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny models (``pytestmark = pytest.mark.usefixtures("one_thread")``):

@@ -149,7 +149,9 @@ def test_a_deadline_answers_504_and_frees_the_rows(servers, png):
         assert response.json()["type"] == "/problems/deadline"
     after = wait_for(lambda: (m := scrape(server)).get(f"captioner_active_rows{MODEL}") == 0 and m)
     label = 'captioner_rows_freed_total{model="slow",reason="deadline"}'
-    assert after.get(label, 0) - before.get(label, 0) == 3
+    # usually one request times out holding its 3 rows and the other while still queued; on a loaded machine the
+    # second can get the rows the first freed just before its own deadline passes, and then frees them in turn
+    assert after.get(label, 0) - before.get(label, 0) in (3, 6)
     assert after['captioner_rejects_total{reason="deadline"}'] - before.get(
         'captioner_rejects_total{reason="deadline"}', 0) == 2
     # the freed rows are usable at once: a short caption fits in the deadline
