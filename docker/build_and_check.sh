@@ -67,7 +67,9 @@ fi
 say "pip index settings for the build (secrets)"
 PIP_CFG=$CACHE/pip.conf
 volumes=()
-pip_get() { python3 -m pip config get "$1" 2>/dev/null || true; }
+# `pip config get` reads one file only; `pip config list` shows the merged settings of every file (last one wins)
+pip_settings=$(python3 -m pip config list 2>/dev/null || true)
+pip_get() { sed -n "s/^$1='\(.*\)'\$/\1/p" <<<"$pip_settings" | tail -1; }
 index_url=${PIP_INDEX_URL:-$(pip_get global.index-url)}
 extra_urls=${PIP_EXTRA_INDEX_URL:-$(pip_get global.extra-index-url)}
 find_links=${PIP_FIND_LINKS:-$(pip_get global.find-links)}

@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,21 @@ class ExportUnsupported(RuntimeError):
 
 FROZEN_HINT = ("values computed in Python from tensors are constants of a traced graph, so data-dependent control "
                "flow or shape arithmetic there cannot follow other inputs")
+
+
+@contextmanager
+def _folder_swapped_in(final: Path):
+    """Yield an empty folder beside ``final``; when the block succeeds it replaces ``final`` in one rename, so a
+    reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _frozen_sites(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -231,10 +247,7 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
     spec.dtypes = {**{f"enc.{k_}": str(v.dtype) for k_, v in enc.items()},
                    **{f"state.{k_}": str(v.dtype) for k_, v in state0.items()}}
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _folder_swapped_in(Path(out)) as tmp:
         enc_graph = EncoderGraph(visual, model, spec_enc, spec.enc_keys, spec.state_keys).eval()
         step_graph = StepGraph(model, spec.enc_keys, spec.state_keys, spec.extra_keys).eval()
         enc_axes = {"pixels": {0: "batch"}, **{name: {0: "batch"} for name in spec.encoder_outputs}}
@@ -267,11 +280,6 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
             onnx.checker.check_model(str(tmp / name))
         spec.max_abs_diff = _verify(tmp, spec, visual, model, spec_enc, frozen)
         spec.save(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return spec
 
 
@@ -394,9 +402,7 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
     if path.is_file():
         return path
     visual = visual or GridEncoder(spec)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with _folder_swapped_in(folder) as tmp:
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
             warnings.simplefilter("always")
             try:
@@ -413,9 +419,4 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
             want = visual(pixels)
         got = _session(tmp / VISUAL_FILE).run(["features"], {"pixels": pixels.numpy()})[0]
         _close(f"visual encoder {spec.backbone}", "features", got, want, _frozen_sites(caught), {})
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
