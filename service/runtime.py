@@ -48,6 +48,9 @@ def _session_options(threads: int | None):
     if threads:
         options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Without its arena, ONNX Runtime returns each run's buffers to the allocator instead of keeping the largest
+    # warm-up batch's worth per session (two per model): docs/decisions.md#onnx-runtime-without-its-memory-arena
+    options.enable_cpu_mem_arena = False
     return options
 
 
