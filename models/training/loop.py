@@ -57,8 +57,20 @@ def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | 
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
+class _SavedRecord:
+    """A dataclass saved as JSON: fields added since a file was written take their defaults when it is read."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(_SavedRecord):
     """Everything a training run depends on, with the defaults ``captioner train`` uses.  A recipe
     (``models/recipes/NAME.toml``) replaces some of these; command-line flags replace single values again."""
 
@@ -125,18 +137,9 @@ class TrainConfig:
     log_every: int = option(10, "write a metrics.jsonl record every this many steps")
     progress: bool = option(True, "progress bars", flag="--no-progress", kind="false")
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "TrainConfig":
-        """A saved config; fields added since it was written take their defaults."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
 
 @dataclass
-class Progress:
+class Progress(_SavedRecord):
     """Where a run is: saved with every snapshot, so ``--resume`` continues from here."""
 
     epoch: int = 0  # epochs completed
@@ -148,14 +151,6 @@ class Progress:
     train_seconds: float = 0.0
     plateau: dict[str, Any] | None = None
     stopped_early: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Progress":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass
