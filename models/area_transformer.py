@@ -183,12 +183,13 @@ class AreaTransformer(Captioner):
         logprobs = F.log_softmax(self.out(self.dec_norm(x[:, 0])), -1)
         return logprobs, new_state, self._record(cross_weights, enc)
 
-    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0,
+                   rows: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """One masked parallel pass (teacher forcing).  Scheduled sampling needs sequential decoding, so a
         Transformer does not support it."""
         if ss_prob > 0.0:
             raise ValueError("AreaTransformer trains with full teacher forcing; scheduled sampling is not supported")
-        enc = self.encode(vis)
+        enc = self.encode_rows(vis, rows)
         bos = torch.full_like(captions[:, :1], self.bos_id)
         x = self._embed_tokens(torch.cat([bos, captions[:, :-1]], 1), 0)
         for i, layer in enumerate(self.decoder):

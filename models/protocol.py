@@ -107,20 +107,23 @@ class Captioner(nn.Module):
         raise NotImplementedError
 
     def forward_xe(
-        self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0
+        self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0, rows: Tensor | None = None
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """Teacher-forced log-probs ``[B, T, V]`` for ``captions`` ``[B, T]`` (BOS-less targets ending in EOS)
-        plus auxiliary losses.  The default runs ``step`` in a loop, which is what LSTM models want."""
-        logprobs, records, _ = self.teacher_force(vis, captions, ss_prob)
+        plus auxiliary losses.  The default runs ``step`` in a loop, which is what LSTM models want.
+
+        ``rows`` (``[B]``) says which image of ``vis`` each caption belongs to, when a batch holds several captions
+        of one image: the image is then encoded once (see :meth:`encode_rows`)."""
+        logprobs, records, _ = self.teacher_force(vis, captions, ss_prob, rows)
         aux = self.auxiliary_losses(torch.stack([r.primary for r in records], dim=1), captions != self.pad_id)
         return logprobs, aux
 
-    def teacher_force(self, vis: VisualBatch, captions: Tensor,
-                      ss_prob: float = 0.0) -> tuple[Tensor, list[AttnRecord], EncState]:
+    def teacher_force(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0,
+                      rows: Tensor | None = None) -> tuple[Tensor, list[AttnRecord], EncState]:
         """The ``step`` loop behind :meth:`forward_xe`: log-probs ``[B, T, V]``, the attention record of every
         step and the encoder state, for models whose training objective needs more than the primary attention
         (SAT-hard's REINFORCE terms)."""
-        enc = self.encode(vis)
+        enc = self.encode_rows(vis, rows)
         state = self.init_state(enc)
         batch, steps = captions.shape
         prev = torch.full((batch,), self.bos_id, dtype=torch.long, device=captions.device)
@@ -136,6 +139,14 @@ class Captioner(nn.Module):
                 sampled = torch.multinomial(logprobs.detach().exp(), 1).squeeze(1)
                 prev = torch.where(use_sample, sampled, prev)
         return torch.stack(outputs, dim=1), records, enc
+
+    def encode_rows(self, vis: VisualBatch, rows: Tensor | None = None) -> EncState:
+        """:meth:`encode` each image of ``vis`` once, then give caption ``i`` the encoding of image ``rows[i]``.
+
+        Captions grouped by image (``captioner train --captions-per-image``, as the AoANet and X-LAN codes batch
+        ``seq_per_img`` captions of each image) then pay for a refining encoder once per image, not per caption."""
+        enc = self.encode(vis)
+        return enc if rows is None else index_rows(enc, rows)
 
     def auxiliary_losses(self, attention: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
         """Extra training losses from the per-step attention ``[B, T, N]``; none by default."""

@@ -64,13 +64,14 @@ class ShowAttendTellHard(ShowAttendTell):
         self.register_buffer("baseline_batches", torch.zeros((), dtype=torch.long))
 
     # -- context -------------------------------------------------------------------------------------------
-    def encode(self, vis: VisualBatch) -> EncState:
-        enc = super().encode(vis)
+    def encode_rows(self, vis: VisualBatch, rows: Tensor | None = None) -> EncState:
+        enc = super().encode_rows(vis, rows)
         if self.training:
             # §4.1: "with probability 0.5 for a given image, we set the sampled attention location s̃ to its
-            # expected value α" — drawn once per caption row, so it holds for all of its steps
-            rows = vis.feats.shape[0]
-            enc["expected"] = torch.rand(rows, device=vis.feats.device) < self.expectation_prob
+            # expected value α" — drawn once per caption row (after rows are expanded), so it holds for all of
+            # its steps
+            count = next(iter(enc.values())).shape[0]
+            enc["expected"] = torch.rand(count, device=vis.feats.device) < self.expectation_prob
         return enc
 
     def draw_location(self, alpha: Tensor) -> Tensor:
@@ -88,7 +89,8 @@ class ShowAttendTellHard(ShowAttendTell):
         return z, {"location": indicator}
 
     # -- training objective ------------------------------------------------------------------------------
-    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0,
+                   rows: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Teacher-forced log-probs ``[B, T, V]`` plus the REINFORCE and entropy terms of the learning rule.
 
         In training mode each caption is decoded along ``N_s`` sampled location paths; the returned log-probs
@@ -96,13 +98,12 @@ class ShowAttendTellHard(ShowAttendTell):
         the log-probs).  In evaluation mode the path is the arg-max one and there is nothing to add.
         """
         if not self.training:
-            return super().forward_xe(vis, captions, ss_prob)
+            return super().forward_xe(vis, captions, ss_prob, rows)
         n = self.location_samples
-        if n > 1:
-            vis = VisualBatch(vis.feats.repeat_interleave(n, 0), vis.mask.repeat_interleave(n, 0),
-                              [g for g in vis.geometry for _ in range(n)])
+        if rows is None:
+            rows = torch.arange(captions.shape[0], device=captions.device)
         targets = captions.repeat_interleave(n, 0)
-        logprobs, records, enc = self.teacher_force(vis, targets, ss_prob)
+        logprobs, records, enc = self.teacher_force(vis, targets, ss_prob, rows.repeat_interleave(n, 0))
         tokens = (targets != self.pad_id).to(logprobs.dtype)  # real steps, EOS included
         alpha = torch.stack([r.primary for r in records], dim=1)  # [R, T, N]
         indicator = torch.stack([r.extras["location"] for r in records], dim=1)

@@ -199,12 +199,13 @@ class XTransformer(Captioner):
             crosses.append(cross)
         return self._logprobs(queries)[:, 0], new_state, self._record(crosses)
 
-    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward_xe(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0,
+                   rows: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """One causally masked parallel pass (teacher forcing).  Scheduled sampling needs sequential decoding, so
         a Transformer does not support it."""
         if ss_prob > 0.0:
             raise ValueError("XTransformer trains with full teacher forcing; scheduled sampling is not supported")
-        enc = self.encode(vis)
+        enc = self.encode_rows(vis, rows)
         steps = captions.shape[1]
         words = self._embed_words(torch.cat([torch.full_like(captions[:, :1], self.bos_id), captions[:, :-1]], 1), 0)
         counts = torch.arange(1, steps + 1, device=captions.device, dtype=words.dtype)

@@ -121,3 +121,40 @@ def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
     assert "resuming" in done.stdout
     final = json.loads((out / "train_state.json").read_text())["progress"]
     assert final["epoch"] == progress["epoch"] + 1 and final["step_in_epoch"] == 0
+
+
+def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_together(scenes, tmp_path, cache):
+    from captioner.models.data.karpathy import load_karpathy
+    from captioner.models.training.xe import XEPhase
+    from captioner.models.vocab import Vocabulary
+
+    images = load_karpathy(scenes, splits=("train",))
+    vocab = Vocabulary.build([ref for im in images for ref in im.references])
+    grouped = XEPhase(_config(scenes, tmp_path, cache, group_by_image=True), None, vocab, None, images, "cpu")
+    order = grouped.epoch_order(0)
+    assert sorted(order.tolist()) == list(range(grouped.size))  # every (image, caption) pair exactly once
+    keys = [grouped.pairs[i][0] for i in order]
+    runs = [key for j, key in enumerate(keys) if j == 0 or keys[j - 1] != key]
+    assert len(runs) == len(images) == len(set(runs))  # each image's captions form one consecutive run
+    assert runs != [im.key for im in images]  # in a shuffled image order, different every epoch
+    assert [grouped.pairs[i][0] for i in grouped.epoch_order(1)] != keys
+    plain = XEPhase(_config(scenes, tmp_path, cache), None, vocab, None, images, "cpu")
+    assert len({plain.pairs[i][0] for i in plain.epoch_order(0)[:5]}) > 1  # default: pairs shuffled one by one
+
+
+@pytest.mark.parametrize("arch, args", [("aoanet", dict(d_model=32, embed_dim=32, ffn_dim=64, heads=4, refine_layers=2)),
+                                        ("xtransformer", dict(dim=32, channel_dim=16, ffn_dim=64, encoder_layers=2, decoder_layers=2)),
+                                        ("sat", SMALL)])
+def test_captions_sharing_an_image_get_the_same_log_probs_as_when_it_is_encoded_per_caption(arch, args):
+    from captioner.models.protocol import VisualBatch
+    from captioner.models.zoo import create
+
+    torch.manual_seed(0)
+    model = create(arch, vocab_size=17, feat_dim=12, **args).eval()
+    images = VisualBatch.from_features(torch.randn(2, 9, 12))
+    rows = torch.tensor([0, 0, 1, 0, 1])
+    captions = torch.randint(3, 17, (5, 6))
+    per_caption = VisualBatch.from_features(images.feats[rows])
+    shared, _ = model.forward_xe(images, captions, rows=rows)
+    expected, _ = model.forward_xe(per_caption, captions)
+    torch.testing.assert_close(shared, expected)

@@ -97,7 +97,7 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not MISSING else (f.default_factory() if f.default_factory is not MISSING
                                                               else None)
         help_text = meta.get("help", "")
-        if default not in (None, [], {}) and meta.get("kind") != "false":
+        if default not in (None, [], {}) and meta.get("kind") not in ("false", "true"):
             help_text += f" (default: {default})"
         kind = meta.get("kind")
         common = dict(dest=f.name, help=help_text, default=argparse.SUPPRESS)
@@ -109,6 +109,8 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, nargs=2, type=_scalar_type(hint), metavar=("B1", "B2"), **common)
         elif kind == "false":
             parser.add_argument(flag, action="store_false", **common)
+        elif kind == "true":
+            parser.add_argument(flag, action="store_true", **common)
         else:
             parser.add_argument(flag, type=_scalar_type(hint), choices=meta.get("choices"), metavar=meta.get("metavar"),
                                 required=meta.get("required", False), **common)

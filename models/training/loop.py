@@ -116,6 +116,9 @@ class TrainConfig(_SavedRecord):
     grad_clip_mode: str = option("norm", "clip the global gradient norm or each value", choices=("norm", "value"))
     label_smoothing: float = option(0.0, "XE label smoothing ε")
     min_count: int = option(1, "keep words seen at least this often")
+    group_by_image: bool = option(False, "xe: put all reference captions of an image in the same batch (the AoANet "
+                                         "and X-LAN codes' seq_per_img), so each image is encoded once per batch",
+                                  kind="true")
     max_train_len: int = option(16, "training captions are cut to this many words")
     max_decode_len: int = option(20, "decoding steps in validation and SCST")
     scst_samples: int = option(5, "captions sampled per image in SCST")
@@ -244,6 +247,11 @@ class Phase:
 
     def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
         raise NotImplementedError
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The examples of 0-based ``epoch`` in visiting order: a permutation seeded by (seed, epoch), so a resumed
+        run sees the same order."""
+        return np.random.default_rng([self.cfg.seed, epoch]).permutation(self.size)
 
     def selection_metric(self) -> str:
         """Validation metric that picks ``best/``."""
@@ -615,7 +623,7 @@ def fit(run: Run) -> Path:
     with _StopFlag() as stop:
         while progress.epoch < cfg.epochs and not progress.stopped_early:
             epoch = progress.epoch
-            order = np.random.default_rng([cfg.seed, epoch]).permutation(run.phase.size)
+            order = run.phase.epoch_order(epoch)
             run.phase.ss_prob = run.schedules.sampling(epoch)
             run.model.train()
             bar = tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, unit="batch", dynamic_ncols=True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,19 +46,32 @@ class XEPhase(Phase):
         super().__init__(*args, **kwargs)
         self.pairs = [(im.key, self.vocab.encode(ref, self.cfg.max_train_len))
                       for im in self.images for ref in im.references]
+        # pairs of image i are pairs[starts[i]:starts[i + 1]]
+        self.starts = np.cumsum([0] + [len(im.references) for im in self.images])
 
     @property
     def size(self) -> int:
         return len(self.pairs)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """With ``group_by_image``, images in a seeded random order, each followed by all its captions (the
+        captions of an image are consecutive, so they share batches); otherwise all pairs shuffled."""
+        if not self.cfg.group_by_image:
+            return super().epoch_order(epoch)
+        images = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.images))
+        return np.concatenate([np.arange(self.starts[i], self.starts[i + 1]) for i in images])
 
     def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
         """Token-mean XE (plus the model's auxiliary losses) of this rank's ``batch``, weighted by its share of
         the global batch's tokens (images, for the auxiliary terms) times the number of ranks: averaged over the
         ranks, that is the token-mean over the global batch, as on one process."""
         pairs = [self.pairs[i] for i in batch]
-        vis = self.store.batch([key for key, _ in pairs]).to(self.device)
+        # each distinct image is read and encoded once; captions point at their image's row
+        images = {key: row for row, key in enumerate(dict.fromkeys(key for key, _ in pairs))}
+        vis = self.store.batch(list(images)).to(self.device)
+        rows = torch.tensor([images[key] for key, _ in pairs], device=self.device)
         targets = _pad([ids for _, ids in pairs], self.vocab.pad_id).to(self.device)
-        logprobs, aux = self.model.forward_xe(vis, targets, self.ss_prob)
+        logprobs, aux = self.model.forward_xe(vis, targets, self.ss_prob, rows)
         # the loss in float32 even under autocast: a bf16 log-probability sum loses the small terms
         loss = xe_loss(logprobs.float(), targets, self.vocab.pad_id, self.cfg.label_smoothing)
         tokens = sum(len(ids) for _, ids in pairs)
