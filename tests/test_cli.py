@@ -87,13 +87,14 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
         "dataset": "scenes/dataset_scenes.json", "phase": "xe", "selected_by": "BLEU-4", "best_epoch": 1,
         "train_seconds": 90.0, "history": [{"epoch": 1, "xe": 1.25, "CIDEr-D": 0.5}],
-        "train_config": {"dataset": "scenes/dataset_scenes.json", "out": "runs/x", "epochs": 1, "threads": 1,
+        "train_config": {"dataset": "scenes/dataset_scenes.json", "out": "runs/x", "model": "sat", "epochs": 1, "threads": 1,
                          "model_args": {"hidden_dim": 24}, "encoder": {"layer": "hypercolumn"}}})
     report = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5, "objects_named": 0.9,
                                        "SPICE": "unavailable: no models"}}
     (tmp_path / "report.json").write_text(json.dumps(report))
     captioner("card", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report.json"))
     card = (tmp_path / "ckpt" / "MODEL_CARD.md").read_text()
-    assert "--model sat --dataset scenes --out runs/x --epochs 1 --encoder layer=hypercolumn --set hidden_dim=24" in card
+    assert ("captioner train --dataset scenes/dataset_scenes.json --out runs/x --model sat --set hidden_dim=24 "
+            "--encoder layer=hypercolumn --epochs 1 --threads 1`") in card
     assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable |" in card
     assert "| 1 | 1.25 | 0.5 |" in card and "1.5 min" in card

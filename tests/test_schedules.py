@@ -100,3 +100,31 @@ def test_cli_flags_override_single_recipe_values():
     assert cfg.model_args == {"d_model": 256} and cfg.progress is False
     plain = train_config_from_args(build_parser().parse_args(["train", "--out", "y"]))
     assert plain == TrainConfig(out="y")  # no recipe, no flags: exactly the dataclass defaults
+
+
+@pytest.mark.parametrize("argv", [
+    ["--recipe", "aoanet", "--out", "runs/a", "--dataset", "d", "--set", "d_model=256", "--ss-every", "1",
+     "--encoder", "layer=hypercolumn", "--encoder", "grid_stride=16", "--epochs", "2", "--threads", "1"],
+    ["--recipe", "aoanet", "--phase", "scst", "--init", "runs/a/best", "--out", "runs/b", "--scst-baseline", "mean",
+     "--lr", "0.0001", "--train-limit", "3000"],
+    ["--recipe", "xlan", "--out", "runs/x", "--warmup-steps", "1000", "--group-by-image", "--adam-betas", "0.8", "0.9"],
+    ["--model", "sat", "--out", "runs/s", "--lr-drop", "5", "--lr-drop", "7", "--attention", "tvmax", "--no-progress"],
+])
+def test_the_command_a_card_prints_gives_back_the_same_config(argv):
+    import argparse
+    import shlex
+
+    from captioner.models.cli.commands import add_train_config_arguments, train_config_from_args
+    from captioner.models.training.recipes import command_line
+
+    def parse(args):
+        parser = argparse.ArgumentParser()
+        add_train_config_arguments(parser)
+        parser.add_argument("--attention")
+        return train_config_from_args(parser.parse_args(args))
+
+    cfg = parse(argv)
+    command = command_line(cfg.to_json())
+    assert command.startswith("captioner train ")
+    again = parse(shlex.split(command)[2:])
+    assert again.to_json() == {**cfg.to_json(), "progress": True}  # how a run is watched is not part of it

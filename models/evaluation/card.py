@@ -14,25 +14,10 @@ CARD = "MODEL_CARD.md"
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
 
 
-def _train_command(meta: dict[str, Any], arch: str) -> str:
-    cfg = meta.get("train_config", {})
-    parts = ["captioner train", f"--model {arch}", f"--dataset {Path(cfg.get('dataset', '?')).parent}",
-             f"--out {cfg.get('out', '?')}", f"--epochs {cfg.get('epochs', '?')}"]
-    if cfg.get("recipe"):  # the paper recipe the other flags override
-        parts.insert(1, f"--recipe {cfg['recipe']}")
-    if cfg.get("phase", "xe") != "xe":
-        parts.append(f"--phase {cfg['phase']} --init {cfg.get('init')}")
-    parts += [f"--encoder {k}={v}" for k, v in cfg.get("encoder", {}).items()]
-    parts += [f"--set {k}={v}" for k, v in cfg.get("model_args", {}).items() if k != "attention"]
-    if "attention" in cfg.get("model_args", {}):
-        parts.append(f"--attention {cfg['model_args']['attention']}")
-    for flag in ("train_limit", "batch_size", "lr", "select_metric"):
-        if cfg.get(flag) is not None:
-            parts.append(f"--{flag.replace('_', '-')} {cfg[flag]}")
-    parts += [f"--lr-drop {epoch}" for epoch in cfg.get("lr_drops", [])]
-    if cfg.get("lr_drops") and cfg.get("lr_drop_factor", 0.1) != 0.1:
-        parts.append(f"--lr-drop-factor {cfg['lr_drop_factor']}")
-    return " ".join(parts)
+def _train_command(meta: dict[str, Any]) -> str:
+    from ..training.recipes import command_line  # imported here: training imports evaluation
+
+    return command_line(meta.get("train_config", {}))
 
 
 def _number(value: Any) -> str:
@@ -80,7 +65,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         f"- Data: `{meta.get('dataset', '?')}` (training split; validation split for model selection).",
         f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
         f"(best epoch {meta.get('best_epoch', '?')} of {len(history)}).",
-        f"- Command: `{_train_command(meta, model.arch)}`",
+        f"- Command: `{_train_command(meta)}`",
         f"- Training time: {seconds / 60:.1f} min of wall clock" if seconds else "- Training time: not recorded",
         # checkpoints from before the hardware was recorded were all trained on this project's 2-core CI machine
         f"  on a {meta.get('hardware', f'2-core {platform.machine()} CPU, no GPU')}, "

@@ -53,3 +53,47 @@ def load_recipe(name: str, phase: str | None = None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"recipe {name!r}: unknown setting(s) {', '.join(unknown)}")
     return {**values, "recipe": name, "phase": phase}
+
+
+#: fields that only say how a run is watched, not what it trains
+_NOT_IN_COMMAND = ("out", "dataset", "recipe", "phase", "progress", "log_every", "checkpoint_every")
+
+
+def command_line(config: dict[str, Any]) -> str:
+    """The ``captioner train`` command that gives the saved ``train_config`` ``config``: its recipe (and phase), then
+    a flag for every value that differs from what the recipe (or, without one, the config defaults) sets.  Model
+    cards print it, so a card names every override a run used."""
+    from dataclasses import replace
+
+    from .loop import TrainConfig
+
+    cfg = TrainConfig.from_json(config)
+    base = TrainConfig(out=cfg.out)
+    parts = ["captioner train"]
+    if cfg.recipe:
+        try:
+            base = replace(base, **load_recipe(cfg.recipe, cfg.phase))
+            parts.append(f"--recipe {cfg.recipe}")
+        except (ValueError, OSError):  # a recipe file of one's own that is gone: list every non-default value
+            pass
+    if cfg.phase != "xe":
+        parts.append(f"--phase {cfg.phase}")
+    parts += [f"--dataset {cfg.dataset}", f"--out {cfg.out}"]
+    for f in fields(TrainConfig):
+        if f.name in _NOT_IN_COMMAND or not f.metadata.get("cli", True):
+            continue
+        value, default = getattr(cfg, f.name), getattr(base, f.name)
+        if value == default:
+            continue
+        flag, kind = f.metadata.get("flag") or "--" + f.name.replace("_", "-"), f.metadata.get("kind")
+        if kind == "keyvalue":
+            parts += [f"{flag} {key}={item}" for key, item in value.items() if default.get(key) != item]
+        elif kind == "append":
+            parts += [f"{flag} {item}" for item in value]
+        elif kind == "pair":
+            parts.append(f"{flag} {value[0]} {value[1]}")
+        elif kind in ("true", "false"):
+            parts.append(flag)
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
