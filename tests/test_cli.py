@@ -92,9 +92,13 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     report = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5, "objects_named": 0.9,
                                        "SPICE": "unavailable: no models"}}
     (tmp_path / "report.json").write_text(json.dumps(report))
-    captioner("card", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report.json"))
+    # a second report (the out-of-distribution set) adds its split to the card
+    (tmp_path / "ood.json").write_text(json.dumps({"beam_size": 3, "ood": {"images": 4, "objects_named": 0.75}}))
+    captioner("card", str(tmp_path / "ckpt"), "--report", str(tmp_path / "report.json"),
+              "--report", str(tmp_path / "ood.json"))
     card = (tmp_path / "ckpt" / "MODEL_CARD.md").read_text()
     assert ("captioner train --dataset scenes/dataset_scenes.json --out runs/x --model sat --set hidden_dim=24 "
             "--encoder layer=hypercolumn --epochs 1 --threads 1`") in card
     assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable |" in card
     assert "| 1 | 1.25 | 0.5 |" in card and "1.5 min" in card
+    assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — |" in card

@@ -306,8 +306,11 @@ def cmd_card(args: argparse.Namespace) -> None:
     """Write a checkpoint's MODEL_CARD.md from its training record and a `captioner eval --output` report."""
     from ..evaluation.card import write_card
 
+    from ..evaluation.card import merge_reports
+
     notes = Path(args.notes).read_text() if args.notes else ""
-    print(f"wrote {write_card(args.checkpoint, json.loads(Path(args.report).read_text()), args.title, notes)}")
+    report = merge_reports([json.loads(Path(path).read_text()) for path in args.report])
+    print(f"wrote {write_card(args.checkpoint, report, args.title, notes)}")
 
 
 def cmd_plot(args: argparse.Namespace) -> None:
@@ -434,7 +437,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     cd = sub.add_parser("card", help="write a checkpoint's MODEL_CARD.md from its training record and an eval report")
     cd.add_argument("checkpoint")
-    cd.add_argument("--report", required=True, help="the JSON written by `captioner eval --output`")
+    cd.add_argument("--report", required=True, action="append",
+                    help="the JSON written by `captioner eval --output` (repeatable: e.g. test + held-out, then the "
+                         "OOD set; a later report's split replaces an earlier one of the same name)")
     cd.add_argument("--title")
     cd.add_argument("--notes", metavar="FILE", help="a Markdown file appended as the card's Notes section")
     cd.set_defaults(func=cmd_card)

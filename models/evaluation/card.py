@@ -36,6 +36,15 @@ def _row(name: str, scores: dict[str, Any]) -> str:
     return f"| {name} ({scores.get('images', '?')} images) | " + " | ".join(cells) + " |"
 
 
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several ``captioner eval`` reports as one: the first one's settings, every report's splits (a later report's
+    split replaces an earlier one of the same name)."""
+    merged = dict(reports[0]) if reports else {}
+    for report in reports[1:]:
+        merged.update({k: v for k, v in report.items() if isinstance(v, dict) and "images" in v})
+    return merged
+
+
 def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None = None,
                notes: str = "") -> Path:
     """Write ``MODEL_CARD.md`` into ``checkpoint`` from its config ``meta`` and an eval ``report`` (the JSON that

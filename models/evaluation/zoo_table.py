@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .card import merge_reports
+
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
 
@@ -32,11 +34,9 @@ def parameter_count(checkpoint: Path) -> int:
 
 def merged_reports(results: Path, name: str) -> dict[str, Any]:
     """The splits of every report for checkpoint ``name`` (later files win on a split both hold)."""
-    merged: dict[str, Any] = {}
-    for path in sorted(results.glob(f"{name}.json")) + sorted(results.glob(f"{name}.*.json")):
-        report = json.loads(path.read_text())
-        merged.update({k: v for k, v in report.items() if isinstance(v, dict) and "images" in v})
-    return merged
+    paths = sorted(results.glob(f"{name}.json")) + sorted(results.glob(f"{name}.*.json"))
+    merged = merge_reports([json.loads(path.read_text()) for path in paths])
+    return {k: v for k, v in merged.items() if isinstance(v, dict) and "images" in v}
 
 
 def _grounding_all(split: dict[str, Any] | None, stat: str) -> dict | None:
