@@ -80,7 +80,9 @@ def load_converted(model: nn.Module, weights: dict[str, Tensor]) -> None:
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as error:
-        raise ConversionError(f"the weights do not fit the model their shapes describe: {error}") from None
+        problems = [line.strip() for line in str(error).splitlines()[1:] if line.strip()] or [str(error)]
+        raise ConversionError(f"the weights do not fit the model their shapes describe ({len(problems)} "
+                              f"problem(s)): {_listing(problems, 3)}") from None
     model.eval()
 
 
