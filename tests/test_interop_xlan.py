@@ -168,7 +168,8 @@ def xlan_logprobs(state, feats, mask, tokens):
         att = layer_norm(state, f"encoder_layers.layer_norms.{i}",
                          F.relu(linear(state, f"encoder_layers.bifeat_emb.{i}.0", both)) + att)
         image_vectors.append(gv)
-    gv = layer_norm(state, "encoder_layers.layer_norm", linear(state, "encoder_layers.proj", torch.cat(image_vectors, -1)))
+    gv = linear(state, "encoder_layers.proj", torch.cat(image_vectors, -1))
+    gv = layer_norm(state, "encoder_layers.layer_norm", gv)
     h = c = context = torch.zeros(feats.shape[0], D)
     out = []
     for t in range(tokens.shape[1]):
@@ -225,7 +226,8 @@ def xtransformer_logprobs(state, feats, mask, tokens):
             update = F.relu(linear(state, f"{p}.bifeat_emb.0", torch.cat([query, words], -1))) + words
             words = feed_forward(state, f"{p}.ff_layer", layer_norm(state, f"{p}.layer_norm_x", update))
         queries.append(query)
-    hidden = layer_norm(state, "decoder.proj_norm.2", F.glu(linear(state, "decoder.proj_norm.0", torch.cat(queries, -1)), -1))
+    hidden = F.glu(linear(state, "decoder.proj_norm.0", torch.cat(queries, -1)), -1)
+    hidden = layer_norm(state, "decoder.proj_norm.2", hidden)
     return F.log_softmax(linear(state, "decoder.generator", hidden), -1)
 
 

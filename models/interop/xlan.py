@@ -103,10 +103,24 @@ def _layer_count(state: Mapping[str, Tensor], prefix: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _require(state: Mapping[str, Tensor], keys: tuple[str, ...], what: str) -> None:
-    missing = [key for key in keys if key not in state]
+#: import kind → (the model's name, a key only that model's checkpoints have)
+_KINDS = {"xlan": ("X-LAN", "att_lstm.weight_hh"), "xtransformer": ("X-Transformer", "decoder.embed_tokens.weight")}
+
+
+def _open(checkpoint: str | Path, kind: str, required: tuple[str, ...]) -> tuple[dict[str, Tensor], str, int, int]:
+    """The state dict, its description for messages, and the block and region-feature widths; a checkpoint of the
+    other model, or one without the keys the sizes are read from, is refused."""
+    state = load_torch_weights(checkpoint)
+    name = _KINDS[kind][0]
+    what = f"an {name} caption_model_*.pth ({Path(checkpoint).name})"
+    for other, (other_name, marker) in _KINDS.items():
+        if other != kind and marker in state:
+            raise ConversionError(f"{checkpoint} is an {other_name} checkpoint: use `captioner import {other}`")
+    missing = [key for key in ("att_embed.0.weight", *required) if key not in state]
     if missing:
         raise ConversionError(f"not {what}: it lacks {', '.join(missing)}")
+    dim, feat_dim = (int(n) for n in state["att_embed.0.weight"].shape)
+    return state, what, dim, feat_dim
 
 
 def _block_shape(state: Mapping[str, Tensor], prefix: str, dim: int) -> tuple[int, int]:
@@ -166,13 +180,8 @@ def _meta(model_type: str, checkpoint: str | Path, vocab_path: str | Path, feat_
 def convert_xlan(checkpoint: str | Path, vocab_path: str | Path) -> tuple[XLAN, Vocabulary, dict[str, Any]]:
     """Their ``XLAN`` (``experiments/xlan``) → :class:`~captioner.models.xlan.XLAN` with ``group_norm``,
     ``lstm_input="sum"`` and ``block_projection``."""
-    state = load_torch_weights(checkpoint)
-    what = f"an X-LAN caption_model_*.pth ({Path(checkpoint).name})"
-    if "decoder.embed_tokens.weight" in state:
-        raise ConversionError(f"{checkpoint} is an X-Transformer checkpoint: use `captioner import xtransformer`")
-    _require(state, ("att_embed.0.weight", "word_embed.0.weight", "att_lstm.weight_hh",
-                     "attention.layers.0.encoder_attn.attn_net.attention_last2.weight"), what)
-    dim, feat_dim = (int(n) for n in state["att_embed.0.weight"].shape)
+    state, what, dim, feat_dim = _open(checkpoint, "xlan", (
+        "word_embed.0.weight", "att_lstm.weight_hh", "attention.layers.0.encoder_attn.attn_net.attention_last2.weight"))
     rows, embed_dim = (int(n) for n in state["word_embed.0.weight"].shape)
     hidden = int(state["att_lstm.weight_hh"].shape[1])
     if _layer_count(state, "attention.layers") != 1:
@@ -219,13 +228,9 @@ def convert_xtransformer(checkpoint: str | Path, vocab_path: str | Path) -> tupl
                                                                                     dict[str, Any]]:
     """Their ``XLANTransformer`` (``experiments/xlan_transformer``) →
     :class:`~captioner.models.xtransformer.XTransformer` with ``group_norm``."""
-    state = load_torch_weights(checkpoint)
-    what = f"an X-Transformer caption_model_*.pth ({Path(checkpoint).name})"
-    if "att_lstm.weight_hh" in state:
-        raise ConversionError(f"{checkpoint} is an X-LAN checkpoint: use `captioner import xlan`")
-    _require(state, ("att_embed.0.weight", "decoder.embed_tokens.weight", "decoder.embed_positions.pe",
-                     "decoder.layers.0.cross_att.attn_net.attention_last2.weight"), what)
-    dim, feat_dim = (int(n) for n in state["att_embed.0.weight"].shape)
+    state, what, dim, feat_dim = _open(checkpoint, "xtransformer", (
+        "decoder.embed_tokens.weight", "decoder.embed_positions.pe",
+        "decoder.layers.0.cross_att.attn_net.attention_last2.weight"))
     rows = int(state["decoder.embed_tokens.weight"].shape[0])
     heads, channel_dim = _block_shape(state, "decoder.layers.0.cross_att", dim)
     inner = [value.shape[0] for key, value in state.items() if key.endswith(".ff_layer.fc1.weight")]
