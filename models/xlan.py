@@ -16,7 +16,8 @@ docs/decisions.md#initial-decoder-states):
 * ``p(w_{t+1} | ·) = softmax(W_p c_t)``
 
 ``lstm_input="sum"`` feeds ``[E w_t; ṽ + c_{t−1}]`` as the authors' code does (needs ``dim == hidden_dim``).  The
-code's extra ``LN(Linear[h_t; v̂_d])`` between the block and the GLU is not in the paper and is left out.  The word
+code's extra ``LN(Linear[h_t; v̂_d])`` between the block and the GLU is not in the paper and is left out unless
+``block_projection`` (docs/decisions.md#x-lan-and-x-transformer-reference-compatibility).  The word
 embedding is ``Dropout(CELU(E w_t))`` as in the authors' code.
 
 Attention export (docs/decisions.md#exported-attention-of-multi-head-models): ``primary`` is the decoder block's
@@ -86,7 +87,7 @@ class XLAN(Captioner):
         self.attention = XLinearAttention(hidden_dim, dim, dim, bilinear_dim=dim, channel_dim=channel_dim,
                                           heads=heads, dropout=attention_dropout, **xlinear)  # queried by h_t
         # block_projection: the authors' code's v̂_d ← LN(W [h_t; v̂_d]) between the block and the GLU (not in the
-        # paper; docs/decisions.md#aoanet-reference-compatibility-flags)
+        # paper; docs/decisions.md#x-lan-and-x-transformer-reference-compatibility)
         self.block_projection = (nn.Sequential(nn.Linear(hidden_dim + dim, dim), nn.LayerNorm(dim))
                                  if block_projection else None)
         self.context_gate = nn.Linear(dim + hidden_dim, 2 * hidden_dim)  # W_c, b_c; GLU halves it to c_t

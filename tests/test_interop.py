@@ -116,10 +116,11 @@ def authors_files(tmp_path):
     return tmp_path / "model-best.pth", tmp_path / "infos_aoanet-best.pkl"
 
 
-def our_logprobs(model, vocab, feats, their_tokens):
+def our_logprobs(model, vocab, feats, their_tokens, mask=None):
+    """The converted model's log-probabilities, step by step, for the authors' token ids (0 = start)."""
     ours = torch.tensor([[vocab.bos_id if t == 0 else vocab.stoi.get(WORDS[t - 1], vocab.unk_id) for t in row]
                          for row in their_tokens.tolist()])
-    vis = VisualBatch.from_features(feats)
+    vis = VisualBatch.from_features(feats) if mask is None else VisualBatch(feats, mask)
     with torch.no_grad():
         enc = model.encode(vis)
         state, out = model.init_state(enc), []

@@ -476,11 +476,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def add_interop_commands(sub: argparse._SubParsersAction, data: argparse._SubParsersAction) -> None:
     """``captioner import`` (the authors' checkpoints) and ``captioner data features`` (fill the feature store)."""
     im = sub.add_parser("import", help="convert an author-released checkpoint into this project's format")
-    im.add_argument("kind", choices=["aoanet"], help="aoanet: github.com/husthuaan/AoANet model-best.pth + infos")
-    im.add_argument("--weights", required=True, help="the authors' .pth (read with torch.load(weights_only=True))")
-    im.add_argument("--infos", required=True, help="AoANet's infos_*.pkl (read with a restricted unpickler)")
-    im.add_argument("--out", required=True, help="checkpoint folder to write")
-    im.set_defaults(func=cmd_import)
+    kinds = im.add_subparsers(dest="kind", required=True, metavar="KIND")
+    ao = kinds.add_parser("aoanet", help="github.com/husthuaan/AoANet: model-best.pth + infos_*-best.pkl")
+    ao.add_argument("--weights", required=True, help="the authors' .pth (read with torch.load(weights_only=True))")
+    ao.add_argument("--infos", required=True, help="AoANet's infos_*.pkl (read with a restricted unpickler)")
+    for kind, model in (("xlan", "X-LAN"), ("xtransformer", "X-Transformer")):
+        xl = kinds.add_parser(kind, help=f"github.com/JDAI-CV/image_captioning {model}: caption_model_*.pth + "
+                                         "coco_vocabulary.txt")
+        xl.add_argument("--checkpoint", "--weights", required=True, dest="checkpoint",
+                        help="the authors' caption_model_*.pth (read with torch.load(weights_only=True))")
+        xl.add_argument("--vocab", required=True, help="their vocabulary text file, one word per line")
+    for parser in kinds.choices.values():
+        parser.add_argument("--out", required=True, help="checkpoint folder to write")
+        parser.set_defaults(func=cmd_import)
     fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
                                           "run once before multi-machine training)")
     fe.add_argument("--dataset", default=DEFAULT_DATA, help="Karpathy JSON, or a folder with dataset_scenes.json")
@@ -497,12 +505,17 @@ def add_interop_commands(sub: argparse._SubParsersAction, data: argparse._SubPar
 def cmd_import(args: argparse.Namespace) -> None:
     from ..checkpoint import save_checkpoint
     from ..encoder import EncoderSpec
-    from ..interop.aoanet import ConversionError, convert_aoanet
+    from ..interop.aoanet import convert_aoanet
+    from ..interop.common import ConversionError
     from ..interop.safe_pickle import UnsafePickleError
+    from ..interop.xlan import CONVERTERS
 
     try:
-        model, vocab, meta = convert_aoanet(args.weights, args.infos)
-    except (ConversionError, UnsafePickleError, FileNotFoundError) as error:
+        if args.kind == "aoanet":
+            model, vocab, meta = convert_aoanet(args.weights, args.infos)
+        else:
+            model, vocab, meta = CONVERTERS[args.kind](args.checkpoint, args.vocab)
+    except (ConversionError, UnsafePickleError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
     out = save_checkpoint(args.out, model, vocab, EncoderSpec(), meta)
     print(f"wrote {out} ({model.arch}, {len(vocab)} tokens); evaluate it with "

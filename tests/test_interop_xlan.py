@@ -1,0 +1,368 @@
+"""``captioner import xlan|xtransformer``: checkpoints in the X-LAN authors' format (JDAI-CV/image_captioning;
+random weights, small widths) convert into models whose log-probabilities equal reference forward passes written
+here from the authors' code structure (their ``LowRank`` + ``SCAtt`` block, ``LowRankBilinearEnc/DecBlock``,
+``XLAN.Forward`` and ``XLANTransformer``); foreign or damaged files and bad vocabulary files are refused."""
+
+import math
+import os
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.interop.common import ConversionError
+from captioner.models.interop.xlan import convert_xlan, convert_xtransformer, read_vocabulary
+from captioner.service.cli import main as captioner
+
+from .test_interop import WORDS, assert_same_distribution, linear, our_logprobs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+D, HEADS, MID, FEAT, FFN = 16, 2, 4, 10, 64  # block width, heads, D_c per head (ATT_MID_DIM = [8, 4, 8])
+XLAN_LAYERS, ENC_LAYERS, DEC_LAYERS = 2, 2, 2
+ALPHA = 1.3  # MODEL.BILINEAR.ELU_ALPHA of the released configs
+PE_MAX_LEN = 5000
+
+
+# -- files in the authors' format --------------------------------------------------------------------------------
+class Weights:
+    """Random tensors under the authors' key names."""
+
+    def __init__(self, seed):
+        self.g = torch.Generator().manual_seed(seed)
+        self.state = {}
+
+    def r(self, *shape, scale=0.3):
+        return torch.randn(*shape, generator=self.g) * scale
+
+    def linear(self, name, out_dim, in_dim):
+        self.state[f"{name}.weight"], self.state[f"{name}.bias"] = self.r(out_dim, in_dim), self.r(out_dim)
+
+    def norm(self, name):
+        self.state[f"{name}.weight"], self.state[f"{name}.bias"] = 1 + self.r(D), self.r(D)
+
+    def lowrank(self, prefix):
+        """``LowRank``: four Linear → CELU → GroupNorm embeddings and an ``SCAtt``."""
+        for name in ("in_proj_q", "in_proj_k", "in_proj_v1", "in_proj_v2"):
+            self.linear(f"{prefix}.{name}.0", D, D)
+            self.norm(f"{prefix}.{name}.2")
+        self.linear(f"{prefix}.attn_net.attention_basic.0", MID, D // HEADS)
+        self.linear(f"{prefix}.attn_net.attention_last", 1, MID)
+        self.linear(f"{prefix}.attn_net.attention_last2", D // HEADS, MID)
+
+    def feed_forward(self, prefix):
+        self.linear(f"{prefix}.fc1", FFN, D)
+        self.linear(f"{prefix}.fc2", D, FFN)
+        self.norm(f"{prefix}.layer_norms")
+
+
+def xlan_state(seed=0):
+    """``XLAN`` of experiments/xlan at small widths (WORD_EMBED_DIM = RNN_SIZE = BILINEAR.DIM, as their LSTM
+    input needs)."""
+    w = Weights(seed)
+    w.state["word_embed.0.weight"] = w.r(len(WORDS) + 1, D)
+    w.linear("att_embed.0", D, FEAT)
+    for i in range(XLAN_LAYERS):
+        w.lowrank(f"encoder_layers.layers.{i}.encoder_attn")
+        w.linear(f"encoder_layers.bifeat_emb.{i}.0", D, 2 * D)
+        w.norm(f"encoder_layers.layer_norms.{i}")
+    w.linear("encoder_layers.proj", D, (XLAN_LAYERS + 1) * D)
+    w.norm("encoder_layers.layer_norm")
+    w.linear("att_lstm", 4 * D, 2 * D)
+    w.state["att_lstm.weight_ih"] = w.state.pop("att_lstm.weight")
+    w.state["att_lstm.bias_ih"] = w.state.pop("att_lstm.bias")
+    w.state["att_lstm.weight_hh"], w.state["att_lstm.bias_hh"] = w.r(4 * D, D), w.r(4 * D)
+    w.lowrank("attention.layers.0.encoder_attn")
+    w.linear("attention.proj", D, 2 * D)
+    w.norm("attention.layer_norm")
+    w.linear("att2ctx.0", 2 * D, 2 * D)
+    w.linear("logit", len(WORDS) + 1, D)
+    return w.state
+
+
+def their_positions(max_len=PE_MAX_LEN):
+    """Their ``PositionalEncoding`` buffer: sin on even channels, cos on odd, base ``2 · max_len``."""
+    dim = D
+    position = torch.arange(max_len, dtype=torch.float32)[:, None]
+    rate = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * -(math.log(max_len * 2.0) / dim))
+    pe = torch.zeros(max_len, dim)
+    pe[:, 0::2], pe[:, 1::2] = torch.sin(position * rate), torch.cos(position * rate)
+    return pe[None]
+
+
+def xtransformer_state(seed=1):
+    """``XLANTransformer`` of experiments/xlan_transformer at small widths (ATT_FEATS_NORM on)."""
+    w = Weights(seed)
+    w.linear("att_embed.0", D, FEAT)
+    w.norm("att_embed.2")
+    for i in range(ENC_LAYERS):
+        p = f"encoder.layers.{i}"
+        w.lowrank(f"{p}.encoder_attn")
+        w.linear(f"{p}.bifeat_emb.0", D, 2 * D)
+        w.norm(f"{p}.layer_norm")
+        w.feed_forward(f"{p}.ff_layer")
+    w.linear("encoder.proj_norm.0", D, (ENC_LAYERS + 1) * D)
+    w.norm("encoder.proj_norm.1")
+    for i in range(DEC_LAYERS):
+        p = f"decoder.layers.{i}"
+        w.lowrank(f"{p}.word_attn")
+        w.lowrank(f"{p}.cross_att")
+        w.norm(f"{p}.layer_norm_cross")
+        w.norm(f"{p}.layer_norm_gx")
+        if i < DEC_LAYERS - 1:
+            w.linear(f"{p}.bifeat_emb.0", D, 2 * D)
+            w.norm(f"{p}.layer_norm_x")
+            w.feed_forward(f"{p}.ff_layer")
+    w.state["decoder.embed_tokens.weight"] = w.r(len(WORDS) + 1, D)
+    w.state["decoder.embed_positions.pe"] = their_positions()
+    w.norm("decoder.layer_norm_word")
+    w.linear("decoder.generator", len(WORDS) + 1, D)
+    for name in ("wbil1", "wbil2"):
+        w.linear(f"decoder.{name}.0", D, D)
+        w.norm(f"decoder.{name}.2")
+    w.linear("decoder.proj_norm.0", 2 * D, (DEC_LAYERS + 1) * D)
+    w.norm("decoder.proj_norm.2")
+    return w.state
+
+
+# -- the reference: the authors' forward passes, written from their code's structure ----------------------------
+def layer_norm(state, name, x):
+    return F.layer_norm(x, (D,), state[f"{name}.weight"], state[f"{name}.bias"])
+
+
+def lowrank(state, p, query, keys, values, mask):
+    """Their ``LowRank.forward2`` + ``SCAtt.forward2``: ``query [B, L, D]`` over ``keys``/``values [B, N, D]``,
+    ``mask [B or 1, L or 1, N]`` (1 = visible)."""
+    def embed(name, x):  # Linear → CELU → GroupNorm(heads) on rows, then split into heads: [B, H, rows, D/H]
+        y = F.celu(linear(state, f"{p}.{name}.0", x), ALPHA)
+        y = F.group_norm(y.reshape(-1, D), HEADS, state[f"{p}.{name}.2.weight"], state[f"{p}.{name}.2.bias"])
+        return y.view(x.shape[0], -1, HEADS, D // HEADS).transpose(1, 2)
+
+    q, v1, k, v2 = embed("in_proj_q", query), embed("in_proj_v1", query), embed("in_proj_k", keys), \
+        embed("in_proj_v2", values)
+    att_map = F.relu(linear(state, f"{p}.attn_net.attention_basic.0", q.unsqueeze(-2) * k.unsqueeze(-3)))
+    visible = mask.unsqueeze(1).float()  # [B, 1, L, N]
+    pooled = (att_map * visible.unsqueeze(-1)).sum(-2) / visible.unsqueeze(-1).sum(-2)
+    spatial = linear(state, f"{p}.attn_net.attention_last", att_map).squeeze(-1)
+    spatial = spatial.masked_fill(visible == 0, -1e9).softmax(-1)
+    channel = torch.sigmoid(linear(state, f"{p}.attn_net.attention_last2", pooled))
+    out = v1 * (spatial @ v2) * channel  # [B, H, L, D/H]
+    return out.transpose(1, 2).reshape(query.shape[0], -1, D)
+
+
+def masked_mean(x, mask):
+    weights = mask.float().unsqueeze(-1)
+    return (x * weights).sum(1) / weights.sum(1)
+
+
+def xlan_logprobs(state, feats, mask, tokens):
+    """``XLAN`` (``AttBasicModel.preprocess`` + ``XLAN.Forward``) after feeding ``tokens[:, t]`` (0 = start)."""
+    att = F.celu(linear(state, "att_embed.0", feats), ALPHA)
+    gv = masked_mean(att, mask)
+    image_vectors = [gv]
+    for i in range(XLAN_LAYERS):  # LowRankBilinearEncBlock
+        gv = lowrank(state, f"encoder_layers.layers.{i}.encoder_attn", gv[:, None], att, att, mask[:, None])[:, 0]
+        both = torch.cat([gv[:, None].expand_as(att), att], -1)
+        att = layer_norm(state, f"encoder_layers.layer_norms.{i}",
+                         F.relu(linear(state, f"encoder_layers.bifeat_emb.{i}.0", both)) + att)
+        image_vectors.append(gv)
+    gv = linear(state, "encoder_layers.proj", torch.cat(image_vectors, -1))
+    gv = layer_norm(state, "encoder_layers.layer_norm", gv)
+    h = c = context = torch.zeros(feats.shape[0], D)
+    out = []
+    for t in range(tokens.shape[1]):
+        word = F.celu(state["word_embed.0.weight"][tokens[:, t]], ALPHA)
+        gates = (torch.cat([word, gv + context], 1) @ state["att_lstm.weight_ih"].T + state["att_lstm.bias_ih"]
+                 + h @ state["att_lstm.weight_hh"].T + state["att_lstm.bias_hh"])  # their LSTMCell: i, f, g, o
+        i, f, g, o = gates.chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        block = lowrank(state, "attention.layers.0.encoder_attn", h[:, None], att, att, mask[:, None])[:, 0]
+        block = layer_norm(state, "attention.layer_norm", linear(state, "attention.proj", torch.cat([h, block], 1)))
+        context = F.glu(linear(state, "att2ctx.0", torch.cat([block, h], 1)), -1)
+        out.append(F.log_softmax(linear(state, "logit", context), -1))
+    return torch.stack(out, 1)
+
+
+def feed_forward(state, p, x):
+    return layer_norm(state, f"{p}.layer_norms", x + linear(state, f"{p}.fc2", F.relu(linear(state, f"{p}.fc1", x))))
+
+
+def xtransformer_logprobs(state, feats, mask, tokens):
+    """``XLANTransformer.forward`` (teacher forcing, causal ``seq_mask``) for ``tokens`` that hold no 0 after
+    the start (their training mask also hides later 0s, the padding)."""
+    x = layer_norm(state, "att_embed.2", F.celu(linear(state, "att_embed.0", feats), ALPHA))
+    gx = masked_mean(x, mask)
+    image_vectors = [gx]
+    for i in range(ENC_LAYERS):  # EncoderLayer: X-LAN's layer, then an FFN on the items
+        p = f"encoder.layers.{i}"
+        gx = lowrank(state, f"{p}.encoder_attn", gx[:, None], x, x, mask[:, None])[:, 0]
+        x = layer_norm(state, f"{p}.layer_norm",
+                       F.relu(linear(state, f"{p}.bifeat_emb.0", torch.cat([gx[:, None].expand_as(x), x], -1))) + x)
+        x = feed_forward(state, f"{p}.ff_layer", x)
+        image_vectors.append(gx)
+    gx = layer_norm(state, "encoder.proj_norm.1", linear(state, "encoder.proj_norm.0", torch.cat(image_vectors, -1)))
+
+    steps = tokens.shape[1]
+    words = math.sqrt(D) * state["decoder.embed_tokens.weight"][tokens] + state["decoder.embed_positions.pe"][:, :steps]
+    words = layer_norm(state, "decoder.layer_norm_word", words)
+    seq_mask = torch.ones(steps, steps).tril()[None]  # [1, T, T]
+    words_so_far = (words.unsqueeze(1) * seq_mask.unsqueeze(-1)).sum(-2) / seq_mask.sum(-1).unsqueeze(-1)
+
+    def bilinear(name, v):
+        return layer_norm(state, f"decoder.{name}.2", F.celu(linear(state, f"decoder.{name}.0", v), ALPHA))
+
+    query = bilinear("wbil1", gx)[:, None] * bilinear("wbil2", words_so_far)
+    queries = [query]
+    for i in range(DEC_LAYERS):  # DecoderLayer
+        p = f"decoder.layers.{i}"
+        mixed = words + lowrank(state, f"{p}.word_attn", query, words, words, seq_mask)
+        cross = lowrank(state, f"{p}.cross_att", layer_norm(state, f"{p}.layer_norm_cross", mixed), x, x,
+                        mask[:, None])
+        query = layer_norm(state, f"{p}.layer_norm_gx", mixed + cross)
+        if i < DEC_LAYERS - 1:
+            update = F.relu(linear(state, f"{p}.bifeat_emb.0", torch.cat([query, words], -1))) + words
+            words = feed_forward(state, f"{p}.ff_layer", layer_norm(state, f"{p}.layer_norm_x", update))
+        queries.append(query)
+    hidden = F.glu(linear(state, "decoder.proj_norm.0", torch.cat(queries, -1)), -1)
+    hidden = layer_norm(state, "decoder.proj_norm.2", hidden)
+    return F.log_softmax(linear(state, "decoder.generator", hidden), -1)
+
+
+KINDS = {"xlan": (xlan_state, xlan_logprobs, convert_xlan),
+         "xtransformer": (xtransformer_state, xtransformer_logprobs, convert_xtransformer)}
+
+
+def write_vocabulary(path, words=WORDS, end="\n"):
+    path.write_text(end.join(words) + end)
+    return path
+
+
+@pytest.fixture
+def inputs():
+    """Three images of five regions (the last with two padded ones, random features behind the padding) and
+    six steps of the authors' token ids, 0 (start) first."""
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(3, 5, FEAT, generator=g)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[2, 3:] = False
+    tokens = torch.tensor([[0, 1, 2, 4, 5, 3], [0, 6, 6, 1, 2, 4], [0, 3, 1, 1, 5, 2]])
+    return feats, mask, tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_converted_model_equals_the_authors_forward(kind, inputs, tmp_path):
+    make_state, reference, convert = KINDS[kind]
+    # DataParallel's prefix and a training snapshot's wrapper, as their main.py saves it
+    torch.save({"model": {f"module.{k}": v for k, v in make_state().items()}, "epoch": 3},
+               tmp_path / "caption_model_3.pth")
+    model, vocab, meta = convert(tmp_path / "caption_model_3.pth", write_vocabulary(tmp_path / "vocabulary.txt"))
+    feats, mask, tokens = inputs
+    with torch.no_grad():
+        theirs = reference(make_state(), feats, mask, tokens)
+    assert_same_distribution(our_logprobs(model, vocab, feats, tokens, mask), theirs, vocab)
+    assert model.config()["group_norm"] and meta["imported_from"]["vocab"] == "vocabulary.txt"
+    assert "<unk>" in vocab.stoi and "UNK" not in vocab.stoi
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_command_writes_a_loadable_checkpoint(kind, inputs, tmp_path):
+    make_state, reference, _ = KINDS[kind]
+    torch.save(make_state(), tmp_path / "caption_model_1.pth")
+    vocabulary = write_vocabulary(tmp_path / "coco_vocabulary.txt", end="\r\n")
+    captioner(["import", kind, "--checkpoint", str(tmp_path / "caption_model_1.pth"), "--vocab", str(vocabulary),
+               "--out", str(tmp_path / kind)])
+    ckpt = load_checkpoint(tmp_path / kind)
+    assert ckpt.model.arch == kind and ckpt.meta["imported_from"]["code"] == "github.com/JDAI-CV/image_captioning"
+    feats, mask, tokens = inputs
+    with torch.no_grad():
+        theirs = reference(make_state(), feats, mask, tokens)
+    assert_same_distribution(our_logprobs(ckpt.model, ckpt.vocab, feats, tokens, mask), theirs, ckpt.vocab)
+
+
+def test_xlan_compatibility_flags_are_recorded(tmp_path):
+    torch.save(xlan_state(), tmp_path / "x.pth")
+    model, _, _ = convert_xlan(tmp_path / "x.pth", write_vocabulary(tmp_path / "v.txt"))
+    config = model.config()
+    assert config["lstm_input"] == "sum" and config["block_projection"] and config["celu_alpha"] == ALPHA
+    assert (config["heads"], config["channel_dim"], config["encoder_layers"]) == (HEADS, HEADS * MID, XLAN_LAYERS)
+
+
+def save(tmp_path, state, name="bad.pth"):
+    torch.save(state, tmp_path / name)
+    return tmp_path / name
+
+
+def test_foreign_truncated_or_unsupported_weights_are_refused(tmp_path):
+    from .test_interop import authors_state as aoanet_state
+
+    vocabulary = write_vocabulary(tmp_path / "v.txt")
+    with pytest.raises(ConversionError, match="not an X-LAN .*lacks word_embed.0.weight"):
+        convert_xlan(save(tmp_path, aoanet_state()), vocabulary)
+    with pytest.raises(ConversionError, match="import xtransformer"):
+        convert_xlan(save(tmp_path, xtransformer_state()), vocabulary)
+    with pytest.raises(ConversionError, match="import xlan"):
+        convert_xtransformer(save(tmp_path, xlan_state()), vocabulary)
+
+    path = save(tmp_path, xlan_state(), "caption_model_9.pth")
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ConversionError, match="cannot be read as a PyTorch state dict"):
+        convert_xlan(path, vocabulary)
+
+    state = xlan_state()
+    del state["attention.proj.bias"]
+    state["encoder_layers.extra.weight"] = torch.zeros(2)
+    with pytest.raises(ConversionError, match=r"lacks 1 expected weight\(s\): attention.proj.bias"):
+        convert_xlan(save(tmp_path, state), vocabulary)
+    del state["encoder_layers.extra.weight"]
+    state["attention.proj.bias"] = torch.zeros(D)
+    state["encoder_layers.extra.weight"] = torch.zeros(2)
+    with pytest.raises(ConversionError, match="does not understand .*encoder_layers.extra.weight"):
+        convert_xlan(save(tmp_path, state), vocabulary)
+
+    state = xlan_state()
+    state.update({k.replace("layers.0", "layers.1"): v for k, v in state.items() if k.startswith("attention.layers.0")})
+    with pytest.raises(ConversionError, match="one-layer decoder block"):
+        convert_xlan(save(tmp_path, state), vocabulary)
+    state = xtransformer_state()
+    state["decoder.embed_positions.pe"] = their_positions(max_len=100)
+    with pytest.raises(ConversionError, match="positional encoding"):
+        convert_xtransformer(save(tmp_path, state), vocabulary)
+    with pytest.raises(ConversionError, match="7 rows but .*v5.txt holds 5 words"):
+        convert_xtransformer(save(tmp_path, xtransformer_state()), write_vocabulary(tmp_path / "v5.txt", WORDS[:5]))
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+def test_vocabulary_file_is_read_as_checked_text(tmp_path):
+    assert read_vocabulary(write_vocabulary(tmp_path / "crlf.txt", end="\r\n")) == WORDS
+    (tmp_path / "spaced.txt").write_text("  a \n\tdog\nUNK\non\ngrass\nred")  # no final newline
+    assert read_vocabulary(tmp_path / "spaced.txt") == WORDS
+    refused = {"blank.txt": (b"a\ndog\n\non\n", "line 3 is blank"),
+               "twice.txt": (b"a\ndog\na\n", "line 3 repeats the word 'a' of line 1"),
+               "latin1.txt": ("caf\xe9\n".encode("latin-1"), "not UTF-8"),
+               "nul.txt": (b"a\x00b\n", "binary"),
+               "control.txt": (b"a\ndo\x07g\n", "non-printable")}
+    for name, (data, message) in refused.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ConversionError, match=message):
+            read_vocabulary(tmp_path / name)
+    # a well-formed file whose word is one of our special tokens: refused by the remapping, not silently merged
+    special = write_vocabulary(tmp_path / "special.txt", ["a", "dog", "<pad>", "on", "grass", "red"])
+    with pytest.raises(ConversionError, match="special tokens"):
+        convert_xlan(save(tmp_path, xlan_state()), special)
+    # a pickle passed as the vocabulary is text at best and is never unpickled: nothing it names runs
+    marker = tmp_path / "pwned"
+    for protocol in (0, 2):
+        (tmp_path / "evil.txt").write_bytes(pickle.dumps(Exploit(str(marker)), protocol=protocol))
+        with pytest.raises(ConversionError):
+            convert_xlan(save(tmp_path, xlan_state()), tmp_path / "evil.txt")
+    assert not marker.exists()
