@@ -168,11 +168,12 @@ class TorchRuntime(Runtime):
 
     ``precision`` ``bfloat16``/``float16`` runs the encoder and every step under :func:`torch.autocast` (weights stay
     float32; matrix products and convolutions run in the lower precision, softmaxes in float32); the log-probs that
-    beam search accumulates are returned in float32, so only the network's arithmetic changes, not the search."""
+    beam search accumulates are returned in float32, so only the network's arithmetic changes, not the search.
+    ``encoder`` is None only for a subclass that encodes images by other means (the service's hybrid backend)."""
 
     backend = "torch"
 
-    def __init__(self, name: str, ckpt: Checkpoint, encoder: GridEncoder, device: torch.device,
+    def __init__(self, name: str, ckpt: Checkpoint, encoder: GridEncoder | None, device: torch.device,
                  precision: str = "float32"):
         super().__init__(name, ckpt, device)
         if precision not in PRECISIONS:

@@ -234,6 +234,10 @@ RATE_SMOOTHING = 0.2
 ENCODE_TOLERANCE = 0.05
 
 
+def _smooth(old: float | None, new: float) -> float:
+    return new if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
+
+
 class Batcher:
     """Continuous-batching beam search for one model (see the module docstring).
 
@@ -245,9 +249,9 @@ class Batcher:
       activation maps of a large batch leave the cache: benchmarks/bench_encoder.py).
     * deadline-aware admission: moving averages of the worker time spent per finished request
       (``service_time_s``, the inverse of the throughput) and of a request's time from admission to its result
-      (``decode_time_s``).  A new request whose expected finish — ``queued × service_time_s + decode_time_s`` —
-      lies beyond its deadline is refused at once with :class:`WouldMissDeadline`, so that the requests that are
-      admitted meet theirs.  Until the first measurement every request is admitted.
+      (``decode_time_s``).  A new request whose expected finish (:meth:`expected_wait_s`) lies beyond its
+      deadline is refused at once with :class:`WouldMissDeadline`, so that the requests that are admitted meet
+      theirs.  Until the first measurement every request is admitted.
     """
 
     def __init__(self, runtime: Runtime, max_batch: int = 16, queue_size: int = 64, max_rows: int = 256,
@@ -272,6 +276,7 @@ class Batcher:
         self._stop_when_idle = False
         self._abort = False
         self.active_rows = 0
+        self.active_jobs = 0  # admitted requests whose rows are in a table (written by the worker only)
         self.steps = 0
 
     # -- event-loop side ------------------------------------------------------------------------------------
@@ -313,24 +318,42 @@ class Batcher:
         now = self.clock()
         job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now)
         with self._wake:
-            if len(self._pending) >= self.queue_size:
-                raise QueueFull(f"model {self.runtime.name!r} has {len(self._pending)} requests waiting")
-            expected = self.expected_wait_s(len(self._pending))
-            if expected is not None and expected > timeout_s:
-                raise WouldMissDeadline(
-                    f"model {self.runtime.name!r} would need about {expected:.2f} s for this request "
-                    f"({len(self._pending)} waiting), more than the {timeout_s:.2f} s left to its deadline",
-                    retry_after_s=max(1.0, math.ceil(expected - (self.decode_time_s or 0.0))))
+            self._refuse_if_overloaded(timeout_s)
             self._pending.append(job)
             self._wake.notify()
         return job
 
+    def check_admission(self, timeout_s: float) -> None:
+        """Raise what :meth:`submit` would raise now for a request with ``timeout_s`` left, without queueing
+        anything: a caller can refuse a request before spending time on decoding its image."""
+        if not self._accepting:
+            raise NotAccepting(f"model {self.runtime.name!r} is not accepting requests")
+        with self._wake:
+            self._refuse_if_overloaded(timeout_s)
+
+    def _refuse_if_overloaded(self, timeout_s: float) -> None:
+        queued = len(self._pending)
+        if queued >= self.queue_size:
+            raise QueueFull(f"model {self.runtime.name!r} has {queued} requests waiting")
+        expected = self.expected_wait_s(queued)
+        if expected is not None and expected > timeout_s:
+            raise WouldMissDeadline(
+                f"model {self.runtime.name!r} would need about {expected:.2f} s for this request ({queued} waiting, "
+                f"{self.active_jobs} decoding), more than the {timeout_s:.2f} s left to its deadline",
+                retry_after_s=max(1.0, math.ceil(expected - (self.decode_time_s or 0.0))))
+
     def expected_wait_s(self, queued: int) -> float | None:
         """Expected seconds from now until a request queued behind ``queued`` others has its result, at the
-        measured rates (None before the first measurement)."""
+        measured rates (None before the first measurement): at least one request's decoding time, and at least
+        the time the worker needs, at its measured throughput, to finish every request ahead of it and this one.
+
+        The requests already decoding count as ahead of it: continuous batching admits a newcomer into the same
+        table at once, but every row added makes each step slower, so a full table of 60 requests delays the
+        newcomer about as much as a queue of 60 would.  (Counting only the queue let a burst fill the table
+        until every request in it missed its deadline.)"""
         if self.service_time_s is None or self.decode_time_s is None:
             return None
-        return queued * self.service_time_s + self.decode_time_s
+        return max(self.decode_time_s, (queued + self.active_jobs + 1) * self.service_time_s)
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """The client is gone (or its deadline passed): free the job's rows at the next step boundary."""
@@ -446,7 +469,6 @@ class Batcher:
             self._measure_rates(now, finished_now)
         # cancellations and deadlines that arrived during the step free their rows now, not one step later
         self._drop_leavers(self.clock())
-        self.active_rows = sum(t.rows for t in self._tables)
         self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
 
     def _measure_rates(self, started: float, finished: list[Job]) -> None:
@@ -458,12 +480,8 @@ class Batcher:
         per_request = self._busy_s / len(finished)
         self._busy_s = 0.0
         decode = sum(end - (job.admitted if job.admitted is not None else job.enqueued) for job in finished) / len(finished)
-
-        def smooth(old: float | None, new: float) -> float:
-            return new if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
-
-        self.service_time_s = smooth(self.service_time_s, per_request)
-        self.decode_time_s = smooth(self.decode_time_s, decode)
+        self.service_time_s = _smooth(self.service_time_s, per_request)
+        self.decode_time_s = _smooth(self.decode_time_s, decode)
 
     def _drop_leavers(self, now: float) -> None:
         """Remove the rows of jobs whose client is gone or whose deadline has passed (no device work)."""
@@ -477,10 +495,18 @@ class Batcher:
                     leaving.add(job)
                     self.metrics.rows_freed(self.runtime.name, "deadline", job.beam_size)
                     job.resolve(error=DeadlineExceeded("the deadline passed while decoding"))
+                    # its decoding time is at least what it has had so far: a lower bound, but one that corrects
+                    # an estimate too low to have refused it (a request that is never sampled can never raise it)
+                    if self.decode_time_s is not None and job.admitted is not None:
+                        self.decode_time_s = _smooth(self.decode_time_s, max(self.decode_time_s, now - job.admitted))
             if leaving:
                 table.remove(leaving, self.runtime)
         self._tables = [t for t in self._tables if t.jobs]
+        self._count_active()
+
+    def _count_active(self) -> None:
         self.active_rows = sum(t.rows for t in self._tables)
+        self.active_jobs = sum(len(t.jobs) for t in self._tables)
 
     def _expire_pending(self, now: float) -> None:
         with self._wake:
@@ -502,6 +528,8 @@ class Batcher:
                 job = self._pending.popleft()
                 free -= job.beam_size
                 admitted.append(job)
+            # counted as decoding while they are encoded, so that admission control sees them all along
+            self.active_jobs += len(admitted)
         if not admitted:
             return
         now = self.clock()
@@ -511,7 +539,7 @@ class Batcher:
         # encoded in chunks of the measured best size (all of them join the decoding table at this boundary)
         for start in range(0, len(admitted), self.encode_batch):
             self._encode(admitted[start:start + self.encode_batch])
-        self.active_rows = sum(t.rows for t in self._tables)
+        self._count_active()
 
     def _encode(self, jobs: list[Job]) -> None:
         self.metrics.observe_encode(self.runtime.name, len(jobs))
@@ -540,4 +568,4 @@ class Batcher:
         for job in pending + [j for t in self._tables for j in t.jobs]:
             job.resolve(error=error)
         self._tables = []
-        self.active_rows = 0
+        self._count_active()

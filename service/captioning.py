@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from starlette.concurrency import run_in_threadpool
 
@@ -21,6 +23,7 @@ from .batcher import DeadlineExceeded, NotAccepting, QueueFull
 from .result_cache import CacheKey, content_digest
 from .errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel, problem_type
 from .schemas import CaptionOptions
+from .settings import Settings
 from .state import ServiceState
 
 CLIENT_GONE = 499  # status label of a request whose client went away (nothing is answered)
@@ -54,6 +57,20 @@ def decode_and_prepare(runtime: Runtime, data: bytes, max_pixels: int) -> Prepar
     return runtime.prepare(load_image(data, max_pixels))
 
 
+@contextmanager
+def batcher_errors(settings: Settings) -> Iterator[None]:
+    """The batcher's refusals and failures as the service's typed errors."""
+    try:
+        yield
+    except QueueFull as exc:  # also WouldMissDeadline: refused now rather than a 504 later
+        retry_after = settings.retry_after_s if exc.retry_after_s is None else int(exc.retry_after_s)
+        raise Overloaded(str(exc), max(retry_after, settings.retry_after_s)) from None
+    except NotAccepting:
+        raise NotReady("the service is starting or shutting down") from None
+    except DeadlineExceeded:
+        raise DeadlinePassed(f"captioning took longer than {settings.request_timeout_s:g} s") from None
+
+
 async def caption_image(state: ServiceState, request: CaptionRequest) -> CaptionResult:
     """Caption one uploaded image with its model's batcher."""
     started = time.monotonic()
@@ -76,22 +93,21 @@ async def caption_image(state: ServiceState, request: CaptionRequest) -> Caption
             metrics.result_cache_lookup(name, cached is not None)
             if cached is not None:  # decoding is deterministic: the same bytes and options give this result
                 return cached
+        batcher = state.batchers[name]
+        with batcher_errors(settings):
+            # a request the batcher would refuse is refused before its image is decoded (under overload that
+            # decoding is CPU time taken from the admitted requests)
+            batcher.check_admission(settings.request_timeout_s - (time.monotonic() - started))
         prepared = await run_in_threadpool(decode_and_prepare, state.runtimes[name], request.data, settings.max_pixels)
         remaining = settings.request_timeout_s - (time.monotonic() - started)
-        try:
-            result = await state.batchers[name].caption(prepared, beam, length, max(remaining, 0.001))
-            if key is not None:
-                cache.put(key, result)
-            return result
-        except QueueFull as exc:  # also WouldMissDeadline: refused now rather than a 504 later
-            retry_after = settings.retry_after_s if exc.retry_after_s is None else int(exc.retry_after_s)
-            raise Overloaded(str(exc), max(retry_after, settings.retry_after_s)) from None
-        except NotAccepting:
-            raise NotReady("the service is starting or shutting down") from None
-        except DeadlineExceeded:
-            raise DeadlinePassed(f"captioning took longer than {settings.request_timeout_s:g} s") from None
-        except ValueError as exc:  # a beam wider than the row budget
-            raise InvalidRequest(str(exc)) from None
+        with batcher_errors(settings):
+            try:
+                result = await batcher.caption(prepared, beam, length, max(remaining, 0.001))
+            except ValueError as exc:  # a beam wider than the row budget
+                raise InvalidRequest(str(exc)) from None
+        if key is not None:
+            cache.put(key, result)
+        return result
     except asyncio.CancelledError:
         status = CLIENT_GONE
         metrics.rejected("client-gone")

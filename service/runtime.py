@@ -4,8 +4,7 @@ Every model is served through the :class:`~captioner.models.inference.Runtime` i
 either backend, chosen per model name:
 
 * ``torch``: :class:`~captioner.models.inference.TorchRuntime`, the model's own protocol methods and the frozen
-  :class:`~captioner.models.encoder.GridEncoder`, shared by every model with the same
-  :class:`~captioner.models.encoder.EncoderSpec`;
+  :class:`~captioner.models.encoder.GridEncoder`;
 * ``onnx``: :class:`OnnxRuntime`, the graphs of :mod:`captioner.models.export.onnx` on ONNX Runtime (CUDA execution
   provider when the device is CUDA, CPU otherwise), exported at start-up when no current export exists;
 * ``hybrid``: :class:`HybridRuntime`, the frozen CNN alone on ONNX Runtime and the model on PyTorch, for models
@@ -14,13 +13,22 @@ either backend, chosen per model name:
 * ``auto`` (the default): the fastest of these whose captions equal the PyTorch ones on a check set of a few
   generated images (:func:`check_images`): ``onnx``, else ``hybrid``, else ``torch``.
 
+The frozen CNN exists once per :class:`~captioner.models.encoder.EncoderSpec`, whatever the number of models
+(:class:`SharedEncoders`): one ONNX Runtime session of its ``visual.onnx`` for the ``onnx`` and ``hybrid``
+backends, one PyTorch module for the ``torch`` backend, each made only when some model needs it.  A model served
+wholly by ONNX Runtime keeps no PyTorch weights (:func:`drop_torch_weights`).  Memory by number of models:
+docs/decisions.md#one-cnn-per-encoder-spec-and-no-pytorch-weights-behind-onnx-models.
+
 This is the only service layer that touches torch; it uses the same preprocessing function as training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +38,7 @@ from PIL import Image, ImageDraw
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
 from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
-from captioner.models.encoder import GridEncoder
+from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.inference import ModelInfo, Prepared, Runtime, TorchRuntime, grid_encoder
 from captioner.models.protocol import AttnRecord, DecState, EncState, VisualBatch, index_rows
 
@@ -62,22 +70,44 @@ def _providers(device: torch.device) -> list:
     return ["CPUExecutionProvider"]
 
 
+class VisualSession:
+    """The frozen CNN of one encoder spec on ONNX Runtime (``visual.onnx``: pixels → grid features), shared by
+    every model with that spec."""
+
+    def __init__(self, path: Path, device: torch.device, threads: int | None = None):
+        import onnxruntime as ort
+
+        self.device = device
+        self.session = ort.InferenceSession(str(path), _session_options(threads), providers=_providers(device))
+        self.providers = self.session.get_providers()
+        self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
+
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        (feats,) = run_session(self.session, {"pixels": pixels}, ["features"], self.device, self.on_gpu)
+        return feats
+
+
 class OnnxRuntime(Runtime):
-    """The :class:`~captioner.models.inference.Runtime` interface on ONNX Runtime sessions of the exported encoder
-    and step graphs (the PyTorch model is used only for its vocabulary ids and :meth:`info`)."""
+    """The :class:`~captioner.models.inference.Runtime` interface on ONNX Runtime sessions of the exported graphs
+    (the PyTorch model is used only for its vocabulary ids and :meth:`info`).  With a shared ``visual`` session the
+    images go through it and then this model's ``head.onnx``; without one, through the self-contained
+    ``encoder.onnx``."""
 
     backend = "onnx"
 
-    def __init__(self, name: str, ckpt: Checkpoint, folder: Path, device: torch.device, threads: int | None = None):
+    def __init__(self, name: str, ckpt: Checkpoint, folder: Path, device: torch.device, threads: int | None = None,
+                 visual: VisualSession | None = None):
         import onnxruntime as ort
 
-        from captioner.models.export.onnx import ENCODER_FILE, STEP_FILE, GraphSpec
+        from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec
 
         super().__init__(name, ckpt, device)
         self.graphs = GraphSpec.load(folder)
         self.folder = folder
+        self.visual = visual
         options, providers = _session_options(threads), _providers(device)
-        self.encoder_session = ort.InferenceSession(str(folder / ENCODER_FILE), options, providers=providers)
+        self.encoder_session = ort.InferenceSession(str(folder / (ENCODER_FILE if visual is None else HEAD_FILE)),
+                                                    options, providers=providers)
         self.step_session = ort.InferenceSession(str(folder / STEP_FILE), options, providers=providers)
         self.providers = self.step_session.get_providers()
         # the tracer drops inputs a graph never reads (e.g. an encoder summary used only by init_state)
@@ -92,7 +122,9 @@ class OnnxRuntime(Runtime):
 
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         names = self.graphs.encoder_outputs
-        values = self._run(self.encoder_session, {"pixels": self.pixels(batch)}, names)
+        pixels = self.pixels(batch)
+        inputs = {"pixels": pixels} if self.visual is None else {"features": self.visual.features(pixels)}
+        values = self._run(self.encoder_session, inputs, names)
         enc = {n[4:]: v for n, v in zip(names, values) if n.startswith("enc.")}
         state = {n[6:]: v for n, v in zip(names, values) if n.startswith("state.")}
         return expand_rows(enc, widths), expand_rows(state, widths)
@@ -132,20 +164,16 @@ def run_session(session, inputs: dict[str, torch.Tensor], outputs: list[str], de
 
 
 class HybridRuntime(TorchRuntime):
-    """The frozen CNN on ONNX Runtime (``visual.onnx`` of :func:`~captioner.models.export.onnx.export_visual_encoder`),
-    the model's ``encode``, ``init_state``, ``step`` and ``reorder`` on PyTorch."""
+    """The frozen CNN on ONNX Runtime (a shared :class:`VisualSession`), the model's ``encode``, ``init_state``,
+    ``step`` and ``reorder`` on PyTorch."""
 
     backend = "hybrid"
 
-    def __init__(self, name: str, ckpt: Checkpoint, visual_path: Path, encoder: GridEncoder, device: torch.device,
-                 threads: int | None = None):
-        import onnxruntime as ort
-
-        super().__init__(name, ckpt, encoder, device)
-        self.visual_session = ort.InferenceSession(str(visual_path), _session_options(threads),
-                                                   providers=_providers(device))
-        self.providers = self.visual_session.get_providers()
-        self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
+    def __init__(self, name: str, ckpt: Checkpoint, visual: VisualSession, device: torch.device):
+        # no PyTorch CNN: holding one would keep it alive for nothing
+        super().__init__(name, ckpt, None, device)
+        self.visual = visual
+        self.providers = visual.providers
 
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), providers=list(self.providers))
@@ -153,8 +181,8 @@ class HybridRuntime(TorchRuntime):
     @torch.inference_mode()
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory
-        pixels = self.pixels(batch) if self.on_gpu else torch.stack([p.pixels for p in batch])
-        (feats,) = run_session(self.visual_session, {"pixels": pixels}, ["features"], self.device, self.on_gpu)
+        pixels = self.pixels(batch) if self.visual.on_gpu else torch.stack([p.pixels for p in batch])
+        feats = self.visual.features(pixels)
         model = self.ckpt.model
         enc = expand_rows(model.encode(VisualBatch.from_features(feats.to(self.device), [p.geometry for p in batch])),
                           widths)
@@ -185,21 +213,87 @@ def check_captions(runtime: Runtime, prepared: list[Prepared]) -> list[list[int]
     return [result.hypothesis.token_ids for result in runtime.caption(prepared, CHECK_BEAM, CHECK_MAX_LEN)]
 
 
-def fastest_verified(name: str, ckpt: Checkpoint, encoder: GridEncoder, device: torch.device, onnx_dir: Path,
-                     threads: int | None) -> Runtime:
-    """``auto``: ONNX Runtime for the whole model, else the hybrid, else PyTorch — the first whose captions equal
-    PyTorch's on the check set (an export that cannot be made or disagrees is logged and skipped)."""
-    from captioner.models.export.onnx import ExportUnsupported, export_visual_encoder
+class SharedEncoders:
+    """The frozen encoder of each :class:`~captioner.models.encoder.EncoderSpec`, made on first use and shared by
+    every model with that spec: the PyTorch module (``torch`` backend, exports, the check set's reference) and the
+    ONNX Runtime session of its ``visual.onnx`` (``onnx`` and ``hybrid`` backends).  A server whose models all run
+    their CNN on ONNX Runtime, with current exports, never builds the PyTorch one — nor imports timm, which brings
+    torchvision and ``torch._dynamo`` (about 190 MB resident)."""
 
-    reference = TorchRuntime(name, ckpt, encoder, device)
-    prepared = [reference.prepare(image) for image in check_images()]
-    want = check_captions(reference, prepared)
-    # the exporter traces on the CPU: a CUDA encoder is not handed to it (it builds its own)
-    cpu_encoder = encoder if next(encoder.parameters()).device.type == "cpu" else None
-    candidates = (("onnx", lambda: OnnxRuntime(name, ckpt, onnx_folder(onnx_dir, name, ckpt), device, threads)),
-                  ("hybrid", lambda: HybridRuntime(name, ckpt, export_visual_encoder(ckpt.encoder, onnx_dir,
-                                                                                     cpu_encoder),
-                                                   encoder, device, threads)))
+    def __init__(self, device: torch.device, onnx_dir: Path, threads: int | None):
+        self.device, self.onnx_dir, self.threads = device, Path(onnx_dir), threads
+        self._torch: dict[str, GridEncoder] = {}
+        self._onnx: dict[str, VisualSession] = {}
+
+    def pytorch(self, spec: EncoderSpec) -> GridEncoder:
+        key = repr(spec)
+        if key not in self._torch:
+            self._torch[key] = grid_encoder(spec, self.device)
+        return self._torch[key]
+
+    def for_export(self, spec: EncoderSpec) -> GridEncoder | None:
+        """The PyTorch encoder for the exporter, which traces on the CPU (None on a GPU: it builds its own)."""
+        return self.pytorch(spec) if self.device.type == "cpu" else None
+
+    def onnx(self, spec: EncoderSpec) -> VisualSession:
+        from captioner.models.export.onnx import export_visual_encoder, visual_encoder_path
+
+        key = repr(spec)
+        if key not in self._onnx:
+            path = visual_encoder_path(spec, self.onnx_dir)
+            if not path.is_file():
+                path = export_visual_encoder(spec, self.onnx_dir, self.for_export(spec))
+            self._onnx[key] = VisualSession(path, self.device, self.threads)
+        return self._onnx[key]
+
+
+def drop_torch_weights(runtime: Runtime) -> None:
+    """Free the PyTorch weights of a model that ONNX Runtime serves wholly: its parameters and buffers become
+    shape-only (meta) tensors, which still answer what :meth:`~captioner.models.inference.Runtime.info` and
+    :meth:`~captioner.models.inference.Runtime.result` ask of the model (its configuration and sizes)."""
+    runtime.ckpt.model.to("meta")
+
+
+def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
+                       prepared: list[Prepared]) -> list[list[int]]:
+    """PyTorch's token ids on the check set, as recorded in ``onnx_dir/reference/<weights checksum>.json`` when the
+    record matches this torch version, device type and check set; otherwise computed (which needs the PyTorch
+    encoder) and recorded.  The record is what lets a server with current exports start without the PyTorch CNN."""
+    digest = hashlib.sha256()
+    for item in prepared:
+        digest.update(item.pixels.numpy().tobytes())
+    key = {"torch": torch.__version__, "device": encoders.device.type, "beam": CHECK_BEAM, "max_len": CHECK_MAX_LEN,
+           "images": digest.hexdigest()}
+    record = encoders.onnx_dir / "reference" / f"{ckpt.checksum}.json"
+    try:
+        data = json.loads(record.read_text())
+        if data.get("key") == key:
+            return data["token_ids"]
+    except (OSError, ValueError, AttributeError, KeyError):
+        pass
+    want = check_captions(TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), encoders.device), prepared)
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tmp = record.with_name(f".{record.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "token_ids": want}))
+        os.replace(tmp, record)  # readers never see half a record
+    except OSError as exc:  # a read-only cache: computed again at the next start
+        log.info("%s: cannot record the check set's reference captions (%s)", name, exc)
+    return want
+
+
+def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, threads: int | None) -> Runtime:
+    """``auto``: ONNX Runtime for the whole model, else the hybrid, else PyTorch — the first whose captions equal
+    PyTorch's on the check set (an export that cannot be made or disagrees is logged and skipped).  A model served
+    by ONNX Runtime alone has its PyTorch weights dropped."""
+    from captioner.models.export.onnx import ExportUnsupported
+
+    device = encoders.device
+    prepared = [Prepared(*preprocess(image, ckpt.encoder)) for image in check_images()]
+    want = reference_captions(name, ckpt, encoders, prepared)
+    candidates = (("onnx", lambda: OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
+                                               encoders.onnx(ckpt.encoder))),
+                  ("hybrid", lambda: HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device)))
     for backend, make in candidates:
         try:
             runtime = make()
@@ -208,24 +302,27 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoder: GridEncoder, device: 
             log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
             continue
         if same:
+            if backend == "onnx":
+                drop_torch_weights(runtime)
             return runtime
         log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name, backend)
-    return reference
+    return TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
                  torch.bool: np.bool_}
 
 
-def onnx_folder(onnx_dir: Path, name: str, ckpt: Checkpoint) -> Path:
+def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
     """Where the ONNX export of checkpoint ``name`` lives (exported now when missing or made from other weights)."""
-    from captioner.models.export.onnx import export_graphs, export_is_current
+    from captioner.models.export.onnx import check_exportable, export_graphs, export_is_current
 
-    folder = onnx_dir / name
+    folder = encoders.onnx_dir / name
     if not export_is_current(folder, ckpt.checksum):
+        check_exportable(ckpt.model)  # before the PyTorch encoder is built for nothing
         log.info("exporting %s to ONNX in %s", name, folder)
         cpu = load_checkpoint(ckpt.path, "cpu") if next(ckpt.model.parameters()).device.type != "cpu" else ckpt
-        export_graphs(cpu, folder)
+        export_graphs(cpu, folder, encoders.for_export(ckpt.encoder))
     return folder
 
 
@@ -240,7 +337,7 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
 
     device = resolve_device(device_name)
     backends = backends or {}
-    encoders: dict[str, GridEncoder] = {}
+    encoders = SharedEncoders(device, onnx_dir, threads)
     runtimes: dict[str, Runtime] = {}
     for name, path in find_checkpoints(weights_dir, extra).items():
         try:
@@ -254,31 +351,27 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                 log.warning("%s: precision %s runs on PyTorch (the %s backend is float32 only)", name, precision,
                             backend)
             backend = "torch"
-        key = repr(ckpt.encoder)
-        if key not in encoders:
-            encoders[key] = grid_encoder(ckpt.encoder, device)
         if backend == "auto":
-            runtimes[name] = fastest_verified(name, ckpt, encoders[key], device, onnx_dir, threads)
+            runtimes[name] = fastest_verified(name, ckpt, encoders, threads)
             log.info("loaded %s (%s) from %s: %s backend on %s", name, ckpt.model.arch, path, runtimes[name].backend,
                      device)
             continue
         if backend == "hybrid":
-            from captioner.models.export.onnx import export_visual_encoder
-
             try:
-                runtimes[name] = HybridRuntime(name, ckpt, export_visual_encoder(ckpt.encoder, onnx_dir, encoders[key]),
-                                               encoders[key], device, threads)
+                runtimes[name] = HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device)
                 continue
             except ExportUnsupported as exc:
                 log.error("%s: its visual encoder cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
         if backend == "onnx":
             try:
-                runtimes[name] = OnnxRuntime(name, ckpt, onnx_folder(onnx_dir, name, ckpt), device, threads)
+                runtimes[name] = OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
+                                             encoders.onnx(ckpt.encoder))
+                drop_torch_weights(runtimes[name])
                 log.info("loaded %s (%s) from %s on ONNX Runtime %s", name, ckpt.model.arch, path,
                          runtimes[name].providers[0])
                 continue
             except ExportUnsupported as exc:
                 log.error("%s cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
-        runtimes[name] = TorchRuntime(name, ckpt, encoders[key], device, precision)
+        runtimes[name] = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
         log.info("loaded %s (%s) from %s on %s (%s)", name, ckpt.model.arch, path, device, precision)
     return runtimes

@@ -254,6 +254,67 @@ def test_admission_refuses_requests_that_would_miss_their_deadline_and_admitted_
     asyncio.run(scenario())
 
 
+def test_admission_counts_the_requests_already_decoding_as_ahead(encoder):
+    """With rows for everybody, the worker takes every waiting request into its table at the next boundary, so
+    the queue stays empty however many are decoding; admission must still count those as ahead (a burst once
+    filled the table until every request in it missed its deadline)."""
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock)
+    batcher = Batcher(runtime, max_batch=8, queue_size=16, max_rows=64, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1, seed=5)[0])
+
+    async def scenario():
+        first = batcher.submit(prepared, 3, 6, 1000)
+        while not first.future.done():
+            batcher.run_once()
+            await asyncio.sleep(0)
+        await first.future
+        timeout = 2.5 * batcher.service_time_s
+        decoding = [batcher.submit(prepared, 3, 6, 1000) for _ in range(2)]
+        batcher.run_once()  # both join the table: none is waiting any more
+        assert batcher.queued == 0 and batcher.active_jobs == 2
+        assert batcher.expected_wait_s(0) == 3 * batcher.service_time_s > timeout
+        with pytest.raises(WouldMissDeadline):
+            batcher.submit(prepared, 3, 6, timeout)
+        with pytest.raises(WouldMissDeadline):  # the same answer without queueing anything
+            batcher.check_admission(timeout)
+        while not all(job.future.done() for job in decoding):
+            batcher.run_once()
+            await asyncio.sleep(0)
+        assert batcher.active_jobs == 0
+        batcher.check_admission(timeout)  # the table is empty again: admitted
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_expires_while_decoding_raises_the_decoding_estimate(encoder):
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock)
+    # <eos> never emitted: every request runs to its length limit (or its deadline)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1, seed=5)[0])
+
+    async def scenario():
+        first = batcher.submit(prepared, 3, 2, 1000)  # two steps: decoding takes 2 s of fake time
+        while not first.future.done():
+            batcher.run_once()
+            await asyncio.sleep(0)
+        await first.future
+        before = batcher.decode_time_s
+        late = batcher.submit(prepared, 3, 10, 4.5)  # admitted (2 s expected), but needs 10 s
+        while not late.future.done():
+            batcher.run_once()
+            await asyncio.sleep(0)
+        with pytest.raises(DeadlineExceeded):
+            await late.future
+        assert batcher.decode_time_s > before
+
+    asyncio.run(scenario())
+
+
 def test_warm_up_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
     clock = FakeClock()
     # fake encoder cost per call: 1.0 s/image alone, 0.8 at 2, 1.5 at 4 (a large batch leaving the cache)

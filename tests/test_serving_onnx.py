@@ -18,12 +18,12 @@ from skimage import data
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.encoder import GridEncoder
-from captioner.models.export.onnx import ENCODER_FILE, STEP_FILE, ExportUnsupported, GraphSpec, export_graphs, \
-    export_is_current
+from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
+    export_graphs, export_is_current
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
-from captioner.models.inference import TorchRuntime
+from captioner.models.inference import TorchRuntime, torch_runtime
 from captioner.service.runtime import OnnxRuntime
 from captioner.service.settings import Settings
 
@@ -136,6 +136,10 @@ def test_shipped_checkpoint_captions_identically_on_both_backends(shipped):
     assert onnx_rt.info().backend == "onnx" and onnx_rt.providers == ["CPUExecutionProvider"]
 
 
+def torch_runtime_of(folder) -> TorchRuntime:
+    return torch_runtime(load_checkpoint(folder, "cpu"))
+
+
 def _jpeg(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=92)
@@ -177,6 +181,9 @@ def test_captioner_export_writes_every_model_and_reports_the_ones_it_cannot(tmp_
     assert lines[1].startswith("tiny-tvmax: NOT EXPORTED: sparsecap: ") and "tvmax.py" in lines[1]
     assert (tmp_path / "onnx" / "tiny-sat" / ENCODER_FILE).is_file()
     assert (tmp_path / "onnx" / "tiny-sat" / STEP_FILE).is_file()
+    assert (tmp_path / "onnx" / "tiny-sat" / HEAD_FILE).is_file()
+    # the CNN once per encoder spec, which the service shares between models
+    assert len(list((tmp_path / "onnx").glob("visual-*/visual.onnx"))) == 1
     assert not (tmp_path / "onnx" / "tiny-tvmax").exists()
     with pytest.raises(SystemExit):
         captioner(["export", str(weights / "tiny-tvmax"), "--out", str(tmp_path / "onnx"), "--strict"])
@@ -224,7 +231,7 @@ def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decode
                                    atol=ATOL_ATTENTION)
 
 
-def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, encoder, monkeypatch):
+def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, monkeypatch):
     """A backend whose captions disagree with PyTorch's on the check set is not used (here ONNX Runtime's step is
     made to return wrong log-probs): the next candidate, the hybrid, is verified and chosen instead."""
     from captioner.service import runtime as runtime_module
@@ -237,7 +244,7 @@ def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, encoder,
         return logprobs.flip(-1), new_state, attn
 
     monkeypatch.setattr(OnnxRuntime, "step", wrong_step)
-    chosen = runtime_module.fastest_verified("sat", ckpt, encoder, CPU, tmp_path / "onnx", 1)
+    chosen = runtime_module.fastest_verified("sat", ckpt, runtime_module.SharedEncoders(CPU, tmp_path / "onnx", 1), 1)
     assert chosen.backend == "hybrid"
 
 
@@ -251,3 +258,33 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
         gpu = OnnxRuntime("sat-scenes", load_checkpoint(DEFAULT_CHECKPOINT, "cuda"), onnx_dir / "sat-scenes",
                                torch.device("cuda"))
         assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu
+
+
+def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_path, monkeypatch):
+    """Two models of one encoder spec on ``auto``: one ONNX Runtime session of the CNN serves both, neither keeps
+    PyTorch weights, and they caption exactly like PyTorch.  A second start, with the exports and the check set's
+    reference captions recorded by the first, never builds a PyTorch encoder."""
+    from captioner.service import runtime as runtime_module
+
+    for name, seed in (("a", 0), ("b", 1)):
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
+                onnx_dir=tmp_path / "onnx", threads=1)
+    first = runtime_module.load_runtimes(**load)
+    assert {r.backend for r in first.values()} == {"onnx"}
+    assert first["a"].visual is first["b"].visual
+    assert all(p.is_meta for r in first.values() for p in r.ckpt.model.parameters())
+    prepared = [first["a"].prepare(image) for image in random_images(3, seed=3)]
+    for name, runtime in first.items():
+        want = torch_runtime_of(tmp_path / "weights" / name).caption(prepared, 2, 6)
+        for got, expected in zip(runtime.caption(prepared, 2, 6), want):
+            assert_same_result(got, expected, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
+    assert runtime.info().parameters == sum(p.numel() for p in tiny_checkpoint("sat").model.parameters())
+
+    def no_pytorch_encoder(*args, **kwargs):
+        raise AssertionError("a later start built a PyTorch encoder")
+
+    monkeypatch.setattr(runtime_module, "grid_encoder", no_pytorch_encoder)
+    later = runtime_module.load_runtimes(**load)
+    assert {r.backend for r in later.values()} == {"onnx"}

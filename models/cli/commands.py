@@ -274,7 +274,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
     from ..checkpoint import find_checkpoints
     from ..device import set_threads
-    from ..export.onnx import ENCODER_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
+    from ..export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
 
     set_threads(args.threads)
     weights_dir = None if args.checkpoints and not args.all else args.weights_dir
@@ -290,7 +290,8 @@ def cmd_export(args: argparse.Namespace) -> None:
         if isinstance(result, ExportUnsupported):
             print(f"{name}: NOT EXPORTED: {result}")
             return
-        sizes = ", ".join(f"{f} {(out / name / f).stat().st_size / 1e6:.1f} MB" for f in (ENCODER_FILE, STEP_FILE))
+        sizes = ", ".join(f"{f} {(out / name / f).stat().st_size / 1e6:.1f} MB"
+                          for f in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
         diffs = ", ".join(f"{k} {v:.1e}" for k, v in sorted(result.max_abs_diff.items()))
         grows = {k: v for k, v in result.growing_dims.items() if v}
         print(f"{name}: {out / name} ({sizes}); verified against PyTorch, max |diff|: {diffs}"
@@ -423,7 +424,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--threads", type=int)
     cap.set_defaults(func=cmd_caption)
 
-    ex = sub.add_parser("export", help="export checkpoints to ONNX (encoder graph + decoder-step graph) for the "
+    ex = sub.add_parser("export", help="export checkpoints to ONNX (encoder, encoder-head and decoder-step graphs) for the "
                         "service's ONNX Runtime backend")
     ex.add_argument("checkpoints", nargs="*", help="checkpoint folders (default: every one in --weights-dir)")
     ex.add_argument("--weights-dir", default=os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights"),

@@ -2,6 +2,10 @@
 
 * ``encoder.onnx``: ``pixels [B, 3, S, S]`` → the model's encoder state followed by its initial decoder state
   (the frozen CNN, ``Captioner.encode`` and ``Captioner.init_state`` in one graph).
+* ``head.onnx``: the same without the CNN, ``features [B, N, F]`` → encoder state and initial decoder state.  A
+  server runs the CNN once per :class:`~captioner.models.encoder.EncoderSpec` (``visual.onnx`` of
+  :func:`export_visual_encoder`, shared by every model with that spec) and then each model's head, instead of
+  holding one copy of the CNN's weights per model.
 * ``step.onnx``: ``prev_tokens [R]``, decoder state, encoder state → ``logprobs [R, V]``, the new decoder state,
   the primary attention ``[R, N]`` and every extra map of :class:`~captioner.models.protocol.AttnRecord`.
 * ``onnx.json``: the tensor names in graph order, which state dimensions grow while decoding, and the checksum
@@ -37,8 +41,9 @@ from ..checkpoint import Checkpoint
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry
 from ..protocol import Captioner, VisualBatch, index_rows
 
-FORMAT = "attention-captioner-onnx/1"
-ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
+# /2: exports gained head.onnx; older folders are not current and are re-made
+FORMAT = "attention-captioner-onnx/2"
+ENCODER_FILE, HEAD_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "head.onnx", "step.onnx", "onnx.json"
 OPSET = 17
 # verification tolerance: float32 graphs that differ only in kernel choice agree far better than this
 ATOL, RTOL = 1e-4, 1e-3
@@ -151,7 +156,8 @@ class GraphSpec:
 
 
 class EncoderGraph(nn.Module):
-    """pixels → (encoder state..., initial decoder state...) in :class:`GraphSpec` order."""
+    """pixels → (encoder state..., initial decoder state...) in :class:`GraphSpec` order; with ``nn.Identity()`` as
+    ``visual``, the head graph: CNN features → the same outputs."""
 
     def __init__(self, visual: GridEncoder, model: Captioner, spec: EncoderSpec, enc_keys: list[str],
                  state_keys: list[str]):
@@ -222,6 +228,14 @@ def _growing_dims(trace) -> dict[str, list[int]]:
             for key in shapes[0]}
 
 
+def check_exportable(model: Captioner) -> None:
+    """Raise :class:`ExportUnsupported` when the model declares that it cannot be exported (before anything is
+    built for an export that cannot succeed)."""
+    blocker = model.export_blocker()
+    if blocker:
+        raise ExportUnsupported(f"{model.arch}: {blocker}")
+
+
 def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None = None) -> GraphSpec:
     """Write ``encoder.onnx``, ``step.onnx`` and ``onnx.json`` for ``ckpt`` into ``out`` (atomically).
 
@@ -231,9 +245,7 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
     import onnx
 
     model = ckpt.model.eval()
-    blocker = model.export_blocker()
-    if blocker:
-        raise ExportUnsupported(f"{model.arch}: {blocker}")
+    check_exportable(model)
     spec_enc = ckpt.encoder
     visual = visual or GridEncoder(spec_enc)
     device = next(model.parameters()).device
@@ -250,7 +262,9 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
     with _folder_swapped_in(Path(out)) as tmp:
         enc_graph = EncoderGraph(visual, model, spec_enc, spec.enc_keys, spec.state_keys).eval()
         step_graph = StepGraph(model, spec.enc_keys, spec.state_keys, spec.extra_keys).eval()
+        head_graph = EncoderGraph(nn.Identity(), model, spec_enc, spec.enc_keys, spec.state_keys).eval()
         enc_axes = {"pixels": {0: "batch"}, **{name: {0: "batch"} for name in spec.encoder_outputs}}
+        head_axes = {"features": {0: "batch"}, **{name: {0: "batch"} for name in spec.encoder_outputs}}
         # trace the step at step 1 (not 0) so that growing dimensions are non-empty in the example
         (prev, state), _ = trace[1]
         enc_rows = index_rows(enc, _rows(2, k))
@@ -265,6 +279,8 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
             for what, graph, args, path, names_in, names_out, axes in (
                     ("encoder", enc_graph, (_example_pixels(spec_enc, 2, 0),), tmp / ENCODER_FILE, ["pixels"],
                      spec.encoder_outputs, enc_axes),
+                    ("encoder head", head_graph, (visual(_example_pixels(spec_enc, 2, 0)),), tmp / HEAD_FILE,
+                     ["features"], spec.encoder_outputs, head_axes),
                     ("decoder step", step_graph, step_inputs, tmp / STEP_FILE, spec.step_inputs, spec.step_outputs,
                      step_axes)):
                 try:
@@ -276,7 +292,7 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
                         f"{model.arch}: the TorchScript tracer cannot record the {what} "
                         f"({exc.__class__.__name__}: {first}){_why(_frozen_sites(caught))}") from exc
         frozen = _frozen_sites(caught)
-        for name in (ENCODER_FILE, STEP_FILE):
+        for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
             onnx.checker.check_model(str(tmp / name))
         spec.max_abs_diff = _verify(tmp, spec, visual, model, spec_enc, frozen)
         spec.save(tmp)
@@ -285,8 +301,9 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
 
 def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
                        log=None) -> dict[str, GraphSpec | ExportUnsupported]:
-    """Export every named checkpoint into ``out_dir/<name>`` (what the service's ONNX backend loads); a model
-    that cannot be expressed gets its :class:`ExportUnsupported` instead of a :class:`GraphSpec`."""
+    """Export every named checkpoint into ``out_dir/<name>``, and the CNN of each encoder spec into
+    ``out_dir/<visual_encoder_key>`` (what the service's ONNX backend loads); a model that cannot be expressed gets
+    its :class:`ExportUnsupported` instead of a :class:`GraphSpec`."""
     from ..checkpoint import load_checkpoint
 
     results: dict[str, GraphSpec | ExportUnsupported] = {}
@@ -294,7 +311,10 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
     for name, path in checkpoints.items():
         ckpt = load_checkpoint(path, "cpu")
         key = repr(ckpt.encoder)
-        visual = visuals.setdefault(key, GridEncoder(ckpt.encoder))
+        if key not in visuals:
+            visuals[key] = GridEncoder(ckpt.encoder)
+            export_visual_encoder(ckpt.encoder, out_dir, visuals[key])
+        visual = visuals[key]
         try:
             results[name] = export_graphs(ckpt, Path(out_dir) / name, visual)
         except ExportUnsupported as exc:
@@ -340,15 +360,23 @@ def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner
     pixels, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4, seed=5)
     diffs: dict[str, float] = {}
     prefix = f"{model.arch}: "
+    with torch.no_grad():
+        features = visual(pixels)
+    for graph, file, feed in (("encoder", ENCODER_FILE, {"pixels": pixels.numpy()}),
+                              ("encoder head", HEAD_FILE, {"features": features.numpy()})):
+        try:
+            outputs = _session(folder / file).run(spec.encoder_outputs, feed)
+        except Exception as exc:
+            raise ExportUnsupported(f"{prefix}ONNX Runtime cannot run the {graph} graph on a new batch size: "
+                                    f"{_ort_failure(exc, frozen)}") from exc
+        for name, got in zip(spec.encoder_outputs, outputs):
+            kind, key = name.split(".", 1)
+            _close(f"{prefix}{name} ({graph})", name, got, (enc if kind == "enc" else state0)[key], frozen, diffs)
     try:
-        encoder, step = _session(folder / ENCODER_FILE), _session(folder / STEP_FILE)
-        outputs = encoder.run(spec.encoder_outputs, {"pixels": pixels.numpy()})
+        step = _session(folder / STEP_FILE)
     except Exception as exc:
-        raise ExportUnsupported(f"{prefix}ONNX Runtime cannot run the encoder graph on a new batch size: "
-                                f"{_ort_failure(exc, frozen)}") from exc
-    for name, got in zip(spec.encoder_outputs, outputs):
-        kind, key = name.split(".", 1)
-        _close(prefix + name, name, got, (enc if kind == "enc" else state0)[key], frozen, diffs)
+        raise ExportUnsupported(f"{prefix}ONNX Runtime cannot load the step graph: {_ort_failure(exc, frozen)}") \
+            from exc
     for t, ((prev, state), (logprobs, new_state, attn)) in enumerate(trace):
         feed = {"prev_tokens": prev.numpy(), **{f"state.{key}": state[key].numpy() for key in spec.state_keys},
                 **{f"enc.{key}": enc_rows[key].numpy() for key in spec.enc_keys}}
@@ -372,7 +400,7 @@ def export_is_current(folder: str | Path, checksum: str) -> bool:
         spec = GraphSpec.load(folder)
     except (OSError, ValueError, TypeError):
         return False
-    return spec.checksum == checksum and (folder / ENCODER_FILE).is_file() and (folder / STEP_FILE).is_file()
+    return spec.checksum == checksum and all((folder / name).is_file() for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
 
 
 VISUAL_FILE = "visual.onnx"
@@ -391,14 +419,20 @@ def visual_encoder_key(spec: EncoderSpec) -> str:
     return "visual-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def visual_encoder_path(spec: EncoderSpec, out_dir: str | Path) -> Path:
+    """Where :func:`export_visual_encoder` puts the CNN of ``spec`` (whether or not it is there yet)."""
+    return Path(out_dir) / visual_encoder_key(spec) / VISUAL_FILE
+
+
 def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEncoder | None = None) -> Path:
-    """The frozen CNN alone as ``visual.onnx`` (``pixels [B, 3, S, S]`` → ``features [B, N, F]``), for models whose
-    decoder cannot be exported (they run a hybrid: this graph on ONNX Runtime, the decoder on PyTorch).  Cached
-    in ``out_dir/<visual_encoder_key>``; verified against PyTorch on a batch size the trace never saw."""
+    """The frozen CNN alone as ``visual.onnx`` (``pixels [B, 3, S, S]`` → ``features [B, N, F]``), run once per
+    spec by a server and followed by each model's ``head.onnx`` (or, for a decoder that cannot be exported, by the
+    PyTorch model: the hybrid).  Cached in ``out_dir/<visual_encoder_key>``; verified against PyTorch on a batch
+    size the trace never saw."""
     import onnx
 
-    folder = Path(out_dir) / visual_encoder_key(spec)
-    path = folder / VISUAL_FILE
+    path = visual_encoder_path(spec, out_dir)
+    folder = path.parent
     if path.is_file():
         return path
     visual = visual or GridEncoder(spec)
