@@ -99,6 +99,18 @@ def test_prox_matches_generic_convex_solver(lam, scale):
         assert np.abs(got[row] - expected).max() < max(certified, 1e-9)
 
 
+@pytest.mark.parametrize("lam,scale", [(0.01, 1.0), (0.01, 0.05), (0.1, 0.3), (0.5, 1.0)])
+def test_warm_started_solve_agrees_with_a_cold_one(lam, scale):
+    """Where the solver starts and when it first checks is only speed (docs/tvmax.md): its default, 16 FISTA
+    iterations in float32 from the λ·sign(Dz) warm start, then FISTA's dual as the certificate's flow, must give the
+    certified answer of a cold solve that checks after 2 iterations (the active-set steps and explicit flows do the
+    work from an almost untouched start) and of one that checks only after 400 (FISTA nearly converged)."""
+    z = _random_scores(16, 15, scale)
+    warm = tv2d_prox(z, (8, 8), lam=lam)
+    for check_every in (1, 200):
+        torch.testing.assert_close(tv2d_prox(z, (8, 8), lam=lam, check_every=check_every), warm, atol=1e-9, rtol=0)
+
+
 def test_prox_on_non_square_and_chain_grids():
     rng = np.random.default_rng(6)
     for h, w in ((1, 9), (5, 1), (3, 7)):

@@ -39,17 +39,22 @@ def sparsemax_threshold(scores: Tensor) -> Tensor:
     return (cumulative.gather(-1, support_size - 1) - 1.0) / support_size.to(scores.dtype)
 
 
+def _sparsemax_forward(scores: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is not None:
+        scores = _fill_masked(scores, mask)
+    probs = (scores - sparsemax_threshold(scores)).clamp_min(0.0)
+    if mask is not None:
+        # exact zeros for masked items, also in fully masked rows (which would otherwise be uniform)
+        probs = probs.masked_fill(~mask, 0.0)
+    return probs
+
+
 class SparsemaxFunction(torch.autograd.Function):
     """Sparsemax with the closed-form Jacobian–vector product of SparseCap Eq. 15."""
 
     @staticmethod
     def forward(ctx, scores: Tensor, mask: Tensor | None) -> Tensor:  # type: ignore[override]
-        if mask is not None:
-            scores = _fill_masked(scores, mask)
-        probs = (scores - sparsemax_threshold(scores)).clamp_min(0.0)
-        if mask is not None:
-            # exact zeros for masked items, also in fully masked rows (which would otherwise be uniform)
-            probs = probs.masked_fill(~mask, 0.0)
+        probs = _sparsemax_forward(scores, mask)
         ctx.save_for_backward(probs)
         return probs
 
@@ -75,4 +80,6 @@ def sparsemax(scores: Tensor, mask: Tensor | None = None) -> Tensor:
     """
     if mask is not None:
         mask = mask.to(torch.bool).expand_as(scores)
-    return SparsemaxFunction.apply(scores, mask)
+    if torch.is_grad_enabled() and scores.requires_grad:
+        return SparsemaxFunction.apply(scores, mask)
+    return _sparsemax_forward(scores, mask)  # no backward to prepare (decoding): no autograd bookkeeping
