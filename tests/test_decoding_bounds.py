@@ -20,10 +20,9 @@ from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
-from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+from .serving_helpers import tiny_checkpoint
 
 MAX_BEAM, MAX_LEN = 4, 9
-CELLS = TINY_SPEC.grid_hw[0] * TINY_SPEC.grid_hw[1]
 OPTIONS = ("beam_size", "max_len")
 WAYS = ("query", "form", "json")
 PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, database=None)
@@ -32,7 +31,8 @@ PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, database=N
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("bounds-weights")
-    save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    tiny = tiny_checkpoint("sat")
+    save_checkpoint(root / "tiny", tiny.model, tiny.vocab, tiny.encoder)
     settings_ = Settings(weights_dir=root, default_model="tiny", warmup=False, release_memory=False,
                          max_beam_size=MAX_BEAM, max_max_len=MAX_LEN, default_beam_size=2, default_max_len=5)
     with TestClient(create_app(settings_)) as running:
@@ -65,9 +65,10 @@ def assert_well_formed(body: dict, beam: int | None, max_len: int | None) -> Non
     assert body["is_eos"] == [False] * len(words) + [True] * (len(tokens) - len(words)) and len(tokens) - len(words) <= 1
     assert len(body["token_logprobs"]) == len(body["attention"]) == len(tokens)
     assert all(lp <= 0 for lp in body["token_logprobs"]) and body["score"] <= 0
-    assert len(body["geometry"]["boxes"]) == CELLS
+    rows, cols = body["geometry"]["grid_hw"]
+    assert len(body["geometry"]["boxes"]) == rows * cols
     for row in body["attention"]:  # softmax attention: a distribution over the grid cells
-        assert len(row) == CELLS and min(row) >= 0 and abs(sum(row) - 1) < 1e-4
+        assert len(row) == rows * cols and min(row) >= 0 and abs(sum(row) - 1) < 1e-4
 
 
 inside = st.fixed_dictionaries({}, optional={"beam_size": st.integers(1, MAX_BEAM), "max_len": st.integers(1, MAX_LEN)})
