@@ -116,6 +116,14 @@ class AreaTransformer(Captioner):
     def config(self) -> dict[str, Any]:
         return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
 
+    def export_blocker(self) -> str | None:
+        if not any(layer.self_attn.uses_areas for layer in self.decoder):
+            return None
+        # the spans of the cached caption are enumerated in Python from its length (and clamped while it is shorter
+        # than the largest span), so a trace would freeze the step it was made at
+        return ("decoder self-attention over caption areas (caption_area) enumerates the spans of the growing "
+                "cache from its length in Python; serve this model with the PyTorch backend")
+
     # -- encoder ------------------------------------------------------------------------------------------------
     def _grid(self, vis: VisualBatch) -> Grid:
         n = vis.feats.shape[1]

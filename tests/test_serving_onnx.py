@@ -35,7 +35,7 @@ from .serving_helpers import all_architectures, assert_same_result, drive, rando
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # architectures whose export is part of the product (the shipped model's and its siblings'): failure is a bug
-MUST_EXPORT = {"sat", "sparsecap"}
+MUST_EXPORT = {"sat", "sparsecap", "area-transformer"}
 # ONNX Runtime vs PyTorch through the whole decode (measured ≤ 2e-6 on attention, ≤ 2e-5 on log-probs)
 ATOL_ATTENTION, ATOL_LOGPROB = 1e-4, 1e-3
 SCHEDULE = [(0, 0, 3, 6), (0, 1, 1, 4), (1, 2, 4, 9), (2, 3, 2, 3), (4, 4, 3, 7), (6, 5, 2, 5)]
@@ -110,6 +110,10 @@ def test_unexportable_configuration_names_the_code_responsible(encoder, tmp_path
     with pytest.raises(ExportUnsupported, match=r"sparsecap: .*models/attention/tvmax\.py:\d+"):
         export_graphs(tiny_checkpoint("sparsecap", attention="tvmax"), tmp_path / "tvmax", encoder)
     assert not (tmp_path / "tvmax").exists()
+    # area attention over the image exports (MUST_EXPORT); over the growing caption it cannot
+    with pytest.raises(ExportUnsupported, match=r"area-transformer: .*caption_area"):
+        export_graphs(tiny_checkpoint("area-transformer", caption_area=2), tmp_path / "captions", encoder)
+    assert not (tmp_path / "captions").exists()
 
 
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------

@@ -138,7 +138,8 @@ def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
     second = _area_sums(centred * centred, rows, cols, max_h, max_w) / count
     # a single item has no spread; the table differences would leave rounding noise there that the square root
     # magnifies (and that differs between a causal memory and its prefix), so use the exact zero
-    variance = torch.where(count > 1, (second - shifted_mean ** 2).abs(), torch.zeros_like(second))
+    # (a number, not zeros_like: an ONNX trace folds zeros_like into a constant of the example's batch size)
+    variance = torch.where(count > 1, (second - shifted_mean ** 2).abs(), 0.0)
     std = torch.sqrt(variance + eps)
     return (total / count).to(x.dtype), std.to(x.dtype), total.to(x.dtype), sizes
 
@@ -208,12 +209,16 @@ class AreaKeyCombiner(nn.Module):
         self.height = nn.Embedding(max_h, embed)  # E^h, row h−1 for height h (Eq. 6)
         self.width = nn.Embedding(max_w, embed)  # E^w (Eq. 7)
         self.hidden = nn.Linear(2 * depth + 2 * embed, depth)
+        self.split = [2 * depth, 2 * embed]  # the columns of W_μ, W_σ and of W_e in ``hidden``
         self.out = nn.Linear(depth, depth)  # W_d
 
     def forward(self, mean: Tensor, std: Tensor, sizes: Tensor) -> Tensor:
         shape = torch.cat([self.height(sizes[:, 0] - 1), self.width(sizes[:, 1] - 1)], -1)  # e_r (Eq. 8)
-        shape = shape.expand(*mean.shape[:-1], shape.shape[-1])
-        return self.out(torch.relu(self.hidden(torch.cat([mean, std, shape], -1))))
+        # e_r W_e is the same for every image and head: added by broadcasting rather than expanding e_r to the
+        # batch, which an ONNX trace would freeze at the example's batch size (and which copied e_r per head)
+        features, embedding = self.hidden.weight.split(self.split, 1)
+        hidden = F.linear(torch.cat([mean, std], -1), features) + F.linear(shape, embedding, self.hidden.bias)
+        return self.out(torch.relu(hidden))
 
 
 class AreaMultiHeadAttention(nn.Module):
