@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from .attention import get_normaliser
 from .attention.aoa import AttentionOnAttention
-from .attention.multihead import multi_head_attention
+from .attention.multihead import attend_split, multi_head_attention, split_heads
 from .layers import AdditiveAttention, masked_mean
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
@@ -173,9 +173,10 @@ class AoANet(Captioner):
         for layer in self.refine:
             items = layer(items, mask) if self.refiner_kind == "aoa" else layer(items, src_key_padding_mask=~mask)
         items = self.refine_norm(items)
-        # keys and values of the decoder attention depend only on the image: computed once, beam-expanded later
+        # keys and values of the decoder attention depend only on the image: computed once, beam-expanded later,
+        # and for multi-head attention stored split into heads [B, H, N, d], as every step reads them
         if self.decoder_attention == "multihead":
-            keys, values = self.key(items), self.value(items)
+            keys, values = (split_heads(x, self.heads).contiguous() for x in (self.key(items), self.value(items)))
         else:
             keys, values = self.additive.project_keys(items), items
         return {"mask": mask, "mean": masked_mean(items, mask), "keys": keys, "values": values}
@@ -201,8 +202,8 @@ class AoANet(Captioner):
             alpha = self.additive(enc["keys"], h, enc["mask"])
             return torch.bmm(alpha.unsqueeze(1), enc["values"]).squeeze(1), h, alpha.unsqueeze(1)
         query = self.query(self.query_norm(h))  # W^{Q_d} h_t (W^{Q_d} LN(h_t) with query_norm)
-        attended, weights = multi_head_attention(query.unsqueeze(1), enc["keys"], enc["values"], self.heads,
-                                                 enc["mask"], self.attention_drop)
+        attended, weights = attend_split(split_heads(query.unsqueeze(1), self.heads), enc["keys"], enc["values"],
+                                         enc["mask"], self.attention_drop)
         # aoa_query="input": the authors' code gives AoA^D the raw h_t instead of W^{Q_d} h_t
         return attended.squeeze(1), query if self.aoa_query == "projected" else h, weights.squeeze(2)
 

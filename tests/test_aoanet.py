@@ -77,6 +77,11 @@ def naive_heads(query, keys, values, real, heads):
     return torch.cat(attended), weights
 
 
+def merged_heads(split):
+    """``[H, N, d]`` → ``[N, H·d]``: one image's keys or values as stored in the encoder state, heads concatenated."""
+    return split.transpose(0, 1).flatten(1)
+
+
 # -- the AoA module ------------------------------------------------------------------------------------------------
 def test_aoa_glu_equals_two_matrix_form():
     """Linear(2D, 2D) + GLU is AoANet Eq. 3–4 with the weights mapped blockwise."""
@@ -122,8 +127,9 @@ def test_encoder_stacks_refiner_layers_and_masked_mean():
     for b in range(3):
         real = vis.mask[b]
         torch.testing.assert_close(enc["mean"][b], items[b, real].mean(0))  # ā over the real items (Eq. 12)
-        torch.testing.assert_close(enc["keys"][b, real], items[b, real] @ model.key.weight.T)
-        torch.testing.assert_close(enc["values"][b, real], items[b, real] @ model.value.weight.T)
+        # stored split into heads, [H, N, d] per image: the layout every decoding step reads
+        torch.testing.assert_close(merged_heads(enc["keys"][b])[real], items[b, real] @ model.key.weight.T)
+        torch.testing.assert_close(merged_heads(enc["values"][b])[real], items[b, real] @ model.value.weight.T)
 
 
 # -- decoder -------------------------------------------------------------------------------------------------------
@@ -145,7 +151,8 @@ def test_step_matches_naive_equations(heads):
         m = torch.sigmoid(f) * state["m"][b] + torch.sigmoid(i) * torch.tanh(g)  # Eq. 13
         h = torch.sigmoid(o) * torch.tanh(m)
         query = model.query.weight @ h  # W^{Q_d} h_t
-        attended, weights = naive_heads(query, enc["keys"][b], enc["values"][b], real, heads)
+        attended, weights = naive_heads(query, merged_heads(enc["keys"][b]), merged_heads(enc["values"][b]), real,
+                                        heads)
         context = naive_aoa(model.aoa, attended, query)  # Eq. 14
         torch.testing.assert_close(new_state["h"][b], h)
         torch.testing.assert_close(new_state["m"][b], m)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import torch
 from torch import Tensor
 
 from .softmax import masked_softmax
@@ -26,34 +25,25 @@ def multi_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: int, 
     """
     if query.shape[-1] % heads:
         raise ValueError(f"width {query.shape[-1]} is not divisible by {heads} heads")
-    head_dim = query.shape[-1] // heads
-    if query.shape[1] == 1:
-        return _one_query(query, key, value, heads, head_dim, key_mask, weight_dropout)
+    return attend_split(split_heads(query, heads), split_heads(key, heads), split_heads(value, heads), key_mask,
+                        weight_dropout)
 
-    def split(x: Tensor) -> Tensor:  # [B, L, D] → [B, H, L, d]: head h owns channels h·d … (h+1)·d − 1
-        return x.unflatten(-1, (heads, head_dim)).transpose(1, 2)
 
-    scores = split(query) @ split(key).transpose(-1, -2) / math.sqrt(head_dim)
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """``[B, L, D] → [B, heads, L, d]`` (a view): head ``h`` owns channels ``h·d … (h+1)·d − 1``."""
+    return x.unflatten(-1, (heads, x.shape[-1] // heads)).transpose(1, 2)
+
+
+def attend_split(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None = None,
+                 weight_dropout: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """The attention of :func:`multi_head_attention` on inputs already split into heads (:func:`split_heads`):
+    ``query [B, H, T, d]`` over ``key``/``value [B, H, N, d]`` → attended ``[B, T, H·d]`` (heads concatenated)
+    and weights ``[B, H, T, N]``.
+
+    A decoding step has one query per row and reads the image's keys and values, split into heads once in
+    ``encode``: splitting them at every step copied them each time, and the block-diagonal query used instead
+    (every head's query against all channels) multiplied the step's attention arithmetic by the number of heads."""
+    scores = query @ key.transpose(-1, -2) / math.sqrt(query.shape[-1])
     weights = masked_softmax(scores, None if key_mask is None else key_mask[:, None, None, :])
     mixing = weight_dropout(weights) if weight_dropout is not None else weights
-    return (mixing @ split(value)).transpose(1, 2).flatten(2), weights
-
-
-def _one_query(query: Tensor, key: Tensor, value: Tensor, heads: int, head_dim: int, key_mask: Tensor | None,
-               weight_dropout: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor]:
-    """The same attention for one query per row (a decoding step), without per-head copies of the keys and values.
-
-    Splitting ``[B, N, D]`` keys into heads makes every batched matmul copy them into ``[B, H, N, d]`` first — at a
-    decoding step that copy of the image's keys and values, repeated every step, was most of AoANet's step time.
-    Instead the query is laid out block-diagonally, ``Q̃[b, h] = (0, …, q_h, …, 0) ∈ R^D``, so ``Q̃ Kᵀ`` gives every
-    head's scores ``q_h · k_{n,h}`` from the keys as they are stored; the weights times all of ``V`` give
-    ``[B, H, D]``, of which head ``h`` keeps its own block ``h``.  Exact: the extra terms are products with zeros."""
-    eye = torch.eye(heads, dtype=query.dtype, device=query.device)  # [H, H]
-    q = query.squeeze(1).unflatten(-1, (heads, head_dim))  # [B, H, d]
-    q_blocks = (eye[None, :, :, None] * q[:, None, :, :]).flatten(2)  # [B, H, D]: row h holds only q_h
-    scores = torch.bmm(q_blocks, key.transpose(1, 2)) / math.sqrt(head_dim)  # [B, H, N]
-    weights = masked_softmax(scores.unsqueeze(2), None if key_mask is None else key_mask[:, None, None, :])
-    mixing = weight_dropout(weights) if weight_dropout is not None else weights
-    every_block = torch.bmm(mixing.squeeze(2), value).unflatten(-1, (heads, head_dim))  # [B, H, H, d]
-    own_block = (every_block * eye[None, :, :, None]).sum(1)  # [B, H, d]: block h of head h's mixture
-    return own_block.flatten(1).unsqueeze(1), weights
+    return (mixing @ value).transpose(1, 2).flatten(2), weights

@@ -208,7 +208,8 @@ def _flow(demand: Tensor, free: Tensor, grid: _Grid, tol: Tensor) -> tuple[Tenso
 
 
 def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | float, lam: float, grid: _Grid,
-                     tol: Tensor, flow_guess: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     tol: Tensor, flow_guess: Tensor,
+                     groups: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The exact prox for one guess of the dual's active set if the guess is right, a proven bound on its error,
     and the next guess: one primal-dual active-set step on the dual box QP.
 
@@ -228,7 +229,9 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
     flow inside the box, ``w`` is the *exact* prox of ``z − ρ``, where ``ρ`` is the part of the demand the flow
     does not carry (the group means of ``r`` for the cheap test, what :func:`_flow` leaves otherwise: rounding),
     and the prox is non-expansive; a flow clipped back into the box adds ``√L = ‖Dᵀ‖`` times the clipped amount.
-    The returned error bounds ``‖w − prox(z)‖₂`` (``inf`` when a sign is violated).
+    The returned error bounds ``‖w − prox(z)‖₂`` (``inf`` when a sign is violated).  Without ``groups`` the returned
+    labels are those of the free edges only, not merged where neighbouring groups come out equal (the caller has no
+    use for Algorithm 1's groups, e.g. no backward pass).
     """
     cells = z.shape[1]
     labels = connected_components(free, grid.first, grid.second, cells)
@@ -265,15 +268,17 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
     error = error.masked_fill(crossing.any(1), float("inf"))
     # Algorithm 1's groups are the connected components of equal values: two neighbouring groups that come out
     # exactly equal (a degenerate point: |u_e| = λ with no jump) are one group
-    touching = (jump == 0) & (pinned != 0)
-    if bool(touching.any()):
-        labels = connected_components(free | touching, grid.first, grid.second, cells)
+    if groups:
+        touching = (jump == 0) & (pinned != 0)
+        if bool(touching.any()):
+            labels = connected_components(free | touching, grid.first, grid.second, cells)
     return polished, labels, error, following, signs
 
 
 def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
-                max_iter: int, check_every: int) -> tuple[Tensor, Tensor]:
-    """Batched ``prox_{λΩ_2D}`` of ``z`` [B, N] (SparseCap Eq. 4) → ``(w, labels)``; see the module docstring."""
+                max_iter: int, check_every: int, groups: bool = True) -> tuple[Tensor, Tensor]:
+    """Batched ``prox_{λΩ_2D}`` of ``z`` [B, N] (SparseCap Eq. 4) → ``(w, labels)``; see the module docstring.
+    ``groups=False``: the labels are not needed (:func:`_active_set_step`)."""
     batch, cells = z.shape
     grid = _operators(tuple(grid_hw), z.device, z.dtype)
     if lam == 0.0 or grid.first.numel() == 0 or batch == 0:
@@ -291,7 +296,6 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
 
     out_w, out_labels = z, None
     rows = None  # the grids still being solved (None: all of them)
-    offset = (z @ grid.diff_t) / grid.lipschitz  # the constant part of the gradient step: u + (D z − D Dᵀ u)/L
     # An active-set check costs as much as a dozen FISTA iterations, and on a trained SparseCap's scores 16
     # iterations name the exact active set of ~98% of the grids where 8 name ~75% (docs/tvmax.md): the first check
     # waits for twice the interval.  Those iterations only have to point at the active set, so they run in float32
@@ -299,11 +303,12 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
     # exact in both precisions, so pinned edges stay exactly pinned when the iterate returns to float64.
     unit = bound / lam if mask is None else (bound / lam).float()
     coarse = _operators(tuple(grid_hw), z.device, torch.float32)
-    scaled = (offset / lam).float()
+    # the constant part of the gradient step u + (D z − D Dᵀ u)/L, for the scaled dual
+    scaled = (z.to(torch.float32) @ coarse.diff_t).div_(grid.lipschitz * lam)
     # warm start: every cell its own group, u_e = λ sign((Dz)_e): the exact dual when λ is small enough that no
     # two neighbours fuse, and otherwise wrong only around the few pairs that do
     u, y = _fista(torch.sign(scaled).mul_(unit), None, scaled, coarse.iteration, unit, 0, 2 * check_every)
-    u, y = u.to(z.dtype).mul_(lam), y.to(z.dtype).mul_(lam)
+    u, offset = u.to(z.dtype).mul_(lam), None  # offset (unscaled, z's dtype): made only if FISTA has to go on
     iterations = 2 * check_every
     while True:
         last = iterations >= max_iter
@@ -313,7 +318,8 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
         free, signs = u.abs() < inner, torch.sign(u)
         done = None
         for _ in range(ACTIVE_SET_STEPS):
-            polished, labels, error, free, signs = _active_set_step(zr, free, signs, bound, lam, grid, tol_r, u)
+            polished, labels, error, free, signs = _active_set_step(zr, free, signs, bound, lam, grid, tol_r, u,
+                                                                    groups)
             certified = error <= tol_r
             if done is None:
                 w_r, labels_r, error_r, done = polished, labels, error, certified
@@ -343,6 +349,8 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
                 return out_w, out_labels
         # drop finished grids so the remaining iterations only pay for the hard ones
         running = (~done).nonzero().squeeze(1)
+        if offset is None:
+            offset, y = (z @ grid.diff_t) / grid.lipschitz, y.to(z.dtype).mul_(lam)
         rows, u, y, offset = (t.index_select(0, running) for t in (rows, u, y, offset))
         if mask is not None:
             bound, inner = bound.index_select(0, running), inner.index_select(0, running)
@@ -401,7 +409,7 @@ def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, 
     if torch.is_grad_enabled() and z.requires_grad:
         out, labels = TV2DProxFunction.apply(flat, (h, w), float(lam), flat_mask, tol, max_iter, check_every)
     else:  # no backward to prepare: the autograd.Function's bookkeeping would cost a decoding step several ops
-        out, labels = _tv2d_solve(flat, (h, w), float(lam), flat_mask, tol, max_iter, check_every)
+        out, labels = _tv2d_solve(flat, (h, w), float(lam), flat_mask, tol, max_iter, check_every, return_groups)
     out, labels = out.reshape(z.shape), labels.reshape(z.shape)
     return (out, labels) if return_groups else out
 
