@@ -18,7 +18,7 @@ help:
 	@echo "make serve         set up .venv and serve the default model on http://$(HOST):$(PORT)"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
 	@echo "make data          generate the scene dataset in $(DATA)"
-	@echo "make train-default retrain the shipped SAT checkpoint (weights/sat-scenes)"
+	@echo "make train-default retrain the shipped SAT checkpoint (weights/sat)"
 	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED) xtransformer sat-hard)"
 	@echo "make eval-default  evaluate the shipped checkpoint on the test and held-out splits"
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
@@ -62,12 +62,22 @@ SCENE_SAT := --set embed_dim=256 --set hidden_dim=512 --set attn_dim=256
 SCENE_SPARSECAP := --model sparsecap --epochs 1 --set embed_dim=256 --set hidden_dim=512 --set visual_dim=256 \
   --set attn_dim=256
 HYPERCOLUMN_16 := --encoder layer=hypercolumn --encoder grid_stride=16
+# INIT_NAME names the stage a checkpoint starts from (`--init runs/INIT/final`; made first when missing), so a warm
+# start is reproduced with what it started from (docs/decisions.md, "Warm starts").
 # the default: hypercolumns on a 16×16 grid, a lighter doubly stochastic penalty, ×0.1 learning rate for the last two
-# epochs, best epoch by validation objects_named (docs/decisions.md, "The default checkpoint")
-TRAIN_sat-scenes := --model sat --epochs 7 --lr-drop 5 $(HYPERCOLUMN_16) \
+# epochs, best epoch by validation objects_named (docs/decisions.md, "The default checkpoint"); SAT-hard goes on from
+# it (the same network without the β gate) for an epoch of REINFORCE.
+TRAIN_sat := --model sat --epochs 7 --lr-drop 5 $(HYPERCOLUMN_16) \
   $(SCENE_SAT) --set doubly_stochastic=0.1 --select-metric objects_named
-TRAIN_sparsecap-tvmax := $(SCENE_SPARSECAP) --attention tvmax
-TRAIN_sparsecap-softmax := $(SCENE_SPARSECAP) --attention softmax
+TRAIN_sat-hard := --model sat-hard --epochs 1 --lr 2e-4 --select-metric objects_named
+INIT_sat-hard := sat
+# SparseCap: one softmax epoch shared by the three normalisers, then 6,000 images with each, so the softmax /
+# sparsemax / TVmax comparison differs only in the normaliser of its last stage (docs/decisions.md, "Warm starts").
+TRAIN_sparsecap-base := $(SCENE_SPARSECAP) $(HYPERCOLUMN_16) --attention softmax --select-metric objects_named
+DATA_sparsecap-base := $(DATA_VARIED)
+$(foreach norm,softmax sparsemax tvmax,$(eval TRAIN_sparsecap-$(norm) := --epochs 1 --train-limit 6000 --attention $(norm) \
+  --select-metric objects_named)$(eval INIT_sparsecap-$(norm) := sparsecap-base)$(eval \
+  DATA_sparsecap-$(norm) := $(DATA_VARIED)))
 # AoANet's recipe (XE with scheduled sampling) at CPU width on the varied scenes. No SCST_aoanet: at this scale the
 # recipe's SCST stage lowered validation CIDEr-D (docs/decisions.md, "Paper recipes"); SCST_NAME holds a stage's
 # `captioner train` flags for models where it pays.
@@ -77,25 +87,27 @@ DATA_aoanet := $(DATA_VARIED)
 TRAIN_xlan := --recipe xlan $(HYPERCOLUMN_16) --set dim=256 --set hidden_dim=256 --set embed_dim=256 \
   --set channel_dim=128 --warmup-steps 1000 --group-by-image --epochs 3
 DATA_xlan := $(DATA_VARIED)
-SHIPPED := sat-scenes sparsecap-tvmax sparsecap-softmax aoanet xlan
+SHIPPED := sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet xlan
 
 # Not shipped, trained for the model-zoo table (docs/model_zoo.md) on the one-epoch budget.
 TRAIN_xtransformer := $(ZOO_BUDGET) --model xtransformer --set dim=256 --set channel_dim=128 --set ffn_dim=1024
-TRAIN_sat-hard := $(ZOO_BUDGET) --model sat-hard $(SCENE_SAT)
-# Not shipped either: the sparsemax row of the softmax / sparsemax / TVmax figure (docs/heatmaps.md).
-TRAIN_sparsecap-sparsemax := $(SCENE_SPARSECAP) --attention sparsemax
 
-train-default: train-sat-scenes
+train-default: train-sat
 
 train-shipped: $(addprefix train-,$(SHIPPED))
 
-train-%: data data-varied data-ood
+# stage-NAME trains runs/NAME/final (and first the stage it starts from); train-NAME also measures and installs it
+stage-%: data data-varied data-ood
 	@test -n "$(TRAIN_$*)" || { echo "no recipe TRAIN_$* in the Makefile"; exit 2; }
-	$(BIN)/captioner train $(TRAIN_$*) --dataset $(or $(DATA_$*),$(DATA)) --out runs/$* --threads 1
+	@if [ -n "$(INIT_$*)" ] && [ ! -d runs/$(INIT_$*)/final ]; then $(MAKE) stage-$(INIT_$*); fi
+	$(BIN)/captioner train $(TRAIN_$*) $(if $(INIT_$*),--init runs/$(INIT_$*)/final) \
+	  --dataset $(or $(DATA_$*),$(DATA)) --out runs/$* --threads 1
 	@if [ -n "$(SCST_$*)" ]; then \
 	  $(BIN)/captioner train $(SCST_$*) --phase scst --init runs/$*/best --dataset $(or $(DATA_$*),$(DATA)) \
 	    --out runs/$*-scst --threads 1 && rm -rf runs/$*/final && cp -r runs/$*-scst/best runs/$*/final; \
 	else rm -rf runs/$*/final && cp -r runs/$*/best runs/$*/final; fi
+
+train-%: stage-%
 	$(BIN)/captioner eval runs/$*/final --dataset $(DATA) --split test --split heldout --grounding --threads 1 \
 	  --output runs/$*/eval.json
 	$(BIN)/captioner eval runs/$*/final --dataset $(OOD) --split ood --threads 1 --output runs/$*/eval.ood.json
@@ -106,7 +118,7 @@ train-%: data data-varied data-ood
 	  echo "installed weights/$* (and its reports in $(RESULTS)/)"; fi
 
 eval-default: data
-	$(BIN)/captioner eval weights/sat-scenes --dataset $(DATA) --split test --split heldout
+	$(BIN)/captioner eval weights/sat --dataset $(DATA) --split test --split heldout
 
 bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done

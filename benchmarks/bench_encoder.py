@@ -1,6 +1,6 @@
 """Encoder benchmark: per-image time of the visual encoder at batch 1, 4 and 16, PyTorch and ONNX Runtime, one run.
 
-The encoder of the shipped default (``weights/sat-scenes``: EfficientNet-Lite0 hypercolumns, a 16×16 grid at
+The encoder of the shipped default (``weights/sat``: EfficientNet-Lite0 hypercolumns, a 16×16 grid at
 256 px) is timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
 (``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX
 Runtime (CPU execution provider here).  Configurations are timed in turns, repetition by repetition, so that
@@ -99,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of both backends")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--checkpoint", type=Path, default=ROOT / "weights" / "sat-scenes")
+    parser.add_argument("--checkpoint", type=Path, default=ROOT / "weights" / "sat")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--parity-images", type=int, default=12, help="test scenes of the precision parity check")
     args = parser.parse_args()

@@ -37,7 +37,7 @@ from servers import Server
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
 OUT = ROOT / "docs" / "benchmarks" / "memory.md"
-DUPLICATED = ("aoanet", "xlan", "sat-scenes", "sparsecap-softmax")
+DUPLICATED = ("aoanet", "xlan", "sat", "sparsecap-softmax")
 
 
 def weights_dir(root: Path, names: list[str]) -> Path:
@@ -86,11 +86,11 @@ def run(threads: str, requests: int, logs: Path, shared_with: str, save, onnx_di
                                          f"CAPTIONER_THREADS={threads}, no GPU; {time.strftime('%Y-%m-%d')}"}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         root = Path(tmp)
-        configurations = [("nine models", 9), ("five models (shipped)", 5), ("one model (sat-scenes)", 1)]
+        configurations = [("nine models", 9), ("five models (shipped)", 5), ("one model (sat)", 1)]
         if onnx_dir is None:
             onnx_dir = root / "onnx"
             configurations.insert(0, ("first start (9 models, exports made)", 9))
-        folders = {n: weights_dir(root, names) for n, names in ((9, nine), (5, shipped), (1, ["sat-scenes"]))}
+        folders = {n: weights_dir(root, names) for n, names in ((9, nine), (5, shipped), (1, ["sat"]))}
         for label, models in configurations:
             results["rows"].append(measure(label, folders[models], onnx_dir, threads, requests, logs))
             save(results)

@@ -1,5 +1,5 @@
 """Serving benchmark: continuous batching vs batch-size-1 serving vs a plain per-image beam-search loop, and the
-ONNX Runtime backend vs PyTorch — one run, one model (weights/sat-scenes), one machine.
+ONNX Runtime backend vs PyTorch — one run, one model (weights/sat), one machine.
 
 Every configuration is a real HTTP server on localhost in its own process; all four start together and are
 measured in turns, so that background load that drifts during the run affects each alike:
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from servers import Server  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
 WEIGHTS = ROOT / "weights"
-MODEL = "sat-scenes"
+MODEL = "sat"
 BEAM, MAX_LEN = 3, 20
 PARAMS = {"beam_size": BEAM, "max_len": MAX_LEN}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("sat-scenes", "aoanet", "sparsecap-tvmax")
+MODELS = ("sat", "aoanet", "sparsecap-tvmax")
 ROWS = (3, 96, 256)
 
 

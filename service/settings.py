@@ -20,12 +20,12 @@ class Settings(BaseSettings):
     # -- models -------------------------------------------------------------------------------------------------
     weights_dir: Path = Field(Path("weights"), description="every checkpoint folder below it is served by name")
     checkpoints: list[Path] = Field(default_factory=list, description="extra checkpoint folders (JSON list)")
-    default_model: str = Field("sat-scenes", description="model used when a request names none")
+    default_model: str = Field("sat", description="model used when a request names none")
     backend: Backend = Field("auto", description="inference backend of every model not named in `backends`: auto "
                              "(ONNX Runtime where its captions equal PyTorch's on a check set, else the hybrid, "
                              "else torch), torch, onnx or hybrid (ONNX Runtime CNN, PyTorch decoder)")
     backends: dict[str, Backend] = Field(default_factory=dict,
-                                         description='per-model backend, JSON: {"sat-scenes": "onnx"}')
+                                         description='per-model backend, JSON: {"sat": "onnx"}')
     onnx_dir: Path = Field(Path(".cache/onnx"), description="ONNX exports, one folder per model; made when missing")
 
     # -- device -------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from captioner.models.zoo import create
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
-DEFAULT_CHECKPOINT = WEIGHTS / "sat-scenes"
+DEFAULT_CHECKPOINT = WEIGHTS / "sat"
 
 torch.set_num_threads(2)
 

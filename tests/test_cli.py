@@ -72,7 +72,7 @@ def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
     done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--checkpoint", str(area),
                      "--overlay", str(both))
     lines = done.stdout.splitlines()
-    assert len(lines) == 2 and "[sat-scenes]" in lines[0] and "[area-transformer]" in lines[1]
+    assert len(lines) == 2 and "[sat]" in lines[0] and "[area-transformer]" in lines[1]
     assert Image.open(both).height == 2 * 240  # one row per checkpoint, 2.4 in at 100 dpi each
     refused = captioner("caption", str(photo), "--checkpoint", str(area), "--checkpoint", str(area), "--token", "0",
                         "--overlay", str(both), check=False)

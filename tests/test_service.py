@@ -109,7 +109,7 @@ def test_default_model_names_the_objects_of_a_generated_test_scene(server, tmp_p
         response = httpx.post(f"{server}/caption", files={"file": (entry["filename"], content, "image/jpeg")}, timeout=60)
         assert response.status_code == 200, response.text
         body = response.json()
-        assert body["model"] == "sat-scenes" and body["geometry"]["grid_hw"] == [16, 16]
+        assert body["model"] == "sat" and body["geometry"]["grid_hw"] == [16, 16]
         named += named_objects(body["tokens"], entry["objects"])
     assert np.mean(named) >= 0.75, f"only {np.mean(named):.0%} of objects named"
 

@@ -84,7 +84,7 @@ def test_concurrent_clients_get_the_captions_their_images_get_alone(server, imag
         assert response.status_code == 200, response.text
         assert_same_caption(response.json(), solo[i, params["beam_size"]])
     after = scrape(server)
-    key = '{model="sat-scenes"}'
+    key = '{model="sat"}'
     steps = after[f"captioner_rows_per_step_count{key}"] - before[f"captioner_rows_per_step_count{key}"]
     rows = after[f"captioner_rows_per_step_sum{key}"] - before[f"captioner_rows_per_step_sum{key}"]
     encodes = after[f"captioner_encoder_batch_size_count{key}"] - before[f"captioner_encoder_batch_size_count{key}"]
@@ -198,7 +198,7 @@ def test_oversized_uploads_get_413_on_every_route(server):
 
 def test_models_health_readiness_and_metrics(server):
     models = {m["name"]: m for m in httpx.get(f"{server}/models").json()}
-    default = models["sat-scenes"]
+    default = models["sat"]
     assert default["architecture"] == "sat" and default["attention_kind"] == "soft_attention"
     assert default["vocab_size"] > 10 and default["checksum"].startswith("sha256:")
     assert default["backend"] == "onnx"  # the default `auto`: ONNX Runtime, verified on the check set at start-up

@@ -119,11 +119,11 @@ def test_unexportable_configuration_names_the_code_responsible(encoder, tmp_path
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
-    """weights/sat-scenes, its ONNX export (made once for this module) and some images it knows how to caption."""
+    """weights/sat, its ONNX export (made once for this module) and some images it knows how to caption."""
     ckpt = load_checkpoint(DEFAULT_CHECKPOINT, "cpu")
     onnx_dir = tmp_path_factory.mktemp("onnx")
     visual = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
-    spec = export_graphs(ckpt, onnx_dir / "sat-scenes", visual)
+    spec = export_graphs(ckpt, onnx_dir / "sat", visual)
     scenes = tmp_path_factory.mktemp("scenes")
     dataset = json.loads(generate(scenes, {"test": 5}, seed=321, progress=False).read_text())
     images = [Image.open(scenes / "images" / entry["filename"]).convert("RGB") for entry in dataset["images"]]
@@ -134,8 +134,8 @@ def shipped(tmp_path_factory):
 def test_shipped_checkpoint_captions_identically_on_both_backends(shipped):
     ckpt, visual, onnx_dir, spec, images = shipped
     assert max(spec.max_abs_diff.values()) < 1e-3
-    onnx_rt = OnnxRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
-    torch_rt = TorchRuntime("sat-scenes", ckpt, visual, CPU)
+    onnx_rt = OnnxRuntime("sat", ckpt, onnx_dir / "sat", CPU, threads=1)
+    torch_rt = TorchRuntime("sat", ckpt, visual, CPU)
     assert_backends_agree(torch_rt, onnx_rt, images)
     assert onnx_rt.info().backend == "onnx" and onnx_rt.providers == ["CPUExecutionProvider"]
 
@@ -157,7 +157,7 @@ def test_service_serves_a_model_on_onnx_runtime_by_config(shipped, tmp_path):
     weights.mkdir()
     for name in ("sat-torch", "sat-onnx"):
         (weights / name).symlink_to(DEFAULT_CHECKPOINT.resolve(), target_is_directory=True)
-        (onnx_dir / name).symlink_to((onnx_dir / "sat-scenes").resolve(), target_is_directory=True)
+        (onnx_dir / name).symlink_to((onnx_dir / "sat").resolve(), target_is_directory=True)
     settings = Settings(weights_dir=weights, default_model="sat-torch", backend="torch", backends={"sat-onnx": "onnx"},
                         onnx_dir=onnx_dir, device="cpu", threads=1, max_batch_images=2, queue_size=8)
     with TestClient(create_app(settings)) as client:
@@ -256,10 +256,10 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
     import onnxruntime as ort
 
     ckpt, _, onnx_dir, _, _ = shipped
-    runtime = OnnxRuntime("sat-scenes", ckpt, onnx_dir / "sat-scenes", CPU, threads=1)
+    runtime = OnnxRuntime("sat", ckpt, onnx_dir / "sat", CPU, threads=1)
     assert runtime.providers == ["CPUExecutionProvider"] and not runtime.on_gpu
     if torch.cuda.is_available() and "CUDAExecutionProvider" in ort.get_available_providers():
-        gpu = OnnxRuntime("sat-scenes", load_checkpoint(DEFAULT_CHECKPOINT, "cuda"), onnx_dir / "sat-scenes",
+        gpu = OnnxRuntime("sat", load_checkpoint(DEFAULT_CHECKPOINT, "cuda"), onnx_dir / "sat",
                                torch.device("cuda"))
         assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu
 

@@ -34,10 +34,10 @@ def scrape(text: str, name: str, **labels: str) -> float:
 @pytest.fixture(scope="module")
 def cached_app(tmp_path_factory):
     weights = tmp_path_factory.mktemp("weights")
-    (weights / "sat-scenes").symlink_to(ROOT / "weights" / "sat-scenes")
+    (weights / "sat").symlink_to(ROOT / "weights" / "sat")
     settings = Settings(weights_dir=weights, warmup=False, release_memory=False, result_cache_entries=2)
     with TestClient(create_app(settings)) as client:
-        runtime = client.app.state.service.runtimes["sat-scenes"]
+        runtime = client.app.state.service.runtimes["sat"]
         calls: list[int] = []
         begin = runtime.begin
 
@@ -71,5 +71,5 @@ def test_identical_upload_is_answered_from_the_cache(cached_app):
     caption(client, first_image, beam_size=3, max_len=12)  # least recently used, evicted: a miss again
     assert len(calls) == 4
     metrics = client.get("/metrics").text
-    assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat-scenes", outcome="hit") == 1
-    assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat-scenes", outcome="miss") == 4
+    assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat", outcome="hit") == 1
+    assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat", outcome="miss") == 4

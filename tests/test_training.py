@@ -158,3 +158,33 @@ def test_captions_sharing_an_image_get_the_same_log_probs_as_when_it_is_encoded_
     shared, _ = model.forward_xe(images, captions, rows=rows)
     expected, _ = model.forward_xe(per_caption, captions)
     torch.testing.assert_close(shared, expected)
+
+
+def test_another_architecture_starts_from_a_checkpoint_whose_weights_it_fits(scenes, tmp_path, cache):
+    soft = train(_config(scenes, tmp_path / "soft", cache, epochs=1))
+    hard = train(_config(scenes, tmp_path / "hard", cache, epochs=1, lr=0.0, model="sat-hard",
+                         model_args={}, init=str(soft)))
+    soft_weights, hard_weights = load_checkpoint(soft).model.state_dict(), load_checkpoint(hard).model.state_dict()
+    hard_sizes, soft_sizes = load_checkpoint(hard).model.hparams, load_checkpoint(soft).model.hparams
+    assert load_checkpoint(hard).model.arch == "sat-hard"
+    assert {k: hard_sizes[k] for k in ("embed_dim", "hidden_dim", "attn_dim")} == \
+        {k: soft_sizes[k] for k in ("embed_dim", "hidden_dim", "attn_dim")}  # the soft model's sizes, adopted
+    assert set(soft_weights) - set(hard_weights) == {"gate.weight", "gate.bias"}  # the β gate, dropped
+    assert all(torch.equal(hard_weights[k], soft_weights[k]) for k in hard_weights if not k.startswith("baseline"))
+    # the card names what the warm start began from and counts its training time
+    from captioner.models.evaluation.card import write_card
+    card = write_card(hard, {}).read_text()
+    assert f"- Started from `{soft}`: sat, best of 1 xe epoch(s)" in card and "with the runs it started from" in card
+    with pytest.raises(ValueError, match=r"cannot initialise .*no weights of the right shape"):
+        train(_config(scenes, tmp_path / "aoa", cache, epochs=1, model="aoanet", model_args={}, init=str(soft)))
+
+
+def test_extend_vocab_appends_the_datas_new_words_and_keeps_the_trained_rows(scenes, tmp_path, cache):
+    # a checkpoint that knows only the frequent words (min_count), then the data's others appended
+    few = train(_config(scenes, tmp_path / "few", cache, epochs=1, min_count=400))
+    more = train(_config(scenes, tmp_path / "more", cache, epochs=1, lr=0.0, init=str(few), extend_vocab=True))
+    old, new = load_checkpoint(few), load_checkpoint(more)
+    assert len(new.vocab) > len(old.vocab) and new.vocab.itos[: len(old.vocab)] == old.vocab.itos
+    for key in ("embed.weight", "out_word.weight", "out_word.bias"):
+        grown, trained = new.model.state_dict()[key], old.model.state_dict()[key]
+        assert grown.shape[0] == len(new.vocab) and torch.equal(grown[: len(old.vocab)], trained)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 #: the checkpoint that ships with the repository and that `make serve` serves
-DEFAULT_CHECKPOINT = "weights/sat-scenes"
+DEFAULT_CHECKPOINT = "weights/sat"
 
 DEFAULT_DATA = ".cache/scenes"
 

@@ -20,6 +20,38 @@ def _train_command(meta: dict[str, Any]) -> str:
     return command_line(meta.get("train_config", {}))
 
 
+def _ancestors(start: dict[str, Any] | None) -> list[dict[str, Any]]:
+    chain = []
+    while start:
+        chain.append(start)
+        start = start.get("started_from")
+    return chain
+
+
+def _lineage_lines(start: dict[str, Any] | None) -> list[str]:
+    """One line per checkpoint a warm start began from (the run's own line first, then its ancestors')."""
+    lines = []
+    for step in _ancestors(start):
+        minutes = f", {step['train_seconds'] / 60:.1f} min" if step.get("train_seconds") else ""
+        command = f": `{step['command']}`" if step.get("command") else ""
+        lines.append(f"- Started from `{step['checkpoint']}`: {step.get('arch')}, best of {step.get('epochs')} "
+                     f"{step.get('phase')} epoch(s) on `{step.get('dataset')}`{minutes}{command}")
+    return lines
+
+
+def total_train_seconds(meta: dict[str, Any]) -> float | None:
+    """A checkpoint's training time including the runs its warm start began from; None if any is unrecorded."""
+    times = [meta.get("train_seconds")] + [step.get("train_seconds") for step in _ancestors(meta.get("started_from"))]
+    return sum(times) if all(times) else None
+
+
+def _with_ancestors(meta: dict[str, Any]) -> str:
+    total = total_train_seconds(meta)
+    if not meta.get("started_from") or total is None:
+        return ""
+    return f" ({total / 60:.1f} min with the runs it started from)"
+
+
 def _number(value: Any) -> str:
     if value is None:
         return "—"
@@ -75,7 +107,9 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
         f"(best epoch {meta.get('best_epoch', '?')} of {len(history)}).",
         f"- Command: `{_train_command(meta)}`",
-        f"- Training time: {seconds / 60:.1f} min of wall clock" if seconds else "- Training time: not recorded",
+        *_lineage_lines(meta.get("started_from")),
+        f"- Training time: {seconds / 60:.1f} min of wall clock{_with_ancestors(meta)}" if seconds
+        else "- Training time: not recorded",
         # checkpoints from before the hardware was recorded were all trained on this project's 2-core CI machine
         f"  on a {meta.get('hardware', f'2-core {platform.machine()} CPU, no GPU')}, "
         + (f"{threads} intra-op thread(s) (`--threads {threads}`)." if threads else "default threads."),

@@ -2,8 +2,8 @@
 
 Inputs: every checkpoint folder under ``weights/`` (parameters counted from its safetensors file, training time and
 hardware from its ``config.json`` training record) and the ``captioner eval --output`` reports in a results folder,
-one or more per checkpoint, named ``NAME.json`` or ``NAME.SOMETHING.json`` (e.g. ``sat-scenes.json`` with the
-test / heldout splits and ``--grounding``, ``sat-scenes.ood.json`` with the ``ood`` split).  A number that no report
+one or more per checkpoint, named ``NAME.json`` or ``NAME.SOMETHING.json`` (e.g. ``sat.json`` with the
+test / heldout splits and ``--grounding``, ``sat.ood.json`` with the ``ood`` split).  A number that no report
 holds is printed as "—", never filled in.
 """
 
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .card import merge_reports
+from .card import merge_reports, total_train_seconds
 
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
@@ -63,7 +63,7 @@ def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
         rows.append({"name": checkpoint.name, "arch": config.get("arch", "?"),
                      "normaliser": config.get("model", {}).get("attention", "softmax" if config.get("arch") != "sat-hard"
                                                                else "hard"),
-                     "parameters": parameter_count(checkpoint), "train_seconds": meta.get("train_seconds"),
+                     "parameters": parameter_count(checkpoint), "train_seconds": total_train_seconds(meta),
                      "hardware": meta.get("hardware"), "threads": meta.get("train_config", {}).get("threads"),
                      "splits": splits})
     return rows

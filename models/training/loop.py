@@ -20,6 +20,7 @@ order.  Under ``torchrun`` every rank trains its share of each batch and only ra
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import signal
@@ -40,6 +41,7 @@ from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec
 from ..evaluation.evaluate import caption_dataset, score_dataset
 from ..protocol import Captioner
+from ..registry import MODELS
 from ..vocab import Vocabulary
 from ..zoo import create
 from .distributed import DistContext, init_distributed
@@ -84,6 +86,8 @@ class TrainConfig(_SavedRecord):
                         choices=("xe", "scst"))
     init: str | None = option(help="start from this checkpoint's model, vocabulary and encoder "
                                    "(e.g. --phase scst --init runs/xe/best)", metavar="CHECKPOINT")
+    extend_vocab: bool = option(False, "with --init: append the training captions' words that the checkpoint's "
+                                       "vocabulary lacks (their embedding and output rows start fresh)", kind="true")
     features: str | None = option(help="visual items: frozen-encoder grid (default) or precomputed region .npz "
                                        "files in DIR", metavar="grid|regions:DIR")
     image_root: str | None = option(help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
@@ -334,14 +338,62 @@ def learning_rate(cfg: TrainConfig, epoch: int, global_step: int = 0) -> float:
 def _adopt_init(cfg: TrainConfig, init: Checkpoint) -> TrainConfig:
     """Take architecture, hyper-parameters, encoder and feature source from the ``init`` checkpoint; ``--set``
     values still override hyper-parameters (a shape change then fails loudly when the weights are loaded)."""
-    if cfg.model not in (None, init.model.arch):
-        raise ValueError(f"--model {cfg.model} does not match the {init.model.arch} checkpoint {cfg.init}")
     if cfg.encoder and EncoderSpec(**cfg.encoder) != init.encoder:
         raise ValueError(f"--encoder differs from the encoder {cfg.init} was trained with")
     args = {k: v for k, v in init.model.config().items() if k not in ("vocab_size", "feat_dim")}
+    if cfg.model not in (None, init.model.arch):  # another architecture: only the sizes it has (SAT → SAT-hard)
+        accepted = inspect.signature(MODELS[cfg.model]).parameters if cfg.model in MODELS else {}
+        args = {k: v for k, v in args.items() if k in accepted}
     trained_on = init.meta.get("train_config", {}).get("features")
-    return replace(cfg, model=init.model.arch, model_args={**args, **cfg.model_args}, encoder=init.encoder.to_json(),
+    return replace(cfg, model=cfg.model or init.model.arch, model_args={**args, **cfg.model_args}, encoder=init.encoder.to_json(),
                    features=cfg.features or trained_on)
+
+
+def _lineage(path: str) -> dict[str, Any] | None:
+    """What a warm start began from, for the model card: the checkpoint's architecture, data, epochs, training time,
+    its own command and, recursively, what it began from. None when the file is gone (a resumed run)."""
+    from .recipes import command_line
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    meta = config.get("meta", {})
+    return {"checkpoint": str(path), "arch": config.get("arch"), "dataset": meta.get("dataset"),
+            "phase": meta.get("phase"), "epochs": len(meta.get("history", [])), "best_epoch": meta.get("best_epoch"),
+            "train_seconds": meta.get("train_seconds"),
+            "command": command_line(meta["train_config"]) if "train_config" in meta else None,
+            "started_from": meta.get("started_from")}
+
+
+def _grown_by_words(own: torch.Tensor, theirs: torch.Tensor, old_words: int, new_words: int) -> bool:
+    """Whether ``own`` is ``theirs`` with more rows for an appended vocabulary (embedding, output layer)."""
+    return (new_words > old_words and own.dim() >= 1 and own.shape[0] == new_words and theirs.shape[0] == old_words
+            and own.shape[1:] == theirs.shape[1:])
+
+
+def _load_init_weights(model: Captioner, init: Checkpoint, source: str) -> None:
+    """Copy ``init``'s weights into ``model``. Another architecture is accepted when every parameter of ``model``
+    is in the checkpoint with its shape (e.g. SAT-hard from a soft SAT: the same network without the β gate);
+    the checkpoint's extra parameters are dropped and named (docs/decisions.md, "Warm starts")."""
+    own, theirs = model.state_dict(), init.model.state_dict()
+    fits = {k for k in own if k in theirs and theirs[k].shape == own[k].shape}
+    # a vocabulary extended by --extend-vocab: rows of the checkpoint's words copied, the appended words' kept fresh
+    grown = {k for k in own if k in theirs and k not in fits and _grown_by_words(own[k], theirs[k], len(init.vocab),
+                                                                                  model.vocab_size)}
+    weights = {k: theirs[k] if k in fits else own[k] for k in own}
+    for key in grown:
+        weights[key] = torch.cat([theirs[key], own[key][len(init.vocab):]])
+    fits |= grown
+    # a buffer the checkpoint lacks (SAT-hard's REINFORCE baseline) keeps its fresh value; a parameter may not
+    missing = sorted(k for k, _ in model.named_parameters() if k not in fits)
+    if missing:
+        raise ValueError(f"{source} ({init.model.arch}) cannot initialise {type(model).__name__}: no weights of the "
+                         f"right shape for {', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}")
+    dropped = sorted(set(theirs) - set(own))
+    if dropped:
+        print(f"--init {source}: {init.model.arch} weights {type(model).__name__} has no use for: {', '.join(dropped)}")
+    model.load_state_dict(weights)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -469,6 +521,9 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
         vocab = Vocabulary.from_json(saved["vocab"])
     elif init is not None:
         vocab = init.vocab
+        if cfg.extend_vocab:  # appended, so every word keeps its id and its trained rows
+            data_vocab = Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+            vocab = Vocabulary(vocab.itos + [w for w in data_vocab.itos if w not in vocab.stoi])
     else:
         vocab = Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
     # seeded here, not earlier: building the encoder (only when the feature cache is cold) draws random numbers too,
@@ -476,7 +531,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     torch.manual_seed(cfg.seed)
     model = create(cfg.model, vocab_size=len(vocab), feat_dim=store.feat_dim, **cfg.model_args).to(device)
     if init is not None:
-        model.load_state_dict(init.model.state_dict())
+        _load_init_weights(model, init, cfg.init)
     optimizer_cls = {"adam": torch.optim.Adam, "radam": torch.optim.RAdam}[cfg.optimizer]
     optimizer = optimizer_cls(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     phase = PHASES[cfg.phase](cfg, model, vocab, store, train_images, device)
@@ -512,6 +567,8 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
             "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
             "precision": precision.name}
+    if cfg.init:
+        meta["started_from"] = _lineage(cfg.init)
     return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
                phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
                progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, trainer=trainer)
