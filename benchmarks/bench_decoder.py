@@ -2,7 +2,7 @@
 images in one table) vs one ``beam_search`` call per image, for the shipped SAT, AoANet and SparseCap checkpoints,
 side by side in one run (CPU, one thread; the serving benchmark's decoder-only measurement, for every model).
 
-Usage: ``python benchmarks/bench_decoder.py [--quick]``; writes ``docs/benchmarks/decoder.md`` and prints it.
+Usage: ``python benchmarks/bench_decoder.py [--models NAME ...] [--quick]``; writes ``docs/benchmarks/decoder.md`` and prints it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import BEAM, MAX_LEN, decoder_only, machine  # noqa: E402
+from checkpoints import decoder_models  # noqa: E402
 from profile_decoder_step import profile_table  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "decoder.md"
-#: the issue's three architectures, and SparseCap with softmax output attention to read TVmax's share against
-MODELS = ("sat-scenes", "aoanet", "sparsecap-tvmax", "sparsecap-softmax")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=decoder_models(),
+                        help="checkpoints: folders under weights/ or paths (default: SAT (the service's default "
+                        "model), AoANet, SparseCap-TVmax and -softmax)")
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="8 images, one repetition (smoke test)")
@@ -38,7 +40,7 @@ def main() -> None:
     clock = time.perf_counter()
     rows = ["| model | per-image `beam_search` (s) | continuous batcher (s) | images/s per-image → batched "
             "| batched ÷ per-image |", "|---|---:|---:|---:|---:|"]
-    for model in MODELS:
+    for model in args.models:
         decode = decoder_only(model, 1, args.images, args.repeats)
         per_image, batched = decode["per-image beam_search"], decode["continuous batcher"]
         rows.append(f"| {model} | {per_image:.3f} | {batched:.3f} | {args.images / per_image:.1f} → "
@@ -71,7 +73,7 @@ def main() -> None:
         "`benchmarks/profile_decoder_step.py`: encoder state of random features on each checkpoint's grid, expanded "
         "to the rows as the batcher's tables hold it; the model's `step` plus its `reorder`; median of 7.",
         "",
-        *profile_table(),
+        *profile_table(models=args.models),
         "",
         f"Total benchmark time: {time.perf_counter() - clock:.0f} s.",
     ]
