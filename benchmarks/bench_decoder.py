@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serving import BEAM, MAX_LEN, decoder_only, machine  # noqa: E402
-from checkpoints import decoder_models  # noqa: E402
+from common import decoder_models, publish  # noqa: E402
 from profile_decoder_step import profile_table  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "decoder.md"
@@ -75,12 +75,8 @@ def main() -> None:
         "",
         *profile_table(models=args.models),
         "",
-        f"Total benchmark time: {time.perf_counter() - clock:.0f} s.",
     ]
-    text = "\n".join(lines) + "\n"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    publish(args.out, lines, clock)
 
 
 if __name__ == "__main__":

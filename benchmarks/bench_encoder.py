@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--parity-images", type=int, default=12, help="test scenes of the precision parity check")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from checkpoints import checkpoint, default_model
+    from common import checkpoint, default_model
 
     args.checkpoint = checkpoint(str(args.checkpoint or default_model()))
     import torch

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoints import ROOT, checkpoint, default_model  # noqa: E402
+from common import ROOT, checkpoint, default_model, publish  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "int8.md"
 AIM = 0.01
@@ -87,15 +87,11 @@ def main() -> None:
         "",
         *table(results),
         "",
-        f"Total benchmark time: {time.perf_counter() - clock:.0f} s.",
-        "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
+    publish(args.out, lines, clock)
     args.out.with_suffix(".json").write_text(json.dumps(
         {"command": command, "started": f"{started:%Y-%m-%d %H:%M} UTC", "split": args.split, "results": results},
         indent=2) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import httpx
-from checkpoints import default_model
+from common import default_model
 from reliability import SIZES, jpeg, post
 from servers import Server
 

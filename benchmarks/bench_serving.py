@@ -50,7 +50,7 @@ from fastapi import FastAPI, File, UploadFile  # module level: the tutorial hand
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from checkpoints import checkpoint, default_model  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from common import checkpoint, default_model  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 from servers import Server  # noqa: E402
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
 INT8_RESULTS = ROOT / "docs" / "benchmarks" / "int8.json"
@@ -244,7 +244,7 @@ def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 
     for _ in range(repeats):
         for name, fn in runs.items():
             timings[name] = min(timings[name], _timed(fn))
-    return {"images": images, **timings}
+    return {"images": images, "repeats": repeats, **timings}
 
 
 def encoder_timings(model: str, spec, encoder, pictures, threads: int) -> dict:
@@ -394,7 +394,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
     for backend, per in decode["encoder_ms"].items():
         lines.append(f"| encoder ceiling, {backend} | {per[1]:.1f} | {per[4]:.1f} | {per[16]:.1f} | "
                      f"{ceiling[backend]:.2f} |")
-    lines += int8_section()
+    lines += int8_section(args.int8_results)
     lines += ["", "## Ratios against the aims", "", "| ratio | aim | measured | |", "|---|---|---|---|"]
     for label, aim, value, test in ratios:
         lines.append(f"| {label} | {aim} | {value:.2f}× | {verdict(test(value)) if test else ''} |")
@@ -403,7 +403,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "",
         "## Decoder only (in process, images already encoded)",
         "",
-        f"{decode['images']} images, beam {BEAM}, max_len {MAX_LEN}, best of 3; no HTTP, no image decoding, no CNN. "
+        f"{decode['images']} images, beam {BEAM}, max_len {MAX_LEN}, best of {decode['repeats']}; no HTTP, no image decoding, no CNN. "
         f"Encoder alone, for scale: {decode['encoder_ms_1']:.0f} ms per image at batch 1, "
         f"{decode['encoder_ms_16']:.0f} ms per image at batch 16.",
         "",
@@ -475,7 +475,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
     return "\n".join(lines)
 
 
-def int8_section() -> list[str]:
+def int8_section(path: Path) -> list[str]:
     """The int8 accuracy table of ``benchmarks/bench_int8.py`` (its own run: ``captioner eval`` of whole splits),
     beside the int8 encoder's speed measured in this run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -483,7 +483,7 @@ def int8_section() -> list[str]:
 
     lines = ["", "## int8 CNN: accuracy (`captioner eval`, float vs int8)", ""]
     try:
-        record = json.loads(INT8_RESULTS.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return lines + ["Not measured yet: `make bench-int8` (or `make bench`, which runs it first) writes "
                         "docs/benchmarks/int8.json."]
@@ -504,6 +504,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="requests per server in the 1-client latency turns")
     parser.add_argument("--quick", action="store_true", help="short windows (smoke test; not for the table)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--int8-results", type=Path, default=INT8_RESULTS, help="bench_int8.py's JSON")
     args = parser.parse_args()
 
     if args.tutorial_server:
@@ -513,8 +514,10 @@ def main() -> None:
                     log_level="warning", access_log=False)
         return
 
+    decoder_images, decoder_repeats = 32, 3
     if args.quick:
         args.window, args.rounds = 3.0, 6
+        decoder_images, decoder_repeats = 8, 1
     args.command = "python benchmarks/bench_serving.py" + "".join(
         f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 1),
                                     (f"--clients {' '.join(map(str, args.clients))}", args.clients != [1, 8, 32]),
@@ -576,9 +579,9 @@ def main() -> None:
     results = {name: {c: combine(p) for c, p in by_clients.items()} for name, by_clients in parts.items()}
     checks = {f"{name} vs batching": value == captions["batching"] for name, value in captions.items()
               if name != "batching"}
-    scenes = encoded_scenes(args.model, 32)
+    scenes = encoded_scenes(args.model, decoder_images)
     ckpt, spec = scenes[0], scenes[0].encoder
-    decode = {**decoder_only(args.model, args.threads, scenes=scenes),
+    decode = {**decoder_only(args.model, args.threads, decoder_images, decoder_repeats, scenes=scenes),
               **encoder_timings(folder.name, spec, scenes[1], scenes[2], args.threads),
               "arch": ckpt.model.arch, "encoder": f"{spec.backbone} {spec.layer}, {spec.grid_hw[0]}×{spec.grid_hw[1]} "
                                                   f"grid at {spec.image_size} px"}

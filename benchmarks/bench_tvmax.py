@@ -22,6 +22,7 @@ from captioner.models.attention.tvmax import grid_edges, tv2d_prox
 from captioner.models.decoding import beam_search
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import create
+from common import publish  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks" / "tvmax.md"
@@ -187,6 +188,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer grids and repetitions")
     parser.add_argument("--softmax", default="sparsecap-softmax", help="SparseCap checkpoint with softmax attention")
     parser.add_argument("--tvmax", default="sparsecap-tvmax", help="SparseCap checkpoint with TVmax attention")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny tensors: threads only add contention, and timings are comparable this way
     grids, repeats, images = (16, 3, 4) if args.quick else (32, 7, 8)
@@ -227,12 +229,8 @@ def main() -> None:
         "",
         *shipped_table(SHIPPED_IMAGES, shipped_repeats, args.softmax, args.tvmax),
         "",
-        f"Total benchmark time: {time.perf_counter() - started:.0f} s.",
     ]
-    text = "\n".join(lines) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(text)
+    publish(args.out, lines, started)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoints import checkpoint, decoder_models  # noqa: E402
+from common import checkpoint, decoder_models  # noqa: E402
 
 ROWS = (3, 96, 256)
 

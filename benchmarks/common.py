@@ -1,5 +1,6 @@
-"""Which checkpoints the benchmarks run: names of folders under weights/ (or checkpoint folders), given on each
-benchmark's command line, with defaults here, so that no benchmark depends on which folders weights/ holds today.
+"""What the benchmarks share: which checkpoints they run (names of folders under weights/, or checkpoint folders,
+given on each benchmark's command line with defaults here, so that no benchmark depends on which folders weights/
+holds today), and how a report is written.
 
 The default SAT model is the service's default (``CAPTIONER_DEFAULT_MODEL``'s default in service/settings.py), so
 a renamed default checkpoint is followed without editing the benchmarks.
@@ -33,3 +34,14 @@ def checkpoint(name: str) -> Path:
         shipped = sorted(p.name for p in WEIGHTS.iterdir() if (p / "model.safetensors").is_file())
         raise SystemExit(f"no checkpoint {name!r} (looked in {folder}); weights/ holds {', '.join(shipped)}")
     return folder
+
+
+def publish(out: Path, lines: list[str], started: float) -> None:
+    """Write the Markdown ``lines`` to ``out`` with the run's total time (``started``: a perf_counter reading)
+    last, and print them."""
+    import time
+
+    text = "\n".join([*lines, f"Total benchmark time: {time.perf_counter() - started:.0f} s.", ""])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
