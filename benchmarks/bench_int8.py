@@ -69,10 +69,12 @@ def main() -> None:
             folder = checkpoint(name)
             results[folder.name] = {p: evaluate(folder, p, args, Path(tmp)) for p in ("float32", "int8")}
             print(table({folder.name: results[folder.name]})[-1], file=sys.stderr, flush=True)
+    dataset = args.dataset.relative_to(ROOT) if args.dataset.is_relative_to(ROOT) else args.dataset
     command = "python benchmarks/bench_int8.py" + "".join(
         flag for flag, on in ((f" --models {' '.join(args.models)}", args.models != parser.get_default("models")),
+                              (f" --dataset {dataset}", args.dataset != parser.get_default("dataset")),
+                              (f" --split {args.split}", args.split != "test"),
                               (f" --limit {args.limit}", args.limit)) if on)
-    dataset = args.dataset.relative_to(ROOT) if args.dataset.is_relative_to(ROOT) else args.dataset
     lines = [
         "# int8 CNN: accuracy against float",
         "",
