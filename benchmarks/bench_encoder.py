@@ -1,9 +1,10 @@
 """Encoder benchmark: per-image time of the visual encoder at batch 1, 4 and 16, PyTorch and ONNX Runtime, one run.
 
-The encoder of the shipped default (``weights/sat``: EfficientNet-Lite0 hypercolumns, a 16×16 grid at
-256 px) is timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
+The encoder of a checkpoint (``--checkpoint``, default: the service's default model, EfficientNet-Lite0 hypercolumns
+on a 16×16 grid at 256 px) is timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
 (``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX
-Runtime (CPU execution provider here).  Configurations are timed in turns, repetition by repetition, so that
+Runtime (CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8
+serves it).  Configurations are timed in turns, repetition by repetition, so that
 background load affects each alike; each cell is the median of the repetitions' per-image times.  The PyTorch row
 "unfolded" is the encoder before this change (BatchNorms as separate passes), for the record.
 
@@ -70,6 +71,23 @@ def onnx_encoder(encoder, spec, threads: int, folder: Path):
     return run, error
 
 
+def onnx_int8_encoder(encoder, spec, threads: int, folder: Path):
+    """The served int8 CNN (models/export/quantize.py: static quantization of the same network)."""
+    import onnxruntime as ort
+
+    from captioner.models.export.quantize import quantized_visual_encoder
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(quantized_visual_encoder(spec, folder, encoder)), options,
+                                   providers=["CPUExecutionProvider"])
+
+    def run(pixels):
+        session.run(None, {"pixels": pixels.numpy()})
+    return run
+
+
 def precision_parity(checkpoint: Path, count: int) -> dict[str, tuple[int, int]]:
     """Captions of ``count`` generated test scenes at each CAPTIONER_PRECISION vs float32: (identical, total)."""
     import json
@@ -99,10 +117,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of both backends")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--checkpoint", type=Path, default=ROOT / "weights" / "sat")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="checkpoint folder or name under weights/ (default: the service's default model)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--parity-images", type=int, default=12, help="test scenes of the precision parity check")
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import checkpoint, default_model
+
+    args.checkpoint = checkpoint(str(args.checkpoint or default_model()))
     import torch
 
     torch.set_num_threads(args.threads)
@@ -112,6 +135,8 @@ def main() -> None:
     runners, served = torch_encoders(spec)
     with tempfile.TemporaryDirectory() as tmp:
         runners["onnx runtime"], onnx_error = onnx_encoder(served, spec, args.threads, Path(tmp))
+        # accuracy of int8: benchmarks/bench_int8.py (captioner eval), docs/benchmarks/int8.md
+        runners["onnx runtime int8"] = onnx_int8_encoder(served, spec, args.threads, Path(tmp))
         inputs = {b: torch.randn(b, 3, spec.image_size, spec.image_size) for b in BATCHES}
         for run in runners.values():  # first-use costs (allocator, kernel choice) are not measured
             for pixels in inputs.values():

@@ -1,5 +1,6 @@
 """Serving benchmark: continuous batching vs batch-size-1 serving vs a plain per-image beam-search loop, and the
-ONNX Runtime backend vs PyTorch — one run, one model (weights/sat), one machine.
+ONNX Runtime backend vs PyTorch — one run, one model (``--model``, default: the service's default model), one
+machine.
 
 Every configuration is a real HTTP server on localhost in its own process; all four start together and are
 measured in turns, so that background load that drifts during the run affects each alike:
@@ -21,7 +22,11 @@ multipart JPEG, beam 3, max_len 20 — as soon as the previous one is answered) 
 measured in two halves with the configurations in turn.  A last, in-process table isolates the decoder: 32 images
 already encoded, decoded by the continuous batcher (one table of 96 rows) vs one ``beam_search`` call per image.
 
-Usage: ``python benchmarks/bench_serving.py [--quick]``; writes ``docs/benchmarks/serving.md``.
+The encoder-only ceiling of each backend (PyTorch, ONNX Runtime, ONNX Runtime with the int8 CNN) is measured in
+the same run; the int8 accuracy table is read from ``docs/benchmarks/int8.json`` (``benchmarks/bench_int8.py``,
+which ``make bench`` runs first).
+
+Usage: ``python benchmarks/bench_serving.py [--model NAME] [--quick]``; writes ``docs/benchmarks/serving.md``.
 """
 
 from __future__ import annotations
@@ -45,10 +50,11 @@ from fastapi import FastAPI, File, UploadFile  # module level: the tutorial hand
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from servers import Server  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from common import checkpoint, default_model  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from servers import Server  # noqa: E402
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
-WEIGHTS = ROOT / "weights"
-MODEL = "sat"
+INT8_RESULTS = ROOT / "docs" / "benchmarks" / "int8.json"
+ONNX_DIR = ROOT / ".cache" / "onnx"
 BEAM, MAX_LEN = 3, 20
 PARAMS = {"beam_size": BEAM, "max_len": MAX_LEN}
 
@@ -171,24 +177,38 @@ def scene_jpegs(count: int) -> list[bytes]:
 
 
 # -- decoder only, in process -------------------------------------------------------------------------------------
-def decoder_only(threads: int, images: int = 32, repeats: int = 3) -> dict:
+def encoded_scenes(model: str, images: int):
+    """The shipped checkpoint ``model`` on CPU, its channels-last encoder, ``images`` generated test scenes prepared
+    as the service prepares uploads, and their features (encoded one by one)."""
     import torch
     from PIL import Image
 
     from captioner.models.checkpoint import load_checkpoint
-    from captioner.models.decoding import beam_search, expand_rows
     from captioner.models.encoder import GridEncoder
-    from captioner.models.protocol import VisualBatch
-    from captioner.service.batcher import Batcher
-    from captioner.models.inference import Prepared, TorchRuntime
+    from captioner.models.inference import TorchRuntime
 
-    torch.set_num_threads(threads)
-    ckpt = load_checkpoint(WEIGHTS / MODEL, "cpu")
+    ckpt = load_checkpoint(checkpoint(model), "cpu")
     encoder = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
-    runtime = TorchRuntime(MODEL, ckpt, encoder, torch.device("cpu"))
+    runtime = TorchRuntime(model, ckpt, encoder, torch.device("cpu"))
     pictures = [runtime.prepare(Image.open(io.BytesIO(b)).convert("RGB")) for b in scene_jpegs(images)]
     with torch.inference_mode():
         feats = [encoder(p.pixels[None].contiguous(memory_format=torch.channels_last)) for p in pictures]
+    return ckpt, encoder, pictures, feats
+
+
+def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 3, scenes=None) -> dict:
+    """Seconds to decode ``images`` already-encoded scenes with ``model``: one ``beam_search`` call per image vs the
+    continuous batcher (all images admitted to one table of ``BEAM × images`` rows); best of ``repeats``, the two
+    in turns.  ``scenes``: the :func:`encoded_scenes` of ``model`` when the caller has them."""
+    import torch
+
+    from captioner.models.decoding import beam_search, expand_rows
+    from captioner.models.inference import Prepared, TorchRuntime
+    from captioner.models.protocol import VisualBatch
+    from captioner.service.batcher import Batcher
+
+    torch.set_num_threads(threads)
+    ckpt, encoder, pictures, feats = scenes or encoded_scenes(model, images)
 
     class Encoded(TorchRuntime):  # images arrive already encoded: only decoding is timed
         def begin(self, batch: list[Prepared], widths: list[int]):
@@ -196,7 +216,7 @@ def decoder_only(threads: int, images: int = 32, repeats: int = 3) -> dict:
             enc = expand_rows(enc, widths)
             return enc, ckpt.model.init_state(enc)
 
-    encoded = Encoded(MODEL, ckpt, encoder, torch.device("cpu"))
+    encoded = Encoded(model, ckpt, encoder, torch.device("cpu"))
     items = [Prepared(f, p.geometry) for f, p in zip(feats, pictures)]
 
     def per_image() -> None:
@@ -217,36 +237,58 @@ def decoder_only(threads: int, images: int = 32, repeats: int = 3) -> dict:
 
         asyncio.run(run())
 
+    runs = {"per-image beam_search": per_image, "continuous batcher": batched}
+    for fn in runs.values():
+        fn()  # warm-up
+    timings = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            timings[name] = min(timings[name], _timed(fn))
+    return {"images": images, "repeats": repeats, **timings}
+
+
+def encoder_timings(model: str, spec, encoder, pictures, threads: int) -> dict:
+    """ms per image of the PyTorch encoder at batch 1 and 16, and the encoder-only ceiling of each backend (ms per
+    image at batch 1, 4 and 16: the service picks its encoder batch at warm-up)."""
+    import torch
+
     timings = {}
-    for name, fn in (("per-image beam_search", per_image), ("continuous batcher", batched)):
-        fn()
-        timings[name] = min(_timed(fn) for _ in range(repeats))
     with torch.inference_mode():
         pixels = torch.stack([p.pixels for p in pictures[:16]]).contiguous(memory_format=torch.channels_last)
         encoder(pixels[:1])
         timings["encoder_ms_1"] = 1000 * min(_timed(lambda: encoder(pixels[:1])) for _ in range(5))
         timings["encoder_ms_16"] = 1000 * min(_timed(lambda: encoder(pixels)) for _ in range(2)) / 16
-        # the encoder-only ceiling of each backend: images/s at its best batch size (1, 4 or 16), as the service
-        # picks its encoder batch at warm-up
         torch_ms = {b: 1000 * min(_timed(lambda: encoder(pixels[:b])) for _ in range(3)) / b for b in (1, 4, 16)}
-    onnx_ms = onnx_encoder_ms(pixels.contiguous(), threads)
-    timings["encoder_ms"] = {"torch": torch_ms, "onnx": onnx_ms}
-    return {"images": images, **timings}
+    feed = pixels.contiguous().numpy()
+    timings["encoder_ms"] = {"torch": torch_ms, **{backend: onnx_encoder_ms(model, spec, feed, threads, precision)
+                                                   for backend, precision in ONNX_CNNS.items()}}
+    return timings
 
 
-def onnx_encoder_ms(pixels, threads: int) -> dict[int, float]:
-    """Per-image time of the served ONNX encoder graph (CNN + encode + init_state) at batch 1, 4 and 16."""
+#: the ONNX Runtime rows of the encoder-only ceiling: backend label → precision of its CNN
+ONNX_CNNS = {"onnx": "float32", "onnx int8": "int8"}
+
+
+def onnx_encoder_ms(model: str, spec, feed, threads: int, precision: str) -> dict[int, float]:
+    """Per-image time of the ONNX Runtime encoder as the service runs it (the CNN at ``precision``, then the
+    model's ``head.onnx``, with the service's session options) at batch 1, 4 and 16."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(ROOT / ".cache" / "onnx" / MODEL / "encoder.onnx"), options,
-                                   providers=["CPUExecutionProvider"])
-    feed = pixels.numpy()
-    session.run(None, {"pixels": feed[:1]})
-    return {b: 1000 * min(_timed(lambda: session.run(None, {"pixels": feed[:b]})) for _ in range(3)) / b
-            for b in (1, 4, 16)}
+    from captioner.models.export.quantize import visual_encoder_file
+    from captioner.service.runtime import _session_options
+
+    def session(path: Path):
+        return ort.InferenceSession(str(path), _session_options(threads), providers=["CPUExecutionProvider"])
+
+    visual, head = session(visual_encoder_file(spec, ONNX_DIR, precision)), session(ONNX_DIR / model / "head.onnx")
+    heads = [o.name for o in head.get_outputs()]
+
+    def run(batch: int) -> None:
+        features = visual.run(["features"], {"pixels": feed[:batch]})[0]
+        head.run(heads, {"features": features})
+
+    run(1)
+    return {b: 1000 * min(_timed(lambda: run(b)) for _ in range(3)) / b for b in (1, 4, 16)}
 
 
 def _timed(fn) -> float:
@@ -287,7 +329,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "",
         f"Machine: {host}.",
         "",
-        f"Model: `weights/{MODEL}` (SAT, EfficientNet-Lite0 grid encoder at 256×256, LSTM 512), beam {BEAM}, "
+        f"Model: `{args.model}` ({decode['arch']}, {decode['encoder']}), beam {BEAM}, "
         f"max_len {MAX_LEN}, on CPU with {args.threads} intra-op thread(s) per server. Requests: multipart JPEG "
         "uploads of generated 640×480 test scenes, cycling through 16 of them. Each configuration is a real "
         "`uvicorn` process on localhost; all four run side by side and are measured in turns (an idle server "
@@ -352,6 +394,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
     for backend, per in decode["encoder_ms"].items():
         lines.append(f"| encoder ceiling, {backend} | {per[1]:.1f} | {per[4]:.1f} | {per[16]:.1f} | "
                      f"{ceiling[backend]:.2f} |")
+    lines += int8_section(args.int8_results)
     lines += ["", "## Ratios against the aims", "", "| ratio | aim | measured | |", "|---|---|---|---|"]
     for label, aim, value, test in ratios:
         lines.append(f"| {label} | {aim} | {value:.2f}× | {verdict(test(value)) if test else ''} |")
@@ -360,7 +403,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "",
         "## Decoder only (in process, images already encoded)",
         "",
-        f"{decode['images']} images, beam {BEAM}, max_len {MAX_LEN}, best of 3; no HTTP, no image decoding, no CNN. "
+        f"{decode['images']} images, beam {BEAM}, max_len {MAX_LEN}, best of {decode['repeats']}; no HTTP, no image decoding, no CNN. "
         f"Encoder alone, for scale: {decode['encoder_ms_1']:.0f} ms per image at batch 1, "
         f"{decode['encoder_ms_16']:.0f} ms per image at batch 16.",
         "",
@@ -394,9 +437,10 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "and only the decoder state follows the beams); for SAT at 16×16 cells the step is dominated by tanh over "
         "rows × 256 cells × 256 attention channels, which grows with every row, so per-row cost falls only "
         "about 3× from 3 to 96 rows even computed in cache-sized blocks of rows; AoANet's step no longer copies "
-        "the image's keys and values into heads at every step (a block-diagonal query reads them as stored), and "
-        "SparseCap-TVmax's is the same additive-attention tanh plus the TV proximal solver. A table's encoder "
-        "state grows in place when requests join (it was concatenated, copying every row's image features at "
+        "the image's keys and values into heads at every step (they are stored split into heads once, in the "
+        "encoder state), and SparseCap-TVmax's is the same additive-attention tanh plus the TV proximal solver. "
+        "A table's encoder state grows in place when requests join (it was concatenated, copying every row's "
+        "image features at "
         "each admission: the largest cost of the batching worker under load). Continuous "
         "batching shares each decoding step's fixed costs (Python, operator dispatch) among all rows, but not the "
         "arithmetic that grows with every row: with SAT's additive attention over the default's 16×16 = 256 cells, "
@@ -431,10 +475,28 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
     return "\n".join(lines)
 
 
+def int8_section(path: Path) -> list[str]:
+    """The int8 accuracy table of ``benchmarks/bench_int8.py`` (its own run: ``captioner eval`` of whole splits),
+    beside the int8 encoder's speed measured in this run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_int8 import table
+
+    lines = ["", "## int8 CNN: accuracy (`captioner eval`, float vs int8)", ""]
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return lines + ["Not measured yet: `make bench-int8` (or `make bench`, which runs it first) writes "
+                        "docs/benchmarks/int8.json."]
+    return lines + [f"From `{record['command']}` ({record['started']}, split `{record['split']}`; "
+                    "docs/benchmarks/int8.md); its speed is the `onnx int8` row above.", "", *table(record["results"])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tutorial-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int)
+    parser.add_argument("--model", default=default_model(),
+                        help="checkpoint: a folder under weights/ or a path (default: the service's default model)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per server (1: the load generator needs a core too)")
     parser.add_argument("--window", type=float, default=10.0, help="measured seconds per point")
@@ -442,20 +504,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="requests per server in the 1-client latency turns")
     parser.add_argument("--quick", action="store_true", help="short windows (smoke test; not for the table)")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--int8-results", type=Path, default=INT8_RESULTS, help="bench_int8.py's JSON")
     args = parser.parse_args()
 
     if args.tutorial_server:
         import uvicorn
 
-        uvicorn.run(tutorial_app(WEIGHTS / MODEL, args.threads), host="127.0.0.1", port=args.port,
+        uvicorn.run(tutorial_app(checkpoint(args.model), args.threads), host="127.0.0.1", port=args.port,
                     log_level="warning", access_log=False)
         return
 
+    decoder_images, decoder_repeats = 32, 3
     if args.quick:
         args.window, args.rounds = 3.0, 6
+        decoder_images, decoder_repeats = 8, 1
     args.command = "python benchmarks/bench_serving.py" + "".join(
         f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 1),
                                     (f"--clients {' '.join(map(str, args.clients))}", args.clients != [1, 8, 32]),
+                                    (f"--model {args.model}", args.model != default_model()),
                                     ("--quick", args.quick)) if on)
     started = datetime.datetime.now(datetime.timezone.utc)
     host = machine()
@@ -463,15 +529,21 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     print(f"server logs in {log_dir}", file=sys.stderr)
 
-    # the ONNX export is made once, before any timing (the service would export at start-up otherwise)
-    onnx_dir = ROOT / ".cache" / "onnx"
-    subprocess.run([sys.executable, "-m", "captioner.service.cli", "export", "--out", str(onnx_dir), str(WEIGHTS / MODEL)],
+    # the ONNX export (and the int8 CNN of the encoder ceiling) is made once, before any timing (the service would
+    # export at start-up otherwise)
+    folder, onnx_dir = checkpoint(args.model), ONNX_DIR
+    subprocess.run([sys.executable, "-m", "captioner.service.cli", "export", "--out", str(onnx_dir), str(folder)],
                    cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from captioner.models.checkpoint import load_checkpoint
+    from captioner.models.export.quantize import quantized_visual_encoder
+
+    quantized_visual_encoder(load_checkpoint(folder, "cpu").encoder, onnx_dir)
     # only the benchmarked model is loaded (weights/ ships several): an empty weights dir plus that checkpoint
     only = log_dir / "weights"
     only.mkdir()
     serve = [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(only)]
-    base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(WEIGHTS / MODEL)]), "CAPTIONER_THREADS": str(args.threads), "CAPTIONER_DEVICE": "cpu", "CAPTIONER_DEFAULT_MODEL": MODEL,
+    base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(folder)]), "CAPTIONER_THREADS": str(args.threads),
+            "CAPTIONER_DEVICE": "cpu", "CAPTIONER_DEFAULT_MODEL": folder.name,
             "CAPTIONER_QUEUE_SIZE": "256", "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_ONNX_DIR": str(onnx_dir),
             # PyTorch unless a configuration says otherwise (the shipped default `auto` picks ONNX Runtime for this
             # model: the `onnx` configuration)
@@ -482,7 +554,7 @@ def main() -> None:
                                        "CAPTIONER_MAX_BEAM_SIZE": str(BEAM)}, log_dir / "batch-size-1.log"),
         Server("onnx", serve, {**base, "CAPTIONER_BACKEND": "onnx"}, log_dir / "onnx.log"),
         Server("tutorial loop", [sys.executable, str(Path(__file__).resolve()), "--tutorial-server", "--threads",
-                                 str(args.threads)], {}, log_dir / "tutorial-loop.log"),
+                                 str(args.threads), "--model", str(folder)], {}, log_dir / "tutorial-loop.log"),
     ]
     try:
         for server in servers:
@@ -507,7 +579,12 @@ def main() -> None:
     results = {name: {c: combine(p) for c, p in by_clients.items()} for name, by_clients in parts.items()}
     checks = {f"{name} vs batching": value == captions["batching"] for name, value in captions.items()
               if name != "batching"}
-    decode = decoder_only(args.threads)
+    scenes = encoded_scenes(args.model, decoder_images)
+    ckpt, spec = scenes[0], scenes[0].encoder
+    decode = {**decoder_only(args.model, args.threads, decoder_images, decoder_repeats, scenes=scenes),
+              **encoder_timings(folder.name, spec, scenes[1], scenes[2], args.threads),
+              "arch": ckpt.model.arch, "encoder": f"{spec.backbone} {spec.layer}, {spec.grid_hw[0]}×{spec.grid_hw[1]} "
+                                                  f"grid at {spec.image_size} px"}
     print(f"decoder only: {decode}", file=sys.stderr)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from profile_decoder_step import profile_table

@@ -16,24 +16,28 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("sat", "aoanet", "sparsecap-tvmax")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import checkpoint, decoder_models  # noqa: E402
+
 ROWS = (3, 96, 256)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=decoder_models()[:3],
+                        help="checkpoints: folders under weights/ or paths (default: SAT, AoANet, SparseCap-TVmax)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--top", type=int, default=3, help="operators listed per model and row count")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    for line in profile_table(args.repeats, args.top):
+    for line in profile_table(args.repeats, args.top, args.models):
         print(line, flush=True)
 
 
-def profile_table(repeats: int = 7, top_ops: int = 3) -> list[str]:
-    """The Markdown table (one line per model and row count), at the current torch thread count."""
+def profile_table(repeats: int = 7, top_ops: int = 3, models: list[str] | None = None) -> list[str]:
+    """The Markdown table (one line per model and row count), at the current torch thread count; ``models``:
+    checkpoint names or folders (default: SAT, AoANet, SparseCap-TVmax)."""
     from torch.profiler import profile
 
     from captioner.models.checkpoint import load_checkpoint
@@ -42,8 +46,8 @@ def profile_table(repeats: int = 7, top_ops: int = 3) -> list[str]:
     from captioner.models.protocol import VisualBatch
 
     lines = ["| model | rows | ms/step (median) | µs/row | top operators (self CPU share) |", "|---|---:|---:|---:|---|"]
-    for name in MODELS:
-        ckpt = load_checkpoint(ROOT / "weights" / name, "cpu")
+    for name in models or decoder_models()[:3]:
+        ckpt = load_checkpoint(checkpoint(name), "cpu")
         model, spec = ckpt.model.eval(), ckpt.encoder
         rows_, cols = spec.grid_hw
         geometry = grid_geometry(spec, (spec.image_size, spec.image_size))

@@ -78,7 +78,7 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
     runtimes = await asyncio.to_thread(load_runtimes, settings.weights_dir, settings.checkpoints, settings.device,
                                        settings.backends, settings.backend, settings.onnx_dir, settings.threads,
-                                       settings.precision)
+                                       settings.precision, settings.encoder_precision)
     if not runtimes:
         log.error("no checkpoint found in %s: every caption request will get 503", settings.weights_dir)
     elif settings.default_model not in runtimes:

@@ -77,7 +77,7 @@ class VisualSession:
     def __init__(self, path: Path, device: torch.device, threads: int | None = None):
         import onnxruntime as ort
 
-        self.device = device
+        self.device, self.path = device, Path(path)
         self.session = ort.InferenceSession(str(path), _session_options(threads), providers=_providers(device))
         self.providers = self.session.get_providers()
         self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
@@ -220,8 +220,9 @@ class SharedEncoders:
     their CNN on ONNX Runtime, with current exports, never builds the PyTorch one — nor imports timm, which brings
     torchvision and ``torch._dynamo`` (about 190 MB resident)."""
 
-    def __init__(self, device: torch.device, onnx_dir: Path, threads: int | None):
+    def __init__(self, device: torch.device, onnx_dir: Path, threads: int | None, precision: str = "float32"):
         self.device, self.onnx_dir, self.threads = device, Path(onnx_dir), threads
+        self.precision = precision  # of the ONNX CNN: float32, or int8 (models/export/quantize.py)
         self._torch: dict[str, GridEncoder] = {}
         self._onnx: dict[str, VisualSession] = {}
 
@@ -236,13 +237,16 @@ class SharedEncoders:
         return self.pytorch(spec) if self.device.type == "cpu" else None
 
     def onnx(self, spec: EncoderSpec) -> VisualSession:
-        from captioner.models.export.onnx import export_visual_encoder, visual_encoder_path
+        from captioner.models.export.onnx import visual_encoder_path
+        from captioner.models.export.quantize import INT8_FILE, visual_encoder_file
 
         key = repr(spec)
         if key not in self._onnx:
             path = visual_encoder_path(spec, self.onnx_dir)
-            if not path.is_file():
-                path = export_visual_encoder(spec, self.onnx_dir, self.for_export(spec))
+            if self.precision == "int8":
+                path = path.with_name(INT8_FILE)
+            if not path.is_file():  # the PyTorch CNN is built only when an export must be made
+                path = visual_encoder_file(spec, self.onnx_dir, self.precision, self.for_export(spec))
             self._onnx[key] = VisualSession(path, self.device, self.threads)
         return self._onnx[key]
 
@@ -290,7 +294,13 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
 
     device = encoders.device
     prepared = [Prepared(*preprocess(image, ckpt.encoder)) for image in check_images()]
-    want = reference_captions(name, ckpt, encoders, prepared)
+    if encoders.precision == "int8":
+        # an int8 CNN changes features, so PyTorch's float captions are no reference for the decoder graphs: they
+        # must equal the PyTorch decoder's on the same int8 features (what int8 costs in accuracy is measured by
+        # `captioner eval --encoder-precision int8`, docs/benchmarks/int8.md)
+        want = check_captions(HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device), prepared)
+    else:
+        want = reference_captions(name, ckpt, encoders, prepared)
     candidates = (("onnx", lambda: OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
                                                encoders.onnx(ckpt.encoder))),
                   ("hybrid", lambda: HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device)))
@@ -328,16 +338,18 @@ def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
 
 def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto", backends: dict[str, str] | None = None,
                   default_backend: str = "torch", onnx_dir: Path = Path(".cache/onnx"),
-                  threads: int | None = None, precision: str = "float32") -> dict[str, Runtime]:
+                  threads: int | None = None, precision: str = "float32",
+                  encoder_precision: str = "float32") -> dict[str, Runtime]:
     """Every checkpoint as a runtime; ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per model name
     (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend with an
     error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
-    is a PyTorch autocast option: those models run on PyTorch whatever their backend setting."""
+    is a PyTorch autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision``
+    ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN)."""
     from captioner.models.export.onnx import ExportUnsupported
 
     device = resolve_device(device_name)
     backends = backends or {}
-    encoders = SharedEncoders(device, onnx_dir, threads)
+    encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
     runtimes: dict[str, Runtime] = {}
     for name, path in find_checkpoints(weights_dir, extra).items():
         try:
@@ -351,6 +363,9 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                 log.warning("%s: precision %s runs on PyTorch (the %s backend is float32 only)", name, precision,
                             backend)
             backend = "torch"
+        if encoder_precision != "float32" and backend == "torch":
+            log.warning("%s: encoder precision %s applies to the ONNX Runtime CNN; the torch backend keeps float32",
+                        name, encoder_precision)
         if backend == "auto":
             runtimes[name] = fastest_verified(name, ckpt, encoders, threads)
             log.info("loaded %s (%s) from %s: %s backend on %s", name, ckpt.model.arch, path, runtimes[name].backend,

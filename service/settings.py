@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their defaults, one per core)")
     precision: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="PyTorch autocast precision of the encoder and decoder (not float32: PyTorch backend)")
+    encoder_precision: Literal["float32", "int8"] = Field(
+        "float32", description="the CNN on ONNX Runtime (onnx, hybrid and auto backends): float32, or int8 (static "
+        "quantization, calibrated on generated scenes; accuracy: docs/benchmarks/int8.md)")
     interop_threads: int | None = Field(None, ge=1, description="torch inter-op threads")
     warmup: bool = Field(True, description="run the batcher over its batch shapes before reporting ready")
     release_memory: bool = Field(True, description="pin glibc's mmap threshold, cap its arenas and return freed "

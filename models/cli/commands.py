@@ -170,7 +170,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     dataset = Path(args.dataset)
     if dataset.is_dir():
         dataset = dataset / "dataset_scenes.json"
-    report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size}
+    report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
+                              "encoder_precision": args.encoder_precision}
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
         images = load_karpathy(dataset, args.image_root, (split,), limit=args.limit)
@@ -178,7 +179,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: split {split!r} of {dataset} is empty")
         # by default the features the model was trained on (grid, or regions:DIR)
         features = args.features or ckpt.meta.get("train_config", {}).get("features")
-        store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
+        if args.encoder_precision == "float32":
+            store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
+        else:
+            store = _onnx_feature_store(args, images, ckpt, features)
         metrics = [m for m in ALL_METRICS if not (args.no_meteor and m == "METEOR")]
         if args.grounding:
             # one beam search gives both the captions that are scored and the attention rows that are grounded
@@ -208,6 +212,19 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.results_json:  # the COCO caption-evaluation results format
         Path(args.results_json).write_text(json.dumps(coco_results) + "\n")
         print(f"wrote {len(coco_results)} captions to {args.results_json}", file=sys.stderr)
+
+
+def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str | None):
+    """Grid features of the CNN at ``--encoder-precision`` on ONNX Runtime, as the service computes them with
+    CAPTIONER_ENCODER_PRECISION; cached apart from the float features (the cache is keyed by spec, not by CNN)."""
+    from ..data.features import extract_features
+    from ..export.quantize import RECIPE, OnnxGridEncoder, visual_encoder_file
+
+    if (features or "grid") != "grid":
+        raise SystemExit("error: --encoder-precision applies to grid features, not " + str(features))
+    path = visual_encoder_file(ckpt.encoder, args.onnx_dir, args.encoder_precision)
+    return extract_features(images, ckpt.encoder, Path(args.cache_dir) / f"onnx-{args.encoder_precision}-{RECIPE}",
+                            encoder=OnnxGridEncoder(path, ckpt.encoder, args.threads))
 
 
 def _label(checkpoint: str | Path) -> str:
@@ -398,6 +415,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--features", metavar="grid|regions:DIR", help="visual items (default: the training run's)")
     ev.add_argument("--device", default="auto")
     ev.add_argument("--threads", type=int)
+    ev.add_argument("--encoder-precision", choices=("float32", "int8"), default="float32",
+                    help="int8: grid features from the CNN quantized for ONNX Runtime, as the service computes them "
+                    "with CAPTIONER_ENCODER_PRECISION=int8 (default: the float PyTorch CNN)")
+    ev.add_argument("--onnx-dir", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
+                    help="where the ONNX CNN is exported and quantized (with --encoder-precision int8)")
     ev.add_argument("--output", help="also write the JSON report here")
     ev.add_argument("--results-json", metavar="FILE",
                     help='also write the captions in the COCO results format [{"image_id", "caption"}] here')

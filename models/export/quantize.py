@@ -1,0 +1,129 @@
+"""int8 CNN: ONNX Runtime static quantization of the frozen visual encoder (``visual.onnx`` →
+``visual-int8.onnx`` beside it), and a grid encoder that runs it.
+
+Static (calibrated) rather than dynamic quantization: dynamic quantization turns convolutions into
+``ConvInteger``, which ONNX Runtime's CPU provider runs slower than float; a QDQ graph with calibrated activation
+ranges is fused into ``QLinearConv`` kernels.  Only dense convolutions and matrix products are quantized (weights
+int8 per output channel, activations uint8 with 99.99th-percentile ranges): depthwise convolutions, pooling,
+resizing and the hypercolumn concatenation stay float, so the grid features come out in float32 as from the float
+graph.  Calibration uses generated scenes of a seed that no
+dataset split uses, prepared exactly as the service prepares uploads.  Whether captions survive is measured by
+``captioner eval --encoder-precision int8`` against the float encoder (``benchmarks/bench_int8.py``), not
+assumed: docs/decisions.md, "int8 CNN by ONNX Runtime static quantization".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..encoder import EncoderSpec, GridEncoder, preprocess
+
+INT8_FILE = "visual-int8.onnx"
+#: bump when the quantization recipe changes: feature caches of int8 encoders are keyed by it
+RECIPE = "qdq-percentile-dense-2"
+#: activation range: this percentile of the calibration values (MinMax lets rare outliers widen every step)
+PERCENTILE = 99.99
+CALIBRATION_IMAGES, CALIBRATION_SEED = 32, 90817
+ENCODER_PRECISIONS = ("float32", "int8")
+
+
+def calibration_pixels(spec: EncoderSpec, count: int = CALIBRATION_IMAGES) -> np.ndarray:
+    """``count`` generated scenes (seed :data:`CALIBRATION_SEED`), preprocessed for ``spec``: ``[count, 3, S, S]``."""
+    from ..data.scenes import generate
+    from ..encoder import load_image
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # the train split's generator under a seed of its own: images no dataset made with another seed contains
+        index = generate(Path(tmp), {"train": count}, seed=CALIBRATION_SEED, progress=False)
+        names = [entry["filename"] for entry in json.loads(index.read_text())["images"]]
+        return torch.stack([preprocess(load_image(Path(tmp) / "images" / n), spec)[0] for n in names]).numpy()
+
+
+def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEncoder | None = None,
+                             calibration: int = CALIBRATION_IMAGES) -> Path:
+    """Path of the int8 CNN of ``spec`` in ``out_dir`` (beside its float ``visual.onnx``), made when missing
+    (``calibration``: generated scenes that set the activation ranges)."""
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    from .onnx import export_visual_encoder
+
+    import onnx
+
+    float_path = export_visual_encoder(spec, out_dir, visual)
+    path = float_path.with_name(INT8_FILE)
+    if path.is_file():
+        return path
+    pixels = calibration_pixels(spec, calibration)
+    # Depthwise convolutions stay float: one filter per channel leaves per-tensor uint8 activations no averaging
+    # to hide their rounding in, and they are a small share of the arithmetic.  On the default checkpoint's
+    # hypercolumns (4 unseen scenes) the features' relative L2 error was 0.52 with every convolution quantized and
+    # MinMax ranges, 0.39 with depthwise ones float and percentile ranges (docs/decisions.md, "int8 CNN by ONNX
+    # Runtime static quantization").
+    depthwise = [node.name for node in onnx.load(str(float_path)).graph.node if node.op_type == "Conv"
+                 and any(a.name == "group" and a.i > 1 for a in node.attribute)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{"pixels": pixels[i:i + 8]} for i in range(0, len(pixels), 8)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        quantize_static(str(float_path), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        op_types_to_quantize=["Conv", "MatMul", "Gemm"], nodes_to_exclude=depthwise,
+                        calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": PERCENTILE})
+        os.replace(tmp, path)  # a concurrent reader sees the whole file or none
+    finally:
+        tmp.unlink(missing_ok=True)
+        # quantize_static leaves its augmented calibration model in the working directory on some versions
+        Path("augmented_model.onnx").unlink(missing_ok=True)
+    return path
+
+
+def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str = "float32",
+                        visual: GridEncoder | None = None) -> Path:
+    """The ONNX CNN of ``spec`` at ``precision`` (``float32`` or ``int8``), exported (and quantized) when missing."""
+    from .onnx import export_visual_encoder
+
+    if precision not in ENCODER_PRECISIONS:
+        raise ValueError(f"encoder precision must be one of {ENCODER_PRECISIONS}, got {precision!r}")
+    if precision == "int8":
+        return quantized_visual_encoder(spec, out_dir, visual)
+    return export_visual_encoder(spec, out_dir, visual)
+
+
+class OnnxGridEncoder:
+    """A :class:`~captioner.models.encoder.GridEncoder` stand-in that runs an ONNX CNN on ONNX Runtime (CPU):
+    what feature extraction needs of an encoder (``feat_dim``, ``to``, ``eval``, a call on pixels)."""
+
+    def __init__(self, path: Path, spec: EncoderSpec, threads: int | None = None):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        # the graph's feature axis is symbolic after export: one run on a blank image tells its size
+        blank = np.zeros((1, 3, spec.image_size, spec.image_size), np.float32)
+        self.feat_dim = int(self.session.run(["features"], {"pixels": blank})[0].shape[-1])
+
+    def to(self, device) -> "OnnxGridEncoder":
+        return self  # pixels are moved to the host in __call__
+
+    def eval(self) -> "OnnxGridEncoder":
+        return self
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        feed = {"pixels": pixels.detach().float().cpu().contiguous().numpy()}
+        return torch.from_numpy(self.session.run(["features"], feed)[0])

@@ -1,0 +1,84 @@
+"""int8 CNN (models/export/quantize.py): the quantized graph really holds int8 weights, its features stay close to
+the float graph's, the service serves it when CAPTIONER_ENCODER_PRECISION=int8 (decoder graphs still verified
+against the PyTorch decoder on the same features), and ``captioner eval --encoder-precision int8`` scores it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.models.data.scenes import generate
+from captioner.models.export.quantize import INT8_FILE, OnnxGridEncoder, calibration_pixels, \
+    quantized_visual_encoder, visual_encoder_file
+
+from .serving_helpers import TINY_SPEC, random_images, tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def int8_files(tmp_path_factory):
+    out = tmp_path_factory.mktemp("onnx")
+    quantized = quantized_visual_encoder(TINY_SPEC, out, calibration=4)
+    return visual_encoder_file(TINY_SPEC, out), quantized
+
+
+def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
+    import onnx
+
+    float_path, int8_path = int8_files
+    assert int8_path.name == INT8_FILE and int8_path.parent == float_path.parent
+    model = onnx.load(str(int8_path))
+    # int8 filter banks (4-D; their zero points are int8 too, but 1-D)
+    int8_filters = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4]
+    dense = [n for n in onnx.load(str(float_path)).graph.node
+             if n.op_type == "Conv" and all(a.name != "group" or a.i == 1 for a in n.attribute)]
+    assert len(int8_filters) == len(dense) > 0  # every dense convolution quantized, the depthwise ones float
+    pixels = torch.from_numpy(calibration_pixels(TINY_SPEC, 6)[4:])  # scenes the calibration did not see
+    want = OnnxGridEncoder(float_path, TINY_SPEC, 1)(pixels)
+    got = OnnxGridEncoder(int8_path, TINY_SPEC, 1)(pixels)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
+    assert cosine.min() > 0.8, cosine  # quantization noise, not another network
+    assert not torch.equal(got, want)
+
+
+def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features(tmp_path, int8_files):
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "weights" / "sat", ckpt.model, ckpt.vocab, ckpt.encoder)
+    onnx_dir = int8_files[0].parent.parent
+    runtimes = runtime_module.load_runtimes(tmp_path / "weights", [], "cpu", default_backend="auto",
+                                            onnx_dir=onnx_dir, threads=1, encoder_precision="int8")
+    runtime = runtimes["sat"]
+    assert runtime.backend == "onnx" and runtime.visual.path == int8_files[1]
+    prepared = [runtime.prepare(image) for image in random_images(2, seed=4)]
+    hybrid = runtime_module.HybridRuntime("sat", tiny_checkpoint("sat"), runtime.visual, torch.device("cpu"))
+    got = [r.hypothesis.token_ids for r in runtime.caption(prepared, 2, 6)]
+    assert got == [r.hypothesis.token_ids for r in hybrid.caption(prepared, 2, 6)]
+
+
+def test_eval_scores_the_int8_cnn(tmp_path, int8_files, capsys):
+    from captioner.service.cli import main as captioner
+
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "ckpt", ckpt.model, ckpt.vocab, ckpt.encoder)
+    generate(tmp_path / "scenes", {"test": 3}, seed=3, progress=False)
+    reports = {}
+    for precision in ("float32", "int8"):
+        out = tmp_path / f"{precision}.json"
+        captioner(["eval", str(tmp_path / "ckpt"), "--dataset", str(tmp_path / "scenes"), "--no-meteor",
+                   "--threads", "1", "--cache-dir", str(tmp_path / "features"), "--onnx-dir",
+                   str(int8_files[0].parent.parent), "--encoder-precision", precision, "--output", str(out)])
+        reports[precision] = json.loads(out.read_text())
+    assert reports["int8"]["encoder_precision"] == "int8"
+    assert reports["int8"]["test"]["images"] == reports["float32"]["test"]["images"] == 3
+    # the int8 features went to their own cache, beside the float ones
+    caches = sorted(p.name for p in (tmp_path / "features").iterdir())
+    assert len(caches) == 2 and sum(c.startswith("onnx-int8-") for c in caches) == 1
+    assert np.isfinite(reports["int8"]["test"]["CIDEr-D"])
