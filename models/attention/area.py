@@ -9,9 +9,9 @@ An *area* is a span of 1..S adjacent items of a 1D memory or an axis-aligned rec
   deviation ``σ_r`` (Eq. 5) and learned height/width embeddings ``e_r = [1(h_r)E^h; 1(w_r)E^w]`` (Eq. 6–9),
 * then ordinary attention over areas, ``a_r = softmax_r(q·k_r/√d)`` and ``o = Σ_r a_r v_r`` (Eq. 1–2).
 
-Every area feature comes from summed-area tables (integral images, §2.2).  The paper's Eq. 10 drops the
-inclusion–exclusion term; we use the correct ``I_{x,y} = g_{x,y} + I_{x,y−1} + I_{x−1,y} − I_{x−1,y−1}``, computed
-as two cumulative sums (Algorithm 1), and the area sum of Eq. 11 from the zero-padded table.
+Every area feature is built from area sums.  The paper takes them from summed-area tables (integral images, §2.2,
+Eq. 10–11, Algorithm 1); :func:`area_sums` adds shifted slices instead (an area is a smaller one plus one row or
+column), which gives the same sums with one addition per area and none of the table's cancellation.
 
 Areas are listed in the order of Algorithm 1: height ``h = 1..H`` outer, width ``w = 1..W`` inner, then
 top-left corners in row-major order.  A 1D memory of length ``L`` is the grid ``1 × L`` with areas ``1 × S``.

@@ -19,7 +19,9 @@ block.  The ReLU inside Eq. 3 is not an embedding of Q, K or V and stays a ReLU.
 ``v̂ = β^c ⊙ ρ(W^v_q Q) ⊙ Σ_i β^s_i ρ(W_v v_i)``: one weighted sum of value embeddings per query instead of ``N``
 bilinear vectors.  The per-item embeddings ``ρ(W_k k_i)`` and ``ρ(W_v v_i)`` depend only on the image, so a
 decoder computes them once (:meth:`XLinearAttention.embed_memory`) and reuses them at every step; all queries
-(``[B, L, D_q]``, e.g. every caption position of a Transformer) and all heads run in one pass.
+(``[B, L, D_q]``, e.g. every caption position of a Transformer) and all heads run in one pass.  Outside an ONNX
+trace, Eq. 2–4 run as matmuls over a few (row, head) pairs at a time without materialising ``B^k`` or ``B'^k``
+(:class:`_SpatialSqueeze`): for X-Transformer's cross-attention those are the largest tensors of a training step.
 
 **Multi-head form** (our choice: docs/decisions.md#x-lan-heads).  ``D_B`` is split into ``H`` heads of ``D_B/H``
 channels and ``D_c`` into ``H`` slices of ``D_c/H``; every head runs Eq. 2–6 on its own channel slice and gets its
