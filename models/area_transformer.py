@@ -75,10 +75,11 @@ class _DecoderLayer(nn.Module):
         self.ffn = FeedForward(d_model, ffn_dim, dropout)
         self.subs = nn.ModuleList(_Sublayer(d_model, dropout, pre_norm) for _ in range(3))
 
-    def forward(self, x: Tensor, self_attend, cross: tuple[Tensor, Tensor, Tensor | None]) -> tuple[Tensor, Tensor]:
-        """``self_attend(y)`` is the (cached or causal) self-attention; ``cross`` the image's area keys/values."""
+    def forward(self, x: Tensor, self_attend, cross_attend) -> tuple[Tensor, Tensor | None]:
+        """``self_attend(y)`` is the (cached or causal) self-attention, ``cross_attend(y)`` the attention over the
+        image's areas; each returns its output and weights (or None)."""
         x, _ = self.subs[0](x, self_attend)
-        x, weights = self.subs[1](x, lambda y: self.cross.attend(y, *cross))
+        x, weights = self.subs[1](x, cross_attend)
         return self.subs[2](x, lambda y: (self.ffn(y), None))[0], weights
 
 
@@ -186,7 +187,7 @@ class AreaTransformer(Captioner):
                 new_state[f"k{i}"], new_state[f"v{i}"] = keys, values
                 return layer.self_attn.attend(y, *layer.self_attn.memory_areas(keys, values, (1, t + 1)))
 
-            x, weights = layer(x, self_attend, self._cross(enc, i))
+            x, weights = layer(x, self_attend, lambda y, i=i, layer=layer: layer.cross.attend(y, *self._cross(enc, i)))
             cross_weights.append(weights[:, :, 0])
         logprobs = F.log_softmax(self.out(self.dec_norm(x[:, 0])), -1)
         return logprobs, new_state, self._record(cross_weights, enc)
@@ -197,11 +198,15 @@ class AreaTransformer(Captioner):
         Transformer does not support it."""
         if ss_prob > 0.0:
             raise ValueError("AreaTransformer trains with full teacher forcing; scheduled sampling is not supported")
-        enc = self.encode_rows(vis, rows)
+        # the images are encoded once and their area keys/values read per image, never copied to each caption
+        enc = self.encode(vis)
+        if rows is None:
+            rows = torch.arange(captions.shape[0], device=captions.device)
         bos = torch.full_like(captions[:, :1], self.bos_id)
         x = self._embed_tokens(torch.cat([bos, captions[:, :-1]], 1), 0)
         for i, layer in enumerate(self.decoder):
-            x, _ = layer(x, lambda y, layer=layer: layer.self_attn(y, y, causal=True), self._cross(enc, i))
+            x, _ = layer(x, lambda y, layer=layer: layer.self_attn(y, y, causal=True),
+                         lambda y, i=i, layer=layer: (layer.cross.attend_rows(y, *self._cross(enc, i), rows), None))
         return F.log_softmax(self.out(self.dec_norm(x)), -1), {}
 
     # -- attention export -----------------------------------------------------------------------------------------

@@ -212,3 +212,17 @@ def test_areas_holding_a_masked_item_get_zero_weight():
     nothing = torch.zeros(1, 16, dtype=torch.bool)
     empty_out, empty_w = attn(query[:1], memory[:1], (rows, cols), nothing)
     assert torch.all(empty_w == 0) and torch.isfinite(empty_out).all()
+
+
+def test_attending_per_image_equals_copying_the_areas_to_every_caption():
+    """attend_rows (the captions of an image as one query sequence) against the area keys/values indexed by row;
+    uneven captions per image, one image without any, and a masked cell."""
+    attn = AreaMultiHeadAttention(16, 4, (2, 2), "combined").double()
+    memory = torch.randn(3, 12, 16, dtype=torch.float64)
+    key_mask = torch.ones(3, 12, dtype=torch.bool)
+    key_mask[2, 5] = False
+    area_k, area_v, allowed = attn.memory_areas(attn.k(memory), attn.v(memory), (3, 4), key_mask)
+    rows = torch.tensor([2, 0, 2, 2, 0])  # image 1 has no caption
+    query = torch.randn(5, 4, 16, dtype=torch.float64)
+    expected, _ = attn.attend(query, area_k[rows], area_v[rows], allowed[rows])
+    torch.testing.assert_close(attn.attend_rows(query, area_k, area_v, allowed, rows), expected)

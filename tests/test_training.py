@@ -144,6 +144,7 @@ def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_togethe
 
 @pytest.mark.parametrize("arch, args", [("aoanet", dict(d_model=32, embed_dim=32, ffn_dim=64, heads=4, refine_layers=2)),
                                         ("xtransformer", dict(dim=32, channel_dim=16, ffn_dim=64, encoder_layers=2, decoder_layers=2)),
+                                        ("area-transformer", dict(d_model=32, n_heads=4, ffn_dim=64, caption_area=2)),
                                         ("sat", SMALL)])
 def test_captions_sharing_an_image_get_the_same_log_probs_as_when_it_is_encoded_per_caption(arch, args):
     from captioner.models.protocol import VisualBatch

@@ -143,3 +143,72 @@ def test_stacked_layer_is_eq7_then_eq8(shared):
     torch.testing.assert_close(new_values, eq8(layer.value_update, values))
     torch.testing.assert_close(new_keys, new_values if shared else eq8(layer.key_update, keys))
     assert (layer.key_update is None) == shared
+
+
+class _Mask(torch.nn.Module):
+    """Dropout with a given mask: lets the broadcast form drop exactly what the slab form dropped."""
+
+    def __init__(self, keep: torch.Tensor, drop: float):
+        super().__init__()
+        self.scaled = keep.to(torch.float64) / (1.0 - drop)
+
+    def forward(self, x):
+        return x * self.scaled
+
+
+@pytest.mark.parametrize("queries,masking", [(None, "items"), (3, "none"), (3, "items"), (ITEMS, "causal")])
+def test_slab_form_equals_the_broadcast_form_with_dropout_and_gradients(monkeypatch, queries, masking):
+    """The training path (b^s and B̄ as matmuls, a few (row, head) slabs at a time, B'^k rebuilt in the backward
+    pass) against Eq. 2–4 written with B^k and B'^k materialised, dropout mask included, values and gradients."""
+    from captioner.models.attention import xlinear
+
+    attention = block(heads=2).train()
+    attention.dropout.p = 0.3
+    query, keys, values, mask = inputs()
+    if queries is not None:
+        query = torch.randn(3, queries, QUERY, dtype=torch.float64)
+    if masking == "none":
+        mask = None
+    elif masking == "causal":
+        keys, values = torch.randn(3, ITEMS, KEY, dtype=torch.float64), torch.randn(3, ITEMS, VALUE, dtype=torch.float64)
+        mask = torch.ones(ITEMS, ITEMS, dtype=torch.bool).tril().unsqueeze(0)
+    leaves = [query.requires_grad_(), keys.requires_grad_(), values.requires_grad_(), *attention.parameters()]
+    made = {}
+
+    def keep_mask(shape, drop, device=None):
+        made["keep"] = xlinear.dropout_keep_mask.__wrapped__(shape, drop, device)
+        return made["keep"]
+
+    keep_mask.__wrapped__ = xlinear.dropout_keep_mask
+    monkeypatch.setattr(xlinear, "dropout_keep_mask", keep_mask)
+    monkeypatch.setattr(xlinear, "SLAB_FLOATS", 40)  # several slabs, the last one short
+
+    def run():
+        out = attention(query, keys, values, mask)
+        loss = (out.attended ** 2).sum() + out.spatial.sin().sum() + out.channel.cos().sum()
+        return out, torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    slab, slab_grads = run()
+    length = 1 if query.dim() == 2 else query.shape[1]
+    # the mask is [rows·heads, items, queries·channels]; the broadcast form's B'^k is [rows, queries, items, heads, c]
+    keep = made["keep"].view(3, 2, keys.shape[1], length, -1).permute(0, 3, 2, 1, 4)
+    attention.dropout = _Mask(keep, 0.3)
+    monkeypatch.setattr(XLinearAttention, "_scores_and_squeeze_in_slabs", XLinearAttention._scores_and_squeeze)
+    broadcast, broadcast_grads = run()
+    for got, expected in zip(slab, broadcast):
+        torch.testing.assert_close(got, expected)
+    for got, expected in zip(slab_grads, broadcast_grads):
+        torch.testing.assert_close(got, expected)
+    assert 0.0 < made["keep"].to(torch.float64).mean() < 1.0
+
+
+def test_dropout_keep_mask_keeps_each_element_with_the_asked_probability():
+    from captioner.models.attention.xlinear import dropout_keep_mask
+
+    torch.manual_seed(0)
+    keep = dropout_keep_mask((1000, 1000), 0.1)
+    assert keep.dtype == torch.bool and keep.shape == (1000, 1000)
+    # 10⁶ Bernoulli(0.9) draws: the standard deviation of the rate is 3·10⁻⁴
+    assert abs(keep.to(torch.float64).mean().item() - 0.9) < 1.5e-3
+    assert abs(keep[:, ::2].to(torch.float64).mean() - keep[:, 1::2].to(torch.float64).mean()) < 3e-3  # both halves
+    assert dropout_keep_mask((7,), 0.0).all() and not dropout_keep_mask((7,), 1.0).any()

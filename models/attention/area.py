@@ -9,9 +9,9 @@ An *area* is a span of 1..S adjacent items of a 1D memory or an axis-aligned rec
   deviation ``σ_r`` (Eq. 5) and learned height/width embeddings ``e_r = [1(h_r)E^h; 1(w_r)E^w]`` (Eq. 6–9),
 * then ordinary attention over areas, ``a_r = softmax_r(q·k_r/√d)`` and ``o = Σ_r a_r v_r`` (Eq. 1–2).
 
-Every area feature comes from summed-area tables (integral images, §2.2).  The paper's Eq. 10 drops the
-inclusion–exclusion term; we use the correct ``I_{x,y} = g_{x,y} + I_{x,y−1} + I_{x−1,y} − I_{x−1,y−1}``, computed
-as two cumulative sums (Algorithm 1), and the area sum of Eq. 11 from the zero-padded table.
+Every area feature is built from area sums.  The paper takes them from summed-area tables (integral images, §2.2,
+Eq. 10–11, Algorithm 1); :func:`area_sums` adds shifted slices instead (an area is a smaller one plus one row or
+column), which gives the same sums with one addition per area and none of the table's cancellation.
 
 Areas are listed in the order of Algorithm 1: height ``h = 1..H`` outer, width ``w = 1..W`` inner, then
 top-left corners in row-major order.  A 1D memory of length ``L`` is the grid ``1 × L`` with areas ``1 × S``.
@@ -81,42 +81,38 @@ def area_shapes(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
     return torch.stack([boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1], 1)
 
 
-# -- summed-area tables ----------------------------------------------------------------------------------------
+# -- area sums ---------------------------------------------------------------------------------------------------
 def _accumulator(x: Tensor) -> torch.dtype:
-    # summed-area tables grow with the whole grid while an area is small, so their differences lose digits (in
-    # float32, σ of a low-spread area comes out visibly wrong); the tables are tiny, so work in float64
+    # E[x²] − μ² cancels when an area's spread is small next to its offset (in float32, σ of a low-spread area comes
+    # out visibly wrong), so the second moments are taken in float64
     return torch.float32 if x.device.type == "mps" else torch.float64
 
 
 def area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
-    """Sum of the item vectors of every area: ``x [..., rows*cols, D]`` → ``[..., |R|, D]`` (Area attention Eq. 11).
+    """Sum of the item vectors of every area: ``x [..., rows*cols, D]`` → ``[..., |R|, D]`` (Area attention Eq. 4).
 
-    The integral image is two cumulative sums, zero-padded on top and left (Algorithm 1 lines 1–3, with the
-    inclusion–exclusion that Eq. 10 omits); each area sum is then ``Ĩ[r2+1, c2+1] − Ĩ[r1, c2+1] − Ĩ[r2+1, c1]
-    + Ĩ[r1, c1]`` (the paper's Algorithm 1 slices these per area shape; we gather them for all areas at once).
-    Computed in float64 and returned in ``x.dtype``.
+    The paper gets these from a summed-area table (Eq. 10–11, Algorithm 1): ``Ĩ[r2+1, c2+1] − Ĩ[r1, c2+1] −
+    Ĩ[r2+1, c1] + Ĩ[r1, c1]``.  We build them by adding shifted slices instead — the sums of ``w`` adjacent
+    columns are those of ``w − 1`` columns plus the next column, and an area of height ``h`` is one of height
+    ``h − 1`` plus the next row — which costs one addition per area (the table costs a four-corner gather and
+    three subtractions per area, and its backward a scatter).  The sums are the same, and exact to the rounding
+    of at most ``max_h · max_w`` additions: unlike the table's differences of large entries they do not lose
+    digits, so no wider float is needed.
     """
-    return _area_sums(x.to(_accumulator(x)), rows, cols, max_h, max_w).to(x.dtype)
-
-
-@lru_cache(maxsize=256)
-def _corners(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
-    """Flat indices into the padded ``(rows+1) × (cols+1)`` table of each area's four corners, ``[4 · |R|]``:
-    ``Ĩ[r2+1, c2+1]``, ``Ĩ[r1, c2+1]``, ``Ĩ[r2+1, c1]``, ``Ĩ[r1, c1]`` (Eq. 11 with the corrected signs)."""
-    r1, c1, r2, c2 = _boxes(rows, cols, max_h, max_w).T
-    width = cols + 1
-    return torch.cat([(r2 + 1) * width + c2 + 1, r1 * width + c2 + 1, (r2 + 1) * width + c1, r1 * width + c1])
-
-
-def _area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
     if x.shape[-2] != rows * cols:
         raise ValueError(f"memory has {x.shape[-2]} items, not a {rows}×{cols} grid")
+    max_h, max_w = _clamp(rows, cols, max_h, max_w)
     # unflatten, not reshape(*lead, …): the leading sizes stay symbolic in an ONNX trace (any row count)
-    table = F.pad(x.unflatten(-2, (rows, cols)).cumsum(-3).cumsum(-2), (0, 0, 1, 0, 1, 0))
-    # one gather of all four corners instead of a slice per area shape: far fewer ops to run and to backprop
-    corners = table.flatten(-3, -2).index_select(-2, _corners(rows, cols, max_h, max_w).to(x.device))
-    bottom_right, top_right, bottom_left, top_left = corners.unflatten(-2, (4, -1)).unbind(-3)
-    return bottom_right - top_right - bottom_left + top_left
+    grid = x.unflatten(-2, (rows, cols))
+    across = [grid]  # across[w − 1][..., r, c, :] = Σ_{b<w} x[r, c + b]
+    for width in range(2, max_w + 1):
+        across.append(across[-1][..., :-1, :] + grid[..., width - 1:, :])
+    pieces, down = [], across  # down[w − 1][..., r, c, :] = Σ_{a<h, b<w} x[r + a, c + b]
+    for height in range(1, max_h + 1):
+        if height > 1:
+            down = [prev[..., :-1, :, :] + run[..., height - 1:, :, :] for prev, run in zip(down, across)]
+        pieces.extend(part.flatten(-3, -2) for part in down)  # height outer, width inner, corners row-major
+    return torch.cat(pieces, -2)
 
 
 def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
@@ -127,21 +123,25 @@ def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
     ``σ = sqrt(|E[x²] − μ²| + eps)`` (Eq. 12 with the guard of tensor2tensor's code; ``eps=0`` gives the plain
     formula).  The variance is taken of ``x`` minus its first item: σ does not change under a shift, and
     centring keeps ``E[x²] − μ²`` from cancelling when the items share a large offset; the first item (not the
-    mean) is used so a causal memory and its prefix are centred identically.  Computed in float64.
+    mean) is used so a causal memory and its prefix are centred identically.  The moments of σ are computed in
+    float64; the sums (:func:`area_sums`) need no wider float.
     """
     sizes = area_shapes(rows, cols, max_h, max_w).to(x.device)
+    total = area_sums(x, rows, cols, max_h, max_w)
+    count = (sizes[:, 0] * sizes[:, 1]).unsqueeze(-1)
     wide = x.to(_accumulator(x))
-    count = (sizes[:, 0] * sizes[:, 1]).to(wide.dtype).unsqueeze(-1)
-    total = _area_sums(wide, rows, cols, max_h, max_w)
     centred = wide - wide[..., :1, :]
-    shifted_mean = _area_sums(centred, rows, cols, max_h, max_w) / count
-    second = _area_sums(centred * centred, rows, cols, max_h, max_w) / count
-    # a single item has no spread; the table differences would leave rounding noise there that the square root
-    # magnifies (and that differs between a causal memory and its prefix), so use the exact zero
+    # both moments in one pass over the areas
+    shifted_sum, second_sum = area_sums(torch.cat([centred, centred * centred], -1), rows, cols, max_h,
+                                        max_w).chunk(2, -1)
+    wide_count = count.to(wide.dtype)
+    shifted_mean = shifted_sum / wide_count
+    # a single item has no spread; rounding could leave noise there that the square root magnifies (and that
+    # differs between a causal memory and its prefix), so use the exact zero
     # (a number, not zeros_like: an ONNX trace folds zeros_like into a constant of the example's batch size)
-    variance = torch.where(count > 1, (second - shifted_mean ** 2).abs(), 0.0)
+    variance = torch.where(wide_count > 1, (second_sum / wide_count - shifted_mean ** 2).abs(), 0.0)
     std = torch.sqrt(variance + eps)
-    return (total / count).to(x.dtype), std.to(x.dtype), total.to(x.dtype), sizes
+    return total / count.to(total.dtype), std.to(x.dtype), total, sizes
 
 
 def area_features_1d(x: Tensor, max_size: int, eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -209,15 +209,16 @@ class AreaKeyCombiner(nn.Module):
         self.height = nn.Embedding(max_h, embed)  # E^h, row h−1 for height h (Eq. 6)
         self.width = nn.Embedding(max_w, embed)  # E^w (Eq. 7)
         self.hidden = nn.Linear(2 * depth + 2 * embed, depth)
-        self.split = [2 * depth, 2 * embed]  # the columns of W_μ, W_σ and of W_e in ``hidden``
+        self.split = [depth, depth, 2 * embed]  # the columns of W_μ, W_σ and W_e in ``hidden``
         self.out = nn.Linear(depth, depth)  # W_d
 
     def forward(self, mean: Tensor, std: Tensor, sizes: Tensor) -> Tensor:
         shape = torch.cat([self.height(sizes[:, 0] - 1), self.width(sizes[:, 1] - 1)], -1)  # e_r (Eq. 8)
         # e_r W_e is the same for every image and head: added by broadcasting rather than expanding e_r to the
         # batch, which an ONNX trace would freeze at the example's batch size (and which copied e_r per head)
-        features, embedding = self.hidden.weight.split(self.split, 1)
-        hidden = F.linear(torch.cat([mean, std], -1), features) + F.linear(shape, embedding, self.hidden.bias)
+        # and μ_r W_μ + σ_r W_σ as two products rather than one over a concatenated [μ; σ] the size of both
+        mean_weight, std_weight, embedding = self.hidden.weight.split(self.split, 1)
+        hidden = mean @ mean_weight.T + std @ std_weight.T + F.linear(shape, embedding, self.hidden.bias)
         return self.out(torch.relu(hidden))
 
 
@@ -277,11 +278,33 @@ class AreaMultiHeadAttention(nn.Module):
                allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``query [B, T, D]`` (not yet projected) → output ``[B, T, D]`` and area weights ``[B, heads, T, |R|]``;
         ``allowed`` broadcasts to ``[B, T, |R|]`` (Eq. 1–2 over areas)."""
-        q = self._heads(self.q(query))
-        scores = q @ area_k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        # 1/√d on the queries, not on the larger score tensor
+        q = self._heads(self.q(query) / math.sqrt(self.head_dim))
+        scores = q @ area_k.transpose(-1, -2)
+        if allowed is not None and not torch.jit.is_tracing() and bool(allowed.all()):
+            allowed = None  # nothing to mask (a whole grid): spare the masked softmax its passes over the scores
         weights = masked_softmax(scores, None if allowed is None else allowed.unsqueeze(1))
         out = (weights @ area_v).transpose(1, 2).flatten(2)
         return self.o(out), weights
+
+    def attend_rows(self, query: Tensor, area_k: Tensor, area_v: Tensor, allowed: Tensor | None,
+                    rows: Tensor) -> Tensor:
+        """:meth:`attend`'s output for ``query [B, T, D]`` where row ``b`` attends over the areas of image
+        ``rows[b]`` of ``area_k``/``area_v [I, heads, |R|, d]`` (``allowed [I, 1, |R|]`` or None).
+
+        The captions of an image become one longer query sequence, so the area keys and values are read per image
+        instead of being copied to every caption (and their gradient summed back); each query attends on its own,
+        so the result is the same."""
+        images, (batch, length, width) = area_k.shape[0], query.shape
+        counts = torch.bincount(rows, minlength=images)
+        order = rows.argsort(stable=True)
+        slot = torch.empty_like(rows)
+        slot[order] = torch.arange(batch, device=rows.device) - (counts.cumsum(0) - counts)[rows[order]]
+        per_image = int(counts.max())  # captions of the most captioned image: the others are padded to it
+        place = rows * per_image + slot
+        grouped = query.new_zeros(images * per_image, length, width).index_copy(0, place, query)
+        out, _ = self.attend(grouped.view(images, per_image * length, width), area_k, area_v, allowed)
+        return out.view(images * per_image, length, width).index_select(0, place)
 
     def forward(self, query: Tensor, memory: Tensor, grid: Grid | None = None, key_mask: Tensor | None = None,
                 causal: bool = False) -> tuple[Tensor, Tensor]:

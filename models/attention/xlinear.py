@@ -19,7 +19,9 @@ block.  The ReLU inside Eq. 3 is not an embedding of Q, K or V and stays a ReLU.
 ``v̂ = β^c ⊙ ρ(W^v_q Q) ⊙ Σ_i β^s_i ρ(W_v v_i)``: one weighted sum of value embeddings per query instead of ``N``
 bilinear vectors.  The per-item embeddings ``ρ(W_k k_i)`` and ``ρ(W_v v_i)`` depend only on the image, so a
 decoder computes them once (:meth:`XLinearAttention.embed_memory`) and reuses them at every step; all queries
-(``[B, L, D_q]``, e.g. every caption position of a Transformer) and all heads run in one pass.
+(``[B, L, D_q]``, e.g. every caption position of a Transformer) and all heads run in one pass.  Outside an ONNX
+trace, Eq. 2–4 run as matmuls over a few (row, head) pairs at a time without materialising ``B^k`` or ``B'^k``
+(:class:`_SpatialSqueeze`): for X-Transformer's cross-attention those are the largest tensors of a training step.
 
 **Multi-head form** (our choice: docs/decisions.md#x-lan-heads).  ``D_B`` is split into ``H`` heads of ``D_B/H``
 channels and ``D_c`` into ``H`` slices of ``D_c/H``; every head runs Eq. 2–6 on its own channel slice and gets its
@@ -34,6 +36,7 @@ a mean over the real items: docs/decisions.md#masked-items).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -61,6 +64,114 @@ class _ChannelGroupNorm(nn.GroupNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+#: floats of ``B'^k`` that :class:`_SpatialSqueeze` makes at a time (2 MiB: it stays in a core's cache between the
+#: several passes made over it)
+SLAB_FLOATS = 1 << 19
+
+
+def dropout_keep_mask(shape: tuple[int, ...], drop: float, device: torch.device | str | None = None) -> Tensor:
+    """Dropout's Bernoulli(1 − ``drop``) keep mask, bool ``shape``: element ``i`` is kept when a uniform 32-bit
+    integer falls below ``round((1 − drop) · 2^32)``, i.e. with probability ``1 − drop`` to within ``2^−32``.
+
+    The integers come as halves of full-range 64-bit words: half the generator calls of ``bernoulli_`` and no
+    float conversion, which on a CPU makes the mask of X-Transformer's ``B'^k`` (tens of millions of entries a
+    layer) about 2.5× cheaper to draw."""
+    numel = math.prod(shape)
+    if drop <= 0.0:  # the threshold would be 2^31, past every signed 32-bit integer
+        return torch.ones(shape, dtype=torch.bool, device=device)
+    words = torch.empty((numel + 1) // 2, dtype=torch.int64, device=device).random_(-2 ** 63, None)
+    threshold = round((1.0 - drop) * 2 ** 32) - 2 ** 31  # as a signed 32-bit integer
+    # bool, not float: converting the whole mask costs more than converting each slab while it is in the cache
+    return (words.view(torch.int32)[:numel] < threshold).view(shape)
+
+
+class _SpatialSqueeze(torch.autograd.Function):
+    """``b^s`` without ``W_b``'s bias ``[G, N, L]`` and ``B̄`` ``[G, L, c]`` (X-LAN Eq. 2–4) for ``G`` (row, head)
+    pairs, a slab of pairs at a time, never holding ``B^k`` or ``B'^k`` whole.
+
+    ``W^k_B (q_l ⊙ k_i) + b = (W^k_B diag(q_l)) k_i + b``, so the pre-activation of ``B'^k`` for every item and query
+    of a pair is one matmul: ``[K, 1]`` (``[N, d + 1]``) by a mixer ``[d + 1, L·c]`` with ``M[j, (l, m)] =
+    W^k_B[m, j] q_l[j]`` and the bias as its last row — instead of the ``[L, N, d]`` product ``B^k`` and a linear
+    layer over it.  ``b^s = B'^k W_b`` and ``B̄`` (each query's weighted sum over the items, ``item_weights
+    [G, 1 or L, N]``) are matmuls too.  The backward pass makes ``B'^k`` again from ``K`` and the mixer instead of
+    keeping it: with one slab (:data:`SLAB_FLOATS`) in the cache, the passes over it run far faster than over the
+    whole tensor (hundreds of MB in a training step of X-Transformer's cross-attention).  ``keep`` is the dropout
+    mask of ``B'^k`` (bool ``[G, N, L·c]`` or None) and ``scale`` its ``1/(1 − p)``, applied to the small
+    ``W_b`` and item weights rather than to ``B'^k``.
+    """
+
+    @staticmethod
+    def forward(ctx, keys: Tensor, queries: Tensor, weight: Tensor, bias: Tensor, score_weight: Tensor,
+                item_weights: Tensor, keep: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+        # autocast would pick a dtype op by op; the arithmetic follows the keys instead
+        with torch.autocast(keys.device.type, enabled=False):
+            ctx.dtypes, dtype = (queries.dtype, weight.dtype, bias.dtype, score_weight.dtype), keys.dtype
+            weight, bias, queries = weight.to(dtype), bias.to(dtype), queries.to(dtype)
+            score_weight, item_weights = score_weight.to(dtype) * scale, item_weights.to(dtype) * scale
+            pairs, items, length, channels = keys.shape[0], keys.shape[1], queries.shape[1], weight.shape[0]
+            padded = torch.cat([keys, keys.new_ones(pairs, items, 1)], -1)  # [K, 1]: the bias joins the matmul
+            mixer = torch.cat([(queries.unsqueeze(2) * weight).flatten(1, 2),
+                               bias.repeat(length).expand(pairs, -1).unsqueeze(-1)], -1).transpose(1, 2)
+            ctx.save_for_backward(padded, mixer, queries, weight, score_weight, item_weights, keep)
+            ctx.scale, ctx.step = scale, max(1, SLAB_FLOATS // (items * length * channels))
+            scores = keys.new_empty(pairs, items, length)
+            squeezed = keys.new_empty(pairs, length, channels)
+            for start in range(0, pairs, ctx.step):
+                part = slice(start, start + ctx.step)
+                transformed = _transformed(padded[part], mixer[part], keep, part)
+                torch.matmul(transformed.view(-1, channels), score_weight, out=scores[part].view(-1))
+                squeezed[part] = _weighted_items(transformed.view(-1, items, length, channels), item_weights[part])
+            return scores, squeezed
+
+    @staticmethod
+    def backward(ctx, grad_scores: Tensor, grad_squeezed: Tensor):
+        padded, mixer, queries, weight, score_weight, item_weights, keep = ctx.saved_tensors
+        with torch.autocast(padded.device.type, enabled=False):
+            dtype = padded.dtype
+            grad_scores, grad_squeezed = grad_scores.to(dtype).contiguous(), grad_squeezed.to(dtype).contiguous()
+            pairs, items, length, channels = padded.shape[0], padded.shape[1], queries.shape[1], weight.shape[0]
+            grad_padded, grad_mixer = torch.empty_like(padded), torch.empty_like(mixer)
+            grad_score = torch.zeros_like(score_weight)
+            # ∂(b^s, B̄)/∂B'^k at item i, query l, channel m is w_{l,i} ∂B̄_{l,m} + ∂b^s_{i,l} W_b[m] (both scaled):
+            # one matmul of [w_{·,i}, ∂b^s_{i,·}] ([N, L_w + L]) by [∂B̄ rows; W_b on a block diagonal]
+            eye = torch.eye(length, dtype=dtype, device=padded.device)
+            score_rows = (eye.unsqueeze(-1) * score_weight).flatten(1)  # [L, L·c]
+            if item_weights.shape[1] == 1:
+                squeeze_rows = grad_squeezed.view(pairs, 1, -1)
+            else:
+                squeeze_rows = (eye.unsqueeze(-1) * grad_squeezed.unsqueeze(1)).flatten(2)  # [G, L, L·c]
+            right = torch.cat([squeeze_rows, score_rows.expand(pairs, -1, -1)], 1)
+            left = torch.cat([item_weights.transpose(1, 2), grad_scores], -1)
+            for start in range(0, pairs, ctx.step):
+                part = slice(start, start + ctx.step)
+                transformed = _transformed(padded[part], mixer[part], keep, part)
+                grad_score += transformed.view(-1, channels).T @ grad_scores[part].view(-1)
+                # through the dropout mask and the ReLU: zero wherever the kept output is zero (as relu's backward)
+                grad_pre = torch.ops.aten.threshold_backward(torch.bmm(left[part], right[part]), transformed, 0)
+                torch.bmm(grad_pre, mixer[part].transpose(1, 2), out=grad_padded[part])
+                torch.bmm(padded[part].transpose(1, 2), grad_pre, out=grad_mixer[part])
+        grad_bias = grad_mixer[:, -1].view(-1, channels).sum(0)
+        by_query = grad_mixer[:, :-1].unflatten(-1, (length, channels))  # ∂M [G, d, L, c]
+        grad_queries = (by_query * weight.T.unsqueeze(1)).sum(-1).transpose(1, 2)
+        grad_weight = torch.einsum("gjlm,glj->mj", by_query, queries)
+        # b^s = B'^k (scale · W_b) with B'^k unscaled here, so ∂/∂W_b carries the scale once more
+        grads = (grad_queries, grad_weight, grad_bias, grad_score * ctx.scale)
+        return (grad_padded[..., :-1], *(grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)), None, None, None)
+
+
+def _transformed(padded: Tensor, mixer: Tensor, keep: Tensor | None, part: slice) -> Tensor:
+    """``B'^k`` of a slab, ``[g, N, L·c]``, with the dropout mask applied (not yet rescaled)."""
+    transformed = torch.bmm(padded, mixer).relu_()  # (Eq. 2–3)
+    return transformed if keep is None else transformed.mul_(keep[part])
+
+
+def _weighted_items(transformed: Tensor, item_weights: Tensor) -> Tensor:
+    """``Σ_i w_{l,i} B'^k_{i,l}``: ``transformed [g, N, L, c]``, ``item_weights [g, 1 or L, N]`` → ``[g, L, c]``."""
+    if item_weights.shape[1] == 1:  # the same weights for every query: one matmul
+        return (item_weights @ transformed.flatten(2)).view(transformed.shape[0], *transformed.shape[2:])
+    return torch.einsum("gilm,gli->glm", transformed, item_weights)
 
 
 class XLinearOutput(NamedTuple):
@@ -126,17 +237,50 @@ class XLinearAttention(nn.Module):
 
         query_for_keys = split(self.query_key_embed(query))  # ρ(W^k_q Q)            [B, L, H, d]
         query_for_values = split(self.query_value_embed(query))  # ρ(W^v_q Q)            [B, L, H, d]
-        bilinear = query_for_keys.unsqueeze(2) * split(key_embedding).unsqueeze(1)  # B^k  [B, L, N, H, d]  (Eq. 2)
-        transformed = self.dropout(F.relu(self.bilinear_embed(bilinear)))  # B'^k [B, L, N, H, c]  (Eq. 3)
-        scores = self.spatial_score(transformed).squeeze(-1).permute(0, 3, 1, 2)  # b^s  [B, H, L, N]
+        # an exported graph keeps the broadcast form: a custom autograd function does not trace to ONNX
+        pool = self._scores_and_squeeze if torch.jit.is_tracing() else self._scores_and_squeeze_in_slabs
+        scores, squeezed = pool(query_for_keys, split(key_embedding), mask)  # b^s [B, H, L, N], B̄ [B, L, H, c]
         spatial = masked_softmax(scores, None if mask is None else mask.unsqueeze(1))  # β^s          (Eq. 3)
-        channel = torch.sigmoid(self.excitation(self._squeeze(transformed, mask)))  # β^c  [B, L, H, d]  (Eq. 4–5)
+        channel = torch.sigmoid(self.excitation(squeezed))  # β^c  [B, L, H, d]  (Eq. 4–5)
         pooled_values = torch.einsum("bhln,bnhd->blhd", spatial, split(value_embedding))  # Σ_i β^s_i ρ(W_v v_i)
         attended = (channel * query_for_values * pooled_values).flatten(-2)  # (Eq. 6), efficient form
         channel = channel.flatten(-2)
         if single_query:
             return XLinearOutput(attended.squeeze(1), spatial.squeeze(2), channel.squeeze(1))
         return XLinearOutput(attended, spatial, channel)
+
+    def _scores_and_squeeze(self, query_for_keys: Tensor, key_embedding: Tensor,
+                            mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``b^s [B, H, L, N]`` and ``B̄ [B, L, H, c]`` written as Eq. 2–4 read, materialising ``B^k`` and ``B'^k``
+        (``[B, L, N, H, ·]``) from ``query_for_keys [B, L, H, d]`` and ``key_embedding [B, N, H, d]``."""
+        bilinear = query_for_keys.unsqueeze(2) * key_embedding.unsqueeze(1)  # B^k  [B, L, N, H, d]  (Eq. 2)
+        transformed = self.dropout(F.relu(self.bilinear_embed(bilinear)))  # B'^k [B, L, N, H, c]  (Eq. 3)
+        scores = self.spatial_score(transformed).squeeze(-1).permute(0, 3, 1, 2)  # b^s  [B, H, L, N]  (Eq. 3)
+        return scores, self._squeeze(transformed, mask)  # B̄ (Eq. 4)
+
+    def _scores_and_squeeze_in_slabs(self, query_for_keys: Tensor, key_embedding: Tensor,
+                                     mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The same ``b^s`` and ``B̄`` as :meth:`_scores_and_squeeze` from :class:`_SpatialSqueeze`, which never
+        holds ``B^k`` or ``B'^k`` whole (see there)."""
+        batch, queries, heads, _ = query_for_keys.shape
+        items = key_embedding.shape[1]
+        # Eq. 4's mean over each query's real items, as weights [B, 1 or L, N] shared by the heads
+        if mask is None:
+            weights = key_embedding.new_full((batch, 1, items), 1.0 / items)
+        else:
+            real = mask.expand(batch, -1, -1).to(key_embedding.dtype)
+            weights = real / real.sum(-1, keepdim=True).clamp_min(1.0)
+        drop = self.dropout.p if self.training else 0.0
+        channels = self.bilinear_embed.out_features
+        keep = None if drop == 0.0 else dropout_keep_mask((batch * heads, items, queries * channels), drop,
+                                                          key_embedding.device)
+        scores, squeezed = _SpatialSqueeze.apply(
+            key_embedding.transpose(1, 2).flatten(0, 1), query_for_keys.transpose(1, 2).flatten(0, 1),
+            self.bilinear_embed.weight, self.bilinear_embed.bias, self.spatial_score.weight[0],
+            weights.unsqueeze(1).expand(-1, heads, -1, -1).flatten(0, 1), keep,
+            0.0 if drop >= 1.0 else 1.0 / (1.0 - drop))
+        scores = scores.unflatten(0, (batch, heads)).transpose(-1, -2) + self.spatial_score.bias
+        return scores, squeezed.unflatten(0, (batch, heads)).transpose(1, 2)
 
     @staticmethod
     def _squeeze(transformed: Tensor, mask: Tensor | None) -> Tensor:
