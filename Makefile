@@ -22,6 +22,7 @@ help:
 	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED) xtransformer sat-hard)"
 	@echo "make eval-default  evaluate the shipped checkpoint on the test and held-out splits"
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
+	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -146,8 +147,13 @@ zoo-table: | $(STAMP)
 
 .PHONY: data-varied data-ood zoo-table
 
-# Hostile corpus, overload, soak and memory runs against real servers → docs/reliability.md (minutes; not in `make test`)
-.PHONY: reliability
+# Memory, hostile corpus, fuzz, overload and a 10,000-request soak against real servers → docs/reliability.md
+# (about an hour or two on 2 shared cores; not in `make test`). `make reliability-small` checks the same run end to
+# end in minutes and writes .cache/reliability/reliability-small.md, never docs/reliability.md.
+.PHONY: reliability reliability-small
 RELIABILITY_ARGS ?=
 reliability: $(STAMP)
 	$(BIN)/python benchmarks/reliability.py $(RELIABILITY_ARGS)
+
+reliability-small: $(STAMP)
+	$(BIN)/python benchmarks/reliability.py --small $(RELIABILITY_ARGS)
