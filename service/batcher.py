@@ -348,6 +348,11 @@ class Batcher:
         queued = len(self._pending)
         if queued >= self.queue_size:
             raise QueueFull(f"model {self.runtime.name!r} has {queued} requests waiting")
+        if not queued and not self.active_jobs:
+            # an idle worker starts it at once, and the only evidence against it is old steps, taken with other
+            # rows in the table: refusing on them would refuse for good, since no step would run to correct them
+            # (after a burst, the step time of a full table kept refusing every request to an idle model)
+            return
         expected = self.expected_wait_s(beam_size, max_len)
         if expected is not None and expected > ADMISSION_HEADROOM * timeout_s:
             alone = self._steps(max_len) * (self.step_time_s or 0.0)

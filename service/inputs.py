@@ -21,6 +21,7 @@ from typing import Annotated
 from fastapi import Query, Request
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
+from starlette.requests import ClientDisconnect
 
 from .captioning import CaptionRequest
 from .errors import InvalidImage, InvalidRequest, UploadTooLarge
@@ -128,10 +129,13 @@ async def drain_body(request: Request, limit: int) -> None:
     """Read and drop the body of a request answered without it (up to ``limit`` bytes): a connection closed with
     unread data in it is reset, and the client would see the reset instead of the answer."""
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return
+    except ClientDisconnect:  # the client left while sending: nothing to answer, nothing left to drain
+        return
 
 
 def _content_type(request: Request) -> str:

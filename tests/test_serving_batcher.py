@@ -208,14 +208,22 @@ class FakeClock:
         return self.now
 
 
-def slow_runtime(encoder, clock: FakeClock, step_s: float = 1.0, encode_s: dict[int, float] | None = None):
+class StepCost:
+    """Fake seconds a decoding step takes, changed by a test to make the machine slower or faster mid-run."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+def slow_runtime(encoder, clock: FakeClock, step_s: float | StepCost = 1.0,
+                 encode_s: dict[int, float] | None = None):
     """A real tiny SAT runtime whose steps (and encodings) take ``step_s`` (``encode_s[batch]``) of fake time."""
     runtime = runtime_for("sat", encoder)
     step, begin = runtime.step, runtime.begin
     encoded: list[int] = []
 
     def slow_step(prev, state, enc):
-        clock.now += step_s
+        clock.now += step_s.seconds if isinstance(step_s, StepCost) else step_s
         return step(prev, state, enc)
 
     def slow_begin(batch, widths):
@@ -298,31 +306,50 @@ def test_admission_counts_the_requests_already_decoding_as_ahead(encoder):
 def test_a_slower_step_raises_the_estimate_before_any_request_finishes(encoder):
     """When the machine slows down (a burst keeping the event loop busy, another process on the cores), the next
     step says so: admission does not wait for a finished request to notice."""
-    clock = FakeClock()
-    cost = {"step": 1.0}
-    runtime, _ = slow_runtime(encoder, clock, step_s=0.0)
-    step = runtime.step
-
-    def step_at_current_cost(prev, state, enc):
-        clock.now += cost["step"]
-        return step(prev, state, enc)
-
-    runtime.step = step_at_current_cost
-    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # runs to its length limit
-    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
-    batcher.start(worker=False)
-    prepared = runtime.prepare(random_images(1, seed=5)[0])
+    cost = StepCost(1.0)
+    batcher, prepared = _variable_speed_batcher(encoder, cost)
 
     async def scenario():
         await _finish(batcher, batcher.submit(prepared, 3, 4, 1000))
         before = batcher.expected_wait_s(3, 4)
         slow = batcher.submit(prepared, 3, 20, 1000)
-        cost["step"] = 4.0
+        cost.seconds = 4.0
         for _ in range(3):
             batcher.run_once()
         assert not slow.future.done() and batcher.expected_wait_s(3, 4) > 2 * before
         batcher.cancel(slow)
         batcher.run_once()
+
+    asyncio.run(scenario())
+
+
+def _variable_speed_batcher(encoder, cost: StepCost):
+    """A worker-less batcher on a fake clock whose steps take ``cost.seconds``; captions run to their length
+    limit (<eos> never emitted), so the work left is known exactly."""
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock, step_s=cost)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher.start(worker=False)
+    return batcher, runtime.prepare(random_images(1, seed=5)[0])
+
+
+def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(encoder):
+    """Estimates change only when steps run: refusing a request to an idle model on old ones would refuse for good
+    (after a burst, the step time of a full table kept every request to that model out)."""
+    cost = StepCost(5.0)  # a busy machine
+    batcher, prepared = _variable_speed_batcher(encoder, cost)
+
+    async def scenario():
+        await _finish(batcher, batcher.submit(prepared, 3, 4, 1000))
+        cost.seconds = 0.1  # the machine is free again; nothing has run since
+        assert batcher.expected_wait_s(3, 4) > 10 / ADMISSION_HEADROOM  # 4 steps of 5 s: it would be refused
+        assert (await _finish(batcher, batcher.submit(prepared, 3, 20, 10))).words  # idle: admitted
+        # its 20 steps brought the estimate down, and a request arriving while another decodes is judged by it
+        batcher.submit(prepared, 3, 4, 1000)
+        batcher.run_once()
+        assert batcher.active_jobs == 1 and batcher.expected_wait_s(3, 4) < 10 * ADMISSION_HEADROOM
+        batcher.check_admission(10, 3, 4)
 
     asyncio.run(scenario())
 
