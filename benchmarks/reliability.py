@@ -21,8 +21,8 @@ shipped checkpoint (weights/*):
 
 Everything is bounded (fixed request counts and durations) and stops by itself.  Numbers depend on the machine
 and on what else runs on it; the document records the conditions (``--shared-with`` names the other work).
-``--only overload`` (or ``memory``, ``corpus``, ``fuzz``, ``soak``) runs one part and prints it without writing the
-report.  ``--small`` checks the whole run end to end in minutes (300 soak requests, a 5 s burst, 5 fuzz cases per
+``--only overload soak`` (any of ``memory``, ``corpus``, ``fuzz``, ``overload``, ``soak``) runs those parts and
+prints them without writing the report.  ``--small`` checks the whole run end to end in minutes (300 soak requests, a 5 s burst, 5 fuzz cases per
 operation) and writes its report to ``--logs`` instead of docs/reliability.md: its numbers are not the published
 ones.
 """
@@ -460,7 +460,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=10.0, help="CAPTIONER_REQUEST_TIMEOUT_S of the servers")
     parser.add_argument("--threads", default="2")
     parser.add_argument("--shared-with", default="other work", help="what else ran on the machine (for the report)")
-    parser.add_argument("--only", choices=PARTS, help="run this part alone and print it (no report)")
+    parser.add_argument("--only", choices=PARTS, nargs="+", help="run these parts alone and print them (no report)")
     parser.add_argument("--small", action="store_true",
                         help=f"a quick end-to-end check ({', '.join(f'{k}={v:g}' for k, v in SMALL.items())}); "
                              "the report goes to LOGS/reliability-small.md unless --out says otherwise")
@@ -472,7 +472,7 @@ def main() -> None:
             setattr(args, key, type(getattr(args, key))(value))
     out = args.out or (args.logs / "reliability-small.md" if args.small else OUT)
     args.logs.mkdir(parents=True, exist_ok=True)
-    parts = [args.only] if args.only else list(PARTS)
+    parts = [part for part in PARTS if part in (args.only or PARTS)]
     results: dict = {}
     if "memory" in parts:
         print("memory before/after ...", flush=True)
