@@ -454,6 +454,8 @@ def main() -> None:
     parser.add_argument("--soak", type=int, default=10_000, help="soak requests")
     parser.add_argument("--soak-max-s", type=float, default=7200.0, help="the soak stops after this many seconds")
     parser.add_argument("--cancel-every", type=int, default=20, help="one soak request in this many is abandoned")
+    parser.add_argument("--soak-clients", type=int, default=4,
+                        help="soak clients sending back to back (the soak is meant to stay below capacity)")
     parser.add_argument("--fuzz-examples", type=int, default=40, help="fuzz cases per API operation")
     parser.add_argument("--overload", type=float, default=10.0, help="burst rate as a multiple of capacity")
     parser.add_argument("--duration", type=float, default=15.0, help="burst seconds")
@@ -487,7 +489,7 @@ def main() -> None:
                 "fuzz": lambda: fuzz_run(server, args.fuzz_examples, args.logs),
                 "overload": lambda: {**overload_run(server, args.overload, args.duration, args.deadline),
                                      "model": server.models[0]},
-                "soak": lambda: soak_run(server, args.soak, args.soak_max_s, cancel_every=args.cancel_every)}
+                "soak": lambda: soak_run(server, args.soak, args.soak_max_s, args.soak_clients, args.cancel_every)}
         try:
             for part in parts:
                 if part in runs:
