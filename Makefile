@@ -19,10 +19,11 @@ help:
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
 	@echo "make data          generate the scene dataset in $(DATA)"
 	@echo "make train-default retrain the shipped SAT checkpoint (weights/sat)"
-	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED) xtransformer sat-hard)"
+	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED) xtransformer)"
 	@echo "make eval-default  evaluate the shipped checkpoint on the test and held-out splits"
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
 	@echo "make bench-int8    only the int8 CNN accuracy table (captioner eval, float vs int8)"
+	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -166,8 +167,13 @@ zoo-table: | $(STAMP)
 
 .PHONY: data-varied data-ood zoo-table
 
-# Hostile corpus, overload, soak and memory runs against real servers → docs/reliability.md (minutes; not in `make test`)
-.PHONY: reliability
+# Memory, hostile corpus, fuzz, overload and a 10,000-request soak against real servers → docs/reliability.md
+# (about an hour or two on 2 shared cores; not in `make test`). `make reliability-small` checks the same run end to
+# end in minutes and writes .cache/reliability/reliability-small.md, never docs/reliability.md.
+.PHONY: reliability reliability-small
 RELIABILITY_ARGS ?=
 reliability: $(STAMP)
 	$(BIN)/python benchmarks/reliability.py $(RELIABILITY_ARGS)
+
+reliability-small: $(STAMP)
+	$(BIN)/python benchmarks/reliability.py --small $(RELIABILITY_ARGS)

@@ -26,7 +26,7 @@ from captioner.models.device import set_threads
 
 from .batcher import Batcher
 from .lifecycle import DrainMiddleware, ShutdownGate
-from .memory import configure_allocator, release_memory
+from .memory import IdleTrimmer, configure_allocator, release_memory
 from .middleware import RequestContextMiddleware
 from .overlay import router as overlay_router
 from .problems import install_problem_handlers
@@ -71,7 +71,8 @@ async def warm_up(batcher: Batcher, settings: Settings) -> None:
     # the worker never encodes more images at once than fit the rows, the batch limit or the queue
     largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)
     # the request deadline does not apply (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start-up)
-    await batcher.warm_up(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S)
+    await batcher.warm_up(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S,
+                          calibrate_len=settings.default_max_len)
 
 
 async def start_models(app: FastAPI, settings: Settings) -> None:
@@ -86,8 +87,11 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         log.warning("default model %r not found; using %r", settings.default_model, fallback)
         state.default_model = fallback
     state.runtimes = runtimes
+    # what a burst leaves in the allocator goes back to the system once the batchers run out of work (memory.py)
+    on_idle = IdleTrimmer() if settings.release_memory else None
     for name, runtime in runtimes.items():
-        batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics)
+        batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics,
+                          on_idle=on_idle)
         batcher.start()
         if settings.warmup:
             await warm_up(batcher, settings)

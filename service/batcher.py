@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,6 +82,9 @@ class Job:
     cancelled: bool = False  # set from the event loop; read by the worker at step boundaries
     cancel_reason: str = "cancelled"  # label of the freed rows: "cancelled" (client gone) or "deadline"
     steps: int = 0
+    # whether its caption length is a sample of real ones (not the artificial length of a warm-up round); fixed at
+    # submission, since the worker may measure the job after warm-up has moved on
+    typical_length: bool = True
     first_record: int = 0  # index (in its table's record numbering) of the first step this job took part in
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
@@ -230,6 +233,10 @@ class RowTable:
 
 #: weight of the newest sample in the moving averages of the service rate (admission control)
 RATE_SMOOTHING = 0.2
+#: admission control admits a request only when its expected finish is within this fraction of the time it has
+#: left: the rest is for what the estimate does not see (sending the answer, an event loop busy with a burst,
+#: the estimate's own noise), so that an admitted request meets its deadline at the client too
+ADMISSION_HEADROOM = 0.9
 #: encoder batch sizes whose time per image is within this fraction of the lowest count as equally fast
 ENCODE_TOLERANCE = 0.05
 
@@ -247,26 +254,31 @@ class Batcher:
       boundary).  It starts at ``max_batch``; :meth:`warm_up` times the encoder at each size and keeps the one
       with the lowest time per image, because a bigger batch is not always cheaper per image (on a CPU, the early
       activation maps of a large batch leave the cache: benchmarks/bench_encoder.py).
-    * deadline-aware admission: moving averages of the worker time spent per finished request
-      (``service_time_s``, the inverse of the throughput) and of a request's time from admission to its result
-      (``decode_time_s``).  A new request whose expected finish (:meth:`expected_wait_s`) lies beyond its
-      deadline is refused at once with :class:`WouldMissDeadline`, so that the requests that are admitted meet
-      theirs.  Until the first measurement every request is admitted.
+    * deadline-aware admission: moving averages, updated at every step, of the time a step takes (encoding at
+      that boundary included) and of the rows decoded per second, and of the steps a finished request took.  A
+      new request whose expected finish (:meth:`expected_wait_s`) lies beyond its deadline is refused at once
+      with :class:`WouldMissDeadline`, so that the requests that are admitted meet theirs.  Until the first
+      measurement every request is admitted.
     """
 
     def __init__(self, runtime: Runtime, max_batch: int = 16, queue_size: int = 64, max_rows: int = 256,
-                 metrics: Metrics | None = None, clock=time.monotonic):
+                 metrics: Metrics | None = None, clock=time.monotonic, on_idle: Callable[[], None] | None = None):
         if max_rows < 1 or max_batch < 1 or queue_size < 1:
             raise ValueError("max_rows, max_batch and queue_size must be positive")
         self.runtime = runtime
         self.max_batch, self.queue_size, self.max_rows = max_batch, queue_size, max_rows
         self.metrics = metrics or Metrics()
         self.clock = clock
+        self.on_idle = on_idle  # called by the worker when it runs out of work (the app returns freed memory)
         self.encode_batch = max_batch
         self.metrics.set_encode_batch(runtime.name, max_batch)
-        self.service_time_s: float | None = None
-        self.decode_time_s: float | None = None
-        self._busy_s = 0.0  # worker time since the last request finished
+        # admission control's measurements (written by the worker, read by submit): see expected_wait_s
+        self.step_time_s: float | None = None
+        self.rows_per_step: float | None = None
+        self.encode_time_s: float | None = None
+        self.steps_per_request: float | None = None
+        self._learn_lengths = True  # False while warm-up submits captions of an artificial length
+        self._active_work = 0.0  # row-steps the requests in the tables still need, as expected
         self._encode_timings: dict[int, float] | None = None  # per-image encode seconds by batch size (warm-up)
         self._pending: deque[Job] = deque()
         self._tables: list[RowTable] = []
@@ -316,44 +328,68 @@ class Batcher:
             raise ValueError(f"beam_size {beam_size} is above the row budget of {self.max_rows}")
         loop = asyncio.get_running_loop()
         now = self.clock()
-        job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now)
+        job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now,
+                  typical_length=self._learn_lengths)
         with self._wake:
-            self._refuse_if_overloaded(timeout_s)
+            self._refuse_if_overloaded(timeout_s, beam_size, max_len)
             self._pending.append(job)
             self._wake.notify()
         return job
 
-    def check_admission(self, timeout_s: float) -> None:
-        """Raise what :meth:`submit` would raise now for a request with ``timeout_s`` left, without queueing
-        anything: a caller can refuse a request before spending time on decoding its image."""
+    def check_admission(self, timeout_s: float, beam_size: int, max_len: int) -> None:
+        """Raise what :meth:`submit` would raise now for such a request with ``timeout_s`` left, without queueing
+        anything: a caller can refuse a request before spending time on its image."""
         if not self._accepting:
             raise NotAccepting(f"model {self.runtime.name!r} is not accepting requests")
         with self._wake:
-            self._refuse_if_overloaded(timeout_s)
+            self._refuse_if_overloaded(timeout_s, beam_size, max_len)
 
-    def _refuse_if_overloaded(self, timeout_s: float) -> None:
+    def _refuse_if_overloaded(self, timeout_s: float, beam_size: int, max_len: int) -> None:
         queued = len(self._pending)
         if queued >= self.queue_size:
             raise QueueFull(f"model {self.runtime.name!r} has {queued} requests waiting")
-        expected = self.expected_wait_s(queued)
-        if expected is not None and expected > timeout_s:
+        if not queued and not self.active_jobs:
+            # an idle worker starts it at once, and the only evidence against it is old steps, taken with other
+            # rows in the table: refusing on them would refuse for good, since no step would run to correct them
+            # (after a burst, the step time of a full table kept refusing every request to an idle model)
+            return
+        expected = self.expected_wait_s(beam_size, max_len)
+        if expected is not None and expected > ADMISSION_HEADROOM * timeout_s:
+            alone = self._steps(max_len) * (self.step_time_s or 0.0)
             raise WouldMissDeadline(
                 f"model {self.runtime.name!r} would need about {expected:.2f} s for this request ({queued} waiting, "
                 f"{self.active_jobs} decoding), more than the {timeout_s:.2f} s left to its deadline",
-                retry_after_s=max(1.0, math.ceil(expected - (self.decode_time_s or 0.0))))
+                retry_after_s=max(1.0, math.ceil(expected - alone)))
 
-    def expected_wait_s(self, queued: int) -> float | None:
-        """Expected seconds from now until a request queued behind ``queued`` others has its result, at the
-        measured rates (None before the first measurement): at least one request's decoding time, and at least
-        the time the worker needs, at its measured throughput, to finish every request ahead of it and this one.
+    def _steps(self, max_len: int) -> float:
+        """Decoding steps a request of this length limit is expected to take."""
+        return max_len if self.steps_per_request is None else min(max_len, self.steps_per_request)
 
-        The requests already decoding count as ahead of it: continuous batching admits a newcomer into the same
-        table at once, but every row added makes each step slower, so a full table of 60 requests delays the
-        newcomer about as much as a queue of 60 would.  (Counting only the queue let a burst fill the table
-        until every request in it missed its deadline.)"""
-        if self.service_time_s is None or self.decode_time_s is None:
+    def expected_wait_s(self, beam_size: int, max_len: int) -> float | None:
+        """Expected seconds from now until a new request (``beam_size`` rows, ``max_len`` steps at most) has its
+        result, behind the ones waiting and the ones decoding (None before the first measurement).
+
+        Every request in the system shares the worker with it: continuous batching takes a newcomer into the
+        table at once, but each row added makes every step slower.  So the newcomer finishes about when the work
+        of everyone ahead of it and its own is done — ``(rows × steps still needed, summed) / rows decoded per
+        second`` — and never sooner than its own steps at the current step time; plus the encoding of the images
+        queued before it and its own.  Both rates are measured at every step, so a slower machine (a burst
+        keeping the event loop busy, another process taking the cores) raises the estimate at the next step,
+        not after a request finishes.  (Estimates from finished requests alone lagged a burst by a whole
+        deadline: the table filled until every request in it missed.)"""
+        if self.step_time_s is None or not self.rows_per_step:
             return None
-        return max(self.decode_time_s, (queued + self.active_jobs + 1) * self.service_time_s)
+        queued_work = sum(job.beam_size * self._steps(job.max_len) for job in self._pending)
+        own = self._steps(max_len)
+        work = self._active_work + queued_work + beam_size * own
+        encoding = (len(self._pending) + 1) * (self.encode_time_s or 0.0)
+        return max(own * self.step_time_s, work / self.row_rate) + encoding
+
+    @property
+    def row_rate(self) -> float:
+        """Rows decoded per second: the two averages' ratio (an average of per-step ratios would let the many
+        quick steps hide the slow ones, those with an encoding, and overstate the rate several times)."""
+        return self.rows_per_step / self.step_time_s if self.step_time_s and self.rows_per_step else 0.0
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """The client is gone (or its deadline passed): free the job's rows at the next step boundary."""
@@ -375,15 +411,22 @@ class Batcher:
             raise
 
     async def warm_up(self, prepared: Prepared, beam_size: int, batch_sizes: list[int], max_len: int = 2,
-                      timeout_s: float = 600.0) -> None:
+                      timeout_s: float = 600.0, calibrate_len: int | None = None) -> None:
         """Run ``max_len`` steps for each encoder batch size: the requests of one size are queued together (the
         worker cannot take any of them before the last is queued), so each size is encoded as one batch.  Each
         size runs twice; the first round pays first-use costs and the second is timed:
         ``encode_batch`` becomes the largest size whose time per image is within ``ENCODE_TOLERANCE`` of the
-        lowest (a larger batch also shares per-call costs, and a near tie is measurement noise)."""
-        saved = self.service_time_s, self.decode_time_s
-        self.service_time_s = self.decode_time_s = None  # warm-up requests are never refused
+        lowest (a larger batch also shares per-call costs, and a near tie is measurement noise).
+
+        Then, with ``calibrate_len``, one request of that length alone gives admission control its first
+        estimates: the timed rounds decode a few steps only, many times fewer than a real caption, and estimates
+        taken from them let a burst arriving right after start-up fill the table with requests that all miss
+        their deadline.  Alone, a request's service time is its whole decoding time: no batching gain is
+        assumed until one is measured."""
+        saved = self.step_time_s, self.rows_per_step
+        self.step_time_s = self.rows_per_step = None  # warm-up requests are never refused
         self.encode_batch = max(batch_sizes, default=self.max_batch)
+        self._learn_lengths = False
         try:
             for measured in (False, True):
                 self._encode_timings = {} if measured else None
@@ -392,16 +435,21 @@ class Batcher:
                         jobs = [self.submit(prepared, beam_size, max_len, timeout_s) for _ in range(size)]
                     await asyncio.wait_for(asyncio.gather(*(job.future for job in jobs)), timeout_s)
             timings, self._encode_timings = self._encode_timings or {}, None
+            self._learn_lengths = True
+            if calibrate_len:
+                self.step_time_s = self.rows_per_step = None
+                await asyncio.wait_for(self.submit(prepared, beam_size, calibrate_len, timeout_s).future, timeout_s)
         finally:
             self._encode_timings = None
+            self._learn_lengths = True
         if timings:
             lowest = min(timings.values())
             self.encode_batch = max(size for size, t in timings.items() if t <= lowest * (1 + ENCODE_TOLERANCE))
             self.metrics.set_encode_batch(self.runtime.name, self.encode_batch)
             log.info("%s: encoder batch %d (ms per image by batch size: %s)", self.runtime.name, self.encode_batch,
                      ", ".join(f"{size}: {seconds * 1000:.1f}" for size, seconds in sorted(timings.items())))
-        if self.service_time_s is None:
-            self.service_time_s, self.decode_time_s = saved
+        if self.step_time_s is None:
+            self.step_time_s, self.rows_per_step = saved
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Graceful shutdown: take no new requests, finish the queued and running ones (up to ``timeout_s``),
@@ -422,8 +470,14 @@ class Batcher:
 
     # -- worker thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        worked = False
         with torch.inference_mode():
             while True:
+                with self._wake:
+                    idle = not self._pending and not self._tables
+                if idle and worked and self.on_idle is not None:
+                    worked = False
+                    self.on_idle()
                 with self._wake:
                     while not self._pending and not self._tables and not self._stop_when_idle and not self._abort:
                         self._wake.wait()
@@ -431,6 +485,7 @@ class Batcher:
                         break
                 try:
                     self._iteration()
+                    worked = True
                 except Exception as exc:  # a failing step must not kill the worker: fail its requests instead
                     log.exception("%s: decoding failed", self.runtime.name)
                     self._fail_everything(exc)
@@ -466,22 +521,20 @@ class Batcher:
                 self.metrics.rows_freed(self.runtime.name, "finished", sum(j.beam_size for j in finished))
                 table.remove(set(finished), self.runtime)
             self._tables = [t for t in self._tables if t.jobs]
-            self._measure_rates(now, finished_now)
+            self._measure(rows, self.clock() - now, finished_now)
         # cancellations and deadlines that arrived during the step free their rows now, not one step later
         self._drop_leavers(self.clock())
         self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
 
-    def _measure_rates(self, started: float, finished: list[Job]) -> None:
-        """Update the moving averages that admission control uses (see the class docstring)."""
-        end = self.clock()
-        self._busy_s += end - started
-        if not finished:
-            return
-        per_request = self._busy_s / len(finished)
-        self._busy_s = 0.0
-        decode = sum(end - (job.admitted if job.admitted is not None else job.enqueued) for job in finished) / len(finished)
-        self.service_time_s = _smooth(self.service_time_s, per_request)
-        self.decode_time_s = _smooth(self.decode_time_s, decode)
+    def _measure(self, rows: int, seconds: float, finished: list[Job]) -> None:
+        """Update the moving averages admission control uses (see :meth:`expected_wait_s`) after a step of
+        ``rows`` rows that took ``seconds`` with this boundary's encoding."""
+        if seconds > 0:
+            self.step_time_s = _smooth(self.step_time_s, seconds)
+            self.rows_per_step = _smooth(self.rows_per_step, rows)
+        for job in finished:
+            if job.typical_length:
+                self.steps_per_request = _smooth(self.steps_per_request, job.steps)
 
     def _drop_leavers(self, now: float) -> None:
         """Remove the rows of jobs whose client is gone or whose deadline has passed (no device work)."""
@@ -495,10 +548,6 @@ class Batcher:
                     leaving.add(job)
                     self.metrics.rows_freed(self.runtime.name, "deadline", job.beam_size)
                     job.resolve(error=DeadlineExceeded("the deadline passed while decoding"))
-                    # its decoding time is at least what it has had so far: a lower bound, but one that corrects
-                    # an estimate too low to have refused it (a request that is never sampled can never raise it)
-                    if self.decode_time_s is not None and job.admitted is not None:
-                        self.decode_time_s = _smooth(self.decode_time_s, max(self.decode_time_s, now - job.admitted))
             if leaving:
                 table.remove(leaving, self.runtime)
         self._tables = [t for t in self._tables if t.jobs]
@@ -507,6 +556,8 @@ class Batcher:
     def _count_active(self) -> None:
         self.active_rows = sum(t.rows for t in self._tables)
         self.active_jobs = sum(len(t.jobs) for t in self._tables)
+        self._active_work = sum(job.beam_size * max(1.0, self._steps(job.max_len) - job.steps)
+                                for table in self._tables for job in table.jobs)
 
     def _expire_pending(self, now: float) -> None:
         with self._wake:
@@ -551,8 +602,10 @@ class Batcher:
             for job in jobs:
                 job.resolve(error=exc)
             return
+        per_image = (self.clock() - started) / len(jobs)
+        if per_image > 0:
+            self.encode_time_s = _smooth(self.encode_time_s, per_image)
         if self._encode_timings is not None:
-            per_image = (self.clock() - started) / len(jobs)
             self._encode_timings[len(jobs)] = min(per_image, self._encode_timings.get(len(jobs), per_image))
         signature = RowTable.signature(enc, state)
         for table in self._tables:

@@ -43,6 +43,22 @@ def ensure_ready(state: ServiceState) -> None:
         raise NotReady("the service is starting or shutting down")
 
 
+def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: float) -> None:
+    """Before a request's body is read: 503 while not ready and, when its options name its model and the body
+    cannot change them, 429 if that model's batcher would refuse it now — under overload, reading and parsing the
+    body of a request that is then refused takes event-loop time from the admitted ones.  (Every request is
+    checked again once its body is read.)"""
+    ensure_ready(state)
+    batcher = state.batchers.get(options.model) if options is not None and options.model else None
+    if batcher is not None:
+        settings = state.settings
+        with batcher_errors(settings):
+            # out-of-range options are refused later, with a 422 naming them
+            batcher.check_admission(settings.request_timeout_s - (time.monotonic() - arrived),
+                                    min(options.beam_size or settings.default_beam_size, settings.max_beam_size),
+                                    min(options.max_len or settings.default_max_len, settings.max_max_len))
+
+
 def pick_model(state: ServiceState, name: str | None) -> str:
     name = name or state.default_model
     if name not in state.batchers:
@@ -71,9 +87,10 @@ def batcher_errors(settings: Settings) -> Iterator[None]:
         raise DeadlinePassed(f"captioning took longer than {settings.request_timeout_s:g} s") from None
 
 
-async def caption_image(state: ServiceState, request: CaptionRequest) -> CaptionResult:
-    """Caption one uploaded image with its model's batcher."""
-    started = time.monotonic()
+async def caption_image(state: ServiceState, request: CaptionRequest, arrived: float | None = None) -> CaptionResult:
+    """Caption one uploaded image with its model's batcher, within the request deadline counted from ``arrived``
+    (the request's arrival, ``time.monotonic()``; default: now)."""
+    started = time.monotonic() if arrived is None else arrived
     settings, metrics, options = state.settings, state.metrics, request.options
     name = options.model or state.default_model
     status = 200
@@ -97,7 +114,7 @@ async def caption_image(state: ServiceState, request: CaptionRequest) -> Caption
         with batcher_errors(settings):
             # a request the batcher would refuse is refused before its image is decoded (under overload that
             # decoding is CPU time taken from the admitted requests)
-            batcher.check_admission(settings.request_timeout_s - (time.monotonic() - started))
+            batcher.check_admission(settings.request_timeout_s - (time.monotonic() - started), beam, length)
         prepared = await run_in_threadpool(decode_and_prepare, state.runtimes[name], request.data, settings.max_pixels)
         remaining = settings.request_timeout_s - (time.monotonic() - started)
         with batcher_errors(settings):

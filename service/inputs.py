@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from collections import Counter
 from typing import Annotated
 
 from fastapi import Query, Request
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
+from starlette.requests import ClientDisconnect
 
 from .captioning import CaptionRequest
 from .errors import InvalidImage, InvalidRequest, UploadTooLarge
+from .middleware import ARRIVED
 from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
 
 #: room for the multipart envelope around the file (boundaries, part headers, the option fields)
@@ -122,9 +125,41 @@ def form_options(form: FormData) -> tuple[UploadFile, CaptionOptions]:
         raise _validation_failure(exc) from None
 
 
+async def drain_body(request: Request, limit: int) -> None:
+    """Read and drop the body of a request answered without it (up to ``limit`` bytes): a connection closed with
+    unread data in it is reset, and the client would see the reset instead of the answer."""
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return
+    except ClientDisconnect:  # the client left while sending: nothing to answer, nothing left to drain
+        return
+
+
+def _content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+def arrival(request: Request) -> float:
+    """When the request arrived (``time.monotonic()``, noted by the request-context middleware; now without it)."""
+    return request.scope.get("state", {}).get(ARRIVED) or time.monotonic()
+
+
+def options_before_body(request: Request, query: CaptionOptions) -> CaptionOptions | None:
+    """The options the query gives, when the body cannot change them: None for a JSON body (whose fields override
+    the query); a form field must agree with the query, and a raw image body has no options."""
+    return None if _is_json(_content_type(request)) else query
+
+
 async def read_caption_request(request: Request, query: CaptionOptions, limit: int) -> CaptionRequest:
     """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses."""
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    content_type = _content_type(request)
     if content_type == "multipart/form-data":
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit + MULTIPART_SLACK:
@@ -132,7 +167,7 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
         async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
             upload, options = form_options(form)
             return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
-    if content_type == "application/json" or content_type.endswith("+json"):
+    if _is_json(content_type):
         body = await read_body(request, (limit * 4 + 2) // 3 + 4096)
         try:
             parsed = CaptionJSON.model_validate_json(body)

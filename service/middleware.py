@@ -20,6 +20,8 @@ access_log = logging.getLogger("captioner.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 # not a standard status: nginx's "client closed request", used in the access log only (nothing is sent)
 CLIENT_CLOSED = 499
+#: key of the request's arrival time (``time.monotonic()``) in ``request.state``
+ARRIVED = "arrived"
 
 
 class RequestContextMiddleware:
@@ -41,6 +43,9 @@ class RequestContextMiddleware:
         request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
         started = time.perf_counter()
+        # a request's deadline counts from here (captioning.py): reading its body, or waiting for a busy event loop,
+        # is time its client waits too
+        scope.setdefault("state", {})[ARRIVED] = time.monotonic()
         response: dict[str, Any] = {"status": None, "complete": False, "bytes": 0}
 
         async def send_with_id(message: dict) -> None:

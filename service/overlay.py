@@ -14,10 +14,10 @@ from fastapi.responses import Response
 
 from captioner.models.rendering.heatmaps import MODES
 
-from .captioning import caption_image, ensure_ready
-from .inputs import BeamQuery, LengthQuery, ModelQuery, read_caption_request
+from .inputs import BeamQuery, LengthQuery, ModelQuery
 from .rendering import Format, RenderOptions, render_result
 from .results import Results, StoredResult
+from .routes import caption_upload
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, HeatmapsOut
 from .state import State
 
@@ -58,9 +58,7 @@ async def post_overlay(request: Request, state: State, results: Results, model: 
                        beam_size: BeamQuery = None, max_len: LengthQuery = None, format: Format = "figure",
                        token: TokenQuery = None, mode: ModeQuery = None, cmap: CmapQuery = "jet",
                        alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
-    ensure_ready(state)  # before reading the body: nobody would caption it
-    given = await read_caption_request(request, CaptionOptions(model=model, beam_size=beam_size, max_len=max_len),
-                                       state.settings.max_upload_bytes)
-    result = await caption_image(state, given)
-    result_id = results.put(result, given.data)
+    data, result = await caption_upload(request, state, CaptionOptions(model=model, beam_size=beam_size,
+                                                                        max_len=max_len))
+    result_id = results.put(result, data)
     return await _respond(results.get(result_id), RenderOptions(format, token, mode, cmap, alpha, max_side), result_id)

@@ -10,24 +10,41 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from .captioning import caption_image, ensure_ready
-from .errors import NotReady
-from .inputs import BeamQuery, LengthQuery, ModelQuery, read_caption_request
+from captioner.models.inference import CaptionResult
+
+from .captioning import caption_image, refuse_early
+from .errors import NotReady, Overloaded
+from .inputs import MULTIPART_SLACK, BeamQuery, LengthQuery, ModelQuery, arrival, drain_body, \
+    options_before_body, read_caption_request
 from .results import Results
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, Health, ModelOut
-from .state import State
+from .state import ServiceState, State
 
 router = APIRouter()
+
+
+async def caption_upload(request: Request, state: ServiceState,
+                         query: CaptionOptions) -> tuple[bytes, CaptionResult]:
+    """Read and caption the upload of either caption endpoint: the deadline counts from the request's arrival, and
+    a request is refused before its body is parsed when the service is not ready, or when the model its query
+    names would refuse it anyway."""
+    arrived = arrival(request)
+    try:
+        refuse_early(state, options_before_body(request, query), arrived)
+    except Overloaded:
+        await drain_body(request, state.settings.max_upload_bytes + MULTIPART_SLACK)
+        raise
+    given = await read_caption_request(request, query, state.settings.max_upload_bytes)
+    return given.data, await caption_image(state, given, arrived)
+
 
 @router.post("/caption", response_model=CaptionOut, openapi_extra=CAPTION_BODY,
              summary="Caption an uploaded image, with per-word attention", responses=CAPTION_PROBLEMS)
 async def caption(request: Request, state: State, results: Results, model: ModelQuery = None,
                   beam_size: BeamQuery = None, max_len: LengthQuery = None) -> CaptionOut:
-    ensure_ready(state)  # before reading the body: nobody would caption it
-    given = await read_caption_request(request, CaptionOptions(model=model, beam_size=beam_size, max_len=max_len),
-                                       state.settings.max_upload_bytes)
-    result = await caption_image(state, given)
-    return CaptionOut.of(result, results.put(result, given.data))
+    data, result = await caption_upload(request, state, CaptionOptions(model=model, beam_size=beam_size,
+                                                                        max_len=max_len))
+    return CaptionOut.of(result, results.put(result, data))
 
 
 @router.get("/models", response_model=list[ModelOut], summary="Models this service can caption with")

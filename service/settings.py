@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 answers (503 answers use 5)")
     drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight requests may finish")
+    keep_alive_s: float = Field(75.0, gt=0, description="idle HTTP keep-alive connections are closed after this "
+                                "long: longer than clients' and proxies' own idle limits (httpx 5 s, nginx 60 s), "
+                                "so that a client never sends a request on a connection the server is closing")
 
     # -- results, logs, binding ---------------------------------------------------------------------------------
     results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
