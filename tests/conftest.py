@@ -84,7 +84,7 @@ def server(server_log):
     proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(port), "--weights-dir",
                              str(WEIGHTS)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300  # every shipped checkpoint loads and warms up
+    deadline = time.time() + 600  # every shipped checkpoint loads, is exported to ONNX (a fresh clone) and warms up
     while time.time() < deadline:
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:

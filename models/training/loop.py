@@ -567,8 +567,8 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
             "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
             "precision": precision.name}
-    if cfg.init:
-        meta["started_from"] = _lineage(cfg.init)
+    if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint
+        meta["started_from"] = saved.get("started_from") if saved is not None else _lineage(cfg.init)
     return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
                phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
                progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, trainer=trainer)
@@ -585,7 +585,7 @@ def _snapshot(run: Run) -> None:
     run.progress.plateau = run.schedules.plateau.state_dict() if run.schedules.plateau else None
     state = {"config": run.cfg.to_json(), "vocab": run.vocab.to_json(), "progress": run.progress.to_json(),
              "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-             "rng_ranks": rngs}
+             "rng_ranks": rngs, "started_from": run.meta.get("started_from")}
     if run.scaler is not None:
         state["scaler"] = run.scaler.state_dict()
     save_state(run.run_dir, state)
