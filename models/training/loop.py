@@ -349,17 +349,13 @@ def _adopt_init(cfg: TrainConfig, init: Checkpoint) -> TrainConfig:
                    features=cfg.features or trained_on)
 
 
-def _lineage(path: str) -> dict[str, Any] | None:
+def _lineage(path: str, init: Checkpoint) -> dict[str, Any]:
     """What a warm start began from, for the model card: the checkpoint's architecture, data, epochs, training time,
-    its own command and, recursively, what it began from. None when the file is gone (a resumed run)."""
+    its own command and, recursively, what it began from."""
     from .recipes import command_line
 
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    meta = config.get("meta", {})
-    return {"checkpoint": str(path), "arch": config.get("arch"), "dataset": meta.get("dataset"),
+    meta = init.meta
+    return {"checkpoint": str(path), "arch": init.model.arch, "dataset": meta.get("dataset"),
             "phase": meta.get("phase"), "epochs": len(meta.get("history", [])), "best_epoch": meta.get("best_epoch"),
             "train_seconds": meta.get("train_seconds"),
             "command": command_line(meta["train_config"]) if "train_config" in meta else None,
@@ -517,15 +513,17 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
                                        device=str(device), progress=cfg.progress and ctx.is_main)
         ctx.barrier()
 
+    def data_vocab() -> Vocabulary:
+        return Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+
     if saved is not None:
         vocab = Vocabulary.from_json(saved["vocab"])
+    elif init is not None and cfg.extend_vocab:  # appended, so every word keeps its id and its trained rows
+        vocab = Vocabulary(init.vocab.itos + [w for w in data_vocab().itos if w not in init.vocab.stoi])
     elif init is not None:
         vocab = init.vocab
-        if cfg.extend_vocab:  # appended, so every word keeps its id and its trained rows
-            data_vocab = Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
-            vocab = Vocabulary(vocab.itos + [w for w in data_vocab.itos if w not in vocab.stoi])
     else:
-        vocab = Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+        vocab = data_vocab()
     # seeded here, not earlier: building the encoder (only when the feature cache is cold) draws random numbers too,
     # and a run's initial weights must not depend on whether its features were cached
     torch.manual_seed(cfg.seed)
@@ -568,7 +566,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
             "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
             "precision": precision.name}
     if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint
-        meta["started_from"] = saved.get("started_from") if saved is not None else _lineage(cfg.init)
+        meta["started_from"] = saved.get("started_from") if saved is not None else _lineage(cfg.init, init)
     return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
                phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
                progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, trainer=trainer)
