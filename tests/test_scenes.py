@@ -150,7 +150,7 @@ def circular(a: float, b: float) -> float:
 def test_varied_scenes_vary_and_stay_consistent(tmp_path):
     import colorsys
 
-    from captioner.models.data.scenes import Variation
+    from captioner.models.data.scenes import Variation, is_current
 
     path = generate(tmp_path / "v", {"train": 24, "test": 4}, seed=1, progress=False, variation=Variation())
     again = generate(tmp_path / "w", {"train": 24, "test": 4}, seed=1, progress=False, variation=Variation())
@@ -173,3 +173,8 @@ def test_varied_scenes_vary_and_stay_consistent(tmp_path):
             nearest = min(COLOURS, key=lambda c: circular(colorsys.rgb_to_hsv(*np.array(COLOURS[c]) / 255)[0], hue))
             assert nearest == obj["colour"], (entry["filename"], mean * 255)
         assert all(named_objects(entry["sentences"][0]["tokens"], entry["objects"]))
+    # the written varied dataset counts as current for the same settings (its ranges are JSON lists, not tuples),
+    # so `make data-varied` does not redraw 13,500 images every time
+    sizes = {"train": 24, "val": 0, "test": 4, "heldout": 0}
+    assert is_current(path.parent, sizes, seed=1, variation=Variation())
+    assert not is_current(path.parent, sizes, seed=1, variation=Variation(hue_jitter=0.05))

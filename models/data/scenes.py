@@ -390,7 +390,8 @@ def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variat
         data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
-    header = dataset_header(seed, sizes, variation)
+    # through JSON, as it was written: the variation's ranges are tuples in Python and lists in the file
+    header = json.loads(json.dumps(dataset_header(seed, sizes, variation)))
     return all(data.get(key) == value for key, value in header.items())
 
 
