@@ -19,7 +19,7 @@ help:
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
 	@echo "make data          generate the scene dataset in $(DATA)"
 	@echo "make train-default retrain the shipped SAT checkpoint (weights/sat)"
-	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED) xtransformer)"
+	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED))"
 	@echo "make eval-default  evaluate the shipped checkpoint on the test and held-out splits"
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
 	@echo "make bench-int8    only the int8 CNN accuracy table (captioner eval, float vs int8)"
@@ -59,7 +59,6 @@ data: | $(STAMP)
 # out-of-distribution set, writes the card from those measurements and installs it in weights/.
 # DATA_NAME is the scene set it trains on (default $(DATA)); checkpoints trained on the varied scenes
 # ($(DATA_VARIED): other canvases, colours, noise, JPEG) are the ones meant to hold up beyond the generator.
-ZOO_BUDGET := --epochs 1 --train-limit 2000
 SCENE_SAT := --set embed_dim=256 --set hidden_dim=512 --set attn_dim=256
 SCENE_SPARSECAP := --model sparsecap --epochs 1 --set embed_dim=256 --set hidden_dim=512 --set visual_dim=256 \
   --set attn_dim=256
@@ -90,10 +89,16 @@ DATA_aoanet := $(DATA_VARIED)
 TRAIN_xlan := --recipe xlan $(HYPERCOLUMN_16) --set dim=256 --set hidden_dim=256 --set embed_dim=256 \
   --set channel_dim=128 --warmup-steps 1000 --group-by-image --epochs 3
 DATA_xlan := $(DATA_VARIED)
-SHIPPED := sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet xlan
-
-# Not shipped, trained for the model-zoo table (docs/model_zoo.md) on the one-epoch budget.
-TRAIN_xtransformer := $(ZOO_BUDGET) --model xtransformer --set dim=256 --set channel_dim=128 --set ffn_dim=1024
+# X-Transformer's recipe (RAdam, Noam warm-up, label smoothing) at CPU width: dim 128 and 3 + 3 layers instead of
+# 768 and 6 + 6, with 1,000 warm-up steps for the shorter run; AreaTransformer's recipe (Adam, Noam) at d_model 128
+# and 2 + 2 layers, every layer an area layer (the paper: the first two of 6 + 6). docs/decisions.md, "Paper recipes".
+TRAIN_xtransformer := --recipe xtransformer $(HYPERCOLUMN_16) --set dim=128 --set channel_dim=64 --set ffn_dim=512 \
+  --set encoder_layers=3 --set decoder_layers=3 --group-by-image --warmup-steps 1000 --epochs 4
+DATA_xtransformer := $(DATA_VARIED)
+TRAIN_area-transformer := --recipe area-transformer $(HYPERCOLUMN_16) --set d_model=128 --set n_heads=4 \
+  --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --warmup-steps 1000 --batch-size 40 --group-by-image --epochs 3
+DATA_area-transformer := $(DATA_VARIED)
+SHIPPED := sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet xlan xtransformer area-transformer
 
 train-default: train-sat
 

@@ -3,8 +3,10 @@
 Requests wait in a bounded queue (full: :class:`QueueFull`, which the route answers with 429 + Retry-After).
 At every step boundary the worker
 
-1. drops waiting requests whose client is gone or whose deadline has passed, and removes the rows of running
-   requests in the same situation (so a disconnect or a deadline frees rows before the next step runs);
+1. drops waiting requests whose client is gone, sheds waiting requests that can no longer finish before their
+   deadline (:class:`WouldMissDeadline`: 429 + Retry-After, like a refusal at the door: they never got rows), and
+   removes the rows of running requests whose client is gone or whose deadline has passed (so a disconnect or a
+   deadline frees rows before the next step runs);
 2. admits waiting requests, first come first served, while their rows fit under ``max_rows``, encoding up to
    ``max_batch_images`` images in one batch, and appends their (request, beam) rows to a row table;
 3. runs one decoding step over every row of every table, then one top-k per beam group
@@ -56,7 +58,8 @@ class QueueFull(RuntimeError):
 
 class WouldMissDeadline(QueueFull):
     """Admission control: at the measured service rate the request would not be finished before its deadline, so
-    it is refused now (429 + Retry-After) instead of being admitted to fail later with a 504."""
+    it is refused (429 + Retry-After) instead of being given rows to fail later with a 504: at the door by
+    :meth:`Batcher.submit`, or at a step boundary while it still waits (the load grew after it was let in)."""
 
 
 class NotAccepting(RuntimeError):
@@ -560,16 +563,40 @@ class Batcher:
                                 for table in self._tables for job in table.jobs)
 
     def _expire_pending(self, now: float) -> None:
+        """Drop waiting jobs whose client is gone and shed those that cannot finish in the time they have left:
+        encoding plus their own steps at the current step time.  Shedding here, before any work is spent on
+        them, keeps a burst from ending in 504s: a request let in on the estimate made at its arrival can still
+        wait too long when the steps slow down after it was let in (the overload run of ``make reliability`` had
+        32 such requests time out in the queue)."""
+        # only while rows are decoding: then the step time is current and the job has to wait behind them (an
+        # idle worker starts its first waiting job at once; judging it by the steps of an old, fuller table would
+        # refuse for good, as no step would run to correct the estimate)
+        need = self._own_time_s if self._tables else None
         with self._wake:
             keep = deque()
             for job in self._pending:
                 if job.cancelled or job.future.done():
                     continue
-                if now > job.deadline:
-                    job.resolve(error=DeadlineExceeded("the deadline passed while waiting in the queue"))
+                left = job.deadline - now
+                if left < 0 or (need is not None and need(job) > left):
+                    wait = self.expected_wait_s(job.beam_size, job.max_len) or 0.0
+                    job.resolve(error=WouldMissDeadline(
+                        f"model {self.runtime.name!r} is overloaded: this request waited "
+                        f"{now - job.enqueued:.2f} s and cannot be captioned in the {max(left, 0.0):.2f} s left "
+                        "to its deadline", retry_after_s=max(1.0, math.ceil(wait))))
                 else:
                     keep.append(job)
             self._pending = keep
+
+    @property
+    def _own_time_s(self) -> Callable[[Job], float] | None:
+        """Seconds a waiting job is expected to need once admitted, ignoring everyone else: its encoding and its
+        expected steps at the current step time (None before the first measurement).  Ignoring the others keeps
+        it on the side of admitting: a job is shed only when it cannot make it even alone."""
+        if self.step_time_s is None:
+            return None
+        step, encode = self.step_time_s, self.encode_time_s or 0.0
+        return lambda job: encode + self._steps(job.max_len) * step
 
     def _admit(self) -> None:
         free = self.max_rows - sum(t.rows for t in self._tables)

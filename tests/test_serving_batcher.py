@@ -126,9 +126,49 @@ def test_deadline_fails_the_request_and_frees_its_rows(encoder):
         queued = batcher.submit(prepared, 2, 40, 0.01)  # expires while still waiting: never gets rows
         clock.now += 0.03
         batcher.run_once()
-        with pytest.raises(DeadlineExceeded):
+        # shed as overload (429 + Retry-After), not a 504: it never got rows
+        with pytest.raises(WouldMissDeadline) as refused:
             await queued.future
+        assert refused.value.retry_after_s >= 1
         assert batcher.idle
+
+    asyncio.run(scenario())
+
+
+def test_waiting_requests_that_cannot_finish_in_time_are_shed_before_getting_rows(encoder):
+    """A request let in on one estimate can wait while the steps slow down; at the next step boundary it is shed
+    (429 + Retry-After) if its own steps no longer fit in the time it has left, instead of ending as a 504."""
+    runtime = runtime_for("sat", encoder)
+    clock = FakeClock()
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=64, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1)[0])
+
+    async def scenario():
+        running = batcher.submit(prepared, 3, 40, 10.0)
+        batcher.run_once()
+        assert batcher.active_jobs == 1
+        # no measurement yet (the fake clock's steps take no time): both are let in
+        short = batcher.submit(prepared, 2, 40, 0.3)
+        long = batcher.submit(prepared, 2, 40, 30.0)
+        # then the steps turn out to take 10 ms: 40 steps need 0.4 s, more than the short one has
+        batcher.step_time_s, batcher.rows_per_step = 0.01, 3.0
+        batcher.run_once()
+        with pytest.raises(WouldMissDeadline):
+            await short.future
+        assert not long.future.done() and batcher.active_jobs == 2  # admitted behind the first
+        assert batcher.queued == 0
+        batcher.cancel(running)
+        batcher.cancel(long)
+        batcher.run_once()
+        assert batcher.idle
+        # an idle worker admits a short-deadline request whatever the last table's step time was
+        alone = batcher.submit(prepared, 2, 2, 0.001)
+        batcher.step_time_s = 1.0
+        batcher.run_once()
+        assert batcher.active_jobs == 1 and not alone.future.done()
+        batcher.cancel(alone)
+        batcher.run_once()
 
     asyncio.run(scenario())
 
