@@ -95,7 +95,8 @@ class IdleTrimmer:
             self._scheduled = False
             self._last = time.monotonic()
         release_memory()
-        self.releases += 1
+        with self._lock:
+            self.releases += 1
 
 
 def resident_bytes(pid: int | str = "self") -> int:

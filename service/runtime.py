@@ -237,16 +237,11 @@ class SharedEncoders:
         return self.pytorch(spec) if self.device.type == "cpu" else None
 
     def onnx(self, spec: EncoderSpec) -> VisualSession:
-        from captioner.models.export.onnx import visual_encoder_path
-        from captioner.models.export.quantize import INT8_FILE, visual_encoder_file
+        from captioner.models.export.quantize import visual_encoder_file
 
         key = repr(spec)
         if key not in self._onnx:
-            path = visual_encoder_path(spec, self.onnx_dir)
-            if self.precision == "int8":
-                path = path.with_name(INT8_FILE)
-            if not path.is_file():  # the PyTorch CNN is built only when an export must be made
-                path = visual_encoder_file(spec, self.onnx_dir, self.precision, self.for_export(spec))
+            path = visual_encoder_file(spec, self.onnx_dir, self.precision, lambda: self.for_export(spec))
             self._onnx[key] = VisualSession(path, self.device, self.threads)
         return self._onnx[key]
 

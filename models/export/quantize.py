@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -91,15 +92,22 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
 
 
 def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str = "float32",
-                        visual: GridEncoder | None = None) -> Path:
-    """The ONNX CNN of ``spec`` at ``precision`` (``float32`` or ``int8``), exported (and quantized) when missing."""
-    from .onnx import export_visual_encoder
+                        make_visual: Callable[[], GridEncoder | None] = lambda: None) -> Path:
+    """The ONNX CNN of ``spec`` at ``precision`` (``float32`` or ``int8``), exported (and quantized) when missing.
+    ``make_visual`` gives the PyTorch encoder to export (None: the exporter builds one); it is called only when
+    the file must be made, so a server whose exports exist never builds the PyTorch CNN."""
+    from .onnx import export_visual_encoder, visual_encoder_path
 
     if precision not in ENCODER_PRECISIONS:
         raise ValueError(f"encoder precision must be one of {ENCODER_PRECISIONS}, got {precision!r}")
+    path = visual_encoder_path(spec, out_dir)
     if precision == "int8":
-        return quantized_visual_encoder(spec, out_dir, visual)
-    return export_visual_encoder(spec, out_dir, visual)
+        path = path.with_name(INT8_FILE)
+    if path.is_file():
+        return path
+    if precision == "int8":
+        return quantized_visual_encoder(spec, out_dir, make_visual())
+    return export_visual_encoder(spec, out_dir, make_visual())
 
 
 class OnnxGridEncoder:
