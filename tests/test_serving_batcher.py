@@ -135,44 +135,6 @@ def test_deadline_fails_the_request_and_frees_its_rows(encoder):
     asyncio.run(scenario())
 
 
-def test_waiting_requests_that_cannot_finish_in_time_are_shed_before_getting_rows(encoder):
-    """A request let in on one estimate can wait while the steps slow down; at the next step boundary it is shed
-    (429 + Retry-After) if its own steps no longer fit in the time it has left, instead of ending as a 504."""
-    runtime = runtime_for("sat", encoder)
-    clock = FakeClock()
-    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=64, clock=clock)
-    batcher.start(worker=False)
-    prepared = runtime.prepare(random_images(1)[0])
-
-    async def scenario():
-        running = batcher.submit(prepared, 3, 40, 10.0)
-        batcher.run_once()
-        assert batcher.active_jobs == 1
-        # no measurement yet (the fake clock's steps take no time): both are let in
-        short = batcher.submit(prepared, 2, 40, 0.3)
-        long = batcher.submit(prepared, 2, 40, 30.0)
-        # then the steps turn out to take 10 ms: 40 steps need 0.4 s, more than the short one has
-        batcher.step_time_s, batcher.rows_per_step = 0.01, 3.0
-        batcher.run_once()
-        with pytest.raises(WouldMissDeadline):
-            await short.future
-        assert not long.future.done() and batcher.active_jobs == 2  # admitted behind the first
-        assert batcher.queued == 0
-        batcher.cancel(running)
-        batcher.cancel(long)
-        batcher.run_once()
-        assert batcher.idle
-        # an idle worker admits a short-deadline request whatever the last table's step time was
-        alone = batcher.submit(prepared, 2, 2, 0.001)
-        batcher.step_time_s = 1.0
-        batcher.run_once()
-        assert batcher.active_jobs == 1 and not alone.future.done()
-        batcher.cancel(alone)
-        batcher.run_once()
-
-    asyncio.run(scenario())
-
-
 def test_full_queue_refuses_and_wide_beams_are_rejected(encoder):
     runtime = runtime_for("sat", encoder)
     batcher = Batcher(runtime, max_batch=4, queue_size=2, max_rows=4)
@@ -363,15 +325,41 @@ def test_a_slower_step_raises_the_estimate_before_any_request_finishes(encoder):
     asyncio.run(scenario())
 
 
-def _variable_speed_batcher(encoder, cost: StepCost):
+def _variable_speed_batcher(encoder, cost: StepCost, max_rows: int = 64):
     """A worker-less batcher on a fake clock whose steps take ``cost.seconds``; captions run to their length
     limit (<eos> never emitted), so the work left is known exactly."""
     clock = FakeClock()
     runtime, _ = slow_runtime(encoder, clock, step_s=cost)
     runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)
-    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=max_rows, clock=clock)
     batcher.start(worker=False)
     return batcher, runtime.prepare(random_images(1, seed=5)[0])
+
+
+def test_waiting_requests_that_cannot_finish_in_time_are_shed_before_getting_rows(encoder):
+    """A request let in on one estimate can wait while the steps slow down; once its own steps no longer fit in the
+    time it has left it is shed at a step boundary (429 + Retry-After), before its deadline passes, instead of
+    ending as a 504."""
+    cost = StepCost(0.01)
+    batcher, prepared = _variable_speed_batcher(encoder, cost, max_rows=3)  # one request decodes at a time
+
+    async def scenario():
+        first = batcher.submit(prepared, 3, 40, 1000)
+        batcher.run_once()
+        waiting = batcher.submit(prepared, 3, 40, 1.0)  # 40 steps of 10 ms behind the first: let in
+        assert batcher.queued == 1
+        cost.seconds = 0.05  # the machine slows down: 40 steps now need 2 s
+        while not waiting.future.done():
+            batcher.run_once()
+            await asyncio.sleep(0)  # the result reaches the future through the event loop
+        assert batcher.clock() < waiting.deadline  # shed early, not expired
+        with pytest.raises(WouldMissDeadline) as refused:
+            await waiting.future
+        assert refused.value.retry_after_s >= 1
+        assert not first.future.done() and batcher.active_jobs == 1  # the decoding request is untouched
+        assert (await _finish(batcher, first)).words
+
+    asyncio.run(scenario())
 
 
 def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(encoder):
