@@ -67,8 +67,7 @@ HYPERCOLUMN_16 := --encoder layer=hypercolumn --encoder grid_stride=16
 # start is reproduced with what it started from (docs/decisions.md, "Warm starts").
 # the default: hypercolumns on a 16×16 grid, a lighter doubly stochastic penalty, ×0.1 learning rate for the last two
 # epochs, best epoch by validation objects_named (docs/decisions.md, "The default checkpoint"); SAT-hard goes on from
-# it (the same network without the β gate) for two epochs of REINFORCE. The shipped weights/sat is this recipe's run
-# on the references from before "an" was added, plus three `--extend-vocab` epochs on today's (its card says how).
+# it (the same network without the β gate) for two epochs of REINFORCE. The shipped weights/sat is this recipe's run.
 TRAIN_sat := --model sat --epochs 7 --lr-drop 5 $(HYPERCOLUMN_16) \
   $(SCENE_SAT) --set doubly_stochastic=0.1 --select-metric objects_named
 TRAIN_sat-hard := --model sat-hard --epochs 2 --lr 2e-4 --select-metric objects_named
@@ -93,7 +92,7 @@ DATA_xlan := $(DATA_VARIED)
 # 768 and 6 + 6, with 1,000 warm-up steps for the shorter run; AreaTransformer's recipe (Adam, Noam) at d_model 128
 # and 2 + 2 layers, every layer an area layer (the paper: the first two of 6 + 6). docs/decisions.md, "Paper recipes".
 TRAIN_xtransformer := --recipe xtransformer $(HYPERCOLUMN_16) --set dim=128 --set channel_dim=64 --set ffn_dim=512 \
-  --set encoder_layers=3 --set decoder_layers=3 --group-by-image --warmup-steps 1000 --epochs 4
+  --set encoder_layers=3 --set decoder_layers=3 --group-by-image --warmup-steps 1000 --epochs 8
 DATA_xtransformer := $(DATA_VARIED)
 TRAIN_area-transformer := --recipe area-transformer $(HYPERCOLUMN_16) --set d_model=128 --set n_heads=4 \
   --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --warmup-steps 1000 --batch-size 40 --group-by-image --epochs 3
