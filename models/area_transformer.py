@@ -117,14 +117,6 @@ class AreaTransformer(Captioner):
     def config(self) -> dict[str, Any]:
         return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, **self.hparams)
 
-    def export_blocker(self) -> str | None:
-        if not any(layer.self_attn.uses_areas for layer in self.decoder):
-            return None
-        # the spans of the cached caption are enumerated in Python from its length (and clamped while it is shorter
-        # than the largest span), so a trace would freeze the step it was made at
-        return ("decoder self-attention over caption areas (caption_area) enumerates the spans of the growing "
-                "cache from its length in Python; serve this model with the PyTorch backend")
-
     # -- encoder ------------------------------------------------------------------------------------------------
     def _grid(self, vis: VisualBatch) -> Grid:
         n = vis.feats.shape[1]
@@ -185,7 +177,7 @@ class AreaTransformer(Captioner):
                 keys = torch.cat([state[f"k{i}"], layer.self_attn.k(y)], 1)
                 values = torch.cat([state[f"v{i}"], layer.self_attn.v(y)], 1)
                 new_state[f"k{i}"], new_state[f"v{i}"] = keys, values
-                return layer.self_attn.attend(y, *layer.self_attn.memory_areas(keys, values, (1, t + 1)))
+                return layer.self_attn.attend(y, *layer.self_attn.prefix_areas(keys, values))
 
             x, weights = layer(x, self_attend, lambda y, i=i, layer=layer: layer.cross.attend(y, *self._cross(enc, i)))
             cross_weights.append(weights[:, :, 0])

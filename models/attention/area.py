@@ -45,10 +45,16 @@ def area_count_2d(rows: int, cols: int, max_h: int, max_w: int) -> int:
     return area_count_1d(rows, max_h) * area_count_1d(cols, max_w)
 
 
-def _clamp(rows: int, cols: int, max_h: int, max_w: int) -> tuple[int, int]:
-    # larger maxima would give empty or negative slices of the integral image (so both are clamped to the grid)
-    if min(rows, cols, max_h, max_w) < 1:
+def _check(rows, cols, max_h: int, max_w: int) -> None:
+    # under an ONNX trace the grid sizes are traced values: comparing them would freeze them (and they are the
+    # shapes of real tensors there, so positive)
+    if not torch.jit.is_tracing() and min(rows, cols, max_h, max_w) < 1:
         raise ValueError(f"grid {rows}×{cols} and maximum area {max_h}×{max_w} must all be positive")
+
+
+def _clamp(rows: int, cols: int, max_h: int, max_w: int) -> tuple[int, int]:
+    # larger maxima would give empty ranges of corners (so both are clamped to the grid)
+    _check(rows, cols, max_h, max_w)
     return min(max_h, rows), min(max_w, cols)
 
 
@@ -88,31 +94,62 @@ def _accumulator(x: Tensor) -> torch.dtype:
     return torch.float32 if x.device.type == "mps" else torch.float64
 
 
+def _area_pieces(grid: Tensor, max_h: int, max_w: int):
+    """``(h, w, part)`` for every area shape in the order of Algorithm 1 (height outer, width inner), where
+    ``part [..., rows − h + 1, cols − w + 1, D]`` holds the sums of ``grid [..., rows, cols, D]`` over the
+    ``h × w`` areas by their top-left corners.
+
+    The sums of ``w`` adjacent columns are those of ``w − 1`` columns plus the next column, and an area of height
+    ``h`` is one of height ``h − 1`` plus the next row.  Shapes larger than the grid come out empty, so the grid
+    size is never compared with the maxima: slicing by constant offsets keeps it symbolic in an ONNX trace, where a
+    growing caption's length is an input (models/area_transformer.py, decoder self-attention over caption spans).
+    """
+    across = [grid]  # across[w − 1][..., r, c, :] = Σ_{b<w} x[r, c + b]
+    for width in range(2, max_w + 1):
+        across.append(across[-1][..., :-1, :] + grid[..., width - 1:, :])
+    down = across  # down[w − 1][..., r, c, :] = Σ_{a<h, b<w} x[r + a, c + b]
+    for height in range(1, max_h + 1):
+        if height > 1:
+            down = [prev[..., :-1, :, :] + run[..., height - 1:, :, :] for prev, run in zip(down, across)]
+        yield from ((height, width, part) for width, part in enumerate(down, 1))
+
+
 def area_sums(x: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
     """Sum of the item vectors of every area: ``x [..., rows*cols, D]`` → ``[..., |R|, D]`` (Area attention Eq. 4).
 
     The paper gets these from a summed-area table (Eq. 10–11, Algorithm 1): ``Ĩ[r2+1, c2+1] − Ĩ[r1, c2+1] −
-    Ĩ[r2+1, c1] + Ĩ[r1, c1]``.  We build them by adding shifted slices instead — the sums of ``w`` adjacent
-    columns are those of ``w − 1`` columns plus the next column, and an area of height ``h`` is one of height
-    ``h − 1`` plus the next row — which costs one addition per area (the table costs a four-corner gather and
-    three subtractions per area, and its backward a scatter).  The sums are the same, and exact to the rounding
-    of at most ``max_h · max_w`` additions: unlike the table's differences of large entries they do not lose
-    digits, so no wider float is needed.
+    Ĩ[r2+1, c1] + Ĩ[r1, c1]``.  We build them by adding shifted slices instead (:func:`_area_pieces`), which
+    costs one addition per area (the table costs a four-corner gather and three subtractions per area, and its
+    backward a scatter).  The sums are the same, and exact to the rounding of at most ``max_h · max_w``
+    additions: unlike the table's differences of large entries they do not lose digits, so no wider float is
+    needed.
     """
-    if x.shape[-2] != rows * cols:
+    _check(rows, cols, max_h, max_w)
+    if not torch.jit.is_tracing() and x.shape[-2] != rows * cols:
         raise ValueError(f"memory has {x.shape[-2]} items, not a {rows}×{cols} grid")
-    max_h, max_w = _clamp(rows, cols, max_h, max_w)
-    # unflatten, not reshape(*lead, …): the leading sizes stay symbolic in an ONNX trace (any row count)
-    grid = x.unflatten(-2, (rows, cols))
-    across = [grid]  # across[w − 1][..., r, c, :] = Σ_{b<w} x[r, c + b]
-    for width in range(2, max_w + 1):
-        across.append(across[-1][..., :-1, :] + grid[..., width - 1:, :])
-    pieces, down = [], across  # down[w − 1][..., r, c, :] = Σ_{a<h, b<w} x[r + a, c + b]
-    for height in range(1, max_h + 1):
-        if height > 1:
-            down = [prev[..., :-1, :, :] + run[..., height - 1:, :, :] for prev, run in zip(down, across)]
-        pieces.extend(part.flatten(-3, -2) for part in down)  # height outer, width inner, corners row-major
-    return torch.cat(pieces, -2)
+    # unflatten, not reshape(*lead, …), and -1 for the columns: the leading sizes and the length of a 1D memory
+    # stay symbolic in an ONNX trace (any row count, any caption length)
+    pieces = _area_pieces(x.unflatten(-2, (rows, -1)), max_h, max_w)
+    return torch.cat([part.flatten(-3, -2) for _, _, part in pieces], -2)
+
+
+def _ones_like_traced(x: Tensor) -> Tensor:
+    """True of ``x``'s shape, made from its values element by element.  The ONNX exporter turns ``ones_like``
+    or ``arange`` of a computed tensor's size into a constant of the example's shape (it keeps only the sizes of
+    graph inputs symbolic); an elementwise test of the values keeps every size symbolic."""
+    nan = x.isnan()
+    return nan | ~nan
+
+
+def _traced_area_shapes(like: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+    """:func:`area_shapes` computed from the shape of ``like [..., rows*cols, D]`` by tensor operations, so that
+    it follows a symbolic grid size in an ONNX trace (:func:`area_shapes` enumerates boxes in Python)."""
+    ones = _ones_like_traced(like[(0,) * (like.dim() - 2)][:, :1]).long().view(rows, -1, 1)
+    shape_of = {(h, w): torch.tensor([h, w], device=like.device) for h in range(1, max_h + 1)
+                for w in range(1, max_w + 1)}
+    # a part holds the sums h·w of ones: [corners, 1] → the shape of every corner's area, [corners, 2]
+    return torch.cat([part.flatten(0, 1) // (h * w) * shape_of[h, w]
+                      for h, w, part in _area_pieces(ones, max_h, max_w)])
 
 
 def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
@@ -126,7 +163,7 @@ def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
     mean) is used so a causal memory and its prefix are centred identically.  The moments of σ are computed in
     float64; the sums (:func:`area_sums`) need no wider float.
     """
-    sizes = area_shapes(rows, cols, max_h, max_w).to(x.device)
+    sizes = _traced_area_shapes(x, rows, cols, max_h, max_w)
     total = area_sums(x, rows, cols, max_h, max_w)
     count = (sizes[:, 0] * sizes[:, 1]).unsqueeze(-1)
     wide = x.to(_accumulator(x))
@@ -273,6 +310,20 @@ class AreaMultiHeadAttention(nn.Module):
         if key_mask is not None:
             allowed = area_mask(key_mask, *grid, *self.max_area).unsqueeze(1)
         return area_k, area_v, allowed
+
+    def prefix_areas(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """:meth:`memory_areas` of a sequence ``[B, L, D]`` for a query at its newest position (every span is in
+        that query's past): a decoder's cached self-attention.
+
+        The sequence is padded on the left with ``S − 1`` masked items, so it is never shorter than the longest
+        span: the areas then follow ``L`` through tensor shapes alone, and one ONNX trace serves every step
+        (masked areas get no weight, so the attention is the same as over the unpadded spans)."""
+        span = self.max_area[1]
+        if not self.uses_areas:
+            return self.memory_areas(keys, values, (1, keys.shape[1]))
+        keys, values = F.pad(keys, (0, 0, span - 1, 0)), F.pad(values, (0, 0, span - 1, 0))
+        real = _ones_like_traced(keys[:1, :, 0]).long().cumsum(1) > span - 1  # [1, L + S − 1], False on the padding
+        return self.memory_areas(keys, values, (1, keys.shape[1]), real)
 
     def attend(self, query: Tensor, area_k: Tensor, area_v: Tensor,
                allowed: Tensor | None = None) -> tuple[Tensor, Tensor]:
