@@ -95,9 +95,8 @@ TRAIN_xtransformer := --recipe xtransformer $(HYPERCOLUMN_16) --set dim=128 --se
   --set encoder_layers=3 --set decoder_layers=3 --group-by-image --warmup-steps 1000 --epochs 8
 DATA_xtransformer := $(DATA_VARIED)
 TRAIN_area-transformer := --recipe area-transformer $(HYPERCOLUMN_16) --set d_model=128 --set n_heads=4 \
-  --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --warmup-steps 1000 --batch-size 40 --group-by-image --epochs 3
+  --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --warmup-steps 1000 --batch-size 40 --group-by-image --epochs 5
 DATA_area-transformer := $(DATA_VARIED)
-# xtransformer is not shipped yet: its run continues in runs/xtransformer (TRAIN_xtransformer flags plus --resume)
 SHIPPED := sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet xlan area-transformer
 
 train-default: train-sat
