@@ -97,7 +97,7 @@ DATA_xtransformer := $(DATA_VARIED)
 TRAIN_area-transformer := --recipe area-transformer $(HYPERCOLUMN_16) --set d_model=128 --set n_heads=4 \
   --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --warmup-steps 1000 --batch-size 40 --group-by-image --epochs 5
 DATA_area-transformer := $(DATA_VARIED)
-SHIPPED := sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet xlan area-transformer
+SHIPPED := sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet xlan xtransformer area-transformer
 
 train-default: train-sat
 
