@@ -46,7 +46,10 @@ FORMAT = "attention-captioner-onnx/2"
 ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
 HEAD_FILE = "head.onnx"
 OPSET = 17
-# verification tolerance: float32 graphs that differ only in kernel choice agree far better than this
+# verification tolerance: float32 graphs that differ only in kernel choice agree far better than this. ATOL is
+# relative to the output's largest magnitude: deep encoders (X-Transformer's, values in the tens) differ by more
+# than 1e-4 in absolute terms between thread counts, while a size frozen by the trace is wrong by the order of the
+# values themselves
 ATOL, RTOL = 1e-4, 1e-3
 
 
@@ -343,8 +346,9 @@ def _close(name: str, output: str, got: np.ndarray, want: Tensor, frozen: list[s
         ok = np.array_equal(got, want_np)
     else:
         finite = np.isfinite(want_np)
-        ok = np.array_equal(finite, np.isfinite(got)) and np.allclose(got[finite], want_np[finite], atol=ATOL,
-                                                                       rtol=RTOL)
+        scale = max(1.0, float(np.abs(want_np[finite]).max())) if finite.any() else 1.0
+        ok = np.array_equal(finite, np.isfinite(got)) and np.allclose(got[finite], want_np[finite],
+                                                                       atol=ATOL * scale, rtol=RTOL)
         if ok and finite.any():
             kind = output.split(".")[0]
             diffs[kind] = max(diffs.get(kind, 0.0), float(np.abs(got[finite] - want_np[finite]).max()))
