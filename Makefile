@@ -86,7 +86,7 @@ TRAIN_aoanet := --recipe aoanet $(HYPERCOLUMN_16) --set d_model=256 --set embed_
   --ss-every 1 --epochs 2
 DATA_aoanet := $(DATA_VARIED)
 TRAIN_xlan := --recipe xlan $(HYPERCOLUMN_16) --set dim=256 --set hidden_dim=256 --set embed_dim=256 \
-  --set channel_dim=128 --warmup-steps 1000 --group-by-image --epochs 3
+  --set channel_dim=128 --warmup-steps 1000 --group-by-image --epochs 4
 DATA_xlan := $(DATA_VARIED)
 # X-Transformer's recipe (RAdam, Noam warm-up, label smoothing) at CPU width: dim 128 and 3 + 3 layers instead of
 # 768 and 6 + 6, with 1,000 warm-up steps for the shorter run; AreaTransformer's recipe (Adam, Noam) at d_model 128
