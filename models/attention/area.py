@@ -141,9 +141,10 @@ def _ones_like_traced(x: Tensor) -> Tensor:
     return nan | ~nan
 
 
-def _traced_area_shapes(like: Tensor, rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
+def _traced_area_shapes(like: Tensor, rows: int, max_h: int, max_w: int) -> Tensor:
     """:func:`area_shapes` computed from the shape of ``like [..., rows*cols, D]`` by tensor operations, so that
-    it follows a symbolic grid size in an ONNX trace (:func:`area_shapes` enumerates boxes in Python)."""
+    it follows a symbolic grid size in an ONNX trace (:func:`area_shapes` enumerates boxes in Python, and is
+    cached)."""
     ones = _ones_like_traced(like[(0,) * (like.dim() - 2)][:, :1]).long().view(rows, -1, 1)
     shape_of = {(h, w): torch.tensor([h, w], device=like.device) for h in range(1, max_h + 1)
                 for w in range(1, max_w + 1)}
@@ -163,7 +164,10 @@ def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
     mean) is used so a causal memory and its prefix are centred identically.  The moments of σ are computed in
     float64; the sums (:func:`area_sums`) need no wider float.
     """
-    sizes = _traced_area_shapes(x, rows, cols, max_h, max_w)
+    # eager: the cached enumeration (a decoding step calls this per layer); traced: the tensor form, whose count
+    # follows a caption length that is a graph input
+    sizes = (_traced_area_shapes(x, rows, max_h, max_w) if torch.jit.is_tracing()
+             else area_shapes(rows, cols, max_h, max_w).to(x.device))
     total = area_sums(x, rows, cols, max_h, max_w)
     count = (sizes[:, 0] * sizes[:, 1]).unsqueeze(-1)
     wide = x.to(_accumulator(x))
