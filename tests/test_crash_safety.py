@@ -86,6 +86,11 @@ def _cli(scenes, cache, out, *extra):
             "--threads", "1", "--no-progress", *extra]
 
 
+def _steps_logged(out) -> int:
+    metrics = out / "metrics.jsonl"
+    return metrics.read_text().count('"kind": "step"') if metrics.exists() else 0
+
+
 def test_sigkill_at_a_random_moment_loses_at_most_one_interval_and_resumes_exactly(scenes, tmp_path):
     cache, out = tmp_path / "features", tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -95,10 +100,11 @@ def test_sigkill_at_a_random_moment_loses_at_most_one_interval_and_resumes_exact
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     proc = subprocess.Popen(_cli(scenes, cache, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "train_state.json").exists() and proc.poll() is None:
-        time.sleep(0.05)
-    time.sleep(random.Random().uniform(0.0, 1.5))  # anywhere: mid-step, mid-snapshot, mid-validation, mid-save
+    # the moment is drawn in steps, not seconds, so that a fast machine does not finish the 20 steps first
+    target, deadline = random.Random().randint(4, 17), time.time() + 120
+    while time.time() < deadline and proc.poll() is None and _steps_logged(out) < target:
+        time.sleep(0.02)
+    time.sleep(random.Random().uniform(0.0, 0.2))  # anywhere: mid-step, mid-snapshot, mid-validation, mid-save
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     if proc.returncode == 0:
