@@ -82,8 +82,12 @@ $(foreach norm,softmax sparsemax tvmax,$(eval TRAIN_sparsecap-$(norm) := --epoch
 # AoANet's recipe (XE with scheduled sampling) at CPU width on the varied scenes. No SCST_aoanet: at this scale the
 # recipe's SCST stage lowered validation CIDEr-D (docs/decisions.md, "Paper recipes"); SCST_NAME holds a stage's
 # `captioner train` flags for models where it pays.
-TRAIN_aoanet := --recipe aoanet $(HYPERCOLUMN_16) --set d_model=256 --set embed_dim=256 --set ffn_dim=1024 \
-  --ss-every 1 --epochs 2
+# Two epochs of the recipe (aoanet-base, not shipped), then one at a constant 2e-5, a tenth of its rate.
+AOANET_ARCH := --recipe aoanet $(HYPERCOLUMN_16) --set d_model=256 --set embed_dim=256 --set ffn_dim=1024
+TRAIN_aoanet-base := $(AOANET_ARCH) --ss-every 1 --epochs 2
+TRAIN_aoanet := $(AOANET_ARCH) --lr 2e-5 --epochs 1
+INIT_aoanet := aoanet-base
+DATA_aoanet-base := $(DATA_VARIED)
 DATA_aoanet := $(DATA_VARIED)
 TRAIN_xlan := --recipe xlan $(HYPERCOLUMN_16) --set dim=256 --set hidden_dim=256 --set embed_dim=256 \
   --set channel_dim=128 --warmup-steps 1000 --group-by-image --epochs 4
