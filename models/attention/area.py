@@ -83,8 +83,15 @@ def enumerate_areas_1d(length: int, max_size: int) -> Tensor:
 
 def area_shapes(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
     """Height and width of every area, ``[|R|, 2]`` long (the ``S_h``, ``S_w`` of Algorithm 1)."""
+    return _shapes(rows, cols, max_h, max_w, torch.device("cpu")).clone()
+
+
+@lru_cache(maxsize=256)
+def _shapes(rows: int, cols: int, max_h: int, max_w: int, device: torch.device) -> Tensor:
+    """:func:`area_shapes`, made once per grid and device and shared (read-only): a decoding step needs them
+    in every area layer."""
     boxes = _boxes(rows, cols, max_h, max_w)
-    return torch.stack([boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1], 1)
+    return torch.stack([boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1], 1).to(device)
 
 
 # -- area sums ---------------------------------------------------------------------------------------------------
@@ -143,8 +150,8 @@ def _ones_like_traced(x: Tensor) -> Tensor:
 
 def _traced_area_shapes(like: Tensor, rows: int, max_h: int, max_w: int) -> Tensor:
     """:func:`area_shapes` computed from the shape of ``like [..., rows*cols, D]`` by tensor operations, so that
-    it follows a symbolic grid size in an ONNX trace (:func:`area_shapes` enumerates boxes in Python, and is
-    cached)."""
+    it follows a symbolic grid size in an ONNX trace (:func:`area_shapes` enumerates boxes in Python, once per
+    grid)."""
     ones = _ones_like_traced(like[(0,) * (like.dim() - 2)][:, :1]).long().view(rows, -1, 1)
     shape_of = {(h, w): torch.tensor([h, w], device=like.device) for h in range(1, max_h + 1)
                 for w in range(1, max_w + 1)}
@@ -157,7 +164,8 @@ def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
                      eps: float = 1e-6) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Mean, standard deviation and sum of every area, plus the area shapes (Area attention Algorithm 2).
 
-    ``x [..., rows*cols, D]`` → ``mean, std, sum [..., |R|, D]`` and ``sizes [|R|, 2]`` (height, width).
+    ``x [..., rows*cols, D]`` → ``mean, std, sum [..., |R|, D]`` and ``sizes [|R|, 2]`` (height, width; shared
+    between calls, not to be modified).
     ``σ = sqrt(|E[x²] − μ²| + eps)`` (Eq. 12 with the guard of tensor2tensor's code; ``eps=0`` gives the plain
     formula).  The variance is taken of ``x`` minus its first item: σ does not change under a shift, and
     centring keeps ``E[x²] − μ²`` from cancelling when the items share a large offset; the first item (not the
@@ -167,7 +175,7 @@ def area_features_2d(x: Tensor, rows: int, cols: int, max_h: int, max_w: int,
     # eager: the cached enumeration (a decoding step calls this per layer); traced: the tensor form, whose count
     # follows a caption length that is a graph input
     sizes = (_traced_area_shapes(x, rows, max_h, max_w) if torch.jit.is_tracing()
-             else area_shapes(rows, cols, max_h, max_w).to(x.device))
+             else _shapes(rows, cols, max_h, max_w, x.device))
     total = area_sums(x, rows, cols, max_h, max_w)
     count = (sizes[:, 0] * sizes[:, 1]).unsqueeze(-1)
     wide = x.to(_accumulator(x))
