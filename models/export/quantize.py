@@ -1,5 +1,5 @@
 """int8 CNN: ONNX Runtime static quantization of the frozen visual encoder (``visual.onnx`` →
-``visual-int8.onnx`` beside it), and a grid encoder that runs it.
+``visual-int8-<recipe>.onnx`` beside it), and a grid encoder that runs it.
 
 Static (calibrated) rather than dynamic quantization: dynamic quantization turns convolutions into
 ``ConvInteger``, which ONNX Runtime's CPU provider runs slower than float; a QDQ graph with calibrated activation
@@ -25,13 +25,21 @@ import torch
 
 from ..encoder import EncoderSpec, GridEncoder, preprocess
 
-INT8_FILE = "visual-int8.onnx"
-#: bump when the quantization recipe changes: feature caches of int8 encoders are keyed by it
-RECIPE = "qdq-percentile-dense-2"
+#: bump when the quantization recipe changes: the int8 file and the feature caches of int8 encoders are keyed by
+#: it, so an export cache (the service's, ``captioner eval``'s) never serves a graph quantized the old way
+RECIPE = "qdq-percentile-dense-3"
+INT8_FILE = f"visual-int8-{RECIPE}.onnx"
 #: activation range: this percentile of the calibration values (MinMax lets rare outliers widen every step)
 PERCENTILE = 99.99
 CALIBRATION_IMAGES, CALIBRATION_SEED = 32, 90817
 ENCODER_PRECISIONS = ("float32", "int8")
+#: graph-name prefixes of the layers kept float: the stem and the first two stages of EfficientNet-Lite0 (timm
+#: names) and of a torchvision ResNet (which has one stage before layer2).  Quantized one at a time on the default
+#: checkpoint's hypercolumns, the stem convolution alone gave the features a relative L2 error of 0.40 (its
+#: BatchNorm-folded filters reach |w| = 17 on some channels and amplify the input's rounding) and the first
+#: stage-1 expansion 0.09; every later layer 0.006-0.03.  docs/decisions.md, "int8 CNN by ONNX Runtime static
+#: quantization", has the numbers.
+FLOAT_PREFIXES = ("/conv_stem/", "/blocks.0/", "/blocks.1/", "/conv1/", "/layer1/")
 
 
 def calibration_pixels(spec: EncoderSpec, count: int = CALIBRATION_IMAGES) -> np.ndarray:
@@ -44,6 +52,15 @@ def calibration_pixels(spec: EncoderSpec, count: int = CALIBRATION_IMAGES) -> np
         index = generate(Path(tmp), {"train": count}, seed=CALIBRATION_SEED, progress=False)
         names = [entry["filename"] for entry in json.loads(index.read_text())["images"]]
         return torch.stack([preprocess(load_image(Path(tmp) / "images" / n), spec)[0] for n in names]).numpy()
+
+
+def float_convolutions(graph) -> list[str]:
+    """Names of the ``Conv`` nodes of an exported CNN graph that int8 leaves float: the stem and first two stages
+    (:data:`FLOAT_PREFIXES`) and every depthwise convolution.  Depthwise ones because one filter per channel leaves
+    per-tensor uint8 activations no averaging to hide their rounding in, and they are a small share of the
+    arithmetic."""
+    return [node.name for node in graph.node if node.op_type == "Conv"
+            and (node.name.startswith(FLOAT_PREFIXES) or any(a.name == "group" and a.i > 1 for a in node.attribute))]
 
 
 def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEncoder | None = None,
@@ -62,13 +79,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     if path.is_file():
         return path
     pixels = calibration_pixels(spec, calibration)
-    # Depthwise convolutions stay float: one filter per channel leaves per-tensor uint8 activations no averaging
-    # to hide their rounding in, and they are a small share of the arithmetic.  On the default checkpoint's
-    # hypercolumns (4 unseen scenes) the features' relative L2 error was 0.52 with every convolution quantized and
-    # MinMax ranges, 0.39 with depthwise ones float and percentile ranges (docs/decisions.md, "int8 CNN by ONNX
-    # Runtime static quantization").
-    depthwise = [node.name for node in onnx.load(str(float_path)).graph.node if node.op_type == "Conv"
-                 and any(a.name == "group" and a.i > 1 for a in node.attribute)]
+    kept_float = float_convolutions(onnx.load(str(float_path)).graph)
 
     class Reader(CalibrationDataReader):
         def __init__(self):
@@ -81,7 +92,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     try:
         quantize_static(str(float_path), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        op_types_to_quantize=["Conv", "MatMul", "Gemm"], nodes_to_exclude=depthwise,
+                        op_types_to_quantize=["Conv", "MatMul", "Gemm"], nodes_to_exclude=kept_float,
                         calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": PERCENTILE})
         os.replace(tmp, path)  # a concurrent reader sees the whole file or none
     finally:
