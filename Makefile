@@ -90,10 +90,11 @@ TRAIN_aoanet := $(AOANET_ARCH) --lr 2e-5 --epochs 1
 INIT_aoanet := aoanet-base
 DATA_aoanet-base := $(DATA_VARIED)
 DATA_aoanet := $(DATA_VARIED)
-TRAIN_aoanet-scst-check := $(AOANET_ARCH) --lr 2e-5 --epochs 1 --label-smoothing 0
+# the SCST check: aoanet's last epoch without label smoothing, then the recipe's SCST stage on 3,000 images
+TRAIN_aoanet-scst-check := $(TRAIN_aoanet) --label-smoothing 0
 SCST_aoanet-scst-check := $(AOANET_ARCH) --train-limit 3000 --epochs 2
-INIT_aoanet-scst-check := aoanet-base
-DATA_aoanet-scst-check := $(DATA_VARIED)
+INIT_aoanet-scst-check := $(INIT_aoanet)
+DATA_aoanet-scst-check := $(DATA_aoanet)
 TRAIN_xlan := --recipe xlan $(HYPERCOLUMN_16) --set dim=256 --set hidden_dim=256 --set embed_dim=256 \
   --set channel_dim=128 --warmup-steps 1000 --group-by-image --epochs 4
 DATA_xlan := $(DATA_VARIED)

@@ -34,11 +34,11 @@ PERCENTILE = 99.99
 CALIBRATION_IMAGES, CALIBRATION_SEED = 32, 90817
 ENCODER_PRECISIONS = ("float32", "int8")
 #: graph-name prefixes of the layers kept float, the high-resolution start of the network: the stem and the first
-#: two stages of EfficientNet-Lite0 (timm names), the stem and ``layer1`` of a torchvision ResNet.  Quantized one at a time on the default
-#: checkpoint's hypercolumns, the stem convolution alone gave the features a relative L2 error of 0.40 (its
-#: BatchNorm-folded filters reach |w| = 17 on some channels and amplify the input's rounding) and the first
-#: stage-1 expansion 0.09; every later layer 0.006-0.03.  docs/decisions.md, "int8 CNN by ONNX Runtime static
-#: quantization", has the numbers.
+#: two stages of EfficientNet-Lite0 (timm names), the stem and ``layer1`` of a torchvision ResNet.  Quantized one
+#: at a time on the default checkpoint's hypercolumns, the stem convolution alone gave the features a relative L2
+#: error of 0.40 (its BatchNorm-folded filters reach |w| = 17 on some channels and amplify the input's rounding)
+#: and the first stage-1 expansion 0.09; every later layer 0.006-0.03.  docs/decisions.md, "int8 CNN by ONNX
+#: Runtime static quantization", has the numbers.
 FLOAT_PREFIXES = ("/conv_stem/", "/blocks.0/", "/blocks.1/", "/conv1/", "/layer1/")
 
 
