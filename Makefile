@@ -83,15 +83,16 @@ $(foreach norm,softmax sparsemax tvmax,$(eval TRAIN_sparsecap-$(norm) := --epoch
 # recipe's label smoothing the recipe's SCST stage lowered validation CIDEr-D, and after XE without it SCST raised
 # CIDEr-D but named fewer objects on every split (docs/decisions.md, "SCST at scene scale"); SCST_NAME holds a
 # stage's `captioner train` flags. `make stage-aoanet-scst-check` reproduces that second run (not shipped).
-# Two epochs of the recipe (aoanet-base, not shipped), then one at a constant 2e-5, a tenth of its rate.
+# Two epochs of the recipe (aoanet-base, not shipped), then one at a constant 2e-5, a tenth of its rate, without
+# the recipe's label smoothing, which made beam search pick the shortest wording (docs/decisions.md, "Paper recipes").
 AOANET_ARCH := --recipe aoanet $(HYPERCOLUMN_16) --set d_model=256 --set embed_dim=256 --set ffn_dim=1024
 TRAIN_aoanet-base := $(AOANET_ARCH) --ss-every 1 --epochs 2
-TRAIN_aoanet := $(AOANET_ARCH) --lr 2e-5 --epochs 1
+TRAIN_aoanet := $(AOANET_ARCH) --lr 2e-5 --epochs 1 --label-smoothing 0
 INIT_aoanet := aoanet-base
 DATA_aoanet-base := $(DATA_VARIED)
 DATA_aoanet := $(DATA_VARIED)
-# the SCST check: aoanet's last epoch without label smoothing, then the recipe's SCST stage on 3,000 images
-TRAIN_aoanet-scst-check := $(TRAIN_aoanet) --label-smoothing 0
+# the SCST check: aoanet's last epoch, then the recipe's SCST stage on 3,000 images
+TRAIN_aoanet-scst-check := $(TRAIN_aoanet)
 SCST_aoanet-scst-check := $(AOANET_ARCH) --train-limit 3000 --epochs 2
 INIT_aoanet-scst-check := $(INIT_aoanet)
 DATA_aoanet-scst-check := $(DATA_aoanet)
