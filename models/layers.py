@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .attention import Normaliser
 
@@ -24,7 +25,11 @@ class AdditiveAttention(nn.Module):
     """Bahdanau attention ``e_i = w^T tanh(U_a a_i + U_h h + b)`` (SAT Eq. 4 in our additive form,
     docs/decisions.md#sat-attention-score-and-initial-state; SparseCap's input/output attention has the same form).
 
-    ``project_keys`` is computed once per image (``U_a a_i``) and cached in the encoder state.
+    It is computed as ``e_i = 2 w^T σ(2 U_a a_i + 2 (U_h h + b)) − Σ_j w_j``, the same function (``tanh x =
+    2σ(2x) − 1``), because ATen's CPU tanh costs about six times its sigmoid per element and this elementwise map
+    over rows × items × ``attn_dim`` is the largest operation of a SAT or SparseCap decoding step
+    (docs/decisions.md#serving-performance-issue-15). ``project_keys`` is computed once per image and cached in the
+    encoder state; it returns the doubled keys ``2 U_a a_i``, so the factor costs nothing per step.
     """
 
     def __init__(self, feat_dim: int, query_dim: int, attn_dim: int, normalise: Normaliser):
@@ -35,27 +40,30 @@ class AdditiveAttention(nn.Module):
         self.normalise = normalise
 
     def project_keys(self, feats: Tensor) -> Tensor:
-        return self.key(feats)
+        """``2 U_a a_i`` for every item ``[B, N, attn_dim]``: the keys in the scale the sigmoid form reads."""
+        return 2.0 * self.key(feats)
 
     def forward(self, keys: Tensor, query: Tensor, mask: Tensor) -> Tensor:
-        projected = self.query(query).unsqueeze(1)
+        projected = 2.0 * self.query(query).unsqueeze(1)
+        # w^T tanh(x) + b = (2w)^T σ(2x) + (b − Σw): the score layer's weights in the sigmoid form
+        weight, bias = 2.0 * self.score.weight, self.score.bias - self.score.weight.sum()
         rows = max(1, CACHE_BLOCK_FLOATS // max(1, keys.shape[1] * keys.shape[2]))
         if keys.shape[0] > rows and not torch.is_grad_enabled() and not torch.jit.is_tracing():
             # inference over many rows (a batched decoding step): the [rows, N, attn_dim] sum is the largest
             # tensor of the step and, whole, far larger than the CPU cache, so it is made and reduced block by
             # block of rows that fit (about 1.8× faster at 256 rows on a 16×16 grid); not while tracing, where a
             # Python loop over rows would freeze the row count into the graph
-            scores = torch.cat([self._scores(keys[i:i + rows], projected[i:i + rows])
+            scores = torch.cat([_additive_scores(keys[i:i + rows], projected[i:i + rows], weight, bias)
                                 for i in range(0, keys.shape[0], rows)])
         else:
-            scores = self._scores(keys, projected)
+            scores = _additive_scores(keys, projected, weight, bias)
         return self.normalise(scores, mask)
 
-    def _scores(self, keys: Tensor, projected_query: Tensor) -> Tensor:
-        # tanh in place on the sum's fresh buffer saves a second tensor of that size (autograd keeps tanh's
-        # output, and the sum's backward needs no saved tensor, so this is safe in training too)
-        hidden = keys + projected_query
-        return self.score(hidden.tanh_()).squeeze(-1)
+
+def _additive_scores(doubled_keys: Tensor, doubled_query: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    # sigmoid in place on the sum's fresh buffer saves a second tensor of that size (autograd keeps sigmoid's
+    # output, and the sum's backward needs no saved tensor, so this is safe in training too)
+    return F.linear((doubled_keys + doubled_query).sigmoid_(), weight, bias).squeeze(-1)
 
 
 def sinusoid_positions(positions: Tensor, dim: int) -> Tensor:

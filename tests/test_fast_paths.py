@@ -25,6 +25,24 @@ def test_additive_attention_in_blocks_of_rows_equals_the_whole_computation():
     torch.testing.assert_close(blocked, whole.detach(), atol=1e-6, rtol=1e-5)
 
 
+def test_additive_attention_is_sat_eq_4_with_tanh():
+    """The sigmoid form (2σ(2x) − 1 for tanh) computes softmax_i(wᵀ tanh(U_a a_i + U_h h + b) + b_w), item by item."""
+    torch.manual_seed(2)
+    layer = AdditiveAttention(feat_dim=12, query_dim=8, attn_dim=16, normalise=get_normaliser("softmax"))
+    feats, query = torch.randn(3, 7, 12) * 3, torch.randn(3, 8) * 3
+    mask = torch.ones(3, 7, dtype=torch.bool)
+    got = layer(layer.project_keys(feats), query, mask)
+    w, b = layer.score.weight[0], layer.score.bias[0]
+    scores = torch.zeros(3, 7)
+    for row in range(3):
+        for item in range(7):
+            hidden = layer.key.weight @ feats[row, item] + layer.query.weight @ query[row] + layer.query.bias
+            scores[row, item] = w @ torch.tanh(hidden) + b
+    torch.testing.assert_close(got, scores.softmax(-1), atol=1e-6, rtol=1e-5)
+    assert torch.autograd.gradcheck(lambda f, q: layer.double()(layer.project_keys(f), q, mask),
+                                    (feats.double().requires_grad_(), query.double().requires_grad_()))
+
+
 def naive_multi_head(query, key, value, heads, mask):
     """softmax(q_h k_hᵀ/√d) v_h per head, concatenated (Vaswani et al.), one row and one head at a time."""
     d = query.shape[-1] // heads
