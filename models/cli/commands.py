@@ -214,6 +214,33 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"wrote {len(coco_results)} captions to {args.results_json}", file=sys.stderr)
 
 
+def cmd_compare(args: argparse.Namespace) -> None:
+    from ..data.karpathy import load_karpathy
+    from ..evaluation.compare import compare_captions, markdown
+
+    dataset = Path(args.dataset)
+    if dataset.is_dir():
+        dataset = dataset / "dataset_scenes.json"
+    images = load_karpathy(dataset, args.image_root, (args.split,))
+    if not images:
+        raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
+    sides = []
+    for path in args.results:
+        try:
+            sides.append({int(r["image_id"]): str(r["caption"]) for r in json.loads(Path(path).read_text())})
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise SystemExit(f"error: {path} is not a COCO results file [{{\"image_id\", \"caption\"}}]: {exc}")
+    try:
+        result = compare_captions(sides[0], sides[1], images, args.resamples)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+    names = args.names or [Path(p).stem for p in args.results]
+    report = {"dataset": str(dataset), "split": args.split, "a": names[0], "b": names[1], **result}
+    print(markdown(result, *names))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+
+
 def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str | None):
     """Grid features of the CNN at ``--encoder-precision`` on ONNX Runtime, as the service computes them with
     CAPTIONER_ENCODER_PRECISION; cached apart from the float features (the cache is keyed by spec, not by CNN)."""
@@ -428,6 +455,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          "hit, area-normalised ratio per word class, with 95%% bootstrap intervals and chance rows")
     ev.add_argument("--grounding-resamples", type=int, default=2000, help="bootstrap resamples over images")
     ev.set_defaults(func=cmd_eval, split=None)
+
+    cmp = sub.add_parser("compare", help="paired comparison of two checkpoints' captions of the same split: CIDEr-D "
+                         "and objects_named of each, and the difference with a paired-bootstrap 95%% interval")
+    cmp.add_argument("results", nargs=2, metavar="RESULTS.json",
+                     help="captions of A and of B, as `captioner eval --results-json` writes them")
+    cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
+    cmp.add_argument("--dataset", default=DEFAULT_DATA)
+    cmp.add_argument("--image-root")
+    cmp.add_argument("--split", default="test")
+    cmp.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
+    cmp.add_argument("--output", help="also write the JSON here")
+    cmp.set_defaults(func=cmd_compare)
 
     cap = sub.add_parser("caption", help="caption image files, optionally rendering the attention (no server)")
     cap.add_argument("images", nargs="+")

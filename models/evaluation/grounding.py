@@ -34,6 +34,7 @@ from PIL import Image
 
 from ..protocol import Geometry
 from ..rendering.heatmaps import heatmap
+from .bootstrap import percentile_interval, resampled_ratios
 
 WORD_CLASSES = ("colour", "shape")
 CONTROLS = ("model", "uniform", "other image")
@@ -128,13 +129,8 @@ def bootstrap_mean(values_per_image: Sequence[Sequence[float]], resamples: int =
         return float("nan"), float("nan"), float("nan")
     sums = np.array([g.sum() for g in groups])
     counts = np.array([len(g) for g in groups], np.float64)
-    mean = float(sums.sum() / counts.sum())
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(groups), size=(resamples, len(groups)))
-    means = sums[picks].sum(1) / counts[picks].sum(1)
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
-    return mean, float(low), float(high)
+    low, high = percentile_interval(resampled_ratios(sums, counts, resamples, seed), level)
+    return float(sums.sum() / counts.sum()), low, high
 
 
 def summarise(word_scores: Sequence[WordScore], n_images: int, resamples: int = 2000) -> list[dict]:

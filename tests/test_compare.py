@@ -1,0 +1,95 @@
+"""Paired comparison of two checkpoints' captions (models/evaluation/compare.py, `captioner compare`) on hand-built
+captions whose answers are known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from captioner.models.data.karpathy import CaptionedImage
+from captioner.models.evaluation.compare import compare_captions, paired_difference
+from captioner.models.evaluation.metrics import cider_d
+
+
+def scene(image_id: int, objects: list[tuple[str, str]], reference: str) -> CaptionedImage:
+    return CaptionedImage(image_id, Path(f"{image_id}.png"), "test", [reference.split()] * 5,
+                          {"objects": [{"colour": c, "shape": s} for c, s in objects]})
+
+
+IMAGES = [scene(0, [("red", "circle"), ("blue", "square")], "a red circle and a blue square"),
+          scene(1, [("green", "triangle")], "a green triangle"),
+          scene(2, [("orange", "diamond"), ("red", "square")], "an orange diamond and a red square"),
+          scene(3, [("blue", "circle")], "a blue circle")]
+
+
+def test_identical_sides_differ_by_exactly_nothing():
+    stat = paired_difference([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1, 1, 1])
+    assert stat["difference"] == 0.0 and stat["ci95"] == [0.0, 0.0] and stat["share_not_above"] == 1.0
+
+
+def test_a_constant_gain_on_every_image_has_a_zero_width_interval():
+    stat = paired_difference([2.0, 3.0, 7.0, 1.0], [1.0, 2.0, 6.0, 0.0], [1, 1, 1, 1])
+    assert stat["a"] == pytest.approx(3.25) and stat["b"] == pytest.approx(2.25)
+    assert stat["difference"] == pytest.approx(1.0) and stat["ci95"] == pytest.approx([1.0, 1.0])
+    assert stat["share_not_above"] == 0.0
+
+
+def test_ratio_of_counts_is_pooled_over_images_and_the_interval_covers_it():
+    # A names 3 of 4 objects, B 1 of 4: the pooled difference is 0.5, not the mean of per-image ratios
+    stat = paired_difference([2, 1], [0, 1], [3, 1], resamples=4000)
+    assert stat["difference"] == pytest.approx(0.5)
+    low, high = stat["ci95"]
+    assert low <= 0.5 <= high and low >= 0.0 - 1e-12 and high <= 2 / 3 + 1e-12
+
+
+def test_a_difference_that_comes_from_one_image_is_not_certain():
+    rng = np.random.default_rng(0)
+    b = rng.normal(1.0, 0.1, 200)
+    a = b.copy()
+    a[0] += 20.0  # one image carries the whole gain
+    stat = paired_difference(a, b, np.ones(200))
+    assert stat["difference"] == pytest.approx(0.1)
+    assert stat["ci95"][0] == 0.0 and stat["share_not_above"] > 0.05
+
+
+def test_compare_captions_scores_both_sides_on_the_same_references():
+    exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
+    wrong_colour = {**exact, 0: "a blue circle and a blue square", 2: "a red diamond and a red square"}
+    result = compare_captions(exact, wrong_colour, IMAGES)
+    refs = [[" ".join(r) for r in im.references] for im in IMAGES]
+    want_a = cider_d([exact[i] for i in range(4)], refs).mean()
+    want_b = cider_d([wrong_colour[i] for i in range(4)], refs).mean()
+    assert result["CIDEr-D"]["a"] == pytest.approx(want_a) and result["CIDEr-D"]["b"] == pytest.approx(want_b)
+    assert result["CIDEr-D"]["difference"] > 0
+    named = result["objects_named"]
+    assert named["a"] == 1.0 and named["b"] == pytest.approx(4 / 6) and named["difference"] == pytest.approx(2 / 6)
+
+
+def test_a_missing_caption_is_an_error_not_a_silent_drop():
+    exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
+    with pytest.raises(ValueError, match="no caption"):
+        compare_captions(exact, {k: v for k, v in exact.items() if k != 2}, IMAGES)
+
+
+def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
+    from captioner.service.cli import main
+
+    data = tmp_path / "scenes"
+    data.mkdir()
+    (data / "dataset_scenes.json").write_text(json.dumps({"images": [
+        {"imgid": im.image_id, "split": "test", "filepath": "", "filename": im.path.name,
+         "sentences": [{"tokens": r} for r in im.references], "objects": im.info["objects"]} for im in IMAGES]}))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]))
+    b.write_text(json.dumps([{"image_id": im.image_id, "caption": "a red circle"} for im in IMAGES]))
+    main(["compare", str(a), str(b), "--dataset", str(data), "--names", "exact", "short",
+          "--output", str(tmp_path / "out.json")])
+    assert "| objects_named | 1.000 | 0.167 |" in capsys.readouterr().out
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert report["a"] == "exact" and report["objects_named"]["difference"] == pytest.approx(5 / 6)
+    b.write_text("not json")
+    with pytest.raises(SystemExit, match="not a COCO results file"):
+        main(["compare", str(a), str(b), "--dataset", str(data)])
