@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, checkpoint, default_model, publish  # noqa: E402
 
+from captioner.models.data.karpathy import load_karpathy  # noqa: E402
 from captioner.models.export.quantize import RECIPE  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "int8.md"
@@ -45,24 +46,37 @@ def evaluate(folder: Path, precision: str, args, tmp: Path) -> dict:
     return scores
 
 
-def compare(by: dict) -> dict:
+def compare(by: dict, images) -> dict:
     """``by`` (precision → scores with captions) with the captions replaced by the share of images whose int8
-    caption equals the float one, word for word (``identical``)."""
+    caption equals the float one, word for word (``identical``), and the paired-bootstrap 95 % interval of each
+    difference over the images (``paired``: ``captioner compare``'s statistics, int8 − float)."""
+    from captioner.models.evaluation.compare import compare_captions
+
     want, got = (by[p].pop("captions") for p in ("float32", "int8"))
-    return {**by, "identical": sum(got.get(image) == caption for image, caption in want.items()) / len(want)}
+    paired = compare_captions({int(k): v for k, v in got.items()}, {int(k): v for k, v in want.items()}, images)
+    return {**by, "identical": sum(got.get(image) == caption for image, caption in want.items()) / len(want),
+            "paired": {m: paired[m] for m in METRICS}}
 
 
 def table(results: dict) -> list[str]:
-    """Markdown rows of ``results`` (model → precision → eval scores, and ``identical``), with the differences
-    against the aim."""
-    lines = ["| model | images | identical captions | objects_named float → int8 | Δ | CIDEr-D float → int8 | Δ "
-             "| within 0.01 |",
-             "|---|---:|---:|---|---:|---|---:|---|"]
+    """Markdown rows of ``results`` (model → precision → eval scores, ``identical`` and ``paired``), with the
+    differences against the aim."""
+    lines = ["| model | images | identical captions | objects_named float → int8 | Δ [95 % CI] | CIDEr-D float → int8 "
+             "| Δ [95 % CI] | within 0.01 |",
+             "|---|---:|---:|---|---|---|---|---|"]
     for model, by in results.items():
         deltas = {m: by["int8"][m] - by["float32"][m] for m in METRICS}
         ok = all(abs(d) <= AIM for d in deltas.values())
+
+        def interval(metric: str) -> str:
+            if "paired" not in by:  # a table written before the intervals were measured
+                return ""
+            low, high = by["paired"][metric]["ci95"]
+            return f"[{low:+.3f}, {high:+.3f}]"
+
         lines.append(f"| {model} | {by['float32']['images']} | {by['identical']:.1%} | "
-                     + " | ".join(f"{by['float32'][m]:.3f} → {by['int8'][m]:.3f} | {deltas[m]:+.3f}" for m in METRICS)
+                     + " | ".join(f"{by['float32'][m]:.3f} → {by['int8'][m]:.3f} | {f'{deltas[m]:+.3f} {interval(m)}'.rstrip()}"
+                                  for m in METRICS)
                      + f" | {'met' if ok else '**not met**'} |")
     return lines
 
@@ -79,10 +93,12 @@ def main() -> None:
     args = parser.parse_args()
     started, clock = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
     results: dict[str, dict] = {}
+    images = load_karpathy(args.dataset / "dataset_scenes.json", None, (args.split,), limit=args.limit)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             folder = checkpoint(name)
-            results[folder.name] = compare({p: evaluate(folder, p, args, Path(tmp)) for p in ("float32", "int8")})
+            results[folder.name] = compare({p: evaluate(folder, p, args, Path(tmp)) for p in ("float32", "int8")},
+                                           images)
             print(table({folder.name: results[folder.name]})[-1], file=sys.stderr, flush=True)
     dataset = args.dataset.relative_to(ROOT) if args.dataset.is_relative_to(ROOT) else args.dataset
     command = "python benchmarks/bench_int8.py" + "".join(
@@ -101,7 +117,8 @@ def main() -> None:
         "uint8 activations calibrated on 32 generated scenes of a seed no split uses; models/export/quantize.py, "
         f"recipe `{RECIPE}`), the decoder float32 in both. "
         f"Aim: objects_named and CIDEr-D within {AIM} of float (docs/decisions.md, \"int8 CNN by ONNX Runtime static "
-        "quantization\"). Its speed is the `onnx int8` row of the encoder-only ceiling in docs/benchmarks/serving.md.",
+        "quantization\"). The interval of each difference is a paired bootstrap over the images (`captioner compare`): "
+        "an interval that contains 0 is a difference the choice of test images could make. Its speed is the `onnx int8` row of the encoder-only ceiling in docs/benchmarks/serving.md.",
         "",
         *table(results),
         "",

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
 from captioner.service.batcher import ADMISSION_HEADROOM, Batcher, DeadlineExceeded, NotAccepting, QueueFull, \
-    WouldMissDeadline
+    WouldMissDeadline, fill_holes
 from captioner.service.metrics import Metrics
 from captioner.models.inference import TorchRuntime
 
@@ -464,3 +465,53 @@ def test_lower_precision_runs_through_the_batcher_with_float32_scores(encoder, p
         assert attention.dtype == torch.float32 and torch.allclose(attention.sum(-1), torch.ones(1), atol=1e-2)
     with pytest.raises(ValueError, match="precision"):
         TorchRuntime("sat", ckpt, encoder, torch.device("cpu"), precision="int4")
+
+
+def test_fill_holes_moves_only_the_blocks_past_the_new_end():
+    # beam 3 everywhere; the job at rows 3-5 left: the last job moves into its place, the others stay
+    assert fill_holes([(0, 3), (6, 3), (9, 3)]) == [(0, 0), (2, 3), (1, 6)]
+    # the first job left
+    assert fill_holes([(3, 3), (6, 3), (9, 3)]) == [(2, 0), (0, 3), (1, 6)]
+    assert fill_holes([(0, 2), (2, 4)]) == [(0, 0), (1, 2)]  # nothing left before the end: nothing moves
+    assert fill_holes([(0, 1), (2, 1), (4, 2)]) is None  # a block of 2 cannot fill two holes of 1
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_fill_holes_tiles_the_compacted_rows_or_declines(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 5 if seed % 2 else 2, rng.integers(1, 12)) * (1 if seed % 2 else 3)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    staying = [(int(o), int(s)) for o, s in zip(offsets, sizes) if rng.random() < 0.6]
+    placed = fill_holes(staying)
+    if seed % 2 == 0:
+        assert placed is not None  # equal widths always fit
+    if placed is None:
+        return
+    total = sum(size for _, size in staying)
+    assert sorted(i for i, _ in placed) == list(range(len(staying)))
+    cursor = 0
+    for i, new in placed:  # in new order, tiling [0, total) without gaps
+        assert new == cursor
+        cursor += staying[i][1]
+        old, size = staying[i]
+        if old + size <= total:
+            assert new == old  # blocks inside the compacted length keep their rows
+    assert cursor == total
+
+
+def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch):
+    import captioner.service.batcher as batcher_module
+
+    runtime = runtime_for("sat", encoder)
+    images = [runtime.prepare(image) for image in random_images(5, seed=4)]
+    batcher = Batcher(runtime, max_batch=8, queue_size=8, max_rows=64)
+    batcher.start(worker=False)
+    # equal beams, the second request shortest: it leaves first and the last request's rows take its place
+    schedule = [(0, images[0], 3, 9), (0, images[1], 3, 2), (0, images[2], 3, 9), (0, images[3], 3, 9),
+                (0, images[4], 3, 9)]
+    selections = []
+    monkeypatch.setattr(batcher_module, "index_rows", lambda state, index: selections.append(index) or state)
+    results = asyncio.run(drive(batcher, schedule))
+    assert selections == []  # the encoder state was never selected row by row, only the moved blocks copied
+    for (_, prepared, beam, max_len), got in zip(schedule, results):
+        assert_same_result(got, solo(runtime, prepared, beam, max_len))
