@@ -134,12 +134,13 @@ stage-%: data data-varied data-ood
 
 train-%: stage-%
 	$(BIN)/captioner eval runs/$*/final --dataset $(DATA) --split test --split heldout --grounding --threads 1 \
-	  --output runs/$*/eval.json
+	  --output runs/$*/eval.json --results-json runs/$*/captions.json
 	$(BIN)/captioner eval runs/$*/final --dataset $(OOD) --split ood --threads 1 --output runs/$*/eval.ood.json
 	$(BIN)/captioner card runs/$*/final --report runs/$*/eval.json --report runs/$*/eval.ood.json --title "$*"
 	@if [[ " $(SHIPPED) " == *" $* "* ]]; then \
 	  rm -rf weights/$*.new && cp -r runs/$*/final weights/$*.new && rm -rf weights/$* && mv weights/$*.new weights/$*; \
-	  mkdir -p $(RESULTS) && cp runs/$*/eval.json $(RESULTS)/$*.json && cp runs/$*/eval.ood.json $(RESULTS)/$*.ood.json; \
+	  mkdir -p $(RESULTS)/captions && cp runs/$*/eval.json $(RESULTS)/$*.json && cp runs/$*/eval.ood.json $(RESULTS)/$*.ood.json; \
+	  cp runs/$*/captions.json $(RESULTS)/captions/$*.json; \
 	  echo "installed weights/$* (and its reports in $(RESULTS)/)"; fi
 
 eval-default: data
@@ -177,16 +178,17 @@ data-varied: | $(STAMP)
 data-ood: | $(STAMP)
 	$(BIN)/captioner data ood --out $(OOD)
 
-# test + heldout with attention grounding, then the OOD split, for one checkpoint in weights/
+# test + heldout with attention grounding (and the captions, for the paired comparison), then the OOD split, for
+# one checkpoint in weights/
 results-%: data data-ood
-	@mkdir -p $(RESULTS)
+	@mkdir -p $(RESULTS)/captions
 	$(BIN)/captioner eval weights/$* --dataset $(DATA) --split test --split heldout --grounding --threads 1 \
-	  --output $(RESULTS)/$*.json
+	  --output $(RESULTS)/$*.json --results-json $(RESULTS)/captions/$*.json
 	$(BIN)/captioner eval weights/$* --dataset $(OOD) --split ood --threads 1 --output $(RESULTS)/$*.ood.json
 
-zoo-table: | $(STAMP)
+zoo-table: data | $(STAMP)
 	$(BIN)/captioner zoo-table --weights-dir weights --results $(RESULTS) --document docs/model_zoo.md \
-	  --figure docs/figures/grounding.png
+	  --figure docs/figures/grounding.png --dataset $(DATA)
 
 .PHONY: data-varied data-ood zoo-table
 

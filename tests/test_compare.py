@@ -74,14 +74,18 @@ def test_a_missing_caption_is_an_error_not_a_silent_drop():
         compare_captions(exact, {k: v for k, v in exact.items() if k != 2}, IMAGES)
 
 
+def write_dataset(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "dataset_scenes.json").write_text(json.dumps({"images": [
+        {"imgid": im.image_id, "split": "test", "filepath": "", "filename": im.path.name,
+         "sentences": [{"tokens": r} for r in im.references], "objects": im.info["objects"]} for im in IMAGES]}))
+    return folder / "dataset_scenes.json"
+
+
 def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
     from captioner.service.cli import main
 
-    data = tmp_path / "scenes"
-    data.mkdir()
-    (data / "dataset_scenes.json").write_text(json.dumps({"images": [
-        {"imgid": im.image_id, "split": "test", "filepath": "", "filename": im.path.name,
-         "sentences": [{"tokens": r} for r in im.references], "objects": im.info["objects"]} for im in IMAGES]}))
+    data = write_dataset(tmp_path / "scenes").parent
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]))
     b.write_text(json.dumps([{"image_id": im.image_id, "caption": "a red circle"} for im in IMAGES]))
@@ -93,3 +97,21 @@ def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
     b.write_text("not json")
     with pytest.raises(SystemExit, match="not a COCO results file"):
         main(["compare", str(a), str(b), "--dataset", str(data)])
+
+
+def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tmp_path):
+    from captioner.models.evaluation.zoo_table import paired_markdown
+
+    dataset = write_dataset(tmp_path / "scenes")
+    folder = tmp_path / "results" / "captions"
+    assert paired_markdown(tmp_path / "results", dataset, "sat") == []  # no captions yet: no section
+    folder.mkdir(parents=True)
+    exact = [{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]
+    (folder / "sat.json").write_text(json.dumps(exact))
+    (folder / "short.json").write_text(json.dumps([{**r, "caption": "a red circle"} for r in exact]))
+    (folder / "same.json").write_text(json.dumps(exact))
+    lines = paired_markdown(tmp_path / "results", dataset, "sat")
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and not line.startswith("| checkpoint") and "] |" in line}
+    assert set(rows) == {"same", "short"}
+    assert "| +0.000 [+0.000, +0.000] | +0.000 [+0.000, +0.000] |" in rows["same"]
+    assert "| -0.833 [" in rows["short"]  # objects_named 1/6 against 6/6

@@ -528,6 +528,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     zt.add_argument("--results", default="docs/results", help="folder of eval reports NAME.json / NAME.*.json")
     zt.add_argument("--document", default="docs/model_zoo.md", help="written between its zoo-table markers")
     zt.add_argument("--figure", default="docs/figures/grounding.png")
+    zt.add_argument("--dataset", default=DEFAULT_DATA,
+                    help="the scenes whose test split the captions in RESULTS/captions/ describe: every checkpoint "
+                    "against --baseline, paired (skipped when missing)")
+    zt.add_argument("--baseline", default=Path(DEFAULT_CHECKPOINT).name, help="checkpoint the others are compared with")
     zt.set_defaults(func=cmd_zoo_table)
 
     ls = sub.add_parser("models", help="list registered model architectures")
@@ -603,7 +607,10 @@ def cmd_data_features(args: argparse.Namespace) -> None:
 def cmd_zoo_table(args: argparse.Namespace) -> None:
     from ..evaluation.zoo_table import write_zoo
 
-    print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure)))
+    dataset = Path(args.dataset)
+    dataset = dataset / "dataset_scenes.json" if dataset.is_dir() else dataset
+    print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure), dataset,
+                    args.baseline))
 
 
 def cmd_models(args: argparse.Namespace) -> None:
