@@ -91,7 +91,7 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     on_idle = IdleTrimmer() if settings.release_memory else None
     for name, runtime in runtimes.items():
         batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics,
-                          on_idle=on_idle)
+                          on_idle=on_idle, overlap_encoding=settings.overlap_encoding)
         batcher.start()
         if settings.warmup:
             await warm_up(batcher, settings)

@@ -7,8 +7,10 @@ At every step boundary the worker
    deadline (:class:`WouldMissDeadline`: 429 + Retry-After, like a refusal at the door: they never got rows), and
    removes the rows of running requests whose client is gone or whose deadline has passed (so a disconnect or a
    deadline frees rows before the next step runs);
-2. admits waiting requests, first come first served, while their rows fit under ``max_rows``, encoding up to
-   ``max_batch_images`` images in one batch, and appends their (request, beam) rows to a row table;
+2. admits waiting requests, first come first served, while their rows fit under ``max_rows``, up to
+   ``max_batch_images`` images at a time, and has them encoded: by an encoder thread of its own while the worker
+   goes on decoding (``overlap_encoding``, with a worker thread), or at once in the worker; encoded requests'
+   (request, beam) rows join a row table at the next step boundary;
 3. runs one decoding step over every row of every table, then one top-k per beam group
    (:func:`captioner.models.decoding.beam_step`, the function :func:`captioner.models.decoding.beam_search` uses);
 4. hands finished requests their result (one backtrack and one device→host copy per table for all requests that
@@ -33,6 +35,7 @@ import math
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -302,10 +305,18 @@ class Batcher:
     """
 
     def __init__(self, runtime: Runtime, max_batch: int = 16, queue_size: int = 64, max_rows: int = 256,
-                 metrics: Metrics | None = None, clock=time.monotonic, on_idle: Callable[[], None] | None = None):
+                 metrics: Metrics | None = None, clock=time.monotonic, on_idle: Callable[[], None] | None = None,
+                 overlap_encoding: bool = True):
+        """``overlap_encoding``: with a worker thread, encode admitted images in a thread of their own while the
+        worker decodes (the CNN and the decoding steps then use two cores; on a CPU the CNN is most of a
+        request's cost); without, or with ``start(worker=False)``, the worker encodes them itself."""
         if max_rows < 1 or max_batch < 1 or queue_size < 1:
             raise ValueError("max_rows, max_batch and queue_size must be positive")
         self.runtime = runtime
+        self.overlap_encoding = overlap_encoding
+        self._encoder: ThreadPoolExecutor | None = None
+        # chunks of admitted jobs being encoded by the encoder thread, oldest first: (jobs, future of (enc, state))
+        self._encoding: deque[tuple[list[Job], Future]] = deque()
         self.max_batch, self.queue_size, self.max_rows = max_batch, queue_size, max_rows
         self.metrics = metrics or Metrics()
         self.clock = clock
@@ -337,6 +348,8 @@ class Batcher:
         loop to :meth:`run_once` (deterministic tests and benchmarks)."""
         self._accepting = True
         if worker:
+            if self.overlap_encoding:
+                self._encoder = ThreadPoolExecutor(1, thread_name_prefix=f"encoder-{self.runtime.name}")
             self._thread = threading.Thread(target=self._run, name=f"batcher-{self.runtime.name}", daemon=True)
             self._thread.start()
 
@@ -350,7 +363,7 @@ class Batcher:
 
     @property
     def idle(self) -> bool:
-        return not self._pending and not self._tables
+        return not self._pending and not self._tables and not self._encoding
 
     @property
     def queued(self) -> int:
@@ -514,14 +527,14 @@ class Batcher:
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    idle = not self._pending and not self._tables
+                    idle = self.idle
                 if idle and worked and self.on_idle is not None:
                     worked = False
                     self.on_idle()
                 with self._wake:
-                    while not self._pending and not self._tables and not self._stop_when_idle and not self._abort:
+                    while self.idle and not self._stop_when_idle and not self._abort:
                         self._wake.wait()
-                    if self._abort or (self._stop_when_idle and not self._pending and not self._tables):
+                    if self._abort or (self._stop_when_idle and self.idle):
                         break
                 try:
                     self._iteration()
@@ -530,12 +543,16 @@ class Batcher:
                     log.exception("%s: decoding failed", self.runtime.name)
                     self._fail_everything(exc)
             self._fail_everything(NotAccepting("the service is shutting down"))
+            if self._encoder is not None:
+                self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def _iteration(self) -> None:
         now = self.clock()
         self._expire_pending(now)
         self._drop_leavers(now)  # rows of cancelled or expired jobs never take part in another step
         self._admit()
+        # encoded images join the tables; with nothing to decode, wait for the oldest encoding instead of spinning
+        self._join_encoded(wait_for_one=not self._tables)
         if self._tables:
             started = time.perf_counter()
             rows = sum(t.rows for t in self._tables)
@@ -594,10 +611,12 @@ class Batcher:
         self._count_active()
 
     def _count_active(self) -> None:
+        """Rows in the decoding tables; requests and work of the tables and of the images being encoded (they
+        are admitted: admission control counts them as decoding)."""
         self.active_rows = sum(t.rows for t in self._tables)
-        self.active_jobs = sum(len(t.jobs) for t in self._tables)
-        self._active_work = sum(job.beam_size * max(1.0, self._steps(job.max_len) - job.steps)
-                                for table in self._tables for job in table.jobs)
+        jobs = [job for table in self._tables for job in table.jobs] + [j for chunk, _ in self._encoding for j in chunk]
+        self.active_jobs = len(jobs)
+        self._active_work = sum(job.beam_size * max(1.0, self._steps(job.max_len) - job.steps) for job in jobs)
 
     def _expire_pending(self, now: float) -> None:
         """Drop waiting jobs whose client is gone and shed those that cannot finish in the time they have left:
@@ -636,7 +655,10 @@ class Batcher:
         return lambda job: encode + self._steps(job.max_len) * step
 
     def _admit(self) -> None:
-        free = self.max_rows - sum(t.rows for t in self._tables)
+        if len(self._encoding) > 1:
+            return  # the encoder has its next chunk queued already: admit when it takes it
+        free = self.max_rows - sum(t.rows for t in self._tables) - sum(
+            job.beam_size for chunk, _ in self._encoding for job in chunk)
         admitted: list[Job] = []
         with self._wake:
             while self._pending and len(admitted) < self.max_batch and self._pending[0].beam_size <= free:
@@ -651,26 +673,56 @@ class Batcher:
         for job in admitted:
             self.metrics.observe_queue(self.runtime.name, now - job.enqueued)
             job.admitted = now
-        # encoded in chunks of the measured best size (all of them join the decoding table at this boundary)
+        # encoded in chunks of the measured best size: by the encoder thread, joining the tables as they are
+        # done, or here, all of them joining at this boundary
         for start in range(0, len(admitted), self.encode_batch):
-            self._encode(admitted[start:start + self.encode_batch])
+            chunk = admitted[start:start + self.encode_batch]
+            if self._encoder is not None:
+                self._encoding.append((chunk, self._encoder.submit(self._encode, chunk)))
+            else:
+                future: Future = Future()
+                try:
+                    future.set_result(self._encode(chunk))
+                except Exception as exc:
+                    future.set_exception(exc)
+                self._encoding.append((chunk, future))
         self._count_active()
 
-    def _encode(self, jobs: list[Job]) -> None:
+    def _encode(self, jobs: list[Job]) -> tuple[dict, dict]:
+        """Encoder and initial decoder state of ``jobs`` (in the encoder thread, or the worker's)."""
         self.metrics.observe_encode(self.runtime.name, len(jobs))
         started = self.clock()
-        try:
+        with torch.inference_mode():  # thread-local: the encoder thread enters it too
             enc, state = self.runtime.begin([j.prepared for j in jobs], [j.beam_size for j in jobs])
-        except Exception as exc:
-            log.exception("%s: encoding failed", self.runtime.name)
-            for job in jobs:
-                job.resolve(error=exc)
-            return
         per_image = (self.clock() - started) / len(jobs)
         if per_image > 0:
             self.encode_time_s = _smooth(self.encode_time_s, per_image)
         if self._encode_timings is not None:
             self._encode_timings[len(jobs)] = min(per_image, self._encode_timings.get(len(jobs), per_image))
+        return enc, state
+
+    def _join_encoded(self, wait_for_one: bool) -> None:
+        """Move finished encodings, oldest first, into the decoding tables (waiting for the oldest one when
+        ``wait_for_one``); a failed encoding fails its requests."""
+        while self._encoding:
+            jobs, future = self._encoding[0]
+            if not future.done():
+                if not wait_for_one:
+                    break
+                wait([future])
+            wait_for_one = False
+            self._encoding.popleft()
+            try:
+                enc, state = future.result()
+            except Exception as exc:
+                log.exception("%s: encoding failed", self.runtime.name, exc_info=exc)
+                for job in jobs:
+                    job.resolve(error=exc)
+                continue
+            self._add_to_table(jobs, enc, state)
+        self._count_active()
+
+    def _add_to_table(self, jobs: list[Job], enc: dict, state: dict) -> None:
         signature = RowTable.signature(enc, state)
         for table in self._tables:
             if table.current_signature() == signature:
@@ -682,7 +734,9 @@ class Batcher:
     def _fail_everything(self, error: BaseException) -> None:
         with self._wake:
             pending, self._pending = list(self._pending), deque()
-        for job in pending + [j for t in self._tables for j in t.jobs]:
+        encoding = [job for chunk, _ in self._encoding for job in chunk]
+        self._encoding.clear()  # an encoding still running finishes unread
+        for job in pending + encoding + [j for t in self._tables for j in t.jobs]:
             job.resolve(error=error)
         self._tables = []
         self._count_active()

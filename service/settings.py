@@ -54,6 +54,8 @@ class Settings(BaseSettings):
     # -- batching and back-pressure -----------------------------------------------------------------------------
     max_batch_images: int = Field(16, ge=1, description="images encoded together at most (per step boundary)")
     max_rows: int = Field(256, ge=1, description="(request, beam) rows decoded together at most, per model")
+    overlap_encoding: bool = Field(True, description="encode admitted images in a thread of their own while the "
+                                   "batcher decodes (false: the batcher's thread encodes between decoding steps)")
     queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 answers (503 answers use 5)")
     drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight requests may finish")

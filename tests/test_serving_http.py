@@ -86,9 +86,12 @@ def test_concurrent_clients_get_the_captions_their_images_get_alone(server, imag
     after = scrape(server)
     key = '{model="sat"}'
     steps = after[f"captioner_rows_per_step_count{key}"] - before[f"captioner_rows_per_step_count{key}"]
-    rows = after[f"captioner_rows_per_step_sum{key}"] - before[f"captioner_rows_per_step_sum{key}"]
     encodes = after[f"captioner_encoder_batch_size_count{key}"] - before[f"captioner_encoder_batch_size_count{key}"]
-    assert rows / steps > 5, "concurrent requests shared decoding steps"
+    # a step of more than 8 rows holds rows of several requests (the widest beam is 5). How many steps do depends
+    # on timing: the encoder thread hands over images as it encodes them, and when it is the bottleneck the
+    # worker may decode the first ones alone before the next arrive
+    bucket = f'captioner_rows_per_step_bucket{{le="8.0",model="sat"}}'
+    assert steps - (after[bucket] - before[bucket]) > 0, "concurrent requests shared decoding steps"
     # images are encoded together up to the batch size the server measured fastest at warm-up (on a CPU that
     # can be 1: a bigger batch is not always cheaper per image)
     limit = after[f"captioner_encoder_batch_limit{key}"]
