@@ -230,3 +230,40 @@ def test_cuda_matches_cpu_and_is_deterministic():
     on_gpu = tvmax(z.cuda(), (8, 8), lam=0.05)
     torch.testing.assert_close(on_gpu.cpu(), tvmax(z, (8, 8), lam=0.05), atol=1e-12, rtol=0)
     assert torch.equal(on_gpu, tvmax(z.cuda(), (8, 8), lam=0.05))
+
+
+@pytest.mark.parametrize("grid_hw", [(1, 1), (1, 5), (4, 1), (3, 4), (16, 16)])
+def test_grid_operators_as_shifted_differences_equal_the_difference_matrix(grid_hw):
+    """On a CPU the solver applies D, Dᵀ, |D|ᵀ and the FISTA matrix K = I − DDᵀ/L as shifted differences of the
+    grid; on accelerators as products with the dense matrices. Both against the matrix built from the edge list."""
+    from captioner.models.attention.tvmax import _Grid
+
+    h, w = grid_hw
+    diff = torch.from_numpy(_difference_matrix(h, w))
+    stencil = _Grid(grid_hw, torch.device("cpu"), torch.float64)
+    dense = _Grid(grid_hw, torch.device("cpu"), torch.float64, dense=True)
+    assert not stencil.dense and dense.dense
+    generator = torch.Generator().manual_seed(h * 31 + w)
+    cells = torch.randn(5, h * w, generator=generator, dtype=torch.float64)
+    edges = torch.randn(5, diff.shape[0], generator=generator, dtype=torch.float64)
+    offset = torch.randn_like(edges)
+    kernel = torch.eye(diff.shape[0], dtype=torch.float64) - diff @ diff.T / max(stencil.lipschitz, 1e-12)
+    for ops in (stencil, dense):
+        torch.testing.assert_close(ops.jump(cells), cells @ diff.T, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ops.spread(edges), edges @ diff, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ops.spread(edges, signed=False), edges @ diff.abs(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(ops.iterate(offset, edges), offset + edges @ kernel, rtol=0, atol=1e-12)
+
+
+def test_the_dense_operators_of_accelerators_give_the_same_prox(monkeypatch):
+    """The accelerator path (dense products), run on the CPU, certifies the same prox as the CPU path."""
+    from captioner.models.attention import tvmax as module
+
+    scores = torch.randn(24, 256, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 0.05
+    mask = torch.rand(24, 256, generator=torch.Generator().manual_seed(5)) > 0.1
+    shifted = [module.tv2d_prox(scores, (16, 16), 0.01, m, return_groups=True) for m in (None, mask)]
+    monkeypatch.setattr(module, "_operators", lambda hw, device, dtype: module._Grid(hw, device, dtype, dense=True))
+    for m, (want, groups) in zip((None, mask), shifted):
+        got, got_groups = module.tv2d_prox(scores, (16, 16), 0.01, m, return_groups=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+        assert torch.equal(got_groups, groups)

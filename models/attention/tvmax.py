@@ -13,7 +13,8 @@ The 2D TV prox (Eq. 4) has no direct algorithm.  We work on its dual
 grid of the call:
 
 1. **FISTA** with step ``1/L`` (``L = λ_max(DDᵀ)``) and momentum ``(k − 1)/(k + 2)``, never restarted,
-   warm-started at ``u = λ sign(Dz)`` (every cell its own group).  An iteration is three tensor ops and no host
+   warm-started at ``u = λ sign(Dz)`` (every cell its own group).  An iteration is a few tensor ops (``D`` and
+   ``Dᵀ`` applied as shifted differences on a CPU, dense products on an accelerator: :class:`_Grid`) and no host
    synchronisation.  The iterations before the first check only have to point at the active set and run in
    float32, on the dual scaled by ``1/λ`` so that the box's faces are exact in both precisions.
 2. After ``2·check_every`` iterations, then every ``check_every``, FISTA's dual names an *active set*: edges
@@ -78,34 +79,76 @@ def grid_edges(grid_hw: tuple[int, int]) -> tuple[Tensor, Tensor]:
 
 @lru_cache(maxsize=32)
 def _operators(grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtype) -> "_Grid":
-    h, w = grid_hw
-    first, second = grid_edges(grid_hw)
-    edges = first.numel()
-    diff = torch.zeros(edges, h * w, dtype=torch.float64)
-    diff[torch.arange(edges), first] = -1.0
-    diff[torch.arange(edges), second] = 1.0
-
-    # L = λ_max(D Dᵀ) = λ_max of the grid Laplacian = sum of the two path Laplacians' largest eigenvalues,
-    # 2(1 + cos(π/n)) each; removing edges (masks) only lowers it, so 1/L is always a safe step
-    def path_max(n: int) -> float:
-        return 2.0 * (1.0 + math.cos(math.pi / n)) if n > 1 else 0.0
-
-    lipschitz = path_max(h) + path_max(w)
-    iteration = torch.eye(edges, dtype=torch.float64) - diff @ diff.T / max(lipschitz, 1e-12)
-    return _Grid(diff.to(device, dtype), diff.T.to(device, dtype).contiguous(), diff.abs().to(device, dtype),
-                 iteration.to(device, dtype), lipschitz, first.to(device), second.to(device))
+    return _Grid(tuple(grid_hw), device, dtype)
 
 
-class _Grid(NamedTuple):
-    """The operators of one grid shape (on one device, in one dtype)."""
+class _Grid:
+    """The edge-difference operator ``D`` [E, N] of one grid shape, ``(Dw)_e = w_second[e] − w_first[e]``, and what
+    the solver does with it, on one device in one dtype.
 
-    diff: Tensor  # D [E, N]: (Dw)_e = w_second[e] − w_first[e]
-    diff_t: Tensor  # Dᵀ [N, E], contiguous: x @ diff_t is the jump of every edge
-    incidence: Tensor  # |D| [E, N]: a 0/1 edge-set row vector times it counts each cell's edges
-    iteration: Tensor  # the FISTA iteration matrix K = I − D Dᵀ / L [E, E]
-    lipschitz: float  # L = λ_max(D Dᵀ)
-    first: Tensor  # [E] long
-    second: Tensor  # [E] long
+    On a CPU, ``D`` and ``Dᵀ`` are applied as differences of shifted slices of the ``[B, H, W]`` grid: a few
+    elementwise passes over ``B × N`` numbers, where the dense ``[E, E]`` and ``[N, E]`` products did ``E`` times
+    more arithmetic (each row of ``D`` has two non-zeros) and made the FISTA iterations most of a batched TVmax
+    step.  On an accelerator the dense matrices stay: one kernel each, where every launch costs more than the
+    arithmetic.  Both compute the same sums of at most four terms, in a different order.
+    """
+
+    def __init__(self, grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtype, dense: bool | None = None):
+        """``dense``: the dense products (default: on accelerators only)."""
+        h, w = self.height, self.width = grid_hw
+        first, second = grid_edges(grid_hw)
+        self.first, self.second = first.to(device), second.to(device)
+        self.horizontal = h * (w - 1)  # edges 0 .. horizontal-1 join (r, c) and (r, c+1); the rest (r, c), (r+1, c)
+
+        # L = λ_max(D Dᵀ) = λ_max of the grid Laplacian = sum of the two path Laplacians' largest eigenvalues,
+        # 2(1 + cos(π/n)) each; removing edges (masks) only lowers it, so 1/L is always a safe step
+        def path_max(n: int) -> float:
+            return 2.0 * (1.0 + math.cos(math.pi / n)) if n > 1 else 0.0
+
+        self.lipschitz = path_max(h) + path_max(w)
+        self.dense = torch.device(device).type != "cpu" if dense is None else dense
+        if self.dense:
+            edges = first.numel()
+            diff = torch.zeros(edges, h * w, dtype=torch.float64)
+            diff[torch.arange(edges), first] = -1.0
+            diff[torch.arange(edges), second] = 1.0
+            iteration = torch.eye(edges, dtype=torch.float64) - diff @ diff.T / max(self.lipschitz, 1e-12)
+            self.diff, self.diff_t = diff.to(device, dtype), diff.T.to(device, dtype).contiguous()
+            self.incidence, self.iteration = diff.abs().to(device, dtype), iteration.to(device, dtype)
+
+    def jump(self, w: Tensor) -> Tensor:
+        """``D w``: the jump of ``w`` [B, N] across every edge, [B, E]."""
+        if self.dense:
+            return w @ self.diff_t
+        cells = w.view(w.shape[0], self.height, self.width)
+        return torch.cat([(cells[:, :, 1:] - cells[:, :, :-1]).flatten(1),
+                          (cells[:, 1:, :] - cells[:, :-1, :]).flatten(1)], 1)
+
+    def spread(self, u: Tensor, signed: bool = True) -> Tensor:
+        """``Dᵀ u``: what the edge values ``u`` [B, E] send to the cells, [B, N] (``−u_e`` to ``first[e]``,
+        ``+u_e`` to ``second[e]``); with ``signed=False``, ``|D|ᵀ u`` (both ends get ``+u_e``)."""
+        if self.dense:
+            return u @ (self.diff if signed else self.incidence)
+        h, w = self.height, self.width
+        batch = u.shape[0]
+        across = u[:, :self.horizontal].view(batch, h, w - 1)
+        down = u[:, self.horizontal:].view(batch, h - 1, w)
+        cells = u.new_zeros(batch, h, w)
+        cells[:, :, 1:] += across
+        cells[:, 1:, :] += down
+        if signed:
+            cells[:, :, :-1] -= across
+            cells[:, :-1, :] -= down
+        else:
+            cells[:, :, :-1] += across
+            cells[:, :-1, :] += down
+        return cells.view(batch, h * w)
+
+    def iterate(self, offset: Tensor, y: Tensor) -> Tensor:
+        """``offset + y K`` with the FISTA iteration matrix ``K = I − D Dᵀ / L`` [E, E] (``y`` [B, E])."""
+        if self.dense:
+            return torch.addmm(offset, y, self.iteration)
+        return (offset + y).sub_(self.jump(self.spread(y)), alpha=1.0 / max(self.lipschitz, 1e-12))
 
 
 def connected_components(fused: Tensor, first: Tensor, second: Tensor, cells: int) -> Tensor:
@@ -173,7 +216,7 @@ def _flow(demand: Tensor, free: Tensor, grid: _Grid, tol: Tensor) -> tuple[Tenso
     flow = torch.zeros(free.shape, dtype=demand.dtype, device=demand.device)
     remaining, left = free, demand
     while True:
-        degree = remaining.to(demand.dtype) @ grid.incidence
+        degree = grid.spread(remaining.to(demand.dtype), signed=False)
         leaf_first, leaf_second = degree.index_select(1, first) == 1, degree.index_select(1, second) == 1
         peel = remaining & (leaf_first | leaf_second)
         if not bool(peel.any()):
@@ -181,7 +224,7 @@ def _flow(demand: Tensor, free: Tensor, grid: _Grid, tol: Tensor) -> tuple[Tenso
         carried = torch.where(leaf_first, -left.index_select(1, first), left.index_select(1, second))
         step = torch.where(peel, carried, 0.0)
         flow = flow + step
-        left = torch.addmm(left, step, grid.diff, alpha=-1.0)
+        left = left - grid.spread(step)
         remaining = remaining ^ peel
     if not bool(remaining.any()):
         return flow, left
@@ -191,7 +234,7 @@ def _flow(demand: Tensor, free: Tensor, grid: _Grid, tol: Tensor) -> tuple[Tenso
     norm2 = (residual * residual).sum(1, keepdim=True)
     target = tol.unsqueeze(1) ** 2
     for _ in range(demand.shape[1]):  # L_R has at most N distinct eigenvalues
-        image = ((direction @ grid.diff_t) * weight) @ grid.diff
+        image = grid.spread(grid.jump(direction) * weight)
         curvature = (direction * image).sum(1, keepdim=True)
         going = (norm2 > target) & (curvature > 0)  # converged rows stay put (no 0/0 on exact zeros)
         alpha = torch.where(going, norm2 / torch.where(going, curvature, 1.0), 0.0)
@@ -203,8 +246,8 @@ def _flow(demand: Tensor, free: Tensor, grid: _Grid, tol: Tensor) -> tuple[Tenso
         norm2 = new_norm2
         if not bool(going.any()):
             break
-    flow = torch.addcmul(flow, weight, psi @ grid.diff_t)
-    return flow, torch.addmm(demand, flow, grid.diff, alpha=-1.0)
+    flow = torch.addcmul(flow, weight, grid.jump(psi))
+    return flow, demand - grid.spread(flow)
 
 
 def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | float, lam: float, grid: _Grid,
@@ -236,11 +279,11 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
     cells = z.shape[1]
     labels = connected_components(free, grid.first, grid.second, cells)
     pinned = (signs * bound).masked_fill_(free, 0.0)
-    shifted = torch.addmm(z, pinned, grid.diff, alpha=-1.0)
+    shifted = z - grid.spread(pinned)
     sums, sizes = _group_sums(torch.stack([shifted, torch.ones_like(shifted)], 1), labels).unbind(1)
     sizes = sizes.clamp_min(1.0)
     polished = (sums / sizes).gather(1, labels)  # SparseCap Eq. 8
-    jump = polished @ grid.diff_t
+    jump = grid.jump(polished)
     crossing = jump * pinned < 0
     demand = shifted.sub_(polished)
     on_free = free.to(z.dtype)
@@ -248,9 +291,9 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
     # one gradient step of the guess towards carrying d (step 1/4 < 2/λ_max(D_F D_Fᵀ), as λ_max < 8 on any grid):
     # three ops that let the cheap test pass on ~97% of trained SparseCap grids instead of ~92% after 16 FISTA
     # iterations, where a failure costs an explicit flow
-    left = torch.addmm(demand, guess, grid.diff, alpha=-1.0)
-    guess = guess.add_((left @ grid.diff_t).mul_(on_free), alpha=0.25)
-    left = torch.addmm(demand, guess, grid.diff, alpha=-1.0)
+    left = demand - grid.spread(guess)
+    guess = guess.add_(grid.jump(left).mul_(on_free), alpha=0.25)
+    left = demand - grid.spread(guess)
     total, spread = _group_sums(torch.stack([left, left.abs()], 1), labels).unbind(1)
     # the largest |c̃| of each group, at its root (the label of an edge's endpoints); pinned edges contribute 0
     peak = torch.zeros_like(z).scatter_reduce_(1, labels.index_select(1, grid.first), guess.abs_(), "amax")
@@ -304,10 +347,10 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
     unit = bound / lam if mask is None else (bound / lam).float()
     coarse = _operators(tuple(grid_hw), z.device, torch.float32)
     # the constant part of the gradient step u + (D z − D Dᵀ u)/L, for the scaled dual
-    scaled = (z.to(torch.float32) @ coarse.diff_t).div_(grid.lipschitz * lam)
+    scaled = coarse.jump(z.to(torch.float32)).div_(grid.lipschitz * lam)
     # warm start: every cell its own group, u_e = λ sign((Dz)_e): the exact dual when λ is small enough that no
     # two neighbours fuse, and otherwise wrong only around the few pairs that do
-    u, y = _fista(torch.sign(scaled).mul_(unit), None, scaled, coarse.iteration, unit, 0, 2 * check_every)
+    u, y = _fista(torch.sign(scaled).mul_(unit), None, scaled, coarse, unit, 0, 2 * check_every)
     u, offset = u.to(z.dtype).mul_(lam), None  # offset (unscaled, z's dtype): made only if FISTA has to go on
     iterations = 2 * check_every
     while True:
@@ -333,8 +376,8 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
         if last and not all_done:
             # out of budget: keep whichever point has the smaller proven error bound (the plain FISTA iterate's
             # bound is the duality gap, ‖w − w*‖² ≤ 2·gap by 1-strong convexity of the primal)
-            w = torch.addmm(zr, u, grid.diff, alpha=-1.0)
-            jump = w @ grid.diff_t
+            w = zr - grid.spread(u)
+            jump = grid.jump(w)
             gap = (jump.abs() * (bound - u * torch.sign(jump))).sum(1).clamp_min(0.0)
             w_r = torch.where((error_r <= (2.0 * gap).sqrt()).unsqueeze(1), w_r, w)
             done, all_done = torch.ones_like(done), True
@@ -350,22 +393,22 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
         # drop finished grids so the remaining iterations only pay for the hard ones
         running = (~done).nonzero().squeeze(1)
         if offset is None:
-            offset, y = (z @ grid.diff_t) / grid.lipschitz, y.to(z.dtype).mul_(lam)
+            offset, y = grid.jump(z) / grid.lipschitz, y.to(z.dtype).mul_(lam)
         rows, u, y, offset = (t.index_select(0, running) for t in (rows, u, y, offset))
         if mask is not None:
             bound, inner = bound.index_select(0, running), inner.index_select(0, running)
-        u, y = _fista(u, y, offset, grid.iteration, bound, iterations, check_every)
+        u, y = _fista(u, y, offset, grid, bound, iterations, check_every)
         iterations += check_every
 
 
-def _fista(u: Tensor, y: Tensor | None, offset: Tensor, iteration: Tensor, bound: Tensor | float, done: int,
+def _fista(u: Tensor, y: Tensor | None, offset: Tensor, grid: _Grid, bound: Tensor | float, done: int,
            count: int) -> tuple[Tensor, Tensor]:
     """``count`` FISTA steps on the dual after ``done`` earlier ones: a projected gradient step at the extrapolated
-    point ``y`` (``u`` itself at the start), then momentum ``(k − 1)/(k + 2)`` (Chambolle & Dossal); three small
-    ops per step and no host synchronisation."""
+    point ``y`` (``u`` itself at the start, :meth:`_Grid.iterate`), then momentum ``(k − 1)/(k + 2)`` (Chambolle &
+    Dossal); a few small ops per step and no host synchronisation."""
     y, lower = u if y is None else y, -bound
     for k in range(done + 1, done + count + 1):
-        u_next = torch.addmm(offset, y, iteration).clamp_(lower, bound)
+        u_next = grid.iterate(offset, y).clamp_(lower, bound)
         y = torch.lerp(u, u_next, 1.0 + (k - 1) / (k + 2))
         u = u_next
     return u, y
