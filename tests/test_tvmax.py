@@ -1,5 +1,7 @@
 """TVmax (SparseCap, arXiv:2002.05556, Definition 1) and its 2D TV prox against generic convex solvers."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -240,9 +242,12 @@ def test_grid_operators_as_shifted_differences_equal_the_difference_matrix(grid_
 
     h, w = grid_hw
     diff = torch.from_numpy(_difference_matrix(h, w))
-    stencil = _Grid(grid_hw, torch.device("cpu"), torch.float64)
+    stencil = _Grid(grid_hw, torch.device("cpu"), torch.float64, dense=False)
     dense = _Grid(grid_hw, torch.device("cpu"), torch.float64, dense=True)
-    assert not stencil.dense and dense.dense
+    assert stencil.dense_rows == 0 and dense.dense_rows == math.inf
+    # by default on a CPU: products for small grids, and for a 16×16 grid at one row (beam 1) but not at three
+    assert _Grid((8, 8), torch.device("cpu"), torch.float64).dense_rows == math.inf
+    assert 1 < _Grid((16, 16), torch.device("cpu"), torch.float64).dense_rows <= 3
     generator = torch.Generator().manual_seed(h * 31 + w)
     cells = torch.randn(5, h * w, generator=generator, dtype=torch.float64)
     edges = torch.randn(5, diff.shape[0], generator=generator, dtype=torch.float64)

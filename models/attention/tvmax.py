@@ -82,19 +82,29 @@ def _operators(grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtyp
     return _Grid(tuple(grid_hw), device, dtype)
 
 
+#: on a CPU, grids of at most this many edges (8×8: 112, 10×10: 180) always take the dense products: their
+#: matrices stay in a core's cache, and one product costs less than the dozen small ops of the shifted differences
+DENSE_MAX_EDGES = 200
+#: and larger grids take them while rows × edges² is below this (16×16 at one row; measured in docs/tvmax.md)
+DENSE_MAX_WORK = 500_000
+
+
 class _Grid:
     """The edge-difference operator ``D`` [E, N] of one grid shape, ``(Dw)_e = w_second[e] − w_first[e]``, and what
     the solver does with it, on one device in one dtype.
 
-    On a CPU, ``D`` and ``Dᵀ`` are applied as differences of shifted slices of the ``[B, H, W]`` grid: a few
-    elementwise passes over ``B × N`` numbers, where the dense ``[E, E]`` and ``[N, E]`` products did ``E`` times
-    more arithmetic (each row of ``D`` has two non-zeros) and made the FISTA iterations most of a batched TVmax
-    step.  On an accelerator the dense matrices stay: one kernel each, where every launch costs more than the
-    arithmetic.  Both compute the same sums of at most four terms, in a different order.
+    Two ways to apply ``D``, ``Dᵀ`` and the FISTA matrix: products with the dense matrices (one kernel each), or
+    differences of shifted slices of the ``[B, H, W]`` grid (a dozen small elementwise ops over ``B × N`` numbers,
+    where the dense ``[E, E]`` product does ``E`` times more arithmetic: each row of ``D`` has two non-zeros).  On
+    an accelerator, where every launch costs more than the arithmetic, always the products; on a CPU the products
+    for small grids and few rows, the shifted differences otherwise (:data:`DENSE_MAX_EDGES`,
+    :data:`DENSE_MAX_WORK`): on a 16×16 grid the products were most of a batched TVmax step.  Both compute the same
+    sums of at most four terms, in a different order.
     """
 
     def __init__(self, grid_hw: tuple[int, int], device: torch.device, dtype: torch.dtype, dense: bool | None = None):
-        """``dense``: the dense products (default: on accelerators only)."""
+        """``dense``: always the dense products (True), always the shifted differences (False), or by device and
+        size (None)."""
         h, w = self.height, self.width = grid_hw
         first, second = grid_edges(grid_hw)
         self.first, self.second = first.to(device), second.to(device)
@@ -106,9 +116,13 @@ class _Grid:
             return 2.0 * (1.0 + math.cos(math.pi / n)) if n > 1 else 0.0
 
         self.lipschitz = path_max(h) + path_max(w)
-        self.dense = torch.device(device).type != "cpu" if dense is None else dense
-        if self.dense:
-            edges = first.numel()
+        edges = first.numel()
+        if dense is None and torch.device(device).type != "cpu":
+            dense = True
+        # rows below which the dense products win (0: never; a number above any batch: always)
+        self.dense_rows = {True: math.inf, False: 0}.get(
+            dense, math.inf if edges <= DENSE_MAX_EDGES else DENSE_MAX_WORK / max(edges * edges, 1))
+        if self.dense_rows:
             diff = torch.zeros(edges, h * w, dtype=torch.float64)
             diff[torch.arange(edges), first] = -1.0
             diff[torch.arange(edges), second] = 1.0
@@ -118,7 +132,7 @@ class _Grid:
 
     def jump(self, w: Tensor) -> Tensor:
         """``D w``: the jump of ``w`` [B, N] across every edge, [B, E]."""
-        if self.dense:
+        if w.shape[0] < self.dense_rows:
             return w @ self.diff_t
         cells = w.view(w.shape[0], self.height, self.width)
         return torch.cat([(cells[:, :, 1:] - cells[:, :, :-1]).flatten(1),
@@ -127,7 +141,7 @@ class _Grid:
     def spread(self, u: Tensor, signed: bool = True) -> Tensor:
         """``Dᵀ u``: what the edge values ``u`` [B, E] send to the cells, [B, N] (``−u_e`` to ``first[e]``,
         ``+u_e`` to ``second[e]``); with ``signed=False``, ``|D|ᵀ u`` (both ends get ``+u_e``)."""
-        if self.dense:
+        if u.shape[0] < self.dense_rows:
             return u @ (self.diff if signed else self.incidence)
         h, w = self.height, self.width
         batch = u.shape[0]
@@ -146,7 +160,7 @@ class _Grid:
 
     def iterate(self, offset: Tensor, y: Tensor) -> Tensor:
         """``offset + y K`` with the FISTA iteration matrix ``K = I − D Dᵀ / L`` [E, E] (``y`` [B, E])."""
-        if self.dense:
+        if y.shape[0] < self.dense_rows:
             return torch.addmm(offset, y, self.iteration)
         return (offset + y).sub_(self.jump(self.spread(y)), alpha=1.0 / max(self.lipschitz, 1e-12))
 
