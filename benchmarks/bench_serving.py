@@ -60,7 +60,7 @@ PARAMS = {"beam_size": BEAM, "max_len": MAX_LEN}
 
 
 # -- the tutorial-style reference server ---------------------------------------------------------------------------
-def tutorial_app(checkpoint: Path, threads: int):
+def tutorial_app(checkpoint: Path, threads: int, device: str = "cpu"):
     """A per-image beam-search handler, as tutorials write it: no queue, no batching, one image at a time."""
     import torch
 
@@ -70,8 +70,8 @@ def tutorial_app(checkpoint: Path, threads: int):
     from captioner.models.protocol import VisualBatch
 
     torch.set_num_threads(threads)
-    ckpt = load_checkpoint(checkpoint, "cpu")
-    encoder = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
+    ckpt = load_checkpoint(checkpoint, device)
+    encoder = GridEncoder(ckpt.encoder).to(device).to(memory_format=torch.channels_last)
     lock = threading.Lock()
     app = FastAPI()
 
@@ -84,7 +84,7 @@ def tutorial_app(checkpoint: Path, threads: int):
         image = load_image(file.file.read())
         pixels, geometry = preprocess(image, ckpt.encoder)
         with lock, torch.no_grad():
-            feats = encoder(pixels[None].contiguous(memory_format=torch.channels_last))
+            feats = encoder(pixels[None].to(device).contiguous(memory_format=torch.channels_last))
             hyp = beam_search(ckpt.model, VisualBatch.from_features(feats, [geometry]), k=beam_size,
                               max_len=max_len)[0][0]
         return {"caption": " ".join(ckpt.vocab.decode(hyp.token_ids)), "tokens": hyp.token_ids,
@@ -177,8 +177,8 @@ def scene_jpegs(count: int) -> list[bytes]:
 
 
 # -- decoder only, in process -------------------------------------------------------------------------------------
-def encoded_scenes(model: str, images: int):
-    """The shipped checkpoint ``model`` on CPU, its channels-last encoder, ``images`` generated test scenes prepared
+def encoded_scenes(model: str, images: int, device: str = "cpu"):
+    """The shipped checkpoint ``model`` on ``device``, its channels-last encoder, ``images`` generated test scenes prepared
     as the service prepares uploads, and their features (encoded one by one)."""
     import torch
     from PIL import Image
@@ -187,16 +187,17 @@ def encoded_scenes(model: str, images: int):
     from captioner.models.encoder import GridEncoder
     from captioner.models.inference import TorchRuntime
 
-    ckpt = load_checkpoint(checkpoint(model), "cpu")
-    encoder = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
-    runtime = TorchRuntime(model, ckpt, encoder, torch.device("cpu"))
+    ckpt = load_checkpoint(checkpoint(model), device)
+    encoder = GridEncoder(ckpt.encoder).to(device).to(memory_format=torch.channels_last)
+    runtime = TorchRuntime(model, ckpt, encoder, torch.device(device))
     pictures = [runtime.prepare(Image.open(io.BytesIO(b)).convert("RGB")) for b in scene_jpegs(images)]
     with torch.inference_mode():
-        feats = [encoder(p.pixels[None].contiguous(memory_format=torch.channels_last)) for p in pictures]
+        feats = [encoder(runtime.pixels([p]).contiguous(memory_format=torch.channels_last)) for p in pictures]
     return ckpt, encoder, pictures, feats
 
 
-def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 3, scenes=None) -> dict:
+def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 3, scenes=None,
+                 device: str = "cpu") -> dict:
     """Seconds to decode ``images`` already-encoded scenes with ``model``: one ``beam_search`` call per image vs the
     continuous batcher (all images admitted to one table of ``BEAM × images`` rows); best of ``repeats``, the two
     in turns.  ``scenes``: the :func:`encoded_scenes` of ``model`` when the caller has them."""
@@ -208,7 +209,7 @@ def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 
     from captioner.service.batcher import Batcher
 
     torch.set_num_threads(threads)
-    ckpt, encoder, pictures, feats = scenes or encoded_scenes(model, images)
+    ckpt, encoder, pictures, feats = scenes or encoded_scenes(model, images, device)
 
     class Encoded(TorchRuntime):  # images arrive already encoded: only decoding is timed
         def begin(self, batch: list[Prepared], widths: list[int]):
@@ -219,7 +220,7 @@ def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 
             enc = expand_rows({key: torch.cat([e[key] for e in encs]) for key in encs[0]}, widths)
             return enc, ckpt.model.init_state(enc)
 
-    encoded = Encoded(model, ckpt, encoder, torch.device("cpu"))
+    encoded = Encoded(model, ckpt, encoder, torch.device(device))
     items = [Prepared(f, p.geometry) for f, p in zip(feats, pictures)]
 
     def per_image() -> None:
@@ -506,6 +507,7 @@ def int8_section(path: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tutorial-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # the tutorial server's
     parser.add_argument("--port", type=int)
     parser.add_argument("--model", default=default_model(),
                         help="checkpoint: a folder under weights/ or a path (default: the service's default model)")
@@ -522,7 +524,7 @@ def main() -> None:
     if args.tutorial_server:
         import uvicorn
 
-        uvicorn.run(tutorial_app(checkpoint(args.model), args.threads), host="127.0.0.1", port=args.port,
+        uvicorn.run(tutorial_app(checkpoint(args.model), args.threads, args.device), host="127.0.0.1", port=args.port,
                     log_level="warning", access_log=False)
         return
 
@@ -610,11 +612,11 @@ def main() -> None:
     print(text)
 
 
-def _captions(url: str, bodies: list[bytes]) -> list[str]:
+def _captions(url: str, bodies: list[bytes], count: int = 4) -> list[str]:
     import httpx
 
     return [httpx.post(f"{url}/caption", params=PARAMS, files={"file": ("s.jpg", b, "image/jpeg")},
-                       timeout=120).json()["caption"] for b in bodies[:4]]
+                       timeout=120).json()["caption"] for b in bodies[:count]]
 
 
 if __name__ == "__main__":

@@ -123,6 +123,12 @@ class Runtime(ABC):
             return pixels.pin_memory().to(self.device, non_blocking=True)
         return pixels
 
+    def synchronize(self) -> None:
+        """Wait until the device has run everything queued so far (CUDA kernels run asynchronously: without this,
+        a wall-clock timing of :meth:`begin` measures only the kernel launches)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # -- what the batcher calls -----------------------------------------------------------------------------
     @abstractmethod
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:

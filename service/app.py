@@ -11,6 +11,7 @@ every batcher drain its queued and running requests (up to ``drain_timeout_s``),
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,7 +27,7 @@ from captioner.models.device import set_threads
 
 from .batcher import Batcher
 from .lifecycle import DrainMiddleware, ShutdownGate
-from .memory import IdleTrimmer, configure_allocator, release_memory
+from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, release_memory
 from .middleware import RequestContextMiddleware
 from .overlay import router as overlay_router
 from .problems import install_problem_handlers
@@ -98,6 +99,7 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         state.batchers[name] = batcher
     if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
         log.info("resident set after warm-up: %.0f MiB", await asyncio.to_thread(release_memory) / 2**20)
+    log.info("%d start-up objects frozen out of the garbage collector", freeze_startup_objects())
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")
@@ -125,6 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
         await asyncio.gather(*(b.stop(settings.drain_timeout_s) for b in state.batchers.values()))
+        gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
 
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan,
                   description="Captions with per-word attention heatmaps from published attention captioners.")

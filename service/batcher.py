@@ -694,6 +694,9 @@ class Batcher:
         started = self.clock()
         with torch.inference_mode():  # thread-local: the encoder thread enters it too
             enc, state = self.runtime.begin([j.prepared for j in jobs], [j.beam_size for j in jobs])
+            # the encoding's true cost on a GPU, for admission control and the warm-up's choice of encoder batch;
+            # this thread waits, the worker's steps already queued run on
+            self.runtime.synchronize()
         per_image = (self.clock() - started) / len(jobs)
         if per_image > 0:
             self.encode_time_s = _smooth(self.encode_time_s, per_image)

@@ -174,6 +174,7 @@ class HybridRuntime(TorchRuntime):
         super().__init__(name, ckpt, None, device)
         self.visual = visual
         self.providers = visual.providers
+        self.on_gpu = visual.on_gpu
 
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), providers=list(self.providers))
@@ -288,6 +289,10 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
     from captioner.models.export.onnx import ExportUnsupported
 
     device = encoders.device
+    if device.type == "cuda" and _providers(device)[0] != "CUDAExecutionProvider":
+        # ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU
+        log.info("%s: ONNX Runtime has no CUDA execution provider here; PyTorch on %s", name, device)
+        return TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
     prepared = [Prepared(*preprocess(image, ckpt.encoder)) for image in check_images()]
     if encoders.precision == "int8":
         # an int8 CNN changes features, so PyTorch's float captions are no reference for the decoder graphs: they
@@ -302,6 +307,9 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
     for backend, make in candidates:
         try:
             runtime = make()
+            if device.type == "cuda" and not runtime.on_gpu:  # the CUDA provider failed to load (cuDNN missing)
+                log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
+                continue
             same = check_captions(runtime, prepared) == want
         except (ExportUnsupported, OSError, RuntimeError, ValueError) as exc:
             log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)

@@ -262,6 +262,20 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
         assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu
 
 
+def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
+    """On a CUDA device, ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU:
+    ``auto`` serves PyTorch on the GPU instead, without exporting anything."""
+    from captioner.service import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "_providers", lambda device: ["CPUExecutionProvider"])
+    encoders = runtime_module.SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1, "float32")
+    gpu_encoder = object()  # stands for the PyTorch CNN on the GPU: nothing here may run on a device this CPU lacks
+    monkeypatch.setattr(encoders, "pytorch", lambda spec: gpu_encoder)
+    chosen = runtime_module.fastest_verified("sat", tiny_checkpoint("sat"), encoders, threads=1)
+    assert chosen.backend == "torch" and chosen.encoder is gpu_encoder
+    assert not (tmp_path / "onnx").exists()
+
+
 def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_path, monkeypatch):
     """Two models of one encoder spec on ``auto``: one ONNX Runtime session of the CNN serves both, neither keeps
     PyTorch weights, and they caption exactly like PyTorch.  A second start, with the exports and the check set's

@@ -1,0 +1,270 @@
+"""Serving benchmark on a CUDA GPU: continuous batching vs batch-size-1 vs the per-image tutorial loop, float32 vs
+bfloat16 autocast, and the encoder-only ceiling, in one run on one machine.  Without a CUDA GPU it says so and
+writes nothing (``make bench`` runs it everywhere; the table is made where a GPU is).
+
+Every configuration is a ``captioner serve`` (or the tutorial handler of ``bench_serving.py``) on localhost with
+``CAPTIONER_DEVICE=cuda``, started side by side and measured in turns with the same closed-loop load generator as
+``bench_serving.py``:
+
+* ``batching``: PyTorch on the GPU, continuous batching (16 images admitted per step boundary, 256 rows);
+* ``batching, bfloat16``: the same with ``CAPTIONER_PRECISION=bfloat16`` (autocast; weights stay float32);
+* ``batch-size-1``: ``CAPTIONER_MAX_BATCH_IMAGES=1 CAPTIONER_MAX_ROWS=3``: one request decoded at a time;
+* ``onnx``: ``CAPTIONER_BACKEND=onnx``, only where ONNX Runtime has its CUDA execution provider (I/O binding on the
+  GPU); otherwise the table says it was not measured and why;
+* ``tutorial loop``: one image at a time through the CNN and ``beam_search`` under a lock, on the GPU.
+
+Checks in the same run: the captions of 16 test scenes from every server against PyTorch float32 on the CPU of
+the same machine (float32 on the GPU should equal it; bfloat16's agreement is reported as a fraction).
+
+Usage: ``python benchmarks/bench_serving_gpu.py [--model NAME] [--threads N] [--quick]``; writes
+``docs/benchmarks/serving-gpu.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import io
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_serving import BEAM, MAX_LEN, PARAMS, _captions, alternating_latency, closed_loop, combine, decoder_only, \
+    encoded_scenes, scene_jpegs  # noqa: E402
+from common import checkpoint, default_model  # noqa: E402
+from servers import Server  # noqa: E402
+
+OUT = ROOT / "docs" / "benchmarks" / "serving-gpu.md"
+ENCODER_BATCHES = (1, 4, 16, 64)
+QUICK_ENCODER_BATCHES = (1, 4)
+
+
+def cuda_execution_provider() -> str | None:
+    """None when ONNX Runtime can run on the GPU here, else why not."""
+    try:
+        import onnxruntime as ort
+    except ImportError as exc:
+        return f"onnxruntime is not importable ({exc})"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return (f"this machine's onnxruntime {ort.__version__} has no CUDAExecutionProvider (providers: "
+                f"{', '.join(ort.get_available_providers())}); the project installs onnxruntime-gpu, which has it")
+    return None
+
+
+def machine(threads: int) -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_properties(0)
+    return (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB, {gpu.multi_processor_count} SMs), {os.cpu_count()} CPU "
+            f"cores, {platform.system()} {platform.release()}, Python {platform.python_version()}, torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda}); {threads} intra-op CPU thread(s) per server")
+
+
+def encoder_ceiling(model: str, device: str) -> dict[str, dict[int, float]]:
+    """ms per image of the channels-last PyTorch encoder (float32 and bfloat16 autocast) by batch size: 5 calls
+    after 2 warm-up calls, between device synchronisations."""
+    import contextlib
+
+    import torch
+
+    from captioner.models.checkpoint import load_checkpoint
+    from captioner.models.inference import grid_encoder
+
+    def synchronize() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    spec = load_checkpoint(checkpoint(model), "cpu").encoder
+    encoder = grid_encoder(spec, device)
+    pixels = torch.randn(max(ENCODER_BATCHES), 3, spec.image_size, spec.image_size, device=device)
+    pixels = pixels.contiguous(memory_format=torch.channels_last)
+    out: dict[str, dict[int, float]] = {}
+    for label, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
+        out[label] = {}
+        for batch in ENCODER_BATCHES:
+            autocast = torch.autocast(torch.device(device).type, dtype=dtype) if dtype else contextlib.nullcontext()
+            with torch.inference_mode(), autocast:
+                for _ in range(2):
+                    encoder(pixels[:batch])
+                synchronize()
+                started = time.perf_counter()
+                for _ in range(5):
+                    encoder(pixels[:batch])
+                synchronize()
+            out[label][batch] = 1000 * (time.perf_counter() - started) / 5 / batch
+    return out
+
+
+def cpu_reference_captions(model: str, bodies: list[bytes]) -> list[str]:
+    """PyTorch float32 on this machine's CPU: what the GPU configurations are compared with."""
+    from PIL import Image
+
+    from captioner.models.inference import torch_runtime
+
+    runtime = torch_runtime(checkpoint(model), "cpu")
+    prepared = [runtime.prepare(Image.open(io.BytesIO(b)).convert("RGB")) for b in bodies]
+    return [" ".join(r.words) for r in runtime.caption(prepared, BEAM, MAX_LEN)]
+
+
+def report(args, host: str, started: datetime.datetime, latency: dict, results: dict, ceiling: dict,
+           decode: dict, agreement: dict[str, float], no_onnx: str | None, seconds: float) -> list[str]:
+    top = max(args.clients)
+
+    def tput(name: str, clients: int = top) -> float:
+        return results[name][clients]["throughput"]
+
+    best = {label: min(per.values()) for label, per in ceiling.items()}
+    ratios = [
+        (f"batching ÷ batch-size-1, {top} clients", "≥ 6×", tput("batching") / tput("batch-size-1"), 6),
+        (f"batching ÷ tutorial loop, {top} clients", "≥ 5×", tput("batching") / tput("tutorial loop"), 5),
+        (f"batching ÷ encoder ceiling (float32), {top} clients", "≥ 0.8×", tput("batching") * best["float32"] / 1000,
+         0.8),
+        (f"batching, bfloat16 ÷ batching, {top} clients", "", tput("batching, bfloat16") / tput("batching"), None),
+        (f"decoder only, continuous batcher ÷ per-image beam_search, {decode['images']} images", "≥ 4×",
+         decode["per-image beam_search"] / decode["continuous batcher"], 4),
+    ]
+    lines = [
+        "# Serving benchmark on a GPU",
+        "",
+        f"Generated by `{args.command}` on {started:%Y-%m-%d %H:%M} UTC (one run; every number below comes from it).",
+        "",
+        f"Machine: {host}.",
+        "",
+        f"Model: `{args.model}`, beam {BEAM}, max_len {MAX_LEN}, PyTorch on the GPU. Requests: multipart JPEG uploads "
+        "of generated 640×480 test scenes, cycling through 16. Every configuration is a real `uvicorn` process on "
+        "localhost, started side by side and measured in turns (benchmarks/bench_serving_gpu.py's docstring).",
+        "",
+        f"ONNX Runtime on the GPU: {'measured (`onnx` rows)' if no_onnx is None else 'not measured: ' + no_onnx}.",
+        "",
+        f"## Latency at one client (alternating between servers, {args.rounds} requests each)",
+        "",
+        "| configuration | p50 latency (ms) | p95 latency (ms) |",
+        "|---|---|---|",
+        *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()],
+        "",
+        f"## Throughput (closed loop, {args.window:g} s per point in two halves, configurations in turns)",
+        "",
+        "| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, by_clients in results.items():
+        for clients, m in by_clients.items():
+            errors = sum(m["failures"].values())
+            lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.1f} | {1000 * m['p50']:.1f} | "
+                         f"{1000 * m['p95']:.1f} | {errors} |")
+    lines += ["", "## Encoder-only ceiling (in process, timed between device synchronisations)", "",
+              "| precision | " + " | ".join(f"ms/image at batch {b}" for b in ENCODER_BATCHES) + " | ceiling (images/s) |",
+              "|---|" + "---|" * (len(ENCODER_BATCHES) + 1)]
+    for label, per in ceiling.items():
+        lines.append(f"| {label} | " + " | ".join(f"{per[b]:.2f}" for b in ENCODER_BATCHES)
+                     + f" | {1000 / best[label]:.0f} |")
+    per_image, batched = decode["per-image beam_search"], decode["continuous batcher"]
+    lines += ["", "## Decoder only (in process, images already encoded, best of "
+              f"{decode['repeats']})", "",
+              "| decoder | seconds for all images | images/s |", "|---|---|---|",
+              f"| per-image `beam_search` | {per_image:.3f} | {decode['images'] / per_image:.1f} |",
+              f"| continuous batcher (one table of {decode['images'] * BEAM} rows) | {batched:.3f} | "
+              f"{decode['images'] / batched:.1f} |",
+              "", "## Ratios against the aims", "", "| ratio | aim | measured | |", "|---|---|---|---|"]
+    for label, aim, value, floor in ratios:
+        verdict = "" if floor is None else ("met" if value >= floor else "**not met**")
+        lines.append(f"| {label} | {aim} | {value:.2f}× | {verdict} |")
+    lines += ["", "## Caption agreement with PyTorch float32 on this machine's CPU (16 test scenes)", "",
+              "| configuration | same caption |", "|---|---|",
+              *[f"| {name} | {share:.0%} |" for name, share in agreement.items()],
+              "", f"Command: `{args.command}`. Total benchmark time: {seconds:.0f} s.", ""]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=default_model(), help="checkpoint: a folder under weights/ or a path")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op CPU threads per server")
+    parser.add_argument("--window", type=float, default=8.0, help="measured seconds per point")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rounds", type=int, default=30, help="requests per server in the 1-client latency turns")
+    parser.add_argument("--quick", action="store_true", help="short windows (smoke test; not for the table)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (--quick)")
+    args = parser.parse_args()
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_serving_gpu: no CUDA GPU on this machine; nothing measured, "
+              f"{args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out} left as it is")
+        return
+    if args.quick:
+        global ENCODER_BATCHES
+        args.window, args.rounds, ENCODER_BATCHES = 2.0, 4, QUICK_ENCODER_BATCHES
+    args.command = "python benchmarks/bench_serving_gpu.py" + "".join(
+        f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 2),
+                                    (f"--model {args.model}", args.model != default_model()),
+                                    (f"--device {args.device}", args.device != "cuda"),
+                                    ("--quick", args.quick)) if on)
+    began, started = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
+    host = machine(args.threads) if args.device.startswith("cuda") else f"CPU smoke test, {os.cpu_count()} cores"
+    bodies = scene_jpegs(16)
+    folder = checkpoint(args.model)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-gpu-"))
+    print(f"server logs in {log_dir}", file=sys.stderr)
+    only = log_dir / "weights"  # only the benchmarked model is loaded
+    only.mkdir()
+    serve = [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(only)]
+    base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(folder)]), "CAPTIONER_THREADS": str(args.threads),
+            "CAPTIONER_DEVICE": args.device, "CAPTIONER_DEFAULT_MODEL": folder.name, "CAPTIONER_QUEUE_SIZE": "256",
+            "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_BACKEND": "torch",
+            "CAPTIONER_ONNX_DIR": str(log_dir / "onnx")}
+    no_onnx = cuda_execution_provider()
+    configs = [("batching", {}), ("batching, bfloat16", {"CAPTIONER_PRECISION": "bfloat16"}),
+               ("batch-size-1", {"CAPTIONER_MAX_BATCH_IMAGES": "1", "CAPTIONER_MAX_ROWS": str(BEAM),
+                                 "CAPTIONER_MAX_BEAM_SIZE": str(BEAM)})]
+    if no_onnx is None:
+        configs.append(("onnx", {"CAPTIONER_BACKEND": "onnx"}))
+    servers = [Server(name, serve, {**base, **env}, log_dir / f"{name.replace(', ', '-')}.log")
+               for name, env in configs]
+    servers.append(Server("tutorial loop", [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"),
+                                            "--tutorial-server", "--device", args.device, "--threads", str(args.threads),
+                                            "--model", str(folder)], {}, log_dir / "tutorial-loop.log"))
+    try:
+        for server in servers:
+            server.wait_ready()
+            print(f"{server.name} ready after {time.perf_counter() - began:.0f} s", file=sys.stderr)
+        captions = {server.name: _captions(server.url, bodies, len(bodies)) for server in servers}
+        latency = alternating_latency(servers, bodies, args.rounds)
+        parts: dict[str, dict[int, list]] = {s.name: {c: [] for c in args.clients} for s in servers}
+        for clients in args.clients:
+            for half in range(2):
+                for server in servers if half == 0 else servers[::-1]:
+                    parts[server.name][clients].append(
+                        asyncio.run(closed_loop(server.url, bodies, clients, args.window / 2)))
+            for server in servers:
+                m = combine(parts[server.name][clients])
+                print(f"{server.name:20s} {clients:3d} clients: {m['throughput']:7.1f} req/s, p50 "
+                      f"{1000 * m['p50']:.1f} ms, failures {m['failures']}", file=sys.stderr)
+    finally:
+        for server in servers:
+            server.stop()
+    results = {name: {c: combine(p) for c, p in by.items()} for name, by in parts.items()}
+    reference = cpu_reference_captions(args.model, bodies)
+    agreement = {name: sum(a == b for a, b in zip(got, reference)) / len(reference) for name, got in captions.items()}
+    ceiling = encoder_ceiling(args.model, args.device)
+    images = 8 if args.quick else 32
+    decode = decoder_only(args.model, args.threads, images, 1 if args.quick else 3,
+                          scenes=encoded_scenes(args.model, images, args.device), device=args.device)
+    lines = report(args, host, started, latency, results, ceiling, decode, agreement, no_onnx,
+                   time.perf_counter() - began)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The CUDA code paths on a real GPU (skipped without one): every architecture's step against the CPU, the shipped
+default's captions on the GPU, the batcher with its encoder thread on the GPU, the HTTP service with
+``CAPTIONER_DEVICE=cuda``, and a few training steps under the GPU's mixed precision.  What they select and how is
+tested on CPU elsewhere (test_precision.py, test_serving_onnx.py); these run where a GPU is (docs/benchmarks/
+serving-gpu.md records the machine they last ran on)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.data.scenes import generate
+from captioner.models.decoding import expand_rows
+from captioner.models.inference import torch_runtime
+from captioner.models.protocol import VisualBatch
+from captioner.service.app import create_app
+from captioner.service.batcher import Batcher
+from captioner.service.settings import Settings
+
+from .conftest import DEFAULT_CHECKPOINT
+from .serving_helpers import FEAT_DIM, TINY_SPEC, VOCAB, all_architectures, assert_same_result, tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU = torch.device("cuda")
+# the same words, and numbers within what cuDNN's TF32 convolutions (PyTorch's default for them) and other kernels
+# for other row counts move a log-prob: 2e-3 was the largest difference seen on an H200
+CLOSE = dict(atol_attention=1e-2, atol_logprob=1e-2)
+
+
+@pytest.fixture(scope="module")
+def scene_images(tmp_path_factory) -> list[Image.Image]:
+    folder = tmp_path_factory.mktemp("scenes")
+    dataset = json.loads(generate(folder, {"test": 6}, seed=11, progress=False).read_text())
+    return [Image.open(folder / "images" / entry["filename"]).convert("RGB") for entry in dataset["images"]]
+
+
+@pytest.mark.parametrize("arch", all_architectures())
+def test_every_architecture_steps_on_the_gpu_as_on_the_cpu(arch):
+    model = tiny_model(arch)
+    torch.manual_seed(3)
+    rows, cols = TINY_SPEC.grid_hw
+    feats = torch.randn(2, rows * cols, FEAT_DIM)  # [images, cells, channels]
+
+    def two_steps(device: torch.device) -> list[torch.Tensor]:
+        on = model.to(device)
+        with torch.inference_mode():
+            enc = expand_rows(on.encode(VisualBatch.from_features(feats.to(device))), [3, 3])
+            state = on.init_state(enc)
+            prev = torch.full((6,), on.bos_id, dtype=torch.long, device=device)
+            logprobs, state, attn = on.step(prev, state, enc)
+            logprobs2, _, attn2 = on.step(logprobs.argmax(-1), state, enc)
+        return [t.float().cpu() for t in (logprobs, attn.primary, logprobs2, attn2.primary)]
+
+    want = two_steps(torch.device("cpu"))
+    for got, want in zip(two_steps(GPU), want):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
+
+
+def test_shipped_default_captions_on_the_gpu_as_on_the_cpu(scene_images):
+    cpu, gpu = torch_runtime(DEFAULT_CHECKPOINT, "cpu"), torch_runtime(DEFAULT_CHECKPOINT, GPU)
+    want = cpu.caption([cpu.prepare(image) for image in scene_images], 3, 20)
+    got = gpu.caption([gpu.prepare(image) for image in scene_images], 3, 20)
+    for g, w in zip(got, want):
+        assert len(g.hypothesis.attention) == len(g.tokens)
+        assert_same_result(g, w, **CLOSE)
+
+
+def test_batcher_with_its_encoder_thread_on_the_gpu_gives_the_fixed_batch_results(scene_images):
+    runtime = torch_runtime(DEFAULT_CHECKPOINT, GPU)
+    prepared = [runtime.prepare(image) for image in scene_images]
+    want = [runtime.caption([p], beam, 16)[0] for p, beam in zip(prepared, [1, 2, 3, 3, 2, 1])]
+
+    async def run():
+        batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64)
+        batcher.start()  # the worker thread and the encoder thread, as the service runs them
+        try:
+            jobs = [batcher.submit(p, beam, 16, 120) for p, beam in zip(prepared, [1, 2, 3, 3, 2, 1])]
+            return await asyncio.gather(*(job.future for job in jobs))
+        finally:
+            await batcher.stop()
+
+    for got, expected in zip(asyncio.run(run()), want):
+        assert_same_result(got, expected, **CLOSE)
+
+
+def test_http_service_on_the_gpu_captions_every_architecture(tmp_path):
+    for arch in all_architectures():
+        save_checkpoint(tmp_path / arch, tiny_model(arch), VOCAB, TINY_SPEC)
+    photo = io.BytesIO()
+    Image.new("RGB", (160, 120), (200, 40, 40)).save(photo, "JPEG")
+    with TestClient(create_app(Settings(weights_dir=tmp_path, default_model="sat", device="cuda"))) as client:
+        listed = client.get("/models").json()
+        assert listed and all(m["device"].startswith("cuda") for m in listed)
+        for arch in all_architectures():
+            response = client.post("/caption", params={"model": arch, "max_len": 4, "beam_size": 2},
+                                   files={"file": ("red.jpg", photo.getvalue(), "image/jpeg")})
+            assert response.status_code == 200, (arch, response.text)
+            body = response.json()
+            assert len(body["attention"]) == len(body["tokens"]) >= 1
+
+
+def test_training_steps_on_the_gpu_under_its_mixed_precision(scenes, tmp_path):
+    pytest.importorskip("pycocoevalcap")  # validation's BLEU (a dependency of the project, not of every GPU image)
+    from captioner.models.training import TrainConfig, fit, prepare_run
+
+    config = TrainConfig(dataset=str(scenes), cache_dir=str(tmp_path / "features"), encoder={"image_size": 96},
+                         model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0), train_limit=8,
+                         val_limit=4, batch_size=4, epochs=1, progress=False, log_every=1, device="cuda",
+                         precision="auto", out=str(tmp_path / "run"))
+    run = prepare_run(config)
+    assert next(run.model.parameters()).device.type == "cuda"
+    best = fit(run)  # two steps, then validation on the GPU
+    losses = [json.loads(line)["xe"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if "xe" in line]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    ckpt = load_checkpoint(best, "cpu")  # a GPU-trained checkpoint loads on a CPU
+    assert next(ckpt.model.parameters()).device.type == "cpu"
