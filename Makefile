@@ -68,12 +68,13 @@ HYPERCOLUMN_16 := --encoder layer=hypercolumn --encoder grid_stride=16
 # the default: hypercolumns on a 16×16 grid, a lighter doubly stochastic penalty, ×0.1 learning rate for the last
 # epoch, best epoch by validation objects_named (docs/decisions.md, "The default checkpoint"), on the varied scenes
 # (4 epochs over 12,000: as many images as 7 over the 6,000 classic ones); SAT-hard goes on from it (the same
-# network without the β gate) for two epochs of REINFORCE. The shipped weights/sat is this recipe's run.
+# network without the β gate) for two epochs of REINFORCE on the varied scenes too. The shipped weights/sat is this recipe's run.
 TRAIN_sat := --model sat --epochs 4 --lr-drop 3 $(HYPERCOLUMN_16) \
   $(SCENE_SAT) --set doubly_stochastic=0.1 --select-metric objects_named
 DATA_sat := $(DATA_VARIED)
 TRAIN_sat-hard := --model sat-hard --epochs 2 --lr 2e-4 --select-metric objects_named
 INIT_sat-hard := sat
+DATA_sat-hard := $(DATA_VARIED)
 # SparseCap: one softmax epoch shared by the three normalisers, then 6,000 images with each, so the softmax /
 # sparsemax / TVmax comparison differs only in the normaliser of its last stage (docs/decisions.md, "Warm starts").
 TRAIN_sparsecap-base := $(SCENE_SPARSECAP) $(HYPERCOLUMN_16) --attention softmax --select-metric objects_named
