@@ -148,6 +148,37 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def measure_servers(servers: list, bodies: list[bytes], clients: list[int], window_s: float, rounds: int,
+                    check_count: int = 4) -> tuple[dict, dict, dict]:
+    """Start-to-stop measurement of ``servers`` side by side: each one's captions of the first ``check_count``
+    bodies, one-client latency in turns (:func:`alternating_latency`), then each client count's closed loop in two
+    halves with the servers in turns; stops the servers at the end, whatever happens.  Returns (captions by
+    server, latency by server, results by server and client count)."""
+    began = time.perf_counter()
+    try:
+        for server in servers:
+            server.wait_ready()
+            print(f"{server.name} ready after {time.perf_counter() - began:.0f} s", file=sys.stderr)
+        captions = {server.name: _captions(server.url, bodies, check_count) for server in servers}
+        latency = alternating_latency(servers, bodies, rounds)
+        for name, m in latency.items():
+            print(f"{name:20s} 1 client alternating: p50 {m['p50']:.3f} s, p95 {m['p95']:.3f} s", file=sys.stderr)
+        parts: dict[str, dict[int, list]] = {server.name: {c: [] for c in clients} for server in servers}
+        for count in clients:
+            for half in range(2):
+                for server in servers if half == 0 else servers[::-1]:
+                    parts[server.name][count].append(asyncio.run(closed_loop(server.url, bodies, count, window_s / 2)))
+            for server in servers:
+                m = combine(parts[server.name][count])
+                print(f"{server.name:20s} {count:3d} clients: {m['throughput']:7.2f} req/s, p50 {m['p50']:.3f} s, "
+                      f"{m['requests']} requests, failures {m['failures']}", file=sys.stderr)
+    finally:
+        for server in servers:
+            server.stop()
+    results = {name: {c: combine(p) for c, p in by_clients.items()} for name, by_clients in parts.items()}
+    return captions, latency, results
+
+
 def alternating_latency(servers: list, bodies: list[bytes], rounds: int) -> dict[str, dict]:
     """One client, one request at a time, taking turns between the servers: background load that drifts during
     the run hits every configuration alike."""
@@ -572,27 +603,7 @@ def main() -> None:
         Server("tutorial loop", [sys.executable, str(Path(__file__).resolve()), "--tutorial-server", "--threads",
                                  str(args.threads), "--model", str(folder)], {}, log_dir / "tutorial-loop.log"),
     ]
-    try:
-        for server in servers:
-            server.wait_ready()
-        captions = {server.name: _captions(server.url, bodies) for server in servers}
-        latency = alternating_latency(servers, bodies, args.rounds)
-        for name, m in latency.items():
-            print(f"{name:14s} 1 client alternating: p50 {m['p50']:.3f} s, p95 {m['p95']:.3f} s", file=sys.stderr)
-        parts: dict[str, dict[int, list]] = {server.name: {c: [] for c in args.clients} for server in servers}
-        for clients in args.clients:
-            for half in range(2):
-                for server in servers if half == 0 else servers[::-1]:
-                    parts[server.name][clients].append(
-                        asyncio.run(closed_loop(server.url, bodies, clients, args.window / 2)))
-            for server in servers:
-                m = combine(parts[server.name][clients])
-                print(f"{server.name:14s} {clients:3d} clients: {m['throughput']:6.2f} req/s, p50 {m['p50']:.3f} s, "
-                      f"{m['requests']} requests, failures {m['failures']}", file=sys.stderr)
-    finally:
-        for server in servers:
-            server.stop()
-    results = {name: {c: combine(p) for c, p in by_clients.items()} for name, by_clients in parts.items()}
+    captions, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds)
     checks = {f"{name} vs batching": value == captions["batching"] for name, value in captions.items()
               if name != "batching"}
     scenes = encoded_scenes(args.model, decoder_images)

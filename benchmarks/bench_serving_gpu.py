@@ -23,7 +23,6 @@ Usage: ``python benchmarks/bench_serving_gpu.py [--model NAME] [--threads N] [--
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import io
 import json
@@ -36,8 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serving import BEAM, MAX_LEN, PARAMS, _captions, alternating_latency, closed_loop, combine, decoder_only, \
-    encoded_scenes, scene_jpegs  # noqa: E402
+from bench_serving import BEAM, MAX_LEN, decoder_only, encoded_scenes, measure_servers, scene_jpegs  # noqa: E402
 from common import checkpoint, default_model  # noqa: E402
 from servers import Server  # noqa: E402
 
@@ -206,6 +204,8 @@ def main() -> None:
         args.window, args.rounds, ENCODER_BATCHES = 2.0, 4, QUICK_ENCODER_BATCHES
     args.command = "python benchmarks/bench_serving_gpu.py" + "".join(
         f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 2),
+                                    (f"--clients {' '.join(map(str, args.clients))}", args.clients != [1, 8, 32]),
+                                    (f"--window {args.window:g}", args.window != 8.0 and not args.quick),
                                     (f"--model {args.model}", args.model != default_model()),
                                     (f"--device {args.device}", args.device != "cuda"),
                                     ("--quick", args.quick)) if on)
@@ -233,26 +233,8 @@ def main() -> None:
     servers.append(Server("tutorial loop", [sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"),
                                             "--tutorial-server", "--device", args.device, "--threads", str(args.threads),
                                             "--model", str(folder)], {}, log_dir / "tutorial-loop.log"))
-    try:
-        for server in servers:
-            server.wait_ready()
-            print(f"{server.name} ready after {time.perf_counter() - began:.0f} s", file=sys.stderr)
-        captions = {server.name: _captions(server.url, bodies, len(bodies)) for server in servers}
-        latency = alternating_latency(servers, bodies, args.rounds)
-        parts: dict[str, dict[int, list]] = {s.name: {c: [] for c in args.clients} for s in servers}
-        for clients in args.clients:
-            for half in range(2):
-                for server in servers if half == 0 else servers[::-1]:
-                    parts[server.name][clients].append(
-                        asyncio.run(closed_loop(server.url, bodies, clients, args.window / 2)))
-            for server in servers:
-                m = combine(parts[server.name][clients])
-                print(f"{server.name:20s} {clients:3d} clients: {m['throughput']:7.1f} req/s, p50 "
-                      f"{1000 * m['p50']:.1f} ms, failures {m['failures']}", file=sys.stderr)
-    finally:
-        for server in servers:
-            server.stop()
-    results = {name: {c: combine(p) for c, p in by.items()} for name, by in parts.items()}
+    captions, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds,
+                                                 check_count=len(bodies))
     reference = cpu_reference_captions(args.model, bodies)
     agreement = {name: sum(a == b for a, b in zip(got, reference)) / len(reference) for name, got in captions.items()}
     ceiling = encoder_ceiling(args.model, args.device)
