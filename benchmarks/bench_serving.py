@@ -97,14 +97,15 @@ def tutorial_app(checkpoint: Path, threads: int, device: str = "cpu"):
 
 
 # -- load generator ------------------------------------------------------------------------------------------------
-async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: float) -> dict:
-    """C clients, each sending its next request as soon as the last is answered, for ``window_s`` seconds."""
+async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s: float = 600) -> dict:
+    """C clients, each sending its next request as soon as the last is answered, for ``window_s`` seconds; a
+    request unanswered after ``timeout_s`` counts as a failure (status 0)."""
     import httpx
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     latencies: list[float] = []
     failures: dict[int, int] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         async def request(i: int) -> tuple[int, float]:
             started = time.perf_counter()
             files = {"file": ("scene.jpg", bodies[i % len(bodies)], "image/jpeg")}
@@ -149,11 +150,12 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def measure_servers(servers: list, bodies: list[bytes], clients: list[int], window_s: float, rounds: int,
-                    check_count: int = 4) -> tuple[dict, dict, dict]:
+                    check_count: int = 4, timeout_s: float = 600) -> tuple[dict, dict, dict]:
     """Start-to-stop measurement of ``servers`` side by side: each one's captions of the first ``check_count``
     bodies, one-client latency in turns (:func:`alternating_latency`), then each client count's closed loop in two
-    halves with the servers in turns; stops the servers at the end, whatever happens.  Returns (captions by
-    server, latency by server, results by server and client count)."""
+    halves with the servers in turns (a request unanswered after ``timeout_s`` is a failure, not a wait); stops
+    the servers at the end, whatever happens.  Returns (captions by server, latency by server, results by server
+    and client count)."""
     began = time.perf_counter()
     try:
         for server in servers:
@@ -167,7 +169,10 @@ def measure_servers(servers: list, bodies: list[bytes], clients: list[int], wind
         for count in clients:
             for half in range(2):
                 for server in servers if half == 0 else servers[::-1]:
-                    parts[server.name][count].append(asyncio.run(closed_loop(server.url, bodies, count, window_s / 2)))
+                    parts[server.name][count].append(
+                        asyncio.run(closed_loop(server.url, bodies, count, window_s / 2, timeout_s)))
+                    print(f"{server.name:20s} {count:3d} clients, half {half + 1} done at "
+                          f"{time.perf_counter() - began:.0f} s", file=sys.stderr)
             for server in servers:
                 m = combine(parts[server.name][count])
                 print(f"{server.name:20s} {count:3d} clients: {m['throughput']:7.2f} req/s, p50 {m['p50']:.3f} s, "
