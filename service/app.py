@@ -97,9 +97,10 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         if settings.warmup:
             await warm_up(batcher, settings)
         state.batchers[name] = batcher
+    # frozen first, so that release_memory's own collection walks only what is left (next to nothing)
+    log.info("%d start-up objects frozen out of the garbage collector", freeze_startup_objects())
     if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
         log.info("resident set after warm-up: %.0f MiB", await asyncio.to_thread(release_memory) / 2**20)
-    log.info("%d start-up objects frozen out of the garbage collector", freeze_startup_objects())
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")

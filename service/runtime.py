@@ -174,7 +174,11 @@ class HybridRuntime(TorchRuntime):
         super().__init__(name, ckpt, None, device)
         self.visual = visual
         self.providers = visual.providers
-        self.on_gpu = visual.on_gpu
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the CNN runs on ONNX Runtime's CUDA provider (the decoder follows ``device``)."""
+        return self.visual.on_gpu
 
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), providers=list(self.providers))
