@@ -201,6 +201,7 @@ def main() -> None:
         f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 2),
                                     (f"--clients {' '.join(map(str, args.clients))}", args.clients != [1, 8, 32]),
                                     (f"--window {args.window:g}", args.window != 8.0 and not args.quick),
+                                    (f"--rounds {args.rounds}", args.rounds != 30 and not args.quick),
                                     (f"--model {args.model}", args.model != default_model()),
                                     (f"--device {args.device}", args.device != "cuda"),
                                     ("--quick", args.quick)) if on)

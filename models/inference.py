@@ -82,6 +82,14 @@ class ModelInfo:
     providers: list[str] | None = None
 
 
+def padded_batch(size: int) -> int:
+    """The CNN batch a GPU runtime runs ``size`` images in: the next power of two.  cuDNN picks (and, for some
+    engines, compiles) its convolution kernels per input shape on first use, which took about 2 s per new batch
+    size on an H200 (docs/benchmarks/serving-gpu.md); the service's warm-up runs every power of two up to its
+    largest batch, so padded batches never meet a shape first while serving."""
+    return 1 << max(0, size - 1).bit_length()
+
+
 def area_boxes_of(model: Captioner, hyp: Hypothesis, geometry: Geometry) -> np.ndarray | None:
     """The cell boxes that index ``hyp``'s ``areas`` extra (what ``area_topk`` rendering needs), or None."""
     boxes = model.area_boxes(geometry.grid_hw) if "areas" in hyp.extras else None
@@ -98,6 +106,8 @@ class Runtime(ABC):
         model = ckpt.model
         self.bos_id, self.eos_id = model.bos_id, model.eos_id
         self.never_emitted = never_emitted(model)
+        # CNN batches padded to a power of two (see padded_batch): on a GPU, where a new shape costs seconds
+        self.pad_batches = self.device.type == "cuda"
 
     @property
     def spec(self) -> EncoderSpec:
@@ -116,8 +126,12 @@ class Runtime(ABC):
         return Prepared(pixels, geometry)
 
     def pixels(self, batch: list[Prepared]) -> Tensor:
-        """The batch's network input on the runtime's device."""
+        """The batch's network input on the runtime's device, padded with blank images to :func:`padded_batch`
+        rows when ``pad_batches`` (callers keep the first ``len(batch)`` rows of what the CNN returns)."""
         pixels = torch.stack([p.pixels for p in batch])
+        if self.pad_batches and padded_batch(len(batch)) > len(batch):
+            blank = pixels.new_zeros((padded_batch(len(batch)) - len(batch), *pixels.shape[1:]))
+            pixels = torch.cat([pixels, blank])
         if self.device.type == "cuda":
             # page-locked host memory lets the copy run asynchronously with the work already queued on the GPU
             return pixels.pin_memory().to(self.device, non_blocking=True)
@@ -194,7 +208,7 @@ class TorchRuntime(Runtime):
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
         with self._autocast():
-            feats = self.encoder(self.pixels(batch).contiguous(memory_format=torch.channels_last))
+            feats = self.encoder(self.pixels(batch).contiguous(memory_format=torch.channels_last))[:len(batch)]
             model = self.ckpt.model
             enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
             return enc, model.init_state(enc)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 
 from captioner.models.cli.commands import add_commands
@@ -20,6 +22,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                     "device": args.device, "host": args.host, "port": args.port,
                                     "log_level": args.log_level}.items() if v is not None}
     settings = Settings(**overrides)
+    # `kill -USR1 PID` writes every thread's stack to stderr: a server that stalls can be looked into while it
+    # stalls, without stopping it or installing a profiler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     configure_logging(settings.log_format, settings.log_level)
     app = create_app(settings)
     # the app writes its own structured access log (with request ids); uvicorn's would duplicate it

@@ -124,7 +124,7 @@ class OnnxRuntime(Runtime):
         names = self.graphs.encoder_outputs
         pixels = self.pixels(batch)
         inputs = {"pixels": pixels} if self.visual is None else {"features": self.visual.features(pixels)}
-        values = self._run(self.encoder_session, inputs, names)
+        values = [value[:len(batch)] for value in self._run(self.encoder_session, inputs, names)]
         enc = {n[4:]: v for n, v in zip(names, values) if n.startswith("enc.")}
         state = {n[6:]: v for n, v in zip(names, values) if n.startswith("state.")}
         return expand_rows(enc, widths), expand_rows(state, widths)
@@ -187,7 +187,7 @@ class HybridRuntime(TorchRuntime):
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory
         pixels = self.pixels(batch) if self.visual.on_gpu else torch.stack([p.pixels for p in batch])
-        feats = self.visual.features(pixels)
+        feats = self.visual.features(pixels)[:len(batch)]
         model = self.ckpt.model
         enc = expand_rows(model.encode(VisualBatch.from_features(feats.to(self.device), [p.geometry for p in batch])),
                           widths)

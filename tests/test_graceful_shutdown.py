@@ -101,3 +101,23 @@ def test_sigterm_drains_admitted_requests_rejects_new_ones_and_exits_0(tiny_weig
         if finish_upload_event is not None:
             finish_upload_event.set()
         server.stop()
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_server_keeps_serving(tiny_weights, tmp_path):
+    server = ServerProcess(tiny_weights, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
+                                          "CAPTIONER_WARMUP": "false"}, tmp_path / "server.log")
+    try:
+        server.wait_ready(timeout_s=120)
+        server.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "batcher.py" not in server.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log = server.log_path.read_text()
+        # faulthandler's dump: the batcher's worker thread waiting for requests, and the event loop's thread
+        assert "service/batcher.py" in log and "in _run" in log and "in cmd_serve" in log, log[-2000:]
+        response = httpx.post(f"{server.url}/caption", content=png_bytes(), headers={"content-type": "image/png"},
+                              timeout=30)
+        assert response.status_code == 200, response.text
+        assert server.proc.poll() is None
+    finally:
+        server.stop()

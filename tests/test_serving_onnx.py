@@ -23,7 +23,7 @@ from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, Exp
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
-from captioner.models.inference import TorchRuntime, torch_runtime
+from captioner.models.inference import TorchRuntime, padded_batch, torch_runtime
 from captioner.service.runtime import OnnxRuntime
 from captioner.service.settings import Settings
 
@@ -304,3 +304,17 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     monkeypatch.setattr(runtime_module, "grid_encoder", no_pytorch_encoder)
     later = runtime_module.load_runtimes(**load)
     assert {r.backend for r in later.values()} == {"onnx"}
+
+
+def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
+    """On a GPU the CNN runs batches padded to a power of two (``padded_batch``: a new input shape costs cuDNN
+    seconds there); the padding rows must not change any caption.  Forced on here, on the CPU."""
+    assert [padded_batch(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 16, 16]
+    ckpt, visual, onnx_dir, spec, images = shipped
+    for runtime in (TorchRuntime("sat", ckpt, visual, CPU), OnnxRuntime("sat", ckpt, onnx_dir / "sat", CPU, threads=1)):
+        prepared = [runtime.prepare(image) for image in images[:3]]
+        plain = runtime.caption(prepared, 3, 8)
+        runtime.pad_batches = True
+        assert runtime.pixels(prepared).shape[0] == 4
+        for got, want in zip(runtime.caption(prepared, 3, 8), plain, strict=True):
+            assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
