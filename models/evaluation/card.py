@@ -91,6 +91,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     seconds = meta.get("train_seconds")
     columns = list(dict.fromkeys(key for h in history for key in h))
     threads = meta.get("train_config", {}).get("threads")
+    val_beam = meta.get("train_config", {}).get("val_beam", 1)
     splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
     lines = [
         f"# {title or path.name}",
@@ -114,8 +115,8 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         f"  on a {meta.get('hardware', f'2-core {platform.machine()} CPU, no GPU')}, "
         + (f"{threads} intra-op thread(s) (`--threads {threads}`)." if threads else "default threads."),
         "",
-        "Per epoch: the last training batch's losses, then validation scores (greedy decoding, the numbers the "
-        "run selected on):",
+        "Per epoch: the last training batch's losses, then validation scores ("
+        + ("greedy decoding" if val_beam == 1 else f"beam {val_beam}") + ", the numbers the run selected on):",
         "",
         "| " + " | ".join(columns) + " |",
         "|---" * len(columns) + "|",
