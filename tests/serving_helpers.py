@@ -191,3 +191,29 @@ def scrape(url: str) -> dict[str, float]:
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
     return values
+
+
+def assert_every_architecture_round_trips(folder: Path, image: bytes, device: str = "auto") -> None:
+    """A tiny checkpoint of every registered architecture saved under ``folder``, served by one app on
+    ``device``: each is listed on that device, and ``POST /caption`` of ``image`` (JPEG bytes) gives its
+    caption with one attention distribution per token."""
+    from fastapi.testclient import TestClient
+
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.service.app import create_app
+    from captioner.service.settings import Settings
+
+    for arch in available():
+        save_checkpoint(folder / arch, tiny_model(arch), VOCAB, TINY_SPEC)
+    with TestClient(create_app(Settings(weights_dir=folder, default_model="sat", device=device))) as client:
+        listed = client.get("/models").json()
+        assert sorted(m["architecture"] for m in listed) == sorted(available())
+        if device != "auto":
+            assert all(m["device"].startswith(device) for m in listed), listed
+        for arch in available():
+            response = client.post("/caption", params={"model": arch, "max_len": 4, "beam_size": 2},
+                                   files={"file": ("image.jpg", image, "image/jpeg")})
+            assert response.status_code == 200, (arch, response.text)
+            body = response.json()
+            assert body["model"] == arch and len(body["attention"]) == len(body["tokens"]) >= 1
+            assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"]), arch

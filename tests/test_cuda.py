@@ -12,20 +12,18 @@ import json
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 from PIL import Image
 
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.checkpoint import load_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.decoding import expand_rows
 from captioner.models.inference import torch_runtime
 from captioner.models.protocol import VisualBatch
-from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
-from captioner.service.settings import Settings
 
 from .conftest import DEFAULT_CHECKPOINT
-from .serving_helpers import FEAT_DIM, TINY_SPEC, VOCAB, all_architectures, assert_same_result, tiny_model
+from .serving_helpers import FEAT_DIM, TINY_SPEC, all_architectures, assert_every_architecture_round_trips, \
+    assert_same_result, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = torch.device("cuda")
@@ -94,19 +92,9 @@ def test_batcher_with_its_encoder_thread_on_the_gpu_gives_the_fixed_batch_result
 
 
 def test_http_service_on_the_gpu_captions_every_architecture(tmp_path):
-    for arch in all_architectures():
-        save_checkpoint(tmp_path / arch, tiny_model(arch), VOCAB, TINY_SPEC)
     photo = io.BytesIO()
     Image.new("RGB", (160, 120), (200, 40, 40)).save(photo, "JPEG")
-    with TestClient(create_app(Settings(weights_dir=tmp_path, default_model="sat", device="cuda"))) as client:
-        listed = client.get("/models").json()
-        assert listed and all(m["device"].startswith("cuda") for m in listed)
-        for arch in all_architectures():
-            response = client.post("/caption", params={"model": arch, "max_len": 4, "beam_size": 2},
-                                   files={"file": ("red.jpg", photo.getvalue(), "image/jpeg")})
-            assert response.status_code == 200, (arch, response.text)
-            body = response.json()
-            assert len(body["attention"]) == len(body["tokens"]) >= 1
+    assert_every_architecture_round_trips(tmp_path, photo.getvalue(), device="cuda")
 
 
 def test_training_steps_on_the_gpu_under_its_mixed_precision(scenes, tmp_path):

@@ -141,22 +141,9 @@ def test_every_shipped_checkpoint_is_served_side_by_side(server, tmp_path):
 
 
 def test_every_registered_architecture_round_trips_through_a_checkpoint_and_post_caption(tmp_path):
-    from captioner.models.zoo import available
+    from .serving_helpers import assert_every_architecture_round_trips
 
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
-    for arch in available():
-        save_checkpoint(tmp_path / arch, tiny_model(arch), VOCAB, TINY_SPEC)
-    photo = _png(Image.fromarray(data.astronaut()), "JPEG")
-    with TestClient(create_app(Settings(weights_dir=tmp_path, default_model="sat"))) as client:
-        assert sorted(m["architecture"] for m in client.get("/models").json()) == sorted(available())
-        for arch in available():
-            response = client.post("/caption", params={"model": arch, "max_len": 4, "beam_size": 2},
-                                   files={"file": ("astronaut.jpg", photo, "image/jpeg")})
-            assert response.status_code == 200, (arch, response.text)
-            body = response.json()
-            assert body["model"] == arch and len(body["attention"]) == len(body["tokens"]) >= 1
-            assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"]), arch
+    assert_every_architecture_round_trips(tmp_path, _png(Image.fromarray(data.astronaut()), "JPEG"))
 
 
 def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(tiny_weights):
