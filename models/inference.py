@@ -85,8 +85,8 @@ class ModelInfo:
 def padded_batch(size: int) -> int:
     """The CNN batch a GPU runtime runs ``size`` images in: the next power of two.  cuDNN picks (and, for some
     engines, compiles) its convolution kernels per input shape on first use, which took about 2 s per new batch
-    size on an H200 (docs/benchmarks/serving-gpu.md); the service's warm-up runs every power of two up to its
-    largest batch, so padded batches never meet a shape first while serving."""
+    size on an H200 (docs/decisions.md, "Serving performance"); the service's warm-up runs every power of two
+    up to its largest batch, so padded batches never meet a shape first while serving."""
     return 1 << max(0, size - 1).bit_length()
 
 
@@ -129,9 +129,9 @@ class Runtime(ABC):
         """The batch's network input on the runtime's device, padded with blank images to :func:`padded_batch`
         rows when ``pad_batches`` (callers keep the first ``len(batch)`` rows of what the CNN returns)."""
         pixels = torch.stack([p.pixels for p in batch])
-        if self.pad_batches and padded_batch(len(batch)) > len(batch):
-            blank = pixels.new_zeros((padded_batch(len(batch)) - len(batch), *pixels.shape[1:]))
-            pixels = torch.cat([pixels, blank])
+        missing = padded_batch(len(batch)) - len(batch) if self.pad_batches else 0
+        if missing:
+            pixels = torch.cat([pixels, pixels.new_zeros((missing, *pixels.shape[1:]))])
         if self.device.type == "cuda":
             # page-locked host memory lets the copy run asynchronously with the work already queued on the GPU
             return pixels.pin_memory().to(self.device, non_blocking=True)
