@@ -50,7 +50,7 @@ from fastapi import FastAPI, File, UploadFile  # module level: the tutorial hand
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common import checkpoint, default_model  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from common import checkpoint, command_line, default_model  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 from servers import Server  # noqa: E402
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
 INT8_RESULTS = ROOT / "docs" / "benchmarks" / "int8.json"
@@ -556,6 +556,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--int8-results", type=Path, default=INT8_RESULTS, help="bench_int8.py's JSON")
     args = parser.parse_args()
+    args.command = command_line("bench_serving.py", parser, args,
+                                leave_out=("out", "int8_results", "tutorial_server", "device", "port"))
 
     if args.tutorial_server:
         import uvicorn
@@ -568,11 +570,6 @@ def main() -> None:
     if args.quick:
         args.window, args.rounds = 3.0, 6
         decoder_images, decoder_repeats = 8, 1
-    args.command = "python benchmarks/bench_serving.py" + "".join(
-        f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 1),
-                                    (f"--clients {' '.join(map(str, args.clients))}", args.clients != [1, 8, 32]),
-                                    (f"--model {args.model}", args.model != default_model()),
-                                    ("--quick", args.quick)) if on)
     started = datetime.datetime.now(datetime.timezone.utc)
     host = machine()
     bodies = scene_jpegs(16)

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_serving import BEAM, MAX_LEN, decoder_only, encoded_scenes, measure_servers, scene_jpegs  # noqa: E402
-from common import checkpoint, default_model  # noqa: E402
+from common import checkpoint, command_line, default_model  # noqa: E402
 from servers import Server  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "serving-gpu.md"
@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (--quick)")
     args = parser.parse_args()
+    args.command = command_line("bench_serving_gpu.py", parser, args)
 
     import torch
 
@@ -200,14 +201,6 @@ def main() -> None:
     if args.quick:
         global ENCODER_BATCHES
         args.window, args.rounds, ENCODER_BATCHES = 2.0, 4, QUICK_ENCODER_BATCHES
-    args.command = "python benchmarks/bench_serving_gpu.py" + "".join(
-        f" {flag}" for flag, on in ((f"--threads {args.threads}", args.threads != 2),
-                                    (f"--clients {' '.join(map(str, args.clients))}", args.clients != [1, 8, 32]),
-                                    (f"--window {args.window:g}", args.window != 8.0 and not args.quick),
-                                    (f"--rounds {args.rounds}", args.rounds != 30 and not args.quick),
-                                    (f"--model {args.model}", args.model != default_model()),
-                                    (f"--device {args.device}", args.device != "cuda"),
-                                    ("--quick", args.quick)) if on)
     began, started = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
     host = machine(args.threads) if args.device.startswith("cuda") else f"CPU smoke test, {os.cpu_count()} cores"
     bodies = scene_jpegs(16)

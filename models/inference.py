@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,10 +126,13 @@ class Runtime(ABC):
         pixels, geometry = preprocess(image, self.spec)
         return Prepared(pixels, geometry)
 
-    def pixels(self, batch: list[Prepared]) -> Tensor:
-        """The batch's network input on the runtime's device, padded with blank images to :func:`padded_batch`
-        rows when ``pad_batches`` (callers keep the first ``len(batch)`` rows of what the CNN returns)."""
+    def pixels(self, batch: list[Prepared], on_device: bool = True) -> Tensor:
+        """The batch's network input: on the runtime's device and padded with blank images to
+        :func:`padded_batch` rows when ``pad_batches``, or, with ``on_device=False`` (a CNN on the CPU beside a
+        GPU decoder), in host memory as it is."""
         pixels = torch.stack([p.pixels for p in batch])
+        if not on_device:
+            return pixels
         missing = padded_batch(len(batch)) - len(batch) if self.pad_batches else 0
         if missing:
             pixels = torch.cat([pixels, pixels.new_zeros((missing, *pixels.shape[1:]))])
@@ -136,6 +140,12 @@ class Runtime(ABC):
             # page-locked host memory lets the copy run asynchronously with the work already queued on the GPU
             return pixels.pin_memory().to(self.device, non_blocking=True)
         return pixels
+
+    def run_cnn(self, batch: list[Prepared], cnn: Callable, on_device: bool = True):
+        """``cnn`` over the batch's :meth:`pixels`, with the padding rows cut off what it returns (a batch-first
+        tensor, or a list of them)."""
+        out = cnn(self.pixels(batch, on_device))
+        return [value[:len(batch)] for value in out] if isinstance(out, list) else out[:len(batch)]
 
     def synchronize(self) -> None:
         """Wait until the device has run everything queued so far (CUDA kernels run asynchronously: without this,
@@ -208,7 +218,8 @@ class TorchRuntime(Runtime):
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
         with self._autocast():
-            feats = self.encoder(self.pixels(batch).contiguous(memory_format=torch.channels_last))[:len(batch)]
+            feats = self.run_cnn(batch, lambda pixels: self.encoder(pixels.contiguous(
+                memory_format=torch.channels_last)))
             model = self.ckpt.model
             enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
             return enc, model.init_state(enc)

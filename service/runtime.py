@@ -122,9 +122,12 @@ class OnnxRuntime(Runtime):
 
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         names = self.graphs.encoder_outputs
-        pixels = self.pixels(batch)
-        inputs = {"pixels": pixels} if self.visual is None else {"features": self.visual.features(pixels)}
-        values = [value[:len(batch)] for value in self._run(self.encoder_session, inputs, names)]
+
+        def encode(pixels: torch.Tensor) -> list[torch.Tensor]:
+            inputs = {"pixels": pixels} if self.visual is None else {"features": self.visual.features(pixels)}
+            return self._run(self.encoder_session, inputs, names)
+
+        values = self.run_cnn(batch, encode)
         enc = {n[4:]: v for n, v in zip(names, values) if n.startswith("enc.")}
         state = {n[6:]: v for n, v in zip(names, values) if n.startswith("state.")}
         return expand_rows(enc, widths), expand_rows(state, widths)
@@ -186,8 +189,7 @@ class HybridRuntime(TorchRuntime):
     @torch.inference_mode()
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory
-        pixels = self.pixels(batch) if self.visual.on_gpu else torch.stack([p.pixels for p in batch])
-        feats = self.visual.features(pixels)[:len(batch)]
+        feats = self.run_cnn(batch, self.visual.features, on_device=self.visual.on_gpu)
         model = self.ckpt.model
         enc = expand_rows(model.encode(VisualBatch.from_features(feats.to(self.device), [p.geometry for p in batch])),
                           widths)
