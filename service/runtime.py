@@ -62,6 +62,11 @@ def _session_options(threads: int | None):
     return options
 
 
+class NoCudaProvider(RuntimeError):
+    """The device is CUDA but ONNX Runtime cannot run there (the ``onnxruntime`` package without CUDA, or its CUDA
+    provider failed to load): a whole-model ONNX runtime would hand GPU tensors to a CPU session."""
+
+
 def _providers(device: torch.device) -> list:
     import onnxruntime as ort
 
@@ -113,6 +118,9 @@ class OnnxRuntime(Runtime):
         # the tracer drops inputs a graph never reads (e.g. an encoder summary used only by init_state)
         self.step_inputs = [i.name for i in self.step_session.get_inputs()]
         self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
+        if device.type == "cuda" and not self.on_gpu:
+            raise NoCudaProvider(f"ONNX Runtime has no working CUDA execution provider here (providers: "
+                                 f"{', '.join(self.providers)}); install onnxruntime-gpu with its CUDA libraries")
 
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), providers=list(self.providers))
@@ -317,6 +325,9 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
                 log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
                 continue
             same = check_captions(runtime, prepared) == want
+        except NoCudaProvider:
+            log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
+            continue
         except (ExportUnsupported, OSError, RuntimeError, ValueError) as exc:
             log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
             continue
@@ -394,8 +405,8 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                 log.info("loaded %s (%s) from %s on ONNX Runtime %s", name, ckpt.model.arch, path,
                          runtimes[name].providers[0])
                 continue
-            except ExportUnsupported as exc:
-                log.error("%s cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
+            except (ExportUnsupported, NoCudaProvider) as exc:
+                log.error("%s cannot run on ONNX Runtime (%s); serving it with PyTorch on %s", name, exc, device)
         runtimes[name] = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
         log.info("loaded %s (%s) from %s on %s (%s)", name, ckpt.model.arch, path, device, precision)
     return runtimes

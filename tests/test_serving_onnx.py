@@ -276,6 +276,34 @@ def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkey
     assert not (tmp_path / "onnx").exists()
 
 
+def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(shipped, monkeypatch, tmp_path,
+                                                                                   caplog):
+    """``CAPTIONER_BACKEND=onnx`` on a CUDA device where ONNX Runtime has no CUDA provider: a whole-model ONNX
+    runtime would be handed GPU tensors by the batcher, so it refuses to be made, and the loader serves the model
+    with PyTorch on that device, saying why in the log."""
+    from captioner.service import runtime as runtime_module
+
+    ckpt, _, onnx_dir, _, _ = shipped
+    monkeypatch.setattr(runtime_module, "_providers", lambda device: ["CPUExecutionProvider"])
+    with pytest.raises(runtime_module.NoCudaProvider, match="onnxruntime-gpu"):
+        OnnxRuntime("sat", ckpt, onnx_dir / "sat", torch.device("cuda"), threads=1)
+
+    made = []
+
+    def no_cuda_provider(*args, **kwargs):
+        made.append(args[0])
+        raise runtime_module.NoCudaProvider("ONNX Runtime has no working CUDA execution provider here")
+
+    monkeypatch.setattr(runtime_module, "OnnxRuntime", no_cuda_provider)
+    tiny = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "weights" / "tiny", tiny.model, tiny.vocab, tiny.encoder)
+    with caplog.at_level("ERROR", logger="captioner.runtime"):
+        runtimes = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="onnx",
+                                                onnx_dir=tmp_path / "onnx", threads=1)
+    assert made == ["tiny"] and runtimes["tiny"].backend == "torch"
+    assert "no working CUDA execution provider" in caplog.text
+
+
 def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_path, monkeypatch):
     """Two models of one encoder spec on ``auto``: one ONNX Runtime session of the CNN serves both, neither keeps
     PyTorch weights, and they caption exactly like PyTorch.  A second start, with the exports and the check set's

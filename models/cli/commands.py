@@ -38,10 +38,10 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------------------------------------------
 def cmd_data_generate(args: argparse.Namespace) -> None:
-    from ..data.scenes import Variation, generate, is_current
+    from ..data.scenes import VARIATIONS, generate, is_current
 
     sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
-    variation = Variation() if args.varied else None
+    variation = VARIATIONS[args.varied] if args.varied else None
     if args.if_stale and is_current(args.out, sizes, args.seed, variation):
         print(f"{args.out} is up to date (same generator version, seed, sizes and variation)")
         return
@@ -400,9 +400,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--heldout", type=int, default=500)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--workers", type=int, default=2)
-    gen.add_argument("--varied", action="store_true",
+    from ..data.scenes import VARIATIONS
+
+    gen.add_argument("--varied", nargs="?", const="standard", choices=sorted(VARIATIONS), metavar="NAME",
                      help="varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG): "
-                          "the training-time augmentation for robustness; write them to their own --out")
+                          "the training-time augmentation for robustness; write them to their own --out. NAME: "
+                          f"{', '.join(sorted(VARIATIONS))} (default standard)")
     gen.add_argument("--if-stale", action="store_true",
                      help="do nothing when --out already holds this generator version's dataset for these settings")
     gen.set_defaults(func=cmd_data_generate)
