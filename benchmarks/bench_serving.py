@@ -59,6 +59,43 @@ BEAM, MAX_LEN = 3, 20
 PARAMS = {"beam_size": BEAM, "max_len": MAX_LEN}
 
 
+# -- the load generator's own ceiling ------------------------------------------------------------------------------
+def echo_app(answer: bytes):
+    """Reads each upload and returns ``answer`` (a real response of the benchmarked server): the HTTP path without
+    a model, so the load generator's throughput against it is the most any configuration could show."""
+    from fastapi.responses import Response
+
+    app = FastAPI()
+
+    @app.get("/readyz")
+    def ready() -> dict:
+        return {"status": "ready"}
+
+    @app.post("/caption")
+    async def caption(file: UploadFile = File(...)) -> Response:
+        await file.read()
+        return Response(answer, media_type="application/json")
+
+    return app
+
+
+def echo_ceiling(answer: bytes, bodies: list[bytes], clients: list[int], window_s: float, timeout_s: float,
+                 clients_per_process: int | None) -> dict[int, dict]:
+    """The closed loop of every client count against :func:`echo_app` serving ``answer``: the load generator's
+    ceiling, measured with the same settings as the servers."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "answer.json"
+        path.write_bytes(answer)
+        server = Server("echo", [sys.executable, str(Path(__file__).resolve()), "--echo-server", str(path)], {},
+                        Path(folder) / "echo.log")
+        try:
+            server.wait_ready()
+            return {count: combine([load(server.url, bodies, count, window_s, timeout_s, clients_per_process)])
+                    for count in clients}
+        finally:
+            server.stop()
+
+
 # -- the tutorial-style reference server ---------------------------------------------------------------------------
 def tutorial_app(checkpoint: Path, threads: int, device: str = "cpu"):
     """A per-image beam-search handler, as tutorials write it: no queue, no batching, one image at a time."""
@@ -97,9 +134,11 @@ def tutorial_app(checkpoint: Path, threads: int, device: str = "cpu"):
 
 
 # -- load generator ------------------------------------------------------------------------------------------------
-async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s: float = 600) -> dict:
-    """C clients, each sending its next request as soon as the last is answered, for ``window_s`` seconds; a
-    request unanswered after ``timeout_s`` counts as a failure (status 0)."""
+async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s: float = 600,
+                      start_at: float | None = None) -> dict:
+    """C clients, each sending its next request as soon as the last is answered, for ``window_s`` seconds (from the
+    wall-clock time ``start_at`` when given, so that several processes measure the same window); a request
+    unanswered after ``timeout_s`` counts as a failure (status 0)."""
     import httpx
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -116,6 +155,8 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: flo
             return response.status_code, time.perf_counter() - started
 
         await asyncio.gather(*(request(c) for c in range(clients)))  # warm connections and queues; not counted
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         stop_at = time.perf_counter() + window_s
 
         async def loop(c: int) -> None:
@@ -134,6 +175,36 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: flo
     return {"latencies": latencies, "seconds": elapsed, "failures": failures}
 
 
+def _closed_loop_in_process(args: tuple) -> dict:
+    return asyncio.run(closed_loop(*args))
+
+
+def load(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s: float = 600,
+         clients_per_process: int | None = None) -> dict:
+    """:func:`closed_loop` with its clients spread over processes of at most ``clients_per_process`` each (None:
+    all in this process), measuring one common window.  One asyncio + httpx process is itself a limit: against a
+    server that only echoes a canned answer it managed 400–480 req/s with 8–12 clients but 124–186 with 32 on a
+    2-core machine, and a GPU server answers faster than that (docs/benchmarks/serving-gpu.md's echo row)."""
+    if not clients_per_process or clients <= clients_per_process:
+        return asyncio.run(closed_loop(url, bodies, clients, window_s, timeout_s))
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    shares = [clients_per_process] * (clients // clients_per_process)
+    shares += [clients % clients_per_process] if clients % clients_per_process else []
+    start_at = time.time() + 5.0  # time to start the processes and warm their connections
+    with ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(_closed_loop_in_process,
+                              [(url, bodies[i:] + bodies[:i], share, window_s, timeout_s, start_at)
+                               for i, share in enumerate(shares)]))
+    failures: dict[int, int] = {}
+    for part in parts:
+        for status, count in part["failures"].items():
+            failures[status] = failures.get(status, 0) + count
+    return {"latencies": [x for part in parts for x in part["latencies"]],
+            "seconds": max(part["seconds"] for part in parts), "failures": failures}
+
+
 def combine(parts: list[dict]) -> dict:
     latencies = sorted(x for part in parts for x in part["latencies"])
     seconds = sum(part["seconds"] for part in parts)
@@ -150,12 +221,14 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def measure_servers(servers: list, bodies: list[bytes], clients: list[int], window_s: float, rounds: int,
-                    check_count: int = 4, timeout_s: float = 600) -> tuple[dict, dict, dict]:
+                    check_count: int = 4, timeout_s: float = 600, clients_per_process: int | None = None,
+                    echo: str | None = None) -> tuple[dict, dict, dict]:
     """Start-to-stop measurement of ``servers`` side by side: each one's captions of the first ``check_count``
     bodies, one-client latency in turns (:func:`alternating_latency`), then each client count's closed loop in two
-    halves with the servers in turns (a request unanswered after ``timeout_s`` is a failure, not a wait); stops
-    the servers at the end, whatever happens.  Returns (captions by server, latency by server, results by server
-    and client count)."""
+    halves with the servers in turns (a request unanswered after ``timeout_s`` is a failure, not a wait; clients
+    spread over processes as :func:`load` says); stops the servers at the end, whatever happens.  With ``echo``,
+    the results gain that name's row: the same loads against :func:`echo_app` answering the first server's
+    response.  Returns (captions by server, latency by server, results by server and client count)."""
     began = time.perf_counter()
     try:
         for server in servers:
@@ -170,17 +243,23 @@ def measure_servers(servers: list, bodies: list[bytes], clients: list[int], wind
             for half in range(2):
                 for server in servers if half == 0 else servers[::-1]:
                     parts[server.name][count].append(
-                        asyncio.run(closed_loop(server.url, bodies, count, window_s / 2, timeout_s)))
+                        load(server.url, bodies, count, window_s / 2, timeout_s, clients_per_process))
                     print(f"{server.name:20s} {count:3d} clients, half {half + 1} done at "
                           f"{time.perf_counter() - began:.0f} s", file=sys.stderr)
             for server in servers:
                 m = combine(parts[server.name][count])
                 print(f"{server.name:20s} {count:3d} clients: {m['throughput']:7.2f} req/s, p50 {m['p50']:.3f} s, "
                       f"{m['requests']} requests, failures {m['failures']}", file=sys.stderr)
+        if echo:
+            answer = _caption_response(servers[0].url, bodies[0])
     finally:
         for server in servers:
             server.stop()
     results = {name: {c: combine(p) for c, p in by_clients.items()} for name, by_clients in parts.items()}
+    if echo:
+        results[echo] = echo_ceiling(answer, bodies, clients, window_s, timeout_s, clients_per_process)
+        for count, m in results[echo].items():
+            print(f"{echo:20s} {count:3d} clients: {m['throughput']:7.2f} req/s", file=sys.stderr)
     return captions, latency, results
 
 
@@ -543,6 +622,7 @@ def int8_section(path: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tutorial-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--echo-server", type=Path, metavar="ANSWER", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # the tutorial server's
     parser.add_argument("--port", type=int)
     parser.add_argument("--model", default=default_model(),
@@ -557,13 +637,14 @@ def main() -> None:
     parser.add_argument("--int8-results", type=Path, default=INT8_RESULTS, help="bench_int8.py's JSON")
     args = parser.parse_args()
     args.command = command_line("bench_serving.py", parser, args,
-                                leave_out=("out", "int8_results", "tutorial_server", "device", "port"))
+                                leave_out=("out", "int8_results", "tutorial_server", "echo_server", "device", "port"))
 
-    if args.tutorial_server:
+    if args.tutorial_server or args.echo_server:
         import uvicorn
 
-        uvicorn.run(tutorial_app(checkpoint(args.model), args.threads, args.device), host="127.0.0.1", port=args.port,
-                    log_level="warning", access_log=False)
+        app = (echo_app(args.echo_server.read_bytes()) if args.echo_server
+               else tutorial_app(checkpoint(args.model), args.threads, args.device))
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
         return
 
     decoder_images, decoder_repeats = 32, 3
@@ -625,11 +706,16 @@ def main() -> None:
     print(text)
 
 
-def _captions(url: str, bodies: list[bytes], count: int = 4) -> list[str]:
+def _caption_response(url: str, body: bytes) -> bytes:
     import httpx
 
-    return [httpx.post(f"{url}/caption", params=PARAMS, files={"file": ("s.jpg", b, "image/jpeg")},
-                       timeout=120).json()["caption"] for b in bodies[:count]]
+    response = httpx.post(f"{url}/caption", params=PARAMS, files={"file": ("s.jpg", body, "image/jpeg")}, timeout=120)
+    response.raise_for_status()
+    return response.content
+
+
+def _captions(url: str, bodies: list[bytes], count: int = 4) -> list[str]:
+    return [json.loads(_caption_response(url, b))["caption"] for b in bodies[:count]]
 
 
 if __name__ == "__main__":

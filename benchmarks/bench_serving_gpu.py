@@ -13,6 +13,11 @@ Every configuration is a ``captioner serve`` (or the tutorial handler of ``bench
   GPU); otherwise the table says it was not measured and why;
 * ``tutorial loop``: one image at a time through the CNN and ``beam_search`` under a lock, on the GPU.
 
+The load generator spreads its clients over processes of at most ``--clients-per-process`` (8): one asyncio +
+httpx process with 32 connections is slower than a GPU server.  Its own ceiling is a row of the table, ``echo
+server (no model)``: the same loads against a server that reads each upload and returns a recorded response of the
+``batching`` server.
+
 Checks in the same run: the captions of 16 test scenes from every server against PyTorch float32 on the CPU of
 the same machine (float32 on the GPU should equal it; bfloat16's agreement is reported as a fraction).
 
@@ -41,6 +46,7 @@ from servers import Server  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "serving-gpu.md"
 ENCODER_BATCHES = (1, 4, 16, 64)
+ECHO = "echo server (no model)"
 QUICK_ENCODER_BATCHES = (1, 4)
 
 
@@ -120,6 +126,7 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
         (f"batching ÷ encoder ceiling (float32), {top} clients", "≥ 0.8×", tput("batching") * best["float32"] / 1000,
          0.8),
         (f"batching, bfloat16 ÷ batching, {top} clients", "", tput("batching, bfloat16") / tput("batching"), None),
+        (f"batching ÷ {ECHO}, {top} clients", "", tput("batching") / tput(ECHO), None),
         (f"decoder only, continuous batcher ÷ per-image beam_search, {decode['images']} images", "≥ 4×",
          decode["per-image beam_search"] / decode["continuous batcher"], 4),
     ]
@@ -143,6 +150,12 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
         *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()],
         "",
         f"## Throughput (closed loop, {args.window:g} s per point in two halves, configurations in turns)",
+        "",
+        "Load generator: asyncio + httpx, "
+        + (f"its clients spread over processes of at most {args.clients_per_process}" if args.clients_per_process
+           else "all clients in one process")
+        + f". The `{ECHO}` row is its own ceiling: the same loads against a server that reads each upload and "
+        "returns a recorded `batching` response (one window per point, after the others).",
         "",
         "| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
         "|---|---|---|---|---|---|---|",
@@ -186,6 +199,8 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=8.0, help="measured seconds per point")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=30, help="requests per server in the 1-client latency turns")
+    parser.add_argument("--clients-per-process", type=int, default=8,
+                        help="the load generator's clients per process (0: all in one)")
     parser.add_argument("--quick", action="store_true", help="short windows (smoke test; not for the table)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (--quick)")
@@ -228,7 +243,8 @@ def main() -> None:
     # a GPU answers in tens of milliseconds: a request unanswered after 30 s is lost, and is counted, not awaited
     # (the one GPU run so far never finished its 32-client point: docs/benchmarks/serving-gpu.md)
     captions, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds,
-                                                 check_count=len(bodies), timeout_s=30)
+                                                 check_count=len(bodies), timeout_s=30,
+                                                 clients_per_process=args.clients_per_process, echo=ECHO)
     reference = cpu_reference_captions(args.model, bodies)
     agreement = {name: sum(a == b for a, b in zip(got, reference)) / len(reference) for name, got in captions.items()}
     images = 8 if args.quick else 32

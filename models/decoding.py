@@ -40,6 +40,14 @@ def _length_normalised(score: float, length: int, length_penalty: float | None) 
     return score / (((5.0 + length) / 6.0) ** length_penalty)
 
 
+def host_index(values: Sequence[int] | Tensor, device: torch.device | str) -> Tensor:
+    """A small index tensor made on the host and sent to ``device`` without waiting for it: a tensor built on a
+    GPU from a Python list, or ``repeat_interleave`` with GPU counts, waits for every kernel queued before it
+    (and on a server, those of the CNN running beside the decoder)."""
+    index = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
+    return index.to(device, non_blocking=True)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Beam search over a table of rows.  The rows of one decoding table are split into beam groups (one group per
 # image / request, ``k`` contiguous rows each); groups may have different ``k``.  ``beam_search`` below runs one
@@ -58,20 +66,25 @@ class BeamLayout:
             self.offsets.append(self.offsets[-1] + size)
         self.rows = sum(self.sizes)
         self.device = torch.device(device)
-        sizes_t = torch.tensor(self.sizes, device=device)
-        self.sizes_tensor = sizes_t
-        self.group_of_row = torch.repeat_interleave(torch.arange(len(self.sizes), device=device), sizes_t)
+        # every index below is made on the host and sent in one copy (see host_index): a layout is rebuilt
+        # whenever a request joins or leaves a server's table
+        sizes_t = torch.tensor(self.sizes, dtype=torch.long)
+        parts = [sizes_t, torch.repeat_interleave(torch.arange(len(self.sizes)), sizes_t)]
+        widths = []  # (k, whether only some groups have it)
+        for k in sorted(set(self.sizes)):
+            groups = [g for g, size in enumerate(self.sizes) if size == k]
+            firsts = torch.tensor([self.offsets[g] for g in groups], dtype=torch.long)
+            some = len(groups) != len(self.sizes)
+            parts += [firsts, (firsts[:, None] + torch.arange(k)).reshape(-1)] if some else [firsts]
+            widths.append((k, some))
+        views = iter(host_index(torch.cat(parts), device).split([len(p) for p in parts]))
+        self.sizes_tensor, self.group_of_row = next(views), next(views)
         # one top-k per distinct beam width: (k, rows of those groups in table order or None for all rows,
         # first row of each of those groups)
         self.by_width: list[tuple[int, Tensor | None, Tensor]] = []
-        for k in sorted(set(self.sizes)):
-            groups = [g for g, size in enumerate(self.sizes) if size == k]
-            firsts = torch.tensor([self.offsets[g] for g in groups], device=device)
-            if len(groups) == len(self.sizes):
-                self.by_width.append((k, None, firsts))
-            else:
-                rows = (firsts[:, None] + torch.arange(k, device=device)).reshape(-1)
-                self.by_width.append((k, rows, firsts))
+        for k, some in widths:
+            firsts = next(views)
+            self.by_width.append((k, next(views) if some else None, firsts))
 
     @property
     def groups(self) -> int:
@@ -80,9 +93,9 @@ class BeamLayout:
     def initial_scores(self) -> Tensor:
         """Only the first row of each group is live at the start; the others get -inf, so the first top-k of
         a group picks ``k`` different words from its one live row."""
-        scores = torch.full((self.rows,), float("-inf"), device=self.device)
-        scores[torch.tensor(self.offsets, device=self.device)] = 0.0
-        return scores
+        scores = torch.full((self.rows,), float("-inf"))
+        scores[self.offsets] = 0.0
+        return scores.to(self.device, non_blocking=True)
 
     def groups_done(self, finished: Tensor) -> Tensor:
         """``[groups]`` bool: every row of the group has emitted EOS."""
@@ -189,9 +202,8 @@ def backtrack(records: Sequence[StepRecord], rows: Tensor) -> dict[str, Tensor]:
 
 def expand_rows(state: dict[str, Tensor], counts: Sequence[int]) -> dict[str, Tensor]:
     """Repeat row ``i`` of every tensor ``counts[i]`` times (``Captioner.expand`` with a width per image)."""
-    device = next(iter(state.values())).device
-    index = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
-    return index_rows(state, index)
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+    return index_rows(state, host_index(index, next(iter(state.values())).device))
 
 
 @torch.no_grad()

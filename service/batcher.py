@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, record_step
+from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, host_index, \
+    record_step
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 from captioner.models.protocol import index_rows
 
@@ -190,16 +191,19 @@ class RowTable:
         device = self._device
         placed = fill_holes([(offset, size) for _, offset, size in staying])
         order = [i for i, _ in placed] if placed is not None else range(len(staying))
-        keep = torch.cat([torch.arange(staying[i][1], staying[i][1] + staying[i][2]) for i in order]).to(device)
+        keep = host_index([row for i in order for row in range(staying[i][1], staying[i][1] + staying[i][2])],
+                          device)
         if placed is None:  # widths that do not fit the holes: select every staying row
             self._enc_buffers = index_rows(self.enc, keep)
         else:
             moves = [(staying[i][1], new, staying[i][2]) for i, new in placed if staying[i][1] != new]
-            for key, buffer in self._enc_buffers.items():
-                # read every moving block before writing any: a target may overlap another block's old rows
-                blocks = [buffer[old:old + size].clone() for old, _, size in moves]
-                for (_, new, size), block in zip(moves, blocks):
-                    buffer[new:new + size] = block
+            if moves:
+                source = host_index([row for old, _, size in moves for row in range(old, old + size)], device)
+                target = host_index([row for _, new, size in moves for row in range(new, new + size)], device)
+                for buffer in self._enc_buffers.values():
+                    # index_select reads every moving row before any is written: a target may overlap another
+                    # block's old rows
+                    buffer.index_copy_(0, target, buffer.index_select(0, source))
         self.jobs = [staying[i][0] for i in order]
         self.parent_map = keep if self.parent_map is None else self.parent_map.index_select(0, keep)
         # decoder state through the runtime's reorder hook (the model's, or the exported graphs' row selection)
@@ -233,8 +237,9 @@ class RowTable:
         a job that joined later simply drops the history columns from before its first step.
         """
         groups = [self.jobs.index(job) for job in jobs]
-        rows = torch.cat([torch.arange(self.layout.offsets[g], self.layout.offsets[g] + self.layout.sizes[g])
-                          for g in groups]).to(self._device)
+        rows = host_index([row for g in groups
+                           for row in range(self.layout.offsets[g], self.layout.offsets[g] + self.layout.sizes[g])],
+                          self._device)
         first = min(job.first_record for job in jobs)
         history = backtrack(self.records[first - self.records_base:], rows)
         history = {name: value.cpu() for name, value in history.items()}
