@@ -8,7 +8,7 @@ reordering too (docs/decisions.md#model-protocol-and-alignment-rule).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -46,6 +46,11 @@ def host_index(values: Sequence[int] | Tensor, device: torch.device | str) -> Te
     (and on a server, those of the CNN running beside the decoder)."""
     index = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
     return index.to(device, non_blocking=True)
+
+
+def block_rows(blocks: Iterable[tuple[int, int]]) -> list[int]:
+    """The rows of blocks ``(first row, size)``, block after block."""
+    return [row for first, size in blocks for row in range(first, first + size)]
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, collect_hypotheses, host_index, \
-    record_step
+from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, block_rows, collect_hypotheses, \
+    host_index, record_step
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 from captioner.models.protocol import index_rows
 
@@ -191,15 +191,14 @@ class RowTable:
         device = self._device
         placed = fill_holes([(offset, size) for _, offset, size in staying])
         order = [i for i, _ in placed] if placed is not None else range(len(staying))
-        keep = host_index([row for i in order for row in range(staying[i][1], staying[i][1] + staying[i][2])],
-                          device)
+        keep = host_index(block_rows((staying[i][1], staying[i][2]) for i in order), device)
         if placed is None:  # widths that do not fit the holes: select every staying row
             self._enc_buffers = index_rows(self.enc, keep)
         else:
             moves = [(staying[i][1], new, staying[i][2]) for i, new in placed if staying[i][1] != new]
             if moves:
-                source = host_index([row for old, _, size in moves for row in range(old, old + size)], device)
-                target = host_index([row for _, new, size in moves for row in range(new, new + size)], device)
+                source = host_index(block_rows((old, size) for old, _, size in moves), device)
+                target = host_index(block_rows((new, size) for _, new, size in moves), device)
                 for buffer in self._enc_buffers.values():
                     # index_select reads every moving row before any is written: a target may overlap another
                     # block's old rows
@@ -237,9 +236,7 @@ class RowTable:
         a job that joined later simply drops the history columns from before its first step.
         """
         groups = [self.jobs.index(job) for job in jobs]
-        rows = host_index([row for g in groups
-                           for row in range(self.layout.offsets[g], self.layout.offsets[g] + self.layout.sizes[g])],
-                          self._device)
+        rows = host_index(block_rows((self.layout.offsets[g], self.layout.sizes[g]) for g in groups), self._device)
         first = min(job.first_record for job in jobs)
         history = backtrack(self.records[first - self.records_base:], rows)
         history = {name: value.cpu() for name, value in history.items()}
