@@ -73,10 +73,6 @@ HYPERCOLUMN_16 := --encoder layer=hypercolumn --encoder grid_stride=16
 TRAIN_sat := --model sat --epochs 4 --lr-drop 3 $(HYPERCOLUMN_16) \
   $(SCENE_SAT) --set doubly_stochastic=0.1 --select-metric objects_named
 DATA_sat := $(DATA_VARIED)
-# a candidate for sat: the same recipe on varied scenes whose "small" objects go down to 3 % of the shorter side
-# (docs/decisions.md, "Smaller objects in the varied scenes")
-TRAIN_sat-small := $(TRAIN_sat)
-DATA_sat-small := $(DATA_VARIED_SMALL)
 TRAIN_sat-hard := --model sat-hard --epochs 2 --lr 2e-4 --select-metric objects_named
 INIT_sat-hard := sat
 DATA_sat-hard := $(DATA_VARIED)
