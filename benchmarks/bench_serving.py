@@ -183,7 +183,7 @@ def load(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s
          clients_per_process: int | None = None) -> dict:
     """:func:`closed_loop` with its clients spread over processes of at most ``clients_per_process`` each (None:
     all in this process), measuring one common window.  One asyncio + httpx process is itself a limit: against a
-    server that only echoes a canned answer it managed 400–480 req/s with 8–12 clients but 124–186 with 32 on a
+    server that only echoes a canned answer it managed 395–485 req/s with 8–12 clients but 117–186 with 32 on a
     2-core machine, and a GPU server answers faster than that (docs/benchmarks/serving-gpu.md's echo row)."""
     if not clients_per_process or clients <= clients_per_process:
         return asyncio.run(closed_loop(url, bodies, clients, window_s, timeout_s))
