@@ -143,9 +143,7 @@ train-default: train-sat
 train-shipped: $(addprefix train-,$(SHIPPED))
 
 # stage-NAME trains runs/NAME/final (and first the stage it starts from); train-NAME also measures and installs it
-# a stage whose DATA_NAME is the small-objects scene set makes that set first
-.SECONDEXPANSION:
-stage-%: data data-varied data-ood $$(if $$(filter $$(DATA_VARIED_SMALL),$$(DATA_$$*)),data-varied-small)
+stage-%: data data-varied data-varied-small data-ood
 	@test -n "$(TRAIN_$*)" || { echo "no recipe TRAIN_$* in the Makefile"; exit 2; }
 	@if [ -n "$(INIT_$*)" ] && [ ! -d runs/$(INIT_$*)/final ]; then $(MAKE) stage-$(INIT_$*); fi
 	$(BIN)/captioner train $(TRAIN_$*) $(if $(INIT_$*),--init runs/$(INIT_$*)/final) \

@@ -197,23 +197,24 @@ def load(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s
         parts = list(pool.map(_closed_loop_in_process,
                               [(url, bodies[i:] + bodies[:i], share, window_s, timeout_s, start_at)
                                for i, share in enumerate(shares)]))
+    return {"latencies": [x for part in parts for x in part["latencies"]],
+            "seconds": max(part["seconds"] for part in parts), "failures": _failures(parts)}
+
+
+def _failures(parts: list[dict]) -> dict[int, int]:
+    """The failed requests of several measurements, by status."""
     failures: dict[int, int] = {}
     for part in parts:
         for status, count in part["failures"].items():
             failures[status] = failures.get(status, 0) + count
-    return {"latencies": [x for part in parts for x in part["latencies"]],
-            "seconds": max(part["seconds"] for part in parts), "failures": failures}
+    return failures
 
 
 def combine(parts: list[dict]) -> dict:
     latencies = sorted(x for part in parts for x in part["latencies"])
     seconds = sum(part["seconds"] for part in parts)
-    failures: dict[int, int] = {}
-    for part in parts:
-        for status, count in part["failures"].items():
-            failures[status] = failures.get(status, 0) + count
     return {"requests": len(latencies), "seconds": seconds, "throughput": len(latencies) / seconds,
-            "p50": statistics.median(latencies), "p95": _quantile(latencies, 0.95), "failures": failures}
+            "p50": statistics.median(latencies), "p95": _quantile(latencies, 0.95), "failures": _failures(parts)}
 
 
 def _quantile(values: list[float], q: float) -> float:

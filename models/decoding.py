@@ -71,25 +71,19 @@ class BeamLayout:
             self.offsets.append(self.offsets[-1] + size)
         self.rows = sum(self.sizes)
         self.device = torch.device(device)
-        # every index below is made on the host and sent in one copy (see host_index): a layout is rebuilt
-        # whenever a request joins or leaves a server's table
+        # every index is made on the host (see host_index): a layout is rebuilt whenever a request joins or leaves
+        # a server's table
         sizes_t = torch.tensor(self.sizes, dtype=torch.long)
-        parts = [sizes_t, torch.repeat_interleave(torch.arange(len(self.sizes)), sizes_t)]
-        widths = []  # (k, whether only some groups have it)
-        for k in sorted(set(self.sizes)):
-            groups = [g for g, size in enumerate(self.sizes) if size == k]
-            firsts = torch.tensor([self.offsets[g] for g in groups], dtype=torch.long)
-            some = len(groups) != len(self.sizes)
-            parts += [firsts, (firsts[:, None] + torch.arange(k)).reshape(-1)] if some else [firsts]
-            widths.append((k, some))
-        views = iter(host_index(torch.cat(parts), device).split([len(p) for p in parts]))
-        self.sizes_tensor, self.group_of_row = next(views), next(views)
+        self.sizes_tensor = host_index(sizes_t, device)
+        self.group_of_row = host_index(torch.repeat_interleave(torch.arange(len(self.sizes)), sizes_t), device)
         # one top-k per distinct beam width: (k, rows of those groups in table order or None for all rows,
         # first row of each of those groups)
         self.by_width: list[tuple[int, Tensor | None, Tensor]] = []
-        for k, some in widths:
-            firsts = next(views)
-            self.by_width.append((k, next(views) if some else None, firsts))
+        for k in sorted(set(self.sizes)):
+            groups = [g for g, size in enumerate(self.sizes) if size == k]
+            firsts = [self.offsets[g] for g in groups]
+            rows = None if len(groups) == len(self.sizes) else host_index(block_rows((f, k) for f in firsts), device)
+            self.by_width.append((k, rows, host_index(firsts, device)))
 
     @property
     def groups(self) -> int:

@@ -322,8 +322,7 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
         try:
             runtime = make()
             if device.type == "cuda" and not runtime.on_gpu:  # the CUDA provider failed to load (cuDNN missing)
-                log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
-                continue
+                raise NoCudaProvider(backend)
             same = check_captions(runtime, prepared) == want
         except NoCudaProvider:
             log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)

@@ -122,9 +122,9 @@ class Variation:
 
 
 #: named variations for ``captioner data generate --varied NAME``: ``standard`` is what the shipped checkpoints
-#: trained on; ``small-objects`` draws "small" objects down to 3 % of the shorter side (the out-of-distribution set's
-#: low end), a candidate added when that set's misses were mostly its smallest objects (docs/decisions.md,
-#: "Smaller objects in the varied scenes")
+#: trained on (all but ``xtransformer``'s last stage); ``small-objects`` draws "small" objects down to 3 % of the
+#: shorter side (the out-of-distribution set's low end), added when that set's smallest objects were among its
+#: worst misses (docs/decisions.md, "Smaller objects in the varied scenes")
 VARIATIONS = {"standard": Variation(), "small-objects": Variation(small=(0.03, 0.095))}
 
 
