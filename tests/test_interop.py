@@ -1,6 +1,7 @@
 """``captioner import aoanet``: a checkpoint in the AoANet authors' format (random weights) converts into a model
-whose log-probabilities equal a reference forward pass written here from the authors' code structure; the infos
-pickle is read with an allow-list, never with plain ``pickle.load``."""
+whose log-probabilities equal a reference forward pass rebuilt here from the authors' code as published
+(husthuaan/AoANet, argument order included: ``MultiHeadedDotAttention.forward(query, value, key)``); the infos
+pickle is read with an allow-list, never with plain ``pickle.load``; what the model cannot express is refused."""
 
 import argparse
 import math
@@ -51,9 +52,10 @@ def authors_state(seed=0):
     return state
 
 
-# -- the reference: the authors' forward pass, written from their code's structure -----------------------------
+# -- the reference: the authors' forward pass, rebuilt from husthuaan/AoANet as published ------------------------
+# (models/AoAModel.py, models/TransformerModel.py, models/AttModel.py; argument order included)
 def annotated_layer_norm(x, gain, shift, eps=1e-6):
-    """Their LayerNorm: unbiased std, ε added to the std."""
+    """Their ``LayerNorm``: ``a_2 * (x - mean) / (std + eps) + b_2`` (unbiased std, ε added to the std)."""
     return gain * (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True) + eps) + shift
 
 
@@ -61,12 +63,33 @@ def linear(state, name, x):
     return x @ state[f"{name}.weight"].T + state[f"{name}.bias"]
 
 
-def dot_attention(q, k, v, heads):
-    """Scaled dot-product attention per head over channel slices; heads concatenated, no output projection."""
-    b, n, d = k.shape
-    split = lambda t: t.view(b, -1, heads, d // heads).transpose(1, 2)
-    scores = split(q) @ split(k).transpose(-1, -2) / math.sqrt(d // heads)
-    return (scores.softmax(-1) @ split(v)).transpose(1, 2).reshape(b, -1, d)
+def transformer_attention(query, key, value):
+    """``TransformerModel.attention(query, key, value, mask=None, dropout=None)``."""
+    scores = query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))
+    return scores.softmax(-1) @ value
+
+
+def multi_headed_dot_attention(state, prefix, query, value, key, *, project_k_v, norm_q=None, aoa=None):
+    """``MultiHeadedDotAttention.forward(self, query, value, key, mask=None)``: note **value before key** in its
+    signature.  ``norm_q``: the query LayerNorm's prefix; ``aoa``: the AoA layer's prefix (``do_aoa``); no output
+    layer (``use_output_layer=0`` or AoA)."""
+    single_query = query.dim() == 2
+    if single_query:
+        query = query.unsqueeze(1)
+    nbatches = query.size(0)
+    if norm_q is not None:
+        query = annotated_layer_norm(query, state[f"{norm_q}.a_2"], state[f"{norm_q}.b_2"])
+    split = lambda t: t.view(nbatches, -1, HEADS, D // HEADS).transpose(1, 2)
+    if project_k_v == 0:
+        query_ = split(linear(state, f"{prefix}.linears.0", query))
+        key_, value_ = split(key), split(value)
+    else:  # zip(self.linears, (query, key, value))
+        query_, key_, value_ = (split(linear(state, f"{prefix}.linears.{j}", x))
+                                for j, x in enumerate((query, key, value)))
+    x = transformer_attention(query_, key_, value_).transpose(1, 2).contiguous().view(nbatches, -1, D)
+    if aoa is not None:
+        x = F.glu(linear(state, aoa, torch.cat([x, query], -1)), -1)
+    return x.squeeze(1) if single_query else x
 
 
 def lstm_cell(state, x, h, c):
@@ -79,27 +102,25 @@ def lstm_cell(state, x, h, c):
 
 
 def authors_logprobs(state, feats, tokens):
-    """Log-probabilities ``[B, T, |words| + 1]`` after feeding ``tokens[:, t]`` (0 = start) at each step."""
+    """Log-probabilities ``[B, T, |words| + 1]`` after feeding ``tokens[:, t]`` (0 = start) at each step:
+    ``AoAModel._prepare_feature`` once, then ``AttModel.get_logprobs_state`` → ``AoA_Decoder_Core.forward``."""
     a = F.relu(linear(state, "att_embed.0", feats))
-    for i in range(LAYERS):  # refiner: x + AoA(f_mh(LN(x))), AoA fed the normalised input, then a final LN
+    for i in range(LAYERS):  # AoA_Refiner_Layer: sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
         p = f"refiner.layers.{i}"
         x = annotated_layer_norm(a, state[f"{p}.sublayer.0.norm.a_2"], state[f"{p}.sublayer.0.norm.b_2"])
-        q, k, v = (linear(state, f"{p}.self_attn.linears.{j}", x) for j in range(3))
-        attended = dot_attention(q, k, v, HEADS)
-        a = a + F.glu(linear(state, f"{p}.self_attn.aoa_layer.0", torch.cat([attended, x], -1)), -1)
+        a = a + multi_headed_dot_attention(state, f"{p}.self_attn", x, x, x, project_k_v=1,
+                                           aoa=f"{p}.self_attn.aoa_layer.0")
     a = annotated_layer_norm(a, state["refiner.norm.a_2"], state["refiner.norm.b_2"])
-    mean = a.mean(1)
-    keys_values = linear(state, "ctx2att", a)
-    keys, values = keys_values[..., :D], keys_values[..., D:]
-    h = c = context = torch.zeros(feats.shape[0], D)
+    mean_feats = a.mean(1)
+    p_att_feats = linear(state, "ctx2att", a)
+    h_att = c_att = context = torch.zeros(feats.shape[0], D)  # init_hidden: zeros; state[0][1] is the context
     out = []
     for t in range(tokens.shape[1]):
         xt = F.relu(state["embed.0.weight"][tokens[:, t]])
-        h, c = lstm_cell(state, torch.cat([xt, mean + context], 1), h, c)
-        query = linear(state, "core.attention.linears.0",
-                       annotated_layer_norm(h, state["core.attention.norm.a_2"], state["core.attention.norm.b_2"]))
-        attended = dot_attention(query.unsqueeze(1), keys, values, HEADS).squeeze(1)
-        context = F.glu(linear(state, "core.att2ctx.0", torch.cat([attended, h], 1)), -1)
+        h_att, c_att = lstm_cell(state, torch.cat([xt, mean_feats + context], 1), h_att, c_att)
+        att = multi_headed_dot_attention(state, "core.attention", h_att, p_att_feats.narrow(2, 0, D),
+                                         p_att_feats.narrow(2, D, D), project_k_v=0, norm_q="core.attention.norm")
+        context = F.glu(linear(state, "core.att2ctx.0", torch.cat([att, h_att], 1)), -1)
         out.append(F.log_softmax(linear(state, "logit", context), -1))
     return torch.stack(out, 1)
 
@@ -184,6 +205,11 @@ def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
     torch.save(state, tmp_path / "ff.pth")
     with pytest.raises(ConversionError, match="use_ff"):
         convert_aoanet(tmp_path / "ff.pth", authors_files[1])
+    state = authors_state()
+    state["fc_embed.0.weight"], state["fc_embed.0.bias"] = torch.zeros(D, FEAT), torch.zeros(D)
+    torch.save(state, tmp_path / "fc.pth")  # --mean_feats 0: the LSTM reads fc_embed(fc_feats), which we lack
+    with pytest.raises(ConversionError, match="mean_feats 0"):
+        convert_aoanet(tmp_path / "fc.pth", authors_files[1])
     torch.save({"something": torch.zeros(1)}, tmp_path / "other.pth")
     with pytest.raises(ConversionError, match="not an AoANet"):
         convert_aoanet(tmp_path / "other.pth", authors_files[1])

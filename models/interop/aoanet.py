@@ -8,11 +8,16 @@ output layer (``projection_bias``), AoA fed the attention module's input rather 
 (``aoa_query="input"``), a LayerNorm on the decoder query (``query_norm``) and Embedding → ReLU → Dropout
 (``word_embedding="relu_dropout"``).  The weights map one to one, except:
 
-* ``ctx2att`` (one ``Linear(D, 2D)``) splits into the decoder's key and value projections;
+* ``ctx2att`` (one ``Linear(D, 2D)``) splits into the decoder's value projection (first half) and key
+  projection (second half): ``AoA_Decoder_Core.forward`` calls ``self.attention(h_att, p_att_feats.narrow(2, 0, D),
+  p_att_feats.narrow(2, D, D), att_masks)`` and ``MultiHeadedDotAttention.forward`` is declared ``(self, query,
+  value, key, mask=None)`` (``models/AoAModel.py``);
 * the vocabulary (``ix_to_word`` numbers the words from 1; index 0 is both the start and the end token): remapped
   by :func:`.common.vocabulary_from_indexed` and :func:`.common.token_rows`, so that the log-probabilities of
   their tokens are unchanged and ``<pad>``/``<bos>`` can never win.
 
+Checkpoints the model cannot express are refused: ``--use_bn``, ``--use_ff``, another attention or decoder type,
+and ``--mean_feats 0`` (the LSTM then reads ``fc_embed`` of a separate fc feature, which region features lack).
 The weights are read with ``torch.load(weights_only=True)`` and the infos file with a restricted unpickler
 (:mod:`.safe_pickle`).  The model reads bottom-up region features (``--features regions:DIR``); the checkpoint's
 encoder spec is the project default and unused with region features.
@@ -58,6 +63,10 @@ def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet,
     if "core.attention.linears.0.weight" not in state or ("ctx2att.weight" in state
                                                          and state["ctx2att.weight"].shape[0] != 2 * d_model):
         raise ConversionError("only --use_multi_head 2 with --multi_head_scale 1 (the released AoANet) is supported")
+    if "fc_embed.0.weight" in state or not int(opt.get("mean_feats", 1)):
+        raise ConversionError("checkpoints trained with --mean_feats 0 are not supported: their LSTM reads "
+                              "fc_embed(fc_feats) of a separate fc feature instead of the mean of the refined "
+                              "regions, and this model has no fc input")
     if "core.att2ctx.0.weight" in state and state["core.att2ctx.0.weight"].shape != (2 * d_model, 2 * d_model):
         raise ConversionError("only --decoder_type AoA (the released AoANet) is supported")
     if embed_rows != len(infos["vocab"]) + 1:
@@ -84,12 +93,12 @@ def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet,
     for mine, theirs in ([(f"refine.{i}.norm", f"refiner.layers.{i}.sublayer.0.norm") for i in layers]
                          + ([("refine_norm", "refiner.norm")] if layers else []) + [("query_norm", "core.attention.norm")]):
         names[f"{mine}.weight"], names[f"{mine}.bias"] = f"{theirs}.a_2", f"{theirs}.b_2"
-    split = ("ctx2att.weight", "ctx2att.bias")  # one Linear(D, 2D): the decoder's key and value projections
+    split = ("ctx2att.weight", "ctx2att.bias")  # one Linear(D, 2D): the decoder's value and key projections
     rows = ("embed.0.weight", "logit.weight", "logit.bias")  # remapped to our vocabulary
-    unused = tuple(k for k in ("fc_embed.0.weight", "fc_embed.0.bias") if k in state)  # mean_feats: no fc input
-    ours = copy_weights(state, names, what=f"an AoANet model-*.pth ({weights})", handled=split + rows + unused)
+    ours = copy_weights(state, names, what=f"an AoANet model-*.pth ({weights})", handled=split + rows)
     for kind in ("weight", "bias"):
-        ours[f"key.{kind}"], ours[f"value.{kind}"] = state[f"ctx2att.{kind}"].float().split(int(d_model))
+        # the first half feeds the `value` parameter of their MultiHeadedDotAttention.forward(query, value, key)
+        ours[f"value.{kind}"], ours[f"key.{kind}"] = state[f"ctx2att.{kind}"].float().split(int(d_model))
     ours["embed_words.weight"], ours["logit.weight"], ours["logit.bias"] = token_rows(
         vocab, source, *(state[key].float() for key in rows))
     load_converted(model, ours)
