@@ -1,7 +1,8 @@
-"""``captioner import xlan|xtransformer``: checkpoints in the X-LAN authors' format (JDAI-CV/image_captioning;
-random weights, small widths) convert into models whose log-probabilities equal reference forward passes written
-here from the authors' code structure (their ``LowRank`` + ``SCAtt`` block, ``LowRankBilinearEnc/DecBlock``,
-``XLAN.Forward`` and ``XLANTransformer``); foreign or damaged files and bad vocabulary files are refused."""
+"""``captioner import xlan|xtransformer``: checkpoints in the X-LAN authors' format (JDAI-CV/image-captioning;
+random weights, small widths) convert into models whose log-probabilities equal reference forward passes rebuilt
+here from the authors' code as published, argument order included (their ``LowRank`` + ``SCAtt`` block,
+``LowRankBilinearEnc/DecBlock``, ``XLAN.Forward`` and ``XTransformer``); foreign or damaged files and bad
+vocabulary files are refused."""
 
 import math
 import os
@@ -93,7 +94,7 @@ def their_positions(max_len=PE_MAX_LEN):
 
 
 def xtransformer_state(seed=1):
-    """``XLANTransformer`` of experiments/xlan_transformer at small widths (ATT_FEATS_NORM on)."""
+    """``XTransformer`` of experiments/xtransformer at small widths (ATT_FEATS_NORM on)."""
     w = Weights(seed)
     w.linear("att_embed.0", D, FEAT)
     w.norm("att_embed.2")
@@ -127,21 +128,23 @@ def xtransformer_state(seed=1):
     return w.state
 
 
-# -- the reference: the authors' forward passes, written from their code's structure ----------------------------
+# -- the reference: the authors' forward passes, rebuilt from JDAI-CV/image-captioning as published --------------
+# (layers/low_rank.py, layers/sc_att.py, blocks/lowrank_bilinear_block.py, models/xlan.py, models/xtransformer.py)
 def layer_norm(state, name, x):
     return F.layer_norm(x, (D,), state[f"{name}.weight"], state[f"{name}.bias"])
 
 
-def lowrank(state, p, query, keys, values, mask):
-    """Their ``LowRank.forward2`` + ``SCAtt.forward2``: ``query [B, L, D]`` over ``keys``/``values [B, N, D]``,
-    ``mask [B or 1, L or 1, N]`` (1 = visible)."""
+def lowrank(state, p, query, key, mask, value1, value2):
+    """Their ``LowRank.forward2(query, key, mask, value1, value2)`` + ``SCAtt.forward(att_map, att_mask, value1,
+    value2)`` (layers/low_rank.py, layers/sc_att.py; argument order as published): ``query``/``value1 [B, L, D]``
+    over ``key``/``value2 [B, N, D]``, ``mask [B or 1, L or 1, N]`` (1 = visible)."""
     def embed(name, x):  # Linear → CELU → GroupNorm(heads) on rows, then split into heads: [B, H, rows, D/H]
         y = F.celu(linear(state, f"{p}.{name}.0", x), ALPHA)
         y = F.group_norm(y.reshape(-1, D), HEADS, state[f"{p}.{name}.2.weight"], state[f"{p}.{name}.2.bias"])
         return y.view(x.shape[0], -1, HEADS, D // HEADS).transpose(1, 2)
 
-    q, v1, k, v2 = embed("in_proj_q", query), embed("in_proj_v1", query), embed("in_proj_k", keys), \
-        embed("in_proj_v2", values)
+    q, v1, k, v2 = embed("in_proj_q", query), embed("in_proj_v1", value1), embed("in_proj_k", key), \
+        embed("in_proj_v2", value2)
     att_map = F.relu(linear(state, f"{p}.attn_net.attention_basic.0", q.unsqueeze(-2) * k.unsqueeze(-3)))
     visible = mask.unsqueeze(1).float()  # [B, 1, L, N]
     pooled = (att_map * visible.unsqueeze(-1)).sum(-2) / visible.unsqueeze(-1).sum(-2)
@@ -163,7 +166,8 @@ def xlan_logprobs(state, feats, mask, tokens):
     gv = masked_mean(att, mask)
     image_vectors = [gv]
     for i in range(XLAN_LAYERS):  # LowRankBilinearEncBlock
-        gv = lowrank(state, f"encoder_layers.layers.{i}.encoder_attn", gv[:, None], att, att, mask[:, None])[:, 0]
+        gv = lowrank(state, f"encoder_layers.layers.{i}.encoder_attn", gv[:, None], att, mask[:, None], gv[:, None],
+                     att)[:, 0]  # layer(gv_feat, att_feats, att_mask, gv_feat, att_feats)
         both = torch.cat([gv[:, None].expand_as(att), att], -1)
         att = layer_norm(state, f"encoder_layers.layer_norms.{i}",
                          F.relu(linear(state, f"encoder_layers.bifeat_emb.{i}.0", both)) + att)
@@ -179,7 +183,7 @@ def xlan_logprobs(state, feats, mask, tokens):
         i, f, g, o = gates.chunk(4, -1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
-        block = lowrank(state, "attention.layers.0.encoder_attn", h[:, None], att, att, mask[:, None])[:, 0]
+        block = lowrank(state, "attention.layers.0.encoder_attn", h[:, None], att, mask[:, None], h[:, None], att)[:, 0]
         block = layer_norm(state, "attention.layer_norm", linear(state, "attention.proj", torch.cat([h, block], 1)))
         context = F.glu(linear(state, "att2ctx.0", torch.cat([block, h], 1)), -1)
         out.append(F.log_softmax(linear(state, "logit", context), -1))
@@ -191,14 +195,14 @@ def feed_forward(state, p, x):
 
 
 def xtransformer_logprobs(state, feats, mask, tokens):
-    """``XLANTransformer.forward`` (teacher forcing, causal ``seq_mask``) for ``tokens`` that hold no 0 after
+    """``XTransformer.forward`` (teacher forcing, causal ``seq_mask``) for ``tokens`` that hold no 0 after
     the start (their training mask also hides later 0s, the padding)."""
     x = layer_norm(state, "att_embed.2", F.celu(linear(state, "att_embed.0", feats), ALPHA))
     gx = masked_mean(x, mask)
     image_vectors = [gx]
     for i in range(ENC_LAYERS):  # EncoderLayer: X-LAN's layer, then an FFN on the items
         p = f"encoder.layers.{i}"
-        gx = lowrank(state, f"{p}.encoder_attn", gx[:, None], x, x, mask[:, None])[:, 0]
+        gx = lowrank(state, f"{p}.encoder_attn", gx[:, None], x, mask[:, None], gx[:, None], x)[:, 0]
         x = layer_norm(state, f"{p}.layer_norm",
                        F.relu(linear(state, f"{p}.bifeat_emb.0", torch.cat([gx[:, None].expand_as(x), x], -1))) + x)
         x = feed_forward(state, f"{p}.ff_layer", x)
@@ -218,9 +222,9 @@ def xtransformer_logprobs(state, feats, mask, tokens):
     queries = [query]
     for i in range(DEC_LAYERS):  # DecoderLayer
         p = f"decoder.layers.{i}"
-        mixed = words + lowrank(state, f"{p}.word_attn", query, words, words, seq_mask)
-        cross = lowrank(state, f"{p}.cross_att", layer_norm(state, f"{p}.layer_norm_cross", mixed), x, x,
-                        mask[:, None])
+        mixed = words + lowrank(state, f"{p}.word_attn", query, words, seq_mask, query, words)
+        normed = layer_norm(state, f"{p}.layer_norm_cross", mixed)
+        cross = lowrank(state, f"{p}.cross_att", normed, x, mask[:, None], normed, x)
         query = layer_norm(state, f"{p}.layer_norm_gx", mixed + cross)
         if i < DEC_LAYERS - 1:
             update = F.relu(linear(state, f"{p}.bifeat_emb.0", torch.cat([query, words], -1))) + words
@@ -275,7 +279,9 @@ def test_import_command_writes_a_loadable_checkpoint(kind, inputs, tmp_path):
     captioner(["import", kind, "--checkpoint", str(tmp_path / "caption_model_1.pth"), "--vocab", str(vocabulary),
                "--out", str(tmp_path / kind)])
     ckpt = load_checkpoint(tmp_path / kind)
-    assert ckpt.model.arch == kind and ckpt.meta["imported_from"]["code"] == "github.com/JDAI-CV/image_captioning"
+    assert ckpt.model.arch == kind and ckpt.meta["imported_from"]["code"] == "github.com/JDAI-CV/image-captioning"
+    # their models/__init__.py registers XLAN and XTransformer (XLANTransformer was the first day's name only)
+    assert ckpt.meta["imported_from"]["model"] == {"xlan": "XLAN", "xtransformer": "XTransformer"}[kind]
     feats, mask, tokens = inputs
     with torch.no_grad():
         theirs = reference(make_state(), feats, mask, tokens)

@@ -550,7 +550,7 @@ def add_interop_commands(sub: argparse._SubParsersAction, data: argparse._SubPar
     ao.add_argument("--weights", required=True, help="the authors' .pth (read with torch.load(weights_only=True))")
     ao.add_argument("--infos", required=True, help="AoANet's infos_*.pkl (read with a restricted unpickler)")
     for kind, model in (("xlan", "X-LAN"), ("xtransformer", "X-Transformer")):
-        xl = kinds.add_parser(kind, help=f"github.com/JDAI-CV/image_captioning {model}: caption_model_*.pth + "
+        xl = kinds.add_parser(kind, help=f"github.com/JDAI-CV/image-captioning {model}: caption_model_*.pth + "
                                          "coco_vocabulary.txt")
         xl.add_argument("--checkpoint", "--weights", required=True, dest="checkpoint",
                         help="the authors' caption_model_*.pth (read with torch.load(weights_only=True))")

@@ -1,6 +1,6 @@
-"""Convert the X-LAN authors' released checkpoints (github.com/JDAI-CV/image_captioning: a ``caption_model_*.pth``
+"""Convert the X-LAN authors' released checkpoints (github.com/JDAI-CV/image-captioning: a ``caption_model_*.pth``
 state dict + the vocabulary text file ``coco_vocabulary.txt``) into this project's checkpoint: their ``XLAN``
-into :class:`~captioner.models.xlan.XLAN` and their ``XLANTransformer`` (the paper's X-Transformer) into
+into :class:`~captioner.models.xlan.XLAN` and their ``XTransformer`` (the paper's X-Transformer) into
 :class:`~captioner.models.xtransformer.XTransformer` (Pan et al., "X-Linear Attention Networks for Image
 Captioning", CVPR 2020, arXiv:2003.14080).
 
@@ -18,7 +18,7 @@ before the GLU (``block_projection``).  Everything else maps one to one:
   line; remapped as for AoANet (:mod:`.common`).
 
 What the state dict does not record is taken from the released configs (``experiments/xlan``,
-``experiments/xlan_transformer``): CELU with α = 1.3 for every embedding, ReLU in the key/value update, and the
+``experiments/xtransformer``): CELU with α = 1.3 for every embedding, ReLU in the key/value update, and the
 dropout rates (which are our models' defaults).  Variants the released models do not use are refused: a decoder
 block of several layers (``DECODE_LAYERS > 1``), ``BasicAtt``, an ``ATT_MID_DIM`` with more than one hidden layer,
 a positional encoding other than base 10000.  The weights are read with ``torch.load(weights_only=True)`` and the
@@ -42,7 +42,7 @@ from ..xtransformer import XTransformer
 from .common import ConversionError, copy_weights, load_converted, load_torch_weights, token_rows, \
     vocabulary_from_indexed
 
-CODE = "github.com/JDAI-CV/image_captioning"
+CODE = "github.com/JDAI-CV/image-captioning"
 MAX_VOCABULARY_BYTES = 16 << 20  # COCO's is ~70 kB: anything this large is not a vocabulary file
 #: what the released configs set and the weights cannot tell (MODEL.BILINEAR.ACT / ELU_ALPHA, BIFEAT_EMB_ACT)
 RELEASED = dict(activation="celu", celu_alpha=1.3, group_norm=True)
@@ -226,7 +226,7 @@ def _check_positions(pe: Tensor, dim: int) -> None:
 
 def convert_xtransformer(checkpoint: str | Path, vocab_path: str | Path) -> tuple[XTransformer, Vocabulary,
                                                                                     dict[str, Any]]:
-    """Their ``XLANTransformer`` (``experiments/xlan_transformer``) →
+    """Their ``XTransformer`` (``experiments/xtransformer``) →
     :class:`~captioner.models.xtransformer.XTransformer` with ``group_norm``."""
     state, what, dim, feat_dim = _open(checkpoint, "xtransformer", (
         "decoder.embed_tokens.weight", "decoder.embed_positions.pe",
@@ -272,7 +272,7 @@ def convert_xtransformer(checkpoint: str | Path, vocab_path: str | Path) -> tupl
     rows_map = {"embed_words.weight": "decoder.embed_tokens.weight", "logit.weight": "decoder.generator.weight",
                 "logit.bias": "decoder.generator.bias"}
     _convert(model, state, names, rows_map, vocab, source, what, handled=("decoder.embed_positions.pe",))
-    return model, vocab, _meta("XLANTransformer", checkpoint, vocab_path, feat_dim,
+    return model, vocab, _meta("XTransformer", checkpoint, vocab_path, feat_dim,
                                regions="their config keeps the first 50 regions of each image "
                                        "(DATA_LOADER.MAX_FEAT 50): give the same features")
 
