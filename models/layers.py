@@ -30,20 +30,33 @@ class AdditiveAttention(nn.Module):
     over rows × items × ``attn_dim`` is the largest operation of a SAT or SparseCap decoding step
     (docs/decisions.md#serving-performance-issue-15). ``project_keys`` is computed once per image and cached in the
     encoder state; it returns the doubled keys ``2 U_a a_i``, so the factor costs nothing per step.
+
+    ``activation="relu"`` scores ``e_i = w^T relu(U_a a_i + U_h h + b)`` instead: the form of sgrvinod's
+    "a-PyTorch-Tutorial-to-Image-Captioning" (``Attention.full_att(relu(encoder_att(a) + decoder_att(h)))``), which
+    ``captioner import sgrvinod`` converts (docs/decisions.md#sgrvinod-tutorial-checkpoints).
     """
 
-    def __init__(self, feat_dim: int, query_dim: int, attn_dim: int, normalise: Normaliser):
+    def __init__(self, feat_dim: int, query_dim: int, attn_dim: int, normalise: Normaliser,
+                 activation: str = "tanh"):
         super().__init__()
+        if activation not in ("tanh", "relu"):
+            raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
         self.key = nn.Linear(feat_dim, attn_dim, bias=False)
         self.query = nn.Linear(query_dim, attn_dim)
         self.score = nn.Linear(attn_dim, 1)
         self.normalise = normalise
+        self.activation = activation
 
     def project_keys(self, feats: Tensor) -> Tensor:
-        """``2 U_a a_i`` for every item ``[B, N, attn_dim]``: the keys in the scale the sigmoid form reads."""
-        return 2.0 * self.key(feats)
+        """``2 U_a a_i`` for every item ``[B, N, attn_dim]``: the keys in the scale the sigmoid form reads
+        (``U_a a_i`` with ``activation="relu"``)."""
+        keys = self.key(feats)
+        return 2.0 * keys if self.activation == "tanh" else keys
 
     def forward(self, keys: Tensor, query: Tensor, mask: Tensor) -> Tensor:
+        if self.activation == "relu":
+            hidden = F.relu(keys + self.query(query).unsqueeze(1))
+            return self.normalise(self.score(hidden).squeeze(-1), mask)
         projected = 2.0 * self.query(query).unsqueeze(1)
         # w^T tanh(x) + b = (2w)^T σ(2x) + (b − Σw): the score layer's weights in the sigmoid form
         weight, bias = 2.0 * self.score.weight, self.score.bias - self.score.weight.sum()
