@@ -14,7 +14,8 @@ import json
 import os
 import secrets
 import shutil
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,14 @@ class Checkpoint:
 
 
 def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encoder: EncoderSpec,
-                    meta: dict[str, Any] | None = None) -> Path:
+                    meta: dict[str, Any] | None = None, files: Mapping[str, bytes] | None = None) -> Path:
     """Write atomically: the files (each fsynced) and their sha256 manifest go to a temporary sibling directory
     that then takes ``path``'s place in one rename, so an interrupted save never leaves a torn checkpoint and
     never destroys the previous one.  Files and folder get the usual permissions (the umask decides), so a
-    service running as another user can read them."""
+    service running as another user can read them.
+
+    ``files`` (name → bytes) are written beside the weights and listed in the manifest: an encoder weight file
+    that ``encoder.weights`` names relative to the folder (:func:`load_checkpoint` resolves it there)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(path)
@@ -63,6 +67,10 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700 whatever the umask says
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
+    for name, data in (files or {}).items():
+        if Path(name).name != name or name in (WEIGHTS, CONFIG, VOCAB, MANIFEST):
+            raise ValueError(f"{name!r} cannot be an extra file of a checkpoint folder")
+        write_durably(tmp / name, data)
     config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
               "special_ids": {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id},
               "meta": meta or {}}
@@ -210,8 +218,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     model = create(config["arch"], **config["model"], **config.get("special_ids", {}))
     model.load_state_dict(load_file(path / WEIGHTS, device="cpu"), strict=True)
     model.to(device).eval()
-    return Checkpoint(model=model, vocab=vocab, encoder=EncoderSpec.from_json(config["encoder"]), path=path,
+    return Checkpoint(model=model, vocab=vocab, encoder=resolve_encoder_weights(config["encoder"], path), path=path,
                       meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS))
+
+
+def resolve_encoder_weights(encoder: dict[str, Any], path: Path) -> EncoderSpec:
+    """The encoder spec, with a relative ``weights`` file that the checkpoint folder holds (an imported CNN, e.g.
+    ``captioner import sgrvinod``) made absolute, so the checkpoint can be served from any working directory."""
+    spec = EncoderSpec.from_json(encoder)
+    if spec.weights and not Path(spec.weights).is_absolute() and (path / spec.weights).is_file():
+        spec = replace(spec, weights=str((path / spec.weights).resolve()))
+    return spec
 
 
 def is_checkpoint(path: Path) -> bool:

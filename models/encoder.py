@@ -195,13 +195,27 @@ def _efficientnet_lite0(weights: str | None) -> nn.Module:
 
 
 def _resnet(name: str, weights: str | None) -> nn.Module:
+    """A torchvision ResNet with the weights of a local ``.pth`` or ``.safetensors`` file.  A file without the
+    classifier (``fc.*``: the trunk alone, as ``captioner import sgrvinod`` writes it) is accepted, since the grid
+    features never reach it; any other missing, extra or misshapen weight is refused."""
     import torchvision
 
     model = getattr(torchvision.models, name)(weights=None)
     if weights is None:
         raise ValueError(f"{name} needs a local weight file (EncoderSpec.weights): nothing is downloaded at run time")
     if weights != "random":  # "random" is for tests of the plumbing only
-        model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
+        if str(weights).endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state = load_file(weights)
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+        trunk_only = not any(key.startswith("fc.") for key in state)
+        missing, unexpected = model.load_state_dict(state, strict=False)  # a shape mismatch still raises
+        missing = [key for key in missing if not (trunk_only and key.startswith("fc."))]
+        if missing or unexpected:
+            raise ValueError(f"{weights} does not hold {name}'s weights: missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]}")
     return model
 
 

@@ -42,12 +42,17 @@ class UnsafePickleError(pickle.UnpicklingError):
 
 
 class RestrictedUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals of :attr:`allowed`; any other is refused with its name."""
+
+    allowed: dict[tuple[str, str], Any] = ALLOWED
+    what_is_allowed = "plain data, argparse.Namespace and NumPy values"
+
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return ALLOWED[(module, name)]
+            return self.allowed[(module, name)]
         except KeyError:
-            raise UnsafePickleError(f"refusing to load {module}.{name} from a pickle: only plain data, "
-                                    f"argparse.Namespace and NumPy values are allowed") from None
+            raise UnsafePickleError(f"refusing to load {module}.{name} from a pickle: only {self.what_is_allowed} "
+                                    f"are allowed") from None
 
 
 def restricted_load(path: str | Path) -> Any:
