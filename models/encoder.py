@@ -256,6 +256,16 @@ def fold_batch_norm(net: nn.Module) -> int:
     return folded
 
 
+def adaptive_pool_matrix(size: int, bins: int) -> Tensor:
+    """``[bins, size]``: row ``i`` averages the cells ``⌊i·size/bins⌋ … ⌈(i+1)·size/bins⌉ − 1``, the windows of
+    ``adaptive_avg_pool2d``, so ``P X Pᵀ`` pools a ``size × size`` map onto ``bins × bins``."""
+    matrix = torch.zeros(bins, size)
+    for i in range(bins):
+        start, end = (i * size) // bins, -(-(i + 1) * size // bins)
+        matrix[i, start:end] = 1.0 / (end - start)
+    return matrix
+
+
 class GridEncoder(nn.Module):
     """Frozen CNN → ``[B, N, F]`` grid features (row-major cells)."""
 
@@ -270,6 +280,9 @@ class GridEncoder(nn.Module):
             self.feat_dim = self.net.fc.in_features
         else:
             raise ValueError(f"unknown backbone {spec.backbone!r}")
+        if spec.pooled_grid is not None:  # not persistent: derived from the spec, never part of a weight file
+            side = math.ceil(spec.image_size / spec.stride)
+            self.register_buffer("pool_matrix", adaptive_pool_matrix(side, spec.pooled_grid), persistent=False)
         self.requires_grad_(False)
         self.eval()
         fold_batch_norm(self.net)
@@ -303,8 +316,17 @@ class GridEncoder(nn.Module):
     def forward(self, pixels: Tensor) -> Tensor:
         fmap = self.feature_map(pixels)
         if self.spec.pooled_grid is not None:
-            fmap = F.adaptive_avg_pool2d(fmap, self.spec.pooled_grid)
+            fmap = self._pool(fmap)
         return fmap.flatten(2).transpose(1, 2).contiguous()
+
+    def _pool(self, fmap: Tensor) -> Tensor:
+        """Adaptive average pooling onto the ``pooled_grid`` as two matrix products (the same averages): ONNX
+        cannot export an adaptive pooling whose output side does not divide the input's (ResNet's 8×8 at 256 px
+        → SAT's 14×14).  A map of another size (an input not of ``image_size``) is pooled directly."""
+        matrix = self.pool_matrix
+        if tuple(fmap.shape[-2:]) != (matrix.shape[1], matrix.shape[1]):
+            return F.adaptive_avg_pool2d(fmap, self.spec.pooled_grid)
+        return matrix @ fmap @ matrix.T
 
     @torch.no_grad()
     def classify(self, pixels: Tensor) -> Tensor:

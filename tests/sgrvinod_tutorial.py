@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -170,7 +171,8 @@ def save_checkpoint(folder, encoder, decoder, words, data_name="flickr8k_5_cap_p
     state = {'epoch': 7, 'epochs_since_improvement': 2, 'bleu-4': 0.2315, 'encoder': encoder, 'decoder': decoder,
              'encoder_optimizer': encoder_optimizer, 'decoder_optimizer': decoder_optimizer}
     checkpoint = folder / f"BEST_checkpoint_{data_name}.pth.tar"
-    with tutorial_module():
+    with tutorial_module(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy format would store the classes' source: not found here
         torch.save(state, checkpoint, _use_new_zipfile_serialization=not legacy)
     wordmap = folder / f"WORDMAP_{data_name}.json"
     wordmap.write_text(json.dumps(word_map(words)))

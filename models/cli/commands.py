@@ -555,6 +555,11 @@ def add_interop_commands(sub: argparse._SubParsersAction, data: argparse._SubPar
         xl.add_argument("--checkpoint", "--weights", required=True, dest="checkpoint",
                         help="the authors' caption_model_*.pth (read with torch.load(weights_only=True))")
         xl.add_argument("--vocab", required=True, help="their vocabulary text file, one word per line")
+    sg = kinds.add_parser("sgrvinod", help="github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning (Show, Attend "
+                                           "and Tell): BEST_checkpoint_*.pth.tar + WORDMAP_*.json")
+    sg.add_argument("checkpoint", metavar="CHECKPOINT", help="the tutorial's checkpoint (its pickled modules are read "
+                                                            "with an allow-list of stand-ins, never run)")
+    sg.add_argument("word_map", metavar="WORDMAP", help="its WORDMAP_*.json (word → index)")
     for parser in kinds.choices.values():
         parser.add_argument("--out", required=True, help="checkpoint folder to write")
         parser.set_defaults(func=cmd_import)
@@ -579,16 +584,26 @@ def cmd_import(args: argparse.Namespace) -> None:
     from ..interop.safe_pickle import UnsafePickleError
     from ..interop.xlan import CONVERTERS
 
+    from ..interop.sgrvinod import ENCODER_FILE, convert_sgrvinod, encoder_file
+
+    files, spec = {}, EncoderSpec()
     try:
         if args.kind == "aoanet":
             model, vocab, meta = convert_aoanet(args.weights, args.infos)
+        elif args.kind == "sgrvinod":
+            model, vocab, spec, trunk, meta = convert_sgrvinod(args.checkpoint, args.word_map)
+            files = {ENCODER_FILE: encoder_file(trunk)}
         else:
             model, vocab, meta = CONVERTERS[args.kind](args.checkpoint, args.vocab)
     except (ConversionError, UnsafePickleError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
-    out = save_checkpoint(args.out, model, vocab, EncoderSpec(), meta)
-    print(f"wrote {out} ({model.arch}, {len(vocab)} tokens); evaluate it with "
-          f"captioner eval {out} --features regions:DIR")
+    out = save_checkpoint(args.out, model, vocab, spec, meta, files=files)
+    if args.kind == "sgrvinod":  # images in, like the shipped checkpoints
+        print(f"wrote {out} ({model.arch}, {len(vocab)} tokens, {spec.backbone} encoder); caption with "
+              f"captioner caption IMAGE --checkpoint {out}, or serve its folder")
+    else:
+        print(f"wrote {out} ({model.arch}, {len(vocab)} tokens); evaluate it with "
+              f"captioner eval {out} --features regions:DIR")
 
 
 def cmd_data_features(args: argparse.Namespace) -> None:

@@ -1,0 +1,215 @@
+"""``captioner import sgrvinod``: a checkpoint in the exact format of sgrvinod's "a-PyTorch-Tutorial-to-Image-
+Captioning" (its classes re-created from the published code in ``tests/sgrvinod_tutorial.py``, random weights,
+small widths, a ResNet-18 trunk where the tutorial has a ResNet-101: same children, same keys) imports into a
+model whose log-probabilities and attention equal the tutorial's own forward pass from the image on; the pickle is
+read with an allow-list (anything else refused by name); the imported folder serves over HTTP with heatmaps and
+batching, and exports to ONNX."""
+
+from __future__ import annotations
+
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from fastapi.testclient import TestClient
+from PIL import Image
+from skimage import data
+
+from captioner.models.checkpoint import load_checkpoint
+from captioner.models.encoder import GridEncoder, preprocess
+from captioner.models.interop.common import ConversionError
+from captioner.models.interop.safe_pickle import UnsafePickleError
+from captioner.models.interop.sgrvinod import ENCODER_FILE, convert_sgrvinod
+from captioner.models.protocol import VisualBatch
+from captioner.service.app import create_app
+from captioner.service.cli import main as captioner
+from captioner.service.settings import Settings
+
+from . import sgrvinod_tutorial as tutorial
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WORDS = ["a", "cat", "on", "grass", "red", "sitting", "sofa"]
+ATTENTION_DIM, EMBED_DIM, DECODER_DIM, GRID = 8, 6, 10, 14
+SPECIAL = {"<start>": "<bos>", "<end>": "<eos>"}  # the tutorial's → ours; <pad> and <unk> are spelled alike
+
+
+def tutorial_modules(seed=0):
+    torch.manual_seed(seed)  # the trunk's convolutions keep torchvision's (seeded) initialisation
+    encoder = tutorial.randomise(tutorial.Encoder(GRID, torchvision.models.resnet18(weights=None)), seed)
+    decoder = tutorial.DecoderWithAttention(ATTENTION_DIM, EMBED_DIM, DECODER_DIM, len(WORDS) + 4, encoder_dim=512)
+    return encoder, tutorial.randomise(decoder, seed + 1, scale=1.0)
+
+
+@pytest.fixture(scope="module")
+def modules():
+    return tutorial_modules()
+
+
+@pytest.fixture(scope="module")
+def files(modules, tmp_path_factory):
+    return tutorial.save_checkpoint(tmp_path_factory.mktemp("tutorial"), *modules, WORDS)
+
+
+@pytest.fixture(scope="module")
+def imported(files, tmp_path_factory):
+    """The CLI's import, as a user runs it: ``captioner import sgrvinod CHECKPOINT WORDMAP --out weights/NAME``."""
+    out = tmp_path_factory.mktemp("weights") / "sat-tutorial"
+    captioner(["import", "sgrvinod", *map(str, files), "--out", str(out)])
+    return out
+
+
+def photo():
+    return Image.fromarray(data.chelsea())
+
+
+def teacher_forced(model, vocab, spec, image, their_tokens):
+    """Our log-probabilities ``[T, V]`` (columns in the tutorial's word order) and attention ``[T, P]`` for the
+    tutorial's token ids, through the project's one image path: ``preprocess`` → ``GridEncoder`` → ``step``."""
+    word_map = tutorial.word_map(WORDS)
+    words = {index: word for word, index in word_map.items()}
+    ours = [vocab.stoi[SPECIAL.get(words[t], words[t])] for t in their_tokens]
+    columns = [vocab.stoi[SPECIAL.get(words[i], words[i])] for i in range(len(word_map))]
+    with torch.no_grad():
+        enc = model.encode(VisualBatch.from_features(GridEncoder(spec)(preprocess(image, spec)[0][None])))
+        state, logprobs, attention = model.init_state(enc), [], []
+        for token in ours:
+            step, state, record = model.step(torch.tensor([token]), state, enc)
+            logprobs.append(step[0, columns])
+            attention.append(record.primary[0])
+    return torch.stack(logprobs), torch.stack(attention)
+
+
+def their_tokens():
+    word_map = tutorial.word_map(WORDS)
+    return [word_map[w] for w in ("<start>", "a", "cat", "sitting", "on", "<unk>", "red", "sofa")]
+
+
+def assert_same_as_the_tutorial(modules, model, vocab, spec):
+    image = photo()
+    theirs, their_attention = tutorial.reference_steps(*modules, image, their_tokens())
+    mine, my_attention = teacher_forced(model, vocab, spec, image, their_tokens())
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(my_attention, their_attention, rtol=0, atol=1e-5)
+    # the comparison means something: the words are not uniform and the attention is not
+    assert theirs.exp().max() > 2 / len(vocab) and their_attention.max() > 2 / GRID ** 2
+
+
+def test_imported_checkpoint_equals_the_tutorials_forward_pass(modules, imported):
+    ckpt = load_checkpoint(imported)
+    assert (imported / ENCODER_FILE).is_file() and ckpt.encoder.weights == str((imported / ENCODER_FILE).resolve())
+    assert (ckpt.encoder.backbone, ckpt.encoder.pooled_grid, ckpt.encoder.image_size) == ("resnet18", GRID, 256)
+    assert ckpt.model.config()["gate"] == "channel" and ckpt.model.config()["output"] == "hidden"
+    assert ckpt.meta["imported_from"]["bleu-4"] == 0.2315
+    assert_same_as_the_tutorial(modules, ckpt.model, ckpt.vocab, ckpt.encoder)
+
+
+def test_files_of_pytorch_before_1_6_import_too(modules, tmp_path):
+    checkpoint, word_map = tutorial.save_checkpoint(tmp_path, *modules, WORDS, legacy=True)
+    model, vocab, spec, trunk, _ = convert_sgrvinod(checkpoint, word_map)
+    torch.save(trunk, tmp_path / "trunk.pth")
+    assert_same_as_the_tutorial(modules, model, vocab, spec.__class__(**{**spec.to_json(),
+                                                                         "weights": str(tmp_path / "trunk.pth")}))
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_the_pickle_is_allow_listed(modules, files, tmp_path):
+    with tutorial.tutorial_module():
+        torch.save({"encoder": modules[0], "decoder": modules[1], "extra": Exploit()}, tmp_path / "evil.pth.tar")
+    with pytest.raises(UnsafePickleError, match=r"(posix|os)\.system"):
+        convert_sgrvinod(tmp_path / "evil.pth.tar", files[1])
+    with pytest.raises(SystemExit) as refused:  # the CLI: one line naming the global, nothing written
+        captioner(["import", "sgrvinod", str(tmp_path / "evil.pth.tar"), str(files[1]), "--out", str(tmp_path / "o")])
+    message = str(refused.value)
+    assert message.startswith("error: refusing to load ") and "system" in message and "\n" not in message
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(UnsafePickleError, match="torch.optim.sgd.SGD"):  # only the tutorial's Adam is expected
+        with tutorial.tutorial_module():
+            torch.save({"encoder": modules[0], "decoder": modules[1],
+                        "decoder_optimizer": torch.optim.SGD(modules[1].parameters(), lr=0.1)}, tmp_path / "sgd.tar")
+        convert_sgrvinod(tmp_path / "sgd.tar", files[1])
+
+
+def test_foreign_files_are_refused_with_a_reason(files, tmp_path):
+    word_map = tutorial.word_map(WORDS[:-1])
+    (tmp_path / "short.json").write_text(__import__("json").dumps(word_map))
+    with pytest.raises(ConversionError, match="does not belong to this checkpoint"):
+        convert_sgrvinod(files[0], tmp_path / "short.json")
+    torch.save({"decoder": torch.zeros(2)}, tmp_path / "state.pth")
+    with pytest.raises(ConversionError, match="not a tutorial checkpoint"):
+        convert_sgrvinod(tmp_path / "state.pth", files[1])
+    (tmp_path / "torn.pth.tar").write_bytes(files[0].read_bytes()[:5000])
+    with pytest.raises(ConversionError, match="cannot be read"):
+        convert_sgrvinod(tmp_path / "torn.pth.tar", files[1])
+
+
+def jpeg(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=92)
+    return buffer.getvalue()
+
+
+def serve(folder, **settings):
+    return TestClient(create_app(Settings(weights_dir=folder.parent, default_model=folder.name, device="cpu",
+                                          threads=1, warmup=False, **settings)))
+
+
+def metrics(client) -> dict[str, float]:
+    lines = client.get("/metrics").text.splitlines()
+    return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in lines if line and line[0] != "#"}
+
+
+def test_imported_checkpoint_serves_heatmaps_and_batches_over_http(imported):
+    images = [jpeg(Image.fromarray(array).resize((160, 120))) for array in
+              (data.chelsea(), data.astronaut(), data.coffee(), data.rocket())]
+    with serve(imported, backend="torch", max_batch_images=4) as client:
+        solo = [client.post("/caption", params={"beam_size": 2, "max_len": 6},
+                            files={"file": ("x.jpg", image, "image/jpeg")}) for image in images]
+        assert all(response.status_code == 200 for response in solo), solo[0].text
+        first = solo[0].json()
+        assert first["geometry"]["grid_hw"] == [GRID, GRID] and first["attention_kind"] == "soft_attention"
+        assert len(first["attention"]) == len(first["tokens"]) and len(first["attention"][0]) == GRID * GRID
+        assert np.allclose(np.sum(first["attention"], 1), 1, atol=1e-4)
+        overlay = client.post("/caption/overlay", params={"format": "png", "token": 0, "max_len": 6},
+                              files={"file": ("x.jpg", images[0], "image/jpeg")})
+        assert overlay.status_code == 200 and Image.open(io.BytesIO(overlay.content)).size == (160, 120)
+
+        def one(image):
+            return client.post("/caption", params={"beam_size": 2, "max_len": 6},
+                               files={"file": ("x.jpg", image, "image/jpeg")})
+
+        before = metrics(client)
+        with ThreadPoolExecutor(len(images) * 2) as pool:  # everyone at once: the batcher mixes them
+            together = list(pool.map(one, images * 2))
+        after = metrics(client)
+        for response, alone in zip(together, solo * 2):
+            assert response.json()["caption"] == alone.json()["caption"]
+            np.testing.assert_allclose(response.json()["attention"], alone.json()["attention"], atol=1e-5)
+            np.testing.assert_allclose(response.json()["token_logprobs"], alone.json()["token_logprobs"], atol=1e-4)
+    # a step of more than 2 rows (the beam) decoded several requests together
+    key, bucket = f'{{model="{imported.name}"}}', f'captioner_rows_per_step_bucket{{le="2.0",model="{imported.name}"}}'
+    steps = after[f"captioner_rows_per_step_count{key}"] - before[f"captioner_rows_per_step_count{key}"]
+    assert steps - (after[bucket] - before[bucket]) > 0, "concurrent requests shared decoding steps"
+
+
+def test_imported_checkpoint_exports_to_onnx_and_serves_the_same_captions(imported, tmp_path):
+    image = jpeg(photo())
+    answers = {}
+    for backend in ("torch", "onnx"):
+        with serve(imported, backend=backend, onnx_dir=tmp_path / "onnx") as client:
+            model = {m["name"]: m for m in client.get("/models").json()}[imported.name]
+            assert model["backend"] == backend
+            answers[backend] = client.post("/caption", params={"beam_size": 3, "max_len": 8},
+                                           files={"file": ("x.jpg", image, "image/jpeg")}).json()
+    assert answers["onnx"]["caption"] == answers["torch"]["caption"]
+    np.testing.assert_allclose(answers["onnx"]["attention"], answers["torch"]["attention"], atol=1e-4)
+    np.testing.assert_allclose(answers["onnx"]["token_logprobs"], answers["torch"]["token_logprobs"], atol=1e-3)
+    assert (tmp_path / "onnx" / imported.name).is_dir()
