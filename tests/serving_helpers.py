@@ -184,7 +184,11 @@ class ServerProcess:
 
 def scrape(url: str) -> dict[str, float]:
     """``/metrics`` as {'name{labels}': value} (samples only)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {'name{labels}': value} (samples only)."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -6,8 +6,8 @@ step of ``caption_image_beam_search``; ``utils.py``: ``save_checkpoint`` and the
 Two changes keep the tests small, neither in the structure: the ``Encoder`` takes its torchvision ResNet as an
 argument (the tutorial builds ``resnet101(pretrained=True)``; the tests pass a random ``resnet18``, whose
 children and keys have the same layout), and the widths are small.  The classes live in a module named
-``models``, as the tutorial's ``train.py`` imports them, so that a pickle of them names ``models.Encoder`` etc.
-exactly as a released ``BEST_checkpoint_*.pth.tar`` does.
+``models``, as the tutorial's ``train.py`` imports them, so that a pickle of them names the module ``models`` and
+the classes exactly as a released ``BEST_checkpoint_*.pth.tar`` does.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 
 
 class Encoder(nn.Module):
-    """``models.Encoder``: the ResNet's children but the last two, adaptive average pooling, NHWC."""
+    """The tutorial's ``Encoder``: the ResNet's children but the last two, adaptive average pooling, NHWC."""
 
     def __init__(self, encoded_image_size=14, resnet=None):
         super(Encoder, self).__init__()
@@ -53,7 +53,7 @@ class Encoder(nn.Module):
 
 
 class Attention(nn.Module):
-    """``models.Attention``: ``full_att(relu(encoder_att(a) + decoder_att(h)))``, softmax over the pixels."""
+    """The tutorial's ``Attention``: ``full_att(relu(encoder_att(a) + decoder_att(h)))``, softmax over the pixels."""
 
     def __init__(self, encoder_dim, decoder_dim, attention_dim):
         super(Attention, self).__init__()
@@ -73,7 +73,7 @@ class Attention(nn.Module):
 
 
 class DecoderWithAttention(nn.Module):
-    """``models.DecoderWithAttention`` (its ``decoder_layers`` argument is the LSTMCell's third positional
+    """The tutorial's ``DecoderWithAttention`` (its ``decoder_layers`` argument is the LSTMCell's third positional
     argument, ``bias``, as published)."""
 
     def __init__(self, attention_dim, embed_dim, decoder_dim, vocab_size, decoder_layers=1, encoder_dim=2048,

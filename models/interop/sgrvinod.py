@@ -8,7 +8,7 @@ into the service's grid encoder with the checkpoint's own trunk weights.
 The tutorial's ``utils.save_checkpoint`` pickles whole modules (``torch.save`` of ``{'epoch', 'bleu-4',
 'encoder', 'decoder', 'encoder_optimizer', 'decoder_optimizer', ...}``), so the file is code to a plain
 ``torch.load``.  It is read with :class:`TutorialUnpickler`: every class the file may name (the tutorial's
-``models.Encoder`` / ``models.Attention`` / ``models.DecoderWithAttention``, the ``torch.nn`` layers and
+``Encoder``, ``Attention`` and ``DecoderWithAttention`` of its module ``models``, the ``torch.nn`` layers and
 torchvision's ResNet blocks they hold, the Adam optimizers) becomes a :class:`PickledModule` stand-in that only
 keeps its pickled attributes; tensors are rebuilt by PyTorch's own tensor rebuilders; any other global is refused
 with its name.  Nothing the file names is ever called or constructed.
