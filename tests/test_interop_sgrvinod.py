@@ -109,6 +109,13 @@ def test_imported_checkpoint_equals_the_tutorials_forward_pass(modules, imported
     assert_same_as_the_tutorial(modules, ckpt.model, ckpt.vocab, ckpt.encoder)
 
 
+def test_a_decoder_trained_with_data_parallel_imports_the_same(modules, files, tmp_path):
+    wrapped = tutorial.save_checkpoint(tmp_path, modules[0], torch.nn.DataParallel(modules[1]), WORDS)
+    plain, parallel = convert_sgrvinod(*files)[0], convert_sgrvinod(*wrapped)[0]
+    for (name, mine), theirs in zip(plain.state_dict().items(), parallel.state_dict().values()):
+        assert torch.equal(mine, theirs), name
+
+
 def test_files_of_pytorch_before_1_6_import_too(modules, tmp_path):
     checkpoint, word_map = tutorial.save_checkpoint(tmp_path, *modules, WORDS, legacy=True)
     model, vocab, spec, trunk, _ = convert_sgrvinod(checkpoint, word_map)

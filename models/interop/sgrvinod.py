@@ -9,9 +9,10 @@ The tutorial's ``utils.save_checkpoint`` pickles whole modules (``torch.save`` o
 'encoder', 'decoder', 'encoder_optimizer', 'decoder_optimizer', ...}``), so the file is code to a plain
 ``torch.load``.  It is read with :class:`TutorialUnpickler`: every class the file may name (the tutorial's
 ``Encoder``, ``Attention`` and ``DecoderWithAttention`` of its module ``models``, the ``torch.nn`` layers and
-torchvision's ResNet blocks they hold, the Adam optimizers) becomes a :class:`PickledModule` stand-in that only
-keeps its pickled attributes; tensors are rebuilt by PyTorch's own tensor rebuilders; any other global is refused
-with its name.  Nothing the file names is ever called or constructed.
+torchvision's ResNet blocks they hold, the Adam optimizers, ``nn.DataParallel``) becomes a :class:`PickledModule`
+stand-in that only keeps its pickled attributes; tensors are rebuilt by PyTorch's own tensor rebuilders, plain
+containers and ``torch.device`` are allowed; any other global is refused with its name.  No code of a class the
+file names ever runs.
 
 The decoder maps one to one (``decoder.<their name>`` → ours):
 
@@ -77,7 +78,8 @@ class PickledModule:
         return self.source.rsplit(".", 1)[-1]
 
     def children(self) -> dict[str, Any]:
-        return dict(self.state.get("_modules") or {})
+        modules = self.state.get("_modules")
+        return dict(modules) if isinstance(modules, dict) else {}
 
 
 def _stand_in(source: str) -> type[PickledModule]:
@@ -96,7 +98,7 @@ _STAND_INS = ([("models", name) for name in ("Encoder", "Attention", "DecoderWit
                   ("pooling", "MaxPool2d"), ("pooling", "AdaptiveAvgPool2d"), ("linear", "Linear"),
                   ("sparse", "Embedding"), ("dropout", "Dropout"), ("rnn", "LSTMCell"))]
               + [("torchvision.models.resnet", "BasicBlock"), ("torchvision.models.resnet", "Bottleneck"),
-                 ("torch.optim.adam", "Adam")])
+                 ("torch.optim.adam", "Adam"), ("torch.nn.parallel.data_parallel", "DataParallel")])
 
 
 class TutorialUnpickler(RestrictedUnpickler):
@@ -108,6 +110,7 @@ class TutorialUnpickler(RestrictedUnpickler):
                ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
                ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
                ("torch.nn.backends.thnn", "_get_thnn_function_backend"): _legacy_backend,
+               ("torch", "device"): torch.device,  # DataParallel's src_device_obj
                **{(module, name): value for module in ("builtins", "__builtin__")
                   for name, value in (("dict", dict), ("set", set), ("list", list), ("tuple", tuple))},
                ("collections", "OrderedDict"): __import__("collections").OrderedDict,
@@ -138,6 +141,11 @@ def load_tutorial_checkpoint(path: str | Path) -> dict[str, Any]:
     except Exception as error:  # a truncated or foreign file fails anywhere in torch's reader: say which file
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConversionError(f"{path} cannot be read as a tutorial checkpoint: {reason}") from None
+    if isinstance(checkpoint, dict):
+        for key in ("encoder", "decoder"):  # trained with nn.DataParallel (several GPUs): the wrapped module
+            module = checkpoint.get(key)
+            if isinstance(module, PickledModule) and module.kind == "DataParallel":
+                checkpoint[key] = module.children().get("module")
     if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), PickledModule)
                                                    for k in ("encoder", "decoder")):
         raise ConversionError(f"{path} is not a tutorial checkpoint: it needs 'encoder' and 'decoder' modules "
@@ -153,7 +161,8 @@ def module_tensors(module: PickledModule, prefix: str = "") -> dict[str, Tensor]
     ``_modules`` read as data, no hook run)."""
     found: dict[str, Tensor] = {}
     for group in ("_parameters", "_buffers"):
-        for name, value in (module.state.get(group) or {}).items():
+        values = module.state.get(group)
+        for name, value in (values.items() if isinstance(values, dict) else ()):
             if value is None:
                 continue
             if not isinstance(value, Tensor):
@@ -180,8 +189,8 @@ def _trunk(encoder: PickledModule) -> tuple[str, int, dict[str, Tensor]]:
     if len(sides) != 2 or sides[0] != sides[1] or not isinstance(sides[0], int) or sides[0] < 1:
         raise ConversionError(f"the encoder pools onto {size!r}: only a square grid is supported")
     stages = [resnet.children().get(str(index)) for index in range(4, 8)]
-    blocks = {stage.children()[key].kind for stage in stages if isinstance(stage, PickledModule)
-              for key in stage.children()}
+    blocks = {getattr(block, "kind", type(block).__name__) for stage in stages if isinstance(stage, PickledModule)
+              for block in stage.children().values()}
     shape = (next(iter(blocks)) if len(blocks) == 1 else "",
              tuple(len(stage.children()) if isinstance(stage, PickledModule) else 0 for stage in stages))
     if len(resnet.children()) != 8 or shape not in RESNETS:
