@@ -349,7 +349,7 @@ def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings
         runtime = load_runtime(checkpoint, settings)
         with tqdm(total=len(paths), initial=run.already_done, unit="img", desc="captioning", dynamic_ncols=True,
                   disable=None if progress is None else not progress, file=sys.stderr) as bar:
-            errors = ErrorLog(run.errors_file, say=bar.write)
+            errors = ErrorLog(run.errors_file, say=lambda line: bar.write(line, file=sys.stderr))
             run.summary = asyncio.run(caption_paths(runtime, settings, todo, lines, errors, options,
                                                     on_done=lambda: bar.update()))
         return run

@@ -59,6 +59,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
                          "(with --attention or --heatmaps DIR for the attention)")
     if args.checkpoint and len(args.checkpoint) > 1:
         raise SystemExit("error: an archive is captioned by one --checkpoint")
+    from pydantic import ValidationError
+
     from .archive import ArchiveError, ArchiveOptions, caption_archive, parse_shard
     from .settings import Settings
 
@@ -71,6 +73,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
                               settings, options, args.resume, parse_shard(args.shard or "0/1"), args.progress)
     except ArchiveError as exc:
         raise SystemExit(f"error: {exc}") from None
+    except ValidationError as exc:  # the CAPTIONER_* variables the archive shares with the service
+        raise SystemExit(f"error: settings: {'; '.join(e['msg'] for e in exc.errors())}") from None
     except KeyboardInterrupt:
         raise SystemExit(f"interrupted: the captions written so far are in {args.output}; run the same command "
                          "with --resume to finish") from None
