@@ -44,6 +44,8 @@ FSYNC_EVERY_S = 2.0
 NO_DEADLINE_S = 365 * 24 * 3600.0
 #: how long an interrupted run waits for the captions in flight before it stops the batcher
 STOP_WAIT_S = 1.0
+#: panel size of the per-word figures (caption_figure's default)
+FIGURE_PANEL = 224
 #: the fields of a caption line without ``attention=True`` (CaptionOut's names; ``path`` comes first)
 SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", "caption", "tokens", "token_logprobs", "score")
 
@@ -176,7 +178,8 @@ def write_figure(image, result: CaptionResult, out: Path) -> None:
     """The per-word figure (``captioner caption --overlay``'s), written whole or not at all (temporary + rename),
     before its caption line: a line never points at a missing or torn figure."""
     figure = caption_figure(image, result.tokens, result.hypothesis.attention.numpy(), result.geometry,
-                            default_mode(result.geometry, result.attention_kind), area_boxes=result.area_boxes)
+                            default_mode(result.geometry, result.attention_kind), area_boxes=result.area_boxes,
+                            panel_size=FIGURE_PANEL)
     partial = out.with_name(out.name + ".partial")
     figure.save(partial, format="PNG")
     os.replace(partial, out)
@@ -231,7 +234,12 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
 
     def read(path: str):
         image = load_image(Path(path).read_bytes(), settings.max_pixels)  # the service's decoding and limits
-        return image, runtime.prepare(image)
+        prepared = runtime.prepare(image)
+        if options.heatmaps is None:
+            return None, prepared  # the decoded image is not kept while its caption is decoded
+        # the figure is drawn on a thumbnail of at most twice its panel size: only that is kept in memory
+        image.thumbnail((2 * FIGURE_PANEL, 2 * FIGURE_PANEL))
+        return image, prepared
 
     async def one(path: str) -> None:
         try:

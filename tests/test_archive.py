@@ -57,7 +57,7 @@ def run_env(**settings: str) -> dict[str, str]:
 
 
 def test_an_archive_killed_mid_way_is_resumed_with_every_image_exactly_once(tmp_path):
-    images = photo_archive(tmp_path / "archive", 40)
+    images = photo_archive(tmp_path / "archive", 30)
     (tmp_path / "archive" / "part1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
     out = tmp_path / "captions.jsonl"
     command = [sys.executable, "-m", "captioner.service.cli", "caption", str(tmp_path / "archive"), "--output",
