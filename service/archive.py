@@ -229,6 +229,8 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
     loop = asyncio.get_running_loop()
     slots = asyncio.Semaphore(window)
     readers = ThreadPoolExecutor(options.readers, thread_name_prefix="archive-reader")
+    # one thread draws the figures: they are drawn with pyplot, whose figure registry is not thread-safe
+    figures = ThreadPoolExecutor(1, thread_name_prefix="archive-figures")
     if options.heatmaps is not None:
         options.heatmaps.mkdir(parents=True, exist_ok=True)
 
@@ -254,7 +256,7 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
             record = caption_record(path, result, options.attention)
             if options.heatmaps is not None:
                 figure = heatmap_file(options.heatmaps, path)
-                await loop.run_in_executor(readers, write_figure, image, result, figure)
+                await loop.run_in_executor(figures, write_figure, image, result, figure)
                 record["heatmap"] = str(figure)
             output.write(record)
             summary.captioned += 1
@@ -288,6 +290,7 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
         return summary
     finally:
         readers.shutdown(wait=False, cancel_futures=True)
+        figures.shutdown(wait=False, cancel_futures=True)
         # finished: the worker is idle and stops at once; interrupted: the captions in flight are dropped (they
         # are not in the output, so --resume captions them) after a short wait
         await batcher.stop(timeout_s=STOP_WAIT_S)
