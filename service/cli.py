@@ -1,4 +1,5 @@
-"""The ``captioner`` console script: the models' subcommands (``export`` included) plus ``serve``."""
+"""The ``captioner`` console script: the models' subcommands (``export`` included) plus ``serve``, and the archive
+mode of ``caption`` (``--output``: service/archive.py), which drives the service's batcher."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import argparse
 import faulthandler
 import signal
 import sys
+from pathlib import Path
 
-from captioner.models.cli.commands import add_commands
+from captioner.models.cli.commands import DEFAULT_CHECKPOINT, add_commands, cmd_caption as caption_files
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -38,11 +40,81 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(3)  # what uvicorn.run does when start-up fails (e.g. the port is taken)
 
 
+ARCHIVE_ONLY = ("resume", "shard", "attention", "heatmaps")
+
+
+def cmd_caption(args: argparse.Namespace) -> None:
+    """``captioner caption``: the models' command for a few images (printed), or, with ``--output``, the archive
+    use case (service/archive.py) for folders and lists of any size."""
+    given = [f"--{name}" for name in ARCHIVE_ONLY if getattr(args, name) not in (None, False)]
+    if args.output is None:
+        if given:
+            raise SystemExit(f"error: {', '.join(given)} {'needs' if len(given) == 1 else 'need'} --output FILE.jsonl (captioning an archive)")
+        folders = [path for path in args.images if Path(path).is_dir()]
+        if folders:
+            raise SystemExit(f"error: {folders[0]} is a folder: caption an archive with --output FILE.jsonl")
+        return caption_files(args)
+    if args.overlay or args.token is not None or args.json:
+        raise SystemExit("error: --overlay, --token and --json show a few images; an archive writes --output "
+                         "(with --attention or --heatmaps DIR for the attention)")
+    if args.checkpoint and len(args.checkpoint) > 1:
+        raise SystemExit("error: an archive is captioned by one --checkpoint")
+    from pydantic import ValidationError
+
+    from .archive import ArchiveError, ArchiveOptions, caption_archive, parse_shard
+    from .settings import Settings
+
+    try:
+        settings = Settings(**{k: v for k, v in {"device": None if args.device == "auto" else args.device,
+                                                 "threads": args.threads}.items() if v is not None})
+        options = ArchiveOptions(args.beam_size, args.max_len, args.attention,
+                                 Path(args.heatmaps) if args.heatmaps else None, args.readers)
+        run = caption_archive(args.images, Path(args.output), Path((args.checkpoint or [DEFAULT_CHECKPOINT])[0]),
+                              settings, options, args.resume, parse_shard(args.shard or "0/1"), args.progress)
+    except ArchiveError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    except ValidationError as exc:  # the CAPTIONER_* variables the archive shares with the service
+        raise SystemExit(f"error: settings: {'; '.join(e['msg'] for e in exc.errors())}") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"interrupted: the captions written so far are in {args.output}; run the same command "
+                         "with --resume to finish") from None
+    done = run.summary
+    if run.dropped_tail:
+        print(f"dropped a torn last line ({run.dropped_tail} bytes) of {args.output}: its image is captioned again",
+              file=sys.stderr)
+    print(f"{args.output}: {run.already_done + done.captioned} of {run.total} images captioned "
+          f"({done.captioned} now at {done.images_per_s:.2f} images/s, {run.already_done} before)"
+          + (f"; {done.skipped} unreadable, listed in {run.errors_file}" if done.skipped else ""), file=sys.stderr)
+
+
+def add_archive_arguments(cap: argparse.ArgumentParser) -> None:
+    cap.add_argument("--output", metavar="FILE.jsonl",
+                     help="caption an archive: IMAGES are folders (walked recursively), image files or text files "
+                          "listing image paths one per line; one JSON line per image is appended here, in the order "
+                          "captions finish (unreadable files: FILE.errors.jsonl and stderr)")
+    cap.add_argument("--resume", action="store_true",
+                     help="continue --output after a crash or Ctrl-C: images it holds are skipped, a torn last line "
+                          "is dropped")
+    cap.add_argument("--shard", metavar="I/N",
+                     help="caption only shard I of N (0-based; by a hash of each path), e.g. a Kubernetes Indexed "
+                          "Job's $JOB_COMPLETION_INDEX/N")
+    cap.add_argument("--attention", action="store_true",
+                     help="with --output: every line also holds the attention rows, geometry and extras (as the "
+                          "service answers)")
+    cap.add_argument("--heatmaps", metavar="DIR",
+                     help="with --output: write each image's per-word figure here; its line names the file")
+    cap.add_argument("--readers", type=int, default=2, help="with --output: threads reading and decoding files")
+    cap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bar with images/s on stderr (default: when stderr is a terminal)")
+    cap.set_defaults(func=cmd_caption)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="captioner", description="Attention image captioning: data, training, "
                                      "evaluation and an HTTP service with per-word attention heatmaps.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub)
+    add_archive_arguments(sub.choices["caption"])
     serve = sub.add_parser("serve", help="run the HTTP service (settings from CAPTIONER_* variables; flags win)")
     serve.add_argument("--host", help="bind address (CAPTIONER_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (CAPTIONER_PORT, default 8000)")

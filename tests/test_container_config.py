@@ -312,3 +312,51 @@ def test_the_docs_show_the_commands_the_make_target_runs():
     assert "buildah build --isolation chroot --format docker" in docker_readme
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^container:.*\n\tdocker/build_and_check\.sh", makefile, re.M)
+
+
+# -- the archive Job (captioner caption --shard) --------------------------------------------------------------------
+
+ARCHIVE = K8S / "archive"
+
+
+def archive_jobs() -> dict[str, dict]:
+    """The archive Job (GPU) and its CPU variant after the overlay's patch, as kustomize builds them."""
+    (job,) = yaml.safe_load_all((ARCHIVE / "job.yaml").read_text())
+    assert yaml.safe_load((ARCHIVE / "kustomization.yaml").read_text())["resources"] == ["job.yaml"]
+    overlay = yaml.safe_load((ARCHIVE / "cpu" / "kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../"] and overlay["patches"][0]["target"]["name"] == job["metadata"]["name"]
+    patch = json.loads((ARCHIVE / "cpu" / overlay["patches"][0]["path"]).read_text())
+    return {"gpu": job, "cpu": apply_json_patch(job, patch)}
+
+
+def test_the_archive_jobs_validate_and_give_each_completion_index_its_own_shard():
+    from captioner.service.cli import build_parser
+
+    for variant, job in archive_jobs().items():
+        kubernetes_validate.validate(job, KUBERNETES_VERSION, strict=True)
+        spec = job["spec"]
+        assert spec["completionMode"] == "Indexed" and spec["template"]["spec"]["restartPolicy"] == "Never"
+        container = container_of(job)
+        assert container["command"] == ["captioner"]
+        args = build_parser().parse_args(container["args"])
+        # every index i runs shard i/N with N = completions, into a file of its own that a retried pod resumes
+        assert args.shard == f"$(JOB_COMPLETION_INDEX)/{spec['completions']}"
+        assert "$(JOB_COMPLETION_INDEX)" in args.output and args.resume
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert any(args.images[0].startswith(path) and m.get("readOnly") for path, m in mounts.items())
+        assert any(args.output.startswith(path) and not m.get("readOnly") for path, m in mounts.items())
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True and "/tmp" in mounts
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert set(env) <= SETTING_NAMES
+        gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+        assert (env["CAPTIONER_DEVICE"], gpus, container["image"].rsplit(":", 1)[1]) == (
+            ("cuda", 1, "gpu") if variant == "gpu" else ("cpu", None, "cpu"))
+        if variant == "cpu":
+            assert "nvidia.com/gpu" not in json.dumps(job)
+
+
+def test_the_docker_readme_shows_the_archive_job_commands():
+    docker_readme = (DOCKER / "README.md").read_text()
+    for command in ("kubectl apply -k docker/k8s/archive", "kubectl apply -k docker/k8s/archive/cpu",
+                    "kubectl wait --for=condition=complete job/captioner-archive"):
+        assert command in docker_readme, command

@@ -1,0 +1,370 @@
+"""The archive use case: many image files → one JSON Lines file of captions, by the service's own engine.
+
+``captioner caption DIR|LIST... --output captions.jsonl`` loads the checkpoint as the service does
+(:func:`~.runtime.load_runtimes`: the same backends, precision and thread settings, ``CAPTIONER_*`` variables
+included), starts one :class:`~.batcher.Batcher` (continuous batching, encoder batches chosen by warm-up) and
+feeds it from a pool of reader threads that decode and preprocess the files, keeping just enough images in flight
+to fill the batcher's rows.  No HTTP, no second engine: the batcher sees what the app's use case would send it.
+
+Crash safety (docs/decisions.md, "Captioning an archive"): every caption is one line, written with one ``write``
+and flushed as soon as it is known, so a killed process (``kill -9``, Ctrl-C) loses only the images still in
+flight; ``fsync`` runs every ``FSYNC_EVERY_S`` and at exit, so a machine crash loses at most that much.  With
+``resume`` the lines already there are skipped, and a torn last line (a crash in the middle of a write) is cut
+off before anything is appended, so no image is written twice or lost.  Lines come in the order captions finish,
+not the input order.  Unreadable files are reported (stderr and ``OUT.errors.jsonl``) and skipped; ``resume``
+tries them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from captioner.models.encoder import ImageDecodeError, load_image
+from captioner.models.inference import CaptionResult, Runtime
+from captioner.models.rendering.heatmaps import caption_figure, default_mode
+
+from .batcher import Batcher
+from .schemas import CaptionOut
+from .settings import Settings
+
+#: what a folder walk picks up (the formats the service accepts: README, "Service")
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
+#: a machine crash loses at most this many seconds of captions (a killed process loses none that were written)
+FSYNC_EVERY_S = 2.0
+#: an archive job has no request deadline: the batcher's deadline machinery is given one it never reaches
+NO_DEADLINE_S = 365 * 24 * 3600.0
+#: how long an interrupted run waits for the captions in flight before it stops the batcher
+STOP_WAIT_S = 1.0
+#: panel size of the per-word figures (caption_figure's default)
+FIGURE_PANEL = 224
+#: the fields of a caption line without ``attention=True`` (CaptionOut's names; ``path`` comes first)
+SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", "caption", "tokens", "token_logprobs", "score")
+
+
+class ArchiveError(RuntimeError):
+    """A problem with the command's inputs or output file (the CLI prints it as one line)."""
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+def list_images(sources: Iterable[str | Path]) -> list[str]:
+    """The image paths of ``sources``, sorted and without repeats: a folder contributes every file below it whose
+    suffix is an image format's (walked recursively), an image file itself, and any other file is a list of paths,
+    one per line (blank lines and ``#`` comments skipped; relative paths are relative to the working directory)."""
+    found: set[str] = set()
+    for source in map(Path, sources):
+        if source.is_dir():
+            found.update(str(p) for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        elif source.suffix.lower() in IMAGE_SUFFIXES:
+            found.add(str(source))
+        elif source.is_file():
+            try:
+                lines = source.read_text().splitlines()
+            except UnicodeDecodeError:
+                raise ArchiveError(f"{source} is neither an image nor a text list of image paths") from None
+            found.update(s for s in (line.strip() for line in lines) if s and not s.startswith("#"))
+        else:
+            raise ArchiveError(f"{source}: no such folder, image or list file")
+    return sorted(found)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` → ``(i, n)`` with ``0 <= i < n`` (a Kubernetes Indexed Job's completion index and count)."""
+    index, sep, count = text.partition("/")
+    try:
+        shard = (int(index), int(count))
+    except ValueError:
+        shard = (-1, 0)
+    if not sep or not 0 <= shard[0] < shard[1]:
+        raise ArchiveError(f"--shard wants INDEX/COUNT with 0 <= INDEX < COUNT, got {text!r}")
+    return shard
+
+
+def shard_of(path: str, count: int) -> int:
+    """The shard a path belongs to: SHA-256 of the path as written, modulo ``count``.  A hash of the path (not
+    its position in the list) keeps every machine's share fixed when files are added to the archive, and needs
+    no coordination: each machine lists the inputs and keeps its own."""
+    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "big") % count
+
+
+def select_shard(paths: list[str], index: int, count: int) -> list[str]:
+    return [p for p in paths if shard_of(p, count) == index]
+
+
+# -- output ---------------------------------------------------------------------------------------------------------
+def errors_path(output: Path) -> Path:
+    """Where the unreadable files of a run are listed: ``captions.jsonl`` → ``captions.errors.jsonl``."""
+    return output.with_name(f"{output.stem}.errors{output.suffix or '.jsonl'}")
+
+
+class CaptionLines:
+    """An append-only JSON Lines file that survives being killed: see the module docstring."""
+
+    def __init__(self, path: Path, resume: bool, fsync_every_s: float = FSYNC_EVERY_S):
+        self.path, self.fsync_every_s = path, fsync_every_s
+        self.done: set[str] = set()
+        self.dropped_tail = 0  # bytes of a torn last line cut off on resume
+        if path.exists() and path.stat().st_size and not resume:
+            raise ArchiveError(f"{path} already holds captions: add --resume to continue it, or remove it")
+        if resume and path.exists():
+            self._recover()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")
+        self._synced = time.monotonic()
+
+    def _recover(self) -> None:
+        """Read what an earlier run wrote and cut off a torn last line (one without its newline, or whose JSON is
+        cut short), so that the next line appended starts on a line of its own."""
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1  # everything after the last newline is a torn line
+        lines = data[:end].splitlines()
+        for number, line in enumerate(lines, 1):
+            try:
+                record = json.loads(line)
+                self.done.add(record["path"])
+            except (ValueError, KeyError, TypeError):
+                if number < len(lines):  # not the tail of a crash: somebody else's file, refuse to touch it
+                    raise ArchiveError(f"{self.path}, line {number}, is not a caption line: not an archive's "
+                                       "output (nothing was changed)") from None
+                end -= len(line) + 1
+        if end < len(data):
+            self.dropped_tail = len(data) - end
+            with open(self.path, "r+b") as file:
+                file.truncate(end)
+                os.fsync(file.fileno())
+
+    def write(self, record: dict) -> None:
+        # one write call per complete line, flushed at once: a process killed after it loses nothing of it
+        self._file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+        self._file.flush()
+        self.done.add(record["path"])
+        if time.monotonic() - self._synced >= self.fsync_every_s:
+            self.sync()
+
+    def sync(self) -> None:
+        os.fsync(self._file.fileno())
+        self._synced = time.monotonic()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            self.sync()
+            self._file.close()
+
+
+def caption_record(path: str, result: CaptionResult, attention: bool) -> dict:
+    """One output line: the path and the service's caption fields (:class:`~.schemas.CaptionOut`, same names and
+    rounding), with the attention rows, geometry and extras only when asked for (they are most of its size)."""
+    fields = CaptionOut.of(result).model_dump(exclude={"id"}, exclude_none=True)
+    if not attention:
+        fields = {name: fields[name] for name in SUMMARY_FIELDS}
+    return {"path": path, **fields}
+
+
+def heatmap_file(folder: Path, path: str) -> Path:
+    """A file name per input, unique even for equal names in different folders: ``<stem>-<hash of the path>.png``."""
+    return folder / f"{Path(path).stem}-{hashlib.sha256(path.encode()).hexdigest()[:12]}.png"
+
+
+def write_figure(image, result: CaptionResult, out: Path) -> None:
+    """The per-word figure (``captioner caption --overlay``'s), written whole or not at all (temporary + rename),
+    before its caption line: a line never points at a missing or torn figure."""
+    figure = caption_figure(image, result.tokens, result.hypothesis.attention.numpy(), result.geometry,
+                            default_mode(result.geometry, result.attention_kind), area_boxes=result.area_boxes,
+                            panel_size=FIGURE_PANEL)
+    partial = out.with_name(out.name + ".partial")
+    figure.save(partial, format="PNG")
+    os.replace(partial, out)
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+@dataclass
+class ArchiveOptions:
+    beam_size: int = 3
+    max_len: int = 20
+    attention: bool = False  # attention rows, geometry and extras in every line
+    heatmaps: Path | None = None  # a folder for per-word figures, one PNG per image
+    readers: int = 2  # threads that read, decode and preprocess files
+
+
+@dataclass
+class ArchiveSummary:
+    captioned: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.captioned / self.seconds if self.seconds else 0.0
+
+
+def in_flight(settings: Settings, beam_size: int) -> int:
+    """Images read ahead of the batcher: enough to fill its rows (``max_rows`` / beam) plus one encoder batch
+    waiting, so decoding never starves; more would only hold decoded images in memory."""
+    return max(1, settings.max_rows // beam_size) + settings.max_batch_images
+
+
+async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], output: CaptionLines,
+                        report_error: Callable[[str, str], None], options: ArchiveOptions,
+                        on_done: Callable[[], None] = lambda: None) -> ArchiveSummary:
+    """Caption ``paths`` with ``runtime`` through a batcher made from ``settings`` (the app's construction and
+    warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
+    ``on_done`` is called once per image, captioned or skipped (the progress bar)."""
+    from .app import warm_up  # the composition root's warm-up, shared so that both engines start alike
+
+    window = in_flight(settings, options.beam_size)
+    # its queue holds every image in flight, so the batcher never refuses one (QueueFull is HTTP back-pressure)
+    batcher = Batcher(runtime, settings.max_batch_images, window, settings.max_rows,
+                      overlap_encoding=settings.overlap_encoding)
+    batcher.start()
+    summary = ArchiveSummary()
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(window)
+    readers = ThreadPoolExecutor(options.readers, thread_name_prefix="archive-reader")
+    # one thread draws the figures: they are drawn with pyplot, whose figure registry is not thread-safe
+    figures = ThreadPoolExecutor(1, thread_name_prefix="archive-figures")
+    if options.heatmaps is not None:
+        options.heatmaps.mkdir(parents=True, exist_ok=True)
+
+    def read(path: str):
+        image = load_image(Path(path).read_bytes(), settings.max_pixels)  # the service's decoding and limits
+        prepared = runtime.prepare(image)
+        if options.heatmaps is None:
+            return None, prepared  # the decoded image is not kept while its caption is decoded
+        # the figure is drawn on a thumbnail of at most twice its panel size: only that is kept in memory
+        image.thumbnail((2 * FIGURE_PANEL, 2 * FIGURE_PANEL))
+        return image, prepared
+
+    async def one(path: str) -> None:
+        try:
+            try:
+                image, prepared = await loop.run_in_executor(readers, read, path)
+            except (ImageDecodeError, OSError) as exc:
+                summary.skipped += 1
+                report_error(path, str(exc) if isinstance(exc, ImageDecodeError) else f"cannot read it ({exc})")
+                on_done()
+                return
+            result = await batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S).future
+            record = caption_record(path, result, options.attention)
+            if options.heatmaps is not None:
+                figure = heatmap_file(options.heatmaps, path)
+                await loop.run_in_executor(figures, write_figure, image, result, figure)
+                record["heatmap"] = str(figure)
+            output.write(record)
+            summary.captioned += 1
+            on_done()
+        finally:
+            slots.release()
+
+    try:
+        if settings.warmup:
+            await warm_up(batcher, settings)
+        started = time.perf_counter()
+        tasks: set[asyncio.Task] = set()
+        failures: list[BaseException] = []
+
+        def finished(task: asyncio.Task) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())
+
+        for path in paths:
+            await slots.acquire()
+            if failures:
+                break  # a failure (not an unreadable file) stops the run once the captions in flight are written
+            task = asyncio.create_task(one(path))
+            tasks.add(task)
+            task.add_done_callback(finished)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if failures:
+            raise failures[0]
+        summary.seconds = time.perf_counter() - started
+        return summary
+    finally:
+        readers.shutdown(wait=False, cancel_futures=True)
+        figures.shutdown(wait=False, cancel_futures=True)
+        # finished: the worker is idle and stops at once; interrupted: the captions in flight are dropped (they
+        # are not in the output, so --resume captions them) after a short wait
+        await batcher.stop(timeout_s=STOP_WAIT_S)
+
+
+class ErrorLog:
+    """Where :func:`caption_paths` reports unreadable files: a line on stderr (``say``) and a JSON line in
+    ``path``, which lists the latest run's errors (each run rewrites it: ``--resume`` tries those files again)."""
+
+    def __init__(self, path: Path, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.say, self.count = path, say, 0
+        self._file = open(path, "w")
+
+    def __call__(self, image: str, reason: str) -> None:
+        self.say(f"skipped {image}: {reason}")
+        self._file.write(json.dumps({"path": image, "error": reason}, ensure_ascii=False) + "\n")
+        self._file.flush()
+        self.count += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def load_runtime(checkpoint: Path, settings: Settings) -> Runtime:
+    """``checkpoint`` as the service would run it (:func:`~.runtime.load_runtimes` with the settings' backend,
+    device, threads and precisions)."""
+    from captioner.models.device import set_threads
+
+    from .runtime import load_runtimes
+
+    set_threads(settings.threads)
+    runtimes = load_runtimes(None, [checkpoint], settings.device, settings.backends, settings.backend,
+                             settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision)
+    if not runtimes:
+        raise ArchiveError(f"{checkpoint} is not a loadable checkpoint (see the message above)")
+    return next(iter(runtimes.values()))
+
+
+@dataclass
+class ArchiveRun:
+    """What ``captioner caption ... --output`` did: the images of its shard, those already in the output before
+    it started, and what this run captioned and skipped."""
+
+    total: int
+    already_done: int
+    summary: ArchiveSummary
+    errors_file: Path
+    dropped_tail: int = 0
+
+
+def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings: Settings, options: ArchiveOptions,
+                    resume: bool = False, shard: tuple[int, int] = (0, 1), progress: bool | None = None) -> ArchiveRun:
+    """The whole command: list the images of ``sources``, keep ``shard``'s, skip those ``output`` already holds
+    (``resume``), caption the rest into it.  ``progress``: a progress bar with images/s on stderr (None: when
+    stderr is a terminal)."""
+    from tqdm import tqdm
+
+    paths = select_shard(list_images(sources), *shard)
+    lines = CaptionLines(output, resume)
+    errors = None
+    try:
+        todo = [p for p in paths if p not in lines.done]
+        run = ArchiveRun(len(paths), len(paths) - len(todo), ArchiveSummary(), errors_path(output), lines.dropped_tail)
+        if not todo:
+            return run
+        runtime = load_runtime(checkpoint, settings)
+        with tqdm(total=len(paths), initial=run.already_done, unit="img", desc="captioning", dynamic_ncols=True,
+                  disable=None if progress is None else not progress, file=sys.stderr) as bar:
+            errors = ErrorLog(run.errors_file, say=lambda line: bar.write(line, file=sys.stderr))
+            run.summary = asyncio.run(caption_paths(runtime, settings, todo, lines, errors, options,
+                                                    on_done=lambda: bar.update()))
+        return run
+    finally:
+        lines.close()
+        if errors is not None:
+            errors.close()

@@ -1,0 +1,217 @@
+"""``captioner caption DIR|LIST --output FILE.jsonl``: an archive captioned by the service's batcher, resumed after a
+real ``kill -9``, with unreadable files reported and skipped and ``--shard`` partitioning the input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from skimage import data
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.models.pipeline import Pipeline
+from captioner.service.archive import ArchiveError, ArchiveOptions, CaptionLines, caption_archive, list_images, \
+    select_shard, shard_of
+from captioner.service.cli import main
+from captioner.service.settings import Settings
+
+from .conftest import DEFAULT_CHECKPOINT, ROOT
+from .serving_helpers import TINY_SPEC, VOCAB, random_images, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat", "hubble_deep_field")
+
+
+def photo_archive(folder: Path, count: int) -> list[str]:
+    """``count`` JPEGs cut from scikit-image's bundled photos, spread over nested folders, plus a file the folder
+    walk must ignore; their paths as the archive lists them."""
+    photos = [getattr(data, name)() for name in PHOTOS]
+    paths = []
+    for i in range(count):
+        pixels = photos[i % len(photos)]
+        h, w = pixels.shape[:2]
+        top, left = (i * 37) % (h // 3), (i * 53) % (w // 3)
+        path = folder / f"part{i % 3}" / ("deeper" if i % 5 == 0 else "") / f"photo{i:03d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels[top:top + h // 2 + i, left:left + w // 2 + i]).save(path, quality=90)
+        paths.append(str(path))
+    (folder / "part0" / "notes.txt").write_text("not an image")
+    return sorted(paths)
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_env(**settings: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CAPTIONER_BACKEND": "torch", "CAPTIONER_WARMUP": "false"}
+    return {**env, **{f"CAPTIONER_{k.upper()}": v for k, v in settings.items()}}
+
+
+def test_an_archive_killed_mid_way_is_resumed_with_every_image_exactly_once(tmp_path):
+    images = photo_archive(tmp_path / "archive", 30)
+    (tmp_path / "archive" / "part1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+    out = tmp_path / "captions.jsonl"
+    command = [sys.executable, "-m", "captioner.service.cli", "caption", str(tmp_path / "archive"), "--output",
+               str(out), "--checkpoint", str(DEFAULT_CHECKPOINT), "--threads", "1", "--readers", "1"]
+    # one image at a time, so that the kill surely lands with most of the archive still to do
+    slow = subprocess.Popen(command, cwd=ROOT, env=run_env(max_rows="3", max_beam_size="3", max_batch_images="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 4):
+        assert slow.poll() is None, slow.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no captions after 300 s"
+        time.sleep(0.02)
+    slow.send_signal(signal.SIGKILL)
+    slow.wait(timeout=30)
+    slow.stderr.close()
+    before = out.read_bytes()
+    written = [json.loads(line) for line in before.splitlines()]
+    assert 4 <= len(written) < len(images), "the kill must land mid-way"
+    # a crash in the middle of a write (power loss, full disk) leaves a torn line: simulate one for an image
+    # that is not yet in the file
+    missing = sorted(set(images) - {r["path"] for r in written})
+    with open(out, "ab") as file:
+        file.write(json.dumps({"path": missing[0], "caption": "a torn"}).encode()[:-9])
+
+    done = subprocess.run(command + ["--resume"], cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = out.read_bytes()
+    assert after.startswith(before), "resuming must keep every line written before the kill, unchanged"
+    records = read_lines(out)
+    paths = [r["path"] for r in records]
+    assert sorted(paths) == images  # every image exactly once: none lost, none twice, the broken one absent
+    assert all(r["caption"] and r["tokens"] and r["model"] == "sat" for r in records)
+    assert "dropped a torn last line" in done.stderr
+    assert f"{len(images)} of {len(images) + 1} images captioned" in done.stderr
+    broken = str(tmp_path / "archive" / "part1" / "broken.jpg")
+    assert f"skipped {broken}" in done.stderr
+    assert read_lines(tmp_path / "captions.errors.jsonl") == [{"path": broken, "error": read_lines(
+        tmp_path / "captions.errors.jsonl")[0]["error"]}]
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint_folder(tmp_path_factory) -> Path:
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+
+
+@pytest.fixture
+def small_archive(tmp_path) -> list[str]:
+    paths = []
+    for i, image in enumerate(random_images(12, seed=3)):
+        path = tmp_path / "archive" / ("a" if i % 2 else "b") / f"img{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        image.save(path)
+        paths.append(str(path))
+    return sorted(paths)
+
+
+def settings(**overrides) -> Settings:
+    return Settings(backend="torch", warmup=False, threads=1, **overrides)
+
+
+def test_unreadable_files_are_reported_skipped_and_tried_again_on_resume(tmp_path, tiny_checkpoint_folder,
+                                                                         small_archive, capsys):
+    truncated = tmp_path / "archive" / "a" / "truncated.png"
+    truncated.write_bytes(Path(small_archive[0]).read_bytes()[:200])
+    (tmp_path / "archive" / "b" / "empty.jpg").write_bytes(b"")
+    listing = tmp_path / "list.txt"
+    listing.write_text("# the archive, and a file that is gone\n" + "\n".join([*small_archive, str(truncated)])
+                       + f"\n\n{tmp_path / 'gone.jpg'}\n")
+    out = tmp_path / "out.jsonl"
+    main(["caption", str(listing), "--output", str(out), "--checkpoint", str(tiny_checkpoint_folder), "--threads", "1",
+          "--max-len", "4"])
+    errors = {r["path"]: r["error"] for r in read_lines(tmp_path / "out.errors.jsonl")}
+    assert set(errors) == {str(truncated), str(tmp_path / "gone.jpg")}
+    assert "truncated or corrupt" in errors[str(truncated)] and "gone.jpg" in errors[str(tmp_path / "gone.jpg")]
+    assert sorted(r["path"] for r in read_lines(out)) == small_archive
+    stderr = capsys.readouterr().err
+    assert f"skipped {truncated}: " in stderr and "2 unreadable" in stderr
+    # fixed since: --resume tries it again, and captions only it
+    Image.open(small_archive[0]).save(truncated)
+    main(["caption", str(listing), "--output", str(out), "--checkpoint", str(tiny_checkpoint_folder), "--threads", "1",
+          "--max-len", "4", "--resume"])
+    assert sorted(r["path"] for r in read_lines(out)) == sorted([*small_archive, str(truncated)])
+    assert list(read_lines(tmp_path / "out.errors.jsonl")) == [{"path": str(tmp_path / "gone.jpg"),
+                                                              "error": errors[str(tmp_path / "gone.jpg")]}]
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    """In-process runs read the service's CAPTIONER_* settings like the subprocesses: PyTorch, no warm-up."""
+    monkeypatch.setenv("CAPTIONER_BACKEND", "torch")
+    monkeypatch.setenv("CAPTIONER_WARMUP", "false")
+
+
+def test_shards_partition_the_input_deterministically(tmp_path, tiny_checkpoint_folder, small_archive):
+    names = [f"photos/{i:05d}.jpg" for i in range(1000)]
+    for count in (1, 2, 3, 7):
+        shards = [select_shard(names, i, count) for i in range(count)]
+        assert sorted(p for shard in shards for p in shard) == names  # each path in exactly one shard
+        assert shards == [select_shard(list(reversed(names)), i, count)[::-1] for i in range(count)]  # order-free
+        assert all(abs(len(s) - 1000 / count) < 5 * (1000 / count) ** 0.5 for s in shards)  # and about even
+    # a file added to the archive moves no other file to another shard (an index-based split would)
+    grown = sorted([*names, "photos/00000a.jpg"])
+    assert all(p in select_shard(grown, shard_of(p, 3), 3) for p in names)
+    outputs = []
+    for index in range(3):
+        run = caption_archive([str(tmp_path / "archive")], tmp_path / f"shard{index}.jsonl", tiny_checkpoint_folder,
+                              settings(), ArchiveOptions(max_len=4), shard=(index, 3), progress=False)
+        outputs.append([r["path"] for r in read_lines(tmp_path / f"shard{index}.jsonl")])
+        assert run.total == len(outputs[-1]) == run.summary.captioned
+    assert sorted(p for shard in outputs for p in shard) == small_archive
+    assert all(shard for shard in outputs)
+
+
+def test_archive_captions_equal_the_single_image_command_and_carry_attention_on_request(
+        tmp_path, tiny_checkpoint_folder, small_archive):
+    out = tmp_path / "out.jsonl"
+    caption_archive([small_archive[0], str(tmp_path / "archive" / "b")], out, tiny_checkpoint_folder,
+                    settings(max_batch_images=4), ArchiveOptions(beam_size=2, max_len=6, attention=True,
+                                                                 heatmaps=tmp_path / "figures"), progress=False)
+    records = {r["path"]: r for r in read_lines(out)}
+    assert set(records) == {small_archive[0], *(p for p in small_archive if "/b/" in p)}
+    pipeline = Pipeline(tiny_checkpoint_folder)
+    for path, record in records.items():
+        (alone,) = pipeline([path], beam_size=2, max_len=6)
+        assert record["tokens"] == alone.tokens and record["beam_size"] == 2
+        assert len(record["attention"]) == len(record["tokens"]) == len(record["is_eos"])
+        assert all(abs(sum(row) - 1) < 1e-4 for row in record["attention"])
+        assert record["geometry"]["grid_hw"] and Image.open(record["heatmap"]).format == "PNG"
+    assert len(list((tmp_path / "figures").iterdir())) == len(records)  # no partial files left behind
+
+
+def test_an_output_is_never_overwritten_or_resumed_from_a_foreign_file(tmp_path, tiny_checkpoint_folder,
+                                                                       small_archive):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"path": "x.jpg", "caption": "c"}\n')
+    with pytest.raises(ArchiveError, match="--resume"):
+        CaptionLines(out, resume=False)
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_text('{"note": 1}\n{"path": "x.jpg"}\n')
+    with pytest.raises(ArchiveError, match="line 1"):
+        CaptionLines(foreign, resume=True)
+    assert foreign.read_text() == '{"note": 1}\n{"path": "x.jpg"}\n'
+    assert list_images([str(tmp_path / "archive")]) == small_archive
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["caption", "DIR", "--resume"], "--resume needs --output"),
+    (["caption", "DIR"], "is a folder: caption an archive with --output"),
+    (["caption", "DIR", "--output", "o.jsonl", "--shard", "2/2"], "0 <= INDEX < COUNT"),
+    (["caption", "DIR", "--output", "o.jsonl", "--overlay", "f.png"], "--overlay, --token and --json"),
+    (["caption", "DIR/missing", "--output", "o.jsonl"], "no such folder, image or list file"),
+])
+def test_archive_mistakes_are_one_line_errors(tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main([arg.replace("DIR", str(tmp_path)).replace("o.jsonl", str(tmp_path / "o.jsonl")) for arg in argv])
+    assert message in str(exited.value) and "\n" not in str(exited.value)
