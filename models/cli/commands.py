@@ -159,7 +159,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint
     from ..data.stores import open_feature_store
-    from ..data.karpathy import load_karpathy
+    from ..data.datasets import load_captioned, resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
     from ..training import evaluate_checkpoint
@@ -167,14 +167,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
+    dataset = resolve_dataset(args.dataset)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
                               "encoder_precision": args.encoder_precision}
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
-        images = load_karpathy(dataset, args.image_root, (split,), limit=args.limit)
+        images = load_captioned(dataset, args.image_root, (split,), limit=args.limit)
         if not images:
             raise SystemExit(f"error: split {split!r} of {dataset} is empty")
         # by default the features the model was trained on (grid, or regions:DIR)
@@ -215,13 +213,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from ..data.karpathy import load_karpathy
+    from ..data.datasets import load_captioned, resolve_dataset
     from ..evaluation.compare import compare_captions, markdown
 
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
-    images = load_karpathy(dataset, args.image_root, (args.split,))
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, (args.split,), check_images=False)
     if not images:
         raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
     sides = []
@@ -593,14 +589,12 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 def cmd_data_features(args: argparse.Namespace) -> None:
     from ..data.features import extract_features
-    from ..data.karpathy import load_karpathy
+    from ..data.datasets import load_captioned, resolve_dataset
     from ..device import resolve_device
     from ..encoder import EncoderSpec
 
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
-    images = load_karpathy(dataset, args.image_root, tuple(args.split) if args.split else None)
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, tuple(args.split) if args.split else None)
     store = extract_features(images, EncoderSpec(**_key_values(args.encoder)), args.cache_dir,
                              batch_size=args.batch_size, device=str(resolve_device(args.device)),
                              shard_size=args.shard_size)
