@@ -58,6 +58,17 @@ class DecodingRules:
     def active(self) -> bool:
         return bool(self.length_penalty) or self.block_trigrams
 
+    @classmethod
+    def of_checkpoint(cls, meta: dict) -> "DecodingRules":
+        """The rules stored with a checkpoint as its defaults (chosen on validation by ``captioner
+        tune-decoding``), else none."""
+        return cls(**meta.get("decoding", {}))
+
+    def overridden(self, length_penalty: float | None = None, block_trigrams: bool | None = None) -> "DecodingRules":
+        """These rules with the values a request or a command line names (None: keep this one)."""
+        return DecodingRules(self.length_penalty if length_penalty is None else length_penalty,
+                             self.block_trigrams if block_trigrams is None else block_trigrams)
+
 
 NO_RULES = DecodingRules()
 

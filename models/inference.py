@@ -132,7 +132,7 @@ class Runtime(ABC):
     def default_rules(self) -> DecodingRules:
         """The decoding rules a request gets unless it names its own: those chosen for the checkpoint on its
         validation split (``captioner tune-decoding``), else none."""
-        return DecodingRules(**self.ckpt.meta.get("decoding", {}))
+        return DecodingRules.of_checkpoint(self.ckpt.meta)
 
     def prepare(self, image: Image.Image) -> Prepared:
         pixels, geometry = preprocess(image, self.spec)

@@ -72,10 +72,7 @@ def pick_model(state: ServiceState, name: str | None) -> str:
 def decoding_rules(runtime: Runtime, options: CaptionOptions) -> DecodingRules:
     """The request's length penalty and trigram blocking, each defaulting to the model's own
     (:attr:`~captioner.models.inference.Runtime.default_rules`)."""
-    default = runtime.default_rules
-    return DecodingRules(
-        length_penalty=default.length_penalty if options.length_penalty is None else options.length_penalty,
-        block_trigrams=default.block_trigrams if options.block_trigrams is None else options.block_trigrams)
+    return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
 
 
 def decode_and_prepare(runtime: Runtime, data: bytes, max_pixels: int) -> Prepared:
