@@ -84,6 +84,13 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     return path
 
 
+def update_meta(path: str | Path, **fields: Any) -> Path:
+    """Store ``fields`` in the checkpoint's record (``meta``), rewriting it atomically with its manifest (the
+    weights are written again unchanged)."""
+    ckpt = load_checkpoint(path)
+    return save_checkpoint(path, ckpt.model, ckpt.vocab, ckpt.encoder, {**ckpt.meta, **fields})
+
+
 def write_durably(path: Path, data: bytes) -> None:
     """Create ``path`` with ``data``, flushed to disk.  Mode 0666 minus the umask, like ``open(path, "w")``
     (``safetensors.save_file`` makes its files 0600, unreadable to a service running as another user)."""

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch, index_rows
+from .vocab import Vocabulary
 
 
 @dataclass
@@ -33,8 +34,47 @@ class Hypothesis:
         return [self.ended_with_eos and i == len(self.token_ids) - 1 for i in range(len(self.token_ids))]
 
 
+@dataclass(frozen=True)
+class DecodingRules:
+    """Options of the beam search against short and repetitive captions, as the reference codebases offer them
+    (docs/decisions.md#decoding-rules).  The defaults change nothing.
+
+    * ``length_penalty`` α: hypotheses are ranked by ``score / ((5 + |y|) / 6)^α``, the GNMT length penalty (Wu et
+      al. 2016, arXiv:1609.08144, Eq. 14; self-critical.pytorch's ``--length_penalty wu_α``), and ranked so at
+      every step, not only among the final beams: a finished caption keeps its length while live ones grow, so
+      α > 0 lets a longer caption overtake a short one that ended early.
+    * ``block_trigrams``: a word that would repeat a trigram already in the caption is never chosen (the hard
+      form of self-critical.pytorch's ``block_trigrams``; fairseq's ``no_repeat_ngram_size=3``).
+    """
+
+    length_penalty: float = 0.0
+    block_trigrams: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.length_penalty <= 5.0:
+            raise ValueError(f"length_penalty must lie in [0, 5], got {self.length_penalty}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.length_penalty) or self.block_trigrams
+
+    @classmethod
+    def of_checkpoint(cls, meta: dict) -> "DecodingRules":
+        """The rules stored with a checkpoint as its defaults (chosen on validation by ``captioner
+        tune-decoding``), else none."""
+        return cls(**meta.get("decoding", {}))
+
+    def overridden(self, length_penalty: float | None = None, block_trigrams: bool | None = None) -> "DecodingRules":
+        """These rules with the values a request or a command line names (None: keep this one)."""
+        return DecodingRules(self.length_penalty if length_penalty is None else length_penalty,
+                             self.block_trigrams if block_trigrams is None else block_trigrams)
+
+
+NO_RULES = DecodingRules()
+
+
 def _length_normalised(score: float, length: int, length_penalty: float | None) -> float:
-    # GNMT length penalty ((5+|y|)/6)^α; None: summed log-prob (docs/decisions.md#no-length-penalty-by-default)
+    # GNMT length penalty ((5+|y|)/6)^α; None or 0: summed log-prob (docs/decisions.md#decoding-rules)
     if not length_penalty:
         return score
     return score / (((5.0 + length) / 6.0) ** length_penalty)
@@ -116,9 +156,11 @@ class BeamStep:
 
 def never_emitted(model: Captioner) -> tuple[int, ...]:
     """Tokens a caption can never contain: ``<pad>`` (which the vocabulary drops, so an emitted one would leave an
-    attention row without a word) and ``<bos>`` (training never targets either, but an untrained or unlucky
-    model can still rank them first)."""
-    return (model.pad_id, model.bos_id)
+    attention row without a word), ``<bos>`` (training never targets either, but an untrained or unlucky
+    model can still rank them first) and ``<unk>``, which training does target (every word below the count
+    threshold) but which tells a user nothing: the model's next best word is taken instead, as
+    self-critical.pytorch's beam search does.  Every vocabulary of the project holds ``<unk>`` at the same id."""
+    return (model.pad_id, model.bos_id, Vocabulary.unk_id)
 
 
 def _forbid(logprobs: Tensor, token_ids: tuple[int, ...]) -> Tensor:
@@ -131,22 +173,96 @@ def _forbid(logprobs: Tensor, token_ids: tuple[int, ...]) -> Tensor:
     return logprobs
 
 
+@dataclass
+class RowHistory:
+    """What the :class:`DecodingRules` need of every row of a decoding table: the words it emitted ``tokens`` ``[R,
+    W]`` (entries at or past ``lengths`` are meaningless), ``lengths`` ``[R]`` (tokens emitted, EOS included, frozen
+    once the row has finished) and each row's own rules, ``alpha`` ``[R]`` (length penalty) and ``trigrams``
+    ``[R]`` (block repeated trigrams): rows of different requests share a table in the service's batcher."""
+
+    tokens: Tensor
+    lengths: Tensor
+    alpha: Tensor
+    trigrams: Tensor
+    # known on the host, so a table whose rows have no rules skips their arithmetic without asking the device
+    penalised: bool = False
+    blocking: bool = False
+
+    @classmethod
+    def start(cls, widths: Sequence[int], rules: Sequence[DecodingRules], max_len: int,
+              device: torch.device | str) -> "RowHistory":
+        """Empty histories for groups of ``widths[g]`` rows, group ``g`` decoded with ``rules[g]``."""
+        rows, counts = sum(widths), torch.tensor(list(widths), dtype=torch.long)
+        alpha = torch.repeat_interleave(torch.tensor([r.length_penalty for r in rules], dtype=torch.float32), counts)
+        trigrams = torch.repeat_interleave(torch.tensor([r.block_trigrams for r in rules]), counts)
+        # one column more than any caption's length: a finished row keeps writing EOS just past its end
+        return cls(torch.zeros((rows, max_len + 1), dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device),
+                   alpha.to(device, non_blocking=True), trigrams.to(device, non_blocking=True),
+                   penalised=any(r.length_penalty for r in rules), blocking=any(r.block_trigrams for r in rules))
+
+    def select(self, rows: Tensor) -> "RowHistory":
+        return RowHistory(*(value.index_select(0, rows) for value in (self.tokens, self.lengths, self.alpha,
+                                                                       self.trigrams)),
+                          penalised=self.penalised, blocking=self.blocking)
+
+    def cat(self, other: "RowHistory") -> "RowHistory":
+        width = max(self.tokens.shape[1], other.tokens.shape[1])
+        tokens = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)]
+        return RowHistory(torch.cat(tokens), torch.cat([self.lengths, other.lengths]),
+                          torch.cat([self.alpha, other.alpha]), torch.cat([self.trigrams, other.trigrams]),
+                          penalised=self.penalised or other.penalised, blocking=self.blocking or other.blocking)
+
+    def after(self, step: "BeamStep", finished_before: Tensor) -> "RowHistory":
+        """The histories after ``step``: row ``i`` continues row ``step.pointer[i]``; a row that had not finished
+        appends its token (a finished one only repeats EOS, which is not counted)."""
+        parent = self.select(step.pointer)
+        live = ~finished_before.index_select(0, step.pointer)
+        position = parent.lengths.clamp(max=parent.tokens.shape[1] - 1)
+        parent.tokens.scatter_(1, position[:, None], step.tokens[:, None])
+        parent.lengths = parent.lengths + live.long()
+        return parent
+
+    def blocked(self, vocab: int) -> Tensor:
+        """``[R, V]`` bool: the words that would complete a trigram the row already holds (rows that block)."""
+        tokens, n = self.tokens, self.lengths
+        last_two = tokens.gather(1, torch.stack([(n - 2).clamp(min=0), (n - 1).clamp(min=0)], 1))
+        starts = torch.arange(tokens.shape[1] - 2, device=tokens.device)
+        # trigram i = tokens[i : i+3] lies inside the caption when i + 2 <= n - 1, and starts like the last two
+        repeats = ((tokens[:, :-2] == last_two[:, :1]) & (tokens[:, 1:-1] == last_two[:, 1:])
+                   & (starts[None, :] <= (n - 3)[:, None]) & self.trigrams[:, None])
+        counts = torch.zeros((tokens.shape[0], vocab), device=tokens.device)
+        return counts.scatter_add_(1, tokens[:, 2:], repeats.float()) > 0
+
+    def penalty(self, finished: Tensor) -> Tensor:
+        """``[R]`` GNMT divisor ``((5 + |y|) / 6)^α`` of every row's candidates: a live row's grow by one word."""
+        length = (self.lengths + (~finished).long()).float()
+        return ((5.0 + length) / 6.0) ** self.alpha
+
+
 def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int,
-              forbidden: tuple[int, ...] = ()) -> BeamStep:
+              forbidden: tuple[int, ...] = (), history: RowHistory | None = None) -> BeamStep:
     """Top-k of (beam × vocabulary) within every beam group, with back-pointers; ``forbidden`` tokens (see
-    :func:`never_emitted`) are never chosen.
+    :func:`never_emitted`) are never chosen, and a ``history`` applies its rows' :class:`DecodingRules`.
 
     Finished rows may only be extended by EOS at log-prob 0, so they keep competing with live ones on their
-    final score.  Everything stays on the device: no host synchronisation happens here.
+    final score (length-normalised when a row has a length penalty).  Everything stays on the device: no host
+    synchronisation happens here.
     """
     logprobs = _forbid(logprobs.float(), forbidden)
+    if history is not None and history.blocking:
+        logprobs = logprobs.masked_fill(history.blocked(logprobs.shape[1]), float("-inf"))
     vocab = logprobs.shape[1]
     allowed = logprobs.masked_fill(finished[:, None], float("-inf"))
     allowed[:, eos_id] = torch.where(finished, torch.zeros_like(scores), logprobs[:, eos_id])
     candidates = scores[:, None] + allowed
+    # what the top-k ranks: the summed log-prob, or with a length penalty that sum over each row's divisor
+    penalised = history is not None and history.penalised
+    ranked = candidates / history.penalty(finished)[:, None] if penalised else candidates
     if len(layout.by_width) == 1:
         k, _, firsts = layout.by_width[0]
-        top_scores, top_index = candidates.view(layout.groups, k * vocab).topk(k, dim=1)
+        top_ranked, top_index = ranked.view(layout.groups, k * vocab).topk(k, dim=1)
+        top_scores = candidates.view(layout.groups, k * vocab).gather(1, top_index) if penalised else top_ranked
         pointer = (firsts[:, None] + torch.div(top_index, vocab, rounding_mode="floor")).view(-1)
         tokens, new_scores = (top_index % vocab).view(-1), top_scores.view(-1)
     else:
@@ -154,7 +270,9 @@ def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLa
         tokens = torch.empty_like(pointer)
         new_scores = torch.empty_like(scores)
         for k, rows, firsts in layout.by_width:
-            top_scores, top_index = candidates.index_select(0, rows).view(len(firsts), k * vocab).topk(k, dim=1)
+            top_ranked, top_index = ranked.index_select(0, rows).view(len(firsts), k * vocab).topk(k, dim=1)
+            top_scores = (candidates.index_select(0, rows).view(len(firsts), k * vocab).gather(1, top_index)
+                          if penalised else top_ranked)
             pointer.index_copy_(0, rows, (firsts[:, None] + torch.div(top_index, vocab, rounding_mode="floor")).view(-1))
             tokens.index_copy_(0, rows, (top_index % vocab).view(-1))
             new_scores.index_copy_(0, rows, top_scores.view(-1))
@@ -211,21 +329,22 @@ def beam_search(
     vis: VisualBatch,
     k: int = 3,
     max_len: int = 20,
-    length_penalty: float | None = None,
+    rules: DecodingRules = NO_RULES,
     n_best: int = 1,
     extras: tuple[str, ...] | bool = True,
 ) -> list[list[Hypothesis]]:
     """Beam search over a batch of images; returns ``n_best`` hypotheses per image, best first.
 
     Finished hypotheses may only be extended by EOS at log-prob 0, so they keep competing with live ones on
-    their final score.  ``extras=True`` keeps every extra map the model reports; a tuple keeps only those.
+    their final score.  ``rules``: length penalty and trigram blocking (:class:`DecodingRules`).  ``extras=True``
+    keeps every extra map the model reports; a tuple keeps only those.
     """
     if k < 1 or n_best < 1 or n_best > k:
         raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
     enc = model.expand(model.encode(vis), k)
     state = model.init_state(enc)
     return search_rows(model.step, model.reorder, enc, state, [k] * vis.feats.shape[0], model.bos_id, model.eos_id,
-                       never_emitted(model), max_len, length_penalty, n_best, extras)
+                       never_emitted(model), max_len, rules, n_best, extras)
 
 
 StepFn = Callable[[Tensor, DecState, EncState], tuple[Tensor, DecState, AttnRecord]]
@@ -235,7 +354,7 @@ ReorderFn = Callable[[DecState, Tensor], DecState]
 @torch.no_grad()
 def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState, widths: Sequence[int], bos_id: int,
                 eos_id: int, forbidden: tuple[int, ...] = (), max_len: int = 20,
-                length_penalty: float | None = None, n_best: int = 1,
+                rules: DecodingRules = NO_RULES, n_best: int = 1,
                 extras: tuple[str, ...] | bool = True) -> list[list[Hypothesis]]:
     """The loop of :func:`beam_search` over rows that are already encoded and expanded (image ``g`` owns
     ``widths[g]`` contiguous rows of ``enc`` and ``state``), driven by any ``step`` / ``reorder`` pair with the
@@ -248,11 +367,14 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     scores = layout.initial_scores()
     prev = torch.full((layout.rows,), bos_id, dtype=torch.long, device=device)
     finished = torch.zeros(layout.rows, dtype=torch.bool, device=device)
+    history = RowHistory.start(widths, [rules] * len(widths), max_len, device) if rules.active else None
     records: list[StepRecord] = []
 
     for _ in range(max_len):
         logprobs, state, attn = step(prev, state, enc)
-        beam = beam_step(logprobs, scores, finished, layout, eos_id, forbidden)
+        beam = beam_step(logprobs, scores, finished, layout, eos_id, forbidden, history)
+        if history is not None:
+            history = history.after(beam, finished)
         records.append(record_step(beam, attn, extras=extras))
         state = reorder(state, beam.pointer)
         scores, finished, prev = beam.scores, beam.finished, beam.tokens
@@ -261,7 +383,7 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
 
     history = backtrack(records, torch.arange(layout.rows, device=device))
     return [collect_hypotheses({name: value[first:first + width] for name, value in history.items()},
-                               scores[first:first + width], eos_id, n_best, length_penalty)
+                               scores[first:first + width], eos_id, n_best, rules.length_penalty)
             for first, width in zip(layout.offsets, layout.sizes)]
 
 

@@ -20,9 +20,10 @@ the ONNX Runtime one lives with the service (``service/runtime.py``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,8 @@ from PIL import Image
 from torch import Tensor
 
 from .checkpoint import Checkpoint, load_checkpoint
-from .decoding import Hypothesis, expand_rows, never_emitted, search_rows
+from .data.datasets import trained_on
+from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
 from .vocab import EOS
@@ -59,6 +61,7 @@ class CaptionResult:
     geometry: Geometry
     #: cell boxes (r1, c1, r2, c2) of the ``areas`` extra, for area-attention models (see :func:`area_boxes_of`)
     area_boxes: np.ndarray | None = None
+    rules: DecodingRules = NO_RULES  # the length penalty and trigram blocking it was decoded with
 
     @property
     def tokens(self) -> list[str]:
@@ -80,6 +83,8 @@ class ModelInfo:
     parameters: int
     device: str
     backend: str
+    trained_on: str = ""  # the data set the checkpoint was trained on (its card cites it)
+    decoding: dict = field(default_factory=dict)  # the request defaults of its decoding rules (DecodingRules' fields)
     providers: list[str] | None = None
 
 
@@ -120,7 +125,14 @@ class Runtime(ABC):
                          attention=getattr(model, "attention_name", model.config().get("attention", "softmax")),
                          vocab_size=len(self.ckpt.vocab), checksum=f"sha256:{self.ckpt.checksum}",
                          encoder=self.spec.to_json(), parameters=sum(p.numel() for p in model.parameters()),
-                         device=str(self.device), backend=self.backend)
+                         device=str(self.device), backend=self.backend, trained_on=trained_on(self.ckpt.meta),
+                         decoding=dataclasses.asdict(self.default_rules))
+
+    @property
+    def default_rules(self) -> DecodingRules:
+        """The decoding rules a request gets unless it names its own: those chosen for the checkpoint on its
+        validation split (``captioner tune-decoding``), else none."""
+        return DecodingRules.of_checkpoint(self.ckpt.meta)
 
     def prepare(self, image: Image.Image) -> Prepared:
         pixels, geometry = preprocess(image, self.spec)
@@ -166,20 +178,22 @@ class Runtime(ABC):
     def reorder(self, state: DecState, index: Tensor) -> DecState:
         """Row ``i`` of the returned state is row ``index[i]`` of ``state`` (beam back-pointers, rows leaving)."""
 
-    def result(self, hyp: Hypothesis, geometry: Geometry, beam_size: int) -> CaptionResult:
+    def result(self, hyp: Hypothesis, geometry: Geometry, beam_size: int,
+               rules: DecodingRules = NO_RULES) -> CaptionResult:
         return CaptionResult(self.name, str(self.ckpt.path), self.ckpt.model.attention_kind, beam_size,
                              self.ckpt.vocab.decode(hyp.token_ids), hyp, geometry,
-                             area_boxes_of(self.ckpt.model, hyp, geometry))
+                             area_boxes_of(self.ckpt.model, hyp, geometry), rules)
 
     # -- a fixed batch, start to finish ---------------------------------------------------------------------
     @torch.inference_mode()
-    def caption(self, batch: list[Prepared], beam_size: int, max_len: int) -> list[CaptionResult]:
+    def caption(self, batch: list[Prepared], beam_size: int, max_len: int,
+                rules: DecodingRules = NO_RULES) -> list[CaptionResult]:
         """Caption a fixed batch: :meth:`begin`, then :func:`~captioner.models.decoding.search_rows` over :meth:`step` and
         :meth:`reorder` (the batcher runs the same steps over tables whose requests come and go)."""
         enc, state = self.begin(batch, [beam_size] * len(batch))
         hyps = search_rows(self.step, self.reorder, enc, state, [beam_size] * len(batch), self.bos_id, self.eos_id,
-                           self.never_emitted, max_len)
-        return [self.result(best, prepared.geometry, beam_size) for prepared, (best,) in zip(batch, hyps)]
+                           self.never_emitted, max_len, rules)
+        return [self.result(best, prepared.geometry, beam_size, rules) for prepared, (best,) in zip(batch, hyps)]
 
 
 def grid_encoder(spec: EncoderSpec, device: torch.device | str) -> GridEncoder:

@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from captioner.models.decoding import BeamLayout, StepRecord, backtrack, beam_step, block_rows, collect_hypotheses, \
-    host_index, record_step
+from captioner.models.decoding import NO_RULES, BeamLayout, DecodingRules, RowHistory, StepRecord, backtrack, \
+    beam_step, block_rows, collect_hypotheses, host_index, record_step
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 from captioner.models.protocol import index_rows
 
@@ -93,6 +93,7 @@ class Job:
     # submission, since the worker may measure the job after warm-up has moved on
     typical_length: bool = True
     first_record: int = 0  # index (in its table's record numbering) of the first step this job took part in
+    rules: DecodingRules = NO_RULES  # length penalty and trigram blocking of its beam search
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         """Complete the future from the worker thread (futures belong to the event loop)."""
@@ -122,6 +123,8 @@ class RowTable:
         self.prev = torch.full((self.layout.rows,), bos_id, dtype=torch.long, device=self._device)
         self.scores = self.layout.initial_scores()
         self.finished = torch.zeros(self.layout.rows, dtype=torch.bool, device=self._device)
+        # what the jobs' decoding rules need of every row; None while no job of the table has a rule
+        self.history = self._history(jobs) if any(j.rules.active for j in jobs) else None
         self.records: list[StepRecord] = []
         self.records_base = 0  # record number of self.records[0]
         # row i of the next step's input continues row parent_map[i] of the last record (None: identity)
@@ -155,6 +158,12 @@ class RowTable:
     def next_record(self) -> int:
         return self.records_base + len(self.records)
 
+    def _history(self, jobs: list[Job], rules: bool = True) -> RowHistory:
+        """Fresh histories for the rows of ``jobs``, with their rules (``rules=False``: without, for rows that
+        were decoding before the first job with a rule joined, whose histories are never read)."""
+        return RowHistory.start([j.beam_size for j in jobs], [j.rules if rules else NO_RULES for j in jobs],
+                                max(j.max_len for j in jobs), self._device)
+
     def add(self, jobs: list[Job], enc: dict, state: dict, bos_id: int) -> None:
         """Append the rows of newly admitted jobs (their decoding starts at the next step)."""
         device = self._device
@@ -173,6 +182,9 @@ class RowTable:
         self.prev = torch.cat([self.prev, torch.full((new_rows,), bos_id, dtype=torch.long, device=device)])
         self.scores = torch.cat([self.scores, fresh.initial_scores()])
         self.finished = torch.cat([self.finished, torch.zeros(new_rows, dtype=torch.bool, device=device)])
+        if self.history is not None or any(j.rules.active for j in jobs):
+            before = self.history if self.history is not None else self._history(self.jobs, rules=False)
+            self.history = before.cat(self._history(jobs))
         for job in jobs:
             job.first_record = self.next_record()
         self.jobs += jobs
@@ -209,6 +221,7 @@ class RowTable:
         self.state = runtime.reorder(self.state, keep)
         self.prev, self.scores = self.prev.index_select(0, keep), self.scores.index_select(0, keep)
         self.finished = self.finished.index_select(0, keep)
+        self.history = self.history.select(keep) if any(j.rules.active for j in self.jobs) else None
         self.layout = BeamLayout([j.beam_size for j in self.jobs], device)
         # history older than every remaining job's first step is no longer reachable
         oldest = min(j.first_record for j in self.jobs)
@@ -219,7 +232,10 @@ class RowTable:
     def step(self, runtime: Runtime) -> list[bool]:
         """One decoding step over every row; returns, per job, whether all its beams have emitted EOS."""
         logprobs, state, attn = runtime.step(self.prev, self.state, self.enc)
-        step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id, runtime.never_emitted)
+        step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id, runtime.never_emitted,
+                         self.history)
+        if self.history is not None:
+            self.history = self.history.after(step, self.finished)
         parent = step.pointer if self.parent_map is None else self.parent_map.index_select(0, step.pointer)
         self.records.append(record_step(step, attn, parent))
         self.parent_map = None
@@ -245,8 +261,9 @@ class RowTable:
         for job in jobs:
             skip = job.first_record - first
             mine = {name: value[start:start + job.beam_size, skip:] for name, value in history.items()}
-            best = collect_hypotheses(mine, scores[start:start + job.beam_size], runtime.eos_id, 1, None)[0]
-            results.append(runtime.result(best, job.prepared.geometry, job.beam_size))
+            best = collect_hypotheses(mine, scores[start:start + job.beam_size], runtime.eos_id, 1,
+                                      job.rules.length_penalty)[0]
+            results.append(runtime.result(best, job.prepared.geometry, job.beam_size, job.rules))
             start += job.beam_size
         return results
 
@@ -371,7 +388,8 @@ class Batcher:
     def queued(self) -> int:
         return len(self._pending)
 
-    def submit(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float) -> Job:
+    def submit(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float,
+               rules: DecodingRules = NO_RULES) -> Job:
         """Queue a request; await ``job.future`` for its :class:`~captioner.models.inference.CaptionResult`.
 
         Raises :class:`QueueFull` when ``queue_size`` requests are already waiting, :class:`NotAccepting` while
@@ -384,7 +402,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         now = self.clock()
         job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now,
-                  typical_length=self._learn_lengths)
+                  typical_length=self._learn_lengths, rules=rules)
         with self._wake:
             self._refuse_if_overloaded(timeout_s, beam_size, max_len)
             self._pending.append(job)
@@ -453,9 +471,10 @@ class Batcher:
         with self._wake:
             self._wake.notify()
 
-    async def caption(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float) -> CaptionResult:
+    async def caption(self, prepared: Prepared, beam_size: int, max_len: int, timeout_s: float,
+                      rules: DecodingRules = NO_RULES) -> CaptionResult:
         """Submit and wait; on cancellation or timeout the job is cancelled so its rows are freed."""
-        job = self.submit(prepared, beam_size, max_len, timeout_s)
+        job = self.submit(prepared, beam_size, max_len, timeout_s, rules)
         try:
             return await asyncio.wait_for(asyncio.shield(job.future), timeout_s)
         except TimeoutError:

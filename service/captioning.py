@@ -16,6 +16,7 @@ from typing import Iterator
 
 from starlette.concurrency import run_in_threadpool
 
+from captioner.models.decoding import DecodingRules
 from captioner.models.encoder import load_image
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 
@@ -68,6 +69,12 @@ def pick_model(state: ServiceState, name: str | None) -> str:
     return name
 
 
+def decoding_rules(runtime: Runtime, options: CaptionOptions) -> DecodingRules:
+    """The request's length penalty and trigram blocking, each defaulting to the model's own
+    (:attr:`~captioner.models.inference.Runtime.default_rules`)."""
+    return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
+
+
 def decode_and_prepare(runtime: Runtime, data: bytes, max_pixels: int) -> Prepared:
     """Runs in the thread pool: image decoding and preprocessing never block the event loop."""
     return runtime.prepare(load_image(data, max_pixels))
@@ -103,9 +110,10 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
             raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}")
         if length > settings.max_max_len:
             raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}")
+        rules = decoding_rules(state.runtimes[name], options)
         cache, key = state.result_cache, None
         if cache is not None and cache.enabled:
-            key = CacheKey(await run_in_threadpool(content_digest, request.data), name, beam, length)
+            key = CacheKey(await run_in_threadpool(content_digest, request.data), name, beam, length, rules)
             cached = cache.get(key)
             metrics.result_cache_lookup(name, cached is not None)
             if cached is not None:  # decoding is deterministic: the same bytes and options give this result
@@ -119,7 +127,7 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         remaining = settings.request_timeout_s - (time.monotonic() - started)
         with batcher_errors(settings):
             try:
-                result = await batcher.caption(prepared, beam, length, max(remaining, 0.001))
+                result = await batcher.caption(prepared, beam, length, max(remaining, 0.001), rules)
             except ValueError as exc:  # a beam wider than the row budget
                 raise InvalidRequest(str(exc)) from None
         if key is not None:

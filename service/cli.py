@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import signal
 import sys
 from pathlib import Path
@@ -128,7 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except (OSError, ValueError) as exc:
+        # a missing file, a bad option value or a foreign dataset: the message says what to change, a traceback
+        # would only bury it (CAPTIONER_DEBUG=1 keeps it for a bug report)
+        if os.environ.get("CAPTIONER_DEBUG"):
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 * ``multipart/form-data``: the image as the ``file`` part; options as form fields, honoured exactly like the
   query parameters (given both ways with different values: 422 naming both); any other part: 422 naming it.
-* ``application/json``: ``{"image": base64 or data: URL, "model", "beam_size", "max_len"}``; its options
-  override the query parameters.
+* ``application/json``: ``{"image": base64 or data: URL, "model", "beam_size", "max_len", "length_penalty",
+  "block_trigrams"}``; its options override the query parameters.
 * ``image/*`` or ``application/octet-stream``: the raw image; options from the query only.
 
 Size limits are enforced while reading (before reading, when the client announced the length), so an oversized
@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from typing import Annotated
 
-from fastapi import Query, Request
+from fastapi import Depends, Query, Request
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import ClientDisconnect
@@ -38,6 +38,19 @@ FORM_PARTS = ("file", *CAPTION_OPTIONS)
 ModelQuery = Annotated[str | None, Query(description=CaptionOptions.model_fields["model"].description)]
 BeamQuery = Annotated[int | None, Query(ge=1, description=CaptionOptions.model_fields["beam_size"].description)]
 LengthQuery = Annotated[int | None, Query(ge=1, description=CaptionOptions.model_fields["max_len"].description)]
+PenaltyQuery = Annotated[float | None, Query(ge=0.0, le=5.0,
+                                             description=CaptionOptions.model_fields["length_penalty"].description)]
+TrigramQuery = Annotated[bool | None, Query(description=CaptionOptions.model_fields["block_trigrams"].description)]
+
+
+def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_len: LengthQuery = None,
+                   length_penalty: PenaltyQuery = None, block_trigrams: TrigramQuery = None) -> CaptionOptions:
+    return CaptionOptions(model=model, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty,
+                          block_trigrams=block_trigrams)
+
+
+#: the caption options given as query parameters, for the endpoints that caption an upload
+QueryOptions = Annotated[CaptionOptions, Depends(_query_options)]
 
 
 def missing_file() -> InvalidRequest:
@@ -182,7 +195,8 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
             raise InvalidImage("`image` is not valid base64") from None
         checked_image(data, limit)
         # JSON options override the query parameters
-        options = CaptionOptions(**{name: getattr(parsed, name) or getattr(query, name) for name in CAPTION_OPTIONS})
+        options = CaptionOptions(**{name: getattr(parsed, name) if getattr(parsed, name) is not None
+                                    else getattr(query, name) for name in CAPTION_OPTIONS})
         return CaptionRequest(data, options)
     if content_type.startswith("image/") or content_type == "application/octet-stream":
         return CaptionRequest(checked_image(await read_body(request, limit), limit), query)

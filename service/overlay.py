@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from captioner.models.rendering.heatmaps import MODES
 
-from .inputs import BeamQuery, LengthQuery, ModelQuery
+from .inputs import QueryOptions
 from .rendering import Format, RenderOptions, render_result
 from .results import Results, StoredResult
 from .routes import caption_upload
@@ -54,11 +54,9 @@ async def get_overlay(result_id: str, results: Results, format: Format = "png", 
 
 @router.post("/caption/overlay", summary="Caption an image and render its attention in one call",
              openapi_extra=CAPTION_BODY, responses={**RENDERED, **CAPTION_PROBLEMS})
-async def post_overlay(request: Request, state: State, results: Results, model: ModelQuery = None,
-                       beam_size: BeamQuery = None, max_len: LengthQuery = None, format: Format = "figure",
-                       token: TokenQuery = None, mode: ModeQuery = None, cmap: CmapQuery = "jet",
-                       alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
-    data, result = await caption_upload(request, state, CaptionOptions(model=model, beam_size=beam_size,
-                                                                        max_len=max_len))
+async def post_overlay(request: Request, state: State, results: Results, options: QueryOptions,
+                       format: Format = "figure", token: TokenQuery = None, mode: ModeQuery = None,
+                       cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
+    data, result = await caption_upload(request, state, options)
     result_id = results.put(result, data)
     return await _respond(results.get(result_id), RenderOptions(format, token, mode, cmap, alpha, max_side), result_id)

@@ -1,4 +1,5 @@
-"""A bounded cache of finished captions, keyed by (SHA-256 of the uploaded bytes, model, beam size, max length).
+"""A bounded cache of finished captions, keyed by (SHA-256 of the uploaded bytes, model, beam size, max length,
+decoding rules).
 
 Decoding is deterministic for a given model, image and options, so a retry or a duplicate upload can be answered
 from the cache without touching the batcher.  It is bounded by entry count (least recently used go first) and off
@@ -13,6 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
+from captioner.models.decoding import DecodingRules
 from captioner.models.inference import CaptionResult
 
 
@@ -21,6 +23,7 @@ class CacheKey(NamedTuple):
     model: str
     beam_size: int
     max_len: int
+    rules: DecodingRules
 
 
 def content_digest(data: bytes) -> str:

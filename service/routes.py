@@ -14,8 +14,7 @@ from captioner.models.inference import CaptionResult
 
 from .captioning import caption_image, refuse_early
 from .errors import NotReady, Overloaded
-from .inputs import MULTIPART_SLACK, BeamQuery, LengthQuery, ModelQuery, arrival, drain_body, \
-    options_before_body, read_caption_request
+from .inputs import MULTIPART_SLACK, QueryOptions, arrival, drain_body, options_before_body, read_caption_request
 from .results import Results
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, Health, ModelOut
 from .state import ServiceState, State
@@ -40,10 +39,8 @@ async def caption_upload(request: Request, state: ServiceState,
 
 @router.post("/caption", response_model=CaptionOut, openapi_extra=CAPTION_BODY,
              summary="Caption an uploaded image, with per-word attention", responses=CAPTION_PROBLEMS)
-async def caption(request: Request, state: State, results: Results, model: ModelQuery = None,
-                  beam_size: BeamQuery = None, max_len: LengthQuery = None) -> CaptionOut:
-    data, result = await caption_upload(request, state, CaptionOptions(model=model, beam_size=beam_size,
-                                                                        max_len=max_len))
+async def caption(request: Request, state: State, results: Results, options: QueryOptions) -> CaptionOut:
+    data, result = await caption_upload(request, state, options)
     return CaptionOut.of(result, results.put(result, data))
 
 

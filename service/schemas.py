@@ -27,11 +27,16 @@ def _rows(values: torch.Tensor) -> list:
 
 # -- requests -------------------------------------------------------------------------------------------------------
 class CaptionOptions(BaseModel):
-    """How to caption: the same three options as query parameters, multipart form fields or JSON fields."""
+    """How to caption: the same options as query parameters, multipart form fields or JSON fields."""
 
     model: str | None = Field(None, description="model name (GET /models); default: the service default")
     beam_size: int | None = Field(None, ge=1, description="beam width")
     max_len: int | None = Field(None, ge=1, description="maximum caption length in tokens")
+    length_penalty: float | None = Field(
+        None, ge=0.0, le=5.0, description="GNMT length penalty α: beams ranked by log-prob / ((5 + length) / 6)^α "
+        "(0: none; larger: longer captions); default: the model's (GET /models)")
+    block_trigrams: bool | None = Field(
+        None, description="never repeat a word trigram within a caption; default: the model's (GET /models)")
 
 
 CAPTION_OPTIONS = tuple(CaptionOptions.model_fields)
@@ -96,11 +101,14 @@ class CaptionOut(BaseModel):
     model: str
     checkpoint: str = Field(description="checkpoint folder name (never a server path)")
     beam_size: int
+    length_penalty: float = Field(0.0, description="the GNMT length penalty α the caption was decoded with")
+    block_trigrams: bool = Field(False, description="whether repeated word trigrams were blocked")
     caption: str
     tokens: list[str] = Field(description="emitted words; the last is <eos> when the caption ended normally")
     is_eos: list[bool] = Field(description="flags the <eos> row of the attention")
     token_logprobs: list[float] = Field(description=f"log-probability of each token ({LOGPROB_DECIMALS} decimals)")
-    score: float = Field(description="summed log-probability of the caption (the beam score)")
+    score: float = Field(description="summed log-probability of the caption (the beam score), divided by the "
+                                     "length penalty ((5 + length) / 6)^α when length_penalty > 0")
     geometry: GeometryOut
     attention: list[list[float]] = Field(
         description=f"one row per token: weights over the visual items ({ATTENTION_DECIMALS} decimals)")
@@ -115,7 +123,7 @@ class CaptionOut(BaseModel):
         hyp = result.hypothesis
         return cls(
             id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
-            caption=" ".join(result.words), tokens=result.tokens, is_eos=hyp.is_eos,
+            length_penalty=result.rules.length_penalty, block_trigrams=result.rules.block_trigrams, caption=" ".join(result.words), tokens=result.tokens, is_eos=hyp.is_eos,
             token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
             score=round(hyp.score, LOGPROB_DECIMALS), geometry=GeometryOut.of(result.geometry),
             attention=_rows(hyp.attention), attention_kind=result.attention_kind,
@@ -134,6 +142,9 @@ class ModelOut(BaseModel):
     parameters: int
     device: str
     backend: str = Field("torch", description="torch or onnx")
+    trained_on: str = Field("", description="the data set the checkpoint was trained on (its model card cites it)")
+    decoding: dict[str, Any] = Field(default_factory=dict, description="the decoding options a request gets unless "
+                                     "it names its own (length_penalty, block_trigrams), chosen on validation data")
     providers: list[str] | None = Field(None, description="ONNX Runtime execution providers, in priority order")
     default: bool = False
 

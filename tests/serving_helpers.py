@@ -98,18 +98,18 @@ def random_images(n: int, seed: int = 0) -> list[Image.Image]:
 
 
 # -- batcher driving ----------------------------------------------------------------------------------------------
-async def drive(batcher, schedule: list[tuple[int, object, int, int]], timeout_s: float = 60.0) -> list:
+async def drive(batcher, schedule: list[tuple], timeout_s: float = 60.0) -> list:
     """Run a batcher started with ``worker=False`` step by step; ``schedule`` holds ``(step, prepared, beam,
-    max_len)``: each request is submitted just before step boundary ``step``.  Returns the results in schedule
-    order."""
+    max_len)`` or ``(step, prepared, beam, max_len, rules)``: each request is submitted just before step boundary
+    ``step``.  Returns the results in schedule order."""
     order = sorted(range(len(schedule)), key=lambda i: schedule[i][0])
     jobs: dict[int, object] = {}
     step = 0
     while len(jobs) < len(schedule) or not batcher.idle:
         for i in order:
             if i not in jobs and schedule[i][0] <= step:
-                _, prepared, beam, max_len = schedule[i]
-                jobs[i] = batcher.submit(prepared, beam, max_len, timeout_s)
+                _, prepared, beam, max_len, *rules = schedule[i]
+                jobs[i] = batcher.submit(prepared, beam, max_len, timeout_s, *rules)
         batcher.run_once()
         step += 1
         await asyncio.sleep(0)  # results arrive through call_soon_threadsafe

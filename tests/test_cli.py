@@ -57,6 +57,40 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
     assert report["SPICE"].startswith("unavailable")
 
 
+def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
+    out = tmp_path / "report.json"
+    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",
+              str(tmp_path / "cache"), "--output", str(out), "--no-meteor", "--length-penalty", "1.5",
+              "--block-trigrams")
+    report = json.loads(out.read_text())
+    assert report["decoding"] == {"length_penalty": 1.5, "block_trigrams": True}
+    for measure in ("REP", "distinct_words", "novel_captions", "mean_length"):
+        assert measure in report["test"], measure
+    assert 0.0 <= report["test"]["novel_captions"] <= 1.0 and report["test"]["REP"] >= 0.0
+
+
+def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_path, scenes):
+    import shutil
+
+    from captioner.models.checkpoint import load_checkpoint
+
+    ckpt = tmp_path / "sat"
+    shutil.copytree(DEFAULT_CHECKPOINT, ckpt)
+    rows = tmp_path / "rows.json"
+    common = ("--dataset", str(scenes), "--cache-dir", str(tmp_path / "cache"), "--length-penalties", "0", "2",
+              "--output", str(rows))
+    refused = captioner("tune-decoding", str(ckpt), "--split", "test", "--write", *common, check=False)
+    assert refused.returncode != 0 and "--split val" in refused.stderr
+    done = captioner("tune-decoding", str(ckpt), "--split", "val", "--write", *common)
+    grid = json.loads(rows.read_text())
+    assert [(r["length_penalty"], r["block_trigrams"]) for r in grid["rows"]] == [(0, False), (0, True), (2, False),
+                                                                                  (2, True)]
+    best = max(grid["rows"], key=lambda r: (r["CIDEr-D"], -r["length_penalty"], not r["block_trigrams"]))
+    stored = load_checkpoint(ckpt).meta  # rewritten with its manifest: it still loads and verifies
+    assert stored["decoding"] == {"length_penalty": best["length_penalty"], "block_trigrams": best["block_trigrams"]}
+    assert stored["decoding_chosen_on"]["split"] == "val" and "best by CIDEr-D" in done.stdout
+
+
 def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
     from captioner.models.checkpoint import save_checkpoint
 

@@ -1,9 +1,11 @@
 """Decoding invariants (docs/decisions.md#model-protocol-and-alignment-rule) on a tiny random SAT."""
 
+import pytest
 import torch
 
-from captioner.models.decoding import beam_search, greedy, sample
+from captioner.models.decoding import DecodingRules, beam_search, greedy, never_emitted, sample
 from captioner.models.protocol import VisualBatch
+from captioner.models.vocab import Vocabulary
 
 from .model_checks import assert_beam_one_is_greedy
 
@@ -88,3 +90,93 @@ def test_pad_and_bos_are_never_emitted(tiny_sat, random_visuals):
         assert not specials & set(hyp.token_ids)
     drawn = sample(tiny_sat, random_visuals, n=2, max_len=6)
     assert not bool(((drawn.tokens == tiny_sat.bos_id) | ((drawn.tokens == tiny_sat.pad_id) & drawn.mask)).any())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Decoding rules (length penalty, trigram blocking, <unk>) against a naive beam search over Python lists
+# --------------------------------------------------------------------------------------------------------------
+def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False):
+    """Beam search written the slow way: every hypothesis re-runs the model over its prefix; candidates are
+    ranked by summed log-prob / ((5 + length) / 6)^alpha, a finished hypothesis keeps its length and its score."""
+    single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
+    forbidden = set(never_emitted(model))
+
+    def next_logprobs(tokens):
+        enc = model.encode(single)
+        state = model.init_state(enc)
+        prev = torch.tensor([model.bos_id])
+        for token in tokens:
+            _, state, _ = model.step(prev, state, enc)
+            prev = torch.tensor([token])
+        return model.step(prev, state, enc)[0][0].double()
+
+    def rank(score, length):
+        return score / ((5.0 + length) / 6.0) ** alpha
+
+    beams = [([], 0.0, False)]
+    for _ in range(max_len):
+        candidates = []
+        for tokens, score, done in beams:
+            if done:
+                candidates.append((tokens, score, True))
+                continue
+            logprobs = next_logprobs(tokens)
+            banned = {tokens[i + 2] for i in range(len(tokens) - 2)
+                      if block_trigrams and len(tokens) >= 2 and tokens[i:i + 2] == tokens[-2:]}
+            for word, lp in enumerate(logprobs.tolist()):
+                if word not in forbidden and word not in banned:
+                    candidates.append((tokens + [word], score + lp, word == model.eos_id))
+        candidates.sort(key=lambda c: rank(c[1], len(c[0])), reverse=True)
+        beams = candidates[:k]
+        if all(done for _, _, done in beams):
+            break
+    return max(beams, key=lambda b: rank(b[1], len(b[0])))[0]
+
+
+def _repeats_a_trigram(tokens):
+    trigrams = [tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2)]
+    return len(trigrams) != len(set(trigrams))
+
+
+@pytest.fixture
+def repetitive_sat(tiny_sat):
+    """The tiny SAT pushed towards a few words and away from EOS, so that captions run long and repeat."""
+    with torch.no_grad():
+        tiny_sat.out_word.bias[4:7] += 4.0
+        tiny_sat.out_word.bias[tiny_sat.eos_id] -= 2.0
+    return tiny_sat
+
+
+@pytest.mark.parametrize("alpha,block", [(0.0, True), (1.0, False), (2.0, True)])
+def test_rules_equal_a_naive_beam_search(repetitive_sat, random_visuals, alpha, block):
+    rules = DecodingRules(length_penalty=alpha, block_trigrams=block)
+    for row, hyps in enumerate(beam_search(repetitive_sat, random_visuals, k=3, max_len=9, rules=rules)):
+        assert hyps[0].token_ids == _naive_beam(repetitive_sat, random_visuals, row, 3, 9, alpha, block)
+
+
+def test_trigram_blocking_removes_repeats_that_happen_without_it(repetitive_sat, random_visuals):
+    plain = beam_search(repetitive_sat, random_visuals, k=3, max_len=15)
+    assert any(_repeats_a_trigram(h[0].token_ids) for h in plain)  # the model does repeat
+    blocked = beam_search(repetitive_sat, random_visuals, k=3, max_len=15, rules=DecodingRules(block_trigrams=True))
+    assert not any(_repeats_a_trigram(h[0].token_ids) for h in blocked)
+
+
+def test_a_length_penalty_lengthens_captions_and_zero_changes_nothing(tiny_sat, random_visuals):
+    plain = beam_search(tiny_sat, random_visuals, k=3, max_len=12)
+    zero = beam_search(tiny_sat, random_visuals, k=3, max_len=12, rules=DecodingRules(length_penalty=0.0))
+    assert [h[0].token_ids for h in plain] == [h[0].token_ids for h in zero]
+    long = beam_search(tiny_sat, random_visuals, k=3, max_len=12, rules=DecodingRules(length_penalty=3.0))
+    assert sum(len(h[0].token_ids) for h in long) > sum(len(h[0].token_ids) for h in plain)
+
+
+def test_unk_is_never_emitted_the_next_best_word_is(tiny_sat, random_visuals):
+    with torch.no_grad():
+        tiny_sat.out_word.bias[Vocabulary.unk_id] += 50.0  # <unk> would win every step
+    for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=6):
+        assert Vocabulary.unk_id not in hyps[0].token_ids and len(hyps[0].token_ids) > 0
+    assert all(Vocabulary.unk_id not in h.token_ids for h in greedy(tiny_sat, random_visuals, 6))
+
+
+def test_rules_are_validated():
+    with pytest.raises(ValueError, match="length_penalty"):
+        DecodingRules(length_penalty=-1.0)

@@ -145,8 +145,32 @@ def test_openapi_documents_the_form_fields(client):
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/caption", "/caption/overlay"):
         form = paths[path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-        assert set(form["properties"]) == {"file", "model", "beam_size", "max_len"}, path
+        assert set(form["properties"]) == {"file", "model", "beam_size", "max_len", "length_penalty",
+                                           "block_trigrams"}, path
         assert form["required"] == ["file"] and form["additionalProperties"] is False
         assert form["properties"]["file"]["format"] == "binary"
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
+
+
+def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):
+    """length_penalty and block_trigrams are options like the others: the answer says what was used, the model's
+    defaults when the request names none, and the three ways of giving them agree."""
+    default = post(client, photo).json()
+    assert (default["length_penalty"], default["block_trigrams"]) == (0.0, False)  # no defaults stored: none
+    options = {"length_penalty": "1.5", "block_trigrams": "true", "max_len": "12"}
+    by_form = post(client, photo, fields=options)
+    assert by_form.status_code == 200, by_form.text
+    assert (by_form.json()["length_penalty"], by_form.json()["block_trigrams"]) == (1.5, True)
+    same_caption(by_form.json(), post(client, photo, params=options).json())
+    encoded = base64.b64encode(photo).decode()
+    by_json = client.post("/caption", params={"block_trigrams": "false"},
+                          json={"image": encoded, "length_penalty": 1.5, "block_trigrams": True, "max_len": 12})
+    same_caption(by_form.json(), by_json.json())
+    # a JSON false overrides the query's true (it is a value, not a missing field)
+    off = client.post("/caption", params={"block_trigrams": "true"}, json={"image": encoded, "block_trigrams": False})
+    assert off.json()["block_trigrams"] is False
+    for fields, field in (({"length_penalty": "-1"}, "length_penalty"), ({"length_penalty": "6"}, "length_penalty"),
+                          ({"block_trigrams": "maybe"}, "block_trigrams")):
+        body = problem(post(client, photo, fields=fields))
+        assert [e["loc"] for e in body["errors"]] == [["body", field]], body

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,21 @@ def _parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    """The beam search's rules against short and repetitive captions (models/decoding.py, DecodingRules)."""
+    parser.add_argument("--length-penalty", type=float, metavar="ALPHA",
+                        help="GNMT length penalty α, 0 to 5 (default: the checkpoint's, chosen on validation by "
+                             "`captioner tune-decoding`; 0: none)")
+    parser.add_argument("--block-trigrams", action=argparse.BooleanOptionalAction, default=None,
+                        help="never repeat a word trigram within a caption (default: the checkpoint's)")
+
+
+def decoding_rules(ckpt, args: argparse.Namespace):
+    from ..decoding import DecodingRules
+
+    return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams)
 
 
 def _key_values(pairs: list[str]) -> dict[str, Any]:
@@ -159,7 +175,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint
     from ..data.stores import open_feature_store
-    from ..data.karpathy import load_karpathy
+    from ..data.datasets import load_captioned, resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
     from ..training import evaluate_checkpoint
@@ -167,14 +183,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
+    dataset = resolve_dataset(args.dataset)
+    rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
-                              "encoder_precision": args.encoder_precision}
+                              "decoding": asdict(rules), "encoder_precision": args.encoder_precision}
+    # the captions a model was trained on, for the share of its captions that are new
+    training_captions = [r for im in load_captioned(dataset, args.image_root, ("train",), check_images=False)
+                         for r in im.references]
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
-        images = load_karpathy(dataset, args.image_root, (split,), limit=args.limit)
+        images = load_captioned(dataset, args.image_root, (split,), limit=args.limit)
         if not images:
             raise SystemExit(f"error: split {split!r} of {dataset} is empty")
         # by default the features the model was trained on (grid, or regions:DIR)
@@ -189,12 +207,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
             from ..evaluation.evaluate import score_dataset
             from ..evaluation.grounding import caption_with_attention, grounding_report
 
-            results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device))
+            results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device),
+                                             rules=rules)
             captions = {im.image_id: r.tokens for im, r in zip(images, results)}
-            scores = score_dataset(captions, images, metrics)
+            scores = score_dataset(captions, images, metrics, training_captions)
         else:
             scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
-                                                   device=str(device))
+                                                   device=str(device), rules=rules,
+                                                   training_captions=training_captions)
         report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
         if args.grounding:
@@ -214,14 +234,53 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"wrote {len(coco_results)} captions to {args.results_json}", file=sys.stderr)
 
 
+def cmd_tune_decoding(args: argparse.Namespace) -> None:
+    from ..checkpoint import load_checkpoint, update_meta
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..data.stores import open_feature_store
+    from ..device import resolve_device, set_threads
+    from ..evaluation.tuning import best_rules, decoding_grid, markdown_table
+
+    if args.write and args.split == "test":
+        raise SystemExit("error: --write keeps the rules chosen on this split as the checkpoint's defaults: choose "
+                         "them on validation data (--split val) and report on test")
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device)
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, (args.split,), limit=args.limit)
+    if not images:
+        raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
+    training_captions = [r for im in load_captioned(dataset, args.image_root, ("train",), check_images=False)
+                         for r in im.references]
+    features = ckpt.meta.get("train_config", {}).get("features")
+    store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
+    rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
+                         args.max_len, device=str(device), training_captions=training_captions)
+    best = best_rules(rows, args.metric)
+    columns = ["BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D", "REP", "distinct_words", "novel_captions", "mean_length"]
+    table = markdown_table(rows, columns)
+    print(table)
+    print(f"best by {args.metric} on {args.split}: length_penalty={best.length_penalty:g}, "
+          f"block_trigrams={best.block_trigrams}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"checkpoint": str(args.checkpoint), "dataset": str(dataset),
+                                                 "split": args.split, "beam_size": args.beam_size,
+                                                 "metric": args.metric, "best": asdict(best), "rows": rows},
+                                                indent=2) + "\n")
+    if args.write:
+        update_meta(args.checkpoint, decoding=asdict(best),
+                    decoding_chosen_on={"dataset": str(dataset), "split": args.split, "metric": args.metric,
+                                        "beam_size": args.beam_size, "images": len(images)})
+        print(f"stored as the defaults of {args.checkpoint}")
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
-    from ..data.karpathy import load_karpathy
+    from ..data.datasets import load_captioned, resolve_dataset
     from ..evaluation.compare import compare_captions, markdown
 
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
-    images = load_karpathy(dataset, args.image_root, (args.split,))
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, (args.split,), check_images=False)
     if not images:
         raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
     sides = []
@@ -438,6 +497,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
     ev.add_argument("--beam-size", type=int, default=3)
     ev.add_argument("--max-len", type=int, default=20)
+    add_decoding_options(ev)
     ev.add_argument("--limit", type=int)
     ev.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java)")
     ev.add_argument("--show", type=int, default=0, help="print this many captions")
@@ -458,6 +518,28 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          "hit, area-normalised ratio per word class, with 95%% bootstrap intervals and chance rows")
     ev.add_argument("--grounding-resamples", type=int, default=2000, help="bootstrap resamples over images")
     ev.set_defaults(func=cmd_eval, split=None)
+
+    td = sub.add_parser("tune-decoding", help="score every (length penalty, trigram blocking) pair of a grid on a "
+                        "split; --write keeps the best as the checkpoint's defaults")
+    td.add_argument("checkpoint")
+    td.add_argument("--dataset", default=DEFAULT_DATA)
+    td.add_argument("--image-root")
+    td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
+    td.add_argument("--length-penalties", type=float, nargs="+", default=[0.0, 0.5, 1.0, 1.5, 2.0],
+                    metavar="ALPHA", help="GNMT length penalties to try")
+    td.add_argument("--block-trigrams", type=lambda v: v.lower() in ("1", "true", "yes", "on"), nargs="+",
+                    default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
+    td.add_argument("--metric", default="CIDEr-D", choices=("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D"),
+                    help="the score the best pair is chosen by")
+    td.add_argument("--beam-size", type=int, default=3)
+    td.add_argument("--max-len", type=int, default=20)
+    td.add_argument("--limit", type=int, help="score only the first N images of the split")
+    td.add_argument("--cache-dir", default=".cache/features")
+    td.add_argument("--device", default="auto")
+    td.add_argument("--threads", type=int)
+    td.add_argument("--output", help="also write the rows as JSON here")
+    td.add_argument("--write", action="store_true", help="store the best pair as the checkpoint's decoding defaults")
+    td.set_defaults(func=cmd_tune_decoding)
 
     cmp = sub.add_parser("compare", help="paired comparison of two checkpoints' captions of the same split: CIDEr-D "
                          "and objects_named of each, and the difference with a paired-bootstrap 95%% interval")
@@ -608,14 +690,12 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 def cmd_data_features(args: argparse.Namespace) -> None:
     from ..data.features import extract_features
-    from ..data.karpathy import load_karpathy
+    from ..data.datasets import load_captioned, resolve_dataset
     from ..device import resolve_device
     from ..encoder import EncoderSpec
 
-    dataset = Path(args.dataset)
-    if dataset.is_dir():
-        dataset = dataset / "dataset_scenes.json"
-    images = load_karpathy(dataset, args.image_root, tuple(args.split) if args.split else None)
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, tuple(args.split) if args.split else None)
     store = extract_features(images, EncoderSpec(**_key_values(args.encoder)), args.cache_dir,
                              batch_size=args.batch_size, device=str(resolve_device(args.device)),
                              shard_size=args.shard_size)

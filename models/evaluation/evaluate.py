@@ -10,7 +10,8 @@ from tqdm import tqdm
 from ..checkpoint import Checkpoint
 from ..data.stores import VisualStore
 from ..data.karpathy import CaptionedImage
-from ..decoding import beam_search
+from ..decoding import NO_RULES, DecodingRules, beam_search
+from .diversity import diversity_scores
 from .metrics import ALL_METRICS, score_captions
 from ..protocol import Captioner
 from ..vocab import Vocabulary
@@ -18,7 +19,7 @@ from ..vocab import Vocabulary
 
 def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[CaptionedImage], store: VisualStore,
                     beam_size: int = 3, max_len: int = 20, batch_size: int = 50, device: str = "cpu",
-                    progress: bool = False) -> dict[int, list[str]]:
+                    progress: bool = False, rules: DecodingRules = NO_RULES) -> dict[int, list[str]]:
     """Beam-search captions (as token lists) for every image, keyed by image id."""
     was_training = model.training
     model.eval()
@@ -26,7 +27,7 @@ def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[Captio
     for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
         chunk = images[start:start + batch_size]
         vis = store.batch([im.key for im in chunk]).to(device)
-        hyps = beam_search(model, vis, k=beam_size, max_len=max_len, extras=())
+        hyps = beam_search(model, vis, k=beam_size, max_len=max_len, rules=rules, extras=())
         for im, best in zip(chunk, hyps):
             captions[im.image_id] = vocab.decode(best[0].token_ids)
     model.train(was_training)
@@ -34,10 +35,14 @@ def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[Captio
 
 
 def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImage],
-                  metrics: Sequence[str] = ALL_METRICS) -> dict[str, float]:
-    """The caption metrics, plus ``objects_named`` when the images are generated scenes (they list their objects)."""
+                  metrics: Sequence[str] = ALL_METRICS,
+                  training_captions: Sequence[list[str]] | None = None) -> dict[str, float]:
+    """The caption metrics, REP, distinct words and mean length (and, given ``training_captions``, the share of novel
+    captions: models/evaluation/diversity.py), plus ``objects_named`` when the images are generated scenes (they list
+    their objects)."""
     refs = {im.image_id: [" ".join(r) for r in im.references] for im in images}
     scores = score_captions({i: " ".join(c) for i, c in captions.items()}, refs, metrics)
+    scores.update(diversity_scores(captions, {im.image_id: im.references for im in images}, training_captions))
     if images and images[0].info.get("objects") is not None:
         from ..data.scenes import object_naming_accuracy
 
@@ -48,7 +53,9 @@ def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImag
 @torch.no_grad()
 def evaluate_checkpoint(ckpt: Checkpoint, images: Sequence[CaptionedImage], store: VisualStore,
                         beam_size: int = 3, max_len: int = 20, metrics: Sequence[str] = ALL_METRICS,
-                        device: str = "cpu", progress: bool = True) -> tuple[dict[str, float], dict[int, list[str]]]:
+                        device: str = "cpu", progress: bool = True, rules: DecodingRules = NO_RULES,
+                        training_captions: Sequence[list[str]] | None = None,
+                        ) -> tuple[dict[str, float], dict[int, list[str]]]:
     captions = caption_dataset(ckpt.model, ckpt.vocab, images, store, beam_size, max_len, device=device,
-                               progress=progress)
-    return score_dataset(captions, images, metrics), captions
+                               progress=progress, rules=rules)
+    return score_dataset(captions, images, metrics, training_captions), captions

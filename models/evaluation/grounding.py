@@ -209,10 +209,10 @@ def score_images(images: Sequence, results: Sequence[CaptionAttention], dataset_
 
 @torch.no_grad()
 def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, max_len: int = 20,
-                           batch_size: int = 50, device: str = "cpu") -> list[CaptionAttention]:
+                           batch_size: int = 50, device: str = "cpu", rules=None) -> list[CaptionAttention]:
     """Beam-search captions with the primary attention row of every word (the same search as ``captioner
     eval``'s captions), and each image's geometry: the store's own (regions) or the encoder grid's."""
-    from ..decoding import beam_search
+    from ..decoding import NO_RULES, beam_search
     from ..encoder import grid_geometry
 
     model, vocab = ckpt.model, ckpt.vocab
@@ -222,7 +222,7 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
     for start in range(0, len(images), batch_size):
         chunk = images[start:start + batch_size]
         vis = store.batch([im.key for im in chunk]).to(device)
-        hyps = beam_search(model, vis, k=beam_size, max_len=max_len, extras=())
+        hyps = beam_search(model, vis, k=beam_size, max_len=max_len, rules=rules or NO_RULES, extras=())
         for row, (im, best) in enumerate(zip(chunk, hyps)):
             ids = best[0].token_ids
             keep = []  # the rows of the words Vocabulary.decode keeps: up to the first <eos>, <pad> dropped

@@ -35,7 +35,8 @@ from torch import nn
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint
-from ..data.karpathy import CaptionedImage, load_karpathy
+from ..data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset
+from ..data.karpathy import CaptionedImage
 from ..data.stores import VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec
@@ -460,11 +461,6 @@ class Run:
         return round(self.progress.train_seconds + time.time() - self.started, 1)
 
 
-def _resolve_dataset(path: str) -> str:
-    dataset = Path(path)
-    return str(dataset / "dataset_scenes.json") if dataset.is_dir() else str(dataset)
-
-
 def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     """Everything before the first step: resume merging, data, features, vocabulary, model, optimiser, schedules,
     precision and (under torchrun) the process group."""
@@ -484,7 +480,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if ctx.is_main:  # what a killed save left beside best/ and last/
             for name in ("best", "last"):
                 remove_debris(run_dir / name)
-    cfg = replace(cfg, dataset=_resolve_dataset(cfg.dataset))
+    cfg = replace(cfg, dataset=str(resolve_dataset(cfg.dataset)))
     if cfg.phase not in PHASES:
         raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
     init = load_checkpoint(cfg.init) if cfg.init and saved is None else None
@@ -494,8 +490,8 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     precision = resolve_precision(cfg.precision, device)
 
     spec = EncoderSpec(**cfg.encoder)
-    train_images = load_karpathy(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
-    val_images = load_karpathy(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
+    train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
+    val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
     if not train_images or not val_images:
         raise ValueError(f"{cfg.dataset} needs non-empty 'train' and 'val' splits "
                          f"(found {len(train_images)} train, {len(val_images)} val)")
@@ -562,7 +558,9 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
             trainer, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
             # optional branches (flags, SAT-hard's soft/hard switch) leave some parameters without a gradient
             find_unused_parameters=True)
+    name = dataset_name(cfg.dataset)
     meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
+            "trained_on": f"{CITATIONS.get(name, name)}, train split ({len(train_images):,} images)",
             "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
             "precision": precision.name}
     if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint

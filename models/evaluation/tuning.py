@@ -1,0 +1,52 @@
+"""Choosing a checkpoint's decoding rules on validation data: every (length penalty, trigram blocking) pair of a grid,
+scored with the same beam search and metrics as ``captioner eval`` (the code behind ``captioner tune-decoding``).
+
+The pair with the best score on the chosen metric becomes the checkpoint's default (``meta["decoding"]``, which the
+service and ``captioner eval`` use unless told otherwise); a tie goes to the simpler rules (smaller penalty, no
+blocking), so rules are only switched on where they pay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from itertools import product
+from typing import Any
+
+from tqdm import tqdm
+
+from ..decoding import DecodingRules
+from .evaluate import evaluate_checkpoint
+
+DEFAULT_PENALTIES = (0.0, 0.5, 1.0, 1.5, 2.0)
+
+
+def decoding_grid(ckpt, images: Sequence, store, penalties: Sequence[float] = DEFAULT_PENALTIES,
+                  trigram_options: Sequence[bool] = (False, True), beam_size: int = 3, max_len: int = 20,
+                  metrics: Sequence[str] = ("BLEU", "ROUGE-L", "CIDEr-D"), device: str = "cpu",
+                  training_captions: Sequence[list[str]] | None = None) -> list[dict[str, Any]]:
+    """One row per pair: the rules and every score (caption metrics, REP, distinct words, mean length, …)."""
+    rows = []
+    pairs = list(product(penalties, trigram_options))
+    for penalty, block in tqdm(pairs, desc="decoding rules", unit="pair"):
+        rules = DecodingRules(length_penalty=penalty, block_trigrams=block)
+        scores, _ = evaluate_checkpoint(ckpt, images, store, beam_size, max_len, metrics, device=device,
+                                        progress=False, rules=rules, training_captions=training_captions)
+        rows.append({**asdict(rules), **{k: round(v, 4) for k, v in scores.items()}})
+    return rows
+
+
+def best_rules(rows: Sequence[dict[str, Any]], metric: str) -> DecodingRules:
+    """The pair with the highest ``metric``; ties to the smaller penalty, then to no blocking."""
+    best = max(rows, key=lambda r: (r[metric], -r["length_penalty"], not r["block_trigrams"]))
+    return DecodingRules(best["length_penalty"], best["block_trigrams"])
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    head = ["length penalty α", "block trigrams", *columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        values = [f"{row['length_penalty']:g}", "yes" if row["block_trigrams"] else "no",
+                  *(f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns)]
+        lines.append("| " + " | ".join(values) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""REP, distinct words and novel captions (models/evaluation/diversity.py).
+
+The REP reference below follows the authors' script as published (Unbabel/sparse_constrained_attention,
+``generate_results/rep_score.py``: ``create_ngram_sentence_list``, ``count_repetitions``, ``n_gram_score``,
+``consecutive_words_score``, ``calculate_final_scores`` with -n 2 -w1 1 -w2 2 --normalize), kept in its own shape
+(lists of (n-gram, count) pairs, linear searches) so that it does not share our implementation's reading of it.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+
+from captioner.models.evaluation.diversity import diversity_scores, novel_share, rep_score, repetition_count
+
+
+def _script_rep(references, predictions):
+    def ngrams(sentences, n):
+        return [[tuple(s[i:i + n]) for i in range(len(s) - n + 1)] for s in sentences]
+
+    def counts(ngram_lists, threshold):
+        return [[(k, v) for k, v in Counter(line).items() if v > threshold] for line in ngram_lists]
+
+    def ngram_score(ref_counts, out_counts):
+        score = [0] * len(ref_counts)
+        for index, (list1, list2) in enumerate(zip(out_counts, ref_counts)):
+            for item1 in list1:
+                if item1[1] > 1:
+                    found = 0
+                    for item2 in list2:
+                        if item1[0] == item2[0]:
+                            score[index] += max(0, item1[1] - item2[1])
+                            found = 1
+                            break
+                    if not found:
+                        score[index] += item1[1]
+        return score
+
+    def consecutive(ref_counts, out_counts):
+        score = [0] * len(out_counts)
+        for index, (list1, list2) in enumerate(zip(out_counts, ref_counts)):
+            for item1 in list1:
+                if len(set(item1[0])) == 1:
+                    found = 0
+                    for item2 in list2:
+                        if len(set(item2[0])) == 1 and set(item1[0]) == set(item2[0]):
+                            score[index] += max(0, item1[1] - item2[1])
+                            found = 1
+                            break
+                    if not found:
+                        score[index] += item1[1]
+        return score
+
+    ref_counts, out_counts = counts(ngrams(references, 2), 0), counts(ngrams(predictions, 2), 0)
+    totals = [1.0 * a + 2.0 * b for a, b in zip(ngram_score(ref_counts, out_counts), consecutive(ref_counts, out_counts))]
+    return 100 * float(sum(totals)) / sum(len(r) for r in references)
+
+
+def test_rep_with_one_reference_equals_the_authors_script():
+    rng = random.Random(0)
+    words = ["a", "dog", "the", "runs", "on", "grass"]  # few words: many repeats, some of one word
+    for _ in range(20):
+        refs = [[rng.choice(words) for _ in range(rng.randint(3, 12))] for _ in range(30)]
+        preds = [[rng.choice(words) for _ in range(rng.randint(2, 14))] for _ in range(30)]
+        ours = rep_score(dict(enumerate(preds)), {i: [r] for i, r in enumerate(refs)})
+        assert ours == pytest.approx(_script_rep(refs, preds), abs=1e-9)
+
+
+def test_rep_counts_what_the_references_do_not_repeat():
+    caption = "a dog and a dog and a ball".split()  # "a dog" ×2, "dog and" ×2, "and a" ×2
+    assert repetition_count(caption, ["a cat".split()]) == 6
+    # a reference that itself says "a dog" twice excuses those two; the larger count over references is used
+    assert repetition_count(caption, ["a cat".split(), "a dog by a dog".split()]) == 4
+    assert repetition_count("the the dog".split(), ["a dog".split()]) == 2  # one same-word bigram, weight 2
+    assert repetition_count("a dog runs".split(), ["a cat".split()]) == 0
+
+
+def test_novel_share_and_distinct_words():
+    train = ["a dog runs".split(), "a cat sits".split()]
+    captions = {1: "a dog runs".split(), 2: "a dog sits".split()}
+    assert novel_share(captions.values(), train) == 0.5
+    scores = diversity_scores(captions, {1: ["a dog".split()], 2: ["a dog".split()]}, train)
+    assert scores["distinct_words"] == 4 and scores["novel_captions"] == 0.5 and scores["mean_length"] == 3
+    assert scores["REP"] == 0.0

@@ -1,0 +1,99 @@
+"""Flickr8k as its publishers distribute it (models/data/flickr8k.py) and the one entry point every command uses to
+read a data set (models/data/datasets.py): hand-written files in the official layout, and, where ``../shared``
+holds the real data set, agreement with its Karpathy JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
+from captioner.models.data.flickr8k import load_flickr8k
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flickr8k"
+
+
+@pytest.fixture
+def official(tmp_path) -> Path:
+    """The publishers' layout: Flickr8k_text/ (token file + split lists) beside Flicker8k_Dataset/ (photos)."""
+    text, photos = tmp_path / "Flickr8k_text", tmp_path / "Flicker8k_Dataset"
+    text.mkdir()
+    photos.mkdir()
+    names = {"train": ["10_a.jpg", "11_b.jpg"], "val": ["20_c.jpg"], "test": ["30_d.jpg"]}
+    lines = []
+    for i, name in enumerate(n for split in names.values() for n in split):
+        Image.fromarray(np.full((8, 8, 3), i * 40, dtype=np.uint8)).save(photos / name)
+        # the captions of a photo are not in order in the file, and the raw text has capitals and punctuation
+        lines += [f"{name}#{n}\tA Dog, number {i} caption {n} ." for n in (4, 0, 3, 1, 2)]
+    lines.append("2258277193_586949ec62.jpg.1#0\tA key with no photo , as in the published file .")
+    lines.append("99_unsplit.jpg#0\tA photo in no split list .")
+    (text / "Flickr8k.token.txt").write_text("\n".join(lines) + "\n")
+    for split, file in (("train", "Flickr_8k.trainImages.txt"), ("val", "Flickr_8k.devImages.txt"),
+                        ("test", "Flickr_8k.testImages.txt")):
+        (text / file).write_text("\n".join(names[split]) + "\n")
+    return text
+
+
+def test_official_files_give_splits_references_and_photos(official):
+    images = load_flickr8k(official)
+    assert [(im.split, im.path.name) for im in images] == [("train", "10_a.jpg"), ("train", "11_b.jpg"),
+                                                           ("val", "20_c.jpg"), ("test", "30_d.jpg")]
+    assert images[0].path == (official.parent / "Flicker8k_Dataset" / "10_a.jpg").resolve()
+    # five references in caption-number order, tokenised like the Karpathy JSON (lower case, no punctuation)
+    assert [r[-1] for r in images[1].references] == ["0", "1", "2", "3", "4"]
+    assert images[1].references[0] == ["a", "dog", "number", "1", "caption", "0"]
+    # ids number the three lists in order, so a photo keeps its id whichever splits are loaded
+    test_only = load_flickr8k(official / "Flickr8k.token.txt", splits=("test",))
+    assert [im.image_id for im in test_only] == [4] and [im.image_id for im in images] == [1, 2, 3, 4]
+    assert len(load_flickr8k(official, limit=2)) == 2
+
+
+def test_errors_name_what_is_missing(official, tmp_path):
+    (official.parent / "Flicker8k_Dataset").rename(tmp_path / "elsewhere")
+    with pytest.raises(FileNotFoundError, match="pass --image-root"):
+        load_flickr8k(official)
+    assert load_flickr8k(official, image_root=tmp_path / "elsewhere")[0].path.parent == tmp_path / "elsewhere"
+    with pytest.raises(ValueError, match="not test2"):
+        load_flickr8k(official, splits=("test2",), image_root=tmp_path / "elsewhere")
+    (official / "Flickr_8k.devImages.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="Flickr_8k.devImages.txt"):
+        load_flickr8k(official, image_root=tmp_path / "elsewhere")
+
+
+def test_one_entry_point_reads_every_kind_of_data_set(official, tmp_path):
+    assert resolve_dataset(official).name == "Flickr8k.token.txt" and dataset_name(official) == "flickr8k"
+    assert [im.split for im in load_captioned(official, splits=("val", "test"))] == ["val", "test"]
+    karpathy = tmp_path / "dataset_flickr8k.json"
+    karpathy.write_text(json.dumps({"dataset": "flickr8k", "images": [
+        {"filename": "10_a.jpg", "split": "train", "imgid": 0, "sentences": [{"tokens": ["a", "dog"]}]}]}))
+    assert dataset_name(karpathy) == "flickr8k"
+    # a Karpathy JSON away from its photos is refused at once, naming the photo and the option
+    with pytest.raises(FileNotFoundError, match="10_a.jpg .*--image-root"):
+        load_captioned(karpathy)
+    assert load_captioned(karpathy, official.parent / "Flicker8k_Dataset")[0].path.is_file()
+    assert load_captioned(karpathy, check_images=False)[0].references == [["a", "dog"]]
+    with pytest.raises(FileNotFoundError, match="neither dataset_scenes.json"):
+        resolve_dataset(tmp_path / "Flicker8k_Dataset")
+
+
+def test_trained_on_names_the_data_set_with_its_citation():
+    assert trained_on({"trained_on": "X, train split"}) == "X, train split"
+    assert trained_on({"dataset": ".cache/scenes-varied/dataset_scenes.json"}).startswith("generated scenes")
+    assert trained_on({"dataset": "data/dataset_flickr8k.json"}).startswith("Flickr8k (Hodosh")
+    assert trained_on({"dataset": "f8k/Flickr8k_text/Flickr8k.token.txt"}).startswith("Flickr8k (Hodosh")
+    assert "AoANet" in trained_on({"imported_from": {"code": "github.com/husthuaan/AoANet"}})
+
+
+@pytest.mark.skipif(not (SHARED / "Flickr8k.token.txt").is_file(), reason="../shared/data/flickr8k is not here")
+def test_the_official_files_and_the_karpathy_json_agree_on_the_real_data_set():
+    official = {im.path.name: im for im in load_flickr8k(SHARED)}
+    karpathy = {im.path.name: im for im in load_captioned(SHARED / "dataset_flickr8k.json", SHARED / "images")}
+    assert len(official) == len(karpathy) == 8000
+    assert all(official[n].split == karpathy[n].split for n in official)
+    assert sum(im.split == "train" for im in official.values()) == 6000
+    same_refs = sum(official[n].references == karpathy[n].references for n in official)
+    assert same_refs == 8000, f"{8000 - same_refs} photos' references differ"
