@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from .checkpoint import Checkpoint
-from .decoding import Hypothesis
+from .decoding import DecodingRules, Hypothesis
 from .encoder import load_image
 from .inference import CaptionResult, torch_runtime
 from .protocol import Geometry
@@ -55,7 +55,9 @@ class Pipeline:
         self.ckpt = self.runtime.ckpt
 
     def __call__(self, sources: list[str | Path | bytes | Image.Image], beam_size: int = 3,
-                 max_len: int = 20) -> list[Captioned]:
+                 max_len: int = 20, rules: DecodingRules | None = None) -> list[Captioned]:
+        """Caption ``sources``; ``rules`` default to the checkpoint's own (``Runtime.default_rules``)."""
         images = [load_image(s) for s in sources]
-        results = self.runtime.caption([self.runtime.prepare(image) for image in images], beam_size, max_len)
+        results = self.runtime.caption([self.runtime.prepare(image) for image in images], beam_size, max_len,
+                                       self.runtime.default_rules if rules is None else rules)
         return [Captioned(image, result) for image, result in zip(images, results)]

@@ -193,6 +193,8 @@ class ArchiveOptions:
     attention: bool = False  # attention rows, geometry and extras in every line
     heatmaps: Path | None = None  # a folder for per-word figures, one PNG per image
     readers: int = 2  # threads that read, decode and preprocess files
+    length_penalty: float | None = None  # the decoding rules (None: the checkpoint's defaults)
+    block_trigrams: bool | None = None
 
 
 @dataclass
@@ -221,6 +223,7 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
     from .app import warm_up  # the composition root's warm-up, shared so that both engines start alike
 
     window = in_flight(settings, options.beam_size)
+    rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
     # its queue holds every image in flight, so the batcher never refuses one (QueueFull is HTTP back-pressure)
     batcher = Batcher(runtime, settings.max_batch_images, window, settings.max_rows,
                       overlap_encoding=settings.overlap_encoding)
@@ -252,7 +255,7 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
                 report_error(path, str(exc) if isinstance(exc, ImageDecodeError) else f"cannot read it ({exc})")
                 on_done()
                 return
-            result = await batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S).future
+            result = await batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S, rules).future
             record = caption_record(path, result, options.attention)
             if options.heatmaps is not None:
                 figure = heatmap_file(options.heatmaps, path)

@@ -275,6 +275,23 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
         print(f"stored as the defaults of {args.checkpoint}")
 
 
+def cmd_resolution_check(args: argparse.Namespace) -> None:
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..device import resolve_device, set_threads
+    from ..evaluation.resolution import resolution_check
+    from ..pipeline import Pipeline
+
+    set_threads(args.threads)
+    pipeline = Pipeline(args.checkpoint, resolve_device(args.device))
+    images = load_captioned(resolve_dataset(args.dataset), args.image_root, (args.split,))
+    report = resolution_check(pipeline, images, Path(args.full_root), args.beam_size, args.max_len,
+                              decoding_rules(pipeline.ckpt, args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
     from ..data.datasets import load_captioned, resolve_dataset
     from ..evaluation.compare import compare_captions, markdown
@@ -336,7 +353,9 @@ def cmd_caption(args: argparse.Namespace) -> None:
     runs = []
     for checkpoint in checkpoints:
         try:
-            results = Pipeline(checkpoint, device)(args.images, beam_size=args.beam_size, max_len=args.max_len)
+            pipeline = Pipeline(checkpoint, device)
+            results = pipeline(args.images, beam_size=args.beam_size, max_len=args.max_len,
+                               rules=decoding_rules(pipeline.ckpt, args))
         except (ImageDecodeError, FileNotFoundError) as exc:
             raise SystemExit(f"error: {exc}") from None
         runs.append((_label(checkpoint), results))
@@ -541,6 +560,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     td.add_argument("--write", action="store_true", help="store the best pair as the checkpoint's decoding defaults")
     td.set_defaults(func=cmd_tune_decoding)
 
+    rc = sub.add_parser("resolution-check", help="caption the full-size originals of a split's photos and their "
+                        "small copies with the service's preprocessing; scores of both against the same references")
+    rc.add_argument("checkpoint")
+    rc.add_argument("--dataset", default=DEFAULT_DATA)
+    rc.add_argument("--image-root", help="the data set's copies of the photos")
+    rc.add_argument("--full-root", required=True, help="folder of full-size originals, matched by file name")
+    rc.add_argument("--split", default="test")
+    rc.add_argument("--beam-size", type=int, default=3)
+    rc.add_argument("--max-len", type=int, default=20)
+    add_decoding_options(rc)
+    rc.add_argument("--device", default="auto")
+    rc.add_argument("--threads", type=int)
+    rc.add_argument("--output", help="also write the JSON report here")
+    rc.set_defaults(func=cmd_resolution_check)
+
     cmp = sub.add_parser("compare", help="paired comparison of two checkpoints' captions of the same split: CIDEr-D "
                          "and objects_named of each, and the difference with a paired-bootstrap 95%% interval")
     cmp.add_argument("results", nargs=2, metavar="RESULTS.json",
@@ -560,6 +594,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                           "side, one figure row each")
     cap.add_argument("--beam-size", type=int, default=3)
     cap.add_argument("--max-len", type=int, default=20)
+    add_decoding_options(cap)
     cap.add_argument("--overlay", metavar="OUT.png", help="write the per-word figure (or one word with --token)")
     cap.add_argument("--token", type=int, help="render only this token's heatmap")
     cap.add_argument("--mode", help="grid_smooth, grid_blocks, region_sum, top1_box, area_topk (default: by model)")

@@ -1,0 +1,55 @@
+"""Do captions depend on the resolution of the photo a user sends?  The same photos captioned from their full-size
+originals and from the small copies a data set ships (Flickr8k's public copies are 224×224, squashed), with the
+service's own preprocessing, and both caption sets scored against the same references (``captioner
+resolution-check``).  A model trained on small copies that loses more than a BLEU-4 point on the originals has a
+preprocessing problem (docs/decisions.md, "Flickr8k: full-size photos").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..data.karpathy import CaptionedImage
+from ..decoding import DecodingRules
+from ..pipeline import Pipeline
+from .compare import compare_captions
+from .metrics import score_captions
+
+
+def _caption(pipeline: Pipeline, paths: Sequence[Path], beam_size: int, max_len: int, rules: DecodingRules,
+             batch: int, label: str) -> list[str]:
+    captions = []
+    for start in tqdm(range(0, len(paths), batch), desc=label, unit="batch"):
+        results = pipeline(list(paths[start:start + batch]), beam_size, max_len, rules)
+        captions += [" ".join(r.words) for r in results]
+    return captions
+
+
+def resolution_check(pipeline: Pipeline, images: Sequence[CaptionedImage], full_root: Path, beam_size: int = 3,
+                     max_len: int = 20, rules: DecodingRules | None = None, batch: int = 16) -> dict[str, Any]:
+    """Scores of the captions of ``images`` (the data set's copies) and of the originals of the same photos in
+    ``full_root`` (matched by file name; photos without an original are left out), and originals − copies with a
+    paired-bootstrap interval for CIDEr-D."""
+    rules = pipeline.runtime.default_rules if rules is None else rules
+    matched = [im for im in images if (full_root / im.path.name).is_file()]
+    if not matched:
+        raise FileNotFoundError(f"none of the {len(images)} photos has an original in {full_root}")
+    copies = _caption(pipeline, [im.path for im in matched], beam_size, max_len, rules, batch, "copies")
+    originals = _caption(pipeline, [full_root / im.path.name for im in matched], beam_size, max_len, rules, batch,
+                         "originals")
+    refs = {im.image_id: [" ".join(r) for r in im.references] for im in matched}
+    ids = [im.image_id for im in matched]
+    report: dict[str, Any] = {"images": len(matched), "same_caption": sum(a == b for a, b in zip(copies, originals))}
+    for name, captions in (("copies", copies), ("originals", originals)):
+        report[name] = {k: round(v, 4) for k, v in score_captions(dict(zip(ids, captions)), refs,
+                                                                  ("BLEU", "CIDEr-D")).items()}
+    report["originals_minus_copies"] = {"BLEU-4": round(report["originals"]["BLEU-4"] - report["copies"]["BLEU-4"], 4),
+                                        **compare_captions(dict(zip(ids, originals)), dict(zip(ids, copies)),
+                                                           matched)}
+    report["examples"] = [{"image": im.path.name, "copy": a, "original": b}
+                          for im, a, b in zip(matched, copies, originals) if a != b][:10]
+    return report
