@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from tqdm import tqdm
 
 from ..protocol import Geometry
 from ..rendering.heatmaps import heatmap
@@ -119,6 +120,10 @@ class WordScore:
     control: str
     scores: dict[str, float]
 
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return (self.word_class,)
+
 
 def bootstrap_mean(values_per_image: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0,
                    level: float = 0.95) -> tuple[float, float, float]:
@@ -133,16 +138,18 @@ def bootstrap_mean(values_per_image: Sequence[Sequence[float]], resamples: int =
     return float(sums.sum() / counts.sum()), low, high
 
 
-def summarise(word_scores: Sequence[WordScore], n_images: int, resamples: int = 2000) -> list[dict]:
-    """One row per (control, word class ∪ "all"): every statistic's mean and 95 % interval, the word and image
-    counts."""
+def summarise(word_scores: Sequence, n_images: int, resamples: int = 2000, classes: Sequence[str] = WORD_CLASSES,
+              controls: Sequence[str] = CONTROLS, class_key: str = "word_class", unit: str = "words") -> list[dict]:
+    """One row per (control, class ∪ "all"): every statistic's mean and 95 % interval, the ``unit`` (scored items)
+    and image counts.  Items are anything with ``image``, ``classes`` (an item counts under each of its classes,
+    once under "all"), ``control`` and ``scores``: the scenes' words, or Flickr30k Entities phrases."""
     rows = []
-    for control in CONTROLS:
-        for word_class in (*WORD_CLASSES, "all"):
-            chosen = [w for w in word_scores if w.control == control and word_class in ("all", w.word_class)]
+    for control in controls:
+        for word_class in (*classes, "all"):
+            chosen = [w for w in word_scores if w.control == control and (word_class == "all" or word_class in w.classes)]
             if not chosen:
                 continue
-            row = {"control": control, "word_class": word_class, "words": len(chosen),
+            row = {"control": control, class_key: word_class, unit: len(chosen),
                    "images": len({w.image for w in chosen})}
             for stat in STATISTICS:
                 per_image: list[list[float]] = [[] for _ in range(n_images)]
@@ -207,19 +214,29 @@ def score_images(images: Sequence, results: Sequence[CaptionAttention], dataset_
     return out
 
 
+def item_geometry(ckpt, vis, row: int, image_path: Path) -> Geometry:
+    """Where the visual items of row ``row`` of ``vis`` sit on the image file the model saw: the store's own
+    geometry (regions), or the encoder grid's on the file's size (read from its header only)."""
+    from ..encoder import grid_geometry
+
+    if vis.geometry:
+        return vis.geometry[row]
+    with Image.open(image_path) as picture:
+        return grid_geometry(ckpt.encoder, picture.size)
+
+
 @torch.no_grad()
 def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, max_len: int = 20,
-                           batch_size: int = 50, device: str = "cpu") -> list[CaptionAttention]:
+                           batch_size: int = 50, device: str = "cpu", progress: bool = False) -> list[CaptionAttention]:
     """Beam-search captions with the primary attention row of every word (the same search as ``captioner
     eval``'s captions), and each image's geometry: the store's own (regions) or the encoder grid's."""
     from ..decoding import beam_search
-    from ..encoder import grid_geometry
 
     model, vocab = ckpt.model, ckpt.vocab
     was_training = model.training
     model.eval()
     out: list[CaptionAttention] = []
-    for start in range(0, len(images), batch_size):
+    for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
         chunk = images[start:start + batch_size]
         vis = store.batch([im.key for im in chunk]).to(device)
         hyps = beam_search(model, vis, k=beam_size, max_len=max_len, extras=())
@@ -234,12 +251,7 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
             tokens = vocab.decode(ids)
             assert len(tokens) == len(keep)
             attention = best[0].attention.numpy()[keep]
-            if vis.geometry:
-                geometry = vis.geometry[row]
-            else:
-                with Image.open(im.path) as picture:
-                    geometry = grid_geometry(ckpt.encoder, picture.size)
-            out.append(CaptionAttention(tokens, attention, geometry))
+            out.append(CaptionAttention(tokens, attention, item_geometry(ckpt, vis, row, im.path)))
     model.train(was_training)
     return out
 
