@@ -153,8 +153,8 @@ def test_best_word_of_a_phrase_and_its_pointing_and_ratio():
     rows = np.array([[0.25, 0.25, 0.25, 0.25],  # "a": uniform, 1/4 inside
                      [0.5, 0.5, 0.0, 0.0],  # "little": half inside, its plateau half inside
                      [0.8, 0.0, 0.0, 0.2]])  # "girl": the best word
-    assert best_word(rows, geometry, (8, 8), mask) == pytest.approx({"mass": 0.8, "pointing": 1.0, "ratio": 3.2})
-    assert best_word(rows[:2], geometry, (8, 8), mask) == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 2.0})
+    assert best_word(rows, geometry, mask) == pytest.approx({"mass": 0.8, "pointing": 1.0, "ratio": 3.2})
+    assert best_word(rows[:2], geometry, mask) == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 2.0})
 
 
 def test_uniform_map_scores_the_boxes_share_on_a_squashed_photo():
@@ -264,3 +264,57 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
 def test_cli_bad_grounding_is_one_line(value, message):
     done = captioner("eval", str(DEFAULT_CHECKPOINT), "--grounding", value, check=False)
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/grounding.md
+# ---------------------------------------------------------------------------------------------------------------
+def test_ordering_sentence_reads_the_intervals():
+    from captioner.models.evaluation.grounding_doc import ordering_sentence
+
+    def stat(mean, half=0.01):
+        return {"mean": mean, "ci95": [mean - half, mean + half]}
+
+    held = ordering_sentence({"softmax": stat(0.3), "sparsemax": stat(0.4), "tvmax": stat(0.5)})
+    assert held.startswith("softmax 0.300 [0.290, 0.310] < sparsemax") and held.endswith("TVmax, holds")
+    tied = ordering_sentence({"softmax": stat(0.3), "sparsemax": stat(0.305), "tvmax": stat(0.5)})
+    assert "softmax 0.300 [0.290, 0.310] ≈ sparsemax" in tied and tied.endswith("does not hold (as a strict, "
+                                                                                 "interval-separated ordering)")
+    reversed_ = ordering_sentence({"softmax": stat(0.5), "sparsemax": stat(0.4), "tvmax": stat(0.3)})
+    assert reversed_.startswith("tvmax") and "does not hold" in reversed_
+    assert "fewer than two" in ordering_sentence({"softmax": stat(0.5)})
+
+
+def test_grounding_doc_from_reports_of_real_photo_checkpoints(tmp_path):
+    from captioner.models.evaluation.grounding_doc import real_photo_checkpoints, write_grounding_doc
+
+    weights = tmp_path / "weights"
+    real = weights / "f8k-sat"
+    shutil.copytree(DEFAULT_CHECKPOINT, real)
+    shutil.copytree(DEFAULT_CHECKPOINT, weights / "scenes-sat")  # trained on the scenes: not listed
+    config = json.loads((real / "config.json").read_text())
+    config["meta"]["train_config"]["dataset"] = "../data/flickr8k/dataset_flickr8k.json"
+    (real / "config.json").write_text(json.dumps(config))
+    write_manifest(real)
+    assert real_photo_checkpoints(weights) == [real]
+    stat = {"mean": 0.5, "ci95": [0.4, 0.6]}
+    rows = [{"control": c, "phrase_type": t, "phrases": 3, "images": 2, "mass": stat, "pointing": stat, "ratio": stat}
+            for c in ("model", "uniform", "other photo") for t in ("people", "all")]
+    section = {"normaliser": "softmax", "photos": 2, "references": {"rows": rows}, "generated": {"rows": rows}}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "f8k-sat.json").write_text(json.dumps({"test": {"images": 2, "grounding": section}}))
+    document = tmp_path / "docs" / "grounding.md"
+    document.parent.mkdir()
+    document.write_text("# Grounding\n\nprose stays\n")
+    figures = tmp_path / "docs" / "figures"
+    block = write_grounding_doc(weights, results, document, figures / "g.png", figures / "h.png", tmp_path,
+                                photos=("chelsea",))
+    assert "| f8k-sat | softmax | generated | chance: other photo | 3 | 2 | 0.500 [0.400, 0.600]" in block
+    assert "| f8k-sat | people | 3 | 0.500 [0.400, 0.600]" in block and "![" in block
+    assert (figures / "g.png").stat().st_size > 1000 and Image.open(figures / "h.png").height > 200
+    assert "fewer than two of softmax, sparsemax and TVmax" in block  # one softmax model, no scene reports
+    write_grounding_doc(weights, results, document, figures / "g.png", figures / "h.png", tmp_path, photos=())
+    text = document.read_text()
+    assert text.startswith("# Grounding\n\nprose stays\n") and text.count("grounding:start") == 1
+    assert "](figures/g.png)" in text

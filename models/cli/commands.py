@@ -579,6 +579,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     zt.add_argument("--baseline", default=Path(DEFAULT_CHECKPOINT).name, help="checkpoint the others are compared with")
     zt.set_defaults(func=cmd_zoo_table)
 
+    gd = sub.add_parser("grounding-doc", help="write docs/grounding.md's tables and figures (Flickr30k Entities "
+                        "grounding of every real-photo checkpoint) from `captioner eval --grounding entities:DIR` "
+                        "reports; `make grounding` runs those first")
+    gd.add_argument("--weights-dir", default="weights")
+    gd.add_argument("--list", action="store_true",
+                    help="only print the real-photo checkpoints (trained on a Flickr Karpathy JSON), one a line")
+    gd.add_argument("--results", default="docs/results/grounding", help="folder of the eval reports NAME.json")
+    gd.add_argument("--document", default="docs/grounding.md", help="written between its grounding markers")
+    gd.add_argument("--figure", default="docs/figures/grounding_entities.png")
+    gd.add_argument("--examples", default="docs/figures/grounding_entities_heatmaps.png",
+                    help="the side-by-side heatmaps of the softmax, sparsemax and TVmax checkpoints")
+    gd.add_argument("--scene-results", default="docs/results",
+                    help="the scene reports whose SparseCap grounding the closing note compares with")
+    gd.add_argument("--device", default="auto")
+    gd.add_argument("--threads", type=int)
+    gd.set_defaults(func=cmd_grounding_doc)
+
     ls = sub.add_parser("models", help="list registered model architectures")
     ls.set_defaults(func=cmd_models)
     add_interop_commands(sub, data)
@@ -656,6 +673,21 @@ def cmd_zoo_table(args: argparse.Namespace) -> None:
     dataset = dataset / "dataset_scenes.json" if dataset.is_dir() else dataset
     print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure), dataset,
                     args.baseline))
+
+
+def cmd_grounding_doc(args: argparse.Namespace) -> None:
+    from ..device import resolve_device, set_threads
+    from ..evaluation.grounding_doc import real_photo_checkpoints, write_grounding_doc
+
+    weights = Path(args.weights_dir)
+    if not weights.is_dir():
+        raise SystemExit(f"error: {weights} is not a folder of checkpoints")
+    if args.list:
+        print("\n".join(str(c) for c in real_photo_checkpoints(weights)))
+        return
+    set_threads(args.threads)
+    print(write_grounding_doc(weights, Path(args.results), Path(args.document), Path(args.figure),
+                              Path(args.examples), Path(args.scene_results), str(resolve_device(args.device))))
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -91,6 +91,42 @@ def score_map(distribution: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     return {"mass": mass, "pointing": pointing, "ratio": mass / float(share)}
 
 
+def score_rows(rows: np.ndarray, geometry: Geometry, mask: np.ndarray) -> list[dict[str, float]]:
+    """:func:`score_map` of :func:`pixel_distribution` of every row of ``rows`` ``[K, N]`` against one mask (on an
+    image of the mask's size), with the same results computed per grid cell rather than per pixel.
+
+    Under ``pixel_distribution`` every pixel takes its cell's weight, so with ``n_c`` the pixels of cell ``c`` and
+    ``m_c`` those inside the mask: mass ``= Σ w_c m_c / Σ w_c n_c``, and the maximum is the plateau of the cells of
+    largest weight (pointing ``= Σ_top m_c / Σ_top n_c``).  The cell of each pixel comes from the heatmap itself
+    (``grid_blocks`` of the weights 1..N), so the geometry is the heatmaps' by construction.  Region items overlap
+    and take the pixel path."""
+    rows = np.atleast_2d(np.asarray(rows, np.float64))
+    height, width = mask.shape
+    if geometry.kind != "grid":
+        return [score_map(pixel_distribution(row, geometry, (width, height)), mask) for row in rows]
+    if np.any(rows < 0) or not np.all(np.isfinite(rows)):
+        raise ValueError("attention weights must be finite and non-negative")
+    share = float(mask.mean())
+    if share == 0:
+        raise ValueError("the object mask is empty")
+    items = rows.shape[1]
+    labels = np.rint(heatmap(np.arange(1, items + 1), geometry, "grid_blocks", size=(width, height),
+                             scale=width / geometry.image_size[0]) * items).astype(np.int64)
+    pixels = np.bincount(labels.ravel(), minlength=items + 1)[1:].astype(np.float64)
+    inside = np.bincount(labels[mask.astype(bool)], minlength=items + 1)[1:].astype(np.float64)
+    out = []
+    for row in rows:
+        total = row @ pixels
+        if total <= 0:
+            out.append({"mass": 0.0, "pointing": 0.0, "ratio": 0.0})
+            continue
+        mass = float(row @ inside / total)
+        seen = pixels > 0
+        top = seen & (row >= row[seen].max() * (1 - 1e-6))
+        out.append({"mass": mass, "pointing": float(inside[top].sum() / pixels[top].sum()), "ratio": mass / share})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Which words name which objects
 # ---------------------------------------------------------------------------------------------------------------
@@ -279,18 +315,20 @@ def grounding_report(ckpt, images: Sequence, results: Sequence[CaptionAttention]
             "rows": summarise(word_scores, len(images), resamples)}
 
 
+def interval(stat: dict) -> str:
+    """A statistic as the tables print it: ``mean [low, high]``."""
+    return f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
+
+
 def markdown_table(reports: Sequence[tuple[str, dict]]) -> str:
     """A grounding table from ``(model name, grounding section)`` pairs: one row per model × control × word class,
     mass / pointing / ratio as ``mean [low, high]``."""
     lines = ["| model | normaliser | map | words | images | mass in object | pointing hit | area-normalised ratio |",
              "|---|---|---|---|---|---|---|---|"]
 
-    def cell(stat: dict) -> str:
-        return f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
-
     for name, section in reports:
         for row in section["rows"]:
             label = "attention" if row["control"] == "model" else f"chance: {row['control']}"
             lines.append(f"| {name} | {section['normaliser']} | {label}, {row['word_class']} | {row['words']} | "
-                         f"{row['images']} | {cell(row['mass'])} | {cell(row['pointing'])} | {cell(row['ratio'])} |")
+                         f"{row['images']} | {interval(row['mass'])} | {interval(row['pointing'])} | {interval(row['ratio'])} |")
     return "\n".join(lines)

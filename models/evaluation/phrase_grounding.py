@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from ..data.entities import PHRASE_TYPES, EntitiesDataset, EntityAnnotation, EntityImage
 from ..protocol import Geometry
-from .grounding import CaptionAttention, item_geometry, normaliser_of, pixel_distribution, score_map, summarise
+from .grounding import CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise
 
 MODES = ("references", "generated")
 CONTROLS = ("model", "uniform", "other photo")
@@ -162,10 +162,9 @@ def box_mask(boxes: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return mask
 
 
-def best_word(rows: np.ndarray, geometry: Geometry, size: tuple[int, int], mask: np.ndarray) -> dict[str, float]:
+def best_word(rows: np.ndarray, geometry: Geometry, mask: np.ndarray) -> dict[str, float]:
     """The scores of the phrase word whose map puts the most mass inside ``mask`` (first one on a tie)."""
-    scored = [score_map(pixel_distribution(row, geometry, size), mask) for row in rows]
-    return max(scored, key=lambda s: s["mass"])
+    return max(score_rows(rows, geometry, mask), key=lambda s: s["mass"])
 
 
 def phrase_mask(annotation: EntityAnnotation, chains: Sequence[str], size: tuple[int, int]) -> np.ndarray:
@@ -186,19 +185,19 @@ def score_photos(photos: Sequence[PhotoAttention], annotations: Sequence[EntityA
         if not photo.targets:
             continue
         size = photo.geometry.image_size
-        uniform = pixel_distribution(np.ones(photo.geometry.boxes.shape[0]), photo.geometry, size)
+        uniform = np.ones((1, photo.geometry.boxes.shape[0]))
         for target in photo.targets:
             mask = phrase_mask(annotation, target.chains, size)
             rows = photo.rows[target.caption][target.positions]
-            out.append(PhraseScore(index, target.types, "model", best_word(rows, photo.geometry, size, mask)))
-            out.append(PhraseScore(index, target.types, "uniform", score_map(uniform, mask)))
+            out.append(PhraseScore(index, target.types, "model", best_word(rows, photo.geometry, mask)))
+            out.append(PhraseScore(index, target.types, "uniform", best_word(uniform, photo.geometry, mask)))
             donors = first[target.types[0]] if target.types else {}
             other = next((donors[j] for j in ((index + k) % n for k in range(1, n)) if j in donors), None)
             if other is not None:
                 weights, geometry = other
                 # grid models see every photo through the same cells; region boxes are scaled onto this photo
                 geometry = photo.geometry if geometry.kind == "grid" else geometry
-                out.append(PhraseScore(index, target.types, "other photo", best_word(weights, geometry, size, mask)))
+                out.append(PhraseScore(index, target.types, "other photo", best_word(weights, geometry, mask)))
     return out
 
 
@@ -265,10 +264,6 @@ def entities_grounding(ckpt, images: Sequence, store, entities_dir: str | Path,
 # ---------------------------------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------------------------------
-def _cell(stat: dict) -> str:
-    return f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
-
-
 def _label(control: str) -> str:
     return "attention" if control == "model" else f"chance: {control}"
 
@@ -282,8 +277,8 @@ def summary_table(reports: Sequence[tuple[str, dict]]) -> str:
             for row in section[mode]["rows"]:
                 if row["phrase_type"] == "all":
                     lines.append(f"| {name} | {section['normaliser']} | {mode} | {_label(row['control'])} | "
-                                 f"{row['phrases']} | {row['images']} | {_cell(row['mass'])} | "
-                                 f"{_cell(row['pointing'])} | {_cell(row['ratio'])} |")
+                                 f"{row['phrases']} | {row['images']} | {interval(row['mass'])} | "
+                                 f"{interval(row['pointing'])} | {interval(row['ratio'])} |")
     return "\n".join(lines)
 
 
@@ -297,9 +292,9 @@ def type_table(reports: Sequence[tuple[str, dict]], mode: str = "references") ->
             model = rows.get(("model", phrase_type))
             if model is None:
                 continue
-            chance = [_cell(rows[(c, phrase_type)]["mass"]) if (c, phrase_type) in rows else "—"
+            chance = [interval(rows[(c, phrase_type)]["mass"]) if (c, phrase_type) in rows else "—"
                       for c in ("uniform", "other photo")]
-            lines.append(f"| {name} | {phrase_type} | {model['phrases']} | {_cell(model['mass'])} | {chance[0]} | "
-                         f"{chance[1]} | {_cell(model['pointing'])} | {_cell(model['ratio'])} |")
+            lines.append(f"| {name} | {phrase_type} | {model['phrases']} | {interval(model['mass'])} | {chance[0]} | "
+                         f"{chance[1]} | {interval(model['pointing'])} | {interval(model['ratio'])} |")
     return "\n".join(lines)
 
