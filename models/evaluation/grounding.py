@@ -24,7 +24,7 @@ is scored on fewer words; ``words`` in each row says how many.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +33,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from ..protocol import Geometry
+from ..protocol import Geometry, VisualBatch
 from ..rendering.heatmaps import heatmap
 from .bootstrap import percentile_interval, resampled_ratios
 
@@ -250,6 +250,20 @@ def score_images(images: Sequence, results: Sequence[CaptionAttention], dataset_
     return out
 
 
+def visual_batches(model, images: Sequence, store, batch_size: int, device: str, desc: str,
+                   progress: bool) -> Iterator[tuple[Sequence, VisualBatch]]:
+    """``(images, their visual items)`` batch by batch, with a progress bar, the model in eval mode meanwhile (its
+    mode is restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    try:
+        for start in tqdm(range(0, len(images), batch_size), desc=desc, disable=not progress):
+            chunk = images[start:start + batch_size]
+            yield chunk, store.batch([im.key for im in chunk]).to(device)
+    finally:
+        model.train(was_training)
+
+
 def item_geometry(ckpt, vis, row: int, image_path: Path) -> Geometry:
     """Where the visual items of row ``row`` of ``vis`` sit on the image file the model saw: the store's own
     geometry (regions), or the encoder grid's on the file's size (read from its header only)."""
@@ -269,12 +283,8 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
     from ..decoding import beam_search
 
     model, vocab = ckpt.model, ckpt.vocab
-    was_training = model.training
-    model.eval()
     out: list[CaptionAttention] = []
-    for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
-        chunk = images[start:start + batch_size]
-        vis = store.batch([im.key for im in chunk]).to(device)
+    for chunk, vis in visual_batches(model, images, store, batch_size, device, "captioning", progress):
         hyps = beam_search(model, vis, k=beam_size, max_len=max_len, extras=())
         for row, (im, best) in enumerate(zip(chunk, hyps)):
             ids = best[0].token_ids
@@ -288,7 +298,6 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
             assert len(tokens) == len(keep)
             attention = best[0].attention.numpy()[keep]
             out.append(CaptionAttention(tokens, attention, item_geometry(ckpt, vis, row, im.path)))
-    model.train(was_training)
     return out
 
 

@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from ..data.entities import PHRASE_TYPES, EntitiesDataset, EntityAnnotation, EntityImage
 from ..protocol import Geometry
-from .grounding import CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise
+from .grounding import (CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise,
+                        visual_batches)
 
 MODES = ("references", "generated")
 CONTROLS = ("model", "uniform", "other photo")
@@ -235,23 +236,19 @@ def entities_grounding(ckpt, images: Sequence, store, entities_dir: str | Path,
     annotated = [(index, entity) for index, im in enumerate(images) if (entity := dataset.load(im.path)) is not None]
     if not annotated:
         raise ValueError(f"none of the {len(images)} photos has a Flickr30k Entities annotation in {entities_dir}")
-    model, vocab = ckpt.model, ckpt.vocab
-    was_training = model.training
-    model.eval()
+    photos = [images[index] for index, _ in annotated]
+    prepared = [reference_targets(entity) for _, entity in annotated]
     references: list[PhotoAttention] = []
-    for start in tqdm(range(0, len(annotated), batch_size), desc="teacher forcing", disable=not progress):
-        chunk = annotated[start:start + batch_size]
-        vis = store.batch([images[index].key for index, _ in chunk]).to(device)
-        prepared = [reference_targets(entity) for _, entity in chunk]
-        rows = teacher_forced_rows(model, vocab, vis, [captions for captions, _ in prepared])
-        references += [PhotoAttention(photo_rows, item_geometry(ckpt, vis, row, images[index].path), targets)
-                       for row, ((index, _), photo_rows, (_, targets)) in enumerate(zip(chunk, rows, prepared))]
-    model.train(was_training)
+    for chunk, vis in visual_batches(ckpt.model, photos, store, batch_size, device, "teacher forcing", progress):
+        batch = prepared[len(references):len(references) + len(chunk)]
+        rows = teacher_forced_rows(ckpt.model, ckpt.vocab, vis, [captions for captions, _ in batch])
+        references += [PhotoAttention(photo_rows, item_geometry(ckpt, vis, row, photo.path), targets)
+                       for row, (photo, photo_rows, (_, targets)) in enumerate(zip(chunk, rows, batch))]
     own = [PhotoAttention([generated[index].attention], generated[index].geometry,
                           generated_targets(generated[index].tokens, entity)) for index, entity in annotated]
     annotations = [entity.annotation for _, entity in annotated]
     section = {"benchmark": "Flickr30k Entities (Plummer et al., arXiv:1505.04870)",
-               "normaliser": normaliser_of(ckpt), "attention_kind": model.attention_kind, "phrase_score": PHRASE_SCORE,
+               "normaliser": normaliser_of(ckpt), "attention_kind": ckpt.model.attention_kind, "phrase_score": PHRASE_SCORE,
                "photos": len(annotated), "photos_without_annotation": len(images) - len(annotated)}
     for mode, photos in zip(MODES, (references, own)):
         scores = score_photos(photos, annotations, progress, desc=f"scoring {mode}")
