@@ -137,8 +137,8 @@ def test_reference_targets_only_phrases_with_boxes():
 def test_generated_phrases_match_heads_and_extend_over_reference_words():
     tokens = "two girls in a pink dress near a red stairs and a dog".split()
     targets = generated_targets(tokens, _entity())
-    # "girls" → head "girl" ("a little girl": chain 18; "the girl s" is headed by "s"); "a pink dress" extends over words of
-    # the reference phrase; "red" is in no reference phrase of "stairs", so the phrase starts after it; no dog
+    # "girls" → head "girl" ("a little girl": chain 18; "the girl s" is headed by "s"); "a pink dress" extends over
+    # words of the reference phrase; "red" is in no reference phrase of "stairs", so the phrase starts after it; no dog
     assert [(t.positions, t.types, t.chains) for t in targets] == [
         ([1], ("people",), ("18",)), ([3, 4, 5], ("clothing",), ("19",)), ([9], ("other",), ("20",))]
 

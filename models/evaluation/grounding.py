@@ -182,7 +182,8 @@ def summarise(word_scores: Sequence, n_images: int, resamples: int = 2000, class
     rows = []
     for control in controls:
         for word_class in (*classes, "all"):
-            chosen = [w for w in word_scores if w.control == control and (word_class == "all" or word_class in w.classes)]
+            chosen = [w for w in word_scores
+                      if w.control == control and (word_class == "all" or word_class in w.classes)]
             if not chosen:
                 continue
             row = {"control": control, class_key: word_class, unit: len(chosen),
@@ -339,5 +340,6 @@ def markdown_table(reports: Sequence[tuple[str, dict]]) -> str:
         for row in section["rows"]:
             label = "attention" if row["control"] == "model" else f"chance: {row['control']}"
             lines.append(f"| {name} | {section['normaliser']} | {label}, {row['word_class']} | {row['words']} | "
-                         f"{row['images']} | {interval(row['mass'])} | {interval(row['pointing'])} | {interval(row['ratio'])} |")
+                         f"{row['images']} | {interval(row['mass'])} | {interval(row['pointing'])} | "
+                         f"{interval(row['ratio'])} |")
     return "\n".join(lines)

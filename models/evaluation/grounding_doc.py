@@ -177,10 +177,10 @@ def write_grounding_doc(weights: Path, results: Path, document: Path, figure: Pa
         block += ["No real-photo checkpoint has an Entities report yet: "
                   f"{', '.join(names) or 'no checkpoint in ' + str(weights) + ' was trained on Flickr photos'}."]
     else:
-        block += [f"Flickr8k `test` split ({reports[0][1]['photos']} photos with Flickr30k Entities annotations; Flickr8k: Hodosh et "
-                  "al., JAIR 2013; Flickr30k Entities: Plummer et al., arXiv:1505.04870). Mean over phrases [95 % "
-                  "bootstrap interval over photos]; a phrase is scored by its best word (Liu et al., "
-                  "arXiv:1605.09553).", "", summary_table(reports), "",
+        block += [f"Flickr8k `test` split ({reports[0][1]['photos']} photos with Flickr30k Entities annotations; "
+                  "Flickr8k: Hodosh et al., JAIR 2013; Flickr30k Entities: Plummer et al., arXiv:1505.04870). Mean "
+                  "over phrases [95 % bootstrap interval over photos]; a phrase is scored by its best word (Liu et "
+                  "al., arXiv:1605.09553).", "", summary_table(reports), "",
                   f"![grounding on Flickr30k Entities]({_relative(results_figure(reports, figure), document)})", ""]
         for mode in MODES:
             block += [f"### Per phrase type, {mode}", "", type_table(reports, mode), ""]

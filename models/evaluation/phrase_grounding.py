@@ -248,12 +248,13 @@ def entities_grounding(ckpt, images: Sequence, store, entities_dir: str | Path,
                           generated_targets(generated[index].tokens, entity)) for index, entity in annotated]
     annotations = [entity.annotation for _, entity in annotated]
     section = {"benchmark": "Flickr30k Entities (Plummer et al., arXiv:1505.04870)",
-               "normaliser": normaliser_of(ckpt), "attention_kind": ckpt.model.attention_kind, "phrase_score": PHRASE_SCORE,
-               "photos": len(annotated), "photos_without_annotation": len(images) - len(annotated)}
-    for mode, photos in zip(MODES, (references, own)):
-        scores = score_photos(photos, annotations, progress, desc=f"scoring {mode}")
-        section[mode] = {"captions": sum(len(p.rows) for p in photos if p.targets),
-                         "rows": summarise(scores, len(photos), resamples, PHRASE_TYPES, CONTROLS, "phrase_type",
+               "normaliser": normaliser_of(ckpt), "attention_kind": ckpt.model.attention_kind,
+               "phrase_score": PHRASE_SCORE, "photos": len(annotated),
+               "photos_without_annotation": len(images) - len(annotated)}
+    for mode, attended in zip(MODES, (references, own)):
+        scores = score_photos(attended, annotations, progress, desc=f"scoring {mode}")
+        section[mode] = {"captions": sum(len(p.rows) for p in attended if p.targets),
+                         "rows": summarise(scores, len(attended), resamples, PHRASE_TYPES, CONTROLS, "phrase_type",
                                            "phrases")}
     return section
 

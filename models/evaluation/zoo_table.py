@@ -114,11 +114,13 @@ def grounding_figure(rows: list[dict[str, Any]], out: Path) -> Path | None:
     controls = ("model", "other image", "uniform")
 
     def stats(row: dict[str, Any], stat: str) -> dict[str, dict | None]:
-        entries = {r["control"]: r[stat] for r in row["splits"]["test"]["grounding"]["rows"] if r["word_class"] == "all"}
+        rows_all = [r for r in row["splits"]["test"]["grounding"]["rows"] if r["word_class"] == "all"]
+        entries = {r["control"]: r[stat] for r in rows_all}
         return {control: entries.get(control) for control in controls}
 
-    panels = [(title, [(f"{r['name']}\n({r['splits']['test']['grounding']['normaliser']})", stats(r, stat))
-                       for r in models]) for stat, title in (("mass", "mass in object"), ("pointing", "pointing-game hit"))]
+    labels = [f"{r['name']}\n({r['splits']['test']['grounding']['normaliser']})" for r in models]
+    panels = [(title, [(label, stats(r, stat)) for label, r in zip(labels, models)])
+              for stat, title in (("mass", "mass in object"), ("pointing", "pointing-game hit"))]
     return control_bars(panels, controls, {"model": "attention", **{c: f"chance: {c}" for c in controls[1:]}}, out)
 
 
