@@ -166,24 +166,30 @@ def test_uniform_map_scores_the_boxes_share_on_a_squashed_photo():
         {"mass": share, "pointing": share, "ratio": 1.0})
 
 
-def _photo(rows_per_caption, targets, size=(8, 8)) -> PhotoAttention:
-    return PhotoAttention([np.asarray(r, float) for r in rows_per_caption], two_by_two(size), targets)
+def _photo(rows_per_caption, targets, other=None, size=(8, 8)) -> PhotoAttention:
+    geometry = two_by_two(size)
+    return PhotoAttention([np.asarray(r, float) for r in rows_per_caption], geometry, targets,
+                          None if other is None else [np.asarray(r, float) for r in other], geometry)
 
 
 def test_score_photos_controls_and_summary():
     top_left = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})
     bottom_right = EntityAnnotation((8, 8), {"1": [(5, 5, 8, 8)]})
-    photos = [_photo([[[1, 0, 0, 0], [0, 0, 0, 1]]], [PhraseTarget(0, [0, 1], ("people",), ("1",))]),
-              _photo([[[0, 0, 0, 1]]], [PhraseTarget(0, [0], ("people",), ("1",))])]
-    scores = score_photos(photos, [top_left, bottom_right])
+    # photo 0: a two-word phrase, its first word on the box; the same words over another photo look bottom right
+    # (a miss) and top right (a miss); photo 1: one word on its box, and over another photo on it too (a hit)
+    photos = [_photo([[[1, 0, 0, 0], [0, 0, 0, 1]]], [PhraseTarget(0, [0, 1], ("people",), ("1",))],
+                     other=[[[0, 0, 0, 1], [0, 1, 0, 0]]]),
+              _photo([[[0, 0, 0, 1]]], [PhraseTarget(0, [0], ("people",), ("1",))], other=[[[0, 0, 0, 1]]]),
+              _photo([[[0, 0, 0, 1]]], [PhraseTarget(0, [0], ("people",), ("1",))])]  # no other photo
+    scores = score_photos(photos, [top_left, bottom_right, bottom_right])
     by = {(s.control, s.image): s.scores for s in scores}
     assert by[("model", 0)] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
     assert by[("model", 1)] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
     assert by[("uniform", 0)] == pytest.approx({"mass": 0.25, "pointing": 0.25, "ratio": 1.0})
-    # photo 0's boxes against photo 1's map (bottom right): a miss; photo 1's against photo 0's two words: the
-    # best of them is the bottom-right one, a hit
     assert by[("other photo", 0)] == pytest.approx({"mass": 0.0, "pointing": 0.0, "ratio": 0.0})
     assert by[("other photo", 1)] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+    assert ("other photo", 2) not in by and ("model", 2) in by
+    scores = [s for s in scores if s.image < 2]
     rows = summarise(scores, 2, 200, ("people", "other"), ("model", "uniform", "other photo"), "phrase_type", "phrases")
     uniform = next(r for r in rows if r["control"] == "uniform" and r["phrase_type"] == "all")
     assert uniform["phrases"] == 2 and uniform["mass"]["mean"] == pytest.approx(0.25)
@@ -251,7 +257,7 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
     # four boxed phrases (two per photo; the scene chain has no box); the box is a quarter of each photo
     assert rows[("model", "all")]["phrases"] == 4 and rows[("model", "other")]["images"] == 2
     assert rows[("uniform", "all")]["mass"]["mean"] == pytest.approx(0.25, abs=0.01)
-    assert ("model", "scene") not in rows
+    assert ("model", "scene") not in rows and rows[("other photo", "all")]["phrases"] == 4
     assert "| sat | softmax | references | attention | 4 | 2 |" in done.stderr
     # the scene model names the red circle: its phrase is matched by head noun against the references'
     generated = {(r["control"], r["phrase_type"]): r for r in section["generated"]["rows"]}

@@ -22,8 +22,11 @@ Two modes (both reported):
   photo (:func:`generated_targets`: a head-noun match against every boxed reference phrase of the photo).
 
 Chance rows go through the same code: a **uniform** map (equal weight on every visual item: its mass is the
-boxes' share of the image) and **another photo's** attention (the rows of the first phrase of the same type in
-the next photo of the list that has one, best word chosen against this photo's boxes).  Means pool phrases over
+boxes' share of the image) and **another photo's** attention: the same caption fed over the next photo of the list
+(in the generated mode, the model's caption of this photo), its rows scored against this photo's boxes.  The
+words, their number and their context are the model's own, only the photo differs, so this row also carries the
+best-word selection (a best of several rows scores above the uniform share whenever the rows vary, as sparse maps
+do, even without any grounding).  Means pool phrases over
 photos with 95 % percentile-bootstrap intervals that resample photos (:func:`.grounding.bootstrap_mean`), overall
 and per Entities phrase type (a phrase of two types counts under both, once under "all").
 """
@@ -72,11 +75,14 @@ class PhraseScore:
 
 @dataclass
 class PhotoAttention:
-    """One photo in one mode: the attention rows ``[T, N]`` of each caption, their geometry, the phrases."""
+    """One photo in one mode: the attention rows ``[T, N]`` of each caption, their geometry, the phrases; and the
+    rows of the same captions fed over another photo, with that photo's geometry (the other-photo chance row)."""
 
     rows: list[np.ndarray]
     geometry: Geometry
     targets: list[PhraseTarget]
+    other_rows: list[np.ndarray] | None = None
+    other_geometry: Geometry | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,12 +181,6 @@ def phrase_mask(annotation: EntityAnnotation, chains: Sequence[str], size: tuple
 def score_photos(photos: Sequence[PhotoAttention], annotations: Sequence[EntityAnnotation],
                  progress: bool = False, desc: str = "scoring phrases") -> list[PhraseScore]:
     """Per phrase: the model's map, the uniform map and another photo's map, each scored on the phrase's boxes."""
-    first: dict[str, dict[int, tuple[np.ndarray, Geometry]]] = {t: {} for t in PHRASE_TYPES}
-    for index, photo in enumerate(photos):
-        for target in photo.targets:
-            for phrase_type in target.types:
-                first[phrase_type].setdefault(index, (photo.rows[target.caption][target.positions], photo.geometry))
-    n = len(photos)
     out: list[PhraseScore] = []
     for index, (photo, annotation) in enumerate(tqdm(list(zip(photos, annotations)), desc=desc, disable=not progress)):
         if not photo.targets:
@@ -192,13 +192,11 @@ def score_photos(photos: Sequence[PhotoAttention], annotations: Sequence[EntityA
             rows = photo.rows[target.caption][target.positions]
             out.append(PhraseScore(index, target.types, "model", best_word(rows, photo.geometry, mask)))
             out.append(PhraseScore(index, target.types, "uniform", best_word(uniform, photo.geometry, mask)))
-            donors = first[target.types[0]] if target.types else {}
-            other = next((donors[j] for j in ((index + k) % n for k in range(1, n)) if j in donors), None)
-            if other is not None:
-                weights, geometry = other
+            if photo.other_rows is not None and photo.other_geometry is not None:
                 # grid models see every photo through the same cells; region boxes are scaled onto this photo
-                geometry = photo.geometry if geometry.kind == "grid" else geometry
-                out.append(PhraseScore(index, target.types, "other photo", best_word(weights, geometry, mask)))
+                geometry = photo.geometry if photo.other_geometry.kind == "grid" else photo.other_geometry
+                other = photo.other_rows[target.caption][target.positions]
+                out.append(PhraseScore(index, target.types, "other photo", best_word(other, geometry, mask)))
     return out
 
 
@@ -226,6 +224,17 @@ def teacher_forced_rows(model, vocab, vis, captions: Sequence[Sequence[list[str]
     return out
 
 
+def other_photo_rows(ckpt, store, donors: Sequence, captions: Sequence[Sequence[list[str]]],
+                     device: str) -> list[tuple[list[np.ndarray], Geometry]]:
+    """The other-photo chance row's attention: the captions of photo ``i`` fed over photo ``donors[i]``, with that
+    photo's geometry.  The words, their number and their context stay; only the photo differs (so a phrase's best
+    word is picked among as many rows as the model's own)."""
+    vis = store.batch([donor.key for donor in donors]).to(device)
+    rows = teacher_forced_rows(ckpt.model, ckpt.vocab, vis, captions)
+    return [(per_photo, item_geometry(ckpt, vis, j, donor.path)) for j, (per_photo, donor)
+            in enumerate(zip(rows, donors))]
+
+
 def entities_grounding(ckpt, images: Sequence, store, entities_dir: str | Path,
                        generated: Sequence[CaptionAttention], batch_size: int = 20, resamples: int = 2000,
                        device: str = "cpu", progress: bool = True) -> dict:
@@ -238,14 +247,24 @@ def entities_grounding(ckpt, images: Sequence, store, entities_dir: str | Path,
         raise ValueError(f"none of the {len(images)} photos has a Flickr30k Entities annotation in {entities_dir}")
     photos = [images[index] for index, _ in annotated]
     prepared = [reference_targets(entity) for _, entity in annotated]
+    captions = [generated[index] for index, _ in annotated]
     references: list[PhotoAttention] = []
+    own: list[PhotoAttention] = []
     for chunk, vis in visual_batches(ckpt.model, photos, store, batch_size, device, "teacher forcing", progress):
-        batch = prepared[len(references):len(references) + len(chunk)]
-        rows = teacher_forced_rows(ckpt.model, ckpt.vocab, vis, [captions for captions, _ in batch])
-        references += [PhotoAttention(photo_rows, item_geometry(ckpt, vis, row, photo.path), targets)
-                       for row, (photo, photo_rows, (_, targets)) in enumerate(zip(chunk, rows, batch))]
-    own = [PhotoAttention([generated[index].attention], generated[index].geometry,
-                          generated_targets(generated[index].tokens, entity)) for index, entity in annotated]
+        first = len(references)
+        batch, beams = prepared[first:first + len(chunk)], captions[first:first + len(chunk)]
+        rows = teacher_forced_rows(ckpt.model, ckpt.vocab, vis, [refs for refs, _ in batch])
+        others: list[tuple[list[np.ndarray] | None, Geometry | None]] = [(None, None)] * len(chunk)
+        if len(photos) > 1:  # each photo's captions (references, then the generated one) over the next photo
+            donors = [photos[(first + j + 1) % len(photos)] for j in range(len(chunk))]
+            others = other_photo_rows(ckpt, store, donors, [refs + [beam.tokens] for (refs, _), beam
+                                                            in zip(batch, beams)], device)
+        for j, (photo, (_, targets), beam, (other, geometry)) in enumerate(zip(chunk, batch, beams, others)):
+            references.append(PhotoAttention(rows[j], item_geometry(ckpt, vis, j, photo.path), targets,
+                                             other and other[:-1], geometry))
+            own.append(PhotoAttention([beam.attention], beam.geometry,
+                                      generated_targets(beam.tokens, annotated[first + j][1]),
+                                      other and other[-1:], geometry))
     annotations = [entity.annotation for _, entity in annotated]
     section = {"benchmark": "Flickr30k Entities (Plummer et al., arXiv:1505.04870)",
                "normaliser": normaliser_of(ckpt), "attention_kind": ckpt.model.attention_kind,
