@@ -78,7 +78,7 @@ def results_figure(reports: list[tuple[str, dict]], out: Path) -> Path:
                 entries.append((f"{name}\n({section['normaliser']})", stats))
             panels.append((f"{title}, {mode}", entries))
     return control_bars(panels, controls, {"model": "attention", "other photo": "chance: other photo",
-                                           "uniform": "chance: uniform (boxes' share)"}, out)
+                                           "uniform": "chance: uniform (boxes' share)"}, out, columns=2)
 
 
 def heatmap_checkpoints(weights: Path) -> list[Path]:
