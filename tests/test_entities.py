@@ -265,10 +265,13 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
         (c, t) for c in ("model", "uniform", "other photo") for t in ("other", "all")}
 
 
-@pytest.mark.parametrize("value, message", [("boxes:DIR", "takes no value"), ("entities:/nonexistent",
-                                                                             "not a Flickr30k Entities folder")])
-def test_cli_bad_grounding_is_one_line(value, message):
-    done = captioner("eval", str(DEFAULT_CHECKPOINT), "--grounding", value, check=False)
+@pytest.mark.parametrize("value, extra, message", [
+    ("boxes:DIR", (), "takes no value"), ("entities:/nonexistent", (), "not a Flickr30k Entities folder"),
+    ("entities:{entities}", ("--dataset", "/nonexistent.json"), "does not exist")])
+def test_cli_bad_grounding_is_one_line(tmp_path, value, extra, message):
+    _, entities = _photos_and_entities(tmp_path)
+    done = captioner("eval", str(DEFAULT_CHECKPOINT), "--grounding", value.format(entities=entities), *extra,
+                     check=False)
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
 
 

@@ -179,7 +179,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
                               "encoder_precision": args.encoder_precision}
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
-        images = load_karpathy(dataset, image_root, (split,), limit=args.limit)
+        try:
+            images = load_karpathy(dataset, image_root, (split,), limit=args.limit)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
         if not images:
             raise SystemExit(f"error: split {split!r} of {dataset} is empty")
         # by default the features the model was trained on (grid, or regions:DIR)
