@@ -105,7 +105,7 @@ def examples_figure(checkpoints: list[Path], out: Path, device: str = "cpu",
     from ..pipeline import Pipeline
     from ..rendering.heatmaps import FigureRow, comparison_figure
 
-    pipelines = [(f"{c.name} ({normaliser(c)})", Pipeline(c, device)) for c in checkpoints]
+    pipelines = [(normaliser(c), Pipeline(c, device)) for c in checkpoints]
     blocks = []
     for photo in (Image.fromarray(getattr(data, name)()) for name in photos):
         rows = []
@@ -155,6 +155,13 @@ def closing_note(reports: list[tuple[str, dict]], weights: Path, scene_results: 
     for mode in MODES:
         values = {norm: row["mass"] for norm, name in sparse.items() if (row := _all_row(by_name[name], mode))}
         lines.append(f"- real photos, {mode}: attention correctness {ordering_sentence(values)}.")
+        chance = {norm: row["mass"] for norm, name in sparse.items()
+                  if (row := _all_row(by_name[name], mode, "other photo"))}
+        if chance:
+            gaps = ", ".join(f"{norm} {values[norm]['mean'] - chance[norm]['mean']:+.3f}" for norm in NORMALISERS
+                             if norm in chance and norm in values)
+            lines.append(f"  Above the other-photo chance row (which carries the best-word pick among as many rows, "
+                         f"the part of a sparse map's score that needs no grounding): {gaps}.")
     scene = {}
     for norm in NORMALISERS:
         path = scene_results / f"sparsecap-{norm}.json"
@@ -184,9 +191,13 @@ def write_grounding_doc(weights: Path, results: Path, document: Path, figure: Pa
                   f"![grounding on Flickr30k Entities]({_relative(results_figure(reports, figure), document)})", ""]
         for mode in MODES:
             block += [f"### Per phrase type, {mode}", "", type_table(reports, mode), ""]
-        picture = examples_figure(heatmap_checkpoints(weights), examples, device, photos)
+        chosen = heatmap_checkpoints(weights)
+        picture = examples_figure(chosen, examples, device, photos)
         if picture is not None:
+            rows = ", ".join(f"{normaliser(c)}: `{c.name}`" for c in chosen)
             block += ["### Heatmaps on scikit-image photos", "",
+                      f"Each word's attention (`grid_blocks`: a sparse map's exact zeros stay transparent), one row per "
+                      f"checkpoint ({rows}), on photos scikit-image bundles.", "",
                       f"![softmax, sparsemax and TVmax heatmaps]({_relative(picture, document)})", ""]
         block += ["### Closing note", "", *closing_note(reports, weights, scene_results)]
     block += ["", END]
