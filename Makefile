@@ -25,6 +25,7 @@ help:
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
 	@echo "make bench-int8    only the int8 CNN accuracy table (captioner eval, float vs int8)"
 	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
+	@echo "make grounding     Flickr30k Entities grounding of every real-photo checkpoint → docs/grounding.md"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -251,6 +252,26 @@ train-f8k-%: f8k-stage-%
 CKPT ?= weights/sat
 eval-f8k: check-f8k | $(STAMP)
 	$(BIN)/captioner eval $(CKPT) $(F8K) --split test --threads 1
+
+# Attention grounding on real photos (issue 29): every checkpoint in weights/ trained on Flickr photos, evaluated on
+# the Flickr8k test split against the Flickr30k Entities boxes (references teacher-forced and its own captions),
+# then docs/grounding.md's tables and figures. The Entities folder comes from its publishers (never committed);
+# GROUNDING_ARGS adds eval flags, e.g. --dataset / --image-root where the training run's paths do not resolve.
+ENTITIES ?= ../shared/data/flickr8k/entities
+GROUNDING_RESULTS := $(RESULTS)/grounding
+GROUNDING_ARGS ?=
+grounding: | $(STAMP)
+	@mkdir -p $(GROUNDING_RESULTS)
+	@for checkpoint in $$($(BIN)/captioner grounding-doc --list --weights-dir weights); do \
+	  echo "== $$checkpoint"; \
+	  $(BIN)/captioner eval $$checkpoint --grounding entities:$(ENTITIES) --split test --threads 1 \
+	    --output $(GROUNDING_RESULTS)/$$(basename $$checkpoint).json $(GROUNDING_ARGS) > /dev/null || exit 1; \
+	done
+	$(BIN)/captioner grounding-doc --weights-dir weights --results $(GROUNDING_RESULTS) --document docs/grounding.md \
+	  --figure docs/figures/grounding_entities.png --examples docs/figures/grounding_entities_heatmaps.png \
+	  --scene-results $(RESULTS) --threads 1
+
+.PHONY: grounding
 
 # Memory, hostile corpus, fuzz, overload and a 10,000-request soak against real servers → docs/reliability.md
 # (about an hour or two on 2 shared cores; not in `make test`). `make reliability-small` checks the same run end to

@@ -13,7 +13,7 @@ from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation.grounding import (
     CaptionAttention, bootstrap_mean, grounded_words, markdown_table, pixel_distribution, score_images, score_map,
-    summarise)
+    score_rows, summarise)
 from captioner.models.protocol import Geometry
 
 
@@ -80,6 +80,23 @@ def test_regions_spread_each_weight_over_its_own_box():
     assert scores["mass"] == pytest.approx(0.5 + 0.5 * 4 / 100)
     assert scores["pointing"] == 1.0
     assert scores["ratio"] == pytest.approx((0.5 + 0.02) / 0.04)
+
+
+@pytest.mark.parametrize("size, resize, grid", [((37, 23), "stretch", 64), ((23, 37), "center_crop", 64),
+                                                ((50, 50), "stretch", 96)])
+def test_cell_scores_equal_the_pixel_scores(size, resize, grid):
+    """score_rows counts pixels per cell; score_map of pixel_distribution counts them one by one."""
+    geometry = grid_geometry(EncoderSpec(image_size=grid, resize=resize, resize_to=grid), size)
+    rng = np.random.default_rng(1)
+    cells = geometry.boxes.shape[0]
+    rows = np.vstack([rng.random((4, cells)), np.zeros(cells), np.eye(cells)[:2], np.ones(cells),
+                      np.where(rng.random(cells) < 0.5, 0.0, 0.3)])  # random, empty, one-hot, uniform, plateaus
+    mask = np.zeros(size[::-1], bool)
+    mask[3:17, 5:20] = True
+    mask[size[1] - 4:, size[0] - 6:] = True
+    for row, fast in zip(rows, score_rows(rows, geometry, mask)):
+        # (the pixel path renders the weights in float32)
+        assert fast == pytest.approx(score_map(pixel_distribution(row, geometry, size), mask), rel=1e-6, abs=1e-9)
 
 
 def test_single_peak_outside_the_object_misses():

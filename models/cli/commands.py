@@ -181,18 +181,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from ..training import evaluate_checkpoint
 
     set_threads(args.threads)
+    grounding, entities = _grounding_benchmark(args.grounding)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
-    dataset = resolve_dataset(args.dataset)
+    dataset, image_root = args.dataset or DEFAULT_DATA, args.image_root
+    trained_on = ckpt.meta.get("train_config", {})
+    if args.dataset is None and entities is not None and trained_on.get("dataset"):
+        # Entities annotate the photos the model was trained on: by default its own data set's split
+        dataset, image_root = trained_on["dataset"], image_root or trained_on.get("image_root")
+    dataset = resolve_dataset(dataset)
     rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
                               "decoding": asdict(rules), "encoder_precision": args.encoder_precision}
     # the captions a model was trained on, for the share of its captions that are new
-    training_captions = [r for im in load_captioned(dataset, args.image_root, ("train",), check_images=False)
+    training_captions = [r for im in load_captioned(dataset, image_root, ("train",), check_images=False)
                          for r in im.references]
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
-        images = load_captioned(dataset, args.image_root, (split,), limit=args.limit)
+        images = load_captioned(dataset, image_root, (split,), limit=args.limit)
         if not images:
             raise SystemExit(f"error: split {split!r} of {dataset} is empty")
         # by default the features the model was trained on (grid, or regions:DIR)
@@ -202,13 +208,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
         else:
             store = _onnx_feature_store(args, images, ckpt, features)
         metrics = [m for m in ALL_METRICS if not (args.no_meteor and m == "METEOR")]
-        if args.grounding:
+        if grounding:
             # one beam search gives both the captions that are scored and the attention rows that are grounded
             from ..evaluation.evaluate import score_dataset
             from ..evaluation.grounding import caption_with_attention, grounding_report
 
             results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device),
-                                             rules=rules)
+                                             progress=True, rules=rules)
             captions = {im.image_id: r.tokens for im, r in zip(images, results)}
             scores = score_dataset(captions, images, metrics, training_captions)
         else:
@@ -217,9 +223,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
                                                    training_captions=training_captions)
         report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
-        if args.grounding:
+        if grounding == "scenes":
             report[split]["grounding"] = grounding_report(ckpt, images, results, dataset.parent,
                                                           args.grounding_resamples)
+        elif grounding == "entities":
+            report[split]["grounding"] = _entities_section(ckpt, images, store, entities, results, args, str(device))
         for im in images[: args.show]:
             print(f"  {im.path.name}: {' '.join(captions[im.image_id])}", file=sys.stderr)
         # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid"
@@ -290,6 +298,34 @@ def cmd_resolution_check(args: argparse.Namespace) -> None:
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
+def _grounding_benchmark(value: str | None) -> tuple[str | None, Path | None]:
+    """``--grounding`` (the scenes' masks) or ``--grounding entities:DIR`` (Flickr30k Entities boxes), checked
+    before any work is done."""
+    if value is None or value == "scenes":
+        return value, None
+    kind, _, where = value.partition(":")
+    if kind != "entities" or not where:
+        raise SystemExit(f"error: --grounding takes no value (the scenes' masks) or entities:DIR, got {value!r}")
+    if not ((Path(where) / "Sentences").is_dir() and (Path(where) / "Annotations").is_dir()):
+        raise SystemExit(f"error: {where} is not a Flickr30k Entities folder (no Sentences/ and Annotations/)")
+    return kind, Path(where)
+
+
+def _entities_section(ckpt, images, store, entities: Path, results, args: argparse.Namespace, device: str) -> dict:
+    """The Flickr30k Entities grounding of one split, its tables printed to stderr (stdout stays the JSON)."""
+    from ..data.entities import EntitiesFormatError
+    from ..evaluation.phrase_grounding import entities_grounding, summary_table, type_table
+
+    try:
+        section = entities_grounding(ckpt, images, store, entities, results, resamples=args.grounding_resamples,
+                                     device=device)
+    except (EntitiesFormatError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    name = _label(args.checkpoint)
+    print(f"\nattention grounding, Flickr30k Entities (Plummer et al., arXiv:1505.04870), {section['photos']} photos:\n"
+          f"{summary_table([(name, section)])}\n\nper phrase type, references teacher-forced:\n"
+          f"{type_table([(name, section)])}\n", file=sys.stderr)
+    return section
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
@@ -511,7 +547,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     ev = sub.add_parser("eval", help="BLEU-1..4, METEOR, ROUGE-L, CIDEr-D of a checkpoint on a split")
     ev.add_argument("checkpoint")
-    ev.add_argument("--dataset", default=DEFAULT_DATA)
+    ev.add_argument("--dataset", help=f"Karpathy JSON or scenes folder (default: {DEFAULT_DATA}; with --grounding "
+                    "entities:DIR, the data set the checkpoint was trained on)")
     ev.add_argument("--image-root")
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
     ev.add_argument("--beam-size", type=int, default=3)
@@ -532,9 +569,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--output", help="also write the JSON report here")
     ev.add_argument("--results-json", metavar="FILE",
                     help='also write the captions in the COCO results format [{"image_id", "caption"}] here')
-    ev.add_argument("--grounding", action="store_true",
-                    help="also score attention grounding on the scenes' object masks: mass in object, pointing "
-                         "hit, area-normalised ratio per word class, with 95%% bootstrap intervals and chance rows")
+    ev.add_argument("--grounding", nargs="?", const="scenes", metavar="entities:DIR",
+                    help="also score attention grounding: alone, on the scenes' object masks (mass in object, "
+                         "pointing hit, area-normalised ratio per word class); entities:DIR, on the Flickr30k "
+                         "Entities boxes of real photos (attention correctness, pointing hit, ratio per phrase type; "
+                         "references teacher-forced and the model's own captions); 95%% bootstrap intervals and "
+                         "chance rows either way")
     ev.add_argument("--grounding-resamples", type=int, default=2000, help="bootstrap resamples over images")
     ev.set_defaults(func=cmd_eval, split=None)
 
@@ -654,6 +694,23 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     zt.add_argument("--baseline", default=Path(DEFAULT_CHECKPOINT).name, help="checkpoint the others are compared with")
     zt.set_defaults(func=cmd_zoo_table)
 
+    gd = sub.add_parser("grounding-doc", help="write docs/grounding.md's tables and figures (Flickr30k Entities "
+                        "grounding of every real-photo checkpoint) from `captioner eval --grounding entities:DIR` "
+                        "reports; `make grounding` runs those first")
+    gd.add_argument("--weights-dir", default="weights")
+    gd.add_argument("--list", action="store_true",
+                    help="only print the real-photo checkpoints (trained on a Flickr Karpathy JSON), one a line")
+    gd.add_argument("--results", default="docs/results/grounding", help="folder of the eval reports NAME.json")
+    gd.add_argument("--document", default="docs/grounding.md", help="written between its grounding markers")
+    gd.add_argument("--figure", default="docs/figures/grounding_entities.png")
+    gd.add_argument("--examples", default="docs/figures/grounding_entities_heatmaps.png",
+                    help="the side-by-side heatmaps of the softmax, sparsemax and TVmax checkpoints")
+    gd.add_argument("--scene-results", default="docs/results",
+                    help="the scene reports whose SparseCap grounding the closing note compares with")
+    gd.add_argument("--device", default="auto")
+    gd.add_argument("--threads", type=int)
+    gd.set_defaults(func=cmd_grounding_doc)
+
     ls = sub.add_parser("models", help="list registered model architectures")
     ls.set_defaults(func=cmd_models)
     add_interop_commands(sub, data)
@@ -744,6 +801,21 @@ def cmd_zoo_table(args: argparse.Namespace) -> None:
     dataset = dataset / "dataset_scenes.json" if dataset.is_dir() else dataset
     print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure), dataset,
                     args.baseline))
+
+
+def cmd_grounding_doc(args: argparse.Namespace) -> None:
+    from ..device import resolve_device, set_threads
+    from ..evaluation.grounding_doc import real_photo_checkpoints, write_grounding_doc
+
+    weights = Path(args.weights_dir)
+    if not weights.is_dir():
+        raise SystemExit(f"error: {weights} is not a folder of checkpoints")
+    if args.list:
+        print("\n".join(str(c) for c in real_photo_checkpoints(weights)))
+        return
+    set_threads(args.threads)
+    print(write_grounding_doc(weights, Path(args.results), Path(args.document), Path(args.figure),
+                              Path(args.examples), Path(args.scene_results), str(resolve_device(args.device))))
 
 
 def cmd_models(args: argparse.Namespace) -> None:

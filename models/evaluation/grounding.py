@@ -24,15 +24,16 @@ is scored on fewer words; ``words`` in each row says how many.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+from tqdm import tqdm
 
-from ..protocol import Geometry
+from ..protocol import Geometry, VisualBatch
 from ..rendering.heatmaps import heatmap
 from .bootstrap import percentile_interval, resampled_ratios
 
@@ -90,6 +91,42 @@ def score_map(distribution: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     return {"mass": mass, "pointing": pointing, "ratio": mass / float(share)}
 
 
+def score_rows(rows: np.ndarray, geometry: Geometry, mask: np.ndarray) -> list[dict[str, float]]:
+    """:func:`score_map` of :func:`pixel_distribution` of every row of ``rows`` ``[K, N]`` against one mask (on an
+    image of the mask's size), with the same results computed per grid cell rather than per pixel.
+
+    Under ``pixel_distribution`` every pixel takes its cell's weight, so with ``n_c`` the pixels of cell ``c`` and
+    ``m_c`` those inside the mask: mass ``= Σ w_c m_c / Σ w_c n_c``, and the maximum is the plateau of the cells of
+    largest weight (pointing ``= Σ_top m_c / Σ_top n_c``).  The cell of each pixel comes from the heatmap itself
+    (``grid_blocks`` of the weights 1..N), so the geometry is the heatmaps' by construction.  Region items overlap
+    and take the pixel path."""
+    rows = np.atleast_2d(np.asarray(rows, np.float64))
+    height, width = mask.shape
+    if geometry.kind != "grid":
+        return [score_map(pixel_distribution(row, geometry, (width, height)), mask) for row in rows]
+    if np.any(rows < 0) or not np.all(np.isfinite(rows)):
+        raise ValueError("attention weights must be finite and non-negative")
+    share = float(mask.mean())
+    if share == 0:
+        raise ValueError("the object mask is empty")
+    items = rows.shape[1]
+    labels = np.rint(heatmap(np.arange(1, items + 1), geometry, "grid_blocks", size=(width, height),
+                             scale=width / geometry.image_size[0]) * items).astype(np.int64)
+    pixels = np.bincount(labels.ravel(), minlength=items + 1)[1:].astype(np.float64)
+    inside = np.bincount(labels[mask.astype(bool)], minlength=items + 1)[1:].astype(np.float64)
+    out = []
+    for row in rows:
+        total = row @ pixels
+        if total <= 0:
+            out.append({"mass": 0.0, "pointing": 0.0, "ratio": 0.0})
+            continue
+        mass = float(row @ inside / total)
+        seen = pixels > 0
+        top = seen & (row >= row[seen].max() * (1 - 1e-6))
+        out.append({"mass": mass, "pointing": float(inside[top].sum() / pixels[top].sum()), "ratio": mass / share})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Which words name which objects
 # ---------------------------------------------------------------------------------------------------------------
@@ -119,6 +156,10 @@ class WordScore:
     control: str
     scores: dict[str, float]
 
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return (self.word_class,)
+
 
 def bootstrap_mean(values_per_image: Sequence[Sequence[float]], resamples: int = 2000, seed: int = 0,
                    level: float = 0.95) -> tuple[float, float, float]:
@@ -133,16 +174,19 @@ def bootstrap_mean(values_per_image: Sequence[Sequence[float]], resamples: int =
     return float(sums.sum() / counts.sum()), low, high
 
 
-def summarise(word_scores: Sequence[WordScore], n_images: int, resamples: int = 2000) -> list[dict]:
-    """One row per (control, word class ∪ "all"): every statistic's mean and 95 % interval, the word and image
-    counts."""
+def summarise(word_scores: Sequence, n_images: int, resamples: int = 2000, classes: Sequence[str] = WORD_CLASSES,
+              controls: Sequence[str] = CONTROLS, class_key: str = "word_class", unit: str = "words") -> list[dict]:
+    """One row per (control, class ∪ "all"): every statistic's mean and 95 % interval, the ``unit`` (scored items)
+    and image counts.  Items are anything with ``image``, ``classes`` (an item counts under each of its classes,
+    once under "all"), ``control`` and ``scores``: the scenes' words, or Flickr30k Entities phrases."""
     rows = []
-    for control in CONTROLS:
-        for word_class in (*WORD_CLASSES, "all"):
-            chosen = [w for w in word_scores if w.control == control and word_class in ("all", w.word_class)]
+    for control in controls:
+        for word_class in (*classes, "all"):
+            chosen = [w for w in word_scores
+                      if w.control == control and (word_class == "all" or word_class in w.classes)]
             if not chosen:
                 continue
-            row = {"control": control, "word_class": word_class, "words": len(chosen),
+            row = {"control": control, class_key: word_class, unit: len(chosen),
                    "images": len({w.image for w in chosen})}
             for stat in STATISTICS:
                 per_image: list[list[float]] = [[] for _ in range(n_images)]
@@ -207,21 +251,43 @@ def score_images(images: Sequence, results: Sequence[CaptionAttention], dataset_
     return out
 
 
-@torch.no_grad()
-def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, max_len: int = 20,
-                           batch_size: int = 50, device: str = "cpu", rules=None) -> list[CaptionAttention]:
-    """Beam-search captions with the primary attention row of every word (the same search as ``captioner
-    eval``'s captions), and each image's geometry: the store's own (regions) or the encoder grid's."""
-    from ..decoding import NO_RULES, beam_search
-    from ..encoder import grid_geometry
-
-    model, vocab = ckpt.model, ckpt.vocab
+def visual_batches(model, images: Sequence, store, batch_size: int, device: str, desc: str,
+                   progress: bool) -> Iterator[tuple[Sequence, VisualBatch]]:
+    """``(images, their visual items)`` batch by batch, with a progress bar, the model in eval mode meanwhile (its
+    mode is restored afterwards)."""
     was_training = model.training
     model.eval()
+    try:
+        for start in tqdm(range(0, len(images), batch_size), desc=desc, disable=not progress):
+            chunk = images[start:start + batch_size]
+            yield chunk, store.batch([im.key for im in chunk]).to(device)
+    finally:
+        model.train(was_training)
+
+
+def item_geometry(ckpt, vis, row: int, image_path: Path) -> Geometry:
+    """Where the visual items of row ``row`` of ``vis`` sit on the image file the model saw: the store's own
+    geometry (regions), or the encoder grid's on the file's size (read from its header only)."""
+    from ..encoder import grid_geometry
+
+    if vis.geometry:
+        return vis.geometry[row]
+    with Image.open(image_path) as picture:
+        return grid_geometry(ckpt.encoder, picture.size)
+
+
+@torch.no_grad()
+def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, max_len: int = 20,
+                           batch_size: int = 50, device: str = "cpu", progress: bool = False,
+                           rules=None) -> list[CaptionAttention]:
+    """Beam-search captions with the primary attention row of every word (the same search as ``captioner
+    eval``'s captions, with its decoding ``rules``), and each image's geometry: the store's own (regions) or the
+    encoder grid's."""
+    from ..decoding import NO_RULES, beam_search
+
+    model, vocab = ckpt.model, ckpt.vocab
     out: list[CaptionAttention] = []
-    for start in range(0, len(images), batch_size):
-        chunk = images[start:start + batch_size]
-        vis = store.batch([im.key for im in chunk]).to(device)
+    for chunk, vis in visual_batches(model, images, store, batch_size, device, "captioning", progress):
         hyps = beam_search(model, vis, k=beam_size, max_len=max_len, rules=rules or NO_RULES, extras=())
         for row, (im, best) in enumerate(zip(chunk, hyps)):
             ids = best[0].token_ids
@@ -234,13 +300,7 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
             tokens = vocab.decode(ids)
             assert len(tokens) == len(keep)
             attention = best[0].attention.numpy()[keep]
-            if vis.geometry:
-                geometry = vis.geometry[row]
-            else:
-                with Image.open(im.path) as picture:
-                    geometry = grid_geometry(ckpt.encoder, picture.size)
-            out.append(CaptionAttention(tokens, attention, geometry))
-    model.train(was_training)
+            out.append(CaptionAttention(tokens, attention, item_geometry(ckpt, vis, row, im.path)))
     return out
 
 
@@ -267,18 +327,21 @@ def grounding_report(ckpt, images: Sequence, results: Sequence[CaptionAttention]
             "rows": summarise(word_scores, len(images), resamples)}
 
 
+def interval(stat: dict) -> str:
+    """A statistic as the tables print it: ``mean [low, high]``."""
+    return f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
+
+
 def markdown_table(reports: Sequence[tuple[str, dict]]) -> str:
     """A grounding table from ``(model name, grounding section)`` pairs: one row per model × control × word class,
     mass / pointing / ratio as ``mean [low, high]``."""
     lines = ["| model | normaliser | map | words | images | mass in object | pointing hit | area-normalised ratio |",
              "|---|---|---|---|---|---|---|---|"]
 
-    def cell(stat: dict) -> str:
-        return f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
-
     for name, section in reports:
         for row in section["rows"]:
             label = "attention" if row["control"] == "model" else f"chance: {row['control']}"
             lines.append(f"| {name} | {section['normaliser']} | {label}, {row['word_class']} | {row['words']} | "
-                         f"{row['images']} | {cell(row['mass'])} | {cell(row['pointing'])} | {cell(row['ratio'])} |")
+                         f"{row['images']} | {interval(row['mass'])} | {interval(row['pointing'])} | "
+                         f"{interval(row['ratio'])} |")
     return "\n".join(lines)

@@ -51,7 +51,9 @@ def _metric(split: dict[str, Any] | None, key: str, digits: int = 3) -> str:
 
 
 def _with_ci(stat: dict | None) -> str:
-    return "—" if stat is None else f"{stat['mean']:.3f} [{stat['ci95'][0]:.3f}, {stat['ci95'][1]:.3f}]"
+    from .grounding import interval
+
+    return "—" if stat is None else interval(stat)
 
 
 def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
@@ -104,42 +106,22 @@ def grounding_markdown(rows: list[dict[str, Any]]) -> str:
 def grounding_figure(rows: list[dict[str, Any]], out: Path) -> Path | None:
     """Bars of mass in object and pointing hit per model (attention vs the two chance controls), all words, with
     their 95 % intervals as error bars."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    from .figures import control_bars
 
     models = [r for r in rows if "grounding" in r["splits"].get("test", {})]
     if not models:
         return None
     controls = ("model", "other image", "uniform")
-    figure, axes = plt.subplots(1, 2, figsize=(4 + 1.6 * len(models), 3.6))
-    width = 0.8 / len(controls)
-    for axis, stat, title in zip(axes, ("mass", "pointing"), ("mass in object", "pointing-game hit")):
-        for c, control in enumerate(controls):
-            means, errors = [], [[], []]
-            for row in models:
-                entry = next((r for r in row["splits"]["test"]["grounding"]["rows"]
-                              if r["control"] == control and r["word_class"] == "all"), None)
-                mean = entry[stat]["mean"] if entry else float("nan")
-                low, high = entry[stat]["ci95"] if entry else (mean, mean)
-                means.append(mean)
-                errors[0].append(mean - low)
-                errors[1].append(high - mean)
-            positions = [i + (c - 1) * width for i in range(len(models))]
-            axis.bar(positions, means, width, yerr=errors, capsize=3,
-                     label="attention" if control == "model" else f"chance: {control}")
-        axis.set_xticks(range(len(models)))
-        axis.set_xticklabels([f"{r['name']}\n({r['splits']['test']['grounding']['normaliser']})" for r in models],
-                             fontsize=8)
-        axis.set_title(title)
-        axis.set_ylim(0, 1)
-    axes[0].legend(fontsize=8)
-    figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+
+    def stats(row: dict[str, Any], stat: str) -> dict[str, dict | None]:
+        rows_all = [r for r in row["splits"]["test"]["grounding"]["rows"] if r["word_class"] == "all"]
+        entries = {r["control"]: r[stat] for r in rows_all}
+        return {control: entries.get(control) for control in controls}
+
+    labels = [f"{r['name']}\n({r['splits']['test']['grounding']['normaliser']})" for r in models]
+    panels = [(title, [(label, stats(r, stat)) for label, r in zip(labels, models)])
+              for stat, title in (("mass", "mass in object"), ("pointing", "pointing-game hit"))]
+    return control_bars(panels, controls, {"model": "attention", **{c: f"chance: {c}" for c in controls[1:]}}, out)
 
 
 def paired_markdown(results: Path, dataset: Path, baseline: str, split: str = "test") -> list[str]:
@@ -189,11 +171,19 @@ def write_zoo(weights: Path, results: Path, document: Path, figure: Path, datase
         block += ["", f"![grounding]({Path('figures') / picture.name})" if picture.parent.name == "figures"
                   else f"![grounding]({picture})"]
     block += ["", END]
+    return write_between_markers(document, block)
+
+
+def write_between_markers(document: Path, block: list[str]) -> str:
+    """Put ``block`` (its first and last lines are the markers) in place of the document's text between those
+    markers, or append it once when the document has none; the prose around it stays."""
+    start, end = block[0], block[-1]
     text = document.read_text() if document.exists() else ""
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        text = before + "\n".join(block) + rest.split(END, 1)[1]
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        text = before + "\n".join(block) + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(block) + "\n"
+    document.parent.mkdir(parents=True, exist_ok=True)
     document.write_text(text)
     return "\n".join(block)

@@ -1,0 +1,329 @@
+"""Flickr30k Entities grounding (models/data/entities.py, models/evaluation/phrase_grounding.py) on hand-written
+files, hand-built maps and boxes whose answers are known."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from captioner.models.checkpoint import write_manifest
+from captioner.models.data.entities import (EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage,
+                                            parse_annotation, parse_sentences)
+from captioner.models.decoding import beam_search
+from captioner.models.encoder import EncoderSpec, grid_geometry
+from captioner.models.evaluation.grounding import pixel_distribution, score_map
+from captioner.models.evaluation.phrase_grounding import (
+    PhotoAttention, PhraseTarget, best_word, box_mask, generated_targets, reference_targets, score_photos,
+    summary_table, teacher_forced_rows, type_table)
+from captioner.models.evaluation.grounding import summarise
+from captioner.models.protocol import VisualBatch
+from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
+
+from .conftest import DEFAULT_CHECKPOINT
+from .test_cli import captioner
+
+SENTENCES = """[/EN#18/people A little girl] in [/EN#19/clothing a pink dress] climbs [/EN#20/other the stairs] .
+[/EN#18/people/other The girl 's] [/EN#0/notvisual mood] is [/EN#21/scene outdoors] .
+"""
+
+ANNOTATION = """<annotation>
+  <filename>1000.jpg</filename>
+  <size><width>400</width><height>200</height><depth>3</depth></size>
+  <object><name>18</name><bndbox><xmin>1</xmin><ymin>101</ymin><xmax>200</xmax><ymax>200</ymax></bndbox></object>
+  <object><name>19</name><name>20</name>
+    <bndbox><xmin>201</xmin><ymin>1</ymin><xmax>400</xmax><ymax>100</ymax></bndbox></object>
+  <object><name>18</name><bndbox><xmin>301</xmin><ymin>151</ymin><xmax>400</xmax><ymax>200</ymax></bndbox></object>
+  <object><name>21</name><scene>1</scene><nobndbox>0</nobndbox></object>
+  <object><name>22</name><scene>0</scene><nobndbox>1</nobndbox></object>
+</annotation>
+"""
+
+
+def two_by_two(size=(8, 8)):
+    """A 2×2 grid (64-pixel network input, stride 32) stretched over an image of ``size``."""
+    return grid_geometry(EncoderSpec(image_size=64), size)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------------------------
+def test_sentences_markup_chains_types_and_tokens():
+    first, second = parse_sentences(SENTENCES)
+    assert first.words == "A little girl in a pink dress climbs the stairs .".split()
+    assert [(p.chain, p.types, p.first_word, p.words) for p in first.phrases] == [
+        ("18", ("people",), 0, ("A", "little", "girl")), ("19", ("clothing",), 4, ("a", "pink", "dress")),
+        ("20", ("other",), 8, ("the", "stairs"))]
+    assert second.phrases[0].types == ("people", "other") and second.phrases[1].chain == "0"
+    # project tokens: lower case, punctuation dropped ("'s" → "s"); spans follow
+    tokens, spans = second.tokenized()
+    assert tokens == ["the", "girl", "s", "mood", "is", "outdoors"]
+    assert spans == [(0, 3), (3, 4), (5, 6)]
+
+
+@pytest.mark.parametrize("line", ["[/EN#x/people a dog] runs", "a [/EN#3/people dog runs", "[EN#3/people a dog]"])
+def test_bad_markup_is_a_format_error(line):
+    with pytest.raises(EntitiesFormatError):
+        parse_sentences(line)
+
+
+def test_annotation_boxes_every_name_and_flags():
+    annotation = parse_annotation(ANNOTATION)
+    assert annotation.size == (400, 200)
+    assert annotation.boxes == {"18": [(1, 101, 200, 200), (301, 151, 400, 200)], "19": [(201, 1, 400, 100)],
+                                "20": [(201, 1, 400, 100)]}
+    assert annotation.scene == {"21"} and annotation.nobox == {"22"}
+    for bad in ("<annotation/>", "<annotation><size><width>4</width></size></annotation>", "not xml",
+                ANNOTATION.replace("<xmin>301</xmin>", "<xmin>0</xmin>")):
+        with pytest.raises(EntitiesFormatError):
+            parse_annotation(bad)
+
+
+def test_boxes_on_a_squashed_copy_scale_each_axis_on_its_own():
+    annotation = parse_annotation(ANNOTATION)
+    # the 400×200 photo squashed to 224×224: x by 0.56, y by 1.12
+    assert np.allclose(annotation.boxes_on("18", (224, 224)), [[0, 112, 112, 224], [168, 168, 224, 224]])
+    assert annotation.boxes_on("21", (224, 224)).shape == (0, 4)
+    mask = box_mask(annotation.boxes_on("18", (224, 224)), (224, 224))
+    assert mask.sum() == 112 * 112 + 56 * 56
+    assert mask[112:, :112].all() and not mask[:112].any()
+    # the same photo at its own size: the identity
+    assert np.allclose(annotation.boxes_on("19", (400, 200)), [[200, 0, 400, 100]])
+
+
+def test_box_mask_pixel_centres_and_thin_boxes():
+    assert box_mask(np.array([[0.4, 0.0, 2.6, 1.0]]), (4, 2)).tolist() == [[True, True, True, False],
+                                                                        [False, False, False, False]]
+    thin = box_mask(np.array([[1.1, 1.1, 1.3, 1.3]]), (4, 4))  # holds no pixel centre: keeps the one under it
+    assert thin.sum() == 1 and thin[1, 1]
+
+
+def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
+    (tmp_path / "Sentences").mkdir()
+    (tmp_path / "Annotations").mkdir()
+    (tmp_path / "Sentences" / "1000.txt").write_text(SENTENCES)
+    (tmp_path / "Annotations" / "1000.xml").write_text(ANNOTATION)
+    (tmp_path / "UNRELATED_CAPTIONS").write_text("# format: <imageID> <sentence number>\n1000 1\n")
+    dataset = EntitiesDataset(tmp_path)
+    entity = dataset.load("images/1000_abcdef.jpg")
+    assert entity.flickr_id == "1000" and len(entity.sentences) == 1  # sentence 1 is unrelated
+    assert entity.sentences[0].phrases[0].types == ("people", "other")
+    assert dataset.load("images/999_x.jpg") is None
+    with pytest.raises(FileNotFoundError, match="not a Flickr30k Entities folder"):
+        EntitiesDataset(tmp_path / "Sentences")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which words name which boxes
+# ---------------------------------------------------------------------------------------------------------------
+def _entity() -> EntityImage:
+    return EntityImage("1000", parse_sentences(SENTENCES), parse_annotation(ANNOTATION))
+
+
+def test_reference_targets_only_phrases_with_boxes():
+    captions, targets = reference_targets(_entity())
+    assert captions[0][:3] == ["a", "little", "girl"]
+    # chain 21 is a scene without box and chain 0 is not visual: neither is a target
+    assert [(t.caption, t.positions, t.types, t.chains) for t in targets] == [
+        (0, [0, 1, 2], ("people",), ("18",)), (0, [4, 5, 6], ("clothing",), ("19",)),
+        (0, [8, 9], ("other",), ("20",)), (1, [0, 1, 2], ("people", "other"), ("18",))]
+
+
+def test_generated_phrases_match_heads_and_extend_over_reference_words():
+    tokens = "two girls in a pink dress near a red stairs and a dog".split()
+    targets = generated_targets(tokens, _entity())
+    # "girls" → head "girl" ("a little girl": chain 18; "the girl s" is headed by "s"); "a pink dress" extends over
+    # words of the reference phrase; "red" is in no reference phrase of "stairs", so the phrase starts after it; no dog
+    assert [(t.positions, t.types, t.chains) for t in targets] == [
+        ([1], ("people",), ("18",)), ([3, 4, 5], ("clothing",), ("19",)), ([9], ("other",), ("20",))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measures
+# ---------------------------------------------------------------------------------------------------------------
+def test_best_word_of_a_phrase_and_its_pointing_and_ratio():
+    geometry = two_by_two()
+    mask = np.zeros((8, 8), bool)
+    mask[:4, :4] = True  # the top-left cell
+    rows = np.array([[0.25, 0.25, 0.25, 0.25],  # "a": uniform, 1/4 inside
+                     [0.5, 0.5, 0.0, 0.0],  # "little": half inside, its plateau half inside
+                     [0.8, 0.0, 0.0, 0.2]])  # "girl": the best word
+    assert best_word(rows, geometry, mask) == pytest.approx({"mass": 0.8, "pointing": 1.0, "ratio": 3.2})
+    assert best_word(rows[:2], geometry, mask) == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 2.0})
+
+
+def test_uniform_map_scores_the_boxes_share_on_a_squashed_photo():
+    annotation = parse_annotation(ANNOTATION)
+    geometry = two_by_two((56, 56))  # a squashed 56×56 copy of the 400×200 photo
+    mask = box_mask(annotation.boxes_on("18", (56, 56)), (56, 56))
+    share = (28 * 28 + 14 * 14) / 56 ** 2
+    assert score_map(pixel_distribution(np.ones(4), geometry), mask) == pytest.approx(
+        {"mass": share, "pointing": share, "ratio": 1.0})
+
+
+def _photo(rows_per_caption, targets, other=None, size=(8, 8)) -> PhotoAttention:
+    geometry = two_by_two(size)
+    return PhotoAttention([np.asarray(r, float) for r in rows_per_caption], geometry, targets,
+                          None if other is None else [np.asarray(r, float) for r in other], geometry)
+
+
+def test_score_photos_controls_and_summary():
+    top_left = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})
+    bottom_right = EntityAnnotation((8, 8), {"1": [(5, 5, 8, 8)]})
+    # photo 0: a two-word phrase, its first word on the box; the same words over another photo look bottom right
+    # (a miss) and top right (a miss); photo 1: one word on its box, and over another photo on it too (a hit)
+    photos = [_photo([[[1, 0, 0, 0], [0, 0, 0, 1]]], [PhraseTarget(0, [0, 1], ("people",), ("1",))],
+                     other=[[[0, 0, 0, 1], [0, 1, 0, 0]]]),
+              _photo([[[0, 0, 0, 1]]], [PhraseTarget(0, [0], ("people",), ("1",))], other=[[[0, 0, 0, 1]]]),
+              _photo([[[0, 0, 0, 1]]], [PhraseTarget(0, [0], ("people",), ("1",))])]  # no other photo
+    scores = score_photos(photos, [top_left, bottom_right, bottom_right])
+    by = {(s.control, s.image): s.scores for s in scores}
+    assert by[("model", 0)] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+    assert by[("model", 1)] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+    assert by[("uniform", 0)] == pytest.approx({"mass": 0.25, "pointing": 0.25, "ratio": 1.0})
+    assert by[("other photo", 0)] == pytest.approx({"mass": 0.0, "pointing": 0.0, "ratio": 0.0})
+    assert by[("other photo", 1)] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+    assert ("other photo", 2) not in by and ("model", 2) in by
+    scores = [s for s in scores if s.image < 2]
+    rows = summarise(scores, 2, 200, ("people", "other"), ("model", "uniform", "other photo"), "phrase_type", "phrases")
+    uniform = next(r for r in rows if r["control"] == "uniform" and r["phrase_type"] == "all")
+    assert uniform["phrases"] == 2 and uniform["mass"]["mean"] == pytest.approx(0.25)
+    assert uniform["ratio"] == {"mean": 1.0, "ci95": [1.0, 1.0]}
+    section = {"normaliser": "softmax", "references": {"rows": rows}, "generated": {"rows": []}}
+    assert "| toy | softmax | references | chance: uniform | 2 | 2 | 0.250 [0.250, 0.250]" in summary_table(
+        [("toy", section)])
+    assert "| toy | people | 2 | 1.000 [1.000, 1.000] | 0.250 [0.250, 0.250] | 0.500" in type_table([("toy", section)])
+
+
+def test_teacher_forcing_gives_the_rows_beam_search_aligns_with_its_words():
+    torch.manual_seed(0)
+    vocab = Vocabulary([f"w{i}" for i in range(16)])
+    model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8).eval()
+    vis = VisualBatch.from_features(torch.randn(2, 4, 8))
+    hyps = [h[0] for h in beam_search(model, vis, k=3, max_len=6)]
+    captions = [[vocab.decode(h.token_ids)] for h in hyps]
+    rows = teacher_forced_rows(model, vocab, vis, [c * 2 for c in captions])  # two copies each: batched rows
+    for hyp, per_image, caption in zip(hyps, rows, captions):
+        words = len(caption[0])
+        assert len(per_image) == 2 and per_image[0].shape == (words, 4)
+        np.testing.assert_allclose(per_image[0], hyp.attention[:words].numpy(), atol=1e-5)
+        np.testing.assert_allclose(per_image[1], per_image[0], atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------------------------
+def _photos_and_entities(tmp_path):
+    """Two 64×48 copies of 128×96 photos, each a red circle in one quadrant, with their Entities files."""
+    (tmp_path / "images").mkdir()
+    entities = tmp_path / "entities"
+    (entities / "Sentences").mkdir(parents=True)
+    (entities / "Annotations").mkdir()
+    entries = []
+    for index, (flickr_id, box) in enumerate([("111", (0, 0, 32, 24)), ("222", (32, 24, 64, 48))]):
+        picture = Image.new("RGB", (64, 48), (235, 235, 235))
+        ImageDraw.Draw(picture).ellipse(box, fill=(220, 30, 30))
+        picture.save(tmp_path / "images" / f"{flickr_id}_x.jpg")
+        (entities / "Sentences" / f"{flickr_id}.txt").write_text(
+            "[/EN#1/other a red circle] on [/EN#2/scene a plain background] .\n[/EN#1/other one circle] .\n")
+        x0, y0, x1, y1 = (2 * v for v in box)
+        (entities / "Annotations" / f"{flickr_id}.xml").write_text(
+            f"<annotation><size><width>128</width><height>96</height></size><object><name>1</name><bndbox>"
+            f"<xmin>{x0 + 1}</xmin><ymin>{y0 + 1}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+            f"<object><name>2</name><scene>1</scene></object></annotation>")
+        entries.append({"filename": f"{flickr_id}_x.jpg", "filepath": "images", "imgid": index, "split": "test",
+                        "sentences": [{"tokens": ["a", "red", "circle"]}]})
+    (tmp_path / "dataset.json").write_text(json.dumps({"images": entries}))
+    return tmp_path / "dataset.json", entities
+
+
+def test_cli_eval_grounding_entities_both_modes(tmp_path):
+    dataset, entities = _photos_and_entities(tmp_path)
+    checkpoint = tmp_path / "sat"
+    shutil.copytree(DEFAULT_CHECKPOINT, checkpoint)
+    if not (checkpoint / "manifest.json").exists():
+        write_manifest(checkpoint)
+    done = captioner("eval", str(checkpoint), "--dataset", str(dataset), "--grounding", f"entities:{entities}",
+                     "--no-meteor", "--grounding-resamples", "100", "--cache-dir", str(tmp_path / "cache"),
+                     "--threads", "1", "--output", str(tmp_path / "report.json"))
+    section = json.loads((tmp_path / "report.json").read_text())["test"]["grounding"]
+    assert section["photos"] == 2 and section["normaliser"] == "softmax"
+    rows = {(r["control"], r["phrase_type"]): r for r in section["references"]["rows"]}
+    # four boxed phrases (two per photo; the scene chain has no box); the box is a quarter of each photo
+    assert rows[("model", "all")]["phrases"] == 4 and rows[("model", "other")]["images"] == 2
+    assert rows[("uniform", "all")]["mass"]["mean"] == pytest.approx(0.25, abs=0.01)
+    assert ("model", "scene") not in rows and rows[("other photo", "all")]["phrases"] == 4
+    assert "| sat | softmax | references | attention | 4 | 2 |" in done.stderr
+    # the scene model names the red circle: its phrase is matched by head noun against the references'
+    generated = {(r["control"], r["phrase_type"]): r for r in section["generated"]["rows"]}
+    assert 1 <= generated[("model", "all")]["phrases"] <= 2 and set(generated) <= {
+        (c, t) for c in ("model", "uniform", "other photo") for t in ("other", "all")}
+
+
+@pytest.mark.parametrize("value, extra, message", [
+    ("boxes:DIR", (), "takes no value"), ("entities:/nonexistent", (), "not a Flickr30k Entities folder"),
+    ("entities:{entities}", ("--dataset", "/nonexistent.json"), "does not exist")])
+def test_cli_bad_grounding_is_one_line(tmp_path, value, extra, message):
+    _, entities = _photos_and_entities(tmp_path)
+    done = captioner("eval", str(DEFAULT_CHECKPOINT), "--grounding", value.format(entities=entities), *extra,
+                     check=False)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/grounding.md
+# ---------------------------------------------------------------------------------------------------------------
+def test_ordering_sentence_reads_the_intervals():
+    from captioner.models.evaluation.grounding_doc import ordering_sentence
+
+    def stat(mean, half=0.01):
+        return {"mean": mean, "ci95": [mean - half, mean + half]}
+
+    held = ordering_sentence({"softmax": stat(0.3), "sparsemax": stat(0.4), "tvmax": stat(0.5)})
+    assert held.startswith("softmax 0.300 [0.290, 0.310] < sparsemax") and held.endswith("TVmax, holds")
+    tied = ordering_sentence({"softmax": stat(0.3), "sparsemax": stat(0.305), "tvmax": stat(0.5)})
+    assert "softmax 0.300 [0.290, 0.310] ≈ sparsemax" in tied and tied.endswith("does not hold (as a strict, "
+                                                                                 "interval-separated ordering)")
+    reversed_ = ordering_sentence({"softmax": stat(0.5), "sparsemax": stat(0.4), "tvmax": stat(0.3)})
+    assert reversed_.startswith("tvmax") and "does not hold" in reversed_
+    assert "fewer than two" in ordering_sentence({"softmax": stat(0.5)})
+
+
+def test_grounding_doc_from_reports_of_real_photo_checkpoints(tmp_path):
+    from captioner.models.evaluation.grounding_doc import real_photo_checkpoints, write_grounding_doc
+
+    weights = tmp_path / "weights"
+    real = weights / "f8k-sat"
+    shutil.copytree(DEFAULT_CHECKPOINT, real)
+    shutil.copytree(DEFAULT_CHECKPOINT, weights / "scenes-sat")  # trained on the scenes: not listed
+    config = json.loads((real / "config.json").read_text())
+    config["meta"]["train_config"]["dataset"] = "../data/flickr8k/dataset_flickr8k.json"
+    (real / "config.json").write_text(json.dumps(config))
+    write_manifest(real)
+    assert real_photo_checkpoints(weights) == [real]
+    stat = {"mean": 0.5, "ci95": [0.4, 0.6]}
+    rows = [{"control": c, "phrase_type": t, "phrases": 3, "images": 2, "mass": stat, "pointing": stat, "ratio": stat}
+            for c in ("model", "uniform", "other photo") for t in ("people", "all")]
+    section = {"normaliser": "softmax", "photos": 2, "references": {"rows": rows}, "generated": {"rows": rows}}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "f8k-sat.json").write_text(json.dumps({"test": {"images": 2, "grounding": section}}))
+    document = tmp_path / "docs" / "grounding.md"
+    document.parent.mkdir()
+    document.write_text("# Grounding\n\nprose stays\n")
+    figures = tmp_path / "docs" / "figures"
+    block = write_grounding_doc(weights, results, document, figures / "g.png", figures / "h.png", tmp_path,
+                                photos=("chelsea",))
+    assert "| f8k-sat | softmax | generated | chance: other photo | 3 | 2 | 0.500 [0.400, 0.600]" in block
+    assert "| f8k-sat | people | 3 | 0.500 [0.400, 0.600]" in block and "![" in block
+    assert (figures / "g.png").stat().st_size > 1000 and Image.open(figures / "h.png").height > 200
+    assert "fewer than two of softmax, sparsemax and TVmax" in block  # one softmax model, no scene reports
+    write_grounding_doc(weights, results, document, figures / "g.png", figures / "h.png", tmp_path, photos=())
+    text = document.read_text()
+    assert text.startswith("# Grounding\n\nprose stays\n") and text.count("grounding:start") == 1
+    assert "](figures/g.png)" in text
