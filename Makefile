@@ -233,6 +233,36 @@ F8K_SAT := --model sat --set embed_dim=256 --set hidden_dim=512 --set attn_dim=2
   --lr-drop 6 --val-beam 3
 F8K_TRAIN_f8k-sat-hc16-256 := $(F8K_SAT) $(F8K_GRID_256)
 F8K_TRAIN_f8k-sat-hc16-224 := $(F8K_SAT) $(F8K_GRID_224)
+F8K_TRAIN_f8k-sat-blocks-256 := $(F8K_SAT) --encoder layer=blocks
+# The other eight start from the chosen grid (F8K_GRID) and follow their scene recipes at CPU width (planned: their
+# epoch counts are the scene recipes' scaled to 6,000 photos and are revisited on val as they run). A stage named in
+# F8K_INIT_NAME is trained first and NAME starts from its best/ (SAT-hard from SAT soft; SCST from XE; the SparseCap
+# normalisers from one shared softmax stage, as on the scenes: docs/decisions.md, "Warm starts").
+F8K_GRID := $(F8K_GRID_224)
+F8K_TRAIN_f8k-sat-hard := --model sat-hard --epochs 2 --lr 2e-4 --val-beam 3
+F8K_INIT_f8k-sat-hard := f8k-sat-hc16-224
+F8K_TRAIN_f8k-sparsecap-base := --model sparsecap --attention softmax --set embed_dim=256 --set hidden_dim=512 \
+  --set visual_dim=256 --set attn_dim=256 $(F8K_GRID) --min-count 5 --epochs 4 --val-beam 3
+$(foreach norm,softmax sparsemax tvmax,$(eval F8K_TRAIN_f8k-sparsecap-$(norm) := --attention $(norm) --epochs 2 \
+  --val-beam 3)$(eval F8K_INIT_f8k-sparsecap-$(norm) := f8k-sparsecap-base))
+F8K_AOANET := --recipe aoanet $(F8K_GRID) --set d_model=256 --set embed_dim=256 --set ffn_dim=1024 --min-count 5 \
+  --val-beam 3
+F8K_TRAIN_f8k-aoanet := $(F8K_AOANET) --epochs 10
+F8K_TRAIN_f8k-aoanet-scst := $(F8K_AOANET) --phase scst --epochs 3
+F8K_INIT_f8k-aoanet-scst := f8k-aoanet
+F8K_XLAN := --recipe xlan $(F8K_GRID) --set dim=256 --set hidden_dim=256 --set embed_dim=256 --set channel_dim=128 \
+  --group-by-image --min-count 6 --val-beam 3
+F8K_TRAIN_f8k-xlan := $(F8K_XLAN) --warmup-steps 1000 --epochs 10
+F8K_TRAIN_f8k-xlan-scst := $(F8K_XLAN) --phase scst --epochs 3
+F8K_INIT_f8k-xlan-scst := f8k-xlan
+F8K_XT := --recipe xtransformer $(F8K_GRID) --set dim=128 --set channel_dim=64 --set ffn_dim=512 \
+  --set encoder_layers=3 --set decoder_layers=3 --group-by-image --min-count 6 --val-beam 3
+F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
+F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT) --phase scst --epochs 3
+F8K_INIT_f8k-xtransformer-scst := f8k-xtransformer
+F8K_TRAIN_f8k-area-transformer := --recipe area-transformer $(F8K_GRID) --set d_model=128 --set n_heads=4 \
+  --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --batch-size 40 --group-by-image --min-count 5 \
+  --warmup-steps 1000 --epochs 8 --val-beam 3
 
 .PHONY: check-f8k eval-f8k
 check-f8k:
@@ -241,7 +271,9 @@ check-f8k:
 # f8k-stage-NAME trains runs/NAME (resumes it when it exists: a stopped run goes on where it stopped)
 f8k-stage-%: check-f8k | $(STAMP)
 	@test -n "$(F8K_TRAIN_$*)" || { echo "no recipe F8K_TRAIN_$* in the Makefile"; exit 2; }
-	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 $(if $(wildcard runs/$*/train_state.json),--resume)
+	@if [ -n "$(F8K_INIT_$*)" ] && [ ! -d runs/$(F8K_INIT_$*)/best ]; then $(MAKE) f8k-stage-$(F8K_INIT_$*); fi
+	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 \
+	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init runs/$(F8K_INIT_$*)/best))
 
 # decoding rules chosen on val (stored in the checkpoint), then the test report with diversity measures
 train-f8k-%: f8k-stage-%
