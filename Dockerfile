@@ -24,7 +24,7 @@ ARG APP_UID=10001
 # hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 ca-certificates \
- && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* \
  && groupadd --system --gid "${APP_UID}" captioner \
  && useradd --system --uid "${APP_UID}" --gid "${APP_UID}" --home-dir /tmp --no-create-home \
       --shell /usr/sbin/nologin --no-log-init captioner
@@ -63,14 +63,14 @@ COPY pyproject.toml README.md LICENSE /src/
 COPY models /src/models
 COPY service /src/service
 # the project's own code: no dependency resolution (done above); its build backend (setuptools) comes from the index.
-# Then what serving never uses leaves the environment: pip and setuptools themselves, and the test suites that
-# numpy, scipy, sympy, networkx and matplotlib ship inside their packages (~100 MB).
+# Then what serving never uses leaves the environment: pip itself (setuptools stays: torch declares it), and the
+# test suites that numpy, scipy, sympy, networkx and matplotlib ship inside their packages (~100 MB).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/pip.conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip.conf; fi; \
     if [ -s /run/secrets/pip-constraints ]; then export PIP_CONSTRAINT=/run/secrets/pip-constraints; fi; \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi; \
     pip install --no-cache-dir --no-deps /src \
- && pip uninstall --yes pip setuptools wheel \
+ && pip uninstall --yes pip \
  && find /opt/venv/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 
 # -- final image ------------------------------------------------------------------------------------------------------

@@ -233,20 +233,36 @@ def run_without(packages: list[str], code: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
 
 
-def test_the_service_imports_none_of_the_packages_the_image_leaves_out():
-    """Every module of captioner.service (and what they import) loads without the not-served packages; the
-    container check (`make container`) then serves a caption from the image itself."""
+def test_the_service_captions_and_renders_without_the_packages_the_image_leaves_out(tmp_path):
+    """The serving path (every module of captioner.service, a shipped checkpoint loaded, POST /caption and the
+    attention overlay of POST /caption/overlay) with the not-served packages unimportable, as in the image; the
+    container check (`make container`) then serves the sample from the image itself."""
     not_served = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["captioner"]["container"]["not-served"]
-    result = run_without(not_served, """
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "area-transformer").symlink_to(ROOT / "weights" / "area-transformer")
+    result = run_without(not_served, f"""
 import importlib, pkgutil
+from pathlib import Path
+from fastapi.testclient import TestClient
 import captioner.service
-for module in pkgutil.iter_modules(captioner.service.__path__):
-    importlib.import_module(f"captioner.service.{module.name}")
+from captioner.models.data.scenes import generate
 from captioner.service.app import create_app
-print("imported")
+from captioner.service.settings import Settings
+for module in pkgutil.iter_modules(captioner.service.__path__):
+    importlib.import_module(f"captioner.service.{{module.name}}")
+tmp = Path({str(tmp_path)!r})
+scene = generate(tmp / "scene", {{"train": 1}}, progress=False).parent / "images" / "scene_000000.jpg"
+settings = Settings(weights_dir=tmp / "weights", default_model="area-transformer", device="cpu", threads=1, backend="torch",
+                    warmup=False, onnx_dir=tmp / "onnx")
+with TestClient(create_app(settings)) as client:
+    caption = client.post("/caption", files={{"file": scene.read_bytes()}})
+    assert caption.status_code == 200, caption.text
+    figure = client.post("/caption/overlay?format=png", files={{"file": scene.read_bytes()}})
+    assert figure.status_code == 200 and figure.content.startswith(b"\\x89PNG"), figure.text[:500]
+    print("served:", caption.json()["caption"])
 """)
-    assert result.returncode == 0 and "imported" in result.stdout, result.stderr[-3000:]
-    # the control: the blocker does block them (scikit-image is importable in this environment)
+    assert result.returncode == 0 and "served:" in result.stdout, result.stderr[-3000:]
+    # the control: the blocker does block them (they are installed in this environment)
     control = run_without(not_served, "import skimage")
     assert control.returncode != 0 and "not in the container image" in control.stderr
 
