@@ -2,7 +2,7 @@
 # Build the service image from the project's Dockerfile with buildah and prove that it serves (`make container`).
 #
 #   docker/build_and_check.sh            # CPU image on a local debootstrapped Debian bookworm-slim base
-#   BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda TAG=gpu docker/build_and_check.sh
+#   BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda docker/build_and_check.sh
 #                                        # GPU image, where that base image can be pulled (not on our build machine)
 #   TORCH_CPU_INDEX=URL                  # another PyTorch CPU wheel index (a mirror); empty: PyPI's torch
 #
@@ -23,11 +23,12 @@ CACHE=${CACHE:-$ROOT/.cache/container}
 LOCAL_BASE=localhost/captioner-base:bookworm-slim
 BASE_IMAGE=${BASE_IMAGE:-$LOCAL_BASE}
 DEVICE=${DEVICE:-cpu}
-TAG=${TAG:-$DEVICE}
+[ "$DEVICE" = cuda ] && default_tag=gpu || default_tag=cpu  # the tags compose and k8s/ use
+TAG=${TAG:-$default_tag}
 IMAGE=${IMAGE:-localhost/attention-captioner:$TAG}
 PORT=${PORT:-18765}
 CHECK_DEVICE=${CHECK_DEVICE:-$DEVICE}
-READY_TIMEOUT_S=${READY_TIMEOUT_S:-600}
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-1200}  # every checkpoint is exported to ONNX and warmed first: ~10 min on 2 busy cores
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 ISOLATION=(--isolation chroot)
 mkdir -p "$CACHE"
@@ -207,7 +208,8 @@ buildah run "${ISOLATION[@]}" \
 runner_pid=$!
 
 ready=""
-for _ in $(seq 1 $((READY_TIMEOUT_S * 5))); do
+deadline=$(( $(date +%s) + READY_TIMEOUT_S ))
+while [ "$(date +%s)" -lt "$deadline" ]; do
   if ! kill -0 "$runner_pid" 2>/dev/null; then tail -30 "$log"; die "the server exited before it was ready"; fi
   if curl -fsS -o /dev/null "http://127.0.0.1:$PORT/readyz" 2>/dev/null; then ready=1; break; fi
   sleep 0.2
