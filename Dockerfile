@@ -5,7 +5,7 @@
 # what the image carries:
 #   CPU:  BASE_IMAGE=debian:bookworm-slim DEVICE=cpu (the defaults; `make container` builds a local debootstrapped
 #         bookworm-slim instead): CPU-only torch from TORCH_CPU_INDEX when the builder can reach it, else PyPI's
-#         torch (which brings ~4.5 GB of CUDA wheels a CPU never uses), and onnxruntime instead of onnxruntime-gpu.
+#         torch (which brings 4.3 GB of CUDA wheels a CPU never uses), and onnxruntime instead of onnxruntime-gpu.
 #   GPU:  BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda — torch 2.14.1 (cu130) and onnxruntime-gpu
 #         bring their CUDA 13 libraries as wheels, so the base only needs the driver hook of the NVIDIA container
 #         toolkit.

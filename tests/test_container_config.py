@@ -257,7 +257,7 @@ settings = Settings(weights_dir=tmp / "weights", default_model="area-transformer
 with TestClient(create_app(settings)) as client:
     caption = client.post("/caption", files={{"file": scene.read_bytes()}})
     assert caption.status_code == 200, caption.text
-    figure = client.post("/caption/overlay?format=png", files={{"file": scene.read_bytes()}})
+    figure = client.post("/caption/overlay?format=png&token=0", files={{"file": scene.read_bytes()}})
     assert figure.status_code == 200 and figure.content.startswith(b"\\x89PNG"), figure.text[:500]
     print("served:", caption.json()["caption"])
 """)
