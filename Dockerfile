@@ -1,15 +1,22 @@
 # syntax=docker/dockerfile:1.7
 # The captioning service as a container image (docker/README.md: build, run, scaling).
 #
-# One Dockerfile, two images; BASE_IMAGE picks the base because base images cannot be pulled everywhere:
-#   CPU:  BASE_IMAGE=debian:bookworm-slim (default; `make container` builds a local debootstrapped bookworm instead)
-#   GPU:  BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 — torch 2.14.1 (cu130) and onnxruntime-gpu bring their
-#         CUDA 13 libraries as wheels, so the base only needs the driver hook of the NVIDIA container toolkit.
+# One Dockerfile, two images; BASE_IMAGE picks the base because base images cannot be pulled everywhere, DEVICE
+# what the image carries:
+#   CPU:  BASE_IMAGE=debian:bookworm-slim DEVICE=cpu (the defaults; `make container` builds a local debootstrapped
+#         bookworm-slim instead): CPU-only torch from TORCH_CPU_INDEX when the builder can reach it, else PyPI's
+#         torch (which brings 4.3 GB of CUDA wheels a CPU never uses), and onnxruntime instead of onnxruntime-gpu.
+#   GPU:  BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda — torch 2.14.1 (cu130) and onnxruntime-gpu
+#         bring their CUDA 13 libraries as wheels, so the base only needs the driver hook of the NVIDIA container
+#         toolkit.
 # Both bases provide python3 (>= 3.11) from their distribution's packages.
 #
 # Package-index configuration is a build *secret* (`--secret id=pip.conf`, `id=pip-constraints`, `id=ca-bundle`):
 # it is mounted under /run/secrets for the one RUN that installs dependencies and never lands in a layer.
+# TORCH_CPU_INDEX is the public PyTorch CPU wheel index (no credentials): an empty value skips it.
 ARG BASE_IMAGE=debian:bookworm-slim
+ARG DEVICE=cpu
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 
 # -- runtime base: the interpreter and the non-root user, nothing else ---------------------------------------------
 FROM ${BASE_IMAGE} AS runtime-base
@@ -17,15 +24,16 @@ ARG APP_UID=10001
 # hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 ca-certificates \
- && rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/* \
  && groupadd --system --gid "${APP_UID}" captioner \
  && useradd --system --uid "${APP_UID}" --gid "${APP_UID}" --home-dir /tmp --no-create-home \
-      --shell /usr/sbin/nologin captioner
+      --shell /usr/sbin/nologin --no-log-init captioner
 
-# -- requirements: the dependency list of pyproject.toml, so the dependency layer is rebuilt only when it changes ---
+# -- requirements: pyproject.toml's serving dependencies, so the dependency layer is rebuilt only when they change -
 FROM runtime-base AS requirements
-COPY pyproject.toml /src/pyproject.toml
-RUN python3 -c "import tomllib; deps = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']; print(*deps, sep='\n')" > /requirements.txt
+ARG DEVICE
+COPY pyproject.toml docker/requirements.py /src/
+RUN python3 /src/requirements.py /src/pyproject.toml "${DEVICE}" /requirements
 
 # -- builder: a virtual environment with the dependencies, then the project itself ---------------------------------
 FROM runtime-base AS builder
@@ -35,22 +43,35 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY --from=requirements /requirements.txt /requirements.txt
+COPY --from=requirements /requirements /requirements
+ARG TORCH_CPU_INDEX
 # The secrets are optional: without them pip uses PyPI. With them it uses the build machine's index settings.
+# A CPU image first tries torch/torchvision from the CPU wheel index (no CUDA wheels); where that index cannot be
+# reached (or TORCH_CPU_INDEX is empty) PyPI's torch comes with the rest, CUDA wheels included, and the build says so.
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/pip.conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip.conf; fi; \
     if [ -s /run/secrets/pip-constraints ]; then export PIP_CONSTRAINT=/run/secrets/pip-constraints; fi; \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi; \
-    pip install --no-cache-dir -r /requirements.txt
+    if [ ! -s /requirements/torch-cpu.txt ]; then :; \
+    elif [ -z "${TORCH_CPU_INDEX}" ]; then echo "TORCH_CPU_INDEX is empty: torch from the default index"; \
+    elif pip install --no-cache-dir --no-deps --retries 1 --timeout 30 --index-url "${TORCH_CPU_INDEX}" \
+           -r /requirements/torch-cpu.txt; then echo "CPU-only torch from ${TORCH_CPU_INDEX}"; \
+    else echo "WARNING: no $(tr '\n' ' ' < /requirements/torch-cpu.txt)from ${TORCH_CPU_INDEX} (unreachable?):" \
+              "falling back to the default index's torch, which brings its CUDA wheels"; fi; \
+    pip install --no-cache-dir -r /requirements/serving.txt
 COPY pyproject.toml README.md LICENSE /src/
 COPY models /src/models
 COPY service /src/service
-# the project's own code: no dependency resolution (done above); its build backend (setuptools) comes from the index
+# the project's own code: no dependency resolution (done above); its build backend (setuptools) comes from the index.
+# Then what serving never uses leaves the environment: pip itself (setuptools stays: torch declares it), and the
+# test suites that numpy, scipy, sympy, networkx and matplotlib ship inside their packages (~100 MB).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/pip.conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip.conf; fi; \
     if [ -s /run/secrets/pip-constraints ]; then export PIP_CONSTRAINT=/run/secrets/pip-constraints; fi; \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi; \
-    pip install --no-cache-dir --no-deps /src
+    pip install --no-cache-dir --no-deps /src \
+ && pip uninstall --yes pip \
+ && find /opt/venv/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 
 # -- final image ------------------------------------------------------------------------------------------------------
 FROM runtime-base AS service

@@ -182,10 +182,11 @@ clean:
 	rm -rf $(VENV) .cache runs .pytest_cache
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
-# Needs root; installs buildah and debootstrap (Debian packages) when missing; builds a local Debian bookworm base
-# once (base images cannot be pulled here), builds the CPU image from the Dockerfile, runs its entrypoint as the
-# non-root user, captions an image through it and stops it with SIGTERM (docker/README.md).
-# GPU image where a CUDA base can be pulled: make container BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 TAG=gpu
+# Needs root, nothing from `make setup`; installs buildah and debootstrap (Debian packages) when missing; builds a
+# local Debian bookworm-slim base once (base images cannot be pulled here), builds the CPU image from the Dockerfile,
+# runs its entrypoint as the non-root user, captions a scene drawn by the image's own Python through it, stops it
+# with SIGTERM and prints the image size (torch + CUDA wheels / everything else) and time to ready (docker/README.md).
+# GPU image where a CUDA base can be pulled: make container BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda
 .PHONY: container
 container:
 	docker/build_and_check.sh

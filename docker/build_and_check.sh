@@ -1,33 +1,42 @@
 #!/usr/bin/env bash
 # Build the service image from the project's Dockerfile with buildah and prove that it serves (`make container`).
 #
-#   docker/build_and_check.sh            # CPU image on a local debootstrapped Debian bookworm base
-#   BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 TAG=gpu CHECK_DEVICE=cuda docker/build_and_check.sh
+#   docker/build_and_check.sh            # CPU image on a local debootstrapped Debian bookworm-slim base
+#   BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda docker/build_and_check.sh
 #                                        # GPU image, where that base image can be pulled (not on our build machine)
+#   TORCH_CPU_INDEX=URL                  # another PyTorch CPU wheel index (a mirror); empty: PyPI's torch
 #
-# Steps: (1) a local base image from `debootstrap --variant=minbase bookworm` (cached: built once), (2) the image
-# (`buildah build --isolation chroot`, the build machine's pip index settings passed as build secrets),
-# (3) the image's entrypoint run as its non-root user with the weights mounted read-only and a tmpfs on /tmp,
-# (4) /readyz waited for, one image captioned with curl, the uid checked, the weights' checksums and the container's
-# root filesystem compared before/after, (5) SIGTERM and the exit code checked. Prints the image size and time to
-# ready. Anything missing (root, buildah) is an error, never a silent pass.
-set -euo pipefail
+# Steps: (1) a local base image from `debootstrap --variant=minbase bookworm`, slimmed as debian:bookworm-slim is
+# (cached: built once), (2) the image (`buildah build --isolation chroot`, the build machine's pip index settings
+# passed as build secrets), (3) the image's size, split into torch with its CUDA wheels and everything else
+# (docker/image_size.py), (4) a sample scene drawn by the image's own Python (the project's scene renderer), (5) the
+# image's entrypoint run as its non-root user with the weights mounted read-only and a tmpfs on /tmp, /readyz
+# waited for, the sample captioned with curl, the uid checked, the weights' checksums and the container's root
+# filesystem compared before/after, (6) SIGTERM and the exit code checked. Prints the image size and time to
+# ready. Needs nothing from the project's .venv. Anything missing (root, buildah, curl) or any failing step is an
+# error with a message, never a silent pass or a bare exit code.
+set -Eeuo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 CACHE=${CACHE:-$ROOT/.cache/container}
-BASE_IMAGE=${BASE_IMAGE:-localhost/captioner-base:bookworm}
-TAG=${TAG:-cpu}
+LOCAL_BASE=localhost/captioner-base:bookworm-slim
+BASE_IMAGE=${BASE_IMAGE:-$LOCAL_BASE}
+DEVICE=${DEVICE:-cpu}
+[ "$DEVICE" = cuda ] && default_tag=gpu || default_tag=cpu  # the tags compose and k8s/ use
+TAG=${TAG:-$default_tag}
 IMAGE=${IMAGE:-localhost/attention-captioner:$TAG}
 PORT=${PORT:-18765}
-CHECK_DEVICE=${CHECK_DEVICE:-cpu}
-READY_TIMEOUT_S=${READY_TIMEOUT_S:-600}
+CHECK_DEVICE=${CHECK_DEVICE:-$DEVICE}
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-1200}  # every checkpoint is exported to ONNX and warmed first: ~10 min on 2 busy cores
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 ISOLATION=(--isolation chroot)
 mkdir -p "$CACHE"
 
 say() { printf '\n== %s\n' "$*"; }
 die() { printf 'container check FAILED: %s\n' "$*" >&2; exit 1; }
+# any other failing command (set -e) says which one, instead of a bare exit status
+trap 'status=$?; printf "container check FAILED: line %s: \"%s\" exited %s\n" "$LINENO" "$BASH_COMMAND" "$status" >&2' ERR
 
 # -- 0. tools -----------------------------------------------------------------------------------------------------
 if [ "$(id -u)" != 0 ]; then
@@ -39,19 +48,35 @@ if ! command -v buildah >/dev/null || ! command -v debootstrap >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah debootstrap >/dev/null \
     || die "could not install buildah and debootstrap"
 fi
-command -v curl >/dev/null || die "curl is needed to talk to the container"
+for tool in curl ss python3; do  # python3: the host's, standard library only (JSON, the size report)
+  command -v "$tool" >/dev/null || die "$tool is missing on this machine (curl; ss from iproute2; python3)"
+done
 
 # -- 1. the local base image (what debian:bookworm-slim would be, made from Debian's packages) -------------------
-if [ "$BASE_IMAGE" = localhost/captioner-base:bookworm ] && ! buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
-  tarball=$CACHE/bookworm-minbase.tar
+# "slim" as Debian's official images make it (debuerreotype-slimify): no manuals, docs or translations, now or in
+# packages installed later (a dpkg path-exclude file).
+slimify() {
+  local rootfs=$1 config=$1/etc/dpkg/dpkg.cfg.d/docker-slim
+  mkdir -p "$(dirname "$config")"
+  printf '# the "slim" variant: manuals, docs and translations are not installed\n' > "$config"
+  for dir in doc groff info linda lintian/overrides locale man; do
+    echo "path-exclude /usr/share/$dir/*" >> "$config"
+    [ -d "$rootfs/usr/share/$dir" ] && find "$rootfs/usr/share/$dir" -mindepth 1 -depth \
+      ! -path '*/doc/*/copyright' ! -path '*/locale/locale.alias' \( ! -type d -o -empty \) -delete
+  done
+  printf 'path-include /usr/share/doc/*/copyright\npath-include /usr/share/locale/locale.alias\n' >> "$config"
+}
+if [ "$BASE_IMAGE" = "$LOCAL_BASE" ] && ! buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
+  tarball=$CACHE/bookworm-slim.tar
   if [ ! -s "$tarball" ]; then
-    say "debootstrap --variant=minbase bookworm (once; cached in $tarball)"
+    say "debootstrap --variant=minbase bookworm, slimmed (once; cached in $tarball)"
     rootfs=$CACHE/rootfs-bookworm
     if [ ! -x "$rootfs/usr/bin/apt-get" ]; then
       rm -rf "$rootfs"
       debootstrap --variant=minbase bookworm "$rootfs" "$DEBIAN_MIRROR"
     fi
     rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    slimify "$rootfs"
     tar -C "$rootfs" --numeric-owner -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
   fi
   say "importing the base image $BASE_IMAGE"
@@ -97,18 +122,19 @@ secrets=(--secret "id=pip.conf,src=$PIP_CFG"
 sed 's/^/  /' "$PIP_CFG"; echo "  constraints: ${constraint:-none}; CA bundle: ${cert:-none}; mounts: ${volumes[*]:-none}"
 
 # -- 3. build ---------------------------------------------------------------------------------------------------------
-say "buildah build $IMAGE (BASE_IMAGE=$BASE_IMAGE)"
+say "buildah build $IMAGE (BASE_IMAGE=$BASE_IMAGE DEVICE=$DEVICE)"
 build_started=$(date +%s)
+torch_index=()  # unset: the Dockerfile's default (the PyTorch CPU wheel index)
+[ -n "${TORCH_CPU_INDEX+set}" ] && torch_index=(--build-arg "TORCH_CPU_INDEX=$TORCH_CPU_INDEX")
 pull=(--pull=never)
 [[ "$BASE_IMAGE" == localhost/* ]] || pull=(--pull=missing)
 buildah build --isolation chroot --format docker --layers "${pull[@]}" \
-  --build-arg "BASE_IMAGE=$BASE_IMAGE" "${secrets[@]}" "${volumes[@]}" \
+  --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "DEVICE=$DEVICE" "${torch_index[@]}" \
+  "${secrets[@]}" "${volumes[@]}" \
   -f Dockerfile -t "$IMAGE" .
 echo "build took $(( $(date +%s) - build_started )) s"
 
-size_human=$(buildah images --format '{{.Size}}' "$IMAGE" | head -1)
-
-# -- 4. run the entrypoint as the image's user -----------------------------------------------------------------------
+# -- 4. the image's size, its user, a sample scene; then run the entrypoint as that user ----------------------------
 image_config() {  # one field of the image's config: Entrypoint (as a shell command line), User; or its size
   buildah inspect --type image "$IMAGE" | python3 -c '
 import json, shlex, sys
@@ -140,6 +166,32 @@ rootfs=$(buildah mount "$ctr")
 leftovers=$(cd "$rootfs" && { ls run/secrets 2>/dev/null; grep -rls -e 'index-url' -e 'find-links' etc/pip.conf etc/xdg/pip \
   opt/venv/pip.conf root/.config/pip 2>/dev/null; } || true)
 [ -z "$leftovers" ] || die "package-index configuration left in the image: $leftovers"
+
+say "image size"
+size_report=$(python3 docker/image_size.py "$rootfs" "$size_bytes")
+echo "$size_report"
+
+# The sample is drawn by the image's own Python with the project's scene renderer (scene 0 of the default seed),
+# so the check needs nothing from the host's Python or the project's .venv, and its reference captions are known.
+say "a sample scene, drawn by the image's own Python"
+sample=$CACHE/sample-scene.jpg
+draw_sample='import base64, json, sys, tempfile
+from pathlib import Path
+from captioner.models.data.scenes import generate
+out = Path(tempfile.mkdtemp())
+scene = json.loads(generate(out, {"train": 1}, progress=False).read_text())["images"][0]
+jpeg = (out / scene["filepath"] / scene["filename"]).read_bytes()
+json.dump({"jpeg": base64.b64encode(jpeg).decode(), "references": [s["raw"] for s in scene["sentences"]]}, sys.stdout)'
+buildah run "${ISOLATION[@]}" --mount type=tmpfs,destination=/tmp "$ctr" -- python3 -c "$draw_sample" \
+  > "$CACHE/sample-scene.json" || die "the image's python3 could not draw the sample scene (its output is above)"
+python3 - "$CACHE/sample-scene.json" "$sample" <<'EOF' || die "the sample scene's JSON is unreadable"
+import base64, json, sys
+from pathlib import Path
+scene = json.loads(Path(sys.argv[1]).read_text())
+Path(sys.argv[2]).write_bytes(base64.b64decode(scene["jpeg"]))
+print("references:", "; ".join(scene["references"]))
+EOF
+echo "image: $sample"
 weights_sums_before=$(cd weights && find . -type f -print0 | sort -z | xargs -0 sha256sum)
 marker=$CACHE/run-started
 touch "$marker"; sleep 1
@@ -156,7 +208,8 @@ buildah run "${ISOLATION[@]}" \
 runner_pid=$!
 
 ready=""
-for _ in $(seq 1 $((READY_TIMEOUT_S * 5))); do
+deadline=$(( $(date +%s) + READY_TIMEOUT_S ))
+while [ "$(date +%s)" -lt "$deadline" ]; do
   if ! kill -0 "$runner_pid" 2>/dev/null; then tail -30 "$log"; die "the server exited before it was ready"; fi
   if curl -fsS -o /dev/null "http://127.0.0.1:$PORT/readyz" 2>/dev/null; then ready=1; break; fi
   sleep 0.2
@@ -171,36 +224,23 @@ server_uid=$(awk '/^Uid:/ {print $2}' "/proc/$server_pid/status")
 echo "server pid $server_pid runs as uid $server_uid (image user $image_user)"
 [ "$server_uid" = "$expected_uid" ] || die "server runs as uid $server_uid, not $expected_uid"
 
-say "captioning an image through the container"
-sample=$(find .cache/scenes -name '*.png' -o -name '*.jpg' 2>/dev/null | sort | head -1 || true)
-if [ -z "$sample" ]; then
-  sample=$CACHE/chelsea.jpg
-  [ -s "$sample" ] || python3 - "$sample" <<'EOF' || "$ROOT/.venv/bin/python" - "$sample" <<'EOF2'
-import sys
-from PIL import Image
-from skimage import data
-Image.fromarray(data.chelsea()).save(sys.argv[1], quality=90)
-EOF
-import sys
-from PIL import Image
-from skimage import data
-Image.fromarray(data.chelsea()).save(sys.argv[1], quality=90)
-EOF2
-fi
-echo "image: $sample"
+say "captioning the sample scene through the container"
 response=$CACHE/caption-$TAG.json
 http_code=$(curl -sS -o "$response" -w '%{http_code}' -F "file=@$sample" "http://127.0.0.1:$PORT/caption")
 [ "$http_code" = 200 ] || { cat "$response"; die "POST /caption answered $http_code"; }
 caption=$(python3 -c 'import json, sys
 model, text, tokens, attention = (json.load(open(sys.argv[1]))[k] for k in ("model", "caption", "tokens", "attention"))
-print(f"{model}: {text!r} (tokens {tokens}, {len(attention)} attention rows)")' "$response")
+found = "one of" if text in json.load(open(sys.argv[2]))["references"] else "not among"
+print(f"{model}: {text!r} ({found} the references; tokens {tokens}, {len(attention)} attention rows)")' \
+  "$response" "$CACHE/sample-scene.json")
 echo "caption: $caption"
 metrics=$(curl -fsS "http://127.0.0.1:$PORT/metrics")  # not piped into grep -q: its early exit fails curl under pipefail
 grep -q '^captioner_request_latency_seconds_count' <<<"$metrics" || die "/metrics has no captioner_ request series"
 
 say "SIGTERM"
 kill -TERM "$server_pid"
-set +e; wait "$runner_pid"; exit_code=$?; set -e
+exit_code=0
+wait "$runner_pid" || exit_code=$?
 server_pid=""
 echo "exit code $exit_code"
 [ "$exit_code" = 0 ] || { tail -20 "$log"; die "exit code $exit_code after SIGTERM (expected 0)"; }
@@ -215,7 +255,7 @@ echo "weights unchanged (sha256 of $(echo "$weights_sums_after" | wc -l) files);
 
 say "summary"
 echo "image:         $IMAGE (base $BASE_IMAGE)"
-echo "image size:    $size_human (${size_bytes:-?} bytes)"
+echo "$size_report"
 echo "time to ready: $ready_s s (process start to /readyz 200, device $CHECK_DEVICE)"
 echo "caption:       $caption"
 echo "user:          uid $server_uid; SIGTERM exit code $exit_code"

@@ -5,12 +5,15 @@ the manifests, the service's settings and docker/README.md.  The real build and 
 
 from __future__ import annotations
 
+import ast
 import copy
+import importlib.util
 import json
 import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
@@ -119,7 +122,7 @@ def test_dependencies_install_before_the_source_and_index_settings_stay_out_of_t
     _, stages = dockerfile_stages()
     builder = next(s for s in stages if s[0][1].endswith("AS builder"))
     steps = [(i, a) for i, a in builder]
-    install_deps = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "-r /requirements.txt" in a)
+    install_deps = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "-r /requirements/serving.txt" in a)
     copy_source = next(n for n, (i, a) in enumerate(steps) if i == "COPY" and a.startswith("models"))
     install_project = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "--no-deps /src" in a)
     assert install_deps < copy_source < install_project
@@ -131,6 +134,194 @@ def test_dependencies_install_before_the_source_and_index_settings_stay_out_of_t
     # the final stage takes the virtual environment, not the builder's compilers or caches
     final = stages[-1]
     assert [a for i, a in final if i == "COPY" and "--from=" in a] == ["--from=builder /opt/venv /opt/venv"]
+
+
+def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does():
+    global_args, stages = dockerfile_stages()
+    assert global_args["DEVICE"] == "cpu"
+    index = global_args["TORCH_CPU_INDEX"]
+    # a public index, so it may be a build argument (recorded in the image's history): no credentials, https
+    assert index == "https://download.pytorch.org/whl/cpu" and "@" not in index
+    builder = next(s for s in stages if s[0][1].endswith("AS builder"))
+    install = next(a for i, a in builder if i == "RUN" and "-r /requirements/serving.txt" in a)
+    assert ("ARG", "TORCH_CPU_INDEX") in builder
+    # the CPU pins from the CPU index first (without dependencies), then everything else from the default index;
+    # a failure of the first (an unreachable index) is a message, not a failed build: the fallback
+    first_try = re.search(r'elif pip install [^;]*--index-url "\$\{TORCH_CPU_INDEX\}"[^;]*-r /requirements/torch-cpu\.txt;'
+                          r' then [^;]*; *else echo "WARNING: [^"]*"', install)
+    assert first_try and "--no-deps" in first_try.group(0)
+    assert install.index(first_try.group(0)) < install.index("pip install --no-cache-dir -r /requirements/serving.txt")
+    requirements = next(s for s in stages if s[0][1].endswith("AS requirements"))
+    assert ("ARG", "DEVICE") in requirements
+    assert any(i == "RUN" and '"${DEVICE}"' in a and "requirements.py" in a for i, a in requirements)
+    with (DOCKER / "compose.yaml").open() as compose_file:
+        services = yaml.safe_load(compose_file)["services"]
+    assert services["captioner"]["build"]["args"]["DEVICE"] == "cuda"
+    assert services["captioner-cpu"]["build"]["args"]["DEVICE"] == "cpu"
+
+
+STDLIB = set(sys.stdlib_module_names)
+
+
+def top_level_imports(code: str) -> set[str]:
+    modules = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            modules |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    return modules
+
+
+def load_script(name: str):
+    """A script of docker/ (not a package) as a module, to test its functions."""
+    spec = importlib.util.spec_from_file_location(f"docker_{name}", DOCKER / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_image_requirements_leave_out_what_serving_never_imports(tmp_path):
+    requirements = load_script("requirements")
+    # it runs on the base image's python3, before anything is installed
+    assert top_level_imports((DOCKER / "requirements.py").read_text()) <= STDLIB
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dependencies = pyproject["project"]["dependencies"]
+    not_served = pyproject["tool"]["captioner"]["container"]["not-served"]
+    assert not_served and all(any(d.startswith(n) for d in dependencies) for n in not_served)
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        result = subprocess.run([sys.executable, str(DOCKER / "requirements.py"), str(ROOT / "pyproject.toml"),
+                                 device, str(out)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        serving = (out / "serving.txt").read_text().splitlines()
+        names = [requirements.project_name(r) for r in serving]
+        assert not set(names) & {requirements.project_name(n) for n in not_served}
+        expected = [d for d in dependencies if requirements.project_name(d) not in
+                    {requirements.project_name(n) for n in not_served}]
+        if device == "cuda":
+            assert serving == expected and (out / "torch-cpu.txt").read_text() == ""
+        else:  # one ONNX Runtime, the CPU one, with the same version specifier
+            assert "onnxruntime-gpu" not in names and "onnxruntime" in names
+            gpu = next(d for d in expected if d.startswith("onnxruntime-gpu"))
+            assert f"onnxruntime{gpu.removeprefix('onnxruntime-gpu')}" in serving
+            torch_pins = [d for d in dependencies if requirements.project_name(d) in ("torch", "torchvision")]
+            assert len(torch_pins) == 2
+            assert (out / "torch-cpu.txt").read_text().splitlines() == [f"{pin}+cpu" for pin in torch_pins]
+    # a stale name in the list is an error, not a list that silently leaves nothing out
+    with pytest.raises(ValueError, match="no dependency"):
+        requirements.serving_requirements({**pyproject, "tool": {"captioner": {"container": {
+            "not-served": ["no-such-package"]}}}}, "cpu")
+    with pytest.raises(ValueError, match="exact pin"):
+        requirements.cpu_wheel_pins(["torch>=2"])
+
+
+BLOCK_IMPORTS = """
+import importlib.abc, importlib.metadata, sys
+blocked = {module for module, dists in importlib.metadata.packages_distributions().items()
+           if any(d.lower() in sys.argv[1:] for d in dists)}
+class NotInTheImage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in blocked:
+            raise ImportError(f"{name} is not in the container image")
+sys.meta_path.insert(0, NotInTheImage())
+"""
+
+
+def run_without(packages: list[str], code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK_IMPORTS + code, *[p.lower() for p in packages]],
+                          capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+
+
+def test_the_service_captions_and_renders_without_the_packages_the_image_leaves_out(tmp_path):
+    """The serving path (every module of captioner.service, a shipped checkpoint loaded, POST /caption and the
+    attention overlay of POST /caption/overlay) with the not-served packages unimportable, as in the image; the
+    container check (`make container`) then serves the sample from the image itself."""
+    not_served = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["captioner"]["container"]["not-served"]
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "area-transformer").symlink_to(ROOT / "weights" / "area-transformer")
+    result = run_without(not_served, f"""
+import importlib, pkgutil
+from pathlib import Path
+from fastapi.testclient import TestClient
+import captioner.service
+from captioner.models.data.scenes import generate
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
+for module in pkgutil.iter_modules(captioner.service.__path__):
+    importlib.import_module(f"captioner.service.{{module.name}}")
+tmp = Path({str(tmp_path)!r})
+scene = generate(tmp / "scene", {{"train": 1}}, progress=False).parent / "images" / "scene_000000.jpg"
+settings = Settings(weights_dir=tmp / "weights", default_model="area-transformer", device="cpu", threads=1, backend="torch",
+                    warmup=False, onnx_dir=tmp / "onnx")
+with TestClient(create_app(settings)) as client:
+    caption = client.post("/caption", files={{"file": scene.read_bytes()}})
+    assert caption.status_code == 200, caption.text
+    figure = client.post("/caption/overlay?format=png&token=0", files={{"file": scene.read_bytes()}})
+    assert figure.status_code == 200 and figure.content.startswith(b"\\x89PNG"), figure.text[:500]
+    print("served:", caption.json()["caption"])
+""")
+    assert result.returncode == 0 and "served:" in result.stdout, result.stderr[-3000:]
+    # the control: the blocker does block them (they are installed in this environment)
+    control = run_without(not_served, "import skimage")
+    assert control.returncode != 0 and "not in the container image" in control.stderr
+
+
+def test_the_size_line_splits_torch_and_its_cuda_wheels_from_the_rest(tmp_path):
+    """docker/image_size.py (what `make container` prints) on a fake image root: each distribution counted by
+    the files its RECORD lists, files removed after installing counted as nothing."""
+    site_packages = tmp_path / "opt/venv/lib/python3.11/site-packages"
+    sizes = {}
+
+    def install(dist: str, files: dict[str, int], version: str = "1.0") -> None:
+        dist_info = site_packages / f"{dist}-{version}.dist-info"
+        dist_info.mkdir(parents=True)
+        for name, size in files.items():
+            (site_packages / name).parent.mkdir(parents=True, exist_ok=True)
+            (site_packages / name).write_bytes(b"x" * size)
+        listed = [*files, f"{dist_info.name}/RECORD", f"{dist}/tests/removed_after_install.py"]
+        (dist_info / "RECORD").write_text("".join(f"{name},sha256=abc,1\n" for name in listed))
+        sizes[dist] = sum(files.values()) + (dist_info / "RECORD").stat().st_size
+
+    install("torch", {"torch/lib/libtorch.so": 7000, "torch/__init__.py": 300}, version="2.14.1")
+    install("nvidia_cublas", {"nvidia/cu13/lib/libcublas.so": 5000})
+    install("triton", {"triton/__init__.py": 200})
+    install("cuda_bindings", {"cuda/bindings/x.so": 100})
+    install("numpy", {"numpy/_core/x.so": 900})  # not torch's: counted among the image's own layers
+    (tmp_path / "app/weights/sat").mkdir(parents=True)
+    (tmp_path / "app/weights/sat/model.safetensors").write_bytes(b"w" * 2_500_000)
+    total = 40_000_000
+    result = subprocess.run([sys.executable, str(DOCKER / "image_size.py"), str(tmp_path), str(total)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    torch_part = sizes["torch"] + sizes["nvidia_cublas"] + sizes["triton"] + sizes["cuda_bindings"]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("image size:    40 MB (40,000,000 bytes")
+    assert f"({torch_part:,} bytes; torch 2.14.1 and 3 CUDA wheels" in lines[1]
+    assert f"({total - torch_part:,} bytes: everything else, weights 2 MB included)" in lines[2]
+    # a CPU-only torch is named as such
+    (site_packages / "torch-2.14.1.dist-info").rename(site_packages / "torch-2.14.1+cpu.dist-info")
+    result = subprocess.run([sys.executable, str(DOCKER / "image_size.py"), str(tmp_path), str(total)],
+                            capture_output=True, text=True, timeout=60)
+    assert "torch 2.14.1+cpu: the CPU-only wheel" in result.stdout.splitlines()[1]
+    usage = subprocess.run([sys.executable, str(DOCKER / "image_size.py"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_the_container_check_needs_nothing_from_the_host_python_or_the_venv():
+    """`make container` in a fresh clone (no .venv) draws its sample with the image's own Python: the script uses
+    the host's python3 only with the standard library, never the project's .venv."""
+    script = (DOCKER / "build_and_check.sh").read_text()
+    assert not [line for line in script.splitlines() if ".venv" in line and not line.lstrip().startswith("#")]
+    host_python = re.findall(r"\bpython3 -c '(.*?)'", script, re.S)
+    host_python += re.findall(r"\bpython3 - [^\n]*<<'EOF'[^\n]*\n(.*?)\nEOF", script, re.S)
+    host_python += [(DOCKER / script_name).read_text() for script_name in re.findall(r"python3 docker/(\w+\.py)", script)]
+    assert len(host_python) >= 4  # the image's config, the sample's JSON, the caption line, the size report
+    imported = set().union(*map(top_level_imports, host_python))
+    assert {"json", "csv"} <= imported <= STDLIB, imported - STDLIB
+    # ...and the sample comes from inside the image
+    assert re.search(r'buildah run [^\n]*"\$ctr" -- python3 -c "\$draw_sample"', script)
 
 
 def test_the_dockerignore_keeps_local_state_out_of_the_build_context():
