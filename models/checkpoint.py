@@ -45,14 +45,21 @@ class Checkpoint:
     path: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     checksum: str = ""
+    storage: str = "float32"  # the dtype its weights are stored in (STORAGE_DTYPES)
 
     @property
     def name(self) -> str:
         return self.meta.get("name") or (self.path.name if self.path else self.model.arch)
 
 
+#: how a checkpoint's floating-point weights may be stored: float32, or float16 (half the bytes; loading casts them
+#: back into the float32 model, so only the stored values are rounded; a card says what that changed)
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
 def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encoder: EncoderSpec,
-                    meta: dict[str, Any] | None = None, files: Mapping[str, bytes] | None = None) -> Path:
+                    meta: dict[str, Any] | None = None, storage: str = "float32",
+                    files: Mapping[str, bytes] | None = None) -> Path:
     """Write atomically: the files (each fsynced) and their sha256 manifest go to a temporary sibling directory
     that then takes ``path``'s place in one rename, so an interrupted save never leaves a torn checkpoint and
     never destroys the previous one.  Files and folder get the usual permissions (the umask decides), so a
@@ -65,7 +72,10 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     remove_debris(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700 whatever the umask says
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if storage not in STORAGE_DTYPES:
+        raise ValueError(f"storage must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
+    state = {k: (v.to(STORAGE_DTYPES[storage]) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in model.state_dict().items()}
     write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
     for name, data in (files or {}).items():
         if Path(name).name != name or name in (WEIGHTS, CONFIG, VOCAB, MANIFEST):
@@ -74,6 +84,8 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
               "special_ids": {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id},
               "meta": meta or {}}
+    if storage != "float32":  # written only when it differs, so float32 checkpoints stay byte-identical
+        config["storage"] = storage
     (tmp / CONFIG).write_text(json.dumps(config, indent=2))
     vocab.save(tmp / VOCAB)
     for name in (CONFIG, VOCAB):
@@ -86,9 +98,23 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
 
 def update_meta(path: str | Path, **fields: Any) -> Path:
     """Store ``fields`` in the checkpoint's record (``meta``), rewriting it atomically with its manifest (the
-    weights are written again unchanged)."""
+    weights are written again unchanged, in their storage dtype)."""
     ckpt = load_checkpoint(path)
-    return save_checkpoint(path, ckpt.model, ckpt.vocab, ckpt.encoder, {**ckpt.meta, **fields})
+    return save_checkpoint(path, ckpt.model, ckpt.vocab, ckpt.encoder, {**ckpt.meta, **fields}, ckpt.storage,
+                           _extra_files(path))
+
+
+def restore(path: str | Path, storage: str, out: str | Path | None = None) -> Path:
+    """Write the checkpoint at ``path`` again with its weights stored as ``storage`` (in place, or to ``out``):
+    float16 halves the weights' bytes; whether the rounding changed its captions is for ``captioner eval`` to say."""
+    ckpt = load_checkpoint(path)
+    return save_checkpoint(out or path, ckpt.model, ckpt.vocab, ckpt.encoder, ckpt.meta, storage, _extra_files(path))
+
+
+def _extra_files(path: str | Path) -> dict[str, bytes]:
+    """The files of a checkpoint folder beyond its own four (e.g. an imported CNN's weights), to write again."""
+    return {f.name: f.read_bytes() for f in Path(path).iterdir()
+            if f.is_file() and f.name not in (WEIGHTS, CONFIG, VOCAB, MANIFEST) and not f.name.startswith(".")}
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -226,7 +252,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     model.load_state_dict(load_file(path / WEIGHTS, device="cpu"), strict=True)
     model.to(device).eval()
     return Checkpoint(model=model, vocab=vocab, encoder=resolve_encoder_weights(config["encoder"], path), path=path,
-                      meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS))
+                      meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS),
+                      storage=config.get("storage", "float32"))
 
 
 def resolve_encoder_weights(encoder: dict[str, Any], path: Path) -> EncoderSpec:

@@ -55,3 +55,25 @@ def test_vocabulary_round_trip_and_tokenizer(tmp_path):
     assert vocab.decode([4, 5, 2, 4]) == ["a", "b"]
     vocab.save(tmp_path / "v.json")
     assert Vocabulary.load(tmp_path / "v.json").itos == vocab.itos
+
+
+def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, random_visuals):
+    from captioner.models.checkpoint import WEIGHTS, restore, update_meta
+
+    full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
+    half = restore(full, "float16", tmp_path / "half")
+    assert (half / WEIGHTS).stat().st_size < 0.6 * (full / WEIGHTS).stat().st_size
+    loaded = load_checkpoint(half)  # its manifest verifies, and the model is float32 again
+    assert loaded.storage == "float16" and next(loaded.model.parameters()).dtype == torch.float32
+    for name, value in tiny_sat.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], value.half().float()), name
+    # the rounding moves log-probs by float16's precision, not more
+    want, got = beam_search(tiny_sat, random_visuals, k=3, max_len=8), beam_search(loaded.model, random_visuals, k=3,
+                                                                                  max_len=8)
+    for w, g in zip(want, got):
+        if w[0].token_ids == g[0].token_ids:
+            assert abs(w[0].score - g[0].score) < 1e-2
+    update_meta(half, decoding={"length_penalty": 0.5, "block_trigrams": False})  # a record change keeps float16
+    assert load_checkpoint(half).storage == "float16" and (half / WEIGHTS).stat().st_size == (
+        tmp_path / "half" / WEIGHTS).stat().st_size
+    assert restore(half, "float32").exists() and load_checkpoint(half).storage == "float32"

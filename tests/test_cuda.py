@@ -16,7 +16,7 @@ from PIL import Image
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.data.scenes import generate
-from captioner.models.decoding import expand_rows
+from captioner.models.decoding import NO_RULES, DecodingRules, expand_rows
 from captioner.models.inference import torch_runtime
 from captioner.models.protocol import VisualBatch
 from captioner.service.batcher import Batcher
@@ -88,6 +88,29 @@ def test_batcher_with_its_encoder_thread_on_the_gpu_gives_the_fixed_batch_result
             await batcher.stop()
 
     for got, expected in zip(asyncio.run(run()), want):
+        assert_same_result(got, expected, **CLOSE)
+
+
+def test_decoding_rules_on_the_gpu_give_the_cpus_captions(scene_images):
+    """Length penalty and trigram blocking keep their row histories on the device: the same captions as the CPU,
+    alone and through the batcher beside requests without rules."""
+    cpu, gpu = torch_runtime(DEFAULT_CHECKPOINT, "cpu"), torch_runtime(DEFAULT_CHECKPOINT, GPU)
+    rules = [DecodingRules(1.5, True), NO_RULES, DecodingRules(0.0, True), DecodingRules(2.0, False)] * 2
+    want = [cpu.caption([cpu.prepare(image)], 3, 20, r)[0] for image, r in zip(scene_images, rules)]
+    prepared = [gpu.prepare(image) for image in scene_images]
+
+    async def run():
+        batcher = Batcher(gpu, max_batch=4, queue_size=16, max_rows=64)
+        batcher.start()
+        try:
+            jobs = [batcher.submit(p, 3, 20, 120, r) for p, r in zip(prepared, rules)]
+            return await asyncio.gather(*(job.future for job in jobs))
+        finally:
+            await batcher.stop()
+
+    for got, expected in zip(asyncio.run(run()), want, strict=True):
+        assert (got.rules.length_penalty, got.rules.block_trigrams) == (expected.rules.length_penalty,
+                                                                       expected.rules.block_trigrams)
         assert_same_result(got, expected, **CLOSE)
 
 

@@ -482,6 +482,13 @@ def cmd_plot(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {exc}") from None
 
 
+def cmd_storage(args: argparse.Namespace) -> None:
+    from ..checkpoint import WEIGHTS, restore
+
+    out = restore(args.checkpoint, args.dtype, args.out)
+    print(f"{out}: weights stored as {args.dtype}, {(out / WEIGHTS).stat().st_size / 2**20:.1f} MiB")
+
+
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
     from ..checkpoint import CheckpointError, is_checkpoint, read_config, write_manifest
@@ -677,6 +684,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "checkpoint folders whose files you trust")
     mf.add_argument("checkpoints", nargs="+")
     mf.set_defaults(func=cmd_manifest)
+
+    st = sub.add_parser("storage", help="write a checkpoint again with its weights stored as float16 (half the "
+                        "bytes; loading casts them back) or float32; compare `captioner eval` before and after")
+    st.add_argument("checkpoint")
+    st.add_argument("dtype", choices=("float16", "float32"))
+    st.add_argument("--out", help="write the result here instead of in place")
+    st.set_defaults(func=cmd_storage)
 
     pa = sub.add_parser("params", help="parameter counts of every model at the papers' sizes")
     pa.add_argument("--vocab-size", type=int, default=10369)
