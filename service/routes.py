@@ -17,7 +17,7 @@ from .errors import NotReady, Overloaded
 from .inputs import MULTIPART_SLACK, BeamQuery, LengthQuery, ModelQuery, arrival, drain_body, \
     options_before_body, read_caption_request
 from .results import Results
-from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, Health, ModelOut
+from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, Health, ModelOut, caption_json
 from .state import ServiceState, State
 
 router = APIRouter()
@@ -41,10 +41,13 @@ async def caption_upload(request: Request, state: ServiceState,
 @router.post("/caption", response_model=CaptionOut, openapi_extra=CAPTION_BODY,
              summary="Caption an uploaded image, with per-word attention", responses=CAPTION_PROBLEMS)
 async def caption(request: Request, state: State, results: Results, model: ModelQuery = None,
-                  beam_size: BeamQuery = None, max_len: LengthQuery = None) -> CaptionOut:
+                  beam_size: BeamQuery = None, max_len: LengthQuery = None) -> Response | CaptionOut:
     data, result = await caption_upload(request, state, CaptionOptions(model=model, beam_size=beam_size,
                                                                         max_len=max_len))
-    return CaptionOut.of(result, results.put(result, data))
+    result_id = results.put(result, data)
+    if state.settings.json_encoder == "orjson":  # a Response is sent as it is: FastAPI validates nothing again
+        return Response(caption_json(result, result_id), media_type="application/json")
+    return CaptionOut.of(result, result_id)
 
 
 @router.get("/models", response_model=list[ModelOut], summary="Models this service can caption with")

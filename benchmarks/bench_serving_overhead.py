@@ -1,0 +1,297 @@
+"""Framework overhead of serving: the whole HTTP path of ``POST /caption`` (multipart upload, image decoding and
+preprocessing, admission, the continuous batcher, the result, the JSON answer with its attention rows) with a
+model whose compute is negligible, against an echo server, in one run on one machine.
+
+The model is a tiny random SAT (embedding 16, LSTM 24, attention 12) on a 32-pixel EfficientNet-Lite0 whose
+features are pooled onto the default model's 16×16 grid: its answers carry as many attention values per word as
+the default model's (256), its vocabulary is the default model's, and a random model never ends a caption early,
+so every answer has ``max_len`` + 1 rows; the CNN at 32 pixels and the tiny decoder cost next to nothing, so what
+is measured is the request path.  The uploads are the same 640×480 JPEG scenes as ``bench_serving.py``'s (decoded
+and resized as for any model; the resize target is 32 pixels here instead of 256).
+
+Configurations, each a real ``captioner serve`` on localhost, started side by side and measured in turns with the
+closed-loop load generator of ``bench_serving.py``:
+
+* ``before``: every speed-up of issue 30 switched off (:data:`BEFORE`: the request path as it was);
+* ``after``: the shipped defaults;
+* one row per speed-up switched off alone (``after, without X``), where ``--ablations`` asks for them;
+* ``echo server (no model)``: the load generator's own ceiling, a server that reads each upload and returns the
+  recorded answer of ``before`` (one window per point, after the others).
+
+The number this benchmark moves is the overhead ratio: requests/s of a configuration ÷ the echo server's, at the
+largest client count.  With ``--profile`` each configuration is then sampled by ``py-spy`` (``--gil``: only the
+thread holding the interpreter lock is sampled, so the shares say who holds the lock) under the same load, and the
+report gains a table of where the lock's time goes, before and after.
+
+Usage: ``python benchmarks/bench_serving_overhead.py [--device cpu|cuda] [--profile] [--quick]``; writes
+``docs/benchmarks/serving-overhead.md`` on a CPU and ``docs/benchmarks/serving-overhead-gpu.md`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_serving import BEAM, MAX_LEN, load, measure_servers, scene_jpegs  # noqa: E402
+from common import checkpoint, command_line, default_model  # noqa: E402
+from servers import Server  # noqa: E402
+
+OUT = {"cpu": ROOT / "docs" / "benchmarks" / "serving-overhead.md",
+       "cuda": ROOT / "docs" / "benchmarks" / "serving-overhead-gpu.md"}
+ECHO = "echo server (no model)"
+#: the settings that switch issue 30's speed-ups off, each with what it switches off (docs/decisions.md,
+#: "Serving overhead (issue 30)")
+BEFORE: dict[str, tuple[str, str]] = {
+    "CAPTIONER_JSON_ENCODER": ("pydantic", "the JSON answer written by orjson"),
+}
+#: where the lock's time goes: a stage and the frames (substrings of py-spy's "function (file:line)") that mark it,
+#: first match from the innermost frame outwards
+STAGES: list[tuple[str, tuple[str, ...]]] = [
+    ("JSON answer (schema, serialising)", ("schemas.py", "serialize_response", "jsonable_encoder", "orjson",
+                                           "fastapi/encoders", "json/encoder", "render (starlette")),
+    ("image decoding and preprocessing", ("load_image", "preprocess (", "decode_and_prepare")),
+    ("multipart parsing and upload", ("formparsers", "python_multipart", "multipart/")),
+    ("batcher: decoding steps and results", ("batcher.py",)),
+    ("HTTP protocol and middleware (uvicorn, h11, starlette)", ("uvicorn", "h11", "httptools", "starlette",
+                                                                "middleware.py", "security.py", "lifecycle.py")),
+    ("event loop and threads", ("asyncio", "threading", "concurrent/futures", "anyio")),
+]
+
+
+def tiny_checkpoint(folder: Path, like: str) -> Path:
+    """A random SAT whose compute is negligible but whose answers are the size of ``like``'s: its vocabulary, and
+    a 16×16 grid (256 attention values per word) pooled from a 32-pixel CNN input."""
+    import torch
+
+    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.zoo import create
+
+    reference = load_checkpoint(checkpoint(like), "cpu")
+    grid = reference.encoder.grid_hw[0]
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=len(reference.vocab), feat_dim=320, embed_dim=16, hidden_dim=24, attn_dim=12,
+                   dropout=0.0).eval()
+    return save_checkpoint(folder / "tiny-sat", model, reference.vocab,
+                           EncoderSpec(image_size=32, layer="blocks", pooled_grid=grid))
+
+
+def machine(device: str, threads: int) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        gpu = torch.cuda.get_device_properties(0)
+        where = f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__} (CUDA {torch.version.cuda})"
+    else:
+        where = f"CPU only, torch {torch.__version__}"
+    return (f"{where}, {os.cpu_count()} CPU cores, {platform.system()} {platform.release()}, Python "
+            f"{platform.python_version()}; {threads} intra-op thread(s) per server")
+
+
+# -- profile --------------------------------------------------------------------------------------------------------
+def profile(server: Server, bodies: list[bytes], clients: int, seconds: float, out: Path,
+            clients_per_process: int | None) -> Path | None:
+    """py-spy samples of ``server`` (only the thread holding the interpreter lock) while ``clients`` load it for
+    ``seconds``; the collapsed stacks go to ``out``.  None when py-spy is not installed or cannot attach."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return None
+    loader = threading.Thread(target=load, args=(server.url, bodies, clients, seconds + 4, 60, clients_per_process))
+    loader.start()
+    time.sleep(2)
+    done = subprocess.run([spy, "record", "--pid", str(server.proc.pid), "--duration", str(int(seconds)), "--gil",
+                           "--rate", "200", "--format", "raw", "--output", str(out), "--nonblocking"],
+                          capture_output=True, text=True)
+    loader.join()
+    if done.returncode != 0 or not out.exists():
+        print(f"py-spy failed on {server.name}: {done.stderr[-500:]}", file=sys.stderr)
+        return None
+    return out
+
+
+def stage_shares(collapsed: Path) -> dict[str, float]:
+    """Share of the samples (lock held) by :data:`STAGES`, from py-spy's collapsed stacks."""
+    counts: collections.Counter = collections.Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames, n = stack.split(";")[::-1], int(count)
+        total += n
+        counts[next((stage for frame in frames for stage, marks in STAGES if any(m in frame for m in marks)),
+                    "other")] += n
+    return {stage: counts[stage] / total for stage, _ in [*STAGES, ("other", ())]} if total else {}
+
+
+# -- report ---------------------------------------------------------------------------------------------------------
+def report(args, host: str, started: datetime.datetime, names: list[str], latency: dict, results: dict,
+           profiles: dict[str, dict[str, float]], checks: dict[str, bool], seconds: float) -> list[str]:
+    top = max(args.clients)
+
+    def tput(name: str, clients: int = top) -> float:
+        return results[name][clients]["throughput"]
+
+    lines = [
+        f"# Serving overhead ({'GPU' if args.device.startswith('cuda') else 'CPU'}): the request path without a model",
+        "",
+        f"Generated by `{args.command}` on {started:%Y-%m-%d %H:%M} UTC (one run; every number below comes from it).",
+        "",
+        f"Machine: {host}.",
+        "",
+        f"Model: a tiny random SAT with the `{args.model}` vocabulary on a 16×16 grid (256 attention values per word, "
+        f"{MAX_LEN} + 1 rows per answer: a random model never stops early), beam {BEAM}, max_len {MAX_LEN}, on "
+        f"`{args.device}`; its compute is negligible, so the throughput is the request path's. Requests: multipart "
+        "JPEG uploads of generated 640×480 scenes, cycling through 16 (benchmarks/bench_serving_overhead.py's "
+        "docstring).",
+        "",
+        "Configurations: `before` has every speed-up of issue 30 switched off "
+        f"({', '.join(f'`{k}={v[0]}`' for k, v in BEFORE.items())}); `after` is the shipped defaults"
+        + ("; `after, without X` switches one speed-up off." if args.ablations else "."),
+        "",
+        f"## Overhead ratio ({top} clients): requests/s ÷ the echo server's",
+        "",
+        "| configuration | throughput (req/s) | ÷ echo server | ÷ before |",
+        "|---|---|---|---|",
+        *[f"| {name} | {tput(name):.1f} | {tput(name) / tput(ECHO):.3f} | {tput(name) / tput('before'):.2f}× |"
+          for name in names],
+        f"| {ECHO} | {tput(ECHO):.1f} | 1.000 | |",
+        "",
+        f"Aim (issue 30): the `after` ÷ echo ratio at least twice `before`'s: "
+        f"{tput('after') / tput('before'):.2f}× — {'met' if tput('after') >= 2 * tput('before') else '**not met**'}.",
+        "",
+        f"## Latency at one client (alternating between servers, {args.rounds} requests each)",
+        "",
+        "| configuration | p50 latency (ms) | p95 latency (ms) |",
+        "|---|---|---|",
+        *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()],
+        "",
+        f"## Throughput (closed loop, {args.window:g} s per point in two halves, configurations in turns)",
+        "",
+        "| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, by_clients in results.items():
+        for clients, m in by_clients.items():
+            lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.1f} | {1000 * m['p50']:.1f} | "
+                         f"{1000 * m['p95']:.1f} | {sum(m['failures'].values())} |")
+    if profiles:
+        shown = [name for name in names if name in profiles]
+        lines += ["", f"## Where the interpreter lock goes ({top} clients, py-spy `--gil`, {args.profile_s:g} s each)",
+                  "", "Share of the samples taken while a thread of the server held the lock, by the innermost frame "
+                  "that marks a stage (benchmarks/bench_serving_overhead.py's `STAGES`).", "",
+                  "| stage | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
+        for stage in profiles[shown[0]]:
+            lines.append(f"| {stage} | " + " | ".join(f"{profiles[n][stage]:.0%}" for n in shown) + " |")
+    lines += ["", "## Checks", "",
+              *[f"- {label}: {'same answers' if ok else '**answers differ**'} on 4 test scenes (every field; "
+                "attention maps as float32)" for label, ok in checks.items()],
+              "", f"Command: `{args.command}`. Total benchmark time: {seconds:.0f} s.", ""]
+    return lines
+
+
+def _answers(url: str, bodies: list[bytes]) -> list[dict]:
+    import httpx
+    import numpy as np
+
+    answers = []
+    for body in bodies[:4]:
+        response = httpx.post(f"{url}/caption", params={"beam_size": BEAM, "max_len": MAX_LEN},
+                              files={"file": ("s.jpg", body, "image/jpeg")}, timeout=120)
+        response.raise_for_status()
+        answer = {k: v for k, v in response.json().items() if k != "id"}
+        # the maps as the float32 numbers they are (the pydantic writer widens each to a double's 17 digits)
+        answer["attention"] = np.float32(answer["attention"]).tolist()
+        answer["extras"] = {k: np.float32(v).tolist() for k, v in answer["extras"].items()}
+        answers.append(answer)
+    return answers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=default_model(), help="whose vocabulary and grid the tiny model takes")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per server")
+    parser.add_argument("--window", type=float, default=8.0, help="measured seconds per point")
+    parser.add_argument("--clients", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--rounds", type=int, default=20, help="requests per server in the 1-client latency turns")
+    parser.add_argument("--clients-per-process", type=int, default=0,
+                        help="the load generator's clients per process (0: all in one; 8 on a GPU machine)")
+    parser.add_argument("--ablations", action="store_true", help="also each speed-up switched off alone")
+    parser.add_argument("--profile", action="store_true", help="py-spy each configuration under load")
+    parser.add_argument("--profile-s", type=float, default=6.0, help="seconds of py-spy sampling per configuration")
+    parser.add_argument("--quick", action="store_true", help="short windows (smoke test; not for the table)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.command = command_line("bench_serving_overhead.py", parser, args)
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    args.out = args.out or OUT[kind]
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench_serving_overhead: no CUDA GPU on this machine; nothing measured")
+            return
+    if args.quick:
+        args.window, args.rounds, args.profile_s = 2.0, 4, 2.0
+    began, started = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
+    host = machine(args.device, args.threads)
+    bodies = scene_jpegs(16)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-overhead-"))
+    print(f"server logs in {log_dir}", file=sys.stderr)
+    only = log_dir / "weights"
+    only.mkdir()
+    folder = tiny_checkpoint(log_dir, args.model)
+    serve = [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(only)]
+    base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(folder)]), "CAPTIONER_THREADS": str(args.threads),
+            "CAPTIONER_DEVICE": args.device, "CAPTIONER_DEFAULT_MODEL": folder.name, "CAPTIONER_QUEUE_SIZE": "256",
+            "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_BACKEND": "torch", "CAPTIONER_ONNX_DIR": str(log_dir / "onnx")}
+    configs = {"before": {k: v for k, (v, _) in BEFORE.items()}, "after": {}}
+    if args.ablations and len(BEFORE) > 1:
+        configs.update({f"after, without {what}": {k: v} for k, (v, what) in BEFORE.items()})
+    servers = [Server(name, serve, {**base, **env}, log_dir / f"{name.replace(', ', '-').replace(' ', '_')}.log")
+               for name, env in configs.items()]
+    per_process = args.clients_per_process or None
+    profiles: dict[str, dict[str, float]] = {}
+    if args.profile:  # sampled before the measurement, on servers of their own (the measurement stops its servers)
+        for server in servers:
+            server.wait_ready()
+        for server in servers:
+            sampled = profile(server, bodies, max(args.clients), args.profile_s,
+                              log_dir / f"{server.name.replace(', ', '-')}.pyspy.txt", per_process)
+            if sampled is not None:
+                profiles[server.name] = stage_shares(sampled)
+    answers = {server.name: None for server in servers}
+
+    def check_answers() -> None:
+        for server in servers:
+            answers[server.name] = _answers(server.url, bodies)
+
+    for server in servers:
+        server.wait_ready()
+    check_answers()
+    _, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds, check_count=1,
+                                          timeout_s=60, clients_per_process=per_process, echo=ECHO)
+    checks = {f"{name} vs before": value == answers["before"] for name, value in answers.items() if name != "before"}
+    lines = report(args, host, started, list(configs), latency, results, profiles, checks,
+                   time.perf_counter() - began)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
