@@ -1,9 +1,12 @@
 """The caption answer written by orjson (``CAPTIONER_JSON_ENCODER=orjson``, the default) against the pydantic
 answer model it replaces on the hot path: the same fields in the same order with the same values, the attention
-maps as the same float32 numbers, for every architecture (extras and area boxes included) and over HTTP."""
+maps as the same float32 numbers, for every architecture (extras and area boxes included) and over HTTP; and the
+packed attention maps (``attention_format=float16-base64``): the JSON numbers to float16 precision, the caption
+unchanged."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
@@ -24,6 +27,21 @@ from .test_serving_http import encode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MAPS = ("attention", "extras")
+
+
+def unpack(packed: dict) -> np.ndarray:
+    """A PackedRows map as the OpenAPI description says a client reads it."""
+    assert packed["encoding"] == "float16-base64"
+    return np.frombuffer(base64.b64decode(packed["data"]), "<f2").reshape(packed["shape"])
+
+
+def assert_packed_answer(packed: dict, reference: dict) -> None:
+    """Every field of the JSON answer unchanged but the maps, which are its numbers rounded to float16."""
+    assert {k: v for k, v in packed.items() if k not in MAPS} == {k: v for k, v in reference.items() if k not in MAPS}
+    assert list(packed["extras"]) == list(reference["extras"])
+    for got, want in [(packed["attention"], reference["attention"]),
+                      *[(packed["extras"][k], reference["extras"][k]) for k in reference["extras"]]]:
+        np.testing.assert_array_equal(unpack(got), np.asarray(want, dtype=np.float64).astype(np.float16))
 
 
 def assert_same_answer(fast: dict, reference: dict) -> None:
@@ -51,6 +69,10 @@ def test_orjson_answer_equals_the_pydantic_answer(arch):
         fast_bytes = caption_json(result, "some-id")
         assert_same_answer(json.loads(fast_bytes), reference)
         assert len(fast_bytes) < len(CaptionOut.of(result, "some-id").model_dump_json())
+        packed = json.loads(caption_json(result, "some-id", "float16-base64"))
+        assert_packed_answer(packed, reference)
+        # the pydantic writer packs the same bytes
+        assert json.loads(CaptionOut.of(result, "some-id", "float16-base64").model_dump_json()) == packed
 
 
 def test_both_encoders_answer_the_same_over_http(tmp_path):
@@ -66,7 +88,21 @@ def test_both_encoders_answer_the_same_over_http(tmp_path):
                                    files={"file": ("cat.jpg", upload, "image/jpeg")})
             assert response.status_code == 200 and response.headers["content-type"] == "application/json"
             answers[encoder] = {k: v for k, v in response.json().items() if k != "id"}
+            packed = client.post("/caption", params={"beam_size": 2, "max_len": 10,
+                                                     "attention_format": "float16-base64"},
+                                 files={"file": ("cat.jpg", upload, "image/jpeg")})
+            assert packed.status_code == 200
+            assert_packed_answer({k: v for k, v in packed.json().items() if k != "id"}, answers[encoder])
+            again = client.get(f"/captions/{packed.json()['id']}", params={"attention_format": "float16-base64"})
+            assert again.json() == packed.json()
             bad = client.post("/caption", files={"file": ("x.jpg", b"not an image", "image/jpeg")})
-            problems[encoder] = (bad.status_code, bad.json()["type"])
+            unknown = client.post("/caption", params={"attention_format": "float64"},
+                                  files={"file": ("cat.jpg", upload, "image/jpeg")})
+            problems[encoder] = [(r.status_code, r.json()["type"]) for r in (bad, unknown)]
+            assert unknown.status_code == 422 and "attention_format" in unknown.json()["detail"]
+            schema = client.get("/openapi.json").json()
     assert_same_answer(answers["orjson"], answers["pydantic"])
     assert problems["orjson"] == problems["pydantic"]
+    parameter = next(p for p in schema["paths"]["/caption"]["post"]["parameters"] if p["name"] == "attention_format")
+    assert parameter["schema"]["enum"] == ["json", "float16-base64"] and "PackedRows" in parameter["description"]
+    assert set(schema["components"]["schemas"]["PackedRows"]["properties"]) == {"encoding", "shape", "data"}
