@@ -14,6 +14,7 @@ closed-loop load generator of ``bench_serving.py``:
 
 * ``before``: every speed-up of issue 30 switched off (:data:`BEFORE`: the request path as it was);
 * ``after``: the shipped defaults;
+* ``after, attention_format=float16-base64``: the same server, its clients asking for packed attention maps;
 * one row per speed-up switched off alone (``after, without X``), where ``--ablations`` asks for them;
 * ``echo server (no model)``: the load generator's own ceiling, a server that reads each upload and returns the
   recorded answer of ``before`` (one window per point, after the others).
@@ -47,11 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_serving import BEAM, MAX_LEN, load, measure_servers, scene_jpegs  # noqa: E402
 from common import checkpoint, command_line, default_model  # noqa: E402
-from servers import Server  # noqa: E402
+from servers import Server, stop_on_sigterm  # noqa: E402
 
 OUT = {"cpu": ROOT / "docs" / "benchmarks" / "serving-overhead.md",
        "cuda": ROOT / "docs" / "benchmarks" / "serving-overhead-gpu.md"}
 ECHO = "echo server (no model)"
+PACKED_ROW = "after, attention_format=float16-base64"
 #: the settings that switch issue 30's speed-ups off, each with what it switches off (docs/decisions.md,
 #: "Serving overhead (issue 30)")
 BEFORE: dict[str, tuple[str, str]] = {
@@ -109,7 +111,8 @@ def profile(server: Server, bodies: list[bytes], clients: int, seconds: float, o
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         return None
-    loader = threading.Thread(target=load, args=(server.url, bodies, clients, seconds + 4, 60, clients_per_process))
+    loader = threading.Thread(target=load, args=(server.url, bodies, clients, seconds + 4, 60, clients_per_process,
+                                                 server.params))
     loader.start()
     time.sleep(2)
     done = subprocess.run([spy, "record", "--pid", str(server.proc.pid), "--duration", str(int(seconds)), "--gil",
@@ -159,7 +162,8 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
         "docstring).",
         "",
         "Configurations: `before` has every speed-up of issue 30 switched off "
-        f"({', '.join(f'`{k}={v[0]}`' for k, v in BEFORE.items())}); `after` is the shipped defaults"
+        f"({', '.join(f'`{k}={v[0]}`' for k, v in BEFORE.items())}); `after` is the shipped defaults; "
+        f"`{PACKED_ROW}` is `after` with its clients asking for packed attention maps"
         + ("; `after, without X` switches one speed-up off." if args.ablations else "."),
         "",
         f"## Overhead ratio ({top} clients): requests/s ÷ the echo server's",
@@ -198,26 +202,42 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
             lines.append(f"| {stage} | " + " | ".join(f"{profiles[n][stage]:.0%}" for n in shown) + " |")
     lines += ["", "## Checks", "",
               *[f"- {label}: {'same answers' if ok else '**answers differ**'} on 4 test scenes (every field; "
-                "attention maps as float32)" for label, ok in checks.items()],
+                f"attention maps as {'float16' if label.startswith(PACKED_ROW) else 'float32'})"
+                for label, ok in checks.items()],
               "", f"Command: `{args.command}`. Total benchmark time: {seconds:.0f} s.", ""]
     return lines
 
 
-def _answers(url: str, bodies: list[bytes]) -> list[dict]:
+PACKED = {"attention_format": "float16-base64"}
+
+
+def _answers(server: Server, bodies: list[bytes]) -> list[dict]:
+    """``server``'s answers to the first 4 ``bodies`` (with its query parameters), without their ids."""
     import httpx
-    import numpy as np
 
     answers = []
     for body in bodies[:4]:
-        response = httpx.post(f"{url}/caption", params={"beam_size": BEAM, "max_len": MAX_LEN},
+        response = httpx.post(f"{server.url}/caption", params={"beam_size": BEAM, "max_len": MAX_LEN, **server.params},
                               files={"file": ("s.jpg", body, "image/jpeg")}, timeout=120)
         response.raise_for_status()
-        answer = {k: v for k, v in response.json().items() if k != "id"}
-        # the maps as the float32 numbers they are (the pydantic writer widens each to a double's 17 digits)
-        answer["attention"] = np.float32(answer["attention"]).tolist()
-        answer["extras"] = {k: np.float32(v).tolist() for k, v in answer["extras"].items()}
-        answers.append(answer)
+        answers.append({k: v for k, v in response.json().items() if k != "id"})
     return answers
+
+
+def _maps_as(answer: dict, dtype: str) -> dict:
+    """``answer`` with its attention maps as lists of ``dtype`` numbers (packed maps unpacked): float32 for
+    answers whose writers differ only in how many digits they give, float16 to compare packed maps."""
+    import base64
+
+    import numpy as np
+
+    def values(value):
+        if isinstance(value, dict):  # PackedRows
+            value = np.frombuffer(base64.b64decode(value["data"]), "<f2").reshape(value["shape"])
+        return np.asarray(value, dtype=np.float64).astype(dtype).tolist()
+
+    return {**answer, "attention": values(answer["attention"]),
+            "extras": {k: values(v) for k, v in answer["extras"].items()}}
 
 
 def main() -> None:
@@ -237,6 +257,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.command = command_line("bench_serving_overhead.py", parser, args)
+    stop_on_sigterm()
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     args.out = args.out or OUT[kind]
     if kind == "cuda":
@@ -259,33 +280,37 @@ def main() -> None:
     base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(folder)]), "CAPTIONER_THREADS": str(args.threads),
             "CAPTIONER_DEVICE": args.device, "CAPTIONER_DEFAULT_MODEL": folder.name, "CAPTIONER_QUEUE_SIZE": "256",
             "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_BACKEND": "torch", "CAPTIONER_ONNX_DIR": str(log_dir / "onnx")}
-    configs = {"before": {k: v for k, (v, _) in BEFORE.items()}, "after": {}}
+    configs = {"before": ({k: v for k, (v, _) in BEFORE.items()}, {}), "after": ({}, {}),
+               PACKED_ROW: ({}, PACKED)}
     if args.ablations and len(BEFORE) > 1:
-        configs.update({f"after, without {what}": {k: v} for k, (v, what) in BEFORE.items()})
-    servers = [Server(name, serve, {**base, **env}, log_dir / f"{name.replace(', ', '-').replace(' ', '_')}.log")
-               for name, env in configs.items()]
+        configs.update({f"after, without {what}": ({k: v}, {}) for k, (v, what) in BEFORE.items()})
+    servers = [Server(name, serve, {**base, **env}, log_dir / f"{name.replace(', ', '-').replace(' ', '_')}.log",
+                      params) for name, (env, params) in configs.items()]
     per_process = args.clients_per_process or None
     profiles: dict[str, dict[str, float]] = {}
-    if args.profile:  # sampled before the measurement, on servers of their own (the measurement stops its servers)
+    try:
+        if args.profile:  # sampled before the measurement, on servers of their own (the measurement stops its servers)
+            for server in servers:
+                server.wait_ready()
+            for server in servers:
+                sampled = profile(server, bodies, max(args.clients), args.profile_s,
+                                  log_dir / f"{server.name.replace(', ', '-')}.pyspy.txt", per_process)
+                if sampled is not None:
+                    profiles[server.name] = stage_shares(sampled)
         for server in servers:
             server.wait_ready()
+        answers = {server.name: _answers(server, bodies) for server in servers}
+        _, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds, check_count=1,
+                                              timeout_s=60, clients_per_process=per_process, echo=ECHO)
+    finally:  # measure_servers stops them too; this is for a failure (or a SIGTERM) before it does
         for server in servers:
-            sampled = profile(server, bodies, max(args.clients), args.profile_s,
-                              log_dir / f"{server.name.replace(', ', '-')}.pyspy.txt", per_process)
-            if sampled is not None:
-                profiles[server.name] = stage_shares(sampled)
-    answers = {server.name: None for server in servers}
-
-    def check_answers() -> None:
-        for server in servers:
-            answers[server.name] = _answers(server.url, bodies)
-
-    for server in servers:
-        server.wait_ready()
-    check_answers()
-    _, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds, check_count=1,
-                                          timeout_s=60, clients_per_process=per_process, echo=ECHO)
-    checks = {f"{name} vs before": value == answers["before"] for name, value in answers.items() if name != "before"}
+            server.stop()
+    checks = {}
+    for name, got in answers.items():
+        dtype = "float16" if name == PACKED_ROW else "float32"
+        if name != "before":
+            checks[f"{name} vs before"] = ([_maps_as(a, dtype) for a in got]
+                                           == [_maps_as(a, dtype) for a in answers["before"]])
     lines = report(args, host, started, list(configs), latency, results, profiles, checks,
                    time.perf_counter() - began)
     args.out.parent.mkdir(parents=True, exist_ok=True)
