@@ -262,7 +262,9 @@ def main() -> None:
             "CAPTIONER_ONNX_DIR": str(log_dir / "onnx")}
     no_onnx = cuda_execution_provider()
     chosen = [key for key in CONFIGS if key in args.configs or key == "batching"]
-    if no_onnx is not None and "onnx" in chosen:
+    if "onnx" not in chosen:
+        no_onnx = no_onnx or "not among this run's --configs"
+    elif no_onnx is not None:
         chosen.remove("onnx")
     servers = []
     for key in chosen:

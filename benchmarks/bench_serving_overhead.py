@@ -125,6 +125,18 @@ def profile(server: Server, bodies: list[bytes], clients: int, seconds: float, o
     return out
 
 
+def cpu_per_request(server: Server, bodies: list[bytes], clients: int, seconds: float,
+                    clients_per_process: int | None) -> float:
+    """CPU seconds the server process spends per answered request under ``clients`` (every thread: the event
+    loop, the thread pool, the batcher, native code): unlike the throughput, it hardly depends on what else the
+    machine runs."""
+    before = server.cpu_seconds()
+    measured = load(server.url, bodies, clients, seconds, 60, clients_per_process, server.params)
+    spent = server.cpu_seconds() - before
+    # the load generator's unmeasured first request per client and the last ones answered after the window count too
+    return spent / (len(measured["latencies"]) + sum(measured["failures"].values()) + clients)
+
+
 def stage_shares(collapsed: Path) -> dict[str, float]:
     """Share of the samples (lock held) by :data:`STAGES`, from py-spy's collapsed stacks."""
     counts: collections.Counter = collections.Counter()
@@ -142,7 +154,8 @@ def stage_shares(collapsed: Path) -> dict[str, float]:
 
 # -- report ---------------------------------------------------------------------------------------------------------
 def report(args, host: str, started: datetime.datetime, names: list[str], latency: dict, results: dict,
-           profiles: dict[str, dict[str, float]], checks: dict[str, bool], seconds: float) -> list[str]:
+           costs: dict[str, float], profiles: dict[str, dict[str, float]], checks: dict[str, bool],
+           seconds: float) -> list[str]:
     top = max(args.clients)
 
     def tput(name: str, clients: int = top) -> float:
@@ -168,11 +181,15 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
         "",
         f"## Overhead ratio ({top} clients): requests/s ÷ the echo server's",
         "",
-        "| configuration | throughput (req/s) | ÷ echo server | ÷ before |",
-        "|---|---|---|---|",
-        *[f"| {name} | {tput(name):.1f} | {tput(name) / tput(ECHO):.3f} | {tput(name) / tput('before'):.2f}× |"
-          for name in names],
-        f"| {ECHO} | {tput(ECHO):.1f} | 1.000 | |",
+        "| configuration | throughput (req/s) | ÷ echo server | ÷ before | server CPU per request (ms) | ÷ before |",
+        "|---|---|---|---|---|---|",
+        *[f"| {name} | {tput(name):.1f} | {tput(name) / tput(ECHO):.3f} | {tput(name) / tput('before'):.2f}× | "
+          f"{1000 * costs[name]:.1f} | {costs[name] / costs['before']:.2f}× |" for name in names],
+        f"| {ECHO} | {tput(ECHO):.1f} | 1.000 | | | |",
+        "",
+        "Server CPU per request: the CPU time of the server process (all its threads) in a separate closed loop of "
+        f"{args.window / 2:g} s at {top} clients, divided by the requests it answered; it depends far less than the "
+        "throughput on what else the machine runs.",
         "",
         f"Aim (issue 30): the `after` ÷ echo ratio at least twice `before`'s: "
         f"{tput('after') / tput('before'):.2f}× — {'met' if tput('after') >= 2 * tput('before') else '**not met**'}.",
@@ -251,7 +268,11 @@ def main() -> None:
     parser.add_argument("--clients-per-process", type=int, default=0,
                         help="the load generator's clients per process (0: all in one; 8 on a GPU machine)")
     parser.add_argument("--ablations", action="store_true", help="also each speed-up switched off alone")
-    parser.add_argument("--profile", action="store_true", help="py-spy each configuration under load")
+    parser.add_argument("--try", dest="tries", nargs="+", default=[], metavar="NAME:VAR=VALUE[,VAR=VALUE]",
+                        help="extra rows: the shipped defaults with these settings, e.g. 'serial CNN:"
+                             "CAPTIONER_OVERLAP_ENCODING=false'")
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="py-spy each configuration under load (where py-spy is installed and may attach)")
     parser.add_argument("--profile-s", type=float, default=6.0, help="seconds of py-spy sampling per configuration")
     parser.add_argument("--quick", action="store_true", help="short windows (smoke test; not for the table)")
     parser.add_argument("--out", type=Path)
@@ -282,6 +303,9 @@ def main() -> None:
             "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_BACKEND": "torch", "CAPTIONER_ONNX_DIR": str(log_dir / "onnx")}
     configs = {"before": ({k: v for k, (v, _) in BEFORE.items()}, {}), "after": ({}, {}),
                PACKED_ROW: ({}, PACKED)}
+    for spec in args.tries:
+        name, _, assignments = spec.partition(":")
+        configs[name] = (dict(item.split("=", 1) for item in assignments.split(",") if item), {})
     if args.ablations and len(BEFORE) > 1:
         configs.update({f"after, without {what}": ({k: v}, {}) for k, (v, what) in BEFORE.items()})
     servers = [Server(name, serve, {**base, **env}, log_dir / f"{name.replace(', ', '-').replace(' ', '_')}.log",
@@ -300,6 +324,8 @@ def main() -> None:
         for server in servers:
             server.wait_ready()
         answers = {server.name: _answers(server, bodies) for server in servers}
+        costs = {server.name: cpu_per_request(server, bodies, max(args.clients), args.window / 2, per_process)
+                 for server in servers}
         _, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds, check_count=1,
                                               timeout_s=60, clients_per_process=per_process, echo=ECHO)
     finally:  # measure_servers stops them too; this is for a failure (or a SIGTERM) before it does
@@ -311,7 +337,7 @@ def main() -> None:
         if name != "before":
             checks[f"{name} vs before"] = ([_maps_as(a, dtype) for a in got]
                                            == [_maps_as(a, dtype) for a in answers["before"]])
-    lines = report(args, host, started, list(configs), latency, results, profiles, checks,
+    lines = report(args, host, started, list(configs), latency, results, costs, profiles, checks,
                    time.perf_counter() - began)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))

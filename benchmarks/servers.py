@@ -65,6 +65,11 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used so far (user + system, all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def rss(self, field: str = "VmRSS") -> float:
         return rss_mib(self.proc.pid, field)
 
