@@ -420,6 +420,24 @@ def _timed(fn) -> float:
 
 
 # -- report --------------------------------------------------------------------------------------------------------
+def latency_table_ms(latency: dict, rounds: int) -> list[str]:
+    """The one-client latency section of :func:`alternating_latency`'s results, in milliseconds."""
+    return [f"## Latency at one client (alternating between servers, {rounds} requests each)", "",
+            "| configuration | p50 latency (ms) | p95 latency (ms) |", "|---|---|---|",
+            *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()]]
+
+
+def throughput_table_ms(results: dict) -> list[str]:
+    """The throughput table of :func:`measure_servers`' results (by server and client count), in milliseconds."""
+    lines = ["| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
+             "|---|---|---|---|---|---|---|"]
+    for name, by_clients in results.items():
+        for clients, m in by_clients.items():
+            lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.1f} | {1000 * m['p50']:.1f} | "
+                         f"{1000 * m['p95']:.1f} | {sum(m['failures'].values())} |")
+    return lines
+
+
 def machine() -> str:
     import onnxruntime
     import torch

@@ -42,7 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serving import BEAM, MAX_LEN, decoder_only, encoded_scenes, measure_servers, scene_jpegs  # noqa: E402
+from bench_serving import BEAM, MAX_LEN, decoder_only, encoded_scenes, latency_table_ms, measure_servers, \
+    scene_jpegs, throughput_table_ms  # noqa: E402
 from common import checkpoint, command_line, default_model  # noqa: E402
 from servers import Server, stop_on_sigterm  # noqa: E402
 
@@ -166,11 +167,7 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
         "",
         f"ONNX Runtime on the GPU: {'measured (`onnx` rows)' if no_onnx is None else 'not measured: ' + no_onnx}.",
         "",
-        f"## Latency at one client (alternating between servers, {args.rounds} requests each)",
-        "",
-        "| configuration | p50 latency (ms) | p95 latency (ms) |",
-        "|---|---|---|",
-        *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()],
+        *latency_table_ms(latency, args.rounds),
         "",
         f"## Throughput (closed loop, {args.window:g} s per point in two halves, configurations in turns)",
         "",
@@ -180,14 +177,8 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
         + f". The `{ECHO}` row is its own ceiling: the same loads against a server that reads each upload and "
         "returns a recorded `batching` response (one window per point, after the others).",
         "",
-        "| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
-        "|---|---|---|---|---|---|---|",
+        *throughput_table_ms(results),
     ]
-    for name, by_clients in results.items():
-        for clients, m in by_clients.items():
-            errors = sum(m["failures"].values())
-            lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.1f} | {1000 * m['p50']:.1f} | "
-                         f"{1000 * m['p95']:.1f} | {errors} |")
     lines += ["", "## Encoder-only ceiling (in process, timed between device synchronisations)", "",
               "| precision | " + " | ".join(f"ms/image at batch {b}" for b in ENCODER_BATCHES) + " | ceiling (images/s) |",
               "|---|" + "---|" * (len(ENCODER_BATCHES) + 1)]

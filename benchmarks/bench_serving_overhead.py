@@ -46,7 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serving import BEAM, MAX_LEN, load, measure_servers, scene_jpegs  # noqa: E402
+from bench_serving import BEAM, MAX_LEN, latency_table_ms, load, measure_servers, scene_jpegs, \
+    throughput_table_ms  # noqa: E402
 from common import checkpoint, command_line, default_model  # noqa: E402
 from servers import Server, stop_on_sigterm  # noqa: E402
 
@@ -194,21 +195,12 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
         f"Aim (issue 30): the `after` ÷ echo ratio at least twice `before`'s: "
         f"{tput('after') / tput('before'):.2f}× — {'met' if tput('after') >= 2 * tput('before') else '**not met**'}.",
         "",
-        f"## Latency at one client (alternating between servers, {args.rounds} requests each)",
-        "",
-        "| configuration | p50 latency (ms) | p95 latency (ms) |",
-        "|---|---|---|",
-        *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()],
+        *latency_table_ms(latency, args.rounds),
         "",
         f"## Throughput (closed loop, {args.window:g} s per point in two halves, configurations in turns)",
         "",
-        "| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
-        "|---|---|---|---|---|---|---|",
+        *throughput_table_ms(results),
     ]
-    for name, by_clients in results.items():
-        for clients, m in by_clients.items():
-            lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.1f} | {1000 * m['p50']:.1f} | "
-                         f"{1000 * m['p95']:.1f} | {sum(m['failures'].values())} |")
     if profiles:
         shown = [name for name in names if name in profiles]
         lines += ["", f"## Where the interpreter lock goes ({top} clients, py-spy `--gil`, {args.profile_s:g} s each)",
