@@ -2,12 +2,14 @@
 preprocessing, admission, the continuous batcher, the result, the JSON answer with its attention rows) with a
 model whose compute is negligible, against an echo server, in one run on one machine.
 
-The model is a tiny random SAT (embedding 16, LSTM 24, attention 12) on a 32-pixel EfficientNet-Lite0 whose
-features are pooled onto the default model's 16×16 grid: its answers carry as many attention values per word as
-the default model's (256), its vocabulary is the default model's, and a random model never ends a caption early,
-so every answer has ``max_len`` + 1 rows; the CNN at 32 pixels and the tiny decoder cost next to nothing, so what
-is measured is the request path.  The uploads are the same 640×480 JPEG scenes as ``bench_serving.py``'s (decoded
-and resized as for any model; the resize target is 32 pixels here instead of 256).
+There is no model: the servers run :func:`recorded_rows_runtime`, which answers every decoding step with recorded
+rows (log-probabilities by previous token, an attention row over the default model's 16×16 grid, so the answers
+carry as many attention values per word as the default model's) and runs no CNN.  A tiny random checkpoint was
+tried first: even a 24-unit LSTM computes SAT's attention context over 256 cells of 320-d features for every row
+and copies those features as requests join and leave the tables, and that was most of the server's CPU.  What
+is measured is the service's own work: the upload, decoding and resizing the image (the same 640×480 JPEG scenes
+as ``bench_serving.py``'s, resized to 32 pixels here), the batcher's beam steps, tables and results, and the
+answer.
 
 Configurations, each a real ``captioner serve`` on localhost, started side by side and measured in turns with the
 closed-loop load generator of ``bench_serving.py``:
@@ -92,6 +94,52 @@ def tiny_checkpoint(folder: Path, like: str) -> Path:
                            EncoderSpec(image_size=32, layer="blocks", pooled_grid=grid))
 
 
+def recorded_rows_runtime(runtime):
+    """``runtime`` (a :class:`~captioner.models.inference.TorchRuntime` of :func:`tiny_checkpoint`) with the
+    model's arithmetic replaced by recorded rows: no CNN, and every decoding step answers, for each row, the
+    log-probabilities recorded for its previous token and an attention row of the grid's 256 cells, so that what
+    remains is the service's own work per request and per step (upload, decoding and resizing the image, the
+    batcher's beam steps, tables and results, the answer).  Captions are deterministic: a token's successors are
+    fixed, and the end of a caption comes where the recorded table puts it."""
+    import torch
+
+    from captioner.models.inference import TorchRuntime
+    from captioner.models.protocol import AttnRecord
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, cells = len(runtime.ckpt.vocab), runtime.spec.grid_hw[0] * runtime.spec.grid_hw[1]
+    logprobs = torch.log_softmax(6 * torch.randn(vocab, vocab, generator=generator), dim=1).to(runtime.device)
+    attention = torch.softmax(torch.randn(vocab, cells, generator=generator), dim=1).to(runtime.device)
+
+    class RecordedRows(TorchRuntime):
+        def begin(self, batch, widths):
+            rows = sum(widths)
+            return {"rows": torch.zeros(rows, 1, device=self.device)}, {"last": torch.zeros(rows, 1,
+                                                                                           device=self.device)}
+
+        def step(self, prev, state, enc):
+            return logprobs.index_select(0, prev), state, AttnRecord(attention.index_select(0, prev))
+
+        def reorder(self, state, index):
+            return {key: value.index_select(0, index) for key, value in state.items()}
+
+    return RecordedRows(runtime.name, runtime.ckpt, None, runtime.device)
+
+
+def serve_recorded_rows(argv: list[str]) -> None:
+    """``captioner serve ARGV`` with every loaded model's runtime replaced by :func:`recorded_rows_runtime`."""
+    from captioner.service import app
+    from captioner.service.cli import main as captioner
+
+    load_runtimes = app.load_runtimes
+
+    def recorded(*args, **kwargs):
+        return {name: recorded_rows_runtime(runtime) for name, runtime in load_runtimes(*args, **kwargs).items()}
+
+    app.load_runtimes = recorded
+    captioner(["serve", *argv])
+
+
 def machine(device: str, threads: int) -> str:
     import torch
 
@@ -169,11 +217,12 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
         "",
         f"Machine: {host}.",
         "",
-        f"Model: a tiny random SAT with the `{args.model}` vocabulary on a 16×16 grid (256 attention values per word, "
-        f"{MAX_LEN} + 1 rows per answer: a random model never stops early), beam {BEAM}, max_len {MAX_LEN}, on "
-        f"`{args.device}`; its compute is negligible, so the throughput is the request path's. Requests: multipart "
-        "JPEG uploads of generated 640×480 scenes, cycling through 16 (benchmarks/bench_serving_overhead.py's "
-        "docstring).",
+        f"Model: none: recorded rows (the `{args.model}` vocabulary, a 16×16 grid: 256 attention values per word; "
+        "each step answers the log-probabilities recorded for a row's previous token, no CNN), beam "
+        f"{BEAM}, max_len {MAX_LEN}, on `{args.device}`; what is measured is the service's own work: the upload, "
+        "decoding and resizing the image, the batcher's beam steps, tables and results, and the answer. Requests: "
+        "multipart JPEG uploads of generated 640×480 scenes, cycling through 16 (benchmarks/"
+        "bench_serving_overhead.py's docstring).",
         "",
         "Configurations: `before` has every speed-up of issue 30 switched off "
         f"({', '.join(f'`{k}={v[0]}`' for k, v in BEFORE.items())}); `after` is the shipped defaults; "
@@ -289,7 +338,7 @@ def main() -> None:
     only = log_dir / "weights"
     only.mkdir()
     folder = tiny_checkpoint(log_dir, args.model)
-    serve = [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(only)]
+    serve = [sys.executable, str(Path(__file__).resolve()), "--recorded-rows-server", "--weights-dir", str(only)]
     base = {"CAPTIONER_CHECKPOINTS": json.dumps([str(folder)]), "CAPTIONER_THREADS": str(args.threads),
             "CAPTIONER_DEVICE": args.device, "CAPTIONER_DEFAULT_MODEL": folder.name, "CAPTIONER_QUEUE_SIZE": "256",
             "CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_BACKEND": "torch", "CAPTIONER_ONNX_DIR": str(log_dir / "onnx")}
@@ -337,4 +386,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--recorded-rows-server"]:  # a server of this benchmark (see main's configurations)
+        serve_recorded_rows(sys.argv[2:])
+    else:
+        main()
