@@ -241,6 +241,9 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
         f"{args.window / 2:g} s at {top} clients, divided by the requests it answered; it depends far less than the "
         "throughput on what else the machine runs.",
         "",
+        *(["GPU rows: docs/benchmarks/serving-overhead-gpu.md, written by the same benchmark on a GPU "
+           "(`bash benchmarks/gpu_session.sh`, the prepared device call); absent: not measured on a GPU yet.", ""]
+          if not args.device.startswith("cuda") else []),
         f"Aim (issue 30): the `after` ÷ echo ratio at least twice `before`'s: "
         f"{tput('after') / tput('before'):.2f}× — {'met' if tput('after') >= 2 * tput('before') else '**not met**'}.",
         "",
@@ -362,11 +365,14 @@ def main() -> None:
                                   log_dir / f"{server.name.replace(', ', '-')}.pyspy.txt", per_process)
                 if sampled is not None:
                     profiles[server.name] = stage_shares(sampled)
+                print(f"{server.name}: profiled ({'py-spy' if sampled else 'no py-spy'})", file=sys.stderr)
         for server in servers:
             server.wait_ready()
         answers = {server.name: _answers(server, bodies) for server in servers}
-        costs = {server.name: cpu_per_request(server, bodies, max(args.clients), args.window / 2, per_process)
-                 for server in servers}
+        costs = {}
+        for server in servers:
+            costs[server.name] = cpu_per_request(server, bodies, max(args.clients), args.window / 2, per_process)
+            print(f"{server.name}: {1000 * costs[server.name]:.2f} ms of server CPU per request", file=sys.stderr)
         _, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds, check_count=1,
                                               timeout_s=60, clients_per_process=per_process, echo=ECHO)
     finally:  # measure_servers stops them too; this is for a failure (or a SIGTERM) before it does

@@ -73,8 +73,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 status=0
 # -- 2. the request path with a negligible model -----------------------------------------------------------------
 say "bench_serving_overhead.py on $DEVICE"
-timeout --kill-after=10 $(( 190 * SCALE )) python3 benchmarks/bench_serving_overhead.py --device "$DEVICE" --clients 32 \
-  --clients-per-process 8 --window 6 --rounds 10 --profile --profile-s 4 "${QUICK[@]}" \
+timeout --kill-after=10 $(( 200 * SCALE )) python3 benchmarks/bench_serving_overhead.py --device "$DEVICE" --clients 32 \
+  --clients-per-process 8 --window 4 --rounds 6 --profile --profile-s 3 "${QUICK[@]}" \
   --out "$OUT/serving-overhead-gpu.md" > "$OUT/overhead.log" 2>&1
 code=$?
 grep -v "^|" "$OUT/overhead.log" | tail -n 40
@@ -83,7 +83,7 @@ say "bench_serving_overhead.py exit $code"
 
 # -- 3. the default model ------------------------------------------------------------------------------------------
 say "bench_serving_gpu.py on $DEVICE"
-timeout --kill-after=10 $(( 220 * SCALE )) python3 benchmarks/bench_serving_gpu.py --device "$DEVICE" --window 6 --rounds 10 --clients 1 32 \
+timeout --kill-after=10 $(( 200 * SCALE )) python3 benchmarks/bench_serving_gpu.py --device "$DEVICE" --window 6 --rounds 10 --clients 1 32 \
   --configs batching batch-size-1 packed "${QUICK[@]}" --out "$OUT/serving-gpu.md" > "$OUT/gpu.log" 2>&1
 code=$?
 grep -v "^|" "$OUT/gpu.log" | tail -n 40
