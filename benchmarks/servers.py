@@ -7,6 +7,7 @@ own fixture for the same job.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -23,6 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (what ``timeout`` sends) raise SystemExit in the main thread, so that the ``finally`` blocks
+    that stop the servers run: by default the process dies at once and leaves its servers running."""
+    def leave(signum, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
     """A field of ``/proc/PID/status`` in MiB (``VmRSS`` now, ``VmHWM`` the peak)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -32,10 +42,11 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 
 class Server:
-    """Starts ``command --port PORT`` with ``env`` added to this process's environment, logging to ``log``."""
+    """Starts ``command --port PORT`` with ``env`` added to this process's environment, logging to ``log``;
+    ``params``: query parameters the load generator adds to each caption request (a client-side option)."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path):
-        self.name, self.port = name, free_port()
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path, params: dict | None = None):
+        self.name, self.port, self.params = name, free_port(), params or {}
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "w")
         self.proc = subprocess.Popen([*command, "--port", str(self.port)], cwd=ROOT, env={**os.environ, **env},
@@ -53,6 +64,11 @@ class Server:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used so far (user + system, all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss(self, field: str = "VmRSS") -> float:
         return rss_mib(self.proc.pid, field)

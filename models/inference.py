@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,6 +101,20 @@ def area_boxes_of(model: Captioner, hyp: Hypothesis, geometry: Geometry) -> np.n
     """The cell boxes that index ``hyp``'s ``areas`` extra (what ``area_topk`` rendering needs), or None."""
     boxes = model.area_boxes(geometry.grid_hw) if "areas" in hyp.extras else None
     return None if boxes is None else boxes.cpu().numpy()
+
+
+def in_inference_mode(method: Callable) -> Callable:
+    """``torch.inference_mode()`` around ``method`` for callers outside it, and nothing for callers inside (the
+    batcher's worker runs every step inside one): a fresh context per decoding step cost about 5 % of the
+    interpreter lock under load (docs/benchmarks/serving-overhead.md), the same for any size of step."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class Runtime(ABC):
@@ -228,7 +243,7 @@ class TorchRuntime(Runtime):
         dtype = PRECISIONS[self.precision]
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
         """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
         with self._autocast():
@@ -238,7 +253,7 @@ class TorchRuntime(Runtime):
             enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
             return enc, model.init_state(enc)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def step(self, prev: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
         if self.precision == "float32":
             return self.ckpt.model.step(prev, state, enc)

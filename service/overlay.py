@@ -17,7 +17,7 @@ from captioner.models.rendering.heatmaps import MODES
 from .inputs import QueryOptions
 from .rendering import Format, RenderOptions, render_result
 from .results import Results, StoredResult
-from .routes import caption_upload
+from .routes import AttentionFormatQuery, caption_answer, caption_upload
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, HeatmapsOut
 from .state import State
 
@@ -40,8 +40,9 @@ async def _respond(stored: StoredResult, options: RenderOptions, result_id: str)
 
 
 @router.get("/captions/{result_id}", response_model=CaptionOut, summary="A previous caption result (JSON), by id")
-async def get_caption(result_id: str, results: Results) -> CaptionOut:
-    return CaptionOut.of(results.get(result_id).result, result_id)
+async def get_caption(result_id: str, state: State, results: Results,
+                      attention_format: AttentionFormatQuery = "json") -> Response | CaptionOut:
+    return caption_answer(state, results.get(result_id).result, result_id, attention_format)
 
 
 @router.get("/captions/{result_id}/overlay", summary="Render a previous result's attention (no model run)",

@@ -6,7 +6,9 @@ failure is a typed exception that ``problems.py`` answers as an RFC 9457 problem
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -16,10 +18,25 @@ from .captioning import caption_image, refuse_early
 from .errors import NotReady, Overloaded
 from .inputs import MULTIPART_SLACK, QueryOptions, arrival, drain_body, options_before_body, read_caption_request
 from .results import Results
-from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, Health, ModelOut
+from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, AttentionFormat, CaptionOptions, CaptionOut, Health, ModelOut, \
+    caption_json
 from .state import ServiceState, State
 
 router = APIRouter()
+
+AttentionFormatQuery = Annotated[AttentionFormat, Query(
+    description="how the answer writes its attention maps (`attention` and `extras`): `json`, rows of numbers, or "
+                "`float16-base64`, each map packed as PackedRows (little-endian float16 in base64: a fifth of the "
+                "bytes, decoded in one call)")]
+
+
+def caption_answer(state: ServiceState, result: CaptionResult, result_id: str | None,
+                   attention_format: AttentionFormat) -> Response | CaptionOut:
+    """A caption result as its JSON answer, written by the settings' ``json_encoder``: orjson's bytes are sent as
+    they are (FastAPI validates nothing again); a :class:`CaptionOut` goes through FastAPI's response model."""
+    if state.settings.json_encoder == "orjson":
+        return Response(caption_json(result, result_id, attention_format), media_type="application/json")
+    return CaptionOut.of(result, result_id, attention_format)
 
 
 async def caption_upload(request: Request, state: ServiceState,
@@ -39,9 +56,10 @@ async def caption_upload(request: Request, state: ServiceState,
 
 @router.post("/caption", response_model=CaptionOut, openapi_extra=CAPTION_BODY,
              summary="Caption an uploaded image, with per-word attention", responses=CAPTION_PROBLEMS)
-async def caption(request: Request, state: State, results: Results, options: QueryOptions) -> CaptionOut:
+async def caption(request: Request, state: State, results: Results, options: QueryOptions,
+                  attention_format: AttentionFormatQuery = "json") -> Response | CaptionOut:
     data, result = await caption_upload(request, state, options)
-    return CaptionOut.of(result, results.put(result, data))
+    return caption_answer(state, result, results.put(result, data), attention_format)
 
 
 @router.get("/models", response_model=list[ModelOut], summary="Models this service can caption with")

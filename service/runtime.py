@@ -11,7 +11,8 @@ either backend, chosen per model name:
   whose decoder step cannot be exported (TVmax's data-dependent solver, the AreaTransformer) — on a CPU the CNN
   is most of the cost;
 * ``auto`` (the default): the fastest of these whose captions equal the PyTorch ones on a check set of a few
-  generated images (:func:`check_images`): ``onnx``, else ``hybrid``, else ``torch``.
+  generated images (:func:`check_images`): on a CPU ``onnx``, else ``hybrid``, else ``torch`` (measured once, in
+  the benchmarks); on a GPU, timed on the check set at start-up (:func:`fastest_verified`).
 
 The frozen CNN exists once per :class:`~captioner.models.encoder.EncoderSpec`, whatever the number of models
 (:class:`SharedEncoders`): one ONNX Runtime session of its ``visual.onnx`` for the ``onnx`` and ``hybrid``
@@ -29,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -296,13 +298,31 @@ def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
     return want
 
 
-def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, threads: int | None) -> Runtime:
-    """``auto``: ONNX Runtime for the whole model, else the hybrid, else PyTorch — the first whose captions equal
-    PyTorch's on the check set (an export that cannot be made or disagrees is logged and skipped).  A model served
-    by ONNX Runtime alone has its PyTorch weights dropped."""
+def check_seconds(runtime: Runtime, prepared: list[Prepared], repeats: int = 2) -> float:
+    """Seconds ``runtime`` takes to caption the check set, best of ``repeats`` after its first (verifying) run,
+    between device synchronisations."""
+    timings = []
+    for _ in range(repeats):
+        runtime.synchronize()
+        started = time.perf_counter()
+        check_captions(runtime, prepared)
+        runtime.synchronize()
+        timings.append(time.perf_counter() - started)
+    return min(timings)
+
+
+def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, threads: int | None,
+                     measure: bool | None = None) -> Runtime:
+    """``auto``: among the backends whose captions equal PyTorch's on the check set (an export that cannot be made
+    or disagrees is logged and skipped), the fastest.  On a CPU that is ONNX Runtime for the whole model, else the
+    hybrid, else PyTorch, in that order (measured once: docs/benchmarks/serving.md, ONNX Runtime's CNN is markedly
+    faster); on a GPU (``measure``, default: the device is CUDA) nothing is known in advance, so every verified
+    backend and PyTorch caption the check set again, timed (:func:`check_seconds`), and the fastest serves.  A
+    model served by ONNX Runtime alone has its PyTorch weights dropped."""
     from captioner.models.export.onnx import ExportUnsupported
 
     device = encoders.device
+    measure = device.type == "cuda" if measure is None else measure
     if device.type == "cuda" and _providers(device)[0] != "CUDAExecutionProvider":
         # ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU
         log.info("%s: ONNX Runtime has no CUDA execution provider here; PyTorch on %s", name, device)
@@ -318,6 +338,7 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
     candidates = (("onnx", lambda: OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
                                                encoders.onnx(ckpt.encoder))),
                   ("hybrid", lambda: HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device)))
+    verified: list[Runtime] = []
     for backend, make in candidates:
         try:
             runtime = make()
@@ -330,12 +351,29 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
         except (ExportUnsupported, OSError, RuntimeError, ValueError) as exc:
             log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
             continue
-        if same:
-            if backend == "onnx":
-                drop_torch_weights(runtime)
-            return runtime
-        log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name, backend)
-    return TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
+        if not same:
+            log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name,
+                        backend)
+        elif not measure:
+            return _serving(runtime)
+        else:
+            verified.append(runtime)
+    pytorch = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
+    if not verified:
+        return pytorch
+    check_captions(pytorch, prepared)  # its first run (kernel selection, allocator growth) is not timed
+    seconds = {runtime: check_seconds(runtime, prepared) for runtime in (*verified, pytorch)}
+    fastest = min(seconds, key=seconds.get)
+    log.info("%s: %s backend, the fastest on the check set (%s)", name, fastest.backend,
+             ", ".join(f"{runtime.backend} {1000 * t:.0f} ms" for runtime, t in seconds.items()))
+    return _serving(fastest)
+
+
+def _serving(runtime: Runtime) -> Runtime:
+    """``runtime``, which will serve its model: ONNX Runtime alone needs no PyTorch weights."""
+    if runtime.backend == "onnx":
+        drop_torch_weights(runtime)
+    return runtime
 
 
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,

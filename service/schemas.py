@@ -6,10 +6,12 @@ rounding included.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from pathlib import PurePath
-from typing import Any
+from typing import Any, Literal
 
+import orjson
 import torch
 from pydantic import BaseModel, Field
 
@@ -21,8 +23,29 @@ ATTENTION_DECIMALS = 6
 LOGPROB_DECIMALS = 5
 
 
+def _rounded(values: torch.Tensor) -> torch.Tensor:
+    return torch.round(values.float(), decimals=ATTENTION_DECIMALS)
+
+
 def _rows(values: torch.Tensor) -> list:
-    return torch.round(values.float(), decimals=ATTENTION_DECIMALS).tolist()
+    return _rounded(values).tolist()
+
+
+#: how a caption answer writes its attention maps (the client's ``attention_format``): JSON numbers, or the rows of
+#: float16 numbers packed in base64 (:class:`PackedRows`: a fifth of the bytes, nothing to parse number by number)
+AttentionFormat = Literal["json", "float16-base64"]
+
+
+def _packed_rows(values: torch.Tensor) -> dict[str, Any]:
+    """The rounded map as :class:`PackedRows`: little-endian IEEE float16, row-major."""
+    half = _rounded(values).to(torch.float16).numpy().astype("<f2", copy=False)
+    return {"encoding": "float16-base64", "shape": list(half.shape),
+            "data": base64.b64encode(half.tobytes()).decode("ascii")}
+
+
+def _map_writer(attention_format: AttentionFormat, json_rows):
+    """What writes one attention map for ``attention_format`` (``json_rows``: the writer of JSON numbers)."""
+    return _packed_rows if attention_format == "float16-base64" else json_rows
 
 
 # -- requests -------------------------------------------------------------------------------------------------------
@@ -84,6 +107,17 @@ CAPTION_PROBLEMS = {413: {"description": "upload or image too large"}, 422: {"de
 
 
 # -- responses ------------------------------------------------------------------------------------------------------
+class PackedRows(BaseModel):
+    """An attention map packed for ``attention_format=float16-base64``: decode ``data`` from base64 and read it as
+    little-endian IEEE 754 half-precision floats in row-major order of ``shape`` (NumPy:
+    ``np.frombuffer(base64.b64decode(data), "<f2").reshape(shape)``).  The values are the JSON answer's numbers
+    rounded to float16 (about 3 significant digits; exact zeros stay zero)."""
+
+    encoding: Literal["float16-base64"] = "float16-base64"
+    shape: list[int] = Field(description="(rows, columns): one row per token, one column per visual item")
+    data: str = Field(description="base64 of the little-endian float16 values, row-major")
+
+
 class GeometryOut(BaseModel):
     kind: str = Field(description="grid or regions")
     image_size: list[int] = Field(description="(width, height) of the uploaded image after EXIF orientation")
@@ -92,8 +126,14 @@ class GeometryOut(BaseModel):
 
     @classmethod
     def of(cls, geometry: Geometry) -> "GeometryOut":
+        return cls.model_validate(cls.fields(geometry))
+
+    @staticmethod
+    def fields(geometry: Geometry) -> dict[str, Any]:
+        """The fields as the model holds them, without validating a thousand box coordinates one by one (the
+        boxes are float already)."""
         # Geometry.to_json is the one rounding of boxes (2 decimals), shared with the CLI's JSON output
-        return cls.model_validate(geometry.to_json())
+        return geometry.to_json()
 
 
 class CaptionOut(BaseModel):
@@ -110,25 +150,46 @@ class CaptionOut(BaseModel):
     score: float = Field(description="summed log-probability of the caption (the beam score), divided by the "
                                      "length penalty ((5 + length) / 6)^α when length_penalty > 0")
     geometry: GeometryOut
-    attention: list[list[float]] = Field(
-        description=f"one row per token: weights over the visual items ({ATTENTION_DECIMALS} decimals)")
+    attention: list[list[float]] | PackedRows = Field(
+        description=f"one row per token: weights over the visual items ({ATTENTION_DECIMALS} decimals); packed "
+                    "(PackedRows) when the request asked for attention_format=float16-base64")
     attention_kind: str
-    extras: dict[str, Any] = Field(default_factory=dict, description="model-specific maps, one row per token")
+    extras: dict[str, Any] = Field(default_factory=dict, description="model-specific maps, one row per token "
+                                   "(packed as PackedRows, like `attention`, for attention_format=float16-base64)")
     area_boxes: list[list[int]] | None = Field(
         None, description="area-attention models: the grid-cell box (r1, c1, r2, c2, inclusive) of every column of "
                           "extras.areas, for drawing the top-k areas")
 
     @classmethod
-    def of(cls, result: CaptionResult, result_id: str | None = None) -> "CaptionOut":
-        hyp = result.hypothesis
-        return cls(
-            id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
-            length_penalty=result.rules.length_penalty, block_trigrams=result.rules.block_trigrams, caption=" ".join(result.words), tokens=result.tokens, is_eos=hyp.is_eos,
-            token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
-            score=round(hyp.score, LOGPROB_DECIMALS), geometry=GeometryOut.of(result.geometry),
-            attention=_rows(hyp.attention), attention_kind=result.attention_kind,
-            extras={name: _rows(value) for name, value in hyp.extras.items()},
-            area_boxes=result.area_boxes.tolist() if result.area_boxes is not None else None)
+    def of(cls, result: CaptionResult, result_id: str | None = None,
+           attention_format: AttentionFormat = "json") -> "CaptionOut":
+        return cls(**_caption_fields(result, result_id, _map_writer(attention_format, _rows)))
+
+
+def _caption_fields(result: CaptionResult, result_id: str | None, rows, geometry=None) -> dict[str, Any]:
+    """The fields of :class:`CaptionOut`, in its order, with the attention maps made by ``rows`` (a tensor → what
+    the encoder writes) and the geometry by ``geometry`` (default: :meth:`GeometryOut.of`)."""
+    hyp = result.hypothesis
+    return dict(
+        id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
+        length_penalty=result.rules.length_penalty, block_trigrams=result.rules.block_trigrams,
+        caption=" ".join(result.words), tokens=result.tokens, is_eos=hyp.is_eos,
+        token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
+        score=round(hyp.score, LOGPROB_DECIMALS), geometry=(geometry or GeometryOut.of)(result.geometry),
+        attention=rows(hyp.attention), attention_kind=result.attention_kind,
+        extras={name: rows(value) for name, value in hyp.extras.items()},
+        area_boxes=result.area_boxes.tolist() if result.area_boxes is not None else None)
+
+
+def caption_json(result: CaptionResult, result_id: str | None = None,
+                 attention_format: AttentionFormat = "json") -> bytes:
+    """:class:`CaptionOut` as JSON, written by orjson without building the pydantic model: the same fields and
+    values, but the attention maps are written as the float32 numbers they are, shortest form (``0.123457``, not
+    the 17 digits of the float32 widened to a double, ``0.12345699965953827``): the same float32 values in half
+    the bytes, and the encoder never visits a Python float (docs/decisions.md#serving-overhead-issue-30)."""
+    fields = _caption_fields(result, result_id, _map_writer(attention_format, lambda values: _rounded(values).numpy()),
+                             GeometryOut.fields)
+    return orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class ModelOut(BaseModel):

@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     default_max_len: int = Field(20, ge=1, description="caption length limit (tokens) of requests that name none")
     max_max_len: int = Field(50, ge=1, description="larger max_len gets 422")
     request_timeout_s: float = Field(60.0, gt=0, description="per-request deadline before 504")
+    json_encoder: Literal["orjson", "pydantic"] = Field(
+        "orjson", description="writer of the caption answers: orjson (attention as shortest float32 numbers) or "
+        "pydantic (the answer model validated and written by FastAPI, as before issue 30)")
 
     # -- batching and back-pressure -----------------------------------------------------------------------------
     max_batch_images: int = Field(16, ge=1, description="images encoded together at most (per step boundary)")

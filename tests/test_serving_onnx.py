@@ -17,13 +17,13 @@ from skimage import data
 
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.scenes import generate
-from captioner.models.encoder import GridEncoder
+from captioner.models.encoder import GridEncoder, preprocess
 from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
     export_graphs, export_is_current
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
-from captioner.models.inference import TorchRuntime, padded_batch, torch_runtime
+from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
 from captioner.service.runtime import OnnxRuntime
 from captioner.service.settings import Settings
 
@@ -248,6 +248,29 @@ def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, monkeypa
     monkeypatch.setattr(OnnxRuntime, "step", wrong_step)
     chosen = runtime_module.fastest_verified("sat", ckpt, runtime_module.SharedEncoders(CPU, tmp_path / "onnx", 1), 1)
     assert chosen.backend == "hybrid"
+
+
+@pytest.mark.parametrize("fastest", ["onnx", "hybrid", "torch"])
+def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch, fastest):
+    """Where the order is not known in advance (a GPU: ``measure``), every backend whose captions equal PyTorch's
+    is timed on the check set beside PyTorch, and the fastest serves; only ONNX Runtime alone drops the PyTorch
+    weights.  The timings are made up (a CPU here): what is tested is the choice made from them."""
+    from captioner.service import runtime as runtime_module
+
+    timed = []
+
+    def made_up_seconds(runtime, prepared, repeats=2):
+        timed.append(runtime.backend)
+        return 0.1 if runtime.backend == fastest else 1.0
+
+    monkeypatch.setattr(runtime_module, "check_seconds", made_up_seconds)
+    chosen = runtime_module.fastest_verified("sat", tiny_checkpoint("sat"),
+                                             runtime_module.SharedEncoders(CPU, tmp_path / "onnx", 1), 1, measure=True)
+    assert chosen.backend == fastest and sorted(timed) == ["hybrid", "onnx", "torch"]
+    on_meta = next(chosen.ckpt.model.parameters()).device.type == "meta"
+    assert on_meta == (fastest == "onnx")
+    assert chosen.caption([Prepared(*preprocess(image, chosen.spec)) for image in runtime_module.check_images(1)],
+                          beam_size=2, max_len=5)[0].words
 
 
 def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
