@@ -106,3 +106,15 @@ def test_caption_figure_has_one_panel_per_word():
     geometry = grid_geometry(EncoderSpec(), image.size)
     figure = caption_figure(image, ["a", "red", "circle", "<eos>"], [one_hot(i) for i in range(4)], geometry)
     assert figure.mode == "RGB" and figure.width > figure.height > 100
+
+
+@pytest.mark.parametrize("shape, sigma", [((375, 500), 8.3), ((64, 40), 0.4), ((224, 224), 3.5), ((5, 7), 3.0),
+                                          ((1, 9), 1.2)])
+def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):
+    from scipy.ndimage import gaussian_filter
+
+    from captioner.models.rendering.heatmaps import gaussian_blur
+
+    image = np.random.default_rng(0).random(shape).astype(np.float32)
+    np.testing.assert_allclose(gaussian_blur(image, sigma), gaussian_filter(image, sigma=sigma, mode="nearest"),
+                               atol=1e-6)
