@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoding import beam_search, greedy
 from captioner.models.encoder import EncoderSpec
-from captioner.models.vocab import Vocabulary
+from captioner.models.vocab import SPECIALS, Vocabulary
 from captioner.models.evaluation.metrics import score_captions
 from captioner.models.protocol import Captioner, VisualBatch
 
@@ -63,7 +63,8 @@ def memorisation_task(items: int = 64, feat_dim: int = 32, seed: int = 0) -> tup
     """10 images of ``items`` random features, each with one random caption of 4–8 words (+ EOS)."""
     generator = torch.Generator().manual_seed(seed)
     feats = torch.randn(10, items, feat_dim, generator=generator)
-    captions = [torch.randint(3, VOCAB, (int(n),), generator=generator).tolist() + [2]
+    # words only: the special ids (<pad>, <bos>, <eos>, <unk>) are never a caption's words (<unk> is never emitted)
+    captions = [torch.randint(len(SPECIALS), VOCAB, (int(n),), generator=generator).tolist() + [2]
                 for n in torch.randint(4, 9, (10,), generator=generator)]
     targets = torch.zeros(10, max(map(len, captions)), dtype=torch.long)
     for i, caption in enumerate(captions):
