@@ -6,6 +6,7 @@ no chromium is installed.  The screenshot is kept in ``test-artifacts/``.
 
 import json
 import shutil
+import time
 
 import pytest
 
@@ -16,6 +17,16 @@ from .conftest import ROOT
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 ARTIFACTS = ROOT / "test-artifacts"
+
+
+def wait_until(page, predicate: str, timeout_s: float) -> None:
+    """Poll ``predicate`` with ``page.evaluate`` until it holds. Not ``page.wait_for_function``: its polling compiles
+    the predicate inside the page, which the demo page's Content-Security-Policy (``script-src 'self'``, no
+    'unsafe-eval') forbids, and the page is tested under its own policy."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(predicate):
+        assert time.monotonic() < deadline, f"not true after {timeout_s} s: {predicate}"
+        time.sleep(0.1)
 
 
 def test_upload_caption_hover_shows_overlay(server, tmp_path):
@@ -31,15 +42,15 @@ def test_upload_caption_hover_shows_overlay(server, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1000, "height": 900})
             page.goto(server)
-            page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+            page.locator("#model option").first.wait_for(state="attached")
             page.set_input_files("#file", str(image_path))
             page.wait_for_selector("#caption .word", timeout=60_000)
             words = page.locator("#caption .word")
             caption = " ".join(words.all_inner_texts())
             assert words.count() >= 3, caption
             words.nth(1).hover()
-            page.wait_for_function("() => { const o = document.getElementById('overlay');"
-                                   " return !o.hidden && o.complete && o.naturalWidth > 0; }", timeout=30_000)
+            wait_until(page, "() => { const o = document.getElementById('overlay');"
+                             " return !o.hidden && o.complete && o.naturalWidth > 0; }", timeout_s=30)
             assert page.locator("#caption .word.active").inner_text() == words.nth(1).inner_text()
             size = page.evaluate("() => [document.getElementById('overlay').naturalWidth,"
                                  " document.getElementById('overlay').naturalHeight]")
