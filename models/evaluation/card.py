@@ -9,9 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint, write_manifest
+from ..data.datasets import trained_on
 
 CARD = "MODEL_CARD.md"
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
+#: the columns of a card whose reports are of real photos (no objects to name): the caption metrics, then what
+#: models/evaluation/diversity.py measures
+PHOTO_METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "SPICE", "REP",
+                 "distinct_words", "novel_captions", "mean_length")
 
 
 def _train_command(meta: dict[str, Any]) -> str:
@@ -60,11 +65,12 @@ def _number(value: Any) -> str:
     return f"{value:.4f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
 
 
-def _row(name: str, scores: dict[str, Any]) -> str:
+def _row(name: str, scores: dict[str, Any], metrics: tuple[str, ...] = METRICS) -> str:
     cells = []
-    for metric in METRICS:
+    for metric in metrics:
         value = scores.get(metric)
-        cells.append("unavailable" if isinstance(value, str) else "—" if value is None else f"{value:.4f}")
+        cells.append("unavailable" if isinstance(value, str) else "—" if value is None
+                     else f"{value:.0f}" if metric == "distinct_words" else f"{value:.4f}")
     return f"| {name} ({scores.get('images', '?')} images) | " + " | ".join(cells) + " |"
 
 
@@ -93,6 +99,10 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     threads = meta.get("train_config", {}).get("threads")
     val_beam = meta.get("train_config", {}).get("val_beam", 1)
     splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
+    scenes = any("objects_named" in scores for _, scores in splits)
+    metrics = METRICS if scenes else PHOTO_METRICS
+    decoding = report.get("decoding") or {}
+    chosen = meta.get("decoding_chosen_on")
     lines = [
         f"# {title or path.name}",
         "",
@@ -104,7 +114,8 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         "",
         "## Training",
         "",
-        f"- Data: `{meta.get('dataset', '?')}` (training split; validation split for model selection).",
+        f"- Data: {trained_on(meta)}: `{meta.get('dataset', '?')}` (training split; validation split for model "
+        "selection).",
         f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
         f"(best epoch {meta.get('best_epoch', '?')} of {len(history)}).",
         f"- Command: `{_train_command(meta)}`",
@@ -124,15 +135,21 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     lines += ["| " + " | ".join(_number(h.get(c)) for c in columns) + " |" for h in history]
     lines += [
         "",
-        f"## Measured by `captioner eval` (beam {report.get('beam_size', '?')})",
+        f"## Measured by `captioner eval` (beam {report.get('beam_size', '?')}"
+        + (f", length penalty α = {decoding.get('length_penalty', 0):g}, trigram blocking "
+           f"{'on' if decoding.get('block_trigrams') else 'off'}" if decoding else "") + ")",
         "",
-        "| split | " + " | ".join(METRICS) + " |",
-        "|---" * (len(METRICS) + 1) + "|",
-        *(_row(name, scores) for name, scores in splits),
+        *([f"The decoding rules were chosen on the {chosen['split']} split by {chosen['metric']} (`captioner "
+           f"tune-decoding`, {chosen['images']} images); they are the checkpoint's defaults.", ""] if chosen else []),
+        "| split | " + " | ".join(metrics) + " |",
+        "|---" * (len(metrics) + 1) + "|",
+        *(_row(name, scores, metrics) for name, scores in splits),
         "",
-        "`objects_named`: fraction of the objects of each image named with the right colour and shape. `heldout`: "
-        "colour–shape combinations never seen in training (reported, not a target). SPICE needs Stanford CoreNLP "
-        "models that cannot be downloaded here, so it is not measured.",
+        ("`objects_named`: fraction of the objects of each image named with the right colour and shape. `heldout`: "
+         "colour–shape combinations never seen in training (reported, not a target). " if scenes else
+         "REP: the repetition score of SparseCap's Table 1 (lower is better); `distinct_words`: different words "
+         "over the split; `novel_captions`: share of captions that are no training caption. ")
+        + "SPICE needs Stanford CoreNLP models that cannot be downloaded here, so it is not measured.",
     ]
     if notes:
         lines += ["", "## Notes", "", notes.strip()]
