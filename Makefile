@@ -259,7 +259,8 @@ F8K_TRAIN_f8k-sat-blocks-256 := $(F8K_SAT) --encoder layer=blocks
 # epoch counts are the scene recipes' scaled to 6,000 photos and are revisited on val as they run). A stage named in
 # F8K_INIT_NAME is trained first and NAME starts from its best/ (SAT-hard from SAT soft; SCST from XE; the SparseCap
 # normalisers from one shared softmax stage, as on the scenes: docs/decisions.md, "Warm starts").
-F8K_GRID := --encoder layer=blocks
+# full-size uploads are first made into the data set's kind of copy (docs/decisions.md, "Flickr8k: full-size photos")
+F8K_GRID := --encoder layer=blocks --encoder source_side=224 --encoder source_jpeg_quality=90
 F8K_TRAIN_f8k-sat-hard := --model sat-hard --epochs 2 --lr 2e-4 --val-beam 3
 F8K_INIT_f8k-sat-hard := f8k-sat-blocks-256
 F8K_TRAIN_f8k-sparsecap-base := --model sparsecap --attention softmax --set embed_dim=256 --set hidden_dim=512 \

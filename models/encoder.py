@@ -60,6 +60,14 @@ class EncoderSpec:
     # SAT's 14×14 annotation grid (Xu et al., arXiv:1502.03044, §4.3) from a ResNet at 256 px, as SAT
     # implementations do (layer4's 8×8 map → 14×14)
     pooled_grid: int | None = None
+    # side of the square copies a data set ships its photos as (Flickr8k's public copies: 224, squashed): a photo
+    # is first resized to it, then to image_size, so that a full-size upload reaches the network through the same
+    # resampling as the training photos did (docs/decisions.md, "Flickr8k: full-size photos"); None: straight to
+    # image_size
+    source_side: int | None = None
+    # and the JPEG quality those copies were saved with (Flickr8k's: 90): a photo of another size is resized to
+    # source_side and passed through JPEG at this quality before the network sees it; None: no JPEG step
+    source_jpeg_quality: int | None = None
 
     def __post_init__(self) -> None:
         if self.grid_stride not in (16, 32):
@@ -71,8 +79,9 @@ class EncoderSpec:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        if data["pooled_grid"] is None:  # checkpoints written before the field existed stay byte-identical
-            del data["pooled_grid"]
+        for later in ("pooled_grid", "source_side", "source_jpeg_quality"):  # checkpoints written before a field existed stay identical
+            if data[later] is None:
+                del data[later]
         return data
 
     @classmethod
@@ -157,13 +166,20 @@ def grid_geometry(spec: EncoderSpec, image_size: tuple[int, int]) -> Geometry:
 
 def preprocess(image: Image.Image, spec: EncoderSpec) -> tuple[Tensor, Geometry]:
     """RGB image → normalised network input ``[3, S, S]`` and the geometry of its grid cells."""
-    box = crop_box(spec, image.size)
+    box, geometry = crop_box(spec, image.size), grid_geometry(spec, image.size)  # of the photo the user sent
     side = spec.image_size
+    copy_side = (spec.source_side, spec.source_side)
+    if spec.source_side is not None and image.size != copy_side:  # a photo of another size: made into such a copy
+        image, box = image.resize(copy_side, Image.BILINEAR, box=box), None
+        if spec.source_jpeg_quality is not None:
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG", quality=spec.source_jpeg_quality)
+            image = Image.open(buffer).convert("RGB")
     resized = image.resize((side, side), Image.BILINEAR, box=box)
     pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
     mean, std = spec.normalisation
     pixels = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
-    return pixels, grid_geometry(spec, image.size)
+    return pixels, geometry
 
 
 # --------------------------------------------------------------------------------------------------------------

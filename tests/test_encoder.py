@@ -180,3 +180,21 @@ def test_folding_batch_norm_into_the_convolution_changes_no_output():
     x = torch.randn(2, 3, 9, 9)
     with torch.no_grad():
         torch.testing.assert_close(folded(x), net(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_full_size_photo_reaches_the_network_as_the_data_sets_copies_did():
+    """``source_side`` / ``source_jpeg_quality``: a photo of another size is first made into the data set's kind of
+    copy (resized to the copies' side, through JPEG at their quality); a photo already at that size is one of the
+    copies and goes straight on, so training features do not change."""
+    plain = EncoderSpec(layer="blocks")
+    spec = EncoderSpec(layer="blocks", source_side=224, source_jpeg_quality=90)
+    photo = Image.fromarray(data.astronaut())  # 512×512
+    buffer = io.BytesIO()
+    photo.resize((224, 224), Image.BILINEAR).save(buffer, format="JPEG", quality=90)
+    copy = Image.open(buffer).convert("RGB")
+    pixels, geometry = preprocess(photo, spec)
+    assert torch.equal(pixels, preprocess(copy, plain)[0])  # the copy's own path
+    assert geometry.image_size == (512, 512)  # heatmaps still map onto the photo the user sent
+    assert torch.equal(preprocess(copy, spec)[0], preprocess(copy, plain)[0])  # copies are left alone
+    assert not torch.equal(pixels, preprocess(photo, plain)[0])
+    assert "source_side" not in plain.to_json() and spec.to_json()["source_jpeg_quality"] == 90
