@@ -30,6 +30,7 @@ from .vocab import Vocabulary
 
 FORMAT = "attention-captioner/1"
 WEIGHTS, CONFIG, VOCAB, MANIFEST = "model.safetensors", "config.json", "vocab.json", "manifest.json"
+OWN_FILES = (WEIGHTS, CONFIG, VOCAB, MANIFEST)  # what save_checkpoint writes itself; anything else is an extra file
 MANIFEST_FORMAT = "attention-captioner-manifest/1"
 
 
@@ -78,7 +79,7 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
              for k, v in model.state_dict().items()}
     write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
     for name, data in (files or {}).items():
-        if Path(name).name != name or name in (WEIGHTS, CONFIG, VOCAB, MANIFEST):
+        if Path(name).name != name or name in OWN_FILES:
             raise ValueError(f"{name!r} cannot be an extra file of a checkpoint folder")
         write_durably(tmp / name, data)
     config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
@@ -99,22 +100,23 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
 def update_meta(path: str | Path, **fields: Any) -> Path:
     """Store ``fields`` in the checkpoint's record (``meta``), rewriting it atomically with its manifest (the
     weights are written again unchanged, in their storage dtype)."""
-    ckpt = load_checkpoint(path)
-    return save_checkpoint(path, ckpt.model, ckpt.vocab, ckpt.encoder, {**ckpt.meta, **fields}, ckpt.storage,
-                           _extra_files(path))
+    return _rewrite(path, path, None, fields)
 
 
 def restore(path: str | Path, storage: str, out: str | Path | None = None) -> Path:
     """Write the checkpoint at ``path`` again with its weights stored as ``storage`` (in place, or to ``out``):
     float16 halves the weights' bytes; whether the rounding changed its captions is for ``captioner eval`` to say."""
+    return _rewrite(path, out or path, storage, {})
+
+
+def _rewrite(path: str | Path, out: str | Path, storage: str | None, fields: dict[str, Any]) -> Path:
+    """The checkpoint at ``path`` saved again at ``out``: ``fields`` added to its record, its weights in ``storage``
+    (None: as they are), and its extra files (e.g. an imported CNN's weights) carried over."""
     ckpt = load_checkpoint(path)
-    return save_checkpoint(out or path, ckpt.model, ckpt.vocab, ckpt.encoder, ckpt.meta, storage, _extra_files(path))
-
-
-def _extra_files(path: str | Path) -> dict[str, bytes]:
-    """The files of a checkpoint folder beyond its own four (e.g. an imported CNN's weights), to write again."""
-    return {f.name: f.read_bytes() for f in Path(path).iterdir()
-            if f.is_file() and f.name not in (WEIGHTS, CONFIG, VOCAB, MANIFEST) and not f.name.startswith(".")}
+    extra = {f.name: f.read_bytes() for f in Path(path).iterdir()
+             if f.is_file() and f.name not in OWN_FILES and not f.name.startswith(".")}
+    return save_checkpoint(out, ckpt.model, ckpt.vocab, ckpt.encoder, {**ckpt.meta, **fields},
+                           storage or ckpt.storage, extra)
 
 
 def write_durably(path: Path, data: bytes) -> None:

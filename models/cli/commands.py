@@ -42,6 +42,13 @@ def decoding_rules(ckpt, args: argparse.Namespace):
     return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams)
 
 
+def _training_captions(dataset, image_root) -> list[list[str]]:
+    """The captions a model was trained on (its data set's train split), for the share of its captions that are new."""
+    from ..data.datasets import load_captioned
+
+    return [r for im in load_captioned(dataset, image_root, ("train",), check_images=False) for r in im.references]
+
+
 def _key_values(pairs: list[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
@@ -193,9 +200,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
                               "decoding": asdict(rules), "encoder_precision": args.encoder_precision}
-    # the captions a model was trained on, for the share of its captions that are new
-    training_captions = [r for im in load_captioned(dataset, image_root, ("train",), check_images=False)
-                         for r in im.references]
+    training_captions = _training_captions(dataset, image_root)
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
         images = load_captioned(dataset, image_root, (split,), limit=args.limit)
@@ -259,8 +264,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     images = load_captioned(dataset, args.image_root, (args.split,), limit=args.limit)
     if not images:
         raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
-    training_captions = [r for im in load_captioned(dataset, args.image_root, ("train",), check_images=False)
-                         for r in im.references]
+    training_captions = _training_captions(dataset, args.image_root)
     features = ckpt.meta.get("train_config", {}).get("features")
     store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
     rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
