@@ -297,10 +297,14 @@ f8k-stage-%: check-f8k | $(STAMP)
 	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 \
 	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init runs/$(F8K_INIT_$*)/best))
 
-# decoding rules chosen on val (stored in the checkpoint), then the test report with diversity measures
+# decoding rules chosen on val (stored in the checkpoint), the weights stored as float16 (runs/NAME/float16: what
+# ships), its val report (to set beside the float32 score tune-decoding chose on), then its test report with the
+# diversity measures
 train-f8k-%: f8k-stage-%
 	$(BIN)/captioner tune-decoding runs/$*/best $(F8K) --split val --threads 1 --write --output runs/$*/decoding.val.json
-	$(BIN)/captioner eval runs/$*/best $(F8K) --split test --threads 1 --output runs/$*/eval.test.json \
+	$(BIN)/captioner storage runs/$*/best float16 --out runs/$*/float16
+	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split val --threads 1 --output runs/$*/eval.val.json
+	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split test --threads 1 --output runs/$*/eval.test.json \
 	  --results-json runs/$*/captions.test.json
 
 CKPT ?= weights/sat

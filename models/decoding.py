@@ -448,7 +448,13 @@ class Samples:
 
 
 def sample(model: Captioner, vis: VisualBatch, n: int = 1, max_len: int = 20, temperature: float = 1.0) -> Samples:
-    """Multinomial sampling from the full softmax, ``n`` captions per image (rows ``b*n .. b*n+n-1``)."""
+    """Multinomial sampling from the full softmax, ``n`` captions per image (rows ``b*n .. b*n+n-1``).
+
+    Nothing is forbidden here, unlike the beam search (:func:`never_emitted`): REINFORCE's gradient
+    ``A · ∇ log p(y^s)`` is only unbiased when ``y^s`` is drawn from the ``p`` it differentiates.  Drawing with
+    ``<unk>`` / ``<pad>`` / ``<bos>`` masked while the loss differentiated the full softmax left those tokens
+    without any push down; under SCST's mostly negative advantages they were pushed up instead, until they held
+    most of the mass and the decoded captions collapsed (docs/decisions.md, "Flickr8k: SCST")."""
     enc = model.expand(model.encode(vis), n)
     state = model.init_state(enc)
     rows = vis.feats.shape[0] * n
@@ -458,7 +464,7 @@ def sample(model: Captioner, vis: VisualBatch, n: int = 1, max_len: int = 20, te
     for _ in range(max_len):
         logprobs, state, _ = model.step(prev, state, enc)
         with torch.no_grad():
-            drawn = torch.multinomial(_forbid(logprobs / temperature, never_emitted(model)).softmax(-1), 1).squeeze(1)
+            drawn = torch.multinomial((logprobs / temperature).softmax(-1), 1).squeeze(1)
         drawn = torch.where(alive, drawn, torch.full_like(drawn, model.pad_id))
         tokens.append(drawn)
         logps.append(logprobs.gather(1, drawn[:, None]).squeeze(1))

@@ -88,8 +88,17 @@ def test_pad_and_bos_are_never_emitted(tiny_sat, random_visuals):
         assert not specials & set(hyps[0].token_ids)
     for hyp in greedy(tiny_sat, random_visuals, max_len=6):
         assert not specials & set(hyp.token_ids)
+
+
+def test_sample_draws_from_the_whole_softmax(tiny_sat, random_visuals):
+    """SCST's sampler forbids nothing (REINFORCE needs samples from the distribution it differentiates): a model
+    whose favourite word is ``<unk>`` draws it, with the log-probability of the full softmax."""
+    with torch.no_grad():
+        tiny_sat.out_word.bias[Vocabulary.unk_id] = 50.0
+    torch.manual_seed(0)
     drawn = sample(tiny_sat, random_visuals, n=2, max_len=6)
-    assert not bool(((drawn.tokens == tiny_sat.bos_id) | ((drawn.tokens == tiny_sat.pad_id) & drawn.mask)).any())
+    assert bool((drawn.tokens[:, 0] == Vocabulary.unk_id).all())
+    torch.testing.assert_close(drawn.logprobs[:, 0], torch.zeros(6), atol=1e-6, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------------------------
