@@ -26,6 +26,7 @@ help:
 	@echo "make bench-int8    only the int8 CNN accuracy table (captioner eval, float vs int8)"
 	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
 	@echo "make grounding     Flickr30k Entities grounding of every real-photo checkpoint → docs/grounding.md"
+	@echo "make zoo-f8k       docs/model_zoo.md's Flickr8k table from docs/results/flickr8k/ and the data set"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -261,7 +262,7 @@ F8K_TRAIN_f8k-sat-blocks-256 := $(F8K_SAT) --encoder layer=blocks
 # normalisers from one shared softmax stage, as on the scenes: docs/decisions.md, "Warm starts").
 # full-size uploads are first made into the data set's kind of copy (docs/decisions.md, "Flickr8k: full-size photos")
 F8K_GRID := --encoder layer=blocks --encoder source_side=224 --encoder source_jpeg_quality=90
-F8K_TRAIN_f8k-sat-hard := --model sat-hard --epochs 2 --lr 2e-4 --val-beam 3
+F8K_TRAIN_f8k-sat-hard := --model sat-hard --epochs 3 --lr 4e-5 --val-beam 3
 F8K_INIT_f8k-sat-hard := f8k-sat-blocks-256
 F8K_TRAIN_f8k-sparsecap-base := --model sparsecap --attention softmax --set embed_dim=256 --set hidden_dim=512 \
   --set visual_dim=256 --set attn_dim=256 $(F8K_GRID) --min-count 5 --epochs 4 --val-beam 3
@@ -286,16 +287,20 @@ F8K_TRAIN_f8k-area-transformer := --recipe area-transformer $(F8K_GRID) --set d_
   --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --batch-size 40 --group-by-image --min-count 5 \
   --warmup-steps 1000 --epochs 8 --val-beam 3
 
-.PHONY: check-f8k eval-f8k
+.PHONY: check-f8k eval-f8k zoo-f8k
 check-f8k:
 	@test -f "$(F8K_DATASET)" || { echo "no Flickr8k here: set FLICKR8K_DIR (or F8K_DATASET and F8K_IMAGES); README, 'Real data'"; exit 2; }
 
 # f8k-stage-NAME trains runs/NAME (resumes it when it exists: a stopped run goes on where it stopped)
+# A stage starts from runs/INIT/best, or, where that run is not here, from the checkpoint it shipped as
+# (F8K_SHIPPED_INIT), so SAT-hard does not need SAT soft's 40 minutes again.
+F8K_SHIPPED_f8k-sat-blocks-256 := weights/flickr8k/sat
+f8k_init = $(if $(wildcard runs/$(1)/best),runs/$(1)/best,$(or $(wildcard $(F8K_SHIPPED_$(1))),runs/$(1)/best))
 f8k-stage-%: check-f8k | $(STAMP)
 	@test -n "$(F8K_TRAIN_$*)" || { echo "no recipe F8K_TRAIN_$* in the Makefile"; exit 2; }
-	@if [ -n "$(F8K_INIT_$*)" ] && [ ! -d runs/$(F8K_INIT_$*)/best ]; then $(MAKE) f8k-stage-$(F8K_INIT_$*); fi
+	@if [ -n "$(F8K_INIT_$*)" ] && [ ! -d $(call f8k_init,$(F8K_INIT_$*)) ]; then $(MAKE) f8k-stage-$(F8K_INIT_$*); fi
 	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 \
-	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init runs/$(F8K_INIT_$*)/best))
+	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init $(call f8k_init,$(F8K_INIT_$*))))
 
 # decoding rules chosen on val (stored in the checkpoint), the weights stored as float16 (runs/NAME/float16: what
 # ships), its val report (to set beside the float32 score tune-decoding chose on), then its test report with the
@@ -307,9 +312,44 @@ train-f8k-%: f8k-stage-%
 	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split test --threads 1 --output runs/$*/eval.test.json \
 	  --results-json runs/$*/captions.test.json
 
+# ship-f8k-NAME: the stage F8K_SHIP_NAME (finished by train-f8k-STAGE: decoding rules chosen on val, float16, val and
+# test reports) becomes weights/flickr8k/NAME with its card (notes from docs/cards/flickr8k/NAME.md), and its test
+# report and captions go to docs/results/flickr8k/ for `make zoo-f8k`. Which stage ships is the rule in
+# docs/decisions.md, "Flickr8k: which stage ships".
+F8K_SHIP_sat-hard := f8k-sat-hard
+F8K_SHIP_aoanet := f8k-aoanet
+F8K_SHIP_xlan := f8k-xlan
+F8K_SHIP_xtransformer := f8k-xtransformer
+F8K_SHIP_area-transformer := f8k-area-transformer
+$(foreach norm,softmax sparsemax tvmax,$(eval F8K_SHIP_sparsecap-$(norm) := f8k-sparsecap-$(norm)))
+F8K_RESULTS := docs/results/flickr8k
+ship-f8k-%: | $(STAMP)
+	@test -n "$(F8K_SHIP_$*)" || { echo "no F8K_SHIP_$* in the Makefile"; exit 2; }
+	@test -f runs/$(F8K_SHIP_$*)/eval.test.json || { echo "runs/$(F8K_SHIP_$*) is not finished: make train-f8k-$(F8K_SHIP_$*)"; exit 2; }
+	$(BIN)/captioner card runs/$(F8K_SHIP_$*)/float16 --report runs/$(F8K_SHIP_$*)/eval.val.json \
+	  --report runs/$(F8K_SHIP_$*)/eval.test.json --title "$* — $(F8K_TITLE_$*), Flickr8k" \
+	  $(if $(wildcard docs/cards/flickr8k/$*.md),--notes docs/cards/flickr8k/$*.md)
+	rm -rf weights/flickr8k/$* && mkdir -p weights/flickr8k $(F8K_RESULTS)/captions
+	cp -r runs/$(F8K_SHIP_$*)/float16 weights/flickr8k/$*
+	cp runs/$(F8K_SHIP_$*)/eval.test.json $(F8K_RESULTS)/$*.json
+	cp runs/$(F8K_SHIP_$*)/captions.test.json $(F8K_RESULTS)/captions/$*.json
+F8K_TITLE_sat-hard := Show, Attend and Tell (hard)
+F8K_TITLE_aoanet := AoANet
+F8K_TITLE_xlan := X-LAN
+F8K_TITLE_xtransformer := X-Transformer
+F8K_TITLE_area-transformer := Area-attention Transformer
+F8K_TITLE_sparsecap-softmax := SparseCap (softmax)
+F8K_TITLE_sparsecap-sparsemax := SparseCap (sparsemax)
+F8K_TITLE_sparsecap-tvmax := SparseCap (TVmax)
+
 CKPT ?= weights/sat
 eval-f8k: check-f8k | $(STAMP)
 	$(BIN)/captioner eval $(CKPT) $(F8K) --split test --threads 1
+
+# docs/model_zoo.md's Flickr8k table from the reports and captions in docs/results/flickr8k/ (the data set gives the
+# references of the paired bootstrap against SAT soft)
+zoo-f8k: check-f8k | $(STAMP)
+	$(BIN)/captioner zoo-f8k $(F8K)
 
 # Attention grounding on real photos (issue 29): every checkpoint in weights/ trained on Flickr photos, evaluated on
 # the Flickr8k test split against the Flickr30k Entities boxes (references teacher-forced and its own captions),

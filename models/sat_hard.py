@@ -7,7 +7,10 @@ only the context vector and the training objective differ, and the β gate is le
 * training: ``s̃_t ~ Multinoulli(α_t)`` (Eq. 8) and ``ẑ_t = Σ_i s̃_{t,i} a_i = a_{s̃_t}`` (Eq. 9).  With
   probability 0.5 per caption the indicator ``s̃_t`` is set to its expected value ``α_t`` for every step,
   i.e. ``ẑ_t = Σ_i α_{t,i} a_i`` (the paper's variance-reduction trick, §4.1);
-* evaluation and decoding: the arg-max location ``ẑ_t = a_{argmax α_t}`` (docs/decisions.md#sat-hard-decoding).
+* evaluation and decoding (``decode_location``): the expected context ``ẑ_t = Σ_i α_{t,i} a_i``, as the authors'
+  caption generator does (arctic-captions ``generate_caps.py``: ``build_sampler(..., sampling=False)`` with
+  ``argmax=False`` makes ``alpha_sample = alpha``), or the arg-max location ``ẑ_t = a_{argmax α_t}``
+  (docs/decisions.md#sat-hard-decoding).
 
 Every step exports ``α_t`` as the primary attention and the indicator actually used (one-hot, or ``α_t`` for a
 caption that took the expectation) as ``extras["location"]`` ``[B', N]`` (to mark the chosen cell).
@@ -35,6 +38,10 @@ from .registry import register
 from .sat import ShowAttendTell
 
 
+#: the context outside training: the expected one (the authors' caption generator) or the arg-max location
+DECODE_LOCATIONS = ("expectation", "argmax")
+
+
 @register("sat-hard")
 class ShowAttendTellHard(ShowAttendTell):
     attention_kind = "hard_attention"
@@ -43,22 +50,25 @@ class ShowAttendTellHard(ShowAttendTell):
     def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 512, hidden_dim: int = 1024,
                  attn_dim: int = 512, dropout: float = 0.5, reinforce_weight: float = 1.0,
                  entropy_weight: float = 0.002, location_samples: int = 1, expectation_prob: float = 0.5,
-                 baseline_decay: float = 0.9, **ids: int):
+                 baseline_decay: float = 0.9, decode_location: str = "expectation", **ids: int):
         """``reinforce_weight`` λ_r, ``entropy_weight`` λ_e and ``location_samples`` N_s are not given by the paper
         (1.0, 0.002, 1: docs/decisions.md#sat-hard-training-weights); ``expectation_prob`` (0.5) and
-        ``baseline_decay`` (0.9) are §4.1's."""
+        ``baseline_decay`` (0.9) are §4.1's; ``decode_location`` ("expectation" or "argmax") is the context used
+        outside training."""
         # the doubly stochastic penalty is the soft model's regulariser (§4.2.1); hard attention has the entropy
         super().__init__(vocab_size, feat_dim, embed_dim, hidden_dim, attn_dim, dropout, doubly_stochastic=0.0,
                          **ids)
         if location_samples < 1 or not 0.0 <= expectation_prob <= 1.0 or not 0.0 <= baseline_decay < 1.0:
             raise ValueError("need location_samples >= 1, 0 <= expectation_prob <= 1 and 0 <= baseline_decay < 1")
+        if decode_location not in DECODE_LOCATIONS:
+            raise ValueError(f"decode_location must be one of {DECODE_LOCATIONS}, got {decode_location!r}")
         del self.hparams["doubly_stochastic"]
         self.hparams.update(reinforce_weight=reinforce_weight, entropy_weight=entropy_weight,
                             location_samples=location_samples, expectation_prob=expectation_prob,
-                            baseline_decay=baseline_decay)
+                            baseline_decay=baseline_decay, decode_location=decode_location)
         self.reinforce_weight, self.entropy_weight = reinforce_weight, entropy_weight
         self.location_samples, self.expectation_prob = location_samples, expectation_prob
-        self.baseline_decay = baseline_decay
+        self.baseline_decay, self.decode_location = baseline_decay, decode_location
         # b_k and k: buffers, so the baseline travels with checkpoints and a resumed run continues it exactly
         self.register_buffer("baseline", torch.zeros(()))
         self.register_buffer("baseline_batches", torch.zeros((), dtype=torch.long))
@@ -79,7 +89,10 @@ class ShowAttendTellHard(ShowAttendTell):
         return torch.multinomial(alpha.detach(), 1).squeeze(1)
 
     def context(self, alpha: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, dict[str, Tensor]]:
-        """``ẑ_t = Σ_i s_{t,i} a_i`` (Eq. 9) with ``s_t`` sampled (training) or the arg-max (evaluation)."""
+        """``ẑ_t = Σ_i s_{t,i} a_i`` (Eq. 9) with ``s_t`` sampled (training), else the expectation ``α_t`` or
+        the arg-max (``decode_location``)."""
+        if not self.training and self.decode_location == "expectation":
+            return torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1), {"location": alpha}
         location = self.draw_location(alpha) if self.training else alpha.argmax(-1)
         indicator = F.one_hot(location, alpha.shape[-1]).to(alpha.dtype)
         if "expected" in enc:
@@ -95,7 +108,7 @@ class ShowAttendTellHard(ShowAttendTell):
 
         In training mode each caption is decoded along ``N_s`` sampled location paths; the returned log-probs
         are their mean, so the caller's token-mean NLL is ``1/N_s Σ_n -log p(y|s̃^n,a)`` (the NLL is linear in
-        the log-probs).  In evaluation mode the path is the arg-max one and there is nothing to add.
+        the log-probs).  In evaluation mode the path is the ``decode_location`` one and there is nothing to add.
         """
         if not self.training:
             return super().forward_xe(vis, captions, ss_prob, rows)

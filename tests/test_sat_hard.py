@@ -53,8 +53,24 @@ def test_training_samples_locations_with_probability_alpha():
     assert abs(flags.float().mean().item() - 0.5) < 0.04
 
 
-def test_evaluation_uses_the_argmax_location_and_exports_alpha():
+def test_evaluation_uses_the_expected_context_by_default_as_the_authors_generator_does():
+    """arctic-captions' generate_caps.py builds its sampler with sampling=False (argmax=False): the context is
+    Σ_i α_i a_i, the soft model's, and α is both the heatmap and the exported location."""
     model = _model().eval()
+    vis = VisualBatch.from_features(torch.randn(3, 5, 6))
+    enc = model.encode(vis)
+    state = model.init_state(enc)
+    _, _, attn = model.step(torch.full((3,), model.bos_id), state, enc)
+    alpha = model.attention(state, enc)
+    torch.testing.assert_close(attn.extras["location"], alpha)
+    z, _ = model.context(alpha, state, enc)
+    torch.testing.assert_close(z, (alpha.unsqueeze(-1) * vis.feats).sum(1))
+    with pytest.raises(ValueError, match="decode_location"):
+        _model(decode_location="mode")
+
+
+def test_evaluation_can_use_the_argmax_location_and_exports_alpha():
+    model = _model(decode_location="argmax").eval()
     vis = VisualBatch.from_features(torch.randn(3, 5, 6))
     enc = model.encode(vis)
     assert "expected" not in enc

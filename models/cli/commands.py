@@ -283,7 +283,9 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     if args.write:
         update_meta(args.checkpoint, decoding=asdict(best),
                     decoding_chosen_on={"dataset": str(dataset), "split": args.split, "metric": args.metric,
-                                        "beam_size": args.beam_size, "images": len(images)})
+                                        "beam_size": args.beam_size, "images": len(images),
+                                        "score": max(row[args.metric] for row in rows),
+                                        "storage": ckpt.storage})
         print(f"stored as the defaults of {args.checkpoint}")
 
 
@@ -712,6 +714,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     zt.add_argument("--baseline", default=Path(DEFAULT_CHECKPOINT).name, help="checkpoint the others are compared with")
     zt.set_defaults(func=cmd_zoo_table)
 
+    zf = sub.add_parser("zoo-f8k", help="write docs/model_zoo.md's Flickr8k table (scores, the papers' rows, "
+                        "paired-bootstrap differences from --baseline, the issue's floors) from `captioner eval` "
+                        "reports and captions")
+    zf.add_argument("--weights-dir", default="weights/flickr8k")
+    zf.add_argument("--results", default="docs/results/flickr8k",
+                    help="folder of eval reports NAME.json and their captions captions/NAME.json")
+    zf.add_argument("--document", default="docs/model_zoo.md", help="written between its zoo-f8k markers")
+    zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
+    zf.add_argument("--dataset", help="the Karpathy JSON (or Flickr8k text folder) whose references the captions "
+                    "are scored against")
+    zf.add_argument("--image-root")
+    zf.add_argument("--split", default="test")
+    zf.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
+    zf.set_defaults(func=cmd_zoo_f8k)
+
     gd = sub.add_parser("grounding-doc", help="write docs/grounding.md's tables and figures (Flickr30k Entities "
                         "grounding of every real-photo checkpoint) from `captioner eval --grounding entities:DIR` "
                         "reports; `make grounding` runs those first")
@@ -819,6 +836,16 @@ def cmd_zoo_table(args: argparse.Namespace) -> None:
     dataset = dataset / "dataset_scenes.json" if dataset.is_dir() else dataset
     print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure), dataset,
                     args.baseline))
+
+
+def cmd_zoo_f8k(args: argparse.Namespace) -> None:
+    from ..evaluation.zoo_f8k import write_f8k_section
+
+    try:
+        print(write_f8k_section(Path(args.weights_dir), Path(args.results), Path(args.document), args.dataset,
+                                args.image_root, args.split, args.baseline, args.resamples))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def cmd_grounding_doc(args: argparse.Namespace) -> None:

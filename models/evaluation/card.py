@@ -83,6 +83,19 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _storage_lines(storage: str, chosen: dict[str, Any] | None, report: dict[str, Any]) -> list[str]:
+    """For weights stored at another precision than the one the decoding rules were chosen with: the chosen
+    split's score then and now, so the card shows whether the rounding changed the captions' quality."""
+    if not chosen or "score" not in chosen or chosen.get("storage", "float32") == storage:
+        return []
+    now = (report.get(chosen["split"]) or {}).get(chosen["metric"])
+    if now is None:
+        return [f"Weights stored as {storage}; not re-measured on {chosen['split']}.", ""]
+    return [f"Weights stored as {storage}: {chosen['split']} {chosen['metric']} {now:.4f}, against "
+            f"{chosen['score']:.4f} with the {chosen.get('storage', 'float32')} weights the rules were chosen on.",
+            ""]
+
+
 def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None = None,
                notes: str = "") -> Path:
     """Write ``MODEL_CARD.md`` into ``checkpoint`` from its config ``meta`` and an eval ``report`` (the JSON that
@@ -141,6 +154,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         "",
         *([f"The decoding rules were chosen on the {chosen['split']} split by {chosen['metric']} (`captioner "
            f"tune-decoding`, {chosen['images']} images); they are the checkpoint's defaults.", ""] if chosen else []),
+        *_storage_lines(config.get("storage", "float32"), chosen, report),
         "| split | " + " | ".join(metrics) + " |",
         "|---" * (len(metrics) + 1) + "|",
         *(_row(name, scores, metrics) for name, scores in splits),

@@ -7,18 +7,28 @@ images, so the comparison is paired: resample images with replacement and recomp
 
 CIDEr-D decomposes over images (the corpus score is the mean of the per-image scores, with document frequencies
 from the references of the images scored, the same for both sides), and ``objects_named`` is a ratio of counts
-pooled over images; both are resampled as a ratio of per-image sums. BLEU is not decomposable and is left out.
+pooled over images; both are resampled as a ratio of per-image sums.  Corpus BLEU (Papineni et al., "BLEU: a Method
+for Automatic Evaluation of Machine Translation", ACL 2002) is not a mean of per-image scores: its clipped n-gram
+precisions and brevity penalty are taken of counts summed over the corpus.  So each caption's counts are computed
+once (:func:`bleu_statistics`), a resample sums them over the images it drew, and BLEU is recomputed from the sums
+(:func:`corpus_bleu`); with every image drawn once this is ``pycocoevalcap``'s ``Bleu`` exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from ..data.karpathy import CaptionedImage
-from .bootstrap import percentile_interval, resampled_ratios
+from .bootstrap import percentile_interval, resample_counts, resampled_ratios
 from .metrics import cider_d
+
+#: pycocoevalcap's ``BleuScorer.compute_score`` smoothing: ``tiny`` over ``small`` keeps a precision with no n-gram
+#: matches at ~0 instead of 0/0, and a caption of length 0 from dividing by zero in the brevity ratio; kept so that
+#: the scores equal the ones ``captioner eval`` reports
+BLEU_TINY, BLEU_SMALL = 1e-15, 1e-9
+BLEU_ORDER = 4
 
 
 def paired_difference(per_image_a: Sequence[float], per_image_b: Sequence[float], counts: Sequence[float],
@@ -37,20 +47,81 @@ def paired_difference(per_image_a: Sequence[float], per_image_b: Sequence[float]
             "share_not_above": float(np.mean(diffs <= 0))}
 
 
+def paired_corpus_difference(stats_a: np.ndarray, stats_b: np.ndarray, corpus_score: Callable[[np.ndarray], np.ndarray],
+                             resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, float | list[float]]:
+    """As :func:`paired_difference`, for a score that is a function of statistics summed over the images
+    (``corpus_score`` maps sums, last axis, to the score): each resample sums both sides' per-image rows
+    (``stats_*``, one row per image) over the same drawn images and recomputes both scores from the sums."""
+    stats_a, stats_b = np.asarray(stats_a, np.float64), np.asarray(stats_b, np.float64)
+    if not len(stats_a):
+        raise ValueError("no images to compare")
+    counts = resample_counts(len(stats_a), resamples, seed)  # (resamples, images): one matrix product per side
+    diffs = corpus_score(counts @ stats_a) - corpus_score(counts @ stats_b)
+    a, b = float(corpus_score(stats_a.sum(0))), float(corpus_score(stats_b.sum(0)))
+    low, high = percentile_interval(diffs, level)
+    return {"a": a, "b": b, "difference": a - b, f"ci{round(level * 100)}": [low, high],
+            "share_not_above": float(np.mean(diffs <= 0))}
+
+
+def bleu_statistics(captions: Sequence[str], references: Sequence[Sequence[str]], order: int = BLEU_ORDER) -> np.ndarray:
+    """One row per caption: its clipped n-gram matches for n = 1..``order`` (each n-gram counted at most as often
+    as in the one reference that has it most), its n-grams for n = 1..``order``, its length and the length of the
+    reference closest to it (the shorter on a tie): pycocoevalcap's ``cook_test`` with ``eff="closest"``, what
+    ``BleuScorer.compute_score(option="closest")`` (the option ``Bleu`` passes) sums over the corpus."""
+    from pycocoevalcap.bleu.bleu_scorer import cook_refs, cook_test
+
+    rows = np.zeros((len(captions), 2 * order + 2))
+    for row, caption, refs in zip(rows, captions, references):
+        cooked = cook_test(caption, cook_refs(refs, n=order), eff="closest", n=order)
+        row[:] = [*cooked["correct"], *cooked["guess"], cooked["testlen"], cooked["reflen"]]
+    return rows
+
+
+def corpus_bleu(totals: np.ndarray, order: int = BLEU_ORDER) -> np.ndarray:
+    """BLEU-1..``order`` (last axis) from :func:`bleu_statistics` summed over a corpus (any leading axes: one
+    corpus per resample): the geometric mean of the clipped precisions times the brevity penalty
+    ``exp(1 − r/c)`` when the captions are shorter than their closest references (Papineni et al. 2002, §2.3),
+    with pycocoevalcap's smoothing constants."""
+    totals = np.asarray(totals, np.float64)
+    correct, guessed = totals[..., :order], totals[..., order:2 * order]
+    length, reference_length = totals[..., 2 * order], totals[..., 2 * order + 1]
+    # BLEU-n is the n-th root of the product of the first n precisions (pycocoevalcap multiplies in this order)
+    bleu = np.cumprod((correct + BLEU_TINY) / (guessed + BLEU_SMALL), axis=-1) ** (1.0 / np.arange(1, order + 1))
+    ratio = (length + BLEU_TINY) / (reference_length + BLEU_SMALL)
+    brevity = np.where(ratio < 1, np.exp(1 - 1 / ratio), 1.0)
+    return bleu * brevity[..., None]
+
+
+def bleu_4(totals: np.ndarray) -> np.ndarray:
+    return corpus_bleu(totals)[..., 3]
+
+
+def result_id(image: CaptionedImage) -> int:
+    """The id ``captioner eval --results-json`` writes for an image: its COCO id where it has one."""
+    return int(image.info.get("cocoid", image.image_id))
+
+
+def scored_captions(captions: Mapping[int, str], keys: Sequence[int]) -> list[str]:
+    # an empty caption is scored as "<empty>", as captioner eval's score_captions scores it
+    return [captions[k] or "<empty>" for k in keys]
+
+
 def compare_captions(captions_a: Mapping[int, str], captions_b: Mapping[int, str], images: Sequence[CaptionedImage],
                      resamples: int = 2000, seed: int = 0) -> dict[str, dict]:
-    """CIDEr-D and (for generated scenes) ``objects_named`` of A and B on ``images``, and A − B with its interval.
-    ``captions_*`` map an image's id (its COCO id where it has one, as ``captioner eval --results-json`` writes)
-    to a caption; every image must have one on both sides."""
-    keys = [int(im.info.get("cocoid", im.image_id)) for im in images]
+    """CIDEr-D, BLEU-4 and (for generated scenes) ``objects_named`` of A and B on ``images``, and A − B with its
+    interval.  ``captions_*`` map an image's id (:func:`result_id`) to a caption; every image must have one on both
+    sides."""
+    keys = [result_id(im) for im in images]
     missing = [k for k in keys if k not in captions_a or k not in captions_b]
     if missing:
         raise ValueError(f"{len(missing)} of {len(keys)} images have no caption on one side (first: id {missing[0]})")
     refs = [[" ".join(r) for r in im.references] for im in images]
     out = {"images": {"count": len(images)}}
     ones = np.ones(len(images))
-    out["CIDEr-D"] = paired_difference(cider_d([captions_a[k] for k in keys], refs),
-                                       cider_d([captions_b[k] for k in keys], refs), ones, resamples, seed)
+    side_a, side_b = scored_captions(captions_a, keys), scored_captions(captions_b, keys)
+    out["CIDEr-D"] = paired_difference(cider_d(side_a, refs), cider_d(side_b, refs), ones, resamples, seed)
+    out["BLEU-4"] = paired_corpus_difference(bleu_statistics(side_a, refs), bleu_statistics(side_b, refs), bleu_4,
+                                             resamples, seed)
     if images and images[0].info.get("objects") is not None:
         from ..data.scenes import named_objects
 
