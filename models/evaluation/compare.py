@@ -47,8 +47,9 @@ def paired_difference(per_image_a: Sequence[float], per_image_b: Sequence[float]
             "share_not_above": float(np.mean(diffs <= 0))}
 
 
-def paired_corpus_difference(stats_a: np.ndarray, stats_b: np.ndarray, corpus_score: Callable[[np.ndarray], np.ndarray],
-                             resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, float | list[float]]:
+def paired_corpus_difference(stats_a: np.ndarray, stats_b: np.ndarray,
+                             corpus_score: Callable[[np.ndarray], np.ndarray], resamples: int = 2000, seed: int = 0,
+                             level: float = 0.95) -> dict[str, float | list[float]]:
     """As :func:`paired_difference`, for a score that is a function of statistics summed over the images
     (``corpus_score`` maps sums, last axis, to the score): each resample sums both sides' per-image rows
     (``stats_*``, one row per image) over the same drawn images and recomputes both scores from the sums."""
@@ -63,7 +64,8 @@ def paired_corpus_difference(stats_a: np.ndarray, stats_b: np.ndarray, corpus_sc
             "share_not_above": float(np.mean(diffs <= 0))}
 
 
-def bleu_statistics(captions: Sequence[str], references: Sequence[Sequence[str]], order: int = BLEU_ORDER) -> np.ndarray:
+def bleu_statistics(captions: Sequence[str], references: Sequence[Sequence[str]],
+                    order: int = BLEU_ORDER) -> np.ndarray:
     """One row per caption: its clipped n-gram matches for n = 1..``order`` (each n-gram counted at most as often
     as in the one reference that has it most), its n-grams for n = 1..``order``, its length and the length of the
     reference closest to it (the shorter on a tie): pycocoevalcap's ``cook_test`` with ``eff="closest"``, what

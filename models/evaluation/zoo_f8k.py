@@ -98,23 +98,21 @@ def ordered_names(names: set[str]) -> list[str]:
 
 def collect_rows(weights: Path, results: Path, dataset: str | Path | None, image_root: str | Path | None,
                  split: str, baseline: str, resamples: int) -> list[dict[str, Any]]:
-    """One row per checkpoint in ``weights`` (and per report without one): its title, its report's ``split``
-    (None: not measured), its CIDEr-D's bootstrap interval and its differences from ``baseline``."""
+    """One row per checkpoint in ``weights`` (and per report ``NAME.json`` without one): its title, its report's
+    ``split`` (None: not measured), its CIDEr-D's bootstrap interval and its differences from ``baseline``."""
     from ..checkpoint import read_config
 
     if not weights.is_dir():
         raise ValueError(f"{weights} is not a folder of checkpoints")
     configs = {p.name: read_config(p) for p in weights.iterdir() if (p / "config.json").is_file()}
-    names = set(configs) | {p.stem for p in results.glob("*.json")}
+    # NAME.SOMETHING.json are other reports of NAME (zoo-table's convention), not rows of their own
+    names = set(configs) | {p.stem for p in results.glob("*.json") if "." not in p.stem}
     rows = []
     for name in ordered_names(names):
         report = results / f"{name}.json"
         split_report = read_report(report, split, configs.get(name)) if report.is_file() else None
         rows.append({"name": name, "title": title(name, configs.get(name)), "split": split_report})
     measured = [row for row in rows if row["split"] is not None]
-    if len({row["split"]["images"] for row in measured}) > 1:
-        raise ValueError("the reports score different numbers of images: "
-                         + ", ".join(f"{row['name']} {row['split']['images']}" for row in measured))
     if measured:
         add_intervals(measured, results, dataset, image_root, split, baseline, resamples)
     return rows
@@ -199,9 +197,13 @@ def model_row(row: dict[str, Any], baseline: str) -> str:
     return f"| {row['title']} | " + " | ".join(cells) + " |"
 
 
+def paper_score(key: str, value: float) -> str:
+    return f"{value:.2f}" if key == "METEOR" else f"{value:g}"  # as the paper prints them
+
+
 def paper_row(name: str) -> str:
     source, scores = PAPER_ROWS[name]
-    cells = [f"{scores[key]:g}" if key in scores else "—" for key, _ in COLUMNS]
+    cells = [paper_score(key, scores[key]) if key in scores else "—" for key, _ in COLUMNS]
     return f"| *{source} (paper)* | " + " | ".join(cells) + " |" + " — |" * 8
 
 
@@ -228,8 +230,8 @@ def floor_lines(rows: list[dict[str, Any]], baseline: str) -> list[str]:
         # compared at the reports' precision (4 decimals, 2 after × 100), so 0.2030 meets 20.30
         scores = {key: round(100 * split[key], 2) if key in split else None for key in paper}
         short = [key for key in paper if scores[key] is None or scores[key] < paper[key]]
-        numbers = ", ".join(f"{key} {'—' if scores[key] is None else f'{scores[key]:.2f}'} vs {paper[key]:g}"
-                            for key in paper)
+        numbers = ", ".join(f"{key} {'—' if scores[key] is None else f'{scores[key]:.2f}'} vs "
+                            f"{paper_score(key, paper[key])}" for key in paper)
         verdict = "met" if not short else f"not met (short on {', '.join(short)})"
         lines.append(f"- {by_name[name]['title']}: **{verdict}**: {numbers}")
     lines += ["", f"Each of AoANet, X-LAN and X-Transformer above `{baseline}` on CIDEr-D and BLEU-4, both 95 % "
@@ -260,8 +262,9 @@ def floor_lines(rows: list[dict[str, Any]], baseline: str) -> list[str]:
 
 
 def markdown(rows: list[dict[str, Any]], baseline: str, split: str, results: Path) -> list[str]:
-    head = (f"| model | B-1 | B-2 | B-3 | B-4 | METEOR | ROUGE-L | CIDEr-D [95 % CI] | SPICE | REP | distinct words "
-            f"| novel captions | mean length | ΔCIDEr-D vs `{baseline}` [95 % CI] | ΔBLEU-4 vs `{baseline}` [95 % CI] |")
+    head = ("| model | B-1 | B-2 | B-3 | B-4 | METEOR | ROUGE-L | CIDEr-D [95 % CI] | SPICE | REP | distinct words "
+            f"| novel captions | mean length | ΔCIDEr-D vs `{baseline}` [95 % CI] "
+            f"| ΔBLEU-4 vs `{baseline}` [95 % CI] |")
     lines = [head, "|---|" + "---:|" * 14]
     present = {row["name"] for row in rows}
     for name in ordered_names(present | set(PAPER_ROWS)):
