@@ -189,7 +189,8 @@ def model_row(row: dict[str, Any], baseline: str) -> str:
     spice = split.get("SPICE")
     against = row.get("against baseline", {})
     cells += [cider, "unavailable" if not isinstance(spice, (int, float)) else points(spice),
-              f"{split['REP']:.2f}" if "REP" in split else "—", str(split.get("distinct_words", "—")),
+              f"{split['REP']:.2f}" if "REP" in split else "—",
+              f"{split['distinct_words']:.0f}" if "distinct_words" in split else "—",
               f"{100 * split['novel_captions']:.1f} %" if "novel_captions" in split else "—",
               f"{split['mean_length']:.1f}" if "mean_length" in split else "—",
               "—" if row["name"] == baseline else difference(against.get("CIDEr-D")),
