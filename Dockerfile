@@ -77,8 +77,9 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mou
 FROM runtime-base AS service
 ARG APP_UID=10001
 COPY --from=builder /opt/venv /opt/venv
-# Baked-in checkpoints (the default); or mount your own read-only over /app/weights. Owned by root and not
-# writable by the service user: the service only reads them.
+# Baked-in checkpoints: the real-photo ones in /app/weights/flickr8k are served by default, the generated-scene
+# ones in /app/weights on request (CAPTIONER_PREFIXED_WEIGHTS_DIRS='{"scenes-": "/app/weights"}'); or mount your
+# own read-only over /app/weights. Owned by root and not writable by the service user: the service only reads them.
 COPY weights /app/weights
 WORKDIR /app
 # Every setting is a CAPTIONER_* variable (README, "Settings"); these are the container's defaults.
@@ -90,7 +91,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     MPLCONFIGDIR=/tmp/matplotlib \
     CAPTIONER_HOST=0.0.0.0 \
     CAPTIONER_PORT=8000 \
-    CAPTIONER_WEIGHTS_DIR=/app/weights \
+    CAPTIONER_WEIGHTS_DIR=/app/weights/flickr8k \
     CAPTIONER_ONNX_DIR=/tmp/onnx \
     CAPTIONER_DRAIN_TIMEOUT_S=30
 USER ${APP_UID}:${APP_UID}

@@ -13,10 +13,11 @@ OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve test test-all browser-deps data train-default train-shipped eval-default bench bench-int8 clean
+.PHONY: help setup serve serve-scenes test test-all browser-deps data train-default train-shipped eval-default bench bench-int8 samples clean
 
 help:
-	@echo "make serve         set up .venv and serve the default model on http://$(HOST):$(PORT)"
+	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"
+	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
 	@echo "make data          generate the scene dataset in $(DATA)"
 	@echo "make train-default retrain the shipped SAT checkpoint (weights/sat)"
@@ -27,6 +28,7 @@ help:
 	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
 	@echo "make grounding     Flickr30k Entities grounding of every real-photo checkpoint → docs/grounding.md"
 	@echo "make zoo-f8k       docs/model_zoo.md's Flickr8k table from docs/results/flickr8k/ and the data set"
+	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,8 +38,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# serve: the real-photo checkpoints of weights/flickr8k/ under their folder names (the service's defaults);
+# serve-scenes: those plus the generated-scene checkpoints of weights/ as scenes-NAME (docs/decisions.md, "Flickr8k:
+# where the checkpoints live and which are served")
 serve: $(STAMP)
 	$(BIN)/captioner serve --host $(HOST) --port $(PORT)
+
+serve-scenes: $(STAMP)
+	CAPTIONER_PREFIXED_WEIGHTS_DIRS='{"scenes-": "weights"}' $(BIN)/captioner serve --host $(HOST) --port $(PORT)
 
 # Debian's chromium drives the browser test; installed when we may (root + apt), otherwise that test skips.
 browser-deps:
@@ -238,6 +246,11 @@ zoo-table: data | $(STAMP)
 
 .PHONY: data-varied data-varied-small data-ood zoo-table
 
+# The demo page's "Try a sample" photos, committed in service/static/samples/ (credits in its README.md): scikit-image's
+# bundled chelsea, astronaut and coffee as JPEGs, longest side at most 512 px, quality 85
+samples: | $(STAMP)
+	$(BIN)/python -m captioner.service.demo_samples
+
 # Real photos (issue 28): Flickr8k (Hodosh et al., JAIR 2013). FLICKR8K_DIR defaults to ../shared/data/flickr8k where it
 # exists (Karpathy's JSON, photos in images/); for the publishers' own layout set F8K_DATASET to the Flickr8k_text
 # folder and F8K_IMAGES to Flicker8k_Dataset. Nothing is downloaded: README, "Real data".
@@ -342,7 +355,7 @@ F8K_TITLE_sparsecap-softmax := SparseCap (softmax)
 F8K_TITLE_sparsecap-sparsemax := SparseCap (sparsemax)
 F8K_TITLE_sparsecap-tvmax := SparseCap (TVmax)
 
-CKPT ?= weights/sat
+CKPT ?= weights/flickr8k/sat
 eval-f8k: check-f8k | $(STAMP)
 	$(BIN)/captioner eval $(CKPT) $(F8K) --split test --threads 1
 
@@ -351,21 +364,24 @@ eval-f8k: check-f8k | $(STAMP)
 zoo-f8k: check-f8k | $(STAMP)
 	$(BIN)/captioner zoo-f8k $(F8K)
 
-# Attention grounding on real photos (issue 29): every checkpoint in weights/ trained on Flickr photos, evaluated on
+# Attention grounding on real photos (issue 29): every checkpoint in weights/flickr8k/ trained on Flickr photos, evaluated on
 # the Flickr8k test split against the Flickr30k Entities boxes (references teacher-forced and its own captions),
-# then docs/grounding.md's tables and figures. The Entities folder comes from its publishers (never committed);
+# then docs/grounding.md's tables and figures (a checkpoint whose report is newer than its weights is not evaluated
+# again). The Entities folder comes from its publishers (never committed);
 # GROUNDING_ARGS adds eval flags, e.g. --dataset / --image-root where the training run's paths do not resolve.
 ENTITIES ?= ../shared/data/flickr8k/entities
 GROUNDING_RESULTS := $(RESULTS)/grounding
 GROUNDING_ARGS ?=
 grounding: | $(STAMP)
 	@mkdir -p $(GROUNDING_RESULTS)
-	@for checkpoint in $$($(BIN)/captioner grounding-doc --list --weights-dir weights); do \
+	@for checkpoint in $$($(BIN)/captioner grounding-doc --list --weights-dir weights/flickr8k); do \
+	  report=$(GROUNDING_RESULTS)/$$(basename $$checkpoint).json; \
+	  if [ "$$report" -nt "$$checkpoint/model.safetensors" ]; then echo "== $$checkpoint: $$report is newer, kept"; continue; fi; \
 	  echo "== $$checkpoint"; \
 	  $(BIN)/captioner eval $$checkpoint --grounding entities:$(ENTITIES) --split test --threads 1 \
-	    --output $(GROUNDING_RESULTS)/$$(basename $$checkpoint).json $(GROUNDING_ARGS) > /dev/null || exit 1; \
+	    --output $$report $(GROUNDING_ARGS) > /dev/null || exit 1; \
 	done
-	$(BIN)/captioner grounding-doc --weights-dir weights --results $(GROUNDING_RESULTS) --document docs/grounding.md \
+	$(BIN)/captioner grounding-doc --weights-dir weights/flickr8k --results $(GROUNDING_RESULTS) --document docs/grounding.md \
 	  --figure docs/figures/grounding_entities.png --examples docs/figures/grounding_entities_heatmaps.png \
 	  --scene-results $(RESULTS) --threads 1
 

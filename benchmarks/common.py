@@ -2,8 +2,12 @@
 given on each benchmark's command line with defaults here, so that no benchmark depends on which folders weights/
 holds today), and how a report is written.
 
-The default SAT model is the service's default (``CAPTIONER_DEFAULT_MODEL``'s default in service/settings.py), so
-a renamed default checkpoint is followed without editing the benchmarks.
+The default SAT model has the service's default name (``CAPTIONER_DEFAULT_MODEL``'s default in
+service/settings.py), so a renamed default is followed without editing the benchmarks.  A name is looked up in
+weights/, the generated-scene checkpoints, which the benchmarks need because they caption generated scenes: the
+service itself serves the real-photo checkpoints of weights/flickr8k by default and these as ``scenes-NAME``
+(docs/decisions.md, "Flickr8k: where the checkpoints live and which are served").  A real-photo checkpoint is
+benchmarked by its folder (``--model weights/flickr8k/sat``).
 """
 
 from __future__ import annotations

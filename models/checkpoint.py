@@ -271,14 +271,24 @@ def is_checkpoint(path: Path) -> bool:
     return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
 
 
-def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | tuple = ()) -> dict[str, Path]:
-    """Checkpoint folders by name (the folder name): every child of ``weights_dir`` that holds a checkpoint, then
-    ``extra`` folders (a later one with the same name wins).  This is how the service and ``captioner export``
-    name models."""
-    found: dict[str, Path] = {}
-    root = Path(weights_dir) if weights_dir else None
-    candidates = sorted(p for p in root.iterdir() if p.is_dir()) if root and root.is_dir() else []
-    for path in [*candidates, *map(Path, extra)]:
-        if is_checkpoint(path):
-            found[path.name] = path
-    return found
+def checkpoint_children(folder: str | Path | None) -> list[Path]:
+    """The children of ``folder`` that hold a checkpoint, by name (none when it is unset or missing); a child that
+    is not itself a checkpoint, such as ``weights/flickr8k`` below ``weights``, is skipped."""
+    root = Path(folder) if folder else None
+    if not root or not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and is_checkpoint(p))
+
+
+def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | tuple = (),
+                     prefixed: Mapping[str, str | Path] | None = None) -> dict[str, Path]:
+    """Checkpoint folders by model name: every checkpoint child of ``weights_dir`` under its folder name, then
+    every checkpoint child of each ``prefixed`` folder under its prefix + folder name (``{"scenes-": "weights"}``
+    serves ``weights/sat`` as ``scenes-sat``), then the ``extra`` folders under their folder names; a later one
+    with the same name wins.  This is how the service and ``captioner export`` name models (and so the ONNX
+    exports' folders)."""
+    named = [(path.name, path) for path in checkpoint_children(weights_dir)]
+    for prefix, folder in (prefixed or {}).items():
+        named += [(prefix + path.name, path) for path in checkpoint_children(folder)]
+    named += [(path.name, path) for path in map(Path, extra) if is_checkpoint(path)]
+    return dict(named)

@@ -80,9 +80,11 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
     runtimes = await asyncio.to_thread(load_runtimes, settings.weights_dir, settings.checkpoints, settings.device,
                                        settings.backends, settings.backend, settings.onnx_dir, settings.threads,
-                                       settings.precision, settings.encoder_precision)
+                                       settings.precision, settings.encoder_precision,
+                                       settings.prefixed_weights_dirs)
     if not runtimes:
-        log.error("no checkpoint found in %s: every caption request will get 503", settings.weights_dir)
+        searched = [str(settings.weights_dir), *map(str, settings.prefixed_weights_dirs.values())]
+        log.error("no checkpoint found in %s: every caption request will get 503", ", ".join(searched))
     elif settings.default_model not in runtimes:
         fallback = sorted(runtimes)[0]
         log.warning("default model %r not found; using %r", settings.default_model, fallback)

@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP service (settings from CAPTIONER_* variables; flags win)")
     serve.add_argument("--host", help="bind address (CAPTIONER_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (CAPTIONER_PORT, default 8000)")
-    serve.add_argument("--weights-dir", help="checkpoint folder (CAPTIONER_WEIGHTS_DIR, default weights)")
+    serve.add_argument("--weights-dir", help="folder of checkpoint folders, served under their names "
+                       "(CAPTIONER_WEIGHTS_DIR, default weights/flickr8k)")
     serve.add_argument("--model", help="default model name (CAPTIONER_DEFAULT_MODEL)")
     serve.add_argument("--device", help="auto, cpu or cuda (CAPTIONER_DEVICE)")
     serve.add_argument("--log-level", help="CAPTIONER_LOG_LEVEL, default info")

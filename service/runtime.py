@@ -396,8 +396,10 @@ def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
 def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto", backends: dict[str, str] | None = None,
                   default_backend: str = "torch", onnx_dir: Path = Path(".cache/onnx"),
                   threads: int | None = None, precision: str = "float32",
-                  encoder_precision: str = "float32") -> dict[str, Runtime]:
-    """Every checkpoint as a runtime; ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per model name
+                  encoder_precision: str = "float32",
+                  prefixed: dict[str, Path] | None = None) -> dict[str, Runtime]:
+    """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix →
+    folder of checkpoints); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per model name
     (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend with an
     error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
     is a PyTorch autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision``
@@ -408,7 +410,7 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
     backends = backends or {}
     encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
     runtimes: dict[str, Runtime] = {}
-    for name, path in find_checkpoints(weights_dir, extra).items():
+    for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
         try:
             ckpt = load_checkpoint(path, device)
         except (CheckpointError, KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:

@@ -5,20 +5,26 @@ Every field is documented in the README's settings table; keep the two in step.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 Backend = Literal["torch", "onnx", "hybrid", "auto"]
+MODEL_NAME_PREFIX = re.compile(r"[A-Za-z0-9._-]*")
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTIONER_", env_file=None)
 
     # -- models -------------------------------------------------------------------------------------------------
-    weights_dir: Path = Field(Path("weights"), description="every checkpoint folder below it is served by name")
+    weights_dir: Path = Field(Path("weights/flickr8k"), description="every checkpoint folder below it is served "
+                              "under its folder name (the real-photo checkpoints by default)")
+    prefixed_weights_dirs: dict[str, Path] = Field(
+        default_factory=dict, description='name prefix → folder, JSON: {"scenes-": "weights"} serves every '
+        "checkpoint folder below weights/ as scenes-NAME (the generated-scene checkpoints beside the real-photo ones)")
     checkpoints: list[Path] = Field(default_factory=list, description="extra checkpoint folders (JSON list)")
     default_model: str = Field("sat", description="model used when a request names none")
     backend: Backend = Field("auto", description="inference backend of every model not named in `backends`: auto "
@@ -82,6 +88,15 @@ class Settings(BaseSettings):
                                 description='bearer keys for /caption* (JSON list, several for rotation); empty: open')
     cors_origins: list[str] = Field(default_factory=list,
                                     description='origins allowed to call the API from a browser (JSON list); empty: none')
+
+    @field_validator("prefixed_weights_dirs")
+    @classmethod
+    def _prefixes_are_plain_names(cls, value: dict[str, Path]) -> dict[str, Path]:
+        # a model's name is also its ONNX export's folder name and a URL parameter: no path separators in it
+        bad = [prefix for prefix in value if not MODEL_NAME_PREFIX.fullmatch(prefix)]
+        if bad:
+            raise ValueError(f"name prefixes may hold only letters, digits, '.', '_' and '-': {bad}")
+        return value
 
     @model_validator(mode="after")
     def _rows_fit_the_widest_beam(self) -> "Settings":

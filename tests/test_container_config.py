@@ -111,7 +111,7 @@ def test_the_final_stage_runs_the_service_as_a_fixed_non_root_user():
     assert "/healthz" in healthcheck
     env = env_of(final)
     assert env["CAPTIONER_HOST"] == "0.0.0.0" and env["CAPTIONER_PORT"] == "8000"
-    assert env["CAPTIONER_WEIGHTS_DIR"] == "/app/weights"
+    assert env["CAPTIONER_WEIGHTS_DIR"] == "/app/weights/flickr8k"  # the real-photo checkpoints (COPY weights /app/weights)
     # everything the service writes goes to /tmp (a tmpfs under a read-only root filesystem)
     assert env["CAPTIONER_ONNX_DIR"].startswith("/tmp/") and env["MPLCONFIGDIR"].startswith("/tmp/")
     assert env["HOME"] == "/tmp" and env["PYTHONDONTWRITEBYTECODE"] == "1"
@@ -358,6 +358,8 @@ def test_compose_has_a_gpu_service_a_cpu_profile_and_optional_prometheus(compose
         weights = [v for v in service["volumes"] if v["target"] == "/app/weights"]
         assert weights and weights[0]["read_only"] is True
         assert (DOCKER / weights[0]["source"]).resolve() == ROOT / "weights"
+        # served from the mount: its real-photo checkpoints, as `make serve` serves them
+        assert service["environment"]["CAPTIONER_WEIGHTS_DIR"] == "/app/weights/flickr8k"
         assert service["build"]["context"] == ".." and (DOCKER / ".." / service["build"]["dockerfile"]).exists()
         assert float(service["stop_grace_period"].rstrip("s")) > drain_s
         assert set(service["environment"]) <= SETTING_NAMES

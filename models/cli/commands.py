@@ -14,8 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-#: the checkpoint that ships with the repository and that `make serve` serves
-DEFAULT_CHECKPOINT = "weights/sat"
+#: the checkpoint that `make serve` serves by default (SAT soft trained on Flickr8k photos; the generated-scene
+#: SAT is weights/sat: docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")
+DEFAULT_CHECKPOINT = "weights/flickr8k/sat"
 
 DEFAULT_DATA = ".cache/scenes"
 
@@ -442,7 +443,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     set_threads(args.threads)
     weights_dir = None if args.checkpoints and not args.all else args.weights_dir
-    found = find_checkpoints(weights_dir, args.checkpoints)
+    # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for
+    prefixed = json.loads(os.environ.get("CAPTIONER_PREFIXED_WEIGHTS_DIRS") or "{}") if weights_dir else {}
+    found = find_checkpoints(weights_dir, args.checkpoints, prefixed)
     missing = [c for c in args.checkpoints if Path(c).name not in found]
     if missing:
         raise SystemExit(f"error: not a checkpoint folder: {', '.join(missing)}")
@@ -661,8 +664,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     ex = sub.add_parser("export", help="export checkpoints to ONNX (encoder, encoder-head and decoder-step graphs) for the "
                         "service's ONNX Runtime backend")
     ex.add_argument("checkpoints", nargs="*", help="checkpoint folders (default: every one in --weights-dir)")
-    ex.add_argument("--weights-dir", default=os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights"),
-                    help="export every checkpoint below it (CAPTIONER_WEIGHTS_DIR)")
+    ex.add_argument("--weights-dir", default=os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights/flickr8k"),
+                    help="export every checkpoint below it (CAPTIONER_WEIGHTS_DIR; also every one below the "
+                    "folders of CAPTIONER_PREFIXED_WEIGHTS_DIRS, under the service's names)")
     ex.add_argument("--all", action="store_true", help="with named checkpoints: also every one in --weights-dir")
     ex.add_argument("--out", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
                     help="one folder per model is written below it (CAPTIONER_ONNX_DIR, where the service looks)")

@@ -1,0 +1,112 @@
+"""Which checkpoints the service serves under which names: the real-photo checkpoints of ``weights/flickr8k`` under
+their folder names by default, and any folder's checkpoints under a name prefix (``CAPTIONER_PREFIXED_WEIGHTS_DIRS``,
+``make serve-scenes``: the generated-scene checkpoints of ``weights/`` as ``scenes-NAME``), without moving a file
+(docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from pydantic import ValidationError
+
+from captioner.models.checkpoint import find_checkpoints, save_checkpoint
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
+
+from .conftest import ROOT, WEIGHTS
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PHOTOS_DATASET = "data/flickr8k/dataset_flickr8k.json"
+SCENES_DATASET = ".cache/scenes/dataset_scenes.json"
+
+
+def save_tiny(path: Path, dataset: str, seed: int = 0) -> Path:
+    return save_checkpoint(path, tiny_model("sat", seed), VOCAB, TINY_SPEC, meta={"dataset": dataset})
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    """The repository's layout in small: scene checkpoints in ``weights/``, real-photo ones in ``weights/flickr8k``
+    (a folder that is not itself a checkpoint), and a folder that holds no checkpoint."""
+    root = tmp_path_factory.mktemp("layout") / "weights"
+    for name in ("sat", "aoanet"):
+        save_tiny(root / name, SCENES_DATASET)
+    save_tiny(root / "flickr8k" / "sat", PHOTOS_DATASET, seed=1)
+    (root / "notes").mkdir()
+    return root
+
+
+def test_a_prefixed_folder_serves_its_checkpoints_under_the_prefix(weights):
+    found = find_checkpoints(weights / "flickr8k", prefixed={"scenes-": weights})
+    assert found == {"sat": weights / "flickr8k" / "sat", "scenes-aoanet": weights / "aoanet",
+                     "scenes-sat": weights / "sat"}  # weights/flickr8k and weights/notes are no checkpoints
+    # several prefixes, an empty one (plain names), and the order of precedence: weights_dir, prefixed, extra
+    both = find_checkpoints(None, prefixed={"a-": weights, "b-": weights / "flickr8k"})
+    assert set(both) == {"a-sat", "a-aoanet", "b-sat"}
+    assert find_checkpoints(weights / "flickr8k", prefixed={"": weights})["sat"] == weights / "sat"
+    photo_sat = weights / "flickr8k" / "sat"
+    assert find_checkpoints(weights, [photo_sat], {"": weights})["sat"] == photo_sat
+    # a missing or unset prefixed folder adds nothing; without the mapping the names are what they always were
+    assert find_checkpoints(weights, prefixed={"x-": weights / "missing"}) == find_checkpoints(weights)
+    assert set(find_checkpoints(weights)) == {"sat", "aoanet"}
+
+
+def test_the_prefix_setting_is_read_from_the_environment_as_json(monkeypatch):
+    monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", '{"scenes-": "weights", "mine-": "/data/checkpoints"}')
+    assert Settings().prefixed_weights_dirs == {"scenes-": Path("weights"), "mine-": Path("/data/checkpoints")}
+    monkeypatch.delenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS")
+    assert Settings().prefixed_weights_dirs == {}
+    # a model's name is also its ONNX export's folder: a prefix with a path in it is refused
+    for prefix in ("../", "a/b-", "x y"):
+        with pytest.raises(ValidationError, match="name prefixes"):
+            Settings(prefixed_weights_dirs={prefix: "weights"})
+
+
+def test_by_default_the_real_photo_checkpoints_take_the_plain_names():
+    """The repository as it ships: ``make serve`` serves weights/flickr8k, ``make serve-scenes`` adds weights/ as
+    scenes-NAME (names and folders only: nothing is loaded)."""
+    fields = Settings.model_fields  # the defaults, whatever CAPTIONER_* variables this shell holds
+    weights_dir = fields["weights_dir"].default
+    assert weights_dir == Path("weights/flickr8k") and fields["default_model"].default == "sat"
+    assert fields["prefixed_weights_dirs"].get_default(call_default_factory=True) == {}
+    served = find_checkpoints(ROOT / weights_dir)
+    assert served["sat"] == WEIGHTS / "flickr8k" / "sat"
+    assert not [name for name in served if name.startswith("scenes-")]
+
+    recipe = re.search(r"^serve-scenes:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    mapping = re.search(r"CAPTIONER_PREFIXED_WEIGHTS_DIRS='([^']+)'", recipe).group(1)
+    scenes = Settings(prefixed_weights_dirs=json.loads(mapping)).prefixed_weights_dirs
+    assert scenes == {"scenes-": Path("weights")} and "captioner serve" in recipe
+    with_scenes = find_checkpoints(ROOT / weights_dir, prefixed={p: ROOT / f for p, f in scenes.items()})
+    assert with_scenes["sat"] == WEIGHTS / "flickr8k" / "sat" and with_scenes["scenes-sat"] == WEIGHTS / "sat"
+    assert "scenes-flickr8k" not in with_scenes
+
+
+def test_the_service_lists_and_captions_with_prefixed_models(weights):
+    settings = Settings(weights_dir=weights / "flickr8k", prefixed_weights_dirs={"scenes-": weights},
+                        default_model="sat", device="cpu", backend="torch", warmup=False, release_memory=False)
+    image = io.BytesIO()
+    Image.new("RGB", (120, 80), (200, 30, 30)).save(image, format="PNG")
+    with TestClient(create_app(settings)) as client:
+        models = {m["name"]: m for m in client.get("/models").json()}
+        assert set(models) == {"sat", "scenes-sat", "scenes-aoanet"}
+        assert models["sat"]["default"] and not models["scenes-sat"]["default"]
+        assert models["sat"]["trained_on"].startswith("Flickr8k")
+        assert models["scenes-sat"]["trained_on"].startswith("generated scenes")
+        answers = {}
+        for model in ("scenes-sat", None):
+            response = client.post("/caption", params={"model": model} if model else {},
+                                   files={"file": ("scene.png", image.getvalue(), "image/png")})
+            assert response.status_code == 200, response.text
+            answers[model] = response.json()
+        assert answers["scenes-sat"]["model"] == "scenes-sat" and answers[None]["model"] == "sat"
+        assert client.post("/caption", params={"model": "flickr8k"},
+                           files={"file": ("scene.png", image.getvalue(), "image/png")}).status_code == 404
