@@ -1,22 +1,29 @@
-"""The demo page in headless Chromium: upload → caption → hover a word → its overlay is visible.
+"""The demo page in headless Chromium: upload → caption → hover a word → its overlay is visible; and the same
+through a "Try a sample" photo.
 
-Uses Debian's chromium (``make test`` installs it when it can) driven by Playwright; skips with the reason when
-no chromium is installed.  The screenshot is kept in ``test-artifacts/``.
+Uses Debian's chromium (``make test`` installs it when it can) driven by Playwright; the browser tests skip with the
+reason when no chromium is installed.  The screenshots are kept in ``test-artifacts/``.
 """
 
+import contextlib
+import io
 import json
 import shutil
 import time
 
+import httpx
 import pytest
+from PIL import Image
 
 from captioner.models.data.scenes import generate
 
 from .conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 ARTIFACTS = ROOT / "test-artifacts"
+OVERLAY_SHOWN = ("() => { const o = document.getElementById('overlay');"
+                 " return !o.hidden && o.complete && o.naturalWidth > 0; }")
 
 
 def wait_until(page, predicate: str, timeout_s: float) -> None:
@@ -29,11 +36,11 @@ def wait_until(page, predicate: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def test_upload_caption_hover_shows_overlay(server, tmp_path):
+@contextlib.contextmanager
+def demo_page(server):
+    """The demo page in headless Chromium, its model list loaded (a caption request needs a model to name)."""
     from playwright.sync_api import sync_playwright
 
-    dataset = json.loads(generate(tmp_path, {"test": 1}, seed=5, progress=False).read_text())
-    image_path = tmp_path / "images" / dataset["images"][0]["filename"]
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
@@ -43,18 +50,71 @@ def test_upload_caption_hover_shows_overlay(server, tmp_path):
             page = browser.new_page(viewport={"width": 1000, "height": 900})
             page.goto(server)
             page.locator("#model option").first.wait_for(state="attached")
-            page.set_input_files("#file", str(image_path))
-            page.wait_for_selector("#caption .word", timeout=60_000)
-            words = page.locator("#caption .word")
-            caption = " ".join(words.all_inner_texts())
-            assert words.count() >= 3, caption
-            words.nth(1).hover()
-            wait_until(page, "() => { const o = document.getElementById('overlay');"
-                             " return !o.hidden && o.complete && o.naturalWidth > 0; }", timeout_s=30)
-            assert page.locator("#caption .word.active").inner_text() == words.nth(1).inner_text()
-            size = page.evaluate("() => [document.getElementById('overlay').naturalWidth,"
-                                 " document.getElementById('overlay').naturalHeight]")
-            assert size == [256, 256]
-            page.screenshot(path=str(ARTIFACTS / "demo-page.png"), full_page=True)
+            yield page
         finally:
             browser.close()
+
+
+@needs_chromium
+def test_upload_caption_hover_shows_overlay(server, tmp_path):
+    dataset = json.loads(generate(tmp_path, {"test": 1}, seed=5, progress=False).read_text())
+    image_path = tmp_path / "images" / dataset["images"][0]["filename"]
+    with demo_page(server) as page:
+        page.set_input_files("#file", str(image_path))
+        page.wait_for_selector("#caption .word", timeout=60_000)
+        words = page.locator("#caption .word")
+        caption = " ".join(words.all_inner_texts())
+        assert words.count() >= 3, caption
+        words.nth(1).hover()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        assert page.locator("#caption .word.active").inner_text() == words.nth(1).inner_text()
+        size = page.evaluate("() => [document.getElementById('overlay').naturalWidth,"
+                             " document.getElementById('overlay').naturalHeight]")
+        assert size == [256, 256]
+        page.screenshot(path=str(ARTIFACTS / "demo-page.png"), full_page=True)
+
+
+@needs_chromium
+def test_a_sample_photo_is_captioned_like_an_upload(server):
+    """Clicking "Try a sample" (chelsea) sends that JPEG as the upload would: one multipart POST /caption, and its
+    words rendered with one word per attention row; focusing the first word (the keyboard path) shows its overlay.
+    The server's checkpoints are scene models, so the words themselves are not checked."""
+    sample = (ROOT / "service" / "static" / "samples" / "chelsea.jpg").read_bytes()
+    with demo_page(server) as page:
+        button = page.get_by_role("button", name="Caption the sample photo: a cat (scikit-image chelsea)")
+        with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url,
+                                  timeout=60_000) as caught:
+            button.click()
+        response = caught.value
+        assert response.ok, response.text()
+        assert response.request.headers["content-type"].startswith("multipart/form-data")
+        body = response.json()
+        # Chromium does not hand a Blob body to Playwright, so the bytes sent are checked by their caption: the same
+        # request with the file's bytes (same URL, same options) captions identically
+        upload = httpx.post(response.url, files={"file": ("chelsea.jpg", sample, "image/jpeg")}, timeout=60)
+        assert upload.status_code == 200 and upload.json()["tokens"] == body["tokens"]
+        page.wait_for_selector("#caption .word", timeout=30_000)
+        words = page.locator("#caption .word")
+        assert words.count() >= 1
+        assert words.count() == len(body["tokens"]) == len(body["attention"])
+        words.first.focus()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        assert page.locator("#caption .word.active").inner_text() == words.first.inner_text()
+        assert page.evaluate("() => document.getElementById('photo').naturalWidth") == 451
+        # a long caption (scene models on a real photo) wraps instead of widening the page
+        assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth")
+        page.screenshot(path=str(ARTIFACTS / "demo-page-sample.png"), full_page=True)
+
+
+def test_the_sample_photos_are_served_as_jpegs(server):
+    """The committed samples (``make samples``), at the sizes skimage.data gives them with the longest side capped
+    at 512 px, under the page's Content-Security-Policy like the rest of /static."""
+    sizes = {"chelsea": (451, 300), "astronaut": (512, 512), "coffee": (512, 341)}
+    page_csp = httpx.get(server).headers["content-security-policy"]
+    for name, size in sizes.items():
+        response = httpx.get(f"{server}/static/samples/{name}.jpg")
+        assert response.status_code == 200 and response.headers["content-type"] == "image/jpeg"
+        assert response.headers["content-security-policy"] == page_csp
+        assert len(response.content) < 80_000
+        with Image.open(io.BytesIO(response.content)) as image:
+            assert image.format == "JPEG" and image.size == size and image.mode == "RGB"

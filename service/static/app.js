@@ -1,4 +1,5 @@
 // Demo page: upload → POST /caption → words; hovering a word loads GET /captions/{id}/overlay?token=i.
+// "Try a sample" fetches a bundled photo from /static/samples/ and sends it through the same upload path.
 // Plain browser JavaScript, no external CDN: the page works offline.
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -56,6 +57,20 @@ async function caption(file) {
   });
 }
 
+// A sample is captioned exactly as if the user had uploaded that file: same request, same rendering.
+async function captionSample(name) {
+  let photo;
+  try {
+    const response = await fetch(`/static/samples/${name}.jpg`);
+    if (!response.ok) throw new Error(`HTTP ${response.status}`);
+    photo = await response.blob();
+  } catch (err) {
+    setStatus(`Could not load the sample photo: ${err}`, true);
+    return;
+  }
+  await caption(new File([photo], `${name}.jpg`, { type: "image/jpeg" }));
+}
+
 async function show(index) {
   if (!current) return;
   document.querySelectorAll("#caption .word").forEach((el) => el.classList.toggle("active", +el.dataset.index === index));
@@ -89,5 +104,8 @@ drop.addEventListener("drop", (e) => {
 $("mode").addEventListener("change", () => {
   const active = document.querySelector("#caption .word.active");
   if (active) show(+active.dataset.index);
+});
+document.querySelectorAll("#samples button[data-sample]").forEach((button) => {
+  button.addEventListener("click", () => captionSample(button.dataset.sample));
 });
 loadModels();
