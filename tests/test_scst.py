@@ -30,6 +30,25 @@ def _words(ids):
     return " ".join(f"w{i}" for i in ids if i != 0)
 
 
+def _little_xe_sat(vis, targets):
+    """A small SAT after a little XE on the memorisation task: far from memorised, so SCST has work to do."""
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.0)
+    train_to_memorise(model, vis, targets, steps=25, stop_loss=0.0)
+    return model
+
+
+def _scst_steps(model, vis, refs, cider, steps, samples):
+    """``steps`` Adam steps on the SCST loss; the last step's logs."""
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss, logs = scst_batch_loss(model, vis, refs, cider, _words, samples=samples, max_len=12)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    return logs
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("features")
@@ -84,16 +103,9 @@ def test_scst_raises_the_expected_training_cider_d():
                 drawn = sample(model, vis, n=40, max_len=12)
         return cider.score([_words(row) for row in drawn.tokens.tolist()], [refs[r // 40] for r in range(400)]).mean()
 
-    torch.manual_seed(0)
-    model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.0)
-    train_to_memorise(model, vis, targets, steps=25, stop_loss=0.0)  # a little XE: far from memorised
+    model = _little_xe_sat(vis, targets)
     before = expected_reward(model)
-    optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(40):
-        loss, logs = scst_batch_loss(model, vis, refs, cider, _words, samples=16, max_len=12)
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
+    logs = _scst_steps(model, vis, refs, cider, steps=40, samples=16)
     assert {"scst", "reward", "greedy_reward", "tokens"} == set(logs)
     after = expected_reward(model)
     assert after > 1.25 * before, (before, after)
@@ -138,16 +150,9 @@ def test_scst_pushes_down_the_tokens_the_beam_search_never_emits():
             logprobs, _ = model.forward_xe(vis, targets)
         return float(logprobs[..., unk].exp()[targets != 0].mean())
 
-    torch.manual_seed(0)
-    model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.0)
-    train_to_memorise(model, vis, targets, steps=25, stop_loss=0.0)
+    model = _little_xe_sat(vis, targets)
     with torch.no_grad():
         model.out_word.bias[unk] += 3.0  # give <unk> a large share to start from
     before = unk_mass(model)
-    optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(30):
-        loss, _ = scst_batch_loss(model, vis, refs, cider, _words, samples=8, max_len=12)
-        optimiser.zero_grad()
-        loss.backward()
-        optimiser.step()
+    _scst_steps(model, vis, refs, cider, steps=30, samples=8)
     assert unk_mass(model) < 0.75 * before, (before, unk_mass(model))  # the old sampler: ×10 (0.013 → 0.139)

@@ -520,6 +520,15 @@ def cmd_params(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+def _real_photo_page_options(parser: argparse.ArgumentParser, results: str, results_help: str, document: str,
+                             markers: str) -> None:
+    """The options of a page generated from the real-photo checkpoints' reports (zoo-f8k, grounding-doc)."""
+    parser.add_argument("--weights-dir", default=str(Path(DEFAULT_CHECKPOINT).parent),
+                        help="the real-photo checkpoints' folder")
+    parser.add_argument("--results", default=results, help=results_help)
+    parser.add_argument("--document", default=document, help=f"written between its {markers} markers")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
@@ -723,10 +732,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     zf = sub.add_parser("zoo-f8k", help="write docs/model_zoo.md's Flickr8k table (scores, the papers' rows, "
                         "paired-bootstrap differences from --baseline, the issue's floors) from `captioner eval` "
                         "reports and captions")
-    zf.add_argument("--weights-dir", default="weights/flickr8k")
-    zf.add_argument("--results", default="docs/results/flickr8k",
-                    help="folder of eval reports NAME.json and their captions captions/NAME.json")
-    zf.add_argument("--document", default="docs/model_zoo.md", help="written between its zoo-f8k markers")
+    _real_photo_page_options(zf, "docs/results/flickr8k", "folder of eval reports NAME.json and their captions "
+                             "captions/NAME.json", "docs/model_zoo.md", "zoo-f8k")
     zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
     zf.add_argument("--dataset", help="the Karpathy JSON (or Flickr8k text folder) whose references the captions "
                     "are scored against")
@@ -738,11 +745,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gd = sub.add_parser("grounding-doc", help="write docs/grounding.md's tables and figures (Flickr30k Entities "
                         "grounding of every real-photo checkpoint) from `captioner eval --grounding entities:DIR` "
                         "reports; `make grounding` runs those first")
-    gd.add_argument("--weights-dir", default="weights")
+    _real_photo_page_options(gd, "docs/results/grounding", "folder of the eval reports NAME.json",
+                             "docs/grounding.md", "grounding")
     gd.add_argument("--list", action="store_true",
                     help="only print the real-photo checkpoints (trained on a Flickr Karpathy JSON), one a line")
-    gd.add_argument("--results", default="docs/results/grounding", help="folder of the eval reports NAME.json")
-    gd.add_argument("--document", default="docs/grounding.md", help="written between its grounding markers")
     gd.add_argument("--figure", default="docs/figures/grounding_entities.png")
     gd.add_argument("--examples", default="docs/figures/grounding_entities_heatmaps.png",
                     help="the side-by-side heatmaps of the softmax, sparsemax and TVmax checkpoints")
