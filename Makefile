@@ -326,7 +326,8 @@ train-f8k-%: f8k-stage-%
 	  --results-json runs/$*/captions.test.json
 
 # ship-f8k-NAME: the stage F8K_SHIP_NAME (finished by train-f8k-STAGE: decoding rules chosen on val, float16, val and
-# test reports) becomes weights/flickr8k/NAME with its card (notes from docs/cards/flickr8k/NAME.md), and its test
+# test reports) becomes weights/flickr8k/NAME with its card (notes from docs/cards/flickr8k/NAME.md, else from the
+# architecture's docs/cards/flickr8k/ARCH.md: sparsecap.md serves the three normalisers), and its test
 # report and captions go to docs/results/flickr8k/ for `make zoo-f8k`. Which stage ships is the rule in
 # docs/decisions.md, "Flickr8k: which stage ships".
 F8K_SHIP_sat-hard := f8k-sat-hard
@@ -341,7 +342,7 @@ ship-f8k-%: | $(STAMP)
 	@test -f runs/$(F8K_SHIP_$*)/eval.test.json || { echo "runs/$(F8K_SHIP_$*) is not finished: make train-f8k-$(F8K_SHIP_$*)"; exit 2; }
 	$(BIN)/captioner card runs/$(F8K_SHIP_$*)/float16 --report runs/$(F8K_SHIP_$*)/eval.val.json \
 	  --report runs/$(F8K_SHIP_$*)/eval.test.json --title "$* — $(F8K_TITLE_$*), Flickr8k" \
-	  $(if $(wildcard docs/cards/flickr8k/$*.md),--notes docs/cards/flickr8k/$*.md)
+	  $(addprefix --notes ,$(firstword $(wildcard docs/cards/flickr8k/$*.md docs/cards/flickr8k/$(firstword $(subst -, ,$*)).md)))
 	rm -rf weights/flickr8k/$* && mkdir -p weights/flickr8k $(F8K_RESULTS)/captions
 	cp -r runs/$(F8K_SHIP_$*)/float16 weights/flickr8k/$*
 	cp runs/$(F8K_SHIP_$*)/eval.test.json $(F8K_RESULTS)/$*.json
