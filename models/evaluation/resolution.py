@@ -47,9 +47,8 @@ def resolution_check(pipeline: Pipeline, images: Sequence[CaptionedImage], full_
     for name, captions in (("copies", copies), ("originals", originals)):
         report[name] = {k: round(v, 4) for k, v in score_captions(dict(zip(ids, captions)), refs,
                                                                   ("BLEU", "CIDEr-D")).items()}
-    report["originals_minus_copies"] = {"BLEU-4": round(report["originals"]["BLEU-4"] - report["copies"]["BLEU-4"], 4),
-                                        **compare_captions(dict(zip(ids, originals)), dict(zip(ids, copies)),
-                                                           matched)}
+    # CIDEr-D and BLEU-4 differences with their paired-bootstrap intervals
+    report["originals_minus_copies"] = compare_captions(dict(zip(ids, originals)), dict(zip(ids, copies)), matched)
     report["examples"] = [{"image": im.path.name, "copy": a, "original": b}
                           for im, a, b in zip(matched, copies, originals) if a != b][:10]
     return report
