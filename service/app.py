@@ -33,7 +33,7 @@ from .overlay import router as overlay_router
 from .problems import install_problem_handlers
 from .results import ResultStore
 from .routes import router
-from .runtime import load_runtimes
+from .runtime import load_runtimes, prepare_in_child, unprepared
 from .openapi import install_openapi
 from .security import install_security
 from .settings import Settings
@@ -78,10 +78,14 @@ async def warm_up(batcher: Batcher, settings: Settings) -> None:
 
 async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
-    runtimes = await asyncio.to_thread(load_runtimes, settings.weights_dir, settings.checkpoints, settings.device,
-                                       settings.backends, settings.backend, settings.onnx_dir, settings.threads,
-                                       settings.precision, settings.encoder_precision,
-                                       settings.prefixed_weights_dirs)
+    load_args = (settings.weights_dir, settings.checkpoints, settings.device, settings.backends, settings.backend,
+                 settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision,
+                 settings.prefixed_weights_dirs)
+    if settings.backend != "torch" and unprepared(settings.weights_dir, settings.checkpoints, settings.onnx_dir,
+                                                  settings.prefixed_weights_dirs):
+        log.info("first start of some models: their ONNX exports are made in a child process")
+        await asyncio.to_thread(prepare_in_child, *load_args)
+    runtimes = await asyncio.to_thread(load_runtimes, *load_args)
     if not runtimes:
         searched = [str(settings.weights_dir), *map(str, settings.prefixed_weights_dirs.values())]
         log.error("no checkpoint found in %s: every caption request will get 503", ", ".join(searched))

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -37,7 +38,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
+from captioner.models.checkpoint import (MANIFEST, WEIGHTS, Checkpoint, CheckpointError, find_checkpoints,
+                                         load_checkpoint)
 from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
@@ -449,3 +451,34 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
         runtimes[name] = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
         log.info("loaded %s (%s) from %s on %s (%s)", name, ckpt.model.arch, path, device, precision)
     return runtimes
+
+
+def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path, prefixed: dict[str, Path] | None = None) -> list[str]:
+    """The models whose first start on ONNX Runtime is still to come: no reference captions recorded in
+    ``onnx_dir`` for their weights (:func:`reference_captions`; the weights' sha256 read from each manifest, no
+    checkpoint loaded).  Their start exports ONNX graphs and runs the PyTorch CNN once."""
+    missing = []
+    for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
+        try:
+            checksum = json.loads((path / MANIFEST).read_text())["files"][WEIGHTS]["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            checksum = None
+        if not checksum or not (Path(onnx_dir) / "reference" / f"{checksum}.json").is_file():
+            missing.append(name)
+    return missing
+
+
+def prepare_in_child(*load_args) -> None:
+    """:func:`load_runtimes` with ``load_args`` in a spawned child process, which makes the ONNX exports and the
+    reference records and exits: the server's own process then starts as on any later start, without the PyTorch
+    CNN, the exporter's tracing or the heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
+    warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a child
+    process").  A child that fails leaves the work to the server's own load, as before."""
+    child = multiprocessing.get_context("spawn").Process(target=load_runtimes, args=load_args,
+                                                         name="captioner-prepare")
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        log.warning("preparing the ONNX exports in a child process failed (exit code %s); preparing them here",
+                    child.exitcode)
+

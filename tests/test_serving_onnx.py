@@ -357,6 +357,26 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     assert {r.backend for r in later.values()} == {"onnx"}
 
 
+def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pytorch_encoder(tmp_path, monkeypatch):
+    """The first start's exports and reference captions are made by a spawned child (``prepare_in_child``), so the
+    server's own load is a later start: it builds no PyTorch encoder, and nothing is left unprepared."""
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat", seed=0)
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == ["a"]
+    runtime_module.prepare_in_child(tmp_path / "weights", [], "cpu", {}, "auto", tmp_path / "onnx", 1)
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == []
+
+    def no_pytorch_encoder(*args, **kwargs):
+        raise AssertionError("the server's own load built a PyTorch encoder")
+
+    monkeypatch.setattr(runtime_module, "grid_encoder", no_pytorch_encoder)
+    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], "cpu", default_backend="auto",
+                                          onnx_dir=tmp_path / "onnx", threads=1)
+    assert loaded["a"].backend == "onnx"
+
+
 def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
     """On a GPU the CNN runs batches padded to a power of two (``padded_batch``: a new input shape costs cuDNN
     seconds there); the padding rows must not change any caption.  Forced on here, on the CPU."""
