@@ -222,6 +222,15 @@ def verify_manifest(path: str | Path) -> dict[str, str]:
     return digests
 
 
+def recorded_checksum(path: str | Path) -> str | None:
+    """The weights' sha256 as the manifest records it (what :attr:`Checkpoint.checksum` holds once verified), read
+    without hashing or verifying anything; None when there is no readable manifest entry."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())["files"][WEIGHTS]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:

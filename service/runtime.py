@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
-from captioner.models.checkpoint import (MANIFEST, WEIGHTS, Checkpoint, CheckpointError, find_checkpoints,
-                                         load_checkpoint)
+from captioner.models.checkpoint import (Checkpoint, CheckpointError, find_checkpoints, load_checkpoint,
+                                         recorded_checksum)
 from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
@@ -272,6 +272,11 @@ def drop_torch_weights(runtime: Runtime) -> None:
     runtime.ckpt.model.to("meta")
 
 
+def reference_record(onnx_dir: Path, checksum: str) -> Path:
+    """Where :func:`reference_captions` records PyTorch's captions of the check set for the weights ``checksum``."""
+    return Path(onnx_dir) / "reference" / f"{checksum}.json"
+
+
 def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
                        prepared: list[Prepared]) -> list[list[int]]:
     """PyTorch's token ids on the check set, as recorded in ``onnx_dir/reference/<weights checksum>.json`` when the
@@ -282,7 +287,7 @@ def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
         digest.update(item.pixels.numpy().tobytes())
     key = {"torch": torch.__version__, "device": encoders.device.type, "beam": CHECK_BEAM, "max_len": CHECK_MAX_LEN,
            "images": digest.hexdigest()}
-    record = encoders.onnx_dir / "reference" / f"{ckpt.checksum}.json"
+    record = reference_record(encoders.onnx_dir, ckpt.checksum)
     try:
         data = json.loads(record.read_text())
         if data.get("key") == key:
@@ -457,15 +462,8 @@ def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path, prefixed: d
     """The models whose first start on ONNX Runtime is still to come: no reference captions recorded in
     ``onnx_dir`` for their weights (:func:`reference_captions`; the weights' sha256 read from each manifest, no
     checkpoint loaded).  Their start exports ONNX graphs and runs the PyTorch CNN once."""
-    missing = []
-    for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
-        try:
-            checksum = json.loads((path / MANIFEST).read_text())["files"][WEIGHTS]["sha256"]
-        except (OSError, ValueError, KeyError, TypeError):
-            checksum = None
-        if not checksum or not (Path(onnx_dir) / "reference" / f"{checksum}.json").is_file():
-            missing.append(name)
-    return missing
+    return [name for name, path in find_checkpoints(weights_dir, extra, prefixed).items()
+            if not (checksum := recorded_checksum(path)) or not reference_record(onnx_dir, checksum).is_file()]
 
 
 def prepare_in_child(*load_args) -> None:

@@ -267,10 +267,10 @@ def markdown(rows: list[dict[str, Any]], baseline: str, split: str, results: Pat
             f"| novel captions | mean length | ΔCIDEr-D vs `{baseline}` [95 % CI] "
             f"| ΔBLEU-4 vs `{baseline}` [95 % CI] |")
     lines = [head, "|---|" + "---:|" * 14]
-    present = {row["name"] for row in rows}
-    for name in ordered_names(present | set(PAPER_ROWS)):
-        if name in present:
-            lines.append(model_row(next(row for row in rows if row["name"] == name), baseline))
+    by_name = {row["name"]: row for row in rows}
+    for name in ordered_names(set(by_name) | set(PAPER_ROWS)):
+        if name in by_name:
+            lines.append(model_row(by_name[name], baseline))
         if name in PAPER_ROWS:
             lines.append(paper_row(name))
     images = next((row["split"]["images"] for row in rows if row["split"] is not None), None)
