@@ -1,6 +1,6 @@
-"""Decoder only, per model: generated test scenes, already encoded, decoded by the service's continuous batcher (all
-images in one table) vs one ``beam_search`` call per image, for the shipped SAT, AoANet and SparseCap checkpoints,
-side by side in one run (CPU, one thread; the serving benchmark's decoder-only measurement, for every model).
+"""Decoder only, per model: uploads already encoded (``upload_jpegs``: photos for a photo-trained checkpoint,
+generated test scenes for a scene one), decoded by the service's continuous batcher (all images in one table) vs one
+``beam_search`` call per image, for the shipped SAT, AoANet and SparseCap checkpoints, side by side in one run (CPU, one thread; the serving benchmark's decoder-only measurement, for every model).
 
 Usage: ``python benchmarks/bench_decoder.py [--models NAME ...] [--quick]``; writes ``docs/benchmarks/decoder.md`` and prints it.
 """
@@ -56,13 +56,16 @@ def main() -> None:
         "",
         "## Batched ÷ per-image decoding",
         "",
-        f"{args.images} generated test scenes, their CNN features computed beforehand by each checkpoint's own "
+        f"{args.images} uploads of each checkpoint's kind (a photo-trained one: the demo page's sample photos and "
+        "their mirror images, cycled; a scene-trained one: generated test scenes), their CNN features computed "
+        "beforehand by the checkpoint's own "
         f"visual encoder (no CNN, no HTTP in the timings), beam {BEAM}, max_len {MAX_LEN}, CPU, one thread. Per "
-        f"image: one `beam_search` call per scene. Batched: the service's continuous batcher with every scene "
+        f"image: one `beam_search` call per image. Batched: the service's continuous batcher with every image "
         f"admitted to one table of {BEAM * args.images} rows. Best of {args.repeats}, the two in turns. The ratio "
         "is the decoder-only throughput gain from batching (the serving benchmark's aim for it is 4×). Both sides "
         "include the model's own `encode`, image by image on both (for AoANet its six refining layers, most of the "
-        "batched time; over 32 images at once they cost twice as much per image on a CPU); the steps alone gain what the per-row cost in the table below loses from 3 to 96 rows. Per-image "
+        "batched time; over 32 images at once they cost twice as much per image on a CPU); the steps alone gain "
+        "what the per-row cost in the table below loses from 3 to 96 rows. Per-image "
         "decoding is many small operations, so on a loaded machine it slows down more than the batched table "
         "does, and the ratio moves with the load (recorded above).",
         "",

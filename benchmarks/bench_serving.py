@@ -50,7 +50,7 @@ from fastapi import FastAPI, File, UploadFile  # module level: the tutorial hand
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common import checkpoint, command_line, default_model  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from common import checkpoint, command_line, served_default  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 from servers import Server  # noqa: E402
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
 INT8_RESULTS = ROOT / "docs" / "benchmarks" / "int8.json"
@@ -148,7 +148,7 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, window_s: flo
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         async def request(i: int) -> tuple[int, float]:
             started = time.perf_counter()
-            files = {"file": ("scene.jpg", bodies[i % len(bodies)], "image/jpeg")}
+            files = {"file": ("upload.jpg", bodies[i % len(bodies)], "image/jpeg")}
             try:
                 response = await client.post("/caption", params={**PARAMS, **(params or {})}, files=files)
             except httpx.HTTPError:
@@ -286,6 +286,35 @@ def alternating_latency(servers: list, bodies: list[bytes], rounds: int) -> dict
             for name, v in samples.items()}
 
 
+def photo_jpegs(count: int) -> list[bytes]:
+    """``count`` JPEGs cycling through the demo page's sample photos (scikit-image's chelsea, astronaut and coffee,
+    committed in service/static/samples/ by ``make samples``, so no machine needs scikit-image to run this) and
+    their mirror images (JPEG quality 90)."""
+    from PIL import Image, ImageOps
+
+    from captioner.service.demo_samples import SAMPLES, SAMPLES_DIR
+
+    jpegs = [(SAMPLES_DIR / f"{name}.jpg").read_bytes() for name in SAMPLES]
+    for jpeg in list(jpegs):
+        buffer = io.BytesIO()
+        ImageOps.mirror(Image.open(io.BytesIO(jpeg)).convert("RGB")).save(buffer, "JPEG", quality=90)
+        jpegs.append(buffer.getvalue())
+    return [jpegs[i % len(jpegs)] for i in range(count)]
+
+
+def upload_jpegs(model: str, count: int) -> tuple[list[bytes], str]:
+    """What a user of ``model`` uploads, and how the report names it: photographs for a checkpoint trained on photos
+    (the service's default since issue 28), generated 640×480 test scenes for one trained on the scenes, so every
+    model is timed on the captions it would really write."""
+    from captioner.models.checkpoint import load_checkpoint
+    from captioner.models.data.datasets import CITATIONS, trained_on
+
+    if trained_on(load_checkpoint(checkpoint(model), "cpu").meta) == CITATIONS["scenes"]:
+        return scene_jpegs(count), "generated 640×480 test scenes"
+    return photo_jpegs(count), ("the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) and their "
+                                "mirror images")
+
+
 def scene_jpegs(count: int) -> list[bytes]:
     from captioner.models.data.scenes import generate
 
@@ -295,9 +324,9 @@ def scene_jpegs(count: int) -> list[bytes]:
 
 
 # -- decoder only, in process -------------------------------------------------------------------------------------
-def encoded_scenes(model: str, images: int, device: str = "cpu"):
-    """The shipped checkpoint ``model`` on ``device``, its channels-last encoder, ``images`` generated test scenes prepared
-    as the service prepares uploads, and their features (encoded one by one)."""
+def encoded_uploads(model: str, images: int, device: str = "cpu"):
+    """The checkpoint ``model`` on ``device``, its channels-last encoder, ``images`` of its :func:`upload_jpegs`
+    prepared as the service prepares uploads, and their features (encoded one by one)."""
     import torch
     from PIL import Image
 
@@ -308,7 +337,7 @@ def encoded_scenes(model: str, images: int, device: str = "cpu"):
     ckpt = load_checkpoint(checkpoint(model), device)
     encoder = GridEncoder(ckpt.encoder).to(device).to(memory_format=torch.channels_last)
     runtime = TorchRuntime(model, ckpt, encoder, torch.device(device))
-    pictures = [runtime.prepare(Image.open(io.BytesIO(b)).convert("RGB")) for b in scene_jpegs(images)]
+    pictures = [runtime.prepare(Image.open(io.BytesIO(b)).convert("RGB")) for b in upload_jpegs(model, images)[0]]
     with torch.inference_mode():
         feats = [encoder(runtime.pixels([p]).contiguous(memory_format=torch.channels_last)) for p in pictures]
     return ckpt, encoder, pictures, feats
@@ -316,9 +345,9 @@ def encoded_scenes(model: str, images: int, device: str = "cpu"):
 
 def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 3, scenes=None,
                  device: str = "cpu") -> dict:
-    """Seconds to decode ``images`` already-encoded scenes with ``model``: one ``beam_search`` call per image vs the
+    """Seconds to decode ``images`` already-encoded uploads with ``model``: one ``beam_search`` call per image vs the
     continuous batcher (all images admitted to one table of ``BEAM × images`` rows); best of ``repeats``, the two
-    in turns.  ``scenes``: the :func:`encoded_scenes` of ``model`` when the caller has them."""
+    in turns.  ``scenes``: the :func:`encoded_uploads` of ``model`` when the caller has them."""
     import torch
 
     from captioner.models.decoding import beam_search, expand_rows
@@ -327,7 +356,7 @@ def decoder_only(model: str, threads: int = 1, images: int = 32, repeats: int = 
     from captioner.service.batcher import Batcher
 
     torch.set_num_threads(threads)
-    ckpt, encoder, pictures, feats = scenes or encoded_scenes(model, images, device)
+    ckpt, encoder, pictures, feats = scenes or encoded_uploads(model, images, device)
 
     class Encoded(TorchRuntime):  # images arrive already encoded: only decoding is timed
         def begin(self, batch: list[Prepared], widths: list[int]):
@@ -454,6 +483,33 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**not met**"
 
 
+#: the checkpoint the service answered with before issue 28 made the Flickr8k models the default: SAT trained on the
+#: generated scenes (55 words, 16×16 hypercolumn grid); timed beside the default in every run, for what changed
+PREVIOUS_DEFAULT = "weights/sat"
+
+
+def model_facts(ckpt) -> dict:
+    """What makes one decoding step of ``ckpt`` cost what it does: its vocabulary and its grid."""
+    return {"vocabulary": len(ckpt.vocab), "grid": "×".join(map(str, ckpt.encoder.grid_hw)),
+            "layer": ckpt.encoder.layer}
+
+
+def default_change(decode: dict) -> list[str]:
+    """The decoder-only table's rows for the default and for :data:`PREVIOUS_DEFAULT`, each on its own kind of
+    upload, from the same run."""
+    if "previous" not in decode:
+        return []
+    lines = ["", "### The default before and after issue 28 (decoder only, same run, each on its own uploads)", "",
+             "| checkpoint | vocabulary | grid | per-image images/s | batched images/s | batched ÷ per-image |",
+             "|---|---:|---|---:|---:|---:|"]
+    for label, timing in (("previous", decode["previous"]), ("now", decode)):
+        per_image, batched = timing["per-image beam_search"], timing["continuous batcher"]
+        lines.append(f"| {timing['model']} ({label}) | {timing['vocabulary']:,} | {timing['grid']} "
+                     f"({timing['layer']}) | {timing['images'] / per_image:.1f} | {timing['images'] / batched:.1f} | "
+                     f"{per_image / batched:.2f}× |")
+    return lines
+
+
 def report(results: dict, latency: dict, decode: dict, same: dict, args, started: datetime.datetime,
            host: str) -> str:
     top = max(args.clients)
@@ -471,7 +527,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "",
         f"Model: `{args.model}` ({decode['arch']}, {decode['encoder']}), beam {BEAM}, "
         f"max_len {MAX_LEN}, on CPU with {args.threads} intra-op thread(s) per server. Requests: multipart JPEG "
-        "uploads of generated 640×480 test scenes, cycling through 16 of them. Each configuration is a real "
+        f"uploads of {args.uploads}, cycling through 16 of them. Each configuration is a real "
         "`uvicorn` process on localhost; all five run side by side and are measured in turns (an idle server "
         "costs nothing), so that background load that drifts during the run hits every configuration alike.",
         "",
@@ -557,6 +613,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         f"| per-image `beam_search` | {per_image:.3f} | {decode['images'] / per_image:.1f} | 1.00× |",
         f"| continuous batcher (one table of {decode['images'] * BEAM} rows) | {batched:.3f} | "
         f"{decode['images'] / batched:.1f} | {per_image / batched:.2f}× |",
+        *default_change(decode),
         "",
         "## One decoding step by row count (in process, `benchmarks/profile_decoder_step.py`)",
         "",
@@ -567,7 +624,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "",
         "## Checks",
         "",
-        *[f"- {label}: {'same captions' if ok else '**captions differ**'} on 4 test scenes"
+        *[f"- {label}: {'same captions' if ok else '**captions differ**'} on 4 of the uploads"
           for label, ok in same.items()],
         "",
         "## Reading the numbers",
@@ -579,8 +636,9 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "warm-up and encodes in chunks of the fastest (benchmarks/bench_encoder.py, docs/benchmarks/encoder.md). "
         "A decoding step (benchmarks/profile_decoder_step.py) recomputes nothing that depends only on the image "
         "(the projected keys U_a a_i are part of the encoder state, expanded once per beam when a request joins, "
-        "and only the decoder state follows the beams); for SAT at 16×16 cells the step is the LSTM's matrix "
-        "products plus the additive attention's elementwise map over rows × 256 cells × 256 attention channels, "
+        "and only the decoder state follows the beams); for SAT the step is the LSTM's matrix "
+        "products, the output layer over the vocabulary and the additive attention's elementwise map over rows × "
+        "cells × attention channels, "
         "computed in cache-sized blocks of rows and as a sigmoid (tanh x = 2σ(2x) − 1: ATen's CPU tanh costs "
         "about six times its sigmoid per element, and it was half of a 96-row step); that map grows with every "
         "row; AoANet's step no longer copies "
@@ -590,8 +648,11 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "image features at "
         "each admission: the largest cost of the batching worker under load). Continuous "
         "batching shares each decoding step's fixed costs (Python, operator dispatch) among all rows, but not the "
-        "arithmetic that grows with every row: with SAT's additive attention over the default's 16×16 = 256 cells, "
-        "that arithmetic is most of a step on a CPU, which bounds the decoder-only speed-up. Batching cannot shrink "
+        "arithmetic that grows with every row: that arithmetic is most of a step on a CPU, which bounds the "
+        "decoder-only speed-up. Since issue 28 the default is the Flickr8k SAT: its 8×8 grid has a quarter of the "
+        "scene model's 16×16 cells, so the attention map shrinks fourfold, while its output layer grows from 55 to "
+        "2,539 words (the table above puts the two side by side, and the step profile shows where each spends). "
+        "Batching cannot shrink "
         "the encoder's share either; what the service does instead is run the CNN in a thread of its own beside "
         "the decoding steps (`onnx` against `onnx, serial CNN`), so that on two cores a request costs about the "
         "slower of the two instead of their sum, as far as the HTTP work and the load generator leave them a core each. "
@@ -646,8 +707,9 @@ def main() -> None:
     parser.add_argument("--echo-server", type=Path, metavar="ANSWER", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # the tutorial server's
     parser.add_argument("--port", type=int)
-    parser.add_argument("--model", default=default_model(),
-                        help="checkpoint: a folder under weights/ or a path (default: the service's default model)")
+    parser.add_argument("--model", default=served_default(),
+                        help="checkpoint: a folder under weights/ or a path (default: the checkpoint the service "
+                             "answers with when a request names no model)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per server (1: the load generator needs a core too)")
     parser.add_argument("--window", type=float, default=10.0, help="measured seconds per point")
@@ -674,7 +736,7 @@ def main() -> None:
         decoder_images, decoder_repeats = 8, 1
     started = datetime.datetime.now(datetime.timezone.utc)
     host = machine()
-    bodies = scene_jpegs(16)
+    bodies, args.uploads = upload_jpegs(args.model, 16)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     print(f"server logs in {log_dir}", file=sys.stderr)
 
@@ -710,17 +772,21 @@ def main() -> None:
     captions, latency, results = measure_servers(servers, bodies, args.clients, args.window, args.rounds)
     checks = {f"{name} vs batching": value == captions["batching"] for name, value in captions.items()
               if name != "batching"}
-    scenes = encoded_scenes(args.model, decoder_images)
+    scenes = encoded_uploads(args.model, decoder_images)
     ckpt, spec = scenes[0], scenes[0].encoder
     decode = {**decoder_only(args.model, args.threads, decoder_images, decoder_repeats, scenes=scenes),
               **encoder_timings(folder.name, spec, scenes[1], scenes[2], args.threads),
               "arch": ckpt.model.arch, "encoder": f"{spec.backbone} {spec.layer}, {spec.grid_hw[0]}×{spec.grid_hw[1]} "
-                                                  f"grid at {spec.image_size} px"}
+                                                  f"grid at {spec.image_size} px", "model": args.model, **model_facts(ckpt)}
+    if checkpoint(args.model).resolve() != checkpoint(PREVIOUS_DEFAULT).resolve():
+        before = encoded_uploads(PREVIOUS_DEFAULT, decoder_images)
+        decode["previous"] = {**decoder_only(PREVIOUS_DEFAULT, args.threads, decoder_images, decoder_repeats,
+                                             scenes=before), "model": PREVIOUS_DEFAULT, **model_facts(before[0])}
     print(f"decoder only: {decode}", file=sys.stderr)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from profile_decoder_step import profile_table
 
-    decode["profile"] = profile_table()
+    decode["profile"] = profile_table(models=[args.model, *([PREVIOUS_DEFAULT] if "previous" in decode else [])])
     text = report(results, latency, decode, checks, args, started, host)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -20,8 +20,8 @@ httpx process with 32 connections is slower than a GPU server.  Its own ceiling 
 server (no model)``: the same loads against a server that reads each upload and returns a recorded response of the
 ``batching`` server.
 
-Checks in the same run: the captions of 16 test scenes from every server against PyTorch float32 on the CPU of
-the same machine (float32 on the GPU should equal it; bfloat16's agreement is reported as a fraction).
+Checks in the same run: the captions of the 16 uploads (``upload_jpegs``) from every server against PyTorch float32
+on the CPU of the same machine (float32 on the GPU should equal it; bfloat16's agreement is reported as a fraction).
 
 Usage: ``python benchmarks/bench_serving_gpu.py [--model NAME] [--threads N] [--configs KEY ...] [--quick]``; writes
 ``docs/benchmarks/serving-gpu.md``.
@@ -42,9 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serving import BEAM, MAX_LEN, decoder_only, encoded_scenes, latency_table_ms, measure_servers, \
-    scene_jpegs, throughput_table_ms  # noqa: E402
-from common import checkpoint, command_line, default_model  # noqa: E402
+from bench_serving import BEAM, MAX_LEN, decoder_only, encoded_uploads, latency_table_ms, measure_servers, \
+    throughput_table_ms, upload_jpegs  # noqa: E402
+from common import checkpoint, command_line, served_default  # noqa: E402
 from servers import Server, stop_on_sigterm  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "serving-gpu.md"
@@ -162,7 +162,7 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
         f"Machine: {host}.",
         "",
         f"Model: `{args.model}`, beam {BEAM}, max_len {MAX_LEN}, PyTorch on the GPU. Requests: multipart JPEG uploads "
-        "of generated 640×480 test scenes, cycling through 16. Every configuration is a real `uvicorn` process on "
+        f"of {args.uploads}, cycling through 16. Every configuration is a real `uvicorn` process on "
         "localhost, started side by side and measured in turns (benchmarks/bench_serving_gpu.py's docstring).",
         "",
         f"ONNX Runtime on the GPU: {'measured (`onnx` rows)' if no_onnx is None else 'not measured: ' + no_onnx}.",
@@ -203,7 +203,7 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
     lines += ["", "The encoder-ceiling aim is the CPU's (docs/benchmarks/serving.md), where the CNN is most of a "
               "request's cost. On a GPU the CNN alone is far faster than the decoder and the HTTP path, so that row "
               "says little here; the decoder-only table is the nearer limit.",
-              "", "## Caption agreement with PyTorch float32 on this machine's CPU (16 test scenes)", "",
+              "", "## Caption agreement with PyTorch float32 on this machine's CPU (the 16 uploads)", "",
               "| configuration | same caption |", "|---|---|",
               *[f"| {name} | {share:.0%} |" for name, share in agreement.items()],
               "", f"Command: `{args.command}`. Total benchmark time: {seconds:.0f} s.", ""]
@@ -212,7 +212,7 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=default_model(), help="checkpoint: a folder under weights/ or a path")
+    parser.add_argument("--model", default=served_default(), help="checkpoint: a folder under weights/ or a path")
     parser.add_argument("--threads", type=int, default=2, help="intra-op CPU threads per server")
     parser.add_argument("--window", type=float, default=8.0, help="measured seconds per point")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
@@ -240,7 +240,7 @@ def main() -> None:
         args.window, args.rounds, ENCODER_BATCHES = 2.0, 4, QUICK_ENCODER_BATCHES
     began, started = time.perf_counter(), datetime.datetime.now(datetime.timezone.utc)
     host = machine(args.threads) if args.device.startswith("cuda") else f"CPU smoke test, {os.cpu_count()} cores"
-    bodies = scene_jpegs(16)
+    bodies, args.uploads = upload_jpegs(args.model, 16)
     folder = checkpoint(args.model)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serving-gpu-"))
     print(f"server logs in {log_dir}", file=sys.stderr)
@@ -275,7 +275,7 @@ def main() -> None:
     reference = cpu_reference_captions(args.model, bodies)
     agreement = {name: sum(a == b for a, b in zip(got, reference)) / len(reference) for name, got in captions.items()}
     images = 8 if args.quick else 32
-    scenes = encoded_scenes(args.model, images, args.device)  # the checkpoint and its encoder, loaded once
+    scenes = encoded_uploads(args.model, images, args.device)  # the checkpoint and its encoder, loaded once
     ceiling = encoder_ceiling(scenes[1], scenes[0].encoder, args.device)
     decode = decoder_only(args.model, args.threads, images, 1 if args.quick else 3, scenes=scenes,
                           device=args.device)

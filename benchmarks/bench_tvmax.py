@@ -141,11 +141,11 @@ def shipped_table(images: int, repeats: int, softmax: str = "sparsecap-softmax",
     """Beam search with the shipped SparseCap checkpoints (trained weights: the attention scores TVmax really sees)
     on generated test scenes, TVmax ÷ softmax output attention at batch 1 and at batch ``images``."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_serving import encoded_scenes
+    from bench_serving import encoded_uploads
 
     # the same scenes, each model with its own encoder's features (the two are meant to share one: see the grid
     # column, which also sets the size of TVmax's problem)
-    scenes = {name: encoded_scenes(folder, images) for name, folder in (("softmax", softmax), ("tvmax", tvmax))}
+    scenes = {name: encoded_uploads(folder, images) for name, folder in (("softmax", softmax), ("tvmax", tvmax))}
     models = {name: ckpt.model.eval() for name, (ckpt, *_) in scenes.items()}
     feats = {name: torch.cat(scene[3]) for name, scene in scenes.items()}
     grids = {name: "×".join(map(str, ckpt.encoder.grid_hw)) for name, (ckpt, *_) in scenes.items()}

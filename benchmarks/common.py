@@ -24,6 +24,16 @@ def default_model() -> str:
     return Settings.model_fields["default_model"].default
 
 
+def served_default() -> str:
+    """The checkpoint the service answers with when a request names no model (``weights/flickr8k/sat``: the default
+    model in the default weights folder of service/settings.py), for the benchmarks that time the service as a user
+    meets it."""
+    from captioner.service.settings import Settings
+
+    fields = Settings.model_fields
+    return str(Path(fields["weights_dir"].default) / fields["default_model"].default)
+
+
 def decoder_models() -> list[str]:
     """The issue's three decoder architectures (SAT, AoANet, SparseCap-TVmax), and SparseCap with softmax output
     attention to read TVmax's share against."""
@@ -31,9 +41,10 @@ def decoder_models() -> list[str]:
 
 
 def checkpoint(name: str) -> Path:
-    """The checkpoint folder ``name``: a folder path, or the name of one under weights/."""
+    """The checkpoint folder ``name``: a folder path (from here or from the repository), or the name of one under
+    weights/."""
     path = Path(name)
-    folder = path if path.is_dir() else WEIGHTS / name
+    folder = next((p for p in (path, ROOT / path) if p.is_dir()), WEIGHTS / name)
     if not (folder / "model.safetensors").is_file():
         shipped = sorted(p.name for p in WEIGHTS.iterdir() if (p / "model.safetensors").is_file())
         raise SystemExit(f"no checkpoint {name!r} (looked in {folder}); weights/ holds {', '.join(shipped)}")

@@ -110,3 +110,18 @@ def test_the_service_lists_and_captions_with_prefixed_models(weights):
         assert answers["scenes-sat"]["model"] == "scenes-sat" and answers[None]["model"] == "sat"
         assert client.post("/caption", params={"model": "flickr8k"},
                            files={"file": ("scene.png", image.getvalue(), "image/png")}).status_code == 404
+
+
+def test_export_reads_the_same_prefix_setting_and_refuses_a_malformed_one(monkeypatch):
+    """``captioner export`` exports the prefixed folders under the service's names; a value that is not a JSON object
+    of folders stops it with the variable named, not a traceback."""
+    from captioner.models.cli.commands import _prefixed_weights_dirs
+
+    monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", '{"scenes-": "weights"}')
+    assert _prefixed_weights_dirs() == {"scenes-": "weights"}
+    monkeypatch.delenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS")
+    assert _prefixed_weights_dirs() == {}
+    for bad in ("{scenes-: weights}", '["weights"]', '{"scenes-": 3}'):
+        monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", bad)
+        with pytest.raises(SystemExit, match="CAPTIONER_PREFIXED_WEIGHTS_DIRS"):
+            _prefixed_weights_dirs()

@@ -253,7 +253,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     from ..data.datasets import load_captioned, resolve_dataset
     from ..data.stores import open_feature_store
     from ..device import resolve_device, set_threads
-    from ..evaluation.tuning import best_rules, decoding_grid, markdown_table
+    from ..evaluation.tuning import best_row, best_rules, decoding_grid, markdown_table
 
     if args.write and args.split == "test":
         raise SystemExit("error: --write keeps the rules chosen on this split as the checkpoint's defaults: choose "
@@ -270,7 +270,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
     rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
                          args.max_len, device=str(device), training_captions=training_captions)
-    best = best_rules(rows, args.metric)
+    best, score = best_rules(rows, args.metric), best_row(rows, args.metric)[args.metric]
     columns = ["BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D", "REP", "distinct_words", "novel_captions", "mean_length"]
     table = markdown_table(rows, columns)
     print(table)
@@ -285,7 +285,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
         update_meta(args.checkpoint, decoding=asdict(best),
                     decoding_chosen_on={"dataset": str(dataset), "split": args.split, "metric": args.metric,
                                         "beam_size": args.beam_size, "images": len(images),
-                                        "score": max(row[args.metric] for row in rows),
+                                        "score": score,
                                         "storage": ckpt.storage})
         print(f"stored as the defaults of {args.checkpoint}")
 
@@ -435,6 +435,19 @@ def cmd_caption(args: argparse.Namespace) -> None:
     print(f"wrote {args.overlay}", file=sys.stderr)
 
 
+def _prefixed_weights_dirs() -> dict[str, str]:
+    """``CAPTIONER_PREFIXED_WEIGHTS_DIRS`` (a JSON object of name prefix → folder), or a clear error."""
+    text = os.environ.get("CAPTIONER_PREFIXED_WEIGHTS_DIRS") or "{}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"error: CAPTIONER_PREFIXED_WEIGHTS_DIRS is not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise SystemExit(f'error: CAPTIONER_PREFIXED_WEIGHTS_DIRS must be a JSON object such as '
+                         f'{{"scenes-": "weights"}}, not {text!r}')
+    return value
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
     from ..checkpoint import find_checkpoints
@@ -443,8 +456,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     set_threads(args.threads)
     weights_dir = None if args.checkpoints and not args.all else args.weights_dir
-    # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for
-    prefixed = json.loads(os.environ.get("CAPTIONER_PREFIXED_WEIGHTS_DIRS") or "{}") if weights_dir else {}
+    # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for (read
+    # here, not through the service's Settings: models/ never imports service/)
+    prefixed = _prefixed_weights_dirs() if weights_dir else {}
     found = find_checkpoints(weights_dir, args.checkpoints, prefixed)
     missing = [c for c in args.checkpoints if Path(c).name not in found]
     if missing:

@@ -36,9 +36,14 @@ def decoding_grid(ckpt, images: Sequence, store, penalties: Sequence[float] = DE
     return rows
 
 
+def best_row(rows: Sequence[dict[str, Any]], metric: str) -> dict[str, Any]:
+    """The grid's row with the highest ``metric``; ties to the smaller penalty, then to no blocking."""
+    return max(rows, key=lambda r: (r[metric], -r["length_penalty"], not r["block_trigrams"]))
+
+
 def best_rules(rows: Sequence[dict[str, Any]], metric: str) -> DecodingRules:
-    """The pair with the highest ``metric``; ties to the smaller penalty, then to no blocking."""
-    best = max(rows, key=lambda r: (r[metric], -r["length_penalty"], not r["block_trigrams"]))
+    """The decoding rules of :func:`best_row`."""
+    best = best_row(rows, metric)
     return DecodingRules(best["length_penalty"], best["block_trigrams"])
 
 
