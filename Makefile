@@ -317,6 +317,7 @@ check-f8k:
 # A stage starts from runs/INIT/best, or, where that run is not here, from the checkpoint it shipped as
 # (F8K_SHIPPED_INIT), so SAT-hard does not need SAT soft's 40 minutes again.
 F8K_SHIPPED_f8k-sat-blocks-256 := weights/flickr8k/sat
+F8K_SHIPPED_f8k-aoanet := weights/flickr8k/aoanet
 f8k_init = $(if $(wildcard runs/$(1)/best),runs/$(1)/best,$(or $(wildcard $(F8K_SHIPPED_$(1))),runs/$(1)/best))
 f8k-stage-%: check-f8k | $(STAMP)
 	@test -n "$(F8K_TRAIN_$*)" || { echo "no recipe F8K_TRAIN_$* in the Makefile"; exit 2; }
