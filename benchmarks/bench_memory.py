@@ -10,10 +10,11 @@ returned) and again after a short mixed load (``--requests`` captions spread ove
   start; left out with ``--onnx-dir``, which names a folder of current exports to use instead;
 * ``nine models``, ``five models``, ``one model``: later starts, with current exports.
 
-The nine-model set is the five shipped checkpoints plus four of them again under other names (``<name>-2``,
-symlinks): the zoo is going to ship nine checkpoints of the same encoder family, and another name costs what
-another model of that architecture costs.  Per-model cost: (nine − five) / 4; fixed cost: one model's resident set
-minus one per-model cost.
+The nine-model set is what ``make serve`` serves: the checkpoints of the service's default weights folder
+(``weights/flickr8k``, ``--weights`` for another), made up to nine with some of them again under other names
+(``<name>-2``, symlinks) where the folder holds fewer; another name costs what another model of that architecture
+costs.  The five-model set is the first five of them.  Per-model cost: (nine − five) / 4; fixed cost: one model's
+resident set minus one per-model cost.
 
 Usage: ``python benchmarks/bench_memory.py --json OUT.json [--compare BEFORE.json] [--out docs/benchmarks/memory.md]``.
 """
@@ -31,18 +32,18 @@ import time
 from pathlib import Path
 
 import httpx
-from common import default_model
+from common import default_model, served_default
 from reliability import SIZES, jpeg, post
 from servers import Server
 
 ROOT = Path(__file__).resolve().parents[1]
-WEIGHTS = ROOT / "weights"
+WEIGHTS = ROOT / Path(served_default()).parent  # the folder make serve serves (weights/flickr8k)
 OUT = ROOT / "docs" / "benchmarks" / "memory.md"
 DUPLICATED = ("aoanet", "xlan", "sat", "sparsecap-softmax")
 
 
 def weights_dir(root: Path, names: list[str]) -> Path:
-    """A folder of checkpoint symlinks: ``NAME`` → weights/NAME, ``NAME-2`` → weights/NAME."""
+    """A folder of checkpoint symlinks: ``NAME`` → WEIGHTS/NAME, ``NAME-2`` → WEIGHTS/NAME."""
     folder = root / f"weights-{len(names)}"
     folder.mkdir()
     for name in names:
@@ -50,11 +51,12 @@ def weights_dir(root: Path, names: list[str]) -> Path:
     return folder
 
 
-def measure(label: str, weights: Path, onnx_dir: Path, threads: str, requests: int, logs: Path) -> dict:
+def measure(label: str, weights: Path, onnx_dir: Path, threads: str, requests: int, logs: Path,
+            server_env: dict[str, str] | None = None) -> dict:
     started = time.perf_counter()
     server = Server(label, [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(weights)],
                     {"CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_THREADS": threads,
-                     "CAPTIONER_ONNX_DIR": str(onnx_dir)}, logs / f"memory-{label.split(' (')[0].replace(' ', '-')}.log")
+                     "CAPTIONER_ONNX_DIR": str(onnx_dir), **(server_env or {})}, logs / f"memory-{label.split(' (')[0].replace(' ', '-')}.log")
     try:
         server.wait_ready(timeout_s=3600)  # a start-up on a machine shared with training can take many minutes
         start_s = time.perf_counter() - started
@@ -79,27 +81,30 @@ def measure(label: str, weights: Path, onnx_dir: Path, threads: str, requests: i
         server.stop()
 
 
-def run(threads: str, requests: int, logs: Path, shared_with: str, save, onnx_dir: Path | None = None) -> dict:
+def run(threads: str, requests: int, logs: Path, shared_with: str, save, onnx_dir: Path | None = None,
+        server_env: dict[str, str] | None = None) -> dict:
     """Measure every configuration; ``save(results)`` after each, so that a long run interrupted keeps its rows."""
     shipped = sorted(p.name for p in WEIGHTS.iterdir() if (p / "model.safetensors").is_file())
     # the duplicated names that weights/ holds today (a retrained zoo may rename some), and the default model
-    twice = [f"{name}-2" for name in DUPLICATED if name in shipped]
-    nine, one = shipped + twice, default_model()
+    twice = [f"{name}-2" for name in DUPLICATED if name in shipped][:max(0, 9 - len(shipped))]
+    nine, five, one = shipped + twice, shipped[:5], default_model()
     results = {"rows": [], "conditions": f"{platform.machine()}, {os.cpu_count()} CPU cores shared with {shared_with}, "
-                                         f"CAPTIONER_THREADS={threads}, no GPU; {time.strftime('%Y-%m-%d')}"}
+                                         f"CAPTIONER_THREADS={threads}"
+                                         + "".join(f", {k}={v}" for k, v in (server_env or {}).items())
+                                         + f", no GPU; {time.strftime('%Y-%m-%d')}"}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         root = Path(tmp)
-        configurations = [(f"{len(nine)} models", len(nine)), (f"{len(shipped)} models (shipped)", len(shipped)),
+        configurations = [(f"{len(nine)} models", len(nine)), (f"{len(five)} models", len(five)),
                           (f"one model ({one})", 1)]
         if onnx_dir is None:
             onnx_dir = root / "onnx"
             configurations.insert(0, (f"first start ({len(nine)} models, exports made)", len(nine)))
-        folders = {len(names): weights_dir(root, names) for names in (nine, shipped, [one])}
+        folders = {len(names): weights_dir(root, names) for names in (nine, five, [one])}
         for label, models in configurations:
-            results["rows"].append(measure(label, folders[models], onnx_dir, threads, requests, logs))
+            results["rows"].append(measure(label, folders[models], onnx_dir, threads, requests, logs, server_env))
             save(results)
     by = {row["models"]: row for row in results["rows"] if not row["label"].startswith("first start")}
-    results["per_model_mib"] = (by[len(nine)]["ready_mib"] - by[len(shipped)]["ready_mib"]) / len(twice)
+    results["per_model_mib"] = (by[len(nine)]["ready_mib"] - by[len(five)]["ready_mib"]) / (len(nine) - len(five))
     results["fixed_mib"] = by[1]["ready_mib"] - results["per_model_mib"]
     save(results)
     return results
@@ -126,6 +131,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=18, help="captions after warm-up, one at a time")
     parser.add_argument("--shared-with", default="other work", help="what else ran on the machine (for the report)")
     parser.add_argument("--onnx-dir", type=Path, help="current exports to use (no first-start row)")
+    parser.add_argument("--server-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="settings every server gets, e.g. CAPTIONER_PAGE_OUT_GPU_LIBRARIES=false for a before row")
     parser.add_argument("--render", action="store_true", help="no run: write the document from --json (and --compare)")
     parser.add_argument("--logs", type=Path, default=ROOT / ".cache" / "reliability")
     args = parser.parse_args()
@@ -134,11 +141,13 @@ def main() -> None:
         results = json.loads(args.json.read_text())
     else:
         results = run(args.threads, args.requests, args.logs, args.shared_with,
-                      lambda partial: args.json.write_text(json.dumps(partial, indent=2)), args.onnx_dir)
+                      lambda partial: args.json.write_text(json.dumps(partial, indent=2)), args.onnx_dir,
+                      dict(item.split("=", 1) for item in args.server_env))
     lines = ["# Server memory by number of models", "",
              "Regenerated by `python benchmarks/bench_memory.py` (real `captioner serve` processes on localhost; see "
-             "the script's docstring for the configurations). Nine models: the five shipped checkpoints and four of "
-             "them again under other names.", ""]
+             "the script's docstring for the configurations). Nine models: what `make serve` serves, the nine "
+             "Flickr8k checkpoints of weights/flickr8k (the tables of earlier runs, before issue 28, counted the "
+             "five scene checkpoints of weights/ and four of them again under other names).", ""]
     if args.compare:
         lines += table(json.loads(args.compare.read_text()), args.compare_title)
     lines += table(results, "After" if args.compare else "This run")

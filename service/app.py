@@ -27,7 +27,7 @@ from captioner.models.device import set_threads
 
 from .batcher import Batcher
 from .lifecycle import DrainMiddleware, ShutdownGate
-from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, release_memory
+from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
 from .middleware import RequestContextMiddleware
 from .overlay import router as overlay_router
 from .problems import install_problem_handlers
@@ -106,6 +106,9 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     # frozen first, so that release_memory's own collection walks only what is left (next to nothing)
     log.info("%d start-up objects frozen out of the garbage collector", freeze_startup_objects())
     if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
+        if settings.page_out_gpu_libraries and not torch.cuda.is_available():  # and the CUDA libraries' pages,
+            # which nothing can run on this machine
+            await asyncio.to_thread(page_out_gpu_libraries)
         log.info("resident set after warm-up: %.0f MiB", await asyncio.to_thread(release_memory) / 2**20)
     state.ready = True
     state.metrics.ready.set(1)

@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     warmup: bool = Field(True, description="run the batcher over its batch shapes before reporting ready")
     release_memory: bool = Field(True, description="pin glibc's mmap threshold, cap its arenas and return freed "
                                  "memory after warm-up (service/memory.py)")
+    page_out_gpu_libraries: bool = Field(True, description="on a machine without a CUDA device, hand back the pages "
+                                         "of the CUDA libraries torch loads (about 250 MB) after warm-up")
     load_in_background: bool = Field(False, description="answer /healthz while models load; /readyz says when ready")
 
     # -- requests -----------------------------------------------------------------------------------------------
