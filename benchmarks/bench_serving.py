@@ -306,10 +306,10 @@ def upload_jpegs(model: str, count: int) -> tuple[list[bytes], str]:
     """What a user of ``model`` uploads, and how the report names it: photographs for a checkpoint trained on photos
     (the service's default since issue 28), generated 640×480 test scenes for one trained on the scenes, so every
     model is timed on the captions it would really write."""
-    from captioner.models.checkpoint import load_checkpoint
+    from captioner.models.checkpoint import read_config
     from captioner.models.data.datasets import CITATIONS, trained_on
 
-    if trained_on(load_checkpoint(checkpoint(model), "cpu").meta) == CITATIONS["scenes"]:
+    if trained_on(read_config(checkpoint(model)).get("meta", {})) == CITATIONS["scenes"]:
         return scene_jpegs(count), "generated 640×480 test scenes"
     return photo_jpegs(count), ("the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) and their "
                                 "mirror images")

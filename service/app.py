@@ -11,6 +11,7 @@ every batcher drain its queued and running requests (up to ``drain_timeout_s``),
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 from contextlib import asynccontextmanager
@@ -81,10 +82,11 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     load_args = (settings.weights_dir, settings.checkpoints, settings.device, settings.backends, settings.backend,
                  settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision,
                  settings.prefixed_weights_dirs)
-    if settings.backend != "torch" and unprepared(settings.weights_dir, settings.checkpoints, settings.onnx_dir,
-                                                  settings.prefixed_weights_dirs):
-        log.info("first start of some models: their ONNX exports are made in a child process")
-        await asyncio.to_thread(prepare_in_child, *load_args)
+    missing = [] if settings.backend == "torch" else unprepared(settings.weights_dir, settings.checkpoints,
+                                                                 settings.onnx_dir, settings.prefixed_weights_dirs)
+    if missing:
+        log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
+        await asyncio.to_thread(functools.partial(prepare_in_child, *load_args, only=missing))
     runtimes = await asyncio.to_thread(load_runtimes, *load_args)
     if not runtimes:
         searched = [str(settings.weights_dir), *map(str, settings.prefixed_weights_dirs.values())]

@@ -99,11 +99,11 @@ def page_out_gpu_libraries() -> int:
     where no CUDA device exists: a page touched again is simply read back); the bytes of mappings advised, 0 where
     /proc or madvise is not available."""
     libc = _libc()
+    if libc is None:
+        return 0
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return 0
-    if libc is None:
         return 0
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     advised = 0

@@ -32,6 +32,7 @@ import logging
 import multiprocessing
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -404,11 +405,12 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                   default_backend: str = "torch", onnx_dir: Path = Path(".cache/onnx"),
                   threads: int | None = None, precision: str = "float32",
                   encoder_precision: str = "float32",
-                  prefixed: dict[str, Path] | None = None) -> dict[str, Runtime]:
+                  prefixed: dict[str, Path] | None = None,
+                  only: Collection[str] | None = None) -> dict[str, Runtime]:
     """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix →
-    folder of checkpoints); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per model name
-    (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend with an
-    error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
+    folder of checkpoints; ``only``: just these names); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or
+    ``auto`` per model name (``default_backend`` for the rest).  A model that cannot be exported falls back to the
+    PyTorch backend with an error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
     is a PyTorch autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision``
     ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN)."""
     from captioner.models.export.onnx import ExportUnsupported
@@ -418,6 +420,8 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
     encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
     runtimes: dict[str, Runtime] = {}
     for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
+        if only is not None and name not in only:
+            continue
         try:
             ckpt = load_checkpoint(path, device)
         except (CheckpointError, KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:
@@ -458,7 +462,8 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
     return runtimes
 
 
-def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path, prefixed: dict[str, Path] | None = None) -> list[str]:
+def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path,
+               prefixed: dict[str, Path] | None = None) -> list[str]:
     """The models whose first start on ONNX Runtime is still to come: no reference captions recorded in
     ``onnx_dir`` for their weights (:func:`reference_captions`; the weights' sha256 read from each manifest, no
     checkpoint loaded).  Their start exports ONNX graphs and runs the PyTorch CNN once."""
@@ -466,17 +471,17 @@ def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path, prefixed: d
             if not (checksum := recorded_checksum(path)) or not reference_record(onnx_dir, checksum).is_file()]
 
 
-def prepare_in_child(*load_args) -> None:
-    """:func:`load_runtimes` with ``load_args`` in a spawned child process, which makes the ONNX exports and the
-    reference records and exits: the server's own process then starts as on any later start, without the PyTorch
-    CNN, the exporter's tracing or the heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
+def prepare_in_child(*load_args, only: Collection[str] | None = None) -> None:
+    """:func:`load_runtimes` with ``load_args`` in a spawned child process, for the models ``only`` names (the
+    :func:`unprepared` ones; all where None), which makes their ONNX exports and reference records and exits: the
+    server's own process then starts as on any later start, without the PyTorch CNN, the exporter's tracing or the
+    heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
     warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a child
     process").  A child that fails leaves the work to the server's own load, as before."""
     child = multiprocessing.get_context("spawn").Process(target=load_runtimes, args=load_args,
-                                                         name="captioner-prepare")
+                                                         kwargs={"only": only}, name="captioner-prepare")
     child.start()
     child.join()
     if child.exitcode != 0:
         log.warning("preparing the ONNX exports in a child process failed (exit code %s); preparing them here",
                     child.exitcode)
-

@@ -377,6 +377,21 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     assert loaded["a"].backend == "onnx"
 
 
+def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, monkeypatch):
+    """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
+    without loading the others (``only``)."""
+    from captioner.service import runtime as runtime_module
+
+    for name, seed in (("a", 0), ("b", 1)):
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    load_args = (tmp_path / "weights", [], "cpu", {}, "auto", tmp_path / "onnx", 1)
+    assert set(runtime_module.load_runtimes(*load_args, only=["a"])) == {"a"}
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == ["b"]
+    runtime_module.prepare_in_child(*load_args, only=["b"])
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == []
+
+
 def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
     """On a GPU the CNN runs batches padded to a power of two (``padded_batch``: a new input shape costs cuDNN
     seconds there); the padding rows must not change any caption.  Forced on here, on the CPU."""

@@ -253,7 +253,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     from ..data.datasets import load_captioned, resolve_dataset
     from ..data.stores import open_feature_store
     from ..device import resolve_device, set_threads
-    from ..evaluation.tuning import best_row, best_rules, decoding_grid, markdown_table
+    from ..evaluation.tuning import best_row, decoding_grid, markdown_table, rules_of
 
     if args.write and args.split == "test":
         raise SystemExit("error: --write keeps the rules chosen on this split as the checkpoint's defaults: choose "
@@ -270,7 +270,8 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
     rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
                          args.max_len, device=str(device), training_captions=training_captions)
-    best, score = best_rules(rows, args.metric), best_row(rows, args.metric)[args.metric]
+    chosen = best_row(rows, args.metric)
+    best, score = rules_of(chosen), chosen[args.metric]
     columns = ["BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D", "REP", "distinct_words", "novel_captions", "mean_length"]
     table = markdown_table(rows, columns)
     print(table)

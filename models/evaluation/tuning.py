@@ -41,10 +41,9 @@ def best_row(rows: Sequence[dict[str, Any]], metric: str) -> dict[str, Any]:
     return max(rows, key=lambda r: (r[metric], -r["length_penalty"], not r["block_trigrams"]))
 
 
-def best_rules(rows: Sequence[dict[str, Any]], metric: str) -> DecodingRules:
-    """The decoding rules of :func:`best_row`."""
-    best = best_row(rows, metric)
-    return DecodingRules(best["length_penalty"], best["block_trigrams"])
+def rules_of(row: dict[str, Any]) -> DecodingRules:
+    """The decoding rules a grid row was decoded with."""
+    return DecodingRules(row["length_penalty"], row["block_trigrams"])
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
