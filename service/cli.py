@@ -10,7 +10,9 @@ import signal
 import sys
 from pathlib import Path
 
-from captioner.models.cli.commands import DEFAULT_CHECKPOINT, add_commands, cmd_caption as caption_files
+from captioner.models.cli.commands import add_commands
+from captioner.models.cli.common import DEFAULT_CHECKPOINT
+from captioner.models.cli.inference import cmd_caption as caption_files
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

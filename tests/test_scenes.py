@@ -184,7 +184,7 @@ def test_varied_scenes_vary_and_stay_consistent(tmp_path):
 def test_small_objects_variation_draws_smaller_objects_and_leaves_the_standard_one_alone(tmp_path):
     """``--varied small-objects`` draws "small" objects below the standard variation's 4.5 % of the shorter side,
     down to 3 %; ``--varied`` alone still writes exactly the set the shipped checkpoints trained on."""
-    from captioner.models.cli.commands import cmd_data_generate
+    from captioner.models.cli.data import cmd_data_generate
     from captioner.models.data.scenes import VARIATIONS, Variation, is_current
 
     assert VARIATIONS["standard"] == Variation()

@@ -90,7 +90,7 @@ def test_every_recipe_loads_into_a_config_and_states_its_sources():
 
 
 def test_cli_flags_override_single_recipe_values():
-    from captioner.models.cli.commands import train_config_from_args
+    from captioner.models.cli.training import train_config_from_args
     from captioner.service.cli import build_parser
 
     args = build_parser().parse_args(["train", "--recipe", "aoanet", "--out", "x", "--lr", "1e-3", "--set",
@@ -114,7 +114,7 @@ def test_the_command_a_card_prints_gives_back_the_same_config(argv):
     import argparse
     import shlex
 
-    from captioner.models.cli.commands import add_train_config_arguments, train_config_from_args
+    from captioner.models.cli.training import add_train_config_arguments, train_config_from_args
     from captioner.models.training.recipes import command_line
 
     def parse(args):

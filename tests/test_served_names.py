@@ -115,7 +115,7 @@ def test_the_service_lists_and_captions_with_prefixed_models(weights):
 def test_export_reads_the_same_prefix_setting_and_refuses_a_malformed_one(monkeypatch):
     """``captioner export`` exports the prefixed folders under the service's names; a value that is not a JSON object
     of folders stops it with the variable named, not a traceback."""
-    from captioner.models.cli.commands import _prefixed_weights_dirs
+    from captioner.models.cli.inference import _prefixed_weights_dirs
 
     monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", '{"scenes-": "weights"}')
     assert _prefixed_weights_dirs() == {"scenes-": "weights"}

@@ -1,0 +1,78 @@
+"""Defaults and helpers that several groups of model-side ``captioner`` subcommands share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+#: the checkpoint that `make serve` serves by default (SAT soft trained on Flickr8k photos; the generated-scene
+#: SAT is weights/sat: docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")
+DEFAULT_CHECKPOINT = "weights/flickr8k/sat"
+
+DEFAULT_DATA = ".cache/scenes"
+
+
+class CommandGroup:
+    """The subcommands of one module, each added by its own function: ``add_commands`` (commands.py) adds them one
+    at a time because the groups interleave in the order ``captioner --help`` lists the subcommands."""
+
+    def __init__(self) -> None:
+        self._adders: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+
+    def command(self, name: str):
+        """Decorator: the function that adds subcommand ``name`` (its options and its ``func``) to ``sub``."""
+        def keep(add: Callable[[argparse._SubParsersAction], None]):
+            self._adders[name] = add
+            return add
+        return keep
+
+    def register(self, sub: argparse._SubParsersAction, name: str) -> None:
+        """Add this group's subcommand ``name`` to ``sub``."""
+        self._adders[name](sub)
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def key_values(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"error: expected KEY=VALUE, got {pair!r}")
+        out[key.replace("-", "_")] = parse_value(value)
+    return out
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    """The beam search's rules against short and repetitive captions (models/decoding.py, DecodingRules)."""
+    parser.add_argument("--length-penalty", type=float, metavar="ALPHA",
+                        help="GNMT length penalty α, 0 to 5 (default: the checkpoint's, chosen on validation by "
+                             "`captioner tune-decoding`; 0: none)")
+    parser.add_argument("--block-trigrams", action=argparse.BooleanOptionalAction, default=None,
+                        help="never repeat a word trigram within a caption (default: the checkpoint's)")
+
+
+def decoding_rules(ckpt, args: argparse.Namespace):
+    from ..decoding import DecodingRules
+
+    return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams)
+
+
+def load_training_captions(dataset, image_root) -> list[list[str]]:
+    """The captions a model was trained on (its data set's train split), for the share of its captions that are new."""
+    from ..data.datasets import load_captioned
+
+    return [r for im in load_captioned(dataset, image_root, ("train",), check_images=False) for r in im.references]
+
+
+def checkpoint_label(checkpoint: str | Path) -> str:
+    """A checkpoint's short name: its folder, or ``run/best`` for the folders a training run writes."""
+    path = Path(checkpoint)
+    return f"{path.parent.name}/{path.name}" if path.name in ("best", "last") else path.name

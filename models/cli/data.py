@@ -1,0 +1,100 @@
+"""``captioner data`` subcommands: the generated scenes, the OOD set, region features and the feature store."""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import DEFAULT_DATA, CommandGroup, key_values
+
+_group = CommandGroup()
+#: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
+register = _group.register
+
+
+def cmd_data_generate(args: argparse.Namespace) -> None:
+    from ..data.scenes import VARIATIONS, generate, is_current
+
+    sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
+    variation = VARIATIONS[args.varied] if args.varied else None
+    if args.if_stale and is_current(args.out, sizes, args.seed, variation):
+        print(f"{args.out} is up to date (same generator version, seed, sizes and variation)")
+        return
+    path = generate(args.out, sizes, seed=args.seed, workers=args.workers, variation=variation)
+    print(f"wrote {path}")
+
+
+def cmd_data_ood(args: argparse.Namespace) -> None:
+    from ..data.ood import generate_ood
+
+    print(f"wrote {generate_ood(args.out, args.images, seed=args.seed)}")
+
+
+def cmd_data_regions(args: argparse.Namespace) -> None:
+    from ..data.regions import write_scene_regions
+    from ..device import resolve_device
+    from ..encoder import EncoderSpec
+
+    out = write_scene_regions(args.dataset, args.out, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
+                              device=str(resolve_device(args.device)))
+    print(f"wrote region features to {out}; train on them with --features regions:{out}")
+
+
+def cmd_data_features(args: argparse.Namespace) -> None:
+    from ..data.features import extract_features
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..device import resolve_device
+    from ..encoder import EncoderSpec
+
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, tuple(args.split) if args.split else None)
+    store = extract_features(images, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
+                             batch_size=args.batch_size, device=str(resolve_device(args.device)),
+                             shard_size=args.shard_size)
+    print(f"{len(store)} images in {store.folder}")
+
+
+@_group.command("data")
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
+    gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
+    gen.add_argument("--out", default=DEFAULT_DATA)
+    gen.add_argument("--train", type=int, default=6000)
+    gen.add_argument("--val", type=int, default=500)
+    gen.add_argument("--test", type=int, default=500)
+    gen.add_argument("--heldout", type=int, default=500)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--workers", type=int, default=2)
+    from ..data.scenes import VARIATIONS
+
+    gen.add_argument("--varied", nargs="?", const="standard", choices=sorted(VARIATIONS), metavar="NAME",
+                     help="varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG): "
+                          "the training-time augmentation for robustness; write them to their own --out. NAME: "
+                          f"{', '.join(sorted(VARIATIONS))} (default standard)")
+    gen.add_argument("--if-stale", action="store_true",
+                     help="do nothing when --out already holds this generator version's dataset for these settings")
+    gen.set_defaults(func=cmd_data_generate)
+    ood = data.add_parser("ood", help="the out-of-distribution test set: scenes drawn by a separate renderer "
+                          "(other canvases, backgrounds, colours, anti-aliasing, JPEG); split 'ood'")
+    ood.add_argument("--out", default=".cache/ood")
+    ood.add_argument("--images", type=int, default=500)
+    ood.add_argument("--seed", type=int, default=0)
+    ood.set_defaults(func=cmd_data_ood)
+    reg = data.add_parser("regions", help="region features (.npz per image) for the generated scenes: object "
+                          "masks pooled over the frozen encoder's grid, a detector stand-in")
+    reg.add_argument("--dataset", default=DEFAULT_DATA, help="scene folder or its dataset_scenes.json")
+    reg.add_argument("--out", required=True, help="folder for the .npz files (then: train --features regions:OUT)")
+    reg.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
+    reg.add_argument("--cache-dir", default=".cache/features")
+    reg.add_argument("--device", default="auto")
+    reg.set_defaults(func=cmd_data_regions)
+    fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
+                                          "run once before multi-machine training)")
+    fe.add_argument("--dataset", default=DEFAULT_DATA, help="Karpathy JSON, or a folder with dataset_scenes.json")
+    fe.add_argument("--image-root")
+    fe.add_argument("--split", action="append", help="split(s) to extract (default: all)")
+    fe.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
+    fe.add_argument("--cache-dir", default=".cache/features")
+    fe.add_argument("--batch-size", type=int, default=32)
+    fe.add_argument("--shard-size", type=int, default=1024)
+    fe.add_argument("--device", default="auto")
+    fe.set_defaults(func=cmd_data_features)

@@ -1,0 +1,390 @@
+"""Evaluation and reporting subcommands: eval, resolution-check, compare, card, plot, params, the docs' tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_decoding_options, checkpoint_label,
+                     decoding_rules, load_training_captions)
+
+_group = CommandGroup()
+#: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
+register = _group.register
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from ..checkpoint import load_checkpoint
+    from ..data.stores import open_feature_store
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..device import resolve_device, set_threads
+    from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
+    from ..training import evaluate_checkpoint
+
+    set_threads(args.threads)
+    grounding, entities = _grounding_benchmark(args.grounding)
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint, device)
+    dataset, image_root = args.dataset or DEFAULT_DATA, args.image_root
+    trained_on = ckpt.meta.get("train_config", {})
+    if args.dataset is None and entities is not None and trained_on.get("dataset"):
+        # Entities annotate the photos the model was trained on: by default its own data set's split
+        dataset, image_root = trained_on["dataset"], image_root or trained_on.get("image_root")
+    dataset = resolve_dataset(dataset)
+    rules = decoding_rules(ckpt, args)
+    report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
+                              "decoding": asdict(rules), "encoder_precision": args.encoder_precision}
+    training_captions = load_training_captions(dataset, image_root)
+    coco_results: list[dict[str, Any]] = []
+    for split in args.split or ["test"]:
+        images = load_captioned(dataset, image_root, (split,), limit=args.limit)
+        if not images:
+            raise SystemExit(f"error: split {split!r} of {dataset} is empty")
+        # by default the features the model was trained on (grid, or regions:DIR)
+        features = args.features or ckpt.meta.get("train_config", {}).get("features")
+        if args.encoder_precision == "float32":
+            store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
+        else:
+            store = _onnx_feature_store(args, images, ckpt, features)
+        metrics = [m for m in ALL_METRICS if not (args.no_meteor and m == "METEOR")]
+        if grounding:
+            # one beam search gives both the captions that are scored and the attention rows that are grounded
+            from ..evaluation.evaluate import score_dataset
+            from ..evaluation.grounding import caption_with_attention, grounding_report
+
+            results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device),
+                                             progress=True, rules=rules)
+            captions = {im.image_id: r.tokens for im, r in zip(images, results)}
+            scores = score_dataset(captions, images, metrics, training_captions)
+        else:
+            scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
+                                                   device=str(device), rules=rules,
+                                                   training_captions=training_captions)
+        report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
+        report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
+        if grounding == "scenes":
+            report[split]["grounding"] = grounding_report(ckpt, images, results, dataset.parent,
+                                                          args.grounding_resamples)
+        elif grounding == "entities":
+            report[split]["grounding"] = _entities_section(ckpt, images, store, entities, results, args, str(device))
+        for im in images[: args.show]:
+            print(f"  {im.path.name}: {' '.join(captions[im.image_id])}", file=sys.stderr)
+        # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid"
+        coco_results += [{"image_id": int(im.info.get("cocoid", im.image_id)), "caption": " ".join(captions[im.image_id])}
+                         for im in images]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    if args.results_json:  # the COCO caption-evaluation results format
+        Path(args.results_json).write_text(json.dumps(coco_results) + "\n")
+        print(f"wrote {len(coco_results)} captions to {args.results_json}", file=sys.stderr)
+
+
+def _grounding_benchmark(value: str | None) -> tuple[str | None, Path | None]:
+    """``--grounding`` (the scenes' masks) or ``--grounding entities:DIR`` (Flickr30k Entities boxes), checked
+    before any work is done."""
+    if value is None or value == "scenes":
+        return value, None
+    kind, _, where = value.partition(":")
+    if kind != "entities" or not where:
+        raise SystemExit(f"error: --grounding takes no value (the scenes' masks) or entities:DIR, got {value!r}")
+    if not ((Path(where) / "Sentences").is_dir() and (Path(where) / "Annotations").is_dir()):
+        raise SystemExit(f"error: {where} is not a Flickr30k Entities folder (no Sentences/ and Annotations/)")
+    return kind, Path(where)
+
+
+def _entities_section(ckpt, images, store, entities: Path, results, args: argparse.Namespace, device: str) -> dict:
+    """The Flickr30k Entities grounding of one split, its tables printed to stderr (stdout stays the JSON)."""
+    from ..data.entities import EntitiesFormatError
+    from ..evaluation.phrase_grounding import entities_grounding, summary_table, type_table
+
+    try:
+        section = entities_grounding(ckpt, images, store, entities, results, resamples=args.grounding_resamples,
+                                     device=device)
+    except (EntitiesFormatError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    name = checkpoint_label(args.checkpoint)
+    print(f"\nattention grounding, Flickr30k Entities (Plummer et al., arXiv:1505.04870), {section['photos']} photos:\n"
+          f"{summary_table([(name, section)])}\n\nper phrase type, references teacher-forced:\n"
+          f"{type_table([(name, section)])}\n", file=sys.stderr)
+    return section
+
+
+def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str | None):
+    """Grid features of the CNN at ``--encoder-precision`` on ONNX Runtime, as the service computes them with
+    CAPTIONER_ENCODER_PRECISION; cached apart from the float features (the cache is keyed by spec, not by CNN)."""
+    from ..data.features import extract_features
+    from ..export.quantize import RECIPE, OnnxGridEncoder, visual_encoder_file
+
+    if (features or "grid") != "grid":
+        raise SystemExit("error: --encoder-precision applies to grid features, not " + str(features))
+    path = visual_encoder_file(ckpt.encoder, args.onnx_dir, args.encoder_precision)
+    return extract_features(images, ckpt.encoder, Path(args.cache_dir) / f"onnx-{args.encoder_precision}-{RECIPE}",
+                            encoder=OnnxGridEncoder(path, ckpt.encoder, args.threads))
+
+
+@_group.command("eval")
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser("eval", help="BLEU-1..4, METEOR, ROUGE-L, CIDEr-D of a checkpoint on a split")
+    ev.add_argument("checkpoint")
+    ev.add_argument("--dataset", help=f"Karpathy JSON or scenes folder (default: {DEFAULT_DATA}; with --grounding "
+                    "entities:DIR, the data set the checkpoint was trained on)")
+    ev.add_argument("--image-root")
+    ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
+    ev.add_argument("--beam-size", type=int, default=3)
+    ev.add_argument("--max-len", type=int, default=20)
+    add_decoding_options(ev)
+    ev.add_argument("--limit", type=int)
+    ev.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java)")
+    ev.add_argument("--show", type=int, default=0, help="print this many captions")
+    ev.add_argument("--cache-dir", default=".cache/features")
+    ev.add_argument("--features", metavar="grid|regions:DIR", help="visual items (default: the training run's)")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--threads", type=int)
+    ev.add_argument("--encoder-precision", choices=("float32", "int8"), default="float32",
+                    help="int8: grid features from the CNN quantized for ONNX Runtime, as the service computes them "
+                    "with CAPTIONER_ENCODER_PRECISION=int8 (default: the float PyTorch CNN)")
+    ev.add_argument("--onnx-dir", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
+                    help="where the ONNX CNN is exported and quantized (with --encoder-precision int8)")
+    ev.add_argument("--output", help="also write the JSON report here")
+    ev.add_argument("--results-json", metavar="FILE",
+                    help='also write the captions in the COCO results format [{"image_id", "caption"}] here')
+    ev.add_argument("--grounding", nargs="?", const="scenes", metavar="entities:DIR",
+                    help="also score attention grounding: alone, on the scenes' object masks (mass in object, "
+                         "pointing hit, area-normalised ratio per word class); entities:DIR, on the Flickr30k "
+                         "Entities boxes of real photos (attention correctness, pointing hit, ratio per phrase type; "
+                         "references teacher-forced and the model's own captions); 95%% bootstrap intervals and "
+                         "chance rows either way")
+    ev.add_argument("--grounding-resamples", type=int, default=2000, help="bootstrap resamples over images")
+    ev.set_defaults(func=cmd_eval, split=None)
+
+
+def cmd_resolution_check(args: argparse.Namespace) -> None:
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..device import resolve_device, set_threads
+    from ..evaluation.resolution import resolution_check
+    from ..pipeline import Pipeline
+
+    set_threads(args.threads)
+    pipeline = Pipeline(args.checkpoint, resolve_device(args.device))
+    images = load_captioned(resolve_dataset(args.dataset), args.image_root, (args.split,))
+    report = resolution_check(pipeline, images, Path(args.full_root), args.beam_size, args.max_len,
+                              decoding_rules(pipeline.ckpt, args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+
+
+@_group.command("resolution-check")
+def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
+    rc = sub.add_parser("resolution-check", help="caption the full-size originals of a split's photos and their "
+                        "small copies with the service's preprocessing; scores of both against the same references")
+    rc.add_argument("checkpoint")
+    rc.add_argument("--dataset", default=DEFAULT_DATA)
+    rc.add_argument("--image-root", help="the data set's copies of the photos")
+    rc.add_argument("--full-root", required=True, help="folder of full-size originals, matched by file name")
+    rc.add_argument("--split", default="test")
+    rc.add_argument("--beam-size", type=int, default=3)
+    rc.add_argument("--max-len", type=int, default=20)
+    add_decoding_options(rc)
+    rc.add_argument("--device", default="auto")
+    rc.add_argument("--threads", type=int)
+    rc.add_argument("--output", help="also write the JSON report here")
+    rc.set_defaults(func=cmd_resolution_check)
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..evaluation.compare import compare_captions, markdown
+
+    dataset = resolve_dataset(args.dataset)
+    images = load_captioned(dataset, args.image_root, (args.split,), check_images=False)
+    if not images:
+        raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
+    sides = []
+    for path in args.results:
+        try:
+            sides.append({int(r["image_id"]): str(r["caption"]) for r in json.loads(Path(path).read_text())})
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise SystemExit(f"error: {path} is not a COCO results file [{{\"image_id\", \"caption\"}}]: {exc}")
+    try:
+        result = compare_captions(sides[0], sides[1], images, args.resamples)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+    names = args.names or [Path(p).stem for p in args.results]
+    report = {"dataset": str(dataset), "split": args.split, "a": names[0], "b": names[1], **result}
+    print(markdown(result, *names))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+
+
+@_group.command("compare")
+def _add_compare(sub: argparse._SubParsersAction) -> None:
+    cmp = sub.add_parser("compare", help="paired comparison of two checkpoints' captions of the same split: CIDEr-D "
+                         "and objects_named of each, and the difference with a paired-bootstrap 95%% interval")
+    cmp.add_argument("results", nargs=2, metavar="RESULTS.json",
+                     help="captions of A and of B, as `captioner eval --results-json` writes them")
+    cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
+    cmp.add_argument("--dataset", default=DEFAULT_DATA)
+    cmp.add_argument("--image-root")
+    cmp.add_argument("--split", default="test")
+    cmp.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
+    cmp.add_argument("--output", help="also write the JSON here")
+    cmp.set_defaults(func=cmd_compare)
+
+
+def cmd_card(args: argparse.Namespace) -> None:
+    """Write a checkpoint's MODEL_CARD.md from its training record and a `captioner eval --output` report."""
+    from ..evaluation.card import write_card
+
+    from ..evaluation.card import merge_reports
+
+    notes = Path(args.notes).read_text() if args.notes else ""
+    report = merge_reports([json.loads(Path(path).read_text()) for path in args.report])
+    print(f"wrote {write_card(args.checkpoint, report, args.title, notes)}")
+
+
+@_group.command("card")
+def _add_card(sub: argparse._SubParsersAction) -> None:
+    cd = sub.add_parser("card", help="write a checkpoint's MODEL_CARD.md from its training record and an eval report")
+    cd.add_argument("checkpoint")
+    cd.add_argument("--report", required=True, action="append",
+                    help="the JSON written by `captioner eval --output` (repeatable: e.g. test + held-out, then the "
+                         "OOD set; a later report's split replaces an earlier one of the same name)")
+    cd.add_argument("--title")
+    cd.add_argument("--notes", metavar="FILE", help="a Markdown file appended as the card's Notes section")
+    cd.set_defaults(func=cmd_card)
+
+
+def cmd_plot(args: argparse.Namespace) -> None:
+    """Loss, learning rate and validation metrics of one or more training runs, overlaid, to a PNG."""
+    from ..training.curves import plot_runs
+
+    try:
+        print(f"wrote {plot_runs(args.runs, args.out, args.label)}")
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+@_group.command("plot")
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser("plot", help="training curves of runs (metrics.jsonl): loss, learning rate and validation "
+                        "metrics per epoch, several runs overlaid, to PNG")
+    pl.add_argument("runs", nargs="+", metavar="RUN", help="training run folders (--out of `captioner train`)")
+    pl.add_argument("--out", default="curves.png", help="PNG to write")
+    pl.add_argument("--label", action="append", help="legend name per run (default: the folder names)")
+    pl.set_defaults(func=cmd_plot)
+
+
+def cmd_params(args: argparse.Namespace) -> None:
+    from ..evaluation.params import parameter_table
+
+    for name, count in parameter_table(args.vocab_size).items():
+        print(f"{name:16s} {count:>14,d}")
+
+
+@_group.command("params")
+def _add_params(sub: argparse._SubParsersAction) -> None:
+    pa = sub.add_parser("params", help="parameter counts of every model at the papers' sizes")
+    pa.add_argument("--vocab-size", type=int, default=10369)
+    pa.set_defaults(func=cmd_params)
+
+
+def _real_photo_page_options(parser: argparse.ArgumentParser, results: str, results_help: str, document: str,
+                             markers: str) -> None:
+    """The options of a page generated from the real-photo checkpoints' reports (zoo-f8k, grounding-doc)."""
+    parser.add_argument("--weights-dir", default=str(Path(DEFAULT_CHECKPOINT).parent),
+                        help="the real-photo checkpoints' folder")
+    parser.add_argument("--results", default=results, help=results_help)
+    parser.add_argument("--document", default=document, help=f"written between its {markers} markers")
+
+
+def cmd_zoo_table(args: argparse.Namespace) -> None:
+    from ..evaluation.zoo_table import write_zoo
+
+    dataset = Path(args.dataset)
+    dataset = dataset / "dataset_scenes.json" if dataset.is_dir() else dataset
+    print(write_zoo(Path(args.weights_dir), Path(args.results), Path(args.document), Path(args.figure), dataset,
+                    args.baseline))
+
+
+@_group.command("zoo-table")
+def _add_zoo_table(sub: argparse._SubParsersAction) -> None:
+    zt = sub.add_parser("zoo-table", help="write docs/model_zoo.md's table of every checkpoint (and the grounding "
+                        "table and figure) from the checkpoints' training records and `captioner eval` reports")
+    zt.add_argument("--weights-dir", default="weights")
+    zt.add_argument("--results", default="docs/results", help="folder of eval reports NAME.json / NAME.*.json")
+    zt.add_argument("--document", default="docs/model_zoo.md", help="written between its zoo-table markers")
+    zt.add_argument("--figure", default="docs/figures/grounding.png")
+    zt.add_argument("--dataset", default=DEFAULT_DATA,
+                    help="the scenes whose test split the captions in RESULTS/captions/ describe: every checkpoint "
+                    "against --baseline, paired (skipped when missing)")
+    zt.add_argument("--baseline", default=Path(DEFAULT_CHECKPOINT).name, help="checkpoint the others are compared with")
+    zt.set_defaults(func=cmd_zoo_table)
+
+
+def cmd_zoo_f8k(args: argparse.Namespace) -> None:
+    from ..evaluation.zoo_f8k import write_f8k_section
+
+    try:
+        print(write_f8k_section(Path(args.weights_dir), Path(args.results), Path(args.document), args.dataset,
+                                args.image_root, args.split, args.baseline, args.resamples))
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+@_group.command("zoo-f8k")
+def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
+    zf = sub.add_parser("zoo-f8k", help="write docs/model_zoo.md's Flickr8k table (scores, the papers' rows, "
+                        "paired-bootstrap differences from --baseline, the issue's floors) from `captioner eval` "
+                        "reports and captions")
+    _real_photo_page_options(zf, "docs/results/flickr8k", "folder of eval reports NAME.json and their captions "
+                             "captions/NAME.json", "docs/model_zoo.md", "zoo-f8k")
+    zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
+    zf.add_argument("--dataset", help="the Karpathy JSON (or Flickr8k text folder) whose references the captions "
+                    "are scored against")
+    zf.add_argument("--image-root")
+    zf.add_argument("--split", default="test")
+    zf.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
+    zf.set_defaults(func=cmd_zoo_f8k)
+
+
+def cmd_grounding_doc(args: argparse.Namespace) -> None:
+    from ..device import resolve_device, set_threads
+    from ..evaluation.grounding_doc import real_photo_checkpoints, write_grounding_doc
+
+    weights = Path(args.weights_dir)
+    if not weights.is_dir():
+        raise SystemExit(f"error: {weights} is not a folder of checkpoints")
+    if args.list:
+        print("\n".join(str(c) for c in real_photo_checkpoints(weights)))
+        return
+    set_threads(args.threads)
+    print(write_grounding_doc(weights, Path(args.results), Path(args.document), Path(args.figure),
+                              Path(args.examples), Path(args.scene_results), str(resolve_device(args.device))))
+
+
+@_group.command("grounding-doc")
+def _add_grounding_doc(sub: argparse._SubParsersAction) -> None:
+    gd = sub.add_parser("grounding-doc", help="write docs/grounding.md's tables and figures (Flickr30k Entities "
+                        "grounding of every real-photo checkpoint) from `captioner eval --grounding entities:DIR` "
+                        "reports; `make grounding` runs those first")
+    _real_photo_page_options(gd, "docs/results/grounding", "folder of the eval reports NAME.json",
+                             "docs/grounding.md", "grounding")
+    gd.add_argument("--list", action="store_true",
+                    help="only print the real-photo checkpoints (trained on a Flickr Karpathy JSON), one a line")
+    gd.add_argument("--figure", default="docs/figures/grounding_entities.png")
+    gd.add_argument("--examples", default="docs/figures/grounding_entities_heatmaps.png",
+                    help="the side-by-side heatmaps of the softmax, sparsemax and TVmax checkpoints")
+    gd.add_argument("--scene-results", default="docs/results",
+                    help="the scene reports whose SparseCap grounding the closing note compares with")
+    gd.add_argument("--device", default="auto")
+    gd.add_argument("--threads", type=int)
+    gd.set_defaults(func=cmd_grounding_doc)

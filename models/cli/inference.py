@@ -1,0 +1,261 @@
+"""Captioning and checkpoint subcommands: caption, export, import (authors' checkpoints), storage, manifest, models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .common import DEFAULT_CHECKPOINT, CommandGroup, add_decoding_options, checkpoint_label, decoding_rules
+
+_group = CommandGroup()
+#: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
+register = _group.register
+
+
+def cmd_caption(args: argparse.Namespace) -> None:
+    """Caption images with one checkpoint or several (``--checkpoint`` repeated: a side-by-side comparison)."""
+    from ..device import resolve_device, set_threads
+    from ..encoder import ImageDecodeError
+    from ..pipeline import Pipeline
+    from ..rendering.heatmaps import FigureRow, RenderError, caption_figure, comparison_figure, overlay
+
+    set_threads(args.threads)
+    checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
+    if args.overlay and len(args.images) != 1:
+        raise SystemExit("error: --overlay takes exactly one image")
+    if args.token is not None and len(checkpoints) > 1:
+        raise SystemExit("error: --token renders one checkpoint's word; drop it to compare checkpoints")
+    device = resolve_device(args.device)
+    runs = []
+    for checkpoint in checkpoints:
+        try:
+            pipeline = Pipeline(checkpoint, device)
+            results = pipeline(args.images, beam_size=args.beam_size, max_len=args.max_len,
+                               rules=decoding_rules(pipeline.ckpt, args))
+        except (ImageDecodeError, FileNotFoundError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        runs.append((checkpoint_label(checkpoint), results))
+        for path, result in zip(args.images, results):
+            hyp = result.hypothesis
+            if args.json:
+                print(json.dumps({"image": str(path), "checkpoint": str(checkpoint), "caption": " ".join(result.words),
+                                  "tokens": result.tokens, "token_logprobs": [round(v, 5) for v in hyp.token_logprobs],
+                                  "geometry": result.geometry.to_json(),
+                                  "attention": [[round(v, 6) for v in row] for row in hyp.attention.tolist()]}))
+            else:
+                label = f" [{checkpoint_label(checkpoint)}]" if len(checkpoints) > 1 else ""
+                print(f"{path}{label}: {' '.join(result.words)}")
+    if not args.overlay:
+        return
+    try:
+        if len(runs) > 1:
+            picture = comparison_figure(runs[0][1][0].image, [
+                FigureRow(name, r.tokens, r.hypothesis.attention.numpy(), r.geometry, r.area_boxes, args.mode)
+                for name, (r,) in runs], args.cmap, args.alpha)
+        else:
+            (result,) = runs[0][1]
+            if args.token is None:
+                picture = caption_figure(result.image, result.tokens, result.hypothesis.attention.numpy(),
+                                         result.geometry, args.mode, args.cmap, args.alpha, area_boxes=result.area_boxes)
+            else:
+                if not 0 <= args.token < len(result.tokens):
+                    raise RenderError(f"--token {args.token} is out of range (0..{len(result.tokens) - 1})")
+                picture = overlay(result.image, result.hypothesis.attention[args.token].numpy(), result.geometry,
+                                  args.mode, args.cmap, args.alpha, result.area_boxes)
+    except RenderError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    picture.save(args.overlay)
+    print(f"wrote {args.overlay}", file=sys.stderr)
+
+
+@_group.command("caption")
+def _add_caption(sub: argparse._SubParsersAction) -> None:
+    cap = sub.add_parser("caption", help="caption image files, optionally rendering the attention (no server)")
+    cap.add_argument("images", nargs="+")
+    cap.add_argument("--checkpoint", action="append",
+                     help=f"checkpoint folder (default {DEFAULT_CHECKPOINT}); repeat it to compare checkpoints side by "
+                          "side, one figure row each")
+    cap.add_argument("--beam-size", type=int, default=3)
+    cap.add_argument("--max-len", type=int, default=20)
+    add_decoding_options(cap)
+    cap.add_argument("--overlay", metavar="OUT.png", help="write the per-word figure (or one word with --token)")
+    cap.add_argument("--token", type=int, help="render only this token's heatmap")
+    cap.add_argument("--mode", help="grid_smooth, grid_blocks, region_sum, top1_box, area_topk (default: by model)")
+    cap.add_argument("--cmap", default="jet")
+    cap.add_argument("--alpha", type=float, default=0.5)
+    cap.add_argument("--json", action="store_true", help="print the full result as JSON lines")
+    cap.add_argument("--device", default="auto")
+    cap.add_argument("--threads", type=int)
+    cap.set_defaults(func=cmd_caption)
+
+
+def _prefixed_weights_dirs() -> dict[str, str]:
+    """``CAPTIONER_PREFIXED_WEIGHTS_DIRS`` (a JSON object of name prefix → folder), or a clear error."""
+    text = os.environ.get("CAPTIONER_PREFIXED_WEIGHTS_DIRS") or "{}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"error: CAPTIONER_PREFIXED_WEIGHTS_DIRS is not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise SystemExit(f'error: CAPTIONER_PREFIXED_WEIGHTS_DIRS must be a JSON object such as '
+                         f'{{"scenes-": "weights"}}, not {text!r}')
+    return value
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
+    from ..checkpoint import find_checkpoints
+    from ..device import set_threads
+    from ..export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
+
+    set_threads(args.threads)
+    weights_dir = None if args.checkpoints and not args.all else args.weights_dir
+    # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for (read
+    # here, not through the service's Settings: models/ never imports service/)
+    prefixed = _prefixed_weights_dirs() if weights_dir else {}
+    found = find_checkpoints(weights_dir, args.checkpoints, prefixed)
+    missing = [c for c in args.checkpoints if Path(c).name not in found]
+    if missing:
+        raise SystemExit(f"error: not a checkpoint folder: {', '.join(missing)}")
+    if not found:
+        raise SystemExit(f"error: no checkpoint found in {args.weights_dir}")
+    out = Path(args.out)
+
+    def report(name: str, result) -> None:
+        if isinstance(result, ExportUnsupported):
+            print(f"{name}: NOT EXPORTED: {result}")
+            return
+        sizes = ", ".join(f"{f} {(out / name / f).stat().st_size / 1e6:.1f} MB"
+                          for f in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
+        diffs = ", ".join(f"{k} {v:.1e}" for k, v in sorted(result.max_abs_diff.items()))
+        grows = {k: v for k, v in result.growing_dims.items() if v}
+        print(f"{name}: {out / name} ({sizes}); verified against PyTorch, max |diff|: {diffs}"
+              + (f"; growing state dims {grows}" if grows else ""))
+
+    results = export_checkpoints(found, out, log=report)
+    failed = [name for name, result in results.items() if isinstance(result, ExportUnsupported)]
+    if failed and args.strict:
+        raise SystemExit(1)
+
+
+@_group.command("export")
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    ex = sub.add_parser("export", help="export checkpoints to ONNX (encoder, encoder-head and decoder-step graphs) for the "
+                        "service's ONNX Runtime backend")
+    ex.add_argument("checkpoints", nargs="*", help="checkpoint folders (default: every one in --weights-dir)")
+    ex.add_argument("--weights-dir", default=os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights/flickr8k"),
+                    help="export every checkpoint below it (CAPTIONER_WEIGHTS_DIR; also every one below the "
+                    "folders of CAPTIONER_PREFIXED_WEIGHTS_DIRS, under the service's names)")
+    ex.add_argument("--all", action="store_true", help="with named checkpoints: also every one in --weights-dir")
+    ex.add_argument("--out", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
+                    help="one folder per model is written below it (CAPTIONER_ONNX_DIR, where the service looks)")
+    ex.add_argument("--strict", action="store_true", help="exit 1 when any model cannot be exported")
+    ex.add_argument("--threads", type=int)
+    ex.set_defaults(func=cmd_export)
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from ..checkpoint import save_checkpoint
+    from ..encoder import EncoderSpec
+    from ..interop.aoanet import convert_aoanet
+    from ..interop.common import ConversionError
+    from ..interop.safe_pickle import UnsafePickleError
+    from ..interop.xlan import CONVERTERS
+
+    from ..interop.sgrvinod import ENCODER_FILE, convert_sgrvinod, encoder_file
+
+    files, spec = {}, EncoderSpec()
+    try:
+        if args.kind == "aoanet":
+            model, vocab, meta = convert_aoanet(args.weights, args.infos)
+        elif args.kind == "sgrvinod":
+            model, vocab, spec, trunk, meta = convert_sgrvinod(args.checkpoint, args.word_map)
+            files = {ENCODER_FILE: encoder_file(trunk)}
+        else:
+            model, vocab, meta = CONVERTERS[args.kind](args.checkpoint, args.vocab)
+    except (ConversionError, UnsafePickleError, OSError) as error:
+        raise SystemExit(f"error: {error}") from None
+    out = save_checkpoint(args.out, model, vocab, spec, meta, files=files)
+    if args.kind == "sgrvinod":  # images in, like the shipped checkpoints
+        print(f"wrote {out} ({model.arch}, {len(vocab)} tokens, {spec.backbone} encoder); caption with "
+              f"captioner caption IMAGE --checkpoint {out}, or serve its folder")
+    else:
+        print(f"wrote {out} ({model.arch}, {len(vocab)} tokens); evaluate it with "
+              f"captioner eval {out} --features regions:DIR")
+
+
+@_group.command("import")
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    im = sub.add_parser("import", help="convert an author-released checkpoint into this project's format")
+    kinds = im.add_subparsers(dest="kind", required=True, metavar="KIND")
+    ao = kinds.add_parser("aoanet", help="github.com/husthuaan/AoANet: model-best.pth + infos_*-best.pkl")
+    ao.add_argument("--weights", required=True, help="the authors' .pth (read with torch.load(weights_only=True))")
+    ao.add_argument("--infos", required=True, help="AoANet's infos_*.pkl (read with a restricted unpickler)")
+    for kind, model in (("xlan", "X-LAN"), ("xtransformer", "X-Transformer")):
+        xl = kinds.add_parser(kind, help=f"github.com/JDAI-CV/image-captioning {model}: caption_model_*.pth + "
+                                         "coco_vocabulary.txt")
+        xl.add_argument("--checkpoint", "--weights", required=True, dest="checkpoint",
+                        help="the authors' caption_model_*.pth (read with torch.load(weights_only=True))")
+        xl.add_argument("--vocab", required=True, help="their vocabulary text file, one word per line")
+    sg = kinds.add_parser("sgrvinod", help="github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning (Show, Attend "
+                                           "and Tell): BEST_checkpoint_*.pth.tar + WORDMAP_*.json")
+    sg.add_argument("checkpoint", metavar="CHECKPOINT", help="the tutorial's checkpoint (its pickled modules are read "
+                                                            "with an allow-list of stand-ins, never run)")
+    sg.add_argument("word_map", metavar="WORDMAP", help="its WORDMAP_*.json (word → index)")
+    for parser in kinds.choices.values():
+        parser.add_argument("--out", required=True, help="checkpoint folder to write")
+        parser.set_defaults(func=cmd_import)
+
+
+def cmd_storage(args: argparse.Namespace) -> None:
+    from ..checkpoint import WEIGHTS, restore
+
+    out = restore(args.checkpoint, args.dtype, args.out)
+    print(f"{out}: weights stored as {args.dtype}, {(out / WEIGHTS).stat().st_size / 2**20:.1f} MiB")
+
+
+@_group.command("storage")
+def _add_storage(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser("storage", help="write a checkpoint again with its weights stored as float16 (half the "
+                        "bytes; loading casts them back) or float32; compare `captioner eval` before and after")
+    st.add_argument("checkpoint")
+    st.add_argument("dtype", choices=("float16", "float32"))
+    st.add_argument("--out", help="write the result here instead of in place")
+    st.set_defaults(func=cmd_storage)
+
+
+def cmd_manifest(args: argparse.Namespace) -> None:
+    """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
+    from ..checkpoint import CheckpointError, is_checkpoint, read_config, write_manifest
+
+    for folder in map(Path, args.checkpoints):
+        if not is_checkpoint(folder):
+            raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors)")
+        try:
+            read_config(folder)
+        except CheckpointError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        print(f"wrote {write_manifest(folder)}")
+
+
+@_group.command("manifest")
+def _add_manifest(sub: argparse._SubParsersAction) -> None:
+    mf = sub.add_parser("manifest", help="write the sha256 manifest.json that load_checkpoint verifies, for "
+                        "checkpoint folders whose files you trust")
+    mf.add_argument("checkpoints", nargs="+")
+    mf.set_defaults(func=cmd_manifest)
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from ..zoo import available
+
+    print("\n".join(available()))
+
+
+@_group.command("models")
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    ls = sub.add_parser("models", help="list registered model architectures")
+    ls.set_defaults(func=cmd_models)
