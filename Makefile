@@ -302,6 +302,11 @@ F8K_TRAIN_f8k-xlan-scst := $(F8K_XLAN) --phase scst --epochs 3
 F8K_INIT_f8k-xlan-scst := f8k-xlan
 F8K_XT := --recipe xtransformer $(F8K_GRID) --set dim=128 --set channel_dim=64 --set ffn_dim=512 \
   --set encoder_layers=3 --set decoder_layers=3 --group-by-image --min-count 6 --val-beam 3
+# The head layer (1,280-d, the same 8×8 cells) against blocks, and X-LAN's XE stage run to 20 epochs: docs/decisions.md,
+# "Flickr8k: the head layer, and longer XE for X-LAN"
+F8K_GRID_HEAD := --encoder layer=head --encoder source_side=224 --encoder source_jpeg_quality=90
+F8K_TRAIN_f8k-sat-head := $(F8K_SAT) $(F8K_GRID_HEAD)
+F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT) --phase scst --epochs 3
 F8K_INIT_f8k-xtransformer-scst := f8k-xtransformer
