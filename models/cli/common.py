@@ -50,6 +50,13 @@ def key_values(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def add_dataset_options(parser: argparse.ArgumentParser, *, dataset_help: str | None = None,
+                        image_root_help: str | None = None) -> None:
+    """``--dataset`` (default: the generated scenes) and ``--image-root``, as every command that reads a split has."""
+    parser.add_argument("--dataset", default=DEFAULT_DATA, help=dataset_help)
+    parser.add_argument("--image-root", help=image_root_help)
+
+
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     """The beam search's rules against short and repetitive captions (models/decoding.py, DecodingRules)."""
     parser.add_argument("--length-penalty", type=float, metavar="ALPHA",

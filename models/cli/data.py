@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import DEFAULT_DATA, CommandGroup, key_values
+from .common import DEFAULT_DATA, CommandGroup, add_dataset_options, key_values
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -89,8 +89,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     reg.set_defaults(func=cmd_data_regions)
     fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
                                           "run once before multi-machine training)")
-    fe.add_argument("--dataset", default=DEFAULT_DATA, help="Karpathy JSON, or a folder with dataset_scenes.json")
-    fe.add_argument("--image-root")
+    add_dataset_options(fe, dataset_help="Karpathy JSON, or a folder with dataset_scenes.json")
     fe.add_argument("--split", action="append", help="split(s) to extract (default: all)")
     fe.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
     fe.add_argument("--cache-dir", default=".cache/features")

@@ -10,8 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_decoding_options, checkpoint_label,
-                     decoding_rules, load_training_captions)
+from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_decoding_options,
+                     checkpoint_label, decoding_rules, load_training_captions)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -187,8 +187,7 @@ def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
     rc = sub.add_parser("resolution-check", help="caption the full-size originals of a split's photos and their "
                         "small copies with the service's preprocessing; scores of both against the same references")
     rc.add_argument("checkpoint")
-    rc.add_argument("--dataset", default=DEFAULT_DATA)
-    rc.add_argument("--image-root", help="the data set's copies of the photos")
+    add_dataset_options(rc, image_root_help="the data set's copies of the photos")
     rc.add_argument("--full-root", required=True, help="folder of full-size originals, matched by file name")
     rc.add_argument("--split", default="test")
     rc.add_argument("--beam-size", type=int, default=3)
@@ -232,8 +231,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     cmp.add_argument("results", nargs=2, metavar="RESULTS.json",
                      help="captions of A and of B, as `captioner eval --results-json` writes them")
     cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
-    cmp.add_argument("--dataset", default=DEFAULT_DATA)
-    cmp.add_argument("--image-root")
+    add_dataset_options(cmp)
     cmp.add_argument("--split", default="test")
     cmp.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
     cmp.add_argument("--output", help="also write the JSON here")

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import DEFAULT_DATA, CommandGroup, key_values, load_training_captions
+from .common import CommandGroup, add_dataset_options, key_values, load_training_captions
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -165,8 +165,7 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     td = sub.add_parser("tune-decoding", help="score every (length penalty, trigram blocking) pair of a grid on a "
                         "split; --write keeps the best as the checkpoint's defaults")
     td.add_argument("checkpoint")
-    td.add_argument("--dataset", default=DEFAULT_DATA)
-    td.add_argument("--image-root")
+    add_dataset_options(td)
     td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
     # above 1 the penalty lengthens Flickr8k captions mostly with repeats (decisions, "Flickr8k: BLEU-1 and the
     # brevity penalty": α = 2 took REP from 1.5 to 11): not worth a validation pass each
