@@ -292,16 +292,17 @@ $(foreach norm,softmax sparsemax tvmax,$(eval F8K_TRAIN_f8k-sparsecap-$(norm) :=
   --val-beam 3)$(eval F8K_INIT_f8k-sparsecap-$(norm) := f8k-sparsecap-base))
 F8K_AOANET := --recipe aoanet $(F8K_GRID) --set d_model=256 --set embed_dim=256 --set ffn_dim=1024 --min-count 5 \
   --val-beam 3
-F8K_TRAIN_f8k-aoanet := $(F8K_AOANET) --epochs 10
+F8K_TRAIN_f8k-aoanet := $(F8K_AOANET) --epochs 20
 F8K_TRAIN_f8k-aoanet-scst := $(F8K_AOANET) --phase scst --epochs 3
 F8K_INIT_f8k-aoanet-scst := f8k-aoanet
 F8K_XLAN := --recipe xlan $(F8K_GRID) --set dim=256 --set hidden_dim=256 --set embed_dim=256 --set channel_dim=128 \
   --group-by-image --min-count 6 --val-beam 3
-F8K_TRAIN_f8k-xlan := $(F8K_XLAN) --warmup-steps 1000 --epochs 10
-F8K_TRAIN_f8k-xlan-scst := $(F8K_XLAN) --phase scst --epochs 3
+F8K_TRAIN_f8k-xlan := $(F8K_XLAN) --warmup-steps 1000 --epochs 20
+F8K_TRAIN_f8k-xlan-scst := $(F8K_XLAN) --phase scst --epochs 2 --lr 5e-5
 F8K_INIT_f8k-xlan-scst := f8k-xlan
-F8K_XT := --recipe xtransformer $(F8K_GRID) --set dim=128 --set channel_dim=64 --set ffn_dim=512 \
-  --set encoder_layers=3 --set decoder_layers=3 --group-by-image --min-count 6 --val-beam 3
+F8K_XT_LAYERS := --recipe xtransformer $(F8K_GRID) --set encoder_layers=3 --set decoder_layers=3 --group-by-image \
+  --min-count 6 --val-beam 3
+F8K_XT := $(F8K_XT_LAYERS) --set dim=128 --set channel_dim=64 --set ffn_dim=512
 # The head layer (1,280-d, the same 8×8 cells) against blocks, and X-LAN's XE stage run to 20 epochs: docs/decisions.md,
 # "Flickr8k: the head layer, and longer XE for X-LAN"
 F8K_GRID_HEAD := --encoder layer=head --encoder source_side=224 --encoder source_jpeg_quality=90
@@ -310,6 +311,10 @@ F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --ep
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT) --phase scst --epochs 3
 F8K_INIT_f8k-xtransformer-scst := f8k-xtransformer
+# X-Transformer at X-LAN's width (docs/decisions.md, "Flickr8k: X-LAN's SCST from the 20-epoch XE stage, and a wider
+# X-Transformer")
+F8K_TRAIN_f8k-xtransformer-wide := $(F8K_XT_LAYERS) --set dim=256 --set channel_dim=128 --set ffn_dim=1024 \
+  --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-area-transformer := --recipe area-transformer $(F8K_GRID) --set d_model=128 --set n_heads=4 \
   --set enc_layers=2 --set dec_layers=2 --set ffn_dim=512 --batch-size 40 --group-by-image --min-count 5 \
   --warmup-steps 1000 --epochs 8 --val-beam 3
