@@ -130,7 +130,9 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         f"- Data: {trained_on(meta)}: `{meta.get('dataset', '?')}` (training split; validation split for model "
         "selection).",
         f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
-        f"(best epoch {meta.get('best_epoch', '?')} of {len(history)}).",
+        # best/ is saved at its epoch, so its history ends there: later epochs of the run validated no higher
+        f"(epoch {meta.get('best_epoch', '?')}; the history below ends at it, and any later epoch of the run "
+        "validated no higher).",
         f"- Command: `{_train_command(meta)}`",
         *_lineage_lines(meta.get("started_from")),
         f"- Training time: {seconds / 60:.1f} min of wall clock{_with_ancestors(meta)}" if seconds
