@@ -355,7 +355,7 @@ train-f8k-%: f8k-stage-%
 F8K_SHIP_sat-hard := f8k-sat-hard
 F8K_SHIP_aoanet := f8k-aoanet
 F8K_SHIP_xlan := f8k-xlan
-F8K_SHIP_xtransformer := f8k-xtransformer
+F8K_SHIP_xtransformer := f8k-xtransformer-wide
 F8K_SHIP_area-transformer := f8k-area-transformer
 $(foreach norm,softmax sparsemax tvmax,$(eval F8K_SHIP_sparsecap-$(norm) := f8k-sparsecap-$(norm)))
 F8K_RESULTS := docs/results/flickr8k
