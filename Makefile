@@ -346,12 +346,17 @@ train-f8k-%: f8k-stage-%
 	$(BIN)/captioner storage runs/$*/best float16 --out runs/$*/float16
 	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split val --threads 1 --output runs/$*/eval.val.json
 
+# The test report (with the diversity measures) and captions of a finished stage: make re-evaluates them only when
+# the float16 weights are newer, so shipping again does not evaluate again
+runs/%/eval.test.json: runs/%/float16/model.safetensors | $(STAMP)
+	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split test --threads 1 --output $@ \
+	  --results-json runs/$*/captions.test.json
+
 # ship-f8k-NAME: the stage F8K_SHIP_NAME (finished by train-f8k-STAGE: decoding rules chosen on val, float16, val
-# report) is evaluated on test (its report with the diversity measures, and its captions; kept while newer than
-# the weights, so shipping again does not evaluate again) and becomes weights/flickr8k/NAME with its card (notes from docs/cards/flickr8k/NAME.md, else from the
-# architecture's docs/cards/flickr8k/ARCH.md: sparsecap.md serves the three normalisers), and its test
-# report and captions go to docs/results/flickr8k/ for `make zoo-f8k`. Which stage ships is the rule in
-# docs/decisions.md, "Flickr8k: which stage ships".
+# report) is evaluated on test (the rule above: no other stage meets test) and becomes weights/flickr8k/NAME with its
+# card (notes from docs/cards/flickr8k/NAME.md, else from the architecture's docs/cards/flickr8k/ARCH.md:
+# sparsecap.md serves the three normalisers), and its test report and captions go to docs/results/flickr8k/ for
+# `make zoo-f8k`. Which stage ships is the rule in docs/decisions.md, "Flickr8k: which stage ships".
 F8K_SHIP_sat-hard := f8k-sat-hard
 F8K_SHIP_aoanet := f8k-aoanet
 F8K_SHIP_xlan := f8k-xlan
@@ -362,8 +367,7 @@ F8K_RESULTS := docs/results/flickr8k
 ship-f8k-%: | $(STAMP)
 	@test -n "$(F8K_SHIP_$*)" || { echo "no F8K_SHIP_$* in the Makefile"; exit 2; }
 	@test -f runs/$(F8K_SHIP_$*)/eval.val.json || { echo "runs/$(F8K_SHIP_$*) is not finished: make train-f8k-$(F8K_SHIP_$*)"; exit 2; }
-	@test runs/$(F8K_SHIP_$*)/eval.test.json -nt runs/$(F8K_SHIP_$*)/float16/model.safetensors || $(BIN)/captioner eval runs/$(F8K_SHIP_$*)/float16 $(F8K) --split test \
-	  --threads 1 --output runs/$(F8K_SHIP_$*)/eval.test.json --results-json runs/$(F8K_SHIP_$*)/captions.test.json
+	@$(MAKE) --no-print-directory runs/$(F8K_SHIP_$*)/eval.test.json
 	$(BIN)/captioner card runs/$(F8K_SHIP_$*)/float16 --report runs/$(F8K_SHIP_$*)/eval.val.json \
 	  --report runs/$(F8K_SHIP_$*)/eval.test.json --title "$* — $(F8K_TITLE_$*), Flickr8k" \
 	  $(addprefix --notes ,$(firstword $(wildcard docs/cards/flickr8k/$*.md docs/cards/flickr8k/$(firstword $(subst -, ,$*)).md)))
