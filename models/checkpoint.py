@@ -115,8 +115,8 @@ def _rewrite(path: str | Path, out: str | Path, storage: str | None, fields: dic
     ckpt = load_checkpoint(path)
     extra = {f.name: f.read_bytes() for f in Path(path).iterdir()
              if f.is_file() and f.name not in OWN_FILES and not f.name.startswith(".")}
-    return save_checkpoint(out, ckpt.model, ckpt.vocab, ckpt.encoder, {**ckpt.meta, **fields},
-                           storage or ckpt.storage, extra)
+    return save_checkpoint(out, ckpt.model, ckpt.vocab, folder_relative(ckpt.encoder, Path(path)),
+                           {**ckpt.meta, **fields}, storage or ckpt.storage, extra)
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -271,8 +271,21 @@ def resolve_encoder_weights(encoder: dict[str, Any], path: Path) -> EncoderSpec:
     """The encoder spec, with a relative ``weights`` file that the checkpoint folder holds (an imported CNN, e.g.
     ``captioner import sgrvinod``) made absolute, so the checkpoint can be served from any working directory."""
     spec = EncoderSpec.from_json(encoder)
-    if spec.weights and not Path(spec.weights).is_absolute() and (path / spec.weights).is_file():
-        spec = replace(spec, weights=str((path / spec.weights).resolve()))
+    for name in ("weights", "tuned_weights"):  # an imported CNN, or the stages a fine-tuning run trained
+        file = getattr(spec, name)
+        if file and not Path(file).is_absolute() and (path / file).is_file():
+            spec = replace(spec, **{name: str((path / file).resolve())})
+    return spec
+
+
+def folder_relative(spec: EncoderSpec, path: Path) -> EncoderSpec:
+    """The inverse of :func:`resolve_encoder_weights`: files inside the checkpoint folder named by their name alone,
+    so a rewritten or copied checkpoint does not point back into the folder it came from."""
+    folder = path.resolve()
+    for name in ("weights", "tuned_weights"):
+        file = getattr(spec, name)
+        if file and Path(file).is_absolute() and Path(file).parent == folder:
+            spec = replace(spec, **{name: Path(file).name})
     return spec
 
 

@@ -8,9 +8,10 @@ its weights must come from a local file (``weights=``), because hubs are unreach
 
 from __future__ import annotations
 
+import copy
 import io
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -39,6 +40,9 @@ class ImageTooLarge(ImageDecodeError):
 #: EfficientNet-Lite0 stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → (channels, stride in
 #: input pixels)
 HYPERCOLUMN_STAGES = {2: (40, 8), 4: (112, 16), 6: (320, 32)}
+#: output channels and strides (input pixels per cell) of EfficientNet-Lite0's seven MBConv stages (``net.blocks``)
+EFFICIENTNET_STAGE_CHANNELS = (16, 24, 40, 80, 112, 192, 320)
+EFFICIENTNET_STAGE_STRIDES = (2, 4, 8, 16, 16, 32, 32)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,13 @@ class EncoderSpec:
     # and the JPEG quality those copies were saved with (Flickr8k's: 90): a photo of another size is resized to
     # source_side and passed through JPEG at this quality before the network sees it; None: no JPEG step
     source_jpeg_quality: int | None = None
+    # EfficientNet-Lite0 only: the last stages of ``net.blocks`` fine-tuned by ``captioner train
+    # --finetune-stages`` (their weights, BatchNorm folded, in this file, relative to the checkpoint folder);
+    # None: every stage as ImageNet left it (docs/decisions.md, "Fine-tuning the encoder's last stage")
+    tuned_weights: str | None = None
+    # features taken this many stages before ``layer``: the input of the fine-tuned stages, which is what a
+    # fine-tuning run caches (never in a checkpoint: serving computes the whole network)
+    stop_stages: int = 0
 
     def __post_init__(self) -> None:
         if self.grid_stride not in (16, 32):
@@ -76,11 +87,16 @@ class EncoderSpec:
             raise ValueError(f"pooled_grid must be a positive side with grid_stride=32, got {self.pooled_grid}")
         if self.grid_stride == 16 and self.layer != "hypercolumn":
             raise ValueError(f"grid_stride=16 needs layer=hypercolumn (layer {self.layer!r} has a stride-32 grid)")
+        if (self.stop_stages or self.tuned_weights) and (self.backbone, self.layer) != ("efficientnet_lite0", "blocks"):
+            raise ValueError("fine-tuned stages need backbone=efficientnet_lite0 and layer=blocks, "
+                             f"got {self.backbone} / {self.layer}")
+        if not 0 <= self.stop_stages < len(EFFICIENTNET_STAGE_CHANNELS):
+            raise ValueError(f"stop_stages must be 0..{len(EFFICIENTNET_STAGE_CHANNELS) - 1}, got {self.stop_stages}")
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for later in ("pooled_grid", "source_side", "source_jpeg_quality"):  # checkpoints written before a field existed stay identical
-            if data[later] is None:
+        for later in ("pooled_grid", "source_side", "source_jpeg_quality", "tuned_weights", "stop_stages"):  # checkpoints written before a field existed stay identical
+            if data[later] in (None, 0):
                 del data[later]
         return data
 
@@ -90,6 +106,8 @@ class EncoderSpec:
 
     @property
     def stride(self) -> int:
+        if self.stop_stages:  # the grid of the stage whose output a fine-tuning run caches
+            return EFFICIENTNET_STAGE_STRIDES[-1 - self.stop_stages]
         return self.grid_stride
 
     @property
@@ -290,7 +308,8 @@ class GridEncoder(nn.Module):
         self.spec = spec
         if spec.backbone == "efficientnet_lite0":
             self.net = _efficientnet_lite0(spec.weights)
-            self.feat_dim = {"blocks": 320, "head": 1280, "hypercolumn": sum(c for c, _ in HYPERCOLUMN_STAGES.values())}[spec.layer]
+            self.feat_dim = {"blocks": EFFICIENTNET_STAGE_CHANNELS[-1 - spec.stop_stages], "head": 1280,
+                             "hypercolumn": sum(c for c, _ in HYPERCOLUMN_STAGES.values())}[spec.layer]
         elif spec.backbone.startswith("resnet"):
             self.net = _resnet(spec.backbone, spec.weights)
             self.feat_dim = self.net.fc.in_features
@@ -302,6 +321,21 @@ class GridEncoder(nn.Module):
         self.requires_grad_(False)
         self.eval()
         fold_batch_norm(self.net)
+        if spec.tuned_weights:  # after folding: the fine-tuned stages were trained (and saved) folded
+            self._load_tuned(spec.tuned_weights)
+
+    def _load_tuned(self, path: str) -> None:
+        """Replace the fine-tuned stages' weights; every tensor of the file must name one of the network's, with
+        its shape, so a file of another backbone or layout fails loudly."""
+        from safetensors.torch import load_file
+
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"fine-tuned encoder weights {path} not found (EncoderSpec.tuned_weights)")
+        tuned, own = load_file(path), self.net.state_dict()
+        wrong = [k for k, v in tuned.items() if k not in own or own[k].shape != v.shape]
+        if wrong or not tuned:
+            raise ValueError(f"{path} does not hold stages of this encoder: {wrong[:3] or 'no tensors'}")
+        self.net.load_state_dict(tuned, strict=False)
 
     def train(self, mode: bool = True) -> "GridEncoder":
         return super().train(False)  # frozen: BatchNorm statistics never change
@@ -312,7 +346,7 @@ class GridEncoder(nn.Module):
             x = net.bn1(net.conv_stem(pixels))
             if self.spec.layer == "hypercolumn":
                 return self._hypercolumn(x)
-            x = net.blocks(x)
+            x = net.blocks[:len(net.blocks) - self.spec.stop_stages](x)
             return net.bn2(net.conv_head(x)) if self.spec.layer == "head" else x
         x = net.maxpool(net.relu(net.bn1(net.conv1(pixels))))
         return net.layer4(net.layer3(net.layer2(net.layer1(x))))
@@ -348,3 +382,43 @@ class GridEncoder(nn.Module):
     def classify(self, pixels: Tensor) -> Tensor:
         """ImageNet class probabilities (used to verify that real weights were loaded)."""
         return self.net(pixels).softmax(-1)
+
+
+class EncoderTail(nn.Module):
+    """The last ``stages`` MBConv stages of an EfficientNet-Lite0 :class:`GridEncoder`, trainable, over grid features
+    cached ``stages`` stages early (``EncoderSpec.stop_stages``): ``[B, N, C_in] → [B, N, C_out]``.
+
+    Why a tail over a cache rather than the whole network: on a CPU the CNN costs far more than a caption decoder,
+    and the stages before the tail stay frozen, so their output is computed once per photo.  The tail starts as a
+    copy of the encoder's own (BatchNorm-folded) stages, so before any step it reproduces the frozen features; its
+    weights are saved as the checkpoint's ``tuned_weights`` under the network's own names, which
+    :class:`GridEncoder` loads for serving and export."""
+
+    def __init__(self, encoder: GridEncoder, stages: int):
+        super().__init__()
+        blocks = encoder.net.blocks
+        if not 1 <= stages < len(blocks):
+            raise ValueError(f"can fine-tune 1..{len(blocks) - 1} of the encoder's stages, not {stages}")
+        self.first = len(blocks) - stages
+        self.stages = copy.deepcopy(blocks[self.first:])
+        self.grid_hw = replace(encoder.spec, stop_stages=stages).grid_hw  # the grid of the cached input
+        self.in_dim = EFFICIENTNET_STAGE_CHANNELS[self.first - 1]
+        self.out_dim = EFFICIENTNET_STAGE_CHANNELS[-1]
+        self.requires_grad_(True)
+        self.eval()
+
+    def train(self, mode: bool = True) -> "EncoderTail":
+        return super().train(False)  # folded BatchNorm, no dropout: the same function in training and serving
+
+    def forward(self, feats: Tensor) -> Tensor:
+        batch, cells, channels = feats.shape
+        fmap = feats.transpose(1, 2).reshape(batch, channels, *self.grid_hw)
+        return self.stages(fmap).flatten(2).transpose(1, 2)
+
+    def tuned_state(self) -> dict[str, Tensor]:
+        """The weights under the names they have in the network (``blocks.6.0.conv_pw.weight``, ...): a slice of
+        ``nn.Sequential`` keeps its children's indices."""
+        return {f"blocks.{key}": value.detach().cpu().contiguous() for key, value in self.stages.state_dict().items()}
+
+    def load_tuned_state(self, state: dict[str, Tensor]) -> None:
+        self.stages.load_state_dict({key.removeprefix("blocks."): value for key, value in state.items()}, strict=True)

@@ -118,6 +118,8 @@ _LATER_FIELDS = {"grid_stride": 32}
 
 def _cache_name(spec: EncoderSpec, keys: Sequence[str]) -> str:
     fields = {k: v for k, v in spec.to_json().items() if _LATER_FIELDS.get(k, object()) != v}
+    if spec.tuned_weights:  # by content: a run's best/ is rewritten in place whenever validation improves
+        fields["tuned_weights"] = hashlib.sha256(Path(spec.tuned_weights).read_bytes()).hexdigest()
     digest = hashlib.sha256(json.dumps([fields, list(keys)]).encode()).hexdigest()[:16]
     return f"{spec.backbone}-{spec.layer}-{spec.image_size}-{digest}"
 
@@ -148,6 +150,8 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str]) -> FeatureStore | None:
     """A finished store in ``cache_dir`` of the same encoder spec that holds every key, if there is one: a store
     of all splits serves training (train + val) and evaluation (test) alike."""
+    if spec.tuned_weights:  # a store records the weights' path, not their content, which a run may rewrite
+        return None
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
         try:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from ..encoder import EncoderSpec
+from ..encoder import EncoderSpec, EncoderTail
 from ..protocol import VisualBatch
 from .features import extract_features
 from .karpathy import CaptionedImage
@@ -37,3 +37,20 @@ def open_feature_store(features: str | None, images: Sequence[CaptionedImage], s
     if kind == "regions" and where:
         return RegionStore(where, images)
     raise ValueError(f"--features must be 'grid' or 'regions:DIR', got {features!r}")
+
+
+class TunedStore:
+    """Features cached before the encoder's fine-tuned stages (``EncoderSpec.stop_stages``), passed through those
+    stages on the way out, with gradients while training: the model sees what :class:`~captioner.models.encoder.
+    GridEncoder` computes from the photo with the tuned weights (``captioner train --finetune-stages``)."""
+
+    def __init__(self, inner: VisualStore, tail: EncoderTail):
+        self.inner, self.tail = inner, tail
+
+    @property
+    def feat_dim(self) -> int:
+        return self.tail.out_dim
+
+    def batch(self, keys: Sequence[str]) -> VisualBatch:
+        vis = self.inner.batch(keys).to(next(self.tail.parameters()).device)
+        return VisualBatch(self.tail(vis.feats), vis.mask, vis.geometry)

@@ -26,7 +26,8 @@ def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[Captio
     captions = {}
     for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
         chunk = images[start:start + batch_size]
-        vis = store.batch([im.key for im in chunk]).to(device)
+        with torch.no_grad():  # a store with fine-tuned encoder stages would otherwise record their graph
+            vis = store.batch([im.key for im in chunk]).to(device)
         hyps = beam_search(model, vis, k=beam_size, max_len=max_len, rules=rules, extras=())
         for im, best in zip(chunk, hyps):
             captions[im.image_id] = vocab.decode(best[0].token_ids)

@@ -31,15 +31,17 @@ from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 from torch import nn
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint
 from ..data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
-from ..data.stores import VisualStore, open_feature_store
+from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
-from ..encoder import EncoderSpec
+from ..encoder import EncoderSpec, EncoderTail, GridEncoder
 from ..evaluation.evaluate import caption_dataset, score_dataset
 from ..protocol import Captioner
 from ..registry import MODELS
@@ -50,6 +52,8 @@ from .schedules import NoamWarmup, PlateauDecay, Schedules, ScheduledSampling, S
 from .state import load_state, restore_optimizer_state, save_state
 
 METRICS_LOG = "metrics.jsonl"
+#: the fine-tuned encoder stages' weights in a checkpoint folder (EncoderSpec.tuned_weights)
+TUNED_WEIGHTS = "encoder_tuned.safetensors"
 
 
 def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **cli: Any) -> Any:
@@ -94,6 +98,10 @@ class TrainConfig(_SavedRecord):
     image_root: str | None = option(help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
     encoder: dict[str, Any] = option(factory=dict, help="EncoderSpec field", kind="keyvalue")
     cache_dir: str = option(".cache/features", "feature cache folder")
+    finetune_stages: int = option(0, "fine-tune the encoder's last N stages (EfficientNet-Lite0, layer blocks) on "
+                                     "features cached before them; 0: the encoder stays frozen", metavar="N")
+    encoder_lr_factor: float = option(0.25, "learning rate of the fine-tuned stages as a share of the decoder's "
+                                            "(0.25: 1e-4 against 4e-4, as sgrvinod's SAT code fine-tunes its CNN)")
     epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)")
     batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes")
     optimizer: str = option("adam", "optimiser", choices=("adam", "radam"))
@@ -279,9 +287,10 @@ def register_phase(name: str) -> Callable[[P], P]:
 class _PhaseModule(nn.Module):
     """Puts a phase's loss behind ``forward`` so DistributedDataParallel sees the forward pass it synchronises."""
 
-    def __init__(self, model: Captioner, phase: Phase):
+    def __init__(self, model: Captioner, phase: Phase, tail: EncoderTail | None = None):
         super().__init__()
         self.model = model
+        self.tail = tail  # fine-tuned encoder stages: their gradients are synchronised too
         self._phase = (phase,)  # a tuple: not a registered submodule
 
     def forward(self, batch: Sequence[int], global_batch: Sequence[int]) -> tuple[torch.Tensor, dict, int]:
@@ -449,6 +458,7 @@ class Run:
     select: str
     meta: dict[str, Any]
     scaler: torch.amp.GradScaler | None = None
+    tail: EncoderTail | None = None  # the encoder's fine-tuned stages (--finetune-stages), else None
     trainer: nn.Module | None = None  # the DDP-wrapped phase under torchrun, else the plain _PhaseModule
     started: float = field(default_factory=time.time)
 
@@ -490,6 +500,10 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     precision = resolve_precision(cfg.precision, device)
 
     spec = EncoderSpec(**cfg.encoder)
+    if cfg.finetune_stages and (cfg.features or "grid") != "grid":
+        raise ValueError("--finetune-stages fine-tunes the grid encoder; it cannot be combined with --features "
+                         f"{cfg.features}")
+    cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
     train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
     val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
     if not train_images or not val_images:
@@ -505,9 +519,12 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     store = None
     for turn in (True, False):
         if ctx.is_main == turn:
-            store = open_feature_store(cfg.features, train_images + val_images, spec, cfg.cache_dir,
+            store = open_feature_store(cfg.features, train_images + val_images, cache_spec, cfg.cache_dir,
                                        device=str(device), progress=cfg.progress and ctx.is_main)
         ctx.barrier()
+    tail = EncoderTail(GridEncoder(spec), cfg.finetune_stages).to(device) if cfg.finetune_stages else None
+    if tail is not None:
+        store = TunedStore(store, tail)
 
     def data_vocab() -> Vocabulary:
         return Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
@@ -527,7 +544,10 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     if init is not None:
         _load_init_weights(model, init, cfg.init)
     optimizer_cls = {"adam": torch.optim.Adam, "radam": torch.optim.RAdam}[cfg.optimizer]
-    optimizer = optimizer_cls(model.parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    groups = [{"params": list(model.parameters())}]
+    if tail is not None:  # ImageNet features need smaller steps than a decoder trained from scratch
+        groups.append({"params": list(tail.parameters()), "lr_factor": cfg.encoder_lr_factor})
+    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     phase = PHASES[cfg.phase](cfg, model, vocab, store, train_images, device)
     phase.world = ctx.world
     schedules = build_schedules(cfg)
@@ -536,6 +556,8 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     progress = Progress()
     if saved is not None:
         model.load_state_dict(saved["model"])
+        if tail is not None:
+            tail.load_tuned_state(saved["encoder_tail"])
         optimizer.load_state_dict(restore_optimizer_state(saved["optimizer"]))
         progress = Progress.from_json(saved["progress"])
         rngs = saved.get("rng_ranks") or [saved["rng"]]
@@ -552,7 +574,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     if schedules.plateau is not None and progress.plateau:
         schedules.plateau.load_state_dict(progress.plateau)
 
-    trainer: nn.Module = _PhaseModule(model, phase)
+    trainer: nn.Module = _PhaseModule(model, phase, tail)
     if ctx.active:
         trainer = nn.parallel.DistributedDataParallel(
             trainer, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
@@ -567,7 +589,8 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
         meta["started_from"] = saved.get("started_from") if saved is not None else _lineage(cfg.init, init)
     return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
                phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
-               progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, trainer=trainer)
+               progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, tail=tail,
+               trainer=trainer)
 
 
 # -- fit --------------------------------------------------------------------------------------------------------
@@ -584,6 +607,8 @@ def _snapshot(run: Run) -> None:
              "rng_ranks": rngs, "started_from": run.meta.get("started_from")}
     if run.scaler is not None:
         state["scaler"] = run.scaler.state_dict()
+    if run.tail is not None:
+        state["encoder_tail"] = run.tail.tuned_state()
     save_state(run.run_dir, state)
 
 
@@ -610,7 +635,7 @@ def _trim_metrics_log(run: Run) -> None:
 
 
 def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
-    cfg, params = run.cfg, [p for p in run.model.parameters() if p.requires_grad]
+    cfg, params = run.cfg, [p for group in run.optimizer.param_groups for p in group["params"] if p.requires_grad]
     run.optimizer.zero_grad(set_to_none=True)
     if run.scaler is not None:
         run.scaler.scale(loss).backward()
@@ -641,6 +666,17 @@ def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochR
                        seconds=run.elapsed())
 
 
+def _encoder_files(run: Run) -> tuple[EncoderSpec, dict[str, bytes]]:
+    """The encoder spec a checkpoint of this run records, and the fine-tuned stages' weights it carries: those the
+    run trained, over those its ``--init`` checkpoint brought (which a frozen run passes on unchanged)."""
+    tuned = load_file(run.spec.tuned_weights) if run.spec.tuned_weights else {}
+    if run.tail is not None:
+        tuned.update(run.tail.tuned_state())
+    if not tuned:
+        return run.spec, {}
+    return replace(run.spec, tuned_weights=TUNED_WEIGHTS), {TUNED_WEIGHTS: save_tensors(tuned)}
+
+
 def _end_epoch(run: Run, record: EpochRecord) -> None:
     progress, cfg = run.progress, run.cfg
     row = record.to_json()
@@ -652,10 +688,12 @@ def _end_epoch(run: Run, record: EpochRecord) -> None:
         print(json.dumps(row))
         _log(run, record)
         run.meta.update(history=progress.history, train_seconds=run.elapsed())
-        save_checkpoint(run.run_dir / "last", run.model, run.vocab, run.spec, run.meta)
+        spec, files = _encoder_files(run)
+        save_checkpoint(run.run_dir / "last", run.model, run.vocab, spec, run.meta, files=files)
         if improved:
-            save_checkpoint(run.run_dir / "best", run.model, run.vocab, run.spec,
-                            {**run.meta, "selected_by": run.select, "best_epoch": record.epoch, "val_scores": row})
+            save_checkpoint(run.run_dir / "best", run.model, run.vocab, spec,
+                            {**run.meta, "selected_by": run.select, "best_epoch": record.epoch, "val_scores": row},
+                            files=files)
     if improved:
         progress.best_score, progress.best_epoch = score, record.epoch
     if run.schedules.plateau is not None:
@@ -686,7 +724,7 @@ def fit(run: Run) -> Path:
             for step in range(progress.step_in_epoch, steps_per_epoch):
                 lr = run.schedules.learning_rate(epoch, progress.global_step)
                 for group in run.optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group.get("lr_factor", 1.0)
                 global_batch = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
                 with run.precision.autocast(run.device):
                     loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
