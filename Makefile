@@ -315,8 +315,9 @@ F8K_TRAIN_f8k-sat-tuned := $(F8K_SAT) $(F8K_GRID) --finetune-stages 1
 F8K_TRAIN_f8k-xlan-tuned := $(F8K_XLAN) --warmup-steps 1000 --epochs 20 --finetune-stages 1
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
-F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT) --phase scst --epochs 3
-F8K_INIT_f8k-xtransformer-scst := f8k-xtransformer
+# SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)
+F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT_LAYERS) --phase scst --epochs 3
+F8K_INIT_f8k-xtransformer-scst := f8k-xtransformer-wide
 # X-Transformer at X-LAN's width (docs/decisions.md, "Flickr8k: X-LAN's SCST from the 20-epoch XE stage,
 # wider X-Transformer and SAT")
 F8K_TRAIN_f8k-xtransformer-wide := $(F8K_XT_LAYERS) --set dim=256 --set channel_dim=128 --set ffn_dim=1024 \
@@ -334,6 +335,8 @@ check-f8k:
 # (F8K_SHIPPED_INIT), so SAT-hard does not need SAT soft's 40 minutes again.
 F8K_SHIPPED_f8k-sat-blocks-256 := weights/flickr8k/sat
 F8K_SHIPPED_f8k-aoanet := weights/flickr8k/aoanet
+F8K_SHIPPED_f8k-xlan := weights/flickr8k/xlan
+F8K_SHIPPED_f8k-xtransformer-wide := weights/flickr8k/xtransformer
 f8k_init = $(if $(wildcard runs/$(1)/best),runs/$(1)/best,$(or $(wildcard $(F8K_SHIPPED_$(1))),runs/$(1)/best))
 f8k-stage-%: check-f8k | $(STAMP)
 	@test -n "$(F8K_TRAIN_$*)" || { echo "no recipe F8K_TRAIN_$* in the Makefile"; exit 2; }
@@ -398,21 +401,20 @@ zoo-f8k: check-f8k | $(STAMP)
 
 # Attention grounding on real photos (issue 29): every checkpoint in weights/flickr8k/ trained on Flickr photos, evaluated on
 # the Flickr8k test split against the Flickr30k Entities boxes (references teacher-forced and its own captions),
-# then docs/grounding.md's tables and figures (a checkpoint whose report is newer than its weights is not evaluated
-# again). The Entities folder comes from its publishers (never committed);
+# then docs/grounding.md's tables and figures. The Entities folder comes from its publishers (never committed);
 # GROUNDING_ARGS adds eval flags, e.g. --dataset / --image-root where the training run's paths do not resolve.
 ENTITIES ?= ../shared/data/flickr8k/entities
 GROUNDING_RESULTS := $(RESULTS)/grounding
 GROUNDING_ARGS ?=
-grounding: | $(STAMP)
-	@mkdir -p $(GROUNDING_RESULTS)
-	@for checkpoint in $$($(BIN)/captioner grounding-doc --list --weights-dir weights/flickr8k); do \
-	  report=$(GROUNDING_RESULTS)/$$(basename $$checkpoint).json; \
-	  if [ "$$report" -nt "$$checkpoint/model.safetensors" ]; then echo "== $$checkpoint: $$report is newer, kept"; continue; fi; \
-	  echo "== $$checkpoint"; \
-	  $(BIN)/captioner eval $$checkpoint --grounding entities:$(ENTITIES) --split test --threads 1 \
-	    --output $$report $(GROUNDING_ARGS) > /dev/null || exit 1; \
-	done
+# one report per checkpoint folder of weights/flickr8k (every one there is photo-trained), remade only when its
+# weights are newer
+GROUNDING_REPORTS = $(patsubst weights/flickr8k/%/model.safetensors,$(GROUNDING_RESULTS)/%.json,\
+  $(wildcard weights/flickr8k/*/model.safetensors))
+$(GROUNDING_RESULTS)/%.json: weights/flickr8k/%/model.safetensors | $(STAMP)
+	@mkdir -p $(@D)
+	$(BIN)/captioner eval weights/flickr8k/$* --grounding entities:$(ENTITIES) --split test --threads 1 \
+	  --output $@ $(GROUNDING_ARGS) > /dev/null
+grounding: $(GROUNDING_REPORTS) | $(STAMP)
 	$(BIN)/captioner grounding-doc --weights-dir weights/flickr8k --results $(GROUNDING_RESULTS) --document docs/grounding.md \
 	  --figure docs/figures/grounding_entities.png --examples docs/figures/grounding_entities_heatmaps.png \
 	  --scene-results $(RESULTS) --threads 1

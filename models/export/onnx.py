@@ -415,12 +415,16 @@ def visual_encoder_key(spec: EncoderSpec) -> str:
     """Folder name of the encoder-only export of ``spec`` (same spec, same packaged or local weights → same key)."""
     import hashlib
 
-    weights = spec.weights
-    stamp = ""
-    if weights and Path(weights).is_file():  # a local weight file: its size and time identify its content
-        stat = Path(weights).stat()
-        stamp = f"{stat.st_size}:{stat.st_mtime_ns}"
-    text = json.dumps({"spec": spec.to_json(), "weights": stamp, "format": FORMAT}, sort_keys=True)
+    def stamp(file: str | None) -> str:  # a local weight file: its size and time identify its content
+        if not file or not Path(file).is_file():
+            return ""
+        stat = Path(file).stat()
+        return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+    # fine-tuned stages add a field, so the key of a spec without them (and its earlier exports) does not change
+    tuned = {"tuned": stamp(spec.tuned_weights)} if spec.tuned_weights else {}
+    text = json.dumps({"spec": spec.to_json(), "weights": stamp(spec.weights), **tuned, "format": FORMAT},
+                      sort_keys=True)
     return "visual-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

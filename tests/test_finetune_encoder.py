@@ -1,0 +1,137 @@
+"""Fine-tuning the encoder's last stages (``captioner train --finetune-stages``): the tail over cached features is
+the frozen network before training, and what a run trains is what serving, evaluation and storage rewrites use."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from captioner.models.checkpoint import load_checkpoint, restore
+from captioner.models.data.stores import TunedStore
+from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder
+from captioner.models.protocol import VisualBatch
+from captioner.models.training import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SPEC = EncoderSpec(image_size=128)
+SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
+
+
+@pytest.fixture(scope="module")
+def frozen():
+    return GridEncoder(SPEC)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("features")
+
+
+def _config(scenes, out, cache, **overrides):
+    cfg = dict(dataset=str(scenes), out=str(out), model_args=SMALL, cache_dir=str(cache), epochs=2, batch_size=16,
+               lr=3e-3, progress=False, encoder={"image_size": 128}, finetune_stages=1, encoder_lr_factor=1.0)
+    cfg.update(overrides)
+    return TrainConfig(**cfg)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_an_untrained_tail_over_features_cut_before_it_is_the_frozen_encoder(frozen, stages):
+    torch.manual_seed(0)
+    pixels = torch.randn(2, 3, 128, 128)
+    cut = GridEncoder(replace(SPEC, stop_stages=stages))
+    early = cut(pixels)
+    # stage 6 (192-d) is on the final 4×4 grid; stage 5 (112-d) is on the stride-16 grid, 8×8 at 128 px
+    assert early.shape == ((2, 16, 192) if stages == 1 else (2, 64, 112)) and cut.feat_dim == early.shape[-1]
+    tail = EncoderTail(frozen, stages)
+    assert all(p.requires_grad for p in tail.parameters())
+    torch.testing.assert_close(tail(early), frozen(pixels), atol=1e-4, rtol=1e-4)
+
+
+def test_the_tail_passes_gradients_and_its_state_names_the_networks_own_weights(frozen):
+    tail = EncoderTail(frozen, 1)
+    state = tail.tuned_state()
+    assert state and all(key.startswith("blocks.6.") for key in state)
+    assert set(state) <= set(frozen.net.state_dict())
+    feats = torch.randn(2, 16, 192, requires_grad=True)
+    tail(feats).sum().backward()
+    assert feats.grad is not None and all(p.grad is not None for p in tail.parameters())
+
+
+def test_a_tuned_store_runs_the_tail_over_the_inner_stores_features(frozen):
+    class Inner:
+        feat_dim = 192
+
+        def batch(self, keys):
+            return VisualBatch.from_features(torch.ones(len(keys), 16, 192))
+
+    tail = EncoderTail(frozen, 1)
+    vis = TunedStore(Inner(), tail).batch(["a", "b"])
+    assert vis.feats.shape == (2, 16, 320) and vis.mask.all()
+    torch.testing.assert_close(vis.feats, tail(torch.ones(2, 16, 192)))
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(ValueError, match="layer=blocks"):
+        EncoderSpec(layer="hypercolumn", stop_stages=1)
+    with pytest.raises(ValueError, match="stop_stages"):
+        EncoderSpec(stop_stages=7)
+    with pytest.raises(ValueError, match="fine-tune 1"):
+        EncoderTail(GridEncoder(SPEC), 0)
+
+
+@pytest.fixture(scope="module")
+def tuned_best(scenes, cache, tmp_path_factory):
+    """The best/ of a tiny run with its last stage fine-tuned (at the decoder's rate, so the stage moves)."""
+    return train(_config(scenes, tmp_path_factory.mktemp("tuned") / "run", cache))
+
+
+def test_a_run_trains_the_stage_and_its_checkpoint_serves_the_trained_weights(tuned_best, tmp_path, frozen):
+    best = tuned_best
+    config = json.loads((best / "config.json").read_text())
+    assert config["encoder"]["tuned_weights"] == "encoder_tuned.safetensors"  # relative: the folder can move
+    assert "stop_stages" not in config["encoder"]  # serving computes the whole network
+    tuned = load_file(best / "encoder_tuned.safetensors")
+    ckpt = load_checkpoint(best)
+    served = GridEncoder(ckpt.encoder)
+    pixels = torch.randn(1, 3, 128, 128)
+    # what training validated with: the trained tail over the cached stage-6 features
+    tail = EncoderTail(frozen, 1)
+    tail.load_tuned_state(tuned)
+    trained = tail(GridEncoder(replace(SPEC, stop_stages=1))(pixels))
+    torch.testing.assert_close(served(pixels), trained, atol=1e-4, rtol=1e-4)
+    assert (served(pixels) - frozen(pixels)).abs().max() > 1e-2, "the fine-tuned stage did not move"
+    # a float16 copy elsewhere carries the stage's file and names it relative to its own folder
+    copy = restore(best, "float16", tmp_path / "half")
+    assert json.loads((copy / "config.json").read_text())["encoder"]["tuned_weights"] == "encoder_tuned.safetensors"
+    assert load_checkpoint(copy).encoder.tuned_weights == str((copy / "encoder_tuned.safetensors").resolve())
+
+
+def test_the_onnx_encoder_of_a_tuned_checkpoint_computes_the_trained_stage(tuned_best, tmp_path, frozen):
+    from captioner.models.export.onnx import export_visual_encoder, visual_encoder_key
+    from captioner.models.export.quantize import OnnxGridEncoder
+
+    spec = load_checkpoint(tuned_best).encoder
+    assert visual_encoder_key(spec) != visual_encoder_key(SPEC)  # never the frozen network's cached export
+    path = export_visual_encoder(spec, tmp_path)
+    pixels = torch.randn(2, 3, 128, 128)
+    torch.testing.assert_close(OnnxGridEncoder(path, spec, 1)(pixels), GridEncoder(spec)(pixels), atol=1e-3,
+                               rtol=1e-3)
+
+
+def test_resume_continues_the_fine_tuned_stage_exactly(scenes, tmp_path, cache):
+    train(_config(scenes, tmp_path / "straight", cache))
+    train(_config(scenes, tmp_path / "resumed", cache, max_steps=20))  # stops inside epoch 2 (15 steps an epoch)
+    train(_config(scenes, tmp_path / "resumed", cache), resume=True)
+    for name in ("model.safetensors", "encoder_tuned.safetensors"):
+        a, b = (load_file(tmp_path / run / "last" / name) for run in ("straight", "resumed"))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], msg=f"{name}: {key} differs after resume")
+
+
+def test_fine_tuning_needs_the_grid_encoder(scenes, tmp_path, cache):
+    with pytest.raises(ValueError, match="--finetune-stages"):
+        train(_config(scenes, tmp_path / "run", cache, features="regions:/nowhere"))
