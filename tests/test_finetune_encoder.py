@@ -135,3 +135,15 @@ def test_resume_continues_the_fine_tuned_stage_exactly(scenes, tmp_path, cache):
 def test_fine_tuning_needs_the_grid_encoder(scenes, tmp_path, cache):
     with pytest.raises(ValueError, match="--finetune-stages"):
         train(_config(scenes, tmp_path / "run", cache, features="regions:/nowhere"))
+
+
+def test_a_warm_start_from_a_tuned_checkpoint_keeps_its_stages(scenes, tmp_path, cache, tuned_best):
+    from captioner.models.evaluation.card import write_card
+
+    frozen_run = train(_config(scenes, tmp_path / "next", cache, epochs=1, encoder={}, init=str(tuned_best),
+                               finetune_stages=0))
+    carried = load_file(frozen_run / "encoder_tuned.safetensors")
+    original = load_file(tuned_best / "encoder_tuned.safetensors")
+    assert carried.keys() == original.keys() and all(torch.equal(carried[k], original[k]) for k in carried)
+    assert "the fine-tuned stages of the checkpoint it started from" in write_card(frozen_run, {}).read_text()
+    assert "its last stage fine-tuned by this run" in write_card(tuned_best, {}).read_text()

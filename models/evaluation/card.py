@@ -57,6 +57,16 @@ def _with_ancestors(meta: dict[str, Any]) -> str:
     return f" ({total / 60:.1f} min with the runs it started from)"
 
 
+def _encoder_state(encoder: dict[str, Any], meta: dict[str, Any]) -> str:
+    """Frozen, or which of its stages training fine-tuned (this run's, or those its --init checkpoint brought)."""
+    if not encoder.get("tuned_weights"):
+        return "frozen"
+    stages = meta.get("train_config", {}).get("finetune_stages") or 0
+    last = "its last stage" if stages == 1 else f"its last {stages} stages"
+    own = f"{last} fine-tuned by this run" if stages else "the fine-tuned stages of the checkpoint it started from"
+    return f"ImageNet weights, {own}: `{encoder['tuned_weights']}`"
+
+
 def _number(value: Any) -> str:
     if value is None:
         return "—"
@@ -121,7 +131,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         "",
         f"**Architecture** `{model.arch}` ({model.attention_kind}); {params:,} parameters; model config "
         f"`{json.dumps(config['model'])}`.",
-        f"**Encoder** (frozen) `{json.dumps(config['encoder'])}`.",
+        f"**Encoder** ({_encoder_state(config['encoder'], meta)}) `{json.dumps(config['encoder'])}`.",
         f"**Vocabulary** {len(ckpt.vocab)} tokens. **Weights** `{WEIGHTS}` sha256 "
         f"`{file_checksum(path / WEIGHTS)[:16]}…`.",
         "",
