@@ -321,7 +321,7 @@ F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT_LAYERS) --phase scst --epochs 3
 F8K_INIT_f8k-xtransformer-scst := f8k-xtransformer-wide
 # X-Transformer at X-LAN's width (docs/decisions.md, "Flickr8k: X-LAN's SCST from the 20-epoch XE stage,
-# wider X-Transformer and SAT"); 20 epochs, then resumed to 30 ("Fine-tuning the encoder's last stage", the end)
+# wider X-Transformer and SAT"); 20 epochs, then resumed to 30 ("Flickr8k: X-Transformer to 30 epochs")
 F8K_TRAIN_f8k-xtransformer-wide := $(F8K_XT_LAYERS) --set dim=256 --set channel_dim=128 --set ffn_dim=1024 \
   --warmup-steps 1000 --epochs 30
 F8K_TRAIN_f8k-area-transformer := --recipe area-transformer $(F8K_GRID) --set d_model=128 --set n_heads=4 \
