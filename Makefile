@@ -367,7 +367,8 @@ runs/%/eval.test.json: runs/%/float16/model.safetensors | $(STAMP)
 # `make zoo-f8k`. Which stage ships is the rule in docs/decisions.md, "Flickr8k: which stage ships".
 F8K_SHIP_sat-hard := f8k-sat-hard
 F8K_SHIP_aoanet := f8k-aoanet
-F8K_SHIP_xlan := f8k-xlan
+# X-LAN with its encoder's last stage fine-tuned (docs/decisions.md, "Fine-tuning the encoder's last stage")
+F8K_SHIP_xlan := f8k-xlan-tuned
 F8K_SHIP_xtransformer := f8k-xtransformer-wide
 F8K_SHIP_area-transformer := f8k-area-transformer
 $(foreach norm,softmax sparsemax tvmax,$(eval F8K_SHIP_sparsecap-$(norm) := f8k-sparsecap-$(norm)))
