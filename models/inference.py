@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from .checkpoint import Checkpoint, load_checkpoint
+from .checkpoint import Checkpoint, folder_relative, load_checkpoint
 from .data.datasets import trained_on
 from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
@@ -139,9 +139,14 @@ class Runtime(ABC):
         return ModelInfo(name=self.name, architecture=model.arch, attention_kind=model.attention_kind,
                          attention=getattr(model, "attention_name", model.config().get("attention", "softmax")),
                          vocab_size=len(self.ckpt.vocab), checksum=f"sha256:{self.ckpt.checksum}",
-                         encoder=self.spec.to_json(), parameters=sum(p.numel() for p in model.parameters()),
+                         encoder=self._public_spec().to_json(), parameters=sum(p.numel() for p in model.parameters()),
                          device=str(self.device), backend=self.backend, trained_on=trained_on(self.ckpt.meta),
                          decoding=dataclasses.asdict(self.default_rules))
+
+    def _public_spec(self) -> EncoderSpec:
+        """The spec as its checkpoint records it: files inside the checkpoint folder by name, not by this server's
+        path to them."""
+        return folder_relative(self.spec, self.ckpt.path) if self.ckpt.path is not None else self.spec
 
     @property
     def default_rules(self) -> DecodingRules:

@@ -3,6 +3,7 @@ the frozen network before training, and what a run trains is what serving, evalu
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +148,11 @@ def test_a_warm_start_from_a_tuned_checkpoint_keeps_its_stages(scenes, tmp_path,
     assert carried.keys() == original.keys() and all(torch.equal(carried[k], original[k]) for k in carried)
     assert "the fine-tuned stages of the checkpoint it started from" in write_card(frozen_run, {}).read_text()
     assert "its last stage fine-tuned by this run" in write_card(tuned_best, {}).read_text()
+
+
+def test_the_models_endpoint_names_the_tuned_stages_by_file_not_by_the_servers_path(tuned_best):
+    from captioner.models.inference import torch_runtime
+
+    runtime = torch_runtime(tuned_best, "cpu")
+    assert runtime.info().encoder["tuned_weights"] == "encoder_tuned.safetensors"
+    assert Path(runtime.spec.tuned_weights).is_absolute()  # what the runtime itself loads from
