@@ -337,7 +337,7 @@ check-f8k:
 # (F8K_SHIPPED_INIT), so SAT-hard does not need SAT soft's 40 minutes again.
 F8K_SHIPPED_f8k-sat-blocks-256 := weights/flickr8k/sat
 F8K_SHIPPED_f8k-aoanet := weights/flickr8k/aoanet
-F8K_SHIPPED_f8k-xlan := weights/flickr8k/xlan
+F8K_SHIPPED_f8k-xlan-tuned := weights/flickr8k/xlan
 F8K_SHIPPED_f8k-xtransformer-wide := weights/flickr8k/xtransformer
 f8k_init = $(if $(wildcard runs/$(1)/best),runs/$(1)/best,$(or $(wildcard $(F8K_SHIPPED_$(1))),runs/$(1)/best))
 f8k-stage-%: check-f8k | $(STAMP)
