@@ -314,7 +314,7 @@ F8K_TRAIN_f8k-sat-wide := $(F8K_SAT_SCHEDULE) $(F8K_GRID)
 F8K_TRAIN_f8k-sat-tuned := $(F8K_SAT) $(F8K_GRID) --finetune-stages 1
 F8K_TRAIN_f8k-sat-hard-tuned := $(F8K_TRAIN_f8k-sat-hard)
 F8K_INIT_f8k-sat-hard-tuned := f8k-sat-tuned
-F8K_TRAIN_f8k-xlan-tuned := $(F8K_XLAN) --warmup-steps 1000 --epochs 20 --finetune-stages 1
+F8K_TRAIN_f8k-xlan-tuned := $(F8K_TRAIN_f8k-xlan) --finetune-stages 1
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 # SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)

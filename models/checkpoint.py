@@ -267,11 +267,16 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
                       storage=config.get("storage", "float32"))
 
 
+#: EncoderSpec fields that may name a file inside the checkpoint folder: an imported CNN (``captioner import``), or
+#: the stages a fine-tuning run trained (``--finetune-stages``)
+FOLDER_FILE_FIELDS = ("weights", "tuned_weights")
+
+
 def resolve_encoder_weights(encoder: dict[str, Any], path: Path) -> EncoderSpec:
     """The encoder spec, with a relative ``weights`` file that the checkpoint folder holds (an imported CNN, e.g.
     ``captioner import sgrvinod``) made absolute, so the checkpoint can be served from any working directory."""
     spec = EncoderSpec.from_json(encoder)
-    for name in ("weights", "tuned_weights"):  # an imported CNN, or the stages a fine-tuning run trained
+    for name in FOLDER_FILE_FIELDS:
         file = getattr(spec, name)
         if file and not Path(file).is_absolute() and (path / file).is_file():
             spec = replace(spec, **{name: str((path / file).resolve())})
@@ -282,7 +287,7 @@ def folder_relative(spec: EncoderSpec, path: Path) -> EncoderSpec:
     """The inverse of :func:`resolve_encoder_weights`: files inside the checkpoint folder named by their name alone,
     so a rewritten or copied checkpoint does not point back into the folder it came from."""
     folder = path.resolve()
-    for name in ("weights", "tuned_weights"):
+    for name in FOLDER_FILE_FIELDS:
         file = getattr(spec, name)
         if file and Path(file).is_absolute() and Path(file).parent == folder:
             spec = replace(spec, **{name: Path(file).name})

@@ -406,7 +406,6 @@ class EncoderTail(nn.Module):
         self.first = len(blocks) - stages
         self.stages = copy.deepcopy(blocks[self.first:])
         self.grid_hw = replace(encoder.spec, stop_stages=stages).grid_hw  # the grid of the cached input
-        self.in_dim = EFFICIENTNET_STAGE_CHANNELS[self.first - 1]
         self.out_dim = EFFICIENTNET_STAGE_CHANNELS[-1]
         self.requires_grad_(True)
         self.eval()

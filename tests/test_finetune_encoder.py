@@ -156,3 +156,23 @@ def test_the_models_endpoint_names_the_tuned_stages_by_file_not_by_the_servers_p
     runtime = torch_runtime(tuned_best, "cpu")
     assert runtime.info().encoder["tuned_weights"] == "encoder_tuned.safetensors"
     assert Path(runtime.spec.tuned_weights).is_absolute()  # what the runtime itself loads from
+
+
+def test_a_feature_store_of_tuned_stages_is_found_again_only_while_their_file_is_unchanged(scenes, tuned_best,
+                                                                                          tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from captioner.models.data.datasets import load_captioned
+    from captioner.models.data.features import extract_features, find_covering_store
+
+    copy = shutil.copytree(tuned_best, tmp_path / "ckpt")
+    spec = load_checkpoint(copy).encoder
+    images = load_captioned(str(scenes), None, ("val",))[:3]
+    extract_features(images, spec, tmp_path / "cache", progress=False)
+    keys = [im.key for im in images[:2]]
+    assert find_covering_store(tmp_path / "cache", spec, keys) is not None
+    tuned = load_file(copy / "encoder_tuned.safetensors")
+    save_file({k: v + 1.0 for k, v in tuned.items()}, copy / "encoder_tuned.safetensors")  # best/ rewritten in place
+    assert find_covering_store(tmp_path / "cache", spec, keys) is None

@@ -75,6 +75,7 @@ class FeatureStore:
         self.shard_files = [self.folder / name for name in index["shards"]]
         self.location: dict[str, tuple[int, int]] = {key: (s, r) for key, (s, r) in index["index"].items()}
         self.encoder = index.get("encoder")
+        self.tuned_sha256 = index.get("tuned_sha256")  # of EncoderSpec.tuned_weights' file, when the spec has one
         self._shards: list[np.ndarray | None] = [None] * len(self.shard_files)
 
     @property
@@ -116,10 +117,16 @@ class FeatureStore:
 _LATER_FIELDS = {"grid_stride": 32}
 
 
-def _cache_name(spec: EncoderSpec, keys: Sequence[str]) -> str:
+def tuned_sha256(spec: EncoderSpec) -> str | None:
+    """The fine-tuned stages' file by its content (None without one): a run's best/ is rewritten in place whenever
+    validation improves, so the path alone does not say which weights made a store."""
+    return hashlib.sha256(Path(spec.tuned_weights).read_bytes()).hexdigest() if spec.tuned_weights else None
+
+
+def _cache_name(spec: EncoderSpec, keys: Sequence[str], tuned: str | None = None) -> str:
     fields = {k: v for k, v in spec.to_json().items() if _LATER_FIELDS.get(k, object()) != v}
-    if spec.tuned_weights:  # by content: a run's best/ is rewritten in place whenever validation improves
-        fields["tuned_weights"] = hashlib.sha256(Path(spec.tuned_weights).read_bytes()).hexdigest()
+    if spec.tuned_weights:
+        fields["tuned_weights"] = tuned or tuned_sha256(spec)
     digest = hashlib.sha256(json.dumps([fields, list(keys)]).encode()).hexdigest()[:16]
     return f"{spec.backbone}-{spec.layer}-{spec.image_size}-{digest}"
 
@@ -147,18 +154,19 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str]) -> FeatureStore | None:
-    """A finished store in ``cache_dir`` of the same encoder spec that holds every key, if there is one: a store
-    of all splits serves training (train + val) and evaluation (test) alike."""
-    if spec.tuned_weights:  # a store records the weights' path, not their content, which a run may rewrite
-        return None
+def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str],
+                        tuned: str | None = None) -> FeatureStore | None:
+    """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content) that holds
+    every key, if there is one: a store of all splits serves training (train + val) and evaluation (test) alike."""
+    tuned = tuned or tuned_sha256(spec)
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
         try:
             store = FeatureStore(index.parent)
         except (FeatureStoreError, ValueError, KeyError):
             continue
-        if store.encoder == spec.to_json() and all(key in store.location for key in keys):
+        if store.encoder == spec.to_json() and store.tuned_sha256 == tuned \
+                and all(key in store.location for key in keys):
             return store
     return None
 
@@ -187,10 +195,11 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     """The store of ``spec``'s grid features for ``images`` in ``cache_dir``, extracted (or finished) first if
     needed.  ``rank`` defaults to the DDP rank: rank 0 extracts, the others wait for it."""
     keys = [im.key for im in images]
-    folder = Path(cache_dir) / _cache_name(spec, keys)
+    tuned = tuned_sha256(spec)  # read once: the name, the covering store and the index all need it
+    folder = Path(cache_dir) / _cache_name(spec, keys, tuned)
     if (folder / INDEX).exists():
         return FeatureStore(folder)
-    covering = find_covering_store(cache_dir, spec, keys)
+    covering = find_covering_store(cache_dir, spec, keys, tuned)
     if covering is not None:  # e.g. all splits extracted once by `captioner data features`
         return covering
     folder.mkdir(parents=True, exist_ok=True)
@@ -201,7 +210,7 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
             return FeatureStore(folder)
         (folder / FAILED).unlink(missing_ok=True)
         try:
-            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size)
+            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
             _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
             raise
@@ -209,7 +218,8 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
 
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
-                    device: str, encoder: GridEncoder | None, progress: bool, shard_size: int) -> None:
+                    device: str, encoder: GridEncoder | None, progress: bool, shard_size: int,
+                    tuned: str | None = None) -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
@@ -241,4 +251,4 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     _write_json_atomically(folder / INDEX, {
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
         "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
-        "index": index})
+        "index": index, **({"tuned_sha256": tuned} if tuned else {})})
