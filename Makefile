@@ -315,6 +315,9 @@ F8K_TRAIN_f8k-sat-tuned := $(F8K_SAT) $(F8K_GRID) --finetune-stages 1
 F8K_TRAIN_f8k-sat-hard-tuned := $(F8K_TRAIN_f8k-sat-hard)
 F8K_INIT_f8k-sat-hard-tuned := f8k-sat-tuned
 F8K_TRAIN_f8k-xlan-tuned := $(F8K_TRAIN_f8k-xlan) --finetune-stages 1
+# AoANet with the last stage fine-tuned: docs/decisions.md, "Flickr8k: AoANet's last stage, judged by a paired
+# bootstrap on val"
+F8K_TRAIN_f8k-aoanet-tuned := $(F8K_TRAIN_f8k-aoanet) --finetune-stages 1
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 # SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)
@@ -352,7 +355,23 @@ f8k-stage-%: check-f8k | $(STAMP)
 train-f8k-%: f8k-stage-%
 	$(BIN)/captioner tune-decoding runs/$*/best $(F8K) --split val --threads 1 --write --output runs/$*/decoding.val.json
 	$(BIN)/captioner storage runs/$*/best float16 --out runs/$*/float16
-	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split val --threads 1 --output runs/$*/eval.val.json
+	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split val --threads 1 --output runs/$*/eval.val.json \
+	  --results-json runs/$*/captions.val.json
+
+# compare-val-f8k-STAGE: a finished stage (train-f8k-STAGE) against the shipped model it would replace
+# (F8K_RIVAL_STAGE), both with their own decoding defaults, on val: the paired-bootstrap difference in CIDEr-D and
+# BLEU-4 (docs/decisions.md, "Flickr8k: AoANet's last stage, judged by a paired bootstrap on val")
+F8K_RIVAL_f8k-aoanet-tuned := aoanet
+runs/shipped-%/captions.val.json: weights/flickr8k/%/model.safetensors | $(STAMP)
+	mkdir -p $(@D)
+	$(BIN)/captioner eval weights/flickr8k/$* $(F8K) --split val --threads 1 --output $(@D)/eval.val.json \
+	  --results-json $@
+compare-val-f8k-%: | $(STAMP)
+	@test -n "$(F8K_RIVAL_$*)" || { echo "no F8K_RIVAL_$* in the Makefile"; exit 2; }
+	@test -f runs/$*/captions.val.json || { echo "runs/$* is not finished: make train-f8k-$*"; exit 2; }
+	@$(MAKE) --no-print-directory runs/shipped-$(F8K_RIVAL_$*)/captions.val.json
+	$(BIN)/captioner compare runs/$*/captions.val.json runs/shipped-$(F8K_RIVAL_$*)/captions.val.json \
+	  --names $* $(F8K_RIVAL_$*) $(F8K) --split val --output runs/$*/compare.val.json
 
 # The test report (with the diversity measures) and captions of a finished stage: make re-evaluates them only when
 # the float16 weights are newer, so shipping again does not evaluate again
