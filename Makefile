@@ -318,6 +318,8 @@ F8K_TRAIN_f8k-xlan-tuned := $(F8K_TRAIN_f8k-xlan) --finetune-stages 1
 # AoANet with the last stage fine-tuned: docs/decisions.md, "Flickr8k: AoANet's last stage, judged by a paired
 # bootstrap on val"
 F8K_TRAIN_f8k-aoanet-tuned := $(F8K_TRAIN_f8k-aoanet) --finetune-stages 1
+# SAT soft with mirror images (--augment hflip): docs/decisions.md, "Flickr8k: mirror images"
+F8K_TRAIN_f8k-sat-hflip := $(F8K_TRAIN_f8k-sat-blocks-256) --augment hflip
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 # SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)
@@ -362,6 +364,7 @@ train-f8k-%: f8k-stage-%
 # (F8K_RIVAL_STAGE), both with their own decoding defaults, on val: the paired-bootstrap difference in CIDEr-D and
 # BLEU-4 (docs/decisions.md, "Flickr8k: AoANet's last stage, judged by a paired bootstrap on val")
 F8K_RIVAL_f8k-aoanet-tuned := aoanet
+F8K_RIVAL_f8k-sat-hflip := sat
 runs/shipped-%/captions.val.json: weights/flickr8k/%/model.safetensors | $(STAMP)
 	mkdir -p $(@D)
 	$(BIN)/captioner eval weights/flickr8k/$* $(F8K) --split val --threads 1 --output $(@D)/eval.val.json \

@@ -34,7 +34,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +50,11 @@ FORMAT = "attention-captioner-features/2"
 INDEX, FAILED, LOCK = "index.json", "failed.json", "extract.lock"
 #: images per shard: 1,024 COCO images at 16×16×472 float16 make a 247 MB file
 DEFAULT_SHARD_SIZE = 1024
+#: what a store's images are before the encoder sees them, applied to :func:`preprocess`'s output so that training
+#: and serving keep one preprocessing path.  ``""``: the photo; ``"hflip"``: its mirror image (``captioner train
+#: --augment hflip``; the network input mirrored is the mirrored photo preprocessed, up to the resize's rounding)
+VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"": lambda pixels: pixels,
+                                                              "hflip": lambda pixels: pixels.flip(-1)}
 
 
 class FeatureStoreError(RuntimeError):
@@ -76,6 +81,7 @@ class FeatureStore:
         self.location: dict[str, tuple[int, int]] = {key: (s, r) for key, (s, r) in index["index"].items()}
         self.encoder = index.get("encoder")
         self.tuned_sha256 = index.get("tuned_sha256")  # of EncoderSpec.tuned_weights' file, when the spec has one
+        self.view = index.get("view", "")  # a key of VIEWS
         self._shards: list[np.ndarray | None] = [None] * len(self.shard_files)
 
     @property
@@ -123,10 +129,12 @@ def tuned_sha256(spec: EncoderSpec) -> str | None:
     return hashlib.sha256(Path(spec.tuned_weights).read_bytes()).hexdigest() if spec.tuned_weights else None
 
 
-def _cache_name(spec: EncoderSpec, keys: Sequence[str], tuned: str | None = None) -> str:
+def _cache_name(spec: EncoderSpec, keys: Sequence[str], tuned: str | None = None, view: str = "") -> str:
     fields = {k: v for k, v in spec.to_json().items() if _LATER_FIELDS.get(k, object()) != v}
     if spec.tuned_weights:
         fields["tuned_weights"] = tuned or tuned_sha256(spec)
+    if view:  # the photos as they are keep the names caches had before views existed
+        fields["view"] = view
     digest = hashlib.sha256(json.dumps([fields, list(keys)]).encode()).hexdigest()[:16]
     return f"{spec.backbone}-{spec.layer}-{spec.image_size}-{digest}"
 
@@ -155,9 +163,10 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 
 
 def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str],
-                        tuned: str | None = None) -> FeatureStore | None:
-    """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content) that holds
-    every key, if there is one: a store of all splits serves training (train + val) and evaluation (test) alike."""
+                        tuned: str | None = None, view: str = "") -> FeatureStore | None:
+    """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content, and view)
+    that holds every key, if there is one: a store of all splits serves training (train + val) and evaluation
+    (test) alike."""
     tuned = tuned or tuned_sha256(spec)
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
@@ -165,7 +174,7 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
             store = FeatureStore(index.parent)
         except (FeatureStoreError, ValueError, KeyError):
             continue
-        if store.encoder == spec.to_json() and store.tuned_sha256 == tuned \
+        if store.encoder == spec.to_json() and store.tuned_sha256 == tuned and store.view == view \
                 and all(key in store.location for key in keys):
             return store
     return None
@@ -191,15 +200,18 @@ def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = 
 def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_dir: str | Path,
                      batch_size: int = 32, device: str = "cpu", encoder: GridEncoder | None = None,
                      progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE, rank: int | None = None,
-                     wait_timeout_s: float | None = None) -> FeatureStore:
-    """The store of ``spec``'s grid features for ``images`` in ``cache_dir``, extracted (or finished) first if
-    needed.  ``rank`` defaults to the DDP rank: rank 0 extracts, the others wait for it."""
+                     wait_timeout_s: float | None = None, view: str = "") -> FeatureStore:
+    """The store of ``spec``'s grid features for ``images`` (seen as ``view``, a key of :data:`VIEWS`) in
+    ``cache_dir``, extracted (or finished) first if needed.  ``rank`` defaults to the DDP rank: rank 0 extracts,
+    the others wait for it."""
+    if view not in VIEWS:
+        raise ValueError(f"unknown view {view!r}; choose from {', '.join(map(repr, VIEWS))}")
     keys = [im.key for im in images]
     tuned = tuned_sha256(spec)  # read once: the name, the covering store and the index all need it
-    folder = Path(cache_dir) / _cache_name(spec, keys, tuned)
+    folder = Path(cache_dir) / _cache_name(spec, keys, tuned, view)
     if (folder / INDEX).exists():
         return FeatureStore(folder)
-    covering = find_covering_store(cache_dir, spec, keys, tuned)
+    covering = find_covering_store(cache_dir, spec, keys, tuned, view)
     if covering is not None:  # e.g. all splits extracted once by `captioner data features`
         return covering
     folder.mkdir(parents=True, exist_ok=True)
@@ -210,7 +222,7 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
             return FeatureStore(folder)
         (folder / FAILED).unlink(missing_ok=True)
         try:
-            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned)
+            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned, view)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
             _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
             raise
@@ -219,7 +231,7 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | None, progress: bool, shard_size: int,
-                    tuned: str | None = None) -> None:
+                    tuned: str | None = None, view: str = "") -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
@@ -227,7 +239,8 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     done = [(folder / shard_name(j)).exists() for j in range(len(shards))]
     rows, cols = spec.grid_hw
     model = None
-    with tqdm(total=len(images), initial=sum(len(s) for s, d in zip(shards, done) if d), desc="encoding images",
+    with tqdm(total=len(images), initial=sum(len(s) for s, d in zip(shards, done) if d),
+              desc=f"encoding images{f' ({view})' if view else ''}",
               unit="img", disable=not progress) as bar:
         for number, members in enumerate(shards):
             if done[number]:
@@ -239,9 +252,9 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
                                               shape=(len(members), rows * cols, model.feat_dim))
             for start in range(0, len(members), batch_size):
                 chunk = [images[i] for i in members[start:start + batch_size]]
-                pixels = torch.stack([preprocess(load_image(im.path), spec)[0] for im in chunk]).to(device)
+                pixels = VIEWS[view](torch.stack([preprocess(load_image(im.path), spec)[0] for im in chunk]))
                 with torch.no_grad():
-                    array[start:start + len(chunk)] = model(pixels).float().cpu().numpy().astype(np.float16)
+                    array[start:start + len(chunk)] = model(pixels.to(device)).float().cpu().numpy().astype(np.float16)
                 bar.update(len(chunk))
             array.flush()
             del array
@@ -251,4 +264,4 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     _write_json_atomically(folder / INDEX, {
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
         "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
-        "index": index, **({"tuned_sha256": tuned} if tuned else {})})
+        "index": index, **({"tuned_sha256": tuned} if tuned else {}), **({"view": view} if view else {})})

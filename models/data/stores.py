@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from ..encoder import EncoderSpec, EncoderTail
 from ..protocol import VisualBatch
 from .features import extract_features
@@ -28,13 +30,22 @@ class VisualStore(Protocol):
 
 
 def open_feature_store(features: str | None, images: Sequence[CaptionedImage], spec: EncoderSpec,
-                       cache_dir: str | Path, device: str = "cpu", progress: bool = True) -> VisualStore:
+                       cache_dir: str | Path, device: str = "cpu", progress: bool = True,
+                       mirrored: Sequence[CaptionedImage] = ()) -> VisualStore:
     """The store behind ``--features``: ``None`` or ``"grid"`` → frozen-encoder grid features of ``spec``
-    (extracted once into ``cache_dir``); ``"regions:DIR"`` → precomputed region features in ``DIR``."""
+    (extracted once into ``cache_dir``); ``"regions:DIR"`` → precomputed region features in ``DIR``.  With
+    ``mirrored`` images (grid only), a :class:`MirroredStore` that also holds their mirror images."""
     kind, _, where = (features or "grid").partition(":")
     if kind == "grid" and not where:
-        return extract_features(images, spec, cache_dir, device=device, progress=progress)
+        store = extract_features(images, spec, cache_dir, device=device, progress=progress)
+        if not mirrored:
+            return store
+        return MirroredStore(store, extract_features(mirrored, spec, cache_dir, device=device, progress=progress,
+                                                     view="hflip"))
     if kind == "regions" and where:
+        if mirrored:
+            raise ValueError(f"region features ({features}) have no mirror images: --augment hflip needs the grid "
+                             "encoder's features")
         return RegionStore(where, images)
     raise ValueError(f"--features must be 'grid' or 'regions:DIR', got {features!r}")
 
@@ -54,3 +65,42 @@ class TunedStore:
     def batch(self, keys: Sequence[str]) -> VisualBatch:
         vis = self.inner.batch(keys).to(next(self.tail.parameters()).device)
         return VisualBatch(self.tail(vis.feats), vis.mask, vis.geometry)
+
+
+#: marks a key as the mirror image of its photo; a NUL cannot occur in the paths image keys come from
+_MIRRORED = "\x00hflip"
+
+
+def mirrored_key(key: str) -> str:
+    """The key :class:`MirroredStore` answers with the mirror image's features of photo ``key``."""
+    return key + _MIRRORED
+
+
+class MirroredStore:
+    """Photos and their mirror images in one store (``captioner train --augment hflip``): a key made by
+    :func:`mirrored_key` is read from ``mirrored`` (features of the horizontally flipped photos, the ``"hflip"``
+    view of :func:`~captioner.models.data.features.extract_features`), every other key from ``plain``."""
+
+    def __init__(self, plain: VisualStore, mirrored: VisualStore):
+        if plain.feat_dim != mirrored.feat_dim:
+            raise ValueError(f"the mirrored store's features are {mirrored.feat_dim}-d, the photos' {plain.feat_dim}-d")
+        self.plain, self.mirrored = plain, mirrored
+
+    @property
+    def feat_dim(self) -> int:
+        return self.plain.feat_dim
+
+    def batch(self, keys: Sequence[str]) -> VisualBatch:
+        flipped = [key.endswith(_MIRRORED) for key in keys]
+        if not any(flipped):
+            return self.plain.batch(keys)
+        parts = [store.batch(picked) for store, picked in (
+            (self.plain, [k for k, f in zip(keys, flipped) if not f]),
+            (self.mirrored, [k.removesuffix(_MIRRORED) for k, f in zip(keys, flipped) if f])) if picked]
+        # rows come back plain first, then mirrored: put them back in the order of ``keys``
+        stacked = sorted(range(len(keys)), key=lambda i: flipped[i])
+        order = torch.empty(len(keys), dtype=torch.long)
+        order[torch.tensor(stacked)] = torch.arange(len(keys))
+        feats, mask = (torch.cat([getattr(part, name) for part in parts])[order] for name in ("feats", "mask"))
+        geometry = [g for part in parts for g in part.geometry]
+        return VisualBatch(feats, mask, [geometry[i] for i in order.tolist()] if geometry else [])

@@ -100,6 +100,9 @@ class TrainConfig(_SavedRecord):
     cache_dir: str = option(".cache/features", "feature cache folder")
     finetune_stages: int = option(0, "fine-tune the encoder's last N stages (EfficientNet-Lite0, layer blocks) on "
                                      "features cached before them; 0: the encoder stays frozen", metavar="N")
+    augment: str = option("none", "xe: hflip shows each training photo as its mirror image in half of the epochs "
+                                  "(seeded), with left and right swapped in its captions; the mirror images' "
+                                  "features are cached beside the photos'", choices=("none", "hflip"))
     encoder_lr_factor: float = option(0.25, "learning rate of the fine-tuned stages as a share of the decoder's "
                                             "(0.25: 1e-4 against 4e-4, as sgrvinod's SAT code fine-tunes its CNN)")
     epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)")
@@ -503,6 +506,9 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     if cfg.finetune_stages and (cfg.features or "grid") != "grid":
         raise ValueError("--finetune-stages fine-tunes the grid encoder; it cannot be combined with --features "
                          f"{cfg.features}")
+    if cfg.augment != "none" and cfg.phase != "xe":
+        raise ValueError(f"--augment {cfg.augment} applies to the xe phase (its captions are the references); "
+                         f"--phase {cfg.phase} samples its own")
     cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
     train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
     val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
@@ -520,7 +526,8 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     for turn in (True, False):
         if ctx.is_main == turn:
             store = open_feature_store(cfg.features, train_images + val_images, cache_spec, cfg.cache_dir,
-                                       device=str(device), progress=cfg.progress and ctx.is_main)
+                                       device=str(device), progress=cfg.progress and ctx.is_main,
+                                       mirrored=train_images if cfg.augment == "hflip" else ())
         ctx.barrier()
     tail = EncoderTail(GridEncoder(spec), cfg.finetune_stages).to(device) if cfg.finetune_stages else None
     if tail is not None:
