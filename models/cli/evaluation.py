@@ -226,8 +226,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 @_group.command("compare")
 def _add_compare(sub: argparse._SubParsersAction) -> None:
-    cmp = sub.add_parser("compare", help="paired comparison of two checkpoints' captions of the same split: CIDEr-D "
-                         "and objects_named of each, and the difference with a paired-bootstrap 95%% interval")
+    cmp = sub.add_parser("compare", help="paired comparison of two checkpoints' captions of the same split: CIDEr-D, "
+                         "BLEU-4 and (generated scenes) objects_named of each, and the difference with a "
+                         "paired-bootstrap 95%% interval")
     cmp.add_argument("results", nargs=2, metavar="RESULTS.json",
                      help="captions of A and of B, as `captioner eval --results-json` writes them")
     cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
