@@ -320,6 +320,10 @@ F8K_TRAIN_f8k-xlan-tuned := $(F8K_TRAIN_f8k-xlan) --finetune-stages 1
 F8K_TRAIN_f8k-aoanet-tuned := $(F8K_TRAIN_f8k-aoanet) --finetune-stages 1
 # SAT soft with mirror images (--augment hflip): docs/decisions.md, "Flickr8k: mirror images"
 F8K_TRAIN_f8k-sat-hflip := $(F8K_SAT) $(F8K_GRID) --augment hflip
+# the shipped SAT recipe on the first 1,500 and 3,000 training photos: docs/decisions.md, "Flickr8k: validation
+# CIDEr-D against the number of training photos"
+F8K_TRAIN_f8k-sat-1500 := $(F8K_SAT) $(F8K_GRID) --train-limit 1500
+F8K_TRAIN_f8k-sat-3000 := $(F8K_SAT) $(F8K_GRID) --train-limit 3000
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 # SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)
