@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from captioner.models.data.features import extract_features
+from captioner.models.data.features import FeatureStore, extract_features
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.stores import MirroredStore, mirrored_key
 from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
@@ -114,3 +114,13 @@ def test_mirror_images_need_grid_features_and_the_xe_phase(scenes, tmp_path):
         train(_config(scenes, tmp_path / "run", tmp_path / "cache", features="regions:/nowhere"))
     with pytest.raises(ValueError, match="--augment hflip applies to the xe phase"):
         train(_config(scenes, tmp_path / "run2", tmp_path / "cache", phase="scst"))
+
+
+def test_mirror_images_go_through_fine_tuned_stages_too(scenes, tmp_path):
+    best = train(_config(scenes, tmp_path / "run", tmp_path / "cache", finetune_stages=1, epochs=1))
+    assert (best / "encoder_tuned.safetensors").exists()
+    views = {}
+    for index in (tmp_path / "cache").glob("*/index.json"):
+        store = FeatureStore(index.parent)
+        views[store.view] = store.encoder.get("stop_stages")
+    assert views == {"": 1, "hflip": 1}  # both views cached before the tuned stage, which then sees both
