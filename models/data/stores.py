@@ -94,13 +94,15 @@ class MirroredStore:
         flipped = [key.endswith(_MIRRORED) for key in keys]
         if not any(flipped):
             return self.plain.batch(keys)
-        parts = [store.batch(picked) for store, picked in (
-            (self.plain, [k for k, f in zip(keys, flipped) if not f]),
-            (self.mirrored, [k.removesuffix(_MIRRORED) for k, f in zip(keys, flipped) if f])) if picked]
-        # rows come back plain first, then mirrored: put them back in the order of ``keys``
-        stacked = sorted(range(len(keys)), key=lambda i: flipped[i])
-        order = torch.empty(len(keys), dtype=torch.long)
-        order[torch.tensor(stacked)] = torch.arange(len(keys))
-        feats, mask = (torch.cat([getattr(part, name) for part in parts])[order] for name in ("feats", "mask"))
-        geometry = [g for part in parts for g in part.geometry]
-        return VisualBatch(feats, mask, [geometry[i] for i in order.tolist()] if geometry else [])
+        rows = [[i for i, f in enumerate(flipped) if f == view] for view in (False, True)]
+        parts = [self.plain.batch([keys[i] for i in rows[0]]),
+                 self.mirrored.batch([keys[i].removesuffix(_MIRRORED) for i in rows[1]])]
+        feats = torch.empty(len(keys), *parts[1].feats.shape[1:], dtype=parts[1].feats.dtype)
+        mask = torch.empty(len(keys), *parts[1].mask.shape[1:], dtype=torch.bool)
+        geometry = [None] * len(keys)
+        for part, where in zip(parts, rows):  # each view's rows back to where their keys were asked
+            if where:
+                feats[where], mask[where] = part.feats, part.mask
+                for i, g in zip(where, part.geometry):
+                    geometry[i] = g
+        return VisualBatch(feats, mask, geometry if all(g is not None for g in geometry) else [])

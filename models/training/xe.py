@@ -58,6 +58,7 @@ class XEPhase(Phase):
                       for im in self.images for ref in im.references]
         # pairs of image i are pairs[starts[i]:starts[i + 1]]
         self.starts = np.cumsum([0] + [len(im.references) for im in self.images])
+        self.image_of_pair = np.repeat(np.arange(len(self.images)), np.diff(self.starts))
         if self.cfg.augment == "hflip":
             self.pairs += [(mirrored_key(im.key), self.vocab.encode(mirror_words(ref), self.cfg.max_train_len))
                            for im in self.images for ref in im.references]
@@ -79,8 +80,7 @@ class XEPhase(Phase):
         if self.cfg.augment != "hflip":
             return order
         mirrored = np.random.default_rng([self.cfg.seed, epoch, 1]).random(len(self.images)) < 0.5
-        image_of_pair = np.repeat(np.arange(len(self.images)), np.diff(self.starts))
-        return order + self.size * mirrored[image_of_pair[order]]
+        return order + self.size * mirrored[self.image_of_pair[order]]
 
     def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
         """Token-mean XE (plus the model's auxiliary losses) of this rank's ``batch``, weighted by its share of
