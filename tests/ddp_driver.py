@@ -9,10 +9,18 @@ from safetensors.torch import save_file
 from captioner.models.training import TrainConfig, fit, prepare_run
 from captioner.models.training.distributed import shutdown_distributed
 
-if __name__ == "__main__":
-    cfg = TrainConfig(**json.loads(sys.argv[1]))
-    run = prepare_run(cfg, resume=len(sys.argv) > 2 and sys.argv[2] == "resume")
+def main(config: str, resume: bool) -> None:
+    # in a function, not at module level: the run (and the DistributedDataParallel wrapper holding the process
+    # group) must be released before the group is destroyed, not during interpreter finalisation
+    cfg = TrainConfig(**json.loads(config))
+    run = prepare_run(cfg, resume=resume)
     assert run.dist.world == 2, "expected to run under torchrun --nproc_per_node 2"
     fit(run)
     save_file({k: v.contiguous() for k, v in run.model.state_dict().items()}, f"{cfg.out}/rank{run.dist.rank}.safetensors")
-    shutdown_distributed(run.dist)
+    ctx = run.dist
+    del run
+    shutdown_distributed(ctx)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], resume=len(sys.argv) > 2 and sys.argv[2] == "resume")

@@ -100,10 +100,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
     finally:
-        import torch.distributed as dist
+        from ..training.distributed import shutdown_distributed
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
     print(f"best checkpoint: {best}")
 
 
