@@ -324,6 +324,9 @@ F8K_TRAIN_f8k-sat-hflip := $(F8K_SAT) $(F8K_GRID) --augment hflip
 # CIDEr-D against the number of training photos"
 F8K_TRAIN_f8k-sat-1500 := $(F8K_SAT) $(F8K_GRID) --train-limit 1500
 F8K_TRAIN_f8k-sat-3000 := $(F8K_SAT) $(F8K_GRID) --train-limit 3000
+# the shipped X-LAN recipe on fewer photos: docs/decisions.md, "Flickr8k: does X-LAN's line cross SAT's?"
+F8K_TRAIN_f8k-xlan-1500 := $(F8K_TRAIN_f8k-xlan) --train-limit 1500
+F8K_TRAIN_f8k-xlan-3000 := $(F8K_TRAIN_f8k-xlan) --train-limit 3000
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 # SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)
