@@ -324,7 +324,7 @@ F8K_TRAIN_f8k-sat-hflip := $(F8K_SAT) $(F8K_GRID) --augment hflip
 # CIDEr-D against the number of training photos"
 F8K_TRAIN_f8k-sat-1500 := $(F8K_SAT) $(F8K_GRID) --train-limit 1500
 F8K_TRAIN_f8k-sat-3000 := $(F8K_SAT) $(F8K_GRID) --train-limit 3000
-# the shipped X-LAN recipe on fewer photos: docs/decisions.md, "Flickr8k: does X-LAN's line cross SAT's?"
+# X-LAN's frozen-encoder recipe (f8k-xlan) on fewer photos: docs/decisions.md, "Flickr8k: does X-LAN's line cross SAT's?"
 F8K_TRAIN_f8k-xlan-1500 := $(F8K_TRAIN_f8k-xlan) --train-limit 1500
 F8K_TRAIN_f8k-xlan-3000 := $(F8K_TRAIN_f8k-xlan) --train-limit 3000
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20

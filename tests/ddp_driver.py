@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from captioner.models.training import TrainConfig, fit, prepare_run
 from captioner.models.training.distributed import shutdown_distributed
 
+
 def main(config: str, resume: bool) -> None:
     # in a function, not at module level: the run (and the DistributedDataParallel wrapper holding the process
     # group) must be released before the group is destroyed, not during interpreter finalisation
