@@ -18,9 +18,8 @@ def main(config: str, resume: bool) -> None:
     assert run.dist.world == 2, "expected to run under torchrun --nproc_per_node 2"
     fit(run)
     save_file({k: v.contiguous() for k, v in run.model.state_dict().items()}, f"{cfg.out}/rank{run.dist.rank}.safetensors")
-    ctx = run.dist
     del run
-    shutdown_distributed(ctx)
+    shutdown_distributed(meet_first=True)
 
 
 if __name__ == "__main__":

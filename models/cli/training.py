@@ -92,17 +92,17 @@ def train_config_from_args(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> None:
     from ..training import TrainingInterrupted, train
+    from ..training.distributed import shutdown_distributed
 
     cfg = train_config_from_args(args)
+    best = None
     try:
         best = train(cfg, resume=args.resume)
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
     finally:
-        from ..training.distributed import shutdown_distributed
-
-        shutdown_distributed()
+        shutdown_distributed(meet_first=best is not None)
     print(f"best checkpoint: {best}")
 
 

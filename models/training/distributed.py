@@ -91,19 +91,19 @@ def init_distributed(device: str) -> tuple[DistContext, str]:
     return DistContext(rank=rank, world=world, local_rank=local_rank), device
 
 
-def shutdown_distributed(ctx: DistContext | None = None) -> None:
-    """Leave the process group while the interpreter is fully alive.
+def shutdown_distributed(meet_first: bool = False) -> None:
+    """Leave the process group, if this process is in one, while the interpreter is fully alive.
 
-    With ``ctx`` (a run that finished normally) the ranks first meet at a barrier, so no rank tears its
-    connections down while another is still inside a collective; without it (an error path, where a rank may be
-    gone) there is no barrier. Either way, garbage that still holds the group (a finished ``Run``'s
+    ``meet_first`` (a run that ended normally on every rank) makes the ranks meet at a barrier first, so no rank
+    tears its connections down while another is still inside a collective; an error path passes False, since a
+    rank may be gone. Either way, garbage that still holds the group (a finished ``Run``'s
     DistributedDataParallel wrapper and reducer, when reference cycles keep them) is collected before the group is
     destroyed, not during interpreter finalisation, when gloo's objects can abort the process (the failure
     described in pytorch/pytorch#179291; a CI run once lost a rank to ``terminate called without an active
     exception`` at the end of a two-rank run)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if ctx is not None and ctx.active:
+    if meet_first:
         dist.barrier()
     gc.collect()
     dist.destroy_process_group()
