@@ -328,6 +328,12 @@ F8K_TRAIN_f8k-sat-3000 := $(F8K_SAT) $(F8K_GRID) --train-limit 3000
 F8K_TRAIN_f8k-xlan-1500 := $(F8K_TRAIN_f8k-xlan) --train-limit 1500
 F8K_TRAIN_f8k-xlan-3000 := $(F8K_TRAIN_f8k-xlan) --train-limit 3000
 F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --epochs 20
+# the shipped SAT recipe on EfficientNet-Lite2's grid (the optional extra lite2 ships its weights): docs/decisions.md,
+# "Flickr8k: a stronger ImageNet encoder"
+F8K_TRAIN_f8k-sat-lite2 := $(F8K_SAT) $(F8K_GRID) --encoder backbone=efficientnet_lite2
+F8K_EXTRA_f8k-sat-lite2 := lite2
+F8K_TRAIN_f8k-xlan-lite2 := $(F8K_TRAIN_f8k-xlan) --encoder backbone=efficientnet_lite2
+F8K_EXTRA_f8k-xlan-lite2 := lite2
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
 # SCST starts from the stage that ships (the 256-d run); its widths come from that checkpoint (--init)
 F8K_TRAIN_f8k-xtransformer-scst := $(F8K_XT_LAYERS) --phase scst --epochs 3
@@ -358,6 +364,7 @@ f8k_init = $(if $(wildcard runs/$(1)/best),runs/$(1)/best,$(or $(wildcard $(F8K_
 f8k-stage-%: check-f8k | $(STAMP)
 	@test -n "$(F8K_TRAIN_$*)" || { echo "no recipe F8K_TRAIN_$* in the Makefile"; exit 2; }
 	@if [ -n "$(F8K_INIT_$*)" ] && [ ! -d $(call f8k_init,$(F8K_INIT_$*)) ]; then $(MAKE) f8k-stage-$(F8K_INIT_$*); fi
+	@if [ -n "$(F8K_EXTRA_$*)" ]; then $(BIN)/pip install --quiet -e '.[dev,$(F8K_EXTRA_$*)]'; fi
 	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 \
 	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init $(call f8k_init,$(F8K_INIT_$*))))
 
@@ -376,6 +383,8 @@ train-f8k-%: f8k-stage-%
 F8K_RIVAL_f8k-aoanet-tuned := aoanet
 F8K_RIVAL_f8k-sat-hflip := sat
 F8K_RIVAL_f8k-xtransformer-tuned := xtransformer
+F8K_RIVAL_f8k-sat-lite2 := sat
+F8K_RIVAL_f8k-xlan-lite2 := xlan
 runs/shipped-%/captions.val.json: weights/flickr8k/%/model.safetensors | $(STAMP)
 	mkdir -p $(@D)
 	$(BIN)/captioner eval weights/flickr8k/$* $(F8K) --split val --threads 1 --output $(@D)/eval.val.json \

