@@ -1,14 +1,18 @@
 """Encoder benchmark: per-image time of the visual encoder at batch 1, 4 and 16, PyTorch and ONNX Runtime, one run.
 
-The encoder of a checkpoint (``--checkpoint``, default: the service's default model, EfficientNet-Lite0 hypercolumns
-on a 16×16 grid at 256 px) is timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
-(``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX
-Runtime (CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8
-serves it).  Configurations are timed in turns, repetition by repetition, so that
-background load affects each alike; each cell is the median of the repetitions' per-image times.  The PyTorch row
-"unfolded" is the encoder before this change (BatchNorms as separate passes), for the record.
+The encoder of a checkpoint (``--checkpoint``, default: the checkpoint the service answers with when a request
+names no model, ``weights/flickr8k/sat``: EfficientNet-Lite0's last stage on an 8×8 grid at 256 px) is timed as the
+service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
+(``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX Runtime
+(CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8 serves it).
+Configurations are timed in turns, repetition by repetition, so that background load affects each alike; each cell
+is the median of the repetitions' per-image times.  The PyTorch row "unfolded" is the encoder before BatchNorm
+folding (BatchNorms as separate passes), for the record.  ``--also-backbone`` adds the served PyTorch row of another
+backbone on the same grid (for example ``efficientnet_lite2``: docs/decisions.md, "Flickr8k: a stronger ImageNet
+encoder"), timed in the same turns.
 
-Usage: ``python benchmarks/bench_encoder.py [--threads N] [--repeats R]``; writes ``docs/benchmarks/encoder.md``.
+Usage: ``python benchmarks/bench_encoder.py [--threads N] [--repeats R] [--also-backbone NAME ...]``; writes
+``docs/benchmarks/encoder.md``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,16 @@ OUT = ROOT / "docs" / "benchmarks" / "encoder.md"
 BATCHES = (1, 4, 16)
 
 
-def torch_encoders(spec):
+def torch_runner(encoder):
     import torch
+
+    def run(pixels):
+        with torch.inference_mode():
+            encoder(pixels.contiguous(memory_format=torch.channels_last))
+    return run
+
+
+def torch_encoders(spec):
 
     import captioner.models.encoder as encoder_module
     from captioner.models.inference import grid_encoder
@@ -40,21 +52,15 @@ def torch_encoders(spec):
         unfolded = grid_encoder(spec, "cpu")
     finally:
         encoder_module.fold_batch_norm = fold
-
-    def runner(encoder):
-        def run(pixels):
-            with torch.inference_mode():
-                encoder(pixels.contiguous(memory_format=torch.channels_last))
-        return run
-
-    return {"torch (served: BN folded, channels-last)": runner(served), "torch unfolded (before)": runner(unfolded)}, served
+    return {"torch (served: BN folded, channels-last)": torch_runner(served),
+            "torch unfolded (before)": torch_runner(unfolded)}, served
 
 
-def onnx_encoder(encoder, spec, threads: int, folder: Path):
+def onnx_encoder(encoder, spec, threads: int, folder: Path, name: str = "encoder_only"):
     import onnxruntime as ort
     import torch
 
-    path = folder / "encoder_only.onnx"
+    path = folder / f"{name}.onnx"
     example = torch.randn(2, 3, spec.image_size, spec.image_size)
     torch.onnx.export(encoder, (example,), str(path), input_names=["pixels"], output_names=["features"],
                       dynamic_axes={"pixels": {0: "batch"}, "features": {0: "batch"}}, opset_version=17, dynamo=False)
@@ -118,14 +124,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of both backends")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="checkpoint folder or name under weights/ (default: the service's default model)")
+                        help="checkpoint folder or name under weights/ (default: the one the service answers with)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--parity-images", type=int, default=12, help="test scenes of the precision parity check")
+    parser.add_argument("--also-backbone", action="append", default=[], metavar="NAME",
+                        help="also time this backbone's served PyTorch encoder on the same grid (repeatable)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import checkpoint, default_model
+    from common import checkpoint, served_default
 
-    args.checkpoint = checkpoint(str(args.checkpoint or default_model()))
+    args.checkpoint = checkpoint(str(args.checkpoint or served_default()))
     import torch
 
     torch.set_num_threads(args.threads)
@@ -133,10 +141,21 @@ def main() -> None:
 
     spec = load_checkpoint(args.checkpoint, "cpu").encoder
     runners, served = torch_encoders(spec)
+    from dataclasses import replace
+
+    from captioner.models.inference import grid_encoder
+
+    others = {backbone: grid_encoder(replace(spec, backbone=backbone, weights=None, tuned_weights=None), "cpu")
+              for backbone in args.also_backbone}  # the same grid and input; their own ImageNet weights
+    for backbone, other in others.items():
+        runners[f"torch (served) with `{backbone}`"] = torch_runner(other)
     with tempfile.TemporaryDirectory() as tmp:
         runners["onnx runtime"], onnx_error = onnx_encoder(served, spec, args.threads, Path(tmp))
         # accuracy of int8: benchmarks/bench_int8.py (captioner eval), docs/benchmarks/int8.md
         runners["onnx runtime int8"] = onnx_int8_encoder(served, spec, args.threads, Path(tmp))
+        for backbone, other in others.items():
+            runners[f"onnx runtime with `{backbone}`"], _ = onnx_encoder(other, other.spec, args.threads, Path(tmp),
+                                                                         backbone)
         inputs = {b: torch.randn(b, 3, spec.image_size, spec.image_size) for b in BATCHES}
         for run in runners.values():  # first-use costs (allocator, kernel choice) are not measured
             for pixels in inputs.values():
@@ -154,7 +173,8 @@ def main() -> None:
     lines = [
         "# Encoder: per-image time by batch size",
         "",
-        f"`python benchmarks/bench_encoder.py --threads {args.threads} --repeats {args.repeats}`, "
+        f"`python benchmarks/bench_encoder.py --threads {args.threads} --repeats {args.repeats}"
+        + "".join(f" --also-backbone {b}" for b in args.also_backbone) + "`, "
         f"{started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores shared with other work (numbers drift with the "
         f"load; compare within a row and within this run only). Encoder of `{args.checkpoint.name}`: "
         f"`{spec.backbone}` `{spec.layer}`, {spec.grid_hw[0]}×{spec.grid_hw[1]} grid at {spec.image_size} px. "
