@@ -67,6 +67,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
                                                    training_captions=training_captions)
         report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
+        if args.misses:
+            from ..evaluation.metrics import unigram_misses
+
+            misses, words = unigram_misses(captions, {im.image_id: im.references for im in images})
+            report[split]["BLEU-1 misses"] = {"caption_words": words, "uncredited": sum(misses.values()),
+                                              "most_uncredited": dict(misses.most_common(args.misses))}
         if grounding == "scenes":
             report[split]["grounding"] = grounding_report(ckpt, images, results, dataset.parent,
                                                           args.grounding_resamples)
@@ -143,6 +149,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--limit", type=int)
     ev.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java)")
     ev.add_argument("--show", type=int, default=0, help="print this many captions")
+    ev.add_argument("--misses", type=int, default=0, metavar="N",
+                    help="also report the N caption words that BLEU-1 most often leaves uncredited")
     ev.add_argument("--cache-dir", default=".cache/features")
     ev.add_argument("--features", metavar="grid|regions:DIR", help="visual items (default: the training run's)")
     ev.add_argument("--device", default="auto")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from collections import defaultdict
+from collections import Counter, defaultdict
 from itertools import count
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -48,6 +48,26 @@ def score_captions(candidates: Mapping[int, str], references: Mapping[int, Seque
         # the vectorised CIDEr-D below equals coco-caption's "CIDEr" (which is CIDEr-D) and is much faster
         scores["CIDEr-D"] = float(np.mean(cider_d([res[i][0] for i in ids], [gts[i] for i in ids])))
     return scores
+
+
+def unigram_misses(captions: Mapping[int, Sequence[str]],
+                   references: Mapping[int, Sequence[Sequence[str]]]) -> tuple[Counter, int]:
+    """The caption words BLEU-1 does not credit, and the number of caption words: a word counts against a caption as
+    often as it occurs beyond the most times any one reference of the image holds it (the clipped unigram counts of
+    Papineni et al. 2002, §2.1, as coco-caption's ``BleuScorer`` clips them).  ``1 − misses / words`` is BLEU-1's
+    modified precision, which is BLEU-1 itself where no brevity penalty applies (docs/decisions.md, "Flickr8k:
+    BLEU-1 and the brevity penalty"): this says which words make up the rest."""
+    misses: Counter = Counter()
+    words = 0
+    for image_id, caption in captions.items():
+        most: Counter = Counter()
+        for reference in references[image_id]:
+            most |= Counter(reference)  # | keeps the larger count of each word
+        for word, times in Counter(caption).items():
+            words += times
+            if times > most[word]:
+                misses[word] += times - most[word]
+    return misses, words
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
