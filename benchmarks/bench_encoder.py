@@ -7,9 +7,9 @@ service runs it: PyTorch channels-last with its BatchNorms folded into the convo
 (CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8 serves it).
 Configurations are timed in turns, repetition by repetition, so that background load affects each alike; each cell
 is the median of the repetitions' per-image times.  The PyTorch row "unfolded" is the encoder before BatchNorm
-folding (BatchNorms as separate passes), for the record.  ``--also-backbone`` adds the served PyTorch row of another
-backbone on the same grid (for example ``efficientnet_lite2``: docs/decisions.md, "Flickr8k: a stronger ImageNet
-encoder"), timed in the same turns.
+folding (BatchNorms as separate passes), for the record.  ``--also-backbone`` adds the PyTorch and ONNX Runtime rows
+of another backbone on the same grid (for example ``efficientnet_lite2``: docs/decisions.md, "Flickr8k: a stronger
+ImageNet encoder"), timed in the same turns.
 
 Usage: ``python benchmarks/bench_encoder.py [--threads N] [--repeats R] [--also-backbone NAME ...]``; writes
 ``docs/benchmarks/encoder.md``.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from dataclasses import replace
 import os
 import statistics
 import sys
@@ -41,7 +42,6 @@ def torch_runner(encoder):
 
 
 def torch_encoders(spec):
-
     import captioner.models.encoder as encoder_module
     from captioner.models.inference import grid_encoder
 
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--parity-images", type=int, default=12, help="test scenes of the precision parity check")
     parser.add_argument("--also-backbone", action="append", default=[], metavar="NAME",
-                        help="also time this backbone's served PyTorch encoder on the same grid (repeatable)")
+                        help="also time this backbone on the same grid, PyTorch and ONNX Runtime (repeatable)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import checkpoint, served_default
@@ -141,8 +141,6 @@ def main() -> None:
 
     spec = load_checkpoint(args.checkpoint, "cpu").encoder
     runners, served = torch_encoders(spec)
-    from dataclasses import replace
-
     from captioner.models.inference import grid_encoder
 
     others = {backbone: grid_encoder(replace(spec, backbone=backbone, weights=None, tuned_weights=None), "cpu")

