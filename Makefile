@@ -39,6 +39,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# an optional extra of pyproject.toml (for example lite2, which a recipe names in F8K_EXTRA_NAME), installed once
+# per virtual environment and again when pyproject.toml changes
+$(VENV)/.extra-%: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,$*]'
+	touch $@
+
 # serve: the real-photo checkpoints of weights/flickr8k/ under their folder names (the service's defaults);
 # serve-scenes: those plus the generated-scene checkpoints of weights/ as scenes-NAME (docs/decisions.md, "Flickr8k:
 # where the checkpoints live and which are served")
@@ -364,7 +370,7 @@ f8k_init = $(if $(wildcard runs/$(1)/best),runs/$(1)/best,$(or $(wildcard $(F8K_
 f8k-stage-%: check-f8k | $(STAMP)
 	@test -n "$(F8K_TRAIN_$*)" || { echo "no recipe F8K_TRAIN_$* in the Makefile"; exit 2; }
 	@if [ -n "$(F8K_INIT_$*)" ] && [ ! -d $(call f8k_init,$(F8K_INIT_$*)) ]; then $(MAKE) f8k-stage-$(F8K_INIT_$*); fi
-	@if [ -n "$(F8K_EXTRA_$*)" ]; then $(BIN)/pip install --quiet -e '.[dev,$(F8K_EXTRA_$*)]'; fi
+	@if [ -n "$(F8K_EXTRA_$*)" ]; then $(MAKE) --no-print-directory $(VENV)/.extra-$(F8K_EXTRA_$*); fi
 	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 \
 	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init $(call f8k_init,$(F8K_INIT_$*))))
 

@@ -54,19 +54,21 @@ def unigram_misses(captions: Mapping[int, Sequence[str]],
                    references: Mapping[int, Sequence[Sequence[str]]]) -> tuple[Counter, int]:
     """The caption words BLEU-1 does not credit, and the number of caption words: a word counts against a caption as
     often as it occurs beyond the most times any one reference of the image holds it (the clipped unigram counts of
-    Papineni et al. 2002, §2.1, as coco-caption's ``BleuScorer`` clips them).  ``1 − misses / words`` is BLEU-1's
-    modified precision, which is BLEU-1 itself where no brevity penalty applies (docs/decisions.md, "Flickr8k:
-    BLEU-1 and the brevity penalty"): this says which words make up the rest."""
+    Papineni et al. 2002, §2.1, taken from coco-caption's own ``cook_refs``, as ``bleu_statistics`` in compare.py
+    takes them).  ``1 − misses / words`` is BLEU-1's modified precision, which is BLEU-1 itself where no brevity
+    penalty applies (docs/decisions.md, "Flickr8k: BLEU-1 and the brevity penalty"): this says which words make up
+    the rest."""
+    from pycocoevalcap.bleu.bleu_scorer import cook_refs
+
     misses: Counter = Counter()
     words = 0
     for image_id, caption in captions.items():
-        most: Counter = Counter()
-        for reference in references[image_id]:
-            most |= Counter(reference)  # | keeps the larger count of each word
+        _, most = cook_refs([" ".join(reference) for reference in references[image_id]], n=1)
         for word, times in Counter(caption).items():
             words += times
-            if times > most[word]:
-                misses[word] += times - most[word]
+            uncredited = times - most.get((word,), 0)
+            if uncredited > 0:
+                misses[word] += uncredited
     return misses, words
 
 
