@@ -155,6 +155,29 @@ class EncoderSpec:
 # --------------------------------------------------------------------------------------------------------------
 # Image loading and preprocessing (the single path used by training, evaluation, the CLI and the service)
 # --------------------------------------------------------------------------------------------------------------
+#: the full scale of each integer greyscale mode deeper than 8 bits (Pillow opens 16-bit PNGs and TIFFs as these)
+_SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A greyscale image deeper than 8 bits, scaled to 8 bits.
+
+    Pillow's ``convert("RGB")`` clips such values at 255 instead of scaling them, so a 16-bit photo turns almost
+    white and a float image in [0, 1] black.  16-bit modes are scaled from 65,535; 32-bit integer (``I``) and
+    float (``F``) images carry no nominal depth, so they are scaled from the smallest of 1 (floats only), 255,
+    65,535 and 2³²−1 that holds their brightest pixel.
+    """
+    values = np.asarray(image, dtype=np.float32)
+    if image.mode in _SIXTEEN_BIT_MODES:
+        full_scale = 65535.0
+    else:
+        peak = float(values.max()) if values.size else 0.0
+        scales = (1.0, 255.0, 65535.0) if image.mode == "F" else (255.0, 65535.0)
+        full_scale = next((scale for scale in scales if peak <= scale), 4294967295.0)
+    scaled = np.clip(values * (255.0 / full_scale), 0.0, 255.0)
+    return Image.fromarray(np.rint(scaled).astype(np.uint8), mode="L")
+
+
 def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None) -> Image.Image:
     """Open an image from bytes or a path: first frame, EXIF orientation applied, converted to RGB.
 
@@ -179,6 +202,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     try:
         image.seek(0)  # GIF/TIFF: first frame
         image = ImageOps.exif_transpose(image)
+        if image.mode in (*_SIXTEEN_BIT_MODES, "I", "F"):
+            image = _eight_bit(image)
         image = image.convert("RGB")
         image.load()
     except Image.DecompressionBombError as exc:

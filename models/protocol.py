@@ -38,7 +38,8 @@ class Geometry:
             "kind": self.kind,
             "image_size": list(self.image_size),
             "grid_hw": list(self.grid_hw) if self.grid_hw else None,
-            "boxes": np.round(self.boxes, 2).tolist(),
+            # rounded in float64, as JSON writes it: float32 rounded to 2 places is 56.380001068115234 there
+            "boxes": np.round(np.asarray(self.boxes, dtype=np.float64), 2).tolist(),
         }
 
 

@@ -72,6 +72,19 @@ def test_formats_and_modes_become_rgb(fmt, mode):
     assert loaded.mode == "RGB" and loaded.size == (30, 20)
 
 
+@pytest.mark.parametrize("fmt,dtype,full_scale", [("PNG", np.uint16, 65535), ("TIFF", np.uint16, 65535),
+                                                   ("TIFF", np.int32, 65535), ("TIFF", np.float32, 1.0),
+                                                   ("TIFF", np.float32, 255.0)])
+def test_deep_greyscale_is_scaled_to_eight_bits_not_clipped(fmt, dtype, full_scale):
+    # convert("RGB") alone clips at 255: a 16-bit photo came out nearly white, a [0, 1] float one black
+    grey = data.camera()[::8, ::8]
+    deep = Image.fromarray((grey.astype(np.float64) * (full_scale / 255.0)).astype(dtype))
+    loaded = np.asarray(load_image(_encode(deep, fmt)))
+    assert loaded.shape == (*grey.shape, 3)
+    np.testing.assert_allclose(loaded[..., 0], grey, atol=1)
+    assert (loaded[..., 0] == loaded[..., 2]).all()
+
+
 def test_exif_orientation_is_applied():
     image = Image.new("RGB", (40, 20), (0, 0, 0))
     exif = Image.Exif()
@@ -256,3 +269,8 @@ def test_packaged_lite2_weights_are_real_imagenet_weights():
     pixels, _ = preprocess(Image.fromarray(data.chelsea()), EncoderSpec(backbone="efficientnet_lite2"))
     probs = encoder.classify(pixels[None])
     assert int(probs.argmax()) in CAT_CLASSES
+
+
+def test_geometry_json_boxes_have_two_decimals_as_written():
+    boxes = grid_geometry(EncoderSpec(), (451, 300)).to_json()["boxes"]
+    assert boxes[1][2] == 112.75 and all(len(repr(v).split(".")[-1]) <= 2 for box in boxes for v in box)
