@@ -12,14 +12,14 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from captioner.models.rendering.heatmaps import MODES
+from captioner.models.rendering.heatmaps import MODES, RenderError
 
-from .inputs import QueryOptions
-from .rendering import Format, RenderOptions, render_result
+from .inputs import MULTIPART_SLACK, QueryOptions, drain_body
+from .rendering import DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, render_result
 from .results import Results, StoredResult
-from .routes import AttentionFormatQuery, caption_answer, caption_upload
-from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOptions, CaptionOut, HeatmapsOut
+from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOut, HeatmapsOut
 from .state import State
+from .upload_answers import AttentionFormatQuery, caption_answer, caption_upload
 
 router = APIRouter()
 
@@ -27,15 +27,16 @@ ModeQuery = Annotated[str | None, Query(description=f"one of {', '.join(MODES)};
 TokenQuery = Annotated[int | None, Query(ge=0, description="token index for format=png")]
 CmapQuery = Annotated[str, Query(description="matplotlib colormap name")]
 AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, description="heatmap opacity")]
-SideQuery = Annotated[int | None, Query(ge=16, le=8192, description="downscale so the longer side is at most this")]
+SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
+    f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE})"))]
 RENDERED = {200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
                   "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"}}
 
 
-async def _respond(stored: StoredResult, options: RenderOptions, result_id: str) -> Response | HeatmapsOut:
+async def _respond(stored: StoredResult, options: RenderOptions, result_id: str) -> Response:
     body = await render_result(stored, options, result_id)
     if isinstance(body, HeatmapsOut):
-        return body
+        return Response(body.model_dump_json(), media_type="application/json", headers={"X-Caption-Id": result_id})
     return Response(body, media_type="image/png", headers={"X-Caption-Id": result_id})
 
 
@@ -58,6 +59,12 @@ async def get_overlay(result_id: str, results: Results, format: Format = "png", 
 async def post_overlay(request: Request, state: State, results: Results, options: QueryOptions,
                        format: Format = "figure", token: TokenQuery = None, mode: ModeQuery = None,
                        cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
+    render = RenderOptions(format, token, mode, cmap, alpha, max_side)
+    try:  # before the model runs for a figure that could not be drawn
+        check_render_options(render)
+    except RenderError:
+        await drain_body(request, state.settings.max_upload_bytes + MULTIPART_SLACK)
+        raise
     data, result = await caption_upload(request, state, options)
     result_id = results.put(result, data)
-    return await _respond(results.get(result_id), RenderOptions(format, token, mode, cmap, alpha, max_side), result_id)
+    return await _respond(results.get(result_id), render, result_id)

@@ -16,12 +16,16 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.encoder import load_image
-from captioner.models.rendering.heatmaps import RenderError, caption_figure, default_mode, heatmap, overlay, png_bytes
+from captioner.models.rendering.heatmaps import (HEAT_MODES, MODES, RenderError, caption_figure, colormap,
+                                                 default_mode, heatmap, overlay, png_bytes)
 
 from .results import StoredResult
 from .schemas import HeatmapOut, HeatmapsOut
 
 Format = Literal["png", "figure", "json"]
+#: the longer side of what is rendered when the request names no ``max_side``, and the most it may name: an
+#: overlay costs memory in proportion to its pixels (a 40-megapixel upload would need gigabytes)
+DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE = 2048, 4096
 
 
 @dataclass
@@ -34,12 +38,27 @@ class RenderOptions:
     max_side: int | None = None
 
 
+def check_render_options(options: RenderOptions) -> None:
+    """Refuse what no result could render (before a caption is run for it); the token's range and the mode's fit
+    to the model's geometry are checked on the result."""
+    if options.format == "png" and options.token is None:
+        raise RenderError("format=png needs ?token=i (or use format=figure for the whole caption)")
+    if options.mode is not None and options.mode not in MODES:
+        raise RenderError(f"unknown heat mode {options.mode!r}; choose from {', '.join(MODES)}")
+    if options.format == "json" and options.mode is not None and options.mode not in HEAT_MODES:
+        raise RenderError(f"format=json returns heat maps: mode must be one of {', '.join(HEAT_MODES)} "
+                          f"({options.mode} draws boxes: use format=png or figure)")
+    colormap(options.cmap)
+
+
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
+    check_render_options(options)
     result = stored.result
     hyp = result.hypothesis
     image = load_image(stored.upload)
-    if options.max_side and max(image.size) > options.max_side:
-        image.thumbnail((options.max_side, options.max_side))
+    side = options.max_side or DEFAULT_RENDER_SIDE
+    if max(image.size) > side:
+        image.thumbnail((side, side))
     words = result.tokens
     attention = hyp.attention.numpy()
     area_boxes = result.area_boxes
@@ -51,16 +70,14 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
         rows = [weights_of(i) for i in range(len(words))]
         return png_bytes(caption_figure(image, words, rows, result.geometry, mode, cmap, alpha, area_boxes=area_boxes))
     if options.format == "png":
-        if token is None:
-            raise RenderError("format=png needs ?token=i (or use format=figure for the whole caption)")
         if not 0 <= token < len(words):
             raise RenderError(f"token {token} is out of range: the caption has {len(words)} tokens")
         return png_bytes(overlay(image, weights_of(token), result.geometry, mode, cmap, alpha, area_boxes))
     scale = image.width / result.geometry.image_size[0]
+    mode = options.mode or default_mode(result.geometry)  # box modes are refused above; this one draws heat
     heatmaps = []
     for i, word in enumerate(words):
-        heat = heatmap(attention[i], result.geometry, mode if mode in ("grid_smooth", "grid_blocks", "region_sum")
-                       else default_mode(result.geometry), image.size, scale)
+        heat = heatmap(attention[i], result.geometry, mode, image.size, scale)
         gray = Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")
         heatmaps.append(HeatmapOut(token=word, index=i, heat_png=base64.b64encode(png_bytes(gray)).decode()))
     return HeatmapsOut(id=result_id, mode=mode, size=list(image.size), heatmaps=heatmaps)

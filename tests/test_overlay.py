@@ -3,6 +3,7 @@
 import base64
 import io
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -123,3 +124,40 @@ def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
         top = _image(client.get(f"/captions/{body['id']}/overlay", params={"token": 0, "mode": "area_topk"}))
         assert top.size == plain.size == (600, 400)
         assert top.tobytes() != plain.tobytes()
+
+
+def test_json_heatmaps_refuse_box_modes_and_unknown_colormaps_and_name_their_result(client, result):
+    url = f"/captions/{result['id']}/overlay"
+    for params in ({"format": "json", "mode": "top1_box"}, {"format": "json", "mode": "bogus"},
+                   {"format": "json", "cmap": "nope"}):
+        response = client.get(url, params=params)
+        assert response.status_code == 422 and response.json()["type"] == "/problems/invalid-render-request", params
+    blocks = client.get(url, params={"format": "json", "mode": "grid_blocks", "max_side": 300})
+    assert blocks.json()["mode"] == "grid_blocks" and blocks.headers["x-caption-id"] == result["id"]
+    heat = np.asarray(Image.open(io.BytesIO(base64.b64decode(blocks.json()["heatmaps"][0]["heat_png"]))))
+    assert len(np.unique(heat)) <= 64  # blocks: one value per cell, not the smooth map's gradient
+
+
+def test_post_overlay_refuses_what_it_cannot_draw_before_running_the_model(client):
+    runtime = client.app.state.service.runtimes["tiny-a"]
+    calls = []
+    original = runtime.begin
+    runtime.begin = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    photo = _png(Image.new("RGB", (90, 60), (9, 9, 9)))
+    try:
+        for params in ({"format": "png"}, {"format": "png", "token": 0, "mode": "bogus"},
+                       {"format": "figure", "cmap": "nope"}):
+            response = client.post("/caption/overlay", params=params, files={"file": ("x.png", photo, "image/png")})
+            assert response.status_code == 422, params
+    finally:
+        del runtime.begin
+    assert calls == []
+
+
+def test_overlays_of_a_large_photo_are_rendered_at_most_2048_pixels_wide_unless_asked(client):
+    photo = _png(Image.new("RGB", (3000, 600), (90, 120, 30)))
+    response = client.post("/caption/overlay", params={"format": "png", "token": 0, "max_len": 2},
+                           files={"file": ("wide.png", photo, "image/png")})
+    assert _image(response).size == (2048, 410)
+    assert client.get(f"/captions/{response.headers['x-caption-id']}/overlay",
+                      params={"token": 0, "max_side": 5000}).status_code == 422

@@ -118,3 +118,23 @@ def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):
     image = np.random.default_rng(0).random(shape).astype(np.float32)
     np.testing.assert_allclose(gaussian_blur(image, sigma), gaussian_filter(image, sigma=sigma, mode="nearest"),
                                atol=1e-6)
+
+
+def test_smooth_heat_of_a_large_photo_is_computed_small_and_resized_up(monkeypatch):
+    # the blur costs the cube of the side, so large photos are rendered at SMOOTH_WORK_SIDE and resized up;
+    # a Gaussian of half a cell holds nothing finer, so the result matches the full-resolution computation
+    from captioner.models.rendering import heatmaps
+
+    geometry = grid_geometry(EncoderSpec(), (1600, 1200))
+    weights = np.random.default_rng(0).dirichlet(np.full(64, 0.3)).astype(np.float32)
+    resized = heatmap(weights, geometry, "grid_smooth")
+    monkeypatch.setattr(heatmaps, "SMOOTH_WORK_SIDE", 4096)
+    full = heatmap(weights, geometry, "grid_smooth")
+    assert resized.shape == full.shape == (1200, 1600)
+    assert np.abs(resized - full).max() < 0.02
+
+
+def test_a_long_thin_strip_renders_at_its_own_size():
+    geometry = grid_geometry(EncoderSpec(), (20000, 3))  # its blur matrix alone used to be 20000² floats: 3.2 GB
+    heat = heatmap(one_hot(27), geometry, "grid_smooth")
+    assert heat.shape == (3, 20000) and 0.0 <= heat.min() and heat.max() == pytest.approx(1.0)

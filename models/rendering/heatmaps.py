@@ -26,6 +26,12 @@ from PIL import Image, ImageDraw
 from ..protocol import Geometry
 
 MODES = ("grid_smooth", "grid_blocks", "region_sum", "top1_box", "area_topk")
+#: the modes that make a heat map (the others draw boxes)
+HEAT_MODES = ("grid_smooth", "grid_blocks", "region_sum")
+#: grid_smooth heat is computed with the longer side at most this many pixels, then resized up: a blur of half a
+#: cell over a grid of a few cells holds nothing finer than that, while the blur's cost grows with the cube of
+#: the side (a 6000-px photo took 12 s and 2.3 GB for one word, a 10000×3 strip 1.1 GB)
+SMOOTH_WORK_SIDE = 512
 
 
 class RenderError(ValueError):
@@ -66,6 +72,39 @@ def gaussian_blur(image: np.ndarray, sigma: float, truncate: float = 4.0) -> np.
     return _blur_matrix(rows, kernel) @ image @ _blur_matrix(cols, kernel).T
 
 
+def _bilinear_blurred(grid: np.ndarray, xs: np.ndarray, ys: np.ndarray, sigma: float) -> np.ndarray:
+    """``grid`` interpolated bilinearly at the cell coordinates ``xs`` (columns) and ``ys`` (rows) between cell
+    centres (cell c has its centre at c + 0.5, edges clamped), then blurred by ``sigma`` pixels."""
+    rows, cols = grid.shape
+    fx, fy = np.clip(xs - 0.5, 0, cols - 1), np.clip(ys - 0.5, 0, rows - 1)
+    x0, y0 = np.floor(fx).astype(int), np.floor(fy).astype(int)
+    x1, y1 = np.minimum(x0 + 1, cols - 1), np.minimum(y0 + 1, rows - 1)
+    wx, wy = (fx - x0)[None, :], (fy - y0)[:, None]
+    top = grid[y0][:, x0] * (1 - wx) + grid[y0][:, x1] * wx
+    bottom = grid[y1][:, x0] * (1 - wx) + grid[y1][:, x1] * wx
+    return gaussian_blur((top * (1 - wy) + bottom * wy).astype(np.float32), sigma)
+
+
+def _smooth_window(grid: np.ndarray, xs: np.ndarray, ys: np.ndarray, cell_w: float, cell_h: float) -> np.ndarray:
+    """grid_smooth heat at the pixel centres ``xs`` × ``ys`` (cell units, evenly spaced) of the crop the network
+    saw: bilinear between cell centres, blurred by half a cell (docs/decisions.md#heatmap-modes).
+
+    Only the crop is computed: outside it the heat is zero, and inside it the blur's extended edges equal the
+    clamped interpolation beyond them, so this is the whole image's computation cut to the crop.  A crop wider
+    than :data:`SMOOTH_WORK_SIDE` is computed at that size and resized up."""
+    sigma = 0.5 * min(cell_w, cell_h)
+    width, height = len(xs), len(ys)
+    shrink = SMOOTH_WORK_SIDE / max(width, height)
+    if shrink >= 1.0:
+        return _bilinear_blurred(grid, xs, ys, sigma)
+    small_w, small_h = max(1, round(width * shrink)), max(1, round(height * shrink))
+    # the smaller window's pixel centres, in the full window's pixels, then in cell units (a pixel is 1 / cell_w)
+    small_xs = xs[0] + ((np.arange(small_w) + 0.5) * (width / small_w) - 0.5) / cell_w
+    small_ys = ys[0] + ((np.arange(small_h) + 0.5) * (height / small_h) - 0.5) / cell_h
+    small = _bilinear_blurred(grid, small_xs, small_ys, sigma * small_w / width)
+    return np.asarray(Image.fromarray(small, mode="F").resize((width, height), Image.Resampling.BILINEAR))
+
+
 def _grid_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], scale: float, smooth: bool) -> np.ndarray:
     rows, cols = geometry.grid_hw
     grid = weights.reshape(rows, cols).astype(np.float32)
@@ -73,26 +112,18 @@ def _grid_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], s
     x1, y1, x2, y2 = boxes[0, 0], boxes[0, 1], boxes[-1, 2], boxes[-1, 3]  # the crop the network saw
     width, height = size
     heat = np.zeros((height, width), dtype=np.float32)
-    # pixel centres of the output image, expressed in cell units of the grid
+    # pixel centres of the output image, expressed in cell units of the grid; the crop is the pixels inside
     xs = (np.arange(width) + 0.5 - x1) / ((x2 - x1) / cols)
     ys = (np.arange(height) + 0.5 - y1) / ((y2 - y1) / rows)
-    inside_x, inside_y = (xs >= 0) & (xs < cols), (ys >= 0) & (ys < rows)
+    inside_x, inside_y = np.flatnonzero((xs >= 0) & (xs < cols)), np.flatnonzero((ys >= 0) & (ys < rows))
+    if not len(inside_x) or not len(inside_y):
+        return heat
+    xs, ys = xs[inside_x], ys[inside_y]
     if smooth:
-        # bilinear interpolation between cell centres (cell c has its centre at c + 0.5), edges clamped
-        fx, fy = np.clip(xs - 0.5, 0, cols - 1), np.clip(ys - 0.5, 0, rows - 1)
-        x0, y0 = np.floor(fx).astype(int), np.floor(fy).astype(int)
-        x1i, y1i = np.minimum(x0 + 1, cols - 1), np.minimum(y0 + 1, rows - 1)
-        wx, wy = (fx - x0)[None, :], (fy - y0)[:, None]
-        top = grid[y0][:, x0] * (1 - wx) + grid[y0][:, x1i] * wx
-        bottom = grid[y1i][:, x0] * (1 - wx) + grid[y1i][:, x1i] * wx
-        heat = (top * (1 - wy) + bottom * wy).astype(np.float32)
-        sigma = 0.5 * min((x2 - x1) / cols, (y2 - y1) / rows)  # half a cell (docs/decisions.md#heatmap-modes)
-        heat = gaussian_blur(heat, sigma)
+        window = _smooth_window(grid, xs, ys, (x2 - x1) / cols, (y2 - y1) / rows)
     else:
-        cx, cy = np.clip(np.floor(xs).astype(int), 0, cols - 1), np.clip(np.floor(ys).astype(int), 0, rows - 1)
-        heat = grid[cy][:, cx]
-    heat[~inside_y, :] = 0.0
-    heat[:, ~inside_x] = 0.0
+        window = grid[np.floor(ys).astype(int)][:, np.floor(xs).astype(int)]
+    heat[inside_y[0]:inside_y[-1] + 1, inside_x[0]:inside_x[-1] + 1] = window
     return heat
 
 
@@ -122,6 +153,16 @@ def heatmap(weights: Sequence[float], geometry: Geometry, mode: str, size: tuple
     return heat / peak if peak > 0 else heat
 
 
+def colormap(name: str):
+    """The matplotlib colormap called ``name`` (:class:`RenderError` naming it when there is none)."""
+    import matplotlib  # only rendering needs it, not every import of this module
+
+    try:
+        return matplotlib.colormaps[name]
+    except KeyError:
+        raise RenderError(f"unknown matplotlib colormap {name!r}") from None
+
+
 def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str | None = None,
             cmap: str = "jet", alpha: float = 0.5, area_boxes: np.ndarray | None = None, top_k: int = 3) -> Image.Image:
     """The image with one word's attention drawn on it (RGB, same size as ``image``).
@@ -129,23 +170,18 @@ def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mo
     ``image`` may be a resized copy of the original: boxes are scaled by ``image.width / original width``.
     ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``.
     """
-    import matplotlib
-
     mode = mode or default_mode(geometry)
     if mode not in MODES:
         raise RenderError(f"unknown heat mode {mode!r}; choose from {', '.join(MODES)}")
     if not 0.0 <= alpha <= 1.0:
         raise RenderError(f"alpha must be in [0, 1], got {alpha}")
-    try:
-        colormap = matplotlib.colormaps[cmap]
-    except KeyError:
-        raise RenderError(f"unknown matplotlib colormap {cmap!r}") from None
+    colours_of = colormap(cmap)
     base = image.convert("RGB")
     scale = base.width / geometry.image_size[0]
     if mode in ("top1_box", "area_topk"):
-        return _draw_boxes(base, weights, geometry, mode, colormap, scale, area_boxes, top_k)
+        return _draw_boxes(base, weights, geometry, mode, colours_of, scale, area_boxes, top_k)
     heat = heatmap(weights, geometry, mode, base.size, scale)
-    colours = (colormap(heat)[..., :3] * 255).astype(np.float32)
+    colours = colours_of(heat, bytes=True)[..., :3].astype(np.float32)
     # smooth maps cover the whole image (SAT's look); blocks and regions leave zero weight fully transparent
     opacity = np.full(heat.shape, alpha, np.float32) if mode == "grid_smooth" else alpha * (heat > 0)
     pixels = np.asarray(base, dtype=np.float32)
@@ -153,7 +189,7 @@ def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mo
     return Image.fromarray(np.clip(blended, 0, 255).astype(np.uint8))
 
 
-def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str, colormap, scale: float,
+def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str, colours_of, scale: float,
                 area_boxes: np.ndarray | None, top_k: int) -> Image.Image:
     weights = np.asarray(weights, dtype=np.float32)
     out = image.copy()
@@ -173,7 +209,7 @@ def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry
     width = max(2, round(min(image.size) / 100))
     top = float(weights[order[0]]) or 1.0
     for i in order:
-        colour = tuple(int(255 * c) for c in colormap(float(weights[i]) / top)[:3])
+        colour = tuple(int(255 * c) for c in colours_of(float(weights[i]) / top)[:3])
         draw.rectangle([float(v) for v in boxes[i]], outline=colour, width=width)
         if mode == "area_topk":
             draw.text((float(boxes[i][0]) + width + 1, float(boxes[i][1]) + width), f"{weights[i]:.2f}", fill=colour)
