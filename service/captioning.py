@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from captioner.models.decoding import DecodingRules
 from captioner.models.encoder import load_image
-from captioner.models.inference import CaptionResult, Prepared, Runtime
+from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runtime
 
 from .batcher import DeadlineExceeded, NotAccepting, QueueFull
 from .result_cache import CacheKey, content_digest
@@ -28,6 +28,9 @@ from .settings import Settings
 from .state import ServiceState
 
 CLIENT_GONE = 499  # status label of a request whose client went away (nothing is answered)
+#: the model label of a request naming no loaded model: a label per name a client makes up would grow the
+#: metrics without bound
+UNKNOWN_MODEL_LABEL = "unknown"
 
 
 @dataclass
@@ -67,6 +70,12 @@ def pick_model(state: ServiceState, name: str | None) -> str:
             raise NotReady("no model is loaded")
         raise UnknownModel(f"unknown model {name!r}; available: {', '.join(sorted(state.batchers))}")
     return name
+
+
+def loaded_models(state: ServiceState) -> list[tuple[ModelInfo, bool]]:
+    """Every loaded model's description (:meth:`~captioner.models.inference.Runtime.info`) and whether it is the
+    default."""
+    return [(runtime.info(), name == state.default_model) for name, runtime in state.runtimes.items()]
 
 
 def decoding_rules(runtime: Runtime, options: CaptionOptions) -> DecodingRules:
@@ -125,9 +134,12 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
             batcher.check_admission(settings.request_timeout_s - (time.monotonic() - started), beam, length)
         prepared = await run_in_threadpool(decode_and_prepare, state.runtimes[name], request.data, settings.max_pixels)
         remaining = settings.request_timeout_s - (time.monotonic() - started)
+        if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
+            raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "
+                                 "began (reading and decoding the upload took it)")
         with batcher_errors(settings):
             try:
-                result = await batcher.caption(prepared, beam, length, max(remaining, 0.001), rules)
+                result = await batcher.caption(prepared, beam, length, remaining, rules)
             except ValueError as exc:  # a beam wider than the row budget
                 raise InvalidRequest(str(exc)) from None
         if key is not None:
@@ -142,4 +154,5 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         status = problem_type(exc)[0]
         raise
     finally:
-        metrics.observe_request(name, status, time.monotonic() - started)
+        metrics.observe_request(name if name in state.runtimes else UNKNOWN_MODEL_LABEL, status,
+                                time.monotonic() - started)

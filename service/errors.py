@@ -40,6 +40,14 @@ class UploadTooLarge(ServiceError):
         self.limit = limit
 
 
+class UnsupportedBody(ServiceError):
+    """The body is none of the formats a caption request can take (multipart, JSON, raw image bytes)."""
+
+
+class UploadTimeout(ServiceError):
+    """The body did not arrive within the request deadline (a slow or stalled upload)."""
+
+
 class UnknownModel(ServiceError):
     """The request names a model that is not loaded."""
 
@@ -52,6 +60,10 @@ class NotReady(ServiceError):
     """Models are loading, the service is shutting down, or no model is loaded: retry later."""
 
     retry_after_s = NOT_READY_RETRY_AFTER_S
+
+
+class LoadFailed(ServiceError):
+    """Loading the models failed (in the background): the process is not healthy and should be restarted."""
 
 
 class Overloaded(ServiceError):
@@ -73,11 +85,14 @@ PROBLEM_TYPES: dict[type[Exception], tuple[int, str]] = {
     ImageDecodeError: (422, "invalid-image"),
     InvalidImage: (422, "invalid-image"),
     InvalidRequest: (422, "invalid-request"),
+    UnsupportedBody: (415, "unsupported-media-type"),
+    UploadTimeout: (408, "upload-timeout"),
     RenderError: (422, "invalid-render-request"),
     UnknownModel: (404, "unknown-model"),
     UnknownResult: (404, "unknown-result"),
     Overloaded: (429, "overloaded"),
     NotReady: (503, "not-ready"),
+    LoadFailed: (503, "load-failed"),
     DeadlinePassed: (504, "deadline"),
 }
 

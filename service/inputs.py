@@ -16,15 +16,18 @@ import base64
 import binascii
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, Query, Request
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
 from .captioning import CaptionRequest
-from .errors import InvalidImage, InvalidRequest, UploadTooLarge
+from .errors import InvalidImage, InvalidRequest, UnsupportedBody, UploadTooLarge
 from .middleware import ARRIVED
 from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
 
@@ -77,19 +80,45 @@ async def read_upload(upload: UploadFile, limit: int) -> bytes:
     return checked_image(await upload.read(limit + 1), limit)
 
 
+async def limited_stream(request: Request, limit: int, refused_at: int | None = None) -> AsyncIterator[bytes]:
+    """The body's chunks, refused (:class:`UploadTooLarge` naming ``limit``) as soon as more than ``refused_at``
+    bytes (default ``limit``) have come, and before any is read when the client announced more: a body sent
+    without a length (chunked) meets the same limit as one that declares it."""
+    refused_at = limit if refused_at is None else refused_at
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > refused_at:
+        raise UploadTooLarge(limit)
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > refused_at:
+            raise UploadTooLarge(limit)
+        yield chunk
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refusing as soon as it passes ``limit`` bytes — before reading it when the client announced
     its length."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise UploadTooLarge(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise UploadTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return b"".join([chunk async for chunk in limited_stream(request, limit)])
+
+
+@asynccontextmanager
+async def multipart_form(request: Request, limit: int) -> AsyncIterator[FormData]:
+    """The multipart form of a request whose file may hold ``limit`` bytes, its parts' temporary files closed on
+    leaving.  Starlette's ``request.form()`` spools a chunked body's file parts to disk whatever their size, so the
+    parser reads the counted stream instead: past the file limit plus the envelope, the upload is refused while
+    it arrives."""
+    parser = MultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK),
+                             max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise InvalidRequest(f"malformed multipart/form-data body: {exc.message}",
+                             [{"loc": ["body"], "msg": exc.message}]) from None
+    try:
+        yield form
+    finally:
+        await form.close()
 
 
 def merge_form_options(query: CaptionOptions, form: CaptionOptions) -> CaptionOptions:
@@ -122,6 +151,10 @@ def form_options(form: FormData) -> tuple[UploadFile, CaptionOptions]:
         raise InvalidRequest(f"multipart part(s) {', '.join(map(repr, repeated))} given more than once",
                              [{"loc": ["body", name], "msg": "given more than once"} for name in repeated])
     upload = form.get("file")
+    if isinstance(upload, str):  # curl -F file=abc: a text field, where -F file=@photo.jpg sends the photo
+        raise InvalidRequest("`file` came as a text field, not a file part: send the image with a filename "
+                             "(curl -F file=@photo.jpg)", [{"loc": ["body", "file"], "msg": "a text field, expected "
+                                                            "a file part"}])
     if not isinstance(upload, UploadFile):
         raise missing_file()
     fields: dict[str, str] = {}
@@ -174,14 +207,12 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
     """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses."""
     content_type = _content_type(request)
     if content_type == "multipart/form-data":
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit + MULTIPART_SLACK:
-            raise UploadTooLarge(limit)
-        async with request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS) as form:
+        async with multipart_form(request, limit) as form:
             upload, options = form_options(form)
             return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
     if _is_json(content_type):
-        body = await read_body(request, (limit * 4 + 2) // 3 + 4096)
+        # base64 takes 4 bytes for 3, plus the options: the body may be that much larger than the image
+        body = b"".join([chunk async for chunk in limited_stream(request, limit, (limit * 4 + 2) // 3 + 4096)])
         try:
             parsed = CaptionJSON.model_validate_json(body)
         except ValidationError as exc:
@@ -200,4 +231,7 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
         return CaptionRequest(data, options)
     if content_type.startswith("image/") or content_type == "application/octet-stream":
         return CaptionRequest(checked_image(await read_body(request, limit), limit), query)
-    raise missing_file()
+    if not content_type:
+        raise missing_file()
+    raise UnsupportedBody(f"a caption request's body cannot be {content_type}: send multipart/form-data with a "
+                          "`file` part, JSON with a base64 `image`, or the raw image bytes (image/*)")

@@ -1,6 +1,6 @@
 """The OpenAPI document, completed with what the routes cannot declare themselves: every error answer is an RFC
 9457 problem document (``application/problem+json``), for the statuses each operation can produce, and the
-Prometheus text of ``/metrics``.  FastAPI's default 422 schema (``HTTPValidationError``) is replaced, because
+Prometheus text of ``/metrics``; and the ``/docs`` page that shows it.  FastAPI's default 422 schema (``HTTPValidationError``) is replaced, because
 the service never answers with it.  The fuzz test (tests/test_fuzz_api.py) checks answers against this document.
 """
 
@@ -9,9 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 PROBLEM_JSON = "application/problem+json"
+#: where /docs finds Swagger UI's script and style
+DOCS_ASSETS = "/docs/assets"
 PROBLEM_SCHEMA: dict[str, Any] = {
     "title": "Problem",
     "description": "RFC 9457 problem details",
@@ -27,13 +32,14 @@ PROBLEM_SCHEMA: dict[str, Any] = {
     },
     "additionalProperties": True,
 }
-REASONS = {400: "bad request", 401: "API key missing or invalid (only when keys are configured)",
-           404: "unknown model or result", 405: "method not allowed", 413: "upload or image too large",
+REASONS = {401: "API key missing or invalid (only when keys are configured)",
+           404: "unknown model or result", 405: "method not allowed", 408: "upload not received within the deadline",
+           413: "upload or image too large",
            415: "unsupported body type", 422: "invalid input", 429: "queue full (Retry-After)",
            500: "internal error (no details are disclosed)", 503: "not ready or shutting down (Retry-After)",
            504: "deadline passed"}
 EVERY_OPERATION = (404, 405, 422, 500, 503)
-CAPTIONING = (400, 401, 413, 415, 429, 504)
+CAPTIONING = (401, 408, 413, 415, 429, 504)
 RESULTS = (401,)
 
 
@@ -64,6 +70,21 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     for unused in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(unused, None)
     return schema
+
+
+def install_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI from the ``swagger-ui-bundle`` package, served by the app (FastAPI's own page loads
+    it from a CDN, which a machine without internet access cannot reach: the page stayed blank)."""
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} — API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -118,6 +118,12 @@ def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
                               headers={"content-type": "multipart/form-data; boundary=x"},
                               content=b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\ntiny-b\r\n--x--\r\n')
     assert problem(only_fields)["errors"] == [{"loc": ["body", "file"], "msg": "Field required"}]
+    as_text = client.post("/caption", data={"file": "abc"}, files={"model": (None, "tiny-b")})
+    assert "not a file part" in problem(as_text)["detail"]
+    no_boundary = client.post("/caption", headers={"content-type": "multipart/form-data"}, content=b"--x--\r\n")
+    assert "malformed multipart" in problem(no_boundary)["detail"] and "boundary" in problem(no_boundary)["detail"]
+    too_many = post(client, photo, extra_files=[(f"extra{i}", ("x.txt", b"x", "text/plain")) for i in range(10)])
+    assert "Too many files" in problem(too_many)["detail"]
 
 
 def test_the_overlay_endpoint_follows_the_same_contract(client, photo):
@@ -174,3 +180,14 @@ def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, pho
                           ({"block_trigrams": "maybe"}, "block_trigrams")):
         body = problem(post(client, photo, fields=fields))
         assert [e["loc"] for e in body["errors"]] == [["body", field]], body
+
+
+def test_a_body_of_another_media_type_is_415_and_an_unknown_model_gets_no_metric_series_of_its_own(client, photo):
+    text = client.post("/caption", content=photo, headers={"content-type": "text/plain"})
+    assert "text/plain" in problem(text, 415, "unsupported-media-type")["detail"]
+    for name in ("made-up-1", "made-up-2"):
+        assert client.post("/caption", params={"model": name}, files={"file": ("c.jpg", photo, "image/jpeg")}
+                           ).status_code == 404
+    metrics = client.get("/metrics").text
+    assert "made-up" not in metrics
+    assert 'captioner_request_latency_seconds_count{model="unknown",status="404"}' in metrics

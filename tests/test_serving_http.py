@@ -194,7 +194,17 @@ def test_oversized_uploads_get_413_on_every_route(server):
     multipart = post(server, too_big)
     raw = httpx.post(f"{server}/caption", content=too_big, headers={"content-type": "image/jpeg"}, timeout=60)
     as_json = httpx.post(f"{server}/caption", json={"image": base64.b64encode(too_big).decode()}, timeout=60)
-    for response in (multipart, raw, as_json):
+
+    def chunked_form():  # no Content-Length: only counting the bytes as they arrive can refuse it
+        yield b'--x\r\nContent-Disposition: form-data; name="file"; filename="a.jpg"\r\n\r\n'
+        for start in range(0, len(too_big), 1 << 20):
+            yield too_big[start:start + (1 << 20)]
+        yield b"\r\n--x--\r\n"
+
+    chunked = httpx.post(f"{server}/caption", content=chunked_form(), timeout=60,
+                         headers={"content-type": "multipart/form-data; boundary=x"})
+    assert "content-length" not in chunked.request.headers
+    for response in (multipart, raw, as_json, chunked):
         assert response.status_code == 413, response.text
         assert response.json()["type"] == "/problems/upload-too-large"
 

@@ -177,6 +177,24 @@ def test_a_deadline_answers_504_and_frees_the_rows(servers, png):
     assert quick.status_code == 200, quick.text
 
 
+def test_an_upload_slower_than_the_deadline_is_cut_off_with_408_and_never_decoded(servers, png):
+    server = servers[1].url
+    label = 'captioner_rows_freed_total{model="slow",reason="deadline"}'
+    before = scrape(server)
+
+    def trickle():  # the image in four parts, a quarter of a second apart: 0.75 s against the 0.4 s deadline
+        step = -(-len(png) // 4)
+        for start in range(0, len(png), step):
+            yield png[start:start + step]
+            time.sleep(0.25)
+
+    response = httpx.post(f"{server}/caption", content=trickle(), headers={"content-type": "image/png"}, timeout=60)
+    assert response.status_code == 408, response.text
+    assert response.json()["type"] == "/problems/upload-timeout" and "0.4 s" in response.json()["detail"]
+    after = scrape(server)
+    assert after.get(label, 0) == before.get(label, 0)  # it never reached the decoding table
+
+
 def test_graceful_shutdown_finishes_in_flight_requests(servers, png):
     """Runs last in this module: it stops the small-queue server."""
     process = servers[0]

@@ -1,0 +1,55 @@
+"""The HTTP side of captioning an upload, shared by ``POST /caption`` (``routes.py``) and ``POST /caption/overlay``
+(``overlay.py``): read the request within its deadline, caption it (``captioning.py``), and write the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated
+
+from fastapi import Query, Request
+from fastapi.responses import Response
+
+from captioner.models.inference import CaptionResult
+
+from .captioning import caption_image, refuse_early
+from .errors import Overloaded, UploadTimeout
+from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
+from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
+from .state import ServiceState
+
+AttentionFormatQuery = Annotated[AttentionFormat, Query(
+    description="how the answer writes its attention maps (`attention` and `extras`): `json`, rows of numbers, or "
+                "`float16-base64`, each map packed as PackedRows (little-endian float16 in base64: a fifth of the "
+                "bytes, decoded in one call)")]
+
+
+def caption_answer(state: ServiceState, result: CaptionResult, result_id: str | None,
+                   attention_format: AttentionFormat) -> Response | CaptionOut:
+    """A caption result as its JSON answer, written by the settings' ``json_encoder``: orjson's bytes are sent as
+    they are (FastAPI validates nothing again); a :class:`CaptionOut` goes through FastAPI's response model."""
+    if state.settings.json_encoder == "orjson":
+        return Response(caption_json(result, result_id, attention_format), media_type="application/json")
+    return CaptionOut.of(result, result_id, attention_format)
+
+
+async def caption_upload(request: Request, state: ServiceState,
+                         query: CaptionOptions) -> tuple[bytes, CaptionResult]:
+    """Read and caption the upload of either caption endpoint: the deadline counts from the request's arrival, and
+    a request is refused before its body is parsed when the service is not ready, or when the model its query
+    names would refuse it anyway."""
+    arrived = arrival(request)
+    settings = state.settings
+    try:
+        refuse_early(state, options_before_body(request, query), arrived)
+    except Overloaded:
+        await drain_body(request, settings.max_upload_bytes + MULTIPART_SLACK)
+        raise
+    try:  # a slow or stalled upload is cut off at the deadline, not read to its end
+        async with asyncio.timeout(settings.request_timeout_s - (time.monotonic() - arrived)):
+            given = await read_caption_request(request, query, settings.max_upload_bytes)
+    except TimeoutError:
+        raise UploadTimeout(f"the upload did not arrive within the {settings.request_timeout_s:g} s request "
+                            "deadline") from None
+    return given.data, await caption_image(state, given, arrived)
