@@ -13,7 +13,7 @@ OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve serve-scenes test test-all browser-deps data train-default train-shipped eval-default bench bench-int8 samples clean
+.PHONY: help setup serve serve-scenes test browser-deps data train-default train-shipped eval-default bench bench-int8 samples clean
 
 help:
 	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"

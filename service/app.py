@@ -22,7 +22,6 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
-from PIL import Image
 
 from captioner.models.device import set_threads
 
@@ -35,14 +34,14 @@ from .problems import install_problem_handlers
 from .results import ResultStore
 from .routes import router
 from .runtime import load_runtimes, prepare_in_child, unprepared
-from .openapi import install_openapi
+from .openapi import install_docs, install_openapi
 from .security import install_security
 from .settings import Settings
 from .state import ServiceState
+from .warmup import warm_up
 
 log = logging.getLogger("captioner.app")
 STATIC = Path(__file__).parent / "static"
-WARMUP_TIMEOUT_S = 600.0
 
 
 def _set_interop_threads(threads: int | None) -> None:
@@ -52,29 +51,6 @@ def _set_interop_threads(threads: int | None) -> None:
         torch.set_num_interop_threads(threads)
     except RuntimeError as exc:  # only possible before the first parallel work of the process
         log.warning("cannot set inter-op threads to %d: %s", threads, exc)
-
-
-def warmup_sizes(max_batch: int) -> list[int]:
-    """Encoder batch sizes to run once before serving: powers of two up to ``max_batch``, and ``max_batch``."""
-    sizes, n = [], 1
-    while n < max_batch:
-        sizes.append(n)
-        n *= 2
-    return sizes + [max_batch]
-
-
-async def warm_up(batcher: Batcher, settings: Settings) -> None:
-    """Send the batcher requests shaped like real traffic (each encoder batch size, the default beam) through
-    the normal path, so that first-use costs (allocator growth, kernel selection, ONNX Runtime arenas) are paid
-    before the first client arrives."""
-    runtime = batcher.runtime
-    prepared = await asyncio.to_thread(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
-    beam = min(settings.default_beam_size, settings.max_rows)
-    # the worker never encodes more images at once than fit the rows, the batch limit or the queue
-    largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)
-    # the request deadline does not apply (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start-up)
-    await batcher.warm_up(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S,
-                          calibrate_len=settings.default_max_len)
 
 
 async def start_models(app: FastAPI, settings: Settings) -> None:
@@ -102,9 +78,9 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics,
                           on_idle=on_idle, overlap_encoding=settings.overlap_encoding)
         batcher.start()
+        state.batchers[name] = batcher  # before warm-up, so that shutdown stops it even when warm-up fails
         if settings.warmup:
             await warm_up(batcher, settings)
-        state.batchers[name] = batcher
     # frozen first, so that release_memory's own collection walks only what is left (next to nothing)
     log.info("%d start-up objects frozen out of the garbage collector", freeze_startup_objects())
     if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
@@ -115,6 +91,16 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")
+
+
+def _note_load_failure(state: ServiceState, loading: asyncio.Task) -> None:
+    """A model load in the background that failed is logged at once, and ``/healthz`` turns 503 from then on so
+    that an orchestrator restarts the process (otherwise it would stay live and never ready, silently)."""
+    if loading.cancelled() or loading.exception() is None:
+        return
+    exc = loading.exception()
+    state.load_failure = f"loading the models failed: {type(exc).__name__}: {exc}"
+    log.error("%s; /healthz now answers 503", state.load_failure, exc_info=exc)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -130,6 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         loading = None
         if settings.load_in_background:
             loading = asyncio.create_task(start_models(app, settings))
+            loading.add_done_callback(functools.partial(_note_load_failure, state))
         else:
             await start_models(app, settings)
         yield
@@ -141,7 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.gather(*(b.stop(settings.drain_timeout_s) for b in state.batchers.values()))
         gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
 
-    app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Captions with per-word attention heatmaps from published attention captioners.")
     app.state.service = ServiceState(settings=settings)
     app.state.results = ResultStore(settings.results_cache_bytes, settings.results_max_count,
@@ -157,7 +144,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestContextMiddleware)
     app.include_router(router)
     app.include_router(overlay_router)
-    install_openapi(app)  # every error documented as a problem document (openapi.py)
+    install_openapi(app)
+    install_docs(app)  # every error documented as a problem document (openapi.py)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)

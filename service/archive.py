@@ -8,7 +8,8 @@ to fill the batcher's rows.  No HTTP, no second engine: the batcher sees what th
 
 Crash safety (docs/decisions.md, "Captioning an archive"): every caption is one line, written with one ``write``
 and flushed as soon as it is known, so a killed process (``kill -9``, Ctrl-C) loses only the images still in
-flight; ``fsync`` runs every ``FSYNC_EVERY_S`` and at exit, so a machine crash loses at most that much.  With
+flight; ``fsync`` runs with the first line written ``FSYNC_EVERY_S`` after the last one and at exit, so a machine
+crash loses at most the lines of that long.  One process at a time writes a file (an exclusive ``flock``).  With
 ``resume`` the lines already there are skipped, and a torn last line (a crash in the middle of a write) is cut
 off before anything is appended, so no image is written twice or lost.  Lines come in the order captions finish,
 not the input order.  Unreadable files are reported (stderr and ``OUT.errors.jsonl``) and skipped; ``resume``
@@ -18,6 +19,7 @@ tries them again.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
@@ -35,6 +37,7 @@ from captioner.models.rendering.heatmaps import caption_figure, default_mode
 from .batcher import Batcher
 from .schemas import CaptionOut
 from .settings import Settings
+from .warmup import warm_up
 
 #: what a folder walk picks up (the formats the service accepts: README, "Service")
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
@@ -114,10 +117,20 @@ class CaptionLines:
         self.dropped_tail = 0  # bytes of a torn last line cut off on resume
         if path.exists() and path.stat().st_size and not resume:
             raise ArchiveError(f"{path} already holds captions: add --resume to continue it, or remove it")
-        if resume and path.exists():
-            self._recover()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "ab")
+        try:  # one writer per file: a second one (a restarted shard whose first run still ends) would tear lines
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise ArchiveError(f"another process is writing {path} (it holds the file's lock): wait for it to "
+                               "end, or write elsewhere") from None
+        if resume:
+            try:
+                self._recover()
+            except BaseException:
+                self._file.close()
+                raise
         self._synced = time.monotonic()
 
     def _recover(self) -> None:
@@ -220,7 +233,6 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
     """Caption ``paths`` with ``runtime`` through a batcher made from ``settings`` (the app's construction and
     warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
     ``on_done`` is called once per image, captioned or skipped (the progress bar)."""
-    from .app import warm_up  # the composition root's warm-up, shared so that both engines start alike
 
     window = in_flight(settings, options.beam_size)
     rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)

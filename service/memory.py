@@ -117,7 +117,7 @@ def freeze_startup_objects() -> int:
     """Move every object alive now (modules, weights, warm-up caches: hundreds of thousands of them) out of the
     cyclic garbage collector's reach, so that a full collection later (:class:`IdleTrimmer`'s, or one Python
     starts by itself) walks only what serving allocated since, instead of holding the GIL for a fifth of a second
-    on this 2-core machine (400,000 objects) while every request waits; the number of objects frozen.
+    on a 2-core machine (400,000 objects) while every request waits; the number of objects frozen.
     :func:`gc.unfreeze` undoes it (the app does at shutdown)."""
     gc.collect()
     gc.freeze()

@@ -20,7 +20,7 @@ backends, one PyTorch module for the ``torch`` backend, each made only when some
 wholly by ONNX Runtime keeps no PyTorch weights (:func:`drop_torch_weights`).  Memory by number of models:
 docs/decisions.md#one-cnn-per-encoder-spec-and-no-pytorch-weights-behind-onnx-models.
 
-This is the only service layer that touches torch; it uses the same preprocessing function as training.
+It runs models, and uses the same preprocessing function as training (the batcher moves their tensors).
 """
 
 from __future__ import annotations
@@ -356,8 +356,12 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
         except NoCudaProvider:
             log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
             continue
-        except (ExportUnsupported, OSError, RuntimeError, ValueError) as exc:
+        except ExportUnsupported as exc:
             log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
+            continue
+        except Exception:  # noqa: BLE001 — ONNX Runtime's own errors (a corrupt export, a graph it cannot load,
+            # memory) derive from Exception alone; `auto` serves what verifies, so a backend that fails is skipped
+            log.warning("%s: the %s backend failed to load or run; not used", name, backend, exc_info=True)
             continue
         if not same:
             log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name,
@@ -425,7 +429,8 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
         try:
             ckpt = load_checkpoint(path, device)
         except (CheckpointError, KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:
-            log.error("skipping checkpoint %s: %s", path, exc)
+            # a damaged folder is named in one line; anything else may be a bug, so its traceback comes along
+            log.error("skipping checkpoint %s: %s", path, exc, exc_info=not isinstance(exc, CheckpointError))
             continue
         backend = backends.get(name, default_backend)
         if precision != "float32":
@@ -447,6 +452,9 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                 continue
             except ExportUnsupported as exc:
                 log.error("%s: its visual encoder cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
+            except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see above)
+                log.error("%s: ONNX Runtime failed to load its visual encoder; serving it with PyTorch", name,
+                          exc_info=True)
         if backend == "onnx":
             try:
                 runtimes[name] = OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
@@ -457,6 +465,9 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
                 continue
             except (ExportUnsupported, NoCudaProvider) as exc:
                 log.error("%s cannot run on ONNX Runtime (%s); serving it with PyTorch on %s", name, exc, device)
+            except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see above)
+                log.error("%s: ONNX Runtime failed to load it; serving it with PyTorch on %s", name, device,
+                          exc_info=True)
         runtimes[name] = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
         log.info("loaded %s (%s) from %s on %s (%s)", name, ckpt.model.arch, path, device, precision)
     return runtimes

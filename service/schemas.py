@@ -202,7 +202,8 @@ class ModelOut(BaseModel):
     encoder: dict[str, Any]
     parameters: int
     device: str
-    backend: str = Field("torch", description="torch or onnx")
+    backend: str = Field("torch", description="torch, onnx, or hybrid (the CNN on ONNX Runtime, the decoder on "
+                                              "PyTorch)")
     trained_on: str = Field("", description="the data set the checkpoint was trained on (its model card cites it)")
     decoding: dict[str, Any] = Field(default_factory=dict, description="the decoding options a request gets unless "
                                      "it names its own (length_penalty, block_trigrams), chosen on validation data")

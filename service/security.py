@@ -12,8 +12,8 @@
   the demo page and its files get a Content-Security-Policy that allows only the app's own origin (the page has
   no inline script or style, so none is allowed) plus ``blob:`` images (the page shows the chosen file and the
   overlays through object URLs), and may not be framed (``frame-ancestors 'none'``); API answers get the
-  strictest policy (``default-src 'none'``).  The interactive ``/docs`` page loads Swagger UI from a CDN and is
-  left without a CSP.
+  strictest policy (``default-src 'none'``).  The interactive ``/docs`` page (Swagger UI, served by the app) starts
+  it with an inline script and is left without a CSP.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PROTECTED_PREFIXES = ("/caption",)  # /caption, /caption/overlay and /captions/{
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
             "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
-DOCS_PATHS = ("/docs", "/redoc")
+DOCS_PATHS = ("/docs",)  # the page and its Swagger UI files (/docs/assets/…)
 
 
 def _is_protected(path: str) -> bool:

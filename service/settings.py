@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     results_max_count: int = Field(1000, ge=1, description="caption results kept for the overlay endpoints, at most")
     results_max_age_s: float = Field(3600.0, gt=0, description="seconds a caption result is kept, at most")
     result_cache_entries: int = Field(0, ge=0, description="captions cached by (image SHA-256, model, beam_size, "
-                                      "max_len) so duplicate uploads skip the model; 0: off")
+                                      "max_len, decoding rules) so duplicate uploads skip the model; 0: off")
     log_format: Literal["json", "text"] = Field("json", description="access and service log lines")
     log_level: str = Field("info", description="log level of the service loggers")
     host: str = Field("127.0.0.1", description="bind address of `captioner serve`")

@@ -27,6 +27,8 @@ class ServiceState:
     #: is missing (resolved at start-up; the settings themselves are never changed)
     default_model: str = ""
     result_cache: ResultCache | None = None
+    #: why loading the models in the background failed (``load_in_background``); None while it has not
+    load_failure: str | None = None
 
     def __post_init__(self) -> None:
         self.default_model = self.default_model or self.settings.default_model

@@ -201,6 +201,13 @@ def test_an_output_is_never_overwritten_or_resumed_from_a_foreign_file(tmp_path,
     with pytest.raises(ArchiveError, match="line 1"):
         CaptionLines(foreign, resume=True)
     assert foreign.read_text() == '{"note": 1}\n{"path": "x.jpg"}\n'
+    writing = CaptionLines(tmp_path / "shard.jsonl", resume=True)
+    try:  # a second writer (a shard restarted while its first run still ends) is refused, not interleaved
+        with pytest.raises(ArchiveError, match="another process is writing"):
+            CaptionLines(tmp_path / "shard.jsonl", resume=True)
+    finally:
+        writing.close()
+    CaptionLines(tmp_path / "shard.jsonl", resume=True).close()  # the lock goes with the file
     assert list_images([str(tmp_path / "archive")]) == small_archive
 
 

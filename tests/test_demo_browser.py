@@ -118,3 +118,31 @@ def test_the_sample_photos_are_served_as_jpegs(server):
         assert len(response.content) < 80_000
         with Image.open(io.BytesIO(response.content)) as image:
             assert image.format == "JPEG" and image.size == size and image.mode == "RGB"
+
+
+@needs_chromium
+def test_the_api_docs_render_with_no_request_leaving_the_server(server):
+    """/docs is Swagger UI served by the app itself: with every request to another host refused (as on a machine
+    without internet access), the page still lists the caption endpoint."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            elsewhere = []
+
+            def only_the_server(route):
+                if route.request.url.startswith(server):
+                    route.continue_()
+                else:
+                    elsewhere.append(route.request.url)
+                    route.abort()
+
+            page.route("**/*", only_the_server)
+            page.goto(f"{server}/docs")
+            page.locator(".opblock-summary-path", has_text="/caption").first.wait_for(timeout=30_000)
+            assert "Attention captioner" in page.locator(".info .title").inner_text()
+            assert elsewhere == []
+        finally:
+            browser.close()

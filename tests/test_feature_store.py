@@ -95,6 +95,20 @@ def test_interrupted_extraction_resumes_and_matches_a_fresh_store(images, encode
     assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
 
 
+def test_resuming_with_another_shard_size_re_encodes_rather_than_misplacing_images(images, encoder, tmp_path):
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=3)
+    with pytest.raises(RuntimeError, match="simulated crash"):  # shards of 2 done, then a crash
+        extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=CountingEncoder(encoder, 5),
+                         progress=False, shard_size=2)
+    resuming = CountingEncoder(encoder)
+    resumed = extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=resuming,
+                               progress=False, shard_size=3)
+    assert resuming.images == len(images), "the shards of size 2 hold other images than shards of size 3"
+    keys = [im.key for im in images]
+    assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
+
+
 def test_other_ranks_wait_for_rank_zero(images, encoder, tmp_path):
     results = {}
 

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import time
 
 import httpx
 import numpy as np
@@ -158,3 +159,26 @@ def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(tiny_wei
         frozen = gc.get_freeze_count()
         assert frozen > 10_000  # the modules, models and everything else alive at start-up
     assert gc.get_freeze_count() == 0
+
+
+def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights, monkeypatch, caplog):
+    """With load_in_background the server listens before loading; a load that fails must not leave a process
+    that is live and never ready without a word: the error is logged at once and /healthz answers 503."""
+    from captioner.service import app as app_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory while loading")
+
+    monkeypatch.setattr(app_module, "load_runtimes", broken)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, warmup=False,
+                        backend="torch")
+    with caplog.at_level("ERROR", logger="captioner.app"), TestClient(create_app(settings)) as client:
+        for _ in range(200):
+            health = client.get("/healthz")
+            if health.status_code != 200:
+                break
+            time.sleep(0.05)
+        assert health.status_code == 503 and health.json()["type"] == "/problems/load-failed"
+        assert "out of memory while loading" in health.json()["detail"]
+        assert client.get("/readyz").status_code == 503
+    assert any("out of memory while loading" in r.getMessage() and r.exc_info for r in caplog.records)

@@ -404,3 +404,21 @@ def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
         assert runtime.pixels(prepared).shape[0] == 4
         for got, want in zip(runtime.caption(prepared, 3, 8), plain, strict=True):
             assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
+
+
+def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_path, caplog):
+    """ONNX Runtime's own errors (here InvalidProtobuf, from a step graph damaged on disk) derive from Exception
+    alone; ``auto`` logs them with their traceback and serves the next verified backend."""
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
+                onnx_dir=tmp_path / "onnx", threads=1)
+    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")  # the manifest still calls it current
+    with caplog.at_level("WARNING", logger=runtime_module.log.name):
+        later = runtime_module.load_runtimes(**load)
+    assert later["a"].backend == "hybrid"
+    failure = next(r for r in caplog.records if "onnx backend failed" in r.getMessage())
+    assert failure.exc_info is not None

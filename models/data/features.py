@@ -48,6 +48,8 @@ from .karpathy import CaptionedImage
 
 FORMAT = "attention-captioner-features/2"
 INDEX, FAILED, LOCK = "index.json", "failed.json", "extract.lock"
+#: the shard size an unfinished store was started with: its finished shards are kept only under the same size
+LAYOUT = "layout.json"
 #: images per shard: 1,024 COCO images at 16×16×472 float16 make a 247 MB file
 DEFAULT_SHARD_SIZE = 1024
 #: what a store's images are before the encoder sees them, applied to :func:`preprocess`'s output so that training
@@ -229,6 +231,20 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     return FeatureStore(folder)
 
 
+def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: int) -> list[bool]:
+    """Which of ``shards`` an interrupted extraction already wrote.  A shard holds the images of its position
+    under one shard size, so the shards of a run started with another size (``--shard-size``) are discarded, not
+    read as if they held other images."""
+    layout = folder / LAYOUT
+    if layout.exists() and json.loads(layout.read_text()).get("shard_size") != shard_size:
+        for stale in folder.glob("shard-*.npy"):
+            stale.unlink()
+    _write_json_atomically(layout, {"shard_size": shard_size})
+    return [(folder / shard_name(j)).exists()
+            and np.load(folder / shard_name(j), mmap_mode="r").shape[0] == len(members)
+            for j, members in enumerate(shards)]
+
+
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | None, progress: bool, shard_size: int,
                     tuned: str | None = None, view: str = "") -> None:
@@ -236,7 +252,7 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
               for start in range(0, len(images), shard_size)]
-    done = [(folder / shard_name(j)).exists() for j in range(len(shards))]
+    done = _finished_shards(folder, shards, shard_size)
     rows, cols = spec.grid_hw
     model = None
     with tqdm(total=len(images), initial=sum(len(s) for s, d in zip(shards, done) if d),

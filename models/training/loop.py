@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import json
 import math
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -36,7 +37,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint
+from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint, write_durably
 from ..data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
 from ..data.stores import TunedStore, VisualStore, open_feature_store
@@ -638,7 +639,11 @@ def _trim_metrics_log(run: Run) -> None:
             continue
         if record.get("step", 0) <= run.progress.global_step:
             keep.append(line)
-    path.write_text("".join(f"{line}\n" for line in keep))
+    # a new file renamed over the old one: a crash in the middle leaves the whole log, never half of it
+    trimmed = path.with_name(f".{path.name}.trimmed")
+    trimmed.unlink(missing_ok=True)
+    write_durably(trimmed, "".join(f"{line}\n" for line in keep).encode())
+    os.replace(trimmed, path)
 
 
 def _optimizer_step(run: Run, loss: torch.Tensor) -> None:

@@ -34,7 +34,9 @@ async function caption(file) {
   setStatus("Captioning…");
   const form = new FormData();
   form.append("file", file);
-  const params = new URLSearchParams({ model: $("model").value, beam_size: $("beam").value });
+  // an emptied beam box means the service's default, as an empty form field would (an empty query value is a 422)
+  const params = new URLSearchParams({ model: $("model").value });
+  if ($("beam").value) params.set("beam_size", $("beam").value);
   const response = await fetch(`/caption?${params}`, { method: "POST", body: form });
   const body = await response.json();
   if (!response.ok) {

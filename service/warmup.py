@@ -1,0 +1,36 @@
+"""Warm-up: the first requests a batcher serves are the service's own, so that clients never pay first-use costs.
+Shared by the app's start-up (``app.py``) and the archive command (``archive.py``), so both engines start alike."""
+
+from __future__ import annotations
+
+import asyncio
+
+from PIL import Image
+
+from .batcher import Batcher
+from .settings import Settings
+
+WARMUP_TIMEOUT_S = 600.0
+
+
+def warmup_sizes(max_batch: int) -> list[int]:
+    """Encoder batch sizes to run once before serving: powers of two up to ``max_batch``, and ``max_batch``."""
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_batch]
+
+
+async def warm_up(batcher: Batcher, settings: Settings) -> None:
+    """Send the batcher requests shaped like real traffic (each encoder batch size, the default beam) through
+    the normal path, so that first-use costs (allocator growth, kernel selection, ONNX Runtime arenas) are paid
+    before the first client arrives."""
+    runtime = batcher.runtime
+    prepared = await asyncio.to_thread(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
+    beam = min(settings.default_beam_size, settings.max_rows)
+    # the worker never encodes more images at once than fit the rows, the batch limit or the queue
+    largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)
+    # the request deadline does not apply (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start-up)
+    await batcher.warm_up(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S,
+                          calibrate_len=settings.default_max_len)
