@@ -428,8 +428,10 @@ ship-f8k-%: | $(STAMP)
 	$(BIN)/captioner card runs/$(F8K_SHIP_$*)/float16 --report runs/$(F8K_SHIP_$*)/eval.val.json \
 	  --report runs/$(F8K_SHIP_$*)/eval.test.json --title "$* — $(F8K_TITLE_$*), Flickr8k" \
 	  $(addprefix --notes ,$(firstword $(wildcard docs/cards/flickr8k/$*.md docs/cards/flickr8k/$(firstword $(subst -, ,$*)).md)))
-	rm -rf weights/flickr8k/$* && mkdir -p weights/flickr8k $(F8K_RESULTS)/captions
-	cp -r runs/$(F8K_SHIP_$*)/float16 weights/flickr8k/$*
+	@# copied beside, then swapped in: a failed copy leaves the shipped checkpoint as it was
+	mkdir -p weights/flickr8k $(F8K_RESULTS)/captions && rm -rf weights/flickr8k/$*.new
+	cp -r runs/$(F8K_SHIP_$*)/float16 weights/flickr8k/$*.new
+	rm -rf weights/flickr8k/$* && mv weights/flickr8k/$*.new weights/flickr8k/$*
 	cp runs/$(F8K_SHIP_$*)/eval.test.json $(F8K_RESULTS)/$*.json
 	cp runs/$(F8K_SHIP_$*)/captions.test.json $(F8K_RESULTS)/captions/$*.json
 F8K_TITLE_sat-hard := Show, Attend and Tell (hard)

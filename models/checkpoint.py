@@ -52,6 +52,20 @@ class Checkpoint:
     def name(self) -> str:
         return self.meta.get("name") or (self.path.name if self.path else self.model.arch)
 
+    @property
+    def reads_regions(self) -> bool:
+        """Trained on region features (``--features regions:DIR``, or an author's checkpoint of bottom-up
+        features): it cannot caption a photo, whose features would be the grid."""
+        features = str(self.meta.get("train_config", {}).get("features") or "")
+        return features.startswith("regions:") or "region features" in str(self.meta.get("visual_input", ""))
+
+    def check_reads_images(self) -> None:
+        """Refuse (:class:`CheckpointError`) to caption photos with a checkpoint that reads region features."""
+        if self.reads_regions:
+            raise CheckpointError(f"{self.path or self.name} was trained on region features, and a photo gives "
+                                  "grid features: caption photos with a checkpoint trained on images; evaluate "
+                                  "this one with captioner eval --features regions:DIR")
+
 
 #: how a checkpoint's floating-point weights may be stored: float32, or float16 (half the bytes; loading casts them
 #: back into the float32 model, so only the stored values are rounded; a card says what that changed)

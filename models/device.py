@@ -9,12 +9,16 @@ import torch
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` → CUDA when available, else CPU; an explicit ``cuda`` without a GPU is an error."""
+    """``auto`` → CUDA when available, else CPU; an explicit ``cuda`` without a GPU, or a name torch does not know,
+    is a :class:`ValueError` (a mistake in the command, which the CLI answers in one line)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}: use auto, cpu or cuda (cuda:N for the N-th GPU)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' was requested but no CUDA GPU is available")
+        raise ValueError(f"device {name!r} was requested but no CUDA GPU is available (use auto or cpu)")
     return device
 
 

@@ -195,7 +195,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
             limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
             raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
         except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise ImageDecodeError(f"cannot identify an image in the upload ({exc.__class__.__name__})") from exc
+            where = "the upload" if isinstance(source, bytes) else str(source)
+            raise ImageDecodeError(f"cannot identify an image in {where} ({exc.__class__.__name__})") from exc
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")

@@ -275,4 +275,5 @@ def torch_runtime(checkpoint: str | Path | Checkpoint, device: torch.device | st
                   name: str | None = None, precision: str = "float32") -> TorchRuntime:
     """A :class:`TorchRuntime` of a checkpoint folder (or a loaded checkpoint) with its own encoder."""
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint, device)
+    ckpt.check_reads_images()
     return TorchRuntime(name or ckpt.name, ckpt, grid_encoder(ckpt.encoder, device), torch.device(device), precision)

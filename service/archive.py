@@ -115,6 +115,8 @@ class CaptionLines:
         self.path, self.fsync_every_s = path, fsync_every_s
         self.done: set[str] = set()
         self.dropped_tail = 0  # bytes of a torn last line cut off on resume
+        if path.is_dir():
+            raise ArchiveError(f"{path} is a folder: --output names the JSON Lines file to write")
         if path.exists() and path.stat().st_size and not resume:
             raise ArchiveError(f"{path} already holds captions: add --resume to continue it, or remove it")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -341,7 +343,7 @@ def load_runtime(checkpoint: Path, settings: Settings) -> Runtime:
     runtimes = load_runtimes(None, [checkpoint], settings.device, settings.backends, settings.backend,
                              settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision)
     if not runtimes:
-        raise ArchiveError(f"{checkpoint} is not a loadable checkpoint (see the message above)")
+        raise ArchiveError(f"{checkpoint} is not a loadable checkpoint (why is in the log line above)")
     return next(iter(runtimes.values()))
 
 
@@ -364,7 +366,14 @@ def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings
     stderr is a terminal)."""
     from tqdm import tqdm
 
-    paths = select_shard(list_images(sources), *shard)
+    from captioner.models.checkpoint import read_config
+
+    read_config(checkpoint)  # a folder that is no checkpoint is named before the output file is made
+    listed = list_images(sources)
+    if not listed:  # a wrong folder, say: worth a word before a model is loaded for nothing
+        raise ArchiveError(f"no image files in {', '.join(map(str, sources))} (looked for "
+                           f"{' '.join(sorted(IMAGE_SUFFIXES))} files, and paths listed in text files)")
+    paths = select_shard(listed, *shard)
     lines = CaptionLines(output, resume)
     errors = None
     try:

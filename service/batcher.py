@@ -516,14 +516,14 @@ class Batcher:
         finally:
             self._encode_timings = None
             self._learn_lengths = True
+            if self.step_time_s is None:  # no measurement (or a failed warm-up): the estimate it had before
+                self.step_time_s, self.rows_per_step = saved
         if timings:
             lowest = min(timings.values())
             self.encode_batch = max(size for size, t in timings.items() if t <= lowest * (1 + ENCODE_TOLERANCE))
             self.metrics.set_encode_batch(self.runtime.name, self.encode_batch)
             log.info("%s: encoder batch %d (ms per image by batch size: %s)", self.runtime.name, self.encode_batch,
                      ", ".join(f"{size}: {seconds * 1000:.1f}" for size, seconds in sorted(timings.items())))
-        if self.step_time_s is None:
-            self.step_time_s, self.rows_per_step = saved
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Graceful shutdown: take no new requests, finish the queued and running ones (up to ``timeout_s``),

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from captioner.models.cli.commands import add_commands
-from captioner.models.cli.common import DEFAULT_CHECKPOINT
+from captioner.models.cli.common import DEFAULT_CHECKPOINT, positive_int
 from captioner.models.cli.inference import cmd_caption as caption_files
 
 
@@ -107,7 +107,7 @@ def add_archive_arguments(cap: argparse.ArgumentParser) -> None:
                           "service answers)")
     cap.add_argument("--heatmaps", metavar="DIR",
                      help="with --output: write each image's per-word figure here; its line names the file")
-    cap.add_argument("--readers", type=int, default=2, help="with --output: threads reading and decoding files")
+    cap.add_argument("--readers", type=positive_int, default=2, help="with --output: threads reading and decoding files")
     cap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar with images/s on stderr (default: when stderr is a terminal)")
     cap.set_defaults(func=cmd_caption)

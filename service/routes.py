@@ -45,6 +45,8 @@ async def healthz(state: State) -> Health:
 async def readyz(state: State) -> Health:
     if not state.ready:
         raise NotReady("models are still loading (or the service is shutting down)")
+    if not state.runtimes:  # up, but every caption would be refused: no traffic should be sent here
+        raise NotReady("no model is loaded: no checkpoint was found, or none could be loaded (see the log)")
     return Health(status="ready", models=sorted(state.runtimes))
 
 

@@ -167,10 +167,15 @@ def run_session(session, inputs: dict[str, torch.Tensor], outputs: list[str], de
         # CPU: numpy views of torch tensors and back, no copies
         feed = {name: inputs[name].detach().contiguous().numpy() for name in inputs}
         return [torch.from_numpy(np.ascontiguousarray(v)) for v in session.run(outputs, feed)]
-    # CUDA: bind device buffers directly (I/O binding), so nothing goes through host memory
+    # CUDA: bind device buffers directly (I/O binding), so nothing goes through host memory.  The contiguous
+    # copies are held until the run ends (a copy dropped after binding could be reused by PyTorch's allocator
+    # while ONNX Runtime reads it), and PyTorch's stream is drained first: ONNX Runtime reads the buffers on a
+    # stream of its own, whose order after the kernels that wrote them would otherwise rest on how each library
+    # happens to create its streams
+    bound = {name: tensor.contiguous() for name, tensor in inputs.items()}
+    torch.cuda.current_stream(device).synchronize()
     binding = session.io_binding()
-    for name, tensor in inputs.items():
-        tensor = tensor.contiguous()
+    for name, tensor in bound.items():
         binding.bind_input(name, "cuda", device.index or 0, _NUMPY_DTYPES[tensor.dtype], tuple(tensor.shape),
                            tensor.data_ptr())
     for name in outputs:
@@ -428,6 +433,7 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
             continue
         try:
             ckpt = load_checkpoint(path, device)
+            ckpt.check_reads_images()
         except (CheckpointError, KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:
             # a damaged folder is named in one line; anything else may be a bug, so its traceback comes along
             log.error("skipping checkpoint %s: %s", path, exc, exc_info=not isinstance(exc, CheckpointError))

@@ -1,6 +1,7 @@
 """The ``captioner`` console script, run as a user would."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -145,3 +146,50 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable |" in card
     assert "| 1 | 1.25 | 0.5 |" in card and "1.5 min" in card
     assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — |" in card
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    """``captioner ARGV`` as a user runs it, in this process: it must stop with a non-zero status and a short
+    message on stderr, never a traceback."""
+    import pytest
+
+    from captioner.service.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code not in (0, None)
+    err = capsys.readouterr().err + (stopped.value.code if isinstance(stopped.value.code, str) else "")
+    assert "Traceback" not in err
+    return err
+
+
+def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, monkeypatch):
+    sample = str(ROOT / "service" / "static" / "samples" / "chelsea.jpg")
+    monkeypatch.chdir(ROOT)
+    expected = [
+        (["caption", sample, "--max-len", "0"], "--max-len: must be at least 1"),
+        (["caption", sample, "--output", str(tmp_path / "o.jsonl"), "--beam-size", "0"], "--beam-size"),
+        (["params", "--vocab-size", "0"], "--vocab-size"),
+        (["caption", sample, "--device", "gpu"], "unknown device 'gpu'"),
+        (["caption", sample, "--token", "1"], "add --overlay"),
+        (["caption", sample, "--overlay", str(tmp_path / "f.png"), "--cmap", "nope"], "colormap 'nope'"),
+        (["tune-decoding", str(DEFAULT_CHECKPOINT), "--block-trigrams", "maybe"], "neither on nor off"),
+        (["train", "--model", "nosuch", "--dataset", str(scenes), "--out", str(tmp_path / "run")], "unknown model"),
+        (["train", "--model", "sat", "--set", "bogus=1", "--dataset", str(scenes), "--out", str(tmp_path / "run")],
+         "has no option 'bogus'"),
+        (["eval", str(DEFAULT_CHECKPOINT), "--dataset", str(ROOT / "README.md")], "is not a data set's JSON"),
+        (["caption", sample, "--output", str(tmp_path)], "is a folder"),
+        (["caption", sample, "--output", str(tmp_path / "y.jsonl"), "--checkpoint", str(tmp_path / "nope")],
+         "config.json is missing"),
+        (["export", "weights/sat", "weights/flickr8k/sat", "--out", str(tmp_path / "onnx")], "share the folder name"),
+    ]
+    for argv, message in expected:
+        assert message in _one_line_error(capsys, argv), argv
+    assert not (tmp_path / "run").exists(), "a run that could not start leaves no empty folder"
+    assert not (tmp_path / "y.jsonl").exists(), "nor an archive whose checkpoint is not one"
+    report, copy = tmp_path / "captions.json", tmp_path / "sat"
+    report.write_text('[{"image_id": 1, "caption": "a cat"}]')
+    shutil.copytree(DEFAULT_CHECKPOINT, copy)  # were the report taken, the card it rewrites is a copy's
+    assert "not a report of `captioner eval --output`" in _one_line_error(
+        capsys, ["card", str(copy), "--report", str(report)])
+    assert (copy / "MODEL_CARD.md").read_text() == (DEFAULT_CHECKPOINT / "MODEL_CARD.md").read_text()

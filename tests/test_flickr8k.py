@@ -48,7 +48,7 @@ def test_official_files_give_splits_references_and_photos(official):
     assert images[1].references[0] == ["a", "dog", "number", "1", "caption", "0"]
     # ids number the three lists in order, so a photo keeps its id whichever splits are loaded
     test_only = load_flickr8k(official / "Flickr8k.token.txt", splits=("test",))
-    assert [im.image_id for im in test_only] == [4] and [im.image_id for im in images] == [1, 2, 3, 4]
+    assert [im.image_id for im in test_only] == [3] and [im.image_id for im in images] == [0, 1, 2, 3]
     assert len(load_flickr8k(official, limit=2)) == 2
 
 
@@ -95,5 +95,7 @@ def test_the_official_files_and_the_karpathy_json_agree_on_the_real_data_set():
     assert len(official) == len(karpathy) == 8000
     assert all(official[n].split == karpathy[n].split for n in official)
     assert sum(im.split == "train" for im in official.values()) == 6000
+    # the same ids too, so results files written from either layout can be compared
+    assert all(official[n].image_id == karpathy[n].image_id for n in official)
     same_refs = sum(official[n].references == karpathy[n].references for n in official)
     assert same_refs == 8000, f"{8000 - same_refs} photos' references differ"

@@ -177,12 +177,14 @@ def test_zoo_table_from_records_and_reports(tmp_path):
     import torch
     from safetensors.torch import save_file
 
+    from captioner.models.checkpoint import FORMAT
     from captioner.models.evaluation.zoo_table import write_zoo
 
     checkpoint = tmp_path / "weights" / "toy"
     checkpoint.mkdir(parents=True)
     save_file({"a": torch.zeros(10, 20), "b": torch.zeros(5)}, str(checkpoint / "model.safetensors"))
-    (checkpoint / "config.json").write_text(json.dumps({"arch": "sparsecap", "model": {"attention": "tvmax"},
+    (checkpoint / "config.json").write_text(json.dumps({"format": FORMAT, "arch": "sparsecap",
+                                                        "model": {"attention": "tvmax"},
                                                         "meta": {"train_seconds": 600, "hardware": "a test CPU"}}))
     results = tmp_path / "results"
     results.mkdir()

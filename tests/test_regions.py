@@ -110,3 +110,20 @@ def test_sat_trains_on_regions_and_never_attends_to_padding(scenes, scene_region
         attention = hyps[0].attention
         assert torch.all(attention[:, ~vis.mask[row]] == 0)
         torch.testing.assert_close(attention[:, vis.mask[row]].sum(-1), torch.ones(len(attention)))
+
+
+def test_a_checkpoint_trained_on_regions_refuses_to_caption_photos(tmp_path):
+    """A photo gives grid features: a region checkpoint would caption them without complaint, and wrongly, so the
+    photo-captioning paths (the CLI's caption, the service) refuse it and say how to evaluate it instead."""
+    from captioner.models.checkpoint import CheckpointError, save_checkpoint
+    from captioner.models.inference import torch_runtime
+    from captioner.service.runtime import load_runtimes
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    save_checkpoint(tmp_path / "weights" / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
+    save_checkpoint(tmp_path / "weights" / "regions", tiny_model("sat"), VOCAB, TINY_SPEC,
+                    meta={"train_config": {"features": "regions:/data/bottom-up"}})
+    with pytest.raises(CheckpointError, match="--features regions:DIR"):
+        torch_runtime(tmp_path / "weights" / "regions")
+    assert list(load_runtimes(tmp_path / "weights", [], "cpu", default_backend="torch")) == ["grid"]

@@ -138,3 +138,27 @@ def test_a_long_thin_strip_renders_at_its_own_size():
     geometry = grid_geometry(EncoderSpec(), (20000, 3))  # its blur matrix alone used to be 20000² floats: 3.2 GB
     heat = heatmap(one_hot(27), geometry, "grid_smooth")
     assert heat.shape == (3, 20000) and 0.0 <= heat.min() and heat.max() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("size", [(640, 480), (300, 500)])
+def test_smooth_heat_of_the_crop_alone_equals_the_whole_image_blurred_then_cut(size):
+    """A reference written from the mode's definition: bilinear between cell centres over the whole image (edges
+    clamped), scipy's Gaussian of half a cell with edges extended, zero outside the crop the network saw; the
+    renderer computes the crop alone, which must give the same map."""
+    from scipy.ndimage import gaussian_filter
+
+    geometry = grid_geometry(EncoderSpec(resize="center_crop"), size)
+    weights = np.random.default_rng(1).dirichlet(np.full(64, 0.3))
+    grid = weights.reshape(8, 8)
+    x1, y1, x2, y2 = geometry.boxes[0][0], geometry.boxes[0][1], geometry.boxes[-1][2], geometry.boxes[-1][3]
+    cell_w, cell_h = (x2 - x1) / 8, (y2 - y1) / 8
+    xs = np.clip((np.arange(size[0]) + 0.5 - x1) / cell_w - 0.5, 0, 7)
+    ys = np.clip((np.arange(size[1]) + 0.5 - y1) / cell_h - 0.5, 0, 7)
+    rows = np.array([np.interp(xs, np.arange(8), grid[r]) for r in range(8)])  # along x, per grid row
+    whole = np.stack([np.interp(ys, np.arange(8), rows[:, x]) for x in range(size[0])], axis=1)  # then along y
+    blurred = gaussian_filter(whole, 0.5 * min(cell_w, cell_h), mode="nearest")
+    inside_x = (np.arange(size[0]) + 0.5 >= x1) & (np.arange(size[0]) + 0.5 < x2)
+    inside_y = (np.arange(size[1]) + 0.5 >= y1) & (np.arange(size[1]) + 0.5 < y2)
+    blurred[~inside_y, :] = 0
+    blurred[:, ~inside_x] = 0
+    np.testing.assert_allclose(heatmap(weights, geometry, "grid_smooth"), blurred / blurred.max(), atol=1e-5)

@@ -255,6 +255,9 @@ def test_not_ready_answers_503_with_retry_after(tmp_path):
         assert response.status_code == 503 and response.headers["retry-after"] == "5"
         assert response.json()["type"] == "/problems/not-ready"
     assert client.get("/healthz").status_code == 200
+    with TestClient(create_app(Settings(weights_dir=tmp_path, warmup=False))) as empty:  # loaded: nothing found
+        not_ready = empty.get("/readyz")
+        assert not_ready.status_code == 503 and "no model is loaded" in not_ready.json()["detail"]
 
 
 def test_readme_settings_table_matches_the_settings_class():

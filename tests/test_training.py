@@ -49,13 +49,15 @@ def test_loss_falls_and_best_checkpoint_loads(scenes, tmp_path, cache):
     assert "CPU" in ckpt.meta["hardware"] or "GPU" in ckpt.meta["hardware"]
 
 
-def test_resume_continues_exactly(scenes, tmp_path, cache):
+def test_resume_continues_exactly(scenes, tmp_path, cache, capsys):
     train(_config(scenes, tmp_path / "straight", cache))
     partial = _config(scenes, tmp_path / "resumed", cache, max_steps=20)  # stops inside epoch 2 (15 steps/epoch)
     train(partial)
     state = json.loads((tmp_path / "resumed" / "train_state.json").read_text())["progress"]
     assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 5, 20)
+    capsys.readouterr()
     train(_config(scenes, tmp_path / "resumed", cache), resume=True)
+    assert "ignored" not in capsys.readouterr().out  # the same command resumes without a word about it
     # the recorded training time adds up both parts of the run
     first_part = state["train_seconds"]
     assert load_checkpoint(tmp_path / "resumed" / "last").meta["train_seconds"] > first_part > 0
@@ -189,3 +191,14 @@ def test_extend_vocab_appends_the_datas_new_words_and_keeps_the_trained_rows(sce
     for key in ("embed.weight", "out_word.weight", "out_word.bias"):
         grown, trained = new.model.state_dict()[key], old.model.state_dict()[key]
         assert grown.shape[0] == len(new.vocab) and torch.equal(grown[: len(old.vocab)], trained)
+
+
+def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_path, cache, capsys):
+    from captioner.models.training.loop import _merge_resume
+
+    saved = _config(scenes, tmp_path / "run", cache, model="sat")
+    capsys.readouterr()
+    merged = _merge_resume(_config(scenes, tmp_path / "run", cache, model="xlan", epochs=4),
+                           json.loads(json.dumps(saved.to_json())), 0)
+    assert merged.model == saved.model and merged.epochs == 4
+    assert "ignored: model='xlan' (the run's: 'sat')" in capsys.readouterr().out

@@ -33,6 +33,38 @@ class CommandGroup:
         self._adders[name](sub)
 
 
+def _whole_number(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
+
+
+def yes_or_no(text: str) -> bool:
+    """argparse type of a grid of booleans (``--block-trigrams on off``): anything else is a usage error, not a
+    silent no."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off (1/0, true/false, yes/no)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts that must be at least 1 (beam width, caption length, threads, images...): 0 or less
+    is a usage error naming the option, not a traceback deep in decoding."""
+    return _whole_number(text, 1)
+
+
+def count(text: str) -> int:
+    """argparse type of counts that may be 0 (the images of a split to generate, captions to show)."""
+    return _whole_number(text, 0)
+
+
 def parse_value(text: str) -> Any:
     try:
         return json.loads(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import DEFAULT_DATA, CommandGroup, add_dataset_options, key_values
+from .common import DEFAULT_DATA, CommandGroup, add_dataset_options, count, key_values, positive_int
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -31,9 +31,10 @@ def cmd_data_ood(args: argparse.Namespace) -> None:
 
 def cmd_data_regions(args: argparse.Namespace) -> None:
     from ..data.regions import write_scene_regions
-    from ..device import resolve_device
+    from ..device import resolve_device, set_threads
     from ..encoder import EncoderSpec
 
+    set_threads(args.threads)
     out = write_scene_regions(args.dataset, args.out, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
                               device=str(resolve_device(args.device)))
     print(f"wrote region features to {out}; train on them with --features regions:{out}")
@@ -42,9 +43,10 @@ def cmd_data_regions(args: argparse.Namespace) -> None:
 def cmd_data_features(args: argparse.Namespace) -> None:
     from ..data.features import extract_features
     from ..data.datasets import load_captioned, resolve_dataset
-    from ..device import resolve_device
+    from ..device import resolve_device, set_threads
     from ..encoder import EncoderSpec
 
+    set_threads(args.threads)
     dataset = resolve_dataset(args.dataset)
     images = load_captioned(dataset, args.image_root, tuple(args.split) if args.split else None)
     store = extract_features(images, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
@@ -58,12 +60,12 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
     gen.add_argument("--out", default=DEFAULT_DATA)
-    gen.add_argument("--train", type=int, default=6000)
-    gen.add_argument("--val", type=int, default=500)
-    gen.add_argument("--test", type=int, default=500)
-    gen.add_argument("--heldout", type=int, default=500)
+    gen.add_argument("--train", type=count, default=6000)
+    gen.add_argument("--val", type=count, default=500)
+    gen.add_argument("--test", type=count, default=500)
+    gen.add_argument("--heldout", type=count, default=500)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--workers", type=int, default=2)
+    gen.add_argument("--workers", type=positive_int, default=2)
     from ..data.scenes import VARIATIONS
 
     gen.add_argument("--varied", nargs="?", const="standard", choices=sorted(VARIATIONS), metavar="NAME",
@@ -76,7 +78,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     ood = data.add_parser("ood", help="the out-of-distribution test set: scenes drawn by a separate renderer "
                           "(other canvases, backgrounds, colours, anti-aliasing, JPEG); split 'ood'")
     ood.add_argument("--out", default=".cache/ood")
-    ood.add_argument("--images", type=int, default=500)
+    ood.add_argument("--images", type=positive_int, default=500)
     ood.add_argument("--seed", type=int, default=0)
     ood.set_defaults(func=cmd_data_ood)
     reg = data.add_parser("regions", help="region features (.npz per image) for the generated scenes: object "
@@ -86,6 +88,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     reg.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
     reg.add_argument("--cache-dir", default=".cache/features")
     reg.add_argument("--device", default="auto")
+    reg.add_argument("--threads", type=positive_int, help="torch threads (default: one per core)")
     reg.set_defaults(func=cmd_data_regions)
     fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
                                           "run once before multi-machine training)")
@@ -93,7 +96,8 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     fe.add_argument("--split", action="append", help="split(s) to extract (default: all)")
     fe.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
     fe.add_argument("--cache-dir", default=".cache/features")
-    fe.add_argument("--batch-size", type=int, default=32)
-    fe.add_argument("--shard-size", type=int, default=1024)
+    fe.add_argument("--batch-size", type=positive_int, default=32)
+    fe.add_argument("--shard-size", type=positive_int, default=1024)
     fe.add_argument("--device", default="auto")
+    fe.add_argument("--threads", type=positive_int, help="torch threads (default: one per core)")
     fe.set_defaults(func=cmd_data_features)

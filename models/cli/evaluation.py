@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_decoding_options,
-                     checkpoint_label, decoding_rules, load_training_captions)
+                     checkpoint_label, count, decoding_rules, load_training_captions, positive_int)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -35,6 +35,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.dataset is None and entities is not None and trained_on.get("dataset"):
         # Entities annotate the photos the model was trained on: by default its own data set's split
         dataset, image_root = trained_on["dataset"], image_root or trained_on.get("image_root")
+        if not Path(dataset).exists():  # recorded as training named it: relative to where it ran
+            raise SystemExit(f"error: the data set {args.checkpoint} was trained on, {dataset} (as its training "
+                             "named it, relative to the folder it ran in), is not here: give --dataset and "
+                             "--image-root")
     dataset = resolve_dataset(dataset)
     rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
@@ -143,18 +147,18 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "entities:DIR, the data set the checkpoint was trained on)")
     ev.add_argument("--image-root")
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
-    ev.add_argument("--beam-size", type=int, default=3)
-    ev.add_argument("--max-len", type=int, default=20)
+    ev.add_argument("--beam-size", type=positive_int, default=3)
+    ev.add_argument("--max-len", type=positive_int, default=20)
     add_decoding_options(ev)
-    ev.add_argument("--limit", type=int)
+    ev.add_argument("--limit", type=positive_int)
     ev.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java)")
-    ev.add_argument("--show", type=int, default=0, help="print this many captions")
-    ev.add_argument("--misses", type=int, default=0, metavar="N",
+    ev.add_argument("--show", type=count, default=0, help="print this many captions")
+    ev.add_argument("--misses", type=count, default=0, metavar="N",
                     help="also report the N caption words that BLEU-1 most often leaves uncredited")
     ev.add_argument("--cache-dir", default=".cache/features")
     ev.add_argument("--features", metavar="grid|regions:DIR", help="visual items (default: the training run's)")
     ev.add_argument("--device", default="auto")
-    ev.add_argument("--threads", type=int)
+    ev.add_argument("--threads", type=positive_int)
     ev.add_argument("--encoder-precision", choices=("float32", "int8"), default="float32",
                     help="int8: grid features from the CNN quantized for ONNX Runtime, as the service computes them "
                     "with CAPTIONER_ENCODER_PRECISION=int8 (default: the float PyTorch CNN)")
@@ -169,7 +173,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                          "Entities boxes of real photos (attention correctness, pointing hit, ratio per phrase type; "
                          "references teacher-forced and the model's own captions); 95%% bootstrap intervals and "
                          "chance rows either way")
-    ev.add_argument("--grounding-resamples", type=int, default=2000, help="bootstrap resamples over images")
+    ev.add_argument("--grounding-resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
     ev.set_defaults(func=cmd_eval, split=None)
 
 
@@ -198,11 +202,11 @@ def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
     add_dataset_options(rc, image_root_help="the data set's copies of the photos")
     rc.add_argument("--full-root", required=True, help="folder of full-size originals, matched by file name")
     rc.add_argument("--split", default="test")
-    rc.add_argument("--beam-size", type=int, default=3)
-    rc.add_argument("--max-len", type=int, default=20)
+    rc.add_argument("--beam-size", type=positive_int, default=3)
+    rc.add_argument("--max-len", type=positive_int, default=20)
     add_decoding_options(rc)
     rc.add_argument("--device", default="auto")
-    rc.add_argument("--threads", type=int)
+    rc.add_argument("--threads", type=positive_int)
     rc.add_argument("--output", help="also write the JSON report here")
     rc.set_defaults(func=cmd_resolution_check)
 
@@ -242,19 +246,17 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
     add_dataset_options(cmp)
     cmp.add_argument("--split", default="test")
-    cmp.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
+    cmp.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
     cmp.add_argument("--output", help="also write the JSON here")
     cmp.set_defaults(func=cmd_compare)
 
 
 def cmd_card(args: argparse.Namespace) -> None:
     """Write a checkpoint's MODEL_CARD.md from its training record and a `captioner eval --output` report."""
-    from ..evaluation.card import write_card
-
-    from ..evaluation.card import merge_reports
+    from ..evaluation.card import load_report, merge_reports, write_card
 
     notes = Path(args.notes).read_text() if args.notes else ""
-    report = merge_reports([json.loads(Path(path).read_text()) for path in args.report])
+    report = merge_reports([load_report(path) for path in args.report])
     print(f"wrote {write_card(args.checkpoint, report, args.title, notes)}")
 
 
@@ -276,7 +278,7 @@ def cmd_plot(args: argparse.Namespace) -> None:
 
     try:
         print(f"wrote {plot_runs(args.runs, args.out, args.label)}")
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 
@@ -293,14 +295,14 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 def cmd_params(args: argparse.Namespace) -> None:
     from ..evaluation.params import parameter_table
 
-    for name, count in parameter_table(args.vocab_size).items():
-        print(f"{name:16s} {count:>14,d}")
+    for name, parameters in parameter_table(args.vocab_size).items():
+        print(f"{name:16s} {parameters:>14,d}")
 
 
 @_group.command("params")
 def _add_params(sub: argparse._SubParsersAction) -> None:
     pa = sub.add_parser("params", help="parameter counts of every model at the papers' sizes")
-    pa.add_argument("--vocab-size", type=int, default=10369)
+    pa.add_argument("--vocab-size", type=positive_int, default=10369)
     pa.set_defaults(func=cmd_params)
 
 
@@ -359,7 +361,7 @@ def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
                     "are scored against")
     zf.add_argument("--image-root")
     zf.add_argument("--split", default="test")
-    zf.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over images")
+    zf.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
     zf.set_defaults(func=cmd_zoo_f8k)
 
 
@@ -393,5 +395,5 @@ def _add_grounding_doc(sub: argparse._SubParsersAction) -> None:
     gd.add_argument("--scene-results", default="docs/results",
                     help="the scene reports whose SparseCap grounding the closing note compares with")
     gd.add_argument("--device", default="auto")
-    gd.add_argument("--threads", type=int)
+    gd.add_argument("--threads", type=positive_int)
     gd.set_defaults(func=cmd_grounding_doc)

@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .common import DEFAULT_CHECKPOINT, CommandGroup, add_decoding_options, checkpoint_label, decoding_rules
+from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_decoding_options, checkpoint_label, decoding_rules,
+                     positive_int)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -20,7 +21,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
     from ..device import resolve_device, set_threads
     from ..encoder import ImageDecodeError
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import FigureRow, RenderError, caption_figure, comparison_figure, overlay
+    from ..rendering.heatmaps import (MODES, FigureRow, RenderError, caption_figure, colormap, comparison_figure,
+                                      overlay)
 
     set_threads(args.threads)
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
@@ -28,6 +30,15 @@ def cmd_caption(args: argparse.Namespace) -> None:
         raise SystemExit("error: --overlay takes exactly one image")
     if args.token is not None and len(checkpoints) > 1:
         raise SystemExit("error: --token renders one checkpoint's word; drop it to compare checkpoints")
+    if args.token is not None and not args.overlay:
+        raise SystemExit("error: --token picks the word --overlay draws: add --overlay FILE.png")
+    if args.overlay:  # before any model is loaded
+        if args.mode is not None and args.mode not in MODES:
+            raise SystemExit(f"error: unknown heat mode {args.mode!r}; choose from {', '.join(MODES)}")
+        try:
+            colormap(args.cmap)
+        except RenderError as exc:
+            raise SystemExit(f"error: {exc}") from None
     device = resolve_device(args.device)
     runs = []
     for checkpoint in checkpoints:
@@ -78,8 +89,8 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--checkpoint", action="append",
                      help=f"checkpoint folder (default {DEFAULT_CHECKPOINT}); repeat it to compare checkpoints side by "
                           "side, one figure row each")
-    cap.add_argument("--beam-size", type=int, default=3)
-    cap.add_argument("--max-len", type=int, default=20)
+    cap.add_argument("--beam-size", type=positive_int, default=3)
+    cap.add_argument("--max-len", type=positive_int, default=20)
     add_decoding_options(cap)
     cap.add_argument("--overlay", metavar="OUT.png", help="write the per-word figure (or one word with --token)")
     cap.add_argument("--token", type=int, help="render only this token's heatmap")
@@ -88,7 +99,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--alpha", type=float, default=0.5)
     cap.add_argument("--json", action="store_true", help="print the full result as JSON lines")
     cap.add_argument("--device", default="auto")
-    cap.add_argument("--threads", type=int)
+    cap.add_argument("--threads", type=positive_int)
     cap.set_defaults(func=cmd_caption)
 
 
@@ -116,6 +127,12 @@ def cmd_export(args: argparse.Namespace) -> None:
     # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for (read
     # here, not through the service's Settings: models/ never imports service/)
     prefixed = _prefixed_weights_dirs() if weights_dir else {}
+    names = [Path(c).name for c in args.checkpoints]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # exports are named after the folder: the second would silently replace the first
+        raise SystemExit(f"error: {', '.join(c for c in args.checkpoints if Path(c).name in twice)} share the folder "
+                         f"name {', '.join(twice)}, which names their exports: export them one at a time, each "
+                         "with its own --out")
     found = find_checkpoints(weights_dir, args.checkpoints, prefixed)
     missing = [c for c in args.checkpoints if Path(c).name not in found]
     if missing:
@@ -153,7 +170,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--out", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
                     help="one folder per model is written below it (CAPTIONER_ONNX_DIR, where the service looks)")
     ex.add_argument("--strict", action="store_true", help="exit 1 when any model cannot be exported")
-    ex.add_argument("--threads", type=int)
+    ex.add_argument("--threads", type=positive_int)
     ex.set_defaults(func=cmd_export)
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import CommandGroup, add_dataset_options, key_values, load_training_captions
+from .common import CommandGroup, add_dataset_options, key_values, load_training_captions, positive_int, yes_or_no
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -103,7 +103,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
     finally:
         shutdown_distributed(meet_first=best is not None)
-    print(f"best checkpoint: {best}")
+    if best.exists():
+        print(f"best checkpoint: {best}")
+    else:  # --max-steps or an early stop ended the run before its first validation saved one
+        print(f"no checkpoint yet: the run stopped before its first validation; --resume with more steps or "
+              f"epochs continues it (its state is in {best.parent})")
 
 
 @_group.command("train")
@@ -170,16 +174,16 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     # brevity penalty": α = 2 took REP from 1.5 to 11): not worth a validation pass each
     td.add_argument("--length-penalties", type=float, nargs="+", default=[0.0, 0.5, 1.0],
                     metavar="ALPHA", help="GNMT length penalties to try")
-    td.add_argument("--block-trigrams", type=lambda v: v.lower() in ("1", "true", "yes", "on"), nargs="+",
+    td.add_argument("--block-trigrams", type=yes_or_no, nargs="+",
                     default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
     td.add_argument("--metric", default="CIDEr-D", choices=("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D"),
                     help="the score the best pair is chosen by")
-    td.add_argument("--beam-size", type=int, default=3)
-    td.add_argument("--max-len", type=int, default=20)
-    td.add_argument("--limit", type=int, help="score only the first N images of the split")
+    td.add_argument("--beam-size", type=positive_int, default=3)
+    td.add_argument("--max-len", type=positive_int, default=20)
+    td.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
     td.add_argument("--cache-dir", default=".cache/features")
     td.add_argument("--device", default="auto")
-    td.add_argument("--threads", type=int)
+    td.add_argument("--threads", type=positive_int)
     td.add_argument("--output", help="also write the rows as JSON here")
     td.add_argument("--write", action="store_true", help="store the best pair as the checkpoint's decoding defaults")
     td.set_defaults(func=cmd_tune_decoding)

@@ -52,7 +52,9 @@ def load_flickr8k(path: str | Path, image_root: str | Path | None = None, splits
                   max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
     """The photos of the requested splits (all three by default) with at most ``max_refs`` references each, in the
     order of the split lists; ``path`` is the token file or its folder.  Image ids number the photos of all
-    three lists (train, then dev, then test), so an id means the same photo whichever splits are loaded."""
+    three lists (train, then dev, then test) from 0, so an id means the same photo whichever splits are loaded, and
+    the same photo as in Karpathy's ``dataset_flickr8k.json`` (its ``imgid``): results files of either layout
+    line up (``captioner compare``)."""
     path = Path(path)
     text_dir = path.parent if path.name == TOKEN_FILE else path
     captions: dict[str, list[tuple[int, str]]] = defaultdict(list)
@@ -67,17 +69,15 @@ def load_flickr8k(path: str | Path, image_root: str | Path | None = None, splits
     if unknown:
         raise ValueError(f"Flickr8k has the splits {', '.join(SPLIT_FILES)}, not {', '.join(sorted(unknown))}")
     root = Path(image_root) if image_root else find_image_root(text_dir, lists["train"][0])
-    out, image_id = [], 0
-    for split, names in lists.items():
-        for name in names:
-            image_id += 1
-            if splits and split not in splits:
-                continue
-            refs = [tokenize(text) for _, text in sorted(captions.get(name, []))]
-            refs = [r for r in refs if r][:max_refs]
-            if not refs:
-                raise ValueError(f"{name} is in {SPLIT_FILES[split]} but has no caption in {TOKEN_FILE}")
-            out.append(CaptionedImage(image_id, root / name, split, refs, {"filename": name}))
-            if limit and len(out) >= limit:
-                return out
+    out = []
+    for image_id, (split, name) in enumerate((split, name) for split, names in lists.items() for name in names):
+        if splits and split not in splits:
+            continue
+        refs = [tokenize(text) for _, text in sorted(captions.get(name, []))]
+        refs = [r for r in refs if r][:max_refs]
+        if not refs:
+            raise ValueError(f"{name} is in {SPLIT_FILES[split]} but has no caption in {TOKEN_FILE}")
+        out.append(CaptionedImage(image_id, root / name, split, refs, {"filename": name}))
+        if limit and len(out) >= limit:
+            return out
     return out

@@ -43,7 +43,10 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
         data = json.loads(json_path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"dataset file {json_path} does not exist") from None
-    if "images" not in data:
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{json_path} is not a data set's JSON ({exc}): give a Karpathy-split JSON, "
+                         "Flickr8k's Flickr8k.token.txt or its folder, or a generated-scene folder") from None
+    if not isinstance(data, dict) or "images" not in data:
         raise ValueError(f"{json_path} is not a Karpathy-split JSON: no 'images' list")
     out = []
     for position, entry in enumerate(data["images"]):

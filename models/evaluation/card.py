@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CONFIG, WEIGHTS, file_checksum, load_checkpoint, write_manifest
+from ..checkpoint import WEIGHTS, file_checksum, load_checkpoint, read_config, write_manifest
 from ..data.datasets import trained_on
 
 CARD = "MODEL_CARD.md"
@@ -84,6 +84,19 @@ def _row(name: str, scores: dict[str, Any], metrics: tuple[str, ...] = METRICS) 
     return f"| {name} ({scores.get('images', '?')} images) | " + " | ".join(cells) + " |"
 
 
+def load_report(path: str | Path) -> dict[str, Any]:
+    """A ``captioner eval --output`` report, refused (ValueError naming the file) when the file is something else,
+    such as the captions of ``--results-json``: a card written from it would hold an empty table."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(report, dict) or not any(isinstance(v, dict) and "images" in v for v in report.values()):
+        raise ValueError(f"{path} is not a report of `captioner eval --output` (it holds no scored split; "
+                         "--results-json writes captions, not scores)")
+    return report
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Several ``captioner eval`` reports as one: the first one's settings, every report's splits (a later report's
     split replaces an earlier one of the same name)."""
@@ -112,7 +125,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     ``captioner eval --output`` writes)."""
     path = Path(checkpoint)
     ckpt = load_checkpoint(path, "cpu")
-    config = json.loads((path / CONFIG).read_text())
+    config = read_config(path)
     meta = config.get("meta", {})
     model = ckpt.model
     params = sum(p.numel() for p in model.parameters())
@@ -127,7 +140,8 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     decoding = report.get("decoding") or {}
     chosen = meta.get("decoding_chosen_on")
     lines = [
-        f"# {title or path.name}",
+        # a run's best/ and last/ are named after their run
+        f"# {title or (path.resolve().parent.name if path.name in ('best', 'last') else path.name)}",
         "",
         f"**Architecture** `{model.arch}` ({model.attention_kind}); {params:,} parameters; model config "
         f"`{json.dumps(config['model'])}`.",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from ..checkpoint import checkpoint_children, read_config
 from .grounding import interval
 from .phrase_grounding import MODES, summary_table, type_table
 from .zoo_table import write_between_markers
@@ -26,23 +26,19 @@ NORMALISERS = ("softmax", "sparsemax", "tvmax")
 EXAMPLE_PHOTOS = ("chelsea", "astronaut", "coffee")
 
 
-def _config(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / "config.json").read_text())
-
-
 def is_real_photo(checkpoint: Path) -> bool:
-    meta = _config(checkpoint).get("meta", {})
+    meta = read_config(checkpoint).get("meta", {})
     dataset = meta.get("train_config", {}).get("dataset") or meta.get("dataset") or ""
     return "flickr" in Path(str(dataset)).name.lower()
 
 
 def real_photo_checkpoints(weights: Path) -> list[Path]:
     """Checkpoint folders under ``weights`` trained on Flickr photos, by name."""
-    return sorted(p for p in weights.iterdir() if (p / "config.json").exists() and is_real_photo(p))
+    return [p for p in checkpoint_children(weights) if is_real_photo(p)]
 
 
 def normaliser(checkpoint: Path) -> str:
-    config = _config(checkpoint)
+    config = read_config(checkpoint)
     attention = config.get("model", {}).get("attention")
     return attention if isinstance(attention, str) else ("hard" if config.get("arch") == "sat-hard" else "softmax")
 
@@ -88,7 +84,7 @@ def heatmap_checkpoints(weights: Path) -> list[Path]:
     candidates = real_photo_checkpoints(weights)
     for name in NORMALISERS:
         same = [c for c in candidates if normaliser(c) == name]
-        same.sort(key=lambda c: _config(c).get("arch") != "sparsecap")
+        same.sort(key=lambda c: read_config(c).get("arch") != "sparsecap")
         chosen += same[:1]
     return chosen
 
@@ -150,7 +146,7 @@ def closing_note(reports: list[tuple[str, dict]], weights: Path, scene_results: 
     """The normalisers' ordering on real photos (SparseCap checkpoints, references teacher-forced and generated)
     and on the scene benchmark (its shipped SparseCap checkpoints' mass in object, from ``scene_results``)."""
     by_name = dict(reports)
-    sparse = {normaliser(weights / n): n for n in by_name if _config(weights / n).get("arch") == "sparsecap"}
+    sparse = {normaliser(weights / n): n for n in by_name if read_config(weights / n).get("arch") == "sparsecap"}
     lines = ["Read off the intervals above, not tuned toward (no model was trained or selected on these numbers):"]
     for mode in MODES:
         values = {norm: row["mass"] for norm, name in sparse.items() if (row := _all_row(by_name[name], mode))}

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import checkpoint_children, read_config
 from .card import merge_reports, total_train_seconds
 
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
@@ -58,8 +59,8 @@ def _with_ci(stat: dict | None) -> str:
 
 def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
     rows = []
-    for checkpoint in sorted(p for p in weights.iterdir() if (p / "config.json").exists()):
-        config = json.loads((checkpoint / "config.json").read_text())
+    for checkpoint in checkpoint_children(weights):
+        config = read_config(checkpoint)
         meta = config.get("meta", {})
         splits = merged_reports(results, checkpoint.name)
         rows.append({"name": checkpoint.name, "arch": config.get("arch", "?"),

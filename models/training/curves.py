@@ -38,6 +38,8 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, labels: Sequence[str]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if labels and len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} --label for {len(runs)} runs: give one per run, in their order")
     data = [read_metrics(run) for run in runs]
     labels = list(labels) if labels else [Path(run).name if Path(run).is_dir() else Path(run).parent.name
                                           for run in runs]

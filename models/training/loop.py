@@ -26,7 +26,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Sequence, TypeVar
 
@@ -437,6 +437,20 @@ def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: i
     before = TrainConfig.from_json(saved_config)
     schedule = {"lr_drops": cfg.lr_drops, "lr_drop_factor": cfg.lr_drop_factor} if cfg.lr_drops else {}
     merged = replace(before, **{k: getattr(cfg, k) for k in RESUME_OVERRIDES}, **schedule)
+    # a value given now that the run's own recipe overrides is said, not dropped in silence (the data set is
+    # compared as resolved: the run recorded its resolved path)
+    defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
+                for f in fields(TrainConfig)}
+    given = {name: getattr(cfg, name) for name in defaults
+             if name not in (*RESUME_OVERRIDES, *schedule, "out", "dataset")
+             and getattr(cfg, name) not in (defaults[name], getattr(before, name))}
+    if cfg.dataset != defaults["dataset"] and cfg.dataset != before.dataset:
+        with contextlib.suppress(OSError, ValueError):
+            if str(resolve_dataset(cfg.dataset)) != before.dataset:
+                given["dataset"] = cfg.dataset
+    if given:
+        print("resuming keeps the run's recipe; ignored: " + ", ".join(
+            f"{name}={value!r} (the run's: {getattr(before, name)!r})" for name, value in given.items()))
     _check_schedule_change(before, merged, epochs_done)
     return merged
 
@@ -770,5 +784,14 @@ def fit(run: Run) -> Path:
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> Path:
-    """Run the phase ``cfg.phase``; returns the path of the best checkpoint."""
-    return fit(prepare_run(cfg, resume))
+    """Run the phase ``cfg.phase``; returns the path of the best checkpoint.  A run that fails before its first
+    step (a bad option, a missing file) leaves no empty ``--out`` folder behind."""
+    run_dir = Path(cfg.out)
+    existed = run_dir.exists()
+    try:
+        run = prepare_run(cfg, resume)
+    except BaseException:
+        if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
+    return fit(run)
