@@ -96,10 +96,10 @@ async def limited_stream(request: Request, limit: int, refused_at: int | None = 
         yield chunk
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing as soon as it passes ``limit`` bytes — before reading it when the client announced
-    its length."""
-    return b"".join([chunk async for chunk in limited_stream(request, limit)])
+async def read_body(request: Request, limit: int, refused_at: int | None = None) -> bytes:
+    """The raw body, refusing as soon as it passes ``refused_at`` bytes (default ``limit``) — before reading it
+    when the client announced its length."""
+    return b"".join([chunk async for chunk in limited_stream(request, limit, refused_at)])
 
 
 @asynccontextmanager
@@ -212,7 +212,7 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
             return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
     if _is_json(content_type):
         # base64 takes 4 bytes for 3, plus the options: the body may be that much larger than the image
-        body = b"".join([chunk async for chunk in limited_stream(request, limit, (limit * 4 + 2) // 3 + 4096)])
+        body = await read_body(request, limit, (limit * 4 + 2) // 3 + 4096)
         try:
             parsed = CaptionJSON.model_validate_json(body)
         except ValidationError as exc:
