@@ -13,9 +13,11 @@ OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve serve-scenes test browser-deps data train-default train-shipped eval-default bench bench-int8 samples clean
+.PHONY: help setup serve serve-scenes test browser-deps data train-default train-shipped eval-default bench bench-f8k \
+	bench-int8 samples clean
 
 help:
+	@echo "make setup         create .venv and install the project (every other target does it first)"
 	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"
 	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
@@ -29,6 +31,14 @@ help:
 	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
 	@echo "make grounding     Flickr30k Entities grounding of every real-photo checkpoint → docs/grounding.md"
 	@echo "make zoo-f8k       docs/model_zoo.md's Flickr8k table from docs/results/flickr8k/ and the data set"
+	@echo "make zoo-table     docs/model_zoo.md's generated-scene table from docs/results/"
+	@echo "make f8k-stage-STAGE      train a Flickr8k recipe of this Makefile (resumes when its run exists)"
+	@echo "make train-f8k-STAGE      that, then decoding rules on val, float16 and the val report"
+	@echo "make compare-val-f8k-STAGE  paired bootstrap on val against the shipped model it would replace"
+	@echo "make ship-f8k-NAME        test report, card and weights/flickr8k/NAME from the stage that ships"
+	@echo "make eval-f8k CKPT=DIR    any checkpoint on Flickr8k test"
+	@echo "make container     (as root) build the CPU image with buildah, run it and check it serves"
+	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
 $(STAMP): pyproject.toml
@@ -221,8 +231,9 @@ gpu-wheels: $(STAMP)
 	  -d $(GPU_WHEELS_DIR) $(GPU_WHEELS)
 	@du -sh $(GPU_WHEELS_DIR)
 
+# never runs/: it holds what users trained
 clean:
-	rm -rf $(VENV) .cache runs .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache test-artifacts
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
 # Needs root, nothing from `make setup`; installs buildah and debootstrap (Debian packages) when missing; builds a
@@ -413,6 +424,7 @@ runs/%/eval.test.json: runs/%/float16/model.safetensors | $(STAMP)
 # card (notes from docs/cards/flickr8k/NAME.md, else from the architecture's docs/cards/flickr8k/ARCH.md:
 # sparsecap.md serves the three normalisers), and its test report and captions go to docs/results/flickr8k/ for
 # `make zoo-f8k`. Which stage ships is the rule in docs/decisions.md, "Flickr8k: which stage ships".
+F8K_SHIP_sat := f8k-sat-blocks-256
 F8K_SHIP_sat-hard := f8k-sat-hard
 F8K_SHIP_aoanet := f8k-aoanet
 # X-LAN with its encoder's last stage fine-tuned (docs/decisions.md, "Fine-tuning the encoder's last stage")
@@ -434,6 +446,7 @@ ship-f8k-%: | $(STAMP)
 	rm -rf weights/flickr8k/$* && mv weights/flickr8k/$*.new weights/flickr8k/$*
 	cp runs/$(F8K_SHIP_$*)/eval.test.json $(F8K_RESULTS)/$*.json
 	cp runs/$(F8K_SHIP_$*)/captions.test.json $(F8K_RESULTS)/captions/$*.json
+F8K_TITLE_sat := Show, Attend and Tell (soft)
 F8K_TITLE_sat-hard := Show, Attend and Tell (hard)
 F8K_TITLE_aoanet := AoANet
 F8K_TITLE_xlan := X-LAN

@@ -131,7 +131,9 @@ def main() -> None:
                         help="also time this backbone on the same grid, PyTorch and ONNX Runtime (repeatable)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import checkpoint, served_default
+    from common import checkpoint, command_line, served_default
+
+    generated_by = command_line("bench_encoder.py", parser, args)
 
     args.checkpoint = checkpoint(str(args.checkpoint or served_default()))
     import torch
@@ -171,9 +173,7 @@ def main() -> None:
     lines = [
         "# Encoder: per-image time by batch size",
         "",
-        f"`python benchmarks/bench_encoder.py --threads {args.threads} --repeats {args.repeats}"
-        + "".join(f" --also-backbone {b}" for b in args.also_backbone) + "`, "
-        f"{started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores shared with other work (numbers drift with the "
+        f"`{generated_by}`, {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores shared with other work (numbers drift with the "
         f"load; compare within a row and within this run only). Encoder of `{args.checkpoint.name}`: "
         f"`{spec.backbone}` `{spec.layer}`, {spec.grid_hw[0]}×{spec.grid_hw[1]} grid at {spec.image_size} px. "
         f"Median of {args.repeats} repetitions, configurations in turns. ONNX Runtime vs PyTorch max |Δ| of the "

@@ -51,10 +51,13 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--dir", type=Path, default=None, help="where to build the store (default: a temp dir)")
+    parser.add_argument("--dir", type=Path, default=None, help="the folder (made if missing) under which the store is "
+                        "built in a temporary folder (default: the system's temporary folder)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
 
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)
         picture = tmp / "image.png"
