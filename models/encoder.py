@@ -119,7 +119,8 @@ class EncoderSpec:
             raise ValueError("fine-tuned stages need an EfficientNet-Lite backbone and layer=blocks, "
                              f"got {self.backbone} / {self.layer}")
         if not 0 <= self.stop_stages < len(EFFICIENTNET_STAGE_STRIDES):
-            raise ValueError(f"stop_stages must be 0..{len(EFFICIENTNET_STAGE_STRIDES) - 1}, got {self.stop_stages}")
+            raise ValueError(f"stop_stages (--finetune-stages) must be 0..{len(EFFICIENTNET_STAGE_STRIDES) - 1}, "
+                             f"got {self.stop_stages}")
 
     def to_json(self) -> dict:
         data = asdict(self)

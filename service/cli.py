@@ -80,8 +80,9 @@ def cmd_caption(args: argparse.Namespace) -> None:
     except ValidationError as exc:  # the CAPTIONER_* variables the archive shares with the service
         raise SystemExit(f"error: settings: {'; '.join(e['msg'] for e in exc.errors())}") from None
     except KeyboardInterrupt:
-        raise SystemExit(f"interrupted: the captions written so far are in {args.output}; run the same command "
-                         "with --resume to finish") from None
+        print(f"interrupted: the captions written so far are in {args.output}; run the same command with --resume "
+              "to finish", file=sys.stderr)
+        raise SystemExit(130) from None
     done = run.summary
     if run.dropped_tail:
         print(f"dropped a torn last line ({run.dropped_tail} bytes) of {args.output}: its image is captioned again",
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):  # argparse's usage errors (2), an interrupted run (130), success
+            raise
+        print(exc.code, file=sys.stderr)  # a command's "error: …": the same status as every other mistake
+        sys.exit(2)
     except (OSError, ValueError) as exc:
         # a missing file, a bad option value or a foreign dataset: the message says what to change, a traceback
         # would only bury it (CAPTIONER_DEBUG=1 keeps it for a bug report)

@@ -65,7 +65,15 @@ def count(text: str) -> int:
     return _whole_number(text, 0)
 
 
+#: Python's spellings of JSON's literals, as a Python user types them (``--set pre_norm=False``): read as the
+#: string "False", they would count as true
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}
+
+
 def parse_value(text: str) -> Any:
+    """A ``KEY=VALUE`` value: JSON (numbers, true/false, null, lists...), Python's True/False/None, else the text."""
+    if text in _PYTHON_LITERALS:
+        return _PYTHON_LITERALS[text]
     try:
         return json.loads(text)
     except json.JSONDecodeError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -95,14 +96,18 @@ def cmd_train(args: argparse.Namespace) -> None:
     from ..training.distributed import shutdown_distributed
 
     cfg = train_config_from_args(args)
+    # the options this command gave (the namespace holds only those): on --resume they alone change the run
+    explicit = {f.name for f, _ in _config_fields() if hasattr(args, f.name)} | ({"model_args"} if args.attention else set())
     best = None
     try:
-        best = train(cfg, resume=args.resume)
+        best = train(cfg, resume=args.resume, explicit=explicit)
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         shutdown_distributed(meet_first=best is not None)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the main process speaks for the run
+        return
     if best.exists():
         print(f"best checkpoint: {best}")
     else:  # --max-steps or an early stop ended the run before its first validation saved one

@@ -28,7 +28,7 @@ import signal
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Collection, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -155,7 +155,7 @@ class TrainConfig(_SavedRecord):
     max_steps: int | None = option(help="stop after this many optimiser steps in total (smoke tests)")
     checkpoint_every: int = option(200, "save the resumable state every this many steps (and at every epoch's end)")
     log_every: int = option(10, "write a metrics.jsonl record every this many steps")
-    progress: bool = option(True, "progress bars", flag="--no-progress", kind="false")
+    progress: bool = option(True, "no progress bars (for logs and CI)", flag="--no-progress", kind="false")
 
 
 @dataclass
@@ -428,22 +428,33 @@ def _check_schedule_change(before: TrainConfig, after: TrainConfig, epochs_done:
                              f"run has already trained; drops can only be added at epoch {epochs_done} or later")
 
 
-#: what --resume may change: the length of the run and how it runs, never the recipe
-RESUME_OVERRIDES = ("epochs", "max_steps", "progress", "threads", "device", "checkpoint_every", "log_every",
-                    "precision", "early_stop")
+#: what --resume may change: the length of the run and how it runs, never the recipe.  These stay the run's own
+#: unless the command gives them...
+RESUME_OVERRIDES = ("epochs", "checkpoint_every", "log_every", "precision", "early_stop")
+#: ...and these belong to the process, whatever the run had (a --max-steps kept would stop every later resume
+#: at once; a GPU run resumed on a CPU machine must not ask for its GPU)
+PER_PROCESS = ("max_steps", "progress", "threads", "device")
 
 
-def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: int) -> TrainConfig:
+def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: int,
+                  explicit: Collection[str] | None = None) -> TrainConfig:
+    """The saved run's config, with what may change on resume (its length, how it runs, a learning-rate drop)
+    taken from ``cfg``: only the options the command gave (``explicit``, their names; None: all of them, as a
+    caller building ``cfg`` in code means them), so a ``--resume`` without ``--epochs`` keeps the run's epochs."""
     before = TrainConfig.from_json(saved_config)
-    schedule = {"lr_drops": cfg.lr_drops, "lr_drop_factor": cfg.lr_drop_factor} if cfg.lr_drops else {}
-    merged = replace(before, **{k: getattr(cfg, k) for k in RESUME_OVERRIDES}, **schedule)
+    stated = (lambda name: True) if explicit is None else (lambda name: name in explicit)
+    schedule = {"lr_drops": cfg.lr_drops, "lr_drop_factor": cfg.lr_drop_factor} \
+        if cfg.lr_drops and stated("lr_drops") else {}
+    merged = replace(before, **{k: getattr(cfg, k) for k in RESUME_OVERRIDES if stated(k)},
+                     **{k: getattr(cfg, k) for k in PER_PROCESS}, **schedule)
     # a value given now that the run's own recipe overrides is said, not dropped in silence (the data set is
     # compared as resolved: the run recorded its resolved path)
     defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
                 for f in fields(TrainConfig)}
     given = {name: getattr(cfg, name) for name in defaults
-             if name not in (*RESUME_OVERRIDES, *schedule, "out", "dataset")
-             and getattr(cfg, name) not in (defaults[name], getattr(before, name))}
+             if name not in (*RESUME_OVERRIDES, *PER_PROCESS, "lr_drops", "lr_drop_factor", "out", "dataset")
+             and (stated(name) if explicit is not None else getattr(cfg, name) != defaults[name])
+             and getattr(cfg, name) != getattr(before, name)}
     if cfg.dataset != defaults["dataset"] and cfg.dataset != before.dataset:
         with contextlib.suppress(OSError, ValueError):
             if str(resolve_dataset(cfg.dataset)) != before.dataset:
@@ -489,7 +500,7 @@ class Run:
         return round(self.progress.train_seconds + time.time() - self.started, 1)
 
 
-def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
+def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str] | None = None) -> Run:
     """Everything before the first step: resume merging, data, features, vocabulary, model, optimiser, schedules,
     precision and (under torchrun) the process group."""
     set_threads(cfg.threads)
@@ -500,11 +511,13 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
         run_dir.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
     saved = load_state(run_dir) if resume else None
+    if resume and saved is None and ctx.is_main:  # a mistyped --out would otherwise go unnoticed
+        print(f"nothing to resume in {run_dir}: a new run starts there")
     if saved is None and (run_dir / "train_state.json").exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
                               "or choose another --out (nothing is overwritten)")
     if saved is not None:  # a resumed run keeps its recipe; only its length and how it runs may change
-        cfg = _merge_resume(cfg, saved["config"], saved["progress"]["epoch"])
+        cfg = _merge_resume(cfg, saved["config"], saved["progress"]["epoch"], explicit)
         if ctx.is_main:  # what a killed save left beside best/ and last/
             for name in ("best", "last"):
                 remove_debris(run_dir / name)
@@ -521,9 +534,21 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     if cfg.finetune_stages and (cfg.features or "grid") != "grid":
         raise ValueError("--finetune-stages fine-tunes the grid encoder; it cannot be combined with --features "
                          f"{cfg.features}")
+    if (cfg.features or "grid") != "grid" and cfg.model_args.get("attention") == "tvmax":
+        # TVmax's total variation runs over a grid's 4-neighbour pairs (SparseCap, Martins et al., arXiv:2002.05556,
+        # Eq. 3 and Definition 1); regions have no grid, and a padded count read as one (9 regions as 3×3) means
+        # nothing
+        raise ValueError("--attention tvmax needs grid features (its total variation is over neighbouring cells); "
+                         f"with --features {cfg.features} use softmax or sparsemax")
     if cfg.augment != "none" and cfg.phase != "xe":
         raise ValueError(f"--augment {cfg.augment} applies to the xe phase (its captions are the references); "
                          f"--phase {cfg.phase} samples its own")
+    if cfg.phase == "scst" and not cfg.init and saved is None:
+        # self-critical training samples from the model it improves: from random weights every sample scores 0
+        raise ValueError("--phase scst starts from a trained model: give --init RUN/best (its XE stage)")
+    if cfg.extend_vocab and not cfg.init:
+        raise ValueError("--extend-vocab adds the data's new words to the vocabulary of --init's checkpoint: "
+                         "give --init")
     cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
     train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
     val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
@@ -590,7 +615,12 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if scaler is not None and saved.get("scaler"):
             scaler.load_state_dict(saved["scaler"])
         if ctx.is_main:
-            print(f"resuming {run_dir} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}")
+            if progress.epoch >= cfg.epochs or progress.stopped_early:
+                how = "stopped early" if progress.stopped_early else f"{progress.epoch} epochs"
+                print(f"{run_dir} has finished ({how}): nothing to train; --epochs N with N > {progress.epoch} "
+                      "continues it")
+            else:
+                print(f"resuming {run_dir} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}")
     elif ctx.active:
         torch.manual_seed(cfg.seed * 1000 + ctx.rank)  # ranks draw different dropout masks and samples
     if schedules.plateau is not None and progress.plateau:
@@ -599,7 +629,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False) -> Run:
     trainer: nn.Module = _PhaseModule(model, phase, tail)
     if ctx.active:
         trainer = nn.parallel.DistributedDataParallel(
-            trainer, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+            trainer, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False,
             # optional branches (flags, SAT-hard's soft/hard switch) leave some parameters without a gradient
             find_unused_parameters=True)
     name = dataset_name(cfg.dataset)
@@ -783,13 +813,13 @@ def fit(run: Run) -> Path:
     return run.run_dir / "best"
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> Path:
+def train(cfg: TrainConfig, resume: bool = False, explicit: Collection[str] | None = None) -> Path:
     """Run the phase ``cfg.phase``; returns the path of the best checkpoint.  A run that fails before its first
     step (a bad option, a missing file) leaves no empty ``--out`` folder behind."""
     run_dir = Path(cfg.out)
     existed = run_dir.exists()
     try:
-        run = prepare_run(cfg, resume)
+        run = prepare_run(cfg, resume, explicit)
     except BaseException:
         if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()

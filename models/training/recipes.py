@@ -8,6 +8,8 @@ recipe's shared keys and its phase table, then the flags given on the command li
 
 from __future__ import annotations
 
+import json
+
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -87,7 +89,9 @@ def command_line(config: dict[str, Any]) -> str:
             continue
         flag, kind = f.metadata.get("flag") or "--" + f.name.replace("_", "-"), f.metadata.get("kind")
         if kind == "keyvalue":
-            parts += [f"{flag} {key}={item}" for key, item in value.items() if default.get(key) != item]
+            # values as --set reads them back (JSON: false, not Python's False, which would be the string "False")
+            parts += [f"{flag} {key}={item if isinstance(item, str) else json.dumps(item)}"
+                      for key, item in value.items() if default.get(key) != item]
         elif kind == "append":
             parts += [f"{flag} {item}" for item in value]
         elif kind == "pair":
