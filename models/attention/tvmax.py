@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
