@@ -132,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CommandError(SystemExit):
+    """A mistake in the command, said in one line: exit status 2, as for argparse's usage errors, and the line as the
+    exception's text (what a caller of :func:`main` sees is what a user sees)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
@@ -140,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(exc.code, str):  # argparse's usage errors (2), an interrupted run (130), success
             raise
         print(exc.code, file=sys.stderr)  # a command's "error: …": the same status as every other mistake
-        sys.exit(2)
+        raise CommandError(exc.code) from None
     except (OSError, ValueError) as exc:
         # a missing file, a bad option value or a foreign dataset: the message says what to change, a traceback
         # would only bury it (CAPTIONER_DEBUG=1 keeps it for a bug report)

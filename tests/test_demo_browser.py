@@ -146,3 +146,48 @@ def test_the_api_docs_render_with_no_request_leaving_the_server(server):
             assert elsewhere == []
         finally:
             browser.close()
+
+
+@needs_chromium
+def test_only_the_newest_caption_is_shown_and_a_hidden_heatmap_stays_hidden(server):
+    """Two captions in flight (a sample clicked while another is still being captioned, its answer held back to
+    arrive last): the page shows the newer one alone; the heatmap, hidden until a word is chosen, is not drawn;
+    a beam size the box rejects is not sent; a failed upload shows the service's detail."""
+    held = []
+
+    def hold_the_first_caption(route):
+        if held:
+            route.continue_()
+        else:
+            held.append(route)  # sent on only once the second request has been answered
+
+    def caption_answer(r):
+        return r.request.method == "POST" and "/caption?" in r.url
+
+    with demo_page(server) as page:
+        overlay_display = "() => getComputedStyle(document.getElementById('overlay')).display"
+        page.route("**/caption?*", hold_the_first_caption)
+        page.get_by_role("button", name="Caption the sample photo: a cat (scikit-image chelsea)").click()
+        wait_until(page, "() => document.getElementById('status').textContent === 'Captioning…'", 30)
+        with page.expect_response(caption_answer, timeout=60_000) as newer:
+            page.get_by_role("button", name="Caption the sample photo: a cup of coffee (scikit-image coffee)").click()
+        page.wait_for_selector("#caption .word", timeout=30_000)
+        with page.expect_response(caption_answer, timeout=60_000):
+            held[0].continue_()
+        page.wait_for_timeout(500)  # the page has had the cat's late answer
+        words = page.locator("#caption .word")
+        assert words.count() == len(newer.value.json()["tokens"])
+        assert page.evaluate("() => document.getElementById('photo').naturalWidth") == 512  # coffee, not the cat
+        assert page.evaluate(overlay_display) == "none"
+        page.unroute("**/caption?*")
+        page.fill("#beam", "2.5")
+        sent = []
+        page.on("request", lambda r: sent.append(r.url) if "/caption?" in r.url else None)
+        page.get_by_role("button", name="Caption the sample photo: a cat (scikit-image chelsea)").click()
+        wait_until(page, "() => document.getElementById('status').textContent.startsWith('Not sent')", 10)
+        assert sent == []
+        page.fill("#beam", "3")
+        page.set_input_files("#file", files=[{"name": "notes.jpg", "mimeType": "image/jpeg", "buffer": b"not a photo"}])
+        wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
+        assert "cannot identify an image" in page.locator("#status").inner_text()
+        assert page.evaluate("() => document.getElementById('result').hidden")

@@ -3,60 +3,141 @@
 // Plain browser JavaScript, no external CDN: the page works offline.
 "use strict";
 const $ = (id) => document.getElementById(id);
-let current = null;  // {id, tokens}
-const cache = new Map();
+let current = null;  // the caption on screen: {id, tokens, summary}
+let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
+let lastFile = null; // captioned again when the model or the beam size changes
+const overlays = new Map();  // object URLs of the current caption's heatmaps, by "token:mode"
+const models = new Map();    // name → its /models entry (which heatmap modes it can draw)
+const AREA_MODES = ["area_topk"];  // need an area-attention model
 
 function setStatus(text, isError = false) {
   $("status").textContent = text;
   $("status").className = isError ? "error" : "";
 }
 
+// What a failed answer says: the service's problem detail; a proxy's HTML page or an empty body gives the status.
+async function failure(response) {
+  try {
+    const body = await response.json();
+    return `${body.title || "Error"}: ${body.detail || response.status}`;
+  } catch {
+    return `HTTP ${response.status} ${response.statusText}`.trim();
+  }
+}
+
 async function loadModels() {
   try {
-    const models = await (await fetch("/models")).json();
+    const response = await fetch("/models");
+    if (!response.ok) throw new Error(await failure(response));
+    const list = await response.json();
     $("model").innerHTML = "";
-    for (const m of models) {
-      const option = new Option(`${m.name} (${m.architecture}, ${m.attention})`, m.name, m.default, m.default);
-      $("model").add(option);
+    for (const m of list) {
+      models.set(m.name, m);
+      $("model").add(new Option(`${m.name} (${m.architecture}, ${m.attention})`, m.name, m.default, m.default));
     }
-    if (!models.length) setStatus("No model is loaded on this server.", true);
+    if (!list.length) setStatus("No model is loaded on this server.", true);
+    offerModes();
   } catch (err) {
-    setStatus(`Could not list models: ${err}`, true);
+    setStatus(`Could not list models: ${err.message || err}`, true);
   }
+}
+
+// Box modes that only an area-attention model can draw are not offered for the others.
+function offerModes() {
+  const model = models.get($("model").value);
+  const areas = !!model && model.attention_kind.includes("area");
+  for (const option of $("mode").options) {
+    option.disabled = AREA_MODES.includes(option.value) && !areas;
+  }
+  if ($("mode").selectedOptions[0]?.disabled) $("mode").value = "";
+}
+
+function clearCaption() {
+  current = null;
+  for (const url of overlays.values()) URL.revokeObjectURL(url);
+  overlays.clear();
+  $("caption").textContent = "";
+  $("selected").textContent = "";
+  $("overlay").hidden = true;
+  $("overlay").removeAttribute("src");
+}
+
+function showPhoto(file) {
+  if ($("photo").src) URL.revokeObjectURL($("photo").src);
+  $("photo").src = URL.createObjectURL(file);
+  $("photo").alt = `the image captioned: ${file.name}`;
+}
+
+// The beam box as a number, null when empty (the service's default); a value the box itself rejects is refused here.
+function beamSize() {
+  const box = $("beam");
+  if (box.value === "" && box.validity.valid) return null;
+  if (!box.validity.valid || !Number.isInteger(box.valueAsNumber)) {
+    throw new Error(`the beam size must be a whole number from ${box.min} to ${box.max}, or empty for the default`);
+  }
+  return box.valueAsNumber;
 }
 
 async function caption(file) {
   if (!file) return;
-  $("photo").src = URL.createObjectURL(file);
-  $("overlay").hidden = true;
+  const request = ++latest;
+  lastFile = file;
+  clearCaption();
+  showPhoto(file);
   $("result").hidden = false;
-  $("caption").textContent = "";
+  const params = new URLSearchParams({ model: $("model").value });
+  try {
+    const beam = beamSize();
+    if (beam !== null) params.set("beam_size", beam);
+  } catch (err) {
+    setStatus(`Not sent: ${err.message}`, true);
+    return;
+  }
   setStatus("Captioning…");
   const form = new FormData();
   form.append("file", file);
-  // an emptied beam box means the service's default, as an empty form field would (an empty query value is a 422)
-  const params = new URLSearchParams({ model: $("model").value });
-  if ($("beam").value) params.set("beam_size", $("beam").value);
-  const response = await fetch(`/caption?${params}`, { method: "POST", body: form });
-  const body = await response.json();
-  if (!response.ok) {
-    setStatus(`${body.title || "Error"}: ${body.detail || response.status}`, true);
+  let body;
+  try {
+    const response = await fetch(`/caption?${params}`, { method: "POST", body: form });
+    if (request !== latest) return;  // a newer request was sent meanwhile: its answer is the one to show
+    if (!response.ok) {
+      $("result").hidden = true;
+      setStatus(await failure(response), true);
+      return;
+    }
+    body = await response.json();
+  } catch (err) {
+    if (request === latest) setStatus(`The request failed: ${err.message || err}`, true);
     return;
   }
-  current = { id: body.id, tokens: body.tokens };
-  cache.clear();
-  setStatus(`${body.model}: ${body.tokens.length} tokens, beam ${body.beam_size}`);
+  if (request !== latest) return;
+  const words = body.tokens.filter((_, i) => !body.is_eos[i]);
+  // the live region announces the caption itself, not only that one arrived
+  current = { id: body.id, tokens: body.tokens, summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”` };
+  setStatus(current.summary);
   body.tokens.forEach((token, i) => {
     const span = document.createElement("span");
     span.textContent = token;
     span.className = "word" + (body.is_eos[i] ? " eos" : "");
     span.dataset.index = i;
     span.tabIndex = 0;
+    span.setAttribute("role", "button");  // each word shows its heatmap
+    if (body.is_eos[i]) span.setAttribute("aria-label", "end of caption");
     span.addEventListener("mouseenter", () => show(i));
     span.addEventListener("click", () => show(i));
     span.addEventListener("focus", () => show(i));
+    span.addEventListener("keydown", (e) => step(e, i));
     $("caption").appendChild(span);
   });
+}
+
+// Arrow keys move between the words (one Tab stop is enough to reach them all).
+function step(event, index) {
+  const move = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 }[event.key];
+  if (!move) return;
+  event.preventDefault();
+  const words = document.querySelectorAll("#caption .word");
+  words[Math.min(Math.max(index + move, 0), words.length - 1)].focus();
 }
 
 // A sample is captioned exactly as if the user had uploaded that file: same request, same rendering.
@@ -67,34 +148,56 @@ async function captionSample(name) {
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     photo = await response.blob();
   } catch (err) {
-    setStatus(`Could not load the sample photo: ${err}`, true);
+    setStatus(`Could not load the sample photo: ${err.message || err}`, true);
     return;
   }
   await caption(new File([photo], `${name}.jpg`, { type: "image/jpeg" }));
 }
 
 async function show(index) {
-  if (!current) return;
+  const shown = current;
+  if (!shown) return;
   document.querySelectorAll("#caption .word").forEach((el) => el.classList.toggle("active", +el.dataset.index === index));
-  $("selected").textContent = `Showing “${current.tokens[index]}”.`;
   const mode = $("mode").value;
-  const key = `${current.id}:${index}:${mode}`;
-  if (!cache.has(key)) {
+  const key = `${index}:${mode}`;
+  const isWanted = () => current === shown && $("mode").value === mode
+    && +document.querySelector("#caption .word.active")?.dataset.index === index;
+  if (!overlays.has(key)) {
     const params = new URLSearchParams({ token: index, format: "png", max_side: 1024 });
     if (mode) params.set("mode", mode);
-    const response = await fetch(`/captions/${current.id}/overlay?${params}`);
-    if (!response.ok) {
-      const body = await response.json();
-      setStatus(`${body.title}: ${body.detail}`, true);
+    let blob;
+    try {
+      const response = await fetch(`/captions/${shown.id}/overlay?${params}`);
+      if (!response.ok) {
+        if (isWanted()) {
+          $("overlay").hidden = true;
+          $("selected").textContent = "";
+          setStatus(await failure(response), true);
+        }
+        return;
+      }
+      blob = await response.blob();
+    } catch (err) {
+      if (isWanted()) setStatus(`The heatmap request failed: ${err.message || err}`, true);
       return;
     }
-    cache.set(key, URL.createObjectURL(await response.blob()));
+    if (current !== shown) return;  // a new caption replaced this one meanwhile (its heatmaps were released)
+    overlays.set(key, URL.createObjectURL(blob));
   }
-  $("overlay").src = cache.get(key);
+  if (!isWanted()) return;  // another word (or mode) was chosen while this heatmap was on its way
+  $("overlay").src = overlays.get(key);
+  $("overlay").alt = `where the model looked for “${shown.tokens[index]}”`;
   $("overlay").hidden = false;
+  $("selected").textContent = `Showing “${shown.tokens[index]}”.`;
+  if ($("status").className === "error") setStatus(shown.summary);  // an earlier heatmap's error is over
 }
 
-$("file").addEventListener("change", (e) => caption(e.target.files[0]));
+function chooseFile(input) {
+  caption(input.files[0]);
+  input.value = "";  // so that picking the same file again is a change too
+}
+
+$("file").addEventListener("change", (e) => chooseFile(e.target));
 const drop = $("drop");
 drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
 drop.addEventListener("dragleave", () => drop.classList.remove("over"));
@@ -103,10 +206,23 @@ drop.addEventListener("drop", (e) => {
   drop.classList.remove("over");
   caption(e.dataTransfer.files[0]);
 });
+// the drop zone is the keyboard's way to the file chooser too
+drop.addEventListener("keydown", (e) => {
+  if (e.key === "Enter" || e.key === " ") {
+    e.preventDefault();
+    $("file").click();
+  }
+});
 $("mode").addEventListener("change", () => {
   const active = document.querySelector("#caption .word.active");
   if (active) show(+active.dataset.index);
 });
+// another model or beam size captions the image on screen again
+$("model").addEventListener("change", () => {
+  offerModes();
+  if (lastFile) caption(lastFile);
+});
+$("beam").addEventListener("change", () => { if (lastFile) caption(lastFile); });
 document.querySelectorAll("#samples button[data-sample]").forEach((button) => {
   button.addEventListener("click", () => captionSample(button.dataset.sample));
 });
