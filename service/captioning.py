@@ -116,9 +116,11 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         beam = options.beam_size or settings.default_beam_size
         length = options.max_len or settings.default_max_len
         if beam > settings.max_beam_size:
-            raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}")
+            raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}",
+                                 [{"loc": ["beam_size"], "msg": f"above the limit of {settings.max_beam_size}"}])
         if length > settings.max_max_len:
-            raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}")
+            raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}",
+                                 [{"loc": ["max_len"], "msg": f"above the limit of {settings.max_max_len}"}])
         rules = decoding_rules(state.runtimes[name], options)
         cache, key = state.result_cache, None
         if cache is not None and cache.enabled:

@@ -159,7 +159,8 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         "validated no higher).",
         f"- Command: `{_train_command(meta)}`",
         *_lineage_lines(meta.get("started_from")),
-        f"- Training time: {seconds / 60:.1f} min of wall clock{_with_ancestors(meta)}" if seconds
+        f"- Training time: {f'{seconds / 60:.1f} min' if seconds >= 60 else f'{seconds:.0f} s'} of wall clock"
+        f"{_with_ancestors(meta)}" if seconds
         else "- Training time: not recorded",
         # checkpoints from before the hardware was recorded were all trained on this project's 2-core CI machine
         f"  on a {meta.get('hardware', f'2-core {platform.machine()} CPU, no GPU')}, "
