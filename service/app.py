@@ -144,8 +144,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestContextMiddleware)
     app.include_router(router)
     app.include_router(overlay_router)
-    install_openapi(app)
-    install_docs(app)  # every error documented as a problem document (openapi.py)
+    install_openapi(app)  # every error documented as a problem document (openapi.py)
+    install_docs(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)

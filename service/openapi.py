@@ -1,7 +1,7 @@
 """The OpenAPI document, completed with what the routes cannot declare themselves: every error answer is an RFC
 9457 problem document (``application/problem+json``), for the statuses each operation can produce, and the
-Prometheus text of ``/metrics``; and the ``/docs`` page that shows it.  FastAPI's default 422 schema (``HTTPValidationError``) is replaced, because
-the service never answers with it.  The fuzz test (tests/test_fuzz_api.py) checks answers against this document.
+Prometheus text of ``/metrics``; and the ``/docs`` page that shows it.  FastAPI's default 422 schema
+(``HTTPValidationError``) is replaced, because the service never answers with it.  The fuzz test (tests/test_fuzz_api.py) checks answers against this document.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def install_docs(app: FastAPI) -> None:
-    """``/docs``: Swagger UI from the ``swagger-ui-bundle`` package, served by the app (FastAPI's own page loads
+    """``/docs``: Swagger UI from the ``swagger-ui-bundle-v2`` package, served by the app (FastAPI's own page loads
     it from a CDN, which a machine without internet access cannot reach: the page stayed blank)."""
     from swagger_ui_bundle import swagger_ui_path
 

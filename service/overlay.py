@@ -12,9 +12,9 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from captioner.models.rendering.heatmaps import MODES, RenderError
+from captioner.models.rendering.heatmaps import MODES
 
-from .inputs import MULTIPART_SLACK, QueryOptions, drain_body
+from .inputs import QueryOptions
 from .rendering import DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, render_result
 from .results import Results, StoredResult
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOut, HeatmapsOut
@@ -60,11 +60,7 @@ async def post_overlay(request: Request, state: State, results: Results, options
                        format: Format = "figure", token: TokenQuery = None, mode: ModeQuery = None,
                        cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
     render = RenderOptions(format, token, mode, cmap, alpha, max_side)
-    try:  # before the model runs for a figure that could not be drawn
-        check_render_options(render)
-    except RenderError:
-        await drain_body(request, state.settings.max_upload_bytes + MULTIPART_SLACK)
-        raise
-    data, result = await caption_upload(request, state, options)
+    # checked before the model runs for a figure that could not be drawn
+    data, result = await caption_upload(request, state, options, check=lambda: check_render_options(render))
     result_id = results.put(result, data)
     return await _respond(results.get(result_id), render, result_id)

@@ -16,7 +16,7 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.encoder import load_image
-from captioner.models.rendering.heatmaps import (HEAT_MODES, MODES, RenderError, caption_figure, colormap,
+from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, caption_figure, check_mode, colormap,
                                                  default_mode, heatmap, overlay, png_bytes)
 
 from .results import StoredResult
@@ -43,8 +43,8 @@ def check_render_options(options: RenderOptions) -> None:
     to the model's geometry are checked on the result."""
     if options.format == "png" and options.token is None:
         raise RenderError("format=png needs ?token=i (or use format=figure for the whole caption)")
-    if options.mode is not None and options.mode not in MODES:
-        raise RenderError(f"unknown heat mode {options.mode!r}; choose from {', '.join(MODES)}")
+    if options.mode is not None:
+        check_mode(options.mode)
     if options.format == "json" and options.mode is not None and options.mode not in HEAT_MODES:
         raise RenderError(f"format=json returns heat maps: mode must be one of {', '.join(HEAT_MODES)} "
                           f"({options.mode} draws boxes: use format=png or figure)")

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Query, Request
 from fastapi.responses import Response
 
 from captioner.models.inference import CaptionResult
+from captioner.models.rendering.heatmaps import RenderError
 
 from .captioning import caption_image, refuse_early
 from .errors import Overloaded, UploadTimeout
@@ -34,16 +36,17 @@ def caption_answer(state: ServiceState, result: CaptionResult, result_id: str | 
     return CaptionOut.of(result, result_id, attention_format)
 
 
-async def caption_upload(request: Request, state: ServiceState,
-                         query: CaptionOptions) -> tuple[bytes, CaptionResult]:
+async def caption_upload(request: Request, state: ServiceState, query: CaptionOptions,
+                         check: Callable[[], None] = lambda: None) -> tuple[bytes, CaptionResult]:
     """Read and caption the upload of either caption endpoint: the deadline counts from the request's arrival, and
-    a request is refused before its body is parsed when the service is not ready, or when the model its query
-    names would refuse it anyway."""
+    a request is refused before its body is parsed when ``check`` (the endpoint's own options) raises, when the
+    service is not ready, or when the model its query names would refuse it anyway."""
     arrived = arrival(request)
     settings = state.settings
     try:
+        check()
         refuse_early(state, options_before_body(request, query), arrived)
-    except Overloaded:
+    except (Overloaded, RenderError):  # answered without the body: it is read and dropped, or the client sees a reset
         await drain_body(request, settings.max_upload_bytes + MULTIPART_SLACK)
         raise
     try:  # a slow or stalled upload is cut off at the deadline, not read to its end

@@ -21,8 +21,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
     from ..device import resolve_device, set_threads
     from ..encoder import ImageDecodeError
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import (MODES, FigureRow, RenderError, caption_figure, colormap, comparison_figure,
-                                      overlay)
+    from ..rendering.heatmaps import (FigureRow, RenderError, caption_figure, check_mode, colormap,
+                                      comparison_figure, overlay)
 
     set_threads(args.threads)
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
@@ -33,9 +33,9 @@ def cmd_caption(args: argparse.Namespace) -> None:
     if args.token is not None and not args.overlay:
         raise SystemExit("error: --token picks the word --overlay draws: add --overlay FILE.png")
     if args.overlay:  # before any model is loaded
-        if args.mode is not None and args.mode not in MODES:
-            raise SystemExit(f"error: unknown heat mode {args.mode!r}; choose from {', '.join(MODES)}")
         try:
+            if args.mode is not None:
+                check_mode(args.mode)
             colormap(args.cmap)
         except RenderError as exc:
             raise SystemExit(f"error: {exc}") from None

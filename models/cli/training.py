@@ -68,11 +68,17 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
                                 required=meta.get("required", False), **common)
 
 
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The TrainConfig fields this command gave: the namespace holds only those (``argparse.SUPPRESS``), and
+    ``--attention`` is a model argument."""
+    return {f.name for f, _ in _config_fields() if hasattr(args, f.name)} | ({"model_args"} if args.attention else set())
+
+
 def train_config_from_args(args: argparse.Namespace):
     """Config defaults ← the recipe (``--recipe``) ← the flags given."""
     from ..training import TrainConfig, load_recipe
 
-    given = {f.name: getattr(args, f.name) for f, _ in _config_fields() if hasattr(args, f.name)}
+    given = {name: getattr(args, name) for name in given_options(args) if hasattr(args, name)}
     for name in ("model_args", "encoder"):
         if name in given:
             given[name] = key_values(given[name])
@@ -96,11 +102,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     from ..training.distributed import shutdown_distributed
 
     cfg = train_config_from_args(args)
-    # the options this command gave (the namespace holds only those): on --resume they alone change the run
-    explicit = {f.name for f, _ in _config_fields() if hasattr(args, f.name)} | ({"model_args"} if args.attention else set())
     best = None
-    try:
-        best = train(cfg, resume=args.resume, explicit=explicit)
+    try:  # on --resume only the options given change the run
+        best = train(cfg, resume=args.resume, explicit=given_options(args))
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None

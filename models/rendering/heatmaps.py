@@ -153,6 +153,13 @@ def heatmap(weights: Sequence[float], geometry: Geometry, mode: str, size: tuple
     return heat / peak if peak > 0 else heat
 
 
+def check_mode(mode: str) -> str:
+    """``mode`` when it is one of :data:`MODES` (:class:`RenderError` naming them otherwise)."""
+    if mode not in MODES:
+        raise RenderError(f"unknown heat mode {mode!r}; choose from {', '.join(MODES)}")
+    return mode
+
+
 def colormap(name: str):
     """The matplotlib colormap called ``name`` (:class:`RenderError` naming it when there is none)."""
     import matplotlib  # only rendering needs it, not every import of this module
@@ -170,9 +177,7 @@ def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mo
     ``image`` may be a resized copy of the original: boxes are scaled by ``image.width / original width``.
     ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``.
     """
-    mode = mode or default_mode(geometry)
-    if mode not in MODES:
-        raise RenderError(f"unknown heat mode {mode!r}; choose from {', '.join(MODES)}")
+    mode = check_mode(mode or default_mode(geometry))
     if not 0.0 <= alpha <= 1.0:
         raise RenderError(f"alpha must be in [0, 1], got {alpha}")
     colours_of = colormap(cmap)

@@ -26,7 +26,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Collection, Sequence, TypeVar
 
@@ -449,13 +449,12 @@ def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: i
                      **{k: getattr(cfg, k) for k in PER_PROCESS}, **schedule)
     # a value given now that the run's own recipe overrides is said, not dropped in silence (the data set is
     # compared as resolved: the run recorded its resolved path)
-    defaults = {f.name: f.default_factory() if f.default_factory is not MISSING else f.default
-                for f in fields(TrainConfig)}
-    given = {name: getattr(cfg, name) for name in defaults
-             if name not in (*RESUME_OVERRIDES, *PER_PROCESS, "lr_drops", "lr_drop_factor", "out", "dataset")
-             and (stated(name) if explicit is not None else getattr(cfg, name) != defaults[name])
-             and getattr(cfg, name) != getattr(before, name)}
-    if cfg.dataset != defaults["dataset"] and cfg.dataset != before.dataset:
+    defaults = TrainConfig(out=cfg.out)
+    given = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig)
+             if f.name not in (*RESUME_OVERRIDES, *PER_PROCESS, "lr_drops", "lr_drop_factor", "out", "dataset")
+             and (stated(f.name) if explicit is not None else getattr(cfg, f.name) != getattr(defaults, f.name))
+             and getattr(cfg, f.name) != getattr(before, f.name)}
+    if cfg.dataset != defaults.dataset and cfg.dataset != before.dataset:
         with contextlib.suppress(OSError, ValueError):
             if str(resolve_dataset(cfg.dataset)) != before.dataset:
                 given["dataset"] = cfg.dataset
