@@ -1,4 +1,4 @@
-"""Flickr8k as its publishers distribute it (models/data/flickr8k.py) and the one entry point every command uses to
+"""Flickr8k as its publishers distribute it (models/data/flickr.py) and the one entry point every command uses to
 read a data set (models/data/datasets.py): hand-written files in the official layout, and, where ``../shared``
 holds the real data set, agreement with its Karpathy JSON."""
 
@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
-from captioner.models.data.flickr8k import load_flickr8k
+from captioner.models.data.flickr import load_flickr
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flickr8k"
 
@@ -39,7 +39,7 @@ def official(tmp_path) -> Path:
 
 
 def test_official_files_give_splits_references_and_photos(official):
-    images = load_flickr8k(official)
+    images = load_flickr(official)
     assert [(im.split, im.path.name) for im in images] == [("train", "10_a.jpg"), ("train", "11_b.jpg"),
                                                            ("val", "20_c.jpg"), ("test", "30_d.jpg")]
     assert images[0].path == (official.parent / "Flicker8k_Dataset" / "10_a.jpg").resolve()
@@ -47,21 +47,21 @@ def test_official_files_give_splits_references_and_photos(official):
     assert [r[-1] for r in images[1].references] == ["0", "1", "2", "3", "4"]
     assert images[1].references[0] == ["a", "dog", "number", "1", "caption", "0"]
     # ids number the three lists in order, so a photo keeps its id whichever splits are loaded
-    test_only = load_flickr8k(official / "Flickr8k.token.txt", splits=("test",))
+    test_only = load_flickr(official / "Flickr8k.token.txt", splits=("test",))
     assert [im.image_id for im in test_only] == [3] and [im.image_id for im in images] == [0, 1, 2, 3]
-    assert len(load_flickr8k(official, limit=2)) == 2
+    assert len(load_flickr(official, limit=2)) == 2
 
 
 def test_errors_name_what_is_missing(official, tmp_path):
     (official.parent / "Flicker8k_Dataset").rename(tmp_path / "elsewhere")
     with pytest.raises(FileNotFoundError, match="pass --image-root"):
-        load_flickr8k(official)
-    assert load_flickr8k(official, image_root=tmp_path / "elsewhere")[0].path.parent == tmp_path / "elsewhere"
+        load_flickr(official)
+    assert load_flickr(official, image_root=tmp_path / "elsewhere")[0].path.parent == tmp_path / "elsewhere"
     with pytest.raises(ValueError, match="not test2"):
-        load_flickr8k(official, splits=("test2",), image_root=tmp_path / "elsewhere")
+        load_flickr(official, splits=("test2",), image_root=tmp_path / "elsewhere")
     (official / "Flickr_8k.devImages.txt").unlink()
     with pytest.raises(FileNotFoundError, match="Flickr_8k.devImages.txt"):
-        load_flickr8k(official, image_root=tmp_path / "elsewhere")
+        load_flickr(official, image_root=tmp_path / "elsewhere")
 
 
 def test_one_entry_point_reads_every_kind_of_data_set(official, tmp_path):
@@ -90,7 +90,7 @@ def test_trained_on_names_the_data_set_with_its_citation():
 
 @pytest.mark.skipif(not (SHARED / "Flickr8k.token.txt").is_file(), reason="../shared/data/flickr8k is not here")
 def test_the_official_files_and_the_karpathy_json_agree_on_the_real_data_set():
-    official = {im.path.name: im for im in load_flickr8k(SHARED)}
+    official = {im.path.name: im for im in load_flickr(SHARED)}
     karpathy = {im.path.name: im for im in load_captioned(SHARED / "dataset_flickr8k.json", SHARED / "images")}
     assert len(official) == len(karpathy) == 8000
     assert all(official[n].split == karpathy[n].split for n in official)

@@ -38,19 +38,22 @@ def _image(i: int) -> CaptionedImage:
 
 def test_loader_pads_and_masks_varying_region_counts(tmp_path):
     rng = np.random.default_rng(0)
-    images, saved = [_image(i) for i in range(3)], []
-    for i, n in enumerate([2, 5, 3]):
+    images, saved = [_image(i) for i in range(4)], []
+    images[3].info["cocoid"] = 391895  # a Karpathy JSON's photo: its own id, and COCO's
+    for i, n in enumerate([2, 5, 3, 1]):
         features = rng.normal(size=(n, 4)).astype(np.float32)
         xy = rng.uniform(0, 300, size=(n, 2))
         boxes = np.concatenate([xy, xy + rng.uniform(5, 100, size=(n, 2))], axis=1).astype(np.float32)
         size = (640 + i, 480 - i)
-        name = f"img_{i}.npz" if i < 2 else f"{images[i].image_id}.npz"  # file name, or the image id
+        # the file name, the image id, or COCO's id
+        name = f"img_{i}.npz" if i < 2 else f"{images[i].image_id}.npz" if i == 2 else "391895.npz"
         save_regions(tmp_path / name, features, boxes, size)
         saved.append((features, boxes, size))
     store = RegionStore(tmp_path, images)
     vis = store.batch([im.key for im in images])
-    assert store.feat_dim == 4 and vis.feats.shape == (3, 5, 4)
-    assert vis.mask.tolist() == [[True] * 2 + [False] * 3, [True] * 5, [True] * 3 + [False] * 2]
+    assert store.feat_dim == 4 and vis.feats.shape == (4, 5, 4)
+    assert vis.mask.tolist() == [[True] * 2 + [False] * 3, [True] * 5, [True] * 3 + [False] * 2,
+                                 [True] + [False] * 4]
     for row, (features, boxes, size) in enumerate(saved):
         n = len(features)
         assert torch.equal(vis.feats[row, :n], torch.from_numpy(features))

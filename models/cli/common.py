@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from ..data.datasets import DATASET_FORMATS
+
 #: the checkpoint that `make serve` serves by default (SAT soft trained on Flickr8k photos; the generated-scene
 #: SAT is weights/sat: docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")
 DEFAULT_CHECKPOINT = "weights/flickr8k/sat"
@@ -93,7 +95,8 @@ def key_values(pairs: list[str]) -> dict[str, Any]:
 def add_dataset_options(parser: argparse.ArgumentParser, *, dataset_help: str | None = None,
                         image_root_help: str | None = None) -> None:
     """``--dataset`` (default: the generated scenes) and ``--image-root``, as every command that reads a split has."""
-    parser.add_argument("--dataset", default=DEFAULT_DATA, help=dataset_help)
+    parser.add_argument("--dataset", default=DEFAULT_DATA,
+                        help=dataset_help or f"{DATASET_FORMATS} (default: {DEFAULT_DATA})")
     parser.add_argument("--image-root", help=image_root_help)
 
 

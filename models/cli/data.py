@@ -92,7 +92,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     reg.set_defaults(func=cmd_data_regions)
     fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
                                           "run once before multi-machine training)")
-    add_dataset_options(fe, dataset_help="Karpathy JSON, or a folder with dataset_scenes.json")
+    add_dataset_options(fe)
     fe.add_argument("--split", action="append", help="split(s) to extract (default: all)")
     fe.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
     fe.add_argument("--cache-dir", default=".cache/features")

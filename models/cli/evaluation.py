@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..data.datasets import DATASET_FORMATS
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_decoding_options,
                      checkpoint_label, count, decoding_rules, load_training_captions, positive_int)
 
@@ -143,7 +144,7 @@ def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str | 
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="BLEU-1..4, METEOR, ROUGE-L, CIDEr-D of a checkpoint on a split")
     ev.add_argument("checkpoint")
-    ev.add_argument("--dataset", help=f"Karpathy JSON or scenes folder (default: {DEFAULT_DATA}; with --grounding "
+    ev.add_argument("--dataset", help=f"{DATASET_FORMATS} (default: {DEFAULT_DATA}; with --grounding "
                     "entities:DIR, the data set the checkpoint was trained on)")
     ev.add_argument("--image-root")
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
@@ -357,8 +358,8 @@ def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
     _real_photo_page_options(zf, "docs/results/flickr8k", "folder of eval reports NAME.json and their captions "
                              "captions/NAME.json", "docs/model_zoo.md", "zoo-f8k")
     zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
-    zf.add_argument("--dataset", help="the Karpathy JSON (or Flickr8k text folder) whose references the captions "
-                    "are scored against")
+    zf.add_argument("--dataset", help="the data set whose references the captions are scored against: "
+                    f"{DATASET_FORMATS}")
     zf.add_argument("--image-root")
     zf.add_argument("--split", default="test")
     zf.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")

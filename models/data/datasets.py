@@ -1,5 +1,6 @@
 """Every captioned-image data set the project reads, behind one call: the generated scenes (a folder holding
-``dataset_scenes.json``), Karpathy-split JSON (COCO, Flickr8k, Flickr30k) and Flickr8k's official text files.
+``dataset_scenes.json``), Karpathy-split JSON (COCO, Flickr8k, Flickr30k), Flickr8k's and Flickr30k's token files
+with their split lists, and COCO's captions files.
 
 ``load_captioned`` is what training, evaluation and feature extraction call; it refuses a data set whose photos
 are not where it expects them before anything slow starts.  ``trained_on`` names the data set a checkpoint was
@@ -13,10 +14,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .flickr8k import TOKEN_FILE, is_flickr8k, load_flickr8k
+from .coco import CAPTIONS_FILE, coco_captions_file, load_coco
+from .flickr import TOKEN_FILES, flickr_layout, load_flickr
 from .karpathy import CaptionedImage, load_karpathy
 
 SCENES_FILE = "dataset_scenes.json"
+#: what ``--dataset`` takes, for the commands' help
+DATASET_FORMATS = ("a Karpathy-split JSON (dataset_coco.json, …), Flickr8k's or Flickr30k's token file or its folder, "
+                   "COCO's annotations folder (captions_train2014.json, …), or a folder holding dataset_scenes.json")
 #: the data sets' own names (Karpathy JSON's "dataset" field) → how a model card cites them
 CITATIONS = {
     "flickr8k": "Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013)",
@@ -27,15 +32,19 @@ CITATIONS = {
 
 
 def resolve_dataset(dataset: str | Path) -> Path:
-    """The file a data set is read from: a scene folder's ``dataset_scenes.json``, Flickr8k's token file, or the
-    path itself (a Karpathy JSON)."""
+    """The file a data set is read from: a scene folder's ``dataset_scenes.json``, Flickr8k's or Flickr30k's token
+    file, COCO's first captions file, or the path itself (a Karpathy JSON, or one of those files)."""
     path = Path(dataset)
     if path.is_dir():
-        for name in (SCENES_FILE, TOKEN_FILE):
+        for name in (SCENES_FILE, *TOKEN_FILES):
             if (path / name).is_file():
                 return path / name
-        raise FileNotFoundError(f"{path} holds neither {SCENES_FILE} (generated scenes) nor {TOKEN_FILE} (Flickr8k): "
-                                "pass the data set's file (a Karpathy-split JSON such as dataset_coco.json) instead")
+        coco = coco_captions_file(path)
+        if coco is not None:
+            return coco
+        raise FileNotFoundError(f"{path} holds neither {SCENES_FILE} (generated scenes), {' nor '.join(TOKEN_FILES)} "
+                                "(Flickr8k, Flickr30k) nor COCO's captions_train2014.json: pass the data set's file "
+                                "(a Karpathy-split JSON such as dataset_coco.json) instead")
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
     return path
@@ -44,10 +53,9 @@ def resolve_dataset(dataset: str | Path) -> Path:
 def dataset_name(dataset: str | Path) -> str:
     """``flickr8k``, ``coco``, ``scenes``, …: the Karpathy JSON's own ``dataset`` field, else the file's kind."""
     path = resolve_dataset(dataset)
-    if path.name == TOKEN_FILE:
-        return "flickr8k"
-    if path.name == SCENES_FILE:
-        return "scenes"
+    named = _named_by_file(path)
+    if named:
+        return named
     match = re.fullmatch(r"dataset_(\w+)\.json", path.name)
     try:
         return str(json.loads(path.read_text()).get("dataset") or (match and match.group(1)) or path.stem)
@@ -60,12 +68,14 @@ def load_captioned(dataset: str | Path, image_root: str | Path | None = None, sp
     """The images of ``splits`` of any data set the project reads (see the module docstring); with
     ``check_images`` every image file must exist, or a ``FileNotFoundError`` names the first missing one."""
     path = resolve_dataset(dataset)
-    images = (load_flickr8k(path, image_root, splits, limit=limit) if is_flickr8k(path)
-              else load_karpathy(path, image_root, splits, limit=limit))
+    reader, default_root = ((load_flickr, "found beside the token file") if flickr_layout(path) else
+                            (load_coco, "the folder holding annotations/, train2014/ and val2014/")
+                            if CAPTIONS_FILE.fullmatch(path.name) else (load_karpathy, "the JSON's own folder"))
+    images = reader(path, image_root, splits, limit=limit)
     if check_images:
         missing = next((im.path for im in images if not im.path.is_file()), None)
         if missing is not None:
-            hint = "" if image_root else " (the photos' folder is --image-root DIR; by default the JSON's own folder)"
+            hint = "" if image_root else f" (the photos' folder is --image-root DIR; by default {default_root})"
             raise FileNotFoundError(f"image {missing} of {path} does not exist{hint}")
     return images
 
@@ -81,8 +91,19 @@ def trained_on(meta: dict[str, Any]) -> str:
     dataset = str(meta.get("dataset") or "")
     if not dataset:
         return "not recorded"
-    if dataset.endswith(SCENES_FILE):
+    name = _named_by_file(Path(dataset))
+    if name == "scenes":
         return CITATIONS["scenes"]
     match = re.fullmatch(r"dataset_(\w+)\.json", Path(dataset).name)
-    name = "flickr8k" if Path(dataset).name == TOKEN_FILE else match.group(1) if match else None
+    name = name or (match.group(1) if match else None)
     return f"{CITATIONS.get(name, name or Path(dataset).name)}, train split"
+
+
+def _named_by_file(path: Path) -> str | None:
+    """The data set whose own file name ``path`` has (scenes, a Flickr token file, a COCO captions file)."""
+    if path.name == SCENES_FILE:
+        return "scenes"
+    layout = flickr_layout(path) if not path.is_dir() else None
+    if layout is not None:
+        return layout.name
+    return "coco" if CAPTIONS_FILE.fullmatch(path.name) else None

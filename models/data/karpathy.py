@@ -48,6 +48,9 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
                          "Flickr8k's Flickr8k.token.txt or its folder, or a generated-scene folder") from None
     if not isinstance(data, dict) or "images" not in data:
         raise ValueError(f"{json_path} is not a Karpathy-split JSON: no 'images' list")
+    if "annotations" in data:
+        raise ValueError(f"{json_path} is in COCO's own captions format, not Karpathy's: give it its published name "
+                         "(captions_train2014.json, captions_val2014.json, …) or pass the folder that holds them")
     out = []
     for position, entry in enumerate(data["images"]):
         split = SPLIT_ALIASES.get(entry["split"], entry["split"])

@@ -82,7 +82,10 @@ class RegionStore:
         self.file_of: dict[str, Path] = {}
         missing = []
         for im in images:
-            candidates = (self.folder / f"{Path(im.path).stem}.npz", self.folder / f"{im.image_id}.npz")
+            # the image file's stem, the data set's image id, or COCO's id where the data set records it: the
+            # bottom-up TSVs key their rows on COCO's id, and Karpathy's JSON numbers its photos otherwise
+            ids = (im.image_id, *([im.info["cocoid"]] if "cocoid" in im.info else []))
+            candidates = (self.folder / f"{Path(im.path).stem}.npz", *(self.folder / f"{i}.npz" for i in ids))
             found = next((c for c in candidates if c.exists()), None)
             if found is None:
                 missing.append(candidates[0].name)
@@ -90,7 +93,7 @@ class RegionStore:
                 self.file_of[im.key] = found
         if missing:
             raise FileNotFoundError(f"{len(missing)} image(s) have no region file in {self.folder}, e.g. "
-                                    f"{', '.join(missing[:3])} (named after the image file or the image id)")
+                                    f"{', '.join(missing[:3])} (named after the image file, the image id or COCO's id)")
         if "feat_dim" in self.manifest:
             self.feat_dim = int(self.manifest["feat_dim"])
         else:

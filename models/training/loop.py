@@ -38,7 +38,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint, write_durably
-from ..data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset
+from ..data.datasets import CITATIONS, DATASET_FORMATS, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
 from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
@@ -83,7 +83,7 @@ class TrainConfig(_SavedRecord):
     (``models/recipes/NAME.toml``) replaces some of these; command-line flags replace single values again."""
 
     out: str = option(help="run directory (best/, last/, train_state.*, metrics.jsonl)", required=True)
-    dataset: str = option(".cache/scenes", "Karpathy-split JSON, or a folder holding dataset_scenes.json")
+    dataset: str = option(".cache/scenes", DATASET_FORMATS)
     recipe: str | None = option(help="paper recipe from models/recipes (sat, sat-hard, aoanet, xlan, xtransformer, "
                                      "sparsecap, area-transformer); flags override its single values")
     model: str | None = option(help="registered model name (see `captioner models`; default: sat, or --init's)")

@@ -1,0 +1,97 @@
+"""Reader for MS COCO's captions as cocodataset.org distributes them (Lin et al., "Microsoft COCO: Common Objects in
+Context", ECCV 2014; Chen et al., "Microsoft COCO Captions", arXiv:1504.00325): ``annotations/captions_train2014.json``
+and ``annotations/captions_val2014.json`` (or their 2017 versions), each ``{"images": [{"id", "file_name", ...}],
+"annotations": [{"image_id", "id", "caption"}]}``, with the photos in ``train2014/`` and ``val2014/`` beside
+``annotations/``.
+
+The publishers' splits are ``train`` and ``val``; the test photos' captions are withheld for the evaluation
+server, so there is no ``test`` split here (Karpathy's ``dataset_coco.json`` has one, carved out of val2014:
+docs/decisions.md, "Flickr30k and COCO in their publishers' formats").  Image ids are COCO's own, which the
+results format of its evaluation server uses; captions are tokenised like the Karpathy JSON's, the first
+``max_refs`` by annotation id (a few photos have six or seven).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from ..vocab import tokenize
+from .karpathy import CaptionedImage
+
+CAPTIONS_FILE = re.compile(r"captions_(train|val)(\d{4})\.json")
+YEARS = ("2014", "2017")
+SPLITS = ("train", "val")
+
+
+def coco_captions_file(path: str | Path) -> Path | None:
+    """The COCO captions file that stands for the data set at ``path``: ``path`` itself when it is one, else the
+    first ``captions_{train,val}{2014,2017}.json`` in the folder ``path`` or its ``annotations/``; ``None`` when
+    ``path`` is not COCO in its publishers' layout."""
+    path = Path(path)
+    if CAPTIONS_FILE.fullmatch(path.name):
+        return path
+    if not path.is_dir():
+        return None
+    for folder in (path, path / "annotations"):
+        for year in YEARS:
+            for split in SPLITS:
+                if (folder / f"captions_{split}{year}.json").is_file():
+                    return folder / f"captions_{split}{year}.json"
+    return None
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist: COCO's captions files come from cocodataset.org's "
+                                "annotations_trainval archive of the same year") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not COCO's captions JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list) \
+            or not isinstance(data.get("annotations"), list):
+        raise ValueError(f"{path} is not COCO's captions JSON: it needs 'images' and 'annotations' lists")
+    return data
+
+
+def load_coco(path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
+              max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
+    """The photos of the requested splits (``train`` and ``val`` by default), in the order of the captions files,
+    with at most ``max_refs`` references each; ``path`` is one of the captions files or a folder holding them (see
+    :func:`coco_captions_file`).  ``image_root`` is the folder holding ``train2014/`` and ``val2014/``; by default
+    the parent of ``annotations/`` (or the captions files' own folder when they are not in one)."""
+    captions_file = coco_captions_file(path)
+    if captions_file is None:
+        raise ValueError(f"{path} is not COCO's captions_train2014.json / captions_val2014.json nor a folder "
+                         "holding them")
+    year = CAPTIONS_FILE.fullmatch(captions_file.name).group(2)
+    folder = captions_file.parent
+    if "test" in (splits or ()):
+        raise ValueError("COCO's published captions have no test split (the test photos' captions are withheld for "
+                         "the evaluation server): evaluate on val, or use Karpathy's dataset_coco.json, whose test "
+                         "split is 5,000 val2014 photos")
+    unknown = set(splits or ()) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"COCO has the splits {', '.join(SPLITS)}, not {', '.join(sorted(unknown))}")
+    root = Path(image_root) if image_root else (folder.parent if folder.name == "annotations" else folder)
+    out = []
+    for split in splits or SPLITS:
+        data = _read(folder / f"captions_{split}{year}.json")
+        texts: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        for note in data["annotations"]:
+            texts[int(note["image_id"])].append((int(note["id"]), str(note["caption"])))
+        for entry in data["images"]:
+            image_id = int(entry["id"])
+            refs = [tokenize(text) for _, text in sorted(texts.get(image_id, []))]
+            refs = [r for r in refs if r][:max_refs]
+            if not refs:
+                raise ValueError(f"image {image_id} ({entry['file_name']}) of {folder / f'captions_{split}{year}.json'}"
+                                 " has no caption")
+            out.append(CaptionedImage(image_id, root / f"{split}{year}" / entry["file_name"], split, refs,
+                                      {"filename": entry["file_name"], "cocoid": image_id}))
+            if limit and len(out) >= limit:
+                return out
+    return out

@@ -1,0 +1,132 @@
+"""Flickr30k and COCO as their publishers distribute them (models/data/flickr.py, models/data/coco.py): the generated
+scenes written out in each publisher's layout must read back as the same photos with the same references as their
+Karpathy JSON, and a run trained from COCO's own files must say it was trained on COCO."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from captioner.models.checkpoint import read_config
+from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.training import TrainConfig, train
+from captioner.service.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _raw(image) -> list[str]:
+    return [s.get("raw") or " ".join(s["tokens"]) for s in image.info["sentences"]]
+
+
+@pytest.fixture(scope="module")
+def karpathy(scenes) -> dict[str, list]:
+    return {split: load_karpathy(scenes, splits=(split,)) for split in ("train", "val", "test")}
+
+
+@pytest.fixture
+def coco(karpathy, tmp_path) -> Path:
+    """cocodataset.org's layout: annotations/captions_{train,val}2014.json beside train2014/ and val2014/; COCO ids
+    that are not the Karpathy ids, and the captions of a photo not in id order in the file."""
+    root = tmp_path / "coco"
+    (root / "annotations").mkdir(parents=True)
+    for split in ("train", "val"):
+        (root / f"{split}2014").mkdir()
+        images, notes = [], []
+        for image in karpathy[split]:
+            cocoid = 1000 + image.image_id
+            name = f"COCO_{split}2014_{cocoid:012d}.jpg"
+            shutil.copy(image.path, root / f"{split}2014" / name)
+            images.append({"id": cocoid, "file_name": name, "width": 1, "height": 1})
+            for position, text in reversed(list(enumerate(_raw(image)))):
+                notes.append({"image_id": cocoid, "id": 10 * cocoid + position, "caption": text})
+        (root / "annotations" / f"captions_{split}2014.json").write_text(
+            json.dumps({"info": {}, "licenses": [], "images": images, "annotations": notes}))
+    return root
+
+
+@pytest.fixture
+def flickr30k(karpathy, tmp_path) -> Path:
+    """The publishers' results_20130124.token with flickr30k-images/, and Flickr30k Entities' split lists (photo
+    ids without .jpg) in flickr30k_entities/."""
+    root = tmp_path / "flickr30k"
+    (root / "flickr30k-images").mkdir(parents=True)
+    (root / "flickr30k_entities").mkdir()
+    lines = []
+    for split, images in karpathy.items():
+        ids = [str(5000 + image.image_id) for image in images]
+        (root / "flickr30k_entities" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+        for flickr_id, image in zip(ids, images):
+            shutil.copy(image.path, root / "flickr30k-images" / f"{flickr_id}.jpg")
+            lines += [f"{flickr_id}.jpg#{n}\t{text}" for n, text in enumerate(_raw(image))]
+    (root / "results_20130124.token").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_coco_files_read_as_the_same_photos_and_references(coco, karpathy):
+    assert resolve_dataset(coco) == coco / "annotations" / "captions_train2014.json"
+    assert dataset_name(coco) == "coco"
+    for split in ("train", "val"):
+        images = load_captioned(coco, splits=(split,))
+        assert [im.references for im in images] == [im.references for im in karpathy[split]]
+        assert [im.image_id for im in images] == [1000 + im.image_id for im in karpathy[split]]
+        assert all(im.path.parent == coco / f"{split}2014" and im.split == split for im in images)
+    # the default is both published splits, and any captions file stands for its folder
+    both = load_captioned(coco / "annotations" / "captions_val2014.json")
+    assert [im.split for im in both] == ["train"] * len(karpathy["train"]) + ["val"] * len(karpathy["val"])
+    assert len(load_captioned(coco, splits=("train",), limit=3)) == 3
+
+
+def test_coco_refuses_what_it_does_not_have(coco, tmp_path):
+    with pytest.raises(ValueError, match="no test split .*dataset_coco.json"):
+        load_captioned(coco, splits=("test",))
+    # away from its photos: the first missing one is named, with the option that fixes it
+    moved = tmp_path / "elsewhere"
+    shutil.move(coco / "annotations", moved)
+    with pytest.raises(FileNotFoundError, match="train2014.*--image-root DIR; by default the folder holding"):
+        load_captioned(moved)
+    assert load_captioned(moved, image_root=coco, splits=("val",))[0].path.is_file()
+    # a COCO-format file under another name is not mistaken for Karpathy's JSON
+    renamed = tmp_path / "my_captions.json"
+    shutil.copy(moved / "captions_val2014.json", renamed)
+    with pytest.raises(ValueError, match="COCO's own captions format"):
+        load_captioned(renamed)
+    (moved / "captions_val2014.json").unlink()
+    with pytest.raises(FileNotFoundError, match="captions_val2014.json does not exist"):
+        load_captioned(moved, image_root=coco)
+
+
+def test_flickr30k_files_read_as_the_same_photos_and_references(flickr30k, karpathy):
+    assert resolve_dataset(flickr30k).name == "results_20130124.token"
+    assert dataset_name(flickr30k) == "flickr30k"
+    images = load_captioned(flickr30k)
+    expected = [im for split in ("train", "val", "test") for im in karpathy[split]]
+    assert [(im.split, im.references) for im in images] == [(im.split, im.references) for im in expected]
+    assert images[0].path == (flickr30k / "flickr30k-images" / f"{5000 + expected[0].image_id}.jpg").resolve()
+    # ids number the three lists in order whichever splits are loaded
+    test_only = load_captioned(flickr30k / "results_20130124.token", splits=("test",))
+    assert [im.image_id for im in test_only] == [im.image_id for im in images if im.split == "test"]
+    assert trained_on({"dataset": str(flickr30k / "results_20130124.token")}).startswith("Flickr30k (Young")
+
+
+def test_flickr30k_without_split_lists_says_where_they_come_from(flickr30k):
+    (flickr30k / "flickr30k_entities" / "val.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="no val list for flickr30k .*Flickr30k Entities' split lists"):
+        load_captioned(flickr30k)
+
+
+def test_a_run_trained_from_coco_files_records_coco(coco, tmp_path, capsys):
+    out = tmp_path / "run"
+    train(TrainConfig(dataset=str(coco), out=str(out), cache_dir=str(tmp_path / "cache"), epochs=1, batch_size=16,
+                      model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16), encoder={"image_size": 128},
+                      progress=False))
+    meta = read_config(out / "best")["meta"]
+    assert meta["trained_on"].startswith("MS COCO (Lin et al., ECCV 2014), train split")
+    # evaluation defaults to test, which COCO's own files do not have: one line, exit status 2
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", str(out / "best"), "--dataset", str(coco)])
+    assert exc.value.code == 2 and "no test split" in capsys.readouterr().err
