@@ -83,12 +83,13 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     ``files`` (name → bytes) are written beside the weights and listed in the manifest: an encoder weight file
     that ``encoder.weights`` names relative to the folder (:func:`load_checkpoint` resolves it there)."""
     path = Path(path)
+    if storage not in STORAGE_DTYPES:
+        raise ValueError(f"storage must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
+    check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(path)
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700 whatever the umask says
-    if storage not in STORAGE_DTYPES:
-        raise ValueError(f"storage must be one of {', '.join(STORAGE_DTYPES)}, got {storage!r}")
     state = {k: (v.to(STORAGE_DTYPES[storage]) if v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
     write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
@@ -177,6 +178,16 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def check_replaceable(path: Path) -> None:
+    """A checkpoint replaces only a checkpoint (a folder with its ``config.json``) or an empty folder: a file, or a
+    folder of anything else, at ``path`` is named in an error and left as it is."""
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, not a checkpoint folder: nothing was written there")
+    if path.is_dir() and not (path / CONFIG).is_file() and any(path.iterdir()):
+        raise FileExistsError(f"{path} exists and is not a checkpoint folder (it has no {CONFIG}): nothing was "
+                              "written there; choose another folder")
 
 
 def replace_directory(tmp: Path, path: Path) -> None:

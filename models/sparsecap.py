@@ -65,9 +65,9 @@ class SparseCap(Captioner):
         # would agree on the export's checks and silently return an uncertified prox on other images
         source = inspect.getsourcefile(tv2d_prox)
         line = inspect.getsourcelines(tv2d_prox)[1]
-        where = f"{Path(source).relative_to(Path(__file__).resolve().parents[1])}:{line}"
+        where = f"{Path(source).resolve().relative_to(Path(__file__).resolve().parents[1])}:{line}"
         return (f"TVmax's 2D TV prox ({where}) iterates until a certificate holds, so its number of iterations "
-                "depends on the scores; serve this model with the PyTorch backend")
+                "depends on the scores; its decoder runs on PyTorch (the hybrid or torch backend)")
 
     def encode(self, vis: VisualBatch) -> EncState:
         feats = F.relu(self.project(vis.feats.to(self.project.weight.dtype)))

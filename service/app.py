@@ -58,8 +58,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     load_args = (settings.weights_dir, settings.checkpoints, settings.device, settings.backends, settings.backend,
                  settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision,
                  settings.prefixed_weights_dirs)
-    missing = [] if settings.backend == "torch" else unprepared(settings.weights_dir, settings.checkpoints,
-                                                                 settings.onnx_dir, settings.prefixed_weights_dirs)
+    missing = unprepared(settings.weights_dir, settings.checkpoints, settings.onnx_dir, settings.prefixed_weights_dirs,
+                         settings.backends, settings.backend, settings.encoder_precision)
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
         await asyncio.to_thread(functools.partial(prepare_in_child, *load_args, only=missing))

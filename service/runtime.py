@@ -6,10 +6,9 @@ either backend, chosen per model name:
 * ``torch``: :class:`~captioner.models.inference.TorchRuntime`, the model's own protocol methods and the frozen
   :class:`~captioner.models.encoder.GridEncoder`;
 * ``onnx``: :class:`OnnxRuntime`, the graphs of :mod:`captioner.models.export.onnx` on ONNX Runtime (CUDA execution
-  provider when the device is CUDA, CPU otherwise), exported at start-up when no current export exists;
+  provider when the device is CUDA, CPU otherwise), exported at start-up when no current, intact export exists;
 * ``hybrid``: :class:`HybridRuntime`, the frozen CNN alone on ONNX Runtime and the model on PyTorch, for models
-  whose decoder step cannot be exported (TVmax's data-dependent solver, the AreaTransformer) — on a CPU the CNN
-  is most of the cost;
+  whose decoder step cannot be exported (TVmax's data-dependent solver) — on a CPU the CNN is most of the cost;
 * ``auto`` (the default): the fastest of these whose captions equal the PyTorch ones on a check set of a few
   generated images (:func:`check_images`): on a CPU ``onnx``, else ``hybrid``, else ``torch`` (measured once, in
   the benchmarks); on a GPU, timed on the check set at start-up (:func:`fastest_verified`).
@@ -40,7 +39,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from captioner.models.checkpoint import (Checkpoint, CheckpointError, find_checkpoints, load_checkpoint,
-                                         recorded_checksum)
+                                         read_config, recorded_checksum, resolve_encoder_weights)
 from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
@@ -479,13 +478,43 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
     return runtimes
 
 
-def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path,
-               prefixed: dict[str, Path] | None = None) -> list[str]:
-    """The models whose first start on ONNX Runtime is still to come: no reference captions recorded in
-    ``onnx_dir`` for their weights (:func:`reference_captions`; the weights' sha256 read from each manifest, no
-    checkpoint loaded).  Their start exports ONNX graphs and runs the PyTorch CNN once."""
-    return [name for name, path in find_checkpoints(weights_dir, extra, prefixed).items()
-            if not (checksum := recorded_checksum(path)) or not reference_record(onnx_dir, checksum).is_file()]
+def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path, prefixed: dict[str, Path] | None = None,
+               backends: dict[str, str] | None = None, default_backend: str = "auto",
+               encoder_precision: str = "float32") -> list[str]:
+    """The models whose start on ONNX Runtime still has something to make, read from disk without loading a
+    checkpoint (the weights' sha256 from each manifest): the shared CNN's graph and the model's own export, each
+    current and intact, and for ``auto`` PyTorch's reference captions of the check set as well
+    (:func:`reference_captions`).  Their start exports graphs and runs the PyTorch CNN.  Models on the ``torch``
+    backend have nothing to prepare; ``hybrid`` needs only the CNN's graph."""
+    names = []
+    for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
+        backend = (backends or {}).get(name, default_backend)
+        if backend != "torch" and not _prepared(name, path, backend, Path(onnx_dir), encoder_precision):
+            names.append(name)
+    return names
+
+
+def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_precision: str) -> bool:
+    from captioner.models.export.onnx import export_is_current, intact, visual_encoder_path
+    from captioner.models.export.quantize import INT8_FILE
+
+    checksum = recorded_checksum(path)
+    if not checksum or (backend == "auto" and not reference_record(onnx_dir, checksum).is_file()):
+        return False
+    try:
+        spec = resolve_encoder_weights(read_config(path)["encoder"], path)
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return True  # a damaged checkpoint: load_runtimes names it and skips it, a child would only do the same
+    visual = visual_encoder_path(spec, onnx_dir)
+    if encoder_precision == "int8":
+        visual = visual.with_name(INT8_FILE)
+    export = onnx_dir / name
+    # ``auto`` has recorded its references, so what has no folder could not be exported (a TVmax decoder, a CNN
+    # the tracer cannot record) and is served without it: only what exists must be intact
+    optional = backend == "auto"
+    if not (intact(visual) or optional and not visual.parent.exists()):
+        return False
+    return backend == "hybrid" or export_is_current(export, checksum) or optional and not export.exists()
 
 
 def prepare_in_child(*load_args, only: Collection[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.interop.aoanet import ConversionError, convert_aoanet
 from captioner.models.interop.safe_pickle import UnsafePickleError, restricted_load
 from captioner.models.protocol import VisualBatch
+from captioner.service.cli import main as captioner_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,6 +214,44 @@ def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
     torch.save({"something": torch.zeros(1)}, tmp_path / "other.pth")
     with pytest.raises(ConversionError, match="not an AoANet"):
         convert_aoanet(tmp_path / "other.pth", authors_files[1])
+    # --use_bn: the authors' att_embed.0 is a BatchNorm1d (1-d weight), named as such rather than mis-unpacked
+    bn = {"att_embed.0.weight": torch.ones(FEAT), "att_embed.0.bias": torch.zeros(FEAT),
+          "att_embed.0.running_mean": torch.zeros(FEAT), "att_embed.0.running_var": torch.ones(FEAT)}
+    torch.save({**authors_state(), **bn}, tmp_path / "bn.pth")
+    with pytest.raises(ConversionError, match="use_bn"):
+        convert_aoanet(tmp_path / "bn.pth", authors_files[1])
+
+
+def test_infos_that_are_not_a_readable_pickle_are_named(tmp_path, authors_files):
+    """A JSON, a zip-format .pth, an empty file or an infos whose vocab is a list: one error naming the file."""
+    files = {"infos.json": b'["a", "b"]', "empty.pkl": b"", "model.pkl": (authors_files[0]).read_bytes()}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(pickle.UnpicklingError, match=f"{name} is not a readable pickle"):
+            convert_aoanet(authors_files[0], tmp_path / name)
+    (tmp_path / "list.pkl").write_bytes(pickle.dumps({"opt": {}, "vocab": ["a", "b"]}))
+    with pytest.raises(ConversionError, match="no 'vocab' dict"):
+        convert_aoanet(authors_files[0], tmp_path / "list.pkl")
+
+
+def test_import_never_replaces_what_it_was_not_asked_to(authors_files, tmp_path, capsys):
+    """--out naming an existing folder: refused before the conversion unless --force, and --force replaces only a
+    checkpoint, never a folder of anything else."""
+    args = ["import", "aoanet", "--weights", str(authors_files[0]), "--infos", str(authors_files[1])]
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "notes.txt").write_text("mine")
+    for extra in ([], ["--force"]):
+        with pytest.raises(SystemExit) as exc:
+            captioner_main([*args, "--out", str(precious), *extra])
+        assert exc.value.code == 2 and "precious" in capsys.readouterr().err
+        assert (precious / "notes.txt").read_text() == "mine" and (precious / "sub").is_dir()
+    captioner_main([*args, "--out", str(tmp_path / "ckpt")])
+    with pytest.raises(SystemExit):
+        captioner_main([*args, "--out", str(tmp_path / "ckpt")])
+    assert "pass --force" in capsys.readouterr().err
+    captioner_main([*args, "--out", str(tmp_path / "ckpt"), "--force"])
+    assert load_checkpoint(tmp_path / "ckpt").model.arch == "aoanet"
 
 
 def test_compatibility_flags_default_to_the_paper_and_change_the_model_only_when_set():

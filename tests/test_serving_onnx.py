@@ -19,7 +19,7 @@ from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.encoder import GridEncoder, preprocess
 from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
-    export_graphs, export_is_current
+    export_graphs, export_is_current, intact, seal
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
@@ -416,9 +416,56 @@ def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_pa
     load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
                 onnx_dir=tmp_path / "onnx", threads=1)
     assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
-    (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")  # the manifest still calls it current
+    # a graph ONNX Runtime refuses although it is the file the export wrote (sealed: not damaged since)
+    (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")
+    seal(tmp_path / "onnx" / "a" / "step.onnx")
     with caplog.at_level("WARNING", logger=runtime_module.log.name):
         later = runtime_module.load_runtimes(**load)
     assert later["a"].backend == "hybrid"
     failure = next(r for r in caplog.records if "onnx backend failed" in r.getMessage())
     assert failure.exc_info is not None
+
+
+def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
+    """A graph cut short after it was written (its seal no longer matches): the model's and the shared CNN's are
+    made again at the next start, which then serves on ONNX Runtime as before; the ``onnx`` backend's start knows
+    it has something to prepare."""
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="onnx",
+                onnx_dir=tmp_path / "onnx", threads=1)
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="onnx") == ["a"]
+    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="onnx") == []
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="torch") == []
+    step, (visual,) = tmp_path / "onnx" / "a" / STEP_FILE, list((tmp_path / "onnx").glob("visual-*/visual.onnx"))
+    for graph in (step, visual):
+        graph.write_bytes(graph.read_bytes()[:1000])
+    assert not export_is_current(tmp_path / "onnx" / "a", ckpt.checksum) and not intact(visual)
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="onnx") == ["a"]
+    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    assert intact(step) and intact(visual) and step.stat().st_size > 1000
+    # auto, once its references are recorded, sends a damaged graph to the preparing child too
+    assert runtime_module.load_runtimes(**{**load, "default_backend": "auto"})["a"].backend == "onnx"
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == []
+    step.write_bytes(step.read_bytes()[:1000])
+    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == ["a"]
+
+
+def test_export_replaces_an_export_but_never_a_folder_of_anything_else(tmp_path, capsys):
+    """``captioner export CKPT --out PARENT`` where PARENT/NAME is the checkpoint itself (or anything that is not
+    an export): refused before any work, every file kept; an earlier export of the same name is replaced."""
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "runs" / "best", ckpt.model, ckpt.vocab, ckpt.encoder)
+    before = sorted(p.name for p in (tmp_path / "runs" / "best").iterdir())
+    checksum = load_checkpoint(tmp_path / "runs" / "best").checksum
+    with pytest.raises(SystemExit) as exc:
+        captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path / "runs"), "--threads", "1"])
+    assert exc.value.code == 2 and "which no ONNX export writes" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "runs" / "best").iterdir()) == before
+    assert load_checkpoint(tmp_path / "runs" / "best").checksum == checksum
+    for _ in range(2):  # the second run replaces the first's export
+        captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path / "onnx"), "--threads", "1"])
+        assert export_is_current(tmp_path / "onnx" / "best", checksum)

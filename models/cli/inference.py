@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -179,11 +180,15 @@ def cmd_import(args: argparse.Namespace) -> None:
     from ..encoder import EncoderSpec
     from ..interop.aoanet import convert_aoanet
     from ..interop.common import ConversionError
-    from ..interop.safe_pickle import UnsafePickleError
     from ..interop.xlan import CONVERTERS
 
     from ..interop.sgrvinod import ENCODER_FILE, convert_sgrvinod, encoder_file
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        # before the conversion: nothing slow runs for a command that would stop here
+        raise SystemExit(f"error: {out} already exists: choose another --out, or pass --force to replace the "
+                         "checkpoint there")
     files, spec = {}, EncoderSpec()
     try:
         if args.kind == "aoanet":
@@ -193,7 +198,7 @@ def cmd_import(args: argparse.Namespace) -> None:
             files = {ENCODER_FILE: encoder_file(trunk)}
         else:
             model, vocab, meta = CONVERTERS[args.kind](args.checkpoint, args.vocab)
-    except (ConversionError, UnsafePickleError, OSError) as error:
+    except (ConversionError, pickle.UnpicklingError, OSError) as error:
         raise SystemExit(f"error: {error}") from None
     out = save_checkpoint(args.out, model, vocab, spec, meta, files=files)
     if args.kind == "sgrvinod":  # images in, like the shipped checkpoints
@@ -223,7 +228,9 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
                                                             "with an allow-list of stand-ins, never run)")
     sg.add_argument("word_map", metavar="WORDMAP", help="its WORDMAP_*.json (word → index)")
     for parser in kinds.choices.values():
-        parser.add_argument("--out", required=True, help="checkpoint folder to write")
+        parser.add_argument("--out", required=True, help="checkpoint folder to write (a new or empty one)")
+        parser.add_argument("--force", action="store_true",
+                            help="replace the checkpoint already at --out (never a folder of anything else)")
         parser.set_defaults(func=cmd_import)
 
 

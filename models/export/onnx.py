@@ -10,6 +10,8 @@
   the primary attention ``[R, N]`` and every extra map of :class:`~captioner.models.protocol.AttnRecord`.
 * ``onnx.json``: the tensor names in graph order, which state dimensions grow while decoding, and the checksum
   of the weights the graphs were made from (so a runtime can tell that an export is stale).
+* ``<graph>.sha256`` beside every graph: its own checksum when it was written, so a graph damaged on disk since
+  is made again instead of failing every start (:func:`intact`).
 
 State dicts are flattened into tuples sorted by key (``enc.<key>``, ``state.<key>``, ``extra.<key>``); dim 0 of
 every tensor is the row axis, as the protocol guarantees, so a runtime can expand, reorder and concatenate ONNX
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import Checkpoint, file_checksum
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry
 from ..protocol import Captioner, VisualBatch, index_rows
 
@@ -45,6 +47,8 @@ from ..protocol import Captioner, VisualBatch, index_rows
 FORMAT = "attention-captioner-onnx/2"
 ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
 HEAD_FILE = "head.onnx"
+VISUAL_FILE = "visual.onnx"
+SEAL_SUFFIX = ".sha256"
 OPSET = 17
 # verification tolerance: float32 graphs that differ only in kernel choice agree far better than this. ATOL is
 # relative to the output's largest magnitude: deep encoders (X-Transformer's, values in the tens) differ by more
@@ -61,14 +65,56 @@ FROZEN_HINT = ("values computed in Python from tensors are constants of a traced
                "flow or shape arithmetic there cannot follow other inputs")
 
 
+def seal(path: Path, written: Path | None = None) -> None:
+    """Record the sha256 of the graph ``written`` (default: ``path`` itself) as ``path``'s seal, atomically; write
+    it before a graph is renamed into place, so a crash between the two leaves a seal without its graph (not
+    intact: made again), never a graph with a wrong seal."""
+    target = path.with_name(path.name + SEAL_SUFFIX)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(file_checksum(written or path))
+    os.replace(tmp, target)
+
+
+def intact(path: Path) -> bool:
+    """``path`` exists and still has the sha256 :func:`seal` recorded when it was written: a graph cut short,
+    overwritten or left without its seal by an older version is made again rather than loaded."""
+    try:
+        return file_checksum(path) == path.with_name(path.name + SEAL_SUFFIX).read_text().strip()
+    except OSError:
+        return False
+
+
+def _is_export_file(name: str) -> bool:
+    """A file the exporter writes into a model's or a CNN's folder (the int8 CNN's name carries its recipe)."""
+    if name.startswith(".") and (".onnx" in name or SEAL_SUFFIX in name):
+        return True  # a write this module had not renamed into place yet (seal, int8 CNN) when it was stopped
+    name = name.removesuffix(SEAL_SUFFIX)
+    return name in (ENCODER_FILE, HEAD_FILE, STEP_FILE, SPEC_FILE, VISUAL_FILE) or (
+        name.startswith("visual-int8") and name.endswith(".onnx"))
+
+
+def check_replaceable(final: Path) -> None:
+    """An existing ``final`` is replaced only when it holds an export's own files and nothing else: a folder of
+    anything else under that name (a checkpoint exported into its own parent folder, say) is refused before any
+    work, never deleted."""
+    if final.exists() and not final.is_dir():
+        raise FileExistsError(f"{final} is a file, not an ONNX export folder: nothing was exported there")
+    foreign = sorted(p.name for p in final.iterdir() if not _is_export_file(p.name)) if final.is_dir() else []
+    if foreign:
+        raise FileExistsError(f"{final} holds {', '.join(foreign[:3])}{', …' if len(foreign) > 3 else ''}, which "
+                              "no ONNX export writes: nothing was exported there; give --out another folder")
+
+
 @contextmanager
 def _folder_swapped_in(final: Path):
     """Yield an empty folder beside ``final``; when the block succeeds it replaces ``final`` in one rename, so a
     reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched."""
+    check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield tmp
+        check_replaceable(final)  # again: the block may have taken minutes
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -250,6 +296,7 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
 
     model = ckpt.model.eval()
     check_exportable(model)
+    check_replaceable(Path(out))
     spec_enc = ckpt.encoder
     visual = visual or GridEncoder(spec_enc)
     device = next(model.parameters()).device
@@ -299,6 +346,8 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
         for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
             onnx.checker.check_model(str(tmp / name))
         spec.max_abs_diff = _verify(tmp, spec, visual, model, spec_enc, frozen)
+        for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
+            seal(tmp / name)
         spec.save(tmp)
     return spec
 
@@ -312,6 +361,8 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
 
     results: dict[str, GraphSpec | ExportUnsupported] = {}
     visuals: dict[str, GridEncoder] = {}
+    for name in checkpoints:  # every target before the first export: a refusal leaves nothing half done
+        check_replaceable(Path(out_dir) / name)
     for name, path in checkpoints.items():
         ckpt = load_checkpoint(path, "cpu")
         key = repr(ckpt.encoder)
@@ -399,16 +450,14 @@ def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner
 
 
 def export_is_current(folder: str | Path, checksum: str) -> bool:
-    """True when ``folder`` holds a complete export made from weights with this checksum."""
+    """True when ``folder`` holds a complete export made from weights with this checksum, each graph as it was
+    written (:func:`intact`)."""
     folder = Path(folder)
     try:
         spec = GraphSpec.load(folder)
     except (OSError, ValueError, TypeError):
         return False
-    return spec.checksum == checksum and all((folder / name).is_file() for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
-
-
-VISUAL_FILE = "visual.onnx"
+    return spec.checksum == checksum and all(intact(folder / name) for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
 
 
 def visual_encoder_key(spec: EncoderSpec) -> str:
@@ -442,8 +491,9 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
 
     path = visual_encoder_path(spec, out_dir)
     folder = path.parent
-    if path.is_file():
+    if intact(path):
         return path
+    check_replaceable(folder)
     visual = visual or GridEncoder(spec)
     with _folder_swapped_in(folder) as tmp:
         with warnings.catch_warnings(record=True) as caught, torch.no_grad():
@@ -462,4 +512,5 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
             want = visual(pixels)
         got = _session(tmp / VISUAL_FILE).run(["features"], {"pixels": pixels.numpy()})[0]
         _close(f"visual encoder {spec.backbone}", "features", got, want, _frozen_sites(caught), {})
+        seal(tmp / VISUAL_FILE)
     return path

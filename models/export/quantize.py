@@ -70,13 +70,13 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 
-    from .onnx import export_visual_encoder
+    from .onnx import export_visual_encoder, intact, seal
 
     import onnx
 
     float_path = export_visual_encoder(spec, out_dir, visual)
     path = float_path.with_name(INT8_FILE)
-    if path.is_file():
+    if intact(path):
         return path
     pixels = calibration_pixels(spec, calibration)
     kept_float = float_convolutions(onnx.load(str(float_path)).graph)
@@ -94,6 +94,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                         op_types_to_quantize=["Conv", "MatMul", "Gemm"], nodes_to_exclude=kept_float,
                         calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": PERCENTILE})
+        seal(path, written=tmp)
         os.replace(tmp, path)  # a concurrent reader sees the whole file or none
     finally:
         tmp.unlink(missing_ok=True)
@@ -107,14 +108,14 @@ def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str =
     """The ONNX CNN of ``spec`` at ``precision`` (``float32`` or ``int8``), exported (and quantized) when missing.
     ``make_visual`` gives the PyTorch encoder to export (None: the exporter builds one); it is called only when
     the file must be made, so a server whose exports exist never builds the PyTorch CNN."""
-    from .onnx import export_visual_encoder, visual_encoder_path
+    from .onnx import export_visual_encoder, intact, visual_encoder_path
 
     if precision not in ENCODER_PRECISIONS:
         raise ValueError(f"encoder precision must be one of {ENCODER_PRECISIONS}, got {precision!r}")
     path = visual_encoder_path(spec, out_dir)
     if precision == "int8":
         path = path.with_name(INT8_FILE)
-    if path.is_file():
+    if intact(path):
         return path
     if precision == "int8":
         return quantized_visual_encoder(spec, out_dir, make_visual())

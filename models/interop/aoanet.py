@@ -47,17 +47,21 @@ def _options(infos: Any) -> dict[str, Any]:
 def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet, Vocabulary, dict[str, Any]]:
     state = load_torch_weights(weights)
     infos = restricted_load(infos_path)
-    if not isinstance(infos, dict) or "vocab" not in infos:
-        raise ConversionError(f"{infos_path} has no 'vocab' (ix_to_word): not an AoANet infos file")
+    if not isinstance(infos, dict) or not isinstance(infos.get("vocab"), dict):
+        raise ConversionError(f"{infos_path} has no 'vocab' dict (ix_to_word): not an AoANet infos file")
     opt = _options(infos)
     vocab, source = vocabulary_from_indexed(infos["vocab"].items())
+    # before the shapes: with --use_bn, att_embed.0 is the authors' BatchNorm1d, whose weight is 1-d
+    if any(k.startswith("att_embed.") and ("running_mean" in k) for k in state):
+        raise ConversionError("checkpoints trained with --use_bn are not supported")
     try:
         d_model, feat_dim = state["att_embed.0.weight"].shape
         embed_rows, embed_dim = state["embed.0.weight"].shape
     except KeyError as missing:
         raise ConversionError(f"{weights} lacks {missing}: not an AoANet model-*.pth") from None
-    if any(k.startswith("att_embed.") and ("running_mean" in k) for k in state):
-        raise ConversionError("checkpoints trained with --use_bn are not supported")
+    except ValueError:
+        raise ConversionError(f"{weights}: att_embed.0 / embed.0 are not the linear layers of AoANet's model-*.pth") \
+            from None
     if any(".feed_forward." in k for k in state):
         raise ConversionError("checkpoints trained with --use_ff (refiner FFN) are not supported")
     if "core.attention.linears.0.weight" not in state or ("ctx2att.weight" in state

@@ -43,6 +43,8 @@ def load_torch_weights(path: str | Path) -> dict[str, Tensor]:
         # a truncated download fails in the zip reader or the unpickler; an object that needs code to load is
         # refused by weights_only: both are "not a checkpoint we can read", and the reason is kept
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "weights_only" in str(error):  # PyTorch's advice to load it unsafely is not what to tell a user
+            reason = "it holds pickled Python objects, not only tensors, and is not loaded as code"
         raise ConversionError(f"{path} cannot be read as a PyTorch state dict (truncated, or not a .pth of "
                               f"tensors): {reason}") from None
     if isinstance(state, dict) and not _is_tensor_dict(state):

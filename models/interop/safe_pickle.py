@@ -58,4 +58,11 @@ class RestrictedUnpickler(pickle.Unpickler):
 def restricted_load(path: str | Path) -> Any:
     """Load a pickle with the allow-list; ``latin1`` decodes Python 2 ``str`` objects as NumPy's pickles need."""
     data = Path(path).read_bytes()
-    return RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
+    try:
+        return RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
+    except UnsafePickleError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, AttributeError, KeyError) as error:
+        # an empty, truncated or foreign file (a JSON, a zip-format .pth) fails somewhere in the pickle machine;
+        # each means "not a pickle this can read", with the reason kept
+        raise pickle.UnpicklingError(f"{path} is not a readable pickle ({type(error).__name__}: {error})") from None
