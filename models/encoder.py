@@ -179,11 +179,26 @@ def _eight_bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.rint(scaled).astype(np.uint8), mode="L")
 
 
-def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None) -> Image.Image:
+def image_pixels(data: bytes) -> int:
+    """The pixel count an image's header announces, read without decoding a pixel (1 for what is not an image:
+    decoding it fails at once)."""
+    try:
+        width, height = Image.open(io.BytesIO(data)).size
+    except Exception:  # noqa: BLE001 — anything Pillow raises on a foreign file: load_image names it
+        return 1
+    return width * height
+
+
+def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None,
+               reduce_to: int | None = None) -> Image.Image:
     """Open an image from bytes or a path: first frame, EXIF orientation applied, converted to RGB.
 
     Raises :class:`ImageDecodeError` for anything that is not a readable image, and its subclass
     :class:`ImageTooLarge` for images above ``max_pixels`` (decompression bombs) before their pixels are decoded.
+    ``reduce_to``, for pictures that are only shown (overlays), says that the caller shrinks the image to that
+    longer side: a JPEG is then decoded at the smallest of 1, 1/2, 1/4 or 1/8 of its size that still reaches it
+    (libjpeg's DCT scaling), in a fraction of the memory.  Captioning never passes it: the network's input is made
+    from the whole decode, as in training.
     """
     if isinstance(source, Image.Image):
         image = source
@@ -202,6 +217,9 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     if max_pixels is not None and width * height > max_pixels:
         raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
     try:
+        if reduce_to is not None and max(width, height) > reduce_to:
+            scale = reduce_to / max(width, height)
+            image.draft(image.mode, (max(1, round(width * scale)), max(1, round(height * scale))))
         image.seek(0)  # GIF/TIFF: first frame
         image = ImageOps.exif_transpose(image)
         if image.mode in (*_SIXTEEN_BIT_MODES, "I", "F"):

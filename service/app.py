@@ -38,6 +38,7 @@ from .openapi import install_docs, install_openapi
 from .security import install_security
 from .settings import Settings
 from .state import ServiceState
+from .work_slots import WorkSlots
 from .warmup import warm_up
 
 log = logging.getLogger("captioner.app")
@@ -72,11 +73,9 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         log.warning("default model %r not found; using %r", settings.default_model, fallback)
         state.default_model = fallback
     state.runtimes = runtimes
-    # what a burst leaves in the allocator goes back to the system once the batchers run out of work (memory.py)
-    on_idle = IdleTrimmer() if settings.release_memory else None
     for name, runtime in runtimes.items():
         batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics,
-                          on_idle=on_idle, overlap_encoding=settings.overlap_encoding)
+                          on_idle=state.on_idle, overlap_encoding=settings.overlap_encoding)
         batcher.start()
         state.batchers[name] = batcher  # before warm-up, so that shutdown stops it even when warm-up fails
         if settings.warmup:
@@ -111,6 +110,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state: ServiceState = app.state.service
+        # made here, in the loop that serves: what a burst of captions, decodes or renders leaves in the allocator
+        # goes back to the system once that work runs out (memory.py)
+        state.on_idle = IdleTrimmer() if settings.release_memory else None
+        state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
+        state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
         set_threads(settings.threads)
         _set_interop_threads(settings.interop_threads)
         loading = None

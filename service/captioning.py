@@ -17,7 +17,7 @@ from typing import Iterator
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.decoding import DecodingRules
-from captioner.models.encoder import load_image
+from captioner.models.encoder import image_pixels, load_image
 from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runtime
 
 from .batcher import DeadlineExceeded, NotAccepting, QueueFull
@@ -42,6 +42,17 @@ class CaptionRequest:
     options: CaptionOptions
 
 
+def remaining_s(settings: Settings, started: float) -> float:
+    """Seconds left of the request deadline counted from ``started``."""
+    return settings.request_timeout_s - (time.monotonic() - started)
+
+
+def model_label(state: ServiceState, name: str | None) -> str:
+    """The ``model`` label of a request's metrics: the model it named (or the default), if loaded."""
+    name = name or state.default_model
+    return name if name in state.runtimes else UNKNOWN_MODEL_LABEL
+
+
 def ensure_ready(state: ServiceState) -> None:
     if not state.ready:
         raise NotReady("the service is starting or shutting down")
@@ -58,7 +69,7 @@ def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: f
         settings = state.settings
         with batcher_errors(settings):
             # out-of-range options are refused later, with a 422 naming them
-            batcher.check_admission(settings.request_timeout_s - (time.monotonic() - arrived),
+            batcher.check_admission(remaining_s(settings, arrived),
                                     min(options.beam_size or settings.default_beam_size, settings.max_beam_size),
                                     min(options.max_len or settings.default_max_len, settings.max_max_len))
 
@@ -133,9 +144,15 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         with batcher_errors(settings):
             # a request the batcher would refuse is refused before its image is decoded (under overload that
             # decoding is CPU time taken from the admitted requests)
-            batcher.check_admission(settings.request_timeout_s - (time.monotonic() - started), beam, length)
-        prepared = await run_in_threadpool(decode_and_prepare, state.runtimes[name], request.data, settings.max_pixels)
-        remaining = settings.request_timeout_s - (time.monotonic() - started)
+            batcher.check_admission(remaining_s(settings, started), beam, length)
+        try:
+            prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], request.data,
+                                                    settings.max_pixels, cost=image_pixels(request.data),
+                                                    timeout=remaining_s(settings, started))
+        except TimeoutError:
+            raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while the upload "
+                                 "waited to be decoded") from None
+        remaining = remaining_s(settings, started)
         if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
             raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "
                                  "began (reading and decoding the upload took it)")
@@ -156,5 +173,4 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         status = problem_type(exc)[0]
         raise
     finally:
-        metrics.observe_request(name if name in state.runtimes else UNKNOWN_MODEL_LABEL, status,
-                                time.monotonic() - started)
+        metrics.observe_request(model_label(state, name), status, time.monotonic() - started)

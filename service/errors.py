@@ -48,6 +48,13 @@ class UploadTimeout(ServiceError):
     """The body did not arrive within the request deadline (a slow or stalled upload)."""
 
 
+class ClientGone(ServiceError):
+    """The client closed the connection before its request was read: nobody is there to answer (status 499, as
+    nginx logs it)."""
+
+    title = "Client Closed Request"
+
+
 class UnknownModel(ServiceError):
     """The request names a model that is not loaded."""
 
@@ -87,6 +94,7 @@ PROBLEM_TYPES: dict[type[Exception], tuple[int, str]] = {
     InvalidRequest: (422, "invalid-request"),
     UnsupportedBody: (415, "unsupported-media-type"),
     UploadTimeout: (408, "upload-timeout"),
+    ClientGone: (499, "client-gone"),
     RenderError: (422, "invalid-render-request"),
     UnknownModel: (404, "unknown-model"),
     UnknownResult: (404, "unknown-result"),

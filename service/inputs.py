@@ -27,7 +27,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
 from .captioning import CaptionRequest
-from .errors import InvalidImage, InvalidRequest, UnsupportedBody, UploadTooLarge
+from .errors import ClientGone, InvalidImage, InvalidRequest, UnsupportedBody, UploadTooLarge
 from .middleware import ARRIVED
 from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
 
@@ -89,11 +89,14 @@ async def limited_stream(request: Request, limit: int, refused_at: int | None = 
     if declared and declared.isdigit() and int(declared) > refused_at:
         raise UploadTooLarge(limit)
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > refused_at:
-            raise UploadTooLarge(limit)
-        yield chunk
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > refused_at:
+                raise UploadTooLarge(limit)
+            yield chunk
+    except ClientDisconnect:  # a client leaving mid-upload is not a failure of the service
+        raise ClientGone("the client closed the connection while sending the upload") from None
 
 
 async def read_body(request: Request, limit: int, refused_at: int | None = None) -> bytes:

@@ -10,6 +10,8 @@ re-raised signal (exit code 143).  Here the order is:
 2. Requests admitted before the signal run to the end, for at most ``CAPTIONER_DRAIN_TIMEOUT_S`` in total.
 3. Then uvicorn's shutdown runs (close the socket and idle connections, the app's lifespan shutdown stops the
    batchers) and the process exits 0.  A second signal skips the wait (uvicorn's behaviour: exit by the signal).
+   A request still running when the drain time is up is cancelled by uvicorn; it is answered with the same 503
+   problem (uvicorn's own answer would be a plain-text 500).
 """
 
 from __future__ import annotations
@@ -71,26 +73,65 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.gate.draining:
-            await self._reject(scope, send)
+            await self._reject(scope, receive, send)
             return
         self.gate.in_flight += 1
+        started = False
+
+        async def tracked_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, tracked_send)
+        except asyncio.CancelledError:
+            if not self.gate.draining or started:
+                raise
+            # the drain time is up and uvicorn cancels what still runs: the client gets the drain's 503 problem
+            # rather than uvicorn's plain-text 500, and the task ends here as cancelled work should
+            await self._answer_503(scope, send, "the service shut down before the request finished; retry on "
+                                                "another replica")
         finally:
             self.gate.in_flight -= 1
 
-    async def _reject(self, scope: dict, send: Callable[[dict], Awaitable[None]]) -> None:
+    async def _reject(self, scope: dict, receive: Callable[[], Awaitable[dict]],
+                      send: Callable[[dict], Awaitable[None]]) -> None:
         if self.gate.on_reject is not None:
             self.gate.on_reject()
+        await _discard_body(receive)
+        await self._answer_503(scope, send, "the service is shutting down; retry on another replica")
+
+    async def _answer_503(self, scope: dict, send: Callable[[dict], Awaitable[None]], detail: str) -> None:
         body = json.dumps({"type": "/problems/not-ready", "title": "Service Unavailable", "status": 503,
-                           "detail": "the service is shutting down; retry on another replica",
-                           "instance": scope["path"]}).encode()
+                           "detail": detail, "instance": scope["path"]}).encode()
         await send({"type": "http.response.start", "status": 503,
                     "headers": [(b"content-type", b"application/problem+json"),
                                 (b"content-length", str(len(body)).encode()),
                                 (b"retry-after", str(self.gate.retry_after_s).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+#: what a refused request's body may take to be read and dropped: a connection closed with unread data in it is
+#: reset, and the client sees the reset instead of the 503 (the limit and time keep a hostile upload from holding
+#: the drain's connection open)
+DISCARD_BYTES, DISCARD_SECONDS = 64 * 1024 * 1024, 2.0
+
+
+async def _discard_body(receive: Callable[[], Awaitable[dict]]) -> None:
+    size = 0
+    try:
+        async with asyncio.timeout(DISCARD_SECONDS):
+            while size <= DISCARD_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
 
 
 class DrainingServer(uvicorn.Server):

@@ -108,8 +108,14 @@ class RequestContextMiddleware:
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
-                handler.cancel()  # the server itself is cancelling us: pass it on
-                raise
+                # the server itself is cancelling us (its shutdown timeout): pass it on, and let the handler end,
+                # so that what it answers on its way out (the drain's 503, lifecycle.py) reaches the client
+                # before uvicorn would answer a plain-text 500 for a request without a response
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+                if response["status"] is None:
+                    raise
+                return
             if not gone.is_set():
                 raise
             # the client went away: nothing can be sent, and the handler's work has been cancelled

@@ -14,11 +14,13 @@ from fastapi.responses import Response
 
 from captioner.models.rendering.heatmaps import MODES
 
-from .inputs import QueryOptions
+from .captioning import remaining_s
+from .errors import DeadlinePassed
+from .inputs import QueryOptions, arrival
 from .rendering import DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, render_result
 from .results import Results, StoredResult
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOut, HeatmapsOut
-from .state import State
+from .state import ServiceState, State
 from .upload_answers import AttentionFormatQuery, caption_answer, caption_upload
 
 router = APIRouter()
@@ -33,8 +35,15 @@ RENDERED = {200: {"content": {"image/png": {}, "application/json": {"schema": He
                   "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"}}
 
 
-async def _respond(stored: StoredResult, options: RenderOptions, result_id: str) -> Response:
-    body = await render_result(stored, options, result_id)
+async def _respond(request: Request, state: ServiceState, stored: StoredResult, options: RenderOptions,
+                   result_id: str) -> Response:
+    settings = state.settings
+    try:
+        body = await render_result(stored, options, result_id, state.render_slots,
+                                   remaining_s(settings, arrival(request)))
+    except TimeoutError:
+        raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while the overlay waited "
+                             "to be rendered") from None
     if isinstance(body, HeatmapsOut):
         return Response(body.model_dump_json(), media_type="application/json", headers={"X-Caption-Id": result_id})
     return Response(body, media_type="image/png", headers={"X-Caption-Id": result_id})
@@ -48,10 +57,11 @@ async def get_caption(result_id: str, state: State, results: Results,
 
 @router.get("/captions/{result_id}/overlay", summary="Render a previous result's attention (no model run)",
             responses=RENDERED)
-async def get_overlay(result_id: str, results: Results, format: Format = "png", token: TokenQuery = None,
-                      mode: ModeQuery = None, cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5,
-                      max_side: SideQuery = None):
-    return await _respond(results.get(result_id), RenderOptions(format, token, mode, cmap, alpha, max_side), result_id)
+async def get_overlay(request: Request, result_id: str, state: State, results: Results, format: Format = "png",
+                      token: TokenQuery = None, mode: ModeQuery = None, cmap: CmapQuery = "jet",
+                      alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
+    return await _respond(request, state, results.get(result_id),
+                          RenderOptions(format, token, mode, cmap, alpha, max_side), result_id)
 
 
 @router.post("/caption/overlay", summary="Caption an image and render its attention in one call",
@@ -63,4 +73,4 @@ async def post_overlay(request: Request, state: State, results: Results, options
     # checked before the model runs for a figure that could not be drawn
     data, result = await caption_upload(request, state, options, check=lambda: check_render_options(render))
     result_id = results.put(result, data)
-    return await _respond(results.get(result_id), render, result_id)
+    return await _respond(request, state, results.get(result_id), render, result_id)

@@ -40,7 +40,8 @@ def problem_of(exc: Exception) -> Problem:
     retry_after = getattr(exc, "retry_after_s", None)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     errors = getattr(exc, "errors", None)
-    return Problem(status, str(exc), kind=kind, headers=headers, **({"errors": errors} if errors else {}))
+    return Problem(status, str(exc), title=getattr(exc, "title", None), kind=kind, headers=headers,
+                   **({"errors": errors} if errors else {}))
 
 
 def problem_response(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,

@@ -1,7 +1,8 @@
 """The overlay use case: render a stored caption result's attention (a word's overlay PNG, the papers' per-word
 figure, or per-word heatmaps as JSON) without running the model again.
 
-Rendering is CPU work on numpy/PIL: :func:`render_result` runs it in the thread pool, off the event loop.  Bad
+Rendering is CPU work on numpy/PIL: :func:`render_result` runs it in the thread pool, off the event loop, a
+bounded number at once (work_slots.py).  Bad
 parameters raise :class:`~captioner.models.rendering.heatmaps.RenderError`.
 """
 
@@ -13,7 +14,6 @@ from typing import Literal
 
 import numpy as np
 from PIL import Image
-from starlette.concurrency import run_in_threadpool
 
 from captioner.models.encoder import load_image
 from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, caption_figure, check_mode, colormap,
@@ -21,6 +21,7 @@ from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, captio
 
 from .results import StoredResult
 from .schemas import HeatmapOut, HeatmapsOut
+from .work_slots import WorkSlots
 
 Format = Literal["png", "figure", "json"]
 #: the longer side of what is rendered when the request names no ``max_side``, and the most it may name: an
@@ -55,8 +56,8 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     check_render_options(options)
     result = stored.result
     hyp = result.hypothesis
-    image = load_image(stored.upload)
     side = options.max_side or DEFAULT_RENDER_SIDE
+    image = load_image(stored.upload, reduce_to=side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8 of its size
     if max(image.size) > side:
         image.thumbnail((side, side))
     words = result.tokens
@@ -83,6 +84,8 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     return HeatmapsOut(id=result_id, mode=mode, size=list(image.size), heatmaps=heatmaps)
 
 
-async def render_result(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
-    """PNG bytes (``png``, ``figure``) or the heatmaps (``json``) of a stored result."""
-    return await run_in_threadpool(_render, stored, options, result_id)
+async def render_result(stored: StoredResult, options: RenderOptions, result_id: str | None, slots: WorkSlots,
+                        timeout: float | None = None) -> bytes | HeatmapsOut:
+    """PNG bytes (``png``, ``figure``) or the heatmaps (``json``) of a stored result, rendered in one of ``slots``
+    (:class:`TimeoutError` when none frees within ``timeout`` seconds)."""
+    return await slots.run(_render, stored, options, result_id, timeout=timeout)

@@ -68,6 +68,11 @@ class Settings(BaseSettings):
     overlap_encoding: bool = Field(True, description="encode admitted images in a thread of their own while the "
                                    "batcher decodes (false: the batcher's thread encodes between decoding steps)")
     queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
+    decode_pixels: int = Field(80_000_000, ge=1, description="pixels of the uploads decoded at once, at most (a "
+                               "decode holds about 7 bytes per pixel; an image above it is decoded alone); the "
+                               "others wait, within their deadline")
+    render_concurrency: int = Field(2, ge=1, description="overlays rendered at once at most (a 4,096-px render "
+                                    "holds about 1 GB; the others wait, within their deadline)")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of 429 answers (503 answers use 5)")
     drain_timeout_s: float = Field(30.0, ge=0, description="graceful shutdown: how long in-flight requests may finish")
     keep_alive_s: float = Field(75.0, gt=0, description="idle HTTP keep-alive connections are closed after this "

@@ -3,6 +3,7 @@ routes with FastAPI ``Depends``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -14,6 +15,7 @@ from .batcher import Batcher
 from .metrics import Metrics
 from .result_cache import ResultCache
 from .settings import Settings
+from .work_slots import WorkSlots
 
 
 @dataclass
@@ -29,6 +31,11 @@ class ServiceState:
     result_cache: ResultCache | None = None
     #: why loading the models in the background failed (``load_in_background``); None while it has not
     load_failure: str | None = None
+    #: bounded thread-pool work (work_slots.py): decoding uploads, rendering overlays; made at start-up
+    decode_slots: WorkSlots = field(default_factory=lambda: WorkSlots(1))
+    render_slots: WorkSlots = field(default_factory=lambda: WorkSlots(1))
+    #: returns freed memory to the system when work runs out (memory.py's IdleTrimmer; None: never)
+    on_idle: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.default_model = self.default_model or self.settings.default_model

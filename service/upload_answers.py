@@ -15,8 +15,8 @@ from fastapi.responses import Response
 from captioner.models.inference import CaptionResult
 from captioner.models.rendering.heatmaps import RenderError
 
-from .captioning import caption_image, refuse_early
-from .errors import Overloaded, UploadTimeout
+from .captioning import CaptionRequest, caption_image, model_label, refuse_early, remaining_s
+from .errors import Overloaded, UploadTimeout, problem_type
 from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
 from .state import ServiceState
@@ -42,6 +42,17 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
     a request is refused before its body is parsed when ``check`` (the endpoint's own options) raises, when the
     service is not ready, or when the model its query names would refuse it anyway."""
     arrived = arrival(request)
+    try:
+        given = await _read_upload(request, state, query, check, arrived)
+    except Exception as exc:  # refused before captioning: caption_image, which records the rest, never saw it
+        state.metrics.observe_request(model_label(state, query.model), problem_type(exc)[0],
+                                      time.monotonic() - arrived)
+        raise
+    return given.data, await caption_image(state, given, arrived)
+
+
+async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],
+                       arrived: float) -> CaptionRequest:
     settings = state.settings
     try:
         check()
@@ -50,9 +61,8 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
         await drain_body(request, settings.max_upload_bytes + MULTIPART_SLACK)
         raise
     try:  # a slow or stalled upload is cut off at the deadline, not read to its end
-        async with asyncio.timeout(settings.request_timeout_s - (time.monotonic() - arrived)):
-            given = await read_caption_request(request, query, settings.max_upload_bytes)
+        async with asyncio.timeout(remaining_s(settings, arrived)):
+            return await read_caption_request(request, query, settings.max_upload_bytes)
     except TimeoutError:
         raise UploadTimeout(f"the upload did not arrive within the {settings.request_timeout_s:g} s request "
                             "deadline") from None
-    return given.data, await caption_image(state, given, arrived)

@@ -1,0 +1,243 @@
+"""What an audit of the service under concurrent and hostile traffic found (docs/decisions.md, "The service under
+concurrent traffic, audited"): bounded decode and render work (service/work_slots.py), clients that leave
+mid-upload, requests refused before captioning in the latency metric, and the drain's answers (lifecycle.py).
+Everything is made deterministic with events, not timings."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from starlette.requests import Request
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.models.encoder import load_image
+from captioner.service import rendering
+from captioner.service.app import create_app
+from captioner.service.errors import ClientGone
+from captioner.service.inputs import read_body
+from captioner.service.lifecycle import DrainMiddleware, ShutdownGate
+from captioner.service.middleware import RequestContextMiddleware
+from captioner.service.settings import Settings
+from captioner.service.work_slots import WorkSlots
+
+from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, tiny_model
+
+
+def _png(size=(64, 48)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, (30, 160, 90)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_work_slots_bound_the_work_and_free_a_slot_however_it_ends():
+    async def scenario():
+        idle = []
+        slots = WorkSlots(2, on_idle=lambda: idle.append(True))
+        release, running, peak = threading.Event(), [0], [0]
+        lock = threading.Lock()
+
+        def work(value):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            release.wait(10)
+            with lock:
+                running[0] -= 1
+            return value
+
+        tasks = [asyncio.create_task(slots.run(work, i)) for i in range(5)]
+        await asyncio.sleep(0.2)
+        assert running[0] == 2 and slots.running == 2  # three wait on the loop, not in threads
+        with pytest.raises(TimeoutError):  # a waiter gives up at its deadline, and nothing of it runs
+            await slots.run(work, "late", timeout=0.05)
+        tasks[4].cancel()  # a waiter that leaves takes no slot
+        release.set()
+        assert await asyncio.gather(*tasks[:4]) == [0, 1, 2, 3]
+        assert peak[0] == 2 and slots.running == 0 and idle
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[4]
+        # every slot is free again: two pieces run at once
+        release.clear()
+        both = [asyncio.create_task(slots.run(work, i)) for i in range(2)]
+        await asyncio.sleep(0.2)
+        assert running[0] == 2
+        release.set()
+        assert await asyncio.gather(*both) == [0, 1]
+
+    asyncio.run(scenario())
+
+
+def test_a_budget_lets_small_pieces_run_together_and_a_large_one_alone_in_arrival_order():
+    """Decodes are budgeted by pixels: many small photos decode together, a piece as large as the budget runs
+    alone, and the small ones that came after it wait for it (it is never overtaken forever)."""
+    async def scenario():
+        slots = WorkSlots(10)
+        gates = {name: threading.Event() for name in ("a", "b", "big", "c")}
+        order = []
+
+        def work(name):
+            order.append(f"start {name}")
+            gates[name].wait(10)
+            return name
+
+        a = asyncio.create_task(slots.run(work, "a", cost=3))
+        b = asyncio.create_task(slots.run(work, "b", cost=3))
+        await asyncio.sleep(0.2)
+        big = asyncio.create_task(slots.run(work, "big", cost=10**9))  # above the budget: runs alone
+        await asyncio.sleep(0.05)
+        c = asyncio.create_task(slots.run(work, "c", cost=1))  # would fit now, but arrived after the big one
+        await asyncio.sleep(0.2)
+        assert order == ["start a", "start b"]
+        gates["a"].set()
+        gates["b"].set()
+        await asyncio.gather(a, b)
+        await asyncio.sleep(0.2)
+        assert order[2:] == ["start big"]
+        gates["big"].set()
+        gates["c"].set()
+        assert await asyncio.gather(big, c) == ["big", "c"]
+        assert order[3:] == ["start c"] and slots.running == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("traffic-weights")
+    save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    return root
+
+
+def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(tiny_weights, monkeypatch):
+    """More renders outstanding than the thread pool has threads (40): they wait for their two slots on the event
+    loop, so a caption still gets a thread for its decode.  Before, every render took a pool thread and the
+    caption waited for all of them."""
+    blocked, entered = threading.Event(), threading.Semaphore(0)
+    real_render = rendering._render
+
+    def slow_render(*args):
+        entered.release()
+        blocked.wait(60)
+        return real_render(*args)
+
+    monkeypatch.setattr(rendering, "_render", slow_render)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
+                        render_concurrency=2, backend="torch")
+    renders, caption = [], {}
+    with TestClient(create_app(settings)) as client:
+        try:
+            first = client.post("/caption", files={"file": ("a.png", _png(), "image/png")})
+            assert first.status_code == 200
+            overlay = f"/captions/{first.json()['id']}/overlay?format=figure"
+            renders = [threading.Thread(target=client.get, args=(overlay,)) for _ in range(45)]
+            for render in renders:
+                render.start()
+            assert entered.acquire(timeout=30) and entered.acquire(timeout=30)
+            captioning = threading.Thread(target=lambda: caption.update(
+                response=client.post("/caption", files={"file": ("b.png", _png((80, 60)), "image/png")})))
+            captioning.start()
+            captioning.join(timeout=60)
+            starved = captioning.is_alive()
+            more_than_two = entered.acquire(timeout=0)
+        finally:  # every request ends before the client closes, whatever was asserted
+            blocked.set()
+            for thread in [*renders, *([captioning] if "captioning" in locals() else [])]:
+                thread.join(timeout=120)
+    assert not starved, "the caption waited for the renders"
+    assert caption["response"].status_code == 200
+    assert not more_than_two, "only two renders may run while the others wait"
+
+
+def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error():
+    messages = iter([{"type": "http.request", "body": b"half of it", "more_body": True}, {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    request = Request({"type": "http", "method": "POST", "path": "/caption", "headers": []}, receive)
+    with pytest.raises(ClientGone, match="closed the connection"):
+        asyncio.run(read_body(request, 1000))
+
+
+def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights):
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
+                        backend="torch")
+    with TestClient(create_app(settings)) as client:
+        assert client.post("/caption", content=b"x", headers={"content-type": "text/plain"}).status_code == 415
+        assert client.post("/caption", content=b"--x\r\nbroken", headers={
+            "content-type": "multipart/form-data; boundary=x"}).status_code == 422
+        samples = parse_metrics(client.get("/metrics").text)
+    count = {key: value for key, value in samples.items() if key.startswith("captioner_request_latency_seconds_count")}
+    assert count.get('captioner_request_latency_seconds_count{model="tiny",status="415"}') == 1, count
+    assert count.get('captioner_request_latency_seconds_count{model="tiny",status="422"}') == 1, count
+
+
+def _drain_scenario(app, messages):
+    """Run ``app`` behind a draining gate: the messages the client sends, and what it is answered."""
+    sent, queue = [], list(messages)
+    consumed = []
+
+    async def receive():
+        message = queue.pop(0) if queue else {"type": "http.disconnect"}
+        consumed.append(message)
+        return message
+
+    async def send(message):
+        sent.append(message)
+
+    return sent, consumed, receive, send
+
+
+def test_a_request_refused_while_draining_has_its_body_read_before_the_503():
+    """A connection closed with unread data in it is reset: the client would see the reset, not the 503."""
+    gate = ShutdownGate()
+    gate.begin_drain()
+    middleware = DrainMiddleware(lambda *args: None, gate)
+    chunks = [{"type": "http.request", "body": b"x" * 65536, "more_body": True} for _ in range(20)]
+    chunks.append({"type": "http.request", "body": b"end", "more_body": False})
+    sent, consumed, receive, send = _drain_scenario(middleware, chunks)
+    asyncio.run(middleware({"type": "http", "path": "/caption"}, receive, send))
+    assert len(consumed) == 21 and consumed[-1]["body"] == b"end"
+    assert sent[0]["status"] == 503 and json.loads(sent[1]["body"])["type"] == "/problems/not-ready"
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_request_cancelled_when_the_drain_time_is_up_is_answered_with_the_503_problem(method):
+    """Uvicorn cancels what still runs when the drain time is up; its own answer would be a plain-text 500.  A POST
+    runs in a task of its own under the request-context middleware, which must let it answer."""
+    gate = ShutdownGate()
+
+    async def endless(scope, receive, send):
+        await asyncio.sleep(3600)
+
+    middleware = RequestContextMiddleware(DrainMiddleware(endless, gate), log_requests=False)
+    sent, _, receive, send = _drain_scenario(middleware, [{"type": "http.request", "body": b"", "more_body": False}])
+
+    async def scenario():
+        task = asyncio.create_task(middleware({"type": "http", "method": method, "path": "/caption", "headers": []},
+                                              receive, send))
+        await asyncio.sleep(0.05)
+        gate.begin_drain()
+        task.cancel()
+        await task  # answered, and ended without re-raising into uvicorn's "Exception in ASGI application"
+        assert gate.in_flight == 0
+
+    asyncio.run(scenario())
+    assert sent[0]["status"] == 503 and dict(sent[0]["headers"])[b"content-type"] == b"application/problem+json"
+    assert "shut down before the request finished" in json.loads(sent[1]["body"])["detail"]
+
+
+def test_overlays_decode_a_large_jpeg_at_a_fraction_of_its_size():
+    """``reduce_to``: what an overlay of at most 2,048 px needs of a 6,000-px JPEG is its half-size decode (a
+    quarter of the memory); the caption path never passes it."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (6000, 4000), (10, 20, 30)).save(buffer, format="JPEG")
+    assert load_image(buffer.getvalue(), reduce_to=2048).size == (3000, 2000)
+    assert load_image(buffer.getvalue()).size == (6000, 4000)
+    assert load_image(_png((300, 200)), reduce_to=100).size == (300, 200)  # PNG: no reduced decode exists
