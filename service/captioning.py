@@ -2,7 +2,7 @@
 
 Model choice (the request's, else the service default), option limits, decoding and preprocessing the image in
 the thread pool (never on the event loop), the model's batcher under the request deadline, and the request
-latency metric.  Every failure leaves as a typed exception of ``errors.py`` (or the image decoder's
+latency metric (:func:`observed_request`, around the whole request).  Every failure leaves as a typed exception of ``errors.py`` (or the image decoder's
 :class:`~captioner.models.encoder.ImageDecodeError`); nothing here knows about HTTP beyond the status label of the metric.
 """
 
@@ -12,6 +12,7 @@ import asyncio
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Iterator
 
 from starlette.concurrency import run_in_threadpool
@@ -51,6 +52,25 @@ def model_label(state: ServiceState, name: str | None) -> str:
     """The ``model`` label of a request's metrics: the model it named (or the default), if loaded."""
     name = name or state.default_model
     return name if name in state.runtimes else UNKNOWN_MODEL_LABEL
+
+
+@contextmanager
+def observed_request(state: ServiceState, arrived: float, model: Callable[[], str | None]) -> Iterator[None]:
+    """The latency metric of one caption request, whatever ends it: an answer, a refusal before or after its body
+    was read, or its client leaving; ``model`` names the model it asked for once it ends."""
+    status = 200
+    try:
+        yield
+    except asyncio.CancelledError:
+        status = CLIENT_GONE
+        state.metrics.rejected("client-gone")
+        raise
+    except Exception as exc:
+        # typed failures are counted by reason where they are answered (install_problem_handlers)
+        status = problem_type(exc)[0]
+        raise
+    finally:
+        state.metrics.observe_request(model_label(state, model()), status, time.monotonic() - arrived)
 
 
 def ensure_ready(state: ServiceState) -> None:
@@ -119,58 +139,45 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
     (the request's arrival, ``time.monotonic()``; default: now)."""
     started = time.monotonic() if arrived is None else arrived
     settings, metrics, options = state.settings, state.metrics, request.options
-    name = options.model or state.default_model
-    status = 200
+    ensure_ready(state)
+    name = pick_model(state, options.model)
+    beam = options.beam_size or settings.default_beam_size
+    length = options.max_len or settings.default_max_len
+    if beam > settings.max_beam_size:
+        raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}",
+                             [{"loc": ["beam_size"], "msg": f"above the limit of {settings.max_beam_size}"}])
+    if length > settings.max_max_len:
+        raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}",
+                             [{"loc": ["max_len"], "msg": f"above the limit of {settings.max_max_len}"}])
+    rules = decoding_rules(state.runtimes[name], options)
+    cache, key = state.result_cache, None
+    if cache is not None and cache.enabled:
+        key = CacheKey(await run_in_threadpool(content_digest, request.data), name, beam, length, rules)
+        cached = cache.get(key)
+        metrics.result_cache_lookup(name, cached is not None)
+        if cached is not None:  # decoding is deterministic: the same bytes and options give this result
+            return cached
+    batcher = state.batchers[name]
+    with batcher_errors(settings):
+        # a request the batcher would refuse is refused before its image is decoded (under overload that
+        # decoding is CPU time taken from the admitted requests)
+        batcher.check_admission(remaining_s(settings, started), beam, length)
     try:
-        ensure_ready(state)
-        name = pick_model(state, options.model)
-        beam = options.beam_size or settings.default_beam_size
-        length = options.max_len or settings.default_max_len
-        if beam > settings.max_beam_size:
-            raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}",
-                                 [{"loc": ["beam_size"], "msg": f"above the limit of {settings.max_beam_size}"}])
-        if length > settings.max_max_len:
-            raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}",
-                                 [{"loc": ["max_len"], "msg": f"above the limit of {settings.max_max_len}"}])
-        rules = decoding_rules(state.runtimes[name], options)
-        cache, key = state.result_cache, None
-        if cache is not None and cache.enabled:
-            key = CacheKey(await run_in_threadpool(content_digest, request.data), name, beam, length, rules)
-            cached = cache.get(key)
-            metrics.result_cache_lookup(name, cached is not None)
-            if cached is not None:  # decoding is deterministic: the same bytes and options give this result
-                return cached
-        batcher = state.batchers[name]
-        with batcher_errors(settings):
-            # a request the batcher would refuse is refused before its image is decoded (under overload that
-            # decoding is CPU time taken from the admitted requests)
-            batcher.check_admission(remaining_s(settings, started), beam, length)
+        prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], request.data,
+                                                settings.max_pixels, cost=image_pixels(request.data),
+                                                timeout=remaining_s(settings, started))
+    except TimeoutError:
+        raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while the upload "
+                             "waited to be decoded") from None
+    remaining = remaining_s(settings, started)
+    if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
+        raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "
+                             "began (reading and decoding the upload took it)")
+    with batcher_errors(settings):
         try:
-            prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], request.data,
-                                                    settings.max_pixels, cost=image_pixels(request.data),
-                                                    timeout=remaining_s(settings, started))
-        except TimeoutError:
-            raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while the upload "
-                                 "waited to be decoded") from None
-        remaining = remaining_s(settings, started)
-        if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
-            raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "
-                                 "began (reading and decoding the upload took it)")
-        with batcher_errors(settings):
-            try:
-                result = await batcher.caption(prepared, beam, length, remaining, rules)
-            except ValueError as exc:  # a beam wider than the row budget
-                raise InvalidRequest(str(exc)) from None
-        if key is not None:
-            cache.put(key, result)
-        return result
-    except asyncio.CancelledError:
-        status = CLIENT_GONE
-        metrics.rejected("client-gone")
-        raise
-    except Exception as exc:
-        # typed failures are counted by reason where they are answered (install_problem_handlers)
-        status = problem_type(exc)[0]
-        raise
-    finally:
-        metrics.observe_request(model_label(state, name), status, time.monotonic() - started)
+            result = await batcher.caption(prepared, beam, length, remaining, rules)
+        except ValueError as exc:  # a beam wider than the row budget
+            raise InvalidRequest(str(exc)) from None
+    if key is not None:
+        cache.put(key, result)
+    return result

@@ -25,6 +25,9 @@ from types import FrameType
 from typing import Any, Awaitable, Callable
 
 import uvicorn
+from starlette.requests import Request
+
+from .inputs import drain_body
 
 log = logging.getLogger("captioner.lifecycle")
 
@@ -99,7 +102,11 @@ class DrainMiddleware:
                       send: Callable[[dict], Awaitable[None]]) -> None:
         if self.gate.on_reject is not None:
             self.gate.on_reject()
-        await _discard_body(receive)
+        try:
+            async with asyncio.timeout(DISCARD_SECONDS):
+                await drain_body(Request(scope, receive), DISCARD_BYTES)
+        except TimeoutError:
+            pass
         await self._answer_503(scope, send, "the service is shutting down; retry on another replica")
 
     async def _answer_503(self, scope: dict, send: Callable[[dict], Awaitable[None]], detail: str) -> None:
@@ -117,21 +124,6 @@ class DrainMiddleware:
 #: reset, and the client sees the reset instead of the 503 (the limit and time keep a hostile upload from holding
 #: the drain's connection open)
 DISCARD_BYTES, DISCARD_SECONDS = 64 * 1024 * 1024, 2.0
-
-
-async def _discard_body(receive: Callable[[], Awaitable[dict]]) -> None:
-    size = 0
-    try:
-        async with asyncio.timeout(DISCARD_SECONDS):
-            while size <= DISCARD_BYTES:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                size += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    return
-    except TimeoutError:
-        return
 
 
 class DrainingServer(uvicorn.Server):

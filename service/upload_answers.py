@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Annotated
 
@@ -15,8 +14,8 @@ from fastapi.responses import Response
 from captioner.models.inference import CaptionResult
 from captioner.models.rendering.heatmaps import RenderError
 
-from .captioning import CaptionRequest, caption_image, model_label, refuse_early, remaining_s
-from .errors import Overloaded, UploadTimeout, problem_type
+from .captioning import CaptionRequest, caption_image, observed_request, refuse_early, remaining_s
+from .errors import Overloaded, UploadTimeout
 from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
 from .state import ServiceState
@@ -42,13 +41,11 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
     a request is refused before its body is parsed when ``check`` (the endpoint's own options) raises, when the
     service is not ready, or when the model its query names would refuse it anyway."""
     arrived = arrival(request)
-    try:
+    options = query  # the query's, until the body (a form's fields) completes them
+    with observed_request(state, arrived, lambda: options.model):
         given = await _read_upload(request, state, query, check, arrived)
-    except Exception as exc:  # refused before captioning: caption_image, which records the rest, never saw it
-        state.metrics.observe_request(model_label(state, query.model), problem_type(exc)[0],
-                                      time.monotonic() - arrived)
-        raise
-    return given.data, await caption_image(state, given, arrived)
+        options = given.options
+        return given.data, await caption_image(state, given, arrived)
 
 
 async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],

@@ -68,9 +68,7 @@ def load_captioned(dataset: str | Path, image_root: str | Path | None = None, sp
     """The images of ``splits`` of any data set the project reads (see the module docstring); with
     ``check_images`` every image file must exist, or a ``FileNotFoundError`` names the first missing one."""
     path = resolve_dataset(dataset)
-    reader, default_root = ((load_flickr, "found beside the token file") if flickr_layout(path) else
-                            (load_coco, "the folder holding annotations/, train2014/ and val2014/")
-                            if CAPTIONS_FILE.fullmatch(path.name) else (load_karpathy, "the JSON's own folder"))
+    reader, default_root = READERS.get(_named_by_file(path), READERS[None])
     images = reader(path, image_root, splits, limit=limit)
     if check_images:
         missing = next((im.path for im in images if not im.path.is_file()), None)
@@ -97,6 +95,14 @@ def trained_on(meta: dict[str, Any]) -> str:
     match = re.fullmatch(r"dataset_(\w+)\.json", Path(dataset).name)
     name = name or (match.group(1) if match else None)
     return f"{CITATIONS.get(name, name or Path(dataset).name)}, train split"
+
+
+#: the reader of each kind of data set file (:func:`_named_by_file`; None: a Karpathy JSON, the generated scenes'
+#: included), and where it finds the photos when no ``--image-root`` is given
+READERS = {"flickr8k": (load_flickr, "found beside the token file"),
+           "flickr30k": (load_flickr, "found beside the token file"),
+           "coco": (load_coco, "the folder holding annotations/, train2014/ and val2014/"),
+           None: (load_karpathy, "the JSON's own folder")}
 
 
 def _named_by_file(path: Path) -> str | None:

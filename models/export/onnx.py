@@ -24,6 +24,7 @@ being written.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -77,9 +78,21 @@ def seal(path: Path, written: Path | None = None) -> None:
 
 def intact(path: Path) -> bool:
     """``path`` exists and still has the sha256 :func:`seal` recorded when it was written: a graph cut short,
-    overwritten or left without its seal by an older version is made again rather than loaded."""
+    overwritten or left without its seal by an older version is made again rather than loaded.  A start asks this
+    of each graph more than once (what is still to prepare, then loading), so the answer is kept for as long as
+    neither file changes on disk."""
+    seal_path = path.with_name(path.name + SEAL_SUFFIX)
     try:
-        return file_checksum(path) == path.with_name(path.name + SEAL_SUFFIX).read_text().strip()
+        stamps = tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in (path.stat(), seal_path.stat()))
+    except OSError:
+        return False
+    return _matches_seal(str(path), stamps)
+
+
+@functools.lru_cache(maxsize=256)
+def _matches_seal(path: str, stamps: tuple) -> bool:  # ``stamps`` keys the cache: a rewritten file misses it
+    try:
+        return file_checksum(Path(path)) == Path(path + SEAL_SUFFIX).read_text().strip()
     except OSError:
         return False
 
@@ -108,13 +121,13 @@ def check_replaceable(final: Path) -> None:
 @contextmanager
 def _folder_swapped_in(final: Path):
     """Yield an empty folder beside ``final``; when the block succeeds it replaces ``final`` in one rename, so a
-    reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched."""
-    check_replaceable(final)
+    reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched.  (Callers
+    check :func:`check_replaceable` before their work; it is checked again here, before anything is replaced.)"""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         yield tmp
-        check_replaceable(final)  # again: the block may have taken minutes
+        check_replaceable(final)  # again: the export may have taken minutes
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
