@@ -13,10 +13,18 @@ SOURCE_DIRS = ("models", "service", "tests", "benchmarks")
 
 
 def test_every_package_folder_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
     on_disk = {"captioner." + ".".join(init.parent.relative_to(ROOT).parts)
                for top in ("models", "service") for init in (ROOT / top).rglob("__init__.py")}
-    assert listed == on_disk
+    data_folders = set(setuptools["package-data"])
+    assert listed == on_disk | data_folders
+    # every file of a data folder is one its patterns ship (a new sample or recipe is not left out of the wheel)
+    for package, patterns in setuptools["package-data"].items():
+        folder = ROOT.joinpath(*package.split(".")[1:])
+        for path in folder.iterdir():
+            if path.is_file() and path.name != "__init__.py":
+                assert any(path.match(pattern) for pattern in patterns), f"{path} is not in package-data"
 
 
 def test_a_users_own_models_and_service_modules_still_import(tmp_path):
