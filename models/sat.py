@@ -102,7 +102,9 @@ class ShowAttendTell(Captioner):
         emb = self.embed(prev_tokens)
         h, c = self.lstm(torch.cat([emb, z], dim=1), (state["h"], state["c"]))
         if self.output == "deep":
-            deep = emb + self.out_h(self.drop(h)) + self.out_z(z)  # deep output layer (SAT Eq. 7), no non-linearity
+            # deep output layer (SAT Eq. 7), no non-linearity; the authors' arctic-captions capgen.py applies
+            # tanh to this sum before L_o (tests/test_faithfulness_audit.py records the difference)
+            deep = emb + self.out_h(self.drop(h)) + self.out_z(z)
             logprobs = F.log_softmax(self.out_word(self.drop(deep)), dim=-1)
         else:
             logprobs = F.log_softmax(self.out_word(self.drop(h)), dim=-1)

@@ -90,7 +90,7 @@ def test_concurrent_clients_get_the_captions_their_images_get_alone(server, imag
     # a step of more than 8 rows holds rows of several requests (the widest beam is 5). How many steps do depends
     # on timing: the encoder thread hands over images as it encodes them, and when it is the bottleneck the
     # worker may decode the first ones alone before the next arrive
-    bucket = f'captioner_rows_per_step_bucket{{le="8.0",model="sat"}}'
+    bucket = 'captioner_rows_per_step_bucket{le="8.0",model="sat"}'
     assert steps - (after[bucket] - before[bucket]) > 0, "concurrent requests shared decoding steps"
     # images are encoded together up to the batch size the server measured fastest at warm-up (on a CPU that
     # can be 1: a bigger batch is not always cheaper per image)

@@ -248,8 +248,9 @@ def areas_to_cells(area_weights: Tensor, areas: Tensor, n_cells: int | Grid, val
 class AreaKeyCombiner(nn.Module):
     """Combined-feature area key ``k_r = ReLU(μ_r W_μ + σ_r W_σ + e_r W_e) W_d`` (Area attention Eq. 5–9).
 
-    ``W_μ, W_σ, W_e`` are one ``Linear`` over ``[μ; σ; e]``.  Decision #38: applied per head with weights shared
-    across heads, embedding depth ``S_e = d/2`` for per-head key size ``d``.
+    ``W_μ, W_σ, W_e`` are one ``Linear`` over ``[μ; σ; e]``.  Applied per head with weights shared across heads,
+    embedding depth ``S_e = d/2`` for per-head key size ``d``, as tensor2tensor's ``compute_area_key(mode="concat")``
+    does (docs/decisions.md#area-key-network; checked against a transcription in tests/test_faithfulness_audit.py).
     """
 
     def __init__(self, depth: int, max_h: int, max_w: int):

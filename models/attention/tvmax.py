@@ -57,7 +57,10 @@ from torch import Tensor
 
 from .sparsemax import sparsemax
 
-#: λ weighs Ω_2D in SparseCap Eq. 5 *with* the ½, the paper's value (docs/decisions.md#tvmax-lambda-convention)
+#: λ weighs Ω_2D in SparseCap Eq. 5 *with* the ½, the paper's value (docs/decisions.md#tvmax-lambda-convention).
+#: The authors' layer (deep-spin/TVmax core/model/tv2d_layer.py, ``TV2DFunction``) passes ``step_size=alpha / 2`` to
+#: a prox of ``½‖w − z‖² + step_size · Ω_2D``, i.e. its ``alpha`` is Eq. 6's λ (no ½): its ``alpha = 0.01`` is
+#: ``lam = 0.005`` here.
 DEFAULT_LAMBDA = 0.01
 #: primal-dual active-set steps tried after every ``check_every`` FISTA iterations
 ACTIVE_SET_STEPS = 3

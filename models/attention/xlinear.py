@@ -131,7 +131,7 @@ class _SpatialSqueeze(torch.autograd.Function):
         with torch.autocast(padded.device.type, enabled=False):
             dtype = padded.dtype
             grad_scores, grad_squeezed = grad_scores.to(dtype).contiguous(), grad_squeezed.to(dtype).contiguous()
-            pairs, items, length, channels = padded.shape[0], padded.shape[1], queries.shape[1], weight.shape[0]
+            pairs, length, channels = padded.shape[0], queries.shape[1], weight.shape[0]
             grad_padded, grad_mixer = torch.empty_like(padded), torch.empty_like(mixer)
             grad_score = torch.zeros_like(score_weight)
             # ∂(b^s, B̄)/∂B'^k at item i, query l, channel m is w_{l,i} ∂B̄_{l,m} + ∂b^s_{i,l} W_b[m] (both scaled):
