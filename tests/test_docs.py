@@ -4,7 +4,9 @@
   section sign), its numbered decision register ("decision #…"), its paper keys (P1–P5) and its tags ([REC], [NS], [REF-CODE]).
   Papers are cited by name, arXiv id and equation; our own choices by a heading of docs/decisions.md.
 * Every ``docs/decisions.md#anchor`` and ``docs/decisions.md, section '…'`` reference names an existing heading.
-* Every relative link in README.md and docs/ points at an existing file (and heading, when it has an anchor).
+* Every relative link in README.md, docker/README.md and docs/ points at an existing file (and heading, when it has
+  an anchor), and every repository path they name exists.
+* The README names every problem type and metric the service has; docs/architecture.md places every module.
 * Cross-references name the installed packages (``captioner.models.…``), not the folders.
 """
 
@@ -123,7 +125,7 @@ def test_decision_references_point_at_existing_headings():
 
 
 def test_relative_markdown_links_resolve():
-    documents = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    documents = [ROOT / "README.md", ROOT / "docker" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     broken = []
     for document in documents:
         text = re.sub(r"```.*?```", "", document.read_text(encoding="utf-8"), flags=re.S)
@@ -136,4 +138,73 @@ def test_relative_markdown_links_resolve():
                 broken.append(f"{document.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and linked.suffix == ".md" and anchor not in headings(linked)[0]:
                 broken.append(f"{document.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def _paragraph(markdown: str, start: str) -> str:
+    """The paragraph of ``markdown`` that begins with ``start`` (up to the next blank line)."""
+    begin = markdown.index(start)
+    end = markdown.find("\n\n", begin)
+    return markdown[begin:end if end >= 0 else len(markdown)]
+
+
+def test_readme_lists_every_problem_type():
+    """The README's list of error answers names every problem type the service can send (the table of
+    service/errors.py, the handlers' own kinds, the API-key refusal) and what Starlette's 404/405 become."""
+    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted((ROOT / "service").glob("*.py")))
+    kinds = set(re.findall(r'\(\d{3}, "([a-z-]+)"\)', source))  # errors.PROBLEM_TYPES
+    kinds |= set(re.findall(r'\bkind="([a-z-]+)"', source))  # problems.py's own answers
+    kinds |= set(re.findall(r'\b\d{3}, "[^"]+", "([a-z-]+)"', source))  # security.py's 401
+    assert {"client-gone", "invalid-image", "internal", "unauthorized"} <= kinds, "the patterns no longer match"
+    kinds |= {"not-found", "method-not-allowed"}  # HTTPStatus phrases of unknown paths and methods
+    listed = _paragraph((ROOT / "README.md").read_text(encoding="utf-8"), "Errors are RFC 9457 problem documents")
+    missing = sorted(kind for kind in kinds if f"`{kind}`" not in listed)
+    assert not missing, f"README.md's 'Errors are RFC 9457 …' paragraph does not name: {missing}"
+
+
+def test_readme_lists_every_metric():
+    names = set(re.findall(r'"(captioner_[a-z_]+)"', (ROOT / "service" / "metrics.py").read_text(encoding="utf-8")))
+    assert len(names) > 5, "the pattern no longer matches service/metrics.py"
+    row = next(line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+               if line.startswith("| `GET /metrics`"))
+    missing = sorted(name for name in names if f"`{name}" not in row)
+    assert not missing, f"README.md's GET /metrics row does not name: {missing}"
+
+
+def test_architecture_places_every_module():
+    """docs/architecture.md names every module of models/ and service/: by path, or by file name beside its
+    folder, or a whole folder (``models/interop/``); a model file is covered by ``models/<name>.py``."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = []
+    for package in ("models", "service"):
+        for module in sorted((ROOT / package).rglob("*.py")):
+            relative = module.relative_to(ROOT).as_posix()
+            folder = module.parent.relative_to(ROOT).as_posix() + "/"
+            nested = module.parent.name != package
+            if module.name == "__init__.py" or relative in text:
+                continue
+            if nested and (re.search(re.escape(folder) + r"[`\s)|]", text) or (folder in text and module.name in text)):
+                continue
+            if not nested and "models/<name>.py" in text and "@register(" in module.read_text(encoding="utf-8"):
+                continue
+            missing.append(relative)
+    assert not missing, f"docs/architecture.md does not say where these belong: {missing}"
+
+
+def test_repository_paths_named_in_the_docs_exist():
+    """A path of the repository written in README.md, docker/README.md or docs/*.md (decisions.md excepted: it
+    records history) exists, so a renamed or removed file cannot stay documented. Placeholders (NAME, STAGE, <x>)
+    and paths under weights/ (what the examples write) are not checked."""
+    documents = [ROOT / "README.md", ROOT / "docker" / "README.md",
+                 *sorted(p for p in (ROOT / "docs").glob("*.md") if p != DECISIONS)]
+    path = re.compile(r"(?<![\w/.<-])((?:models|service|tests|benchmarks|docs|docker)/[\w./-]*[\w/])")
+    broken = []
+    for document in documents:
+        for number, line in enumerate(document.read_text(encoding="utf-8").splitlines(), 1):
+            for found in path.findall(line):
+                found = found.rstrip("/.")
+                if re.search(r"[A-Z]{3,}|<|_$", found):
+                    continue
+                if not (ROOT / found).exists() and not (document.parent / found).exists():
+                    broken.append(f"{document.relative_to(ROOT)}:{number}: {found}")
     assert not broken, "\n".join(broken)
