@@ -327,3 +327,22 @@ def test_grounding_doc_from_reports_of_real_photo_checkpoints(tmp_path):
     text = document.read_text()
     assert text.startswith("# Grounding\n\nprose stays\n") and text.count("grounding:start") == 1
     assert "](figures/g.png)" in text
+
+
+@pytest.mark.parametrize("dataset,real", [("../data/flickr8k/dataset_flickr8k.json", True),
+                                          ("/data/f8k/Flickr8k_text/Flickr8k.token.txt", True),
+                                          ("/data/flickr30k/results_20130124.token", True),
+                                          ("/data/coco/annotations/captions_train2014.json", False),
+                                          (".cache/scenes/dataset_scenes.json", False), ("", False)])
+def test_real_photo_checkpoints_are_named_by_their_data_set_not_their_folder(tmp_path, dataset, real):
+    """Flickr8k or Flickr30k in Karpathy's JSON or the publishers' token file (a path of another machine: never
+    read) are the photos Flickr30k Entities annotate; COCO and the scenes are not."""
+    from captioner.models.evaluation.grounding_doc import is_real_photo
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(DEFAULT_CHECKPOINT, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["meta"]["train_config"]["dataset"] = dataset
+    config["meta"].pop("dataset", None)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert is_real_photo(checkpoint) is real

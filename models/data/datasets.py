@@ -89,12 +89,18 @@ def trained_on(meta: dict[str, Any]) -> str:
     dataset = str(meta.get("dataset") or "")
     if not dataset:
         return "not recorded"
-    name = _named_by_file(Path(dataset))
+    name = named_by_path(dataset)
     if name == "scenes":
         return CITATIONS["scenes"]
-    match = re.fullmatch(r"dataset_(\w+)\.json", Path(dataset).name)
-    name = name or (match.group(1) if match else None)
     return f"{CITATIONS.get(name, name or Path(dataset).name)}, train split"
+
+
+def named_by_path(dataset: str | Path) -> str | None:
+    """``flickr8k``, ``coco``, ``scenes``, …: the data set a recorded path names by its file name alone (a publisher's
+    file, or Karpathy's ``dataset_NAME.json``), without reading it: the path may be another machine's."""
+    path = Path(dataset)
+    match = re.fullmatch(r"dataset_(\w+)\.json", path.name)
+    return _named_by_file(path) or (match.group(1) if match else None)
 
 
 #: the reader of each kind of data set file (:func:`_named_by_file`; None: a Karpathy JSON, the generated scenes'

@@ -1,8 +1,8 @@
 """``docs/grounding.md``'s generated part (``captioner grounding-doc``, ``make grounding``): the Flickr30k Entities
 grounding of every real-photo checkpoint, from ``captioner eval --grounding entities:DIR --output`` reports only.
 
-A checkpoint counts as a real-photo one when it was trained on a Flickr Karpathy JSON (``dataset_flickr8k.json``,
-``dataset_flickr30k.json``: the photos Flickr30k Entities annotate).  Written between the document's markers: the
+A checkpoint counts as a real-photo one when it was trained on Flickr8k or Flickr30k, the photos Flickr30k Entities
+annotate, read from Karpathy's JSON or the publishers' token file (``datasets.named_by_path``).  Written between the document's markers: the
 table of both modes with chance rows, the per-type table, the figure of those numbers, a figure of a few
 scikit-image photos with the words' heatmaps of the softmax, sparsemax and TVmax checkpoints side by side, and a
 closing note that reads the normalisers' ordering off the intervals (and the scene benchmark's, from the
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..checkpoint import checkpoint_children, read_config
+from ..data.datasets import named_by_path
 from .grounding import interval
 from .phrase_grounding import MODES, summary_table, type_table
 from .zoo_table import write_between_markers
@@ -24,12 +25,14 @@ START, END = "<!-- grounding:start -->", "<!-- grounding:end -->"
 NORMALISERS = ("softmax", "sparsemax", "tvmax")
 #: scikit-image's bundled photos for the heatmap figure (never a Flickr photo: they may not be redistributed)
 EXAMPLE_PHOTOS = ("chelsea", "astronaut", "coffee")
+#: the data sets whose photos Flickr30k Entities annotates
+REAL_PHOTO_DATASETS = ("flickr8k", "flickr30k")
 
 
 def is_real_photo(checkpoint: Path) -> bool:
     meta = read_config(checkpoint).get("meta", {})
     dataset = meta.get("train_config", {}).get("dataset") or meta.get("dataset") or ""
-    return "flickr" in Path(str(dataset)).name.lower()
+    return bool(dataset) and named_by_path(dataset) in REAL_PHOTO_DATASETS
 
 
 def real_photo_checkpoints(weights: Path) -> list[Path]:
