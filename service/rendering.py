@@ -75,7 +75,9 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
             raise RenderError(f"token {token} is out of range: the caption has {len(words)} tokens")
         return png_bytes(overlay(image, weights_of(token), result.geometry, mode, cmap, alpha, area_boxes))
     scale = image.width / result.geometry.image_size[0]
-    mode = options.mode or default_mode(result.geometry)  # box modes are refused above; this one draws heat
+    # box modes are refused above, and every default draws heat: the model's, as for format=png (a sparse model's
+    # is grid_blocks, whose exact zeros grid_smooth would blur away)
+    mode = options.mode or default_mode(result.geometry, result.attention_kind)
     heatmaps = []
     for i, word in enumerate(words):
         heat = heatmap(attention[i], result.geometry, mode, image.size, scale)

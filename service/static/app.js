@@ -6,9 +6,12 @@ const $ = (id) => document.getElementById(id);
 let current = null;  // the caption on screen: {id, tokens, summary}
 let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
 let lastFile = null; // captioned again when the model or the beam size changes
-const overlays = new Map();  // object URLs of the current caption's heatmaps, by "token:mode"
+// the current caption's heatmaps by "token:mode": {promise, url}, url (an object URL) once it has arrived; one
+// request per heatmap, however many events (mouseenter, focus, click) ask for it while it is on its way
+const overlays = new Map();
 const models = new Map();    // name → its /models entry (which heatmap modes it can draw)
 const AREA_MODES = ["area_topk"];  // need an area-attention model
+const MIN_SIDE = 256;  // a smaller image is shown enlarged to this longer side, its heatmap with it
 
 function setStatus(text, isError = false) {
   $("status").textContent = text;
@@ -54,7 +57,8 @@ function offerModes() {
 
 function clearCaption() {
   current = null;
-  for (const url of overlays.values()) URL.revokeObjectURL(url);
+  // one still on its way is released when it arrives
+  for (const { promise } of overlays.values()) promise.then((url) => URL.revokeObjectURL(url), () => {});
   overlays.clear();
   $("caption").textContent = "";
   $("selected").textContent = "";
@@ -64,8 +68,26 @@ function clearCaption() {
 
 function showPhoto(file) {
   if ($("photo").src) URL.revokeObjectURL($("photo").src);
+  delete $("photo").dataset.fallback;
+  $("photo").style.width = "";
   $("photo").src = URL.createObjectURL(file);
   $("photo").alt = `the image captioned: ${file.name}`;
+}
+
+// An image the service reads but the browser cannot show (TIFF) is shown as the service read it: its overlay
+// rendering with no heat (alpha 0), same size and orientation as every heatmap drawn over it.
+function photoFallback() {
+  const photo = $("photo");
+  if (!current || !photo.complete || photo.naturalWidth > 0 || photo.dataset.fallback) return;
+  photo.dataset.fallback = "yes";
+  photo.src = `/captions/${current.id}/overlay?${new URLSearchParams({ token: 0, format: "png", alpha: 0, max_side: 1024 })}`;
+}
+
+// A tiny image is enlarged (keeping its shape) so that its heatmaps can be seen; the heatmap covers the photo's box.
+function sizePhoto() {
+  const photo = $("photo");
+  const side = Math.max(photo.naturalWidth, photo.naturalHeight);
+  photo.style.width = side > 0 && side < MIN_SIDE ? `${(photo.naturalWidth * MIN_SIDE) / side}px` : "";
 }
 
 // The beam box as a number, null when empty (the service's default); a value the box itself rejects is refused here.
@@ -107,7 +129,10 @@ async function caption(file) {
     }
     body = await response.json();
   } catch (err) {
-    if (request === latest) setStatus(`The request failed: ${err.message || err}`, true);
+    if (request === latest) {
+      $("result").hidden = true;
+      setStatus(`The request failed: ${err.message || err}`, true);
+    }
     return;
   }
   if (request !== latest) return;
@@ -115,12 +140,13 @@ async function caption(file) {
   // the live region announces the caption itself, not only that one arrived
   current = { id: body.id, tokens: body.tokens, summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”` };
   setStatus(current.summary);
+  photoFallback();
   body.tokens.forEach((token, i) => {
     const span = document.createElement("span");
     span.textContent = token;
     span.className = "word" + (body.is_eos[i] ? " eos" : "");
     span.dataset.index = i;
-    span.tabIndex = 0;
+    span.tabIndex = i === 0 ? 0 : -1;  // one Tab stop for the caption: the chosen word (show() moves it)
     span.setAttribute("role", "button");  // each word shows its heatmap
     if (body.is_eos[i]) span.setAttribute("aria-label", "end of caption");
     span.addEventListener("mouseenter", () => show(i));
@@ -131,7 +157,7 @@ async function caption(file) {
   });
 }
 
-// Arrow keys move between the words (one Tab stop is enough to reach them all).
+// Arrow keys move between the words (the caption is one Tab stop, so Tab leaves it).
 function step(event, index) {
   const move = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 }[event.key];
   if (!move) return;
@@ -154,38 +180,54 @@ async function captionSample(name) {
   await caption(new File([photo], `${name}.jpg`, { type: "image/jpeg" }));
 }
 
-async function show(index) {
-  const shown = current;
-  if (!shown) return;
-  document.querySelectorAll("#caption .word").forEach((el) => el.classList.toggle("active", +el.dataset.index === index));
-  const mode = $("mode").value;
+// The heatmap of word `index` in `mode`, asked of the service once; a failed one is asked again next time.
+function heatmap(shown, index, mode) {
   const key = `${index}:${mode}`;
-  const isWanted = () => current === shown && $("mode").value === mode
-    && +document.querySelector("#caption .word.active")?.dataset.index === index;
   if (!overlays.has(key)) {
     const params = new URLSearchParams({ token: index, format: "png", max_side: 1024 });
     if (mode) params.set("mode", mode);
-    let blob;
-    try {
-      const response = await fetch(`/captions/${shown.id}/overlay?${params}`);
-      if (!response.ok) {
-        if (isWanted()) {
-          $("overlay").hidden = true;
-          $("selected").textContent = "";
-          setStatus(await failure(response), true);
-        }
-        return;
-      }
-      blob = await response.blob();
-    } catch (err) {
-      if (isWanted()) setStatus(`The heatmap request failed: ${err.message || err}`, true);
-      return;
+    const entry = { url: null };
+    entry.promise = fetch(`/captions/${shown.id}/overlay?${params}`)
+      .catch((err) => { throw new Error(`The heatmap request failed: ${err.message || err}`); })
+      .then(async (response) => {
+        if (!response.ok) throw new Error(await failure(response));
+        return URL.createObjectURL(await response.blob());
+      });
+    entry.promise.then((url) => { entry.url = url; }, () => { if (overlays.get(key) === entry) overlays.delete(key); });
+    overlays.set(key, entry);
+  }
+  return overlays.get(key);
+}
+
+async function show(index) {
+  const shown = current;
+  if (!shown) return;
+  document.querySelectorAll("#caption .word").forEach((el) => {
+    el.classList.toggle("active", +el.dataset.index === index);
+    el.tabIndex = +el.dataset.index === index ? 0 : -1;
+  });
+  const mode = $("mode").value;
+  const isWanted = () => current === shown && $("mode").value === mode
+    && +document.querySelector("#caption .word.active")?.dataset.index === index;
+  const entry = heatmap(shown, index, mode);
+  if (!entry.url) {
+    // until this word's heatmap arrives none is drawn: the one on screen belongs to another word (or mode)
+    $("overlay").hidden = true;
+    $("selected").textContent = `Loading the heatmap of “${shown.tokens[index]}”…`;
+  }
+  let url;
+  try {
+    url = await entry.promise;
+  } catch (err) {
+    if (isWanted()) {
+      $("overlay").hidden = true;
+      $("selected").textContent = "";
+      setStatus(err.message || String(err), true);
     }
-    if (current !== shown) return;  // a new caption replaced this one meanwhile (its heatmaps were released)
-    overlays.set(key, URL.createObjectURL(blob));
+    return;
   }
   if (!isWanted()) return;  // another word (or mode) was chosen while this heatmap was on its way
-  $("overlay").src = overlays.get(key);
+  $("overlay").src = url;
   $("overlay").alt = `where the model looked for “${shown.tokens[index]}”`;
   $("overlay").hidden = false;
   $("selected").textContent = `Showing “${shown.tokens[index]}”.`;
@@ -198,6 +240,15 @@ function chooseFile(input) {
 }
 
 $("file").addEventListener("change", (e) => chooseFile(e.target));
+// Space opens the focused file input's chooser; Enter, as on a button, does too
+$("file").addEventListener("keydown", (e) => {
+  if (e.key === "Enter") {
+    e.preventDefault();
+    $("file").click();
+  }
+});
+$("photo").addEventListener("load", sizePhoto);
+$("photo").addEventListener("error", photoFallback);
 const drop = $("drop");
 drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
 drop.addEventListener("dragleave", () => drop.classList.remove("over"));
@@ -205,13 +256,6 @@ drop.addEventListener("drop", (e) => {
   e.preventDefault();
   drop.classList.remove("over");
   caption(e.dataTransfer.files[0]);
-});
-// the drop zone is the keyboard's way to the file chooser too
-drop.addEventListener("keydown", (e) => {
-  if (e.key === "Enter" || e.key === " ") {
-    e.preventDefault();
-    $("file").click();
-  }
 });
 $("mode").addEventListener("change", () => {
   const active = document.querySelector("#caption .word.active");

@@ -1,0 +1,228 @@
+"""The demo page as a user meets it, against a real ``captioner serve`` of a tiny model: defects an audit found in a
+real browser, each with the test that showed it.
+
+- One click on a word asked for its heatmap three times (mouseenter, focus and click each fetched it).
+- While a word's heatmap was on its way, the previous word's heatmap stayed drawn under the newly highlighted word
+  (and stayed for good when the request failed on the network).
+- A caption request that failed on the network left the photo on screen under "Hover … a word" with no words.
+- Every word was a Tab stop (twenty presses to get past a long caption), where the page meant one stop for the
+  caption and arrow keys within it.
+- The drop zone was a focusable ``<label>`` with no role: a screen reader announced text, not a control.
+- A TIFF (which the service reads) is not shown by browsers: the photo was a broken image and the heatmap was
+  squeezed into its alt text's box.
+- A tiny image (16×16) was shown at 16 px, its heatmap with it.
+- ``format=json`` chose its default mode by the geometry alone: a sparse-attention model's heatmaps came back
+  smoothed (``grid_smooth``) where its PNG overlays, and the page's "default", draw ``grid_blocks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.service.app import create_app
+from captioner.service.settings import Settings
+
+from .serving_helpers import TINY_SPEC, VOCAB, ServerProcess, tiny_model
+from .test_demo_browser import CHROMIUM, OVERLAY_SHOWN, needs_chromium, wait_until
+
+PHOTO_BOX = "() => { const r = document.getElementById('photo').getBoundingClientRect(); return [r.width, r.height]; }"
+OVERLAY_BOX = "() => { const r = document.getElementById('overlay').getBoundingClientRect(); return [r.width, r.height]; }"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    """``captioner serve`` of one tiny SAT (3×3 grid), no warm-up: ready in seconds."""
+    root = tmp_path_factory.mktemp("demo-audit-weights")
+    save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    server = ServerProcess(root, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
+                                  "CAPTIONER_WARMUP": "false", "CAPTIONER_BACKEND": "torch"},
+                           tmp_path_factory.mktemp("demo-audit-log") / "server.log")
+    try:
+        yield server.wait_ready(timeout_s=120).url
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def page_of(url, viewport=(1000, 900)):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+            page.goto(url)
+            page.locator("#model option").first.wait_for(state="attached")
+            yield page
+        finally:
+            browser.close()
+
+
+def image_bytes(size, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.radial_gradient("L").resize(size).convert("RGB").save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def upload(page, name: str, data: bytes, mime: str) -> None:
+    """Choose a file and wait for its caption's words."""
+    with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url, timeout=30_000):
+        page.set_input_files("#file", files=[{"name": name, "mimeType": mime, "buffer": data}])
+    page.wait_for_selector("#caption .word", timeout=30_000)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_one_click_on_a_word_asks_for_its_heatmap_once(tiny_server):
+    with page_of(tiny_server) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        asked = []
+        page.on("request", lambda r: asked.append(r.url) if "/overlay?" in r.url else None)
+        page.locator("#caption .word").nth(1).click()  # mouseenter, focus and click
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        page.wait_for_timeout(300)
+        assert len(asked) == 1, asked
+        page.keyboard.press("ArrowLeft")
+        page.keyboard.press("ArrowRight")  # back to a word whose heatmap the page holds
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        page.wait_for_timeout(300)
+        assert len(asked) == 2, asked
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_no_word_shows_another_words_heatmap_while_its_own_is_on_its_way(tiny_server):
+    with page_of(tiny_server) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        words = page.locator("#caption .word")
+        words.nth(0).hover()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        held = []
+        page.route("**/overlay?*", lambda route: held.append(route))
+        words.nth(1).hover()
+        wait_until(page, "() => document.querySelector('#caption .word.active').dataset.index === '1'", 10)
+        assert page.evaluate("() => document.getElementById('overlay').hidden")  # not word 0's heatmap
+        assert page.locator("#selected").inner_text().startswith("Loading")
+        for _ in range(50):  # the route handler runs while the page is waited on
+            if held:
+                break
+            page.wait_for_timeout(100)
+        for route in held:
+            route.continue_()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        word = words.nth(1).inner_text()
+        assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{word}”"
+        assert page.locator("#selected").inner_text() == f"Showing “{word}”."
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_requests_that_fail_on_the_network_leave_nothing_stale_on_screen(tiny_server):
+    with page_of(tiny_server) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        words = page.locator("#caption .word")
+        words.nth(0).hover()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        page.route("**/overlay?*", lambda route: route.abort())  # the server went away
+        words.nth(1).hover()
+        wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
+        assert "heatmap request failed" in page.locator("#status").inner_text()
+        assert page.evaluate("() => document.getElementById('overlay').hidden")
+        assert page.locator("#selected").inner_text() == ""
+        page.route("**/caption?*", lambda route: route.abort())
+        page.set_input_files("#file", files=[{"name": "b.png", "mimeType": "image/png",
+                                              "buffer": image_bytes((90, 90), "PNG")}])
+        wait_until(page, "() => document.getElementById('status').textContent.startsWith('The request failed')", 10)
+        assert page.evaluate("() => document.getElementById('result').hidden")
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_drop_zone_is_a_control_the_keyboard_reaches_and_opens(tiny_server):
+    with page_of(tiny_server) as page:
+        chooser = page.get_by_role("button", name="Drop an image here, or click to choose one")
+        assert chooser.count() == 1
+        page.keyboard.press("Tab")  # the first stop on the page
+        assert page.evaluate("() => document.activeElement.id") == "file"
+        assert page.evaluate("() => getComputedStyle(document.getElementById('drop')).outlineStyle") != "none"
+        with page.expect_file_chooser(timeout=5_000):
+            page.keyboard.press(" ")
+        with page.expect_file_chooser(timeout=5_000) as opened:
+            page.keyboard.press("Enter")
+        opened.value.set_files(files=[{"name": "k.png", "mimeType": "image/png",
+                                       "buffer": image_bytes((120, 90), "PNG")}])
+        page.wait_for_selector("#caption .word", timeout=30_000)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_caption_is_one_tab_stop_and_arrow_keys_move_within_it(tiny_server):
+    with page_of(tiny_server) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        words = page.locator("#caption .word")
+        assert words.count() >= 3
+        page.focus("#mode")
+        page.keyboard.press("Tab")
+        assert page.evaluate("() => document.activeElement.dataset.index") == "0"
+        page.keyboard.press("ArrowRight")
+        page.keyboard.press("ArrowRight")
+        assert page.evaluate("() => document.activeElement.dataset.index") == "2"
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{words.nth(2).inner_text()}”"
+        page.keyboard.press("Shift+Tab")  # out of the caption at once
+        assert page.evaluate("() => document.activeElement.id") == "mode"
+        page.keyboard.press("Tab")  # back to the word last chosen
+        assert page.evaluate("() => document.activeElement.dataset.index") == "2"
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_tiff_which_browsers_cannot_show_is_shown_as_the_service_read_it(tiny_server):
+    with page_of(tiny_server) as page:
+        upload(page, "scan.tif", image_bytes((300, 200), "TIFF"), "image/tiff")
+        wait_until(page, "() => document.getElementById('photo').naturalWidth > 0", 30)
+        assert page.evaluate("() => [document.getElementById('photo').naturalWidth,"
+                             " document.getElementById('photo').naturalHeight]") == [300, 200]
+        page.locator("#caption .word").nth(0).hover()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        assert page.evaluate(OVERLAY_BOX) == page.evaluate(PHOTO_BOX) == [300, 200]
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_tiny_image_is_shown_large_enough_to_see_its_heatmap(tiny_server):
+    with page_of(tiny_server) as page:
+        upload(page, "icon.png", image_bytes((16, 12), "PNG"), "image/png")
+        wait_until(page, "() => document.getElementById('photo').getBoundingClientRect().width >= 256", 10)
+        page.locator("#caption .word").nth(0).hover()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        width, height = page.evaluate(PHOTO_BOX)
+        assert (width, height) == (256, 192)
+        assert page.evaluate(OVERLAY_BOX) == [width, height]
+        # and an ordinary photo keeps its own size
+        upload(page, "photo.png", image_bytes((400, 300), "PNG"), "image/png")
+        wait_until(page, "() => document.getElementById('photo').naturalWidth === 400", 10)
+        assert page.evaluate(PHOTO_BOX) == [400, 300]
+
+
+def test_json_heatmaps_default_to_the_models_mode_as_png_overlays_do(tmp_path):
+    save_checkpoint(tmp_path / "sparse", tiny_model("sparsecap"), VOCAB, TINY_SPEC)
+    settings = Settings(weights_dir=tmp_path, default_model="sparse", device="cpu", warmup=False, backend="torch")
+    with TestClient(create_app(settings)) as client:
+        photo = image_bytes((120, 90), "PNG")
+        body = client.post("/caption", params={"max_len": 3}, files={"file": ("p.png", photo, "image/png")}).json()
+        assert body["attention_kind"] == "output_attention"
+        url = f"/captions/{body['id']}/overlay"
+        heat = client.get(url, params={"format": "json"}).json()
+        assert heat["mode"] == "grid_blocks"
+        # the same heat as the mode named
+        named = client.get(url, params={"format": "json", "mode": "grid_blocks"}).json()
+        assert [h["heat_png"] for h in heat["heatmaps"]] == [h["heat_png"] for h in named["heatmaps"]]
+        png = client.get(url, params={"format": "png", "token": 0}).content
+        assert png == client.get(url, params={"format": "png", "token": 0, "mode": "grid_blocks"}).content
