@@ -179,6 +179,14 @@ def _eight_bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.rint(scaled).astype(np.uint8), mode="L")
 
 
+def _on_white(image: Image.Image) -> Image.Image:
+    """A transparent image (alpha channel or transparent palette entry) laid on white, as a browser shows it on a
+    white page: ``convert("RGB")`` alone drops the alpha and reveals whatever colours the hidden pixels hold (often
+    black), which the model would caption and the overlay would draw."""
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+
+
 def image_pixels(data: bytes) -> int:
     """The pixel count an image's header announces, read without decoding a pixel (1 for what is not an image:
     decoding it fails at once)."""
@@ -191,7 +199,8 @@ def image_pixels(data: bytes) -> int:
 
 def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None,
                reduce_to: int | None = None) -> Image.Image:
-    """Open an image from bytes or a path: first frame, EXIF orientation applied, converted to RGB.
+    """Open an image from bytes or a path: first frame, EXIF orientation applied, transparency laid on white,
+    converted to RGB.
 
     Raises :class:`ImageDecodeError` for anything that is not a readable image, and its subclass
     :class:`ImageTooLarge` for images above ``max_pixels`` (decompression bombs) before their pixels are decoded.
@@ -224,6 +233,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
         image = ImageOps.exif_transpose(image)
         if image.mode in (*_SIXTEEN_BIT_MODES, "I", "F"):
             image = _eight_bit(image)
+        if image.has_transparency_data:
+            image = _on_white(image)
         image = image.convert("RGB")
         image.load()
     except Image.DecompressionBombError as exc:

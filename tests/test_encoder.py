@@ -85,6 +85,22 @@ def test_deep_greyscale_is_scaled_to_eight_bits_not_clipped(fmt, dtype, full_sca
     assert (loaded[..., 0] == loaded[..., 2]).all()
 
 
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_pixels_are_white_not_the_colours_they_hide(mode):
+    # a transparent pixel's hidden colour is black here; convert("RGB") alone would show it (and the model see it)
+    image = Image.new("RGBA", (20, 10), (0, 0, 0, 0))
+    image.paste((200, 10, 10, 255), (0, 0, 10, 10))
+    if mode == "LA":
+        image = image.convert("LA")
+    elif mode == "P":
+        image = image.convert("P", palette=Image.Palette.ADAPTIVE)
+        image.info["transparency"] = image.getpixel((15, 5))
+    loaded = load_image(_encode(image, "PNG", **({"transparency": image.info["transparency"]} if mode == "P" else {})))
+    assert loaded.getpixel((15, 5)) == (255, 255, 255)
+    opaque = loaded.getpixel((5, 5))
+    assert opaque != (255, 255, 255) and (mode == "LA" or opaque[0] > 150)
+
+
 def test_exif_orientation_is_applied():
     image = Image.new("RGB", (40, 20), (0, 0, 0))
     exif = Image.Exif()
