@@ -50,15 +50,18 @@ def tiny_server(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def page_of(url, viewport=(1000, 900)):
+def page_of(url, viewport=(1000, 900), before_load=None):
+    """A page of ``url`` once its model list has arrived; ``before_load(page)`` runs before it is opened."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
             page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+            if before_load is not None:
+                before_load(page)
             page.goto(url)
-            page.locator("#model option").first.wait_for(state="attached")
+            page.locator("#model option").first.wait_for(state="attached", timeout=30_000)
             yield page
         finally:
             browser.close()
@@ -226,3 +229,30 @@ def test_json_heatmaps_default_to_the_models_mode_as_png_overlays_do(tmp_path):
         assert [h["heat_png"] for h in heat["heatmaps"]] == [h["heat_png"] for h in named["heatmaps"]]
         png = client.get(url, params={"format": "png", "token": 0}).content
         assert png == client.get(url, params={"format": "png", "token": 0, "mode": "grid_blocks"}).content
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_page_opened_while_the_models_load_asks_again_until_it_has_one(tiny_server):
+    """A server loading its models in the background lists none at first (then a proxy may fail the request): the
+    page said "No model is loaded" and never asked again."""
+    answers = iter(["empty", "down"])
+    seen = []
+
+    def models_route(route):
+        answer = next(answers, "real")
+        seen.append(answer)
+        if answer == "empty":
+            route.fulfill(status=200, content_type="application/json", body="[]")
+        elif answer == "down":
+            route.abort()
+        else:
+            route.continue_()
+
+    def waiting(page):
+        page.route("**/models", models_route)
+
+    with page_of(tiny_server, before_load=waiting) as page:
+        assert seen == ["empty", "down", "real"]
+        wait_until(page, "() => document.getElementById('status').textContent === ''", timeout_s=10)
+        assert page.locator("#model").input_value() == "tiny"

@@ -16,6 +16,7 @@ const MIN_SIDE = 256;  // a smaller image is shown enlarged to this longer side,
 function setStatus(text, isError = false) {
   $("status").textContent = text;
   $("status").className = isError ? "error" : "";
+  delete $("status").dataset.models;
 }
 
 // What a failed answer says: the service's problem detail; a proxy's HTML page or an empty body gives the status.
@@ -28,7 +29,12 @@ async function failure(response) {
   }
 }
 
+// A server still loading its models (CAPTIONER_LOAD_IN_BACKGROUND) lists none, or none yet answers: the page asks
+// again, as often as /readyz's Retry-After says, until it has a model.
+const MODELS_RETRY_S = 5;
+
 async function loadModels() {
+  let problem;
   try {
     const response = await fetch("/models");
     if (!response.ok) throw new Error(await failure(response));
@@ -38,11 +44,18 @@ async function loadModels() {
       models.set(m.name, m);
       $("model").add(new Option(`${m.name} (${m.architecture}, ${m.attention})`, m.name, m.default, m.default));
     }
-    if (!list.length) setStatus("No model is loaded on this server.", true);
     offerModes();
+    if (list.length) {
+      if ($("status").dataset.models) setStatus("");  // the waiting message, not a caption's
+      return;
+    }
+    problem = "No model is loaded on this server yet";
   } catch (err) {
-    setStatus(`Could not list models: ${err.message || err}`, true);
+    problem = `Could not list models: ${err.message || err}`;
   }
+  setStatus(`${problem}; asking again in ${MODELS_RETRY_S} s.`, true);
+  $("status").dataset.models = "waiting";
+  setTimeout(loadModels, MODELS_RETRY_S * 1000);
 }
 
 // Box modes that only an area-attention model can draw are not offered for the others.
