@@ -22,7 +22,9 @@ help:
 	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
 	@echo "make data          generate the scene dataset in $(DATA)"
+	@echo "make data-ood      the out-of-distribution scene sets in $(OOD)"
 	@echo "make train-default retrain the shipped SAT checkpoint (weights/sat)"
+	@echo "make train-shipped retrain every generated-scene checkpoint of weights/ (hours)"
 	@echo "make train-NAME    retrain, evaluate and card one checkpoint (NAME: $(SHIPPED))"
 	@echo "make eval-default  evaluate the shipped checkpoint on the test and held-out splits"
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
@@ -38,6 +40,7 @@ help:
 	@echo "make ship-f8k-NAME        test report, card and weights/flickr8k/NAME from the stage that ships"
 	@echo "make eval-f8k CKPT=DIR    any checkpoint on Flickr8k test"
 	@echo "make container     (as root) build the CPU image with buildah, run it and check it serves"
+	@echo "make gpu-wheels    the wheels benchmarks/gpu_session.sh installs on a bare GPU machine, into $(GPU_WHEELS_DIR)"
 	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
@@ -169,15 +172,17 @@ train-default: train-sat
 
 train-shipped: $(addprefix train-,$(SHIPPED))
 
-# stage-NAME trains runs/NAME/final (and first the stage it starts from); train-NAME also measures and installs it
+# stage-NAME trains runs/NAME/final (and first the stage it starts from); train-NAME also measures and installs it.
+# A stage whose run exists is resumed (after Ctrl-C, a crash, or when it has finished: then nothing is trained)
 stage-%: data data-varied data-varied-small data-ood
 	@test -n "$(TRAIN_$*)" || { echo "no recipe TRAIN_$* in the Makefile"; exit 2; }
 	@if [ -n "$(INIT_$*)" ] && [ ! -d runs/$(INIT_$*)/final ]; then $(MAKE) stage-$(INIT_$*); fi
 	$(BIN)/captioner train $(TRAIN_$*) $(if $(INIT_$*),--init runs/$(INIT_$*)/final) \
-	  --dataset $(or $(DATA_$*),$(DATA)) --out runs/$* --threads 1
+	  --dataset $(or $(DATA_$*),$(DATA)) --out runs/$* --threads 1 $(if $(wildcard runs/$*/train_state.json),--resume)
 	@if [ -n "$(SCST_$*)" ]; then \
 	  $(BIN)/captioner train $(SCST_$*) --phase scst --init runs/$*/best --dataset $(or $(DATA_$*),$(DATA)) \
-	    --out runs/$*-scst --threads 1 && rm -rf runs/$*/final && cp -r runs/$*-scst/best runs/$*/final; \
+	    --out runs/$*-scst --threads 1 $(if $(wildcard runs/$*-scst/train_state.json),--resume) \
+	    && rm -rf runs/$*/final && cp -r runs/$*-scst/best runs/$*/final; \
 	else rm -rf runs/$*/final && cp -r runs/$*/best runs/$*/final; fi
 
 train-%: stage-%
@@ -368,7 +373,7 @@ F8K_TRAIN_f8k-area-transformer := --recipe area-transformer $(F8K_GRID) --set d_
 
 .PHONY: check-f8k eval-f8k zoo-f8k
 check-f8k:
-	@test -f "$(F8K_DATASET)" || { echo "no Flickr8k here: set FLICKR8K_DIR (or F8K_DATASET and F8K_IMAGES); README, 'Real data'"; exit 2; }
+	@test -e "$(F8K_DATASET)" || { echo "no Flickr8k here: set FLICKR8K_DIR (or F8K_DATASET and F8K_IMAGES); README, 'Real data'"; exit 2; }
 
 # f8k-stage-NAME trains runs/NAME (resumes it when it exists: a stopped run goes on where it stopped)
 # A stage starts from runs/INIT/best, or, where that run is not here, from the checkpoint it shipped as

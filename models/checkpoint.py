@@ -256,12 +256,21 @@ def recorded_checksum(path: str | Path) -> str | None:
         return None
 
 
+def not_a_checkpoint(path: Path) -> CheckpointError:
+    """The error for a folder without ``config.json``; a training run's folder is named as one, with the
+    checkpoints it holds (``captioner eval runs/sat`` means ``runs/sat/best``)."""
+    held = [f"{path / name}" for name in ("best", "last") if (path / name / CONFIG).is_file()]
+    if held:
+        return CheckpointError(f"{path} is a training run, not a checkpoint: give {' or '.join(held)}")
+    return CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         config = json.loads((path / CONFIG).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing") from None
+        raise not_a_checkpoint(path) from None
     if config.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {config.get('format')!r} (expected {FORMAT})")
     return config
@@ -280,7 +289,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     every file must first match the sha256 in ``manifest.json`` (see :func:`verify_manifest`)."""
     path = Path(path)
     if not (path / CONFIG).is_file():
-        raise CheckpointError(f"{path} is not a checkpoint: {CONFIG} is missing")
+        raise not_a_checkpoint(path)
     digests = verify_manifest(path) if verify else {}
     config = read_config(path)
     vocab = Vocabulary.load(path / VOCAB)

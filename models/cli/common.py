@@ -62,9 +62,43 @@ def positive_int(text: str) -> int:
     return _whole_number(text, 1)
 
 
+def at_least(least: int):
+    """argparse type of a whole number that must be at least ``least`` (``captioner train``'s counts, from
+    TrainConfig's ``least`` metadata)."""
+    def whole_number(text: str) -> int:
+        return _whole_number(text, least)
+    return whole_number
+
+
 def count(text: str) -> int:
     """argparse type of counts that may be 0 (the images of a split to generate, captions to show)."""
     return _whole_number(text, 0)
+
+
+def length_penalty(text: str) -> float:
+    """argparse type of a GNMT length penalty α: the beam search's own range (models/decoding.py), checked before
+    a grid of them is scored rather than in the middle of it."""
+    from ..decoding import DecodingRules
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    try:
+        return DecodingRules(length_penalty=value).length_penalty
+    except ValueError as exc:  # outside the range the beam search accepts
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def output_file(text: str) -> str:
+    """argparse type of a file a command writes when its work is done (a report, captions): a folder, or a file in
+    a folder that does not exist, is a usage error at once, not after the captioning it would have recorded."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder of {text} does not exist")
+    return text
 
 
 #: Python's spellings of JSON's literals, as a Python user types them (``--set pre_norm=False``): read as the
@@ -102,7 +136,7 @@ def add_dataset_options(parser: argparse.ArgumentParser, *, dataset_help: str | 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
     """The beam search's rules against short and repetitive captions (models/decoding.py, DecodingRules)."""
-    parser.add_argument("--length-penalty", type=float, metavar="ALPHA",
+    parser.add_argument("--length-penalty", type=length_penalty, metavar="ALPHA",
                         help="GNMT length penalty α, 0 to 5 (default: the checkpoint's, chosen on validation by "
                              "`captioner tune-decoding`; 0: none)")
     parser.add_argument("--block-trigrams", action=argparse.BooleanOptionalAction, default=None,

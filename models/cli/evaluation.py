@@ -12,7 +12,7 @@ from typing import Any
 
 from ..data.datasets import DATASET_FORMATS
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_decoding_options,
-                     checkpoint_label, count, decoding_rules, load_training_captions, positive_int)
+                     checkpoint_label, count, decoding_rules, load_training_captions, output_file, positive_int)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -165,8 +165,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                     "with CAPTIONER_ENCODER_PRECISION=int8 (default: the float PyTorch CNN)")
     ev.add_argument("--onnx-dir", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
                     help="where the ONNX CNN is exported and quantized (with --encoder-precision int8)")
-    ev.add_argument("--output", help="also write the JSON report here")
-    ev.add_argument("--results-json", metavar="FILE",
+    ev.add_argument("--output", type=output_file, help="also write the JSON report here")
+    ev.add_argument("--results-json", metavar="FILE", type=output_file,
                     help='also write the captions in the COCO results format [{"image_id", "caption"}] here')
     ev.add_argument("--grounding", nargs="?", const="scenes", metavar="entities:DIR",
                     help="also score attention grounding: alone, on the scenes' object masks (mass in object, "

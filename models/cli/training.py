@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import CommandGroup, add_dataset_options, key_values, load_training_captions, positive_int, yes_or_no
+from .common import (CommandGroup, add_dataset_options, at_least, key_values, length_penalty, load_training_captions,
+                     output_file, positive_int, yes_or_no)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -63,8 +64,9 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_false", **common)
         elif kind == "true":
             parser.add_argument(flag, action="store_true", **common)
-        else:
-            parser.add_argument(flag, type=_scalar_type(hint), choices=meta.get("choices"), metavar=meta.get("metavar"),
+        else:  # a count's smallest value (``least``) is a usage error below it, as for every command's counts
+            kind_of = at_least(meta["least"]) if meta.get("least") is not None else _scalar_type(hint)
+            parser.add_argument(flag, type=kind_of, choices=meta.get("choices"), metavar=meta.get("metavar"),
                                 required=meta.get("required", False), **common)
 
 
@@ -107,6 +109,14 @@ def cmd_train(args: argparse.Namespace) -> None:
         best = train(cfg, resume=args.resume, explicit=given_options(args))
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
+        raise SystemExit(130) from None
+    except KeyboardInterrupt:  # Ctrl-C while the run is prepared (encoding features), or a second one in training
+        if (Path(cfg.out) / "train_state.json").exists():
+            print(f"aborted: {cfg.out} keeps its last saved state (--checkpoint-every); rerun with --resume to "
+                  "continue from it", file=sys.stderr)
+        else:
+            print("interrupted before the first step was saved: nothing to resume; the features encoded so far "
+                  "stay cached, so the same command continues from them", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         shutdown_distributed(meet_first=best is not None)
@@ -181,7 +191,7 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
     # above 1 the penalty lengthens Flickr8k captions mostly with repeats (decisions, "Flickr8k: BLEU-1 and the
     # brevity penalty": α = 2 took REP from 1.5 to 11): not worth a validation pass each
-    td.add_argument("--length-penalties", type=float, nargs="+", default=[0.0, 0.5, 1.0],
+    td.add_argument("--length-penalties", type=length_penalty, nargs="+", default=[0.0, 0.5, 1.0],
                     metavar="ALPHA", help="GNMT length penalties to try")
     td.add_argument("--block-trigrams", type=yes_or_no, nargs="+",
                     default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
@@ -193,6 +203,6 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     td.add_argument("--cache-dir", default=".cache/features")
     td.add_argument("--device", default="auto")
     td.add_argument("--threads", type=positive_int)
-    td.add_argument("--output", help="also write the rows as JSON here")
+    td.add_argument("--output", type=output_file, help="also write the rows as JSON here")
     td.add_argument("--write", action="store_true", help="store the best pair as the checkpoint's decoding defaults")
     td.set_defaults(func=cmd_tune_decoding)

@@ -6,7 +6,8 @@ Layout of one store (one folder per encoder spec + image list, named by :func:`_
         shard-00000.npy    float16 [≤ shard_size, rows, feat_dim]   plain .npy (no pickle), memory-mapped to read
         shard-00001.npy
         ...
-        index.json         format, encoder spec, item shape, shard files, key → [shard, row]; written last
+        index.json         format, encoder spec, item shape, shard files, key → [shard, row], each photo's size in
+                           bytes; written last
 
 * **Incremental, resumable.**  Shard ``j`` holds images ``j·S … (j+1)·S − 1`` of the list.  It is filled in a
   ``shard-0000j.partial.npy`` and renamed to its final name once complete (an atomic rename), so a finished
@@ -14,6 +15,11 @@ Layout of one store (one folder per encoder spec + image list, named by :func:`_
   and the next run encodes only the missing ones; at most one shard of work is lost.
 * **Completion marker.**  ``index.json`` is written (atomically) after the last shard: a store without it is
   unfinished and is never read.
+* **Stale photos.**  A store is keyed by the photos' paths, so a data set regenerated or replaced in place (``captioner
+  data generate`` with another seed, sizes or generator version into the same folder) would get the old photos'
+  features.  The index records each photo's size in bytes, and a store whose photos no longer have those sizes is
+  not used: extracted again (its own folder) or passed over (a covering store).  Stores written before sizes were
+  recorded cannot tell and are used as before.
 * **Read without loading.**  :class:`FeatureStore` maps each shard with ``np.load(mmap_mode="r")`` on first use
   and copies only the rows of a batch; memory stays at the page cache, which the OS shares between processes.
 * **DDP.**  Only global rank 0 extracts (holding an ``fcntl`` lock on ``extract.lock``, which also keeps two
@@ -84,11 +90,29 @@ class FeatureStore:
         self.encoder = index.get("encoder")
         self.tuned_sha256 = index.get("tuned_sha256")  # of EncoderSpec.tuned_weights' file, when the spec has one
         self.view = index.get("view", "")  # a key of VIEWS
+        self.file_bytes: dict[str, int] = index.get("bytes") or {}  # each photo's size when it was encoded
         self._shards: list[np.ndarray | None] = [None] * len(self.shard_files)
 
     @property
     def feat_dim(self) -> int:
         return int(self.item_shape[-1])
+
+    def describes(self, images: Sequence[CaptionedImage]) -> bool:
+        """Whether ``images`` are still the photos whose features this store holds, by their sizes in bytes (a
+        regenerated or replaced photo at the same path almost never keeps its size; a copy keeps it, where a
+        modification time would not).  A photo whose size was not recorded (an older store) or that is not on
+        this machine cannot tell, and counts as current."""
+        for im in images:
+            recorded = self.file_bytes.get(im.key)
+            if recorded is None:
+                continue
+            try:
+                size = im.path.stat().st_size
+            except OSError:
+                continue
+            if size != recorded:
+                return False
+        return True
 
     def __len__(self) -> int:
         return len(self.location)
@@ -165,10 +189,11 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 
 
 def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str],
-                        tuned: str | None = None, view: str = "") -> FeatureStore | None:
+                        tuned: str | None = None, view: str = "",
+                        images: Sequence[CaptionedImage] = ()) -> FeatureStore | None:
     """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content, and view)
-    that holds every key, if there is one: a store of all splits serves training (train + val) and evaluation
-    (test) alike."""
+    that holds every key (and, given ``images``, still describes their photos), if there is one: a store of all
+    splits serves training (train + val) and evaluation (test) alike."""
     tuned = tuned or tuned_sha256(spec)
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
@@ -177,15 +202,25 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
         except (FeatureStoreError, ValueError, KeyError):
             continue
         if store.encoder == spec.to_json() and store.tuned_sha256 == tuned and store.view == view \
-                and all(key in store.location for key in keys):
+                and all(key in store.location for key in keys) and store.describes(images):
             return store
     return None
 
 
-def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = None) -> FeatureStore:
-    """What ranks other than 0 do: wait for rank 0's completion marker (``index.json``) or failure marker."""
+def _finished(folder: Path, images: Sequence[CaptionedImage]) -> FeatureStore | None:
+    """The finished store in ``folder`` if it still describes ``images``' photos, else None."""
+    if not (folder / INDEX).exists():  # unfinished, or its index.json removed by a re-extraction meanwhile
+        return None
+    store = FeatureStore(folder)
+    return store if store.describes(images) else None
+
+
+def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = None,
+                   images: Sequence[CaptionedImage] = ()) -> FeatureStore:
+    """What ranks other than 0 do: wait for rank 0's completion marker (``index.json``, of a store that describes
+    ``images``) or failure marker."""
     start, started_at = time.monotonic(), time.time()
-    while not (folder / INDEX).exists():
+    while (store := _finished(folder, images)) is None:
         try:  # a failure marker from an earlier run (older than this wait by a minute) is rank 0's to clear
             failed = folder / FAILED
             if failed.stat().st_mtime > started_at - 60:
@@ -196,7 +231,7 @@ def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = 
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             raise FeatureStoreError(f"waited {timeout_s:.0f} s for rank 0 to finish {folder / INDEX}")
         time.sleep(poll_s)
-    return FeatureStore(folder)
+    return store
 
 
 def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_dir: str | Path,
@@ -211,17 +246,21 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     keys = [im.key for im in images]
     tuned = tuned_sha256(spec)  # read once: the name, the covering store and the index all need it
     folder = Path(cache_dir) / _cache_name(spec, keys, tuned, view)
-    if (folder / INDEX).exists():
-        return FeatureStore(folder)
-    covering = find_covering_store(cache_dir, spec, keys, tuned, view)
+    if (store := _finished(folder, images)) is not None:
+        return store
+    covering = find_covering_store(cache_dir, spec, keys, tuned, view, images)
     if covering is not None:  # e.g. all splits extracted once by `captioner data features`
         return covering
     folder.mkdir(parents=True, exist_ok=True)
     if (distributed_rank() if rank is None else rank) != 0:
-        return wait_for_store(folder, timeout_s=wait_timeout_s)
+        return wait_for_store(folder, timeout_s=wait_timeout_s, images=images)
     with _exclusive(folder / LOCK):
-        if (folder / INDEX).exists():  # another process finished it while this one waited for the lock
-            return FeatureStore(folder)
+        if (store := _finished(folder, images)) is not None:  # another process finished it meanwhile
+            return store
+        if (folder / INDEX).exists():  # the photos changed since (a data set regenerated in place): encode again
+            (folder / INDEX).unlink()
+            for stale in folder.glob("shard-*.npy"):
+                stale.unlink()
         (folder / FAILED).unlink(missing_ok=True)
         try:
             _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned, view)
@@ -280,4 +319,5 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     _write_json_atomically(folder / INDEX, {
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
         "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
-        "index": index, **({"tuned_sha256": tuned} if tuned else {}), **({"view": view} if view else {})})
+        "index": index, "bytes": {im.key: im.path.stat().st_size for im in images},
+        **({"tuned_sha256": tuned} if tuned else {}), **({"view": view} if view else {})})

@@ -46,22 +46,34 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
     except json.JSONDecodeError as exc:
         raise ValueError(f"{json_path} is not a data set's JSON ({exc}): give a Karpathy-split JSON, "
                          "Flickr8k's Flickr8k.token.txt or its folder, or a generated-scene folder") from None
-    if not isinstance(data, dict) or "images" not in data:
+    if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise ValueError(f"{json_path} is not a Karpathy-split JSON: no 'images' list")
     if "annotations" in data:
         raise ValueError(f"{json_path} is in COCO's own captions format, not Karpathy's: give it its published name "
                          "(captions_train2014.json, captions_val2014.json, …) or pass the folder that holds them")
     out = []
     for position, entry in enumerate(data["images"]):
-        split = SPLIT_ALIASES.get(entry["split"], entry["split"])
-        if splits and split not in splits:
+        try:
+            image = _entry(entry, position, root, max_refs)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            # one line naming the entry, not a traceback from deep in a parser
+            missing = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ValueError(f"{json_path}: image {position} is not a Karpathy-split entry ({missing}): each needs "
+                             "'filename', 'split' and 'sentences', a list of {'tokens': [...]} or {'raw': '...'}"
+                             ) from None
+        if splits and image.split not in splits:
             continue
-        refs = [s["tokens"] if s.get("tokens") else tokenize(s.get("raw", "")) for s in entry["sentences"]]
-        refs = [[t.lower() for t in r] for r in refs if r][:max_refs]
-        path = root / entry.get("filepath", "") / entry["filename"]
-        info = {k: v for k, v in entry.items() if k not in ("sentences", "filename", "filepath", "split")}
-        info["sentences"] = entry["sentences"][:max_refs]
-        out.append(CaptionedImage(int(entry.get("imgid", entry.get("cocoid", position))), path, split, refs, info))
+        out.append(image)
         if limit and len(out) >= limit:
             break
     return out
+
+
+def _entry(entry: dict[str, Any], position: int, root: Path, max_refs: int) -> CaptionedImage:
+    split = SPLIT_ALIASES.get(entry["split"], entry["split"])
+    refs = [s["tokens"] if s.get("tokens") else tokenize(s.get("raw", "")) for s in entry["sentences"]]
+    refs = [[t.lower() for t in r] for r in refs if r][:max_refs]
+    path = root / entry.get("filepath", "") / entry["filename"]
+    info = {k: v for k, v in entry.items() if k not in ("sentences", "filename", "filepath", "split")}
+    info["sentences"] = entry["sentences"][:max_refs]
+    return CaptionedImage(int(entry.get("imgid", entry.get("cocoid", position))), path, split, refs, info)

@@ -37,7 +37,8 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint, write_durably
+from ..checkpoint import (Checkpoint, check_replaceable, load_checkpoint, remove_debris, save_checkpoint,
+                          write_durably)
 from ..data.datasets import CITATIONS, DATASET_FORMATS, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
 from ..data.stores import TunedStore, VisualStore, open_feature_store
@@ -60,7 +61,8 @@ TUNED_WEIGHTS = "encoder_tuned.safetensors"
 def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **cli: Any) -> Any:
     """A config field with its command-line help (``captioner train`` is generated from these fields).  ``cli``
     may hold ``flag`` (another option name), ``kind`` (``append``, ``keyvalue``, ``pair``), ``choices``,
-    ``metavar`` and ``cli=False`` (not on the command line)."""
+    ``metavar``, ``least`` (the smallest value a count may take: checked by argparse and by :func:`check_counts`)
+    and ``cli=False`` (not on the command line)."""
     meta = {"help": help, **cli}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
@@ -96,18 +98,20 @@ class TrainConfig(_SavedRecord):
                                        "vocabulary lacks (their embedding and output rows start fresh)", kind="true")
     features: str | None = option(help="visual items: frozen-encoder grid (default) or precomputed region .npz "
                                        "files in DIR", metavar="grid|regions:DIR")
-    image_root: str | None = option(help="folder the JSON's filepath/filename are relative to (default: the JSON's)")
+    image_root: str | None = option(help="folder of the photos (default: where the data set's layout puts them: "
+                                              "the Karpathy JSON's folder, beside a Flickr token file, COCO's "
+                                              "train2014/ and val2014/)")
     encoder: dict[str, Any] = option(factory=dict, help="EncoderSpec field", kind="keyvalue")
     cache_dir: str = option(".cache/features", "feature cache folder")
     finetune_stages: int = option(0, "fine-tune the encoder's last N stages (EfficientNet-Lite0, layer blocks) on "
-                                     "features cached before them; 0: the encoder stays frozen", metavar="N")
+                                     "features cached before them; 0: the encoder stays frozen", metavar="N", least=0)
     augment: str = option("none", "xe: hflip shows each training photo as its mirror image in half of the epochs "
                                   "(seeded), with left and right swapped in its captions; the mirror images' "
                                   "features are cached beside the photos'", choices=("none", "hflip"))
     encoder_lr_factor: float = option(0.25, "learning rate of the fine-tuned stages as a share of the decoder's "
                                             "(0.25: 1e-4 against 4e-4, as sgrvinod's SAT code fine-tunes its CNN)")
-    epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)")
-    batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes")
+    epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)", least=1)
+    batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes", least=1)
     optimizer: str = option("adam", "optimiser", choices=("adam", "radam"))
     lr: float = option(4e-4, "learning rate (base of the epoch schedule; ignored when --warmup-steps sets Noam)")
     adam_betas: list[float] = option(factory=lambda: [0.9, 0.999], help="Adam β1 β2", kind="pair")
@@ -116,45 +120,48 @@ class TrainConfig(_SavedRecord):
                                  "--lr-drop-factor (repeatable; with --resume, drops may be added ahead of the run)",
                                  flag="--lr-drop", kind="append", metavar="EPOCH")
     lr_drop_factor: float = option(0.1, "factor of each --lr-drop")
-    lr_decay_every: int = option(0, "multiply the learning rate by --lr-decay-factor every this many epochs (0: off)")
+    lr_decay_every: int = option(0, "multiply the learning rate by --lr-decay-factor every this many epochs (0: off)",
+                                 least=0)
     lr_decay_factor: float = option(0.8, "factor of the periodic decay")
-    lr_decay_start: int = option(0, "first epoch (0-based) the periodic decay counts from")
-    warmup_steps: int = option(0, "Noam schedule with this many warm-up steps (0: off, use the epoch schedule)")
-    noam_dim: int = option(1024, "model width d of the Noam schedule")
+    lr_decay_start: int = option(0, "first epoch (0-based) the periodic decay counts from", least=0)
+    warmup_steps: int = option(0, "Noam schedule with this many warm-up steps (0: off, use the epoch schedule)",
+                               least=0)
+    noam_dim: int = option(1024, "model width d of the Noam schedule", least=1)
     noam_factor: float = option(1.0, "factor f of the Noam schedule")
     plateau_factor: float = option(0.0, "multiply the learning rate by this when the validation score stops "
                                         "improving (0: off)")
-    plateau_patience: int = option(3, "validations without improvement before a plateau decay")
+    plateau_patience: int = option(3, "validations without improvement before a plateau decay", least=1)
     ss_increase: float = option(0.0, "scheduled sampling: probability added every --ss-every epochs (0: off)")
-    ss_every: int = option(5, "scheduled sampling: epochs between increases")
-    ss_start: int = option(0, "scheduled sampling: first epoch (0-based)")
+    ss_every: int = option(5, "scheduled sampling: epochs between increases", least=1)
+    ss_start: int = option(0, "scheduled sampling: first epoch (0-based)", least=0)
     ss_max: float = option(0.5, "scheduled sampling: cap on the probability")
     grad_clip: float = option(5.0, "gradient clipping threshold (0: off)")
     grad_clip_mode: str = option("norm", "clip the global gradient norm or each value", choices=("norm", "value"))
     label_smoothing: float = option(0.0, "XE label smoothing ε")
-    min_count: int = option(1, "keep words seen at least this often")
+    min_count: int = option(1, "keep words seen at least this often", least=1)
     group_by_image: bool = option(False, "xe: put all reference captions of an image in the same batch (the AoANet "
                                          "and X-LAN codes' seq_per_img), so each image is encoded once per batch",
                                   kind="true")
-    max_train_len: int = option(16, "training captions are cut to this many words")
-    max_decode_len: int = option(20, "decoding steps in validation and SCST")
-    scst_samples: int = option(5, "captions sampled per image in SCST")
+    max_train_len: int = option(16, "training captions are cut to this many words", least=1)
+    max_decode_len: int = option(20, "decoding steps in validation and SCST", least=1)
+    scst_samples: int = option(5, "captions sampled per image in SCST", least=1)
     scst_baseline: str = option("greedy", "SCST baseline: the greedy caption's reward or the mean of the other "
                                           "samples'", choices=("greedy", "mean"))
-    val_beam: int = option(1, "beam size of the validation captions")
-    val_limit: int | None = option(help="validate on the first N validation images")
-    train_limit: int | None = option(help="train on the first N training images")
+    val_beam: int = option(1, "beam size of the validation captions", least=1)
+    val_limit: int | None = option(help="validate on the first N validation images", least=1)
+    train_limit: int | None = option(help="train on the first N training images", least=1)
     select_metric: str | None = option(help="validation metric that picks best/: BLEU-1..4, CIDEr-D, or "
                                             "objects_named on generated scenes (default: the model's)")
-    early_stop: int = option(0, "stop after this many epochs without a better validation score (0: off)")
+    early_stop: int = option(0, "stop after this many epochs without a better validation score (0: off)", least=0)
     precision: str = option("auto", "auto: bf16 on a GPU that has it, else fp16 with a grad scaler on a GPU, fp32 "
                                     "on CPU", choices=("auto", "fp32", "bf16", "fp16"))
     seed: int = option(0, "random seed")
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
-    threads: int | None = option(help="intra-op CPU threads")
-    max_steps: int | None = option(help="stop after this many optimiser steps in total (smoke tests)")
-    checkpoint_every: int = option(200, "save the resumable state every this many steps (and at every epoch's end)")
-    log_every: int = option(10, "write a metrics.jsonl record every this many steps")
+    threads: int | None = option(help="intra-op CPU threads", least=1)
+    max_steps: int | None = option(help="stop after this many optimiser steps in total (smoke tests)", least=1)
+    checkpoint_every: int = option(200, "save the resumable state every this many steps (and at every epoch's end; "
+                                        "0: only there)", least=0)
+    log_every: int = option(10, "write a metrics.jsonl record every this many steps (0: only the epochs')", least=0)
     progress: bool = option(True, "no progress bars (for logs and CI)", flag="--no-progress", kind="false")
 
 
@@ -335,6 +342,17 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
     raise ValueError(f"unknown precision {name!r}; choose auto, fp32, bf16 or fp16")
 
 
+def check_counts(cfg: TrainConfig) -> None:
+    """Every count of ``cfg`` at least its field's ``least`` (argparse checks the flags; this covers recipes and
+    configs built in code), so that a batch size of 0 or a negative epoch count is named before any work, not met
+    as a division by zero or a run that trains nothing and reports success."""
+    for f in fields(TrainConfig):
+        least, value = f.metadata.get("least"), getattr(cfg, f.name)
+        if least is not None and value is not None and value < least:
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+
+
 def build_schedules(cfg: TrainConfig) -> Schedules:
     epoch_rate = StepDecay(cfg.lr, cfg.lr_decay_factor, cfg.lr_decay_every, cfg.lr_decay_start,
                            tuple(cfg.lr_drops), cfg.lr_drop_factor)
@@ -499,6 +517,45 @@ class Run:
         return round(self.progress.train_seconds + time.time() - self.started, 1)
 
 
+def _is_run_log(path: Path) -> bool:
+    """Whether ``path`` holds nothing but this loop's records, and at most the start of one more (a write that was
+    killed: no newline after it)."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        torn, start = lines.pop(), '{"kind": "'
+        if not (torn.startswith(start) or start.startswith(torn)):
+            return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        if not isinstance(record, dict) or record.get("kind") not in ("step", "epoch"):
+            return False
+    return True
+
+
+def _check_new_run_folder(run_dir: Path, announce: bool) -> None:
+    """A new run writes into ``run_dir`` only what is its own to write, checked before any work (an unusable
+    ``best/`` was met only at the end of the first epoch): not into a checkpoint folder, not over a ``best/`` or
+    ``last/`` that is no checkpoint, not on a ``metrics.jsonl`` that is not a run's log.  A log of this loop's
+    records without a resumable state is an earlier start killed before its first snapshot: its steps are trained
+    again, so :func:`fit` drops them rather than log them twice."""
+    if (run_dir / "config.json").is_file():
+        raise FileExistsError(f"--out {run_dir} is a checkpoint folder, not a run's: choose another --out (a run "
+                              "writes its checkpoints into best/ and last/ below it)")
+    for name in ("best", "last"):
+        check_replaceable(run_dir / name)
+    log = run_dir / METRICS_LOG
+    if log.is_file() and not _is_run_log(log):
+        raise FileExistsError(f"{log} is not a training log (its lines are not this loop's records): nothing was "
+                              "written there; choose another --out")
+    if log.is_file() and log.stat().st_size and announce:
+        print(f"{run_dir} holds the log of a start that stopped before its first snapshot (--checkpoint-every): "
+              "the run starts afresh and its log with it")
+
+
 def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str] | None = None) -> Run:
     """Everything before the first step: resume merging, data, features, vocabulary, model, optimiser, schedules,
     precision and (under torchrun) the process group."""
@@ -506,6 +563,9 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     ctx, device_name = init_distributed(cfg.device)
     device = resolve_device(device_name)
     run_dir = Path(cfg.out)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"--out {run_dir} is a file; a run is a folder (best/, last/, {METRICS_LOG}, "
+                              "train_state.*): choose another --out")
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
@@ -515,11 +575,14 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     if saved is None and (run_dir / "train_state.json").exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
                               "or choose another --out (nothing is overwritten)")
+    if saved is None:
+        _check_new_run_folder(run_dir, announce=ctx.is_main)
     if saved is not None:  # a resumed run keeps its recipe; only its length and how it runs may change
         cfg = _merge_resume(cfg, saved["config"], saved["progress"]["epoch"], explicit)
         if ctx.is_main:  # what a killed save left beside best/ and last/
             for name in ("best", "last"):
                 remove_debris(run_dir / name)
+    check_counts(cfg)
     cfg = replace(cfg, dataset=str(resolve_dataset(cfg.dataset)))
     if cfg.phase not in PHASES:
         raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
@@ -542,6 +605,9 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     if cfg.augment != "none" and cfg.phase != "xe":
         raise ValueError(f"--augment {cfg.augment} applies to the xe phase (its captions are the references); "
                          f"--phase {cfg.phase} samples its own")
+    if cfg.phase == "scst" and cfg.scst_baseline == "mean" and cfg.scst_samples < 2:
+        raise ValueError("--scst-baseline mean compares each sample with the image's other samples: give "
+                         f"--scst-samples 2 or more (got {cfg.scst_samples})")
     if cfg.phase == "scst" and not cfg.init and saved is None:
         # self-critical training samples from the model it improves: from random weights every sample scores 0
         raise ValueError("--phase scst starts from a trained model: give --init RUN/best (its XE stage)")
@@ -762,7 +828,7 @@ def _end_epoch(run: Run, record: EpochRecord) -> None:
 def fit(run: Run) -> Path:
     """Train ``run`` to ``cfg.epochs`` (or ``max_steps``, early stopping, Ctrl-C); returns the best checkpoint."""
     cfg, progress, ctx = run.cfg, run.progress, run.dist
-    if progress.global_step:
+    if progress.global_step or (run.run_dir / METRICS_LOG).exists():  # a fresh start's log holds no records
         _trim_metrics_log(run)
     steps_per_epoch = run.steps_per_epoch
     logs: dict[str, float] = {}

@@ -1,0 +1,163 @@
+"""What a user meets at `captioner train`, `eval` and `tune-decoding`: nonsense numbers, foreign `--out` folders,
+logs of killed starts, Ctrl-C before training, malformed data sets (docs/decisions.md, "Training and evaluation
+commands, audited")."""
+
+import json
+
+import pytest
+
+from captioner.models.training import TrainConfig, train
+
+from .conftest import DEFAULT_CHECKPOINT
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("features")
+
+
+def _config(scenes, out, cache, **overrides):
+    cfg = dict(dataset=str(scenes), out=str(out), model_args=SMALL, cache_dir=str(cache), epochs=1, batch_size=8,
+               progress=False, encoder={"image_size": 96}, train_limit=8, val_limit=2, threads=1)
+    cfg.update(overrides)
+    return TrainConfig(**cfg)
+
+
+def _argv(scenes, out, cache, *extra):
+    return ["train", "--dataset", str(scenes), "--out", str(out), "--cache-dir", str(cache), "--encoder",
+            "image_size=96", "--set", "embed_dim=16", "--set", "hidden_dim=24", "--set", "attn_dim=16",
+            "--train-limit", "8", "--val-limit", "2", "--threads", "1", "--no-progress", *extra]
+
+
+def _fails(capsys, argv, status=2) -> str:
+    from captioner.service.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == status, argv
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return err
+
+
+def test_nonsense_counts_are_usage_errors_before_any_work(scenes, tmp_path, cache, capsys):
+    # before: --batch-size 0 was a ZeroDivisionError, -3 and --epochs 0 "succeeded" with an untrained or no model,
+    # --max-steps 0 trained everything, --val-beam / --max-decode-len 0 failed in the first validation
+    for option, value in [("--epochs", "0"), ("--epochs", "-1"), ("--batch-size", "0"), ("--batch-size", "-3"),
+                          ("--val-beam", "0"), ("--max-decode-len", "0"), ("--max-steps", "0"),
+                          ("--scst-samples", "0"), ("--checkpoint-every", "-1")]:
+        err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, option, value))
+        assert f"argument {option}: must be at least" in err, (option, err)
+    assert not (tmp_path / "run").exists()
+    # the same bounds hold for configs made in code or by a recipe, checked before the data is read
+    with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
+        train(_config(scenes, tmp_path / "coded", cache, batch_size=0))
+    with pytest.raises(ValueError, match="--scst-samples 2 or more"):
+        train(_config(scenes, tmp_path / "coded", cache, phase="scst", init=str(DEFAULT_CHECKPOINT),
+                      scst_baseline="mean", scst_samples=1, encoder={}))
+    assert not (tmp_path / "coded").exists()
+
+
+def test_out_that_holds_something_else_is_refused_before_training(scenes, tmp_path, cache, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    assert "is a file" in _fails(capsys, _argv(scenes, a_file, cache))
+    assert a_file.read_text() == "mine"
+    # a checkpoint folder given as --out (runs/sat/best for runs/sat) is not filled with a run
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    assert "is a checkpoint folder" in _fails(capsys, _argv(scenes, checkpoint, cache))
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["config.json"]
+    # a best/ that is no checkpoint was refused only at the end of the first epoch, after the training
+    foreign = tmp_path / "foreign"
+    (foreign / "best").mkdir(parents=True)
+    (foreign / "best" / "notes.txt").write_text("mine")
+    assert "not a checkpoint folder" in _fails(capsys, _argv(scenes, foreign, cache))
+    assert sorted(p.name for p in foreign.iterdir()) == ["best"]
+    # a metrics.jsonl that is no run's log would have been appended to, and cut to nothing by a --resume
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("mine\n")
+    assert "not a training log" in _fails(capsys, _argv(scenes, other, cache))
+    assert (other / "metrics.jsonl").read_text() == "mine\n" and len(list(other.iterdir())) == 1
+
+
+def test_a_start_killed_before_its_first_snapshot_is_not_logged_twice(scenes, tmp_path, cache, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    # what `kill -9` leaves before the first --checkpoint-every snapshot: step records, a torn line, no state
+    steps = [{"kind": "step", "epoch": 1, "step": n, "lr": 4e-4, "xe": 4.0} for n in (1, 2, 3)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps) + '{"kind": "st')
+    train(_config(scenes, out, cache, log_every=1, max_steps=4))
+    assert "starts afresh" in capsys.readouterr().out
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [1, 2, 3, 4]  # was 1, 2, 3, 1, 2, 3, 4
+
+
+def test_ctrl_c_while_the_run_is_prepared_is_one_line(scenes, tmp_path, cache, capsys, monkeypatch):
+    from captioner.models.training import loop
+
+    def encoding_features(*args, **kwargs):
+        raise KeyboardInterrupt  # what Ctrl-C raises while the frozen CNN encodes the photos
+
+    monkeypatch.setattr(loop, "prepare_run", encoding_features)
+    err = _fails(capsys, _argv(scenes, tmp_path / "run", cache), status=130)
+    assert "interrupted before the first step" in err and "cached" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_malformed_karpathy_entries_are_named(tmp_path, capsys):
+    for name, images in [("nosplit", [{"filename": "a.jpg", "sentences": []}]),
+                         ("nosentences", [{"filename": "a.jpg", "split": "train"}]),
+                         ("strings", [{"filename": "a.jpg", "split": "train", "sentences": ["a cat"]}]),
+                         ("notalist", {"a.jpg": 1})]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"images": images}))
+        err = _fails(capsys, ["train", "--dataset", str(path), "--out", str(tmp_path / "run")])
+        assert str(path) in err and ("image 0 is not a Karpathy-split entry" in err or "no 'images' list" in err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_evaluation_options_are_checked_before_the_captioning(tmp_path, capsys):
+    ckpt = str(DEFAULT_CHECKPOINT)
+    err = _fails(capsys, ["tune-decoding", ckpt, "--length-penalties", "0", "9"])
+    assert "length_penalty must lie in [0, 5], got 9.0" in err
+    assert "does not exist" in _fails(capsys, ["tune-decoding", ckpt, "--output", str(tmp_path / "no" / "x.json")])
+    assert "is a folder" in _fails(capsys, ["eval", ckpt, "--output", str(tmp_path)])
+    assert "does not exist" in _fails(capsys, ["eval", ckpt, "--results-json", str(tmp_path / "no" / "r.json")])
+    # a training run's folder where a checkpoint is wanted names the checkpoints it holds
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    (run / "best" / "config.json").write_text("{}")
+    assert f"give {run / 'best'}" in _fails(capsys, ["eval", str(run), "--dataset", str(tmp_path)])
+
+
+def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
+    import numpy as np
+
+    from captioner.models.data.datasets import load_captioned
+    from captioner.models.data.features import extract_features, find_covering_store
+    from captioner.models.data.scenes import generate
+    from captioner.models.encoder import EncoderSpec
+
+    spec, sizes = EncoderSpec(image_size=64), {"train": 3, "val": 1, "test": 0, "heldout": 0}
+    generate(tmp_path / "scenes", sizes, seed=0, progress=False)
+    images = load_captioned(tmp_path / "scenes", None, ("train",))
+    before = extract_features(images, spec, tmp_path / "cache", progress=False)
+    old = before.get([im.key for im in images]).numpy()
+    everything = extract_features(load_captioned(tmp_path / "scenes"), spec, tmp_path / "cache", progress=False)
+    # `captioner data generate` into the same folder with another seed: the same paths, other photos
+    generate(tmp_path / "scenes", sizes, seed=1, progress=False)
+    images = load_captioned(tmp_path / "scenes", None, ("train",))
+    keys = [im.key for im in images]
+    assert find_covering_store(tmp_path / "cache", spec, keys, images=images) is None  # `everything` is stale too
+    after = extract_features(images, spec, tmp_path / "cache", progress=False)
+    assert after.folder == before.folder  # its own folder, encoded again (it served the old photos' features)
+    assert not np.array_equal(after.get(keys).numpy(), old)
+    assert everything.folder != after.folder
+    assert extract_features(images, spec, tmp_path / "cache", progress=False, encoder=object()).folder == after.folder
