@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C in eval, export, caption, …: the shell's status for it, not a traceback
+        if os.environ.get("CAPTIONER_DEBUG"):
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -199,3 +199,27 @@ def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, mon
     assert "not a report of `captioner eval --output`" in _one_line_error(
         capsys, ["card", str(copy), "--report", str(report)])
     assert (copy / "MODEL_CARD.md").read_text() == (DEFAULT_CHECKPOINT / "MODEL_CARD.md").read_text()
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
+    """Ctrl-C in a command without its own message (eval, export, …): the shell's status for an interrupt and one
+    line, not a KeyboardInterrupt traceback (training and archive captioning say what they kept: their tests)."""
+    import argparse
+
+    import pytest
+
+    from captioner.service import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    class Parser:
+        def parse_args(self, argv):
+            return argparse.Namespace(func=interrupted)
+
+    monkeypatch.setattr(cli, "build_parser", Parser)
+    monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval"])
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err == "interrupted\n"
