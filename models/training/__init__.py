@@ -4,7 +4,8 @@ recipes in ``models/recipes``), data parallelism (:mod:`.distributed`) and mixed
 
 from . import scst, xe  # noqa: F401  (importing a phase registers it)
 from ..evaluation.evaluate import caption_dataset, evaluate_checkpoint
-from .loop import PHASES, Progress, Run, TrainConfig, TrainingInterrupted, fit, prepare_run, train
+from .config import Progress, TrainConfig
+from .loop import PHASES, Run, TrainingInterrupted, fit, prepare_run, train
 from .recipes import RECIPES_DIR, available_recipes, load_recipe
 
 __all__ = ["PHASES", "Progress", "Run", "TrainConfig", "TrainingInterrupted", "fit", "prepare_run", "train",

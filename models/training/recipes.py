@@ -1,7 +1,7 @@
 """Paper training recipes: ``models/recipes/NAME.toml``, read with the standard library's ``tomllib``.
 
 A recipe has top-level keys shared by its phases and one table per phase (``[xe]``, ``[scst]``); each key is a
-:class:`~captioner.models.training.loop.TrainConfig` field (``model_args`` is a table of model hyper-parameters, merged
+:class:`~captioner.models.training.config.TrainConfig` field (``model_args`` is a table of model hyper-parameters, merged
 with ``--set``).  ``captioner train --recipe NAME [--phase scst]`` starts from the config defaults, applies the
 recipe's shared keys and its phase table, then the flags given on the command line.
 """
@@ -36,7 +36,7 @@ def recipe_path(name: str) -> Path:
 def load_recipe(name: str, phase: str | None = None) -> dict[str, Any]:
     """The config values recipe ``name`` sets for ``phase`` (default: the recipe's own ``phase`` key, else
     ``xe``), with ``recipe`` and ``phase`` filled in.  Unknown keys are an error, so a typo cannot pass silently."""
-    from .loop import TrainConfig
+    from .config import TrainConfig
 
     with open(recipe_path(name), "rb") as handle:
         data = tomllib.load(handle)
@@ -67,7 +67,7 @@ def command_line(config: dict[str, Any]) -> str:
     cards print it, so a card names every override a run used."""
     from dataclasses import replace
 
-    from .loop import TrainConfig
+    from .config import TrainConfig
 
     cfg = TrainConfig.from_json(config)
     base = TrainConfig(out=cfg.out)

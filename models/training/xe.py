@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data.stores import mirrored_key
-from .loop import BatchLoss, Phase, TrainConfig, TrainingInterrupted, register_phase, train
+from .config import TrainConfig
+from .loop import BatchLoss, Phase, TrainingInterrupted, register_phase, train
 
 __all__ = ["TrainConfig", "TrainingInterrupted", "XEPhase", "mirror_words", "train", "xe_loss"]
 

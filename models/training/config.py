@@ -1,0 +1,143 @@
+"""The training run's configuration: :class:`TrainConfig` (every field is a ``captioner train`` option, with its
+help, choices and least value: :mod:`captioner.models.cli.training` builds the command line from these fields)
+and :class:`Progress` (where a run is), both saved as JSON in every snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable
+
+from ..data.datasets import DATASET_FORMATS
+
+
+def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **cli: Any) -> Any:
+    """A config field with its command-line help (``captioner train`` is generated from these fields).  ``cli``
+    may hold ``flag`` (another option name), ``kind`` (``append``, ``keyvalue``, ``pair``), ``choices``,
+    ``metavar``, ``least`` (the smallest value a count may take: checked by argparse and by :func:`check_counts`)
+    and ``cli=False`` (not on the command line)."""
+    meta = {"help": help, **cli}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+class _SavedRecord:
+    """A dataclass saved as JSON: fields added since a file was written take their defaults when it is read."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]):
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(kw_only=True)
+class TrainConfig(_SavedRecord):
+    """Everything a training run depends on, with the defaults ``captioner train`` uses.  A recipe
+    (``models/recipes/NAME.toml``) replaces some of these; command-line flags replace single values again."""
+
+    out: str = option(help="run directory (best/, last/, train_state.*, metrics.jsonl)", required=True)
+    dataset: str = option(".cache/scenes", DATASET_FORMATS)
+    recipe: str | None = option(help="paper recipe from models/recipes (sat, sat-hard, aoanet, xlan, xtransformer, "
+                                     "sparsecap, area-transformer); flags override its single values")
+    model: str | None = option(help="registered model name (see `captioner models`; default: sat, or --init's)")
+    model_args: dict[str, Any] = option(factory=dict, help="model hyper-parameter", flag="--set", kind="keyvalue")
+    phase: str = option("xe", "xe: cross-entropy (SAT-hard: its REINFORCE objective); scst: self-critical CIDEr-D",
+                        choices=("xe", "scst"))
+    init: str | None = option(help="start from this checkpoint's model, vocabulary and encoder "
+                                   "(e.g. --phase scst --init runs/xe/best)", metavar="CHECKPOINT")
+    extend_vocab: bool = option(False, "with --init: append the training captions' words that the checkpoint's "
+                                       "vocabulary lacks (their embedding and output rows start fresh)", kind="true")
+    features: str | None = option(help="visual items: frozen-encoder grid (default) or precomputed region .npz "
+                                       "files in DIR", metavar="grid|regions:DIR")
+    image_root: str | None = option(help="folder of the photos (default: where the data set's layout puts them: "
+                                              "the Karpathy JSON's folder, beside a Flickr token file, COCO's "
+                                              "train2014/ and val2014/)")
+    encoder: dict[str, Any] = option(factory=dict, help="EncoderSpec field", kind="keyvalue")
+    cache_dir: str = option(".cache/features", "feature cache folder")
+    finetune_stages: int = option(0, "fine-tune the encoder's last N stages (EfficientNet-Lite0, layer blocks) on "
+                                     "features cached before them; 0: the encoder stays frozen", metavar="N", least=0)
+    augment: str = option("none", "xe: hflip shows each training photo as its mirror image in half of the epochs "
+                                  "(seeded), with left and right swapped in its captions; the mirror images' "
+                                  "features are cached beside the photos'", choices=("none", "hflip"))
+    encoder_lr_factor: float = option(0.25, "learning rate of the fine-tuned stages as a share of the decoder's "
+                                            "(0.25: 1e-4 against 4e-4, as sgrvinod's SAT code fine-tunes its CNN)")
+    epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)", least=1)
+    batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes", least=1)
+    optimizer: str = option("adam", "optimiser", choices=("adam", "radam"))
+    lr: float = option(4e-4, "learning rate (base of the epoch schedule; ignored when --warmup-steps sets Noam)")
+    adam_betas: list[float] = option(factory=lambda: [0.9, 0.999], help="Adam β1 β2", kind="pair")
+    adam_eps: float = option(1e-8, "Adam ε")
+    lr_drops: list[int] = option(factory=list, help="after this many epochs multiply the learning rate by "
+                                 "--lr-drop-factor (repeatable; with --resume, drops may be added ahead of the run)",
+                                 flag="--lr-drop", kind="append", metavar="EPOCH")
+    lr_drop_factor: float = option(0.1, "factor of each --lr-drop")
+    lr_decay_every: int = option(0, "multiply the learning rate by --lr-decay-factor every this many epochs (0: off)",
+                                 least=0)
+    lr_decay_factor: float = option(0.8, "factor of the periodic decay")
+    lr_decay_start: int = option(0, "first epoch (0-based) the periodic decay counts from", least=0)
+    warmup_steps: int = option(0, "Noam schedule with this many warm-up steps (0: off, use the epoch schedule)",
+                               least=0)
+    noam_dim: int = option(1024, "model width d of the Noam schedule", least=1)
+    noam_factor: float = option(1.0, "factor f of the Noam schedule")
+    plateau_factor: float = option(0.0, "multiply the learning rate by this when the validation score stops "
+                                        "improving (0: off)")
+    plateau_patience: int = option(3, "validations without improvement before a plateau decay", least=1)
+    ss_increase: float = option(0.0, "scheduled sampling: probability added every --ss-every epochs (0: off)")
+    ss_every: int = option(5, "scheduled sampling: epochs between increases", least=1)
+    ss_start: int = option(0, "scheduled sampling: first epoch (0-based)", least=0)
+    ss_max: float = option(0.5, "scheduled sampling: cap on the probability")
+    grad_clip: float = option(5.0, "gradient clipping threshold (0: off)")
+    grad_clip_mode: str = option("norm", "clip the global gradient norm or each value", choices=("norm", "value"))
+    label_smoothing: float = option(0.0, "XE label smoothing ε")
+    min_count: int = option(1, "keep words seen at least this often", least=1)
+    group_by_image: bool = option(False, "xe: put all reference captions of an image in the same batch (the AoANet "
+                                         "and X-LAN codes' seq_per_img), so each image is encoded once per batch",
+                                  kind="true")
+    max_train_len: int = option(16, "training captions are cut to this many words", least=1)
+    max_decode_len: int = option(20, "decoding steps in validation and SCST", least=1)
+    scst_samples: int = option(5, "captions sampled per image in SCST", least=1)
+    scst_baseline: str = option("greedy", "SCST baseline: the greedy caption's reward or the mean of the other "
+                                          "samples'", choices=("greedy", "mean"))
+    val_beam: int = option(1, "beam size of the validation captions", least=1)
+    val_limit: int | None = option(help="validate on the first N validation images", least=1)
+    train_limit: int | None = option(help="train on the first N training images", least=1)
+    select_metric: str | None = option(help="validation metric that picks best/: BLEU-1..4, CIDEr-D, or "
+                                            "objects_named on generated scenes (default: the model's)")
+    early_stop: int = option(0, "stop after this many epochs without a better validation score (0: off)", least=0)
+    precision: str = option("auto", "auto: bf16 on a GPU that has it, else fp16 with a grad scaler on a GPU, fp32 "
+                                    "on CPU", choices=("auto", "fp32", "bf16", "fp16"))
+    seed: int = option(0, "random seed")
+    device: str = option("auto", "auto, cpu, cuda or cuda:N")
+    threads: int | None = option(help="intra-op CPU threads", least=1)
+    max_steps: int | None = option(help="stop after this many optimiser steps in total (smoke tests)", least=1)
+    checkpoint_every: int = option(200, "save the resumable state every this many steps (and at every epoch's end; "
+                                        "0: only there)", least=0)
+    log_every: int = option(10, "write a metrics.jsonl record every this many steps (0: only the epochs')", least=0)
+    progress: bool = option(True, "no progress bars (for logs and CI)", flag="--no-progress", kind="false")
+
+
+@dataclass
+class Progress(_SavedRecord):
+    """Where a run is: saved with every snapshot, so ``--resume`` continues from here."""
+
+    epoch: int = 0  # epochs completed
+    step_in_epoch: int = 0
+    global_step: int = 0
+    best_score: float = -1.0
+    best_epoch: int = -1
+    history: list[dict[str, Any]] = field(default_factory=list)  # one EpochRecord.to_json() per epoch
+    train_seconds: float = 0.0
+    plateau: dict[str, Any] | None = None
+    stopped_early: bool = False
+
+
+def check_counts(cfg: TrainConfig) -> None:
+    """Every count of ``cfg`` at least its field's ``least`` (argparse checks the flags; this covers recipes and
+    configs built in code), so that a batch size of 0 or a negative epoch count is named before any work, not met
+    as a division by zero or a run that trains nothing and reports success."""
+    for f in fields(TrainConfig):
+        least, value = f.metadata.get("least"), getattr(cfg, f.name)
+        if least is not None and value is not None and value < least:
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
