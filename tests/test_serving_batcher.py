@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from captioner.service.batcher import ADMISSION_HEADROOM, Batcher, DeadlineExceeded, NotAccepting, QueueFull, \
-    WouldMissDeadline, fill_holes
+    WouldMissDeadline
+from captioner.service.row_table import fill_holes
 from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
@@ -521,7 +522,7 @@ def test_fill_holes_tiles_the_compacted_rows_or_declines(seed):
 
 
 def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch):
-    import captioner.service.batcher as batcher_module
+    import captioner.service.row_table as row_table_module
 
     runtime = runtime_for("sat", encoder)
     images = [runtime.prepare(image) for image in random_images(5, seed=4)]
@@ -531,7 +532,7 @@ def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch)
     schedule = [(0, images[0], 3, 9), (0, images[1], 3, 2), (0, images[2], 3, 9), (0, images[3], 3, 9),
                 (0, images[4], 3, 9)]
     selections = []
-    monkeypatch.setattr(batcher_module, "index_rows", lambda state, index: selections.append(index) or state)
+    monkeypatch.setattr(row_table_module, "index_rows", lambda state, index: selections.append(index) or state)
     results = asyncio.run(drive(batcher, schedule))
     assert selections == []  # the encoder state was never selected row by row, only the moved blocks copied
     for (_, prepared, beam, max_len), got in zip(schedule, results):
