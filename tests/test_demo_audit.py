@@ -80,69 +80,74 @@ def upload(page, name: str, data: bytes, mime: str) -> None:
     page.wait_for_selector("#caption .word", timeout=30_000)
 
 
-@pytest.mark.browser
-@needs_chromium
-def test_one_click_on_a_word_asks_for_its_heatmap_once(tiny_server):
+@pytest.fixture
+def captioned(tiny_server):
+    """A page showing the caption of a 160×120 gradient."""
     with page_of(tiny_server) as page:
         upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        asked = []
-        page.on("request", lambda r: asked.append(r.url) if "/overlay?" in r.url else None)
-        page.locator("#caption .word").nth(1).click()  # mouseenter, focus and click
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
-        page.wait_for_timeout(300)
-        assert len(asked) == 1, asked
-        page.keyboard.press("ArrowLeft")
-        page.keyboard.press("ArrowRight")  # back to a word whose heatmap the page holds
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
-        page.wait_for_timeout(300)
-        assert len(asked) == 2, asked
+        yield page
 
 
 @pytest.mark.browser
 @needs_chromium
-def test_no_word_shows_another_words_heatmap_while_its_own_is_on_its_way(tiny_server):
-    with page_of(tiny_server) as page:
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        words = page.locator("#caption .word")
-        words.nth(0).hover()
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
-        held = []
-        page.route("**/overlay?*", lambda route: held.append(route))
-        words.nth(1).hover()
-        wait_until(page, "() => document.querySelector('#caption .word.active').dataset.index === '1'", 10)
-        assert page.evaluate("() => document.getElementById('overlay').hidden")  # not word 0's heatmap
-        assert page.locator("#selected").inner_text().startswith("Loading")
-        for _ in range(50):  # the route handler runs while the page is waited on
-            if held:
-                break
-            page.wait_for_timeout(100)
-        for route in held:
-            route.continue_()
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
-        word = words.nth(1).inner_text()
-        assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{word}”"
-        assert page.locator("#selected").inner_text() == f"Showing “{word}”."
+def test_one_click_on_a_word_asks_for_its_heatmap_once(captioned):
+    page = captioned
+    asked = []
+    page.on("request", lambda r: asked.append(r.url) if "/overlay?" in r.url else None)
+    page.locator("#caption .word").nth(1).click()  # mouseenter, focus and click
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    page.wait_for_timeout(300)
+    assert len(asked) == 1, asked
+    page.keyboard.press("ArrowLeft")
+    page.keyboard.press("ArrowRight")  # back to a word whose heatmap the page holds
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    page.wait_for_timeout(300)
+    assert len(asked) == 2, asked
 
 
 @pytest.mark.browser
 @needs_chromium
-def test_requests_that_fail_on_the_network_leave_nothing_stale_on_screen(tiny_server):
-    with page_of(tiny_server) as page:
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        words = page.locator("#caption .word")
-        words.nth(0).hover()
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
-        page.route("**/overlay?*", lambda route: route.abort())  # the server went away
-        words.nth(1).hover()
-        wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
-        assert "heatmap request failed" in page.locator("#status").inner_text()
-        assert page.evaluate("() => document.getElementById('overlay').hidden")
-        assert page.locator("#selected").inner_text() == ""
-        page.route("**/caption?*", lambda route: route.abort())
-        page.set_input_files("#file", files=[{"name": "b.png", "mimeType": "image/png",
-                                              "buffer": image_bytes((90, 90), "PNG")}])
-        wait_until(page, "() => document.getElementById('status').textContent.startsWith('The request failed')", 10)
-        assert page.evaluate("() => document.getElementById('result').hidden")
+def test_no_word_shows_another_words_heatmap_while_its_own_is_on_its_way(captioned):
+    page = captioned
+    words = page.locator("#caption .word")
+    words.nth(0).hover()
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    held = []
+    page.route("**/overlay?*", lambda route: held.append(route))
+    words.nth(1).hover()
+    wait_until(page, "() => document.querySelector('#caption .word.active').dataset.index === '1'", 10)
+    assert page.evaluate("() => document.getElementById('overlay').hidden")  # not word 0's heatmap
+    assert page.locator("#selected").inner_text().startswith("Loading")
+    for _ in range(50):  # the route handler runs while the page is waited on
+        if held:
+            break
+        page.wait_for_timeout(100)
+    for route in held:
+        route.continue_()
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    word = words.nth(1).inner_text()
+    assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{word}”"
+    assert page.locator("#selected").inner_text() == f"Showing “{word}”."
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_requests_that_fail_on_the_network_leave_nothing_stale_on_screen(captioned):
+    page = captioned
+    words = page.locator("#caption .word")
+    words.nth(0).hover()
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    page.route("**/overlay?*", lambda route: route.abort())  # the server went away
+    words.nth(1).hover()
+    wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
+    assert "heatmap request failed" in page.locator("#status").inner_text()
+    assert page.evaluate("() => document.getElementById('overlay').hidden")
+    assert page.locator("#selected").inner_text() == ""
+    page.route("**/caption?*", lambda route: route.abort())
+    page.set_input_files("#file", files=[{"name": "b.png", "mimeType": "image/png",
+                                          "buffer": image_bytes((90, 90), "PNG")}])
+    wait_until(page, "() => document.getElementById('status').textContent.startsWith('The request failed')", 10)
+    assert page.evaluate("() => document.getElementById('result').hidden")
 
 
 @pytest.mark.browser
@@ -165,23 +170,22 @@ def test_the_drop_zone_is_a_control_the_keyboard_reaches_and_opens(tiny_server):
 
 @pytest.mark.browser
 @needs_chromium
-def test_the_caption_is_one_tab_stop_and_arrow_keys_move_within_it(tiny_server):
-    with page_of(tiny_server) as page:
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        words = page.locator("#caption .word")
-        assert words.count() >= 3
-        page.focus("#mode")
-        page.keyboard.press("Tab")
-        assert page.evaluate("() => document.activeElement.dataset.index") == "0"
-        page.keyboard.press("ArrowRight")
-        page.keyboard.press("ArrowRight")
-        assert page.evaluate("() => document.activeElement.dataset.index") == "2"
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
-        assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{words.nth(2).inner_text()}”"
-        page.keyboard.press("Shift+Tab")  # out of the caption at once
-        assert page.evaluate("() => document.activeElement.id") == "mode"
-        page.keyboard.press("Tab")  # back to the word last chosen
-        assert page.evaluate("() => document.activeElement.dataset.index") == "2"
+def test_the_caption_is_one_tab_stop_and_arrow_keys_move_within_it(captioned):
+    page = captioned
+    words = page.locator("#caption .word")
+    assert words.count() >= 3
+    page.focus("#mode")
+    page.keyboard.press("Tab")
+    assert page.evaluate("() => document.activeElement.dataset.index") == "0"
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowRight")
+    assert page.evaluate("() => document.activeElement.dataset.index") == "2"
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{words.nth(2).inner_text()}”"
+    page.keyboard.press("Shift+Tab")  # out of the caption at once
+    assert page.evaluate("() => document.activeElement.id") == "mode"
+    page.keyboard.press("Tab")  # back to the word last chosen
+    assert page.evaluate("() => document.activeElement.dataset.index") == "2"
 
 
 @pytest.mark.browser
