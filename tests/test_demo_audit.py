@@ -88,6 +88,14 @@ def captioned(tiny_server):
         yield page
 
 
+def first_word_shown(page):
+    """Hover the first word until its heatmap is on screen; the caption's words."""
+    words = page.locator("#caption .word")
+    words.nth(0).hover()
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    return words
+
+
 @pytest.mark.browser
 @needs_chromium
 def test_one_click_on_a_word_asks_for_its_heatmap_once(captioned):
@@ -109,9 +117,7 @@ def test_one_click_on_a_word_asks_for_its_heatmap_once(captioned):
 @needs_chromium
 def test_no_word_shows_another_words_heatmap_while_its_own_is_on_its_way(captioned):
     page = captioned
-    words = page.locator("#caption .word")
-    words.nth(0).hover()
-    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    words = first_word_shown(page)
     held = []
     page.route("**/overlay?*", lambda route: held.append(route))
     words.nth(1).hover()
@@ -134,9 +140,7 @@ def test_no_word_shows_another_words_heatmap_while_its_own_is_on_its_way(caption
 @needs_chromium
 def test_requests_that_fail_on_the_network_leave_nothing_stale_on_screen(captioned):
     page = captioned
-    words = page.locator("#caption .word")
-    words.nth(0).hover()
-    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    words = first_word_shown(page)
     page.route("**/overlay?*", lambda route: route.abort())  # the server went away
     words.nth(1).hover()
     wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
