@@ -200,8 +200,7 @@ def test_a_tiff_which_browsers_cannot_show_is_shown_as_the_service_read_it(tiny_
         wait_until(page, "() => document.getElementById('photo').naturalWidth > 0", 30)
         assert page.evaluate("() => [document.getElementById('photo').naturalWidth,"
                              " document.getElementById('photo').naturalHeight]") == [300, 200]
-        page.locator("#caption .word").nth(0).hover()
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        first_word_shown(page)
         assert page.evaluate(OVERLAY_BOX) == page.evaluate(PHOTO_BOX) == [300, 200]
 
 
@@ -211,8 +210,7 @@ def test_a_tiny_image_is_shown_large_enough_to_see_its_heatmap(tiny_server):
     with page_of(tiny_server) as page:
         upload(page, "icon.png", image_bytes((16, 12), "PNG"), "image/png")
         wait_until(page, "() => document.getElementById('photo').getBoundingClientRect().width >= 256", 10)
-        page.locator("#caption .word").nth(0).hover()
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        first_word_shown(page)
         width, height = page.evaluate(PHOTO_BOX)
         assert (width, height) == (256, 192)
         assert page.evaluate(OVERLAY_BOX) == [width, height]
