@@ -317,6 +317,10 @@ F8K_AOANET := --recipe aoanet $(F8K_GRID) --set d_model=256 --set embed_dim=256 
 F8K_TRAIN_f8k-aoanet := $(F8K_AOANET) --epochs 20
 F8K_TRAIN_f8k-aoanet-scst := $(F8K_AOANET) --phase scst --epochs 3
 F8K_INIT_f8k-aoanet-scst := f8k-aoanet
+# the same with the end token in the reward, as self-critical.pytorch scores it (docs/decisions.md, "Flickr8k: SCST
+# with the end token in the reward")
+F8K_TRAIN_f8k-aoanet-scst-eos := $(F8K_TRAIN_f8k-aoanet-scst) --scst-reward-eos
+F8K_INIT_f8k-aoanet-scst-eos := f8k-aoanet
 F8K_XLAN := --recipe xlan $(F8K_GRID) --set dim=256 --set hidden_dim=256 --set embed_dim=256 --set channel_dim=128 \
   --group-by-image --min-count 6 --val-beam 3
 F8K_TRAIN_f8k-xlan := $(F8K_XLAN) --warmup-steps 1000 --epochs 20

@@ -156,3 +156,28 @@ def test_scst_pushes_down_the_tokens_the_beam_search_never_emits():
     before = unk_mass(model)
     _scst_steps(model, vis, refs, cider, steps=30, samples=8)
     assert unk_mass(model) < 0.75 * before, (before, unk_mass(model))  # the old sampler: ×10 (0.013 → 0.139)
+
+
+@pytest.mark.parametrize("with_end", [False, True])
+def test_the_reward_counts_the_end_token_only_when_asked(tmp_path, with_end):
+    """``--scst-reward-eos`` (self-critical.pytorch's ``array_to_str`` keeps the trailing 0, and its references hold
+    it): the references and a caption that ended get the end token; one that ran to the length limit does not.
+    Without the flag both are their words alone."""
+    from pathlib import Path
+
+    from captioner.models.data.karpathy import CaptionedImage
+    from captioner.models.training.scst import SCSTPhase
+    from captioner.models.vocab import Vocabulary
+
+    references = [["a", "dog", "runs", "through", "the", "grass"], ["a", "brown", "dog", "runs"]]
+    vocab = Vocabulary.build(references)
+    images = [CaptionedImage(1, Path("p.jpg"), "train", references)]
+    cfg = TrainConfig(out=str(tmp_path), phase="scst", scst_reward_eos=with_end)
+    model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=8, hidden_dim=8, attn_dim=8)
+    phase = SCSTPhase(cfg, model, vocab, None, images, torch.device("cpu"))
+    end = " <eos>" if with_end else ""
+    assert phase.references == [["a dog runs through the grass" + end, "a brown dog runs" + end]]
+    cut_short = vocab.encode(["a", "dog", "runs", "through", "the"])  # ends with <eos>
+    assert cut_short[-1] == vocab.eos_id
+    assert phase.reward_text(cut_short) == "a dog runs through the" + end
+    assert phase.reward_text(cut_short[:-1] + [vocab.pad_id]) == "a dog runs through the"  # never ended

@@ -97,6 +97,9 @@ class TrainConfig(_SavedRecord):
     max_train_len: int = option(16, "training captions are cut to this many words", least=1)
     max_decode_len: int = option(20, "decoding steps in validation and SCST", least=1)
     scst_samples: int = option(5, "captions sampled per image in SCST", least=1)
+    scst_reward_eos: bool = option(False, "scst: score the reward with the end token in the sampled captions and the "
+                                          "references, as self-critical.pytorch does (docs/decisions.md, \"Flickr8k: "
+                                          "SCST with the end token in the reward\")", kind="true")
     scst_baseline: str = option("greedy", "SCST baseline: the greedy caption's reward or the mean of the other "
                                           "samples'", choices=("greedy", "mean"))
     val_beam: int = option(1, "beam size of the validation captions", least=1)

@@ -7,7 +7,9 @@ Per mini-batch of images:
 1. the greedy caption ``ŷ`` of each image, decoded with the model in eval mode and without gradient;
 2. ``n`` captions ``y^s`` per image sampled from the full softmax with the model in train mode;
 3. CIDEr-D of every caption against the image's references, with document frequencies from the training
-   references (as the authors' code does);
+   references (as the authors' code does); with ``scst_reward_eos`` a caption that ended holds its end token, and
+   every reference one (self-critical.pytorch's ``array_to_str`` keeps the trailing 0; its document frequencies
+   count it too), so a caption cut short of its last words earns less than the same words ending it;
 4. ``L = -Σ (r(y^s) - r(ŷ)) Σ_t log p(y^s_t | y^s_<t) / #tokens``, summing up to and including EOS.
 
 The images are encoded once per decode rather than once per batch (Rennie et al. encode once): the greedy baseline
@@ -83,12 +85,21 @@ class SCSTPhase(Phase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.references = [[" ".join(ref) for ref in im.references] for im in self.images]
+        end = f" {self.vocab.itos[self.vocab.eos_id]}" if self.cfg.scst_reward_eos else ""
+        self.references = [[" ".join(ref) + end for ref in im.references] for im in self.images]
         self.cider = CiderD(self.references)  # document frequencies: the training references (as the authors' code does)
 
     @property
     def size(self) -> int:
         return len(self.images)
+
+    def reward_text(self, ids: list[int]) -> str:
+        """What CIDEr-D scores of a caption's ids: its words, and its end token where it has one and the reward
+        counts it (``scst_reward_eos``); a caption that ran to the length limit has none."""
+        words = self.vocab.decode(ids)
+        if self.cfg.scst_reward_eos and self.vocab.eos_id in ids:
+            words.append(self.vocab.itos[self.vocab.eos_id])
+        return " ".join(words)
 
     def selection_metric(self) -> str:
         return self.cfg.select_metric or "CIDEr-D"
@@ -98,7 +109,7 @@ class SCSTPhase(Phase):
         ranks (the token normaliser stays per rank: exact on one process, an approximation under DDP)."""
         vis = self.store.batch([self.images[i].key for i in batch]).to(self.device)
         loss, logs = scst_batch_loss(self.model, vis, [self.references[i] for i in batch], self.cider,
-                                     lambda ids: " ".join(self.vocab.decode(ids)), self.cfg.scst_samples,
-                                     self.cfg.max_decode_len, self.cfg.scst_baseline)
+                                     self.reward_text, self.cfg.scst_samples, self.cfg.max_decode_len,
+                                     self.cfg.scst_baseline)
         share = len(batch) * self.world / len(global_batch) if global_batch is not None and self.world > 1 else 1.0
         return BatchLoss(loss * share, logs, int(logs.pop("tokens")))
