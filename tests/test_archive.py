@@ -169,7 +169,9 @@ def test_shards_partition_the_input_deterministically(tmp_path, tiny_checkpoint_
         outputs.append([r["path"] for r in read_lines(tmp_path / f"shard{index}.jsonl")])
         assert run.total == len(outputs[-1]) == run.summary.captioned
     assert sorted(p for shard in outputs for p in shard) == small_archive
-    assert all(shard for shard in outputs)
+    # each run captioned its own share: the paths' hashes decide it (with 12 files a share may be empty: the
+    # temporary folder's name is in every path, so which one changes from run to run)
+    assert [sorted(shard) for shard in outputs] == [select_shard(small_archive, i, 3) for i in range(3)]
 
 
 def test_archive_captions_equal_the_single_image_command_and_carry_attention_on_request(
