@@ -27,12 +27,21 @@ router = APIRouter()
 
 ModeQuery = Annotated[str | None, Query(description=f"one of {', '.join(MODES)}; default by geometry and model")]
 TokenQuery = Annotated[int | None, Query(ge=0, description="token index for format=png")]
+FormatQuery = Annotated[Format | None, Query(description=(
+    "png: one word's heatmap (needs token), figure: every word's, json: the heatmaps as numbers; default png when "
+    "a token is given, else figure"))]
 CmapQuery = Annotated[str, Query(description="matplotlib colormap name")]
 AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, description="heatmap opacity")]
 SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
     f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE})"))]
 RENDERED = {200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
                   "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"}}
+
+
+def _format(format: Format | None, token: int | None) -> Format:
+    """The format a request names, else one word's PNG when it names a word and the whole caption's figure when it
+    does not (so that a bare overlay URL opened in a browser shows a picture, not a 422)."""
+    return format or ("png" if token is not None else "figure")
 
 
 async def _respond(request: Request, state: ServiceState, stored: StoredResult, options: RenderOptions,
@@ -57,19 +66,19 @@ async def get_caption(result_id: str, state: State, results: Results,
 
 @router.get("/captions/{result_id}/overlay", summary="Render a previous result's attention (no model run)",
             responses=RENDERED)
-async def get_overlay(request: Request, result_id: str, state: State, results: Results, format: Format = "png",
+async def get_overlay(request: Request, result_id: str, state: State, results: Results, format: FormatQuery = None,
                       token: TokenQuery = None, mode: ModeQuery = None, cmap: CmapQuery = "jet",
                       alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
     return await _respond(request, state, results.get(result_id),
-                          RenderOptions(format, token, mode, cmap, alpha, max_side), result_id)
+                          RenderOptions(_format(format, token), token, mode, cmap, alpha, max_side), result_id)
 
 
 @router.post("/caption/overlay", summary="Caption an image and render its attention in one call",
              openapi_extra=CAPTION_BODY, responses={**RENDERED, **CAPTION_PROBLEMS})
 async def post_overlay(request: Request, state: State, results: Results, options: QueryOptions,
-                       format: Format = "figure", token: TokenQuery = None, mode: ModeQuery = None,
+                       format: FormatQuery = None, token: TokenQuery = None, mode: ModeQuery = None,
                        cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
-    render = RenderOptions(format, token, mode, cmap, alpha, max_side)
+    render = RenderOptions(_format(format, token), token, mode, cmap, alpha, max_side)
     # checked before the model runs for a figure that could not be drawn
     data, result = await caption_upload(request, state, options, check=lambda: check_render_options(render))
     result_id = results.put(result, data)

@@ -52,6 +52,19 @@ def test_figure_and_json_formats(client, result):
     assert heat.size == (300, 200) and heat.mode == "L"
 
 
+def test_an_overlay_without_a_format_is_a_words_png_given_a_token_else_the_figure(client, result):
+    """A bare overlay URL opened in a browser shows the whole caption's figure (it was a 422 asking for a token);
+    with a token it is that word's overlay, on both endpoints."""
+    overlay = f"/captions/{result['id']}/overlay"
+    bare = client.get(overlay)
+    assert bare.content == client.get(overlay, params={"format": "figure"}).content
+    assert _image(bare).width > 600  # the figure: every word beside the photo
+    assert _image(client.get(overlay, params={"token": 1})).size == (600, 400)
+    upload = {"file": ("x.png", _png(Image.new("RGB", (90, 60), (9, 9, 9))), "image/png")}
+    assert _image(client.post("/caption/overlay", params={"token": 0}, files=upload)).size == (90, 60)
+    assert _image(client.post("/caption/overlay", files=upload)).width > 90
+
+
 def test_reusing_a_result_does_not_run_the_model(client, result):
     runtime = client.app.state.service.runtimes["tiny-a"]
     calls = []
@@ -83,7 +96,8 @@ def test_exif_rotated_upload_overlay_has_the_displayed_size(client):
     assert _image(response).size == (200, 120)
 
 
-@pytest.mark.parametrize("params,status", [({"token": 99}, 422), ({}, 422), ({"token": 0, "mode": "region_sum"}, 200),
+@pytest.mark.parametrize("params,status", [({"token": 99}, 422), ({"format": "png"}, 422),
+                                           ({"token": 0, "mode": "region_sum"}, 200),
                                            ({"token": 0, "mode": "area_topk"}, 422), ({"token": 0, "mode": "nope"}, 422),
                                            ({"token": 0, "cmap": "nope"}, 422), ({"token": 0, "alpha": 2}, 422)])
 def test_bad_overlay_requests_are_problems(client, result, params, status):
