@@ -13,6 +13,7 @@ from pathlib import Path
 from captioner.models.cli.commands import add_commands
 from captioner.models.cli.common import DEFAULT_CHECKPOINT, positive_int
 from captioner.models.cli.inference import cmd_caption as caption_files
+from captioner.models.device import resolve_device
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -27,6 +28,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                     "device": args.device, "host": args.host, "port": args.port,
                                     "log_level": args.log_level}.items() if v is not None}
     settings = Settings(**overrides)
+    # a device this machine lacks is the user's mistake, said in one line before the server starts (in the
+    # lifespan it was a traceback and uvicorn's "Application startup failed")
+    resolve_device(settings.device)
     # `kill -USR1 PID` writes every thread's stack to stderr: a server that stalls can be looked into while it
     # stalls, without stopping it or installing a profiler
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -223,3 +223,21 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
         cli.main(["eval"])
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch):
+    """``captioner serve --device cuda`` without a GPU: a one-line error before the server starts, not a lifespan
+    traceback and uvicorn's "Application startup failed"."""
+    import pytest
+    import torch
+
+    from captioner.service import cli
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has the GPU the test asks for")
+    monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--device", "cuda", "--port", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: device 'cuda' was requested but no CUDA GPU is available (use auto or "
+                                       "cpu)\n")

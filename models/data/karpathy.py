@@ -70,6 +70,7 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
 
 
 def _entry(entry: dict[str, Any], position: int, root: Path, max_refs: int) -> CaptionedImage:
+    """One entry of the JSON's ``images`` list (KeyError, TypeError, … where it lacks what Karpathy's entries hold)."""
     split = SPLIT_ALIASES.get(entry["split"], entry["split"])
     refs = [s["tokens"] if s.get("tokens") else tokenize(s.get("raw", "")) for s in entry["sentences"]]
     refs = [[t.lower() for t in r] for r in refs if r][:max_refs]
