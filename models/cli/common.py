@@ -35,16 +35,6 @@ class CommandGroup:
         self._adders[name](sub)
 
 
-def _whole_number(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-    return value
-
-
 def yes_or_no(text: str) -> bool:
     """argparse type of a grid of booleans (``--block-trigrams on off``): anything else is a usage error, not a
     silent no."""
@@ -56,23 +46,25 @@ def yes_or_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off (1/0, true/false, yes/no)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type of counts that must be at least 1 (beam width, caption length, threads, images...): 0 or less
-    is a usage error naming the option, not a traceback deep in decoding."""
-    return _whole_number(text, 1)
-
-
-def at_least(least: int):
-    """argparse type of a whole number that must be at least ``least`` (``captioner train``'s counts, from
-    TrainConfig's ``least`` metadata)."""
+def at_least(least: int) -> Callable[[str], int]:
+    """argparse type of a whole number that must be at least ``least``: anything else is a usage error naming the
+    option, not a traceback deep in the work (``captioner train``'s counts take theirs from TrainConfig's
+    ``least`` metadata)."""
     def whole_number(text: str) -> int:
-        return _whole_number(text, least)
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        return value
     return whole_number
 
 
-def count(text: str) -> int:
-    """argparse type of counts that may be 0 (the images of a split to generate, captions to show)."""
-    return _whole_number(text, 0)
+#: counts that must be at least 1 (beam width, caption length, threads, images...)
+positive_int = at_least(1)
+#: counts that may be 0 (the images of a split to generate, captions to show)
+count = at_least(0)
 
 
 def length_penalty(text: str) -> float:

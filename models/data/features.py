@@ -40,8 +40,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import numpy as np
@@ -97,22 +97,12 @@ class FeatureStore:
     def feat_dim(self) -> int:
         return int(self.item_shape[-1])
 
-    def describes(self, images: Sequence[CaptionedImage]) -> bool:
-        """Whether ``images`` are still the photos whose features this store holds, by their sizes in bytes (a
-        regenerated or replaced photo at the same path almost never keeps its size; a copy keeps it, where a
-        modification time would not).  A photo whose size was not recorded (an older store) or that is not on
-        this machine cannot tell, and counts as current."""
-        for im in images:
-            recorded = self.file_bytes.get(im.key)
-            if recorded is None:
-                continue
-            try:
-                size = im.path.stat().st_size
-            except OSError:
-                continue
-            if size != recorded:
-                return False
-        return True
+    def describes(self, sizes: Mapping[str, int]) -> bool:
+        """Whether the photos of ``sizes`` (:func:`photo_sizes`) are still those whose features this store holds,
+        by their sizes in bytes (a regenerated or replaced photo at the same path almost never keeps its size; a
+        copy keeps it, where a modification time would not).  A photo whose size was not recorded (an older store)
+        or that is not on this machine cannot tell, and counts as current."""
+        return all(self.file_bytes.get(key, size) == size for key, size in sizes.items())
 
     def __len__(self) -> int:
         return len(self.location)
@@ -182,6 +172,16 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def photo_sizes(images: Sequence[CaptionedImage]) -> dict[str, int]:
+    """Each photo's size in bytes by its key (photos not on this machine are left out), read once per extraction:
+    what a store records and what :meth:`FeatureStore.describes` compares."""
+    sizes = {}
+    for im in images:
+        with suppress(OSError):
+            sizes[im.key] = im.path.stat().st_size
+    return sizes
+
+
 def _write_json_atomically(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data))
@@ -190,10 +190,10 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 
 def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str],
                         tuned: str | None = None, view: str = "",
-                        images: Sequence[CaptionedImage] = ()) -> FeatureStore | None:
+                        sizes: Mapping[str, int] | None = None) -> FeatureStore | None:
     """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content, and view)
-    that holds every key (and, given ``images``, still describes their photos), if there is one: a store of all
-    splits serves training (train + val) and evaluation (test) alike."""
+    that holds every key (and, given their :func:`photo_sizes`, still describes their photos), if there is one: a
+    store of all splits serves training (train + val) and evaluation (test) alike."""
     tuned = tuned or tuned_sha256(spec)
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
@@ -202,25 +202,25 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
         except (FeatureStoreError, ValueError, KeyError):
             continue
         if store.encoder == spec.to_json() and store.tuned_sha256 == tuned and store.view == view \
-                and all(key in store.location for key in keys) and store.describes(images):
+                and all(key in store.location for key in keys) and store.describes(sizes or {}):
             return store
     return None
 
 
-def _finished(folder: Path, images: Sequence[CaptionedImage]) -> FeatureStore | None:
-    """The finished store in ``folder`` if it still describes ``images``' photos, else None."""
+def _finished(folder: Path, sizes: Mapping[str, int]) -> FeatureStore | None:
+    """The finished store in ``folder`` if it still describes the photos of ``sizes``, else None."""
     if not (folder / INDEX).exists():  # unfinished, or its index.json removed by a re-extraction meanwhile
         return None
     store = FeatureStore(folder)
-    return store if store.describes(images) else None
+    return store if store.describes(sizes) else None
 
 
 def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = None,
-                   images: Sequence[CaptionedImage] = ()) -> FeatureStore:
+                   sizes: Mapping[str, int] | None = None) -> FeatureStore:
     """What ranks other than 0 do: wait for rank 0's completion marker (``index.json``, of a store that describes
-    ``images``) or failure marker."""
+    the photos of ``sizes``) or failure marker."""
     start, started_at = time.monotonic(), time.time()
-    while (store := _finished(folder, images)) is None:
+    while (store := _finished(folder, sizes or {})) is None:
         try:  # a failure marker from an earlier run (older than this wait by a minute) is rank 0's to clear
             failed = folder / FAILED
             if failed.stat().st_mtime > started_at - 60:
@@ -246,16 +246,17 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     keys = [im.key for im in images]
     tuned = tuned_sha256(spec)  # read once: the name, the covering store and the index all need it
     folder = Path(cache_dir) / _cache_name(spec, keys, tuned, view)
-    if (store := _finished(folder, images)) is not None:
+    sizes = photo_sizes(images)  # once: every store looked at below compares them, and the new index records them
+    if (store := _finished(folder, sizes)) is not None:
         return store
-    covering = find_covering_store(cache_dir, spec, keys, tuned, view, images)
+    covering = find_covering_store(cache_dir, spec, keys, tuned, view, sizes)
     if covering is not None:  # e.g. all splits extracted once by `captioner data features`
         return covering
     folder.mkdir(parents=True, exist_ok=True)
     if (distributed_rank() if rank is None else rank) != 0:
-        return wait_for_store(folder, timeout_s=wait_timeout_s, images=images)
+        return wait_for_store(folder, timeout_s=wait_timeout_s, sizes=sizes)
     with _exclusive(folder / LOCK):
-        if (store := _finished(folder, images)) is not None:  # another process finished it meanwhile
+        if (store := _finished(folder, sizes)) is not None:  # another process finished it meanwhile
             return store
         if (folder / INDEX).exists():  # the photos changed since (a data set regenerated in place): encode again
             (folder / INDEX).unlink()
@@ -263,7 +264,8 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
                 stale.unlink()
         (folder / FAILED).unlink(missing_ok=True)
         try:
-            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned, view)
+            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned, view,
+                            sizes)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
             _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
             raise
@@ -286,7 +288,7 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | None, progress: bool, shard_size: int,
-                    tuned: str | None = None, view: str = "") -> None:
+                    tuned: str | None = None, view: str = "", sizes: Mapping[str, int] | None = None) -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
@@ -319,5 +321,5 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     _write_json_atomically(folder / INDEX, {
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
         "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
-        "index": index, "bytes": {im.key: im.path.stat().st_size for im in images},
+        "index": index, "bytes": dict(sizes if sizes is not None else photo_sizes(images)),
         **({"tuned_sha256": tuned} if tuned else {}), **({"view": view} if view else {})})
