@@ -358,6 +358,10 @@ F8K_TRAIN_f8k-xlan-head := $(F8K_XLAN) $(F8K_GRID_HEAD) --warmup-steps 1000 --ep
 # "Flickr8k: a stronger ImageNet encoder"
 F8K_TRAIN_f8k-sat-lite2 := $(F8K_SAT) $(F8K_GRID) --encoder backbone=efficientnet_lite2
 F8K_EXTRA_f8k-sat-lite2 := lite2
+# the shipped SAT recipe with the attention of boxed phrases supervised by Flickr30k Entities, at two weights:
+# docs/decisions.md, "Flickr8k: supervised attention from the Entities boxes"
+$(foreach weight,1 0.3,$(eval F8K_TRAIN_f8k-sat-attsup-$(weight) := $(F8K_SAT) $(F8K_GRID) \
+  --attention-supervision entities:$(FLICKR8K_DIR)/entities --attention-supervision-weight $(weight)))
 F8K_TRAIN_f8k-xlan-lite2 := $(F8K_TRAIN_f8k-xlan) --encoder backbone=efficientnet_lite2
 F8K_EXTRA_f8k-xlan-lite2 := lite2
 F8K_TRAIN_f8k-xtransformer := $(F8K_XT) --warmup-steps 1000 --epochs 10
@@ -411,6 +415,8 @@ F8K_RIVAL_f8k-sat-hflip := sat
 F8K_RIVAL_f8k-xtransformer-tuned := xtransformer
 F8K_RIVAL_f8k-sat-lite2 := sat
 F8K_RIVAL_f8k-xlan-lite2 := xlan
+F8K_RIVAL_f8k-sat-attsup-1 := sat
+F8K_RIVAL_f8k-sat-attsup-0.3 := sat
 runs/shipped-%/captions.val.json: weights/flickr8k/%/model.safetensors | $(STAMP)
 	mkdir -p $(@D)
 	$(BIN)/captioner eval weights/flickr8k/$* $(F8K) --split val --threads 1 --output $(@D)/eval.val.json \

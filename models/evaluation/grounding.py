@@ -91,15 +91,30 @@ def score_map(distribution: np.ndarray, mask: np.ndarray) -> dict[str, float]:
     return {"mass": mass, "pointing": pointing, "ratio": mass / float(share)}
 
 
+def cell_labels(geometry: Geometry, size: tuple[int, int]) -> np.ndarray:
+    """``[H, W]`` the grid cell (1..N) each pixel of an image of ``size`` (width, height) falls in, read off the
+    heatmap itself (``grid_blocks`` of the weights 1..N), so the geometry is the heatmaps' by construction."""
+    items = len(geometry.boxes)
+    return np.rint(heatmap(np.arange(1, items + 1), geometry, "grid_blocks", size=size,
+                           scale=size[0] / geometry.image_size[0]) * items).astype(np.int64)
+
+
+def cell_pixels(labels: np.ndarray, mask: np.ndarray, items: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per grid cell of :func:`cell_labels` (``items`` of them), its pixels and those of them inside ``mask``:
+    ``[N]`` each."""
+    pixels = np.bincount(labels.ravel(), minlength=items + 1)[1:].astype(np.float64)
+    inside = np.bincount(labels[mask.astype(bool)], minlength=items + 1)[1:].astype(np.float64)
+    return pixels, inside
+
+
 def score_rows(rows: np.ndarray, geometry: Geometry, mask: np.ndarray) -> list[dict[str, float]]:
     """:func:`score_map` of :func:`pixel_distribution` of every row of ``rows`` ``[K, N]`` against one mask (on an
     image of the mask's size), with the same results computed per grid cell rather than per pixel.
 
     Under ``pixel_distribution`` every pixel takes its cell's weight, so with ``n_c`` the pixels of cell ``c`` and
     ``m_c`` those inside the mask: mass ``= Σ w_c m_c / Σ w_c n_c``, and the maximum is the plateau of the cells of
-    largest weight (pointing ``= Σ_top m_c / Σ_top n_c``).  The cell of each pixel comes from the heatmap itself
-    (``grid_blocks`` of the weights 1..N), so the geometry is the heatmaps' by construction.  Region items overlap
-    and take the pixel path."""
+    largest weight (pointing ``= Σ_top m_c / Σ_top n_c``), both counted by :func:`cell_pixels`.  Region items
+    overlap and take the pixel path."""
     rows = np.atleast_2d(np.asarray(rows, np.float64))
     height, width = mask.shape
     if geometry.kind != "grid":
@@ -109,11 +124,7 @@ def score_rows(rows: np.ndarray, geometry: Geometry, mask: np.ndarray) -> list[d
     share = float(mask.mean())
     if share == 0:
         raise ValueError("the object mask is empty")
-    items = rows.shape[1]
-    labels = np.rint(heatmap(np.arange(1, items + 1), geometry, "grid_blocks", size=(width, height),
-                             scale=width / geometry.image_size[0]) * items).astype(np.int64)
-    pixels = np.bincount(labels.ravel(), minlength=items + 1)[1:].astype(np.float64)
-    inside = np.bincount(labels[mask.astype(bool)], minlength=items + 1)[1:].astype(np.float64)
+    pixels, inside = cell_pixels(cell_labels(geometry, (width, height)), mask, rows.shape[1])
     out = []
     for row in rows:
         total = row @ pixels

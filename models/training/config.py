@@ -90,6 +90,11 @@ class TrainConfig(_SavedRecord):
     grad_clip: float = option(5.0, "gradient clipping threshold (0: off)")
     grad_clip_mode: str = option("norm", "clip the global gradient norm or each value", choices=("norm", "value"))
     label_smoothing: float = option(0.0, "XE label smoothing ε")
+    attention_supervision: str | None = option(
+        help="xe: train the attention of every word of a boxed phrase towards its boxes (Liu et al. 2017, "
+             "arXiv:1605.09553, strong supervision) from a Flickr30k Entities folder; grid features, models that "
+             "train through their decoding step", metavar="entities:DIR")
+    attention_supervision_weight: float = option(1.0, "weight λ of --attention-supervision's term")
     min_count: int = option(1, "keep words seen at least this often", least=1)
     group_by_image: bool = option(False, "xe: put all reference captions of an image in the same batch (the AoANet "
                                          "and X-LAN codes' seq_per_img), so each image is encoded once per batch",

@@ -49,6 +49,8 @@ from ..protocol import Captioner
 from ..registry import MODELS
 from ..vocab import Vocabulary
 from ..zoo import create
+from .attention_supervision import check_setting as check_attention_supervision
+from .attention_supervision import entities_attention_targets
 from .config import Progress, TrainConfig, check_counts
 from .distributed import DistContext, init_distributed
 from .schedules import NoamWarmup, PlateauDecay, Schedules, ScheduledSampling, StepDecay
@@ -482,6 +484,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     if cfg.extend_vocab and not cfg.init:
         raise ValueError("--extend-vocab adds the data's new words to the vocabulary of --init's checkpoint: "
                          "give --init")
+    entities_dir = check_attention_supervision(cfg) if cfg.attention_supervision else None
     cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
     train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
     val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
@@ -530,6 +533,12 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     optimizer = optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     phase = PHASES[cfg.phase](cfg, model, vocab, store, train_images, device)
     phase.world = ctx.world
+    if entities_dir is not None:
+        targets = entities_attention_targets(train_images, entities_dir, spec, cfg.max_train_len,
+                                             progress=cfg.progress and ctx.is_main)
+        if ctx.is_main:
+            print(targets.summary())
+        phase.supervise_attention(targets)
     schedules = build_schedules(cfg)
     scaler = torch.amp.GradScaler(device.type) if precision.scaled else None
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.stores import mirrored_key
+from .attention_supervision import AttentionTargets, attention_supervision_loss
 from .config import TrainConfig
 from .loop import BatchLoss, Phase, TrainingInterrupted, register_phase, train
 
@@ -57,6 +58,8 @@ class XEPhase(Phase):
         super().__init__(*args, **kwargs)
         self.pairs = [(im.key, self.vocab.encode(ref, self.cfg.max_train_len))
                       for im in self.images for ref in im.references]
+        #: ground-truth attention rows by (image key, reference index) (``--attention-supervision``), or None
+        self.attention_targets: AttentionTargets | None = None
         # pairs of image i are pairs[starts[i]:starts[i + 1]]
         self.starts = np.cumsum([0] + [len(im.references) for im in self.images])
         self.image_of_pair = np.repeat(np.arange(len(self.images)), np.diff(self.starts))
@@ -93,7 +96,10 @@ class XEPhase(Phase):
         vis = self.store.batch(list(images)).to(self.device)
         rows = torch.tensor([images[key] for key, _ in pairs], device=self.device)
         targets = _pad([ids for _, ids in pairs], self.vocab.pad_id).to(self.device)
-        logprobs, aux = self.model.forward_xe(vis, targets, self.ss_prob, rows)
+        if self.attention_targets is None:
+            logprobs, aux = self.model.forward_xe(vis, targets, self.ss_prob, rows)
+        else:
+            logprobs, aux = self._supervised_forward(vis, targets, rows, batch)
         # the loss in float32 even under autocast: a bf16 log-probability sum loses the small terms
         loss = xe_loss(logprobs.float(), targets, self.vocab.pad_id, self.cfg.label_smoothing)
         tokens = sum(len(ids) for _, ids in pairs)
@@ -103,3 +109,21 @@ class XEPhase(Phase):
             item_share = len(batch) * self.world / len(global_batch)
         total = loss * token_share + sum(value.float() * item_share for value in aux.values())
         return BatchLoss(total, {"xe": loss.item(), **{name: value.item() for name, value in aux.items()}}, tokens)
+
+    def supervise_attention(self, targets: AttentionTargets) -> None:
+        """Add ``--attention-supervision``'s term to every batch (:func:`.attention_supervision.check_setting` has
+        made sure this model hands over each step's attention)."""
+        self.attention_targets = targets
+        #: (image key, reference index) of every pair, in the order of ``pairs``
+        self.references = [(im.key, j) for im in self.images for j in range(len(im.references))]
+
+    def _supervised_forward(self, vis, targets: torch.Tensor, rows: torch.Tensor, batch: Sequence[int]):
+        """:meth:`Captioner.forward_xe` plus the supervised-attention term, from the same teacher-forced steps."""
+        logprobs, records, _ = self.model.teacher_force(vis, targets, self.ss_prob, rows)
+        attention = torch.stack([r.primary for r in records], dim=1)
+        aux = self.model.auxiliary_losses(attention, targets != self.vocab.pad_id)
+        beta, supervised = self.attention_targets.batch([self.references[i] for i in batch], targets.shape[1],
+                                                        self.device)
+        aux["attention_supervision"] = (self.cfg.attention_supervision_weight
+                                        * attention_supervision_loss(attention, beta, supervised))
+        return logprobs, aux

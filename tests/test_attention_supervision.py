@@ -1,0 +1,179 @@
+"""Supervised attention from phrase boxes (models/training/attention_supervision.py; Liu et al. 2017,
+arXiv:1605.09553): the loss against a naive sum, the targets on photos whose boxes are known, the settings refused
+before any work, and a run whose attention moves into the boxes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from captioner.models.data.karpathy import CaptionedImage
+from captioner.models.encoder import EncoderSpec
+from captioner.models.training.attention_supervision import (attention_supervision_loss, check_setting,
+                                                            entities_attention_targets)
+from captioner.models.training.config import TrainConfig
+
+from .test_cli import captioner
+
+CAPTION = ["a", "red", "circle", "on", "a", "plain", "background"]
+#: (flickr id, the red circle's box on the 64×48 copy, its split)
+PHOTOS = [("111", (0, 0, 32, 24), "train"), ("222", (32, 24, 64, 48), "train"), ("333", (32, 0, 64, 24), "train"),
+          ("444", (0, 24, 32, 48), "val")]
+
+
+def _photos(tmp_path):
+    """64×48 copies of 128×96 photos, a red circle filling one quadrant of each, their Entities files (the circle
+    boxed, the background a scene chain without a box) and a Karpathy JSON."""
+    (tmp_path / "images").mkdir()
+    entities = tmp_path / "entities"
+    (entities / "Sentences").mkdir(parents=True)
+    (entities / "Annotations").mkdir()
+    entries = []
+    for index, (flickr_id, box, split) in enumerate(PHOTOS):
+        picture = Image.new("RGB", (64, 48), (235, 235, 235))
+        ImageDraw.Draw(picture).ellipse(box, fill=(220, 30, 30))
+        picture.save(tmp_path / "images" / f"{flickr_id}_x.jpg")
+        (entities / "Sentences" / f"{flickr_id}.txt").write_text(
+            "[/EN#1/other a red circle] on [/EN#2/scene a plain background] .\n[/EN#1/other one circle] .\n")
+        x0, y0, x1, y1 = (2 * v for v in box)
+        (entities / "Annotations" / f"{flickr_id}.xml").write_text(
+            f"<annotation><size><width>128</width><height>96</height></size><object><name>1</name><bndbox>"
+            f"<xmin>{x0 + 1}</xmin><ymin>{y0 + 1}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
+            f"<object><name>2</name><scene>1</scene></object></annotation>")
+        entries.append({"filename": f"{flickr_id}_x.jpg", "filepath": "images", "imgid": index, "split": split,
+                        "sentences": [{"tokens": CAPTION}, {"tokens": ["one", "circle"]},
+                                      {"tokens": ["a", "circle", "not", "in", "entities"]}]})
+    (tmp_path / "dataset.json").write_text(json.dumps({"images": entries}))
+    return tmp_path / "dataset.json", entities
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------------------------
+def _rows(batch=3, steps=4, items=6, seed=0, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seed)
+    alpha = torch.softmax(torch.randn(batch, steps, items, generator=generator, dtype=dtype), -1)
+    beta = torch.rand(batch, steps, items, generator=generator, dtype=dtype)
+    beta[beta < 0.4] = 0  # boxes leave cells out
+    beta[..., 0] += 0.1  # no row is all zeros
+    beta = beta / beta.sum(-1, keepdim=True)
+    supervised = torch.rand(batch, steps, generator=generator) < 0.6
+    supervised[0, 0] = True
+    return alpha, beta, supervised
+
+
+def test_loss_is_the_mean_kl_over_the_supervised_words():
+    alpha, beta, supervised = _rows()
+    terms = []
+    for b in range(alpha.shape[0]):
+        for t in range(alpha.shape[1]):
+            if supervised[b, t]:
+                terms.append(sum(float(beta[b, t, i]) * np.log(float(beta[b, t, i]) / float(alpha[b, t, i]))
+                                 for i in range(alpha.shape[2]) if beta[b, t, i] > 0))
+    assert float(attention_supervision_loss(alpha, beta, supervised)) == pytest.approx(np.mean(terms), rel=1e-5)
+
+
+def test_loss_is_zero_at_the_target_positive_elsewhere_and_its_gradient_checks():
+    alpha, beta, supervised = _rows()
+    assert float(attention_supervision_loss(beta, beta, supervised)) == pytest.approx(0.0, abs=1e-6)
+    assert float(attention_supervision_loss(alpha, beta, supervised)) > 0.05
+    scores = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda s: attention_supervision_loss(torch.softmax(s, -1), beta, supervised), (scores,))
+
+
+def test_a_batch_without_supervised_words_adds_zero_and_keeps_the_graph():
+    alpha, beta, _ = _rows()
+    scores = torch.randn(alpha.shape, requires_grad=True)
+    loss = attention_supervision_loss(torch.softmax(scores, -1), beta, torch.zeros(alpha.shape[:2], dtype=torch.bool))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and scores.grad is not None and float(scores.grad.abs().sum()) == 0.0
+
+
+def test_sparse_maps_with_exact_zeros_give_a_finite_loss():
+    alpha, beta, supervised = _rows(dtype=torch.float32)
+    alpha = torch.where(beta > 0, torch.zeros_like(alpha), alpha)  # all mass outside the boxes: the worst case
+    assert torch.isfinite(attention_supervision_loss(alpha, beta, supervised))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The targets
+# ---------------------------------------------------------------------------------------------------------------
+def test_targets_lay_each_phrase_box_on_the_heatmap_cells(tmp_path):
+    _, entities = _photos(tmp_path)
+    images = [CaptionedImage(i, tmp_path / "images" / f"{fid}_x.jpg", "train",
+                             [CAPTION, ["one", "circle"], ["a", "circle", "not", "in", "entities"]])
+              for i, (fid, _, _) in enumerate(PHOTOS[:2])]
+    targets = entities_attention_targets(images, str(entities), EncoderSpec(layer="blocks"), max_len=16)
+    assert targets.items == 64 and targets.captions == 6 and targets.aligned == 4
+    # "a red circle" (positions 0-2) and "one circle" (0-1) are boxed; "on", the scene chain and the caption
+    # Entities does not hold are not supervised
+    first, second = images[0].key, images[1].key
+    assert set(targets.rows) == {(first, 0), (first, 1), (second, 0), (second, 1)}
+    assert sorted(targets.rows[(first, 0)]) == [0, 1, 2] and sorted(targets.rows[(first, 1)]) == [0, 1]
+    # the first photo's circle fills the top-left quadrant: the 4×4 cells there, equally (8×8 grid, stretched)
+    expected = np.zeros((8, 8), np.float32)
+    expected[:4, :4] = 1 / 16
+    np.testing.assert_allclose(targets.rows[(first, 0)][1].reshape(8, 8), expected, atol=1e-6)
+    expected = np.zeros((8, 8), np.float32)
+    expected[4:, 4:] = 1 / 16  # the second photo's: bottom right
+    np.testing.assert_allclose(targets.rows[(second, 1)][0].reshape(8, 8), expected, atol=1e-6)
+    assert targets.words == 10 and "4 of 6 training captions" in targets.summary()
+
+    cut = entities_attention_targets(images, str(entities), EncoderSpec(layer="blocks"), max_len=2)
+    assert sorted(cut.rows[(first, 0)]) == [0, 1]  # training captions are cut there
+    beta, supervised = targets.batch([(first, 0), (second, 2), (second, 1)], steps=3, device=torch.device("cpu"))
+    assert beta.shape == (3, 3, 64) and supervised.tolist() == [[True] * 3, [False] * 3, [True, True, False]]
+    np.testing.assert_allclose(beta[2, 0].reshape(8, 8).numpy(), expected, atol=1e-6)
+
+
+def _config(tmp_path, **overrides) -> TrainConfig:
+    dataset, entities = _photos(tmp_path)
+    cfg = dict(dataset=str(dataset), out=str(tmp_path / "run"), model="sat", cache_dir=str(tmp_path / "cache"),
+               model_args=dict(embed_dim=16, hidden_dim=32, attn_dim=16, dropout=0.0), encoder={"layer": "blocks"},
+               progress=False, attention_supervision=f"entities:{entities}")
+    cfg.update(overrides)
+    return TrainConfig(**cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(attention_supervision="boxes:somewhere"), "takes entities:DIR"),
+    (dict(attention_supervision="entities:/nonexistent"), "not a Flickr30k Entities folder"),
+    (dict(phase="scst"), "not to --phase scst"),
+    (dict(features="regions:/somewhere"), "has none"),
+    (dict(augment="hflip"), "leave out --augment"),
+    (dict(model="xtransformer"), "forward pass of its own"),
+    (dict(model="sat-hard"), "forward pass of its own")])
+def test_settings_it_cannot_serve_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_setting(_config(tmp_path, **overrides))
+
+
+def test_the_command_refuses_them_in_one_line_before_any_work(tmp_path):
+    cfg = _config(tmp_path)
+    done = captioner("train", "--dataset", cfg.dataset, "--out", cfg.out, "--model", "xtransformer",
+                     "--attention-supervision", cfg.attention_supervision, "--cache-dir", cfg.cache_dir, check=False)
+    assert done.returncode == 2 and "forward pass of its own" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A run
+# ---------------------------------------------------------------------------------------------------------------
+def test_a_supervised_run_moves_the_attention_into_the_boxes(tmp_path):
+    from captioner.models.training.xe import train
+
+    cfg = _config(tmp_path, epochs=25, batch_size=9, lr=1e-2, attention_supervision_weight=5.0, log_every=1,
+                  val_beam=1, min_count=1)
+    train(cfg)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    terms = [s["attention_supervision"] for s in steps if s.get("kind") == "step"]
+    assert len(terms) == 25 and np.mean(terms[-5:]) < 0.5 * np.mean(terms[:3])
+    # without the term nothing is logged for it
+    train(replace(cfg, out=str(tmp_path / "plain"), attention_supervision=None, epochs=1))
+    plain = (tmp_path / "plain" / "metrics.jsonl").read_text()
+    assert "attention_supervision" not in plain and '"xe"' in plain
