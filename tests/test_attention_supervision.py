@@ -10,7 +10,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec
@@ -18,6 +17,7 @@ from captioner.models.training.attention_supervision import (attention_supervisi
                                                             entities_attention_targets)
 from captioner.models.training.config import TrainConfig
 
+from .entities_photos import circle_photos
 from .test_cli import captioner
 
 CAPTION = ["a", "red", "circle", "on", "a", "plain", "background"]
@@ -27,29 +27,9 @@ PHOTOS = [("111", (0, 0, 32, 24), "train"), ("222", (32, 24, 64, 48), "train"), 
 
 
 def _photos(tmp_path):
-    """64×48 copies of 128×96 photos, a red circle filling one quadrant of each, their Entities files (the circle
-    boxed, the background a scene chain without a box) and a Karpathy JSON."""
-    (tmp_path / "images").mkdir()
-    entities = tmp_path / "entities"
-    (entities / "Sentences").mkdir(parents=True)
-    (entities / "Annotations").mkdir()
-    entries = []
-    for index, (flickr_id, box, split) in enumerate(PHOTOS):
-        picture = Image.new("RGB", (64, 48), (235, 235, 235))
-        ImageDraw.Draw(picture).ellipse(box, fill=(220, 30, 30))
-        picture.save(tmp_path / "images" / f"{flickr_id}_x.jpg")
-        (entities / "Sentences" / f"{flickr_id}.txt").write_text(
-            "[/EN#1/other a red circle] on [/EN#2/scene a plain background] .\n[/EN#1/other one circle] .\n")
-        x0, y0, x1, y1 = (2 * v for v in box)
-        (entities / "Annotations" / f"{flickr_id}.xml").write_text(
-            f"<annotation><size><width>128</width><height>96</height></size><object><name>1</name><bndbox>"
-            f"<xmin>{x0 + 1}</xmin><ymin>{y0 + 1}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
-            f"<object><name>2</name><scene>1</scene></object></annotation>")
-        entries.append({"filename": f"{flickr_id}_x.jpg", "filepath": "images", "imgid": index, "split": split,
-                        "sentences": [{"tokens": CAPTION}, {"tokens": ["one", "circle"]},
-                                      {"tokens": ["a", "circle", "not", "in", "entities"]}]})
-    (tmp_path / "dataset.json").write_text(json.dumps({"images": entries}))
-    return tmp_path / "dataset.json", entities
+    """Four photos, a red circle filling one quadrant of each (the circle boxed, the background a scene chain without
+    a box), each with two of the Entities captions and one that Entities does not hold."""
+    return circle_photos(tmp_path, PHOTOS, [CAPTION, ["one", "circle"], ["a", "circle", "not", "in", "entities"]])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from captioner.models.checkpoint import write_manifest
 from captioner.models.data.entities import (EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage,
@@ -26,6 +26,7 @@ from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 
 from .conftest import DEFAULT_CHECKPOINT
+from .entities_photos import circle_photos
 from .test_cli import captioner
 
 SENTENCES = """[/EN#18/people A little girl] in [/EN#19/clothing a pink dress] climbs [/EN#20/other the stairs] .
@@ -220,26 +221,8 @@ def test_teacher_forcing_gives_the_rows_beam_search_aligns_with_its_words():
 # ---------------------------------------------------------------------------------------------------------------
 def _photos_and_entities(tmp_path):
     """Two 64×48 copies of 128×96 photos, each a red circle in one quadrant, with their Entities files."""
-    (tmp_path / "images").mkdir()
-    entities = tmp_path / "entities"
-    (entities / "Sentences").mkdir(parents=True)
-    (entities / "Annotations").mkdir()
-    entries = []
-    for index, (flickr_id, box) in enumerate([("111", (0, 0, 32, 24)), ("222", (32, 24, 64, 48))]):
-        picture = Image.new("RGB", (64, 48), (235, 235, 235))
-        ImageDraw.Draw(picture).ellipse(box, fill=(220, 30, 30))
-        picture.save(tmp_path / "images" / f"{flickr_id}_x.jpg")
-        (entities / "Sentences" / f"{flickr_id}.txt").write_text(
-            "[/EN#1/other a red circle] on [/EN#2/scene a plain background] .\n[/EN#1/other one circle] .\n")
-        x0, y0, x1, y1 = (2 * v for v in box)
-        (entities / "Annotations" / f"{flickr_id}.xml").write_text(
-            f"<annotation><size><width>128</width><height>96</height></size><object><name>1</name><bndbox>"
-            f"<xmin>{x0 + 1}</xmin><ymin>{y0 + 1}</ymin><xmax>{x1}</xmax><ymax>{y1}</ymax></bndbox></object>"
-            f"<object><name>2</name><scene>1</scene></object></annotation>")
-        entries.append({"filename": f"{flickr_id}_x.jpg", "filepath": "images", "imgid": index, "split": "test",
-                        "sentences": [{"tokens": ["a", "red", "circle"]}]})
-    (tmp_path / "dataset.json").write_text(json.dumps({"images": entries}))
-    return tmp_path / "dataset.json", entities
+    return circle_photos(tmp_path, [("111", (0, 0, 32, 24), "test"), ("222", (32, 24, 64, 48), "test")],
+                         [["a", "red", "circle"]])
 
 
 def test_cli_eval_grounding_entities_both_modes(tmp_path):
