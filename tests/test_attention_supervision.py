@@ -153,6 +153,8 @@ def test_a_supervised_run_moves_the_attention_into_the_boxes(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     terms = [s["attention_supervision"] for s in steps if s.get("kind") == "step"]
     assert len(terms) == 25 and np.mean(terms[-5:]) < 0.5 * np.mean(terms[:3])
+    trained_on = json.loads((tmp_path / "run" / "best" / "config.json").read_text())["meta"]["trained_on"]
+    assert "attention supervised by the Flickr30k Entities (Plummer et al." in trained_on  # the card and GET /models
     # without the term nothing is logged for it
     train(replace(cfg, out=str(tmp_path / "plain"), attention_supervision=None, epochs=1))
     plain = (tmp_path / "plain" / "metrics.jsonl").read_text()

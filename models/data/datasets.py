@@ -29,6 +29,8 @@ CITATIONS = {
     "coco": "MS COCO (Lin et al., ECCV 2014)",
     "scenes": "generated scenes (this project's generator)",
 }
+#: the boxes ``--attention-supervision entities:DIR`` trains the attention on
+ENTITIES_CITATION = "Flickr30k Entities (Plummer et al., IJCV 2017, arXiv:1505.04870)"
 
 
 def resolve_dataset(dataset: str | Path) -> Path:

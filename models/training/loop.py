@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from ..checkpoint import (Checkpoint, check_replaceable, load_checkpoint, remove_debris, save_checkpoint,
                           write_durably)
-from ..data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset
+from ..data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
 from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
@@ -576,7 +576,9 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
             find_unused_parameters=True)
     name = dataset_name(cfg.dataset)
     meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
-            "trained_on": f"{CITATIONS.get(name, name)}, train split ({len(train_images):,} images)",
+            "trained_on": f"{CITATIONS.get(name, name)}, train split ({len(train_images):,} images)"
+                          + (f", its attention supervised by the {ENTITIES_CITATION} boxes of those photos"
+                             if cfg.attention_supervision else ""),
             "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
             "precision": precision.name}
     if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint
