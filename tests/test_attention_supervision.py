@@ -123,6 +123,7 @@ def _config(tmp_path, **overrides) -> TrainConfig:
 @pytest.mark.parametrize("overrides, message", [
     (dict(attention_supervision="boxes:somewhere"), "takes entities:DIR"),
     (dict(attention_supervision="entities:/nonexistent"), "not a Flickr30k Entities folder"),
+    (dict(attention_supervision_weight=0.0), "must be positive"),
     (dict(phase="scst"), "not to --phase scst"),
     (dict(features="regions:/somewhere"), "has none"),
     (dict(augment="hflip"), "leave out --augment"),

@@ -62,6 +62,8 @@ def check_setting(cfg) -> str:
         EntitiesDataset(where)  # a folder without Sentences/ and Annotations/ is named here, before any work
     except FileNotFoundError as exc:
         raise ValueError(f"--attention-supervision: {exc}") from None
+    if not cfg.attention_supervision_weight > 0:
+        raise ValueError(f"--attention-supervision-weight must be positive, got {cfg.attention_supervision_weight}")
     if cfg.phase != "xe":
         raise ValueError(f"--attention-supervision adds a term to the xe phase's loss, not to --phase {cfg.phase}'s")
     if (cfg.features or "grid") != "grid":
