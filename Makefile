@@ -440,6 +440,8 @@ runs/%/eval.test.json: runs/%/float16/model.safetensors | $(STAMP)
 # sparsecap.md serves the three normalisers), and its test report and captions go to docs/results/flickr8k/ for
 # `make zoo-f8k`. Which stage ships is the rule in docs/decisions.md, "Flickr8k: which stage ships".
 F8K_SHIP_sat := f8k-sat-blocks-256
+# SAT soft with supervised attention (docs/decisions.md, "Flickr8k: supervised attention from the Entities boxes")
+F8K_SHIP_sat-supervised := f8k-sat-attsup-1
 F8K_SHIP_sat-hard := f8k-sat-hard
 F8K_SHIP_aoanet := f8k-aoanet
 # X-LAN with its encoder's last stage fine-tuned (docs/decisions.md, "Fine-tuning the encoder's last stage")
@@ -462,6 +464,7 @@ ship-f8k-%: | $(STAMP)
 	cp runs/$(F8K_SHIP_$*)/eval.test.json $(F8K_RESULTS)/$*.json
 	cp runs/$(F8K_SHIP_$*)/captions.test.json $(F8K_RESULTS)/captions/$*.json
 F8K_TITLE_sat := Show, Attend and Tell (soft)
+F8K_TITLE_sat-supervised := Show, Attend and Tell (soft) with supervised attention
 F8K_TITLE_sat-hard := Show, Attend and Tell (hard)
 F8K_TITLE_aoanet := AoANet
 F8K_TITLE_xlan := X-LAN
@@ -471,7 +474,7 @@ F8K_TITLE_sparsecap-softmax := SparseCap (softmax)
 F8K_TITLE_sparsecap-sparsemax := SparseCap (sparsemax)
 F8K_TITLE_sparsecap-tvmax := SparseCap (TVmax)
 
-CKPT ?= weights/flickr8k/sat
+CKPT ?= weights/flickr8k/sat-supervised
 eval-f8k: check-f8k | $(STAMP)
 	$(BIN)/captioner eval $(CKPT) $(F8K) --split test --threads 1
 

@@ -25,7 +25,7 @@ def default_model() -> str:
 
 
 def served_default() -> str:
-    """The checkpoint the service answers with when a request names no model (``weights/flickr8k/sat``: the default
+    """The checkpoint the service answers with when a request names no model (``weights/flickr8k/sat-supervised``: the default
     model in the default weights folder of service/settings.py), for the benchmarks that time the service as a user
     meets it."""
     from captioner.service.settings import Settings

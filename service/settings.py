@@ -26,7 +26,7 @@ class Settings(BaseSettings):
         default_factory=dict, description='name prefix → folder, JSON: {"scenes-": "weights"} serves every '
         "checkpoint folder below weights/ as scenes-NAME (the generated-scene checkpoints beside the real-photo ones)")
     checkpoints: list[Path] = Field(default_factory=list, description="extra checkpoint folders (JSON list)")
-    default_model: str = Field("sat", description="model used when a request names none")
+    default_model: str = Field("sat-supervised", description="model used when a request names none")
     backend: Backend = Field("auto", description="inference backend of every model not named in `backends`: auto "
                              "(ONNX Runtime where its captions equal PyTorch's on a check set, else the hybrid, "
                              "else torch), torch, onnx or hybrid (ONNX Runtime CNN, PyTorch decoder)")

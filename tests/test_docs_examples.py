@@ -8,11 +8,13 @@ import re
 import pytest
 
 from captioner.models.pipeline import Pipeline
+from captioner.service.settings import Settings
 
 from .conftest import ROOT
 
 SAMPLE = ROOT / "service" / "static" / "samples" / "chelsea.jpg"
-DEFAULT = ROOT / "weights" / "flickr8k" / "sat"
+#: the model the service answers with when a request names none
+DEFAULT = ROOT / Settings.model_fields["weights_dir"].default / Settings.model_fields["default_model"].default
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

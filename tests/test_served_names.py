@@ -75,10 +75,10 @@ def test_by_default_the_real_photo_checkpoints_take_the_plain_names():
     scenes-NAME (names and folders only: nothing is loaded)."""
     fields = Settings.model_fields  # the defaults, whatever CAPTIONER_* variables this shell holds
     weights_dir = fields["weights_dir"].default
-    assert weights_dir == Path("weights/flickr8k") and fields["default_model"].default == "sat"
+    assert weights_dir == Path("weights/flickr8k") and fields["default_model"].default == "sat-supervised"
     assert fields["prefixed_weights_dirs"].get_default(call_default_factory=True) == {}
     served = find_checkpoints(ROOT / weights_dir)
-    assert served["sat"] == WEIGHTS / "flickr8k" / "sat"
+    assert served["sat"] == WEIGHTS / "flickr8k" / "sat" and "sat-supervised" in served  # the default is served
     assert not [name for name in served if name.startswith("scenes-")]
 
     recipe = re.search(r"^serve-scenes:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)

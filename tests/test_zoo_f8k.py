@@ -176,6 +176,8 @@ def test_a_checkpoint_title_comes_from_its_config():
     config = {"arch": "sparsecap", "model": {"attention": "tvmax"}, "meta": {"phase": "scst"}}
     assert title("sparsecap-tvmax", config) == "SparseCap (TVmax) + SCST `sparsecap-tvmax`"
     assert title("sat", {"arch": "sat"}) == "SAT soft `sat`"
+    supervised = {"arch": "sat", "meta": {"train_config": {"attention_supervision": "entities:DIR"}}}
+    assert title("sat-supervised", supervised) == "SAT soft, supervised attention `sat-supervised`"
 
 
 def test_without_reports_nothing_needs_the_data_set(tmp_path):

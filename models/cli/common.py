@@ -11,7 +11,7 @@ from ..data.datasets import DATASET_FORMATS
 
 #: the checkpoint that `make serve` serves by default (SAT soft trained on Flickr8k photos; the generated-scene
 #: SAT is weights/sat: docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")
-DEFAULT_CHECKPOINT = "weights/flickr8k/sat"
+DEFAULT_CHECKPOINT = "weights/flickr8k/sat-supervised"
 
 DEFAULT_DATA = ".cache/scenes"
 
