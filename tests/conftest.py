@@ -75,14 +75,15 @@ def server_log(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(server_log):
-    """``captioner serve`` in a real process on a free localhost port, with the shipped weights.
+    """``captioner serve`` in a real process on a free localhost port, with the shipped scene weights (``weights/``,
+    the scene `sat` as the default model: the service's own default, `sat-supervised`, is a real-photo one).
 
     Its output goes to a file (``server_log``), never to an undrained pipe that would block a chatty server."""
     assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
     port = free_port()
     log = open(server_log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(port), "--weights-dir",
-                             str(WEIGHTS)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+                             str(WEIGHTS), "--model", DEFAULT_CHECKPOINT.name], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600  # every shipped checkpoint loads, is exported to ONNX (a fresh clone) and warms up
     while time.time() < deadline:
