@@ -207,7 +207,7 @@ bench: $(STAMP) data
 # the decoder table of the real-photo checkpoints (docs/benchmarks/decoder-flickr8k.md: their 2,539-word vocabulary
 # makes every step's output layer larger than the scenes'); the default model's rule reads it (docs/decisions.md,
 # "Flickr8k: the default model")
-F8K_BENCH_MODELS ?= $(wildcard $(addprefix weights/flickr8k/,sat sat-hard aoanet xlan xtransformer sparsecap-softmax \
+F8K_BENCH_MODELS ?= $(wildcard $(addprefix weights/flickr8k/,sat-supervised sat sat-hard aoanet xlan xtransformer sparsecap-softmax \
   sparsecap-sparsemax sparsecap-tvmax area-transformer))
 bench-f8k: $(STAMP)
 	$(BIN)/python benchmarks/bench_decoder.py --models $(F8K_BENCH_MODELS) --out docs/benchmarks/decoder-flickr8k.md

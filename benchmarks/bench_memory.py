@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import default_model, served_default
+from common import served_default
 from reliability import SIZES, jpeg, post
 from servers import Server
 
@@ -87,7 +87,7 @@ def run(threads: str, requests: int, logs: Path, shared_with: str, save, onnx_di
     shipped = sorted(p.name for p in WEIGHTS.iterdir() if (p / "model.safetensors").is_file())
     # the duplicated names that weights/ holds today (a retrained zoo may rename some), and the default model
     twice = [f"{name}-2" for name in DUPLICATED if name in shipped][:max(0, 9 - len(shipped))]
-    nine, five, one = shipped + twice, shipped[:5], default_model()
+    nine, five, one = shipped + twice, shipped[:5], Path(served_default()).name
     results = {"rows": [], "conditions": f"{platform.machine()}, {os.cpu_count()} CPU cores shared with {shared_with}, "
                                          f"CAPTIONER_THREADS={threads}"
                                          + "".join(f", {k}={v}" for k, v in (server_env or {}).items())

@@ -2,16 +2,17 @@
 given on each benchmark's command line with defaults here, so that no benchmark depends on which folders weights/
 holds today), and how a report is written.
 
-The default SAT model has the service's default name (``CAPTIONER_DEFAULT_MODEL``'s default in
-service/settings.py), so a renamed default is followed without editing the benchmarks.  A name is looked up in
-weights/, the generated-scene checkpoints, which the benchmarks need because they caption generated scenes: the
-service itself serves the real-photo checkpoints of weights/flickr8k by default and these as ``scenes-NAME``
-(docs/decisions.md, "Flickr8k: where the checkpoints live and which are served").  A real-photo checkpoint is
-benchmarked by its folder (``--model weights/flickr8k/sat``).
+The default SAT model is the scene checkpoint of the service default model's architecture (``CAPTIONER_DEFAULT_MODEL``'s
+default in service/settings.py, read from its config), so a retrained or renamed default is followed without
+editing the benchmarks.  A name is looked up in weights/, the generated-scene checkpoints, which the benchmarks need
+because they caption generated scenes: the service itself serves the real-photo checkpoints of weights/flickr8k by
+default and these as ``scenes-NAME`` (docs/decisions.md, "Flickr8k: where the checkpoints live and which are
+served").  A real-photo checkpoint is benchmarked by its folder (``--model weights/flickr8k/sat-supervised``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,9 +20,10 @@ WEIGHTS = ROOT / "weights"
 
 
 def default_model() -> str:
-    from captioner.service.settings import Settings
-
-    return Settings.model_fields["default_model"].default
+    """The scene checkpoint of the default model's architecture: ``sat`` for the real-photo default
+    ``sat-supervised`` (SAT soft trained with supervised attention), a name under weights/."""
+    config = json.loads((ROOT / served_default() / "config.json").read_text())
+    return config["arch"]
 
 
 def served_default() -> str:
