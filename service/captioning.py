@@ -134,6 +134,17 @@ def batcher_errors(settings: Settings) -> Iterator[None]:
         raise DeadlinePassed(f"captioning took longer than {settings.request_timeout_s:g} s") from None
 
 
+@contextmanager
+def slot_deadline(settings: Settings, waiting: str) -> Iterator[None]:
+    """A wait for a work slot (:class:`~captioner.service.work_slots.WorkSlots` raises :class:`TimeoutError`) that
+    outlasts the request deadline, as the service's 504; ``waiting`` says for what ("the upload waited to be
+    decoded")."""
+    try:
+        yield
+    except TimeoutError:
+        raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while {waiting}") from None
+
+
 async def caption_image(state: ServiceState, request: CaptionRequest, arrived: float | None = None) -> CaptionResult:
     """Caption one uploaded image with its model's batcher, within the request deadline counted from ``arrived``
     (the request's arrival, ``time.monotonic()``; default: now)."""
@@ -162,13 +173,10 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         # a request the batcher would refuse is refused before its image is decoded (under overload that
         # decoding is CPU time taken from the admitted requests)
         batcher.check_admission(remaining_s(settings, started), beam, length)
-    try:
+    with slot_deadline(settings, "the upload waited to be decoded"):
         prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], request.data,
                                                 settings.max_pixels, cost=image_pixels(request.data),
                                                 timeout=remaining_s(settings, started))
-    except TimeoutError:
-        raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while the upload "
-                             "waited to be decoded") from None
     remaining = remaining_s(settings, started)
     if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
         raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "

@@ -14,8 +14,7 @@ from fastapi.responses import Response
 
 from captioner.models.rendering.heatmaps import MODES
 
-from .captioning import remaining_s
-from .errors import DeadlinePassed
+from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
 from .rendering import DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, render_result
 from .results import Results, StoredResult
@@ -47,12 +46,9 @@ def _format(format: Format | None, token: int | None) -> Format:
 async def _respond(request: Request, state: ServiceState, stored: StoredResult, options: RenderOptions,
                    result_id: str) -> Response:
     settings = state.settings
-    try:
+    with slot_deadline(settings, "the overlay waited to be rendered"):
         body = await render_result(stored, options, result_id, state.render_slots,
                                    remaining_s(settings, arrival(request)))
-    except TimeoutError:
-        raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while the overlay waited "
-                             "to be rendered") from None
     if isinstance(body, HeatmapsOut):
         return Response(body.model_dump_json(), media_type="application/json", headers={"X-Caption-Id": result_id})
     return Response(body, media_type="image/png", headers={"X-Caption-Id": result_id})

@@ -73,6 +73,27 @@ def test_work_slots_bound_the_work_and_free_a_slot_however_it_ends():
     asyncio.run(scenario())
 
 
+def test_a_wait_for_a_slot_past_the_deadline_is_the_services_504_naming_what_waited():
+    from captioner.service.captioning import slot_deadline
+    from captioner.service.errors import PROBLEM_TYPES, DeadlinePassed
+
+    async def scenario():
+        slots, release = WorkSlots(1), threading.Event()
+        busy = asyncio.create_task(slots.run(release.wait, 10))
+        await asyncio.sleep(0.1)
+        with pytest.raises(DeadlinePassed, match="request deadline passed while the overlay waited to be rendered"):
+            with slot_deadline(Settings(request_timeout_s=7), "the overlay waited to be rendered"):
+                await slots.run(lambda: None, timeout=0.05)
+        with pytest.raises(ValueError):  # anything else passes through as it is
+            with slot_deadline(Settings(), "the upload waited to be decoded"):
+                raise ValueError("not a deadline")
+        release.set()
+        await busy
+
+    asyncio.run(scenario())
+    assert PROBLEM_TYPES[DeadlinePassed][0] == 504
+
+
 def test_a_budget_lets_small_pieces_run_together_and_a_large_one_alone_in_arrival_order():
     """Decodes are budgeted by pixels: many small photos decode together, a piece as large as the budget runs
     alone, and the small ones that came after it wait for it (it is never overtaken forever)."""
