@@ -115,9 +115,17 @@ class Captioner(nn.Module):
 
         ``rows`` (``[B]``) says which image of ``vis`` each caption belongs to, when a batch holds several captions
         of one image: the image is then encoded once (see :meth:`encode_rows`)."""
-        logprobs, records, _ = self.teacher_force(vis, captions, ss_prob, rows)
-        aux = self.auxiliary_losses(torch.stack([r.primary for r in records], dim=1), captions != self.pad_id)
+        logprobs, aux, _ = self.forward_xe_attended(vis, captions, ss_prob, rows)
         return logprobs, aux
+
+    def forward_xe_attended(
+        self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0, rows: Tensor | None = None
+    ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+        """:meth:`forward_xe` of the ``step`` loop, plus the primary attention ``[B, T, N]`` of every step (the row
+        that fed each word: what ``captioner train --attention-supervision`` trains)."""
+        logprobs, records, _ = self.teacher_force(vis, captions, ss_prob, rows)
+        attention = torch.stack([r.primary for r in records], dim=1)
+        return logprobs, self.auxiliary_losses(attention, captions != self.pad_id), attention
 
     def teacher_force(self, vis: VisualBatch, captions: Tensor, ss_prob: float = 0.0,
                       rows: Tensor | None = None) -> tuple[Tensor, list[AttnRecord], EncState]:

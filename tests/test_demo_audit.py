@@ -165,8 +165,8 @@ def test_the_drop_zone_is_a_control_the_keyboard_reaches_and_opens(tiny_server):
         assert page.evaluate("() => getComputedStyle(document.getElementById('drop')).outlineStyle") != "none"
         # Enter: the page's handler clicks the input (as Space does natively). Counted, not waited for as a
         # chooser: a second chooser from one page, and Chromium's chooser under a loaded CI machine, are not
-        # reliable events (two CI runs missed it)
-        # (the counted click is stopped from opening its chooser, so Space's below is the page's first)
+        # reliable events (two CI runs missed it); the counted click is stopped from opening its chooser, so
+        # Space's below is the page's first
         page.evaluate("() => { window.clicks = 0; const counted = (e) => { window.clicks += 1; e.preventDefault(); "
                       "document.getElementById('file').removeEventListener('click', counted); }; "
                       "document.getElementById('file').addEventListener('click', counted); }")

@@ -264,8 +264,8 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
                 stale.unlink()
         (folder / FAILED).unlink(missing_ok=True)
         try:
-            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, tuned, view,
-                            sizes)
+            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, sizes, tuned,
+                            view)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
             _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
             raise
@@ -288,7 +288,7 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | None, progress: bool, shard_size: int,
-                    tuned: str | None = None, view: str = "", sizes: Mapping[str, int] | None = None) -> None:
+                    sizes: Mapping[str, int], tuned: str | None = None, view: str = "") -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
@@ -321,5 +321,5 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     _write_json_atomically(folder / INDEX, {
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
         "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
-        "index": index, "bytes": dict(sizes if sizes is not None else photo_sizes(images)),
+        "index": index, "bytes": dict(sizes),
         **({"tuned_sha256": tuned} if tuned else {}), **({"view": view} if view else {})})

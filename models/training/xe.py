@@ -112,17 +112,19 @@ class XEPhase(Phase):
 
     def supervise_attention(self, targets: AttentionTargets) -> None:
         """Add ``--attention-supervision``'s term to every batch (:func:`.attention_supervision.check_setting` has
-        made sure this model hands over each step's attention)."""
+        made sure this model trains through its ``step`` loop, which hands over each step's attention)."""
         self.attention_targets = targets
-        #: (image key, reference index) of every pair, in the order of ``pairs``
-        self.references = [(im.key, j) for im in self.images for j in range(len(im.references))]
+
+    def reference_of(self, pair: int) -> tuple[str, int]:
+        """(image key, index among its references) of pair ``pair`` (``pairs[starts[i] + j]`` is reference ``j`` of
+        image ``i``)."""
+        image = int(self.image_of_pair[pair])
+        return self.images[image].key, pair - int(self.starts[image])
 
     def _supervised_forward(self, vis, targets: torch.Tensor, rows: torch.Tensor, batch: Sequence[int]):
         """:meth:`Captioner.forward_xe` plus the supervised-attention term, from the same teacher-forced steps."""
-        logprobs, records, _ = self.model.teacher_force(vis, targets, self.ss_prob, rows)
-        attention = torch.stack([r.primary for r in records], dim=1)
-        aux = self.model.auxiliary_losses(attention, targets != self.vocab.pad_id)
-        beta, supervised = self.attention_targets.batch([self.references[i] for i in batch], targets.shape[1],
+        logprobs, aux, attention = self.model.forward_xe_attended(vis, targets, self.ss_prob, rows)
+        beta, supervised = self.attention_targets.batch([self.reference_of(i) for i in batch], targets.shape[1],
                                                         self.device)
         aux["attention_supervision"] = (self.cfg.attention_supervision_weight
                                         * attention_supervision_loss(attention, beta, supervised))
