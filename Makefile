@@ -208,7 +208,7 @@ bench: $(STAMP) data
 # makes every step's output layer larger than the scenes'); the default model's rule reads it (docs/decisions.md,
 # "Flickr8k: the default model")
 F8K_BENCH_MODELS ?= $(wildcard $(addprefix weights/flickr8k/,sat-supervised sat sat-hard aoanet xlan xtransformer sparsecap-softmax \
-  sparsecap-sparsemax sparsecap-tvmax area-transformer))
+  sparsecap-sparsemax sparsecap-tvmax area-transformer ensemble))
 bench-f8k: $(STAMP)
 	$(BIN)/python benchmarks/bench_decoder.py --models $(F8K_BENCH_MODELS) --out docs/benchmarks/decoder-flickr8k.md
 
@@ -398,6 +398,16 @@ f8k-stage-%: check-f8k | $(STAMP)
 	$(BIN)/captioner train $(F8K_TRAIN_$*) $(F8K) --out runs/$* --threads 1 \
 	  $(if $(wildcard runs/$*/train_state.json),--resume,$(if $(F8K_INIT_$*),--init $(call f8k_init,$(F8K_INIT_$*))))
 
+# The ensemble "stage" is built, not trained: greedy forward selection on val from the default model over the
+# shipped checkpoints that share its vocabulary and encoder (docs/decisions.md, "Flickr8k: an ensemble of the
+# shipped checkpoints"); train-f8k-f8k-ensemble then finishes it like every stage.
+F8K_ENSEMBLE_CANDIDATES := sat-supervised sat sat-hard sparsecap-softmax sparsecap-sparsemax sparsecap-tvmax aoanet \
+  area-transformer
+f8k-stage-f8k-ensemble: check-f8k | $(STAMP)
+	@test -d runs/f8k-ensemble/best || $(BIN)/captioner ensemble runs/f8k-ensemble/best \
+	  $(addprefix weights/flickr8k/,$(F8K_ENSEMBLE_CANDIDATES)) --select-on val $(F8K) --threads 1 \
+	  | tee runs/f8k-ensemble.selection.log
+
 # decoding rules chosen on val (stored in the checkpoint), the weights stored as float16 (runs/NAME/float16: what
 # ships), its val report (to set beside the float32 score tune-decoding chose on, and to compare stages by). test is
 # not touched here: ship-f8k evaluates it once, on the stage that ships.
@@ -417,6 +427,7 @@ F8K_RIVAL_f8k-sat-lite2 := sat
 F8K_RIVAL_f8k-xlan-lite2 := xlan
 F8K_RIVAL_f8k-sat-attsup-1 := sat
 F8K_RIVAL_f8k-sat-attsup-0.3 := sat
+F8K_RIVAL_f8k-ensemble := sat-supervised
 runs/shipped-%/captions.val.json: weights/flickr8k/%/model.safetensors | $(STAMP)
 	mkdir -p $(@D)
 	$(BIN)/captioner eval weights/flickr8k/$* $(F8K) --split val --threads 1 --output $(@D)/eval.val.json \
@@ -449,6 +460,8 @@ F8K_SHIP_xlan := f8k-xlan-tuned
 F8K_SHIP_xtransformer := f8k-xtransformer-wide
 F8K_SHIP_area-transformer := f8k-area-transformer
 $(foreach norm,softmax sparsemax tvmax,$(eval F8K_SHIP_sparsecap-$(norm) := f8k-sparsecap-$(norm)))
+# the members' mean (docs/decisions.md, "Flickr8k: an ensemble of the shipped checkpoints")
+F8K_SHIP_ensemble := f8k-ensemble
 F8K_RESULTS := docs/results/flickr8k
 ship-f8k-%: | $(STAMP)
 	@test -n "$(F8K_SHIP_$*)" || { echo "no F8K_SHIP_$* in the Makefile"; exit 2; }
@@ -473,6 +486,7 @@ F8K_TITLE_area-transformer := Area-attention Transformer
 F8K_TITLE_sparsecap-softmax := SparseCap (softmax)
 F8K_TITLE_sparsecap-sparsemax := SparseCap (sparsemax)
 F8K_TITLE_sparsecap-tvmax := SparseCap (TVmax)
+F8K_TITLE_ensemble := Ensemble of shipped checkpoints
 
 CKPT ?= weights/flickr8k/sat-supervised
 eval-f8k: check-f8k | $(STAMP)

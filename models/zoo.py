@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from . import aoanet, area_transformer, sat, sat_hard, sparsecap, xlan, xtransformer  # noqa: F401 (registers)
+from . import aoanet, area_transformer, ensemble, sat, sat_hard, sparsecap, xlan, xtransformer  # noqa: F401 (registers)
 from .protocol import Captioner
 from .registry import MODELS
 

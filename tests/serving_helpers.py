@@ -59,10 +59,18 @@ def generic_tiny_config(arch: str) -> dict:
     return config
 
 
+#: the members of the tiny ensemble: a recurrent model and a Transformer, whose states differ in every way
+ENSEMBLE_MEMBERS = ("sat", "area-transformer")
+
+
 def tiny_model(arch: str, seed: int = 0, **overrides) -> nn.Module:
     """A tiny random ``arch`` on 320-d grid features, with sharpened word distributions: a random model's
     near-uniform log-probs would let float noise between batch compositions reorder beams, which says nothing
-    about batching (a trained model's are far from uniform)."""
+    about batching (a trained model's are far from uniform).  ``ensemble``: tiny ENSEMBLE_MEMBERS."""
+    if arch == "ensemble":
+        from captioner.models.ensemble import build_ensemble
+
+        return build_ensemble([tiny_checkpoint(member, seed + i) for i, member in enumerate(ENSEMBLE_MEMBERS)])
     torch.manual_seed(seed)
     attempts = [{**TINY_CONFIGS[arch], "dropout": 0.0}] if arch in TINY_CONFIGS else []
     attempts += [generic_tiny_config(arch), {"dropout": 0.0}, {}]

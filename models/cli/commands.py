@@ -17,6 +17,7 @@ ORDER = (
     (training, "train"),
     (evaluation, "eval"),
     (training, "tune-decoding"),
+    (training, "ensemble"),
     (evaluation, "resolution-check"),
     (evaluation, "compare"),
     (inference, "caption"),

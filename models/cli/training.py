@@ -1,4 +1,5 @@
-"""``captioner train`` and ``captioner tune-decoding``: training runs and the decoding defaults they keep."""
+"""``captioner train``, ``captioner tune-decoding`` and ``captioner ensemble``: training runs, the decoding defaults they
+keep, and ensembles of their checkpoints."""
 
 from __future__ import annotations
 
@@ -180,6 +181,82 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
                                         "score": score,
                                         "storage": ckpt.storage})
         print(f"stored as the defaults of {args.checkpoint}")
+
+
+def cmd_ensemble(args: argparse.Namespace) -> None:
+    from ..checkpoint import load_checkpoint, save_checkpoint
+    from ..ensemble import build_ensemble, member_record, select_members
+
+    if args.select_on == "test":
+        raise SystemExit("error: members are chosen on validation data (--select-on val); test is for reporting")
+    try:
+        checkpoints = [load_checkpoint(path, "cpu") for path in args.checkpoints]
+        if args.select_on:
+            checkpoints = select_members(checkpoints, _split_scorer(args, checkpoints[0]), args.max_members,
+                                         args.min_gain, report=print)
+        ensemble = build_ensemble(checkpoints)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    first = checkpoints[0]
+    members = [member_record(c) for c in checkpoints]
+    meta: dict[str, Any] = {
+        "dataset": first.meta.get("dataset", ""), "phase": "ensemble",
+        "trained_on": "an ensemble of " + "; ".join(dict.fromkeys(
+            f"{m['name']} ({m['trained_on'] or 'data set not recorded'})" for m in members)),
+        "ensemble_of": members,
+        # what `captioner eval` reads of a training run: the data set and visual items the members were trained on
+        "train_config": {key: first.meta.get("train_config", {}).get(key)
+                         for key in ("dataset", "image_root", "features")},
+    }
+    if args.select_on:
+        meta["members_chosen_on"] = {"split": args.select_on, "metric": "CIDEr-D", "beam_size": args.beam_size,
+                                     "max_members": args.max_members, "min_gain": args.min_gain,
+                                     "dataset": str(args.dataset)}
+    save_checkpoint(args.out, ensemble, first.vocab, first.encoder, meta, storage=args.storage)
+    print(f"{args.out}: an ensemble of {', '.join(m['name'] for m in members)}")
+
+
+def _split_scorer(args: argparse.Namespace, first):
+    """CIDEr-D of a captioner's beam-search captions of ``--select-on``, over features extracted once."""
+    from ..data.datasets import load_captioned, resolve_dataset
+    from ..data.stores import open_feature_store
+    from ..device import set_threads
+    from ..evaluation.evaluate import caption_dataset
+    from ..evaluation.metrics import score_captions
+
+    set_threads(args.threads)
+    images = load_captioned(resolve_dataset(args.dataset), args.image_root, (args.select_on,), limit=args.limit)
+    if not images:
+        raise SystemExit(f"error: split {args.select_on!r} of {args.dataset} is empty")
+    store = open_feature_store(first.meta.get("train_config", {}).get("features"), images, first.encoder,
+                               args.cache_dir)
+    references = {im.image_id: [" ".join(r) for r in im.references] for im in images}
+
+    def score(model) -> float:
+        captions = caption_dataset(model, first.vocab, images, store, args.beam_size, progress=True)
+        return score_captions({i: " ".join(c) for i, c in captions.items()}, references, ("CIDEr-D",))["CIDEr-D"]
+    return score
+
+
+@_group.command("ensemble")
+def _add_ensemble(sub: argparse._SubParsersAction) -> None:
+    en = sub.add_parser("ensemble", help="one checkpoint that decodes several trained ones as an ensemble (the mean "
+                        "of their next-word probabilities); --select-on val picks the members greedily")
+    en.add_argument("out", help="the ensemble's checkpoint folder")
+    en.add_argument("checkpoints", nargs="+", help="member checkpoints (same vocabulary and encoder spec); with "
+                    "--select-on, the first is where the selection starts and the rest are candidates")
+    en.add_argument("--select-on", metavar="SPLIT", help="choose the members by greedy forward selection on this "
+                    "split's CIDEr-D (beam search, no decoding rules)")
+    add_dataset_options(en)
+    en.add_argument("--max-members", type=positive_int, default=4)
+    en.add_argument("--min-gain", type=float, default=0.005, help="stop when the best addition gains less")
+    en.add_argument("--beam-size", type=positive_int, default=3)
+    en.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
+    en.add_argument("--cache-dir", default=".cache/features")
+    en.add_argument("--threads", type=positive_int)
+    en.add_argument("--storage", choices=("float32", "float16"), default="float32",
+                    help="dtype of the stored weights (float16 halves them; members stored so lose nothing)")
+    en.set_defaults(func=cmd_ensemble)
 
 
 @_group.command("tune-decoding")

@@ -119,36 +119,14 @@ def _storage_lines(storage: str, chosen: dict[str, Any] | None, report: dict[str
             ""]
 
 
-def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None = None,
-               notes: str = "") -> Path:
-    """Write ``MODEL_CARD.md`` into ``checkpoint`` from its config ``meta`` and an eval ``report`` (the JSON that
-    ``captioner eval --output`` writes)."""
-    path = Path(checkpoint)
-    ckpt = load_checkpoint(path, "cpu")
-    config = read_config(path)
-    meta = config.get("meta", {})
-    model = ckpt.model
-    params = sum(p.numel() for p in model.parameters())
+def _training_lines(meta: dict[str, Any]) -> list[str]:
+    """The card's account of the run that trained the checkpoint: data, selection, command, time, per-epoch scores."""
     history = meta.get("history", [])
     seconds = meta.get("train_seconds")
     columns = list(dict.fromkeys(key for h in history for key in h))
     threads = meta.get("train_config", {}).get("threads")
     val_beam = meta.get("train_config", {}).get("val_beam", 1)
-    splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
-    scenes = any("objects_named" in scores for _, scores in splits)
-    metrics = METRICS if scenes else PHOTO_METRICS
-    decoding = report.get("decoding") or {}
-    chosen = meta.get("decoding_chosen_on")
-    lines = [
-        # a run's best/ and last/ are named after their run
-        f"# {title or (path.resolve().parent.name if path.name in ('best', 'last') else path.name)}",
-        "",
-        f"**Architecture** `{model.arch}` ({model.attention_kind}); {params:,} parameters; model config "
-        f"`{json.dumps(config['model'])}`.",
-        f"**Encoder** ({_encoder_state(config['encoder'], meta)}) `{json.dumps(config['encoder'])}`.",
-        f"**Vocabulary** {len(ckpt.vocab)} tokens. **Weights** `{WEIGHTS}` sha256 "
-        f"`{file_checksum(path / WEIGHTS)[:16]}…`.",
-        "",
+    return [
         "## Training",
         "",
         f"- Data: {trained_on(meta)}: `{meta.get('dataset', '?')}` (training split; validation split for model "
@@ -171,8 +149,57 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         "",
         "| " + " | ".join(columns) + " |",
         "|---" * len(columns) + "|",
+        *("| " + " | ".join(_number(h.get(c)) for c in columns) + " |" for h in history),
     ]
-    lines += ["| " + " | ".join(_number(h.get(c)) for c in columns) + " |" for h in history]
+
+
+def _members_lines(meta: dict[str, Any]) -> list[str]:
+    """An ensemble's card says what it holds: each member checkpoint, the data it was trained on, and how the members
+    were chosen (``captioner ensemble``); it was not trained itself."""
+    chosen = meta.get("members_chosen_on")
+    lines = ["## Members", "",
+             "Built by `captioner ensemble`, not trained: each step decodes the mean of the members' next-word "
+             "probabilities and of their attention rows (models/ensemble.py)."
+             + (f" Members chosen by greedy forward selection on the {chosen['split']} split's {chosen['metric']} "
+                f"(beam {chosen['beam_size']}, at most {chosen['max_members']}, each addition gaining at least "
+                f"{chosen['min_gain']:g})." if chosen else ""),
+             "",
+             "| member | architecture | trained on | training time | weights sha256 |",
+             "|---|---|---|---:|---|"]
+    for member in meta["ensemble_of"]:
+        seconds = member.get("train_seconds")
+        lines.append(f"| `{member['name']}` | `{member['arch']}` | {member.get('trained_on') or 'not recorded'} | "
+                     f"{f'{seconds / 60:.1f} min' if seconds else 'not recorded'} | `{member['checksum'][:16]}…` |")
+    return lines
+
+
+def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None = None,
+               notes: str = "") -> Path:
+    """Write ``MODEL_CARD.md`` into ``checkpoint`` from its config ``meta`` and an eval ``report`` (the JSON that
+    ``captioner eval --output`` writes)."""
+    path = Path(checkpoint)
+    ckpt = load_checkpoint(path, "cpu")
+    config = read_config(path)
+    meta = config.get("meta", {})
+    model = ckpt.model
+    params = sum(p.numel() for p in model.parameters())
+    splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
+    scenes = any("objects_named" in scores for _, scores in splits)
+    metrics = METRICS if scenes else PHOTO_METRICS
+    decoding = report.get("decoding") or {}
+    chosen = meta.get("decoding_chosen_on")
+    lines = [
+        # a run's best/ and last/ are named after their run
+        f"# {title or (path.resolve().parent.name if path.name in ('best', 'last') else path.name)}",
+        "",
+        f"**Architecture** `{model.arch}` ({model.attention_kind}); {params:,} parameters; model config "
+        f"`{json.dumps(config['model'])}`.",
+        f"**Encoder** ({_encoder_state(config['encoder'], meta)}) `{json.dumps(config['encoder'])}`.",
+        f"**Vocabulary** {len(ckpt.vocab)} tokens. **Weights** `{WEIGHTS}` sha256 "
+        f"`{file_checksum(path / WEIGHTS)[:16]}…`.",
+        "",
+    ]
+    lines += _members_lines(meta) if meta.get("ensemble_of") else _training_lines(meta)
     lines += [
         "",
         f"## Measured by `captioner eval` (beam {report.get('beam_size', '?')}"

@@ -22,7 +22,7 @@ BEAM_SIZE = 3
 
 #: the table's row order; other checkpoints follow by name
 ROW_ORDER = ("sat", "sat-supervised", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap-softmax", "sparsecap-sparsemax",
-             "sparsecap-tvmax", "area-transformer")
+             "sparsecap-tvmax", "area-transformer", "ensemble")
 ARCH_TITLES = {"sat": "SAT soft", "sat-hard": "SAT hard", "sparsecap": "SparseCap", "aoanet": "AoANet",
                "xlan": "X-LAN", "xtransformer": "X-Transformer", "area-transformer": "Area-attention Transformer"}
 NORMALISER_TITLES = {"softmax": "softmax", "sparsemax": "sparsemax", "tvmax": "TVmax"}
@@ -47,15 +47,18 @@ COLUMNS = (("BLEU-1", "B-1"), ("BLEU-2", "B-2"), ("BLEU-3", "B-3"), ("BLEU-4", "
 
 def title(name: str, config: dict[str, Any] | None) -> str:
     """"SAT soft `sat`": the architecture's name (with SparseCap's normaliser, "supervised attention" after
-    ``--attention-supervision`` and "+ SCST" after SCST)."""
+    ``--attention-supervision`` and "+ SCST" after SCST); an ensemble's members by name."""
     if config is None:
         return f"`{name}`"
     arch = config.get("arch", name)
+    meta = config.get("meta", {})
+    if arch == "ensemble":
+        members = " + ".join(f"`{member['name']}`" for member in meta.get("ensemble_of", []))
+        return f"Ensemble of {members} `{name}`"
     text = ARCH_TITLES.get(arch, arch)
     if arch == "sparsecap":
         normaliser = config.get("model", {}).get("attention", "softmax")
         text += f" ({NORMALISER_TITLES.get(normaliser, normaliser)})"
-    meta = config.get("meta", {})
     if meta.get("train_config", {}).get("attention_supervision"):
         text += ", supervised attention"
     if meta.get("phase") == "scst":

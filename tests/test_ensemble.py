@@ -1,0 +1,179 @@
+"""Ensembles of trained captioners (models/ensemble.py): the step against a naive mean of the members' probabilities,
+decoding through the one beam search, the checkpoint format, the members' checks, greedy selection and the command."""
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.decoding import beam_search
+from captioner.models.ensemble import Ensemble, build_ensemble, select_members
+from captioner.models.protocol import VisualBatch
+from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
+
+from .conftest import ROOT, WEIGHTS
+from .model_checks import assert_checkpoint_round_trip, rescored_beams
+from .serving_helpers import ENSEMBLE_MEMBERS, FEAT_DIM, TINY_SPEC, VOCAB, tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def members(*archs: str):
+    return [tiny_checkpoint(arch, seed) for seed, arch in enumerate(archs or ENSEMBLE_MEMBERS)]
+
+
+def visuals(images: int = 2, items: int = 9, seed: int = 0) -> VisualBatch:
+    torch.manual_seed(seed)
+    return VisualBatch.from_features(torch.randn(images, items, FEAT_DIM))
+
+
+def test_a_step_is_the_log_of_the_mean_of_the_members_probabilities():
+    checkpoints = members("sat", "area-transformer", "sparsecap")
+    ensemble = build_ensemble(checkpoints)
+    vis = visuals()
+    enc = ensemble.encode(vis)
+    state = ensemble.init_state(enc)
+    own = [c.model for c in checkpoints]
+    own_enc = [m.encode(vis) for m in own]
+    own_state = [m.init_state(e) for m, e in zip(own, own_enc)]
+    prev = torch.full((2,), ensemble.bos_id)
+    for word in (5, 9, 4):
+        logprobs, state, attn = ensemble.step(prev, state, enc)
+        steps = [m.step(prev, s, e) for m, s, e in zip(own, own_state, own_enc)]
+        own_state = [s for _, s, _ in steps]
+        probabilities = sum(lp.exp() for lp, _, _ in steps) / len(steps)  # naive: in probability space
+        torch.testing.assert_close(logprobs, probabilities.log(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(attn.primary, sum(a.primary for _, _, a in steps) / len(steps))
+        prev = torch.full((2,), word)
+
+
+def test_the_mean_stays_finite_where_every_member_rules_a_word_out():
+    ensemble = build_ensemble(members())
+    enc = ensemble.encode(visuals(1))
+    state = ensemble.init_state(enc)
+    for member in ensemble.members:  # a word each member gives log-prob about -1e4: exp underflows in float32
+        with torch.no_grad():
+            [m for m in member.modules() if isinstance(m, torch.nn.Linear) and m.out_features == len(VOCAB)][-1] \
+                .bias[7] = -1e4
+    with torch.no_grad():
+        logprobs, _, _ = ensemble.step(torch.tensor([ensemble.bos_id]), state, enc)
+    assert torch.isfinite(logprobs[0, 7]) and logprobs[0, 7] < -1000
+    assert math.isclose(float(logprobs.exp().sum()), 1.0, rel_tol=1e-5)
+
+
+def test_an_ensemble_of_one_model_twice_decodes_as_that_model():
+    checkpoint = tiny_checkpoint("sat", 3)
+    vis = visuals(3)
+    for alone, twice in zip(beam_search(checkpoint.model, vis, k=3, max_len=8),
+                            beam_search(build_ensemble([checkpoint, checkpoint]), vis, k=3, max_len=8)):
+        assert alone[0].token_ids == twice[0].token_ids
+        torch.testing.assert_close(alone[0].attention, twice[0].attention)
+        torch.testing.assert_close(torch.tensor(alone[0].token_logprobs), torch.tensor(twice[0].token_logprobs))
+
+
+def test_beam_search_keeps_the_attention_rows_with_their_tokens():
+    ensemble = build_ensemble(members())
+    vis = visuals(2)
+    vis.mask[1, -3:] = False  # padded items get no attention from any member
+    assert sum(1 for _ in rescored_beams(ensemble, vis, tolerance=dict(atol=1e-5, rtol=1e-5))) == 4
+
+
+def test_one_checkpoint_format(tmp_path):
+    ensemble = build_ensemble(members())
+    assert_checkpoint_round_trip(ensemble, visuals(2), tmp_path / "ensemble")
+    assert load_checkpoint(tmp_path / "ensemble").model.config()["members"][1]["arch"] == ENSEMBLE_MEMBERS[1]
+
+
+def test_members_must_share_words_and_visual_items():
+    a, b = members("sat", "sparsecap")
+    with pytest.raises(ValueError, match="another vocabulary"):
+        build_ensemble([a, replace(b, vocab=Vocabulary([f"v{i}" for i in range(20)]))])
+    with pytest.raises(ValueError, match="encoder spec"):
+        build_ensemble([a, replace(b, encoder=replace(TINY_SPEC, image_size=128))])
+    with pytest.raises(ValueError, match="at least two"):
+        build_ensemble([a])
+    nested = replace(a, model=build_ensemble([a, b]))
+    with pytest.raises(ValueError, match="not ensembles"):
+        build_ensemble([nested, b])
+
+
+def test_an_ensemble_is_built_not_trained():
+    with pytest.raises(ValueError, match="captioner ensemble"):
+        create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM)
+    ensemble = build_ensemble(members())
+    with pytest.raises(ValueError, match="not trained"):
+        ensemble.forward_xe(visuals(1), torch.tensor([[4, 2]]))
+
+
+def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_small():
+    names = ("start", "weak", "strong", "helper", "noise")
+    candidates = [SimpleNamespace(name=n, model=SimpleNamespace(member_names=(n,))) for n in names]
+    worth = {"start": 0.50, "weak": -0.01, "strong": 0.04, "helper": 0.012, "noise": 0.002}
+
+    def fake_build(chosen):
+        return SimpleNamespace(member_names=tuple(c.name for c in chosen))
+
+    def score(model):  # a member's worth adds up; the start alone is 0.50
+        return sum(worth[n] for n in model.member_names)
+
+    lines = []
+    import captioner.models.ensemble as module
+    original, module.build_ensemble = module.build_ensemble, fake_build
+    try:
+        chosen = select_members(candidates, score, max_members=4, min_gain=0.005, report=lines.append)
+        assert [c.name for c in chosen] == ["start", "strong", "helper"]  # noise's +0.002 is below the bar
+        assert lines[0] == "start: 0.5000" and lines[-1].startswith("stop: the best addition, noise")
+        assert len(lines) == 1 + 4 + 3 + 2 + 1  # every trial of every round is reported
+        assert [c.name for c in select_members(candidates, score, max_members=2, min_gain=0.0)] == ["start", "strong"]
+    finally:
+        module.build_ensemble = original
+
+
+def captioner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "captioner.service.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_the_command_selects_members_on_val_and_writes_a_checkpoint_that_says_what_it_holds(tmp_path, scenes):
+    out = tmp_path / "ensemble"
+    common = ("--dataset", str(scenes), "--cache-dir", str(tmp_path / "cache"), "--limit", "6")
+    refused = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"), "--select-on", "test",
+                        *common)
+    assert refused.returncode != 0 and "--select-on val" in refused.stderr and not out.exists()
+
+    done = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"),
+                     str(WEIGHTS / "sparsecap-softmax"), "--select-on", "val", "--min-gain", "-1", "--max-members", "2",
+                     "--storage", "float16", *common)
+    assert done.returncode == 0, done.stderr[-2000:]
+    scored = [line for line in done.stdout.splitlines() if line.rpartition(": ")[2].replace(".", "").isdigit()]
+    assert scored[0].startswith("sat: ") and len(scored) == 3  # the start, then one trial per candidate
+    ckpt = load_checkpoint(out)
+    assert isinstance(ckpt.model, Ensemble) and len(ckpt.model.members) == 2 and ckpt.storage == "float16"
+    members_meta = ckpt.meta["ensemble_of"]
+    assert members_meta[0]["name"] == "sat" and ckpt.meta["members_chosen_on"]["split"] == "val"
+    assert "an ensemble of sat (" in ckpt.meta["trained_on"]
+    assert members_meta[0]["checksum"] == load_checkpoint(WEIGHTS / "sat").checksum
+
+    from captioner.models.evaluation.card import write_card
+
+    card = write_card(out, {"beam_size": 3, "val": {"images": 6, "CIDEr-D": 1.5}}).read_text()
+    assert "## Members" in card and "## Training" not in card and "greedy forward selection on the val split" in card
+    for member in members_meta:
+        assert f"| `{member['name']}` | `{member['arch']}` |" in card
+
+
+def test_the_command_refuses_members_that_do_not_fit_in_one_line(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    save_checkpoint(a, tiny_checkpoint("sat").model, VOCAB, TINY_SPEC)
+    save_checkpoint(b, tiny_checkpoint("sat", 1).model, Vocabulary([f"v{i}" for i in range(20)]), TINY_SPEC)
+    done = captioner("ensemble", str(tmp_path / "out"), str(a), str(b))
+    assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: b has another vocabulary")
+    assert not (tmp_path / "out").exists()
+    json.loads((a / "config.json").read_text())  # the members are untouched
