@@ -148,6 +148,10 @@ def test_the_command_selects_members_on_val_and_writes_a_checkpoint_that_says_wh
                         *common)
     assert refused.returncode != 0 and "--select-on val" in refused.stderr and not out.exists()
 
+    none_gains = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"), "--select-on",
+                           "val", "--min-gain", "10", *common)
+    assert none_gains.returncode != 0 and "no ensemble written" in none_gains.stderr and not out.exists()
+
     done = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"),
                      str(WEIGHTS / "sparsecap-softmax"), "--select-on", "val", "--min-gain", "-1", "--max-members", "2",
                      "--storage", "float16", *common)

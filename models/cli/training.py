@@ -194,6 +194,9 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
         if args.select_on:
             checkpoints = select_members(checkpoints, _split_scorer(args, checkpoints[0]), args.max_members,
                                          args.min_gain, report=print)
+            if len(checkpoints) == 1:
+                raise SystemExit(f"error: no candidate raised {checkpoints[0].name}'s {args.select_on} CIDEr-D by "
+                                 f"--min-gain {args.min_gain:g}; no ensemble written")
         ensemble = build_ensemble(checkpoints)
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
