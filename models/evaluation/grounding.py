@@ -317,11 +317,18 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
 
 def normaliser_of(ckpt) -> str:
     """The attention normaliser behind the scored map, for the table: SparseCap's configured one, the hard and
-    area models by kind, softmax otherwise."""
-    config = ckpt.model.config()
+    area models by kind, an ensemble's members' in turn, softmax otherwise."""
+    return _normaliser(ckpt.model)
+
+
+def _normaliser(model) -> str:
+    members = getattr(model, "members", None)
+    if members is not None:  # models/ensemble.py: the mean of its members' maps
+        return "mean of " + " and ".join(_normaliser(member) for member in members)
+    config = model.config()
     if "attention" in config and isinstance(config["attention"], str):
         return config["attention"]
-    kind = ckpt.model.attention_kind
+    kind = model.attention_kind
     if "hard" in kind:
         return "hard (α, the sampling distribution)"
     if "area" in kind:

@@ -42,6 +42,8 @@ def real_photo_checkpoints(weights: Path) -> list[Path]:
 
 def normaliser(checkpoint: Path) -> str:
     config = read_config(checkpoint)
+    if config.get("arch") == "ensemble":  # the mean of its members' maps: no one normaliser's example
+        return "ensemble"
     attention = config.get("model", {}).get("attention")
     return attention if isinstance(attention, str) else ("hard" if config.get("arch") == "sat-hard" else "softmax")
 
