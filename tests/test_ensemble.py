@@ -1,7 +1,6 @@
 """Ensembles of trained captioners (models/ensemble.py): the step against a naive mean of the members' probabilities,
 decoding through the one beam search, the checkpoint format, the members' checks, greedy selection and the command."""
 
-import json
 import math
 import subprocess
 import sys
@@ -180,4 +179,7 @@ def test_the_command_refuses_members_that_do_not_fit_in_one_line(tmp_path):
     done = captioner("ensemble", str(tmp_path / "out"), str(a), str(b))
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: b has another vocabulary")
     assert not (tmp_path / "out").exists()
-    json.loads((a / "config.json").read_text())  # the members are untouched
+    config = (a / "config.json").read_text()
+    over_a_member = captioner("ensemble", str(a), str(a), str(tmp_path / ".." / tmp_path.name / "a"))
+    assert over_a_member.returncode != 0 and "is one of the members" in over_a_member.stderr
+    assert (a / "config.json").read_text() == config  # the members are untouched

@@ -189,6 +189,8 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
 
     if args.select_on == "test":
         raise SystemExit("error: members are chosen on validation data (--select-on val); test is for reporting")
+    if Path(args.out).resolve() in {Path(path).resolve() for path in args.checkpoints}:
+        raise SystemExit(f"error: {args.out} is one of the members: write the ensemble to a folder of its own")
     try:
         checkpoints = [load_checkpoint(path, "cpu") for path in args.checkpoints]
         if args.select_on:
