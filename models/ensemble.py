@@ -61,6 +61,10 @@ class Ensemble(Captioner):
     def config(self) -> dict[str, Any]:
         return dict(vocab_size=self.vocab_size, feat_dim=self.feat_dim, members=self.member_configs)
 
+    @property
+    def attention_name(self) -> str:
+        return "mean of " + " and ".join(member.attention_name for member in self.members)
+
     def encode(self, vis: VisualBatch) -> EncState:
         return _join([member.encode(vis) for member in self.members])
 

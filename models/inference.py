@@ -137,7 +137,7 @@ class Runtime(ABC):
     def info(self) -> ModelInfo:
         model = self.ckpt.model
         return ModelInfo(name=self.name, architecture=model.arch, attention_kind=model.attention_kind,
-                         attention=getattr(model, "attention_name", model.config().get("attention", "softmax")),
+                         attention=model.attention_name,
                          vocab_size=len(self.ckpt.vocab), checksum=f"sha256:{self.ckpt.checksum}",
                          encoder=self._public_spec().to_json(), parameters=sum(p.numel() for p in model.parameters()),
                          device=str(self.device), backend=self.backend, trained_on=trained_on(self.ckpt.meta),

@@ -176,6 +176,13 @@ class Captioner(nn.Module):
         """Constructor keyword arguments, stored in the checkpoint's config.json."""
         raise NotImplementedError
 
+    @property
+    def attention_name(self) -> str:
+        """The normaliser of the exported attention, as ``GET /models`` names it: the configured one of models that
+        take one (SparseCap's ``attention``), else softmax."""
+        configured = self.config().get("attention")
+        return configured if isinstance(configured, str) else "softmax"
+
     def area_boxes(self, grid_hw: tuple[int, int] | None = None) -> Tensor | None:
         """``[|R|, 4]`` inclusive cell boxes ``(r1, c1, r2, c2)`` that index the ``areas`` extra of :meth:`step`, for
         models that attend over areas (Area attention, arXiv:1810.10126); None for everyone else."""

@@ -103,6 +103,11 @@ def test_members_must_share_words_and_visual_items():
         build_ensemble([nested, b])
 
 
+def test_its_attention_is_named_by_its_members():
+    sparse = tiny_checkpoint("sparsecap", 1, attention="sparsemax")
+    assert build_ensemble([tiny_checkpoint("sat"), sparse]).attention_name == "mean of softmax and sparsemax"
+
+
 def test_an_ensemble_is_built_not_trained():
     with pytest.raises(ValueError, match="captioner ensemble"):
         create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM)

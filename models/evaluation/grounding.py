@@ -325,15 +325,12 @@ def _normaliser(model) -> str:
     members = getattr(model, "members", None)
     if members is not None:  # models/ensemble.py: the mean of its members' maps
         return "mean of " + " and ".join(_normaliser(member) for member in members)
-    config = model.config()
-    if "attention" in config and isinstance(config["attention"], str):
-        return config["attention"]
     kind = model.attention_kind
     if "hard" in kind:
         return "hard (α, the sampling distribution)"
     if "area" in kind:
         return "softmax over areas → cells"
-    return "softmax"
+    return model.attention_name
 
 
 def grounding_report(ckpt, images: Sequence, results: Sequence[CaptionAttention], dataset_root: Path,
