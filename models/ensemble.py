@@ -97,16 +97,6 @@ class Ensemble(Captioner):
         return None
 
 
-def member_record(ckpt: Any) -> dict[str, Any]:
-    """What a built ensemble says of one member checkpoint (its card and ``GET /models``' data set come from it)."""
-    from .evaluation.card import total_train_seconds  # the card imports the checkpoint module, which imports this
-
-    return {"name": ckpt.name, "arch": ckpt.model.arch, "checksum": ckpt.checksum,
-            "trained_on": ckpt.meta.get("trained_on", ""), "dataset": ckpt.meta.get("dataset", ""),
-            # with the runs a warm start began from: what the member cost to train
-            "train_seconds": total_train_seconds(ckpt.meta)}
-
-
 def build_ensemble(checkpoints: Sequence[Any]) -> Ensemble:
     """An :class:`Ensemble` of loaded checkpoints (``captioner.models.checkpoint.Checkpoint``), their weights copied in.
 

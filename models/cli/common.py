@@ -141,6 +141,20 @@ def decoding_rules(ckpt, args: argparse.Namespace):
     return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams)
 
 
+def split_with_features(ckpt, dataset, image_root, split: str, limit: int | None, cache_dir,
+                        device: str = "cpu") -> tuple[list, Any]:
+    """One split's captioned images (an empty split is a one-line error) and the store of the visual items ``ckpt``
+    was trained on (its grid, or the region folder its run read), extracted once into ``cache_dir``."""
+    from ..data.datasets import load_captioned
+    from ..data.stores import open_feature_store
+
+    images = load_captioned(dataset, image_root, (split,), limit=limit)
+    if not images:
+        raise SystemExit(f"error: split {split!r} of {dataset} is empty")
+    features = ckpt.meta.get("train_config", {}).get("features")
+    return images, open_feature_store(features, images, ckpt.encoder, cache_dir, device=device)
+
+
 def load_training_captions(dataset, image_root) -> list[list[str]]:
     """The captions a model was trained on (its data set's train split), for the share of its captions that are new."""
     from ..data.datasets import load_captioned

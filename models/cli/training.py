@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import (CommandGroup, add_dataset_options, at_least, key_values, length_penalty, load_training_captions,
-                     output_file, positive_int, yes_or_no)
+                     output_file, positive_int, split_with_features, yes_or_no)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -142,8 +142,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def cmd_tune_decoding(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint, update_meta
-    from ..data.datasets import load_captioned, resolve_dataset
-    from ..data.stores import open_feature_store
+    from ..data.datasets import resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.tuning import best_row, decoding_grid, markdown_table, rules_of
 
@@ -154,12 +153,9 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
     dataset = resolve_dataset(args.dataset)
-    images = load_captioned(dataset, args.image_root, (args.split,), limit=args.limit)
-    if not images:
-        raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
+    images, store = split_with_features(ckpt, dataset, args.image_root, args.split, args.limit, args.cache_dir,
+                                        str(device))
     training_captions = load_training_captions(dataset, args.image_root)
-    features = ckpt.meta.get("train_config", {}).get("features")
-    store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
     rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
                          args.max_len, device=str(device), training_captions=training_captions)
     chosen = best_row(rows, args.metric)
@@ -185,7 +181,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
 
 def cmd_ensemble(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint, save_checkpoint
-    from ..ensemble import build_ensemble, member_record, select_members
+    from ..ensemble import build_ensemble, select_members
 
     if args.select_on == "test":
         raise SystemExit("error: members are chosen on validation data (--select-on val); test is for reporting")
@@ -203,7 +199,7 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     first = checkpoints[0]
-    members = [member_record(c) for c in checkpoints]
+    members = [_member_record(c) for c in checkpoints]
     meta: dict[str, Any] = {
         "dataset": first.meta.get("dataset", ""), "phase": "ensemble",
         "trained_on": "an ensemble of " + "; ".join(dict.fromkeys(
@@ -221,25 +217,29 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
     print(f"{args.out}: an ensemble of {', '.join(m['name'] for m in members)}")
 
 
+def _member_record(ckpt) -> dict[str, Any]:
+    """What a built ensemble records of one member checkpoint (its card and ``GET /models``' data set come from it)."""
+    from ..evaluation.card import total_train_seconds
+
+    return {"name": ckpt.name, "arch": ckpt.model.arch, "checksum": ckpt.checksum,
+            "trained_on": ckpt.meta.get("trained_on", ""), "dataset": ckpt.meta.get("dataset", ""),
+            # with the runs a warm start began from: what the member cost to train
+            "train_seconds": total_train_seconds(ckpt.meta)}
+
+
 def _split_scorer(args: argparse.Namespace, first):
     """CIDEr-D of a captioner's beam-search captions of ``--select-on``, over features extracted once."""
-    from ..data.datasets import load_captioned, resolve_dataset
-    from ..data.stores import open_feature_store
+    from ..data.datasets import resolve_dataset
     from ..device import set_threads
-    from ..evaluation.evaluate import caption_dataset
-    from ..evaluation.metrics import score_captions
+    from ..evaluation.evaluate import caption_dataset, score_dataset
 
     set_threads(args.threads)
-    images = load_captioned(resolve_dataset(args.dataset), args.image_root, (args.select_on,), limit=args.limit)
-    if not images:
-        raise SystemExit(f"error: split {args.select_on!r} of {args.dataset} is empty")
-    store = open_feature_store(first.meta.get("train_config", {}).get("features"), images, first.encoder,
-                               args.cache_dir)
-    references = {im.image_id: [" ".join(r) for r in im.references] for im in images}
+    images, store = split_with_features(first, resolve_dataset(args.dataset), args.image_root, args.select_on,
+                                        args.limit, args.cache_dir)
 
     def score(model) -> float:
         captions = caption_dataset(model, first.vocab, images, store, args.beam_size, progress=True)
-        return score_captions({i: " ".join(c) for i, c in captions.items()}, references, ("CIDEr-D",))["CIDEr-D"]
+        return score_dataset(captions, images, ("CIDEr-D",))["CIDEr-D"]
     return score
 
 
