@@ -116,28 +116,22 @@ def test_an_ensemble_is_built_not_trained():
         ensemble.forward_xe(visuals(1), torch.tensor([[4, 2]]))
 
 
-def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_small():
+def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_small(monkeypatch):
     names = ("start", "weak", "strong", "helper", "noise")
     candidates = [SimpleNamespace(name=n, model=SimpleNamespace(member_names=(n,))) for n in names]
     worth = {"start": 0.50, "weak": -0.01, "strong": 0.04, "helper": 0.012, "noise": 0.002}
-
-    def fake_build(chosen):
-        return SimpleNamespace(member_names=tuple(c.name for c in chosen))
+    monkeypatch.setattr("captioner.models.ensemble.build_ensemble",
+                        lambda chosen: SimpleNamespace(member_names=tuple(c.name for c in chosen)))
 
     def score(model):  # a member's worth adds up; the start alone is 0.50
         return sum(worth[n] for n in model.member_names)
 
     lines = []
-    import captioner.models.ensemble as module
-    original, module.build_ensemble = module.build_ensemble, fake_build
-    try:
-        chosen = select_members(candidates, score, max_members=4, min_gain=0.005, report=lines.append)
-        assert [c.name for c in chosen] == ["start", "strong", "helper"]  # noise's +0.002 is below the bar
-        assert lines[0] == "start: 0.5000" and lines[-1].startswith("stop: the best addition, noise")
-        assert len(lines) == 1 + 4 + 3 + 2 + 1  # every trial of every round is reported
-        assert [c.name for c in select_members(candidates, score, max_members=2, min_gain=0.0)] == ["start", "strong"]
-    finally:
-        module.build_ensemble = original
+    chosen = select_members(candidates, score, max_members=4, min_gain=0.005, report=lines.append)
+    assert [c.name for c in chosen] == ["start", "strong", "helper"]  # noise's +0.002 is below the bar
+    assert lines[0] == "start: 0.5000" and lines[-1].startswith("stop: the best addition, noise")
+    assert len(lines) == 1 + 4 + 3 + 2 + 1  # every trial of every round is reported
+    assert [c.name for c in select_members(candidates, score, max_members=2, min_gain=0.0)] == ["start", "strong"]
 
 
 def captioner(*args: str) -> subprocess.CompletedProcess:
