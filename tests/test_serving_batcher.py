@@ -87,12 +87,16 @@ def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
         return step(prev, state, enc)
 
     runtime.step = counting_step
+    encoded: list[int] = []
+    begin = runtime.begin
+    runtime.begin = lambda prepared, beams: (encoded.append(len(prepared)), begin(prepared, beams))[1]
     images = [runtime.prepare(image) for image in random_images(6, seed=3)]
     schedule = [(0, images[i], 2, 5) for i in range(6)]
     batcher = Batcher(runtime, max_batch=16, queue_size=16, max_rows=5)
     batcher.start(worker=False)
     results = asyncio.run(drive(batcher, schedule))
     assert max(seen) <= 5 and 4 in seen  # two requests of beam 2 at a time: the third waits for rows
+    assert encoded[0] == 2 and sum(encoded) == 6  # the two admitted together are encoded together
     for (_, prepared, beam, max_len), got in zip(schedule, results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
 
