@@ -89,7 +89,12 @@ def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
     runtime.step = counting_step
     encoded: list[int] = []
     begin = runtime.begin
-    runtime.begin = lambda prepared, beams: (encoded.append(len(prepared)), begin(prepared, beams))[1]
+
+    def counting_begin(batch, widths):
+        encoded.append(len(batch))
+        return begin(batch, widths)
+
+    runtime.begin = counting_begin
     images = [runtime.prepare(image) for image in random_images(6, seed=3)]
     schedule = [(0, images[i], 2, 5) for i in range(6)]
     batcher = Batcher(runtime, max_batch=16, queue_size=16, max_rows=5)
