@@ -106,6 +106,20 @@ def random_images(n: int, seed: int = 0) -> list[Image.Image]:
 
 
 # -- batcher driving ----------------------------------------------------------------------------------------------
+def count_encodes(runtime) -> list[int]:
+    """Wraps ``runtime.begin`` (every caption starts by encoding its images) so that each call appends its number
+    of images to the returned list; ``del runtime.begin`` restores the class's method."""
+    calls: list[int] = []
+    begin = runtime.begin
+
+    def counting_begin(batch, widths):
+        calls.append(len(batch))
+        return begin(batch, widths)
+
+    runtime.begin = counting_begin
+    return calls
+
+
 async def drive(batcher, schedule: list[tuple], timeout_s: float = 60.0) -> list:
     """Run a batcher started with ``worker=False`` step by step; ``schedule`` holds ``(step, prepared, beam,
     max_len)`` or ``(step, prepared, beam, max_len, rules)``: each request is submitted just before step boundary

@@ -12,6 +12,7 @@ from skimage import data
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
+from .serving_helpers import count_encodes
 from .test_service import _png, tiny_weights  # noqa: F401  (fixture)
 
 
@@ -68,9 +69,7 @@ def test_an_overlay_without_a_format_is_a_words_png_given_a_token_else_the_figur
 
 def test_reusing_a_result_does_not_run_the_model(client, result):
     runtime = client.app.state.service.runtimes["tiny-a"]
-    calls = []
-    original = runtime.begin  # every caption starts by encoding its image
-    runtime.begin = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    calls = count_encodes(runtime)
     try:
         for token in range(len(result["tokens"])):
             _image(client.get(f"/captions/{result['id']}/overlay", params={"token": token}))
@@ -155,9 +154,7 @@ def test_json_heatmaps_refuse_box_modes_and_unknown_colormaps_and_name_their_res
 
 def test_post_overlay_refuses_what_it_cannot_draw_before_running_the_model(client):
     runtime = client.app.state.service.runtimes["tiny-a"]
-    calls = []
-    original = runtime.begin
-    runtime.begin = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    calls = count_encodes(runtime)
     photo = _png(Image.new("RGB", (90, 60), (9, 9, 9)))
     try:
         for params in ({"format": "png"}, {"format": "png", "token": 0, "mode": "bogus"},

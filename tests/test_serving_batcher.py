@@ -17,7 +17,7 @@ from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
 
-from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \
+from .serving_helpers import all_architectures, assert_same_result, count_encodes, drive, random_images, shared_encoder, \
     tiny_checkpoint
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
@@ -87,14 +87,7 @@ def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
         return step(prev, state, enc)
 
     runtime.step = counting_step
-    encoded: list[int] = []
-    begin = runtime.begin
-
-    def counting_begin(batch, widths):
-        encoded.append(len(batch))
-        return begin(batch, widths)
-
-    runtime.begin = counting_begin
+    encoded = count_encodes(runtime)
     images = [runtime.prepare(image) for image in random_images(6, seed=3)]
     schedule = [(0, images[i], 2, 5) for i in range(6)]
     batcher = Batcher(runtime, max_batch=16, queue_size=16, max_rows=5)

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
-from .serving_helpers import random_images
+from .serving_helpers import count_encodes, random_images
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,15 +38,7 @@ def cached_app(tmp_path_factory):
     settings = Settings(weights_dir=weights, warmup=False, release_memory=False, result_cache_entries=2)
     with TestClient(create_app(settings)) as client:
         runtime = client.app.state.service.runtimes["sat"]
-        calls: list[int] = []
-        begin = runtime.begin
-
-        def counting_begin(batch, widths):
-            calls.append(len(batch))
-            return begin(batch, widths)
-
-        runtime.begin = counting_begin
-        yield client, calls
+        yield client, count_encodes(runtime)
 
 
 def caption(client, data: bytes, **params):
