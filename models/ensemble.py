@@ -12,13 +12,18 @@ trained.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
+
+
+def mean_of(normalisers: Iterable[str]) -> str:
+    """How an ensemble's attention is named: the mean of its members' maps, each named by its normaliser."""
+    return "mean of " + " and ".join(normalisers)
 
 
 def _prefix(k: int) -> str:
@@ -63,7 +68,7 @@ class Ensemble(Captioner):
 
     @property
     def attention_name(self) -> str:
-        return "mean of " + " and ".join(member.attention_name for member in self.members)
+        return mean_of(member.attention_name for member in self.members)
 
     def encode(self, vis: VisualBatch) -> EncState:
         return _join([member.encode(vis) for member in self.members])
@@ -112,7 +117,7 @@ def build_ensemble(checkpoints: Sequence[Any]) -> Ensemble:
         if other.encoder != first.encoder:
             raise ValueError(f"{other.name} reads other visual items than {first.name} (encoder {other.encoder} "
                              f"against {first.encoder}): the members of an ensemble share one encoder spec")
-        if other.meta.get("train_config", {}).get("features") != first.meta.get("train_config", {}).get("features"):
+        if other.trained_features != first.trained_features:
             raise ValueError(f"{other.name} was trained on other features than {first.name}")
     if any(c.model.arch == Ensemble.arch for c in checkpoints):
         raise ValueError("an ensemble's members are single checkpoints, not ensembles")

@@ -2,8 +2,6 @@
 decoding through the one beam search, the checkpoint format, the members' checks, greedy selection and the command."""
 
 import math
-import subprocess
-import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -17,9 +15,10 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 
-from .conftest import ROOT, WEIGHTS
+from .conftest import WEIGHTS
 from .model_checks import assert_checkpoint_round_trip, rescored_beams
 from .serving_helpers import ENSEMBLE_MEMBERS, FEAT_DIM, TINY_SPEC, VOCAB, tiny_checkpoint
+from .test_cli import captioner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,25 +133,20 @@ def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_sma
     assert [c.name for c in select_members(candidates, score, max_members=2, min_gain=0.0)] == ["start", "strong"]
 
 
-def captioner(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "captioner.service.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-
-
 def test_the_command_selects_members_on_val_and_writes_a_checkpoint_that_says_what_it_holds(tmp_path, scenes):
     out = tmp_path / "ensemble"
     common = ("--dataset", str(scenes), "--cache-dir", str(tmp_path / "cache"), "--limit", "6")
     refused = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"), "--select-on", "test",
-                        *common)
+                        *common, check=False)
     assert refused.returncode != 0 and "--select-on val" in refused.stderr and not out.exists()
 
     none_gains = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"), "--select-on",
-                           "val", "--min-gain", "10", *common)
+                           "val", "--min-gain", "10", *common, check=False)
     assert none_gains.returncode != 0 and "no ensemble written" in none_gains.stderr and not out.exists()
 
     done = captioner("ensemble", str(out), str(WEIGHTS / "sat"), str(WEIGHTS / "sat-hard"),
                      str(WEIGHTS / "sparsecap-softmax"), "--select-on", "val", "--min-gain", "-1", "--max-members", "2",
-                     "--storage", "float16", *common)
+                     "--storage", "float16", *common, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     scored = [line for line in done.stdout.splitlines() if line.rpartition(": ")[2].replace(".", "").isdigit()]
     assert scored[0].startswith("sat: ") and len(scored) == 3  # the start, then one trial per candidate
@@ -175,10 +169,10 @@ def test_the_command_refuses_members_that_do_not_fit_in_one_line(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     save_checkpoint(a, tiny_checkpoint("sat").model, VOCAB, TINY_SPEC)
     save_checkpoint(b, tiny_checkpoint("sat", 1).model, Vocabulary([f"v{i}" for i in range(20)]), TINY_SPEC)
-    done = captioner("ensemble", str(tmp_path / "out"), str(a), str(b))
+    done = captioner("ensemble", str(tmp_path / "out"), str(a), str(b), check=False)
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: b has another vocabulary")
     assert not (tmp_path / "out").exists()
     config = (a / "config.json").read_text()
-    over_a_member = captioner("ensemble", str(a), str(a), str(tmp_path / ".." / tmp_path.name / "a"))
+    over_a_member = captioner("ensemble", str(a), str(a), str(tmp_path / ".." / tmp_path.name / "a"), check=False)
     assert over_a_member.returncode != 0 and "is one of the members" in over_a_member.stderr
     assert (a / "config.json").read_text() == config  # the members are untouched

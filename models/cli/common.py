@@ -151,8 +151,7 @@ def split_with_features(ckpt, dataset, image_root, split: str, limit: int | None
     images = load_captioned(dataset, image_root, (split,), limit=limit)
     if not images:
         raise SystemExit(f"error: split {split!r} of {dataset} is empty")
-    features = ckpt.meta.get("train_config", {}).get("features")
-    return images, open_feature_store(features, images, ckpt.encoder, cache_dir, device=device)
+    return images, open_feature_store(ckpt.trained_features, images, ckpt.encoder, cache_dir, device=device)
 
 
 def load_training_captions(dataset, image_root) -> list[list[str]]:

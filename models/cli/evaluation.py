@@ -51,7 +51,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if not images:
             raise SystemExit(f"error: split {split!r} of {dataset} is empty")
         # by default the features the model was trained on (grid, or regions:DIR)
-        features = args.features or ckpt.meta.get("train_config", {}).get("features")
+        features = args.features or ckpt.trained_features
         if args.encoder_precision == "float32":
             store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
         else:

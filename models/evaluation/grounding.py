@@ -33,6 +33,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from ..ensemble import Ensemble, mean_of
 from ..protocol import Geometry, VisualBatch
 from ..rendering.heatmaps import heatmap
 from .bootstrap import percentile_interval, resampled_ratios
@@ -322,9 +323,8 @@ def normaliser_of(ckpt) -> str:
 
 
 def _normaliser(model) -> str:
-    members = getattr(model, "members", None)
-    if members is not None:  # models/ensemble.py: the mean of its members' maps
-        return "mean of " + " and ".join(_normaliser(member) for member in members)
+    if isinstance(model, Ensemble):  # the mean of its members' maps, each labelled as the table labels it
+        return mean_of(_normaliser(member) for member in model.members)
     kind = model.attention_kind
     if "hard" in kind:
         return "hard (α, the sampling distribution)"
