@@ -53,17 +53,17 @@ class Checkpoint:
         return self.meta.get("name") or (self.path.name if self.path else self.model.arch)
 
     @property
-    def trained_features(self) -> str | None:
-        """The ``--features`` its training run read (``None`` or ``"grid"``: the encoder's grid; ``"regions:DIR"``),
-        which evaluation reads again by default."""
-        return self.meta.get("train_config", {}).get("features")
+    def trained_features(self) -> str:
+        """The ``--features`` its training run read, which evaluation reads again by default: ``"grid"`` (the
+        encoder's grid, also for a run that did not name it) or ``"regions:DIR"``."""
+        return self.meta.get("train_config", {}).get("features") or "grid"
 
     @property
     def reads_regions(self) -> bool:
         """Trained on region features (``--features regions:DIR``, or an author's checkpoint of bottom-up
         features): it cannot caption a photo, whose features would be the grid."""
-        features = str(self.trained_features or "")
-        return features.startswith("regions:") or "region features" in str(self.meta.get("visual_input", ""))
+        authors_regions = "region features" in str(self.meta.get("visual_input", ""))
+        return self.trained_features.startswith("regions:") or authors_regions
 
     def check_reads_images(self) -> None:
         """Refuse (:class:`CheckpointError`) to caption photos with a checkpoint that reads region features."""

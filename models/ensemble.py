@@ -27,16 +27,14 @@ def mean_of(normalisers: Iterable[str]) -> str:
 
 
 def _prefix(k: int) -> str:
+    """Member ``k``'s keys in the ensemble's flat state (the one place that knows the format)."""
     return f"m{k}_"
 
 
 def _split(state: dict[str, Tensor], members: int) -> list[dict[str, Tensor]]:
     """Member ``k``'s own state out of the ensemble's flat one (every key carries its member's prefix)."""
-    parts: list[dict[str, Tensor]] = [{} for _ in range(members)]
-    for key, value in state.items():
-        member, name = key[1:].split("_", 1)
-        parts[int(member)][name] = value
-    return parts
+    prefixes = [_prefix(k) for k in range(members)]
+    return [{key[len(p):]: value for key, value in state.items() if key.startswith(p)} for p in prefixes]
 
 
 def _join(parts: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -105,8 +103,9 @@ class Ensemble(Captioner):
 def build_ensemble(checkpoints: Sequence[Any]) -> Ensemble:
     """An :class:`Ensemble` of loaded checkpoints (``captioner.models.checkpoint.Checkpoint``), their weights copied in.
 
-    Refused, naming the first member that differs: another vocabulary (the mean is over the same words) or another
-    encoder spec (the members attend over the same visual items, one CNN pass for all)."""
+    Refused, naming the first member that differs: another vocabulary (the mean is over the same words), another
+    encoder spec (the members attend over the same visual items, one CNN pass for all) or other features (a grid
+    and a region folder are different visual items under the same spec)."""
     if len(checkpoints) < 2:
         raise ValueError("an ensemble needs at least two checkpoints")
     first = checkpoints[0]

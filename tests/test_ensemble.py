@@ -95,6 +95,11 @@ def test_members_must_share_words_and_visual_items():
         build_ensemble([a, replace(b, vocab=Vocabulary([f"v{i}" for i in range(20)]))])
     with pytest.raises(ValueError, match="encoder spec"):
         build_ensemble([a, replace(b, encoder=replace(TINY_SPEC, image_size=128))])
+    named_grid = replace(b, meta={**b.meta, "train_config": {"features": "grid"}})
+    assert build_ensemble([a, named_grid]).members  # a run that named the grid read what one that did not read
+    on_regions = replace(b, meta={**b.meta, "train_config": {"features": "regions:/data/boxes"}})
+    with pytest.raises(ValueError, match="other features"):
+        build_ensemble([a, on_regions])
     with pytest.raises(ValueError, match="at least two"):
         build_ensemble([a])
     nested = replace(a, model=build_ensemble([a, b]))
