@@ -238,7 +238,7 @@ gpu-wheels: $(STAMP)
 
 # never runs/: it holds what users trained
 clean:
-	rm -rf $(VENV) .cache .pytest_cache test-artifacts
+	rm -rf $(VENV) .cache .pytest_cache
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
 # Needs root, nothing from `make setup`; installs buildah and debootstrap (Debian packages) when missing; builds a

@@ -2,7 +2,7 @@
 through a "Try a sample" photo.
 
 Uses Debian's chromium (``make test`` installs it when it can) driven by Playwright; the browser tests skip with the
-reason when no chromium is installed.  The screenshots are kept in ``test-artifacts/``.
+reason when no chromium is installed.  The screenshots are kept in ``.cache/test-artifacts/``.
 """
 
 import contextlib
@@ -21,7 +21,7 @@ from .conftest import ROOT
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
-ARTIFACTS = ROOT / "test-artifacts"
+ARTIFACTS = ROOT / ".cache" / "test-artifacts"
 OVERLAY_SHOWN = ("() => { const o = document.getElementById('overlay');"
                  " return !o.hidden && o.complete && o.naturalWidth > 0; }")
 
@@ -41,7 +41,7 @@ def demo_page(server):
     """The demo page in headless Chromium, its model list loaded (a caption request needs a model to name)."""
     from playwright.sync_api import sync_playwright
 
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
