@@ -156,6 +156,13 @@ class EncoderSpec:
 # --------------------------------------------------------------------------------------------------------------
 # Image loading and preprocessing (the single path used by training, evaluation, the CLI and the service)
 # --------------------------------------------------------------------------------------------------------------
+#: the formats an image is opened as (the README's list; Pillow's JPEG reader also opens MPO, the JPEG of cameras
+#: that store a second view). Pillow would otherwise try every plugin it has, and some (SPIDER, DDS, BLP) fail on
+#: odd files with errors no caller can expect, where an unlisted format is one clear "not an image"
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+#: what Pillow raises on a broken file of those formats (a truncated frame: EOFError; a compression it lacks:
+#: NotImplementedError)
+_DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, NotImplementedError)
 #: the full scale of each integer greyscale mode deeper than 8 bits (Pillow opens 16-bit PNGs and TIFFs as these)
 _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 
@@ -191,7 +198,7 @@ def image_pixels(data: bytes) -> int:
     """The pixel count an image's header announces, read without decoding a pixel (1 for what is not an image:
     decoding it fails at once)."""
     try:
-        width, height = Image.open(io.BytesIO(data)).size
+        width, height = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS).size
     except Exception:  # noqa: BLE001 — anything Pillow raises on a foreign file: load_image names it
         return 1
     return width * height
@@ -213,15 +220,16 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
         image = source
     else:
         try:
-            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source, formats=IMAGE_FORMATS)
         except FileNotFoundError as exc:  # a path (the CLI), not an upload
             raise ImageDecodeError(f"no such image file: {source}") from exc
         except Image.DecompressionBombError as exc:  # Pillow's own guard fires before ours for gigantic headers
             limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
             raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
+        except (UnidentifiedImageError, *_DECODE_ERRORS) as exc:
             where = "the upload" if isinstance(source, bytes) else str(source)
-            raise ImageDecodeError(f"cannot identify an image in {where} ({exc.__class__.__name__})") from exc
+            raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where} "
+                                   f"({exc.__class__.__name__})") from exc
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
@@ -239,8 +247,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
         image.load()
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"image is above the limit of {Image.MAX_IMAGE_PIXELS} pixels ({exc})") from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise ImageDecodeError(f"the image data is truncated or corrupt ({exc})") from exc
+    except _DECODE_ERRORS as exc:
+        raise ImageDecodeError(f"the image data is truncated or corrupt ({exc.__class__.__name__}: {exc})") from exc
     return image
 
 

@@ -189,5 +189,5 @@ def test_only_the_newest_caption_is_shown_and_a_hidden_heatmap_stays_hidden(serv
         page.fill("#beam", "3")
         page.set_input_files("#file", files=[{"name": "notes.jpg", "mimeType": "image/jpeg", "buffer": b"not a photo"}])
         wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
-        assert "cannot identify an image" in page.locator("#status").inner_text()
+        assert "cannot identify a JPEG" in page.locator("#status").inner_text()
         assert page.evaluate("() => document.getElementById('result').hidden")

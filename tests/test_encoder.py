@@ -116,6 +116,20 @@ def test_gif_first_frame():
     assert load_image(buffer.getvalue()).getpixel((5, 5))[0] > 200
 
 
+def test_a_cameras_two_view_jpeg_is_read_as_its_first_view():
+    views = [Image.new("RGB", (12, 8), colour) for colour in [(255, 0, 0), (0, 0, 255)]]
+    buffer = io.BytesIO()
+    views[0].save(buffer, format="MPO", save_all=True, append_images=views[1:])
+    assert load_image(buffer.getvalue()).getpixel((5, 5))[0] > 200
+
+
+@pytest.mark.parametrize("fmt", ["SPIDER", "PPM", "ICO"])
+def test_formats_outside_the_documented_list_are_not_an_image(fmt):
+    # Pillow reads these, but a valid SPIDER file failed inside Pillow (EOFError) and reached the service as a 500
+    with pytest.raises(ImageDecodeError, match="cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image"):
+        load_image(_encode(Image.new("L" if fmt == "SPIDER" else "RGB", (40, 30)), fmt))
+
+
 def test_bad_images_raise_clear_errors():
     with pytest.raises(ImageDecodeError, match="cannot identify"):
         load_image(b"not an image at all")

@@ -75,6 +75,7 @@ def test_models_are_listed_and_selectable(client):
     (b"definitely not an image", 422, "invalid-image"),
     (b"", 422, "invalid-image"),
     (_png(Image.fromarray(data.astronaut()), "JPEG")[:3000], 422, "invalid-image"),
+    (_png(Image.new("L", (40, 30)), "SPIDER"), 422, "invalid-image"),  # a valid file Pillow failed to decode: was a 500
     (_png(Image.new("RGB", (1100, 1000))), 413, "image-too-large"),
     (os.urandom(300_000), 413, "upload-too-large"),
 ])
