@@ -149,6 +149,11 @@ class Runtime(ABC):
         return folder_relative(self.spec, self.ckpt.path) if self.ckpt.path is not None else self.spec
 
     @property
+    def reports_areas(self) -> bool:
+        """Whether its captions carry the ``areas`` extra that ``area_topk`` draws (decoder area attention)."""
+        return self.ckpt.model.area_boxes() is not None
+
+    @property
     def default_rules(self) -> DecodingRules:
         """The decoding rules a request gets unless it names its own: those chosen for the checkpoint on its
         validation split (``captioner tune-decoding``), else none."""

@@ -34,7 +34,8 @@ AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, description="heatmap opacity
 SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
     f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE})"))]
 RENDERED = {200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
-                  "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"}}
+                  "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"},
+            504: {"description": "deadline passed while waiting for a render slot"}}
 
 
 def _format(format: Format | None, token: int | None) -> Format:
@@ -76,6 +77,7 @@ async def post_overlay(request: Request, state: State, results: Results, options
                        cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
     render = RenderOptions(_format(format, token), token, mode, cmap, alpha, max_side)
     # checked before the model runs for a figure that could not be drawn
-    data, result = await caption_upload(request, state, options, check=lambda: check_render_options(render))
+    data, result = await caption_upload(request, state, options,
+                                        check=lambda runtime: check_render_options(render, runtime))
     result_id = results.put(result, data)
     return await _respond(request, state, results.get(result_id), render, result_id)

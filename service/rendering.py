@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 
 from captioner.models.encoder import load_image
+from captioner.models.inference import Runtime
 from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, caption_figure, check_mode, colormap,
                                                  default_mode, heatmap, overlay, png_bytes)
 
@@ -39,9 +40,9 @@ class RenderOptions:
     max_side: int | None = None
 
 
-def check_render_options(options: RenderOptions) -> None:
-    """Refuse what no result could render (before a caption is run for it); the token's range and the mode's fit
-    to the model's geometry are checked on the result."""
+def check_render_options(options: RenderOptions, runtime: Runtime | None = None) -> None:
+    """Refuse what no result could render or, given the ``runtime`` that will caption the upload, what no result of
+    its model could (both before a caption is run for it); the token's range is checked on the result."""
     if options.format == "png" and options.token is None:
         raise RenderError("format=png needs ?token=i (or use format=figure for the whole caption)")
     if options.mode is not None:
@@ -50,6 +51,9 @@ def check_render_options(options: RenderOptions) -> None:
         raise RenderError(f"format=json returns heat maps: mode must be one of {', '.join(HEAT_MODES)} "
                           f"({options.mode} draws boxes: use format=png or figure)")
     colormap(options.cmap)
+    if runtime is not None and options.mode == "area_topk" and not runtime.reports_areas:
+        raise RenderError(f"area_topk draws area attention, which model {runtime.name!r} does not have (a model "
+                          "with decoder area attention has)")
 
 
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:

@@ -11,10 +11,11 @@ from typing import Annotated
 from fastapi import Query, Request
 from fastapi.responses import Response
 
-from captioner.models.inference import CaptionResult
+from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import RenderError
 
-from .captioning import CaptionRequest, caption_image, observed_request, refuse_early, remaining_s
+from .captioning import (CaptionRequest, caption_image, ensure_ready, observed_request, pick_model, refuse_early,
+                         remaining_s)
 from .errors import Overloaded, UploadTimeout
 from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
@@ -36,15 +37,18 @@ def caption_answer(state: ServiceState, result: CaptionResult, result_id: str | 
 
 
 async def caption_upload(request: Request, state: ServiceState, query: CaptionOptions,
-                         check: Callable[[], None] = lambda: None) -> tuple[bytes, CaptionResult]:
+                         check: Callable[[Runtime | None], None] = lambda runtime: None) -> tuple[bytes, CaptionResult]:
     """Read and caption the upload of either caption endpoint: the deadline counts from the request's arrival, and
-    a request is refused before its body is parsed when ``check`` (the endpoint's own options) raises, when the
-    service is not ready, or when the model its query names would refuse it anyway."""
+    a request is refused before its body is parsed when ``check(None)`` (the endpoint's own options) raises, when
+    the service is not ready, or when the model its query names would refuse it anyway; and before its model runs
+    when ``check`` raises given that model's runtime (a form's fields may name the model)."""
     arrived = arrival(request)
     options = query  # the query's, until the body (a form's fields) completes them
     with observed_request(state, arrived, lambda: options.model):
-        given = await _read_upload(request, state, query, check, arrived)
+        given = await _read_upload(request, state, query, lambda: check(None), arrived)
         options = given.options
+        ensure_ready(state)
+        check(state.runtimes[pick_model(state, options.model)])
         return given.data, await caption_image(state, given, arrived)
 
 

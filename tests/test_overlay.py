@@ -153,17 +153,22 @@ def test_json_heatmaps_refuse_box_modes_and_unknown_colormaps_and_name_their_res
 
 
 def test_post_overlay_refuses_what_it_cannot_draw_before_running_the_model(client):
-    runtime = client.app.state.service.runtimes["tiny-a"]
-    calls = count_encodes(runtime)
+    runtimes = [client.app.state.service.runtimes[name] for name in ("tiny-a", "tiny-b")]
+    calls = [count_encodes(runtime) for runtime in runtimes]
     photo = _png(Image.new("RGB", (90, 60), (9, 9, 9)))
     try:
         for params in ({"format": "png"}, {"format": "png", "token": 0, "mode": "bogus"},
-                       {"format": "figure", "cmap": "nope"}):
+                       {"format": "figure", "cmap": "nope"}, {"format": "png", "token": 0, "mode": "area_topk"}):
             response = client.post("/caption/overlay", params=params, files={"file": ("x.png", photo, "image/png")})
             assert response.status_code == 422, params
+        # the model a form field names is known once the body is read, still before it runs
+        named = client.post("/caption/overlay", params={"format": "figure", "mode": "area_topk"},
+                            files={"file": ("x.png", photo, "image/png")}, data={"model": "tiny-b"})
+        assert named.status_code == 422 and "'tiny-b'" in named.json()["detail"]
     finally:
-        del runtime.begin
-    assert calls == []
+        for runtime in runtimes:
+            del runtime.begin
+    assert calls == [[], []]
 
 
 def test_overlays_of_a_large_photo_are_rendered_at_most_2048_pixels_wide_unless_asked(client):

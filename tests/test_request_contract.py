@@ -158,6 +158,9 @@ def test_openapi_documents_the_form_fields(client):
         assert form["properties"]["file"]["format"] == "binary"
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
+    # a render that waits for a slot past the deadline is a 504, with or without a model run before it
+    assert "504" in paths["/captions/{result_id}/overlay"]["get"]["responses"]
+    assert "504" in paths["/caption/overlay"]["post"]["responses"]
 
 
 def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):
