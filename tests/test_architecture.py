@@ -1,0 +1,77 @@
+"""The folder layout is the architecture: models/ never imports service/, and the service's layers depend only
+downwards: routes → use cases → batcher → runtime → model (README, "What is here"; docs/architecture.md).  Read from the sources' import
+statements, so a back-edge fails here before anyone has to find it in a review."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT
+
+#: the service's modules by layer, top first; a module may import its own layer's and the layers below it.
+#: Modules in no layer (settings, errors, schemas, metrics, state, ...) are shared definitions any layer may use.
+SERVICE_LAYERS = {
+    "routes": {"app", "cli", "routes", "overlay", "upload_answers", "inputs", "problems", "middleware", "openapi",
+               "security", "lifecycle"},
+    "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup"},
+    "batcher": {"batcher", "row_table"},
+    "runtime": {"runtime"},
+}
+
+
+def _imported_modules(path: Path, package: str) -> set[str]:
+    """Every module ``path`` imports, as dotted names (relative imports resolved against ``package``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)  # `from . import batcher`
+    return names
+
+
+def _package_of(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = ["captioner", *relative.parts]
+    return ".".join(parts if path.name == "__init__.py" else parts[:-1])
+
+
+def _service_imports(name: str) -> set[str]:
+    path = ROOT / "service" / f"{name}.py"
+    prefix = "captioner.service."
+    return {m[len(prefix):].split(".")[0] for m in _imported_modules(path, _package_of(path)) if m.startswith(prefix)}
+
+
+def test_the_layers_name_every_module_they_hold():
+    named = set().union(*SERVICE_LAYERS.values())
+    assert named <= {p.stem for p in (ROOT / "service").glob("*.py")}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "models").rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_models_never_import_the_service(path):
+    imported = _imported_modules(path, _package_of(path))
+    assert not {m for m in imported if m == "captioner.service" or m.startswith("captioner.service.")}
+
+
+@pytest.mark.parametrize("layer", list(SERVICE_LAYERS))
+def test_service_layers_import_only_downwards(layer):
+    order = list(SERVICE_LAYERS)
+    above = set().union(*(SERVICE_LAYERS[upper] for upper in order[:order.index(layer)]))
+    back_edges = {(name, imported) for name in SERVICE_LAYERS[layer] for imported in _service_imports(name)
+                  if imported in above}
+    assert not back_edges, f"{layer} imports a layer above it: {sorted(back_edges)}"
+
+
+def test_the_import_reader_sees_a_back_edge(tmp_path):
+    # the checks above pass vacuously if relative imports are misread: resolve one the way the service writes them
+    module = tmp_path / "batcher.py"
+    module.write_text("from .captioning import caption_image\nfrom . import routes\n")
+    assert {"captioner.service.captioning", "captioner.service.routes"} <= _imported_modules(module,
+                                                                                              "captioner.service")
