@@ -413,7 +413,7 @@ f8k-stage-f8k-ensemble: check-f8k | $(STAMP)
 # not touched here: ship-f8k evaluates it once, on the stage that ships.
 train-f8k-%: f8k-stage-%
 	$(BIN)/captioner tune-decoding runs/$*/best $(F8K) --split val --threads 1 --write --output runs/$*/decoding.val.json
-	$(BIN)/captioner storage runs/$*/best float16 --out runs/$*/float16
+	$(BIN)/captioner storage runs/$*/best float16 --out runs/$*/float16 --force
 	$(BIN)/captioner eval runs/$*/float16 $(F8K) --split val --threads 1 --output runs/$*/eval.val.json \
 	  --results-json runs/$*/captions.val.json
 

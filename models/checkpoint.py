@@ -277,6 +277,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
         config = json.loads((path / CONFIG).read_text())
     except FileNotFoundError:
         raise not_a_checkpoint(path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path / CONFIG} is not valid JSON ({exc})") from None
     if config.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {config.get('format')!r} (expected {FORMAT})")
     return config
@@ -300,7 +302,17 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     config = read_config(path)
     vocab = Vocabulary.load(path / VOCAB)
     model = create(config["arch"], **config["model"], **config.get("special_ids", {}))
-    model.load_state_dict(load_file(path / WEIGHTS, device="cpu"), strict=True)
+    try:
+        weights = load_file(path / WEIGHTS, device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing") from None
+    except Exception as exc:  # noqa: BLE001 — safetensors' own error type for a truncated or foreign file
+        raise CheckpointError(f"{path / WEIGHTS} cannot be read as safetensors ({exc})") from None
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:  # missing, unexpected or mis-shaped tensors: other weights than config.json's model
+        raise CheckpointError(f"{path / WEIGHTS} does not hold the weights of the {config['arch']} model its "
+                              f"{CONFIG} describes:\n{exc}") from None
     model.to(device).eval()
     return Checkpoint(model=model, vocab=vocab, encoder=resolve_encoder_weights(config["encoder"], path), path=path,
                       meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS),

@@ -7,6 +7,7 @@ from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_c
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
 
 
 @pytest.fixture
@@ -42,6 +43,23 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
     with pytest.raises(CheckpointError, match="config.json does not match its sha256"):
         load_checkpoint(path)  # an edited file no longer matches the manifest written at save
     with pytest.raises(CheckpointError, match="unknown checkpoint format"):
+        load_checkpoint(path, verify=False)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        load_checkpoint(path, verify=False)
+
+
+def test_unreadable_or_foreign_weights_are_checkpoint_errors(tmp_path, tiny_sat, vocab):
+    # they reached the command line as a safetensors or state_dict traceback
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    weights = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors"):
+        load_checkpoint(path, verify=False)
+    other = save_checkpoint(tmp_path / "other", create("sat", vocab_size=23, feat_dim=8, embed_dim=8,
+                                                       hidden_dim=8, attn_dim=8), vocab, EncoderSpec())
+    (path / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    with pytest.raises(CheckpointError, match="does not hold the weights of the sat model"):
         load_checkpoint(path, verify=False)
 
 

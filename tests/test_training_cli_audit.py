@@ -1,6 +1,6 @@
 """What a user meets at `captioner train`, `eval` and `tune-decoding`: nonsense numbers, foreign `--out` folders,
-logs of killed starts, Ctrl-C before training, malformed data sets (docs/decisions.md, "Training and evaluation
-commands, audited")."""
+logs of killed starts, Ctrl-C before training, malformed data sets; and at the commands that write checkpoints,
+figures and reports over what is already there (docs/decisions.md, "Training and evaluation commands, audited")."""
 
 import json
 
@@ -33,11 +33,15 @@ def _argv(scenes, out, cache, *extra):
             "--train-limit", "8", "--val-limit", "2", "--threads", "1", "--no-progress", *extra]
 
 
-def _fails(capsys, argv, status=2) -> str:
+def _main(argv) -> None:
     from captioner.service.cli import main
 
+    main(argv)
+
+
+def _fails(capsys, argv, status=2) -> str:
     with pytest.raises(SystemExit) as stopped:
-        main(argv)
+        _main(argv)
     assert stopped.value.code == status, argv
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
@@ -161,3 +165,34 @@ def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
     assert not np.array_equal(after.get(keys).numpy(), old)
     assert everything.folder != after.folder
     assert extract_features(images, spec, tmp_path / "cache", progress=False, encoder=object()).folder == after.folder
+
+
+def test_commands_never_write_over_a_checkpoint_or_their_own_input_unasked(tmp_path, capsys):
+    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    trained = save_checkpoint(tmp_path / "trained", tiny_model("sat"), VOCAB, TINY_SPEC)
+    other = save_checkpoint(tmp_path / "other", tiny_model("sparsecap"), VOCAB, TINY_SPEC)
+    for argv in (["storage", str(trained), "float16", "--out", str(other)],
+                 ["ensemble", str(other), str(trained), str(trained)]):
+        err = _fails(capsys, argv)
+        assert "already exists" in err and "pass --force" in err, argv
+        assert load_checkpoint(other).model.arch == "sparsecap", argv  # untouched
+    _main(["storage", str(trained), "float16", "--out", str(other), "--force"])
+    assert load_checkpoint(other).storage == "float16"
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"not read: the refusal comes first")
+    assert "one of the command's inputs" in _fails(capsys, ["caption", str(photo), "--overlay", str(photo)])
+    results = tmp_path / "captions.json"
+    results.write_text("[]")
+    assert "one of the command's inputs" in _fails(capsys, ["compare", str(results), str(results), "--output",
+                                                            str(results)])
+    assert results.read_text() == "[]"
+    assert "give a picture's file name" in _fails(capsys, ["caption", str(photo), "--overlay", str(tmp_path / "f.txt2")])
+
+
+def test_a_split_the_data_set_does_not_have_is_an_error(scenes, tmp_path, capsys):
+    err = _fails(capsys, ["data", "features", "--dataset", str(scenes), "--split", "nosuch", "--cache-dir",
+                          str(tmp_path)])
+    assert "no images in split 'nosuch'" in err

@@ -93,6 +93,33 @@ def output_file(text: str) -> str:
     return text
 
 
+def refuse_overwrite(out: str | Path, force: bool, what: str = "--out") -> None:
+    """Stop, before any work, a command that would write a checkpoint over whatever ``out`` already holds, unless
+    ``--force`` says to: a checkpoint a command makes never silently replaces one a user trained or imported."""
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
+        raise SystemExit(f"error: {out} already exists: choose another {what}, or pass --force to replace the "
+                         "checkpoint there")
+
+
+def refuse_input_as_output(out: str | Path | None, inputs, option: str) -> None:
+    """Stop a command whose ``option`` names one of the files it reads: its result would replace its input."""
+    if out is not None and Path(out).resolve() in {Path(path).resolve() for path in inputs}:
+        raise SystemExit(f"error: {option} {out} is one of the command's inputs: write it somewhere else")
+
+
+def figure_file(text: str) -> str:
+    """argparse type of a picture a command draws: an :func:`output_file` whose extension names a format Pillow
+    writes (``.png``, ``.jpg``, ...), checked before any model runs."""
+    from PIL import Image
+
+    output_file(text)
+    if Path(text).suffix.lower() not in Image.registered_extensions():
+        raise argparse.ArgumentTypeError(f"{text}: give a picture's file name, such as figure.png (the extension "
+                                         "chooses the format)")
+    return text
+
+
 #: Python's spellings of JSON's literals, as a Python user types them (``--set pre_norm=False``): read as the
 #: string "False", they would count as true
 _PYTHON_LITERALS = {"True": True, "False": False, "None": None}
@@ -141,16 +168,24 @@ def decoding_rules(ckpt, args: argparse.Namespace):
     return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams)
 
 
+def load_split(dataset, image_root, split: str, **options) -> list:
+    """One split's captioned images (``load_captioned``'s ``options``); a split with none, a name the data set does
+    not use included, is a one-line error before any work."""
+    from ..data.datasets import load_captioned
+
+    images = load_captioned(dataset, image_root, (split,), **options)
+    if not images:
+        raise SystemExit(f"error: split {split!r} of {dataset} is empty")
+    return images
+
+
 def split_with_features(ckpt, dataset, image_root, split: str, limit: int | None, cache_dir,
                         device: str = "cpu") -> tuple[list, Any]:
     """One split's captioned images (an empty split is a one-line error) and the store of the visual items ``ckpt``
     was trained on (its grid, or the region folder its run read), extracted once into ``cache_dir``."""
-    from ..data.datasets import load_captioned
     from ..data.stores import open_feature_store
 
-    images = load_captioned(dataset, image_root, (split,), limit=limit)
-    if not images:
-        raise SystemExit(f"error: split {split!r} of {dataset} is empty")
+    images = load_split(dataset, image_root, split, limit=limit)
     return images, open_feature_store(ckpt.trained_features, images, ckpt.encoder, cache_dir, device=device)
 
 

@@ -49,6 +49,9 @@ def cmd_data_features(args: argparse.Namespace) -> None:
     set_threads(args.threads)
     dataset = resolve_dataset(args.dataset)
     images = load_captioned(dataset, args.image_root, tuple(args.split) if args.split else None)
+    if not images:
+        raise SystemExit(f"error: no images in split {' or '.join(map(repr, args.split))} of {dataset}" if args.split
+                         else f"error: {dataset} holds no images")
     store = extract_features(images, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
                              batch_size=args.batch_size, device=str(resolve_device(args.device)),
                              shard_size=args.shard_size)

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..data.datasets import DATASET_FORMATS
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_decoding_options,
-                     checkpoint_label, count, decoding_rules, load_training_captions, output_file, positive_int)
+                     checkpoint_label, count, decoding_rules, load_split, load_training_captions, output_file,
+                     positive_int, refuse_input_as_output)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -22,7 +23,7 @@ register = _group.register
 def cmd_eval(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint
     from ..data.stores import open_feature_store
-    from ..data.datasets import load_captioned, resolve_dataset
+    from ..data.datasets import resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
     from ..training import evaluate_checkpoint
@@ -47,9 +48,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     training_captions = load_training_captions(dataset, image_root)
     coco_results: list[dict[str, Any]] = []
     for split in args.split or ["test"]:
-        images = load_captioned(dataset, image_root, (split,), limit=args.limit)
-        if not images:
-            raise SystemExit(f"error: split {split!r} of {dataset} is empty")
+        images = load_split(dataset, image_root, split, limit=args.limit)
         # by default the features the model was trained on (grid, or regions:DIR)
         features = args.features or ckpt.trained_features
         if args.encoder_precision == "float32":
@@ -179,14 +178,15 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_resolution_check(args: argparse.Namespace) -> None:
-    from ..data.datasets import load_captioned, resolve_dataset
+    from ..data.datasets import resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.resolution import resolution_check
     from ..pipeline import Pipeline
 
     set_threads(args.threads)
+    refuse_input_as_output(args.output, [args.checkpoint], "--output")
     pipeline = Pipeline(args.checkpoint, resolve_device(args.device))
-    images = load_captioned(resolve_dataset(args.dataset), args.image_root, (args.split,))
+    images = load_split(resolve_dataset(args.dataset), args.image_root, args.split)
     report = resolution_check(pipeline, images, Path(args.full_root), args.beam_size, args.max_len,
                               decoding_rules(pipeline.ckpt, args))
     text = json.dumps(report, indent=2)
@@ -208,18 +208,17 @@ def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
     add_decoding_options(rc)
     rc.add_argument("--device", default="auto")
     rc.add_argument("--threads", type=positive_int)
-    rc.add_argument("--output", help="also write the JSON report here")
+    rc.add_argument("--output", type=output_file, help="also write the JSON report here")
     rc.set_defaults(func=cmd_resolution_check)
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from ..data.datasets import load_captioned, resolve_dataset
+    from ..data.datasets import resolve_dataset
     from ..evaluation.compare import compare_captions, markdown
 
+    refuse_input_as_output(args.output, args.results, "--output")
     dataset = resolve_dataset(args.dataset)
-    images = load_captioned(dataset, args.image_root, (args.split,), check_images=False)
-    if not images:
-        raise SystemExit(f"error: split {args.split!r} of {dataset} is empty")
+    images = load_split(dataset, args.image_root, args.split, check_images=False)
     sides = []
     for path in args.results:
         try:
@@ -248,7 +247,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     add_dataset_options(cmp)
     cmp.add_argument("--split", default="test")
     cmp.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
-    cmp.add_argument("--output", help="also write the JSON here")
+    cmp.add_argument("--output", type=output_file, help="also write the JSON here")
     cmp.set_defaults(func=cmd_compare)
 
 

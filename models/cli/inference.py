@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_decoding_options, checkpoint_label, decoding_rules,
-                     positive_int)
+                     figure_file, positive_int, refuse_input_as_output, refuse_overwrite)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -29,6 +29,7 @@ def cmd_caption(args: argparse.Namespace) -> None:
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
     if args.overlay and len(args.images) != 1:
         raise SystemExit("error: --overlay takes exactly one image")
+    refuse_input_as_output(args.overlay, args.images, "--overlay")
     if args.token is not None and len(checkpoints) > 1:
         raise SystemExit("error: --token renders one checkpoint's word; drop it to compare checkpoints")
     if args.token is not None and not args.overlay:
@@ -90,17 +91,18 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--checkpoint", action="append",
                      help=f"checkpoint folder (default {DEFAULT_CHECKPOINT}); repeat it to compare checkpoints side by "
                           "side, one figure row each")
-    cap.add_argument("--beam-size", type=positive_int, default=3)
-    cap.add_argument("--max-len", type=positive_int, default=20)
+    cap.add_argument("--beam-size", type=positive_int, default=3, help="beam width (default 3)")
+    cap.add_argument("--max-len", type=positive_int, default=20, help="most words per caption (default 20)")
     add_decoding_options(cap)
-    cap.add_argument("--overlay", metavar="OUT.png", help="write the per-word figure (or one word with --token)")
+    cap.add_argument("--overlay", metavar="OUT.png", type=figure_file,
+                     help="write the per-word figure (or one word with --token); the format follows the extension")
     cap.add_argument("--token", type=int, help="render only this token's heatmap")
     cap.add_argument("--mode", help="grid_smooth, grid_blocks, region_sum, top1_box, area_topk (default: by model)")
-    cap.add_argument("--cmap", default="jet")
-    cap.add_argument("--alpha", type=float, default=0.5)
+    cap.add_argument("--cmap", default="jet", help="matplotlib colormap of the heatmaps (default jet)")
+    cap.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
     cap.add_argument("--json", action="store_true", help="print the full result as JSON lines")
-    cap.add_argument("--device", default="auto")
-    cap.add_argument("--threads", type=positive_int)
+    cap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
+    cap.add_argument("--threads", type=positive_int, help="CPU threads of PyTorch (default: its own)")
     cap.set_defaults(func=cmd_caption)
 
 
@@ -184,11 +186,7 @@ def cmd_import(args: argparse.Namespace) -> None:
 
     from ..interop.sgrvinod import ENCODER_FILE, convert_sgrvinod, encoder_file
 
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        # before the conversion: nothing slow runs for a command that would stop here
-        raise SystemExit(f"error: {out} already exists: choose another --out, or pass --force to replace the "
-                         "checkpoint there")
+    refuse_overwrite(args.out, args.force)  # before the conversion: nothing slow runs for a command that stops here
     files, spec = {}, EncoderSpec()
     try:
         if args.kind == "aoanet":
@@ -237,6 +235,8 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 def cmd_storage(args: argparse.Namespace) -> None:
     from ..checkpoint import WEIGHTS, restore
 
+    if args.out is not None and Path(args.out).resolve() != Path(args.checkpoint).resolve():
+        refuse_overwrite(args.out, args.force)
     out = restore(args.checkpoint, args.dtype, args.out)
     print(f"{out}: weights stored as {args.dtype}, {(out / WEIGHTS).stat().st_size / 2**20:.1f} MiB")
 
@@ -247,19 +247,20 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
                         "bytes; loading casts them back) or float32; compare `captioner eval` before and after")
     st.add_argument("checkpoint")
     st.add_argument("dtype", choices=("float16", "float32"))
-    st.add_argument("--out", help="write the result here instead of in place")
+    st.add_argument("--out", help="write the result here instead of in place (a new or empty folder)")
+    st.add_argument("--force", action="store_true", help="replace the checkpoint already at --out")
     st.set_defaults(func=cmd_storage)
 
 
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
-    from ..checkpoint import CheckpointError, is_checkpoint, read_config, write_manifest
+    from ..checkpoint import CheckpointError, is_checkpoint, load_checkpoint, write_manifest
 
     for folder in map(Path, args.checkpoints):
         if not is_checkpoint(folder):
             raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors)")
-        try:
-            read_config(folder)
+        try:  # a manifest vouches for files that load: truncated or mismatched weights are refused, not sealed
+            load_checkpoint(folder, verify=False)
         except CheckpointError as exc:
             raise SystemExit(f"error: {exc}") from None
         print(f"wrote {write_manifest(folder)}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import (CommandGroup, add_dataset_options, at_least, key_values, length_penalty, load_training_captions,
-                     output_file, positive_int, split_with_features, yes_or_no)
+                     output_file, positive_int, refuse_overwrite, split_with_features, yes_or_no)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -187,6 +187,7 @@ def cmd_ensemble(args: argparse.Namespace) -> None:
         raise SystemExit("error: members are chosen on validation data (--select-on val); test is for reporting")
     if Path(args.out).resolve() in {Path(path).resolve() for path in args.checkpoints}:
         raise SystemExit(f"error: {args.out} is one of the members: write the ensemble to a folder of its own")
+    refuse_overwrite(args.out, args.force, "OUT")
     try:
         checkpoints = [load_checkpoint(path, "cpu") for path in args.checkpoints]
         if args.select_on:
@@ -247,7 +248,8 @@ def _split_scorer(args: argparse.Namespace, first):
 def _add_ensemble(sub: argparse._SubParsersAction) -> None:
     en = sub.add_parser("ensemble", help="one checkpoint that decodes several trained ones as an ensemble (the mean "
                         "of their next-word probabilities); --select-on val picks the members greedily")
-    en.add_argument("out", help="the ensemble's checkpoint folder")
+    en.add_argument("out", help="the ensemble's checkpoint folder (a new or empty one)")
+    en.add_argument("--force", action="store_true", help="replace the checkpoint already at OUT (never a member)")
     en.add_argument("checkpoints", nargs="+", help="member checkpoints (same vocabulary and encoder spec); with "
                     "--select-on, the first is where the selection starts and the rest are candidates")
     en.add_argument("--select-on", metavar="SPLIT", help="choose the members by greedy forward selection on this "
