@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from captioner.models.cli.commands import add_commands
-from captioner.models.cli.common import DEFAULT_CHECKPOINT, positive_int
+from captioner.models.cli.common import DEFAULT_CHECKPOINT, at_least, positive_int
 from captioner.models.cli.inference import cmd_caption as caption_files
 from captioner.models.device import resolve_device
 
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_archive_arguments(sub.choices["caption"])
     serve = sub.add_parser("serve", help="run the HTTP service (settings from CAPTIONER_* variables; flags win)")
     serve.add_argument("--host", help="bind address (CAPTIONER_HOST, default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (CAPTIONER_PORT, default 8000)")
+    serve.add_argument("--port", type=at_least(1, 65535), help="port (CAPTIONER_PORT, default 8000)")
     serve.add_argument("--weights-dir", help="folder of checkpoint folders, served under their names "
                        "(CAPTIONER_WEIGHTS_DIR, default weights/flickr8k)")
     serve.add_argument("--model", help="default model name (CAPTIONER_DEFAULT_MODEL)")

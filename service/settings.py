@@ -88,7 +88,7 @@ class Settings(BaseSettings):
     log_format: Literal["json", "text"] = Field("json", description="access and service log lines")
     log_level: str = Field("info", description="log level of the service loggers")
     host: str = Field("127.0.0.1", description="bind address of `captioner serve`")
-    port: int = Field(8000, description="port of `captioner serve`")
+    port: int = Field(8000, ge=1, le=65535, description="port of `captioner serve`")
 
     # -- access and hardening (service/security.py) ---------------------------------------------------------
     api_keys: list[str] = Field(default_factory=list, repr=False,

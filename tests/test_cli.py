@@ -241,3 +241,14 @@ def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch)
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("error: device 'cuda' was requested but no CUDA GPU is available (use auto or "
                                        "cpu)\n")
+
+
+def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
+    # uvicorn took 99999 modulo 65536, listened on 34463 and logged 99999
+    import pytest
+
+    from captioner.service import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--port", "99999"])
+    assert exit_.value.code == 2 and "must be at most 65535, got 99999" in capsys.readouterr().err

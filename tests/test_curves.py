@@ -28,3 +28,8 @@ def test_runs_are_read_torn_line_skipped_and_overlaid_in_one_png(tmp_path):
     assert image.size == (1680, 340)
     pixels = image.convert("RGB").getcolors(1 << 20)
     assert len(pixels) > 50  # something was drawn, in more than a couple of colours
+
+
+def test_a_name_without_an_extension_is_written_and_reported_as_png(tmp_path):
+    out = plot_runs([_write_run(tmp_path / "a", 1.0)], tmp_path / "curves")
+    assert out == tmp_path / "curves.png" and out.is_file()

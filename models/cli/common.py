@@ -46,10 +46,10 @@ def yes_or_no(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is neither on nor off (1/0, true/false, yes/no)")
 
 
-def at_least(least: int) -> Callable[[str], int]:
-    """argparse type of a whole number that must be at least ``least``: anything else is a usage error naming the
-    option, not a traceback deep in the work (``captioner train``'s counts take theirs from TrainConfig's
-    ``least`` metadata)."""
+def at_least(least: int, most: int | None = None) -> Callable[[str], int]:
+    """argparse type of a whole number that must be at least ``least`` (and at most ``most``): anything else is a
+    usage error naming the option, not a traceback deep in the work (``captioner train``'s counts take theirs from
+    TrainConfig's ``least`` metadata)."""
     def whole_number(text: str) -> int:
         try:
             value = int(text)
@@ -57,6 +57,8 @@ def at_least(least: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < least:
             raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
         return value
     return whole_number
 

@@ -335,7 +335,8 @@ def _add_zoo_table(sub: argparse._SubParsersAction) -> None:
     zt.add_argument("--dataset", default=DEFAULT_DATA,
                     help="the scenes whose test split the captions in RESULTS/captions/ describe: every checkpoint "
                     "against --baseline, paired (skipped when missing)")
-    zt.add_argument("--baseline", default=Path(DEFAULT_CHECKPOINT).name, help="checkpoint the others are compared with")
+    zt.add_argument("--baseline", default="sat", help="scene checkpoint the others are compared with (default sat; a "
+                    "name with no captions in RESULTS/captions/ leaves the paired table out)")
     zt.set_defaults(func=cmd_zoo_table)
 
 
@@ -357,7 +358,7 @@ def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
     _real_photo_page_options(zf, "docs/results/flickr8k", "folder of eval reports NAME.json and their captions "
                              "captions/NAME.json", "docs/model_zoo.md", "zoo-f8k")
     zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
-    zf.add_argument("--dataset", help="the data set whose references the captions are scored against: "
+    zf.add_argument("--dataset", required=True, help="the data set whose references the captions are scored against: "
                     f"{DATASET_FORMATS}")
     zf.add_argument("--image-root")
     zf.add_argument("--split", default="test")

@@ -68,6 +68,8 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, labels: Sequence[str]
         ax.legend(fontsize="small")
     fig.tight_layout()
     out = Path(out)
+    if not out.suffix:  # matplotlib adds ".png" to a name without one: say the name it writes
+        out = out.with_name(out.name + ".png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
