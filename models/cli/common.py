@@ -164,6 +164,21 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                         help="never repeat a word trigram within a caption (default: the checkpoint's)")
 
 
+def add_search_options(parser: argparse.ArgumentParser, rules: bool = True) -> None:
+    """The beam search's width and length (and, with ``rules``, :func:`add_decoding_options`), as every command that
+    captions has them."""
+    parser.add_argument("--beam-size", type=positive_int, default=3, help="beam width (default 3)")
+    parser.add_argument("--max-len", type=positive_int, default=20, help="most words per caption (default 20)")
+    if rules:
+        add_decoding_options(parser)
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """Where a command runs its networks."""
+    parser.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
+    parser.add_argument("--threads", type=positive_int, help="CPU threads of PyTorch (default: one per core)")
+
+
 def decoding_rules(ckpt, args: argparse.Namespace):
     from ..decoding import DecodingRules
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import DEFAULT_DATA, CommandGroup, add_dataset_options, count, key_values, positive_int
+from .common import DEFAULT_DATA, CommandGroup, add_dataset_options, add_device_options, count, key_values, positive_int
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -90,8 +90,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     reg.add_argument("--out", required=True, help="folder for the .npz files (then: train --features regions:OUT)")
     reg.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
     reg.add_argument("--cache-dir", default=".cache/features")
-    reg.add_argument("--device", default="auto")
-    reg.add_argument("--threads", type=positive_int, help="torch threads (default: one per core)")
+    add_device_options(reg)
     reg.set_defaults(func=cmd_data_regions)
     fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
                                           "run once before multi-machine training)")
@@ -101,6 +100,5 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     fe.add_argument("--cache-dir", default=".cache/features")
     fe.add_argument("--batch-size", type=positive_int, default=32)
     fe.add_argument("--shard-size", type=positive_int, default=1024)
-    fe.add_argument("--device", default="auto")
-    fe.add_argument("--threads", type=positive_int, help="torch threads (default: one per core)")
+    add_device_options(fe)
     fe.set_defaults(func=cmd_data_features)

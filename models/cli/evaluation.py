@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..data.datasets import DATASET_FORMATS
-from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_decoding_options,
-                     checkpoint_label, count, decoding_rules, load_split, load_training_captions, output_file,
-                     positive_int, refuse_input_as_output)
+from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_device_options,
+                     add_search_options, checkpoint_label, count, decoding_rules, load_split, load_training_captions,
+                     output_file, positive_int, refuse_input_as_output)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -145,20 +145,18 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("checkpoint")
     ev.add_argument("--dataset", help=f"{DATASET_FORMATS} (default: {DEFAULT_DATA}; with --grounding "
                     "entities:DIR, the data set the checkpoint was trained on)")
-    ev.add_argument("--image-root")
+    ev.add_argument("--image-root", help="folder the data set's image paths are relative to")
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
-    ev.add_argument("--beam-size", type=positive_int, default=3)
-    ev.add_argument("--max-len", type=positive_int, default=20)
-    add_decoding_options(ev)
-    ev.add_argument("--limit", type=positive_int)
+    add_search_options(ev)
+    ev.add_argument("--limit", type=positive_int, help="score only the first N images of each split")
     ev.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java)")
     ev.add_argument("--show", type=count, default=0, help="print this many captions")
     ev.add_argument("--misses", type=count, default=0, metavar="N",
                     help="also report the N caption words that BLEU-1 most often leaves uncredited")
-    ev.add_argument("--cache-dir", default=".cache/features")
+    ev.add_argument("--cache-dir", default=".cache/features", help="where grid features are extracted once "
+                    "(default .cache/features)")
     ev.add_argument("--features", metavar="grid|regions:DIR", help="visual items (default: the training run's)")
-    ev.add_argument("--device", default="auto")
-    ev.add_argument("--threads", type=positive_int)
+    add_device_options(ev)
     ev.add_argument("--encoder-precision", choices=("float32", "int8"), default="float32",
                     help="int8: grid features from the CNN quantized for ONNX Runtime, as the service computes them "
                     "with CAPTIONER_ENCODER_PRECISION=int8 (default: the float PyTorch CNN)")
@@ -202,12 +200,9 @@ def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
     rc.add_argument("checkpoint")
     add_dataset_options(rc, image_root_help="the data set's copies of the photos")
     rc.add_argument("--full-root", required=True, help="folder of full-size originals, matched by file name")
-    rc.add_argument("--split", default="test")
-    rc.add_argument("--beam-size", type=positive_int, default=3)
-    rc.add_argument("--max-len", type=positive_int, default=20)
-    add_decoding_options(rc)
-    rc.add_argument("--device", default="auto")
-    rc.add_argument("--threads", type=positive_int)
+    rc.add_argument("--split", default="test", help="split whose photos are compared (default test)")
+    add_search_options(rc)
+    add_device_options(rc)
     rc.add_argument("--output", type=output_file, help="also write the JSON report here")
     rc.set_defaults(func=cmd_resolution_check)
 
@@ -395,6 +390,5 @@ def _add_grounding_doc(sub: argparse._SubParsersAction) -> None:
                     help="the side-by-side heatmaps of the softmax, sparsemax and TVmax checkpoints")
     gd.add_argument("--scene-results", default="docs/results",
                     help="the scene reports whose SparseCap grounding the closing note compares with")
-    gd.add_argument("--device", default="auto")
-    gd.add_argument("--threads", type=positive_int)
+    add_device_options(gd)
     gd.set_defaults(func=cmd_grounding_doc)

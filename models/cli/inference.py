@@ -9,7 +9,8 @@ import pickle
 import sys
 from pathlib import Path
 
-from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_decoding_options, checkpoint_label, decoding_rules,
+from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, checkpoint_label,
+                     decoding_rules,
                      figure_file, positive_int, refuse_input_as_output, refuse_overwrite)
 
 _group = CommandGroup()
@@ -91,9 +92,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--checkpoint", action="append",
                      help=f"checkpoint folder (default {DEFAULT_CHECKPOINT}); repeat it to compare checkpoints side by "
                           "side, one figure row each")
-    cap.add_argument("--beam-size", type=positive_int, default=3, help="beam width (default 3)")
-    cap.add_argument("--max-len", type=positive_int, default=20, help="most words per caption (default 20)")
-    add_decoding_options(cap)
+    add_search_options(cap)
     cap.add_argument("--overlay", metavar="OUT.png", type=figure_file,
                      help="write the per-word figure (or one word with --token); the format follows the extension")
     cap.add_argument("--token", type=int, help="render only this token's heatmap")
@@ -101,8 +100,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--cmap", default="jet", help="matplotlib colormap of the heatmaps (default jet)")
     cap.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
     cap.add_argument("--json", action="store_true", help="print the full result as JSON lines")
-    cap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
-    cap.add_argument("--threads", type=positive_int, help="CPU threads of PyTorch (default: its own)")
+    add_device_options(cap)
     cap.set_defaults(func=cmd_caption)
 
 

@@ -11,8 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import (CommandGroup, add_dataset_options, at_least, key_values, length_penalty, load_training_captions,
-                     output_file, positive_int, refuse_overwrite, split_with_features, yes_or_no)
+from .common import (CommandGroup, add_dataset_options, add_device_options, add_search_options, at_least, key_values,
+                     length_penalty, load_training_captions, output_file, positive_int, refuse_overwrite,
+                     split_with_features, yes_or_no)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -281,12 +282,10 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
                     default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
     td.add_argument("--metric", default="CIDEr-D", choices=("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D"),
                     help="the score the best pair is chosen by")
-    td.add_argument("--beam-size", type=positive_int, default=3)
-    td.add_argument("--max-len", type=positive_int, default=20)
+    add_search_options(td, rules=False)
     td.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
     td.add_argument("--cache-dir", default=".cache/features")
-    td.add_argument("--device", default="auto")
-    td.add_argument("--threads", type=positive_int)
+    add_device_options(td)
     td.add_argument("--output", type=output_file, help="also write the rows as JSON here")
     td.add_argument("--write", action="store_true", help="store the best pair as the checkpoint's decoding defaults")
     td.set_defaults(func=cmd_tune_decoding)
