@@ -182,7 +182,6 @@ def cmd_resolution_check(args: argparse.Namespace) -> None:
     from ..pipeline import Pipeline
 
     set_threads(args.threads)
-    refuse_input_as_output(args.output, [args.checkpoint], "--output")
     pipeline = Pipeline(args.checkpoint, resolve_device(args.device))
     images = load_split(resolve_dataset(args.dataset), args.image_root, args.split)
     report = resolution_check(pipeline, images, Path(args.full_root), args.beam_size, args.max_len,

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, checkpoint_label,
-                     decoding_rules,
-                     figure_file, positive_int, refuse_input_as_output, refuse_overwrite)
+                     decoding_rules, figure_file, positive_int, refuse_input_as_output, refuse_overwrite)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
