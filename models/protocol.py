@@ -152,7 +152,7 @@ class Captioner(nn.Module):
     def encode_rows(self, vis: VisualBatch, rows: Tensor | None = None) -> EncState:
         """:meth:`encode` each image of ``vis`` once, then give caption ``i`` the encoding of image ``rows[i]``.
 
-        Captions grouped by image (``captioner train --captions-per-image``, as the AoANet and X-LAN codes batch
+        Captions grouped by image (``captioner train --group-by-image``, as the AoANet and X-LAN codes batch
         ``seq_per_img`` captions of each image) then pay for a refining encoder once per image, not per caption."""
         enc = self.encode(vis)
         return enc if rows is None else index_rows(enc, rows)

@@ -208,3 +208,16 @@ def test_repository_paths_named_in_the_docs_exist():
                 if not (ROOT / found).exists() and not (document.parent / found).exists():
                     broken.append(f"{document.relative_to(ROOT)}:{number}: {found}")
     assert not broken, "\n".join(broken)
+
+
+@pytest.mark.parametrize("script", ["benchmarks/gpu_session.sh", "docker/build_and_check.sh"])
+def test_the_python_that_shell_scripts_run_imports_names_that_exist(script):
+    # gpu_session.sh imported a function renamed long before: its GPU session would have stopped at its first step
+    import importlib
+
+    text = (ROOT / script).read_text()
+    imports = re.findall(r"from (captioner(?:\.\w+)+) import ([\w, ]+)", text)
+    for module, names in imports:
+        loaded = importlib.import_module(module)
+        missing = [name.strip() for name in names.split(",") if not hasattr(loaded, name.strip())]
+        assert not missing, f"{script}: {module} has no {missing}"
