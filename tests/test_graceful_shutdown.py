@@ -109,12 +109,15 @@ def test_sigusr1_writes_every_threads_stack_and_the_server_keeps_serving(tiny_we
     try:
         server.wait_ready(timeout_s=120)
         server.proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 30  # the dump is quick, but a loaded machine may not schedule it for seconds
-        while "in cmd_serve" not in server.log_path.read_text() and time.monotonic() < deadline:
+        # faulthandler's dump: the batcher's worker thread waiting for requests, and the event loop's thread. It is
+        # written thread by thread, in no order the test can rely on: wait for every part (a loaded machine may not
+        # schedule the dump for seconds), not for one of them (CI once read it after the main thread's stack alone)
+        expected = ("service/batcher.py", "in _run", "in cmd_serve")
+        deadline = time.monotonic() + 30
+        while not all(part in server.log_path.read_text() for part in expected) and time.monotonic() < deadline:
             time.sleep(0.05)
         log = server.log_path.read_text()
-        # faulthandler's dump: the batcher's worker thread waiting for requests, and the event loop's thread
-        assert "service/batcher.py" in log and "in _run" in log and "in cmd_serve" in log, log[-2000:]
+        assert all(part in log for part in expected), log[-2000:]
         response = httpx.post(f"{server.url}/caption", content=png_bytes(), headers={"content-type": "image/png"},
                               timeout=30)
         assert response.status_code == 200, response.text

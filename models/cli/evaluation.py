@@ -352,8 +352,8 @@ def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
     _real_photo_page_options(zf, "docs/results/flickr8k", "folder of eval reports NAME.json and their captions "
                              "captions/NAME.json", "docs/model_zoo.md", "zoo-f8k")
     zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
-    zf.add_argument("--dataset", required=True, help="the data set whose references the captions are scored against: "
-                    f"{DATASET_FORMATS}")
+    zf.add_argument("--dataset", help="the data set whose references the captions are scored against: "
+                    f"{DATASET_FORMATS} (needed once a report exists)")
     zf.add_argument("--image-root")
     zf.add_argument("--split", default="test")
     zf.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
