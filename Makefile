@@ -3,6 +3,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# the project alone (what `make serve` needs), and with its dev extras (tests, benchmarks, training, docs): a
+# newcomer's first `make serve` does not wait for pytest, playwright or scipy
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -17,7 +20,8 @@ PYTEST_ARGS ?=
 	bench-int8 samples clean
 
 help:
-	@echo "make setup         create .venv and install the project (every other target does it first)"
+	@echo "make setup         create .venv and install the project with its dev extras (most targets do it first;"
+	@echo "                   make serve installs the project alone)"
 	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"
 	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
@@ -48,9 +52,13 @@ help:
 	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(STAMP): $(RUNTIME_STAMP)
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
@@ -65,10 +73,10 @@ $(VENV)/.extra-%: $(STAMP)
 # serve: the real-photo checkpoints of weights/flickr8k/ under their folder names (the service's defaults);
 # serve-scenes: those plus the generated-scene checkpoints of weights/ as scenes-NAME (docs/decisions.md, "Flickr8k:
 # where the checkpoints live and which are served")
-serve: $(STAMP)
+serve: $(RUNTIME_STAMP)
 	$(BIN)/captioner serve --host $(HOST) --port $(PORT)
 
-serve-scenes: $(STAMP)
+serve-scenes: $(RUNTIME_STAMP)
 	CAPTIONER_PREFIXED_WEIGHTS_DIRS='{"scenes-": "weights"}' $(BIN)/captioner serve --host $(HOST) --port $(PORT)
 
 # Debian's chromium drives the browser test; installed when we may (root + apt), otherwise that test skips.
