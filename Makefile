@@ -52,14 +52,16 @@ help:
 	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
+# --no-compile: pip would byte-compile every module of every wheel (torch's thousands) up front, about 30 s of a
+# fresh install; Python compiles what is imported, when it is first imported
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-compile -e .
 	touch $@
 
 $(STAMP): $(RUNTIME_STAMP)
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
 	touch $@
 
 setup: $(STAMP)
