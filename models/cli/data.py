@@ -62,13 +62,13 @@ def cmd_data_features(args: argparse.Namespace) -> None:
 def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
-    gen.add_argument("--out", default=DEFAULT_DATA)
-    gen.add_argument("--train", type=count, default=6000)
-    gen.add_argument("--val", type=count, default=500)
-    gen.add_argument("--test", type=count, default=500)
-    gen.add_argument("--heldout", type=count, default=500)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--workers", type=positive_int, default=2)
+    gen.add_argument("--out", default=DEFAULT_DATA, help=f"folder to write (default {DEFAULT_DATA})")
+    for split, size, what in (("train", 6000, "training"), ("val", 500, "validation"), ("test", 500, "test"),
+                              ("heldout", 500, "held-out (colour-shape pairs never seen in training)")):
+        gen.add_argument(f"--{split}", type=count, default=size, help=f"{what} scenes (default {size})")
+    gen.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0): the same seed and sizes "
+                     "give the same files")
+    gen.add_argument("--workers", type=positive_int, default=2, help="processes drawing scenes (default 2)")
     from ..data.scenes import VARIATIONS
 
     gen.add_argument("--varied", nargs="?", const="standard", choices=sorted(VARIATIONS), metavar="NAME",
@@ -80,9 +80,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=cmd_data_generate)
     ood = data.add_parser("ood", help="the out-of-distribution test set: scenes drawn by a separate renderer "
                           "(other canvases, backgrounds, colours, anti-aliasing, JPEG); split 'ood'")
-    ood.add_argument("--out", default=".cache/ood")
-    ood.add_argument("--images", type=positive_int, default=500)
-    ood.add_argument("--seed", type=int, default=0)
+    ood.add_argument("--out", default=".cache/ood", help="folder to write (default .cache/ood)")
+    ood.add_argument("--images", type=positive_int, default=500, help="scenes to draw (default 500)")
+    ood.add_argument("--seed", type=int, default=0, help="the renderer's seed (default 0)")
     ood.set_defaults(func=cmd_data_ood)
     reg = data.add_parser("regions", help="region features (.npz per image) for the generated scenes: object "
                           "masks pooled over the frozen encoder's grid, a detector stand-in")

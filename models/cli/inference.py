@@ -242,8 +242,8 @@ def cmd_storage(args: argparse.Namespace) -> None:
 def _add_storage(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("storage", help="write a checkpoint again with its weights stored as float16 (half the "
                         "bytes; loading casts them back) or float32; compare `captioner eval` before and after")
-    st.add_argument("checkpoint")
-    st.add_argument("dtype", choices=("float16", "float32"))
+    st.add_argument("checkpoint", help="checkpoint folder to read (and, without --out, to rewrite)")
+    st.add_argument("dtype", choices=("float16", "float32"), help="how the weights are stored")
     st.add_argument("--out", help="write the result here instead of in place (a new or empty folder)")
     st.add_argument("--force", action="store_true", help="replace the checkpoint already at --out")
     st.set_defaults(func=cmd_storage)
