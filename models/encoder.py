@@ -228,8 +228,7 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
             raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
         except (UnidentifiedImageError, *_DECODE_ERRORS) as exc:
             where = "the upload" if isinstance(source, bytes) else str(source)
-            raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where} "
-                                   f"({exc.__class__.__name__})") from exc
+            raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where}") from exc
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")

@@ -36,7 +36,8 @@ class UploadTooLarge(ServiceError):
     """The upload is larger than ``max_upload_bytes``."""
 
     def __init__(self, limit: int):
-        super().__init__(f"upload is larger than the {limit}-byte limit")
+        # in MiB for the person reading it, in bytes for a client that compares sizes
+        super().__init__(f"upload is larger than the limit of {limit / 2**20:.3g} MiB ({limit} bytes)")
         self.limit = limit
 
 

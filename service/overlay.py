@@ -16,7 +16,8 @@ from captioner.models.rendering.heatmaps import MODES
 
 from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
-from .rendering import DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, render_result
+from .rendering import (DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, drawn_mode,
+                        render_result)
 from .results import Results, StoredResult
 from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOut, HeatmapsOut
 from .state import ServiceState, State
@@ -50,9 +51,10 @@ async def _respond(request: Request, state: ServiceState, stored: StoredResult, 
     with slot_deadline(settings, "the overlay waited to be rendered"):
         body = await render_result(stored, options, result_id, state.render_slots,
                                    remaining_s(settings, arrival(request)))
+    headers = {"X-Caption-Id": result_id, "X-Heatmap-Mode": drawn_mode(stored.result, options)}
     if isinstance(body, HeatmapsOut):
-        return Response(body.model_dump_json(), media_type="application/json", headers={"X-Caption-Id": result_id})
-    return Response(body, media_type="image/png", headers={"X-Caption-Id": result_id})
+        return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+    return Response(body, media_type="image/png", headers=headers)
 
 
 @router.get("/captions/{result_id}", response_model=CaptionOut, summary="A previous caption result (JSON), by id")

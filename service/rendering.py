@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from captioner.models.encoder import load_image
-from captioner.models.inference import Runtime
+from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, caption_figure, check_mode, colormap,
                                                  default_mode, heatmap, overlay, png_bytes)
 
@@ -56,6 +56,12 @@ def check_render_options(options: RenderOptions, runtime: Runtime | None = None)
                           "with decoder area attention has)")
 
 
+def drawn_mode(result: CaptionResult, options: RenderOptions) -> str:
+    """The mode a render draws: the one asked for, else the model's default (a sparse model's is grid_blocks, whose
+    exact zeros grid_smooth would blur away; region features' is region_sum)."""
+    return options.mode or default_mode(result.geometry, result.attention_kind)
+
+
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
     check_render_options(options)
     result = stored.result
@@ -70,7 +76,7 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     token, cmap, alpha = options.token, options.cmap, options.alpha
     weights_of = (lambda i: hyp.extras["areas"][i].numpy()) if options.mode == "area_topk" and "areas" in hyp.extras \
         else (lambda i: attention[i])
-    mode = options.mode or default_mode(result.geometry, result.attention_kind)
+    mode = drawn_mode(result, options)
     if options.format == "figure":
         rows = [weights_of(i) for i in range(len(words))]
         return png_bytes(caption_figure(image, words, rows, result.geometry, mode, cmap, alpha, area_boxes=area_boxes))
@@ -79,10 +85,7 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
             raise RenderError(f"token {token} is out of range: the caption has {len(words)} tokens")
         return png_bytes(overlay(image, weights_of(token), result.geometry, mode, cmap, alpha, area_boxes))
     scale = image.width / result.geometry.image_size[0]
-    # box modes are refused above, and every default draws heat: the model's, as for format=png (a sparse model's
-    # is grid_blocks, whose exact zeros grid_smooth would blur away)
-    mode = options.mode or default_mode(result.geometry, result.attention_kind)
-    heatmaps = []
+    heatmaps = []  # box modes were refused above, and every default mode draws heat
     for i, word in enumerate(words):
         heat = heatmap(attention[i], result.geometry, mode, image.size, scale)
         gray = Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")

@@ -13,6 +13,13 @@ real browser, each with the test that showed it.
 - A tiny image (16×16) was shown at 16 px, its heatmap with it.
 - ``format=json`` chose its default mode by the geometry alone: a sparse-attention model's heatmaps came back
   smoothed (``grid_smooth``) where its PNG overlays, and the page's "default", draw ``grid_blocks``.
+
+A second audit (twelfth session):
+
+- Space on a focused word scrolled the page (Enter did nothing), though the words are buttons.
+- On a phone the photo began below the fold, and nothing scrolled it into view: a word's heatmap was off screen.
+- A beam size the box rejects cleared the caption on screen before the request was refused.
+- The page said "Showing “boy”." whatever the heatmap mode, and "default" was never named.
 """
 
 from __future__ import annotations
@@ -133,7 +140,7 @@ def test_no_word_shows_another_words_heatmap_while_its_own_is_on_its_way(caption
     wait_until(page, OVERLAY_SHOWN, timeout_s=30)
     word = words.nth(1).inner_text()
     assert page.get_attribute("#overlay", "alt") == f"where the model looked for “{word}”"
-    assert page.locator("#selected").inner_text() == f"Showing “{word}”."
+    assert page.locator("#selected").inner_text() == f"Showing “{word}” (grid_smooth heatmap)."  # "default", named
 
 
 @pytest.mark.browser
@@ -268,3 +275,35 @@ def test_a_page_opened_while_the_models_load_asks_again_until_it_has_one(tiny_se
         assert seen == ["empty", "down", "real"]
         wait_until(page, "() => document.getElementById('status').textContent === ''", timeout_s=10)
         assert page.locator("#model").input_value() == "tiny"
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_on_a_phone_the_caption_and_its_photo_come_into_view_and_space_chooses_a_word(tiny_server):
+    with page_of(tiny_server, viewport=(390, 600)) as page:
+        upload(page, "photo.png", image_bytes((320, 480), "PNG"), "image/png")
+        wait_until(page, "() => document.getElementById('photo').complete", 10)
+        top = page.evaluate("() => document.getElementById('result').getBoundingClientRect().top")
+        photo_top = page.evaluate("() => document.getElementById('photo').getBoundingClientRect().top")
+        assert abs(top) < 2 and photo_top < 600, (top, photo_top)  # it began below the controls, off screen
+        page.focus("#mode")
+        page.keyboard.press("Tab")
+        page.keyboard.press("ArrowRight")
+        scrolled = page.evaluate("() => window.scrollY")
+        for key in (" ", "Enter"):
+            page.keyboard.press(key)
+            assert page.evaluate("() => window.scrollY") == scrolled, key  # Space scrolled the page
+            assert page.evaluate("() => document.querySelector('#caption .word.active').dataset.index") == "1"
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_beam_size_the_box_rejects_leaves_the_caption_on_screen(captioned):
+    page = captioned
+    words = [w.inner_text() for w in page.locator("#caption .word").all()]
+    page.fill("#beam", "0")
+    page.locator("#beam").dispatch_event("change")
+    assert page.locator("#status").inner_text().startswith("Not sent: the beam size must be")
+    assert [w.inner_text() for w in page.locator("#caption .word").all()] == words
+    assert not page.evaluate("() => document.getElementById('result').hidden")

@@ -38,8 +38,10 @@ def _image(response) -> Image.Image:
 @pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks", None])
 def test_word_overlay_png_has_the_image_size(client, result, mode):
     params = {"token": 0, **({"mode": mode} if mode else {})}
-    image = _image(client.get(f"/captions/{result['id']}/overlay", params=params))
-    assert image.size == (600, 400)
+    response = client.get(f"/captions/{result['id']}/overlay", params=params)
+    assert _image(response).size == (600, 400)
+    # the demo page names what it shows: the mode asked for, else the model's own (a softmax SAT's is grid_smooth)
+    assert response.headers["x-heatmap-mode"] == (mode or "grid_smooth")
     small = _image(client.get(f"/captions/{result['id']}/overlay", params={**params, "max_side": 150}))
     assert small.size == (150, 100)
 

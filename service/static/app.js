@@ -115,19 +115,19 @@ function beamSize() {
 
 async function caption(file) {
   if (!file) return;
-  const request = ++latest;
-  lastFile = file;
-  clearCaption();
-  showPhoto(file);
-  $("result").hidden = false;
   const params = new URLSearchParams({ model: $("model").value });
-  try {
+  try {  // before anything on screen changes: a beam the box rejects leaves the last caption as it was
     const beam = beamSize();
     if (beam !== null) params.set("beam_size", beam);
   } catch (err) {
     setStatus(`Not sent: ${err.message}`, true);
     return;
   }
+  const request = ++latest;
+  lastFile = file;
+  clearCaption();
+  showPhoto(file);
+  $("result").hidden = false;
   setStatus("Captioning…");
   const form = new FormData();
   form.append("file", file);
@@ -168,10 +168,19 @@ async function caption(file) {
     span.addEventListener("keydown", (e) => step(e, i));
     $("caption").appendChild(span);
   });
+  // below the controls, the photo started under the fold of a phone's screen (and of a tall photo's on a desktop):
+  // the words and the photo their heatmaps cover are brought into view together
+  $("result").scrollIntoView({ block: "start" });
 }
 
-// Arrow keys move between the words (the caption is one Tab stop, so Tab leaves it).
+// Arrow keys move between the words (the caption is one Tab stop, so Tab leaves it); Enter and Space choose the
+// focused word, as they press a button (Space would otherwise scroll the page).
 function step(event, index) {
+  if (event.key === "Enter" || event.key === " ") {
+    event.preventDefault();
+    show(index);
+    return;
+  }
   const move = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 }[event.key];
   if (!move) return;
   event.preventDefault();
@@ -204,6 +213,7 @@ function heatmap(shown, index, mode) {
       .catch((err) => { throw new Error(`The heatmap request failed: ${err.message || err}`); })
       .then(async (response) => {
         if (!response.ok) throw new Error(await failure(response));
+        entry.mode = response.headers.get("X-Heatmap-Mode") || mode;  // "default" resolved to what was drawn
         return URL.createObjectURL(await response.blob());
       });
     entry.promise.then((url) => { entry.url = url; }, () => { if (overlays.get(key) === entry) overlays.delete(key); });
@@ -243,7 +253,7 @@ async function show(index) {
   $("overlay").src = url;
   $("overlay").alt = `where the model looked for “${shown.tokens[index]}”`;
   $("overlay").hidden = false;
-  $("selected").textContent = `Showing “${shown.tokens[index]}”.`;
+  $("selected").textContent = `Showing “${shown.tokens[index]}” (${entry.mode} heatmap).`;
   if ($("status").className === "error") setStatus(shown.summary);  // an earlier heatmap's error is over
 }
 
