@@ -121,5 +121,6 @@ def install_security(app: Any, api_keys: list[str], cors_origins: list[str]) -> 
     if cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
-                           expose_headers=["X-Request-ID", "X-Caption-Id", "X-Heatmap-Mode", "Retry-After"], max_age=600)
+                           expose_headers=["X-Request-ID", "X-Caption-Id", "X-Heatmap-Mode", "Retry-After"],
+                           max_age=600)
     app.add_middleware(SecurityHeadersMiddleware)
