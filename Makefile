@@ -52,8 +52,10 @@ help:
 	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
-# --no-compile: pip would byte-compile every module of every wheel (torch's thousands) up front, about 30 s of a
-# fresh install; Python compiles what is imported, when it is first imported
+# --no-compile: pip would byte-compile every module of every wheel (torch's thousands) one by one, about 30 s of a
+# fresh install that `make serve` does not need (Python compiles what it imports, when it first imports it). The
+# test suite imports most of them, in many processes at once, so the dev install compiles them all up front, on
+# every core
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -62,6 +64,8 @@ $(RUNTIME_STAMP): pyproject.toml
 
 $(STAMP): $(RUNTIME_STAMP)
 	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	  > /dev/null || true
 	touch $@
 
 setup: $(STAMP)
