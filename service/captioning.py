@@ -145,13 +145,16 @@ def slot_deadline(settings: Settings, waiting: str) -> Iterator[None]:
         raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed while {waiting}") from None
 
 
-async def caption_image(state: ServiceState, request: CaptionRequest, arrived: float | None = None) -> CaptionResult:
+async def caption_image(state: ServiceState, request: CaptionRequest, arrived: float | None = None,
+                        check: Callable[[Runtime], None] = lambda runtime: None) -> CaptionResult:
     """Caption one uploaded image with its model's batcher, within the request deadline counted from ``arrived``
-    (the request's arrival, ``time.monotonic()``; default: now)."""
+    (the request's arrival, ``time.monotonic()``; default: now).  ``check`` may refuse the request, given the
+    runtime of the model it names, before that model runs."""
     started = time.monotonic() if arrived is None else arrived
     settings, metrics, options = state.settings, state.metrics, request.options
     ensure_ready(state)
     name = pick_model(state, options.model)
+    check(state.runtimes[name])
     beam = options.beam_size or settings.default_beam_size
     length = options.max_len or settings.default_max_len
     if beam > settings.max_beam_size:

@@ -14,8 +14,7 @@ from fastapi.responses import Response
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import RenderError
 
-from .captioning import (CaptionRequest, caption_image, ensure_ready, observed_request, pick_model, refuse_early,
-                         remaining_s)
+from .captioning import CaptionRequest, caption_image, observed_request, refuse_early, remaining_s
 from .errors import Overloaded, UploadTimeout
 from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
@@ -47,9 +46,7 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
     with observed_request(state, arrived, lambda: options.model):
         given = await _read_upload(request, state, query, lambda: check(None), arrived)
         options = given.options
-        ensure_ready(state)
-        check(state.runtimes[pick_model(state, options.model)])
-        return given.data, await caption_image(state, given, arrived)
+        return given.data, await caption_image(state, given, arrived, check)
 
 
 async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],
