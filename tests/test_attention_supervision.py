@@ -113,7 +113,9 @@ def test_targets_lay_each_phrase_box_on_the_heatmap_cells(tmp_path):
 
 def _config(tmp_path, **overrides) -> TrainConfig:
     dataset, entities = _photos(tmp_path)
-    cfg = dict(dataset=str(dataset), out=str(tmp_path / "run"), model="sat", cache_dir=str(tmp_path / "cache"),
+    # resolved as prepare_run hands it over: the model and the features named
+    cfg = dict(dataset=str(dataset), out=str(tmp_path / "run"), model="sat", features="grid",
+               cache_dir=str(tmp_path / "cache"),
                model_args=dict(embed_dim=16, hidden_dim=32, attn_dim=16, dropout=0.0), encoder={"layer": "blocks"},
                progress=False, attention_supervision=f"entities:{entities}")
     cfg.update(overrides)

@@ -126,13 +126,13 @@ def _entities_section(ckpt, images, store, entities: Path, results, args: argpar
     return section
 
 
-def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str | None):
+def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str):
     """Grid features of the CNN at ``--encoder-precision`` on ONNX Runtime, as the service computes them with
     CAPTIONER_ENCODER_PRECISION; cached apart from the float features (the cache is keyed by spec, not by CNN)."""
     from ..data.features import extract_features
     from ..export.quantize import RECIPE, OnnxGridEncoder, visual_encoder_file
 
-    if (features or "grid") != "grid":
+    if features != "grid":
         raise SystemExit("error: --encoder-precision applies to grid features, not " + str(features))
     path = visual_encoder_file(ckpt.encoder, args.onnx_dir, args.encoder_precision)
     return extract_features(images, ckpt.encoder, Path(args.cache_dir) / f"onnx-{args.encoder_precision}-{RECIPE}",

@@ -53,7 +53,8 @@ def attention_supervision_loss(attention: Tensor, target: Tensor, supervised: Te
 def check_setting(cfg) -> str:
     """The Entities folder of ``cfg.attention_supervision`` (``entities:DIR``), once the rest of the run can use
     it: the xe phase, the grid's cells (the boxes are laid on them), the photos as they are (no mirror images) and a
-    model whose training runs its decoding step, which hands over each word's attention."""
+    model whose training runs its decoding step, which hands over each word's attention.  ``cfg`` is resolved as
+    :func:`~captioner.models.training.loop.prepare_run` hands it over (its model and features named)."""
     kind, _, where = cfg.attention_supervision.partition(":")
     if kind != "entities" or not where:
         raise ValueError(f"--attention-supervision takes entities:DIR (a Flickr30k Entities folder), got "
@@ -66,7 +67,7 @@ def check_setting(cfg) -> str:
         raise ValueError(f"--attention-supervision-weight must be positive, got {cfg.attention_supervision_weight}")
     if cfg.phase != "xe":
         raise ValueError(f"--attention-supervision adds a term to the xe phase's loss, not to --phase {cfg.phase}'s")
-    if (cfg.features or "grid") != "grid":
+    if cfg.features != "grid":
         raise ValueError(f"--attention-supervision lays the boxes on the grid's cells; --features {cfg.features} "
                          "has none")
     if cfg.augment != "none":

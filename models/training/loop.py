@@ -458,14 +458,15 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     init = load_checkpoint(cfg.init) if cfg.init and saved is None else None
     if init is not None:
         cfg = _adopt_init(cfg, init)
-    cfg = replace(cfg, model=cfg.model or "sat")
+    # the defaults a warm start would otherwise have supplied: SAT, on the encoder's grid
+    cfg = replace(cfg, model=cfg.model or "sat", features=cfg.features or "grid")
     precision = resolve_precision(cfg.precision, device)
 
     spec = EncoderSpec(**cfg.encoder)
-    if cfg.finetune_stages and (cfg.features or "grid") != "grid":
+    if cfg.finetune_stages and cfg.features != "grid":
         raise ValueError("--finetune-stages fine-tunes the grid encoder; it cannot be combined with --features "
                          f"{cfg.features}")
-    if (cfg.features or "grid") != "grid" and cfg.model_args.get("attention") == "tvmax":
+    if cfg.features != "grid" and cfg.model_args.get("attention") == "tvmax":
         # TVmax's total variation runs over a grid's 4-neighbour pairs (SparseCap, Martins et al., arXiv:2002.05556,
         # Eq. 3 and Definition 1); regions have no grid, and a padded count read as one (9 regions as 3×3) means
         # nothing
