@@ -37,6 +37,7 @@ from .data.datasets import trained_on
 from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
+from .rendering.heatmaps import default_mode
 from .vocab import EOS
 
 
@@ -68,6 +69,12 @@ class CaptionResult:
     def tokens(self) -> list[str]:
         """The emitted words, plus ``<eos>`` when the caption ended normally: one per attention row."""
         return self.words + ([EOS] if self.hypothesis.ended_with_eos else [])
+
+    @property
+    def default_mode(self) -> str:
+        """The heatmap mode its attention is drawn in unless one is asked for: the model's, not only the
+        geometry's (a sparse model's is grid_blocks, whose exact zeros grid_smooth would blur away)."""
+        return default_mode(self.geometry, self.attention_kind)
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ class Runtime(ABC):
         path to them."""
         return folder_relative(self.spec, self.ckpt.path) if self.ckpt.path is not None else self.spec
 
-    @property
+    @functools.cached_property
     def reports_areas(self) -> bool:
         """Whether its captions carry the ``areas`` extra that ``area_topk`` draws (decoder area attention)."""
         return self.ckpt.model.area_boxes() is not None

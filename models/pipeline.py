@@ -48,6 +48,10 @@ class Captioned:
         """Cell boxes of the ``areas`` extra (area-attention models only)."""
         return self.result.area_boxes
 
+    @property
+    def default_mode(self) -> str:
+        return self.result.default_mode
+
 
 class Pipeline:
     def __init__(self, checkpoint: str | Path | Checkpoint, device: str | torch.device = "cpu"):

@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 
 from captioner.models.encoder import ImageDecodeError, load_image
 from captioner.models.inference import CaptionResult, Runtime
-from captioner.models.rendering.heatmaps import caption_figure, default_mode
+from captioner.models.rendering.heatmaps import caption_figure
 
 from .batcher import Batcher
 from .schemas import CaptionOut
@@ -193,7 +193,7 @@ def write_figure(image, result: CaptionResult, out: Path) -> None:
     """The per-word figure (``captioner caption --overlay``'s), written whole or not at all (temporary + rename),
     before its caption line: a line never points at a missing or torn figure."""
     figure = caption_figure(image, result.tokens, result.hypothesis.attention.numpy(), result.geometry,
-                            default_mode(result.geometry, result.attention_kind), area_boxes=result.area_boxes,
+                            result.default_mode, area_boxes=result.area_boxes,
                             panel_size=FIGURE_PANEL)
     partial = out.with_name(out.name + ".partial")
     figure.save(partial, format="PNG")

@@ -18,7 +18,7 @@ from PIL import Image
 from captioner.models.encoder import load_image
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, caption_figure, check_mode, colormap,
-                                                 default_mode, heatmap, overlay, png_bytes)
+                                                 heatmap, overlay, png_bytes)
 
 from .results import StoredResult
 from .schemas import HeatmapOut, HeatmapsOut
@@ -57,9 +57,8 @@ def check_render_options(options: RenderOptions, runtime: Runtime | None = None)
 
 
 def drawn_mode(result: CaptionResult, options: RenderOptions) -> str:
-    """The mode a render draws: the one asked for, else the model's default (a sparse model's is grid_blocks, whose
-    exact zeros grid_smooth would blur away; region features' is region_sum)."""
-    return options.mode or default_mode(result.geometry, result.attention_kind)
+    """The mode a render draws: the one asked for, else the model's default (:attr:`CaptionResult.default_mode`)."""
+    return options.mode or result.default_mode
 
 
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:

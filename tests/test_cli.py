@@ -123,6 +123,27 @@ def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
     assert refused.returncode != 0 and "--token" in refused.stderr
 
 
+def test_caption_draws_a_sparse_models_attention_in_its_own_mode_by_default(tmp_path):
+    """Without --mode the figure is drawn as the service draws it: a sparse model's attention in grid_blocks,
+    whose exact zeros grid_smooth would blur away (it was drawn by the geometry alone, in grid_smooth)."""
+    from captioner.models.checkpoint import save_checkpoint
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    sparse = tmp_path / "sparsecap"
+    save_checkpoint(sparse, tiny_model("sparsecap", attention="sparsemax"), VOCAB, TINY_SPEC)
+    photo = tmp_path / "coffee.png"
+    Image.fromarray(data.coffee()).save(photo)
+
+    def drawn(*mode: str) -> bytes:
+        out = tmp_path / f"{'-'.join(mode) or 'default'}.png"
+        captioner("caption", str(photo), "--checkpoint", str(sparse), "--overlay", str(out), "--token", "0", *mode)
+        return Image.open(out).tobytes()
+
+    default = drawn()
+    assert default == drawn("--mode", "grid_blocks") and default != drawn("--mode", "grid_smooth")
+
+
 def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     from captioner.models.checkpoint import save_checkpoint
 

@@ -66,18 +66,20 @@ def cmd_caption(args: argparse.Namespace) -> None:
     try:
         if len(runs) > 1:
             picture = comparison_figure(runs[0][1][0].image, [
-                FigureRow(name, r.tokens, r.hypothesis.attention.numpy(), r.geometry, r.area_boxes, args.mode)
+                FigureRow(name, r.tokens, r.hypothesis.attention.numpy(), r.geometry, r.area_boxes,
+                          args.mode or r.default_mode)
                 for name, (r,) in runs], args.cmap, args.alpha)
         else:
             (result,) = runs[0][1]
             if args.token is None:
                 picture = caption_figure(result.image, result.tokens, result.hypothesis.attention.numpy(),
-                                         result.geometry, args.mode, args.cmap, args.alpha, area_boxes=result.area_boxes)
+                                         result.geometry, args.mode or result.default_mode, args.cmap, args.alpha,
+                                         area_boxes=result.area_boxes)
             else:
                 if not 0 <= args.token < len(result.tokens):
                     raise RenderError(f"--token {args.token} is out of range (0..{len(result.tokens) - 1})")
                 picture = overlay(result.image, result.hypothesis.attention[args.token].numpy(), result.geometry,
-                                  args.mode, args.cmap, args.alpha, result.area_boxes)
+                                  args.mode or result.default_mode, args.cmap, args.alpha, result.area_boxes)
     except RenderError as exc:
         raise SystemExit(f"error: {exc}") from None
     picture.save(args.overlay)
