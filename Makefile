@@ -16,7 +16,7 @@ OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve serve-scenes test browser-deps data train-default train-shipped eval-default bench bench-f8k \
+.PHONY: help setup serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k \
 	bench-int8 samples clean
 
 help:
@@ -25,6 +25,7 @@ help:
 	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"
 	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
+	@echo "make lint          the code's conventions (ruff; also a test of the suite)"
 	@echo "make data          generate the scene dataset in $(DATA)"
 	@echo "make data-ood      the out-of-distribution scene sets in $(OOD)"
 	@echo "make data-varied   the varied-scene sets some scene recipes train on ($(DATA_VARIED); data-varied-small too)"
@@ -55,7 +56,8 @@ help:
 # --no-compile: pip would byte-compile every module of every wheel (torch's thousands) one by one, about 30 s of a
 # fresh install that `make serve` does not need (Python compiles what it imports, when it first imports it). The
 # test suite imports most of them, in many processes at once, so the dev install compiles them all up front, on
-# every core
+# every core. A compile error does not stop the install: a few wheels ship files for newer Pythons that are never
+# imported here (torch's testing/_internal/py312_intrinsics.py), and a file left uncompiled only costs its first import
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -95,6 +97,10 @@ browser-deps:
 
 test: $(STAMP) browser-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# pyproject.toml's [tool.ruff]; tests/test_lint.py runs the same check in `make test`
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # rewritten only when the generator's version (GENERATOR_VERSION in models/data/scenes.py), seed or sizes differ
 # from the ones recorded in dataset_scenes.json: the generator is deterministic, and training runs read (and cache

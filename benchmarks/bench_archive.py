@@ -109,7 +109,8 @@ def main() -> None:
             paths.append(folder / f"scene{i:05d}.jpg")
             paths[-1].write_bytes(jpeg)
         server = Server("service", [sys.executable, "-m", "captioner.service.cli", "serve"],
-                        {"CAPTIONER_WEIGHTS_DIR": str(Path(tmp) / "none"), "CAPTIONER_CHECKPOINTS": json.dumps([str(ckpt)]),
+                        {"CAPTIONER_WEIGHTS_DIR": str(Path(tmp) / "none"),
+                         "CAPTIONER_CHECKPOINTS": json.dumps([str(ckpt)]),
                          "CAPTIONER_DEFAULT_MODEL": ckpt.name, "CAPTIONER_BACKEND": args.backend,
                          "CAPTIONER_THREADS": str(args.threads), "CAPTIONER_LOG_LEVEL": "warning"},
                         Path(tmp) / "server.log")

@@ -70,11 +70,12 @@ def main() -> None:
                                                              [refs[i] for i in batch for _ in range(5)])
                                                  for batch in batches])
 
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
     table = f"""# CIDEr-D: vectorised vs pycocoevalcap
 
 `python benchmarks/bench_cider.py` — {args.images:,} captions × {args.refs} references (synthetic, COCO-shaped: 9–14
 words from a Zipf vocabulary of 10,000 words), both scorers on the same data in one run, best of {args.repeats},
-{platform.processor() or platform.machine()}, Python {platform.python_version()}, OMP_NUM_THREADS={os.environ.get("OMP_NUM_THREADS", "unset")}.
+{platform.processor() or platform.machine()}, Python {platform.python_version()}, OMP_NUM_THREADS={threads}.
 
 | scorer | time for the corpus (s) | speed-up |
 |---|---:|---:|

@@ -1,8 +1,10 @@
-"""Decoder only, per model: uploads already encoded (``upload_jpegs``: photos for a photo-trained checkpoint,
-generated test scenes for a scene one), decoded by the service's continuous batcher (all images in one table) vs one
-``beam_search`` call per image, for the shipped SAT, AoANet and SparseCap checkpoints, side by side in one run (CPU, one thread; the serving benchmark's decoder-only measurement, for every model).
+"""Decoder only, per model: uploads already encoded (``upload_jpegs``: photos for a photo-trained checkpoint, generated
+test scenes for a scene one), decoded by the service's continuous batcher (all images in one table) vs one
+``beam_search`` call per image, for the shipped SAT, AoANet and SparseCap checkpoints, side by side in one run (CPU, one
+thread; the serving benchmark's decoder-only measurement, for every model).
 
-Usage: ``python benchmarks/bench_decoder.py [--models NAME ...] [--quick]``; writes ``docs/benchmarks/decoder.md`` and prints it.
+Usage: ``python benchmarks/bench_decoder.py [--models NAME ...] [--quick]``; writes ``docs/benchmarks/decoder.md`` and
+prints it.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ def main() -> None:
     lines = [
         "# Encoder: per-image time by batch size",
         "",
-        f"`{generated_by}`, {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores shared with other work (numbers drift with the "
+        f"`{generated_by}`, {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores "
+        "shared with other work (numbers drift with the "
         f"load; compare within a row and within this run only). Encoder of `{args.checkpoint.name}`: "
         f"`{spec.backbone}` `{spec.layer}`, {spec.grid_hw[0]}×{spec.grid_hw[1]} grid at {spec.image_size} px. "
         f"Median of {args.repeats} repetitions, configurations in turns. ONNX Runtime vs PyTorch max |Δ| of the "

@@ -96,6 +96,7 @@ def main() -> None:
                 cold = (args.batches / elapsed, args.batches * args.batch / elapsed)
 
     per_image = total / args.images
+    rate = args.images / write_s  # extraction, images per second
     table = f"""# Feature store: size and read throughput
 
 `python benchmarks/bench_feature_store.py` — {args.images:,} images at the COCO grid shape (16×16 × 472, float16),
@@ -107,7 +108,7 @@ shards of {args.shard_size:,} images, random batches of {args.batch} keys, {args
 | bytes per image on disk (shards + index) | {per_image:,.0f} B ({per_image / 2**10:.1f} KiB) |
 | of which the index | {index_bytes / args.images:.0f} B |
 | projected store for COCO (123,287 images) | {per_image * 123287 / 2**30:.1f} GiB |
-| extraction rate here (image decode + resize to 512 px + random stand-in encoder + write) | {args.images / write_s:,.0f} images/s |
+| extraction rate here (image decode + resize to 512 px + random stand-in encoder + write) | {rate:,.0f} images/s |
 | random-batch reads, warm page cache | {warm[0]:,.0f} batches/s = {warm[1]:,.0f} images/s |
 | random-batch reads, cold (evicted before every batch) | {cold[0]:,.0f} batches/s = {cold[1]:,.0f} images/s |
 """

@@ -75,7 +75,8 @@ def table(results: dict) -> list[str]:
             return f"[{low:+.3f}, {high:+.3f}]"
 
         lines.append(f"| {model} | {by['float32']['images']} | {by['identical']:.1%} | "
-                     + " | ".join(f"{by['float32'][m]:.3f} → {by['int8'][m]:.3f} | {f'{deltas[m]:+.3f} {interval(m)}'.rstrip()}"
+                     + " | ".join(f"{by['float32'][m]:.3f} → {by['int8'][m]:.3f} | "
+                                  f"{f'{deltas[m]:+.3f} {interval(m)}'.rstrip()}"
                                   for m in METRICS)
                      + f" | {'met' if ok else '**not met**'} |")
     return lines
@@ -118,7 +119,8 @@ def main() -> None:
         f"recipe `{RECIPE}`), the decoder float32 in both. "
         f"Aim: objects_named and CIDEr-D within {AIM} of float (docs/decisions.md, \"int8 CNN by ONNX Runtime static "
         "quantization\"). The interval of each difference is a paired bootstrap over the images (`captioner compare`): "
-        "an interval that contains 0 is a difference the choice of test images could make. Its speed is the `onnx int8` row of the encoder-only ceiling in docs/benchmarks/serving.md.",
+        "an interval that contains 0 is a difference the choice of test images could make. Its speed is the "
+        "`onnx int8` row of the encoder-only ceiling in docs/benchmarks/serving.md.",
         "",
         *table(results),
         "",

@@ -56,7 +56,8 @@ def measure(label: str, weights: Path, onnx_dir: Path, threads: str, requests: i
     started = time.perf_counter()
     server = Server(label, [sys.executable, "-m", "captioner.service.cli", "serve", "--weights-dir", str(weights)],
                     {"CAPTIONER_LOG_LEVEL": "warning", "CAPTIONER_THREADS": threads,
-                     "CAPTIONER_ONNX_DIR": str(onnx_dir), **(server_env or {})}, logs / f"memory-{label.split(' (')[0].replace(' ', '-')}.log")
+                     "CAPTIONER_ONNX_DIR": str(onnx_dir), **(server_env or {})},
+                    logs / f"memory-{label.split(' (')[0].replace(' ', '-')}.log")
     try:
         server.wait_ready(timeout_s=3600)  # a start-up on a machine shared with training can take many minutes
         start_s = time.perf_counter() - started
@@ -115,7 +116,8 @@ def table(results: dict, title: str) -> list[str]:
              f"each further model ≈ {results['per_model_mib']:.1f} MiB.", "",
              "| server | models | RSS after warm-up (MiB) | of it anonymous (MiB) | after a short load (MiB) | "
              "peak during start-up and load (MiB) |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['label']} | {r['models']} | {r['ready_mib']:.0f} | {r['anon_mib']:.0f} | {r['after_load_mib']:.0f} | "
+    lines += [f"| {r['label']} | {r['models']} | {r['ready_mib']:.0f} | {r['anon_mib']:.0f} | "
+              f"{r['after_load_mib']:.0f} | "
               f"{r['peak_mib']:.0f} |" for r in results["rows"]]
     return lines + [""]
 

@@ -458,7 +458,8 @@ def latency_table_ms(latency: dict, rounds: int) -> list[str]:
 
 def throughput_table_ms(results: dict) -> list[str]:
     """The throughput table of :func:`measure_servers`' results (by server and client count), in milliseconds."""
-    lines = ["| configuration | clients | requests | throughput (req/s) | p50 latency (ms) | p95 latency (ms) | errors |",
+    lines = ["| configuration | clients | requests | throughput (req/s) | "
+             "p50 latency (ms) | p95 latency (ms) | errors |",
              "|---|---|---|---|---|---|---|"]
     for name, by_clients in results.items():
         for clients, m in by_clients.items():
@@ -604,7 +605,8 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "",
         "## Decoder only (in process, images already encoded)",
         "",
-        f"{decode['images']} images, beam {BEAM}, max_len {MAX_LEN}, best of {decode['repeats']}; no HTTP, no image decoding, no CNN. "
+        f"{decode['images']} images, beam {BEAM}, max_len {MAX_LEN}, best of {decode['repeats']}; "
+        "no HTTP, no image decoding, no CNN. "
         f"Encoder alone, for scale: {decode['encoder_ms_1']:.0f} ms per image at batch 1, "
         f"{decode['encoder_ms_16']:.0f} ms per image at batch 16.",
         "",
@@ -655,7 +657,8 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "Batching cannot shrink "
         "the encoder's share either; what the service does instead is run the CNN in a thread of its own beside "
         "the decoding steps (`onnx` against `onnx, serial CNN`), so that on two cores a request costs about the "
-        "slower of the two instead of their sum, as far as the HTTP work and the load generator leave them a core each. "
+        "slower of the two instead of their sum, "
+        "as far as the HTTP work and the load generator leave them a core each. "
         "The 6× and 5× aims assume a device on which batching makes the encoder cheap per image (a GPU); they are "
         "not reached on this machine, and no configuration here was tuned to reach them. ONNX Runtime's encoder is "
         "markedly faster than PyTorch's on this CPU, which is why the ONNX backend cuts latency and raises "
@@ -777,7 +780,8 @@ def main() -> None:
     decode = {**decoder_only(args.model, args.threads, decoder_images, decoder_repeats, scenes=scenes),
               **encoder_timings(folder.name, spec, scenes[1], scenes[2], args.threads),
               "arch": ckpt.model.arch, "encoder": f"{spec.backbone} {spec.layer}, {spec.grid_hw[0]}×{spec.grid_hw[1]} "
-                                                  f"grid at {spec.image_size} px", "model": args.model, **model_facts(ckpt)}
+                                                  f"grid at {spec.image_size} px",
+              "model": args.model, **model_facts(ckpt)}
     if checkpoint(args.model).resolve() != checkpoint(PREVIOUS_DEFAULT).resolve():
         before = encoded_uploads(PREVIOUS_DEFAULT, decoder_images)
         decode["previous"] = {**decoder_only(PREVIOUS_DEFAULT, args.threads, decoder_images, decoder_repeats,

@@ -180,7 +180,8 @@ def report(args, host: str, started: datetime.datetime, latency: dict, results: 
         *throughput_table_ms(results),
     ]
     lines += ["", "## Encoder-only ceiling (in process, timed between device synchronisations)", "",
-              "| precision | " + " | ".join(f"ms/image at batch {b}" for b in ENCODER_BATCHES) + " | ceiling (images/s) |",
+              "| precision | " + " | ".join(f"ms/image at batch {b}" for b in ENCODER_BATCHES)
+              + " | ceiling (images/s) |",
               "|---|" + "---|" * (len(ENCODER_BATCHES) + 1)]
     for label, per in ceiling.items():
         lines.append(f"| {label} | " + " | ".join(f"{per[b]:.2f}" for b in ENCODER_BATCHES)

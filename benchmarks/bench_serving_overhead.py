@@ -145,7 +145,8 @@ def machine(device: str, threads: int) -> str:
 
     if device.startswith("cuda"):
         gpu = torch.cuda.get_device_properties(0)
-        where = f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__} (CUDA {torch.version.cuda})"
+        where = (f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB), torch {torch.__version__} "
+                 f"(CUDA {torch.version.cuda})")
     else:
         where = f"CPU only, torch {torch.__version__}"
     return (f"{where}, {os.cpu_count()} CPU cores, {platform.system()} {platform.release()}, Python "

@@ -27,9 +27,9 @@ def default_model() -> str:
 
 
 def served_default() -> str:
-    """The checkpoint the service answers with when a request names no model (``weights/flickr8k/sat-supervised``: the default
-    model in the default weights folder of service/settings.py), for the benchmarks that time the service as a user
-    meets it."""
+    """The checkpoint the service answers with when a request names no model (``weights/flickr8k/sat-supervised``: the
+    default model in the default weights folder of service/settings.py), for the benchmarks that time the service as a
+    user meets it."""
     from captioner.service.settings import Settings
 
     fields = Settings.model_fields

@@ -45,7 +45,8 @@ def profile_table(repeats: int = 7, top_ops: int = 3, models: list[str] | None =
     from captioner.models.encoder import grid_geometry
     from captioner.models.protocol import VisualBatch
 
-    lines = ["| model | rows | ms/step (median) | µs/row | top operators (self CPU share) |", "|---|---:|---:|---:|---|"]
+    lines = ["| model | rows | ms/step (median) | µs/row | top operators (self CPU share) |",
+             "|---|---:|---:|---:|---|"]
     for name in models or decoder_models()[:3]:
         ckpt = load_checkpoint(checkpoint(name), "cpu")
         model, spec = ckpt.model.eval(), ckpt.encoder

@@ -19,12 +19,12 @@ shipped checkpoint (weights/*):
    sampled over time; growth is measured from the end of the first tenth.  ``--soak-max-s`` bounds its time:
    a soak that reaches it stops early and the report says how many requests it sent.
 
-Everything is bounded (fixed request counts and durations) and stops by itself.  Numbers depend on the machine
-and on what else runs on it; the document records the conditions (``--shared-with`` names the other work).
-``--only overload soak`` (any of ``memory``, ``corpus``, ``fuzz``, ``overload``, ``soak``) runs those parts and
-prints them without writing the report.  ``--small`` checks the whole run end to end in minutes (300 soak requests, a 5 s burst, 5 fuzz cases per
-operation) and writes its report to ``--logs`` instead of docs/reliability.md: its numbers are not the published
-ones.
+Everything is bounded (fixed request counts and durations) and stops by itself.  Numbers depend on the machine and on
+what else runs on it; the document records the conditions (``--shared-with`` names the other work).
+``--only overload soak`` (any of ``memory``, ``corpus``, ``fuzz``, ``overload``, ``soak``) runs those parts and prints
+them without writing the report.  ``--small`` checks the whole run end to end in minutes (300 soak requests, a 5 s
+burst, 5 fuzz cases per operation) and writes its report to ``--logs`` instead of docs/reliability.md: its numbers are
+not the published ones.
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLa
             top_ranked, top_index = ranked.index_select(0, rows).view(len(firsts), k * vocab).topk(k, dim=1)
             top_scores = (candidates.index_select(0, rows).view(len(firsts), k * vocab).gather(1, top_index)
                           if penalised else top_ranked)
-            pointer.index_copy_(0, rows, (firsts[:, None] + torch.div(top_index, vocab, rounding_mode="floor")).view(-1))
+            pointer.index_copy_(0, rows,
+                                (firsts[:, None] + torch.div(top_index, vocab, rounding_mode="floor")).view(-1))
             tokens.index_copy_(0, rows, (top_index % vocab).view(-1))
             new_scores.index_copy_(0, rows, top_scores.view(-1))
     return BeamStep(pointer=pointer, tokens=tokens, token_logprobs=allowed[pointer, tokens], scores=new_scores,

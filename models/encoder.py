@@ -124,7 +124,8 @@ class EncoderSpec:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for later in ("pooled_grid", "source_side", "source_jpeg_quality", "tuned_weights", "stop_stages"):  # checkpoints written before a field existed stay identical
+        for later in ("pooled_grid", "source_side", "source_jpeg_quality", "tuned_weights",
+                      "stop_stages"):  # checkpoints written before a field existed stay identical
             if data[later] in (None, 0):
                 del data[later]
         return data

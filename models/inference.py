@@ -11,10 +11,10 @@ A :class:`Runtime` is one checkpoint on one device behind the small interface th
 * :meth:`Runtime.result` — a decoded hypothesis → :class:`CaptionResult` (a domain object; the service's schemas
   serialise it).
 
-:meth:`Runtime.caption` runs ``prepare``-d images through ``begin`` and :func:`~captioner.models.decoding.search_rows` (the
-loop of :func:`~captioner.models.decoding.beam_search`) with the same ``step`` and ``reorder`` the batcher calls, so a fixed
-batch and the batcher's changing tables share every step.  :class:`TorchRuntime` is the PyTorch implementation;
-the ONNX Runtime one lives with the service (``service/runtime.py``).
+:meth:`Runtime.caption` runs ``prepare``-d images through ``begin`` and :func:`~captioner.models.decoding.search_rows`
+(the loop of :func:`~captioner.models.decoding.beam_search`) with the same ``step`` and ``reorder`` the batcher calls,
+so a fixed batch and the batcher's changing tables share every step.  :class:`TorchRuntime` is the PyTorch
+implementation; the ONNX Runtime one lives with the service (``service/runtime.py``).
 """
 
 from __future__ import annotations
@@ -220,8 +220,8 @@ class Runtime(ABC):
     @torch.inference_mode()
     def caption(self, batch: list[Prepared], beam_size: int, max_len: int,
                 rules: DecodingRules = NO_RULES) -> list[CaptionResult]:
-        """Caption a fixed batch: :meth:`begin`, then :func:`~captioner.models.decoding.search_rows` over :meth:`step` and
-        :meth:`reorder` (the batcher runs the same steps over tables whose requests come and go)."""
+        """Caption a fixed batch: :meth:`begin`, then :func:`~captioner.models.decoding.search_rows` over :meth:`step`
+        and :meth:`reorder` (the batcher runs the same steps over tables whose requests come and go)."""
         enc, state = self.begin(batch, [beam_size] * len(batch))
         hyps = search_rows(self.step, self.reorder, enc, state, [beam_size] * len(batch), self.bos_id, self.eos_id,
                            self.never_emitted, max_len, rules)
@@ -262,7 +262,8 @@ class TorchRuntime(Runtime):
 
     @in_inference_mode
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
-        """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
+        """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then
+        init_state."""
         with self._autocast():
             feats = self.run_cnn(batch, lambda pixels: self.encoder(pixels.contiguous(
                 memory_format=torch.channels_last)))

@@ -1,9 +1,10 @@
 """The captioning use case: one uploaded image and its options → a :class:`~captioner.models.inference.CaptionResult`.
 
-Model choice (the request's, else the service default), option limits, decoding and preprocessing the image in
-the thread pool (never on the event loop), the model's batcher under the request deadline, and the request
-latency metric (:func:`observed_request`, around the whole request).  Every failure leaves as a typed exception of ``errors.py`` (or the image decoder's
-:class:`~captioner.models.encoder.ImageDecodeError`); nothing here knows about HTTP beyond the status label of the metric.
+Model choice (the request's, else the service default), option limits, decoding and preprocessing the image in the
+thread pool (never on the event loop), the model's batcher under the request deadline, and the request latency metric
+(:func:`observed_request`, around the whole request).  Every failure leaves as a typed exception of ``errors.py`` (or
+the image decoder's :class:`~captioner.models.encoder.ImageDecodeError`); nothing here knows about HTTP beyond the
+status label of the metric.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
     given = [f"--{name}" for name in ARCHIVE_ONLY if getattr(args, name) not in (None, False)]
     if args.output is None:
         if given:
-            raise SystemExit(f"error: {', '.join(given)} {'needs' if len(given) == 1 else 'need'} --output FILE.jsonl (captioning an archive)")
+            raise SystemExit(f"error: {', '.join(given)} {'needs' if len(given) == 1 else 'need'} --output FILE.jsonl "
+                             "(captioning an archive)")
         folders = [path for path in args.images if Path(path).is_dir()]
         if folders:
             raise SystemExit(f"error: {folders[0]} is a folder: caption an archive with --output FILE.jsonl")
@@ -112,7 +113,8 @@ def add_archive_arguments(cap: argparse.ArgumentParser) -> None:
                           "service answers)")
     cap.add_argument("--heatmaps", metavar="DIR",
                      help="with --output: write each image's per-word figure here; its line names the file")
-    cap.add_argument("--readers", type=positive_int, default=2, help="with --output: threads reading and decoding files")
+    cap.add_argument("--readers", type=positive_int, default=2,
+                     help="with --output: threads reading and decoding files")
     cap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar with images/s on stderr (default: when stderr is a terminal)")
     cap.set_defaults(func=cmd_caption)

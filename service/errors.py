@@ -3,8 +3,8 @@
 builds the answer from it; the captioning use case labels its latency metric with the same status).
 
 Failures raised below the service keep their own types and are listed too:
-:class:`~captioner.models.encoder.ImageDecodeError` / :class:`~captioner.models.encoder.ImageTooLarge` (image decoding) and
-:class:`~captioner.models.rendering.heatmaps.RenderError` (overlay parameters).
+:class:`~captioner.models.encoder.ImageDecodeError` / :class:`~captioner.models.encoder.ImageTooLarge` (image decoding)
+and :class:`~captioner.models.rendering.heatmaps.RenderError` (overlay parameters).
 """
 
 from __future__ import annotations

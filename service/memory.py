@@ -1,13 +1,13 @@
 """Keeping the server's resident set small: glibc allocator limits and returning freed memory after warm-up.
 
 Where a server's memory goes (measured in docs/benchmarks/memory.md and docs/decisions.md): the libraries
-(``import torch`` maps its CUDA libraries even on a CPU-only machine; timm, only imported when a PyTorch encoder
-is built, brings torchvision and ``torch._dynamo``), the weights (one frozen CNN per distinct
+(``import torch`` maps its CUDA libraries even on a CPU-only machine; timm, only imported when a PyTorch encoder is
+built, brings torchvision and ``torch._dynamo``), the weights (one frozen CNN per distinct
 :class:`~captioner.models.encoder.EncoderSpec`, shared, and a few MB to a few tens of MB per model:
-``service/runtime.py``), and — the part this module addresses — memory the allocator keeps after it was freed.  Warm-up runs the encoder at
-every batch size up to the largest, so its activations (tens of MB per layer at batch 16) are allocated and
-freed; glibc raises its mmap threshold after such frees ("dynamic threshold") and from then on serves large
-tensors from heap arenas it never returns to the system, one arena per thread that ever allocated.
+``service/runtime.py``), and — the part this module addresses — memory the allocator keeps after it was freed.  Warm-up
+runs the encoder at every batch size up to the largest, so its activations (tens of MB per layer at batch 16) are
+allocated and freed; glibc raises its mmap threshold after such frees ("dynamic threshold") and from then on serves
+large tensors from heap arenas it never returns to the system, one arena per thread that ever allocated.
 
 * :func:`configure_allocator` pins the mmap threshold (large blocks are mapped and unmapped, never cached in an
   arena) and caps the number of arenas.  Call it before worker threads start.

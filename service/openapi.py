@@ -1,7 +1,8 @@
-"""The OpenAPI document, completed with what the routes cannot declare themselves: every error answer is an RFC
-9457 problem document (``application/problem+json``), for the statuses each operation can produce, and the
-Prometheus text of ``/metrics``; and the ``/docs`` page that shows it.  FastAPI's default 422 schema
-(``HTTPValidationError``) is replaced, because the service never answers with it.  The fuzz test (tests/test_fuzz_api.py) checks answers against this document.
+"""The OpenAPI document, completed with what the routes cannot declare themselves: every error answer is an RFC 9457
+problem document (``application/problem+json``), for the statuses each operation can produce, and the Prometheus text
+of ``/metrics``; and the ``/docs`` page that shows it.  FastAPI's default 422 schema (``HTTPValidationError``) is
+replaced, because the service never answers with it.  The fuzz test (tests/test_fuzz_api.py) checks answers against
+this document.
 """
 
 from __future__ import annotations

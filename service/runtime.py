@@ -409,16 +409,17 @@ def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
     return folder
 
 
-def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto", backends: dict[str, str] | None = None,
+def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto",
+                  backends: dict[str, str] | None = None,
                   default_backend: str = "torch", onnx_dir: Path = Path(".cache/onnx"),
                   threads: int | None = None, precision: str = "float32",
                   encoder_precision: str = "float32",
                   prefixed: dict[str, Path] | None = None,
                   only: Collection[str] | None = None) -> dict[str, Runtime]:
-    """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix →
-    folder of checkpoints; ``only``: just these names); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or
-    ``auto`` per model name (``default_backend`` for the rest).  A model that cannot be exported falls back to the
-    PyTorch backend with an error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
+    """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix → folder
+    of checkpoints; ``only``: just these names); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per
+    model name (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend
+    with an error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
     is a PyTorch autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision``
     ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN)."""
     from captioner.models.export.onnx import ExportUnsupported

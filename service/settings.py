@@ -36,7 +36,8 @@ class Settings(BaseSettings):
 
     # -- device -------------------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto, cpu or cuda")
-    threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their defaults, one per core)")
+    threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their "
+                                "defaults, one per core)")
     precision: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="PyTorch autocast precision of the encoder and decoder (not float32: PyTorch backend)")
     encoder_precision: Literal["float32", "int8"] = Field(
@@ -94,7 +95,8 @@ class Settings(BaseSettings):
     api_keys: list[str] = Field(default_factory=list, repr=False,
                                 description='bearer keys for /caption* (JSON list, several for rotation); empty: open')
     cors_origins: list[str] = Field(default_factory=list,
-                                    description='origins allowed to call the API from a browser (JSON list); empty: none')
+                                    description='origins allowed to call the API from a browser (JSON list); '
+                                    'empty: none')
 
     @field_validator("prefixed_weights_dirs")
     @classmethod

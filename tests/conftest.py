@@ -82,8 +82,9 @@ def server(server_log):
     assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
     port = free_port()
     log = open(server_log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(port), "--weights-dir",
-                             str(WEIGHTS), "--model", DEFAULT_CHECKPOINT.name], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(port),
+                             "--weights-dir", str(WEIGHTS), "--model", DEFAULT_CHECKPOINT.name],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600  # every shipped checkpoint loads, is exported to ONNX (a fresh clone) and warms up
     while time.time() < deadline:

@@ -17,7 +17,8 @@ def main(config: str, resume: bool) -> None:
     run = prepare_run(cfg, resume=resume)
     assert run.dist.world == 2, "expected to run under torchrun --nproc_per_node 2"
     fit(run)
-    save_file({k: v.contiguous() for k, v in run.model.state_dict().items()}, f"{cfg.out}/rank{run.dist.rank}.safetensors")
+    save_file({k: v.contiguous() for k, v in run.model.state_dict().items()},
+              f"{cfg.out}/rank{run.dist.rank}.safetensors")
     del run
     shutdown_distributed(meet_first=True)
 

@@ -59,7 +59,8 @@ def assert_checkpoint_round_trip(model: Captioner, vis: VisualBatch, folder) -> 
         torch.testing.assert_close(before[0].attention, after[0].attention)
 
 
-def memorisation_task(items: int = 64, feat_dim: int = 32, seed: int = 0) -> tuple[VisualBatch, torch.Tensor, list[list[int]]]:
+def memorisation_task(items: int = 64, feat_dim: int = 32,
+                      seed: int = 0) -> tuple[VisualBatch, torch.Tensor, list[list[int]]]:
     """10 images of ``items`` random features, each with one random caption of 4–8 words (+ EOS)."""
     generator = torch.Generator().manual_seed(seed)
     feats = torch.randn(10, items, feat_dim, generator=generator)

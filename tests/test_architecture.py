@@ -1,6 +1,6 @@
 """The folder layout is the architecture: models/ never imports service/, and the service's layers depend only
-downwards: routes → use cases → batcher → runtime → model (README, "What is here"; docs/architecture.md).  Read from the sources' import
-statements, so a back-edge fails here before anyone has to find it in a review."""
+downwards: routes → use cases → batcher → runtime → model (README, "What is here"; docs/architecture.md).  Read from the
+sources' import statements, so a back-edge fails here before anyone has to find it in a review."""
 
 import ast
 from pathlib import Path

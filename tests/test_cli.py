@@ -12,7 +12,8 @@ from .conftest import DEFAULT_CHECKPOINT, ROOT
 
 
 def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "captioner.service.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "captioner.service.cli", *args],
+                          cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -22,7 +23,8 @@ def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def test_caption_with_overlay_figure_and_single_token(tmp_path):
     photo = tmp_path / "cat.jpg"
     Image.fromarray(data.chelsea()).save(photo)
-    done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(tmp_path / "fig.png"),
+    done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT),
+                     "--overlay", str(tmp_path / "fig.png"),
                      "--json")
     result = json.loads(done.stdout.splitlines()[0])
     assert result["caption"] and len(result["attention"]) == len(result["tokens"])
@@ -152,7 +154,8 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
         "dataset": "scenes/dataset_scenes.json", "phase": "xe", "selected_by": "BLEU-4", "best_epoch": 1,
         "train_seconds": 90.0, "history": [{"epoch": 1, "xe": 1.25, "CIDEr-D": 0.5}],
-        "train_config": {"dataset": "scenes/dataset_scenes.json", "out": "runs/x", "model": "sat", "epochs": 1, "threads": 1,
+        "train_config": {"dataset": "scenes/dataset_scenes.json", "out": "runs/x",
+                         "model": "sat", "epochs": 1, "threads": 1,
                          "model_args": {"hidden_dim": 24}, "encoder": {"layer": "hypercolumn"}}})
     report = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5, "objects_named": 0.9,
                                        "SPICE": "unavailable: no models"}}

@@ -111,7 +111,8 @@ def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tm
     (folder / "short.json").write_text(json.dumps([{**r, "caption": "a red circle"} for r in exact]))
     (folder / "same.json").write_text(json.dumps(exact))
     lines = paired_markdown(tmp_path / "results", dataset, "sat")
-    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ") and not line.startswith("| checkpoint") and "] |" in line}
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines
+            if line.startswith("| ") and not line.startswith("| checkpoint") and "] |" in line}
     assert set(rows) == {"same", "short"}
     assert "| +0.000 [+0.000, +0.000] | +0.000 [+0.000, +0.000] |" in rows["same"]
     assert "| -0.833 [" in rows["short"]  # objects_named 1/6 against 6/6

@@ -111,7 +111,8 @@ def test_the_final_stage_runs_the_service_as_a_fixed_non_root_user():
     assert "/healthz" in healthcheck
     env = env_of(final)
     assert env["CAPTIONER_HOST"] == "0.0.0.0" and env["CAPTIONER_PORT"] == "8000"
-    assert env["CAPTIONER_WEIGHTS_DIR"] == "/app/weights/flickr8k"  # the real-photo checkpoints (COPY weights /app/weights)
+    # the real-photo checkpoints (COPY weights /app/weights)
+    assert env["CAPTIONER_WEIGHTS_DIR"] == "/app/weights/flickr8k"
     # everything the service writes goes to /tmp (a tmpfs under a read-only root filesystem)
     assert env["CAPTIONER_ONNX_DIR"].startswith("/tmp/") and env["MPLCONFIGDIR"].startswith("/tmp/")
     assert env["HOME"] == "/tmp" and env["PYTHONDONTWRITEBYTECODE"] == "1"
@@ -147,7 +148,8 @@ def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does(
     assert ("ARG", "TORCH_CPU_INDEX") in builder
     # the CPU pins from the CPU index first (without dependencies), then everything else from the default index;
     # a failure of the first (an unreachable index) is a message, not a failed build: the fallback
-    first_try = re.search(r'elif pip install [^;]*--index-url "\$\{TORCH_CPU_INDEX\}"[^;]*-r /requirements/torch-cpu\.txt;'
+    first_try = re.search(r'elif pip install [^;]*--index-url "\$\{TORCH_CPU_INDEX\}"[^;]*'
+                          r'-r /requirements/torch-cpu\.txt;'
                           r' then [^;]*; *else echo "WARNING: [^"]*"', install)
     assert first_try and "--no-deps" in first_try.group(0)
     assert install.index(first_try.group(0)) < install.index("pip install --no-cache-dir -r /requirements/serving.txt")
@@ -252,7 +254,8 @@ for module in pkgutil.iter_modules(captioner.service.__path__):
     importlib.import_module(f"captioner.service.{{module.name}}")
 tmp = Path({str(tmp_path)!r})
 scene = generate(tmp / "scene", {{"train": 1}}, progress=False).parent / "images" / "scene_000000.jpg"
-settings = Settings(weights_dir=tmp / "weights", default_model="area-transformer", device="cpu", threads=1, backend="torch",
+settings = Settings(weights_dir=tmp / "weights", default_model="area-transformer", device="cpu",
+                    threads=1, backend="torch",
                     warmup=False, onnx_dir=tmp / "onnx")
 with TestClient(create_app(settings)) as client:
     caption = client.post("/caption", files={{"file": scene.read_bytes()}})
@@ -316,7 +319,8 @@ def test_the_container_check_needs_nothing_from_the_host_python_or_the_venv():
     assert not [line for line in script.splitlines() if ".venv" in line and not line.lstrip().startswith("#")]
     host_python = re.findall(r"\bpython3 -c '(.*?)'", script, re.S)
     host_python += re.findall(r"\bpython3 - [^\n]*<<'EOF'[^\n]*\n(.*?)\nEOF", script, re.S)
-    host_python += [(DOCKER / script_name).read_text() for script_name in re.findall(r"python3 docker/(\w+\.py)", script)]
+    host_python += [(DOCKER / script_name).read_text()
+                    for script_name in re.findall(r"python3 docker/(\w+\.py)", script)]
     assert len(host_python) >= 4  # the image's config, the sample's JSON, the caption line, the size report
     imported = set().union(*map(top_level_imports, host_python))
     assert {"json", "csv"} <= imported <= STDLIB, imported - STDLIB

@@ -62,7 +62,8 @@ def assert_well_formed(body: dict, beam: int | None, max_len: int | None) -> Non
     assert 1 <= len(tokens) <= (max_len or 5)
     words = [t for t, eos in zip(tokens, body["is_eos"]) if not eos]
     assert body["caption"] == " ".join(words)
-    assert body["is_eos"] == [False] * len(words) + [True] * (len(tokens) - len(words)) and len(tokens) - len(words) <= 1
+    assert (body["is_eos"] == [False] * len(words) + [True] * (len(tokens) - len(words))
+            and len(tokens) - len(words) <= 1)
     assert len(body["token_logprobs"]) == len(body["attention"]) == len(tokens)
     assert all(lp <= 0 for lp in body["token_logprobs"]) and body["score"] <= 0
     rows, cols = body["geometry"]["grid_hw"]

@@ -39,7 +39,8 @@ from .serving_helpers import TINY_SPEC, VOCAB, ServerProcess, tiny_model
 from .test_demo_browser import CHROMIUM, OVERLAY_SHOWN, needs_chromium, wait_until
 
 PHOTO_BOX = "() => { const r = document.getElementById('photo').getBoundingClientRect(); return [r.width, r.height]; }"
-OVERLAY_BOX = "() => { const r = document.getElementById('overlay').getBoundingClientRect(); return [r.width, r.height]; }"
+OVERLAY_BOX = ("() => { const r = document.getElementById('overlay').getBoundingClientRect(); "
+               "return [r.width, r.height]; }")
 
 
 @pytest.fixture(scope="module")

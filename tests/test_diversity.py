@@ -52,7 +52,8 @@ def _script_rep(references, predictions):
         return score
 
     ref_counts, out_counts = counts(ngrams(references, 2), 0), counts(ngrams(predictions, 2), 0)
-    totals = [1.0 * a + 2.0 * b for a, b in zip(ngram_score(ref_counts, out_counts), consecutive(ref_counts, out_counts))]
+    totals = [1.0 * a + 2.0 * b for a, b in zip(ngram_score(ref_counts, out_counts),
+                                                consecutive(ref_counts, out_counts))]
     return 100 * float(sum(totals)) / sum(len(r) for r in references)
 
 

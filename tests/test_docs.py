@@ -1,7 +1,8 @@
 """Docs and docstrings resolve inside the repository.
 
 * No citation of documents a reader of the repository does not have: the external implementation spec (by its
-  section sign), its numbered decision register ("decision #…"), its paper keys (P1–P5) and its tags ([REC], [NS], [REF-CODE]).
+  section sign), its numbered decision register ("decision #…"), its paper keys (P1–P5)
+  and its tags ([REC], [NS], [REF-CODE]).
   Papers are cited by name, arXiv id and equation; our own choices by a heading of docs/decisions.md.
 * Every ``docs/decisions.md#anchor`` and ``docs/decisions.md, section '…'`` reference names an existing heading.
 * Every relative link in README.md, docker/README.md and docs/ points at an existing file (and heading, when it has

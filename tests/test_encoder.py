@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 from skimage import data
 
-from captioner.models.encoder import CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry, load_image, preprocess
+from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry,
+                                      load_image, preprocess)
 
 
 @pytest.fixture(scope="module")

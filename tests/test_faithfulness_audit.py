@@ -285,7 +285,8 @@ def scp_self_critical_rewards(sample_scores, greedy_scores, steps):
 
 
 def xlan_reward_criterion(seq, logP, rewards):
-    """JDAI-CV/image-captioning ``losses/reward_criterion.py``: ``RewardCriterion.forward(self, seq, logP, rewards)``."""
+    """JDAI-CV/image-captioning ``losses/reward_criterion.py``:
+    ``RewardCriterion.forward(self, seq, logP, rewards)``."""
     mask = seq > 0
     mask = torch.cat([mask.new(mask.size(0), 1).fill_(1), mask[:, :-1]], 1)
     rewards = rewards.view(-1, 1).expand_as(logP)

@@ -49,7 +49,8 @@ advised = page_out_gpu_libraries()
 after = gpu_private_clean_kib()
 # torch still works afterwards: a page it needs again is read back from its file
 ok = float(torch.ones(3).sum()) == 3.0 and torch.cuda.is_available() is False
-print(json.dumps({"cuda": torch.cuda.is_available(), "before": before, "after": after, "advised": advised, "mapped": mapped, "ok": ok}))
+print(json.dumps({"cuda": torch.cuda.is_available(), "before": before, "after": after, "advised": advised,
+                  "mapped": mapped, "ok": ok}))
 """
 
 

@@ -100,7 +100,8 @@ def test_exif_rotated_upload_overlay_has_the_displayed_size(client):
 
 @pytest.mark.parametrize("params,status", [({"token": 99}, 422), ({"format": "png"}, 422),
                                            ({"token": 0, "mode": "region_sum"}, 200),
-                                           ({"token": 0, "mode": "area_topk"}, 422), ({"token": 0, "mode": "nope"}, 422),
+                                           ({"token": 0, "mode": "area_topk"}, 422),
+                                           ({"token": 0, "mode": "nope"}, 422),
                                            ({"token": 0, "cmap": "nope"}, 422), ({"token": 0, "alpha": 2}, 422)])
 def test_bad_overlay_requests_are_problems(client, result, params, status):
     response = client.get(f"/captions/{result['id']}/overlay", params=params)

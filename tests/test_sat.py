@@ -12,7 +12,8 @@ def test_attention_matches_naive_equation(tiny_sat, random_visuals):
     att = tiny_sat.attend
     for b in range(3):
         scores = torch.stack([
-            att.score.weight[0] @ torch.tanh(att.key.weight @ random_visuals.feats[b, i] + att.query.weight @ state["h"][b]
+            att.score.weight[0] @ torch.tanh(att.key.weight @ random_visuals.feats[b, i]
+                                            + att.query.weight @ state["h"][b]
                                             + att.query.bias) + att.score.bias[0]
             for i in range(9)])
         torch.testing.assert_close(alpha[b], scores.softmax(0))

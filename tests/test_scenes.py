@@ -6,7 +6,8 @@ import numpy as np
 from PIL import Image
 
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.data.scenes import COLOURS, HELDOUT_COMBOS, SHAPES, generate, named_objects, object_naming_accuracy
+from captioner.models.data.scenes import (COLOURS, HELDOUT_COMBOS, SHAPES, generate, named_objects,
+                                          object_naming_accuracy)
 
 
 def test_generation_is_deterministic(tmp_path, scenes):
@@ -21,7 +22,8 @@ def test_generation_is_deterministic(tmp_path, scenes):
 
 def test_other_seed_gives_other_scenes(tmp_path, scenes):
     other = generate(tmp_path / "other", {"train": 8}, seed=8, progress=False)
-    assert json.loads(other.read_text())["images"][0]["objects"] != json.loads(scenes.read_text())["images"][0]["objects"]
+    assert (json.loads(other.read_text())["images"][0]["objects"]
+            != json.loads(scenes.read_text())["images"][0]["objects"])
 
 
 def test_masks_match_objects(scenes):

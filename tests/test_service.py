@@ -108,7 +108,8 @@ def test_default_model_names_the_objects_of_a_generated_test_scene(server, tmp_p
     named = []
     for entry in dataset["images"]:
         content = (tmp_path / "images" / entry["filename"]).read_bytes()
-        response = httpx.post(f"{server}/caption", files={"file": (entry["filename"], content, "image/jpeg")}, timeout=60)
+        response = httpx.post(f"{server}/caption", files={"file": (entry["filename"], content, "image/jpeg")},
+                              timeout=60)
         assert response.status_code == 200, response.text
         body = response.json()
         assert body["model"] == "sat" and body["geometry"]["grid_hw"] == [16, 16]

@@ -17,8 +17,8 @@ from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
 
-from .serving_helpers import all_architectures, assert_same_result, count_encodes, drive, random_images, shared_encoder, \
-    tiny_checkpoint
+from .serving_helpers import (all_architectures, assert_same_result, count_encodes, drive, random_images,
+                              shared_encoder, tiny_checkpoint)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")

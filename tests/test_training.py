@@ -102,7 +102,8 @@ def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
 
 def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
     out = tmp_path / "interrupted"
-    cmd = [sys.executable, "-m", "captioner.service.cli", "train", "--dataset", str(scenes), "--out", str(out), "--epochs", "50",
+    cmd = [sys.executable, "-m", "captioner.service.cli", "train", "--dataset", str(scenes), "--out", str(out),
+           "--epochs", "50",
            "--batch-size", "4", "--cache-dir", str(cache), "--encoder", "image_size=128", "--set", "embed_dim=32",
            "--set", "hidden_dim=48", "--set", "attn_dim=32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -117,7 +118,8 @@ def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
     assert "--resume" in err
     progress = json.loads((out / "train_state.json").read_text())["progress"]
     assert progress["step_in_epoch"] > 0 and (out / "best" / "model.safetensors").exists()
-    resume = [*cmd[:cmd.index("--epochs") + 1], str(progress["epoch"] + 1), *cmd[cmd.index("--epochs") + 2:], "--resume"]
+    resume = [*cmd[:cmd.index("--epochs") + 1], str(progress["epoch"] + 1),
+              *cmd[cmd.index("--epochs") + 2:], "--resume"]
     done = subprocess.run(resume, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resuming" in done.stdout
@@ -144,8 +146,10 @@ def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_togethe
     assert len({plain.pairs[i][0] for i in plain.epoch_order(0)[:5]}) > 1  # default: pairs shuffled one by one
 
 
-@pytest.mark.parametrize("arch, args", [("aoanet", dict(d_model=32, embed_dim=32, ffn_dim=64, heads=4, refine_layers=2)),
-                                        ("xtransformer", dict(dim=32, channel_dim=16, ffn_dim=64, encoder_layers=2, decoder_layers=2)),
+@pytest.mark.parametrize("arch, args", [("aoanet", dict(d_model=32, embed_dim=32, ffn_dim=64, heads=4,
+                                                        refine_layers=2)),
+                                        ("xtransformer", dict(dim=32, channel_dim=16, ffn_dim=64, encoder_layers=2,
+                                                              decoder_layers=2)),
                                         ("area-transformer", dict(d_model=32, n_heads=4, ffn_dim=64, caption_area=2)),
                                         ("sat", SMALL)])
 def test_captions_sharing_an_image_get_the_same_log_probs_as_when_it_is_encoded_per_caption(arch, args):

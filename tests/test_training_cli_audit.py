@@ -159,7 +159,8 @@ def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
     generate(tmp_path / "scenes", sizes, seed=1, progress=False)
     images = load_captioned(tmp_path / "scenes", None, ("train",))
     keys = [im.key for im in images]
-    assert find_covering_store(tmp_path / "cache", spec, keys, sizes=photo_sizes(images)) is None  # `everything` is stale too
+    assert find_covering_store(tmp_path / "cache", spec, keys,
+                               sizes=photo_sizes(images)) is None  # `everything` is stale too
     after = extract_features(images, spec, tmp_path / "cache", progress=False)
     assert after.folder == before.folder  # its own folder, encoded again (it served the old photos' features)
     assert not np.array_equal(after.get(keys).numpy(), old)
@@ -189,7 +190,8 @@ def test_commands_never_write_over_a_checkpoint_or_their_own_input_unasked(tmp_p
     assert "one of the command's inputs" in _fails(capsys, ["compare", str(results), str(results), "--output",
                                                             str(results)])
     assert results.read_text() == "[]"
-    assert "give a picture's file name" in _fails(capsys, ["caption", str(photo), "--overlay", str(tmp_path / "f.txt2")])
+    assert "give a picture's file name" in _fails(capsys, ["caption", str(photo), "--overlay",
+                                                           str(tmp_path / "f.txt2")])
 
 
 def test_a_split_the_data_set_does_not_have_is_an_error(scenes, tmp_path, capsys):

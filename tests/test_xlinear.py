@@ -170,7 +170,8 @@ def test_slab_form_equals_the_broadcast_form_with_dropout_and_gradients(monkeypa
     if masking == "none":
         mask = None
     elif masking == "causal":
-        keys, values = torch.randn(3, ITEMS, KEY, dtype=torch.float64), torch.randn(3, ITEMS, VALUE, dtype=torch.float64)
+        keys, values = (torch.randn(3, ITEMS, KEY, dtype=torch.float64),
+                        torch.randn(3, ITEMS, VALUE, dtype=torch.float64))
         mask = torch.ones(ITEMS, ITEMS, dtype=torch.bool).tril().unsqueeze(0)
     leaves = [query.requires_grad_(), keys.requires_grad_(), values.requires_grad_(), *attention.parameters()]
     made = {}

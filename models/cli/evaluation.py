@@ -85,7 +85,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         for im in images[: args.show]:
             print(f"  {im.path.name}: {' '.join(captions[im.image_id])}", file=sys.stderr)
         # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid"
-        coco_results += [{"image_id": int(im.info.get("cocoid", im.image_id)), "caption": " ".join(captions[im.image_id])}
+        coco_results += [{"image_id": int(im.info.get("cocoid", im.image_id)),
+                          "caption": " ".join(captions[im.image_id])}
                          for im in images]
     text = json.dumps(report, indent=2)
     print(text)

@@ -162,7 +162,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 @_group.command("export")
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    ex = sub.add_parser("export", help="export checkpoints to ONNX (encoder, encoder-head and decoder-step graphs) for the "
+    ex = sub.add_parser("export",
+                        help="export checkpoints to ONNX (encoder, encoder-head and decoder-step graphs) for the "
                         "service's ONNX Runtime backend")
     ex.add_argument("checkpoints", nargs="*", help="checkpoint folders (default: every one in --weights-dir)")
     ex.add_argument("--weights-dir", default=os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights/flickr8k"),

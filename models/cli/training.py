@@ -1,5 +1,5 @@
-"""``captioner train``, ``captioner tune-decoding`` and ``captioner ensemble``: training runs, the decoding defaults they
-keep, and ensembles of their checkpoints."""
+"""``captioner train``, ``captioner tune-decoding`` and ``captioner ensemble``: training runs, the decoding defaults
+they keep, and ensembles of their checkpoints."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
 def given_options(args: argparse.Namespace) -> set[str]:
     """The TrainConfig fields this command gave: the namespace holds only those (``argparse.SUPPRESS``), and
     ``--attention`` is a model argument."""
-    return {f.name for f, _ in _config_fields() if hasattr(args, f.name)} | ({"model_args"} if args.attention else set())
+    return {f.name for f, _ in _config_fields()
+            if hasattr(args, f.name)} | ({"model_args"} if args.attention else set())
 
 
 def train_config_from_args(args: argparse.Namespace):

@@ -1,1 +1,2 @@
-"""Evaluation: caption metrics (BLEU, METEOR, ROUGE-L, CIDEr-D, objects_named), dataset evaluation, model cards and parameter counts."""
+"""Evaluation: caption metrics (BLEU, METEOR, ROUGE-L, CIDEr-D, objects_named), dataset evaluation, model cards and
+parameter counts."""

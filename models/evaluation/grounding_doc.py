@@ -2,11 +2,11 @@
 grounding of every real-photo checkpoint, from ``captioner eval --grounding entities:DIR --output`` reports only.
 
 A checkpoint counts as a real-photo one when it was trained on Flickr8k or Flickr30k, the photos Flickr30k Entities
-annotate, read from Karpathy's JSON or the publishers' token file (``datasets.named_by_path``).  Written between the document's markers: the
-table of both modes with chance rows, the per-type table, the figure of those numbers, a figure of a few
-scikit-image photos with the words' heatmaps of the softmax, sparsemax and TVmax checkpoints side by side, and a
-closing note that reads the normalisers' ordering off the intervals (and the scene benchmark's, from the
-scene reports in ``docs/results/``).  A number no report holds is never filled in.
+annotate, read from Karpathy's JSON or the publishers' token file (``datasets.named_by_path``).  Written between the
+document's markers: the table of both modes with chance rows, the per-type table, the figure of those numbers, a figure
+of a few scikit-image photos with the words' heatmaps of the softmax, sparsemax and TVmax checkpoints side by side, and
+a closing note that reads the normalisers' ordering off the intervals (and the scene benchmark's, from the scene reports
+in ``docs/results/``).  A number no report holds is never filled in.
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ def write_grounding_doc(weights: Path, results: Path, document: Path, figure: Pa
         if picture is not None:
             rows = ", ".join(f"{normaliser(c)}: `{c.name}`" for c in chosen)
             block += ["### Heatmaps on scikit-image photos", "",
-                      f"Each word's attention (`grid_blocks`: a sparse map's exact zeros stay transparent), one row per "
+                      f"Each word's attention "
+                      f"(`grid_blocks`: a sparse map's exact zeros stay transparent), one row per "
                       f"checkpoint ({rows}), on photos scikit-image bundles.", "",
                       f"![softmax, sparsemax and TVmax heatmaps]({_relative(picture, document)})", ""]
         block += ["### Closing note", "", *closing_note(reports, weights, scene_results)]

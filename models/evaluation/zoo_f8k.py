@@ -21,7 +21,8 @@ START, END = "<!-- zoo-f8k:start -->", "<!-- zoo-f8k:end -->"
 BEAM_SIZE = 3
 
 #: the table's row order; other checkpoints follow by name
-ROW_ORDER = ("sat", "sat-supervised", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap-softmax", "sparsecap-sparsemax",
+ROW_ORDER = ("sat", "sat-supervised", "sat-hard", "aoanet", "xlan", "xtransformer",
+             "sparsecap-softmax", "sparsecap-sparsemax",
              "sparsecap-tvmax", "area-transformer", "ensemble")
 ARCH_TITLES = {"sat": "SAT soft", "sat-hard": "SAT hard", "sparsecap": "SparseCap", "aoanet": "AoANet",
                "xlan": "X-LAN", "xtransformer": "X-Transformer", "area-transformer": "Area-attention Transformer"}

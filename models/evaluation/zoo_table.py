@@ -64,7 +64,8 @@ def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
         meta = config.get("meta", {})
         splits = merged_reports(results, checkpoint.name)
         rows.append({"name": checkpoint.name, "arch": config.get("arch", "?"),
-                     "normaliser": config.get("model", {}).get("attention", "softmax" if config.get("arch") != "sat-hard"
+                     "normaliser": config.get("model", {}).get("attention",
+                                                               "softmax" if config.get("arch") != "sat-hard"
                                                                else "hard"),
                      "parameters": parameter_count(checkpoint), "train_seconds": total_train_seconds(meta),
                      "hardware": meta.get("hardware"), "threads": meta.get("train_config", {}).get("threads"),

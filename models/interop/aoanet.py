@@ -95,7 +95,8 @@ def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet,
     for kind in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
         names[f"lstm.{kind}"] = f"core.att_lstm.{kind}"
     for mine, theirs in ([(f"refine.{i}.norm", f"refiner.layers.{i}.sublayer.0.norm") for i in layers]
-                         + ([("refine_norm", "refiner.norm")] if layers else []) + [("query_norm", "core.attention.norm")]):
+                         + ([("refine_norm", "refiner.norm")] if layers else [])
+                         + [("query_norm", "core.attention.norm")]):
         names[f"{mine}.weight"], names[f"{mine}.bias"] = f"{theirs}.a_2", f"{theirs}.b_2"
     split = ("ctx2att.weight", "ctx2att.bias")  # one Linear(D, 2D): the decoder's value and key projections
     rows = ("embed.0.weight", "logit.weight", "logit.bias")  # remapped to our vocabulary

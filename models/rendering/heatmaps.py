@@ -105,7 +105,8 @@ def _smooth_window(grid: np.ndarray, xs: np.ndarray, ys: np.ndarray, cell_w: flo
     return np.asarray(Image.fromarray(small, mode="F").resize((width, height), Image.Resampling.BILINEAR))
 
 
-def _grid_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], scale: float, smooth: bool) -> np.ndarray:
+def _grid_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int], scale: float,
+               smooth: bool) -> np.ndarray:
     rows, cols = geometry.grid_hw
     grid = weights.reshape(rows, cols).astype(np.float32)
     boxes = _scaled_boxes(geometry, scale)

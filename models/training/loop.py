@@ -246,7 +246,8 @@ def _adopt_init(cfg: TrainConfig, init: Checkpoint) -> TrainConfig:
     if cfg.model not in (None, init.model.arch):  # another architecture: only the sizes it has (SAT → SAT-hard)
         accepted = inspect.signature(MODELS[cfg.model]).parameters if cfg.model in MODELS else {}
         args = {k: v for k, v in args.items() if k in accepted}
-    return replace(cfg, model=cfg.model or init.model.arch, model_args={**args, **cfg.model_args}, encoder=init.encoder.to_json(),
+    return replace(cfg, model=cfg.model or init.model.arch,
+                   model_args={**args, **cfg.model_args}, encoder=init.encoder.to_json(),
                    features=cfg.features or init.trained_features)
 
 

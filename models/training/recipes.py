@@ -1,8 +1,8 @@
 """Paper training recipes: ``models/recipes/NAME.toml``, read with the standard library's ``tomllib``.
 
 A recipe has top-level keys shared by its phases and one table per phase (``[xe]``, ``[scst]``); each key is a
-:class:`~captioner.models.training.config.TrainConfig` field (``model_args`` is a table of model hyper-parameters, merged
-with ``--set``).  ``captioner train --recipe NAME [--phase scst]`` starts from the config defaults, applies the
+:class:`~captioner.models.training.config.TrainConfig` field (``model_args`` is a table of model hyper-parameters,
+merged with ``--set``).  ``captioner train --recipe NAME [--phase scst]`` starts from the config defaults, applies the
 recipe's shared keys and its phase table, then the flags given on the command line.
 """
 

@@ -1,6 +1,7 @@
-"""Self-critical sequence training with the CIDEr-D reward (Rennie et al. 2017, arXiv:1612.00563), the second
-training stage of AoANet (arXiv:1908.06954 §3.3) and X-LAN (arXiv:2003.14080 §3.3.1).  Generic over every registered captioner, since it only uses the protocol's ``encode`` / ``step`` through
-:func:`captioner.models.decoding.greedy` and :func:`captioner.models.decoding.sample`.
+"""Self-critical sequence training with the CIDEr-D reward (Rennie et al. 2017, arXiv:1612.00563), the second training
+stage of AoANet (arXiv:1908.06954 §3.3) and X-LAN (arXiv:2003.14080 §3.3.1).  Generic over every registered captioner,
+since it only uses the protocol's ``encode`` / ``step`` through :func:`captioner.models.decoding.greedy` and
+:func:`captioner.models.decoding.sample`.
 
 Per mini-batch of images:
 
@@ -49,8 +50,9 @@ def scst_advantages(sample_rewards: Tensor, greedy_rewards: Tensor | None) -> Te
 
 
 def scst_loss(logprobs: Tensor, mask: Tensor, advantages: Tensor) -> Tensor:
-    """Rennie et al. Eq. 9 with the greedy baseline: ``-Σ_r A_r Σ_t log p(y_{r,t}) / #tokens`` over sampled rows ``[R, T]``, where ``mask``
-    marks the tokens up to and including EOS (divided by the unmasked token count, as the authors' code does)."""
+    """Rennie et al. Eq. 9 with the greedy baseline: ``-Σ_r A_r Σ_t log p(y_{r,t}) / #tokens`` over sampled rows
+    ``[R, T]``, where ``mask`` marks the tokens up to and including EOS (divided by the unmasked token count, as the
+    authors' code does)."""
     mask = mask.to(logprobs.dtype)
     return -(advantages.detach()[:, None] * logprobs * mask).sum() / mask.sum().clamp_min(1.0)
 
@@ -87,7 +89,8 @@ class SCSTPhase(Phase):
         super().__init__(*args, **kwargs)
         end = f" {self.vocab.itos[self.vocab.eos_id]}" if self.cfg.scst_reward_eos else ""
         self.references = [[" ".join(ref) + end for ref in im.references] for im in self.images]
-        self.cider = CiderD(self.references)  # document frequencies: the training references (as the authors' code does)
+        # document frequencies: the training references (as the authors' code does)
+        self.cider = CiderD(self.references)
 
     @property
     def size(self) -> int:

@@ -1,6 +1,6 @@
-"""Cross-entropy training: teacher forcing (optionally scheduled sampling, Bengio et al. 2015, arXiv:1506.03099,
-as AoANet, arXiv:1908.06954 §3.4, uses it) plus the auxiliary losses the model returns (SAT's doubly stochastic
-penalty, Xu et al. 2015, arXiv:1502.03044 §4.2.1; SAT-hard's REINFORCE and entropy terms, which makes this phase also the
+"""Cross-entropy training: teacher forcing (optionally scheduled sampling, Bengio et al. 2015, arXiv:1506.03099, as
+AoANet, arXiv:1908.06954 §3.4, uses it) plus the auxiliary losses the model returns (SAT's doubly stochastic penalty, Xu
+et al. 2015, arXiv:1502.03044 §4.2.1; SAT-hard's REINFORCE and entropy terms, which makes this phase also the
 ``hard_reinforce`` phase).  The loop, validation, checkpoints and resume are :mod:`captioner.models.training.loop`'s.
 """
 
