@@ -76,6 +76,13 @@ class CaptionResult:
         geometry's (a sparse model's is grid_blocks, whose exact zeros grid_smooth would blur away)."""
         return default_mode(self.geometry, self.attention_kind)
 
+    def drawn_rows(self, mode: str) -> np.ndarray:
+        """``[tokens, items]`` what a render in ``mode`` draws for each token: the areas' weights (the ``areas`` extra,
+        indexed by :attr:`area_boxes`) for ``area_topk``, the attention over the visual items for every other mode."""
+        if mode == "area_topk" and "areas" in self.hypothesis.extras:
+            return self.hypothesis.extras["areas"].numpy()
+        return self.hypothesis.attention.numpy()
+
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -52,6 +52,9 @@ class Captioned:
     def default_mode(self) -> str:
         return self.result.default_mode
 
+    def drawn_rows(self, mode: str) -> np.ndarray:
+        return self.result.drawn_rows(mode)
+
 
 class Pipeline:
     def __init__(self, checkpoint: str | Path | Checkpoint, device: str | torch.device = "cpu"):

@@ -64,29 +64,24 @@ def drawn_mode(result: CaptionResult, options: RenderOptions) -> str:
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
     check_render_options(options)
     result = stored.result
-    hyp = result.hypothesis
     side = options.max_side or DEFAULT_RENDER_SIDE
     image = load_image(stored.upload, reduce_to=side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8 of its size
     if max(image.size) > side:
         image.thumbnail((side, side))
     words = result.tokens
-    attention = hyp.attention.numpy()
     area_boxes = result.area_boxes
     token, cmap, alpha = options.token, options.cmap, options.alpha
-    weights_of = (lambda i: hyp.extras["areas"][i].numpy()) if options.mode == "area_topk" and "areas" in hyp.extras \
-        else (lambda i: attention[i])
     mode = drawn_mode(result, options)
+    rows = result.drawn_rows(mode)
     if options.format == "figure":
-        rows = [weights_of(i) for i in range(len(words))]
         return png_bytes(caption_figure(image, words, rows, result.geometry, mode, cmap, alpha, area_boxes=area_boxes))
     if options.format == "png":
         if not 0 <= token < len(words):
             raise RenderError(f"token {token} is out of range: the caption has {len(words)} tokens")
-        return png_bytes(overlay(image, weights_of(token), result.geometry, mode, cmap, alpha, area_boxes))
-    scale = image.width / result.geometry.image_size[0]
+        return png_bytes(overlay(image, rows[token], result.geometry, mode, cmap, alpha, area_boxes))
     heatmaps = []  # box modes were refused above, and every default mode draws heat
     for i, word in enumerate(words):
-        heat = heatmap(attention[i], result.geometry, mode, image.size, scale)
+        heat = heatmap(rows[i], result.geometry, mode, image.size)
         gray = Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")
         heatmaps.append(HeatmapOut(token=word, index=i, heat_png=base64.b64encode(png_bytes(gray)).decode()))
     return HeatmapsOut(id=result_id, mode=mode, size=list(image.size), heatmaps=heatmaps)

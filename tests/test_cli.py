@@ -146,6 +146,28 @@ def test_caption_draws_a_sparse_models_attention_in_its_own_mode_by_default(tmp_
     assert default == drawn("--mode", "grid_blocks") and default != drawn("--mode", "grid_smooth")
 
 
+def test_caption_draws_area_topk_from_the_areas_weights(tmp_path):
+    """area_topk's boxes are the top areas of the ``areas`` extra, as the service draws them (the command drew the
+    top cells' attention against the first area boxes, the single cells)."""
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.models.pipeline import Pipeline
+    from captioner.models.rendering.heatmaps import overlay
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    area = tmp_path / "area-transformer"
+    save_checkpoint(area, tiny_model("area-transformer"), VOCAB, TINY_SPEC)
+    photo = tmp_path / "coffee.png"
+    Image.fromarray(data.coffee()).save(photo)
+    drawn = tmp_path / "areas.png"
+    captioner("caption", str(photo), "--checkpoint", str(area), "--overlay", str(drawn), "--token", "1", "--mode",
+              "area_topk", "--beam-size", "3")
+    (result,) = Pipeline(area)([photo], beam_size=3)
+    expected = overlay(result.image, result.hypothesis.extras["areas"][1].numpy(), result.geometry, "area_topk",
+                       area_boxes=result.area_boxes)
+    assert Image.open(drawn).tobytes() == expected.tobytes()
+
+
 def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     from captioner.models.checkpoint import save_checkpoint
 

@@ -162,3 +162,19 @@ def test_smooth_heat_of_the_crop_alone_equals_the_whole_image_blurred_then_cut(s
     blurred[~inside_y, :] = 0
     blurred[:, ~inside_x] = 0
     np.testing.assert_allclose(heatmap(weights, geometry, "grid_smooth"), blurred / blurred.max(), atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["grid_blocks", "grid_smooth"])
+def test_a_heatmap_at_another_size_is_placed_by_that_size(mode):
+    # without a scale the cells stayed at the original's pixels: the last cell fell outside a half-size map
+    geometry = grid_geometry(EncoderSpec(), (451, 300))
+    half = heatmap(one_hot(63), geometry, mode, size=(225, 150))
+    np.testing.assert_array_equal(half, heatmap(one_hot(63), geometry, mode, size=(225, 150), scale=225 / 451))
+    assert half.max() == pytest.approx(1.0) and np.unravel_index(half.argmax(), half.shape)[1] > 225 / 2
+
+
+@pytest.mark.parametrize("mode", ["top1_box", "area_topk", "nope"])
+def test_a_heatmap_in_a_mode_without_heat_is_refused_by_the_modes_that_have_it(mode):
+    geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
+    with pytest.raises(RenderError, match="choose from grid_smooth, grid_blocks, region_sum$"):
+        heatmap([0.5, 0.5], geometry, mode)

@@ -65,21 +65,22 @@ def cmd_caption(args: argparse.Namespace) -> None:
         return
     try:
         if len(runs) > 1:
-            picture = comparison_figure(runs[0][1][0].image, [
-                FigureRow(name, r.tokens, r.hypothesis.attention.numpy(), r.geometry, r.area_boxes,
-                          args.mode or r.default_mode)
-                for name, (r,) in runs], args.cmap, args.alpha)
+            rows = []
+            for name, (r,) in runs:
+                mode = args.mode or r.default_mode
+                rows.append(FigureRow(name, r.tokens, r.drawn_rows(mode), r.geometry, r.area_boxes, mode))
+            picture = comparison_figure(runs[0][1][0].image, rows, args.cmap, args.alpha)
         else:
             (result,) = runs[0][1]
+            mode = args.mode or result.default_mode
             if args.token is None:
-                picture = caption_figure(result.image, result.tokens, result.hypothesis.attention.numpy(),
-                                         result.geometry, args.mode or result.default_mode, args.cmap, args.alpha,
-                                         area_boxes=result.area_boxes)
+                picture = caption_figure(result.image, result.tokens, result.drawn_rows(mode), result.geometry, mode,
+                                         args.cmap, args.alpha, area_boxes=result.area_boxes)
             else:
                 if not 0 <= args.token < len(result.tokens):
                     raise RenderError(f"--token {args.token} is out of range (0..{len(result.tokens) - 1})")
-                picture = overlay(result.image, result.hypothesis.attention[args.token].numpy(), result.geometry,
-                                  args.mode or result.default_mode, args.cmap, args.alpha, result.area_boxes)
+                picture = overlay(result.image, result.drawn_rows(mode)[args.token], result.geometry, mode, args.cmap,
+                                  args.alpha, result.area_boxes)
     except RenderError as exc:
         raise SystemExit(f"error: {exc}") from None
     picture.save(args.overlay)

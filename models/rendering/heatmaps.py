@@ -39,9 +39,12 @@ class RenderError(ValueError):
 
 
 def default_mode(geometry: Geometry, attention_kind: str = "") -> str:
+    """The mode a model's attention is drawn in unless one is asked for: region features' boxes summed; SparseCap's
+    output attention (``attention_kind`` ``output_attention``) in blocks, whose exact zeros a blur would spread;
+    every other grid map smoothed, as Xu et al. draw theirs."""
     if geometry.kind == "regions":
         return "region_sum"
-    return "grid_blocks" if "output_attention" in attention_kind or "sparse" in attention_kind else "grid_smooth"
+    return "grid_blocks" if "output_attention" in attention_kind else "grid_smooth"
 
 
 def _scaled_boxes(geometry: Geometry, scale: float) -> np.ndarray:
@@ -138,18 +141,23 @@ def _region_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int],
 
 
 def heatmap(weights: Sequence[float], geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
-            scale: float = 1.0) -> np.ndarray:
-    """Heat ``[H, W]`` in [0, 1] over an image of ``size`` (default: the original image size × scale)."""
+            scale: float | None = None) -> np.ndarray:
+    """Heat ``[H, W]`` in [0, 1] over the image at ``size`` (width, height), a resized copy of the original or the
+    original itself.  ``scale`` is its width over the original's: by default what ``size`` says, else 1 (and ``size``
+    then the original size × ``scale``).  ``mode`` is one of :data:`HEAT_MODES`; the box modes draw no heat."""
+    if mode not in HEAT_MODES:
+        boxes = " (it draws boxes: see overlay)" if mode in MODES else ""
+        raise RenderError(f"heat mode {mode!r}{boxes}; choose from {', '.join(HEAT_MODES)}")
     weights = np.asarray(weights, dtype=np.float32)
+    if scale is None:
+        scale = size[0] / geometry.image_size[0] if size else 1.0
     size = size or (round(geometry.image_size[0] * scale), round(geometry.image_size[1] * scale))
     if mode in ("grid_smooth", "grid_blocks"):
         if geometry.kind != "grid" or geometry.grid_hw is None:
             raise RenderError(f"mode {mode} needs grid features; this model attends over {geometry.kind}")
         heat = _grid_heat(weights, geometry, size, scale, smooth=(mode == "grid_smooth"))
-    elif mode in ("region_sum", "top1_box"):
-        heat = _region_heat(weights, geometry, size, scale)
     else:
-        raise RenderError(f"unknown heat mode {mode!r}; choose from {', '.join(MODES)}")
+        heat = _region_heat(weights, geometry, size, scale)
     peak = float(heat.max())
     return heat / peak if peak > 0 else heat
 
@@ -176,7 +184,9 @@ def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mo
     """The image with one word's attention drawn on it (RGB, same size as ``image``).
 
     ``image`` may be a resized copy of the original: boxes are scaled by ``image.width / original width``.
-    ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``.
+    ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``, whose ``weights`` are the
+    areas' (:meth:`~captioner.models.inference.CaptionResult.drawn_rows`).  Without a ``mode``, the geometry's
+    default; a model's own is :attr:`~captioner.models.inference.CaptionResult.default_mode`.
     """
     mode = check_mode(mode or default_mode(geometry))
     if not 0.0 <= alpha <= 1.0:
