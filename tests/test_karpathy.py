@@ -69,3 +69,14 @@ def test_feature_cache_key_is_unchanged_by_fields_added_at_their_old_value():
     digest = hashlib.sha256(json.dumps([before, keys]).encode()).hexdigest()[:16]
     assert _cache_name(EncoderSpec(layer="hypercolumn"), keys).endswith(digest)
     assert not _cache_name(EncoderSpec(layer="hypercolumn", grid_stride=16), keys).endswith(digest)
+
+
+@pytest.mark.parametrize("sentences", [[], [{"raw": "!!!"}]])
+def test_an_image_without_a_caption_is_named_when_the_data_is_read(coco_fixture, sentences):
+    # it was kept, and BLEU stopped at it with an AssertionError once the first epoch had trained
+    data = json.loads(coco_fixture.read_text())
+    data["images"][2]["sentences"] = sentences
+    coco_fixture.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"image 2 \(COCO_val2014_000000000002.jpg\) has no caption"):
+        load_karpathy(coco_fixture, splits=("val",))
+    assert len(load_karpathy(coco_fixture, splits=("train",))) == 2  # the other splits' images are still read

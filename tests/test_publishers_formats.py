@@ -130,3 +130,17 @@ def test_a_run_trained_from_coco_files_records_coco(coco, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["eval", str(out / "best"), "--dataset", str(coco)])
     assert exc.value.code == 2 and "no test split" in capsys.readouterr().err
+
+
+def test_a_captions_file_in_another_encoding_is_named(coco, flickr30k, scenes, tmp_path):
+    # the bare codec message ("'utf-8' codec can't decode byte 0xe9 …") named no file
+    karpathy = tmp_path / "dataset_latin1.json"
+    karpathy.write_bytes(scenes.read_bytes().replace(b'"raw": "', b'"raw": "caf\xe9 ', 1))
+    token = flickr30k / "results_20130124.token"
+    token.write_bytes(token.read_bytes() + b"5000.jpg#5\tun caf\xe9\n")
+    captions = coco / "annotations" / "captions_val2014.json"
+    captions.write_bytes(captions.read_bytes().replace(b'"caption": "', b'"caption": "caf\xe9 ', 1))
+    for dataset, named in ((karpathy, karpathy), (flickr30k, token), (coco / "annotations" / "captions_val2014.json",
+                                                                      captions)):
+        with pytest.raises(ValueError, match=f"{named} is not UTF-8 text .*save it as UTF-8"):
+            load_captioned(dataset, splits=("val",))

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..vocab import tokenize
-from .karpathy import CaptionedImage
+from .karpathy import CaptionedImage, read_captions_file
 
 CAPTIONS_FILE = re.compile(r"captions_(train|val)(\d{4})\.json")
 YEARS = ("2014", "2017")
@@ -44,11 +44,10 @@ def coco_captions_file(path: str | Path) -> Path | None:
 
 
 def _read(path: Path) -> dict:
+    text = read_captions_file(path, f"{path} does not exist: COCO's captions files come from cocodataset.org's "
+                                    "annotations_trainval archive of the same year")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist: COCO's captions files come from cocodataset.org's "
-                                "annotations_trainval archive of the same year") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not COCO's captions JSON ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("images"), list) \

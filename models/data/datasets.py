@@ -60,7 +60,8 @@ def dataset_name(dataset: str | Path) -> str:
         return named
     match = re.fullmatch(r"dataset_(\w+)\.json", path.name)
     try:
-        return str(json.loads(path.read_text()).get("dataset") or (match and match.group(1)) or path.stem)
+        named = json.loads(path.read_text(encoding="utf-8")).get("dataset")
+        return str(named or (match and match.group(1)) or path.stem)
     except (OSError, ValueError):
         return match.group(1) if match else path.stem
 

@@ -175,7 +175,7 @@ class EntitiesDataset:
         self.unrelated: set[tuple[str, int]] = set()
         listing = self.root / "UNRELATED_CAPTIONS"
         if listing.exists():
-            for line in listing.read_text().splitlines():
+            for line in listing.read_text(encoding="utf-8").splitlines():
                 parts = line.split()
                 if len(parts) == 2 and parts[1].isdigit():  # the first line is a "# format:" comment
                     self.unrelated.add((parts[0], int(parts[1]) - 1))

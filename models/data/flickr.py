@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..vocab import tokenize
-from .karpathy import CaptionedImage
+from .karpathy import CaptionedImage, read_captions_file
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,8 @@ def flickr_layout(path: str | Path) -> FlickrLayout | None:
 
 
 def _read_lines(path: Path, layout: FlickrLayout) -> list[str]:
-    try:
-        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path} does not exist: {_needs(layout)}") from None
+    text = read_captions_file(path, f"{path} does not exist: {_needs(layout)}")
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def _needs(layout: FlickrLayout) -> str:

@@ -30,6 +30,18 @@ class CaptionedImage:
         return str(self.path)
 
 
+def read_captions_file(path: Path, missing: str) -> str:
+    """A captions file's text, read as UTF-8 as its publishers write it (Karpathy's JSON, Flickr's token files, COCO's
+    JSON): a :class:`FileNotFoundError` saying ``missing``, and a :class:`ValueError` naming the file when its bytes
+    are another encoding's."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(missing) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}): save it as UTF-8") from None
+
+
 def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
                   max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
     """Images of the requested splits with at most ``max_refs`` references each, the first ones
@@ -39,10 +51,9 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
     """
     json_path = Path(json_path)
     root = Path(image_root) if image_root else json_path.parent
+    text = read_captions_file(json_path, f"dataset file {json_path} does not exist")
     try:
-        data = json.loads(json_path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"dataset file {json_path} does not exist") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{json_path} is not a data set's JSON ({exc}): give a Karpathy-split JSON, "
                          "Flickr8k's Flickr8k.token.txt or its folder, or a generated-scene folder") from None
@@ -63,6 +74,9 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
                              ) from None
         if splits and image.split not in splits:
             continue
+        if not image.references:  # BLEU would stop at it after a whole epoch of training
+            raise ValueError(f"{json_path}: image {position} ({entry['filename']}) has no caption: its 'sentences' are "
+                             "empty or hold no words")
         out.append(image)
         if limit and len(out) >= limit:
             break
