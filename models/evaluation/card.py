@@ -37,10 +37,11 @@ def _lineage_lines(start: dict[str, Any] | None) -> list[str]:
     """One line per checkpoint a warm start began from (the run's own line first, then its ancestors')."""
     lines = []
     for step in _ancestors(start):
-        minutes = f", {step['train_seconds'] / 60:.1f} min" if step.get("train_seconds") else ""
+        # a checkpoint holds its run up to its own epoch, the best one: the run may have trained on past it
+        minutes = f", {step['train_seconds'] / 60:.1f} min to reach it" if step.get("train_seconds") else ""
         command = f": `{step['command']}`" if step.get("command") else ""
-        lines.append(f"- Started from `{step['checkpoint']}`: {step.get('arch')}, best of {step.get('epochs')} "
-                     f"{step.get('phase')} epoch(s) on `{step.get('dataset')}`{minutes}{command}")
+        lines.append(f"- Started from `{step['checkpoint']}`: {step.get('arch')}, epoch {step.get('epochs')} of its "
+                     f"{step.get('phase')} run (its best) on `{step.get('dataset')}`{minutes}{command}")
     return lines
 
 
