@@ -298,3 +298,25 @@ def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--port", "99999"])
     assert exit_.value.code == 2 and "must be at most 65535, got 99999" in capsys.readouterr().err
+
+
+def test_every_command_and_argument_says_what_it_is_for():
+    # `captioner eval --help` listed `checkpoint`, `--image-root`, `--cache-dir` and 26 others with no word of help
+    import argparse
+
+    from captioner.service.cli import build_parser
+
+    silent = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {choice.dest for choice in action._choices_actions if choice.help}
+                silent.extend(" ".join([*path, name]) for name in action.choices if name not in helped)
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+            elif not action.help:
+                silent.append(" ".join([*path, action.option_strings[0] if action.option_strings else action.dest]))
+
+    walk(build_parser(), ["captioner"])
+    assert not silent, silent

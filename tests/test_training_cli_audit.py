@@ -198,3 +198,44 @@ def test_a_split_the_data_set_does_not_have_is_an_error(scenes, tmp_path, capsys
     err = _fails(capsys, ["data", "features", "--dataset", str(scenes), "--split", "nosuch", "--cache-dir",
                           str(tmp_path)])
     assert "no images in split 'nosuch'" in err
+
+
+def test_a_run_resumes_from_another_folder(scenes, tmp_path, monkeypatch, capsys):
+    # its relative --dataset and --cache-dir were read from the new folder: "dataset scenes/... does not exist"
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir()
+    elsewhere.mkdir()
+    (started / "data").symlink_to(scenes.parent)
+    monkeypatch.chdir(started)
+    train(_config("data", "run", "cache", epochs=2, max_steps=1))
+    monkeypatch.chdir(elsewhere)
+    train(_config(".cache/scenes", started / "run", "cache", epochs=2), resume=True,
+          explicit={"out", "epochs"})
+    assert "its relative paths are read from there" in capsys.readouterr().out
+    state = json.loads((started / "run" / "train_state.json").read_text())
+    assert state["progress"]["epoch"] == 2 and not (elsewhere / "cache").exists()
+
+
+def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
+    # the resumed run validated the epoch with the losses of a loop that had no step left to train: none
+    import os
+    import signal
+
+    from captioner.models.training import TrainingInterrupted, fit, prepare_run
+
+    cfg = _config(scenes, tmp_path / "run", cache, train_limit=16)  # two steps of 8 captions
+    run = prepare_run(cfg)
+    trainer, calls = run.trainer, []
+
+    def interrupted_in_the_last_step(*args):
+        calls.append(args)
+        if len(calls) == run.steps_per_epoch:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step finishes, and its state is saved
+        return trainer(*args)
+
+    run.trainer = interrupted_in_the_last_step
+    with pytest.raises(TrainingInterrupted, match=f"step {run.steps_per_epoch};"):
+        fit(run)
+    train(cfg, resume=True)
+    (epoch,) = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["history"]
+    assert {"xe", "doubly_stochastic"} <= set(epoch)

@@ -152,7 +152,14 @@ def add_dataset_options(parser: argparse.ArgumentParser, *, dataset_help: str | 
     """``--dataset`` (default: the generated scenes) and ``--image-root``, as every command that reads a split has."""
     parser.add_argument("--dataset", default=DEFAULT_DATA,
                         help=dataset_help or f"{DATASET_FORMATS} (default: {DEFAULT_DATA})")
-    parser.add_argument("--image-root", help=image_root_help)
+    parser.add_argument("--image-root", help=image_root_help or "folder the data set's image paths are relative to "
+                        "(default: where its layout puts them)")
+
+
+def add_cache_option(parser: argparse.ArgumentParser) -> None:
+    """``--cache-dir``, where every command that reads photos keeps their encoded grid features."""
+    parser.add_argument("--cache-dir", default=".cache/features", help="folder where the photos' grid features are "
+                        "extracted once per encoder spec and reused (default .cache/features)")
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +183,10 @@ def add_search_options(parser: argparse.ArgumentParser, rules: bool = True) -> N
 def add_device_options(parser: argparse.ArgumentParser) -> None:
     """Where a command runs its networks."""
     parser.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda or cuda:N")
+    add_threads_option(parser)
+
+
+def add_threads_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, help="CPU threads of PyTorch (default: one per core)")
 
 

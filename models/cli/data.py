@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import DEFAULT_DATA, CommandGroup, add_dataset_options, add_device_options, count, key_values, positive_int
+from .common import (DEFAULT_DATA, CommandGroup, add_cache_option, add_dataset_options, add_device_options, count,
+                     key_values, positive_int)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -89,7 +90,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     reg.add_argument("--dataset", default=DEFAULT_DATA, help="scene folder or its dataset_scenes.json")
     reg.add_argument("--out", required=True, help="folder for the .npz files (then: train --features regions:OUT)")
     reg.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
-    reg.add_argument("--cache-dir", default=".cache/features")
+    add_cache_option(reg)
     add_device_options(reg)
     reg.set_defaults(func=cmd_data_regions)
     fe = data.add_parser("features", help="extract frozen-encoder grid features into the sharded store (resumable; "
@@ -97,8 +98,9 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     add_dataset_options(fe)
     fe.add_argument("--split", action="append", help="split(s) to extract (default: all)")
     fe.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE", help="EncoderSpec field")
-    fe.add_argument("--cache-dir", default=".cache/features")
-    fe.add_argument("--batch-size", type=positive_int, default=32)
-    fe.add_argument("--shard-size", type=positive_int, default=1024)
+    add_cache_option(fe)
+    fe.add_argument("--batch-size", type=positive_int, default=32, help="photos encoded at once (default 32)")
+    fe.add_argument("--shard-size", type=positive_int, default=1024, help="photos per shard file, the unit an "
+                    "interrupted extraction keeps (default 1,024)")
     add_device_options(fe)
     fe.set_defaults(func=cmd_data_features)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..data.datasets import DATASET_FORMATS
-from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_dataset_options, add_device_options,
-                     add_search_options, checkpoint_label, count, decoding_rules, load_split, load_training_captions,
-                     output_file, positive_int, refuse_input_as_output)
+from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_cache_option, add_dataset_options,
+                     add_device_options, add_search_options, checkpoint_label, count, decoding_rules, load_split,
+                     load_training_captions, output_file, positive_int, refuse_input_as_output)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -143,10 +143,9 @@ def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str):
 @_group.command("eval")
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="BLEU-1..4, METEOR, ROUGE-L, CIDEr-D of a checkpoint on a split")
-    ev.add_argument("checkpoint")
+    ev.add_argument("checkpoint", help="checkpoint folder")
     ev.add_argument("--dataset", help=f"{DATASET_FORMATS} (default: {DEFAULT_DATA}; with --grounding "
                     "entities:DIR, the data set the checkpoint was trained on)")
-    ev.add_argument("--image-root", help="folder the data set's image paths are relative to")
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
     add_search_options(ev)
     ev.add_argument("--limit", type=positive_int, help="score only the first N images of each split")
@@ -154,8 +153,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--show", type=count, default=0, help="print this many captions")
     ev.add_argument("--misses", type=count, default=0, metavar="N",
                     help="also report the N caption words that BLEU-1 most often leaves uncredited")
-    ev.add_argument("--cache-dir", default=".cache/features", help="where grid features are extracted once "
-                    "(default .cache/features)")
+    add_cache_option(ev)
     ev.add_argument("--features", metavar="grid|regions:DIR", help="visual items (default: the training run's)")
     add_device_options(ev)
     ev.add_argument("--encoder-precision", choices=("float32", "int8"), default="float32",
@@ -197,7 +195,7 @@ def cmd_resolution_check(args: argparse.Namespace) -> None:
 def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
     rc = sub.add_parser("resolution-check", help="caption the full-size originals of a split's photos and their "
                         "small copies with the service's preprocessing; scores of both against the same references")
-    rc.add_argument("checkpoint")
+    rc.add_argument("checkpoint", help="checkpoint folder")
     add_dataset_options(rc, image_root_help="the data set's copies of the photos")
     rc.add_argument("--full-root", required=True, help="folder of full-size originals, matched by file name")
     rc.add_argument("--split", default="test", help="split whose photos are compared (default test)")
@@ -240,7 +238,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
                      help="captions of A and of B, as `captioner eval --results-json` writes them")
     cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
     add_dataset_options(cmp)
-    cmp.add_argument("--split", default="test")
+    cmp.add_argument("--split", default="test", help="split the captions describe (default test)")
     cmp.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
     cmp.add_argument("--output", type=output_file, help="also write the JSON here")
     cmp.set_defaults(func=cmd_compare)
@@ -258,11 +256,11 @@ def cmd_card(args: argparse.Namespace) -> None:
 @_group.command("card")
 def _add_card(sub: argparse._SubParsersAction) -> None:
     cd = sub.add_parser("card", help="write a checkpoint's MODEL_CARD.md from its training record and an eval report")
-    cd.add_argument("checkpoint")
+    cd.add_argument("checkpoint", help="checkpoint folder, whose MODEL_CARD.md is written")
     cd.add_argument("--report", required=True, action="append",
                     help="the JSON written by `captioner eval --output` (repeatable: e.g. test + held-out, then the "
                          "OOD set; a later report's split replaces an earlier one of the same name)")
-    cd.add_argument("--title")
+    cd.add_argument("--title", help="the card's heading (default: the checkpoint's name)")
     cd.add_argument("--notes", metavar="FILE", help="a Markdown file appended as the card's Notes section")
     cd.set_defaults(func=cmd_card)
 
@@ -297,7 +295,8 @@ def cmd_params(args: argparse.Namespace) -> None:
 @_group.command("params")
 def _add_params(sub: argparse._SubParsersAction) -> None:
     pa = sub.add_parser("params", help="parameter counts of every model at the papers' sizes")
-    pa.add_argument("--vocab-size", type=positive_int, default=10369)
+    pa.add_argument("--vocab-size", type=positive_int, default=10369,
+                    help="words of the output layer (default 10369, COCO's Karpathy vocabulary at count 5)")
     pa.set_defaults(func=cmd_params)
 
 
@@ -323,10 +322,10 @@ def cmd_zoo_table(args: argparse.Namespace) -> None:
 def _add_zoo_table(sub: argparse._SubParsersAction) -> None:
     zt = sub.add_parser("zoo-table", help="write docs/model_zoo.md's table of every checkpoint (and the grounding "
                         "table and figure) from the checkpoints' training records and `captioner eval` reports")
-    zt.add_argument("--weights-dir", default="weights")
+    zt.add_argument("--weights-dir", default="weights", help="folder of the scene checkpoints (default weights)")
     zt.add_argument("--results", default="docs/results", help="folder of eval reports NAME.json / NAME.*.json")
     zt.add_argument("--document", default="docs/model_zoo.md", help="written between its zoo-table markers")
-    zt.add_argument("--figure", default="docs/figures/grounding.png")
+    zt.add_argument("--figure", default="docs/figures/grounding.png", help="the grounding figure written")
     zt.add_argument("--dataset", default=DEFAULT_DATA,
                     help="the scenes whose test split the captions in RESULTS/captions/ describe: every checkpoint "
                     "against --baseline, paired (skipped when missing)")
@@ -355,8 +354,8 @@ def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
     zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
     zf.add_argument("--dataset", help="the data set whose references the captions are scored against: "
                     f"{DATASET_FORMATS} (needed once a report exists)")
-    zf.add_argument("--image-root")
-    zf.add_argument("--split", default="test")
+    zf.add_argument("--image-root", help="folder the data set's image paths are relative to")
+    zf.add_argument("--split", default="test", help="split the reports and captions describe (default test)")
     zf.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
     zf.set_defaults(func=cmd_zoo_f8k)
 
@@ -385,7 +384,7 @@ def _add_grounding_doc(sub: argparse._SubParsersAction) -> None:
                              "docs/grounding.md", "grounding")
     gd.add_argument("--list", action="store_true",
                     help="only print the real-photo checkpoints (trained on a Flickr Karpathy JSON), one a line")
-    gd.add_argument("--figure", default="docs/figures/grounding_entities.png")
+    gd.add_argument("--figure", default="docs/figures/grounding_entities.png", help="the grounding figure written")
     gd.add_argument("--examples", default="docs/figures/grounding_entities_heatmaps.png",
                     help="the side-by-side heatmaps of the softmax, sparsemax and TVmax checkpoints")
     gd.add_argument("--scene-results", default="docs/results",

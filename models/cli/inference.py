@@ -9,8 +9,8 @@ import pickle
 import sys
 from pathlib import Path
 
-from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, checkpoint_label,
-                     decoding_rules, figure_file, positive_int, refuse_input_as_output, refuse_overwrite)
+from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, add_threads_option,
+                     checkpoint_label, decoding_rules, figure_file, refuse_input_as_output, refuse_overwrite)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -90,7 +90,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
 @_group.command("caption")
 def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap = sub.add_parser("caption", help="caption image files, optionally rendering the attention (no server)")
-    cap.add_argument("images", nargs="+")
+    cap.add_argument("images", nargs="+", help="image files; with --output also folders of them and text files "
+                     "listing them, one path a line")
     cap.add_argument("--checkpoint", action="append",
                      help=f"checkpoint folder (default {DEFAULT_CHECKPOINT}); repeat it to compare checkpoints side by "
                           "side, one figure row each")
@@ -174,7 +175,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--out", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
                     help="one folder per model is written below it (CAPTIONER_ONNX_DIR, where the service looks)")
     ex.add_argument("--strict", action="store_true", help="exit 1 when any model cannot be exported")
-    ex.add_argument("--threads", type=positive_int)
+    add_threads_option(ex)
     ex.set_defaults(func=cmd_export)
 
 
@@ -271,7 +272,7 @@ def cmd_manifest(args: argparse.Namespace) -> None:
 def _add_manifest(sub: argparse._SubParsersAction) -> None:
     mf = sub.add_parser("manifest", help="write the sha256 manifest.json that load_checkpoint verifies, for "
                         "checkpoint folders whose files you trust")
-    mf.add_argument("checkpoints", nargs="+")
+    mf.add_argument("checkpoints", nargs="+", help="checkpoint folders")
     mf.set_defaults(func=cmd_manifest)
 
 

@@ -11,9 +11,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import (CommandGroup, add_dataset_options, add_device_options, add_search_options, at_least, key_values,
-                     length_penalty, load_training_captions, output_file, positive_int, refuse_overwrite,
-                     split_with_features, yes_or_no)
+from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
+                     add_threads_option, at_least, key_values, length_penalty, load_training_captions, output_file,
+                     positive_int, refuse_overwrite, split_with_features, yes_or_no)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -103,8 +103,10 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from ..data.features import DEFAULT_SHARD_SIZE
     from ..training import TrainingInterrupted, train
     from ..training.distributed import shutdown_distributed
+    from ..training.state import STATE_JSON
 
     cfg = train_config_from_args(args)
     best = None
@@ -114,12 +116,14 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
     except KeyboardInterrupt:  # Ctrl-C while the run is prepared (encoding features), or a second one in training
-        if (Path(cfg.out) / "train_state.json").exists():
+        if (Path(cfg.out) / STATE_JSON).exists():
             print(f"aborted: {cfg.out} keeps its last saved state (--checkpoint-every); rerun with --resume to "
                   "continue from it", file=sys.stderr)
         else:
-            print("interrupted before the first step was saved: nothing to resume; the features encoded so far "
-                  "stay cached, so the same command continues from them", file=sys.stderr)
+            # features are written a shard at a time: the shard being encoded is lost, the finished ones are not
+            print("interrupted before the first step was saved: nothing to resume; the features of every finished "
+                  f"shard of {DEFAULT_SHARD_SIZE:,} photos stay cached, so the same command continues from the "
+                  "first unfinished one", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         shutdown_distributed(meet_first=best is not None)
@@ -257,12 +261,14 @@ def _add_ensemble(sub: argparse._SubParsersAction) -> None:
     en.add_argument("--select-on", metavar="SPLIT", help="choose the members by greedy forward selection on this "
                     "split's CIDEr-D (beam search, no decoding rules)")
     add_dataset_options(en)
-    en.add_argument("--max-members", type=positive_int, default=4)
+    en.add_argument("--max-members", type=positive_int, default=4, help="most members the greedy search adds "
+                    "(default 4)")
     en.add_argument("--min-gain", type=float, default=0.005, help="stop when the best addition gains less")
-    en.add_argument("--beam-size", type=positive_int, default=3)
+    en.add_argument("--beam-size", type=positive_int, default=3, help="beam width of the search's scoring "
+                    "(default 3)")
     en.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
-    en.add_argument("--cache-dir", default=".cache/features")
-    en.add_argument("--threads", type=positive_int)
+    add_cache_option(en)
+    add_threads_option(en)
     en.add_argument("--storage", choices=("float32", "float16"), default="float32",
                     help="dtype of the stored weights (float16 halves them; members stored so lose nothing)")
     en.set_defaults(func=cmd_ensemble)
@@ -272,7 +278,7 @@ def _add_ensemble(sub: argparse._SubParsersAction) -> None:
 def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     td = sub.add_parser("tune-decoding", help="score every (length penalty, trigram blocking) pair of a grid on a "
                         "split; --write keeps the best as the checkpoint's defaults")
-    td.add_argument("checkpoint")
+    td.add_argument("checkpoint", help="checkpoint folder (with --write, its config.json takes the defaults)")
     add_dataset_options(td)
     td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
     # above 1 the penalty lengthens Flickr8k captions mostly with repeats (decisions, "Flickr8k: BLEU-1 and the
@@ -285,7 +291,7 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
                     help="the score the best pair is chosen by")
     add_search_options(td, rules=False)
     td.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
-    td.add_argument("--cache-dir", default=".cache/features")
+    add_cache_option(td)
     add_device_options(td)
     td.add_argument("--output", type=output_file, help="also write the rows as JSON here")
     td.add_argument("--write", action="store_true", help="store the best pair as the checkpoint's decoding defaults")

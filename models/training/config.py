@@ -135,6 +135,9 @@ class Progress(_SavedRecord):
     best_score: float = -1.0
     best_epoch: int = -1
     history: list[dict[str, Any]] = field(default_factory=list)  # one EpochRecord.to_json() per epoch
+    #: the last step's training losses, which its epoch's record reports: saved, so that an epoch whose last step
+    #: was trained before an interruption still reports them when the resumed run validates it
+    losses: dict[str, float] = field(default_factory=dict)
     train_seconds: float = 0.0
     plateau: dict[str, Any] | None = None
     stopped_early: bool = False

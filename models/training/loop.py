@@ -54,7 +54,7 @@ from .attention_supervision import entities_attention_targets
 from .config import Progress, TrainConfig, check_counts
 from .distributed import DistContext, init_distributed
 from .schedules import NoamWarmup, PlateauDecay, Schedules, ScheduledSampling, StepDecay
-from .state import load_state, restore_optimizer_state, save_state
+from .state import STATE_JSON, load_state, restore_optimizer_state, save_state
 
 METRICS_LOG = "metrics.jsonl"
 #: the fine-tuned encoder stages' weights in a checkpoint folder (EncoderSpec.tuned_weights)
@@ -324,6 +324,33 @@ RESUME_OVERRIDES = ("epochs", "checkpoint_every", "log_every", "precision", "ear
 PER_PROCESS = ("max_steps", "progress", "threads", "device")
 
 
+#: the options that name files or folders, which a run reads relative to the folder it was started from...
+PATH_OPTIONS = ("dataset", "image_root", "cache_dir", "init")
+#: ...and those that name one after a kind (``regions:DIR``, ``entities:DIR``)
+PREFIXED_PATH_OPTIONS = ("features", "attention_supervision")
+
+
+def _read_from(saved: dict[str, Any], announce: bool) -> dict[str, Any]:
+    """The saved run's config with its relative paths read from the folder the run was started in, when this
+    process runs elsewhere (``--resume`` from another folder finds the data, cache and ``--init`` the run found)."""
+    started_in = saved.get("working_dir")
+    if not started_in or Path(started_in).resolve() == Path.cwd().resolve():
+        return saved["config"]
+    cfg = TrainConfig.from_json(saved["config"])
+
+    def rebased(path: str) -> str:
+        return path if os.path.isabs(path) else os.path.join(started_in, path)
+
+    changes = {name: rebased(getattr(cfg, name)) for name in PATH_OPTIONS if getattr(cfg, name)}
+    for name in PREFIXED_PATH_OPTIONS:
+        kind, colon, where = (getattr(cfg, name) or "").partition(":")
+        if where:
+            changes[name] = f"{kind}{colon}{rebased(where)}"
+    if announce:
+        print(f"the run was started in {started_in}: its relative paths are read from there")
+    return replace(cfg, **changes).to_json()
+
+
 def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: int,
                   explicit: Collection[str] | None = None) -> TrainConfig:
     """The saved run's config, with what may change on resume (its length, how it runs, a learning-rate drop)
@@ -344,7 +371,7 @@ def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: i
              and getattr(cfg, f.name) != getattr(before, f.name)}
     if cfg.dataset != defaults.dataset and cfg.dataset != before.dataset:
         with contextlib.suppress(OSError, ValueError):
-            if str(resolve_dataset(cfg.dataset)) != before.dataset:
+            if Path(resolve_dataset(cfg.dataset)).resolve() != Path(before.dataset).resolve():
                 given["dataset"] = cfg.dataset
     if given:
         print("resuming keeps the run's recipe; ignored: " + ", ".join(
@@ -442,13 +469,13 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     saved = load_state(run_dir) if resume else None
     if resume and saved is None and ctx.is_main:  # a mistyped --out would otherwise go unnoticed
         print(f"nothing to resume in {run_dir}: a new run starts there")
-    if saved is None and (run_dir / "train_state.json").exists() and not resume:
+    if saved is None and (run_dir / STATE_JSON).exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
                               "or choose another --out (nothing is overwritten)")
     if saved is None:
         _check_new_run_folder(run_dir, announce=ctx.is_main)
     if saved is not None:  # a resumed run keeps its recipe; only its length and how it runs may change
-        cfg = _merge_resume(cfg, saved["config"], saved["progress"]["epoch"], explicit)
+        cfg = _merge_resume(cfg, _read_from(saved, announce=ctx.is_main), saved["progress"]["epoch"], explicit)
         if ctx.is_main:  # what a killed save left beside best/ and last/
             for name in ("best", "last"):
                 remove_debris(run_dir / name)
@@ -601,7 +628,7 @@ def _snapshot(run: Run) -> None:
     run.progress.plateau = run.schedules.plateau.state_dict() if run.schedules.plateau else None
     state = {"config": run.cfg.to_json(), "vocab": run.vocab.to_json(), "progress": run.progress.to_json(),
              "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-             "rng_ranks": rngs, "started_from": run.meta.get("started_from")}
+             "rng_ranks": rngs, "started_from": run.meta.get("started_from"), "working_dir": os.getcwd()}
     if run.scaler is not None:
         state["scaler"] = run.scaler.state_dict()
     if run.tail is not None:
@@ -711,7 +738,6 @@ def fit(run: Run) -> Path:
     if progress.global_step or (run.run_dir / METRICS_LOG).exists():  # a fresh start's log holds no records
         _trim_metrics_log(run)
     steps_per_epoch = run.steps_per_epoch
-    logs: dict[str, float] = {}
     with _StopFlag() as stop:
         while progress.epoch < cfg.epochs and not progress.stopped_early:
             epoch = progress.epoch
@@ -730,6 +756,7 @@ def fit(run: Run) -> Path:
                 with run.precision.autocast(run.device):
                     loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
                 _optimizer_step(run, loss)
+                progress.losses = logs
                 progress.step_in_epoch, progress.global_step = step + 1, progress.global_step + 1
                 tokens += batch_tokens * ctx.world
                 rate = tokens / max(time.time() - tick, 1e-9)
@@ -753,7 +780,7 @@ def fit(run: Run) -> Path:
             if progress.step_in_epoch < steps_per_epoch:  # max_steps reached mid-epoch
                 _snapshot(run)
                 break
-            _end_epoch(run, _validate(run, epoch, lr, logs))
+            _end_epoch(run, _validate(run, epoch, lr, progress.losses))
             _snapshot(run)
     return run.run_dir / "best"
 
