@@ -265,6 +265,8 @@ def recorded_checksum(path: str | Path) -> str | None:
 def not_a_checkpoint(path: Path) -> CheckpointError:
     """The error for a folder without ``config.json``; a training run's folder is named as one, with the
     checkpoints it holds (``captioner eval runs/sat`` means ``runs/sat/best``)."""
+    if not path.exists():
+        return CheckpointError(f"{path} does not exist: give a checkpoint folder")
     held = [f"{path / name}" for name in ("best", "last") if (path / name / CONFIG).is_file()]
     if held:
         return CheckpointError(f"{path} is a training run, not a checkpoint: give {' or '.join(held)}")

@@ -226,6 +226,8 @@ def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, mon
         (["eval", str(DEFAULT_CHECKPOINT), "--dataset", str(ROOT / "README.md")], "is not a data set's JSON"),
         (["caption", sample, "--output", str(tmp_path)], "is a folder"),
         (["caption", sample, "--output", str(tmp_path / "y.jsonl"), "--checkpoint", str(tmp_path / "nope")],
+         "nope does not exist: give a checkpoint folder"),
+        (["caption", sample, "--output", str(tmp_path / "y.jsonl"), "--checkpoint", str(tmp_path)],
          "config.json is missing"),
         (["export", "weights/sat", "weights/flickr8k/sat", "--out", str(tmp_path / "onnx")], "share the folder name"),
         (["train", "--recipe", "nope", "--dataset", str(scenes), "--out", str(tmp_path / "run")], "unknown recipe"),

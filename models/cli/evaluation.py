@@ -146,6 +146,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("checkpoint", help="checkpoint folder")
     ev.add_argument("--dataset", help=f"{DATASET_FORMATS} (default: {DEFAULT_DATA}; with --grounding "
                     "entities:DIR, the data set the checkpoint was trained on)")
+    ev.add_argument("--image-root", help="folder the data set's image paths are relative to (default: where its "
+                    "layout puts them)")
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
     add_search_options(ev)
     ev.add_argument("--limit", type=positive_int, help="score only the first N images of each split")
