@@ -14,7 +14,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -362,14 +362,20 @@ def checkpoint_children(folder: str | Path | None) -> list[Path]:
 
 
 def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | tuple = (),
-                     prefixed: Mapping[str, str | Path] | None = None) -> dict[str, Path]:
+                     prefixed: Mapping[str, str | Path] | None = None,
+                     on_replaced: Callable[[str, Path, Path], None] | None = None) -> dict[str, Path]:
     """Checkpoint folders by model name: every checkpoint child of ``weights_dir`` under its folder name, then
     every checkpoint child of each ``prefixed`` folder under its prefix + folder name (``{"scenes-": "weights"}``
     serves ``weights/sat`` as ``scenes-sat``), then the ``extra`` folders under their folder names; a later one
-    with the same name wins.  This is how the service and ``captioner export`` name models (and so the ONNX
-    exports' folders)."""
+    with the same name wins, and ``on_replaced(name, winner, loser)`` hears of it (the loser is neither served nor
+    exported).  This is how the service and ``captioner export`` name models (and so the ONNX exports' folders)."""
     named = [(path.name, path) for path in checkpoint_children(weights_dir)]
     for prefix, folder in (prefixed or {}).items():
         named += [(prefix + path.name, path) for path in checkpoint_children(folder)]
     named += [(path.name, path) for path in map(Path, extra) if is_checkpoint(path)]
-    return dict(named)
+    found: dict[str, Path] = {}
+    for name, path in named:
+        if on_replaced is not None and name in found and found[name].resolve() != path.resolve():
+            on_replaced(name, path, found[name])
+        found[name] = path
+    return found

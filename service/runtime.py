@@ -428,7 +428,10 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
     backends = backends or {}
     encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
     runtimes: dict[str, Runtime] = {}
-    for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
+    def replaced(name: str, winner: Path, loser: Path) -> None:
+        log.warning("model %r is %s; %s, named the same, is not served", name, winner, loser)
+
+    for name, path in find_checkpoints(weights_dir, extra, prefixed, on_replaced=replaced).items():
         if only is not None and name not in only:
             continue
         try:

@@ -125,3 +125,12 @@ def test_export_reads_the_same_prefix_setting_and_refuses_a_malformed_one(monkey
         monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", bad)
         with pytest.raises(SystemExit, match="CAPTIONER_PREFIXED_WEIGHTS_DIRS"):
             _prefixed_weights_dirs()
+
+
+def test_a_checkpoint_replaced_by_one_named_the_same_is_reported(weights):
+    # it was dropped in silence: `captioner export --all CKPT` exported one of the two and said nothing of the other
+    replaced = []
+    photo_sat = weights / "flickr8k" / "sat"
+    found = find_checkpoints(weights, [photo_sat, weights / "aoanet"],
+                             on_replaced=lambda *names: replaced.append(names))
+    assert found["sat"] == photo_sat and replaced == [("sat", photo_sat, weights / "sat")]  # aoanet is itself

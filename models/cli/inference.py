@@ -137,7 +137,11 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {', '.join(c for c in args.checkpoints if Path(c).name in twice)} share the folder "
                          f"name {', '.join(twice)}, which names their exports: export them one at a time, each "
                          "with its own --out")
-    found = find_checkpoints(weights_dir, args.checkpoints, prefixed)
+    def replaced(name: str, winner: Path, loser: Path) -> None:
+        print(f"note: {winner} is exported as {name}, not {loser} (the service too serves the checkpoint named last)",
+              file=sys.stderr)
+
+    found = find_checkpoints(weights_dir, args.checkpoints, prefixed, on_replaced=replaced)
     missing = [c for c in args.checkpoints if Path(c).name not in found]
     if missing:
         raise SystemExit(f"error: not a checkpoint folder: {', '.join(missing)}")
