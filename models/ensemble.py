@@ -110,14 +110,16 @@ def build_ensemble(checkpoints: Sequence[Any]) -> Ensemble:
         raise ValueError("an ensemble needs at least two checkpoints")
     first = checkpoints[0]
     for other in checkpoints[1:]:
+        # named by their folders where their names coincide (weights/sat and weights/flickr8k/sat)
+        them, it = (other.path, first.path) if other.name == first.name and other.path else (other.name, first.name)
         if other.vocab.itos != first.vocab.itos:
-            raise ValueError(f"{other.name} has another vocabulary than {first.name} ({len(other.vocab)} against "
+            raise ValueError(f"{them} has another vocabulary than {it} ({len(other.vocab)} against "
                              f"{len(first.vocab)} tokens): the members of an ensemble predict the same words")
         if other.encoder != first.encoder:
-            raise ValueError(f"{other.name} reads other visual items than {first.name} (encoder {other.encoder} "
+            raise ValueError(f"{them} reads other visual items than {it} (encoder {other.encoder} "
                              f"against {first.encoder}): the members of an ensemble share one encoder spec")
         if other.trained_features != first.trained_features:
-            raise ValueError(f"{other.name} was trained on other features than {first.name}")
+            raise ValueError(f"{them} was trained on other features than {it}")
     if any(c.model.arch == Ensemble.arch for c in checkpoints):
         raise ValueError("an ensemble's members are single checkpoints, not ensembles")
     model = first.model

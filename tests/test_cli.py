@@ -322,3 +322,12 @@ def test_every_command_and_argument_says_what_it_is_for():
 
     walk(build_parser(), ["captioner"])
     assert not silent, silent
+
+
+def test_checkpoints_whose_folders_share_a_name_are_labelled_by_their_paths():
+    # `caption --checkpoint weights/sat --checkpoint weights/flickr8k/sat` printed "[sat]" twice
+    from captioner.models.cli.common import checkpoint_labels
+
+    assert checkpoint_labels(["weights/sat", "weights/flickr8k/sat", "runs/x/best"]) == [
+        "weights/sat", "weights/flickr8k/sat", "x/best"]
+    assert checkpoint_labels(["weights/sat", "weights/aoanet"]) == ["sat", "aoanet"]

@@ -107,6 +107,16 @@ def test_members_must_share_words_and_visual_items():
         build_ensemble([nested, b])
 
 
+def test_members_named_the_same_are_told_apart_by_their_folders():
+    # "error: sat has another vocabulary than sat" said nothing of which was which
+    from pathlib import Path
+
+    a, b = members("sat", "sat")
+    scenes, photos = replace(a, path=Path("weights/sat")), replace(b, path=Path("weights/flickr8k/sat"))
+    with pytest.raises(ValueError, match="^weights/flickr8k/sat has another vocabulary than weights/sat "):
+        build_ensemble([scenes, replace(photos, vocab=Vocabulary([f"v{i}" for i in range(20)]))])
+
+
 def test_its_attention_is_named_by_its_members():
     sparse = tiny_checkpoint("sparsecap", 1, attention="sparsemax")
     assert build_ensemble([tiny_checkpoint("sat"), sparse]).attention_name == "mean of softmax and sparsemax"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..data.datasets import DATASET_FORMATS
 
@@ -228,3 +228,10 @@ def checkpoint_label(checkpoint: str | Path) -> str:
     """A checkpoint's short name: its folder, or ``run/best`` for the folders a training run writes."""
     path = Path(checkpoint)
     return f"{path.parent.name}/{path.name}" if path.name in ("best", "last") else path.name
+
+
+def checkpoint_labels(checkpoints: Sequence[str | Path]) -> list[str]:
+    """Their short names (:func:`checkpoint_label`), except that checkpoints whose short names coincide
+    (``weights/sat`` and ``weights/flickr8k/sat``) are named by their paths as given."""
+    short = [checkpoint_label(c) for c in checkpoints]
+    return [str(c) if short.count(label) > 1 else label for c, label in zip(checkpoints, short)]

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, add_threads_option,
-                     checkpoint_label, decoding_rules, figure_file, refuse_input_as_output, refuse_overwrite)
+                     checkpoint_labels, decoding_rules, figure_file, refuse_input_as_output, refuse_overwrite)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -43,14 +43,14 @@ def cmd_caption(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {exc}") from None
     device = resolve_device(args.device)
     runs = []
-    for checkpoint in checkpoints:
+    for checkpoint, name in zip(checkpoints, checkpoint_labels(checkpoints)):
         try:
             pipeline = Pipeline(checkpoint, device)
             results = pipeline(args.images, beam_size=args.beam_size, max_len=args.max_len,
                                rules=decoding_rules(pipeline.ckpt, args))
         except (ImageDecodeError, FileNotFoundError) as exc:
             raise SystemExit(f"error: {exc}") from None
-        runs.append((checkpoint_label(checkpoint), results))
+        runs.append((name, results))
         for path, result in zip(args.images, results):
             hyp = result.hypothesis
             if args.json:
@@ -59,7 +59,7 @@ def cmd_caption(args: argparse.Namespace) -> None:
                                   "geometry": result.geometry.to_json(),
                                   "attention": [[round(v, 6) for v in row] for row in hyp.attention.tolist()]}))
             else:
-                label = f" [{checkpoint_label(checkpoint)}]" if len(checkpoints) > 1 else ""
+                label = f" [{name}]" if len(checkpoints) > 1 else ""
                 print(f"{path}{label}: {' '.join(result.words)}")
     if not args.overlay:
         return
