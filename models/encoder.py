@@ -206,7 +206,7 @@ def image_pixels(data: bytes) -> int:
 
 
 def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None,
-               reduce_to: int | None = None) -> Image.Image:
+               reduce_to: int | None = None, name: str | None = None) -> Image.Image:
     """Open an image from bytes or a path: first frame, EXIF orientation applied, transparency laid on white,
     converted to RGB.
 
@@ -215,7 +215,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     ``reduce_to``, for pictures that are only shown (overlays), says that the caller shrinks the image to that
     longer side: a JPEG is then decoded at the smallest of 1, 1/2, 1/4 or 1/8 of its size that still reaches it
     (libjpeg's DCT scaling), in a fraction of the memory.  Captioning never passes it: the network's input is made
-    from the whole decode, as in training.
+    from the whole decode, as in training.  ``name`` is what an error calls the image (default: its path, or "the
+    upload" for bytes).
     """
     if isinstance(source, Image.Image):
         image = source
@@ -228,7 +229,7 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
             limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
             raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
         except (UnidentifiedImageError, *_DECODE_ERRORS) as exc:
-            where = "the upload" if isinstance(source, bytes) else str(source)
+            where = name or ("the upload" if isinstance(source, bytes) else str(source))
             raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where}") from exc
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:

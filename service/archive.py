@@ -252,7 +252,8 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
         options.heatmaps.mkdir(parents=True, exist_ok=True)
 
     def read(path: str):
-        image = load_image(Path(path).read_bytes(), settings.max_pixels)  # the service's decoding and limits
+        # the service's decoding and limits, on the file's bytes (read once)
+        image = load_image(Path(path).read_bytes(), settings.max_pixels, name="the file")
         prepared = runtime.prepare(image)
         if options.heatmaps is None:
             return None, prepared  # the decoded image is not kept while its caption is decoded

@@ -94,7 +94,7 @@ def test_an_archive_killed_mid_way_is_resumed_with_every_image_exactly_once(tmp_
     assert "dropped a torn last line" in done.stderr
     assert f"{len(images)} of {len(images) + 1} images captioned" in done.stderr
     broken = str(tmp_path / "archive" / "part1" / "broken.jpg")
-    assert f"skipped {broken}" in done.stderr
+    assert f"skipped {broken}: cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in the file" in done.stderr
     assert read_lines(tmp_path / "captions.errors.jsonl") == [{"path": broken, "error": read_lines(
         tmp_path / "captions.errors.jsonl")[0]["error"]}]
 
