@@ -41,4 +41,8 @@ def create(name: str, **config: Any) -> Captioner:
     if unknown:
         raise ValueError(f"model {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
                          f"{', '.join(named)}")
+    required = [n for n, p in inspect.signature(cls).parameters.items()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in config]
+    if required:  # vocab_size and feat_dim: the sizes every model is built for
+        raise ValueError(f"model {name!r} needs {', '.join(map(repr, required))}")
     return cls(**config)
