@@ -115,6 +115,29 @@ def test_ctrl_c_while_the_run_is_prepared_is_one_line(scenes, tmp_path, cache, c
     assert not (tmp_path / "run").exists()
 
 
+def test_a_kill_while_the_run_is_prepared_is_one_line_and_leaves_no_folder(scenes, tmp_path, cache, capsys,
+                                                                           monkeypatch):
+    # SIGTERM's default ended the process mid-extraction: no word, and an empty --out folder left behind
+    import os
+    import signal
+
+    from captioner.models.training import loop
+
+    def killed_while_encoding(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def default(signum, frame):  # stands in for the default, which would end pytest itself
+        raise RuntimeError("SIGTERM met the default handling")
+
+    monkeypatch.setattr(loop, "open_feature_store", killed_while_encoding)  # the run's folder exists by then
+    previous = signal.signal(signal.SIGTERM, default)
+    try:
+        err = _fails(capsys, _argv(scenes, tmp_path / "run", cache), status=130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "interrupted before the first step" in err and not (tmp_path / "run").exists()
+
+
 def test_malformed_karpathy_entries_are_named(tmp_path, capsys):
     for name, images in [("nosplit", [{"filename": "a.jpg", "sentences": []}]),
                          ("nosentences", [{"filename": "a.jpg", "split": "train"}]),

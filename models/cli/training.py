@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -110,6 +111,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     cfg = train_config_from_args(args)
     best = None
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # a kill while the run is prepared (its features encoded) stops it as Ctrl-C does: a note, and no empty --out
+    # left behind (the training loop takes SIGTERM over with SIGINT, to save its state first)
+    signal.signal(signal.SIGTERM, terminated)
     try:  # on --resume only the options given change the run
         best = train(cfg, resume=args.resume, explicit=given_options(args))
     except TrainingInterrupted as exc:
