@@ -319,7 +319,8 @@ def backtrack(records: Sequence[StepRecord], rows: Tensor) -> dict[str, Tensor]:
 
 
 def expand_rows(state: dict[str, Tensor], counts: Sequence[int]) -> dict[str, Tensor]:
-    """Repeat row ``i`` of every tensor ``counts[i]`` times (``Captioner.expand`` with a width per image)."""
+    """Repeat row ``i`` of every tensor ``counts[i]`` times: image ``i``'s rows of a decoding table (a beam of
+    ``counts[i]``, or as many samples), the one expansion that beam search, sampling and the serving runtimes use."""
     index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
     return index_rows(state, host_index(index, next(iter(state.values())).device))
 
@@ -342,7 +343,7 @@ def beam_search(
     """
     if k < 1 or n_best < 1 or n_best > k:
         raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
-    enc = model.expand(model.encode(vis), k)
+    enc = expand_rows(model.encode(vis), [k] * vis.feats.shape[0])
     state = model.init_state(enc)
     return search_rows(model.step, model.reorder, enc, state, [k] * vis.feats.shape[0], model.bos_id, model.eos_id,
                        never_emitted(model), max_len, rules, n_best, extras)
@@ -448,15 +449,16 @@ class Samples:
     mask: Tensor
 
 
-def sample(model: Captioner, vis: VisualBatch, n: int = 1, max_len: int = 20, temperature: float = 1.0) -> Samples:
+def sample(model: Captioner, vis: VisualBatch, n: int = 1, max_len: int = 20) -> Samples:
     """Multinomial sampling from the full softmax, ``n`` captions per image (rows ``b*n .. b*n+n-1``).
 
     Nothing is forbidden here, unlike the beam search (:func:`never_emitted`): REINFORCE's gradient
     ``A · ∇ log p(y^s)`` is only unbiased when ``y^s`` is drawn from the ``p`` it differentiates.  Drawing with
     ``<unk>`` / ``<pad>`` / ``<bos>`` masked while the loss differentiated the full softmax left those tokens
     without any push down; under SCST's mostly negative advantages they were pushed up instead, until they held
-    most of the mass and the decoded captions collapsed (docs/decisions.md, "Flickr8k: SCST")."""
-    enc = model.expand(model.encode(vis), n)
+    most of the mass and the decoded captions collapsed (docs/decisions.md, "Flickr8k: SCST").  For the same reason
+    there is no temperature: a tempered draw is not from that ``p`` either."""
+    enc = expand_rows(model.encode(vis), [n] * vis.feats.shape[0])
     state = model.init_state(enc)
     rows = vis.feats.shape[0] * n
     prev = torch.full((rows,), model.bos_id, dtype=torch.long, device=vis.feats.device)
@@ -465,7 +467,7 @@ def sample(model: Captioner, vis: VisualBatch, n: int = 1, max_len: int = 20, te
     for _ in range(max_len):
         logprobs, state, _ = model.step(prev, state, enc)
         with torch.no_grad():
-            drawn = torch.multinomial((logprobs / temperature).softmax(-1), 1).squeeze(1)
+            drawn = torch.multinomial(logprobs.softmax(-1), 1).squeeze(1)
         drawn = torch.where(alive, drawn, torch.full_like(drawn, model.pad_id))
         tokens.append(drawn)
         logps.append(logprobs.gather(1, drawn[:, None]).squeeze(1))

@@ -272,11 +272,15 @@ class TorchRuntime(Runtime):
         """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then
         init_state."""
         with self._autocast():
-            feats = self.run_cnn(batch, lambda pixels: self.encoder(pixels.contiguous(
-                memory_format=torch.channels_last)))
+            feats = self.grid_features(batch)
             model = self.ckpt.model
             enc = expand_rows(model.encode(VisualBatch.from_features(feats, [p.geometry for p in batch])), widths)
             return enc, model.init_state(enc)
+
+    def grid_features(self, batch: list[Prepared]) -> Tensor:
+        """The frozen CNN's features of a prepared batch, on this runtime's device (PyTorch's CNN here; the
+        service's hybrid runtime runs ONNX Runtime's)."""
+        return self.run_cnn(batch, lambda pixels: self.encoder(pixels.contiguous(memory_format=torch.channels_last)))
 
     @in_inference_mode
     def step(self, prev: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:

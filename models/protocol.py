@@ -3,8 +3,8 @@
 Every captioner subclasses :class:`Captioner` and supplies ``encode`` / ``init_state`` / ``step`` /
 ``forward_xe``; decoding (greedy, sampling, beam search) lives once in :mod:`captioner.models.decoding` and only ever
 talks to a model through this protocol.  Encoder and decoder states are plain ``dict[str, Tensor]`` whose
-tensors all have the (batch × beam) rows on dim 0, so :meth:`Captioner.expand` and :meth:`Captioner.reorder`
-are generic and no model needs to hand-write beam bookkeeping.
+tensors all have the (batch × beam) rows on dim 0, so :func:`~captioner.models.decoding.expand_rows` and
+:meth:`Captioner.reorder` are generic and no model needs to hand-write beam bookkeeping.
 """
 
 from __future__ import annotations
@@ -161,13 +161,7 @@ class Captioner(nn.Module):
         """Extra training losses from the per-step attention ``[B, T, N]``; none by default."""
         return {}
 
-    # -- generic beam bookkeeping -------------------------------------------------------------------------
-    def expand(self, enc: EncState, k: int) -> EncState:
-        """Repeat every image ``k`` times (rows ``b*k .. b*k+k-1`` belong to image ``b``)."""
-        rows = next(iter(enc.values())).shape[0]
-        index = torch.arange(rows, device=next(iter(enc.values())).device).repeat_interleave(k)
-        return index_rows(enc, index)
-
+    # -- generic beam bookkeeping (expanding an image to its rows is decoding.expand_rows, for every model) -----
     def reorder(self, state: DecState, index: Tensor) -> DecState:
         """Follow beam back-pointers: row ``i`` of the new state is row ``index[i]`` of the old one."""
         return index_rows(state, index)

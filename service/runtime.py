@@ -44,7 +44,7 @@ from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.inference import ModelInfo, Prepared, Runtime, TorchRuntime, grid_encoder
-from captioner.models.protocol import AttnRecord, DecState, EncState, VisualBatch, index_rows
+from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
 
 log = logging.getLogger("captioner.runtime")
 BACKENDS = ("torch", "onnx", "hybrid", "auto")
@@ -203,14 +203,9 @@ class HybridRuntime(TorchRuntime):
     def info(self) -> ModelInfo:
         return dataclasses.replace(super().info(), providers=list(self.providers))
 
-    @torch.inference_mode()
-    def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
+    def grid_features(self, batch: list[Prepared]) -> torch.Tensor:
         # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory
-        feats = self.run_cnn(batch, self.visual.features, on_device=self.visual.on_gpu)
-        model = self.ckpt.model
-        enc = expand_rows(model.encode(VisualBatch.from_features(feats.to(self.device), [p.geometry for p in batch])),
-                          widths)
-        return enc, model.init_state(enc)
+        return self.run_cnn(batch, self.visual.features, on_device=self.visual.on_gpu).to(self.device)
 
 
 def check_images(count: int = CHECK_IMAGES) -> list[Image.Image]:

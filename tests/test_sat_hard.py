@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from captioner.models.decoding import beam_search
+from captioner.models.decoding import beam_search, expand_rows
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import create
 from captioner.models.training.xe import xe_loss
@@ -33,7 +33,7 @@ def _force(model, choose):
 def test_training_samples_locations_with_probability_alpha():
     model = _model().train()
     vis = VisualBatch.from_features(torch.randn(1, 5, 6))
-    enc = model.expand(model.encode(vis), 20000)
+    enc = expand_rows(model.encode(vis), [20000])
     state = model.init_state(enc)
     alpha = model.attention(state, enc)
     enc["expected"] = torch.rand(20000) < 0.5
