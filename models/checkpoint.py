@@ -12,7 +12,6 @@ import ctypes
 import hashlib
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -24,6 +23,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from .encoder import EncoderSpec
+from .files import fsync_path, temporary_beside, write_atomically, write_durably
 from .protocol import Captioner
 from .zoo import create
 from .vocab import Vocabulary
@@ -94,7 +94,7 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_debris(path)
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp = temporary_beside(path)
     os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700 whatever the umask says
     state = {k: (v.to(STORAGE_DTYPES[storage]) if v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in model.state_dict().items()}
@@ -138,28 +138,6 @@ def _rewrite(path: str | Path, out: str | Path, storage: str | None, fields: dic
              if f.is_file() and f.name not in OWN_FILES and not f.name.startswith(".")}
     return save_checkpoint(out, ckpt.model, ckpt.vocab, folder_relative(ckpt.encoder, Path(path)),
                            {**ckpt.meta, **fields}, storage or ckpt.storage, extra)
-
-
-def write_durably(path: Path, data: bytes) -> None:
-    """Create ``path`` with ``data``, flushed to disk.  Mode 0666 minus the umask, like ``open(path, "w")``
-    (``safetensors.save_file`` makes its files 0600, unreadable to a service running as another user)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a folder's (its entries') data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove_debris(path: str | Path) -> None:
@@ -217,10 +195,7 @@ def write_manifest(path: str | Path) -> Path:
     path = Path(path)
     files = {f.name: {"sha256": file_checksum(f), "bytes": f.stat().st_size}
              for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
-    tmp = path / f".{MANIFEST}.tmp-{secrets.token_hex(4)}"
-    tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2))
-    fsync_path(tmp)
-    os.replace(tmp, path / MANIFEST)
+    write_atomically(path / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2), durable=True)
     return path / MANIFEST
 
 

@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import multiprocessing
-import os
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -43,6 +42,7 @@ from captioner.models.checkpoint import (Checkpoint, CheckpointError, find_check
 from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
+from captioner.models.files import write_atomically
 from captioner.models.inference import ModelInfo, Prepared, Runtime, TorchRuntime, grid_encoder
 from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
 
@@ -297,9 +297,7 @@ def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
     want = check_captions(TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), encoders.device), prepared)
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        tmp = record.with_name(f".{record.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "token_ids": want}))
-        os.replace(tmp, record)  # readers never see half a record
+        write_atomically(record, json.dumps({"key": key, "token_ids": want}))  # readers never see half a record
     except OSError as exc:  # a read-only cache: computed again at the next start
         log.info("%s: cannot record the check set's reference captions (%s)", name, exc)
     return want

@@ -49,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess
+from ..files import write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
 
@@ -183,9 +184,7 @@ def photo_sizes(images: Sequence[CaptionedImage]) -> dict[str, int]:
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(data))
 
 
 def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str],

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from ..files import write_atomically
 from .scenes import COLOURS, HELDOUT_COMBOS, SHAPES, SceneObject, captions_for
 
 OOD_VERSION = 1
@@ -219,7 +220,5 @@ def generate_ood(out_dir: str | Path = ".cache/ood", images: int = 500, seed: in
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "masks").mkdir(parents=True, exist_ok=True)
     entries = [_ood_image(index, seed, out) for index in range(images)]
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**header, "images": entries}))
-    tmp.replace(path)
+    write_atomically(path, json.dumps({**header, "images": entries}))
     return path

@@ -23,8 +23,8 @@ mask, plus background regions.  It is a stand-in for a detector that exercises t
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from ..encoder import EncoderSpec, crop_box
+from ..files import write_atomically
 from ..protocol import Geometry, VisualBatch
 from .features import extract_features
 from .karpathy import CaptionedImage, load_karpathy
@@ -46,10 +47,9 @@ def save_regions(path: str | Path, features: np.ndarray, boxes: np.ndarray, imag
     """Write one image's regions (atomically: an interrupted writer never leaves half a file)."""
     features, boxes = np.asarray(features), np.asarray(boxes, dtype=np.float32)
     _check(Path(path), features, boxes, np.asarray(image_size))
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp.npz")
-    np.savez(tmp, features=features, boxes=boxes, image_size=np.asarray(image_size, dtype=np.int64))
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, features=features, boxes=boxes, image_size=np.asarray(image_size, dtype=np.int64))
+    write_atomically(Path(path), buffer.getvalue())
 
 
 def read_regions(path: str | Path) -> tuple[np.ndarray, Geometry]:

@@ -24,6 +24,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from ..files import write_atomically
+
 CANVAS = 256
 COLOURS = {
     "red": (215, 35, 35),
@@ -429,9 +431,8 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
     else:
         images = [_make_image(job) for job in tqdm(jobs, **bar)]
     path = out / "dataset_scenes.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({**dataset_header(seed, sizes, variation), "images": images}))
-    tmp.replace(path)  # atomic: a crash never leaves a half-written annotation file
+    # a crash never leaves a half-written annotation file
+    write_atomically(path, json.dumps({**dataset_header(seed, sizes, variation), "images": images}))
     return path
 
 

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint, file_checksum
+from ..files import write_atomically
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry
 from ..protocol import Captioner, VisualBatch, index_rows
 
@@ -70,10 +71,7 @@ def seal(path: Path, written: Path | None = None) -> None:
     """Record the sha256 of the graph ``written`` (default: ``path`` itself) as ``path``'s seal, atomically; write
     it before a graph is renamed into place, so a crash between the two leaves a seal without its graph (not
     intact: made again), never a graph with a wrong seal."""
-    target = path.with_name(path.name + SEAL_SUFFIX)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    tmp.write_text(file_checksum(written or path))
-    os.replace(tmp, target)
+    write_atomically(path.with_name(path.name + SEAL_SUFFIX), file_checksum(written or path))
 
 
 def intact(path: Path) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
-from ..checkpoint import CheckpointError, file_checksum, fsync_path, write_durably
+from ..checkpoint import CheckpointError, file_checksum
+from ..files import write_atomically, write_durably
 
 STATE_TENSORS, STATE_JSON = "train_state.safetensors", "train_state.json"
 TENSORS_KEY = "__tensors__"
@@ -50,11 +50,7 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     name = f"train_state.{secrets.token_hex(4)}.safetensors"
     write_durably(run_dir / name, save_tensors(tensors))
     skeleton[TENSORS_KEY] = {"file": name, "sha256": file_checksum(run_dir / name)}
-    tmp = run_dir / f".{STATE_JSON}.tmp-{secrets.token_hex(4)}"
-    tmp.write_text(json.dumps(skeleton))
-    fsync_path(tmp)
-    os.replace(tmp, run_dir / STATE_JSON)
-    fsync_path(run_dir)
+    write_atomically(run_dir / STATE_JSON, json.dumps(skeleton), durable=True)
     for stale in [*run_dir.glob("train_state.*.safetensors"), *run_dir.glob(f".{STATE_JSON}.tmp-*")]:
         if stale.name != name:  # older states and what a killed writer left
             stale.unlink(missing_ok=True)

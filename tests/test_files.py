@@ -1,0 +1,28 @@
+"""models/files.py: a file is replaced whole or not at all, and a failed write leaves nothing beside it."""
+
+import os
+
+import pytest
+
+from captioner.models.files import write_atomically
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_file_is_replaced_whole_and_nothing_is_left_beside_it(tmp_path, durable):
+    target = tmp_path / "record.json"
+    target.write_text("old")
+    write_atomically(target, "new ☃", durable=durable)
+    assert target.read_text(encoding="utf-8") == "new ☃" and os.listdir(tmp_path) == ["record.json"]
+
+
+def test_a_write_that_fails_keeps_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    target = tmp_path / "record.json"
+    target.write_text("old")
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        write_atomically(target, b"new")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["record.json"]
