@@ -124,7 +124,7 @@ def update_meta(path: str | Path, **fields: Any) -> Path:
     return _rewrite(path, path, None, fields)
 
 
-def restore(path: str | Path, storage: str, out: str | Path | None = None) -> Path:
+def convert_storage(path: str | Path, storage: str, out: str | Path | None = None) -> Path:
     """Write the checkpoint at ``path`` again with its weights stored as ``storage`` (in place, or to ``out``):
     float16 halves the weights' bytes; whether the rounding changed its captions is for ``captioner eval`` to say."""
     return _rewrite(path, out or path, storage, {})

@@ -76,10 +76,10 @@ def test_vocabulary_round_trip_and_tokenizer(tmp_path):
 
 
 def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, random_visuals):
-    from captioner.models.checkpoint import WEIGHTS, restore, update_meta
+    from captioner.models.checkpoint import WEIGHTS, convert_storage, update_meta
 
     full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
-    half = restore(full, "float16", tmp_path / "half")
+    half = convert_storage(full, "float16", tmp_path / "half")
     assert (half / WEIGHTS).stat().st_size < 0.6 * (full / WEIGHTS).stat().st_size
     loaded = load_checkpoint(half)  # its manifest verifies, and the model is float32 again
     assert loaded.storage == "float16" and next(loaded.model.parameters()).dtype == torch.float32
@@ -94,4 +94,4 @@ def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp
     update_meta(half, decoding={"length_penalty": 0.5, "block_trigrams": False})  # a record change keeps float16
     assert load_checkpoint(half).storage == "float16" and (half / WEIGHTS).stat().st_size == (
         tmp_path / "half" / WEIGHTS).stat().st_size
-    assert restore(half, "float32").exists() and load_checkpoint(half).storage == "float32"
+    assert convert_storage(half, "float32").exists() and load_checkpoint(half).storage == "float32"

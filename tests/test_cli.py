@@ -95,10 +95,10 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
     assert stored["decoding_chosen_on"]["score"] == best["CIDEr-D"]
 
     # stored as float16 afterwards: the card sets the val score of what ships beside the one the rules were chosen on
-    from captioner.models.checkpoint import restore
+    from captioner.models.checkpoint import convert_storage
     from captioner.models.evaluation.card import write_card
 
-    half = restore(ckpt, "float16", tmp_path / "sat16")
+    half = convert_storage(ckpt, "float16", tmp_path / "sat16")
     card = write_card(half, {"beam_size": 3, "val": {"images": 4, "CIDEr-D": 1.2345}}).read_text()
     assert f"val CIDEr-D 1.2345, against {best['CIDEr-D']:.4f} with the float32 weights" in card
 

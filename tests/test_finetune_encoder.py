@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from captioner.models.checkpoint import load_checkpoint, restore
+from captioner.models.checkpoint import convert_storage, load_checkpoint
 from captioner.models.data.stores import TunedStore
 from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder
 from captioner.models.protocol import VisualBatch
@@ -105,7 +105,7 @@ def test_a_run_trains_the_stage_and_its_checkpoint_serves_the_trained_weights(tu
     torch.testing.assert_close(served(pixels), trained, atol=1e-4, rtol=1e-4)
     assert (served(pixels) - frozen(pixels)).abs().max() > 1e-2, "the fine-tuned stage did not move"
     # a float16 copy elsewhere carries the stage's file and names it relative to its own folder
-    copy = restore(best, "float16", tmp_path / "half")
+    copy = convert_storage(best, "float16", tmp_path / "half")
     assert json.loads((copy / "config.json").read_text())["encoder"]["tuned_weights"] == "encoder_tuned.safetensors"
     assert load_checkpoint(copy).encoder.tuned_weights == str((copy / "encoder_tuned.safetensors").resolve())
 

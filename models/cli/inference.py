@@ -239,11 +239,11 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_storage(args: argparse.Namespace) -> None:
-    from ..checkpoint import WEIGHTS, restore
+    from ..checkpoint import WEIGHTS, convert_storage
 
     if args.out is not None and Path(args.out).resolve() != Path(args.checkpoint).resolve():
         refuse_overwrite(args.out, args.force)
-    out = restore(args.checkpoint, args.dtype, args.out)
+    out = convert_storage(args.checkpoint, args.dtype, args.out)
     print(f"{out}: weights stored as {args.dtype}, {(out / WEIGHTS).stat().st_size / 2**20:.1f} MiB")
 
 

@@ -134,7 +134,7 @@ class Progress(_SavedRecord):
     global_step: int = 0
     best_score: float = -1.0
     best_epoch: int = -1
-    history: list[dict[str, Any]] = field(default_factory=list)  # one EpochRecord.to_json() per epoch
+    history: list[dict[str, Any]] = field(default_factory=list)  # one EpochLog.to_json() per epoch
     #: the last step's training losses, which its epoch's record reports: saved, so that an epoch whose last step
     #: was trained before an interruption still reports them when the resumed run validates it
     losses: dict[str, float] = field(default_factory=dict)

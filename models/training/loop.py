@@ -62,7 +62,7 @@ TUNED_WEIGHTS = "encoder_tuned.safetensors"
 
 
 @dataclass
-class StepRecord:
+class StepLog:
     """One logged training step (a ``metrics.jsonl`` line with ``"kind": "step"``)."""
 
     epoch: int  # 1-based
@@ -80,7 +80,7 @@ class StepRecord:
 
 
 @dataclass
-class EpochRecord:
+class EpochLog:
     """One finished epoch: the last batch's losses and the validation scores (``"kind": "epoch"``)."""
 
     epoch: int
@@ -636,7 +636,7 @@ def _snapshot(run: Run) -> None:
     save_state(run.run_dir, state)
 
 
-def _log(run: Run, record: StepRecord | EpochRecord) -> None:
+def _log(run: Run, record: StepLog | EpochLog) -> None:
     if run.dist.is_main:
         with open(run.run_dir / METRICS_LOG, "a") as handle:
             handle.write(json.dumps(record.to_json()) + "\n")
@@ -682,7 +682,7 @@ def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
         run.optimizer.step()
 
 
-def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochRecord:
+def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochLog:
     """Rank 0 captions and scores the validation split; every rank gets the same record."""
     scores = None
     if run.dist.is_main:
@@ -690,7 +690,7 @@ def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochR
                                    run.cfg.max_decode_len, device=str(run.device))
         scores = score_dataset(captions, run.val_images, ("BLEU", "CIDEr-D"))
     scores = run.dist.from_main(scores)
-    return EpochRecord(epoch=epoch + 1, step=run.progress.global_step, lr=lr, losses=logs, scores=scores,
+    return EpochLog(epoch=epoch + 1, step=run.progress.global_step, lr=lr, losses=logs, scores=scores,
                        seconds=run.elapsed())
 
 
@@ -705,7 +705,7 @@ def _encoder_files(run: Run) -> tuple[EncoderSpec, dict[str, bytes]]:
     return replace(run.spec, tuned_weights=TUNED_WEIGHTS), {TUNED_WEIGHTS: save_tensors(tuned)}
 
 
-def _end_epoch(run: Run, record: EpochRecord) -> None:
+def _end_epoch(run: Run, record: EpochLog) -> None:
     progress, cfg = run.progress, run.cfg
     row = record.to_json()
     row.pop("kind")
@@ -764,7 +764,7 @@ def fit(run: Run) -> Path:
                 bar.set_postfix_str(" ".join([*(f"{k}={v:.3f}" for k, v in logs.items()), f"lr={lr:.2e}",
                                               f"tok/s={rate:.0f}"]))
                 if cfg.log_every and progress.global_step % cfg.log_every == 0:
-                    _log(run, StepRecord(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob, rate,
+                    _log(run, StepLog(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob, rate,
                                          run.elapsed()))
                 stopping = ctx.any(stop.raised) or bool(cfg.max_steps and progress.global_step >= cfg.max_steps)
                 if stopping:
