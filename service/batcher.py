@@ -8,7 +8,7 @@ At every step boundary the worker
    removes the rows of running requests whose client is gone or whose deadline has passed (so a disconnect or a
    deadline frees rows before the next step runs);
 2. admits waiting requests, first come first served, while their rows fit under ``max_rows``, up to
-   ``max_batch_images`` images at a time, and has them encoded: by an encoder thread of its own while the worker
+   ``max_batch`` images at a time, and has them encoded: by an encoder thread of its own while the worker
    goes on decoding (``overlap_encoding``, with a worker thread), or at once in the worker; encoded requests'
    (request, beam) rows join a row table at the next step boundary;
 3. runs one decoding step over every row of every table (:class:`captioner.service.row_table.RowTable`), then one

@@ -308,7 +308,7 @@ class AreaMultiHeadAttention(nn.Module):
         """Area keys and values ``[B, heads, |R|, d]`` from projected item keys/values ``[B, N, D]``, and the
         usable areas ``[B, 1, |R|]`` (None when nothing is masked)."""
         if key_mask is not None:
-            # zero padded items so that they cannot disturb the integral image of the real ones
+            # zero padded items so that they add nothing to the area sums of the real ones
             keys = keys.masked_fill(~key_mask.unsqueeze(-1), 0.0)
             values = values.masked_fill(~key_mask.unsqueeze(-1), 0.0)
         k, v = self._heads(keys), self._heads(values)

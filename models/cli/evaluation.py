@@ -26,7 +26,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from ..data.datasets import resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
-    from ..training import evaluate_checkpoint
+    from ..evaluation.evaluate import evaluate_checkpoint
 
     set_threads(args.threads)
     grounding, entities = _grounding_benchmark(args.grounding)

@@ -3,10 +3,9 @@ REINFORCE objective) and self-critical CIDEr-D optimisation (:mod:`.scst`); pape
 recipes in ``models/recipes``), data parallelism (:mod:`.distributed`) and mixed precision."""
 
 from . import scst, xe  # noqa: F401  (importing a phase registers it)
-from ..evaluation.evaluate import caption_dataset, evaluate_checkpoint
 from .config import Progress, TrainConfig
 from .loop import PHASES, Run, TrainingInterrupted, fit, prepare_run, train
 from .recipes import RECIPES_DIR, available_recipes, load_recipe
 
 __all__ = ["PHASES", "Progress", "Run", "TrainConfig", "TrainingInterrupted", "fit", "prepare_run", "train",
-           "caption_dataset", "evaluate_checkpoint", "RECIPES_DIR", "available_recipes", "load_recipe"]
+           "RECIPES_DIR", "available_recipes", "load_recipe"]
