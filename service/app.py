@@ -56,15 +56,15 @@ def _set_interop_threads(threads: int | None) -> None:
 
 async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
-    load_args = (settings.weights_dir, settings.checkpoints, settings.device, settings.backends, settings.backend,
-                 settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision,
-                 settings.prefixed_weights_dirs)
-    missing = unprepared(settings.weights_dir, settings.checkpoints, settings.onnx_dir, settings.prefixed_weights_dirs,
-                         settings.backends, settings.backend, settings.encoder_precision)
+    found = (settings.weights_dir, settings.checkpoints)
+    placed = dict(onnx_dir=settings.onnx_dir, prefixed=settings.prefixed_weights_dirs, backends=settings.backends,
+                  default_backend=settings.backend, encoder_precision=settings.encoder_precision)
+    run = dict(placed, device_name=settings.device, threads=settings.threads, precision=settings.precision)
+    missing = unprepared(*found, **placed)
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
-        await asyncio.to_thread(functools.partial(prepare_in_child, *load_args, only=missing))
-    runtimes = await asyncio.to_thread(load_runtimes, *load_args)
+        await asyncio.to_thread(functools.partial(prepare_in_child, *found, only=missing, **run))
+    runtimes = await asyncio.to_thread(functools.partial(load_runtimes, *found, **run))
     if not runtimes:
         searched = [str(settings.weights_dir), *map(str, settings.prefixed_weights_dirs.values())]
         log.error("no checkpoint found in %s: every caption request will get 503", ", ".join(searched))

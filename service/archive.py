@@ -341,8 +341,9 @@ def load_runtime(checkpoint: Path, settings: Settings) -> Runtime:
     from .runtime import load_runtimes
 
     set_threads(settings.threads)
-    runtimes = load_runtimes(None, [checkpoint], settings.device, settings.backends, settings.backend,
-                             settings.onnx_dir, settings.threads, settings.precision, settings.encoder_precision)
+    runtimes = load_runtimes(None, [checkpoint], device_name=settings.device, backends=settings.backends,
+                             default_backend=settings.backend, onnx_dir=settings.onnx_dir, threads=settings.threads,
+                             precision=settings.precision, encoder_precision=settings.encoder_precision)
     if not runtimes:
         raise ArchiveError(f"{checkpoint} is not a loadable checkpoint (why is in the log line above)")
     return next(iter(runtimes.values()))

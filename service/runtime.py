@@ -402,19 +402,18 @@ def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
     return folder
 
 
-def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto",
-                  backends: dict[str, str] | None = None,
-                  default_backend: str = "torch", onnx_dir: Path = Path(".cache/onnx"),
-                  threads: int | None = None, precision: str = "float32",
-                  encoder_precision: str = "float32",
-                  prefixed: dict[str, Path] | None = None,
+def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: str = "auto",
+                  backends: dict[str, str] | None = None, default_backend: str = "torch",
+                  onnx_dir: Path = Path(".cache/onnx"), threads: int | None = None, precision: str = "float32",
+                  encoder_precision: str = "float32", prefixed: dict[str, Path] | None = None,
                   only: Collection[str] | None = None) -> dict[str, Runtime]:
     """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix → folder
     of checkpoints; ``only``: just these names); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per
     model name (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend
     with an error in the log (``auto`` picks quietly: see :func:`fastest_verified`).  A ``precision`` other than float32
     is a PyTorch autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision``
-    ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN)."""
+    ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN).
+    The settings are keywords: several are strings, which a call by position could swap in silence."""
     from captioner.models.export.onnx import ExportUnsupported
 
     device = resolve_device(device_name)
@@ -475,9 +474,9 @@ def load_runtimes(weights_dir: Path, extra: list[Path], device_name: str = "auto
     return runtimes
 
 
-def unprepared(weights_dir: Path, extra: list[Path], onnx_dir: Path, prefixed: dict[str, Path] | None = None,
-               backends: dict[str, str] | None = None, default_backend: str = "auto",
-               encoder_precision: str = "float32") -> list[str]:
+def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
+               prefixed: dict[str, Path] | None = None, backends: dict[str, str] | None = None,
+               default_backend: str = "auto", encoder_precision: str = "float32") -> list[str]:
     """The models whose start on ONNX Runtime still has something to make, read from disk without loading a
     checkpoint (the weights' sha256 from each manifest): the shared CNN's graph and the model's own export, each
     current and intact, and for ``auto`` PyTorch's reference captions of the check set as well
@@ -514,15 +513,16 @@ def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_preci
     return backend == "hybrid" or export_is_current(export, checksum) or optional and not export.exists()
 
 
-def prepare_in_child(*load_args, only: Collection[str] | None = None) -> None:
-    """:func:`load_runtimes` with ``load_args`` in a spawned child process, for the models ``only`` names (the
+def prepare_in_child(weights_dir: Path | None, extra: list[Path], *, only: Collection[str] | None = None,
+                     **settings) -> None:
+    """:func:`load_runtimes` with these arguments in a spawned child process, for the models ``only`` names (the
     :func:`unprepared` ones; all where None), which makes their ONNX exports and reference records and exits: the
     server's own process then starts as on any later start, without the PyTorch CNN, the exporter's tracing or the
     heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
     warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a child
     process").  A child that fails leaves the work to the server's own load, as before."""
-    child = multiprocessing.get_context("spawn").Process(target=load_runtimes, args=load_args,
-                                                         kwargs={"only": only}, name="captioner-prepare")
+    child = multiprocessing.get_context("spawn").Process(target=load_runtimes, args=(weights_dir, extra),
+                                                         kwargs={**settings, "only": only}, name="captioner-prepare")
     child.start()
     child.join()
     if child.exitcode != 0:

@@ -56,7 +56,7 @@ def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "sat", ckpt.model, ckpt.vocab, ckpt.encoder)
     onnx_dir = int8_files[0].parent.parent
-    runtimes = runtime_module.load_runtimes(tmp_path / "weights", [], "cpu", default_backend="auto",
+    runtimes = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                             onnx_dir=onnx_dir, threads=1, encoder_precision="int8")
     runtime = runtimes["sat"]
     assert runtime.backend == "onnx" and runtime.visual.path == int8_files[1]

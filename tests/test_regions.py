@@ -129,4 +129,4 @@ def test_a_checkpoint_trained_on_regions_refuses_to_caption_photos(tmp_path):
                     meta={"train_config": {"features": "regions:/data/bottom-up"}})
     with pytest.raises(CheckpointError, match="--features regions:DIR"):
         torch_runtime(tmp_path / "weights" / "regions")
-    assert list(load_runtimes(tmp_path / "weights", [], "cpu", default_backend="torch")) == ["grid"]
+    assert list(load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch")) == ["grid"]

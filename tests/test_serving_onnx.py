@@ -364,15 +364,16 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
 
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == ["a"]
-    runtime_module.prepare_in_child(tmp_path / "weights", [], "cpu", {}, "auto", tmp_path / "onnx", 1)
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == []
+    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
+                                    onnx_dir=tmp_path / "onnx", threads=1)
+    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
     def no_pytorch_encoder(*args, **kwargs):
         raise AssertionError("the server's own load built a PyTorch encoder")
 
     monkeypatch.setattr(runtime_module, "grid_encoder", no_pytorch_encoder)
-    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], "cpu", default_backend="auto",
+    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                           onnx_dir=tmp_path / "onnx", threads=1)
     assert loaded["a"].backend == "onnx"
 
@@ -385,11 +386,11 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, mo
     for name, seed in (("a", 0), ("b", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
-    load_args = (tmp_path / "weights", [], "cpu", {}, "auto", tmp_path / "onnx", 1)
-    assert set(runtime_module.load_runtimes(*load_args, only=["a"])) == {"a"}
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == ["b"]
-    runtime_module.prepare_in_child(*load_args, only=["b"])
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == []
+    settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
+    assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], **settings)) == {"a"}
+    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
+    runtime_module.prepare_in_child(tmp_path / "weights", [], only=["b"], **settings)
+    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
 def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
@@ -436,22 +437,26 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="onnx",
                 onnx_dir=tmp_path / "onnx", threads=1)
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="onnx") == ["a"]
+
+    def unprepared(backend: str = "auto") -> list[str]:
+        return runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend=backend)
+
+    assert unprepared("onnx") == ["a"]
     assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="onnx") == []
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="torch") == []
+    assert unprepared("onnx") == []
+    assert unprepared("torch") == []
     step, (visual,) = tmp_path / "onnx" / "a" / STEP_FILE, list((tmp_path / "onnx").glob("visual-*/visual.onnx"))
     for graph in (step, visual):
         graph.write_bytes(graph.read_bytes()[:1000])
     assert not export_is_current(tmp_path / "onnx" / "a", ckpt.checksum) and not intact(visual)
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx", default_backend="onnx") == ["a"]
+    assert unprepared("onnx") == ["a"]
     assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
     assert intact(step) and intact(visual) and step.stat().st_size > 1000
     # auto, once its references are recorded, sends a damaged graph to the preparing child too
     assert runtime_module.load_runtimes(**{**load, "default_backend": "auto"})["a"].backend == "onnx"
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == []
+    assert unprepared() == []
     step.write_bytes(step.read_bytes()[:1000])
-    assert runtime_module.unprepared(tmp_path / "weights", [], tmp_path / "onnx") == ["a"]
+    assert unprepared() == ["a"]
 
 
 def test_export_replaces_an_export_but_never_a_folder_of_anything_else(tmp_path, capsys):
