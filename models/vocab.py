@@ -49,13 +49,19 @@ class Vocabulary:
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         """Words up to (not including) the first ``<eos>``; padding dropped."""
-        words = []
-        for i in ids:
+        ids = list(ids)
+        return [self.itos[ids[t]] for t in self.kept_positions(ids)]
+
+    def kept_positions(self, ids: Iterable[int]) -> list[int]:
+        """The positions of ``ids`` whose words :meth:`decode` keeps (a caption's attention rows are picked by
+        them): up to the first ``<eos>``, ``<pad>`` skipped."""
+        kept = []
+        for position, i in enumerate(ids):
             if i == self.eos_id:
                 break
             if i != self.pad_id:
-                words.append(self.itos[i])
-        return words
+                kept.append(position)
+        return kept
 
     def to_json(self) -> dict:
         return {"itos": self.itos}

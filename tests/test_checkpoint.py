@@ -71,6 +71,8 @@ def test_vocabulary_round_trip_and_tokenizer(tmp_path):
     assert vocab.itos == ["<pad>", "<bos>", "<eos>", "<unk>", "a", "b"]
     assert vocab.encode(["a", "c", "b"], max_len=2) == [4, 3, 2]
     assert vocab.decode([4, 5, 2, 4]) == ["a", "b"]
+    # the rows of a caption's attention that its words keep: <pad> skipped, nothing from the first <eos> on
+    assert vocab.kept_positions([4, 0, 5, 2, 4]) == [0, 2] and vocab.decode(iter([4, 0, 5, 2, 4])) == ["a", "b"]
     vocab.save(tmp_path / "v.json")
     assert Vocabulary.load(tmp_path / "v.json").itos == vocab.itos
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -13,25 +13,34 @@ from ..data.karpathy import CaptionedImage
 from ..decoding import NO_RULES, DecodingRules, beam_search
 from .diversity import diversity_scores
 from .metrics import ALL_METRICS, score_captions
-from ..protocol import Captioner
+from ..protocol import Captioner, VisualBatch
 from ..vocab import Vocabulary
+
+
+def visual_batches(model: Captioner, images: Sequence[CaptionedImage], store: VisualStore, batch_size: int,
+                   device: str, desc: str, progress: bool) -> Iterator[tuple[Sequence[CaptionedImage], VisualBatch]]:
+    """``(images, their visual items)`` batch by batch, with a progress bar, the model in eval mode meanwhile (its
+    mode is restored afterwards, also when the loop stops early)."""
+    was_training = model.training
+    model.eval()
+    try:
+        for start in tqdm(range(0, len(images), batch_size), desc=desc, disable=not progress):
+            chunk = images[start:start + batch_size]
+            with torch.no_grad():  # a store with fine-tuned encoder stages would otherwise record their graph
+                yield chunk, store.batch([im.key for im in chunk]).to(device)
+    finally:
+        model.train(was_training)
 
 
 def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[CaptionedImage], store: VisualStore,
                     beam_size: int = 3, max_len: int = 20, batch_size: int = 50, device: str = "cpu",
                     progress: bool = False, rules: DecodingRules = NO_RULES) -> dict[int, list[str]]:
     """Beam-search captions (as token lists) for every image, keyed by image id."""
-    was_training = model.training
-    model.eval()
     captions = {}
-    for start in tqdm(range(0, len(images), batch_size), desc="captioning", disable=not progress):
-        chunk = images[start:start + batch_size]
-        with torch.no_grad():  # a store with fine-tuned encoder stages would otherwise record their graph
-            vis = store.batch([im.key for im in chunk]).to(device)
+    for chunk, vis in visual_batches(model, images, store, batch_size, device, "captioning", progress):
         hyps = beam_search(model, vis, k=beam_size, max_len=max_len, rules=rules, extras=())
         for im, best in zip(chunk, hyps):
             captions[im.image_id] = vocab.decode(best[0].token_ids)
-    model.train(was_training)
     return captions
 
 

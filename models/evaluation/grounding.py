@@ -24,19 +24,19 @@ is scored on fewer words; ``words`` in each row says how many.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from ..ensemble import Ensemble, mean_of
-from ..protocol import Geometry, VisualBatch
+from ..protocol import Geometry
 from ..rendering.heatmaps import heatmap
 from .bootstrap import percentile_interval, resampled_ratios
+from .evaluate import visual_batches
 
 WORD_CLASSES = ("colour", "shape")
 CONTROLS = ("model", "uniform", "other image")
@@ -263,20 +263,6 @@ def score_images(images: Sequence, results: Sequence[CaptionAttention], dataset_
     return out
 
 
-def visual_batches(model, images: Sequence, store, batch_size: int, device: str, desc: str,
-                   progress: bool) -> Iterator[tuple[Sequence, VisualBatch]]:
-    """``(images, their visual items)`` batch by batch, with a progress bar, the model in eval mode meanwhile (its
-    mode is restored afterwards)."""
-    was_training = model.training
-    model.eval()
-    try:
-        for start in tqdm(range(0, len(images), batch_size), desc=desc, disable=not progress):
-            chunk = images[start:start + batch_size]
-            yield chunk, store.batch([im.key for im in chunk]).to(device)
-    finally:
-        model.train(was_training)
-
-
 def item_geometry(ckpt, vis, row: int, image_path: Path) -> Geometry:
     """Where the visual items of row ``row`` of ``vis`` sit on the image file the model saw: the store's own
     geometry (regions), or the encoder grid's on the file's size (read from its header only)."""
@@ -303,15 +289,8 @@ def caption_with_attention(ckpt, images: Sequence, store, beam_size: int = 3, ma
         hyps = beam_search(model, vis, k=beam_size, max_len=max_len, rules=rules or NO_RULES, extras=())
         for row, (im, best) in enumerate(zip(chunk, hyps)):
             ids = best[0].token_ids
-            keep = []  # the rows of the words Vocabulary.decode keeps: up to the first <eos>, <pad> dropped
-            for t, i in enumerate(ids):
-                if i == vocab.eos_id:
-                    break
-                if i != vocab.pad_id:
-                    keep.append(t)
             tokens = vocab.decode(ids)
-            assert len(tokens) == len(keep)
-            attention = best[0].attention.numpy()[keep]
+            attention = best[0].attention.numpy()[vocab.kept_positions(ids)]  # one row per decoded word
             out.append(CaptionAttention(tokens, attention, item_geometry(ckpt, vis, row, im.path)))
     return out
 

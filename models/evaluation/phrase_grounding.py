@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from ..data.entities import PHRASE_TYPES, EntitiesDataset, EntityAnnotation, EntityImage
 from ..protocol import Geometry
-from .grounding import (CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise,
-                        visual_batches)
+from .evaluate import visual_batches
+from .grounding import CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise
 
 MODES = ("references", "generated")
 CONTROLS = ("model", "uniform", "other photo")
