@@ -453,6 +453,90 @@ def _check_new_run_folder(run_dir: Path, announce: bool) -> None:
               "the run starts afresh and its log with it")
 
 
+def _check_combinations(cfg: TrainConfig, resumed: bool) -> None:
+    """Refuse options that cannot work together, before any data is read (``cfg`` resolved: its model and features
+    named)."""
+    if cfg.finetune_stages and cfg.features != "grid":
+        raise ValueError("--finetune-stages fine-tunes the grid encoder; it cannot be combined with --features "
+                         f"{cfg.features}")
+    if cfg.features != "grid" and cfg.model_args.get("attention") == "tvmax":
+        # TVmax's total variation runs over a grid's 4-neighbour pairs (SparseCap, Martins et al., arXiv:2002.05556,
+        # Eq. 3 and Definition 1); regions have no grid, and a padded count read as one (9 regions as 3×3) means
+        # nothing
+        raise ValueError("--attention tvmax needs grid features (its total variation is over neighbouring cells); "
+                         f"with --features {cfg.features} use softmax or sparsemax")
+    if cfg.augment != "none" and cfg.phase != "xe":
+        raise ValueError(f"--augment {cfg.augment} applies to the xe phase (its captions are the references); "
+                         f"--phase {cfg.phase} samples its own")
+    if cfg.phase == "scst" and cfg.scst_baseline == "mean" and cfg.scst_samples < 2:
+        raise ValueError("--scst-baseline mean compares each sample with the image's other samples: give "
+                         f"--scst-samples 2 or more (got {cfg.scst_samples})")
+    if cfg.phase == "scst" and not cfg.init and not resumed:
+        # self-critical training samples from the model it improves: from random weights every sample scores 0
+        raise ValueError("--phase scst starts from a trained model: give --init RUN/best (its XE stage)")
+    if cfg.extend_vocab and not cfg.init:
+        raise ValueError("--extend-vocab adds the data's new words to the vocabulary of --init's checkpoint: "
+                         "give --init")
+
+
+def _choose_vocab(cfg: TrainConfig, saved: dict[str, Any] | None, init: Checkpoint | None,
+                  train_images: Sequence[CaptionedImage]) -> Vocabulary:
+    """The resumed run's vocabulary, else ``--init``'s (with ``--extend-vocab``, the training captions' new words
+    appended), else the training captions' words at ``--min-count``."""
+    def data_vocab() -> Vocabulary:
+        return Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+
+    if saved is not None:
+        return Vocabulary.from_json(saved["vocab"])
+    if init is not None and cfg.extend_vocab:  # appended, so every word keeps its id and its trained rows
+        return Vocabulary(init.vocab.itos + [w for w in data_vocab().itos if w not in init.vocab.stoi])
+    if init is not None:
+        return init.vocab
+    return data_vocab()
+
+
+def _restore(saved: dict[str, Any], cfg: TrainConfig, run_dir: Path, ctx, model: Captioner, tail: EncoderTail | None,
+             optimizer: torch.optim.Optimizer, scaler) -> Progress:
+    """Put a saved state back: the weights (the tuned encoder stages' too), the optimiser, the random streams and
+    the grad scaler; returns where the run is, after saying so."""
+    model.load_state_dict(saved["model"])
+    if tail is not None:
+        tail.load_tuned_state(saved["encoder_tail"])
+    optimizer.load_state_dict(restore_optimizer_state(saved["optimizer"]))
+    progress = Progress.from_json(saved["progress"])
+    rngs = saved.get("rng_ranks") or [saved["rng"]]
+    if len(rngs) == ctx.world:
+        _set_rng_state(rngs[ctx.rank])
+    else:  # resumed on another number of processes: a fresh, still rank-distinct stream
+        torch.manual_seed(hash((cfg.seed, ctx.rank, progress.global_step)) & 0x7FFFFFFF)
+    if scaler is not None and saved.get("scaler"):
+        scaler.load_state_dict(saved["scaler"])
+    if ctx.is_main:
+        if progress.epoch >= cfg.epochs or progress.stopped_early:
+            how = "stopped early" if progress.stopped_early else f"{progress.epoch} epochs"
+            print(f"{run_dir} has finished ({how}): nothing to train; --epochs N with N > {progress.epoch} "
+                  "continues it")
+        else:
+            print(f"resuming {run_dir} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}")
+    return progress
+
+
+def _run_meta(cfg: TrainConfig, train_count: int, device: torch.device, ctx, precision, saved: dict[str, Any] | None,
+              init: Checkpoint | None) -> dict[str, Any]:
+    """The record every checkpoint of the run carries: its data (with citation), phase, config, hardware,
+    precision and, for a warm start, what it started from."""
+    name = dataset_name(cfg.dataset)
+    meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
+            "trained_on": f"{CITATIONS.get(name, name)}, train split ({train_count:,} images)"
+                          + (f", its attention supervised by the {ENTITIES_CITATION} boxes of those photos"
+                             if cfg.attention_supervision else ""),
+            "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
+            "precision": precision.name}
+    if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint
+        meta["started_from"] = saved.get("started_from") if saved is not None else _lineage(cfg.init, init)
+    return meta
+
+
 def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str] | None = None) -> Run:
     """Everything before the first step: resume merging, data, features, vocabulary, model, optimiser, schedules,
     precision and (under torchrun) the process group."""
@@ -491,27 +575,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     precision = resolve_precision(cfg.precision, device)
 
     spec = EncoderSpec(**cfg.encoder)
-    if cfg.finetune_stages and cfg.features != "grid":
-        raise ValueError("--finetune-stages fine-tunes the grid encoder; it cannot be combined with --features "
-                         f"{cfg.features}")
-    if cfg.features != "grid" and cfg.model_args.get("attention") == "tvmax":
-        # TVmax's total variation runs over a grid's 4-neighbour pairs (SparseCap, Martins et al., arXiv:2002.05556,
-        # Eq. 3 and Definition 1); regions have no grid, and a padded count read as one (9 regions as 3×3) means
-        # nothing
-        raise ValueError("--attention tvmax needs grid features (its total variation is over neighbouring cells); "
-                         f"with --features {cfg.features} use softmax or sparsemax")
-    if cfg.augment != "none" and cfg.phase != "xe":
-        raise ValueError(f"--augment {cfg.augment} applies to the xe phase (its captions are the references); "
-                         f"--phase {cfg.phase} samples its own")
-    if cfg.phase == "scst" and cfg.scst_baseline == "mean" and cfg.scst_samples < 2:
-        raise ValueError("--scst-baseline mean compares each sample with the image's other samples: give "
-                         f"--scst-samples 2 or more (got {cfg.scst_samples})")
-    if cfg.phase == "scst" and not cfg.init and saved is None:
-        # self-critical training samples from the model it improves: from random weights every sample scores 0
-        raise ValueError("--phase scst starts from a trained model: give --init RUN/best (its XE stage)")
-    if cfg.extend_vocab and not cfg.init:
-        raise ValueError("--extend-vocab adds the data's new words to the vocabulary of --init's checkpoint: "
-                         "give --init")
+    _check_combinations(cfg, resumed=saved is not None)
     entities_dir = check_attention_supervision(cfg) if cfg.attention_supervision else None
     cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
     train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
@@ -537,17 +601,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     if tail is not None:
         store = TunedStore(store, tail)
 
-    def data_vocab() -> Vocabulary:
-        return Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
-
-    if saved is not None:
-        vocab = Vocabulary.from_json(saved["vocab"])
-    elif init is not None and cfg.extend_vocab:  # appended, so every word keeps its id and its trained rows
-        vocab = Vocabulary(init.vocab.itos + [w for w in data_vocab().itos if w not in init.vocab.stoi])
-    elif init is not None:
-        vocab = init.vocab
-    else:
-        vocab = data_vocab()
+    vocab = _choose_vocab(cfg, saved, init, train_images)
     # seeded here, not earlier: building the encoder (only when the feature cache is cold) draws random numbers too,
     # and a run's initial weights must not depend on whether its features were cached
     torch.manual_seed(cfg.seed)
@@ -572,25 +626,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
 
     progress = Progress()
     if saved is not None:
-        model.load_state_dict(saved["model"])
-        if tail is not None:
-            tail.load_tuned_state(saved["encoder_tail"])
-        optimizer.load_state_dict(restore_optimizer_state(saved["optimizer"]))
-        progress = Progress.from_json(saved["progress"])
-        rngs = saved.get("rng_ranks") or [saved["rng"]]
-        if len(rngs) == ctx.world:
-            _set_rng_state(rngs[ctx.rank])
-        else:  # resumed on another number of processes: a fresh, still rank-distinct stream
-            torch.manual_seed(hash((cfg.seed, ctx.rank, progress.global_step)) & 0x7FFFFFFF)
-        if scaler is not None and saved.get("scaler"):
-            scaler.load_state_dict(saved["scaler"])
-        if ctx.is_main:
-            if progress.epoch >= cfg.epochs or progress.stopped_early:
-                how = "stopped early" if progress.stopped_early else f"{progress.epoch} epochs"
-                print(f"{run_dir} has finished ({how}): nothing to train; --epochs N with N > {progress.epoch} "
-                      "continues it")
-            else:
-                print(f"resuming {run_dir} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}")
+        progress = _restore(saved, cfg, run_dir, ctx, model, tail, optimizer, scaler)
     elif ctx.active:
         torch.manual_seed(cfg.seed * 1000 + ctx.rank)  # ranks draw different dropout masks and samples
     if schedules.plateau is not None and progress.plateau:
@@ -602,15 +638,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
             trainer, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False,
             # optional branches (flags, SAT-hard's soft/hard switch) leave some parameters without a gradient
             find_unused_parameters=True)
-    name = dataset_name(cfg.dataset)
-    meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
-            "trained_on": f"{CITATIONS.get(name, name)}, train split ({len(train_images):,} images)"
-                          + (f", its attention supervised by the {ENTITIES_CITATION} boxes of those photos"
-                             if cfg.attention_supervision else ""),
-            "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
-            "precision": precision.name}
-    if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint
-        meta["started_from"] = saved.get("started_from") if saved is not None else _lineage(cfg.init, init)
+    meta = _run_meta(cfg, len(train_images), device, ctx, precision, saved, init)
     return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
                phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
                progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, tail=tail,
