@@ -73,6 +73,10 @@ class DeadlineExceeded(TimeoutError):
     """The request's deadline passed before its caption was finished."""
 
 
+class BeamTooWide(ValueError):
+    """A beam wider than the row budget: it could never be given its rows."""
+
+
 #: weight of the newest sample in the moving averages of the service rate (admission control)
 RATE_SMOOTHING = 0.2
 #: admission control admits a request only when its expected finish is within this fraction of the time it has
@@ -173,12 +177,12 @@ class Batcher:
         """Queue a request; await ``job.future`` for its :class:`~captioner.models.inference.CaptionResult`.
 
         Raises :class:`QueueFull` when ``queue_size`` requests are already waiting, :class:`NotAccepting` while
-        stopping, and ``ValueError`` for a beam wider than the row budget.
+        stopping, and :class:`BeamTooWide` for a beam wider than the row budget.
         """
         if not self._accepting:
             raise NotAccepting(f"model {self.runtime.name!r} is not accepting requests")
         if beam_size > self.max_rows:
-            raise ValueError(f"beam_size {beam_size} is above the row budget of {self.max_rows}")
+            raise BeamTooWide(f"beam_size {beam_size} is above the row budget of {self.max_rows}")
         loop = asyncio.get_running_loop()
         now = self.clock()
         job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now,

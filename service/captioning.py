@@ -22,7 +22,7 @@ from captioner.models.decoding import DecodingRules
 from captioner.models.encoder import image_pixels, load_image
 from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runtime
 
-from .batcher import DeadlineExceeded, NotAccepting, QueueFull
+from .batcher import BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
 from .result_cache import CacheKey, content_digest
 from .errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel, problem_type
 from .schemas import CaptionOptions
@@ -133,6 +133,8 @@ def batcher_errors(settings: Settings) -> Iterator[None]:
         raise NotReady("the service is starting or shutting down") from None
     except DeadlineExceeded:
         raise DeadlinePassed(f"captioning took longer than {settings.request_timeout_s:g} s") from None
+    except BeamTooWide as exc:  # only this ValueError: one raised while decoding is a bug, a 500, not the client's
+        raise InvalidRequest(str(exc)) from None
 
 
 @contextmanager
@@ -186,10 +188,7 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
         raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "
                              "began (reading and decoding the upload took it)")
     with batcher_errors(settings):
-        try:
-            result = await batcher.caption(prepared, beam, length, remaining, rules)
-        except ValueError as exc:  # a beam wider than the row budget
-            raise InvalidRequest(str(exc)) from None
+        result = await batcher.caption(prepared, beam, length, remaining, rules)
     if key is not None:
         cache.put(key, result)
     return result

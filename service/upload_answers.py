@@ -15,7 +15,7 @@ from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import RenderError
 
 from .captioning import CaptionRequest, caption_image, observed_request, refuse_early, remaining_s
-from .errors import Overloaded, UploadTimeout
+from .errors import ServiceError, UploadTimeout
 from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
 from .state import ServiceState
@@ -55,7 +55,9 @@ async def _read_upload(request: Request, state: ServiceState, query: CaptionOpti
     try:
         check()
         refuse_early(state, options_before_body(request, query), arrived)
-    except (Overloaded, RenderError):  # answered without the body: it is read and dropped, or the client sees a reset
+    # every refusal made before the body is read (429, 503, 404 of a model, 422 of a parameter): the body is read
+    # and dropped, or the client sees a reset
+    except (ServiceError, RenderError):
         await drain_body(request, settings.max_upload_bytes + MULTIPART_SLACK)
         raise
     try:  # a slow or stalled upload is cut off at the deadline, not read to its end

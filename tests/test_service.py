@@ -184,3 +184,45 @@ def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights,
         assert "out of memory while loading" in health.json()["detail"]
         assert client.get("/readyz").status_code == 503
     assert any("out of memory while loading" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weights, monkeypatch):
+    """Every refusal made before the body is read drains it (a connection closed with unread data in it is reset,
+    and the client sees the reset instead of the answer): the 503 of a server not ready was left unread."""
+    from captioner.service import app as app_module
+    from captioner.service import upload_answers
+
+    drained = []
+
+    async def drain(request, limit):
+        drained.append(limit)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory while loading")
+
+    monkeypatch.setattr(upload_answers, "drain_body", drain)
+    monkeypatch.setattr(app_module, "load_runtimes", broken)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, warmup=False,
+                        backend="torch")
+    with TestClient(create_app(settings)) as client:
+        for _ in range(200):
+            if client.get("/healthz").status_code != 200:
+                break
+            time.sleep(0.05)
+        refused = client.post("/caption", files={"file": ("a.png", b"not read", "image/png")})
+    assert refused.status_code == 503 and drained
+
+
+def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights, monkeypatch):
+    """Only the batcher's own refusal of a too-wide beam is the client's 422: any other ValueError from the worker
+    (a bug in decoding) reached the client as 422 invalid-request, with the internal message in it."""
+    from captioner.service.batcher import Batcher
+
+    async def broken(*args, **kwargs):
+        raise ValueError("need 1 <= n_best <= k")
+
+    monkeypatch.setattr(Batcher, "caption", broken)
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=5)
+    assert response.status_code == 500 and "n_best" not in response.text
