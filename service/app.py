@@ -118,19 +118,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         set_threads(settings.threads)
         _set_interop_threads(settings.interop_threads)
         loading = None
-        if settings.load_in_background:
-            loading = asyncio.create_task(start_models(app, settings))
-            loading.add_done_callback(functools.partial(_note_load_failure, state))
-        else:
-            await start_models(app, settings)
-        yield
-        state.ready = False
-        state.metrics.ready.set(0)
-        if loading is not None and not loading.done():
-            loading.cancel()
-            await asyncio.gather(loading, return_exceptions=True)
-        await asyncio.gather(*(b.stop(settings.drain_timeout_s) for b in state.batchers.values()))
-        gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
+        try:  # the batchers started are stopped however the app ends: a failed start in the foreground too
+            if settings.load_in_background:
+                loading = asyncio.create_task(start_models(app, settings))
+                loading.add_done_callback(functools.partial(_note_load_failure, state))
+            else:
+                await start_models(app, settings)
+            yield
+        finally:
+            state.ready = False
+            state.metrics.ready.set(0)
+            if loading is not None and not loading.done():
+                loading.cancel()
+                await asyncio.gather(loading, return_exceptions=True)
+            await asyncio.gather(*(b.stop(settings.drain_timeout_s) for b in state.batchers.values()))
+            gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
 
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Captions with per-word attention heatmaps from published attention captioners.")

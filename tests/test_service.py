@@ -226,3 +226,19 @@ def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights,
     with TestClient(app, raise_server_exceptions=False) as client:
         response = _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=5)
     assert response.status_code == 500 and "n_best" not in response.text
+
+
+def test_a_start_that_fails_in_the_foreground_stops_the_batchers_it_started(tiny_weights, monkeypatch):
+    """A warm-up that fails (out of memory, say) ended the start before the lifespan's yield, and its shutdown
+    code, after the yield, never ran: the batchers' threads and models stayed alive in the process."""
+    from captioner.service import app as app_module
+
+    async def failing_warm_up(batcher, settings):
+        raise RuntimeError("out of memory while warming up")
+
+    monkeypatch.setattr(app_module, "warm_up", failing_warm_up)
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch"))
+    with pytest.raises(RuntimeError, match="warming up"), TestClient(app):
+        pass
+    batchers = list(app.state.service.batchers.values())
+    assert batchers and not any(b._thread.is_alive() for b in batchers)
