@@ -42,13 +42,14 @@ REASONS = {401: "API key missing or invalid (only when keys are configured)",
 EVERY_OPERATION = (404, 405, 422, 500, 503)
 CAPTIONING = (401, 408, 413, 415, 429, 504)
 RESULTS = (401,)
+RENDERING = (504,)  # a render slot waited for past the deadline
 
 
 def _statuses(path: str) -> tuple[int, ...]:
     if path.startswith("/caption/") or path == "/caption":
         return EVERY_OPERATION + CAPTIONING
     if path.startswith("/captions/"):
-        return EVERY_OPERATION + RESULTS
+        return EVERY_OPERATION + RESULTS + (RENDERING if path.endswith("/overlay") else ())
     return EVERY_OPERATION
 
 

@@ -19,7 +19,7 @@ from .inputs import QueryOptions, arrival
 from .rendering import (DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, drawn_mode,
                         render_result)
 from .results import Results, StoredResult
-from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOut, HeatmapsOut
+from .schemas import CAPTION_BODY, CaptionOut, HeatmapsOut
 from .state import ServiceState, State
 from .upload_answers import AttentionFormatQuery, caption_answer, caption_upload
 
@@ -73,7 +73,7 @@ async def get_overlay(request: Request, result_id: str, state: State, results: R
 
 
 @router.post("/caption/overlay", summary="Caption an image and render its attention in one call",
-             openapi_extra=CAPTION_BODY, responses={**RENDERED, **CAPTION_PROBLEMS})
+             openapi_extra=CAPTION_BODY, responses=RENDERED)
 async def post_overlay(request: Request, state: State, results: Results, options: QueryOptions,
                        format: FormatQuery = None, token: TokenQuery = None, mode: ModeQuery = None,
                        cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):

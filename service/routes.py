@@ -15,14 +15,14 @@ from .captioning import loaded_models
 from .errors import LoadFailed, NotReady
 from .inputs import QueryOptions
 from .results import Results
-from .schemas import CAPTION_BODY, CAPTION_PROBLEMS, CaptionOut, Health, ModelOut
+from .schemas import CAPTION_BODY, CaptionOut, Health, ModelOut
 from .state import State
 from .upload_answers import AttentionFormatQuery, caption_answer, caption_upload
 
 router = APIRouter()
 
 @router.post("/caption", response_model=CaptionOut, openapi_extra=CAPTION_BODY,
-             summary="Caption an uploaded image, with per-word attention", responses=CAPTION_PROBLEMS)
+             summary="Caption an uploaded image, with per-word attention")
 async def caption(request: Request, state: State, results: Results, options: QueryOptions,
                   attention_format: AttentionFormatQuery = "json") -> Response | CaptionOut:
     data, result = await caption_upload(request, state, options)

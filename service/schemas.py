@@ -101,9 +101,6 @@ CAPTION_BODY = {
     }
 }
 
-CAPTION_PROBLEMS = {413: {"description": "upload or image too large"}, 422: {"description": "bad input"},
-                    429: {"description": "queue full (Retry-After)"}, 503: {"description": "not ready (Retry-After)"},
-                    504: {"description": "deadline passed"}}
 
 
 # -- responses ------------------------------------------------------------------------------------------------------

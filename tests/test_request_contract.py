@@ -158,9 +158,14 @@ def test_openapi_documents_the_form_fields(client):
         assert form["properties"]["file"]["format"] == "binary"
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
-    # a render that waits for a slot past the deadline is a 504, with or without a model run before it
-    assert "504" in paths["/captions/{result_id}/overlay"]["get"]["responses"]
-    assert "504" in paths["/caption/overlay"]["post"]["responses"]
+    # a render that waits for a slot past the deadline is a 504, with or without a model run before it, and like
+    # every error answer it is a problem document (the result route's had no content)
+    for path, method in (("/captions/{result_id}/overlay", "get"), ("/caption/overlay", "post"), ("/caption", "post")):
+        assert "application/problem+json" in paths[path][method]["responses"]["504"]["content"], path
+    # one wording of each status for every path (the caption routes had a second, drifted copy)
+    reasons = {(status, answer["description"]) for operations in paths.values() for operation in operations.values()
+               for status, answer in operation["responses"].items() if status in ("413", "422", "429", "503")}
+    assert len(reasons) == 4, reasons
 
 
 def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):
