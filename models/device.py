@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 
 import torch
+
+log = logging.getLogger("captioner.device")
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -22,9 +25,16 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None, interop: int | None = None) -> None:
+    """PyTorch's intra-op threads and, given ``interop``, its inter-op threads (None: their defaults).  The
+    inter-op count can only be set before the process's first parallel work: later, a warning says so."""
     if threads:
         torch.set_num_threads(threads)
+    if interop:
+        try:
+            torch.set_num_interop_threads(interop)
+        except RuntimeError as exc:
+            log.warning("cannot set inter-op threads to %d: %s", interop, exc)
 
 
 def describe_hardware(device: torch.device) -> str:

@@ -45,21 +45,10 @@ log = logging.getLogger("captioner.app")
 STATIC = Path(__file__).parent / "static"
 
 
-def _set_interop_threads(threads: int | None) -> None:
-    if not threads:
-        return
-    try:
-        torch.set_num_interop_threads(threads)
-    except RuntimeError as exc:  # only possible before the first parallel work of the process
-        log.warning("cannot set inter-op threads to %d: %s", threads, exc)
-
-
 async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
     found = (settings.weights_dir, settings.checkpoints)
-    placed = dict(onnx_dir=settings.onnx_dir, prefixed=settings.prefixed_weights_dirs, backends=settings.backends,
-                  default_backend=settings.backend, encoder_precision=settings.encoder_precision)
-    run = dict(placed, device_name=settings.device, threads=settings.threads, precision=settings.precision)
+    placed, run = settings.model_placement(), settings.model_loading()
     missing = unprepared(*found, **placed)
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
@@ -115,8 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.on_idle = IdleTrimmer() if settings.release_memory else None
         state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
         state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
-        set_threads(settings.threads)
-        _set_interop_threads(settings.interop_threads)
+        set_threads(settings.threads, settings.interop_threads)
         loading = None
         try:  # the batchers started are stopped however the app ends: a failed start in the foreground too
             if settings.load_in_background:

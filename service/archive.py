@@ -340,10 +340,9 @@ def load_runtime(checkpoint: Path, settings: Settings) -> Runtime:
 
     from .runtime import load_runtimes
 
-    set_threads(settings.threads)
-    runtimes = load_runtimes(None, [checkpoint], device_name=settings.device, backends=settings.backends,
-                             default_backend=settings.backend, onnx_dir=settings.onnx_dir, threads=settings.threads,
-                             precision=settings.precision, encoder_precision=settings.encoder_precision)
+    set_threads(settings.threads, settings.interop_threads)
+    # this one checkpoint, not the served folders' models
+    runtimes = load_runtimes(None, [checkpoint], **{**settings.model_loading(), "prefixed": None})
     if not runtimes:
         raise ArchiveError(f"{checkpoint} is not a loadable checkpoint (why is in the log line above)")
     return next(iter(runtimes.values()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -97,6 +97,16 @@ class Settings(BaseSettings):
     cors_origins: list[str] = Field(default_factory=list,
                                     description='origins allowed to call the API from a browser (JSON list); '
                                     'empty: none')
+
+    def model_placement(self) -> dict[str, Any]:
+        """Where the models' files are and which backend runs them: the keywords of ``runtime.unprepared``."""
+        return dict(onnx_dir=self.onnx_dir, prefixed=self.prefixed_weights_dirs, backends=self.backends,
+                    default_backend=self.backend, encoder_precision=self.encoder_precision)
+
+    def model_loading(self) -> dict[str, Any]:
+        """:meth:`model_placement` and how the models run: the keywords of ``runtime.load_runtimes``, for the server
+        and for ``captioner caption --output``, which loads its checkpoint as the server does."""
+        return dict(self.model_placement(), device_name=self.device, threads=self.threads, precision=self.precision)
 
     @field_validator("prefixed_weights_dirs")
     @classmethod

@@ -17,8 +17,8 @@ from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.pipeline import Pipeline
-from captioner.service.archive import ArchiveError, ArchiveOptions, CaptionLines, caption_archive, list_images, \
-    select_shard, shard_of
+from captioner.service.archive import (ArchiveError, ArchiveOptions, CaptionLines, caption_archive, list_images,
+                                      select_shard, shard_of)
 from captioner.service.cli import main
 from captioner.service.settings import Settings
 
@@ -224,3 +224,18 @@ def test_archive_mistakes_are_one_line_errors(tmp_path, argv, message):
     with pytest.raises(SystemExit) as exited:
         main([arg.replace("DIR", str(tmp_path)).replace("o.jsonl", str(tmp_path / "o.jsonl")) for arg in argv])
     assert message in str(exited.value) and "\n" not in str(exited.value)
+
+
+def test_the_archive_loads_its_checkpoint_with_the_servers_settings(tiny_checkpoint_folder, tmp_path, monkeypatch):
+    """README: the archive loads the checkpoint "as `captioner serve` loads it"; CAPTIONER_INTEROP_THREADS was
+    read by the server only, and a prefixed folder of the server's must not add its models to the archive's one."""
+    import torch
+
+    from captioner.service.archive import load_runtime
+
+    interop = []
+    monkeypatch.setattr(torch, "set_num_interop_threads", interop.append)
+    other = save_checkpoint(tmp_path / "scenes" / "other", tiny_model("sat", seed=1), VOCAB, TINY_SPEC)
+    settings = Settings(interop_threads=2, threads=1, backend="torch", prefixed_weights_dirs={"x-": other.parent})
+    runtime = load_runtime(tiny_checkpoint_folder, settings)
+    assert interop == [2] and runtime.name == "tiny" and runtime.backend == "torch"
