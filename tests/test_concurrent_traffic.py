@@ -175,15 +175,32 @@ def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(ti
     assert not more_than_two, "only two renders may run while the others wait"
 
 
-def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error():
-    messages = iter([{"type": "http.request", "body": b"half of it", "more_body": True}, {"type": "http.disconnect"}])
+def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights):
+    messages = [{"type": "http.request", "body": b"half of it", "more_body": True}]
 
     async def receive():
-        return next(messages)
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
 
     request = Request({"type": "http", "method": "POST", "path": "/caption", "headers": []}, receive)
     with pytest.raises(ClientGone, match="closed the connection"):
         asyncio.run(read_body(request, 1000))
+    # and through the app: counted as the client's 499 (an unmapped ClientGone would be a 500)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
+                        backend="torch")
+    with TestClient(create_app(settings)) as client:
+        messages.append({"type": "http.request", "body": b"half of it", "more_body": True})
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/caption", "raw_path": b"/caption", "query_string": b"",
+                 "headers": [(b"content-type", b"image/png"), (b"content-length", b"1000")], "http_version": "1.1",
+                 "scheme": "http", "server": ("test", 80), "client": ("test", 1), "root_path": ""}
+        client.portal.call(client.app, scope, receive, send)
+        samples = parse_metrics(client.get("/metrics").text)
+    statuses = {key for key in samples if key.startswith("captioner_request_latency_seconds_count")}
+    assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
 
 
 def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights):

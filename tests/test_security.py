@@ -5,6 +5,7 @@ stored results, request ids, and no stack traces or server paths in any answer."
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 
@@ -18,6 +19,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service.app import create_app
+from captioner.service.errors import UnknownResult
 from captioner.service.results import ResultStore
 from captioner.service.security import key_matches
 from captioner.service.settings import Settings
@@ -88,7 +90,13 @@ def test_keys_guard_captioning_and_results_but_not_probes_or_the_page(keyed, jpe
 
 
 def test_without_keys_everything_is_open(open_client, jpeg):
-    assert caption(open_client, jpeg).status_code == 200
+    answer = caption(open_client, jpeg)
+    assert answer.status_code == 200
+    result = answer.json()["id"]
+    assert open_client.get(f"/captions/{result}").status_code == 200
+    assert open_client.get(f"/captions/{result}/overlay", params={"token": 0}).status_code == 200
+    overlay = open_client.post("/caption/overlay", params={"token": 0}, files={"file": ("x.jpg", jpeg, "image/jpeg")})
+    assert overlay.status_code == 200 and overlay.headers["content-type"] == "image/png"
 
 
 def test_key_comparison_is_exact():
@@ -125,11 +133,28 @@ def test_the_demo_page_has_a_strict_csp_and_no_inline_script(open_client):
     assert open_client.get("/healthz").headers["x-content-type-options"] == "nosniff"
 
 
-def test_request_ids_are_echoed_and_logged(open_client, jpeg, caplog):
-    with caplog.at_level(logging.INFO, logger="captioner.access"):
+def test_request_ids_are_echoed_and_logged(open_client, jpeg):
+    from captioner.service.middleware import JsonFormatter
+
+    lines = []
+
+    class Formatted(logging.Handler):  # as the server's handler writes it: formatted while the request is current
+        def emit(self, record):
+            lines.append(json.loads(JsonFormatter().format(record)))
+
+    access = logging.getLogger("captioner.access")
+    handler, level = Formatted(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
         answer = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
                                   headers={"X-Request-ID": "trace-abc-123"})
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
     assert answer.headers["x-request-id"] == "trace-abc-123"
+    assert {(line.get("request_id"), line["path"], line["status"]) for line in lines} == {
+        ("trace-abc-123", "/caption", 200)}
     generated = open_client.get("/healthz").headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
 
@@ -140,11 +165,11 @@ def test_result_ids_are_random_and_the_store_is_bounded_in_count_and_age():
     ids = [store.put(object(), b"x" * 10) for _ in range(5)]  # type: ignore[arg-type]
     assert len(set(ids)) == 5 and all(len(i) >= 22 and re.fullmatch(r"[A-Za-z0-9_-]+", i) for i in ids)
     assert len(store) == 3
-    with pytest.raises(Exception):
+    with pytest.raises(UnknownResult, match="no caption result"):  # the 404, not any exception
         store.get(ids[0])  # evicted by count
     assert store.get(ids[4])
     now[0] = 61.0
-    with pytest.raises(Exception):
+    with pytest.raises(UnknownResult, match="no caption result"):
         store.get(ids[4])  # expired, even though it was just read
     assert len(store) == 0
     store.put(object(), b"y" * 6000)  # type: ignore[arg-type]
