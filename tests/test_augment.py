@@ -2,6 +2,8 @@
 through the same encoder, the mixed store returns each key's own view, and an XE epoch shows every caption once,
 in one seeded view, with left and right swapped where the photo is mirrored."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -103,6 +105,9 @@ def test_a_run_with_mirror_images_trains_and_resumes_exactly(scenes, tmp_path):
     cache = tmp_path / "cache"
     train(_config(scenes, tmp_path / "straight", cache))
     train(_config(scenes, tmp_path / "resumed", cache, max_steps=20))  # stops inside epoch 2
+    # it did stop there: had it run to the end, the resume would train nothing and the weights match trivially
+    progress = json.loads((tmp_path / "resumed" / "train_state.json").read_text())["progress"]
+    assert progress["global_step"] == 20 and progress["epoch"] == 1 and 0 < progress["step_in_epoch"]
     train(_config(scenes, tmp_path / "resumed", cache), resume=True)
     a, b = (load_file(tmp_path / run / "last" / "model.safetensors") for run in ("straight", "resumed"))
     for key in a:

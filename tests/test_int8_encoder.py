@@ -46,7 +46,8 @@ def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
     got = OnnxGridEncoder(int8_path, TINY_SPEC, 1)(pixels)
     assert got.shape == want.shape and got.dtype == torch.float32
     cosine = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
-    assert cosine.min() > 0.8, cosine  # quantization noise, not another network
+    # quantization noise, not another network: measured 0.997, and two different scenes' features score 0.56
+    assert cosine.min() > 0.98, cosine
     assert not torch.equal(got, want)
 
 
