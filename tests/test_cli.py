@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 from skimage import data
 
@@ -58,6 +59,19 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
     for metric in ("BLEU-1", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named"):
         assert metric in report
     assert report["SPICE"].startswith("unavailable")
+    # the scores are those of the captions it wrote, against the test split's references (not only present)
+    from captioner.models.data.karpathy import load_karpathy
+    from captioner.models.data.scenes import object_naming_accuracy
+    from captioner.models.evaluation.metrics import score_captions
+
+    test = {im.image_id: im for im in load_karpathy(scenes, splits=("test",))}
+    captions = {r["image_id"]: r["caption"] for r in results}
+    again = score_captions(captions, {i: [" ".join(ref) for ref in im.references] for i, im in test.items()},
+                           ("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D"))
+    for metric, value in again.items():
+        assert report[metric] == pytest.approx(value, abs=1e-4), metric
+    named = object_naming_accuracy([(captions[i].split(), im.info["objects"]) for i, im in test.items()])
+    assert report["objects_named"] == pytest.approx(named, abs=1e-4)
 
 
 def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
