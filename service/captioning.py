@@ -24,12 +24,12 @@ from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runti
 
 from .batcher import BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
 from .result_cache import CacheKey, content_digest
-from .errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel, problem_type
+from .errors import (CLIENT_GONE, DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel,
+                     problem_type)
 from .schemas import CaptionOptions
 from .settings import Settings
 from .state import ServiceState
 
-CLIENT_GONE = 499  # status label of a request whose client went away (nothing is answered)
 #: the model label of a request naming no loaded model: a label per name a client makes up would grow the
 #: metrics without bound
 UNKNOWN_MODEL_LABEL = "unknown"

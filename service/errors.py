@@ -14,6 +14,8 @@ from captioner.models.rendering.heatmaps import RenderError
 
 #: seconds a client should wait before retrying while the service starts or stops
 NOT_READY_RETRY_AFTER_S = 5
+#: the status of a request whose client went away (nginx's 499): logged and counted, never sent
+CLIENT_GONE = 499
 
 
 class ServiceError(Exception):
@@ -95,7 +97,7 @@ PROBLEM_TYPES: dict[type[Exception], tuple[int, str]] = {
     InvalidRequest: (422, "invalid-request"),
     UnsupportedBody: (415, "unsupported-media-type"),
     UploadTimeout: (408, "upload-timeout"),
-    ClientGone: (499, "client-gone"),
+    ClientGone: (CLIENT_GONE, "client-gone"),
     RenderError: (422, "invalid-render-request"),
     UnknownModel: (404, "unknown-model"),
     UnknownResult: (404, "unknown-result"),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import time
 from types import FrameType
@@ -27,7 +26,9 @@ from typing import Any, Awaitable, Callable
 import uvicorn
 from starlette.requests import Request
 
+from .errors import NOT_READY_RETRY_AFTER_S
 from .inputs import drain_body
+from .problems import send_problem
 
 log = logging.getLogger("captioner.lifecycle")
 
@@ -39,7 +40,7 @@ class ShutdownGate:
     """Admission state shared by :class:`DrainMiddleware` (which counts and rejects requests) and
     :class:`DrainingServer` (which starts the drain on SIGTERM and waits for it)."""
 
-    def __init__(self, retry_after_s: int = 5, on_drain: Callable[[], None] | None = None,
+    def __init__(self, retry_after_s: int = NOT_READY_RETRY_AFTER_S, on_drain: Callable[[], None] | None = None,
                  on_reject: Callable[[], None] | None = None):
         self.retry_after_s = retry_after_s
         self.on_drain = on_drain
@@ -110,14 +111,8 @@ class DrainMiddleware:
         await self._answer_503(scope, send, "the service is shutting down; retry on another replica")
 
     async def _answer_503(self, scope: dict, send: Callable[[dict], Awaitable[None]], detail: str) -> None:
-        body = json.dumps({"type": "/problems/not-ready", "title": "Service Unavailable", "status": 503,
-                           "detail": detail, "instance": scope["path"]}).encode()
-        await send({"type": "http.response.start", "status": 503,
-                    "headers": [(b"content-type", b"application/problem+json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", str(self.gate.retry_after_s).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_problem(scope, send, 503, detail, kind="not-ready",
+                           headers=[(b"retry-after", str(self.gate.retry_after_s).encode()), (b"connection", b"close")])
 
 
 #: what a refused request's body may take to be read and dropped: a connection closed with unread data in it is

@@ -14,12 +14,12 @@ import time
 import uuid
 from typing import Any
 
+from .errors import CLIENT_GONE
+
 REQUEST_ID_HEADER = "x-request-id"
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 access_log = logging.getLogger("captioner.access")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-# not a standard status: nginx's "client closed request", used in the access log only (nothing is sent)
-CLIENT_CLOSED = 499
 #: key of the request's arrival time (``time.monotonic()``) in ``request.state``
 ARRIVED = "arrived"
 
@@ -65,7 +65,7 @@ class RequestContextMiddleware:
                 await self.app(scope, receive, send_with_id)
         finally:
             if self.log_requests:
-                status = response["status"] or CLIENT_CLOSED
+                status = response["status"] or CLIENT_GONE
                 access_log.info("request", extra={"fields": {
                     "method": scope["method"], "path": scope["path"],
                     "query": scope.get("query_string", b"").decode("latin-1"), "status": status,

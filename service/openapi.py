@@ -15,7 +15,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-PROBLEM_JSON = "application/problem+json"
+from .problems import PROBLEM_JSON
+
 #: where /docs finds Swagger UI's script and style
 DOCS_ASSETS = "/docs/assets"
 PROBLEM_SCHEMA: dict[str, Any] = {

@@ -2,14 +2,18 @@
 
 Routes and use cases raise typed failures and never build problems themselves: :func:`problem_of` turns one into
 its problem (status and type from :data:`~captioner.service.errors.PROBLEM_TYPES`, ``Retry-After`` and per-field
-``errors`` from the exception), and :func:`install_problem_handlers` answers every error that way.
+``errors`` from the exception), and :func:`install_problem_handlers` answers every error that way.  The middlewares
+that answer before a route runs (API keys, the shutdown drain) send theirs with :func:`send_problem`; every body is
+made by :func:`problem_body`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,17 +25,28 @@ from .errors import PROBLEM_TYPES, problem_type
 PROBLEM_JSON = "application/problem+json"
 
 
-class Problem(Exception):
-    """Raise anywhere in a route to answer with a problem document."""
+def default_kind(status: int) -> str:
+    """The problem type of a status no failure names: its reason phrase (``/problems/method-not-allowed``)."""
+    return HTTPStatus(status).phrase.lower().replace(" ", "-")
 
-    def __init__(self, status: int, detail: str, *, title: str | None = None, kind: str | None = None,
-                 headers: dict[str, str] | None = None, **extra: Any):
-        super().__init__(detail)
-        self.status, self.detail = status, detail
-        self.title = title or HTTPStatus(status).phrase
-        self.kind = kind or HTTPStatus(status).phrase.lower().replace(" ", "-")
-        self.headers = headers or {}
-        self.extra = extra
+
+def problem_body(status: int, detail: str, instance: str, title: str | None = None, kind: str | None = None,
+                 **extra: Any) -> dict[str, Any]:
+    """The RFC 9457 document: ``type``, ``title``, ``status``, ``detail``, ``instance`` (the request path)."""
+    return {"type": f"/problems/{kind or default_kind(status)}", "title": title or HTTPStatus(status).phrase,
+            "status": status, "detail": detail, "instance": instance, **extra}
+
+
+@dataclass
+class Problem:
+    """What a failure is answered with (:func:`problem_of`)."""
+
+    status: int
+    detail: str
+    title: str | None = None
+    kind: str | None = None
+    headers: dict[str, str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def problem_of(exc: Exception) -> Problem:
@@ -40,16 +55,23 @@ def problem_of(exc: Exception) -> Problem:
     retry_after = getattr(exc, "retry_after_s", None)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     errors = getattr(exc, "errors", None)
-    return Problem(status, str(exc), title=getattr(exc, "title", None), kind=kind, headers=headers,
-                   **({"errors": errors} if errors else {}))
+    return Problem(status, str(exc), getattr(exc, "title", None), kind, headers, {"errors": errors} if errors else {})
 
 
 def problem_response(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
                      headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    body = {"type": f"/problems/{kind or HTTPStatus(status).phrase.lower().replace(' ', '-')}",
-            "title": title or HTTPStatus(status).phrase, "status": status, "detail": detail,
-            "instance": request.url.path, **extra}
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+    return JSONResponse(problem_body(status, detail, request.url.path, title, kind, **extra), status_code=status,
+                        media_type=PROBLEM_JSON, headers=headers)
+
+
+async def send_problem(scope: dict, send: Callable[[dict], Awaitable[None]], status: int, detail: str, *,
+                       kind: str | None = None, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """Answer with a problem document from an ASGI middleware, before (or instead of) the app."""
+    body = json.dumps(problem_body(status, detail, scope["path"], kind=kind)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, str], None] | None = None) -> None:
@@ -58,12 +80,8 @@ def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, s
     def answer(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
                headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
         if on_problem is not None:
-            on_problem(request, status, kind or HTTPStatus(status).phrase.lower().replace(" ", "-"))
+            on_problem(request, status, kind or default_kind(status))
         return problem_response(request, status, detail, title, kind, headers, **extra)
-
-    @app.exception_handler(Problem)
-    async def _problem(request: Request, exc: Problem) -> JSONResponse:
-        return answer(request, exc.status, exc.detail, exc.title, exc.kind, exc.headers, **exc.extra)
 
     async def _typed(request: Request, exc: Exception) -> JSONResponse:
         problem = problem_of(exc)

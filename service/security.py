@@ -19,12 +19,12 @@
 from __future__ import annotations
 
 import hmac
-import json
 from typing import Any, Iterable
 
 from starlette.middleware.cors import CORSMiddleware
 
-PROBLEM_JSON = "application/problem+json"
+from .problems import send_problem
+
 #: path prefixes that need a key when keys are configured (everything that runs a model or returns a result)
 PROTECTED_PREFIXES = ("/caption",)  # /caption, /caption/overlay and /captions/{id}[/overlay]
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
@@ -67,18 +67,7 @@ class ApiKeyMiddleware:
             detail, challenge = "the API key is not valid", 'Bearer error="invalid_token"'
         else:
             detail, challenge = "this endpoint needs an API key: send `Authorization: Bearer <key>`", "Bearer"
-        await _send_problem(scope, send, 401, "Unauthorized", "unauthorized", detail,
-                            [(b"www-authenticate", challenge.encode())])
-
-
-async def _send_problem(scope: dict, send: Any, status: int, title: str, kind: str, detail: str,
-                        headers: list[tuple[bytes, bytes]]) -> None:
-    body = json.dumps({"type": f"/problems/{kind}", "title": title, "status": status, "detail": detail,
-                       "instance": scope["path"]}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": body})
+        await send_problem(scope, send, 401, detail, headers=[(b"www-authenticate", challenge.encode())])
 
 
 class SecurityHeadersMiddleware:
