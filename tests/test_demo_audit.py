@@ -49,7 +49,8 @@ def tiny_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo-audit-weights")
     save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
     server = ServerProcess(root, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
-                                  "CAPTIONER_WARMUP": "false", "CAPTIONER_BACKEND": "torch"},
+                                  "CAPTIONER_WARMUP": "false", "CAPTIONER_BACKEND": "torch",
+                                  "CAPTIONER_DEFAULT_BEAM_SIZE": "2", "CAPTIONER_MAX_BEAM_SIZE": "12"},
                            tmp_path_factory.mktemp("demo-audit-log") / "server.log")
     try:
         yield server.wait_ready(timeout_s=120).url
@@ -309,3 +310,23 @@ def test_a_beam_size_the_box_rejects_leaves_the_caption_on_screen(captioned):
     assert page.locator("#status").inner_text().startswith("Not sent: the beam size must be")
     assert [w.inner_text() for w in page.locator("#caption .word").all()] == words
     assert not page.evaluate("() => document.getElementById('result').hidden")
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_page_uses_the_services_beam_settings(tiny_server):
+    """The box started at 3 with a maximum of 10, whatever CAPTIONER_DEFAULT_BEAM_SIZE and CAPTIONER_MAX_BEAM_SIZE
+    said: every caption was sent with beam_size=3, and a wider beam the service allows could not be chosen."""
+    def answer(response) -> bool:
+        return response.request.method == "POST" and "/caption?" in response.url
+
+    with page_of(tiny_server) as page:
+        with page.expect_response(answer, timeout=30_000) as first:
+            page.set_input_files("#file", files=[{"name": "a.png", "mimeType": "image/png",
+                                                  "buffer": image_bytes((160, 120), "PNG")}])
+        assert "beam_size" not in first.value.url and first.value.json()["beam_size"] == 2  # the service's default
+        page.wait_for_selector("#caption .word", timeout=30_000)
+        with page.expect_response(answer, timeout=30_000) as wide:
+            page.fill("#beam", "11")
+            page.locator("#beam").dispatch_event("change")
+        assert wide.value.json()["beam_size"] == 11

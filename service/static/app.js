@@ -103,12 +103,13 @@ function sizePhoto() {
   photo.style.width = side > 0 && side < MIN_SIDE ? `${(photo.naturalWidth * MIN_SIDE) / side}px` : "";
 }
 
-// The beam box as a number, null when empty (the service's default); a value the box itself rejects is refused here.
+// The beam box as a number, null when empty (the service's default, CAPTIONER_DEFAULT_BEAM_SIZE); a value the box
+// itself rejects is refused here, and one above the service's maximum by the service, whose answer names it.
 function beamSize() {
   const box = $("beam");
   if (box.value === "" && box.validity.valid) return null;
   if (!box.validity.valid || !Number.isInteger(box.valueAsNumber)) {
-    throw new Error(`the beam size must be a whole number from ${box.min} to ${box.max}, or empty for the default`);
+    throw new Error(`the beam size must be a whole number from ${box.min} up, or empty for the default`);
   }
   return box.valueAsNumber;
 }
