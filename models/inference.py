@@ -37,7 +37,7 @@ from .data.datasets import trained_on
 from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
-from .rendering.heatmaps import default_mode
+from .rendering.heatmaps import MODES, default_mode
 from .vocab import EOS
 
 
@@ -101,6 +101,7 @@ class ModelInfo:
     trained_on: str = ""  # the data set the checkpoint was trained on (its card cites it)
     decoding: dict = field(default_factory=dict)  # the request defaults of its decoding rules (DecodingRules' fields)
     providers: list[str] | None = None
+    heatmap_modes: list[str] = field(default_factory=list)  # the modes its captions' attention can be drawn in
 
 
 def padded_batch(size: int) -> int:
@@ -155,7 +156,10 @@ class Runtime(ABC):
                          vocab_size=len(self.ckpt.vocab), checksum=f"sha256:{self.ckpt.checksum}",
                          encoder=self._public_spec().to_json(), parameters=sum(p.numel() for p in model.parameters()),
                          device=str(self.device), backend=self.backend, trained_on=trained_on(self.ckpt.meta),
-                         decoding=dataclasses.asdict(self.default_rules))
+                         decoding=dataclasses.asdict(self.default_rules),
+                         # a photo is captioned on the grid (a region model cannot caption one): every mode draws
+                         # it, and area_topk the areas of a model that attends over them
+                         heatmap_modes=[m for m in MODES if m != "area_topk" or self.reports_areas])
 
     def _public_spec(self) -> EncoderSpec:
         """The spec as its checkpoint records it: files inside the checkpoint folder by name, not by this server's

@@ -205,6 +205,8 @@ class ModelOut(BaseModel):
     decoding: dict[str, Any] = Field(default_factory=dict, description="the decoding options a request gets unless "
                                      "it names its own (length_penalty, block_trigrams), chosen on validation data")
     providers: list[str] | None = Field(None, description="ONNX Runtime execution providers, in priority order")
+    heatmap_modes: list[str] = Field(default_factory=list, description="the overlay modes its captions can be drawn "
+                                     "in (area_topk: models with decoder area attention only)")
     default: bool = False
 
     @classmethod

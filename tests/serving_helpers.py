@@ -234,6 +234,15 @@ def assert_every_architecture_round_trips(folder: Path, image: bytes, device: st
     with TestClient(create_app(Settings(weights_dir=folder, default_model="sat", device=device))) as client:
         listed = client.get("/models").json()
         assert sorted(m["architecture"] for m in listed) == sorted(available())
+        # the overlay modes each can be drawn in: area_topk where the model attends over areas, as the overlay says
+        for m in listed:
+            areas = "area_topk" in m["heatmap_modes"]
+            assert set(m["heatmap_modes"]) - {"area_topk"} == {"grid_smooth", "grid_blocks", "region_sum",
+                                                                "top1_box"}, m["name"]
+            refused = client.post("/caption/overlay", params={"model": m["name"], "mode": "area_topk", "token": 0,
+                                                             "max_len": 2, "beam_size": 1},
+                                  files={"file": ("image.jpg", image, "image/jpeg")})
+            assert (refused.status_code == 200) == areas, (m["name"], refused.text)
         if device != "auto":
             assert all(m["device"].startswith(device) for m in listed), listed
         for arch in available():

@@ -330,3 +330,14 @@ def test_the_page_uses_the_services_beam_settings(tiny_server):
             page.fill("#beam", "11")
             page.locator("#beam").dispatch_event("change")
         assert wide.value.json()["beam_size"] == 11
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_page_offers_the_modes_the_model_can_draw(tiny_server):
+    """The page offers what /models says the model can draw (heatmap_modes): a SAT has no areas to draw in
+    area_topk (the page used to guess that from the attention kind's name)."""
+    with page_of(tiny_server) as page:
+        offered = page.evaluate("() => [...document.getElementById('mode').options].filter(o => !o.disabled)"
+                                ".map(o => o.value)")
+    assert offered == ["", "grid_smooth", "grid_blocks", "region_sum", "top1_box"]

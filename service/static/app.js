@@ -9,8 +9,7 @@ let lastFile = null; // captioned again when the model or the beam size changes
 // the current caption's heatmaps by "token:mode": {promise, url}, url (an object URL) once it has arrived; one
 // request per heatmap, however many events (mouseenter, focus, click) ask for it while it is on its way
 const overlays = new Map();
-const models = new Map();    // name → its /models entry (which heatmap modes it can draw)
-const AREA_MODES = ["area_topk"];  // need an area-attention model
+const models = new Map();    // name → its /models entry (heatmap_modes: the modes it can draw)
 const MIN_SIDE = 256;  // a smaller image is shown enlarged to this longer side, its heatmap with it
 
 function setStatus(text, isError = false) {
@@ -58,12 +57,11 @@ async function loadModels() {
   setTimeout(loadModels, MODELS_RETRY_S * 1000);
 }
 
-// Box modes that only an area-attention model can draw are not offered for the others.
+// The modes the chosen model cannot draw (area_topk, without area attention) are not offered; "" is its default.
 function offerModes() {
-  const model = models.get($("model").value);
-  const areas = !!model && model.attention_kind.includes("area");
+  const drawable = models.get($("model").value)?.heatmap_modes ?? [];
   for (const option of $("mode").options) {
-    option.disabled = AREA_MODES.includes(option.value) && !areas;
+    option.disabled = option.value !== "" && !drawable.includes(option.value);
   }
   if ($("mode").selectedOptions[0]?.disabled) $("mode").value = "";
 }
