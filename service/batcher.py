@@ -477,7 +477,6 @@ class Batcher:
         now = self.clock()
         for job in admitted:
             self.metrics.observe_queue(self.runtime.name, now - job.enqueued)
-            job.admitted = now
         # encoded in chunks of the measured best size: by the encoder thread, joining the tables as they are
         # done, or here, all of them joining at this boundary
         for start in range(0, len(admitted), self.encode_batch):

@@ -79,6 +79,11 @@ def ensure_ready(state: ServiceState) -> None:
         raise NotReady("the service is starting or shutting down")
 
 
+def search_size(settings: Settings, options: CaptionOptions) -> tuple[int, int]:
+    """The beam width and caption length a request asks for, the service's defaults where it names none."""
+    return options.beam_size or settings.default_beam_size, options.max_len or settings.default_max_len
+
+
 def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: float) -> None:
     """Before a request's body is read: 503 while not ready and, when its options name its model and the body
     cannot change them, 429 if that model's batcher would refuse it now — under overload, reading and parsing the
@@ -90,9 +95,9 @@ def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: f
         settings = state.settings
         with batcher_errors(settings):
             # out-of-range options are refused later, with a 422 naming them
-            batcher.check_admission(remaining_s(settings, arrived),
-                                    min(options.beam_size or settings.default_beam_size, settings.max_beam_size),
-                                    min(options.max_len or settings.default_max_len, settings.max_max_len))
+            beam, length = search_size(settings, options)
+            batcher.check_admission(remaining_s(settings, arrived), min(beam, settings.max_beam_size),
+                                    min(length, settings.max_max_len))
 
 
 def pick_model(state: ServiceState, name: str | None) -> str:
@@ -158,14 +163,12 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
     ensure_ready(state)
     name = pick_model(state, options.model)
     check(state.runtimes[name])
-    beam = options.beam_size or settings.default_beam_size
-    length = options.max_len or settings.default_max_len
-    if beam > settings.max_beam_size:
-        raise InvalidRequest(f"beam_size {beam} is above the limit of {settings.max_beam_size}",
-                             [{"loc": ["beam_size"], "msg": f"above the limit of {settings.max_beam_size}"}])
-    if length > settings.max_max_len:
-        raise InvalidRequest(f"max_len {length} is above the limit of {settings.max_max_len}",
-                             [{"loc": ["max_len"], "msg": f"above the limit of {settings.max_max_len}"}])
+    beam, length = search_size(settings, options)
+    limits = (("beam_size", beam, settings.max_beam_size), ("max_len", length, settings.max_max_len))
+    for option, value, limit in limits:
+        if value > limit:
+            raise InvalidRequest(f"{option} {value} is above the limit of {limit}",
+                                 [{"loc": [option], "msg": f"above the limit of {limit}"}])
     rules = decoding_rules(state.runtimes[name], options)
     cache, key = state.result_cache, None
     if cache is not None and cache.enabled:

@@ -35,7 +35,6 @@ class Job:
     loop: asyncio.AbstractEventLoop = field(repr=False)
     future: asyncio.Future = field(repr=False)
     enqueued: float = field(default_factory=time.monotonic)
-    admitted: float | None = None  # clock value when its rows joined a table
     cancelled: bool = False  # set from the event loop; read by the worker at step boundaries
     cancel_reason: str = "cancelled"  # label of the freed rows: "cancelled" (client gone) or "deadline"
     steps: int = 0

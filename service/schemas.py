@@ -111,7 +111,8 @@ class PackedRows(BaseModel):
     rounded to float16 (about 3 significant digits; exact zeros stay zero)."""
 
     encoding: Literal["float16-base64"] = "float16-base64"
-    shape: list[int] = Field(description="(rows, columns): one row per token, one column per visual item")
+    shape: list[int] = Field(description="one row per token, then the map's own dimensions: a column per visual "
+                             "item, or (AoANet's heads) a head and a visual item")
     data: str = Field(description="base64 of the little-endian float16 values, row-major")
 
 

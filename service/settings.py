@@ -81,7 +81,7 @@ class Settings(BaseSettings):
                                 "so that a client never sends a request on a connection the server is closing")
 
     # -- results, logs, binding ---------------------------------------------------------------------------------
-    results_cache_bytes: int = Field(256 * 1024 * 1024, description="uploads kept for re-rendering overlays")
+    results_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, description="uploads kept for re-rendering overlays")
     results_max_count: int = Field(1000, ge=1, description="caption results kept for the overlay endpoints, at most")
     results_max_age_s: float = Field(3600.0, gt=0, description="seconds a caption result is kept, at most")
     result_cache_entries: int = Field(0, ge=0, description="captions cached by (image SHA-256, model, beam_size, "

@@ -29,8 +29,10 @@ async function failure(response) {
 }
 
 // A server still loading its models (CAPTIONER_LOAD_IN_BACKGROUND) lists none, or none yet answers: the page asks
-// again, as often as /readyz's Retry-After says, until it has a model.
+// again every MODELS_RETRY_S seconds (the Retry-After of the service's 503s) until it has a model.
 const MODELS_RETRY_S = 5;
+// the longer side of the photo and of its overlays as the page shows them: the two must match, pixel for pixel
+const SHOWN_SIDE = 1024;
 
 async function loadModels() {
   let problem;
@@ -91,7 +93,7 @@ function photoFallback() {
   const photo = $("photo");
   if (!current || !photo.complete || photo.naturalWidth > 0 || photo.dataset.fallback) return;
   photo.dataset.fallback = "yes";
-  photo.src = `/captions/${current.id}/overlay?${new URLSearchParams({ token: 0, format: "png", alpha: 0, max_side: 1024 })}`;
+  photo.src = `/captions/${current.id}/overlay?${new URLSearchParams({ token: 0, format: "png", alpha: 0, max_side: SHOWN_SIDE })}`;
 }
 
 // A tiny image is enlarged (keeping its shape) so that its heatmaps can be seen; the heatmap covers the photo's box.
@@ -205,7 +207,7 @@ async function captionSample(name) {
 function heatmap(shown, index, mode) {
   const key = `${index}:${mode}`;
   if (!overlays.has(key)) {
-    const params = new URLSearchParams({ token: index, format: "png", max_side: 1024 });
+    const params = new URLSearchParams({ token: index, format: "png", max_side: SHOWN_SIDE });
     if (mode) params.set("mode", mode);
     const entry = { url: null };
     entry.promise = fetch(`/captions/${shown.id}/overlay?${params}`)
