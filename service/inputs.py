@@ -136,7 +136,12 @@ def merge_form_options(query: CaptionOptions, form: CaptionOptions) -> CaptionOp
             {"loc": ["query", n], "msg": f"conflicts with form field {n}={getattr(form, n)!r}"},
             {"loc": ["body", n], "msg": f"conflicts with query parameter {n}={getattr(query, n)!r}"})]
         raise InvalidRequest(f"conflicting values: {described} (give each option once, or the same value)", errors)
-    return CaptionOptions(**{name: getattr(form, name) if getattr(form, name) is not None else getattr(query, name)
+    return overlaid(query, form)
+
+
+def overlaid(base: CaptionOptions, over: CaptionOptions) -> CaptionOptions:
+    """``over``'s options where it gives them, ``base``'s where it does not."""
+    return CaptionOptions(**{name: getattr(over, name) if getattr(over, name) is not None else getattr(base, name)
                              for name in CAPTION_OPTIONS})
 
 
@@ -228,10 +233,7 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
         except (binascii.Error, ValueError):
             raise InvalidImage("`image` is not valid base64") from None
         checked_image(data, limit)
-        # JSON options override the query parameters
-        options = CaptionOptions(**{name: getattr(parsed, name) if getattr(parsed, name) is not None
-                                    else getattr(query, name) for name in CAPTION_OPTIONS})
-        return CaptionRequest(data, options)
+        return CaptionRequest(data, overlaid(query, parsed))  # JSON options override the query parameters
     if content_type.startswith("image/") or content_type == "application/octet-stream":
         return CaptionRequest(checked_image(await read_body(request, limit), limit), query)
     if not content_type:
