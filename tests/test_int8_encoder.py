@@ -86,3 +86,9 @@ def test_eval_scores_the_int8_cnn(tmp_path, int8_files, capsys):
     caches = sorted(p.name for p in (tmp_path / "features").iterdir())
     assert len(caches) == 2 and sum(c.startswith("onnx-int8-") for c in caches) == 1
     assert np.isfinite(reports["int8"]["test"]["CIDEr-D"])
+    # and the captions were made from the int8 CNN's features: close to the float ones, not the same
+    float_cache, int8_cache = (next((tmp_path / "features" / c).rglob("shard-*.npy")) for c in
+                               sorted(caches, key=lambda c: c.startswith("onnx-int8-")))
+    full, quantized = (torch.from_numpy(np.load(p)).flatten(1).float() for p in (float_cache, int8_cache))
+    assert not torch.equal(full, quantized)
+    assert torch.nn.functional.cosine_similarity(full, quantized).min() > 0.98

@@ -95,7 +95,8 @@ def test_cli_generates_and_eval_scores_objects_named_and_grounding(tmp_path):
     report = json.loads(report_path.read_text())["ood"]
     assert report["images"] == 3 and 0.0 <= report["objects_named"] <= 1.0
     rows = report["grounding"]["rows"]
-    assert {r["control"] for r in rows} <= {"model", "uniform", "other image"}
+    # every control is there (a subset test let an empty table pass, and the uniform check below never run)
+    assert {r["control"] for r in rows} == {"model", "uniform", "other image"}
     for row in rows:
         assert 0.0 <= row["mass"]["mean"] <= 1.0 and row["mass"]["ci95"][0] <= row["mass"]["mean"]
         if row["control"] == "uniform":
