@@ -273,8 +273,7 @@ class TorchRuntime(Runtime):
 
     @in_inference_mode
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:
-        """Same order of operations as :func:`captioner.models.decoding.beam_search`: encode, expand, then
-        init_state."""
+        """The order of :func:`captioner.models.decoding.beam_search`: encode, expand, then init_state."""
         with self._autocast():
             feats = self.grid_features(batch)
             model = self.ckpt.model

@@ -495,8 +495,9 @@ def _choose_vocab(cfg: TrainConfig, saved: dict[str, Any] | None, init: Checkpoi
     return data_vocab()
 
 
-def _restore(saved: dict[str, Any], cfg: TrainConfig, run_dir: Path, ctx, model: Captioner, tail: EncoderTail | None,
-             optimizer: torch.optim.Optimizer, scaler) -> Progress:
+def _restore(saved: dict[str, Any], cfg: TrainConfig, run_dir: Path, ctx: DistContext, model: Captioner,
+             tail: EncoderTail | None, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler | None) -> Progress:
     """Put a saved state back: the weights (the tuned encoder stages' too), the optimiser, the random streams and
     the grad scaler; returns where the run is, after saying so."""
     model.load_state_dict(saved["model"])
@@ -521,8 +522,8 @@ def _restore(saved: dict[str, Any], cfg: TrainConfig, run_dir: Path, ctx, model:
     return progress
 
 
-def _run_meta(cfg: TrainConfig, train_count: int, device: torch.device, ctx, precision, saved: dict[str, Any] | None,
-              init: Checkpoint | None) -> dict[str, Any]:
+def _run_meta(cfg: TrainConfig, train_count: int, device: torch.device, ctx: DistContext, precision: Precision,
+              saved: dict[str, Any] | None, init: Checkpoint | None) -> dict[str, Any]:
     """The record every checkpoint of the run carries: its data (with citation), phase, config, hardware,
     precision and, for a warm start, what it started from."""
     name = dataset_name(cfg.dataset)
