@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 from pydantic import ValidationError
@@ -37,13 +37,20 @@ MULTIPART_SLACK = 64 * 1024
 MAX_FORM_FILES, MAX_FORM_FIELDS = 8, 16
 FORM_PARTS = ("file", *CAPTION_OPTIONS)
 
+def _as_query(name: str) -> Any:
+    """CaptionOptions' field ``name`` as a query parameter: its description and bounds, read off the field."""
+    field = CaptionOptions.model_fields[name]
+    bounds = {bound: getattr(rule, bound) for rule in field.metadata for bound in ("ge", "gt", "le", "lt")
+              if hasattr(rule, bound)}
+    return Query(description=field.description, **bounds)
+
+
 # the options as query parameters (the same names, bounds and meaning as CaptionOptions' fields)
-ModelQuery = Annotated[str | None, Query(description=CaptionOptions.model_fields["model"].description)]
-BeamQuery = Annotated[int | None, Query(ge=1, description=CaptionOptions.model_fields["beam_size"].description)]
-LengthQuery = Annotated[int | None, Query(ge=1, description=CaptionOptions.model_fields["max_len"].description)]
-PenaltyQuery = Annotated[float | None, Query(ge=0.0, le=5.0,
-                                             description=CaptionOptions.model_fields["length_penalty"].description)]
-TrigramQuery = Annotated[bool | None, Query(description=CaptionOptions.model_fields["block_trigrams"].description)]
+ModelQuery = Annotated[str | None, _as_query("model")]
+BeamQuery = Annotated[int | None, _as_query("beam_size")]
+LengthQuery = Annotated[int | None, _as_query("max_len")]
+PenaltyQuery = Annotated[float | None, _as_query("length_penalty")]
+TrigramQuery = Annotated[bool | None, _as_query("block_trigrams")]
 
 
 def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_len: LengthQuery = None,

@@ -158,6 +158,16 @@ def test_openapi_documents_the_form_fields(client):
         assert form["properties"]["file"]["format"] == "binary"
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
+    # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice)
+    from captioner.service.schemas import CaptionOptions
+
+    def bounds(schema: dict) -> list[dict]:
+        return [{k: v for k, v in option.items() if k in ("minimum", "maximum")} for option in schema["anyOf"]]
+
+    fields = CaptionOptions.model_json_schema()["properties"]
+    for parameter in paths["/caption"]["post"]["parameters"]:
+        if parameter["name"] in fields:
+            assert bounds(parameter["schema"]) == bounds(fields[parameter["name"]]), parameter["name"]
     # a render that waits for a slot past the deadline is a 504, with or without a model run before it, and like
     # every error answer it is a problem document (the result route's had no content)
     for path, method in (("/captions/{result_id}/overlay", "get"), ("/caption/overlay", "post"), ("/caption", "post")):
