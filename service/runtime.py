@@ -414,12 +414,10 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
     is a PyTorch autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision``
     ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN).
     The settings are keywords: several are strings, which a call by position could swap in silence."""
-    from captioner.models.export.onnx import ExportUnsupported
-
     device = resolve_device(device_name)
-    backends = backends or {}
     encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
     runtimes: dict[str, Runtime] = {}
+
     def replaced(name: str, winner: Path, loser: Path) -> None:
         log.warning("model %r is %s; %s, named the same, is not served", name, winner, loser)
 
@@ -433,45 +431,50 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
             # a damaged folder is named in one line; anything else may be a bug, so its traceback comes along
             log.error("skipping checkpoint %s: %s", path, exc, exc_info=not isinstance(exc, CheckpointError))
             continue
-        backend = backends.get(name, default_backend)
-        if precision != "float32":
-            if backend not in ("torch", "auto"):
-                log.warning("%s: precision %s runs on PyTorch (the %s backend is float32 only)", name, precision,
-                            backend)
-            backend = "torch"
-        if encoder_precision != "float32" and backend == "torch":
-            log.warning("%s: encoder precision %s applies to the ONNX Runtime CNN; the torch backend keeps float32",
-                        name, encoder_precision)
+        backend = _chosen_backend(name, (backends or {}).get(name, default_backend), precision, encoder_precision)
         if backend == "auto":
-            runtimes[name] = fastest_verified(name, ckpt, encoders, threads)
-            log.info("loaded %s (%s) from %s: %s backend on %s", name, ckpt.model.arch, path, runtimes[name].backend,
-                     device)
-            continue
-        if backend == "hybrid":
-            try:
-                runtimes[name] = HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device)
-                continue
-            except ExportUnsupported as exc:
-                log.error("%s: its visual encoder cannot run on ONNX Runtime (%s); serving it with PyTorch", name, exc)
-            except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see above)
-                log.error("%s: ONNX Runtime failed to load its visual encoder; serving it with PyTorch", name,
-                          exc_info=True)
-        if backend == "onnx":
-            try:
-                runtimes[name] = OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
-                                             encoders.onnx(ckpt.encoder))
-                drop_torch_weights(runtimes[name])
-                log.info("loaded %s (%s) from %s on ONNX Runtime %s", name, ckpt.model.arch, path,
-                         runtimes[name].providers[0])
-                continue
-            except (ExportUnsupported, NoCudaProvider) as exc:
-                log.error("%s cannot run on ONNX Runtime (%s); serving it with PyTorch on %s", name, exc, device)
-            except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see above)
-                log.error("%s: ONNX Runtime failed to load it; serving it with PyTorch on %s", name, device,
-                          exc_info=True)
-        runtimes[name] = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
-        log.info("loaded %s (%s) from %s on %s (%s)", name, ckpt.model.arch, path, device, precision)
+            runtime = fastest_verified(name, ckpt, encoders, threads)
+        else:
+            runtime = _on_onnx_runtime(name, ckpt, backend, encoders, threads) if backend != "torch" else None
+            runtime = runtime or TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
+        runtimes[name] = runtime
+        log.info("loaded %s (%s) from %s: %s backend on %s (%s)", name, ckpt.model.arch, path, runtime.backend, device,
+                 ", ".join(getattr(runtime, "providers", None) or [precision]))
     return runtimes
+
+
+def _chosen_backend(name: str, asked: str, precision: str, encoder_precision: str) -> str:
+    """The backend ``name`` runs on: the one asked for, except that an autocast ``precision`` runs on PyTorch; a
+    setting that cannot apply is said in the log."""
+    if precision != "float32":
+        if asked not in ("torch", "auto"):
+            log.warning("%s: precision %s runs on PyTorch (the %s backend is float32 only)", name, precision, asked)
+        asked = "torch"
+    if encoder_precision != "float32" and asked == "torch":
+        log.warning("%s: encoder precision %s applies to the ONNX Runtime CNN; the torch backend keeps float32",
+                    name, encoder_precision)
+    return asked
+
+
+def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: SharedEncoders,
+                     threads: int | None) -> Runtime | None:
+    """``ckpt`` on ONNX Runtime (``hybrid``: its CNN only, the decoder on PyTorch), or None, with the reason in the
+    log, where it cannot run there: the caller serves it with PyTorch."""
+    from captioner.models.export.onnx import ExportUnsupported
+
+    part = "its visual encoder" if backend == "hybrid" else "it"
+    try:
+        if backend == "hybrid":
+            return HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), encoders.device)
+        runtime = OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), encoders.device, threads,
+                              encoders.onnx(ckpt.encoder))
+        drop_torch_weights(runtime)
+        return runtime
+    except (ExportUnsupported, NoCudaProvider) as exc:
+        log.error("%s: ONNX Runtime cannot run %s (%s); serving it with PyTorch", name, part, exc)
+    except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see above)
+        log.error("%s: ONNX Runtime failed to load %s; serving it with PyTorch", name, part, exc_info=True)
+    return None
 
 
 def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
