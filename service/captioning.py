@@ -159,7 +159,7 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
     (the request's arrival, ``time.monotonic()``; default: now).  ``check`` may refuse the request, given the
     runtime of the model it names, before that model runs."""
     started = time.monotonic() if arrived is None else arrived
-    settings, metrics, options = state.settings, state.metrics, request.options
+    settings, options = state.settings, request.options
     ensure_ready(state)
     name = pick_model(state, options.model)
     check(state.runtimes[name])
@@ -174,24 +174,30 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
     if cache is not None and cache.enabled:
         key = CacheKey(await run_in_threadpool(content_digest, request.data), name, beam, length, rules)
         cached = cache.get(key)
-        metrics.result_cache_lookup(name, cached is not None)
+        state.metrics.result_cache_lookup(name, cached is not None)
         if cached is not None:  # decoding is deterministic: the same bytes and options give this result
             return cached
-    batcher = state.batchers[name]
+    result = await _run_model(state, name, request.data, beam, length, rules, started)
+    if key is not None:
+        cache.put(key, result)
+    return result
+
+
+async def _run_model(state: ServiceState, name: str, data: bytes, beam: int, length: int, rules: DecodingRules,
+                     started: float) -> CaptionResult:
+    """The upload through model ``name``: admission, the image decoded in a work slot, then its rows in the batcher,
+    all within the deadline counted from ``started``."""
+    settings, batcher = state.settings, state.batchers[name]
     with batcher_errors(settings):
         # a request the batcher would refuse is refused before its image is decoded (under overload that
         # decoding is CPU time taken from the admitted requests)
         batcher.check_admission(remaining_s(settings, started), beam, length)
     with slot_deadline(settings, "the upload waited to be decoded"):
-        prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], request.data,
-                                                settings.max_pixels, cost=image_pixels(request.data),
-                                                timeout=remaining_s(settings, started))
+        prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], data, settings.max_pixels,
+                                                cost=image_pixels(data), timeout=remaining_s(settings, started))
     remaining = remaining_s(settings, started)
     if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
         raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "
                              "began (reading and decoding the upload took it)")
     with batcher_errors(settings):
-        result = await batcher.caption(prepared, beam, length, remaining, rules)
-    if key is not None:
-        cache.put(key, result)
-    return result
+        return await batcher.caption(prepared, beam, length, remaining, rules)
