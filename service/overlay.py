@@ -7,6 +7,7 @@ only translate HTTP ↔ the use cases (``captioning.py``, ``rendering.py``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -48,10 +49,11 @@ def _format(format: Format | None, token: int | None) -> Format:
 async def _respond(request: Request, state: ServiceState, stored: StoredResult, options: RenderOptions,
                    result_id: str) -> Response:
     settings = state.settings
+    options = replace(options, mode=drawn_mode(stored.result, options))  # resolved once: the render and its header
     with slot_deadline(settings, "the overlay waited to be rendered"):
         body = await render_result(stored, options, result_id, state.render_slots,
                                    remaining_s(settings, arrival(request)))
-    headers = {"X-Caption-Id": result_id, "X-Heatmap-Mode": drawn_mode(stored.result, options)}
+    headers = {"X-Caption-Id": result_id, "X-Heatmap-Mode": options.mode}
     if isinstance(body, HeatmapsOut):
         return Response(body.model_dump_json(), media_type="application/json", headers=headers)
     return Response(body, media_type="image/png", headers=headers)

@@ -147,13 +147,15 @@ def key_values(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+IMAGE_ROOT_HELP = "folder the data set's image paths are relative to (default: where its layout puts them)"
+
+
 def add_dataset_options(parser: argparse.ArgumentParser, *, dataset_help: str | None = None,
                         image_root_help: str | None = None) -> None:
     """``--dataset`` (default: the generated scenes) and ``--image-root``, as every command that reads a split has."""
     parser.add_argument("--dataset", default=DEFAULT_DATA,
                         help=dataset_help or f"{DATASET_FORMATS} (default: {DEFAULT_DATA})")
-    parser.add_argument("--image-root", help=image_root_help or "folder the data set's image paths are relative to "
-                        "(default: where its layout puts them)")
+    parser.add_argument("--image-root", help=image_root_help or IMAGE_ROOT_HELP)
 
 
 def add_cache_option(parser: argparse.ArgumentParser) -> None:

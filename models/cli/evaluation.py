@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..data.datasets import DATASET_FORMATS
-from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, CommandGroup, add_cache_option, add_dataset_options,
-                     add_device_options, add_search_options, checkpoint_label, count, decoding_rules, load_split,
-                     load_training_captions, output_file, positive_int, refuse_input_as_output)
+from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
+                     add_dataset_options, add_device_options, add_search_options, checkpoint_label, count,
+                     decoding_rules, load_split, load_training_captions, output_file, positive_int,
+                     refuse_input_as_output)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -146,8 +147,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("checkpoint", help="checkpoint folder")
     ev.add_argument("--dataset", help=f"{DATASET_FORMATS} (default: {DEFAULT_DATA}; with --grounding "
                     "entities:DIR, the data set the checkpoint was trained on)")
-    ev.add_argument("--image-root", help="folder the data set's image paths are relative to (default: where its "
-                    "layout puts them)")
+    ev.add_argument("--image-root", help=IMAGE_ROOT_HELP)
     ev.add_argument("--split", action="append", help="split(s) to score (default: test)")
     add_search_options(ev)
     ev.add_argument("--limit", type=positive_int, help="score only the first N images of each split")
@@ -356,7 +356,7 @@ def _add_zoo_f8k(sub: argparse._SubParsersAction) -> None:
     zf.add_argument("--baseline", default="sat", help="checkpoint the others are compared with")
     zf.add_argument("--dataset", help="the data set whose references the captions are scored against: "
                     f"{DATASET_FORMATS} (needed once a report exists)")
-    zf.add_argument("--image-root", help="folder the data set's image paths are relative to")
+    zf.add_argument("--image-root", help=IMAGE_ROOT_HELP)
     zf.add_argument("--split", default="test", help="split the reports and captions describe (default test)")
     zf.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
     zf.set_defaults(func=cmd_zoo_f8k)

@@ -333,22 +333,21 @@ PREFIXED_PATH_OPTIONS = ("features", "attention_supervision")
 def _read_from(saved: dict[str, Any], announce: bool) -> dict[str, Any]:
     """The saved run's config with its relative paths read from the folder the run was started in, when this
     process runs elsewhere (``--resume`` from another folder finds the data, cache and ``--init`` the run found)."""
-    started_in = saved.get("working_dir")
+    started_in, config = saved.get("working_dir"), saved["config"]
     if not started_in or Path(started_in).resolve() == Path.cwd().resolve():
-        return saved["config"]
-    cfg = TrainConfig.from_json(saved["config"])
+        return config
 
     def rebased(path: str) -> str:
         return path if os.path.isabs(path) else os.path.join(started_in, path)
 
-    changes = {name: rebased(getattr(cfg, name)) for name in PATH_OPTIONS if getattr(cfg, name)}
+    changes = {name: rebased(config[name]) for name in PATH_OPTIONS if config.get(name)}
     for name in PREFIXED_PATH_OPTIONS:
-        kind, colon, where = (getattr(cfg, name) or "").partition(":")
+        kind, colon, where = (config.get(name) or "").partition(":")
         if where:
             changes[name] = f"{kind}{colon}{rebased(where)}"
     if announce:
         print(f"the run was started in {started_in}: its relative paths are read from there")
-    return replace(cfg, **changes).to_json()
+    return {**config, **changes}
 
 
 def _merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: int,
