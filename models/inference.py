@@ -150,6 +150,14 @@ class Runtime(ABC):
         return self.ckpt.encoder
 
     def info(self) -> ModelInfo:
+        """What it is and where it runs (``GET /models``), described once: a loaded runtime does not change."""
+        return self._info
+
+    @functools.cached_property
+    def _info(self) -> ModelInfo:
+        return self._describe()
+
+    def _describe(self) -> ModelInfo:
         model = self.ckpt.model
         return ModelInfo(name=self.name, architecture=model.arch, attention_kind=model.attention_kind,
                          attention=model.attention_name,

@@ -192,9 +192,9 @@ def heatmap_file(folder: Path, path: str) -> Path:
 def write_figure(image, result: CaptionResult, out: Path) -> None:
     """The per-word figure (``captioner caption --overlay``'s), written whole or not at all (temporary + rename),
     before its caption line: a line never points at a missing or torn figure."""
-    figure = caption_figure(image, result.tokens, result.hypothesis.attention.numpy(), result.geometry,
-                            result.default_mode, area_boxes=result.area_boxes,
-                            panel_size=FIGURE_PANEL)
+    mode = result.default_mode
+    figure = caption_figure(image, result.tokens, result.drawn_rows(mode), result.geometry, mode,
+                            area_boxes=result.area_boxes, panel_size=FIGURE_PANEL)
     partial = out.with_name(out.name + ".partial")
     figure.save(partial, format="PNG")
     os.replace(partial, out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import signal
 import sys
@@ -50,6 +51,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 ARCHIVE_ONLY = ("resume", "shard", "attention", "heatmaps")
 
 
+def print_json_line(path: str, label: str, result) -> None:
+    """``captioner caption --json``'s line for one image: the record an archive's ``--output --attention`` writes
+    (the path and the service's caption fields), so the two parse alike."""
+    from .archive import caption_record
+
+    print(json.dumps(caption_record(path, result, attention=True), ensure_ascii=False))
+
+
 def cmd_caption(args: argparse.Namespace) -> None:
     """``captioner caption``: the models' command for a few images (printed), or, with ``--output``, the archive
     use case (service/archive.py) for folders and lists of any size."""
@@ -61,7 +70,7 @@ def cmd_caption(args: argparse.Namespace) -> None:
         folders = [path for path in args.images if Path(path).is_dir()]
         if folders:
             raise SystemExit(f"error: {folders[0]} is a folder: caption an archive with --output FILE.jsonl")
-        return caption_files(args)
+        return caption_files(args, show=print_json_line) if args.json else caption_files(args)
     if args.overlay or args.token is not None or args.json:
         raise SystemExit("error: --overlay, --token and --json show a few images; an archive writes --output "
                          "(with --attention or --heatmaps DIR for the attention)")
@@ -97,7 +106,8 @@ def cmd_caption(args: argparse.Namespace) -> None:
           + (f"; {done.skipped} unreadable, listed in {run.errors_file}" if done.skipped else ""), file=sys.stderr)
 
 
-def add_archive_arguments(cap: argparse.ArgumentParser) -> None:
+def add_console_caption_arguments(cap: argparse.ArgumentParser) -> None:
+    """`caption`'s options that the service's code serves: the archive use case and the JSON record."""
     cap.add_argument("--output", metavar="FILE.jsonl",
                      help="caption an archive: IMAGES are folders (walked recursively), image files or text files "
                           "listing image paths one per line; one JSON line per image is appended here, in the order "
@@ -115,6 +125,9 @@ def add_archive_arguments(cap: argparse.ArgumentParser) -> None:
                      help="with --output: write each image's per-word figure here; its line names the file")
     cap.add_argument("--readers", type=positive_int, default=2,
                      help="with --output: threads reading and decoding files")
+    cap.add_argument("--json", action="store_true",
+                     help="print each result as a JSON line, with its attention: the fields of --output --attention's "
+                          "lines (the service's caption fields)")
     cap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                      help="progress bar with images/s on stderr (default: when stderr is a terminal)")
     cap.set_defaults(func=cmd_caption)
@@ -125,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "evaluation and an HTTP service with per-word attention heatmaps.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub)
-    add_archive_arguments(sub.choices["caption"])
+    add_console_caption_arguments(sub.choices["caption"])
     serve = sub.add_parser("serve", help="run the HTTP service (settings from CAPTIONER_* variables; flags win)")
     serve.add_argument("--host", help="bind address (CAPTIONER_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=at_least(1, 65535), help="port (CAPTIONER_PORT, default 8000)")

@@ -126,8 +126,8 @@ class OnnxRuntime(Runtime):
             raise NoCudaProvider(f"ONNX Runtime has no working CUDA execution provider here (providers: "
                                  f"{', '.join(self.providers)}); install onnxruntime-gpu with its CUDA libraries")
 
-    def info(self) -> ModelInfo:
-        return dataclasses.replace(super().info(), providers=list(self.providers))
+    def _describe(self) -> ModelInfo:
+        return dataclasses.replace(super()._describe(), providers=list(self.providers))
 
     def _run(self, session, inputs: dict[str, torch.Tensor], outputs: list[str]) -> list[torch.Tensor]:
         return run_session(session, inputs, outputs, self.device, self.on_gpu)
@@ -200,8 +200,8 @@ class HybridRuntime(TorchRuntime):
         """Whether the CNN runs on ONNX Runtime's CUDA provider (the decoder follows ``device``)."""
         return self.visual.on_gpu
 
-    def info(self) -> ModelInfo:
-        return dataclasses.replace(super().info(), providers=list(self.providers))
+    def _describe(self) -> ModelInfo:
+        return dataclasses.replace(super()._describe(), providers=list(self.providers))
 
     def grid_features(self, batch: list[Prepared]) -> torch.Tensor:
         # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory

@@ -29,6 +29,12 @@ def test_caption_with_overlay_figure_and_single_token(tmp_path):
                      "--json")
     result = json.loads(done.stdout.splitlines()[0])
     assert result["caption"] and len(result["attention"]) == len(result["tokens"])
+    # --json prints the record an archive's --output --attention writes: one format to parse
+    captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--output", str(tmp_path / "o.jsonl"),
+              "--attention")
+    (archived,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert list(result) == list(archived) and result["path"] == archived["path"] == str(photo)
+    assert result["tokens"] == archived["tokens"] and result["model"] == archived["model"]
     assert Image.open(tmp_path / "fig.png").width > 500
     captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(tmp_path / "w.png"),
               "--token", "0", "--mode", "grid_blocks")
@@ -176,8 +182,9 @@ def test_caption_draws_area_topk_from_the_areas_weights(tmp_path):
     drawn = tmp_path / "areas.png"
     captioner("caption", str(photo), "--checkpoint", str(area), "--overlay", str(drawn), "--token", "1", "--mode",
               "area_topk", "--beam-size", "3")
-    (result,) = Pipeline(area)([photo], beam_size=3)
-    expected = overlay(result.image, result.hypothesis.extras["areas"][1].numpy(), result.geometry, "area_topk",
+    image = Image.open(photo).convert("RGB")
+    (result,) = Pipeline(area)([image], beam_size=3)
+    expected = overlay(image, result.hypothesis.extras["areas"][1].numpy(), result.geometry, "area_topk",
                        area_boxes=result.area_boxes)
     assert Image.open(drawn).tobytes() == expected.tobytes()
 

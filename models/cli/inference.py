@@ -8,19 +8,30 @@ import os
 import pickle
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, add_threads_option,
                      checkpoint_labels, decoding_rules, figure_file, refuse_input_as_output, refuse_overwrite)
+
+if TYPE_CHECKING:
+    from ..inference import CaptionResult
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
 register = _group.register
 
 
-def cmd_caption(args: argparse.Namespace) -> None:
-    """Caption images with one checkpoint or several (``--checkpoint`` repeated: a side-by-side comparison)."""
+def print_caption(path: str, label: str, result: CaptionResult) -> None:
+    """``captioner caption``'s line for one image: its path, the checkpoint's label when several are compared, and
+    the caption."""
+    print(f"{path}{label}: {' '.join(result.words)}")
+
+
+def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResult], None] = print_caption) -> None:
+    """Caption images with one checkpoint or several (``--checkpoint`` repeated: a side-by-side comparison).
+    ``show(path, label, result)`` prints each result (the console script's ``--json`` passes its own)."""
     from ..device import resolve_device, set_threads
-    from ..encoder import ImageDecodeError
+    from ..encoder import ImageDecodeError, load_image
     from ..pipeline import Pipeline
     from ..rendering.heatmaps import (FigureRow, RenderError, caption_figure, check_mode, colormap,
                                       comparison_figure, overlay)
@@ -42,25 +53,21 @@ def cmd_caption(args: argparse.Namespace) -> None:
         except RenderError as exc:
             raise SystemExit(f"error: {exc}") from None
     device = resolve_device(args.device)
+    try:  # decoded once: captioned by every checkpoint, and drawn on
+        images = [load_image(path) for path in args.images]
+    except ImageDecodeError as exc:
+        raise SystemExit(f"error: {exc}") from None
     runs = []
     for checkpoint, name in zip(checkpoints, checkpoint_labels(checkpoints)):
         try:
             pipeline = Pipeline(checkpoint, device)
-            results = pipeline(args.images, beam_size=args.beam_size, max_len=args.max_len,
-                               rules=decoding_rules(pipeline.ckpt, args))
-        except (ImageDecodeError, FileNotFoundError) as exc:
+        except FileNotFoundError as exc:
             raise SystemExit(f"error: {exc}") from None
+        results = pipeline(images, beam_size=args.beam_size, max_len=args.max_len,
+                           rules=decoding_rules(pipeline.ckpt, args))
         runs.append((name, results))
         for path, result in zip(args.images, results):
-            hyp = result.hypothesis
-            if args.json:
-                print(json.dumps({"image": str(path), "checkpoint": str(checkpoint), "caption": " ".join(result.words),
-                                  "tokens": result.tokens, "token_logprobs": [round(v, 5) for v in hyp.token_logprobs],
-                                  "geometry": result.geometry.to_json(),
-                                  "attention": [[round(v, 6) for v in row] for row in hyp.attention.tolist()]}))
-            else:
-                label = f" [{name}]" if len(checkpoints) > 1 else ""
-                print(f"{path}{label}: {' '.join(result.words)}")
+            show(str(path), f" [{name}]" if len(checkpoints) > 1 else "", result)
     if not args.overlay:
         return
     try:
@@ -69,17 +76,17 @@ def cmd_caption(args: argparse.Namespace) -> None:
             for name, (r,) in runs:
                 mode = args.mode or r.default_mode
                 rows.append(FigureRow(name, r.tokens, r.drawn_rows(mode), r.geometry, r.area_boxes, mode))
-            picture = comparison_figure(runs[0][1][0].image, rows, args.cmap, args.alpha)
+            picture = comparison_figure(images[0], rows, args.cmap, args.alpha)
         else:
             (result,) = runs[0][1]
             mode = args.mode or result.default_mode
             if args.token is None:
-                picture = caption_figure(result.image, result.tokens, result.drawn_rows(mode), result.geometry, mode,
+                picture = caption_figure(images[0], result.tokens, result.drawn_rows(mode), result.geometry, mode,
                                          args.cmap, args.alpha, area_boxes=result.area_boxes)
             else:
                 if not 0 <= args.token < len(result.tokens):
                     raise RenderError(f"--token {args.token} is out of range (0..{len(result.tokens) - 1})")
-                picture = overlay(result.image, result.drawn_rows(mode)[args.token], result.geometry, mode, args.cmap,
+                picture = overlay(images[0], result.drawn_rows(mode)[args.token], result.geometry, mode, args.cmap,
                                   args.alpha, result.area_boxes)
     except RenderError as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -102,7 +109,6 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--mode", help="grid_smooth, grid_blocks, region_sum, top1_box, area_topk (default: by model)")
     cap.add_argument("--cmap", default="jet", help="matplotlib colormap of the heatmaps (default jet)")
     cap.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
-    cap.add_argument("--json", action="store_true", help="print the full result as JSON lines")
     add_device_options(cap)
     cap.set_defaults(func=cmd_caption)
 
