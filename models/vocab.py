@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,8 +20,11 @@ _NON_WORD = re.compile(r"[^a-z0-9\s]")
 
 
 def tokenize(text: str) -> list[str]:
-    """Lower-case, drop punctuation, split on whitespace."""
-    return _NON_WORD.sub(" ", text.lower()).split()
+    """Lower-case (case-folded: ß → ss), accents dropped (café → cafe, not "caf"), punctuation dropped, split on
+    whitespace."""
+    decomposed = unicodedata.normalize("NFKD", text.casefold())
+    letters = "".join(c for c in decomposed if not unicodedata.combining(c))
+    return _NON_WORD.sub(" ", letters).split()
 
 
 class Vocabulary:

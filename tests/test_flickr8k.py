@@ -4,6 +4,7 @@ holds the real data set, agreement with its Karpathy JSON."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -99,3 +100,90 @@ def test_the_official_files_and_the_karpathy_json_agree_on_the_real_data_set():
     assert all(official[n].image_id == karpathy[n].image_id for n in official)
     same_refs = sum(official[n].references == karpathy[n].references for n in official)
     assert same_refs == 8000, f"{8000 - same_refs} photos' references differ"
+
+
+# The files as a researcher brings them: saved by a Windows editor, still compressed, concatenated twice, a photo
+# in two splits. Each reads right or is refused in one line naming the file and line, never a silently wrong set.
+
+def test_a_byte_order_mark_is_ignored(official):
+    for name in ("Flickr8k.token.txt", "Flickr_8k.trainImages.txt"):
+        (official / name).write_bytes("\ufeff".encode() + (official / name).read_bytes())
+    images = load_flickr(official)
+    # the first photo keeps its caption #0 (it was filed under "\ufeff10_a.jpg") and is found on disk
+    assert images[0].path.name == "10_a.jpg" and len(images[0].references) == 5
+
+
+def test_a_compressed_token_file_or_a_folder_is_named_for_what_it_is(official, tmp_path):
+    token = official / "Flickr8k.token.txt"
+    token.write_bytes(gzip.compress(token.read_bytes()))
+    with pytest.raises(ValueError, match="Flickr8k.token.txt is gzip-compressed: unpack it"):
+        load_flickr(official)
+    folder = tmp_path / "dataset_coco.json"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="dataset_coco.json is a folder, not the data set's file"):
+        resolve_dataset(folder)
+
+
+def test_repeated_captions_and_a_photo_in_two_splits_are_refused_with_their_lines(official):
+    token = official / "Flickr8k.token.txt"
+    text = token.read_text()
+    token.write_text(text + text)  # each photo's first captions would have counted twice
+    with pytest.raises(ValueError, match=r"Flickr8k.token.txt:\d+: 10_a.jpg#4 is already on line 1"):
+        load_flickr(official)
+    token.write_text(text)
+    test_list = official / "Flickr_8k.testImages.txt"
+    test_list.write_text(test_list.read_text() + "10_a.jpg\n")  # a training photo tested on
+    with pytest.raises(ValueError, match=r"testImages.txt:2: 10_a.jpg is already listed at .*trainImages.txt:1"):
+        load_flickr(official)
+
+
+def test_an_empty_split_list_and_a_bad_line_are_named(official):
+    token = official / "Flickr8k.token.txt"
+    text = token.read_text()
+    token.write_text(text + "no tab or number here\n")
+    with pytest.raises(ValueError, match=r"Flickr8k.token.txt:\d+: not a '<image>#<n>"):
+        load_flickr(official)
+    token.write_text(text)
+    (official / "Flickr_8k.trainImages.txt").write_text("")
+    with pytest.raises(ValueError, match="trainImages.txt is empty"):
+        load_flickr(official, splits=("test",))
+
+
+def test_a_listed_photo_without_captions_names_its_list_and_line(official):
+    (official / "Flickr_8k.devImages.txt").write_text("20_c.jpg\n77_none.jpg\n")
+    with pytest.raises(ValueError, match=r"devImages.txt:2: 77_none.jpg is in the val list but has no caption"):
+        load_flickr(official)
+
+
+def test_one_missing_photo_does_not_hide_the_folder_that_holds_the_rest(official):
+    photos = official.parent / "Flicker8k_Dataset"
+    (photos / "10_a.jpg").unlink()  # the first training photo, which alone decided the folder before
+    assert load_flickr(official)[1].path == (photos / "11_b.jpg").resolve()
+    with pytest.raises(FileNotFoundError, match=r"10_a.jpg of .* does not exist"):
+        load_captioned(official)
+
+
+def test_the_folder_holding_both_unpacked_archives_is_read(official):
+    assert resolve_dataset(official.parent) == official / "Flickr8k.token.txt"
+    assert len(load_captioned(official.parent)) == 4
+
+
+def test_an_image_root_that_is_not_a_folder_says_what_it_should_be(official):
+    with pytest.raises(FileNotFoundError, match="--image-root .*token.txt is not a folder: it should be the folder "
+                                                "of the photos themselves"):
+        load_captioned(official, image_root=official / "Flickr8k.token.txt")
+
+
+def test_eval_without_a_dataset_names_the_one_the_checkpoint_was_trained_on(official, tmp_path, monkeypatch,
+                                                                            capsys):
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.service.cli import main
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    trained = save_checkpoint(tmp_path / "trained", tiny_model("sat"), VOCAB, TINY_SPEC,
+                              meta={"train_config": {"dataset": str(official)}})
+    monkeypatch.chdir(tmp_path)  # where the default scene set was never generated
+    with pytest.raises(SystemExit):
+        main(["eval", str(trained)])
+    assert f"was trained on {official}): give --dataset" in capsys.readouterr().err

@@ -80,3 +80,42 @@ def test_an_image_without_a_caption_is_named_when_the_data_is_read(coco_fixture,
     with pytest.raises(ValueError, match=r"image 2 \(COCO_val2014_000000000002.jpg\) has no caption"):
         load_karpathy(coco_fixture, splits=("val",))
     assert len(load_karpathy(coco_fixture, splits=("train",))) == 2  # the other splits' images are still read
+
+
+def test_a_byte_order_mark_is_ignored(coco_fixture):
+    coco_fixture.write_bytes("\ufeff".encode() + coco_fixture.read_bytes())  # as Windows editors save it
+    assert len(load_karpathy(coco_fixture)) == 4
+
+
+def test_tokens_must_be_words_and_follow_the_one_tokenizer(coco_fixture):
+    data = json.loads(coco_fixture.read_text())
+    data["images"][0]["sentences"][1]["tokens"] = ["A", "Man,", ".", "café"]
+    coco_fixture.write_text(json.dumps(data))
+    assert load_karpathy(coco_fixture)[0].references[1] == ["a", "man", "cafe"]
+    data["images"][0]["sentences"][1]["tokens"] = "a dog runs"  # was read letter by letter
+    coco_fixture.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="image 0 is not a Karpathy-split entry .*'tokens' must be a list of words"):
+        load_karpathy(coco_fixture)
+
+
+def test_ids_are_unique_and_restval_is_asked_for_as_train(coco_fixture):
+    with pytest.raises(ValueError, match="'restval' is read as part of 'train'"):
+        load_karpathy(coco_fixture, splits=("restval",))
+    data = json.loads(coco_fixture.read_text())
+    data["images"][3]["imgid"] = 0  # results are keyed by id: two photos would share a caption
+    coco_fixture.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="images 0 and 3 have the same id 0"):
+        load_karpathy(coco_fixture)
+
+
+def test_a_split_the_data_set_lacks_is_named_with_the_ones_it_has(coco_fixture):
+    from captioner.models.cli.common import load_split
+
+    with pytest.raises(SystemExit, match="split 'dev' of .* is empty; its splits are test, train, val"):
+        load_split(coco_fixture, None, "dev")
+
+
+def test_accented_letters_keep_their_word():
+    from captioner.models.vocab import tokenize
+
+    assert tokenize("A café, naïve dog’s Straße") == ["a", "cafe", "naive", "dog", "s", "strasse"]

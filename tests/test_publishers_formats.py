@@ -12,6 +12,7 @@ import pytest
 
 from captioner.models.checkpoint import read_config
 from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
+from captioner.models.data.coco import load_coco
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.training import TrainConfig, train
 from captioner.service.cli import main
@@ -87,7 +88,7 @@ def test_coco_refuses_what_it_does_not_have(coco, tmp_path):
     # away from its photos: the first missing one is named, with the option that fixes it
     moved = tmp_path / "elsewhere"
     shutil.move(coco / "annotations", moved)
-    with pytest.raises(FileNotFoundError, match="train2014.*--image-root DIR; by default the folder holding"):
+    with pytest.raises(FileNotFoundError, match="train2014.*--image-root DIR: the folder holding train2014/"):
         load_captioned(moved)
     assert load_captioned(moved, image_root=coco, splits=("val",))[0].path.is_file()
     # a COCO-format file under another name is not mistaken for Karpathy's JSON
@@ -142,5 +143,24 @@ def test_a_captions_file_in_another_encoding_is_named(coco, flickr30k, scenes, t
     captions.write_bytes(captions.read_bytes().replace(b'"caption": "', b'"caption": "caf\xe9 ', 1))
     for dataset, named in ((karpathy, karpathy), (flickr30k, token), (coco / "annotations" / "captions_val2014.json",
                                                                       captions)):
-        with pytest.raises(ValueError, match=f"{named} is not UTF-8 text .*save it as UTF-8"):
+        with pytest.raises(ValueError, match=f"{named}:\\d+ is not UTF-8 text .*save it as UTF-8"):
             load_captioned(dataset, splits=("val",))
+
+
+def test_entries_missing_a_field_or_repeated_are_named(tmp_path):
+    annotations = tmp_path / "annotations"
+    annotations.mkdir()
+    images = [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": "b.jpg"}]
+    notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": 2, "id": 11, "caption": None}]
+    captions = annotations / "captions_val2014.json"
+    captions.write_text(json.dumps({"images": images, "annotations": notes}))
+    with pytest.raises(ValueError, match="captions_val2014.json: annotation 1 has no str 'caption'"):
+        load_coco(annotations, splits=("val",))  # a null caption was the reference "none"
+    notes[1]["caption"] = "A cat."
+    captions.write_text(json.dumps({"images": images + [images[0]], "annotations": notes}))
+    with pytest.raises(ValueError, match="image 2 repeats the id 1"):
+        load_coco(annotations, splits=("val",))
+    instances = tmp_path / "instances_val2014.json"
+    instances.write_text(json.dumps({"images": images, "annotations": [{"image_id": 1, "id": 3, "bbox": [0, 0, 1]}]}))
+    with pytest.raises(ValueError, match="COCO annotations file without captions"):
+        load_karpathy(instances)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..data.datasets import DATASET_FORMATS
+from ..data.karpathy import DATASET_FORMATS
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
                      add_dataset_options, add_device_options, add_search_options, checkpoint_label, count,
                      decoding_rules, load_split, load_training_captions, output_file, positive_int,
@@ -42,6 +42,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: the data set {args.checkpoint} was trained on, {dataset} (as its training "
                              "named it, relative to the folder it ran in), is not here: give --dataset and "
                              "--image-root")
+    if args.dataset is None and not Path(dataset).exists() and trained_on.get("dataset"):
+        raise SystemExit(f"error: no --dataset given and the default {DEFAULT_DATA} does not exist ({args.checkpoint} "
+                         f"was trained on {trained_on['dataset']}): give --dataset (and --image-root)")
     dataset = resolve_dataset(dataset)
     rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,

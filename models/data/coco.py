@@ -78,19 +78,39 @@ def load_coco(path: str | Path, image_root: str | Path | None = None, splits: tu
     root = Path(image_root) if image_root else (folder.parent if folder.name == "annotations" else folder)
     out = []
     for split in splits or SPLITS:
-        data = _read(folder / f"captions_{split}{year}.json")
+        captions_path = folder / f"captions_{split}{year}.json"
+        data = _read(captions_path)
         texts: dict[int, list[tuple[int, str]]] = defaultdict(list)
-        for note in data["annotations"]:
-            texts[int(note["image_id"])].append((int(note["id"]), str(note["caption"])))
-        for entry in data["images"]:
-            image_id = int(entry["id"])
+        for position, note in enumerate(data["annotations"]):
+            image_id, note_id, caption = _fields(captions_path, "annotation", position, note,
+                                                 ("image_id", int), ("id", int), ("caption", str))
+            texts[image_id].append((note_id, caption))
+        seen: set[int] = set()
+        for position, entry in enumerate(data["images"]):
+            image_id, file_name = _fields(captions_path, "image", position, entry, ("id", int), ("file_name", str))
+            if image_id in seen:  # results are keyed by id: the photo would be trained on or scored twice
+                raise ValueError(f"{captions_path}: image {position} repeats the id {image_id} of an earlier image")
+            seen.add(image_id)
             refs = [tokenize(text) for _, text in sorted(texts.get(image_id, []))]
             refs = [r for r in refs if r][:max_refs]
             if not refs:
-                raise ValueError(f"image {image_id} ({entry['file_name']}) of {folder / f'captions_{split}{year}.json'}"
-                                 " has no caption")
-            out.append(CaptionedImage(image_id, root / f"{split}{year}" / entry["file_name"], split, refs,
-                                      {"filename": entry["file_name"], "cocoid": image_id}))
+                raise ValueError(f"image {image_id} ({file_name}) of {captions_path} has no caption")
+            out.append(CaptionedImage(image_id, root / f"{split}{year}" / file_name, split, refs,
+                                      {"filename": file_name, "cocoid": image_id}))
             if limit and len(out) >= limit:
                 return out
     return out
+
+
+def _fields(path: Path, kind: str, position: int, entry: object, *wanted: tuple[str, type]) -> list:
+    """The ``wanted`` (key, type) fields of one entry of a captions file, or a one-line :class:`ValueError` naming the
+    entry (a missing key or a caption of ``null`` was a traceback, or the reference "none")."""
+    values = []
+    for key, kind_of in wanted:
+        value = entry.get(key) if isinstance(entry, dict) else None
+        if isinstance(value, kind_of) and not isinstance(value, bool):
+            values.append(value)
+        else:
+            raise ValueError(f"{path}: {kind} {position} has no {kind_of.__name__} {key!r} (COCO's {kind}s each have "
+                             f"{', '.join(repr(k) for k, _ in wanted)})")
+    return values

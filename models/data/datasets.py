@@ -19,9 +19,6 @@ from .flickr import TOKEN_FILES, flickr_layout, load_flickr
 from .karpathy import CaptionedImage, load_karpathy
 
 SCENES_FILE = "dataset_scenes.json"
-#: what ``--dataset`` takes, for the commands' help
-DATASET_FORMATS = ("a Karpathy-split JSON (dataset_coco.json, …), Flickr8k's or Flickr30k's token file or its folder, "
-                   "COCO's annotations folder (captions_train2014.json, …), or a folder holding dataset_scenes.json")
 #: the data sets' own names (Karpathy JSON's "dataset" field) → how a model card cites them
 CITATIONS = {
     "flickr8k": "Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013)",
@@ -37,8 +34,11 @@ def resolve_dataset(dataset: str | Path) -> Path:
     """The file a data set is read from: a scene folder's ``dataset_scenes.json``, Flickr8k's or Flickr30k's token
     file, COCO's first captions file, or the path itself (a Karpathy JSON, or one of those files)."""
     path = Path(dataset)
+    if path.is_dir() and (path.suffix in (".json", ".txt", ".token") or path.name in TOKEN_FILES):
+        raise FileNotFoundError(f"{path} is a folder, not the data set's file")
     if path.is_dir():
-        for name in (SCENES_FILE, *TOKEN_FILES):
+        # Flickr8k_text/: where the publishers' text archive is commonly unpacked, beside Flicker8k_Dataset/
+        for name in (SCENES_FILE, *TOKEN_FILES, f"Flickr8k_text/{TOKEN_FILES[0]}"):
             if (path / name).is_file():
                 return path / name
         coco = coco_captions_file(path)
@@ -71,13 +71,16 @@ def load_captioned(dataset: str | Path, image_root: str | Path | None = None, sp
     """The images of ``splits`` of any data set the project reads (see the module docstring); with
     ``check_images`` every image file must exist, or a ``FileNotFoundError`` names the first missing one."""
     path = resolve_dataset(dataset)
-    reader, default_root = READERS.get(_named_by_file(path), READERS[None])
+    reader, photos_folder = READERS.get(_named_by_file(path), READERS[None])
+    if image_root is not None and not Path(image_root).is_dir():
+        raise FileNotFoundError(f"--image-root {image_root} is not a folder: it should be {photos_folder}")
     images = reader(path, image_root, splits, limit=limit)
     if check_images:
         missing = next((im.path for im in images if not im.path.is_file()), None)
         if missing is not None:
-            hint = "" if image_root else f" (the photos' folder is --image-root DIR; by default {default_root})"
-            raise FileNotFoundError(f"image {missing} of {path} does not exist{hint}")
+            given = f"--image-root {image_root}" if image_root else "--image-root DIR"
+            raise FileNotFoundError(f"image {missing} of {path} does not exist (the photos' folder is {given}: "
+                                    f"{photos_folder})")
     return images
 
 
@@ -107,11 +110,12 @@ def named_by_path(dataset: str | Path) -> str | None:
 
 
 #: the reader of each kind of data set file (:func:`_named_by_file`; None: a Karpathy JSON, the generated scenes'
-#: included), and where it finds the photos when no ``--image-root`` is given
-READERS = {"flickr8k": (load_flickr, "found beside the token file"),
-           "flickr30k": (load_flickr, "found beside the token file"),
-           "coco": (load_coco, "the folder holding annotations/, train2014/ and val2014/"),
-           None: (load_karpathy, "the JSON's own folder")}
+#: included), and what its ``--image-root`` is
+READERS = {"flickr8k": (load_flickr, "the folder of the photos themselves; by default found beside the token file"),
+           "flickr30k": (load_flickr, "the folder of the photos themselves; by default found beside the token file"),
+           "coco": (load_coco, "the folder holding train2014/ and val2014/; by default the one holding annotations/"),
+           None: (load_karpathy, "the folder the JSON's filepath/filename paths start from; by default the JSON's "
+                                 "own")}
 
 
 def _named_by_file(path: Path) -> str | None:

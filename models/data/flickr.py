@@ -62,9 +62,10 @@ def flickr_layout(path: str | Path) -> FlickrLayout | None:
     return None
 
 
-def _read_lines(path: Path, layout: FlickrLayout) -> list[str]:
+def _read_lines(path: Path, layout: FlickrLayout) -> list[tuple[int, str]]:
+    """The file's non-blank lines, stripped, with their line numbers (from 1) for the errors that point at one."""
     text = read_captions_file(path, f"{path} does not exist: {_needs(layout)}")
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    return [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
 def _needs(layout: FlickrLayout) -> str:
@@ -73,24 +74,36 @@ def _needs(layout: FlickrLayout) -> str:
     return f"{layout.name} needs {layout.token_file} and {lists}{where} beside it"
 
 
-def _split_list(text_dir: Path, split: str, layout: FlickrLayout) -> list[str]:
-    """The photo file names of one split, in the list's order (Flickr30k Entities lists ids without ``.jpg``)."""
+def _split_list(text_dir: Path, split: str, layout: FlickrLayout) -> list[tuple[str, str]]:
+    """The photo file names of one split, in the list's order (Flickr30k Entities lists ids without ``.jpg``), each
+    with the ``file:line`` that lists it."""
     places = layout.split_files[split]
     found = next((text_dir / place for place in places if (text_dir / place).is_file()), None)
     if found is None:
         tried = ", ".join(str(text_dir / place) for place in places)
         raise FileNotFoundError(f"no {split} list for {layout.name} (looked for {tried}): {_needs(layout)}")
-    return [name if Path(name).suffix else f"{name}.jpg" for name in _read_lines(found, layout)]
+    names = [(name if Path(name).suffix else f"{name}.jpg", f"{found}:{number}")
+             for number, name in _read_lines(found, layout)]
+    if not names:
+        raise ValueError(f"{found} is empty: the {split} list of {layout.name} names one photo a line")
+    return names
 
 
-def find_image_root(text_dir: Path, some_image: str, layout: FlickrLayout = FLICKR8K) -> Path:
-    """The first of the layout's image folders beside the text files that holds ``some_image``."""
-    for folder in layout.image_folders:
-        if (text_dir / folder / some_image).is_file():
-            return (text_dir / folder).resolve()
+#: how many of the first listed photos decide which folder holds them
+PROBED_PHOTOS = 8
+
+
+def find_image_root(text_dir: Path, some_images: list[str], layout: FlickrLayout = FLICKR8K) -> Path:
+    """The one of the layout's image folders beside the text files that holds the most of ``some_images`` (a photo
+    missing from the right folder is then named by the check for missing photos, not taken for a wrong folder)."""
+    held = {folder: sum((text_dir / folder / name).is_file() for name in some_images)
+            for folder in layout.image_folders}
+    best = max(layout.image_folders, key=lambda folder: held[folder])  # the first of equals: the likeliest place
+    if held[best]:
+        return (text_dir / best).resolve()
     tried = ", ".join(str(text_dir / f) for f in layout.image_folders)
-    raise FileNotFoundError(f"cannot find the {layout.name} photos (looked for {some_image} in {tried}): "
-                            "pass --image-root DIR")
+    raise FileNotFoundError(f"cannot find the {layout.name} photos (looked for {some_images[0]} and the next "
+                            f"listed in {tried}): pass --image-root DIR")
 
 
 def load_flickr(path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
@@ -111,22 +124,34 @@ def load_flickr(path: str | Path, image_root: str | Path | None = None, splits: 
                          f"not {', '.join(sorted(unknown))}")
     token_path = text_dir / layout.token_file
     captions: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    for line in _read_lines(token_path, layout):
+    line_of: dict[str, int] = {}  # "name#n" → the line that gave it
+    for number, line in _read_lines(token_path, layout):
         key, _, caption = line.partition("\t")
-        name, _, number = key.rpartition("#")
-        if not name or not number.isdigit():
-            raise ValueError(f"{token_path}: not a '<image>#<n>\\t<caption>' line: {line[:80]!r}")
-        captions[name].append((int(number), caption))
+        name, _, index = key.rpartition("#")
+        if not name or not index.isdigit():
+            raise ValueError(f"{token_path}:{number}: not a '<image>#<n>\\t<caption>' line: {line[:80]!r}")
+        if key in line_of:  # a file concatenated twice would otherwise give each photo its first captions twice
+            raise ValueError(f"{token_path}:{number}: {key} is already on line {line_of[key]}")
+        line_of[key] = number
+        captions[name].append((int(index), caption))
     lists = {split: _split_list(text_dir, split, layout) for split in layout.split_files}
-    root = Path(image_root) if image_root else find_image_root(text_dir, lists["train"][0], layout)
+    listed_at: dict[str, str] = {}
+    for entries in lists.values():
+        for name, where in entries:  # a photo in two splits would be trained on and tested on
+            if name in listed_at:
+                raise ValueError(f"{where}: {name} is already listed at {listed_at[name]}")
+            listed_at[name] = where
+    wanted = [name for split, entries in lists.items() if not splits or split in splits for name, _ in entries]
+    root = Path(image_root) if image_root else find_image_root(text_dir, wanted[:PROBED_PHOTOS], layout)
     out = []
-    for image_id, (split, name) in enumerate((split, name) for split, names in lists.items() for name in names):
+    for image_id, (split, name, where) in enumerate((split, name, where) for split, entries in lists.items()
+                                                     for name, where in entries):
         if splits and split not in splits:
             continue
         refs = [tokenize(text) for _, text in sorted(captions.get(name, []))]
         refs = [r for r in refs if r][:max_refs]
         if not refs:
-            raise ValueError(f"{name} is in the {split} list but has no caption in {layout.token_file}")
+            raise ValueError(f"{where}: {name} is in the {split} list but has no caption in {token_path}")
         out.append(CaptionedImage(image_id, root / name, split, refs, {"filename": name}))
         if limit and len(out) >= limit:
             return out

@@ -15,6 +15,10 @@ from typing import Any
 from ..vocab import tokenize
 
 SPLIT_ALIASES = {"restval": "train"}
+GZIP_MAGIC = b"\x1f\x8b"
+#: what ``--dataset`` takes, for the commands' help and the errors that refuse a file
+DATASET_FORMATS = ("a Karpathy-split JSON (dataset_coco.json, …), Flickr8k's or Flickr30k's token file or its folder, "
+                   "COCO's annotations folder (captions_train2014.json, …), or a folder holding dataset_scenes.json")
 
 
 @dataclass
@@ -32,14 +36,22 @@ class CaptionedImage:
 
 def read_captions_file(path: Path, missing: str) -> str:
     """A captions file's text, read as UTF-8 as its publishers write it (Karpathy's JSON, Flickr's token files, COCO's
-    JSON): a :class:`FileNotFoundError` saying ``missing``, and a :class:`ValueError` naming the file when its bytes
-    are another encoding's."""
+    JSON), a byte-order mark dropped (Windows editors write one): a :class:`FileNotFoundError` saying ``missing``, and
+    a :class:`ValueError` naming the file when it is a folder, gzip-compressed, or another encoding's bytes."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a captions file")
     try:
-        return path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(missing) from None
+    if data[:2] == GZIP_MAGIC:
+        raise ValueError(f"{path} is gzip-compressed: unpack it (gunzip) and give the file it holds")
+    try:
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}): save it as UTF-8") from None
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 text (byte {exc.start}: {exc.reason}): save it as UTF-8"
+                         ) from None
 
 
 def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
@@ -55,14 +67,22 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{json_path} is not a data set's JSON ({exc}): give a Karpathy-split JSON, "
-                         "Flickr8k's Flickr8k.token.txt or its folder, or a generated-scene folder") from None
+        raise ValueError(f"{json_path} is not a data set's JSON ({exc}): --dataset takes {DATASET_FORMATS}") from None
     if not isinstance(data, dict) or not isinstance(data.get("images"), list):
         raise ValueError(f"{json_path} is not a Karpathy-split JSON: no 'images' list")
     if "annotations" in data:
+        notes = data["annotations"]
+        if not (isinstance(notes, list) and notes and isinstance(notes[0], dict) and "caption" in notes[0]):
+            raise ValueError(f"{json_path} is a COCO annotations file without captions (instances, keypoints, …): "
+                             "give the captions file of the same archive (captions_train2014.json, …)")
         raise ValueError(f"{json_path} is in COCO's own captions format, not Karpathy's: give it its published name "
                          "(captions_train2014.json, captions_val2014.json, …) or pass the folder that holds them")
-    out = []
+    if splits:
+        folded = [split for split in splits if split in SPLIT_ALIASES]
+        if folded:
+            raise ValueError(f"split {folded[0]!r} is read as part of {SPLIT_ALIASES[folded[0]]!r} (Karpathy's "
+                             f"training set): ask for {SPLIT_ALIASES[folded[0]]!r}")
+    out, first_of_id = [], {}
     for position, entry in enumerate(data["images"]):
         try:
             image = _entry(entry, position, root, max_refs)
@@ -72,6 +92,10 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
             raise ValueError(f"{json_path}: image {position} is not a Karpathy-split entry ({missing}): each needs "
                              "'filename', 'split' and 'sentences', a list of {'tokens': [...]} or {'raw': '...'}"
                              ) from None
+        if image.image_id in first_of_id:  # results are keyed by id: two images would share one caption
+            raise ValueError(f"{json_path}: images {first_of_id[image.image_id]} and {position} have the same id "
+                             f"{image.image_id}: each image needs its own 'imgid' (or 'cocoid')")
+        first_of_id[image.image_id] = position
         if splits and image.split not in splits:
             continue
         if not image.references:  # BLEU would stop at it after a whole epoch of training
@@ -86,9 +110,18 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
 def _entry(entry: dict[str, Any], position: int, root: Path, max_refs: int) -> CaptionedImage:
     """One entry of the JSON's ``images`` list (KeyError, TypeError, … where it lacks what Karpathy's entries hold)."""
     split = SPLIT_ALIASES.get(entry["split"], entry["split"])
-    refs = [s["tokens"] if s.get("tokens") else tokenize(s.get("raw", "")) for s in entry["sentences"]]
-    refs = [[t.lower() for t in r] for r in refs if r][:max_refs]
+    refs = [tokenize(" ".join(_tokens(s["tokens"])) if s.get("tokens") else s.get("raw", ""))
+            for s in entry["sentences"]]
+    refs = [r for r in refs if r][:max_refs]
     path = root / entry.get("filepath", "") / entry["filename"]
     info = {k: v for k, v in entry.items() if k not in ("sentences", "filename", "filepath", "split")}
     info["sentences"] = entry["sentences"][:max_refs]
     return CaptionedImage(int(entry.get("imgid", entry.get("cocoid", position))), path, split, refs, info)
+
+
+def _tokens(tokens: Any) -> list[str]:
+    """A sentence's ``tokens``, which must be a list of words (a string would be read letter by letter); they are
+    tokenised again by the one rule every format's captions follow (lower case, no punctuation)."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"'tokens' must be a list of words, not {tokens!r:.60}")
+    return tokens

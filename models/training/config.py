@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
-from ..data.datasets import DATASET_FORMATS
+from ..data.karpathy import DATASET_FORMATS
 
 
 def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **cli: Any) -> Any:
