@@ -131,6 +131,12 @@ def test_a_run_trained_from_coco_files_records_coco(coco, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["eval", str(out / "best"), "--dataset", str(coco)])
     assert exc.value.code == 2 and "no test split" in capsys.readouterr().err
+    # COCO's val file alone (its train file not downloaded) evaluates, without the share of novel captions
+    (coco / "annotations" / "captions_train2014.json").unlink()
+    main(["eval", str(out / "best"), "--dataset", str(coco / "annotations" / "captions_val2014.json"), "--split", "val",
+          "--cache-dir", str(tmp_path / "cache"), "--no-meteor", "--output", str(tmp_path / "val.json")])
+    assert "note: no share of novel captions" in capsys.readouterr().err
+    assert "CIDEr-D" in json.loads((tmp_path / "val.json").read_text())["val"]
 
 
 def test_a_captions_file_in_another_encoding_is_named(coco, flickr30k, scenes, tmp_path):
