@@ -97,3 +97,19 @@ def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp
     assert load_checkpoint(half).storage == "float16" and (half / WEIGHTS).stat().st_size == (
         tmp_path / "half" / WEIGHTS).stat().st_size
     assert convert_storage(half, "float32").exists() and load_checkpoint(half).storage == "float32"
+
+
+def test_manifest_command_checks_every_folder_before_sealing_any(tmp_path, capsys):
+    from captioner.service.cli import main
+
+    torch.manual_seed(0)
+    good = save_checkpoint(tmp_path / "good", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                     attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
+                           EncoderSpec())
+    (good / "manifest.json").unlink()
+    (tmp_path / "not-a-checkpoint").mkdir()
+    with pytest.raises(SystemExit):  # `captioner manifest weights/*` also matched a folder of checkpoints
+        main(["manifest", str(good), str(tmp_path / "not-a-checkpoint")])
+    assert "no manifest was written" in capsys.readouterr().err and not (good / "manifest.json").exists()
+    main(["manifest", str(good)])
+    assert load_checkpoint(good).checksum

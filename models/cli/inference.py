@@ -268,13 +268,16 @@ def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
     from ..checkpoint import CheckpointError, is_checkpoint, load_checkpoint, write_manifest
 
-    for folder in map(Path, args.checkpoints):
+    folders = list(map(Path, args.checkpoints))
+    for folder in folders:  # every folder checked before any manifest is written: a mistake seals nothing
         if not is_checkpoint(folder):
-            raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors)")
+            raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors); "
+                             "no manifest was written")
         try:  # a manifest vouches for files that load: truncated or mismatched weights are refused, not sealed
             load_checkpoint(folder, verify=False)
         except CheckpointError as exc:
-            raise SystemExit(f"error: {exc}") from None
+            raise SystemExit(f"error: {exc}; no manifest was written") from None
+    for folder in folders:
         print(f"wrote {write_manifest(folder)}")
 
 
