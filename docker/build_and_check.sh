@@ -2,8 +2,11 @@
 # Build the service image from the project's Dockerfile with buildah and prove that it serves (`make container`).
 #
 #   docker/build_and_check.sh            # CPU image on a local debootstrapped Debian bookworm-slim base
-#   BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda docker/build_and_check.sh
-#                                        # GPU image, where that base image can be pulled (not on our build machine)
+#   BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04 DEVICE=cuda CHECK_DEVICE=cpu docker/build_and_check.sh
+#                                        # GPU image, where that base image can be pulled (not on our build machine),
+#                                        # checked on the CPU: `buildah run --isolation chroot` runs no NVIDIA
+#                                        # container hook, so the container sees no libcuda (a GPU check is a run
+#                                        # with the toolkit: docker run --gpus all, or podman with a CDI device)
 #   TORCH_CPU_INDEX=URL                  # another PyTorch CPU wheel index (a mirror); empty: PyPI's torch
 #
 # Steps: (1) a local base image from `debootstrap --variant=minbase bookworm`, slimmed as debian:bookworm-slim is

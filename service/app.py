@@ -119,7 +119,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if loading is not None and not loading.done():
                 loading.cancel()
                 await asyncio.gather(loading, return_exceptions=True)
-            await asyncio.gather(*(b.stop(settings.drain_timeout_s) for b in state.batchers.values()))
+            # after a SIGTERM drain, only what is left of its budget: the pod's grace period counts both
+            budget = app.state.shutdown_gate.time_left(settings.drain_timeout_s)
+            await asyncio.gather(*(b.stop(budget) for b in state.batchers.values()))
             gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
 
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,

@@ -47,15 +47,25 @@ class ShutdownGate:
         self.on_reject = on_reject
         # a plain flag: set from a signal handler, where neither locks nor the event loop may be touched
         self.draining = False
+        self.drain_began: float | None = None  # time.monotonic() of the first begin_drain
         self.in_flight = 0
 
     def begin_drain(self) -> None:
+        if self.drain_began is None:
+            self.drain_began = time.monotonic()
         self.draining = True
+
+    def time_left(self, budget_s: float) -> float:
+        """What is left of a drain budget of ``budget_s`` seconds since the drain began (the whole budget when none
+        has; at least 1 s): the shutdown that follows a drain must not wait the budget a second time."""
+        if self.drain_began is None:
+            return budget_s
+        return max(1.0, budget_s - (time.monotonic() - self.drain_began))
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop admitting (if not yet) and wait until no admitted request is running or ``timeout_s`` passed.
         Returns whether every admitted request finished."""
-        self.draining = True
+        self.begin_drain()
         if self.on_drain is not None:
             self.on_drain()
         deadline = time.monotonic() + timeout_s

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -344,12 +345,14 @@ def compose() -> dict:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())
 
 
-def test_compose_has_a_gpu_service_a_cpu_profile_and_optional_prometheus(compose):
+def test_compose_has_a_gpu_and_a_cpu_profile_and_optional_prometheus(compose):
     services = compose["services"]
     gpu, cpu = services["captioner"], services["captioner-cpu"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert gpu["environment"]["CAPTIONER_DEVICE"] == "cuda" and "profiles" not in gpu
+    # one profile each: both publish port 8000, so one runs at a time
+    assert gpu["environment"]["CAPTIONER_DEVICE"] == "cuda" and gpu["profiles"] == ["gpu"]
+    assert gpu["ports"] == cpu["ports"] == ["8000:8000"] and cpu["networks"]["default"]["aliases"] == ["captioner"]
     assert cpu["profiles"] == ["cpu"] and cpu["environment"]["CAPTIONER_DEVICE"] == "cpu" and "deploy" not in cpu
     assert gpu["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
     drain_s = float(gpu["environment"]["CAPTIONER_DRAIN_TIMEOUT_S"])
@@ -375,15 +378,16 @@ def test_compose_has_a_gpu_service_a_cpu_profile_and_optional_prometheus(compose
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "captioner")
     assert job["metrics_path"] == "/metrics"
     targets = {t for group in job["static_configs"] for t in group["targets"]}
-    assert targets == {"captioner:8000", "captioner-cpu:8000"}
+    assert targets == {"captioner:8000"}  # the CPU service answers under the GPU one's name: no dead target
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------------------------
 
 def manifests() -> dict[str, dict]:
-    """Every resource in docker/k8s/*.yaml (the kustomization aside), by kind."""
+    """Every resource of the service (docker/k8s/base/*.yaml) and the prometheus-adapter rules beside it (the
+    kustomizations aside), by kind."""
     resources = {}
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted([*(K8S / "base").glob("*.yaml"), *K8S.glob("*.yaml")]):
         if path.name == "kustomization.yaml":
             continue
         for doc in yaml.safe_load_all(path.read_text()):
@@ -392,13 +396,17 @@ def manifests() -> dict[str, dict]:
 
 
 def apply_json_patch(document: dict, operations: list[dict]) -> dict:
-    """RFC 6902 replace/remove/add — the subset the CPU overlay uses — as kustomize applies it."""
+    """RFC 6902 replace/remove/add (``-``: append to a list) — the subset the CPU overlay uses — as kustomize
+    applies it."""
     document = copy.deepcopy(document)
     for op in operations:
         *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].lstrip("/").split("/")]
         node = document
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
+        if op["op"] == "add" and isinstance(node, list) and last == "-":
+            node.append(op["value"])
+            continue
         key = int(last) if isinstance(node, list) else last
         if op["op"] == "remove":
             del node[key]
@@ -425,6 +433,24 @@ def test_every_manifest_validates_against_the_kubernetes_schemas():
         kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
     listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
     assert all((K8S / name).exists() for name in listed)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed (its kustomize builds overlays)")
+def test_kustomize_builds_each_variant_as_the_tests_read_it():
+    """``kubectl apply -k`` of each documented folder builds (kustomize refuses, for one, an overlay inside its base's
+    folder), into the resources the checks above and below read."""
+    def build(folder: Path) -> dict[str, dict]:
+        done = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return {doc["kind"]: doc for doc in yaml.safe_load_all(done.stdout)}
+
+    service = {kind: doc for kind, doc in manifests().items() if kind != "ConfigMap"}
+    assert build(K8S) == service
+    assert build(K8S / "cpu") == {**service, "Deployment": cpu_deployment()}
+    jobs = archive_jobs()
+    assert build(ARCHIVE) == {"Job": jobs["gpu"]} and build(ARCHIVE / "cpu") == {"Job": jobs["cpu"]}
+    threads = {e["name"]: e["value"] for e in container_of(jobs["cpu"])["env"]}["CAPTIONER_THREADS"]
+    assert threads == container_of(cpu_deployment())["resources"]["limits"]["cpu"]  # one thread per CPU granted
 
 
 def test_the_schema_validation_rejects_a_broken_manifest():
@@ -518,10 +544,10 @@ ARCHIVE = K8S / "archive"
 
 def archive_jobs() -> dict[str, dict]:
     """The archive Job (GPU) and its CPU variant after the overlay's patch, as kustomize builds them."""
-    (job,) = yaml.safe_load_all((ARCHIVE / "job.yaml").read_text())
-    assert yaml.safe_load((ARCHIVE / "kustomization.yaml").read_text())["resources"] == ["job.yaml"]
+    (job,) = yaml.safe_load_all((ARCHIVE / "base" / "job.yaml").read_text())
+    assert yaml.safe_load((ARCHIVE / "base" / "kustomization.yaml").read_text())["resources"] == ["job.yaml"]
     overlay = yaml.safe_load((ARCHIVE / "cpu" / "kustomization.yaml").read_text())
-    assert overlay["resources"] == ["../"] and overlay["patches"][0]["target"]["name"] == job["metadata"]["name"]
+    assert overlay["resources"] == ["../base"] and overlay["patches"][0]["target"]["name"] == job["metadata"]["name"]
     patch = json.loads((ARCHIVE / "cpu" / overlay["patches"][0]["path"]).read_text())
     return {"gpu": job, "cpu": apply_json_patch(job, patch)}
 

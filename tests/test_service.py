@@ -242,3 +242,28 @@ def test_a_start_that_fails_in_the_foreground_stops_the_batchers_it_started(tiny
         pass
     batchers = list(app.state.service.batchers.values())
     assert batchers and not any(b._thread.is_alive() for b in batchers)
+
+
+def test_the_batchers_stop_within_what_is_left_of_the_drain_budget(tiny_weights, monkeypatch):
+    """After a SIGTERM drain that used its budget, stopping the batchers waited the budget again (30 + 30 s against a
+    pod's 45-s grace period): they get what is left of it."""
+    import time
+
+    from captioner.service.batcher import Batcher
+
+    given = []
+    original = Batcher.stop
+
+    async def recording_stop(self, timeout_s: float = 30.0):
+        given.append(timeout_s)
+        await original(self, timeout_s)
+
+    monkeypatch.setattr(Batcher, "stop", recording_stop)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False)
+    app = create_app(settings)
+    with TestClient(app):
+        gate = app.state.shutdown_gate
+        gate.begin_drain()
+        gate.drain_began = time.monotonic() - (settings.drain_timeout_s - 2)  # the drain took all but 2 s
+    assert given and all(1.0 <= t <= 2.5 for t in given), given
+    assert create_app(settings).state.shutdown_gate.time_left(settings.drain_timeout_s) == settings.drain_timeout_s
