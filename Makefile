@@ -16,7 +16,7 @@ OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k \
+.PHONY: help setup serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
 	bench-int8 samples clean
 
 help:
@@ -38,6 +38,7 @@ help:
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
 	@echo "make bench-f8k     the decoder table of the real-photo checkpoints → docs/benchmarks/decoder-flickr8k.md"
 	@echo "make bench-int8    only the int8 CNN accuracy table (captioner eval, float vs int8)"
+	@echo "make bench-int8-f8k  the same for the default real-photo model on Flickr8k test"
 	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
 	@echo "make reliability-small  the same in minutes, into .cache/reliability/ (never docs/)"
 	@echo "make grounding     Flickr30k Entities grounding of every real-photo checkpoint → docs/grounding.md"
@@ -224,9 +225,16 @@ eval-default: data
 	$(BIN)/captioner eval weights/sat --dataset $(DATA) --split test --split heldout
 
 # every benchmark, in name order: bench_int8 (captioner eval of float vs int8 CNN, on $(DATA)) runs before
-# bench_serving, which copies its table into docs/benchmarks/serving.md beside the int8 encoder's speed
+# bench_serving, which copies its table into docs/benchmarks/serving.md beside the int8 encoder's speed. A script's
+# BENCH_ARGS_NAME are the arguments its committed table was made with (the table's first line names them), so that
+# `make bench` remakes the tables as they are. bench_memory's "Before" tables came from runs before a change
+# (--compare); a plain run writes the current one alone.
+BENCH_SCRIPTS := $(sort $(wildcard benchmarks/bench_*.py))
+BENCH_ARGS_bench_encoder ?= --threads 1 --repeats 15 --also-backbone efficientnet_lite2
+BENCH_ARGS_bench_archive ?= --rounds 3
 bench: $(STAMP) data
-	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
+	@set -e; $(foreach script,$(BENCH_SCRIPTS),echo "== $(script) $(BENCH_ARGS_$(basename $(notdir $(script))))"; \
+	  $(BIN)/python $(script) $(BENCH_ARGS_$(basename $(notdir $(script))));)
 
 # the decoder table of the real-photo checkpoints (docs/benchmarks/decoder-flickr8k.md: their 2,539-word vocabulary
 # makes every step's output layer larger than the scenes'); the default model's rule reads it (docs/decisions.md,
@@ -240,6 +248,11 @@ bench-f8k: $(STAMP)
 BENCH_INT8_ARGS ?=
 bench-int8: $(STAMP) data
 	$(BIN)/python benchmarks/bench_int8.py $(BENCH_INT8_ARGS)
+
+# the same on real photos: the default model's int8 CNN (calibrated on generated scenes) on Flickr8k test
+bench-int8-f8k: $(STAMP)
+	$(BIN)/python benchmarks/bench_int8.py --models flickr8k/sat-supervised --dataset $(F8K_DATASET) \
+	  --image-root $(F8K_IMAGES) --out docs/benchmarks/int8-flickr8k.md
 
 # The wheels benchmarks/gpu_session.sh unpacks on a bare GPU machine (Python 3.12, torch 2.11 cu130, numpy, pillow,
 # httpx, safetensors, prometheus-client, no web stack): the service's imports it lacks, at the versions this venv
@@ -262,7 +275,7 @@ gpu-wheels: $(STAMP)
 
 # never runs/: it holds what users trained
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis build *.egg-info
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
 # Needs root, nothing from `make setup`; installs buildah and debootstrap (Debian packages) when missing; builds a

@@ -5,7 +5,8 @@ mini-batches.  Writes ``docs/benchmarks/cider.md`` and prints it.
 
 The captions are synthetic but COCO-shaped: 9–14 words (references) from a Zipf-distributed vocabulary of 10,000
 words, so n-gram statistics (document frequencies, overlaps) resemble real captions.  Each timing is the best of
-``--repeats`` runs (one thread, the other side's run in between).
+``--repeats`` runs (the other side's run in between; the thread count is the environment's, recorded as
+OMP_NUM_THREADS).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main() -> None:
     # the SCST reward: frequencies fixed from the training references, 10 images x 5 samples per mini-batch
     # (AoANet's batch), each image's reference list shared by its samples
     cider = CiderD(refs)
-    batches = [(list(range(b, b + 10))) for b in range(0, 500, 10)]
+    batches = [list(range(b, b + 10)) for b in range(0, min(500, args.images) - 9, 10)]  # at most 50
     t_reward, _ = best_of(args.repeats, lambda: [cider.score([captions[i] for i in batch for _ in range(5)],
                                                              [refs[i] for i in batch for _ in range(5)])
                                                  for batch in batches])

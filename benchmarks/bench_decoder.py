@@ -67,8 +67,8 @@ def main() -> None:
         f"admitted to one table of {BEAM * args.images} rows. Best of {args.repeats}, the two in turns. The ratio "
         "is the decoder-only throughput gain from batching (the serving benchmark's aim for it is 4×). Both sides "
         "include the model's own `encode`, image by image on both (for AoANet its six refining layers, most of the "
-        "batched time; over 32 images at once they cost twice as much per image on a CPU); the steps alone gain "
-        "what the per-row cost in the table below loses from 3 to 96 rows. Per-image "
+        f"batched time; over {args.images} images at once they cost more per image on a CPU); the steps alone gain "
+        f"what the per-row cost in the table below loses from {BEAM} to {BEAM * args.images} rows. Per-image "
         "decoding is many small operations, so on a loaded machine it slows down more than the batched table "
         "does, and the ratio moves with the load (recorded above).",
         "",

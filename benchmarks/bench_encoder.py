@@ -1,8 +1,8 @@
 """Encoder benchmark: per-image time of the visual encoder at batch 1, 4 and 16, PyTorch and ONNX Runtime, one run.
 
 The encoder of a checkpoint (``--checkpoint``, default: the checkpoint the service answers with when a request
-names no model, ``weights/flickr8k/sat``: EfficientNet-Lite0's last stage on an 8×8 grid at 256 px) is timed as the
-service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
+names no model, ``weights/flickr8k/sat-supervised``: EfficientNet-Lite0's last stage on an 8×8 grid at 256 px) is
+timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
 (``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX Runtime
 (CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8 serves it).
 Configurations are timed in turns, repetition by repetition, so that background load affects each alike; each cell

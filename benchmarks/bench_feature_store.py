@@ -101,7 +101,8 @@ def main() -> None:
 
 `python benchmarks/bench_feature_store.py` — {args.images:,} images at the COCO grid shape (16×16 × 472, float16),
 shards of {args.shard_size:,} images, random batches of {args.batch} keys, {args.batches} batches per mode;
-{platform.machine()}, Python {platform.python_version()}, a shared 2-core machine with a virtual disk.
+{platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} CPU cores, the store in
+{args.dir or tempfile.gettempdir()}.
 
 | quantity | value |
 |---|---:|

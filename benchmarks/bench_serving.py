@@ -2,7 +2,7 @@
 ONNX Runtime backend vs PyTorch — one run, one model (``--model``, default: the service's default model), one
 machine.
 
-Every configuration is a real HTTP server on localhost in its own process; all four start together and are
+Every configuration is a real HTTP server on localhost in its own process; all of them start together and are
 measured in turns, so that background load that drifts during the run affects each alike:
 
 * ``batching``: ``captioner serve`` on PyTorch (continuous batching: up to 16 images admitted at a step boundary,
@@ -701,7 +701,8 @@ def int8_section(path: Path) -> list[str]:
         return lines + ["Not measured yet: `make bench-int8` (or `make bench`, which runs it first) writes "
                         "docs/benchmarks/int8.json."]
     return lines + [f"From `{record['command']}` ({record['started']}, split `{record['split']}`; "
-                    "docs/benchmarks/int8.md); its speed is the `onnx int8` row above.", "", *table(record["results"])]
+                    "docs/benchmarks/int8.md); its speed is the `onnx int8` row above.", "",
+                    *table(record["results"], tuple(record.get("metrics", ("objects_named", "CIDEr-D"))))]
 
 
 def main() -> None:
