@@ -589,7 +589,8 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         (f"throughput, CNN beside the decoder ÷ CNN between decoding steps (ONNX Runtime), {top} clients", "—",
          tput("onnx", top) / tput("onnx, serial CNN", top), None),
         (f"decoder only, continuous batcher ÷ per-image beam_search, {decode['images']} images", "≥ 4×",
-         decode["per-image beam_search"] / decode["continuous batcher"], lambda x: x >= 4),
+         decode["per-image beam_search"] / decode["continuous batcher"],
+         lambda x: min(decode.get("ratios", [x])) >= 4),  # met only if every repetition of the run is above it
     ]
     lines += ["", "## Encoder-only ceiling (in process, same threads)", "",
               "Images/s the encoder alone allows at its best batch size: the limit of end-to-end throughput.", "",
@@ -679,7 +680,7 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         f"{tput('onnx', top) / tput('tutorial loop', top):.2f}× on ONNX Runtime (aim 5×: "
         f"{verdict(tput('batching', top) / tput('tutorial loop', top) >= 5)}); decoder only "
         f"{per_image / batched:.2f}× (best times; {min(decode['ratios']):.2f}× to {max(decode['ratios']):.2f}× "
-        f"repetition by repetition; aim 4×: {verdict(per_image / batched >= 4)}). The encoder ceiling is measured "
+        f"repetition by repetition; aim 4×: {verdict(min(decode['ratios']) >= 4)}). The encoder ceiling is measured "
         "in process with a core to itself; under load the batching worker thread is busy all the time (sampled "
         "with py-spy while developing: the encoder about 40% of it, decoding steps and table bookkeeping the "
         "rest) and shares the machine's two cores with the load generator, the HTTP event loop and whatever else "
