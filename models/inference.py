@@ -37,7 +37,7 @@ from .data.datasets import trained_on
 from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
-from .rendering.heatmaps import MODES, default_mode
+from .rendering.heatmaps import MODES, FigureRow, RenderError, caption_figure, default_mode, overlay
 from .vocab import EOS
 
 
@@ -82,6 +82,27 @@ class CaptionResult:
         if mode == "area_topk" and "areas" in self.hypothesis.extras:
             return self.hypothesis.extras["areas"].numpy()
         return self.hypothesis.attention.numpy()
+
+    def figure(self, image: Image.Image, mode: str | None = None, **style) -> Image.Image:
+        """The papers' figure of this caption on ``image``, the photo it describes: the photo, then each word's
+        heatmap (:func:`~captioner.models.rendering.heatmaps.caption_figure`; ``style``: ``cmap``, ``alpha``,
+        ``panel_size``, …), in ``mode`` or this model's own (:attr:`default_mode`)."""
+        mode = mode or self.default_mode
+        return caption_figure(image, self.tokens, self.drawn_rows(mode), self.geometry, mode,
+                              area_boxes=self.area_boxes, **style)
+
+    def overlay(self, image: Image.Image, token: int, mode: str | None = None, **style) -> Image.Image:
+        """``image`` with the heatmap of token ``token`` (an index into :attr:`tokens`) drawn on it
+        (:func:`~captioner.models.rendering.heatmaps.overlay`; ``style``: ``cmap``, ``alpha``)."""
+        if not 0 <= token < len(self.tokens):
+            raise RenderError(f"token {token} is out of range (0..{len(self.tokens) - 1})")
+        mode = mode or self.default_mode
+        return overlay(image, self.drawn_rows(mode)[token], self.geometry, mode, area_boxes=self.area_boxes, **style)
+
+    def figure_row(self, label: str, mode: str | None = None) -> FigureRow:
+        """This caption as one row of a :func:`~captioner.models.rendering.heatmaps.comparison_figure`."""
+        mode = mode or self.default_mode
+        return FigureRow(label, self.tokens, self.drawn_rows(mode), self.geometry, self.area_boxes, mode)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from typing import Callable, Iterable
 
 from captioner.models.encoder import ImageDecodeError, load_image
 from captioner.models.inference import CaptionResult, Runtime
-from captioner.models.rendering.heatmaps import caption_figure
 
 from .batcher import Batcher
 from .schemas import CaptionOut
@@ -194,9 +193,7 @@ def heatmap_file(folder: Path, path: str) -> Path:
 def write_figure(image, result: CaptionResult, out: Path) -> None:
     """The per-word figure (``captioner caption --overlay``'s), written whole or not at all (temporary + rename),
     before its caption line: a line never points at a missing or torn figure."""
-    mode = result.default_mode
-    figure = caption_figure(image, result.tokens, result.drawn_rows(mode), result.geometry, mode,
-                            area_boxes=result.area_boxes, panel_size=FIGURE_PANEL)
+    figure = result.figure(image, panel_size=FIGURE_PANEL)
     partial = out.with_name(out.name + ".partial")
     figure.save(partial, format="PNG")
     os.replace(partial, out)

@@ -178,3 +178,27 @@ def test_a_heatmap_in_a_mode_without_heat_is_refused_by_the_modes_that_have_it(m
     geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
     with pytest.raises(RenderError, match="choose from grid_smooth, grid_blocks, region_sum$"):
         heatmap([0.5, 0.5], geometry, mode)
+
+
+def test_a_caption_draws_itself_in_its_models_mode():
+    """From Python, ``overlay()`` and ``caption_figure()`` without a mode know only the geometry (grid_smooth for a
+    grid), which blurs a sparse model's exact zeros; a caption's own ``figure``/``overlay`` use its model's mode."""
+    from skimage import data
+
+    from captioner.models.checkpoint import Checkpoint
+    from captioner.models.inference import torch_runtime
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    photo = Image.fromarray(data.chelsea())
+    sparse = tiny_model("sparsecap", attention="sparsemax")
+    runtime = torch_runtime(Checkpoint(sparse, VOCAB, TINY_SPEC, checksum="tiny"), "cpu")
+    (result,) = runtime.caption([runtime.prepare(photo)], 2, 5, runtime.default_rules)
+    assert result.default_mode == "grid_blocks"
+    rows = result.hypothesis.attention.numpy()
+    assert result.figure(photo).tobytes() == caption_figure(photo, result.tokens, rows, result.geometry,
+                                                            "grid_blocks").tobytes()
+    assert result.overlay(photo, 0).tobytes() == overlay(photo, rows[0], result.geometry, "grid_blocks").tobytes()
+    assert result.overlay(photo, 0).tobytes() != overlay(photo, rows[0], result.geometry).tobytes()
+    with pytest.raises(RenderError, match="out of range"):
+        result.overlay(photo, len(result.tokens))

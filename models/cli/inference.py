@@ -33,8 +33,7 @@ def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResul
     from ..device import resolve_device, set_threads
     from ..encoder import ImageDecodeError, load_image
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import (FigureRow, RenderError, caption_figure, check_mode, colormap,
-                                      comparison_figure, overlay)
+    from ..rendering.heatmaps import RenderError, check_mode, colormap, comparison_figure
 
     set_threads(args.threads)
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
@@ -70,24 +69,14 @@ def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResul
             show(str(path), f" [{name}]" if len(checkpoints) > 1 else "", result)
     if not args.overlay:
         return
+    style = {"cmap": args.cmap, "alpha": args.alpha}
     try:
         if len(runs) > 1:
-            rows = []
-            for name, (r,) in runs:
-                mode = args.mode or r.default_mode
-                rows.append(FigureRow(name, r.tokens, r.drawn_rows(mode), r.geometry, r.area_boxes, mode))
-            picture = comparison_figure(images[0], rows, args.cmap, args.alpha)
+            picture = comparison_figure(images[0], [r.figure_row(name, args.mode) for name, (r,) in runs], **style)
+        elif args.token is None:
+            picture = runs[0][1][0].figure(images[0], args.mode, **style)
         else:
-            (result,) = runs[0][1]
-            mode = args.mode or result.default_mode
-            if args.token is None:
-                picture = caption_figure(images[0], result.tokens, result.drawn_rows(mode), result.geometry, mode,
-                                         args.cmap, args.alpha, area_boxes=result.area_boxes)
-            else:
-                if not 0 <= args.token < len(result.tokens):
-                    raise RenderError(f"--token {args.token} is out of range (0..{len(result.tokens) - 1})")
-                picture = overlay(images[0], result.drawn_rows(mode)[args.token], result.geometry, mode, args.cmap,
-                                  args.alpha, result.area_boxes)
+            picture = runs[0][1][0].overlay(images[0], args.token, args.mode, **style)
     except RenderError as exc:
         raise SystemExit(f"error: {exc}") from None
     picture.save(args.overlay)

@@ -104,7 +104,7 @@ def examples_figure(checkpoints: list[Path], out: Path, device: str = "cpu",
     from skimage import data
 
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import FigureRow, comparison_figure
+    from ..rendering.heatmaps import comparison_figure
 
     pipelines = [(normaliser(c), Pipeline(c, device)) for c in checkpoints]
     blocks = []
@@ -112,8 +112,7 @@ def examples_figure(checkpoints: list[Path], out: Path, device: str = "cpu",
         rows = []
         for label, pipeline in pipelines:
             (result,) = pipeline([photo])
-            rows.append(FigureRow(label, result.tokens, result.hypothesis.attention.numpy(), result.geometry,
-                                  result.area_boxes, "grid_blocks" if result.geometry.kind == "grid" else None))
+            rows.append(result.figure_row(label, "grid_blocks" if result.geometry.kind == "grid" else None))
         blocks.append(comparison_figure(photo, rows))
     width = max(b.width for b in blocks)
     canvas = Image.new("RGB", (width, sum(b.height for b in blocks)), "white")

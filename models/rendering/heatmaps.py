@@ -186,7 +186,8 @@ def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mo
     ``image`` may be a resized copy of the original: boxes are scaled by ``image.width / original width``.
     ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``, whose ``weights`` are the
     areas' (:meth:`~captioner.models.inference.CaptionResult.drawn_rows`).  Without a ``mode``, the geometry's
-    default; a model's own is :attr:`~captioner.models.inference.CaptionResult.default_mode`.
+    default; a caption's own (its model's, :attr:`~captioner.models.inference.CaptionResult.default_mode`) is what
+    :meth:`CaptionResult.overlay <captioner.models.inference.CaptionResult.overlay>` draws.
     """
     mode = check_mode(mode or default_mode(geometry))
     if not 0.0 <= alpha <= 1.0:
@@ -235,7 +236,8 @@ def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry
 def caption_figure(image: Image.Image, words: Sequence[str], attention: Sequence[Sequence[float]], geometry: Geometry,
                    mode: str | None = None, cmap: str = "jet", alpha: float = 0.5, columns: int = 5,
                    area_boxes: np.ndarray | None = None, panel_size: int = 224) -> Image.Image:
-    """The papers' figure: the image, then one panel per word with that word's heatmap (PNG-ready RGB)."""
+    """The papers' figure: the image, then one panel per word with that word's heatmap (PNG-ready RGB).  From a
+    caption, in its model's own mode: :meth:`CaptionResult.figure <captioner.models.inference.CaptionResult.figure>`."""
     thumb = _thumbnail(image, panel_size)
     panels = [("(image)", thumb)] + [
         (word, overlay(thumb, attention[i], geometry, mode, cmap, alpha, area_boxes)) for i, word in enumerate(words)]
