@@ -27,7 +27,8 @@ def test_originals_are_matched_by_name_and_scored_beside_their_copies(tmp_path):
         image.resize((224, 224)).save(copies / name)  # squashed, like the public Flickr8k copies
         if name != "coffee.jpg":  # one photo has no original: it is left out
             image.save(originals / name)
-        entries.append({"filename": name, "imgid": i, "split": "test",
+        # COCO's Karpathy JSON: a cocoid, which results files (and the bootstrap) key the images by
+        entries.append({"filename": name, "imgid": i, "cocoid": 391895 + i, "split": "test",
                         "sentences": [{"tokens": ["a", "photo", "of", name[:-4]]}]})
     (tmp_path / "dataset.json").write_text(json.dumps({"dataset": "tiny", "images": entries}))
     save_checkpoint(tmp_path / "ckpt", tiny_model("sat", seed=0), VOCAB, TINY_SPEC)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from ..data.karpathy import CaptionedImage
 from ..decoding import DecodingRules
 from ..pipeline import Pipeline
-from .compare import compare_captions
+from .compare import compare_captions, result_id
 from .metrics import score_captions
 
 
@@ -41,8 +41,9 @@ def resolution_check(pipeline: Pipeline, images: Sequence[CaptionedImage], full_
     copies = _caption(pipeline, [im.path for im in matched], beam_size, max_len, rules, batch, "copies")
     originals = _caption(pipeline, [full_root / im.path.name for im in matched], beam_size, max_len, rules, batch,
                          "originals")
-    refs = {im.image_id: [" ".join(r) for r in im.references] for im in matched}
-    ids = [im.image_id for im in matched]
+    # keyed as compare_captions looks captions up: by COCO id where the data set has one
+    ids = [result_id(im) for im in matched]
+    refs = {key: [" ".join(r) for r in im.references] for key, im in zip(ids, matched)}
     report: dict[str, Any] = {"images": len(matched), "same_caption": sum(a == b for a, b in zip(copies, originals))}
     for name, captions in (("copies", copies), ("originals", originals)):
         report[name] = {k: round(v, 4) for k, v in score_captions(dict(zip(ids, captions)), refs,
