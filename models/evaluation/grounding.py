@@ -10,7 +10,9 @@ the word names (all of them: "two red circles" names both):
 * **mass in object** ``Σ_{p∈M} P(p)`` — the fraction of attention inside the mask;
 * **pointing-game hit** (Zhang et al., "Top-down Neural Attention by Excitation Backprop", arXiv:1608.00507):
   whether the maximum of ``P`` falls inside the object; when the maximum is a plateau (a whole grid cell, or a
-  uniform map) the hit counts the plateau's fraction inside the mask, the expected hit of a random tie-break;
+  uniform map) the hit counts the plateau's fraction inside the mask, the expected hit of a random tie-break.
+  Without the 15-pixel tolerance of their protocol (TorchRay's ``pointing_game.py``): stricter than published
+  pointing-game numbers, for comparisons within this project;
 * **area-normalised ratio** ``mass / (|M| / |image|)``: 1 is what attention spread evenly over the image scores.
 
 Statistics are pooled over words and carry 95 % percentile-bootstrap intervals that resample *images* (the words

@@ -10,7 +10,8 @@ boxes of the phrase's chain, mapped onto that image axis by axis (:meth:`..data.
   arXiv:1605.09553, §3.1): the mass ``Σ_{p∈M} P(p)`` inside the boxes.  A phrase of several words is scored by
   its **best word**, the word with the highest mass, as Liu et al. score a noun phrase; its pointing hit and
   ratio are that word's too;
-* **pointing-game hit**: the maximum of that word's map inside ``M`` (a plateau counts its fraction inside);
+* **pointing-game hit**: the maximum of that word's map inside ``M`` (a plateau counts its fraction inside), with
+  no 15-pixel tolerance (Zhang et al.'s protocol has one): stricter than published pointing-game numbers;
 * **area-normalised ratio**: mass ÷ ``|M| / |image|``.
 
 Two modes (both reported):
