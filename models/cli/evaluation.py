@@ -21,6 +21,16 @@ _group = CommandGroup()
 register = _group.register
 
 
+#: how a report's captions and references were tokenised for scoring
+WORDS_TOKENIZER, PTB_TOKENIZER = "the project's (models/vocab.py)", "coco-caption's PTB tokenizer on the raw texts"
+
+
+def add_ptb_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ptb", action="store_true",
+                        help="score as coco-caption does: Stanford's PTB tokenizer over the raw references and the "
+                        "captions (needs Java); default: the project's one tokenizer on both")
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint
     from ..data.stores import open_feature_store
@@ -48,6 +58,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     dataset = resolve_dataset(dataset)
     rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
+                              "tokenizer": PTB_TOKENIZER if args.ptb else WORDS_TOKENIZER,
                               "decoding": asdict(rules), "encoder_precision": args.encoder_precision}
     training_captions = load_training_captions(dataset, image_root)
     coco_results: list[dict[str, Any]] = []
@@ -68,11 +79,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
             results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device),
                                              progress=True, rules=rules)
             captions = {im.image_id: r.tokens for im, r in zip(images, results)}
-            scores = score_dataset(captions, images, metrics, training_captions)
+            scores = score_dataset(captions, images, metrics, training_captions, args.ptb)
         else:
             scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
                                                    device=str(device), rules=rules,
-                                                   training_captions=training_captions)
+                                                   training_captions=training_captions, ptb=args.ptb)
         report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
         if args.misses:
@@ -155,6 +166,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     add_search_options(ev)
     ev.add_argument("--limit", type=positive_int, help="score only the first N images of each split")
     ev.add_argument("--no-meteor", action="store_true", help="skip METEOR (needs Java)")
+    add_ptb_option(ev)
     ev.add_argument("--show", type=count, default=0, help="print this many captions")
     ev.add_argument("--misses", type=count, default=0, metavar="N",
                     help="also report the N caption words that BLEU-1 most often leaves uncredited")
@@ -224,11 +236,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
         except (OSError, ValueError, TypeError, KeyError) as exc:
             raise SystemExit(f"error: {path} is not a COCO results file [{{\"image_id\", \"caption\"}}]: {exc}")
     try:
-        result = compare_captions(sides[0], sides[1], images, args.resamples)
+        result = compare_captions(sides[0], sides[1], images, args.resamples, ptb=args.ptb)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
     names = args.names or [Path(p).stem for p in args.results]
-    report = {"dataset": str(dataset), "split": args.split, "a": names[0], "b": names[1], **result}
+    report = {"dataset": str(dataset), "split": args.split, "a": names[0], "b": names[1],
+              "tokenizer": PTB_TOKENIZER if args.ptb else WORDS_TOKENIZER, **result}
     print(markdown(result, *names))
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
@@ -245,6 +258,7 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     add_dataset_options(cmp)
     cmp.add_argument("--split", default="test", help="split the captions describe (default test)")
     cmp.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
+    add_ptb_option(cmp)
     cmp.add_argument("--output", type=output_file, help="also write the JSON here")
     cmp.set_defaults(func=cmd_compare)
 

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..vocab import tokenize
-from .karpathy import CaptionedImage, read_captions_file
+from .karpathy import CaptionedImage, kept_references, read_captions_file
 
 CAPTIONS_FILE = re.compile(r"captions_(train|val)(\d{4})\.json")
 YEARS = ("2014", "2017")
@@ -91,12 +91,12 @@ def load_coco(path: str | Path, image_root: str | Path | None = None, splits: tu
             if image_id in seen:  # results are keyed by id: the photo would be trained on or scored twice
                 raise ValueError(f"{captions_path}: image {position} repeats the id {image_id} of an earlier image")
             seen.add(image_id)
-            refs = [tokenize(text) for _, text in sorted(texts.get(image_id, []))]
-            refs = [r for r in refs if r][:max_refs]
+            refs, raw = kept_references([(tokenize(text), text) for _, text in sorted(texts.get(image_id, []))],
+                                        max_refs)
             if not refs:
                 raise ValueError(f"image {image_id} ({file_name}) of {captions_path} has no caption")
             out.append(CaptionedImage(image_id, root / f"{split}{year}" / file_name, split, refs,
-                                      {"filename": file_name, "cocoid": image_id}))
+                                      {"filename": file_name, "cocoid": image_id}, raw))
             if limit and len(out) >= limit:
                 return out
     return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..vocab import tokenize
-from .karpathy import CaptionedImage, read_captions_file
+from .karpathy import CaptionedImage, kept_references, read_captions_file
 
 
 @dataclass(frozen=True)
@@ -148,11 +148,10 @@ def load_flickr(path: str | Path, image_root: str | Path | None = None, splits: 
                                                      for name, where in entries):
         if splits and split not in splits:
             continue
-        refs = [tokenize(text) for _, text in sorted(captions.get(name, []))]
-        refs = [r for r in refs if r][:max_refs]
+        refs, raw = kept_references([(tokenize(text), text) for _, text in sorted(captions.get(name, []))], max_refs)
         if not refs:
             raise ValueError(f"{where}: {name} is in the {split} list but has no caption in {token_path}")
-        out.append(CaptionedImage(image_id, root / name, split, refs, {"filename": name}))
+        out.append(CaptionedImage(image_id, root / name, split, refs, {"filename": name}, raw))
         if limit and len(out) >= limit:
             return out
     return out

@@ -28,6 +28,9 @@ class CaptionedImage:
     split: str
     references: list[list[str]]  # tokenised reference captions
     info: dict[str, Any] = field(default_factory=dict)
+    #: the references as their data set writes them, one per tokenised reference (what coco-caption's PTB
+    #: tokenizer reads: metrics.py, ``ptb_tokenize``); empty where a data set gives tokens alone
+    raw_references: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -110,13 +113,20 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
 def _entry(entry: dict[str, Any], position: int, root: Path, max_refs: int) -> CaptionedImage:
     """One entry of the JSON's ``images`` list (KeyError, TypeError, … where it lacks what Karpathy's entries hold)."""
     split = SPLIT_ALIASES.get(entry["split"], entry["split"])
-    refs = [tokenize(" ".join(_tokens(s["tokens"])) if s.get("tokens") else s.get("raw", ""))
-            for s in entry["sentences"]]
-    refs = [r for r in refs if r][:max_refs]
+    pairs = [(tokenize(" ".join(_tokens(s["tokens"])) if s.get("tokens") else s.get("raw", "")),
+              s.get("raw") or " ".join(s.get("tokens") or ())) for s in entry["sentences"]]
+    refs, raw = kept_references(pairs, max_refs)
     path = root / entry.get("filepath", "") / entry["filename"]
     info = {k: v for k, v in entry.items() if k not in ("sentences", "filename", "filepath", "split")}
     info["sentences"] = entry["sentences"][:max_refs]
-    return CaptionedImage(int(entry.get("imgid", entry.get("cocoid", position))), path, split, refs, info)
+    return CaptionedImage(int(entry.get("imgid", entry.get("cocoid", position))), path, split, refs, info, raw)
+
+
+def kept_references(pairs: list[tuple[list[str], str]], max_refs: int) -> tuple[list[list[str]], list[str]]:
+    """The first ``max_refs`` (tokens, raw text) pairs that hold a word, as the tokenised references and their raw
+    texts, aligned (docs/decisions.md#tokenizer-and-caption-length)."""
+    kept = [(tokens, raw) for tokens, raw in pairs if tokens][:max_refs]
+    return [tokens for tokens, _ in kept], [raw for _, raw in kept]
 
 
 def _tokens(tokens: Any) -> list[str]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..data.karpathy import CaptionedImage
 from .bootstrap import percentile_interval, resample_counts, resampled_ratios
-from .metrics import cider_d
+from .metrics import cider_d, ptb_captions, reference_texts
 
 #: pycocoevalcap's ``BleuScorer.compute_score`` smoothing: ``tiny`` over ``small`` keeps a precision with no n-gram
 #: matches at ~0 instead of 0/0, and a caption of length 0 from dividing by zero in the brevity ratio; kept so that
@@ -109,18 +109,22 @@ def scored_captions(captions: Mapping[int, str], keys: Sequence[int]) -> list[st
 
 
 def compare_captions(captions_a: Mapping[int, str], captions_b: Mapping[int, str], images: Sequence[CaptionedImage],
-                     resamples: int = 2000, seed: int = 0) -> dict[str, dict]:
+                     resamples: int = 2000, seed: int = 0, ptb: bool = False) -> dict[str, dict]:
     """CIDEr-D, BLEU-4 and (for generated scenes) ``objects_named`` of A and B on ``images``, and A − B with its
     interval.  ``captions_*`` map an image's id (:func:`result_id`) to a caption; every image must have one on both
-    sides."""
+    sides.  ``ptb``: scored on coco-caption's PTB tokenization (metrics.py)."""
     keys = [result_id(im) for im in images]
     missing = [k for k in keys if k not in captions_a or k not in captions_b]
     if missing:
         raise ValueError(f"{len(missing)} of {len(keys)} images have no caption on one side (first: id {missing[0]})")
-    refs = [[" ".join(r) for r in im.references] for im in images]
+    refs = reference_texts(images, ptb)
     out = {"images": {"count": len(images)}}
     ones = np.ones(len(images))
     side_a, side_b = scored_captions(captions_a, keys), scored_captions(captions_b, keys)
+    if ptb:
+        tokenized = ptb_captions({(side, i): caption for side, captions in (("a", side_a), ("b", side_b))
+                                  for i, caption in enumerate(captions)})
+        side_a, side_b = ([tokenized[(side, i)] for i in range(len(keys))] for side in ("a", "b"))
     out["CIDEr-D"] = paired_difference(cider_d(side_a, refs), cider_d(side_b, refs), ones, resamples, seed)
     out["BLEU-4"] = paired_corpus_difference(bleu_statistics(side_a, refs), bleu_statistics(side_b, refs), bleu_4,
                                              resamples, seed)

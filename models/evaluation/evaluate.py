@@ -12,7 +12,7 @@ from ..data.stores import VisualStore
 from ..data.karpathy import CaptionedImage
 from ..decoding import NO_RULES, DecodingRules, beam_search
 from .diversity import diversity_scores
-from .metrics import ALL_METRICS, score_captions
+from .metrics import ALL_METRICS, ptb_captions, reference_texts, score_captions
 from ..protocol import Captioner, VisualBatch
 from ..vocab import Vocabulary
 
@@ -46,12 +46,14 @@ def caption_dataset(model: Captioner, vocab: Vocabulary, images: Sequence[Captio
 
 def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImage],
                   metrics: Sequence[str] = ALL_METRICS,
-                  training_captions: Sequence[list[str]] | None = None) -> dict[str, float]:
+                  training_captions: Sequence[list[str]] | None = None, ptb: bool = False) -> dict[str, float]:
     """The caption metrics, REP, distinct words and mean length (and, given ``training_captions``, the share of novel
     captions: models/evaluation/diversity.py), plus ``objects_named`` when the images are generated scenes (they list
-    their objects)."""
-    refs = {im.image_id: [" ".join(r) for r in im.references] for im in images}
-    scores = score_captions({i: " ".join(c) for i, c in captions.items()}, refs, metrics)
+    their objects).  ``ptb``: the caption metrics on coco-caption's PTB tokenization of the raw references and the
+    captions (metrics.py); the other measures count the project's own tokens either way."""
+    refs = dict(zip((im.image_id for im in images), reference_texts(images, ptb)))
+    candidates = {i: " ".join(c) for i, c in captions.items()}
+    scores = score_captions(ptb_captions(candidates) if ptb else candidates, refs, metrics)
     scores.update(diversity_scores(captions, {im.image_id: im.references for im in images}, training_captions))
     if images and images[0].info.get("objects") is not None:
         from ..data.scenes import object_naming_accuracy
@@ -64,8 +66,8 @@ def score_dataset(captions: dict[int, list[str]], images: Sequence[CaptionedImag
 def evaluate_checkpoint(ckpt: Checkpoint, images: Sequence[CaptionedImage], store: VisualStore,
                         beam_size: int = 3, max_len: int = 20, metrics: Sequence[str] = ALL_METRICS,
                         device: str = "cpu", progress: bool = True, rules: DecodingRules = NO_RULES,
-                        training_captions: Sequence[list[str]] | None = None,
+                        training_captions: Sequence[list[str]] | None = None, ptb: bool = False,
                         ) -> tuple[dict[str, float], dict[int, list[str]]]:
     captions = caption_dataset(ckpt.model, ckpt.vocab, images, store, beam_size, max_len, device=device,
                                progress=progress, rules=rules)
-    return score_dataset(captions, images, metrics, training_captions), captions
+    return score_dataset(captions, images, metrics, training_captions, ptb), captions

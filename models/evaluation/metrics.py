@@ -1,9 +1,13 @@
 """Caption metrics: BLEU-1..4, METEOR, ROUGE-L through ``pycocoevalcap``, CIDEr-D through the vectorised
 :class:`CiderD` below (equal to ``pycocoevalcap``'s to 1e-6, tested); raw scores, not ×100.
 
-Captions are already tokenised by :func:`captioner.models.vocab.tokenize` (lower-case, no punctuation), so the PTB
-tokenizer step is skipped.  SPICE needs models that are downloaded at first use; it is reported as unavailable
-rather than faked.  METEOR runs a Java subprocess and is only computed when asked for.
+Captions and references are tokenised by the project's one tokenizer, :func:`captioner.models.vocab.tokenize`
+(lower-case, accents and punctuation dropped), by default.  coco-caption itself runs Stanford's PTB tokenizer over the
+raw references and the captions first (:func:`ptb_tokenize`, ``captioner eval --ptb``): it keeps "t-shirt" one word
+and splits "cannot", where the project's tokenizer does the opposite, which moves scores by a few tenths of a point
+(docs/decisions.md, "Scoring: the project's tokenizer, and coco-caption's").  SPICE needs models that are
+downloaded at first use; it is reported as unavailable rather than faked.  METEOR and the PTB tokenizer run Java
+subprocesses and are only used when asked for.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import shutil
 from collections import Counter, defaultdict
 from itertools import count
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +53,37 @@ def score_captions(candidates: Mapping[int, str], references: Mapping[int, Seque
         # the vectorised CIDEr-D below equals coco-caption's "CIDEr" (which is CIDEr-D) and is much faster
         scores["CIDEr-D"] = float(np.mean(cider_d([res[i][0] for i in ids], [gts[i] for i in ids])))
     return scores
+
+
+def ptb_tokenize(texts: Mapping[Any, Sequence[str]]) -> dict[Any, list[str]]:
+    """coco-caption's tokenization of ``texts`` (key → captions): Stanford's PTBTokenizer, lower-cased, with the
+    punctuation tokens dropped (pycocoevalcap's ``PTBTokenizer``, a Java subprocess), each caption its tokens joined
+    by spaces, in the order given."""
+    if shutil.which("java") is None:
+        raise RuntimeError("coco-caption's PTB tokenizer needs Java on PATH")
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    keys = list(texts)
+    # one line per caption (the tokenizer keeps lines): a line break inside one would shift every later caption
+    lines = {index: [{"caption": " ".join(text.split()) or "<empty>"} for text in texts[key]]
+             for index, key in enumerate(keys)}
+    tokenized = PTBTokenizer().tokenize(lines)
+    return {key: tokenized.get(index, []) for index, key in enumerate(keys)}
+
+
+def ptb_captions(captions: Mapping[Any, str]) -> dict[Any, str]:
+    """One caption per key through :func:`ptb_tokenize` (one Java run for all of them)."""
+    return {key: texts[0] for key, texts in ptb_tokenize({key: [text] for key, text in captions.items()}).items()}
+
+
+def reference_texts(images: Sequence[Any], ptb: bool = False) -> list[list[str]]:
+    """Each image's references as the scorers read them: the project's tokens joined by spaces, or with ``ptb``
+    their raw texts (``raw_references``; the joined tokens where a data set has none) through :func:`ptb_tokenize`."""
+    if not ptb:
+        return [[" ".join(reference) for reference in image.references] for image in images]
+    raw = ptb_tokenize({index: image.raw_references or [" ".join(r) for r in image.references]
+                        for index, image in enumerate(images)})
+    return [raw[index] for index in range(len(images))]
 
 
 def unigram_misses(captions: Mapping[int, Sequence[str]],

@@ -17,7 +17,7 @@ from ..data.karpathy import CaptionedImage
 from ..decoding import DecodingRules
 from ..pipeline import Pipeline
 from .compare import compare_captions, result_id
-from .metrics import score_captions
+from .metrics import reference_texts, score_captions
 
 
 def _caption(pipeline: Pipeline, paths: Sequence[Path], beam_size: int, max_len: int, rules: DecodingRules,
@@ -43,7 +43,7 @@ def resolution_check(pipeline: Pipeline, images: Sequence[CaptionedImage], full_
                          "originals")
     # keyed as compare_captions looks captions up: by COCO id where the data set has one
     ids = [result_id(im) for im in matched]
-    refs = {key: [" ".join(r) for r in im.references] for key, im in zip(ids, matched)}
+    refs = dict(zip(ids, reference_texts(matched)))
     report: dict[str, Any] = {"images": len(matched), "same_caption": sum(a == b for a, b in zip(copies, originals))}
     for name, captions in (("copies", copies), ("originals", originals)):
         report[name] = {k: round(v, 4) for k, v in score_captions(dict(zip(ids, captions)), refs,

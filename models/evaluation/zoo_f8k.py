@@ -135,7 +135,7 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
     from ..data.datasets import load_captioned
     from .bootstrap import percentile_interval, resampled_ratios
     from .compare import compare_captions, result_id, scored_captions
-    from .metrics import cider_d
+    from .metrics import cider_d, ptb_captions, reference_texts, score_captions
 
     if dataset is None:
         raise ValueError("the paired bootstrap scores the captions against the references: pass --dataset")
@@ -143,7 +143,7 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
     if not images:
         raise ValueError(f"split {split!r} of {dataset} is empty")
     keys = [result_id(im) for im in images]
-    refs = [[" ".join(r) for r in im.references] for im in images]
+    refs = reference_texts(images)
     captions = {}
     for row in rows:
         path = results / "captions" / f"{row['name']}.json"
@@ -160,6 +160,12 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
                              f"{row['split']['CIDEr-D']}: not the captions of that report")
         row["CIDEr-D interval"] = percentile_interval(
             resampled_ratios(per_image, np.ones(len(per_image)), resamples, seed=0))
+    # the same captions scored as coco-caption scores them: PTB tokens of the raw references and of the captions
+    ptb_refs = dict(zip(keys, reference_texts(images, ptb=True)))
+    tokenized = ptb_captions({(row["name"], key): caption for row in rows
+                              for key, caption in zip(keys, scored_captions(captions[row["name"]], keys))})
+    for row in rows:
+        row["ptb"] = score_captions({key: tokenized[(row["name"], key)] for key in keys}, ptb_refs, ("BLEU", "CIDEr-D"))
     if baseline in captions:
         for row in rows:
             if row["name"] != baseline:
@@ -295,7 +301,24 @@ def markdown(rows: list[dict[str, Any]], baseline: str, split: str, results: Pat
             "with a paired-bootstrap 95 % interval (Koehn, EMNLP 2004; BLEU-4 recomputed from the n-gram counts "
             "summed over each resample); † marks an interval that excludes 0. SPICE is unavailable: its Stanford "
             "CoreNLP models cannot be downloaded here.",
-            "", *floor_lines(rows, baseline)]
+            "", *ptb_lines(rows), "", *floor_lines(rows, baseline)]
+
+
+def ptb_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The measured rows' BLEU-4 and CIDEr-D scored as coco-caption scores them, beside the table's."""
+    measured = [row for row in rows if "ptb" in row]
+    if not measured:
+        return []
+    lines = ["The same captions scored as coco-caption scores them (`captioner eval --ptb`): Stanford's PTB tokenizer "
+             "over the raw references and the captions, punctuation dropped, where the table above uses the "
+             "project's one tokenizer on both (docs/decisions.md, \"Scoring: the project's tokenizer, and "
+             "coco-caption's\"):", "",
+             "| model | BLEU-4 | CIDEr-D | BLEU-4, PTB − above | CIDEr-D, PTB − above |", "|---|---:|---:|---:|---:|"]
+    for row in measured:
+        ptb, split = row["ptb"], row["split"]
+        shifts = " | ".join(f"{100 * (ptb[key] - split[key]):+.2f}" for key in ("BLEU-4", "CIDEr-D"))
+        lines.append(f"| {row['title']} | {points(ptb['BLEU-4'])} | {points(ptb['CIDEr-D'])} | {shifts} |")
+    return lines
 
 
 def write_f8k_section(weights: Path, results: Path, document: Path, dataset: str | Path | None = None,
