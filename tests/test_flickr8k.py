@@ -47,6 +47,8 @@ def test_official_files_give_splits_references_and_photos(official):
     # five references in caption-number order, tokenised like the Karpathy JSON (lower case, no punctuation)
     assert [r[-1] for r in images[1].references] == ["0", "1", "2", "3", "4"]
     assert images[1].references[0] == ["a", "dog", "number", "1", "caption", "0"]
+    # the raw texts beside them, in the same order (what coco-caption's PTB tokenizer reads: eval --ptb)
+    assert images[1].raw_references[:2] == ["A Dog, number 1 caption 0 .", "A Dog, number 1 caption 1 ."]
     # ids number the three lists in order, so a photo keeps its id whichever splits are loaded
     test_only = load_flickr(official / "Flickr8k.token.txt", splits=("test",))
     assert [im.image_id for im in test_only] == [3] and [im.image_id for im in images] == [0, 1, 2, 3]

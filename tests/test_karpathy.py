@@ -35,6 +35,7 @@ def test_splits_paths_and_references(coco_fixture):
     assert train[1].path == coco_fixture.parent / "val2014" / "COCO_val2014_000000000001.jpg"
     assert len(train[0].references) == 5, "at most five references are kept"
     assert train[0].references[0] == ["a", "dog", "running"]
+    assert train[0].raw_references[:2] == ["A Dog, running!", "A photo 0."]  # aligned with the references
     assert [im.split for im in load_karpathy(coco_fixture)] == ["train", "train", "val", "test"]
 
 

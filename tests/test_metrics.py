@@ -40,3 +40,35 @@ def test_unigram_misses_are_what_bleu1_does_not_credit():
     bleu1 = score_captions({i: " ".join(c) for i, c in captions.items()},
                            {i: [" ".join(r) for r in refs] for i, refs in references.items()}, ["BLEU"])["BLEU-1"]
     assert bleu1 == pytest.approx(1 - sum(misses.values()) / words, abs=1e-6)
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_ptb_scoring_is_coco_captions_own_pipeline():
+    """``--ptb``: the scores coco-caption's own pipeline gives (pycocoevalcap's PTBTokenizer over the raw references
+    and the captions, then Bleu and Cider), not the project's tokenizer's, which differ on "T-shirt" and "cannot"."""
+    from pycocoevalcap.bleu.bleu import Bleu
+    from pycocoevalcap.cider.cider import Cider
+    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
+
+    from captioner.models.data.karpathy import CaptionedImage
+    from captioner.models.evaluation.evaluate import score_dataset
+    from captioner.models.evaluation.metrics import ptb_tokenize
+    from captioner.models.vocab import tokenize
+
+    raw = {1: ["A man in a T-shirt cannot sit.", "A man, in a red T-shirt, stands.", "Someone's standing."],
+           2: ["Two dogs play in the snow.", "Dogs' game: in the snow!", "Two close-up dogs."],
+           3: ["A café by the road.", "People outside a cafe .", "A little café."]}
+    captions = {1: "a man in a t shirt can not sit", 2: "two dogs play in the snow", 3: "a cafe by the road"}
+    images = [CaptionedImage(i, f"{i}.jpg", "test", [tokenize(r) for r in texts], raw_references=texts)
+              for i, texts in raw.items()]
+    ours = score_dataset({i: c.split() for i, c in captions.items()}, images, ("BLEU", "CIDEr-D"), ptb=True)
+    tokenizer = PTBTokenizer()
+    gts = tokenizer.tokenize({i: [{"caption": t} for t in texts] for i, texts in raw.items()})
+    res = tokenizer.tokenize({i: [{"caption": c}] for i, c in captions.items()})
+    assert ours["BLEU-4"] == pytest.approx(Bleu(4).compute_score(gts, res, verbose=0)[0][3], abs=1e-9)
+    assert ours["CIDEr-D"] == pytest.approx(Cider().compute_score(gts, res)[0], abs=1e-6)
+    words = score_dataset({i: c.split() for i, c in captions.items()}, images, ("BLEU", "CIDEr-D"))
+    assert words["CIDEr-D"] != pytest.approx(ours["CIDEr-D"], abs=1e-3)  # the two tokenizers do differ here
+    # one caption per line whatever it holds: a line break inside one must not shift the captions after it
+    assert ptb_tokenize({"x": ["A T-shirt\nhere.", "Can't."], "y": ["Last one."]}) == {
+        "x": ["a t-shirt here", "ca n't"], "y": ["last one"]}

@@ -146,7 +146,8 @@ def test_the_section_lists_every_checkpoint_with_paper_rows_intervals_and_floors
     text = document.read_text()
     assert text.startswith("# Model zoo\n\nintro\n\n## Real photos: Flickr8k\n\n<!-- zoo-f8k:start -->\n")
     assert text.endswith("<!-- zoo-f8k:end -->\n\n## Scenes\n\nkept\n") and "\nold\n" not in text
-    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    table = text[:text.index("Paper rows:")]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| model")]
     assert [row.split(" | ")[0][2:] for row in rows] == [
         "SAT soft `sat`", "*Xu et al. 2015, soft attention (paper)*", "SAT hard `sat-hard`: not measured",
         "*Xu et al. 2015, hard attention (paper)*", "AoANet `aoanet`", "X-LAN `xlan`"]
@@ -165,6 +166,10 @@ def test_the_section_lists_every_checkpoint_with_paper_rows_intervals_and_floors
     assert "- AoANet `aoanet`: **met**: ΔCIDEr-D +" in text and "- X-LAN `xlan`: **not met**" in text
     assert "- `xtransformer`: not shipped yet" in text
     assert "The best model (by CIDEr-D) at CIDEr-D ≥ 70 and BLEU-4 ≥ 26: AoANet `aoanet`, **met**" in text
+    # the same captions scored as coco-caption scores them, beside the table's numbers
+    assert "scored as coco-caption scores them (`captioner eval --ptb`)" in text
+    ptb_rows = text[text.index("| model | BLEU-4 | CIDEr-D | BLEU-4, PTB − above"):].split("\n\n")[0].splitlines()[2:]
+    assert [row.split(" | ")[0][2:] for row in ptb_rows] == ["SAT soft `sat`", "AoANet `aoanet`", "X-LAN `xlan`"]
     assert "<!-- zoo-f8k:start -->" in capsys.readouterr().out
     main(args)
     assert document.read_text() == text  # the same inputs write the same section
