@@ -31,6 +31,7 @@ from .vocab import Vocabulary
 FORMAT = "attention-captioner/1"
 WEIGHTS, CONFIG, VOCAB, MANIFEST = "model.safetensors", "config.json", "vocab.json", "manifest.json"
 OWN_FILES = (WEIGHTS, CONFIG, VOCAB, MANIFEST)  # what save_checkpoint writes itself; anything else is an extra file
+CARD = "MODEL_CARD.md"  # the model card (``captioner card``), which a checkpoint folder may hold besides
 MANIFEST_FORMAT = "attention-captioner-manifest/1"
 
 
@@ -165,13 +166,41 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def check_replaceable(path: Path) -> None:
-    """A checkpoint replaces only a checkpoint (a folder with its ``config.json``) or an empty folder: a file, or a
-    folder of anything else, at ``path`` is named in an error and left as it is."""
+    """A checkpoint replaces only a checkpoint or an empty folder: a file, or a folder of anything else, at ``path``
+    is named in an error and left as it is.  A checkpoint folder is one whose ``config.json`` is of this format and
+    which holds nothing but a checkpoint's files (:func:`foreign_entries`): a project folder that happens to have a
+    ``config.json`` is not one, and ``--force`` would have deleted it whole."""
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} is a file, not a checkpoint folder: nothing was written there")
-    if path.is_dir() and not (path / CONFIG).is_file() and any(path.iterdir()):
-        raise FileExistsError(f"{path} exists and is not a checkpoint folder (it has no {CONFIG}): nothing was "
-                              "written there; choose another folder")
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    if not _checkpoint_config(path):
+        raise FileExistsError(f"{path} exists and is not a checkpoint folder (it has no {CONFIG} of this project's "
+                              "format): nothing was written there; choose another folder")
+    foreign = foreign_entries(path)
+    if foreign:
+        raise FileExistsError(f"{path} holds files no checkpoint has ({', '.join(foreign[:3])}"
+                              f"{', …' if len(foreign) > 3 else ''}): nothing was written there; move them or choose "
+                              "another folder")
+
+
+def foreign_entries(path: Path) -> list[str]:
+    """The entries of checkpoint folder ``path`` that are not a checkpoint's: anything but its own files, its card
+    and the extra files its manifest lists (a sub-folder, say)."""
+    try:
+        listed = set(json.loads((path / MANIFEST).read_text()).get("files", {}))
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    allowed = {*OWN_FILES, CARD, *listed}
+    return sorted(entry.name for entry in path.iterdir() if not (entry.is_file() and entry.name in allowed))
+
+
+def _checkpoint_config(path: Path) -> bool:
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("format") == FORMAT
 
 
 def replace_directory(tmp: Path, path: Path) -> None:

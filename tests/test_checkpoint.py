@@ -113,3 +113,32 @@ def test_manifest_command_checks_every_folder_before_sealing_any(tmp_path, capsy
     assert "no manifest was written" in capsys.readouterr().err and not (good / "manifest.json").exists()
     main(["manifest", str(good)])
     assert load_checkpoint(good).checksum
+
+
+def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):
+    """``--force`` (storage, import, ensemble) took any folder holding a ``config.json`` for a checkpoint and deleted
+    it whole: a project's folder with its own config.json and a thesis in it."""
+    from captioner.service.cli import main
+
+    torch.manual_seed(0)
+    source = save_checkpoint(tmp_path / "source", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                         attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
+                             EncoderSpec())
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "config.json").write_text('{"name": "my project"}')
+    (project / "thesis.tex").write_text("years of work")
+    with pytest.raises(SystemExit):
+        main(["storage", str(source), "float16", "--out", str(project), "--force"])
+    assert "not a checkpoint folder" in capsys.readouterr().err and (project / "thesis.tex").is_file()
+    # a checkpoint folder with a stranger in it is refused too, naming it
+    old = save_checkpoint(tmp_path / "old", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                   attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]), EncoderSpec())
+    (old / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        main(["storage", str(source), "float16", "--out", str(old), "--force"])
+    assert "holds files no checkpoint has (notes.txt)" in capsys.readouterr().err and (old / "notes.txt").is_file()
+    (old / "notes.txt").unlink()
+    (old / "MODEL_CARD.md").write_text("# card")  # a card is a checkpoint's own
+    main(["storage", str(source), "float16", "--out", str(old), "--force"])
+    assert load_checkpoint(old).storage == "float16"

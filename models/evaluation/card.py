@@ -8,10 +8,9 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import WEIGHTS, file_checksum, load_checkpoint, read_config, write_manifest
+from ..checkpoint import CARD, WEIGHTS, file_checksum, load_checkpoint, read_config, write_manifest
 from ..data.datasets import trained_on
 
-CARD = "MODEL_CARD.md"
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
 #: the columns of a card whose reports are of real photos (no objects to name): the caption metrics, then what
 #: models/evaluation/diversity.py measures
