@@ -12,6 +12,8 @@ body is never held in memory.  Every failure is a typed exception of ``errors.py
 
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import binascii
 import time
@@ -186,16 +188,23 @@ def form_options(form: FormData) -> tuple[UploadFile, CaptionOptions]:
         raise _validation_failure(exc) from None
 
 
-async def drain_body(request: Request, limit: int) -> None:
-    """Read and drop the body of a request answered without it (up to ``limit`` bytes): a connection closed with
-    unread data in it is reset, and the client would see the reset instead of the answer."""
+#: how long a refused request's body may take to be read and dropped: a body sent a byte at a time must not hold
+#: the connection (and the request, which counts as in flight for a drain) open
+DISCARD_SECONDS = 2.0
+
+
+async def drain_body(request: Request, limit: int, seconds: float = DISCARD_SECONDS) -> None:
+    """Read and drop the body of a request answered without it (up to ``limit`` bytes, for at most ``seconds``): a
+    connection closed with unread data in it is reset, and the client would see the reset instead of the answer;
+    one that sends slower than that gets its answer and the reset."""
     size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return
-    except ClientDisconnect:  # the client left while sending: nothing to answer, nothing left to drain
+        async with asyncio.timeout(seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return
+    except (ClientDisconnect, TimeoutError):  # the client left while sending, or sends too slowly to wait for
         return
 
 

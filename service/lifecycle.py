@@ -113,11 +113,7 @@ class DrainMiddleware:
                       send: Callable[[dict], Awaitable[None]]) -> None:
         if self.gate.on_reject is not None:
             self.gate.on_reject()
-        try:
-            async with asyncio.timeout(DISCARD_SECONDS):
-                await drain_body(Request(scope, receive), DISCARD_BYTES)
-        except TimeoutError:
-            pass
+        await drain_body(Request(scope, receive), DISCARD_BYTES)
         await self._answer_503(scope, send, "the service is shutting down; retry on another replica")
 
     async def _answer_503(self, scope: dict, send: Callable[[dict], Awaitable[None]], detail: str) -> None:
@@ -125,10 +121,9 @@ class DrainMiddleware:
                            headers=[(b"retry-after", str(self.gate.retry_after_s).encode()), (b"connection", b"close")])
 
 
-#: what a refused request's body may take to be read and dropped: a connection closed with unread data in it is
-#: reset, and the client sees the reset instead of the 503 (the limit and time keep a hostile upload from holding
-#: the drain's connection open)
-DISCARD_BYTES, DISCARD_SECONDS = 64 * 1024 * 1024, 2.0
+#: what a refused request's body may be read to, and dropped (for at most inputs.DISCARD_SECONDS): a connection
+#: closed with unread data in it is reset, and the client sees the reset instead of the 503
+DISCARD_BYTES = 64 * 1024 * 1024
 
 
 class DrainingServer(uvicorn.Server):

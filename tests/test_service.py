@@ -267,3 +267,23 @@ def test_the_batchers_stop_within_what_is_left_of_the_drain_budget(tiny_weights,
         gate.drain_began = time.monotonic() - (settings.drain_timeout_s - 2)  # the drain took all but 2 s
     assert given and all(1.0 <= t <= 2.5 for t in given), given
     assert create_app(settings).state.shutdown_gate.time_left(settings.drain_timeout_s) == settings.drain_timeout_s
+
+
+def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_trickles():
+    """A request refused before its body is read (429, 503, a bad overlay option) read the body to its end whatever
+    its pace: one byte every few seconds held the connection and an in-flight request open without limit."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from captioner.service.inputs import drain_body
+
+    async def trickle():
+        await asyncio.sleep(0.2)
+        return {"type": "http.request", "body": b"x", "more_body": True}  # never the last chunk
+
+    async def drain() -> None:
+        await asyncio.wait_for(drain_body(Request({"type": "http", "method": "POST", "headers": []}, trickle),
+                                          limit=10**6, seconds=0.5), timeout=5)
+
+    asyncio.run(drain())  # returns after its half second; without the bound, wait_for's TimeoutError
