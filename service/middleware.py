@@ -139,12 +139,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+#: control characters (a line break above all) in what a request put into a log line
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(text: object) -> str:
+    """``text`` with its control characters escaped (``\\n``, ``\\x1b``, …): a URL path or a model name holding a
+    line break must not start a forged log line of its own."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(text))
+
+
 class TextFormatter(logging.Formatter):
+    """``time level logger: message request_id=… key=value …`` on one line (a traceback follows on its own lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return one_line(super().formatMessage(record))
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         request_id = request_id_var.get()
         fields = getattr(record, "fields", None)
-        extra = " ".join(f"{k}={v}" for k, v in (fields or {}).items())
+        extra = " ".join(f"{k}={one_line(v)}" for k, v in (fields or {}).items())
         return " ".join(part for part in (line, f"request_id={request_id}" if request_id else "", extra) if part)
 
 

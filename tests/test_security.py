@@ -194,3 +194,28 @@ def test_no_answer_leaks_a_stack_trace_or_a_server_path(weights, jpeg):
         text = answer.text
         assert "Traceback" not in text and "secret failure" not in text and ".py" not in text, text
         assert str(ROOT) not in text and str(weights) not in text and "/tmp" not in text, text
+
+
+def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
+    """With CAPTIONER_LOG_FORMAT=text, the access log wrote the URL-decoded path as it came: ``%0A`` then a made-up
+    timestamp and level started a second line that looked like the server's own."""
+    from captioner.service.middleware import TextFormatter
+
+    lines = []
+
+    class Formatted(logging.Handler):
+        def emit(self, record):
+            lines.append(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record))
+
+    access = logging.getLogger("captioner.access")
+    handler, level = Formatted(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        assert open_client.get("/caption%0A2026-11-30 16:00:00,000 INFO captioner.app: FORGED").status_code in (
+            404, 405)
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert lines and all("\n" not in line for line in lines)
+    assert "/caption\\n2026-11-30" in lines[-1]
