@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from captioner.models.encoder import ImageDecodeError, load_image
+from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
 from captioner.models.inference import CaptionResult, Runtime
 
 from .batcher import Batcher
@@ -59,6 +60,20 @@ class ArchiveError(RuntimeError):
 
 
 # -- inputs ---------------------------------------------------------------------------------------------------------
+def file_bytes(path: str, limit: int) -> bytes:
+    """The bytes of image file ``path``, refused (:class:`ImageDecodeError`) when it is not a regular file (a FIFO
+    named in a list would block its reader for ever, ``/dev/zero`` would be read until memory ran out) or is larger
+    than the service's upload limit (:class:`ImageTooLarge`)."""
+    with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as file:
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise ImageDecodeError("not a regular file")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ImageTooLarge(f"the file is larger than the upload limit of {limit} bytes (CAPTIONER_MAX_UPLOAD_BYTES)")
+    return data
+
+
 def list_images(sources: Iterable[str | Path]) -> list[str]:
     """The image paths of ``sources``, sorted and without repeats: a folder contributes every file below it whose
     suffix is an image format's (walked recursively), an image file itself, and any other file is a list of paths,
@@ -252,7 +267,7 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
 
     def read(path: str):
         # the service's decoding and limits, on the file's bytes (read once)
-        image = load_image(Path(path).read_bytes(), settings.max_pixels, name="the file")
+        image = load_image(file_bytes(path, settings.max_upload_bytes), settings.max_pixels, name="the file")
         prepared = runtime.prepare(image)
         if options.heatmaps is None:
             return None, prepared  # the decoded image is not kept while its caption is decoded

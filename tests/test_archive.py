@@ -145,6 +145,27 @@ def test_unreadable_files_are_reported_skipped_and_tried_again_on_resume(tmp_pat
                                                               "error": errors[str(tmp_path / "gone.jpg")]}]
 
 
+def test_a_list_naming_a_fifo_a_device_or_a_huge_file_skips_them(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                                   monkeypatch):
+    """A FIFO in a list blocked its reader for ever (and Ctrl-C with it), and /dev/zero was read until memory ran
+    out: only regular files within the service's upload limit are read."""
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)
+    limit = Path(small_archive[0]).stat().st_size + 100
+    huge = tmp_path / "huge.jpg"
+    huge.write_bytes(b"\xff" * (limit + 1))
+    monkeypatch.setenv("CAPTIONER_MAX_UPLOAD_BYTES", str(limit))
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join([small_archive[0], str(fifo), "/dev/zero", str(huge)]) + "\n")
+    out = tmp_path / "out.jsonl"
+    main(["caption", str(listing), "--output", str(out), "--checkpoint", str(tiny_checkpoint_folder), "--threads", "1",
+          "--max-len", "4"])
+    errors = {r["path"]: r["error"] for r in read_lines(tmp_path / "out.errors.jsonl")}
+    too_large = f"the file is larger than the upload limit of {limit} bytes (CAPTIONER_MAX_UPLOAD_BYTES)"
+    assert errors == {str(fifo): "not a regular file", "/dev/zero": "not a regular file", str(huge): too_large}
+    assert [r["path"] for r in read_lines(out)] == [small_archive[0]]
+
+
 @pytest.fixture(autouse=True)
 def torch_backend(monkeypatch):
     """In-process runs read the service's CAPTIONER_* settings like the subprocesses: PyTorch, no warm-up."""
