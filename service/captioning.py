@@ -192,9 +192,12 @@ async def _run_model(state: ServiceState, name: str, data: bytes, beam: int, len
         # a request the batcher would refuse is refused before its image is decoded (under overload that
         # decoding is CPU time taken from the admitted requests)
         batcher.check_admission(remaining_s(settings, started), beam, length)
+    # the header is parsed in a worker thread too: a JPEG of millions of empty markers takes Pillow seconds to scan,
+    # which on the event loop stalled every other request (and the liveness probe) meanwhile
+    pixels = await asyncio.to_thread(image_pixels, data)
     with slot_deadline(settings, "the upload waited to be decoded"):
         prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], data, settings.max_pixels,
-                                                cost=image_pixels(data), timeout=remaining_s(settings, started))
+                                                cost=pixels, timeout=remaining_s(settings, started))
     remaining = remaining_s(settings, started)
     if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
         raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "

@@ -287,3 +287,28 @@ def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_tr
                                           limit=10**6, seconds=0.5), timeout=5)
 
     asyncio.run(drain())  # returns after its half second; without the bound, wait_for's TimeoutError
+
+
+def test_an_uploads_header_is_parsed_off_the_event_loop(tiny_weights, monkeypatch):
+    """The pixel count that budgets decoding was read on the event loop: a JPEG of millions of empty markers takes
+    Pillow seconds to scan, and every other request (the liveness probe too) waited for it."""
+    import asyncio
+
+    from captioner.service import captioning
+
+    on_loop = []
+    measure = captioning.image_pixels
+
+    def recording(data: bytes) -> int:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker thread has no running loop
+            on_loop.append(False)
+        return measure(data)
+
+    monkeypatch.setattr(captioning, "image_pixels", recording)
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False))
+    with TestClient(app) as client:
+        assert _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=4).status_code == 200
+    assert on_loop == [False]
