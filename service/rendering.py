@@ -28,6 +28,9 @@ Format = Literal["png", "figure", "json"]
 #: the longer side of what is rendered when the request names no ``max_side``, and the most it may name: an
 #: overlay costs memory in proportion to its pixels (a 40-megapixel upload would need gigabytes)
 DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE = 2048, 4096
+#: format=json's default and largest side: it encodes one map per token (33 maps at 4,096 px took 20 s of a render
+#: slot and 12 MB, again on every GET of the same result); heat maps are smooth, a client scales them up
+JSON_RENDER_SIDE = 1024
 
 
 @dataclass
@@ -50,6 +53,9 @@ def check_render_options(options: RenderOptions, runtime: Runtime | None = None)
     if options.format == "json" and options.mode is not None and options.mode not in HEAT_MODES:
         raise RenderError(f"format=json returns heat maps: mode must be one of {', '.join(HEAT_MODES)} "
                           f"({options.mode} draws boxes: use format=png or figure)")
+    if options.format == "json" and (options.max_side or 0) > JSON_RENDER_SIDE:
+        raise RenderError(f"format=json renders one heat map per token: max_side is at most {JSON_RENDER_SIDE} "
+                          "for it (scale the maps up, or draw one token with format=png)")
     colormap(options.cmap)
     if runtime is not None and options.mode == "area_topk" and not runtime.reports_areas:
         raise RenderError(f"area_topk draws area attention, which model {runtime.name!r} does not have (a model "
@@ -64,7 +70,7 @@ def drawn_mode(result: CaptionResult, options: RenderOptions) -> str:
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
     check_render_options(options)
     result = stored.result
-    side = options.max_side or DEFAULT_RENDER_SIDE
+    side = options.max_side or (JSON_RENDER_SIDE if options.format == "json" else DEFAULT_RENDER_SIDE)
     image = load_image(stored.upload, reduce_to=side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8 of its size
     if max(image.size) > side:
         image.thumbnail((side, side))

@@ -181,3 +181,15 @@ def test_overlays_of_a_large_photo_are_rendered_at_most_2048_pixels_wide_unless_
     assert _image(response).size == (2048, 410)
     assert client.get(f"/captions/{response.headers['x-caption-id']}/overlay",
                       params={"token": 0, "max_side": 5000}).status_code == 422
+
+
+def test_json_heat_maps_of_a_large_photo_are_at_most_1024_pixels(client):
+    """format=json encodes one map per token: at 4,096 px a 33-token caption cost 20 s of a render slot and 12 MB,
+    again on every GET of the same result; its default and largest side is 1,024 (format=png still draws 4,096)."""
+    photo = _png(Image.new("RGB", (3000, 600), (90, 120, 30)))
+    result = client.post("/caption", params={"max_len": 2}, files={"file": ("wide.png", photo, "image/png")}).json()
+    url = f"/captions/{result['id']}/overlay"
+    assert client.get(url, params={"format": "json"}).json()["size"] == [1024, 205]
+    refused = client.get(url, params={"format": "json", "max_side": 2048})
+    assert refused.status_code == 422 and "at most 1024" in refused.json()["detail"]
+    assert _image(client.get(url, params={"token": 0, "max_side": 4096})).size == (3000, 600)
