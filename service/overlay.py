@@ -17,8 +17,8 @@ from captioner.models.rendering.heatmaps import MODES
 
 from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
-from .rendering import (DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions, check_render_options, drawn_mode,
-                        render_result)
+from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions,
+                        check_render_options, drawn_mode, render_result)
 from .results import Results, StoredResult
 from .schemas import CAPTION_BODY, CaptionOut, HeatmapsOut
 from .state import ServiceState, State
@@ -34,7 +34,8 @@ FormatQuery = Annotated[Format | None, Query(description=(
 CmapQuery = Annotated[str, Query(description="matplotlib colormap name")]
 AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, description="heatmap opacity")]
 SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
-    f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE})"))]
+    f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE}; format=json, one map per token: "
+    f"default and at most {JSON_RENDER_SIDE})"))]
 RENDERED = {200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
                   "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"},
             504: {"description": "deadline passed while waiting for a render slot"}}
