@@ -9,6 +9,7 @@ training did) and free-form metadata (training command, metrics).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
@@ -307,22 +309,42 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     digests = verify_manifest(path) if verify else {}
     config = read_config(path)
     vocab = Vocabulary.load(path / VOCAB)
-    model = create(config["arch"], **config["model"], **config.get("special_ids", {}))
+    build = functools.partial(create, config["arch"], **config["model"], **config.get("special_ids", {}))
+    _check_shapes(path, config["arch"], build)
+    model = build()
     try:
         weights = load_file(path / WEIGHTS, device="cpu")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing") from None
     except Exception as exc:  # noqa: BLE001 — safetensors' own error type for a truncated or foreign file
         raise CheckpointError(f"{path / WEIGHTS} cannot be read as safetensors ({exc})") from None
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:  # missing, unexpected or mis-shaped tensors: other weights than config.json's model
-        raise CheckpointError(f"{path / WEIGHTS} does not hold the weights of the {config['arch']} model its "
-                              f"{CONFIG} describes:\n{exc}") from None
+    model.load_state_dict(weights, strict=True)  # names and shapes were checked above
     model.to(device).eval()
     return Checkpoint(model=model, vocab=vocab, encoder=resolve_encoder_weights(config["encoder"], path), path=path,
                       meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS),
                       storage=config.get("storage", "float32"))
+
+
+def _check_shapes(path: Path, arch: str, build: Callable[[], Captioner]) -> None:
+    """The model ``config.json`` describes, built on PyTorch's meta device (no memory), against the tensors the
+    safetensors header lists: a folder whose config asks for a model of gigabytes beside weights of megabytes (a
+    mistake, or a hostile folder among the served ones) is refused before anything is allocated."""
+    with torch.device("meta"):
+        expected = {name: tuple(tensor.shape) for name, tensor in build().state_dict().items()}
+    try:
+        with safe_open(path / WEIGHTS, "pt") as stored_file:
+            stored = {name: tuple(stored_file.get_slice(name).get_shape()) for name in stored_file.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a checkpoint: {WEIGHTS} is missing") from None
+    except Exception as exc:  # noqa: BLE001 — safetensors' own error type for a truncated or foreign file
+        raise CheckpointError(f"{path / WEIGHTS} cannot be read as safetensors ({exc})") from None
+    if expected == stored:
+        return
+    problems = [f"missing {name}" for name in expected.keys() - stored.keys()]
+    problems += [f"unexpected {name}" for name in stored.keys() - expected.keys()]
+    problems += [f"{name}: {list(stored[name])} stored, {list(expected[name])} described"
+                 for name in expected.keys() & stored.keys() if expected[name] != stored[name]]
+    shown = "; ".join(sorted(problems)[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    raise CheckpointError(f"{path / WEIGHTS} does not hold the weights of the {arch} model its {CONFIG} describes: "
+                          f"{shown}")
 
 
 #: EncoderSpec fields that may name a file inside the checkpoint folder: an imported CNN (``captioner import``), or

@@ -142,3 +142,27 @@ def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config
     (old / "MODEL_CARD.md").write_text("# card")  # a card is a checkpoint's own
     main(["storage", str(source), "float16", "--out", str(old), "--force"])
     assert load_checkpoint(old).storage == "float16"
+
+
+def test_a_config_describing_a_far_larger_model_is_refused_before_it_is_built(tmp_path, tiny_sat, vocab,
+                                                                              monkeypatch):
+    """A served folder's config.json with hidden_dim=12000 beside megabytes of weights made loading allocate 6 GB
+    before the weights were compared: the description is built on the meta device and checked against the
+    safetensors header first, and the real model is never built."""
+    import captioner.models.checkpoint as checkpoint
+
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    config = json.loads((path / "config.json").read_text())
+    config["model"]["hidden_dim"] = 12000
+    (path / "config.json").write_text(json.dumps(config))
+    built = []
+    real_create = checkpoint.create
+
+    def counting_create(*args, **kwargs):
+        built.append(torch.empty(0).device.type)  # the default device this build runs under
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "create", counting_create)
+    with pytest.raises(CheckpointError, match=r"does not hold the weights of the sat model .*\[12000.*described"):
+        load_checkpoint(path, verify=False)
+    assert built == ["meta"]  # only the description: no 12000-wide model was allocated
