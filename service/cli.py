@@ -17,18 +17,32 @@ from captioner.models.cli.inference import cmd_caption as caption_files
 from captioner.models.device import resolve_device
 
 
+def read_settings(**overrides):
+    """The service's settings (CAPTIONER_* variables, ``overrides`` winning), or a one-line error naming each bad
+    setting and what is wrong with it, never its value: pydantic's own message quotes the input, an API key with
+    it."""
+    from pydantic import ValidationError
+
+    from .settings import Settings
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"CAPTIONER_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+        raise SystemExit(f"error: settings: {problems}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from .app import create_app
     from .lifecycle import DrainingServer
     from .middleware import configure_logging
-    from .settings import Settings
 
     overrides = {k: v for k, v in {"weights_dir": args.weights_dir, "default_model": args.model,
                                     "device": args.device, "host": args.host, "port": args.port,
                                     "log_level": args.log_level}.items() if v is not None}
-    settings = Settings(**overrides)
+    settings = read_settings(**overrides)
     # a device this machine lacks is the user's mistake, said in one line before the server starts (in the
     # lifespan it was a traceback and uvicorn's "Application startup failed")
     resolve_device(settings.device)
@@ -76,14 +90,11 @@ def cmd_caption(args: argparse.Namespace) -> None:
                          "(with --attention or --heatmaps DIR for the attention)")
     if args.checkpoint and len(args.checkpoint) > 1:
         raise SystemExit("error: an archive is captioned by one --checkpoint")
-    from pydantic import ValidationError
-
     from .archive import ArchiveError, ArchiveOptions, caption_archive, parse_shard
-    from .settings import Settings
 
     try:
-        settings = Settings(**{k: v for k, v in {"device": None if args.device == "auto" else args.device,
-                                                 "threads": args.threads}.items() if v is not None})
+        settings = read_settings(**{k: v for k, v in {"device": None if args.device == "auto" else args.device,
+                                                      "threads": args.threads}.items() if v is not None})
         options = ArchiveOptions(args.beam_size, args.max_len, args.attention,
                                  Path(args.heatmaps) if args.heatmaps else None, args.readers, args.length_penalty,
                                  args.block_trigrams)
@@ -91,8 +102,6 @@ def cmd_caption(args: argparse.Namespace) -> None:
                               settings, options, args.resume, parse_shard(args.shard or "0/1"), args.progress)
     except ArchiveError as exc:
         raise SystemExit(f"error: {exc}") from None
-    except ValidationError as exc:  # the CAPTIONER_* variables the archive shares with the service
-        raise SystemExit(f"error: settings: {'; '.join(e['msg'] for e in exc.errors())}") from None
     except KeyboardInterrupt:
         print(f"interrupted: the captions written so far are in {args.output}; run the same command with --resume "
               "to finish", file=sys.stderr)

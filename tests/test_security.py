@@ -219,3 +219,15 @@ def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
         access.setLevel(level)
     assert lines and all("\n" not in line for line in lines)
     assert "/caption\\n2026-11-30" in lines[-1]
+
+
+def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
+    """pydantic's own error quoted the input: an API key mistyped as a JSON object was printed whole at start-up."""
+    from captioner.service.cli import main
+
+    monkeypatch.setenv("CAPTIONER_API_KEYS", '{"client": "topsecret-key"}')
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", "8791"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "CAPTIONER_API_KEYS: Input should be a valid list" in err
+    assert "topsecret" not in err
