@@ -38,7 +38,7 @@ from .openapi import install_docs, install_openapi
 from .security import install_security
 from .settings import Settings
 from .state import ServiceState
-from .work_slots import WorkSlots
+from .work_slots import UploadBudget, WorkSlots
 from .warmup import warm_up
 
 log = logging.getLogger("captioner.app")
@@ -104,6 +104,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.on_idle = IdleTrimmer() if settings.release_memory else None
         state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
         state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
+        state.upload_budget = UploadBudget(settings.upload_budget_bytes, settings.retry_after_s)
         set_threads(settings.threads, settings.interop_threads)
         loading = None
         try:  # the batchers started are stopped however the app ends: a failed start in the foreground too

@@ -84,6 +84,10 @@ class Overloaded(ServiceError):
         self.retry_after_s = retry_after_s
 
 
+class UploadsBusy(Overloaded):
+    """The uploads being received at once hold the service's byte budget (``upload_budget_bytes``): retry."""
+
+
 class DeadlinePassed(ServiceError):
     """The caption was not finished within the request deadline."""
 

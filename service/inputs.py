@@ -32,6 +32,7 @@ from .captioning import CaptionRequest
 from .errors import ClientGone, InvalidImage, InvalidRequest, UnsupportedBody, UploadTooLarge
 from .middleware import ARRIVED
 from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
+from .work_slots import UNLIMITED, UploadBudget
 
 #: room for the multipart envelope around the file (boundaries, part headers, the option fields)
 MULTIPART_SLACK = 64 * 1024
@@ -89,10 +90,12 @@ async def read_upload(upload: UploadFile, limit: int) -> bytes:
     return checked_image(await upload.read(limit + 1), limit)
 
 
-async def limited_stream(request: Request, limit: int, refused_at: int | None = None) -> AsyncIterator[bytes]:
+async def limited_stream(request: Request, limit: int, refused_at: int | None = None,
+                         budget: UploadBudget = UNLIMITED) -> AsyncIterator[bytes]:
     """The body's chunks, refused (:class:`UploadTooLarge` naming ``limit``) as soon as more than ``refused_at``
     bytes (default ``limit``) have come, and before any is read when the client announced more: a body sent
-    without a length (chunked) meets the same limit as one that declares it."""
+    without a length (chunked) meets the same limit as one that declares it.  Its bytes are held in ``budget``
+    while it arrives."""
     refused_at = limit if refused_at is None else refused_at
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > refused_at:
@@ -100,27 +103,31 @@ async def limited_stream(request: Request, limit: int, refused_at: int | None = 
     size = 0
     try:
         async for chunk in request.stream():
+            budget.take(len(chunk))
             size += len(chunk)
             if size > refused_at:
                 raise UploadTooLarge(limit)
             yield chunk
     except ClientDisconnect:  # a client leaving mid-upload is not a failure of the service
         raise ClientGone("the client closed the connection while sending the upload") from None
+    finally:
+        budget.give(size)
 
 
-async def read_body(request: Request, limit: int, refused_at: int | None = None) -> bytes:
+async def read_body(request: Request, limit: int, refused_at: int | None = None,
+                    budget: UploadBudget = UNLIMITED) -> bytes:
     """The raw body, refusing as soon as it passes ``refused_at`` bytes (default ``limit``) — before reading it
     when the client announced its length."""
-    return b"".join([chunk async for chunk in limited_stream(request, limit, refused_at)])
+    return b"".join([chunk async for chunk in limited_stream(request, limit, refused_at, budget)])
 
 
 @asynccontextmanager
-async def multipart_form(request: Request, limit: int) -> AsyncIterator[FormData]:
+async def multipart_form(request: Request, limit: int, budget: UploadBudget = UNLIMITED) -> AsyncIterator[FormData]:
     """The multipart form of a request whose file may hold ``limit`` bytes, its parts' temporary files closed on
     leaving.  Starlette's ``request.form()`` spools a chunked body's file parts to disk whatever their size, so the
     parser reads the counted stream instead: past the file limit plus the envelope, the upload is refused while
     it arrives."""
-    parser = MultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK),
+    parser = MultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK, budget),
                              max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
     try:
         form = await parser.parse()
@@ -227,16 +234,18 @@ def options_before_body(request: Request, query: CaptionOptions) -> CaptionOptio
     return None if _is_json(_content_type(request)) else query
 
 
-async def read_caption_request(request: Request, query: CaptionOptions, limit: int) -> CaptionRequest:
-    """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses."""
+async def read_caption_request(request: Request, query: CaptionOptions, limit: int,
+                               budget: UploadBudget = UNLIMITED) -> CaptionRequest:
+    """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses,
+    its bytes held in ``budget`` while they arrive."""
     content_type = _content_type(request)
     if content_type == "multipart/form-data":
-        async with multipart_form(request, limit) as form:
+        async with multipart_form(request, limit, budget) as form:
             upload, options = form_options(form)
             return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
     if _is_json(content_type):
         # base64 takes 4 bytes for 3, plus the options: the body may be that much larger than the image
-        body = await read_body(request, limit, (limit * 4 + 2) // 3 + 4096)
+        body = await read_body(request, limit, (limit * 4 + 2) // 3 + 4096, budget)
         try:
             parsed = CaptionJSON.model_validate_json(body)
         except ValidationError as exc:
@@ -251,7 +260,7 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
         checked_image(data, limit)
         return CaptionRequest(data, overlaid(query, parsed))  # JSON options override the query parameters
     if content_type.startswith("image/") or content_type == "application/octet-stream":
-        return CaptionRequest(checked_image(await read_body(request, limit), limit), query)
+        return CaptionRequest(checked_image(await read_body(request, limit, budget=budget), limit), query)
     if not content_type:
         raise missing_file()
     raise UnsupportedBody(f"a caption request's body cannot be {content_type}: send multipart/form-data with a "

@@ -53,6 +53,9 @@ class Settings(BaseSettings):
 
     # -- requests -----------------------------------------------------------------------------------------------
     max_upload_bytes: int = Field(10 * 1024 * 1024, ge=1, description="larger uploads get 413")
+    upload_budget_bytes: int = Field(256 * 1024 * 1024, ge=1, description="bytes of the uploads being received at "
+                                     "once, across requests: past it a request's next chunk is refused with 429 and "
+                                     "Retry-After (clients trickling many large bodies cannot hold the memory)")
     max_pixels: int = Field(40_000_000, ge=1, description="larger images (decompression bombs) get 413")
     default_beam_size: int = Field(3, ge=1, description="beam width of requests that name none")
     max_beam_size: int = Field(10, ge=1, description="wider beams get 422")

@@ -15,7 +15,7 @@ from .batcher import Batcher
 from .metrics import Metrics
 from .result_cache import ResultCache
 from .settings import Settings
-from .work_slots import WorkSlots
+from .work_slots import UNLIMITED, UploadBudget, WorkSlots
 
 
 @dataclass
@@ -34,6 +34,8 @@ class ServiceState:
     #: bounded thread-pool work (work_slots.py): decoding uploads, rendering overlays; made at start-up
     decode_slots: WorkSlots = field(default_factory=lambda: WorkSlots(1))
     render_slots: WorkSlots = field(default_factory=lambda: WorkSlots(1))
+    #: the bytes of the uploads being received at once (inputs.py); made at start-up
+    upload_budget: UploadBudget = field(default_factory=lambda: UNLIMITED)
     #: returns freed memory to the system when work runs out (memory.py's IdleTrimmer; None: never)
     on_idle: Callable[[], None] | None = None
 

@@ -62,7 +62,7 @@ async def _read_upload(request: Request, state: ServiceState, query: CaptionOpti
         raise
     try:  # a slow or stalled upload is cut off at the deadline, not read to its end
         async with asyncio.timeout(remaining_s(settings, arrived)):
-            return await read_caption_request(request, query, settings.max_upload_bytes)
+            return await read_caption_request(request, query, settings.max_upload_bytes, state.upload_budget)
     except TimeoutError:
         raise UploadTimeout(f"the upload did not arrive within the {settings.request_timeout_s:g} s request "
                             "deadline") from None

@@ -11,6 +11,9 @@ batcher gets them together) while two images at the pixel limit already fill it.
 Waiters are served in arrival order, so a large piece is not overtaken forever by small ones; a piece larger than
 the whole budget runs alone.  A waiter gives up at its deadline; work that has started runs to its end and gives
 its share back then, whether or not anyone still waits for its result.
+
+:class:`UploadBudget` bounds the step before: the bytes of the uploads still arriving, which do not wait (a chunk
+that does not fit is refused with 429).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
+
+from .errors import UploadsBusy
 
 T = TypeVar("T")
 
@@ -98,3 +103,27 @@ class WorkSlots:
                 continue
             self._used += cost
             granted.set_result(None)
+
+
+class UploadBudget:
+    """The bytes of the uploads being received at once, across requests, against ``capacity``: each upload takes
+    its chunks as they arrive and gives them back once its body is read (or fails).  A request that does not fit
+    is refused (:class:`UploadsBusy`, 429): per request the body is bounded by the upload limit and the deadline,
+    but many slow bodies at once were bounded by nothing.  Only the event loop's thread touches it."""
+
+    def __init__(self, capacity: int, retry_after_s: int = 1):
+        self.capacity, self.retry_after_s = capacity, retry_after_s
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.capacity:
+            raise UploadsBusy(f"the uploads being received hold the service's budget of {self.capacity} bytes "
+                              "(CAPTIONER_UPLOAD_BUDGET_BYTES); retry", self.retry_after_s)
+        self.held += size
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+#: no budget: a caller that reads one body alone (tests, tools)
+UNLIMITED = UploadBudget(2**62)

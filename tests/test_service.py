@@ -312,3 +312,24 @@ def test_an_uploads_header_is_parsed_off_the_event_loop(tiny_weights, monkeypatc
     with TestClient(app) as client:
         assert _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=4).status_code == 200
     assert on_loop == [False]
+
+
+def test_uploads_being_received_share_one_byte_budget(tiny_weights):
+    """Each upload was bounded alone (size, deadline) but many at once by nothing: a thousand trickling 10-MB bodies
+    held gigabytes. Their bytes are held in one budget while they arrive and given back however the read ends."""
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False,
+                        upload_budget_bytes=20_000)
+    app = create_app(settings)
+    small = _png(Image.fromarray(data.coffee()).resize((40, 30)), "PNG")
+    large = _png(Image.fromarray(np.random.default_rng(0).integers(0, 255, (120, 160, 3), dtype=np.uint8)), "PNG")
+    assert len(small) < 20_000 < len(large) < settings.max_upload_bytes
+    with TestClient(app) as client:
+        budget = app.state.service.upload_budget
+        refused = _post(client, large, beam_size=2, max_len=4)
+        assert refused.status_code == 429 and refused.json()["type"] == "/problems/overloaded"
+        assert "CAPTIONER_UPLOAD_BUDGET_BYTES" in refused.json()["detail"] and refused.headers["retry-after"]
+        assert budget.held == 0  # given back when the read failed
+        budget.take(19_000)  # another upload, still arriving, holds most of it
+        assert _post(client, small, beam_size=2, max_len=4).status_code == 429
+        budget.give(19_000)
+        assert _post(client, small, beam_size=2, max_len=4).status_code == 200 and budget.held == 0
