@@ -499,6 +499,9 @@ F8K_SHIP_sat-hard := f8k-sat-hard
 F8K_SHIP_aoanet := f8k-aoanet
 # X-LAN with its encoder's last stage fine-tuned (docs/decisions.md, "Fine-tuning the encoder's last stage")
 F8K_SHIP_xlan := f8k-xlan-tuned
+# the shipped xtransformer is this run's 20-epoch best/ (its card's command says --epochs 20); the recipe went on to
+# 30 epochs, whose best/ (epoch 29) did not clear the bar to replace it (docs/decisions.md, "Flickr8k: X-Transformer
+# to 30 epochs"): to rebuild the shipped one, run the stage with F8K_TRAIN_f8k-xtransformer-wide's --epochs 20
 F8K_SHIP_xtransformer := f8k-xtransformer-wide
 F8K_SHIP_area-transformer := f8k-area-transformer
 $(foreach norm,softmax sparsemax tvmax,$(eval F8K_SHIP_sparsecap-$(norm) := f8k-sparsecap-$(norm)))
