@@ -194,7 +194,16 @@ def foreign_entries(path: Path) -> list[str]:
     except (OSError, ValueError, AttributeError):
         listed = set()
     allowed = {*OWN_FILES, CARD, *listed}
-    return sorted(entry.name for entry in path.iterdir() if not (entry.is_file() and entry.name in allowed))
+    # a write_atomically killed inside the folder (a card, update_meta) leaves .NAME.tmp-XXXX: debris, not a stranger
+    return sorted(entry.name for entry in path.iterdir()
+                  if not (entry.is_file() and (entry.name in allowed or _is_temporary_of(entry.name, allowed))))
+
+
+def _is_temporary_of(name: str, files: set[str]) -> bool:
+    """Whether ``name`` is a temporary file :func:`~captioner.models.files.temporary_beside` names for one of
+    ``files``."""
+    stem, _, suffix = name.rpartition(".tmp-")
+    return bool(suffix) and stem.startswith(".") and stem[1:] in files
 
 
 def _checkpoint_config(path: Path) -> bool:

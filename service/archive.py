@@ -49,8 +49,8 @@ NO_DEADLINE_S = 365 * 24 * 3600.0
 STOP_WAIT_S = 1.0
 #: panel size of the per-word figures (caption_figure's default)
 FIGURE_PANEL = 224
-#: the fields of a caption line without ``attention=True`` (CaptionOut's names; ``path`` comes first)
-#: a line's fields without --attention: the caption, and how it was decoded (the model, beam and decoding rules)
+#: a line's fields without --attention (CaptionOut's names; ``path`` comes first): the caption, and how it was
+#: decoded (the model, beam and decoding rules)
 SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", "length_penalty", "block_trigrams", "caption", "tokens",
                   "token_logprobs", "score")
 

@@ -28,8 +28,14 @@ def read_settings(**overrides):
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(f"CAPTIONER_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{_setting_named(error['loc'])}: {error['msg']}" for error in exc.errors())
         raise SystemExit(f"error: settings: {problems}") from None
+
+
+def _setting_named(location: tuple) -> str:
+    """The variable a settings error is about: its field's (the first location; a dict's keys follow), or the
+    settings as a whole for a rule between fields (no location)."""
+    return f"CAPTIONER_{str(location[0]).upper()}" if location else "the settings together"
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

@@ -32,7 +32,8 @@ from .captioning import CaptionRequest
 from .errors import ClientGone, InvalidImage, InvalidRequest, UnsupportedBody, UploadTooLarge
 from .middleware import ARRIVED
 from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
-from .work_slots import UNLIMITED, UploadBudget
+from .settings import json_body_bytes
+from .work_slots import UNLIMITED, UploadBudget, UploadHold
 
 #: room for the multipart envelope around the file (boundaries, part headers, the option fields)
 MULTIPART_SLACK = 64 * 1024
@@ -91,11 +92,11 @@ async def read_upload(upload: UploadFile, limit: int) -> bytes:
 
 
 async def limited_stream(request: Request, limit: int, refused_at: int | None = None,
-                         budget: UploadBudget = UNLIMITED) -> AsyncIterator[bytes]:
+                         budget: UploadBudget | UploadHold = UNLIMITED) -> AsyncIterator[bytes]:
     """The body's chunks, refused (:class:`UploadTooLarge` naming ``limit``) as soon as more than ``refused_at``
     bytes (default ``limit``) have come, and before any is read when the client announced more: a body sent
-    without a length (chunked) meets the same limit as one that declares it.  Its bytes are held in ``budget``
-    while it arrives."""
+    without a length (chunked) meets the same limit as one that declares it.  Its chunks are taken from ``budget``
+    as they arrive (a request's :class:`UploadHold` gives them back when the request ends)."""
     refused_at = limit if refused_at is None else refused_at
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > refused_at:
@@ -110,19 +111,18 @@ async def limited_stream(request: Request, limit: int, refused_at: int | None = 
             yield chunk
     except ClientDisconnect:  # a client leaving mid-upload is not a failure of the service
         raise ClientGone("the client closed the connection while sending the upload") from None
-    finally:
-        budget.give(size)
 
 
 async def read_body(request: Request, limit: int, refused_at: int | None = None,
-                    budget: UploadBudget = UNLIMITED) -> bytes:
+                    budget: UploadBudget | UploadHold = UNLIMITED) -> bytes:
     """The raw body, refusing as soon as it passes ``refused_at`` bytes (default ``limit``) — before reading it
     when the client announced its length."""
     return b"".join([chunk async for chunk in limited_stream(request, limit, refused_at, budget)])
 
 
 @asynccontextmanager
-async def multipart_form(request: Request, limit: int, budget: UploadBudget = UNLIMITED) -> AsyncIterator[FormData]:
+async def multipart_form(request: Request, limit: int,
+                         budget: UploadBudget | UploadHold = UNLIMITED) -> AsyncIterator[FormData]:
     """The multipart form of a request whose file may hold ``limit`` bytes, its parts' temporary files closed on
     leaving.  Starlette's ``request.form()`` spools a chunked body's file parts to disk whatever their size, so the
     parser reads the counted stream instead: past the file limit plus the envelope, the upload is refused while
@@ -235,17 +235,16 @@ def options_before_body(request: Request, query: CaptionOptions) -> CaptionOptio
 
 
 async def read_caption_request(request: Request, query: CaptionOptions, limit: int,
-                               budget: UploadBudget = UNLIMITED) -> CaptionRequest:
+                               budget: UploadBudget | UploadHold = UNLIMITED) -> CaptionRequest:
     """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses,
-    its bytes held in ``budget`` while they arrive."""
+    its chunks taken from ``budget`` as they arrive."""
     content_type = _content_type(request)
     if content_type == "multipart/form-data":
         async with multipart_form(request, limit, budget) as form:
             upload, options = form_options(form)
             return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
     if _is_json(content_type):
-        # base64 takes 4 bytes for 3, plus the options: the body may be that much larger than the image
-        body = await read_body(request, limit, (limit * 4 + 2) // 3 + 4096, budget)
+        body = await read_body(request, limit, json_body_bytes(limit), budget)
         try:
             parsed = CaptionJSON.model_validate_json(body)
         except ValidationError as exc:

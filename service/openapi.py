@@ -37,7 +37,8 @@ PROBLEM_SCHEMA: dict[str, Any] = {
 REASONS = {401: "API key missing or invalid (only when keys are configured)",
            404: "unknown model or result", 405: "method not allowed", 408: "upload not received within the deadline",
            413: "upload or image too large",
-           415: "unsupported body type", 422: "invalid input", 429: "queue full (Retry-After)",
+           415: "unsupported body type", 422: "invalid input",
+           429: "queue full, or the uploads being handled at once hold their byte budget (Retry-After)",
            500: "internal error (no details are disclosed)", 503: "not ready or shutting down (Retry-After)",
            504: "deadline passed"}
 EVERY_OPERATION = (404, 405, 422, 500, 503)

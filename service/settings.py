@@ -16,6 +16,12 @@ Backend = Literal["torch", "onnx", "hybrid", "auto"]
 MODEL_NAME_PREFIX = re.compile(r"[A-Za-z0-9._-]*")
 
 
+def json_body_bytes(image_bytes: int) -> int:
+    """The largest JSON caption request for an image of ``image_bytes``: base64 takes 4 bytes for 3, plus the
+    options."""
+    return (image_bytes * 4 + 2) // 3 + 4096
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTIONER_", env_file=None)
 
@@ -119,6 +125,15 @@ class Settings(BaseSettings):
         if bad:
             raise ValueError(f"name prefixes may hold only letters, digits, '.', '_' and '-': {bad}")
         return value
+
+    @model_validator(mode="after")
+    def _the_largest_upload_fits_the_budget(self) -> "Settings":
+        # an upload the budget can never hold would be told "429, retry" for ever
+        largest = json_body_bytes(self.max_upload_bytes)
+        if self.upload_budget_bytes < largest:
+            raise ValueError(f"upload_budget_bytes ({self.upload_budget_bytes}) must hold at least one largest upload "
+                             f"(max_upload_bytes as base64 JSON: {largest} bytes)")
+        return self
 
     @model_validator(mode="after")
     def _rows_fit_the_widest_beam(self) -> "Settings":

@@ -19,6 +19,7 @@ from .errors import ServiceError, UploadTimeout
 from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
 from .state import ServiceState
+from .work_slots import UploadHold
 
 AttentionFormatQuery = Annotated[AttentionFormat, Query(
     description="how the answer writes its attention maps (`attention` and `extras`): `json`, rows of numbers, or "
@@ -43,14 +44,16 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
     when ``check`` raises given that model's runtime (a form's fields may name the model)."""
     arrived = arrival(request)
     options = query  # the query's, until the body (a form's fields) completes them
-    with observed_request(state, arrived, lambda: options.model):
-        given = await _read_upload(request, state, query, lambda: check(None), arrived)
+    # the upload's bytes count against the service's budget from their arrival until the request ends: they stay
+    # in memory while it waits for a decode slot and decodes
+    with observed_request(state, arrived, lambda: options.model), state.upload_budget.hold() as hold:
+        given = await _read_upload(request, state, query, lambda: check(None), arrived, hold)
         options = given.options
         return given.data, await caption_image(state, given, arrived, check)
 
 
 async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],
-                       arrived: float) -> CaptionRequest:
+                       arrived: float, hold: UploadHold) -> CaptionRequest:
     settings = state.settings
     try:
         check()
@@ -62,7 +65,7 @@ async def _read_upload(request: Request, state: ServiceState, query: CaptionOpti
         raise
     try:  # a slow or stalled upload is cut off at the deadline, not read to its end
         async with asyncio.timeout(remaining_s(settings, arrived)):
-            return await read_caption_request(request, query, settings.max_upload_bytes, state.upload_budget)
+            return await read_caption_request(request, query, settings.max_upload_bytes, hold)
     except TimeoutError:
         raise UploadTimeout(f"the upload did not arrive within the {settings.request_timeout_s:g} s request "
                             "deadline") from None

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -106,10 +107,11 @@ class WorkSlots:
 
 
 class UploadBudget:
-    """The bytes of the uploads being received at once, across requests, against ``capacity``: each upload takes
-    its chunks as they arrive and gives them back once its body is read (or fails).  A request that does not fit
-    is refused (:class:`UploadsBusy`, 429): per request the body is bounded by the upload limit and the deadline,
-    but many slow bodies at once were bounded by nothing.  Only the event loop's thread touches it."""
+    """The bytes of the uploads held at once, across requests, against ``capacity``: a request takes its body's
+    chunks as they arrive (:meth:`hold`) and gives them all back when it ends, answered or failed, since its bytes
+    stay in memory until then (waiting for a decode slot, decoding).  A chunk that does not fit is refused
+    (:class:`UploadsBusy`, 429): per request the body is bounded by the upload limit and the deadline, but many
+    bodies at once were bounded by nothing.  Only the event loop's thread touches it."""
 
     def __init__(self, capacity: int, retry_after_s: int = 1):
         self.capacity, self.retry_after_s = capacity, retry_after_s
@@ -117,12 +119,32 @@ class UploadBudget:
 
     def take(self, size: int) -> None:
         if self.held + size > self.capacity:
-            raise UploadsBusy(f"the uploads being received hold the service's budget of {self.capacity} bytes "
+            raise UploadsBusy(f"the uploads being handled hold the service's budget of {self.capacity} bytes "
                               "(CAPTIONER_UPLOAD_BUDGET_BYTES); retry", self.retry_after_s)
         self.held += size
 
     def give(self, size: int) -> None:
         self.held -= size
+
+    @contextmanager
+    def hold(self) -> Iterator["UploadHold"]:
+        """One request's share: what it takes while the block runs is given back when the block ends."""
+        share = UploadHold(self)
+        try:
+            yield share
+        finally:
+            self.give(share.size)
+
+
+class UploadHold:
+    """The bytes one request has taken from an :class:`UploadBudget`."""
+
+    def __init__(self, budget: UploadBudget):
+        self.budget, self.size = budget, 0
+
+    def take(self, size: int) -> None:
+        self.budget.take(size)
+        self.size += size
 
 
 #: no budget: a caller that reads one body alone (tests, tools)

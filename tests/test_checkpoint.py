@@ -140,6 +140,7 @@ def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config
     assert "holds files no checkpoint has (notes.txt)" in capsys.readouterr().err and (old / "notes.txt").is_file()
     (old / "notes.txt").unlink()
     (old / "MODEL_CARD.md").write_text("# card")  # a card is a checkpoint's own
+    (old / ".MODEL_CARD.md.tmp-1a2b3c4d").write_text("# ca")  # and a card's write killed half-way is debris
     main(["storage", str(source), "float16", "--out", str(old), "--force"])
     assert load_checkpoint(old).storage == "float16"
 

@@ -1,3 +1,4 @@
+import os
 import shutil
 
 import pytest
@@ -69,6 +70,23 @@ def test_ptb_scoring_is_coco_captions_own_pipeline():
     assert ours["CIDEr-D"] == pytest.approx(Cider().compute_score(gts, res)[0], abs=1e-6)
     words = score_dataset({i: c.split() for i, c in captions.items()}, images, ("BLEU", "CIDEr-D"))
     assert words["CIDEr-D"] != pytest.approx(ours["CIDEr-D"], abs=1e-3)  # the two tokenizers do differ here
-    # one caption per line whatever it holds: a line break inside one must not shift the captions after it
-    assert ptb_tokenize({"x": ["A T-shirt\nhere.", "Can't."], "y": ["Last one."]}) == {
-        "x": ["a t-shirt here", "ca n't"], "y": ["last one"]}
+    # one caption per line whatever it holds: a line break the wrapper leaves (\r, \u2028) must not shift the
+    # captions after it
+    assert ptb_tokenize({"x": ["A T-shirt\rhere.", "Can't\u2028stop."], "y": ["Last one."]}) == {
+        "x": ["a t-shirt here", "ca n't stop"], "y": ["last one"]}
+
+
+def test_a_failed_ptb_tokenizer_run_is_an_error_not_empty_references(tmp_path, monkeypatch):
+    """pycocoevalcap's wrapper checks neither Java's exit status nor the lines it returns: a failed run scored the
+    captions against empty references, or failed later with an IndexError."""
+    from captioner.models.evaluation.metrics import ptb_tokenize
+
+    fake = tmp_path / "java"
+    fake.write_text("#!/bin/sh\necho 'Error: could not find or load main class' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(ChildProcessError, match="did not return one line per caption"):
+        ptb_tokenize({1: ["A dog runs."], 2: ["Two cats.", "A cat."]})
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    with pytest.raises(ChildProcessError, match="needs Java on PATH"):
+        ptb_tokenize({1: ["A dog runs."]})

@@ -231,3 +231,9 @@ def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "CAPTIONER_API_KEYS: Input should be a valid list" in err
     assert "topsecret" not in err
+    # a rule between settings has no variable of its own: it is named as the settings together
+    monkeypatch.delenv("CAPTIONER_API_KEYS")
+    monkeypatch.setenv("CAPTIONER_MAX_ROWS", "2")
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "8791"])
+    assert "error: settings: the settings together: Value error, max_rows (2)" in capsys.readouterr().err

@@ -314,22 +314,37 @@ def test_an_uploads_header_is_parsed_off_the_event_loop(tiny_weights, monkeypatc
     assert on_loop == [False]
 
 
-def test_uploads_being_received_share_one_byte_budget(tiny_weights):
+def test_uploads_share_one_byte_budget_until_their_requests_end(tiny_weights, monkeypatch):
     """Each upload was bounded alone (size, deadline) but many at once by nothing: a thousand trickling 10-MB bodies
-    held gigabytes. Their bytes are held in one budget while they arrive and given back however the read ends."""
+    held gigabytes. A request's bytes count against one budget from their arrival until it ends (they wait for a
+    decode slot and decode in memory), however it ends; a budget too small for one upload is refused at start."""
+    from pydantic import ValidationError
+
+    from captioner.service import captioning
+    from captioner.service.settings import json_body_bytes
+
+    with pytest.raises(ValidationError, match="must hold at least one largest upload"):
+        Settings(max_upload_bytes=12_000, upload_budget_bytes=12_000)
     settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False,
-                        upload_budget_bytes=20_000)
+                        max_upload_bytes=12_000, upload_budget_bytes=json_body_bytes(12_000))
     app = create_app(settings)
     small = _png(Image.fromarray(data.coffee()).resize((40, 30)), "PNG")
-    large = _png(Image.fromarray(np.random.default_rng(0).integers(0, 255, (120, 160, 3), dtype=np.uint8)), "PNG")
-    assert len(small) < 20_000 < len(large) < settings.max_upload_bytes
+    held_while_decoding = []
+    decode = captioning.decode_and_prepare
+
+    def recording(runtime, data_bytes, max_pixels):
+        held_while_decoding.append(app.state.service.upload_budget.held)
+        return decode(runtime, data_bytes, max_pixels)
+
+    monkeypatch.setattr(captioning, "decode_and_prepare", recording)
     with TestClient(app) as client:
         budget = app.state.service.upload_budget
-        refused = _post(client, large, beam_size=2, max_len=4)
+        budget.take(budget.capacity - 1000)  # other uploads, still arriving or decoding, hold nearly all of it
+        refused = _post(client, small, beam_size=2, max_len=4)
         assert refused.status_code == 429 and refused.json()["type"] == "/problems/overloaded"
         assert "CAPTIONER_UPLOAD_BUDGET_BYTES" in refused.json()["detail"] and refused.headers["retry-after"]
-        assert budget.held == 0  # given back when the read failed
-        budget.take(19_000)  # another upload, still arriving, holds most of it
-        assert _post(client, small, beam_size=2, max_len=4).status_code == 429
-        budget.give(19_000)
-        assert _post(client, small, beam_size=2, max_len=4).status_code == 200 and budget.held == 0
+        assert budget.held == budget.capacity - 1000  # the refused request gave back what it had taken
+        budget.give(budget.capacity - 1000)
+        assert _post(client, small, beam_size=2, max_len=4).status_code == 200
+        assert held_while_decoding and held_while_decoding[-1] >= len(small)  # still counted while decoding
+        assert budget.held == 0  # given back when the request ended

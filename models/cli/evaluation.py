@@ -36,10 +36,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from ..data.stores import open_feature_store
     from ..data.datasets import resolve_dataset
     from ..device import resolve_device, set_threads
-    from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE
+    from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE, check_ptb_tokenizer
     from ..evaluation.evaluate import evaluate_checkpoint
 
     set_threads(args.threads)
+    if args.ptb:  # refused before the captioning, not after it
+        check_ptb_tokenizer()
     grounding, entities = _grounding_benchmark(args.grounding)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
@@ -225,8 +227,11 @@ def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from ..data.datasets import resolve_dataset
     from ..evaluation.compare import compare_captions, markdown
+    from ..evaluation.metrics import check_ptb_tokenizer
 
     refuse_input_as_output(args.output, args.results, "--output")
+    if args.ptb:
+        check_ptb_tokenizer()
     dataset = resolve_dataset(args.dataset)
     images = load_split(dataset, args.image_root, args.split, check_images=False)
     sides = []

@@ -34,7 +34,7 @@ class FlickrLayout:
     token_file: str
     #: split → the candidate places of its list, first found wins
     split_files: dict[str, tuple[str, ...]]
-    #: where the photos are when no ``image_root`` is given, first holding the first training photo wins
+    #: where the photos are when no ``image_root`` is given: the one holding the most of the first listed photos
     image_folders: tuple[str, ...]
 
 

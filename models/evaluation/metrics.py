@@ -59,21 +59,34 @@ def ptb_tokenize(texts: Mapping[Any, Sequence[str]]) -> dict[Any, list[str]]:
     """coco-caption's tokenization of ``texts`` (key → captions): Stanford's PTBTokenizer, lower-cased, with the
     punctuation tokens dropped (pycocoevalcap's ``PTBTokenizer``, a Java subprocess), each caption its tokens joined
     by spaces, in the order given."""
-    if shutil.which("java") is None:
-        raise RuntimeError("coco-caption's PTB tokenizer needs Java on PATH")
+    check_ptb_tokenizer()
     from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
     keys = list(texts)
-    # one line per caption (the tokenizer keeps lines): a line break inside one would shift every later caption
+    # one line per caption (the tokenizer keeps lines): a line break inside one (\r, \u2028, … which the wrapper does
+    # not replace) would shift every later caption
     lines = {index: [{"caption": " ".join(text.split()) or "<empty>"} for text in texts[key]]
              for index, key in enumerate(keys)}
     tokenized = PTBTokenizer().tokenize(lines)
-    return {key: tokenized.get(index, []) for index, key in enumerate(keys)}
+    # the wrapper checks neither Java's exit status nor the lines it got back: a failed run would score captions
+    # against empty or shifted references
+    if any(len(tokenized.get(index, ())) != len(texts[key]) for index, key in enumerate(keys)):
+        raise ChildProcessError("coco-caption's PTB tokenizer (Java) did not return one line per caption: see its "
+                                "messages above")
+    return {key: tokenized[index] if texts[key] else [] for index, key in enumerate(keys)}
+
+
+def check_ptb_tokenizer() -> None:
+    """Refuse (:class:`ChildProcessError`) before any work where the PTB tokenizer cannot run: it needs Java."""
+    if shutil.which("java") is None:
+        raise ChildProcessError("coco-caption's PTB tokenizer needs Java on PATH (scoring with --ptb)")
 
 
 def ptb_captions(captions: Mapping[Any, str]) -> dict[Any, str]:
-    """One caption per key through :func:`ptb_tokenize` (one Java run for all of them)."""
-    return {key: texts[0] for key, texts in ptb_tokenize({key: [text] for key, text in captions.items()}).items()}
+    """One caption per key through :func:`ptb_tokenize` (one Java run for all of them); a caption of punctuation
+    alone comes back as ``"<empty>"``, as :func:`score_captions` scores an empty one."""
+    return {key: texts[0] or "<empty>"
+            for key, texts in ptb_tokenize({key: [text] for key, text in captions.items()}).items()}
 
 
 def reference_texts(images: Sequence[Any], ptb: bool = False) -> list[list[str]]:

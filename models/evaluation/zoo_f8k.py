@@ -11,6 +11,8 @@ a number no report holds is "—", never filled in.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -135,7 +137,7 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
     from ..data.datasets import load_captioned
     from .bootstrap import percentile_interval, resampled_ratios
     from .compare import compare_captions, result_id, scored_captions
-    from .metrics import cider_d, ptb_captions, reference_texts, score_captions
+    from .metrics import cider_d, reference_texts
 
     if dataset is None:
         raise ValueError("the paired bootstrap scores the captions against the references: pass --dataset")
@@ -160,17 +162,27 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
                              f"{row['split']['CIDEr-D']}: not the captions of that report")
         row["CIDEr-D interval"] = percentile_interval(
             resampled_ratios(per_image, np.ones(len(per_image)), resamples, seed=0))
-    # the same captions scored as coco-caption scores them: PTB tokens of the raw references and of the captions
-    ptb_refs = dict(zip(keys, reference_texts(images, ptb=True)))
-    tokenized = ptb_captions({(row["name"], key): caption for row in rows
-                              for key, caption in zip(keys, scored_captions(captions[row["name"]], keys))})
-    for row in rows:
-        row["ptb"] = score_captions({key: tokenized[(row["name"], key)] for key in keys}, ptb_refs, ("BLEU", "CIDEr-D"))
+    if shutil.which("java") is not None:  # without it the table says so (ptb_lines)
+        add_ptb_scores(rows, images, keys, captions)
     if baseline in captions:
         for row in rows:
             if row["name"] != baseline:
                 row["against baseline"] = compare_captions(captions[row["name"]], captions[baseline], images,
                                                            resamples)
+
+
+def add_ptb_scores(rows: list[dict[str, Any]], images: Sequence[Any], keys: list[int],
+                   captions: dict[str, dict[int, str]]) -> None:
+    """Each row's BLEU-4 and CIDEr-D scored as coco-caption scores them: PTB tokens of the raw references and of
+    the captions (metrics.py; one Java run for the references, one for every row's captions)."""
+    from .compare import scored_captions
+    from .metrics import ptb_captions, reference_texts, score_captions
+
+    refs = dict(zip(keys, reference_texts(images, ptb=True)))
+    tokenized = ptb_captions({(row["name"], key): caption for row in rows
+                              for key, caption in zip(keys, scored_captions(captions[row["name"]], keys))})
+    for row in rows:
+        row["ptb"] = score_captions({key: tokenized[(row["name"], key)] for key in keys}, refs, ("BLEU", "CIDEr-D"))
 
 
 # -- Markdown --------------------------------------------------------------------------------------------------
@@ -308,7 +320,8 @@ def ptb_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The measured rows' BLEU-4 and CIDEr-D scored as coco-caption scores them, beside the table's."""
     measured = [row for row in rows if "ptb" in row]
     if not measured:
-        return []
+        return ["The same captions scored as coco-caption scores them (its PTB tokenizer): not here, where there is "
+                "no Java to run it."] if any(row["split"] is not None for row in rows) else []
     lines = ["The same captions scored as coco-caption scores them (`captioner eval --ptb`): Stanford's PTB tokenizer "
              "over the raw references and the captions, punctuation dropped, where the table above uses the "
              "project's one tokenizer on both (docs/decisions.md, \"Scoring: the project's tokenizer, and "
