@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
@@ -332,11 +333,26 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
                       storage=config.get("storage", "float32"))
 
 
+class _NoFilling(TorchFunctionMode):
+    """Skips the in-place initialisation of a model built on the meta device (``normal_``, ``uniform_``,
+    ``kaiming_uniform_``, ``fill_``, …: it has no values to fill).  Run on meta tensors, those go through
+    ``torch._refs``, whose first use imports ``torch._dynamo`` and sympy: 150 MB more resident in every server,
+    for a check that reads shapes alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        target = args[0] if args else kwargs.get("tensor")
+        if name.endswith("_") and not name.startswith("__") and isinstance(target, torch.Tensor):
+            return target  # an in-place op returns its tensor
+        return func(*args, **kwargs)
+
+
 def _check_shapes(path: Path, arch: str, build: Callable[[], Captioner]) -> None:
     """The model ``config.json`` describes, built on PyTorch's meta device (no memory), against the tensors the
     safetensors header lists: a folder whose config asks for a model of gigabytes beside weights of megabytes (a
     mistake, or a hostile folder among the served ones) is refused before anything is allocated."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoFilling():
         expected = {name: tuple(tensor.shape) for name, tensor in build().state_dict().items()}
     try:
         with safe_open(path / WEIGHTS, "pt") as stored_file:

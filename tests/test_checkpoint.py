@@ -167,3 +167,17 @@ def test_a_config_describing_a_far_larger_model_is_refused_before_it_is_built(tm
     with pytest.raises(CheckpointError, match=r"does not hold the weights of the sat model .*\[12000.*described"):
         load_checkpoint(path, verify=False)
     assert built == ["meta"]  # only the description: no 12000-wide model was allocated
+
+
+def test_the_shape_check_costs_a_server_no_memory_of_its_own(tmp_path, tiny_sat, vocab):
+    """Built on the meta device, a model's initialisers ran through torch._refs, whose first use imports
+    torch._dynamo and sympy: 155 MB more resident in every server, past its 1 GiB aim. They are skipped."""
+    import subprocess
+    import sys
+
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    code = ("import sys; from captioner.models.checkpoint import load_checkpoint; "
+            f"load_checkpoint({str(path)!r}); print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "False"]
