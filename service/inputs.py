@@ -13,7 +13,6 @@ body is never held in memory.  Every failure is a typed exception of ``errors.py
 from __future__ import annotations
 
 import asyncio
-
 import base64
 import binascii
 import time

@@ -113,18 +113,21 @@ class UploadBudget:
     (:class:`UploadsBusy`, 429): per request the body is bounded by the upload limit and the deadline, but many
     bodies at once were bounded by nothing.  Only the event loop's thread touches it."""
 
-    def __init__(self, capacity: int, retry_after_s: int = 1):
-        self.capacity, self.retry_after_s = capacity, retry_after_s
+    def __init__(self, capacity: int | None, retry_after_s: int = 1):
+        self.capacity, self.retry_after_s = capacity, retry_after_s  # None: no budget, nothing counted
         self.held = 0
 
     def take(self, size: int) -> None:
+        if self.capacity is None:
+            return
         if self.held + size > self.capacity:
             raise UploadsBusy(f"the uploads being handled hold the service's budget of {self.capacity} bytes "
                               "(CAPTIONER_UPLOAD_BUDGET_BYTES); retry", self.retry_after_s)
         self.held += size
 
     def give(self, size: int) -> None:
-        self.held -= size
+        if self.capacity is not None:
+            self.held -= size
 
     @contextmanager
     def hold(self) -> Iterator["UploadHold"]:
@@ -148,4 +151,4 @@ class UploadHold:
 
 
 #: no budget: a caller that reads one body alone (tests, tools)
-UNLIMITED = UploadBudget(2**62)
+UNLIMITED = UploadBudget(None)
