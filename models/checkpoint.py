@@ -208,11 +208,12 @@ def _is_temporary_of(name: str, files: set[str]) -> bool:
 
 
 def _checkpoint_config(path: Path) -> bool:
+    """Whether ``path`` has a ``config.json`` of this format (:func:`read_config` reads it)."""
     try:
-        config = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError):
+        read_config(path)
+    except (CheckpointError, OSError, AttributeError):  # AttributeError: JSON that is not an object
         return False
-    return isinstance(config, dict) and config.get("format") == FORMAT
+    return True
 
 
 def replace_directory(tmp: Path, path: Path) -> None:

@@ -87,22 +87,26 @@ class CaptionResult:
         """The papers' figure of this caption on ``image``, the photo it describes: the photo, then each word's
         heatmap (:func:`~captioner.models.rendering.heatmaps.caption_figure`; ``style``: ``cmap``, ``alpha``,
         ``panel_size``, …), in ``mode`` or this model's own (:attr:`default_mode`)."""
-        mode = mode or self.default_mode
-        return caption_figure(image, self.tokens, self.drawn_rows(mode), self.geometry, mode,
-                              area_boxes=self.area_boxes, **style)
+        mode, rows = self._drawn(mode)
+        return caption_figure(image, self.tokens, rows, self.geometry, mode, area_boxes=self.area_boxes, **style)
 
     def overlay(self, image: Image.Image, token: int, mode: str | None = None, **style) -> Image.Image:
         """``image`` with the heatmap of token ``token`` (an index into :attr:`tokens`) drawn on it
         (:func:`~captioner.models.rendering.heatmaps.overlay`; ``style``: ``cmap``, ``alpha``)."""
         if not 0 <= token < len(self.tokens):
-            raise RenderError(f"token {token} is out of range (0..{len(self.tokens) - 1})")
-        mode = mode or self.default_mode
-        return overlay(image, self.drawn_rows(mode)[token], self.geometry, mode, area_boxes=self.area_boxes, **style)
+            raise RenderError(f"token {token} is out of range: the caption has {len(self.tokens)} tokens")
+        mode, rows = self._drawn(mode)
+        return overlay(image, rows[token], self.geometry, mode, area_boxes=self.area_boxes, **style)
 
     def figure_row(self, label: str, mode: str | None = None) -> FigureRow:
         """This caption as one row of a :func:`~captioner.models.rendering.heatmaps.comparison_figure`."""
+        mode, rows = self._drawn(mode)
+        return FigureRow(label, self.tokens, rows, self.geometry, self.area_boxes, mode)
+
+    def _drawn(self, mode: str | None) -> tuple[str, np.ndarray]:
+        """The mode a render draws (``mode``, else :attr:`default_mode`) and its rows (:meth:`drawn_rows`)."""
         mode = mode or self.default_mode
-        return FigureRow(label, self.tokens, self.drawn_rows(mode), self.geometry, self.area_boxes, mode)
+        return mode, self.drawn_rows(mode)
 
 
 @dataclass(frozen=True)

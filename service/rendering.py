@@ -17,8 +17,8 @@ from PIL import Image
 
 from captioner.models.encoder import load_image
 from captioner.models.inference import CaptionResult, Runtime
-from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, caption_figure, check_mode, colormap,
-                                                 heatmap, overlay, png_bytes)
+from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, check_mode, colormap,
+                                                 heatmap, png_bytes)
 
 from .results import StoredResult
 from .schemas import HeatmapOut, HeatmapsOut
@@ -74,19 +74,14 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     image = load_image(stored.upload, reduce_to=side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8 of its size
     if max(image.size) > side:
         image.thumbnail((side, side))
-    words = result.tokens
-    area_boxes = result.area_boxes
-    token, cmap, alpha = options.token, options.cmap, options.alpha
-    mode = drawn_mode(result, options)
-    rows = result.drawn_rows(mode)
+    mode, style = drawn_mode(result, options), {"cmap": options.cmap, "alpha": options.alpha}
     if options.format == "figure":
-        return png_bytes(caption_figure(image, words, rows, result.geometry, mode, cmap, alpha, area_boxes=area_boxes))
+        return png_bytes(result.figure(image, mode, **style))
     if options.format == "png":
-        if not 0 <= token < len(words):
-            raise RenderError(f"token {token} is out of range: the caption has {len(words)} tokens")
-        return png_bytes(overlay(image, rows[token], result.geometry, mode, cmap, alpha, area_boxes))
+        return png_bytes(result.overlay(image, options.token, mode, **style))
+    rows = result.drawn_rows(mode)
     heatmaps = []  # box modes were refused above, and every default mode draws heat
-    for i, word in enumerate(words):
+    for i, word in enumerate(result.tokens):
         heat = heatmap(rows[i], result.geometry, mode, image.size)
         gray = Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")
         heatmaps.append(HeatmapOut(token=word, index=i, heat_png=base64.b64encode(png_bytes(gray)).decode()))
