@@ -190,11 +190,7 @@ def check_replaceable(path: Path) -> None:
 def foreign_entries(path: Path) -> list[str]:
     """The entries of checkpoint folder ``path`` that are not a checkpoint's: anything but its own files, its card
     and the extra files its manifest lists (a sub-folder, say)."""
-    try:
-        listed = set(json.loads((path / MANIFEST).read_text()).get("files", {}))
-    except (OSError, ValueError, AttributeError):
-        listed = set()
-    allowed = {*OWN_FILES, CARD, *listed}
+    allowed = {*OWN_FILES, CARD, *listed_files(path)}
     # a write_atomically killed inside the folder (a card, update_meta) leaves .NAME.tmp-XXXX: debris, not a stranger
     return sorted(entry.name for entry in path.iterdir()
                   if not (entry.is_file() and (entry.name in allowed or _is_temporary_of(entry.name, allowed))))
@@ -273,10 +269,18 @@ def verify_manifest(path: str | Path) -> dict[str, str]:
 def recorded_checksum(path: str | Path) -> str | None:
     """The weights' sha256 as the manifest records it (what :attr:`Checkpoint.checksum` holds once verified), read
     without hashing or verifying anything; None when there is no readable manifest entry."""
+    entry = listed_files(Path(path)).get(WEIGHTS)
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def listed_files(path: Path) -> dict[str, Any]:
+    """The entries ``manifest.json`` lists, read leniently for questions that verify nothing (no manifest, or a torn
+    one, lists none); :func:`verify_manifest` is the strict reader that loading goes through."""
     try:
-        return json.loads((Path(path) / MANIFEST).read_text())["files"][WEIGHTS]["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        files = json.loads((path / MANIFEST).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
+        return {}
+    return files if isinstance(files, dict) else {}
 
 
 def not_a_checkpoint(path: Path) -> CheckpointError:

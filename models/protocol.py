@@ -9,6 +9,7 @@ tensors all have the (batch × beam) rows on dim 0, so :func:`~captioner.models.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -76,6 +77,13 @@ def index_rows(state: dict[str, Tensor], index: Tensor) -> dict[str, Tensor]:
     """Select rows (dim 0) of every tensor in a state dict — the one primitive behind expand and reorder."""
     return {key: value.index_select(0, index) for key, value in state.items()}
 
+
+
+def configured_normaliser(model_config: Mapping[str, Any]) -> str:
+    """The attention normaliser a model's constructor arguments name (SparseCap's ``attention``: softmax, sparsemax
+    or TVmax), softmax for models that take none; read from a checkpoint's ``config.json`` without building it."""
+    configured = model_config.get("attention")
+    return configured if isinstance(configured, str) else "softmax"
 
 class Captioner(nn.Module):
     """Base class of every captioner (docs/decisions.md#model-protocol-and-alignment-rule).
@@ -174,8 +182,7 @@ class Captioner(nn.Module):
     def attention_name(self) -> str:
         """The normaliser of the exported attention, as ``GET /models`` names it: the configured one of models that
         take one (SparseCap's ``attention``), else softmax."""
-        configured = self.config().get("attention")
-        return configured if isinstance(configured, str) else "softmax"
+        return configured_normaliser(self.config())
 
     def area_boxes(self, grid_hw: tuple[int, int] | None = None) -> Tensor | None:
         """``[|R|, 4]`` inclusive cell boxes ``(r1, c1, r2, c2)`` that index the ``areas`` extra of :meth:`step`, for

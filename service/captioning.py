@@ -80,24 +80,30 @@ def ensure_ready(state: ServiceState) -> None:
 
 
 def search_size(settings: Settings, options: CaptionOptions) -> tuple[int, int]:
-    """The beam width and caption length a request asks for, the service's defaults where it names none."""
-    return options.beam_size or settings.default_beam_size, options.max_len or settings.default_max_len
+    """The beam width and caption length a request asks for, the service's defaults where it names none; one above
+    the service's limit is refused with a 422 naming it."""
+    beam, length = options.beam_size or settings.default_beam_size, options.max_len or settings.default_max_len
+    for option, value, limit in (("beam_size", beam, settings.max_beam_size),
+                                 ("max_len", length, settings.max_max_len)):
+        if value > limit:
+            raise InvalidRequest(f"{option} {value} is above the limit of {limit}",
+                                 [{"loc": [option], "msg": f"above the limit of {limit}"}])
+    return beam, length
 
 
 def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: float) -> None:
     """Before a request's body is read: 503 while not ready and, when its options name its model and the body
-    cannot change them, 429 if that model's batcher would refuse it now — under overload, reading and parsing the
+    cannot change them, 422 for a beam or length above the limits and 429 if that model's batcher would refuse it
+    now — under overload, reading and parsing the
     body of a request that is then refused takes event-loop time from the admitted ones.  (Every request is
     checked again once its body is read.)"""
     ensure_ready(state)
     batcher = state.batchers.get(options.model) if options is not None and options.model else None
     if batcher is not None:
         settings = state.settings
+        beam, length = search_size(settings, options)
         with batcher_errors(settings):
-            # out-of-range options are refused later, with a 422 naming them
-            beam, length = search_size(settings, options)
-            batcher.check_admission(remaining_s(settings, arrived), min(beam, settings.max_beam_size),
-                                    min(length, settings.max_max_len))
+            batcher.check_admission(remaining_s(settings, arrived), beam, length)
 
 
 def pick_model(state: ServiceState, name: str | None) -> str:
@@ -164,11 +170,6 @@ async def caption_image(state: ServiceState, request: CaptionRequest, arrived: f
     name = pick_model(state, options.model)
     check(state.runtimes[name])
     beam, length = search_size(settings, options)
-    limits = (("beam_size", beam, settings.max_beam_size), ("max_len", length, settings.max_max_len))
-    for option, value, limit in limits:
-        if value > limit:
-            raise InvalidRequest(f"{option} {value} is above the limit of {limit}",
-                                 [{"loc": [option], "msg": f"above the limit of {limit}"}])
     rules = decoding_rules(state.runtimes[name], options)
     cache, key = state.result_cache, None
     if cache is not None and cache.enabled:

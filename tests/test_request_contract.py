@@ -80,6 +80,15 @@ def test_form_fields_have_the_query_parameters_bounds(client, photo):
         "detail"]
 
 
+def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):
+    # a query naming its model is checked before the body (refuse_early): the same 422 naming the option
+    too_wide = problem(post(client, photo, params={"model": "tiny-b", "beam_size": 9}))
+    assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["beam_size"]
+    too_long = problem(post(client, photo, params={"model": "tiny-a", "max_len": 13}))
+    assert "above the limit of 12" in too_long["detail"] and too_long["errors"][0]["loc"] == ["max_len"]
+    assert post(client, photo, params={"model": "tiny-b", "beam_size": 4}).status_code == 200
+
+
 def test_the_same_value_both_ways_is_accepted(client, photo):
     response = post(client, photo, params={"model": "tiny-b", "beam_size": 2}, fields={"model": "tiny-b",
                                                                                       "beam_size": "2"})

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..protocol import configured_normaliser
 from .zoo_table import write_between_markers
 
 START, END = "<!-- zoo-f8k:start -->", "<!-- zoo-f8k:end -->"
@@ -60,7 +61,7 @@ def title(name: str, config: dict[str, Any] | None) -> str:
         return f"Ensemble of {members} `{name}`"
     text = ARCH_TITLES.get(arch, arch)
     if arch == "sparsecap":
-        normaliser = config.get("model", {}).get("attention", "softmax")
+        normaliser = configured_normaliser(config.get("model", {}))
         text += f" ({NORMALISER_TITLES.get(normaliser, normaliser)})"
     if meta.get("train_config", {}).get("attention_supervision"):
         text += ", supervised attention"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import checkpoint_children, read_config
+from ..protocol import configured_normaliser
 from .card import merge_reports, total_train_seconds
 
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
@@ -64,9 +65,8 @@ def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
         meta = config.get("meta", {})
         splits = merged_reports(results, checkpoint.name)
         rows.append({"name": checkpoint.name, "arch": config.get("arch", "?"),
-                     "normaliser": config.get("model", {}).get("attention",
-                                                               "softmax" if config.get("arch") != "sat-hard"
-                                                               else "hard"),
+                     "normaliser": "hard" if config.get("arch") == "sat-hard"
+                                   else configured_normaliser(config.get("model", {})),
                      "parameters": parameter_count(checkpoint), "train_seconds": total_train_seconds(meta),
                      "hardware": meta.get("hardware"), "threads": meta.get("train_config", {}).get("threads"),
                      "splits": splits})
