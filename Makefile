@@ -59,14 +59,20 @@ help:
 # test suite imports most of them, in many processes at once, so the dev install compiles them all up front, on
 # every core. A compile error does not stop the install: a few wheels ship files for newer Pythons that are never
 # imported here (torch's testing/_internal/py312_intrinsics.py), and a file left uncompiled only costs its first import
+# setuptools builds an editable install from an egg-info it writes into the project root and leaves there; what
+# Python reads is the dist-info inside the virtual environment, so the leftover goes (the top level holds the
+# project's own files only)
+install_editable = $(BIN)/pip install --quiet --no-compile -e '$(1)' && rm -rf *.egg-info
+comma := ,
+
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -e .
+	$(call install_editable,.)
 	touch $@
 
 $(STAMP): $(RUNTIME_STAMP)
-	$(BIN)/pip install --quiet --no-compile -e '.[dev]'
+	$(call install_editable,.[dev])
 	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
 	  > /dev/null || true
 	touch $@
@@ -76,7 +82,7 @@ setup: $(STAMP)
 # an optional extra of pyproject.toml (for example lite2, which a recipe names in F8K_EXTRA_NAME), installed once
 # per virtual environment and again when pyproject.toml changes
 $(VENV)/.extra-%: $(STAMP)
-	$(BIN)/pip install --quiet --no-compile -e '.[dev,$*]'
+	$(call install_editable,.[dev$(comma)$*])
 	touch $@
 
 # serve: the real-photo checkpoints of weights/flickr8k/ under their folder names (the service's defaults);

@@ -8,6 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("models", "service", "tests", "benchmarks")
 
@@ -55,3 +57,16 @@ def test_no_source_file_imports_the_bare_folder_names():
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {name}" for name in names
                               if name.split(".")[0] in ("models", "service")]
     assert not offenders, "import captioner.models / captioner.service instead:\n" + "\n".join(offenders)
+
+
+#: what the project's top level holds (besides dotfiles): the product's folders and the files that build and run it
+TOP_LEVEL = {"models", "service", "weights", "docker", "tests", "docs", "benchmarks", "Dockerfile", "Makefile",
+             "README.md", "LICENSE", "pyproject.toml"}
+
+
+def test_the_top_level_holds_the_project_layout_only():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: what is tracked is unknown")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/")[0] for line in tracked.splitlines() if line}
+    assert {name for name in top if not name.startswith(".")} <= TOP_LEVEL
