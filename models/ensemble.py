@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
-from .registry import register
+from .registry import create, register
 
 
 def mean_of(normalisers: Iterable[str]) -> str:
@@ -52,8 +52,6 @@ class Ensemble(Captioner):
         if len(members) < 2:
             raise ValueError("an ensemble needs at least two members, built from trained checkpoints by "
                              "`captioner ensemble` (an ensemble is not trained)")
-        from .zoo import create  # the zoo imports this file to register it
-
         self.member_configs = [{"arch": m["arch"], "model": dict(m["model"])} for m in members]
         self.members = nn.ModuleList(create(m["arch"], **m["model"], **ids) for m in self.member_configs)
         for member in self.members:

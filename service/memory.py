@@ -134,7 +134,6 @@ class IdleTrimmer:
         self._lock = threading.Lock()
         self._last = float("-inf")
         self._scheduled = False
-        self.releases = 0
 
     def __call__(self) -> None:
         with self._lock:
@@ -151,8 +150,6 @@ class IdleTrimmer:
             self._scheduled = False
             self._last = time.monotonic()
         release_memory()
-        with self._lock:
-            self.releases += 1
 
 
 def resident_bytes(pid: int | str = "self") -> int:

@@ -47,7 +47,6 @@ from captioner.models.inference import ModelInfo, Prepared, Runtime, TorchRuntim
 from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
 
 log = logging.getLogger("captioner.runtime")
-BACKENDS = ("torch", "onnx", "hybrid", "auto")
 #: the check set of ``auto``: this many generated images, captioned with this beam and length by each backend
 CHECK_IMAGES, CHECK_BEAM, CHECK_MAX_LEN = 3, 3, 20
 

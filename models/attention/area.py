@@ -81,15 +81,10 @@ def enumerate_areas_1d(length: int, max_size: int) -> Tensor:
     return _boxes(1, length, 1, max_size)[:, [1, 3]].clone()
 
 
-def area_shapes(rows: int, cols: int, max_h: int, max_w: int) -> Tensor:
-    """Height and width of every area, ``[|R|, 2]`` long (the ``S_h``, ``S_w`` of Algorithm 1)."""
-    return _shapes(rows, cols, max_h, max_w, torch.device("cpu")).clone()
-
-
 @lru_cache(maxsize=256)
 def _shapes(rows: int, cols: int, max_h: int, max_w: int, device: torch.device) -> Tensor:
-    """:func:`area_shapes`, made once per grid and device and shared (read-only): a decoding step needs them
-    in every area layer."""
+    """Height and width of every area, ``[|R|, 2]`` long (the ``S_h``, ``S_w`` of Algorithm 1), made once per grid
+    and device and shared (read-only): a decoding step needs them in every area layer."""
     boxes = _boxes(rows, cols, max_h, max_w)
     return torch.stack([boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1], 1).to(device)
 
@@ -149,8 +144,8 @@ def _ones_like_traced(x: Tensor) -> Tensor:
 
 
 def _traced_area_shapes(like: Tensor, rows: int, max_h: int, max_w: int) -> Tensor:
-    """:func:`area_shapes` computed from the shape of ``like [..., rows*cols, D]`` by tensor operations, so that
-    it follows a symbolic grid size in an ONNX trace (:func:`area_shapes` enumerates boxes in Python, once per
+    """:func:`_shapes` computed from the shape of ``like [..., rows*cols, D]`` by tensor operations, so that
+    it follows a symbolic grid size in an ONNX trace (:func:`_shapes` enumerates boxes in Python, once per
     grid)."""
     ones = _ones_like_traced(like[(0,) * (like.dim() - 2)][:, :1]).long().view(rows, -1, 1)
     shape_of = {(h, w): torch.tensor([h, w], device=like.device) for h in range(1, max_h + 1)

@@ -33,7 +33,6 @@ from ..vocab import tokenize
 
 #: the coarse phrase types of Flickr30k Entities (arXiv:1505.04870, §3), "notvisual" aside
 PHRASE_TYPES = ("people", "clothing", "bodyparts", "animals", "vehicles", "instruments", "scene", "other")
-NOT_VISUAL = "notvisual"
 _OPENING = re.compile(r"^\[/EN#(\d+)((?:/[^/\s]+)+)$")
 
 
