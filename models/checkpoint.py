@@ -353,12 +353,23 @@ class _NoFilling(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def on_meta(build: Callable[[], Captioner]) -> Captioner:
+    """The model ``build`` makes, on PyTorch's meta device: its shapes and parameter count, without memory."""
+    with torch.device("meta"), _NoFilling():
+        return build()
+
+
+def described_model(path: str | Path) -> Captioner:
+    """The model checkpoint ``path``'s ``config.json`` describes, on the meta device (:func:`on_meta`)."""
+    config = read_config(path)
+    return on_meta(functools.partial(create, config["arch"], **config["model"], **config.get("special_ids", {})))
+
+
 def _check_shapes(path: Path, arch: str, build: Callable[[], Captioner]) -> None:
     """The model ``config.json`` describes, built on PyTorch's meta device (no memory), against the tensors the
     safetensors header lists: a folder whose config asks for a model of gigabytes beside weights of megabytes (a
     mistake, or a hostile folder among the served ones) is refused before anything is allocated."""
-    with torch.device("meta"), _NoFilling():
-        expected = {name: tuple(tensor.shape) for name, tensor in build().state_dict().items()}
+    expected = {name: tuple(tensor.shape) for name, tensor in on_meta(build).state_dict().items()}
     try:
         with safe_open(path / WEIGHTS, "pt") as stored_file:
             stored = {name: tuple(stored_file.get_slice(name).get_shape()) for name in stored_file.keys()}

@@ -174,18 +174,18 @@ def test_score_images_with_chance_controls(tmp_path):
 
 
 def test_zoo_table_from_records_and_reports(tmp_path):
-    import torch
-    from safetensors.torch import save_file
+    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+    from captioner.models.evaluation.params import count_parameters
+    from captioner.models.evaluation.zoo_table import parameter_count, write_zoo
 
-    from captioner.models.checkpoint import FORMAT
-    from captioner.models.evaluation.zoo_table import write_zoo
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
-    checkpoint = tmp_path / "weights" / "toy"
-    checkpoint.mkdir(parents=True)
-    save_file({"a": torch.zeros(10, 20), "b": torch.zeros(5)}, str(checkpoint / "model.safetensors"))
-    (checkpoint / "config.json").write_text(json.dumps({"format": FORMAT, "arch": "sparsecap",
-                                                        "model": {"attention": "tvmax"},
-                                                        "meta": {"train_seconds": 600, "hardware": "a test CPU"}}))
+    checkpoint = save_checkpoint(tmp_path / "weights" / "toy", tiny_model("sparsecap", attention="tvmax"), VOCAB,
+                                 TINY_SPEC, meta={"train_seconds": 600, "hardware": "a test CPU"})
+    hard = save_checkpoint(tmp_path / "hard", tiny_model("sat-hard"), VOCAB, TINY_SPEC)
+    # the parameters the card and GET /models count, without loading the weights: SAT-hard's buffers are none
+    assert parameter_count(hard) == count_parameters(load_checkpoint(hard).model)
+    assert parameter_count(checkpoint) == count_parameters(load_checkpoint(checkpoint).model)
     results = tmp_path / "results"
     results.mkdir()
     stat = {"mean": 0.5, "ci95": [0.4, 0.6]}
@@ -198,7 +198,8 @@ def test_zoo_table_from_records_and_reports(tmp_path):
     document = tmp_path / "zoo.md"
     document.write_text("# Zoo\n\nprose stays\n")
     first = write_zoo(tmp_path / "weights", results, document, tmp_path / "figures" / "grounding.png")
-    assert "| toy | sparsecap | tvmax | 0.0 M | 10 min on a test CPU | 0.900 (n=2) | — | 0.700 (n=3) | 3.000 | " \
+    size = f"{parameter_count(checkpoint) / 1e6:.1f} M"
+    assert f"| toy | sparsecap | tvmax | {size} | 10 min on a test CPU | 0.900 (n=2) | — | 0.700 (n=3) | 3.000 | " \
            "0.600 | 0.500 [0.400, 0.600] | 0.500 [0.400, 0.600] |" in first
     assert "chance: uniform" in first and (tmp_path / "figures" / "grounding.png").stat().st_size > 1000
     write_zoo(tmp_path / "weights", results, document, tmp_path / "figures" / "grounding.png")

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..checkpoint import CARD, WEIGHTS, file_checksum, load_checkpoint, read_config, write_manifest
 from ..data.datasets import trained_on
+from .params import count_parameters
 
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
 #: the columns of a card whose reports are of real photos (no objects to name): the caption metrics, then what
@@ -182,7 +183,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     config = read_config(path)
     meta = config.get("meta", {})
     model = ckpt.model
-    params = sum(p.numel() for p in model.parameters())
+    params = count_parameters(model)
     splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
     scenes = any("objects_named" in scores for _, scores in splits)
     metrics = METRICS if scenes else PHOTO_METRICS

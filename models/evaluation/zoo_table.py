@@ -13,25 +13,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import checkpoint_children, read_config
+from ..checkpoint import checkpoint_children, described_model, read_config
 from ..protocol import configured_normaliser
 from .card import merge_reports, total_train_seconds
+from .params import count_parameters
 
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
 
 def parameter_count(checkpoint: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as handle:
-        for key in handle.keys():
-            shape = handle.get_slice(key).get_shape()
-            count = 1
-            for dim in shape:
-                count *= dim
-            total += count
-    return total
+    """The checkpoint's parameters, as its card and ``GET /models`` count them (buffers, such as SAT-hard's
+    baseline, are not parameters), read from its config without loading its weights."""
+    return count_parameters(described_model(checkpoint))
 
 
 def merged_reports(results: Path, name: str) -> dict[str, Any]:
