@@ -161,6 +161,7 @@ class Runtime(ABC):
     """One checkpoint on one device; subclasses supply :meth:`begin`, :meth:`step` and :meth:`reorder`."""
 
     backend: str = ""
+    providers: list[str] | None = None  # ONNX Runtime's execution providers, for the runtimes that run on it
 
     def __init__(self, name: str, ckpt: Checkpoint, device: torch.device):
         self.name, self.ckpt, self.device = name, ckpt, torch.device(device)
@@ -180,9 +181,6 @@ class Runtime(ABC):
 
     @functools.cached_property
     def _info(self) -> ModelInfo:
-        return self._describe()
-
-    def _describe(self) -> ModelInfo:
         model = self.ckpt.model
         return ModelInfo(name=self.name, architecture=model.arch, attention_kind=model.attention_kind,
                          attention=model.attention_name,
@@ -192,7 +190,8 @@ class Runtime(ABC):
                          decoding=dataclasses.asdict(self.default_rules),
                          # a photo is captioned on the grid (a region model cannot caption one): every mode draws
                          # it, and area_topk the areas of a model that attends over them
-                         heatmap_modes=[m for m in MODES if m != "area_topk" or self.reports_areas])
+                         heatmap_modes=[m for m in MODES if m != "area_topk" or self.reports_areas],
+                         providers=list(self.providers) if self.providers is not None else None)
 
     def _public_spec(self) -> EncoderSpec:
         """The spec as its checkpoint records it: files inside the checkpoint folder by name, not by this server's

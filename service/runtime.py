@@ -24,7 +24,6 @@ It runs models, and uses the same preprocessing function as training (the batche
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -43,7 +42,7 @@ from captioner.models.decoding import expand_rows
 from captioner.models.device import resolve_device
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.files import write_atomically
-from captioner.models.inference import ModelInfo, Prepared, Runtime, TorchRuntime, grid_encoder
+from captioner.models.inference import Prepared, Runtime, TorchRuntime, grid_encoder
 from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
 
 log = logging.getLogger("captioner.runtime")
@@ -125,9 +124,6 @@ class OnnxRuntime(Runtime):
             raise NoCudaProvider(f"ONNX Runtime has no working CUDA execution provider here (providers: "
                                  f"{', '.join(self.providers)}); install onnxruntime-gpu with its CUDA libraries")
 
-    def _describe(self) -> ModelInfo:
-        return dataclasses.replace(super()._describe(), providers=list(self.providers))
-
     def _run(self, session, inputs: dict[str, torch.Tensor], outputs: list[str]) -> list[torch.Tensor]:
         return run_session(session, inputs, outputs, self.device, self.on_gpu)
 
@@ -198,9 +194,6 @@ class HybridRuntime(TorchRuntime):
     def on_gpu(self) -> bool:
         """Whether the CNN runs on ONNX Runtime's CUDA provider (the decoder follows ``device``)."""
         return self.visual.on_gpu
-
-    def _describe(self) -> ModelInfo:
-        return dataclasses.replace(super()._describe(), providers=list(self.providers))
 
     def grid_features(self, batch: list[Prepared]) -> torch.Tensor:
         # on the CUDA provider: pinned and copied asynchronously to the GPU, then bound; otherwise host memory
@@ -438,7 +431,7 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
             runtime = runtime or TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
         runtimes[name] = runtime
         log.info("loaded %s (%s) from %s: %s backend on %s (%s)", name, ckpt.model.arch, path, runtime.backend, device,
-                 ", ".join(getattr(runtime, "providers", None) or [precision]))
+                 ", ".join(runtime.providers or [precision]))
     return runtimes
 
 
