@@ -18,14 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import get_normaliser
+from .attention import NORMALISERS, get_normaliser
 from .attention.tvmax import tv2d_prox
 from .layers import AdditiveAttention
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
-
-OUTPUT_NORMALISERS = ("softmax", "sparsemax", "tvmax")
-
 
 @register("sparsecap")
 class SparseCap(Captioner):
@@ -35,8 +32,8 @@ class SparseCap(Captioner):
                  visual_dim: int = 512, attn_dim: int = 512, dropout: float = 0.5, attention: str = "softmax",
                  tvmax_lambda: float = 0.01, input_attention_normalizer: str = "softmax", **ids: int):
         super().__init__(vocab_size, feat_dim, **ids)
-        if attention not in OUTPUT_NORMALISERS:
-            raise ValueError(f"attention must be one of {OUTPUT_NORMALISERS}, got {attention!r}")
+        if attention not in NORMALISERS:
+            raise ValueError(f"attention must be one of {', '.join(NORMALISERS)}, got {attention!r}")
         self.hparams = dict(embed_dim=embed_dim, hidden_dim=hidden_dim, visual_dim=visual_dim, attn_dim=attn_dim,
                             dropout=dropout, attention=attention, tvmax_lambda=tvmax_lambda,
                             input_attention_normalizer=input_attention_normalizer)
@@ -46,9 +43,9 @@ class SparseCap(Captioner):
         # separate parameters for the two attentions (docs/decisions.md#sparsecap-attention-parameters);
         # AdditiveAttention is exactly wᵀ tanh(affine([v_i; h])) with the affine map split into its v and h blocks
         self.input_attention = AdditiveAttention(visual_dim, hidden_dim, attn_dim,
-                                                 _normaliser(input_attention_normalizer, tvmax_lambda))
+                                                 _bound_normaliser(input_attention_normalizer, tvmax_lambda))
         self.output_attention = AdditiveAttention(visual_dim, hidden_dim, attn_dim,
-                                                  _normaliser(attention, tvmax_lambda))
+                                                  _bound_normaliser(attention, tvmax_lambda))
         self.lstm = nn.LSTMCell(embed_dim + visual_dim, hidden_dim)
         self.readout = nn.Linear(visual_dim, hidden_dim)  # r_t = tanh(affine(s̃_t))
         self.out_word = nn.Linear(2 * hidden_dim, vocab_size)  # affine([r_t; h_t]) of SparseCap Eq. 10
@@ -90,5 +87,5 @@ class SparseCap(Captioner):
         return F.log_softmax(logits, dim=-1), {"h": h, "c": c}, AttnRecord(alpha_out, {"input_attention": alpha})
 
 
-def _normaliser(name: str, tvmax_lambda: float):
+def _bound_normaliser(name: str, tvmax_lambda: float):
     return get_normaliser(name, lam=tvmax_lambda) if name == "tvmax" else get_normaliser(name)

@@ -44,6 +44,21 @@ def test_registered_with_config_round_trip():
         create("sparsecap", vocab_size=5, feat_dim=4, attention="entmax")
 
 
+def test_a_normaliser_added_to_the_table_is_one_sparsecap_can_take(monkeypatch):
+    from captioner.models import attention
+
+    # an unknown name is a ValueError (the CLI's one-line error), for either of SparseCap's normalisers
+    for option in ("attention", "input_attention_normalizer"):
+        with pytest.raises(ValueError, match="nope"):
+            create("sparsecap", vocab_size=5, feat_dim=4, **{option: "nope"})
+    def halved(scores, mask=None):
+        return F.softmax(scores / 2, dim=-1)
+
+    monkeypatch.setitem(attention.NORMALISERS, "halved", halved)
+    model = create("sparsecap", vocab_size=5, feat_dim=4, attention="halved", input_attention_normalizer="halved")
+    assert model.config()["attention"] == "halved" and model.attention_name == "halved"
+
+
 @pytest.mark.parametrize("attention", NORMALISERS)
 def test_step_matches_the_equations(attention):
     model, vis = _tiny(attention), _visuals()

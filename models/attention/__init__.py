@@ -27,10 +27,20 @@ Normaliser = Callable[[Tensor, Tensor | None], Tensor]
 NORMALISERS: dict[str, Normaliser] = {"softmax": masked_softmax, "sparsemax": sparsemax, "tvmax": tvmax_square}
 
 
+class UnknownNormaliser(KeyError, ValueError):
+    """No normaliser has this name (a KeyError, as a table lookup; a ValueError, as a mistake in a model's
+    configuration, which the CLI answers in one line)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def get_normaliser(name: str, **options: Any) -> Normaliser:
-    """The normaliser called ``name``; keyword ``options`` are bound to it (e.g. ``lam`` for ``tvmax``)."""
+    """The normaliser called ``name``; keyword ``options`` are bound to it (e.g. ``lam`` for ``tvmax``).  A new
+    normaliser is a function of the signature above, added to :data:`NORMALISERS`."""
     try:
         normalise = NORMALISERS[name]
     except KeyError:
-        raise KeyError(f"unknown attention normaliser {name!r}; choose from {sorted(NORMALISERS)}") from None
+        raise UnknownNormaliser(f"unknown attention normaliser {name!r}; choose from {sorted(NORMALISERS)} (a new "
+                                "one is added to NORMALISERS in models/attention/__init__.py)") from None
     return partial(normalise, **options) if options else normalise

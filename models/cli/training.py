@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..attention import NORMALISERS
 from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
                      add_threads_option, at_least, key_values, length_penalty, load_training_captions, output_file,
                      positive_int, refuse_overwrite, split_with_features, yes_or_no)
@@ -149,7 +150,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     tr = sub.add_parser("train", help="XE or SCST training with validation, best-checkpoint selection and resume; "
                         "paper schedules with --recipe; data-parallel under torchrun")
     add_train_config_arguments(tr)
-    tr.add_argument("--attention", help="attention normaliser for models that take one (softmax/sparsemax/tvmax)")
+    tr.add_argument("--attention", help="attention normaliser for models that take one (SparseCap): "
+                    f"{', '.join(NORMALISERS)}")
     tr.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
     tr.set_defaults(func=cmd_train)
 

@@ -15,14 +15,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..attention import NORMALISERS
 from ..checkpoint import checkpoint_children, read_config
 from ..data.datasets import named_by_path
 from .grounding import interval
 from .phrase_grounding import MODES, summary_table, type_table
-from .zoo_table import write_between_markers
+from .zoo_table import normaliser_label, write_between_markers
 
 START, END = "<!-- grounding:start -->", "<!-- grounding:end -->"
-NORMALISERS = ("softmax", "sparsemax", "tvmax")
 #: scikit-image's bundled photos for the heatmap figure (never a Flickr photo: they may not be redistributed)
 EXAMPLE_PHOTOS = ("chelsea", "astronaut", "coffee")
 #: the data sets whose photos Flickr30k Entities annotates
@@ -41,11 +41,8 @@ def real_photo_checkpoints(weights: Path) -> list[Path]:
 
 
 def normaliser(checkpoint: Path) -> str:
-    config = read_config(checkpoint)
-    if config.get("arch") == "ensemble":  # the mean of its members' maps: no one normaliser's example
-        return "ensemble"
-    attention = config.get("model", {}).get("attention")
-    return attention if isinstance(attention, str) else ("hard" if config.get("arch") == "sat-hard" else "softmax")
+    """The checkpoint's normaliser, as the tables label it (an ensemble's is no one normaliser's example)."""
+    return normaliser_label(read_config(checkpoint))
 
 
 def load_reports(results: Path, names: list[str], split: str = "test") -> list[tuple[str, dict]]:
@@ -87,7 +84,7 @@ def heatmap_checkpoints(weights: Path) -> list[Path]:
     (the three differ only in the normaliser), else any other of that normaliser."""
     chosen = []
     candidates = real_photo_checkpoints(weights)
-    for name in NORMALISERS:
+    for name in NORMALISERS:  # the table's order: softmax, sparsemax, TVmax
         same = [c for c in candidates if normaliser(c) == name]
         same.sort(key=lambda c: read_config(c).get("arch") != "sparsecap")
         chosen += same[:1]

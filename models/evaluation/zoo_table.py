@@ -21,6 +21,16 @@ from .params import count_parameters
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
 
+def normaliser_label(config: dict[str, Any]) -> str:
+    """The attention normaliser of a checkpoint's ``config.json``, as the docs' tables label it: "ensemble" for the
+    mean of its members' maps, "hard" for SAT-hard's sampling distribution, else the configured one
+    (:func:`~captioner.models.protocol.configured_normaliser`)."""
+    arch = config.get("arch")
+    if arch in ("ensemble", "sat-hard"):
+        return {"ensemble": "ensemble", "sat-hard": "hard"}[arch]
+    return configured_normaliser(config.get("model", {}))
+
+
 def parameter_count(checkpoint: Path) -> int:
     """The checkpoint's parameters, as its card and ``GET /models`` count them (buffers, such as SAT-hard's
     baseline, are not parameters), read from its config without loading its weights."""
@@ -58,8 +68,7 @@ def zoo_rows(weights: Path, results: Path) -> list[dict[str, Any]]:
         meta = config.get("meta", {})
         splits = merged_reports(results, checkpoint.name)
         rows.append({"name": checkpoint.name, "arch": config.get("arch", "?"),
-                     "normaliser": "hard" if config.get("arch") == "sat-hard"
-                                   else configured_normaliser(config.get("model", {})),
+                     "normaliser": normaliser_label(config),
                      "parameters": parameter_count(checkpoint), "train_seconds": total_train_seconds(meta),
                      "hardware": meta.get("hardware"), "threads": meta.get("train_config", {}).get("threads"),
                      "splits": splits})
