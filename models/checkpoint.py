@@ -355,8 +355,14 @@ class _NoFilling(TorchFunctionMode):
 
 def on_meta(build: Callable[[], Captioner]) -> Captioner:
     """The model ``build`` makes, on PyTorch's meta device: its shapes and parameter count, without memory."""
-    with torch.device("meta"), _NoFilling():
-        return build()
+    try:
+        with torch.device("meta"), _NoFilling():
+            return build()
+    except (RuntimeError, NotImplementedError) as exc:  # a constructor that reads a tensor's value; a bad config
+        # is a ValueError or TypeError, which passes as it is
+        raise CheckpointError(f"the model cannot be built on PyTorch's meta device ({exc}), where loading checks a "
+                              "checkpoint's shapes before allocating anything: a model's constructor must not read "
+                              "tensor values (.item(), .tolist()); compute such constants in Python") from None
 
 
 def described_model(path: str | Path) -> Captioner:

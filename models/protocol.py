@@ -65,8 +65,10 @@ class VisualBatch:
 class AttnRecord:
     """The attention that fed the word predicted at this step (docs/decisions.md#model-protocol-and-alignment-rule).
 
-    ``primary`` is ``[B', N]`` non-negative weights over visual items; ``extras`` carries model-specific maps
-    (e.g. ``beta_gate`` [B', 1] for SAT, ``input_attention`` [B', N] for SparseCap).
+    ``primary`` is ``[B', N]`` non-negative weights over the ``N`` visual items of the batch, each row summing to 1
+    (heatmaps, grounding and the ensemble's mean read it as a distribution); a model that attends to nothing returns
+    uniform rows.  ``extras`` carries model-specific maps (e.g. ``beta_gate`` [B', 1] for SAT, ``input_attention``
+    [B', N] for SparseCap).
     """
 
     primary: Tensor
@@ -78,19 +80,22 @@ def index_rows(state: dict[str, Tensor], index: Tensor) -> dict[str, Tensor]:
     return {key: value.index_select(0, index) for key, value in state.items()}
 
 
-
 def configured_normaliser(model_config: Mapping[str, Any]) -> str:
     """The attention normaliser a model's constructor arguments name (SparseCap's ``attention``: softmax, sparsemax
     or TVmax), softmax for models that take none; read from a checkpoint's ``config.json`` without building it."""
     configured = model_config.get("attention")
     return configured if isinstance(configured, str) else "softmax"
 
+
 class Captioner(nn.Module):
     """Base class of every captioner (docs/decisions.md#model-protocol-and-alignment-rule).
 
     Subclasses set ``arch`` (registry name), ``attention_kind`` (how the primary map should be read) and
-    implement the abstract methods.  ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come from the
-    vocabulary the model was built with.
+    implement the abstract methods and :meth:`config`, whose dict rebuilds the model (``create(arch, **config)``:
+    a checkpoint stores it).  ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come from the vocabulary the
+    model was built with.  A constructor must run on PyTorch's meta device (it must not read a tensor's values:
+    ``.item()``, ``.tolist()``): loading builds the model there first to check a checkpoint's shapes before
+    allocating anything.  A new model file is imported in :mod:`.zoo`, which registers it.
     """
 
     arch: ClassVar[str] = ""

@@ -1,3 +1,4 @@
+import functools
 import json
 
 import pytest
@@ -181,3 +182,40 @@ def test_the_shape_check_costs_a_server_no_memory_of_its_own(tmp_path, tiny_sat,
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "False"]
+
+
+def test_every_registered_model_builds_on_the_meta_device():
+    """Loading builds each model on the meta device first (the shape check): a constructor that cannot run there
+    would make its checkpoints unloadable."""
+    from captioner.models.checkpoint import on_meta
+    from captioner.models.zoo import available
+
+    from .serving_helpers import tiny_model
+
+    for arch in available():
+        model = tiny_model(arch)
+        described = on_meta(lambda: create(arch, **model.config(), **_ids(model)))
+        assert {n: p.shape for n, p in described.state_dict().items()} == \
+               {n: p.shape for n, p in model.state_dict().items()}, arch
+
+
+def test_a_constructor_that_reads_tensor_values_is_refused_with_the_rule(tmp_path, monkeypatch, tiny_sat, vocab):
+    from captioner.models.registry import MODELS
+    from captioner.models.sat import ShowAttendTell
+
+    class ScaledSat(ShowAttendTell):
+        @functools.wraps(ShowAttendTell.__init__)  # the options create() checks are SAT's
+        def __init__(self, *args, **options):
+            super().__init__(*args, **options)
+            self.scale = float(torch.tensor(4.0).sqrt().item())  # a value read from a tensor
+
+    ScaledSat.arch = "scaled-sat"
+    monkeypatch.setitem(MODELS, "scaled-sat", ScaledSat)
+    model = ScaledSat(**tiny_sat.config(), **_ids(tiny_sat))
+    path = save_checkpoint(tmp_path / "ckpt", model, vocab, EncoderSpec())
+    with pytest.raises(CheckpointError, match=r"meta device .*must not read tensor values"):
+        load_checkpoint(path)
+
+
+def _ids(model) -> dict[str, int]:
+    return {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id}
