@@ -101,6 +101,15 @@ class AoARefinerLayer(nn.Module):
 
 @register("aoanet")
 class AoANet(Captioner):
+    """AoANet (Huang et al., "Attention on Attention for Image Captioning", arXiv:1908.06954, §3.2).
+
+    :meth:`encode` is the refining encoder (§3.2.1: Eq. 7, with the multi-head attention of Eq. 8–10) and
+    :meth:`step` the decoder (§3.2.2: Eq. 12–14, then Eq. 11), both built on AoA (§3.1, Eq. 3–6).  The defaults
+    follow the paper's equations; ``pre_norm`` and the reference-compatibility flags give the authors' code instead
+    (docs/decisions.md#aoanet-residual-style, docs/decisions.md#aoanet-reference-compatibility-flags), and
+    ``refiner``, ``decoder_attention`` and ``context`` the ablations of Table 4 (see the module docstring).
+    """
+
     attention_kind = "multihead_attention"
 
     def __init__(self, vocab_size: int, feat_dim: int, d_model: int = 1024, embed_dim: int = 1024, heads: int = 8,
@@ -168,6 +177,12 @@ class AoANet(Captioner):
 
     # -- encoder ------------------------------------------------------------------------------------------------
     def encode(self, vis: VisualBatch) -> EncState:
+        """The refined items ``A`` (AoANet §3.2.1): ``a_i = ReLU(W_r r_i + b_r)`` (§3.4 states only the projection
+        to ``D``; ReLU and dropout are the authors' code's: docs/decisions.md#aoanet-dropout), then
+        ``refine_layers`` (paper: N = 6) layers of Eq. 7, ``A ← LN(A + AoA^E(f_mh-att, W^{Q_e}A, W^{K_e}A,
+        W^{V_e}A))`` with ``f_mh-att`` of Eq. 8–10 (or a Table 4 ablation refiner).  Also what every step reuses:
+        the mean ``ā`` of Eq. 12 (masked: docs/decisions.md#masked-items) and Eq. 14's ``W^{K_d}A``, ``W^{V_d}A``,
+        split into heads."""
         mask = vis.mask
         items = self.drop(F.relu(self.embed_items(vis.feats.to(self.embed_items.weight.dtype))))
         for layer in self.refine:
@@ -208,6 +223,12 @@ class AoANet(Captioner):
         return attended.squeeze(1), query if self.aoa_query == "projected" else h, weights.squeeze(2)
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """One decoder step (AoANet §3.2.2) for the input word ``w_t`` (``prev_tokens``):
+        ``x_t = [W_e Π_t; ā + c_{t−1}]`` (Eq. 12), ``h_t, m_t = LSTM(x_t, h_{t−1}, m_{t−1})`` (Eq. 13),
+        ``c_t = AoA^D(f_mh-att, W^{Q_d} h_t, W^{K_d}A, W^{V_d}A)`` (Eq. 14, with Eq. 6's AoA taking the projected
+        ``W^{Q_d} h_t`` as its query) and the log of ``softmax(W_p c_t)`` (Eq. 11) for the next word.  Dropout on
+        ``c_{t−1}`` and ``c_t`` is the authors' code's (docs/decisions.md#aoanet-dropout); the ``context`` ablations
+        (Fig. 7a, 7b) replace Eq. 14's AoA.  Exports the decoder attention averaged over the heads."""
         # ā + c_{t−1}: added, not concatenated (Eq. 12)
         visual = enc["mean"] + self.drop(self.previous_context(state))
         words = self.embed_words(prev_tokens)  # W_e Π_t

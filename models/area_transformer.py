@@ -85,6 +85,15 @@ class _DecoderLayer(nn.Module):
 
 @register("area-transformer")
 class AreaTransformer(Captioner):
+    """A Transformer captioner with area attention in its first ``area_layers`` layers (Li et al., "Area
+    Attention", arXiv:1810.10126, §3.2 and Table 4): 2D areas of the grid in the encoder's self-attention and the
+    decoder's cross-attention, 1D spans of the caption in the decoder's self-attention.  Area keys are the mean of
+    Eq. 3 or the combined key of Eq. 9 (from the features of Eq. 5–8), area values the sums of Eq. 4, and the
+    attention Eq. 1–2 over the areas with a scaled dot product as ``f_att``
+    (:class:`~captioner.models.attention.area.AreaMultiHeadAttention`).  The rest is the Transformer of Vaswani
+    et al. (arXiv:1706.03762), with learned cell positions (docs/decisions.md#areatransformer-cell-positions).
+    """
+
     attention_kind = "area_attention"
 
     def __init__(self, vocab_size: int, feat_dim: int, d_model: int = 256, n_heads: int = 4, enc_layers: int = 2,
@@ -131,6 +140,11 @@ class AreaTransformer(Captioner):
         return side, side
 
     def encode(self, vis: VisualBatch) -> EncState:
+        """The encoder over the ``rows × cols`` grid: projected cells plus learned row + column embeddings
+        (docs/decisions.md#areatransformer-cell-positions), then ``enc_layers`` layers whose first ``area_layers``
+        self-attend over 2D areas up to ``encoder_area`` (Area attention §3.2; keys Eq. 3 or 9, values Eq. 4).
+        Every decoder layer's cross-attention area keys and values, and which areas hold no padding
+        (docs/decisions.md#area-masking), are built here once per image."""
         rows, cols = self._grid(vis)
         if max(rows, cols) > self.row_embed.num_embeddings:
             raise ValueError(f"grid {rows}×{cols} exceeds max_grid={self.row_embed.num_embeddings}")
@@ -167,6 +181,12 @@ class AreaTransformer(Captioner):
         return {f"{kind}{i}": empty for i in range(len(self.decoder)) for kind in ("k", "v")}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """Caption position ``t`` alone, equal to position ``t`` of :meth:`forward_xe`'s causal pass: embedding × √d
+        plus the sinusoidal position, then per decoder layer the self-attention over the cached positions ``≤ t``
+        (1D spans up to ``caption_area`` in the first ``area_layers`` layers), the cross-attention over the image's
+        areas (Area attention Eq. 1–2 over the keys of Eq. 3 or 9 and the values of Eq. 4) and the FFN.  Exports the
+        last layer's cross-attention averaged over the heads and, over areas, spread back onto the cells
+        (docs/decisions.md#area-to-cell-attribution)."""
         t = state["k0"].shape[1]
         x = self._embed_tokens(prev_tokens[:, None], t)
         new_state, cross_weights = {}, []

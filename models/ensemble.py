@@ -44,6 +44,16 @@ def _join(parts: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
 
 @register("ensemble")
 class Ensemble(Captioner):
+    """Trained captioners decoded as one by the shared beam search: every step averages the members' next-word
+    probabilities, ``p(y_t) = 1/K Σ_k p_k(y_t | y_<t, I)``, and their exported attention rows.
+
+    No paper equation: the papers that report ensembles (AoANet, arXiv:1908.06954, and X-LAN, arXiv:2003.14080,
+    Table 1 of each) do not say how members combine; this is the probability mean of self-critical.pytorch's
+    ``AttEnsemble``, which their code uses (docs/decisions.md#flickr8k-an-ensemble-of-the-shipped-checkpoints).
+    Members keep their own states, prefixed ``m{k}_`` in one flat dict, so the protocol's generic expand and
+    reorder serve an ensemble unchanged.
+    """
+
     attention_kind = "ensemble_mean_attention"
 
     def __init__(self, vocab_size: int, feat_dim: int, members: Sequence[dict[str, Any]] = (), **ids: int):
@@ -75,7 +85,11 @@ class Ensemble(Captioner):
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
         """``log 1/K Σ_k p_k``, computed as a log-sum-exp of the members' log-probs (no underflow to −inf where
-        every member is sure a word is wrong), and the mean of their attention rows."""
+        every member is sure a word is wrong), and the mean of their attention rows.
+
+        Probabilities are averaged, not log-probabilities, as ``AttEnsemble`` does: a word one member rules out
+        keeps the others' mass instead of being vetoed.  The attention mean keeps one row per emitted word, on the
+        shared visual items, so the ensemble's heatmaps stay aligned with its tokens."""
         states, encs = _split(state, len(self.members)), _split(enc, len(self.members))
         logprobs, new_states, rows = [], [], []
         for member, s, e in zip(self.members, states, encs):

@@ -18,6 +18,14 @@ from .inference import CaptionResult, torch_runtime
 
 
 class Pipeline:
+    """Caption image files with one checkpoint, in-process: what ``captioner caption`` and the commands that caption
+    photos (``resolution-check``, the grounding example figure) use, and the Python entry point.
+
+    It holds one :class:`~captioner.models.inference.TorchRuntime` (the checkpoint's model and frozen encoder on
+    ``device``) and runs the runtime's own preprocessing and beam search over a whole list at once: the steps the
+    service's batcher drives over requests as they come.  It implements no paper equation (the models do).
+    """
+
     def __init__(self, checkpoint: str | Path | Checkpoint, device: str | torch.device = "cpu"):
         self.runtime = torch_runtime(checkpoint, device)
         self.ckpt = self.runtime.ckpt

@@ -38,6 +38,16 @@ SAT_OPTIONS = {"init_activation": ("tanh", "none"), "attention_score": ("tanh", 
 
 @register("sat")
 class ShowAttendTell(Captioner):
+    """The soft-attention decoder of Xu et al., "Show, Attend and Tell", arXiv:1502.03044 (§3.1, §4.2).
+
+    ``init_state`` is ``h_0 = f_init,h(ā)``, ``c_0 = f_init,c(ā)`` (§3.1.2, the unnumbered equations after Eq. 6),
+    each one affine layer + tanh of the masked mean annotation ``ā`` (the paper says "MLP":
+    docs/decisions.md#sat-attention-score-and-initial-state); :meth:`step` is Eq. 1–7 with the soft ``φ`` of Eq. 13
+    and the gate ``β_t`` of §4.2.1; :meth:`auxiliary_losses` is Eq. 14's doubly stochastic penalty, divided by the
+    caption's length (a deviation, explained there).  Options other than the defaults are not the paper's but
+    sgrvinod's tutorial's forms (docs/decisions.md#sgrvinod-tutorial-checkpoints).
+    """
+
     attention_kind = "soft_attention"
     # SAT §4.3 early-stops on validation BLEU (docs/decisions.md#checkpoint-selection-metric)
     selection_metric = "BLEU-4"
@@ -97,6 +107,14 @@ class ShowAttendTell(Captioner):
         return beta * torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1), {"beta_gate": reported}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """One SAT step (default options) for the previous word ``y_{t−1}`` (``prev_tokens``): ``α_t`` from
+        ``h_{t−1}`` (Eq. 4–5, additive score: docs/decisions.md#sat-attention-score-and-initial-state);
+        ``ẑ_t = β_t Σ_i α_{t,i} a_i`` (Eq. 6 with the soft ``φ`` of Eq. 13 and §4.2.1's ``β_t = σ(f_β(h_{t−1}))``;
+        SAT-hard overrides ``context`` with Eq. 8–9); the LSTM of Eq. 1–3 on ``[E y_{t−1}; ẑ_t]`` with state
+        ``(h_{t−1}, c_{t−1})``; ``log p(y_t) = log softmax(L_o(E y_{t−1} + L_h h_t + L_z ẑ_t))``, the deep output
+        layer of Eq. 7 with no non-linearity inside (docs/decisions.md#sat-deep-output-layer).  Dropout on ``h_t``
+        and on the sum is placed by us (§4.3 names dropout, not where).  Exports ``α_t``, the attention of the word
+        predicted here."""
         alpha = self.attention(state, enc)
         z, extras = self.context(alpha, state, enc)
         emb = self.embed(prev_tokens)

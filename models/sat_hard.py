@@ -44,6 +44,20 @@ DECODE_LOCATIONS = ("expectation", "argmax")
 
 @register("sat-hard")
 class ShowAttendTellHard(ShowAttendTell):
+    """SAT with stochastic hard attention (Xu et al., "Show, Attend and Tell", arXiv:1502.03044, §4.1).
+
+    Decoding runs the inherited :meth:`ShowAttendTell.step` (Eq. 1–5 and 7; no β gate and no Eq. 14 penalty, the
+    soft model's of §4.2.1: docs/decisions.md#sat-hard-decoding); only :meth:`context`, the ``φ`` of Eq. 6,
+    differs: Eq. 8–9 in training, the expected context of Eq. 13 (or the arg-max location) outside it.
+    :meth:`forward_xe` adds the REINFORCE and entropy terms of §4.1's final learning rule (unnumbered, after
+    Eq. 12: the Monte Carlo estimate of Eq. 11 with the baseline ``b_k`` and the entropy ``H[s̃]``).
+
+    Deviations from §4.1: the 0.5 expectation coin ("for a given image") is drawn per caption, and a caption that
+    took the expectation gets no REINFORCE term; every term is divided by the number of target tokens (the paper
+    sums over the caption), which keeps their ratio; the first mini-batch's baseline is its own mean (§4.1 gives no
+    ``b_0``); λ_r, λ_e and N_s are ours (docs/decisions.md#sat-hard-training-weights).
+    """
+
     attention_kind = "hard_attention"
     gated = False
 
@@ -89,8 +103,10 @@ class ShowAttendTellHard(ShowAttendTell):
         return torch.multinomial(alpha.detach(), 1).squeeze(1)
 
     def context(self, alpha: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, dict[str, Tensor]]:
-        """``ẑ_t = Σ_i s_{t,i} a_i`` (Eq. 9) with ``s_t`` sampled (training), else the expectation ``α_t`` or
-        the arg-max (``decode_location``)."""
+        """The hard ``φ`` of Eq. 6: ``ẑ_t = Σ_i s̃_{t,i} a_i`` (Eq. 9) with the one-hot ``s̃_t`` drawn by Eq. 8 in
+        training (``α_t`` itself for a caption that drew §4.1's expectation coin); outside training the expected
+        context ``Σ_i α_{t,i} a_i`` (Eq. 13) or the arg-max location, by ``decode_location``
+        (docs/decisions.md#sat-hard-decoding)."""
         if not self.training and self.decode_location == "expectation":
             return torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1), {"location": alpha}
         location = self.draw_location(alpha) if self.training else alpha.argmax(-1)

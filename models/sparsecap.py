@@ -26,6 +26,15 @@ from .registry import register
 
 @register("sparsecap")
 class SparseCap(Captioner):
+    """The captioner of Martins et al., "Sparse and Structured Visual Attention", arXiv:2002.05556 (§3): a softmax
+    input attention from ``h_{t−1}`` feeds the LSTM, and an output attention from ``h_t`` with the normaliser under
+    test — ``attention`` = softmax (Eq. 1), sparsemax (Eq. 2) or TVmax (Eq. 5, λ = ``tvmax_lambda`` weighing the
+    penalty with the ½: docs/decisions.md#tvmax-lambda-convention) — feeds the word distribution of Eq. 10.
+    What §3 leaves open is ours: the projection's ReLU (docs/decisions.md#sparsecap-visual-projection), separate
+    weights for the two attentions (docs/decisions.md#sparsecap-attention-parameters), the dropout
+    (docs/decisions.md#sparsecap-dropout) and zero initial states (docs/decisions.md#initial-decoder-states).
+    """
+
     attention_kind = "output_attention"
 
     def __init__(self, vocab_size: int, feat_dim: int, embed_dim: int = 256, hidden_dim: int = 512,
@@ -77,6 +86,11 @@ class SparseCap(Captioner):
         return {"h": zeros, "c": zeros.clone()}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """One step of SparseCap §3 for the previous word ``y_{t−1}``: ``z_{t,i} = wᵀ tanh(affine([v_i; h_{t−1}]))``,
+        ``α_t = softmax(z_t)`` and ``s_t = V α_t``; the LSTM on ``[E y_{t−1}; s_t]``; ``α̃_t`` the same way from
+        ``h_t`` with the output normaliser (Eq. 1, 2 or 5), ``s̃_t = V α̃_t``, ``r_t = tanh(affine(s̃_t))`` and
+        ``log P(y_t) = log softmax(affine([r_t; h_t]))`` (Eq. 10; the dropout on ``h_t`` there is ours).  Exports
+        ``α̃_t``, with ``α_t`` as the ``input_attention`` extra."""
         alpha = self.input_attention(enc["keys_in"], state["h"], enc["mask"])  # from h_{t−1}
         visual_in = torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1)  # s_t = V α_t
         h, c = self.lstm(torch.cat([self.embed(prev_tokens), visual_in], dim=1), (state["h"], state["c"]))

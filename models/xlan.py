@@ -99,6 +99,12 @@ class XLAN(Captioner):
 
     # -- encoder ------------------------------------------------------------------------------------------------
     def encode(self, vis: VisualBatch) -> EncState:
+        """X-LAN's encoder (§3.3.2): regions ``V`` embedded by ``Dropout(CELU(W_r r_i + b_r))`` (the authors' code),
+        then ``1 + M`` X-Linear layers (paper: four) from ``v̂^(0) = v̄`` (a masked mean) and ``K^(0) = V^(0) = V``,
+        each Eq. 7 then Eq. 8 (keys and values updated together by default:
+        docs/decisions.md#x-lan-key-and-value-update), and ``ṽ = W_G[v̂^(0); …; v̂^(1+M)]`` (Eq. 10, with the
+        authors' LN after ``W_G``).  The decoder block's ``ρ(W_k k_i)`` and ``ρ(W_v v_i)`` (Eq. 2, 6) over
+        ``V^(1+M)`` are embedded here, once per image."""
         mask = vis.mask
         regions = self.embed_items(vis.feats.to(self.context_gate.weight.dtype))
         attended = masked_mean(regions, mask)  # v̂^(0) = v̄, the first query
@@ -117,6 +123,12 @@ class XLAN(Captioner):
         return {"h": zeros, "m": zeros, "context": zeros}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """One decoder step (X-LAN §3.3.3, whose only numbered equation is Eq. 10) for the input word ``w_t``: the
+        LSTM on ``[E w_t; ṽ; c_{t−1}]`` with state ``(h_{t−1}, m_{t−1})`` (docs/decisions.md#x-lan-lstm-input), the
+        block ``v̂_d = F_X-Linear(V^(1+M), V^(1+M), h_t)`` (Eq. 2–6), ``c_t = GLU(W_c[v̂_d; h_t] + b_c)`` ("an
+        embedding layer and a Gated Linear Unit") and the log of ``softmax(W_p c_t)`` for ``w_{t+1}``.  Dropout on
+        ``c_{t−1}``, ``v̂_d`` and ``c_t`` and the optional ``block_projection`` are the authors' code's, not the
+        paper's (docs/decisions.md#x-lan--x-transformer).  Exports ``β^s`` averaged over the heads."""
         previous_context = self.drop(state["context"])
         visual = (torch.cat([enc["global"], previous_context], 1) if self.lstm_input == "concat"
                   else enc["global"] + previous_context)

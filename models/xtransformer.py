@@ -145,6 +145,12 @@ class XTransformer(Captioner):
 
     # -- encoder ------------------------------------------------------------------------------------------------
     def encode(self, vis: VisualBatch) -> EncState:
+        """The encoder (layout from the authors' code: docs/decisions.md#x-transformer-architecture) with X-LAN's
+        equations (Pan et al., arXiv:2003.14080): from the masked mean ``g^(0)``, each layer is Eq. 7
+        (``g^(l) = F_X-Linear(X, X, g^(l−1))``) and Eq. 8 with keys = values
+        (docs/decisions.md#x-lan-key-and-value-update), then a post-norm FFN on the regions;
+        ``g = LN(W_G[g^(0); …; g^(L)])`` as Eq. 10.  Each decoder layer's cross-attention embeds the final regions
+        (``ρ(W_k k_i)``, ``ρ(W_v v_i)`` of Eq. 2, 6) here, once per image."""
         mask = vis.mask
         items = self.embed_items(vis.feats.to(self.logit.weight.dtype))
         image_vector = masked_mean(items, mask)  # g^(0)
@@ -183,6 +189,13 @@ class XTransformer(Captioner):
         return {**state, "word_sum": enc["global"].new_zeros(rows, self.dim)}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
+        """Caption position ``t`` alone, equal to position ``t`` of :meth:`forward_xe`'s causal pass: the word state
+        ``x_t = Dropout(LN(√d E w_t + PE(t)))`` (the sinusoidal ``PE`` of Vaswani et al., arXiv:1706.03762, §3.5),
+        the first query ``q^(0)_t`` from ``g`` and the running mean of ``x_{≤t}``, per layer the masked word
+        attention over the cached ``x_{≤t}`` and the cross attention over the regions (each an X-Linear block, X-LAN
+        Eq. 2–6), and ``softmax(W_p Dropout(LN(GLU(W_o[q^(0)_t; …; q^(L)_t]))))``.  Only the blocks are the paper's
+        equations; the layout is the authors' code (docs/decisions.md#x-transformer-architecture).  Exports the last
+        layer's cross ``β^s`` averaged over the heads."""
         position = state["word_keys0"].shape[1]
         words = self._embed_words(prev_tokens[:, None], position)  # x_t  [B', 1, D]
         word_sum = state["word_sum"] + words[:, 0]

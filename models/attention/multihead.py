@@ -18,7 +18,12 @@ from .softmax import masked_softmax
 
 def multi_head_attention(query: Tensor, key: Tensor, value: Tensor, heads: int, key_mask: Tensor | None = None,
                          weight_dropout: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-    """``query [B, T, D]`` over ``key``/``value [B, N, D]`` → attended ``[B, T, D]`` and weights ``[B, H, T, N]``.
+    """``Concat(head_1, …, head_H)`` with ``head_h = softmax(Q_h K_hᵀ / √d) V_h``: Vaswani et al., "Attention Is All
+    You Need", arXiv:1706.03762, Eq. 1 per head and the multi-head definition of §3.2.2, *without* its output
+    projection ``W^O`` (AoANet's ``f_mh-att``, arXiv:1908.06954, Eq. 8–10).  The inputs are already projected, so
+    head ``h``'s ``Q W^Q_h`` is the ``h``-th channel slice of ``query``, ``d = D/H``.
+
+    ``query [B, T, D]`` over ``key``/``value [B, N, D]`` → attended ``[B, T, D]`` and weights ``[B, H, T, N]``.
 
     ``key_mask [B, N]`` is True for real items; padded items get exactly zero weight.  ``weight_dropout`` acts on
     the weights used for the weighted sum only, so the returned weights are the softmax itself (what is exported).

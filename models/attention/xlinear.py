@@ -105,6 +105,10 @@ class _SpatialSqueeze(torch.autograd.Function):
     @staticmethod
     def forward(ctx, keys: Tensor, queries: Tensor, weight: Tensor, bias: Tensor, score_weight: Tensor,
                 item_weights: Tensor, keep: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+        """X-LAN Eq. 2–4 for a slab of (row, head) pairs at a time: ``B^k_i = keys_i ⊙ queries_l`` (Eq. 2, both
+        already ``ρ``-embedded), ``B'^k = ReLU(W^k_B B^k + b)`` (Eq. 3, made by one matmul with the mixer, then the
+        dropout ``keep``), and from it ``b^s = B'^k W_b`` without ``W_b``'s bias (Eq. 3; the caller adds it) and
+        ``B̄ = Σ_i item_weights_{l,i} B'^k_i`` (Eq. 4 with ``item_weights`` the mean over the real items)."""
         # autocast would pick a dtype op by op; the arithmetic follows the keys instead
         with torch.autocast(keys.device.type, enabled=False):
             ctx.dtypes, dtype = (queries.dtype, weight.dtype, bias.dtype, score_weight.dtype), keys.dtype
@@ -127,6 +131,9 @@ class _SpatialSqueeze(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores: Tensor, grad_squeezed: Tensor):
+        """The chain rule through Eq. 2–4 (no equation of the paper): ``B'^k`` is made again slab by slab as in
+        :meth:`forward`, ``∂B'^k_{i,l} = w_{l,i} ∂B̄_l + ∂b^s_{i,l} W_b`` goes back through the dropout mask and
+        Eq. 3's ReLU, and from there to the keys, the queries, ``W^k_B``, its bias and ``W_b``."""
         padded, mixer, queries, weight, score_weight, item_weights, keep = ctx.saved_tensors
         with torch.autocast(padded.device.type, enabled=False):
             dtype = padded.dtype
@@ -219,8 +226,9 @@ class XLinearAttention(nn.Module):
         return self.key_embed(keys), self.value_embed(values)
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None) -> XLinearOutput:
-        """``F_X-Linear(K, V, Q)`` for ``query [B, D_q]`` or ``[B, L, D_q]`` over ``keys [B, N, D_k]`` and
-        ``values [B, N, D_v]``."""
+        """``v̂ = F_X-Linear(K, V, Q)`` (X-LAN Eq. 6) with the spatial attention ``β^s`` (Eq. 2–3) and the channel
+        attention ``β^c`` (Eq. 4–5), per head (docs/decisions.md#x-lan-heads), for ``query [B, D_q]`` or
+        ``[B, L, D_q]`` over ``keys [B, N, D_k]`` and ``values [B, N, D_v]``."""
         return self.attend(query, *self.embed_memory(keys, values), mask)
 
     def attend(self, query: Tensor, key_embedding: Tensor, value_embedding: Tensor,
