@@ -251,4 +251,8 @@ def assert_every_architecture_round_trips(folder: Path, image: bytes, device: st
             assert response.status_code == 200, (arch, response.text)
             body = response.json()
             assert body["model"] == arch and len(body["attention"]) == len(body["tokens"]) >= 1
-            assert all(abs(sum(row) - 1) < 1e-4 for row in body["attention"]), arch
+            grid = body["geometry"]["grid_hw"]
+            cells = grid[0] * grid[1] if grid else None
+            rows = body["attention"]
+            assert all(abs(sum(row) - 1) < 1e-4 and (cells is None or len(row) == cells) for row in rows), \
+                f"{arch}: each attention row must be a distribution over the image's cells (AttnRecord, protocol.py)"
