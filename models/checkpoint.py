@@ -54,7 +54,7 @@ class Checkpoint:
 
     @property
     def name(self) -> str:
-        return self.meta.get("name") or (self.path.name if self.path else self.model.arch)
+        return self.meta.get("name") or (checkpoint_name(self.path) if self.path else self.model.arch)
 
     @property
     def trained_features(self) -> str:
@@ -421,6 +421,20 @@ def folder_relative(spec: EncoderSpec, path: Path) -> EncoderSpec:
     return spec
 
 
+#: a training run's checkpoints (``captioner train --out RUN``): RUN/best and RUN/last, named after their run
+RUN_CHECKPOINT_SUFFIXES = {"best": "", "last": "-last"}
+
+
+def checkpoint_name(path: str | Path) -> str:
+    """The name a checkpoint folder is served, exported and reported under: its folder's name, except that a
+    training run's ``best`` and ``last`` are named after their run (``runs/sat/best`` → ``sat``, ``runs/sat/last``
+    → ``sat-last``): two runs' ``best`` would otherwise share one name."""
+    path = Path(path)
+    suffix = RUN_CHECKPOINT_SUFFIXES.get(path.name)
+    run = path.absolute().parent.name
+    return run + suffix if suffix is not None and run else path.name
+
+
 def is_checkpoint(path: Path) -> bool:
     return (path / CONFIG).is_file() and (path / WEIGHTS).is_file()
 
@@ -439,13 +453,13 @@ def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | t
                      on_replaced: Callable[[str, Path, Path], None] | None = None) -> dict[str, Path]:
     """Checkpoint folders by model name: every checkpoint child of ``weights_dir`` under its folder name, then
     every checkpoint child of each ``prefixed`` folder under its prefix + folder name (``{"scenes-": "weights"}``
-    serves ``weights/sat`` as ``scenes-sat``), then the ``extra`` folders under their folder names; a later one
+    serves ``weights/sat`` as ``scenes-sat``), then the ``extra`` folders under :func:`checkpoint_name`; a later one
     with the same name wins, and ``on_replaced(name, winner, loser)`` hears of it (the loser is neither served nor
     exported).  This is how the service and ``captioner export`` name models (and so the ONNX exports' folders)."""
     named = [(path.name, path) for path in checkpoint_children(weights_dir)]
     for prefix, folder in (prefixed or {}).items():
         named += [(prefix + path.name, path) for path in checkpoint_children(folder)]
-    named += [(path.name, path) for path in map(Path, extra) if is_checkpoint(path)]
+    named += [(checkpoint_name(path), path) for path in map(Path, extra) if is_checkpoint(path)]
     found: dict[str, Path] = {}
     for name, path in named:
         if on_replaced is not None and name in found and found[name].resolve() != path.resolve():

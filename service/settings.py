@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     prefixed_weights_dirs: dict[str, Path] = Field(
         default_factory=dict, description='name prefix → folder, JSON: {"scenes-": "weights"} serves every '
         "checkpoint folder below weights/ as scenes-NAME (the generated-scene checkpoints beside the real-photo ones)")
-    checkpoints: list[Path] = Field(default_factory=list, description="extra checkpoint folders (JSON list)")
+    checkpoints: list[Path] = Field(
+        default_factory=list, description="extra checkpoint folders (JSON list), each served under its folder name; "
+        "a training run's RUN/best as RUN, its RUN/last as RUN-last")
     default_model: str = Field("sat-supervised", description="model used when a request names none")
     backend: Backend = Field("auto", description="inference backend of every model not named in `backends`: auto "
                              "(ONNX Runtime where its captions equal PyTorch's on a check set, else the hybrid, "

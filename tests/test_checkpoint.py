@@ -219,3 +219,18 @@ def test_a_constructor_that_reads_tensor_values_is_refused_with_the_rule(tmp_pat
 
 def _ids(model) -> dict[str, int]:
     return {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id}
+
+
+def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypatch, tiny_sat, vocab):
+    """Two runs' best/ were both served, exported and reported as "best" (the second not served at all)."""
+    from captioner.models.checkpoint import checkpoint_name, find_checkpoints
+
+    paths = [save_checkpoint(tmp_path / run / kind, tiny_sat, vocab, EncoderSpec())
+             for run in ("sat", "aoanet") for kind in ("best", "last")]
+    paths.append(save_checkpoint(tmp_path / "weights" / "best", tiny_sat, vocab, EncoderSpec()))
+    assert [checkpoint_name(p) for p in paths] == ["sat", "sat-last", "aoanet", "aoanet-last", "weights"]
+    assert sorted(find_checkpoints(None, paths[:4])) == ["aoanet", "aoanet-last", "sat", "sat-last"]
+    assert load_checkpoint(paths[0]).name == "sat"
+    monkeypatch.chdir(tmp_path / "sat")  # a relative path too
+    assert checkpoint_name("best") == "sat" and checkpoint_name("last") == "sat-last"
+    assert checkpoint_name(tmp_path / "sat" / "best-f16") == "best-f16"  # any other folder: its own name

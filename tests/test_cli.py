@@ -250,7 +250,7 @@ def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, mon
          "nope does not exist: give a checkpoint folder"),
         (["caption", sample, "--output", str(tmp_path / "y.jsonl"), "--checkpoint", str(tmp_path)],
          "config.json is missing"),
-        (["export", "weights/sat", "weights/flickr8k/sat", "--out", str(tmp_path / "onnx")], "share the folder name"),
+        (["export", "weights/sat", "weights/flickr8k/sat", "--out", str(tmp_path / "onnx")], "share the name sat"),
         (["train", "--recipe", "nope", "--dataset", str(scenes), "--out", str(tmp_path / "run")], "unknown recipe"),
         (["train", "--phase", "scst", "--dataset", str(scenes), "--out", str(tmp_path / "run")], "give --init"),
         (["train", "--model", "sparsecap", "--attention", "tvmax", "--features", "regions:/nowhere", "--dataset",

@@ -466,11 +466,11 @@ def test_export_replaces_an_export_but_never_a_folder_of_anything_else(tmp_path,
     save_checkpoint(tmp_path / "runs" / "best", ckpt.model, ckpt.vocab, ckpt.encoder)
     before = sorted(p.name for p in (tmp_path / "runs" / "best").iterdir())
     checksum = load_checkpoint(tmp_path / "runs" / "best").checksum
-    with pytest.raises(SystemExit) as exc:
-        captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path / "runs"), "--threads", "1"])
+    with pytest.raises(SystemExit) as exc:  # runs/best is exported as "runs": PARENT/runs is the training run
+        captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path), "--threads", "1"])
     assert exc.value.code == 2 and "which no ONNX export writes" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "runs" / "best").iterdir()) == before
     assert load_checkpoint(tmp_path / "runs" / "best").checksum == checksum
     for _ in range(2):  # the second run replaces the first's export
         captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path / "onnx"), "--threads", "1"])
-        assert export_is_current(tmp_path / "onnx" / "best", checksum)
+        assert export_is_current(tmp_path / "onnx" / "runs", checksum)

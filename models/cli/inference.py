@@ -117,7 +117,7 @@ def _prefixed_weights_dirs() -> dict[str, str]:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
-    from ..checkpoint import find_checkpoints
+    from ..checkpoint import checkpoint_name, find_checkpoints
     from ..device import set_threads
     from ..export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
 
@@ -126,10 +126,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for (read
     # here, not through the service's Settings: models/ never imports service/)
     prefixed = _prefixed_weights_dirs() if weights_dir else {}
-    names = [Path(c).name for c in args.checkpoints]
+    names = [checkpoint_name(c) for c in args.checkpoints]
     twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:  # exports are named after the folder: the second would silently replace the first
-        raise SystemExit(f"error: {', '.join(c for c in args.checkpoints if Path(c).name in twice)} share the folder "
+    if twice:  # exports are named after the checkpoint: the second would silently replace the first
+        raise SystemExit(f"error: {', '.join(c for c in args.checkpoints if checkpoint_name(c) in twice)} share the "
                          f"name {', '.join(twice)}, which names their exports: export them one at a time, each "
                          "with its own --out")
     def replaced(name: str, winner: Path, loser: Path) -> None:
@@ -137,7 +137,7 @@ def cmd_export(args: argparse.Namespace) -> None:
               file=sys.stderr)
 
     found = find_checkpoints(weights_dir, args.checkpoints, prefixed, on_replaced=replaced)
-    missing = [c for c in args.checkpoints if Path(c).name not in found]
+    missing = [c for c in args.checkpoints if checkpoint_name(c) not in found]
     if missing:
         raise SystemExit(f"error: not a checkpoint folder: {', '.join(missing)}")
     if not found:
