@@ -233,6 +233,26 @@ def options_before_body(request: Request, query: CaptionOptions) -> CaptionOptio
     return None if _is_json(_content_type(request)) else query
 
 
+#: the whitespace base64 may be wrapped with (RFC 2045's line breaks, a pretty-printer's indentation): dropped by one
+#: ``str.translate``, where ``"".join(encoded.split())`` made a string of every piece between two of them
+BASE64_WHITESPACE = dict.fromkeys(map(ord, " \t\r\n\f\v"))
+
+
+def _json_image(body: bytes) -> tuple[bytes, CaptionJSON]:
+    """The image bytes and the options of a JSON caption body."""
+    try:
+        parsed = CaptionJSON.model_validate_json(body)
+    except ValidationError as exc:
+        raise _validation_failure(exc) from None
+    encoded = parsed.image
+    if encoded.startswith("data:"):
+        encoded = encoded.partition(",")[2]
+    try:
+        return base64.b64decode(encoded.translate(BASE64_WHITESPACE), validate=True), parsed
+    except (binascii.Error, ValueError):
+        raise InvalidImage("`image` is not valid base64") from None
+
+
 async def read_caption_request(request: Request, query: CaptionOptions, limit: int,
                                budget: UploadBudget | UploadHold = UNLIMITED) -> CaptionRequest:
     """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses,
@@ -244,17 +264,9 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
             return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
     if _is_json(content_type):
         body = await read_body(request, limit, json_body_bytes(limit), budget)
-        try:
-            parsed = CaptionJSON.model_validate_json(body)
-        except ValidationError as exc:
-            raise _validation_failure(exc) from None
-        encoded = parsed.image
-        if encoded.startswith("data:"):
-            encoded = encoded.partition(",")[2]
-        try:
-            data = base64.b64decode("".join(encoded.split()), validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidImage("`image` is not valid base64") from None
+        # parsing megabytes and decoding their base64 take a worker thread, as decoding an image does: on the event
+        # loop, a stream of such bodies stalled every other request and the health probes for seconds
+        data, parsed = await asyncio.to_thread(_json_image, body)
         checked_image(data, limit)
         return CaptionRequest(data, overlaid(query, parsed))  # JSON options override the query parameters
     if content_type.startswith("image/") or content_type == "application/octet-stream":

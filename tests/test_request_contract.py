@@ -157,6 +157,16 @@ def test_json_options_override_the_query_as_documented(client, photo):
     same_caption(body, post(client, photo, fields={"model": "tiny-b", "beam_size": "1"}).json())
 
 
+def test_json_base64_may_be_wrapped_with_whitespace_and_nothing_else(client, photo):
+    encoded = base64.b64encode(photo).decode()
+    wrapped = "\r\n".join("  " + encoded[i:i + 76] + "\t" for i in range(0, len(encoded), 76))  # RFC 2045, indented
+    response = client.post("/caption", json={"image": "data:image/jpeg;base64," + wrapped})
+    assert response.status_code == 200, response.text
+    same_caption(response.json(), post(client, photo).json())
+    bad = client.post("/caption", json={"image": encoded[:100] + "*" + encoded[100:]})
+    assert "not valid base64" in problem(bad, 422, "invalid-image")["detail"]
+
+
 def test_openapi_documents_the_form_fields(client):
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/caption", "/caption/overlay"):
