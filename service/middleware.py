@@ -26,9 +26,9 @@ ARRIVED = "arrived"
 
 class RequestContextMiddleware:
     """Gives every request an id (the client's ``X-Request-ID`` when it is sane), echoes it in the response,
-    writes one access-log line per request, and — for requests with a body — cancels the app's handler when the
-    client disconnects before the response starts, so the caption it waits for is cancelled too (the batcher
-    frees its rows at the next step)."""
+    writes one access-log line per request, and cancels the app's handler when the client disconnects before the
+    response starts (once a body is read), so the caption or render it waits for is cancelled too (the batcher
+    frees its rows at the next step, a render its slot)."""
 
     def __init__(self, app: Any, log_requests: bool = True):
         self.app = app
@@ -59,10 +59,11 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                await self._call_watching_disconnect(scope, receive, send_with_id, response)
-            else:
-                await self.app(scope, receive, send_with_id)
+            # a request without a body starts with one empty http.request message: read here, it lets the watcher
+            # wait for the disconnect from the start (a GET render whose client had left kept its render slot, and
+            # a burst of them made every overlay wait past its deadline)
+            prefetched = None if scope["method"] in ("POST", "PUT", "PATCH") else await receive()
+            await self._call_watching_disconnect(scope, receive, send_with_id, response, prefetched)
         finally:
             if self.log_requests:
                 status = response["status"] or CLIENT_GONE
@@ -74,11 +75,22 @@ class RequestContextMiddleware:
                     "disconnected": response["status"] is None}})
             request_id_var.reset(token)
 
-    async def _call_watching_disconnect(self, scope: dict, receive: Any, send: Any, response: dict) -> None:
+    async def _call_watching_disconnect(self, scope: dict, receive: Any, send: Any, response: dict,
+                                        prefetched: dict | None = None) -> None:
+        """Run the handler, cancelled when its client disconnects before the answer starts; the watcher listens
+        once the body is read (``prefetched``: the first message, already read from ``receive``)."""
         body_read = asyncio.Event()
         gone = asyncio.Event()
+        if prefetched is not None and not prefetched.get("more_body", False):
+            body_read.set()
 
         async def tracking_receive() -> dict:
+            nonlocal prefetched
+            if prefetched is not None:
+                message, prefetched = prefetched, None
+                if message["type"] == "http.disconnect":
+                    gone.set()
+                return message
             if body_read.is_set():
                 # the body is consumed: the only message left is the disconnect the watcher is waiting for
                 await gone.wait()

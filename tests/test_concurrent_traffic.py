@@ -217,12 +217,15 @@ def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weigh
 
 
 def _drain_scenario(app, messages):
-    """Run ``app`` behind a draining gate: the messages the client sends, and what it is answered."""
+    """Run ``app`` behind a draining gate: the messages the client sends, and what it is answered.  The client
+    stays connected: once its messages are read, ``receive`` waits, as uvicorn's does until a disconnect."""
     sent, queue = [], list(messages)
     consumed = []
 
     async def receive():
-        message = queue.pop(0) if queue else {"type": "http.disconnect"}
+        if not queue:
+            await asyncio.Event().wait()
+        message = queue.pop(0)
         consumed.append(message)
         return message
 

@@ -1,0 +1,88 @@
+"""The request middleware cancels a handler whose client has gone, for requests with and without a body: a GET
+render (``/captions/{id}/overlay``) whose client had left kept its render slot, and a burst of them made every
+overlay wait past its deadline (the concurrency audit)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from captioner.service.middleware import RequestContextMiddleware
+
+
+def _scope(method: str) -> dict:
+    return {"type": "http", "method": method, "path": "/slow", "query_string": b"", "headers": [],
+            "client": ("127.0.0.1", 5000)}
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_handler_is_cancelled_when_its_client_leaves(method):
+    async def scenario() -> tuple[bool, list]:
+        cancelled = asyncio.Event()
+        started = asyncio.Event()
+
+        async def slow_app(scope, receive, send):
+            if method == "POST":
+                await receive()  # the body
+            started.set()
+            try:
+                await asyncio.sleep(30)  # a render waiting for its slot
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"done"})
+
+        leave = asyncio.Event()
+
+        async def receive():
+            if not receive.sent:
+                receive.sent = True
+                return {"type": "http.request", "body": b"x" if method == "POST" else b"", "more_body": False}
+            await leave.wait()
+            return {"type": "http.disconnect"}
+        receive.sent = False
+        sent: list = []
+
+        async def send(message):
+            sent.append(message)
+
+        middleware = RequestContextMiddleware(slow_app, log_requests=False)
+        call = asyncio.create_task(middleware(_scope(method), receive, send))
+        await asyncio.wait_for(started.wait(), 5)
+        leave.set()
+        await asyncio.wait_for(call, 5)
+        return cancelled.is_set(), sent
+
+    cancelled, sent = asyncio.run(scenario())
+    assert cancelled and sent == []
+
+
+def test_a_get_that_stays_is_answered_and_may_read_its_empty_body():
+    async def scenario() -> list:
+        async def app(scope, receive, send):
+            message = await receive()  # Starlette's Request.body() on a GET
+            assert message == {"type": "http.request", "body": b"", "more_body": False}
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        stay = asyncio.Event()
+
+        async def receive():
+            if not receive.sent:
+                receive.sent = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await stay.wait()
+            return {"type": "http.disconnect"}
+        receive.sent = False
+        sent: list = []
+
+        async def send(message):
+            sent.append(message)
+
+        await asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(_scope("GET"), receive, send), 5)
+        return sent
+
+    sent = asyncio.run(scenario())
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"ok"
