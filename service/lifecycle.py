@@ -9,7 +9,8 @@ re-raised signal (exit code 143).  Here the order is:
    orchestrator does not mistake a draining process for a dead one.
 2. Requests admitted before the signal run to the end, for at most ``CAPTIONER_DRAIN_TIMEOUT_S`` in total.
 3. Then uvicorn's shutdown runs (close the socket and idle connections, the app's lifespan shutdown stops the
-   batchers) and the process exits 0.  A second signal skips the wait (uvicorn's behaviour: exit by the signal).
+   batchers) and the process exits 0.  A second signal skips the wait: what still runs is cancelled at once (and
+   answered with the 503 below), and the process exits by the signal (uvicorn's behaviour).
    A request still running when the drain time is up is cancelled by uvicorn; it is answered with the same 503
    problem (uvicorn's own answer would be a plain-text 500).
 """
@@ -136,14 +137,22 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
+        self.skip_wait = False  # a second signal came
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.gate.draining and self.started:
+            # a second signal skips the rest of the wait: what still runs is cancelled at once (and answered with
+            # the drain's 503) where uvicorn would first wait its graceful-shutdown timeout, longer than the drain
+            self.skip_wait = True
+            self.config.timeout_graceful_shutdown = 0
+            if self.should_exit:  # uvicorn's shutdown is already waiting: stop that wait too
+                self.force_exit = True
         if self.gate.draining or not self.started or self._loop is None:
-            # a second signal, or one before start-up finished: uvicorn's own handling
+            # a second signal, or one before start-up finished: uvicorn's own handling (exit by the signal)
             super().handle_exit(sig, frame)
             return
         self.gate.begin_drain()
@@ -160,7 +169,9 @@ class DrainingServer(uvicorn.Server):
         if not await self.gate.drain(self.drain_timeout_s):
             log.warning("drain timeout of %g s passed with %d request(s) still running; they are cancelled",
                         self.drain_timeout_s, self.gate.in_flight)
-        # what is left of the drain budget bounds uvicorn's wait for connections (at least 1 s to close them)
-        self.config.timeout_graceful_shutdown = max(1.0, self.drain_timeout_s - (time.monotonic() - started))
+        # what is left of the drain budget bounds uvicorn's wait for connections (at least 1 s to close them), unless
+        # a second signal asked for no wait at all
+        if not self.skip_wait:
+            self.config.timeout_graceful_shutdown = max(1.0, self.drain_timeout_s - (time.monotonic() - started))
         log.info("drained in %.2f s; shutting down", time.monotonic() - started)
         self.should_exit = True

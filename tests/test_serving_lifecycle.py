@@ -58,11 +58,14 @@ def servers(slow_weights, tmp_path_factory):
     # warmed up, they would be refused at once with 429, as they should be)
     deadline = ServerProcess(slow_weights, {**COMMON, "CAPTIONER_REQUEST_TIMEOUT_S": "0.4",
                                             "CAPTIONER_WARMUP": "false"}, logs / "deadline.log")
+    second_signal = ServerProcess(slow_weights, {**COMMON, "CAPTIONER_DRAIN_TIMEOUT_S": "30",
+                                                 "CAPTIONER_WARMUP": "false"}, logs / "second-signal.log")
     try:
-        yield small_queue.wait_ready(), deadline.wait_ready()
+        yield small_queue.wait_ready(), deadline.wait_ready(), second_signal.wait_ready()
     finally:
         small_queue.stop()
         deadline.stop()
+        second_signal.stop()
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +218,22 @@ def test_graceful_shutdown_finishes_in_flight_requests(servers, png):
     assert "Application shutdown complete" in process.log_path.read_text()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{process.url}/healthz", timeout=2)
+
+
+def test_a_second_signal_skips_the_rest_of_the_drain(servers):
+    """An upload that never finishes holds the drain for its whole budget (30 s); a second SIGTERM ends the wait
+    at once, where uvicorn's own handling of it waited its graceful-shutdown timeout, longer than the drain."""
+    import socket
+
+    process = servers[2]
+    with socket.create_connection(("127.0.0.1", process.port), timeout=10) as sock:
+        sock.sendall(b"POST /caption HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n"
+                     b"\r\n\x89PNG")  # and nothing more: in flight until its 60 s upload deadline
+        time.sleep(0.5)
+        process.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)
+        assert process.proc.poll() is None, "the first signal drains: the upload in flight holds it"
+        second = time.monotonic()
+        process.proc.send_signal(signal.SIGTERM)
+        process.proc.wait(timeout=20)
+        assert time.monotonic() - second < 5, "the second signal ended the wait"
