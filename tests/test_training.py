@@ -199,11 +199,11 @@ def test_extend_vocab_appends_the_datas_new_words_and_keeps_the_trained_rows(sce
 
 
 def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_path, cache, capsys):
-    from captioner.models.training.loop import _merge_resume
+    from captioner.models.training.resume import merge_resume
 
     saved = _config(scenes, tmp_path / "run", cache, model="sat")
     capsys.readouterr()
-    merged = _merge_resume(_config(scenes, tmp_path / "run", cache, model="xlan", epochs=4),
+    merged = merge_resume(_config(scenes, tmp_path / "run", cache, model="xlan", epochs=4),
                            json.loads(json.dumps(saved.to_json())), 0)
     assert merged.model == saved.model and merged.epochs == 4
     assert "ignored: model='xlan' (the run's: 'sat')" in capsys.readouterr().out
@@ -212,11 +212,11 @@ def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_pa
 def test_resume_changes_only_what_the_command_gave(scenes, tmp_path, cache):
     """``captioner train --out RUN --resume`` without --epochs keeps the run's epochs (and early stopping, the
     recipe's); what belongs to the process (--max-steps, threads, device) is the command's, given or not."""
-    from captioner.models.training.loop import _merge_resume
+    from captioner.models.training.resume import merge_resume
 
     saved = _config(scenes, tmp_path / "run", cache, model="sat", epochs=2, early_stop=5, max_steps=3)
     command = _config(scenes, tmp_path / "run", cache, model="sat", epochs=20, early_stop=0)  # the defaults
-    merged = _merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out"})
+    merged = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out"})
     assert (merged.epochs, merged.early_stop, merged.max_steps) == (2, 5, None)
-    longer = _merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out", "epochs"})
+    longer = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out", "epochs"})
     assert longer.epochs == 20

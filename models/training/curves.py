@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from .loop import METRICS_LOG
+from .run_log import METRICS_LOG, iter_records
 
 #: training losses drawn when a run logs them (XE, SCST), and the validation metrics drawn per epoch
 LOSS_KEYS = ("xe", "scst", "reward")
@@ -21,11 +20,7 @@ def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run} a training run folder?")
     steps, epochs = [], []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for _, record in iter_records(path, strict=False):
         (epochs if record.get("kind") == "epoch" else steps).append(record)
     return steps, epochs
 

@@ -11,14 +11,18 @@ step) plus, for the plateau rule, the validation scores seen so far.
 * :class:`ScheduledSampling` — ``p_ss = min(cap, increase · ⌊(epoch - start) / every⌋)`` (Bengio et al. 2015,
   arXiv:1506.03099; AoANet §3.4: +0.05 every 5 epochs; cap 0.5 from the authors' code).
 
-Label smoothing is a constant of the loss (:func:`captioner.models.training.xe.xe_loss`), not a schedule.
+:func:`build_schedules` gathers a run's four from its :class:`~captioner.models.training.config.TrainConfig` into
+:class:`Schedules`.  Label smoothing is a constant of the loss (:func:`captioner.models.training.xe.xe_loss`), not a
+schedule.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from .config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class ScheduledSampling:
 
 @dataclass
 class Schedules:
-    """The schedules of one run, built from its config by :func:`captioner.models.training.loop.build_schedules`."""
+    """The schedules of one run, built from its config by :func:`build_schedules`."""
 
     epoch_rate: StepDecay
     warmup: NoamWarmup | None = None
@@ -119,3 +123,17 @@ class Schedules:
     def describe(self) -> dict[str, Any]:
         return {"epoch_rate": asdict(self.epoch_rate), "warmup": self.warmup and asdict(self.warmup),
                 "plateau": self.plateau and self.plateau.state_dict(), "sampling": asdict(self.sampling)}
+
+
+def build_schedules(cfg: TrainConfig) -> Schedules:
+    epoch_rate = StepDecay(cfg.lr, cfg.lr_decay_factor, cfg.lr_decay_every, cfg.lr_decay_start,
+                           tuple(cfg.lr_drops), cfg.lr_drop_factor)
+    warmup = NoamWarmup(cfg.noam_dim, cfg.warmup_steps, cfg.noam_factor) if cfg.warmup_steps else None
+    plateau = PlateauDecay(cfg.plateau_factor, cfg.plateau_patience) if cfg.plateau_factor else None
+    sampling = ScheduledSampling(cfg.ss_increase, cfg.ss_every, cfg.ss_start, cfg.ss_max)
+    return Schedules(epoch_rate, warmup, plateau, sampling)
+
+
+def learning_rate(cfg: TrainConfig, epoch: int, global_step: int = 0) -> float:
+    """The rate of 0-based ``epoch`` (and step, under Noam), before any plateau decay."""
+    return replace(build_schedules(cfg), plateau=None).learning_rate(epoch, global_step)

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..decoding import greedy, sample
 from ..evaluation.metrics import CiderD
 from ..protocol import Captioner, VisualBatch
-from .loop import BatchLoss, Phase, register_phase
+from .phase import BatchLoss, Phase, register_phase
 
 BASELINES = ("greedy", "mean")
 

@@ -1,4 +1,6 @@
-"""Resumable training state without pickle: tensors → safetensors, everything else → JSON, committed atomically."""
+"""Resumable training state without pickle: tensors → safetensors, everything else → JSON, committed atomically;
+and the random streams it holds (:func:`rng_state`, :func:`set_rng_state`), so a resumed run draws what the
+uninterrupted one would have drawn."""
 
 from __future__ import annotations
 
@@ -81,3 +83,16 @@ def load_state(run_dir: Path) -> dict[str, Any] | None:
 def restore_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
     """JSON turned the integer parameter ids of ``optimizer.state`` into strings; turn them back."""
     return {"state": {int(k): v for k, v in state["state"].items()}, "param_groups": state["param_groups"]}
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # multinomial sampling (SCST, SAT-hard) on a GPU draws from the CUDA generator
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))

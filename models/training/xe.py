@@ -1,7 +1,8 @@
 """Cross-entropy training: teacher forcing (optionally scheduled sampling, Bengio et al. 2015, arXiv:1506.03099, as
 AoANet, arXiv:1908.06954 §3.4, uses it) plus the auxiliary losses the model returns (SAT's doubly stochastic penalty, Xu
-et al. 2015, arXiv:1502.03044 §4.2.1; SAT-hard's REINFORCE and entropy terms, which makes this phase also the
-``hard_reinforce`` phase).  The loop, validation, checkpoints and resume are :mod:`captioner.models.training.loop`'s.
+et al. 2015, arXiv:1502.03044 §4.2.1; SAT-hard's REINFORCE and entropy terms, so that SAT-hard trains in this phase
+too, with no phase of its own: :mod:`captioner.models.sat_hard`).  The loop, validation, checkpoints and resume are
+:mod:`captioner.models.training.loop`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from ..data.stores import mirrored_key
 from .attention_supervision import AttentionTargets, attention_supervision_loss
 from .config import TrainConfig
-from .loop import BatchLoss, Phase, TrainingInterrupted, register_phase, train
+from .loop import TrainingInterrupted, train
+from .phase import BatchLoss, Phase, register_phase
 
 __all__ = ["TrainConfig", "TrainingInterrupted", "XEPhase", "mirror_words", "train", "xe_loss"]
 
