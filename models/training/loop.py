@@ -130,6 +130,50 @@ class Run:
         return round(self.progress.train_seconds + time.time() - self.started, 1)
 
 
+# -- prepare_run ------------------------------------------------------------------------------------------------
+def _open_run_dir(run_dir: Path, cfg: TrainConfig, ctx: DistContext, resume: bool,
+                  explicit: Collection[str] | None) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """Make the run's folder and read its saved state (None for a new run, whose folder is checked to hold nothing
+    it would write over); a resumed run gets its own recipe back, with what the command may change
+    (:func:`~.resume.merge_resume`)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"--out {run_dir} is a file; a run is a folder (best/, last/, {METRICS_LOG}, "
+                              "train_state.*): choose another --out")
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    saved = load_state(run_dir) if resume else None
+    if resume and saved is None and ctx.is_main:  # a mistyped --out would otherwise go unnoticed
+        print(f"nothing to resume in {run_dir}: a new run starts there")
+    if saved is None and (run_dir / STATE_JSON).exists() and not resume:
+        raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
+                              "or choose another --out (nothing is overwritten)")
+    if saved is None:
+        check_new_run_folder(run_dir, announce=ctx.is_main)
+        return cfg, None
+    # a resumed run keeps its recipe; only its length and how it runs may change
+    cfg = merge_resume(cfg, read_from(saved, announce=ctx.is_main), saved["progress"]["epoch"], explicit)
+    if ctx.is_main:  # what a killed save left beside best/ and last/
+        for name in ("best", "last"):
+            remove_debris(run_dir / name)
+    return cfg, saved
+
+
+def _resolve_config(cfg: TrainConfig, saved: dict[str, Any] | None) -> tuple[TrainConfig, Checkpoint | None]:
+    """The config the run trains with, and the ``--init`` checkpoint of a new warm-started run (else None): the data
+    set resolved, the phase known, the model, sizes, encoder and features taken from ``--init``, else the
+    defaults."""
+    check_counts(cfg)
+    cfg = replace(cfg, dataset=str(resolve_dataset(cfg.dataset)))
+    if cfg.phase not in PHASES:
+        raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
+    init = load_checkpoint(cfg.init) if cfg.init and saved is None else None
+    if init is not None:
+        cfg = adopt_init(cfg, init)
+    # the defaults a warm start would otherwise have supplied: SAT, on the encoder's grid
+    return replace(cfg, model=cfg.model or "sat", features=cfg.features or "grid"), init
+
+
 def _check_combinations(cfg: TrainConfig, resumed: bool) -> None:
     """Refuse options that cannot work together, before any data is read (``cfg`` resolved: its model and features
     named)."""
@@ -156,6 +200,57 @@ def _check_combinations(cfg: TrainConfig, resumed: bool) -> None:
                          "give --init")
 
 
+def _load_splits(cfg: TrainConfig) -> tuple[list[CaptionedImage], list[CaptionedImage]]:
+    """The train and val splits, which must not be empty; ``--select-metric`` must be one validation measures."""
+    train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
+    val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
+    if not train_images or not val_images:
+        raise ValueError(f"{cfg.dataset} needs non-empty 'train' and 'val' splits "
+                         f"(found {len(train_images)} train, {len(val_images)} val)")
+    selectable = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D"]
+    if val_images[0].info.get("objects") is not None:
+        selectable.append("objects_named")  # generated scenes: the share of objects named with colour and shape
+    if cfg.select_metric and cfg.select_metric not in selectable:
+        raise ValueError(f"--select-metric {cfg.select_metric!r} is not measured on validation; "
+                         f"choose from {', '.join(selectable)}")
+    return train_images, val_images
+
+
+def _open_store(cfg: TrainConfig, spec: EncoderSpec, train_images: list[CaptionedImage],
+                val_images: list[CaptionedImage], ctx: DistContext,
+                device: torch.device) -> tuple[VisualStore, EncoderTail | None]:
+    """The features of both splits (extracted into the cache where missing) and the encoder's fine-tuned stages
+    (``--finetune-stages``, which then run on the cached input of their first stage), else None."""
+    cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
+    # rank 0 extracts missing features first; the others then open the finished store
+    store = None
+    for turn in (True, False):
+        if ctx.is_main == turn:
+            store = open_feature_store(cfg.features, train_images + val_images, cache_spec, cfg.cache_dir,
+                                       device=str(device), progress=cfg.progress and ctx.is_main,
+                                       mirrored=train_images if cfg.augment == "hflip" else ())
+        ctx.barrier()
+    tail = EncoderTail(GridEncoder(spec), cfg.finetune_stages).to(device) if cfg.finetune_stages else None
+    if tail is not None:
+        store = TunedStore(store, tail)
+    return store, tail
+
+
+def _build_model(cfg: TrainConfig, vocab: Vocabulary, feat_dim: int, tail: EncoderTail | None,
+                 init: Checkpoint | None, device: torch.device) -> tuple[Captioner, torch.optim.Optimizer]:
+    """The model (fresh weights, or ``--init``'s) and its optimiser, over the fine-tuned encoder stages too."""
+    # seeded here, not earlier: building the encoder (only when the feature cache is cold) draws random numbers too,
+    # and a run's initial weights must not depend on whether its features were cached
+    torch.manual_seed(cfg.seed)
+    model = create(cfg.model, vocab_size=len(vocab), feat_dim=feat_dim, **cfg.model_args).to(device)
+    if init is not None:
+        load_init_weights(model, init, cfg.init)
+    optimizer_cls = {"adam": torch.optim.Adam, "radam": torch.optim.RAdam}[cfg.optimizer]
+    groups = [{"params": list(model.parameters())}]
+    if tail is not None:  # ImageNet features need smaller steps than a decoder trained from scratch
+        groups.append({"params": list(tail.parameters()), "lr_factor": cfg.encoder_lr_factor})
+    return model, optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+
 
 def _run_meta(cfg: TrainConfig, train_count: int, device: torch.device, ctx: DistContext, precision: Precision,
               saved: dict[str, Any] | None, init: Checkpoint | None) -> dict[str, Any]:
@@ -180,75 +275,17 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     ctx, device_name = init_distributed(cfg.device)
     device = resolve_device(device_name)
     run_dir = Path(cfg.out)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise FileExistsError(f"--out {run_dir} is a file; a run is a folder (best/, last/, {METRICS_LOG}, "
-                              "train_state.*): choose another --out")
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    ctx.barrier()
-    saved = load_state(run_dir) if resume else None
-    if resume and saved is None and ctx.is_main:  # a mistyped --out would otherwise go unnoticed
-        print(f"nothing to resume in {run_dir}: a new run starts there")
-    if saved is None and (run_dir / STATE_JSON).exists() and not resume:
-        raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
-                              "or choose another --out (nothing is overwritten)")
-    if saved is None:
-        check_new_run_folder(run_dir, announce=ctx.is_main)
-    if saved is not None:  # a resumed run keeps its recipe; only its length and how it runs may change
-        cfg = merge_resume(cfg, read_from(saved, announce=ctx.is_main), saved["progress"]["epoch"], explicit)
-        if ctx.is_main:  # what a killed save left beside best/ and last/
-            for name in ("best", "last"):
-                remove_debris(run_dir / name)
-    check_counts(cfg)
-    cfg = replace(cfg, dataset=str(resolve_dataset(cfg.dataset)))
-    if cfg.phase not in PHASES:
-        raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
-    init = load_checkpoint(cfg.init) if cfg.init and saved is None else None
-    if init is not None:
-        cfg = adopt_init(cfg, init)
-    # the defaults a warm start would otherwise have supplied: SAT, on the encoder's grid
-    cfg = replace(cfg, model=cfg.model or "sat", features=cfg.features or "grid")
+    cfg, saved = _open_run_dir(run_dir, cfg, ctx, resume, explicit)
+    cfg, init = _resolve_config(cfg, saved)
     precision = resolve_precision(cfg.precision, device)
-
     spec = EncoderSpec(**cfg.encoder)
     _check_combinations(cfg, resumed=saved is not None)
     entities_dir = check_attention_supervision(cfg) if cfg.attention_supervision else None
-    cache_spec = replace(spec, stop_stages=cfg.finetune_stages)  # the tuned stages' input, when there are some
-    train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
-    val_images = load_captioned(cfg.dataset, cfg.image_root, ("val",), limit=cfg.val_limit)
-    if not train_images or not val_images:
-        raise ValueError(f"{cfg.dataset} needs non-empty 'train' and 'val' splits "
-                         f"(found {len(train_images)} train, {len(val_images)} val)")
-    selectable = ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D"]
-    if val_images[0].info.get("objects") is not None:
-        selectable.append("objects_named")  # generated scenes: the share of objects named with colour and shape
-    if cfg.select_metric and cfg.select_metric not in selectable:
-        raise ValueError(f"--select-metric {cfg.select_metric!r} is not measured on validation; "
-                         f"choose from {', '.join(selectable)}")
-    # rank 0 extracts missing features first; the others then open the finished store
-    store = None
-    for turn in (True, False):
-        if ctx.is_main == turn:
-            store = open_feature_store(cfg.features, train_images + val_images, cache_spec, cfg.cache_dir,
-                                       device=str(device), progress=cfg.progress and ctx.is_main,
-                                       mirrored=train_images if cfg.augment == "hflip" else ())
-        ctx.barrier()
-    tail = EncoderTail(GridEncoder(spec), cfg.finetune_stages).to(device) if cfg.finetune_stages else None
-    if tail is not None:
-        store = TunedStore(store, tail)
-
+    train_images, val_images = _load_splits(cfg)
+    store, tail = _open_store(cfg, spec, train_images, val_images, ctx, device)
     vocab = choose_vocab(cfg, saved, init, train_images)
-    # seeded here, not earlier: building the encoder (only when the feature cache is cold) draws random numbers too,
-    # and a run's initial weights must not depend on whether its features were cached
-    torch.manual_seed(cfg.seed)
-    model = create(cfg.model, vocab_size=len(vocab), feat_dim=store.feat_dim, **cfg.model_args).to(device)
-    if init is not None:
-        load_init_weights(model, init, cfg.init)
-    optimizer_cls = {"adam": torch.optim.Adam, "radam": torch.optim.RAdam}[cfg.optimizer]
-    groups = [{"params": list(model.parameters())}]
-    if tail is not None:  # ImageNet features need smaller steps than a decoder trained from scratch
-        groups.append({"params": list(tail.parameters()), "lr_factor": cfg.encoder_lr_factor})
-    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    model, optimizer = _build_model(cfg, vocab, store.feat_dim, tail, init, device)
+
     phase = PHASES[cfg.phase](cfg, model, vocab, store, train_images, device)
     phase.world = ctx.world
     if entities_dir is not None:
@@ -370,53 +407,62 @@ def _end_epoch(run: Run, record: EpochLog) -> None:
     progress.step_in_epoch = 0
 
 
+def _train_epoch(run: Run, stop: _StopFlag) -> float:
+    """Train epoch ``progress.epoch`` from step ``progress.step_in_epoch`` to its end, or until a stop is asked for
+    or ``max_steps`` is reached, with a snapshot every ``checkpoint_every`` steps; returns the last step's rate."""
+    cfg, progress, ctx = run.cfg, run.progress, run.dist
+    steps_per_epoch = run.steps_per_epoch
+    epoch = progress.epoch
+    order = run.phase.epoch_order(epoch)
+    run.phase.ss_prob = run.schedules.sampling(epoch)
+    run.model.train()
+    bar = tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, unit="batch", dynamic_ncols=True,
+               desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", disable=not (cfg.progress and ctx.is_main))
+    tick, tokens = time.time(), 0
+    lr = run.schedules.learning_rate(epoch, progress.global_step)
+    for step in range(progress.step_in_epoch, steps_per_epoch):
+        lr = run.schedules.learning_rate(epoch, progress.global_step)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_factor", 1.0)
+        global_batch = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        with run.precision.autocast(run.device):
+            loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
+        _optimizer_step(run, loss)
+        progress.losses = logs
+        progress.step_in_epoch, progress.global_step = step + 1, progress.global_step + 1
+        tokens += batch_tokens * ctx.world
+        rate = tokens / max(time.time() - tick, 1e-9)
+        bar.update(1)
+        bar.set_postfix_str(" ".join([*(f"{k}={v:.3f}" for k, v in logs.items()), f"lr={lr:.2e}",
+                                      f"tok/s={rate:.0f}"]))
+        if ctx.is_main and cfg.log_every and progress.global_step % cfg.log_every == 0:
+            append_record(run.run_dir, StepLog(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob, rate,
+                                               run.elapsed()))
+        stopping = ctx.any(stop.raised) or bool(cfg.max_steps and progress.global_step >= cfg.max_steps)
+        if stopping:
+            break
+        if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0 \
+                and progress.step_in_epoch < steps_per_epoch:
+            _snapshot(run)
+    bar.close()
+    return lr
+
+
 def fit(run: Run) -> Path:
     """Train ``run`` to ``cfg.epochs`` (or ``max_steps``, early stopping, Ctrl-C); returns the best checkpoint."""
     cfg, progress, ctx = run.cfg, run.progress, run.dist
     log = run.run_dir / METRICS_LOG
     if ctx.is_main and (progress.global_step or log.exists()):  # a fresh start's log holds no records
         trim_metrics_log(log, progress.global_step)
-    steps_per_epoch = run.steps_per_epoch
     with _StopFlag() as stop:
         while progress.epoch < cfg.epochs and not progress.stopped_early:
             epoch = progress.epoch
-            order = run.phase.epoch_order(epoch)
-            run.phase.ss_prob = run.schedules.sampling(epoch)
-            run.model.train()
-            bar = tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, unit="batch", dynamic_ncols=True,
-                       desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", disable=not (cfg.progress and ctx.is_main))
-            tick, tokens = time.time(), 0
-            lr = run.schedules.learning_rate(epoch, progress.global_step)
-            for step in range(progress.step_in_epoch, steps_per_epoch):
-                lr = run.schedules.learning_rate(epoch, progress.global_step)
-                for group in run.optimizer.param_groups:
-                    group["lr"] = lr * group.get("lr_factor", 1.0)
-                global_batch = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
-                with run.precision.autocast(run.device):
-                    loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
-                _optimizer_step(run, loss)
-                progress.losses = logs
-                progress.step_in_epoch, progress.global_step = step + 1, progress.global_step + 1
-                tokens += batch_tokens * ctx.world
-                rate = tokens / max(time.time() - tick, 1e-9)
-                bar.update(1)
-                bar.set_postfix_str(" ".join([*(f"{k}={v:.3f}" for k, v in logs.items()), f"lr={lr:.2e}",
-                                              f"tok/s={rate:.0f}"]))
-                if ctx.is_main and cfg.log_every and progress.global_step % cfg.log_every == 0:
-                    append_record(run.run_dir, StepLog(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob,
-                                                       rate, run.elapsed()))
-                stopping = ctx.any(stop.raised) or bool(cfg.max_steps and progress.global_step >= cfg.max_steps)
-                if stopping:
-                    break
-                if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0 \
-                        and progress.step_in_epoch < steps_per_epoch:
-                    _snapshot(run)
-            bar.close()
+            lr = _train_epoch(run, stop)
             if ctx.any(stop.raised):
                 _snapshot(run)
                 raise TrainingInterrupted(f"interrupted at epoch {epoch + 1}, step {progress.step_in_epoch}; "
                                           f"state saved in {run.run_dir}: rerun with --resume to continue")
-            if progress.step_in_epoch < steps_per_epoch:  # max_steps reached mid-epoch
+            if progress.step_in_epoch < run.steps_per_epoch:  # max_steps reached mid-epoch
                 _snapshot(run)
                 break
             _end_epoch(run, _validate(run, epoch, lr, progress.losses))
