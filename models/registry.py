@@ -48,7 +48,8 @@ def create(name: str, **config: Any) -> Captioner:
     try:
         cls = MODELS[name]
     except KeyError:
-        raise UnknownModel(f"unknown model {name!r}; registered: {', '.join(available())}") from None
+        raise UnknownModel(f"unknown model {name!r}; registered: {', '.join(available())} (a new model file is "
+                           "imported in models/zoo.py, which registers it)") from None
     named = [n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD]
     # a model passes what it does not name itself (the special token ids) on to the protocol's constructor
     named += [n for n in inspect.signature(Captioner.__init__).parameters if n != "self" and n not in named]

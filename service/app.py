@@ -105,6 +105,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
         state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
         state.upload_budget = UploadBudget(settings.upload_budget_bytes, settings.retry_after_s)
+        state.metrics.watch_pressure(lambda: app.state.shutdown_gate.in_flight, lambda: state.upload_budget.held,
+                                     {"decode": state.decode_slots, "render": state.render_slots})
         set_threads(settings.threads, settings.interop_threads)
         loading = None
         try:  # the batchers started are stopped however the app ends: a failed start in the foreground too

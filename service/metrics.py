@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -34,9 +36,28 @@ class Metrics:
         self.encode_batch = Gauge("captioner_encoder_batch_limit",
                                   "Images encoded in one call at most: the batch size measured fastest at warm-up",
                                   ["model"], registry=r)
+        # read at scrape time from what holds them (watch_pressure): what a backlog outside the batcher looks like
+        self.in_flight = Gauge("captioner_requests_in_flight", "Requests being answered now (the shutdown drain "
+                               "waits for them)", registry=r)
+        self.upload_held = Gauge("captioner_upload_bytes_held", "Upload bytes held in memory by the requests in "
+                                 "flight (CAPTIONER_UPLOAD_BUDGET_BYTES bounds them)", registry=r)
+        self.work_running = Gauge("captioner_work_running", "Image decodes or overlay renders running in the "
+                                  "thread pool", ["pool"], registry=r)
+        self.work_waiting = Gauge("captioner_work_waiting", "Image decodes or overlay renders waiting for a slot",
+                                  ["pool"], registry=r)
         self.result_cache = Counter("captioner_result_cache_lookups_total",
                                     "Caption requests looked up in the result cache, by outcome (hit or miss)",
                                     ["model", "outcome"], registry=r)
+
+    def watch_pressure(self, in_flight: Callable[[], int], upload_held: Callable[[], int],
+                       pools: Mapping[str, object]) -> None:
+        """The gauges read at scrape time: requests in flight, upload bytes held, and each work pool's running and
+        waiting pieces (``pools``: name → :class:`~captioner.service.work_slots.WorkSlots`)."""
+        self.in_flight.set_function(in_flight)
+        self.upload_held.set_function(upload_held)
+        for name, slots in pools.items():
+            self.work_running.labels(name).set_function(lambda slots=slots: slots.running)
+            self.work_waiting.labels(name).set_function(lambda slots=slots: slots.waiting)
 
     def observe_step(self, model: str, rows: int, seconds: float) -> None:
         self.rows_per_step.labels(model).observe(rows)

@@ -47,6 +47,11 @@ class WorkSlots:
     def running(self) -> int:
         return self._running
 
+    @property
+    def waiting(self) -> int:
+        """Pieces of work waiting for their share."""
+        return len(self._waiters)
+
     async def run(self, fn: Callable[..., T], *args: object, cost: int = 1, timeout: float | None = None) -> T:
         """``fn(*args)`` in the thread pool once ``cost`` units are free; :class:`TimeoutError` when they are not
         within ``timeout`` seconds (nothing ran)."""

@@ -226,7 +226,8 @@ def test_models_health_readiness_and_metrics(server):
     for name in ("captioner_request_latency_seconds_bucket", "captioner_queue_time_seconds_bucket",
                  "captioner_rows_per_step_bucket", "captioner_step_time_seconds_bucket",
                  "captioner_encoder_batch_size_bucket", "captioner_rejects_total", "captioner_active_rows",
-                 "captioner_ready 1.0"):
+                 "captioner_ready 1.0", 'captioner_work_waiting{pool="render"} 0.0',
+                 "captioner_upload_bytes_held 0.0", "captioner_requests_in_flight"):
         assert name in text, name
 
 

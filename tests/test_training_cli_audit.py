@@ -66,6 +66,32 @@ def test_nonsense_counts_are_usage_errors_before_any_work(scenes, tmp_path, cach
     assert not (tmp_path / "coded").exists()
 
 
+def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_read(scenes, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """An unknown model or option failed after the features were extracted, a model without config() after its
+    first epoch (at the save): each is a one-line error before any data is read."""
+    from captioner.models import training
+    from captioner.models.registry import MODELS
+    from captioner.models.sat import ShowAttendTell
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(training.loop, "load_captioned", never)
+    cache = tmp_path / "cache"
+    assert "unknown model 'nope'" in _fails(capsys, _argv(scenes, tmp_path / "a", cache, "--model", "nope"))
+    assert "has no option 'hiden_dim'" in _fails(capsys, _argv(scenes, tmp_path / "b", cache, "--set", "hiden_dim=8"))
+
+    class Forgetful(ShowAttendTell):  # a model whose config() forgets an argument
+        def config(self):
+            return {k: v for k, v in super().config().items() if k != "hidden_dim"}
+
+    monkeypatch.setitem(MODELS, "forgetful", Forgetful)
+    err = _fails(capsys, _argv(scenes, tmp_path / "c", cache, "--model", "forgetful"))
+    assert "config() must return every constructor argument" in err
+    assert not cache.exists()
+
+
 def test_out_that_holds_something_else_is_refused_before_training(scenes, tmp_path, cache, capsys):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")

@@ -37,7 +37,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, load_checkpoint, remove_debris, save_checkpoint
+from ..checkpoint import Checkpoint, load_checkpoint, on_meta, remove_debris, save_checkpoint
 from ..data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
 from ..data.stores import TunedStore, VisualStore, open_feature_store
@@ -200,6 +200,23 @@ def _check_combinations(cfg: TrainConfig, resumed: bool) -> None:
                          "give --init")
 
 
+def _check_model(cfg: TrainConfig) -> None:
+    """The model and its options, built on the meta device before any data is read (an unknown name or option was
+    found only after the features were extracted), and rebuilt from its :meth:`~Captioner.config`, as loading its
+    checkpoints will (a model whose config() is missing or incomplete failed at the first save, after an epoch)."""
+    described = on_meta(lambda: create(cfg.model, vocab_size=16, feat_dim=64, **cfg.model_args))
+    try:
+        config = described.config()
+    except NotImplementedError:
+        raise ValueError(f"model {cfg.model!r} does not implement config(): the constructor arguments its checkpoints "
+                         "store, to rebuild it (models/protocol.py)") from None
+    rebuilt = on_meta(lambda: create(cfg.model, **config))
+    shapes = {name: tuple(tensor.shape) for name, tensor in described.state_dict().items()}
+    if {name: tuple(tensor.shape) for name, tensor in rebuilt.state_dict().items()} != shapes:
+        raise ValueError(f"model {cfg.model!r}: create({cfg.model!r}, **config()) builds another model than the one "
+                         "it describes: config() must return every constructor argument (models/protocol.py)")
+
+
 def _load_splits(cfg: TrainConfig) -> tuple[list[CaptionedImage], list[CaptionedImage]]:
     """The train and val splits, which must not be empty; ``--select-metric`` must be one validation measures."""
     train_images = load_captioned(cfg.dataset, cfg.image_root, ("train",), limit=cfg.train_limit)
@@ -280,6 +297,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     precision = resolve_precision(cfg.precision, device)
     spec = EncoderSpec(**cfg.encoder)
     _check_combinations(cfg, resumed=saved is not None)
+    _check_model(cfg)
     entities_dir = check_attention_supervision(cfg) if cfg.attention_supervision else None
     train_images, val_images = _load_splits(cfg)
     store, tail = _open_store(cfg, spec, train_images, val_images, ctx, device)
