@@ -19,7 +19,7 @@ schedule.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .config import TrainConfig
@@ -119,10 +119,6 @@ class Schedules:
         else the epoch schedule; times the plateau scale."""
         rate = self.warmup(global_step + 1) if self.warmup else self.epoch_rate(epoch)
         return rate * (self.plateau.scale if self.plateau else 1.0)
-
-    def describe(self) -> dict[str, Any]:
-        return {"epoch_rate": asdict(self.epoch_rate), "warmup": self.warmup and asdict(self.warmup),
-                "plateau": self.plateau and self.plateau.state_dict(), "sampling": asdict(self.sampling)}
 
 
 def build_schedules(cfg: TrainConfig) -> Schedules:
