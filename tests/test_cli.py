@@ -201,7 +201,7 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
                          "model": "sat", "epochs": 1, "threads": 1,
                          "model_args": {"hidden_dim": 24}, "encoder": {"layer": "hypercolumn"}}})
     report = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5, "objects_named": 0.9,
-                                       "SPICE": "unavailable: no models"}}
+                                       "SPICE": "unavailable: no models", "length_ratio": 0.97}}
     (tmp_path / "report.json").write_text(json.dumps(report))
     # a second report (the out-of-distribution set) adds its split to the card
     (tmp_path / "ood.json").write_text(json.dumps({"beam_size": 3, "ood": {"images": 4, "objects_named": 0.75}}))
@@ -210,9 +210,11 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     card = (tmp_path / "ckpt" / "MODEL_CARD.md").read_text()
     assert ("captioner train --dataset scenes/dataset_scenes.json --out runs/x --model sat --set hidden_dim=24 "
             "--encoder layer=hypercolumn --epochs 1 --threads 1`") in card
-    assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable |" in card
+    # a measure the card does not know (one added to score_dataset) gets a column of its own after the known ones
+    assert "| objects_named | SPICE | length_ratio |" in card
+    assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable | 0.9700 |" in card
     assert "| 1 | 1.25 | 0.5 |" in card and "1.5 min" in card
-    assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — |" in card
+    assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — | — |" in card
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:

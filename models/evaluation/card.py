@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CARD, WEIGHTS, file_checksum, load_checkpoint, read_config, write_manifest
+from ..checkpoint import CARD, WEIGHTS, checkpoint_name, file_checksum, load_checkpoint, read_config, write_manifest
 from ..data.datasets import trained_on
 from .params import count_parameters
 
@@ -74,6 +74,14 @@ def _number(value: Any) -> str:
     if isinstance(value, float) and 0 < abs(value) < 1e-3:  # learning rates
         return f"{value:g}"
     return f"{value:.4f}".rstrip("0").rstrip(".") if isinstance(value, float) else str(value)
+
+
+def _other_measures(splits: list[tuple[str, dict[str, Any]]]) -> tuple[str, ...]:
+    """The numbers a report holds beyond the known columns (a measure added to score_dataset, evaluate.py): a card
+    shows them after those, rather than dropping them."""
+    known = {*METRICS, *PHOTO_METRICS, "images"}
+    return tuple(sorted({key for _, scores in splits for key, value in scores.items() if key not in known
+                         and isinstance(value, (int, float)) and not isinstance(value, bool)}))
 
 
 def _row(name: str, scores: dict[str, Any], metrics: tuple[str, ...] = METRICS) -> str:
@@ -186,12 +194,11 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     params = count_parameters(model)
     splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
     scenes = any("objects_named" in scores for _, scores in splits)
-    metrics = METRICS if scenes else PHOTO_METRICS
+    metrics = (METRICS if scenes else PHOTO_METRICS) + _other_measures(splits)
     decoding = report.get("decoding") or {}
     chosen = meta.get("decoding_chosen_on")
     lines = [
-        # a run's best/ and last/ are named after their run
-        f"# {title or (path.resolve().parent.name if path.name in ('best', 'last') else path.name)}",
+        f"# {title or checkpoint_name(path)}",  # a run's best/ and last/ are named after their run
         "",
         f"**Architecture** `{model.arch}` ({model.attention_kind}); {params:,} parameters; model config "
         f"`{json.dumps(config['model'])}`.",
