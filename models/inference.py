@@ -66,6 +66,11 @@ class CaptionResult:
     rules: DecodingRules = NO_RULES  # the length penalty and trigram blocking it was decoded with
 
     @property
+    def caption(self) -> str:
+        """The caption as text: its words, joined by spaces."""
+        return " ".join(self.words)
+
+    @property
     def tokens(self) -> list[str]:
         """The emitted words, plus ``<eos>`` when the caption ended normally: one per attention row."""
         return self.words + ([EOS] if self.hypothesis.ended_with_eos else [])

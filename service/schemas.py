@@ -171,7 +171,7 @@ def _caption_fields(result: CaptionResult, result_id: str | None, rows, geometry
     return dict(
         id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
         length_penalty=result.rules.length_penalty, block_trigrams=result.rules.block_trigrams,
-        caption=" ".join(result.words), tokens=result.tokens, is_eos=hyp.is_eos,
+        caption=result.caption, tokens=result.tokens, is_eos=hyp.is_eos,
         token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
         score=round(hyp.score, LOGPROB_DECIMALS), geometry=(geometry or GeometryOut.of)(result.geometry),
         attention=rows(hyp.attention), attention_kind=result.attention_kind,

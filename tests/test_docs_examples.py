@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def default_caption():
     captioned = Pipeline(DEFAULT)([SAMPLE])[0]
-    return " ".join(captioned.words), captioned.tokens
+    return captioned.caption, captioned.tokens
 
 
 def test_readme_example_is_the_default_models_answer(default_caption):

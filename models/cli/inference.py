@@ -24,7 +24,7 @@ register = _group.register
 def print_caption(path: str, label: str, result: CaptionResult) -> None:
     """``captioner caption``'s line for one image: its path, the checkpoint's label when several are compared, and
     the caption."""
-    print(f"{path}{label}: {' '.join(result.words)}")
+    print(f"{path}{label}: {result.caption}")
 
 
 def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResult], None] = print_caption) -> None:

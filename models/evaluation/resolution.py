@@ -25,7 +25,7 @@ def _caption(pipeline: Pipeline, paths: Sequence[Path], beam_size: int, max_len:
     captions = []
     for start in tqdm(range(0, len(paths), batch), desc=label, unit="batch"):
         results = pipeline(list(paths[start:start + batch]), beam_size, max_len, rules)
-        captions += [" ".join(r.words) for r in results]
+        captions += [r.caption for r in results]
     return captions
 
 
