@@ -1,6 +1,7 @@
 """Continuous batching of beam search: one :class:`Batcher` (and one worker thread) per model.
 
-Requests wait in a bounded queue (full: :class:`QueueFull`, which the route answers with 429 + Retry-After).
+Requests wait in a bounded queue (full: :class:`QueueFull`, which the use case turns into the service's 429 +
+Retry-After).
 At every step boundary the worker
 
 1. drops waiting requests whose client is gone, sheds waiting requests that can no longer finish before their

@@ -37,6 +37,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from ..data.datasets import resolve_dataset
     from ..device import resolve_device, set_threads
     from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE, check_ptb_tokenizer
+    from ..evaluation.compare import result_id
     from ..evaluation.evaluate import evaluate_checkpoint
 
     set_threads(args.threads)
@@ -46,17 +47,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
     dataset, image_root = args.dataset or DEFAULT_DATA, args.image_root
-    trained_on = ckpt.meta.get("train_config", {})
-    if args.dataset is None and entities is not None and trained_on.get("dataset"):
+    training = ckpt.meta.get("train_config", {})
+    if args.dataset is None and entities is not None and training.get("dataset"):
         # Entities annotate the photos the model was trained on: by default its own data set's split
-        dataset, image_root = trained_on["dataset"], image_root or trained_on.get("image_root")
+        dataset, image_root = training["dataset"], image_root or training.get("image_root")
         if not Path(dataset).exists():  # recorded as training named it: relative to where it ran
             raise SystemExit(f"error: the data set {args.checkpoint} was trained on, {dataset} (as its training "
                              "named it, relative to the folder it ran in), is not here: give --dataset and "
                              "--image-root")
-    if args.dataset is None and not Path(dataset).exists() and trained_on.get("dataset"):
+    if args.dataset is None and not Path(dataset).exists() and training.get("dataset"):
         raise SystemExit(f"error: no --dataset given and the default {DEFAULT_DATA} does not exist ({args.checkpoint} "
-                         f"was trained on {trained_on['dataset']}): give --dataset (and --image-root)")
+                         f"was trained on {training['dataset']}): give --dataset (and --image-root)")
     dataset = resolve_dataset(dataset)
     rules = decoding_rules(ckpt, args)
     report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
@@ -101,10 +102,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
             report[split]["grounding"] = _entities_section(ckpt, images, store, entities, results, args, str(device))
         for im in images[: args.show]:
             print(f"  {im.path.name}: {' '.join(captions[im.image_id])}", file=sys.stderr)
-        # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid"
-        coco_results += [{"image_id": int(im.info.get("cocoid", im.image_id)),
-                          "caption": " ".join(captions[im.image_id])}
-                         for im in images]
+        # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid":
+        # the id `captioner compare` matches them by
+        coco_results += [{"image_id": result_id(im), "caption": " ".join(captions[im.image_id])} for im in images]
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

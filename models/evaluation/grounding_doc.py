@@ -19,7 +19,7 @@ from ..attention import NORMALISERS
 from ..checkpoint import checkpoint_children, read_config
 from ..data.datasets import named_by_path
 from .grounding import interval
-from .phrase_grounding import MODES, summary_table, type_table
+from .phrase_grounding import CAPTION_SOURCES, summary_table, type_table
 from .zoo_table import normaliser_label, write_between_markers
 
 START, END = "<!-- grounding:start -->", "<!-- grounding:end -->"
@@ -68,7 +68,7 @@ def results_figure(reports: list[tuple[str, dict]], out: Path) -> Path:
 
     controls = ("model", "other photo", "uniform")
     panels = []
-    for mode in MODES:
+    for mode in CAPTION_SOURCES:
         for stat, title in (("mass", "attention correctness"), ("pointing", "pointing hit")):
             entries = []
             for name, section in reports:
@@ -149,7 +149,7 @@ def closing_note(reports: list[tuple[str, dict]], weights: Path, scene_results: 
     by_name = dict(reports)
     sparse = {normaliser(weights / n): n for n in by_name if read_config(weights / n).get("arch") == "sparsecap"}
     lines = ["Read off the intervals above, not tuned toward (no model was trained or selected on these numbers):"]
-    for mode in MODES:
+    for mode in CAPTION_SOURCES:
         values = {norm: row["mass"] for norm, name in sparse.items() if (row := _all_row(by_name[name], mode))}
         lines.append(f"- real photos, {mode}: attention correctness {ordering_sentence(values)}.")
         chance = {norm: row["mass"] for norm, name in sparse.items()
@@ -186,7 +186,7 @@ def write_grounding_doc(weights: Path, results: Path, document: Path, figure: Pa
                   "over phrases [95 % bootstrap interval over photos]; a phrase is scored by its best word (Liu et "
                   "al., arXiv:1605.09553).", "", summary_table(reports), "",
                   f"![grounding on Flickr30k Entities]({_relative(results_figure(reports, figure), document)})", ""]
-        for mode in MODES:
+        for mode in CAPTION_SOURCES:
             block += [f"### Per phrase type, {mode}", "", type_table(reports, mode), ""]
         chosen = heatmap_checkpoints(weights)
         picture = examples_figure(chosen, examples, device, photos)

@@ -47,7 +47,8 @@ from ..protocol import Geometry
 from .evaluate import visual_batches
 from .grounding import CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise
 
-MODES = ("references", "generated")
+#: whose captions the attention is read along: the references, teacher-forced, or the model's own
+CAPTION_SOURCES = ("references", "generated")
 CONTROLS = ("model", "uniform", "other photo")
 PHRASE_SCORE = "best word (highest mass) of the phrase, as Liu et al. (arXiv:1605.09553) score a noun phrase"
 #: irregular plurals of Flickr8k's frequent head nouns (regular ones lose their final "s")
@@ -271,7 +272,7 @@ def entities_grounding(ckpt, images: Sequence, store, entities_dir: str | Path,
                "normaliser": normaliser_of(ckpt), "attention_kind": ckpt.model.attention_kind,
                "phrase_score": PHRASE_SCORE, "photos": len(annotated),
                "photos_without_annotation": len(images) - len(annotated)}
-    for mode, attended in zip(MODES, (references, own)):
+    for mode, attended in zip(CAPTION_SOURCES, (references, own)):
         scores = score_photos(attended, annotations, progress, desc=f"scoring {mode}")
         section[mode] = {"captions": sum(len(p.rows) for p in attended if p.targets),
                          "rows": summarise(scores, len(attended), resamples, PHRASE_TYPES, CONTROLS, "phrase_type",
@@ -291,7 +292,7 @@ def summary_table(reports: Sequence[tuple[str, dict]]) -> str:
     lines = ["| model | normaliser | mode | map | phrases | photos | attention correctness | pointing hit | "
              "area-normalised ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for name, section in reports:
-        for mode in MODES:
+        for mode in CAPTION_SOURCES:
             for row in section[mode]["rows"]:
                 if row["phrase_type"] == "all":
                     lines.append(f"| {name} | {section['normaliser']} | {mode} | {_label(row['control'])} | "
