@@ -11,13 +11,13 @@ in ``docs/results/``).  A number no report holds is never filled in.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..attention import NORMALISERS
 from ..checkpoint import checkpoint_children, read_config
 from ..data.datasets import named_by_path
+from .card import load_report
 from .grounding import interval
 from .phrase_grounding import CAPTION_SOURCES, summary_table, type_table
 from .zoo_table import normaliser_label, write_between_markers
@@ -52,7 +52,7 @@ def load_reports(results: Path, names: list[str], split: str = "test") -> list[t
     for name in names:
         path = results / f"{name}.json"
         if path.exists():
-            section = json.loads(path.read_text()).get(split, {}).get("grounding", {})
+            section = load_report(path).get(split, {}).get("grounding", {})
             if "references" in section:
                 out.append((name, section))
     return out
@@ -163,7 +163,7 @@ def closing_note(reports: list[tuple[str, dict]], weights: Path, scene_results: 
     for norm in NORMALISERS:
         path = scene_results / f"sparsecap-{norm}.json"
         if path.exists():
-            rows = json.loads(path.read_text()).get("test", {}).get("grounding", {}).get("rows", [])
+            rows = load_report(path).get("test", {}).get("grounding", {}).get("rows", [])
             row = next((r for r in rows if r.get("control") == "model" and r.get("word_class") == "all"), None)
             if row:
                 scene[norm] = row["mass"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..checkpoint import checkpoint_children, described_model, read_config
 from ..protocol import configured_normaliser
-from .card import merge_reports, total_train_seconds
+from .card import load_report, merge_reports, total_train_seconds
 from .params import count_parameters
 
 START, END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
@@ -40,7 +40,7 @@ def parameter_count(checkpoint: Path) -> int:
 def merged_reports(results: Path, name: str) -> dict[str, Any]:
     """The splits of every report for checkpoint ``name`` (later files win on a split both hold)."""
     paths = sorted(results.glob(f"{name}.json")) + sorted(results.glob(f"{name}.*.json"))
-    merged = merge_reports([json.loads(path.read_text()) for path in paths])
+    merged = merge_reports([load_report(path) for path in paths])
     return {k: v for k, v in merged.items() if isinstance(v, dict) and "images" in v}
 
 
