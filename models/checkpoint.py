@@ -451,14 +451,15 @@ def checkpoint_children(folder: str | Path | None) -> list[Path]:
 def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | tuple = (),
                      prefixed: Mapping[str, str | Path] | None = None,
                      on_replaced: Callable[[str, Path, Path], None] | None = None) -> dict[str, Path]:
-    """Checkpoint folders by model name: every checkpoint child of ``weights_dir`` under its folder name, then
-    every checkpoint child of each ``prefixed`` folder under its prefix + folder name (``{"scenes-": "weights"}``
-    serves ``weights/sat`` as ``scenes-sat``), then the ``extra`` folders under :func:`checkpoint_name`; a later one
+    """Checkpoint folders by model name (:func:`checkpoint_name`: the folder's, a training run's ``best``/``last``
+    its run's): every checkpoint child of ``weights_dir``, then every checkpoint child of each ``prefixed`` folder
+    under its prefix + that name (``{"scenes-": "weights"}`` serves ``weights/sat`` as ``scenes-sat``), then the
+    ``extra`` folders; a later one
     with the same name wins, and ``on_replaced(name, winner, loser)`` hears of it (the loser is neither served nor
     exported).  This is how the service and ``captioner export`` name models (and so the ONNX exports' folders)."""
-    named = [(path.name, path) for path in checkpoint_children(weights_dir)]
+    named = [(checkpoint_name(path), path) for path in checkpoint_children(weights_dir)]
     for prefix, folder in (prefixed or {}).items():
-        named += [(prefix + path.name, path) for path in checkpoint_children(folder)]
+        named += [(prefix + checkpoint_name(path), path) for path in checkpoint_children(folder)]
     named += [(checkpoint_name(path), path) for path in map(Path, extra) if is_checkpoint(path)]
     found: dict[str, Path] = {}
     for name, path in named:

@@ -230,6 +230,9 @@ def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypat
     paths.append(save_checkpoint(tmp_path / "weights" / "best", tiny_sat, vocab, EncoderSpec()))
     assert [checkpoint_name(p) for p in paths] == ["sat", "sat-last", "aoanet", "aoanet-last", "weights"]
     assert sorted(find_checkpoints(None, paths[:4])) == ["aoanet", "aoanet-last", "sat", "sat-last"]
+    # a run's folder served as a weights folder: its two checkpoints under the run's name
+    assert find_checkpoints(tmp_path / "sat", prefixed={"my-": tmp_path / "aoanet"}) == {
+        "sat": paths[0], "sat-last": paths[1], "my-aoanet": paths[2], "my-aoanet-last": paths[3]}
     assert load_checkpoint(paths[0]).name == "sat"
     monkeypatch.chdir(tmp_path / "sat")  # a relative path too
     assert checkpoint_name("best") == "sat" and checkpoint_name("last") == "sat-last"
