@@ -428,7 +428,7 @@ def onnx_encoder_ms(model: str, spec, feed, threads: int, precision: str) -> dic
     import onnxruntime as ort
 
     from captioner.models.export.quantize import visual_encoder_file
-    from captioner.service.runtime import _session_options
+    from captioner.service.onnx_backends import _session_options
 
     def session(path: Path):
         return ort.InferenceSession(str(path), _session_options(threads), providers=["CPUExecutionProvider"])

@@ -14,7 +14,7 @@ A :class:`Runtime` is one checkpoint on one device behind the small interface th
 :meth:`Runtime.caption` runs ``prepare``-d images through ``begin`` and :func:`~captioner.models.decoding.search_rows`
 (the loop of :func:`~captioner.models.decoding.beam_search`) with the same ``step`` and ``reorder`` the batcher calls,
 so a fixed batch and the batcher's changing tables share every step.  :class:`TorchRuntime` is the PyTorch
-implementation; the ONNX Runtime one lives with the service (``service/runtime.py``).
+implementation; the ONNX Runtime one lives with the service (``service/onnx_backends.py``).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from .overlay import router as overlay_router
 from .problems import install_problem_handlers
 from .results import ResultStore
 from .routes import router
-from .runtime import load_runtimes, prepare_in_child, unprepared
+from .runtime import load_runtimes, prepare_in_child
+from .onnx_exports import unprepared
 from .openapi import install_docs, install_openapi
 from .security import install_security
 from .settings import Settings

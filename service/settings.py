@@ -110,7 +110,7 @@ class Settings(BaseSettings):
                                     'empty: none')
 
     def model_placement(self) -> dict[str, Any]:
-        """Where the models' files are and which backend runs them: the keywords of ``runtime.unprepared``."""
+        """Where the models' files are and which backend runs them: the keywords of ``onnx_exports.unprepared``."""
         return dict(onnx_dir=self.onnx_dir, prefixed=self.prefixed_weights_dirs, backends=self.backends,
                     default_backend=self.backend, encoder_precision=self.encoder_precision)
 

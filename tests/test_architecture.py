@@ -16,7 +16,7 @@ SERVICE_LAYERS = {
                "security", "lifecycle"},
     "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup"},
     "batcher": {"batcher", "row_table"},
-    "runtime": {"runtime"},
+    "runtime": {"runtime", "backend_choice", "onnx_exports", "shared_encoders", "onnx_backends"},
 }
 
 

@@ -53,6 +53,7 @@ def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
 
 def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features(tmp_path, int8_files):
     from captioner.service import runtime as runtime_module
+    from captioner.service.onnx_backends import HybridRuntime
 
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "sat", ckpt.model, ckpt.vocab, ckpt.encoder)
@@ -62,7 +63,7 @@ def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features
     runtime = runtimes["sat"]
     assert runtime.backend == "onnx" and runtime.visual.path == int8_files[1]
     prepared = [runtime.prepare(image) for image in random_images(2, seed=4)]
-    hybrid = runtime_module.HybridRuntime("sat", tiny_checkpoint("sat"), runtime.visual, torch.device("cpu"))
+    hybrid = HybridRuntime("sat", tiny_checkpoint("sat"), runtime.visual, torch.device("cpu"))
     got = [r.hypothesis.token_ids for r in runtime.caption(prepared, 2, 6)]
     assert got == [r.hypothesis.token_ids for r in hybrid.caption(prepared, 2, 6)]
 

@@ -24,7 +24,7 @@ from captioner.service.app import create_app
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
 from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
-from captioner.service.runtime import OnnxRuntime
+from captioner.service.onnx_backends import OnnxRuntime
 from captioner.service.settings import Settings
 
 from .conftest import DEFAULT_CHECKPOINT
@@ -236,7 +236,8 @@ def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decode
 def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, monkeypatch):
     """A backend whose captions disagree with PyTorch's on the check set is not used (here ONNX Runtime's step is
     made to return wrong log-probs): the next candidate, the hybrid, is verified and chosen instead."""
-    from captioner.service import runtime as runtime_module
+    from captioner.service.backend_choice import fastest_verified
+    from captioner.service.shared_encoders import SharedEncoders
 
     ckpt = tiny_checkpoint("sat")
     step = OnnxRuntime.step
@@ -246,7 +247,7 @@ def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, monkeypa
         return logprobs.flip(-1), new_state, attn
 
     monkeypatch.setattr(OnnxRuntime, "step", wrong_step)
-    chosen = runtime_module.fastest_verified("sat", ckpt, runtime_module.SharedEncoders(CPU, tmp_path / "onnx", 1), 1)
+    chosen = fastest_verified("sat", ckpt, SharedEncoders(CPU, tmp_path / "onnx", 1), 1)
     assert chosen.backend == "hybrid"
 
 
@@ -255,7 +256,8 @@ def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch
     """Where the order is not known in advance (a GPU: ``measure``), every backend whose captions equal PyTorch's
     is timed on the check set beside PyTorch, and the fastest serves; only ONNX Runtime alone drops the PyTorch
     weights.  The timings are made up (a CPU here): what is tested is the choice made from them."""
-    from captioner.service import runtime as runtime_module
+    from captioner.service import backend_choice
+    from captioner.service.shared_encoders import SharedEncoders
 
     timed = []
 
@@ -263,13 +265,13 @@ def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch
         timed.append(runtime.backend)
         return 0.1 if runtime.backend == fastest else 1.0
 
-    monkeypatch.setattr(runtime_module, "check_seconds", made_up_seconds)
-    chosen = runtime_module.fastest_verified("sat", tiny_checkpoint("sat"),
-                                             runtime_module.SharedEncoders(CPU, tmp_path / "onnx", 1), 1, measure=True)
+    monkeypatch.setattr(backend_choice, "check_seconds", made_up_seconds)
+    encoders = SharedEncoders(CPU, tmp_path / "onnx", 1)
+    chosen = backend_choice.fastest_verified("sat", tiny_checkpoint("sat"), encoders, 1, measure=True)
     assert chosen.backend == fastest and sorted(timed) == ["hybrid", "onnx", "torch"]
     on_meta = next(chosen.ckpt.model.parameters()).device.type == "meta"
     assert on_meta == (fastest == "onnx")
-    assert chosen.caption([Prepared(*preprocess(image, chosen.spec)) for image in runtime_module.check_images(1)],
+    assert chosen.caption([Prepared(*preprocess(image, chosen.spec)) for image in backend_choice.check_images(1)],
                           beam_size=2, max_len=5)[0].words
 
 
@@ -288,13 +290,15 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
 def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
     """On a CUDA device, ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU:
     ``auto`` serves PyTorch on the GPU instead, without exporting anything."""
-    from captioner.service import runtime as runtime_module
+    from captioner.service import onnx_backends
+    from captioner.service.backend_choice import fastest_verified
+    from captioner.service.shared_encoders import SharedEncoders
 
-    monkeypatch.setattr(runtime_module, "_providers", lambda device: ["CPUExecutionProvider"])
-    encoders = runtime_module.SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1, "float32")
+    monkeypatch.setattr(onnx_backends, "_providers", lambda device: ["CPUExecutionProvider"])
+    encoders = SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1, "float32")
     gpu_encoder = object()  # stands for the PyTorch CNN on the GPU: nothing here may run on a device this CPU lacks
     monkeypatch.setattr(encoders, "pytorch", lambda spec: gpu_encoder)
-    chosen = runtime_module.fastest_verified("sat", tiny_checkpoint("sat"), encoders, threads=1)
+    chosen = fastest_verified("sat", tiny_checkpoint("sat"), encoders, threads=1)
     assert chosen.backend == "torch" and chosen.encoder is gpu_encoder
     assert not (tmp_path / "onnx").exists()
 
@@ -304,18 +308,19 @@ def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorc
     """``CAPTIONER_BACKEND=onnx`` on a CUDA device where ONNX Runtime has no CUDA provider: a whole-model ONNX
     runtime would be handed GPU tensors by the batcher, so it refuses to be made, and the loader serves the model
     with PyTorch on that device, saying why in the log."""
+    from captioner.service import onnx_backends
     from captioner.service import runtime as runtime_module
 
     ckpt, _, onnx_dir, _, _ = shipped
-    monkeypatch.setattr(runtime_module, "_providers", lambda device: ["CPUExecutionProvider"])
-    with pytest.raises(runtime_module.NoCudaProvider, match="onnxruntime-gpu"):
+    monkeypatch.setattr(onnx_backends, "_providers", lambda device: ["CPUExecutionProvider"])
+    with pytest.raises(onnx_backends.NoCudaProvider, match="onnxruntime-gpu"):
         OnnxRuntime("sat", ckpt, onnx_dir / "sat", torch.device("cuda"), threads=1)
 
     made = []
 
     def no_cuda_provider(*args, **kwargs):
         made.append(args[0])
-        raise runtime_module.NoCudaProvider("ONNX Runtime has no working CUDA execution provider here")
+        raise onnx_backends.NoCudaProvider("ONNX Runtime has no working CUDA execution provider here")
 
     monkeypatch.setattr(runtime_module, "OnnxRuntime", no_cuda_provider)
     tiny = tiny_checkpoint("sat")
@@ -332,6 +337,7 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     PyTorch weights, and they caption exactly like PyTorch.  A second start, with the exports and the check set's
     reference captions recorded by the first, never builds a PyTorch encoder."""
     from captioner.service import runtime as runtime_module
+    from captioner.service import shared_encoders
 
     for name, seed in (("a", 0), ("b", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
@@ -352,7 +358,7 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     def no_pytorch_encoder(*args, **kwargs):
         raise AssertionError("a later start built a PyTorch encoder")
 
-    monkeypatch.setattr(runtime_module, "grid_encoder", no_pytorch_encoder)
+    monkeypatch.setattr(shared_encoders, "grid_encoder", no_pytorch_encoder)
     later = runtime_module.load_runtimes(**load)
     assert {r.backend for r in later.values()} == {"onnx"}
 
@@ -361,18 +367,20 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     """The first start's exports and reference captions are made by a spawned child (``prepare_in_child``), so the
     server's own load is a later start: it builds no PyTorch encoder, and nothing is left unprepared."""
     from captioner.service import runtime as runtime_module
+    from captioner.service import shared_encoders
+    from captioner.service.onnx_exports import unprepared
 
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
-    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
     runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                     onnx_dir=tmp_path / "onnx", threads=1)
-    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
     def no_pytorch_encoder(*args, **kwargs):
         raise AssertionError("the server's own load built a PyTorch encoder")
 
-    monkeypatch.setattr(runtime_module, "grid_encoder", no_pytorch_encoder)
+    monkeypatch.setattr(shared_encoders, "grid_encoder", no_pytorch_encoder)
     loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                           onnx_dir=tmp_path / "onnx", threads=1)
     assert loaded["a"].backend == "onnx"
@@ -382,15 +390,16 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, mo
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
     without loading the others (``only``)."""
     from captioner.service import runtime as runtime_module
+    from captioner.service.onnx_exports import unprepared
 
     for name, seed in (("a", 0), ("b", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
     settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
     assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], **settings)) == {"a"}
-    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
     runtime_module.prepare_in_child(tmp_path / "weights", [], only=["b"], **settings)
-    assert runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
 def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
@@ -431,6 +440,7 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     """A graph cut short after it was written (its seal no longer matches): the model's and the shared CNN's are
     made again at the next start, which then serves on ONNX Runtime as before; the ``onnx`` backend's start knows
     it has something to prepare."""
+    from captioner.service import onnx_exports
     from captioner.service import runtime as runtime_module
 
     ckpt = tiny_checkpoint("sat")
@@ -439,7 +449,8 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
                 onnx_dir=tmp_path / "onnx", threads=1)
 
     def unprepared(backend: str = "auto") -> list[str]:
-        return runtime_module.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend=backend)
+        return onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx",
+                                       default_backend=backend)
 
     assert unprepared("onnx") == ["a"]
     assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"

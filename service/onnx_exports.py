@@ -1,0 +1,77 @@
+"""The files a model's start on ONNX Runtime needs, under the ONNX folder (``CAPTIONER_ONNX_DIR``): the model's
+export (:func:`onnx_folder` finds it, or exports it when missing, stale or damaged), the shared CNN's
+``visual.onnx`` (:class:`~captioner.service.shared_encoders.SharedEncoders` makes it), and the ``auto`` check set's
+reference captions (:func:`reference_record`).  :func:`unprepared`
+tells from disk alone, without loading a checkpoint, which models still have something to make, so that
+:func:`~captioner.service.runtime.prepare_in_child` makes it in a child process before the server's own load.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from captioner.models.checkpoint import (Checkpoint, CheckpointError, find_checkpoints, load_checkpoint, read_config,
+                                         recorded_checksum, resolve_encoder_weights)
+
+from .shared_encoders import SharedEncoders
+
+log = logging.getLogger("captioner.runtime")  # the loader's logger, whose records these are
+
+
+def reference_record(onnx_dir: Path, checksum: str) -> Path:
+    """Where :func:`~captioner.service.backend_choice.reference_captions` records PyTorch's captions of the check set
+    for the weights ``checksum``."""
+    return Path(onnx_dir) / "reference" / f"{checksum}.json"
+
+
+def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
+    """Where the ONNX export of checkpoint ``name`` lives (exported now when missing or made from other weights)."""
+    from captioner.models.export.onnx import check_exportable, export_graphs, export_is_current
+
+    folder = encoders.onnx_dir / name
+    if not export_is_current(folder, ckpt.checksum):
+        check_exportable(ckpt.model)  # before the PyTorch encoder is built for nothing
+        log.info("exporting %s to ONNX in %s", name, folder)
+        cpu = load_checkpoint(ckpt.path, "cpu") if next(ckpt.model.parameters()).device.type != "cpu" else ckpt
+        export_graphs(cpu, folder, encoders.for_export(ckpt.encoder))
+    return folder
+
+
+def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
+               prefixed: dict[str, Path] | None = None, backends: dict[str, str] | None = None,
+               default_backend: str = "auto", encoder_precision: str = "float32") -> list[str]:
+    """The models whose start on ONNX Runtime still has something to make, read from disk without loading a
+    checkpoint (the weights' sha256 from each manifest): the shared CNN's graph and the model's own export, each
+    current and intact, and for ``auto`` PyTorch's reference captions of the check set as well
+    (:func:`~captioner.service.backend_choice.reference_captions`).  Their start exports graphs and runs the PyTorch
+    CNN.  Models on the ``torch`` backend have nothing to prepare; ``hybrid`` needs only the CNN's graph."""
+    names = []
+    for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
+        backend = (backends or {}).get(name, default_backend)
+        if backend != "torch" and not _prepared(name, path, backend, Path(onnx_dir), encoder_precision):
+            names.append(name)
+    return names
+
+
+def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_precision: str) -> bool:
+    from captioner.models.export.onnx import export_is_current, intact, visual_encoder_path
+    from captioner.models.export.quantize import INT8_FILE
+
+    checksum = recorded_checksum(path)
+    if not checksum or (backend == "auto" and not reference_record(onnx_dir, checksum).is_file()):
+        return False
+    try:
+        spec = resolve_encoder_weights(read_config(path)["encoder"], path)
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return True  # a damaged checkpoint: load_runtimes names it and skips it, a child would only do the same
+    visual = visual_encoder_path(spec, onnx_dir)
+    if encoder_precision == "int8":
+        visual = visual.with_name(INT8_FILE)
+    export = onnx_dir / name
+    # ``auto`` has recorded its references, so what has no folder could not be exported (a TVmax decoder, a CNN
+    # the tracer cannot record) and is served without it: only what exists must be intact
+    optional = backend == "auto"
+    if not (intact(visual) or optional and not visual.parent.exists()):
+        return False
+    return backend == "hybrid" or export_is_current(export, checksum) or optional and not export.exists()
