@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -45,25 +44,15 @@ import torch
 from captioner.models.decoding import NO_RULES, DecodingRules
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 
+from .admission import ADMISSION_HEADROOM, RATE_SMOOTHING, AdmissionEstimate, QueueFull, WouldMissDeadline
 from .metrics import Metrics
 from .row_table import Job, RowTable
 
+__all__ = ["BeamTooWide", "Batcher", "DeadlineExceeded", "ENCODE_TOLERANCE", "NotAccepting",
+           # where callers and tests have long found them; their home is captioner.service.admission
+           "ADMISSION_HEADROOM", "QueueFull", "RATE_SMOOTHING", "WouldMissDeadline"]
+
 log = logging.getLogger("captioner.batcher")
-
-
-class QueueFull(RuntimeError):
-    """Too many requests are waiting for this model; the client should retry later (``retry_after_s``: a
-    suggested wait in seconds, or None for the service default)."""
-
-    def __init__(self, detail: str, retry_after_s: float | None = None):
-        super().__init__(detail)
-        self.retry_after_s = retry_after_s
-
-
-class WouldMissDeadline(QueueFull):
-    """Admission control: at the measured service rate the request would not be finished before its deadline, so
-    it is refused (429 + Retry-After) instead of being given rows to fail later with a 504: at the door by
-    :meth:`Batcher.submit`, or at a step boundary while it still waits (the load grew after it was let in)."""
 
 
 class NotAccepting(RuntimeError):
@@ -78,18 +67,8 @@ class BeamTooWide(ValueError):
     """A beam wider than the row budget: it could never be given its rows."""
 
 
-#: weight of the newest sample in the moving averages of the service rate (admission control)
-RATE_SMOOTHING = 0.2
-#: admission control admits a request only when its expected finish is within this fraction of the time it has
-#: left: the rest is for what the estimate does not see (sending the answer, an event loop busy with a burst,
-#: the estimate's own noise), so that an admitted request meets its deadline at the client too
-ADMISSION_HEADROOM = 0.9
 #: encoder batch sizes whose time per image is within this fraction of the lowest count as equally fast
 ENCODE_TOLERANCE = 0.05
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
 
 
 class Batcher:
@@ -101,10 +80,11 @@ class Batcher:
       boundary).  It starts at ``max_batch``; :meth:`warm_up` times the encoder at each size and keeps the one
       with the lowest time per image, because a bigger batch is not always cheaper per image (on a CPU, the early
       activation maps of a large batch leave the cache: benchmarks/bench_encoder.py).
-    * deadline-aware admission: moving averages, updated at every step, of the time a step takes (encoding at
-      that boundary included) and of the rows decoded per second, and of the steps a finished request took.  A
-      new request whose expected finish (:meth:`expected_wait_s`) lies beyond its deadline is refused at once
-      with :class:`WouldMissDeadline`, so that the requests that are admitted meet theirs.  Until the first
+    * deadline-aware admission (``admission``, a :class:`~captioner.service.admission.AdmissionEstimate`):
+      moving averages, updated at every step, of the time a step takes (encoding at that boundary included) and
+      of the rows decoded per second, and of the steps a finished request took.  A new request whose expected
+      finish (:meth:`expected_wait_s`) lies beyond its deadline is refused at once with
+      :class:`WouldMissDeadline`, so that the requests that are admitted meet theirs.  Until the first
       measurement every request is admitted.
     """
 
@@ -128,12 +108,8 @@ class Batcher:
         self.encode_batch = max_batch
         self.metrics.set_encode_batch(runtime.name, max_batch)
         # admission control's measurements (written by the worker, read by submit): see expected_wait_s
-        self.step_time_s: float | None = None
-        self.rows_per_step: float | None = None
-        self.encode_time_s: float | None = None
-        self.steps_per_request: float | None = None
+        self.admission = AdmissionEstimate(runtime.name)
         self._learn_lengths = True  # False while warm-up submits captions of an artificial length
-        self._active_work = 0.0  # row-steps the requests in the tables still need, as expected
         self._encode_timings: dict[int, float] | None = None  # per-image encode seconds by batch size (warm-up)
         self._pending: deque[Job] = deque()
         self._tables: list[RowTable] = []
@@ -189,7 +165,7 @@ class Batcher:
         job = Job(prepared, beam_size, max_len, now + timeout_s, loop, loop.create_future(), enqueued=now,
                   typical_length=self._learn_lengths, rules=rules)
         with self._wake:
-            self._refuse_if_overloaded(timeout_s, beam_size, max_len)
+            self._check(timeout_s, beam_size, max_len)
             self._pending.append(job)
             self._wake.notify()
         return job
@@ -200,54 +176,42 @@ class Batcher:
         if not self._accepting:
             raise NotAccepting(f"model {self.runtime.name!r} is not accepting requests")
         with self._wake:
-            self._refuse_if_overloaded(timeout_s, beam_size, max_len)
+            self._check(timeout_s, beam_size, max_len)
 
-    def _refuse_if_overloaded(self, timeout_s: float, beam_size: int, max_len: int) -> None:
-        queued = len(self._pending)
-        if queued >= self.queue_size:
-            raise QueueFull(f"model {self.runtime.name!r} has {queued} requests waiting")
-        if not queued and not self.active_jobs:
-            # an idle worker starts it at once, and the only evidence against it is old steps, taken with other
-            # rows in the table: refusing on them would refuse for good, since no step would run to correct them
-            # (after a burst, the step time of a full table kept refusing every request to an idle model)
-            return
-        expected = self.expected_wait_s(beam_size, max_len)
-        if expected is not None and expected > ADMISSION_HEADROOM * timeout_s:
-            alone = self._steps(max_len) * (self.step_time_s or 0.0)
-            raise WouldMissDeadline(
-                f"model {self.runtime.name!r} would need about {expected:.2f} s for this request ({queued} waiting, "
-                f"{self.active_jobs} decoding), more than the {timeout_s:.2f} s left to its deadline",
-                retry_after_s=max(1.0, math.ceil(expected - alone)))
-
-    def _steps(self, max_len: int) -> float:
-        """Decoding steps a request of this length limit is expected to take."""
-        return max_len if self.steps_per_request is None else min(max_len, self.steps_per_request)
+    def _check(self, timeout_s: float, beam_size: int, max_len: int) -> None:
+        """Admission control's refusals (:class:`QueueFull`, :class:`WouldMissDeadline`); under ``_wake``."""
+        self.admission.check(timeout_s, beam_size, max_len, self._pending, self.queue_size, self.active_jobs)
 
     def expected_wait_s(self, beam_size: int, max_len: int) -> float | None:
         """Expected seconds from now until a new request (``beam_size`` rows, ``max_len`` steps at most) has its
-        result, behind the ones waiting and the ones decoding (None before the first measurement).
-
-        Every request in the system shares the worker with it: continuous batching takes a newcomer into the
-        table at once, but each row added makes every step slower.  So the newcomer finishes about when the work
-        of everyone ahead of it and its own is done — ``(rows × steps still needed, summed) / rows decoded per
-        second`` — and never sooner than its own steps at the current step time; plus the encoding of the images
-        queued before it and its own.  Both rates are measured at every step, so a slower machine (a burst
-        keeping the event loop busy, another process taking the cores) raises the estimate at the next step,
-        not after a request finishes.  (Estimates from finished requests alone lagged a burst by a whole
-        deadline: the table filled until every request in it missed.)"""
-        if self.step_time_s is None or not self.rows_per_step:
-            return None
-        queued_work = sum(job.beam_size * self._steps(job.max_len) for job in self._pending)
-        own = self._steps(max_len)
-        work = self._active_work + queued_work + beam_size * own
-        encoding = (len(self._pending) + 1) * (self.encode_time_s or 0.0)
-        return max(own * self.step_time_s, work / self.row_rate) + encoding
+        result, behind the ones waiting and the ones decoding (None before the first measurement): see
+        :meth:`captioner.service.admission.AdmissionEstimate.expected_wait_s`."""
+        return self.admission.expected_wait_s(self._pending, beam_size, max_len)
 
     @property
     def row_rate(self) -> float:
-        """Rows decoded per second: the two averages' ratio (an average of per-step ratios would let the many
-        quick steps hide the slow ones, those with an encoding, and overstate the rate several times)."""
-        return self.rows_per_step / self.step_time_s if self.step_time_s and self.rows_per_step else 0.0
+        """Rows decoded per second (:attr:`captioner.service.admission.AdmissionEstimate.row_rate`)."""
+        return self.admission.row_rate
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Moving average of a step's seconds, its boundary's encoding included (None before the first step)."""
+        return self.admission.step_time_s
+
+    @property
+    def rows_per_step(self) -> float | None:
+        """Moving average of the rows a step decoded (None before the first step)."""
+        return self.admission.rows_per_step
+
+    @property
+    def encode_time_s(self) -> float | None:
+        """Moving average of an image's encoding seconds (None before the first encoding)."""
+        return self.admission.encode_time_s
+
+    @property
+    def steps_per_request(self) -> float | None:
+        """Moving average of the steps a finished request took (None before the first one)."""
+        return self.admission.steps_per_request
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """The client is gone (or its deadline passed): free the job's rows at the next step boundary."""
@@ -282,8 +246,7 @@ class Batcher:
         taken from them let a burst arriving right after start-up fill the table with requests that all miss
         their deadline.  Alone, a request's service time is its whole decoding time: no batching gain is
         assumed until one is measured."""
-        saved = self.step_time_s, self.rows_per_step
-        self.step_time_s = self.rows_per_step = None  # warm-up requests are never refused
+        saved = self.admission.forget_rate()  # warm-up requests are never refused
         self.encode_batch = max(batch_sizes, default=self.max_batch)
         self._learn_lengths = False
         try:
@@ -296,13 +259,12 @@ class Batcher:
             timings, self._encode_timings = self._encode_timings or {}, None
             self._learn_lengths = True
             if calibrate_len:
-                self.step_time_s = self.rows_per_step = None
+                self.admission.forget_rate()
                 await asyncio.wait_for(self.submit(prepared, beam_size, calibrate_len, timeout_s).future, timeout_s)
         finally:
             self._encode_timings = None
             self._learn_lengths = True
-            if self.step_time_s is None:  # no measurement (or a failed warm-up): the estimate it had before
-                self.step_time_s, self.rows_per_step = saved
+            self.admission.restore_rate(saved)  # no measurement (or a failed warm-up): the estimate it had before
         if timings:
             lowest = min(timings.values())
             self.encode_batch = max(size for size, t in timings.items() if t <= lowest * (1 + ENCODE_TOLERANCE))
@@ -384,20 +346,10 @@ class Batcher:
                 self.metrics.rows_freed(self.runtime.name, "finished", sum(j.beam_size for j in finished))
                 table.remove(set(finished), self.runtime)
             self._tables = [t for t in self._tables if t.jobs]
-            self._measure(rows, self.clock() - now, finished_now)
+            self.admission.measure_step(rows, self.clock() - now, finished_now)
         # cancellations and deadlines that arrived during the step free their rows now, not one step later
         self._drop_leavers(self.clock())
         self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
-
-    def _measure(self, rows: int, seconds: float, finished: list[Job]) -> None:
-        """Update the moving averages admission control uses (see :meth:`expected_wait_s`) after a step of
-        ``rows`` rows that took ``seconds`` with this boundary's encoding."""
-        if seconds > 0:
-            self.step_time_s = _smooth(self.step_time_s, seconds)
-            self.rows_per_step = _smooth(self.rows_per_step, rows)
-        for job in finished:
-            if job.typical_length:
-                self.steps_per_request = _smooth(self.steps_per_request, job.steps)
 
     def _drop_leavers(self, now: float) -> None:
         """Remove the rows of jobs whose client is gone or whose deadline has passed (no device work)."""
@@ -422,7 +374,7 @@ class Batcher:
         self.active_rows = sum(t.rows for t in self._tables)
         jobs = [job for table in self._tables for job in table.jobs] + [j for chunk, _ in self._encoding for j in chunk]
         self.active_jobs = len(jobs)
-        self._active_work = sum(job.beam_size * max(1.0, self._steps(job.max_len) - job.steps) for job in jobs)
+        self.admission.expect_work(jobs)
 
     def _expire_pending(self, now: float) -> None:
         """Drop waiting jobs whose client is gone and shed those that cannot finish in the time they have left:
@@ -433,32 +385,18 @@ class Batcher:
         # only while rows are decoding: then the step time is current and the job has to wait behind them (an
         # idle worker starts its first waiting job at once; judging it by the steps of an old, fuller table would
         # refuse for good, as no step would run to correct the estimate)
-        need = self._own_time_s if self._tables else None
+        need = self.admission.own_time_s if self._tables else None
         with self._wake:
             keep = deque()
             for job in self._pending:
                 if job.cancelled or job.future.done():
                     continue
-                left = job.deadline - now
-                if left < 0 or (need is not None and need(job) > left):
-                    wait = self.expected_wait_s(job.beam_size, job.max_len) or 0.0
-                    job.resolve(error=WouldMissDeadline(
-                        f"model {self.runtime.name!r} is overloaded: this request waited "
-                        f"{now - job.enqueued:.2f} s and cannot be captioned in the {max(left, 0.0):.2f} s left "
-                        "to its deadline", retry_after_s=max(1.0, math.ceil(wait))))
+                refusal = self.admission.shed(job, now, need, self._pending)
+                if refusal is not None:
+                    job.resolve(error=refusal)
                 else:
                     keep.append(job)
             self._pending = keep
-
-    @property
-    def _own_time_s(self) -> Callable[[Job], float] | None:
-        """Seconds a waiting job is expected to need once admitted, ignoring everyone else: its encoding and its
-        expected steps at the current step time (None before the first measurement).  Ignoring the others keeps
-        it on the side of admitting: a job is shed only when it cannot make it even alone."""
-        if self.step_time_s is None:
-            return None
-        step, encode = self.step_time_s, self.encode_time_s or 0.0
-        return lambda job: encode + self._steps(job.max_len) * step
 
     def _admit(self) -> None:
         if len(self._encoding) > 1:
@@ -503,8 +441,7 @@ class Batcher:
             # this thread waits, the worker's steps already queued run on
             self.runtime.synchronize()
         per_image = (self.clock() - started) / len(jobs)
-        if per_image > 0:
-            self.encode_time_s = _smooth(self.encode_time_s, per_image)
+        self.admission.measure_encode(per_image)
         if self._encode_timings is not None:
             self._encode_timings[len(jobs)] = min(per_image, self._encode_timings.get(len(jobs), per_image))
         return enc, state

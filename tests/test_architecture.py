@@ -15,7 +15,7 @@ SERVICE_LAYERS = {
     "routes": {"app", "cli", "routes", "overlay", "upload_answers", "inputs", "problems", "middleware", "openapi",
                "security", "lifecycle"},
     "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup"},
-    "batcher": {"batcher", "row_table"},
+    "batcher": {"batcher", "admission", "row_table"},
     "runtime": {"runtime", "backend_choice", "onnx_exports", "shared_encoders", "onnx_backends"},
 }
 
