@@ -188,31 +188,6 @@ class Batcher:
         :meth:`captioner.service.admission.AdmissionEstimate.expected_wait_s`."""
         return self.admission.expected_wait_s(self._pending, beam_size, max_len)
 
-    @property
-    def row_rate(self) -> float:
-        """Rows decoded per second (:attr:`captioner.service.admission.AdmissionEstimate.row_rate`)."""
-        return self.admission.row_rate
-
-    @property
-    def step_time_s(self) -> float | None:
-        """Moving average of a step's seconds, its boundary's encoding included (None before the first step)."""
-        return self.admission.step_time_s
-
-    @property
-    def rows_per_step(self) -> float | None:
-        """Moving average of the rows a step decoded (None before the first step)."""
-        return self.admission.rows_per_step
-
-    @property
-    def encode_time_s(self) -> float | None:
-        """Moving average of an image's encoding seconds (None before the first encoding)."""
-        return self.admission.encode_time_s
-
-    @property
-    def steps_per_request(self) -> float | None:
-        """Moving average of the steps a finished request took (None before the first one)."""
-        return self.admission.steps_per_request
-
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """The client is gone (or its deadline passed): free the job's rows at the next step boundary."""
         job.cancel_reason = reason

@@ -16,11 +16,30 @@ def _scope(method: str) -> dict:
             "client": ("127.0.0.1", 5000)}
 
 
+class _Client:
+    """An ASGI client: its one request message, then (once ``leave`` is set) the disconnect; what it was sent."""
+
+    def __init__(self, body: bytes = b""):
+        self.first = {"type": "http.request", "body": body, "more_body": False}
+        self.leave = asyncio.Event()
+        self.sent: list[dict] = []
+
+    async def receive(self) -> dict:
+        if self.first is not None:
+            message, self.first = self.first, None
+            return message
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict) -> None:
+        self.sent.append(message)
+
+
 @pytest.mark.parametrize("method", ["GET", "POST"])
 def test_a_handler_is_cancelled_when_its_client_leaves(method):
     async def scenario() -> tuple[bool, list]:
-        cancelled = asyncio.Event()
-        started = asyncio.Event()
+        cancelled, started = asyncio.Event(), asyncio.Event()
+        client = _Client(b"x" if method == "POST" else b"")
 
         async def slow_app(scope, receive, send):
             if method == "POST":
@@ -34,26 +53,12 @@ def test_a_handler_is_cancelled_when_its_client_leaves(method):
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"done"})
 
-        leave = asyncio.Event()
-
-        async def receive():
-            if not receive.sent:
-                receive.sent = True
-                return {"type": "http.request", "body": b"x" if method == "POST" else b"", "more_body": False}
-            await leave.wait()
-            return {"type": "http.disconnect"}
-        receive.sent = False
-        sent: list = []
-
-        async def send(message):
-            sent.append(message)
-
-        middleware = RequestContextMiddleware(slow_app, log_requests=False)
-        call = asyncio.create_task(middleware(_scope(method), receive, send))
+        call = asyncio.create_task(RequestContextMiddleware(slow_app, log_requests=False)(
+            _scope(method), client.receive, client.send))
         await asyncio.wait_for(started.wait(), 5)
-        leave.set()
+        client.leave.set()
         await asyncio.wait_for(call, 5)
-        return cancelled.is_set(), sent
+        return cancelled.is_set(), client.sent
 
     cancelled, sent = asyncio.run(scenario())
     assert cancelled and sent == []
@@ -61,28 +66,17 @@ def test_a_handler_is_cancelled_when_its_client_leaves(method):
 
 def test_a_get_that_stays_is_answered_and_may_read_its_empty_body():
     async def scenario() -> list:
+        client = _Client()
+
         async def app(scope, receive, send):
             message = await receive()  # Starlette's Request.body() on a GET
             assert message == {"type": "http.request", "body": b"", "more_body": False}
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
 
-        stay = asyncio.Event()
-
-        async def receive():
-            if not receive.sent:
-                receive.sent = True
-                return {"type": "http.request", "body": b"", "more_body": False}
-            await stay.wait()
-            return {"type": "http.disconnect"}
-        receive.sent = False
-        sent: list = []
-
-        async def send(message):
-            sent.append(message)
-
-        await asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(_scope("GET"), receive, send), 5)
-        return sent
+        await asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(
+            _scope("GET"), client.receive, client.send), 5)
+        return client.sent
 
     sent = asyncio.run(scenario())
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"ok"

@@ -283,7 +283,8 @@ def test_admission_refuses_requests_that_would_miss_their_deadline_and_admitted_
     async def scenario():
         await _finish(batcher, batcher.submit(prepared, 3, 6, 1000))  # nothing measured yet: admitted
         alone = batcher.expected_wait_s(3, 6)
-        assert alone == batcher.steps_per_request * batcher.step_time_s  # its own steps at the measured step time
+        estimate = batcher.admission
+        assert alone == estimate.steps_per_request * estimate.step_time_s  # its own steps at the measured step time
         timeout = 2.5 * alone / ADMISSION_HEADROOM  # room for this request and one ahead of it, not two
         admitted = [batcher.submit(prepared, 3, 6, timeout), batcher.submit(prepared, 3, 6, timeout)]
         assert batcher.expected_wait_s(3, 6) == pytest.approx(3 * alone)
@@ -316,7 +317,7 @@ def test_admission_counts_the_requests_already_decoding_as_ahead(encoder):
         assert batcher.queued == 0 and batcher.active_jobs == 2
         crowded = batcher.expected_wait_s(3, 6)
         # 2 × 3 rows × 5 steps left and 3 × 6 of its own, at the measured rows per second, against 6 steps alone
-        assert crowded == pytest.approx((2 * 3 * 5 + 3 * 6) / batcher.row_rate) and crowded > alone
+        assert crowded == pytest.approx((2 * 3 * 5 + 3 * 6) / batcher.admission.row_rate) and crowded > alone
         timeout = (alone + crowded) / 2 / ADMISSION_HEADROOM
         with pytest.raises(WouldMissDeadline):
             batcher.submit(prepared, 3, 6, timeout)
@@ -444,8 +445,8 @@ def test_warm_up_learns_caption_lengths_from_its_calibration_request_only(encode
         return batcher
 
     plain, calibrated = asyncio.run(warm(None)), asyncio.run(warm(7))
-    assert plain.steps_per_request is None
-    assert calibrated.steps_per_request == 7
+    assert plain.admission.steps_per_request is None
+    assert calibrated.admission.steps_per_request == 7
     # alone, a 7-step request is expected to take its 7 steps at the measured step time (1 s of fake time each)
     assert calibrated.expected_wait_s(3, 7) == pytest.approx(7.0)
 
