@@ -57,7 +57,8 @@ def _providers(device: torch.device) -> list:
 def cuda_provider_available(device: torch.device) -> bool:
     """Whether ONNX Runtime offers its CUDA execution provider for ``device`` (a CUDA device, and an ``onnxruntime``
     package built with CUDA): the provider its sessions there are asked to run on first."""
-    return _providers(device)[0] == "CUDAExecutionProvider"
+    first = _providers(device)[0]  # a provider is a name, or (name, options)
+    return (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider"
 
 
 class VisualSession:

@@ -287,6 +287,17 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
         assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu
 
 
+def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
+    """``auto`` asks whether ONNX Runtime offers CUDA before timing it on a GPU: the question compared the provider
+    entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
+    import onnxruntime as ort
+
+    from captioner.service.onnx_backends import cuda_provider_available
+
+    assert cuda_provider_available(torch.device("cuda")) == ("CUDAExecutionProvider" in ort.get_available_providers())
+    assert not cuda_provider_available(CPU)
+
+
 def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
     """On a CUDA device, ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU:
     ``auto`` serves PyTorch on the GPU instead, without exporting anything."""
