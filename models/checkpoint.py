@@ -365,6 +365,11 @@ def on_meta(build: Callable[[], Captioner]) -> Captioner:
                               "tensor values (.item(), .tolist()); compute such constants in Python") from None
 
 
+def state_shapes(model: Captioner) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the model's state dict, by name."""
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
 def described_model(path: str | Path) -> Captioner:
     """The model checkpoint ``path``'s ``config.json`` describes, on the meta device (:func:`on_meta`)."""
     config = read_config(path)
@@ -375,7 +380,7 @@ def _check_shapes(path: Path, arch: str, build: Callable[[], Captioner]) -> None
     """The model ``config.json`` describes, built on PyTorch's meta device (no memory), against the tensors the
     safetensors header lists: a folder whose config asks for a model of gigabytes beside weights of megabytes (a
     mistake, or a hostile folder among the served ones) is refused before anything is allocated."""
-    expected = {name: tuple(tensor.shape) for name, tensor in on_meta(build).state_dict().items()}
+    expected = state_shapes(on_meta(build))
     try:
         with safe_open(path / WEIGHTS, "pt") as stored_file:
             stored = {name: tuple(stored_file.get_slice(name).get_shape()) for name in stored_file.keys()}
@@ -431,7 +436,7 @@ def checkpoint_name(path: str | Path) -> str:
     → ``sat-last``): two runs' ``best`` would otherwise share one name."""
     path = Path(path)
     suffix = RUN_CHECKPOINT_SUFFIXES.get(path.name)
-    run = path.absolute().parent.name
+    run = Path(os.path.abspath(path)).parent.name  # abspath collapses "..": runs/sat/last/../best is sat's
     return run + suffix if suffix is not None and run else path.name
 
 

@@ -4,7 +4,8 @@ Where a server's memory goes (measured in docs/benchmarks/memory.md and docs/dec
 (``import torch`` maps its CUDA libraries even on a CPU-only machine; timm, only imported when a PyTorch encoder is
 built, brings torchvision and ``torch._dynamo``), the weights (one frozen CNN per distinct
 :class:`~captioner.models.encoder.EncoderSpec`, shared, and a few MB to a few tens of MB per model:
-``service/runtime.py``), and — the part this module addresses — memory the allocator keeps after it was freed.  Warm-up
+``service/shared_encoders.py``), and — the part this module addresses — memory the allocator keeps after it was
+freed.  Warm-up
 runs the encoder at every batch size up to the largest, so its activations (tens of MB per layer at batch 16) are
 allocated and freed; glibc raises its mmap threshold after such frees ("dynamic threshold") and from then on serves
 large tensors from heap arenas it never returns to the system, one arena per thread that ever allocated.

@@ -62,7 +62,7 @@ class RequestContextMiddleware:
             # a request without a body starts with one empty http.request message: read here, it lets the watcher
             # wait for the disconnect from the start (a GET render whose client had left kept its render slot, and
             # a burst of them made every overlay wait past its deadline)
-            prefetched = None if scope["method"] in ("POST", "PUT", "PATCH") else await receive()
+            prefetched = await receive() if _announces_no_body(scope, headers) else None
             await self._call_watching_disconnect(scope, receive, send_with_id, response, prefetched)
         finally:
             if self.log_requests:
@@ -133,6 +133,15 @@ class RequestContextMiddleware:
             # the client went away: nothing can be sent, and the handler's work has been cancelled
         finally:
             watcher.cancel()
+
+
+def _announces_no_body(scope: dict, headers: dict[bytes, bytes]) -> bool:
+    """A GET (HEAD, DELETE, …) without a length or a chunked body: its one http.request message is empty and
+    there at once.  One that announces a body is left to the app, which may never read it (waiting for it here
+    held the request without a deadline)."""
+    if scope["method"] in ("POST", "PUT", "PATCH") or b"transfer-encoding" in headers:
+        return False
+    return headers.get(b"content-length", b"0").strip() in (b"", b"0")
 
 
 class JsonFormatter(logging.Formatter):

@@ -27,7 +27,8 @@ class Settings(BaseSettings):
 
     # -- models -------------------------------------------------------------------------------------------------
     weights_dir: Path = Field(Path("weights/flickr8k"), description="every checkpoint folder below it is served "
-                              "under its folder name (the real-photo checkpoints by default)")
+                              "under its folder name, a training run's best/last under the run's (the real-photo "
+                              "checkpoints by default)")
     prefixed_weights_dirs: dict[str, Path] = Field(
         default_factory=dict, description='name prefix → folder, JSON: {"scenes-": "weights"} serves every '
         "checkpoint folder below weights/ as scenes-NAME (the generated-scene checkpoints beside the real-photo ones)")

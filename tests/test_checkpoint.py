@@ -236,4 +236,6 @@ def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypat
     assert load_checkpoint(paths[0]).name == "sat"
     monkeypatch.chdir(tmp_path / "sat")  # a relative path too
     assert checkpoint_name("best") == "sat" and checkpoint_name("last") == "sat-last"
+    monkeypatch.chdir(tmp_path / "sat" / "last")
+    assert checkpoint_name("../best") == "sat" and checkpoint_name("../../aoanet/best") == "aoanet"
     assert checkpoint_name(tmp_path / "sat" / "best-f16") == "best-f16"  # any other folder: its own name

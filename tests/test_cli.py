@@ -351,6 +351,6 @@ def test_checkpoints_whose_folders_share_a_name_are_labelled_by_their_paths():
     # `caption --checkpoint weights/sat --checkpoint weights/flickr8k/sat` printed "[sat]" twice
     from captioner.models.cli.common import checkpoint_labels
 
-    assert checkpoint_labels(["weights/sat", "weights/flickr8k/sat", "runs/x/best"]) == [
-        "weights/sat", "weights/flickr8k/sat", "x/best"]
+    assert checkpoint_labels(["weights/sat", "weights/flickr8k/sat", "runs/x/best", "runs/x/last"]) == [
+        "weights/sat", "weights/flickr8k/sat", "x", "x-last"]
     assert checkpoint_labels(["weights/sat", "weights/aoanet"]) == ["sat", "aoanet"]

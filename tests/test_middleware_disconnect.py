@@ -80,3 +80,26 @@ def test_a_get_that_stays_is_answered_and_may_read_its_empty_body():
 
     sent = asyncio.run(scenario())
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"ok"
+
+
+def test_a_get_announcing_a_body_that_never_comes_is_still_answered():
+    """Pre-reading the first message of a GET that announces a body waited for it without a deadline (review):
+    ``GET /healthz`` with ``Content-Length: 5`` and no body went unanswered."""
+    async def scenario() -> list:
+        sent: list[dict] = []
+
+        async def never_sends_the_body():
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        scope = {**_scope("GET"), "headers": [(b"content-length", b"5")]}
+        await asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(scope, never_sends_the_body, send), 5)
+        return sent
+
+    assert [m.get("status") for m in asyncio.run(scenario())] == [200, None]

@@ -81,7 +81,17 @@ def test_form_fields_have_the_query_parameters_bounds(client, photo):
 
 
 def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):
-    # a query naming its model is checked before the body (refuse_early): the same 422 naming the option
+    import time
+
+    from captioner.service.captioning import refuse_early
+    from captioner.service.errors import InvalidRequest
+    from captioner.service.schemas import CaptionOptions
+
+    # a query naming its model is checked before the body is read (refuse_early clamped the values to the limits
+    # and let the body be read first); over HTTP, the same 422 naming the option
+    with pytest.raises(InvalidRequest, match="beam_size 9 is above the limit of 4"):
+        refuse_early(client.app.state.service, CaptionOptions(model="tiny-b", beam_size=9), time.monotonic())
+    refuse_early(client.app.state.service, CaptionOptions(model="tiny-b", beam_size=4), time.monotonic())
     too_wide = problem(post(client, photo, params={"model": "tiny-b", "beam_size": 9}))
     assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["beam_size"]
     too_long = problem(post(client, photo, params={"model": "tiny-a", "max_len": 13}))
@@ -165,6 +175,30 @@ def test_json_base64_may_be_wrapped_with_whitespace_and_nothing_else(client, pho
     same_caption(response.json(), post(client, photo).json())
     bad = client.post("/caption", json={"image": encoded[:100] + "*" + encoded[100:]})
     assert "not valid base64" in problem(bad, 422, "invalid-image")["detail"]
+
+
+def test_a_json_body_is_parsed_off_the_event_loop(client, photo, monkeypatch):
+    """Parsing megabytes of JSON and base64 on the event loop stalled every other request (the concurrency
+    audit): it runs in a worker thread, where no event loop runs."""
+    import asyncio
+
+    from captioner.service import inputs
+
+    parsed_on_loop = []
+    real = inputs._json_image
+
+    def recording(body):
+        try:
+            asyncio.get_running_loop()
+            parsed_on_loop.append(True)
+        except RuntimeError:
+            parsed_on_loop.append(False)
+        return real(body)
+
+    monkeypatch.setattr(inputs, "_json_image", recording)
+    response = client.post("/caption", json={"image": base64.b64encode(photo).decode()})
+    assert response.status_code == 200, response.text
+    assert parsed_on_loop == [False]
 
 
 def test_openapi_documents_the_form_fields(client):

@@ -89,6 +89,16 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
     monkeypatch.setitem(MODELS, "forgetful", Forgetful)
     err = _fails(capsys, _argv(scenes, tmp_path / "c", cache, "--model", "forgetful"))
     assert "config() must return every constructor argument" in err
+    from captioner.models.sparsecap import SparseCap
+
+    class Unshaped(SparseCap):  # forgets an argument that changes no shape: its checkpoints would reload as softmax
+        def config(self):
+            return {k: v for k, v in super().config().items() if k != "attention"}
+
+    monkeypatch.setitem(MODELS, "unshaped", Unshaped)
+    err = _fails(capsys, _argv(scenes, tmp_path / "d", cache, "--model", "unshaped", "--attention", "sparsemax"))
+    assert "config() must return every constructor argument" in err
+    assert "an ensemble is not trained" in _fails(capsys, _argv(scenes, tmp_path / "e", cache, "--model", "ensemble"))
     assert not cache.exists()
 
 

@@ -238,14 +238,11 @@ def load_training_captions(dataset, image_root) -> list[list[str]] | None:
     return [r for im in images for r in im.references]
 
 
-def checkpoint_label(checkpoint: str | Path) -> str:
-    """A checkpoint's short name: its folder, or ``run/best`` for the folders a training run writes."""
-    path = Path(checkpoint)
-    return f"{path.parent.name}/{path.name}" if path.name in ("best", "last") else path.name
-
-
 def checkpoint_labels(checkpoints: Sequence[str | Path]) -> list[str]:
-    """Their short names (:func:`checkpoint_label`), except that checkpoints whose short names coincide
-    (``weights/sat`` and ``weights/flickr8k/sat``) are named by their paths as given."""
-    short = [checkpoint_label(c) for c in checkpoints]
+    """Their names (:func:`~captioner.models.checkpoint.checkpoint_name`, as the service names them), except that
+    checkpoints whose names coincide (``weights/sat`` and ``weights/flickr8k/sat``) are named by their paths as
+    given."""
+    from ..checkpoint import checkpoint_name
+
+    short = [checkpoint_name(c) for c in checkpoints]
     return [str(c) if short.count(label) > 1 else label for c, label in zip(checkpoints, short)]

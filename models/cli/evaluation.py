@@ -12,7 +12,7 @@ from typing import Any
 
 from ..data.karpathy import DATASET_FORMATS
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
-                     add_dataset_options, add_device_options, add_search_options, checkpoint_label, count,
+                     add_dataset_options, add_device_options, add_search_options, count,
                      decoding_rules, load_split, load_training_captions, output_file, positive_int,
                      refuse_input_as_output)
 
@@ -129,6 +129,7 @@ def _grounding_benchmark(value: str | None) -> tuple[str | None, Path | None]:
 
 def _entities_section(ckpt, images, store, entities: Path, results, args: argparse.Namespace, device: str) -> dict:
     """The Flickr30k Entities grounding of one split, its tables printed to stderr (stdout stays the JSON)."""
+    from ..checkpoint import checkpoint_name
     from ..data.entities import EntitiesFormatError
     from ..evaluation.phrase_grounding import entities_grounding, summary_table, type_table
 
@@ -137,7 +138,7 @@ def _entities_section(ckpt, images, store, entities: Path, results, args: argpar
                                      device=device)
     except (EntitiesFormatError, ValueError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    name = checkpoint_label(args.checkpoint)
+    name = checkpoint_name(args.checkpoint)
     print(f"\nattention grounding, Flickr30k Entities (Plummer et al., arXiv:1505.04870), {section['photos']} photos:\n"
           f"{summary_table([(name, section)])}\n\nper phrase type, references teacher-forced:\n"
           f"{type_table([(name, section)])}\n", file=sys.stderr)

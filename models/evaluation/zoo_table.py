@@ -26,8 +26,10 @@ def normaliser_label(config: dict[str, Any]) -> str:
     mean of its members' maps, "hard" for SAT-hard's sampling distribution, else the configured one
     (:func:`~captioner.models.protocol.configured_normaliser`)."""
     arch = config.get("arch")
-    if arch in ("ensemble", "sat-hard"):
-        return {"ensemble": "ensemble", "sat-hard": "hard"}[arch]
+    if arch == "ensemble":
+        return "ensemble"
+    if arch == "sat-hard":
+        return "hard"
     return configured_normaliser(config.get("model", {}))
 
 

@@ -37,7 +37,7 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 from tqdm import tqdm
 
-from ..checkpoint import Checkpoint, load_checkpoint, on_meta, remove_debris, save_checkpoint
+from ..checkpoint import Checkpoint, load_checkpoint, on_meta, remove_debris, save_checkpoint, state_shapes
 from ..data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
 from ..data.stores import TunedStore, VisualStore, open_feature_store
@@ -204,17 +204,19 @@ def _check_model(cfg: TrainConfig) -> None:
     """The model and its options, built on the meta device before any data is read (an unknown name or option was
     found only after the features were extracted), and rebuilt from its :meth:`~Captioner.config`, as loading its
     checkpoints will (a model whose config() is missing or incomplete failed at the first save, after an epoch)."""
+    if cfg.model == "ensemble":
+        raise ValueError("an ensemble is not trained: `captioner ensemble` builds one from trained checkpoints")
     described = on_meta(lambda: create(cfg.model, vocab_size=16, feat_dim=64, **cfg.model_args))
     try:
         config = described.config()
     except NotImplementedError:
         raise ValueError(f"model {cfg.model!r} does not implement config(): the constructor arguments its checkpoints "
                          "store, to rebuild it (models/protocol.py)") from None
-    rebuilt = on_meta(lambda: create(cfg.model, **config))
-    shapes = {name: tuple(tensor.shape) for name, tensor in described.state_dict().items()}
-    if {name: tuple(tensor.shape) for name, tensor in rebuilt.state_dict().items()} != shapes:
+    forgotten = sorted(set(cfg.model_args) - set(config))  # given, but not stored: it would reload as its default
+    if forgotten or state_shapes(on_meta(lambda: create(cfg.model, **config))) != state_shapes(described):
         raise ValueError(f"model {cfg.model!r}: create({cfg.model!r}, **config()) builds another model than the one "
-                         "it describes: config() must return every constructor argument (models/protocol.py)")
+                         f"it describes{' (config() leaves out ' + ', '.join(forgotten) + ')' if forgotten else ''}: "
+                         "config() must return every constructor argument (models/protocol.py)")
 
 
 def _load_splits(cfg: TrainConfig) -> tuple[list[CaptionedImage], list[CaptionedImage]]:
