@@ -10,7 +10,7 @@ Decoder, per step ``t`` (input word ``w_t``, BOS first; ``c_{-1} = 0``):
 
 * ``x_t = [W_e Π_t ; ā + c_{t−1}]`` with ``ā`` the masked mean of the refined items   (Eq. 12)
 * ``h_t, m_t = LSTM(x_t, (h_{t−1}, m_{t−1}))``                                        (Eq. 13)
-* ``c_t = AoA^D(f_mh-att, W^{Q_d} h_t, W^{K_d} A, W^{V_d} A)``                          (Eq. 14)
+* ``c_t = AoA^D(f_mh-att, W^{Qa} h_t, W^{Ka} A, W^{Va} A)``                          (Eq. 14)
 * ``p(y_{t+1} | y_{≤t}, I) = softmax(W_p c_t)``                                        (Eq. 11)
 
 Projections that the paper writes as bare matrices (``W^{Q,K,V}`` of Eq. 7/14, ``W_p`` of Eq. 11) have no bias;
@@ -18,14 +18,14 @@ the AoA linear has the biases of Eq. 3–4.  The paper's decoder has no residual
 
 Ablations of Table 4 (§4.4) are config flags: ``refiner`` = ``aoa`` (Eq. 7) | ``transformer`` (standard encoder layer
 with output projection and FFN, Fig. 6a) | ``none``; ``decoder_attention`` = ``multihead`` (Eq. 8–10 queried by
-``W^{Q_d} h_t``) | ``additive`` (single-head ``wᵀ tanh(U a_i + W h_t)``, our choice for the ablations' single
+``W^{Qa} h_t``) | ``additive`` (single-head ``wᵀ tanh(U a_i + W h_t)``, our choice for the ablations' single
 attention: docs/decisions.md#aoanet-ablation-attention); ``context`` = ``aoa`` (Fig. 7c) | ``lstm`` (second LSTM on
 ``[â_t; h_t]``, Fig. 7b) | ``linear`` (``W [â_t; h_t] + b``, Fig. 7a).  "Base" is
 ``refiner=none, decoder_attention=additive, context=linear``.  "LSTM + AoA" is left out: the paper could not train it
 and reports no numbers.
 
 Reference compatibility (docs/decisions.md#aoanet-reference-compatibility-flags): ``query_norm`` (LN on ``h_t``
-before ``W^{Q_d}``), ``word_embedding="relu_dropout"`` (Embedding → ReLU → Dropout), ``aoa_query="input"`` (AoA
+before ``W^{Qa}``), ``word_embedding="relu_dropout"`` (Embedding → ReLU → Dropout), ``aoa_query="input"`` (AoA
 fed the attention's input instead of the projected query), ``projection_bias`` and ``layer_norm="std"`` reproduce
 the authors' code, so that ``captioner import aoanet`` converts their checkpoints exactly.  All default to the paper.
 
@@ -158,7 +158,7 @@ class AoANet(Captioner):
         self.lstm = nn.LSTMCell(embed_dim + d_model, d_model)  # input [W_e Π_t; ā + c_{t−1}], hidden size D
         if decoder_attention == "multihead":
             self.query, self.key, self.value = (nn.Linear(d_model, d_model, bias=projection_bias) for _ in range(3))
-            # query_norm: the authors' code normalises h_t before W^{Q_d} (not in the paper's Eq. 14)
+            # query_norm: the authors' code normalises h_t before W^{Qa} (not in the paper's Eq. 14)
             self.query_norm = make_layer_norm(layer_norm, d_model) if query_norm else nn.Identity()
         else:
             self.additive = AdditiveAttention(d_model, d_model, d_model, get_normaliser("softmax"))
@@ -181,7 +181,7 @@ class AoANet(Captioner):
         to ``D``; ReLU and dropout are the authors' code's: docs/decisions.md#aoanet-dropout), then
         ``refine_layers`` (paper: N = 6) layers of Eq. 7, ``A ← LN(A + AoA^E(f_mh-att, W^{Q_e}A, W^{K_e}A,
         W^{V_e}A))`` with ``f_mh-att`` of Eq. 8–10 (or a Table 4 ablation refiner).  Also what every step reuses:
-        the mean ``ā`` of Eq. 12 (masked: docs/decisions.md#masked-items) and Eq. 14's ``W^{K_d}A``, ``W^{V_d}A``,
+        the mean ``ā`` of Eq. 12 (masked: docs/decisions.md#masked-items) and Eq. 14's ``W^{Ka}A``, ``W^{Va}A``,
         split into heads."""
         mask = vis.mask
         items = self.drop(F.relu(self.embed_items(vis.feats.to(self.embed_items.weight.dtype))))
@@ -216,17 +216,17 @@ class AoANet(Captioner):
         if self.decoder_attention == "additive":
             alpha = self.additive(enc["keys"], h, enc["mask"])
             return torch.bmm(alpha.unsqueeze(1), enc["values"]).squeeze(1), h, alpha.unsqueeze(1)
-        query = self.query(self.query_norm(h))  # W^{Q_d} h_t (W^{Q_d} LN(h_t) with query_norm)
+        query = self.query(self.query_norm(h))  # W^{Qa} h_t (W^{Qa} LN(h_t) with query_norm)
         attended, weights = attend_split(split_heads(query.unsqueeze(1), self.heads), enc["keys"], enc["values"],
                                          enc["mask"], self.attention_drop)
-        # aoa_query="input": the authors' code gives AoA^D the raw h_t instead of W^{Q_d} h_t
+        # aoa_query="input": the authors' code gives AoA^D the raw h_t instead of W^{Qa} h_t
         return attended.squeeze(1), query if self.aoa_query == "projected" else h, weights.squeeze(2)
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
         """One decoder step (AoANet §3.2.2) for the input word ``w_t`` (``prev_tokens``):
         ``x_t = [W_e Π_t; ā + c_{t−1}]`` (Eq. 12), ``h_t, m_t = LSTM(x_t, h_{t−1}, m_{t−1})`` (Eq. 13),
-        ``c_t = AoA^D(f_mh-att, W^{Q_d} h_t, W^{K_d}A, W^{V_d}A)`` (Eq. 14, with Eq. 6's AoA taking the projected
-        ``W^{Q_d} h_t`` as its query) and the log of ``softmax(W_p c_t)`` (Eq. 11) for the next word.  Dropout on
+        ``c_t = AoA^D(f_mh-att, W^{Qa} h_t, W^{Ka}A, W^{Va}A)`` (Eq. 14, with Eq. 6's AoA taking the projected
+        ``W^{Qa} h_t`` as its query) and the log of ``softmax(W_p c_t)`` (Eq. 11) for the next word.  Dropout on
         ``c_{t−1}`` and ``c_t`` is the authors' code's (docs/decisions.md#aoanet-dropout); the ``context`` ablations
         (Fig. 7a, 7b) replace Eq. 14's AoA.  Exports the decoder attention averaged over the heads."""
         # ā + c_{t−1}: added, not concatenated (Eq. 12)
@@ -238,7 +238,7 @@ class AoANet(Captioner):
         attended, query, weights = self.attend(h, enc)
         new_state = {"h": h, "m": m}
         if self.context_kind == "aoa":
-            context = self.aoa(attended, query)  # Eq. 14: AoA's query is the projected W^{Q_d} h_t (Eq. 6)
+            context = self.aoa(attended, query)  # Eq. 14: AoA's query is the projected W^{Qa} h_t (Eq. 6)
         elif self.context_kind == "lstm":
             context, memory = self.context_lstm(torch.cat([attended, h], 1), (state["h_ctx"], state["m_ctx"]))
             new_state.update(h_ctx=context, m_ctx=memory)  # h_ctx is c_t: no separate "context" entry
