@@ -324,7 +324,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     digests = verify_manifest(path) if verify else {}
     config = read_config(path)
     vocab = Vocabulary.load(path / VOCAB)
-    build = functools.partial(create, config["arch"], **config["model"], **config.get("special_ids", {}))
+    build = _builder(config)
     _check_shapes(path, config["arch"], build)
     model = build()
     try:
@@ -373,7 +373,12 @@ def state_shapes(model: Captioner) -> dict[str, tuple[int, ...]]:
 def described_model(path: str | Path) -> Captioner:
     """The model checkpoint ``path``'s ``config.json`` describes, on the meta device (:func:`on_meta`)."""
     config = read_config(path)
-    return on_meta(functools.partial(create, config["arch"], **config["model"], **config.get("special_ids", {})))
+    return on_meta(_builder(config))
+
+
+def _builder(config: dict[str, Any]) -> Callable[[], Captioner]:
+    """What builds the model a ``config.json`` describes (on whatever device is current)."""
+    return functools.partial(create, config["arch"], **config["model"], **config.get("special_ids", {}))
 
 
 def _check_shapes(path: Path, arch: str, build: Callable[[], Captioner]) -> None:

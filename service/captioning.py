@@ -94,9 +94,8 @@ def search_size(settings: Settings, options: CaptionOptions) -> tuple[int, int]:
 def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: float) -> None:
     """Before a request's body is read: 503 while not ready and, when its options name its model and the body
     cannot change them, 422 for a beam or length above the limits and 429 if that model's batcher would refuse it
-    now — under overload, reading and parsing the
-    body of a request that is then refused takes event-loop time from the admitted ones.  (Every request is
-    checked again once its body is read.)"""
+    now — under overload, reading and parsing the body of a request that is then refused takes event-loop time
+    from the admitted ones.  (Every request is checked again once its body is read.)"""
     ensure_ready(state)
     batcher = state.batchers.get(options.model) if options is not None and options.model else None
     if batcher is not None:
