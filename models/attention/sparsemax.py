@@ -53,13 +53,13 @@ class SparsemaxFunction(torch.autograd.Function):
     """Sparsemax with the closed-form Jacobian–vector product of SparseCap Eq. 15."""
 
     @staticmethod
-    def forward(ctx, scores: Tensor, mask: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx, scores: Tensor, mask: Tensor | None) -> Tensor:
         probs = _sparsemax_forward(scores, mask)
         ctx.save_for_backward(probs)
         return probs
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_output: Tensor):
         (probs,) = ctx.saved_tensors
         return sparsemax_backward(probs, grad_output), None
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -64,6 +65,15 @@ from .sparsemax import sparsemax
 DEFAULT_LAMBDA = 0.01
 #: primal-dual active-set steps tried after every ``check_every`` FISTA iterations
 ACTIVE_SET_STEPS = 3
+
+
+class SolverOptions(TypedDict, total=False):
+    """The :func:`tv2d_prox` options that :func:`tvmax` forwards: the iteration counts are ints (``range`` takes
+    them), the tolerance a float."""
+
+    tol: float
+    max_iter: int
+    check_every: int
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,14 +445,14 @@ class TV2DProxFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
-                max_iter: int, check_every: int) -> Tensor:  # type: ignore[override]
+                max_iter: int, check_every: int) -> tuple[Tensor, Tensor]:
         w, labels = _tv2d_solve(z, grid_hw, lam, mask, tol, max_iter, check_every)
         ctx.save_for_backward(labels)
         ctx.mark_non_differentiable(labels)
         return w, labels
 
     @staticmethod
-    def backward(ctx, grad_w: Tensor, _grad_labels: Tensor | None):  # type: ignore[override]
+    def backward(ctx, grad_w: Tensor, _grad_labels: Tensor | None):
         (labels,) = ctx.saved_tensors
         # J_TV is symmetric (SparseCap Eq. 9), so J_TVᵀ dw is again "average dw over each fused group"
         return group_means(grad_w, labels), None, None, None, None, None, None
@@ -474,7 +484,7 @@ def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, 
 
 
 def tvmax(scores: Tensor, grid_hw: tuple[int, int], mask: Tensor | None = None, lam: float = DEFAULT_LAMBDA, *,
-          dtype: torch.dtype | None = torch.float64, **solver: float) -> Tensor:
+          dtype: torch.dtype | None = torch.float64, **solver: Unpack[SolverOptions]) -> Tensor:
     """TVmax (SparseCap Definition 1, Eq. 5) over ``[..., H*W]`` row-major grid scores, via Proposition 1:
     ``TVmax(z) = sparsemax(prox_{λΩ_2D}(z))`` (SparseCap Eq. 7).
 
