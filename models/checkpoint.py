@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -458,7 +458,7 @@ def checkpoint_children(folder: str | Path | None) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and is_checkpoint(p))
 
 
-def find_checkpoints(weights_dir: str | Path | None, extra: list[str | Path] | tuple = (),
+def find_checkpoints(weights_dir: str | Path | None, extra: Sequence[str | Path] = (),
                      prefixed: Mapping[str, str | Path] | None = None,
                      on_replaced: Callable[[str, Path, Path], None] | None = None) -> dict[str, Path]:
     """Checkpoint folders by model name (:func:`checkpoint_name`: the folder's, a training run's ``best``/``last``

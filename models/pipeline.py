@@ -6,6 +6,7 @@ A thin wrapper over :class:`~captioner.models.inference.TorchRuntime`: the same 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ class Pipeline:
         self.runtime = torch_runtime(checkpoint, device)
         self.ckpt = self.runtime.ckpt
 
-    def __call__(self, sources: list[str | Path | bytes | Image.Image], beam_size: int = 3,
+    def __call__(self, sources: Sequence[str | Path | bytes | Image.Image], beam_size: int = 3,
                  max_len: int = 20, rules: DecodingRules | None = None) -> list[CaptionResult]:
         """Caption ``sources`` (files, bytes or decoded images: pass the decoded image to draw on it afterwards);
         ``rules`` default to the checkpoint's own (``Runtime.default_rules``)."""

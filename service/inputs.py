@@ -17,7 +17,7 @@ import base64
 import binascii
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -91,7 +91,7 @@ async def read_upload(upload: UploadFile, limit: int) -> bytes:
 
 
 async def limited_stream(request: Request, limit: int, refused_at: int | None = None,
-                         budget: UploadBudget | UploadHold = UNLIMITED) -> AsyncIterator[bytes]:
+                         budget: UploadBudget | UploadHold = UNLIMITED) -> AsyncGenerator[bytes, None]:
     """The body's chunks, refused (:class:`UploadTooLarge` naming ``limit``) as soon as more than ``refused_at``
     bytes (default ``limit``) have come, and before any is read when the client announced more: a body sent
     without a length (chunked) meets the same limit as one that declares it.  Its chunks are taken from ``budget``

@@ -8,7 +8,7 @@ only translate HTTP ↔ the use cases (``captioning.py``, ``rendering.py``).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -36,9 +36,10 @@ AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, description="heatmap opacity
 SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
     f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE}; format=json, one map per token: "
     f"default and at most {JSON_RENDER_SIDE})"))]
-RENDERED = {200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
-                  "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"},
-            504: {"description": "deadline passed while waiting for a render slot"}}
+RENDERED: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
+          "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"},
+    504: {"description": "deadline passed while waiting for a render slot"}}
 
 
 def _format(format: Format | None, token: int | None) -> Format:

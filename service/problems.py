@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,7 +65,7 @@ def problem_response(request: Request, status: int, detail: str, title: str | No
 
 
 async def send_problem(scope: dict, send: Callable[[dict], Awaitable[None]], status: int, detail: str, *,
-                       kind: str | None = None, headers: list[tuple[bytes, bytes]] = ()) -> None:
+                       kind: str | None = None, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer with a problem document from an ASGI middleware, before (or instead of) the app."""
     body = json.dumps(problem_body(status, detail, scope["path"], kind=kind)).encode()
     await send({"type": "http.response.start", "status": status,

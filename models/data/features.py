@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,6 +53,9 @@ from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess
 from ..files import write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
+
+if TYPE_CHECKING:  # the ONNX stand-in `captioner eval --encoder-precision int8` extracts with
+    from ..export.quantize import OnnxGridEncoder
 
 FORMAT = "attention-captioner-features/2"
 INDEX, FAILED, LOCK = "index.json", "failed.json", "extract.lock"
@@ -234,7 +238,7 @@ def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = 
 
 
 def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_dir: str | Path,
-                     batch_size: int = 32, device: str = "cpu", encoder: GridEncoder | None = None,
+                     batch_size: int = 32, device: str = "cpu", encoder: GridEncoder | OnnxGridEncoder | None = None,
                      progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE, rank: int | None = None,
                      wait_timeout_s: float | None = None, view: str = "") -> FeatureStore:
     """The store of ``spec``'s grid features for ``images`` (seen as ``view``, a key of :data:`VIEWS`) in
@@ -286,7 +290,7 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
 
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
-                    device: str, encoder: GridEncoder | None, progress: bool, shard_size: int,
+                    device: str, encoder: GridEncoder | OnnxGridEncoder | None, progress: bool, shard_size: int,
                     sizes: Mapping[str, int], tuned: str | None = None, view: str = "") -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")

@@ -194,7 +194,8 @@ def _ood_image(index: int, seed: int, out: Path) -> dict:
 
 
 class _PythonChoice:
-    """The one ``random.Random`` method the caption templates use (``choice``), backed by a numpy generator."""
+    """The one ``random.Random`` method the caption templates use (``choice``: a :class:`.scenes.Chooser`), backed
+    by a numpy generator."""
 
     def __init__(self, rng: np.random.Generator):
         self.rng = rng

@@ -19,6 +19,7 @@ import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -336,9 +337,20 @@ def _relation(objects: list[SceneObject], groups: list[list[int]],
     return _listing(objects, groups) + _plain("from left to right")
 
 
-def captions_for(objects: list[SceneObject], background: str, rng: random.Random,
+_Option = TypeVar("_Option")
+
+
+class Chooser(Protocol):
+    """What the caption templates draw with: a ``random.Random``, or the OOD set's numpy-backed stand-in
+    (:mod:`.ood`), which has ``choice`` alone."""
+
+    def choice(self, options: Sequence[_Option], /) -> _Option: ...
+
+
+def captions_for(objects: list[SceneObject], background: str, rng: Chooser,
                  canvas: tuple[int, int] = (CANVAS, CANVAS)) -> list[Words]:
-    """Five references; ``canvas`` (width, height) places a lone group ("in the top left")."""
+    """Five references; ``canvas`` (width, height) places a lone group ("in the top left"); ``rng`` picks among
+    the wordings."""
     groups = _groups(objects)
     listing = _listing(objects, groups)
     n = len(objects)

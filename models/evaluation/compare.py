@@ -31,8 +31,9 @@ BLEU_TINY, BLEU_SMALL = 1e-15, 1e-9
 BLEU_ORDER = 4
 
 
-def paired_difference(per_image_a: Sequence[float], per_image_b: Sequence[float], counts: Sequence[float],
-                      resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict[str, float | list[float]]:
+def paired_difference(per_image_a: Sequence[float] | np.ndarray, per_image_b: Sequence[float] | np.ndarray,
+                      counts: Sequence[float] | np.ndarray, resamples: int = 2000, seed: int = 0,
+                      level: float = 0.95) -> dict[str, float | list[float]]:
     """``Σa/Σc − Σb/Σc`` over the images, its paired-bootstrap interval, and the share of resamples in which A
     is not above B (a one-sided bootstrap p-value for "A > B")."""
     a, b = np.asarray(per_image_a, np.float64), np.asarray(per_image_b, np.float64)

@@ -48,7 +48,8 @@ STATISTICS = ("mass", "pointing", "ratio")
 # ---------------------------------------------------------------------------------------------------------------
 # One map against one mask
 # ---------------------------------------------------------------------------------------------------------------
-def pixel_distribution(weights: Sequence[float], geometry: Geometry, size: tuple[int, int] | None = None) -> np.ndarray:
+def pixel_distribution(weights: Sequence[float] | np.ndarray, geometry: Geometry,
+                       size: tuple[int, int] | None = None) -> np.ndarray:
     """Attention weights over visual items → a distribution over the pixels of an image of ``size`` (width,
     height; default the geometry's image size), ``[H, W]`` summing to 1 (all zeros if the weights are).
 

@@ -34,7 +34,7 @@ and per Entities phrase type (a phrase of two types counts under both, once unde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +90,7 @@ class PhotoAttention:
 # ---------------------------------------------------------------------------------------------------------------
 # Which words name which boxes
 # ---------------------------------------------------------------------------------------------------------------
-def _visual_types(types: Sequence[str]) -> tuple[str, ...]:
+def _visual_types(types: Collection[str]) -> tuple[str, ...]:
     return tuple(t for t in PHRASE_TYPES if t in types)
 
 

@@ -220,7 +220,7 @@ class EncoderGraph(nn.Module):
     """pixels → (encoder state..., initial decoder state...) in :class:`GraphSpec` order; with ``nn.Identity()`` as
     ``visual``, the head graph: CNN features → the same outputs."""
 
-    def __init__(self, visual: GridEncoder, model: Captioner, spec: EncoderSpec, enc_keys: list[str],
+    def __init__(self, visual: GridEncoder | nn.Identity, model: Captioner, spec: EncoderSpec, enc_keys: list[str],
                  state_keys: list[str]):
         super().__init__()
         self.visual, self.model = visual, model

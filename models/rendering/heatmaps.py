@@ -140,7 +140,7 @@ def _region_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int],
     return heat
 
 
-def heatmap(weights: Sequence[float], geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
+def heatmap(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
             scale: float | None = None) -> np.ndarray:
     """Heat ``[H, W]`` in [0, 1] over the image at ``size`` (width, height), a resized copy of the original or the
     original itself.  ``scale`` is its width over the original's: by default what ``size`` says, else 1 (and ``size``
@@ -179,7 +179,7 @@ def colormap(name: str):
         raise RenderError(f"unknown matplotlib colormap {name!r}") from None
 
 
-def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str | None = None,
+def overlay(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str | None = None,
             cmap: str = "jet", alpha: float = 0.5, area_boxes: np.ndarray | None = None, top_k: int = 3) -> Image.Image:
     """The image with one word's attention drawn on it (RGB, same size as ``image``).
 
@@ -206,8 +206,8 @@ def overlay(image: Image.Image, weights: Sequence[float], geometry: Geometry, mo
     return Image.fromarray(np.clip(blended, 0, 255).astype(np.uint8))
 
 
-def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry, mode: str, colours_of, scale: float,
-                area_boxes: np.ndarray | None, top_k: int) -> Image.Image:
+def _draw_boxes(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str, colours_of,
+                scale: float, area_boxes: np.ndarray | None, top_k: int) -> Image.Image:
     weights = np.asarray(weights, dtype=np.float32)
     out = image.copy()
     draw = ImageDraw.Draw(out)
@@ -233,8 +233,8 @@ def _draw_boxes(image: Image.Image, weights: Sequence[float], geometry: Geometry
     return out
 
 
-def caption_figure(image: Image.Image, words: Sequence[str], attention: Sequence[Sequence[float]], geometry: Geometry,
-                   mode: str | None = None, cmap: str = "jet", alpha: float = 0.5, columns: int = 5,
+def caption_figure(image: Image.Image, words: Sequence[str], attention: Sequence[Sequence[float]] | np.ndarray,
+                   geometry: Geometry, mode: str | None = None, cmap: str = "jet", alpha: float = 0.5, columns: int = 5,
                    area_boxes: np.ndarray | None = None, panel_size: int = 224) -> Image.Image:
     """The papers' figure: the image, then one panel per word with that word's heatmap (PNG-ready RGB).  From a
     caption, in its model's own mode: :meth:`CaptionResult.figure <captioner.models.inference.CaptionResult.figure>`."""
@@ -250,7 +250,7 @@ class FigureRow:
 
     label: str
     words: Sequence[str]
-    attention: Sequence[Sequence[float]]
+    attention: Sequence[Sequence[float]] | np.ndarray
     geometry: Geometry
     area_boxes: np.ndarray | None = None
     mode: str | None = None
