@@ -83,6 +83,19 @@ def test_one_entry_point_reads_every_kind_of_data_set(official, tmp_path):
         resolve_dataset(tmp_path / "Flicker8k_Dataset")
 
 
+def test_the_data_set_is_named_by_what_the_karpathy_loader_reads(tmp_path):
+    """``dataset_name`` reads a Karpathy JSON through its loader's reader: a file the loader takes (here saved with a
+    byte-order mark, as Windows editors save it) is named by its ``dataset`` field, not by its file name."""
+    karpathy = tmp_path / "captions.json"
+    karpathy.write_bytes("\ufeff".encode() + json.dumps({"dataset": "flickr8k", "images": [
+        {"filename": "10_a.jpg", "split": "train", "imgid": 0, "sentences": [{"tokens": ["a", "dog"]}]}]}).encode())
+    assert load_captioned(karpathy, check_images=False)[0].references == [["a", "dog"]]
+    assert dataset_name(karpathy) == "flickr8k"
+    # a file that is no Karpathy JSON (a list) is named by its file name, as a JSON that does not parse is
+    karpathy.write_text("[]")
+    assert dataset_name(karpathy) == "captions"
+
+
 def test_trained_on_names_the_data_set_with_its_citation():
     assert trained_on({"trained_on": "X, train split"}) == "X, train split"
     assert trained_on({"dataset": ".cache/scenes-varied/dataset_scenes.json"}).startswith("generated scenes")

@@ -9,14 +9,13 @@ trained on, with its citation, for ``GET /models`` and the model cards.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from .coco import CAPTIONS_FILE, coco_captions_file, load_coco
 from .flickr import TOKEN_FILES, flickr_layout, load_flickr
-from .karpathy import CaptionedImage, load_karpathy
+from .karpathy import CaptionedImage, karpathy_dataset_name, load_karpathy
 
 SCENES_FILE = "dataset_scenes.json"
 #: the data sets' own names (Karpathy JSON's "dataset" field) → how a model card cites them
@@ -60,10 +59,10 @@ def dataset_name(dataset: str | Path) -> str:
         return named
     match = re.fullmatch(r"dataset_(\w+)\.json", path.name)
     try:
-        named = json.loads(path.read_text(encoding="utf-8")).get("dataset")
-        return str(named or (match and match.group(1)) or path.stem)
-    except (OSError, ValueError):
-        return match.group(1) if match else path.stem
+        named = karpathy_dataset_name(path)
+    except (OSError, ValueError):  # not a Karpathy JSON after all: what its file name says
+        named = None
+    return named or (match.group(1) if match else path.stem)
 
 
 def load_captioned(dataset: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,

@@ -57,15 +57,11 @@ def read_captions_file(path: Path, missing: str) -> str:
                          ) from None
 
 
-def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
-                  max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
-    """Images of the requested splits with at most ``max_refs`` references each, the first ones
-    (docs/decisions.md#tokenizer-and-caption-length).
-
-    ``image_root`` defaults to the JSON's folder; an image lives at ``image_root/filepath/filename``.
-    """
+def read_karpathy_json(json_path: str | Path) -> dict[str, Any]:
+    """The parsed JSON of a Karpathy-split file, checked to be one (a dict with an ``images`` list, not COCO's own
+    captions format): a :class:`FileNotFoundError` when it is missing, a :class:`ValueError` naming the file
+    otherwise.  :func:`load_karpathy` and :func:`karpathy_dataset_name` read it through here."""
     json_path = Path(json_path)
-    root = Path(image_root) if image_root else json_path.parent
     text = read_captions_file(json_path, f"dataset file {json_path} does not exist")
     try:
         data = json.loads(text)
@@ -80,6 +76,26 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
                              "give the captions file of the same archive (captions_train2014.json, …)")
         raise ValueError(f"{json_path} is in COCO's own captions format, not Karpathy's: give it its published name "
                          "(captions_train2014.json, captions_val2014.json, …) or pass the folder that holds them")
+    return data
+
+
+def karpathy_dataset_name(json_path: str | Path) -> str | None:
+    """The data set a Karpathy-split file says it holds (its top-level ``dataset`` field: ``flickr8k``, ``coco``,
+    ``scenes``, …), None when it says none; errors as :func:`read_karpathy_json`'s."""
+    named = read_karpathy_json(json_path).get("dataset")
+    return str(named) if named else None
+
+
+def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
+                  max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
+    """Images of the requested splits with at most ``max_refs`` references each, the first ones
+    (docs/decisions.md#tokenizer-and-caption-length).
+
+    ``image_root`` defaults to the JSON's folder; an image lives at ``image_root/filepath/filename``.
+    """
+    json_path = Path(json_path)
+    root = Path(image_root) if image_root else json_path.parent
+    data = read_karpathy_json(json_path)
     if splits:
         folded = [split for split in splits if split in SPLIT_ALIASES]
         if folded:

@@ -14,7 +14,6 @@ assumed: docs/decisions.md, "int8 CNN by ONNX Runtime static quantization".
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -44,14 +43,14 @@ FLOAT_PREFIXES = ("/conv_stem/", "/blocks.0/", "/blocks.1/", "/conv1/", "/layer1
 
 def calibration_pixels(spec: EncoderSpec, count: int = CALIBRATION_IMAGES) -> np.ndarray:
     """``count`` generated scenes (seed :data:`CALIBRATION_SEED`), preprocessed for ``spec``: ``[count, 3, S, S]``."""
+    from ..data.karpathy import load_karpathy
     from ..data.scenes import generate
     from ..encoder import load_image
 
     with tempfile.TemporaryDirectory() as tmp:
         # the train split's generator under a seed of its own: images no dataset made with another seed contains
         index = generate(Path(tmp), {"train": count}, seed=CALIBRATION_SEED, progress=False)
-        names = [entry["filename"] for entry in json.loads(index.read_text())["images"]]
-        return torch.stack([preprocess(load_image(Path(tmp) / "images" / n), spec)[0] for n in names]).numpy()
+        return torch.stack([preprocess(load_image(im.path), spec)[0] for im in load_karpathy(index)]).numpy()
 
 
 def float_convolutions(graph) -> list[str]:
