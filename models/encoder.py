@@ -15,6 +15,7 @@ environment.
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import math
 from dataclasses import asdict, dataclass, replace
@@ -152,6 +153,24 @@ class EncoderSpec:
         if self.backbone.startswith("efficientnet"):
             return (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
         return IMAGENET_MEAN, IMAGENET_STD
+
+
+def tuned_weights_sha256(spec: EncoderSpec) -> str | None:
+    """The identity of a spec's fine-tuned stages' file (None without one): the sha256 of its bytes, the one key that
+    both the feature cache's name (models/data/features.py) and the ONNX export's folder
+    (models/export/onnx.py, ``visual_encoder_key``) use.  Content, not path or size and time: a run's best/ is
+    rewritten in place whenever validation improves, and a copy or an edit can keep a file's size and mtime.
+
+    Read whole at every call, with no cache keyed by size and time (which would bring that doubt back): the
+    shipped X-LAN's 2.4 MB file hashes in about 3 ms, and a server asks once or twice per model at start-up.
+    A missing file is a :class:`FileNotFoundError`."""
+    if not spec.tuned_weights:
+        return None
+    digest = hashlib.sha256()
+    with open(spec.tuned_weights, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------------------

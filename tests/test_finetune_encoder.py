@@ -176,3 +176,27 @@ def test_a_feature_store_of_tuned_stages_is_found_again_only_while_their_file_is
     tuned = load_file(copy / "encoder_tuned.safetensors")
     save_file({k: v + 1.0 for k, v in tuned.items()}, copy / "encoder_tuned.safetensors")  # best/ rewritten in place
     assert find_covering_store(tmp_path / "cache", spec, keys) is None
+
+
+def test_the_tuned_stages_file_is_known_by_its_content_to_the_feature_cache_and_the_onnx_export(tmp_path):
+    """One identity, the file's sha256, names the fine-tuned stages in both caches: an edit that keeps the file's size
+    and modification time (an in-place rewrite, a copy with ``cp -p``) makes a new feature store and a new export,
+    where the export's key used to be the size and mtime and kept serving the old stages."""
+    import hashlib
+    import os
+
+    from captioner.models.data.features import _cache_name
+    from captioner.models.encoder import tuned_weights_sha256
+    from captioner.models.export.onnx import visual_encoder_key
+
+    tuned = tmp_path / "encoder_tuned.safetensors"
+    tuned.write_bytes(b"first stages")
+    spec = EncoderSpec(tuned_weights=str(tuned))
+    written = tuned.stat()
+    keys = visual_encoder_key(spec), _cache_name(spec, ["photo.jpg"])
+    tuned.write_bytes(b"other stages")  # as many bytes
+    os.utime(tuned, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert (tuned.stat().st_size, tuned.stat().st_mtime_ns) == (written.st_size, written.st_mtime_ns)
+    assert tuned_weights_sha256(spec) == hashlib.sha256(b"other stages").hexdigest()
+    assert visual_encoder_key(spec) != keys[0], "the export of the old stages would be served"
+    assert _cache_name(spec, ["photo.jpg"]) != keys[1], "the features of the old stages would be reused"

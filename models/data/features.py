@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess
+from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess, tuned_weights_sha256
 from ..files import write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
@@ -144,16 +144,10 @@ class FeatureStore:
 _LATER_FIELDS = {"grid_stride": 32}
 
 
-def tuned_sha256(spec: EncoderSpec) -> str | None:
-    """The fine-tuned stages' file by its content (None without one): a run's best/ is rewritten in place whenever
-    validation improves, so the path alone does not say which weights made a store."""
-    return hashlib.sha256(Path(spec.tuned_weights).read_bytes()).hexdigest() if spec.tuned_weights else None
-
-
 def _cache_name(spec: EncoderSpec, keys: Sequence[str], tuned: str | None = None, view: str = "") -> str:
     fields = {k: v for k, v in spec.to_json().items() if _LATER_FIELDS.get(k, object()) != v}
     if spec.tuned_weights:
-        fields["tuned_weights"] = tuned or tuned_sha256(spec)
+        fields["tuned_weights"] = tuned or tuned_weights_sha256(spec)
     if view:  # the photos as they are keep the names caches had before views existed
         fields["view"] = view
     digest = hashlib.sha256(json.dumps([fields, list(keys)]).encode()).hexdigest()[:16]
@@ -197,7 +191,7 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
     """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content, and view)
     that holds every key (and, given their :func:`photo_sizes`, still describes their photos), if there is one: a
     store of all splits serves training (train + val) and evaluation (test) alike."""
-    tuned = tuned or tuned_sha256(spec)
+    tuned = tuned or tuned_weights_sha256(spec)
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
         try:
@@ -247,7 +241,7 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; choose from {', '.join(map(repr, VIEWS))}")
     keys = [im.key for im in images]
-    tuned = tuned_sha256(spec)  # read once: the name, the covering store and the index all need it
+    tuned = tuned_weights_sha256(spec)  # read once: the name, the covering store and the index all need it
     folder = Path(cache_dir) / _cache_name(spec, keys, tuned, view)
     sizes = photo_sizes(images)  # once: every store looked at below compares them, and the new index records them
     if (store := _finished(folder, sizes)) is not None:
