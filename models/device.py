@@ -10,6 +10,11 @@ import torch
 
 log = logging.getLogger("captioner.device")
 
+#: the precisions the networks run in, by torch's dtype names → the autocast dtype (None: plain float32): the one
+#: vocabulary of serving (``CAPTIONER_PRECISION``) and training (``captioner train --precision``, which adds
+#: ``auto``: models/training/precision.py)
+PRECISIONS: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def resolve_device(name: str = "auto") -> torch.device:
     """``auto`` → CUDA when available, else CPU; an explicit ``cuda`` without a GPU, or a name torch does not know,

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .checkpoint import Checkpoint, folder_relative, load_checkpoint
 from .data.datasets import trained_on
+from .device import PRECISIONS
 from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
@@ -282,8 +283,6 @@ def grid_encoder(spec: EncoderSpec, device: torch.device | str) -> GridEncoder:
     return GridEncoder(spec).to(device).to(memory_format=torch.channels_last)
 
 
-#: ``CAPTIONER_PRECISION`` values → the autocast dtype (None: plain float32)
-PRECISIONS: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TorchRuntime(Runtime):

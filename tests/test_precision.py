@@ -13,14 +13,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_precision_is_selected_by_device():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert resolve_precision("auto", cpu).dtype is None  # fp32 on CPU
-    assert resolve_precision("bf16", cpu).dtype == torch.bfloat16 and not resolve_precision("bf16", cpu).scaled
-    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
-        resolve_precision("fp16", cpu)
-    fp16 = resolve_precision("fp16", gpu)
-    assert fp16.dtype == torch.float16 and fp16.scaled  # fp16 always with a gradient scaler
+    assert resolve_precision("auto", cpu).name == "float32" and resolve_precision("auto", cpu).dtype is None
+    assert resolve_precision("bfloat16", cpu).dtype == torch.bfloat16 and not resolve_precision("bfloat16", cpu).scaled
+    with pytest.raises(ValueError, match="float16 needs a CUDA device"):
+        resolve_precision("float16", cpu)
+    fp16 = resolve_precision("float16", gpu)
+    assert fp16.dtype == torch.float16 and fp16.scaled  # float16 always with a gradient scaler
+    # the names runs recorded before the precisions took torch's dtype names
+    assert [resolve_precision(old, gpu).name for old in ("fp32", "bf16", "fp16")] == ["float32", "bfloat16", "float16"]
+    with pytest.raises(ValueError, match="unknown precision 'half'"):
+        resolve_precision("half", cpu)
     if torch.cuda.is_available():
-        assert resolve_precision("auto", gpu).name == ("bf16" if torch.cuda.is_bf16_supported() else "fp16")
+        assert resolve_precision("auto", gpu).name == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
 
 
 def test_bf16_autocast_trains_on_cpu_close_to_fp32(scenes, tmp_path):
@@ -28,7 +32,7 @@ def test_bf16_autocast_trains_on_cpu_close_to_fp32(scenes, tmp_path):
                   model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0), train_limit=4, val_limit=2,
                   batch_size=8, lr=3e-3, max_steps=2, progress=False, log_every=1, device="cpu")
     runs = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("float32", "bfloat16"):
         run = prepare_run(TrainConfig(out=str(tmp_path / precision), precision=precision, **common))
         seen = []
         hook = run.model.init_h.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
@@ -36,15 +40,48 @@ def test_bf16_autocast_trains_on_cpu_close_to_fp32(scenes, tmp_path):
         fit(run)
         hook.remove()
         runs[precision] = (run, seen, before)
-    run, seen, before = runs["bf16"]
+    run, seen, before = runs["bfloat16"]
     assert set(seen) == {torch.bfloat16}, "the forward pass did not run under bf16 autocast"
-    assert set(runs["fp32"][1]) == {torch.float32}
+    assert set(runs["float32"][1]) == {torch.float32}
     after = run.model.state_dict()
     assert all(v.dtype == torch.float32 for v in after.values())  # master weights stay float32
     assert any(not torch.equal(before[k], after[k]) for k in after)  # and the step updated them
     losses = {p: [json.loads(line)["xe"] for line in (tmp_path / p / "metrics.jsonl").read_text().splitlines()]
               for p in runs}
-    assert all(torch.isfinite(torch.tensor(losses["bf16"])))
+    assert all(torch.isfinite(torch.tensor(losses["bfloat16"])))
     # bf16 keeps 8 bits of mantissa: the same batches' losses agree to a few per cent
-    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.03)
-    assert json.loads((tmp_path / "bf16" / "train_state.json").read_text())["config"]["precision"] == "bf16"
+    assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=0.03)
+    assert json.loads((tmp_path / "bfloat16" / "train_state.json").read_text())["config"]["precision"] == "bfloat16"
+
+
+def test_a_run_started_with_precision_fp32_still_resumes(scenes, tmp_path):
+    """Before the precisions took torch's dtype names, ``--precision fp32`` was recorded as ``fp32`` in the run's
+    state: such a run resumes, with the old flag given again or with none, and continues as float32."""
+    from captioner.service.cli import main
+
+    out, state = tmp_path / "run", tmp_path / "run" / "train_state.json"
+    main(["train", "--dataset", str(scenes), "--out", str(out), "--cache-dir", str(tmp_path / "features"),
+          "--encoder", "image_size=96", "--set", "embed_dim=16", "--set", "hidden_dim=24", "--set", "attn_dim=16",
+          "--train-limit", "8", "--val-limit", "2", "--batch-size", "8", "--device", "cpu", "--no-progress",
+          "--precision", "fp32", "--max-steps", "1"])  # 5 steps an epoch: every stop below is inside the first
+    for steps, again in ((2, ["--precision", "fp32"]), (3, [])):
+        saved = json.loads(state.read_text())
+        saved["config"]["precision"] = "fp32"  # the run's state as the earlier vocabulary wrote it
+        state.write_text(json.dumps(saved))
+        main(["train", "--out", str(out), "--resume", "--max-steps", str(steps), *again])
+        resumed = json.loads(state.read_text())
+        assert resumed["progress"]["global_step"] == steps  # it trained on from where it stopped
+        assert resumed["config"]["precision"] == "float32"
+
+
+def test_the_command_line_takes_the_dtype_names_and_the_earlier_ones(capsys):
+    from captioner.models.cli.training import train_config_from_args
+    from captioner.service.cli import build_parser
+
+    for given, taken in (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("auto", "auto"),
+                         ("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
+        args = build_parser().parse_args(["train", "--out", "run", "--precision", given])
+        assert train_config_from_args(args).precision == taken, given
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--out", "run", "--precision", "half"])
+    assert "invalid choice: 'half'" in capsys.readouterr().err

@@ -69,7 +69,8 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
         elif kind == "true":
             parser.add_argument(flag, action="store_true", **common)
         else:  # a count's smallest value (``least``) is a usage error below it, as for every command's counts
-            kind_of = at_least(meta["least"]) if meta.get("least") is not None else _scalar_type(hint)
+            kind_of = meta.get("parse") or (at_least(meta["least"]) if meta.get("least") is not None
+                                            else _scalar_type(hint))
             parser.add_argument(flag, type=kind_of, choices=meta.get("choices"), metavar=meta.get("metavar"),
                                 required=meta.get("required", False), **common)
 

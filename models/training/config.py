@@ -8,13 +8,15 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable
 
 from ..data.karpathy import DATASET_FORMATS
+from .precision import PRECISION_CHOICES, canonical_precision
 
 
 def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None, **cli: Any) -> Any:
     """A config field with its command-line help (``captioner train`` is generated from these fields).  ``cli``
     may hold ``flag`` (another option name), ``kind`` (``append``, ``keyvalue``, ``pair``), ``choices``,
-    ``metavar``, ``least`` (the smallest value a count may take: checked by argparse and by :func:`check_counts`)
-    and ``cli=False`` (not on the command line)."""
+    ``parse`` (what turns the text into the value, before ``choices`` are checked), ``metavar``, ``least`` (the
+    smallest value a count may take: checked by argparse and by :func:`check_counts`) and ``cli=False`` (not on
+    the command line)."""
     meta = {"help": help, **cli}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
@@ -113,8 +115,9 @@ class TrainConfig(_SavedRecord):
     select_metric: str | None = option(help="validation metric that picks best/: BLEU-1..4, CIDEr-D, or "
                                             "objects_named on generated scenes (default: the model's)")
     early_stop: int = option(0, "stop after this many epochs without a better validation score (0: off)", least=0)
-    precision: str = option("auto", "auto: bf16 on a GPU that has it, else fp16 with a grad scaler on a GPU, fp32 "
-                                    "on CPU", choices=("auto", "fp32", "bf16", "fp16"))
+    precision: str = option("auto", "auto: bfloat16 on a GPU that has it, else float16 with a grad scaler on a GPU, "
+                                    "float32 on CPU (fp32, bf16, fp16: the same)", choices=PRECISION_CHOICES,
+                            parse=canonical_precision)
     seed: int = option(0, "random seed")
     device: str = option("auto", "auto, cpu, cuda or cuda:N")
     threads: int | None = option(help="intra-op CPU threads", least=1)
@@ -123,6 +126,11 @@ class TrainConfig(_SavedRecord):
                                         "0: only there)", least=0)
     log_every: int = option(10, "write a metrics.jsonl record every this many steps (0: only the epochs')", least=0)
     progress: bool = option(True, "no progress bars (for logs and CI)", flag="--no-progress", kind="false")
+
+    def __post_init__(self) -> None:
+        # a run saved with fp32/bf16/fp16 (or a caller in code using them) reads as today's names, so its resume,
+        # its record and its card's command line say float32/bfloat16/float16
+        self.precision = canonical_precision(self.precision)
 
 
 @dataclass
