@@ -80,6 +80,24 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
     assert report["objects_named"] == pytest.approx(named, abs=1e-4)
 
 
+def test_eval_writes_the_report_the_library_call_returns(tmp_path, scenes, one_thread):
+    """``captioner eval`` is flags and printing around ``evaluation_report``: a Python user who calls it gets the
+    report (and the COCO results) the command writes, byte for byte."""
+    from captioner.models.evaluation.report import evaluation_report
+
+    out, results = tmp_path / "report.json", tmp_path / "results.json"
+    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "val", "--split", "test",
+              "--limit", "3", "--no-meteor", "--misses", "2", "--block-trigrams", "--threads", "1", "--cache-dir",
+              str(tmp_path / "cache"), "--output", str(out), "--results-json", str(results))
+    evaluation = evaluation_report(str(DEFAULT_CHECKPOINT), scenes, ["val", "test"], limit=3, meteor=False, misses=2,
+                                   block_trigrams=True, cache_dir=tmp_path / "cache", progress=False)
+    assert out.read_text() == json.dumps(evaluation.report, indent=2) + "\n"
+    assert results.read_text() == json.dumps(evaluation.coco_results) + "\n"
+    assert [len(evaluation.captions[split]) for split in ("val", "test")] == [3, 3]
+    assert evaluation.report["test"]["BLEU-1 misses"]["caption_words"] == sum(
+        len(words) for words in evaluation.captions["test"].values())
+
+
 def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
     out = tmp_path / "report.json"
     captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",

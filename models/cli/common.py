@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..data.datasets import DEFAULT_DATASET
 from ..data.karpathy import DATASET_FORMATS
 
 #: the checkpoint that `make serve` serves by default (SAT soft trained on Flickr8k photos; the generated-scene
 #: SAT is weights/sat: docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")
 DEFAULT_CHECKPOINT = "weights/flickr8k/sat-supervised"
 
-DEFAULT_DATA = ".cache/scenes"
+DEFAULT_DATA = DEFAULT_DATASET
 
 
 class CommandGroup:
@@ -202,17 +202,12 @@ def decoding_rules(ckpt, args: argparse.Namespace):
 def load_split(dataset, image_root, split: str, **options) -> list:
     """One split's captioned images (``load_captioned``'s ``options``); a split with none, a name the data set does
     not use included, is a one-line error before any work that names the splits it has."""
-    from ..data.datasets import load_captioned
+    from ..data.datasets import EmptySplitError, load_split as split_images
 
-    images = load_captioned(dataset, image_root, (split,), **options)
-    if not images:
-        try:
-            present = sorted({im.split for im in load_captioned(dataset, image_root, check_images=False)})
-        except (OSError, ValueError):  # a split's file missing: the empty split is the news
-            present = []
-        has = f"; its splits are {', '.join(present)}" if present else ""
-        raise SystemExit(f"error: split {split!r} of {dataset} is empty{has}")
-    return images
+    try:
+        return split_images(dataset, image_root, split, **options)
+    except EmptySplitError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def split_with_features(ckpt, dataset, image_root, split: str, limit: int | None, cache_dir,
@@ -223,19 +218,6 @@ def split_with_features(ckpt, dataset, image_root, split: str, limit: int | None
 
     images = load_split(dataset, image_root, split, limit=limit)
     return images, open_feature_store(ckpt.trained_features, images, ckpt.encoder, cache_dir, device=device)
-
-
-def load_training_captions(dataset, image_root) -> list[list[str]] | None:
-    """The captions a model was trained on (its data set's train split), for the share of its captions that are new;
-    None, with a note, when the data set's train captions are not here (COCO's val file without its train file)."""
-    from ..data.datasets import load_captioned
-
-    try:
-        images = load_captioned(dataset, image_root, ("train",), check_images=False)
-    except FileNotFoundError as exc:
-        print(f"note: no share of novel captions: {exc}", file=sys.stderr)
-        return None
-    return [r for im in images for r in im.references]
 
 
 def checkpoint_labels(checkpoints: Sequence[str | Path]) -> list[str]:

@@ -6,23 +6,17 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from ..data.karpathy import DATASET_FORMATS
+from ..evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
                      add_dataset_options, add_device_options, add_search_options, count,
-                     decoding_rules, load_split, load_training_captions, output_file, positive_int,
-                     refuse_input_as_output)
+                     decoding_rules, load_split, output_file, positive_int, refuse_input_as_output)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
 register = _group.register
-
-
-#: how a report's captions and references were tokenised for scoring
-WORDS_TOKENIZER, PTB_TOKENIZER = "the project's (models/vocab.py)", "coco-caption's PTB tokenizer on the raw texts"
 
 
 def add_ptb_option(parser: argparse.ArgumentParser) -> None:
@@ -32,130 +26,42 @@ def add_ptb_option(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from ..checkpoint import load_checkpoint
-    from ..data.stores import open_feature_store
-    from ..data.datasets import resolve_dataset
-    from ..device import resolve_device, set_threads
-    from ..evaluation.metrics import ALL_METRICS, UNAVAILABLE, check_ptb_tokenizer
-    from ..evaluation.compare import result_id
-    from ..evaluation.evaluate import evaluate_checkpoint
+    """``captioner eval``: :func:`~captioner.models.evaluation.report.evaluation_report` on the flags; the report to
+    stdout (and ``--output``), captions (``--show``) and the Entities tables to stderr, ``--results-json``."""
+    from ..checkpoint import checkpoint_name
+    from ..device import set_threads
+    from ..evaluation.report import evaluation_report
 
     set_threads(args.threads)
-    if args.ptb:  # refused before the captioning, not after it
-        check_ptb_tokenizer()
-    grounding, entities = _grounding_benchmark(args.grounding)
-    device = resolve_device(args.device)
-    ckpt = load_checkpoint(args.checkpoint, device)
-    dataset, image_root = args.dataset or DEFAULT_DATA, args.image_root
-    training = ckpt.meta.get("train_config", {})
-    if args.dataset is None and entities is not None and training.get("dataset"):
-        # Entities annotate the photos the model was trained on: by default its own data set's split
-        dataset, image_root = training["dataset"], image_root or training.get("image_root")
-        if not Path(dataset).exists():  # recorded as training named it: relative to where it ran
-            raise SystemExit(f"error: the data set {args.checkpoint} was trained on, {dataset} (as its training "
-                             "named it, relative to the folder it ran in), is not here: give --dataset and "
-                             "--image-root")
-    if args.dataset is None and not Path(dataset).exists() and training.get("dataset"):
-        raise SystemExit(f"error: no --dataset given and the default {DEFAULT_DATA} does not exist ({args.checkpoint} "
-                         f"was trained on {training['dataset']}): give --dataset (and --image-root)")
-    dataset = resolve_dataset(dataset)
-    rules = decoding_rules(ckpt, args)
-    report: dict[str, Any] = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "beam_size": args.beam_size,
-                              "tokenizer": PTB_TOKENIZER if args.ptb else WORDS_TOKENIZER,
-                              "decoding": asdict(rules), "encoder_precision": args.encoder_precision}
-    training_captions = load_training_captions(dataset, image_root)
-    coco_results: list[dict[str, Any]] = []
-    for split in args.split or ["test"]:
-        images = load_split(dataset, image_root, split, limit=args.limit)
-        # by default the features the model was trained on (grid, or regions:DIR)
-        features = args.features or ckpt.trained_features
-        if args.encoder_precision == "float32":
-            store = open_feature_store(features, images, ckpt.encoder, args.cache_dir, device=str(device))
-        else:
-            store = _onnx_feature_store(args, images, ckpt, features)
-        metrics = [m for m in ALL_METRICS if not (args.no_meteor and m == "METEOR")]
-        if grounding:
-            # one beam search gives both the captions that are scored and the attention rows that are grounded
-            from ..evaluation.evaluate import score_dataset
-            from ..evaluation.grounding import caption_with_attention, grounding_report
-
-            results = caption_with_attention(ckpt, images, store, args.beam_size, args.max_len, device=str(device),
-                                             progress=True, rules=rules)
-            captions = {im.image_id: r.tokens for im, r in zip(images, results)}
-            scores = score_dataset(captions, images, metrics, training_captions, args.ptb)
-        else:
-            scores, captions = evaluate_checkpoint(ckpt, images, store, args.beam_size, args.max_len, metrics,
-                                                   device=str(device), rules=rules,
-                                                   training_captions=training_captions, ptb=args.ptb)
-        report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
-        report[split]["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
-        if args.misses:
-            from ..evaluation.metrics import unigram_misses
-
-            misses, words = unigram_misses(captions, {im.image_id: im.references for im in images})
-            report[split]["BLEU-1 misses"] = {"caption_words": words, "uncredited": sum(misses.values()),
-                                              "most_uncredited": dict(misses.most_common(args.misses))}
-        if grounding == "scenes":
-            report[split]["grounding"] = grounding_report(ckpt, images, results, dataset.parent,
-                                                          args.grounding_resamples)
-        elif grounding == "entities":
-            report[split]["grounding"] = _entities_section(ckpt, images, store, entities, results, args, str(device))
+    evaluation = evaluation_report(
+        args.checkpoint, args.dataset, args.split or ["test"], image_root=args.image_root, beam_size=args.beam_size,
+        max_len=args.max_len, length_penalty=args.length_penalty, block_trigrams=args.block_trigrams,
+        limit=args.limit, meteor=not args.no_meteor, ptb=args.ptb, misses=args.misses, features=args.features,
+        cache_dir=args.cache_dir, device=args.device, encoder_precision=args.encoder_precision,
+        onnx_dir=args.onnx_dir, threads=args.threads, grounding=args.grounding,
+        grounding_resamples=args.grounding_resamples)
+    report = evaluation.report
+    for split, images in evaluation.images.items():
+        if (args.grounding or "").startswith("entities:"):
+            _print_entities_tables(checkpoint_name(args.checkpoint), report[split]["grounding"])
         for im in images[: args.show]:
-            print(f"  {im.path.name}: {' '.join(captions[im.image_id])}", file=sys.stderr)
-        # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid":
-        # the id `captioner compare` matches them by
-        coco_results += [{"image_id": result_id(im), "caption": " ".join(captions[im.image_id])} for im in images]
+            print(f"  {im.path.name}: {' '.join(evaluation.captions[split][im.image_id])}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
         Path(args.output).write_text(text + "\n")
     if args.results_json:  # the COCO caption-evaluation results format
-        Path(args.results_json).write_text(json.dumps(coco_results) + "\n")
-        print(f"wrote {len(coco_results)} captions to {args.results_json}", file=sys.stderr)
+        Path(args.results_json).write_text(json.dumps(evaluation.coco_results) + "\n")
+        print(f"wrote {len(evaluation.coco_results)} captions to {args.results_json}", file=sys.stderr)
 
 
-def _grounding_benchmark(value: str | None) -> tuple[str | None, Path | None]:
-    """``--grounding`` (the scenes' masks) or ``--grounding entities:DIR`` (Flickr30k Entities boxes), checked
-    before any work is done."""
-    if value is None or value == "scenes":
-        return value, None
-    kind, _, where = value.partition(":")
-    if kind != "entities" or not where:
-        raise SystemExit(f"error: --grounding takes no value (the scenes' masks) or entities:DIR, got {value!r}")
-    if not ((Path(where) / "Sentences").is_dir() and (Path(where) / "Annotations").is_dir()):
-        raise SystemExit(f"error: {where} is not a Flickr30k Entities folder (no Sentences/ and Annotations/)")
-    return kind, Path(where)
+def _print_entities_tables(name: str, section: dict) -> None:
+    """A split's Flickr30k Entities grounding as tables, on stderr (stdout stays the JSON)."""
+    from ..evaluation.phrase_grounding import summary_table, type_table
 
-
-def _entities_section(ckpt, images, store, entities: Path, results, args: argparse.Namespace, device: str) -> dict:
-    """The Flickr30k Entities grounding of one split, its tables printed to stderr (stdout stays the JSON)."""
-    from ..checkpoint import checkpoint_name
-    from ..data.entities import EntitiesFormatError
-    from ..evaluation.phrase_grounding import entities_grounding, summary_table, type_table
-
-    try:
-        section = entities_grounding(ckpt, images, store, entities, results, resamples=args.grounding_resamples,
-                                     device=device)
-    except (EntitiesFormatError, ValueError) as exc:
-        raise SystemExit(f"error: {exc}") from None
-    name = checkpoint_name(args.checkpoint)
     print(f"\nattention grounding, Flickr30k Entities (Plummer et al., arXiv:1505.04870), {section['photos']} photos:\n"
           f"{summary_table([(name, section)])}\n\nper phrase type, references teacher-forced:\n"
           f"{type_table([(name, section)])}\n", file=sys.stderr)
-    return section
-
-
-def _onnx_feature_store(args: argparse.Namespace, images, ckpt, features: str):
-    """Grid features of the CNN at ``--encoder-precision`` on ONNX Runtime, as the service computes them with
-    CAPTIONER_ENCODER_PRECISION; cached apart from the float features (the cache is keyed by spec, not by CNN)."""
-    from ..data.features import extract_features
-    from ..export.quantize import RECIPE, OnnxGridEncoder, visual_encoder_file
-
-    if features != "grid":
-        raise SystemExit("error: --encoder-precision applies to grid features, not " + str(features))
-    path = visual_encoder_file(ckpt.encoder, args.onnx_dir, args.encoder_precision)
-    return extract_features(images, ckpt.encoder, Path(args.cache_dir) / f"onnx-{args.encoder_precision}-{RECIPE}",
-                            encoder=OnnxGridEncoder(path, ckpt.encoder, args.threads))
 
 
 @_group.command("eval")

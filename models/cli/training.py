@@ -14,7 +14,7 @@ from typing import Any
 
 from ..attention import NORMALISERS
 from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
-                     add_threads_option, at_least, key_values, length_penalty, load_training_captions, output_file,
+                     add_threads_option, at_least, key_values, length_penalty, output_file,
                      positive_int, refuse_overwrite, split_with_features, yes_or_no)
 
 _group = CommandGroup()
@@ -159,7 +159,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def cmd_tune_decoding(args: argparse.Namespace) -> None:
     from ..checkpoint import load_checkpoint, update_meta
-    from ..data.datasets import resolve_dataset
+    from ..data.datasets import resolve_dataset, train_split_captions
     from ..device import resolve_device, set_threads
     from ..evaluation.tuning import best_row, decoding_grid, markdown_table, rules_of
 
@@ -172,7 +172,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     dataset = resolve_dataset(args.dataset)
     images, store = split_with_features(ckpt, dataset, args.image_root, args.split, args.limit, args.cache_dir,
                                         str(device))
-    training_captions = load_training_captions(dataset, args.image_root)
+    training_captions = train_split_captions(dataset, args.image_root)
     rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
                          args.max_len, device=str(device), training_captions=training_captions)
     chosen = best_row(rows, args.metric)

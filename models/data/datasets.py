@@ -10,6 +10,7 @@ trained on, with its citation, for ``GET /models`` and the model cards.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from .flickr import TOKEN_FILES, flickr_layout, load_flickr
 from .karpathy import CaptionedImage, karpathy_dataset_name, load_karpathy
 
 SCENES_FILE = "dataset_scenes.json"
+#: the data set commands read when they are given none: the generated scenes (``captioner data generate``)
+DEFAULT_DATASET = ".cache/scenes"
 #: the data sets' own names (Karpathy JSON's "dataset" field) → how a model card cites them
 CITATIONS = {
     "flickr8k": "Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013)",
@@ -81,6 +84,36 @@ def load_captioned(dataset: str | Path, image_root: str | Path | None = None, sp
             raise FileNotFoundError(f"image {missing} of {path} does not exist (the photos' folder is {given}: "
                                     f"{photos_folder})")
     return images
+
+
+class EmptySplitError(ValueError):
+    """A split that holds no image (a split name the data set does not use included)."""
+
+
+def load_split(dataset: str | Path, image_root: str | Path | None, split: str, **options) -> list[CaptionedImage]:
+    """One split's captioned images (:func:`load_captioned`'s ``options``); a split with none, a name the data set
+    does not use included, is an :class:`EmptySplitError` naming the splits it has."""
+    images = load_captioned(dataset, image_root, (split,), **options)
+    if not images:
+        try:
+            present = sorted({im.split for im in load_captioned(dataset, image_root, check_images=False)})
+        except (OSError, ValueError):  # a split's file missing: the empty split is the news
+            present = []
+        has = f"; its splits are {', '.join(present)}" if present else ""
+        raise EmptySplitError(f"split {split!r} of {dataset} is empty{has}")
+    return images
+
+
+def train_split_captions(dataset: str | Path, image_root: str | Path | None) -> list[list[str]] | None:
+    """The captions a model was trained on (its data set's train split), for the share of its captions that are new;
+    None, with a note on stderr, when the data set's train captions are not here (COCO's val file without its train
+    file)."""
+    try:
+        images = load_captioned(dataset, image_root, ("train",), check_images=False)
+    except FileNotFoundError as exc:
+        print(f"note: no share of novel captions: {exc}", file=sys.stderr)
+        return None
+    return [r for im in images for r in im.references]
 
 
 def trained_on(meta: dict[str, Any]) -> str:
