@@ -193,3 +193,25 @@ def test_json_heat_maps_of_a_large_photo_are_at_most_1024_pixels(client):
     refused = client.get(url, params={"format": "json", "max_side": 2048})
     assert refused.status_code == 422 and "at most 1024" in refused.json()["detail"]
     assert _image(client.get(url, params={"token": 0, "max_side": 4096})).size == (3000, 600)
+
+
+def test_a_uniform_attention_row_is_drawn_without_heat_in_every_format(client):
+    """A word whose row is uniform (its model attended to nothing in particular) shows no heat: the JSON map is
+    black and a block overlay is the photo itself, where peak normalisation drew full heat over the whole photo
+    (the demo page shows the PNG overlay, so it agrees as well)."""
+    import dataclasses
+
+    import torch
+
+    photo = Image.new("RGB", (120, 80), (40, 90, 160))
+    answer = client.post("/caption", params={"max_len": 3}, files={"file": ("p.png", _png(photo), "image/png")})
+    stored = client.app.state.results.get(answer.json()["id"])
+    attention = stored.result.hypothesis.attention
+    flat = dataclasses.replace(stored.result.hypothesis, attention=torch.full_like(attention, 1 / attention.shape[1]))
+    result_id = client.app.state.results.put(dataclasses.replace(stored.result, hypothesis=flat), stored.upload)
+    overlay = f"/captions/{result_id}/overlay"
+    body = client.get(overlay, params={"format": "json", "mode": "grid_blocks"}).json()
+    for word in body["heatmaps"]:
+        assert not np.asarray(Image.open(io.BytesIO(base64.b64decode(word["heat_png"])))).any(), word["token"]
+    drawn = _image(client.get(overlay, params={"token": 0, "mode": "grid_blocks"})).convert("RGB")
+    assert drawn.tobytes() == photo.tobytes()

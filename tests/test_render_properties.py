@@ -1,6 +1,7 @@
 """Property tests (hypothesis) of the heatmap renderer: for any attention row on any image shape the heat is
-finite, of the image's size, in [0, 1] with its maximum at 1 (unless all weights are 0), and the overlay keeps
-the image's size; bad modes and alphas are a RenderError (a 422 in the service), never another exception."""
+finite, of the image's size, in [0, 1] with its maximum at 1 when the row's peak holds at least twice the uniform
+share and at 0 when the row is uniform (docs/decisions.md#heatmap-modes), and the overlay keeps the image's size;
+bad modes and alphas are a RenderError (a 422 in the service), never another exception."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def test_heat_is_bounded_and_image_sized(size, row, mode):
     heat = heatmap(row, grid_geometry(SPEC, size), mode)
     assert heat.shape == (size[1], size[0]) and np.isfinite(heat).all()
     assert heat.min() >= 0 and heat.max() <= 1 + 1e-6
-    if max(row) > 0:
+    if sum(row) > 0 and len(row) * max(row) / sum(row) >= 2:
         assert abs(float(heat.max()) - 1) < 1e-5
+    if len(set(row)) == 1:
+        assert heat.max() == 0
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -12,6 +12,9 @@ the boxes.
 | region_sum    | region weights | heat(x, y) = Σ_i w_i 1[(x, y) ∈ box_i], normalised to [0, 1]          |
 | top1_box      | region weights | outline of the single highest-weight item                             |
 | area_topk     | area weights   | the top-k area rectangles, labelled with their weights                |
+
+The heat modes scale each map to its peak, then by :func:`heat_strength`: a row that is (nearly) uniform over the
+items, a model attending to nothing in particular, is drawn with (nearly) no heat instead of full heat everywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ HEAT_MODES = ("grid_smooth", "grid_blocks", "region_sum")
 #: cell over a grid of a few cells holds nothing finer than that, while the blur's cost grows with the cube of
 #: the side (a 6000-px photo took 12 s and 2.3 GB for one word, a 10000×3 strip 1.1 GB)
 SMOOTH_WORK_SIDE = 512
+#: a row whose largest weight is at least this many times the uniform share 1/n is drawn at full heat; a flatter
+#: one fades linearly to no heat at uniform (docs/decisions.md#heatmap-modes)
+FULL_HEAT_PEAK_RATIO = 2.0
 
 
 class RenderError(ValueError):
@@ -140,11 +146,26 @@ def _region_heat(weights: np.ndarray, geometry: Geometry, size: tuple[int, int],
     return heat
 
 
+def heat_strength(weights: Sequence[float] | np.ndarray) -> float:
+    """How strongly a row's heat is drawn, in [0, 1], from how far its peak stands above the uniform share:
+    ``clip((n · max_i w_i / Σ_i w_i − 1) / (FULL_HEAT_PEAK_RATIO − 1), 0, 1)`` over its ``n`` items.  A uniform row
+    (every item ``1/n``, what a model that attends to nothing returns) gives 0, one whose peak holds at least
+    :data:`FULL_HEAT_PEAK_RATIO` times the uniform share gives 1; an all-zero row gives 0."""
+    weights = np.asarray(weights, dtype=np.float64)
+    total = float(weights.sum())
+    if total <= 0:
+        return 0.0
+    peak_over_uniform = weights.size * float(weights.max()) / total
+    return float(np.clip((peak_over_uniform - 1) / (FULL_HEAT_PEAK_RATIO - 1), 0.0, 1.0))
+
+
 def heatmap(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
             scale: float | None = None) -> np.ndarray:
     """Heat ``[H, W]`` in [0, 1] over the image at ``size`` (width, height), a resized copy of the original or the
-    original itself.  ``scale`` is its width over the original's: by default what ``size`` says, else 1 (and ``size``
-    then the original size × ``scale``).  ``mode`` is one of :data:`HEAT_MODES`; the box modes draw no heat."""
+    original itself: the map over the pixels divided by its peak, times the row's :func:`heat_strength` (a peaked
+    row's maximum is 1, a uniform row's heat is 0 everywhere).  ``scale`` is its width over the original's: by
+    default what ``size`` says, else 1 (and ``size`` then the original size × ``scale``).  ``mode`` is one of
+    :data:`HEAT_MODES`; the box modes draw no heat."""
     if mode not in HEAT_MODES:
         boxes = " (it draws boxes: see overlay)" if mode in MODES else ""
         raise RenderError(f"heat mode {mode!r}{boxes}; choose from {', '.join(HEAT_MODES)}")
@@ -159,7 +180,8 @@ def heatmap(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str
     else:
         heat = _region_heat(weights, geometry, size, scale)
     peak = float(heat.max())
-    return heat / peak if peak > 0 else heat
+    # the peak alone would draw a uniform row, whose every pixel is its peak, as full heat everywhere
+    return heat / peak * heat_strength(weights) if peak > 0 else heat
 
 
 def check_mode(mode: str) -> str:
