@@ -22,6 +22,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 
 from captioner.models.device import set_threads
 
@@ -53,8 +54,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     missing = unprepared(*found, **placed)
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
-        await asyncio.to_thread(functools.partial(prepare_in_child, *found, only=missing, **run))
-    runtimes = await asyncio.to_thread(functools.partial(load_runtimes, *found, **run))
+        await run_in_threadpool(prepare_in_child, *found, only=missing, **run)
+    runtimes = await run_in_threadpool(load_runtimes, *found, **run)
     if not runtimes:
         searched = [str(settings.weights_dir), *map(str, settings.prefixed_weights_dirs.values())]
         log.error("no checkpoint found in %s: every caption request will get 503", ", ".join(searched))
@@ -75,8 +76,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
         if settings.page_out_gpu_libraries and not torch.cuda.is_available():  # and the CUDA libraries' pages,
             # which nothing can run on this machine
-            await asyncio.to_thread(page_out_gpu_libraries)
-        log.info("resident set after warm-up: %.0f MiB", await asyncio.to_thread(release_memory) / 2**20)
+            await run_in_threadpool(page_out_gpu_libraries)
+        log.info("resident set after warm-up: %.0f MiB", await run_in_threadpool(release_memory) / 2**20)
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")

@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 import torch
+from starlette.concurrency import run_in_threadpool
 
 from captioner.models.decoding import NO_RULES, DecodingRules
 from captioner.models.inference import CaptionResult, Prepared, Runtime
@@ -256,13 +257,13 @@ class Batcher:
         with self._wake:
             self._stop_when_idle = True
             self._wake.notify()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout_s)
+        await run_in_threadpool(self._thread.join, timeout_s)
         if self._thread.is_alive():
             log.warning("%s: drain timed out after %g s; failing the remaining requests", self.runtime.name, timeout_s)
             with self._wake:
                 self._abort = True
                 self._wake.notify()
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            await run_in_threadpool(self._thread.join)
 
     # -- worker thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import Iterator
 
 from starlette.concurrency import run_in_threadpool
@@ -26,7 +26,6 @@ from .batcher import BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
 from .result_cache import CacheKey, content_digest
 from .errors import (CLIENT_GONE, DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownModel,
                      problem_type)
-from .schemas import CaptionOptions
 from .settings import Settings
 from .state import ServiceState
 
@@ -35,13 +34,27 @@ from .state import ServiceState
 UNKNOWN_MODEL_LABEL = "unknown"
 
 
+@dataclass(frozen=True)
+class CaptionParameters:
+    """How a request asks to be captioned, each None for the default: the model (the service's default), the beam
+    width and caption length (the settings' defaults) and the decoding rules (the model's own
+    :class:`~captioner.models.decoding.DecodingRules`).  The HTTP layer translates its wire options into these
+    (``inputs.py``), so this use case knows nothing of how a request spelled them."""
+
+    model: str | None = None
+    beam_size: int | None = None
+    max_len: int | None = None
+    length_penalty: float | None = None
+    block_trigrams: bool | None = None
+
+
 @dataclass
 class CaptionRequest:
-    """An uploaded image (encoded bytes, not yet decoded) and the options it came with (``inputs.py`` reads it
+    """An uploaded image (encoded bytes, not yet decoded) and the parameters it came with (``inputs.py`` reads them
     from any body format)."""
 
     data: bytes
-    options: CaptionOptions
+    options: CaptionParameters
 
 
 def remaining_s(settings: Settings, started: float) -> float:
@@ -79,7 +92,7 @@ def ensure_ready(state: ServiceState) -> None:
         raise NotReady("the service is starting or shutting down")
 
 
-def search_size(settings: Settings, options: CaptionOptions) -> tuple[int, int]:
+def search_size(settings: Settings, options: CaptionParameters) -> tuple[int, int]:
     """The beam width and caption length a request asks for, the service's defaults where it names none; one above
     the service's limit is refused with a 422 naming it."""
     beam, length = options.beam_size or settings.default_beam_size, options.max_len or settings.default_max_len
@@ -91,7 +104,7 @@ def search_size(settings: Settings, options: CaptionOptions) -> tuple[int, int]:
     return beam, length
 
 
-def refuse_early(state: ServiceState, options: CaptionOptions | None, arrived: float) -> None:
+def refuse_early(state: ServiceState, options: CaptionParameters | None, arrived: float) -> None:
     """Before a request's body is read: 503 while not ready and, when its options name its model and the body
     cannot change them, 422 for a beam or length above the limits and 429 if that model's batcher would refuse it
     now — under overload, reading and parsing the body of a request that is then refused takes event-loop time
@@ -120,7 +133,7 @@ def loaded_models(state: ServiceState) -> list[tuple[ModelInfo, bool]]:
     return [(runtime.info(), name == state.default_model) for name, runtime in state.runtimes.items()]
 
 
-def decoding_rules(runtime: Runtime, options: CaptionOptions) -> DecodingRules:
+def decoding_rules(runtime: Runtime, options: CaptionParameters) -> DecodingRules:
     """The request's length penalty and trigram blocking, each defaulting to the model's own
     (:attr:`~captioner.models.inference.Runtime.default_rules`)."""
     return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
@@ -194,7 +207,7 @@ async def _run_model(state: ServiceState, name: str, data: bytes, beam: int, len
         batcher.check_admission(remaining_s(settings, started), beam, length)
     # the header is parsed in a worker thread too: a JPEG of millions of empty markers takes Pillow seconds to scan,
     # which on the event loop stalled every other request (and the liveness probe) meanwhile
-    pixels = await asyncio.to_thread(image_pixels, data)
+    pixels = await run_in_threadpool(image_pixels, data)
     with slot_deadline(settings, "the upload waited to be decoded"):
         prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], data, settings.max_pixels,
                                                 cost=pixels, timeout=remaining_s(settings, started))

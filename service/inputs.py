@@ -24,10 +24,11 @@ from typing import Annotated, Any
 from fastapi import Depends, Query, Request
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
+from starlette.concurrency import run_in_threadpool
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect
 
-from .captioning import CaptionRequest
+from .captioning import CaptionParameters, CaptionRequest
 from .errors import ClientGone, InvalidImage, InvalidRequest, UnsupportedBody, UploadTooLarge
 from .middleware import ARRIVED
 from .schemas import CAPTION_OPTIONS, CaptionJSON, CaptionOptions
@@ -227,10 +228,15 @@ def arrival(request: Request) -> float:
     return request.scope.get("state", {}).get(ARRIVED) or time.monotonic()
 
 
-def options_before_body(request: Request, query: CaptionOptions) -> CaptionOptions | None:
+def caption_parameters(options: CaptionOptions) -> CaptionParameters:
+    """The wire options as the captioning use case's parameters: the one place HTTP's model of them is translated."""
+    return CaptionParameters(**{name: getattr(options, name) for name in CAPTION_OPTIONS})
+
+
+def options_before_body(request: Request, query: CaptionOptions) -> CaptionParameters | None:
     """The options the query gives, when the body cannot change them: None for a JSON body (whose fields override
     the query); a form field must agree with the query, and a raw image body has no options."""
-    return None if _is_json(_content_type(request)) else query
+    return None if _is_json(_content_type(request)) else caption_parameters(query)
 
 
 #: the whitespace base64 may be wrapped with (RFC 2045's line breaks, a pretty-printer's indentation): dropped by one
@@ -261,16 +267,18 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
     if content_type == "multipart/form-data":
         async with multipart_form(request, limit, budget) as form:
             upload, options = form_options(form)
-            return CaptionRequest(await read_upload(upload, limit), merge_form_options(query, options))
+            merged = caption_parameters(merge_form_options(query, options))
+            return CaptionRequest(await read_upload(upload, limit), merged)
     if _is_json(content_type):
         body = await read_body(request, limit, json_body_bytes(limit), budget)
         # parsing megabytes and decoding their base64 take a worker thread, as decoding an image does: on the event
         # loop, a stream of such bodies stalled every other request and the health probes for seconds
-        data, parsed = await asyncio.to_thread(_json_image, body)
+        data, parsed = await run_in_threadpool(_json_image, body)
         checked_image(data, limit)
-        return CaptionRequest(data, overlaid(query, parsed))  # JSON options override the query parameters
+        return CaptionRequest(data, caption_parameters(overlaid(query, parsed)))  # JSON's override the query's
     if content_type.startswith("image/") or content_type == "application/octet-stream":
-        return CaptionRequest(checked_image(await read_body(request, limit, budget=budget), limit), query)
+        return CaptionRequest(checked_image(await read_body(request, limit, budget=budget), limit),
+                              caption_parameters(query))
     if not content_type:
         raise missing_file()
     raise UnsupportedBody(f"a caption request's body cannot be {content_type}: send multipart/form-data with a "

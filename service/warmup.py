@@ -3,9 +3,8 @@ Shared by the app's start-up (``app.py``) and the archive command (``archive.py`
 
 from __future__ import annotations
 
-import asyncio
-
 from PIL import Image
+from starlette.concurrency import run_in_threadpool
 
 from .batcher import Batcher
 from .settings import Settings
@@ -27,7 +26,7 @@ async def warm_up(batcher: Batcher, settings: Settings) -> None:
     the normal path, so that first-use costs (allocator growth, kernel selection, ONNX Runtime arenas) are paid
     before the first client arrives."""
     runtime = batcher.runtime
-    prepared = await asyncio.to_thread(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
+    prepared = await run_in_threadpool(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
     beam = min(settings.default_beam_size, settings.max_rows)
     # the worker never encodes more images at once than fit the rows, the batch limit or the queue
     largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)

@@ -24,6 +24,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+# Every blocking call in service/ leaves the event loop through Starlette's run_in_threadpool (anyio's worker
+# threads), never asyncio.to_thread or a loop's default executor: it is the pool FastAPI already runs sync
+# dependencies in, so one limit (anyio's 40 threads) bounds all of the service's thread work, and a cancelled caller
+# waits for a call that has started instead of leaving it running unwatched (the accounting of run() below relies
+# on that). Only the archive command keeps executors of its own, sized for its readers and its one pyplot thread.
 from starlette.concurrency import run_in_threadpool
 
 from .errors import UploadsBusy

@@ -75,3 +75,37 @@ def test_the_import_reader_sees_a_back_edge(tmp_path):
     module.write_text("from .captioning import caption_image\nfrom . import routes\n")
     assert {"captioner.service.captioning", "captioner.service.routes"} <= _imported_modules(module,
                                                                                               "captioner.service")
+
+
+def test_the_captioning_use_case_takes_no_wire_model():
+    """The use case takes its own parameters (``CaptionParameters``); the HTTP layer translates the wire's
+    ``CaptionOptions`` into them (``inputs.caption_parameters``), so a change to the wire format stops there."""
+    assert "schemas" not in _service_imports("captioning")
+    from captioner.service.captioning import CaptionParameters
+    from captioner.service.inputs import caption_parameters
+    from captioner.service.schemas import CAPTION_OPTIONS, CaptionOptions
+
+    given = {"model": "m", "beam_size": 2, "max_len": 9, "length_penalty": 0.5, "block_trigrams": True}
+    assert set(given) == set(CAPTION_OPTIONS)  # every wire option is carried over, with its value
+    assert caption_parameters(CaptionOptions(**given)) == CaptionParameters(**given)
+
+
+def _offloads(node: ast.AST) -> str | None:
+    """How a call hands blocking work to a thread, when it is one of the ways service/ does not use."""
+    if not isinstance(node, ast.Call):
+        return None
+    name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    if name == "to_thread":
+        return "asyncio.to_thread"
+    if name == "run_in_executor" and node.args and isinstance(node.args[0], ast.Constant) \
+            and node.args[0].value is None:
+        return "the loop's default executor"
+    return None
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "service").glob("*.py")), ids=lambda p: p.name)
+def test_blocking_work_leaves_the_event_loop_one_way(path):
+    """One thread pool for the service's blocking calls (Starlette's run_in_threadpool: why in work_slots.py); a
+    second way was a second pool with its own limit and other cancellation semantics."""
+    other = [(node.lineno, way) for node in ast.walk(ast.parse(path.read_text())) if (way := _offloads(node))]
+    assert not other, f"use run_in_threadpool: {other}"

@@ -83,15 +83,14 @@ def test_form_fields_have_the_query_parameters_bounds(client, photo):
 def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):
     import time
 
-    from captioner.service.captioning import refuse_early
+    from captioner.service.captioning import CaptionParameters, refuse_early
     from captioner.service.errors import InvalidRequest
-    from captioner.service.schemas import CaptionOptions
 
     # a query naming its model is checked before the body is read (refuse_early clamped the values to the limits
     # and let the body be read first); over HTTP, the same 422 naming the option
     with pytest.raises(InvalidRequest, match="beam_size 9 is above the limit of 4"):
-        refuse_early(client.app.state.service, CaptionOptions(model="tiny-b", beam_size=9), time.monotonic())
-    refuse_early(client.app.state.service, CaptionOptions(model="tiny-b", beam_size=4), time.monotonic())
+        refuse_early(client.app.state.service, CaptionParameters(model="tiny-b", beam_size=9), time.monotonic())
+    refuse_early(client.app.state.service, CaptionParameters(model="tiny-b", beam_size=4), time.monotonic())
     too_wide = problem(post(client, photo, params={"model": "tiny-b", "beam_size": 9}))
     assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["beam_size"]
     too_long = problem(post(client, photo, params={"model": "tiny-a", "max_len": 13}))
