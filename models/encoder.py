@@ -214,14 +214,29 @@ def _on_white(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
 
 
-def image_pixels(data: bytes) -> int:
-    """The pixel count an image's header announces, read without decoding a pixel (1 for what is not an image:
-    decoding it fails at once)."""
+def _within(image: Image.Image, max_pixels: int | None) -> Image.Image:
+    """``image``, refused (:class:`ImageTooLarge`) when its size is above ``max_pixels``."""
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
+    return image
+
+
+def open_image(source: bytes | str | Path, max_pixels: int | None = None, name: str | None = None) -> Image.Image:
+    """An image file opened with its header read and not a pixel decoded (:func:`load_image` decodes it): its size
+    is known, and checked against ``max_pixels``.  Raises what :func:`load_image` raises for a file that is no
+    readable image or is too large."""
     try:
-        width, height = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS).size
-    except Exception:  # noqa: BLE001 — anything Pillow raises on a foreign file: load_image names it
-        return 1
-    return width * height
+        image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source, formats=IMAGE_FORMATS)
+    except FileNotFoundError as exc:  # a path (the CLI), not an upload
+        raise ImageDecodeError(f"no such image file: {source}") from exc
+    except Image.DecompressionBombError as exc:  # Pillow's own guard fires before ours for gigantic headers
+        limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
+        raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
+    except (UnidentifiedImageError, *_DECODE_ERRORS) as exc:
+        where = name or ("the upload" if isinstance(source, bytes) else str(source))
+        raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where}") from exc
+    return _within(image, max_pixels)
 
 
 def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None,
@@ -235,24 +250,13 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     longer side: a JPEG is then decoded at the smallest of 1, 1/2, 1/4 or 1/8 of its size that still reaches it
     (libjpeg's DCT scaling), in a fraction of the memory.  Captioning never passes it: the network's input is made
     from the whole decode, as in training.  ``name`` is what an error calls the image (default: its path, or "the
-    upload" for bytes).
+    upload" for bytes).  ``source`` may be an image :func:`open_image` opened: its header is not read again.
     """
     if isinstance(source, Image.Image):
-        image = source
+        image = _within(source, max_pixels)
     else:
-        try:
-            image = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source, formats=IMAGE_FORMATS)
-        except FileNotFoundError as exc:  # a path (the CLI), not an upload
-            raise ImageDecodeError(f"no such image file: {source}") from exc
-        except Image.DecompressionBombError as exc:  # Pillow's own guard fires before ours for gigantic headers
-            limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
-            raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
-        except (UnidentifiedImageError, *_DECODE_ERRORS) as exc:
-            where = name or ("the upload" if isinstance(source, bytes) else str(source))
-            raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where}") from exc
+        image = open_image(source, max_pixels, name)
     width, height = image.size
-    if max_pixels is not None and width * height > max_pixels:
-        raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, above the limit of {max_pixels}")
     try:
         if reduce_to is not None and max(width, height) > reduce_to:
             scale = reduce_to / max(width, height)

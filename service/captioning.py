@@ -16,10 +16,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.decoding import DecodingRules
-from captioner.models.encoder import image_pixels, load_image
+from captioner.models.encoder import load_image, open_image
 from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runtime
 
 from .batcher import BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
@@ -139,9 +140,10 @@ def decoding_rules(runtime: Runtime, options: CaptionParameters) -> DecodingRule
     return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
 
 
-def decode_and_prepare(runtime: Runtime, data: bytes, max_pixels: int) -> Prepared:
-    """Runs in the thread pool: image decoding and preprocessing never block the event loop."""
-    return runtime.prepare(load_image(data, max_pixels))
+def decode_and_prepare(runtime: Runtime, opened: Image.Image) -> Prepared:
+    """Runs in the thread pool: decoding the pixels of an upload :func:`~captioner.models.encoder.open_image`
+    opened, and preprocessing them, never block the event loop."""
+    return runtime.prepare(load_image(opened))
 
 
 @contextmanager
@@ -205,12 +207,15 @@ async def _run_model(state: ServiceState, name: str, data: bytes, beam: int, len
         # a request the batcher would refuse is refused before its image is decoded (under overload that
         # decoding is CPU time taken from the admitted requests)
         batcher.check_admission(remaining_s(settings, started), beam, length)
-    # the header is parsed in a worker thread too: a JPEG of millions of empty markers takes Pillow seconds to scan,
-    # which on the event loop stalled every other request (and the liveness probe) meanwhile
-    pixels = await run_in_threadpool(image_pixels, data)
+    # the header is parsed once, in a worker thread too: a JPEG of millions of empty markers takes Pillow seconds to
+    # scan, which on the event loop stalled every other request (and the liveness probe) meanwhile; the decode goes
+    # on from the opened image (opening the bytes again there scanned the header twice). An upload that is no
+    # image, or is above the pixel limit, is refused here, before it waits for a decode slot
+    opened = await run_in_threadpool(open_image, data, settings.max_pixels)
     with slot_deadline(settings, "the upload waited to be decoded"):
-        prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], data, settings.max_pixels,
-                                                cost=pixels, timeout=remaining_s(settings, started))
+        prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], opened,
+                                                cost=opened.width * opened.height,
+                                                timeout=remaining_s(settings, started))
     remaining = remaining_s(settings, started)
     if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it
         raise DeadlinePassed(f"the {settings.request_timeout_s:g} s request deadline passed before captioning "

@@ -297,21 +297,43 @@ def test_an_uploads_header_is_parsed_off_the_event_loop(tiny_weights, monkeypatc
     from captioner.service import captioning
 
     on_loop = []
-    measure = captioning.image_pixels
+    open_image = captioning.open_image
 
-    def recording(data: bytes) -> int:
+    def recording(data: bytes, max_pixels: int):
         try:
             asyncio.get_running_loop()
             on_loop.append(True)
         except RuntimeError:  # a worker thread has no running loop
             on_loop.append(False)
-        return measure(data)
+        return open_image(data, max_pixels)
 
-    monkeypatch.setattr(captioning, "image_pixels", recording)
+    monkeypatch.setattr(captioning, "open_image", recording)
     app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False))
     with TestClient(app) as client:
         assert _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=4).status_code == 200
     assert on_loop == [False]
+
+
+def test_an_uploads_header_is_parsed_once(tiny_weights, monkeypatch):
+    """The pixel count that budgets decoding came from one parse of the upload's header and the decode from a
+    second (a hostile JPEG's seconds-long marker scan, paid twice, the second time holding a decode slot): the
+    image is opened once, and decoded from that."""
+    import PIL.Image
+
+    upload = _png(Image.fromarray(data.coffee()), "JPEG")
+    opened_upload = []
+    pillow_open = PIL.Image.open
+
+    def counting(fp, *args, **kwargs):
+        if isinstance(fp, io.BytesIO) and fp.getvalue() == upload:
+            opened_upload.append(True)
+        return pillow_open(fp, *args, **kwargs)
+
+    monkeypatch.setattr(PIL.Image, "open", counting)
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False))
+    with TestClient(app) as client:
+        assert _post(client, upload, beam_size=2, max_len=4).status_code == 200
+    assert len(opened_upload) == 1
 
 
 def test_uploads_share_one_byte_budget_until_their_requests_end(tiny_weights, monkeypatch):
@@ -332,9 +354,9 @@ def test_uploads_share_one_byte_budget_until_their_requests_end(tiny_weights, mo
     held_while_decoding = []
     decode = captioning.decode_and_prepare
 
-    def recording(runtime, data_bytes, max_pixels):
+    def recording(runtime, opened):
         held_while_decoding.append(app.state.service.upload_budget.held)
-        return decode(runtime, data_bytes, max_pixels)
+        return decode(runtime, opened)
 
     monkeypatch.setattr(captioning, "decode_and_prepare", recording)
     with TestClient(app) as client:
