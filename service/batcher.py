@@ -78,7 +78,7 @@ class Batcher:
     Two measurements steer it:
 
     * ``encode_batch``: images are encoded in chunks of this size (at most ``max_batch`` are admitted per step
-      boundary).  It starts at ``max_batch``; :meth:`warm_up` times the encoder at each size and keeps the one
+      boundary).  It starts at ``max_batch``; :meth:`calibrate` times the encoder at each size and keeps the one
       with the lowest time per image, because a bigger batch is not always cheaper per image (on a CPU, the early
       activation maps of a large batch leave the cache: benchmarks/bench_encoder.py).
     * deadline-aware admission (``admission``, a :class:`~captioner.service.admission.AdmissionEstimate`):
@@ -110,8 +110,8 @@ class Batcher:
         self.metrics.set_encode_batch(runtime.name, max_batch)
         # admission control's measurements (written by the worker, read by submit): see expected_wait_s
         self.admission = AdmissionEstimate(runtime.name)
-        self._learn_lengths = True  # False while warm-up submits captions of an artificial length
-        self._encode_timings: dict[int, float] | None = None  # per-image encode seconds by batch size (warm-up)
+        self._learn_lengths = True  # False while calibrate submits captions of an artificial length
+        self._encode_timings: dict[int, float] | None = None  # per-image encode seconds by batch size (calibrate)
         self._pending: deque[Job] = deque()
         self._tables: list[RowTable] = []
         self._wake = threading.Condition()
@@ -209,9 +209,13 @@ class Batcher:
             self.cancel(job)
             raise
 
-    async def warm_up(self, prepared: Prepared, beam_size: int, batch_sizes: list[int], max_len: int = 2,
-                      timeout_s: float = 600.0, calibrate_len: int | None = None) -> None:
-        """Run ``max_len`` steps for each encoder batch size: the requests of one size are queued together (the
+    async def calibrate(self, prepared: Prepared, beam_size: int, batch_sizes: list[int], max_len: int = 2,
+                        timeout_s: float = 600.0, calibrate_len: int | None = None) -> None:
+        """Measure this batcher on the given requests before it serves: choose its encoder batch and give admission
+        control its first estimates (the start-up's warm-up calls it, with requests shaped by the service's
+        settings).
+
+        Run ``max_len`` steps for each encoder batch size: the requests of one size are queued together (the
         worker cannot take any of them before the last is queued), so each size is encoded as one batch.  Each
         size runs twice; the first round pays first-use costs and the second is timed:
         ``encode_batch`` becomes the largest size whose time per image is within ``ENCODE_TOLERANCE`` of the
@@ -222,7 +226,7 @@ class Batcher:
         taken from them let a burst arriving right after start-up fill the table with requests that all miss
         their deadline.  Alone, a request's service time is its whole decoding time: no batching gain is
         assumed until one is measured."""
-        saved = self.admission.forget_rate()  # warm-up requests are never refused
+        saved = self.admission.forget_rate()  # calibration requests are never refused
         self.encode_batch = max(batch_sizes, default=self.max_batch)
         self._learn_lengths = False
         try:
@@ -240,7 +244,7 @@ class Batcher:
         finally:
             self._encode_timings = None
             self._learn_lengths = True
-            self.admission.restore_rate(saved)  # no measurement (or a failed warm-up): the estimate it had before
+            self.admission.restore_rate(saved)  # no measurement (or a failed calibration): the estimate it had before
         if timings:
             lowest = min(timings.values())
             self.encode_batch = max(size for size, t in timings.items() if t <= lowest * (1 + ENCODE_TOLERANCE))

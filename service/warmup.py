@@ -22,14 +22,15 @@ def warmup_sizes(max_batch: int) -> list[int]:
 
 
 async def warm_up(batcher: Batcher, settings: Settings) -> None:
-    """Send the batcher requests shaped like real traffic (each encoder batch size, the default beam) through
-    the normal path, so that first-use costs (allocator growth, kernel selection, ONNX Runtime arenas) are paid
-    before the first client arrives."""
+    """Send the batcher requests shaped like real traffic under ``settings`` (each encoder batch size, the default
+    beam) through the normal path, so that first-use costs (allocator growth, kernel selection, ONNX Runtime
+    arenas) are paid before the first client arrives; :meth:`Batcher.calibrate <.batcher.Batcher.calibrate>` runs
+    them and measures the batcher on them."""
     runtime = batcher.runtime
     prepared = await run_in_threadpool(runtime.prepare, Image.new("RGB", (runtime.spec.image_size,) * 2, (127,) * 3))
     beam = min(settings.default_beam_size, settings.max_rows)
     # the worker never encodes more images at once than fit the rows, the batch limit or the queue
     largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)
     # the request deadline does not apply (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start-up)
-    await batcher.warm_up(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S,
-                          calibrate_len=settings.default_max_len)
+    await batcher.calibrate(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S,
+                            calibrate_len=settings.default_max_len)

@@ -408,7 +408,7 @@ def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(e
     asyncio.run(scenario())
 
 
-def test_warm_up_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
+def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
     clock = FakeClock()
     # fake encoder cost per call: 1.0 s/image alone, 0.8 at 2, 1.5 at 4 (a large batch leaving the cache)
     runtime, encoded = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 1.6, 4: 6.0})
@@ -417,7 +417,7 @@ def test_warm_up_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder)
     prepared = runtime.prepare(random_images(1, seed=6)[0])
 
     async def scenario():
-        await batcher.warm_up(prepared, 1, [1, 2, 4], max_len=2, timeout_s=60)
+        await batcher.calibrate(prepared, 1, [1, 2, 4], max_len=2, timeout_s=60)
         assert batcher.encode_batch == 2
         encoded.clear()
         with batcher._wake:  # four requests arriving together: admitted together, encoded two by two
@@ -429,7 +429,7 @@ def test_warm_up_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder)
     assert encoded == [2, 2]
 
 
-def test_warm_up_learns_caption_lengths_from_its_calibration_request_only(encoder):
+def test_calibration_learns_caption_lengths_from_its_calibration_request_only(encoder):
     """The timed rounds decode two steps: a caption length learnt from them would make admission control expect
     every request to be many times shorter than it is."""
     clock = FakeClock()
@@ -440,7 +440,7 @@ def test_warm_up_learns_caption_lengths_from_its_calibration_request_only(encode
     async def warm(calibrate_len):
         batcher = Batcher(runtime, max_batch=2, queue_size=16, max_rows=64, clock=clock)
         batcher.start()
-        await batcher.warm_up(prepared, 3, [1, 2], max_len=2, timeout_s=60, calibrate_len=calibrate_len)
+        await batcher.calibrate(prepared, 3, [1, 2], max_len=2, timeout_s=60, calibrate_len=calibrate_len)
         await batcher.stop()
         return batcher
 
