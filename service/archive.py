@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from captioner.models.decoding import DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
 from captioner.models.inference import CaptionResult, Runtime
 
@@ -243,63 +244,72 @@ def in_flight(settings: Settings, beam_size: int) -> int:
     return max(1, settings.max_rows // beam_size) + settings.max_batch_images
 
 
-async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], output: CaptionLines,
-                        report_error: Callable[[str, str], None], options: ArchiveOptions,
-                        on_done: Callable[[], None] = lambda: None) -> ArchiveSummary:
-    """Caption ``paths`` with ``runtime`` through a batcher made from ``settings`` (the app's construction and
-    warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
-    ``on_done`` is called once per image, captioned or skipped (the progress bar)."""
-
-    window = in_flight(settings, options.beam_size)
-    rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
-    # its queue holds every image in flight, so the batcher never refuses one (QueueFull is HTTP back-pressure)
+def _started_batcher(runtime: Runtime, settings: Settings, window: int) -> Batcher:
+    """The app's batcher for ``runtime``, started; its queue holds all ``window`` images in flight, so it never
+    refuses one (QueueFull is HTTP back-pressure)."""
     batcher = Batcher(runtime, settings.max_batch_images, window, settings.max_rows,
                       overlap_encoding=settings.overlap_encoding)
     batcher.start()
-    summary = ArchiveSummary()
-    loop = asyncio.get_running_loop()
-    slots = asyncio.Semaphore(window)
-    readers = ThreadPoolExecutor(options.readers, thread_name_prefix="archive-reader")
-    # one thread draws the figures: they are drawn with pyplot, whose figure registry is not thread-safe
-    figures = ThreadPoolExecutor(1, thread_name_prefix="archive-figures")
-    if options.heatmaps is not None:
-        options.heatmaps.mkdir(parents=True, exist_ok=True)
+    return batcher
 
-    def read(path: str):
-        # the service's decoding and limits, on the file's bytes (read once)
-        image = load_image(file_bytes(path, settings.max_upload_bytes), settings.max_pixels, name="the file")
-        prepared = runtime.prepare(image)
-        if options.heatmaps is None:
+
+class _ArchiveFeed:
+    """One run's files through a started batcher: reader threads decode them, at most ``window`` images are in
+    flight, each caption becomes a line of ``output`` (and a figure, with ``options.heatmaps``) as it finishes, and
+    ``summary`` counts what was captioned and skipped."""
+
+    def __init__(self, runtime: Runtime, settings: Settings, batcher: Batcher, rules: DecodingRules, window: int,
+                 output: CaptionLines, report_error: Callable[[str, str], None], options: ArchiveOptions,
+                 on_done: Callable[[], None]):
+        self.runtime, self.settings, self.batcher, self.rules = runtime, settings, batcher, rules
+        self.output, self.report_error, self.options, self.on_done = output, report_error, options, on_done
+        self.summary = ArchiveSummary()
+        self.slots = asyncio.Semaphore(window)
+        self.readers = ThreadPoolExecutor(options.readers, thread_name_prefix="archive-reader")
+        # one thread draws the figures: they are drawn with pyplot, whose figure registry is not thread-safe
+        self.figures = ThreadPoolExecutor(1, thread_name_prefix="archive-figures")
+        if options.heatmaps is not None:
+            options.heatmaps.mkdir(parents=True, exist_ok=True)
+
+    def read(self, path: str):
+        """Runs in a reader thread: the file decoded and preprocessed, with the service's decoding and limits, on
+        its bytes (read once); and its thumbnail when figures are drawn."""
+        image = load_image(file_bytes(path, self.settings.max_upload_bytes), self.settings.max_pixels,
+                           name="the file")
+        prepared = self.runtime.prepare(image)
+        if self.options.heatmaps is None:
             return None, prepared  # the decoded image is not kept while its caption is decoded
         # the figure is drawn on a thumbnail of at most twice its panel size: only that is kept in memory
         image.thumbnail((2 * FIGURE_PANEL, 2 * FIGURE_PANEL))
         return image, prepared
 
-    async def one(path: str) -> None:
+    async def caption_one(self, path: str) -> None:
+        """Read, caption and write one file (an unreadable one is reported and skipped), then free its slot."""
+        loop, options = asyncio.get_running_loop(), self.options
         try:
             try:
-                image, prepared = await loop.run_in_executor(readers, read, path)
+                image, prepared = await loop.run_in_executor(self.readers, self.read, path)
             except (ImageDecodeError, OSError) as exc:
-                summary.skipped += 1
-                report_error(path, str(exc) if isinstance(exc, ImageDecodeError) else f"cannot read it ({exc})")
-                on_done()
+                self.summary.skipped += 1
+                self.report_error(path, str(exc) if isinstance(exc, ImageDecodeError) else f"cannot read it ({exc})")
+                self.on_done()
                 return
-            result = await batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S, rules).future
+            result = await self.batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S,
+                                               self.rules).future
             record = caption_record(path, result, options.attention)
             if options.heatmaps is not None:
                 figure = heatmap_file(options.heatmaps, path)
-                await loop.run_in_executor(figures, write_figure, image, result, figure)
+                await loop.run_in_executor(self.figures, write_figure, image, result, figure)
                 record["heatmap"] = str(figure)
-            output.write(record)
-            summary.captioned += 1
-            on_done()
+            self.output.write(record)
+            self.summary.captioned += 1
+            self.on_done()
         finally:
-            slots.release()
+            self.slots.release()
 
-    try:
-        if settings.warmup:
-            await warm_up(batcher, settings)
-        started = time.perf_counter()
+    async def caption_all(self, paths: list[str]) -> None:
+        """Every path through :meth:`caption_one`, at most the window in flight; a failure (not an unreadable
+        file) stops the run once the captions in flight are written, and is raised."""
         tasks: set[asyncio.Task] = set()
         failures: list[BaseException] = []
 
@@ -309,20 +319,40 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
                 failures.append(task.exception())
 
         for path in paths:
-            await slots.acquire()
+            await self.slots.acquire()
             if failures:
-                break  # a failure (not an unreadable file) stops the run once the captions in flight are written
-            task = asyncio.create_task(one(path))
+                break
+            task = asyncio.create_task(self.caption_one(path))
             tasks.add(task)
             task.add_done_callback(finished)
         await asyncio.gather(*tasks, return_exceptions=True)
         if failures:
             raise failures[0]
-        summary.seconds = time.perf_counter() - started
-        return summary
+
+    def close(self) -> None:
+        self.readers.shutdown(wait=False, cancel_futures=True)
+        self.figures.shutdown(wait=False, cancel_futures=True)
+
+
+async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], output: CaptionLines,
+                        report_error: Callable[[str, str], None], options: ArchiveOptions,
+                        on_done: Callable[[], None] = lambda: None) -> ArchiveSummary:
+    """Caption ``paths`` with ``runtime`` through a batcher made from ``settings`` (the app's construction and
+    warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
+    ``on_done`` is called once per image, captioned or skipped (the progress bar)."""
+    window = in_flight(settings, options.beam_size)
+    rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
+    batcher = _started_batcher(runtime, settings, window)
+    feed = _ArchiveFeed(runtime, settings, batcher, rules, window, output, report_error, options, on_done)
+    try:
+        if settings.warmup:
+            await warm_up(batcher, settings)
+        started = time.perf_counter()
+        await feed.caption_all(paths)
+        feed.summary.seconds = time.perf_counter() - started
+        return feed.summary
     finally:
-        readers.shutdown(wait=False, cancel_futures=True)
-        figures.shutdown(wait=False, cancel_futures=True)
+        feed.close()
         # finished: the worker is idle and stops at once; interrupted: the captions in flight are dropped (they
         # are not in the output, so --resume captions them) after a short wait
         await batcher.stop(timeout_s=STOP_WAIT_S)
