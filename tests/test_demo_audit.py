@@ -20,7 +20,11 @@ A second audit (twelfth session):
 - On a phone the photo began below the fold, and nothing scrolled it into view: a word's heatmap was off screen.
 - A beam size the box rejects cleared the caption on screen before the request was refused.
 - The page said "Showing “boy”." whatever the heatmap mode, and "default" was never named.
-"""
+
+A third audit (sixteenth session: axe-core, keyboard only, a screen reader's view, small screens):
+
+- A screen reader heard the words as a row of unrelated buttons, none of them the chosen one (no toolbar, no pressed
+  state), and the chosen word was marked by a yellow 1.3:1 against the page alone (WCAG 1.4.11 asks 3:1)."""
 
 from __future__ import annotations
 
@@ -341,3 +345,27 @@ def test_the_page_offers_the_modes_the_model_can_draw(tiny_server):
         offered = page.evaluate("() => [...document.getElementById('mode').options].filter(o => !o.disabled)"
                                 ".map(o => o.value)")
     assert offered == ["", "grid_smooth", "grid_blocks", "region_sum", "top1_box"]
+
+
+CAPTION_TOOLBAR = "Caption: choose a word to see where the model looked"
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_screen_reader_hears_the_words_as_a_toolbar_with_the_chosen_one_pressed(captioned):
+    page = captioned
+    toolbar = page.get_by_role("toolbar", name=CAPTION_TOOLBAR)
+    words = toolbar.get_by_role("button")
+    assert words.count() == page.locator("#caption .word").count() >= 3
+    words.nth(1).focus()
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    assert toolbar.get_by_role("button", pressed=True).all_inner_texts() == [words.nth(1).inner_text()]
+    assert toolbar.get_by_role("button", pressed=False).count() == words.count() - 1
+    # seen without the yellow: the chosen word alone is underlined, in the text's own colour
+    underlines = page.evaluate("() => [...document.querySelectorAll('#caption .word')].map(w => {"
+                               " const s = getComputedStyle(w); return [s.textDecorationLine, s.textDecorationColor,"
+                               " s.color]; })")
+    assert [line for line, _, _ in underlines] == ["none", "underline"] + ["none"] * (len(underlines) - 2)
+    assert underlines[1][1] == underlines[1][2]
+    page.keyboard.press("ArrowRight")
+    assert toolbar.get_by_role("button", pressed=True).all_inner_texts() == [words.nth(2).inner_text()]

@@ -162,6 +162,7 @@ async function caption(file) {
     span.dataset.index = i;
     span.tabIndex = i === 0 ? 0 : -1;  // one Tab stop for the caption: the chosen word (show() moves it)
     span.setAttribute("role", "button");  // each word shows its heatmap
+    span.setAttribute("aria-pressed", "false");  // "pressed": the word whose heatmap is shown (show() moves it)
     if (body.is_eos[i]) span.setAttribute("aria-label", "end of caption");
     span.addEventListener("mouseenter", () => show(i));
     span.addEventListener("click", () => show(i));
@@ -228,6 +229,7 @@ async function show(index) {
   if (!shown) return;
   document.querySelectorAll("#caption .word").forEach((el) => {
     el.classList.toggle("active", +el.dataset.index === index);
+    el.setAttribute("aria-pressed", String(+el.dataset.index === index));
     el.tabIndex = +el.dataset.index === index ? 0 : -1;
   });
   const mode = $("mode").value;
