@@ -24,7 +24,9 @@ A second audit (twelfth session):
 A third audit (sixteenth session: axe-core, keyboard only, a screen reader's view, small screens):
 
 - A screen reader heard the words as a row of unrelated buttons, none of them the chosen one (no toolbar, no pressed
-  state), and the chosen word was marked by a yellow 1.3:1 against the page alone (WCAG 1.4.11 asks 3:1)."""
+  state), and the chosen word was marked by a yellow 1.3:1 against the page alone (WCAG 1.4.11 asks 3:1).
+- The end-of-caption word, "<eos>" on screen, was named "end of caption": a voice-control user saying what they
+  see reached nothing (axe: label-content-name-mismatch), and its heatmap's text said "for “<eos>”"."""
 
 from __future__ import annotations
 
@@ -369,3 +371,26 @@ def test_a_screen_reader_hears_the_words_as_a_toolbar_with_the_chosen_one_presse
     assert underlines[1][1] == underlines[1][2]
     page.keyboard.press("ArrowRight")
     assert toolbar.get_by_role("button", pressed=True).all_inner_texts() == [words.nth(2).inner_text()]
+
+
+def eos_route(route):
+    """The caption answer with its last token made the end of the caption: the tiny random model seldom ends one."""
+    body = route.fetch().json()
+    body["is_eos"][-1] = True
+    body["tokens"][-1] = "<eos>"
+    route.fulfill(json=body)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_end_of_the_caption_is_named_by_what_is_on_screen(tiny_server):
+    with page_of(tiny_server, before_load=lambda page: page.route("**/caption?*", eos_route)) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        toolbar = page.get_by_role("toolbar", name=CAPTION_TOOLBAR)
+        end = toolbar.get_by_role("button").last
+        assert end.inner_text() == "<eos>"
+        # what a voice-control user says ("click eos") is the start of its name; a screen reader hears what it is
+        assert toolbar.get_by_role("button", name="<eos> (end of caption)", exact=True).count() == 1
+        end.focus()
+        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+        assert page.get_attribute("#overlay", "alt") == "where the model looked as it ended the caption"

@@ -3,7 +3,7 @@
 // Plain browser JavaScript, no external CDN: the page works offline.
 "use strict";
 const $ = (id) => document.getElementById(id);
-let current = null;  // the caption on screen: {id, tokens, summary}
+let current = null;  // the caption on screen: {id, tokens, isEos, summary}
 let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
 let lastFile = null; // captioned again when the model or the beam size changes
 // the current caption's heatmaps by "token:mode": {promise, url}, url (an object URL) once it has arrived; one
@@ -152,7 +152,8 @@ async function caption(file) {
   if (request !== latest) return;
   const words = body.tokens.filter((_, i) => !body.is_eos[i]);
   // the live region announces the caption itself, not only that one arrived
-  current = { id: body.id, tokens: body.tokens, summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”` };
+  current = { id: body.id, tokens: body.tokens, isEos: body.is_eos,
+              summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”` };
   setStatus(current.summary);
   photoFallback();
   body.tokens.forEach((token, i) => {
@@ -163,7 +164,8 @@ async function caption(file) {
     span.tabIndex = i === 0 ? 0 : -1;  // one Tab stop for the caption: the chosen word (show() moves it)
     span.setAttribute("role", "button");  // each word shows its heatmap
     span.setAttribute("aria-pressed", "false");  // "pressed": the word whose heatmap is shown (show() moves it)
-    if (body.is_eos[i]) span.setAttribute("aria-label", "end of caption");
+    // the name begins with the text on screen, so that a voice-control user can say what they see ("click eos")
+    if (body.is_eos[i]) span.setAttribute("aria-label", `${token} (end of caption)`);
     span.addEventListener("mouseenter", () => show(i));
     span.addEventListener("click", () => show(i));
     span.addEventListener("focus", () => show(i));
@@ -254,7 +256,8 @@ async function show(index) {
   }
   if (!isWanted()) return;  // another word (or mode) was chosen while this heatmap was on its way
   $("overlay").src = url;
-  $("overlay").alt = `where the model looked for “${shown.tokens[index]}”`;
+  $("overlay").alt = shown.isEos[index] ? "where the model looked as it ended the caption"
+    : `where the model looked for “${shown.tokens[index]}”`;
   $("overlay").hidden = false;
   $("selected").textContent = `Showing “${shown.tokens[index]}” (${entry.mode} heatmap).`;
   if ($("status").className === "error") setStatus(shown.summary);  // an earlier heatmap's error is over
