@@ -26,7 +26,9 @@ A third audit (sixteenth session: axe-core, keyboard only, a screen reader's vie
 - A screen reader heard the words as a row of unrelated buttons, none of them the chosen one (no toolbar, no pressed
   state), and the chosen word was marked by a yellow 1.3:1 against the page alone (WCAG 1.4.11 asks 3:1).
 - The end-of-caption word, "<eos>" on screen, was named "end of caption": a voice-control user saying what they
-  see reached nothing (axe: label-content-name-mismatch), and its heatmap's text said "for “<eos>”"."""
+  see reached nothing (axe: label-content-name-mismatch), and its heatmap's text said "for “<eos>”".
+- A long model name ("scenes-sparsecap-sparsemax (sparsecap, sparsemax)") made the page scroll sideways on a
+  320-px screen (a 1280-px one at 400 % zoom; WCAG 1.4.10)."""
 
 from __future__ import annotations
 
@@ -394,3 +396,25 @@ def test_the_end_of_the_caption_is_named_by_what_is_on_screen(tiny_server):
         end.focus()
         wait_until(page, OVERLAY_SHOWN, timeout_s=30)
         assert page.get_attribute("#overlay", "alt") == "where the model looked as it ended the caption"
+
+
+def with_a_long_model_name(route):
+    """/models as the service answers it, plus the longest name ``make serve-scenes`` serves."""
+    models = route.fetch().json()
+    route.fulfill(json=models + [{**models[0], "name": "scenes-sparsecap-sparsemax", "architecture": "sparsecap",
+                                  "attention": "sparsemax", "default": False}])
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_320_px_screen_never_scrolls_sideways_whatever_the_model_names(tiny_server):
+    with page_of(tiny_server, viewport=(320, 568),
+                 before_load=lambda page: page.route("**/models", with_a_long_model_name)) as page:
+        assert page.locator("#model option").count() == 2
+        fits = "() => document.documentElement.scrollWidth <= window.innerWidth"
+        assert page.evaluate(fits)
+        right_edges = page.evaluate("() => [...document.querySelectorAll('#controls select, #controls input')]"
+                                    ".map(e => e.getBoundingClientRect().right)")
+        assert max(right_edges) <= 320, right_edges
+        upload(page, "photo.png", image_bytes((640, 480), "PNG"), "image/png")
+        assert page.evaluate(fits)
