@@ -28,7 +28,10 @@ A third audit (sixteenth session: axe-core, keyboard only, a screen reader's vie
 - The end-of-caption word, "<eos>" on screen, was named "end of caption": a voice-control user saying what they
   see reached nothing (axe: label-content-name-mismatch), and its heatmap's text said "for “<eos>”".
 - A long model name ("scenes-sparsecap-sparsemax (sparsecap, sparsemax)") made the page scroll sideways on a
-  320-px screen (a 1280-px one at 400 % zoom; WCAG 1.4.10)."""
+  320-px screen (a 1280-px one at 400 % zoom; WCAG 1.4.10).
+- A refused beam size left the beam box unmarked (nothing said "invalid" on it), and a refused upload's message did
+  not say which file it was about.
+"""
 
 from __future__ import annotations
 
@@ -418,3 +421,32 @@ def test_a_320_px_screen_never_scrolls_sideways_whatever_the_model_names(tiny_se
         assert max(right_edges) <= 320, right_edges
         upload(page, "photo.png", image_bytes((640, 480), "PNG"), "image/png")
         assert page.evaluate(fits)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_refused_beam_size_marks_the_box_and_a_refused_upload_names_its_file(captioned):
+    page = captioned
+    beam = page.get_by_role("spinbutton", name="Beam size")
+    assert beam.get_attribute("aria-invalid") != "true"
+    with page.expect_response(lambda r: "/caption?" in r.url, timeout=30_000):
+        page.fill("#beam", "13")  # above the service's CAPTIONER_MAX_BEAM_SIZE (12): the service refuses it
+        beam.dispatch_event("change")
+    wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
+    assert "beam_size 13 is above the limit of 12" in page.locator("#status").inner_text()
+    assert beam.get_attribute("aria-invalid") == "true"
+    assert beam.get_attribute("aria-describedby") == "status"  # the box, focused, is read with the reason
+    page.fill("#beam", "0")  # one the box itself refuses
+    beam.dispatch_event("change")
+    assert page.locator("#status").inner_text().startswith("Not sent")
+    assert beam.get_attribute("aria-invalid") == "true"
+    page.fill("#beam", "2")
+    beam.dispatch_event("change")
+    page.wait_for_selector("#caption .word", timeout=30_000)
+    assert beam.get_attribute("aria-invalid") == "false" and beam.get_attribute("aria-describedby") is None
+    page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"not a photo"}])
+    wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
+    status = page.get_by_role("status")
+    assert status.inner_text().startswith("“notes.txt” was not captioned. ")
+    assert "cannot identify a JPEG" in status.inner_text()
+    assert beam.get_attribute("aria-invalid") == "false"  # the upload, not the beam size, was at fault

@@ -19,13 +19,23 @@ function setStatus(text, isError = false) {
 }
 
 // What a failed answer says: the service's problem detail; a proxy's HTML page or an empty body gives the status.
+// `fields`: the request fields the problem blames (its `errors`, each with the `loc` of one field).
 async function failure(response) {
   try {
     const body = await response.json();
-    return `${body.title || "Error"}: ${body.detail || response.status}`;
+    const fields = Array.isArray(body.errors) ? body.errors.flatMap((e) => e.loc ?? []) : [];
+    return { message: `${body.title || "Error"}: ${body.detail || response.status}`, fields };
   } catch {
-    return `HTTP ${response.status} ${response.statusText}`.trim();
+    return { message: `HTTP ${response.status} ${response.statusText}`.trim(), fields: [] };
   }
+}
+
+// The beam box is marked while a caption was refused for it (by the box itself or by the service): a screen reader
+// says "invalid" on the box and reads the status, which says why, as its description; a red border shows it.
+function markBeam(isRefused) {
+  $("beam").setAttribute("aria-invalid", String(isRefused));
+  if (isRefused) $("beam").setAttribute("aria-describedby", "status");
+  else $("beam").removeAttribute("aria-describedby");
 }
 
 // A server still loading its models (CAPTIONER_LOAD_IN_BACKGROUND) lists none, or none yet answers: the page asks
@@ -38,7 +48,7 @@ async function loadModels() {
   let problem;
   try {
     const response = await fetch("/models");
-    if (!response.ok) throw new Error(await failure(response));
+    if (!response.ok) throw new Error((await failure(response)).message);
     const list = await response.json();
     $("model").innerHTML = "";
     for (const m of list) {
@@ -122,8 +132,10 @@ async function caption(file) {
     if (beam !== null) params.set("beam_size", beam);
   } catch (err) {
     setStatus(`Not sent: ${err.message}`, true);
+    markBeam(true);
     return;
   }
+  markBeam(false);
   const request = ++latest;
   lastFile = file;
   clearCaption();
@@ -137,8 +149,11 @@ async function caption(file) {
     const response = await fetch(`/caption?${params}`, { method: "POST", body: form });
     if (request !== latest) return;  // a newer request was sent meanwhile: its answer is the one to show
     if (!response.ok) {
+      const { message, fields } = await failure(response);
       $("result").hidden = true;
-      setStatus(await failure(response), true);
+      // named, so that the message says which upload failed (a dropped file, a sample, one picked long ago)
+      setStatus(`“${file.name}” was not captioned. ${message}`, true);
+      markBeam(fields.includes("beam_size"));
       return;
     }
     body = await response.json();
@@ -216,7 +231,7 @@ function heatmap(shown, index, mode) {
     entry.promise = fetch(`/captions/${shown.id}/overlay?${params}`)
       .catch((err) => { throw new Error(`The heatmap request failed: ${err.message || err}`); })
       .then(async (response) => {
-        if (!response.ok) throw new Error(await failure(response));
+        if (!response.ok) throw new Error((await failure(response)).message);
         entry.mode = response.headers.get("X-Heatmap-Mode") || mode;  // "default" resolved to what was drawn
         return URL.createObjectURL(await response.blob());
       });
