@@ -265,11 +265,11 @@ class _ArchiveFeed:
         self.output, self.report_error, self.options, self.on_done = output, report_error, options, on_done
         self.summary = ArchiveSummary()
         self.slots = asyncio.Semaphore(window)
+        if options.heatmaps is not None:  # before the pools: a folder that cannot be made leaves nothing to shut down
+            options.heatmaps.mkdir(parents=True, exist_ok=True)
         self.readers = ThreadPoolExecutor(options.readers, thread_name_prefix="archive-reader")
         # one thread draws the figures: they are drawn with pyplot, whose figure registry is not thread-safe
         self.figures = ThreadPoolExecutor(1, thread_name_prefix="archive-figures")
-        if options.heatmaps is not None:
-            options.heatmaps.mkdir(parents=True, exist_ok=True)
 
     def read(self, path: str):
         """Runs in a reader thread: the file decoded and preprocessed, with the service's decoding and limits, on
@@ -343,8 +343,11 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
     window = in_flight(settings, options.beam_size)
     rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
     batcher = _started_batcher(runtime, settings, window)
-    feed = _ArchiveFeed(runtime, settings, batcher, rules, window, output, report_error, options, on_done)
+    feed = None
+    # everything after the start is inside the try, the feed's own set-up (its --heatmaps folder) included: a
+    # failure anywhere must stop the batcher's worker thread, not leave it running in the caller's process
     try:
+        feed = _ArchiveFeed(runtime, settings, batcher, rules, window, output, report_error, options, on_done)
         if settings.warmup:
             await warm_up(batcher, settings)
         started = time.perf_counter()
@@ -352,7 +355,8 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
         feed.summary.seconds = time.perf_counter() - started
         return feed.summary
     finally:
-        feed.close()
+        if feed is not None:
+            feed.close()
         # finished: the worker is idle and stops at once; interrupted: the captions in flight are dropped (they
         # are not in the output, so --resume captions them) after a short wait
         await batcher.stop(timeout_s=STOP_WAIT_S)

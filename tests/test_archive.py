@@ -263,3 +263,26 @@ def test_the_archive_loads_its_checkpoint_with_the_servers_settings(tiny_checkpo
     settings = Settings(interop_threads=2, threads=1, backend="torch", prefixed_weights_dirs={"x-": other.parent})
     runtime = load_runtime(tiny_checkpoint_folder, settings)
     assert interop == [2] and runtime.name == "tiny" and runtime.backend == "torch"
+
+
+def test_a_heatmaps_folder_that_cannot_be_made_stops_the_batcher(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                                 monkeypatch):
+    """The --heatmaps folder was made after the batcher had started and outside the block that stops it: a folder
+    under a file raised, and the batcher's worker thread went on running in the caller's process."""
+    from captioner.service import archive
+
+    batchers = []
+    started_batcher = archive._started_batcher
+
+    def recorded(*args):
+        batchers.append(started_batcher(*args))
+        return batchers[-1]
+
+    monkeypatch.setattr(archive, "_started_batcher", recorded)
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("a file, so no folder can be made under it")
+    with pytest.raises(OSError):
+        caption_archive(small_archive, tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
+                        ArchiveOptions(heatmaps=not_a_folder / "figures"), progress=False)
+    (batcher,) = batchers
+    assert batcher._thread is not None and not batcher._thread.is_alive(), "the batcher's worker is still running"
