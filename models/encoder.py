@@ -155,22 +155,38 @@ class EncoderSpec:
         return IMAGENET_MEAN, IMAGENET_STD
 
 
-def tuned_weights_sha256(spec: EncoderSpec) -> str | None:
-    """The identity of a spec's fine-tuned stages' file (None without one): the sha256 of its bytes, the one key that
-    both the feature cache's name (models/data/features.py) and the ONNX export's folder
-    (models/export/onnx.py, ``visual_encoder_key``) use.  Content, not path or size and time: a run's best/ is
-    rewritten in place whenever validation improves, and a copy or an edit can keep a file's size and mtime.
+#: the EncoderSpec fields that name a weights file: a local ImageNet file (``weights``) and the fine-tuned stages'
+#: (``tuned_weights``)
+WEIGHTS_FILE_FIELDS = ("weights", "tuned_weights")
+#: ``weights`` values that name no file: random weights, for tests of the plumbing only (:func:`_resnet`)
+_NO_FILE = frozenset({"random"})
+
+
+def weights_sha256(spec: EncoderSpec, missing_ok: bool = False) -> dict[str, str]:
+    """The identity of every weights file ``spec`` names, by field (:data:`WEIGHTS_FILE_FIELDS`; a spec that names
+    none: ``{}``): the sha256 of its bytes, the one key that both the feature cache's name (models/data/features.py)
+    and the ONNX export's folder (models/export/onnx.py, ``visual_encoder_key``) use.  Content, not path or size and
+    time: a run's best/ is rewritten in place whenever validation improves, a copy or an edit can keep a file's
+    size and mtime, and another file can be put at the same path.
 
     Read whole at every call, with no cache keyed by size and time (which would bring that doubt back): the
-    shipped X-LAN's 2.4 MB file hashes in about 3 ms, and a server asks once or twice per model at start-up.
-    A missing file is a :class:`FileNotFoundError`."""
-    if not spec.tuned_weights:
-        return None
-    digest = hashlib.sha256()
-    with open(spec.tuned_weights, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    shipped X-LAN's 2.4 MB file hashes in about 3 ms, an ImageNet file of tens of MB in tens of ms, and a server
+    asks once or twice per model at start-up.  A missing file is a :class:`FileNotFoundError`, or ``""`` with
+    ``missing_ok``."""
+    identity = {}
+    for field in WEIGHTS_FILE_FIELDS:
+        path = getattr(spec, field)
+        if not path or path in _NO_FILE:
+            continue
+        if missing_ok and not Path(path).is_file():
+            identity[field] = ""
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        identity[field] = digest.hexdigest()
+    return identity
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -137,3 +137,36 @@ def test_a_store_of_all_images_serves_any_subset(images, encoder, tmp_path):
     subset = extract_features(images[2:5], SPEC, tmp_path, progress=False, encoder=object())  # nothing to encode
     assert subset.folder == everything.folder
     assert np.array_equal(subset.get_numpy([images[3].key]), everything.get_numpy([images[3].key]))
+
+
+def test_a_store_of_a_local_weights_file_is_found_again_only_while_its_content_is_unchanged(images, encoder,
+                                                                                           tmp_path):
+    """A store is taken for another set of images only when its weights files have the spec's content: one of a
+    local ImageNet file was found again after the file was rewritten (its index recorded the path alone)."""
+    import hashlib
+    import os
+    from dataclasses import replace
+
+    from captioner.models.data.features import find_covering_store
+
+    weights = tmp_path / "imagenet.pth"
+    weights.write_bytes(b"first weights")
+    written = weights.stat()
+    spec = replace(SPEC, weights=str(weights))  # the spec names the file; the real encoder stands in for its network
+    store = extract_features(images, spec, tmp_path / "cache", encoder=encoder, progress=False)
+    keys = [im.key for im in images[:3]]
+    assert find_covering_store(tmp_path / "cache", spec, keys).folder == store.folder
+    weights.write_bytes(b"other weights")
+    os.utime(weights, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert find_covering_store(tmp_path / "cache", spec, keys) is None
+    assert extract_features(images, spec, tmp_path / "cache", encoder=encoder, progress=False).folder != store.folder
+    assert FeatureStore(store.folder).weights_sha256 == {"weights": hashlib.sha256(b"first weights").hexdigest()}
+
+
+def test_a_store_written_before_local_weights_files_were_known_by_content_keeps_its_tuned_stages(images, encoder,
+                                                                                                 tmp_path):
+    """Stores of fine-tuned stages recorded their file's sha256 as ``tuned_sha256``: they are still found."""
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    index = json.loads((store.folder / INDEX).read_text())
+    (store.folder / INDEX).write_text(json.dumps({**index, "tuned_sha256": "ab" * 32}))
+    assert FeatureStore(store.folder).weights_sha256 == {"tuned_weights": "ab" * 32}

@@ -178,25 +178,50 @@ def test_a_feature_store_of_tuned_stages_is_found_again_only_while_their_file_is
     assert find_covering_store(tmp_path / "cache", spec, keys) is None
 
 
-def test_the_tuned_stages_file_is_known_by_its_content_to_the_feature_cache_and_the_onnx_export(tmp_path):
-    """One identity, the file's sha256, names the fine-tuned stages in both caches: an edit that keeps the file's size
-    and modification time (an in-place rewrite, a copy with ``cp -p``) makes a new feature store and a new export,
-    where the export's key used to be the size and mtime and kept serving the old stages."""
-    import hashlib
+@pytest.mark.parametrize("field", ["tuned_weights", "weights"])
+@pytest.mark.parametrize("edit", ["rewritten in place", "another file put at its path"])
+def test_a_weights_file_is_known_by_its_content_to_the_feature_cache_and_the_onnx_export(tmp_path, field, edit):
+    """One identity, the file's sha256, names every weights file of a spec (fine-tuned stages, a local ImageNet file)
+    in both caches: an edit that keeps the file's size and modification time (an in-place rewrite, a copy with
+    ``cp -p``) or another file put at the same path makes a new feature store and a new export. The export's key
+    used to be a local ImageNet file's size and mtime, and the feature cache's name its path alone, so both kept
+    serving the old network."""
     import os
 
     from captioner.models.data.features import _cache_name
-    from captioner.models.encoder import tuned_weights_sha256
     from captioner.models.export.onnx import visual_encoder_key
 
-    tuned = tmp_path / "encoder_tuned.safetensors"
-    tuned.write_bytes(b"first stages")
-    spec = EncoderSpec(tuned_weights=str(tuned))
-    written = tuned.stat()
+    path = tmp_path / "encoder.safetensors"
+    path.write_bytes(b"first weights")
+    spec = EncoderSpec(**{field: str(path)})
+    written = path.stat()
     keys = visual_encoder_key(spec), _cache_name(spec, ["photo.jpg"])
-    tuned.write_bytes(b"other stages")  # as many bytes
-    os.utime(tuned, ns=(written.st_atime_ns, written.st_mtime_ns))
-    assert (tuned.stat().st_size, tuned.stat().st_mtime_ns) == (written.st_size, written.st_mtime_ns)
-    assert tuned_weights_sha256(spec) == hashlib.sha256(b"other stages").hexdigest()
-    assert visual_encoder_key(spec) != keys[0], "the export of the old stages would be served"
-    assert _cache_name(spec, ["photo.jpg"]) != keys[1], "the features of the old stages would be reused"
+    if edit == "rewritten in place":
+        path.write_bytes(b"other weights")  # as many bytes
+    else:
+        (tmp_path / "other.safetensors").write_bytes(b"other weights")
+        os.replace(tmp_path / "other.safetensors", path)
+    os.utime(path, ns=(written.st_atime_ns, written.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (written.st_size, written.st_mtime_ns)
+    assert visual_encoder_key(spec) != keys[0], "the export of the old weights would be served"
+    assert _cache_name(spec, ["photo.jpg"]) != keys[1], "the features of the old weights would be reused"
+    path.write_bytes(b"first weights")  # the first content back: its caches again
+    assert (visual_encoder_key(spec), _cache_name(spec, ["photo.jpg"])) == keys
+
+
+def test_weights_sha256_names_each_weights_file_of_a_spec_and_no_other(tmp_path):
+    import hashlib
+
+    from captioner.models.encoder import weights_sha256
+
+    (tmp_path / "imagenet.pth").write_bytes(b"imagenet")
+    (tmp_path / "tuned.safetensors").write_bytes(b"tuned")
+    spec = EncoderSpec(weights=str(tmp_path / "imagenet.pth"), tuned_weights=str(tmp_path / "tuned.safetensors"))
+    assert weights_sha256(spec) == {"weights": hashlib.sha256(b"imagenet").hexdigest(),
+                                    "tuned_weights": hashlib.sha256(b"tuned").hexdigest()}
+    assert weights_sha256(EncoderSpec()) == {}  # the packaged weights
+    assert weights_sha256(EncoderSpec(backbone="resnet18", layer="layer4", weights="random")) == {}
+    missing = EncoderSpec(weights=str(tmp_path / "gone.pth"))
+    with pytest.raises(FileNotFoundError):
+        weights_sha256(missing)
+    assert weights_sha256(missing, missing_ok=True) == {"weights": ""}

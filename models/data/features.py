@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess, tuned_weights_sha256
+from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess, weights_sha256
 from ..files import write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
@@ -93,7 +93,10 @@ class FeatureStore:
         self.shard_files = [self.folder / name for name in index["shards"]]
         self.location: dict[str, tuple[int, int]] = {key: (s, r) for key, (s, r) in index["index"].items()}
         self.encoder = index.get("encoder")
-        self.tuned_sha256 = index.get("tuned_sha256")  # of EncoderSpec.tuned_weights' file, when the spec has one
+        # the sha256 of each weights file of the spec (:func:`weights_sha256`); a store written before local ImageNet
+        # files were known by content recorded the fine-tuned stages' alone
+        self.weights_sha256: dict[str, str] = index.get("weights_sha256") or (
+            {"tuned_weights": index["tuned_sha256"]} if index.get("tuned_sha256") else {})
         self.view = index.get("view", "")  # a key of VIEWS
         self.file_bytes: dict[str, int] = index.get("bytes") or {}  # each photo's size when it was encoded
         self._shards: list[np.ndarray | None] = [None] * len(self.shard_files)
@@ -144,10 +147,12 @@ class FeatureStore:
 _LATER_FIELDS = {"grid_stride": 32}
 
 
-def _cache_name(spec: EncoderSpec, keys: Sequence[str], tuned: str | None = None, view: str = "") -> str:
+def _cache_name(spec: EncoderSpec, keys: Sequence[str], files: Mapping[str, str] | None = None,
+                view: str = "") -> str:
+    """The store's folder name: the spec, each weights file it names by its content (``files``, its
+    :func:`weights_sha256`) in place of its path, the view and the images."""
     fields = {k: v for k, v in spec.to_json().items() if _LATER_FIELDS.get(k, object()) != v}
-    if spec.tuned_weights:
-        fields["tuned_weights"] = tuned or tuned_weights_sha256(spec)
+    fields.update(weights_sha256(spec) if files is None else files)
     if view:  # the photos as they are keep the names caches had before views existed
         fields["view"] = view
     digest = hashlib.sha256(json.dumps([fields, list(keys)]).encode()).hexdigest()[:16]
@@ -186,19 +191,20 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 
 
 def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence[str],
-                        tuned: str | None = None, view: str = "",
+                        files: Mapping[str, str] | None = None, view: str = "",
                         sizes: Mapping[str, int] | None = None) -> FeatureStore | None:
-    """A finished store in ``cache_dir`` of the same encoder spec (and fine-tuned weights, by content, and view)
+    """A finished store in ``cache_dir`` of the same encoder spec (and weights files, by content: ``files``, the
+    spec's :func:`weights_sha256`; and view)
     that holds every key (and, given their :func:`photo_sizes`, still describes their photos), if there is one: a
     store of all splits serves training (train + val) and evaluation (test) alike."""
-    tuned = tuned or tuned_weights_sha256(spec)
+    files = weights_sha256(spec) if files is None else files
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
     for index in sorted(Path(cache_dir).glob(f"{prefix}*/{INDEX}")):
         try:
             store = FeatureStore(index.parent)
         except (FeatureStoreError, ValueError, KeyError):
             continue
-        if store.encoder == spec.to_json() and store.tuned_sha256 == tuned and store.view == view \
+        if store.encoder == spec.to_json() and store.weights_sha256 == files and store.view == view \
                 and all(key in store.location for key in keys) and store.describes(sizes or {}):
             return store
     return None
@@ -241,12 +247,12 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     if view not in VIEWS:
         raise ValueError(f"unknown view {view!r}; choose from {', '.join(map(repr, VIEWS))}")
     keys = [im.key for im in images]
-    tuned = tuned_weights_sha256(spec)  # read once: the name, the covering store and the index all need it
-    folder = Path(cache_dir) / _cache_name(spec, keys, tuned, view)
+    files = weights_sha256(spec)  # read once: the name, the covering store and the index all need it
+    folder = Path(cache_dir) / _cache_name(spec, keys, files, view)
     sizes = photo_sizes(images)  # once: every store looked at below compares them, and the new index records them
     if (store := _finished(folder, sizes)) is not None:
         return store
-    covering = find_covering_store(cache_dir, spec, keys, tuned, view, sizes)
+    covering = find_covering_store(cache_dir, spec, keys, files, view, sizes)
     if covering is not None:  # e.g. all splits extracted once by `captioner data features`
         return covering
     folder.mkdir(parents=True, exist_ok=True)
@@ -261,7 +267,7 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
                 stale.unlink()
         (folder / FAILED).unlink(missing_ok=True)
         try:
-            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, sizes, tuned,
+            _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, sizes, files,
                             view)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
             _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
@@ -285,7 +291,7 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | OnnxGridEncoder | None, progress: bool, shard_size: int,
-                    sizes: Mapping[str, int], tuned: str | None = None, view: str = "") -> None:
+                    sizes: Mapping[str, int], files: Mapping[str, str] | None = None, view: str = "") -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
@@ -319,4 +325,4 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
         "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
         "index": index, "bytes": dict(sizes),
-        **({"tuned_sha256": tuned} if tuned else {}), **({"view": view} if view else {})})
+        **({"weights_sha256": dict(files)} if files else {}), **({"view": view} if view else {})})

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint, file_checksum
 from ..files import write_atomically
-from ..encoder import EncoderSpec, GridEncoder, grid_geometry, tuned_weights_sha256
+from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
 
 # /2: exports gained head.onnx; older folders are not current and are re-made
@@ -473,20 +473,17 @@ def export_is_current(folder: str | Path, checksum: str) -> bool:
 
 def visual_encoder_key(spec: EncoderSpec) -> str:
     """Folder name of the encoder-only export of ``spec`` (same spec, same packaged or local weights → same key).
-    Fine-tuned stages are named by their file's content (:func:`~captioner.models.encoder.tuned_weights_sha256`, as
-    the feature cache names them): an export made from other stages' weights is never taken for this one."""
+    Every weights file the spec names, a local ImageNet file and fine-tuned stages alike, is named by its content
+    (:func:`~captioner.models.encoder.weights_sha256`, as the feature cache names them): an export made from other
+    weights is never taken for this one."""
     import hashlib
 
-    def stamp(file: str | None) -> str:  # a local ImageNet weight file: its size and time identify its content
-        if not file or not Path(file).is_file():
-            return ""
-        stat = Path(file).stat()
-        return f"{stat.st_size}:{stat.st_mtime_ns}"
-
-    # fine-tuned stages add a field, so the key of a spec without them (and its earlier exports) does not change
-    tuned = {"tuned": tuned_weights_sha256(spec) if Path(spec.tuned_weights).is_file() else ""} \
-        if spec.tuned_weights else {}
-    text = json.dumps({"spec": spec.to_json(), "weights": stamp(spec.weights), **tuned, "format": FORMAT},
+    # a file that is not there keys as "", as it always did (exporting from it fails on the missing file)
+    files = weights_sha256(spec, missing_ok=True)
+    # fine-tuned stages add a field, so the key of a spec without them (and its earlier exports) does not change;
+    # "weights" is "" for the packaged weights, as it always was
+    tuned = {"tuned": files["tuned_weights"]} if "tuned_weights" in files else {}
+    text = json.dumps({"spec": spec.to_json(), "weights": files.get("weights", ""), **tuned, "format": FORMAT},
                       sort_keys=True)
     return "visual-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
