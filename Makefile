@@ -118,7 +118,8 @@ data: | $(STAMP)
 # The shipped checkpoints: folder name under weights/ → `captioner train` arguments. `make train-NAME` retrains one
 # exactly as its MODEL_CARD.md records (1 thread: faster than 2 on a shared 2-core machine), runs its SCST stage when
 # SCST_NAME is set, evaluates it on the test and held-out splits (with attention grounding) and on the
-# out-of-distribution set, writes the card from those measurements and installs it in weights/.
+# out-of-distribution set, writes the card from those measurements (its notes from docs/cards/scenes/NAME.md) and
+# installs it in weights/.
 # DATA_NAME is the scene set it trains on (default $(DATA)); checkpoints trained on the varied scenes
 # ($(DATA_VARIED): other canvases, colours, noise, JPEG) are the ones meant to hold up beyond the generator.
 SCENE_SAT := --set embed_dim=256 --set hidden_dim=512 --set attn_dim=256
@@ -220,7 +221,8 @@ train-%: stage-%
 	$(BIN)/captioner eval runs/$*/final --dataset $(DATA) --split test --split heldout --grounding --threads 1 \
 	  --output runs/$*/eval.json --results-json runs/$*/captions.json
 	$(BIN)/captioner eval runs/$*/final --dataset $(OOD) --split ood --threads 1 --output runs/$*/eval.ood.json
-	$(BIN)/captioner card runs/$*/final --report runs/$*/eval.json --report runs/$*/eval.ood.json --title "$*"
+	$(BIN)/captioner card runs/$*/final --report runs/$*/eval.json --report runs/$*/eval.ood.json --title "$*" \
+	  $(addprefix --notes ,$(wildcard docs/cards/scenes/$*.md))
 	@if [[ " $(SHIPPED) " == *" $* "* ]]; then \
 	  rm -rf weights/$*.new && cp -r runs/$*/final weights/$*.new && rm -rf weights/$* && mv weights/$*.new weights/$*; \
 	  mkdir -p $(RESULTS)/captions && cp runs/$*/eval.json $(RESULTS)/$*.json && cp runs/$*/eval.ood.json $(RESULTS)/$*.ood.json; \

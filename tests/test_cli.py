@@ -235,6 +235,37 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — | — |" in card
 
 
+def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tmp_path, capsys):
+    """The card names generated scenes by what their own dataset_scenes.json records: the generator's version and
+    the `captioner data generate` command that writes the same data set again (here no Makefile target's: another
+    seed and sizes); a data set that is not on this machine is named without them, and said so."""
+    import re
+    import shlex
+
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.models.data.scenes import GENERATOR_VERSION, generate, is_current, read_dataset_header
+    from captioner.service.cli import main
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    drawn = generate(tmp_path / "scenes", {"train": 2, "val": 1, "test": 0, "heldout": 0}, seed=3, progress=False)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"beam_size": 1, "test": {"images": 1, "objects_named": 0.5}}))
+    for dataset in (drawn, tmp_path / "gone" / "dataset_scenes.json"):
+        save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"dataset": str(dataset)})
+        main(["card", str(tmp_path / "ckpt"), "--report", str(report)])
+        (data_line,) = [line for line in (tmp_path / "ckpt" / "MODEL_CARD.md").read_text().splitlines()
+                        if line.startswith("- Data: ")]
+        if dataset == drawn:
+            assert f"models/data/scenes.py, version {GENERATOR_VERSION}: `captioner data generate " in data_line
+            command = shlex.split(re.search(r"`(captioner data generate[^`]*)`", data_line).group(1))[1:]
+            main([*command, "--out", str(tmp_path / "again")])
+            header = read_dataset_header(tmp_path / "again" / "dataset_scenes.json")
+            assert is_current(tmp_path / "scenes", header["sizes"], header["seed"], None)
+        else:
+            assert data_line.startswith("- Data: generated scenes (this project's generator): `")
+            assert "gone/dataset_scenes.json is not here" in capsys.readouterr().err
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     """``captioner ARGV`` as a user runs it, in this process: it must stop with a non-zero status and a short
     message on stderr, never a traceback."""

@@ -64,14 +64,15 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
     gen.add_argument("--out", default=DEFAULT_DATA, help=f"folder to write (default {DEFAULT_DATA})")
-    for split, size, what in (("train", 6000, "training"), ("val", 500, "validation"), ("test", 500, "test"),
-                              ("heldout", 500, "held-out (colour-shape pairs never seen in training)")):
-        gen.add_argument(f"--{split}", type=count, default=size, help=f"{what} scenes (default {size})")
+    from ..data.scenes import DEFAULT_SIZES, VARIATIONS
+
+    for split, what in (("train", "training"), ("val", "validation"), ("test", "test"),
+                        ("heldout", "held-out (colour-shape pairs never seen in training)")):
+        gen.add_argument(f"--{split}", type=count, default=DEFAULT_SIZES[split],
+                         help=f"{what} scenes (default {DEFAULT_SIZES[split]})")
     gen.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0): the same seed and sizes "
                      "give the same files")
     gen.add_argument("--workers", type=positive_int, default=2, help="processes drawing scenes (default 2)")
-    from ..data.scenes import VARIATIONS
-
     gen.add_argument("--varied", nargs="?", const="standard", choices=sorted(VARIATIONS), metavar="NAME",
                      help="varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG): "
                           "the training-time augmentation for robustness; write them to their own --out. NAME: "

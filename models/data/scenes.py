@@ -44,6 +44,8 @@ HELDOUT_COMBOS = frozenset({("red", "triangle"), ("green", "star"), ("blue", "di
                             ("yellow", "circle"), ("purple", "square")})
 NUMBER_WORDS = {1: "a", 2: "two", 3: "three", 4: "four"}
 SPLITS = ("train", "val", "test", "heldout")
+#: scenes per split when none are given (``captioner data generate``'s defaults)
+DEFAULT_SIZES = {"train": 6000, "val": 500, "test": 500, "heldout": 500}
 #: bumped whenever the images or references a seed produces change, so that `captioner data generate --if-stale`
 #: (and `make data`) rewrite a dataset made by an older generator.  2: "an" before vowel sounds ("an orange circle")
 GENERATOR_VERSION = 2
@@ -404,6 +406,59 @@ def dataset_header(seed: int, sizes: dict[str, int], variation: Variation | None
             "variation": None if variation is None else asdict(variation)}
 
 
+#: the Makefile's targets that write a scene data set, by the ``captioner data generate`` arguments they give beside
+#: ``--out`` and ``--if-stale``: a model card names the target a reader types (tests/test_card_regeneration.py holds
+#: them to the Makefile)
+MAKE_TARGETS = {"": "make data", "--varied --train 12000": "make data-varied",
+                "--varied small-objects --train 12000": "make data-varied-small"}
+
+
+def generate_arguments(header: dict) -> list[str] | None:
+    """The ``captioner data generate`` arguments (beside ``--out``) that write the data set of ``header`` (what
+    :func:`dataset_header` recorded in its ``dataset_scenes.json``); None when this generator cannot write it again:
+    another generator version, or a variation it no longer names."""
+    if header.get("generator_version") != GENERATOR_VERSION or not isinstance(header.get("sizes"), dict):
+        return None
+    args: list[str] = []
+    if header.get("variation") is not None:
+        # through JSON, as the header was written: the variation's ranges are lists in the file
+        name = next((name for name, variation in VARIATIONS.items()
+                     if json.loads(json.dumps(asdict(variation))) == header["variation"]), None)
+        if name is None:
+            return None
+        args += ["--varied"] if name == "standard" else ["--varied", name]  # standard: what a bare --varied draws
+    for split in SPLITS:
+        if header["sizes"].get(split, 0) != DEFAULT_SIZES[split]:
+            args += [f"--{split}", str(header["sizes"].get(split, 0))]
+    if header.get("seed", 0) != 0:
+        args += ["--seed", str(header["seed"])]
+    return args
+
+
+def describe_dataset(header: dict) -> str:
+    """How a model card names a scene data set, from its own header: the generator, its version and the command that
+    writes the same files again (the Makefile's target for it, where one does)."""
+    args = generate_arguments(header)
+    if args is None:
+        return (f"generated scenes (this project's generator, models/data/scenes.py, version "
+                f"{header.get('generator_version', '?')}, which this checkout's generator does not draw again)")
+    command = " ".join(["captioner data generate", *args])
+    target = MAKE_TARGETS.get(" ".join(args))
+    how = f"`{target}`, that is `{command}`" if target else f"`{command}`"
+    return f"generated scenes (this project's generator, models/data/scenes.py, version {GENERATOR_VERSION}: {how}, " \
+           "no download)"
+
+
+def read_dataset_header(path: str | Path) -> dict | None:
+    """The settings a ``dataset_scenes.json`` records (:func:`dataset_header`, without its images); None when the
+    file is missing or is not JSON."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return {key: value for key, value in data.items() if key != "images"} if isinstance(data, dict) else None
+
+
 def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variation: Variation | None = None) -> bool:
     """Whether ``out_dir`` already holds the dataset this generator version would write for these settings."""
     path = Path(out_dir) / "dataset_scenes.json"
@@ -424,7 +479,7 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
     ``variation`` draws varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG):
     the training-time augmentation, written to its own folder so no feature cache mixes the two.
     """
-    sizes = sizes or {"train": 6000, "val": 500, "test": 500, "heldout": 500}
+    sizes = sizes or DEFAULT_SIZES
     unknown = set(sizes) - set(SPLITS)
     if unknown:
         raise ValueError(f"unknown split(s) {sorted(unknown)}; choose from {SPLITS}")

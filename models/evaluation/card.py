@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import CARD, WEIGHTS, checkpoint_name, file_checksum, load_checkpoint, read_config, write_manifest
-from ..data.datasets import trained_on
+from ..data.datasets import named_by_path, trained_on
+from ..data.scenes import describe_dataset, read_dataset_header
 from .params import count_parameters
 
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
@@ -128,6 +130,20 @@ def _storage_lines(storage: str, chosen: dict[str, Any] | None, report: dict[str
             ""]
 
 
+def _data_description(meta: dict[str, Any]) -> str:
+    """The data set a checkpoint was trained on, as its card names it: generated scenes by what their own
+    ``dataset_scenes.json`` records (generator version and settings, so the card says how to draw them again), any
+    other data set by its citation (:func:`trained_on`)."""
+    dataset = meta.get("dataset")
+    if dataset and named_by_path(dataset) == "scenes":
+        header = read_dataset_header(dataset)
+        if header is not None:
+            return describe_dataset(header)
+        print(f"note: {dataset} is not here: the card names the generated scenes without their generator's settings",
+              file=sys.stderr)
+    return trained_on(meta)
+
+
 def _training_lines(meta: dict[str, Any]) -> list[str]:
     """The card's account of the run that trained the checkpoint: data, selection, command, time, per-epoch scores."""
     history = meta.get("history", [])
@@ -138,7 +154,7 @@ def _training_lines(meta: dict[str, Any]) -> list[str]:
     return [
         "## Training",
         "",
-        f"- Data: {trained_on(meta)}: `{meta.get('dataset', '?')}` (training split; validation split for model "
+        f"- Data: {_data_description(meta)}: `{meta.get('dataset', '?')}` (training split; validation split for model "
         "selection).",
         f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
         # best/ is saved at its epoch, so its history ends there: later epochs of the run validated no higher
