@@ -496,3 +496,63 @@ def test_export_replaces_an_export_but_never_a_folder_of_anything_else(tmp_path,
     for _ in range(2):  # the second run replaces the first's export
         captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path / "onnx"), "--threads", "1"])
         assert export_is_current(tmp_path / "onnx" / "runs", checksum)
+
+
+def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replaces(tmp_path, monkeypatch):
+    """An upgrade that changes the export format (or new weights behind the same spec) gives the CNN a new key: the
+    folder it replaces goes, instead of a CNN's worth of graphs left behind at every change; another spec's stays.
+    A folder written before specs were recorded is made identifiable the next time it is used."""
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.export import onnx as exporter
+
+    spec, other = EncoderSpec(image_size=64), EncoderSpec(image_size=96)
+    old = exporter.export_visual_encoder(spec, tmp_path).parent
+    kept = exporter.export_visual_encoder(other, tmp_path).parent
+    (old / exporter.VISUAL_SPEC_FILE).unlink()  # as an earlier version wrote it
+    assert exporter.export_visual_encoder(spec, tmp_path).parent == old  # current: used as it is, and recorded
+    monkeypatch.setattr(exporter, "FORMAT", exporter.FORMAT + "-next")
+    new = exporter.export_visual_encoder(spec, tmp_path).parent
+    assert new != old and exporter.intact(new / exporter.VISUAL_FILE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([new.name, kept.name])
+
+
+def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_but_never_one_in_flight(tmp_path):
+    """SIGKILL (or the OOM killer) mid-export runs no ``finally``: its temporary folder, a model's worth of graphs,
+    stays.  The next export into that folder removes it, unless another export holds the folder (it may be that
+    export's own), and leaves anything that is not an export's alone."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.export.onnx import export_visual_encoder
+
+    child = subprocess.Popen([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n"
+                              "from captioner.models.encoder import EncoderSpec\n"
+                              "from captioner.models.export.onnx import export_visual_encoder\n"
+                              f"export_visual_encoder(EncoderSpec(image_size=64), {str(tmp_path)!r})"])
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".visual-*/visual.onnx")) and child.poll() is None:
+            assert time.monotonic() < deadline, "the export never started writing"
+            time.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    (tmp_path / ".git.abcdefgh").mkdir()  # named like one, but not an export's
+    (tmp_path / ".git.abcdefgh" / "HEAD").write_text("ref: refs/heads/main\n")
+
+    in_flight = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(in_flight, fcntl.LOCK_SH)  # another process's export, writing here
+        export_visual_encoder(EncoderSpec(image_size=96), tmp_path)
+        assert left.is_dir()
+    finally:
+        os.close(in_flight)
+    # the next start exports what the killed one did not finish
+    path = export_visual_encoder(EncoderSpec(image_size=64), tmp_path)
+    assert path.is_file() and not left.exists() and (tmp_path / ".git.abcdefgh" / "HEAD").exists()

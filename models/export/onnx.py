@@ -13,6 +13,12 @@
 * ``<graph>.sha256`` beside every graph: its own checksum when it was written, so a graph damaged on disk since
   is made again instead of failing every start (:func:`intact`).
 
+What an export folder holds stays bounded over months of use: a model's folder is replaced in place; a CNN's folder
+(``visual-<key>``) is named by its spec, weights and format, so a new one appears whenever those change (an upgrade,
+a re-downloaded or fine-tuned CNN), and writing it removes the folders of the same spec it replaces
+(:func:`remove_replaced_encoders`); and the temporary folder of an export killed mid-way (SIGKILL, the OOM killer)
+is removed by the next export into that folder (:func:`remove_abandoned`).
+
 State dicts are flattened into tuples sorted by key (``enc.<key>``, ``state.<key>``, ``extra.<key>``); dim 0 of
 every tensor is the row axis, as the protocol guarantees, so a runtime can expand, reorder and concatenate ONNX
 state exactly like PyTorch state.  Graphs come from the TorchScript tracer, which records the operations run
@@ -24,6 +30,7 @@ being written.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -31,7 +38,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +57,11 @@ FORMAT = "attention-captioner-onnx/2"
 ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
 HEAD_FILE = "head.onnx"
 VISUAL_FILE = "visual.onnx"
+#: beside ``visual.onnx``: the spec the CNN was exported from, so that a later export of that spec from other weights
+#: or in another format (another key) can tell which folder it replaces
+VISUAL_SPEC_FILE = "visual.json"
+#: what ``tempfile.mkdtemp(prefix=".NAME.")`` names an export's temporary folder (NAME: the folder it becomes)
+TEMPORARY_FOLDER = re.compile(r"\..+\.[a-z0-9_]{8}")
 SEAL_SUFFIX = ".sha256"
 OPSET = 17
 # verification tolerance: float32 graphs that differ only in kernel choice agree far better than this. ATOL is
@@ -100,7 +112,7 @@ def _is_export_file(name: str) -> bool:
     if name.startswith(".") and (".onnx" in name or SEAL_SUFFIX in name):
         return True  # a write this module had not renamed into place yet (seal, int8 CNN) when it was stopped
     name = name.removesuffix(SEAL_SUFFIX)
-    return name in (ENCODER_FILE, HEAD_FILE, STEP_FILE, SPEC_FILE, VISUAL_FILE) or (
+    return name in (ENCODER_FILE, HEAD_FILE, STEP_FILE, SPEC_FILE, VISUAL_FILE, VISUAL_SPEC_FILE) or (
         name.startswith("visual-int8") and name.endswith(".onnx"))
 
 
@@ -116,21 +128,66 @@ def check_replaceable(final: Path) -> None:
                               "no ONNX export writes: nothing was exported there; give --out another folder")
 
 
+def _holds_only_export_files(folder: Path) -> bool:
+    try:
+        return all(_is_export_file(entry.name) for entry in folder.iterdir())
+    except OSError:
+        return False
+
+
+def remove_abandoned(parent: Path) -> list[str]:
+    """Remove the temporary folders (``.NAME.XXXXXXXX``, holding only an export's files) that exports killed
+    mid-way left in ``parent``: SIGKILL or the OOM killer runs no ``finally``, and each such export would otherwise
+    leave a model's worth of graphs there for good.  Call it only while no export writes in ``parent``
+    (:func:`_writing_in` makes sure).  Returns the names removed."""
+    removed = []
+    for entry in parent.iterdir():
+        if TEMPORARY_FOLDER.fullmatch(entry.name) and entry.is_dir() and _holds_only_export_files(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+@contextmanager
+def _writing_in(parent: Path):
+    """Hold a shared ``flock`` on folder ``parent`` while an export writes a temporary folder in it.  Before that,
+    when no other process holds one (no export is in flight there, in any process), clear what killed exports left
+    (:func:`remove_abandoned`).  A lock dies with its process, so a killed export never blocks the cleaning; where
+    the file system has no ``flock`` nothing is cleaned and the export goes on unlocked."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another export is writing here, or no flock on this file system: leave everything
+            pass
+        else:
+            remove_abandoned(parent)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: lets other exports (and their checks) in
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @contextmanager
 def _folder_swapped_in(final: Path):
     """Yield an empty folder beside ``final``; when the block succeeds it replaces ``final`` in one rename, so a
-    reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched.  (Callers
-    check :func:`check_replaceable` before their work; it is checked again here, before anything is replaced.)"""
+    reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched; a process
+    killed before that leaves it for the next export to remove (:func:`_writing_in`).  (Callers check
+    :func:`check_replaceable` before their work; it is checked again here, before anything is replaced.)"""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        yield tmp
-        check_replaceable(final)  # again: the export may have taken minutes
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _writing_in(final.parent):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        try:
+            yield tmp
+            check_replaceable(final)  # again: the export may have taken minutes
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _frozen_sites(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -493,16 +550,50 @@ def visual_encoder_path(spec: EncoderSpec, out_dir: str | Path) -> Path:
     return Path(out_dir) / visual_encoder_key(spec) / VISUAL_FILE
 
 
+def _spec_record(spec: EncoderSpec) -> dict:
+    return {"spec": json.loads(json.dumps(spec.to_json()))}  # as read back: lists, not tuples
+
+
+def _record_spec(folder: Path, spec: EncoderSpec) -> None:
+    """Record in a CNN's export folder the spec it was made from (:data:`VISUAL_SPEC_FILE`), atomically."""
+    write_atomically(folder / VISUAL_SPEC_FILE, json.dumps(_spec_record(spec)))
+
+
+def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Path) -> list[str]:
+    """Remove the CNN exports in ``out_dir`` that ``current`` replaces: those recorded as made from the same spec,
+    whose other key means other weights (a re-downloaded ImageNet file, a fine-tuned stage trained again) or an
+    older export format, so nothing will ask for them again.  Folders of other specs are kept, and so are folders
+    made before specs were recorded (they cannot tell; docs/onnx.md says how to clear them).  Returns the names
+    removed."""
+    want, removed = _spec_record(spec), []
+    for record in Path(out_dir).glob(f"visual-*/{VISUAL_SPEC_FILE}"):
+        folder = record.parent
+        if folder.name == current.name:
+            continue
+        try:
+            same = json.loads(record.read_text()) == want
+        except (OSError, ValueError):
+            continue
+        if same and _holds_only_export_files(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
+    return removed
+
+
 def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEncoder | None = None) -> Path:
     """The frozen CNN alone as ``visual.onnx`` (``pixels [B, 3, S, S]`` → ``features [B, N, F]``), run once per
     spec by a server and followed by each model's ``head.onnx`` (or, for a decoder that cannot be exported, by the
-    PyTorch model: the hybrid).  Cached in ``out_dir/<visual_encoder_key>``; verified against PyTorch on a batch
-    size the trace never saw."""
+    PyTorch model: the hybrid).  Cached in ``out_dir/<visual_encoder_key>`` with the spec it was made from; writing
+    it removes the exports of the same spec it replaces (:func:`remove_replaced_encoders`).  Verified against
+    PyTorch on a batch size the trace never saw."""
     import onnx
 
     path = visual_encoder_path(spec, out_dir)
     folder = path.parent
     if intact(path):
+        if not (folder / VISUAL_SPEC_FILE).exists():
+            with suppress(OSError):  # an export of an earlier version, made identifiable; a read-only one stays so
+                _record_spec(folder, spec)
         return path
     check_replaceable(folder)
     visual = visual or GridEncoder(spec)
@@ -524,4 +615,6 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
         got = _session(tmp / VISUAL_FILE).run(["features"], {"pixels": pixels.numpy()})[0]
         _close(f"visual encoder {spec.backbone}", "features", got, want, _frozen_sites(caught), {})
         seal(tmp / VISUAL_FILE)
+        _record_spec(tmp, spec)
+    remove_replaced_encoders(out_dir, spec, folder)
     return path
