@@ -128,6 +128,37 @@ def update_meta(path: str | Path, **fields: Any) -> Path:
     return _rewrite(path, path, None, fields)
 
 
+def replace_files(path: str | Path, files: Mapping[str, str | bytes]) -> Path:
+    """Add or replace ``files`` (name → text or bytes; a model card, say) in checkpoint folder ``path`` and record
+    them in its manifest, whole or not at all: a new folder beside it, holding the other files hard-linked (copied
+    where links are refused) and these written, takes ``path``'s place as in :func:`save_checkpoint`.  Written in
+    place, a crash or a full disk between a file and its manifest left a file the manifest no longer matched: a
+    checkpoint :func:`load_checkpoint` refuses."""
+    path = Path(path)
+    for name in files:
+        if Path(name).name != name or name in OWN_FILES:
+            raise ValueError(f"{name!r} cannot be replaced in a checkpoint folder this way")
+    remove_debris(path)
+    tmp = temporary_beside(path)
+    os.mkdir(tmp)
+    try:
+        for entry in path.iterdir():
+            if entry.is_file() and not entry.name.startswith(".") and entry.name not in files:
+                try:  # never written in place afterwards (every writer here replaces files), so a link is a copy
+                    os.link(entry, tmp / entry.name)
+                except OSError:
+                    shutil.copy2(entry, tmp / entry.name)
+        for name, data in files.items():
+            write_durably(tmp / name, data.encode("utf-8") if isinstance(data, str) else data)
+        write_manifest(tmp)
+        fsync_path(tmp)
+        replace_directory(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
 def convert_storage(path: str | Path, storage: str, out: str | Path | None = None) -> Path:
     """Write the checkpoint at ``path`` again with its weights stored as ``storage`` (in place, or to ``out``):
     float16 halves the weights' bytes; whether the rounding changed its captions is for ``captioner eval`` to say."""

@@ -130,3 +130,56 @@ def test_sigkill_at_a_random_moment_loses_at_most_one_interval_and_resumes_exact
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 21))  # no step logged twice
     assert not list(out.glob(".*tmp-*")), "temporary files of the killed run were left behind"
+
+
+def _captioner_on_a_full_disk(argv: list[str], limit_bytes: int) -> subprocess.CompletedProcess:
+    """``captioner ARGV`` in a process that cannot write past byte ``limit_bytes`` of a file (RLIMIT_FSIZE: the
+    write fails with EFBIG, as one fails with ENOSPC on a full disk)."""
+    code = ("import resource, signal\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes}))\n"
+            "from captioner.service.cli import main\n"
+            f"main({argv!r})")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_a_card_written_on_a_full_disk_leaves_the_checkpoint_loadable_with_its_previous_card(tmp_path, tiny_sat):
+    """The card is listed in the manifest: written in place, a card cut short (or a crash before the manifest was
+    rewritten) left a checkpoint every later load refused."""
+    from captioner.service.cli import main
+
+    ckpt = save_checkpoint(tmp_path / "ckpt", tiny_sat, VOCAB, EncoderSpec(), meta={"dataset": "scenes.json"})
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5}}))
+    main(["card", str(ckpt), "--report", str(report)])
+    card = (ckpt / "MODEL_CARD.md").read_text()
+    load_checkpoint(ckpt)
+
+    failed = _captioner_on_a_full_disk(["card", str(ckpt), "--report", str(report), "--title", "Renamed"],
+                                       len(card) // 2)
+    assert failed.returncode == 2 and "File too large" in failed.stderr, failed.stderr[-2000:]
+    load_checkpoint(ckpt)  # verified against its manifest
+    assert (ckpt / "MODEL_CARD.md").read_text() == card
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_report_written_on_a_full_disk_leaves_the_previous_report_whole(tmp_path):
+    """``captioner compare --output`` (and eval's, and the decoding search's): a report someone waited for is replaced
+    whole or not at all; written in place, a failed write had already emptied the previous one."""
+    from captioner.service.cli import main
+
+    from .test_compare import IMAGES, write_dataset
+
+    data = write_dataset(tmp_path / "scenes").parent
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "report.json"
+    a.write_text(json.dumps([{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]))
+    b.write_text(json.dumps([{"image_id": im.image_id, "caption": "a red circle"} for im in IMAGES]))
+    main(["compare", str(a), str(b), "--dataset", str(data), "--output", str(out)])
+    before = out.read_text()
+
+    failed = _captioner_on_a_full_disk(["compare", str(b), str(a), "--dataset", str(data), "--output", str(out)],
+                                       len(before) // 2)
+    assert failed.returncode == 2 and "File too large" in failed.stderr, failed.stderr[-2000:]
+    assert out.read_text() == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..data.karpathy import DATASET_FORMATS
 from ..evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
+from ..files import write_atomically
 from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
                      add_dataset_options, add_device_options, add_search_options, count,
                      decoding_rules, load_split, output_file, positive_int, refuse_input_as_output)
@@ -49,9 +50,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
-        Path(args.output).write_text(text + "\n")
+        write_atomically(Path(args.output), text + "\n")
     if args.results_json:  # the COCO caption-evaluation results format
-        Path(args.results_json).write_text(json.dumps(evaluation.coco_results) + "\n")
+        write_atomically(Path(args.results_json), json.dumps(evaluation.coco_results) + "\n")
         print(f"wrote {len(evaluation.coco_results)} captions to {args.results_json}", file=sys.stderr)
 
 
@@ -114,7 +115,7 @@ def cmd_resolution_check(args: argparse.Namespace) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:
-        Path(args.output).write_text(text + "\n")
+        write_atomically(Path(args.output), text + "\n")
 
 
 @_group.command("resolution-check")
@@ -156,7 +157,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
               "tokenizer": PTB_TOKENIZER if args.ptb else WORDS_TOKENIZER, **result}
     print(markdown(result, *names))
     if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+        write_atomically(Path(args.output), json.dumps(report, indent=2) + "\n")
 
 
 @_group.command("compare")

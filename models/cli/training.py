@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..attention import NORMALISERS
+from ..files import write_atomically
 from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
                      add_threads_option, at_least, key_values, length_penalty, output_file,
                      positive_int, refuse_overwrite, split_with_features, yes_or_no)
@@ -183,10 +184,9 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     print(f"best by {args.metric} on {args.split}: length_penalty={best.length_penalty:g}, "
           f"block_trigrams={best.block_trigrams}")
     if args.output:
-        Path(args.output).write_text(json.dumps({"checkpoint": str(args.checkpoint), "dataset": str(dataset),
-                                                 "split": args.split, "beam_size": args.beam_size,
-                                                 "metric": args.metric, "best": asdict(best), "rows": rows},
-                                                indent=2) + "\n")
+        choice = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "split": args.split,
+                  "beam_size": args.beam_size, "metric": args.metric, "best": asdict(best), "rows": rows}
+        write_atomically(Path(args.output), json.dumps(choice, indent=2) + "\n")
     if args.write:
         update_meta(args.checkpoint, decoding=asdict(best),
                     decoding_chosen_on={"dataset": str(dataset), "split": args.split, "metric": args.metric,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CARD, WEIGHTS, checkpoint_name, file_checksum, load_checkpoint, read_config, write_manifest
+from ..checkpoint import CARD, WEIGHTS, checkpoint_name, file_checksum, load_checkpoint, read_config, replace_files
 from ..data.datasets import named_by_path, trained_on
 from ..data.scenes import describe_dataset, read_dataset_header
 from .params import count_parameters
@@ -245,7 +245,6 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     ]
     if notes:
         lines += ["", "## Notes", "", notes.strip()]
-    out = path / CARD
-    out.write_text("\n".join(lines) + "\n")
-    write_manifest(path)  # the card is part of the checkpoint: record its sha256 with the other files'
-    return out
+    # the card is part of the checkpoint: written with its sha256 in the manifest, whole or not at all
+    replace_files(path, {CARD: "\n".join(lines) + "\n"})
+    return path / CARD
