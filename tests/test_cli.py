@@ -396,6 +396,54 @@ def test_every_command_and_argument_says_what_it_is_for():
     assert not silent, silent
 
 
+def documented_command_flags() -> list[tuple[str, list[str], str]]:
+    """Every ``captioner SUBCOMMAND … --flag`` written in the README, docs/, docker/, the Makefile and CI, as
+    (file, the subcommand's words, flag): continuation lines joined, a command ending at its code span, a pipe, ``&&``
+    or ``;``."""
+    import re
+
+    files = [ROOT / "README.md", ROOT / "Makefile", ROOT / "Dockerfile",
+             *(path for top in ("docs", "docker", ".ci") for path in sorted((ROOT / top).rglob("*")) if path.is_file())]
+    found = []
+    for path in files:
+        try:
+            text = re.sub(r"\\\n\s*", " ", path.read_text())
+        except UnicodeDecodeError:  # figures
+            continue
+        for line in text.splitlines():
+            for command in re.finditer(r"\bcaptioner((?:\s+[a-z][a-z0-9-]*)+)(.*)", line):
+                rest = re.split(r"`|&&|\|\||;|\)", command.group(2))[0]
+                for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command.group(1) + rest):
+                    found.append((str(path.relative_to(ROOT)), command.group(1).split(), flag))
+    return found
+
+
+def test_every_flag_the_docs_give_a_command_is_one_it_takes():
+    """A flag renamed in argparse but not in the docs, the Makefile or CI sends users an argparse error (or, in a
+    Makefile recipe, fails a target nobody runs in CI)."""
+    import argparse
+
+    from captioner.service.cli import build_parser
+
+    def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    wrong, checked = [], 0
+    for file, words, flag in documented_command_flags():
+        parser, path = build_parser(), []
+        for word in words:  # the subcommand's words (`data features`), then its arguments
+            if word not in subcommands(parser):
+                break
+            parser, path = subcommands(parser)[word], [*path, word]
+        if not path:  # prose: "captioner trained on …"
+            continue
+        checked += 1
+        if flag not in {option for action in parser._actions for option in action.option_strings}:
+            wrong.append(f"{file}: captioner {' '.join(path)} {flag}")
+    assert checked > 100, "the scan no longer finds the documented commands"
+    assert not wrong, wrong
+
+
 def test_checkpoints_whose_folders_share_a_name_are_labelled_by_their_paths():
     # `caption --checkpoint weights/sat --checkpoint weights/flickr8k/sat` printed "[sat]" twice
     from captioner.models.cli.common import checkpoint_labels

@@ -31,6 +31,54 @@ KUBERNETES_VERSION = "1.37.0"
 SETTING_NAMES = {f"CAPTIONER_{name.upper()}" for name in Settings.model_fields}
 
 
+# -- every variable the documentation and the deployment files name -------------------------------------------------
+
+#: where users and deployments meet the settings: prose, the image, compose, Kubernetes (the service and the archive
+#: Jobs, every overlay), the Makefile and CI
+CONFIGURATION_SOURCES = ("README.md", "docs", "docker", "Dockerfile", "Makefile", ".ci")
+VARIABLE = re.compile(r"\bCAPTIONER_[A-Z0-9_]+")
+
+
+def variables_the_code_reads_itself() -> set[str]:
+    """``CAPTIONER_*`` variables read with ``os.environ`` / ``os.getenv`` outside the Settings class
+    (``CAPTIONER_DEBUG``: tracebacks of the command line)."""
+    read = re.compile(r"""(?:environ\.get\(|environ\[|getenv\()\s*["'](CAPTIONER_[A-Z0-9_]+)["']""")
+    return {name for folder in ("models", "service") for path in (ROOT / folder).rglob("*.py")
+            for name in read.findall(path.read_text())}
+
+
+def named_variables() -> dict[str, set[str]]:
+    """Each ``CAPTIONER_*`` name in :data:`CONFIGURATION_SOURCES` → the files (relative) that name it."""
+    named: dict[str, set[str]] = {}
+    for source in CONFIGURATION_SOURCES:
+        top = ROOT / source
+        for path in sorted([top] if top.is_file() else top.rglob("*")):
+            if not path.is_file():
+                continue
+            try:
+                text = path.read_text()
+            except UnicodeDecodeError:  # figures
+                continue
+            for name in VARIABLE.findall(text):
+                named.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return named
+
+
+def test_every_variable_the_docs_and_deployment_files_name_is_one_the_code_reads():
+    """A variable renamed or removed in the code, or misspelt in a manifest, an overlay, a Jobs file, the Makefile or
+    the docs, is set for nothing: the service starts with the default and nobody is told."""
+    named = named_variables()
+    sources = {file.split("/")[0] for files in named.values() for file in files}
+    assert sources >= {"README.md", "docs", "docker", "Dockerfile", "Makefile"}, "the scan no longer finds them"
+    known = SETTING_NAMES | variables_the_code_reads_itself()
+    assert "CAPTIONER_DEBUG" in known
+    unknown = {name: sorted(files) for name, files in named.items() if name not in known}
+    assert not unknown, f"named but read by nothing: {unknown}"
+    # and every setting is named where users look (the README's table checks the defaults:
+    # tests/test_serving_http.py::test_readme_settings_table_matches_the_settings_class)
+    assert SETTING_NAMES <= set(named)
+
+
 # -- Dockerfile -----------------------------------------------------------------------------------------------------
 
 def dockerfile_stages() -> tuple[dict[str, str], list[list[tuple[str, str]]]]:
