@@ -170,3 +170,15 @@ def test_a_store_written_before_local_weights_files_were_known_by_content_keeps_
     index = json.loads((store.folder / INDEX).read_text())
     (store.folder / INDEX).write_text(json.dumps({**index, "tuned_sha256": "ab" * 32}))
     assert FeatureStore(store.folder).weights_sha256 == {"tuned_weights": "ab" * 32}
+
+
+def test_a_store_another_version_wrote_is_extracted_again_in_its_place(images, encoder, tmp_path):
+    """The folder's name does not hold the store's format: after an upgrade that changes it, the old store sat
+    under the same name refusing every run ("unknown feature store format") until deleted by hand."""
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    index = json.loads((store.folder / INDEX).read_text())
+    (store.folder / INDEX).write_text(json.dumps({**index, "format": "attention-captioner-features/0"}))
+    counting = CountingEncoder(encoder)
+    again = extract_features(images, SPEC, tmp_path, encoder=counting, progress=False)
+    assert again.folder == store.folder and counting.images == len(images)
+    assert [p.name for p in tmp_path.iterdir()] == [store.folder.name]

@@ -211,10 +211,15 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
 
 
 def _finished(folder: Path, sizes: Mapping[str, int]) -> FeatureStore | None:
-    """The finished store in ``folder`` if it still describes the photos of ``sizes``, else None."""
+    """The finished store in ``folder`` if it still describes the photos of ``sizes`` and is of this version's
+    :data:`FORMAT`, else None: a store another version wrote (the folder's name does not hold the format) is
+    extracted again in its place, as a store of changed photos is, not left on disk refusing every run."""
     if not (folder / INDEX).exists():  # unfinished, or its index.json removed by a re-extraction meanwhile
         return None
-    store = FeatureStore(folder)
+    try:
+        store = FeatureStore(folder)
+    except FeatureStoreError:  # of another format
+        return None
     return store if store.describes(sizes) else None
 
 
@@ -261,7 +266,8 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     with _exclusive(folder / LOCK):
         if (store := _finished(folder, sizes)) is not None:  # another process finished it meanwhile
             return store
-        if (folder / INDEX).exists():  # the photos changed since (a data set regenerated in place): encode again
+        if (folder / INDEX).exists():  # the photos changed since (a data set regenerated in place), or the store
+            # is another version's: encode again, in its place
             (folder / INDEX).unlink()
             for stale in folder.glob("shard-*.npy"):
                 stale.unlink()
