@@ -93,3 +93,20 @@ def test_eval_scores_the_int8_cnn(tmp_path, int8_files, capsys):
     full, quantized = (torch.from_numpy(np.load(p)).flatten(1).float() for p in (float_cache, int8_cache))
     assert not torch.equal(full, quantized)
     assert torch.nn.functional.cosine_similarity(full, quantized).min() > 0.98
+
+
+def test_quantizing_replaces_an_earlier_recipe_and_leaves_the_working_folder_alone(tmp_path, monkeypatch):
+    """A new recipe's int8 graph replaces the earlier recipe's (a file name each, in the CNN's folder), and the
+    cleanup after older ONNX Runtime versions, which wrote ``augmented_model.onnx`` into the working folder, leaves
+    a file of that name it did not make (a user's own, in the folder the server was started from)."""
+    monkeypatch.chdir(tmp_path)
+    theirs = tmp_path / "augmented_model.onnx"
+    theirs.write_bytes(b"someone's model")
+    float_path = visual_encoder_file(TINY_SPEC, tmp_path / "onnx")
+    # and an earlier recipe's graph beside the float one goes when this recipe's is written
+    for name in ("visual-int8-qdq-minmax-1.onnx", "visual-int8-qdq-minmax-1.onnx.sha256"):
+        (float_path.parent / name).write_bytes(b"old")
+    quantized = quantized_visual_encoder(TINY_SPEC, tmp_path / "onnx", calibration=2)
+    assert theirs.read_bytes() == b"someone's model"
+    assert sorted(p.name for p in float_path.parent.iterdir()) == sorted(
+        [float_path.name, float_path.name + ".sha256", quantized.name, quantized.name + ".sha256", "visual.json"])

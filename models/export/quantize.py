@@ -69,7 +69,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 
-    from .onnx import export_visual_encoder, intact, seal
+    from .onnx import SEAL_SUFFIX, export_visual_encoder, intact, seal
 
     import onnx
 
@@ -88,6 +88,8 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
             return next(self.batches, None)
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    stray = Path("augmented_model.onnx")
+    someone_elses = stray.exists()  # before quantize_static could write one: not ours to remove
     try:
         quantize_static(str(float_path), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
@@ -95,10 +97,14 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
                         calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": PERCENTILE})
         seal(path, written=tmp)
         os.replace(tmp, path)  # a concurrent reader sees the whole file or none
+        for earlier in path.parent.glob("visual-int8-*"):  # an earlier recipe's graph and seal: asked for no more
+            if earlier.name not in (path.name, path.name + SEAL_SUFFIX):
+                earlier.unlink(missing_ok=True)
     finally:
         tmp.unlink(missing_ok=True)
         # quantize_static leaves its augmented calibration model in the working directory on some versions
-        Path("augmented_model.onnx").unlink(missing_ok=True)
+        if not someone_elses:
+            stray.unlink(missing_ok=True)
     return path
 
 
