@@ -18,7 +18,7 @@ from PIL import Image
 from captioner.models.encoder import load_image
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, check_mode, colormap,
-                                                 heatmap, png_bytes)
+                                                 drawn_heat, png_bytes)
 
 from .results import StoredResult
 from .schemas import HeatmapOut, HeatmapsOut
@@ -82,7 +82,7 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     rows = result.drawn_rows(mode)
     heatmaps = []  # box modes were refused above, and every default mode draws heat
     for i, word in enumerate(result.tokens):
-        heat = heatmap(rows[i], result.geometry, mode, image.size)
+        heat = drawn_heat(rows[i], result.geometry, mode, image.size)
         gray = Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")
         heatmaps.append(HeatmapOut(token=word, index=i, heat_png=base64.b64encode(png_bytes(gray)).decode()))
     return HeatmapsOut(id=result_id, mode=mode, size=list(image.size), heatmaps=heatmaps)

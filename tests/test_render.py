@@ -8,7 +8,7 @@ from PIL import Image
 
 from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
 from captioner.models.protocol import Geometry
-from captioner.models.rendering.heatmaps import RenderError, caption_figure, heatmap, overlay
+from captioner.models.rendering.heatmaps import RenderError, caption_figure, drawn_heat, heatmap, overlay
 
 
 def one_hot(index: int, n: int = 64) -> np.ndarray:
@@ -74,10 +74,10 @@ def test_exif_rotated_upload_maps_to_the_displayed_image():
 def test_region_modes():
     geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
     heat = heatmap(np.array([0.1, 0.9]), geometry, "region_sum")
-    # where the boxes overlap their weights add up (the peak, 1.0); the row's peak is 1.8 times the uniform share,
-    # so the map is drawn at 0.8 of full heat (heat_strength)
-    assert heat[10, 75] == pytest.approx(0.8) and heat[80, 20] == pytest.approx(0.8 * 0.1 / 1.0)
+    assert heat[10, 75] == pytest.approx(1.0) and heat[80, 20] == pytest.approx(0.1 / 1.0)  # the overlap adds up
     assert heat[80, 150] == 0
+    # the row's peak is 1.8 times the uniform share, so it is drawn at 0.8 of full heat (heat_strength)
+    np.testing.assert_allclose(drawn_heat(np.array([0.1, 0.9]), geometry, "region_sum"), 0.8 * heat, atol=1e-6)
     boxed = np.asarray(overlay(Image.new("RGB", (200, 100)), [0.1, 0.9], geometry, "top1_box")).astype(int)
     assert boxed[0:3, 60:190].any() and not boxed[60:100, 0:40].any()
     with pytest.raises(RenderError, match="grid"):
@@ -212,9 +212,9 @@ def test_a_uniform_row_is_drawn_with_no_heat():
     geometry = grid_geometry(EncoderSpec(), (300, 200))
     flat = np.full(64, 1 / 64, np.float32)
     for mode in ("grid_smooth", "grid_blocks"):
-        assert heatmap(flat, geometry, mode).max() == 0, mode
+        assert drawn_heat(flat, geometry, mode).max() == 0, mode
     regions = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [100, 0, 200, 100]], np.float32))
-    assert heatmap([0.5, 0.5], regions, "region_sum").max() == 0
+    assert drawn_heat([0.5, 0.5], regions, "region_sum").max() == 0
     photo = Image.new("RGB", (300, 200), (90, 120, 150))
     # blocks leave a heatless cell transparent; the smooth mode tints the crop with the colormap's coldest colour
     assert overlay(photo, flat, geometry, "grid_blocks").tobytes() == photo.tobytes()
@@ -228,7 +228,7 @@ def test_a_nearly_uniform_row_is_drawn_faintly():
     geometry = grid_geometry(EncoderSpec(), (300, 200))
     noisy = np.random.default_rng(0).uniform(0.99, 1.01, 64) / 64  # its peak about 1 % above the uniform share
     for mode in ("grid_smooth", "grid_blocks"):
-        heat = heatmap(noisy, geometry, mode)
+        heat = drawn_heat(noisy, geometry, mode)
         assert 0 < heat.max() < 0.02, mode
 
 
@@ -238,7 +238,7 @@ def test_heat_fades_linearly_below_twice_the_uniform_share(peak_over_uniform, st
     rest = (1 - peak_over_uniform / 64) / 63
     row = np.full(64, rest)
     row[9] = peak_over_uniform / 64
-    heat = heatmap(row, geometry, "grid_blocks")
+    heat = drawn_heat(row, geometry, "grid_blocks")
     assert heat.max() == pytest.approx(strength, abs=1e-6)
     assert heat[0, 0] == pytest.approx(strength * rest / row[9], abs=1e-6)  # every cell scaled alike
 
@@ -249,6 +249,6 @@ def test_a_peaked_row_is_drawn_relative_to_its_peak_as_before():
     geometry = grid_geometry(EncoderSpec(), (256, 256))
     row = np.random.default_rng(1).dirichlet(np.full(64, 0.3))
     assert 64 * row.max() > 2
-    heat = heatmap(row, geometry, "grid_blocks")
+    heat = drawn_heat(row, geometry, "grid_blocks")
     centres = heat[16::32, 16::32]
     np.testing.assert_allclose(centres, row.reshape(8, 8) / row.max(), rtol=1e-5)

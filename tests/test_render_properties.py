@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.rendering.heatmaps import HEAT_MODES, RenderError, heatmap, overlay
+from captioner.models.rendering.heatmaps import HEAT_MODES, RenderError, drawn_heat, heatmap, overlay
 
 SPEC = EncoderSpec(image_size=96)  # a 3×3 grid
 CELLS = SPEC.grid_hw[0] * SPEC.grid_hw[1]
@@ -25,10 +25,14 @@ def test_heat_is_bounded_and_image_sized(size, row, mode):
     heat = heatmap(row, grid_geometry(SPEC, size), mode)
     assert heat.shape == (size[1], size[0]) and np.isfinite(heat).all()
     assert heat.min() >= 0 and heat.max() <= 1 + 1e-6
-    if sum(row) > 0 and len(row) * max(row) / sum(row) >= 2:
+    if max(row) > 0:
         assert abs(float(heat.max()) - 1) < 1e-5
+    drawn = drawn_heat(row, grid_geometry(SPEC, size), mode)
+    assert drawn.shape == heat.shape and (drawn <= heat + 1e-6).all()
+    if sum(row) > 0 and len(row) * max(row) / sum(row) >= 2:
+        np.testing.assert_allclose(drawn, heat, atol=1e-6)  # a peaked row is drawn as its map
     if len(set(row)) == 1:
-        assert heat.max() == 0
+        assert drawn.max() == 0
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -13,8 +13,9 @@ the boxes.
 | top1_box      | region weights | outline of the single highest-weight item                             |
 | area_topk     | area weights   | the top-k area rectangles, labelled with their weights                |
 
-The heat modes scale each map to its peak, then by :func:`heat_strength`: a row that is (nearly) uniform over the
-items, a model attending to nothing in particular, is drawn with (nearly) no heat instead of full heat everywhere.
+The heat modes scale each map to its peak (:func:`heatmap`, what the grounding measures read); what is drawn is
+that map times :func:`heat_strength` (:func:`drawn_heat`): a row that is (nearly) uniform over the items, a model
+attending to nothing in particular, is drawn with (nearly) no heat instead of full heat everywhere.
 """
 
 from __future__ import annotations
@@ -162,10 +163,10 @@ def heat_strength(weights: Sequence[float] | np.ndarray) -> float:
 def heatmap(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
             scale: float | None = None) -> np.ndarray:
     """Heat ``[H, W]`` in [0, 1] over the image at ``size`` (width, height), a resized copy of the original or the
-    original itself: the map over the pixels divided by its peak, times the row's :func:`heat_strength` (a peaked
-    row's maximum is 1, a uniform row's heat is 0 everywhere).  ``scale`` is its width over the original's: by
-    default what ``size`` says, else 1 (and ``size`` then the original size × ``scale``).  ``mode`` is one of
-    :data:`HEAT_MODES`; the box modes draw no heat."""
+    original itself: the row's mass over the pixels divided by its peak.  ``scale`` is its width over the original's:
+    by default what ``size`` says, else 1 (and ``size`` then the original size × ``scale``).  ``mode`` is one of
+    :data:`HEAT_MODES`; the box modes draw no heat.  This is the map the grounding measures read
+    (models/evaluation/grounding.py); what is drawn is :func:`drawn_heat`."""
     if mode not in HEAT_MODES:
         boxes = " (it draws boxes: see overlay)" if mode in MODES else ""
         raise RenderError(f"heat mode {mode!r}{boxes}; choose from {', '.join(HEAT_MODES)}")
@@ -180,8 +181,16 @@ def heatmap(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str
     else:
         heat = _region_heat(weights, geometry, size, scale)
     peak = float(heat.max())
-    # the peak alone would draw a uniform row, whose every pixel is its peak, as full heat everywhere
-    return heat / peak * heat_strength(weights) if peak > 0 else heat
+    return heat / peak if peak > 0 else heat
+
+
+def drawn_heat(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str,
+               size: tuple[int, int] | None = None, scale: float | None = None) -> np.ndarray:
+    """The heat a word is drawn with (the overlays, the figures, the service's JSON heatmaps): :func:`heatmap` times
+    the row's :func:`heat_strength`, so a peaked row's maximum is 1 and a uniform row's heat is 0 everywhere.  The
+    peak alone would draw a uniform row, whose every pixel is its peak, as full heat over the whole image.  The
+    grounding measures read :func:`heatmap` itself: they score where the mass lies, however flat."""
+    return heatmap(weights, geometry, mode, size, scale) * heat_strength(weights)
 
 
 def check_mode(mode: str) -> str:
@@ -219,7 +228,7 @@ def overlay(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry:
     scale = base.width / geometry.image_size[0]
     if mode in ("top1_box", "area_topk"):
         return _draw_boxes(base, weights, geometry, mode, colours_of, scale, area_boxes, top_k)
-    heat = heatmap(weights, geometry, mode, base.size, scale)
+    heat = drawn_heat(weights, geometry, mode, base.size, scale)
     colours = colours_of(heat, bytes=True)[..., :3].astype(np.float32)
     # smooth maps cover the whole image (SAT's look); blocks and regions leave zero weight fully transparent
     opacity = np.full(heat.shape, alpha, np.float32) if mode == "grid_smooth" else alpha * (heat > 0)
