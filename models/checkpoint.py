@@ -122,6 +122,18 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     return path
 
 
+def _link_or_copy(source: str | Path, target: str | Path) -> None:
+    """``source`` hard-linked at ``target`` (copied where links are refused: another file system; a symbolic link stays one).
+    A link is as good as a copy here: nothing writes a checkpoint's file in place (every writer replaces it)."""
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def update_meta(path: str | Path, **fields: Any) -> Path:
     """Store ``fields`` in the checkpoint's record (``meta``), rewriting it atomically with its manifest (the
     weights are written again unchanged, in their storage dtype)."""
@@ -130,24 +142,27 @@ def update_meta(path: str | Path, **fields: Any) -> Path:
 
 def replace_files(path: str | Path, files: Mapping[str, str | bytes]) -> Path:
     """Add or replace ``files`` (name → text or bytes; a model card, say) in checkpoint folder ``path`` and record
-    them in its manifest, whole or not at all: a new folder beside it, holding the other files hard-linked (copied
-    where links are refused) and these written, takes ``path``'s place as in :func:`save_checkpoint`.  Written in
-    place, a crash or a full disk between a file and its manifest left a file the manifest no longer matched: a
-    checkpoint :func:`load_checkpoint` refuses."""
-    path = Path(path)
+    them in its manifest, whole or not at all: a new folder beside it, holding everything else the folder holds
+    hard-linked (copied where links are refused; subfolders and dot-files too) and these written, takes ``path``'s
+    place as in :func:`save_checkpoint`.  Written in place, a crash or a full disk between a file and its manifest
+    left a file the manifest no longer matched: a checkpoint :func:`load_checkpoint` refuses.
+
+    A symbolic link to a checkpoint is followed: its target is replaced and the link stays.  Unlike a save, this
+    clears no debris of earlier saves beside the folder: one of them may be a training run's save in flight."""
+    path = Path(path).resolve()
     for name in files:
         if Path(name).name != name or name in OWN_FILES:
             raise ValueError(f"{name!r} cannot be replaced in a checkpoint folder this way")
-    remove_debris(path)
     tmp = temporary_beside(path)
     os.mkdir(tmp)
     try:
         for entry in path.iterdir():
-            if entry.is_file() and not entry.name.startswith(".") and entry.name not in files:
-                try:  # never written in place afterwards (every writer here replaces files), so a link is a copy
-                    os.link(entry, tmp / entry.name)
-                except OSError:
-                    shutil.copy2(entry, tmp / entry.name)
+            if entry.name in files:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
+            else:
+                _link_or_copy(entry, tmp / entry.name)
         for name, data in files.items():
             write_durably(tmp / name, data.encode("utf-8") if isinstance(data, str) else data)
         write_manifest(tmp)

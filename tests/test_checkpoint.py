@@ -35,6 +35,28 @@ def test_overwrite_is_atomic_and_leaves_no_debris(tmp_path, tiny_sat, vocab):
     assert load_checkpoint(tmp_path / "ckpt").encoder.image_size == 128
 
 
+def test_a_card_added_through_a_link_keeps_the_link_everything_beside_it_and_a_save_in_flight(tmp_path, tiny_sat,
+                                                                                                vocab):
+    """``replace_files`` (what ``captioner card`` writes through) swapped the link itself for a copied folder, dropped
+    a checkpoint's subfolders and dot-files, and removed the temporary folder of a save in flight beside it."""
+    from captioner.models.checkpoint import CARD, replace_files
+
+    real = save_checkpoint(tmp_path / "store" / "sat", tiny_sat, vocab, EncoderSpec())
+    (real / "notes").mkdir()
+    (real / "notes" / "run.txt").write_text("how it was trained")
+    (real / ".gitattributes").write_text("*.safetensors binary")
+    in_flight = tmp_path / "store" / ".sat.tmp-12345"  # a training run's save of the same folder, not yet renamed
+    in_flight.mkdir()
+    link = tmp_path / "served"
+    link.symlink_to(real, target_is_directory=True)
+    replace_files(link, {CARD: "# sat\n"})
+    assert link.is_symlink() and (real / CARD).read_text() == "# sat\n"
+    assert (real / "notes" / "run.txt").read_text() == "how it was trained"
+    assert (real / ".gitattributes").exists() and in_flight.exists()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [".sat.tmp-12345", "sat"]
+    assert CARD in json.loads((real / "manifest.json").read_text())["files"]
+
+
 def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
     with pytest.raises(CheckpointError, match="config.json is missing"):
         load_checkpoint(tmp_path)
