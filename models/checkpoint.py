@@ -123,8 +123,8 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
 
 
 def _link_or_copy(source: str | Path, target: str | Path) -> None:
-    """``source`` hard-linked at ``target`` (copied where links are refused: another file system; a symbolic link stays one).
-    A link is as good as a copy here: nothing writes a checkpoint's file in place (every writer replaces it)."""
+    """``source`` hard-linked at ``target``, copied where links are refused (another file system); a symbolic link
+    stays one.  A link is as good as a copy here: nothing writes a checkpoint's file in place (writers replace it)."""
     if os.path.islink(source):
         os.symlink(os.readlink(source), target)
         return
