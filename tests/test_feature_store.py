@@ -182,3 +182,16 @@ def test_a_store_another_version_wrote_is_extracted_again_in_its_place(images, e
     again = extract_features(images, SPEC, tmp_path, encoder=counting, progress=False)
     assert again.folder == store.folder and counting.images == len(images)
     assert [p.name for p in tmp_path.iterdir()] == [store.folder.name]
+
+
+def test_a_store_a_newer_version_wrote_is_refused_not_extracted_again(images, encoder, tmp_path):
+    """Two versions sharing a cache folder would otherwise each extract the other's store again, for good."""
+    from captioner.models.data.features import NewerFeatureStore
+
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    index = json.loads((store.folder / INDEX).read_text())
+    newer = {**index, "format": "attention-captioner-features/99"}
+    (store.folder / INDEX).write_text(json.dumps(newer))
+    with pytest.raises(NewerFeatureStore, match="newer version"):
+        extract_features(images, SPEC, tmp_path, encoder=CountingEncoder(encoder), progress=False)
+    assert json.loads((store.folder / INDEX).read_text()) == newer  # left as that version wrote it

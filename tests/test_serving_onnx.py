@@ -510,10 +510,38 @@ def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replac
     kept = exporter.export_visual_encoder(other, tmp_path).parent
     (old / exporter.VISUAL_SPEC_FILE).unlink()  # as an earlier version wrote it
     assert exporter.export_visual_encoder(spec, tmp_path).parent == old  # current: used as it is, and recorded
-    monkeypatch.setattr(exporter, "FORMAT", exporter.FORMAT + "-next")
+    newer = tmp_path / "visual-of-a-newer-version"  # a newer version sharing the folder still uses it
+    newer.mkdir()
+    (newer / exporter.VISUAL_FILE).write_bytes(b"graph")
+    (newer / exporter.VISUAL_SPEC_FILE).write_text(json.dumps({**exporter._spec_record(spec),
+                                                               "format": "attention-captioner-onnx/99"}))
+    family, _, version = exporter.FORMAT.rpartition("/")
+    monkeypatch.setattr(exporter, "FORMAT", f"{family}/{int(version) + 1}")
     new = exporter.export_visual_encoder(spec, tmp_path).parent
     assert new != old and exporter.intact(new / exporter.VISUAL_FILE)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([new.name, kept.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([new.name, kept.name, newer.name])
+
+
+def test_replaced_cnn_exports_stay_while_another_export_writes_in_the_folder(tmp_path, monkeypatch):
+    """Another process may be quantizing into the folder the pruning would remove: it waits for a start alone."""
+    import fcntl
+    import os
+
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.export import onnx as exporter
+
+    spec = EncoderSpec(image_size=64)
+    old = exporter.export_visual_encoder(spec, tmp_path).parent
+    family, _, version = exporter.FORMAT.rpartition("/")
+    monkeypatch.setattr(exporter, "FORMAT", f"{family}/{int(version) + 1}")
+    in_flight = os.open(tmp_path, os.O_RDONLY)
+    try:
+        fcntl.flock(in_flight, fcntl.LOCK_SH)
+        new = exporter.export_visual_encoder(spec, tmp_path).parent
+        assert old.is_dir() and new.is_dir()
+    finally:
+        os.close(in_flight)
+    assert exporter.remove_replaced_encoders(tmp_path, spec, new) == [old.name]
 
 
 def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_but_never_one_in_flight(tmp_path):
@@ -530,10 +558,13 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
     from captioner.models.encoder import EncoderSpec
     from captioner.models.export.onnx import export_visual_encoder
 
-    child = subprocess.Popen([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n"
+    # the child stops for good once its graph is written (at the check against PyTorch), so it is killed mid-export
+    # however slowly this test polls
+    child = subprocess.Popen([sys.executable, "-c", "import time, torch; torch.set_num_threads(1)\n"
                               "from captioner.models.encoder import EncoderSpec\n"
-                              "from captioner.models.export.onnx import export_visual_encoder\n"
-                              f"export_visual_encoder(EncoderSpec(image_size=64), {str(tmp_path)!r})"])
+                              "from captioner.models.export import onnx\n"
+                              "onnx._close = lambda *args, **kwargs: time.sleep(3600)\n"
+                              f"onnx.export_visual_encoder(EncoderSpec(image_size=64), {str(tmp_path)!r})"])
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".visual-*/visual.onnx")) and child.poll() is None:
@@ -545,6 +576,7 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
     (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     (tmp_path / ".git.abcdefgh").mkdir()  # named like one, but not an export's
     (tmp_path / ".git.abcdefgh" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / ".foo.settings").mkdir()  # named like one, and empty
 
     in_flight = os.open(tmp_path, os.O_RDONLY)
     try:
@@ -556,3 +588,4 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
     # the next start exports what the killed one did not finish
     path = export_visual_encoder(EncoderSpec(image_size=64), tmp_path)
     assert path.is_file() and not left.exists() and (tmp_path / ".git.abcdefgh" / "HEAD").exists()
+    assert (tmp_path / ".foo.settings").is_dir()

@@ -74,6 +74,17 @@ class FeatureStoreError(RuntimeError):
     """A feature store is unfinished, of an unknown format, or its extraction failed on another rank."""
 
 
+class NewerFeatureStore(FeatureStoreError):
+    """A store a newer version of the project wrote: never extracted again in its place (that version, sharing the
+    cache folder, would extract it back), but refused."""
+
+
+def _format_version(name: object) -> int:
+    """The version number of a feature store format name (``attention-captioner-features/N``); -1 for any other."""
+    family, _, version = str(name).rpartition("/")
+    return int(version) if family == FORMAT.rpartition("/")[0] and version.isdigit() else -1
+
+
 def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}.npy"
 
@@ -88,6 +99,10 @@ class FeatureStore:
         except FileNotFoundError:
             raise FeatureStoreError(f"{self.folder} is not a finished feature store: {INDEX} is missing") from None
         if index.get("format") != FORMAT:
+            if _format_version(index.get("format")) > _format_version(FORMAT):
+                raise NewerFeatureStore(f"{self.folder} was written by a newer version of the project (format "
+                                        f"{index['format']!r}; this one reads {FORMAT!r}): give this version "
+                                        "another cache folder, or upgrade it")
             raise FeatureStoreError(f"{self.folder}: unknown feature store format {index.get('format')!r}")
         self.item_shape = tuple(index["item_shape"])
         self.shard_files = [self.folder / name for name in index["shards"]]
@@ -212,13 +227,17 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
 
 def _finished(folder: Path, sizes: Mapping[str, int]) -> FeatureStore | None:
     """The finished store in ``folder`` if it still describes the photos of ``sizes`` and is of this version's
-    :data:`FORMAT`, else None: a store another version wrote (the folder's name does not hold the format) is
-    extracted again in its place, as a store of changed photos is, not left on disk refusing every run."""
+    :data:`FORMAT`, else None: a store an older version wrote (the folder's name does not hold the format) is
+    extracted again in its place, as a store of changed photos is, not left on disk refusing every run.  One a newer
+    version wrote is refused (:class:`NewerFeatureStore`): two versions sharing a cache would otherwise re-extract
+    each other's stores for good, and pull shards from under each other's runs."""
     if not (folder / INDEX).exists():  # unfinished, or its index.json removed by a re-extraction meanwhile
         return None
     try:
         store = FeatureStore(folder)
-    except FeatureStoreError:  # of another format
+    except NewerFeatureStore:
+        raise
+    except FeatureStoreError:  # of an older format
         return None
     return store if store.describes(sizes) else None
 

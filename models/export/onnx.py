@@ -142,10 +142,28 @@ def remove_abandoned(parent: Path) -> list[str]:
     (:func:`_writing_in` makes sure).  Returns the names removed."""
     removed = []
     for entry in parent.iterdir():
-        if TEMPORARY_FOLDER.fullmatch(entry.name) and entry.is_dir() and _holds_only_export_files(entry):
+        # an empty folder of a matching name may be anyone's (".foo.settings"): a killed export's holds its files
+        if TEMPORARY_FOLDER.fullmatch(entry.name) and entry.is_dir() and any(entry.iterdir()) \
+                and _holds_only_export_files(entry):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return removed
+
+
+@contextmanager
+def _alone_in(parent: Path):
+    """Yield whether this process holds ``parent``'s ``flock`` exclusively (no export writes in it, in any process),
+    keeping it so while the block runs; False where another holds it or the file system has no ``flock``."""
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another export is writing here, or no flock on this file system
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @contextmanager
@@ -154,18 +172,13 @@ def _writing_in(parent: Path):
     when no other process holds one (no export is in flight there, in any process), clear what killed exports left
     (:func:`remove_abandoned`).  A lock dies with its process, so a killed export never blocks the cleaning; where
     the file system has no ``flock`` nothing is cleaned and the export goes on unlocked."""
+    with _alone_in(parent) as alone:
+        if alone:
+            remove_abandoned(parent)
     fd = os.open(parent, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # another export is writing here, or no flock on this file system: leave everything
-            pass
-        else:
-            remove_abandoned(parent)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # from exclusive: lets other exports (and their checks) in
-        except OSError:
-            pass
+        with suppress(OSError):  # lets other exports (and their checks) in, and keeps the cleaning out
+            fcntl.flock(fd, fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -551,7 +564,8 @@ def visual_encoder_path(spec: EncoderSpec, out_dir: str | Path) -> Path:
 
 
 def _spec_record(spec: EncoderSpec) -> dict:
-    return {"spec": json.loads(json.dumps(spec.to_json()))}  # as read back: lists, not tuples
+    """What ``visual.json`` records: the spec (as read back: lists, not tuples) and the export format."""
+    return {"spec": json.loads(json.dumps(spec.to_json())), "format": FORMAT}
 
 
 def _record_spec(folder: Path, spec: EncoderSpec) -> None:
@@ -559,24 +573,36 @@ def _record_spec(folder: Path, spec: EncoderSpec) -> None:
     write_atomically(folder / VISUAL_SPEC_FILE, json.dumps(_spec_record(spec)))
 
 
+def _format_version(name: object) -> int:
+    """The version number of an export format name (``attention-captioner-onnx/N``); -1 for any other (unknown)."""
+    family, _, version = str(name).rpartition("/")
+    return int(version) if family == FORMAT.rpartition("/")[0] and version.isdigit() else -1
+
+
 def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Path) -> list[str]:
     """Remove the CNN exports in ``out_dir`` that ``current`` replaces: those recorded as made from the same spec,
     whose other key means other weights (a re-downloaded ImageNet file, a fine-tuned stage trained again) or an
-    older export format, so nothing will ask for them again.  Folders of other specs are kept, and so are folders
-    made before specs were recorded (they cannot tell; docs/onnx.md says how to clear them).  Returns the names
-    removed."""
-    want, removed = _spec_record(spec), []
-    for record in Path(out_dir).glob(f"visual-*/{VISUAL_SPEC_FILE}"):
-        folder = record.parent
-        if folder.name == current.name:
-            continue
-        try:
-            same = json.loads(record.read_text()) == want
-        except (OSError, ValueError):
-            continue
-        if same and _holds_only_export_files(folder):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder.name)
+    older export format, so nothing will ask for them again.  Kept: folders of other specs, folders of a newer
+    export format (a newer version sharing the folder still uses them), and folders made before specs were recorded
+    (they cannot tell; docs/onnx.md says how to clear them).  Only while no other export writes in ``out_dir``
+    (:func:`_alone_in`): one may be quantizing into a folder this would remove.  Returns the names removed."""
+    removed: list[str] = []
+    with _alone_in(Path(out_dir)) as alone:
+        if not alone:
+            return removed
+        ours = _format_version(FORMAT)
+        for record in Path(out_dir).glob(f"visual-*/{VISUAL_SPEC_FILE}"):
+            folder = record.parent
+            if folder.name == current.name:
+                continue
+            try:
+                recorded = json.loads(record.read_text())
+            except (OSError, ValueError):
+                continue
+            same_spec = recorded.get("spec") == _spec_record(spec)["spec"]
+            if same_spec and _format_version(recorded.get("format")) <= ours and _holds_only_export_files(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder.name)
     return removed
 
 
