@@ -223,7 +223,9 @@ class Health(BaseModel):
 class HeatmapOut(BaseModel):
     token: str
     index: int
-    heat_png: str = Field(description="base64 PNG: 8-bit grayscale heatmap at the (downscaled) image size")
+    heat_png: str = Field(description="base64 PNG: 8-bit grayscale heatmap at the (downscaled) image size, 255 at "
+                                      "the row's peak when that peak holds at least twice the uniform share, fainter "
+                                      "for a flatter row and black for a uniform one (docs/heatmaps.md)")
 
 
 class HeatmapsOut(BaseModel):

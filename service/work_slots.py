@@ -26,9 +26,10 @@ from typing import TypeVar
 
 # Every blocking call in service/ leaves the event loop through Starlette's run_in_threadpool (anyio's worker
 # threads), never asyncio.to_thread or a loop's default executor: it is the pool FastAPI already runs sync
-# dependencies in, so one limit (anyio's 40 threads) bounds all of the service's thread work, and a cancelled caller
-# waits for a call that has started instead of leaving it running unwatched (the accounting of run() below relies
-# on that). Only the archive command keeps executors of its own, sized for its readers and its one pyplot thread.
+# dependencies in, so one limit (anyio's 40 threads) bounds all of the service's thread work. Like to_thread, it
+# does not stop a call that has started when its caller is cancelled: run() below therefore lets the call give its
+# share back itself, from its thread. Only the archive command keeps executors of its own, sized for its readers and
+# its one pyplot thread.
 from starlette.concurrency import run_in_threadpool
 
 from .errors import UploadsBusy
@@ -79,7 +80,7 @@ class WorkSlots:
             return await run_in_threadpool(work)
         finally:
             # cancelled before the thread took the call: it never runs, so its share is given back here (once it
-            # runs, the call is waited for, and it gives its share back itself)
+            # runs, it gives its share back itself when it ends, whether or not anyone still waits for it)
             if not started:
                 self._release(cost)
 

@@ -266,6 +266,7 @@ def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tm
             assert data_line.startswith("- Data: generated scenes (this project's generator): `")
             assert "gone/dataset_scenes.json is not here" in capsys.readouterr().err
 
+
 def _one_line_error(capsys, argv: list[str]) -> str:
     """``captioner ARGV`` as a user runs it, in this process: it must stop with a non-zero status and a short
     message on stderr, never a traceback."""
