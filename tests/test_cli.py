@@ -98,6 +98,30 @@ def test_eval_writes_the_report_the_library_call_returns(tmp_path, scenes, one_t
         len(words) for words in evaluation.captions["test"].values())
 
 
+def test_eval_shows_a_splits_captions_before_the_next_split_is_captioned(tmp_path, scenes, one_thread, monkeypatch,
+                                                                        capsys):
+    """``--show`` prints each split's captions as soon as it is scored: on a long split, a user sees the first
+    split's captions without waiting for every other split."""
+    from captioner.models.data import datasets
+    from captioner.service.cli import main
+
+    loaded = datasets.load_split
+
+    def announced(dataset, image_root, split, **options):  # marks on stderr where each split's work begins
+        print(f"<loading {split}>", file=sys.stderr)
+        return loaded(dataset, image_root, split, **options)
+
+    monkeypatch.setattr(datasets, "load_split", announced)
+    main(["eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "val", "--split", "test", "--limit",
+          "2", "--show", "1", "--no-meteor", "--threads", "1", "--cache-dir", str(tmp_path / "cache")])
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    lines = [line.strip() for line in printed.err.splitlines() if line.startswith(("<", "  "))]
+    shown = [line for line in lines if not line.startswith("<")]
+    assert len(shown) == 2 and lines == ["<loading val>", shown[0], "<loading test>", shown[1]]
+    assert report["val"]["images"] == report["test"]["images"] == 2
+
+
 def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
     out = tmp_path / "report.json"
     captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",

@@ -31,7 +31,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     stdout (and ``--output``), captions (``--show``) and the Entities tables to stderr, ``--results-json``."""
     from ..checkpoint import checkpoint_name
     from ..device import set_threads
-    from ..evaluation.report import evaluation_report
+    from ..evaluation.report import ScoredSplit, evaluation_report
+
+    def print_split(scored: ScoredSplit) -> None:  # as each split is scored, not after the last one
+        if (args.grounding or "").startswith("entities:"):
+            _print_entities_tables(checkpoint_name(args.checkpoint), scored.section["grounding"])
+        for im in scored.images[: args.show]:
+            print(f"  {im.path.name}: {' '.join(scored.captions[im.image_id])}", file=sys.stderr)
 
     set_threads(args.threads)
     evaluation = evaluation_report(
@@ -40,13 +46,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         limit=args.limit, meteor=not args.no_meteor, ptb=args.ptb, misses=args.misses, features=args.features,
         cache_dir=args.cache_dir, device=args.device, encoder_precision=args.encoder_precision,
         onnx_dir=args.onnx_dir, threads=args.threads, grounding=args.grounding,
-        grounding_resamples=args.grounding_resamples)
+        grounding_resamples=args.grounding_resamples, on_split=print_split)
     report = evaluation.report
-    for split, images in evaluation.images.items():
-        if (args.grounding or "").startswith("entities:"):
-            _print_entities_tables(checkpoint_name(args.checkpoint), report[split]["grounding"])
-        for im in images[: args.show]:
-            print(f"  {im.path.name}: {' '.join(evaluation.captions[split][im.image_id])}", file=sys.stderr)
     text = json.dumps(report, indent=2)
     print(text)
     if args.output:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..data.datasets import DEFAULT_DATASET
 from ..data.karpathy import CaptionedImage
@@ -68,6 +68,17 @@ def evaluated_dataset(checkpoint: str | Path, training: dict[str, Any], dataset:
     return DEFAULT_DATASET, image_root
 
 
+@dataclass
+class ScoredSplit:
+    """One split as :func:`evaluation_report` scored it: its ``section`` of the report, the ``images`` in the
+    split's order and their ``captions`` (image id → words), handed to ``on_split`` as soon as the split is done."""
+
+    name: str
+    section: dict[str, Any]
+    images: list[CaptionedImage]
+    captions: dict[int, list[str]]
+
+
 def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None, splits: Sequence[str] = ("test",),
                       *, image_root: str | Path | None = None, beam_size: int = 3, max_len: int = 20,
                       length_penalty: float | None = None, block_trigrams: bool | None = None,
@@ -76,10 +87,11 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
                       device: str = "auto", encoder_precision: str = "float32",
                       onnx_dir: str | Path | None = None, threads: int | None = None,
                       grounding: str | None = None, grounding_resamples: int = 2000,
-                      progress: bool = True) -> Evaluation:
+                      progress: bool = True, on_split: Callable[[ScoredSplit], None] | None = None) -> Evaluation:
     """Caption ``splits`` of ``dataset`` with the checkpoint in folder ``checkpoint`` and score them: BLEU-1..4,
     METEOR (``meteor``; it needs Java), ROUGE-L, CIDEr-D, REP, distinct words, mean length, novel captions and, on
-    the generated scenes, objects named (``score_dataset``), as ``captioner eval`` reports them.
+    the generated scenes, objects named (``score_dataset``), as ``captioner eval`` reports them.  The keywords are
+    the command's flags, one for one.
 
     ``dataset`` None: :func:`evaluated_dataset`.  ``length_penalty`` and ``block_trigrams`` override the
     checkpoint's decoding defaults (None keeps them).  ``limit``: the first N images of each split.  ``ptb``:
@@ -90,15 +102,14 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
     ``.cache/onnx``, as the service's), as the service computes them with
     ``CAPTIONER_ENCODER_PRECISION=int8``.  ``grounding``: ``scenes`` or ``entities:DIR``
     (:func:`grounding_benchmark`), with ``grounding_resamples`` bootstrap resamples.  ``threads``: the ONNX
-    Runtime CNN's (set PyTorch's with :func:`~captioner.models.device.set_threads`)."""
+    Runtime CNN's (set PyTorch's with :func:`~captioner.models.device.set_threads`).  ``on_split``: called with
+    each :class:`ScoredSplit` as soon as it is scored, before the next split starts (``captioner eval --show``
+    prints its captions from it)."""
     from ..checkpoint import load_checkpoint
-    from ..data.datasets import load_split, resolve_dataset, train_split_captions
-    from ..data.stores import open_feature_store
+    from ..data.datasets import resolve_dataset, train_split_captions
     from ..decoding import DecodingRules
     from ..device import resolve_device
-    from .compare import result_id
-    from .evaluate import evaluate_checkpoint, score_dataset
-    from .metrics import ALL_METRICS, UNAVAILABLE, check_ptb_tokenizer
+    from .metrics import ALL_METRICS, check_ptb_tokenizer
 
     if ptb:  # refused before the captioning, not after it
         check_ptb_tokenizer()
@@ -112,51 +123,115 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "dataset": str(chosen), "beam_size": beam_size,
                               "tokenizer": PTB_TOKENIZER if ptb else WORDS_TOKENIZER,
                               "decoding": asdict(rules), "encoder_precision": encoder_precision}
-    training_captions = train_split_captions(chosen, image_root)
-    metrics = [m for m in ALL_METRICS if meteor or m != "METEOR"]
+    scorer = _SplitScorer(
+        ckpt=ckpt, device=str(run_on), dataset=chosen, image_root=image_root, rules=rules,
+        metrics=[m for m in ALL_METRICS if meteor or m != "METEOR"],
+        training_captions=train_split_captions(chosen, image_root), beam_size=beam_size, max_len=max_len,
+        limit=limit, ptb=ptb, misses=misses,
+        # by default the features the model was trained on (grid, or regions:DIR)
+        features=features or ckpt.trained_features, cache_dir=cache_dir, encoder_precision=encoder_precision,
+        onnx_dir=onnx_dir, threads=threads, grounding=kind, entities=entities,
+        grounding_resamples=grounding_resamples, progress=progress)
     evaluation = Evaluation(report, {}, {}, [])
     for split in splits:
-        images = load_split(chosen, image_root, split, limit=limit)
-        # by default the features the model was trained on (grid, or regions:DIR)
-        used = features or ckpt.trained_features
-        if encoder_precision == "float32":
-            store = open_feature_store(used, images, ckpt.encoder, cache_dir, device=str(run_on), progress=progress)
-        else:
-            store = _onnx_feature_store(ckpt, images, used, encoder_precision, cache_dir, onnx_dir, threads)
-        if kind:
-            # one beam search gives both the captions that are scored and the attention rows that are grounded
-            from .grounding import caption_with_attention, grounding_report
+        scored = scorer.score(split)
+        _add_split(evaluation, scored)
+        if on_split is not None:
+            on_split(scored)
+    return evaluation
 
-            results = caption_with_attention(ckpt, images, store, beam_size, max_len, device=str(run_on),
-                                             progress=progress, rules=rules)
+
+@dataclass(frozen=True)
+class _SplitScorer:
+    """What :func:`evaluation_report` scores every split with, set up once: the checkpoint and where it runs, the data
+    set, the decoding rules, the metrics, the grounding benchmark and the call's feature and output options."""
+
+    ckpt: Any
+    device: str
+    dataset: Path
+    image_root: str | Path | None
+    rules: Any
+    metrics: list[str]
+    training_captions: Any
+    beam_size: int
+    max_len: int
+    limit: int | None
+    ptb: bool
+    misses: int
+    features: str
+    cache_dir: str | Path
+    encoder_precision: str
+    onnx_dir: str | Path | None
+    threads: int | None
+    grounding: str | None  # None, "scenes" or "entities" (grounding_benchmark's kind)
+    entities: Path | None
+    grounding_resamples: int
+    progress: bool
+
+    def score(self, split: str) -> ScoredSplit:
+        """One split captioned and scored: its report section (scores, the BLEU-1 misses and the grounding asked
+        for), its images and their captions."""
+        from ..data.datasets import load_split
+        from .evaluate import evaluate_checkpoint, score_dataset
+        from .metrics import UNAVAILABLE
+
+        images = load_split(self.dataset, self.image_root, split, limit=self.limit)
+        store = self._feature_store(images)
+        if self.grounding:
+            # one beam search gives both the captions that are scored and the attention rows that are grounded
+            from .grounding import caption_with_attention
+
+            results = caption_with_attention(self.ckpt, images, store, self.beam_size, self.max_len,
+                                             device=self.device, progress=self.progress, rules=self.rules)
             captions = {im.image_id: r.tokens for im, r in zip(images, results)}
-            scores = score_dataset(captions, images, metrics, training_captions, ptb)
+            scores = score_dataset(captions, images, self.metrics, self.training_captions, self.ptb)
         else:
-            scores, captions = evaluate_checkpoint(ckpt, images, store, beam_size, max_len, metrics,
-                                                   device=str(run_on), progress=progress, rules=rules,
-                                                   training_captions=training_captions, ptb=ptb)
-        section = report[split] = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
+            scores, captions = evaluate_checkpoint(self.ckpt, images, store, self.beam_size, self.max_len,
+                                                   self.metrics, device=self.device, progress=self.progress,
+                                                   rules=self.rules, training_captions=self.training_captions,
+                                                   ptb=self.ptb)
+        section = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
         section["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
-        if misses:
+        if self.misses:
             from .metrics import unigram_misses
 
             missed, words = unigram_misses(captions, {im.image_id: im.references for im in images})
             section["BLEU-1 misses"] = {"caption_words": words, "uncredited": sum(missed.values()),
-                                        "most_uncredited": dict(missed.most_common(misses))}
-        if kind == "scenes":
-            section["grounding"] = grounding_report(ckpt, images, results, chosen.parent, grounding_resamples)
-        elif kind == "entities":
+                                        "most_uncredited": dict(missed.most_common(self.misses))}
+        if self.grounding == "scenes":
+            from .grounding import grounding_report
+
+            section["grounding"] = grounding_report(self.ckpt, images, results, self.dataset.parent,
+                                                    self.grounding_resamples)
+        elif self.grounding == "entities":
             from .phrase_grounding import entities_grounding
 
-            section["grounding"] = entities_grounding(ckpt, images, store, entities, results,
-                                                      resamples=grounding_resamples, device=str(run_on),
-                                                      progress=progress)
-        evaluation.captions[split], evaluation.images[split] = captions, images
-        # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid":
-        # the id `captioner compare` matches them by
-        evaluation.coco_results += [{"image_id": result_id(im), "caption": " ".join(captions[im.image_id])}
-                                    for im in images]
-    return evaluation
+            section["grounding"] = entities_grounding(self.ckpt, images, store, self.entities, results,
+                                                      resamples=self.grounding_resamples, device=self.device,
+                                                      progress=self.progress)
+        return ScoredSplit(split, section, images, captions)
+
+    def _feature_store(self, images: Sequence[CaptionedImage]):
+        """The split's visual features: the float PyTorch CNN's (or the regions'), else the quantized ONNX CNN's."""
+        from ..data.stores import open_feature_store
+
+        if self.encoder_precision == "float32":
+            return open_feature_store(self.features, images, self.ckpt.encoder, self.cache_dir, device=self.device,
+                                      progress=self.progress)
+        return _onnx_feature_store(self.ckpt, images, self.features, self.encoder_precision, self.cache_dir,
+                                   self.onnx_dir, self.threads)
+
+
+def _add_split(evaluation: Evaluation, scored: ScoredSplit) -> None:
+    """``scored`` into the report, the captions and the COCO results, after the splits before it."""
+    from .compare import result_id
+
+    evaluation.report[scored.name] = scored.section
+    evaluation.captions[scored.name], evaluation.images[scored.name] = scored.captions, scored.images
+    # COCO's evaluation server and coco-caption key results by the COCO id (Karpathy's "cocoid"), not "imgid": the
+    # id `captioner compare` matches them by
+    evaluation.coco_results += [{"image_id": result_id(im), "caption": " ".join(scored.captions[im.image_id])}
+                                for im in scored.images]
 
 
 def _onnx_feature_store(ckpt, images: Sequence[CaptionedImage], features: str, precision: str,
