@@ -220,3 +220,21 @@ def test_resume_changes_only_what_the_command_gave(scenes, tmp_path, cache):
     assert (merged.epochs, merged.early_stop, merged.max_steps) == (2, 5, None)
     longer = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out", "epochs"})
     assert longer.epochs == 20
+
+
+def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone(tmp_path):
+    """A scene checkpoint records its data set's header at train time, so its card's Data line (the generator's
+    version and the command that draws the set again) does not depend on the set being here when the card is
+    written."""
+    import shutil
+
+    from captioner.models.data.scenes import describe_dataset, generate, read_dataset_header
+    from captioner.models.evaluation.card import write_card
+
+    dataset = generate(tmp_path / "scenes", {"train": 16, "val": 4, "test": 0, "heldout": 0}, seed=11, progress=False)
+    described = describe_dataset(read_dataset_header(dataset))
+    best = train(_config(dataset, tmp_path / "run", tmp_path / "features", epochs=1, batch_size=8))
+    card = write_card(best, {}).read_text()
+    assert f"- Data: {described}: `{dataset}`" in card
+    shutil.rmtree(tmp_path / "scenes")
+    assert write_card(best, {}).read_text() == card

@@ -133,7 +133,11 @@ def _storage_lines(storage: str, chosen: dict[str, Any] | None, report: dict[str
 def _data_description(meta: dict[str, Any]) -> str:
     """The data set a checkpoint was trained on, as its card names it: generated scenes by what their own
     ``dataset_scenes.json`` records (generator version and settings, so the card says how to draw them again), any
-    other data set by its citation (:func:`trained_on`)."""
+    other data set by its citation (:func:`trained_on`).  The header training recorded (``dataset_header``) is read
+    first, so the card does not depend on the data set being here; only checkpoints trained before it was recorded
+    (the shipped scene ones) read the data set's file."""
+    if meta.get("dataset_header"):
+        return describe_dataset(meta["dataset_header"])
     dataset = meta.get("dataset")
     if dataset and named_by_path(dataset) == "scenes":
         header = read_dataset_header(dataset)

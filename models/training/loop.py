@@ -40,6 +40,7 @@ from tqdm import tqdm
 from ..checkpoint import Checkpoint, load_checkpoint, on_meta, remove_debris, save_checkpoint, state_shapes
 from ..data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, resolve_dataset
 from ..data.karpathy import CaptionedImage
+from ..data.scenes import read_dataset_header
 from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec, EncoderTail, GridEncoder
@@ -273,8 +274,8 @@ def _build_model(cfg: TrainConfig, vocab: Vocabulary, feat_dim: int, tail: Encod
 
 def _run_meta(cfg: TrainConfig, train_count: int, device: torch.device, ctx: DistContext, precision: Precision,
               saved: dict[str, Any] | None, init: Checkpoint | None) -> dict[str, Any]:
-    """The record every checkpoint of the run carries: its data (with citation), phase, config, hardware,
-    precision and, for a warm start, what it started from."""
+    """The record every checkpoint of the run carries: its data (with citation, and generated scenes' header), phase,
+    config, hardware, precision and, for a warm start, what it started from."""
     name = dataset_name(cfg.dataset)
     meta = {"dataset": str(cfg.dataset), "phase": cfg.phase, "train_config": cfg.to_json(),
             "trained_on": f"{CITATIONS.get(name, name)}, train split ({train_count:,} images)"
@@ -282,6 +283,10 @@ def _run_meta(cfg: TrainConfig, train_count: int, device: torch.device, ctx: Dis
                              if cfg.attention_supervision else ""),
             "hardware": describe_hardware(device) + (f" ×{ctx.world} processes" if ctx.active else ""),
             "precision": precision.name}
+    if name == "scenes":
+        # the generator's version and settings, so the model card names the same scenes wherever it is written, with
+        # the data set at hand or not (models/evaluation/card.py)
+        meta["dataset_header"] = read_dataset_header(cfg.dataset)
     if cfg.init:  # read at the first start: by a resume, the --init folder may hold another checkpoint
         meta["started_from"] = saved.get("started_from") if saved is not None else lineage(cfg.init, init)
     return meta
