@@ -70,8 +70,11 @@ def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_preci
         visual = visual.with_name(INT8_FILE)
     export = onnx_dir / name
     # ``auto`` has recorded its references, so what has no folder could not be exported (a TVmax decoder, a CNN
-    # the tracer cannot record) and is served without it: only what exists must be intact
+    # the tracer cannot record) and is served without it: only what exists must be intact. A current export of the
+    # model's own is the exception: its ``encoder.onnx`` holds the CNN, so the CNN exports, and a missing CNN graph
+    # (its key changed with an upgrade, or the folder was removed) is still to make, in the child
     optional = backend == "auto"
-    if not (intact(visual) or optional and not visual.parent.exists()):
+    export_current = export_is_current(export, checksum)
+    if not (intact(visual) or optional and not export_current and not visual.parent.exists()):
         return False
-    return backend == "hybrid" or export_is_current(export, checksum) or optional and not export.exists()
+    return backend == "hybrid" or export_current or optional and not export.exists()

@@ -397,6 +397,28 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     assert loaded["a"].backend == "onnx"
 
 
+def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tmp_path):
+    """The model's own export is current but no CNN graph is under its spec's key (an upgrade that changed the key,
+    or the folder removed): ``auto`` still has it to prepare, because a current export proves the CNN exports, so
+    the missing graph is work for the preparing child, not a CNN the tracer cannot record (which the server's own
+    load would then export, building the PyTorch CNN in the serving process)."""
+    import shutil
+
+    from captioner.service import runtime as runtime_module
+    from captioner.service.onnx_exports import unprepared
+
+    ckpt = tiny_checkpoint("sat", seed=0)
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
+                                          onnx_dir=tmp_path / "onnx", threads=1)
+    assert loaded["a"].backend == "onnx"
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    (visual,) = (tmp_path / "onnx").glob("visual-*")
+    shutil.rmtree(visual)
+    assert export_is_current(tmp_path / "onnx" / "a", load_checkpoint(tmp_path / "weights" / "a").checksum)
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+
+
 def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, monkeypatch):
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
     without loading the others (``only``)."""
