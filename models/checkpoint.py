@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from .encoder import EncoderSpec
-from .files import fsync_path, temporary_beside, write_atomically, write_durably
+from .files import file_checksum, fsync_path, temporary_beside, write_atomically, write_durably
 from .protocol import Captioner
 from .zoo import create
 from .vocab import Vocabulary
@@ -351,14 +350,6 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if config.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unknown checkpoint format {config.get('format')!r} (expected {FORMAT})")
     return config
-
-
-def file_checksum(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> Checkpoint:

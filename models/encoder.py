@@ -15,7 +15,6 @@ environment.
 from __future__ import annotations
 
 import copy
-import hashlib
 import io
 import math
 from dataclasses import asdict, dataclass, replace
@@ -28,6 +27,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .files import file_checksum
 from .protocol import Geometry
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -181,11 +181,7 @@ def weights_sha256(spec: EncoderSpec, missing_ok: bool = False) -> dict[str, str
         if missing_ok and not Path(path).is_file():
             identity[field] = ""
             continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        identity[field] = digest.hexdigest()
+        identity[field] = file_checksum(path)
     return identity
 
 

@@ -7,6 +7,7 @@ flushed to disk before the rename, and the folder's entry after it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
@@ -56,3 +57,20 @@ def write_atomically(path: Path, data: bytes | str, durable: bool = False) -> No
         raise
     if durable:
         fsync_path(path.parent)
+
+
+def file_checksum(path: str | Path) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB blocks: checkpoint manifests, ONNX seals and the identity
+    of a weights file (:func:`~captioner.models.encoder.weights_sha256`)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def format_version(name: object, current: str) -> int:
+    """The version ``N`` of a format name ``FAMILY/N`` of the same family as ``current`` (a feature store's, an ONNX
+    export's); -1 for any other name, which no version of the project wrote."""
+    family, _, version = str(name).rpartition("/")
+    return int(version) if family == current.rpartition("/")[0] and version.isdigit() else -1

@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess, weights_sha256
-from ..files import write_atomically
+from ..files import format_version, write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
 
@@ -79,12 +79,6 @@ class NewerFeatureStore(FeatureStoreError):
     cache folder, would extract it back), but refused."""
 
 
-def _format_version(name: object) -> int:
-    """The version number of a feature store format name (``attention-captioner-features/N``); -1 for any other."""
-    family, _, version = str(name).rpartition("/")
-    return int(version) if family == FORMAT.rpartition("/")[0] and version.isdigit() else -1
-
-
 def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}.npy"
 
@@ -99,7 +93,7 @@ class FeatureStore:
         except FileNotFoundError:
             raise FeatureStoreError(f"{self.folder} is not a finished feature store: {INDEX} is missing") from None
         if index.get("format") != FORMAT:
-            if _format_version(index.get("format")) > _format_version(FORMAT):
+            if format_version(index.get("format"), FORMAT) > format_version(FORMAT, FORMAT):
                 raise NewerFeatureStore(f"{self.folder} was written by a newer version of the project (format "
                                         f"{index['format']!r}; this one reads {FORMAT!r}): give this version "
                                         "another cache folder, or upgrade it")

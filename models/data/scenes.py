@@ -26,6 +26,7 @@ from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from ..files import write_atomically
+from .karpathy import read_karpathy_json
 
 CANVAS = 256
 COLOURS = {
@@ -453,10 +454,10 @@ def read_dataset_header(path: str | Path) -> dict | None:
     """The settings a ``dataset_scenes.json`` records (:func:`dataset_header`, without its images); None when the
     file is missing or is not JSON."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+        data = read_karpathy_json(path)
+    except (OSError, ValueError):
         return None
-    return {key: value for key, value in data.items() if key != "images"} if isinstance(data, dict) else None
+    return {key: value for key, value in data.items() if key != "images"}
 
 
 def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variation: Variation | None = None) -> bool:

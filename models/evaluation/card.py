@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CARD, WEIGHTS, checkpoint_name, file_checksum, load_checkpoint, read_config, replace_files
+from ..checkpoint import CARD, WEIGHTS, checkpoint_name, load_checkpoint, read_config, replace_files
 from ..data.datasets import named_by_path, trained_on
 from ..data.scenes import describe_dataset, read_dataset_header
+from ..files import file_checksum
 from .params import count_parameters
 
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..checkpoint import Checkpoint, file_checksum
-from ..files import write_atomically
+from ..checkpoint import Checkpoint
+from ..files import file_checksum, format_version, write_atomically
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
 
@@ -573,12 +573,6 @@ def _record_spec(folder: Path, spec: EncoderSpec) -> None:
     write_atomically(folder / VISUAL_SPEC_FILE, json.dumps(_spec_record(spec)))
 
 
-def _format_version(name: object) -> int:
-    """The version number of an export format name (``attention-captioner-onnx/N``); -1 for any other (unknown)."""
-    family, _, version = str(name).rpartition("/")
-    return int(version) if family == FORMAT.rpartition("/")[0] and version.isdigit() else -1
-
-
 def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Path) -> list[str]:
     """Remove the CNN exports in ``out_dir`` that ``current`` replaces: those recorded as made from the same spec,
     whose other key means other weights (a re-downloaded ImageNet file, a fine-tuned stage trained again) or an
@@ -590,7 +584,7 @@ def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Pa
     with _alone_in(Path(out_dir)) as alone:
         if not alone:
             return removed
-        ours = _format_version(FORMAT)
+        ours = format_version(FORMAT, FORMAT)
         for record in Path(out_dir).glob(f"visual-*/{VISUAL_SPEC_FILE}"):
             folder = record.parent
             if folder.name == current.name:
@@ -600,7 +594,8 @@ def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Pa
             except (OSError, ValueError):
                 continue
             same_spec = recorded.get("spec") == _spec_record(spec)["spec"]
-            if same_spec and _format_version(recorded.get("format")) <= ours and _holds_only_export_files(folder):
+            not_newer = format_version(recorded.get("format"), FORMAT) <= ours
+            if same_spec and not_newer and _holds_only_export_files(folder):
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder.name)
     return removed

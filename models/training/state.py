@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
-from ..checkpoint import CheckpointError, file_checksum
+from ..checkpoint import CheckpointError
+from ..files import file_checksum
 from ..files import write_atomically, write_durably
 
 STATE_TENSORS, STATE_JSON = "train_state.safetensors", "train_state.json"
