@@ -183,3 +183,26 @@ def test_a_report_written_on_a_full_disk_leaves_the_previous_report_whole(tmp_pa
     assert failed.returncode == 2 and "File too large" in failed.stderr, failed.stderr[-2000:]
     assert out.read_text() == before
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_an_overlay_written_on_a_full_disk_leaves_the_previous_figure_whole(tmp_path):
+    """``captioner caption --overlay``: Pillow wrote the figure in place, so a failed write had already cut the
+    previous one short."""
+    from PIL import Image
+    from skimage import data
+
+    from captioner.service.cli import main
+
+    from .conftest import DEFAULT_CHECKPOINT
+
+    photo, figure = tmp_path / "cat.jpg", tmp_path / "figure.png"
+    Image.fromarray(data.chelsea()).save(photo)
+    main(["caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(figure),
+          "--mode", "grid_blocks"])
+    before = figure.read_bytes()
+
+    failed = _captioner_on_a_full_disk(["caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT),
+                                        "--overlay", str(figure)], len(before) // 2)
+    assert failed.returncode == 2 and "File too large" in failed.stderr, failed.stderr[-2000:]
+    assert figure.read_bytes() == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]

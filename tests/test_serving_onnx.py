@@ -599,15 +599,37 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
     (tmp_path / ".git.abcdefgh").mkdir()  # named like one, but not an export's
     (tmp_path / ".git.abcdefgh" / "HEAD").write_text("ref: refs/heads/main\n")
     (tmp_path / ".foo.settings").mkdir()  # named like one, and empty
+    earlier = tmp_path / ".visual-0123.k9x_2abc"  # what tempfile.mkdtemp named them before this version
+    earlier.mkdir()
+    (earlier / "visual.onnx").write_bytes(b"half a graph")
 
     in_flight = os.open(tmp_path, os.O_RDONLY)
     try:
         fcntl.flock(in_flight, fcntl.LOCK_SH)  # another process's export, writing here
         export_visual_encoder(EncoderSpec(image_size=96), tmp_path)
-        assert left.is_dir()
+        assert left.is_dir() and earlier.is_dir()
     finally:
         os.close(in_flight)
     # the next start exports what the killed one did not finish
     path = export_visual_encoder(EncoderSpec(image_size=64), tmp_path)
-    assert path.is_file() and not left.exists() and (tmp_path / ".git.abcdefgh" / "HEAD").exists()
+    assert path.is_file() and not left.exists() and not earlier.exists()
+    assert (tmp_path / ".git.abcdefgh" / "HEAD").exists()
     assert (tmp_path / ".foo.settings").is_dir()
+
+
+def test_an_export_folder_gets_the_usual_permissions_so_another_user_can_read_it(tmp_path):
+    """The umask decides, as for checkpoints: ``tempfile.mkdtemp`` made every export folder 0700, so a service
+    running as another user than the one who exported could not open the graphs."""
+    import os
+
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.export.onnx import export_visual_encoder
+
+    old = os.umask(0o022)
+    try:
+        folder = export_visual_encoder(EncoderSpec(image_size=64), tmp_path).parent
+    finally:
+        os.umask(old)
+    assert folder.stat().st_mode & 0o777 == 0o755
+    for file in folder.iterdir():
+        assert file.stat().st_mode & 0o777 == 0o644, file.name

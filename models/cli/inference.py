@@ -33,7 +33,7 @@ def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResul
     from ..device import resolve_device, set_threads
     from ..encoder import ImageDecodeError, load_image
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import RenderError, check_mode, colormap, comparison_figure
+    from ..rendering.heatmaps import RenderError, check_mode, colormap, comparison_figure, save_picture
 
     set_threads(args.threads)
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
@@ -79,7 +79,7 @@ def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResul
             picture = runs[0][1][0].overlay(images[0], args.token, args.mode, **style)
     except RenderError as exc:
         raise SystemExit(f"error: {exc}") from None
-    picture.save(args.overlay)
+    save_picture(picture, args.overlay)
     print(f"wrote {args.overlay}", file=sys.stderr)
 
 

@@ -178,7 +178,7 @@ def write_scene_regions(dataset: str | Path, out: str | Path, spec: EncoderSpec 
         labels = np.asarray(Image.open(dataset.parent / im.info["mask"]))
         features, boxes = scene_regions(labels, store.get([im.key])[0].numpy(), spec)
         save_regions(target, features.astype(np.float16), boxes, (labels.shape[1], labels.shape[0]))
-    (out / MANIFEST).write_text(json.dumps({
+    write_atomically(out / MANIFEST, json.dumps({
         "format": FORMAT, "feat_dim": store.feat_dim, "encoder": spec.to_json(),
         "source": "generated scenes: object masks pooled over frozen-encoder grid features, plus the whole image "
                   "and the background of each quadrant (a detector stand-in)"}, indent=2))

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
+
+from ..files import write_atomically
 
 #: a panel: its title and, per group of bars (one model), the x label and ``{control: {"mean", "ci95"} or None}``
 Panel = tuple[str, Sequence[tuple[str, dict[str, dict | None]]]]
@@ -47,6 +50,8 @@ def control_bars(panels: Sequence[Panel], controls: Sequence[str], labels: dict[
     axes.flat[0].legend(fontsize=8)
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
+    buffer = io.BytesIO()  # written whole: an interrupted run leaves the previous figure, never half of one
+    figure.savefig(buffer, format=out.suffix.lstrip(".") or "png", dpi=110)
     plt.close(figure)
+    write_atomically(out, buffer.getvalue())
     return out

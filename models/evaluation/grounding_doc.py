@@ -101,7 +101,7 @@ def examples_figure(checkpoints: list[Path], out: Path, device: str = "cpu",
     from skimage import data
 
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import comparison_figure
+    from ..rendering.heatmaps import comparison_figure, save_picture
 
     pipelines = [(normaliser(c), Pipeline(c, device)) for c in checkpoints]
     blocks = []
@@ -118,7 +118,7 @@ def examples_figure(checkpoints: list[Path], out: Path, device: str = "cpu",
         canvas.paste(block, (0, top))
         top += block.height
     out.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(out)
+    save_picture(canvas, out)
     return out
 
 

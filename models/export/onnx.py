@@ -36,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
@@ -48,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint
-from ..files import file_checksum, format_version, write_atomically
+from ..files import file_checksum, format_version, temporary_beside, write_atomically
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
 
@@ -60,8 +59,9 @@ VISUAL_FILE = "visual.onnx"
 #: beside ``visual.onnx``: the spec the CNN was exported from, so that a later export of that spec from other weights
 #: or in another format (another key) can tell which folder it replaces
 VISUAL_SPEC_FILE = "visual.json"
-#: what ``tempfile.mkdtemp(prefix=".NAME.")`` names an export's temporary folder (NAME: the folder it becomes)
-TEMPORARY_FOLDER = re.compile(r"\..+\.[a-z0-9_]{8}")
+#: an export's temporary folder (NAME: the folder it becomes): ``.NAME.tmp-XXXXXXXX`` (:func:`temporary_beside`), or
+#: ``.NAME.XXXXXXXX``, which ``tempfile.mkdtemp`` named them before and a killed export of that version may have left
+TEMPORARY_FOLDER = re.compile(r"\..+\.(tmp-[0-9a-f]{8}|[a-z0-9_]{8})")
 SEAL_SUFFIX = ".sha256"
 OPSET = 17
 # verification tolerance: float32 graphs that differ only in kernel choice agree far better than this. ATOL is
@@ -192,7 +192,9 @@ def _folder_swapped_in(final: Path):
     :func:`check_replaceable` before their work; it is checked again here, before anything is replaced.)"""
     final.parent.mkdir(parents=True, exist_ok=True)
     with _writing_in(final.parent):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+        tmp = temporary_beside(final)
+        os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700, so a service running as another user
+        # could not read the export whatever the umask says
         try:
             yield tmp
             check_replaceable(final)  # again: the export may have taken minutes

@@ -23,10 +23,12 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ..files import write_atomically
 from ..protocol import Geometry
 
 MODES = ("grid_smooth", "grid_blocks", "region_sum", "top1_box", "area_topk")
@@ -326,6 +328,21 @@ def _figure(grid: Sequence[Sequence[tuple[str, Image.Image]]], columns: int) -> 
 
 
 def png_bytes(image: Image.Image) -> bytes:
+    return _encoded(image, "PNG")
+
+
+def save_picture(image: Image.Image, path: str | Path) -> Path:
+    """Write ``image`` to ``path`` in the format its extension names (``.png``, ``.jpg``, ...), whole or not at all:
+    a full disk or a killed process leaves the figure that was there before, never half of the new one."""
+    path = Path(path)
+    image_format = Image.registered_extensions().get(path.suffix.lower())
+    if image_format is None:
+        raise ValueError(f"{path}: the extension names no picture format (give figure.png, figure.jpg, ...)")
+    write_atomically(path, _encoded(image, image_format))
+    return path
+
+
+def _encoded(image: Image.Image, image_format: str) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    image.save(buffer, format=image_format)
     return buffer.getvalue()
