@@ -192,9 +192,10 @@ def _folder_swapped_in(final: Path):
     :func:`check_replaceable` before their work; it is checked again here, before anything is replaced.)"""
     final.parent.mkdir(parents=True, exist_ok=True)
     with _writing_in(final.parent):
+        # not tempfile.mkdtemp: its folder is 0700 whatever the umask says, unreadable to a service running as
+        # another user
         tmp = temporary_beside(final)
-        os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700, so a service running as another user
-        # could not read the export whatever the umask says
+        os.mkdir(tmp)
         try:
             yield tmp
             check_replaceable(final)  # again: the export may have taken minutes
