@@ -15,6 +15,8 @@ from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, train
 
+from .conftest import module_folder
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPEC = EncoderSpec(image_size=128)
@@ -84,9 +86,9 @@ def test_bad_specs_are_refused():
 
 
 @pytest.fixture(scope="module")
-def tuned_best(scenes, cache, tmp_path_factory):
+def tuned_best(request, scenes, cache, tmp_path_factory):
     """The best/ of a tiny run with its last stage fine-tuned (at the decoder's rate, so the stage moves)."""
-    return train(_config(scenes, tmp_path_factory.mktemp("tuned") / "run", cache))
+    return train(_config(scenes, module_folder(request, tmp_path_factory, "tuned") / "run", cache))
 
 
 def test_a_run_trains_the_stage_and_its_checkpoint_serves_the_trained_weights(tuned_best, tmp_path, frozen):

@@ -15,14 +15,15 @@ from captioner.models.data.scenes import generate
 from captioner.models.export.quantize import FLOAT_PREFIXES, INT8_FILE, OnnxGridEncoder, calibration_pixels, \
     quantized_visual_encoder, visual_encoder_file
 
+from .conftest import module_folder
 from .serving_helpers import TINY_SPEC, random_images, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def int8_files(tmp_path_factory):
-    out = tmp_path_factory.mktemp("onnx")
+def int8_files(request, tmp_path_factory):
+    out = module_folder(request, tmp_path_factory, "onnx")
     quantized = quantized_visual_encoder(TINY_SPEC, out, calibration=4)
     return visual_encoder_file(TINY_SPEC, out), quantized
 

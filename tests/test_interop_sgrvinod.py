@@ -30,6 +30,7 @@ from captioner.service.cli import main as captioner
 from captioner.service.settings import Settings
 
 from . import sgrvinod_tutorial as tutorial
+from .conftest import module_folder
 from .serving_helpers import parse_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,8 +53,8 @@ def modules():
 
 
 @pytest.fixture(scope="module")
-def files(modules, tmp_path_factory):
-    return tutorial.save_checkpoint(tmp_path_factory.mktemp("tutorial"), *modules, WORDS)
+def files(request, modules, tmp_path_factory):
+    return tutorial.save_checkpoint(module_folder(request, tmp_path_factory, "tutorial"), *modules, WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from captioner.models.vocab import Vocabulary
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
-from .conftest import WEIGHTS
+from .conftest import WEIGHTS, module_folder
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -30,8 +30,8 @@ def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
 
 
 @pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
-    root = tmp_path_factory.mktemp("weights")
+def tiny_weights(request, tmp_path_factory):
+    root = module_folder(request, tmp_path_factory, "weights")
     vocab = Vocabulary(["a", "red", "circle"])
     for name in ("tiny-a", "tiny-b"):
         model = create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=16, hidden_dim=16, attn_dim=8)

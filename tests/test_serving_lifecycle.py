@@ -25,6 +25,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.zoo import create
 from captioner.models.vocab import Vocabulary
 
+from .conftest import module_folder
 from .serving_helpers import ServerProcess, scrape
 
 MAX_LEN = 100
@@ -37,8 +38,8 @@ COMMON = {"CAPTIONER_DEFAULT_MODEL": "slow", "CAPTIONER_MAX_MAX_LEN": str(MAX_LE
 
 
 @pytest.fixture(scope="module")
-def slow_weights(tmp_path_factory):
-    root = tmp_path_factory.mktemp("slow-weights")
+def slow_weights(request, tmp_path_factory):
+    root = module_folder(request, tmp_path_factory, "slow-weights")
     torch.manual_seed(0)
     vocab = Vocabulary([f"w{i}" for i in range(4000)])
     model = create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=64, hidden_dim=2048, attn_dim=64,

@@ -27,7 +27,7 @@ from captioner.models.inference import Prepared, TorchRuntime, padded_batch, tor
 from captioner.service.onnx_backends import OnnxRuntime
 from captioner.service.settings import Settings
 
-from .conftest import DEFAULT_CHECKPOINT
+from .conftest import DEFAULT_CHECKPOINT, module_folder
 from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \
     tiny_checkpoint
 
@@ -116,10 +116,10 @@ def test_unexportable_configuration_names_the_code_responsible(encoder, tmp_path
 
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
+def shipped(request, tmp_path_factory):
     """weights/sat, its ONNX export (made once for this module) and some images it knows how to caption."""
     ckpt = load_checkpoint(DEFAULT_CHECKPOINT, "cpu")
-    onnx_dir = tmp_path_factory.mktemp("onnx")
+    onnx_dir = module_folder(request, tmp_path_factory, "onnx")
     visual = GridEncoder(ckpt.encoder).to(memory_format=torch.channels_last)
     spec = export_graphs(ckpt, onnx_dir / "sat", visual)
     scenes = tmp_path_factory.mktemp("scenes")
