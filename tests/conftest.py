@@ -36,7 +36,7 @@ def onnx_exports_in_a_temporary_folder(tmp_path_factory):
 def module_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A temporary folder for a module-scoped fixture, removed when its module ends unless a test failed meanwhile
     (kept for the post-mortem, as a failing test's ``tmp_path`` is).  pytest keeps ``tmp_path_factory``'s folders
-    to the end of the session; the largest module fixtures' (checkpoints, ONNX graphs: about 250 MB in all) would
+    to the end of the session; the largest module fixtures' (checkpoints, ONNX graphs: about 300 MB in all) would
     otherwise add up on a CI machine whose disk may hold little beside the virtual environment."""
     folder = tmp_path_factory.mktemp(name)
     failed_before = request.session.testsfailed

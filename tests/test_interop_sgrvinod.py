@@ -58,9 +58,9 @@ def files(request, modules, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def imported(files, tmp_path_factory):
+def imported(request, files, tmp_path_factory):
     """The CLI's import, as a user runs it: ``captioner import sgrvinod CHECKPOINT WORDMAP --out weights/NAME``."""
-    out = tmp_path_factory.mktemp("weights") / "sat-tutorial"
+    out = module_folder(request, tmp_path_factory, "weights") / "sat-tutorial"
     captioner(["import", "sgrvinod", *map(str, files), "--out", str(out)])
     return out
 
