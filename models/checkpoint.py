@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from .encoder import EncoderSpec
-from .files import file_checksum, fsync_path, temporary_beside, write_atomically, write_durably
+from .files import (file_checksum, fsync_path, temporaries_of, temporary_beside, temporary_target, write_atomically,
+                    write_durably)
 from .protocol import Captioner
 from .zoo import create
 from .vocab import Vocabulary
@@ -194,7 +195,7 @@ def remove_debris(path: str | Path) -> None:
     a previous checkpoint renamed aside (``.NAME.old``, where the OS cannot swap folders atomically) is put back if
     ``path`` itself is missing, else removed."""
     path = Path(path)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+    for stale in temporaries_of(path):
         shutil.rmtree(stale, ignore_errors=True)
     old = path.with_name(f".{path.name}.old")
     if old.exists() and not path.exists():
@@ -238,14 +239,7 @@ def foreign_entries(path: Path) -> list[str]:
     allowed = {*OWN_FILES, CARD, *listed_files(path)}
     # a write_atomically killed inside the folder (a card, update_meta) leaves .NAME.tmp-XXXX: debris, not a stranger
     return sorted(entry.name for entry in path.iterdir()
-                  if not (entry.is_file() and (entry.name in allowed or _is_temporary_of(entry.name, allowed))))
-
-
-def _is_temporary_of(name: str, files: set[str]) -> bool:
-    """Whether ``name`` is a temporary file :func:`~captioner.models.files.temporary_beside` names for one of
-    ``files``."""
-    stem, _, suffix = name.rpartition(".tmp-")
-    return bool(suffix) and stem.startswith(".") and stem[1:] in files
+                  if not (entry.is_file() and (entry.name in allowed or temporary_target(entry.name) in allowed)))
 
 
 def _checkpoint_config(path: Path) -> bool:

@@ -7,6 +7,7 @@ flushed to disk before the rename, and the folder's entry after it.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import secrets
@@ -35,10 +36,26 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+#: what marks a temporary name: ``.NAME`` + this + 8 random hex digits
+_TEMPORARY_MARK = ".tmp-"
+
+
 def temporary_beside(path: Path) -> Path:
     """A name for ``path``'s temporary file, in its folder, hidden, and this writer's own (``.NAME.tmp-XXXXXXXX``):
     two writers of one file never write into each other's, and a reader looking for ``path`` never sees it."""
-    return path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    return path.with_name(f".{path.name}{_TEMPORARY_MARK}{secrets.token_hex(4)}")
+
+
+def temporaries_of(path: Path) -> list[Path]:
+    """The temporary files or folders :func:`temporary_beside` named for ``path`` that are still there: what writers
+    killed mid-way left (call it only when no writer of ``path`` can be running)."""
+    return list(path.parent.glob(f".{glob.escape(path.name)}{_TEMPORARY_MARK}*"))
+
+
+def temporary_target(name: str) -> str | None:
+    """The name a :func:`temporary_beside` name stands for (``.NAME.tmp-XXXXXXXX`` → ``NAME``); None for any other."""
+    stem, mark, token = name.rpartition(_TEMPORARY_MARK)
+    return stem[1:] if mark and token and len(stem) > 1 and stem.startswith(".") else None
 
 
 def write_atomically(path: Path, data: bytes | str, durable: bool = False) -> None:
@@ -69,8 +86,12 @@ def file_checksum(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def format_version(name: object, current: str) -> int:
-    """The version ``N`` of a format name ``FAMILY/N`` of the same family as ``current`` (a feature store's, an ONNX
-    export's); -1 for any other name, which no version of the project wrote."""
+def is_newer_format(name: object, current: str) -> bool:
+    """Whether ``name`` is a format name ``FAMILY/N`` of ``current``'s family with a higher ``N`` (a feature store's,
+    an ONNX export's): written by a newer version of the project.  Any other name is not (no version wrote it)."""
+    return _format_version(name, current) > _format_version(current, current)
+
+
+def _format_version(name: object, current: str) -> int:
     family, _, version = str(name).rpartition("/")
     return int(version) if family == current.rpartition("/")[0] and version.isdigit() else -1

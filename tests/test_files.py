@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from captioner.models.files import write_atomically
+from captioner.models.files import temporaries_of, temporary_beside, temporary_target, write_atomically
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -26,3 +26,14 @@ def test_a_write_that_fails_keeps_the_old_file_and_no_temporary_one(tmp_path, mo
     with pytest.raises(OSError, match="No space"):
         write_atomically(target, b"new")
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["record.json"]
+
+
+def test_a_temporary_name_is_found_again_and_names_what_it_stands_for(tmp_path):
+    """One owner of the naming scheme: the writers (temporary_beside), the cleaners (temporaries_of: checkpoint
+    debris, training state, ONNX exports) and the checks that tell debris from a stranger (temporary_target)."""
+    target = tmp_path / "card[1].md"  # glob's brackets are a file name's characters here
+    left = temporary_beside(target)
+    left.write_text("half")
+    (tmp_path / ".card[1].md.old").write_text("not a temporary")
+    assert temporaries_of(target) == [left] and temporary_target(left.name) == "card[1].md"
+    assert temporary_target("card.md") is None and temporary_target(".tmp-0badf00d") is None

@@ -50,7 +50,7 @@ import torch
 from tqdm import tqdm
 
 from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess, weights_sha256
-from ..files import format_version, write_atomically
+from ..files import is_newer_format, write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
 
@@ -93,7 +93,7 @@ class FeatureStore:
         except FileNotFoundError:
             raise FeatureStoreError(f"{self.folder} is not a finished feature store: {INDEX} is missing") from None
         if index.get("format") != FORMAT:
-            if format_version(index.get("format"), FORMAT) > format_version(FORMAT, FORMAT):
+            if is_newer_format(index.get("format"), FORMAT):
                 raise NewerFeatureStore(f"{self.folder} was written by a newer version of the project (format "
                                         f"{index['format']!r}; this one reads {FORMAT!r}): give this version "
                                         "another cache folder, or upgrade it")

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint
-from ..files import file_checksum, format_version, temporary_beside, write_atomically
+from ..files import file_checksum, is_newer_format, temporary_beside, temporary_target, write_atomically
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
 
@@ -59,9 +59,9 @@ VISUAL_FILE = "visual.onnx"
 #: beside ``visual.onnx``: the spec the CNN was exported from, so that a later export of that spec from other weights
 #: or in another format (another key) can tell which folder it replaces
 VISUAL_SPEC_FILE = "visual.json"
-#: an export's temporary folder (NAME: the folder it becomes): ``.NAME.tmp-XXXXXXXX`` (:func:`temporary_beside`), or
-#: ``.NAME.XXXXXXXX``, which ``tempfile.mkdtemp`` named them before and a killed export of that version may have left
-TEMPORARY_FOLDER = re.compile(r"\..+\.(tmp-[0-9a-f]{8}|[a-z0-9_]{8})")
+#: what ``tempfile.mkdtemp(prefix=".NAME.")`` named an export's temporary folder before they were named by
+#: :func:`temporary_beside`: a killed export of that version may have left one
+MKDTEMP_FOLDER = re.compile(r"\..+\.[a-z0-9_]{8}")
 SEAL_SUFFIX = ".sha256"
 OPSET = 17
 # verification tolerance: float32 graphs that differ only in kernel choice agree far better than this. ATOL is
@@ -136,15 +136,15 @@ def _holds_only_export_files(folder: Path) -> bool:
 
 
 def remove_abandoned(parent: Path) -> list[str]:
-    """Remove the temporary folders (``.NAME.XXXXXXXX``, holding only an export's files) that exports killed
-    mid-way left in ``parent``: SIGKILL or the OOM killer runs no ``finally``, and each such export would otherwise
-    leave a model's worth of graphs there for good.  Call it only while no export writes in ``parent``
-    (:func:`_writing_in` makes sure).  Returns the names removed."""
+    """Remove the temporary folders (``.NAME.tmp-XXXXXXXX``, or ``.NAME.XXXXXXXX`` of earlier versions; holding only
+    an export's files) that exports killed mid-way left in ``parent``: SIGKILL or the OOM killer runs no ``finally``,
+    and each such export would otherwise leave a model's worth of graphs there for good.  Call it only while no
+    export writes in ``parent`` (:func:`_writing_in` makes sure).  Returns the names removed."""
     removed = []
     for entry in parent.iterdir():
         # an empty folder of a matching name may be anyone's (".foo.settings"): a killed export's holds its files
-        if TEMPORARY_FOLDER.fullmatch(entry.name) and entry.is_dir() and any(entry.iterdir()) \
-                and _holds_only_export_files(entry):
+        temporary = temporary_target(entry.name) is not None or MKDTEMP_FOLDER.fullmatch(entry.name)
+        if temporary and entry.is_dir() and any(entry.iterdir()) and _holds_only_export_files(entry):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return removed
@@ -587,7 +587,6 @@ def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Pa
     with _alone_in(Path(out_dir)) as alone:
         if not alone:
             return removed
-        ours = format_version(FORMAT, FORMAT)
         for record in Path(out_dir).glob(f"visual-*/{VISUAL_SPEC_FILE}"):
             folder = record.parent
             if folder.name == current.name:
@@ -597,8 +596,7 @@ def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Pa
             except (OSError, ValueError):
                 continue
             same_spec = recorded.get("spec") == _spec_record(spec)["spec"]
-            not_newer = format_version(recorded.get("format"), FORMAT) <= ours
-            if same_spec and not_newer and _holds_only_export_files(folder):
+            if same_spec and not is_newer_format(recorded.get("format"), FORMAT) and _holds_only_export_files(folder):
                 shutil.rmtree(folder, ignore_errors=True)
                 removed.append(folder.name)
     return removed

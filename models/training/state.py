@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from ..checkpoint import CheckpointError
-from ..files import file_checksum
-from ..files import write_atomically, write_durably
+from ..files import file_checksum, temporaries_of, write_atomically, write_durably
 
 STATE_TENSORS, STATE_JSON = "train_state.safetensors", "train_state.json"
 TENSORS_KEY = "__tensors__"
@@ -54,7 +53,7 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     write_durably(run_dir / name, save_tensors(tensors))
     skeleton[TENSORS_KEY] = {"file": name, "sha256": file_checksum(run_dir / name)}
     write_atomically(run_dir / STATE_JSON, json.dumps(skeleton), durable=True)
-    for stale in [*run_dir.glob("train_state.*.safetensors"), *run_dir.glob(f".{STATE_JSON}.tmp-*")]:
+    for stale in [*run_dir.glob("train_state.*.safetensors"), *temporaries_of(run_dir / STATE_JSON)]:
         if stale.name != name:  # older states and what a killed writer left
             stale.unlink(missing_ok=True)
     (run_dir / STATE_TENSORS).unlink(missing_ok=True)  # the single-file layout of older runs
