@@ -27,6 +27,7 @@ from safetensors.torch import save as save_tensors
 from .encoder import EncoderSpec
 from .files import (file_checksum, fsync_path, temporaries_of, temporary_beside, temporary_target, write_atomically,
                     write_durably)
+from .placement import check_name_prefixes
 from .protocol import Captioner
 from .zoo import create
 from .vocab import Vocabulary
@@ -497,7 +498,9 @@ def find_checkpoints(weights_dir: str | Path | None, extra: Sequence[str | Path]
     under its prefix + that name (``{"scenes-": "weights"}`` serves ``weights/sat`` as ``scenes-sat``), then the
     ``extra`` folders; a later one
     with the same name wins, and ``on_replaced(name, winner, loser)`` hears of it (the loser is neither served nor
-    exported).  This is how the service and ``captioner export`` name models (and so the ONNX exports' folders)."""
+    exported).  This is how the service and ``captioner export`` name models (and so the ONNX exports' folders);
+    a prefix that is not a plain name is refused (``ValueError``: :func:`~.placement.check_name_prefixes`)."""
+    check_name_prefixes(prefixed or {})
     named = [(checkpoint_name(path), path) for path in checkpoint_children(weights_dir)]
     for prefix, folder in (prefixed or {}).items():
         named += [(prefix + checkpoint_name(path), path) for path in checkpoint_children(folder)]

@@ -36,6 +36,7 @@ from pathlib import Path
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
 from captioner.models.device import resolve_device
 from captioner.models.inference import Runtime, TorchRuntime
+from captioner.models.placement import DEFAULT_ONNX_DIR
 
 from .backend_choice import chosen_backend, fastest_verified
 from .onnx_backends import HybridRuntime, NoCudaProvider, OnnxRuntime, drop_torch_weights
@@ -47,7 +48,7 @@ log = logging.getLogger("captioner.runtime")
 
 def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: str = "auto",
                   backends: dict[str, str] | None = None, default_backend: str = "torch",
-                  onnx_dir: Path = Path(".cache/onnx"), threads: int | None = None, precision: str = "float32",
+                  onnx_dir: Path = DEFAULT_ONNX_DIR, threads: int | None = None, precision: str = "float32",
                   encoder_precision: str = "float32", prefixed: dict[str, Path] | None = None,
                   only: Collection[str] | None = None) -> dict[str, Runtime]:
     """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix → folder

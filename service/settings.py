@@ -5,15 +5,15 @@ Every field is documented in the README's settings table; keep the two in step.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from captioner.models.placement import DEFAULT_MODEL, DEFAULT_ONNX_DIR, DEFAULT_WEIGHTS_DIR, check_name_prefixes
+
 Backend = Literal["torch", "onnx", "hybrid", "auto"]
-MODEL_NAME_PREFIX = re.compile(r"[A-Za-z0-9._-]*")
 
 
 def json_body_bytes(image_bytes: int) -> int:
@@ -26,7 +26,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTIONER_", env_file=None)
 
     # -- models -------------------------------------------------------------------------------------------------
-    weights_dir: Path = Field(Path("weights/flickr8k"), description="every checkpoint folder below it is served "
+    weights_dir: Path = Field(DEFAULT_WEIGHTS_DIR, description="every checkpoint folder below it is served "
                               "under its folder name, a training run's best/last under the run's (the real-photo "
                               "checkpoints by default)")
     prefixed_weights_dirs: dict[str, Path] = Field(
@@ -35,13 +35,13 @@ class Settings(BaseSettings):
     checkpoints: list[Path] = Field(
         default_factory=list, description="extra checkpoint folders (JSON list), each served under its folder name; "
         "a training run's RUN/best as RUN, its RUN/last as RUN-last")
-    default_model: str = Field("sat-supervised", description="model used when a request names none")
+    default_model: str = Field(DEFAULT_MODEL, description="model used when a request names none")
     backend: Backend = Field("auto", description="inference backend of every model not named in `backends`: auto "
                              "(ONNX Runtime where its captions equal PyTorch's on a check set, else the hybrid, "
                              "else torch), torch, onnx or hybrid (ONNX Runtime CNN, PyTorch decoder)")
     backends: dict[str, Backend] = Field(default_factory=dict,
                                          description='per-model backend, JSON: {"sat": "onnx"}')
-    onnx_dir: Path = Field(Path(".cache/onnx"), description="ONNX exports, one folder per model; made when missing")
+    onnx_dir: Path = Field(DEFAULT_ONNX_DIR, description="ONNX exports, one folder per model; made when missing")
 
     # -- device -------------------------------------------------------------------------------------------------
     device: str = Field("auto", description="auto, cpu or cuda")
@@ -123,10 +123,7 @@ class Settings(BaseSettings):
     @field_validator("prefixed_weights_dirs")
     @classmethod
     def _prefixes_are_plain_names(cls, value: dict[str, Path]) -> dict[str, Path]:
-        # a model's name is also its ONNX export's folder name and a URL parameter: no path separators in it
-        bad = [prefix for prefix in value if not MODEL_NAME_PREFIX.fullmatch(prefix)]
-        if bad:
-            raise ValueError(f"name prefixes may hold only letters, digits, '.', '_' and '-': {bad}")
+        check_name_prefixes(value)
         return value
 
     @model_validator(mode="after")

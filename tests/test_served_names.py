@@ -16,6 +16,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from captioner.models.checkpoint import find_checkpoints, save_checkpoint
+from captioner.models.placement import checkpoints_from_env, prefixed_dirs_from_env
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
@@ -112,19 +113,50 @@ def test_the_service_lists_and_captions_with_prefixed_models(weights):
                            files={"file": ("scene.png", image.getvalue(), "image/png")}).status_code == 404
 
 
-def test_export_reads_the_same_prefix_setting_and_refuses_a_malformed_one(monkeypatch):
-    """``captioner export`` exports the prefixed folders under the service's names; a value that is not a JSON object
-    of folders stops it with the variable named, not a traceback."""
-    from captioner.models.cli.inference import _prefixed_weights_dirs
-
+def test_export_reads_the_same_variables_and_refuses_a_malformed_one(monkeypatch):
+    """The model-side commands read the service's variables in models/placement.py (models/ never imports
+    service/); a value that is not a JSON object of folders, or a prefix with a path in it, is refused with the
+    variable named, as ``Settings`` refuses it."""
     monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", '{"scenes-": "weights"}')
-    assert _prefixed_weights_dirs() == {"scenes-": "weights"}
+    monkeypatch.setenv("CAPTIONER_CHECKPOINTS", '["runs/mine/best"]')
+    assert prefixed_dirs_from_env() == Settings().prefixed_weights_dirs == {"scenes-": Path("weights")}
+    assert checkpoints_from_env() == Settings().checkpoints == [Path("runs/mine/best")]
     monkeypatch.delenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS")
-    assert _prefixed_weights_dirs() == {}
+    monkeypatch.delenv("CAPTIONER_CHECKPOINTS")
+    assert prefixed_dirs_from_env() == {} and checkpoints_from_env() == []
     for bad in ("{scenes-: weights}", '["weights"]', '{"scenes-": 3}'):
         monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", bad)
-        with pytest.raises(SystemExit, match="CAPTIONER_PREFIXED_WEIGHTS_DIRS"):
-            _prefixed_weights_dirs()
+        with pytest.raises(ValueError, match="CAPTIONER_PREFIXED_WEIGHTS_DIRS"):
+            prefixed_dirs_from_env()
+    for bad in ('{"../x-": "weights"}', '{"a/b-": "weights"}'):
+        monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", bad)
+        with pytest.raises(ValueError, match="name prefixes"):
+            prefixed_dirs_from_env()
+
+
+def test_export_writes_what_the_service_serves_and_nothing_outside_its_folder(weights, tmp_path, monkeypatch,
+                                                                              capsys):
+    """``captioner export`` exports the checkpoints the service would serve, ``CAPTIONER_CHECKPOINTS`` included
+    (it read the prefixes but not the extra folders); a prefix such as ``../x-`` is refused before anything is
+    written (export took it, and would have written ``OUT/../x-sat``)."""
+    from captioner.models.export import onnx
+    from captioner.service.cli import main
+
+    exported = {}
+    monkeypatch.setattr(onnx, "export_checkpoints", lambda found, out, log: exported.update(found) or {})
+    extra = tmp_path / "mine"
+    save_tiny(extra, PHOTOS_DATASET)
+    monkeypatch.setenv("CAPTIONER_CHECKPOINTS", json.dumps([str(extra)]))
+    monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", json.dumps({"scenes-": str(weights)}))
+    main(["export", "--weights-dir", str(weights / "flickr8k"), "--out", str(tmp_path / "onnx")])
+    assert exported == {"sat": weights / "flickr8k" / "sat", "scenes-sat": weights / "sat",
+                        "scenes-aoanet": weights / "aoanet", "mine": extra}
+    exported.clear()
+    monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", json.dumps({"../x-": str(weights)}))
+    with pytest.raises(SystemExit) as stopped:
+        main(["export", "--weights-dir", str(weights / "flickr8k"), "--out", str(tmp_path / "onnx")])
+    assert stopped.value.code == 2 and not exported
+    assert "name prefixes" in capsys.readouterr().err and not (tmp_path / "onnx").exists()
 
 
 def test_a_checkpoint_replaced_by_one_named_the_same_is_reported(weights):

@@ -9,10 +9,10 @@ from typing import Any, Callable, Sequence
 
 from ..data.datasets import DEFAULT_DATASET
 from ..data.karpathy import DATASET_FORMATS
+from ..placement import DEFAULT_CHECKPOINT as DEFAULT_CHECKPOINT_PATH
 
-#: the checkpoint that `make serve` serves by default (SAT soft trained on Flickr8k photos; the generated-scene
-#: SAT is weights/sat: docs/decisions.md, "Flickr8k: where the checkpoints live and which are served")
-DEFAULT_CHECKPOINT = "weights/flickr8k/sat-supervised"
+#: the checkpoint of the model `make serve` answers with by default (models/placement.py), as a path string
+DEFAULT_CHECKPOINT = str(DEFAULT_CHECKPOINT_PATH)
 
 DEFAULT_DATA = DEFAULT_DATASET
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from ..data.karpathy import DATASET_FORMATS
 from ..evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from ..files import write_atomically
-from .common import (DEFAULT_CHECKPOINT, DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
+from ..placement import DEFAULT_WEIGHTS_DIR, onnx_dir_from_env
+from .common import (DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
                      add_dataset_options, add_device_options, add_search_options, count,
                      decoding_rules, load_split, output_file, positive_int, refuse_input_as_output)
 
@@ -87,7 +87,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--encoder-precision", choices=("float32", "int8"), default="float32",
                     help="int8: grid features from the CNN quantized for ONNX Runtime, as the service computes them "
                     "with CAPTIONER_ENCODER_PRECISION=int8 (default: the float PyTorch CNN)")
-    ev.add_argument("--onnx-dir", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
+    ev.add_argument("--onnx-dir", default=str(onnx_dir_from_env()),
                     help="where the ONNX CNN is exported and quantized (with --encoder-precision int8)")
     ev.add_argument("--output", type=output_file, help="also write the JSON report here")
     ev.add_argument("--results-json", metavar="FILE", type=output_file,
@@ -236,7 +236,7 @@ def _add_params(sub: argparse._SubParsersAction) -> None:
 def _real_photo_page_options(parser: argparse.ArgumentParser, results: str, results_help: str, document: str,
                              markers: str) -> None:
     """The options of a page generated from the real-photo checkpoints' reports (zoo-f8k, grounding-doc)."""
-    parser.add_argument("--weights-dir", default=str(Path(DEFAULT_CHECKPOINT).parent),
+    parser.add_argument("--weights-dir", default=str(DEFAULT_WEIGHTS_DIR),
                         help="the real-photo checkpoints' folder")
     parser.add_argument("--results", default=results, help=results_help)
     parser.add_argument("--document", default=document, help=f"written between its {markers} markers")

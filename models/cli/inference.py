@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import pickle
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..placement import checkpoints_from_env, onnx_dir_from_env, prefixed_dirs_from_env, weights_dir_from_env
 from .common import (DEFAULT_CHECKPOINT, CommandGroup, add_device_options, add_search_options, add_threads_option,
                      checkpoint_labels, decoding_rules, figure_file, refuse_input_as_output, refuse_overwrite)
 
@@ -102,19 +101,6 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.set_defaults(func=cmd_caption)
 
 
-def _prefixed_weights_dirs() -> dict[str, str]:
-    """``CAPTIONER_PREFIXED_WEIGHTS_DIRS`` (a JSON object of name prefix → folder), or a clear error."""
-    text = os.environ.get("CAPTIONER_PREFIXED_WEIGHTS_DIRS") or "{}"
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"error: CAPTIONER_PREFIXED_WEIGHTS_DIRS is not JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise SystemExit(f'error: CAPTIONER_PREFIXED_WEIGHTS_DIRS must be a JSON object such as '
-                         f'{{"scenes-": "weights"}}, not {text!r}')
-    return value
-
-
 def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
     from ..checkpoint import checkpoint_name, find_checkpoints
@@ -123,9 +109,10 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     set_threads(args.threads)
     weights_dir = None if args.checkpoints and not args.all else args.weights_dir
-    # the service's prefixed folders too, under the same names, so that its exports are the ones it looks for (read
-    # here, not through the service's Settings: models/ never imports service/)
-    prefixed = _prefixed_weights_dirs() if weights_dir else {}
+    # the service's prefixed folders and extra checkpoints too, under the same names, so that its exports are the
+    # ones it looks for
+    prefixed = prefixed_dirs_from_env() if weights_dir else {}
+    extra = [*args.checkpoints, *(map(str, checkpoints_from_env()) if weights_dir else ())]
     names = [checkpoint_name(c) for c in args.checkpoints]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:  # exports are named after the checkpoint: the second would silently replace the first
@@ -136,7 +123,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         print(f"note: {winner} is exported as {name}, not {loser} (the service too serves the checkpoint named last)",
               file=sys.stderr)
 
-    found = find_checkpoints(weights_dir, args.checkpoints, prefixed, on_replaced=replaced)
+    found = find_checkpoints(weights_dir, extra, prefixed, on_replaced=replaced)
     missing = [c for c in args.checkpoints if checkpoint_name(c) not in found]
     if missing:
         raise SystemExit(f"error: not a checkpoint folder: {', '.join(missing)}")
@@ -167,11 +154,12 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                         help="export checkpoints to ONNX (encoder, encoder-head and decoder-step graphs) for the "
                         "service's ONNX Runtime backend")
     ex.add_argument("checkpoints", nargs="*", help="checkpoint folders (default: every one in --weights-dir)")
-    ex.add_argument("--weights-dir", default=os.environ.get("CAPTIONER_WEIGHTS_DIR", "weights/flickr8k"),
+    ex.add_argument("--weights-dir", default=str(weights_dir_from_env()),
                     help="export every checkpoint below it (CAPTIONER_WEIGHTS_DIR; also every one below the "
-                    "folders of CAPTIONER_PREFIXED_WEIGHTS_DIRS, under the service's names)")
+                    "folders of CAPTIONER_PREFIXED_WEIGHTS_DIRS and those CAPTIONER_CHECKPOINTS names, under the "
+                    "service's names)")
     ex.add_argument("--all", action="store_true", help="with named checkpoints: also every one in --weights-dir")
-    ex.add_argument("--out", default=os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"),
+    ex.add_argument("--out", default=str(onnx_dir_from_env()),
                     help="one folder per model is written below it (CAPTIONER_ONNX_DIR, where the service looks)")
     ex.add_argument("--strict", action="store_true", help="exit 1 when any model cannot be exported")
     add_threads_option(ex)

@@ -10,13 +10,13 @@ flags, the tables it prints and the files it writes.  A mistake in the request i
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..data.datasets import DEFAULT_DATASET
 from ..data.karpathy import CaptionedImage
+from ..placement import onnx_dir_from_env
 
 #: how a report's captions and references were tokenised for scoring
 WORDS_TOKENIZER, PTB_TOKENIZER = "the project's (models/vocab.py)", "coco-caption's PTB tokenizer on the raw texts"
@@ -243,6 +243,6 @@ def _onnx_feature_store(ckpt, images: Sequence[CaptionedImage], features: str, p
 
     if features != "grid":
         raise ValueError("--encoder-precision applies to grid features, not " + str(features))
-    path = visual_encoder_file(ckpt.encoder, onnx_dir or os.environ.get("CAPTIONER_ONNX_DIR", ".cache/onnx"), precision)
+    path = visual_encoder_file(ckpt.encoder, onnx_dir or onnx_dir_from_env(), precision)
     return extract_features(images, ckpt.encoder, Path(cache_dir) / f"onnx-{precision}-{RECIPE}",
                             encoder=OnnxGridEncoder(path, ckpt.encoder, threads))
