@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -249,6 +249,20 @@ def open_image(source: bytes | str | Path, max_pixels: int | None = None, name: 
         where = name or ("the upload" if isinstance(source, bytes) else str(source))
         raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where}") from exc
     return _within(image, max_pixels)
+
+
+#: EXIF orientations that turn the picture a quarter turn (transposed, rotated 90° or 270°, transversed)
+_QUARTER_TURNS = (5, 6, 7, 8)
+
+
+def picture_size(source: bytes | str | Path) -> tuple[int, int]:
+    """(width, height) of the picture :func:`load_image` makes of an image file, from its header alone: the
+    header's size, swapped when the EXIF orientation turns the picture a quarter turn.  What the grid of a photo
+    the model saw is laid on (grounding, attention supervision) without decoding it."""
+    with open_image(source) as image:
+        width, height = image.size
+        turned = image.getexif().get(ExifTags.Base.Orientation) in _QUARTER_TURNS
+    return (height, width) if turned else (width, height)
 
 
 def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None,

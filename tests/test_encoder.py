@@ -7,7 +7,7 @@ from PIL import Image
 from skimage import data
 
 from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry,
-                                      load_image, preprocess)
+                                      load_image, picture_size, preprocess)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,17 @@ def test_a_cameras_two_view_jpeg_is_read_as_its_first_view():
     buffer = io.BytesIO()
     views[0].save(buffer, format="MPO", save_all=True, append_images=views[1:])
     assert load_image(buffer.getvalue()).getpixel((5, 5))[0] > 200
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_size_read_from_a_header_is_the_size_of_the_picture_the_model_sees(tmp_path, orientation):
+    # grounding and attention supervision lay the grid on this size; they read the header's own size, so a
+    # photo turned a quarter by its EXIF orientation (5-8) had its grid laid across, not along, the features
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    path = tmp_path / "turned.jpg"
+    Image.new("RGB", (40, 30)).save(path, exif=exif.tobytes())
+    assert picture_size(path) == load_image(path).size == ((30, 40) if orientation >= 5 else (40, 30))
 
 
 @pytest.mark.parametrize("fmt", ["SPIDER", "PPM", "ICO"])

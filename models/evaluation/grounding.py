@@ -268,13 +268,13 @@ def score_images(images: Sequence, results: Sequence[CaptionAttention], dataset_
 
 def item_geometry(ckpt, vis, row: int, image_path: Path) -> Geometry:
     """Where the visual items of row ``row`` of ``vis`` sit on the image file the model saw: the store's own
-    geometry (regions), or the encoder grid's on the file's size (read from its header only)."""
-    from ..encoder import grid_geometry
+    geometry (regions), or the encoder grid's on the picture's size (read from its header only, after its EXIF
+    orientation, as the model saw it)."""
+    from ..encoder import grid_geometry, picture_size
 
     if vis.geometry:
         return vis.geometry[row]
-    with Image.open(image_path) as picture:
-        return grid_geometry(ckpt.encoder, picture.size)
+    return grid_geometry(ckpt.encoder, picture_size(image_path))
 
 
 @torch.no_grad()

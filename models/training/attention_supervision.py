@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import Tensor
 from tqdm import tqdm
 
 from ..data.entities import EntitiesDataset
 from ..data.karpathy import CaptionedImage
-from ..encoder import EncoderSpec, grid_geometry
+from ..encoder import EncoderSpec, grid_geometry, picture_size
 from ..evaluation.grounding import cell_labels, cell_pixels
 from ..evaluation.phrase_grounding import phrase_mask
 from ..protocol import Captioner
@@ -123,8 +122,7 @@ def entities_attention_targets(images: Sequence[CaptionedImage], entities_dir: s
         entity = entities.load(image.path)
         if entity is None:
             continue
-        with Image.open(image.path) as picture:
-            size = picture.size
+        size = picture_size(image.path)  # as the model sees the photo: after its EXIF orientation
         if size not in labels_of:
             labels_of[size] = cell_labels(grid_geometry(spec, size), size)
         by_tokens = {}
