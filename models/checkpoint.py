@@ -8,7 +8,6 @@ training did) and free-form metadata (training command, metrics).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -24,9 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
-from .encoder import EncoderSpec
-from .files import (file_checksum, fsync_path, temporaries_of, temporary_beside, temporary_target, write_atomically,
-                    write_durably)
+from .encoder import WEIGHTS_FILE_FIELDS, EncoderSpec
+from .files import (file_checksum, fsync_path, replace_directory, set_aside, temporaries_of, temporary_beside,
+                    temporary_target, write_atomically, write_durably)
 from .placement import check_name_prefixes
 from .protocol import Captioner
 from .zoo import create
@@ -198,21 +197,10 @@ def remove_debris(path: str | Path) -> None:
     path = Path(path)
     for stale in temporaries_of(path):
         shutil.rmtree(stale, ignore_errors=True)
-    old = path.with_name(f".{path.name}.old")
+    old = set_aside(path)
     if old.exists() and not path.exists():
         os.replace(old, path)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def check_replaceable(path: Path) -> None:
@@ -250,21 +238,6 @@ def _checkpoint_config(path: Path) -> bool:
     except (CheckpointError, OSError, AttributeError):  # AttributeError: JSON that is not an object
         return False
     return True
-
-
-def replace_directory(tmp: Path, path: Path) -> None:
-    """Put the finished folder ``tmp`` at ``path``.  An existing ``path`` is swapped out atomically where the OS can
-    (so ``path`` always names a whole checkpoint); elsewhere it is renamed aside first, and a crash between the two
-    renames leaves it as ``.NAME.old``."""
-    if path.exists() and _exchange(tmp, path):
-        shutil.rmtree(tmp)
-    else:
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_path(path.parent)
 
 
 def write_manifest(path: str | Path) -> Path:
@@ -436,16 +409,12 @@ def _check_shapes(path: Path, arch: str, build: Callable[[], Captioner]) -> None
                           f"{shown}")
 
 
-#: EncoderSpec fields that may name a file inside the checkpoint folder: an imported CNN (``captioner import``), or
-#: the stages a fine-tuning run trained (``--finetune-stages``)
-FOLDER_FILE_FIELDS = ("weights", "tuned_weights")
-
-
 def resolve_encoder_weights(encoder: dict[str, Any], path: Path) -> EncoderSpec:
-    """The encoder spec, with a relative ``weights`` file that the checkpoint folder holds (an imported CNN, e.g.
-    ``captioner import sgrvinod``) made absolute, so the checkpoint can be served from any working directory."""
+    """The encoder spec, with each relative weights file that the checkpoint folder holds (an imported CNN, e.g.
+    ``captioner import sgrvinod``; the stages a fine-tuning run trained, ``--finetune-stages``) made absolute, so the
+    checkpoint can be served from any working directory."""
     spec = EncoderSpec.from_json(encoder)
-    for name in FOLDER_FILE_FIELDS:
+    for name in WEIGHTS_FILE_FIELDS:
         file = getattr(spec, name)
         if file and not Path(file).is_absolute() and (path / file).is_file():
             spec = replace(spec, **{name: str((path / file).resolve())})
@@ -456,7 +425,7 @@ def folder_relative(spec: EncoderSpec, path: Path) -> EncoderSpec:
     """The inverse of :func:`resolve_encoder_weights`: files inside the checkpoint folder named by their name alone,
     so a rewritten or copied checkpoint does not point back into the folder it came from."""
     folder = path.resolve()
-    for name in FOLDER_FILE_FIELDS:
+    for name in WEIGHTS_FILE_FIELDS:
         file = getattr(spec, name)
         if file and Path(file).is_absolute() and Path(file).parent == folder:
             spec = replace(spec, **{name: Path(file).name})

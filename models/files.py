@@ -7,10 +7,12 @@ flushed to disk before the rename, and the folder's entry after it.
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import hashlib
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 
@@ -56,6 +58,38 @@ def temporary_target(name: str) -> str | None:
     """The name a :func:`temporary_beside` name stands for (``.NAME.tmp-XXXXXXXX`` → ``NAME``); None for any other."""
     stem, mark, token = name.rpartition(_TEMPORARY_MARK)
     return stem[1:] if mark and token and len(stem) > 1 and stem.startswith(".") else None
+
+
+def set_aside(path: Path) -> Path:
+    """Where :func:`replace_directory` renames an existing folder while it puts the new one in place, on systems
+    that cannot swap two folders in one step (``.NAME.old``)."""
+    return path.with_name(f".{path.name}.old")
+
+
+def replace_directory(tmp: Path, path: Path) -> None:
+    """Put the finished folder ``tmp`` (in ``path``'s folder) at ``path``.  An existing ``path`` is swapped out
+    atomically where the OS can (so ``path`` always names a whole folder: a checkpoint, an ONNX export); elsewhere it
+    is renamed aside first, and a crash between the two renames leaves it as :func:`set_aside`'s name."""
+    if path.exists() and _exchange(tmp, path):
+        shutil.rmtree(tmp)
+    else:
+        old = set_aside(path)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_path(path.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def write_atomically(path: Path, data: bytes | str, durable: bool = False) -> None:

@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 from captioner.models.decoding import DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
 from captioner.models.inference import CaptionResult, Runtime
+from captioner.models.rendering.heatmaps import save_picture
 
 from .batcher import Batcher
 from .schemas import CaptionOut
@@ -209,10 +210,7 @@ def heatmap_file(folder: Path, path: str) -> Path:
 def write_figure(image, result: CaptionResult, out: Path) -> None:
     """The per-word figure (``captioner caption --overlay``'s), written whole or not at all (temporary + rename),
     before its caption line: a line never points at a missing or torn figure."""
-    figure = result.figure(image, panel_size=FIGURE_PANEL)
-    partial = out.with_name(out.name + ".partial")
-    figure.save(partial, format="PNG")
-    os.replace(partial, out)
+    save_picture(result.figure(image, panel_size=FIGURE_PANEL), out)
 
 
 # -- the run --------------------------------------------------------------------------------------------------------

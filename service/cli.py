@@ -73,10 +73,12 @@ ARCHIVE_ONLY = ("resume", "shard", "attention", "heatmaps")
 
 def print_json_line(path: str, label: str, result) -> None:
     """``captioner caption --json``'s line for one image: the record an archive's ``--output --attention`` writes
-    (the path and the service's caption fields), so the two parse alike."""
+    (the path and the service's caption fields), so the two parse alike, and the checkpoint's ``label`` when several
+    are compared (their folder names may coincide: ``weights/sat`` and ``weights/flickr8k/sat``)."""
     from .archive import caption_record
 
-    print(json.dumps(caption_record(path, result, attention=True), ensure_ascii=False))
+    record = caption_record(path, result, attention=True)
+    print(json.dumps({**record, "label": label} if label else record, ensure_ascii=False))
 
 
 def cmd_caption(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT
+from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
 
 
 def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -39,6 +39,21 @@ def test_caption_with_overlay_figure_and_single_token(tmp_path):
     captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(tmp_path / "w.png"),
               "--token", "0", "--mode", "grid_blocks")
     assert Image.open(tmp_path / "w.png").size == (451, 300)
+
+
+def test_compared_checkpoints_of_one_name_are_told_apart_in_json_lines(tmp_path, capsys):
+    # the label that tells weights/sat from weights/flickr8k/sat was printed in text mode and dropped from --json,
+    # whose two lines then both said "model": "sat"
+    from captioner.service.cli import main
+
+    photo = tmp_path / "cat.jpg"
+    Image.fromarray(data.chelsea()).save(photo)
+    compared = [str(WEIGHTS / "sat"), str(WEIGHTS / "flickr8k" / "sat")]
+    main(["caption", str(photo), "--json", "--threads", "1", *(f"--checkpoint={c}" for c in compared)])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["label"] for line in lines] == compared and {line["model"] for line in lines} == {"sat"}
+    main(["caption", str(photo), "--json", "--threads", "1", f"--checkpoint={compared[0]}"])
+    assert "label" not in json.loads(capsys.readouterr().out)
 
 
 def test_caption_errors_are_clear(tmp_path):

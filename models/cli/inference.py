@@ -21,9 +21,9 @@ register = _group.register
 
 
 def print_caption(path: str, label: str, result: CaptionResult) -> None:
-    """``captioner caption``'s line for one image: its path, the checkpoint's label when several are compared, and
-    the caption."""
-    print(f"{path}{label}: {result.caption}")
+    """``captioner caption``'s line for one image: its path, the checkpoint's label when several are compared (else
+    ``""``), and the caption."""
+    print(f"{path} [{label}]: {result.caption}" if label else f"{path}: {result.caption}")
 
 
 def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResult], None] = print_caption) -> None:
@@ -65,7 +65,7 @@ def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResul
                            rules=decoding_rules(pipeline.ckpt, args))
         runs.append((name, results))
         for path, result in zip(args.images, results):
-            show(str(path), f" [{name}]" if len(checkpoints) > 1 else "", result)
+            show(str(path), name if len(checkpoints) > 1 else "", result)
     if not args.overlay:
         return
     style = {"cmap": args.cmap, "alpha": args.alpha}

@@ -47,7 +47,8 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint
-from ..files import file_checksum, is_newer_format, temporary_beside, temporary_target, write_atomically
+from ..files import (file_checksum, is_newer_format, replace_directory, temporary_beside, temporary_target,
+                     write_atomically)
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
 
@@ -186,10 +187,11 @@ def _writing_in(parent: Path):
 
 @contextmanager
 def _folder_swapped_in(final: Path):
-    """Yield an empty folder beside ``final``; when the block succeeds it replaces ``final`` in one rename, so a
-    reader never sees half an export. On failure the partial folder is removed and ``final`` is untouched; a process
-    killed before that leaves it for the next export to remove (:func:`_writing_in`).  (Callers check
-    :func:`check_replaceable` before their work; it is checked again here, before anything is replaced.)"""
+    """Yield an empty folder beside ``final``; when the block succeeds it takes ``final``'s place in one step
+    (:func:`~..files.replace_directory`), so a reader never sees half an export, nor no export.  On failure the
+    partial folder is removed and ``final`` is untouched; a process killed before that leaves it for the next export
+    to remove (:func:`_writing_in`).  (Callers check :func:`check_replaceable` before their work; it is checked
+    again here, before anything is replaced.)"""
     final.parent.mkdir(parents=True, exist_ok=True)
     with _writing_in(final.parent):
         # not tempfile.mkdtemp: its folder is 0700 whatever the umask says, unreadable to a service running as
@@ -199,9 +201,7 @@ def _folder_swapped_in(final: Path):
         try:
             yield tmp
             check_replaceable(final)  # again: the export may have taken minutes
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_directory(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -90,7 +90,7 @@ class XEPhase(Phase):
 
     def loss(self, batch: Sequence[int], global_batch: Sequence[int] | None = None) -> BatchLoss:
         """Token-mean XE (plus the model's auxiliary losses) of this rank's ``batch``, weighted by its share of
-        the global batch's tokens (images, for the auxiliary terms) times the number of ranks: averaged over the
+        the global batch's tokens (captions, for the auxiliary terms) times the number of ranks: averaged over the
         ranks, that is the token-mean over the global batch, as on one process."""
         pairs = [self.pairs[i] for i in batch]
         # each distinct image is read and encoded once; captions point at their image's row
