@@ -73,11 +73,17 @@ class DecodingRules:
 NO_RULES = DecodingRules()
 
 
+def gnmt_divisor(length, alpha):
+    """The GNMT length penalty's divisor ``((5 + |y|) / 6)^α`` (Wu et al. 2016, arXiv:1609.08144, Eq. 14), of
+    numbers or of tensors of lengths and α."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
 def _length_normalised(score: float, length: int, length_penalty: float | None) -> float:
-    # GNMT length penalty ((5+|y|)/6)^α; None or 0: summed log-prob (docs/decisions.md#decoding-rules)
+    # None or 0: the summed log-prob (docs/decisions.md#decoding-rules)
     if not length_penalty:
         return score
-    return score / (((5.0 + length) / 6.0) ** length_penalty)
+    return score / gnmt_divisor(length, length_penalty)
 
 
 def host_index(values: Sequence[int] | Tensor, device: torch.device | str) -> Tensor:
@@ -236,8 +242,7 @@ class RowHistory:
 
     def penalty(self, finished: Tensor) -> Tensor:
         """``[R]`` GNMT divisor ``((5 + |y|) / 6)^α`` of every row's candidates: a live row's grow by one word."""
-        length = (self.lengths + (~finished).long()).float()
-        return ((5.0 + length) / 6.0) ** self.alpha
+        return gnmt_divisor((self.lengths + (~finished).long()).float(), self.alpha)
 
 
 def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int,

@@ -90,13 +90,12 @@ def configured_normaliser(model_config: Mapping[str, Any]) -> str:
 class Captioner(nn.Module):
     """Base class of every captioner (docs/decisions.md#model-protocol-and-alignment-rule).
 
-    Subclasses set ``arch`` (registry name), ``attention_kind`` (how the primary map should be read) and
-    implement the abstract methods and :meth:`config`, whose dict rebuilds the model (``create(arch, **config)``:
-    a checkpoint stores it).  ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come from the vocabulary the
-    model was built with.  A constructor must run on PyTorch's meta device (it must not read a tensor's values:
-    ``.item()``, ``.tolist()``): loading builds the model there first to check a checkpoint's shapes before
-    allocating anything.  A new model file is imported in :mod:`.zoo`, which registers it.
-    """
+    ``arch`` is the registry name (``@register(name)`` sets it); subclasses set ``attention_kind`` (how the primary
+    map should be read) and implement the abstract methods and :meth:`config`, whose dict rebuilds the model
+    (``create(arch, **config)``: a checkpoint stores it). ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come
+    from the vocabulary the model was built with. A constructor must run on PyTorch's meta device (it must not read
+    a tensor's values: ``.item()``, ``.tolist()``): loading builds the model there first to check a checkpoint's
+    shapes before allocating anything. A new model file is imported in :mod:`.zoo`, which registers it."""
 
     arch: ClassVar[str] = ""
     attention_kind: ClassVar[str] = "attention"

@@ -45,13 +45,11 @@ from starlette.concurrency import run_in_threadpool
 from captioner.models.decoding import NO_RULES, DecodingRules
 from captioner.models.inference import CaptionResult, Prepared, Runtime
 
-from .admission import ADMISSION_HEADROOM, RATE_SMOOTHING, AdmissionEstimate, QueueFull, WouldMissDeadline
+from .admission import AdmissionEstimate, QueueFull
 from .metrics import Metrics
 from .row_table import Job, RowTable
 
-__all__ = ["BeamTooWide", "Batcher", "DeadlineExceeded", "ENCODE_TOLERANCE", "NotAccepting",
-           # where callers and tests have long found them; their home is captioner.service.admission
-           "ADMISSION_HEADROOM", "QueueFull", "RATE_SMOOTHING", "WouldMissDeadline"]
+__all__ = ["BeamTooWide", "Batcher", "DeadlineExceeded", "ENCODE_TOLERANCE", "NotAccepting", "QueueFull"]
 
 log = logging.getLogger("captioner.batcher")
 
@@ -78,9 +76,10 @@ class Batcher:
     Two measurements steer it:
 
     * ``encode_batch``: images are encoded in chunks of this size (at most ``max_batch`` are admitted per step
-      boundary).  It starts at ``max_batch``; :meth:`calibrate` times the encoder at each size and keeps the one
-      with the lowest time per image, because a bigger batch is not always cheaper per image (on a CPU, the early
-      activation maps of a large batch leave the cache: benchmarks/bench_encoder.py).
+      boundary).  It starts at ``max_batch``; :meth:`calibrate` times the encoder at each size and keeps the
+      largest whose time per image is within ``ENCODE_TOLERANCE`` of the lowest, because a bigger batch is not
+      always cheaper per image (on a CPU, the early activation maps of a large batch leave the cache:
+      benchmarks/bench_encoder.py).
     * deadline-aware admission (``admission``, a :class:`~captioner.service.admission.AdmissionEstimate`):
       moving averages, updated at every step, of the time a step takes (encoding at that boundary included) and
       of the rows decoded per second, and of the steps a finished request took.  A new request whose expected

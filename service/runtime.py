@@ -12,9 +12,9 @@ either backend, chosen per model name:
 * ``hybrid``: :class:`~captioner.service.onnx_backends.HybridRuntime`, the frozen CNN alone on ONNX Runtime and the
   model on PyTorch, for models whose decoder step cannot be exported (TVmax's data-dependent solver) — on a CPU the
   CNN is most of the cost;
-* ``auto`` (the default): the fastest of these whose captions equal the PyTorch ones on a check set of a few
-  generated images: on a CPU ``onnx``, else ``hybrid``, else ``torch`` (measured once, in the benchmarks); on a GPU,
-  timed on the check set at start-up (:mod:`captioner.service.backend_choice`).
+* ``auto`` (the service's default, ``CAPTIONER_BACKEND``): the fastest of these whose captions equal the PyTorch ones on
+  a check set of a few generated images: on a CPU ``onnx``, else ``hybrid``, else ``torch`` (measured once, in the
+  benchmarks); on a GPU, timed on the check set at start-up (:mod:`captioner.service.backend_choice`).
 
 The frozen CNN exists once per :class:`~captioner.models.encoder.EncoderSpec`, whatever the number of models
 (:class:`~captioner.service.shared_encoders.SharedEncoders`): one ONNX Runtime session of its ``visual.onnx`` for

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from captioner.models.training import TrainConfig, fit, prepare_run
-from captioner.models.training.loop import resolve_precision
+from captioner.models.training.precision import resolve_precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from captioner.models.training import TrainConfig, available_recipes, load_recipe
-from captioner.models.training.loop import build_schedules, learning_rate
+from captioner.models.training.schedules import build_schedules, learning_rate
 from captioner.models.training.schedules import NoamWarmup, PlateauDecay, ScheduledSampling, StepDecay
 
 

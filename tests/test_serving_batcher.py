@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.service.batcher import ADMISSION_HEADROOM, Batcher, DeadlineExceeded, NotAccepting, QueueFull, \
-    WouldMissDeadline
+from captioner.service.admission import ADMISSION_HEADROOM, WouldMissDeadline
+from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
 from captioner.service.row_table import fill_holes
 from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules

@@ -69,7 +69,7 @@ def test_resume_continues_exactly(scenes, tmp_path, cache, capsys):
 
 
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
-    from captioner.models.training.loop import learning_rate
+    from captioner.models.training.schedules import learning_rate
 
     scheduled = _config(scenes, tmp_path / "scheduled", cache, lr_drops=[1], lr_drop_factor=0.5)
     assert [learning_rate(scheduled, e) for e in range(3)] == [3e-3, 1.5e-3, 1.5e-3]

@@ -56,13 +56,11 @@ from .phase import PHASES, Phase, PhaseModule
 from .precision import Precision, resolve_precision
 from .resume import merge_resume, read_from, restore
 from .run_log import METRICS_LOG, EpochLog, StepLog, append_record, check_new_run_folder, trim_metrics_log
-from .schedules import Schedules, build_schedules, learning_rate
+from .schedules import Schedules, build_schedules
 from .state import STATE_JSON, load_state, rng_state, save_state
 from .warm_start import adopt_init, choose_vocab, lineage, load_init_weights
 
-__all__ = ["Run", "TrainingInterrupted", "fit", "prepare_run", "train",
-           # where the tests and callers have long found them; their homes are the modules named
-           "PHASES", "build_schedules", "learning_rate", "resolve_precision"]
+__all__ = ["Run", "TrainingInterrupted", "fit", "prepare_run", "train"]
 
 #: the fine-tuned encoder stages' weights in a checkpoint folder (EncoderSpec.tuned_weights)
 TUNED_WEIGHTS = "encoder_tuned.safetensors"
