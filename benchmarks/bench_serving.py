@@ -428,10 +428,10 @@ def onnx_encoder_ms(model: str, spec, feed, threads: int, precision: str) -> dic
     import onnxruntime as ort
 
     from captioner.models.export.quantize import visual_encoder_file
-    from captioner.service.onnx_backends import _session_options
+    from captioner.models.export.sessions import session_options
 
     def session(path: Path):
-        return ort.InferenceSession(str(path), _session_options(threads), providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
 
     visual, head = session(visual_encoder_file(spec, ONNX_DIR, precision)), session(ONNX_DIR / model / "head.onnx")
     heads = [o.name for o in head.get_outputs()]

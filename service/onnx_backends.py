@@ -23,22 +23,9 @@ import torch
 
 from captioner.models.checkpoint import Checkpoint
 from captioner.models.decoding import expand_rows
+from captioner.models.export.sessions import session_options
 from captioner.models.inference import Prepared, Runtime, TorchRuntime
 from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
-
-
-def _session_options(threads: int | None):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Without its arena, ONNX Runtime returns each run's buffers to the allocator instead of keeping the largest
-    # warm-up batch's worth per session (two per model): docs/decisions.md#onnx-runtime-without-its-memory-arena
-    options.enable_cpu_mem_arena = False
-    return options
 
 
 class NoCudaProvider(RuntimeError):
@@ -69,7 +56,7 @@ class VisualSession:
         import onnxruntime as ort
 
         self.device, self.path = device, Path(path)
-        self.session = ort.InferenceSession(str(path), _session_options(threads), providers=_providers(device))
+        self.session = ort.InferenceSession(str(path), session_options(threads), providers=_providers(device))
         self.providers = self.session.get_providers()
         self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
 
@@ -96,7 +83,7 @@ class OnnxRuntime(Runtime):
         self.graphs = GraphSpec.load(folder)
         self.folder = folder
         self.visual = visual
-        options, providers = _session_options(threads), _providers(device)
+        options, providers = session_options(threads), _providers(device)
         self.encoder_session = ort.InferenceSession(str(folder / (ENCODER_FILE if visual is None else HEAD_FILE)),
                                                     options, providers=providers)
         self.step_session = ort.InferenceSession(str(folder / STEP_FILE), options, providers=providers)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..encoder import EncoderSpec, GridEncoder, preprocess
+from .sessions import session_options
 
 #: bump when the quantization recipe changes: the int8 file and the feature caches of int8 encoders are keyed by
 #: it, so an export cache (the service's, ``captioner eval``'s) never serves a graph quantized the old way
@@ -134,11 +135,7 @@ class OnnxGridEncoder:
     def __init__(self, path: Path, spec: EncoderSpec, threads: int | None = None):
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
         # the graph's feature axis is symbolic after export: one run on a blank image tells its size
         blank = np.zeros((1, 3, spec.image_size, spec.image_size), np.float32)
         self.feat_dim = int(self.session.run(["features"], {"pixels": blank})[0].shape[-1])
