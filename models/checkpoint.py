@@ -212,7 +212,7 @@ def check_replaceable(path: Path) -> None:
         raise FileExistsError(f"{path} is a file, not a checkpoint folder: nothing was written there")
     if not path.is_dir() or not any(path.iterdir()):
         return
-    if not _checkpoint_config(path):
+    if not _has_checkpoint_config(path):
         raise FileExistsError(f"{path} exists and is not a checkpoint folder (it has no {CONFIG} of this project's "
                               "format): nothing was written there; choose another folder")
     foreign = foreign_entries(path)
@@ -231,7 +231,7 @@ def foreign_entries(path: Path) -> list[str]:
                   if not (entry.is_file() and (entry.name in allowed or temporary_target(entry.name) in allowed)))
 
 
-def _checkpoint_config(path: Path) -> bool:
+def _has_checkpoint_config(path: Path) -> bool:
     """Whether ``path`` has a ``config.json`` of this format (:func:`read_config` reads it)."""
     try:
         read_config(path)

@@ -283,8 +283,6 @@ def grid_encoder(spec: EncoderSpec, device: torch.device | str) -> GridEncoder:
     return GridEncoder(spec).to(device).to(memory_format=torch.channels_last)
 
 
-
-
 class TorchRuntime(Runtime):
     """The PyTorch backend: the frozen :class:`~captioner.models.encoder.GridEncoder` (shareable between models with the
     same :class:`~captioner.models.encoder.EncoderSpec`) and the model's own protocol methods.

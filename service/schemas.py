@@ -102,7 +102,6 @@ CAPTION_BODY = {
 }
 
 
-
 # -- responses ------------------------------------------------------------------------------------------------------
 class PackedRows(BaseModel):
     """An attention map packed for ``attention_format=float16-base64``: decode ``data`` from base64 and read it as

@@ -10,11 +10,13 @@ import pytest
 from .conftest import ROOT
 
 #: the service's modules by layer, top first; a module may import its own layer's and the layers below it.
-#: Modules in no layer (settings, errors, schemas, metrics, state, ...) are shared definitions any layer may use.
+#: Modules in no layer (settings, errors, schemas, metrics, ...) are shared definitions any layer may use; ``state``
+#: (what routes get by ``Depends``) holds the batchers and the result cache, so it sits with the use cases: a
+#: batcher or a runtime that imported it would close a cycle.
 SERVICE_LAYERS = {
     "routes": {"app", "cli", "routes", "overlay", "upload_answers", "inputs", "problems", "middleware", "openapi",
                "security", "lifecycle"},
-    "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup"},
+    "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup", "state"},
     "batcher": {"batcher", "admission", "row_table"},
     "runtime": {"runtime", "backend_choice", "onnx_exports", "shared_encoders", "onnx_backends"},
 }

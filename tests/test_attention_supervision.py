@@ -13,7 +13,7 @@ import torch
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec
-from captioner.models.training.attention_supervision import (attention_supervision_loss, check_setting,
+from captioner.models.training.attention_supervision import (attention_supervision_loss, checked_entities_folder,
                                                             entities_attention_targets)
 from captioner.models.training.config import TrainConfig
 
@@ -133,7 +133,7 @@ def _config(tmp_path, **overrides) -> TrainConfig:
     (dict(model="sat-hard"), "forward pass of its own")])
 def test_settings_it_cannot_serve_are_refused(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
-        check_setting(_config(tmp_path, **overrides))
+        checked_entities_folder(_config(tmp_path, **overrides))
 
 
 def test_the_command_refuses_them_in_one_line_before_any_work(tmp_path):

@@ -204,7 +204,7 @@ def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
     import numpy as np
 
     from captioner.models.data.datasets import load_captioned
-    from captioner.models.data.features import extract_features, find_covering_store, photo_sizes
+    from captioner.models.data.features import extract_features, find_covering_store, photo_file_bytes
     from captioner.models.data.scenes import generate
     from captioner.models.encoder import EncoderSpec
 
@@ -219,7 +219,7 @@ def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
     images = load_captioned(tmp_path / "scenes", None, ("train",))
     keys = [im.key for im in images]
     assert find_covering_store(tmp_path / "cache", spec, keys,
-                               sizes=photo_sizes(images)) is None  # `everything` is stale too
+                               sizes=photo_file_bytes(images)) is None  # `everything` is stale too
     after = extract_features(images, spec, tmp_path / "cache", progress=False)
     assert after.folder == before.folder  # its own folder, encoded again (it served the old photos' features)
     assert not np.array_equal(after.get(keys).numpy(), old)

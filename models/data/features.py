@@ -115,7 +115,7 @@ class FeatureStore:
         return int(self.item_shape[-1])
 
     def describes(self, sizes: Mapping[str, int]) -> bool:
-        """Whether the photos of ``sizes`` (:func:`photo_sizes`) are still those whose features this store holds,
+        """Whether the photos of ``sizes`` (:func:`photo_file_bytes`) are still those whose features this store holds,
         by their sizes in bytes (a regenerated or replaced photo at the same path almost never keeps its size; a
         copy keeps it, where a modification time would not).  A photo whose size was not recorded (an older store)
         or that is not on this machine cannot tell, and counts as current."""
@@ -185,7 +185,7 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def photo_sizes(images: Sequence[CaptionedImage]) -> dict[str, int]:
+def photo_file_bytes(images: Sequence[CaptionedImage]) -> dict[str, int]:
     """Each photo's size in bytes by its key (photos not on this machine are left out), read once per extraction:
     what a store records and what :meth:`FeatureStore.describes` compares."""
     sizes = {}
@@ -204,7 +204,7 @@ def find_covering_store(cache_dir: str | Path, spec: EncoderSpec, keys: Sequence
                         sizes: Mapping[str, int] | None = None) -> FeatureStore | None:
     """A finished store in ``cache_dir`` of the same encoder spec (and weights files, by content: ``files``, the
     spec's :func:`weights_sha256`; and view)
-    that holds every key (and, given their :func:`photo_sizes`, still describes their photos), if there is one: a
+    that holds every key (and, given their :func:`photo_file_bytes`, still describes their photos), if there is one: a
     store of all splits serves training (train + val) and evaluation (test) alike."""
     files = weights_sha256(spec) if files is None else files
     prefix = f"{spec.backbone}-{spec.layer}-{spec.image_size}-"
@@ -267,7 +267,7 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
     keys = [im.key for im in images]
     files = weights_sha256(spec)  # read once: the name, the covering store and the index all need it
     folder = Path(cache_dir) / _cache_name(spec, keys, files, view)
-    sizes = photo_sizes(images)  # once: every store looked at below compares them, and the new index records them
+    sizes = photo_file_bytes(images)  # once: every store looked at below compares them, and the new index records them
     if (store := _finished(folder, sizes)) is not None:
         return store
     covering = find_covering_store(cache_dir, spec, keys, files, view, sizes)

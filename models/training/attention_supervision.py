@@ -49,7 +49,7 @@ def attention_supervision_loss(attention: Tensor, target: Tensor, supervised: Te
     return kl.sum(-1).mean()
 
 
-def check_setting(cfg) -> str:
+def checked_entities_folder(cfg) -> str:
     """The Entities folder of ``cfg.attention_supervision`` (``entities:DIR``), once the rest of the run can use
     it: the xe phase, the grid's cells (the boxes are laid on them), the photos as they are (no mirror images) and a
     model whose training runs its decoding step, which hands over each word's attention.  ``cfg`` is resolved as

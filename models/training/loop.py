@@ -48,7 +48,7 @@ from ..evaluation.evaluate import caption_dataset, score_dataset
 from ..protocol import Captioner
 from ..vocab import Vocabulary
 from ..zoo import create
-from .attention_supervision import check_setting as check_attention_supervision
+from .attention_supervision import checked_entities_folder
 from .attention_supervision import entities_attention_targets
 from .config import Progress, TrainConfig, check_counts
 from .distributed import DistContext, init_distributed
@@ -303,7 +303,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     spec = EncoderSpec(**cfg.encoder)
     _check_combinations(cfg, resumed=saved is not None)
     _check_model(cfg)
-    entities_dir = check_attention_supervision(cfg) if cfg.attention_supervision else None
+    entities_dir = checked_entities_folder(cfg) if cfg.attention_supervision else None
     train_images, val_images = _load_splits(cfg)
     store, tail = _open_store(cfg, spec, train_images, val_images, ctx, device)
     vocab = choose_vocab(cfg, saved, init, train_images)

@@ -113,8 +113,9 @@ class XEPhase(Phase):
         return BatchLoss(total, {"xe": loss.item(), **{name: value.item() for name, value in aux.items()}}, tokens)
 
     def supervise_attention(self, targets: AttentionTargets) -> None:
-        """Add ``--attention-supervision``'s term to every batch (:func:`.attention_supervision.check_setting` has
-        made sure this model trains through its ``step`` loop, which hands over each step's attention)."""
+        """Add ``--attention-supervision``'s term to every batch
+        (:func:`.attention_supervision.checked_entities_folder` has made sure this model trains through its ``step``
+        loop, which hands over each step's attention)."""
         self.attention_targets = targets
 
     def reference_of(self, pair: int) -> tuple[str, int]:
