@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -14,6 +15,11 @@ log = logging.getLogger("captioner.device")
 #: vocabulary of serving (``CAPTIONER_PRECISION``) and training (``captioner train --precision``, which adds
 #: ``auto``: models/training/precision.py)
 PRECISIONS: dict[str, torch.dtype | None] = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """``torch.autocast`` to ``dtype`` on ``device``'s type; for ``None`` (float32), a context that does nothing."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -19,7 +19,6 @@ implementation; the ONNX Runtime one lives with the service (``service/onnx_back
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from abc import ABC, abstractmethod
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from .checkpoint import Checkpoint, folder_relative, load_checkpoint
 from .data.datasets import trained_on
-from .device import PRECISIONS
+from .device import PRECISIONS, autocast
 from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
@@ -302,8 +301,7 @@ class TorchRuntime(Runtime):
         self.encoder, self.precision = encoder, precision
 
     def _autocast(self):
-        dtype = PRECISIONS[self.precision]
-        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+        return autocast(self.device, PRECISIONS[self.precision])
 
     @in_inference_mode
     def begin(self, batch: list[Prepared], widths: list[int]) -> tuple[EncState, DecState]:

@@ -9,12 +9,11 @@ run's config (:func:`canonical_precision`), so such a run still resumes.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from ..device import PRECISIONS
+from ..device import PRECISIONS, autocast
 
 #: what ``--precision`` takes
 PRECISION_CHOICES = ("auto", *PRECISIONS)
@@ -37,9 +36,7 @@ class Precision:
     scaled: bool
 
     def autocast(self, device: torch.device):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.dtype)
+        return autocast(device, self.dtype)
 
 
 def resolve_precision(name: str, device: torch.device) -> Precision:
