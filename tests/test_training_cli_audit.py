@@ -56,8 +56,22 @@ def test_nonsense_counts_are_usage_errors_before_any_work(scenes, tmp_path, cach
                           ("--scst-samples", "0"), ("--checkpoint-every", "-1")]:
         err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, option, value))
         assert f"argument {option}: must be at least" in err, (option, err)
+    # numbers outside what they mean: a negative clip trained the model backwards (its loss rose, exit 0), label
+    # smoothing of 2 or a probability of 2 trained on nonsense, --lr -1 was refused by the optimiser only after
+    # every photo had been encoded
+    for option, value, said in [("--grad-clip", "-5", "must lie in [0, inf)"), ("--label-smoothing", "2",
+                                "must lie in [0, 1)"), ("--ss-increase", "2", "must lie in [0, 1]"),
+                                ("--lr", "-1", "must lie in (0, inf)"), ("--lr", "nan", "must lie in (0, inf)"),
+                                ("--adam-eps", "0", "must lie in (0, inf)"), ("--lr-drop", "-1", "must be at least 1"),
+                                ("--adam-betas", "0.9 1.5", "must lie in [0, 1)"), ("--lr", "fast", "not a number")]:
+        err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, option, *value.split()))
+        assert f"argument {option}: " in err and said in err, (option, err)
     assert not (tmp_path / "run").exists()
     # the same bounds hold for configs made in code or by a recipe, checked before the data is read
+    with pytest.raises(ValueError, match=r"--grad-clip must lie in \[0, inf\), got -1"):
+        train(_config(scenes, tmp_path / "coded", cache, grad_clip=-1.0))
+    with pytest.raises(ValueError, match=r"--lr-drop must be at least 1, got 0"):
+        train(_config(scenes, tmp_path / "coded", cache, lr_drops=[3, 0]))
     with pytest.raises(ValueError, match="--batch-size must be at least 1, got 0"):
         train(_config(scenes, tmp_path / "coded", cache, batch_size=0))
     with pytest.raises(ValueError, match="--scst-samples 2 or more"):
@@ -125,6 +139,30 @@ def test_out_that_holds_something_else_is_refused_before_training(scenes, tmp_pa
     (other / "metrics.jsonl").write_text("mine\n")
     assert "not a training log" in _fails(capsys, _argv(scenes, other, cache))
     assert (other / "metrics.jsonl").read_text() == "mine\n" and len(list(other.iterdir())) == 1
+
+
+def test_a_trained_model_without_its_run_state_is_never_trained_over(scenes, tmp_path, cache, capsys):
+    """A folder whose best/ (or last/) holds a checkpoint but which has no state to resume (a finished run whose
+    train_state.* was removed, a checkpoint copied into best/): a new run replaced the model, its card and its log
+    at its first validation, saying the folder held "a start that stopped before its first snapshot"."""
+    import shutil
+
+    for name in ("best", "last"):
+        out = tmp_path / name
+        shutil.copytree(DEFAULT_CHECKPOINT, out / name)
+        (out / "metrics.jsonl").write_text(json.dumps({"kind": "epoch", "epoch": 1}) + "\n")
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        err = _fails(capsys, _argv(scenes, out, cache))
+        assert f"holds a trained model ({name}/)" in err and "nothing was overwritten" in err, err
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_resume_where_there_is_no_run_is_an_error(scenes, tmp_path, cache, capsys):
+    # a mistyped --out with --resume started a new run there (or failed on the default --dataset's scenes)
+    for out in (tmp_path / "typo", tmp_path):
+        err = _fails(capsys, _argv(scenes, out, cache, "--resume"))
+        assert f"nothing to resume in {out}" in err and "drop --resume" in err, err
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_start_killed_before_its_first_snapshot_is_not_logged_twice(scenes, tmp_path, cache, capsys):

@@ -10,12 +10,12 @@ import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..attention import NORMALISERS
 from ..files import write_atomically
 from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
-                     add_threads_option, at_least, key_values, length_penalty, output_file,
+                     add_threads_option, key_values, length_penalty, output_file,
                      positive_int, refuse_overwrite, split_with_features, yes_or_no)
 
 _group = CommandGroup()
@@ -43,6 +43,28 @@ def _scalar_type(hint: Any) -> Any:
     return args[0] if args else hint
 
 
+def _bounded(meta: dict[str, Any], hint: Any) -> Callable[[str], Any]:
+    """argparse type of one value of a field: its scalar type, and the field's bounds (``least``, ``within``:
+    :func:`~captioner.models.training.config.bound_problem`) as a usage error naming the option."""
+    from ..training.config import bound_problem
+
+    scalar = _scalar_type(hint)
+    if meta.get("least") is None and meta.get("within") is None:
+        return scalar
+
+    def parse(text: str):
+        try:
+            value = scalar(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if scalar is int else 'a number'}") \
+                from None
+        problem = bound_problem(meta, value)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+    return parse
+
+
 def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One option per :class:`TrainConfig` field, help from the field's metadata; defaults are the dataclass's
     (shown, not restated): options left out are absent from the namespace, so a recipe's values stand unless a
@@ -62,18 +84,16 @@ def add_train_config_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == "keyvalue":
             parser.add_argument(flag, action="append", metavar="KEY=VALUE", **common)
         elif kind == "append":
-            parser.add_argument(flag, action="append", type=_scalar_type(hint), metavar=meta.get("metavar"), **common)
+            parser.add_argument(flag, action="append", type=_bounded(meta, hint), metavar=meta.get("metavar"), **common)
         elif kind == "pair":
-            parser.add_argument(flag, nargs=2, type=_scalar_type(hint), metavar=("B1", "B2"), **common)
+            parser.add_argument(flag, nargs=2, type=_bounded(meta, hint), metavar=("B1", "B2"), **common)
         elif kind == "false":
             parser.add_argument(flag, action="store_false", **common)
         elif kind == "true":
             parser.add_argument(flag, action="store_true", **common)
-        else:  # a count's smallest value (``least``) is a usage error below it, as for every command's counts
-            kind_of = meta.get("parse") or (at_least(meta["least"]) if meta.get("least") is not None
-                                            else _scalar_type(hint))
-            parser.add_argument(flag, type=kind_of, choices=meta.get("choices"), metavar=meta.get("metavar"),
-                                required=meta.get("required", False), **common)
+        else:  # a number outside its bounds (``least``, ``within``) is a usage error, as for every command's counts
+            parser.add_argument(flag, type=meta.get("parse") or _bounded(meta, hint), choices=meta.get("choices"),
+                                metavar=meta.get("metavar"), required=meta.get("required", False), **common)
 
 
 def given_options(args: argparse.Namespace) -> set[str]:

@@ -4,8 +4,9 @@ and :class:`Progress` (where a run is), both saved as JSON in every snapshot."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..data.karpathy import DATASET_FORMATS
 from .precision import PRECISION_CHOICES, canonical_precision
@@ -15,10 +16,38 @@ def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | 
     """A config field with its command-line help (``captioner train`` is generated from these fields).  ``cli``
     may hold ``flag`` (another option name), ``kind`` (``append``, ``keyvalue``, ``pair``), ``choices``,
     ``parse`` (what turns the text into the value, before ``choices`` are checked), ``metavar``, ``least`` (the
-    smallest value a count may take: checked by argparse and by :func:`check_counts`) and ``cli=False`` (not on
-    the command line)."""
+    smallest value a count may take), ``within`` (the :class:`Interval` a number must lie in; both are checked by
+    argparse and by :func:`check_bounds`, for each item of a list) and ``cli=False`` (not on the command line)."""
     meta = {"help": help, **cli}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The values a number option may take, printed as mathematics writes it: ``(0, 1]``, ``[0, inf)``."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = True
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below  # NaN holds nowhere
+
+    def __str__(self) -> str:
+        return f"{'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+#: a rate, ε or factor: any positive number
+POSITIVE = Interval(0.0, low_open=True)
+#: a threshold or weight where 0 turns it off
+NOT_NEGATIVE = Interval(0.0)
+#: a probability
+PROBABILITY = Interval(0.0, 1.0, high_open=False)
+#: a share of the target distribution given away (label smoothing), or a decay that must shrink the rate
+BELOW_ONE = Interval(0.0, 1.0)
 
 
 class _SavedRecord:
@@ -63,40 +92,44 @@ class TrainConfig(_SavedRecord):
                                   "(seeded), with left and right swapped in its captions; the mirror images' "
                                   "features are cached beside the photos'", choices=("none", "hflip"))
     encoder_lr_factor: float = option(0.25, "learning rate of the fine-tuned stages as a share of the decoder's "
-                                            "(0.25: 1e-4 against 4e-4, as sgrvinod's SAT code fine-tunes its CNN)")
+                                            "(0.25: 1e-4 against 4e-4, as sgrvinod's SAT code fine-tunes its CNN)",
+                                      within=NOT_NEGATIVE)
     epochs: int = option(20, "epochs to train (in total, counting those already trained on --resume)", least=1)
     batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes", least=1)
     optimizer: str = option("adam", "optimiser", choices=("adam", "radam"))
-    lr: float = option(4e-4, "learning rate (base of the epoch schedule; ignored when --warmup-steps sets Noam)")
-    adam_betas: list[float] = option(factory=lambda: [0.9, 0.999], help="Adam β1 β2", kind="pair")
-    adam_eps: float = option(1e-8, "Adam ε")
+    lr: float = option(4e-4, "learning rate (base of the epoch schedule; ignored when --warmup-steps sets Noam)",
+                       within=POSITIVE)
+    adam_betas: list[float] = option(factory=lambda: [0.9, 0.999], help="Adam β1 β2", kind="pair", within=BELOW_ONE)
+    adam_eps: float = option(1e-8, "Adam ε", within=POSITIVE)
     lr_drops: list[int] = option(factory=list, help="after this many epochs multiply the learning rate by "
                                  "--lr-drop-factor (repeatable; with --resume, drops may be added ahead of the run)",
-                                 flag="--lr-drop", kind="append", metavar="EPOCH")
-    lr_drop_factor: float = option(0.1, "factor of each --lr-drop")
+                                 flag="--lr-drop", kind="append", metavar="EPOCH", least=1)
+    lr_drop_factor: float = option(0.1, "factor of each --lr-drop", within=POSITIVE)
     lr_decay_every: int = option(0, "multiply the learning rate by --lr-decay-factor every this many epochs (0: off)",
                                  least=0)
-    lr_decay_factor: float = option(0.8, "factor of the periodic decay")
+    lr_decay_factor: float = option(0.8, "factor of the periodic decay", within=POSITIVE)
     lr_decay_start: int = option(0, "first epoch (0-based) the periodic decay counts from", least=0)
     warmup_steps: int = option(0, "Noam schedule with this many warm-up steps (0: off, use the epoch schedule)",
                                least=0)
     noam_dim: int = option(1024, "model width d of the Noam schedule", least=1)
-    noam_factor: float = option(1.0, "factor f of the Noam schedule")
+    noam_factor: float = option(1.0, "factor f of the Noam schedule", within=POSITIVE)
     plateau_factor: float = option(0.0, "multiply the learning rate by this when the validation score stops "
-                                        "improving (0: off)")
+                                        "improving (0: off)", within=BELOW_ONE)
     plateau_patience: int = option(3, "validations without improvement before a plateau decay", least=1)
-    ss_increase: float = option(0.0, "scheduled sampling: probability added every --ss-every epochs (0: off)")
+    ss_increase: float = option(0.0, "scheduled sampling: probability added every --ss-every epochs (0: off)",
+                                within=PROBABILITY)
     ss_every: int = option(5, "scheduled sampling: epochs between increases", least=1)
     ss_start: int = option(0, "scheduled sampling: first epoch (0-based)", least=0)
-    ss_max: float = option(0.5, "scheduled sampling: cap on the probability")
-    grad_clip: float = option(5.0, "gradient clipping threshold (0: off)")
+    ss_max: float = option(0.5, "scheduled sampling: cap on the probability", within=PROBABILITY)
+    grad_clip: float = option(5.0, "gradient clipping threshold (0: off)", within=NOT_NEGATIVE)
     grad_clip_mode: str = option("norm", "clip the global gradient norm or each value", choices=("norm", "value"))
-    label_smoothing: float = option(0.0, "XE label smoothing ε")
+    label_smoothing: float = option(0.0, "XE label smoothing ε", within=BELOW_ONE)
     attention_supervision: str | None = option(
         help="xe: train the attention of every word of a boxed phrase towards its boxes (Liu et al. 2017, "
              "arXiv:1605.09553, strong supervision) from a Flickr30k Entities folder; grid features, models that "
              "train through their decoding step", metavar="entities:DIR")
-    attention_supervision_weight: float = option(1.0, "weight λ of --attention-supervision's term")
+    attention_supervision_weight: float = option(1.0, "weight λ of --attention-supervision's term",
+                                                 within=NOT_NEGATIVE)
     min_count: int = option(1, "keep words seen at least this often", least=1)
     group_by_image: bool = option(False, "xe: put all reference captions of an image in the same batch (the AoANet "
                                          "and X-LAN codes' seq_per_img), so each image is encoded once per batch",
@@ -151,12 +184,28 @@ class Progress(_SavedRecord):
     stopped_early: bool = False
 
 
-def check_counts(cfg: TrainConfig) -> None:
-    """Every count of ``cfg`` at least its field's ``least`` (argparse checks the flags; this covers recipes and
-    configs built in code), so that a batch size of 0 or a negative epoch count is named before any work, not met
-    as a division by zero or a run that trains nothing and reports success."""
+def check_bounds(cfg: TrainConfig) -> None:
+    """Every count of ``cfg`` at least its field's ``least`` and every number within its field's ``within``
+    (argparse checks the flags; this covers recipes and configs built in code), so that a batch size of 0, a
+    negative epoch count or gradient clip, or label smoothing of 2 is named before any work, not met as a division
+    by zero, a run that trains nothing (or backwards) and reports success, or the optimiser's refusal once every
+    photo has been encoded."""
     for f in fields(TrainConfig):
-        least, value = f.metadata.get("least"), getattr(cfg, f.name)
-        if least is not None and value is not None and value < least:
-            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-            raise ValueError(f"{flag} must be at least {least}, got {value}")
+        value = getattr(cfg, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            problem = bound_problem(f.metadata, item)
+            if problem:
+                flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+                raise ValueError(f"{flag} {problem}")
+
+
+def bound_problem(metadata: Mapping[str, Any], value: Any) -> str | None:
+    """What is wrong with ``value`` for a field with this metadata (``least``, ``within``), or None."""
+    least, within = metadata.get("least"), metadata.get("within")
+    if value is None or isinstance(value, bool):
+        return None
+    if least is not None and value < least:
+        return f"must be at least {least}, got {value}"
+    if within is not None and not within.holds(value):
+        return f"must lie in {within}, got {value}"
+    return None

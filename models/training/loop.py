@@ -50,7 +50,7 @@ from ..vocab import Vocabulary
 from ..zoo import create
 from .attention_supervision import checked_entities_folder
 from .attention_supervision import entities_attention_targets
-from .config import Progress, TrainConfig, check_counts
+from .config import Progress, TrainConfig, check_bounds
 from .distributed import DistContext, init_distributed
 from .phase import PHASES, Phase, PhaseModule
 from .precision import Precision, resolve_precision
@@ -138,12 +138,14 @@ def _open_run_dir(run_dir: Path, cfg: TrainConfig, ctx: DistContext, resume: boo
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"--out {run_dir} is a file; a run is a folder (best/, last/, {METRICS_LOG}, "
                               "train_state.*): choose another --out")
+    saved = load_state(run_dir) if resume else None
+    if resume and saved is None:  # a mistyped --out: it trained a new run from scratch (or stopped on a data set
+        # error about the default --dataset, where the command named none)
+        raise FileNotFoundError(f"nothing to resume in {run_dir} (no {STATE_JSON}): check --out, or drop --resume "
+                                "to start a new run there")
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
-    saved = load_state(run_dir) if resume else None
-    if resume and saved is None and ctx.is_main:  # a mistyped --out would otherwise go unnoticed
-        print(f"nothing to resume in {run_dir}: a new run starts there")
     if saved is None and (run_dir / STATE_JSON).exists() and not resume:
         raise FileExistsError(f"{run_dir} already holds a training run: pass --resume to continue it, "
                               "or choose another --out (nothing is overwritten)")
@@ -162,7 +164,7 @@ def _resolve_config(cfg: TrainConfig, saved: dict[str, Any] | None) -> tuple[Tra
     """The config the run trains with, and the ``--init`` checkpoint of a new warm-started run (else None): the data
     set resolved, the phase known, the model, sizes, encoder and features taken from ``--init``, else the
     defaults."""
-    check_counts(cfg)
+    check_bounds(cfg)
     cfg = replace(cfg, dataset=str(resolve_dataset(cfg.dataset)))
     if cfg.phase not in PHASES:
         raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..checkpoint import check_replaceable
+from ..checkpoint import check_replaceable, is_checkpoint
 from ..files import write_durably
 
 METRICS_LOG = "metrics.jsonl"
@@ -119,6 +119,10 @@ def check_new_run_folder(run_dir: Path, announce: bool) -> None:
         raise FileExistsError(f"--out {run_dir} is a checkpoint folder, not a run's: choose another --out (a run "
                               "writes its checkpoints into best/ and last/ below it)")
     for name in ("best", "last"):
+        if is_checkpoint(run_dir / name):  # a finished run's, or one whose state was removed: a new run would
+            # replace it (and its card) at its first validation
+            raise FileExistsError(f"{run_dir} holds a trained model ({name}/) and no state to resume its run from: "
+                                  "nothing was overwritten; choose another --out, or move the folder away first")
         check_replaceable(run_dir / name)
     log = run_dir / METRICS_LOG
     if log.is_file() and not is_run_log(log):
