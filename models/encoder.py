@@ -200,7 +200,8 @@ _SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 
 
 def _eight_bit(image: Image.Image) -> Image.Image:
-    """A greyscale image deeper than 8 bits, scaled to 8 bits.
+    """A greyscale image deeper than 8 bits, scaled to 8 bits (with an alpha channel where its transparent grey
+    value was, which scaling would otherwise lose: it was laid on black instead of white).
 
     Pillow's ``convert("RGB")`` clips such values at 255 instead of scaling them, so a 16-bit photo turns almost
     white and a float image in [0, 1] black.  16-bit modes are scaled from 65,535; 32-bit integer (``I``) and
@@ -215,7 +216,12 @@ def _eight_bit(image: Image.Image) -> Image.Image:
         scales = (1.0, 255.0, 65535.0) if image.mode == "F" else (255.0, 65535.0)
         full_scale = next((scale for scale in scales if peak <= scale), 4294967295.0)
     scaled = np.clip(values * (255.0 / full_scale), 0.0, 255.0)
-    return Image.fromarray(np.rint(scaled).astype(np.uint8), mode="L")
+    grey = Image.fromarray(np.rint(scaled).astype(np.uint8), mode="L")
+    transparent = image.info.get("transparency")  # a PNG's tRNS: the one grey value that is see-through
+    if not isinstance(transparent, int):
+        return grey
+    alpha = np.where(values == transparent, 0, 255).astype(np.uint8)  # compared before scaling: exact
+    return Image.merge("LA", (grey, Image.fromarray(alpha, mode="L")))
 
 
 def _on_white(image: Image.Image) -> Image.Image:
@@ -282,6 +288,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
         image = _within(source, max_pixels)
     else:
         image = open_image(source, max_pixels, name)
+    # what an error calls it: named, because among thousands of photos of a data set the torn one must be findable
+    where = name or getattr(image, "filename", "") or "the upload"
     width, height = image.size
     try:
         if reduce_to is not None and max(width, height) > reduce_to:
@@ -298,7 +306,8 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"image is above the limit of {Image.MAX_IMAGE_PIXELS} pixels ({exc})") from exc
     except _DECODE_ERRORS as exc:
-        raise ImageDecodeError(f"the image data is truncated or corrupt ({exc.__class__.__name__}: {exc})") from exc
+        raise ImageDecodeError(f"the image data of {where} is truncated or corrupt ({exc.__class__.__name__}: "
+                               f"{exc})") from exc
     return image
 
 

@@ -142,6 +142,23 @@ def test_formats_outside_the_documented_list_are_not_an_image(fmt):
         load_image(_encode(Image.new("L" if fmt == "SPIDER" else "RGB", (40, 30)), fmt))
 
 
+def test_a_sixteen_bit_grey_png_with_a_transparent_value_is_laid_on_white():
+    # scaling to 8 bits dropped its tRNS value, so its transparent pixels were captioned and drawn black
+    grey = np.tile(np.linspace(1000, 60000, 40), (20, 1)).astype(np.uint16)
+    grey[:, :20] = 0
+    loaded = load_image(_encode(Image.fromarray(grey), "PNG", transparency=0))
+    assert loaded.getpixel((5, 5)) == (255, 255, 255) and loaded.getpixel((39, 5))[0] > 200
+    assert load_image(_encode(Image.fromarray(grey), "PNG")).getpixel((5, 5)) == (0, 0, 0)  # opaque: black
+
+
+def test_a_torn_image_file_is_named(tmp_path):
+    # among thousands of photos of a data set, "the image data is truncated" did not say which
+    torn = tmp_path / "torn.jpg"
+    torn.write_bytes(_encode(Image.fromarray(data.astronaut()), "JPEG")[:5000])
+    with pytest.raises(ImageDecodeError, match=f"the image data of {torn} is truncated or corrupt"):
+        load_image(torn)
+
+
 def test_bad_images_raise_clear_errors():
     with pytest.raises(ImageDecodeError, match="cannot identify"):
         load_image(b"not an image at all")
