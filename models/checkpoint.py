@@ -365,6 +365,8 @@ def on_meta(build: Callable[[], Captioner]) -> Captioner:
             return build()
     except (RuntimeError, NotImplementedError) as exc:  # a constructor that reads a tensor's value; a bad config
         # is a ValueError or TypeError, which passes as it is
+        if "meta" not in str(exc):  # not the meta device's refusal: a size no tensor can have (a dimension of -5)
+            raise CheckpointError(f"the model cannot be built ({exc})") from None
         raise CheckpointError(f"the model cannot be built on PyTorch's meta device ({exc}), where loading checks a "
                               "checkpoint's shapes before allocating anything: a model's constructor must not read "
                               "tensor values (.item(), .tolist()); compute such constants in Python") from None

@@ -116,6 +116,15 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
     assert not cache.exists()
 
 
+def test_a_model_option_of_the_wrong_kind_or_size_is_named(scenes, tmp_path, cache, capsys):
+    # --set hidden_dim=abc was a TypeError traceback (exit 1); -5 blamed the model's code for reading tensor values
+    for setting, said in [("hidden_dim=abc", "must be tuple of ints"), ("dropout=abc", "not supported"),
+                          ("hidden_dim=-5", "negative dimension")]:
+        err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, "--set", setting))
+        assert f"--set {setting}" in err and said in err and "meta device" not in err, (setting, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_out_that_holds_something_else_is_refused_before_training(scenes, tmp_path, cache, capsys):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")

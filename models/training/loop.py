@@ -47,6 +47,7 @@ from ..encoder import EncoderSpec, EncoderTail, GridEncoder
 from ..evaluation.evaluate import caption_dataset, score_dataset
 from ..protocol import Captioner
 from ..vocab import Vocabulary
+from ..registry import UnknownModel
 from ..zoo import create
 from .attention_supervision import checked_entities_folder
 from .attention_supervision import entities_attention_targets
@@ -207,7 +208,14 @@ def _check_model(cfg: TrainConfig) -> None:
     checkpoints will (a model whose config() is missing or incomplete failed at the first save, after an epoch)."""
     if cfg.model == "ensemble":
         raise ValueError("an ensemble is not trained: `captioner ensemble` builds one from trained checkpoints")
-    described = on_meta(lambda: create(cfg.model, vocab_size=16, feat_dim=64, **cfg.model_args))
+    try:
+        described = on_meta(lambda: create(cfg.model, vocab_size=16, feat_dim=64, **cfg.model_args))
+    except (TypeError, ValueError) as exc:  # a --set value of the wrong kind or size (an unknown model or option
+        # is named by the registry already); TypeError came out as a traceback
+        if not cfg.model_args or isinstance(exc, UnknownModel):
+            raise
+        options = " ".join(f"--set {name}={value}" for name, value in cfg.model_args.items())
+        raise ValueError(f"model {cfg.model!r} cannot be built with {options}: {exc}") from None
     try:
         config = described.config()
     except NotImplementedError:
