@@ -166,3 +166,19 @@ def test_a_checkpoint_replaced_by_one_named_the_same_is_reported(weights):
     found = find_checkpoints(weights, [photo_sat, weights / "aoanet"],
                              on_replaced=lambda *names: replaced.append(names))
     assert found["sat"] == photo_sat and replaced == [("sat", photo_sat, weights / "sat")]  # aoanet is itself
+
+
+def test_extra_folders_that_hold_no_checkpoint_are_named_in_the_log(tmp_path, caplog):
+    # CAPTIONER_CHECKPOINTS='["runs/mine"]' (the run, not runs/mine/best) or a typo was dropped without a word,
+    # and the model's requests got 404
+    import logging
+
+    from captioner.service.runtime import load_runtimes
+
+    run = tmp_path / "mine"
+    save_tiny(run / "best", PHOTOS_DATASET)
+    with caplog.at_level(logging.ERROR, logger="captioner.runtime"):
+        runtimes = load_runtimes(None, [run, tmp_path / "typo", run / "best"], default_backend="torch")
+    assert set(runtimes) == {"mine"}
+    assert f"skipping checkpoint {run}: {run} is a training run, not a checkpoint: give {run / 'best'}" in caplog.text
+    assert f"skipping checkpoint {tmp_path / 'typo'}: {tmp_path / 'typo'} does not exist" in caplog.text
