@@ -8,6 +8,7 @@ import faulthandler
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -38,6 +39,23 @@ def _setting_named(location: tuple) -> str:
     return f"CAPTIONER_{str(location[0]).upper()}" if location else "the settings together"
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Stop, in one line, a server whose address is taken, before its models load (uvicorn binds after the app's
+    start-up: minutes of loading and warm-up, then its own "address already in use" and exit status 3).  Bound as
+    uvicorn binds it (``SO_REUSEADDR``), then released; a host that does not resolve is left to uvicorn to report."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}): stop what uses it, or choose "
+                             "another --port (CAPTIONER_PORT)") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -52,6 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # a device this machine lacks is the user's mistake, said in one line before the server starts (in the
     # lifespan it was a traceback and uvicorn's "Application startup failed")
     resolve_device(settings.device)
+    check_port_free(settings.host, settings.port)
     # `kill -USR1 PID` writes every thread's stack to stderr: a server that stalls can be looked into while it
     # stalls, without stopping it or installing a profiler
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -491,3 +491,22 @@ def test_checkpoints_whose_folders_share_a_name_are_labelled_by_their_paths():
     assert checkpoint_labels(["weights/sat", "weights/flickr8k/sat", "runs/x/best", "runs/x/last"]) == [
         "weights/sat", "weights/flickr8k/sat", "x", "x-last"]
     assert checkpoint_labels(["weights/sat", "weights/aoanet"]) == ["sat", "aoanet"]
+
+
+def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, capsys):
+    # uvicorn binds after the app's start-up: every model was loaded and warmed up, then "address already in use"
+    # came in uvicorn's own format with exit status 3
+    import socket
+
+    from captioner.service import app as service_app
+    from captioner.service.cli import main
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as stopped:
+            main(["serve", "--host", "127.0.0.1", "--port", str(port)])
+    assert stopped.value.code == 2
+    assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
