@@ -23,6 +23,8 @@ DEFAULT_MODEL = "sat-supervised"
 DEFAULT_CHECKPOINT = DEFAULT_WEIGHTS_DIR / DEFAULT_MODEL
 #: one folder of ONNX graphs per served model, made when missing
 DEFAULT_ONNX_DIR = Path(".cache/onnx")
+#: the checkout these files are in, where the shipped weights are whatever the working folder
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 # a served model's name is also its ONNX export's folder name and a URL parameter: no path separators in it
 _NAME_PREFIX = re.compile(r"[A-Za-z0-9._-]*")
@@ -34,6 +36,13 @@ def check_name_prefixes(prefixed: Mapping[str, object]) -> None:
     bad = [prefix for prefix in prefixed if not _NAME_PREFIX.fullmatch(prefix)]
     if bad:
         raise ValueError(f"name prefixes may hold only letters, digits, '.', '_' and '-': {bad}")
+
+
+def default_checkpoint() -> Path:
+    """The checkpoint the model-side commands use when given none: the default model's, below the working folder
+    (a checkout, the container's) or else below this checkout, so that ``captioner caption photo.jpg`` works from
+    any folder."""
+    return DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.is_dir() else PROJECT_ROOT / DEFAULT_CHECKPOINT
 
 
 def weights_dir_from_env() -> Path:

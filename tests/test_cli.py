@@ -510,3 +510,14 @@ def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, c
             main(["serve", "--host", "127.0.0.1", "--port", str(port)])
     assert stopped.value.code == 2
     assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_caption_with_the_default_checkpoint_works_from_any_folder(tmp_path):
+    # the default was weights/flickr8k/sat-supervised below the working folder: the README's first command failed
+    # anywhere but the checkout's root
+    photo = tmp_path / "cat.jpg"
+    Image.fromarray(data.chelsea()).save(photo)
+    done = subprocess.run([sys.executable, "-m", "captioner.service.cli", "caption", str(photo), "--threads", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"{photo}: ") and len(done.stdout.split()) > 3

@@ -9,10 +9,11 @@ from typing import Any, Callable, Sequence
 
 from ..data.datasets import DEFAULT_DATASET
 from ..data.karpathy import DATASET_FORMATS
-from ..placement import DEFAULT_CHECKPOINT as DEFAULT_CHECKPOINT_PATH
+from ..placement import default_checkpoint
 
-#: the checkpoint of the model `make serve` answers with by default (models/placement.py), as a path string
-DEFAULT_CHECKPOINT = str(DEFAULT_CHECKPOINT_PATH)
+#: the checkpoint of the model `make serve` answers with by default, as a path string: below the working folder, or
+#: else below this checkout (models/placement.py, default_checkpoint)
+DEFAULT_CHECKPOINT = str(default_checkpoint())
 
 DEFAULT_DATA = DEFAULT_DATASET
 
