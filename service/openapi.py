@@ -16,6 +16,18 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from .problems import PROBLEM_JSON
+from .schemas import HeatmapsOut
+
+#: answers documented by a schema that no route's ``response_model`` names (the overlays' ``format=json``), so that
+#: FastAPI leaves them out of the components: added there, with the models they refer to
+DOCUMENTED_ANSWERS = (HeatmapsOut,)
+COMPONENTS = "#/components/schemas/"
+
+
+def component_ref(model: type) -> dict[str, str]:
+    """A reference to one of :data:`DOCUMENTED_ANSWERS` in the document's components."""
+    return {"$ref": COMPONENTS + model.__name__}
+
 
 #: where /docs finds Swagger UI's script and style
 DOCS_ASSETS = "/docs/assets"
@@ -57,7 +69,12 @@ def _statuses(path: str) -> tuple[int, ...]:
 
 def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the problem responses (and the metrics media type) to a FastAPI OpenAPI document, in place."""
-    schema.setdefault("components", {}).setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["Problem"] = PROBLEM_SCHEMA
+    for model in DOCUMENTED_ANSWERS:  # inlined, their "$defs" references pointed at nothing in the document
+        body = model.model_json_schema(ref_template=COMPONENTS + "{model}", mode="serialization")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
     problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():

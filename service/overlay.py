@@ -17,6 +17,7 @@ from captioner.models.rendering.heatmaps import MODES
 
 from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
+from .openapi import component_ref
 from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions,
                         check_render_options, drawn_mode, render_result)
 from .results import Results, StoredResult
@@ -37,7 +38,7 @@ SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
     f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE}; format=json, one map per token: "
     f"default and at most {JSON_RENDER_SIDE})"))]
 RENDERED: dict[int | str, dict[str, Any]] = {
-    200: {"content": {"image/png": {}, "application/json": {"schema": HeatmapsOut.model_json_schema()}},
+    200: {"content": {"image/png": {}, "application/json": {"schema": component_ref(HeatmapsOut)}},
           "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"},
     504: {"description": "deadline passed while waiting for a render slot"}}
 

@@ -102,6 +102,29 @@ def test_health_and_readiness(client):
     assert "/caption" in client.get("/openapi.json").json()["paths"]
 
 
+def test_every_reference_in_the_openapi_document_resolves(client):
+    # the overlays' format=json answer inlined a schema whose "$ref": "#/$defs/HeatmapOut" pointed at nothing:
+    # no validator or client generator could read it
+    document = client.get("/openapi.json").json()
+
+    def refs(node):
+        if isinstance(node, dict):
+            yield from ([node["$ref"]] if isinstance(node.get("$ref"), str) else [])
+            for value in node.values():
+                yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    found = set(refs(document))
+    assert "#/components/schemas/HeatmapsOut" in found
+    for ref in found:
+        node = document
+        for part in ref.removeprefix("#/").split("/"):
+            assert isinstance(node, dict) and part in node, f"{ref} points at nothing"
+            node = node[part]
+
+
 # -- the shipped default checkpoint through a real server process (fixture `server` in conftest) ---------------
 def test_default_model_names_the_objects_of_a_generated_test_scene(server, tmp_path):
     dataset = json.loads(generate(tmp_path, {"test": 6}, seed=123, progress=False).read_text())
