@@ -75,8 +75,11 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     if max(image.size) > side:
         image.thumbnail((side, side))
     mode, style = drawn_mode(result, options), {"cmap": options.cmap, "alpha": options.alpha}
-    if options.format == "figure":
-        return png_bytes(result.figure(image, mode, **style))
+    if options.format == "figure":  # panels of a fixed size, whatever the photo's: the whole figure is bounded too
+        figure = result.figure(image, mode, **style)
+        if max(figure.size) > side:
+            figure.thumbnail((side, side))
+        return png_bytes(figure)
     if options.format == "png":
         return png_bytes(result.overlay(image, options.token, mode, **style))
     rows = result.drawn_rows(mode)

@@ -49,6 +49,9 @@ def test_word_overlay_png_has_the_image_size(client, result, mode):
 def test_figure_and_json_formats(client, result):
     figure = _image(client.get(f"/captions/{result['id']}/overlay", params={"format": "figure"}))
     assert figure.width > 400
+    # max_side bounds the figure too (its panels have a fixed size, so it was the same whatever max_side said)
+    bounded = _image(client.get(f"/captions/{result['id']}/overlay", params={"format": "figure", "max_side": 200}))
+    assert max(bounded.size) == 200 and abs(bounded.width / bounded.height - figure.width / figure.height) < 0.1
     body = client.get(f"/captions/{result['id']}/overlay", params={"format": "json", "max_side": 300}).json()
     assert [h["token"] for h in body["heatmaps"]] == result["tokens"]
     heat = Image.open(io.BytesIO(base64.b64decode(body["heatmaps"][0]["heat_png"])))
