@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +27,8 @@ from starlette.concurrency import run_in_threadpool
 from captioner.models.device import set_threads
 
 from .batcher import Batcher
+from .captioning import observe_invalid
+from .inputs import arrival
 from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
 from .middleware import RequestContextMiddleware
@@ -44,7 +46,14 @@ from .work_slots import UploadBudget, WorkSlots
 from .warmup import warm_up
 
 log = logging.getLogger("captioner.app")
+#: the caption endpoints (routes.py, overlay.py), whose every request the latency metric counts
+CAPTION_PATHS = frozenset({"/caption", "/caption/overlay"})
 STATIC = Path(__file__).parent / "static"
+
+
+def _observe_if_caption(app: FastAPI, request: Request) -> None:
+    if request.url.path in CAPTION_PATHS:
+        observe_invalid(app.state.service, arrival(request), request.query_params.get("model"))
 
 
 async def start_models(app: FastAPI, settings: Settings) -> None:
@@ -135,7 +144,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = ServiceState(settings=settings)
     app.state.results = ResultStore(settings.results_cache_bytes, settings.results_max_count,
                                     settings.results_max_age_s)
-    install_problem_handlers(app, on_problem=lambda request, status, kind: app.state.service.metrics.rejected(kind))
+    install_problem_handlers(app, on_problem=lambda request, status, kind: app.state.service.metrics.rejected(kind),
+                             on_invalid=functools.partial(_observe_if_caption, app))
     # graceful shutdown (lifecycle.py): SIGTERM flips /readyz and new requests to 503 before anything else stops;
     # added before RequestContextMiddleware so that the access log still records the 503s
     app.state.shutdown_gate = ShutdownGate(on_drain=lambda: app.state.service.metrics.ready.set(0),

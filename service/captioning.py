@@ -88,6 +88,12 @@ def observed_request(state: ServiceState, arrived: float, model: Callable[[], st
         state.metrics.observe_request(model_label(state, model()), status, time.monotonic() - arrived)
 
 
+def observe_invalid(state: ServiceState, arrived: float, model: str | None) -> None:
+    """The latency metric of a caption request that FastAPI refused before the use case saw it (a query option that
+    does not validate: 422), which :func:`observed_request` therefore never observed."""
+    state.metrics.observe_request(model_label(state, model), 422, time.monotonic() - arrived)
+
+
 def ensure_ready(state: ServiceState) -> None:
     if not state.ready:
         raise NotReady("the service is starting or shutting down")

@@ -74,8 +74,10 @@ async def send_problem(scope: dict, send: Callable[[dict], Awaitable[None]], sta
     await send({"type": "http.response.body", "body": body})
 
 
-def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, str], None] | None = None) -> None:
-    """Answer every error as a problem document; ``on_problem(request, status, kind)`` sees each one (metrics)."""
+def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, str], None] | None = None,
+                             on_invalid: Callable[[Request], None] | None = None) -> None:
+    """Answer every error as a problem document; ``on_problem(request, status, kind)`` sees each one (metrics), and
+    ``on_invalid(request)`` each request refused by FastAPI's own validation, before its endpoint ran."""
 
     def answer(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
                headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
@@ -95,6 +97,8 @@ def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, s
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", "")} for e in exc.errors()]
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        if on_invalid is not None:
+            on_invalid(request)
         return answer(request, 422, detail, kind="invalid-request", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)

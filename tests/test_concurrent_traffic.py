@@ -210,10 +210,14 @@ def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weigh
         assert client.post("/caption", content=b"x", headers={"content-type": "text/plain"}).status_code == 415
         assert client.post("/caption", content=b"--x\r\nbroken", headers={
             "content-type": "multipart/form-data; boundary=x"}).status_code == 422
+        # refused by FastAPI's validation of the query, before the endpoint ran: they were not counted
+        assert client.post("/caption", params={"beam_size": 0}, content=b"x").status_code == 422
+        assert client.post("/caption/overlay", params={"alpha": 2}, content=b"x").status_code == 422
+        assert client.get("/captions/nope/overlay", params={"alpha": 2}).status_code == 422  # not a caption request
         samples = parse_metrics(client.get("/metrics").text)
     count = {key: value for key, value in samples.items() if key.startswith("captioner_request_latency_seconds_count")}
     assert count.get('captioner_request_latency_seconds_count{model="tiny",status="415"}') == 1, count
-    assert count.get('captioner_request_latency_seconds_count{model="tiny",status="422"}') == 1, count
+    assert count.get('captioner_request_latency_seconds_count{model="tiny",status="422"}') == 3, count
 
 
 def _drain_scenario(app, messages):
