@@ -67,8 +67,21 @@ def _statuses(path: str) -> tuple[int, ...]:
     return EVERY_OPERATION
 
 
+def _header(description: str) -> dict[str, Any]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
+#: the headers every answer carries (middleware.py), and those of some statuses (problems.py, security.py)
+EVERY_ANSWER_HEADERS = {"X-Request-ID": _header("the request's id: the client's X-Request-ID when it is sane, else "
+                                                "a new one; the access log line carries it")}
+STATUS_HEADERS = {"401": {"WWW-Authenticate": _header("Bearer")},
+                  "429": {"Retry-After": _header("seconds to wait before retrying")},
+                  "503": {"Retry-After": _header("seconds to wait before retrying")}}
+
+
 def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
-    """Add the problem responses (and the metrics media type) to a FastAPI OpenAPI document, in place."""
+    """Add the problem responses, the answers' headers (and the metrics media type) to a FastAPI OpenAPI document,
+    in place."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Problem"] = PROBLEM_SCHEMA
     for model in DOCUMENTED_ANSWERS:  # inlined, their "$defs" references pointed at nothing in the document
@@ -85,6 +98,9 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
                 if entry["description"] == "Validation Error":
                     entry["description"] = REASONS[status]
                 entry["content"] = problem["content"]
+            for status, entry in responses.items():
+                entry["headers"] = {**EVERY_ANSWER_HEADERS, **STATUS_HEADERS.get(str(status), {}),
+                                    **(entry.get("headers") or {})}
     metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
     if metrics:
         metrics["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}

@@ -39,7 +39,11 @@ SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
     f"default and at most {JSON_RENDER_SIDE})"))]
 RENDERED: dict[int | str, dict[str, Any]] = {
     200: {"content": {"image/png": {}, "application/json": {"schema": component_ref(HeatmapsOut)}},
-          "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)"},
+          "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)",
+          "headers": {"X-Caption-Id": {"description": "the stored result the picture was drawn from",
+                                       "schema": {"type": "string"}},
+                      "X-Heatmap-Mode": {"description": "the heatmap mode drawn (the model's own when the request "
+                                                        "named none)", "schema": {"type": "string"}}}},
     504: {"description": "deadline passed while waiting for a render slot"}}
 
 

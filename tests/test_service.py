@@ -116,6 +116,10 @@ def test_every_reference_in_the_openapi_document_resolves(client):
             for value in node:
                 yield from refs(value)
 
+    # and the headers the README promises are documented where they are sent
+    overlay = document["paths"]["/caption/overlay"]["post"]["responses"]
+    assert {"X-Request-ID", "X-Caption-Id", "X-Heatmap-Mode"} <= set(overlay["200"]["headers"])
+    assert "Retry-After" in overlay["429"]["headers"] and "WWW-Authenticate" in overlay["401"]["headers"]
     found = set(refs(document))
     assert "#/components/schemas/HeatmapsOut" in found
     for ref in found:
