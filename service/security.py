@@ -22,6 +22,7 @@ import hmac
 from typing import Any, Iterable
 
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 
 from .problems import send_problem
 
@@ -102,13 +103,38 @@ class SecurityHeadersMiddleware:
         await self.app(scope, receive, send_with_headers)
 
 
+class _RefusedPreflight(Response):
+    """A refused CORS pre-flight as an RFC 9457 problem, rendered when it is sent (where the request's path, its
+    ``instance``, is known), with the CORS headers Starlette gave its plain-text answer."""
+
+    def __init__(self, detail: str, headers: list[tuple[bytes, bytes]]):
+        super().__init__(status_code=400)
+        self.detail, self.cors_headers = detail, headers
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send_problem(scope, send, 400, self.detail, kind="cors-refused", headers=self.cors_headers)
+
+
+class ProblemCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS middleware, whose refused pre-flight (an origin, method or header not allowed) is a problem
+    document like every other refusal rather than the text "Disallowed CORS origin"."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        kept = [(name, value) for name, value in response.raw_headers
+                if name not in (b"content-type", b"content-length")]
+        return _RefusedPreflight(bytes(response.body).decode(), kept)
+
+
 def install_security(app: Any, api_keys: list[str], cors_origins: list[str]) -> None:
     """Wire the layers into a FastAPI app.  Call it *before* adding the request-id middleware: Starlette runs the
     last added first, so the request-id middleware wraps these (401s carry a request id and are access-logged),
     and CORS answers pre-flights before the key check."""
     app.add_middleware(ApiKeyMiddleware, keys=list(api_keys))
     if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(ProblemCORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
                            expose_headers=["X-Request-ID", "X-Caption-Id", "X-Heatmap-Mode", "Retry-After"],
                            max_age=600)

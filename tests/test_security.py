@@ -116,6 +116,11 @@ def test_cors_is_closed_by_default_and_opens_only_to_configured_origins(open_cli
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "https://app.example"
     assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    # a pre-flight from an origin not on the list was answered "Disallowed CORS origin" in plain text
+    refused = keyed.options("/caption", headers=preflight)
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/problem+json"
+    assert refused.json()["type"] == "/problems/cors-refused" and "origin" in refused.json()["detail"]
+    assert refused.json()["instance"] == "/caption" and "x-request-id" in refused.headers
 
 
 def test_the_demo_page_has_a_strict_csp_and_no_inline_script(open_client):
