@@ -231,6 +231,15 @@ def test_malformed_karpathy_entries_are_named(tmp_path, capsys):
         err = _fails(capsys, ["train", "--dataset", str(path), "--out", str(tmp_path / "run")])
         assert str(path) in err and ("image 0 is not a Karpathy-split entry" in err or "no 'images' list" in err), err
     assert not (tmp_path / "run").exists()
+    # a photo listed twice: in two splits a test photo was trained on, in one it counted twice (the Flickr8k
+    # loader refused both; the Karpathy one took them)
+    for name, second in [("leak", "test"), ("twice", "train")]:
+        path = tmp_path / f"{name}.json"
+        entries = [{"filename": "a.jpg", "split": "train", "sentences": [{"raw": "a cat"}], "imgid": 0},
+                   {"filename": "a.jpg", "split": second, "sentences": [{"raw": "a dog"}], "imgid": 1}]
+        path.write_text(json.dumps({"images": entries}))
+        err = _fails(capsys, ["train", "--dataset", str(path), "--out", str(tmp_path / "run")])
+        assert "images 0 and 1 are the same photo" in err and "a.jpg" in err, err
 
 
 def test_evaluation_options_are_checked_before_the_captioning(tmp_path, capsys):

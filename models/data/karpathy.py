@@ -101,7 +101,7 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
         if folded:
             raise ValueError(f"split {folded[0]!r} is read as part of {SPLIT_ALIASES[folded[0]]!r} (Karpathy's "
                              f"training set): ask for {SPLIT_ALIASES[folded[0]]!r}")
-    out, first_of_id = [], {}
+    out, first_of_id, first_of_photo = [], {}, {}
     for position, entry in enumerate(data["images"]):
         try:
             image = _entry(entry, position, root, max_refs)
@@ -115,6 +115,10 @@ def load_karpathy(json_path: str | Path, image_root: str | Path | None = None, s
             raise ValueError(f"{json_path}: images {first_of_id[image.image_id]} and {position} have the same id "
                              f"{image.image_id}: each image needs its own 'imgid' (or 'cocoid')")
         first_of_id[image.image_id] = position
+        if image.path in first_of_photo:  # in two splits, a test photo is trained on; in one, it counts twice
+            raise ValueError(f"{json_path}: images {first_of_photo[image.path]} and {position} are the same photo "
+                             f"({image.path}): list each photo once, in one split")
+        first_of_photo[image.path] = position
         if splits and image.split not in splits:
             continue
         if not image.references:  # BLEU would stop at it after a whole epoch of training
