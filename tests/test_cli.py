@@ -70,8 +70,10 @@ def test_models_and_data_generate(tmp_path):
 
 def test_eval_reports_all_metrics(tmp_path, scenes):
     out = tmp_path / "report.json"
-    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",
-              str(tmp_path / "cache"), "--output", str(out), "--results-json", str(tmp_path / "results.json"))
+    done = captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",
+                     str(tmp_path / "cache"), "--output", str(out), "--results-json", str(tmp_path / "results.json"),
+                     "--no-progress")
+    assert "it/s" not in done.stderr  # no bars in a log (train had --no-progress, eval had no way to say it)
     report = json.loads(out.read_text())["test"]
     results = json.loads((tmp_path / "results.json").read_text())  # the COCO results format
     test_ids = {im["imgid"] for im in json.loads(scenes.read_text())["images"] if im["split"] == "test"}

@@ -46,7 +46,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         limit=args.limit, meteor=not args.no_meteor, ptb=args.ptb, misses=args.misses, features=args.features,
         cache_dir=args.cache_dir, device=args.device, encoder_precision=args.encoder_precision,
         onnx_dir=args.onnx_dir, threads=args.threads, grounding=args.grounding,
-        grounding_resamples=args.grounding_resamples, on_split=print_split)
+        grounding_resamples=args.grounding_resamples, progress=args.progress, on_split=print_split)
     report = evaluation.report
     text = json.dumps(report, indent=2)
     print(text)
@@ -90,6 +90,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     ev.add_argument("--onnx-dir", default=str(onnx_dir_from_env()),
                     help="where the ONNX CNN is exported and quantized (with --encoder-precision int8)")
     ev.add_argument("--output", type=output_file, help="also write the JSON report here")
+    ev.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bars (for logs and CI), as captioner train")
     ev.add_argument("--results-json", metavar="FILE", type=output_file,
                     help='also write the captions in the COCO results format [{"image_id", "caption"}] here')
     ev.add_argument("--grounding", nargs="?", const="scenes", metavar="entities:DIR",
