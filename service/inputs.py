@@ -44,7 +44,8 @@ FORM_PARTS = ("file", *CAPTION_OPTIONS)
 def _as_query(name: str) -> Any:
     """CaptionOptions' field ``name`` as a query parameter: its description and bounds, read off the field."""
     field = CaptionOptions.model_fields[name]
-    bounds = {bound: getattr(rule, bound) for rule in field.metadata for bound in ("ge", "gt", "le", "lt")
+    bounds = {bound: getattr(rule, bound) for rule in field.metadata for bound in ("ge", "gt", "le", "lt",
+                                                                                     "allow_inf_nan")
               if hasattr(rule, bound)}
     return Query(description=field.description, **bounds)
 

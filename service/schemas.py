@@ -56,8 +56,8 @@ class CaptionOptions(BaseModel):
     beam_size: int | None = Field(None, ge=1, description="beam width")
     max_len: int | None = Field(None, ge=1, description="maximum caption length in tokens")
     length_penalty: float | None = Field(
-        None, ge=0.0, le=5.0, description="GNMT length penalty α: beams ranked by log-prob / ((5 + length) / 6)^α "
-        "(0: none; larger: longer captions); default: the model's (GET /models)")
+        None, ge=0.0, le=5.0, allow_inf_nan=False, description="GNMT length penalty α: beams ranked by log-prob / "
+        "((5 + length) / 6)^α (0: none; larger: longer captions); default: the model's (GET /models)")
     block_trigrams: bool | None = Field(
         None, description="never repeat a word trigram within a caption; default: the model's (GET /models)")
 

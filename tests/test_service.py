@@ -92,6 +92,8 @@ def test_bad_parameters_get_problem_responses(client):
     assert _post(client, image, model="nope").status_code == 404
     assert _post(client, image, beam_size=0).status_code == 422
     assert _post(client, image, beam_size=99).status_code == 422
+    nan = _post(client, image, length_penalty="nan")  # was "Input should be less than or equal to 5"
+    assert nan.status_code == 422 and "finite number" in nan.json()["detail"]
     missing = client.post("/caption")
     assert missing.status_code == 422 and missing.json()["errors"][0]["loc"] == ["body", "file"]
 
