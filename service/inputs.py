@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
-from pydantic import ValidationError
+from pydantic import BeforeValidator, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.concurrency import run_in_threadpool
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -50,12 +50,17 @@ def _as_query(name: str) -> Any:
     return Query(description=field.description, **bounds)
 
 
+def _empty_is_none(value: Any) -> Any:
+    # ?beam_size= names no beam size, as an empty form field (curl -F beam_size=) does: not a 422
+    return None if value == "" else value
+
+
 # the options as query parameters (the same names, bounds and meaning as CaptionOptions' fields)
-ModelQuery = Annotated[str | None, _as_query("model")]
-BeamQuery = Annotated[int | None, _as_query("beam_size")]
-LengthQuery = Annotated[int | None, _as_query("max_len")]
-PenaltyQuery = Annotated[float | None, _as_query("length_penalty")]
-TrigramQuery = Annotated[bool | None, _as_query("block_trigrams")]
+ModelQuery = Annotated[str | None, _as_query("model"), BeforeValidator(_empty_is_none)]
+BeamQuery = Annotated[int | None, _as_query("beam_size"), BeforeValidator(_empty_is_none)]
+LengthQuery = Annotated[int | None, _as_query("max_len"), BeforeValidator(_empty_is_none)]
+PenaltyQuery = Annotated[float | None, _as_query("length_penalty"), BeforeValidator(_empty_is_none)]
+TrigramQuery = Annotated[bool | None, _as_query("block_trigrams"), BeforeValidator(_empty_is_none)]
 
 
 def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_len: LengthQuery = None,
@@ -188,7 +193,7 @@ def form_options(form: FormData) -> tuple[UploadFile, CaptionOptions]:
         if isinstance(value, UploadFile):
             raise InvalidRequest(f"{name} must be a form field, not a file",
                                  [{"loc": ["body", name], "msg": "a file part, expected a form field"}])
-        if value:  # an empty field (curl -F model=) is the same as none, like an empty query parameter
+        if value:  # an empty field (curl -F model=) is the same as none, as an empty query parameter is
             fields[name] = value
     try:
         return upload, CaptionOptions.model_validate(fields)
