@@ -61,7 +61,7 @@ def test_nonsense_counts_are_usage_errors_before_any_work(scenes, tmp_path, cach
     # every photo had been encoded
     for option, value, said in [("--grad-clip", "-5", "must lie in [0, inf)"), ("--label-smoothing", "2",
                                 "must lie in [0, 1)"), ("--ss-increase", "2", "must lie in [0, 1]"),
-                                ("--lr", "-1", "must lie in (0, inf)"), ("--lr", "nan", "must lie in (0, inf)"),
+                                ("--lr", "-1", "must lie in [0, inf)"), ("--lr", "nan", "must lie in [0, inf)"),
                                 ("--adam-eps", "0", "must lie in (0, inf)"), ("--lr-drop", "-1", "must be at least 1"),
                                 ("--adam-betas", "0.9 1.5", "must lie in [0, 1)"), ("--lr", "fast", "not a number")]:
         err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, option, *value.split()))

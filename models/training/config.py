@@ -98,7 +98,7 @@ class TrainConfig(_SavedRecord):
     batch_size: int = option(64, "captions (xe) or images (scst) per optimiser step, over all processes", least=1)
     optimizer: str = option("adam", "optimiser", choices=("adam", "radam"))
     lr: float = option(4e-4, "learning rate (base of the epoch schedule; ignored when --warmup-steps sets Noam)",
-                       within=POSITIVE)
+                       within=NOT_NEGATIVE)
     adam_betas: list[float] = option(factory=lambda: [0.9, 0.999], help="Adam β1 β2", kind="pair", within=BELOW_ONE)
     adam_eps: float = option(1e-8, "Adam ε", within=POSITIVE)
     lr_drops: list[int] = option(factory=list, help="after this many epochs multiply the learning rate by "
