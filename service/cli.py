@@ -169,8 +169,18 @@ def add_console_caption_arguments(cap: argparse.ArgumentParser) -> None:
     cap.set_defaults(func=cmd_caption)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching, for every subcommand (they inherit the class): ``captioner eval --encoder
+    …`` was read as ``--encoder-precision`` and refused with that option's choices; a misspelt option is named as
+    unknown instead, and a later option that shares a prefix cannot change what an old command line means."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="captioner", description="Attention image captioning: data, training, "
+    parser = _Parser(prog="captioner", description="Attention image captioning: data, training, "
                                      "evaluation and an HTTP service with per-word attention heatmaps.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_commands(sub)

@@ -523,3 +523,16 @@ def test_caption_with_the_default_checkpoint_works_from_any_folder(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith(f"{photo}: ") and len(done.stdout.split()) > 3
+
+
+def test_an_option_is_never_read_as_a_longer_one_it_begins(capsys):
+    # `captioner eval CKPT --encoder image_size=512` was read as --encoder-precision and refused with its choices
+    from captioner.service.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["eval", str(DEFAULT_CHECKPOINT), "--encoder", "image_size=512"])
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: --encoder image_size=512" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # in nested subcommands too
+        main(["data", "generate", "--out", "x", "--vari"])
+    assert "unrecognized arguments: --vari" in capsys.readouterr().err
