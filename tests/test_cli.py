@@ -74,6 +74,10 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
                      str(tmp_path / "cache"), "--output", str(out), "--results-json", str(tmp_path / "results.json"),
                      "--no-progress")
     assert "it/s" not in done.stderr  # no bars in a log (train had --no-progress, eval had no way to say it)
+    from captioner.models.checkpoint import recorded_checksum
+
+    # which weights were scored, wherever the checkpoint is copied (captioner card checks it)
+    assert json.loads(out.read_text())["weights_sha256"] == recorded_checksum(DEFAULT_CHECKPOINT)
     report = json.loads(out.read_text())["test"]
     results = json.loads((tmp_path / "results.json").read_text())  # the COCO results format
     test_ids = {im["imgid"] for im in json.loads(scenes.read_text())["images"] if im["split"] == "test"}

@@ -354,3 +354,25 @@ def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scene
     train(cfg, resume=True)
     (epoch,) = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["history"]
     assert {"xe", "doubly_stochastic"} <= set(epoch)
+
+
+def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsys):
+    # `captioner eval weights/sat --output r.json` then `captioner card runs/sat/best --report r.json` (the README's
+    # two lines, run in order) printed weights/sat's scores on the card of runs/sat/best
+    import shutil
+
+    from captioner.models.checkpoint import recorded_checksum
+
+    from .conftest import ROOT
+
+    mine = shutil.copytree(ROOT / "weights" / "flickr8k" / "sat", tmp_path / "mine")
+    report = json.loads((ROOT / "docs" / "results" / "flickr8k" / "sat.json").read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**report, "weights_sha256": recorded_checksum(DEFAULT_CHECKPOINT)}))
+    err = _fails(capsys, ["card", str(mine), "--report", str(other)])
+    assert f"{other} scores" in err and f"evaluate {mine} into the report first" in err, err
+    assert (mine / "MODEL_CARD.md").read_bytes() == (ROOT / "weights" / "flickr8k" / "sat" / "MODEL_CARD.md").read_bytes()
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({**report, "weights_sha256": recorded_checksum(mine)}))
+    _main(["card", str(mine), "--report", str(own)])  # its own weights' report, and reports that predate the record
+    _main(["card", str(mine), "--report", str(ROOT / "docs" / "results" / "flickr8k" / "sat.json")])

@@ -181,10 +181,13 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
 
 def cmd_card(args: argparse.Namespace) -> None:
     """Write a checkpoint's MODEL_CARD.md from its training record and a `captioner eval --output` report."""
-    from ..evaluation.card import load_report, merge_reports, write_card
+    from ..evaluation.card import check_report_scores, load_report, merge_reports, write_card
 
     notes = Path(args.notes).read_text() if args.notes else ""
-    report = merge_reports([load_report(path) for path in args.report])
+    reports = [load_report(path) for path in args.report]
+    for path, report in zip(args.report, reports):
+        check_report_scores(report, path, args.checkpoint)
+    report = merge_reports(reports)
     print(f"wrote {write_card(args.checkpoint, report, args.title, notes)}")
 
 

@@ -109,6 +109,17 @@ def load_report(path: str | Path) -> dict[str, Any]:
     return report
 
 
+def check_report_scores(report: dict[str, Any], path: str | Path, checkpoint: str | Path) -> None:
+    """Refuse (ValueError) a report that scored other weights than ``checkpoint``'s: a card would print another
+    model's numbers under this one's name.  Reports written before they recorded the weights' sha256 pass."""
+    from ..checkpoint import recorded_checksum
+
+    scored, here = report.get("weights_sha256"), recorded_checksum(checkpoint)
+    if scored and here and scored != here:
+        raise ValueError(f"{path} scores {report.get('checkpoint')}, whose weights are not {checkpoint}'s: evaluate "
+                         f"{checkpoint} into the report first (captioner eval {checkpoint} --output {path})")
+
+
 def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Several ``captioner eval`` reports as one: the first one's settings, every report's splits (a later report's
     split replaces an earlier one of the same name)."""

@@ -120,7 +120,9 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
                                            for_entities=entities is not None)
     chosen = resolve_dataset(chosen)
     rules = DecodingRules.of_checkpoint(ckpt.meta).overridden(length_penalty, block_trigrams)
-    report: dict[str, Any] = {"checkpoint": str(checkpoint), "dataset": str(chosen), "beam_size": beam_size,
+    # the weights' sha256 says which checkpoint was scored wherever it is copied to (a card checks it)
+    report: dict[str, Any] = {"checkpoint": str(checkpoint), "weights_sha256": ckpt.checksum,
+                              "dataset": str(chosen), "beam_size": beam_size,
                               "tokenizer": PTB_TOKENIZER if ptb else WORDS_TOKENIZER,
                               "decoding": asdict(rules), "encoder_precision": encoder_precision}
     scorer = _SplitScorer(
