@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
 
 from captioner.models.cli.commands import add_commands
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         if not isinstance(exc.code, str):  # argparse's usage errors (2), an interrupted run (130), success
             raise
+        if os.environ.get("CAPTIONER_DEBUG"):  # where the command stopped, for a bug report
+            traceback.print_exc()
         print(exc.code, file=sys.stderr)  # a command's "error: …": the same status as every other mistake
         raise CommandError(exc.code) from None
     except (OSError, ValueError) as exc:

@@ -371,7 +371,8 @@ def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsy
     other.write_text(json.dumps({**report, "weights_sha256": recorded_checksum(DEFAULT_CHECKPOINT)}))
     err = _fails(capsys, ["card", str(mine), "--report", str(other)])
     assert f"{other} scores" in err and f"evaluate {mine} into the report first" in err, err
-    assert (mine / "MODEL_CARD.md").read_bytes() == (ROOT / "weights" / "flickr8k" / "sat" / "MODEL_CARD.md").read_bytes()
+    shipped_card = ROOT / "weights" / "flickr8k" / "sat" / "MODEL_CARD.md"
+    assert (mine / "MODEL_CARD.md").read_bytes() == shipped_card.read_bytes()
     own = tmp_path / "own.json"
     own.write_text(json.dumps({**report, "weights_sha256": recorded_checksum(mine)}))
     _main(["card", str(mine), "--report", str(own)])  # its own weights' report, and reports that predate the record
