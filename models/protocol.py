@@ -93,7 +93,8 @@ class Captioner(nn.Module):
     ``arch`` is the registry name (``@register(name)`` sets it); subclasses set ``attention_kind`` (how the primary
     map should be read) and implement the abstract methods and :meth:`config`, whose dict rebuilds the model
     (``create(arch, **config)``: a checkpoint stores it). ``vocab_size``, ``bos_id``, ``eos_id`` and ``pad_id`` come
-    from the vocabulary the model was built with. A constructor must run on PyTorch's meta device (it must not read
+    from the vocabulary the model was built with: a constructor takes the ids as ``**ids`` and passes them on to
+    this one's (loading passes them). A constructor must run on PyTorch's meta device (it must not read
     a tensor's values: ``.item()``, ``.tolist()``): loading builds the model there first to check a checkpoint's
     shapes before allocating anything. A new model file is imported in :mod:`.zoo`, which registers it."""
 
@@ -199,3 +200,52 @@ class Captioner(nn.Module):
         The exporter verifies every graph against PyTorch anyway; override this to give a clearer reason up front
         (e.g. decoding that samples, or an iterative solver whose number of iterations depends on the data)."""
         return None
+
+
+def check_step_contract(model: Captioner, grid_hw: tuple[int, int] = (3, 3)) -> None:
+    """Run the protocol once (``encode``, ``init_state``, ``step``, ``reorder``) on random features of two images on a
+    tiny square grid (TVmax infers its shape from the count), and refuse (``ValueError``) the first rule ``model``
+    breaks, in words that name it: the states' (batch × beam) rows on dim 0, ``step``'s three results, log-probs
+    ``[B', V]``, and an :class:`AttnRecord` whose ``primary`` is a distribution over the items. ``captioner train``
+    calls it before reading any data, where a broken model otherwise failed after an epoch, in ``reorder`` or in the
+    service."""
+    rows, cols = grid_hw
+    items, batch = rows * cols, 2
+    cell = np.arange(items)
+    boxes = np.stack([cell % cols, cell // cols, cell % cols + 1, cell // cols + 1], 1).astype(np.float32) * 8
+    vis = VisualBatch.from_features(torch.randn(batch, items, model.feat_dim),
+                                    [Geometry("grid", (8 * cols, 8 * rows), grid_hw, boxes)] * batch)
+    with torch.no_grad():
+        enc = model.encode(vis)
+        _check_rows(enc, batch, "encode's state")
+        state = model.init_state(enc)
+        _check_rows(state, batch, "init_state's state")
+        answer = model.step(torch.full((batch,), model.bos_id, dtype=torch.long), state, enc)
+        if not (isinstance(answer, tuple) and len(answer) == 3):
+            raise ValueError("step must return (log-probs, new state, AttnRecord)")
+        logprobs, state, attention = answer
+        if not isinstance(logprobs, Tensor) or tuple(logprobs.shape) != (batch, model.vocab_size):
+            raise ValueError(f"step's log-probs must be [rows, vocab_size] = {[batch, model.vocab_size]}, got "
+                             f"{list(getattr(logprobs, 'shape', [])) or type(logprobs).__name__}")
+        if not isinstance(attention, AttnRecord):
+            raise ValueError(f"step's attention must be an AttnRecord (its primary row and extras), got "
+                             f"{type(attention).__name__}")
+        primary = attention.primary
+        if tuple(primary.shape) != (batch, items):
+            raise ValueError(f"the attention row must hold one weight per visual item, [rows, items] = "
+                             f"{[batch, items]}, got {list(primary.shape)}")
+        if bool((primary < 0).any()) or not torch.allclose(primary.float().sum(-1), torch.ones(batch), atol=1e-3):
+            raise ValueError("each attention row must be a distribution over the items (non-negative, summing to "
+                             "1; uniform for a model that attends to nothing)")
+        _check_rows(state, batch, "step's state")
+        _check_rows(model.reorder(state, torch.tensor([1, 0])), batch, "reorder's state")
+
+
+def _check_rows(state: Any, batch: int, where: str) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"{where} must be a dict of tensors, got {type(state).__name__}")
+    for key, value in state.items():
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != batch:
+            shape = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"{where} {key!r} must be a tensor with the (batch × beam) rows on dim 0, here "
+                             f"{batch}; got {shape} (beam search expands and reorders every state by its rows)")

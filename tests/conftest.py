@@ -17,6 +17,9 @@ from captioner.models.data.scenes import generate
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import create
 
+# the helpers' asserts (every registered model through HTTP, ONNX and batching) say what differed, as a test's do
+pytest.register_assert_rewrite("tests.serving_helpers")
+
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
 DEFAULT_CHECKPOINT = WEIGHTS / "sat"

@@ -206,6 +206,20 @@ def test_the_shape_check_costs_a_server_no_memory_of_its_own(tmp_path, tiny_sat,
     assert done.stdout.split() == ["False", "False"]
 
 
+@pytest.mark.parametrize("normaliser", ["softmax", "sparsemax", "tvmax"])
+def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
+    """``captioner train`` runs one step of every model on random features before reading data
+    (``check_step_contract``): a model of the project's own that broke a rule it checks could not be trained."""
+    from captioner.models.protocol import check_step_contract
+    from captioner.models.zoo import available
+
+    from .serving_helpers import tiny_model
+
+    for arch in available():
+        model = tiny_model(arch, attention=normaliser) if arch == "sparsecap" else tiny_model(arch)
+        check_step_contract(model)
+
+
 def test_every_registered_model_builds_on_the_meta_device():
     """Loading builds each model on the meta device first (the shape check): a constructor that cannot run there
     would make its checkpoints unloadable."""

@@ -68,7 +68,8 @@ def test_orjson_answer_equals_the_pydantic_answer(arch):
         reference = json.loads(CaptionOut.of(result, "some-id").model_dump_json())
         fast_bytes = caption_json(result, "some-id")
         assert_same_answer(json.loads(fast_bytes), reference)
-        assert len(fast_bytes) < len(CaptionOut.of(result, "some-id").model_dump_json())
+        # never longer (shortest float32 numbers); equal where every weight is short, as a model's exact 0s and 1s
+        assert len(fast_bytes) <= len(CaptionOut.of(result, "some-id").model_dump_json())
         packed = json.loads(caption_json(result, "some-id", "float16-base64"))
         assert_packed_answer(packed, reference)
         # the pydantic writer packs the same bytes

@@ -116,6 +116,53 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
     assert not cache.exists()
 
 
+def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scenes, tmp_path, capsys, monkeypatch):
+    """What a researcher adding a model meets (README, "Adding a model"): each of these trained, then failed with a
+    Python error that named no rule: at the first load (no **ids), in reorder after an epoch (a state that is no
+    tensor with rows), or never (attention rows that are no distribution, served as they were)."""
+    import torch
+
+    from captioner.models import training
+    from captioner.models.protocol import AttnRecord
+    from captioner.models.registry import MODELS
+    from captioner.models.sat import ShowAttendTell
+
+    monkeypatch.setattr(training.loop, "load_captioned", lambda *a, **k: pytest.fail("the data was read"))
+
+    class NoIds(ShowAttendTell):
+        def __init__(self, vocab_size, feat_dim, embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0):
+            super().__init__(vocab_size, feat_dim, embed_dim, hidden_dim, attn_dim, dropout=dropout)
+
+    class BareTensor(ShowAttendTell):
+        def step(self, prev_tokens, state, enc):
+            logprobs, state, attention = super().step(prev_tokens, state, enc)
+            return logprobs, state, attention.primary
+
+    class CountsInState(ShowAttendTell):
+        def step(self, prev_tokens, state, enc):
+            logprobs, state, attention = super().step(prev_tokens, state, enc)
+            return logprobs, {**state, "steps": 1}, attention
+
+    class OnesForRows(ShowAttendTell):
+        def step(self, prev_tokens, state, enc):
+            logprobs, state, attention = super().step(prev_tokens, state, enc)
+            return logprobs, state, AttnRecord(torch.ones_like(attention.primary))
+
+    class NoSizes(ShowAttendTell):
+        def config(self):
+            return {k: v for k, v in super().config().items() if k not in ("vocab_size", "feat_dim")}
+
+    for model, said in [(NoIds, "constructor must accept **ids"), (BareTensor, "must be an AttnRecord"),
+                        (CountsInState, "step's state 'steps' must be a tensor with the (batch × beam) rows"),
+                        (OnesForRows, "must be a distribution over the items"),
+                        (NoSizes, "config() must return every constructor argument")]:
+        monkeypatch.setitem(MODELS, "broken", model)
+        err = _fails(capsys, ["train", "--dataset", str(scenes), "--out", str(tmp_path / "run"), "--model", "broken",
+                              *(["--set", "embed_dim=16"] if model is not NoIds else [])])
+        assert said in err and "models/protocol.py" in err, (model.__name__, err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_model_option_of_the_wrong_kind_or_size_is_named(scenes, tmp_path, cache, capsys):
     # --set hidden_dim=abc was a TypeError traceback (exit 1); -5 blamed the model's code for reading tensor values
     for setting, said in [("hidden_dim=abc", "must be tuple of ints"), ("dropout=abc", "not supported"),

@@ -488,8 +488,12 @@ def _close(name: str, output: str, got: np.ndarray, want: Tensor, frozen: list[s
             kind = output.split(".")[0]
             diffs[kind] = max(diffs.get(kind, 0.0), float(np.abs(got_f - want_f).max()))
     if not ok:
+        # a wrong number (not a failure to run) has a second common cause: the graph froze a Python value the step
+        # keeps on the model between calls, where the protocol's step depends on its arguments alone
         raise ExportUnsupported(f"{name}: ONNX Runtime disagrees with PyTorch on new shapes"
-                                f"{_why(frozen) or ' — ' + SHAPE_HINT.replace('only runs', 'is only right')}")
+                                f"{_why(frozen) or ' — ' + SHAPE_HINT.replace('only runs', 'is only right')}; or "
+                                "step keeps something on the model between calls, which the graph froze (a step "
+                                "depends on its arguments alone: models/protocol.py)")
 
 
 def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner, spec_enc: EncoderSpec,

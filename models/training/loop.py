@@ -22,6 +22,7 @@ order.  Under ``torchrun`` every rank trains its share of each batch and only ra
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -45,7 +46,7 @@ from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec, EncoderTail, GridEncoder
 from ..evaluation.evaluate import caption_dataset, score_dataset
-from ..protocol import Captioner
+from ..protocol import Captioner, check_step_contract
 from ..vocab import Vocabulary
 from ..registry import UnknownModel
 from ..zoo import create
@@ -202,30 +203,54 @@ def _check_combinations(cfg: TrainConfig, resumed: bool) -> None:
                          "give --init")
 
 
+#: the special ids a checkpoint's config.json passes every model (checkpoint.py, ``special_ids``), passed to probes
+PROBE_IDS = {"pad_id": 0, "bos_id": 1, "eos_id": 2}
+
+
 def _check_model(cfg: TrainConfig) -> None:
     """The model and its options, built on the meta device before any data is read (an unknown name or option was
     found only after the features were extracted), and rebuilt from its :meth:`~Captioner.config`, as loading its
     checkpoints will (a model whose config() is missing or incomplete failed at the first save, after an epoch)."""
     if cfg.model == "ensemble":
         raise ValueError("an ensemble is not trained: `captioner ensemble` builds one from trained checkpoints")
+    # with the vocabulary's special ids, as loading passes them: a constructor without **ids trained, and then no
+    # command could load its checkpoint
+    build = functools.partial(create, cfg.model, vocab_size=16, feat_dim=64, **PROBE_IDS, **cfg.model_args)
     try:
-        described = on_meta(lambda: create(cfg.model, vocab_size=16, feat_dim=64, **cfg.model_args))
+        described = on_meta(build)
     except (TypeError, ValueError) as exc:  # a --set value of the wrong kind or size (an unknown model or option
         # is named by the registry already); TypeError came out as a traceback
-        if not cfg.model_args or isinstance(exc, UnknownModel):
+        if isinstance(exc, UnknownModel):
             raise
+        if any(f"'{name}'" in str(exc) for name in PROBE_IDS):
+            raise ValueError(f"model {cfg.model!r} does not take the vocabulary's special ids ({exc}): its "
+                             "constructor must accept **ids and pass them on to Captioner.__init__ "
+                             "(models/protocol.py)") from None
         options = " ".join(f"--set {name}={value}" for name, value in cfg.model_args.items())
-        raise ValueError(f"model {cfg.model!r} cannot be built with {options}: {exc}") from None
+        raise ValueError(f"model {cfg.model!r} cannot be built{' with ' + options if options else ''}: {exc}") \
+            from None
     try:
         config = described.config()
     except NotImplementedError:
         raise ValueError(f"model {cfg.model!r} does not implement config(): the constructor arguments its checkpoints "
                          "store, to rebuild it (models/protocol.py)") from None
     forgotten = sorted(set(cfg.model_args) - set(config))  # given, but not stored: it would reload as its default
-    if forgotten or state_shapes(on_meta(lambda: create(cfg.model, **config))) != state_shapes(described):
+    try:
+        rebuilt = on_meta(lambda: create(cfg.model, **config))
+    except (TypeError, ValueError) as exc:  # config() left out an argument without a default (vocab_size, ...)
+        raise ValueError(f"model {cfg.model!r}: create({cfg.model!r}, **config()) fails ({exc}): config() must "
+                         "return every constructor argument (models/protocol.py)") from None
+    if forgotten or state_shapes(rebuilt) != state_shapes(described):
         raise ValueError(f"model {cfg.model!r}: create({cfg.model!r}, **config()) builds another model than the one "
                          f"it describes{' (config() leaves out ' + ', '.join(forgotten) + ')' if forgotten else ''}: "
                          "config() must return every constructor argument (models/protocol.py)")
+    try:
+        check_step_contract(build().eval())
+    except ValueError as exc:
+        raise ValueError(f"model {cfg.model!r} does not follow the protocol: {exc} (models/protocol.py)") from None
+    except Exception as exc:  # a broken model raises anything: named here, not a traceback after an epoch
+        raise ValueError(f"model {cfg.model!r} fails one step of the protocol on random features: "
+                         f"{type(exc).__name__}: {exc} (models/protocol.py)") from None
 
 
 def _load_splits(cfg: TrainConfig) -> tuple[list[CaptionedImage], list[CaptionedImage]]:
