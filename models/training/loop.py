@@ -245,7 +245,8 @@ def _check_model(cfg: TrainConfig) -> None:
                          f"it describes{' (config() leaves out ' + ', '.join(forgotten) + ')' if forgotten else ''}: "
                          "config() must return every constructor argument (models/protocol.py)")
     try:
-        check_step_contract(build().eval())
+        with torch.random.fork_rng(devices=[]):  # the probe's weights and features leave the run's randomness as it was
+            check_step_contract(build().eval())
     except ValueError as exc:
         raise ValueError(f"model {cfg.model!r} does not follow the protocol: {exc} (models/protocol.py)") from None
     except Exception as exc:  # a broken model raises anything: named here, not a traceback after an epoch
