@@ -424,3 +424,20 @@ def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsy
     own.write_text(json.dumps({**report, "weights_sha256": recorded_checksum(mine)}))
     _main(["card", str(mine), "--report", str(own)])  # its own weights' report, and reports that predate the record
     _main(["card", str(mine), "--report", str(ROOT / "docs" / "results" / "flickr8k" / "sat.json")])
+
+
+def test_encoding_without_progress_bars_says_how_far_it_is(tmp_path, capsys):
+    # --no-progress ("for logs and CI") printed nothing while the photos were encoded: minutes of silence
+    from captioner.models.data.features import extract_features
+    from captioner.models.data.karpathy import load_karpathy
+    from captioner.models.data.scenes import generate
+    from captioner.models.encoder import EncoderSpec
+
+    images = load_karpathy(generate(tmp_path, {"train": 5, "val": 1, "test": 1, "heldout": 1}, seed=1,
+                                    progress=False))
+    extract_features(images, EncoderSpec(image_size=96), tmp_path / "cache", progress=False, shard_size=3)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("encoding 8 images into ") and lines[1:] == [
+        f"  {n} of 8 images encoded" for n in (3, 6, 8)]
+    extract_features(images, EncoderSpec(image_size=96), tmp_path / "cache", progress=False, shard_size=3)
+    assert capsys.readouterr().err == ""  # nothing to encode: nothing said

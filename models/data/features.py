@@ -39,6 +39,7 @@ import fcntl
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -318,7 +319,11 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     done = _finished_shards(folder, shards, shard_size)
     rows, cols = spec.grid_hw
     model = None
-    with tqdm(total=len(images), initial=sum(len(s) for s, d in zip(shards, done) if d),
+    encoded = sum(len(s) for s, d in zip(shards, done) if d)
+    if not progress and encoded < len(images):  # without bars (logs, CI), a line per shard: minutes were silent
+        print(f"encoding {len(images) - encoded} images{f' ({view})' if view else ''} into {folder}",
+              file=sys.stderr, flush=True)
+    with tqdm(total=len(images), initial=encoded,
               desc=f"encoding images{f' ({view})' if view else ''}",
               unit="img", disable=not progress) as bar:
         for number, members in enumerate(shards):
@@ -338,6 +343,9 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
             array.flush()
             del array
             os.replace(partial, folder / shard_name(number))  # the shard is complete: it gets its final name
+            encoded += len(members)  # counted here: a disabled bar counts nothing
+            if not progress:
+                print(f"  {encoded} of {len(images)} images encoded", file=sys.stderr, flush=True)
     first = np.load(folder / shard_name(0), mmap_mode="r") if shards else np.zeros((0, rows * cols, 0), np.float16)
     index = {im.key: [j // shard_size, j % shard_size] for j, im in enumerate(images)}
     _write_json_atomically(folder / INDEX, {
