@@ -463,19 +463,25 @@ def checkpoint_children(folder: str | Path | None) -> list[Path]:
 
 def find_checkpoints(weights_dir: str | Path | None, extra: Sequence[str | Path] = (),
                      prefixed: Mapping[str, str | Path] | None = None,
-                     on_replaced: Callable[[str, Path, Path], None] | None = None) -> dict[str, Path]:
-    """Checkpoint folders by model name (:func:`checkpoint_name`: the folder's, a training run's ``best``/``last``
-    its run's): every checkpoint child of ``weights_dir``, then every checkpoint child of each ``prefixed`` folder
-    under its prefix + that name (``{"scenes-": "weights"}`` serves ``weights/sat`` as ``scenes-sat``), then the
-    ``extra`` folders; a later one
-    with the same name wins, and ``on_replaced(name, winner, loser)`` hears of it (the loser is neither served nor
-    exported).  This is how the service and ``captioner export`` name models (and so the ONNX exports' folders);
-    a prefix that is not a plain name is refused (``ValueError``: :func:`~.placement.check_name_prefixes`)."""
+                     on_replaced: Callable[[str, Path, Path], None] | None = None,
+                     on_skipped: Callable[[Path, CheckpointError], None] | None = None) -> dict[str, Path]:
+    """Checkpoint folders by model name (:func:`checkpoint_name`: the folder's, a training run's ``best``/``last`` its
+    run's): every checkpoint child of ``weights_dir``, then every checkpoint child of each ``prefixed`` folder under
+    its prefix + that name (``{"scenes-": "weights"}`` serves ``weights/sat`` as ``scenes-sat``), then the ``extra``
+    folders; a later one with the same name wins, and ``on_replaced(name, winner, loser)`` hears of it (the loser is
+    neither served nor exported); an ``extra`` folder that holds no checkpoint is skipped, and ``on_skipped(folder,
+    why)`` hears of it (a run given for ``RUN/best``, a typo). This is how the service and ``captioner export`` name
+    models (and so the ONNX exports' folders); a prefix that is not a plain name is refused (``ValueError``:
+    :func:`~.placement.check_name_prefixes`)."""
     check_name_prefixes(prefixed or {})
     named = [(checkpoint_name(path), path) for path in checkpoint_children(weights_dir)]
     for prefix, folder in (prefixed or {}).items():
         named += [(prefix + checkpoint_name(path), path) for path in checkpoint_children(folder)]
-    named += [(checkpoint_name(path), path) for path in map(Path, extra) if is_checkpoint(path)]
+    for path in map(Path, extra):
+        if is_checkpoint(path):
+            named.append((checkpoint_name(path), path))
+        elif on_skipped is not None:
+            on_skipped(path, not_a_checkpoint(path))
     found: dict[str, Path] = {}
     for name, path in named:
         if on_replaced is not None and name in found and found[name].resolve() != path.resolve():

@@ -41,26 +41,28 @@ MULTIPART_SLACK = 64 * 1024
 MAX_FORM_FILES, MAX_FORM_FIELDS = 8, 16
 FORM_PARTS = ("file", *CAPTION_OPTIONS)
 
-def _as_query(name: str) -> Any:
-    """CaptionOptions' field ``name`` as a query parameter: its description and bounds, read off the field."""
-    field = CaptionOptions.model_fields[name]
-    bounds = {bound: getattr(rule, bound) for rule in field.metadata for bound in ("ge", "gt", "le", "lt",
-                                                                                     "allow_inf_nan")
-              if hasattr(rule, bound)}
-    return Query(description=field.description, **bounds)
-
-
 def _empty_is_none(value: Any) -> Any:
     # ?beam_size= names no beam size, as an empty form field (curl -F beam_size=) does: not a 422
     return None if value == "" else value
 
 
+def _as_query(name: str) -> Any:
+    """CaptionOptions' field ``name`` as a query parameter: its type, description and bounds, read off the field,
+    and an empty value read as none."""
+    field = CaptionOptions.model_fields[name]
+    bounds = {bound: getattr(rule, bound) for rule in field.metadata for bound in ("ge", "gt", "le", "lt",
+                                                                                     "allow_inf_nan")
+              if hasattr(rule, bound)}
+    return Annotated[field.annotation, Query(description=field.description, **bounds),
+                     BeforeValidator(_empty_is_none)]
+
+
 # the options as query parameters (the same names, bounds and meaning as CaptionOptions' fields)
-ModelQuery = Annotated[str | None, _as_query("model"), BeforeValidator(_empty_is_none)]
-BeamQuery = Annotated[int | None, _as_query("beam_size"), BeforeValidator(_empty_is_none)]
-LengthQuery = Annotated[int | None, _as_query("max_len"), BeforeValidator(_empty_is_none)]
-PenaltyQuery = Annotated[float | None, _as_query("length_penalty"), BeforeValidator(_empty_is_none)]
-TrigramQuery = Annotated[bool | None, _as_query("block_trigrams"), BeforeValidator(_empty_is_none)]
+ModelQuery = _as_query("model")
+BeamQuery = _as_query("beam_size")
+LengthQuery = _as_query("max_len")
+PenaltyQuery = _as_query("length_penalty")
+TrigramQuery = _as_query("block_trigrams")
 
 
 def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_len: LengthQuery = None,

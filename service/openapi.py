@@ -67,16 +67,16 @@ def _statuses(path: str) -> tuple[int, ...]:
     return EVERY_OPERATION
 
 
-def _header(description: str) -> dict[str, Any]:
+def header_doc(description: str) -> dict[str, Any]:
+    """An answer's header as the document describes it (every header the service sends is a string)."""
     return {"description": description, "schema": {"type": "string"}}
 
 
 #: the headers every answer carries (middleware.py), and those of some statuses (problems.py, security.py)
-EVERY_ANSWER_HEADERS = {"X-Request-ID": _header("the request's id: the client's X-Request-ID when it is sane, else "
-                                                "a new one; the access log line carries it")}
-STATUS_HEADERS = {"401": {"WWW-Authenticate": _header("Bearer")},
-                  "429": {"Retry-After": _header("seconds to wait before retrying")},
-                  "503": {"Retry-After": _header("seconds to wait before retrying")}}
+EVERY_ANSWER_HEADERS = {"X-Request-ID": header_doc("the request's id: the client's X-Request-ID when it is sane, "
+                                                   "else a new one; the access log line carries it")}
+RETRY_AFTER = {"Retry-After": header_doc("seconds to wait before retrying")}
+STATUS_HEADERS = {"401": {"WWW-Authenticate": header_doc("Bearer")}, "429": RETRY_AFTER, "503": RETRY_AFTER}
 
 
 def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +88,7 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
         body = model.model_json_schema(ref_template=COMPONENTS + "{model}", mode="serialization")
         components.update(body.pop("$defs", {}))
         components[model.__name__] = body
-    problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}}
+    problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": COMPONENTS + "Problem"}}}}
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})

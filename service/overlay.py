@@ -17,7 +17,7 @@ from captioner.models.rendering.heatmaps import MODES
 
 from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
-from .openapi import component_ref
+from .openapi import component_ref, header_doc
 from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, Format, RenderOptions,
                         check_render_options, drawn_mode, render_result)
 from .results import Results, StoredResult
@@ -40,10 +40,9 @@ SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
 RENDERED: dict[int | str, dict[str, Any]] = {
     200: {"content": {"image/png": {}, "application/json": {"schema": component_ref(HeatmapsOut)}},
           "description": "PNG (format=png or figure) or the heatmaps as JSON (format=json)",
-          "headers": {"X-Caption-Id": {"description": "the stored result the picture was drawn from",
-                                       "schema": {"type": "string"}},
-                      "X-Heatmap-Mode": {"description": "the heatmap mode drawn (the model's own when the request "
-                                                        "named none)", "schema": {"type": "string"}}}},
+          "headers": {"X-Caption-Id": header_doc("the stored result the picture was drawn from"),
+                      "X-Heatmap-Mode": header_doc("the heatmap mode drawn (the model's own when the request named "
+                                                   "none)")}},
     504: {"description": "deadline passed while waiting for a render slot"}}
 
 

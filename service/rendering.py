@@ -67,19 +67,21 @@ def drawn_mode(result: CaptionResult, options: RenderOptions) -> str:
     return options.mode or result.default_mode
 
 
+def _at_most(picture: Image.Image, side: int) -> Image.Image:
+    """``picture``, shrunk in place to a longer side of at most ``side`` pixels."""
+    picture.thumbnail((side, side))  # (never enlarges)
+    return picture
+
+
 def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
     check_render_options(options)
     result = stored.result
     side = options.max_side or (JSON_RENDER_SIDE if options.format == "json" else DEFAULT_RENDER_SIDE)
-    image = load_image(stored.upload, reduce_to=side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8 of its size
-    if max(image.size) > side:
-        image.thumbnail((side, side))
+    image = _at_most(load_image(stored.upload, reduce_to=side), side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8
+    # of its size
     mode, style = drawn_mode(result, options), {"cmap": options.cmap, "alpha": options.alpha}
     if options.format == "figure":  # panels of a fixed size, whatever the photo's: the whole figure is bounded too
-        figure = result.figure(image, mode, **style)
-        if max(figure.size) > side:
-            figure.thumbnail((side, side))
-        return png_bytes(figure)
+        return png_bytes(_at_most(result.figure(image, mode, **style), side))
     if options.format == "png":
         return png_bytes(result.overlay(image, options.token, mode, **style))
     rows = result.drawn_rows(mode)

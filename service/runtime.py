@@ -33,8 +33,7 @@ import multiprocessing
 from collections.abc import Collection
 from pathlib import Path
 
-from captioner.models.checkpoint import (Checkpoint, CheckpointError, find_checkpoints, is_checkpoint, load_checkpoint,
-                                         not_a_checkpoint)
+from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
 from captioner.models.device import resolve_device
 from captioner.models.inference import Runtime, TorchRuntime
 from captioner.models.placement import DEFAULT_ONNX_DIR
@@ -67,10 +66,11 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
     def replaced(name: str, winner: Path, loser: Path) -> None:
         log.warning("model %r is %s; %s, named the same, is not served", name, winner, loser)
 
-    for path in map(Path, extra):
-        if not is_checkpoint(path):  # a run's folder instead of RUN/best, a typo: named, as a damaged one is below
-            log.error("skipping checkpoint %s: %s", path, not_a_checkpoint(path))
-    for name, path in find_checkpoints(weights_dir, extra, prefixed, on_replaced=replaced).items():
+    def skipped(path: Path, why: CheckpointError) -> None:  # a run's folder instead of RUN/best, a typo: named, as
+        # a damaged checkpoint is below
+        log.error("skipping checkpoint %s: %s", path, why)
+
+    for name, path in find_checkpoints(weights_dir, extra, prefixed, replaced, skipped).items():
         if only is not None and name not in only:
             continue
         try:
