@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -28,7 +28,7 @@ from captioner.models.device import set_threads
 
 from .batcher import Batcher
 from .captioning import observe_invalid
-from .inputs import arrival
+from .inputs import arrival, known_query_only
 from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
 from .middleware import RequestContextMiddleware
@@ -154,8 +154,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # API keys, CORS and security headers (security.py), inside the request-id middleware so 401s are logged
     install_security(app, settings.api_keys, settings.cors_origins)
     app.add_middleware(RequestContextMiddleware)
-    app.include_router(router)
-    app.include_router(overlay_router)
+    for routes in (router, overlay_router):
+        app.include_router(routes, dependencies=[Depends(known_query_only)])
     install_openapi(app)  # every error documented as a problem document (openapi.py)
     install_docs(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

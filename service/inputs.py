@@ -22,6 +22,9 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BeforeValidator, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.concurrency import run_in_threadpool
@@ -73,6 +76,26 @@ def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_le
 
 #: the caption options given as query parameters, for the endpoints that caption an upload
 QueryOptions = Annotated[CaptionOptions, Depends(_query_options)]
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route (or a dependency) reads, its dependencies' included."""
+    return {param.alias for param in dependant.query_params}.union(*map(_query_names, dependant.dependencies))
+
+
+async def known_query_only(request: Request) -> None:
+    """Refuse the query parameters the route does not take, by name, as FastAPI refuses a bad value: a misspelt
+    ``beam_sise=5`` would otherwise be ignored, and the caption made with the default beam while the client
+    believes it chose one (a stray multipart part is refused the same way)."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    accepted = _query_names(route.dependant)  # a few fields: cheaper than a thread hop, no cache needed
+    unknown = sorted({name for name in request.query_params if name not in accepted})
+    if unknown:
+        takes = f"it takes {', '.join(sorted(accepted))}" if accepted else "it takes none"
+        raise RequestValidationError([{"type": "extra_forbidden", "loc": ("query", name),
+                                       "msg": f"unknown query parameter ({takes})"} for name in unknown])
 
 
 def missing_file() -> InvalidRequest:

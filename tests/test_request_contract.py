@@ -126,6 +126,18 @@ def test_unknown_parts_and_fields_are_refused_by_name(client, photo):
     assert "'image'" in problem(renamed)["detail"]
 
 
+def test_unknown_query_parameters_are_refused_by_name(client, photo):
+    # a misspelt option was ignored: the caption came with the default beam while the client believed it chose 1
+    body = problem(post(client, photo, params={"beam_sise": 1, "max_len": 4}))
+    assert [e["loc"] for e in body["errors"]] == [["query", "beam_sise"]]
+    assert "unknown query parameter" in body["detail"] and "beam_size" in body["detail"]
+    # every route's own parameters only: the overlay's are not the caption's, and a GET that takes none takes none
+    assert post(client, photo, params={"format": "png", "token": 0}, path="/caption/overlay").status_code == 200
+    assert problem(post(client, photo, params={"format": "png"}))["errors"][0]["loc"] == ["query", "format"]
+    assert "takes none" in problem(client.get("/models", params={"verbose": 1}))["detail"]
+    assert client.get("/readyz").status_code == 200 and client.get("/", params={"utm_source": "x"}).status_code == 200
+
+
 def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
     twice = post(client, photo, extra_files=[("file", ("other.jpg", photo, "image/jpeg"))])
     assert "'file' given more than once" in problem(twice)["detail"]
