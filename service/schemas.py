@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from captioner.models.inference import CaptionResult, ModelInfo
 from captioner.models.protocol import Geometry
@@ -67,7 +67,11 @@ CAPTION_OPTIONS = tuple(CaptionOptions.model_fields)
 
 class CaptionJSON(CaptionOptions):
     """JSON alternative to the multipart upload, for clients that cannot send multipart; its options override
-    the query parameters."""
+    the query parameters.  JSON has types, so they are kept (strict): ``"beam_size": true`` or ``"2"`` is a
+    mistake to name, not a beam of 1 or 2 (a number is still a valid ``length_penalty``); and a key it does not
+    know is refused by name, as an unknown form part or query parameter is."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     image: str = Field(description="the image file, base64-encoded (a data: URL is accepted too)")
 

@@ -178,6 +178,17 @@ def test_json_options_override_the_query_as_documented(client, photo):
     same_caption(body, post(client, photo, fields={"model": "tiny-b", "beam_size": "1"}).json())
 
 
+def test_a_json_body_keeps_its_types_and_names_what_it_does_not_know(client, photo):
+    # "beam_size": true was a beam of 1, "2" a beam of 2, and a misspelt key was ignored
+    encoded = base64.b64encode(photo).decode()
+    for extra, field in (({"beam_size": True}, "beam_size"), ({"beam_size": "2"}, "beam_size"),
+                         ({"block_trigrams": 1}, "block_trigrams"), ({"beam_sise": 2}, "beam_sise")):
+        body = problem(client.post("/caption", json={"image": encoded, **extra}))
+        assert [e["loc"] for e in body["errors"]] == [["body", field]], body
+    accepted = client.post("/caption", json={"image": encoded, "beam_size": 2, "length_penalty": 1, "model": None})
+    assert accepted.status_code == 200 and accepted.json()["beam_size"] == 2, accepted.text
+
+
 def test_json_base64_may_be_wrapped_with_whitespace_and_nothing_else(client, photo):
     encoded = base64.b64encode(photo).decode()
     wrapped = "\r\n".join("  " + encoded[i:i + 76] + "\t" for i in range(0, len(encoded), 76))  # RFC 2045, indented
