@@ -246,9 +246,11 @@ class RowHistory:
 
 
 def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int,
-              forbidden: tuple[int, ...] = (), history: RowHistory | None = None) -> BeamStep:
+              forbidden: tuple[int, ...] = (), history: RowHistory | None = None,
+              starting: Tensor | None = None) -> BeamStep:
     """Top-k of (beam × vocabulary) within every beam group, with back-pointers; ``forbidden`` tokens (see
-    :func:`never_emitted`) are never chosen, and a ``history`` applies its rows' :class:`DecodingRules`.
+    :func:`never_emitted`) are never chosen, a ``history`` applies its rows' :class:`DecodingRules`, and the rows
+    ``starting`` a caption (``[R]`` bool: their previous token is BOS) cannot end it: a caption has a word.
 
     Finished rows may only be extended by EOS at log-prob 0, so they keep competing with live ones on their
     final score (length-normalised when a row has a length penalty).  Everything stays on the device: no host
@@ -260,6 +262,10 @@ def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLa
     vocab = logprobs.shape[1]
     allowed = logprobs.masked_fill(finished[:, None], float("-inf"))
     allowed[:, eos_id] = torch.where(finished, torch.zeros_like(scores), logprobs[:, eos_id])
+    if starting is not None:
+        # a large beam otherwise keeps the one-token caption "<eos>" (its score is one log-prob, where every real
+        # caption sums several) and, with a length penalty, may rank it first: an empty caption
+        allowed[:, eos_id] = allowed[:, eos_id].masked_fill(starting, float("-inf"))
     candidates = scores[:, None] + allowed
     # what the top-k ranks: the summed log-prob, or with a length penalty that sum over each row's divisor
     penalised = history is not None and history.penalised
@@ -377,9 +383,10 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     history = RowHistory.start(widths, [rules] * len(widths), max_len, device) if rules.active else None
     records: list[StepRecord] = []
 
-    for _ in range(max_len):
+    for position in range(max_len):
         logprobs, state, attn = step(prev, state, enc)
-        beam = beam_step(logprobs, scores, finished, layout, eos_id, forbidden, history)
+        beam = beam_step(logprobs, scores, finished, layout, eos_id, forbidden, history,
+                         starting=~finished if position == 0 else None)
         if history is not None:
             history = history.after(beam, finished)
         records.append(record_step(beam, attn, extras=extras))
@@ -425,9 +432,11 @@ def greedy(model: Captioner, vis: VisualBatch, max_len: int = 20) -> list[Hypoth
     prev = torch.full((rows,), model.bos_id, dtype=torch.long, device=vis.feats.device)
     tokens, logps, attns = [], [], []
     done = torch.zeros(rows, dtype=torch.bool, device=vis.feats.device)
-    for _ in range(max_len):
+    for position in range(max_len):
         logprobs, state, attn = model.step(prev, state, enc)
-        best, prev = _forbid(logprobs.float(), never_emitted(model)).max(-1)
+        # what the beam search forbids: the never-emitted tokens, and ending the caption before its first word
+        best, prev = _forbid(logprobs.float(), never_emitted(model) + ((model.eos_id,) if position == 0 else ())
+                             ).max(-1)
         tokens.append(prev)
         logps.append(best)
         attns.append(attn.primary.float())

@@ -132,6 +132,8 @@ def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False):
             logprobs = next_logprobs(tokens)
             banned = {tokens[i + 2] for i in range(len(tokens) - 2)
                       if block_trigrams and len(tokens) >= 2 and tokens[i:i + 2] == tokens[-2:]}
+            if not tokens:  # a caption has a word before its EOS
+                banned.add(model.eos_id)
             for word, lp in enumerate(logprobs.tolist()):
                 if word not in forbidden and word not in banned:
                     candidates.append((tokens + [word], score + lp, word == model.eos_id))
@@ -184,6 +186,19 @@ def test_unk_is_never_emitted_the_next_best_word_is(tiny_sat, random_visuals):
     for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=6):
         assert Vocabulary.unk_id not in hyps[0].token_ids and len(hyps[0].token_ids) > 0
     assert all(Vocabulary.unk_id not in h.token_ids for h in greedy(tiny_sat, random_visuals, 6))
+
+
+def test_a_caption_is_never_empty_whatever_the_beam(tiny_sat, random_visuals):
+    # with EOS the likeliest first token, the one-token "<eos>" kept its single log-prob against real captions'
+    # sums and won: Pipeline(...)(cat, beam_size=500) answered "" with a shipped checkpoint
+    with torch.no_grad():
+        tiny_sat.out_word.bias[tiny_sat.eos_id] += 50.0
+    for k in (1, 3, 8):
+        for hyps in beam_search(tiny_sat, random_visuals, k=k, max_len=6, rules=DecodingRules(length_penalty=1.0)):
+            assert hyps[0].token_ids[-1] == tiny_sat.eos_id and len(hyps[0].token_ids) == 2, hyps[0].token_ids
+    assert all(len(h.token_ids) == 2 for h in greedy(tiny_sat, random_visuals, 6))
+    assert [h[0].token_ids for h in beam_search(tiny_sat, random_visuals, k=3, max_len=6)] == \
+        [_naive_beam(tiny_sat, random_visuals, row, 3, 6) for row in range(random_visuals.feats.shape[0])]
 
 
 def test_rules_are_validated():

@@ -77,6 +77,21 @@ def test_requests_with_their_own_decoding_rules_get_what_they_would_get_alone(en
     assert batcher.active_rows == 0
 
 
+def test_rows_joining_mid_table_never_end_on_their_first_token(encoder):
+    """A model that would end every caption at once: rows joining a table whose other rows are mid-caption still
+    choose a word first (the rule that keeps a beam search's caption from being empty holds row by row)."""
+    runtime = runtime_for("sat", encoder)
+    with torch.no_grad():
+        runtime.ckpt.model.out_word.bias[runtime.eos_id] += 50.0
+    images = [runtime.prepare(image) for image in random_images(3, seed=5)]
+    schedule = [(0, images[0], 3, 6), (1, images[1], 2, 6), (2, images[2], 4, 6)]
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
+    batcher.start(worker=False)
+    for (_, prepared, beam, max_len), got in zip(schedule, asyncio.run(drive(batcher, schedule))):
+        assert got.tokens[-1] == "<eos>" and len(got.words) == 1, got.tokens
+        assert_same_result(got, solo(runtime, prepared, beam, max_len))
+
+
 def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
     runtime = runtime_for("sat", encoder)
     seen: list[int] = []
