@@ -4,13 +4,16 @@ mode of ``caption`` (``--output``: service/archive.py), which drives the service
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
 import json
 import os
+import re
 import signal
 import socket
 import sys
 import traceback
+from collections.abc import Collection
 from pathlib import Path
 
 from captioner.models.cli.commands import add_commands
@@ -19,19 +22,45 @@ from captioner.models.cli.inference import cmd_caption as caption_files
 from captioner.models.device import resolve_device
 
 
+#: CAPTIONER_* variables the project reads that are not service settings
+OTHER_VARIABLES = frozenset({"CAPTIONER_DEBUG"})
+
+
 def read_settings(**overrides):
     """The service's settings (CAPTIONER_* variables, ``overrides`` winning), or a one-line error naming each bad
     setting and what is wrong with it, never its value: pydantic's own message quotes the input, an API key with
     it."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     from .settings import Settings
 
+    _refuse_unknown_variables(Settings.model_fields)
     try:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(f"{_setting_named(error['loc'])}: {error['msg']}" for error in exc.errors())
         raise SystemExit(f"error: settings: {problems}") from None
+    except SettingsError as exc:  # a JSON-typed setting (a list or an object) whose value is not JSON
+        field = re.search(r'field "(\w+)"', str(exc))
+        if field is None or field.group(1) not in Settings.model_fields:
+            raise SystemExit(f"error: settings: {exc}") from None
+        name = field.group(1)
+        kind = "object" if "dict" in str(Settings.model_fields[name].annotation) else "list"
+        raise SystemExit(f"error: settings: {_setting_named((name,))} must be a JSON {kind} (the README's settings "
+                         "table gives an example)") from None
+
+
+def _refuse_unknown_variables(fields: Collection[str]) -> None:
+    """Stop on a CAPTIONER_* variable that is no setting: pydantic-settings ignores it, so a misspelt
+    CAPTIONER_API_KEY (for ..._KEYS) served without keys, and CAPTIONER_DRAIN_TIMEOUT left the drain at 30 s."""
+    known = {f"CAPTIONER_{name.upper()}" for name in fields} | OTHER_VARIABLES
+    unknown = sorted(name for name in os.environ if name.upper().startswith("CAPTIONER_") and name.upper() not in known)
+    if unknown:
+        said = "; ".join(f"{name}" + "".join(f" (did you mean {match}?)" for match in
+                                              difflib.get_close_matches(name.upper(), known, n=1, cutoff=0.75))
+                         for name in unknown)
+        raise SystemExit(f"error: settings: unknown variable {said}: unset it, or see the README's settings table")
 
 
 def _setting_named(location: tuple) -> str:

@@ -242,3 +242,27 @@ def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "8791"])
     assert "error: settings: the settings together: Value error, max_rows (2)" in capsys.readouterr().err
+
+
+def test_a_variable_that_is_no_setting_stops_the_server_and_a_plain_value_for_a_list_is_named(monkeypatch, capsys):
+    """pydantic-settings ignores a CAPTIONER_* name it does not know: a misspelt CAPTIONER_API_KEY served without
+    keys, in silence (the operator audit). And a key given bare where a JSON list is read was "error parsing value
+    for field "api_keys" from source "EnvSettingsSource"", naming neither the variable nor what it takes."""
+    from captioner.service.cli import main
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--port", "8791", *argv])
+        assert exc.value.code == 2
+        return capsys.readouterr().err
+
+    monkeypatch.setenv("CAPTIONER_API_KEY", '["topsecret-key"]')
+    err = refused()
+    assert "unknown variable CAPTIONER_API_KEY (did you mean CAPTIONER_API_KEYS?)" in err and "topsecret" not in err
+    monkeypatch.delenv("CAPTIONER_API_KEY")
+    monkeypatch.setenv("CAPTIONER_API_KEYS", "topsecret-key")
+    err = refused()
+    assert "CAPTIONER_API_KEYS must be a JSON list" in err and "topsecret" not in err
+    monkeypatch.delenv("CAPTIONER_API_KEYS")
+    monkeypatch.setenv("CAPTIONER_BACKENDS", "onnx")
+    assert "CAPTIONER_BACKENDS must be a JSON object" in refused()
