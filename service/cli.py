@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(settings)
     # the app writes its own structured access log (with request ids); uvicorn's would duplicate it
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=settings.drain_timeout_s + 5,
+                            log_config=None, access_log=False, timeout_graceful_shutdown=settings.drain_timeout_s + 5,
                             timeout_keep_alive=settings.keep_alive_s)
     # SIGTERM: readiness and new requests 503 at once, admitted requests finish, exit 0 (lifecycle.py)
     server = DrainingServer(config, app.state.shutdown_gate, settings.drain_timeout_s)

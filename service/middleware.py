@@ -184,12 +184,19 @@ class TextFormatter(logging.Formatter):
         return " ".join(part for part in (line, f"request_id={request_id}" if request_id else "", extra) if part)
 
 
+#: the loggers the service writes: its own, and uvicorn's (start-up, shutdown, a malformed HTTP request), which
+#: wrote plain-text lines into the JSON stream before
+SERVICE_LOGGERS = ("captioner", "uvicorn")
+
+
 def configure_logging(fmt: str = "json", level: str = "info") -> None:
-    """Route the ``captioner.*`` loggers to stderr in the chosen format (idempotent)."""
-    logger = logging.getLogger("captioner")
+    """Route the ``captioner.*`` and ``uvicorn.*`` loggers to stderr in the chosen format (idempotent; uvicorn is
+    then started with ``log_config=None``, so that it keeps these handlers)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else
                          TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.handlers = [handler]
-    logger.setLevel(level.upper())
-    logger.propagate = False
+    for name in SERVICE_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.setLevel(level.upper())
+        logger.propagate = False

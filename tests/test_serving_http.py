@@ -10,7 +10,9 @@ import io
 import json
 import math
 import random
+import socket
 import struct
+import time
 import zlib
 
 import httpx
@@ -251,6 +253,23 @@ def test_access_log_lines_are_json_with_the_request_id(server, server_log, image
     assert len(mine) == 1
     assert mine[0]["method"] == "POST" and mine[0]["path"] == "/caption" and mine[0]["status"] == 200
     assert mine[0]["duration_ms"] > 0 and mine[0]["level"] == "info" and "ts" in mine[0]
+
+
+def test_uvicorn_writes_json_lines_too(server, server_log):
+    """uvicorn's own lines (start-up, a request it cannot parse) were plain text in the JSON stream (the operator
+    audit): a log shipper parsing JSON dropped or mangled them."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as connection:
+        connection.sendall(b"GARBAGE\x01 / HTTP/1.1\r\n\r\n")
+        connection.recv(1024)
+    deadline = time.time() + 10
+    while "Invalid HTTP request" not in server_log.read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    lines = server_log.read_text().splitlines()
+    assert not [line for line in lines if line.split(":")[0] in ("INFO", "WARNING", "ERROR")], lines
+    uvicorn = [json.loads(line) for line in lines if line.startswith('{"') and '"logger": "uvicorn' in line]
+    assert any("Invalid HTTP request" in entry["msg"] for entry in uvicorn), lines[-5:]
+    assert any("Application startup complete" in entry["msg"] for entry in uvicorn)
 
 
 def test_not_ready_answers_503_with_retry_after(tmp_path):
