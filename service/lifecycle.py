@@ -4,6 +4,7 @@ Uvicorn's own SIGTERM handling closes the listening socket first, so a load bala
 process sees refused connections rather than a 503 it can retry elsewhere, and the process then dies by the
 re-raised signal (exit code 143).  Here the order is:
 
+0. A signal while the models load (before the server listens) exits at once, status 0: nothing is served yet.
 1. SIGTERM (or SIGINT): :class:`ShutdownGate` starts draining at once.  ``/readyz`` and every new request answer
    503 with ``Retry-After`` (an RFC 9457 problem document); ``/healthz`` and ``/metrics`` keep answering, so the
    orchestrator does not mistake a draining process for a dead one.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import multiprocessing
+import os
 import time
 from types import FrameType
 from typing import Any, Awaitable, Callable
@@ -151,13 +154,27 @@ class DrainingServer(uvicorn.Server):
             self.config.timeout_graceful_shutdown = 0
             if self.should_exit:  # uvicorn's shutdown is already waiting: stop that wait too
                 self.force_exit = True
-        if self.gate.draining or not self.started or self._loop is None:
-            # a second signal, or one before start-up finished: uvicorn's own handling (exit by the signal)
+        if not self.started and not self.gate.draining:
+            self._exit_before_serving(sig)
+        if self.gate.draining or self._loop is None:
+            # a second signal: uvicorn's own handling (exit by the signal)
             super().handle_exit(sig, frame)
             return
         self.gate.begin_drain()
         # a fresh context: the signal may interrupt a request, whose context variables (request id) must not leak
         self._loop.call_soon_threadsafe(self._start_drain, sig, context=contextvars.Context())
+
+    @staticmethod
+    def _exit_before_serving(sig: int) -> None:
+        """Exit at once, status 0, on a signal that comes while the models load: uvicorn only looks at it after
+        start-up (minutes of ONNX exports, loading and warm-up), so ``docker stop`` and a pod's deletion ended in
+        SIGKILL.  Nothing is served yet, so nothing is lost; an export being made in a child process is stopped
+        (exports are written to a temporary folder and swapped in whole, so none is left half-written)."""
+        log.info("signal %d during start-up: exiting before serving", sig)
+        for child in multiprocessing.active_children():
+            child.terminate()
+        logging.shutdown()  # the log lines written so far reach their destination
+        os._exit(0)
 
     def _start_drain(self, sig: int) -> None:
         self._drain_task = asyncio.get_running_loop().create_task(self._drain_then_exit(sig))

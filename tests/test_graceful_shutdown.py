@@ -7,10 +7,12 @@ body, the test sends SIGTERM and checks the other endpoints, then the upload fin
 
 from __future__ import annotations
 
+import contextlib
 import io
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -122,5 +124,45 @@ def test_sigusr1_writes_every_threads_stack_and_the_server_keeps_serving(tiny_we
                               timeout=30)
         assert response.status_code == 200, response.text
         assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+def _children_of(pid: int) -> set[int]:
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:  # the field after the state is the parent's pid
+                children.add(int(stat.parent.name))
+    return children
+
+
+def test_a_signal_while_the_models_load_exits_at_once_and_stops_the_export_child(tmp_path):
+    """uvicorn looked at a SIGTERM only once start-up had finished (the operator audit: 25 s of exports and loading
+    after the signal, then exit 143), so docker stop and a pod's deletion ended in SIGKILL."""
+    weights = tmp_path / "weights"
+    for seed in range(12):  # enough first-start exports that the signal comes while the child makes them
+        save_checkpoint(weights / f"tiny-{seed}", tiny_model("sat", seed=seed), VOCAB, TINY_SPEC)
+    server = ServerProcess(weights, {"CAPTIONER_DEFAULT_MODEL": "tiny-0", "CAPTIONER_DEVICE": "cpu",
+                                     "CAPTIONER_ONNX_DIR": str(tmp_path / "onnx")}, tmp_path / "server.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "their ONNX exports are made in a child process" not in server.log_path.read_text():
+            assert server.proc.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while not (children := _children_of(server.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert children, "the export child did not start"
+        signalled = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=20) == 0, server.log()
+        assert time.monotonic() - signalled < 10
+        assert "during start-up: exiting before serving" in server.log()
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{pid}").exists() for pid in children), "the export child outlived the server"
     finally:
         server.stop()
