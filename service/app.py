@@ -66,9 +66,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         await run_in_threadpool(prepare_in_child, *found, only=missing, **run)
     runtimes = await run_in_threadpool(load_runtimes, *found, **run)
     if not runtimes:
-        searched = [str(settings.weights_dir), *map(str, settings.prefixed_weights_dirs.values()),
-                    *map(str, settings.checkpoints)]
-        log.error("no checkpoint found in %s: every caption request will get 503", ", ".join(searched))
+        log.error("no checkpoint found in %s: every caption request will get 503",
+                  ", ".join(settings.checkpoint_folders()))
     elif settings.default_model not in runtimes:
         fallback = sorted(runtimes)[0]
         log.warning("default model %r not found; using %r", settings.default_model, fallback)

@@ -86,6 +86,17 @@ def check_port_free(host: str, port: int) -> None:
                              "another --port (CAPTIONER_PORT)") from None
 
 
+def check_something_to_serve(settings) -> None:
+    """Stop, in one line, a server that would find no checkpoint to serve (a mistyped CAPTIONER_WEIGHTS_DIR): it
+    started, stayed live and never ready, and a container's health check, on liveness, called it healthy."""
+    from captioner.models.checkpoint import find_checkpoints
+
+    if not find_checkpoints(settings.weights_dir, settings.checkpoints, settings.prefixed_weights_dirs):
+        raise SystemExit(f"error: no checkpoint found in {', '.join(settings.checkpoint_folders())}: nothing to "
+                         "serve (set CAPTIONER_WEIGHTS_DIR or --weights-dir to a folder of checkpoints, or "
+                         "CAPTIONER_CHECKPOINTS)")
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -101,6 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # lifespan it was a traceback and uvicorn's "Application startup failed")
     resolve_device(settings.device)
     check_port_free(settings.host, settings.port)
+    check_something_to_serve(settings)
     # `kill -USR1 PID` writes every thread's stack to stderr: a server that stalls can be looked into while it
     # stalls, without stopping it or installing a profiler
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -115,6 +115,10 @@ class Settings(BaseSettings):
         return dict(onnx_dir=self.onnx_dir, prefixed=self.prefixed_weights_dirs, backends=self.backends,
                     default_backend=self.backend, encoder_precision=self.encoder_precision)
 
+    def checkpoint_folders(self) -> list[str]:
+        """Every folder checkpoints are looked for in, for the messages that say none was found."""
+        return [str(self.weights_dir), *map(str, self.prefixed_weights_dirs.values()), *map(str, self.checkpoints)]
+
     def model_loading(self) -> dict[str, Any]:
         """:meth:`model_placement` and how the models run: the keywords of ``runtime.load_runtimes``, for the server
         and for ``captioner caption --output``, which loads its checkpoint as the server does."""

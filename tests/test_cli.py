@@ -518,6 +518,27 @@ def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, c
     assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
+def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypatch, capsys, tmp_path):
+    # a mistyped weights folder started a server that stayed live and never ready: a container's health check (on
+    # liveness) called it healthy, and every caption got 503 (the operator audit)
+    from captioner.service import app as service_app
+    from captioner.service.cli import main
+
+    from .conftest import free_port
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    (tmp_path / "notes").mkdir()
+    port = str(free_port())
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--weights-dir", str(tmp_path / "wieghts"), "--port", port])
+    assert stopped.value.code == 2
+    assert f"error: no checkpoint found in {tmp_path / 'wieghts'}: nothing to serve" in capsys.readouterr().err
+    monkeypatch.setenv("CAPTIONER_CHECKPOINTS", f'["{tmp_path / "notes"}"]')
+    with pytest.raises(SystemExit):
+        main(["serve", "--weights-dir", str(tmp_path), "--port", port])
+    assert "no checkpoint found in" in capsys.readouterr().err
+
+
 def test_caption_with_the_default_checkpoint_works_from_any_folder(tmp_path):
     # the default was weights/flickr8k/sat-supervised below the working folder: the README's first command failed
     # anywhere but the checkout's root
