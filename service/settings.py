@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     onnx_dir: Path = Field(DEFAULT_ONNX_DIR, description="ONNX exports, one folder per model; made when missing")
 
     # -- device -------------------------------------------------------------------------------------------------
-    device: str = Field("auto", description="auto, cpu or cuda")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N (the N-th GPU)")
     threads: int | None = Field(None, ge=1, description="intra-op threads of torch and ONNX Runtime (unset: their "
                                 "defaults, one per core)")
     precision: Literal["float32", "bfloat16", "float16"] = Field(
