@@ -560,6 +560,9 @@ def test_service_pdb_and_hpa_point_at_the_deployment_and_its_metrics_exist():
     assert resources["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
     hpa = resources["HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    # the autoscaler owns the count: a Deployment's replicas would be applied again by every `kubectl apply -k`,
+    # ending the pods the autoscaler had added
+    assert "replicas" not in deployment["spec"]
     # the HPA's metrics are exposed by the adapter rules, from series the service really exports on /metrics
     rules = yaml.safe_load(resources["ConfigMap"]["data"]["config.yaml"])["rules"]
     exposed = {rule["name"]["as"]: rule for rule in rules}
