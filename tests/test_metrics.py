@@ -19,6 +19,20 @@ def test_perfect_and_wrong_captions():
     assert good["ROUGE-L"] > bad["ROUGE-L"]
 
 
+def test_inputs_that_scored_wrongly_in_silence_are_refused_by_name():
+    # a library user's audit: a reference given as a string was scored as its characters (BLEU-1 0.5 for an exact
+    # match), "BLEU-4" returned {}, a missing reference was a bare KeyError
+    with pytest.raises(TypeError, match=r"references\[0\] must be a list of captions"):
+        score_captions({0: "a dog"}, {0: "a dog"}, ("BLEU",))
+    with pytest.raises(ValueError, match="unknown metric.*'BLEU-4'.*BLEU gives BLEU-1 to BLEU-4"):
+        score_captions({1: "a red circle"}, REFS, ("BLEU-4",))
+    with pytest.raises(ValueError, match="candidate 3 has no references"):
+        score_captions({3: "a red circle"}, REFS, ("BLEU",))
+    with pytest.raises(TypeError, match="give each caption as a string"):
+        score_captions({1: ["a", "red", "circle"]}, REFS, ("BLEU",))
+    assert score_captions({1: "a red circle"}, REFS, "CIDEr-D").keys() == {"CIDEr-D"}  # one name alone is a name
+
+
 @pytest.mark.skipif(shutil.which("java") is None, reason="METEOR needs Java")
 def test_meteor_runs_offline():
     scores = score_captions({1: "a red circle and a blue square", 2: "a green star"}, REFS, ("METEOR",))

@@ -1,8 +1,9 @@
 """Caption metrics: BLEU-1..4, METEOR, ROUGE-L through ``pycocoevalcap``, CIDEr-D through the vectorised
 :class:`CiderD` below (equal to ``pycocoevalcap``'s to 1e-6, tested); raw scores, not ×100.
 
-Captions and references are tokenised by the project's one tokenizer, :func:`captioner.models.vocab.tokenize`
-(lower-case, accents and punctuation dropped), by default.  coco-caption itself runs Stanford's PTB tokenizer over the
+``captioner eval`` (:func:`.evaluate.score_dataset`) tokenises captions and references with the project's one tokenizer,
+:func:`captioner.models.vocab.tokenize` (lower-case, accents and punctuation dropped), by default;
+:func:`score_captions` scores text as given.  coco-caption itself runs Stanford's PTB tokenizer over the
 raw references and the captions first (:func:`ptb_tokenize`, ``captioner eval --ptb``): it keeps "t-shirt" one word
 and splits "cannot", where the project's tokenizer does the opposite, which moves scores by a few tenths of a point
 (docs/decisions.md, "Scoring: the project's tokenizer, and coco-caption's").  SPICE needs models that are
@@ -26,9 +27,25 @@ UNAVAILABLE = {"SPICE": "needs Stanford CoreNLP models that are downloaded at fi
 
 
 def score_captions(candidates: Mapping[int, str], references: Mapping[int, Sequence[str]],
-                   metrics: Sequence[str] = ALL_METRICS) -> dict[str, float]:
-    """Corpus-level scores of ``candidates[id]`` (one caption) against ``references[id]`` (several)."""
+                   metrics: Sequence[str] | str = ALL_METRICS) -> dict[str, float]:
+    """Corpus-level scores of ``candidates[id]`` (one caption) against ``references[id]`` (a list of several),
+    ``metrics`` among :data:`ALL_METRICS`.  The text is scored as given, words split at spaces: tokenise it first
+    (:func:`captioner.models.vocab.tokenize`, or :func:`ptb_tokenize` as coco-caption does), as ``captioner eval``
+    does; "A cat." and "a cat" are different words here."""
+    metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+    unknown = [name for name in metrics if name not in ALL_METRICS]
+    if unknown:  # "BLEU-4" asked for scored nothing, in silence
+        raise ValueError(f"unknown metric(s) {', '.join(map(repr, unknown))}: choose among {', '.join(ALL_METRICS)}"
+                         " (BLEU gives BLEU-1 to BLEU-4)")
     ids = sorted(candidates)
+    for i in ids:
+        if not isinstance(candidates[i], str):
+            raise TypeError(f"candidate {i!r} is a {type(candidates[i]).__name__}: give each caption as a string")
+        if i not in references:
+            raise ValueError(f"candidate {i!r} has no references")
+        # a string is a sequence too: its characters were scored as the references
+        if isinstance(references[i], str) or not all(isinstance(ref, str) for ref in references[i]):
+            raise TypeError(f"references[{i!r}] must be a list of captions (strings), got {references[i]!r}")
     res = {i: [candidates[i] or "<empty>"] for i in ids}
     gts = {i: list(references[i]) for i in ids}
     scores: dict[str, float] = {}
