@@ -73,14 +73,18 @@ class OnnxRuntime(Runtime):
 
     backend = "onnx"
 
-    def __init__(self, name: str, ckpt: Checkpoint, folder: Path, device: torch.device, threads: int | None = None,
-                 visual: VisualSession | None = None):
+    def __init__(self, name: str, ckpt: Checkpoint, folder: str | Path, device: torch.device | str,
+                 threads: int | None = None, visual: VisualSession | None = None):
         import onnxruntime as ort
 
         from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec
 
+        folder, device = Path(folder), torch.device(device)
         super().__init__(name, ckpt, device)
         self.graphs = GraphSpec.load(folder)
+        if self.graphs.checksum != ckpt.checksum:  # the graphs would caption, under this checkpoint's name
+            raise ValueError(f"{folder} was exported from other weights ({self.graphs.checksum}) than {ckpt.path} "
+                             f"({ckpt.checksum}): export this checkpoint (captioner export)")
         self.folder = folder
         self.visual = visual
         options, providers = session_options(threads), _providers(device)
