@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
+from .device import resolve_device
 from .encoder import WEIGHTS_FILE_FIELDS, EncoderSpec
 from .files import (file_checksum, fsync_path, replace_directory, set_aside, temporaries_of, temporary_beside,
                     temporary_target, write_atomically, write_durably)
@@ -323,7 +324,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> Checkpoint:
     """Rebuild the model from ``config.json``, load its weights strictly, and put it in eval mode.  With ``verify``
     every file must first match the sha256 in ``manifest.json`` (see :func:`verify_manifest`)."""
-    path = Path(path)
+    path, device = Path(path), resolve_device(str(device))
     if not (path / CONFIG).is_file():
         raise not_a_checkpoint(path)
     digests = verify_manifest(path) if verify else {}

@@ -7,6 +7,7 @@ reordering too (docs/decisions.md#model-protocol-and-alignment-rule).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -352,12 +353,29 @@ def beam_search(
     their final score.  ``rules``: length penalty and trigram blocking (:class:`DecodingRules`).  ``extras=True``
     keeps every extra map the model reports; a tuple keeps only those.
     """
-    if k < 1 or n_best < 1 or n_best > k:
+    check_search([k], max_len, rules)
+    if n_best < 1 or n_best > k:
         raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
     enc = expand_rows(model.encode(vis), [k] * vis.feats.shape[0])
     state = model.init_state(enc)
     return search_rows(model.step, model.reorder, enc, state, [k] * vis.feats.shape[0], model.bos_id, model.eos_id,
                        never_emitted(model), max_len, rules, n_best, extras)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_search(widths: Sequence[int], max_len: int, rules: DecodingRules) -> None:
+    """Refuse a search that cannot be run, by the option's name: a beam of 0 was an error about ``n_best``, -1
+    PyTorch's "repeats can not be negative", ``max_len=0`` a ``KeyError`` (a library user's audit)."""
+    bad = [width for width in widths if not _whole(width) or width < 1]
+    if bad:
+        raise ValueError(f"beam_size must be a whole number of at least 1, got {bad[0]!r}")
+    if not _whole(max_len) or max_len < 1:
+        raise ValueError(f"max_len must be a whole number of at least 1, got {max_len!r}")
+    if not isinstance(rules, DecodingRules):
+        raise TypeError(f"rules must be DecodingRules(length_penalty=…, block_trigrams=…), got {rules!r}")
 
 
 StepFn = Callable[[Tensor, DecState, EncState], tuple[Tensor, DecState, AttnRecord]]
@@ -373,6 +391,7 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     ``widths[g]`` contiguous rows of ``enc`` and ``state``), driven by any ``step`` / ``reorder`` pair with the
     :class:`~captioner.models.protocol.Captioner` signatures: a PyTorch model's own methods or an exported graph's.
     Returns ``n_best`` hypotheses per image, best first."""
+    check_search(widths, max_len, rules)
     if n_best < 1 or n_best > min(widths):
         raise ValueError(f"need 1 <= n_best <= every beam width, got widths={list(widths)}, n_best={n_best}")
     device = next(iter(enc.values())).device

@@ -271,7 +271,15 @@ def picture_size(source: bytes | str | Path) -> tuple[int, int]:
     return (height, width) if turned else (width, height)
 
 
-def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None = None,
+def _from_array(pixels: np.ndarray) -> Image.Image:
+    """A decoded picture as scikit-image and OpenCV hold one (``HxW`` grey, ``HxWx3`` RGB or ``HxWx4`` RGBA uint8:
+    the caller's channel order is taken as RGB) as a PIL image."""
+    if pixels.dtype != np.uint8 or not (pixels.ndim == 2 or (pixels.ndim == 3 and pixels.shape[2] in (3, 4))):
+        raise TypeError(f"an image array must be HxW, HxWx3 or HxWx4 uint8, got {pixels.dtype} {pixels.shape}")
+    return Image.fromarray(pixels)
+
+
+def load_image(source: bytes | str | Path | Image.Image | np.ndarray, max_pixels: int | None = None,
                reduce_to: int | None = None, name: str | None = None) -> Image.Image:
     """Open an image from bytes or a path: first frame, EXIF orientation applied, transparency laid on white,
     converted to RGB.
@@ -284,10 +292,15 @@ def load_image(source: bytes | str | Path | Image.Image, max_pixels: int | None 
     from the whole decode, as in training.  ``name`` is what an error calls the image (default: its path, or "the
     upload" for bytes).  ``source`` may be an image :func:`open_image` opened: its header is not read again.
     """
+    if isinstance(source, np.ndarray):
+        source = _from_array(source)
     if isinstance(source, Image.Image):
         image = _within(source, max_pixels)
-    else:
+    elif isinstance(source, (bytes, str, Path)):
         image = open_image(source, max_pixels, name)
+    else:
+        raise TypeError("an image must be a path, the file's bytes, a PIL image or an HxW(x3) uint8 array; got "
+                        f"{type(source).__name__}")
     # what an error calls it: named, because among thousands of photos of a data set the torn one must be findable
     where = name or getattr(image, "filename", "") or "the upload"
     width, height = image.size

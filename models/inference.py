@@ -33,8 +33,8 @@ from torch import Tensor
 
 from .checkpoint import Checkpoint, folder_relative, load_checkpoint
 from .data.datasets import trained_on
-from .device import PRECISIONS, autocast
-from .decoding import NO_RULES, DecodingRules, Hypothesis, expand_rows, never_emitted, search_rows
+from .device import PRECISIONS, autocast, resolve_device
+from .decoding import NO_RULES, DecodingRules, Hypothesis, check_search, expand_rows, never_emitted, search_rows
 from .encoder import EncoderSpec, GridEncoder, preprocess
 from .protocol import AttnRecord, Captioner, DecState, EncState, Geometry, VisualBatch
 from .rendering.heatmaps import MODES, FigureRow, RenderError, caption_figure, default_mode, overlay
@@ -270,6 +270,7 @@ class Runtime(ABC):
                 rules: DecodingRules = NO_RULES) -> list[CaptionResult]:
         """Caption a fixed batch: :meth:`begin`, then :func:`~captioner.models.decoding.search_rows` over :meth:`step`
         and :meth:`reorder` (the batcher runs the same steps over tables whose requests come and go)."""
+        check_search([beam_size], max_len, rules)  # before the encoder runs
         enc, state = self.begin(batch, [beam_size] * len(batch))
         hyps = search_rows(self.step, self.reorder, enc, state, [beam_size] * len(batch), self.bos_id, self.eos_id,
                            self.never_emitted, max_len, rules)
@@ -333,6 +334,7 @@ class TorchRuntime(Runtime):
 def torch_runtime(checkpoint: str | Path | Checkpoint, device: torch.device | str = "cpu",
                   name: str | None = None, precision: str = "float32") -> TorchRuntime:
     """A :class:`TorchRuntime` of a checkpoint folder (or a loaded checkpoint) with its own encoder."""
+    device = resolve_device(str(device))  # "auto", and a GPU this machine lacks said in one line
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint, device)
     ckpt.check_reads_images()
-    return TorchRuntime(name or ckpt.name, ckpt, grid_encoder(ckpt.encoder, device), torch.device(device), precision)
+    return TorchRuntime(name or ckpt.name, ckpt, grid_encoder(ckpt.encoder, device), device, precision)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -31,9 +32,13 @@ class Pipeline:
         self.runtime = torch_runtime(checkpoint, device)
         self.ckpt = self.runtime.ckpt
 
-    def __call__(self, sources: Sequence[str | Path | bytes | Image.Image], beam_size: int = 3,
+    def __call__(self, sources: Sequence[str | Path | bytes | Image.Image | np.ndarray], beam_size: int = 3,
                  max_len: int = 20, rules: DecodingRules | None = None) -> list[CaptionResult]:
-        """Caption ``sources`` (files, bytes or decoded images: pass the decoded image to draw on it afterwards);
-        ``rules`` default to the checkpoint's own (``Runtime.default_rules``)."""
+        """Caption ``sources``, a list of images (files, their bytes, PIL images or HxWx3 uint8 arrays: pass a decoded
+        image to draw on it afterwards); ``rules`` default to the checkpoint's own (``Runtime.default_rules``)."""
+        if isinstance(sources, (str, Path, bytes, Image.Image, np.ndarray)):  # a path was captioned letter by letter
+            raise TypeError("Pipeline captions a list of images: pipeline([image])")
+        if not sources:
+            return []
         return self.runtime.caption([self.runtime.prepare(load_image(source)) for source in sources], beam_size,
                                     max_len, self.runtime.default_rules if rules is None else rules)

@@ -1,0 +1,71 @@
+"""The package used from Python, as a library user's audit used it: the mistakes a notebook makes (a path for a
+list, a numpy array for an image, a beam of 0, "cuda" on a machine without one) are refused by name before any
+work, where they were tracebacks from deep inside PIL, PyTorch or the beam search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from skimage import data
+
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.decoding import DecodingRules
+from captioner.models.pipeline import Pipeline
+
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("library") / "tiny"
+    save_checkpoint(path, tiny_model("sat"), VOCAB, TINY_SPEC)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipeline(folder):
+    return Pipeline(folder, device="auto")  # "auto" was PyTorch's "Expected one of cpu, cuda, …" error
+
+
+def test_a_numpy_array_is_an_image_and_other_objects_are_named(pipeline):
+    cat = data.chelsea()
+    from_array, from_pil = pipeline([cat, Image.fromarray(cat)])
+    assert from_array.hypothesis.token_ids == from_pil.hypothesis.token_ids
+    np.testing.assert_allclose(from_array.hypothesis.attention, from_pil.hypothesis.attention)
+    with pytest.raises(TypeError, match="HxW, HxWx3 or HxWx4 uint8, got float64"):
+        pipeline([cat / 255.0])
+    with pytest.raises(TypeError, match="got Tensor"):
+        pipeline([torch.from_numpy(cat)])
+
+
+def test_a_single_image_for_the_list_and_an_empty_list(pipeline, tmp_path):
+    photo = tmp_path / "cat.jpg"
+    Image.fromarray(data.chelsea()).save(photo)
+    with pytest.raises(TypeError, match=r"a list of images: pipeline\(\[image\]\)"):
+        pipeline(str(photo))  # was captioned letter by letter: "cannot identify … image in /"
+    assert pipeline([]) == []
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(beam_size=0), "beam_size must be a whole number of at least 1, got 0"),
+    (dict(beam_size=-1), "beam_size .* got -1"),
+    (dict(beam_size="3"), "beam_size .* got '3'"),
+    (dict(beam_size=2.5), "beam_size .* got 2.5"),
+    (dict(max_len=0), "max_len must be a whole number of at least 1, got 0"),
+    (dict(rules={"length_penalty": 0.5}), "rules must be DecodingRules"),
+])
+def test_decoding_options_are_refused_by_name(pipeline, options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        pipeline([data.astronaut()], **options)
+    assert pipeline([data.astronaut()], beam_size=2, max_len=4, rules=DecodingRules(block_trigrams=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+def test_a_gpu_this_machine_lacks_is_said_in_one_line(folder):
+    for load in (lambda: Pipeline(folder, device="cuda"), lambda: load_checkpoint(folder, "cuda")):
+        with pytest.raises(ValueError, match="no CUDA GPU is available"):
+            load()
