@@ -103,6 +103,16 @@ def test_bad_render_requests():
         overlay(Image.new("RGB", (64, 64)), one_hot(0), geometry, "grid_blocks", cmap="nope")
 
 
+def test_a_picture_of_another_shape_is_refused_and_a_resized_copy_is_drawn_on():
+    # heat fell on the top half of a picture twice as tall, in silence (a library user's audit)
+    geometry = grid_geometry(EncoderSpec(), (451, 300))
+    weights = np.full(len(geometry.boxes), 1.0 / len(geometry.boxes))
+    with pytest.raises(RenderError, match="the picture is 451x600, but the caption was made of a 451x300 one"):
+        overlay(Image.new("RGB", (451, 600)), weights, geometry)
+    for copy in ((451, 300), (226, 150), (113, 75), (57, 38)):  # the copies a thumbnail or a reduced decode makes
+        assert overlay(Image.new("RGB", copy), weights, geometry).size == copy
+
+
 def test_caption_figure_has_one_panel_per_word():
     image = Image.new("RGB", (300, 200), (200, 200, 200))
     geometry = grid_geometry(EncoderSpec(), image.size)

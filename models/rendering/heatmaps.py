@@ -212,6 +212,16 @@ def colormap(name: str):
         raise RenderError(f"unknown matplotlib colormap {name!r}") from None
 
 
+def _check_same_shape(size: tuple[int, int], original: tuple[int, int], scale: float) -> None:
+    """Refuse a picture of another shape than the one captioned: the boxes are scaled by the width alone, so heat
+    fell on the top half of a picture twice as tall, in silence.  A resized copy passes (a pixel or 1 % of rounding,
+    as a thumbnail or a JPEG's reduced decode round its sides)."""
+    expected = original[1] * scale
+    if abs(size[1] - expected) > max(2.0, 0.01 * expected):
+        raise RenderError(f"the picture is {size[0]}x{size[1]}, but the caption was made of a {original[0]}x"
+                          f"{original[1]} one: draw on that picture, or on a copy resized to its shape")
+
+
 def overlay(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str | None = None,
             cmap: str = "jet", alpha: float = 0.5, area_boxes: np.ndarray | None = None, top_k: int = 3) -> Image.Image:
     """The image with one word's attention drawn on it (RGB, same size as ``image``).
@@ -228,6 +238,7 @@ def overlay(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry:
     colours_of = colormap(cmap)
     base = image.convert("RGB")
     scale = base.width / geometry.image_size[0]
+    _check_same_shape(base.size, geometry.image_size, scale)
     if mode in ("top1_box", "area_topk"):
         return _draw_boxes(base, weights, geometry, mode, colours_of, scale, area_boxes, top_k)
     heat = drawn_heat(weights, geometry, mode, base.size, scale)
