@@ -354,6 +354,7 @@ def beam_search(
     keeps every extra map the model reports; a tuple keeps only those.
     """
     check_search([k], max_len, rules)
+    model.check_visual(vis)
     if n_best < 1 or n_best > k:
         raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
     enc = expand_rows(model.encode(vis), [k] * vis.feats.shape[0])

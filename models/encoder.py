@@ -535,6 +535,11 @@ class GridEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, pixels: Tensor) -> Tensor:
+        """``[B, 3, S, S]`` float pixels (:func:`preprocess`'s) → ``[B, items, channels]``: one picture without its
+        batch axis came back as a wrong-layout tensor, in silence."""
+        if pixels.dim() != 4 or pixels.shape[1] != 3 or not pixels.is_floating_point():
+            raise ValueError(f"the encoder takes [batch, 3, height, width] float pixels (preprocess's, stacked), got "
+                             f"{list(pixels.shape)} {pixels.dtype}")
         fmap = self.feature_map(pixels)
         if self.spec.pooled_grid is not None:
             fmap = self._pool(fmap)

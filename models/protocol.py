@@ -52,6 +52,11 @@ class VisualBatch:
     mask: Tensor
     geometry: list[Geometry] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.feats.dim() != 3 or self.mask.shape != self.feats.shape[:2]:
+            raise ValueError(f"visual features are [batch, items, channels] with a [batch, items] mask, got "
+                             f"{list(self.feats.shape)} and {list(self.mask.shape)}")
+
     @classmethod
     def from_features(cls, feats: Tensor, geometry: list[Geometry] | None = None) -> "VisualBatch":
         mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
@@ -167,8 +172,16 @@ class Captioner(nn.Module):
 
         Captions grouped by image (``captioner train --group-by-image``, as the AoANet and X-LAN codes batch
         ``seq_per_img`` captions of each image) then pay for a refining encoder once per image, not per caption."""
+        self.check_visual(vis)
         enc = self.encode(vis)
         return enc if rows is None else index_rows(enc, rows)
+
+    def check_visual(self, vis: VisualBatch) -> None:
+        """Refuse features of another width than the model's (another encoder's): the first linear layer's
+        "mat1 and mat2 shapes cannot be multiplied" named neither."""
+        if vis.feats.shape[-1] != self.feat_dim:
+            raise ValueError(f"{self.arch or type(self).__name__} takes {self.feat_dim}-channel features, got "
+                             f"{vis.feats.shape[-1]} (features of another encoder?)")
 
     def auxiliary_losses(self, attention: Tensor, token_mask: Tensor) -> dict[str, Tensor]:
         """Extra training losses from the per-step attention ``[B, T, N]``; none by default."""

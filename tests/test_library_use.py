@@ -69,3 +69,29 @@ def test_a_gpu_this_machine_lacks_is_said_in_one_line(folder):
     for load in (lambda: Pipeline(folder, device="cuda"), lambda: load_checkpoint(folder, "cuda")):
         with pytest.raises(ValueError, match="no CUDA GPU is available"):
             load()
+
+
+def test_the_encoder_takes_a_batch_of_float_pixels():
+    from .serving_helpers import shared_encoder
+
+    encoder = shared_encoder()
+    side = encoder.spec.image_size
+    with pytest.raises(ValueError, match=rf"\[batch, 3, height, width\] float pixels .*got \[3, {side}, {side}\]"):
+        encoder(torch.rand(3, side, side))  # came back as [channels, w, h]: neither the layout nor an error
+    with pytest.raises(ValueError, match="torch.uint8"):
+        encoder(torch.zeros(1, 3, side, side, dtype=torch.uint8))
+    assert encoder(torch.rand(2, 3, side, side)).shape[0] == 2
+
+
+def test_features_of_another_shape_or_width_are_refused_by_name():
+    from captioner.models.decoding import beam_search
+    from captioner.models.protocol import VisualBatch
+
+    model = tiny_model("sat")
+    with pytest.raises(ValueError, match=r"\[batch, items, channels\] .*got \[64, 32\]"):
+        VisualBatch.from_features(torch.rand(64, 32))  # one image's features, without the batch axis
+    wrong_width = VisualBatch.from_features(torch.rand(2, 9, model.feat_dim + 1))
+    with pytest.raises(ValueError, match=rf"sat takes {model.feat_dim}-channel features, got {model.feat_dim + 1}"):
+        beam_search(model, wrong_width)
+    with pytest.raises(ValueError, match="channel features"):
+        model.forward_xe(wrong_width, torch.ones(2, 3, dtype=torch.long))
