@@ -12,6 +12,7 @@ trained.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -113,13 +114,17 @@ class Ensemble(Captioner):
 
 
 def build_ensemble(checkpoints: Sequence[Any]) -> Ensemble:
-    """An :class:`Ensemble` of loaded checkpoints (``captioner.models.checkpoint.Checkpoint``), their weights copied in.
+    """An :class:`Ensemble` of checkpoints (each a loaded ``captioner.models.checkpoint.Checkpoint`` or its folder),
+    their weights copied in.
 
     Refused, naming the first member that differs: another vocabulary (the mean is over the same words), another
     encoder spec (the members attend over the same visual items, one CNN pass for all) or other features (a grid
     and a region folder are different visual items under the same spec)."""
     if len(checkpoints) < 2:
         raise ValueError("an ensemble needs at least two checkpoints")
+    from .checkpoint import load_checkpoint  # the checkpoint module builds models, this one among them
+
+    checkpoints = [load_checkpoint(c) if isinstance(c, (str, Path)) else c for c in checkpoints]
     first = checkpoints[0]
     for other in checkpoints[1:]:
         # named by their folders where their names coincide (weights/sat and weights/flickr8k/sat)

@@ -71,6 +71,12 @@ class CaptionResult:
         return " ".join(self.words)
 
     @property
+    def attention(self) -> np.ndarray:
+        """``[tokens, items]``: row ``i`` is where the model looked as it chose ``tokens[i]`` (non-negative, each
+        row summing to 1), over the visual items whose boxes are ``geometry.boxes``."""
+        return self.hypothesis.attention.numpy()
+
+    @property
     def tokens(self) -> list[str]:
         """The emitted words, plus ``<eos>`` when the caption ended normally: one per attention row."""
         return self.words + ([EOS] if self.hypothesis.ended_with_eos else [])

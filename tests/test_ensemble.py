@@ -89,6 +89,16 @@ def test_one_checkpoint_format(tmp_path):
     assert load_checkpoint(tmp_path / "ensemble").model.config()["members"][1]["arch"] == ENSEMBLE_MEMBERS[1]
 
 
+def test_members_may_be_given_by_their_folders(tmp_path):
+    # a library user's audit: folders were an AttributeError ('str' object has no attribute 'name')
+    folders = []
+    for index, member in enumerate(members()):
+        save_checkpoint(tmp_path / f"m{index}", member.model, member.vocab, member.encoder)
+        folders.append(str(tmp_path / f"m{index}"))
+    from_folders, loaded = build_ensemble(folders), build_ensemble(members())
+    assert all(torch.equal(a, b) for a, b in zip(from_folders.state_dict().values(), loaded.state_dict().values()))
+
+
 def test_members_must_share_words_and_visual_items():
     a, b = members("sat", "sparsecap")
     with pytest.raises(ValueError, match="another vocabulary"):

@@ -35,7 +35,10 @@ def test_a_numpy_array_is_an_image_and_other_objects_are_named(pipeline):
     cat = data.chelsea()
     from_array, from_pil = pipeline([cat, Image.fromarray(cat)])
     assert from_array.hypothesis.token_ids == from_pil.hypothesis.token_ids
-    np.testing.assert_allclose(from_array.hypothesis.attention, from_pil.hypothesis.attention)
+    np.testing.assert_allclose(from_array.attention, from_pil.attention)
+    # the rows, one per token, where the README's example says they are
+    assert from_array.attention.shape == (len(from_array.tokens), len(from_array.geometry.boxes))
+    np.testing.assert_allclose(from_array.attention.sum(1), 1.0, atol=1e-5)
     with pytest.raises(TypeError, match="HxW, HxWx3 or HxWx4 uint8, got float64"):
         pipeline([cat / 255.0])
     with pytest.raises(TypeError, match="got Tensor"):

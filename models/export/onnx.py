@@ -127,7 +127,7 @@ def check_replaceable(final: Path) -> None:
     foreign = sorted(p.name for p in final.iterdir() if not _is_export_file(p.name)) if final.is_dir() else []
     if foreign:
         raise FileExistsError(f"{final} holds {', '.join(foreign[:3])}{', …' if len(foreign) > 3 else ''}, which "
-                              "no ONNX export writes: nothing was exported there; give --out another folder")
+                              "no ONNX export writes: nothing was exported there; export into another folder (--out)")
 
 
 def _holds_only_export_files(folder: Path) -> bool:
