@@ -72,6 +72,25 @@ def test_an_overlay_without_a_format_is_a_words_png_given_a_token_else_the_figur
     assert _image(figure).tobytes() == _image(client.get(stored, params={"format": "figure"})).tobytes()
 
 
+def test_each_words_overlay_is_its_own_attention_row_drawn(client, result):
+    """Every token's overlay is the library's drawing of that token's row on the decoded photo (every test asked for
+    token 0: one that drew row 0 for every word passed them all)."""
+    from captioner.models.encoder import grid_geometry, load_image
+    from captioner.models.rendering.heatmaps import overlay
+
+    photo = load_image(_png(Image.fromarray(data.coffee()), "JPEG"))
+    geometry = grid_geometry(client.app.state.service.runtimes["tiny-a"].spec, photo.size)
+    drawn = []
+    for token, row in enumerate(result["attention"]):
+        served = np.asarray(_image(client.get(f"/captions/{result['id']}/overlay",
+                                              params={"token": token, "mode": "grid_blocks"})), np.int16)
+        expected = np.asarray(overlay(photo, np.array(row, np.float32), geometry, "grid_blocks"), np.int16)
+        assert np.abs(served - expected).max() <= 1, token
+        drawn.append(served)
+    rows = np.array(result["attention"])
+    assert len(rows) > 1 and not np.allclose(rows[0], rows[1]) and np.abs(drawn[0] - drawn[1]).max() > 10
+
+
 def test_reusing_a_result_does_not_run_the_model(client, result):
     runtime = client.app.state.service.runtimes["tiny-a"]
     calls = count_encodes(runtime)

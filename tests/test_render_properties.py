@@ -6,12 +6,14 @@ bad modes and alphas are a RenderError (a 422 in the service), never another exc
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+import pytest
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.rendering.heatmaps import HEAT_MODES, RenderError, drawn_heat, heatmap, overlay
+from captioner.models.rendering.heatmaps import (HEAT_MODES, MODES, RenderError, default_mode, drawn_heat, heatmap,
+                                                 overlay)
 
 SPEC = EncoderSpec(image_size=96)  # a 3×3 grid
 CELLS = SPEC.grid_hw[0] * SPEC.grid_hw[1]
@@ -35,12 +37,26 @@ def test_heat_is_bounded_and_image_sized(size, row, mode):
         assert drawn.max() == 0
 
 
-@settings(max_examples=30, deadline=None, derandomize=True)
-@given(size=sizes, row=weights, alpha=st.floats(-2, 3, allow_nan=False), mode=st.text(max_size=12) | st.none())
-def test_overlay_keeps_the_size_or_refuses_cleanly(size, row, alpha, mode):
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(size=sizes, row=weights, alpha=st.floats(0, 1) | st.floats(-2, 3, allow_nan=False),
+       mode=st.sampled_from(HEAT_MODES) | st.none() | st.text(max_size=12))
+def test_overlay_draws_its_heat_at_the_image_size_or_refuses_cleanly(size, row, alpha, mode):
     image = Image.new("RGB", size, (30, 60, 90))
-    try:
-        out = overlay(image, row, grid_geometry(SPEC, size), mode, "jet", alpha)
-    except RenderError:
+    geometry = grid_geometry(SPEC, size)
+    mode = mode or None  # no mode, or an empty one: the geometry's default
+    assume(mode is None or mode in HEAT_MODES or mode not in MODES)  # the box modes draw no heat
+    if not (mode is None or mode in HEAT_MODES) or not 0 <= alpha <= 1:
+        with pytest.raises(RenderError):
+            overlay(image, row, geometry, mode, "jet", alpha)
         return
-    assert out.size == size and 0 <= alpha <= 1
+    out = overlay(image, row, geometry, mode, "jet", alpha)
+    assert out.size == size
+    # where the heat is drawn, and only there: a smooth map tints the whole picture, the others only where the heat
+    # is above zero (no jet colour is this background's, so a visible alpha changes every tinted pixel)
+    changed = np.any(np.asarray(out) != np.asarray(image), axis=-1)
+    mode = mode or default_mode(geometry)
+    heat = drawn_heat(row, geometry, mode)
+    if alpha == 0:
+        assert not changed.any()
+    elif alpha >= 0.1:
+        np.testing.assert_array_equal(changed, np.ones_like(changed) if mode == "grid_smooth" else heat > 0)

@@ -8,12 +8,11 @@ import pytest
 from PIL import Image
 from skimage import data
 
-from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.evaluation.resolution import resolution_check
 from captioner.models.pipeline import Pipeline
 
-from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+from .conftest import ROOT
 
 
 def test_originals_are_matched_by_name_and_scored_beside_their_copies(tmp_path):
@@ -31,11 +30,21 @@ def test_originals_are_matched_by_name_and_scored_beside_their_copies(tmp_path):
         entries.append({"filename": name, "imgid": i, "cocoid": 391895 + i, "split": "test",
                         "sentences": [{"tokens": ["a", "photo", "of", name[:-4]]}]})
     (tmp_path / "dataset.json").write_text(json.dumps({"dataset": "tiny", "images": entries}))
-    save_checkpoint(tmp_path / "ckpt", tiny_model("sat", seed=0), VOCAB, TINY_SPEC)
-    pipeline = Pipeline(tmp_path / "ckpt")
+    # a model trained on photos, whose captions see the squashing (a tiny random one captioned both sides alike)
+    pipeline = Pipeline(ROOT / "weights" / "flickr8k" / "sat-supervised")
     images = load_karpathy(tmp_path / "dataset.json", copies, ("test",))
     report = resolution_check(pipeline, images, originals, beam_size=2, max_len=5)
     assert report["images"] == 2 and report["copies"].keys() == report["originals"].keys()
+
+    # each side's captions made here, apart from the check: the originals were read (captioning the copies twice
+    # passed every other assertion of this test)
+    names = ("cat.jpg", "astronaut.jpg")
+    made = {side: [r.caption for r in pipeline([folder / name for name in names], beam_size=2, max_len=5)]
+            for side, folder in (("copy", copies), ("original", originals))}
+    assert report["examples"] == [{"image": name, "copy": copy, "original": original}
+                                  for name, copy, original in zip(names, made["copy"], made["original"])
+                                  if copy != original]
+    assert report["examples"] and report["same_caption"] == 2 - len(report["examples"])
     bleu = report["originals_minus_copies"]["BLEU-4"]
     assert round(bleu["difference"], 4) == pytest.approx(round(report["originals"]["BLEU-4"]
                                                                - report["copies"]["BLEU-4"], 4), abs=1e-4)

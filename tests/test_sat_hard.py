@@ -174,18 +174,23 @@ def test_terms_and_moving_average_baseline_match_the_learning_rule():
 
 
 def test_several_location_samples_average_the_xe_term():
+    """N_s paths per caption give the mean of their log-probs: sample j of each caption forced to location j equals
+    the mean of N_s single-path runs, run j forced to location j (identical paths, as this test once forced, could
+    not tell an N_s-sample mean from one sample)."""
     vis = VisualBatch.from_features(torch.randn(2, 5, 6))
     captions = torch.tensor([[5, 6, 2], [8, 2, 0]])
-    outputs = []
-    for n in (1, 3):
-        model = _model(location_samples=n, expectation_prob=0.0).train()
-        _force(model, lambda alpha, t: alpha.argmax(-1))  # identical paths: the N_s-sample estimate equals N_s=1
-        outputs.append(model.forward_xe(vis, captions))
-    (lp1, aux1), (lp3, aux3) = outputs
-    assert lp3.shape == lp1.shape == (2, 3, 11)
-    torch.testing.assert_close(lp3, lp1)
-    for key in aux1:
-        torch.testing.assert_close(aux3[key], aux1[key])
+    model = _model(location_samples=3, expectation_prob=0.0).train()
+    _force(model, lambda alpha, t: torch.arange(alpha.shape[0]) % 3)  # rows are caption-major: sample j → item j
+    lp3, aux3 = model.forward_xe(vis, captions)
+    singles = []
+    for j in range(3):
+        model.location_samples = 1
+        _force(model, lambda alpha, t, j=j: torch.full((alpha.shape[0],), j))
+        singles.append(model.forward_xe(vis, captions)[0])
+    assert lp3.shape == singles[0].shape == (2, 3, 11)
+    assert not torch.allclose(singles[0], singles[1])  # the paths do differ, so the mean below says something
+    torch.testing.assert_close(lp3, torch.stack(singles).mean(0))
+    assert set(aux3) == {"reinforce", "entropy"}
 
 
 def test_memorises_ten_images_with_reinforce():
