@@ -165,16 +165,16 @@ def heat_strength(weights: Sequence[float] | np.ndarray) -> float:
 def heatmap(weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str, size: tuple[int, int] | None = None,
             scale: float | None = None) -> np.ndarray:
     """Heat ``[H, W]`` in [0, 1] over the image at ``size`` (width, height), a resized copy of the original or the
-    original itself: the row's mass over the pixels divided by its peak.  ``scale`` is its width over the original's:
-    by default what ``size`` says, else 1 (and ``size`` then the original size × ``scale``).  ``mode`` is one of
-    :data:`HEAT_MODES`; the box modes draw no heat.  This is the map the grounding measures read
+    original itself: the row's mass over the pixels divided by its peak.  ``scale`` is its size over the original's:
+    by default what ``size`` says (:func:`picture_scale`), else 1 (and ``size`` then the original × ``scale``).
+    ``mode`` is one of :data:`HEAT_MODES`; the box modes draw no heat.  This is the map the grounding measures read
     (models/evaluation/grounding.py); what is drawn is :func:`drawn_heat`."""
     if mode not in HEAT_MODES:
         boxes = " (it draws boxes: see overlay)" if mode in MODES else ""
         raise RenderError(f"heat mode {mode!r}{boxes}; choose from {', '.join(HEAT_MODES)}")
     weights = np.asarray(weights, dtype=np.float32)
     if scale is None:
-        scale = size[0] / geometry.image_size[0] if size else 1.0
+        scale = picture_scale(size, geometry.image_size) if size else 1.0
     size = size or (round(geometry.image_size[0] * scale), round(geometry.image_size[1] * scale))
     if mode in ("grid_smooth", "grid_blocks"):
         if geometry.kind != "grid" or geometry.grid_hw is None:
@@ -212,21 +212,29 @@ def colormap(name: str):
         raise RenderError(f"unknown matplotlib colormap {name!r}") from None
 
 
+def picture_scale(size: tuple[int, int], original: tuple[int, int]) -> float:
+    """How much smaller (or larger) a copy of ``size`` is than the ``original`` it was resized from: the ratio of the
+    longer sides, which rounding moves least (a 1-pixel-wide strip's width says nothing of its scale)."""
+    return size[0] / original[0] if original[0] >= original[1] else size[1] / original[1]
+
+
 def _check_same_shape(size: tuple[int, int], original: tuple[int, int], scale: float) -> None:
-    """Refuse a picture of another shape than the one captioned: the boxes are scaled by the width alone, so heat
-    fell on the top half of a picture twice as tall, in silence.  A resized copy passes (a pixel or 1 % of rounding,
-    as a thumbnail or a JPEG's reduced decode round its sides)."""
-    expected = original[1] * scale
-    if abs(size[1] - expected) > max(2.0, 0.01 * expected):
-        raise RenderError(f"the picture is {size[0]}x{size[1]}, but the caption was made of a {original[0]}x"
-                          f"{original[1]} one: draw on that picture, or on a copy resized to its shape")
+    """Refuse a picture of another shape than the one captioned: its heat was laid out for the original's shape
+    and fell on the wrong part, in silence (the top half of a picture twice as tall).  A resized copy passes: each
+    side within a pixel and a half or 1 % of the original's × ``scale``, as a thumbnail or a JPEG's reduced decode
+    round them."""
+    for side, whole in zip(size, original):
+        expected = whole * scale
+        if abs(side - expected) > max(1.5, 0.01 * expected):
+            raise RenderError(f"the picture is {size[0]}x{size[1]}, but the caption was made of a {original[0]}x"
+                              f"{original[1]} one: draw on that picture, or on a copy resized to its shape")
 
 
 def overlay(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry: Geometry, mode: str | None = None,
             cmap: str = "jet", alpha: float = 0.5, area_boxes: np.ndarray | None = None, top_k: int = 3) -> Image.Image:
     """The image with one word's attention drawn on it (RGB, same size as ``image``).
 
-    ``image`` may be a resized copy of the original: boxes are scaled by ``image.width / original width``.
+    ``image`` may be a resized copy of the original (:func:`picture_scale`); a picture of another shape is refused.
     ``area_boxes`` (cell coordinates r1, c1, r2, c2, inclusive) are needed for ``area_topk``, whose ``weights`` are the
     areas' (:meth:`~captioner.models.inference.CaptionResult.drawn_rows`).  Without a ``mode``, the geometry's
     default; a caption's own (its model's, :attr:`~captioner.models.inference.CaptionResult.default_mode`) is what
@@ -237,7 +245,7 @@ def overlay(image: Image.Image, weights: Sequence[float] | np.ndarray, geometry:
         raise RenderError(f"alpha must be in [0, 1], got {alpha}")
     colours_of = colormap(cmap)
     base = image.convert("RGB")
-    scale = base.width / geometry.image_size[0]
+    scale = picture_scale(base.size, geometry.image_size)
     _check_same_shape(base.size, geometry.image_size, scale)
     if mode in ("top1_box", "area_topk"):
         return _draw_boxes(base, weights, geometry, mode, colours_of, scale, area_boxes, top_k)
