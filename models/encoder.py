@@ -271,6 +271,21 @@ def picture_size(source: bytes | str | Path) -> tuple[int, int]:
     return (height, width) if turned else (width, height)
 
 
+#: what decoding holds beyond an 8-bit picture's pixels, in such pixels (about 7 bytes each with the copies made on
+#: the way to RGB): Pillow keeps every row apart, so a strip one pixel wide held 24 bytes a pixel (the security
+#: audit's 1 x 39,000,000 PNG), and a 16-bit or float picture is made 8-bit through a copy of itself (15 bytes)
+ROW_COST, DEEP_FACTOR = 3, 2
+
+
+def decode_cost(image: Image.Image) -> int:
+    """The memory decoding an opened (not yet decoded) ``image`` holds, in pixels of an 8-bit picture: what the
+    service's decode slots count (``CAPTIONER_DECODE_PIXELS``), so that a thin or deep picture is not undercounted
+    against a square photo of as many pixels."""
+    width, height = image.size
+    deep = image.mode in (*_SIXTEEN_BIT_MODES, "I", "F")
+    return width * height * (DEEP_FACTOR if deep else 1) + ROW_COST * height
+
+
 def _from_array(pixels: np.ndarray) -> Image.Image:
     """A decoded picture as scikit-image and OpenCV hold one (``HxW`` grey, ``HxWx3`` RGB or ``HxWx4`` RGBA uint8:
     the caller's channel order is taken as RGB) as a PIL image."""

@@ -20,7 +20,7 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.decoding import DecodingRules
-from captioner.models.encoder import load_image, open_image
+from captioner.models.encoder import decode_cost, load_image, open_image
 from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runtime
 
 from .batcher import BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
@@ -220,7 +220,7 @@ async def _run_model(state: ServiceState, name: str, data: bytes, beam: int, len
     opened = await run_in_threadpool(open_image, data, settings.max_pixels)
     with slot_deadline(settings, "the upload waited to be decoded"):
         prepared = await state.decode_slots.run(decode_and_prepare, state.runtimes[name], opened,
-                                                cost=opened.width * opened.height,
+                                                cost=decode_cost(opened),
                                                 timeout=remaining_s(settings, started))
     remaining = remaining_s(settings, started)
     if remaining <= 0:  # spent reading and decoding the upload: the rows are not given to it

@@ -82,7 +82,8 @@ class Settings(BaseSettings):
                                    "batcher decodes (false: the batcher's thread encodes between decoding steps)")
     queue_size: int = Field(64, ge=1, description="waiting requests per model before 429")
     decode_pixels: int = Field(80_000_000, ge=1, description="pixels of the uploads decoded at once, at most (a "
-                               "decode holds about 7 bytes per pixel; an image above it is decoded alone); the "
+                               "decode holds about 7 bytes per pixel; a 16-bit picture counts twice, every row "
+                               "three pixels more; an image above it is decoded alone); the "
                                "others wait, within their deadline")
     render_concurrency: int = Field(2, ge=1, description="overlays rendered at once at most (a 4,096-px render "
                                     "holds about 1 GB; the others wait, within their deadline)")

@@ -333,3 +333,20 @@ def test_packaged_lite2_weights_are_real_imagenet_weights():
 def test_geometry_json_boxes_have_two_decimals_as_written():
     boxes = grid_geometry(EncoderSpec(), (451, 300)).to_json()["boxes"]
     assert boxes[1][2] == 112.75 and all(len(repr(v).split(".")[-1]) <= 2 for box in boxes for v in box)
+
+
+def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_have():
+    """The decode slots counted width × height: a strip one pixel wide (24 bytes a pixel decoded) and a 16-bit
+    picture (15) passed for square 8-bit photos (7), and two strips of 39 million pixels took 2 GB (the security
+    audit)."""
+    from captioner.models.encoder import decode_cost, open_image
+
+    def opened(size, mode):
+        buffer = io.BytesIO()
+        Image.new(mode, size).save(buffer, format="PNG")
+        return open_image(buffer.getvalue())
+
+    square, strip = opened((300, 300), "RGB"), opened((1, 90_000), "RGB")
+    deep = opened((300, 300), "I;16")
+    assert decode_cost(square) == 90_000 + 3 * 300
+    assert decode_cost(strip) == 4 * 90_000 and decode_cost(deep) == 2 * 90_000 + 3 * 300
