@@ -52,7 +52,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: Any, keys: list[str]):
         self.app = app
-        self.keys = [k for k in keys if k]
+        self.keys = list(keys)  # Settings refuses a blank key: one dropped here opened the service
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.keys or scope.get("method") == "OPTIONS" \

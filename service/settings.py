@@ -125,6 +125,15 @@ class Settings(BaseSettings):
         and for ``captioner caption --output``, which loads its checkpoint as the server does."""
         return dict(self.model_placement(), device_name=self.device, threads=self.threads, precision=self.precision)
 
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_are_not_blank(cls, value: list[str]) -> list[str]:
+        # '["${KEY}"]' with KEY unset gave [""], which was dropped: the service served everyone, in silence
+        if any(not key.strip() for key in value):
+            raise ValueError("an API key is empty or blank (a template whose variable was unset?); give real keys, "
+                             "or no CAPTIONER_API_KEYS for an open service")
+        return value
+
     @field_validator("prefixed_weights_dirs")
     @classmethod
     def _prefixes_are_plain_names(cls, value: dict[str, Path]) -> dict[str, Path]:

@@ -266,3 +266,15 @@ def test_a_variable_that_is_no_setting_stops_the_server_and_a_plain_value_for_a_
     monkeypatch.delenv("CAPTIONER_API_KEYS")
     monkeypatch.setenv("CAPTIONER_BACKENDS", "onnx")
     assert "CAPTIONER_BACKENDS must be a JSON object" in refused()
+
+
+def test_a_blank_api_key_stops_the_server_rather_than_opening_it(monkeypatch, capsys):
+    # '["${KEY}"]' with KEY unset: the empty key was dropped and the service served everyone (the security audit)
+    from captioner.service.cli import main
+
+    for blank in ('[""]', '["  "]', '["real-key", ""]'):
+        monkeypatch.setenv("CAPTIONER_API_KEYS", blank)
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--port", "8791"])
+        assert exc.value.code == 2 and "CAPTIONER_API_KEYS: Value error, an API key is empty or blank" in \
+            capsys.readouterr().err
