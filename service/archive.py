@@ -157,17 +157,19 @@ class CaptionLines:
         """Read what an earlier run wrote and cut off a torn last line (one without its newline, or whose JSON is
         cut short), so that the next line appended starts on a line of its own."""
         data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1  # everything after the last newline is a torn line
-        lines = data[:end].splitlines()
-        for number, line in enumerate(lines, 1):
+        # a line is written whole, its newline last: a crash leaves at most a piece after the last newline
+        end = data.rfind(b"\n") + 1
+        for number, line in enumerate(data[:end].splitlines(), 1):
             try:
                 record = json.loads(line)
                 self.done.add(record["path"])
-            except (ValueError, KeyError, TypeError):
-                if number < len(lines):  # not the tail of a crash: somebody else's file, refuse to touch it
-                    raise ArchiveError(f"{self.path}, line {number}, is not a caption line: not an archive's "
-                                       "output (nothing was changed)") from None
-                end -= len(line) + 1
+            except (ValueError, KeyError, TypeError):  # somebody else's file: refuse to touch it
+                raise ArchiveError(f"{self.path}, line {number}, is not a caption line: not an archive's output "
+                                   "(nothing was changed)") from None
+        # a piece with no caption line before it is a torn line only if it starts as one: a one-line file of
+        # somebody else's (a settings file, a note) was cut off as a crash's tail and replaced by captions
+        if end < len(data) and not self.done and not data[end:].startswith(b'{"path": '):
+            raise ArchiveError(f"{self.path} holds no caption line: not an archive's output (nothing was changed)")
         if end < len(data):
             self.dropped_tail = len(data) - end
             with open(self.path, "r+b") as file:
@@ -360,14 +362,35 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
         await batcher.stop(timeout_s=STOP_WAIT_S)
 
 
+def _check_is_an_error_list(path: Path) -> None:
+    """Refuse (before any work) to rewrite ``path`` unless it is absent or an earlier run's list of errors: a user's
+    ``report.errors.csv`` beside ``--output report.csv`` was emptied."""
+    if path.is_symlink():
+        raise ArchiveError(f"{path} is a link: the list of errors is not written through one (nothing was changed)")
+    if not path.exists():
+        return
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if all(json.loads(line).keys() == {"path", "error"} for line in lines):
+            return
+    except (OSError, ValueError, AttributeError):
+        pass
+    raise ArchiveError(f"{path} is not a list of errors an earlier run wrote: move it, or choose another --output "
+                       "(nothing was changed)")
+
+
 class ErrorLog:
     """Where :func:`caption_paths` reports unreadable files: a line on stderr (``say``) and a JSON line in
     ``path``, which lists the latest run's errors (each run rewrites it: ``--resume`` tries those files again)."""
 
     def __init__(self, path: Path, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)):
+        _check_is_an_error_list(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.say, self.count = path, say, 0
-        self._file = open(path, "w")
+        try:  # never through a link: it emptied the file the link named
+            self._file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "w")
+        except OSError as exc:
+            raise ArchiveError(f"cannot write the list of errors {path} ({exc.strerror})") from None
 
     def __call__(self, image: str, reason: str) -> None:
         self.say(f"skipped {image}: {reason}")
@@ -421,6 +444,7 @@ def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings
         raise ArchiveError(f"no image files in {', '.join(map(str, sources))} (looked for "
                            f"{' '.join(sorted(IMAGE_SUFFIXES))} files, and paths listed in text files)")
     paths = select_shard(listed, *shard)
+    _check_is_an_error_list(errors_path(output))  # before the output is made or cut
     lines = CaptionLines(output, resume)
     errors = None
     try:

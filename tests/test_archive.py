@@ -237,6 +237,41 @@ def test_an_output_is_never_overwritten_or_resumed_from_a_foreign_file(tmp_path,
     assert list_images([str(tmp_path / "archive")]) == small_archive
 
 
+def test_a_users_files_beside_the_output_are_never_cut_or_emptied(tmp_path, tiny_checkpoint_folder,
+                                                                     small_archive):
+    """The security audit: --resume took a one-line file of somebody else's for a crash's torn tail and replaced
+    it by captions; the errors list emptied a user's file of its name, and the file a link of its name pointed to."""
+    config = tmp_path / "config.json"
+    config.write_text('{"theme":"dark","font":12}')  # one line, no newline
+    with pytest.raises(ArchiveError, match="holds no caption line"):
+        caption_archive(small_archive, config, tiny_checkpoint_folder, settings(), ArchiveOptions(), resume=True)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("remember the milk\n")
+    with pytest.raises(ArchiveError, match="line 1, is not a caption line"):
+        caption_archive(small_archive, notes, tiny_checkpoint_folder, settings(), ArchiveOptions(), resume=True)
+    assert config.read_text() == '{"theme":"dark","font":12}' and notes.read_text() == "remember the milk\n"
+    report = tmp_path / "report.errors.csv"
+    report.write_text("a,b\n1,2\n")
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (tmp_path / "run.errors.jsonl").symlink_to(precious)
+    for output, kept in ((tmp_path / "report.csv", report), (tmp_path / "run.jsonl", precious)):
+        with pytest.raises(ArchiveError, match="nothing was changed"):
+            caption_archive(small_archive, output, tiny_checkpoint_folder, settings(), ArchiveOptions())
+        assert not output.exists()
+    assert report.read_text() == "a,b\n1,2\n" and precious.read_text() == "keep me"
+    # a crash's torn tail is still cut: a piece of a caption line after the last newline
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"path": "x.jpg", "caption": "a cat"}\n{"path": "y.jp')
+    lines = CaptionLines(torn, resume=True)
+    lines.close()
+    assert lines.done == {"x.jpg"} and torn.read_text() == '{"path": "x.jpg", "caption": "a cat"}\n'
+    alone = tmp_path / "alone.jsonl"  # killed while writing its first line
+    alone.write_text('{"path": "x.j')
+    CaptionLines(alone, resume=True).close()
+    assert alone.read_text() == ""
+
+
 @pytest.mark.parametrize("argv, message", [
     (["caption", "DIR", "--resume"], "--resume needs --output"),
     (["caption", "DIR"], "is a folder: caption an archive with --output"),
