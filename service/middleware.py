@@ -68,7 +68,7 @@ class RequestContextMiddleware:
             if self.log_requests:
                 status = response["status"] or CLIENT_GONE
                 access_log.info("request", extra={"fields": {
-                    "method": scope["method"], "path": scope["path"],
+                    "method": scope["method"], "path": _logged_path(scope),
                     "query": scope.get("query_string", b"").decode("latin-1"), "status": status,
                     "duration_ms": round((time.perf_counter() - started) * 1000, 2), "bytes_out": response["bytes"],
                     "client": f"{scope['client'][0]}:{scope['client'][1]}" if scope.get("client") else None,
@@ -168,6 +168,15 @@ def one_line(text: object) -> str:
     """``text`` with its control characters escaped (``\\n``, ``\\x1b``, …): a URL path or a model name holding a
     line break must not start a forged log line of its own."""
     return _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(text))
+
+
+def _logged_path(scope: dict) -> str:
+    """The path as the access log writes it: a route's template where it has parameters
+    (``/captions/{result_id}``), since a result's id is all it takes to read that result and its photo, and logs
+    are read by more people than the clients who hold the ids."""
+    route = scope.get("route")
+    template = getattr(route, "path", None)
+    return template if template and "{" in template else scope["path"]
 
 
 class TextFormatter(logging.Formatter):

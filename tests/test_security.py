@@ -226,6 +226,30 @@ def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     assert "/caption\\n2026-11-30" in lines[-1]
 
 
+def test_the_access_log_holds_no_result_id(open_client, jpeg):
+    """A result's id is all it takes to read that result and its photo (from any client, with any key): the access
+    log wrote it in every line of /captions/{id}, for whoever reads the logs (the security audit)."""
+    entries = []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            entries.append(record.fields)
+
+    access = logging.getLogger("captioner.access")
+    handler, level = Kept(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        result = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}).json()["id"]
+        assert open_client.get(f"/captions/{result}").status_code == 200
+        assert open_client.get(f"/captions/{result}/overlay", params={"token": 0}).status_code == 200
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert [e["path"] for e in entries] == ["/caption", "/captions/{result_id}", "/captions/{result_id}/overlay"]
+    assert all(result not in str(e) for e in entries)
+
+
 def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
     """pydantic's own error quoted the input: an API key mistyped as a JSON object was printed whole at start-up."""
     from captioner.service.cli import main
