@@ -7,13 +7,14 @@ this document.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import FileResponse, HTMLResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .problems import PROBLEM_JSON
 from .schemas import HeatmapsOut
@@ -31,6 +32,7 @@ def component_ref(model: type) -> dict[str, str]:
 
 #: where /docs finds Swagger UI's script and style
 DOCS_ASSETS = "/docs/assets"
+DOCS_FILES = frozenset({"swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png"})
 PROBLEM_SCHEMA: dict[str, Any] = {
     "title": "Problem",
     "description": "RFC 9457 problem details",
@@ -114,7 +116,13 @@ def install_docs(app: FastAPI) -> None:
     it from a CDN, which a machine without internet access cannot reach: the page stayed blank)."""
     from swagger_ui_bundle import swagger_ui_path
 
-    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+    # the three files the page loads, not the package's folder: that holds Swagger UI's stock index.html too, a
+    # page that fetches any spec a visitor types in, served from this origin
+    @app.get(f"{DOCS_ASSETS}/{{name}}", include_in_schema=False)
+    async def docs_asset(name: str) -> FileResponse:
+        if name not in DOCS_FILES:
+            raise StarletteHTTPException(404, "Not Found")
+        return FileResponse(Path(swagger_ui_path) / name)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:

@@ -13,7 +13,7 @@
   no inline script or style, so none is allowed) plus ``blob:`` images (the page shows the chosen file and the
   overlays through object URLs), and may not be framed (``frame-ancestors 'none'``); API answers get the
   strictest policy (``default-src 'none'``).  The interactive ``/docs`` page (Swagger UI, served by the app) starts
-  it with an inline script and is left without a CSP.
+  it with an inline script, so its policy only forbids framing (``frame-ancestors 'none'``, ``X-Frame-Options``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ PROTECTED_PREFIXES = ("/caption",)  # /caption, /caption/overlay and /captions/{
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' blob: data:; "
             "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
+#: Swagger UI's page is started by an inline script: it may not be framed (clickjacking), nothing more
+DOCS_CSP = "frame-ancestors 'none'"
 DOCS_PATHS = ("/docs",)  # the page and its Swagger UI files (/docs/assets/…)
 
 
@@ -83,7 +85,7 @@ class SecurityHeadersMiddleware:
             return
         path = scope["path"]
         if path.startswith(DOCS_PATHS):
-            csp = None
+            csp = DOCS_CSP
         elif path == "/" or path.startswith("/static/"):
             csp = PAGE_CSP
         else:
@@ -93,9 +95,8 @@ class SecurityHeadersMiddleware:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
                 present = {name.lower() for name, _ in headers}
-                wanted = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer")]
-                if csp is not None:
-                    wanted += [(b"content-security-policy", csp.encode()), (b"x-frame-options", b"DENY")]
+                wanted = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
+                          (b"content-security-policy", csp.encode()), (b"x-frame-options", b"DENY")]
                 headers += [(name, value) for name, value in wanted if name not in present]
                 message = {**message, "headers": headers}
             await send(message)

@@ -138,6 +138,20 @@ def test_the_demo_page_has_a_strict_csp_and_no_inline_script(open_client):
     assert open_client.get("/healthz").headers["x-content-type-options"] == "nosniff"
 
 
+def test_the_api_documentation_cannot_be_framed_and_serves_only_its_own_files(open_client):
+    # the security audit: /docs had no framing policy, and the whole Swagger UI folder was served, its stock
+    # index.html (a page that loads any spec a visitor types in) among it
+    docs = open_client.get("/docs")
+    assert docs.status_code == 200 and docs.headers["x-frame-options"] == "DENY"
+    assert docs.headers["content-security-policy"] == "frame-ancestors 'none'"
+    for name in ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png"):
+        asset = open_client.get(f"/docs/assets/{name}")
+        assert asset.status_code == 200 and asset.headers["x-frame-options"] == "DENY" and asset.content
+    for name in ("index.html", "oauth2-redirect.html", "index.j2", "..%2F..%2Fsecurity.py"):
+        refused = open_client.get(f"/docs/assets/{name}")
+        assert refused.status_code == 404 and refused.headers["content-type"] == "application/problem+json"
+
+
 def test_request_ids_are_echoed_and_logged(open_client, jpeg):
     from captioner.service.middleware import JsonFormatter
 
