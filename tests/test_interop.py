@@ -201,6 +201,27 @@ def test_infos_pickle_is_allow_listed(tmp_path, authors_files):
     assert isinstance(infos["opt"], argparse.Namespace) and infos["best_val_score"] == 1.2
 
 
+def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):
+    """BUILD sets attributes on the object it is given: a pickle naming argparse.Namespace with a state set
+    ``argparse.Namespace.polluted`` for the whole process (the security audit), and a function's ``__defaults__``
+    could be replaced the same way. Each load gets its own subclasses and wrappers."""
+    import io
+
+    from captioner.models.interop.sgrvinod import TutorialUnpickler
+
+    polluting = tmp_path / "polluting.pkl"
+    polluting.write_bytes(b"\x80\x02cargparse\nNamespace\nN}Vpolluted\nVyes\ns\x86b.")
+    restricted_load(polluting)
+    assert not hasattr(argparse.Namespace, "polluted")
+    rebuild = b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nN}V__doc__\nVchanged\ns\x86b."
+    TutorialUnpickler(io.BytesIO(rebuild)).load()
+    assert torch._utils._rebuild_tensor_v2.__doc__ != "changed"
+    options = tmp_path / "options.pkl"
+    options.write_bytes(pickle.dumps(argparse.Namespace(beam_size=3, rnn_size=512), protocol=2))
+    loaded = restricted_load(options)
+    assert isinstance(loaded, argparse.Namespace) and vars(loaded) == {"beam_size": 3, "rnn_size": 512}
+
+
 def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
     state = authors_state()
     state["refiner.layers.0.feed_forward.w_1.weight"] = torch.zeros(2, 2)

@@ -11,8 +11,10 @@ import argparse
 import codecs
 import collections
 import copyreg
+import functools
 import io
 import pickle
+import types
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,10 @@ ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+#: CPython's Py_TPFLAGS_IMMUTABLETYPE: a type whose attributes cannot be set (built-in and C extension types)
+_IMMUTABLE_TYPE = 1 << 8
+
+
 class UnsafePickleError(pickle.UnpicklingError):
     """The pickle names a global that is not on the allow-list."""
 
@@ -49,10 +55,27 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         try:
-            return self.allowed[(module, name)]
+            allowed = self.allowed[(module, name)]
         except KeyError:
             raise UnsafePickleError(f"refusing to load {module}.{name} from a pickle: only {self.what_is_allowed} "
                                     f"are allowed") from None
+        return self._own_copy(allowed)
+
+    def _own_copy(self, allowed: Any) -> Any:
+        """This load's own subclass of an allowed Python class, or wrapper of an allowed Python function: the
+        BUILD opcode sets attributes on whatever object it is given, the class a pickle names included, so a file
+        could change ``argparse.Namespace`` (or ``torch._utils``' rebuilders) for the rest of the process.  Types
+        and functions written in C cannot be changed and are given as they are."""
+        copies = self.__dict__.setdefault("_copies", {})
+        if id(allowed) not in copies:
+            if isinstance(allowed, type) and not allowed.__flags__ & _IMMUTABLE_TYPE:
+                copy: Any = type(allowed.__name__, (allowed,), {"__module__": allowed.__module__})
+            elif isinstance(allowed, types.FunctionType):
+                copy = functools.wraps(allowed)(lambda *args, **kwargs: allowed(*args, **kwargs))
+            else:
+                copy = allowed
+            copies[id(allowed)] = copy
+        return copies[id(allowed)]
 
 
 def restricted_load(path: str | Path) -> Any:
