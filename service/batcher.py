@@ -288,7 +288,7 @@ class Batcher:
                     worked = True
                 except Exception as exc:  # a failing step must not kill the worker: fail its requests instead
                     log.exception("%s: decoding failed", self.runtime.name)
-                    self._fail_everything(exc)
+                    self._fail_everything(exc, failed_in="decoding")
             self._fail_everything(NotAccepting("the service is shutting down"))
             if self._encoder is not None:
                 self._encoder.shutdown(wait=False, cancel_futures=True)
@@ -316,8 +316,7 @@ class Batcher:
                     results = table.finish(finished, self.runtime)
                 except Exception as exc:
                     log.exception("%s: collecting results failed", self.runtime.name)
-                    for job in finished:
-                        job.resolve(error=exc)
+                    self._fail(finished, exc, "collecting results")
                 else:
                     for job, result in zip(finished, results):
                         job.resolve(result)
@@ -440,8 +439,7 @@ class Batcher:
                 enc, state = future.result()
             except Exception as exc:
                 log.exception("%s: encoding failed", self.runtime.name, exc_info=exc)
-                for job in jobs:
-                    job.resolve(error=exc)
+                self._fail(jobs, exc, "encoding")
                 continue
             self._add_to_table(jobs, enc, state)
         self._count_active()
@@ -455,12 +453,21 @@ class Batcher:
         else:
             self._tables.append(RowTable(jobs, enc, state, self.runtime.bos_id))
 
-    def _fail_everything(self, error: BaseException) -> None:
+    def _fail_everything(self, error: BaseException, failed_in: str | None = None) -> None:
+        """Fail every request the batcher holds; ``failed_in`` names the work that failed, to be logged for each."""
         with self._wake:
             pending, self._pending = list(self._pending), deque()
         encoding = [job for chunk, _ in self._encoding for job in chunk]
         self._encoding.clear()  # an encoding still running finishes unread
-        for job in pending + encoding + [j for t in self._tables for j in t.jobs]:
-            job.resolve(error=error)
+        self._fail(pending + encoding + [j for t in self._tables for j in t.jobs], error, failed_in)
         self._tables = []
         self._count_active()
+
+    def _fail(self, jobs: list[Job], error: BaseException, failed_in: str | None) -> None:
+        """Fail ``jobs`` with ``error``; with ``failed_in``, one log line for each in its request's context (its
+        request id: the traceback above is the worker thread's, which names no request)."""
+        for job in jobs:
+            if failed_in is not None:
+                job.context.run(log.error, "%s: %s failed for this request (%s: %s)", self.runtime.name, failed_in,
+                                type(error).__name__, error)
+            job.resolve(error=error)

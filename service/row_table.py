@@ -12,6 +12,7 @@ they finish or are cancelled (the staying rows compacted with as few moves as th
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,8 @@ class Job:
     typical_length: bool = True
     first_record: int = 0  # index (in its table's record numbering) of the first step this job took part in
     rules: DecodingRules = NO_RULES  # length penalty and trigram blocking of its beam search
+    #: the context it was submitted in (the request's: its id), for the lines the worker thread logs about it
+    context: contextvars.Context = field(default_factory=contextvars.copy_context, repr=False)
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         """Complete the future from the worker thread (futures belong to the event loop)."""

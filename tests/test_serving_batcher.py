@@ -5,6 +5,7 @@ joins or leaves around it; cancelled and expired requests free their rows; a ful
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
@@ -219,6 +220,57 @@ def test_worker_thread_with_concurrent_callers_matches_solo(arch, encoder):
     results = asyncio.run(scenario())
     for (prepared, beam, max_len), got in zip(requests, results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
+
+
+def test_a_failing_step_fails_its_requests_by_id_and_the_worker_goes_on(encoder):
+    """A step that raises fails the requests in its table, each logged with its request id (the worker thread's
+    traceback names none: the operator audit), and the next request is captioned as usual."""
+    import logging
+
+    from captioner.service.middleware import JsonFormatter, request_id_var
+
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1)[0])
+    real_step, calls = runtime.step, []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a broken kernel")
+        return real_step(*args)
+
+    runtime.step = failing_once
+    lines = []
+
+    class Kept(logging.Handler):  # formatted as the server's handler formats: in the record's own context
+        def emit(self, record):
+            lines.append(json.loads(JsonFormatter().format(record)))
+
+    batcher_log = logging.getLogger("captioner.batcher")
+    handler = Kept()
+    batcher_log.addHandler(handler)
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16)
+
+    async def one(request_id):
+        request_id_var.set(request_id)  # each task runs in a copy of the context: as a request does
+        return await batcher.caption(prepared, 2, 5, 60)
+
+    async def scenario():
+        batcher.start()
+        try:
+            failed = await asyncio.gather(one("first-a"), one("first-b"), return_exceptions=True)
+            return failed, await one("later")
+        finally:
+            await batcher.stop(10)
+
+    try:
+        failed, later = asyncio.run(scenario())
+    finally:
+        batcher_log.removeHandler(handler)
+    assert [type(f).__name__ for f in failed] == ["RuntimeError", "RuntimeError"]
+    assert later.words == solo(runtime, prepared, 2, 5).words
+    named = {line.get("request_id") for line in lines if "failed for this request" in line["msg"]}
+    assert named == {"first-a", "first-b"}, lines
 
 
 def test_stop_drains_running_and_queued_requests_then_refuses(encoder):
