@@ -101,10 +101,12 @@ def test_sigkill_at_a_random_moment_loses_at_most_one_interval_and_resumes_exact
 
     proc = subprocess.Popen(_cli(scenes, cache, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     # the moment is drawn in steps, not seconds, so that a fast machine does not finish the 20 steps first
-    target, deadline = random.Random().randint(4, 17), time.time() + 120
+    draw = random.Random()  # a new moment each run; printed, so that a failing one can be looked into
+    target, pause, deadline = draw.randint(4, 17), draw.uniform(0.0, 0.2), time.time() + 120
+    print(f"the kill: {pause:.3f} s after step {target} was logged")  # pytest shows it when the test fails
     while time.time() < deadline and proc.poll() is None and _steps_logged(out) < target:
         time.sleep(0.02)
-    time.sleep(random.Random().uniform(0.0, 0.2))  # anywhere: mid-step, mid-snapshot, mid-validation, mid-save
+    time.sleep(pause)  # anywhere: mid-step, mid-snapshot, mid-validation, mid-save
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     if proc.returncode == 0:
