@@ -391,8 +391,8 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     """The loop of :func:`beam_search` over rows that are already encoded and expanded (image ``g`` owns
     ``widths[g]`` contiguous rows of ``enc`` and ``state``), driven by any ``step`` / ``reorder`` pair with the
     :class:`~captioner.models.protocol.Captioner` signatures: a PyTorch model's own methods or an exported graph's.
-    Returns ``n_best`` hypotheses per image, best first."""
-    check_search(widths, max_len, rules)
+    Returns ``n_best`` hypotheses per image, best first.  Its callers check the widths, the length and the rules
+    (:func:`check_search`) before they encode and expand the rows."""
     if n_best < 1 or n_best > min(widths):
         raise ValueError(f"need 1 <= n_best <= every beam width, got widths={list(widths)}, n_best={n_best}")
     device = next(iter(enc.values())).device

@@ -147,17 +147,16 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.gate.draining and self.started:
+        if not self.started:  # the models still load (a drain starts only once the server listens)
+            self._exit_before_serving(sig)
+        if self.gate.draining:
             # a second signal skips the rest of the wait: what still runs is cancelled at once (and answered with
-            # the drain's 503) where uvicorn would first wait its graceful-shutdown timeout, longer than the drain
+            # the drain's 503) where uvicorn would first wait its graceful-shutdown timeout, longer than the drain;
+            # then uvicorn's own handling (exit by the signal)
             self.skip_wait = True
             self.config.timeout_graceful_shutdown = 0
             if self.should_exit:  # uvicorn's shutdown is already waiting: stop that wait too
                 self.force_exit = True
-        if not self.started and not self.gate.draining:
-            self._exit_before_serving(sig)
-        if self.gate.draining or self._loop is None:
-            # a second signal: uvicorn's own handling (exit by the signal)
             super().handle_exit(sig, frame)
             return
         self.gate.begin_drain()

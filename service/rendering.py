@@ -77,8 +77,8 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     check_render_options(options)
     result = stored.result
     side = options.max_side or (JSON_RENDER_SIDE if options.format == "json" else DEFAULT_RENDER_SIDE)
-    image = _at_most(load_image(stored.upload, reduce_to=side), side)  # a large JPEG is decoded at 1/2, 1/4 or 1/8
-    # of its size
+    # a large JPEG is decoded at 1/2, 1/4 or 1/8 of its size
+    image = _at_most(load_image(stored.upload, reduce_to=side), side)
     mode, style = drawn_mode(result, options), {"cmap": options.cmap, "alpha": options.alpha}
     if options.format == "figure":  # panels of a fixed size, whatever the photo's: the whole figure is bounded too
         return png_bytes(_at_most(result.figure(image, mode, **style), side))
