@@ -22,10 +22,9 @@ from captioner.models.cli.inference import cmd_caption as caption_files
 from captioner.models.device import resolve_device
 
 
-#: set, a command's one-line error keeps its traceback (for a bug report)
-DEBUG_VARIABLE = "CAPTIONER_DEBUG"
-#: CAPTIONER_* variables the project reads that are not service settings
-OTHER_VARIABLES = frozenset({DEBUG_VARIABLE})
+#: CAPTIONER_* variables the project reads that are not service settings (each read where it is used, by name:
+#: tests/test_container_config.py finds the variables the code reads from those reads)
+OTHER_VARIABLES = frozenset({"CAPTIONER_DEBUG"})
 
 
 def read_settings(**overrides):
@@ -260,19 +259,19 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         if not isinstance(exc.code, str):  # argparse's usage errors (2), an interrupted run (130), success
             raise
-        if os.environ.get(DEBUG_VARIABLE):  # where the command stopped, for a bug report
+        if os.environ.get("CAPTIONER_DEBUG"):  # where the command stopped, for a bug report
             traceback.print_exc()
         print(exc.code, file=sys.stderr)  # a command's "error: …": the same status as every other mistake
         raise CommandError(exc.code) from None
     except (OSError, ValueError) as exc:
         # a missing file, a bad option value or a foreign dataset: the message says what to change, a traceback
         # would only bury it (CAPTIONER_DEBUG=1 keeps it for a bug report)
-        if os.environ.get(DEBUG_VARIABLE):
+        if os.environ.get("CAPTIONER_DEBUG"):
             raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C in eval, export, caption, …: the shell's status for it, not a traceback
-        if os.environ.get(DEBUG_VARIABLE):
+        if os.environ.get("CAPTIONER_DEBUG"):
             raise
         print("interrupted", file=sys.stderr)
         sys.exit(130)
