@@ -35,8 +35,8 @@ ARG DEVICE
 COPY pyproject.toml docker/requirements.py /src/
 RUN python3 /src/requirements.py /src/pyproject.toml "${DEVICE}" /requirements
 
-# -- builder: a virtual environment with the dependencies, then the project itself ---------------------------------
-FROM runtime-base AS builder
+# -- dependencies: a virtual environment with the serving dependencies (rebuilt only when they change) ------------
+FROM runtime-base AS dependencies
 # hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv \
@@ -59,32 +59,43 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mou
     else echo "WARNING: no $(tr '\n' ' ' < /requirements/torch-cpu.txt)from ${TORCH_CPU_INDEX} (unreachable?):" \
               "falling back to the default index's torch, which brings its CUDA wheels"; fi; \
     pip install --no-cache-dir -r /requirements/serving.txt
+
+# -- project: the project's own code alone, in /opt/project, so that editing it makes one small layer -------------
+# (the final image copies /opt/venv and /opt/project separately: a change to the code leaves the multi-GB dependency
+# layer as it was, in the build cache, the registry and every node that has pulled it). No dependency resolution
+# (done above); its build backend (setuptools) comes from the index. The entry point lands in /opt/project/bin.
+FROM dependencies AS project
 COPY pyproject.toml README.md LICENSE /src/
 COPY models /src/models
 COPY service /src/service
-# the project's own code: no dependency resolution (done above); its build backend (setuptools) comes from the index.
-# Then what serving never uses leaves the environment: pip itself (setuptools stays: torch declares it), and the
-# test suites that numpy, scipy, sympy, networkx and matplotlib ship inside their packages (~100 MB).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/pip.conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip.conf; fi; \
     if [ -s /run/secrets/pip-constraints ]; then export PIP_CONSTRAINT=/run/secrets/pip-constraints; fi; \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi; \
-    pip install --no-cache-dir --no-deps /src \
+    pip install --no-cache-dir --no-deps --target /opt/project /src
+
+# -- environment: the dependencies as served. /opt/project goes on the path by a .pth file (not PYTHONPATH, which a
+# user's `-e` could replace); what serving never uses leaves: pip itself (setuptools stays: torch declares it), and
+# the test suites that numpy, sympy, networkx and matplotlib ship inside their packages.
+FROM dependencies AS environment
+RUN echo /opt/project > "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/captioner-project.pth" \
  && pip uninstall --yes pip \
  && find /opt/venv/lib -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} +
 
 # -- final image ------------------------------------------------------------------------------------------------------
 FROM runtime-base AS service
 ARG APP_UID=10001
-COPY --from=builder /opt/venv /opt/venv
+COPY --from=environment /opt/venv /opt/venv
 # Baked-in checkpoints: the real-photo ones in /app/weights/flickr8k are served by default, the generated-scene
 # ones in /app/weights on request (CAPTIONER_PREFIXED_WEIGHTS_DIRS='{"scenes-": "/app/weights"}'); or mount your
 # own read-only over /app/weights. Owned by root and not writable by the service user: the service only reads them.
 COPY weights /app/weights
+# the code last: what changes most often is the smallest layer, and the one layer a code change replaces
+COPY --from=project /opt/project /opt/project
 WORKDIR /app
 # Every setting is a CAPTIONER_* variable (README, "Settings"); these are the container's defaults.
 # ONNX exports and matplotlib's cache go to /tmp, so a read-only root filesystem plus a tmpfs on /tmp works.
-ENV PATH=/opt/venv/bin:$PATH \
+ENV PATH=/opt/project/bin:/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \

@@ -138,13 +138,16 @@ buildah build --isolation chroot --format docker --layers "${pull[@]}" \
 echo "build took $(( $(date +%s) - build_started )) s"
 
 # -- 4. the image's size, its user, a sample scene; then run the entrypoint as that user ----------------------------
-image_config() {  # one field of the image's config: Entrypoint (as a shell command line), User; or its size
+image_config() {  # one field of the image's config: Entrypoint (as a shell command line), User; its size; or the
+                  # size of its last layer (the project's code: the one layer a code change replaces)
   buildah inspect --type image "$IMAGE" | python3 -c '
 import json, shlex, sys
 image = json.load(sys.stdin)
 field = sys.argv[1]
 if field == "size":
     print(sum(layer["size"] for layer in json.loads(image["Manifest"])["layers"]))
+elif field == "code-layer":
+    print(json.loads(image["Manifest"])["layers"][-1]["size"])
 else:
     value = image["OCIv1"]["config"].get(field)
     print(shlex.join(value) if isinstance(value, list) else value or "")' "$1"
@@ -172,6 +175,7 @@ leftovers=$(cd "$rootfs" && { ls run/secrets 2>/dev/null; grep -rls -e 'index-ur
 
 say "image size"
 size_report=$(python3 docker/image_size.py "$rootfs" "$size_bytes")
+size_report+=$'\n'"code layer:    $(( $(image_config code-layer) / 1000 )) kB (/opt/project, the last layer: all a code change replaces)"
 echo "$size_report"
 
 # The sample is drawn by the image's own Python with the project's scene renderer (scene 0 of the default seed),

@@ -142,9 +142,11 @@ def test_the_base_image_is_a_build_argument():
     assert "BASE_IMAGE" in global_args
     first_from = stages[0][0]
     assert first_from[0] == "FROM" and first_from[1].startswith("${BASE_IMAGE}")
-    # every other stage builds on that base, so the final image is CPU or GPU by the argument alone
+    # every other stage builds on that base (directly or through the dependencies stage, which does), so the final
+    # image is CPU or GPU by the argument alone
     for stage in stages[1:]:
-        assert stage[0][1].split()[0] in {"runtime-base"}, stage[0]
+        assert stage[0][1].split()[0] in {"runtime-base", "dependencies"}, stage[0]
+    assert stage_named(stages, "dependencies")[0] == ("FROM", "runtime-base AS dependencies")
 
 
 def test_the_final_stage_runs_the_service_as_a_fixed_non_root_user():
@@ -168,22 +170,37 @@ def test_the_final_stage_runs_the_service_as_a_fixed_non_root_user():
     assert {k for k in env if k.startswith("CAPTIONER_")} <= SETTING_NAMES
 
 
-def test_dependencies_install_before_the_source_and_index_settings_stay_out_of_the_image():
+def stage_named(stages: list[list[tuple[str, str]]], name: str) -> list[tuple[str, str]]:
+    return next(s for s in stages if s[0][1].endswith(f"AS {name}"))
+
+
+def test_the_code_is_a_layer_of_its_own_after_the_dependencies_and_index_settings_stay_out_of_the_image():
+    """A code change must not make a new multi-GB layer: the dependencies (/opt/venv) and the project
+    (/opt/project) are built in separate stages and copied into the final image as separate layers, the code last."""
     _, stages = dockerfile_stages()
-    builder = next(s for s in stages if s[0][1].endswith("AS builder"))
-    steps = [(i, a) for i, a in builder]
-    install_deps = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "-r /requirements/serving.txt" in a)
-    copy_source = next(n for n, (i, a) in enumerate(steps) if i == "COPY" and a.startswith("models"))
-    install_project = next(n for n, (i, a) in enumerate(steps) if i == "RUN" and "--no-deps /src" in a)
-    assert install_deps < copy_source < install_project
-    assert "--mount=type=secret,id=pip.conf" in steps[install_deps][1]
+    dependencies, project = stage_named(stages, "dependencies"), stage_named(stages, "project")
+    install_deps = next(a for i, a in dependencies if i == "RUN" and "-r /requirements/serving.txt" in a)
+    assert "--mount=type=secret,id=pip.conf" in install_deps
+    # the source reaches no stage the dependency layer is built in
+    assert not [a for i, a in dependencies if i == "COPY" and ("models" in a or "service" in a)]
+    assert project[0] == ("FROM", "dependencies AS project")
+    copy_source = next(n for n, (i, a) in enumerate(project) if i == "COPY" and a.startswith("models"))
+    install_project = next(n for n, (i, a) in enumerate(project)
+                           if i == "RUN" and "--no-deps --target /opt/project /src" in a)
+    assert copy_source < install_project and "--mount=type=secret,id=pip.conf" in project[install_project][1]
+    environment = stage_named(stages, "environment")
+    assert environment[0] == ("FROM", "dependencies AS environment")
+    assert any(i == "RUN" and "echo /opt/project >" in a and ".pth" in a for i, a in environment)
     text = (ROOT / "Dockerfile").read_text()
     # index configuration arrives only as secrets: never copied, never an ARG or ENV that would stay in the image
     assert not re.search(r"^(ARG|ENV)\s+.*(INDEX_URL|PIP_CONF|FIND_LINKS|PIP_CERT)", text, re.M | re.I)
     assert not re.search(r"^COPY\s+.*pip", text, re.M | re.I)
-    # the final stage takes the virtual environment, not the builder's compilers or caches
+    # the final stage takes the environment and the project, not the builders' compilers or caches; the code last
     final = stages[-1]
-    assert [a for i, a in final if i == "COPY" and "--from=" in a] == ["--from=builder /opt/venv /opt/venv"]
+    copies = [a for i, a in final if i == "COPY"]
+    assert copies == ["--from=environment /opt/venv /opt/venv", "weights /app/weights",
+                      "--from=project /opt/project /opt/project"]
+    assert env_of(final)["PATH"].startswith("/opt/project/bin:/opt/venv/bin:")
 
 
 def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does():
@@ -192,9 +209,9 @@ def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does(
     index = global_args["TORCH_CPU_INDEX"]
     # a public index, so it may be a build argument (recorded in the image's history): no credentials, https
     assert index == "https://download.pytorch.org/whl/cpu" and "@" not in index
-    builder = next(s for s in stages if s[0][1].endswith("AS builder"))
-    install = next(a for i, a in builder if i == "RUN" and "-r /requirements/serving.txt" in a)
-    assert ("ARG", "TORCH_CPU_INDEX") in builder
+    dependencies = stage_named(stages, "dependencies")
+    install = next(a for i, a in dependencies if i == "RUN" and "-r /requirements/serving.txt" in a)
+    assert ("ARG", "TORCH_CPU_INDEX") in dependencies
     # the CPU pins from the CPU index first (without dependencies), then everything else from the default index;
     # a failure of the first (an unreachable index) is a message, not a failed build: the fallback
     first_try = re.search(r'elif pip install [^;]*--index-url "\$\{TORCH_CPU_INDEX\}"[^;]*'
@@ -202,7 +219,7 @@ def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does(
                           r' then [^;]*; *else echo "WARNING: [^"]*"', install)
     assert first_try and "--no-deps" in first_try.group(0)
     assert install.index(first_try.group(0)) < install.index("pip install --no-cache-dir -r /requirements/serving.txt")
-    requirements = next(s for s in stages if s[0][1].endswith("AS requirements"))
+    requirements = stage_named(stages, "requirements")
     assert ("ARG", "DEVICE") in requirements
     assert any(i == "RUN" and '"${DEVICE}"' in a and "requirements.py" in a for i, a in requirements)
     with (DOCKER / "compose.yaml").open() as compose_file:
