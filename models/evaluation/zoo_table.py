@@ -1,10 +1,11 @@
 """The model-zoo table and grounding figure (``captioner zoo-table``), generated from measurements only.
 
-Inputs: every checkpoint folder under ``weights/`` (parameters counted from its safetensors file, training time and
-hardware from its ``config.json`` training record) and the ``captioner eval --output`` reports in a results folder,
-one or more per checkpoint, named ``NAME.json`` or ``NAME.SOMETHING.json`` (e.g. ``sat.json`` with the
-test / heldout splits and ``--grounding``, ``sat.ood.json`` with the ``ood`` split).  A number that no report
-holds is printed as "—", never filled in.
+Inputs: every checkpoint folder under ``weights/`` (parameters counted on the model its ``config.json`` describes,
+built on the meta device as the card and ``GET /models`` count them; training time and hardware from its
+``config.json`` training record) and the ``captioner eval --output`` reports in a results folder, one or more per
+checkpoint, named ``NAME.json`` or ``NAME.SOMETHING.json`` (e.g. ``sat.json`` with the test / heldout splits and
+``--grounding``, ``sat.ood.json`` with the ``ood`` split).  A number that no report holds is printed as "—", never
+filled in.
 """
 
 from __future__ import annotations

@@ -372,7 +372,9 @@ def check_exportable(model: Captioner) -> None:
 
 
 def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None = None) -> GraphSpec:
-    """Write ``encoder.onnx``, ``step.onnx`` and ``onnx.json`` for ``ckpt`` into ``out`` (atomically).
+    """Write ``encoder.onnx``, ``head.onnx``, ``step.onnx``, their ``.sha256`` seals and ``onnx.json`` for ``ckpt``
+    into ``out`` (atomically). ``visual`` is the frozen CNN the encoder graph is traced with (the checkpoint's
+    encoder spec's, built here when not given).
 
     Raises :class:`ExportUnsupported`, saying why, when the model declares that it cannot be exported, when
     tracing fails, or when the graphs disagree with PyTorch on shapes the trace never saw.
@@ -498,7 +500,8 @@ def _close(name: str, output: str, got: np.ndarray, want: Tensor, frozen: list[s
 
 def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner, spec_enc: EncoderSpec,
             frozen: list[str]) -> dict[str, float]:
-    """Run both graphs on a batch size, beam width and step count the trace never saw; compare with PyTorch.
+    """Run the encoder, head and step graphs on a batch size, beam width and step count the trace never saw;
+    compare with PyTorch.
     Returns the largest absolute difference per output kind."""
     batch, k = 3, 3
     pixels, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4, seed=5)
