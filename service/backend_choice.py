@@ -19,10 +19,11 @@ from PIL import Image, ImageDraw
 
 from captioner.models.checkpoint import Checkpoint
 from captioner.models.encoder import preprocess
+from captioner.models.export.sessions import cuda_provider_available
 from captioner.models.files import write_atomically
 from captioner.models.inference import Prepared, Runtime, TorchRuntime
 
-from .onnx_backends import HybridRuntime, NoCudaProvider, OnnxRuntime, cuda_provider_available, drop_torch_weights
+from .onnx_backends import HybridRuntime, NoCudaProvider, OnnxRuntime, drop_torch_weights
 from .onnx_exports import onnx_folder, reference_record
 from .shared_encoders import SharedEncoders
 

@@ -5,12 +5,11 @@ interface the batcher drives:
   execution provider when the device is CUDA, CPU otherwise);
 * :class:`HybridRuntime` (backend ``hybrid``): the frozen CNN alone on ONNX Runtime and the model on PyTorch, for
   models whose decoder step cannot be exported (TVmax's data-dependent solver) — on a CPU the CNN is most of the cost;
-* :class:`VisualSession`: the frozen CNN's ``visual.onnx`` session, one per encoder spec, through which both run
-  their images (:class:`~captioner.service.shared_encoders.SharedEncoders` makes and shares it).
-
-Also what their sessions share: the session options, the execution providers and :func:`run_session` (torch tensors
-in and out, bound on the GPU); and :func:`drop_torch_weights`, for a model ONNX Runtime serves wholly.  Which backend
-serves a model is :mod:`captioner.service.backend_choice`'s business; where the graphs come from,
+both run their images through a shared :class:`~captioner.models.export.sessions.VisualSession`, the frozen CNN's
+``visual.onnx``, one per encoder spec (:class:`~captioner.service.shared_encoders.SharedEncoders` makes and shares
+it). Their sessions are opened and run as every ONNX Runtime session of the project is
+(:mod:`captioner.models.export.sessions`). Also :func:`drop_torch_weights`, for a model ONNX Runtime serves
+wholly.  Which backend serves a model is :mod:`captioner.service.backend_choice`'s business; where the graphs come from,
 :mod:`captioner.service.onnx_exports`'s.
 """
 
@@ -18,12 +17,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from captioner.models.checkpoint import Checkpoint
 from captioner.models.decoding import expand_rows
-from captioner.models.export.sessions import session_options
+from captioner.models.export.sessions import VisualSession, open_session, run_session, runs_on_gpu
 from captioner.models.inference import Prepared, Runtime, TorchRuntime
 from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
 
@@ -31,38 +29,6 @@ from captioner.models.protocol import AttnRecord, DecState, EncState, index_rows
 class NoCudaProvider(RuntimeError):
     """The device is CUDA but ONNX Runtime cannot run there (the ``onnxruntime`` package without CUDA, or its CUDA
     provider failed to load): a whole-model ONNX runtime would hand GPU tensors to a CPU session."""
-
-
-def _providers(device: torch.device) -> list:
-    import onnxruntime as ort
-
-    if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-        return [("CUDAExecutionProvider", {"device_id": device.index or 0}), "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def cuda_provider_available(device: torch.device) -> bool:
-    """Whether ONNX Runtime offers its CUDA execution provider for ``device`` (a CUDA device, and an ``onnxruntime``
-    package built with CUDA): the provider its sessions there are asked to run on first."""
-    first = _providers(device)[0]  # a provider is a name, or (name, options)
-    return (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider"
-
-
-class VisualSession:
-    """The frozen CNN of one encoder spec on ONNX Runtime (``visual.onnx``: pixels → grid features), shared by
-    every model with that spec."""
-
-    def __init__(self, path: Path, device: torch.device, threads: int | None = None):
-        import onnxruntime as ort
-
-        self.device, self.path = device, Path(path)
-        self.session = ort.InferenceSession(str(path), session_options(threads), providers=_providers(device))
-        self.providers = self.session.get_providers()
-        self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
-
-    def features(self, pixels: torch.Tensor) -> torch.Tensor:
-        (feats,) = run_session(self.session, {"pixels": pixels}, ["features"], self.device, self.on_gpu)
-        return feats
 
 
 class OnnxRuntime(Runtime):
@@ -75,8 +41,6 @@ class OnnxRuntime(Runtime):
 
     def __init__(self, name: str, ckpt: Checkpoint, folder: str | Path, device: torch.device | str,
                  threads: int | None = None, visual: VisualSession | None = None):
-        import onnxruntime as ort
-
         from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec
 
         folder, device = Path(folder), torch.device(device)
@@ -87,14 +51,12 @@ class OnnxRuntime(Runtime):
                              f"({ckpt.checksum}): export this checkpoint (captioner export)")
         self.folder = folder
         self.visual = visual
-        options, providers = session_options(threads), _providers(device)
-        self.encoder_session = ort.InferenceSession(str(folder / (ENCODER_FILE if visual is None else HEAD_FILE)),
-                                                    options, providers=providers)
-        self.step_session = ort.InferenceSession(str(folder / STEP_FILE), options, providers=providers)
+        self.encoder_session = open_session(folder / (ENCODER_FILE if visual is None else HEAD_FILE), device, threads)
+        self.step_session = open_session(folder / STEP_FILE, device, threads)
         self.providers = self.step_session.get_providers()
         # the tracer drops inputs a graph never reads (e.g. an encoder summary used only by init_state)
         self.step_inputs = [i.name for i in self.step_session.get_inputs()]
-        self.on_gpu = self.providers[0] == "CUDAExecutionProvider" and device.type == "cuda"
+        self.on_gpu = runs_on_gpu(self.step_session, device)
         if device.type == "cuda" and not self.on_gpu:
             raise NoCudaProvider(f"ONNX Runtime has no working CUDA execution provider here (providers: "
                                  f"{', '.join(self.providers)}); install onnxruntime-gpu with its CUDA libraries")
@@ -127,34 +89,6 @@ class OnnxRuntime(Runtime):
         # the step graph's state is exactly the model's state dict, whose rows the exporter verified to follow
         # beams by row selection (models/export/onnx.py checks the graphs on index_rows-reordered states)
         return index_rows(state, index)
-
-
-def run_session(session, inputs: dict[str, torch.Tensor], outputs: list[str], device: torch.device,
-                on_gpu: bool) -> list[torch.Tensor]:
-    """Run an ONNX Runtime session on torch tensors, returning torch tensors on the same device."""
-    if not on_gpu:
-        # CPU: numpy views of torch tensors and back, no copies
-        feed = {name: inputs[name].detach().contiguous().numpy() for name in inputs}
-        return [torch.from_numpy(np.ascontiguousarray(v)) for v in session.run(outputs, feed)]
-    # CUDA: bind device buffers directly (I/O binding), so nothing goes through host memory.  The contiguous
-    # copies are held until the run ends (a copy dropped after binding could be reused by PyTorch's allocator
-    # while ONNX Runtime reads it), and PyTorch's stream is drained first: ONNX Runtime reads the buffers on a
-    # stream of its own, whose order after the kernels that wrote them would otherwise rest on how each library
-    # happens to create its streams
-    bound = {name: tensor.contiguous() for name, tensor in inputs.items()}
-    torch.cuda.current_stream(device).synchronize()
-    binding = session.io_binding()
-    for name, tensor in bound.items():
-        binding.bind_input(name, "cuda", device.index or 0, _NUMPY_DTYPES[tensor.dtype], tuple(tensor.shape),
-                           tensor.data_ptr())
-    for name in outputs:
-        binding.bind_output(name, "cuda", device.index or 0)
-    session.run_with_iobinding(binding)
-    return [torch.from_dlpack(value) for value in binding.get_outputs()]
-
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64, torch.int32: np.int32,
-                 torch.bool: np.bool_}
 
 
 class HybridRuntime(TorchRuntime):

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 from captioner.models.encoder import EncoderSpec, GridEncoder
+from captioner.models.export.sessions import VisualSession
 from captioner.models.inference import grid_encoder
-
-from .onnx_backends import VisualSession
 
 
 class SharedEncoders:

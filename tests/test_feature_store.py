@@ -43,7 +43,6 @@ class CountingEncoder(torch.nn.Module):
     def __init__(self, inner, fail_after=None):
         super().__init__()
         self.inner, self.fail_after, self.batches, self.images = inner, fail_after, 0, 0
-        self.feat_dim = inner.feat_dim
 
     def forward(self, pixels):
         if self.fail_after is not None and self.batches >= self.fail_after:

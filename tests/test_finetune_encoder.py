@@ -114,13 +114,13 @@ def test_a_run_trains_the_stage_and_its_checkpoint_serves_the_trained_weights(tu
 
 def test_the_onnx_encoder_of_a_tuned_checkpoint_computes_the_trained_stage(tuned_best, tmp_path, frozen):
     from captioner.models.export.onnx import export_visual_encoder, visual_encoder_key
-    from captioner.models.export.quantize import OnnxGridEncoder
+    from captioner.models.export.sessions import VisualSession
 
     spec = load_checkpoint(tuned_best).encoder
     assert visual_encoder_key(spec) != visual_encoder_key(SPEC)  # never the frozen network's cached export
     path = export_visual_encoder(spec, tmp_path)
     pixels = torch.randn(2, 3, 128, 128)
-    torch.testing.assert_close(OnnxGridEncoder(path, spec, 1)(pixels), GridEncoder(spec)(pixels), atol=1e-3,
+    torch.testing.assert_close(VisualSession(path, "cpu", 1)(pixels), GridEncoder(spec)(pixels), atol=1e-3,
                                rtol=1e-3)
 
 

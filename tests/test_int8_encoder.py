@@ -12,8 +12,9 @@ import torch
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate
-from captioner.models.export.quantize import FLOAT_PREFIXES, INT8_FILE, OnnxGridEncoder, calibration_pixels, \
+from captioner.models.export.quantize import FLOAT_PREFIXES, INT8_FILE, calibration_pixels, \
     quantized_visual_encoder, visual_encoder_file
+from captioner.models.export.sessions import VisualSession
 
 from .conftest import module_folder
 from .serving_helpers import TINY_SPEC, random_images, tiny_checkpoint
@@ -43,8 +44,8 @@ def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
     # every dense convolution past the first two stages quantized; those and the depthwise ones float
     assert len(int8_filters) == len(dense) - len(early) > 0
     pixels = torch.from_numpy(calibration_pixels(TINY_SPEC, 6)[4:])  # scenes the calibration did not see
-    want = OnnxGridEncoder(float_path, TINY_SPEC, 1)(pixels)
-    got = OnnxGridEncoder(int8_path, TINY_SPEC, 1)(pixels)
+    want = VisualSession(float_path, "cpu", 1)(pixels)
+    got = VisualSession(int8_path, "cpu", 1)(pixels)
     assert got.shape == want.shape and got.dtype == torch.float32
     cosine = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1))
     # quantization noise, not another network: measured 0.997, and two different scenes' features score 0.56

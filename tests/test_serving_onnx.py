@@ -296,7 +296,7 @@ def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
     import onnxruntime as ort
 
-    from captioner.service.onnx_backends import cuda_provider_available
+    from captioner.models.export.sessions import cuda_provider_available
 
     assert cuda_provider_available(torch.device("cuda")) == ("CUDAExecutionProvider" in ort.get_available_providers())
     assert not cuda_provider_available(CPU)
@@ -305,11 +305,11 @@ def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
 def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
     """On a CUDA device, ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU:
     ``auto`` serves PyTorch on the GPU instead, without exporting anything."""
-    from captioner.service import onnx_backends
+    from captioner.models.export import sessions
     from captioner.service.backend_choice import fastest_verified
     from captioner.service.shared_encoders import SharedEncoders
 
-    monkeypatch.setattr(onnx_backends, "_providers", lambda device: ["CPUExecutionProvider"])
+    monkeypatch.setattr(sessions, "execution_providers", lambda device: ["CPUExecutionProvider"])
     encoders = SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1, "float32")
     gpu_encoder = object()  # stands for the PyTorch CNN on the GPU: nothing here may run on a device this CPU lacks
     monkeypatch.setattr(encoders, "pytorch", lambda spec: gpu_encoder)
@@ -323,11 +323,12 @@ def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorc
     """``CAPTIONER_BACKEND=onnx`` on a CUDA device where ONNX Runtime has no CUDA provider: a whole-model ONNX
     runtime would be handed GPU tensors by the batcher, so it refuses to be made, and the loader serves the model
     with PyTorch on that device, saying why in the log."""
+    from captioner.models.export import sessions
     from captioner.service import onnx_backends
     from captioner.service import runtime as runtime_module
 
     ckpt, _, onnx_dir, _, _ = shipped
-    monkeypatch.setattr(onnx_backends, "_providers", lambda device: ["CPUExecutionProvider"])
+    monkeypatch.setattr(sessions, "execution_providers", lambda device: ["CPUExecutionProvider"])
     with pytest.raises(onnx_backends.NoCudaProvider, match="onnxruntime-gpu"):
         OnnxRuntime("sat", ckpt, onnx_dir / "sat", torch.device("cuda"), threads=1)
 

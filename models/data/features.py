@@ -55,8 +55,8 @@ from ..files import is_newer_format, write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
 
-if TYPE_CHECKING:  # the ONNX stand-in `captioner eval --encoder-precision int8` extracts with
-    from ..export.quantize import OnnxGridEncoder
+if TYPE_CHECKING:  # the ONNX CNN `captioner eval --encoder-precision int8` extracts with
+    from ..export.sessions import VisualSession
 
 FORMAT = "attention-captioner-features/2"
 INDEX, FAILED, LOCK = "index.json", "failed.json", "extract.lock"
@@ -257,7 +257,7 @@ def wait_for_store(folder: Path, poll_s: float = 2.0, timeout_s: float | None = 
 
 
 def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_dir: str | Path,
-                     batch_size: int = 32, device: str = "cpu", encoder: GridEncoder | OnnxGridEncoder | None = None,
+                     batch_size: int = 32, device: str = "cpu", encoder: GridEncoder | VisualSession | None = None,
                      progress: bool = True, shard_size: int = DEFAULT_SHARD_SIZE, rank: int | None = None,
                      wait_timeout_s: float | None = None, view: str = "") -> FeatureStore:
     """The store of ``spec``'s grid features for ``images`` (seen as ``view``, a key of :data:`VIEWS`) in
@@ -310,7 +310,7 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
 
 
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
-                    device: str, encoder: GridEncoder | OnnxGridEncoder | None, progress: bool, shard_size: int,
+                    device: str, encoder: GridEncoder | VisualSession | None, progress: bool, shard_size: int,
                     sizes: Mapping[str, int], files: Mapping[str, str] | None = None, view: str = "") -> None:
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
@@ -330,15 +330,23 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
             if done[number]:
                 continue
             if model is None:  # a finished store needs no encoder at all
-                model = (encoder or GridEncoder(spec)).to(device).eval()
+                model = encoder if encoder is not None else GridEncoder(spec)
+                if isinstance(model, torch.nn.Module):  # an ONNX session runs where it was opened
+                    model = model.to(device).eval()
             partial = folder / f"shard-{number:05d}.partial.npy"
-            array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16,
-                                              shape=(len(members), rows * cols, model.feat_dim))
+            array = None  # opened on the first batch's features, whose shape it takes
             for start in range(0, len(members), batch_size):
                 chunk = [images[i] for i in members[start:start + batch_size]]
                 pixels = VIEWS[view](torch.stack([preprocess(load_image(im.path), spec)[0] for im in chunk]))
                 with torch.no_grad():
-                    array[start:start + len(chunk)] = model(pixels.to(device)).float().cpu().numpy().astype(np.float16)
+                    features = model(pixels.to(device)).float().cpu().numpy().astype(np.float16)
+                if features.shape[1] != rows * cols:
+                    raise ValueError(f"the encoder gave {features.shape[1]} grid cells per image, where {spec} has "
+                                     f"{rows}×{cols}")
+                if array is None:
+                    array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16,
+                                                      shape=(len(members), *features.shape[1:]))
+                array[start:start + len(chunk)] = features
                 bar.update(len(chunk))
             array.flush()
             del array

@@ -1,5 +1,5 @@
 """int8 CNN: ONNX Runtime static quantization of the frozen visual encoder (``visual.onnx`` →
-``visual-int8-<recipe>.onnx`` beside it), and a grid encoder that runs it.
+``visual-int8-<recipe>.onnx`` beside it), run as the float CNN is (``sessions.VisualSession``).
 
 Static (calibrated) rather than dynamic quantization: dynamic quantization turns convolutions into
 ``ConvInteger``, which ONNX Runtime's CPU provider runs slower than float; a QDQ graph with calibrated activation
@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from ..encoder import EncoderSpec, GridEncoder, preprocess
-from .sessions import session_options
 
 #: bump when the quantization recipe changes: the int8 file and the feature caches of int8 encoders are keyed by
 #: it, so an export cache (the service's, ``captioner eval``'s) never serves a graph quantized the old way
@@ -126,26 +125,3 @@ def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str =
     if precision == "int8":
         return quantized_visual_encoder(spec, out_dir, make_visual())
     return export_visual_encoder(spec, out_dir, make_visual())
-
-
-class OnnxGridEncoder:
-    """A :class:`~captioner.models.encoder.GridEncoder` stand-in that runs an ONNX CNN on ONNX Runtime (CPU):
-    what feature extraction needs of an encoder (``feat_dim``, ``to``, ``eval``, a call on pixels)."""
-
-    def __init__(self, path: Path, spec: EncoderSpec, threads: int | None = None):
-        import onnxruntime as ort
-
-        self.session = ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
-        # the graph's feature axis is symbolic after export: one run on a blank image tells its size
-        blank = np.zeros((1, 3, spec.image_size, spec.image_size), np.float32)
-        self.feat_dim = int(self.session.run(["features"], {"pixels": blank})[0].shape[-1])
-
-    def to(self, device) -> "OnnxGridEncoder":
-        return self  # pixels are moved to the host in __call__
-
-    def eval(self) -> "OnnxGridEncoder":
-        return self
-
-    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
-        feed = {"pixels": pixels.detach().float().cpu().contiguous().numpy()}
-        return torch.from_numpy(self.session.run(["features"], feed)[0])
