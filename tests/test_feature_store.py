@@ -194,3 +194,15 @@ def test_a_store_a_newer_version_wrote_is_refused_not_extracted_again(images, en
     with pytest.raises(NewerFeatureStore, match="newer version"):
         extract_features(images, SPEC, tmp_path, encoder=CountingEncoder(encoder), progress=False)
     assert json.loads((store.folder / INDEX).read_text()) == newer  # left as that version wrote it
+
+
+def test_an_encoder_whose_grid_is_not_the_specs_is_refused_and_writes_no_store(images, encoder, tmp_path):
+    """The store's shape comes from the encoder's output (an ONNX session has no ``feat_dim``): one of another
+    grid (say, the CNN of another input size) must not be stored under this spec."""
+    with pytest.raises(ValueError, match="5 grid cells per image, where .* has 2×2"):
+        extract_features(images, SPEC, tmp_path, encoder=lambda pixels: torch.zeros(len(pixels), 5, 320),
+                         progress=False)
+    assert not list(tmp_path.glob("*/index.json"))
+    # a plain callable (not a module) of the right grid is an encoder like any other
+    store = extract_features(images, SPEC, tmp_path, encoder=lambda pixels: encoder(pixels), progress=False)
+    assert store.get_numpy([images[0].key]).shape == (1, 4, encoder.feat_dim) == (1, 4, store.feat_dim)
