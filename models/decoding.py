@@ -170,6 +170,15 @@ def never_emitted(model: Captioner) -> tuple[int, ...]:
     return (model.pad_id, model.bos_id, Vocabulary.unk_id)
 
 
+def _no_empty_caption(logprobs: Tensor, prev: Tensor, bos_id: int, eos_id: int) -> Tensor:
+    """``logprobs`` (a fresh tensor, written in place) with EOS forbidden to the rows about to choose their caption's
+    first token, those whose previous token is BOS (which is never emitted): a caption has a word.  A large beam
+    otherwise keeps the one-token caption "<eos>" (its score is one log-prob, where every real caption sums several)
+    and, with a length penalty, may rank it first.  Every decoder applies this one rule."""
+    logprobs[:, eos_id] = logprobs[:, eos_id].masked_fill(prev == bos_id, float("-inf"))
+    return logprobs
+
+
 def _forbid(logprobs: Tensor, token_ids: tuple[int, ...]) -> Tensor:
     if not token_ids:
         return logprobs
@@ -246,12 +255,11 @@ class RowHistory:
         return gnmt_divisor((self.lengths + (~finished).long()).float(), self.alpha)
 
 
-def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, eos_id: int,
-              forbidden: tuple[int, ...] = (), history: RowHistory | None = None,
-              starting: Tensor | None = None) -> BeamStep:
+def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, prev: Tensor, bos_id: int,
+              eos_id: int, forbidden: tuple[int, ...] = (), history: RowHistory | None = None) -> BeamStep:
     """Top-k of (beam × vocabulary) within every beam group, with back-pointers; ``forbidden`` tokens (see
     :func:`never_emitted`) are never chosen, a ``history`` applies its rows' :class:`DecodingRules`, and the rows
-    ``starting`` a caption (``[R]`` bool: their previous token is BOS) cannot end it: a caption has a word.
+    whose previous token ``prev`` is BOS cannot end their caption yet (:func:`_no_empty_caption`).
 
     Finished rows may only be extended by EOS at log-prob 0, so they keep competing with live ones on their
     final score (length-normalised when a row has a length penalty).  Everything stays on the device: no host
@@ -263,10 +271,7 @@ def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLa
     vocab = logprobs.shape[1]
     allowed = logprobs.masked_fill(finished[:, None], float("-inf"))
     allowed[:, eos_id] = torch.where(finished, torch.zeros_like(scores), logprobs[:, eos_id])
-    if starting is not None:
-        # a large beam otherwise keeps the one-token caption "<eos>" (its score is one log-prob, where every real
-        # caption sums several) and, with a length penalty, may rank it first: an empty caption
-        allowed[:, eos_id] = allowed[:, eos_id].masked_fill(starting, float("-inf"))
+    allowed = _no_empty_caption(allowed, prev, bos_id, eos_id)  # a finished row's previous token is EOS, not BOS
     candidates = scores[:, None] + allowed
     # what the top-k ranks: the summed log-prob, or with a length penalty that sum over each row's divisor
     penalised = history is not None and history.penalised
@@ -403,10 +408,9 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     history = RowHistory.start(widths, [rules] * len(widths), max_len, device) if rules.active else None
     records: list[StepRecord] = []
 
-    for position in range(max_len):
+    for _ in range(max_len):
         logprobs, state, attn = step(prev, state, enc)
-        beam = beam_step(logprobs, scores, finished, layout, eos_id, forbidden, history,
-                         starting=~finished if position == 0 else None)
+        beam = beam_step(logprobs, scores, finished, layout, prev, bos_id, eos_id, forbidden, history)
         if history is not None:
             history = history.after(beam, finished)
         records.append(record_step(beam, attn, extras=extras))
@@ -452,11 +456,11 @@ def greedy(model: Captioner, vis: VisualBatch, max_len: int = 20) -> list[Hypoth
     prev = torch.full((rows,), model.bos_id, dtype=torch.long, device=vis.feats.device)
     tokens, logps, attns = [], [], []
     done = torch.zeros(rows, dtype=torch.bool, device=vis.feats.device)
-    for position in range(max_len):
+    for _ in range(max_len):
         logprobs, state, attn = model.step(prev, state, enc)
         # what the beam search forbids: the never-emitted tokens, and ending the caption before its first word
-        best, prev = _forbid(logprobs.float(), never_emitted(model) + ((model.eos_id,) if position == 0 else ())
-                             ).max(-1)
+        allowed = _no_empty_caption(_forbid(logprobs.float(), never_emitted(model)), prev, model.bos_id, model.eos_id)
+        best, prev = allowed.max(-1)
         tokens.append(prev)
         logps.append(best)
         attns.append(attn.primary.float())

@@ -184,8 +184,8 @@ class RowTable:
     def step(self, runtime: Runtime) -> list[bool]:
         """One decoding step over every row; returns, per job, whether all its beams have emitted EOS."""
         logprobs, state, attn = runtime.step(self.prev, self.state, self.enc)
-        step = beam_step(logprobs, self.scores, self.finished, self.layout, runtime.eos_id, runtime.never_emitted,
-                         self.history, starting=self.prev == runtime.bos_id)
+        step = beam_step(logprobs, self.scores, self.finished, self.layout, self.prev, runtime.bos_id, runtime.eos_id,
+                         runtime.never_emitted, self.history)
         if self.history is not None:
             self.history = self.history.after(step, self.finished)
         parent = step.pointer if self.parent_map is None else self.parent_map.index_select(0, step.pointer)
