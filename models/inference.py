@@ -48,6 +48,11 @@ class Prepared:
     pixels: Tensor
     geometry: Geometry
 
+    @classmethod
+    def of(cls, image: Image.Image, spec: EncoderSpec) -> "Prepared":
+        """``image`` through the one preprocessing path (:func:`~captioner.models.encoder.preprocess`)."""
+        return cls(*preprocess(image, spec))
+
 
 @dataclass
 class CaptionResult:
@@ -221,8 +226,7 @@ class Runtime(ABC):
         return DecodingRules.of_checkpoint(self.ckpt.meta)
 
     def prepare(self, image: Image.Image) -> Prepared:
-        pixels, geometry = preprocess(image, self.spec)
-        return Prepared(pixels, geometry)
+        return Prepared.of(image, self.spec)
 
     def pixels(self, batch: list[Prepared], on_device: bool = True) -> Tensor:
         """The batch's network input: on the runtime's device and padded with blank images to

@@ -18,7 +18,6 @@ import torch
 from PIL import Image, ImageDraw
 
 from captioner.models.checkpoint import Checkpoint
-from captioner.models.encoder import preprocess
 from captioner.models.export.sessions import cuda_provider_available
 from captioner.models.files import write_atomically
 from captioner.models.inference import Prepared, Runtime, TorchRuntime
@@ -111,7 +110,7 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
         # ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU
         log.info("%s: ONNX Runtime has no CUDA execution provider here; PyTorch on %s", name, device)
         return TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
-    prepared = [Prepared(*preprocess(image, ckpt.encoder)) for image in check_images()]
+    prepared = [Prepared.of(image, ckpt.encoder) for image in check_images()]
     if encoders.precision == "int8":
         # an int8 CNN changes features, so PyTorch's float captions are no reference for the decoder graphs: they
         # must equal the PyTorch decoder's on the same int8 features (what int8 costs in accuracy is measured by
