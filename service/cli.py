@@ -18,7 +18,7 @@ from pathlib import Path
 
 from captioner.models.cli.commands import add_commands
 from captioner.models.cli.common import DEFAULT_CHECKPOINT, at_least, positive_int
-from captioner.models.cli.inference import cmd_caption as caption_files
+from captioner.models.cli.inference import caption_files
 from captioner.models.device import resolve_device
 
 

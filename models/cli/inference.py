@@ -26,7 +26,7 @@ def print_caption(path: str, label: str, result: CaptionResult) -> None:
     print(f"{path} [{label}]: {result.caption}" if label else f"{path}: {result.caption}")
 
 
-def cmd_caption(args: argparse.Namespace, show: Callable[[str, str, CaptionResult], None] = print_caption) -> None:
+def caption_files(args: argparse.Namespace, show: Callable[[str, str, CaptionResult], None] = print_caption) -> None:
     """Caption images with one checkpoint or several (``--checkpoint`` repeated: a side-by-side comparison).
     ``show(path, label, result)`` prints each result (the console script's ``--json`` passes its own)."""
     from ..device import resolve_device, set_threads
@@ -98,7 +98,9 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--cmap", default="jet", help="matplotlib colormap of the heatmaps (default jet)")
     cap.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1] (default 0.5)")
     add_device_options(cap)
-    cap.set_defaults(func=cmd_caption)
+    # the console script (service/cli.py) adds --output and --json, and its own command, which calls this one
+    # for a few images and the archive use case for folders and lists
+    cap.set_defaults(func=caption_files)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
