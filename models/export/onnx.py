@@ -386,50 +386,33 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
     check_replaceable(Path(out))
     spec_enc = ckpt.encoder
     visual = visual or GridEncoder(spec_enc)
-    device = next(model.parameters()).device
-    if device.type != "cpu":
+    if next(model.parameters()).device.type != "cpu":
         raise ValueError("export from a CPU checkpoint (load_checkpoint(path, 'cpu'))")
     k = 2
     _, enc, state0, _, trace = _probe(visual, model, spec_enc, batch=2, k=k, steps=3, seed=0)
-    extras = trace[0][1][2].extras
     spec = GraphSpec(arch=model.arch, checksum=ckpt.checksum, encoder=spec_enc.to_json(), enc_keys=sorted(enc),
-                     state_keys=sorted(state0), extra_keys=sorted(extras), growing_dims=_growing_dims(trace))
-    spec.dtypes = {**{f"enc.{k_}": str(v.dtype) for k_, v in enc.items()},
-                   **{f"state.{k_}": str(v.dtype) for k_, v in state0.items()}}
-
+                     state_keys=sorted(state0), extra_keys=sorted(trace[0][1][2].extras),
+                     growing_dims=_growing_dims(trace))
+    spec.dtypes = {**{f"enc.{key}": str(v.dtype) for key, v in enc.items()},
+                   **{f"state.{key}": str(v.dtype) for key, v in state0.items()}}
+    pixels = _example_pixels(spec_enc, 2, 0)
+    with torch.no_grad():
+        features = visual(pixels)
+    # the step is traced at step 1 (not 0) so that growing dimensions are non-empty in the example
+    (prev, state), _ = trace[1]
+    enc_rows = index_rows(enc, _rows(2, k))
+    step_inputs = (prev, *(state[key] for key in spec.state_keys), *(enc_rows[key] for key in spec.enc_keys))
+    by_batch = {name: {0: "batch"} for name in spec.encoder_outputs}
+    graphs = [  # (what, module, example inputs, file, input names, output names, dynamic axes)
+        ("encoder", EncoderGraph(visual, model, spec_enc, spec.enc_keys, spec.state_keys), (pixels,), ENCODER_FILE,
+         ["pixels"], spec.encoder_outputs, {"pixels": {0: "batch"}, **by_batch}),
+        ("encoder head", EncoderGraph(nn.Identity(), model, spec_enc, spec.enc_keys, spec.state_keys),
+         (features,), HEAD_FILE, ["features"], spec.encoder_outputs, {"features": {0: "batch"}, **by_batch}),
+        ("decoder step", StepGraph(model, spec.enc_keys, spec.state_keys, spec.extra_keys), step_inputs, STEP_FILE,
+         spec.step_inputs, spec.step_outputs, _step_axes(spec)),
+    ]
     with _folder_swapped_in(Path(out)) as tmp:
-        enc_graph = EncoderGraph(visual, model, spec_enc, spec.enc_keys, spec.state_keys).eval()
-        step_graph = StepGraph(model, spec.enc_keys, spec.state_keys, spec.extra_keys).eval()
-        head_graph = EncoderGraph(nn.Identity(), model, spec_enc, spec.enc_keys, spec.state_keys).eval()
-        enc_axes = {"pixels": {0: "batch"}, **{name: {0: "batch"} for name in spec.encoder_outputs}}
-        head_axes = {"features": {0: "batch"}, **{name: {0: "batch"} for name in spec.encoder_outputs}}
-        # trace the step at step 1 (not 0) so that growing dimensions are non-empty in the example
-        (prev, state), _ = trace[1]
-        enc_rows = index_rows(enc, _rows(2, k))
-        step_inputs = (prev, *(state[key] for key in spec.state_keys), *(enc_rows[key] for key in spec.enc_keys))
-        step_axes = {name: {0: "rows"} for name in spec.step_inputs + spec.step_outputs}
-        for key, dims in spec.growing_dims.items():
-            for d in dims:
-                step_axes[f"state.{key}"][d] = f"{key}_dim{d}"
-                step_axes[f"next.{key}"][d] = f"next_{key}_dim{d}"
-        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-            warnings.simplefilter("always")
-            for what, graph, args, path, names_in, names_out, axes in (
-                    ("encoder", enc_graph, (_example_pixels(spec_enc, 2, 0),), tmp / ENCODER_FILE, ["pixels"],
-                     spec.encoder_outputs, enc_axes),
-                    ("encoder head", head_graph, (visual(_example_pixels(spec_enc, 2, 0)),), tmp / HEAD_FILE,
-                     ["features"], spec.encoder_outputs, head_axes),
-                    ("decoder step", step_graph, step_inputs, tmp / STEP_FILE, spec.step_inputs, spec.step_outputs,
-                     step_axes)):
-                try:
-                    torch.onnx.export(graph, args, str(path), input_names=names_in, output_names=names_out,
-                                      dynamic_axes=axes, opset_version=OPSET, dynamo=False)
-                except Exception as exc:  # the tracer's errors have many types; all mean "cannot be expressed"
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    raise ExportUnsupported(
-                        f"{model.arch}: the TorchScript tracer cannot record the {what} "
-                        f"({exc.__class__.__name__}: {first}){_why(_frozen_sites(caught))}") from exc
-        frozen = _frozen_sites(caught)
+        frozen = _trace_graphs(model.arch, graphs, tmp)
         for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
             onnx.checker.check_model(str(tmp / name))
         spec.max_abs_diff = _verify(tmp, spec, visual, model, spec_enc, frozen)
@@ -437,6 +420,35 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
             seal(tmp / name)
         spec.save(tmp)
     return spec
+
+
+def _step_axes(spec: GraphSpec) -> dict[str, dict[int, str]]:
+    """The step graph's dynamic axes: rows everywhere, plus each state's growing dimensions (a Transformer's
+    cached keys grow by one position a step), named apart for the input and the output."""
+    axes = {name: {0: "rows"} for name in spec.step_inputs + spec.step_outputs}
+    for key, dims in spec.growing_dims.items():
+        for d in dims:
+            axes[f"state.{key}"][d] = f"{key}_dim{d}"
+            axes[f"next.{key}"][d] = f"next_{key}_dim{d}"
+    return axes
+
+
+def _trace_graphs(arch: str, graphs: list[tuple], folder: Path) -> list[str]:
+    """Trace each ``(what, module, inputs, file, input names, output names, axes)`` into ``folder``; returns the
+    code sites whose tracer warnings say a Python value was frozen into a graph (for :func:`_verify` to name).
+    A graph the tracer cannot record raises :class:`ExportUnsupported`, naming the graph and those sites."""
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for what, graph, args, file, names_in, names_out, axes in graphs:
+            try:
+                torch.onnx.export(graph.eval(), args, str(folder / file), input_names=names_in,
+                                  output_names=names_out, dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+            except Exception as exc:  # the tracer's errors have many types; all mean "cannot be expressed"
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise ExportUnsupported(
+                    f"{arch}: the TorchScript tracer cannot record the {what} "
+                    f"({exc.__class__.__name__}: {first}){_why(_frozen_sites(caught))}") from exc
+    return _frozen_sites(caught)
 
 
 def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
