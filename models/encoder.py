@@ -552,7 +552,8 @@ class GridEncoder(nn.Module):
     def forward(self, pixels: Tensor) -> Tensor:
         """``[B, 3, S, S]`` float pixels (:func:`preprocess`'s) → ``[B, items, channels]``: one picture without its
         batch axis came back as a wrong-layout tensor, in silence."""
-        if pixels.dim() != 4 or pixels.shape[1] != 3 or not pixels.is_floating_point():
+        # not while tracing (an export): a check of the example's shape is no part of the graph
+        if not torch.jit.is_tracing() and (pixels.dim() != 4 or pixels.shape[1] != 3 or not pixels.is_floating_point()):
             raise ValueError(f"the encoder takes [batch, 3, height, width] float pixels (preprocess's, stacked), got "
                              f"{list(pixels.shape)} {pixels.dtype}")
         fmap = self.feature_map(pixels)

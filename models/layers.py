@@ -60,8 +60,9 @@ class AdditiveAttention(nn.Module):
         projected = 2.0 * self.query(query).unsqueeze(1)
         # w^T tanh(x) + b = (2w)^T σ(2x) + (b − Σw): the score layer's weights in the sigmoid form
         weight, bias = 2.0 * self.score.weight, self.score.bias - self.score.weight.sum()
-        rows = max(1, CACHE_BLOCK_FLOATS // max(1, keys.shape[1] * keys.shape[2]))
-        if keys.shape[0] > rows and not torch.is_grad_enabled() and not torch.jit.is_tracing():
+        # tracing first: the row count read off a traced shape would be reported as a value the graph froze
+        rows = 0 if torch.jit.is_tracing() else max(1, CACHE_BLOCK_FLOATS // max(1, keys.shape[1] * keys.shape[2]))
+        if rows and keys.shape[0] > rows and not torch.is_grad_enabled():
             # inference over many rows (a batched decoding step): the [rows, N, attn_dim] sum is the largest
             # tensor of the step and, whole, far larger than the CPU cache, so it is made and reduced block by
             # block of rows that fit (about 1.8× faster at 256 rows on a 16×16 grid); not while tracing, where a

@@ -53,7 +53,8 @@ class VisualBatch:
     geometry: list[Geometry] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.feats.dim() != 3 or self.mask.shape != self.feats.shape[:2]:
+        # not while tracing (an export): a check of the example's shapes is no part of the graph
+        if not torch.jit.is_tracing() and (self.feats.dim() != 3 or self.mask.shape != self.feats.shape[:2]):
             raise ValueError(f"visual features are [batch, items, channels] with a [batch, items] mask, got "
                              f"{list(self.feats.shape)} and {list(self.mask.shape)}")
 
@@ -71,9 +72,9 @@ class AttnRecord:
     """The attention that fed the word predicted at this step (docs/decisions.md#model-protocol-and-alignment-rule).
 
     ``primary`` is ``[B', N]`` non-negative weights over the ``N`` visual items of the batch, each row summing to 1
-    (heatmaps, grounding and the ensemble's mean read it as a distribution); a model that attends to nothing returns
-    uniform rows.  ``extras`` carries model-specific maps (e.g. ``beta_gate`` [B', 1] for SAT, ``input_attention``
-    [B', N] for SparseCap).
+    and zero on masked (padding) items (heatmaps, grounding and the ensemble's mean read it as a distribution); a
+    model that attends to nothing returns rows uniform over its image's unmasked items.  ``extras`` carries
+    model-specific maps (e.g. ``beta_gate`` [B', 1] for SAT, ``input_attention`` [B', N] for SparseCap).
     """
 
     primary: Tensor
@@ -217,9 +218,10 @@ class Captioner(nn.Module):
 
 def check_step_contract(model: Captioner, grid_hw: tuple[int, int] = (3, 3)) -> None:
     """Run the protocol once (``encode``, ``init_state``, ``step``, ``reorder``) on random features of two images on a
-    tiny square grid (TVmax infers its shape from the count), and refuse (``ValueError``) the first rule ``model``
-    breaks, in words that name it: the states' (batch × beam) rows on dim 0, ``step``'s three results, log-probs
-    ``[B', V]``, and an :class:`AttnRecord` whose ``primary`` is a distribution over the items. ``captioner train``
+    tiny square grid (TVmax infers its shape from the count), the second with its last two items padding (masked,
+    as a batch of images with fewer regions has), and refuse (``ValueError``) the first rule ``model`` breaks, in
+    words that name it: the states' (batch × beam) rows on dim 0, ``step``'s three results, log-probs ``[B', V]``,
+    and an :class:`AttnRecord` whose ``primary`` is a distribution over the unmasked items. ``captioner train``
     calls it before reading any data, where a broken model otherwise failed after an epoch, in ``reorder`` or in the
     service."""
     rows, cols = grid_hw
@@ -228,6 +230,7 @@ def check_step_contract(model: Captioner, grid_hw: tuple[int, int] = (3, 3)) -> 
     boxes = np.stack([cell % cols, cell // cols, cell % cols + 1, cell // cols + 1], 1).astype(np.float32) * 8
     vis = VisualBatch.from_features(torch.randn(batch, items, model.feat_dim),
                                     [Geometry("grid", (8 * cols, 8 * rows), grid_hw, boxes)] * batch)
+    vis.mask[1, -2:] = False
     with torch.no_grad():
         enc = model.encode(vis)
         _check_rows(enc, batch, "encode's state")
@@ -249,7 +252,10 @@ def check_step_contract(model: Captioner, grid_hw: tuple[int, int] = (3, 3)) -> 
                              f"{[batch, items]}, got {list(primary.shape)}")
         if bool((primary < 0).any()) or not torch.allclose(primary.float().sum(-1), torch.ones(batch), atol=1e-3):
             raise ValueError("each attention row must be a distribution over the items (non-negative, summing to "
-                             "1; uniform for a model that attends to nothing)")
+                             "1; uniform over the unmasked items for a model that attends to nothing)")
+        if bool((primary[~vis.mask] != 0).any()):
+            raise ValueError("the attention row must put no weight on masked items (VisualBatch.mask False: "
+                             "padding, not the image); a model that attends to nothing is uniform over the others")
         _check_rows(state, batch, "step's state")
         _check_rows(model.reorder(state, torch.tensor([1, 0])), batch, "reorder's state")
 

@@ -7,7 +7,10 @@ there is no import loop.
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
+import types
+import typing
 from typing import Any, Callable, TypeVar
 
 from .protocol import Captioner
@@ -42,23 +45,88 @@ class UnknownModel(KeyError, ValueError):
         return str(self.args[0])
 
 
-def create(name: str, **config: Any) -> Captioner:
-    """Build a registered captioner from its config dict; a name or an option it does not have is a ValueError
-    naming what it does have."""
+class BadOption(ValueError):
+    """An option the model does not have, or a value of another kind than its default's: the message names the
+    model, the option and what it takes, so callers pass it on as it is."""
+
+
+#: what :func:`options` reports for an argument without a default (``vocab_size``, ``feat_dim``)
+REQUIRED = inspect.Parameter.empty
+#: the arguments of every model that the data set and the encoder decide (sizes, special token ids), not a user
+PROTOCOL_ARGUMENTS = tuple(n for n in inspect.signature(Captioner.__init__).parameters if n != "self")
+
+
+def model_class(name: str) -> type[Captioner]:
+    """The class registered under ``name``; an :class:`UnknownModel` naming the registered ones otherwise."""
     try:
-        cls = MODELS[name]
+        return MODELS[name]
     except KeyError:
-        raise UnknownModel(f"unknown model {name!r}; registered: {', '.join(available())} (a new model file is "
-                           "imported in models/zoo.py, which registers it)") from None
-    named = [n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD]
-    # a model passes what it does not name itself (the special token ids) on to the protocol's constructor
-    named += [n for n in inspect.signature(Captioner.__init__).parameters if n != "self" and n not in named]
-    unknown = sorted(set(config) - set(named))
+        raise UnknownModel(f"unknown model {name!r}; registered: {', '.join(available())} (a model file is imported "
+                           "in models/zoo.py, or another package names its module under the entry-point group "
+                           "captioner.models: README, Adding a model)") from None
+
+
+def options(name: str) -> dict[str, Any]:
+    """A registered model's options, the arguments :func:`create` takes, with their defaults (:data:`REQUIRED`
+    where there is none): the class's own named parameters, then those of ``Captioner.__init__`` (the special
+    token ids) it passes on through ``**ids``."""
+    cls = model_class(name)
+    own = {n: p.default for n, p in inspect.signature(cls).parameters.items()
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    inherited = {n: p.default for n, p in inspect.signature(Captioner.__init__).parameters.items()
+                 if n != "self" and n not in own and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {**own, **inherited}
+
+
+#: what a value of each annotated scalar kind is called in an error; JSON brings ints where floats are annotated
+_SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _admitted(value: Any, hint: Any) -> list[str]:
+    """What the annotation ``hint`` names that ``value`` is not ([] when it admits it, or says nothing checkable:
+    ``Any``, a class of its own): scalars by kind, a union by any member, sequences as JSON lists or tuples."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = [_admitted(value, member) for member in typing.get_args(hint)]
+        return [] if any(not kind for kind in kinds) else [k for kind in kinds for k in kind]
+    if hint is type(None):
+        return [] if value is None else ["null"]
+    if hint in _SCALARS:
+        said, accepts = _SCALARS[hint]
+        return [] if accepts(value) else [said]
+    origin = typing.get_origin(hint) or hint
+    if origin in (list, tuple, collections.abc.Sequence):
+        return [] if isinstance(value, (list, tuple)) else ["a list"]
+    return []
+
+
+def _annotations(cls: type) -> dict[str, Any]:
+    """The constructor's resolved annotations; none (so nothing checked) where they cannot be resolved."""
+    try:
+        return typing.get_type_hints(cls.__init__)
+    except Exception:  # a plugin's annotation naming what its module never imports: its options go unchecked
+        return {}
+
+
+def create(name: str, **config: Any) -> Captioner:
+    """Build a registered captioner from its config dict; a name or an option it does not have, a missing size, or
+    a value its annotation does not admit (a string for an ``int``, ...) is a ValueError naming what it takes."""
+    known = options(name)
+    unknown = sorted(set(config) - set(known))
     if unknown:
-        raise ValueError(f"model {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
-                         f"{', '.join(named)}")
-    required = [n for n, p in inspect.signature(cls).parameters.items()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in config]
+        raise BadOption(f"model {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(known)} (captioner models {name})")
+    required = [n for n, default in known.items() if default is REQUIRED and n not in config]
     if required:  # vocab_size and feat_dim: the sizes every model is built for
         raise ValueError(f"model {name!r} needs {', '.join(map(repr, required))}")
-    return cls(**config)
+    hints = _annotations(model_class(name))
+    for option, value in config.items():
+        wanted = _admitted(value, hints.get(option, typing.Any))
+        if wanted:
+            default = "" if known[option] is REQUIRED else f" (default {known[option]!r})"
+            raise BadOption(f"model {name!r}: option {option!r} takes {' or '.join(wanted)}{default}, got {value!r}")
+    return model_class(name)(**config)

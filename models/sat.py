@@ -103,7 +103,7 @@ class ShowAttendTell(Captioner):
         """Soft context ẑ_t = β_t Σ_i α_{t,i} a_i (SAT Eq. 13 with the gate of §4.2.1)."""
         beta = torch.sigmoid(self.gate(state["h"]))
         # a channel gate is reported by its mean over the channels: one number per word, as for the scalar gate
-        reported = beta if beta.shape[1] == 1 else beta.mean(1, keepdim=True)
+        reported = beta if self.gate.out_features == 1 else beta.mean(1, keepdim=True)
         return beta * torch.bmm(alpha.unsqueeze(1), enc["feats"]).squeeze(1), {"beta_gate": reported}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:

@@ -1,8 +1,14 @@
-"""``create(name, **config)``, the registry's one way to build a model: what a mistaken call is told."""
+"""``create(name, **config)``, the registry's one way to build a model: what a mistaken call is told, what a model's
+options are (``captioner models NAME``), and models that another installed package adds by its entry points."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from captioner.models.zoo import UnknownModel, available, create
+from captioner.models.zoo import REQUIRED, UnknownModel, available, create, options
 
 
 def test_every_registered_model_is_built_from_its_sizes():
@@ -17,8 +23,80 @@ def test_every_registered_model_is_built_from_its_sizes():
     # a bare TypeError ("missing 2 required positional arguments") named neither the model nor the fix
     ("sat", {}, "model 'sat' needs 'vocab_size', 'feat_dim'"),
     ("aoanet", {"vocab_size": 12}, "model 'aoanet' needs 'feat_dim'"),
+    # a value of another kind than the option's default failed deep in PyTorch ("empty(): argument 'size' ...")
+    ("sat", {"vocab_size": 12, "feat_dim": 8, "embed_dim": "abc"},
+     "model 'sat': option 'embed_dim' takes a whole number \\(default 512\\), got 'abc'"),
+    ("sat", {"vocab_size": 12, "feat_dim": 8, "embed_dim": 32.5}, "model 'sat': option 'embed_dim' takes a whole"),
+    ("sat", {"vocab_size": 12, "feat_dim": 8, "dropout": True}, "model 'sat': option 'dropout' takes a number"),
+    ("aoanet", {"vocab_size": 12, "feat_dim": 8, "pre_norm": 1}, "model 'aoanet': option 'pre_norm' takes true or"),
+    ("sat", {"vocab_size": 12, "feat_dim": 8, "gate": 3}, "model 'sat': option 'gate' takes a string"),
 ])
 def test_a_mistaken_call_is_a_value_error_that_names_what_to_give(name, config, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         create(name, **config)
     assert issubclass(UnknownModel, ValueError)
+
+
+def test_values_of_the_options_kind_are_taken_and_an_int_is_a_number():
+    model = create("sat", vocab_size=12, feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8, dropout=0,
+                   gate="channel")
+    assert model.config()["dropout"] == 0 and model.config()["embed_dim"] == 16
+
+
+def test_a_models_options_are_its_constructors_with_their_defaults():
+    sat = options("sat")
+    assert sat["vocab_size"] is REQUIRED and sat["feat_dim"] is REQUIRED
+    assert sat["embed_dim"] == 512 and sat["dropout"] == 0.5 and sat["bos_id"] == 1
+    with pytest.raises(UnknownModel, match="entry-point group captioner.models"):
+        options("nosuch")
+    shown = subprocess.run([sys.executable, "-m", "captioner.service.cli", "models", "xlan"], capture_output=True,
+                           text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "dim=1024" in lines or any(line.startswith("dim=") for line in lines)
+    assert 'activation="celu"' in lines and lines[-1].startswith("# from the data set and the encoder, not --set:")
+    assert not [line for line in lines if line.startswith(("vocab_size", "bos_id"))]
+
+
+PLUGIN = textwrap.dedent("""
+    from captioner.models.registry import register
+    from captioner.models.sat import ShowAttendTell
+
+
+    @register("plugged-sat")
+    class PluggedSAT(ShowAttendTell):
+        \"\"\"A model another package adds: the SAT under another name is enough to be found.\"\"\"
+""")
+
+
+def installed_plugin(folder, module: str, source: str, entry: str = "plugged") -> dict:
+    """An installed distribution (a dist-info folder on the path) naming ``module`` under captioner.models."""
+    (folder / f"{module}.py").write_text(source)
+    info = folder / f"{module}_pkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}-pkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[captioner.models]\n{entry} = {module}\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_a_model_another_package_names_under_the_entry_point_group_is_registered(tmp_path):
+    env = installed_plugin(tmp_path, "plugged_models", PLUGIN)
+    listed = subprocess.run([sys.executable, "-m", "captioner.service.cli", "models"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "plugged-sat" in listed.stdout.split() and "sat" in listed.stdout.split()
+    built = subprocess.run([sys.executable, "-c", "from captioner.models.zoo import create; "
+                            "print(create('plugged-sat', vocab_size=9, feat_dim=8).arch)"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert built.stdout.strip() == "plugged-sat", built.stderr
+
+
+def test_a_broken_plugin_is_named_in_a_warning_and_the_built_in_models_stay(tmp_path):
+    env = installed_plugin(tmp_path, "broken_models", "raise ImportError('needs a package that is missing')",
+                           entry="broken")
+    listed = subprocess.run([sys.executable, "-W", "always", "-m", "captioner.service.cli", "models"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert "sat" in listed.stdout.split()
+    assert "model plugin 'broken' (broken_models, entry-point group captioner.models) failed to load: " \
+           "ImportError: needs a package that is missing" in listed.stderr

@@ -118,6 +118,33 @@ def test_unexportable_configuration_names_the_code_responsible(encoder, tmp_path
     assert not (tmp_path / "tvmax").exists()
 
 
+def test_a_step_that_reads_what_encode_kept_on_the_model_is_refused_naming_only_real_causes(encoder, tmp_path):
+    """A model that keeps the batch's mean on ``self`` in ``encode`` and reads it in ``step`` (what README's
+    protocol forbids) exports a graph with that mean frozen in: refused, and the message no longer lists the input
+    checks of the project's own code, which the tracer had reported as frozen values ahead of the real cause."""
+    import types
+
+    ckpt = tiny_checkpoint("sat")
+    model = ckpt.model
+    plain_encode, plain_step = model.encode, model.step
+
+    def encode(self, vis):
+        self.kept = vis.feats.mean()
+        return plain_encode(vis)
+
+    def step(self, prev, state, enc):
+        logprobs, state, attention = plain_step(prev, state, enc)
+        tilt = 50 * self.kept * torch.linspace(0, 1, logprobs.shape[-1])  # changes which word is likelier
+        return (logprobs + tilt).log_softmax(-1), state, attention
+
+    model.encode, model.step = types.MethodType(encode, model), types.MethodType(step, model)
+    with pytest.raises(ExportUnsupported, match="keeps something on the model between calls") as refused:
+        export_graphs(ckpt, tmp_path / "kept", encoder)
+    message = str(refused.value)
+    assert not [name for name in ("encoder.py:", "protocol.py:", "layers.py:", "sat.py:") if name in message], message
+    assert not (tmp_path / "kept").exists()
+
+
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shipped(request, tmp_path_factory):

@@ -148,6 +148,11 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
             logprobs, state, attention = super().step(prev_tokens, state, enc)
             return logprobs, state, AttnRecord(torch.ones_like(attention.primary))
 
+    class UniformOverPadding(ShowAttendTell):  # "uniform for a model that attends to nothing", padding included
+        def step(self, prev_tokens, state, enc):
+            logprobs, state, attention = super().step(prev_tokens, state, enc)
+            return logprobs, state, AttnRecord(torch.full_like(attention.primary, 1 / attention.primary.shape[1]))
+
     class NoSizes(ShowAttendTell):
         def config(self):
             return {k: v for k, v in super().config().items() if k not in ("vocab_size", "feat_dim")}
@@ -155,6 +160,7 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
     for model, said in [(NoIds, "constructor must accept **ids"), (BareTensor, "must be an AttnRecord"),
                         (CountsInState, "step's state 'steps' must be a tensor with the (batch × beam) rows"),
                         (OnesForRows, "must be a distribution over the items"),
+                        (UniformOverPadding, "must put no weight on masked items"),
                         (NoSizes, "config() must return every constructor argument")]:
         monkeypatch.setitem(MODELS, "broken", model)
         err = _fails(capsys, ["train", "--dataset", str(scenes), "--out", str(tmp_path / "run"), "--model", "broken",
@@ -164,11 +170,15 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
 
 
 def test_a_model_option_of_the_wrong_kind_or_size_is_named(scenes, tmp_path, cache, capsys):
-    # --set hidden_dim=abc was a TypeError traceback (exit 1); -5 blamed the model's code for reading tensor values
-    for setting, said in [("hidden_dim=abc", "must be tuple of ints"), ("dropout=abc", "not supported"),
+    # --set hidden_dim=abc was a TypeError traceback (exit 1), then PyTorch's words ("must be tuple of ints");
+    # -5 blamed the model's code for reading tensor values
+    for setting, said in [("hidden_dim=abc", "model 'sat': option 'hidden_dim' takes a whole number (default 1024), "
+                                             "got 'abc'"),
+                          ("dropout=abc", "model 'sat': option 'dropout' takes a number (default 0.5), got 'abc'"),
                           ("hidden_dim=-5", "negative dimension")]:
         err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, "--set", setting))
-        assert f"--set {setting}" in err and said in err and "meta device" not in err, (setting, err)
+        assert said in err and "meta device" not in err, (setting, err)
+        assert ("--set hidden_dim=-5" in err) == (setting == "hidden_dim=-5")  # a size error quotes the settings
     assert not (tmp_path / "run").exists()
 
 

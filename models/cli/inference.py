@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import sys
 from pathlib import Path
@@ -269,12 +270,20 @@ def _add_manifest(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from ..zoo import available
+    from ..zoo import PROTOCOL_ARGUMENTS, REQUIRED, available, options
 
-    print("\n".join(available()))
+    if args.name is None:
+        print("\n".join(available()))
+        return
+    for option, default in options(args.name).items():
+        if option not in PROTOCOL_ARGUMENTS:
+            print(f"{option}  (required)" if default is REQUIRED else f"{option}={json.dumps(default)}")
+    print(f"# from the data set and the encoder, not --set: {', '.join(PROTOCOL_ARGUMENTS)}")
 
 
 @_group.command("models")
 def _add_models(sub: argparse._SubParsersAction) -> None:
-    ls = sub.add_parser("models", help="list registered model architectures")
+    ls = sub.add_parser("models", help="list registered model architectures, or one model's options")
+    ls.add_argument("name", nargs="?", help="a model: print its options (captioner train --set OPTION=VALUE) with "
+                    "their defaults, in JSON")
     ls.set_defaults(func=cmd_models)

@@ -48,7 +48,7 @@ from ..encoder import EncoderSpec, EncoderTail, GridEncoder
 from ..evaluation.evaluate import caption_dataset, score_dataset
 from ..protocol import Captioner, check_step_contract
 from ..vocab import Vocabulary
-from ..registry import UnknownModel
+from ..registry import BadOption, UnknownModel
 from ..zoo import create
 from .attention_supervision import checked_entities_folder
 from .attention_supervision import entities_attention_targets
@@ -220,7 +220,7 @@ def _check_model(cfg: TrainConfig) -> None:
         described = on_meta(build)
     except (TypeError, ValueError) as exc:  # a --set value of the wrong kind or size (an unknown model or option
         # is named by the registry already); TypeError came out as a traceback
-        if isinstance(exc, UnknownModel):
+        if isinstance(exc, (UnknownModel, BadOption)):  # they name the model and the option already
             raise
         if any(f"'{name}'" in str(exc) for name in PROBE_IDS):
             raise ValueError(f"model {cfg.model!r} does not take the vocabulary's special ids ({exc}): its "
@@ -265,8 +265,8 @@ def _load_splits(cfg: TrainConfig) -> tuple[list[CaptionedImage], list[Captioned
     if val_images[0].info.get("objects") is not None:
         selectable.append("objects_named")  # generated scenes: the share of objects named with colour and shape
     if cfg.select_metric and cfg.select_metric not in selectable:
-        raise ValueError(f"--select-metric {cfg.select_metric!r} is not measured on validation; "
-                         f"choose from {', '.join(selectable)}")
+        raise ValueError(f"--select-metric {cfg.select_metric!r} cannot select checkpoints: choose from "
+                         f"{', '.join(selectable)} (what validation measures, the higher the better)")
     return train_images, val_images
 
 
