@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 
 import pytest
 from fastapi.testclient import TestClient
@@ -64,7 +65,9 @@ def tiny_server(tmp_path_factory):
     save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
     server = ServerProcess(root, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
                                   "CAPTIONER_WARMUP": "false", "CAPTIONER_BACKEND": "torch",
-                                  "CAPTIONER_DEFAULT_BEAM_SIZE": "2", "CAPTIONER_MAX_BEAM_SIZE": "12"},
+                                  "CAPTIONER_DEFAULT_BEAM_SIZE": "2", "CAPTIONER_MAX_BEAM_SIZE": "12",
+                                  # 3 MP: a photo above it is refused (413), as a phone's 48 MP one is by default
+                                  "CAPTIONER_MAX_PIXELS": "3000000"},
                            tmp_path_factory.mktemp("demo-audit-log") / "server.log")
     try:
         yield server.wait_ready(timeout_s=120).url
@@ -490,3 +493,131 @@ def test_axe_core_finds_nothing_on_a_phone_before_and_after_a_caption_and_a_refu
         page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"not a photo"}])
         wait_until(page, "() => document.getElementById('status').textContent.startsWith('“notes.txt”')", 30)
         assert axe_violations(page) == []
+
+
+def fulfilled(**answer):
+    """A route handler answering ``answer`` (Route.fulfill's arguments) in place of the server."""
+    return lambda route: route.fulfill(**answer)
+
+
+def caption_requests(page) -> list:
+    """Every POST /caption the page sends from now on, as Playwright requests (``failure`` set on aborted ones)."""
+    sent = []
+    page.on("request", lambda r: sent.append(r) if r.method == "POST" and "/caption?" in r.url else None)
+    return sent
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_newer_caption_cancels_the_one_on_its_way(tiny_server):
+    """Two photos chosen in quick succession: the first request, whose answer would be dropped, is aborted (the
+    server stops working on it, middleware.py) instead of running to the end unseen."""
+    with page_of(tiny_server) as page:
+        sent, failed = caption_requests(page), []
+        page.on("requestfailed", lambda r: failed.append((r.url, r.failure)))
+        held = []
+        page.route("**/caption?*", lambda route: held.append(route) if not held else route.continue_())
+        page.set_input_files("#file", files=[{"name": "first.png", "mimeType": "image/png",
+                                              "buffer": image_bytes((120, 90), "PNG")}])
+        wait_until(page, "() => document.getElementById('status').textContent === 'Captioning…'", 10)
+        upload(page, "second.png", image_bytes((90, 120), "PNG"), "image/png")
+        assert len(sent) == 2 and [url for url, _ in failed] == [sent[0].url], failed
+        assert "ABORTED" in failed[0][1].upper(), failed
+        assert page.evaluate("() => document.getElementById('photo').alt").endswith("second.png")
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_arrow_keys_on_the_beam_box_step_from_the_services_default_and_send_one_caption(captioned):
+    """Each step of a held arrow key was a caption request (beams 1, 2, 3, 4 for four presses), counted from the
+    box's minimum (1) although the box stood for the service's default: one request now, once the box settles,
+    counted from the default (2 here, which the box now shows)."""
+    page = captioned
+    assert page.get_attribute("#beam", "placeholder") == "default (2)"
+    sent = caption_requests(page)
+    page.focus("#beam")
+    with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url, timeout=30_000) as got:
+        for _ in range(4):
+            page.keyboard.press("ArrowUp")
+    assert got.value.json()["beam_size"] == 6
+    page.wait_for_timeout(800)  # longer than the page waits for the box to settle: nothing else is sent
+    assert [r.url.split("beam_size=")[1] for r in sent] == ["6"]
+    # ...and the result stays where it was: the box being stepped stays in view
+    top = page.evaluate("() => document.getElementById('beam').getBoundingClientRect().top")
+    assert 0 <= top < 900
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_heatmap_of_a_caption_the_server_no_longer_keeps_captions_the_photo_again(captioned):
+    """After a restart (results live in memory) a word's heatmap was a 404 with the result's internal id, and the
+    page stayed half working: now it captions the photo it holds again and shows the chosen word's heatmap."""
+    page = captioned
+    sent = caption_requests(page)
+    forgotten = {"type": "/problems/unknown-result", "title": "Not Found", "status": 404,
+                 "detail": "no caption result with id 'x' (results are kept for a limited time)"}
+    page.route("**/overlay?*", fulfilled(status=404, content_type="application/problem+json",
+                                         body=json.dumps(forgotten)), times=1)
+    with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url, timeout=30_000):
+        page.locator("#caption .word").nth(1).click()
+        wait_until(page, "() => document.getElementById('status').textContent.includes('captioning the photo "
+                         "again')", 10)
+    assert len(sent) == 1
+    # the word chosen shows its heatmap on the new caption, with no second click
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    assert page.locator("#caption .word.active").get_attribute("data-index") == "1"
+    assert page.locator("#status").get_attribute("class") != "error"
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_photo_above_the_servers_pixel_limit_is_sent_again_as_a_smaller_copy(tiny_server):
+    """A 48 MP phone photo was refused with "Request Entity Too Large" and nothing else: the page now sends a copy
+    2048 px on its longer side (the model sees a few hundred pixels) and says so; the photo shown is the user's."""
+    with page_of(tiny_server) as page:
+        sent = caption_requests(page)
+        with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url
+                                  and r.status == 200, timeout=60_000) as answer:
+            page.set_input_files("#file", files=[{"name": "phone.png", "mimeType": "image/png",
+                                                  "buffer": image_bytes((2400, 1600), "PNG")}])
+        assert len(sent) == 2  # refused (2400 × 1600 = 3.84 MP, above 3 MP), then the copy
+        assert answer.value.json()["geometry"]["image_size"] == [2048, 1365]
+        page.wait_for_selector("#caption .word", timeout=30_000)
+        assert "from a copy 2048 px on its longer side" in page.locator("#status").inner_text()
+        assert page.evaluate("() => document.getElementById('photo').naturalWidth") == 2400
+        first_word_shown(page)
+        assert page.evaluate(OVERLAY_BOX) == page.evaluate(PHOTO_BOX)
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_an_answer_that_is_no_caption_is_an_error_not_a_page_stuck_on_captioning(tiny_server):
+    with page_of(tiny_server) as page:
+        for body, content_type in (('{"id": "x"}', "application/json"), ("<html>login</html>", "text/html")):
+            page.route("**/caption?*", fulfilled(status=200, content_type=content_type, body=body), times=1)
+            page.set_input_files("#file", files=[{"name": "a.png", "mimeType": "image/png",
+                                                  "buffer": image_bytes((90, 90), "PNG")}])
+            wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
+            assert "the answer was not a caption" in page.locator("#status").inner_text(), body
+            assert page.evaluate("() => document.getElementById('result').hidden")
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_file_chooser_offers_the_formats_the_service_reads(tiny_server):
+    with page_of(tiny_server) as page:
+        accept = page.get_attribute("#file", "accept").split(",")
+    assert {"image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp", "image/tiff"} <= set(accept)
+    assert "image/*" not in accept  # AVIF and HEIC, which the service cannot read, were offered
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_tiny_image_enlarged_on_a_short_screen_keeps_its_shape(tiny_server):
+    """At 512 × 320 (a desktop at 250 % zoom, a phone on its side) the enlarged 8 × 8 image was 256 × 224: the
+    stage's max-height (70vh) cut the height of a width set by the page. Enlarged to 70vh instead, square."""
+    with page_of(tiny_server, viewport=(512, 320)) as page:
+        upload(page, "icon.png", image_bytes((8, 8), "PNG"), "image/png")
+        wait_until(page, "() => document.getElementById('photo').getBoundingClientRect().width > 8", 10)
+        width, height = page.evaluate(PHOTO_BOX)
+        assert width == height == 224, (width, height)

@@ -95,6 +95,22 @@ def test_area_topk_draws_rectangles_and_needs_areas():
         overlay(Image.new("RGB", (64, 64)), [1.0], grid_geometry(EncoderSpec(), (64, 64)), "area_topk")
 
 
+def test_area_topk_weights_are_written_legibly_on_dark_and_on_light_photos():
+    """The weights were 7 px tall in the box's own colour: dark red on a dark photo. Now white with a black
+    outline, at least 12 px: both are in the label's corner whatever the photo."""
+    geometry = grid_geometry(EncoderSpec(), (512, 512))
+    areas = np.array([[0, 0, 3, 3], [6, 6, 7, 7]])
+    for background in (0, 255):
+        out = np.asarray(overlay(Image.new("RGB", (512, 512), (background,) * 3), [0.9, 0.1], geometry,
+                                 "area_topk", area_boxes=areas, top_k=1)).astype(int)
+        label = out[8:40, 8:80]  # inside the top box, by its top-left corner, where the weight is written
+        white = (label.min(-1) >= 240).sum()
+        black = (label.max(-1) <= 15).sum()
+        assert white >= 40 and black >= 40, (background, white, black)
+        rows = np.nonzero(((label.min(-1) >= 240) & (label.max(-1) >= 240)).any(1))[0]
+        assert rows.max() - rows.min() >= 10, rows  # glyphs at least ~12 px tall, not Pillow's 7 px bitmap font
+
+
 def test_bad_render_requests():
     geometry = grid_geometry(EncoderSpec(), (64, 64))
     with pytest.raises(RenderError, match="mode"):

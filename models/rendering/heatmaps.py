@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 from ..files import write_atomically
 from ..protocol import Geometry
@@ -277,11 +277,15 @@ def _draw_boxes(image: Image.Image, weights: Sequence[float] | np.ndarray, geome
         order = [int(i) for i in np.argsort(-weights)[:top_k]]
     width = max(2, round(min(image.size) / 100))
     top = float(weights[order[0]]) or 1.0
+    # the weights in white with a black outline, large enough to read on any photo (Pillow's bitmap default font,
+    # about 7 px tall and in the box's own colour, vanished on dark or busy regions); the colour stays the box's
+    font = ImageFont.load_default(size=max(12, round(min(image.size) / 24)))
     for i in order:
         colour = tuple(int(255 * c) for c in colours_of(float(weights[i]) / top)[:3])
         draw.rectangle([float(v) for v in boxes[i]], outline=colour, width=width)
         if mode == "area_topk":
-            draw.text((float(boxes[i][0]) + width + 1, float(boxes[i][1]) + width), f"{weights[i]:.2f}", fill=colour)
+            draw.text((float(boxes[i][0]) + width + 1, float(boxes[i][1]) + width), f"{weights[i]:.2f}",
+                      fill=(255, 255, 255), font=font, stroke_width=max(1, width // 2), stroke_fill=(0, 0, 0))
     return out
 
 

@@ -6,11 +6,19 @@ const $ = (id) => document.getElementById(id);
 let current = null;  // the caption on screen: {id, tokens, isEos, summary}
 let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
 let lastFile = null; // captioned again when the model or the beam size changes
+let inflight = null; // the AbortController of the caption request on its way: a newer one cancels it
+let defaultBeam = null;  // the service's default beam size, as its answers to an empty beam box report it
+let settling = 0;    // the timer of a caption waiting for the controls to settle (SETTLE_MS)
 // the current caption's heatmaps by "token:mode": {promise, url}, url (an object URL) once it has arrived; one
 // request per heatmap, however many events (mouseenter, focus, click) ask for it while it is on its way
 const overlays = new Map();
 const models = new Map();    // name → its /models entry (heatmap_modes: the modes it can draw)
 const MIN_SIDE = 256;  // a smaller image is shown enlarged to this longer side, its heatmap with it
+// A photo the service refuses as too large (413: more pixels or bytes than it takes) is sent again as a copy this
+// long on its longer side, then this one: the model sees a few hundred pixels, the heatmaps at most SHOWN_SIDE.
+const COPY_SIDES = [2048, 1024];
+// a burst of changes (arrow keys held on the beam box or the model list) sends one caption, this long after the last
+const SETTLE_MS = 400;
 
 function setStatus(text, isError = false) {
   $("status").textContent = text;
@@ -24,9 +32,9 @@ async function failure(response) {
   try {
     const body = await response.json();
     const fields = Array.isArray(body.errors) ? body.errors.flatMap((e) => e.loc ?? []) : [];
-    return { message: `${body.title || "Error"}: ${body.detail || response.status}`, fields };
+    return { message: `${body.title || "Error"}: ${body.detail || response.status}`, fields, type: body.type ?? "" };
   } catch {
-    return { message: `HTTP ${response.status} ${response.statusText}`.trim(), fields: [] };
+    return { message: `HTTP ${response.status} ${response.statusText}`.trim(), fields: [], type: "" };
   }
 }
 
@@ -107,10 +115,40 @@ function photoFallback() {
 }
 
 // A tiny image is enlarged (keeping its shape) so that its heatmaps can be seen; the heatmap covers the photo's box.
+// No taller than the stage's max-height (70vh, style.css), which would otherwise squash a width set here.
 function sizePhoto() {
   const photo = $("photo");
   const side = Math.max(photo.naturalWidth, photo.naturalHeight);
-  photo.style.width = side > 0 && side < MIN_SIDE ? `${(photo.naturalWidth * MIN_SIDE) / side}px` : "";
+  const scale = Math.min(MIN_SIDE / side, (0.7 * window.innerHeight) / photo.naturalHeight);
+  photo.style.width = side > 0 && side < MIN_SIDE && scale > 1 ? `${photo.naturalWidth * scale}px` : "";
+}
+
+// A copy of an image file at most `side` pixels on its longer side, as a JPEG (its orientation applied, as the
+// browser shows it); null when the browser cannot decode the file.
+async function shrunkCopy(file, side) {
+  let bitmap;
+  try {
+    bitmap = await createImageBitmap(file, { imageOrientation: "from-image" });
+  } catch {
+    return null;
+  }
+  const scale = Math.min(1, side / Math.max(bitmap.width, bitmap.height));
+  const canvas = document.createElement("canvas");
+  canvas.width = Math.max(1, Math.round(bitmap.width * scale));
+  canvas.height = Math.max(1, Math.round(bitmap.height * scale));
+  const context = canvas.getContext("2d");
+  context.fillStyle = "#fff";  // transparency on white, as the service flattens it
+  context.fillRect(0, 0, canvas.width, canvas.height);
+  context.drawImage(bitmap, 0, 0, canvas.width, canvas.height);
+  bitmap.close();
+  const blob = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", 0.92));
+  return blob && new File([blob], file.name.replace(/\.[^.]*$/, "") + ".jpg", { type: "image/jpeg" });
+}
+
+// Whether a 200 answer is a caption the page can show (a proxy's page or another service's JSON is not).
+function isCaption(body) {
+  return body !== null && typeof body === "object" && typeof body.id === "string" && Array.isArray(body.tokens)
+    && Array.isArray(body.is_eos) && body.is_eos.length === body.tokens.length;
 }
 
 // The beam box as a number, null when empty (the service's default, CAPTIONER_DEFAULT_BEAM_SIZE); a value the box
@@ -124,8 +162,12 @@ function beamSize() {
   return box.valueAsNumber;
 }
 
-async function caption(file) {
+// Caption `file` (the photo on screen from now on). `scroll`: bring the result into view (a new photo; not a change
+// of model or beam size, made in the controls above it); `waiting`: the status until the answer; `word`: the word
+// whose heatmap to show once it has come (the one chosen on a caption the server no longer kept).
+async function caption(file, { scroll = true, waiting = "Captioning…", word = null } = {}) {
   if (!file) return;
+  clearTimeout(settling);
   const params = new URLSearchParams({ model: $("model").value });
   try {  // before anything on screen changes: a beam the box rejects leaves the last caption as it was
     const beam = beamSize();
@@ -137,38 +179,61 @@ async function caption(file) {
   }
   markBeam(false);
   const request = ++latest;
+  inflight?.abort();  // its answer would be dropped: the server stops working on it
+  const controller = (inflight = new AbortController());
   lastFile = file;
   clearCaption();
   showPhoto(file);
   $("result").hidden = false;
-  setStatus("Captioning…");
-  const form = new FormData();
-  form.append("file", file);
+  setStatus(waiting);
   let body;
+  let sent = file;  // the file, or the copy sent in its place when the service refused it as too large
+  let copySide = null;  // that copy's longer side
   try {
-    const response = await fetch(`/caption?${params}`, { method: "POST", body: form });
-    if (request !== latest) return;  // a newer request was sent meanwhile: its answer is the one to show
-    if (!response.ok) {
+    for (let copies = 0; ; copies++) {
+      const form = new FormData();
+      form.append("file", sent);
+      const response = await fetch(`/caption?${params}`, { method: "POST", body: form, signal: controller.signal });
+      if (request !== latest) return;  // a newer request was sent meanwhile: its answer is the one to show
+      if (response.ok) {
+        body = await response.json().catch(() => null);
+        if (!isCaption(body)) throw new Error("the answer was not a caption (a proxy's page in the way?)");
+        break;
+      }
       const { message, fields } = await failure(response);
-      $("result").hidden = true;
-      // named, so that the message says which upload failed (a dropped file, a sample, one picked long ago)
-      setStatus(`“${file.name}” was not captioned. ${message}`, true);
-      markBeam(fields.includes("beam_size"));
-      return;
+      const copy = response.status === 413 && copies < COPY_SIDES.length ? await shrunkCopy(file, COPY_SIDES[copies])
+        : null;
+      if (request !== latest) return;
+      if (copy === null) {
+        $("result").hidden = true;
+        // named, so that the message says which upload failed (a dropped file, a sample, one picked long ago)
+        setStatus(`“${file.name}” was not captioned. ${message}`, true);
+        markBeam(fields.includes("beam_size"));
+        return;
+      }
+      sent = copy;
+      copySide = COPY_SIDES[copies];
+      setStatus(`“${file.name}” is larger than this server takes; sending a copy ${COPY_SIDES[copies]} px on its `
+                + "longer side…");
     }
-    body = await response.json();
   } catch (err) {
     if (request === latest) {
       $("result").hidden = true;
       setStatus(`The request failed: ${err.message || err}`, true);
     }
     return;
+  } finally {
+    if (inflight === controller) inflight = null;
   }
-  if (request !== latest) return;
+  if ($("beam").value === "") {  // the service's default: the box counts from it and says it
+    defaultBeam = body.beam_size;
+    $("beam").placeholder = `default (${defaultBeam})`;
+  }
   const words = body.tokens.filter((_, i) => !body.is_eos[i]);
+  const from = copySide === null ? "" : ` (from a copy ${copySide} px on its longer side: the photo was too large)`;
   // the live region announces the caption itself, not only that one arrived
   current = { id: body.id, tokens: body.tokens, isEos: body.is_eos,
-              summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”` };
+              summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”${from}` };
   setStatus(current.summary);
   photoFallback();
   body.tokens.forEach((token, i) => {
@@ -189,7 +254,8 @@ async function caption(file) {
   });
   // below the controls, the photo started under the fold of a phone's screen (and of a tall photo's on a desktop):
   // the words and the photo their heatmaps cover are brought into view together
-  $("result").scrollIntoView({ block: "start" });
+  if (scroll) $("result").scrollIntoView({ block: "start" });
+  if (word !== null && word < body.tokens.length) show(word);
 }
 
 // Arrow keys move between the words (the caption is one Tab stop, so Tab leaves it); Enter and Space choose the
@@ -231,7 +297,10 @@ function heatmap(shown, index, mode) {
     entry.promise = fetch(`/captions/${shown.id}/overlay?${params}`)
       .catch((err) => { throw new Error(`The heatmap request failed: ${err.message || err}`); })
       .then(async (response) => {
-        if (!response.ok) throw new Error((await failure(response)).message);
+        if (!response.ok) {
+          const { message, type } = await failure(response);
+          throw Object.assign(new Error(message), { type });
+        }
         entry.mode = response.headers.get("X-Heatmap-Mode") || mode;  // "default" resolved to what was drawn
         return URL.createObjectURL(await response.blob());
       });
@@ -265,7 +334,14 @@ async function show(index) {
     if (isWanted()) {
       $("overlay").hidden = true;
       $("selected").textContent = "";
-      setStatus(err.message || String(err), true);
+      if (err.type?.endsWith("/unknown-result") && lastFile) {
+        // the service no longer keeps this caption (restarted, or it aged out): the photo is captioned again, and
+        // the word chosen on the new caption shows its heatmap
+        caption(lastFile, { scroll: false, word: index,
+                            waiting: "This caption is no longer kept by the server; captioning the photo again…" });
+      } else {
+        setStatus(err.message || String(err), true);
+      }
     }
     return;
   }
@@ -305,12 +381,32 @@ $("mode").addEventListener("change", () => {
   const active = document.querySelector("#caption .word.active");
   if (active) show(+active.dataset.index);
 });
-// another model or beam size captions the image on screen again
+// another model or beam size captions the image on screen again, once the control has settled (holding an arrow
+// key on either is one change per step); the result stays where it is on the page
+function captionAgain() {
+  clearTimeout(settling);
+  try {  // a beam size the box rejects is said at once, as it is typed
+    beamSize();
+  } catch (err) {
+    setStatus(`Not sent: ${err.message}`, true);
+    markBeam(true);
+    return;
+  }
+  markBeam(false);
+  if (lastFile) settling = setTimeout(() => caption(lastFile, { scroll: false }), SETTLE_MS);
+}
 $("model").addEventListener("change", () => {
   offerModes();
-  if (lastFile) caption(lastFile);
+  captionAgain();
 });
-$("beam").addEventListener("change", () => { if (lastFile) caption(lastFile); });
+$("beam").addEventListener("change", captionAgain);
+// an empty box stands for the service's default: the arrow keys step from it, not from the box's minimum (1)
+$("beam").addEventListener("keydown", (e) => {
+  if ((e.key === "ArrowUp" || e.key === "ArrowDown") && $("beam").value === "" && defaultBeam !== null) {
+    $("beam").value = defaultBeam;
+  }
+});
+window.addEventListener("resize", sizePhoto);
 document.querySelectorAll("#samples button[data-sample]").forEach((button) => {
   button.addEventListener("click", () => captionSample(button.dataset.sample));
 });
