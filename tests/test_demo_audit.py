@@ -583,7 +583,7 @@ def test_a_photo_above_the_servers_pixel_limit_is_sent_again_as_a_smaller_copy(t
         assert len(sent) == 2  # refused (2400 × 1600 = 3.84 MP, above 3 MP), then the copy
         assert answer.value.json()["geometry"]["image_size"] == [2048, 1365]
         page.wait_for_selector("#caption .word", timeout=30_000)
-        assert "from a copy 2048 px on its longer side" in page.locator("#status").inner_text()
+        assert "from a smaller copy, at most 2048 px on its longer side" in page.locator("#status").inner_text()
         assert page.evaluate("() => document.getElementById('photo').naturalWidth") == 2400
         first_word_shown(page)
         assert page.evaluate(OVERLAY_BOX) == page.evaluate(PHOTO_BOX)

@@ -213,8 +213,8 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
       }
       sent = copy;
       copySide = COPY_SIDES[copies];
-      setStatus(`“${file.name}” is larger than this server takes; sending a copy ${COPY_SIDES[copies]} px on its `
-                + "longer side…");
+      setStatus(`“${file.name}” is larger than this server takes; sending a smaller copy (a JPEG at most `
+                + `${copySide} px on its longer side)…`);
     }
   } catch (err) {
     if (request === latest) {
@@ -230,7 +230,8 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
     $("beam").placeholder = `default (${defaultBeam})`;
   }
   const words = body.tokens.filter((_, i) => !body.is_eos[i]);
-  const from = copySide === null ? "" : ` (from a copy ${copySide} px on its longer side: the photo was too large)`;
+  const from = copySide === null ? ""
+    : ` (from a smaller copy, at most ${copySide} px on its longer side: the photo was too large)`;
   // the live region announces the caption itself, not only that one arrived
   current = { id: body.id, tokens: body.tokens, isEos: body.is_eos,
               summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”${from}` };
