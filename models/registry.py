@@ -46,8 +46,8 @@ class UnknownModel(KeyError, ValueError):
 
 
 class BadOption(ValueError):
-    """An option the model does not have, or a value of another kind than its default's: the message names the
-    model, the option and what it takes, so callers pass it on as it is."""
+    """An option the model does not have, or a value its annotation does not admit: the message names the model,
+    the option and what it takes, so callers pass it on as it is."""
 
 
 #: what :func:`options` reports for an argument without a default (``vocab_size``, ``feat_dim``)
