@@ -6,7 +6,7 @@
 1. **memory**: the resident set after warm-up with ``CAPTIONER_RELEASE_MEMORY=false`` (before the memory work)
    and ``true`` (after), side by side in one run, then after a short mixed load;
 2. **hostile corpus**: every kind of ``tests/hostile_images.py`` (loaded by file path: benchmarks never import
-   the ``tests`` package) to ``/caption`` and ``/caption/overlay``; statuses, 5xx count, peak RSS;
+   the ``tests`` package) to ``/caption`` and ``/caption/heatmaps``; statuses, 5xx count, peak RSS;
 3. **fuzz**: schemathesis, the fuzzer of ``tests/test_fuzz_api.py``, against the live server's OpenAPI document
    (``--fuzz-examples`` cases per operation, seed 0): no 5xx, and every answer as the document says; its
    requests are counted from the server's access log;
@@ -131,7 +131,7 @@ def corpus_run(server: Server) -> dict:
     before = server.rss()
     with httpx.Client(base_url=server.url, timeout=300) as client:
         for upload in corpus:
-            for endpoint, params in (("/caption", None), ("/caption/overlay", {"format": "json", "max_side": 1024})):
+            for endpoint, params in (("/caption", None), ("/caption/heatmaps", {"max_side": 1024})):
                 response = client.post(endpoint, params=params,
                                        files={"file": (upload.filename, upload.data, upload.content_type)})
                 statuses[response.status_code] += 1

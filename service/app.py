@@ -139,7 +139,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
 
     app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Captions with per-word attention heatmaps from published attention captioners.")
+                  description="Captions with per-word attention heatmaps from published attention captioners.",
+                  license_info={"name": "MIT", "identifier": "MIT"},
+                  # operation ids are the route functions' names (caption, get_overlay, ...): what a generated
+                  # client names its methods, kept when a path changes (FastAPI's own join name, path and method)
+                  generate_unique_id_function=lambda route: route.name)
     app.state.service = ServiceState(settings=settings)
     app.state.results = ResultStore(settings.results_cache_bytes, settings.results_max_count,
                                     settings.results_max_age_s)

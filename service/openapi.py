@@ -16,18 +16,40 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from captioner.models.rendering.heatmaps import MODES
+
 from .problems import PROBLEM_JSON
-from .schemas import HeatmapsOut
+from .schemas import CaptionJSON, form_schema
 
-#: answers documented by a schema that no route's ``response_model`` names (the overlays' ``format=json``), so that
-#: FastAPI leaves them out of the components: added there, with the models they refer to
-DOCUMENTED_ANSWERS = (HeatmapsOut,)
 COMPONENTS = "#/components/schemas/"
+#: the caption endpoints' request bodies (schemas.py's CAPTION_BODY refers to them), as components
+REQUEST_BODIES = {"CaptionForm": form_schema(), "CaptionJSON": CaptionJSON.model_json_schema()}
+#: the API keys (CAPTIONER_API_KEYS) as the document declares them: a bearer token on the caption and result
+#: endpoints, optional (``{}``), since a service without keys takes none; a generated client then sends it
+BEARER = {"bearerAuth": {"type": "http", "scheme": "bearer",
+                         "description": "one of CAPTIONER_API_KEYS, when the service is configured with keys"}}
+#: query parameters whose values are a closed set, as components of their own (a generated client made one enum class
+#: per route of each): parameter → component; ``mode`` is checked by the renderer, so its set is written here
+CHOICES = {"attention_format": "AttentionFormat", "format": "OverlayFormat", "mode": "HeatmapMode"}
+EXTRA_ENUMS = {"mode": list(MODES)}
 
 
-def component_ref(model: type) -> dict[str, str]:
-    """A reference to one of :data:`DOCUMENTED_ANSWERS` in the document's components."""
-    return {"$ref": COMPONENTS + model.__name__}
+def _shared_choices(parameter: dict[str, Any], components: dict[str, Any]) -> None:
+    """Point a closed-set query parameter's schema (or its non-null branch) at a shared enum component."""
+    component = CHOICES.get(parameter["name"])
+    if component is None:
+        return
+    schema = parameter["schema"]
+    branches = schema.get("anyOf", [schema])
+    for i, branch in enumerate(branches):
+        if branch.get("type") == "string":
+            values = branch.get("enum") or EXTRA_ENUMS.get(parameter["name"])
+            if values:
+                components[component] = {"type": "string", "enum": values, "title": component}
+                branches[i] = {"$ref": COMPONENTS + component}
+    if "anyOf" not in schema and branches[0] is not schema:
+        parameter["schema"] = {**{k: v for k, v in schema.items() if k in ("description", "default", "title")},
+                               "allOf": [branches[0]]}
 
 
 #: where /docs finds Swagger UI's script and style
@@ -65,7 +87,7 @@ def _statuses(path: str) -> tuple[int, ...]:
     if path.startswith("/caption/") or path == "/caption":
         return EVERY_OPERATION + CAPTIONING
     if path.startswith("/captions/"):
-        return EVERY_OPERATION + RESULTS + (RENDERING if path.endswith("/overlay") else ())
+        return EVERY_OPERATION + RESULTS + (RENDERING if path.endswith(("/overlay", "/heatmaps")) else ())
     return EVERY_OPERATION
 
 
@@ -86,13 +108,14 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     in place."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Problem"] = PROBLEM_SCHEMA
-    for model in DOCUMENTED_ANSWERS:  # inlined, their "$defs" references pointed at nothing in the document
-        body = model.model_json_schema(ref_template=COMPONENTS + "{model}", mode="serialization")
-        components.update(body.pop("$defs", {}))
-        components[model.__name__] = body
+    components.update(REQUEST_BODIES)
+    schema["components"]["securitySchemes"] = BEARER
+    schema["servers"] = [{"url": "/"}]
     problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": COMPONENTS + "Problem"}}}}
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                _shared_choices(parameter, components)
             responses = operation.setdefault("responses", {})
             for status in _statuses(path):
                 entry = responses.setdefault(str(status), {})
@@ -103,6 +126,8 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
             for status, entry in responses.items():
                 entry["headers"] = {**EVERY_ANSWER_HEADERS, **STATUS_HEADERS.get(str(status), {}),
                                     **(entry.get("headers") or {})}
+            if 401 in _statuses(path):
+                operation["security"] = [{name: []} for name in BEARER] + [{}]
     metrics = schema.get("paths", {}).get("/metrics", {}).get("get")
     if metrics:
         metrics["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
@@ -138,7 +163,8 @@ def install_openapi(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = complete_openapi(get_openapi(
-                title=app.title, version=app.version, description=app.description, routes=app.routes))
+                title=app.title, version=app.version, description=app.description, routes=app.routes,
+                license_info=app.license_info))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

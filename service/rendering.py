@@ -1,5 +1,5 @@
 """The overlay use case: render a stored caption result's attention (a word's overlay PNG, the papers' per-word
-figure, or per-word heatmaps as JSON) without running the model again.
+figure, or per-word heatmaps as JSON: format ``json``, the ``/heatmaps`` routes) without running the model again.
 
 Rendering is CPU work on numpy/PIL: :func:`render_result` runs it in the thread pool, off the event loop, a
 bounded number at once (work_slots.py).  Bad
@@ -28,7 +28,7 @@ Format = Literal["png", "figure", "json"]
 #: the longer side of what is rendered when the request names no ``max_side``, and the most it may name: an
 #: overlay costs memory in proportion to its pixels (a 40-megapixel upload would need gigabytes)
 DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE = 2048, 4096
-#: format=json's default and largest side: it encodes one map per token (33 maps at 4,096 px took 20 s of a render
+#: the JSON heatmaps' default and largest side: it encodes one map per token (33 maps at 4,096 px took 20 s of a render
 #: slot and 12 MB, again on every GET of the same result); heat maps are smooth, a client scales them up
 JSON_RENDER_SIDE = 1024
 
@@ -51,11 +51,11 @@ def check_render_options(options: RenderOptions, runtime: Runtime | None = None)
     if options.mode is not None:
         check_mode(options.mode)
     if options.format == "json" and options.mode is not None and options.mode not in HEAT_MODES:
-        raise RenderError(f"format=json returns heat maps: mode must be one of {', '.join(HEAT_MODES)} "
-                          f"({options.mode} draws boxes: use format=png or figure)")
+        raise RenderError(f"the heatmaps as JSON are heat maps: mode must be one of {', '.join(HEAT_MODES)} "
+                          f"({options.mode} draws boxes: use the overlay, format=png or figure)")
     if options.format == "json" and (options.max_side or 0) > JSON_RENDER_SIDE:
-        raise RenderError(f"format=json renders one heat map per token: max_side is at most {JSON_RENDER_SIDE} "
-                          "for it (scale the maps up, or draw one token with format=png)")
+        raise RenderError(f"the heatmaps as JSON are one map per token: max_side is at most {JSON_RENDER_SIDE} "
+                          "for them (scale the maps up, or draw one token with the overlay, format=png)")
     colormap(options.cmap)
     if runtime is not None and options.mode == "area_topk" and not runtime.reports_areas:
         raise RenderError(f"area_topk draws area attention, which model {runtime.name!r} does not have (a model "
@@ -95,6 +95,6 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
 
 async def render_result(stored: StoredResult, options: RenderOptions, result_id: str | None, slots: WorkSlots,
                         timeout: float | None = None) -> bytes | HeatmapsOut:
-    """PNG bytes (``png``, ``figure``) or the heatmaps (``json``) of a stored result, rendered in one of ``slots``
-    (:class:`TimeoutError` when none frees within ``timeout`` seconds)."""
+    """PNG bytes (``png``, ``figure``) or the heatmaps (``json``, the ``/heatmaps`` routes) of a stored result,
+    rendered in one of ``slots`` (:class:`TimeoutError` when none frees within ``timeout`` seconds)."""
     return await slots.run(_render, stored, options, result_id, timeout=timeout)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import orjson
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from captioner.models.inference import CaptionResult, ModelInfo
 from captioner.models.protocol import Geometry
@@ -84,21 +84,29 @@ class CaptionForm(CaptionOptions):
                         description="image file: JPEG, PNG, WebP, GIF (first frame), BMP or TIFF")
 
 
-def _form_schema() -> dict:
+def form_schema() -> dict:
+    """:class:`CaptionForm` in OpenAPI: the file as binary, and each option as its one kind (a form field is text
+    or absent, never null: a generated client sent its ``None`` as the text "None")."""
     schema = CaptionForm.model_json_schema()
+    for name, field in schema["properties"].items():
+        kinds = [kind for kind in field.pop("anyOf", []) if kind.get("type") != "null"]
+        if kinds:
+            field.update(kinds[0])
+            field.pop("default", None)
     schema["properties"]["file"] = {"type": "string", "format": "binary",
                                     "description": CaptionForm.model_fields["file"].description}
     schema["additionalProperties"] = False
     return schema
 
 
-#: the request body of the caption endpoints in OpenAPI (the routes read it themselves, see ``inputs.py``)
+#: the request body of the caption endpoints in OpenAPI (the routes read it themselves, see ``inputs.py``); the form
+#: and the JSON body are components (openapi.py puts them there), so that a generated client has one class of each
 CAPTION_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "multipart/form-data": {"schema": _form_schema()},
-            "application/json": {"schema": CaptionJSON.model_json_schema()},
+            "multipart/form-data": {"schema": {"$ref": "#/components/schemas/CaptionForm"}},
+            "application/json": {"schema": {"$ref": "#/components/schemas/CaptionJSON"}},
             "image/*": {"schema": {"type": "string", "format": "binary"}},
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
         },
@@ -107,7 +115,14 @@ CAPTION_BODY = {
 
 
 # -- responses ------------------------------------------------------------------------------------------------------
-class PackedRows(BaseModel):
+class Answer(BaseModel):
+    """A response body: every field is written, defaults included, so the document marks them all required (a
+    generated client typed ``length_penalty`` as possibly absent, ``id`` as possibly undefined)."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
+class PackedRows(Answer):
     """An attention map packed for ``attention_format=float16-base64``: decode ``data`` from base64 and read it as
     little-endian IEEE 754 half-precision floats in row-major order of ``shape`` (NumPy:
     ``np.frombuffer(base64.b64decode(data), "<f2").reshape(shape)``).  The values are the JSON answer's numbers
@@ -119,7 +134,7 @@ class PackedRows(BaseModel):
     data: str = Field(description="base64 of the little-endian float16 values, row-major")
 
 
-class GeometryOut(BaseModel):
+class GeometryOut(Answer):
     kind: str = Field(description="grid or regions")
     image_size: list[int] = Field(description="(width, height) of the uploaded image after EXIF orientation")
     grid_hw: list[int] | None = Field(description="(rows, cols) of the grid; item i is row-major cell i")
@@ -137,8 +152,10 @@ class GeometryOut(BaseModel):
         return geometry.to_json()
 
 
-class CaptionOut(BaseModel):
-    id: str | None = Field(None, description="result id, reusable with the overlay endpoints")
+class CaptionOut(Answer):
+    # None only in an archive's lines (service/archive.py), which carry no id; every HTTP answer has one
+    id: Annotated[str | None, WithJsonSchema({"type": "string"})] = Field(
+        None, description="result id, reusable with the overlay endpoints")
     model: str
     checkpoint: str = Field(description="checkpoint folder name (never a server path)")
     beam_size: int
@@ -193,7 +210,7 @@ def caption_json(result: CaptionResult, result_id: str | None = None,
     return orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-class ModelOut(BaseModel):
+class ModelOut(Answer):
     name: str
     architecture: str
     attention_kind: str
@@ -218,12 +235,12 @@ class ModelOut(BaseModel):
         return cls(**dataclasses.asdict(info), default=default)
 
 
-class Health(BaseModel):
+class Health(Answer):
     status: str
     models: list[str] = []
 
 
-class HeatmapOut(BaseModel):
+class HeatmapOut(Answer):
     token: str
     index: int
     heat_png: str = Field(description="base64 PNG: 8-bit grayscale heatmap at the (downscaled) image size, 255 at "
@@ -231,8 +248,8 @@ class HeatmapOut(BaseModel):
                                       "for a flatter row and black for a uniform one (docs/heatmaps.md)")
 
 
-class HeatmapsOut(BaseModel):
-    id: str | None = Field(None, description="result id")
+class HeatmapsOut(Answer):
+    id: str = Field(description="result id")
     mode: str
     size: list[int] = Field(description="(width, height) of the heatmaps")
     heatmaps: list[HeatmapOut]

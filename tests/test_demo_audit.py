@@ -11,8 +11,9 @@ real browser, each with the test that showed it.
 - A TIFF (which the service reads) is not shown by browsers: the photo was a broken image and the heatmap was
   squeezed into its alt text's box.
 - A tiny image (16×16) was shown at 16 px, its heatmap with it.
-- ``format=json`` chose its default mode by the geometry alone: a sparse-attention model's heatmaps came back
-  smoothed (``grid_smooth``) where its PNG overlays, and the page's "default", draw ``grid_blocks``.
+- The JSON heatmaps (then ``format=json``) chose their default mode by the geometry alone: a sparse-attention
+  model's heatmaps came back smoothed (``grid_smooth``) where its PNG overlays, and the page's "default", draw
+  ``grid_blocks``.
 
 A second audit (twelfth session):
 
@@ -260,10 +261,10 @@ def test_json_heatmaps_default_to_the_models_mode_as_png_overlays_do(tmp_path):
         body = client.post("/caption", params={"max_len": 3}, files={"file": ("p.png", photo, "image/png")}).json()
         assert body["attention_kind"] == "output_attention"
         url = f"/captions/{body['id']}/overlay"
-        heat = client.get(url, params={"format": "json"}).json()
+        heat = client.get(f"/captions/{body['id']}/heatmaps").json()
         assert heat["mode"] == "grid_blocks"
         # the same heat as the mode named
-        named = client.get(url, params={"format": "json", "mode": "grid_blocks"}).json()
+        named = client.get(f"/captions/{body['id']}/heatmaps", params={"mode": "grid_blocks"}).json()
         assert [h["heat_png"] for h in heat["heatmaps"]] == [h["heat_png"] for h in named["heatmaps"]]
         png = client.get(url, params={"format": "png", "token": 0}).content
         assert png == client.get(url, params={"format": "png", "token": 0, "mode": "grid_blocks"}).content

@@ -20,7 +20,7 @@ from .hostile_images import Upload, hostile_corpus
 from .serving_helpers import ROOT, ServerProcess
 
 MAX_PIXELS = 1_000_000  # the "just under the limit" images track this; 1 MP keeps the test fast
-ENDPOINTS = ("/caption", "/caption/overlay")
+ENDPOINTS = ("/caption", "/caption/heatmaps")
 PROBLEM_FIELDS = ("type", "title", "status", "detail")
 # what a response must never reveal: tracebacks and where the server's files are
 LEAKS = ("Traceback", 'File "', str(ROOT), "site-packages", ".py\"", "/tmp/")
@@ -102,9 +102,9 @@ def test_every_hostile_upload_gets_200_or_a_problem_and_the_worker_survives(serv
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for upload in corpus:
             for endpoint in ENDPOINTS:
-                # overlays render at full image resolution unless max_side says otherwise: per-word heatmaps of a
-                # 4 MP image take tens of seconds of CPU, so the test asks for 1024-pixel renders
-                params = {"format": "json", "max_side": 1024} if endpoint != "/caption" else None
+                # heatmaps render at the image's resolution up to max_side: per-word heatmaps of a 4 MP image take
+                # tens of seconds of CPU, so the test asks for 1024-pixel renders
+                params = {"max_side": 1024} if endpoint != "/caption" else None
                 response = client.post(endpoint, params=params,
                                        files={"file": (upload.filename, upload.data, upload.content_type)})
                 statuses[upload.kind, endpoint] = response.status_code

@@ -52,7 +52,7 @@ def test_figure_and_json_formats(client, result):
     # max_side bounds the figure too (its panels have a fixed size, so it was the same whatever max_side said)
     bounded = _image(client.get(f"/captions/{result['id']}/overlay", params={"format": "figure", "max_side": 200}))
     assert max(bounded.size) == 200 and abs(bounded.width / bounded.height - figure.width / figure.height) < 0.1
-    body = client.get(f"/captions/{result['id']}/overlay", params={"format": "json", "max_side": 300}).json()
+    body = client.get(f"/captions/{result['id']}/heatmaps", params={"max_side": 300}).json()
     assert [h["token"] for h in body["heatmaps"]] == result["tokens"]
     heat = Image.open(io.BytesIO(base64.b64decode(body["heatmaps"][0]["heat_png"])))
     assert heat.size == (300, 200) and heat.mode == "L"
@@ -165,13 +165,18 @@ def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
         assert top.tobytes() != plain.tobytes()
 
 
-def test_json_heatmaps_refuse_box_modes_and_unknown_colormaps_and_name_their_result(client, result):
-    url = f"/captions/{result['id']}/overlay"
-    for params in ({"format": "json", "mode": "top1_box"}, {"format": "json", "mode": "bogus"},
-                   {"format": "json", "cmap": "nope"}):
+def test_json_heatmaps_refuse_box_modes_and_what_only_pictures_take_and_name_their_result(client, result):
+    url = f"/captions/{result['id']}/heatmaps"
+    for params in ({"mode": "top1_box"}, {"mode": "bogus"}):
         response = client.get(url, params=params)
         assert response.status_code == 422 and response.json()["type"] == "/problems/invalid-render-request", params
-    blocks = client.get(url, params={"format": "json", "mode": "grid_blocks", "max_side": 300})
+    for params in ({"cmap": "jet"}, {"token": 0}, {"format": "json"}):  # a picture's parameters: not taken here
+        response = client.get(url, params=params)
+        assert response.status_code == 422 and next(iter(params)) in response.json()["detail"], params
+    # the JSON answer has its own routes: an overlay is a picture (one media type each in the document)
+    moved = client.get(f"/captions/{result['id']}/overlay", params={"format": "json"})
+    assert moved.status_code == 422 and "format" in moved.json()["detail"]
+    blocks = client.get(url, params={"mode": "grid_blocks", "max_side": 300})
     assert blocks.json()["mode"] == "grid_blocks" and blocks.headers["x-caption-id"] == result["id"]
     heat = np.asarray(Image.open(io.BytesIO(base64.b64decode(blocks.json()["heatmaps"][0]["heat_png"]))))
     assert len(np.unique(heat)) <= 64  # blocks: one value per cell, not the smooth map's gradient
@@ -206,14 +211,15 @@ def test_overlays_of_a_large_photo_are_rendered_at_most_2048_pixels_wide_unless_
 
 
 def test_json_heat_maps_of_a_large_photo_are_at_most_1024_pixels(client):
-    """format=json encodes one map per token: at 4,096 px a 33-token caption cost 20 s of a render slot and 12 MB,
-    again on every GET of the same result; its default and largest side is 1,024 (format=png still draws 4,096)."""
+    """The JSON heatmaps encode one map per token: at 4,096 px a 33-token caption cost 20 s of a render slot and
+    12 MB, again on every GET of the same result; their default and largest side is 1,024 (format=png still draws
+    4,096)."""
     photo = _png(Image.new("RGB", (3000, 600), (90, 120, 30)))
     result = client.post("/caption", params={"max_len": 2}, files={"file": ("wide.png", photo, "image/png")}).json()
     url = f"/captions/{result['id']}/overlay"
-    assert client.get(url, params={"format": "json"}).json()["size"] == [1024, 205]
-    refused = client.get(url, params={"format": "json", "max_side": 2048})
-    assert refused.status_code == 422 and "at most 1024" in refused.json()["detail"]
+    assert client.get(f"/captions/{result['id']}/heatmaps").json()["size"] == [1024, 205]
+    refused = client.get(f"/captions/{result['id']}/heatmaps", params={"max_side": 2048})
+    assert refused.status_code == 422 and "1024" in refused.json()["detail"]
     assert _image(client.get(url, params={"token": 0, "max_side": 4096})).size == (3000, 600)
 
 
@@ -232,7 +238,7 @@ def test_a_uniform_attention_row_is_drawn_without_heat_in_every_format(client):
     flat = dataclasses.replace(stored.result.hypothesis, attention=torch.full_like(attention, 1 / attention.shape[1]))
     result_id = client.app.state.results.put(dataclasses.replace(stored.result, hypothesis=flat), stored.upload)
     overlay = f"/captions/{result_id}/overlay"
-    body = client.get(overlay, params={"format": "json", "mode": "grid_blocks"}).json()
+    body = client.get(f"/captions/{result_id}/heatmaps", params={"mode": "grid_blocks"}).json()
     for word in body["heatmaps"]:
         assert not np.asarray(Image.open(io.BytesIO(base64.b64decode(word["heat_png"])))).any(), word["token"]
     drawn = _image(client.get(overlay, params={"token": 0, "mode": "grid_blocks"})).convert("RGB")

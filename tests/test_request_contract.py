@@ -224,13 +224,23 @@ def test_a_json_body_is_parsed_off_the_event_loop(client, photo, monkeypatch):
 
 
 def test_openapi_documents_the_form_fields(client):
-    paths = client.get("/openapi.json").json()["paths"]
+    document = client.get("/openapi.json").json()
+    paths, components = document["paths"], document["components"]["schemas"]
     for path in ("/caption", "/caption/overlay"):
-        form = paths[path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
-        assert set(form["properties"]) == {"file", "model", "beam_size", "max_len", "length_penalty",
-                                           "block_trigrams"}, path
-        assert form["required"] == ["file"] and form["additionalProperties"] is False
-        assert form["properties"]["file"]["format"] == "binary"
+        # one component per body, shared by both routes: a generated client has one form class, not one per route
+        # (passing the other route's class sent no body at all)
+        content = paths[path]["post"]["requestBody"]["content"]
+        assert content["multipart/form-data"]["schema"] == {"$ref": "#/components/schemas/CaptionForm"}, path
+        assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/CaptionJSON"}, path
+    form = components["CaptionForm"]
+    assert set(form["properties"]) == {"file", "model", "beam_size", "max_len", "length_penalty", "block_trigrams"}
+    assert form["required"] == ["file"] and form["additionalProperties"] is False
+    assert form["properties"]["file"]["format"] == "binary"
+    # a form field is text or absent, never null: a generated client sent None as the text "None" (a model named so)
+    assert [name for name, field in form["properties"].items() if "anyOf" in field or field.get("type") == "null"] \
+        == [], form["properties"]
+    assert form["properties"]["beam_size"]["type"] == "integer" and form["properties"]["beam_size"]["minimum"] == 1
+    for path in ("/caption", "/caption/overlay"):
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
     # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice)
@@ -251,6 +261,45 @@ def test_openapi_documents_the_form_fields(client):
     reasons = {(status, answer["description"]) for operations in paths.values() for operation in operations.values()
                for status, answer in operation["responses"].items() if status in ("413", "422", "429", "503")}
     assert len(reasons) == 4, reasons
+
+
+def test_openapi_serves_generated_clients(client):
+    """What a client generated from the document needs (openapi-python-client, openapi-typescript, hey-api): the
+    API keys as a bearer scheme, optional, on the routes that check them; stable operation ids; every field an
+    answer always has marked required, the result id a string; the overlays' PNG as binary; a server and a
+    licence."""
+    document = client.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http", "scheme": "bearer", "description": "one of CAPTIONER_API_KEYS, when the service is configured "
+                                                             "with keys"}
+    operations = {(path, method): operation for path, methods in document["paths"].items()
+                  for method, operation in methods.items()}
+    guarded = {key for key, operation in operations.items() if "security" in operation}
+    assert guarded == {("/caption", "post"), ("/captions/{result_id}", "get"), ("/captions/{result_id}/overlay", "get"),
+                       ("/caption/overlay", "post"), ("/captions/{result_id}/heatmaps", "get"),
+                       ("/caption/heatmaps", "post")}
+    assert all(operations[key]["security"] == [{"bearerAuth": []}, {}] for key in guarded)
+    assert {key: operation["operationId"] for key, operation in operations.items()} == {
+        ("/caption", "post"): "caption", ("/models", "get"): "list_models", ("/healthz", "get"): "healthz",
+        ("/readyz", "get"): "readyz", ("/metrics", "get"): "metrics", ("/captions/{result_id}", "get"): "get_caption",
+        ("/captions/{result_id}/overlay", "get"): "get_overlay", ("/caption/overlay", "post"): "post_overlay",
+        ("/captions/{result_id}/heatmaps", "get"): "get_heatmaps", ("/caption/heatmaps", "post"): "post_heatmaps"}
+    schemas = document["components"]["schemas"]
+    for name in ("CaptionOut", "ModelOut", "Health", "HeatmapsOut", "GeometryOut", "PackedRows"):
+        assert set(schemas[name]["required"]) == set(schemas[name]["properties"]), name
+    assert schemas["CaptionOut"]["properties"]["id"]["type"] == "string"
+    assert schemas["HeatmapsOut"]["properties"]["id"]["type"] == "string"
+    # one media type per answer: a picture from /overlay, JSON from /heatmaps (a generated client decoded every
+    # overlay PNG as JSON when one answer documented both)
+    for path in ("/captions/{result_id}/overlay", "/caption/overlay"):
+        method = "get" if path.startswith("/captions/") else "post"
+        assert operations[(path, method)]["responses"]["200"]["content"] == {
+            "image/png": {"schema": {"type": "string", "format": "binary"}}}, path
+    for path in ("/captions/{result_id}/heatmaps", "/caption/heatmaps"):
+        method = "get" if path.startswith("/captions/") else "post"
+        assert operations[(path, method)]["responses"]["200"]["content"] == {
+            "application/json": {"schema": {"$ref": "#/components/schemas/HeatmapsOut"}}}, path
+    assert document["servers"] == [{"url": "/"}] and document["info"]["license"]["identifier"] == "MIT"
 
 
 def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):

@@ -107,8 +107,8 @@ def test_health_and_readiness(client):
 
 
 def test_every_reference_in_the_openapi_document_resolves(client):
-    # the overlays' format=json answer inlined a schema whose "$ref": "#/$defs/HeatmapOut" pointed at nothing:
-    # no validator or client generator could read it
+    # the overlays' JSON answer (now the /heatmaps routes') inlined a schema whose "$ref": "#/$defs/HeatmapOut"
+    # pointed at nothing: no validator or client generator could read it
     document = client.get("/openapi.json").json()
 
     def refs(node):
