@@ -47,7 +47,7 @@ from .warmup import warm_up
 
 log = logging.getLogger("captioner.app")
 #: the caption endpoints (routes.py, overlay.py), whose every request the latency metric counts
-CAPTION_PATHS = frozenset({"/caption", "/caption/overlay"})
+CAPTION_PATHS = frozenset({"/caption", "/caption/overlay", "/caption/heatmaps"})
 STATIC = Path(__file__).parent / "static"
 
 

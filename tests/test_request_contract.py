@@ -334,3 +334,13 @@ def test_a_body_of_another_media_type_is_415_and_an_unknown_model_gets_no_metric
     metrics = client.get("/metrics").text
     assert "made-up" not in metrics
     assert 'captioner_request_latency_seconds_count{model="unknown",status="404"}' in metrics
+
+
+def test_every_route_that_captions_an_upload_is_counted_by_the_latency_metric(client):
+    """CAPTION_PATHS names the routes whose invalid requests the caption metrics count; a caption route added
+    without it (POST /caption/heatmaps) would have its refusals go uncounted."""
+    from captioner.service.app import CAPTION_PATHS
+    from captioner.service.schemas import CAPTION_BODY
+
+    captioning = {route.path for route in client.app.routes if getattr(route, "openapi_extra", None) is CAPTION_BODY}
+    assert captioning == CAPTION_PATHS == {"/caption", "/caption/overlay", "/caption/heatmaps"}
