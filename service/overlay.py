@@ -94,8 +94,14 @@ async def get_overlay(request: Request, result_id: str, state: State, results: R
 async def post_overlay(request: Request, state: State, results: Results, options: QueryOptions,
                        format: FormatQuery = None, token: TokenQuery = None, mode: ModeQuery = None,
                        cmap: CmapQuery = "jet", alpha: AlphaQuery = 0.5, max_side: SideQuery = None):
-    render = RenderOptions(_format(format, token), token, mode, cmap, alpha, max_side)
-    # checked before the model runs for a figure that could not be drawn
+    return await _caption_and_render(request, state, results, options,
+                                     RenderOptions(_format(format, token), token, mode, cmap, alpha, max_side))
+
+
+async def _caption_and_render(request: Request, state: ServiceState, results: Results, options: QueryOptions,
+                              render: RenderOptions) -> Response:
+    """Caption the upload, keep the result, and render it; what ``render`` could not draw for the model is refused
+    before the model runs."""
     data, result = await caption_upload(request, state, options,
                                         check=lambda runtime: check_render_options(render, runtime))
     result_id = results.put(result, data)
@@ -114,8 +120,5 @@ async def get_heatmaps(request: Request, result_id: str, state: State, results: 
              summary="Caption an image and return its per-word heatmaps as JSON in one call")
 async def post_heatmaps(request: Request, state: State, results: Results, options: QueryOptions,
                         mode: HeatModeQuery = None, max_side: HeatSideQuery = None):
-    render = RenderOptions("json", None, mode, max_side=max_side)
-    data, result = await caption_upload(request, state, options,
-                                        check=lambda runtime: check_render_options(render, runtime))
-    result_id = results.put(result, data)
-    return await _respond(request, state, results.get(result_id), render, result_id)
+    return await _caption_and_render(request, state, results, options, RenderOptions("json", None, mode,
+                                                                                      max_side=max_side))
