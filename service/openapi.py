@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from captioner.models.rendering.heatmaps import MODES
+from captioner.models.rendering.heatmaps import HEAT_MODES, MODES
 
 from .problems import PROBLEM_JSON
 from .schemas import CaptionJSON, form_schema
@@ -29,21 +29,23 @@ REQUEST_BODIES = {"CaptionForm": form_schema(), "CaptionJSON": CaptionJSON.model
 BEARER = {"bearerAuth": {"type": "http", "scheme": "bearer",
                          "description": "one of CAPTIONER_API_KEYS, when the service is configured with keys"}}
 #: query parameters whose values are a closed set, as components of their own (a generated client made one enum class
-#: per route of each): parameter → component; ``mode`` is checked by the renderer, so its set is written here
+#: per route of each): parameter → component; ``mode`` is checked by the renderer, so its sets are written here: the
+#: overlays draw every mode, the JSON heatmaps (``/heatmaps``) the modes that draw heat
 CHOICES = {"attention_format": "AttentionFormat", "format": "OverlayFormat", "mode": "HeatmapMode"}
-EXTRA_ENUMS = {"mode": list(MODES)}
+HEAT_CHOICES = {**CHOICES, "mode": "HeatMode"}
+EXTRA_ENUMS = {"HeatmapMode": list(MODES), "HeatMode": list(HEAT_MODES)}
 
 
-def _shared_choices(parameter: dict[str, Any], components: dict[str, Any]) -> None:
+def _shared_choices(path: str, parameter: dict[str, Any], components: dict[str, Any]) -> None:
     """Point a closed-set query parameter's schema (or its non-null branch) at a shared enum component."""
-    component = CHOICES.get(parameter["name"])
+    component = (HEAT_CHOICES if path.endswith("/heatmaps") else CHOICES).get(parameter["name"])
     if component is None:
         return
     schema = parameter["schema"]
     branches = schema.get("anyOf", [schema])
     for i, branch in enumerate(branches):
         if branch.get("type") == "string":
-            values = branch.get("enum") or EXTRA_ENUMS.get(parameter["name"])
+            values = branch.get("enum") or EXTRA_ENUMS.get(component)
             if values:
                 components[component] = {"type": "string", "enum": values, "title": component}
                 branches[i] = {"$ref": COMPONENTS + component}
@@ -115,7 +117,7 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             for parameter in operation.get("parameters", []):
-                _shared_choices(parameter, components)
+                _shared_choices(path, parameter, components)
             responses = operation.setdefault("responses", {})
             for status in _statuses(path):
                 entry = responses.setdefault(str(status), {})

@@ -459,7 +459,8 @@ def test_a_refused_beam_size_marks_the_box_and_a_refused_upload_names_its_file(c
     page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"not a photo"}])
     wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
     status = page.get_by_role("status")
-    assert status.inner_text().startswith("“notes.txt” was not captioned. ")
+    # the problem's detail, without its title (an HTTP reason phrase: "Unprocessable Entity")
+    assert status.inner_text().startswith("“notes.txt” was not captioned: cannot identify a JPEG")
     assert "cannot identify a JPEG" in status.inner_text()
     assert beam.get_attribute("aria-invalid") == "false"  # the upload, not the beam size, was at fault
 

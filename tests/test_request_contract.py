@@ -300,6 +300,14 @@ def test_openapi_serves_generated_clients(client):
         assert operations[(path, method)]["responses"]["200"]["content"] == {
             "application/json": {"schema": {"$ref": "#/components/schemas/HeatmapsOut"}}}, path
     assert document["servers"] == [{"url": "/"}] and document["info"]["license"]["identifier"] == "MIT"
+    # the modes each route draws: every mode for a picture, the heat modes for the JSON heatmaps
+    modes = {path: next(p for p in operation["parameters"] if p["name"] == "mode")["schema"]["anyOf"][0]["$ref"]
+             for (path, _), operation in operations.items() if path.endswith(("/overlay", "/heatmaps"))}
+    assert {path: ref.rsplit("/", 1)[1] for path, ref in modes.items()} == {
+        "/captions/{result_id}/overlay": "HeatmapMode", "/caption/overlay": "HeatmapMode",
+        "/captions/{result_id}/heatmaps": "HeatMode", "/caption/heatmaps": "HeatMode"}
+    assert schemas["HeatMode"]["enum"] == ["grid_smooth", "grid_blocks", "region_sum"]
+    assert "area_topk" in schemas["HeatmapMode"]["enum"]
 
 
 def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):

@@ -26,13 +26,15 @@ function setStatus(text, isError = false) {
   delete $("status").dataset.models;
 }
 
-// What a failed answer says: the service's problem detail; a proxy's HTML page or an empty body gives the status.
+// What a failed answer says: the service's problem detail (its title, an HTTP reason phrase such as "Request Entity
+// Too Large", tells a person nothing more); a proxy's HTML page or an empty body gives the status.
 // `fields`: the request fields the problem blames (its `errors`, each with the `loc` of one field).
 async function failure(response) {
   try {
     const body = await response.json();
     const fields = Array.isArray(body.errors) ? body.errors.flatMap((e) => e.loc ?? []) : [];
-    return { message: `${body.title || "Error"}: ${body.detail || response.status}`, fields, type: body.type ?? "" };
+    const message = body.detail || `${body.title || "Error"} (HTTP ${response.status})`;
+    return { message, fields, type: body.type ?? "" };
   } catch {
     return { message: `HTTP ${response.status} ${response.statusText}`.trim(), fields: [], type: "" };
   }
@@ -207,7 +209,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
       if (copy === null) {
         $("result").hidden = true;
         // named, so that the message says which upload failed (a dropped file, a sample, one picked long ago)
-        setStatus(`“${file.name}” was not captioned. ${message}`, true);
+        setStatus(`“${file.name}” was not captioned: ${message}`, true);
         markBeam(fields.includes("beam_size"));
         return;
       }
@@ -300,7 +302,7 @@ function heatmap(shown, index, mode) {
       .then(async (response) => {
         if (!response.ok) {
           const { message, type } = await failure(response);
-          throw Object.assign(new Error(message), { type });
+          throw Object.assign(new Error(`The heatmap could not be drawn: ${message}`), { type });
         }
         entry.mode = response.headers.get("X-Heatmap-Mode") || mode;  // "default" resolved to what was drawn
         return URL.createObjectURL(await response.blob());
