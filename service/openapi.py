@@ -68,7 +68,11 @@ PROBLEM_SCHEMA: dict[str, Any] = {
         "status": {"type": "integer", "minimum": 400, "maximum": 599},
         "detail": {"type": "string", "description": "what went wrong, for a person"},
         "instance": {"type": "string", "description": "the request path"},
-        "errors": {"type": "array", "items": {"type": "object"}, "description": "invalid request: one per field"},
+        "errors": {"type": "array", "description": "invalid request: one per field", "items": {
+            "type": "object", "required": ["loc", "msg"],
+            "properties": {"loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]},
+                                   "description": "where: body or query, then the field"},
+                           "msg": {"type": "string", "description": "what is wrong with it"}}}},
     },
     "additionalProperties": True,
 }

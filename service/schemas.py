@@ -210,6 +210,13 @@ def caption_json(result: CaptionResult, result_id: str | None = None,
     return orjson.dumps(fields, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+class DecodingOut(Answer):
+    """The decoding rules a model's requests get unless they name their own (models/decoding.py, DecodingRules)."""
+
+    length_penalty: float = Field(description="GNMT length penalty α (0: none)")
+    block_trigrams: bool = Field(description="no word trigram repeated within a caption")
+
+
 class ModelOut(Answer):
     name: str
     architecture: str
@@ -223,8 +230,8 @@ class ModelOut(Answer):
     backend: str = Field("torch", description="torch, onnx, or hybrid (the CNN on ONNX Runtime, the decoder on "
                                               "PyTorch)")
     trained_on: str = Field("", description="the data set the checkpoint was trained on (its model card cites it)")
-    decoding: dict[str, Any] = Field(default_factory=dict, description="the decoding options a request gets unless "
-                                     "it names its own (length_penalty, block_trigrams), chosen on validation data")
+    decoding: DecodingOut = Field(description="the decoding options a request gets unless it names its own, chosen "
+                                              "on validation data")
     providers: list[str] | None = Field(None, description="ONNX Runtime execution providers, in priority order")
     heatmap_modes: list[str] = Field(default_factory=list, description="the overlay modes its captions can be drawn "
                                      "in (area_topk: models with decoder area attention only)")

@@ -307,6 +307,17 @@ def test_openapi_serves_generated_clients(client):
         "/captions/{result_id}/overlay": "HeatmapMode", "/caption/overlay": "HeatmapMode",
         "/captions/{result_id}/heatmaps": "HeatMode", "/caption/heatmaps": "HeatMode"}
     assert schemas["HeatMode"]["enum"] == ["grid_smooth", "grid_blocks", "region_sum"]
+    # maps of a fixed shape are typed: a model's decoding rules (as many fields as DecodingRules has, so that one
+    # added there is not dropped from the answer) and a problem's per-field errors
+    import dataclasses
+
+    from captioner.models.decoding import DecodingRules
+
+    assert schemas["ModelOut"]["properties"]["decoding"]["$ref"] == "#/components/schemas/DecodingOut"
+    assert set(schemas["DecodingOut"]["properties"]) == {f.name for f in dataclasses.fields(DecodingRules)}
+    assert schemas["Problem"]["properties"]["errors"]["items"]["required"] == ["loc", "msg"]
+    models = client.get("/models").json()
+    assert all(set(m["decoding"]) == {"length_penalty", "block_trigrams"} for m in models)
     assert "area_topk" in schemas["HeatmapMode"]["enum"]
 
 
