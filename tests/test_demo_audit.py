@@ -623,3 +623,27 @@ def test_a_tiny_image_enlarged_on_a_short_screen_keeps_its_shape(tiny_server):
         wait_until(page, "() => document.getElementById('photo').getBoundingClientRect().width > 8", 10)
         width, height = page.evaluate(PHOTO_BOX)
         assert width == height == 224, (width, height)
+
+
+DROP = """([target, bytes, name]) => {
+    const data = new DataTransfer();
+    data.items.add(new File([new Uint8Array(bytes)], name, { type: "image/png" }));
+    const over = new DragEvent("dragover", { dataTransfer: data, bubbles: true, cancelable: true });
+    document.getElementById(target).dispatchEvent(over);
+    document.getElementById(target).dispatchEvent(new DragEvent("drop", { dataTransfer: data, bubbles: true,
+                                                                          cancelable: true }));
+    return over.defaultPrevented;  // not prevented: the browser opens the file in place of the page
+}"""
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_a_photo_dropped_anywhere_on_the_page_is_captioned_not_opened_by_the_browser(captioned):
+    """Only the drop zone took drops: a photo dropped on the photo shown (the natural place for the next one)
+    was opened by the browser in place of the page."""
+    page = captioned
+    for target, name in (("photo", "on-the-photo.png"), ("drop", "on-the-zone.png"), ("caption", "on-a-word.png")):
+        with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url, timeout=30_000):
+            assert page.evaluate(DROP, [target, list(image_bytes((100, 80), "PNG")), name]) is True, target
+        page.wait_for_selector("#caption .word", timeout=30_000)
+        assert page.evaluate("() => document.getElementById('photo').alt").endswith(name), target

@@ -373,12 +373,15 @@ $("file").addEventListener("keydown", (e) => {
 $("photo").addEventListener("load", sizePhoto);
 $("photo").addEventListener("error", photoFallback);
 const drop = $("drop");
-drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
+drop.addEventListener("dragover", () => drop.classList.add("over"));
 drop.addEventListener("dragleave", () => drop.classList.remove("over"));
-drop.addEventListener("drop", (e) => {
+// A file dropped anywhere on the page is captioned, as on the drop zone: the browser would otherwise open it in
+// place of the page (a photo dropped on the photo shown, say), leaving the page and its caption.
+document.addEventListener("dragover", (e) => e.preventDefault());
+document.addEventListener("drop", (e) => {
   e.preventDefault();
   drop.classList.remove("over");
-  caption(e.dataTransfer.files[0]);
+  if (e.dataTransfer?.files.length) caption(e.dataTransfer.files[0]);
 });
 $("mode").addEventListener("change", () => {
   const active = document.querySelector("#caption .word.active");
