@@ -560,13 +560,17 @@ def test_a_heatmap_of_a_caption_the_server_no_longer_keeps_captions_the_photo_ag
                  "detail": "no caption result with id 'x' (results are kept for a limited time)"}
     page.route("**/overlay?*", fulfilled(status=404, content_type="application/problem+json",
                                          body=json.dumps(forgotten)), times=1)
+    # every text the status line shows (the waiting one lasts only as long as the tiny model takes)
+    page.evaluate("""() => { window.said = []; new MutationObserver(() => window.said.push(
+        document.getElementById('status').textContent)).observe(document.getElementById('status'),
+        { childList: true, characterData: true, subtree: true }); }""")
     with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url, timeout=30_000):
         page.locator("#caption .word").nth(1).click()
-        wait_until(page, "() => document.getElementById('status').textContent.includes('captioning the photo "
-                         "again')", 10)
     assert len(sent) == 1
     # the word chosen shows its heatmap on the new caption, with no second click
     wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+    assert any("captioning the photo again" in text for text in page.evaluate("() => window.said")), \
+        page.evaluate("() => window.said")
     assert page.locator("#caption .word.active").get_attribute("data-index") == "1"
     assert page.locator("#status").get_attribute("class") != "error"
 
