@@ -53,7 +53,8 @@ class BadOption(ValueError):
 #: what :func:`options` reports for an argument without a default (``vocab_size``, ``feat_dim``)
 REQUIRED = inspect.Parameter.empty
 #: the arguments of every model that the data set and the encoder decide (sizes, special token ids), not a user
-PROTOCOL_ARGUMENTS = tuple(n for n in inspect.signature(Captioner.__init__).parameters if n != "self")
+_PROTOCOL_DEFAULTS = {n: p.default for n, p in inspect.signature(Captioner.__init__).parameters.items() if n != "self"}
+PROTOCOL_ARGUMENTS = tuple(_PROTOCOL_DEFAULTS)
 
 
 def model_class(name: str) -> type[Captioner]:
@@ -70,12 +71,13 @@ def options(name: str) -> dict[str, Any]:
     """A registered model's options, the arguments :func:`create` takes, with their defaults (:data:`REQUIRED`
     where there is none): the class's own named parameters, then those of ``Captioner.__init__`` (the special
     token ids) it passes on through ``**ids``."""
-    cls = model_class(name)
+    return _options(model_class(name))
+
+
+def _options(cls: type[Captioner]) -> dict[str, Any]:
     own = {n: p.default for n, p in inspect.signature(cls).parameters.items()
            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    inherited = {n: p.default for n, p in inspect.signature(Captioner.__init__).parameters.items()
-                 if n != "self" and n not in own and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {**own, **inherited}
+    return {**own, **{n: default for n, default in _PROTOCOL_DEFAULTS.items() if n not in own}}
 
 
 #: what a value of each annotated scalar kind is called in an error; JSON brings ints where floats are annotated
@@ -115,7 +117,8 @@ def _annotations(cls: type) -> dict[str, Any]:
 def create(name: str, **config: Any) -> Captioner:
     """Build a registered captioner from its config dict; a name or an option it does not have, a missing size, or
     a value its annotation does not admit (a string for an ``int``, ...) is a ValueError naming what it takes."""
-    known = options(name)
+    cls = model_class(name)
+    known = _options(cls)
     unknown = sorted(set(config) - set(known))
     if unknown:
         raise BadOption(f"model {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
@@ -123,10 +126,10 @@ def create(name: str, **config: Any) -> Captioner:
     required = [n for n, default in known.items() if default is REQUIRED and n not in config]
     if required:  # vocab_size and feat_dim: the sizes every model is built for
         raise ValueError(f"model {name!r} needs {', '.join(map(repr, required))}")
-    hints = _annotations(model_class(name))
+    hints = _annotations(cls)
     for option, value in config.items():
         wanted = _admitted(value, hints.get(option, typing.Any))
         if wanted:
             default = "" if known[option] is REQUIRED else f" (default {known[option]!r})"
             raise BadOption(f"model {name!r}: option {option!r} takes {' or '.join(wanted)}{default}, got {value!r}")
-    return model_class(name)(**config)
+    return cls(**config)
