@@ -51,7 +51,7 @@ from ..files import (file_checksum, is_newer_format, replace_directory, temporar
                      write_atomically)
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
-from .sessions import session_options
+from .sessions import open_session
 
 # /2: exports gained head.onnx; older folders are not current and are re-made
 FORMAT = "attention-captioner-onnx/2"
@@ -479,10 +479,8 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
 
 
 def _session(path: Path):
-    import onnxruntime as ort
-
     # quiet: a failure is reported as ExportUnsupported, not also logged
-    return ort.InferenceSession(str(path), session_options(quiet=True), providers=["CPUExecutionProvider"])
+    return open_session(path, torch.device("cpu"), quiet=True)
 
 
 def _close(name: str, output: str, got: np.ndarray, want: Tensor, frozen: list[str], diffs: dict[str, float]) -> None:

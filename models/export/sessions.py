@@ -44,11 +44,11 @@ def cuda_provider_available(device: torch.device) -> bool:
     return (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider"
 
 
-def open_session(path: str | Path, device: torch.device, threads: int | None = None):
+def open_session(path: str | Path, device: torch.device, threads: int | None = None, quiet: bool = False):
     """An ``onnxruntime.InferenceSession`` of the graph at ``path`` for ``device``, with the project's options."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), session_options(threads), providers=execution_providers(device))
+    return ort.InferenceSession(str(path), session_options(threads, quiet), providers=execution_providers(device))
 
 
 def runs_on_gpu(session, device: torch.device) -> bool:
