@@ -57,17 +57,15 @@ def torch_encoders(spec):
 
 
 def onnx_encoder(encoder, spec, threads: int, folder: Path, name: str = "encoder_only"):
-    import onnxruntime as ort
     import torch
+
+    from captioner.models.export.sessions import open_session
 
     path = folder / f"{name}.onnx"
     example = torch.randn(2, 3, spec.image_size, spec.image_size)
     torch.onnx.export(encoder, (example,), str(path), input_names=["pixels"], output_names=["features"],
                       dynamic_axes={"pixels": {0: "batch"}, "features": {0: "batch"}}, opset_version=17, dynamo=False)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = open_session(path, torch.device("cpu"), threads)
     want = encoder(example).numpy()
     got = session.run(None, {"pixels": example.numpy()})[0]
     error = float(abs(got - want).max())
@@ -79,15 +77,12 @@ def onnx_encoder(encoder, spec, threads: int, folder: Path, name: str = "encoder
 
 def onnx_int8_encoder(encoder, spec, threads: int, folder: Path):
     """The served int8 CNN (models/export/quantize.py: static quantization of the same network)."""
-    import onnxruntime as ort
+    import torch
 
     from captioner.models.export.quantize import quantized_visual_encoder
+    from captioner.models.export.sessions import open_session
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(quantized_visual_encoder(spec, folder, encoder)), options,
-                                   providers=["CPUExecutionProvider"])
+    session = open_session(quantized_visual_encoder(spec, folder, encoder), torch.device("cpu"), threads)
 
     def run(pixels):
         session.run(None, {"pixels": pixels.numpy()})

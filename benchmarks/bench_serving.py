@@ -425,13 +425,13 @@ ONNX_CNNS = {"onnx": "float32", "onnx int8": "int8"}
 def onnx_encoder_ms(model: str, spec, feed, threads: int, precision: str) -> dict[int, float]:
     """Per-image time of the ONNX Runtime encoder as the service runs it (the CNN at ``precision``, then the
     model's ``head.onnx``, with the service's session options) at batch 1, 4 and 16."""
-    import onnxruntime as ort
+    import torch
 
     from captioner.models.export.quantize import visual_encoder_file
-    from captioner.models.export.sessions import session_options
+    from captioner.models.export.sessions import open_session
 
     def session(path: Path):
-        return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+        return open_session(path, torch.device("cpu"), threads)
 
     visual, head = session(visual_encoder_file(spec, ONNX_DIR, precision)), session(ONNX_DIR / model / "head.onnx")
     heads = [o.name for o in head.get_outputs()]
