@@ -124,3 +124,34 @@ def server(server_log):
     proc.terminate()
     proc.wait(timeout=30)
     log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """``captioner serve`` of one tiny SAT (3×3 grid), no warm-up: ready in seconds (the demo page's browser tests)."""
+    from captioner.models.checkpoint import save_checkpoint
+
+    from .serving_helpers import TINY_SPEC, VOCAB, ServerProcess, tiny_model
+
+    root = tmp_path_factory.mktemp("demo-weights")
+    save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    server = ServerProcess(root, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
+                                  "CAPTIONER_WARMUP": "false", "CAPTIONER_BACKEND": "torch",
+                                  "CAPTIONER_DEFAULT_BEAM_SIZE": "2", "CAPTIONER_MAX_BEAM_SIZE": "12",
+                                  # 3 MP: a photo above it is refused (413), as a phone's 48 MP one is by default
+                                  "CAPTIONER_MAX_PIXELS": "3000000"},
+                           tmp_path_factory.mktemp("demo-log") / "server.log")
+    try:
+        yield server.wait_ready(timeout_s=120).url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def captioned(tiny_server):
+    """The demo page showing the caption of a 160×120 gradient."""
+    from .demo_pages import image_bytes, page_of, upload
+
+    with page_of(tiny_server) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        yield page

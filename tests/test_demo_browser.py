@@ -1,65 +1,26 @@
-"""The demo page in headless Chromium: upload → caption → hover a word → its overlay is visible; and the same
-through a "Try a sample" photo.
-
-Uses Debian's chromium (``make test`` installs it when it can) driven by Playwright; the browser tests skip with the
-reason when no chromium is installed.  The screenshots are kept in ``.cache/test-artifacts/``.
-"""
+"""The demo page in headless Chromium (``demo_pages.py``): upload → caption → hover a word → its overlay is visible;
+and the same through a "Try a sample" photo. The screenshots are kept in ``.cache/test-artifacts/``."""
 
 import contextlib
 import io
 import json
-import shutil
-import time
 
 import httpx
-import pytest
 from PIL import Image
 
 from captioner.models.data.scenes import generate
 
 from .conftest import ROOT
+from .demo_pages import CHROMIUM, OVERLAY_SHOWN, needs_chromium, page_of, wait_until
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
-OVERLAY_SHOWN = ("() => { const o = document.getElementById('overlay');"
-                 " return !o.hidden && o.complete && o.naturalWidth > 0; }")
-
-
-def wait_until(page, predicate: str, timeout_s: float) -> None:
-    """Poll ``predicate`` with ``page.evaluate`` until it holds. Not ``page.wait_for_function``: its polling compiles
-    the predicate inside the page, which the demo page's Content-Security-Policy (``script-src 'self'``, no
-    'unsafe-eval') forbids, and the page is tested under its own policy."""
-    deadline = time.monotonic() + timeout_s
-    while not page.evaluate(predicate):
-        assert time.monotonic() < deadline, f"not true after {timeout_s} s: {predicate}"
-        time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def demo_page(server):
-    """The demo page in headless Chromium, its model list loaded (a caption request needs a model to name)."""
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 900})
-            page.goto(server)
-            page.locator("#model option").first.wait_for(state="attached")
-            yield page
-        finally:
-            browser.close()
 
 
 @needs_chromium
 def test_upload_caption_hover_shows_overlay(server, tmp_path):
     dataset = json.loads(generate(tmp_path, {"test": 1}, seed=5, progress=False).read_text())
     image_path = tmp_path / "images" / dataset["images"][0]["filename"]
-    with demo_page(server) as page:
+    with page_of(server) as page:
         page.set_input_files("#file", str(image_path))
         page.wait_for_selector("#caption .word", timeout=60_000)
         words = page.locator("#caption .word")
@@ -71,6 +32,7 @@ def test_upload_caption_hover_shows_overlay(server, tmp_path):
         size = page.evaluate("() => [document.getElementById('overlay').naturalWidth,"
                              " document.getElementById('overlay').naturalHeight]")
         assert size == [256, 256]
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "demo-page.png"), full_page=True)
 
 
@@ -80,7 +42,7 @@ def test_a_sample_photo_is_captioned_like_an_upload(server):
     words rendered with one word per attention row; focusing the first word (the keyboard path) shows its overlay.
     The server's checkpoints are scene models, so the words themselves are not checked."""
     sample = (ROOT / "service" / "static" / "samples" / "chelsea.jpg").read_bytes()
-    with demo_page(server) as page:
+    with page_of(server) as page:
         button = page.get_by_role("button", name="Caption the sample photo: a cat (scikit-image chelsea)")
         with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url,
                                   timeout=60_000) as caught:
@@ -103,6 +65,7 @@ def test_a_sample_photo_is_captioned_like_an_upload(server):
         assert page.evaluate("() => document.getElementById('photo').naturalWidth") == 451
         # a long caption (scene models on a real photo) wraps instead of widening the page
         assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "demo-page-sample.png"), full_page=True)
 
 
@@ -165,7 +128,7 @@ def test_only_the_newest_caption_is_shown_and_a_hidden_heatmap_stays_hidden(serv
     def caption_answer(r):
         return r.request.method == "POST" and "/caption?" in r.url
 
-    with demo_page(server) as page:
+    with page_of(server) as page:
         overlay_display = "() => getComputedStyle(document.getElementById('overlay')).display"
         failed = []
         page.on("requestfailed", lambda r: failed.append(r.failure))

@@ -3,7 +3,7 @@
 // Plain browser JavaScript, no external CDN: the page works offline.
 "use strict";
 const $ = (id) => document.getElementById(id);
-let current = null;  // the caption on screen: {id, tokens, isEos, summary}
+let current = null;  // the caption on screen: {id, tokens, isEos, attention, geometry, summary}
 let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
 let lastFile = null; // captioned again when the model or the beam size changes
 let inflight = null; // the AbortController of the caption request on its way: a newer one cancels it
@@ -99,12 +99,27 @@ function clearCaption() {
   $("overlay").removeAttribute("src");
 }
 
-function showPhoto(file) {
+// `about`: what the photo shows, where the page knows it (a sample's description)
+function showPhoto(file, about = "") {
   if ($("photo").src) URL.revokeObjectURL($("photo").src);
   delete $("photo").dataset.fallback;
   $("photo").style.width = "";
   $("photo").src = URL.createObjectURL(file);
-  $("photo").alt = `the image captioned: ${file.name}`;
+  $("photo").alt = `the image captioned${about ? ` (${about})` : ""}: ${file.name}`;
+}
+
+// No caption to show: the result is hidden, and a keyboard focus inside it (on a word) moves to the file chooser
+// instead of falling to the page's body.
+function hideResult() {
+  const hadFocus = $("result").contains(document.activeElement);
+  $("result").hidden = true;
+  if (hadFocus) $("file").focus();
+}
+
+// The index of the word whose heatmap is shown, null when none is.
+function chosenWord() {
+  const active = document.querySelector("#caption .word.active");
+  return active ? +active.dataset.index : null;
 }
 
 // An image the service reads but the browser cannot show (TIFF) is shown as the service read it: its overlay
@@ -166,8 +181,10 @@ function beamSize() {
 
 // Caption `file` (the photo on screen from now on). `scroll`: bring the result into view (a new photo; not a change
 // of model or beam size, made in the controls above it); `waiting`: the status until the answer; `word`: the word
-// whose heatmap to show once it has come (the one chosen on a caption the server no longer kept).
-async function caption(file, { scroll = true, waiting = "Captioning…", word = null } = {}) {
+// whose heatmap to show once it has come (the one chosen before); `keep`: the caption on screen stays until the
+// answer, and stays if the answer is a refusal (another model or beam size for the same photo: a beam above the
+// service's limit took the good caption away); `about`: what the photo shows, for its text alternative.
+async function caption(file, { scroll = true, waiting = "Captioning…", word = null, keep = false, about = "" } = {}) {
   if (!file) return;
   clearTimeout(settling);
   const params = new URLSearchParams({ model: $("model").value });
@@ -184,9 +201,14 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   inflight?.abort();  // its answer would be dropped: the server stops working on it
   const controller = (inflight = new AbortController());
   lastFile = file;
-  clearCaption();
-  showPhoto(file);
-  $("result").hidden = false;
+  keep &&= !$("result").hidden;  // nothing on screen to keep after a refusal of a new photo
+  if (!keep) {
+    // a word's keyboard focus stays in the caption while its words are replaced (it fell to the page's body)
+    if ($("caption").contains(document.activeElement)) $("caption").focus();
+    clearCaption();
+    showPhoto(file, about);
+    $("result").hidden = false;
+  }
   setStatus(waiting);
   let body;
   let sent = file;  // the file, or the copy sent in its place when the service refused it as too large
@@ -207,7 +229,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
         : null;
       if (request !== latest) return;
       if (copy === null) {
-        $("result").hidden = true;
+        if (!keep) hideResult();
         // named, so that the message says which upload failed (a dropped file, a sample, one picked long ago)
         setStatus(`“${file.name}” was not captioned: ${message}`, true);
         markBeam(fields.includes("beam_size"));
@@ -220,7 +242,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
     }
   } catch (err) {
     if (request === latest) {
-      $("result").hidden = true;
+      if (!keep) hideResult();
       setStatus(`The request failed: ${err.message || err}`, true);
     }
     return;
@@ -235,8 +257,11 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   const from = copySide === null ? ""
     : ` (from a smaller copy, at most ${copySide} px on its longer side: the photo was too large)`;
   // the live region announces the caption itself, not only that one arrived
-  current = { id: body.id, tokens: body.tokens, isEos: body.is_eos,
-              summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”${from}` };
+  // the words are replaced: a keyboard focus on one of them (or on the caption, held there) moves to the new word
+  const refocus = $("caption").contains(document.activeElement);
+  clearCaption();
+  current = { id: body.id, tokens: body.tokens, isEos: body.is_eos, attention: body.attention,
+              geometry: body.geometry, summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”${from}` };
   setStatus(current.summary);
   photoFallback();
   body.tokens.forEach((token, i) => {
@@ -249,35 +274,46 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
     span.setAttribute("aria-pressed", "false");  // "pressed": the word whose heatmap is shown (show() moves it)
     // the name begins with the text on screen, so that a voice-control user can say what they see ("click eos")
     if (body.is_eos[i]) span.setAttribute("aria-label", `${token} (end of caption)`);
-    span.addEventListener("mouseenter", () => show(i));
+    // while the keyboard is in the caption, the pointer moves the focus with the heatmap (it showed one word's
+    // heatmap while another word kept the focus and the caption's Tab stop)
+    span.addEventListener("mouseenter", () => ($("caption").contains(document.activeElement) ? span.focus() : show(i)));
     span.addEventListener("click", () => show(i));
     span.addEventListener("focus", () => show(i));
     span.addEventListener("keydown", (e) => step(e, i));
     $("caption").appendChild(span);
   });
   // below the controls, the photo started under the fold of a phone's screen (and of a tall photo's on a desktop):
-  // the words and the photo their heatmaps cover are brought into view together
-  if (scroll) $("result").scrollIntoView({ block: "start" });
-  if (word !== null && word < body.tokens.length) show(word);
+  // the words and the photo their heatmaps cover are brought into view together, and a keyboard user's focus, left
+  // on a control that scrolled away, moves to the result's heading
+  if (scroll) {
+    if ($("controls").contains(document.activeElement)) $("result-title").focus({ preventScroll: true });
+    $("result").scrollIntoView({ block: "start" });
+  }
+  const chosen = word !== null ? Math.min(word, body.tokens.length - 1) : refocus ? 0 : null;
+  const spans = $("caption").querySelectorAll(".word");
+  if (chosen !== null && refocus) spans[chosen].focus();  // focusing a word shows its heatmap
+  else if (chosen !== null) show(chosen);
 }
 
-// Arrow keys move between the words (the caption is one Tab stop, so Tab leaves it); Enter and Space choose the
-// focused word, as they press a button (Space would otherwise scroll the page).
+// Arrow keys move between the words, Home and End to the first and last (the caption is one Tab stop, so Tab
+// leaves it: the ARIA toolbar pattern); Enter and Space choose the focused word, as they press a button (Space would
+// otherwise scroll the page).
 function step(event, index) {
   if (event.key === "Enter" || event.key === " ") {
     event.preventDefault();
     show(index);
     return;
   }
-  const move = { ArrowRight: 1, ArrowDown: 1, ArrowLeft: -1, ArrowUp: -1 }[event.key];
-  if (!move) return;
-  event.preventDefault();
   const words = document.querySelectorAll("#caption .word");
-  words[Math.min(Math.max(index + move, 0), words.length - 1)].focus();
+  const to = { ArrowRight: index + 1, ArrowDown: index + 1, ArrowLeft: index - 1, ArrowUp: index - 1, Home: 0,
+               End: words.length - 1 }[event.key];
+  if (to === undefined) return;
+  event.preventDefault();
+  words[Math.min(Math.max(to, 0), words.length - 1)].focus();
 }
 
 // A sample is captioned exactly as if the user had uploaded that file: same request, same rendering.
-async function captionSample(name) {
+async function captionSample(name, about) {
   let photo;
   try {
     const response = await fetch(`/static/samples/${name}.jpg`);
@@ -287,7 +323,7 @@ async function captionSample(name) {
     setStatus(`Could not load the sample photo: ${err.message || err}`, true);
     return;
   }
-  await caption(new File([photo], `${name}.jpg`, { type: "image/jpeg" }));
+  await caption(new File([photo], `${name}.jpg`, { type: "image/jpeg" }), { about });
 }
 
 // The heatmap of word `index` in `mode`, asked of the service once; a failed one is asked again next time.
@@ -349,12 +385,39 @@ async function show(index) {
     return;
   }
   if (!isWanted()) return;  // another word (or mode) was chosen while this heatmap was on its way
+  // the heatmap's text alternative says where it is hot (WCAG 1.1.1), not only which word it is of
+  const where = whereLooked(shown.attention?.[index], shown.geometry);
   $("overlay").src = url;
-  $("overlay").alt = shown.isEos[index] ? "where the model looked as it ended the caption"
-    : `where the model looked for “${shown.tokens[index]}”`;
+  $("overlay").alt = (shown.isEos[index] ? "where the model looked as it ended the caption"
+    : `where the model looked for “${shown.tokens[index]}”`) + (where ? `: ${where}` : "");
   $("overlay").hidden = false;
-  $("selected").textContent = `Showing “${shown.tokens[index]}” (${entry.mode} heatmap).`;
+  $("selected").textContent = `Showing “${shown.tokens[index]}” (${modeName(entry.mode)} heatmap)`
+    + (where ? `: ${where}.` : ".");
   if ($("status").className === "error") setStatus(shown.summary);  // an earlier heatmap's error is over
+}
+
+// A heatmap mode as the page's mode list names it (the service's own name where the list has none).
+function modeName(mode) {
+  return [...$("mode").options].find((option) => option.value === mode)?.text ?? mode;
+}
+
+// Where an attention row put its weight, in words: the part of the photo (in thirds) around its strongest visual
+// item, and the share its three strongest items hold. Empty for a row the page cannot read.
+function whereLooked(row, geometry) {
+  if (!Array.isArray(row) || !geometry || row.length === 0 || row.length !== geometry.boxes?.length) return "";
+  const order = row.map((_, i) => i).sort((a, b) => row[b] - row[a]);
+  const strongest = order.slice(0, 3);
+  const total = row.reduce((sum, w) => sum + w, 0) || 1;
+  const share = Math.round((100 * strongest.reduce((sum, i) => sum + row[i], 0)) / total);
+  const [x1, y1, x2, y2] = geometry.boxes[order[0]];
+  const [width, height] = geometry.image_size;
+  const third = (centre, names) => names[Math.min(2, Math.max(0, Math.floor(3 * centre)))];
+  const vertical = third((y1 + y2) / 2 / height, ["upper", "middle", "lower"]);
+  const horizontal = third((x1 + x2) / 2 / width, ["left", "centre", "right"]);
+  const part = vertical === "middle" && horizontal === "centre" ? "centre" : `${vertical} ${horizontal}`;
+  const items = geometry.kind === "grid" ? "cells" : "regions";
+  return `mostly the ${part} of the photo (its ${strongest.length} strongest of ${row.length} ${items} hold `
+    + `${share} % of the attention)`;
 }
 
 function chooseFile(input) {
@@ -399,7 +462,9 @@ function captionAgain() {
     return;
   }
   markBeam(false);
-  if (lastFile) settling = setTimeout(() => caption(lastFile, { scroll: false }), SETTLE_MS);
+  // the word chosen stays chosen on the new caption
+  if (lastFile) settling = setTimeout(() => caption(lastFile, { scroll: false, keep: true, word: chosenWord() }),
+                                      SETTLE_MS);
 }
 $("model").addEventListener("change", () => {
   offerModes();
@@ -414,6 +479,6 @@ $("beam").addEventListener("keydown", (e) => {
 });
 window.addEventListener("resize", sizePhoto);
 document.querySelectorAll("#samples button[data-sample]").forEach((button) => {
-  button.addEventListener("click", () => captionSample(button.dataset.sample));
+  button.addEventListener("click", () => captionSample(button.dataset.sample, button.textContent.trim()));
 });
 loadModels();
