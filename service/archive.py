@@ -336,7 +336,7 @@ class _ArchiveFeed:
 
 async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], output: CaptionLines,
                         report_error: Callable[[str, str], None], options: ArchiveOptions,
-                        on_done: Callable[[], None] = lambda: None) -> ArchiveSummary:
+                        on_done: Callable[[], object] = lambda: None) -> ArchiveSummary:
     """Caption ``paths`` with ``runtime`` through a batcher made from ``settings`` (the app's construction and
     warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
     ``on_done`` is called once per image, captioned or skipped (the progress bar)."""

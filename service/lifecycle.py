@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import time
 from types import FrameType
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, NoReturn
 
 import uvicorn
 from starlette.requests import Request
@@ -164,7 +164,7 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_drain, sig, context=contextvars.Context())
 
     @staticmethod
-    def _exit_before_serving(sig: int) -> None:
+    def _exit_before_serving(sig: int) -> NoReturn:
         """Exit at once, status 0, on a signal that comes while the models load: uvicorn only looks at it after
         start-up (minutes of ONNX exports, loading and warm-up), so ``docker stop`` and a pod's deletion ended in
         SIGKILL.  Nothing is served yet, so nothing is lost; an export being made in a child process is stopped

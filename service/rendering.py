@@ -73,7 +73,7 @@ def _at_most(picture: Image.Image, side: int) -> Image.Image:
     return picture
 
 
-def _render(stored: StoredResult, options: RenderOptions, result_id: str | None) -> bytes | HeatmapsOut:
+def _render(stored: StoredResult, options: RenderOptions, result_id: str) -> bytes | HeatmapsOut:
     check_render_options(options)
     result = stored.result
     side = options.max_side or (JSON_RENDER_SIDE if options.format == "json" else DEFAULT_RENDER_SIDE)
@@ -93,7 +93,7 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str | None)
     return HeatmapsOut(id=result_id, mode=mode, size=list(image.size), heatmaps=heatmaps)
 
 
-async def render_result(stored: StoredResult, options: RenderOptions, result_id: str | None, slots: WorkSlots,
+async def render_result(stored: StoredResult, options: RenderOptions, result_id: str, slots: WorkSlots,
                         timeout: float | None = None) -> bytes | HeatmapsOut:
     """PNG bytes (``png``, ``figure``) or the heatmaps (``json``, the ``/heatmaps`` routes) of a stored result,
     rendered in one of ``slots`` (:class:`TimeoutError` when none frees within ``timeout`` seconds)."""

@@ -10,7 +10,7 @@ import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..attention import NORMALISERS
 from ..files import write_atomically
@@ -43,7 +43,7 @@ def _scalar_type(hint: Any) -> Any:
     return args[0] if args else hint
 
 
-def _bounded(meta: dict[str, Any], hint: Any) -> Callable[[str], Any]:
+def _bounded(meta: Mapping[str, Any], hint: Any) -> Callable[[str], Any]:
     """argparse type of one value of a field: its scalar type, and the field's bounds (``least``, ``within``:
     :func:`~captioner.models.training.config.bound_problem`) as a usage error naming the option."""
     from ..training.config import bound_problem

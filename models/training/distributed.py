@@ -16,8 +16,9 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,8 +37,8 @@ class DistContext:
     def active(self) -> bool:
         return self.world > 1
 
-    def shard(self, batch: Sequence[int]) -> Sequence[int]:
-        """This rank's share of a global batch."""
+    def shard(self, batch: np.ndarray) -> np.ndarray:
+        """This rank's share of a global batch (photo indices)."""
         return batch[self.rank::self.world] if self.active else batch
 
     def barrier(self) -> None:

@@ -114,12 +114,12 @@ class Run:
     optimizer: torch.optim.Optimizer
     schedules: Schedules
     precision: Precision
+    trainer: nn.Module  # the DDP-wrapped phase under torchrun, else the plain PhaseModule
     progress: Progress
     select: str
     meta: dict[str, Any]
     scaler: torch.amp.GradScaler | None = None
     tail: EncoderTail | None = None  # the encoder's fine-tuned stages (--finetune-stages), else None
-    trainer: nn.Module | None = None  # the DDP-wrapped phase under torchrun, else the plain PhaseModule
     started: float = field(default_factory=time.time)
 
     @property
