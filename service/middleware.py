@@ -173,10 +173,18 @@ def one_line(text: object) -> str:
 def _logged_path(scope: dict) -> str:
     """The path as the access log writes it: a route's template where it has parameters
     (``/captions/{result_id}``), since a result's id is all it takes to read that result and its photo, and logs
-    are read by more people than the clients who hold the ids."""
+    are read by more people than the clients who hold the ids. A request answered before routing, or by no route
+    (a missing or wrong API key: 401; an unknown path below a result's), has no route in its scope: its result id,
+    the segment after ``/captions/``, is written as the template writes it."""
     route = scope.get("route")
     template = getattr(route, "path", None)
-    return template if template and "{" in template else scope["path"]
+    if template and "{" in template:
+        return template
+    return _RESULT_ID_IN_PATH.sub("/captions/{result_id}", scope["path"]) if route is None else scope["path"]
+
+
+#: the result routes' paths (``/captions/{result_id}...``, service/overlay.py) up to their id
+_RESULT_ID_IN_PATH = re.compile(r"^/captions/[^/]+")
 
 
 class TextFormatter(logging.Formatter):

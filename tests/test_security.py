@@ -240,9 +240,10 @@ def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     assert "/caption\\n2026-11-30" in lines[-1]
 
 
-def test_the_access_log_holds_no_result_id(open_client, jpeg):
+def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
     """A result's id is all it takes to read that result and its photo (from any client, with any key): the access
-    log wrote it in every line of /captions/{id}, for whoever reads the logs (the security audit)."""
+    log wrote it in every line of /captions/{id}, for whoever reads the logs (the security audit), and then still
+    in the lines of the requests refused for their API key (a 401 comes before routing: the docs audit)."""
     entries = []
 
     class Kept(logging.Handler):
@@ -257,10 +258,14 @@ def test_the_access_log_holds_no_result_id(open_client, jpeg):
         result = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}).json()["id"]
         assert open_client.get(f"/captions/{result}").status_code == 200
         assert open_client.get(f"/captions/{result}/overlay", params={"token": 0}).status_code == 200
+        assert keyed.get(f"/captions/{result}").status_code == 401  # no key
+        assert keyed.get(f"/captions/{result}/overlay", headers={"Authorization": "Bearer wrong"}).status_code == 401
     finally:
         access.removeHandler(handler)
         access.setLevel(level)
-    assert [e["path"] for e in entries] == ["/caption", "/captions/{result_id}", "/captions/{result_id}/overlay"]
+    assert [e["path"] for e in entries] == ["/caption", "/captions/{result_id}", "/captions/{result_id}/overlay",
+                                            "/captions/{result_id}", "/captions/{result_id}/overlay"]
+    assert [e["status"] for e in entries[3:]] == [401, 401]
     assert all(result not in str(e) for e in entries)
 
 
