@@ -4,6 +4,8 @@ its finished shards and ends byte-identical to an uninterrupted one, and non-zer
 import json
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,3 +208,32 @@ def test_an_encoder_whose_grid_is_not_the_specs_is_refused_and_writes_no_store(i
     # a plain callable (not a module) of the right grid is an encoder like any other
     store = extract_features(images, SPEC, tmp_path, encoder=lambda pixels: encoder(pixels), progress=False)
     assert store.get_numpy([images[0].key]).shape == (1, 4, encoder.feat_dim) == (1, 4, store.feat_dim)
+
+
+def test_one_photo_has_one_key_however_its_data_set_is_spelt(images, encoder, tmp_path, monkeypatch):
+    """A run resumed from another folder, or a data set given through a link, named the same photos by other
+    strings: their features were encoded again into a second store (hours and tens of GB on COCO)."""
+    folder = images[0].path.parent
+    (tmp_path / "linked").symlink_to(folder)
+    monkeypatch.chdir(folder.parent)
+    counting = CountingEncoder(encoder)
+    stores = [extract_features([replace(im, path=spelt / im.path.name) for im in images], SPEC, tmp_path / "cache",
+                               batch_size=4, encoder=counting, progress=False)
+              for spelt in (folder, tmp_path / "linked", Path(folder.name))]  # absolute, a link, relative
+    assert {store.folder for store in stores} == {stores[0].folder}
+    assert counting.images == len(images)  # encoded once
+
+
+def test_a_disk_too_full_for_a_shard_is_an_error_naming_it_not_a_bus_error(images, encoder, tmp_path, monkeypatch):
+    """The shard was a sparse memory-mapped file: a disk too full for it killed the process with SIGBUS, no
+    message, on the first write it could not hold. Its bytes are reserved first; a failed reservation is said."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"no room for the feature shard .*shard-00000\.partial\.npy .*No space left"):
+        extract_features(images, SPEC, tmp_path, batch_size=4, encoder=encoder, progress=False)
+    assert not list(tmp_path.rglob("*.partial.npy"))

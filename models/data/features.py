@@ -309,6 +309,24 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
             for j, members in enumerate(shards)]
 
 
+def _new_shard(path: Path, shape: tuple[int, ...]) -> np.memmap:
+    """A float16 ``.npy`` file of ``shape`` mapped in memory, its bytes reserved on the disk first: the mapped file
+    is otherwise sparse, and a write into it that the disk cannot hold is a SIGBUS (the process died with "Bus
+    error" and no word of the full disk); a reservation that fails is an ``OSError`` naming the shard."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
+    size = path.stat().st_size
+    try:
+        if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the sparse file stays
+            with open(path, "r+b") as handle:
+                os.posix_fallocate(handle.fileno(), 0, size)
+    except OSError as exc:
+        del array
+        path.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"no room for the feature shard {path} ({size / 2**20:.1f} MiB): {exc.strerror}; "
+                                 "free space there or give another --cache-dir") from None
+    return array
+
+
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | VisualSession | None, progress: bool, shard_size: int,
                     sizes: Mapping[str, int], files: Mapping[str, str] | None = None, view: str = "") -> None:
@@ -344,8 +362,7 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
                     raise ValueError(f"the encoder gave {features.shape[1]} grid cells per image, where {spec} has "
                                      f"{rows}×{cols}")
                 if array is None:
-                    array = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float16,
-                                                      shape=(len(members), *features.shape[1:]))
+                    array = _new_shard(partial, (len(members), *features.shape[1:]))
                 array[start:start + len(chunk)] = features
                 bar.update(len(chunk))
             array.flush()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,12 @@ class CaptionedImage:
     #: tokenizer reads: metrics.py, ``ptb_tokenize``); empty where a data set gives tokens alone
     raw_references: list[str] = field(default_factory=list)
 
-    @property
+    @cached_property
     def key(self) -> str:
-        return str(self.path)
+        """The photo's name in feature stores and batches: its absolute path with links resolved, so that one
+        photo has one key however a command spells its data set (a run resumed from another folder, a dataset
+        given through a symbolic link or as ``../``) and its features are encoded once."""
+        return str(self.path.resolve())
 
 
 def read_captions_file(path: Path, missing: str) -> str:
