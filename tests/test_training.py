@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.training import TrainConfig, train
+from captioner.models.training.loop import RunInUse
 
 SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
 
@@ -100,7 +101,7 @@ def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
         train(_config(scenes, tmp_path / "run", cache, max_steps=2))
 
 
-def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
+def test_ctrl_c_saves_state_and_resume_finishes_and_no_second_trainer_gets_in(scenes, tmp_path, cache):
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "captioner.service.cli", "train", "--dataset", str(scenes), "--out", str(out),
            "--epochs", "50",
@@ -112,6 +113,11 @@ def test_ctrl_c_saves_state_and_resume_finishes(scenes, tmp_path, cache):
     while time.time() < deadline and not (out / "train_state.json").exists():
         time.sleep(0.5)  # wait until the first epoch is done, then interrupt mid-epoch
     time.sleep(1.0)
+    # a --resume typed while the run goes on was a second trainer writing into the same folder
+    log = (out / "metrics.jsonl").read_text()
+    with pytest.raises(RunInUse, match="is being trained by another process"):
+        train(_config(scenes, out, cache), resume=True)
+    assert (out / "metrics.jsonl").read_text().startswith(log)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]

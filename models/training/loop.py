@@ -22,6 +22,8 @@ order.  Under ``torchrun`` every rank trains its share of each batch and only ra
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import math
@@ -30,7 +32,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Iterator
 
 import torch
 from safetensors.torch import load_file
@@ -121,6 +123,8 @@ class Run:
     scaler: torch.amp.GradScaler | None = None
     tail: EncoderTail | None = None  # the encoder's fine-tuned stages (--finetune-stages), else None
     started: float = field(default_factory=time.time)
+    #: the folder the run was first started in, kept by every resume: its relative paths are read from there
+    started_in: str = field(default_factory=os.getcwd)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -374,7 +378,7 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     return Run(cfg=cfg, run_dir=run_dir, device=device, dist=ctx, spec=spec, vocab=vocab, model=model, store=store,
                phase=phase, val_images=val_images, optimizer=optimizer, schedules=schedules, precision=precision,
                progress=progress, select=phase.selection_metric(), meta=meta, scaler=scaler, tail=tail,
-               trainer=trainer)
+               trainer=trainer, started_in=(saved or {}).get("working_dir") or os.getcwd())
 
 
 # -- fit --------------------------------------------------------------------------------------------------------
@@ -388,7 +392,7 @@ def _snapshot(run: Run) -> None:
     run.progress.plateau = run.schedules.plateau.state_dict() if run.schedules.plateau else None
     state = {"config": run.cfg.to_json(), "vocab": run.vocab.to_json(), "progress": run.progress.to_json(),
              "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-             "rng_ranks": rngs, "started_from": run.meta.get("started_from"), "working_dir": os.getcwd()}
+             "rng_ranks": rngs, "started_from": run.meta.get("started_from"), "working_dir": run.started_in}
     if run.scaler is not None:
         state["scaler"] = run.scaler.state_dict()
     if run.tail is not None:
@@ -529,15 +533,42 @@ def fit(run: Run) -> Path:
     return run.run_dir / "best"
 
 
+class RunInUse(OSError):
+    """The run's folder is being trained by another process."""
+
+
+@contextlib.contextmanager
+def _sole_trainer(run_dir: Path) -> Iterator[None]:
+    """Hold the run's folder for this process (its main rank) while it trains: a second ``train`` into the same
+    ``--out`` (a ``--resume`` typed while the run still went on, say) interleaved its steps into the metrics log and
+    its checkpoints into ``best/``. The lock is the folder's own (``flock``), so nothing is left behind by a killed
+    run, and no file is added to the folder."""
+    if int(os.environ.get("RANK", "0")) != 0 or (run_dir.exists() and not run_dir.is_dir()):
+        yield  # other ranks follow the main one; a file given as --out is refused by the run itself
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunInUse(f"{run_dir} is being trained by another process: wait for it to end (or stop it) before "
+                           "--resume, or choose another --out") from None
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
 def train(cfg: TrainConfig, resume: bool = False, explicit: Collection[str] | None = None) -> Path:
     """Run the phase ``cfg.phase``; returns the path of the best checkpoint.  A run that fails before its first
-    step (a bad option, a missing file) leaves no empty ``--out`` folder behind."""
+    step (a bad option, a missing file, its folder in use) leaves no empty ``--out`` folder behind."""
     run_dir = Path(cfg.out)
     existed = run_dir.exists()
-    try:
-        run = prepare_run(cfg, resume, explicit)
-    except BaseException:
-        if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-        raise
-    return fit(run)
+    with _sole_trainer(run_dir):
+        try:
+            run = prepare_run(cfg, resume, explicit)
+        except BaseException:
+            if not existed and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+            raise
+        return fit(run)
