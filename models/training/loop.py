@@ -340,13 +340,13 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     cfg, saved = _open_run_dir(run_dir, cfg, ctx, resume, explicit)
     cfg, init = _resolve_config(cfg, saved)
     precision = resolve_precision(cfg.precision, device)
-    spec = EncoderSpec(**cfg.encoder)
+    spec = EncoderSpec.of(cfg.encoder)
     _check_combinations(cfg, resumed=saved is not None)
     _check_model(cfg)
     entities_dir = checked_entities_folder(cfg) if cfg.attention_supervision else None
     train_images, val_images = _load_splits(cfg)
+    vocab = choose_vocab(cfg, saved, init, train_images)  # before the features: a --min-count that keeps no word
     store, tail = _open_store(cfg, spec, train_images, val_images, ctx, device)
-    vocab = choose_vocab(cfg, saved, init, train_images)
     model, optimizer = _build_model(cfg, vocab, store.feat_dim, tail, init, device)
 
     phase = PHASES[cfg.phase](cfg, model, vocab, store, train_images, device)

@@ -16,14 +16,14 @@ from ..data.karpathy import CaptionedImage
 from ..encoder import EncoderSpec
 from ..protocol import Captioner
 from ..registry import MODELS
-from ..vocab import Vocabulary
+from ..vocab import SPECIALS, Vocabulary
 from .config import TrainConfig
 
 
 def adopt_init(cfg: TrainConfig, init: Checkpoint) -> TrainConfig:
     """Take architecture, hyper-parameters, encoder and feature source from the ``init`` checkpoint; ``--set``
     values still override hyper-parameters (a shape change then fails loudly when the weights are loaded)."""
-    if cfg.encoder and EncoderSpec(**cfg.encoder) != init.encoder:
+    if cfg.encoder and EncoderSpec.of(cfg.encoder) != init.encoder:
         raise ValueError(f"--encoder differs from the encoder {cfg.init} was trained with")
     args = {k: v for k, v in init.model.config().items() if k not in ("vocab_size", "feat_dim")}
     if cfg.model not in (None, init.model.arch):  # another architecture: only the sizes it has (SAT → SAT-hard)
@@ -82,7 +82,12 @@ def choose_vocab(cfg: TrainConfig, saved: dict[str, Any] | None, init: Checkpoin
     """The resumed run's vocabulary, else ``--init``'s (with ``--extend-vocab``, the training captions' new words
     appended), else the training captions' words at ``--min-count``."""
     def data_vocab() -> Vocabulary:
-        return Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+        vocab = Vocabulary.build((r for im in train_images for r in im.references), min_count=cfg.min_count)
+        if len(vocab) == len(SPECIALS) and not (init is not None and cfg.extend_vocab):
+            words = len({w for im in train_images for r in im.references for w in r})
+            raise ValueError(f"--min-count {cfg.min_count} keeps none of the training captions' {words} distinct "
+                             "words (a word is kept when it occurs at least that often): lower it")
+        return vocab
 
     if saved is not None:
         return Vocabulary.from_json(saved["vocab"])
