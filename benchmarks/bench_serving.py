@@ -7,8 +7,9 @@ measured in turns, so that background load that drifts during the run affects ea
 
 * ``batching``: ``captioner serve`` on PyTorch (continuous batching: up to 16 images admitted at a step boundary,
   encoded in chunks of the batch size measured fastest at warm-up; 256 rows).
-* ``batch-size-1``: the same server with ``CAPTIONER_MAX_BATCH_IMAGES=1 CAPTIONER_MAX_ROWS=3``: one request (its
-  3 beams) decoded at a time, so requests queue and are served one after another.
+* ``batch-size-1``: the same server with ``CAPTIONER_MAX_BATCH_IMAGES=1 CAPTIONER_MAX_ROWS=3
+  CAPTIONER_MAX_BEAM_SIZE=3``: one request (its 3 beams) decoded at a time, so requests queue and are served one
+  after another.
 * ``onnx``: the server with ``CAPTIONER_BACKEND=onnx`` (ONNX Runtime, CPU execution provider here): what the
   shipped default ``auto`` picks for this model.
 * ``tutorial loop``: what a reference tutorial does: a FastAPI handler (``--tutorial-server`` below) that decodes
@@ -537,7 +538,8 @@ def report(results: dict, latency: dict, decode: dict, same: dict, args, started
         "Configurations: **batching** = `captioner serve` with `CAPTIONER_BACKEND=torch` (continuous batching, up "
         f"to 16 images admitted per step boundary and encoded in chunks of the batch size measured fastest at "
         f"warm-up, 256 rows); **batch-size-1** = the same server with `CAPTIONER_MAX_BATCH_IMAGES=1 "
-        f"CAPTIONER_MAX_ROWS={BEAM}` (one request decoded at a time); **onnx** = the server with "
+        f"CAPTIONER_MAX_ROWS={BEAM} CAPTIONER_MAX_BEAM_SIZE={BEAM}` (one request decoded at a time); **onnx** = the "
+        "server with "
         "`CAPTIONER_BACKEND=onnx` (continuous batching on ONNX Runtime, CPU execution provider; what the shipped "
         "default `auto` serves this model with, since its captions equal PyTorch's on the check set); **onnx, serial "
         "CNN** = the same with `CAPTIONER_OVERLAP_ENCODING=false` (the batcher's thread encodes admitted images "

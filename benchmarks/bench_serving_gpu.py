@@ -8,7 +8,8 @@ Every configuration is a ``captioner serve`` (or the tutorial handler of ``bench
 
 * ``batching``: PyTorch on the GPU, continuous batching (16 images admitted per step boundary, 256 rows);
 * ``batching, bfloat16``: the same with ``CAPTIONER_PRECISION=bfloat16`` (autocast; weights stay float32);
-* ``batch-size-1``: ``CAPTIONER_MAX_BATCH_IMAGES=1 CAPTIONER_MAX_ROWS=3``: one request decoded at a time;
+* ``batch-size-1``: ``CAPTIONER_MAX_BATCH_IMAGES=1 CAPTIONER_MAX_ROWS=3 CAPTIONER_MAX_BEAM_SIZE=3``: one request
+  decoded at a time;
 * ``batching, attention_format=float16-base64``: the ``batching`` server, its clients asking for packed attention
   maps (issue 30);
 * ``onnx``: ``CAPTIONER_BACKEND=onnx``, only where ONNX Runtime has its CUDA execution provider (I/O binding on the

@@ -92,9 +92,9 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
 SIZES = [(64, 64), (320, 240), (640, 480), (1024, 768), (1600, 1200), (200, 1000)]
 
 
-def server_errors(statuses: Counter, shedding: bool = False) -> int:
-    """Answers with a 5xx status; with ``shedding``, 503 (load shedding, with Retry-After) does not count."""
-    return sum(n for s, n in statuses.items() if isinstance(s, int) and s >= 500 and not (shedding and s == 503))
+def server_errors(statuses: Counter) -> int:
+    """Answers with a 5xx status (the service sheds load with 429, which is none)."""
+    return sum(n for s, n in statuses.items() if isinstance(s, int) and s >= 500)
 
 
 def post(client: httpx.Client, data: bytes, model: str | None = None, timeout: float | None = None):
@@ -273,7 +273,7 @@ def overload_run(server: Server, factor: float, duration_s: float, deadline_s: f
             "server_over_deadline": sum(1 for seconds in on_server if seconds > deadline_s),
             "base_median_s": base_median, "recovery_s": recovery, "rss_before": peak_before,
             "rss_after": server.rss(), "burst_peak": max(burst_rss), "peak": server.rss("VmHWM"),
-            "5xx": server_errors(statuses, shedding=True),
+            "5xx": server_errors(statuses),
             "other_errors": sum(n for s, n in statuses.items() if not isinstance(s, int))}
 
 
@@ -376,8 +376,8 @@ def write_report(args, out: Path, memory: dict, corpus: dict, fuzz: dict, overlo
         f"warm-up {soak['growth_pct']:+.1f} % ({soak['after_warmup']:.0f} → {soak['final']:.0f} MiB; aim < "
         f"{GROWTH_AIM_PCT:g} %: {_aim(soak['growth_pct'] < GROWTH_AIM_PCT)}) |",
         "",
-        "In the overload row a 503 (load shedding, with Retry-After) is not counted as a 5xx; in the others every "
-        "5xx counts. Peak RSS: the process's high-water mark (VmHWM), warm-up included, except where the burst's "
+        "The service sheds load with 429 and Retry-After (the overload row), which is no 5xx; every 5xx counts, "
+        "in every row. Peak RSS: the process's high-water mark (VmHWM), warm-up included, except where the burst's "
         "or the soak's own samples are named.",
         "",
         f"## Memory: a server with the {after['models']} models `make serve` serves",

@@ -90,12 +90,21 @@ def check_port_free(host: str, port: int) -> None:
 def check_something_to_serve(settings) -> None:
     """Stop, in one line, a server that would find no checkpoint to serve (a mistyped CAPTIONER_WEIGHTS_DIR): it
     started, stayed live and never ready, and a container's health check, on liveness, called it healthy."""
-    from captioner.models.checkpoint import find_checkpoints
+    from captioner.models.checkpoint import find_checkpoints, is_checkpoint
 
-    if not find_checkpoints(settings.weights_dir, settings.checkpoints, settings.prefixed_weights_dirs):
-        raise SystemExit(f"error: no checkpoint found in {', '.join(settings.checkpoint_folders())}: nothing to "
-                         "serve (set CAPTIONER_WEIGHTS_DIR or --weights-dir to a folder of checkpoints, or "
-                         "CAPTIONER_CHECKPOINTS)")
+    if find_checkpoints(settings.weights_dir, settings.checkpoints, settings.prefixed_weights_dirs):
+        return
+    folder = Path(settings.weights_dir)
+    if is_checkpoint(folder):  # the folders it holds are served, not itself
+        why = (f"{folder} is itself a checkpoint: serve it with CAPTIONER_CHECKPOINTS='[\"{folder}\"]', or give "
+               "the folder that holds it to --weights-dir")
+    elif not folder.is_absolute() and not folder.exists():
+        why = (f"{folder} is read from the working folder ({Path.cwd()}), which has none: run from the checkout, or "
+               "set CAPTIONER_WEIGHTS_DIR or --weights-dir to a folder of checkpoints")
+    else:
+        why = "set CAPTIONER_WEIGHTS_DIR or --weights-dir to a folder of checkpoints, or CAPTIONER_CHECKPOINTS"
+    raise SystemExit(f"error: no checkpoint found in {', '.join(settings.checkpoint_folders())}: nothing to serve "
+                     f"({why})")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -203,7 +212,7 @@ def add_console_caption_arguments(cap: argparse.ArgumentParser) -> None:
     cap.add_argument("--heatmaps", metavar="DIR",
                      help="with --output: write each image's per-word figure here; its line names the file")
     cap.add_argument("--readers", type=positive_int, default=2,
-                     help="with --output: threads reading and decoding files")
+                     help="with --output: threads reading and decoding files (default 2)")
     cap.add_argument("--json", action="store_true",
                      help="print each result as a JSON line, with its attention: the fields of --output --attention's "
                           "lines (the service's caption fields)")
@@ -234,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--weights-dir", help="folder of checkpoint folders, served under their names "
                        "(CAPTIONER_WEIGHTS_DIR, default weights/flickr8k)")
     serve.add_argument("--model", help="default model name (CAPTIONER_DEFAULT_MODEL)")
-    serve.add_argument("--device", help="auto, cpu or cuda (CAPTIONER_DEVICE)")
+    serve.add_argument("--device", help="auto, cpu, cuda or cuda:N (CAPTIONER_DEVICE)")
     serve.add_argument("--log-level", help="CAPTIONER_LOG_LEVEL, default info")
     serve.set_defaults(func=cmd_serve)
     return parser

@@ -533,6 +533,17 @@ def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypa
         main(["serve", "--weights-dir", str(tmp_path / "wieghts"), "--port", port])
     assert stopped.value.code == 2
     assert f"error: no checkpoint found in {tmp_path / 'wieghts'}: nothing to serve" in capsys.readouterr().err
+    # a checkpoint given as the folder of checkpoints, and the default folder read from another working folder:
+    # each said only "no checkpoint found" (the training and docs audits)
+    with pytest.raises(SystemExit):
+        main(["serve", "--weights-dir", str(DEFAULT_CHECKPOINT), "--port", port])
+    assert f"{DEFAULT_CHECKPOINT} is itself a checkpoint: serve it with CAPTIONER_CHECKPOINTS=" \
+        in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", port])
+    assert f"is read from the working folder ({tmp_path}), which has none: run from the checkout" \
+        in capsys.readouterr().err
     monkeypatch.setenv("CAPTIONER_CHECKPOINTS", f'["{tmp_path / "notes"}"]')
     with pytest.raises(SystemExit):
         main(["serve", "--weights-dir", str(tmp_path), "--port", port])

@@ -55,7 +55,7 @@ def cmd_data_features(args: argparse.Namespace) -> None:
                          else f"error: {dataset} holds no images")
     store = extract_features(images, EncoderSpec.of(key_values(args.encoder)), args.cache_dir,
                              batch_size=args.batch_size, device=str(resolve_device(args.device)),
-                             shard_size=args.shard_size)
+                             shard_size=args.shard_size, progress=args.progress)
     print(f"{len(store)} images in {store.folder}")
 
 
@@ -103,5 +103,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     fe.add_argument("--batch-size", type=positive_int, default=32, help="photos encoded at once (default 32)")
     fe.add_argument("--shard-size", type=positive_int, default=1024, help="photos per shard file, the unit an "
                     "interrupted extraction keeps (default 1,024)")
+    fe.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar: a line per shard (for logs and CI), as captioner train")
     add_device_options(fe)
     fe.set_defaults(func=cmd_data_features)

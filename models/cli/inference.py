@@ -285,5 +285,5 @@ def cmd_models(args: argparse.Namespace) -> None:
 def _add_models(sub: argparse._SubParsersAction) -> None:
     ls = sub.add_parser("models", help="list registered model architectures, or one model's options")
     ls.add_argument("name", nargs="?", help="a model: print its options (captioner train --set OPTION=VALUE) with "
-                    "their defaults, in JSON")
+                    "their defaults, one OPTION=VALUE line each (values in JSON)")
     ls.set_defaults(func=cmd_models)

@@ -294,7 +294,8 @@ def _add_ensemble(sub: argparse._SubParsersAction) -> None:
     add_dataset_options(en)
     en.add_argument("--max-members", type=positive_int, default=4, help="most members the greedy search adds "
                     "(default 4)")
-    en.add_argument("--min-gain", type=float, default=0.005, help="stop when the best addition gains less")
+    en.add_argument("--min-gain", type=float, default=0.005, help="stop when the best addition gains less "
+                    "(default 0.005)")
     en.add_argument("--beam-size", type=positive_int, default=3, help="beam width of the search's scoring "
                     "(default 3)")
     en.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
