@@ -29,19 +29,19 @@ from .conftest import DEFAULT_CHECKPOINT
 from .entities_photos import circle_photos
 from .test_cli import captioner
 
-SENTENCES = """[/EN#18/people A little girl] in [/EN#19/clothing a pink dress] climbs [/EN#20/other the stairs] .
-[/EN#18/people/other The girl 's] [/EN#0/notvisual mood] is [/EN#21/scene outdoors] .
+SENTENCES = """[/EN#31/people A little boy] in [/EN#32/clothing a green coat] climbs [/EN#33/other the ladder] .
+[/EN#31/people/other The boy 's] [/EN#0/notvisual smile] is [/EN#34/scene outdoors] .
 """
 
 ANNOTATION = """<annotation>
   <filename>1000.jpg</filename>
   <size><width>400</width><height>200</height><depth>3</depth></size>
-  <object><name>18</name><bndbox><xmin>1</xmin><ymin>101</ymin><xmax>200</xmax><ymax>200</ymax></bndbox></object>
-  <object><name>19</name><name>20</name>
+  <object><name>31</name><bndbox><xmin>1</xmin><ymin>101</ymin><xmax>200</xmax><ymax>200</ymax></bndbox></object>
+  <object><name>32</name><name>33</name>
     <bndbox><xmin>201</xmin><ymin>1</ymin><xmax>400</xmax><ymax>100</ymax></bndbox></object>
-  <object><name>18</name><bndbox><xmin>301</xmin><ymin>151</ymin><xmax>400</xmax><ymax>200</ymax></bndbox></object>
-  <object><name>21</name><scene>1</scene><nobndbox>0</nobndbox></object>
-  <object><name>22</name><scene>0</scene><nobndbox>1</nobndbox></object>
+  <object><name>31</name><bndbox><xmin>301</xmin><ymin>151</ymin><xmax>400</xmax><ymax>200</ymax></bndbox></object>
+  <object><name>34</name><scene>1</scene><nobndbox>0</nobndbox></object>
+  <object><name>35</name><scene>0</scene><nobndbox>1</nobndbox></object>
 </annotation>
 """
 
@@ -56,14 +56,14 @@ def two_by_two(size=(8, 8)):
 # ---------------------------------------------------------------------------------------------------------------
 def test_sentences_markup_chains_types_and_tokens():
     first, second = parse_sentences(SENTENCES)
-    assert first.words == "A little girl in a pink dress climbs the stairs .".split()
+    assert first.words == "A little boy in a green coat climbs the ladder .".split()
     assert [(p.chain, p.types, p.first_word, p.words) for p in first.phrases] == [
-        ("18", ("people",), 0, ("A", "little", "girl")), ("19", ("clothing",), 4, ("a", "pink", "dress")),
-        ("20", ("other",), 8, ("the", "stairs"))]
+        ("31", ("people",), 0, ("A", "little", "boy")), ("32", ("clothing",), 4, ("a", "green", "coat")),
+        ("33", ("other",), 8, ("the", "ladder"))]
     assert second.phrases[0].types == ("people", "other") and second.phrases[1].chain == "0"
     # project tokens: lower case, punctuation dropped ("'s" → "s"); spans follow
     tokens, spans = second.tokenized()
-    assert tokens == ["the", "girl", "s", "mood", "is", "outdoors"]
+    assert tokens == ["the", "boy", "s", "smile", "is", "outdoors"]
     assert spans == [(0, 3), (3, 4), (5, 6)]
 
 
@@ -76,9 +76,9 @@ def test_bad_markup_is_a_format_error(line):
 def test_annotation_boxes_every_name_and_flags():
     annotation = parse_annotation(ANNOTATION)
     assert annotation.size == (400, 200)
-    assert annotation.boxes == {"18": [(1, 101, 200, 200), (301, 151, 400, 200)], "19": [(201, 1, 400, 100)],
-                                "20": [(201, 1, 400, 100)]}
-    assert annotation.scene == {"21"} and annotation.nobox == {"22"}
+    assert annotation.boxes == {"31": [(1, 101, 200, 200), (301, 151, 400, 200)], "32": [(201, 1, 400, 100)],
+                                "33": [(201, 1, 400, 100)]}
+    assert annotation.scene == {"34"} and annotation.nobox == {"35"}
     for bad in ("<annotation/>", "<annotation><size><width>4</width></size></annotation>", "not xml",
                 ANNOTATION.replace("<xmin>301</xmin>", "<xmin>0</xmin>")):
         with pytest.raises(EntitiesFormatError):
@@ -88,13 +88,13 @@ def test_annotation_boxes_every_name_and_flags():
 def test_boxes_on_a_squashed_copy_scale_each_axis_on_its_own():
     annotation = parse_annotation(ANNOTATION)
     # the 400×200 photo squashed to 224×224: x by 0.56, y by 1.12
-    assert np.allclose(annotation.boxes_on("18", (224, 224)), [[0, 112, 112, 224], [168, 168, 224, 224]])
-    assert annotation.boxes_on("21", (224, 224)).shape == (0, 4)
-    mask = box_mask(annotation.boxes_on("18", (224, 224)), (224, 224))
+    assert np.allclose(annotation.boxes_on("31", (224, 224)), [[0, 112, 112, 224], [168, 168, 224, 224]])
+    assert annotation.boxes_on("34", (224, 224)).shape == (0, 4)
+    mask = box_mask(annotation.boxes_on("31", (224, 224)), (224, 224))
     assert mask.sum() == 112 * 112 + 56 * 56
     assert mask[112:, :112].all() and not mask[:112].any()
     # the same photo at its own size: the identity
-    assert np.allclose(annotation.boxes_on("19", (400, 200)), [[200, 0, 400, 100]])
+    assert np.allclose(annotation.boxes_on("32", (400, 200)), [[200, 0, 400, 100]])
 
 
 def test_box_mask_pixel_centres_and_thin_boxes():
@@ -128,20 +128,20 @@ def _entity() -> EntityImage:
 
 def test_reference_targets_only_phrases_with_boxes():
     captions, targets = reference_targets(_entity())
-    assert captions[0][:3] == ["a", "little", "girl"]
-    # chain 21 is a scene without box and chain 0 is not visual: neither is a target
+    assert captions[0][:3] == ["a", "little", "boy"]
+    # chain 34 is a scene without box and chain 0 is not visual: neither is a target
     assert [(t.caption, t.positions, t.types, t.chains) for t in targets] == [
-        (0, [0, 1, 2], ("people",), ("18",)), (0, [4, 5, 6], ("clothing",), ("19",)),
-        (0, [8, 9], ("other",), ("20",)), (1, [0, 1, 2], ("people", "other"), ("18",))]
+        (0, [0, 1, 2], ("people",), ("31",)), (0, [4, 5, 6], ("clothing",), ("32",)),
+        (0, [8, 9], ("other",), ("33",)), (1, [0, 1, 2], ("people", "other"), ("31",))]
 
 
 def test_generated_phrases_match_heads_and_extend_over_reference_words():
-    tokens = "two girls in a pink dress near a red stairs and a dog".split()
+    tokens = "two boys in a green coat near a red ladder and a dog".split()
     targets = generated_targets(tokens, _entity())
-    # "girls" → head "girl" ("a little girl": chain 18; "the girl s" is headed by "s"); "a pink dress" extends over
-    # words of the reference phrase; "red" is in no reference phrase of "stairs", so the phrase starts after it; no dog
+    # "boys" → head "boy" ("a little boy": chain 31; "the boy s" is headed by "s"); "a green coat" extends over
+    # words of the reference phrase; "red" is in no reference phrase of "ladder", so the phrase starts after it; no dog
     assert [(t.positions, t.types, t.chains) for t in targets] == [
-        ([1], ("people",), ("18",)), ([3, 4, 5], ("clothing",), ("19",)), ([9], ("other",), ("20",))]
+        ([1], ("people",), ("31",)), ([3, 4, 5], ("clothing",), ("32",)), ([9], ("other",), ("33",))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_best_word_of_a_phrase_and_its_pointing_and_ratio():
     mask[:4, :4] = True  # the top-left cell
     rows = np.array([[0.25, 0.25, 0.25, 0.25],  # "a": uniform, 1/4 inside
                      [0.5, 0.5, 0.0, 0.0],  # "little": half inside, its plateau half inside
-                     [0.8, 0.0, 0.0, 0.2]])  # "girl": the best word
+                     [0.8, 0.0, 0.0, 0.2]])  # "boy": the best word
     assert best_word(rows, geometry, mask) == pytest.approx({"mass": 0.8, "pointing": 1.0, "ratio": 3.2})
     assert best_word(rows[:2], geometry, mask) == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 2.0})
 
@@ -161,7 +161,7 @@ def test_best_word_of_a_phrase_and_its_pointing_and_ratio():
 def test_uniform_map_scores_the_boxes_share_on_a_squashed_photo():
     annotation = parse_annotation(ANNOTATION)
     geometry = two_by_two((56, 56))  # a squashed 56×56 copy of the 400×200 photo
-    mask = box_mask(annotation.boxes_on("18", (56, 56)), (56, 56))
+    mask = box_mask(annotation.boxes_on("31", (56, 56)), (56, 56))
     share = (28 * 28 + 14 * 14) / 56 ** 2
     assert score_map(pixel_distribution(np.ones(4), geometry), mask) == pytest.approx(
         {"mass": share, "pointing": share, "ratio": 1.0})

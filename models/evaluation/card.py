@@ -173,9 +173,10 @@ def _training_lines(meta: dict[str, Any]) -> list[str]:
         f"- Data: {_data_description(meta)}: `{meta.get('dataset', '?')}` (training split; validation split for model "
         "selection).",
         f"- Phase: {meta.get('phase', 'xe')}; selected by validation {meta.get('selected_by', '?')} "
-        # best/ is saved at its epoch, so its history ends there: later epochs of the run validated no higher
-        f"(epoch {meta.get('best_epoch', '?')}; the history below ends at it, and any later epoch of the run "
-        "validated no higher).",
+        # best/ is saved at its epoch, so its history ends there: later epochs trained by then validated no higher
+        # (a run resumed for more epochs after its best/ was shipped may have validated higher since)
+        f"(epoch {meta.get('best_epoch', '?')}; the history below ends at it: no epoch trained before this "
+        "checkpoint was written validated higher).",
         f"- Command: `{_train_command(meta)}`",
         *_lineage_lines(meta.get("started_from")),
         f"- Training time: {f'{seconds / 60:.1f} min' if seconds >= 60 else f'{seconds:.0f} s'} of wall clock"

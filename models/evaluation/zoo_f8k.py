@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..data.datasets import CITATIONS
 from ..protocol import configured_normaliser
 from .zoo_table import write_between_markers
 
@@ -301,7 +302,8 @@ def markdown(rows: list[dict[str, Any]], baseline: str, split: str, results: Pat
         if name in PAPER_ROWS:
             lines.append(paper_row(name))
     images = next((row["split"]["images"] for row in rows if row["split"] is not None), None)
-    photos = f"the {images:,} Flickr8k {split} photos" if images else f"the Flickr8k {split} photos"
+    photos = f"the {images:,} {split} photos" if images else f"the {split} photos"
+    photos += f" of {CITATIONS['flickr8k']}"
     return [*lines, "",
             "Paper rows: Show, Attend and Tell (Xu et al. 2015, arXiv:1502.03044, Table 1) is the only paper here "
             "that reports Flickr8k; the others report other data sets (COCO, some also Flickr30k), so they have no "
