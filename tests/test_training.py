@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,6 +123,7 @@ def test_ctrl_c_saves_state_and_resume_finishes_and_no_second_trainer_gets_in(sc
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "--resume" in err
+    assert "stopping after this step to save the run" in err  # said when pressed, not after the step
     progress = json.loads((out / "train_state.json").read_text())["progress"]
     assert progress["step_in_epoch"] > 0 and (out / "best" / "model.safetensors").exists()
     resume = [*cmd[:cmd.index("--epochs") + 1], str(progress["epoch"] + 1),
@@ -129,6 +131,8 @@ def test_ctrl_c_saves_state_and_resume_finishes_and_no_second_trainer_gets_in(sc
     done = subprocess.run(resume, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resuming" in done.stdout
+    # how best/ was chosen, where the run ends (only its card said)
+    assert re.search(r"best checkpoint: \S+/best \(selected by validation BLEU-4 \d\.\d{4}, epoch \d+\)", done.stdout)
     final = json.loads((out / "train_state.json").read_text())["progress"]
     assert final["epoch"] == progress["epoch"] + 1 and final["step_in_epoch"] == 0
 

@@ -127,6 +127,7 @@ def train_config_from_args(args: argparse.Namespace):
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from ..checkpoint import read_config
     from ..data.features import DEFAULT_SHARD_SIZE
     from ..training import TrainingInterrupted, train
     from ..training.distributed import shutdown_distributed
@@ -161,7 +162,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the main process speaks for the run
         return
     if best.exists():
-        print(f"best checkpoint: {best}")
+        meta = read_config(best).get("meta", {})
+        chosen = meta.get("selected_by"), meta.get("best_epoch"), meta.get("val_scores", {})
+        why = (f" (selected by validation {chosen[0]} {chosen[2][chosen[0]]:.4f}, epoch {chosen[1]})"
+               if chosen[0] in chosen[2] else "")
+        print(f"best checkpoint: {best}{why}")
     else:  # --max-steps or an early stop ended the run before its first validation saved one
         print(f"no checkpoint yet: the run stopped before its first validation; --resume with more steps or "
               f"epochs continues it (its state is in {best.parent})")

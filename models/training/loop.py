@@ -29,6 +29,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -89,6 +90,10 @@ class _StopFlag:
         if self.raised:  # a second Ctrl-C aborts at once
             raise KeyboardInterrupt
         self.raised = True
+        # said at once: the stop waits for the step (or a whole validation) to end, and a user who heard nothing
+        # pressed again and lost the work since the last save
+        print("stopping after this step to save the run (Ctrl-C again to abort without saving)", file=sys.stderr,
+              flush=True)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
