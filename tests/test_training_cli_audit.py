@@ -3,6 +3,7 @@ logs of killed starts, Ctrl-C before training, malformed data sets; and at the c
 figures and reports over what is already there (docs/decisions.md, "Training and evaluation commands, audited")."""
 
 import json
+import shutil
 
 import pytest
 
@@ -469,3 +470,25 @@ def test_a_mistyped_encoder_option_or_a_min_count_that_keeps_no_word_is_refused_
     err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, "--min-count", "100000"))
     assert "--min-count 100000 keeps none of the training captions'" in err and "distinct words" in err
     assert not (tmp_path / "run").exists() and not list(cache.glob("*/*.npy"))
+
+
+def test_a_run_whose_data_moved_resumes_from_where_the_command_says(scenes, tmp_path, capsys):
+    # the run's data set moved (another disk): the new --dataset was named as ignored, then the run failed on the old
+    # path, and only an edit of train_state.json could resume it
+    shutil.copytree(scenes.parent, tmp_path / "data")
+    train(_config(tmp_path / "data", tmp_path / "run", tmp_path / "cache", epochs=2, max_steps=1))
+    (tmp_path / "data").rename(tmp_path / "moved")
+    capsys.readouterr()
+    train(_config(tmp_path / "moved", tmp_path / "run", tmp_path / "cache", epochs=2), resume=True,
+          explicit={"out", "epochs", "dataset"})
+    said = capsys.readouterr().out
+    assert "the run's data has moved" in said and "ignored" not in said
+    state = json.loads((tmp_path / "run" / "train_state.json").read_text())
+    assert state["progress"]["epoch"] == 2
+    assert state["config"]["dataset"].startswith(str((tmp_path / "moved").resolve()))
+    # a data set that still exists is the run's recipe: another one given is named as ignored, as before
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "moved", other)
+    train(_config(other, tmp_path / "run", tmp_path / "cache", epochs=2), resume=True,
+          explicit={"out", "epochs", "dataset"})
+    assert "ignored: dataset=" in capsys.readouterr().out

@@ -66,6 +66,19 @@ def read_from(saved: dict[str, Any], announce: bool) -> dict[str, Any]:
     return {**config, **changes}
 
 
+#: the options a resumed run takes from the command when the run's own no longer exist (a data set moved to another
+#: disk): the same photos and captions somewhere else, not another recipe
+MOVABLE_DATA = ("dataset", "image_root")
+
+
+def _moved_data(before: TrainConfig, given: dict[str, Any]) -> dict[str, str]:
+    """The ``given`` data locations that replace the run's: each where the run's is gone and the command's exists
+    (a resume could not go on: it named the new place as ignored, then failed on the old one)."""
+    return {name: str(Path(given[name]).resolve()) for name in MOVABLE_DATA  # absolute: later resumes read the
+            if name in given and getattr(before, name)                    # run's paths from where it started
+            and not Path(getattr(before, name)).exists() and Path(given[name]).exists()}
+
+
 def merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: int,
                  explicit: Collection[str] | None = None) -> TrainConfig:
     """The saved run's config, with what may change on resume (its length, how it runs, a learning-rate drop)
@@ -88,6 +101,13 @@ def merge_resume(cfg: TrainConfig, saved_config: dict[str, Any], epochs_done: in
         with contextlib.suppress(OSError, ValueError):
             if Path(resolve_dataset(cfg.dataset)).resolve() != Path(before.dataset).resolve():
                 given["dataset"] = cfg.dataset
+    moved = _moved_data(before, given)
+    if moved:
+        merged = replace(merged, **moved)
+        given = {name: value for name, value in given.items() if name not in moved}
+        print("the run's data has moved; read from where the command says (its photos are encoded again): "
+              + ", ".join(f"{name}={value!r} (the run's, gone: {getattr(before, name)!r})"
+                          for name, value in moved.items()))
     if given:
         print("resuming keeps the run's recipe; ignored: " + ", ".join(
             f"{name}={value!r} (the run's: {getattr(before, name)!r})" for name, value in given.items()))
