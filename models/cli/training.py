@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from dataclasses import asdict
@@ -128,7 +127,7 @@ def train_config_from_args(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> None:
     from ..checkpoint import read_config
-    from ..data.features import DEFAULT_SHARD_SIZE
+    from ..data.features import DEFAULT_SHARD_SIZE, distributed_rank
     from ..training import TrainingInterrupted, train
     from ..training.distributed import shutdown_distributed
     from ..training.state import STATE_JSON
@@ -159,7 +158,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
     finally:
         shutdown_distributed(meet_first=best is not None)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun the main process speaks for the run
+    if distributed_rank() != 0:  # under torchrun the main process speaks for the run
         return
     if best.exists():
         meta = read_config(best).get("meta", {})

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,6 +42,7 @@ from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, load_checkpoint, on_meta, remove_debris, save_checkpoint, state_shapes
 from ..data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, resolve_dataset
+from ..data.features import distributed_rank
 from ..data.karpathy import CaptionedImage
 from ..data.scenes import read_dataset_header
 from ..data.stores import TunedStore, VisualStore, open_feature_store
@@ -91,9 +91,11 @@ class _StopFlag:
             raise KeyboardInterrupt
         self.raised = True
         # said at once: the stop waits for the step (or a whole validation) to end, and a user who heard nothing
-        # pressed again and lost the work since the last save
-        print("stopping after this step to save the run (Ctrl-C again to abort without saving)", file=sys.stderr,
-              flush=True)
+        # pressed again and lost the work since the last save. Written to the descriptor, not through sys.stderr,
+        # whose buffered writer a progress bar may be inside of when the signal comes (a reentrant call raises);
+        # by the main rank only (torchrun hands the signal to every rank)
+        if distributed_rank() == 0:
+            os.write(2, b"\nstopping after this step to save the run (Ctrl-C again to abort without saving)\n")
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._previous.items():
@@ -548,7 +550,7 @@ def _sole_trainer(run_dir: Path) -> Iterator[None]:
     ``--out`` (a ``--resume`` typed while the run still went on, say) interleaved its steps into the metrics log and
     its checkpoints into ``best/``. The lock is the folder's own (``flock``), so nothing is left behind by a killed
     run, and no file is added to the folder."""
-    if int(os.environ.get("RANK", "0")) != 0 or (run_dir.exists() and not run_dir.is_dir()):
+    if distributed_rank() != 0 or (run_dir.exists() and not run_dir.is_dir()):
         yield  # other ranks follow the main one; a file given as --out is refused by the run itself
         return
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -256,10 +256,10 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   const words = body.tokens.filter((_, i) => !body.is_eos[i]);
   const from = copySide === null ? ""
     : ` (from a smaller copy, at most ${copySide} px on its longer side: the photo was too large)`;
-  // the live region announces the caption itself, not only that one arrived
   // the words are replaced: a keyboard focus on one of them (or on the caption, held there) moves to the new word
   const refocus = $("caption").contains(document.activeElement);
   clearCaption();
+  // the live region announces the caption itself, not only that one arrived
   current = { id: body.id, tokens: body.tokens, isEos: body.is_eos, attention: body.attention,
               geometry: body.geometry, summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”${from}` };
   setStatus(current.summary);
