@@ -572,3 +572,16 @@ def test_an_option_is_never_read_as_a_longer_one_it_begins(capsys):
     with pytest.raises(SystemExit):  # in nested subcommands too
         main(["data", "generate", "--out", "x", "--vari"])
     assert "unrecognized arguments: --vari" in capsys.readouterr().err
+
+
+def test_export_of_a_training_run_names_the_checkpoints_it_holds(tmp_path, capsys):
+    # "not a checkpoint folder: runs/karp" where eval and caption say which of the run's checkpoints to give
+    from captioner.service.cli import main
+
+    shutil.copytree(DEFAULT_CHECKPOINT, tmp_path / "run" / "best")
+    with pytest.raises(SystemExit) as stopped:
+        main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "onnx")])
+    assert stopped.value.code == 2
+    assert f"{tmp_path / 'run'} is a training run, not a checkpoint: give {tmp_path / 'run' / 'best'}" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "onnx").exists()

@@ -88,7 +88,9 @@ def test_coco_refuses_what_it_does_not_have(coco, tmp_path):
     # away from its photos: the first missing one is named, with the option that fixes it
     moved = tmp_path / "elsewhere"
     shutil.move(coco / "annotations", moved)
-    with pytest.raises(FileNotFoundError, match="train2014.*--image-root DIR: the folder holding train2014/"):
+    with pytest.raises(FileNotFoundError, match="train2014.*no --image-root was given, so the photos were looked for "
+                                                "from .*; give the folder that holds them as --image-root: the folder "
+                                                "holding train2014/"):
         load_captioned(moved)
     assert load_captioned(moved, image_root=coco, splits=("val",))[0].path.is_file()
     # a COCO-format file under another name is not mistaken for Karpathy's JSON

@@ -106,7 +106,7 @@ def _add_caption(sub: argparse._SubParsersAction) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
-    from ..checkpoint import checkpoint_name, find_checkpoints
+    from ..checkpoint import checkpoint_name, find_checkpoints, not_a_checkpoint
     from ..device import set_threads
     from ..export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
 
@@ -128,8 +128,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     found = find_checkpoints(weights_dir, extra, prefixed, on_replaced=replaced)
     missing = [c for c in args.checkpoints if checkpoint_name(c) not in found]
-    if missing:
-        raise SystemExit(f"error: not a checkpoint folder: {', '.join(missing)}")
+    if missing:  # each said as eval says it (a training run names the checkpoints it holds)
+        raise SystemExit("error: " + "; ".join(str(not_a_checkpoint(Path(c))) for c in missing))
     if not found:
         raise SystemExit(f"error: no checkpoint found in {args.weights_dir}")
     out = Path(args.out)

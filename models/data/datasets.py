@@ -80,9 +80,10 @@ def load_captioned(dataset: str | Path, image_root: str | Path | None = None, sp
     if check_images:
         missing = next((im.path for im in images if not im.path.is_file()), None)
         if missing is not None:
-            given = f"--image-root {image_root}" if image_root else "--image-root DIR"
-            raise FileNotFoundError(f"image {missing} of {path} does not exist (the photos' folder is {given}: "
-                                    f"{photos_folder})")
+            where = (f"the photos' folder is --image-root {image_root}: {photos_folder}" if image_root else
+                     f"no --image-root was given, so the photos were looked for from {path.parent}; give the folder "
+                     f"that holds them as --image-root: {photos_folder}")
+            raise FileNotFoundError(f"image {missing} of {path} does not exist ({where})")
     return images
 
 
