@@ -353,6 +353,11 @@ def prepare_run(cfg: TrainConfig, resume: bool = False, explicit: Collection[str
     entities_dir = checked_entities_folder(cfg) if cfg.attention_supervision else None
     train_images, val_images = _load_splits(cfg)
     vocab = choose_vocab(cfg, saved, init, train_images)  # before the features: a --min-count that keeps no word
+    if ctx.is_main:  # what the run is about to train on: nothing else was said before the first epoch's bar
+        captions = sum(len(im.references) for im in train_images)
+        print(f"training {cfg.model} on {len(train_images):,} photos ({captions:,} "
+              f"captions) of {cfg.dataset}, validating on {len(val_images):,}; vocabulary of {len(vocab):,} words",
+              flush=True)
     store, tail = _open_store(cfg, spec, train_images, val_images, ctx, device)
     model, optimizer = _build_model(cfg, vocab, store.feat_dim, tail, init, device)
 
