@@ -161,7 +161,8 @@ def test_the_section_lists_every_checkpoint_with_paper_rows_intervals_and_floors
     assert xlan[-2:] == ["+0.0 [+0.0, +0.0]", "+0.0 [+0.0, +0.0] |"]  # the same captions as sat: no †
     low, high = (float(v) for v in aoanet[7].split(" [")[1].rstrip("]").split(", "))
     assert low <= float(aoanet[7].split(" [")[0]) <= high
-    assert "on the 8 Flickr8k test photos, beam 3" in text and "SPICE is unavailable" in text
+    assert "on the 8 test photos of Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013), beam 3" in text
+    assert "SPICE is unavailable" in text
     assert "- SAT soft `sat`: **not met (short on BLEU-1, BLEU-2, BLEU-3, BLEU-4)**: " in text
     assert "METEOR 24.12 vs 20.30" in text and "- SAT hard `sat-hard`: not measured" in text
     assert "- AoANet `aoanet`: **met**: ΔCIDEr-D +" in text and "- X-LAN `xlan`: **not met**" in text
