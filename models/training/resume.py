@@ -73,9 +73,10 @@ MOVABLE_DATA = ("dataset", "image_root")
 
 def _moved_data(before: TrainConfig, given: dict[str, Any]) -> dict[str, str]:
     """The ``given`` data locations that replace the run's: each where the run's is gone and the command's exists
-    (a resume could not go on: it named the new place as ignored, then failed on the old one)."""
-    return {name: str(Path(given[name]).resolve()) for name in MOVABLE_DATA  # absolute: later resumes read the
-            if name in given and getattr(before, name)                    # run's paths from where it started
+    (a resume could not go on: it named the new place as ignored, then failed on the old one). Made absolute: a
+    later resume reads the run's relative paths from the folder the run was started in."""
+    return {name: str(Path(given[name]).resolve()) for name in MOVABLE_DATA
+            if name in given and getattr(before, name)
             and not Path(getattr(before, name)).exists() and Path(given[name]).exists()}
 
 
