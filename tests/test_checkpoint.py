@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from captioner.models.attention import NORMALISERS
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
@@ -206,7 +207,7 @@ def test_the_shape_check_costs_a_server_no_memory_of_its_own(tmp_path, tiny_sat,
     assert done.stdout.split() == ["False", "False"]
 
 
-@pytest.mark.parametrize("normaliser", ["softmax", "sparsemax", "tvmax"])
+@pytest.mark.parametrize("normaliser", sorted(NORMALISERS))
 def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
     """``captioner train`` runs one step of every model on random features before reading data
     (``check_step_contract``): a model of the project's own that broke a rule it checks could not be trained."""

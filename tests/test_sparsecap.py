@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.attention import get_normaliser
+from captioner.models.attention import NORMALISERS as REGISTERED, get_normaliser
 from captioner.models.decoding import beam_search
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
@@ -15,7 +15,11 @@ from .model_checks import VOCAB, assert_beam_one_is_greedy, memorisation_cider, 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NORMALISERS = ("softmax", "sparsemax", "tvmax")
+#: every normaliser of the table (a new one is checked in the model with no edit here), and those that give exact
+#: zeros on the tiny model's scores (their zeros are checked to survive decoding; 1.5-entmax, say, zeroes only
+#: at larger score gaps, so a new one is not assumed to)
+NORMALISERS = tuple(REGISTERED)
+SPARSE_HERE = ("sparsemax", "tvmax")
 
 
 def _tiny(attention: str, **overrides):
@@ -86,7 +90,7 @@ def test_step_matches_the_equations(attention):
     torch.testing.assert_close(record.primary, alpha_out)
     readout = torch.tanh(model.readout(torch.einsum("bn,bnd->bd", alpha_out, feats)))
     torch.testing.assert_close(logprobs, model.out_word(torch.cat([readout, h], 1)).log_softmax(-1))
-    if attention != "softmax":
+    if attention in SPARSE_HERE:
         assert (record.primary == 0).any()
 
 
@@ -134,10 +138,9 @@ def test_beam_search_attention_is_aligned_and_keeps_exact_zeros(attention):
             torch.testing.assert_close(hyp.attention.sum(-1), torch.ones(steps))
             if attention == "softmax":
                 assert (hyp.attention > 0).all()
-            else:
-                # exact zeros survive the beam bookkeeping, in exactly the cells the model zeroed
-                assert (hyp.attention == 0).any()
-                assert torch.equal(hyp.attention == 0, primary == 0)
+            # exact zeros survive the beam bookkeeping, in exactly the cells the model zeroed
+            assert (hyp.attention == 0).any() or attention not in SPARSE_HERE
+            assert torch.equal(hyp.attention == 0, primary == 0)
 
 
 def test_beam_one_equals_greedy_with_tvmax():

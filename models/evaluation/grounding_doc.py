@@ -122,6 +122,11 @@ def examples_figure(checkpoints: list[Path], out: Path, device: str = "cpu",
     return out
 
 
+#: the normalisers of the human study the ordering is read against (Martins et al., arXiv:2002.05556), in its order:
+#: not the table of every normaliser (models/attention), which a new one joins without joining the study
+STUDIED_NORMALISERS = ("softmax", "sparsemax", "tvmax")
+
+
 def _overlap(a: dict, b: dict) -> bool:
     return a["ci95"][0] <= b["ci95"][1] and b["ci95"][0] <= a["ci95"][1]
 
@@ -130,14 +135,15 @@ def ordering_sentence(values: dict[str, dict]) -> str:
     """``softmax 0.41 [..] < sparsemax …``, each step said as "<" (intervals apart) or "≈" (they overlap), and
     whether that is the strict ordering softmax < sparsemax < TVmax of the human study of "Sparse and
     Structured Visual Attention" (Martins et al., arXiv:2002.05556: attention relevance 3.38, 3.89, 4.10 of 5)."""
-    names = [n for n in NORMALISERS if n in values]
+    names = [n for n in STUDIED_NORMALISERS if n in values]
     if len(names) < 2:
         return "fewer than two of softmax, sparsemax and TVmax were measured: no ordering to read"
     ranked = sorted(names, key=lambda n: values[n]["mean"])
     text = f"{ranked[0]} {interval(values[ranked[0]])}"
     for low, high in zip(ranked, ranked[1:]):
         text += f" {'≈' if _overlap(values[low], values[high]) else '<'} {high} {interval(values[high])}"
-    strict = ranked == list(NORMALISERS) and all(not _overlap(values[a], values[b]) for a, b in zip(ranked, ranked[1:]))
+    strict = ranked == list(STUDIED_NORMALISERS) and all(not _overlap(values[a], values[b])
+                                                         for a, b in zip(ranked, ranked[1:]))
     verdict = "holds" if strict else "does not hold (as a strict, interval-separated ordering)"
     return (f"{text}: the ordering of the human study of Martins et al. (arXiv:2002.05556), softmax < sparsemax < "
             f"TVmax, {verdict}")
@@ -155,12 +161,12 @@ def closing_note(reports: list[tuple[str, dict]], weights: Path, scene_results: 
         chance = {norm: row["mass"] for norm, name in sparse.items()
                   if (row := _all_row(by_name[name], mode, "other photo"))}
         if chance:
-            gaps = ", ".join(f"{norm} {values[norm]['mean'] - chance[norm]['mean']:+.3f}" for norm in NORMALISERS
-                             if norm in chance and norm in values)
+            gaps = ", ".join(f"{norm} {values[norm]['mean'] - chance[norm]['mean']:+.3f}"
+                             for norm in STUDIED_NORMALISERS if norm in chance and norm in values)
             lines.append(f"  Above the other-photo chance row (which carries the best-word pick among as many rows, "
                          f"the part of a sparse map's score that needs no grounding): {gaps}.")
     scene = {}
-    for norm in NORMALISERS:
+    for norm in STUDIED_NORMALISERS:
         path = scene_results / f"sparsecap-{norm}.json"
         if path.exists():
             rows = load_report(path).get("test", {}).get("grounding", {}).get("rows", [])
