@@ -147,6 +147,38 @@ def test_the_pickle_is_allow_listed(modules, files, tmp_path):
         convert_sgrvinod(tmp_path / "sgd.tar", files[1])
 
 
+class Scripted(torch.nn.Module):
+    def forward(self, x: int) -> int:
+        return x
+
+
+def test_a_torchscript_archive_is_refused_before_its_code_can_run(files, tmp_path, monkeypatch):
+    """torch.load hands a TorchScript archive to torch.jit.load past the restricted unpickler, and its
+    ``__setstate__`` ran: a crafted "checkpoint" wrote a file of its choosing before the import failed (the ONNX and
+    importers audit)."""
+    torch.jit.save(torch.jit.script(Scripted()), tmp_path / "BEST_checkpoint_x.pth.tar")
+    monkeypatch.setattr(torch.jit, "load", lambda *args, **kwargs: pytest.fail("the archive was loaded"))
+    with pytest.raises(UnsafePickleError, match="is a TorchScript archive"):
+        convert_sgrvinod(tmp_path / "BEST_checkpoint_x.pth.tar", files[1])
+    with pytest.raises(SystemExit) as refused:
+        captioner(["import", "sgrvinod", str(tmp_path / "BEST_checkpoint_x.pth.tar"), str(files[1]), "--out",
+                   str(tmp_path / "o")])
+    assert str(refused.value).startswith("error: refusing to load ") and not (tmp_path / "o").exists()
+
+
+def test_a_file_of_pytorch_0_4_which_pickled_parameters_by_their_class_imports(modules, tmp_path, monkeypatch):
+    """PyTorch 0.4 (the tutorial's released checkpoint) pickled a parameter as Parameter(tensor, requires_grad),
+    a class the allow-list refused."""
+    monkeypatch.setattr(torch.nn.Parameter, "__reduce_ex__",
+                        lambda self, protocol: (torch.nn.Parameter, (self.data, self.requires_grad)))
+    checkpoint, word_map = tutorial.save_checkpoint(tmp_path, *modules, WORDS, legacy=True)
+    monkeypatch.undo()
+    model, vocab, spec, trunk, _ = convert_sgrvinod(checkpoint, word_map)
+    torch.save(trunk, tmp_path / "trunk.pth")
+    assert_same_as_the_tutorial(modules, model, vocab, spec.__class__(**{**spec.to_json(),
+                                                                         "weights": str(tmp_path / "trunk.pth")}))
+
+
 def test_foreign_files_are_refused_with_a_reason(files, tmp_path):
     word_map = tutorial.word_map(WORDS[:-1])
     (tmp_path / "short.json").write_text(__import__("json").dumps(word_map))

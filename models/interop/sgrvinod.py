@@ -33,8 +33,10 @@ the trunk's last stage adaptive-average-pooled onto the checkpoint's grid (14×1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -109,6 +111,9 @@ class TutorialUnpickler(RestrictedUnpickler):
                ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
                ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
                ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+               # PyTorch 0.4 pickled a parameter as Parameter(tensor, requires_grad), the tutorial's released file
+               # among them: the class only wraps a tensor it is given
+               ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
                ("torch.nn.backends.thnn", "_get_thnn_function_backend"): _legacy_backend,
                ("torch", "device"): torch.device,  # DataParallel's src_device_obj
                **{(module, name): value for module in ("builtins", "__builtin__")
@@ -130,8 +135,22 @@ class _PickleModule:
         return TutorialUnpickler(file, **kwargs).load()
 
 
+def _refuse_torchscript(path: str | Path) -> None:
+    """A TorchScript archive (a zip holding ``constants.pkl`` and ``code/``) is handed by ``torch.load`` to
+    ``torch.jit.load``, past the pickle module it was given: its ``__setstate__`` code runs (an import could write
+    files). The tutorial saves pickles, never TorchScript: such a file is refused before it is opened as one."""
+    with contextlib.suppress(OSError, zipfile.BadZipFile):
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                if any(name.endswith("constants.pkl") or "/code/" in name for name in archive.namelist()):
+                    raise UnsafePickleError(f"refusing to load {path}: it is a TorchScript archive, whose code "
+                                            "torch.load would run; the tutorial's checkpoints are pickles "
+                                            "(BEST_checkpoint_*.pth.tar)")
+
+
 def load_tutorial_checkpoint(path: str | Path) -> dict[str, Any]:
     """The checkpoint dict, its modules as :class:`PickledModule` stand-ins (zip and pre-1.6 legacy files)."""
+    _refuse_torchscript(path)
     try:
         with warnings.catch_warnings():  # legacy files compare the pickled classes' source with ours: noise here
             warnings.simplefilter("ignore")
