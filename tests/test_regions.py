@@ -130,3 +130,19 @@ def test_a_checkpoint_trained_on_regions_refuses_to_caption_photos(tmp_path):
     with pytest.raises(CheckpointError, match="--features regions:DIR"):
         torch_runtime(tmp_path / "weights" / "regions")
     assert list(load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch")) == ["grid"]
+
+
+def test_export_refuses_a_checkpoint_trained_on_region_features_and_goes_on_with_the_others(tmp_path):
+    """``captioner export`` crashed on one (a matrix shape error from the grid its graph was traced on), and stopped
+    the whole batch (the ONNX audit)."""
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.models.export.onnx import ExportUnsupported, export_checkpoints
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    save_checkpoint(tmp_path / "regions", tiny_model("sat"), VOCAB, TINY_SPEC,
+                    meta={"train_config": {"features": "regions:/data/bottom-up"}})
+    save_checkpoint(tmp_path / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
+    results = export_checkpoints({"regions": tmp_path / "regions", "grid": tmp_path / "grid"}, tmp_path / "onnx")
+    assert isinstance(results["regions"], ExportUnsupported) and "trained on region features" in str(results["regions"])
+    assert not isinstance(results["grid"], ExportUnsupported) and not (tmp_path / "onnx" / "regions").exists()

@@ -464,6 +464,13 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
         check_replaceable(Path(out_dir) / name)
     for name, path in checkpoints.items():
         ckpt = load_checkpoint(path, "cpu")
+        if ckpt.reads_regions:  # its graphs would take the CNN's grid, which it was never trained on (it crashed)
+            results[name] = ExportUnsupported(f"{name} was trained on region features: it captions no photo, so "
+                                              "there is no graph of photos to export (evaluate it with captioner "
+                                              "eval --features regions:DIR)")
+            if log:
+                log(name, results[name])
+            continue
         key = repr(ckpt.encoder)
         if key not in visuals:
             visuals[key] = GridEncoder(ckpt.encoder)
