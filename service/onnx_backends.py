@@ -41,7 +41,7 @@ class OnnxRuntime(Runtime):
 
     def __init__(self, name: str, ckpt: Checkpoint, folder: str | Path, device: torch.device | str,
                  threads: int | None = None, visual: VisualSession | None = None):
-        from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec
+        from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec, intact
 
         folder, device = Path(folder), torch.device(device)
         super().__init__(name, ckpt, device)
@@ -49,6 +49,11 @@ class OnnxRuntime(Runtime):
         if self.graphs.checksum != ckpt.checksum:  # the graphs would caption, under this checkpoint's name
             raise ValueError(f"{folder} was exported from other weights ({self.graphs.checksum}) than {ckpt.path} "
                              f"({ckpt.checksum}): export this checkpoint (captioner export)")
+        graphs = (ENCODER_FILE if visual is None else HEAD_FILE, STEP_FILE)
+        damaged = [graph for graph in graphs if not intact(folder / graph)]
+        if damaged:  # another model's graph copied in, or one cut short, captioned (or failed) under this name
+            raise ValueError(f"{folder}: {' and '.join(damaged)} not as its export wrote it (its seal does not "
+                             "match: damaged or replaced since): export this checkpoint again (captioner export)")
         self.folder = folder
         self.visual = visual
         self.encoder_session = open_session(folder / (ENCODER_FILE if visual is None else HEAD_FILE), device, threads)

@@ -209,6 +209,12 @@ def test_a_weights_file_is_known_by_its_content_to_the_feature_cache_and_the_onn
     assert _cache_name(spec, ["photo.jpg"]) != keys[1], "the features of the old weights would be reused"
     path.write_bytes(b"first weights")  # the first content back: its caches again
     assert (visual_encoder_key(spec), _cache_name(spec, ["photo.jpg"])) == keys
+    # the same bytes at another path (a checkpoint moved or mounted elsewhere): the same export and features, where
+    # the CNN was exported again beside the first (the ONNX audit)
+    (tmp_path / "moved").mkdir()
+    os.replace(path, tmp_path / "moved" / path.name)
+    moved = EncoderSpec(**{field: str(tmp_path / "moved" / path.name)})
+    assert (visual_encoder_key(moved), _cache_name(moved, ["photo.jpg"])) == keys
 
 
 def test_weights_sha256_names_each_weights_file_of_a_spec_and_no_other(tmp_path):

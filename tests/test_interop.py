@@ -254,6 +254,28 @@ def test_infos_that_are_not_a_readable_pickle_are_named(tmp_path, authors_files)
     (tmp_path / "list.pkl").write_bytes(pickle.dumps({"opt": {}, "vocab": ["a", "b"]}))
     with pytest.raises(ConversionError, match="no 'vocab' dict"):
         convert_aoanet(authors_files[0], tmp_path / "list.pkl")
+    # a vocabulary that skips a number or holds something that is no word, and an array whose pickled shape asks for
+    # terabytes: an IndexError or MemoryError traceback, or, for the words, an import that went through (the ONNX
+    # and importers audit)
+    infos = pickle.loads(authors_files[1].read_bytes())
+    last = str(len(infos["vocab"]))
+    skipping = {(str(len(WORDS) + 1) if ix == last else ix): word for ix, word in infos["vocab"].items()}
+    for vocab, said in ((skipping, "not numbered 1.."), ({**infos["vocab"], "1": "two words"}, "is not a word"),
+                        ({**infos["vocab"], "1": ""}, "is not a word")):
+        (tmp_path / "bad.pkl").write_bytes(pickle.dumps({**infos, "vocab": vocab}, protocol=2))
+        with pytest.raises(ConversionError, match=said):
+            convert_aoanet(authors_files[0], tmp_path / "bad.pkl")
+    (tmp_path / "huge.pkl").write_bytes(pickle.dumps(HugeArray(), protocol=2))
+    with pytest.raises(pickle.UnpicklingError, match="huge.pkl is not a readable pickle"):
+        convert_aoanet(authors_files[0], tmp_path / "huge.pkl")
+
+
+class HugeArray:
+    """Pickles as NumPy's own reconstruction of a 4 EiB array (a few bytes in the file): beyond any address space,
+    so no allocator setting lets it through."""
+
+    def __reduce__(self):
+        return np.ndarray.__reduce__(np.zeros(1, np.int8))[0], (np.ndarray, (2 ** 62,), b"b")
 
 
 def test_import_never_replaces_what_it_was_not_asked_to(authors_files, tmp_path, capsys):

@@ -87,6 +87,11 @@ def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encode
     # another checkpoint's export captioned under this one's name, in silence (a library user's audit)
     with pytest.raises(ValueError, match="was exported from other weights"):
         OnnxRuntime(arch, tiny_checkpoint(arch, seed=1), str(tmp_path / arch), "cpu", threads=1)
+    # ...and a graph replaced or cut short since its export was loaded as it was (the ONNX audit)
+    step = tmp_path / arch / "step.onnx"
+    step.write_bytes(step.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="step.onnx not as its export wrote it"):
+        OnnxRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
 
 
 @pytest.mark.parametrize("arch,config", [

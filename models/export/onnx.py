@@ -580,7 +580,10 @@ def visual_encoder_key(spec: EncoderSpec) -> str:
     # fine-tuned stages add a field, so the key of a spec without them (and its earlier exports) does not change;
     # "weights" is "" for the packaged weights, as it always was
     tuned = {"tuned": files["tuned_weights"]} if "tuned_weights" in files else {}
-    text = json.dumps({"spec": spec.to_json(), "weights": files.get("weights", ""), **tuned, "format": FORMAT},
+    # a file the spec names is in the key by its content (above), not by the path it had where it was exported: a
+    # checkpoint moved (or mounted elsewhere) had its CNN exported again beside the first, which stayed for good
+    described = {field: value for field, value in spec.to_json().items() if field not in files}
+    text = json.dumps({"spec": described, "weights": files.get("weights", ""), **tuned, "format": FORMAT},
                       sort_keys=True)
     return "visual-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 

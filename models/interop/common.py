@@ -91,7 +91,19 @@ def load_converted(model: nn.Module, weights: dict[str, Tensor]) -> None:
 def vocabulary_from_indexed(words: Iterable[tuple[int, str]]) -> tuple[Vocabulary, dict[int, int]]:
     """The project vocabulary for the authors' words (their index ≥ 1 → word), and project id → authors' index
     for every row that has one (``<bos>`` and ``<eos>`` both come from their index 0)."""
-    authors = sorted((int(ix), word) for ix, word in words)
+    try:
+        authors = sorted((int(ix), word) for ix, word in words)
+    except (TypeError, ValueError):
+        raise ConversionError("the vocabulary's indices are not all whole numbers") from None
+    # the authors' words are numbered 1..N (0 is their start/end token), and their output layer has a row for each
+    if [ix for ix, _ in authors] != list(range(1, len(authors) + 1)):
+        raise ConversionError(f"the vocabulary is not numbered 1..{len(authors)} (0 is the authors' start and end "
+                              "token): its indices skip or repeat a number")
+    blank = next(((ix, word) for ix, word in authors if not isinstance(word, str) or not word or word != word.strip()
+                  or any(c.isspace() for c in word)), None)
+    if blank is not None:
+        raise ConversionError(f"the vocabulary's word {blank[1]!r} (index {blank[0]}) is not a word: words are "
+                              "non-empty strings without spaces")
     seen: set[str] = set()
     for ix, word in authors:
         if word in seen:

@@ -85,7 +85,8 @@ def restricted_load(path: str | Path) -> Any:
         return RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
     except UnsafePickleError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, AttributeError, KeyError) as error:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, AttributeError, KeyError,
+            MemoryError) as error:  # MemoryError: an array whose pickled shape asks for terabytes
         # an empty, truncated or foreign file (a JSON, a zip-format .pth) fails somewhere in the pickle machine;
         # each means "not a pickle this can read", with the reason kept
         raise pickle.UnpicklingError(f"{path} is not a readable pickle ({type(error).__name__}: {error})") from None
