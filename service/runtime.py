@@ -70,7 +70,13 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
         # a damaged checkpoint is below
         log.error("skipping checkpoint %s: %s", path, why)
 
-    for name, path in find_checkpoints(weights_dir, extra, prefixed, replaced, skipped).items():
+    found = find_checkpoints(weights_dir, extra, prefixed, replaced, skipped)
+    # a model named in CAPTIONER_BACKENDS that no checkpoint is called (a typo) stayed on the default in silence
+    unknown = sorted(set(backends or {}) - set(found))
+    if unknown:
+        log.warning("CAPTIONER_BACKENDS names %s, which no checkpoint is called (they are: %s)",
+                    ", ".join(map(repr, unknown)), ", ".join(sorted(found)) or "none")
+    for name, path in found.items():
         if only is not None and name not in only:
             continue
         try:

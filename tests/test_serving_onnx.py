@@ -670,3 +670,20 @@ def test_an_export_folder_gets_the_usual_permissions_so_another_user_can_read_it
     assert folder.stat().st_mode & 0o777 == 0o755
     for file in folder.iterdir():
         assert file.stat().st_mode & 0o777 == 0o644, file.name
+
+
+def test_a_backend_named_for_a_model_no_checkpoint_is_called_is_said(tmp_path, caplog):
+    """CAPTIONER_BACKENDS='{"nosuch": "onnx"}' (a misspelt model) left the model meant on the default backend, in
+    silence (the ONNX audit)."""
+    import logging
+
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.service.runtime import load_runtimes
+
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    save_checkpoint(tmp_path / "weights" / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
+    with caplog.at_level(logging.WARNING, logger="captioner"):
+        load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
+                      backends={"gird": "torch", "grid": "torch"})
+    assert "CAPTIONER_BACKENDS names 'gird', which no checkpoint is called (they are: grid)" in caplog.text
