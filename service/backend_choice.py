@@ -57,7 +57,7 @@ def check_captions(runtime: Runtime, prepared: list[Prepared]) -> list[list[int]
 
 def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
                        prepared: list[Prepared]) -> list[list[int]]:
-    """PyTorch's token ids on the check set, as recorded in ``onnx_dir/reference/<weights checksum>.json`` when the
+    """PyTorch's token ids on the check set, as recorded in ``onnx_dir/.reference/<weights checksum>.json`` when the
     record matches this torch version, device type and check set; otherwise computed (which needs the PyTorch
     encoder) and recorded.  The record is what lets a server with current exports start without the PyTorch CNN."""
     digest = hashlib.sha256()

@@ -21,8 +21,9 @@ log = logging.getLogger("captioner.runtime")  # the loader's logger, whose recor
 
 def reference_record(onnx_dir: Path, checksum: str) -> Path:
     """Where :func:`~captioner.service.backend_choice.reference_captions` records PyTorch's captions of the check set
-    for the weights ``checksum``."""
-    return Path(onnx_dir) / "reference" / f"{checksum}.json"
+    for the weights ``checksum``. A hidden folder: the exports beside it are named after the checkpoints, and one
+    called ``reference`` could never be exported there."""
+    return Path(onnx_dir) / ".reference" / f"{checksum}.json"
 
 
 def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
