@@ -8,8 +8,9 @@
   holding one copy of the CNN's weights per model.
 * ``step.onnx``: ``prev_tokens [R]``, decoder state, encoder state → ``logprobs [R, V]``, the new decoder state,
   the primary attention ``[R, N]`` and every extra map of :class:`~captioner.models.protocol.AttnRecord`.
-* ``onnx.json``: the tensor names in graph order, which state dimensions grow while decoding, and the checksum
-  of the weights the graphs were made from (so a runtime can tell that an export is stale).
+* ``onnx.json``: the tensor names (sorted; a session's ``get_inputs()`` gives a graph's own, the tracer dropping
+  those it never reads), which state dimensions grow while decoding, and the checksum of the weights the graphs
+  were made from (so a runtime can tell that an export is stale).
 * ``<graph>.sha256`` beside every graph: its own checksum when it was written, so a graph damaged on disk since
   is made again instead of failing every start (:func:`intact`).
 
