@@ -464,9 +464,7 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, mo
     from captioner.service import runtime as runtime_module
     from captioner.service.onnx_exports import unprepared
 
-    # "reference": the folder name the check set's records took beside the exports, where a checkpoint of that
-    # name could then never be exported (the ONNX audit)
-    for name, seed in (("a", 0), ("reference", 1)):
+    for name, seed in (("a", 0), ("b", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
     settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
