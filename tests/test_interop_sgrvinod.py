@@ -152,6 +152,8 @@ class Scripted(torch.nn.Module):
         return x
 
 
+# the archive is built with TorchScript, which PyTorch deprecates: what an attacker's file is made with, not ours
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")
 def test_a_torchscript_archive_is_refused_before_its_code_can_run(files, tmp_path, monkeypatch):
     """torch.load hands a TorchScript archive to torch.jit.load past the restricted unpickler, and its
     ``__setstate__`` ran: a crafted "checkpoint" wrote a file of its choosing before the import failed (the ONNX and
