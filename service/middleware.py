@@ -170,6 +170,10 @@ def one_line(text: object) -> str:
     return _CONTROL.sub(lambda match: repr(match.group())[1:-1], str(text))
 
 
+#: the result routes' paths (``/captions/{result_id}...``, service/overlay.py) up to their id
+_RESULT_ID_IN_PATH = re.compile(r"^/captions/[^/]+")
+
+
 def _logged_path(scope: dict) -> str:
     """The path as the access log writes it: a route's template where it has parameters
     (``/captions/{result_id}``), since a result's id is all it takes to read that result and its photo, and logs
@@ -181,10 +185,6 @@ def _logged_path(scope: dict) -> str:
     if template and "{" in template:
         return template
     return _RESULT_ID_IN_PATH.sub("/captions/{result_id}", scope["path"]) if route is None else scope["path"]
-
-
-#: the result routes' paths (``/captions/{result_id}...``, service/overlay.py) up to their id
-_RESULT_ID_IN_PATH = re.compile(r"^/captions/[^/]+")
 
 
 class TextFormatter(logging.Formatter):

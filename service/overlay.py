@@ -10,7 +10,7 @@ only translate HTTP ↔ the use cases (``captioning.py``, ``rendering.py``).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
@@ -20,8 +20,8 @@ from captioner.models.rendering.heatmaps import HEAT_MODES, MODES
 from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
 from .openapi import header_doc
-from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, RenderOptions, check_render_options,
-                        drawn_mode, render_result)
+from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, PictureFormat, RenderOptions,
+                        check_render_options, drawn_mode, render_result)
 from .results import Results, StoredResult
 from .schemas import CAPTION_BODY, CaptionOut, HeatmapsOut
 from .state import ServiceState, State
@@ -33,7 +33,7 @@ ModeQuery = Annotated[str | None, Query(description=f"one of {', '.join(MODES)};
 HeatModeQuery = Annotated[str | None, Query(description=f"one of {', '.join(HEAT_MODES)} (the modes that draw heat); "
                                                          "default by geometry and model")]
 TokenQuery = Annotated[int | None, Query(ge=0, description="token index for format=png")]
-FormatQuery = Annotated[Literal["png", "figure"] | None, Query(description=(
+FormatQuery = Annotated[PictureFormat | None, Query(description=(
     "png: one word's heatmap (needs token), figure: every word's; default png when a token is given, else figure "
     "(the heatmaps as numbers: the /heatmaps routes)"))]
 CmapQuery = Annotated[str, Query(description="matplotlib colormap name")]
@@ -54,7 +54,7 @@ HEATMAPS: dict[int | str, dict[str, Any]] = {
     504: RENDERED[504]}
 
 
-def _format(format: Literal["png", "figure"] | None, token: int | None) -> Literal["png", "figure"]:
+def _format(format: PictureFormat | None, token: int | None) -> PictureFormat:
     """The format a request names, else one word's PNG when it names a word and the whole caption's figure when it
     does not (so that a bare overlay URL opened in a browser shows a picture, not a 422)."""
     return format or ("png" if token is not None else "figure")

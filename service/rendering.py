@@ -24,7 +24,9 @@ from .results import StoredResult
 from .schemas import HeatmapOut, HeatmapsOut
 from .work_slots import WorkSlots
 
-Format = Literal["png", "figure", "json"]
+#: what the overlay routes draw (a picture), and every render format (``json``: the ``/heatmaps`` routes)
+PictureFormat = Literal["png", "figure"]
+Format = Literal[PictureFormat, "json"]
 #: the longer side of what is rendered when the request names no ``max_side``, and the most it may name: an
 #: overlay costs memory in proportion to its pixels (a 40-megapixel upload would need gigabytes)
 DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE = 2048, 4096

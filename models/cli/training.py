@@ -162,9 +162,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     if best.exists():
         meta = read_config(best).get("meta", {})
-        chosen = meta.get("selected_by"), meta.get("best_epoch"), meta.get("val_scores", {})
-        why = (f" (selected by validation {chosen[0]} {chosen[2][chosen[0]]:.4f}, epoch {chosen[1]})"
-               if chosen[0] in chosen[2] else "")
+        measure, scores = meta.get("selected_by"), meta.get("val_scores", {})
+        why = (f" (selected by validation {measure} {scores[measure]:.4f}, epoch {meta.get('best_epoch')})"
+               if measure in scores else "")
         print(f"best checkpoint: {best}{why}")
     else:  # --max-steps or an early stop ended the run before its first validation saved one
         print(f"no checkpoint yet: the run stopped before its first validation; --resume with more steps or "

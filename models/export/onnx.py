@@ -469,18 +469,15 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
             results[name] = ExportUnsupported(f"{name} was trained on region features: it captions no photo, so "
                                               "there is no graph of photos to export (evaluate it with captioner "
                                               "eval --features regions:DIR)")
-            if log:
-                log(name, results[name])
-            continue
-        key = repr(ckpt.encoder)
-        if key not in visuals:
-            visuals[key] = GridEncoder(ckpt.encoder)
-            export_visual_encoder(ckpt.encoder, out_dir, visuals[key])
-        visual = visuals[key]
-        try:
-            results[name] = export_graphs(ckpt, Path(out_dir) / name, visual)
-        except ExportUnsupported as exc:
-            results[name] = exc
+        else:
+            key = repr(ckpt.encoder)
+            if key not in visuals:
+                visuals[key] = GridEncoder(ckpt.encoder)
+                export_visual_encoder(ckpt.encoder, out_dir, visuals[key])
+            try:
+                results[name] = export_graphs(ckpt, Path(out_dir) / name, visuals[key])
+            except ExportUnsupported as exc:
+                results[name] = exc
         if log:
             log(name, results[name])
     return results

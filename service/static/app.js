@@ -358,8 +358,7 @@ async function show(index) {
     el.tabIndex = +el.dataset.index === index ? 0 : -1;
   });
   const mode = $("mode").value;
-  const isWanted = () => current === shown && $("mode").value === mode
-    && +document.querySelector("#caption .word.active")?.dataset.index === index;
+  const isWanted = () => current === shown && $("mode").value === mode && chosenWord() === index;
   const entry = heatmap(shown, index, mode);
   if (!entry.url) {
     // until this word's heatmap arrives none is drawn: the one on screen belongs to another word (or mode)
@@ -447,8 +446,8 @@ document.addEventListener("drop", (e) => {
   if (e.dataTransfer?.files.length) caption(e.dataTransfer.files[0]);
 });
 $("mode").addEventListener("change", () => {
-  const active = document.querySelector("#caption .word.active");
-  if (active) show(+active.dataset.index);
+  const word = chosenWord();
+  if (word !== null) show(word);
 });
 // another model or beam size captions the image on screen again, once the control has settled (holding an arrow
 // key on either is one change per step); the result stays where it is on the page
