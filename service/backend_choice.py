@@ -57,15 +57,17 @@ def check_captions(runtime: Runtime, prepared: list[Prepared]) -> list[list[int]
 
 def reference_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
                        prepared: list[Prepared]) -> list[list[int]]:
-    """PyTorch's token ids on the check set, as recorded in ``onnx_dir/.reference/<weights checksum>.json`` when the
+    """PyTorch's token ids on the check set, as recorded in ``onnx_dir/.reference/<weights identity>.json`` when the
     record matches this torch version, device type and check set; otherwise computed (which needs the PyTorch
     encoder) and recorded.  The record is what lets a server with current exports start without the PyTorch CNN."""
+    from captioner.models.export.onnx import export_identity
+
     digest = hashlib.sha256()
     for item in prepared:
         digest.update(item.pixels.numpy().tobytes())
     key = {"torch": torch.__version__, "device": encoders.device.type, "beam": CHECK_BEAM, "max_len": CHECK_MAX_LEN,
            "images": digest.hexdigest()}
-    record = reference_record(encoders.onnx_dir, ckpt.checksum)
+    record = reference_record(encoders.onnx_dir, export_identity(ckpt.checksum, ckpt.encoder))
     try:
         data = json.loads(record.read_text())
         if data.get("key") == key:

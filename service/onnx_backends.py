@@ -41,14 +41,15 @@ class OnnxRuntime(Runtime):
 
     def __init__(self, name: str, ckpt: Checkpoint, folder: str | Path, device: torch.device | str,
                  threads: int | None = None, visual: VisualSession | None = None):
-        from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec, intact
+        from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec, export_identity, intact
 
         folder, device = Path(folder), torch.device(device)
         super().__init__(name, ckpt, device)
         self.graphs = GraphSpec.load(folder)
-        if self.graphs.checksum != ckpt.checksum:  # the graphs would caption, under this checkpoint's name
+        identity = export_identity(ckpt.checksum, ckpt.encoder)
+        if self.graphs.checksum != identity:  # the graphs would caption, under this checkpoint's name
             raise ValueError(f"{folder} was exported from other weights ({self.graphs.checksum}) than {ckpt.path} "
-                             f"({ckpt.checksum}): export this checkpoint (captioner export)")
+                             f"({identity}): export this checkpoint (captioner export)")
         graphs = (ENCODER_FILE if visual is None else HEAD_FILE, STEP_FILE)
         damaged = [graph for graph in graphs if not intact(folder / graph)]
         if damaged:  # another model's graph copied in, or one cut short, captioned (or failed) under this name

@@ -124,6 +124,45 @@ def test_the_onnx_encoder_of_a_tuned_checkpoint_computes_the_trained_stage(tuned
                                rtol=1e-3)
 
 
+def test_an_export_is_stale_once_the_tuned_stage_changes_though_the_decoder_did_not(tuned_best, tmp_path):
+    """The model's own ``encoder.onnx`` holds the fine-tuned CNN, and the check set's reference captions come from
+    it: an export made before the stage's file changed (the decoder's weights untouched, the manifest resealed) is
+    stale, is listed as still to prepare, and is made again, rather than serving the old stage under the name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from captioner.models.checkpoint import write_manifest
+    from captioner.models.export.onnx import GraphSpec, export_identity
+    from captioner.service import runtime as runtime_module
+    from captioner.service.onnx_exports import unprepared
+
+    weights, onnx_dir = tmp_path / "weights", tmp_path / "onnx"
+    shutil.copytree(tuned_best, weights / "a")
+    settings = dict(device_name="cpu", default_backend="auto", onnx_dir=onnx_dir, threads=1)
+    assert runtime_module.load_runtimes(weights, [], **settings)["a"].backend == "onnx"
+    assert unprepared(weights, [], onnx_dir=onnx_dir) == []
+    first = GraphSpec.load(onnx_dir / "a").checksum
+
+    stage = weights / "a" / "encoder_tuned.safetensors"
+    save_file({key: value * 1.5 for key, value in load_file(stage).items()}, stage)
+    write_manifest(weights / "a")
+    ckpt = load_checkpoint(weights / "a")
+    assert export_identity(ckpt.checksum, ckpt.encoder) != first  # the decoder's own checksum did not change
+    assert unprepared(weights, [], onnx_dir=onnx_dir) == ["a"]
+    assert runtime_module.load_runtimes(weights, [], **settings)["a"].backend == "onnx"
+    assert GraphSpec.load(onnx_dir / "a").checksum == export_identity(ckpt.checksum, ckpt.encoder)
+    assert unprepared(weights, [], onnx_dir=onnx_dir) == []
+
+
+def test_an_encoder_that_names_no_weights_file_keeps_the_checksum_as_its_export_identity():
+    """Exports made before the identity covered the encoder's files stay current for the checkpoints without any
+    (every shipped checkpoint but the fine-tuned X-LAN)."""
+    from captioner.models.export.onnx import export_identity
+
+    assert export_identity("0" * 64, SPEC) == "0" * 64
+
+
 def test_resume_continues_the_fine_tuned_stage_exactly(scenes, tmp_path, cache):
     train(_config(scenes, tmp_path / "straight", cache))
     train(_config(scenes, tmp_path / "resumed", cache, max_steps=20))  # stops inside epoch 2 (15 steps an epoch)

@@ -228,10 +228,14 @@ def test_captioner_export_writes_every_model_and_reports_the_ones_it_cannot(tmp_
 
 
 def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
+    """... and its first start records that, so later starts spawn no child to try the export again."""
+    from captioner.service.onnx_exports import unprepared
+
     ckpt = tiny_checkpoint("sparsecap", attention="tvmax")
     save_checkpoint(tmp_path / "weights" / "tvmax", ckpt.model, ckpt.vocab, ckpt.encoder)
     settings = Settings(weights_dir=tmp_path / "weights", default_model="tvmax", backend="onnx",
                         onnx_dir=tmp_path / "onnx", device="cpu", threads=1, warmup=False)
+    assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == ["tvmax"]
     with TestClient(create_app(settings)) as client:
         assert client.get("/models").json()[0]["backend"] == "torch"
         image = random_images(1)[0]
@@ -239,6 +243,7 @@ def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
         image.save(buffer, format="PNG")
         assert client.post("/caption", content=buffer.getvalue(),
                            headers={"content-type": "image/png"}).status_code == 200
+    assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == []
 
 
 def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decoder_cannot_be_exported(tmp_path):

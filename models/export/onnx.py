@@ -9,8 +9,8 @@
 * ``step.onnx``: ``prev_tokens [R]``, decoder state, encoder state → ``logprobs [R, V]``, the new decoder state,
   the primary attention ``[R, N]`` and every extra map of :class:`~captioner.models.protocol.AttnRecord`.
 * ``onnx.json``: the tensor names (sorted; a session's ``get_inputs()`` gives a graph's own, the tracer dropping
-  those it never reads), which state dimensions grow while decoding, and the checksum of the weights the graphs
-  were made from (so a runtime can tell that an export is stale).
+  those it never reads), which state dimensions grow while decoding, and the identity of the weights the graphs
+  were made from (:func:`export_identity`, so a runtime can tell that an export is stale).
 * ``<graph>.sha256`` beside every graph: its own checksum when it was written, so a graph damaged on disk since
   is made again instead of failing every start (:func:`intact`).
 
@@ -255,7 +255,7 @@ class GraphSpec:
     """Names and shapes that tie the ONNX graphs to the protocol's state dicts (stored as ``onnx.json``)."""
 
     arch: str
-    checksum: str
+    checksum: str  # the weights the graphs were made from, as :func:`export_identity` names them
     encoder: dict[str, Any]
     enc_keys: list[str]
     state_keys: list[str]
@@ -391,8 +391,8 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
         raise ValueError("export from a CPU checkpoint (load_checkpoint(path, 'cpu'))")
     k = 2
     _, enc, state0, _, trace = _probe(visual, model, spec_enc, batch=2, k=k, steps=3, seed=0)
-    spec = GraphSpec(arch=model.arch, checksum=ckpt.checksum, encoder=spec_enc.to_json(), enc_keys=sorted(enc),
-                     state_keys=sorted(state0), extra_keys=sorted(trace[0][1][2].extras),
+    spec = GraphSpec(arch=model.arch, checksum=export_identity(ckpt.checksum, spec_enc), encoder=spec_enc.to_json(),
+                     enc_keys=sorted(enc), state_keys=sorted(state0), extra_keys=sorted(trace[0][1][2].extras),
                      growing_dims=_growing_dims(trace))
     spec.dtypes = {**{f"enc.{key}": str(v.dtype) for key, v in enc.items()},
                    **{f"state.{key}": str(v.dtype) for key, v in state0.items()}}
@@ -555,15 +555,30 @@ def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner
     return diffs
 
 
-def export_is_current(folder: str | Path, checksum: str) -> bool:
-    """True when ``folder`` holds a complete export made from weights with this checksum, each graph as it was
-    written (:func:`intact`)."""
+def export_identity(checksum: str, encoder: EncoderSpec) -> str:
+    """The identity of all the weights a checkpoint's export is made from: its own weights' sha256 (``checksum``)
+    and, when its encoder names weight files (the CNN stages a fine-tuning run trained, an imported CNN), their
+    content too, since ``encoder.onnx`` holds that CNN and the check set's reference captions come from it.  Without
+    them, a checkpoint whose fine-tuned CNN changed while its decoder did not kept its stale export.  A checkpoint
+    whose encoder names no file keeps ``checksum`` itself, so its exports made before stay current."""
+    import hashlib
+
+    files = weights_sha256(encoder, missing_ok=True)
+    if not files:
+        return checksum
+    text = json.dumps({"weights": checksum, **files}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def export_is_current(folder: str | Path, identity: str) -> bool:
+    """True when ``folder`` holds a complete export made from the weights ``identity`` names
+    (:func:`export_identity`), each graph as it was written (:func:`intact`)."""
     folder = Path(folder)
     try:
         spec = GraphSpec.load(folder)
     except (OSError, ValueError, TypeError):
         return False
-    return spec.checksum == checksum and all(intact(folder / name) for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
+    return spec.checksum == identity and all(intact(folder / name) for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
 
 
 def visual_encoder_key(spec: EncoderSpec) -> str:
