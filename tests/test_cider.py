@@ -57,3 +57,90 @@ def test_words_never_seen_in_the_corpus_still_match_their_reference():
     assert cider.score(["x y z"], [["x y z"]])[0] > 0
     with pytest.raises(ValueError, match="reference"):
         cider.score(["a"], [[]])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The SCST reward's CIDEr-D (document frequencies from a training corpus, fixed) against the authors' scorer:
+# vrama91/cider ``pyciderevalcap/ciderD/ciderD_scorer.py`` (``compute_doc_freq``, ``counts2vec``, ``sim``,
+# ``compute_cider``; commit 3b388bd), which self-critical.pytorch vendors as its ``cider`` submodule and feeds with
+# ``scripts/prepro_ngrams.py``'s ``get_doc_freq`` (document frequency per image over the training references,
+# ``ref_len`` = their number of images).  Transcribed in its own dictionary shape, Python 3 spelling.
+# --------------------------------------------------------------------------------------------------------------
+def _precook(s, n=4):
+    words = s.split()
+    counts = {}
+    for k in range(1, n + 1):
+        for i in range(len(words) - k + 1):
+            ngram = tuple(words[i:i + k])
+            counts[ngram] = counts.get(ngram, 0) + 1
+    return counts
+
+
+def _authors_cider_d(captions, references, corpus, n=4, sigma=6.0):
+    import math
+    from collections import defaultdict
+
+    document_frequency = defaultdict(float)
+    for refs in [[_precook(r, n) for r in refs] for refs in corpus]:  # get_doc_freq → compute_doc_freq
+        for ngram in set([ngram for ref in refs for (ngram, count) in ref.items()]):
+            document_frequency[ngram] += 1
+    ref_len = np.log(float(len(corpus)))
+
+    def counts2vec(cnts):
+        vec = [defaultdict(float) for _ in range(n)]
+        length = 0
+        norm = [0.0 for _ in range(n)]
+        for (ngram, term_freq) in cnts.items():
+            df = np.log(max(1.0, document_frequency[ngram]))
+            k = len(ngram) - 1
+            vec[k][ngram] = float(term_freq) * (ref_len - df)
+            norm[k] += pow(vec[k][ngram], 2)
+            if k == 1:
+                length += term_freq
+        norm = [np.sqrt(x) for x in norm]
+        return vec, norm, length
+
+    def sim(vec_hyp, vec_ref, norm_hyp, norm_ref, length_hyp, length_ref):
+        delta = float(length_hyp - length_ref)
+        val = np.array([0.0 for _ in range(n)])
+        for k in range(n):
+            for (ngram, count) in vec_hyp[k].items():
+                val[k] += min(vec_hyp[k][ngram], vec_ref[k][ngram]) * vec_ref[k][ngram]
+            if (norm_hyp[k] != 0) and (norm_ref[k] != 0):
+                val[k] /= (norm_hyp[k] * norm_ref[k])
+            assert not math.isnan(val[k])
+            val[k] *= np.e ** (-(delta ** 2) / (2 * sigma ** 2))
+        return val
+
+    scores = []
+    for test, refs in zip(captions, references):
+        vec, norm, length = counts2vec(_precook(test, n))
+        score = np.array([0.0 for _ in range(n)])
+        for ref in refs:
+            vec_ref, norm_ref, length_ref = counts2vec(_precook(ref, n))
+            score += sim(vec, vec_ref, norm, norm_ref, length, length_ref)
+        score_avg = np.mean(score)
+        score_avg /= len(refs)
+        score_avg *= 10.0
+        scores.append(score_avg)
+    return np.array(scores)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reward_equals_the_authors_cider_d_with_training_document_frequencies(seed):
+    """Adversarial inputs: a vocabulary of one or two words (long runs of one word: clipping), captions much longer
+    than their references (the length penalty), empty captions and references, words and n-grams the training
+    corpus never saw, non-ASCII words, and an end token on both sides (``--scst-reward-eos``)."""
+    rng = np.random.default_rng(seed)
+    words = ["a", "é", "dog", "<eos>", "straße"][:int(rng.integers(1, 6))]
+
+    def sentence(low, high):
+        return " ".join(rng.choice(words, size=int(rng.integers(low, high))))
+
+    corpus = [[sentence(1, 10) for _ in range(int(rng.integers(1, 6)))] for _ in range(int(rng.integers(2, 30)))]
+    references = [[sentence(0, 8) for _ in range(int(rng.integers(1, 6)))] for _ in range(25)]
+    captions = [sentence(0, 30) for _ in range(25)]
+    captions[0], references[1] = "", ["", "a a a a a a"]
+    captions[2] = "never seen " + captions[2]
+    ours = CiderD(corpus).score(captions, references)
+    np.testing.assert_allclose(ours, _authors_cider_d(captions, references, corpus), rtol=0, atol=1e-9)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..attention import NORMALISERS
+from ..evaluation.tuning import DEFAULT_PENALTIES
 from ..files import write_atomically
 from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
                      add_threads_option, key_values, length_penalty, output_file,
@@ -317,9 +318,7 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     td.add_argument("checkpoint", help="checkpoint folder (with --write, its config.json takes the defaults)")
     add_dataset_options(td)
     td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
-    # above 1 the penalty lengthens Flickr8k captions mostly with repeats (decisions, "Flickr8k: BLEU-1 and the
-    # brevity penalty": α = 2 took REP from 1.5 to 11): not worth a validation pass each
-    td.add_argument("--length-penalties", type=length_penalty, nargs="+", default=[0.0, 0.5, 1.0],
+    td.add_argument("--length-penalties", type=length_penalty, nargs="+", default=list(DEFAULT_PENALTIES),
                     metavar="ALPHA", help="GNMT length penalties to try")
     td.add_argument("--block-trigrams", type=yes_or_no, nargs="+",
                     default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
