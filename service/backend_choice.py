@@ -136,6 +136,9 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
         except ExportUnsupported as exc:
             log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
             continue
+        except OSError as exc:  # an ONNX folder it cannot write (read-only, full): the file and why, in one line
+            log.warning("%s: no %s backend (%s)", name, backend, exc)
+            continue
         except Exception:  # noqa: BLE001 — ONNX Runtime's own errors (a corrupt export, a graph it cannot load,
             # memory) derive from Exception alone; `auto` serves what verifies, so a backend that fails is skipped
             log.warning("%s: the %s backend failed to load or run; not used", name, backend, exc_info=True)

@@ -112,7 +112,7 @@ def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: Shared
                               encoders.onnx(ckpt.encoder))
         drop_torch_weights(runtime)
         return runtime
-    except (ExportUnsupported, NoCudaProvider) as exc:
+    except (ExportUnsupported, NoCudaProvider, OSError) as exc:  # OSError: an ONNX folder it cannot write
         log.error("%s: ONNX Runtime cannot run %s (%s); serving it with PyTorch", name, part, exc)
     except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see fastest_verified)
         log.error("%s: ONNX Runtime failed to load %s; serving it with PyTorch", name, part, exc_info=True)

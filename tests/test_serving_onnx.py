@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -244,6 +245,24 @@ def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
         assert client.post("/caption", content=buffer.getvalue(),
                            headers={"content-type": "image/png"}).status_code == 200
     assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == []
+
+
+@pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
+def test_an_onnx_folder_that_cannot_be_written_is_named_in_one_line_and_pytorch_serves(tmp_path, caplog, backend):
+    """A read-only (or full) ``CAPTIONER_ONNX_DIR`` with nothing current in it: each ONNX backend is given up with
+    the file and the reason in one line, not a traceback that reads like a bug.  (A path under a regular file
+    stands in for a read-only folder: the tests may run as root, whom permission bits do not stop.)"""
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat", seed=0)
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    (tmp_path / "not-a-folder").write_text("")
+    with caplog.at_level(logging.INFO, logger="captioner"):
+        loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
+                                              onnx_dir=tmp_path / "not-a-folder" / "onnx", threads=1)
+    assert loaded["a"].backend == "torch"
+    assert not [record.getMessage() for record in caplog.records if record.exc_info]
+    assert any("not-a-folder" in record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING)
 
 
 def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decoder_cannot_be_exported(tmp_path):
