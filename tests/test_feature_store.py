@@ -237,3 +237,38 @@ def test_a_disk_too_full_for_a_shard_is_an_error_naming_it_not_a_bus_error(image
     with pytest.raises(OSError, match=r"no room for the feature shard .*shard-00000\.partial\.npy .*No space left"):
         extract_features(images, SPEC, tmp_path, batch_size=4, encoder=encoder, progress=False)
     assert not list(tmp_path.rglob("*.partial.npy"))
+
+
+def test_every_torn_photo_is_named_in_one_run_and_the_shards_without_one_are_kept(images, encoder, tmp_path):
+    """A torn photo stopped the extraction at the first: hours of a large data set could pass between finding one
+    and the next.  The extraction goes on past each, names them all, keeps every shard holding none, and a run after
+    they are mended encodes only the other shards."""
+    import shutil
+
+    from captioner.models.data.features import UnreadablePhotos
+
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=2, encoder=encoder, progress=False,
+                             shard_size=2)
+    copies = []
+    for image in images:
+        shutil.copy(image.path, tmp_path / image.path.name)
+        copies.append(CaptionedImage(image_id=image.image_id, path=tmp_path / image.path.name, split="train",
+                                     references=image.references))
+    for torn in (copies[1], copies[4]):  # in shards 0 and 2 of 4
+        torn.path.write_bytes(torn.path.read_bytes()[:60])
+    with pytest.raises(UnreadablePhotos) as raised:
+        extract_features(copies, SPEC, tmp_path / "cache", batch_size=2, encoder=encoder, progress=False,
+                         shard_size=2)
+    first, second = raised.value.failures
+    assert str(copies[1].path) in first and str(copies[4].path) in second
+    assert "the 3 of 7 images encoded in shards without one are kept" in str(raised.value)
+    folder = tmp_path / "cache" / _cache_name(SPEC, [im.key for im in copies])
+    assert sorted(p.name for p in folder.glob("shard-*")) == ["shard-00001.npy", "shard-00003.npy"]
+
+    for image, copy in zip(images, copies):
+        shutil.copy(image.path, copy.path)
+    counting = CountingEncoder(encoder)
+    mended = extract_features(copies, SPEC, tmp_path / "cache", batch_size=2, encoder=counting, progress=False,
+                              shard_size=2)
+    assert counting.images == 4, "only the two shards that held a torn photo are encoded again"
+    assert np.array_equal(mended.get_numpy([im.key for im in copies]), fresh.get_numpy([im.key for im in images]))

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..encoder import EncoderSpec, GridEncoder, load_image, preprocess, weights_sha256
+from ..encoder import EncoderSpec, GridEncoder, ImageDecodeError, load_image, preprocess, weights_sha256
 from ..files import is_newer_format, write_atomically
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
@@ -73,6 +73,16 @@ VIEWS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"": lambda pixels: p
 
 class FeatureStoreError(RuntimeError):
     """A feature store is unfinished, of an unknown format, or its extraction failed on another rank."""
+
+
+class UnreadablePhotos(ImageDecodeError):
+    """Photos of a data set that could not be decoded, all of them named (an extraction goes on past each)."""
+
+    def __init__(self, failures: Sequence[str], encoded: int, total: int):
+        shown = "\n  ".join(failures[:10]) + (f"\n  and {len(failures) - 10} more" if len(failures) > 10 else "")
+        super().__init__(f"{len(failures)} photo(s) could not be read:\n  {shown}\nreplace or remove them and run "
+                         f"again: the {encoded} of {total} images encoded in shards without one are kept")
+        self.failures = list(failures)
 
 
 class NewerFeatureStore(FeatureStoreError):
@@ -327,6 +337,16 @@ def _new_shard(path: Path, shape: tuple[int, ...]) -> np.memmap:
     return array
 
 
+def _pixels_or_blank(image: CaptionedImage, spec: EncoderSpec, unreadable: list[str]) -> torch.Tensor:
+    """The network's input for ``image``; for a photo that cannot be decoded, its error is added to ``unreadable``
+    and a blank input keeps the batch's shape (its shard is not kept)."""
+    try:
+        return preprocess(load_image(image.path), spec)[0]
+    except ImageDecodeError as exc:
+        unreadable.append(str(exc))
+        return torch.zeros(3, spec.image_size, spec.image_size)
+
+
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | VisualSession | None, progress: bool, shard_size: int,
                     sizes: Mapping[str, int], files: Mapping[str, str] | None = None, view: str = "") -> None:
@@ -338,6 +358,7 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     rows, cols = spec.grid_hw
     model = None
     encoded = sum(len(s) for s, d in zip(shards, done) if d)
+    unreadable: list[str] = []  # every torn photo is named at the end, not one per run of hours
     if not progress and encoded < len(images):  # without bars (logs, CI), a line per shard: minutes were silent
         print(f"encoding {len(images) - encoded} images{f' ({view})' if view else ''} into {folder}",
               file=sys.stderr, flush=True)
@@ -353,9 +374,10 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
                     model = model.to(device).eval()
             partial = folder / f"shard-{number:05d}.partial.npy"
             array = None  # opened on the first batch's features, whose shape it takes
+            failures_before = len(unreadable)
             for start in range(0, len(members), batch_size):
                 chunk = [images[i] for i in members[start:start + batch_size]]
-                pixels = VIEWS[view](torch.stack([preprocess(load_image(im.path), spec)[0] for im in chunk]))
+                pixels = VIEWS[view](torch.stack([_pixels_or_blank(im, spec, unreadable) for im in chunk]))
                 with torch.no_grad():
                     features = model(pixels.to(device)).float().cpu().numpy().astype(np.float16)
                 if features.shape[1] != rows * cols:
@@ -367,10 +389,15 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
                 bar.update(len(chunk))
             array.flush()
             del array
+            if len(unreadable) > failures_before:  # a blank stands for a photo: encoded again once it is mended
+                partial.unlink()
+                continue
             os.replace(partial, folder / shard_name(number))  # the shard is complete: it gets its final name
             encoded += len(members)  # counted here: a disabled bar counts nothing
             if not progress:
                 print(f"  {encoded} of {len(images)} images encoded", file=sys.stderr, flush=True)
+    if unreadable:
+        raise UnreadablePhotos(unreadable, encoded, len(images))
     first = np.load(folder / shard_name(0), mmap_mode="r") if shards else np.zeros((0, rows * cols, 0), np.float16)
     index = {im.key: [j // shard_size, j % shard_size] for j, im in enumerate(images)}
     _write_json_atomically(folder / INDEX, {
