@@ -80,8 +80,9 @@ class UnreadablePhotos(ImageDecodeError):
 
     def __init__(self, failures: Sequence[str], encoded: int, total: int):
         shown = "\n  ".join(failures[:10]) + (f"\n  and {len(failures) - 10} more" if len(failures) > 10 else "")
-        super().__init__(f"{len(failures)} photo(s) could not be read:\n  {shown}\nreplace or remove them and run "
-                         f"again: the {encoded} of {total} images encoded in shards without one are kept")
+        super().__init__(f"{len(failures)} photo(s) could not be read:\n  {shown}\nreplace them and run again, "
+                         f"which encodes only the shards that held one (the {encoded} of {total} images encoded in "
+                         "the others are kept), or remove them from the data set")
         self.failures = list(failures)
 
 
