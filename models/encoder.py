@@ -131,8 +131,9 @@ class EncoderSpec:
     def _check_kinds(self) -> None:
         """Each field's kind of value, and the backbone and layer by name: a mistyped ``--encoder`` value reached
         the network as a ``TypeError`` or ``KeyError`` minutes into feature extraction."""
-        for name in ("image_size", "resize_to", "grid_stride", "stop_stages", "pooled_grid", "source_side",
-                     "source_jpeg_quality"):
+        # the annotations are text (``from __future__ import annotations``): a field added later is checked too
+        whole_numbers = [f.name for f in dataclass_fields(self) if f.type in ("int", "int | None")]
+        for name in whole_numbers:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"encoder {name} must be a whole number, got {value!r}")

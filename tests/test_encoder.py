@@ -350,3 +350,16 @@ def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_ha
     deep = opened((300, 300), "I;16")
     assert decode_cost(square) == 90_000 + 3 * 300
     assert decode_cost(strip) == 4 * 90_000 and decode_cost(deep) == 2 * 90_000 + 3 * 300
+
+
+def test_every_whole_number_field_of_the_spec_refuses_other_kinds_of_value():
+    """``--encoder KEY=VALUE`` values reach the spec as JSON; a string or a float in a whole-number field was a
+    ``TypeError`` minutes into feature extraction."""
+    from dataclasses import fields
+
+    whole = [f.name for f in fields(EncoderSpec) if f.type in ("int", "int | None")]
+    assert {"image_size", "grid_stride", "stop_stages", "source_side"} <= set(whole)
+    for name in whole:
+        for value in ("7", 7.0, True):
+            with pytest.raises(ValueError, match=f"encoder {name} must be a whole number"):
+                EncoderSpec(**{name: value})
