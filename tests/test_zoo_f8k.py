@@ -226,3 +226,17 @@ def test_bad_input_is_a_one_line_error(zoo, break_it, message):
     with pytest.raises(SystemExit, match=r"^error: .*" + message) as raised:
         main(args)
     assert "\n" not in str(raised.value)
+
+
+def test_a_report_of_other_weights_than_the_checkpoints_is_refused(zoo):
+    """A report records the sha256 of the weights it scored: the table would otherwise print another model's
+    numbers under this checkpoint's name (a checkpoint retrained in place, its report not made again)."""
+    args, weights, results, _ = zoo
+    (weights / "xlan" / "manifest.json").write_text(json.dumps(
+        {"files": {"model.safetensors": {"sha256": "1" * 64, "bytes": 1}}}))
+    report = json.loads((results / "xlan.json").read_text())
+    (results / "xlan.json").write_text(json.dumps({**report, "weights_sha256": "1" * 64}))
+    main(args)  # the same weights: measured
+    (results / "xlan.json").write_text(json.dumps({**report, "weights_sha256": "2" * 64}))
+    with pytest.raises(SystemExit, match=r"^error: .*xlan\.json scores weights/flickr8k/xlan, whose weights are not "):
+        main(args)

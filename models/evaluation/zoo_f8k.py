@@ -78,10 +78,13 @@ def _load_json(path: Path) -> Any:
         raise ValueError(f"{path} is not JSON: {exc}") from None
 
 
-def read_report(path: Path, split: str, config: dict[str, Any] | None) -> dict[str, Any]:
+def read_report(path: Path, split: str, config: dict[str, Any] | None,
+                checkpoint: Path | None = None) -> dict[str, Any]:
     """The ``split`` section of a ``captioner eval`` report, checked to be beam 3 with the checkpoint's own
-    decoding rules (what the note under the table says of every row)."""
+    decoding rules (what the note under the table says of every row), and of ``checkpoint``'s weights where the
+    report records theirs (:func:`~captioner.models.evaluation.card.check_report_scores`)."""
     from ..decoding import DecodingRules
+    from .card import check_report_scores
 
     report = _load_json(path)
     if not isinstance(report, dict) or not isinstance(report.get(split), dict) or "images" not in report[split]:
@@ -92,6 +95,8 @@ def read_report(path: Path, split: str, config: dict[str, Any] | None) -> dict[s
         own = asdict(DecodingRules.of_checkpoint(config.get("meta", {})))
         if report["decoding"] != own:
             raise ValueError(f"{path} was decoded with {report['decoding']}, not the checkpoint's defaults {own}")
+    if checkpoint is not None:
+        check_report_scores(report, path, checkpoint)
     return report[split]
 
 
@@ -122,7 +127,8 @@ def collect_rows(weights: Path, results: Path, dataset: str | Path | None, image
     rows = []
     for name in ordered_names(names):
         report = results / f"{name}.json"
-        split_report = read_report(report, split, configs.get(name)) if report.is_file() else None
+        checkpoint = weights / name if name in configs else None
+        split_report = read_report(report, split, configs.get(name), checkpoint) if report.is_file() else None
         rows.append({"name": name, "title": title(name, configs.get(name)), "split": split_report})
     measured = [row for row in rows if row["split"] is not None]
     if measured:
