@@ -63,7 +63,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     missing = unprepared(*found, **placed)
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
-        await run_in_threadpool(prepare_in_child, *found, only=missing, **run)
+        await run_in_threadpool(prepare_in_child, *found, only=missing,
+                                logging_as=(settings.log_format, settings.log_level), **run)
     runtimes = await run_in_threadpool(load_runtimes, *found, **run)
     if not runtimes:
         log.error("no checkpoint found in %s: every caption request will get 503",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import faulthandler
 import json
 import os
@@ -12,6 +13,7 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Collection
 from pathlib import Path
@@ -73,18 +75,46 @@ def _setting_named(location: tuple) -> str:
 def check_port_free(host: str, port: int) -> None:
     """Stop, in one line, a server whose address is taken, before its models load (uvicorn binds after the app's
     start-up: minutes of loading and warm-up, then its own "address already in use" and exit status 3).  Bound as
-    uvicorn binds it (``SO_REUSEADDR``), then released; a host that does not resolve is left to uvicorn to report."""
+    uvicorn binds it (``SO_REUSEADDR``), then released.  A host that does not resolve, or names no address of this
+    machine, is said the same way (uvicorn said "[Errno -2] Name or service not known" after the whole start-up)."""
+    fix_host = "give --host (CAPTIONER_HOST) an address of this machine: 0.0.0.0 for all, 127.0.0.1 for itself"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except OSError:
-        return
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}): {fix_host}") from None
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(address)
         except OSError as exc:
-            raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}): stop what uses it, or choose "
-                             "another --port (CAPTIONER_PORT)") from None
+            fix = ("stop what uses it, or choose another --port (CAPTIONER_PORT)" if exc.errno == errno.EADDRINUSE
+                   else fix_host)
+            raise SystemExit(f"error: cannot listen on {host}:{port} ({exc.strerror}): {fix}") from None
+
+
+def check_onnx_dir_writable(settings) -> None:
+    """Stop, in one line, a server that must make ONNX exports (a first start, with models on an ONNX Runtime
+    backend) in a CAPTIONER_ONNX_DIR it cannot write: a read-only container without a writable /tmp. Each export
+    then failed twice (in the preparing child, then in the server) with a traceback apiece, and the models were
+    served by PyTorch: minutes slower to start and a larger resident set than the memory limit was sized for.
+    A folder that already holds every export needs no writing, and is not checked."""
+    from .onnx_exports import unprepared
+
+    if settings.precision != "float32":  # autocast runs every model on PyTorch: nothing is exported
+        return
+    missing = unprepared(settings.weights_dir, settings.checkpoints, **settings.model_placement())
+    if not missing:
+        return
+    folder = Path(settings.onnx_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise SystemExit(f"error: CAPTIONER_ONNX_DIR {folder} cannot be written ({exc.strerror or exc}), and the "
+                         f"ONNX exports of {', '.join(missing)} are made there on this start: give it a writable "
+                         "folder (in a read-only container, a tmpfs or emptyDir on /tmp), or CAPTIONER_BACKEND=torch"
+                         ) from None
 
 
 def check_something_to_serve(settings) -> None:
@@ -123,6 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     resolve_device(settings.device)
     check_port_free(settings.host, settings.port)
     check_something_to_serve(settings)
+    check_onnx_dir_writable(settings)
     # `kill -USR1 PID` writes every thread's stack to stderr: a server that stalls can be looked into while it
     # stalls, without stopping it or installing a profiler
     faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -120,17 +120,29 @@ def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: Shared
 
 
 def prepare_in_child(weights_dir: Path | None, extra: list[Path], *, only: Collection[str] | None = None,
-                     **settings) -> None:
+                     logging_as: tuple[str, str] | None = None, **settings) -> None:
     """:func:`load_runtimes` with these arguments in a spawned child process, for the models ``only`` names (the
     :func:`~captioner.service.onnx_exports.unprepared` ones; all where None), which makes their ONNX exports and
     reference records and exits: the server's own process then starts as on any later start, without the PyTorch
     CNN, the exporter's tracing or the heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
     warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a child
-    process").  A child that fails leaves the work to the server's own load, as before."""
-    child = multiprocessing.get_context("spawn").Process(target=load_runtimes, args=(weights_dir, extra),
+    process").  A child that fails leaves the work to the server's own load, as before.  ``logging_as`` (the
+    service's log format and level) makes the child log as the server does: a spawned process starts with Python's
+    default logging, which dropped the child's progress ("exporting …", minutes on a first start) and wrote its
+    warnings with their tracebacks as plain lines into the server's JSON log."""
+    child = multiprocessing.get_context("spawn").Process(target=_prepare, args=(weights_dir, extra, logging_as),
                                                          kwargs={**settings, "only": only}, name="captioner-prepare")
     child.start()
     child.join()
     if child.exitcode != 0:
         log.warning("preparing the ONNX exports in a child process failed (exit code %s); preparing them here",
                     child.exitcode)
+
+
+def _prepare(weights_dir: Path | None, extra: list[Path], logging_as: tuple[str, str] | None, **settings) -> None:
+    """The preparing child's work (:func:`prepare_in_child`): its logging set up as the server's, then the load."""
+    if logging_as is not None:
+        from .middleware import configure_logging
+
+        configure_logging(*logging_as)
+    load_runtimes(weights_dir, extra, **settings)

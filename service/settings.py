@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from captioner.models.placement import DEFAULT_MODEL, DEFAULT_ONNX_DIR, DEFAULT_WEIGHTS_DIR, check_name_prefixes
 
 Backend = Literal["torch", "onnx", "hybrid", "auto"]
+#: the levels CAPTIONER_LOG_LEVEL may name: those Python's logging and uvicorn both know (any case)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def json_body_bytes(image_bytes: int) -> int:
@@ -100,7 +102,8 @@ class Settings(BaseSettings):
     result_cache_entries: int = Field(0, ge=0, description="captions cached by (image SHA-256, model, beam_size, "
                                       "max_len, decoding rules) so duplicate uploads skip the model; 0: off")
     log_format: Literal["json", "text"] = Field("json", description="access and service log lines")
-    log_level: str = Field("info", description="log level of the service loggers")
+    log_level: str = Field("info", description="log level of the service loggers: critical, error, warning, info "
+                           "or debug")
     host: str = Field("127.0.0.1", description="bind address of `captioner serve`")
     port: int = Field(8000, ge=1, le=65535, description="port of `captioner serve`")
 
@@ -133,6 +136,16 @@ class Settings(BaseSettings):
             raise ValueError("an API key is empty or blank (a template whose variable was unset?); give real keys, "
                              "or no CAPTIONER_API_KEYS for an open service")
         return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level_is_one_both_loggers_know(cls, value: str) -> str:
+        # Python's logging and uvicorn each know names the other does not: "warn" passed the first and stopped
+        # uvicorn with a KeyError traceback, "trace" passed uvicorn and stopped logging with "Unknown level"
+        level = value.strip().lower()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"give one of {', '.join(LOG_LEVELS)}")
+        return level
 
     @field_validator("prefixed_weights_dirs")
     @classmethod

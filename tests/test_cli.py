@@ -420,6 +420,77 @@ def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     assert exit_.value.code == 2 and "must be at most 65535, got 99999" in capsys.readouterr().err
 
 
+def test_a_host_this_machine_cannot_listen_on_is_one_line_before_any_model_loads(monkeypatch, capsys):
+    # a mistyped CAPTIONER_HOST loaded and warmed every model, then stopped with uvicorn's "[Errno -2] Name or
+    # service not known" and status 3, naming no setting (the operator audit)
+    from captioner.service import app as service_app
+    from captioner.service.cli import main
+
+    from .conftest import free_port
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    port = str(free_port())
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--host", "no-such-host.invalid", "--port", port])  # .invalid never resolves (RFC 6761)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot listen on no-such-host.invalid:{port} (") and "CAPTIONER_HOST" in err
+    assert err.count("\n") == 1
+
+
+def test_a_log_level_either_logger_would_refuse_is_a_settings_error(monkeypatch):
+    # "warn" (Python's logging knows it) stopped uvicorn with a KeyError traceback after the settings were read;
+    # "trace" (uvicorn knows it) stopped the server with "error: Unknown level: 'TRACE'", naming no setting
+    from captioner.service.cli import read_settings
+
+    for level in ("warn", "trace", "verbose"):
+        monkeypatch.setenv("CAPTIONER_LOG_LEVEL", level)
+        with pytest.raises(SystemExit) as stopped:
+            read_settings()
+        assert str(stopped.value.code).startswith("error: settings: CAPTIONER_LOG_LEVEL: ")
+        assert "critical, error, warning, info, debug" in str(stopped.value.code)
+    monkeypatch.setenv("CAPTIONER_LOG_LEVEL", "DEBUG")
+    assert read_settings().log_level == "debug"  # any case, as both loggers are given it
+
+
+def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(monkeypatch, capsys, tmp_path):
+    # a read-only container without a writable /tmp: every export failed twice (the preparing child, then the
+    # server) with a traceback apiece, and the models were served by PyTorch, slower to start and larger than the
+    # memory limit was sized for, while the log said only "the onnx backend failed to load or run" (operator audit)
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.service import app as service_app
+    from captioner.service import cli
+    from captioner.service.cli import main
+
+    from .conftest import free_port
+    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+    save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "a-file" / "onnx"))  # unwritable even by root
+    monkeypatch.setenv("CAPTIONER_DEFAULT_MODEL", "tiny")
+
+    class PastTheChecks(Exception):
+        pass
+
+    def past_the_checks(*args, **kwargs):
+        raise PastTheChecks
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    monkeypatch.setattr(cli.faulthandler, "register", past_the_checks)  # what cmd_serve does after its checks
+    serve = ["serve", "--weights-dir", str(tmp_path / "weights"), "--port", str(free_port()), "--device", "cpu"]
+    with pytest.raises(SystemExit) as stopped:
+        main(serve)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: CAPTIONER_ONNX_DIR {tmp_path / 'a-file' / 'onnx'} cannot be written (")
+    assert "ONNX exports of tiny" in err and "CAPTIONER_BACKEND=torch" in err and err.count("\n") == 1
+    # nothing to export, nothing to write: PyTorch models start with the same folder
+    monkeypatch.setenv("CAPTIONER_BACKEND", "torch")
+    with pytest.raises(PastTheChecks):
+        main(serve)
+
+
 def test_every_command_and_argument_says_what_it_is_for():
     # `captioner eval --help` listed `checkpoint`, `--image-root`, `--cache-dir` and 26 others with no word of help
     import argparse

@@ -460,6 +460,22 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     assert loaded["a"].backend == "onnx"
 
 
+def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
+    """The spawned child started with Python's default logging: its progress ("exporting …", minutes on a first
+    start) was dropped and its warnings came with their tracebacks as plain lines in the server's JSON log (the
+    operator audit). Given the service's format, each of its lines is one JSON record."""
+    from captioner.service import runtime as runtime_module
+
+    ckpt = tiny_checkpoint("sat", seed=0)
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    capfd.readouterr()
+    runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
+                                    onnx_dir=tmp_path / "onnx", threads=1, logging_as=("json", "info"))
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # a plain line fails here
+    assert any(r["logger"] == "captioner.runtime" and r["msg"].startswith("exporting a to ONNX") for r in records)
+
+
 def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tmp_path):
     """The model's own export is current but no CNN graph is under its spec's key (an upgrade that changed the key,
     or the folder removed): ``auto`` still has it to prepare, because a current export proves the CNN exports, so
