@@ -101,6 +101,15 @@ def test_vocabulary_round_trip_and_tokenizer(tmp_path):
     assert Vocabulary.load(tmp_path / "v.json").itos == vocab.itos
 
 
+def test_vocabulary_keeps_the_most_frequent_words_first_within_max_size():
+    captions = [["c", "b", "a", "d"], ["c", "a", "b"], ["c", "<unk>", "e"]]  # c ×3; a, b ×2 (a tie); d, e, <unk> ×1
+    # most frequent first, ties alphabetical; a special token met in the data is not a second entry
+    assert Vocabulary.build(captions).itos == ["<pad>", "<bos>", "<eos>", "<unk>", "c", "a", "b", "d", "e"]
+    # max_size counts the special tokens: 6 entries in all
+    assert Vocabulary.build(captions, max_size=6).itos == ["<pad>", "<bos>", "<eos>", "<unk>", "c", "a"]
+    assert Vocabulary.build(captions).stoi["<unk>"] == Vocabulary.unk_id
+
+
 def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, random_visuals):
     from captioner.models.checkpoint import WEIGHTS, convert_storage, update_meta
 

@@ -52,6 +52,15 @@ def test_reward_with_fixed_frequencies_ignores_the_rest_of_the_batch():
                                cider.score(captions[:4], [list(shared) for _ in range(4)]), atol=1e-12)
 
 
+def test_reward_with_the_scored_references_as_corpus_equals_pycocoevalcap():
+    """The SCST reward's own document frequencies (one count per image, over all its references, and log of the
+    number of images), built from a corpus that is the scored set itself, give pycocoevalcap's scores: the
+    fixed-corpus path is checked against coco-caption, not only against itself."""
+    captions, refs = _fixed_set(images=60, seed=4)
+    _, theirs = Cider().compute_score({i: r for i, r in enumerate(refs)}, {i: [c] for i, c in enumerate(captions)})
+    np.testing.assert_allclose(CiderD(refs).score(captions, refs), theirs, rtol=0, atol=1e-6)
+
+
 def test_words_never_seen_in_the_corpus_still_match_their_reference():
     cider = CiderD([["a b c"]] * 2)
     assert cider.score(["x y z"], [["x y z"]])[0] > 0

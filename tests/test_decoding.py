@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from captioner.models.decoding import DecodingRules, beam_search, greedy, never_emitted, sample
-from captioner.models.protocol import VisualBatch
+from captioner.models.decoding import DecodingRules, beam_search, greedy, never_emitted, sample, search_rows
+from captioner.models.protocol import AttnRecord, VisualBatch, index_rows
 from captioner.models.vocab import Vocabulary
 
 from .model_checks import assert_beam_one_is_greedy
@@ -77,6 +77,18 @@ def test_sample_masks_after_eos(tiny_sat, random_visuals):
         if tiny_sat.eos_id in ids:
             end = ids.index(tiny_sat.eos_id)
             assert out.mask[row, : end + 1].all() and not out.mask[row, end + 1:].any()
+            assert all(token == tiny_sat.pad_id for token in ids[end + 1:])  # padded after EOS
+
+
+def test_greedy_score_sums_the_log_probs_of_its_own_tokens_only(tiny_sat, random_visuals):
+    """Rows of a batch end at different steps; a row's score stops at its EOS while the others go on."""
+    tiny_sat.out_word.bias.data[tiny_sat.eos_id] -= 0.2
+    vis = VisualBatch.from_features(random_visuals.feats * torch.tensor([0.1, 1.0, 4.0])[:, None, None])
+    hyps = greedy(tiny_sat, vis, max_len=12)
+    assert len({len(h.token_ids) for h in hyps}) > 1 and all(h.ended_with_eos for h in hyps), "rows end apart"
+    for row, hyp in enumerate(hyps):
+        logps, _ = _teacher_forced(tiny_sat, vis, hyp, row)
+        assert hyp.score == pytest.approx(sum(logps), abs=1e-4)
 
 
 def test_pad_and_bos_are_never_emitted(tiny_sat, random_visuals):
@@ -104,11 +116,40 @@ def test_sample_draws_from_the_whole_softmax(tiny_sat, random_visuals):
 # --------------------------------------------------------------------------------------------------------------
 # Decoding rules (length penalty, trigram blocking, <unk>) against a naive beam search over Python lists
 # --------------------------------------------------------------------------------------------------------------
+def _naive_search(next_logprobs, forbidden, eos, k, max_len, alpha, block_trigrams):
+    """Beam search written the slow way over Python lists: ``next_logprobs(tokens)`` scores every word after a
+    prefix; candidates are ranked by summed log-prob / ((5 + length) / 6)^alpha (self-critical.pytorch's
+    ``length_wu``), a finished hypothesis keeps its length and its score; EOS never comes first, and with
+    ``block_trigrams`` no word completes a trigram the prefix already holds.  Every final hypothesis, best first,
+    with its ranked score."""
+    def rank(score, length):
+        return score / ((5.0 + length) ** alpha / 6.0 ** alpha)
+
+    beams = [([], 0.0, False)]
+    for _ in range(max_len):
+        candidates = []
+        for tokens, score, done in beams:
+            if done:
+                candidates.append((tokens, score, True))
+                continue
+            banned = {tokens[i + 2] for i in range(len(tokens) - 2)
+                      if block_trigrams and tokens[i:i + 2] == tokens[-2:]}
+            if not tokens:  # a caption has a word before its EOS
+                banned.add(eos)
+            for word, lp in enumerate(next_logprobs(tokens).tolist()):
+                if word not in forbidden and word not in banned:
+                    candidates.append((tokens + [word], score + lp, word == eos))
+        candidates.sort(key=lambda c: rank(c[1], len(c[0])), reverse=True)
+        beams = candidates[:k]
+        if all(done for _, _, done in beams):
+            break
+    return sorted(((tokens, rank(score, len(tokens))) for tokens, score, _ in beams), key=lambda b: b[1],
+                  reverse=True)
+
+
 def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False):
-    """Beam search written the slow way: every hypothesis re-runs the model over its prefix; candidates are
-    ranked by summed log-prob / ((5 + length) / 6)^alpha, a finished hypothesis keeps its length and its score."""
+    """:func:`_naive_search` over a model: every hypothesis re-runs it over its prefix.  The best caption."""
     single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
-    forbidden = set(never_emitted(model))
 
     def next_logprobs(tokens):
         enc = model.encode(single)
@@ -119,29 +160,8 @@ def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False):
             prev = torch.tensor([token])
         return model.step(prev, state, enc)[0][0].double()
 
-    def rank(score, length):
-        return score / ((5.0 + length) / 6.0) ** alpha
-
-    beams = [([], 0.0, False)]
-    for _ in range(max_len):
-        candidates = []
-        for tokens, score, done in beams:
-            if done:
-                candidates.append((tokens, score, True))
-                continue
-            logprobs = next_logprobs(tokens)
-            banned = {tokens[i + 2] for i in range(len(tokens) - 2)
-                      if block_trigrams and len(tokens) >= 2 and tokens[i:i + 2] == tokens[-2:]}
-            if not tokens:  # a caption has a word before its EOS
-                banned.add(model.eos_id)
-            for word, lp in enumerate(logprobs.tolist()):
-                if word not in forbidden and word not in banned:
-                    candidates.append((tokens + [word], score + lp, word == model.eos_id))
-        candidates.sort(key=lambda c: rank(c[1], len(c[0])), reverse=True)
-        beams = candidates[:k]
-        if all(done for _, _, done in beams):
-            break
-    return max(beams, key=lambda b: rank(b[1], len(b[0])))[0]
+    return _naive_search(next_logprobs, set(never_emitted(model)), model.eos_id, k, max_len, alpha,
+                         block_trigrams)[0][0]
 
 
 def _repeats_a_trigram(tokens):
@@ -204,3 +224,58 @@ def test_a_caption_is_never_empty_whatever_the_beam(tiny_sat, random_visuals):
 def test_rules_are_validated():
     with pytest.raises(ValueError, match="length_penalty"):
         DecodingRules(length_penalty=-1.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The table-level search (search_rows, which the service's batcher shares) against the naive beam search over a
+# scripted language model: the next word's log-probs depend on the last two words only, drawn at random and peaked
+# so that captions repeat trigrams and end at different lengths, which the tiny SAT above does too seldom to tell
+# apart a finished caption's length from a live one's
+# --------------------------------------------------------------------------------------------------------------
+PAD, BOS, EOS, UNK = Vocabulary.pad_id, Vocabulary.bos_id, Vocabulary.eos_id, Vocabulary.unk_id
+
+
+def _scripted_step(table):
+    """A ``step`` whose log-probs are ``table[word before prev, prev]`` (``[V, V, V]``); its state holds the word
+    before ``prev``; it attends to ``prev`` (one-hot over ``V`` items) and reports the word before as an extra."""
+
+    def step(prev, state, enc):
+        one_hot = torch.nn.functional.one_hot
+        record = AttnRecord(one_hot(prev, table.shape[0]).float(), {"before": one_hot(state["before"], table.shape[0])})
+        return table[state["before"], prev], {"before": prev}, record
+
+    return step
+
+
+def _naive_table_beam(table, k, max_len, alpha, block):
+    """:func:`_naive_search` over the scripted model: every hypothesis, best first, with its ranked score."""
+    def next_logprobs(tokens):
+        before, prev = ([BOS] + tokens)[-2:] if tokens else (BOS, BOS)
+        return table[before, prev]
+
+    return _naive_search(next_logprobs, {PAD, BOS, UNK}, EOS, k, max_len, alpha, block)
+
+
+@pytest.mark.parametrize("alpha,block", [(0.0, False), (0.0, True), (0.8, False), (2.5, True)])
+def test_search_rows_equals_a_naive_beam_search_on_scripted_models(alpha, block):
+    """Every hypothesis of every group (groups of different widths in one table), in order, with its score: a
+    finished caption keeps its length in the penalty while live ones grow, a row's ``finished`` flag follows
+    its back-pointer, and the returned score is the length-normalised one."""
+    widths, max_len, vocab = [2, 3, 4], 7, 9
+    generator = torch.Generator().manual_seed(5)
+    for trial in range(12):
+        table = (torch.randn(vocab, vocab, vocab, generator=generator) * 2.5).log_softmax(-1)
+        table[:, :, EOS] += torch.rand(vocab, vocab, generator=generator) * 3.0 - 1.0  # captions end at various lengths
+        table = table.log_softmax(-1)
+        rows = sum(widths)
+        start = {"before": torch.full((rows,), BOS)}
+        found = search_rows(_scripted_step(table), index_rows, {"rows": torch.zeros(rows, 1)}, start, widths, BOS,
+                            EOS, (PAD, BOS, UNK), max_len, DecodingRules(alpha, block), n_best=min(widths))
+        for width, hyps in zip(widths, found):
+            expected = _naive_table_beam(table.double(), width, max_len, alpha, block)[:len(hyps)]
+            assert [h.token_ids for h in hyps] == [tokens for tokens, _ in expected], (trial, width)
+            assert [h.score for h in hyps] == pytest.approx([score for _, score in expected], abs=1e-4)
+            for hyp in hyps:  # the attention and the extras of token t are those of its own prefix
+                prefix = [BOS, BOS] + hyp.token_ids
+                assert hyp.attention.argmax(-1).tolist() == prefix[1:-1]
+                assert hyp.extras["before"].argmax(-1).tolist() == prefix[:-2]

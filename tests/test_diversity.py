@@ -74,12 +74,26 @@ def test_rep_counts_what_the_references_do_not_repeat():
     assert repetition_count(caption, ["a cat".split(), "a dog by a dog".split()]) == 4
     assert repetition_count("the the dog".split(), ["a dog".split()]) == 2  # one same-word bigram, weight 2
     assert repetition_count("a dog runs".split(), ["a cat".split()]) == 0
+    # two references saying "a dog" once each excuse one repeat, not two: the largest count, not the sum
+    assert repetition_count(caption, ["a dog".split(), "a dog sits".split()]) == 5
+
+
+def test_rep_normalises_by_the_mean_reference_length_of_each_caption():
+    captions = {1: "a dog a dog".split(), 2: "a cat".split()}
+    references = {1: ["a b c d".split(), "a b c d e f".split()], 2: ["x y".split(), "x y z w".split(), "x".split()]}
+    total = repetition_count(captions[1], references[1]) + repetition_count(captions[2], references[2])
+    assert total == 2  # "a dog" twice, unexcused
+    # mean reference lengths 5 and 7/3: neither their sums (10, 7) nor their largest (6, 4)
+    assert rep_score(captions, references) == pytest.approx(100 * 2 / (5 + 7 / 3))
 
 
 def test_novel_share_and_distinct_words():
     train = ["a dog runs".split(), "a cat sits".split()]
     captions = {1: "a dog runs".split(), 2: "a dog sits".split()}
     assert novel_share(captions.values(), train) == 0.5
+    # every caption counts, repeated ones too: two of three captions are new
+    repeated = ["a dog sits".split(), "a dog sits".split(), "a cat sits".split()]
+    assert novel_share(repeated, train) == pytest.approx(2 / 3)
     scores = diversity_scores(captions, {1: ["a dog".split()], 2: ["a dog".split()]}, train)
     assert scores["distinct_words"] == 4 and scores["novel_captions"] == 0.5 and scores["mean_length"] == 3
     assert scores["REP"] == 0.0

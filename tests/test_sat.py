@@ -3,6 +3,7 @@
 import torch
 
 from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import create
 
 
 def test_attention_matches_naive_equation(tiny_sat, random_visuals):
@@ -30,6 +31,24 @@ def test_context_is_gated_expectation(tiny_sat, random_visuals):
     naive = torch.stack([beta[b] * sum(alpha[b, i] * random_visuals.feats[b, i] for i in range(9)) for b in range(3)])
     torch.testing.assert_close(z, naive)
     torch.testing.assert_close(extras["beta_gate"], beta)
+
+
+def test_channel_gate_scales_each_channel_and_reports_their_mean(random_visuals):
+    """``gate="channel"`` (sgrvinod's ``f_beta``): ẑ_t = β_t ⊙ Σ_i α_{t,i} a_i with one gate per feature channel;
+    the reported ``beta_gate`` is one number per word, the mean of the channels' gates."""
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, dropout=0.0,
+                   gate="channel").eval()
+    enc = model.encode(random_visuals)
+    state = model.init_state(enc)
+    alpha = model.attention(state, enc)
+    z, extras = model.context(alpha, state, enc)
+    beta = torch.sigmoid(model.gate(state["h"]))
+    assert beta.shape == (3, 16)
+    naive = torch.stack([torch.stack([beta[b, d] * sum(alpha[b, i] * random_visuals.feats[b, i, d] for i in range(9))
+                                      for d in range(16)]) for b in range(3)])
+    torch.testing.assert_close(z, naive)
+    torch.testing.assert_close(extras["beta_gate"], torch.stack([sum(beta[b]) / 16 for b in range(3)])[:, None])
 
 
 def test_masked_items_get_no_attention(tiny_sat):

@@ -12,7 +12,7 @@ import pytest
 
 from captioner.models.checkpoint import FORMAT
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.evaluation.bootstrap import resample_counts, resampled_ratios
+from captioner.models.evaluation.bootstrap import percentile_interval, resample_counts, resampled_ratios
 from captioner.models.evaluation.compare import (bleu_4, bleu_statistics, compare_captions, corpus_bleu,
                                                  paired_corpus_difference)
 from captioner.models.evaluation.metrics import score_captions
@@ -117,6 +117,13 @@ def test_resample_counts_draw_the_images_resampled_ratios_draws():
     counts = resample_counts(50, 300, seed=4)
     assert (counts.sum(1) == 50).all()
     assert counts @ values / 50 == pytest.approx(resampled_ratios(values, np.ones(50), 300, seed=4))
+
+
+def test_percentile_interval_leaves_equal_tails_outside():
+    """A ``level`` interval leaves (1 − level) / 2 of the resamples below it and as many above."""
+    samples = np.random.default_rng(5).permutation(1001).astype(np.float64)  # the values 0 … 1000, shuffled
+    assert percentile_interval(samples) == pytest.approx((25.0, 975.0))
+    assert percentile_interval(samples, level=0.8) == pytest.approx((100.0, 900.0))
 
 
 @pytest.fixture(scope="module")
