@@ -81,6 +81,9 @@ def test_keys_guard_captioning_and_results_but_not_probes_or_the_page(keyed, jpe
         ok = caption(keyed, jpeg, Authorization=f"Bearer {key}")
         assert ok.status_code == 200, ok.text
     result_id = ok.json()["id"]
+    # the scheme's name is case-insensitive (RFC 9110, 11.1), the key is not
+    assert caption(keyed, jpeg, Authorization=f"bearer {KEYS[0]}").status_code == 200
+    assert caption(keyed, jpeg, Authorization=f"Bearer {KEYS[0].upper()}").status_code == 401
     assert keyed.get(f"/captions/{result_id}").status_code == 401
     assert keyed.get(f"/captions/{result_id}", headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
     overlay = keyed.post("/caption/overlay", files={"file": ("x.jpg", jpeg, "image/jpeg")})
@@ -176,6 +179,9 @@ def test_request_ids_are_echoed_and_logged(open_client, jpeg):
         ("trace-abc-123", "/caption", 200)}
     generated = open_client.get("/healthz").headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    too_long = open_client.get("/healthz", headers={"X-Request-ID": "a" * 65}).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", too_long)  # a client cannot write lines of any length into the log
+    assert open_client.get("/healthz", headers={"X-Request-ID": "a" * 64}).headers["x-request-id"] == "a" * 64
 
 
 def test_result_ids_are_random_and_the_store_is_bounded_in_count_and_age():
@@ -194,6 +200,28 @@ def test_result_ids_are_random_and_the_store_is_bounded_in_count_and_age():
     store.put(object(), b"y" * 6000)  # type: ignore[arg-type]
     store.put(object(), b"z" * 6000)  # type: ignore[arg-type]
     assert len(store) == 1  # bounded by bytes too
+
+
+def test_the_result_store_counts_the_bytes_it_gives_back_and_always_keeps_the_newest():
+    store = ResultStore(max_bytes=25, max_count=10, max_age_s=60)
+    ids = [store.put(object(), b"x" * 10) for _ in range(4)]  # type: ignore[arg-type]
+    assert len(store) == 2 and store.get(ids[2]) and store.get(ids[3])  # 20 bytes fit: only the oldest went
+    larger = store.put(object(), b"y" * 100)  # type: ignore[arg-type]
+    assert store.get(larger).upload == b"y" * 100 and len(store) == 1  # above the bound alone, and still kept
+
+
+def test_an_upload_larger_than_the_results_cache_is_still_rendered_and_readable(weights, jpeg):
+    """POST /caption/overlay stores the result, then renders it from the store: an upload above
+    CAPTIONER_RESULTS_CACHE_BYTES must not be evicted by its own arrival (a 404 for a caption just made)."""
+    with make_client(weights, results_cache_bytes=0) as client:
+        overlay = client.post("/caption/overlay", params={"token": 0}, files={"file": ("x.jpg", jpeg, "image/jpeg")})
+        assert overlay.status_code == 200 and overlay.headers["content-type"] == "image/png"
+        assert client.get(f"/captions/{overlay.headers['x-caption-id']}").status_code == 200
+        first = caption(client, jpeg).json()["id"]
+        assert client.get(f"/captions/{first}/overlay", params={"token": 0}).status_code == 200
+        caption(client, jpeg)
+        gone = client.get(f"/captions/{first}")  # the bound still holds: the newer upload took its place
+        assert gone.status_code == 404 and gone.json()["type"] == "/problems/unknown-result"
 
 
 def test_no_answer_leaks_a_stack_trace_or_a_server_path(weights, jpeg):

@@ -401,3 +401,54 @@ def test_uploads_share_one_byte_budget_until_their_requests_end(tiny_weights, mo
         assert _post(client, small, beam_size=2, max_len=4).status_code == 200
         assert held_while_decoding and held_while_decoding[-1] >= len(small)  # still counted while decoding
         assert budget.held == 0  # given back when the request ended
+
+
+def test_settings_refuse_defaults_and_row_budgets_outside_their_limits():
+    from pydantic import ValidationError
+
+    for bad in ({"default_max_len": 51}, {"default_beam_size": 11}, {"default_max_len": 8, "max_max_len": 7}):
+        with pytest.raises(ValidationError, match="must not exceed max_beam_size and max_max_len"):
+            Settings(**bad)
+    with pytest.raises(ValidationError, match="max_rows"):
+        Settings(max_rows=9)  # a request of the widest beam could never get its rows
+    limits = Settings(max_rows=10, default_beam_size=10, default_max_len=50)  # at the limits: accepted
+    assert (limits.max_rows, limits.default_beam_size, limits.default_max_len) == (10, 10, 50)
+
+
+def test_the_upload_budget_holds_the_largest_json_request():
+    """A JSON request carries the image in base64 (4 bytes for 3) beside its options: the budget's floor
+    (json_body_bytes) must hold the largest one the upload limit allows, or that request is told "429, retry" for
+    ever."""
+    import base64
+
+    from pydantic import ValidationError
+
+    from captioner.service.settings import json_body_bytes
+
+    for size in (1, 2, 3, 12_000, 10 * 1024 * 1024):
+        body = json.dumps({"image": base64.b64encode(b"\xff" * size).decode(), "model": "m" * 200, "beam_size": 10,
+                           "max_len": 50, "length_penalty": 1.5, "block_trigrams": True})
+        assert len(body) <= json_body_bytes(size)
+    with pytest.raises(ValidationError, match="must hold at least one largest upload"):
+        Settings(max_upload_bytes=12_000, upload_budget_bytes=12_000 + 4096)
+
+
+def test_a_retry_after_of_zero_is_still_sent():
+    """CAPTIONER_RETRY_AFTER_S may be 0 ("retry at once"): the header says so rather than vanishing."""
+    from captioner.service.errors import Overloaded
+    from captioner.service.problems import problem_of
+
+    assert problem_of(Overloaded("busy", 0)).headers == {"Retry-After": "0"}
+    assert problem_of(Overloaded("busy", 3)).headers == {"Retry-After": "3"}
+
+
+def test_a_refusals_retry_after_is_never_below_the_configured_one():
+    from captioner.service.batcher import QueueFull
+    from captioner.service.captioning import batcher_errors
+    from captioner.service.errors import Overloaded
+
+    for estimate, expected in ((2.0, 5), (None, 5), (9.0, 9)):
+        with pytest.raises(Overloaded) as refused:
+            with batcher_errors(Settings(retry_after_s=5)):
+                raise QueueFull("busy", retry_after_s=estimate)
+        assert refused.value.retry_after_s == expected

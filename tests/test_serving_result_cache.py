@@ -35,10 +35,15 @@ def scrape(text: str, name: str, **labels: str) -> float:
 def cached_app(tmp_path_factory):
     weights = tmp_path_factory.mktemp("weights")
     (weights / "sat").symlink_to(ROOT / "weights" / "sat")
-    settings = Settings(weights_dir=weights, warmup=False, release_memory=False, result_cache_entries=2)
+    (weights / "sat-twin").symlink_to(ROOT / "weights" / "sat")  # the same weights served under a second name
+    settings = Settings(weights_dir=weights, default_model="sat", warmup=False, release_memory=False,
+                        result_cache_entries=2)
     with TestClient(create_app(settings)) as client:
         runtime = client.app.state.service.runtimes["sat"]
-        yield client, count_encodes(runtime)
+        calls = count_encodes(runtime)
+        twin_calls = count_encodes(client.app.state.service.runtimes["sat-twin"])
+        client.app.state.twin_calls = twin_calls
+        yield client, calls
 
 
 def caption(client, data: bytes, **params):
@@ -65,3 +70,31 @@ def test_identical_upload_is_answered_from_the_cache(cached_app):
     metrics = client.get("/metrics").text
     assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat", outcome="hit") == 1
     assert scrape(metrics, "captioner_result_cache_lookups_total", model="sat", outcome="miss") == 4
+
+
+def test_another_model_or_other_decoding_rules_are_a_miss(cached_app):
+    """The cache key holds the model and the decoding rules: an answer made by one model or with one length penalty
+    is never handed to a request asking for another."""
+    client, calls = cached_app
+    image = jpeg(3)
+    caption(client, image, beam_size=2, max_len=8)
+    before = len(calls)
+    twin = client.app.state.twin_calls
+    answer = caption(client, image, model="sat-twin", beam_size=2, max_len=8)
+    assert answer["model"] == "sat-twin" and len(twin) == 1  # its own model ran
+    caption(client, image, beam_size=2, max_len=8, length_penalty=1.5)
+    caption(client, image, beam_size=2, max_len=8, block_trigrams="true")
+    assert len(calls) == before + 2  # each set of rules ran the model
+
+
+def test_the_cache_evicts_the_least_recently_used_entry():
+    from captioner.service.result_cache import CacheKey, ResultCache
+    from captioner.models.decoding import DecodingRules
+
+    cache = ResultCache(2)
+    a, b, c = (CacheKey(digest, "sat", 3, 20, DecodingRules()) for digest in "abc")
+    cache.put(a, "A")  # type: ignore[arg-type]
+    cache.put(b, "B")  # type: ignore[arg-type]
+    assert cache.get(a) == "A"  # a is now the most recently used
+    cache.put(c, "C")  # type: ignore[arg-type]
+    assert cache.get(b) is None and cache.get(a) == "A" and cache.get(c) == "C"
