@@ -148,6 +148,22 @@ def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):
                                atol=1e-6)
 
 
+def test_the_blur_keeps_its_matrices_unchanged_between_maps():
+    """A figure blurs every word's map with the same matrices, made once and kept: a later map is blurred exactly
+    as it is alone, and no caller can write into a kept matrix."""
+    from captioner.models.rendering.heatmaps import _blur_matrix, gaussian_blur
+
+    first, second = np.random.default_rng(1).random((2, 96, 128)).astype(np.float32)
+    alone = gaussian_blur(second, 5.5)
+    _blur_matrix.cache_clear()
+    gaussian_blur(first, 5.5)
+    assert np.array_equal(gaussian_blur(second, 5.5), alone)
+    kept = _blur_matrix(96, 5.5, 4.0)
+    assert _blur_matrix.cache_info().hits >= 2 and not kept.flags.writeable
+    with pytest.raises(ValueError):
+        kept[0, 0] = 1.0
+
+
 def test_smooth_heat_of_a_large_photo_is_computed_small_and_resized_up(monkeypatch):
     # the blur costs the cube of the side, so large photos are rendered at SMOOTH_WORK_SIDE and resized up;
     # a Gaussian of half a cell holds nothing finer, so the result matches the full-resolution computation

@@ -347,6 +347,20 @@ def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
         assert gpu.providers[0] == "CUDAExecutionProvider" and gpu.on_gpu
 
 
+def test_onnx_runtime_sessions_neither_spin_nor_keep_an_arena(shipped):
+    """Every session the project opens (the service's CNN, heads and steps, eval's CNN, the export's check) has
+    idle intra-op threads sleep: spinning, ONNX Runtime's default, made a caption four times slower on two busy
+    cores and halved the throughput at 8 clients (docs/decisions.md#onnx-runtime-threads-that-do-not-spin)."""
+    from captioner.models.export.sessions import session_options
+
+    ckpt, _, onnx_dir, _, _ = shipped
+    runtime = OnnxRuntime("sat", ckpt, onnx_dir / "sat", CPU, threads=1)
+    for options in (session_options(), session_options(2, quiet=True), runtime.step_session.get_session_options(),
+                    runtime.encoder_session.get_session_options()):
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert not options.enable_cpu_mem_arena
+
+
 def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     """``auto`` asks whether ONNX Runtime offers CUDA before timing it on a GPU: the question compared the provider
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""

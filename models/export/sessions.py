@@ -24,6 +24,10 @@ def session_options(threads: int | None = None, quiet: bool = False):
     # Without its arena, ONNX Runtime returns each run's buffers to the allocator instead of keeping the largest
     # warm-up batch's worth per session (two per model): docs/decisions.md#onnx-runtime-without-its-memory-arena
     options.enable_cpu_mem_arena = False
+    # Intra-op threads sleep between runs instead of spinning: every session has a pool of its own (three per
+    # model, with the shared CNN), and their spinning took the cores the other sessions, the decoder's Python and
+    # the event loop were waiting for (docs/decisions.md#onnx-runtime-threads-that-do-not-spin)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 

@@ -20,6 +20,7 @@ attending to nothing in particular, is drawn with (nearly) no heat instead of fu
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,14 +61,21 @@ def _scaled_boxes(geometry: Geometry, scale: float) -> np.ndarray:
     return np.asarray(geometry.boxes, dtype=np.float64) * scale
 
 
-def _blur_matrix(length: int, kernel: np.ndarray) -> np.ndarray:
-    """``[length, length]``: row ``i`` holds the kernel centred on ``i``, with the taps that fall off either end
-    added to the edge sample (edges extended)."""
-    radius, positions = len(kernel) // 2, np.arange(length)
+@functools.lru_cache(maxsize=8)
+def _blur_matrix(length: int, sigma: float, truncate: float) -> np.ndarray:
+    """``[length, length]``: row ``i`` holds the Gaussian kernel of ``sigma`` centred on ``i``, with the taps that fall
+    off either end added to the edge sample (edges extended).  Kept (read-only) for the next call: a figure blurs
+    every word's map at the same size, and making the matrix cost more than the products that use it."""
+    radius = int(truncate * sigma + 0.5)
+    kernel = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
+    kernel /= kernel.sum()
+    positions = np.arange(length)
     matrix = np.zeros((length, length), dtype=np.float64)
     for tap, weight in enumerate(kernel):
         np.add.at(matrix, (positions, np.clip(positions + tap - radius, 0, length - 1)), weight)
-    return matrix.astype(np.float32)
+    matrix = matrix.astype(np.float32)
+    matrix.flags.writeable = False
+    return matrix
 
 
 def gaussian_blur(image: np.ndarray, sigma: float, truncate: float = 4.0) -> np.ndarray:
@@ -78,10 +86,8 @@ def gaussian_blur(image: np.ndarray, sigma: float, truncate: float = 4.0) -> np.
     image = image.astype(np.float32)
     if radius < 1:
         return image
-    kernel = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
-    kernel /= kernel.sum()
     rows, cols = image.shape
-    return _blur_matrix(rows, kernel) @ image @ _blur_matrix(cols, kernel).T
+    return _blur_matrix(rows, sigma, truncate) @ image @ _blur_matrix(cols, sigma, truncate).T
 
 
 def _bilinear_blurred(grid: np.ndarray, xs: np.ndarray, ys: np.ndarray, sigma: float) -> np.ndarray:
