@@ -31,7 +31,7 @@ from .captioning import observe_invalid
 from .inputs import arrival, known_query_only
 from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
-from .middleware import RequestContextMiddleware
+from .middleware import RequestContextMiddleware, configure_logging
 from .overlay import router as overlay_router
 from .problems import install_problem_handlers
 from .results import ResultStore
@@ -64,7 +64,8 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
         await run_in_threadpool(prepare_in_child, *found, only=missing,
-                                logging_as=(settings.log_format, settings.log_level), **run)
+                                set_up_logging=functools.partial(configure_logging, settings.log_format,
+                                                                 settings.log_level), **run)
     runtimes = await run_in_threadpool(load_runtimes, *found, **run)
     if not runtimes:
         log.error("no checkpoint found in %s: every caption request will get 503",

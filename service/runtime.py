@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
@@ -120,17 +120,19 @@ def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: Shared
 
 
 def prepare_in_child(weights_dir: Path | None, extra: list[Path], *, only: Collection[str] | None = None,
-                     logging_as: tuple[str, str] | None = None, **settings) -> None:
+                     set_up_logging: Callable[[], None] | None = None, **settings) -> None:
     """:func:`load_runtimes` with these arguments in a spawned child process, for the models ``only`` names (the
     :func:`~captioner.service.onnx_exports.unprepared` ones; all where None), which makes their ONNX exports and
     reference records and exits: the server's own process then starts as on any later start, without the PyTorch
     CNN, the exporter's tracing or the heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
     warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a child
-    process").  A child that fails leaves the work to the server's own load, as before.  ``logging_as`` (the
-    service's log format and level) makes the child log as the server does: a spawned process starts with Python's
-    default logging, which dropped the child's progress ("exporting …", minutes on a first start) and wrote its
-    warnings with their tracebacks as plain lines into the server's JSON log."""
-    child = multiprocessing.get_context("spawn").Process(target=_prepare, args=(weights_dir, extra, logging_as),
+    process").  A child that fails leaves the work to the server's own load, as before.  ``set_up_logging`` (a
+    picklable callable: the server's own logging set-up with its format and level) runs first in the child, so that
+    it logs as the server does: a spawned process starts with Python's default logging, which dropped the child's
+    progress ("exporting …", minutes on a first start) and wrote its warnings with their tracebacks as plain lines
+    into the server's JSON log.  Taken as a callable, not as the format and level: logging's set-up is the HTTP
+    layer's (middleware.py), which this layer does not import."""
+    child = multiprocessing.get_context("spawn").Process(target=_prepare, args=(weights_dir, extra, set_up_logging),
                                                          kwargs={**settings, "only": only}, name="captioner-prepare")
     child.start()
     child.join()
@@ -139,10 +141,9 @@ def prepare_in_child(weights_dir: Path | None, extra: list[Path], *, only: Colle
                     child.exitcode)
 
 
-def _prepare(weights_dir: Path | None, extra: list[Path], logging_as: tuple[str, str] | None, **settings) -> None:
+def _prepare(weights_dir: Path | None, extra: list[Path], set_up_logging: Callable[[], None] | None,
+             **settings) -> None:
     """The preparing child's work (:func:`prepare_in_child`): its logging set up as the server's, then the load."""
-    if logging_as is not None:
-        from .middleware import configure_logging
-
-        configure_logging(*logging_as)
+    if set_up_logging is not None:
+        set_up_logging()
     load_runtimes(weights_dir, extra, **settings)

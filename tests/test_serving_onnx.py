@@ -478,13 +478,17 @@ def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
     """The spawned child started with Python's default logging: its progress ("exporting …", minutes on a first
     start) was dropped and its warnings came with their tracebacks as plain lines in the server's JSON log (the
     operator audit). Given the service's format, each of its lines is one JSON record."""
+    import functools
+
     from captioner.service import runtime as runtime_module
+    from captioner.service.middleware import configure_logging
 
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     capfd.readouterr()
     runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
-                                    onnx_dir=tmp_path / "onnx", threads=1, logging_as=("json", "info"))
+                                    onnx_dir=tmp_path / "onnx", threads=1,
+                                    set_up_logging=functools.partial(configure_logging, "json", "info"))
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # a plain line fails here
     assert any(r["logger"] == "captioner.runtime" and r["msg"].startswith("exporting a to ONNX") for r in records)
