@@ -285,3 +285,15 @@ def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path / "sat" / "last")
     assert checkpoint_name("../best") == "sat" and checkpoint_name("../../aoanet/best") == "aoanet"
     assert checkpoint_name(tmp_path / "sat" / "best-f16") == "best-f16"  # any other folder: its own name
+
+
+def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_path, tiny_sat, vocab):
+    from captioner.models.checkpoint import convert_storage, update_meta
+
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), files={"cnn.safetensors": b"weights"})
+    update_meta(path, note="rewritten")
+    convert_storage(path, "float16", tmp_path / "half")
+    for folder in (path, tmp_path / "half"):
+        assert (folder / "cnn.safetensors").read_bytes() == b"weights"
+        assert "cnn.safetensors" in json.loads((folder / "manifest.json").read_text())["files"]
+        assert load_checkpoint(folder).meta["note"] == "rewritten"

@@ -54,6 +54,26 @@ def test_torn_foreign_and_altered_files_are_refused_naming_the_file(tmp_path, ti
         load_state(tmp_path)
 
 
+@pytest.mark.parametrize("unlisted", ["model.safetensors", "config.json", "vocab.json"])
+def test_a_manifest_that_leaves_out_a_file_a_checkpoint_needs_is_refused(tmp_path, tiny_sat, unlisted):
+    """An entry dropped from the manifest would let that file (another checkpoint's config, say) load unverified."""
+    a = save_checkpoint(tmp_path / "a", tiny_sat, VOCAB, EncoderSpec())
+    manifest = json.loads((a / "manifest.json").read_text())
+    del manifest["files"][unlisted]
+    (a / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"does not list {unlisted}"):
+        load_checkpoint(a)
+
+
+def test_each_state_save_replaces_the_previous_tensor_file_and_clears_a_killed_writers_debris(tmp_path):
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.zeros(2)}})
+    (tmp_path / ".train_state.json.tmp-0badf00d").write_text("{")  # a writer killed before its rename
+    save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
+    (tensors,) = tmp_path.glob("train_state.*.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["train_state.json", tensors.name])
+    assert load_state(tmp_path)["progress"]["global_step"] == 2
+
+
 def test_a_save_killed_between_renames_is_recovered(tmp_path, tiny_sat):
     """Where folders cannot be swapped atomically, the old checkpoint is renamed aside before the new one moves in;
     a crash between the two renames leaves it as .NAME.old and a half-written .NAME.tmp-* folder."""

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from captioner.models.files import (temporaries_of, temporary_beside, temporary_target, write_atomically,
-                                   write_durably)
+from captioner.models.files import (is_newer_format, temporaries_of, temporary_beside, temporary_target,
+                                   write_atomically, write_durably)
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -55,3 +55,30 @@ def test_a_durable_write_the_disk_cannot_hold_leaves_no_torn_file_and_names_it(t
         write_durably(target, b"x" * 100)
     assert raised.value.filename == str(target) and raised.value.errno == errno.ENOSPC
     assert not list(tmp_path.iterdir())
+
+
+def test_a_durable_write_flushes_the_file_before_the_rename_and_the_folder_after_it(tmp_path, monkeypatch):
+    real_fsync, real_replace, events = os.fsync, os.replace, []
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_atomically(tmp_path / "state.json", "{}", durable=True)
+    assert events[1:] == [("replace", "state.json"), ("fsync", tmp_path.name)]
+    assert events[0][0] == "fsync" and temporary_target(events[0][1]) == "state.json"
+    events.clear()
+    write_atomically(tmp_path / "state.json", "{}")  # not durable: nothing flushed
+    assert events == [("replace", "state.json")]
+
+
+def test_only_a_higher_version_of_the_same_family_is_a_newer_format():
+    assert is_newer_format("store/3", "store/2") and not is_newer_format("store/2", "store/2")
+    assert not is_newer_format("store/1", "store/2") and not is_newer_format("other/9", "store/2")
+    assert not is_newer_format(None, "store/2") and not is_newer_format("store/x", "store/2")

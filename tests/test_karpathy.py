@@ -120,3 +120,21 @@ def test_accented_letters_keep_their_word():
     from captioner.models.vocab import tokenize
 
     assert tokenize("A café, naïve dog’s Straße") == ["a", "cafe", "naive", "dog", "s", "strasse"]
+
+
+def test_limit_keeps_exactly_that_many_images_of_the_asked_splits(coco_fixture):
+    assert [im.image_id for im in load_karpathy(coco_fixture, limit=2)] == [0, 1]
+    assert [im.image_id for im in load_karpathy(coco_fixture, splits=("val", "test"), limit=1)] == [2]
+
+
+def test_an_entry_without_imgid_takes_its_cocoid_then_its_position(tmp_path):
+    sentences = [{"tokens": ["a", "cat"]}]
+    images = [{"filename": "a.jpg", "split": "train", "cocoid": 391895, "sentences": sentences},
+              {"filename": "b.jpg", "split": "train", "sentences": sentences}]
+    (tmp_path / "dataset_coco.json").write_text(json.dumps({"images": images}))
+    assert [im.image_id for im in load_karpathy(tmp_path / "dataset_coco.json")] == [391895, 1]
+
+
+def test_an_image_root_replaces_the_json_folder_below_the_filepath(coco_fixture, tmp_path):
+    val = load_karpathy(coco_fixture, image_root=tmp_path / "photos", splits=("val",))
+    assert [im.path for im in val] == [tmp_path / "photos" / "val2014" / "COCO_val2014_000000000002.jpg"]

@@ -46,6 +46,14 @@ def test_plateau_decay_halves_after_patience_checks_without_improvement_and_roun
     assert fresh.best == -math.inf
 
 
+def test_plateau_decay_never_goes_below_its_floor_and_a_gain_within_the_threshold_is_no_gain():
+    floored = PlateauDecay(factor=0.5, patience=1, min_scale=0.3)
+    assert [floored.update(s) for s in (1.0, 0.9, 0.9, 0.9)] == [1, 0.5, 0.3, 0.3]
+    strict = PlateauDecay(factor=0.5, patience=1, threshold=0.1)
+    assert [strict.update(s) for s in (1.0, 1.05, 1.2)] == [1, 0.5, 0.5]
+    assert strict.best == 1.2
+
+
 def test_scheduled_sampling_plus_0_05_every_5_epochs_capped_at_0_5():
     ss = ScheduledSampling(increase=0.05, every=5, start=0, cap=0.5)
     assert [ss(e) for e in (0, 4, 5, 9, 10, 24, 25, 49, 50, 120)] == pytest.approx(

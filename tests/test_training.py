@@ -248,3 +248,52 @@ def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone
     assert f"- Data: {described}: `{dataset}`" in card
     shutil.rmtree(tmp_path / "scenes")
     assert write_card(best, {}).read_text() == card
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+def test_xe_loss_is_the_token_mean_over_non_pad_targets_with_label_smoothing_towards_uniform(eps):
+    from captioner.models.training.xe import xe_loss
+
+    logprobs = torch.log_softmax(torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)), -1)
+    targets = torch.tensor([[4, 2, 0], [1, 3, 2]])  # pad id 0: one padded position
+    terms = [(1 - eps) * -logprobs[b, t, targets[b, t]] + eps * -logprobs[b, t].mean()
+             for b in range(2) for t in range(3) if targets[b, t] != 0]
+    expected = torch.stack(terms).sum() / 5
+    torch.testing.assert_close(xe_loss(logprobs, targets, pad_id=0, label_smoothing=eps), expected)
+
+
+@pytest.mark.parametrize("mode, expected", [("norm", [-0.3, -0.4]), ("value", [-0.5, -0.5])])
+def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, expected):
+    from types import SimpleNamespace
+
+    from captioner.models.training.loop import _optimizer_step
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    run = SimpleNamespace(cfg=SimpleNamespace(grad_clip=0.5, grad_clip_mode=mode), scaler=None,
+                          optimizer=torch.optim.SGD([weight], lr=1.0))
+    _optimizer_step(run, (torch.tensor([30.0, 40.0]) * weight).sum())  # gradient (30, 40): norm 50
+    torch.testing.assert_close(weight.detach(), torch.tensor(expected))
+
+
+def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_from_it(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from captioner.models.training import loop
+    from captioner.models.training.config import Progress
+    from captioner.models.training.run_log import EpochLog
+
+    saved = []
+    monkeypatch.setattr(loop, "_encoder_files", lambda run: (None, {}))
+    monkeypatch.setattr(loop, "save_checkpoint", lambda path, model, vocab, spec, meta, files: saved.append(
+        (path.name, meta.get("best_epoch"))))
+    run = SimpleNamespace(progress=Progress(), cfg=SimpleNamespace(early_stop=2), select="CIDEr-D",
+                          dist=SimpleNamespace(is_main=True), run_dir=tmp_path, meta={}, model=None, vocab=None,
+                          schedules=SimpleNamespace(plateau=None), elapsed=lambda: 0.0)
+    stopped = []
+    for epoch, score in enumerate([0.5, 0.7, 0.7, 0.6], 1):
+        loop._end_epoch(run, EpochLog(epoch, 10 * epoch, 1e-3, {"xe": 1.0}, {"CIDEr-D": score, "BLEU-4": 0.1}, 0.0))
+        stopped.append(run.progress.stopped_early)
+    assert [best for name, best in saved if name == "best"] == [1, 2]  # a tie (epoch 3) is no improvement
+    assert [name for name, _ in saved].count("last") == 4
+    assert (run.progress.best_epoch, run.progress.best_score, run.progress.epoch) == (2, 0.7, 4)
+    assert stopped == [False, False, False, True]  # two epochs without a better score after epoch 2
