@@ -6,8 +6,8 @@ import torch
 from PIL import Image
 from skimage import data
 
-from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, grid_geometry,
-                                      load_image, picture_size, preprocess)
+from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, ImageTooLarge,
+                                      grid_geometry, load_image, picture_size, preprocess)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,8 @@ def test_geometry_maps_cells_back_to_the_original_image():
     assert geo.image_size == (640, 480)
     np.testing.assert_allclose(geo.boxes[0], [0, 0, 80, 60])
     np.testing.assert_allclose(geo.boxes[9], [80, 60, 160, 120])  # row 1, col 1
+    np.testing.assert_allclose(geo.boxes[1], [80, 0, 160, 60])  # row-major: row 0, col 1
+    np.testing.assert_allclose(geo.boxes[8], [0, 60, 80, 120])  # row 1, col 0
     np.testing.assert_allclose(geo.boxes[63], [560, 420, 640, 480])
     crop = grid_geometry(EncoderSpec(image_size=224, resize="center_crop", resize_to=256), (512, 256))
     # shorter side 256 → scale 1; a 224 crop centred horizontally at (512-224)/2 = 144, vertically at 16
@@ -167,6 +169,9 @@ def test_bad_images_raise_clear_errors():
         load_image(truncated)
     with pytest.raises(ImageDecodeError, match="above the limit"):
         load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 299)
+    with pytest.raises(ImageTooLarge, match="above the limit"):  # one pixel over is over
+        load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300 - 1)
+    assert load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300).size == (300, 300)
     with pytest.raises(ImageDecodeError, match="no such image file: /nonexistent/cat.jpg"):
         load_image("/nonexistent/cat.jpg")
 

@@ -201,6 +201,20 @@ def test_infos_pickle_is_allow_listed(tmp_path, authors_files):
     assert isinstance(infos["opt"], argparse.Namespace) and infos["best_val_score"] == 1.2
 
 
+@pytest.mark.parametrize("module,name", [
+    ("builtins", "getattr"), ("builtins", "eval"), ("builtins", "exec"), ("builtins", "__import__"),
+    ("builtins", "open"), ("__builtin__", "getattr"), ("os", "system"), ("subprocess", "Popen"),
+    ("importlib", "import_module"), ("numpy", "load"), ("numpy.testing._private.utils", "runstring"),
+    ("_codecs", "decode"), ("copyreg", "__newobj__"), ("torch", "load")])
+def test_no_global_that_can_run_code_or_reach_one_is_on_the_allow_list(tmp_path, module, name):
+    """A GLOBAL opcode naming a callable that reaches code (``getattr`` walks to any attribute, ``__import__`` to
+    any module) is refused before it is called, by its name."""
+    evil = tmp_path / "global.pkl"
+    evil.write_bytes(f"c{module}\n{name}\n.".encode())
+    with pytest.raises(UnsafePickleError, match=f"refusing to load {module}.{name}"):
+        restricted_load(evil)
+
+
 def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):
     """BUILD sets attributes on the object it is given: a pickle naming argparse.Namespace with a state set
     ``argparse.Namespace.polluted`` for the whole process (the security audit), and a function's ``__defaults__``

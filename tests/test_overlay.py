@@ -135,6 +135,15 @@ def test_bad_overlay_requests_are_problems(client, result, params, status):
         assert response.headers["content-type"].startswith("application/problem+json")
 
 
+@pytest.mark.parametrize("alpha", ["-0.1", "1.5", "nan"])
+def test_an_opacity_outside_0_to_1_is_refused_as_the_query_parameter_it_is(client, result, alpha):
+    """``alpha`` is bounded where the query is read (the documented bounds of the OpenAPI schema), so its 422 names
+    ``query.alpha`` rather than coming from the renderer."""
+    response = client.get(f"/captions/{result['id']}/overlay", params={"token": 0, "alpha": alpha})
+    assert response.status_code == 422 and response.json()["type"] == "/problems/invalid-request"
+    assert [error["loc"] for error in response.json()["errors"]] == [["query", "alpha"]]
+
+
 def test_unknown_result_is_404(client):
     response = client.get("/captions/does-not-exist/overlay", params={"token": 0})
     assert response.status_code == 404 and response.json()["type"].endswith("unknown-result")

@@ -136,6 +136,31 @@ def test_caption_figure_has_one_panel_per_word():
     assert figure.mode == "RGB" and figure.width > figure.height > 100
 
 
+def test_each_panel_of_a_caption_figure_draws_its_own_words_row():
+    """Panel i draws attention row i: a figure whose second word looks elsewhere differs from one whose two words
+    look at the same cell, whichever of the two rows is repeated."""
+    image = Image.new("RGB", (300, 200), (200, 200, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    first, second = one_hot(0), one_hot(63)
+
+    def figure(rows):
+        return np.asarray(caption_figure(image, ["a", "b"], rows, geometry, "grid_blocks"))
+
+    own = figure([first, second])
+    assert not np.array_equal(own, figure([first, first]))
+    assert not np.array_equal(own, figure([second, second]))
+
+
+@pytest.mark.parametrize("original, copy", [((100, 1000), (13, 128)), ((1000, 100), (128, 13))])
+def test_a_thumbnail_is_scaled_by_its_longer_side_whichever_side_that_is(original, copy):
+    """A 100x1000 portrait's 13x128 thumbnail is 0.128 of it (its width was rounded up from 12.8): scaled by the
+    short side it would look 0.13 and its height 2 pixels off, and the copy would be refused as another shape."""
+    geometry = grid_geometry(EncoderSpec(), original)
+    weights = one_hot(9)
+    assert overlay(Image.new("RGB", copy), weights, geometry, "grid_blocks").size == copy
+    assert drawn_heat(weights, geometry, "grid_blocks", copy).shape == (copy[1], copy[0])
+
+
 @pytest.mark.parametrize("shape, sigma", [((375, 500), 8.3), ((64, 40), 0.4), ((224, 224), 3.5), ((5, 7), 3.0),
                                           ((1, 9), 1.2)])
 def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):

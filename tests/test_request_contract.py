@@ -364,3 +364,56 @@ def test_every_route_that_captions_an_upload_is_counted_by_the_latency_metric(cl
     captioning = {path for path, operations in paths.items() for operation in operations.values()
                   if "requestBody" in operation}  # the routes that take an upload
     assert captioning == CAPTION_PATHS == {"/caption", "/caption/overlay", "/caption/heatmaps"}
+
+
+def test_the_upload_limit_admits_exactly_its_bytes_in_every_body_format(tmp_path, photo):
+    """An image of exactly max_upload_bytes is captioned and one byte more is a 413, whichever way it comes: raw
+    with its length, raw chunked (no length: counted while it arrives), a multipart file part and base64 JSON."""
+    save_checkpoint(tmp_path / "tiny-a", tiny_model("sat"), VOCAB, TINY_SPEC)
+    settings = Settings(weights_dir=tmp_path, default_model="tiny-a", warmup=False, default_max_len=4,
+                        max_upload_bytes=len(photo))
+    over = photo + b"\0"  # a JPEG with a stray byte after its end still decodes: only its size differs
+
+    def answers(image: bytes) -> list[int]:
+        chunks = (image[i:i + 4096] for i in range(0, len(image), 4096))
+        return [c.post("/caption", content=image, headers={"content-type": "image/jpeg"}).status_code,
+                c.post("/caption", content=chunks, headers={"content-type": "image/jpeg"}).status_code,
+                c.post("/caption", files={"file": ("c.jpg", image, "image/jpeg")}).status_code,
+                c.post("/caption", json={"image": base64.b64encode(image).decode()}).status_code]
+
+    with TestClient(create_app(settings)) as c:
+        assert answers(photo) == [200] * 4
+        assert answers(over) == [413] * 4
+        problem(c.post("/caption", files={"file": ("c.jpg", over, "image/jpeg")}), 413, "upload-too-large")
+
+
+def test_a_json_body_of_any_json_media_type_is_read_as_json(client, photo):
+    """``application/*+json`` (RFC 6839's structured suffix) is JSON: the same caption as application/json."""
+    body = {"image": base64.b64encode(photo).decode(), "beam_size": 2}
+    plain = client.post("/caption", json=body)
+    suffixed = client.post("/caption", content=plain.request.content,
+                           headers={"content-type": "application/vnd.example+json; charset=utf-8"})
+    assert plain.status_code == suffixed.status_code == 200, suffixed.text
+    same_caption(plain.json(), suffixed.json())
+
+
+def test_routing_errors_are_problem_documents_with_their_own_status_type_title_and_headers(client):
+    """Starlette's own 404 and 405 leave as RFC 9457 documents: the status they are, typed and titled by its
+    reason phrase, the request path as ``instance``, and the 405's ``Allow`` header kept."""
+    wrong_method = client.get("/caption")
+    body = problem(wrong_method, 405, "method-not-allowed")
+    assert body["title"] == "Method Not Allowed" and body["instance"] == "/caption" and body["detail"]
+    assert wrong_method.headers["allow"] == "POST"
+    body = problem(client.get("/no/such/page"), 404, "not-found")
+    assert body["title"] == "Not Found" and body["instance"] == "/no/such/page"
+
+
+def test_an_empty_form_field_is_no_option_as_an_empty_query_parameter_is(client, photo):
+    """``curl -F beam_size=`` names no beam size, as ``?beam_size=`` does: the default's caption, not a 422."""
+    plain = post(client, photo)
+    assert plain.status_code == 200, plain.text
+    for fields in ({"beam_size": ""}, {"model": "", "max_len": "", "length_penalty": "", "block_trigrams": ""}):
+        empty = post(client, photo, fields=fields)
+        assert empty.status_code == 200, empty.text
+        same_caption(plain.json(), empty.json())
+    same_caption(plain.json(), post(client, photo, params={"beam_size": ""}).json())

@@ -8,6 +8,7 @@ import asyncio
 import io
 import json
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -596,6 +597,14 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     # auto, once its references are recorded, sends a damaged graph to the preparing child too
     assert runtime_module.load_runtimes(**{**load, "default_backend": "auto"})["a"].backend == "onnx"
     assert unprepared() == []
+    folder = tmp_path / "onnx" / "a"
+    identity = GraphSpec.load(folder).checksum  # what the start asked the export to be made from
+    for name in (None, ENCODER_FILE, HEAD_FILE, STEP_FILE):  # each of the model's three graphs, damaged alone
+        copy = tmp_path / f"copy-{name}"
+        shutil.copytree(folder, copy)
+        if name is not None:
+            (copy / name).write_bytes((copy / name).read_bytes()[:1000])
+        assert export_is_current(copy, identity) == (name is None), name
     step.write_bytes(step.read_bytes()[:1000])
     assert unprepared() == ["a"]
 
