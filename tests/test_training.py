@@ -152,6 +152,13 @@ def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_togethe
     assert len(runs) == len(images) == len(set(runs))  # each image's captions form one consecutive run
     assert runs != [im.key for im in images]  # in a shuffled image order, different every epoch
     assert [grouped.pairs[i][0] for i in grouped.epoch_order(1)] != keys
+    # a pair names its image and which of the image's references it is (what --attention-supervision looks up)
+    for pair in range(grouped.size):
+        key, index = grouped.reference_of(pair)
+        image = next(im for im in images if im.key == key)
+        assert grouped.pairs[pair] == (key, vocab.encode(image.references[index], grouped.cfg.max_train_len))
+    assert {grouped.reference_of(pair)[1] for pair in range(grouped.size)} == set(
+        range(max(len(im.references) for im in images)))
     plain = XEPhase(_config(scenes, tmp_path, cache), None, vocab, None, images, "cpu")
     assert len({plain.pairs[i][0] for i in plain.epoch_order(0)[:5]}) > 1  # default: pairs shuffled one by one
 
