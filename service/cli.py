@@ -100,8 +100,6 @@ def check_onnx_dir_writable(settings) -> None:
     A folder that already holds every export needs no writing, and is not checked."""
     from .onnx_exports import unprepared
 
-    if settings.precision != "float32":  # autocast runs every model on PyTorch: nothing is exported
-        return
     missing = unprepared(settings.weights_dir, settings.checkpoints, **settings.model_placement())
     if not missing:
         return

@@ -71,12 +71,17 @@ def _known_unexportable(onnx_dir: Path, identity: str) -> bool:
 
 def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
                prefixed: dict[str, Path] | None = None, backends: dict[str, str] | None = None,
-               default_backend: str = "auto", encoder_precision: str = "float32") -> list[str]:
+               default_backend: str = "auto", encoder_precision: str = "float32",
+               precision: str = "float32") -> list[str]:
     """The models whose start on ONNX Runtime still has something to make, read from disk without loading a
     checkpoint (the weights' sha256 from each manifest): the shared CNN's graph and the model's own export, each
     current and intact, and for ``auto`` PyTorch's reference captions of the check set as well
     (:func:`~captioner.service.backend_choice.reference_captions`).  Their start exports graphs and runs the PyTorch
-    CNN.  Models on the ``torch`` backend have nothing to prepare; ``hybrid`` needs only the CNN's graph."""
+    CNN.  Models on the ``torch`` backend have nothing to prepare, nor any model under an autocast ``precision``,
+    which runs every model on PyTorch (:func:`~captioner.service.backend_choice.chosen_backend`); ``hybrid`` needs
+    only the CNN's graph."""
+    if precision != "float32":
+        return []
     names = []
     for name, path in find_checkpoints(weights_dir, extra, prefixed).items():
         backend = (backends or {}).get(name, default_backend)

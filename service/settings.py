@@ -117,7 +117,7 @@ class Settings(BaseSettings):
     def model_placement(self) -> dict[str, Any]:
         """Where the models' files are and which backend runs them: the keywords of ``onnx_exports.unprepared``."""
         return dict(onnx_dir=self.onnx_dir, prefixed=self.prefixed_weights_dirs, backends=self.backends,
-                    default_backend=self.backend, encoder_precision=self.encoder_precision)
+                    default_backend=self.backend, encoder_precision=self.encoder_precision, precision=self.precision)
 
     def checkpoint_folders(self) -> list[str]:
         """Every folder checkpoints are looked for in, for the messages that say none was found."""
@@ -126,7 +126,7 @@ class Settings(BaseSettings):
     def model_loading(self) -> dict[str, Any]:
         """:meth:`model_placement` and how the models run: the keywords of ``runtime.load_runtimes``, for the server
         and for ``captioner caption --output``, which loads its checkpoint as the server does."""
-        return dict(self.model_placement(), device_name=self.device, threads=self.threads, precision=self.precision)
+        return dict(self.model_placement(), device_name=self.device, threads=self.threads)
 
     @field_validator("api_keys")
     @classmethod
