@@ -33,6 +33,7 @@ from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
 from .middleware import RequestContextMiddleware, configure_logging
 from .overlay import router as overlay_router
+from .paths import app_path
 from .problems import install_problem_handlers
 from .results import ResultStore
 from .routes import router
@@ -52,7 +53,7 @@ STATIC = Path(__file__).parent / "static"
 
 
 def _observe_if_caption(app: FastAPI, request: Request) -> None:
-    if request.url.path in CAPTION_PATHS:
+    if app_path(request.scope) in CAPTION_PATHS:
         observe_invalid(app.state.service, arrival(request), request.query_params.get("model"))
 
 

@@ -144,7 +144,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     overrides = {k: v for k, v in {"weights_dir": args.weights_dir, "default_model": args.model,
                                     "device": args.device, "host": args.host, "port": args.port,
-                                    "log_level": args.log_level}.items() if v is not None}
+                                    "log_level": args.log_level, "root_path": args.root_path}.items()
+                 if v is not None}
     settings = read_settings(**overrides)
     # a device this machine lacks is the user's mistake, said in one line before the server starts (in the
     # lifespan it was a traceback and uvicorn's "Application startup failed")
@@ -160,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # the app writes its own structured access log (with request ids); uvicorn's would duplicate it
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             log_config=None, access_log=False, timeout_graceful_shutdown=settings.drain_timeout_s + 5,
-                            timeout_keep_alive=settings.keep_alive_s)
+                            timeout_keep_alive=settings.keep_alive_s, root_path=settings.root_path)
     # SIGTERM: readiness and new requests 503 at once, admitted requests finish, exit 0 (lifecycle.py)
     server = DrainingServer(config, app.state.shutdown_gate, settings.drain_timeout_s)
     server.run()
@@ -274,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="default model name (CAPTIONER_DEFAULT_MODEL)")
     serve.add_argument("--device", help="auto, cpu, cuda or cuda:N (CAPTIONER_DEVICE)")
     serve.add_argument("--log-level", help="CAPTIONER_LOG_LEVEL, default info")
+    serve.add_argument("--root-path", help="the prefix a reverse proxy serves the app under, e.g. /captioner "
+                       "(CAPTIONER_ROOT_PATH, default none)")
     serve.set_defaults(func=cmd_serve)
     return parser
 

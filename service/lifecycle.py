@@ -32,6 +32,7 @@ from starlette.requests import Request
 
 from .errors import NOT_READY_RETRY_AFTER_S
 from .inputs import drain_body
+from .paths import app_path
 from .problems import send_problem
 
 log = logging.getLogger("captioner.lifecycle")
@@ -87,7 +88,7 @@ class DrainMiddleware:
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]],
                        send: Callable[[dict], Awaitable[None]]) -> None:
-        if scope["type"] != "http" or scope["path"] in ALWAYS_OPEN:
+        if scope["type"] != "http" or app_path(scope) in ALWAYS_OPEN:
             await self.app(scope, receive, send)
             return
         if self.gate.draining:

@@ -15,6 +15,7 @@ import uuid
 from typing import Any
 
 from .errors import CLIENT_GONE
+from .paths import app_path
 
 REQUEST_ID_HEADER = "x-request-id"
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -184,7 +185,8 @@ def _logged_path(scope: dict) -> str:
     template = getattr(route, "path", None)
     if template and "{" in template:
         return template
-    return _RESULT_ID_IN_PATH.sub("/captions/{result_id}", scope["path"]) if route is None else scope["path"]
+    path = app_path(scope)
+    return _RESULT_ID_IN_PATH.sub("/captions/{result_id}", path) if route is None else path
 
 
 class TextFormatter(logging.Formatter):

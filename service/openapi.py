@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse
@@ -156,11 +156,13 @@ def install_docs(app: FastAPI) -> None:
         return FileResponse(Path(swagger_ui_path) / name)
 
     @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} — API",
-                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+    async def docs(request: Request) -> HTMLResponse:
+        # the page's addresses are the browser's: behind a proxy's prefix (CAPTIONER_ROOT_PATH) they start with it
+        prefix = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(openapi_url=prefix + app.openapi_url, title=f"{app.title} — API",
+                                   swagger_js_url=f"{prefix}{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{prefix}{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{prefix}{DOCS_ASSETS}/favicon-32x32.png")
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Iterable
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 
+from .paths import app_path
 from .problems import send_problem
 
 #: path prefixes that need a key when keys are configured (everything that runs a model or returns a result)
@@ -58,7 +59,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.keys or scope.get("method") == "OPTIONS" \
-                or not _is_protected(scope["path"]):
+                or not _is_protected(app_path(scope)):
             await self.app(scope, receive, send)
             return
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
@@ -83,7 +84,7 @@ class SecurityHeadersMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = app_path(scope)
         if path.startswith(DOCS_PATHS):
             csp = DOCS_CSP
         elif path == "/" or path.startswith("/static/"):

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
                            "or debug")
     host: str = Field("127.0.0.1", description="bind address of `captioner serve`")
     port: int = Field(8000, ge=1, le=65535, description="port of `captioner serve`")
+    root_path: str = Field("", description="the path prefix a reverse proxy serves the app under when it strips it "
+                           "before forwarding (for example /captioner); the docs page, the OpenAPI servers and the "
+                           "demo page's requests carry it; empty: served at /")
 
     # -- access and hardening (service/security.py) ---------------------------------------------------------
     api_keys: list[str] = Field(default_factory=list, repr=False,
@@ -146,6 +149,18 @@ class Settings(BaseSettings):
         if level not in LOG_LEVELS:
             raise ValueError(f"give one of {', '.join(LOG_LEVELS)}")
         return level
+
+    @field_validator("root_path")
+    @classmethod
+    def _root_path_is_a_prefix(cls, value: str) -> str:
+        # "captioner" or "/captioner/" would make every address the docs page builds wrong ("captioner/openapi.json",
+        # "/captioner//docs/assets/…"): both are read as the prefix they name
+        prefix = value.strip().strip("/")
+        if not prefix:
+            return ""
+        if any(c in prefix for c in "?#\\ ") or "//" in prefix or not prefix.isascii():
+            raise ValueError(f"{value!r} is not a URL path prefix; give one like /captioner")
+        return "/" + prefix
 
     @field_validator("prefixed_weights_dirs")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
@@ -126,9 +127,10 @@ def server(server_log):
     log.close()
 
 
-@pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory):
-    """``captioner serve`` of one tiny SAT (3×3 grid), no warm-up: ready in seconds (the demo page's browser tests)."""
+@contextlib.contextmanager
+def tiny_demo_server(tmp_path_factory, **env: str):
+    """``captioner serve`` of one tiny SAT (3×3 grid), no warm-up, with ``CAPTIONER_*`` settings ``env`` besides:
+    ready in seconds; its URL."""
     from captioner.models.checkpoint import save_checkpoint
 
     from .serving_helpers import TINY_SPEC, VOCAB, ServerProcess, tiny_model
@@ -137,14 +139,20 @@ def tiny_server(tmp_path_factory):
     save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
     server = ServerProcess(root, {"CAPTIONER_DEFAULT_MODEL": "tiny", "CAPTIONER_DEVICE": "cpu",
                                   "CAPTIONER_WARMUP": "false", "CAPTIONER_BACKEND": "torch",
-                                  "CAPTIONER_DEFAULT_BEAM_SIZE": "2", "CAPTIONER_MAX_BEAM_SIZE": "12",
-                                  # 3 MP: a photo above it is refused (413), as a phone's 48 MP one is by default
-                                  "CAPTIONER_MAX_PIXELS": "3000000"},
+                                  "CAPTIONER_DEFAULT_BEAM_SIZE": "2", "CAPTIONER_MAX_BEAM_SIZE": "12", **env},
                            tmp_path_factory.mktemp("demo-log") / "server.log")
     try:
         yield server.wait_ready(timeout_s=120).url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """The demo page's browser tests' server (:func:`tiny_demo_server`)."""
+    # 3 MP: a photo above it is refused (413), as a phone's 48 MP one is by default
+    with tiny_demo_server(tmp_path_factory, CAPTIONER_MAX_PIXELS="3000000") as url:
+        yield url
 
 
 @pytest.fixture

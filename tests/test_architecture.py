@@ -15,7 +15,7 @@ from .conftest import ROOT
 #: batcher or a runtime that imported it would close a cycle.
 SERVICE_LAYERS = {
     "routes": {"app", "cli", "routes", "overlay", "upload_answers", "inputs", "problems", "middleware", "openapi",
-               "security", "lifecycle"},
+               "security", "lifecycle", "paths"},
     "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup", "state"},
     "batcher": {"batcher", "admission", "row_table"},
     "runtime": {"runtime", "backend_choice", "onnx_exports", "shared_encoders", "onnx_backends"},

@@ -158,3 +158,33 @@ def test_only_the_newest_caption_is_shown_and_a_hidden_heatmap_stays_hidden(serv
         wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
         assert "cannot identify a JPEG" in page.locator("#status").inner_text()
         assert page.evaluate("() => document.getElementById('result').hidden")
+
+
+@needs_chromium
+def test_the_page_and_the_docs_work_behind_a_proxys_path_prefix(tmp_path_factory):
+    """Served as ``https://…/captioner/`` by a proxy that strips the prefix (``CAPTIONER_ROOT_PATH``): the page's
+    every request stays below the prefix, a sample is captioned and a word's heatmap shown, and the docs page loads
+    its spec and assets from below the prefix and names it as the server. The proxy is the test's route handler:
+    it sends each request on to the server without the prefix, as nginx's ``proxy_pass http://server/;`` does."""
+    from .conftest import tiny_demo_server
+
+    public = "http://proxy.test/captioner"
+    outside = []
+    with tiny_demo_server(tmp_path_factory, CAPTIONER_ROOT_PATH="/captioner") as server:
+        def strip_the_prefix(route):
+            url = route.request.url
+            if not url.startswith(public + "/"):
+                outside.append(url)
+                route.abort()
+                return
+            route.fulfill(response=route.fetch(url=server + url[len(public):]))
+
+        with page_of(f"{public}/", before_load=lambda page: page.route("**/*", strip_the_prefix)) as page:
+            page.get_by_role("button", name="Caption the sample photo: a cat (scikit-image chelsea)").click()
+            page.wait_for_selector("#caption .word", timeout=30_000)
+            page.locator("#caption .word").first.focus()
+            wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+            page.goto(f"{public}/docs")
+            page.locator(".opblock-summary-path", has_text="/caption").first.wait_for(timeout=30_000)
+            assert page.locator(".servers select option").first.inner_text() == "/captioner"
+    assert outside == []

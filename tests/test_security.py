@@ -92,6 +92,57 @@ def test_keys_guard_captioning_and_results_but_not_probes_or_the_page(keyed, jpe
         assert keyed.get(path).status_code == 200, path
 
 
+def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path_without_it(weights, jpeg):
+    """uvicorn with ``root_path`` (``CAPTIONER_ROOT_PATH``) puts a stripping proxy's prefix back into the path:
+    ``/vision/caption`` with ``root_path`` ``/vision``, as this client sends it. The API key check compared the
+    whole path with its protected prefix (``/caption``) and let such requests through without a key; draining
+    refused liveness; the access log wrote the prefix before some paths and not others."""
+    entries = []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            entries.append(record.fields)
+
+    access = logging.getLogger("captioner.access")
+    handler, level = Kept(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    app = create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False, default_beam_size=1,
+                              default_max_len=4, api_keys=KEYS, root_path="/vision"))
+    try:
+        with TestClient(app, root_path="/vision") as client:
+            assert client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}).status_code == 401
+            ok = client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
+                             headers={"Authorization": f"Bearer {KEYS[0]}"})
+            assert ok.status_code == 200, ok.text
+            assert client.get(f"/vision/captions/{ok.json()['id']}").status_code == 401
+            page = client.get("/vision/")
+            assert page.status_code == 200 and "default-src 'self'" in page.headers["content-security-policy"]
+            # the page's own addresses are relative: under the prefix they name the prefix's files
+            assert 'src="static/app.js"' in page.text and 'href="static/style.css"' in page.text
+            assert client.get("/vision/static/app.js").status_code == 200
+            docs = client.get("/vision/docs")
+            assert "'/vision/openapi.json'" in docs.text and '"/vision/docs/assets/swagger-ui.css"' in docs.text
+            assert client.get("/vision/docs/assets/swagger-ui.css").status_code == 200
+            assert client.get("/vision/openapi.json").json()["servers"][0] == {"url": "/vision"}
+            app.state.shutdown_gate.begin_drain()
+            assert client.get("/vision/healthz").status_code == 200
+            assert client.get("/vision/readyz").status_code == 503
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert [e["path"] for e in entries[:3]] == ["/caption", "/caption", "/captions/{result_id}"]
+
+
+def test_a_root_path_is_read_as_the_prefix_it_names():
+    for given, read in (("", ""), ("/", ""), ("captioner", "/captioner"), ("/captioner/", "/captioner"),
+                        (" /a/b ", "/a/b")):
+        assert Settings(root_path=given).root_path == read, given
+    for bad in ("/a b", "/a?b", "/a#b", "/a//b", "/ключ"):
+        with pytest.raises(ValueError, match="not a URL path prefix"):
+            Settings(root_path=bad)
+
+
 def test_without_keys_everything_is_open(open_client, jpeg):
     answer = caption(open_client, jpeg)
     assert answer.status_code == 200

@@ -57,7 +57,7 @@ const SHOWN_SIDE = 1024;
 async function loadModels() {
   let problem;
   try {
-    const response = await fetch("/models");
+    const response = await fetch("models");
     if (!response.ok) throw new Error((await failure(response)).message);
     const list = await response.json();
     $("model").innerHTML = "";
@@ -128,7 +128,7 @@ function photoFallback() {
   const photo = $("photo");
   if (!current || !photo.complete || photo.naturalWidth > 0 || photo.dataset.fallback) return;
   photo.dataset.fallback = "yes";
-  photo.src = `/captions/${current.id}/overlay?${new URLSearchParams({ token: 0, format: "png", alpha: 0, max_side: SHOWN_SIDE })}`;
+  photo.src = `captions/${current.id}/overlay?${new URLSearchParams({ token: 0, format: "png", alpha: 0, max_side: SHOWN_SIDE })}`;
 }
 
 // A tiny image is enlarged (keeping its shape) so that its heatmaps can be seen; the heatmap covers the photo's box.
@@ -217,7 +217,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
     for (let copies = 0; ; copies++) {
       const form = new FormData();
       form.append("file", sent);
-      const response = await fetch(`/caption?${params}`, { method: "POST", body: form, signal: controller.signal });
+      const response = await fetch(`caption?${params}`, { method: "POST", body: form, signal: controller.signal });
       if (request !== latest) return;  // a newer request was sent meanwhile: its answer is the one to show
       if (response.ok) {
         body = await response.json().catch(() => null);
@@ -316,7 +316,7 @@ function step(event, index) {
 async function captionSample(name, about) {
   let photo;
   try {
-    const response = await fetch(`/static/samples/${name}.jpg`);
+    const response = await fetch(`static/samples/${name}.jpg`);
     if (!response.ok) throw new Error(`HTTP ${response.status}`);
     photo = await response.blob();
   } catch (err) {
@@ -333,7 +333,7 @@ function heatmap(shown, index, mode) {
     const params = new URLSearchParams({ token: index, format: "png", max_side: SHOWN_SIDE });
     if (mode) params.set("mode", mode);
     const entry = { url: null };
-    entry.promise = fetch(`/captions/${shown.id}/overlay?${params}`)
+    entry.promise = fetch(`captions/${shown.id}/overlay?${params}`)
       .catch((err) => { throw new Error(`The heatmap request failed: ${err.message || err}`); })
       .then(async (response) => {
         if (!response.ok) {

@@ -1,0 +1,18 @@
+"""The path a request names within the app, whatever prefix a reverse proxy serves the app under.
+
+With ``CAPTIONER_ROOT_PATH=/captioner`` (uvicorn's ``root_path``) a proxy forwards ``/captioner/caption`` as
+``/caption``, and uvicorn puts the prefix back: ``scope["path"]`` is ``/captioner/caption`` with ``root_path``
+``/captioner`` (the ASGI spec's reading since 2024; Starlette's router strips it the same way). Every check that
+compares a request's path with a route's (API keys, draining, the access log, the security headers) compares this
+one: comparing ``scope["path"]`` let ``/vision/caption`` past the API key check as an unprotected path, and kept
+``/vision/healthz`` from answering while the server drained."""
+
+from typing import Any
+
+
+def app_path(scope: dict[str, Any]) -> str:
+    """``scope["path"]`` without the app's ``root_path`` (``/`` for the prefix itself)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
