@@ -186,8 +186,9 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
     assert f"val CIDEr-D 1.2345, against {best['CIDEr-D']:.4f} with the float32 weights" in card
 
 
-def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
+def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path, capsys):
     from captioner.models.checkpoint import save_checkpoint
+    from captioner.service.cli import main  # in this process: the console script itself is run by the tests above
 
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
@@ -196,16 +197,18 @@ def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path):
     photo = tmp_path / "coffee.png"
     Image.fromarray(data.coffee()).save(photo)
     single = tmp_path / "single.png"
-    captioner("caption", str(photo), "--checkpoint", str(area), "--overlay", str(single), "--mode", "area_topk")
+    main(["caption", str(photo), "--checkpoint", str(area), "--overlay", str(single), "--mode", "area_topk"])
     both = tmp_path / "both.png"
-    done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--checkpoint", str(area),
-                     "--overlay", str(both))
-    lines = done.stdout.splitlines()
+    capsys.readouterr()
+    main(["caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--checkpoint", str(area),
+          "--overlay", str(both)])
+    lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "[sat]" in lines[0] and "[area-transformer]" in lines[1]
     assert Image.open(both).height == 2 * 240  # one row per checkpoint, 2.4 in at 100 dpi each
-    refused = captioner("caption", str(photo), "--checkpoint", str(area), "--checkpoint", str(area), "--token", "0",
-                        "--overlay", str(both), check=False)
-    assert refused.returncode != 0 and "--token" in refused.stderr
+    with pytest.raises(SystemExit) as refused:
+        main(["caption", str(photo), "--checkpoint", str(area), "--checkpoint", str(area), "--token", "0",
+              "--overlay", str(both)])
+    assert refused.value.code != 0 and "--token" in capsys.readouterr().err
 
 
 def test_caption_draws_a_sparse_models_attention_in_its_own_mode_by_default(tmp_path):
@@ -220,9 +223,11 @@ def test_caption_draws_a_sparse_models_attention_in_its_own_mode_by_default(tmp_
     photo = tmp_path / "coffee.png"
     Image.fromarray(data.coffee()).save(photo)
 
-    def drawn(*mode: str) -> bytes:
+    def drawn(*mode: str) -> bytes:  # in this process: the console script itself is run by the tests above
+        from captioner.service.cli import main
+
         out = tmp_path / f"{'-'.join(mode) or 'default'}.png"
-        captioner("caption", str(photo), "--checkpoint", str(sparse), "--overlay", str(out), "--token", "0", *mode)
+        main(["caption", str(photo), "--checkpoint", str(sparse), "--overlay", str(out), "--token", "0", *mode])
         return Image.open(out).tobytes()
 
     default = drawn()
