@@ -162,7 +162,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestContextMiddleware)
     for routes in (router, overlay_router):
         app.include_router(routes, dependencies=[Depends(known_query_only)])
-    install_openapi(app)  # every error documented as a problem document (openapi.py)
+    # every error documented as a problem document, and this server's limits of the options (openapi.py)
+    install_openapi(app, {"beam_size": (settings.default_beam_size, settings.max_beam_size),
+                          "max_len": (settings.default_max_len, settings.max_max_len)})
     install_docs(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 

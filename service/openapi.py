@@ -7,6 +7,7 @@ this document.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -109,12 +110,40 @@ RETRY_AFTER = {"Retry-After": header_doc("seconds to wait before retrying")}
 STATUS_HEADERS = {"401": {"WWW-Authenticate": header_doc("Bearer")}, "429": RETRY_AFTER, "503": RETRY_AFTER}
 
 
-def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+#: a request option → (its default, its largest value): the server's settings, which the document states
+Limits = dict[str, tuple[int, int]]
+
+
+def _state_limit(schema: dict[str, Any], default: int, largest: int) -> None:
+    """Give an integer option's schema (or its integer branch) this server's largest value and say its default."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "integer":
+            branch["maximum"] = largest
+    schema["description"] = f"{schema.get('description', '')}; default {default}, at most {largest} on this server"
+
+
+def state_limits(schema: dict[str, Any], limits: Limits) -> None:
+    """Write the server's limits (``CAPTIONER_MAX_BEAM_SIZE``, ``CAPTIONER_DEFAULT_BEAM_SIZE``, …) into every place
+    a request names the option: the query parameters, the form and the JSON body. The document said only "at least
+    1", so a generated client, or the docs page's form, learnt the largest beam from a 422."""
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                if parameter["name"] in limits:  # Swagger UI shows the parameter's description, not its schema's
+                    _state_limit(parameter["schema"], *limits[parameter["name"]])
+                    parameter["description"] = parameter["schema"]["description"]
+    for body in REQUEST_BODIES:
+        for name, option in schema["components"]["schemas"][body]["properties"].items():
+            if name in limits:
+                _state_limit(option, *limits[name])
+
+
+def complete_openapi(schema: dict[str, Any], limits: Limits | None = None) -> dict[str, Any]:
     """Add the problem responses, the answers' headers (and the metrics media type) to a FastAPI OpenAPI document,
-    in place."""
+    and the server's ``limits`` of the request options, in place."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Problem"] = PROBLEM_SCHEMA
-    components.update(REQUEST_BODIES)
+    components.update(copy.deepcopy(REQUEST_BODIES))  # the limits are written into them: one app's, not every app's
     schema["components"]["securitySchemes"] = BEARER
     schema["servers"] = [{"url": "/"}]
     problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": COMPONENTS + "Problem"}}}}
@@ -139,6 +168,7 @@ def complete_openapi(schema: dict[str, Any]) -> dict[str, Any]:
         metrics["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     for unused in ("HTTPValidationError", "ValidationError"):
         schema["components"]["schemas"].pop(unused, None)
+    state_limits(schema, limits or {})
     return schema
 
 
@@ -165,14 +195,14 @@ def install_docs(app: FastAPI) -> None:
                                    swagger_favicon_url=f"{prefix}{DOCS_ASSETS}/favicon-32x32.png")
 
 
-def install_openapi(app: FastAPI) -> None:
+def install_openapi(app: FastAPI, limits: Limits) -> None:
     """Serve the completed document at ``/openapi.json`` (built once, on first use, like FastAPI's own)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = complete_openapi(get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes,
-                license_info=app.license_info))
+                license_info=app.license_info), limits)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

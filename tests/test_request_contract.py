@@ -243,16 +243,26 @@ def test_openapi_documents_the_form_fields(client):
     for path in ("/caption", "/caption/overlay"):
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
-    # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice)
+    # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice), with
+    # this server's largest values (the fixture's CAPTIONER_MAX_BEAM_SIZE=4, CAPTIONER_MAX_MAX_LEN=12) stated in each
     from captioner.service.schemas import CaptionOptions
 
     def bounds(schema: dict) -> list[dict]:
         return [{k: v for k, v in option.items() if k in ("minimum", "maximum")} for option in schema["anyOf"]]
 
-    fields = CaptionOptions.model_json_schema()["properties"]
+    fields, largest = CaptionOptions.model_json_schema()["properties"], {"beam_size": 4, "max_len": 12}
     for parameter in paths["/caption"]["post"]["parameters"]:
         if parameter["name"] in fields:
-            assert bounds(parameter["schema"]) == bounds(fields[parameter["name"]]), parameter["name"]
+            want = bounds(fields[parameter["name"]])
+            if parameter["name"] in largest:
+                want[0]["maximum"] = largest[parameter["name"]]
+            assert bounds(parameter["schema"]) == want == bounds(components["CaptionJSON"]["properties"][
+                parameter["name"]]), parameter["name"]
+    for name, at_most in largest.items():
+        assert form["properties"][name]["maximum"] == at_most
+        default = {"beam_size": 3, "max_len": 6}[name]  # CAPTIONER_DEFAULT_MAX_LEN=6
+        described = {p["name"]: p["description"] for p in paths["/caption"]["post"]["parameters"]}[name]
+        assert described.endswith(f"; default {default}, at most {at_most} on this server"), described
     # a render that waits for a slot past the deadline is a 504, with or without a model run before it, and like
     # every error answer it is a problem document (the result route's had no content)
     for path, method in (("/captions/{result_id}/overlay", "get"), ("/caption/overlay", "post"), ("/caption", "post")):
