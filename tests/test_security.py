@@ -4,6 +4,7 @@ stored results, request ids, and no stack traces or server paths in any answer."
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -63,6 +64,27 @@ def jpeg() -> bytes:
     return buffer.getvalue()
 
 
+@contextlib.contextmanager
+def access_log(render):
+    """``render(record)`` of every access log line the app writes meanwhile (``record.fields``: its structured
+    fields; a formatter's ``format``: the line as the server writes it, formatted while the request is current)."""
+    kept = []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            kept.append(render(record))
+
+    access = logging.getLogger("captioner.access")
+    handler, level = Kept(), access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        yield kept
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+
+
 def caption(client, jpeg, **headers):
     return client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}, headers=headers)
 
@@ -97,19 +119,9 @@ def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path
     ``/vision/caption`` with ``root_path`` ``/vision``, as this client sends it. The API key check compared the
     whole path with its protected prefix (``/caption``) and let such requests through without a key; draining
     refused liveness; the access log wrote the prefix before some paths and not others."""
-    entries = []
-
-    class Kept(logging.Handler):
-        def emit(self, record):
-            entries.append(record.fields)
-
-    access = logging.getLogger("captioner.access")
-    handler, level = Kept(), access.level
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    app = create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False, default_beam_size=1,
-                              default_max_len=4, api_keys=KEYS, root_path="/vision"))
-    try:
+    with access_log(lambda record: record.fields) as entries:
+        app = create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False, default_beam_size=1,
+                                  default_max_len=4, api_keys=KEYS, root_path="/vision"))
         with TestClient(app, root_path="/vision") as client:
             assert client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}).status_code == 401
             ok = client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
@@ -128,9 +140,6 @@ def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path
             app.state.shutdown_gate.begin_drain()
             assert client.get("/vision/healthz").status_code == 200
             assert client.get("/vision/readyz").status_code == 503
-    finally:
-        access.removeHandler(handler)
-        access.setLevel(level)
     assert [e["path"] for e in entries[:3]] == ["/caption", "/caption", "/captions/{result_id}"]
 
 
@@ -209,22 +218,9 @@ def test_the_api_documentation_cannot_be_framed_and_serves_only_its_own_files(op
 def test_request_ids_are_echoed_and_logged(open_client, jpeg):
     from captioner.service.middleware import JsonFormatter
 
-    lines = []
-
-    class Formatted(logging.Handler):  # as the server's handler writes it: formatted while the request is current
-        def emit(self, record):
-            lines.append(json.loads(JsonFormatter().format(record)))
-
-    access = logging.getLogger("captioner.access")
-    handler, level = Formatted(), access.level
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    try:
+    with access_log(lambda record: json.loads(JsonFormatter().format(record))) as lines:
         answer = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
                                   headers={"X-Request-ID": "trace-abc-123"})
-    finally:
-        access.removeHandler(handler)
-        access.setLevel(level)
     assert answer.headers["x-request-id"] == "trace-abc-123"
     assert {(line.get("request_id"), line["path"], line["status"]) for line in lines} == {
         ("trace-abc-123", "/caption", 200)}
@@ -299,22 +295,9 @@ def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     timestamp and level started a second line that looked like the server's own."""
     from captioner.service.middleware import TextFormatter
 
-    lines = []
-
-    class Formatted(logging.Handler):
-        def emit(self, record):
-            lines.append(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record))
-
-    access = logging.getLogger("captioner.access")
-    handler, level = Formatted(), access.level
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    try:
+    with access_log(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format) as lines:
         assert open_client.get("/caption%0A2026-11-30 16:00:00,000 INFO captioner.app: FORGED").status_code in (
             404, 405)
-    finally:
-        access.removeHandler(handler)
-        access.setLevel(level)
     assert lines and all("\n" not in line for line in lines)
     assert "/caption\\n2026-11-30" in lines[-1]
 
@@ -323,25 +306,12 @@ def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
     """A result's id is all it takes to read that result and its photo (from any client, with any key): the access
     log wrote it in every line of /captions/{id}, for whoever reads the logs (the security audit), and then still
     in the lines of the requests refused for their API key (a 401 comes before routing: the docs audit)."""
-    entries = []
-
-    class Kept(logging.Handler):
-        def emit(self, record):
-            entries.append(record.fields)
-
-    access = logging.getLogger("captioner.access")
-    handler, level = Kept(), access.level
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    try:
+    with access_log(lambda record: record.fields) as entries:
         result = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}).json()["id"]
         assert open_client.get(f"/captions/{result}").status_code == 200
         assert open_client.get(f"/captions/{result}/overlay", params={"token": 0}).status_code == 200
         assert keyed.get(f"/captions/{result}").status_code == 401  # no key
         assert keyed.get(f"/captions/{result}/overlay", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    finally:
-        access.removeHandler(handler)
-        access.setLevel(level)
     assert [e["path"] for e in entries] == ["/caption", "/captions/{result_id}", "/captions/{result_id}/overlay",
                                             "/captions/{result_id}", "/captions/{result_id}/overlay"]
     assert [e["status"] for e in entries[3:]] == [401, 401]
