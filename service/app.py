@@ -164,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(routes, dependencies=[Depends(known_query_only)])
     # every error documented as a problem document, and this server's limits of the options (openapi.py)
     install_openapi(app, {"beam_size": (settings.default_beam_size, settings.max_beam_size),
-                          "max_len": (settings.default_max_len, settings.max_max_len)})
+                          "max_len": (settings.default_max_len, settings.max_max_len)}, settings.root_path)
     install_docs(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 

@@ -138,14 +138,15 @@ def state_limits(schema: dict[str, Any], limits: Limits) -> None:
                 _state_limit(option, *limits[name])
 
 
-def complete_openapi(schema: dict[str, Any], limits: Limits | None = None) -> dict[str, Any]:
+def complete_openapi(schema: dict[str, Any], limits: Limits | None = None, root_path: str = "") -> dict[str, Any]:
     """Add the problem responses, the answers' headers (and the metrics media type) to a FastAPI OpenAPI document,
-    and the server's ``limits`` of the request options, in place."""
+    the server's ``limits`` of the request options and its address (``root_path``, a proxy's prefix), in place."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["Problem"] = PROBLEM_SCHEMA
     components.update(copy.deepcopy(REQUEST_BODIES))  # the limits are written into them: one app's, not every app's
     schema["components"]["securitySchemes"] = BEARER
-    schema["servers"] = [{"url": "/"}]
+    # one server: behind a proxy's prefix, "/" would name the proxy's root (FastAPI adds the prefix before it)
+    schema["servers"] = [{"url": root_path or "/"}]
     problem = {"content": {PROBLEM_JSON: {"schema": {"$ref": COMPONENTS + "Problem"}}}}
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
@@ -195,14 +196,14 @@ def install_docs(app: FastAPI) -> None:
                                    swagger_favicon_url=f"{prefix}{DOCS_ASSETS}/favicon-32x32.png")
 
 
-def install_openapi(app: FastAPI, limits: Limits) -> None:
+def install_openapi(app: FastAPI, limits: Limits, root_path: str = "") -> None:
     """Serve the completed document at ``/openapi.json`` (built once, on first use, like FastAPI's own)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = complete_openapi(get_openapi(
                 title=app.title, version=app.version, description=app.description, routes=app.routes,
-                license_info=app.license_info), limits)
+                license_info=app.license_info), limits, root_path)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
