@@ -105,43 +105,48 @@ def _note_load_failure(state: ServiceState, loading: asyncio.Task) -> None:
     log.error("%s; /healthz now answers 503", state.load_failure, exc_info=exc)
 
 
+@asynccontextmanager
+async def _lifespan(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
+    """The app's lifespan (module docstring): the work limits, thread counts and models on start-up, in the
+    background with ``load_in_background``; on shutdown, not ready, and every batcher drained and stopped."""
+    state: ServiceState = app.state.service
+    # made here, in the loop that serves: what a burst of captions, decodes or renders leaves in the allocator
+    # goes back to the system once that work runs out (memory.py)
+    state.on_idle = IdleTrimmer() if settings.release_memory else None
+    state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
+    state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
+    state.upload_budget = UploadBudget(settings.upload_budget_bytes, settings.retry_after_s)
+    state.metrics.watch_pressure(lambda: app.state.shutdown_gate.in_flight, lambda: state.upload_budget.held,
+                                 {"decode": state.decode_slots, "render": state.render_slots})
+    set_threads(settings.threads, settings.interop_threads)
+    loading = None
+    try:  # the batchers started are stopped however the app ends: a failed start in the foreground too
+        if settings.load_in_background:
+            loading = asyncio.create_task(start_models(app, settings))
+            loading.add_done_callback(functools.partial(_note_load_failure, state))
+        else:
+            await start_models(app, settings)
+        yield
+    finally:
+        state.ready = False
+        state.metrics.ready.set(0)
+        if loading is not None and not loading.done():
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+        # after a SIGTERM drain, only what is left of its budget: the pod's grace period counts both
+        budget = app.state.shutdown_gate.time_left(settings.drain_timeout_s)
+        await asyncio.gather(*(b.stop(budget) for b in state.batchers.values()))
+        gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service for ``settings`` (default: ``Settings()``): its state, error handlers, middleware, routes and
+    demo page; the models are loaded by its lifespan (:func:`_lifespan`)."""
     settings = settings or Settings()
     if settings.release_memory:
         configure_allocator()  # before the batchers' threads exist: arenas are created per thread
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state: ServiceState = app.state.service
-        # made here, in the loop that serves: what a burst of captions, decodes or renders leaves in the allocator
-        # goes back to the system once that work runs out (memory.py)
-        state.on_idle = IdleTrimmer() if settings.release_memory else None
-        state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
-        state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
-        state.upload_budget = UploadBudget(settings.upload_budget_bytes, settings.retry_after_s)
-        state.metrics.watch_pressure(lambda: app.state.shutdown_gate.in_flight, lambda: state.upload_budget.held,
-                                     {"decode": state.decode_slots, "render": state.render_slots})
-        set_threads(settings.threads, settings.interop_threads)
-        loading = None
-        try:  # the batchers started are stopped however the app ends: a failed start in the foreground too
-            if settings.load_in_background:
-                loading = asyncio.create_task(start_models(app, settings))
-                loading.add_done_callback(functools.partial(_note_load_failure, state))
-            else:
-                await start_models(app, settings)
-            yield
-        finally:
-            state.ready = False
-            state.metrics.ready.set(0)
-            if loading is not None and not loading.done():
-                loading.cancel()
-                await asyncio.gather(loading, return_exceptions=True)
-            # after a SIGTERM drain, only what is left of its budget: the pod's grace period counts both
-            budget = app.state.shutdown_gate.time_left(settings.drain_timeout_s)
-            await asyncio.gather(*(b.stop(budget) for b in state.batchers.values()))
-            gc.unfreeze()  # what start-up froze is collectable again (an app made and closed in a longer process)
-
-    app = FastAPI(title="Attention captioner", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = FastAPI(title="Attention captioner", version="0.1.0", docs_url=None, redoc_url=None,
+                  lifespan=functools.partial(_lifespan, settings=settings),
                   description="Captions with per-word attention heatmaps from published attention captioners.",
                   license_info={"name": "MIT", "identifier": "MIT"},
                   # operation ids are the route functions' names (caption, get_overlay, ...): what a generated

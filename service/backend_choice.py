@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -104,8 +105,6 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
     faster); on a GPU (``measure``, default: the device is CUDA) nothing is known in advance, so every verified
     backend and PyTorch caption the check set again, timed (:func:`check_seconds`), and the fastest serves.  A
     model served by ONNX Runtime alone has its PyTorch weights dropped."""
-    from captioner.models.export.onnx import ExportUnsupported
-
     device = encoders.device
     measure = device.type == "cuda" if measure is None else measure
     if device.type == "cuda" and not cuda_provider_available(device):
@@ -113,52 +112,75 @@ def fastest_verified(name: str, ckpt: Checkpoint, encoders: SharedEncoders, thre
         log.info("%s: ONNX Runtime has no CUDA execution provider here; PyTorch on %s", name, device)
         return TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
     prepared = [Prepared.of(image, ckpt.encoder) for image in check_images()]
-    if encoders.precision == "int8":
-        # an int8 CNN changes features, so PyTorch's float captions are no reference for the decoder graphs: they
-        # must equal the PyTorch decoder's on the same int8 features (what int8 costs in accuracy is measured by
-        # `captioner eval --encoder-precision int8`, docs/benchmarks/int8.md)
-        want = check_captions(HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device), prepared)
-    else:
-        want = reference_captions(name, ckpt, encoders, prepared)
+    want = _wanted_captions(name, ckpt, encoders, prepared)
     candidates = (("onnx", lambda: OnnxRuntime(name, ckpt, onnx_folder(encoders, name, ckpt), device, threads,
                                                encoders.onnx(ckpt.encoder))),
                   ("hybrid", lambda: HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), device)))
     verified: list[Runtime] = []
     for backend, make in candidates:
-        try:
-            runtime = make()
-            if device.type == "cuda" and not runtime.on_gpu:  # the CUDA provider failed to load (cuDNN missing)
-                raise NoCudaProvider(backend)
-            same = check_captions(runtime, prepared) == want
-        except NoCudaProvider:
-            log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
+        runtime = _verified(name, backend, make, device, prepared, want)
+        if runtime is None:
             continue
-        except ExportUnsupported as exc:
-            log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
-            continue
-        except OSError as exc:  # an ONNX folder it cannot write (read-only, full): the file and why, in one line
-            log.warning("%s: no %s backend (%s)", name, backend, exc)
-            continue
-        except Exception:  # noqa: BLE001 — ONNX Runtime's own errors (a corrupt export, a graph it cannot load,
-            # memory) derive from Exception alone; `auto` serves what verifies, so a backend that fails is skipped
-            log.warning("%s: the %s backend failed to load or run; not used", name, backend, exc_info=True)
-            continue
-        if not same:
-            log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name,
-                        backend)
-        elif not measure:
+        if not measure:
             return _serving(runtime)
-        else:
-            verified.append(runtime)
+        verified.append(runtime)
     pytorch = TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device)
     if not verified:
         return pytorch
+    return _serving(_fastest(name, verified, pytorch, prepared))
+
+
+def _wanted_captions(name: str, ckpt: Checkpoint, encoders: SharedEncoders,
+                     prepared: list[Prepared]) -> list[list[int]]:
+    """The token ids a backend must give the check set ``prepared`` to be verified: PyTorch's
+    (:func:`reference_captions`), or with an int8 CNN the PyTorch decoder's on the int8 features."""
+    if encoders.precision == "int8":
+        # an int8 CNN changes features, so PyTorch's float captions are no reference for the decoder graphs: they
+        # must equal the PyTorch decoder's on the same int8 features (what int8 costs in accuracy is measured by
+        # `captioner eval --encoder-precision int8`, docs/benchmarks/int8.md)
+        return check_captions(HybridRuntime(name, ckpt, encoders.onnx(ckpt.encoder), encoders.device), prepared)
+    return reference_captions(name, ckpt, encoders, prepared)
+
+
+def _verified(name: str, backend: str, make: Callable[[], Runtime], device: torch.device, prepared: list[Prepared],
+              want: list[list[int]]) -> Runtime | None:
+    """The runtime ``make`` gives for ``backend`` if its captions of the check set are ``want``; else None, and the
+    log says why: it could not be made or run, ONNX Runtime fell back to the CPU beside a GPU, or it disagrees."""
+    from captioner.models.export.onnx import ExportUnsupported
+
+    try:
+        runtime = make()
+        if device.type == "cuda" and not runtime.on_gpu:  # the CUDA provider failed to load (cuDNN missing)
+            raise NoCudaProvider(backend)
+        same = check_captions(runtime, prepared) == want
+    except NoCudaProvider:
+        log.warning("%s: ONNX Runtime fell back to its CPU provider; no %s backend", name, backend)
+        return None
+    except ExportUnsupported as exc:
+        log.info("%s: no %s backend (%s)", name, backend, str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+    except OSError as exc:  # an ONNX folder it cannot write (read-only, full): the file and why, in one line
+        log.warning("%s: no %s backend (%s)", name, backend, exc)
+        return None
+    except Exception:  # noqa: BLE001 — ONNX Runtime's own errors (a corrupt export, a graph it cannot load,
+        # memory) derive from Exception alone; `auto` serves what verifies, so a backend that fails is skipped
+        log.warning("%s: the %s backend failed to load or run; not used", name, backend, exc_info=True)
+        return None
+    if not same:
+        log.warning("%s: the %s backend's captions differ from PyTorch's on the check set; not used", name, backend)
+        return None
+    return runtime
+
+
+def _fastest(name: str, verified: list[Runtime], pytorch: Runtime, prepared: list[Prepared]) -> Runtime:
+    """Whichever of the ``verified`` backends and ``pytorch`` captions the check set ``prepared`` fastest
+    (:func:`check_seconds`), logged with every backend's time."""
     check_captions(pytorch, prepared)  # its first run (kernel selection, allocator growth) is not timed
     seconds = {runtime: check_seconds(runtime, prepared) for runtime in (*verified, pytorch)}
     fastest = min(seconds, key=seconds.get)
     log.info("%s: %s backend, the fastest on the check set (%s)", name, fastest.backend,
              ", ".join(f"{runtime.backend} {1000 * t:.0f} ms" for runtime, t in seconds.items()))
-    return _serving(fastest)
+    return fastest
 
 
 def _serving(runtime: Runtime) -> Runtime:

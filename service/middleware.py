@@ -80,42 +80,9 @@ class RequestContextMiddleware:
                                         prefetched: dict | None = None) -> None:
         """Run the handler, cancelled when its client disconnects before the answer starts; the watcher listens
         once the body is read (``prefetched``: the first message, already read from ``receive``)."""
-        body_read = asyncio.Event()
-        gone = asyncio.Event()
-        if prefetched is not None and not prefetched.get("more_body", False):
-            body_read.set()
-
-        async def tracking_receive() -> dict:
-            nonlocal prefetched
-            if prefetched is not None:
-                message, prefetched = prefetched, None
-                if message["type"] == "http.disconnect":
-                    gone.set()
-                return message
-            if body_read.is_set():
-                # the body is consumed: the only message left is the disconnect the watcher is waiting for
-                await gone.wait()
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                gone.set()
-            elif not message.get("more_body", False):
-                body_read.set()
-            return message
-
-        handler = asyncio.create_task(self.app(scope, tracking_receive, send))
-
-        async def watch() -> None:
-            await body_read.wait()
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    gone.set()
-                    if response["status"] is None and not handler.done():
-                        handler.cancel()
-                    return
-
-        watcher = asyncio.create_task(watch())
+        client = _ClientMessages(receive, prefetched)
+        handler = asyncio.create_task(self.app(scope, client.receive, send))
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, client, handler, response))
         try:
             await asyncio.shield(handler)
         except asyncio.CancelledError:
@@ -129,11 +96,57 @@ class RequestContextMiddleware:
                 if response["status"] is None:
                     raise
                 return
-            if not gone.is_set():
+            if not client.gone.is_set():
                 raise
             # the client went away: nothing can be sent, and the handler's work has been cancelled
         finally:
             watcher.cancel()
+
+
+class _ClientMessages:
+    """The request's messages as the app receives them (:meth:`receive`), noting when the body has been read
+    (``body_read``) and when the client has disconnected (``gone``)."""
+
+    def __init__(self, receive: Any, prefetched: dict | None):
+        """``prefetched``: the first message, already read from the server's ``receive`` (None: none was)."""
+        self._server_receive = receive
+        self._prefetched = prefetched
+        self.body_read = asyncio.Event()
+        self.gone = asyncio.Event()
+        if prefetched is not None and not prefetched.get("more_body", False):
+            self.body_read.set()
+
+    async def receive(self) -> dict:
+        """The next message for the app: the prefetched one, a part of the body, then only the disconnect."""
+        if self._prefetched is not None:
+            message, self._prefetched = self._prefetched, None
+            if message["type"] == "http.disconnect":
+                self.gone.set()
+            return message
+        if self.body_read.is_set():
+            # the body is consumed: the only message left is the disconnect the watcher is waiting for
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
+        message = await self._server_receive()
+        if message["type"] == "http.disconnect":
+            self.gone.set()
+        elif not message.get("more_body", False):
+            self.body_read.set()
+        return message
+
+
+async def _cancel_on_disconnect(receive: Any, client: _ClientMessages, handler: asyncio.Task,
+                                response: dict) -> None:
+    """The watcher: once the app has read the body, read the server's ``receive`` until the client disconnects,
+    then cancel ``handler`` unless its answer has started (``response["status"]``) or it has ended."""
+    await client.body_read.wait()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            client.gone.set()
+            if response["status"] is None and not handler.done():
+                handler.cancel()
+            return
 
 
 def _announces_no_body(scope: dict, headers: dict[bytes, bytes]) -> bool:

@@ -289,11 +289,8 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
 
     Certificate (KKT of SparseCap Eq. 16): no pinned edge may see a jump against its sign, and the free edges must carry
     the remaining *demand* ``d = z − Dᵀ u_pinned − w`` with a flow inside the box ``|c_e| ≤ λ``.  A cheap
-    sufficient test comes first.  ``flow_guess`` (FISTA's dual: any values in the box) on the free edges carries
-    all of ``d`` but a remainder ``r = d − Dᵀ c̃``, which, like ``d``, sums to zero on each group (up to rounding);
-    a spanning tree of the group carries ``r`` with at most half the group's ``ℓ1`` remainder on any edge (a
-    partial sum of ``r``), so ``c̃ + that tree flow`` stays in the box when ``max_G |c̃| + ½(Σ_G |r| + |Σ_G r|) ≤ λ``
-    for every group.  Only when that test fails is the flow computed (:func:`_flow`); an overloaded edge is then
+    sufficient test comes first (:func:`_tree_certificate`: ``flow_guess``, FISTA's dual, plus a spanning-tree
+    flow).  Only when that test fails is the flow computed (:func:`_flow`); an overloaded edge is then
     pinned at the flow's sign, and a pinned edge whose jump has the wrong sign is freed: the next guess.  With a
     flow inside the box, ``w`` is the *exact* prox of ``z − ρ``, where ``ρ`` is the part of the demand the flow
     does not carry (the group means of ``r`` for the cheap test, what :func:`_flow` leaves otherwise: rounding),
@@ -312,19 +309,7 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
     jump = grid.jump(polished)
     crossing = jump * pinned < 0
     demand = shifted.sub_(polished)
-    on_free = free.to(z.dtype)
-    guess = flow_guess * on_free
-    # one gradient step of the guess towards carrying d (step 1/4 < 2/λ_max(D_F D_Fᵀ), as λ_max < 8 on any grid):
-    # three ops that let the cheap test pass on ~97% of trained SparseCap grids instead of ~92% after 16 FISTA
-    # iterations, where a failure costs an explicit flow
-    left = demand - grid.spread(guess)
-    guess = guess.add_(grid.jump(left).mul_(on_free), alpha=0.25)
-    left = demand - grid.spread(guess)
-    total, spread = _group_sums(torch.stack([left, left.abs()], 1), labels).unbind(1)
-    # the largest |c̃| of each group, at its root (the label of an edge's endpoints); pinned edges contribute 0
-    peak = torch.zeros_like(z).scatter_reduce_(1, labels.index_select(1, grid.first), guess.abs_(), "amax")
-    carried = (spread.add_(total.abs()).add_(peak, alpha=2.0) <= 2.0 * lam).all(1)
-    error = (total.square() / sizes).sum(1).sqrt()  # ‖ρ‖₂, ρ = the group means of r
+    carried, error = _tree_certificate(demand, free, flow_guess, labels, sizes, lam, grid)
     following = free | crossing
     if not bool(carried.all()):
         flow, left = _flow(demand, free & ~carried.unsqueeze(1), grid, tol / 4)
@@ -342,6 +327,34 @@ def _active_set_step(z: Tensor, free: Tensor, signs: Tensor, bound: Tensor | flo
         if bool(touching.any()):
             labels = connected_components(free | touching, grid.first, grid.second, cells)
     return polished, labels, error, following, signs
+
+
+def _tree_certificate(demand: Tensor, free: Tensor, flow_guess: Tensor, labels: Tensor, sizes: Tensor, lam: float,
+                      grid: _Grid) -> tuple[Tensor, Tensor]:
+    """The cheap sufficient test of :func:`_active_set_step`'s certificate: whether FISTA's dual plus a
+    spanning-tree flow on the ``free`` edges carries the ``demand`` ``d`` of every group (``labels``; ``sizes`` at
+    the roots) inside the box, per grid, and the error bound ``‖ρ‖₂`` that this proves.
+
+    ``flow_guess`` (FISTA's dual: any values in the box) on the free edges carries all of ``d`` but a remainder
+    ``r = d − Dᵀ c̃``, which, like ``d``, sums to zero on each group (up to rounding); a spanning tree of the group
+    carries ``r`` with at most half the group's ``ℓ1`` remainder on any edge (a partial sum of ``r``), so
+    ``c̃ + that tree flow`` stays in the box when ``max_G |c̃| + ½(Σ_G |r| + |Σ_G r|) ≤ λ`` for every group; what
+    is left, ``ρ``, is the group means of ``r``.
+    """
+    on_free = free.to(demand.dtype)
+    guess = flow_guess * on_free
+    # one gradient step of the guess towards carrying d (step 1/4 < 2/λ_max(D_F D_Fᵀ), as λ_max < 8 on any grid):
+    # three ops that let the cheap test pass on ~97% of trained SparseCap grids instead of ~92% after 16 FISTA
+    # iterations, where a failure costs an explicit flow
+    left = demand - grid.spread(guess)
+    guess = guess.add_(grid.jump(left).mul_(on_free), alpha=0.25)
+    left = demand - grid.spread(guess)
+    total, spread = _group_sums(torch.stack([left, left.abs()], 1), labels).unbind(1)
+    # the largest |c̃| of each group, at its root (the label of an edge's endpoints); pinned edges contribute 0
+    peak = torch.zeros_like(demand).scatter_reduce_(1, labels.index_select(1, grid.first), guess.abs_(), "amax")
+    carried = (spread.add_(total.abs()).add_(peak, alpha=2.0) <= 2.0 * lam).all(1)
+    error = (total.square() / sizes).sum(1).sqrt()  # ‖ρ‖₂, ρ = the group means of r
+    return carried, error
 
 
 def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
@@ -367,45 +380,17 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
     rows = None  # the grids still being solved (None: all of them)
     # An active-set check costs as much as a dozen FISTA iterations, and on a trained SparseCap's scores 16
     # iterations name the exact active set of ~98% of the grids where 8 name ~75% (docs/tvmax.md): the first check
-    # waits for twice the interval.  Those iterations only have to point at the active set, so they run in float32
-    # (half the cost of the float64 matrix product), on the dual scaled by 1/λ: the box [−1, 1] and its faces are
-    # exact in both precisions, so pinned edges stay exactly pinned when the iterate returns to float64.
-    unit = bound / lam if mask is None else (bound / lam).float()
-    coarse = _operators(tuple(grid_hw), z.device, torch.float32)
-    # the constant part of the gradient step u + (D z − D Dᵀ u)/L, for the scaled dual
-    scaled = coarse.jump(z.to(torch.float32)).div_(grid.lipschitz * lam)
-    # warm start: every cell its own group, u_e = λ sign((Dz)_e): the exact dual when λ is small enough that no
-    # two neighbours fuse, and otherwise wrong only around the few pairs that do
-    u, y = _fista(torch.sign(scaled).mul_(unit), None, scaled, coarse, unit, 0, 2 * check_every)
+    # waits for twice the interval.
+    u, y = _coarse_fista(z, grid_hw, grid, lam, bound, mask, 2 * check_every)
     u, offset = u.to(z.dtype).mul_(lam), None  # offset (unscaled, z's dtype): made only if FISTA has to go on
     iterations = 2 * check_every
     while True:
         last = iterations >= max_iter
         zr = z if rows is None else z.index_select(0, rows)
         tol_r = cert_tol if rows is None else cert_tol.index_select(0, rows)
-        # the active set FISTA points at, then a few primal-dual active-set steps from it
-        free, signs = u.abs() < inner, torch.sign(u)
-        done = None
-        for _ in range(ACTIVE_SET_STEPS):
-            polished, labels, error, free, signs = _active_set_step(zr, free, signs, bound, lam, grid, tol_r, u,
-                                                                    groups)
-            certified = error <= tol_r
-            if done is None:
-                w_r, labels_r, error_r, done = polished, labels, error, certified
-            else:
-                newly = (certified & ~done).unsqueeze(1)
-                w_r, labels_r = torch.where(newly, polished, w_r), torch.where(newly, labels, labels_r)
-                error_r, done = torch.where(certified & ~done, error, error_r), done | certified
-            all_done = bool(done.all())
-            if all_done:
-                break
+        w_r, labels_r, error_r, done, all_done = _active_set_steps(zr, u, inner, bound, lam, grid, tol_r, groups)
         if last and not all_done:
-            # out of budget: keep whichever point has the smaller proven error bound (the plain FISTA iterate's
-            # bound is the duality gap, ‖w − w*‖² ≤ 2·gap by 1-strong convexity of the primal)
-            w = zr - grid.spread(u)
-            jump = grid.jump(w)
-            gap = (jump.abs() * (bound - u * torch.sign(jump))).sum(1).clamp_min(0.0)
-            w_r = torch.where((error_r <= (2.0 * gap).sqrt()).unsqueeze(1), w_r, w)
+            w_r = _best_proven_point(w_r, error_r, zr, u, bound, grid)
             done, all_done = torch.ones_like(done), True
         if rows is None:
             if all_done:
@@ -425,6 +410,57 @@ def _tv2d_solve(z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | 
             bound, inner = bound.index_select(0, running), inner.index_select(0, running)
         u, y = _fista(u, y, offset, grid, bound, iterations, check_every)
         iterations += check_every
+
+
+def _coarse_fista(z: Tensor, grid_hw: tuple[int, int], grid: _Grid, lam: float, bound: Tensor | float,
+                  mask: Tensor | None, count: int) -> tuple[Tensor, Tensor]:
+    """The first ``count`` FISTA iterations of :func:`_tv2d_solve`, from the warm start ``u = λ sign(Dz)``, in
+    float32 on the dual scaled by ``1/λ``: the scaled dual ``u / λ`` and the extrapolated point ``y / λ``."""
+    # These iterations only have to point at the active set, so they run in float32 (half the cost of the float64
+    # matrix product), on the dual scaled by 1/λ: the box [−1, 1] and its faces are exact in both precisions, so
+    # pinned edges stay exactly pinned when the iterate returns to float64.
+    unit = bound / lam if mask is None else (bound / lam).float()
+    coarse = _operators(tuple(grid_hw), z.device, torch.float32)
+    # the constant part of the gradient step u + (D z − D Dᵀ u)/L, for the scaled dual
+    scaled = coarse.jump(z.to(torch.float32)).div_(grid.lipschitz * lam)
+    # warm start: every cell its own group, u_e = λ sign((Dz)_e): the exact dual when λ is small enough that no
+    # two neighbours fuse, and otherwise wrong only around the few pairs that do
+    return _fista(torch.sign(scaled).mul_(unit), None, scaled, coarse, unit, 0, count)
+
+
+def _active_set_steps(z: Tensor, u: Tensor, inner: Tensor | float, bound: Tensor | float, lam: float, grid: _Grid,
+                      tol: Tensor, groups: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """Up to :data:`ACTIVE_SET_STEPS` active-set steps (:func:`_active_set_step`) from the active set that FISTA's
+    dual ``u`` points at, until every grid is certified (error bound within ``tol``): per grid the first certified
+    ``(w, labels, error)`` (the first step's where none is), which grids are certified, and whether all are."""
+    # the active set FISTA points at, then a few primal-dual active-set steps from it
+    free, signs = u.abs() < inner, torch.sign(u)
+    done = None
+    for _ in range(ACTIVE_SET_STEPS):
+        polished, labels, error, free, signs = _active_set_step(z, free, signs, bound, lam, grid, tol, u, groups)
+        certified = error <= tol
+        if done is None:
+            w_r, labels_r, error_r, done = polished, labels, error, certified
+        else:
+            newly = (certified & ~done).unsqueeze(1)
+            w_r, labels_r = torch.where(newly, polished, w_r), torch.where(newly, labels, labels_r)
+            error_r, done = torch.where(certified & ~done, error, error_r), done | certified
+        all_done = bool(done.all())
+        if all_done:
+            break
+    return w_r, labels_r, error_r, done, all_done
+
+
+def _best_proven_point(w: Tensor, error: Tensor, z: Tensor, u: Tensor, bound: Tensor | float,
+                       grid: _Grid) -> Tensor:
+    """Per grid, whichever of the active-set point ``w`` (proven bound ``error``) and the plain FISTA iterate
+    ``z − Dᵀu`` has the smaller proven error bound: what :func:`_tv2d_solve` returns when out of iterations."""
+    # out of budget: keep whichever point has the smaller proven error bound (the plain FISTA iterate's
+    # bound is the duality gap, ‖w − w*‖² ≤ 2·gap by 1-strong convexity of the primal)
+    iterate = z - grid.spread(u)
+    jump = grid.jump(iterate)
+    gap = (jump.abs() * (bound - u * torch.sign(jump))).sum(1).clamp_min(0.0)
+    return torch.where((error <= (2.0 * gap).sqrt()).unsqueeze(1), w, iterate)
 
 
 def _fista(u: Tensor, y: Tensor | None, offset: Tensor, grid: _Grid, bound: Tensor | float, done: int,

@@ -351,12 +351,14 @@ def _pixels_or_blank(image: CaptionedImage, spec: EncoderSpec, unreadable: list[
 def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder: Path, batch_size: int,
                     device: str, encoder: GridEncoder | VisualSession | None, progress: bool, shard_size: int,
                     sizes: Mapping[str, int], files: Mapping[str, str] | None = None, view: str = "") -> None:
+    """Encode ``images`` into the shards of ``folder`` (``shard_size`` images each; those an interrupted run
+    finished are kept), then write its index; photos that cannot be decoded are named at the end
+    (:class:`UnreadablePhotos`), their shards left to encode again."""
     if shard_size < 1:
         raise ValueError(f"shard_size must be ≥ 1, got {shard_size}")
     shards = [list(range(start, min(start + shard_size, len(images))))
               for start in range(0, len(images), shard_size)]
     done = _finished_shards(folder, shards, shard_size)
-    rows, cols = spec.grid_hw
     model = None
     encoded = sum(len(s) for s, d in zip(shards, done) if d)
     unreadable: list[str] = []  # every torn photo is named at the end, not one per run of hours
@@ -370,26 +372,11 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
             if done[number]:
                 continue
             if model is None:  # a finished store needs no encoder at all
-                model = encoder if encoder is not None else GridEncoder(spec)
-                if isinstance(model, torch.nn.Module):  # an ONNX session runs where it was opened
-                    model = model.to(device).eval()
+                model = _ready_encoder(encoder, spec, device)
             partial = folder / f"shard-{number:05d}.partial.npy"
-            array = None  # opened on the first batch's features, whose shape it takes
             failures_before = len(unreadable)
-            for start in range(0, len(members), batch_size):
-                chunk = [images[i] for i in members[start:start + batch_size]]
-                pixels = VIEWS[view](torch.stack([_pixels_or_blank(im, spec, unreadable) for im in chunk]))
-                with torch.no_grad():
-                    features = model(pixels.to(device)).float().cpu().numpy().astype(np.float16)
-                if features.shape[1] != rows * cols:
-                    raise ValueError(f"the encoder gave {features.shape[1]} grid cells per image, where {spec} has "
-                                     f"{rows}×{cols}")
-                if array is None:
-                    array = _new_shard(partial, (len(members), *features.shape[1:]))
-                array[start:start + len(chunk)] = features
-                bar.update(len(chunk))
-            array.flush()
-            del array
+            _encode_shard(model, [images[i] for i in members], spec, device, view, batch_size, partial, unreadable,
+                          bar)
             if len(unreadable) > failures_before:  # a blank stands for a photo: encoded again once it is mended
                 partial.unlink()
                 continue
@@ -399,10 +386,49 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
                 print(f"  {encoded} of {len(images)} images encoded", file=sys.stderr, flush=True)
     if unreadable:
         raise UnreadablePhotos(unreadable, encoded, len(images))
+    _write_index(folder, images, spec, len(shards), shard_size, sizes, files, view)
+
+
+def _ready_encoder(encoder: GridEncoder | VisualSession | None, spec: EncoderSpec,
+                   device: str) -> GridEncoder | VisualSession:
+    """``encoder``, or else a new PyTorch encoder of ``spec``, ready to encode on ``device``."""
+    model = encoder if encoder is not None else GridEncoder(spec)
+    if isinstance(model, torch.nn.Module):  # an ONNX session runs where it was opened
+        model = model.to(device).eval()
+    return model
+
+
+def _encode_shard(model: GridEncoder | VisualSession, images: Sequence[CaptionedImage], spec: EncoderSpec,
+                  device: str, view: str, batch_size: int, partial: Path, unreadable: list[str], bar: tqdm) -> None:
+    """Encode the ``images`` of one shard, seen through ``view``, in batches of ``batch_size`` into the new shard
+    file ``partial``; a photo that cannot be decoded is encoded as a blank and its error added to ``unreadable``."""
+    rows, cols = spec.grid_hw
+    array = None  # opened on the first batch's features, whose shape it takes
+    for start in range(0, len(images), batch_size):
+        chunk = images[start:start + batch_size]
+        pixels = VIEWS[view](torch.stack([_pixels_or_blank(im, spec, unreadable) for im in chunk]))
+        with torch.no_grad():
+            features = model(pixels.to(device)).float().cpu().numpy().astype(np.float16)
+        if features.shape[1] != rows * cols:
+            raise ValueError(f"the encoder gave {features.shape[1]} grid cells per image, where {spec} has "
+                             f"{rows}×{cols}")
+        if array is None:
+            array = _new_shard(partial, (len(images), *features.shape[1:]))
+        array[start:start + len(chunk)] = features
+        bar.update(len(chunk))
+    array.flush()
+    del array
+
+
+def _write_index(folder: Path, images: Sequence[CaptionedImage], spec: EncoderSpec, shards: int, shard_size: int,
+                 sizes: Mapping[str, int], files: Mapping[str, str] | None, view: str) -> None:
+    """Write the index of the store in ``folder`` (``shards`` shards of ``shard_size`` images), last: a store is
+    finished once it has one (:func:`_finished`)."""
+    rows, cols = spec.grid_hw
     first = np.load(folder / shard_name(0), mmap_mode="r") if shards else np.zeros((0, rows * cols, 0), np.float16)
     index = {im.key: [j // shard_size, j % shard_size] for j, im in enumerate(images)}
     _write_json_atomically(folder / INDEX, {
         "format": FORMAT, "encoder": spec.to_json(), "dtype": "float16", "item_shape": list(first.shape[1:]),
-        "shard_size": shard_size, "shards": [shard_name(j) for j in range(len(shards))], "images": len(images),
+        "shard_size": shard_size, "shards": [shard_name(j) for j in range(shards)], "images": len(images),
         "index": index, "bytes": dict(sizes),
         **({"weights_sha256": dict(files)} if files else {}), **({"view": view} if view else {})})

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 from ..aoanet import AoANet
 from ..vocab import Vocabulary
@@ -45,12 +48,44 @@ def _options(infos: Any) -> dict[str, Any]:
 
 
 def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet, Vocabulary, dict[str, Any]]:
+    """Their model (``model-*.pth``) and vocabulary (``infos_*.pkl``) → :class:`~captioner.models.aoanet.AoANet`
+    with the authors' code's choices, and the checkpoint's meta; a checkpoint the model cannot express is refused
+    (:class:`ConversionError`, module docstring)."""
     state = load_torch_weights(weights)
     infos = restricted_load(infos_path)
     if not isinstance(infos, dict) or not isinstance(infos.get("vocab"), dict):
         raise ConversionError(f"{infos_path} has no 'vocab' dict (ix_to_word): not an AoANet infos file")
     opt = _options(infos)
     vocab, source = vocabulary_from_indexed(infos["vocab"].items())
+    d_model, feat_dim, embed_dim = _supported_sizes(state, opt, weights, len(infos["vocab"]))
+    layers = sorted({int(m.group(1)) for k in state if (m := re.match(r"refiner\.layers\.(\d+)\.", k))})
+    model = AoANet(len(vocab), int(feat_dim), d_model=int(d_model), embed_dim=int(embed_dim),
+                   heads=int(opt.get("num_heads", 8)), refine_layers=len(layers),
+                   refiner="aoa" if layers else "none", pre_norm=True, dropout=float(opt.get("drop_prob_lm", 0.5)),
+                   query_norm=True, word_embedding="relu_dropout", projection_bias=True, aoa_query="input",
+                   layer_norm="std", pad_id=vocab.pad_id, bos_id=vocab.bos_id, eos_id=vocab.eos_id)
+
+    split = ("ctx2att.weight", "ctx2att.bias")  # one Linear(D, 2D): the decoder's value and key projections
+    rows = ("embed.0.weight", "logit.weight", "logit.bias")  # remapped to our vocabulary
+    ours = copy_weights(state, _weight_names(layers), what=f"an AoANet model-*.pth ({weights})", handled=split + rows)
+    for kind in ("weight", "bias"):
+        # the first half feeds the `value` parameter of their MultiHeadedDotAttention.forward(query, value, key)
+        ours[f"value.{kind}"], ours[f"key.{kind}"] = state[f"ctx2att.{kind}"].float().split(int(d_model))
+    ours["embed_words.weight"], ours["logit.weight"], ours["logit.bias"] = token_rows(
+        vocab, source, *(state[key].float() for key in rows))
+    load_converted(model, ours)
+    meta = {"imported_from": {"code": "github.com/husthuaan/AoANet", "weights": Path(weights).name,
+                              "infos": Path(infos_path).name},
+            "visual_input": f"bottom-up region features ({int(feat_dim)}-d): use --features regions:DIR",
+            "source_options": {k: v for k, v in opt.items() if isinstance(v, (int, float, str, bool))}}
+    return model, vocab, meta
+
+
+def _supported_sizes(state: Mapping[str, Tensor], opt: dict[str, Any], weights: str | Path,
+                     words: int) -> tuple[int, int, int]:
+    """``(d_model, feature size, word-embedding size)`` of their model, read from the weights' shapes, once the
+    weights and options are known to be a configuration this model can express (else :class:`ConversionError`,
+    naming the training flag that it cannot); ``words``: the size of their vocabulary."""
     # before the shapes: with --use_bn, att_embed.0 is the authors' BatchNorm1d, whose weight is 1-d
     if any(k.startswith("att_embed.") and ("running_mean" in k) for k in state):
         raise ConversionError("checkpoints trained with --use_bn are not supported")
@@ -73,15 +108,14 @@ def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet,
                               "regions, and this model has no fc input")
     if "core.att2ctx.0.weight" in state and state["core.att2ctx.0.weight"].shape != (2 * d_model, 2 * d_model):
         raise ConversionError("only --decoder_type AoA (the released AoANet) is supported")
-    if embed_rows != len(infos["vocab"]) + 1:
-        raise ConversionError(f"the embedding has {embed_rows} rows but the vocabulary {len(infos['vocab'])} words + 1")
-    layers = sorted({int(m.group(1)) for k in state if (m := re.match(r"refiner\.layers\.(\d+)\.", k))})
-    model = AoANet(len(vocab), int(feat_dim), d_model=int(d_model), embed_dim=int(embed_dim),
-                   heads=int(opt.get("num_heads", 8)), refine_layers=len(layers),
-                   refiner="aoa" if layers else "none", pre_norm=True, dropout=float(opt.get("drop_prob_lm", 0.5)),
-                   query_norm=True, word_embedding="relu_dropout", projection_bias=True, aoa_query="input",
-                   layer_norm="std", pad_id=vocab.pad_id, bos_id=vocab.bos_id, eos_id=vocab.eos_id)
+    if embed_rows != words + 1:
+        raise ConversionError(f"the embedding has {embed_rows} rows but the vocabulary {words} words + 1")
+    return d_model, feat_dim, embed_dim
 
+
+def _weight_names(layers: list[int]) -> dict[str, str]:
+    """Our parameter name → theirs for every weight that maps one to one (all but ``ctx2att`` and the vocabulary's
+    rows), for a refiner of ``layers`` (their layer numbers)."""
     names: dict[str, str] = {}  # our key → theirs
     for kind in ("weight", "bias"):
         names[f"embed_items.{kind}"] = f"att_embed.0.{kind}"
@@ -98,17 +132,4 @@ def convert_aoanet(weights: str | Path, infos_path: str | Path) -> tuple[AoANet,
                          + ([("refine_norm", "refiner.norm")] if layers else [])
                          + [("query_norm", "core.attention.norm")]):
         names[f"{mine}.weight"], names[f"{mine}.bias"] = f"{theirs}.a_2", f"{theirs}.b_2"
-    split = ("ctx2att.weight", "ctx2att.bias")  # one Linear(D, 2D): the decoder's value and key projections
-    rows = ("embed.0.weight", "logit.weight", "logit.bias")  # remapped to our vocabulary
-    ours = copy_weights(state, names, what=f"an AoANet model-*.pth ({weights})", handled=split + rows)
-    for kind in ("weight", "bias"):
-        # the first half feeds the `value` parameter of their MultiHeadedDotAttention.forward(query, value, key)
-        ours[f"value.{kind}"], ours[f"key.{kind}"] = state[f"ctx2att.{kind}"].float().split(int(d_model))
-    ours["embed_words.weight"], ours["logit.weight"], ours["logit.bias"] = token_rows(
-        vocab, source, *(state[key].float() for key in rows))
-    load_converted(model, ours)
-    meta = {"imported_from": {"code": "github.com/husthuaan/AoANet", "weights": Path(weights).name,
-                              "infos": Path(infos_path).name},
-            "visual_input": f"bottom-up region features ({int(feat_dim)}-d): use --features regions:DIR",
-            "source_options": {k: v for k, v in opt.items() if isinstance(v, (int, float, str, bool))}}
-    return model, vocab, meta
+    return names
