@@ -53,9 +53,9 @@ class Weights:
         self.linear(f"{prefix}.attn_net.attention_last", 1, MID)
         self.linear(f"{prefix}.attn_net.attention_last2", D // HEADS, MID)
 
-    def feed_forward(self, prefix):
-        self.linear(f"{prefix}.fc1", FFN, D)
-        self.linear(f"{prefix}.fc2", D, FFN)
+    def feed_forward(self, prefix, ffn=FFN):
+        self.linear(f"{prefix}.fc1", ffn, D)
+        self.linear(f"{prefix}.fc2", D, ffn)
         self.norm(f"{prefix}.layer_norms")
 
 
@@ -93,29 +93,29 @@ def their_positions(max_len=PE_MAX_LEN):
     return pe[None]
 
 
-def xtransformer_state(seed=1):
+def xtransformer_state(seed=1, encoder_layers=ENC_LAYERS, decoder_layers=DEC_LAYERS, ffn=FFN):
     """``XTransformer`` of experiments/xtransformer at small widths (ATT_FEATS_NORM on)."""
     w = Weights(seed)
     w.linear("att_embed.0", D, FEAT)
     w.norm("att_embed.2")
-    for i in range(ENC_LAYERS):
+    for i in range(encoder_layers):
         p = f"encoder.layers.{i}"
         w.lowrank(f"{p}.encoder_attn")
         w.linear(f"{p}.bifeat_emb.0", D, 2 * D)
         w.norm(f"{p}.layer_norm")
-        w.feed_forward(f"{p}.ff_layer")
-    w.linear("encoder.proj_norm.0", D, (ENC_LAYERS + 1) * D)
+        w.feed_forward(f"{p}.ff_layer", ffn)
+    w.linear("encoder.proj_norm.0", D, (encoder_layers + 1) * D)
     w.norm("encoder.proj_norm.1")
-    for i in range(DEC_LAYERS):
+    for i in range(decoder_layers):
         p = f"decoder.layers.{i}"
         w.lowrank(f"{p}.word_attn")
         w.lowrank(f"{p}.cross_att")
         w.norm(f"{p}.layer_norm_cross")
         w.norm(f"{p}.layer_norm_gx")
-        if i < DEC_LAYERS - 1:
+        if i < decoder_layers - 1:
             w.linear(f"{p}.bifeat_emb.0", D, 2 * D)
             w.norm(f"{p}.layer_norm_x")
-            w.feed_forward(f"{p}.ff_layer")
+            w.feed_forward(f"{p}.ff_layer", ffn)
     w.state["decoder.embed_tokens.weight"] = w.r(len(WORDS) + 1, D)
     w.state["decoder.embed_positions.pe"] = their_positions()
     w.norm("decoder.layer_norm_word")
@@ -123,7 +123,7 @@ def xtransformer_state(seed=1):
     for name in ("wbil1", "wbil2"):
         w.linear(f"decoder.{name}.0", D, D)
         w.norm(f"decoder.{name}.2")
-    w.linear("decoder.proj_norm.0", 2 * D, (DEC_LAYERS + 1) * D)
+    w.linear("decoder.proj_norm.0", 2 * D, (decoder_layers + 1) * D)
     w.norm("decoder.proj_norm.2")
     return w.state
 
@@ -194,13 +194,13 @@ def feed_forward(state, p, x):
     return layer_norm(state, f"{p}.layer_norms", x + linear(state, f"{p}.fc2", F.relu(linear(state, f"{p}.fc1", x))))
 
 
-def xtransformer_logprobs(state, feats, mask, tokens):
+def xtransformer_logprobs(state, feats, mask, tokens, encoder_layers=ENC_LAYERS, decoder_layers=DEC_LAYERS):
     """``XTransformer.forward`` (teacher forcing, causal ``seq_mask``) for ``tokens`` that hold no 0 after
     the start (their training mask also hides later 0s, the padding)."""
     x = layer_norm(state, "att_embed.2", F.celu(linear(state, "att_embed.0", feats), ALPHA))
     gx = masked_mean(x, mask)
     image_vectors = [gx]
-    for i in range(ENC_LAYERS):  # EncoderLayer: X-LAN's layer, then an FFN on the items
+    for i in range(encoder_layers):  # EncoderLayer: X-LAN's layer, then an FFN on the items
         p = f"encoder.layers.{i}"
         gx = lowrank(state, f"{p}.encoder_attn", gx[:, None], x, mask[:, None], gx[:, None], x)[:, 0]
         x = layer_norm(state, f"{p}.layer_norm",
@@ -220,13 +220,13 @@ def xtransformer_logprobs(state, feats, mask, tokens):
 
     query = bilinear("wbil1", gx)[:, None] * bilinear("wbil2", words_so_far)
     queries = [query]
-    for i in range(DEC_LAYERS):  # DecoderLayer
+    for i in range(decoder_layers):  # DecoderLayer
         p = f"decoder.layers.{i}"
         mixed = words + lowrank(state, f"{p}.word_attn", query, words, seq_mask, query, words)
         normed = layer_norm(state, f"{p}.layer_norm_cross", mixed)
         cross = lowrank(state, f"{p}.cross_att", normed, x, mask[:, None], normed, x)
         query = layer_norm(state, f"{p}.layer_norm_gx", mixed + cross)
-        if i < DEC_LAYERS - 1:
+        if i < decoder_layers - 1:
             update = F.relu(linear(state, f"{p}.bifeat_emb.0", torch.cat([query, words], -1))) + words
             words = feed_forward(state, f"{p}.ff_layer", layer_norm(state, f"{p}.layer_norm_x", update))
         queries.append(query)
@@ -296,6 +296,20 @@ def test_xlan_compatibility_flags_are_recorded(tmp_path):
     assert (config["heads"], config["channel_dim"], config["encoder_layers"]) == (HEADS, HEADS * MID, XLAN_LAYERS)
 
 
+def test_xtransformer_layer_counts_and_ffn_width_are_each_read_from_the_weights(inputs, tmp_path):
+    """The states above have as many encoder as decoder layers and an FFN of 4 · D, which a converter that read
+    one layer count for both, or assumed the FFN's width, converted as well; here each differs."""
+    state = xtransformer_state(encoder_layers=1, decoder_layers=3, ffn=24)
+    torch.save(state, tmp_path / "x.pth")
+    model, vocab, _ = convert_xtransformer(tmp_path / "x.pth", write_vocabulary(tmp_path / "v.txt"))
+    config = model.config()
+    assert (config["encoder_layers"], config["decoder_layers"], config["ffn_dim"]) == (1, 3, 24)
+    feats, mask, tokens = inputs
+    with torch.no_grad():
+        theirs = xtransformer_logprobs(state, feats, mask, tokens, encoder_layers=1, decoder_layers=3)
+    assert_same_distribution(our_logprobs(model, vocab, feats, tokens, mask), theirs, vocab)
+
+
 def save(tmp_path, state, name="bad.pth"):
     torch.save(state, tmp_path / name)
     return tmp_path / name
@@ -333,9 +347,10 @@ def test_foreign_truncated_or_unsupported_weights_are_refused(tmp_path):
     with pytest.raises(ConversionError, match="one-layer decoder block"):
         convert_xlan(save(tmp_path, state), vocabulary)
     state = xtransformer_state()
-    state["decoder.embed_positions.pe"] = their_positions(max_len=100)
-    with pytest.raises(ConversionError, match="positional encoding"):
-        convert_xtransformer(save(tmp_path, state), vocabulary)
+    for max_len in (100, 4990):  # base 200, and base 9980: within 0.005 of base 10000's over 64 positions
+        state["decoder.embed_positions.pe"] = their_positions(max_len=max_len)
+        with pytest.raises(ConversionError, match="positional encoding"):
+            convert_xtransformer(save(tmp_path, state), vocabulary)
     with pytest.raises(ConversionError, match="7 rows but .*v5.txt holds 5 words"):
         convert_xtransformer(save(tmp_path, xtransformer_state()), write_vocabulary(tmp_path / "v5.txt", WORDS[:5]))
 

@@ -85,3 +85,23 @@ def test_the_command_line_takes_the_dtype_names_and_the_earlier_ones(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--out", "run", "--precision", "half"])
     assert "invalid choice: 'half'" in capsys.readouterr().err
+
+
+def test_the_gradient_scalers_state_is_saved_and_put_back_on_resume(scenes, tmp_path):
+    """A float16 run's loss scale, grown or backed off over its steps, is part of its state: started again at its
+    initial value, a resumed run skipped (or underflowed in) other steps than the uninterrupted one.  Float16 needs
+    CUDA; the scaler's state is saved and restored the same way on CPU."""
+    from captioner.models.training.loop import _snapshot
+    from captioner.models.training.resume import restore
+    from captioner.models.training.state import load_state
+
+    run = prepare_run(TrainConfig(out=str(tmp_path / "run"), dataset=str(scenes), cache_dir=str(tmp_path / "features"),
+                                  encoder={"image_size": 96}, model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16),
+                                  train_limit=4, val_limit=2, progress=False, device="cpu"))
+    run.scaler = torch.amp.GradScaler("cpu")
+    run.scaler.scale(torch.ones(()))  # the scale is made at its first use
+    run.scaler.update(2.0 ** 9)  # where steps with infinite gradients had backed it off to
+    _snapshot(run)
+    fresh = torch.amp.GradScaler("cpu")
+    restore(load_state(run.run_dir), run.cfg, run.run_dir, run.dist, run.model, None, run.optimizer, fresh)
+    assert fresh.get_scale() == 2.0 ** 9 and fresh.state_dict() == run.scaler.state_dict()

@@ -151,6 +151,70 @@ def test_each_panel_of_a_caption_figure_draws_its_own_words_row():
     assert not np.array_equal(own, figure([second, second]))
 
 
+@pytest.fixture
+def laid_out(monkeypatch):
+    """The panels a figure lays out (rows of (title, picture)) and its column count, instead of the rendered
+    figure: what the layout is, without reading it back from matplotlib's pixels."""
+    from captioner.models.rendering import heatmaps
+
+    figures = []
+    monkeypatch.setattr(heatmaps, "_figure", lambda grid, columns: figures.append((grid, columns)))
+    return figures
+
+
+def test_a_caption_figure_lays_out_the_photo_then_each_words_overlay_in_rows_of_its_columns(laid_out):
+    """Every panel in order, none dropped at a row's end, the photo first, each word drawn in the figure's style
+    (an ``alpha`` or colormap given to the figure was lost to the overlays' defaults in silence)."""
+    image = Image.new("RGB", (300, 200), (200, 200, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    words = ["a", "red", "circle", "on", "the", "grass", "<eos>"]
+    rows = [one_hot(9 * i) for i in range(len(words))]
+    caption_figure(image, words, rows, geometry, "grid_blocks", cmap="viridis", alpha=0.8, columns=3)
+    ((grid, columns),) = laid_out
+    assert columns == 3
+    assert [[title for title, _ in row] for row in grid] == [["(image)", "a", "red"], ["circle", "on", "the"],
+                                                              ["grass", "<eos>"]]
+    panels = [picture for row in grid for _, picture in row]
+    assert panels[0].tobytes() == image.tobytes()  # a 300x200 photo is its own thumbnail
+    for row, picture in zip(rows, panels[1:]):
+        assert picture.tobytes() == overlay(image, row, geometry, "grid_blocks", "viridis", 0.8).tobytes()
+
+
+def test_a_comparison_figure_has_a_labelled_row_per_captioner_each_drawn_in_its_own_mode(laid_out):
+    """SparseCap's Figure 1 layout: one row per captioner, its label over the photo, then its words, each in that
+    row's own mode (with its area boxes for area_topk) and the figure's style; as many columns as the longest row
+    (a row longer than the first lost its last words)."""
+    from captioner.models.rendering.heatmaps import FigureRow, comparison_figure
+
+    image = Image.new("RGB", (300, 200), (120, 160, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    areas = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [2, 2, 4, 5]])
+    figure_rows = [FigureRow("sat", ["a", "dog"], [one_hot(0), one_hot(9)], geometry, mode="grid_blocks"),
+                   FigureRow("area", ["a", "red", "dog"], np.eye(3, dtype=np.float32) * 0.6 + 0.1, geometry,
+                             area_boxes=areas, mode="area_topk")]
+    comparison_figure(image, figure_rows, cmap="viridis", alpha=0.7)
+    ((grid, columns),) = laid_out
+    assert columns == 4
+    assert [[title for title, _ in row] for row in grid] == [["sat:", "a", "dog"], ["area:", "a", "red", "dog"]]
+    for row, panels in zip(figure_rows, grid):
+        assert panels[0][1].tobytes() == image.tobytes()
+        for i, (_, picture) in enumerate(panels[1:]):
+            expected = overlay(image, row.attention[i], geometry, row.mode, "viridis", 0.7, row.area_boxes)
+            assert picture.tobytes() == expected.tobytes(), (row.label, i)
+
+
+def test_each_panel_of_a_figure_is_titled_with_its_word():
+    from captioner.models.rendering.heatmaps import _figure
+
+    picture = Image.new("RGB", (64, 48), (200, 200, 200))
+
+    def drawn(*titles):
+        return np.asarray(_figure([[(title, picture) for title in titles]], len(titles)))
+
+    titled = drawn("cat", "dog")
+    assert not np.array_equal(titled, drawn("", "")) and not np.array_equal(titled, drawn("red", "circle"))
+
+
 @pytest.mark.parametrize("original, copy", [((100, 1000), (13, 128)), ((1000, 100), (128, 13))])
 def test_a_thumbnail_is_scaled_by_its_longer_side_whichever_side_that_is(original, copy):
     """A 100x1000 portrait's 13x128 thumbnail is 0.128 of it (its width was rounded up from 12.8): scaled by the

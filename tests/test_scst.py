@@ -127,11 +127,16 @@ def test_scst_phase_from_an_xe_checkpoint_saves_and_resumes(scenes, tmp_path, ca
     train(TrainConfig(out=str(tmp_path / "resumed"), max_steps=5, **scst))  # 4 steps an epoch: stops in epoch 2
     state = json.loads((tmp_path / "resumed" / "train_state.json").read_text())["progress"]
     assert (state["epoch"], state["step_in_epoch"]) == (1, 1)
+    # the resume takes its model, vocabulary and lineage from its own state, not from the --init checkpoint, which
+    # may have been moved (or retrained) since the run started
+    xe.rename(tmp_path / "xe-moved")
     train(TrainConfig(out=str(tmp_path / "resumed"), **scst), resume=True)
     a = load_file(tmp_path / "straight" / "last" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "last" / "model.safetensors")
     for key in a:
         torch.testing.assert_close(a[key], b[key], msg=f"{key} differs after resume")
+    began = load_checkpoint(tmp_path / "resumed" / "last").meta["started_from"]
+    assert began == ckpt.meta["started_from"] and began["checkpoint"] == str(xe) and began["phase"] == "xe"
 
 
 def test_scst_pushes_down_the_tokens_the_beam_search_never_emits():

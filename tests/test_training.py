@@ -88,6 +88,81 @@ def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start
         torch.testing.assert_close(a[key], b[key], msg=f"{key} differs")
 
 
+def _scripted_validation(monkeypatch, scores):
+    """Validation that gives epoch ``e`` the score ``scores[e - 1]`` (on every metric) without captioning: the run's
+    bookkeeping (best/, the plateau, early stopping) then takes a known course."""
+    from captioner.models.training import loop
+    from captioner.models.training.run_log import EpochLog
+
+    def validate(run, epoch, lr, logs):
+        return EpochLog(epoch=epoch + 1, step=run.progress.global_step, lr=lr, losses=logs,
+                        scores={"BLEU-4": scores[epoch], "CIDEr-D": scores[epoch]}, seconds=run.elapsed())
+
+    monkeypatch.setattr(loop, "_validate", validate)
+
+
+def test_a_resumed_run_keeps_its_best_checkpoint_plateau_early_stop_log_and_clock(scenes, tmp_path, cache, capsys,
+                                                                                   monkeypatch):
+    """What a resume takes from the state beside the weights, against the same run trained straight: the best score
+    and epoch (forgotten, the next epoch became best/, or early stopping counted from the start), the plateau's count
+    and scale, that the run stopped early (a finished run trained on), the log without the steps a killed process
+    logged after its last snapshot, and the training time (each snapshot adds the time since the one before).
+    The scores make best/ epoch 2, halve the rate after epoch 3 and stop the run after epoch 4."""
+    from captioner.models.training import fit, prepare_run
+
+    _scripted_validation(monkeypatch, [0.5, 0.7, 0.6, 0.6, 0.9, 0.9])
+    # 8 photos × 5 captions in batches of 16: 3 steps an epoch; a snapshot after every step
+    common = dict(train_limit=8, val_limit=2, epochs=6, early_stop=2, plateau_factor=0.5, plateau_patience=1,
+                  log_every=1, checkpoint_every=1)
+    run = prepare_run(_config(scenes, tmp_path / "straight", cache, **common))
+    began = run.started
+    fit(run)
+    clock = time.time() - began
+    straight = json.loads((tmp_path / "straight" / "train_state.json").read_text())["progress"]
+    assert straight["train_seconds"] <= clock + 0.05 * straight["global_step"]  # rounded to 0.1 s at each snapshot
+
+    out = tmp_path / "resumed"
+    train(_config(scenes, out, cache, max_steps=4, **common))  # inside epoch 2
+    log = out / "metrics.jsonl"
+    last = json.loads(log.read_text().splitlines()[-1])  # step 4's: what a process killed after it logs next
+    log.write_text(log.read_text() + "".join(json.dumps({**last, "step": step}) + "\n" for step in (5, 6)))
+    train(_config(scenes, out, cache, max_steps=8, **common), resume=True)  # inside epoch 3, after best/ at epoch 2
+    train(_config(scenes, out, cache, **common), resume=True)
+    capsys.readouterr()
+    train(_config(scenes, out, cache, **common), resume=True)  # it stopped early: nothing more to train
+    assert "has finished (stopped early)" in capsys.readouterr().out
+    resumed = json.loads((out / "train_state.json").read_text())["progress"]
+
+    def course(progress):
+        return {**progress, "train_seconds": None,
+                "history": [{k: v for k, v in row.items() if k != "seconds"} for row in progress["history"]]}
+
+    assert course(resumed) == course(straight)
+    assert (resumed["epoch"], resumed["best_epoch"], resumed["stopped_early"]) == (4, 2, True)
+    assert [h["lr"] for h in resumed["history"]] == [3e-3, 3e-3, 3e-3, 1.5e-3]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, 13))
+    for name in ("straight", "resumed"):
+        assert load_checkpoint(tmp_path / name / "best").meta["best_epoch"] == 2
+    a, b = (load_file(tmp_path / name / "best" / "model.safetensors") for name in ("straight", "resumed"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"best/ {key} differs after resume")
+
+
+def test_a_learning_rate_drop_in_an_epoch_the_run_has_begun_is_refused(scenes, tmp_path, cache):
+    """A state saved inside epoch 2 has trained some of epoch 2's steps at the old rate: a drop from epoch 2 on,
+    added on resume, gave its other steps the new rate, a course no run with that schedule from the start takes
+    (it was accepted: only the completed epochs were compared)."""
+    small = dict(train_limit=8, val_limit=2)  # 8 photos × 5 captions in batches of 16: 3 steps an epoch
+    train(_config(scenes, tmp_path / "run", cache, max_steps=4, **small))
+    with pytest.raises(ValueError, match="epoch 2, which this run has already trained"):
+        train(_config(scenes, tmp_path / "run", cache, lr_drops=[1], lr_drop_factor=0.5, **small), resume=True)
+    train(_config(scenes, tmp_path / "run", cache, epochs=3, lr_drops=[2], lr_drop_factor=0.5, **small),
+          resume=True)  # from the next epoch on
+    history = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["history"]
+    assert [h["lr"] for h in history] == [3e-3, 3e-3, 1.5e-3]
+
+
 def test_checkpoints_can_be_selected_on_object_naming_but_not_on_unmeasured_metrics(scenes, tmp_path, cache):
     best = train(_config(scenes, tmp_path / "run", cache, epochs=1, select_metric="objects_named"))
     assert load_checkpoint(best).meta["selected_by"] == "objects_named"
@@ -215,6 +290,44 @@ def test_extend_vocab_appends_the_datas_new_words_and_keeps_the_trained_rows(sce
         assert grown.shape[0] == len(new.vocab) and torch.equal(grown[: len(old.vocab)], trained)
 
 
+def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_and_lineage(tmp_path):
+    """What ``--init`` takes from its checkpoint, without training: its vocabulary (one built from the new data's
+    words gave the checkpoint's rows to other words, in silence where the count agreed), its sizes with the
+    command's ``--set`` values over them, its encoder and the features it was trained on unless the command names
+    others, ``--extend-vocab``'s new words once each after its own, and for the card what it began from in turn."""
+    from pathlib import Path
+
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.models.data.karpathy import CaptionedImage
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage
+    from captioner.models.vocab import Vocabulary
+    from captioner.models.zoo import create
+
+    vocab = Vocabulary(["a", "red", "circle"])
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL)
+    first = {"checkpoint": "runs/first/best", "arch": "sat", "epochs": 3, "started_from": None}
+    trained = TrainConfig(out="runs/second", features="regions:/data/boxes").to_json()
+    path = save_checkpoint(tmp_path / "ckpt", model, vocab, EncoderSpec(image_size=96),
+                           {"phase": "xe", "history": [{}, {}], "best_epoch": 2, "train_config": trained,
+                            "started_from": first})
+    init = load_checkpoint(path)
+
+    cfg = adopt_init(TrainConfig(out="run", init=str(path), model_args={"dropout": 0.1}), init)
+    assert cfg.model == "sat" and cfg.model_args["dropout"] == 0.1 and cfg.model_args["hidden_dim"] == 48
+    assert EncoderSpec.of(cfg.encoder).image_size == 96 and cfg.features == "regions:/data/boxes"
+    assert adopt_init(TrainConfig(out="run", init=str(path), features="grid"), init).features == "grid"
+
+    photos = [CaptionedImage(1, Path("p.jpg"), "train", [["a", "blue", "square"], ["a", "red", "square"]])]
+    assert choose_vocab(TrainConfig(out="run", init=str(path)), None, init, photos).itos == vocab.itos
+    extended = choose_vocab(TrainConfig(out="run", init=str(path), extend_vocab=True), None, init, photos)
+    assert extended.itos == vocab.itos + ["square", "blue"]
+
+    began = lineage(str(path), init)
+    assert (began["arch"], began["epochs"], began["best_epoch"], began["started_from"]) == ("sat", 2, 2, first)
+
+
 def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_path, cache, capsys):
     from captioner.models.training.resume import merge_resume
 
@@ -237,6 +350,11 @@ def test_resume_changes_only_what_the_command_gave(scenes, tmp_path, cache):
     assert (merged.epochs, merged.early_stop, merged.max_steps) == (2, 5, None)
     longer = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out", "epochs"})
     assert longer.epochs == 20
+    # what may change on resume does, when given: early stopping turned off, snapshots and log records more often
+    given = _config(scenes, tmp_path / "run", cache, model="sat", early_stop=0, checkpoint_every=7, log_every=3)
+    changed = merge_resume(given, json.loads(json.dumps(saved.to_json())), 0,
+                           explicit={"out", "early_stop", "checkpoint_every", "log_every"})
+    assert (changed.early_stop, changed.checkpoint_every, changed.log_every, changed.epochs) == (0, 7, 3, 2)
 
 
 def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone(tmp_path):

@@ -165,8 +165,11 @@ def _open_run_dir(run_dir: Path, cfg: TrainConfig, ctx: DistContext, resume: boo
     if saved is None:
         check_new_run_folder(run_dir, announce=ctx.is_main)
         return cfg, None
-    # a resumed run keeps its recipe; only its length and how it runs may change
-    cfg = merge_resume(cfg, read_from(saved, announce=ctx.is_main), saved["progress"]["epoch"], explicit)
+    # a resumed run keeps its recipe; only its length and how it runs may change, and the rate of the epochs it has
+    # not begun (a state saved inside an epoch has trained some of that epoch's steps at its rate)
+    progress = saved["progress"]
+    begun = progress["epoch"] + (1 if progress.get("step_in_epoch") else 0)
+    cfg = merge_resume(cfg, read_from(saved, announce=ctx.is_main), begun, explicit)
     if ctx.is_main:  # what a killed save left beside best/ and last/
         for name in ("best", "last"):
             remove_debris(run_dir / name)

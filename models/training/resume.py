@@ -24,8 +24,9 @@ from .state import restore_optimizer_state, set_rng_state
 
 
 def _check_schedule_change(before: TrainConfig, after: TrainConfig, epochs_done: int) -> None:
-    """A schedule changed on --resume must agree with the old one on the epochs already trained, so the resumed run
-    equals one trained with the new schedule from the start."""
+    """A schedule changed on --resume must agree with the old one on the epochs already trained, or begun
+    (``epochs_done`` counts an epoch a state saved inside of), so the resumed run equals one trained with the new
+    schedule from the start."""
     for epoch in range(epochs_done):
         if learning_rate(before, epoch) != learning_rate(after, epoch):
             raise ValueError(f"the new --lr-drop schedule changes the learning rate of epoch {epoch + 1}, which this "
