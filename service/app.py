@@ -28,7 +28,7 @@ from captioner.models.device import set_threads
 
 from .batcher import Batcher
 from .captioning import observe_invalid
-from .inputs import arrival, known_query_only
+from .inputs import UnreadBodyMiddleware, arrival, known_query_only
 from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
 from .middleware import RequestContextMiddleware, configure_logging
@@ -164,6 +164,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(DrainMiddleware, gate=app.state.shutdown_gate)
     # API keys, CORS and security headers (security.py), inside the request-id middleware so 401s are logged
     install_security(app, settings.api_keys, settings.cors_origins)
+    # a body the answer did not need is read before the answer starts (behind nginx, a reset was its 502)
+    app.add_middleware(UnreadBodyMiddleware)
     app.add_middleware(RequestContextMiddleware)
     for routes in (router, overlay_router):
         app.include_router(routes, dependencies=[Depends(known_query_only)])

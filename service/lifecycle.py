@@ -31,7 +31,7 @@ import uvicorn
 from starlette.requests import Request
 
 from .errors import NOT_READY_RETRY_AFTER_S
-from .inputs import drain_body
+from .inputs import DISCARD_BYTES, drain_body
 from .paths import app_path
 from .problems import send_problem
 
@@ -124,11 +124,6 @@ class DrainMiddleware:
     async def _answer_503(self, scope: dict, send: Callable[[dict], Awaitable[None]], detail: str) -> None:
         await send_problem(scope, send, 503, detail, kind="not-ready",
                            headers=[(b"retry-after", str(self.gate.retry_after_s).encode()), (b"connection", b"close")])
-
-
-#: what a refused request's body may be read to, and dropped (for at most inputs.DISCARD_SECONDS): a connection
-#: closed with unread data in it is reset, and the client sees the reset instead of the 503
-DISCARD_BYTES = 64 * 1024 * 1024
 
 
 class DrainingServer(uvicorn.Server):

@@ -11,8 +11,10 @@ from typing import Any
 
 
 def app_path(scope: dict[str, Any]) -> str:
-    """``scope["path"]`` without the app's ``root_path`` (``/`` for the prefix itself)."""
-    path, root = scope["path"], scope.get("root_path", "")
+    """``scope["path"]`` without the app's ``root_path`` (``/`` for the prefix itself).  Once routed into a mount
+    (``/static``), ``root_path`` ends with the mount's path too; the app's own is Starlette's ``app_root_path``
+    (the access log wrote ``/static/app.js`` as ``/app.js``)."""
+    path, root = scope["path"], scope.get("app_root_path", scope.get("root_path", ""))
     if root and (path == root or path.startswith(root + "/")):
         return path[len(root):] or "/"
     return path

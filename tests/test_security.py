@@ -9,6 +9,8 @@ import io
 import json
 import logging
 import re
+import socket
+import time
 
 import pytest
 import torch
@@ -140,7 +142,45 @@ def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path
             app.state.shutdown_gate.begin_drain()
             assert client.get("/vision/healthz").status_code == 200
             assert client.get("/vision/readyz").status_code == 503
-    assert [e["path"] for e in entries[:3]] == ["/caption", "/caption", "/captions/{result_id}"]
+    paths = [e["path"] for e in entries]
+    assert paths[:3] == ["/caption", "/caption", "/captions/{result_id}"]
+    # a mount's file keeps its mount's path: the mount's root_path was taken off too (``/app.js``)
+    assert "/static/app.js" in paths and "/app.js" not in paths
+
+
+def _answer_over_http_1_0(port: int, path: str, size: int, headers: str = "", body: bool = True) -> str:
+    """The status line a POST of ``size`` bytes gets over HTTP/1.0, as nginx forwards requests: the body sent on
+    while the answer may already be on its way, as a proxy sends it, and read after; a reset's error otherwise."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        try:
+            s.sendall(f"POST {path} HTTP/1.0\r\nContent-Type: image/jpeg\r\nContent-Length: {size}\r\n"
+                      f"{headers}\r\n".encode())
+            for _ in range(size // 65536 if body else 0):
+                s.sendall(bytes(65536))
+            return s.makefile("rb").readline().decode().strip()
+        except OSError as exc:
+            return type(exc).__name__
+
+
+def test_an_answer_given_before_the_body_is_read_reaches_a_proxy_speaking_http_1_0(tmp_path_factory):
+    """nginx forwards a request over HTTP/1.0, so uvicorn closes the connection after the answer; closed with the
+    rest of an unread body in it, the connection was reset, and nginx answered its own 502 instead (about half of
+    the 401s without a key, the 413s refused from the Content-Length, the 404s of a path). The body is now read
+    and dropped before the answer starts; a client that waits for ``100 Continue`` is answered without it."""
+    from .conftest import tiny_demo_server
+
+    key = f"Authorization: Bearer {KEYS[0]}\r\n"
+    with tiny_demo_server(tmp_path_factory, CAPTIONER_ROOT_PATH="/vision", CAPTIONER_API_KEYS=json.dumps(KEYS),
+                          CAPTIONER_MAX_UPLOAD_BYTES=str(2**20)) as server:
+        port = int(server.rsplit(":", 1)[1])
+        for path, headers, status in (("/caption", "", "401"), ("/caption", key, "413"), ("/nowhere", "", "404"),
+                                      ("/models", "", "405")):
+            for _ in range(3):
+                answer = _answer_over_http_1_0(port, path, 8 << 20, headers)
+                assert answer.startswith(f"HTTP/1.1 {status} "), (path, status, answer)
+        started = time.monotonic()
+        answer = _answer_over_http_1_0(port, "/caption", 8 << 20, "Expect: 100-continue\r\n", body=False)
+        assert answer.startswith("HTTP/1.1 401 ") and time.monotonic() - started < 1.5, answer
 
 
 def test_a_root_path_is_read_as_the_prefix_it_names():
