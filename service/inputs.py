@@ -257,7 +257,8 @@ class UnreadBodyMiddleware:
     body was read (401 without a key, 413 from the ``Content-Length``, 404 or 405 of a path, 422 of an unknown query
     parameter) reached nginx's client as its 502 about half the time.  A body declared larger than ``limit`` is
     left unread (its reset cannot be avoided by reading a part of it), and so is one whose client waits for
-    ``100 Continue`` and was never asked for it (it sends nothing once it has the answer)."""
+    ``100 Continue`` and was never asked for it (it sends nothing once it has the answer), and the rest of an
+    upload answered 408 (its client is too slow to wait for: it would hold the connection 2 s longer)."""
 
     def __init__(self, app: Any, limit: int = DISCARD_BYTES):
         self.app = app
@@ -281,7 +282,7 @@ class UnreadBodyMiddleware:
             return message
 
         async def send_after_the_body(message: dict) -> None:
-            if message["type"] == "http.response.start" and not body["read"] \
+            if message["type"] == "http.response.start" and not body["read"] and message["status"] != 408 \
                     and (body["asked"] or not waits_for_continue):
                 body["read"] = True
                 await drain_body(Request(scope, receive), self.limit)

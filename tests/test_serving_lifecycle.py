@@ -199,6 +199,21 @@ def test_an_upload_slower_than_the_deadline_is_cut_off_with_408_and_never_decode
     assert after.get(label, 0) == before.get(label, 0)  # it never reached the decoding table
 
 
+def test_a_stalled_upload_gets_its_408_at_the_deadline_not_after_waiting_for_the_rest(servers, png):
+    """An answer given before the body is read waits while the rest is read and dropped (so that a proxy speaking
+    HTTP/1.0 gets it, not a reset), but not the 408 of an upload that stopped arriving: its rest may never come."""
+    import socket
+
+    port = int(servers[1].url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+        started = time.monotonic()
+        client.sendall(f"POST /caption HTTP/1.0\r\nContent-Type: image/png\r\nContent-Length: {len(png)}\r\n\r\n"
+                       .encode() + png[:len(png) // 2])
+        status = client.makefile("rb").readline().decode()
+        waited = time.monotonic() - started
+    assert status.startswith("HTTP/1.1 408 ") and waited < 1.5, (status, waited)  # 0.4 s deadline, 2 s drain
+
+
 def test_graceful_shutdown_finishes_in_flight_requests(servers, png):
     """Runs last in this module: it stops the small-queue server."""
     process = servers[0]
