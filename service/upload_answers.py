@@ -12,11 +12,10 @@ from fastapi import Query, Request
 from fastapi.responses import Response
 
 from captioner.models.inference import CaptionResult, Runtime
-from captioner.models.rendering.heatmaps import RenderError
 
 from .captioning import CaptionRequest, caption_image, observed_request, refuse_early, remaining_s
-from .errors import ServiceError, UploadTimeout
-from .inputs import MULTIPART_SLACK, arrival, drain_body, options_before_body, read_caption_request
+from .errors import UploadTimeout
+from .inputs import arrival, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
 from .state import ServiceState
 from .work_slots import UploadHold
@@ -55,14 +54,10 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
 async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],
                        arrived: float, hold: UploadHold) -> CaptionRequest:
     settings = state.settings
-    try:
-        check()
-        refuse_early(state, options_before_body(request, query), arrived)
-    # every refusal made before the body is read (429, 503, 404 of a model, 422 of a parameter): the body is read
-    # and dropped, or the client sees a reset
-    except (ServiceError, RenderError):
-        await drain_body(request, settings.max_upload_bytes + MULTIPART_SLACK)
-        raise
+    # a refusal made before the body is read (429, 503, 404 of a model, 422 of a parameter) leaves the body to
+    # inputs.UnreadBodyMiddleware, which reads and drops it before the answer: else the client would see a reset
+    check()
+    refuse_early(state, options_before_body(request, query), arrived)
     try:  # a slow or stalled upload is cut off at the deadline, not read to its end
         async with asyncio.timeout(remaining_s(settings, arrived)):
             return await read_caption_request(request, query, settings.max_upload_bytes, hold)

@@ -106,17 +106,22 @@ def random_images(n: int, seed: int = 0) -> list[Image.Image]:
 
 
 # -- batcher driving ----------------------------------------------------------------------------------------------
-def count_encodes(runtime) -> list[int]:
-    """Wraps ``runtime.begin`` (every caption starts by encoding its images) so that each call appends its number
-    of images to the returned list; ``del runtime.begin`` restores the class's method."""
-    calls: list[int] = []
+def watch_encodes(runtime, seen) -> None:
+    """Wraps ``runtime.begin`` (every caption starts by encoding its images) so that each call first passes its
+    batch of prepared images to ``seen``; ``del runtime.begin`` restores the class's method."""
     begin = runtime.begin
 
-    def counting_begin(batch, widths):
-        calls.append(len(batch))
+    def watched_begin(batch, widths):
+        seen(batch)
         return begin(batch, widths)
 
-    runtime.begin = counting_begin
+    runtime.begin = watched_begin
+
+
+def count_encodes(runtime) -> list[int]:
+    """:func:`watch_encodes` that appends each call's number of images to the returned list."""
+    calls: list[int] = []
+    watch_encodes(runtime, lambda batch: calls.append(len(batch)))
     return calls
 
 

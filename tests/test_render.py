@@ -247,7 +247,7 @@ def test_the_blur_keeps_its_matrices_unchanged_between_maps():
     _blur_matrix.cache_clear()
     gaussian_blur(first, 5.5)
     assert np.array_equal(gaussian_blur(second, 5.5), alone)
-    kept = _blur_matrix(96, 5.5, 4.0)
+    kept = _blur_matrix(96, 5.5, 22)  # the matrix gaussian_blur kept: radius int(4.0 * 5.5 + 0.5)
     assert _blur_matrix.cache_info().hits >= 2 and not kept.flags.writeable
     with pytest.raises(ValueError):
         kept[0, 0] = 1.0

@@ -20,7 +20,7 @@ from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
 
 from .serving_helpers import (all_architectures, assert_same_result, count_encodes, drive, random_images,
-                              shared_encoder, tiny_checkpoint)
+                              shared_encoder, tiny_checkpoint, watch_encodes)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,13 +122,7 @@ def test_waiting_requests_are_admitted_in_arrival_order_at_most_max_batch_per_bo
     requests, not one more."""
     runtime = runtime_for("sat", encoder)
     encoded: list[int] = []
-    begin = runtime.begin
-
-    def recording_begin(batch, widths):
-        encoded.extend(id(prepared) for prepared in batch)
-        return begin(batch, widths)
-
-    runtime.begin = recording_begin
+    watch_encodes(runtime, lambda batch: encoded.extend(id(prepared) for prepared in batch))
     images = [runtime.prepare(image) for image in random_images(5, seed=4)]
     batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
     batcher.start(worker=False)

@@ -62,11 +62,10 @@ def _scaled_boxes(geometry: Geometry, scale: float) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _blur_matrix(length: int, sigma: float, truncate: float) -> np.ndarray:
-    """``[length, length]``: row ``i`` holds the Gaussian kernel of ``sigma`` centred on ``i``, with the taps that fall
-    off either end added to the edge sample (edges extended).  Kept (read-only) for the next call: a figure blurs
-    every word's map at the same size, and making the matrix cost more than the products that use it."""
-    radius = int(truncate * sigma + 0.5)
+def _blur_matrix(length: int, sigma: float, radius: int) -> np.ndarray:
+    """``[length, length]``: row ``i`` holds the Gaussian kernel of ``sigma`` and ``radius`` centred on ``i``, with the
+    taps that fall off either end added to the edge sample (edges extended).  Kept (read-only) for the next call: a
+    figure blurs every word's map at the same size, and making the matrix cost more than the products that use it."""
     kernel = np.exp(-0.5 * (np.arange(-radius, radius + 1) / sigma) ** 2)
     kernel /= kernel.sum()
     positions = np.arange(length)
@@ -87,7 +86,7 @@ def gaussian_blur(image: np.ndarray, sigma: float, truncate: float = 4.0) -> np.
     if radius < 1:
         return image
     rows, cols = image.shape
-    return _blur_matrix(rows, sigma, truncate) @ image @ _blur_matrix(cols, sigma, truncate).T
+    return _blur_matrix(rows, sigma, radius) @ image @ _blur_matrix(cols, sigma, radius).T
 
 
 def _bilinear_blurred(grid: np.ndarray, xs: np.ndarray, ys: np.ndarray, sigma: float) -> np.ndarray:
