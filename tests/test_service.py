@@ -224,7 +224,7 @@ def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weight
     """Every refusal made before the body is read drains it (a connection closed with unread data in it is reset,
     and the client sees the reset instead of the answer): the 503 of a server not ready was left unread."""
     from captioner.service import app as app_module
-    from captioner.service import upload_answers
+    from captioner.service import inputs
 
     drained = []
 
@@ -234,7 +234,7 @@ def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weight
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory while loading")
 
-    monkeypatch.setattr(upload_answers, "drain_body", drain)
+    monkeypatch.setattr(inputs, "drain_body", drain)  # UnreadBodyMiddleware's, for every such answer
     monkeypatch.setattr(app_module, "load_runtimes", broken)
     settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, warmup=False,
                         backend="torch")
