@@ -34,6 +34,7 @@ from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, pa
 from .middleware import RequestContextMiddleware, configure_logging
 from .overlay import router as overlay_router
 from .paths import app_path
+from .problem_pages import install_problem_pages
 from .problems import install_problem_handlers
 from .results import ResultStore
 from .routes import router
@@ -173,6 +174,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_openapi(app, {"beam_size": (settings.default_beam_size, settings.max_beam_size),
                           "max_len": (settings.default_max_len, settings.max_max_len)}, settings.root_path)
     install_docs(app)
+    install_problem_pages(app)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)

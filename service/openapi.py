@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from captioner.models.rendering.heatmaps import HEAT_MODES, MODES
 
+from .paths import app_root
 from .problems import PROBLEM_JSON
 from .schemas import CaptionJSON, form_schema
 
@@ -64,7 +65,8 @@ PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["type", "title", "status", "detail"],
     "properties": {
-        "type": {"type": "string", "description": "problem type, e.g. /problems/invalid-image"},
+        "type": {"type": "string",
+                 "description": "problem type: the path of its page on this server, e.g. /problems/invalid-image"},
         "title": {"type": "string"},
         "status": {"type": "integer", "minimum": 400, "maximum": 599},
         "detail": {"type": "string", "description": "what went wrong, for a person"},
@@ -189,7 +191,7 @@ def install_docs(app: FastAPI) -> None:
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request) -> HTMLResponse:
         # the page's addresses are the browser's: behind a proxy's prefix (CAPTIONER_ROOT_PATH) they start with it
-        prefix = request.scope.get("root_path", "").rstrip("/")
+        prefix = app_root(request.scope)
         return get_swagger_ui_html(openapi_url=prefix + app.openapi_url, title=f"{app.title} — API",
                                    swagger_js_url=f"{prefix}{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{prefix}{DOCS_ASSETS}/swagger-ui.css",

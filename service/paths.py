@@ -10,11 +10,16 @@ one: comparing ``scope["path"]`` let ``/vision/caption`` past the API key check 
 from typing import Any
 
 
+def app_root(scope: dict[str, Any]) -> str:
+    """The prefix the app is served under (``""`` without one).  Once routed into a mount (``/static``),
+    ``root_path`` ends with the mount's path too; the app's own is Starlette's ``app_root_path`` (the access log
+    wrote ``/static/app.js`` as ``/app.js``); without its trailing slash, as uvicorn's ``--root-path`` may be spelt."""
+    return scope.get("app_root_path", scope.get("root_path", "")).rstrip("/")
+
+
 def app_path(scope: dict[str, Any]) -> str:
-    """``scope["path"]`` without the app's ``root_path`` (``/`` for the prefix itself).  Once routed into a mount
-    (``/static``), ``root_path`` ends with the mount's path too; the app's own is Starlette's ``app_root_path``
-    (the access log wrote ``/static/app.js`` as ``/app.js``)."""
-    path, root = scope["path"], scope.get("app_root_path", scope.get("root_path", ""))
+    """``scope["path"]`` without the app's prefix (:func:`app_root`; ``/`` for the prefix itself)."""
+    path, root = scope["path"], app_root(scope)
     if root and (path == root or path.startswith(root + "/")):
         return path[len(root):] or "/"
     return path

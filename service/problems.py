@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import PROBLEM_TYPES, problem_type
+from .paths import app_root
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -30,11 +31,14 @@ def default_kind(status: int) -> str:
     return HTTPStatus(status).phrase.lower().replace(" ", "-")
 
 
-def problem_body(status: int, detail: str, instance: str, title: str | None = None, kind: str | None = None,
+def problem_body(scope: dict[str, Any], status: int, detail: str, title: str | None = None, kind: str | None = None,
                  **extra: Any) -> dict[str, Any]:
-    """The RFC 9457 document: ``type``, ``title``, ``status``, ``detail``, ``instance`` (the request path)."""
-    return {"type": f"/problems/{kind or default_kind(status)}", "title": title or HTTPStatus(status).phrase,
-            "status": status, "detail": detail, "instance": instance, **extra}
+    """The RFC 9457 document of an answer to the request ``scope``: ``type``, ``title``, ``status``, ``detail``,
+    ``instance`` (the request's path).  The ``type`` is the path of the problem type's page on this server
+    (``problem_pages.py``), behind a proxy's prefix too: ``/captioner/problems/not-ready`` under ``/captioner``."""
+    return {"type": f"{app_root(scope)}/problems/{kind or default_kind(status)}",
+            "title": title or HTTPStatus(status).phrase, "status": status, "detail": detail,
+            "instance": scope["path"], **extra}
 
 
 @dataclass
@@ -60,14 +64,14 @@ def problem_of(exc: Exception) -> Problem:
 
 def problem_response(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
                      headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse(problem_body(status, detail, request.url.path, title, kind, **extra), status_code=status,
+    return JSONResponse(problem_body(request.scope, status, detail, title, kind, **extra), status_code=status,
                         media_type=PROBLEM_JSON, headers=headers)
 
 
 async def send_problem(scope: dict, send: Callable[[dict], Awaitable[None]], status: int, detail: str, *,
                        kind: str | None = None, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Answer with a problem document from an ASGI middleware, before (or instead of) the app."""
-    body = json.dumps(problem_body(status, detail, scope["path"], kind=kind)).encode()
+    body = json.dumps(problem_body(scope, status, detail, kind=kind)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode()),
                             *headers]})

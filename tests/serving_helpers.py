@@ -106,6 +106,19 @@ def random_images(n: int, seed: int = 0) -> list[Image.Image]:
 
 
 # -- batcher driving ----------------------------------------------------------------------------------------------
+def sent_problem_kinds() -> set[str]:
+    """Every problem type the service can send: the table of service/errors.py, the kinds the handlers and
+    middlewares name themselves, and those named by their status (the API-key refusal's 401, Starlette's 404 and
+    405 of unknown paths and methods)."""
+    from captioner.service.errors import PROBLEM_TYPES
+    from captioner.service.problems import default_kind
+
+    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted((ROOT / "service").glob("*.py")))
+    kinds = {kind for _, kind in PROBLEM_TYPES.values()} | set(re.findall(r'\bkind="([a-z-]+)"', source))
+    assert {"internal", "invalid-request", "not-ready"} <= kinds, "the pattern no longer matches"
+    return kinds | {default_kind(status) for status in (401, 404, 405)}
+
+
 def watch_encodes(runtime, seen) -> None:
     """Wraps ``runtime.begin`` (every caption starts by encoding its images) so that each call first passes its
     batch of prepared images to ``seen``; ``del runtime.begin`` restores the class's method."""

@@ -14,8 +14,8 @@ from .conftest import ROOT
 #: (what routes get by ``Depends``) holds the batchers and the result cache, so it sits with the use cases: a
 #: batcher or a runtime that imported it would close a cycle.
 SERVICE_LAYERS = {
-    "routes": {"app", "cli", "routes", "overlay", "upload_answers", "inputs", "problems", "middleware", "openapi",
-               "security", "lifecycle", "paths"},
+    "routes": {"app", "cli", "routes", "overlay", "upload_answers", "inputs", "problems", "problem_pages",
+               "middleware", "openapi", "security", "lifecycle", "paths"},
     "use cases": {"captioning", "rendering", "results", "result_cache", "archive", "warmup", "state"},
     "batcher": {"batcher", "admission", "row_table"},
     "runtime": {"runtime", "backend_choice", "onnx_exports", "shared_encoders", "onnx_backends"},

@@ -152,15 +152,9 @@ def _paragraph(markdown: str, start: str) -> str:
 def test_readme_lists_every_problem_type():
     """The README's list of error answers names every problem type the service can send (the table of
     service/errors.py, the handlers' own kinds, the API-key refusal) and what Starlette's 404/405 become."""
-    from captioner.service.errors import PROBLEM_TYPES
-    from captioner.service.problems import default_kind
+    from .serving_helpers import sent_problem_kinds
 
-    source = "\n".join(path.read_text(encoding="utf-8") for path in sorted((ROOT / "service").glob("*.py")))
-    kinds = {kind for _, kind in PROBLEM_TYPES.values()}
-    kinds |= set(re.findall(r'\bkind="([a-z-]+)"', source))  # the handlers' and middlewares' own answers
-    assert {"internal", "invalid-request", "not-ready"} <= kinds, "the pattern no longer matches"
-    # answers named by their status: the API-key refusal's 401, and Starlette's 404 and 405 of unknown paths/methods
-    kinds |= {default_kind(status) for status in (401, 404, 405)}
+    kinds = sent_problem_kinds()
     listed = _paragraph((ROOT / "README.md").read_text(encoding="utf-8"), "Errors are RFC 9457 problem documents")
     missing = sorted(kind for kind in kinds if f"`{kind}`" not in listed)
     assert not missing, f"README.md's 'Errors are RFC 9457 …' paragraph does not name: {missing}"

@@ -1,0 +1,86 @@
+"""The pages problem types lead to (service/problem_pages.py): following the ``type`` of any error answer, under a
+proxy's path prefix too, reaches a page on the same server that names the problem and says what to do
+(RFC 9457 §3.1.1)."""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+
+import pytest
+from fastapi.testclient import TestClient
+
+from captioner.models.checkpoint import save_checkpoint
+from captioner.service.app import create_app
+from captioner.service.errors import PROBLEM_TYPES
+from captioner.service.problem_pages import PROBLEM_PAGES
+from captioner.service.settings import Settings
+
+from .serving_helpers import TINY_SPEC, VOCAB, sent_problem_kinds, tiny_model
+
+KEY = "problem-pages-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    root = tmp_path_factory.mktemp("problem-pages-weights")
+    save_checkpoint(root / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    return root
+
+
+def serve(weights, root_path: str = "") -> TestClient:
+    return TestClient(create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False,
+                                          default_beam_size=1, default_max_len=4, api_keys=[KEY],
+                                          root_path=root_path)), root_path=root_path)
+
+
+def test_every_problem_type_the_service_sends_has_a_page_and_no_page_is_for_one_it_never_sends():
+    assert set(PROBLEM_PAGES) == sent_problem_kinds()
+    for status, kind in PROBLEM_TYPES.values():
+        assert PROBLEM_PAGES[kind].status == status, kind
+
+
+@pytest.mark.parametrize("root_path", ["", "/vision"])
+def test_the_type_of_each_answer_leads_to_its_page(weights, root_path):
+    """Errors raised by a route, by FastAPI's validation, by Starlette's router and by a middleware (the API key):
+    each answer's ``type`` is fetched as a browser following it would, and its page names the kind and status."""
+    key = {"Authorization": f"Bearer {KEY}"}
+    with serve(weights, root_path) as client:
+        answers = [client.post(f"{root_path}/caption", content=b"x"),  # unauthorized
+                   client.post(f"{root_path}/caption", content=b"", headers={**key, "content-type": "image/png"}),
+                   client.post(f"{root_path}/caption", content=b"x", headers={**key, "content-type": "text/plain"}),
+                   client.post(f"{root_path}/caption?beam_size=0", content=b"x",
+                               headers={**key, "content-type": "image/png"}),
+                   client.post(f"{root_path}/caption?model=nobody", content=b"x",
+                               headers={**key, "content-type": "image/png"}),
+                   client.get(f"{root_path}/captions/nothing-here", headers=key),
+                   client.get(f"{root_path}/nowhere"), client.delete(f"{root_path}/models")]
+        kinds = []
+        for answer in answers:
+            problem = answer.json()
+            assert problem["type"].startswith(f"{root_path}/problems/"), problem
+            kind = problem["type"].rsplit("/", 1)[1]
+            page = client.get(problem["type"])
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), problem
+            heading = re.search(r"<h1>(.*)</h1>", page.text).group(1)
+            assert heading == f"<code>{kind}</code>: {answer.status_code} {HTTPStatus(answer.status_code).phrase}"
+            assert "What to do" in page.text
+            kinds.append(kind)
+    assert kinds == ["unauthorized", "invalid-image", "unsupported-media-type", "invalid-request", "unknown-model",
+                     "unknown-result", "not-found", "method-not-allowed"]
+
+
+def test_the_index_links_every_page_and_an_unknown_kind_is_a_problem_of_its_own(weights):
+    with serve(weights, "/vision") as client:
+        index = client.get("/vision/problems")
+        links = re.findall(r'href="([^"]+)"', index.text)
+        assert links == [f"/vision/problems/{kind}" for kind in PROBLEM_PAGES]
+        for link in links:
+            page = client.get(link)
+            assert page.status_code == 200 and 'href="/vision/problems"' in page.text, link
+            # plain HTML: the API's Content-Security-Policy (no script, no style) applies to it
+            assert "<script" not in page.text and "style" not in page.text
+            assert page.headers["content-security-policy"].startswith("default-src 'none'")
+        missing = client.get("/vision/problems/no-such-kind")
+        assert missing.status_code == 404 and missing.json()["type"] == "/vision/problems/not-found"
+        assert "no-such-kind" in missing.json()["detail"]
