@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
@@ -99,13 +100,16 @@ def server(server_log):
     """``captioner serve`` in a real process on a free localhost port, with the shipped scene weights (``weights/``,
     the scene `sat` as the default model: the service's own default, `sat-supervised`, is a real-photo one).
 
-    Its output goes to a file (``server_log``), never to an undrained pipe that would block a chatty server."""
+    Its output goes to a file (``server_log``), never to an undrained pipe that would block a chatty server.  Its
+    encoder takes at most 4 images at once (``CAPTIONER_MAX_BATCH_IMAGES``, 16 by default): the warm-up times every
+    batch size up to it twice for each of the nine models, and sizes 8 and 16 took three quarters of that time."""
     assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), "the default checkpoint ships with the repo"
     port = free_port()
     log = open(server_log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "captioner.service.cli", "serve", "--port", str(port),
                              "--weights-dir", str(WEIGHTS), "--model", DEFAULT_CHECKPOINT.name],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "CAPTIONER_MAX_BATCH_IMAGES": "4"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600  # every shipped checkpoint loads, is exported to ONNX (a fresh clone) and warms up
     while time.time() < deadline:

@@ -237,10 +237,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def assert_every_architecture_round_trips(folder: Path, image: bytes, device: str = "auto") -> None:
+def assert_every_architecture_round_trips(folder: Path, image: bytes, device: str = "auto",
+                                          backend: str = "auto") -> None:
     """A tiny checkpoint of every registered architecture saved under ``folder``, served by one app on
-    ``device``: each is listed on that device, and ``POST /caption`` of ``image`` (JPEG bytes) gives its
-    caption with one attention distribution per token."""
+    ``device`` and ``backend`` (its ONNX exports, if any, below ``folder`` too): each is listed on that device, and
+    ``POST /caption`` of ``image`` (JPEG bytes) gives its caption with one attention distribution per token."""
     from fastapi.testclient import TestClient
 
     from captioner.models.checkpoint import save_checkpoint
@@ -248,8 +249,10 @@ def assert_every_architecture_round_trips(folder: Path, image: bytes, device: st
     from captioner.service.settings import Settings
 
     for arch in available():
-        save_checkpoint(folder / arch, tiny_model(arch), VOCAB, TINY_SPEC)
-    with TestClient(create_app(Settings(weights_dir=folder, default_model="sat", device=device))) as client:
+        save_checkpoint(folder / "weights" / arch, tiny_model(arch), VOCAB, TINY_SPEC)
+    settings = Settings(weights_dir=folder / "weights", onnx_dir=folder / "onnx", default_model="sat", device=device,
+                        backend=backend)
+    with TestClient(create_app(settings)) as client:
         listed = client.get("/models").json()
         assert sorted(m["architecture"] for m in listed) == sorted(available())
         # the overlay modes each can be drawn in: area_topk where the model attends over areas, as the overlay says

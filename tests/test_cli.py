@@ -22,6 +22,9 @@ def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def test_caption_with_overlay_figure_and_single_token(tmp_path):
+    """The console script once; the same command's other forms in-process (``main``), sparing two starts."""
+    from captioner.service.cli import main
+
     photo = tmp_path / "cat.jpg"
     Image.fromarray(data.chelsea()).save(photo)
     done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT),
@@ -30,14 +33,14 @@ def test_caption_with_overlay_figure_and_single_token(tmp_path):
     result = json.loads(done.stdout.splitlines()[0])
     assert result["caption"] and len(result["attention"]) == len(result["tokens"])
     # --json prints the record an archive's --output --attention writes: one format to parse
-    captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--output", str(tmp_path / "o.jsonl"),
-              "--attention")
+    main(["caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--output", str(tmp_path / "o.jsonl"),
+          "--attention", "--threads", "1"])
     (archived,) = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert list(result) == list(archived) and result["path"] == archived["path"] == str(photo)
     assert result["tokens"] == archived["tokens"] and result["model"] == archived["model"]
     assert Image.open(tmp_path / "fig.png").width > 500
-    captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(tmp_path / "w.png"),
-              "--token", "0", "--mode", "grid_blocks")
+    main(["caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(tmp_path / "w.png"),
+          "--token", "0", "--mode", "grid_blocks", "--threads", "1"])
     assert Image.open(tmp_path / "w.png").size == (451, 300)
 
 
