@@ -106,6 +106,16 @@ def random_images(n: int, seed: int = 0) -> list[Image.Image]:
 
 
 # -- batcher driving ----------------------------------------------------------------------------------------------
+def serving_settings(**settings):
+    """Settings of a test's in-process server: PyTorch and no warm-up, unless ``settings`` say otherwise.  The
+    routes and every layer below them down to the runtime are the same on every backend (ONNX Runtime is compared
+    with PyTorch, over HTTP too, in test_serving_onnx.py), and the default backend, ``auto``, first exports each
+    model in a child process: two thirds of the time of the modules that test the HTTP contract."""
+    from captioner.service.settings import Settings
+
+    return Settings(**{"backend": "torch", "warmup": False, **settings})
+
+
 def sent_problem_kinds() -> set[str]:
     """Every problem type the service can send: the table of service/errors.py, the kinds the handlers and
     middlewares name themselves, and those named by their status (the API-key refusal's 401, Starlette's 404 and

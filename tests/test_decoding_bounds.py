@@ -18,9 +18,8 @@ from PIL import Image
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
-from captioner.service.settings import Settings
 
-from .serving_helpers import tiny_checkpoint
+from .serving_helpers import serving_settings, tiny_checkpoint
 
 MAX_BEAM, MAX_LEN = 4, 9
 OPTIONS = ("beam_size", "max_len")
@@ -33,8 +32,8 @@ def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("bounds-weights")
     tiny = tiny_checkpoint("sat")
     save_checkpoint(root / "tiny", tiny.model, tiny.vocab, tiny.encoder)
-    settings_ = Settings(weights_dir=root, default_model="tiny", warmup=False, release_memory=False,
-                         max_beam_size=MAX_BEAM, max_max_len=MAX_LEN, default_beam_size=2, default_max_len=5)
+    settings_ = serving_settings(weights_dir=root, default_model="tiny", release_memory=False,
+                                 max_beam_size=MAX_BEAM, max_max_len=MAX_LEN, default_beam_size=2, default_max_len=5)
     with TestClient(create_app(settings_)) as running:
         yield running
 

@@ -26,7 +26,8 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service.app import create_app
-from captioner.service.settings import Settings
+
+from .serving_helpers import serving_settings
 
 EXAMPLES_PER_OPERATION = 40
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -38,9 +39,9 @@ def _app():
     vocab = Vocabulary(["a", "red", "circle"])
     save_checkpoint(root / "tiny", create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=8, hidden_dim=8,
                                           attn_dim=4), vocab, EncoderSpec(image_size=64))
-    return create_app(Settings(weights_dir=root, default_model="tiny", warmup=False, max_upload_bytes=200_000,
-                               max_pixels=1_000_000, max_beam_size=3, max_max_len=8, default_max_len=4,
-                               default_beam_size=1, max_rows=8))
+    return create_app(serving_settings(weights_dir=root, default_model="tiny", max_upload_bytes=200_000,
+                                       max_pixels=1_000_000, max_beam_size=3, max_max_len=8, default_max_len=4,
+                                       default_beam_size=1, max_rows=8))
 
 
 # the document needs no loaded model, so the schema is read at collection time; the tests run against the same

@@ -10,15 +10,14 @@ from PIL import Image
 from skimage import data
 
 from captioner.service.app import create_app
-from captioner.service.settings import Settings
 
-from .serving_helpers import count_encodes
+from .serving_helpers import count_encodes, serving_settings
 from .test_service import _png, tiny_weights  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
 def client(tiny_weights):  # noqa: F811
-    with TestClient(create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a"))) as c:
+    with TestClient(create_app(serving_settings(weights_dir=tiny_weights, default_model="tiny-a"))) as c:
         yield c
 
 
@@ -163,7 +162,7 @@ def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
     save_checkpoint(tmp_path / "area", tiny_model("area-transformer"), VOCAB, TINY_SPEC)
-    with TestClient(create_app(Settings(weights_dir=tmp_path, default_model="area"))) as client:
+    with TestClient(create_app(serving_settings(weights_dir=tmp_path, default_model="area"))) as client:
         photo = _png(Image.fromarray(data.coffee()), "JPEG")
         body = client.post("/caption", params={"max_len": 3},
                            files={"file": ("coffee.jpg", photo, "image/jpeg")}).json()

@@ -14,9 +14,8 @@ from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 from captioner.service.errors import PROBLEM_TYPES
 from captioner.service.problem_pages import PROBLEM_PAGES
-from captioner.service.settings import Settings
 
-from .serving_helpers import TINY_SPEC, VOCAB, sent_problem_kinds, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, sent_problem_kinds, serving_settings, tiny_model
 
 KEY = "problem-pages-key-0123456789"
 
@@ -29,9 +28,9 @@ def weights(tmp_path_factory):
 
 
 def serve(weights, root_path: str = "") -> TestClient:
-    return TestClient(create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False,
-                                          default_beam_size=1, default_max_len=4, api_keys=[KEY],
-                                          root_path=root_path)), root_path=root_path)
+    return TestClient(create_app(serving_settings(weights_dir=weights, default_model="tiny",
+                                                  default_beam_size=1, default_max_len=4, api_keys=[KEY],
+                                                  root_path=root_path)), root_path=root_path)
 
 
 def test_every_problem_type_the_service_sends_has_a_page_and_no_page_is_for_one_it_never_sends():

@@ -15,9 +15,8 @@ from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
-from captioner.service.settings import Settings
 
-from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, serving_settings, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,8 @@ def client(tmp_path_factory):
     root = tmp_path_factory.mktemp("contract-weights")
     for seed, name in enumerate(("tiny-a", "tiny-b")):  # different weights: different captions
         save_checkpoint(root / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC)
-    settings = Settings(weights_dir=root, default_model="tiny-a", warmup=False, max_beam_size=4, max_max_len=12,
-                        default_max_len=6)
+    settings = serving_settings(weights_dir=root, default_model="tiny-a", max_beam_size=4, max_max_len=12,
+                                default_max_len=6)
     with TestClient(create_app(settings)) as c:
         yield c
 
@@ -380,8 +379,8 @@ def test_the_upload_limit_admits_exactly_its_bytes_in_every_body_format(tmp_path
     """An image of exactly max_upload_bytes is captioned and one byte more is a 413, whichever way it comes: raw
     with its length, raw chunked (no length: counted while it arrives), a multipart file part and base64 JSON."""
     save_checkpoint(tmp_path / "tiny-a", tiny_model("sat"), VOCAB, TINY_SPEC)
-    settings = Settings(weights_dir=tmp_path, default_model="tiny-a", warmup=False, default_max_len=4,
-                        max_upload_bytes=len(photo))
+    settings = serving_settings(weights_dir=tmp_path, default_model="tiny-a", default_max_len=4,
+                                max_upload_bytes=len(photo))
     over = photo + b"\0"  # a JPEG with a stray byte after its end still decodes: only its size differs
 
     def answers(image: bytes) -> list[int]:

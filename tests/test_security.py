@@ -27,7 +27,7 @@ from captioner.service.results import ResultStore
 from captioner.service.security import key_matches
 from captioner.service.settings import Settings
 
-from .serving_helpers import ROOT
+from .serving_helpers import ROOT, serving_settings
 
 KEYS = ["first-key-0123456789", "second-key-abcdefghij"]
 
@@ -43,8 +43,8 @@ def weights(tmp_path_factory):
 
 
 def make_client(weights, **settings) -> TestClient:
-    return TestClient(create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False,
-                                          default_beam_size=1, default_max_len=4, **settings)))
+    return TestClient(create_app(serving_settings(weights_dir=weights, default_model="tiny",
+                                                  default_beam_size=1, default_max_len=4, **settings)))
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +122,8 @@ def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path
     whole path with its protected prefix (``/caption``) and let such requests through without a key; draining
     refused liveness; the access log wrote the prefix before some paths and not others."""
     with access_log(lambda record: record.fields) as entries:
-        app = create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False, default_beam_size=1,
-                                  default_max_len=4, api_keys=KEYS, root_path="/vision"))
+        app = create_app(serving_settings(weights_dir=weights, default_model="tiny", default_beam_size=1,
+                                          default_max_len=4, api_keys=KEYS, root_path="/vision"))
         with TestClient(app, root_path="/vision") as client:
             assert client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")}).status_code == 401
             ok = client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
@@ -313,7 +313,7 @@ def test_an_upload_larger_than_the_results_cache_is_still_rendered_and_readable(
 
 def test_no_answer_leaks_a_stack_trace_or_a_server_path(weights, jpeg):
     """An unexpected failure inside a route is a bare 500 problem: no traceback, no file name, no folder."""
-    app = create_app(Settings(weights_dir=weights, default_model="tiny", warmup=False))
+    app = create_app(serving_settings(weights_dir=weights, default_model="tiny"))
 
     @app.get("/boom", include_in_schema=False)
     async def boom():

@@ -10,9 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from captioner.service.app import create_app
-from captioner.service.settings import Settings
 
-from .serving_helpers import count_encodes, random_images
+from .serving_helpers import count_encodes, random_images, serving_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,8 +35,8 @@ def cached_app(tmp_path_factory):
     weights = tmp_path_factory.mktemp("weights")
     (weights / "sat").symlink_to(ROOT / "weights" / "sat")
     (weights / "sat-twin").symlink_to(ROOT / "weights" / "sat")  # the same weights served under a second name
-    settings = Settings(weights_dir=weights, default_model="sat", warmup=False, release_memory=False,
-                        result_cache_entries=2)
+    settings = serving_settings(weights_dir=weights, default_model="sat", release_memory=False,
+                                result_cache_entries=2)
     with TestClient(create_app(settings)) as client:
         runtime = client.app.state.service.runtimes["sat"]
         calls = count_encodes(runtime)
