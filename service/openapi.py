@@ -65,12 +65,12 @@ PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["type", "title", "status", "detail"],
     "properties": {
-        "type": {"type": "string",
+        "type": {"type": "string", "format": "uri-reference",
                  "description": "problem type: the path of its page on this server, e.g. /problems/invalid-image"},
         "title": {"type": "string"},
         "status": {"type": "integer", "minimum": 400, "maximum": 599},
         "detail": {"type": "string", "description": "what went wrong, for a person"},
-        "instance": {"type": "string", "description": "the request path"},
+        "instance": {"type": "string", "format": "uri-reference", "description": "the request path"},
         "errors": {"type": "array", "description": "invalid request: one per field", "items": {
             "type": "object", "required": ["loc", "msg"],
             "properties": {"loc": {"type": "array", "items": {"anyOf": [{"type": "string"}, {"type": "integer"}]},

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable, Sequence
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,9 @@ from .errors import PROBLEM_TYPES, problem_type
 from .paths import app_root
 
 PROBLEM_JSON = "application/problem+json"
+#: what a URI's path may hold unencoded besides letters and digits (RFC 3986's pchar and "/"), "%" excepted: a
+#: decoded "%" is encoded again
+PATH_CHARACTERS = "/-._~!$&'()*+,;=:@"
 
 
 def default_kind(status: int) -> str:
@@ -35,10 +39,12 @@ def problem_body(scope: dict[str, Any], status: int, detail: str, title: str | N
                  **extra: Any) -> dict[str, Any]:
     """The RFC 9457 document of an answer to the request ``scope``: ``type``, ``title``, ``status``, ``detail``,
     ``instance`` (the request's path).  The ``type`` is the path of the problem type's page on this server
-    (``problem_pages.py``), behind a proxy's prefix too: ``/captioner/problems/not-ready`` under ``/captioner``."""
+    (``problem_pages.py``), behind a proxy's prefix too: ``/captioner/problems/not-ready`` under ``/captioner``.
+    Both are URI references, so the path is percent-encoded again (``scope["path"]`` is decoded: ``/captions/ûø£``
+    was no URI reference)."""
     return {"type": f"{app_root(scope)}/problems/{kind or default_kind(status)}",
             "title": title or HTTPStatus(status).phrase, "status": status, "detail": detail,
-            "instance": scope["path"], **extra}
+            "instance": quote(scope["path"], safe=PATH_CHARACTERS), **extra}
 
 
 @dataclass

@@ -83,3 +83,12 @@ def test_the_index_links_every_page_and_an_unknown_kind_is_a_problem_of_its_own(
         missing = client.get("/vision/problems/no-such-kind")
         assert missing.status_code == 404 and missing.json()["type"] == "/vision/problems/not-found"
         assert "no-such-kind" in missing.json()["detail"]
+
+
+def test_a_problems_instance_is_a_uri_reference_whatever_the_path_held(weights):
+    """The instance was the decoded path: ``/captions/ûø£`` is no URI reference (found by the schema fuzzer, once
+    the OpenAPI document said ``format: uri-reference``); it is percent-encoded again, ``%`` included."""
+    with serve(weights) as client:
+        for sent in ("/captions/%C3%BB%C3%B8%C2%A3", "/captions/100%25", "/captions/a%20b"):
+            problem = client.get(sent, headers={"Authorization": f"Bearer {KEY}"}).json()
+            assert problem["instance"] == sent and problem["type"] == "/problems/unknown-result"
