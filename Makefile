@@ -237,7 +237,8 @@ eval-default: data
 # BENCH_ARGS_NAME are the arguments its committed table was made with (the table's first line names them), so that
 # `make bench` remakes the tables as they are. bench_memory's "Before" tables came from runs before a change
 # (--compare); a plain run writes the current one alone.
-BENCH_SCRIPTS := $(sort $(wildcard benchmarks/bench_*.py))
+# (bench_training needs Flickr8k: `make bench-training`, below)
+BENCH_SCRIPTS := $(filter-out benchmarks/bench_training.py,$(sort $(wildcard benchmarks/bench_*.py)))
 BENCH_ARGS_bench_encoder ?= --threads 1 --repeats 15 --also-backbone efficientnet_lite2
 BENCH_ARGS_bench_archive ?= --rounds 3
 bench: $(STAMP) data
@@ -251,6 +252,11 @@ F8K_BENCH_MODELS ?= $(wildcard $(addprefix weights/flickr8k/,sat-supervised sat 
   sparsecap-sparsemax sparsecap-tvmax area-transformer ensemble))
 bench-f8k: $(STAMP)
 	$(BIN)/python benchmarks/bench_decoder.py --models $(F8K_BENCH_MODELS) --out docs/benchmarks/decoder-flickr8k.md
+
+# where a training step's time goes (docs/benchmarks/training.md): XE and SCST steps of SAT, AoANet and
+# X-Transformer at the shipped Flickr8k checkpoints' sizes, on Flickr8k's photos and captions (FLICKR8K_DIR, below)
+bench-training: $(STAMP)
+	$(BIN)/python benchmarks/bench_training.py --dataset $(F8K_DATASET) --image-root $(F8K_IMAGES)
 
 # the int8 accuracy table alone (docs/benchmarks/int8.md and .json); BENCH_INT8_ARGS e.g. --models sat aoanet
 BENCH_INT8_ARGS ?=

@@ -213,3 +213,26 @@ def test_dropout_keep_mask_keeps_each_element_with_the_asked_probability():
     assert abs(keep.to(torch.float64).mean().item() - 0.9) < 1.5e-3
     assert abs(keep[:, ::2].to(torch.float64).mean() - keep[:, 1::2].to(torch.float64).mean()) < 3e-3  # both halves
     assert dropout_keep_mask((7,), 0.0).all() and not dropout_keep_mask((7,), 1.0).any()
+
+
+def test_the_slab_backward_runs_each_bmm_over_all_pairs_at_once():
+    """The backward's matmuls run over every (row, head) pair at once. ATen runs a ``bmm`` whose ``out=`` is not
+    contiguous (the mixer's gradient has the mixer's transposed layout), or whose items are neither contiguous nor
+    transposed (an einsum over that gradient's ``[G, d, L, c]`` view), as one matmul per batch item, with a
+    ``select`` of each operand per item: some 150,000 of them in one X-Transformer SCST step (docs/decisions.md,
+    "Training steps, profiled"). The values are the broadcast form's (the test above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    # matrices past ATen's small-product kernel (it loops over the pairs anyway): 17 × 24 outputs per pair
+    attention = XLinearAttention(QUERY, KEY, VALUE, 64, 32, heads=4, dropout=0.1).train()
+    rows, items = 12, 9
+    query = torch.randn(rows, 3, QUERY, requires_grad=True)
+    keys, values = torch.randn(rows, items, KEY), torch.randn(rows, items, VALUE)
+    out = attention(query, keys, values, torch.ones(items, items, dtype=torch.bool).tril()[None, :3])
+    loss = out.attended.square().sum() + out.spatial.sin().sum() + out.channel.sum()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss.backward()
+    selects = sum(event.count for event in prof.key_averages() if event.key == "aten::select")
+    assert selects < rows * 4, f"{selects} selects in the backward of {rows * 4} (row, head) pairs"
+    assert attention.bilinear_embed.weight.grad is not None and query.grad is not None
