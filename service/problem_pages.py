@@ -126,7 +126,7 @@ def install_problem_pages(app: FastAPI) -> None:
 
     @app.get("/problems", include_in_schema=False)
     async def problem_index(request: Request) -> HTMLResponse:
-        root = app_root(request.scope)
+        root = html.escape(app_root(request.scope))  # the operator's setting, written into an attribute
         rows = "\n".join(f'<li><a href="{root}/problems/{kind}"><code>{kind}</code></a>: {page.status} '
                          f'{problem_title(kind)}</li>' for kind, page in PROBLEM_PAGES.items())
         return _page("Problem types", f"<h1>Problem types</h1>\n<p>Every error this service answers is an RFC 9457 "
@@ -138,7 +138,7 @@ def install_problem_pages(app: FastAPI) -> None:
         page = PROBLEM_PAGES.get(kind)
         if page is None:
             raise StarletteHTTPException(404, f"no problem type is called {kind!r}: /problems lists them")
-        root = app_root(request.scope)
+        root = html.escape(app_root(request.scope))  # the operator's setting, written into an attribute
         return _page(f"{kind}: {page.status} {problem_title(kind)}",
                      f"<h1><code>{kind}</code>: {page.status} {problem_title(kind)}</h1>\n"
                      f"<h2>What happened</h2>\n<p>{page.meaning}</p>\n<h2>What to do</h2>\n<p>{page.remedy}</p>\n"
