@@ -23,6 +23,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request
 from fastapi.dependencies.models import Dependant
+from fastapi.dependencies.utils import is_scalar_field
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BeforeValidator, ValidationError
@@ -78,15 +79,19 @@ def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_le
 QueryOptions = Annotated[CaptionOptions, Depends(_query_options)]
 
 
-def _query_names(dependant: Dependant) -> set[str]:
-    """The query parameters a route (or a dependency) reads, its dependencies' included."""
-    return {param.alias for param in dependant.query_params}.union(*map(_query_names, dependant.dependencies))
+def _query_names(dependant: Dependant, scalar: bool = False) -> set[str]:
+    """The query parameters a route (or a dependency) reads, its dependencies' included (``scalar``: only those
+    that take one value)."""
+    return {param.alias for param in dependant.query_params if not scalar or is_scalar_field(param)}.union(
+        *(_query_names(dependency, scalar) for dependency in dependant.dependencies))
 
 
 async def known_query_only(request: Request) -> None:
     """Refuse the query parameters the route does not take, by name, as FastAPI refuses a bad value: a misspelt
     ``beam_sise=5`` would otherwise be ignored, and the caption made with the default beam while the client
-    believes it chose one (a stray multipart part is refused the same way)."""
+    believes it chose one (a stray multipart part is refused the same way).  A parameter of one value given more
+    than once is refused too, as a repeated form field is: FastAPI read the last and dropped the others
+    (``beam_size=1&beam_size=5`` captioned with 5)."""
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
@@ -96,6 +101,12 @@ async def known_query_only(request: Request) -> None:
         takes = f"it takes {', '.join(sorted(accepted))}" if accepted else "it takes none"
         raise RequestValidationError([{"type": "extra_forbidden", "loc": ("query", name),
                                        "msg": f"unknown query parameter ({takes})"} for name in unknown])
+    counts = Counter(name for name, _ in request.query_params.multi_items())
+    repeated = sorted(name for name in _query_names(route.dependant, scalar=True) if counts[name] > 1)
+    if repeated:
+        raise RequestValidationError([{"type": "repeated", "loc": ("query", name),
+                                       "msg": f"given {counts[name]} times (it takes one value)"}
+                                      for name in repeated])
 
 
 def missing_file() -> InvalidRequest:

@@ -137,6 +137,20 @@ def test_unknown_query_parameters_are_refused_by_name(client, photo):
     assert client.get("/readyz").status_code == 200 and client.get("/", params={"utm_source": "x"}).status_code == 200
 
 
+def test_a_query_parameter_given_twice_is_refused_as_a_repeated_form_field_is(client, photo):
+    """``beam_size=1&beam_size=3`` was captioned with the last value and the first dropped without a word, where
+    the same option repeated in the form is a 422: a client cannot tell which of its values was used."""
+    for params, path in (([("beam_size", "1"), ("beam_size", "3")], "/caption"),
+                         ([("token", "0"), ("token", "1")], "/caption/overlay"),
+                         ([("max_len", "2"), ("max_len", "2")], "/caption/heatmaps")):
+        body = problem(post(client, photo, params=params, path=path))
+        assert body["errors"] == [{"loc": ["query", params[0][0]], "msg": "given 2 times (it takes one value)"}]
+    result_id = post(client, photo).json()["id"]
+    twice = client.get(f"/captions/{result_id}", params=[("attention_format", "json")] * 2)
+    assert problem(twice)["errors"][0]["loc"] == ["query", "attention_format"]
+    assert client.get(f"/captions/{result_id}", params={"attention_format": "json"}).status_code == 200
+
+
 def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
     twice = post(client, photo, extra_files=[("file", ("other.jpg", photo, "image/jpeg"))])
     assert "'file' given more than once" in problem(twice)["detail"]
