@@ -31,7 +31,7 @@ from .captioning import observe_invalid
 from .inputs import UnreadBodyMiddleware, arrival, known_query_only
 from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
-from .middleware import RequestContextMiddleware, configure_logging
+from .middleware import HeadAsGetMiddleware, RequestContextMiddleware, configure_logging
 from .overlay import router as overlay_router
 from .paths import app_path
 from .problem_pages import install_problem_pages
@@ -167,6 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_security(app, settings.api_keys, settings.cors_origins)
     # a body the answer did not need is read before the answer starts (behind nginx, a reset was its 502)
     app.add_middleware(UnreadBodyMiddleware)
+    app.add_middleware(HeadAsGetMiddleware)  # inside the access log, which writes the method the client sent
     app.add_middleware(RequestContextMiddleware)
     for routes in (router, overlay_router):
         app.include_router(routes, dependencies=[Depends(known_query_only)])

@@ -25,6 +25,30 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 ARRIVED = "arrived"
 
 
+class HeadAsGetMiddleware:
+    """``HEAD`` of every ``GET`` route: the ``GET`` answer's status and headers, without its body (RFC 9110 §9.3.2;
+    §9.1: a general-purpose server MUST support HEAD).  FastAPI's routes answered it 405, so an uptime monitor that
+    checks a URL with ``HEAD`` (UptimeRobot's default) found ``/healthz`` down.  The route runs as for ``GET``; the
+    access log still says ``HEAD``, since the app sees a copy of the request's scope."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_without_body(message: dict) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, send_without_body)
+
+
 class RequestContextMiddleware:
     """Gives every request an id (the client's ``X-Request-ID`` when it is sane), echoes it in the response,
     writes one access-log line per request, and cancels the app's handler when the client disconnects before the

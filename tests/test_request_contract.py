@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 
 import numpy as np
 import pytest
@@ -149,6 +150,28 @@ def test_a_query_parameter_given_twice_is_refused_as_a_repeated_form_field_is(cl
     twice = client.get(f"/captions/{result_id}", params=[("attention_format", "json")] * 2)
     assert problem(twice)["errors"][0]["loc"] == ["query", "attention_format"]
     assert client.get(f"/captions/{result_id}", params={"attention_format": "json"}).status_code == 200
+
+
+def test_head_of_every_get_route_answers_as_its_get_without_the_body(client, photo, caplog):
+    """RFC 9110 §9.1: a general-purpose server MUST support HEAD. FastAPI's routes answered it 405 (an uptime
+    monitor checking ``/healthz`` with HEAD saw the service down); Starlette's own routes and files took it."""
+    result = post(client, photo).json()["id"]
+    paths = ["/healthz", "/readyz", "/models", "/metrics", "/openapi.json", "/docs", "/problems",
+             "/problems/not-ready", "/", "/static/app.js", f"/captions/{result}",
+             f"/captions/{result}/overlay?token=0", f"/captions/{result}/heatmaps"]
+    with caplog.at_level(logging.INFO, logger="captioner.access"):
+        for path in paths:
+            got, head = client.get(path), client.head(path)
+            assert head.status_code == got.status_code == 200, (path, head.status_code)
+            assert head.content == b"" and got.content, path
+            assert head.headers["content-type"] == got.headers["content-type"], path
+            assert int(head.headers["content-length"]) == len(got.content) or path == "/metrics", path
+    logged = [record.fields["method"] for record in caplog.records if record.name == "captioner.access"]
+    assert logged.count("HEAD") == len(paths) and logged.count("GET") == len(paths)
+    for path, status in (("/caption", 405), ("/nowhere", 404), (f"/captions/{result}x", 404)):
+        head = client.head(path)
+        assert head.status_code == status and head.content == b"", path
+    assert client.head("/caption").headers["allow"] == "POST"
 
 
 def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
