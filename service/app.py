@@ -33,7 +33,7 @@ from .lifecycle import DrainMiddleware, ShutdownGate
 from .memory import IdleTrimmer, configure_allocator, freeze_startup_objects, page_out_gpu_libraries, release_memory
 from .middleware import HeadAsGetMiddleware, RequestContextMiddleware, configure_logging
 from .overlay import router as overlay_router
-from .paths import app_path
+from .paths import AppRootMiddleware, app_path
 from .problem_pages import install_problem_pages
 from .problems import install_problem_handlers
 from .results import ResultStore
@@ -169,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UnreadBodyMiddleware)
     app.add_middleware(HeadAsGetMiddleware)  # inside the access log, which writes the method the client sent
     app.add_middleware(RequestContextMiddleware)
+    app.add_middleware(AppRootMiddleware)  # outermost: the app's own prefix, before any mount adds to root_path
     for routes in (router, overlay_router):
         app.include_router(routes, dependencies=[Depends(known_query_only)])
     # every error documented as a problem document, and this server's limits of the options (openapi.py)

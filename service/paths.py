@@ -9,17 +9,48 @@ one: comparing ``scope["path"]`` let ``/vision/caption`` past the API key check 
 
 from typing import Any
 
+#: where :class:`AppRootMiddleware` records the app's own prefix in a request's scope (an ASGI extension key)
+ROOT_KEY = "captioner.root_path"
+
+
+class AppRootMiddleware:
+    """Record the prefix the app is served under as a request enters it, before any mount adds to ``root_path``.
+    Starlette's ``app_root_path`` names the outermost app's: with this app mounted in another
+    (``Mount("/vision", app=create_app())``) it was ``""``, so ``/vision/caption`` passed the API key check as an
+    unprotected path.  The outermost middleware of the app (``app.py``)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, ROOT_KEY: scope.get("root_path", "")}
+        await self.app(scope, receive, send)
+
+
+def _spelt_root(scope: dict[str, Any]) -> str:
+    """The app's prefix as it was given: recorded where the request entered the app, else (a scope that did not pass
+    :class:`AppRootMiddleware`) Starlette's ``app_root_path``, else ``root_path``.  Once routed into a mount
+    (``/static``), ``root_path`` ends with the mount's path too (the access log wrote ``/static/app.js`` as
+    ``/app.js``)."""
+    return scope.get(ROOT_KEY, scope.get("app_root_path", scope.get("root_path", "")))
+
 
 def app_root(scope: dict[str, Any]) -> str:
-    """The prefix the app is served under (``""`` without one).  Once routed into a mount (``/static``),
-    ``root_path`` ends with the mount's path too; the app's own is Starlette's ``app_root_path`` (the access log
-    wrote ``/static/app.js`` as ``/app.js``); without its trailing slash, as uvicorn's ``--root-path`` may be spelt."""
-    return scope.get("app_root_path", scope.get("root_path", "")).rstrip("/")
+    """The prefix the app is served under (``""`` without one), without the trailing slash that uvicorn's
+    ``--root-path`` may be spelt with."""
+    return _spelt_root(scope).rstrip("/")
 
 
 def app_path(scope: dict[str, Any]) -> str:
-    """``scope["path"]`` without the app's prefix (:func:`app_root`; ``/`` for the prefix itself)."""
-    path, root = scope["path"], app_root(scope)
+    """``scope["path"]`` without the app's prefix (:func:`app_root`; ``/`` for the prefix itself).  A prefix spelt
+    with its trailing slash is first taken off as spelt, as Starlette's router takes it off: uvicorn joins
+    ``--root-path /vision/`` and ``/caption`` into ``/vision//caption``, which the router runs as ``/caption`` (read
+    as ``//caption``, it was no protected path, and the API key check let it through)."""
+    path, spelt = scope["path"], _spelt_root(scope)
+    if spelt.endswith("/") and path.startswith(spelt + "/"):
+        return path[len(spelt):]
+    root = app_root(scope)
     if root and (path == root or path.startswith(root + "/")):
         return path[len(root):] or "/"
     return path

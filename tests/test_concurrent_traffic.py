@@ -114,7 +114,7 @@ def test_a_budget_lets_small_pieces_run_together_and_a_large_one_alone_in_arriva
         await asyncio.sleep(0.05)
         c = asyncio.create_task(slots.run(work, "c", cost=1))  # would fit now, but arrived after the big one
         await asyncio.sleep(0.2)
-        assert order == ["start a", "start b"]
+        assert sorted(order) == ["start a", "start b"]  # together: their threads start in either order
         gates["a"].set()
         gates["b"].set()
         await asyncio.gather(a, b)
@@ -203,18 +203,22 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
     assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
 
 
-def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights):
+@pytest.mark.parametrize("root_path", ["", "/vision"])
+def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights, root_path):
+    """Behind a proxy's prefix too: the caption routes are told by the path without it (paths.py)."""
     settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
-                        backend="torch")
-    with TestClient(create_app(settings)) as client:
-        assert client.post("/caption", content=b"x", headers={"content-type": "text/plain"}).status_code == 415
-        assert client.post("/caption", content=b"--x\r\nbroken", headers={
+                        backend="torch", root_path=root_path)
+    with TestClient(create_app(settings), root_path=root_path) as client:
+        assert client.post(f"{root_path}/caption", content=b"x", headers={"content-type": "text/plain"}
+                           ).status_code == 415
+        assert client.post(f"{root_path}/caption", content=b"--x\r\nbroken", headers={
             "content-type": "multipart/form-data; boundary=x"}).status_code == 422
         # refused by FastAPI's validation of the query, before the endpoint ran: they were not counted
-        assert client.post("/caption", params={"beam_size": 0}, content=b"x").status_code == 422
-        assert client.post("/caption/overlay", params={"alpha": 2}, content=b"x").status_code == 422
-        assert client.get("/captions/nope/overlay", params={"alpha": 2}).status_code == 422  # not a caption request
-        samples = parse_metrics(client.get("/metrics").text)
+        assert client.post(f"{root_path}/caption", params={"beam_size": 0}, content=b"x").status_code == 422
+        assert client.post(f"{root_path}/caption/overlay", params={"alpha": 2}, content=b"x").status_code == 422
+        # not a caption request
+        assert client.get(f"{root_path}/captions/nope/overlay", params={"alpha": 2}).status_code == 422
+        samples = parse_metrics(client.get(f"{root_path}/metrics").text)
     count = {key: value for key, value in samples.items() if key.startswith("captioner_request_latency_seconds_count")}
     assert count.get('captioner_request_latency_seconds_count{model="tiny",status="415"}') == 1, count
     assert count.get('captioner_request_latency_seconds_count{model="tiny",status="422"}') == 3, count

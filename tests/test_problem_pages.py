@@ -15,7 +15,7 @@ from captioner.service.app import create_app
 from captioner.service.errors import PROBLEM_TYPES
 from captioner.service.problem_pages import PROBLEM_PAGES
 
-from .serving_helpers import TINY_SPEC, VOCAB, sent_problem_kinds, serving_settings, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, sent_problem_kinds, serving_settings, tiny_model
 
 KEY = "problem-pages-key-0123456789"
 
@@ -89,6 +89,18 @@ def test_a_problems_instance_is_a_uri_reference_whatever_the_path_held(weights):
     """The instance was the decoded path: ``/captions/ûø£`` is no URI reference (found by the schema fuzzer, once
     the OpenAPI document said ``format: uri-reference``); it is percent-encoded again, ``%`` included."""
     with serve(weights) as client:
-        for sent in ("/captions/%C3%BB%C3%B8%C2%A3", "/captions/100%25", "/captions/a%20b"):
+        for sent in ("/captions/%C3%BB%C3%B8%C2%A3", "/captions/100%25", "/captions/a%20b",
+                     "/captions/a:b@c!$&'()*+,;=d"):  # RFC 3986's sub-delims, ":" and "@" stay as sent
             problem = client.get(sent, headers={"Authorization": f"Bearer {KEY}"}).json()
             assert problem["instance"] == sent and problem["type"] == "/problems/unknown-result"
+
+
+def test_refusals_are_counted_under_the_kind_their_type_names(weights):
+    """``captioner_rejects_total`` counts each refusal under its problem type's kind: the 404 and 405 of Starlette's
+    router carry none of their own, and are counted under the kind their status names, as their ``type`` is."""
+    with serve(weights) as client:
+        assert client.get("/nowhere").json()["type"] == "/problems/not-found"
+        assert client.delete("/models").json()["type"] == "/problems/method-not-allowed"
+        samples = parse_metrics(client.get("/metrics").text)
+    assert samples['captioner_rejects_total{reason="not-found"}'] == 1, samples
+    assert samples['captioner_rejects_total{reason="method-not-allowed"}'] == 1, samples

@@ -463,3 +463,18 @@ def test_an_empty_form_field_is_no_option_as_an_empty_query_parameter_is(client,
         assert empty.status_code == 200, empty.text
         same_caption(plain.json(), empty.json())
     same_caption(plain.json(), post(client, photo, params={"beam_size": ""}).json())
+
+
+def test_each_apps_document_states_its_own_limits(client, tmp_path):
+    """The request bodies' schemas are written into every app's document with that server's limits: written into
+    the components the documents start from, the limits of the app made last reached every other app's document in
+    the process (a library user's, the tests'), and each app added its sentence to the one before."""
+    before = client.get("/openapi.json").json()["components"]["schemas"]
+    other = create_app(serving_settings(weights_dir=tmp_path, default_beam_size=1, max_beam_size=2, default_max_len=4,
+                                        max_max_len=5)).openapi()
+    after = client.get("/openapi.json").json()["components"]["schemas"]
+    for schemas, largest in ((before, 4), (after, 4), (other["components"]["schemas"], 2)):
+        for body in ("CaptionForm", "CaptionJSON"):
+            beam = schemas[body]["properties"]["beam_size"]
+            integer = next(branch for branch in beam.get("anyOf", [beam]) if branch.get("type") == "integer")
+            assert integer["maximum"] == largest and beam["description"].count("on this server") == 1, (body, beam)

@@ -4,6 +4,7 @@ stored results, request ids, and no stack traces or server paths in any answer."
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -23,6 +24,7 @@ from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service.app import create_app
 from captioner.service.errors import UnknownResult
+from captioner.service.inputs import DISCARD_SECONDS, UnreadBodyMiddleware
 from captioner.service.results import ResultStore
 from captioner.service.security import key_matches
 from captioner.service.settings import Settings
@@ -136,8 +138,10 @@ def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path
             assert 'src="static/app.js"' in page.text and 'href="static/style.css"' in page.text
             assert client.get("/vision/static/app.js").status_code == 200
             docs = client.get("/vision/docs")
-            assert "'/vision/openapi.json'" in docs.text and '"/vision/docs/assets/swagger-ui.css"' in docs.text
-            assert client.get("/vision/docs/assets/swagger-ui.css").status_code == 200
+            assert "'/vision/openapi.json'" in docs.text
+            for name in ("swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png"):  # without the script: blank
+                assert f'"/vision/docs/assets/{name}"' in docs.text, name
+                assert client.get(f"/vision/docs/assets/{name}").status_code == 200, name
             assert client.get("/vision/openapi.json").json()["servers"] == [{"url": "/vision"}]
             app.state.shutdown_gate.begin_drain()
             assert client.get("/vision/healthz").status_code == 200
@@ -183,11 +187,107 @@ def test_an_answer_given_before_the_body_is_read_reaches_a_proxy_speaking_http_1
         assert answer.startswith("HTTP/1.1 401 ") and time.monotonic() - started < 1.5, answer
 
 
+def test_the_path_within_the_app_is_the_one_its_router_routes(weights):
+    """``app_path`` is what the API key check, draining and the access log compare with a route's path, so it must
+    name the route the router will run.  A root path spelt with its trailing slash (uvicorn's ``--root-path
+    /vision/``, which ``Settings`` would have read as ``/vision``) makes uvicorn's path ``/vision//caption``: the
+    router ran ``/caption``, while the key check read ``//caption``, no protected path, and captioned without a
+    key.  The prefix itself is the app's ``/``, and a path that only begins with the prefix's letters is not under
+    it."""
+    from captioner.service.paths import app_path
+
+    for path, root, within in (("/vision/caption", "/vision", "/caption"), ("/vision//caption", "/vision/", "/caption"),
+                               ("/vision/caption", "/vision/", "/caption"), ("/vision", "/vision", "/"),
+                               ("/vision/", "/vision/", "/"), ("/visionary/caption", "/vision", "/visionary/caption"),
+                               ("/caption", "", "/caption")):
+        assert app_path({"path": path, "root_path": root}) == within, (path, root)
+    # routed into a mount (/static), root_path ends with the mount's path: the app's own prefix is app_root_path
+    assert app_path({"path": "/vision/static/app.js", "root_path": "/vision/static",
+                     "app_root_path": "/vision"}) == "/static/app.js"
+    app = create_app(serving_settings(weights_dir=weights, default_model="tiny", default_beam_size=1,
+                                      default_max_len=4, api_keys=KEYS))
+    with TestClient(app, root_path="/vision/") as client:  # the root_path uvicorn --root-path /vision/ sets
+        refused = client.post("/vision//caption", content=b"x", headers={"content-type": "image/png"})
+        assert refused.status_code == 401, refused.text
+
+
+def test_an_app_mounted_in_another_checks_keys_under_its_mount_and_names_its_pages_there(weights, jpeg):
+    """Mounted in another app (``Mount("/vision", app=create_app(...))``), Starlette's ``app_root_path`` is the
+    outer app's, ``""``: the key check read ``/vision/caption`` as an unprotected path and ran the route without a
+    key, and problem types lost the prefix. The app records its own prefix as a request enters it."""
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    inner = create_app(serving_settings(weights_dir=weights, default_model="tiny", default_beam_size=1,
+                                        default_max_len=4, api_keys=KEYS))
+    with TestClient(Starlette(routes=[Mount("/vision", app=inner)],
+                              lifespan=lambda _: inner.router.lifespan_context(inner))) as client:
+        refused = client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")})
+        assert refused.status_code == 401 and refused.json()["type"] == "/vision/problems/unauthorized"
+        assert client.get(refused.json()["type"]).status_code == 200
+        ok = client.post("/vision/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
+                         headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert ok.status_code == 200, ok.text
+        assert "'/vision/openapi.json'" in client.get("/vision/docs").text
+        assert "default-src 'self'" in client.get("/vision/").headers["content-security-policy"]
+
+
+def _unread_body(headers: dict[bytes, bytes], chunks: list[bytes], *, status: int = 401, reads: int = 0,
+                 limit: int = 1 << 20, stalls: bool = False) -> list[bytes]:
+    """The chunks of a body that :class:`UnreadBodyMiddleware` (at most ``limit`` bytes) had read when an app that
+    read ``reads`` of them answered ``status``; a client that ``stalls`` sends no last chunk."""
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                for i, chunk in enumerate(chunks)]
+    read, read_when_answered = [], []
+
+    async def receive():
+        if not messages:
+            await asyncio.Event().wait()  # still connected, sending nothing more
+        read.append(messages.pop(0)["body"])
+        return {"type": "http.request", "body": read[-1], "more_body": stalls or bool(messages)}
+
+    async def app(scope, receive, send):
+        for _ in range(reads):
+            await receive()
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            read_when_answered.extend(read)
+
+    scope = {"type": "http", "method": "POST", "path": "/caption", "headers": list(headers.items())}
+    asyncio.run(asyncio.wait_for(UnreadBodyMiddleware(app, limit)(scope, receive, send), 5))
+    return read_when_answered
+
+
+def test_the_unread_rest_of_a_body_is_read_before_the_answer_unless_reading_it_cannot_help():
+    """What :class:`UnreadBodyMiddleware` reads before an answer starts (a connection closed with unread data in it
+    is reset, and a proxy speaking HTTP/1.0 sees the reset instead of the answer): a chunked body, which declares no
+    length, as much as one that does; the rest of a body whose client waited for ``100 Continue`` once the app
+    asked for it (the client is sending); but nothing of a body declared larger than the limit (reading a part of
+    it cannot avoid the reset) and no more than the limit of one that declares no length, nothing of one whose
+    client waits for ``100 Continue`` that never came, nor after a 408; and a client that stops sending gets its
+    answer after ``DISCARD_SECONDS`` (2 s), not whenever it sends again."""
+    chunks = [b"a" * 1000, b"b" * 1000, b"c"]
+    length = {b"content-length": b"2001"}
+    assert _unread_body(length, chunks) == chunks
+    assert _unread_body({b"transfer-encoding": b"chunked"}, chunks) == chunks
+    assert _unread_body({**length, b"expect": b"100-continue"}, chunks, reads=1) == chunks
+    assert _unread_body({**length, b"expect": b"100-continue"}, chunks) == []
+    assert _unread_body(length, chunks, limit=2000) == []
+    assert _unread_body({b"transfer-encoding": b"chunked"}, chunks * 2, limit=2000) == chunks  # read past the limit
+    assert _unread_body(length, chunks, status=408, reads=1) == chunks[:1]
+    started = time.monotonic()
+    assert _unread_body(length, chunks[:2], stalls=True) == chunks[:2]
+    assert DISCARD_SECONDS <= time.monotonic() - started < 3
+
+
 def test_a_root_path_is_read_as_the_prefix_it_names():
     for given, read in (("", ""), ("/", ""), ("captioner", "/captioner"), ("/captioner/", "/captioner"),
                         (" /a/b ", "/a/b")):
         assert Settings(root_path=given).root_path == read, given
-    for bad in ("/a b", "/a?b", "/a#b", "/a//b", "/ключ"):
+    for bad in ("/a b", "/a?b", "/a#b", "/a//b", "/a\\b", "/ключ"):
         with pytest.raises(ValueError, match="not a URL path prefix"):
             Settings(root_path=bad)
 
