@@ -126,7 +126,7 @@ def main() -> None:
                         help="also time this backbone on the same grid, PyTorch and ONNX Runtime (repeatable)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import checkpoint, command_line, served_default
+    from common import checkpoint, command_line, cpu_name, int8_kernels_text, served_default
 
     generated_by = command_line("bench_encoder.py", parser, args)
 
@@ -168,8 +168,8 @@ def main() -> None:
     lines = [
         "# Encoder: per-image time by batch size",
         "",
-        f"`{generated_by}`, {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPU cores "
-        "shared with other work (numbers drift with the "
+        f"`{generated_by}`, {started:%Y-%m-%d %H:%M} UTC, {cpu_name()}, {os.cpu_count()} CPU cores "
+        f"shared with other work, {int8_kernels_text()} (numbers drift with the "
         f"load; compare within a row and within this run only). Encoder of `{args.checkpoint.name}`: "
         f"`{spec.backbone}` `{spec.layer}`, {spec.grid_hw[0]}×{spec.grid_hw[1]} grid at {spec.image_size} px. "
         f"Median of {args.repeats} repetitions, configurations in turns. ONNX Runtime vs PyTorch max |Δ| of the "

@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, checkpoint, default_model, publish  # noqa: E402
+from common import ROOT, checkpoint, cpu_name, default_model, int8_kernels_text, publish  # noqa: E402
 
 from captioner.models.data.datasets import CITATIONS, dataset_name, load_captioned  # noqa: E402
-from captioner.models.export.quantize import RECIPE  # noqa: E402
+from captioner.models.export.quantize import int8_recipe  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "int8.md"
 AIM = 0.01
@@ -131,9 +131,10 @@ def main() -> None:
         f"`captioner eval` on the `{args.split}` split of `{dataset}`"
         f"{f' ({CITATIONS[dataset_name(dataset)]})' if dataset_name(dataset) in CITATIONS else ''}, "
         "beam 3, max_len 20, CPU: once with the float CNN (PyTorch), once with `--encoder-precision int8` (the CNN "
-        "statically quantized for ONNX Runtime past its stem and first two stages: int8 weights per output channel, "
+        "statically quantized for ONNX Runtime past its stem and first two stages: 8-bit weights per output channel, "
         "uint8 activations calibrated on 32 generated scenes of a seed no split uses; models/export/quantize.py, "
-        f"recipe `{RECIPE}`), the decoder float32 in both. "
+        f"recipe `{int8_recipe()}`), the decoder float32 in both. CPU: {cpu_name()}, {int8_kernels_text()} "
+        "(docs/decisions.md, \"int8 on CPUs without VNNI\"). "
         f"Aim: {' and '.join(metrics)} within {AIM} of float (docs/decisions.md, \"int8 CNN by ONNX Runtime static "
         "quantization\"). The interval of each difference is a paired bootstrap over the images (`captioner compare`): "
         "an interval that contains 0 is a difference the choice of test images could make. The last column reads "

@@ -51,7 +51,7 @@ from fastapi import FastAPI, File, UploadFile  # module level: the tutorial hand
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common import checkpoint, command_line, served_default  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
+from common import checkpoint, command_line, cpu_name, int8_kernels_text, served_default  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 from servers import Server  # noqa: E402
 OUT = ROOT / "docs" / "benchmarks" / "serving.md"
 INT8_RESULTS = ROOT / "docs" / "benchmarks" / "int8.json"
@@ -475,11 +475,10 @@ def machine() -> str:
     import onnxruntime
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or platform.machine())
     load = os.getloadavg()
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}; "
+    return (f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+            f"{int8_kernels_text()}; "
             f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) when the run started")
 
 

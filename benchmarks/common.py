@@ -13,10 +13,30 @@ served").  A real-photo checkpoint is benchmarked by its folder (``--model weigh
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor() or platform.machine())
+
+
+def int8_kernels_text() -> str:
+    """Which int8 kernels this CPU runs (they decide the int8 CNN's weights type, and so its accuracy and speed)."""
+    from captioner.models.export.quantize import int8_kernels
+
+    if int8_kernels() == "u8s8":
+        return "int8 CNN weights int8 (u8s8 kernels)"
+    return "int8 CNN weights uint8 (u8u8 kernels: an x86 CPU without VNNI, where int8 weights saturate)"
 
 
 def default_model() -> str:

@@ -92,7 +92,7 @@ def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
 
 def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_precision: str) -> bool:
     from captioner.models.export.onnx import export_identity, export_is_current, intact, visual_encoder_path
-    from captioner.models.export.quantize import INT8_FILE
+    from captioner.models.export.quantize import int8_file
 
     checksum = recorded_checksum(path)
     if not checksum:
@@ -106,7 +106,7 @@ def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_preci
         return False
     visual = visual_encoder_path(spec, onnx_dir)
     if encoder_precision == "int8":
-        visual = visual.with_name(INT8_FILE)
+        visual = visual.with_name(int8_file())
     export = onnx_dir / name
     # ``auto`` has recorded its references, so what has no folder could not be exported (a TVmax decoder, a CNN
     # the tracer cannot record) and is served without it: only what exists must be intact. A current export of the

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
 from captioner.models.device import resolve_device
+from captioner.models.export.quantize import int8_kernels
 from captioner.models.inference import Runtime, TorchRuntime
 from captioner.models.placement import DEFAULT_ONNX_DIR
 
@@ -60,6 +61,11 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
     PyTorch models keep their float CNN).  The settings are keywords: several are strings, which a call by position
     could swap in silence."""
     device = resolve_device(device_name)
+    if encoder_precision == "int8" and device.type == "cpu" and int8_kernels() == "u8u8":
+        # an operator opts into int8 for speed; on such a CPU it was measured no faster than float32
+        log.warning("CAPTIONER_ENCODER_PRECISION=int8 on an x86 CPU without VNNI: the CNN's weights are uint8 (int8 "
+                    "weights saturate here) and int8 may be no faster than float32 (docs/decisions.md, \"int8 on "
+                    "CPUs without VNNI\"; benchmarks/bench_encoder.py measures it)")
     encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
     runtimes: dict[str, Runtime] = {}
 

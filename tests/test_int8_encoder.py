@@ -12,8 +12,8 @@ import torch
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate
-from captioner.models.export.quantize import FLOAT_PREFIXES, INT8_FILE, calibration_pixels, \
-    quantized_visual_encoder, visual_encoder_file
+from captioner.models.export.quantize import FLOAT_PREFIXES, calibration_pixels, int8_file, int8_kernels, \
+    int8_recipe, quantized_visual_encoder, visual_encoder_file
 from captioner.models.export.sessions import VisualSession
 
 from .conftest import module_folder
@@ -33,10 +33,11 @@ def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
     import onnx
 
     float_path, int8_path = int8_files
-    assert int8_path.name == INT8_FILE and int8_path.parent == float_path.parent
+    assert int8_path.name == int8_file() and int8_path.parent == float_path.parent
     model = onnx.load(str(int8_path))
-    # int8 filter banks (4-D; their zero points are int8 too, but 1-D)
-    int8_filters = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 4]
+    # 8-bit filter banks (4-D; their zero points are 8-bit too, but 1-D): uint8 where int8 would saturate
+    weight_type = onnx.TensorProto.INT8 if int8_kernels() == "u8s8" else onnx.TensorProto.UINT8
+    int8_filters = [t for t in model.graph.initializer if t.data_type == weight_type and len(t.dims) == 4]
     dense = [n.name for n in onnx.load(str(float_path)).graph.node
              if n.op_type == "Conv" and all(a.name != "group" or a.i == 1 for a in n.attribute)]
     early = [name for name in dense if name.startswith(FLOAT_PREFIXES)]
@@ -87,7 +88,7 @@ def test_eval_scores_the_int8_cnn(tmp_path, int8_files, capsys):
     assert reports["int8"]["test"]["images"] == reports["float32"]["test"]["images"] == 3
     # the int8 features went to their own cache, beside the float ones
     caches = sorted(p.name for p in (tmp_path / "features").iterdir())
-    assert len(caches) == 2 and sum(c.startswith("onnx-int8-") for c in caches) == 1
+    assert len(caches) == 2 and f"onnx-int8-{int8_recipe()}" in caches
     assert np.isfinite(reports["int8"]["test"]["CIDEr-D"])
     # and the captions were made from the int8 CNN's features: close to the float ones, not the same
     float_cache, int8_cache = (next((tmp_path / "features" / c).rglob("shard-*.npy")) for c in
@@ -105,10 +106,65 @@ def test_quantizing_replaces_an_earlier_recipe_and_leaves_the_working_folder_alo
     theirs = tmp_path / "augmented_model.onnx"
     theirs.write_bytes(b"someone's model")
     float_path = visual_encoder_file(TINY_SPEC, tmp_path / "onnx")
-    # and an earlier recipe's graph beside the float one goes when this recipe's is written
+    # and an earlier recipe's graph beside the float one goes when this recipe's is written, while the graph this
+    # recipe makes for the other kind of CPU (a folder shared by machines of both kinds) stays
     for name in ("visual-int8-qdq-minmax-1.onnx", "visual-int8-qdq-minmax-1.onnx.sha256"):
         (float_path.parent / name).write_bytes(b"old")
+    other_kind = int8_file("u8u8" if int8_kernels() == "u8s8" else "u8s8")
+    for name in (other_kind, other_kind + ".sha256"):
+        (float_path.parent / name).write_bytes(b"the other kind's")
     quantized = quantized_visual_encoder(TINY_SPEC, tmp_path / "onnx", calibration=2)
     assert theirs.read_bytes() == b"someone's model"
     assert sorted(p.name for p in float_path.parent.iterdir()) == sorted(
-        [float_path.name, float_path.name + ".sha256", quantized.name, quantized.name + ".sha256", "visual.json"])
+        [float_path.name, float_path.name + ".sha256", quantized.name, quantized.name + ".sha256", "visual.json",
+         other_kind, other_kind + ".sha256"])
+
+
+@pytest.mark.parametrize("machine, flags, kernels", [
+    ("x86_64", {"avx2", "avx512f", "avx512_vnni"}, "u8s8"),  # Cascade Lake and later: VPDPBUSD does not saturate
+    ("x86_64", {"avx2", "avx_vnni"}, "u8s8"),                # Alder Lake's AVX-VNNI
+    ("x86_64", {"avx2", "fma"}, "u8u8"),                     # AVX2 alone: VPMADDUBSW saturates
+    ("x86_64", {"avx2", "avx512f", "avx512bw"}, "u8u8"),     # AVX-512 before VNNI (Skylake-SP) saturates too
+    ("x86_64", frozenset(), "u8u8"),                         # flags unknown: the kernels right on any x86 CPU
+    ("aarch64", frozenset(), "u8s8"),
+])
+def test_the_weights_type_follows_whether_the_cpus_int8_kernels_saturate(machine, flags, kernels):
+    assert int8_kernels(machine, frozenset(flags)) == kernels
+    # each kind has a file of its own, so a folder shared by both kinds of machine keeps both graphs
+    assert int8_file(kernels) != int8_file("u8u8" if kernels == "u8s8" else "u8s8")
+
+
+def test_the_int8_cnn_computes_its_quantized_graph_on_this_cpu(int8_files):
+    """The fused int8 kernels this CPU runs compute what the QDQ graph says (ONNX Runtime with graph optimisation
+    off runs each QuantizeLinear/DequantizeLinear pair in float: quantization's error without the kernels'). With
+    int8 weights on an AVX2 CPU the fused kernels saturate and miss the reference by more than the quantization
+    itself misses the float CNN."""
+    import onnxruntime as ort
+
+    float_path, int8_path = int8_files
+    pixels = calibration_pixels(TINY_SPEC, 6)[4:]
+
+    def features(path, level):
+        options = ort.SessionOptions()
+        options.graph_optimization_level, options.intra_op_num_threads = level, 1
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return torch.from_numpy(session.run(None, {"pixels": pixels})[0])
+
+    reference = features(int8_path, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    fused = features(int8_path, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    full = features(float_path, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    kernels_error = ((fused - reference).norm() / reference.norm()).item()
+    quantization_error = ((reference - full).norm() / full.norm()).item()
+    assert kernels_error < quantization_error / 2, (kernels_error, quantization_error)
+
+
+@pytest.mark.parametrize("kernels", ["u8s8", "u8u8"])
+def test_serving_int8_on_a_cpu_without_vnni_says_it_may_not_pay(tmp_path, monkeypatch, caplog, kernels):
+    from captioner.service import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "int8_kernels", lambda: kernels)
+    with caplog.at_level("WARNING", logger="captioner.runtime"):
+        runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="int8")
+        runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="float32")
+    warned = [r.getMessage() for r in caplog.records if "without VNNI" in r.getMessage()]
+    assert len(warned) == (kernels == "u8u8")

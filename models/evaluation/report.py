@@ -241,11 +241,12 @@ def _onnx_feature_store(ckpt, images: Sequence[CaptionedImage], features: str, p
     """Grid features of the CNN at ``precision`` on ONNX Runtime, as the service computes them with
     CAPTIONER_ENCODER_PRECISION; cached apart from the float features (the cache is keyed by spec, not by CNN)."""
     from ..data.features import extract_features
-    from ..export.quantize import RECIPE, visual_encoder_file
+    from ..export.quantize import RECIPE, int8_recipe, visual_encoder_file
     from ..export.sessions import VisualSession
 
     if features != "grid":
         raise ValueError("--encoder-precision applies to grid features, not " + str(features))
     path = visual_encoder_file(ckpt.encoder, onnx_dir or onnx_dir_from_env(), precision)
-    return extract_features(images, ckpt.encoder, Path(cache_dir) / f"onnx-{precision}-{RECIPE}",
+    recipe = int8_recipe() if precision == "int8" else RECIPE
+    return extract_features(images, ckpt.encoder, Path(cache_dir) / f"onnx-{precision}-{recipe}",
                             encoder=VisualSession(path, "cpu", threads))

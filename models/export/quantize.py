@@ -6,15 +6,18 @@ Static (calibrated) rather than dynamic quantization: dynamic quantization turns
 ranges is fused into ``QLinearConv`` kernels.  Only dense convolutions and matrix products are quantized (weights
 int8 per output channel, activations uint8 with 99.99th-percentile ranges): depthwise convolutions, pooling,
 resizing and the hypercolumn concatenation stay float, so the grid features come out in float32 as from the float
-graph.  Calibration uses generated scenes of a seed that no
-dataset split uses, prepared exactly as the service prepares uploads.  Whether captions survive is measured by
+graph.  On an x86 CPU without VNNI the weights are uint8 too (:func:`int8_kernels`): int8 weights saturate there.
+Calibration uses generated scenes of a seed that no dataset split uses, prepared exactly as the service prepares
+uploads.  Whether captions survive is measured by
 ``captioner eval --encoder-precision int8`` against the float encoder (``benchmarks/bench_int8.py``), not
 assumed: docs/decisions.md, "int8 CNN by ONNX Runtime static quantization".
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -27,7 +30,8 @@ from ..encoder import EncoderSpec, GridEncoder, preprocess
 #: bump when the quantization recipe changes: the int8 file and the feature caches of int8 encoders are keyed by
 #: it, so an export cache (the service's, ``captioner eval``'s) never serves a graph quantized the old way
 RECIPE = "qdq-percentile-dense-3"
-INT8_FILE = f"visual-int8-{RECIPE}.onnx"
+#: CPU flags of the instructions ONNX Runtime's x86 u8×s8 kernels multiply with when the CPU has them
+VNNI_FLAGS = frozenset({"avx_vnni", "avx512_vnni", "amx_int8"})
 #: activation range: this percentile of the calibration values (MinMax lets rare outliers widen every step)
 PERCENTILE = 99.99
 CALIBRATION_IMAGES, CALIBRATION_SEED = 32, 90817
@@ -39,6 +43,42 @@ ENCODER_PRECISIONS = ("float32", "int8")
 #: and the first stage-1 expansion 0.09; every later layer 0.006-0.03.  docs/decisions.md, "int8 CNN by ONNX
 #: Runtime static quantization", has the numbers.
 FLOAT_PREFIXES = ("/conv_stem/", "/blocks.0/", "/blocks.1/", "/conv1/", "/layer1/")
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """The ``flags`` of this machine's first CPU in ``/proc/cpuinfo``; None where there is no such file."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((frozenset(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), None)
+
+
+def int8_kernels(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """``u8s8`` (uint8 activations, int8 weights) or ``u8u8``: the weights' type that computes the quantized graph
+    faithfully on this CPU (``machine``/``flags``: another's, for tests).  Without VNNI an x86 CPU runs ONNX
+    Runtime's u8×s8 kernels on ``VPMADDUBSW``, whose 16-bit sums of two products saturate (ONNX Runtime's
+    quantization guide); measured on an AVX2 EPYC, that raised the default checkpoint's feature error against the
+    float CNN from 0.103 to 0.158.  u8×u8 kernels widen to 16 bits before multiplying and do not saturate: 0.102
+    there.  docs/decisions.md, "int8 on CPUs without VNNI"."""
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return "u8s8"  # VPMADDUBSW, the saturating instruction, is x86's
+    flags = _cpu_flags() if flags is None else flags
+    return "u8s8" if flags and flags & VNNI_FLAGS else "u8u8"  # unknown flags: the kernels that are right anywhere
+
+
+def int8_recipe(kernels: str | None = None) -> str:
+    """The recipe's name with its weights' type where that is not the original's: it names the int8 file and the
+    int8 feature caches, so a folder shared by machines of both kinds holds each kind's graph apart."""
+    kernels = kernels or int8_kernels()
+    return RECIPE if kernels == "u8s8" else f"{RECIPE}-{kernels}"
+
+
+def int8_file(kernels: str | None = None) -> str:
+    """File name of the int8 CNN beside ``visual.onnx`` (:func:`int8_recipe`)."""
+    return f"visual-int8-{int8_recipe(kernels)}.onnx"
 
 
 def calibration_pixels(spec: EncoderSpec, count: int = CALIBRATION_IMAGES) -> np.ndarray:
@@ -74,7 +114,8 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     import onnx
 
     float_path = export_visual_encoder(spec, out_dir, visual)
-    path = float_path.with_name(INT8_FILE)
+    kernels = int8_kernels()
+    path = float_path.with_name(int8_file(kernels))
     if intact(path):
         return path
     pixels = calibration_pixels(spec, calibration)
@@ -92,13 +133,15 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     someone_elses = stray.exists()  # before quantize_static could write one: not ours to remove
     try:
         quantize_static(str(float_path), str(tmp), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        activation_type=QuantType.QUInt8,
+                        weight_type=QuantType.QInt8 if kernels == "u8s8" else QuantType.QUInt8,
                         op_types_to_quantize=["Conv", "MatMul", "Gemm"], nodes_to_exclude=kept_float,
                         calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": PERCENTILE})
         seal(path, written=tmp)
         os.replace(tmp, path)  # a concurrent reader sees the whole file or none
+        current = {name + suffix for name in map(int8_file, ("u8s8", "u8u8")) for suffix in ("", SEAL_SUFFIX)}
         for earlier in path.parent.glob("visual-int8-*"):  # an earlier recipe's graph and seal: asked for no more
-            if earlier.name not in (path.name, path.name + SEAL_SUFFIX):
+            if earlier.name not in current:
                 earlier.unlink(missing_ok=True)
     finally:
         tmp.unlink(missing_ok=True)
@@ -119,7 +162,7 @@ def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str =
         raise ValueError(f"encoder precision must be one of {ENCODER_PRECISIONS}, got {precision!r}")
     path = visual_encoder_path(spec, out_dir)
     if precision == "int8":
-        path = path.with_name(INT8_FILE)
+        path = path.with_name(int8_file())
     if intact(path):
         return path
     if precision == "int8":
