@@ -40,9 +40,9 @@ def problem_body(scope: dict[str, Any], status: int, detail: str, title: str | N
     """The RFC 9457 document of an answer to the request ``scope``: ``type``, ``title``, ``status``, ``detail``,
     ``instance`` (the request's path).  The ``type`` is the path of the problem type's page on this server
     (``problem_pages.py``), behind a proxy's prefix too: ``/captioner/problems/not-ready`` under ``/captioner``.
-    Both are URI references, so the path is percent-encoded again (``scope["path"]`` is decoded: ``/captions/ûø£``
-    was no URI reference)."""
-    return {"type": f"{app_root(scope)}/problems/{kind or default_kind(status)}",
+    Both are URI references, so the path, and the prefix in the type, are percent-encoded again (``scope["path"]``
+    and ``root_path`` are decoded: ``/captions/ûø£`` was no URI reference, nor a type under a prefix ``/r&d"x``)."""
+    return {"type": f"{quote(app_root(scope), safe=PATH_CHARACTERS)}/problems/{kind or default_kind(status)}",
             "title": title or HTTPStatus(status).phrase, "status": status, "detail": detail,
             "instance": quote(scope["path"], safe=PATH_CHARACTERS), **extra}
 

@@ -12,7 +12,8 @@ import torch
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate
-from captioner.models.export.quantize import FLOAT_PREFIXES, calibration_pixels, int8_file, int8_kernels, \
+from captioner.models.export import quantize
+from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
     int8_recipe, quantized_visual_encoder, visual_encoder_file
 from captioner.models.export.sessions import VisualSession
 
@@ -113,11 +114,14 @@ def test_quantizing_replaces_an_earlier_recipe_and_leaves_the_working_folder_alo
     other_kind = int8_file("u8u8" if int8_kernels() == "u8s8" else "u8s8")
     for name in (other_kind, other_kind + ".sha256"):
         (float_path.parent / name).write_bytes(b"the other kind's")
+    # a graph another process is writing (quantized_visual_encoder's temporary name): removing it failed that one
+    writing = f".{other_kind}.99999"
+    (float_path.parent / writing).write_bytes(b"half written")
     quantized = quantized_visual_encoder(TINY_SPEC, tmp_path / "onnx", calibration=2)
     assert theirs.read_bytes() == b"someone's model"
     assert sorted(p.name for p in float_path.parent.iterdir()) == sorted(
         [float_path.name, float_path.name + ".sha256", quantized.name, quantized.name + ".sha256", "visual.json",
-         other_kind, other_kind + ".sha256"])
+         other_kind, other_kind + ".sha256", writing])
 
 
 @pytest.mark.parametrize("machine, flags, kernels", [
@@ -126,12 +130,47 @@ def test_quantizing_replaces_an_earlier_recipe_and_leaves_the_working_folder_alo
     ("x86_64", {"avx2", "fma"}, "u8u8"),                     # AVX2 alone: VPMADDUBSW saturates
     ("x86_64", {"avx2", "avx512f", "avx512bw"}, "u8u8"),     # AVX-512 before VNNI (Skylake-SP) saturates too
     ("x86_64", frozenset(), "u8u8"),                         # flags unknown: the kernels right on any x86 CPU
+    ("AMD64", {"avx2", "fma"}, "u8u8"),                      # how Windows names x86-64
     ("aarch64", frozenset(), "u8s8"),
 ])
 def test_the_weights_type_follows_whether_the_cpus_int8_kernels_saturate(machine, flags, kernels):
     assert int8_kernels(machine, frozenset(flags)) == kernels
     # each kind has a file of its own, so a folder shared by both kinds of machine keeps both graphs
     assert int8_file(kernels) != int8_file("u8u8" if kernels == "u8s8" else "u8s8")
+
+
+def test_graphs_made_before_the_weights_type_followed_the_cpu_are_served_only_where_they_were_right():
+    """The int8 graphs made before (int8 weights) carry the recipe's name: a VNNI machine keeps serving its own, and
+    one without VNNI must not pick it up and saturate, so its uint8 graph and feature cache are named apart."""
+    assert int8_recipe("u8s8") == RECIPE and int8_file("u8s8") == f"visual-int8-{RECIPE}.onnx"
+    assert int8_recipe("u8u8") != RECIPE
+
+
+CPUINFO = ("processor\t: {n}\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 fma {extra}\n"
+           "vmx flags\t: vnmi preemption_timer\nbugs\t\t: spectre_v1\n\n")
+
+
+@pytest.mark.parametrize("cpuinfo, kernels", [
+    ("".join(CPUINFO.format(n=n, extra="avx512f avx512_vnni") for n in range(2)), "u8s8"),
+    ("".join(CPUINFO.format(n=n, extra="avx512f") for n in range(2)), "u8u8"),
+    (None, "u8u8"),  # no /proc/cpuinfo (macOS, Windows): flags unknown, the kernels right on any x86 CPU
+])
+def test_this_cpus_kernels_are_read_from_its_cpuinfo(monkeypatch, cpuinfo, kernels):
+    class CpuInfo:
+        def __init__(self, path):
+            assert str(path) == "/proc/cpuinfo"
+
+        def read_text(self):
+            if cpuinfo is None:
+                raise FileNotFoundError("/proc/cpuinfo")
+            return cpuinfo
+
+    monkeypatch.setattr(quantize, "Path", CpuInfo)
+    quantize._cpu_flags.cache_clear()  # this machine's flags are cached: read the file given here
+    try:
+        assert int8_kernels("x86_64") == kernels
+    finally:
+        quantize._cpu_flags.cache_clear()  # and this machine's again for the next test
 
 
 def test_the_int8_cnn_computes_its_quantized_graph_on_this_cpu(int8_files):

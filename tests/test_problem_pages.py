@@ -4,6 +4,7 @@ proxy's path prefix too, reaches a page on the same server that names the proble
 
 from __future__ import annotations
 
+import html
 import re
 from http import HTTPStatus
 
@@ -104,3 +105,54 @@ def test_refusals_are_counted_under_the_kind_their_type_names(weights):
         samples = parse_metrics(client.get("/metrics").text)
     assert samples['captioner_rejects_total{reason="not-found"}'] == 1, samples
     assert samples['captioner_rejects_total{reason="method-not-allowed"}'] == 1, samples
+
+
+def heading(page) -> str:
+    return re.search(r"<h1>(.*)</h1>", page.text).group(1)
+
+
+def test_the_prefix_is_written_into_pages_and_problems_as_a_client_must_read_it(weights):
+    """The prefix comes from the server's configuration, not from this app: one holding ``&`` or ``"`` is escaped
+    in the pages' attributes (unescaped, ``"`` ends the attribute and cuts every link short); one spelt with its
+    slash (uvicorn ``--root-path /vision/``) is written without it, as the router reads it (``/vision//problems``
+    is not the page the type names); and a problem's ``instance`` is the path the client asked for, prefix
+    included, so that it resolves to that request's URL behind the proxy. No lifespan: no model is needed."""
+    app = create_app(serving_settings(weights_dir=weights, default_model="tiny", api_keys=[KEY]))
+    odd = '/r&d"x'
+    client = TestClient(app, root_path=odd)
+    links = [html.unescape(link) for link in re.findall(r'href="([^"]*)"', client.get(f"{odd}/problems").text)]
+    assert links == [f"{odd}/problems/{kind}" for kind in PROBLEM_PAGES]
+    page = client.get(f"{odd}/problems/not-found")
+    assert page.status_code == 200 and html.unescape(re.search(r'href="([^"]*)"', page.text).group(1)) == \
+        f"{odd}/problems"
+    # and in a problem, whose type and instance are URI references (the OpenAPI document says so): percent-encoded
+    missing = client.get(f"{odd}/nowhere").json()
+    assert missing["type"] == "/r&d%22x/problems/not-found" and missing["instance"] == "/r&d%22x/nowhere"
+    assert client.get(missing["type"]).status_code == 200
+
+    slashed = TestClient(app, root_path="/vision/")  # uvicorn joins it and the path: /vision//problems
+    assert re.findall(r'href="([^"]*)"', slashed.get("/vision//problems").text)[0] == "/vision/problems/invalid-image"
+    assert 'href="/vision/problems"' in slashed.get("/vision//problems/not-found").text
+    assert slashed.get("/vision//nowhere").json()["type"] == "/vision/problems/not-found"
+
+    missing = TestClient(app, root_path="/vision").get("/vision/nowhere").json()
+    assert missing["type"] == "/vision/problems/not-found" and missing["instance"] == "/vision/nowhere"
+
+
+def test_the_page_of_each_problem_names_the_status_it_is_sent_with(weights):
+    """The problems no route raises, each answered by its own handler: a refused CORS pre-flight (400) and an
+    unexpected error (500).  Their pages' status comes from the table, not from the code that sends them."""
+    app = create_app(serving_settings(weights_dir=weights, default_model="tiny",
+                                      cors_origins=["https://allowed.example"]))
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/broken", broken)
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: neither answer needs a model
+    refused = client.options("/caption", headers={"Origin": "https://elsewhere.example",
+                                                  "Access-Control-Request-Method": "POST"})
+    for answer, kind in ((refused, "cors-refused"), (client.get("/broken"), "internal")):
+        assert answer.json()["type"] == f"/problems/{kind}", answer.text
+        page = client.get(answer.json()["type"])
+        assert heading(page) == f"<code>{kind}</code>: {answer.status_code} {HTTPStatus(answer.status_code).phrase}"

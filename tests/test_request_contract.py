@@ -4,6 +4,7 @@ refused by name, JSON options override the query as documented, and the OpenAPI 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
@@ -16,6 +17,7 @@ from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
+from captioner.service.middleware import HeadAsGetMiddleware
 
 from .serving_helpers import TINY_SPEC, VOCAB, serving_settings, tiny_model
 
@@ -172,6 +174,65 @@ def test_head_of_every_get_route_answers_as_its_get_without_the_body(client, pho
         head = client.head(path)
         assert head.status_code == status and head.content == b"", path
     assert client.head("/caption").headers["allow"] == "POST"
+
+
+def asgi_messages(app, method: str, path: str, headers: list[tuple[bytes, bytes]] = ()) -> list[dict]:
+    """What ``app`` sends for a bodiless request, as the ASGI server receives it. uvicorn drops a HEAD answer's body
+    itself, and so does the test client: what the app sends is only seen here (and in the access log's
+    ``bytes_out``, and by any other server)."""
+    sent, requests = [], [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive():
+        if requests:
+            return requests.pop()
+        await asyncio.Event().wait()  # the client stays connected
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": list(headers),
+             "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    return sent
+
+
+def test_head_sends_no_part_of_a_streamed_body_and_still_ends_the_answer():
+    """A streamed answer comes in several body messages (``more_body``): none of their bytes go out, and the last
+    message still does, empty, or the server never sees the answer end (uvicorn logs "ASGI callable returned
+    without completing response" and closes the connection)."""
+    seen = []
+
+    async def streaming(scope, receive, send):
+        seen.append(scope["method"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"6")]})
+        for chunk in (b"ab", b"cd"):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"ef"})  # the last: no more_body, as Response sends it
+
+    sent = asgi_messages(HeadAsGetMiddleware(streaming), "HEAD", "/stream")
+    assert seen == ["GET"] and sent[0] == {"type": "http.response.start", "status": 200,
+                                           "headers": [(b"content-length", b"6")]}
+    bodies = [message for message in sent if message["type"] == "http.response.body"]
+    assert bodies and all(message["body"] == b"" for message in bodies)
+    assert not bodies[-1].get("more_body", False)
+
+
+def test_head_answered_before_routing_sends_the_get_answers_headers_without_its_body(tmp_path):
+    """The API key check answers before any route: HEAD must be turned into GET outside it, or the 401's problem
+    document goes out as HEAD's body. No lifespan: the refusal needs no model."""
+    app = create_app(serving_settings(weights_dir=tmp_path, api_keys=["head-key-0123456789"]))
+    got, head = (asgi_messages(app, method, "/captions/abc") for method in ("GET", "HEAD"))
+    assert got[0]["status"] == head[0]["status"] == 401 and got[-1]["body"]
+    assert [h for h in head[0]["headers"] if h[0] != b"x-request-id"] == \
+        [h for h in got[0]["headers"] if h[0] != b"x-request-id"]
+    assert [m["body"] for m in head if m["type"] == "http.response.body"] == [b""]
+
+
+def test_every_unknown_query_parameter_is_named_and_names_are_case_sensitive(client):
+    # FastAPI reads query names as spelt: Attention_Format is not attention_format and would be ignored in silence
+    body = problem(client.get("/captions/some-id", params={"Attention_Format": "json", "colour": "red"}))
+    assert [e["loc"] for e in body["errors"]] == [["query", "Attention_Format"], ["query", "colour"]]
 
 
 def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
