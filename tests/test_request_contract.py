@@ -165,14 +165,16 @@ def test_head_of_every_get_route_answers_as_its_get_without_the_body(client, pho
         for path in paths:
             got, head = client.get(path), client.head(path)
             assert head.status_code == got.status_code == 200, (path, head.status_code)
-            assert head.content == b"" and got.content, path
+            # no body check here: the test client drops a HEAD answer's body itself, as uvicorn does (what the app
+            # sends is checked at the ASGI level below)
+            assert got.content, path
             assert head.headers["content-type"] == got.headers["content-type"], path
             assert int(head.headers["content-length"]) == len(got.content) or path == "/metrics", path
     logged = [record.fields["method"] for record in caplog.records if record.name == "captioner.access"]
     assert logged.count("HEAD") == len(paths) and logged.count("GET") == len(paths)
     for path, status in (("/caption", 405), ("/nowhere", 404), (f"/captions/{result}x", 404)):
         head = client.head(path)
-        assert head.status_code == status and head.content == b"", path
+        assert head.status_code == status, path
     assert client.head("/caption").headers["allow"] == "POST"
 
 
