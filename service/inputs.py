@@ -79,11 +79,13 @@ def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_le
 QueryOptions = Annotated[CaptionOptions, Depends(_query_options)]
 
 
-def _query_names(dependant: Dependant, scalar: bool = False) -> set[str]:
-    """The query parameters a route (or a dependency) reads, its dependencies' included (``scalar``: only those
-    that take one value)."""
-    return {param.alias for param in dependant.query_params if not scalar or is_scalar_field(param)}.union(
-        *(_query_names(dependency, scalar) for dependency in dependant.dependencies))
+def _query_params(dependant: Dependant) -> dict[str, bool]:
+    """The query parameters a route (or a dependency) reads, its dependencies' included: name → whether it takes
+    one value."""
+    params = {param.alias: is_scalar_field(param) for param in dependant.query_params}
+    for dependency in dependant.dependencies:
+        params.update(_query_params(dependency))
+    return params
 
 
 async def known_query_only(request: Request) -> None:
@@ -95,14 +97,14 @@ async def known_query_only(request: Request) -> None:
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
-    accepted = _query_names(route.dependant)  # a few fields: cheaper than a thread hop, no cache needed
+    accepted = _query_params(route.dependant)  # a few fields: cheaper than a thread hop, no cache needed
     unknown = sorted({name for name in request.query_params if name not in accepted})
     if unknown:
         takes = f"it takes {', '.join(sorted(accepted))}" if accepted else "it takes none"
         raise RequestValidationError([{"type": "extra_forbidden", "loc": ("query", name),
                                        "msg": f"unknown query parameter ({takes})"} for name in unknown])
     counts = Counter(name for name, _ in request.query_params.multi_items())
-    repeated = sorted(name for name in _query_names(route.dependant, scalar=True) if counts[name] > 1)
+    repeated = sorted(name for name, scalar in accepted.items() if scalar and counts[name] > 1)
     if repeated:
         raise RequestValidationError([{"type": "repeated", "loc": ("query", name),
                                        "msg": f"given {counts[name]} times (it takes one value)"}

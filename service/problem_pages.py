@@ -116,6 +116,16 @@ def problem_title(kind: str) -> str:
     return ClientGone.title if status == CLIENT_GONE else HTTPStatus(status).phrase
 
 
+def _status_line(kind: str) -> str:
+    """``422 Unprocessable Entity``: the status a problem type is sent with, and its title."""
+    return f"{PROBLEM_PAGES[kind].status} {problem_title(kind)}"
+
+
+def _root_attribute(request: Request) -> str:
+    """The app's prefix, to write into an ``href``: the operator's setting, so escaped."""
+    return html.escape(app_root(request.scope))
+
+
 def _page(title: str, body: str) -> HTMLResponse:
     return HTMLResponse(f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}'
                         f'</title></head>\n<body>\n{body}\n</body></html>\n')
@@ -126,9 +136,9 @@ def install_problem_pages(app: FastAPI) -> None:
 
     @app.get("/problems", include_in_schema=False)
     async def problem_index(request: Request) -> HTMLResponse:
-        root = html.escape(app_root(request.scope))  # the operator's setting, written into an attribute
-        rows = "\n".join(f'<li><a href="{root}/problems/{kind}"><code>{kind}</code></a>: {page.status} '
-                         f'{problem_title(kind)}</li>' for kind, page in PROBLEM_PAGES.items())
+        root = _root_attribute(request)
+        rows = "\n".join(f'<li><a href="{root}/problems/{kind}"><code>{kind}</code></a>: {_status_line(kind)}</li>'
+                         for kind in PROBLEM_PAGES)
         return _page("Problem types", f"<h1>Problem types</h1>\n<p>Every error this service answers is an RFC 9457 "
                                       f"problem document whose <code>type</code> is one of these.</p>\n<ul>\n{rows}"
                                       f"\n</ul>")
@@ -138,8 +148,7 @@ def install_problem_pages(app: FastAPI) -> None:
         page = PROBLEM_PAGES.get(kind)
         if page is None:
             raise StarletteHTTPException(404, f"no problem type is called {kind!r}: /problems lists them")
-        root = html.escape(app_root(request.scope))  # the operator's setting, written into an attribute
-        return _page(f"{kind}: {page.status} {problem_title(kind)}",
-                     f"<h1><code>{kind}</code>: {page.status} {problem_title(kind)}</h1>\n"
+        return _page(f"{kind}: {_status_line(kind)}",
+                     f"<h1><code>{kind}</code>: {_status_line(kind)}</h1>\n"
                      f"<h2>What happened</h2>\n<p>{page.meaning}</p>\n<h2>What to do</h2>\n<p>{page.remedy}</p>\n"
-                     f'<p><a href="{root}/problems">Every problem type</a></p>')
+                     f'<p><a href="{_root_attribute(request)}/problems">Every problem type</a></p>')
