@@ -16,12 +16,13 @@ OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
 
-.PHONY: help setup serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
+.PHONY: help setup cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
 	bench-int8 samples clean
 
 help:
 	@echo "make setup         create .venv and install the project with its dev extras (most targets do it first;"
 	@echo "                   make serve installs the project alone)"
+	@echo "make cpu-torch     without an NVIDIA driver, CPU-only torch from TORCH_CPU_INDEX (every set-up does it first)"
 	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"
 	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
 	@echo "make test          set up .venv (and headless chromium) and run the test suite"
@@ -68,8 +69,27 @@ comma := ,
 $(RUNTIME_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	@$(MAKE) --no-print-directory cpu-torch
 	$(call install_editable,.)
 	touch $@
+
+# On a machine without an NVIDIA driver, torch and torchvision first come as the CPU-only wheels of the PyTorch CPU
+# index (the same pins spelt +cpu, which satisfy pyproject's; about 1 GB installed, where PyPI's build brings 4.3 GB
+# of CUDA wheels a CPU never uses), as the CPU container image does (docs/decisions.md, "make setup: CPU-only torch
+# without an NVIDIA driver"). Where that index cannot be reached, or TORCH_CPU_INDEX= names none, PyPI's torch comes
+# with the rest. The pins come from docker/requirements.py, the image's list; pip then installs torch's own
+# dependencies with the project's.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+NVIDIA_DRIVER ?= $(shell { [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi; } >/dev/null 2>&1 && echo yes)
+cpu-torch:
+	@if [ -n "$(NVIDIA_DRIVER)" ]; then echo "NVIDIA driver found: torch from the default index, with CUDA"; \
+	elif [ -z "$(TORCH_CPU_INDEX)" ]; then echo "TORCH_CPU_INDEX is empty: torch from the default index"; \
+	else $(PYTHON) docker/requirements.py pyproject.toml cpu $(VENV)/requirements && \
+	  if $(BIN)/pip install --quiet --no-deps --only-binary :all: --retries 0 --timeout 15 \
+	       --index-url "$(TORCH_CPU_INDEX)" -r $(VENV)/requirements/torch-cpu.txt > $(VENV)/requirements/pip.log 2>&1; \
+	  then echo "no NVIDIA driver: CPU-only $$(tr '\n' ' ' < $(VENV)/requirements/torch-cpu.txt)from $(TORCH_CPU_INDEX)"; \
+	  else echo "note: no CPU-only torch from $(TORCH_CPU_INDEX) (unreachable? $(VENV)/requirements/pip.log says):" \
+	            "the default index's torch, which brings its CUDA wheels"; fi; fi
 
 $(STAMP): $(RUNTIME_STAMP)
 	$(call install_editable,.[dev])

@@ -22,12 +22,9 @@ WEIGHTS = ROOT / "weights"
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows where there is no such file."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-                platform.processor() or platform.machine())
+    from captioner.models.export.quantize import cpu_info
+
+    return cpu_info("model name") or platform.processor() or platform.machine()
 
 
 def int8_kernels_text() -> str:

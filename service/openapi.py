@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from captioner.models.rendering.heatmaps import HEAT_MODES, MODES
 
-from .paths import app_root
+from .paths import app_root_uri
 from .problems import PROBLEM_JSON
 from .schemas import CaptionJSON, form_schema
 
@@ -190,8 +190,9 @@ def install_docs(app: FastAPI) -> None:
 
     @app.get("/docs", include_in_schema=False)
     async def docs(request: Request) -> HTMLResponse:
-        # the page's addresses are the browser's: behind a proxy's prefix (CAPTIONER_ROOT_PATH) they start with it
-        prefix = app_root(request.scope)
+        # the page's addresses are the browser's: behind a proxy's prefix (CAPTIONER_ROOT_PATH) they start with it,
+        # percent-encoded (FastAPI writes them into an attribute and a quoted string as given)
+        prefix = app_root_uri(request.scope, in_markup=True)
         return get_swagger_ui_html(openapi_url=prefix + app.openapi_url, title=f"{app.title} — API",
                                    swagger_js_url=f"{prefix}{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{prefix}{DOCS_ASSETS}/swagger-ui.css",

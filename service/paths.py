@@ -8,6 +8,14 @@ one: comparing ``scope["path"]`` let ``/vision/caption`` past the API key check 
 ``/vision/healthz`` from answering while the server drained."""
 
 from typing import Any
+from urllib.parse import quote
+
+#: what a path written into an answer may hold unencoded besides letters and digits: RFC 3986's pchar and "/", less
+#: "%" (a decoded "%" is encoded again)
+PATH_CHARACTERS = "/-._~!$&'()*+,;=:@"
+#: the same less "&" and "'", for a path written into HTML or a script's quoted string (the problem pages, the docs
+#: page), where they would be read as markup; the server decodes either spelling alike
+MARKUP_PATH_CHARACTERS = "/-._~!$()*+,;=:@"
 
 #: where :class:`AppRootMiddleware` records the app's own prefix in a request's scope (an ASGI extension key)
 ROOT_KEY = "captioner.root_path"
@@ -40,6 +48,19 @@ def app_root(scope: dict[str, Any]) -> str:
     """The prefix the app is served under (``""`` without one), without the trailing slash that uvicorn's
     ``--root-path`` may be spelt with."""
     return _spelt_root(scope).rstrip("/")
+
+
+def uri_path(path: str, in_markup: bool = False) -> str:
+    """A decoded path (``scope["path"]``, the app's prefix) percent-encoded again as a URI reference
+    (``/captions/ûø£`` is none, nor is a prefix ``/r&d"x``, which the settings accept); ``in_markup``: to be written
+    into HTML or a script's string as it is, so ``&`` and ``'`` are encoded too."""
+    return quote(path, safe=MARKUP_PATH_CHARACTERS if in_markup else PATH_CHARACTERS)
+
+
+def app_root_uri(scope: dict[str, Any], in_markup: bool = False) -> str:
+    """:func:`app_root` as written into an answer (:func:`uri_path`): a problem's ``type``, the links of the problem
+    pages, the addresses the docs page loads."""
+    return uri_path(app_root(scope), in_markup)
 
 
 def app_path(scope: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import CLIENT_GONE, ClientGone
-from .paths import app_root
+from .paths import app_root_uri
 
 
 @dataclass(frozen=True)
@@ -122,8 +122,8 @@ def _status_line(kind: str) -> str:
 
 
 def _root_attribute(request: Request) -> str:
-    """The app's prefix, to write into an ``href``: the operator's setting, so escaped."""
-    return html.escape(app_root(request.scope))
+    """The app's prefix, to write into an ``href``: percent-encoded, so it holds no character HTML would read."""
+    return app_root_uri(request.scope, in_markup=True)
 
 
 def _page(title: str, body: str) -> HTMLResponse:

@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable, Sequence
-from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,12 +21,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import PROBLEM_TYPES, problem_type
-from .paths import app_root
+from .paths import app_root_uri, uri_path
 
 PROBLEM_JSON = "application/problem+json"
-#: what a URI's path may hold unencoded besides letters and digits (RFC 3986's pchar and "/"), "%" excepted: a
-#: decoded "%" is encoded again
-PATH_CHARACTERS = "/-._~!$&'()*+,;=:@"
 
 
 def default_kind(status: int) -> str:
@@ -41,10 +37,10 @@ def problem_body(scope: dict[str, Any], status: int, detail: str, title: str | N
     ``instance`` (the request's path).  The ``type`` is the path of the problem type's page on this server
     (``problem_pages.py``), behind a proxy's prefix too: ``/captioner/problems/not-ready`` under ``/captioner``.
     Both are URI references, so the path, and the prefix in the type, are percent-encoded again (``scope["path"]``
-    and ``root_path`` are decoded: ``/captions/ûø£`` was no URI reference, nor a type under a prefix ``/r&d"x``)."""
-    return {"type": f"{quote(app_root(scope), safe=PATH_CHARACTERS)}/problems/{kind or default_kind(status)}",
+    and ``root_path`` are decoded)."""
+    return {"type": f"{app_root_uri(scope)}/problems/{kind or default_kind(status)}",
             "title": title or HTTPStatus(status).phrase, "status": status, "detail": detail,
-            "instance": quote(scope["path"], safe=PATH_CHARACTERS), **extra}
+            "instance": uri_path(scope["path"]), **extra}
 
 
 @dataclass

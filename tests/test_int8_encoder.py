@@ -146,8 +146,8 @@ def test_graphs_made_before_the_weights_type_followed_the_cpu_are_served_only_wh
     assert int8_recipe("u8u8") != RECIPE
 
 
-CPUINFO = ("processor\t: {n}\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx2 fma {extra}\n"
-           "vmx flags\t: vnmi preemption_timer\nbugs\t\t: spectre_v1\n\n")
+CPUINFO = ("processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon {n}: test\n"
+           "flags\t\t: fpu sse2 avx2 fma {extra}\nvmx flags\t: vnmi preemption_timer\nbugs\t\t: spectre_v1\n\n")
 
 
 @pytest.mark.parametrize("cpuinfo, kernels", [
@@ -166,11 +166,13 @@ def test_this_cpus_kernels_are_read_from_its_cpuinfo(monkeypatch, cpuinfo, kerne
             return cpuinfo
 
     monkeypatch.setattr(quantize, "Path", CpuInfo)
-    quantize._cpu_flags.cache_clear()  # this machine's flags are cached: read the file given here
+    quantize.cpu_info.cache_clear()  # this machine's flags are cached: read the file given here
     try:
         assert int8_kernels("x86_64") == kernels
+        # the benchmarks' headers name the first CPU, the whole value after the first colon
+        assert quantize.cpu_info("model name") == (None if cpuinfo is None else "Xeon 0: test")
     finally:
-        quantize._cpu_flags.cache_clear()  # and this machine's again for the next test
+        quantize.cpu_info.cache_clear()  # and this machine's again for the next test
 
 
 def test_the_int8_cnn_computes_its_quantized_graph_on_this_cpu(int8_files):

@@ -70,3 +70,64 @@ def test_the_top_level_holds_the_project_layout_only():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     top = {line.split("/")[0] for line in tracked.splitlines() if line}
     assert {name for name in top if not name.startswith(".")} <= TOP_LEVEL
+
+
+def fake_wheel_index(root: Path, pins: list[str]) -> str:
+    """A PEP 503 index (a folder, as ``file://``) holding an empty pure-Python wheel for each ``name==version`` pin:
+    what the PyTorch CPU index serves, as far as pip's choice goes."""
+    import base64
+    import hashlib
+    import zipfile
+
+    for pin in pins:
+        name, version = pin.split("==")
+        dist, folder = f"{name}-{version}", root / name
+        files = {f"{name}_stand_in/__init__.py": b"",
+                 f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+                 f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+        record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                  f"{len(data)}" for path, data in files.items()]
+        files[f"{dist}.dist-info/RECORD"] = "\n".join([*record, f"{dist}.dist-info/RECORD,,", ""]).encode()
+        folder.mkdir(parents=True)
+        wheel = f"{dist}-py3-none-any.whl"
+        with zipfile.ZipFile(folder / wheel, "w") as archive:
+            for path, data in files.items():
+                archive.writestr(path, data)
+        (folder / "index.html").write_text(f'<a href="{wheel}">{wheel}</a>')
+    return root.as_uri()
+
+
+def test_setup_takes_cpu_only_torch_where_there_is_no_nvidia_driver(tmp_path):
+    """``make cpu-torch`` (the first step of every set-up): without an NVIDIA driver, torch and torchvision come
+    from the CPU wheel index as pyproject's pins spelt ``+cpu``; with a driver, with no index, or where the index
+    cannot be reached, nothing is installed and the set-up goes on to the default index's torch.  One venv (with
+    its own pip: the host's would see the host's torch) for the four cases, those that install nothing first."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # pyproject's pins as the CPU index spells them (docker/requirements.py makes the same of them)
+    pins = [f"{r.strip()}+cpu" for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+            if r.split("==")[0].strip() in ("torch", "torchvision")]
+    index = fake_wheel_index(tmp_path / "index", pins)
+
+    def cpu_torch(index: str, driver: str = "") -> str:
+        done = subprocess.run(["make", "--no-print-directory", "cpu-torch", f"VENV={venv}",
+                               f"TORCH_CPU_INDEX={index}", f"NVIDIA_DRIVER={driver}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def installed() -> list[str]:
+        return sorted(p.name for p in site.glob("torch*.dist-info"))
+
+    assert cpu_torch(index, driver="yes").startswith("NVIDIA driver found") and installed() == []
+    assert cpu_torch("").startswith("TORCH_CPU_INDEX is empty") and installed() == []
+    assert cpu_torch((tmp_path / "nowhere").as_uri()).startswith("note: no CPU-only torch from") and installed() == []
+    said = cpu_torch(index)
+    assert said.startswith(f"no NVIDIA driver: CPU-only {' '.join(pins)} from"), said
+    assert (venv / "requirements" / "torch-cpu.txt").read_text().split() == pins
+    assert installed() == sorted(f"{pin.replace('==', '-')}.dist-info" for pin in pins)

@@ -4,7 +4,6 @@ proxy's path prefix too, reaches a page on the same server that names the proble
 
 from __future__ import annotations
 
-import html
 import re
 from http import HTTPStatus
 
@@ -120,15 +119,21 @@ def test_the_prefix_is_written_into_pages_and_problems_as_a_client_must_read_it(
     app = create_app(serving_settings(weights_dir=weights, default_model="tiny", api_keys=[KEY]))
     odd = '/r&d"x'
     client = TestClient(app, root_path=odd)
-    links = [html.unescape(link) for link in re.findall(r'href="([^"]*)"', client.get(f"{odd}/problems").text)]
-    assert links == [f"{odd}/problems/{kind}" for kind in PROBLEM_PAGES]
+    encoded = "/r%26d%22x"  # in HTML: a URI's spelling, with nothing HTML or a script's quoted string would read
+    links = re.findall(r'href="([^"]*)"', client.get(f"{odd}/problems").text)
+    assert links == [f"{encoded}/problems/{kind}" for kind in PROBLEM_PAGES]
+    assert client.get(links[0]).status_code == 200  # the server decodes it to the prefix
     page = client.get(f"{odd}/problems/not-found")
-    assert page.status_code == 200 and html.unescape(re.search(r'href="([^"]*)"', page.text).group(1)) == \
-        f"{odd}/problems"
+    assert page.status_code == 200 and re.search(r'href="([^"]*)"', page.text).group(1) == f"{encoded}/problems"
     # and in a problem, whose type and instance are URI references (the OpenAPI document says so): percent-encoded
     missing = client.get(f"{odd}/nowhere").json()
     assert missing["type"] == "/r&d%22x/problems/not-found" and missing["instance"] == "/r&d%22x/nowhere"
     assert client.get(missing["type"]).status_code == 200
+    # the docs page, whose addresses FastAPI writes into attributes and a script's quoted string as it is given them
+    docs = client.get(f"{odd}/docs").text
+    assert f"url: '{encoded}/openapi.json'" in docs and f'href="{encoded}/docs/assets/swagger-ui.css"' in docs
+    assert client.get(f"{encoded}/openapi.json").status_code == 200
+    assert client.get(f"{encoded}/docs/assets/swagger-ui.css").status_code == 200
 
     slashed = TestClient(app, root_path="/vision/")  # uvicorn joins it and the path: /vision//problems
     assert re.findall(r'href="([^"]*)"', slashed.get("/vision//problems").text)[0] == "/vision/problems/invalid-image"

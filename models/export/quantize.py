@@ -46,13 +46,21 @@ FLOAT_PREFIXES = ("/conv_stem/", "/blocks.0/", "/blocks.1/", "/conv1/", "/layer1
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str] | None:
-    """The ``flags`` of this machine's first CPU in ``/proc/cpuinfo``; None where there is no such file."""
+def cpu_info(field: str) -> str | None:
+    """The value of ``field`` (``flags``, ``model name``) for this machine's first CPU in ``/proc/cpuinfo``; None
+    where there is no such file (macOS, Windows) or no such field.  Read once per field and process."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return None
-    return next((frozenset(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), None)
+    return next((value.strip() for name, _, value in (line.partition(":") for line in lines)
+                 if name.strip() == field), None)
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The instruction-set flags of this machine's CPU; None where they cannot be read."""
+    flags = cpu_info("flags")
+    return None if flags is None else frozenset(flags.split())
 
 
 def int8_kernels(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
