@@ -46,10 +46,13 @@ class DecodingRules:
       α > 0 lets a longer caption overtake a short one that ended early.
     * ``block_trigrams``: a word that would repeat a trigram already in the caption is never chosen (the hard
       form of self-critical.pytorch's ``block_trigrams``; fairseq's ``no_repeat_ngram_size=3``).
+    * ``block_doubled_words``: a word is never chosen right after itself ("green green"; self-critical.pytorch's
+      ``decoding_constraint``, "not allowing same word in a row").
     """
 
     length_penalty: float = 0.0
     block_trigrams: bool = False
+    block_doubled_words: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.length_penalty <= 5.0:
@@ -57,7 +60,12 @@ class DecodingRules:
 
     @property
     def active(self) -> bool:
-        return bool(self.length_penalty) or self.block_trigrams
+        return bool(self.length_penalty) or self.blocks
+
+    @property
+    def blocks(self) -> bool:
+        """Whether some words are never chosen (by either blocking rule)."""
+        return self.block_trigrams or self.block_doubled_words
 
     @classmethod
     def of_checkpoint(cls, meta: dict) -> "DecodingRules":
@@ -65,10 +73,12 @@ class DecodingRules:
         tune-decoding``), else none."""
         return cls(**meta.get("decoding", {}))
 
-    def overridden(self, length_penalty: float | None = None, block_trigrams: bool | None = None) -> "DecodingRules":
+    def overridden(self, length_penalty: float | None = None, block_trigrams: bool | None = None,
+                   block_doubled_words: bool | None = None) -> "DecodingRules":
         """These rules with the values a request or a command line names (None: keep this one)."""
         return DecodingRules(self.length_penalty if length_penalty is None else length_penalty,
-                             self.block_trigrams if block_trigrams is None else block_trigrams)
+                             self.block_trigrams if block_trigrams is None else block_trigrams,
+                             self.block_doubled_words if block_doubled_words is None else block_doubled_words)
 
 
 NO_RULES = DecodingRules()
@@ -193,13 +203,15 @@ def _forbid(logprobs: Tensor, token_ids: tuple[int, ...]) -> Tensor:
 class RowHistory:
     """What the :class:`DecodingRules` need of every row of a decoding table: the words it emitted ``tokens`` ``[R,
     W]`` (entries at or past ``lengths`` are meaningless), ``lengths`` ``[R]`` (tokens emitted, EOS included, frozen
-    once the row has finished) and each row's own rules, ``alpha`` ``[R]`` (length penalty) and ``trigrams``
-    ``[R]`` (block repeated trigrams): rows of different requests share a table in the service's batcher."""
+    once the row has finished) and each row's own rules, ``alpha`` ``[R]`` (length penalty), ``trigrams`` ``[R]``
+    (block repeated trigrams) and ``doubles`` ``[R]`` (block doubled words): rows of different requests share a
+    table in the service's batcher."""
 
     tokens: Tensor
     lengths: Tensor
     alpha: Tensor
     trigrams: Tensor
+    doubles: Tensor
     # known on the host, so a table whose rows have no rules skips their arithmetic without asking the device
     penalised: bool = False
     blocking: bool = False
@@ -210,23 +222,25 @@ class RowHistory:
         """Empty histories for groups of ``widths[g]`` rows, group ``g`` decoded with ``rules[g]``."""
         rows, counts = sum(widths), torch.tensor(list(widths), dtype=torch.long)
         alpha = torch.repeat_interleave(torch.tensor([r.length_penalty for r in rules], dtype=torch.float32), counts)
-        trigrams = torch.repeat_interleave(torch.tensor([r.block_trigrams for r in rules]), counts)
+        trigrams, doubles = (torch.repeat_interleave(torch.tensor(flags), counts).to(device, non_blocking=True)
+                             for flags in ([r.block_trigrams for r in rules], [r.block_doubled_words for r in rules]))
         # one column more than any caption's length: a finished row keeps writing EOS just past its end
         return cls(torch.zeros((rows, max_len + 1), dtype=torch.long, device=device),
                    torch.zeros(rows, dtype=torch.long, device=device),
-                   alpha.to(device, non_blocking=True), trigrams.to(device, non_blocking=True),
-                   penalised=any(r.length_penalty for r in rules), blocking=any(r.block_trigrams for r in rules))
+                   alpha.to(device, non_blocking=True), trigrams, doubles,
+                   penalised=any(r.length_penalty for r in rules), blocking=any(r.blocks for r in rules))
 
     def select(self, rows: Tensor) -> "RowHistory":
         return RowHistory(*(value.index_select(0, rows) for value in (self.tokens, self.lengths, self.alpha,
-                                                                       self.trigrams)),
+                                                                       self.trigrams, self.doubles)),
                           penalised=self.penalised, blocking=self.blocking)
 
     def cat(self, other: "RowHistory") -> "RowHistory":
         width = max(self.tokens.shape[1], other.tokens.shape[1])
         tokens = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)]
-        return RowHistory(torch.cat(tokens), torch.cat([self.lengths, other.lengths]),
-                          torch.cat([self.alpha, other.alpha]), torch.cat([self.trigrams, other.trigrams]),
+        return RowHistory(torch.cat(tokens), *(torch.cat([mine, theirs]) for mine, theirs in (
+                              (self.lengths, other.lengths), (self.alpha, other.alpha),
+                              (self.trigrams, other.trigrams), (self.doubles, other.doubles))),
                           penalised=self.penalised or other.penalised, blocking=self.blocking or other.blocking)
 
     def after(self, step: "BeamStep", finished_before: Tensor) -> "RowHistory":
@@ -240,7 +254,8 @@ class RowHistory:
         return parent
 
     def blocked(self, vocab: int) -> Tensor:
-        """``[R, V]`` bool: the words that would complete a trigram the row already holds (rows that block)."""
+        """``[R, V]`` bool: the words that would complete a trigram the row already holds (rows that block
+        trigrams), and the row's last word (rows that block doubled words)."""
         tokens, n = self.tokens, self.lengths
         last_two = tokens.gather(1, torch.stack([(n - 2).clamp(min=0), (n - 1).clamp(min=0)], 1))
         starts = torch.arange(tokens.shape[1] - 2, device=tokens.device)
@@ -248,7 +263,9 @@ class RowHistory:
         repeats = ((tokens[:, :-2] == last_two[:, :1]) & (tokens[:, 1:-1] == last_two[:, 1:])
                    & (starts[None, :] <= (n - 3)[:, None]) & self.trigrams[:, None])
         counts = torch.zeros((tokens.shape[0], vocab), device=tokens.device)
-        return counts.scatter_add_(1, tokens[:, 2:], repeats.float()) > 0
+        counts.scatter_add_(1, tokens[:, 2:], repeats.float())
+        # the last word, once there is one (a finished row's last word is EOS, which beam_step lets it repeat)
+        return counts.scatter_add_(1, last_two[:, 1:], ((n > 0) & self.doubles).float()[:, None]) > 0
 
     def penalty(self, finished: Tensor) -> Tensor:
         """``[R]`` GNMT divisor ``((5 + |y|) / 6)^α`` of every row's candidates: a live row's grow by one word."""
@@ -355,8 +372,8 @@ def beam_search(
     """Beam search over a batch of images; returns ``n_best`` hypotheses per image, best first.
 
     Finished hypotheses may only be extended by EOS at log-prob 0, so they keep competing with live ones on
-    their final score.  ``rules``: length penalty and trigram blocking (:class:`DecodingRules`).  ``extras=True``
-    keeps every extra map the model reports; a tuple keeps only those.
+    their final score.  ``rules``: length penalty, trigram and doubled-word blocking (:class:`DecodingRules`).
+    ``extras=True`` keeps every extra map the model reports; a tuple keeps only those.
     """
     check_search([k], max_len, rules)
     model.check_visual(vis)
@@ -381,7 +398,8 @@ def check_search(widths: Sequence[int], max_len: int, rules: DecodingRules) -> N
     if not _whole(max_len) or max_len < 1:
         raise ValueError(f"max_len must be a whole number of at least 1, got {max_len!r}")
     if not isinstance(rules, DecodingRules):
-        raise TypeError(f"rules must be DecodingRules(length_penalty=…, block_trigrams=…), got {rules!r}")
+        raise TypeError(f"rules must be DecodingRules(length_penalty=…, block_trigrams=…, block_doubled_words=…), "
+                        f"got {rules!r}")
 
 
 StepFn = Callable[[Tensor, DecState, EncState], tuple[Tensor, DecState, AttnRecord]]

@@ -53,8 +53,8 @@ STOP_WAIT_S = 1.0
 FIGURE_PANEL = 224
 #: a line's fields without --attention (CaptionOut's names; ``path`` comes first): the caption, and how it was
 #: decoded (the model, beam and decoding rules)
-SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", "length_penalty", "block_trigrams", "caption", "tokens",
-                  "token_logprobs", "score")
+SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", "length_penalty", "block_trigrams", "block_doubled_words",
+                  "caption", "tokens", "token_logprobs", "score")
 
 
 class ArchiveError(RuntimeError):
@@ -225,6 +225,7 @@ class ArchiveOptions:
     readers: int = 2  # threads that read, decode and preprocess files
     length_penalty: float | None = None  # the decoding rules (None: the checkpoint's defaults)
     block_trigrams: bool | None = None
+    block_doubled_words: bool | None = None
 
 
 @dataclass
@@ -341,7 +342,8 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
     warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
     ``on_done`` is called once per image, captioned or skipped (the progress bar)."""
     window = in_flight(settings, options.beam_size)
-    rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
+    rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams,
+                                             options.block_doubled_words)
     batcher = _started_batcher(runtime, settings, window)
     feed = None
     # everything after the start is inside the try, the feed's own set-up (its --heatmaps folder) included: a

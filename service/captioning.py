@@ -47,6 +47,7 @@ class CaptionParameters:
     max_len: int | None = None
     length_penalty: float | None = None
     block_trigrams: bool | None = None
+    block_doubled_words: bool | None = None
 
 
 @dataclass
@@ -141,9 +142,10 @@ def loaded_models(state: ServiceState) -> list[tuple[ModelInfo, bool]]:
 
 
 def decoding_rules(runtime: Runtime, options: CaptionParameters) -> DecodingRules:
-    """The request's length penalty and trigram blocking, each defaulting to the model's own
+    """The request's length penalty, trigram and doubled-word blocking, each defaulting to the model's own
     (:attr:`~captioner.models.inference.Runtime.default_rules`)."""
-    return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams)
+    return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams,
+                                            options.block_doubled_words)
 
 
 def decode_and_prepare(runtime: Runtime, opened: Image.Image) -> Prepared:

@@ -206,7 +206,7 @@ def cmd_caption(args: argparse.Namespace) -> None:
                                                       "threads": args.threads}.items() if v is not None})
         options = ArchiveOptions(args.beam_size, args.max_len, args.attention,
                                  Path(args.heatmaps) if args.heatmaps else None, args.readers, args.length_penalty,
-                                 args.block_trigrams)
+                                 args.block_trigrams, args.block_doubled_words)
         run = caption_archive(args.images, Path(args.output), Path((args.checkpoint or [DEFAULT_CHECKPOINT])[0]),
                               settings, options, args.resume, parse_shard(args.shard or "0/1"), args.progress)
     except ArchiveError as exc:

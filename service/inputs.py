@@ -3,7 +3,7 @@
 * ``multipart/form-data``: the image as the ``file`` part; options as form fields, honoured exactly like the
   query parameters (given both ways with different values: 422 naming both); any other part: 422 naming it.
 * ``application/json``: ``{"image": base64 or data: URL, "model", "beam_size", "max_len", "length_penalty",
-  "block_trigrams"}``; its options override the query parameters.
+  "block_trigrams", "block_doubled_words"}``; its options override the query parameters.
 * ``image/*`` or ``application/octet-stream``: the raw image; options from the query only.
 
 Size limits are enforced while reading (before reading, when the client announced the length), so an oversized
@@ -67,12 +67,14 @@ BeamQuery = _as_query("beam_size")
 LengthQuery = _as_query("max_len")
 PenaltyQuery = _as_query("length_penalty")
 TrigramQuery = _as_query("block_trigrams")
+DoubledWordQuery = _as_query("block_doubled_words")
 
 
 def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_len: LengthQuery = None,
-                   length_penalty: PenaltyQuery = None, block_trigrams: TrigramQuery = None) -> CaptionOptions:
+                   length_penalty: PenaltyQuery = None, block_trigrams: TrigramQuery = None,
+                   block_doubled_words: DoubledWordQuery = None) -> CaptionOptions:
     return CaptionOptions(model=model, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty,
-                          block_trigrams=block_trigrams)
+                          block_trigrams=block_trigrams, block_doubled_words=block_doubled_words)
 
 
 #: the caption options given as query parameters, for the endpoints that caption an upload

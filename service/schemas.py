@@ -60,6 +60,8 @@ class CaptionOptions(BaseModel):
         "((5 + length) / 6)^α (0: none; larger: longer captions); default: the model's (GET /models)")
     block_trigrams: bool | None = Field(
         None, description="never repeat a word trigram within a caption; default: the model's (GET /models)")
+    block_doubled_words: bool | None = Field(
+        None, description="never follow a word with itself (\"green green\"); default: the model's (GET /models)")
 
 
 CAPTION_OPTIONS = tuple(CaptionOptions.model_fields)
@@ -161,6 +163,7 @@ class CaptionOut(Answer):
     beam_size: int
     length_penalty: float = Field(0.0, description="the GNMT length penalty α the caption was decoded with")
     block_trigrams: bool = Field(False, description="whether repeated word trigrams were blocked")
+    block_doubled_words: bool = Field(False, description="whether a word was kept from following itself")
     caption: str
     tokens: list[str] = Field(description="emitted words; the last is <eos> when the caption ended normally")
     is_eos: list[bool] = Field(description="flags the <eos> row of the attention")
@@ -191,6 +194,7 @@ def _caption_fields(result: CaptionResult, result_id: str | None, rows, geometry
     return dict(
         id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
         length_penalty=result.rules.length_penalty, block_trigrams=result.rules.block_trigrams,
+        block_doubled_words=result.rules.block_doubled_words,
         caption=result.caption, tokens=result.tokens, is_eos=hyp.is_eos,
         token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
         score=round(hyp.score, LOGPROB_DECIMALS), geometry=(geometry or GeometryOut.of)(result.geometry),
@@ -215,6 +219,7 @@ class DecodingOut(Answer):
 
     length_penalty: float = Field(description="GNMT length penalty α (0: none)")
     block_trigrams: bool = Field(description="no word trigram repeated within a caption")
+    block_doubled_words: bool = Field(description="no word right after itself")
 
 
 class ModelOut(Answer):

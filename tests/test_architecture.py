@@ -87,7 +87,8 @@ def test_the_captioning_use_case_takes_no_wire_model():
     from captioner.service.inputs import caption_parameters
     from captioner.service.schemas import CAPTION_OPTIONS, CaptionOptions
 
-    given = {"model": "m", "beam_size": 2, "max_len": 9, "length_penalty": 0.5, "block_trigrams": True}
+    given = {"model": "m", "beam_size": 2, "max_len": 9, "length_penalty": 0.5, "block_trigrams": True,
+             "block_doubled_words": True}
     assert set(given) == set(CAPTION_OPTIONS)  # every wire option is carried over, with its value
     assert caption_parameters(CaptionOptions(**given)) == CaptionParameters(**given)
 

@@ -152,7 +152,7 @@ def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
               str(tmp_path / "cache"), "--output", str(out), "--no-meteor", "--length-penalty", "1.5",
               "--block-trigrams")
     report = json.loads(out.read_text())
-    assert report["decoding"] == {"length_penalty": 1.5, "block_trigrams": True}
+    assert report["decoding"] == {"length_penalty": 1.5, "block_trigrams": True, "block_doubled_words": False}
     for measure in ("REP", "distinct_words", "novel_captions", "mean_length"):
         assert measure in report["test"], measure
     assert 0.0 <= report["test"]["novel_captions"] <= 1.0 and report["test"]["REP"] >= 0.0
@@ -172,11 +172,12 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
     assert refused.returncode != 0 and "--split val" in refused.stderr
     done = captioner("tune-decoding", str(ckpt), "--split", "val", "--write", *common)
     grid = json.loads(rows.read_text())
-    assert [(r["length_penalty"], r["block_trigrams"]) for r in grid["rows"]] == [(0, False), (0, True), (2, False),
-                                                                                  (2, True)]
+    assert [(r["length_penalty"], r["block_trigrams"], r["block_doubled_words"]) for r in grid["rows"]] == [
+        (0, False, False), (0, True, False), (2, False, False), (2, True, False)]  # doubled words: off unless asked
     best = max(grid["rows"], key=lambda r: (r["CIDEr-D"], -r["length_penalty"], not r["block_trigrams"]))
     stored = load_checkpoint(ckpt).meta  # rewritten with its manifest: it still loads and verifies
-    assert stored["decoding"] == {"length_penalty": best["length_penalty"], "block_trigrams": best["block_trigrams"]}
+    assert stored["decoding"] == {"length_penalty": best["length_penalty"], "block_trigrams": best["block_trigrams"],
+                                  "block_doubled_words": False}
     assert stored["decoding_chosen_on"]["split"] == "val" and "best by CIDEr-D" in done.stdout
     assert stored["decoding_chosen_on"]["score"] == best["CIDEr-D"]
 

@@ -116,12 +116,12 @@ def test_sample_draws_from_the_whole_softmax(tiny_sat, random_visuals):
 # --------------------------------------------------------------------------------------------------------------
 # Decoding rules (length penalty, trigram blocking, <unk>) against a naive beam search over Python lists
 # --------------------------------------------------------------------------------------------------------------
-def _naive_search(next_logprobs, forbidden, eos, k, max_len, alpha, block_trigrams):
+def _naive_search(next_logprobs, forbidden, eos, k, max_len, alpha, block_trigrams, block_doubled_words=False):
     """Beam search written the slow way over Python lists: ``next_logprobs(tokens)`` scores every word after a
     prefix; candidates are ranked by summed log-prob / ((5 + length) / 6)^alpha (self-critical.pytorch's
     ``length_wu``), a finished hypothesis keeps its length and its score; EOS never comes first, and with
-    ``block_trigrams`` no word completes a trigram the prefix already holds.  Every final hypothesis, best first,
-    with its ranked score."""
+    ``block_trigrams`` no word completes a trigram the prefix already holds, with ``block_doubled_words`` none
+    repeats the prefix's last word.  Every final hypothesis, best first, with its ranked score."""
     def rank(score, length):
         return score / ((5.0 + length) ** alpha / 6.0 ** alpha)
 
@@ -136,6 +136,8 @@ def _naive_search(next_logprobs, forbidden, eos, k, max_len, alpha, block_trigra
                       if block_trigrams and tokens[i:i + 2] == tokens[-2:]}
             if not tokens:  # a caption has a word before its EOS
                 banned.add(eos)
+            elif block_doubled_words:
+                banned.add(tokens[-1])
             for word, lp in enumerate(next_logprobs(tokens).tolist()):
                 if word not in forbidden and word not in banned:
                     candidates.append((tokens + [word], score + lp, word == eos))
@@ -147,7 +149,7 @@ def _naive_search(next_logprobs, forbidden, eos, k, max_len, alpha, block_trigra
                   reverse=True)
 
 
-def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False):
+def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False, block_doubled_words=False):
     """:func:`_naive_search` over a model: every hypothesis re-runs it over its prefix.  The best caption."""
     single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
 
@@ -161,7 +163,7 @@ def _naive_beam(model, vis, row, k, max_len, alpha=0.0, block_trigrams=False):
         return model.step(prev, state, enc)[0][0].double()
 
     return _naive_search(next_logprobs, set(never_emitted(model)), model.eos_id, k, max_len, alpha,
-                         block_trigrams)[0][0]
+                         block_trigrams, block_doubled_words)[0][0]
 
 
 def _repeats_a_trigram(tokens):
@@ -178,11 +180,12 @@ def repetitive_sat(tiny_sat):
     return tiny_sat
 
 
-@pytest.mark.parametrize("alpha,block", [(0.0, True), (1.0, False), (2.0, True)])
-def test_rules_equal_a_naive_beam_search(repetitive_sat, random_visuals, alpha, block):
-    rules = DecodingRules(length_penalty=alpha, block_trigrams=block)
+@pytest.mark.parametrize("alpha,block,doubled", [(0.0, True, False), (1.0, False, False), (2.0, True, False),
+                                                 (0.0, False, True), (1.0, True, True)])
+def test_rules_equal_a_naive_beam_search(repetitive_sat, random_visuals, alpha, block, doubled):
+    rules = DecodingRules(length_penalty=alpha, block_trigrams=block, block_doubled_words=doubled)
     for row, hyps in enumerate(beam_search(repetitive_sat, random_visuals, k=3, max_len=9, rules=rules)):
-        assert hyps[0].token_ids == _naive_beam(repetitive_sat, random_visuals, row, 3, 9, alpha, block)
+        assert hyps[0].token_ids == _naive_beam(repetitive_sat, random_visuals, row, 3, 9, alpha, block, doubled)
 
 
 def test_trigram_blocking_removes_repeats_that_happen_without_it(repetitive_sat, random_visuals):
@@ -190,6 +193,18 @@ def test_trigram_blocking_removes_repeats_that_happen_without_it(repetitive_sat,
     assert any(_repeats_a_trigram(h[0].token_ids) for h in plain)  # the model does repeat
     blocked = beam_search(repetitive_sat, random_visuals, k=3, max_len=15, rules=DecodingRules(block_trigrams=True))
     assert not any(_repeats_a_trigram(h[0].token_ids) for h in blocked)
+
+
+def _doubles_a_word(tokens):
+    return any(a == b for a, b in zip(tokens, tokens[1:]))
+
+
+def test_doubled_word_blocking_removes_doubled_words_that_happen_without_it(repetitive_sat, random_visuals):
+    plain = beam_search(repetitive_sat, random_visuals, k=3, max_len=15)
+    assert any(_doubles_a_word(h[0].token_ids) for h in plain)  # the model does double words
+    blocked = beam_search(repetitive_sat, random_visuals, k=3, max_len=15,
+                          rules=DecodingRules(block_doubled_words=True))
+    assert not any(_doubles_a_word(h[0].token_ids) for h in blocked)
 
 
 def test_a_length_penalty_lengthens_captions_and_zero_changes_nothing(tiny_sat, random_visuals):
@@ -279,3 +294,19 @@ def test_search_rows_equals_a_naive_beam_search_on_scripted_models(alpha, block)
                 prefix = [BOS, BOS] + hyp.token_ids
                 assert hyp.attention.argmax(-1).tolist() == prefix[1:-1]
                 assert hyp.extras["before"].argmax(-1).tolist() == prefix[:-2]
+
+
+def test_tune_decodings_choice_prefers_the_simpler_rules_on_a_tie_and_reads_rows_older_than_a_rule():
+    """``best_row`` breaks a tie towards no penalty, then no trigram blocking, then no doubled-word blocking; a row
+    written before doubled-word blocking existed (no such field) is read with it off."""
+    from captioner.models.evaluation.tuning import best_row, rules_of
+
+    def row(alpha, trigrams, doubled, cider):
+        return {"length_penalty": alpha, "block_trigrams": trigrams, "block_doubled_words": doubled, "CIDEr-D": cider}
+
+    tied = [row(0.5, False, False, 0.5), row(0.0, True, True, 0.5), row(0.0, True, False, 0.5),
+            row(0.0, False, True, 0.5), row(1.0, True, True, 0.4)]
+    assert rules_of(best_row(tied, "CIDEr-D")) == DecodingRules(block_doubled_words=True)
+    assert rules_of(best_row(tied + [row(0.0, False, False, 0.5)], "CIDEr-D")) == DecodingRules()
+    assert rules_of(best_row([row(1.0, True, True, 0.6), *tied], "CIDEr-D")) == DecodingRules(1.0, True, True)
+    assert rules_of({"length_penalty": 0.5, "block_trigrams": True, "CIDEr-D": 0.1}) == DecodingRules(0.5, True)

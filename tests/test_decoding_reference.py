@@ -7,6 +7,8 @@ References transcribed from ruotianluo/self-critical.pytorch (commit 0edc73621e3
   has just emitted the end token (or reached the length limit) is copied to ``done_beams`` with its score passed
   through ``length_penalty(t + 1, p)`` and its slot set to -1000; ``<unk>`` loses 1000 at every step ("suppress UNK
   tokens in the decoding"); the answer is the best of ``done_beams``.
+  With ``decoding_constraint`` ("not allowing same word in a row") each beam's previous word is set to -inf
+  before the step's candidates are ranked.
 * ``misc/utils.py``, ``penalty_builder`` / ``length_wu``: ``p / (((5 + length) ** alpha) / ((5 + 1) ** alpha))``,
   the length counting the end token (``t + 1`` at the step that emitted it).
 * ``models/AttModel.py``, ``_sample`` with ``block_trigrams``: from ``t >= 3`` the trigram ending at the previous
@@ -78,7 +80,8 @@ def length_wu(length, logprobs, alpha=0.0):
     return logprobs / modifier
 
 
-def self_critical_beam(model: ToyDecoder, image: int, beam_size: int, seq_length: int, alpha: float):
+def self_critical_beam(model: ToyDecoder, image: int, beam_size: int, seq_length: int, alpha: float,
+                       decoding_constraint: bool = False):
     """self-critical.pytorch ``CaptionModel.beam_search`` with one group, transcribed (its EOS is our EOS id, its
     UNK column our UNK id)."""
     beam_seq = torch.zeros(seq_length, beam_size, dtype=torch.long)
@@ -89,6 +92,9 @@ def self_critical_beam(model: ToyDecoder, image: int, beam_size: int, seq_length
     logprobs, state = model.logprobs(torch.full((beam_size,), BOS), state, torch.full((beam_size,), image))
     for t in range(seq_length):
         logprobsf = logprobs.clone()
+        # suppress previous word
+        if decoding_constraint and t > 0:
+            logprobsf.scatter_(1, beam_seq[t - 1].unsqueeze(1), float("-inf"))
         logprobsf[:, UNK] = logprobsf[:, UNK] - 1000  # suppress UNK tokens in the decoding
         # beam_step
         ys, ix = torch.sort(logprobsf, 1, True)
@@ -210,3 +216,23 @@ def test_trigram_blocking_is_self_criticals_block_trigrams_in_its_hard_limit(see
         grams = [tuple(tokens[i:i + 3]) for i in range(len(tokens) - 2)]
         repeated += len(grams) != len(set(grams))
     assert seed or repeated, "the toy model repeats trigrams without the rule"
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_doubled_word_blocking_is_self_criticals_decoding_constraint(seed, k):
+    """``block_doubled_words`` is self-critical.pytorch's ``decoding_constraint``: the same captions and scores from
+    a toy model that doubles words without it.  Its captions run to the length limit (no end token), where the
+    searches' documented difference about captions that finished early cannot arise."""
+    images, max_len = 4, 12
+    model = ToyDecoder(seed, images, eos_bias=-50.0, repeat=True)
+    ours = project_beam(model, images, k, max_len, DecodingRules(block_doubled_words=True))
+    plain = project_beam(model, images, k, max_len, DecodingRules())
+    doubled = 0
+    for image in range(images):
+        theirs, score = self_critical_beam(model, image, k, max_len, 0.0, decoding_constraint=True)
+        tokens = ours[image][0].token_ids
+        assert tokens == theirs and ours[image][0].score == pytest.approx(score, abs=1e-4)
+        assert all(a != b for a, b in zip(tokens, tokens[1:]))
+        doubled += any(a == b for a, b in zip(plain[image][0].token_ids, plain[image][0].token_ids[1:]))
+    assert doubled, "the toy model doubles words without the rule"

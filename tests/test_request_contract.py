@@ -332,7 +332,8 @@ def test_openapi_documents_the_form_fields(client):
         assert content["multipart/form-data"]["schema"] == {"$ref": "#/components/schemas/CaptionForm"}, path
         assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/CaptionJSON"}, path
     form = components["CaptionForm"]
-    assert set(form["properties"]) == {"file", "model", "beam_size", "max_len", "length_penalty", "block_trigrams"}
+    assert set(form["properties"]) == {"file", "model", "beam_size", "max_len", "length_penalty", "block_trigrams",
+                                       "block_doubled_words"}
     assert form["required"] == ["file"] and form["additionalProperties"] is False
     assert form["properties"]["file"]["format"] == "binary"
     # a form field is text or absent, never null: a generated client sent None as the text "None" (a model named so)
@@ -426,29 +427,32 @@ def test_openapi_serves_generated_clients(client):
     assert set(schemas["DecodingOut"]["properties"]) == {f.name for f in dataclasses.fields(DecodingRules)}
     assert schemas["Problem"]["properties"]["errors"]["items"]["required"] == ["loc", "msg"]
     models = client.get("/models").json()
-    assert all(set(m["decoding"]) == {"length_penalty", "block_trigrams"} for m in models)
+    assert all(set(m["decoding"]) == {"length_penalty", "block_trigrams", "block_doubled_words"} for m in models)
     assert "area_topk" in schemas["HeatmapMode"]["enum"]
 
 
 def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):
-    """length_penalty and block_trigrams are options like the others: the answer says what was used, the model's
-    defaults when the request names none, and the three ways of giving them agree."""
+    """length_penalty, block_trigrams and block_doubled_words are options like the others: the answer says what was
+    used, the model's defaults when the request names none, and the three ways of giving them agree."""
+    rules = ("length_penalty", "block_trigrams", "block_doubled_words")
     default = post(client, photo).json()
-    assert (default["length_penalty"], default["block_trigrams"]) == (0.0, False)  # no defaults stored: none
-    options = {"length_penalty": "1.5", "block_trigrams": "true", "max_len": "12"}
+    assert tuple(default[r] for r in rules) == (0.0, False, False)  # no defaults stored: none
+    options = {"length_penalty": "1.5", "block_trigrams": "true", "block_doubled_words": "true", "max_len": "12"}
     by_form = post(client, photo, fields=options)
     assert by_form.status_code == 200, by_form.text
-    assert (by_form.json()["length_penalty"], by_form.json()["block_trigrams"]) == (1.5, True)
+    assert tuple(by_form.json()[r] for r in rules) == (1.5, True, True)
     same_caption(by_form.json(), post(client, photo, params=options).json())
     encoded = base64.b64encode(photo).decode()
     by_json = client.post("/caption", params={"block_trigrams": "false"},
-                          json={"image": encoded, "length_penalty": 1.5, "block_trigrams": True, "max_len": 12})
+                          json={"image": encoded, "length_penalty": 1.5, "block_trigrams": True,
+                                "block_doubled_words": True, "max_len": 12})
     same_caption(by_form.json(), by_json.json())
     # a JSON false overrides the query's true (it is a value, not a missing field)
     off = client.post("/caption", params={"block_trigrams": "true"}, json={"image": encoded, "block_trigrams": False})
     assert off.json()["block_trigrams"] is False
     for fields, field in (({"length_penalty": "-1"}, "length_penalty"), ({"length_penalty": "6"}, "length_penalty"),
-                          ({"block_trigrams": "maybe"}, "block_trigrams")):
+                          ({"block_trigrams": "maybe"}, "block_trigrams"),
+                          ({"block_doubled_words": "2"}, "block_doubled_words")):
         body = problem(post(client, photo, fields=fields))
         assert [e["loc"] for e in body["errors"]] == [["body", field]], body
 

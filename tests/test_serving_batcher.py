@@ -60,14 +60,16 @@ def test_batched_captions_equal_solo_beam_search(arch, encoder):
 
 
 def test_requests_with_their_own_decoding_rules_get_what_they_would_get_alone(encoder):
-    """Length penalties and trigram blocking are per request: rows with and without rules share a table, join
-    and leave it, and each request still gets its solo beam search with its own rules."""
+    """Length penalties, trigram and doubled-word blocking are per request: rows with and without rules share a
+    table, join and leave it, and each request still gets its solo beam search with its own rules."""
     runtime = runtime_for("sat", encoder)
     images = [runtime.prepare(image) for image in random_images(5, seed=11)]
     trigrams, long, both = DecodingRules(block_trigrams=True), DecodingRules(length_penalty=2.0), \
         DecodingRules(length_penalty=1.0, block_trigrams=True)
+    doubled = DecodingRules(length_penalty=1.0, block_doubled_words=True)
     schedule = [(0, images[0], 3, 14), (0, images[1], 2, 12, trigrams), (2, images[2], 3, 14, long),
-                (3, images[3], 1, 10), (3, images[4], 3, 14, both), (9, images[0], 2, 14, trigrams)]
+                (3, images[3], 1, 10), (3, images[4], 3, 14, both), (9, images[0], 2, 14, trigrams),
+                (9, images[2], 3, 14, doubled)]
     batcher = Batcher(runtime, max_batch=2, queue_size=16, max_rows=256)
     batcher.start(worker=False)
     results = asyncio.run(drive(batcher, schedule))

@@ -173,6 +173,8 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                              "`captioner tune-decoding`; 0: none)")
     parser.add_argument("--block-trigrams", action=argparse.BooleanOptionalAction, default=None,
                         help="never repeat a word trigram within a caption (default: the checkpoint's)")
+    parser.add_argument("--block-doubled-words", action=argparse.BooleanOptionalAction, default=None,
+                        help="never follow a word with itself, as in 'green green' (default: the checkpoint's)")
 
 
 def add_search_options(parser: argparse.ArgumentParser, rules: bool = True) -> None:
@@ -197,7 +199,8 @@ def add_threads_option(parser: argparse.ArgumentParser) -> None:
 def decoding_rules(ckpt, args: argparse.Namespace):
     from ..decoding import DecodingRules
 
-    return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams)
+    return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams,
+                                                             args.block_doubled_words)
 
 
 def load_split(dataset, image_root, split: str, **options) -> list:

@@ -43,6 +43,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     evaluation = evaluation_report(
         args.checkpoint, args.dataset, args.split or ["test"], image_root=args.image_root, beam_size=args.beam_size,
         max_len=args.max_len, length_penalty=args.length_penalty, block_trigrams=args.block_trigrams,
+        block_doubled_words=args.block_doubled_words,
         limit=args.limit, meteor=not args.no_meteor, ptb=args.ptb, misses=args.misses, features=args.features,
         cache_dir=args.cache_dir, device=args.device, encoder_precision=args.encoder_precision,
         onnx_dir=args.onnx_dir, threads=args.threads, grounding=args.grounding,

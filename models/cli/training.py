@@ -200,14 +200,15 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
                                         str(device))
     training_captions = train_split_captions(dataset, args.image_root)
     rows = decoding_grid(ckpt, images, store, args.length_penalties, args.block_trigrams, args.beam_size,
-                         args.max_len, device=str(device), training_captions=training_captions)
+                         args.max_len, device=str(device), training_captions=training_captions,
+                         doubled_options=args.block_doubled_words)
     chosen = best_row(rows, args.metric)
     best, score = rules_of(chosen), chosen[args.metric]
     columns = ["BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D", "REP", "distinct_words", "novel_captions", "mean_length"]
     table = markdown_table(rows, columns)
     print(table)
     print(f"best by {args.metric} on {args.split}: length_penalty={best.length_penalty:g}, "
-          f"block_trigrams={best.block_trigrams}")
+          f"block_trigrams={best.block_trigrams}, block_doubled_words={best.block_doubled_words}")
     if args.output:
         choice = {"checkpoint": str(args.checkpoint), "dataset": str(dataset), "split": args.split,
                   "beam_size": args.beam_size, "metric": args.metric, "best": asdict(best), "rows": rows}
@@ -313,8 +314,8 @@ def _add_ensemble(sub: argparse._SubParsersAction) -> None:
 
 @_group.command("tune-decoding")
 def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
-    td = sub.add_parser("tune-decoding", help="score every (length penalty, trigram blocking) pair of a grid on a "
-                        "split; --write keeps the best as the checkpoint's defaults")
+    td = sub.add_parser("tune-decoding", help="score every combination of decoding rules of a grid on a split; "
+                        "--write keeps the best as the checkpoint's defaults")
     td.add_argument("checkpoint", help="checkpoint folder (with --write, its config.json takes the defaults)")
     add_dataset_options(td)
     td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
@@ -322,8 +323,10 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
                     metavar="ALPHA", help="GNMT length penalties to try")
     td.add_argument("--block-trigrams", type=yes_or_no, nargs="+",
                     default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
+    td.add_argument("--block-doubled-words", type=yes_or_no, nargs="+", default=[False], metavar="BOOL",
+                    help="doubled-word blocking off and/or on (default: off only)")
     td.add_argument("--metric", default="CIDEr-D", choices=("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D"),
-                    help="the score the best pair is chosen by")
+                    help="the score the best combination is chosen by")
     add_search_options(td, rules=False)
     td.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
     add_cache_option(td)

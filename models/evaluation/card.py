@@ -245,7 +245,8 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
         "",
         f"## Measured by `captioner eval` (beam {report.get('beam_size', '?')}"
         + (f", length penalty α = {decoding.get('length_penalty', 0):g}, trigram blocking "
-           f"{'on' if decoding.get('block_trigrams') else 'off'}" if decoding else "") + ")",
+           f"{'on' if decoding.get('block_trigrams') else 'off'}" if decoding else "")
+        + (", doubled words blocked" if decoding.get("block_doubled_words") else "") + ")",
         "",
         *([f"The decoding rules were chosen on the {chosen['split']} split by {chosen['metric']} (`captioner "
            f"tune-decoding`, {chosen['images']} images); they are the checkpoint's defaults.", ""] if chosen else []),

@@ -82,6 +82,7 @@ class ScoredSplit:
 def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None, splits: Sequence[str] = ("test",),
                       *, image_root: str | Path | None = None, beam_size: int = 3, max_len: int = 20,
                       length_penalty: float | None = None, block_trigrams: bool | None = None,
+                      block_doubled_words: bool | None = None,
                       limit: int | None = None, meteor: bool = True, ptb: bool = False, misses: int = 0,
                       features: str | None = None, cache_dir: str | Path = ".cache/features",
                       device: str = "auto", encoder_precision: str = "float32",
@@ -93,8 +94,9 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
     the generated scenes, objects named (``score_dataset``), as ``captioner eval`` reports them.  The keywords are
     the command's flags, one for one.
 
-    ``dataset`` None: :func:`evaluated_dataset`.  ``length_penalty`` and ``block_trigrams`` override the
-    checkpoint's decoding defaults (None keeps them).  ``limit``: the first N images of each split.  ``ptb``:
+    ``dataset`` None: :func:`evaluated_dataset`.  ``length_penalty``, ``block_trigrams`` and
+    ``block_doubled_words`` override the checkpoint's decoding defaults (None keeps them).  ``limit``: the first N
+    images of each split.  ``ptb``:
     score on coco-caption's PTB tokenization (needs Java; refused before the captioning without it).  ``misses``:
     add the N caption words BLEU-1 most often leaves uncredited.  ``features``: ``grid`` or ``regions:DIR``
     (default: what the checkpoint was trained on), cached in ``cache_dir``.  ``encoder_precision`` ``int8``: grid
@@ -119,7 +121,7 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
     chosen, image_root = evaluated_dataset(checkpoint, ckpt.meta.get("train_config", {}), dataset, image_root,
                                            for_entities=entities is not None)
     chosen = resolve_dataset(chosen)
-    rules = DecodingRules.of_checkpoint(ckpt.meta).overridden(length_penalty, block_trigrams)
+    rules = DecodingRules.of_checkpoint(ckpt.meta).overridden(length_penalty, block_trigrams, block_doubled_words)
     # the weights' sha256 says which checkpoint was scored wherever it is copied to (a card checks it)
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "weights_sha256": ckpt.checksum,
                               "dataset": str(chosen), "beam_size": beam_size,

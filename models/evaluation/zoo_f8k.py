@@ -92,9 +92,11 @@ def read_report(path: Path, split: str, config: dict[str, Any] | None,
     if report.get("beam_size") != BEAM_SIZE:
         raise ValueError(f"{path} was decoded with beam {report.get('beam_size')}, not {BEAM_SIZE}")
     if config is not None and "decoding" in report:
-        own = asdict(DecodingRules.of_checkpoint(config.get("meta", {})))
-        if report["decoding"] != own:
-            raise ValueError(f"{path} was decoded with {report['decoding']}, not the checkpoint's defaults {own}")
+        # compared as rules: a report written before a rule existed names no value for it, which is its default
+        own = DecodingRules.of_checkpoint(config.get("meta", {}))
+        if DecodingRules.of_checkpoint(report) != own:
+            raise ValueError(f"{path} was decoded with {report['decoding']}, not the checkpoint's defaults "
+                             f"{asdict(own)}")
     if checkpoint is not None:
         check_report_scores(report, path, checkpoint)
     return report[split]
