@@ -8,7 +8,7 @@ reordering too (docs/decisions.md#model-protocol-and-alignment-rule).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -231,16 +231,13 @@ class RowHistory:
                    penalised=any(r.length_penalty for r in rules), blocking=any(r.blocks for r in rules))
 
     def select(self, rows: Tensor) -> "RowHistory":
-        return RowHistory(*(value.index_select(0, rows) for value in (self.tokens, self.lengths, self.alpha,
-                                                                       self.trigrams, self.doubles)),
-                          penalised=self.penalised, blocking=self.blocking)
+        return replace(self, **{name: getattr(self, name).index_select(0, rows) for name in ROW_FIELDS})
 
     def cat(self, other: "RowHistory") -> "RowHistory":
         width = max(self.tokens.shape[1], other.tokens.shape[1])
         tokens = [torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in (self.tokens, other.tokens)]
-        return RowHistory(torch.cat(tokens), *(torch.cat([mine, theirs]) for mine, theirs in (
-                              (self.lengths, other.lengths), (self.alpha, other.alpha),
-                              (self.trigrams, other.trigrams), (self.doubles, other.doubles))),
+        return RowHistory(torch.cat(tokens), *(torch.cat([getattr(self, name), getattr(other, name)])
+                                               for name in ROW_FIELDS[1:]),
                           penalised=self.penalised or other.penalised, blocking=self.blocking or other.blocking)
 
     def after(self, step: "BeamStep", finished_before: Tensor) -> "RowHistory":
@@ -270,6 +267,10 @@ class RowHistory:
     def penalty(self, finished: Tensor) -> Tensor:
         """``[R]`` GNMT divisor ``((5 + |y|) / 6)^α`` of every row's candidates: a live row's grow by one word."""
         return gnmt_divisor((self.lengths + (~finished).long()).float(), self.alpha)
+
+
+#: :class:`RowHistory`'s tensors of one entry per row, in its fields' order (the others are flags of the table)
+ROW_FIELDS = ("tokens", "lengths", "alpha", "trigrams", "doubles")
 
 
 def beam_step(logprobs: Tensor, scores: Tensor, finished: Tensor, layout: BeamLayout, prev: Tensor, bos_id: int,

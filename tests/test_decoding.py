@@ -310,3 +310,19 @@ def test_tune_decodings_choice_prefers_the_simpler_rules_on_a_tie_and_reads_rows
     assert rules_of(best_row(tied + [row(0.0, False, False, 0.5)], "CIDEr-D")) == DecodingRules()
     assert rules_of(best_row([row(1.0, True, True, 0.6), *tied], "CIDEr-D")) == DecodingRules(1.0, True, True)
     assert rules_of({"length_penalty": 0.5, "block_trigrams": True, "CIDEr-D": 0.1}) == DecodingRules(0.5, True)
+
+
+def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
+    """``RowHistory.select`` and ``cat`` go through ``ROW_FIELDS``: a per-row field left out of it would keep the
+    rows of the table before the step (or before a request joined), and the next rule would read another row's."""
+    import dataclasses
+
+    from captioner.models.decoding import ROW_FIELDS, RowHistory
+
+    assert ROW_FIELDS == tuple(f.name for f in dataclasses.fields(RowHistory) if f.type == "Tensor")
+    first = RowHistory.start([2], [DecodingRules(0.5, True, False)], 4, "cpu")
+    second = RowHistory.start([1], [DecodingRules(1.0, False, True)], 6, "cpu")
+    joined = first.cat(second).select(torch.tensor([2, 0]))
+    assert joined.tokens.shape == (2, 7) and joined.blocking and joined.penalised
+    assert joined.alpha.tolist() == [1.0, 0.5] and joined.trigrams.tolist() == [False, True]
+    assert joined.doubles.tolist() == [True, False]
