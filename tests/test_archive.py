@@ -190,7 +190,8 @@ def test_shards_partition_the_input_deterministically(tmp_path, tiny_checkpoint_
         lines = read_lines(tmp_path / f"shard{index}.jsonl")
         outputs.append([r["path"] for r in lines])
         # a line without --attention still says how its caption was decoded
-        assert all({"beam_size", "length_penalty", "block_trigrams"} <= set(r) and "attention" not in r for r in lines)
+        assert all({"beam_size", "length_penalty", "block_trigrams", "block_doubled_words"} <= set(r)
+                   and "attention" not in r for r in lines)
         assert run.total == len(outputs[-1]) == run.summary.captioned
     assert sorted(p for shard in outputs for p in shard) == small_archive
     # each run captioned its own share: the paths' hashes decide it (with 12 files a share may be empty: the
@@ -214,6 +215,26 @@ def test_archive_captions_equal_the_single_image_command_and_carry_attention_on_
         assert all(abs(sum(row) - 1) < 1e-4 for row in record["attention"])
         assert record["geometry"]["grid_hw"] and Image.open(record["heatmap"]).format == "PNG"
     assert len(list((tmp_path / "figures").iterdir())) == len(records)  # no partial files left behind
+
+
+def test_captions_follow_the_decoding_flags_over_the_checkpoints_defaults(tmp_path, small_archive, capsys):
+    """``captioner caption`` decodes with the rules its flags name in place of the checkpoint's defaults, rule by
+    rule, and each record says which: the one printed for an image (``--json``) and an archive's lines
+    (``--output``), which take their flags by different paths; an archive whose options name no rule (a library
+    call) keeps the checkpoint's."""
+    ruled = save_checkpoint(tmp_path / "ruled", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
+        "decoding": {"length_penalty": 1.0, "block_trigrams": False, "block_doubled_words": True}})
+    flags = ["--checkpoint", str(ruled), "--threads", "1", "--max-len", "4", "--length-penalty", "0.5",
+             "--block-trigrams", "--no-block-doubled-words"]
+    main(["caption", small_archive[0], "--json", *flags])
+    shown = json.loads(capsys.readouterr().out)
+    main(["caption", small_archive[0], "--output", str(tmp_path / "flags.jsonl"), *flags])
+    caption_archive(small_archive[:1], tmp_path / "defaults.jsonl", ruled, settings(), ArchiveOptions(max_len=4),
+                    progress=False)
+    (archived,), (kept,) = read_lines(tmp_path / "flags.jsonl"), read_lines(tmp_path / "defaults.jsonl")
+    rules = ("length_penalty", "block_trigrams", "block_doubled_words")
+    assert [tuple(r[name] for name in rules) for r in (shown, archived, kept)] == [(0.5, True, False)] * 2 + [
+        (1.0, False, True)]
 
 
 def test_an_output_is_never_overwritten_or_resumed_from_a_foreign_file(tmp_path, tiny_checkpoint_folder,

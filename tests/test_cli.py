@@ -150,15 +150,15 @@ def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
     out = tmp_path / "report.json"
     captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",
               str(tmp_path / "cache"), "--output", str(out), "--no-meteor", "--length-penalty", "1.5",
-              "--block-trigrams")
+              "--block-trigrams", "--block-doubled-words")
     report = json.loads(out.read_text())
-    assert report["decoding"] == {"length_penalty": 1.5, "block_trigrams": True, "block_doubled_words": False}
+    assert report["decoding"] == {"length_penalty": 1.5, "block_trigrams": True, "block_doubled_words": True}
     for measure in ("REP", "distinct_words", "novel_captions", "mean_length"):
         assert measure in report["test"], measure
     assert 0.0 <= report["test"]["novel_captions"] <= 1.0 and report["test"]["REP"] >= 0.0
 
 
-def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_path, scenes):
+def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_path, scenes, capsys):
     import shutil
 
     from captioner.models.checkpoint import load_checkpoint
@@ -180,14 +180,28 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
                                   "block_doubled_words": False}
     assert stored["decoding_chosen_on"]["split"] == "val" and "best by CIDEr-D" in done.stdout
     assert stored["decoding_chosen_on"]["score"] == best["CIDEr-D"]
+    # doubled-word blocking is an axis of the grid where it is asked for (in-process, on two images, one combination)
+    from captioner.service.cli import main
+
+    main(["tune-decoding", str(ckpt), "--split", "val", "--limit", "2", "--dataset", str(scenes), "--cache-dir",
+          str(tmp_path / "cache"), "--length-penalties", "0", "--block-trigrams", "no", "--block-doubled-words", "yes",
+          "--output", str(tmp_path / "doubled.json")])
+    (row,) = json.loads((tmp_path / "doubled.json").read_text())["rows"]
+    assert (row["length_penalty"], row["block_trigrams"], row["block_doubled_words"]) == (0, False, True)
+    printed = capsys.readouterr().out
+    assert "| 0 | no | yes |" in printed and "block_trigrams=False, block_doubled_words=True" in printed
 
     # stored as float16 afterwards: the card sets the val score of what ships beside the one the rules were chosen on
     from captioner.models.checkpoint import convert_storage
     from captioner.models.evaluation.card import write_card
 
     half = convert_storage(ckpt, "float16", tmp_path / "sat16")
-    card = write_card(half, {"beam_size": 3, "val": {"images": 4, "CIDEr-D": 1.2345}}).read_text()
+    card = write_card(half, {"beam_size": 3, "decoding": stored["decoding"],
+                             "val": {"images": 4, "CIDEr-D": 1.2345}}).read_text()
     assert f"val CIDEr-D 1.2345, against {best['CIDEr-D']:.4f} with the float32 weights" in card
+    # and its heading names the rules, doubled words only where they were blocked
+    trigrams = "on" if best["block_trigrams"] else "off"
+    assert f"(beam 3, length penalty α = {best['length_penalty']:g}, trigram blocking {trigrams})\n" in card
 
 
 def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path, capsys):
@@ -273,7 +287,8 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
                          "model": "sat", "epochs": 1, "threads": 1,
                          "model_args": {"hidden_dim": 24}, "encoder": {"layer": "hypercolumn"}}})
     report = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5, "objects_named": 0.9,
-                                       "SPICE": "unavailable: no models", "length_ratio": 0.97}}
+                                       "SPICE": "unavailable: no models", "length_ratio": 0.97},
+              "decoding": {"length_penalty": 0.5, "block_trigrams": False, "block_doubled_words": True}}
     (tmp_path / "report.json").write_text(json.dumps(report))
     # a second report (the out-of-distribution set) adds its split to the card
     (tmp_path / "ood.json").write_text(json.dumps({"beam_size": 3, "ood": {"images": 4, "objects_named": 0.75}}))
@@ -284,6 +299,9 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
             "--encoder layer=hypercolumn --epochs 1 --threads 1`") in card
     # a measure the card does not know (one added to score_dataset) gets a column of its own after the known ones
     assert "| objects_named | SPICE | length_ratio |" in card
+    # the heading names the decoding rules the report's numbers were measured with
+    assert ("## Measured by `captioner eval` (beam 3, length penalty α = 0.5, trigram blocking off, doubled words "
+            "blocked)") in card
     assert "| test (10 images) | — | — | — | 0.2500 | — | — | 1.5000 | 0.9000 | unavailable | 0.9700 |" in card
     assert "| 1 | 1.25 | 0.5 |" in card and "1.5 min" in card
     assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — | — |" in card

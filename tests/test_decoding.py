@@ -241,6 +241,18 @@ def test_rules_are_validated():
         DecodingRules(length_penalty=-1.0)
 
 
+def test_the_rules_a_request_names_replace_the_checkpoints_one_by_one():
+    """``overridden`` (a request's options, a command line's flags): each rule named replaces the checkpoint's
+    default, each left None keeps it, so a checkpoint that blocks doubled words still does for a request that names
+    only a length penalty."""
+    stored = DecodingRules.of_checkpoint({"decoding": {"length_penalty": 0.5, "block_trigrams": True,
+                                                       "block_doubled_words": True}})
+    assert stored.overridden() == stored
+    assert stored.overridden(length_penalty=0.0) == DecodingRules(0.0, True, True)
+    assert stored.overridden(block_trigrams=False, block_doubled_words=False) == DecodingRules(0.5, False, False)
+    assert DecodingRules().overridden(block_doubled_words=True) == DecodingRules(block_doubled_words=True)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The table-level search (search_rows, which the service's batcher shares) against the naive beam search over a
 # scripted language model: the next word's log-probs depend on the last two words only, drawn at random and peaked
@@ -326,3 +338,25 @@ def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
     assert joined.tokens.shape == (2, 7) and joined.blocking and joined.penalised
     assert joined.alpha.tolist() == [1.0, 0.5] and joined.trigrams.tolist() == [False, True]
     assert joined.doubles.tolist() == [True, False]
+
+
+def test_tune_decodings_grid_crosses_every_rules_values_and_its_table_shows_each(monkeypatch):
+    """``decoding_grid`` scores every combination of the values it is given, doubled-word blocking included (each
+    row records the rules it was decoded with), and ``markdown_table`` has a column for each rule."""
+    from captioner.models.evaluation import tuning
+
+    decoded = []
+
+    def scores(ckpt, images, store, beam_size, max_len, metrics, *, rules, **options):
+        decoded.append(rules)
+        return {"CIDEr-D": 0.25 * len(decoded)}, {}
+
+    monkeypatch.setattr(tuning, "evaluate_checkpoint", scores)
+    rows = tuning.decoding_grid(None, [], None, (0.0, 1.0), (True,), doubled_options=(False, True))
+    assert decoded == [DecodingRules(0.0, True, False), DecodingRules(0.0, True, True), DecodingRules(1.0, True, False),
+                       DecodingRules(1.0, True, True)]
+    assert [tuning.rules_of(row) for row in rows] == decoded
+    table = tuning.markdown_table(rows, ["CIDEr-D"]).splitlines()
+    assert table[0] == "| length penalty α | block trigrams | block doubled words | CIDEr-D |"
+    assert table[2:] == ["| 0 | yes | no | 0.25 |", "| 0 | yes | yes | 0.5 |", "| 1 | yes | no | 0.75 |",
+                         "| 1 | yes | yes | 1 |"]

@@ -4,7 +4,9 @@ against the PyTorch decoder on the same features), and ``captioner eval --encode
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import platform
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration
     int8_recipe, quantized_visual_encoder, visual_encoder_file
 from captioner.models.export.sessions import VisualSession
 
-from .conftest import module_folder
+from .conftest import ROOT, module_folder
 from .serving_helpers import TINY_SPEC, random_images, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -146,6 +148,14 @@ def test_graphs_made_before_the_weights_type_followed_the_cpu_are_served_only_wh
     assert int8_recipe("u8u8") != RECIPE
 
 
+def benchmarks_common():
+    """benchmarks/common.py, which its scripts import as ``common`` from their own folder."""
+    spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 CPUINFO = ("processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon {n}: test\n"
            "flags\t\t: fpu sse2 avx2 fma {extra}\nvmx flags\t: vnmi preemption_timer\nbugs\t\t: spectre_v1\n\n")
 
@@ -169,8 +179,11 @@ def test_this_cpus_kernels_are_read_from_its_cpuinfo(monkeypatch, cpuinfo, kerne
     quantize.cpu_info.cache_clear()  # this machine's flags are cached: read the file given here
     try:
         assert int8_kernels("x86_64") == kernels
-        # the benchmarks' headers name the first CPU, the whole value after the first colon
+        # the benchmarks' headers name the first CPU, the whole value after the first colon (without the file, what
+        # platform knows)
         assert quantize.cpu_info("model name") == (None if cpuinfo is None else "Xeon 0: test")
+        assert benchmarks_common().cpu_name() == ("Xeon 0: test" if cpuinfo else
+                                                  platform.processor() or platform.machine())
     finally:
         quantize.cpu_info.cache_clear()  # and this machine's again for the next test
 

@@ -74,7 +74,8 @@ def test_the_top_level_holds_the_project_layout_only():
 
 def fake_wheel_index(root: Path, pins: list[str]) -> str:
     """A PEP 503 index (a folder, as ``file://``) holding an empty pure-Python wheel for each ``name==version`` pin:
-    what the PyTorch CPU index serves, as far as pip's choice goes."""
+    what the PyTorch CPU index serves, as far as pip's choice goes.  Each names a dependency the index lacks, as
+    torch's own (filelock, sympy, …) are left to the default index, with the project's."""
     import base64
     import hashlib
     import zipfile
@@ -83,7 +84,8 @@ def fake_wheel_index(root: Path, pins: list[str]) -> str:
         name, version = pin.split("==")
         dist, folder = f"{name}-{version}", root / name
         files = {f"{name}_stand_in/__init__.py": b"",
-                 f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+                 f"{dist}.dist-info/METADATA": (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                                f"Requires-Dist: {name}-dependency-on-the-default-index\n").encode(),
                  f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
         record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
                   f"{len(data)}" for path, data in files.items()]
@@ -131,3 +133,42 @@ def test_setup_takes_cpu_only_torch_where_there_is_no_nvidia_driver(tmp_path):
     assert said.startswith(f"no NVIDIA driver: CPU-only {' '.join(pins)} from"), said
     assert (venv / "requirements" / "torch-cpu.txt").read_text().split() == pins
     assert installed() == sorted(f"{pin.replace('==', '-')}.dist-info" for pin in pins)
+
+
+def make(*args: str, path: str | None = None) -> str:
+    """``make ARGS`` in the project, with the environment's own NVIDIA_DRIVER left out (and ``path`` as PATH)."""
+    import os
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    env = {k: v for k, v in os.environ.items() if k != "NVIDIA_DRIVER"} | ({"PATH": path} if path else {})
+    done = subprocess.run([shutil.which("make"), "--no-print-directory", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_every_set_up_takes_cpu_only_torch_before_the_project(tmp_path):
+    """``make setup`` (and ``make serve``, which installs the runtime alone) runs ``cpu-torch`` before pip installs
+    the project: afterwards the project's torch pin is already met, so pip keeps the CPU-only wheels.  Printed, not
+    run (``make -n``)."""
+    venv = tmp_path / "venv"
+    lines = make("-n", "setup", f"VENV={venv}", "NVIDIA_DRIVER=", "TORCH_CPU_INDEX=file:///cpu-index").splitlines()
+    cpu_only = next(i for i, line in enumerate(lines) if '--index-url "file:///cpu-index"' in line)
+    project = next(i for i, line in enumerate(lines) if "install --quiet --no-compile -e '.'" in line)
+    assert cpu_only < project, lines
+
+
+def test_an_nvidia_driver_is_found_by_its_nvidia_smi(tmp_path):
+    """Unless NVIDIA_DRIVER is given, ``cpu-torch`` looks for the driver itself: ``nvidia-smi`` on the PATH (or the
+    kernel module's /proc file) keeps PyPI's CUDA build; without either, the CPU-only wheels are wanted (here with no
+    index named, which installs nothing)."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (tools / "nvidia-smi").chmod(0o755)
+    assert make("cpu-torch", "TORCH_CPU_INDEX=", path=str(tools)).startswith("NVIDIA driver found")
+    if not Path("/proc/driver/nvidia/version").exists():
+        (tools / "nvidia-smi").unlink()
+        assert make("cpu-torch", "TORCH_CPU_INDEX=", path=str(tools)).startswith("TORCH_CPU_INDEX is empty")

@@ -95,6 +95,17 @@ def test_a_problems_instance_is_a_uri_reference_whatever_the_path_held(weights):
             assert problem["instance"] == sent and problem["type"] == "/problems/unknown-result"
 
 
+def test_a_path_is_spelt_as_a_uri_reference_and_in_markup_without_what_html_or_a_script_would_read():
+    """``uri_path``: RFC 3986's sub-delims, ":" and "@" stay as they are in a problem's JSON; written into HTML or a
+    script's quoted string, "&" (an entity's start) and "'" (the docs page's string delimiter) are encoded too, and
+    "%" always (a decoded "%" is data, not an escape)."""
+    from captioner.service.paths import uri_path
+
+    path = "/a:b@c!$&'()*+,;=d/e f%g\"ûø"
+    assert uri_path(path) == "/a:b@c!$&'()*+,;=d/e%20f%25g%22%C3%BB%C3%B8"
+    assert uri_path(path, in_markup=True) == "/a:b@c!$%26%27()*+,;=d/e%20f%25g%22%C3%BB%C3%B8"
+
+
 def test_refusals_are_counted_under_the_kind_their_type_names(weights):
     """``captioner_rejects_total`` counts each refusal under its problem type's kind: the 404 and 405 of Starlette's
     router carry none of their own, and are counted under the kind their status names, as their ``type`` is."""
@@ -134,6 +145,9 @@ def test_the_prefix_is_written_into_pages_and_problems_as_a_client_must_read_it(
     assert f"url: '{encoded}/openapi.json'" in docs and f'href="{encoded}/docs/assets/swagger-ui.css"' in docs
     assert client.get(f"{encoded}/openapi.json").status_code == 200
     assert client.get(f"{encoded}/docs/assets/swagger-ui.css").status_code == 200
+    # a "'" (which the settings accept too) would end that quoted string, and a "%" start an escape
+    quoted = TestClient(app, root_path="/o'k%")
+    assert "url: '/o%27k%25/openapi.json'" in quoted.get("/o'k%25/docs").text
 
     slashed = TestClient(app, root_path="/vision/")  # uvicorn joins it and the path: /vision//problems
     assert re.findall(r'href="([^"]*)"', slashed.get("/vision//problems").text)[0] == "/vision/problems/invalid-image"

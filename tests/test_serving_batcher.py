@@ -81,6 +81,28 @@ def test_requests_with_their_own_decoding_rules_get_what_they_would_get_alone(en
     assert batcher.active_rows == 0
 
 
+def test_doubled_word_blocking_holds_for_requests_joining_a_table_whose_rows_block_nothing(encoder):
+    """A model that would say one word over and over: a request that blocks doubled words gets its solo caption,
+    with no word after itself, when it joins a table whose rows have no rule or only a length penalty (their
+    histories then block nothing) and when it shares one with rows that double words."""
+    runtime = runtime_for("sat", encoder)
+    with torch.no_grad():
+        runtime.ckpt.model.out_word.bias[15] += 6.0
+    images = [runtime.prepare(image) for image in random_images(4, seed=11)]
+    doubled, long = DecodingRules(block_doubled_words=True), DecodingRules(length_penalty=1.0)
+    schedule = [(0, images[0], 2, 10), (1, images[1], 2, 10, long), (2, images[2], 3, 10, doubled),
+                (4, images[3], 2, 10, DecodingRules(length_penalty=1.0, block_doubled_words=True))]
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
+    batcher.start(worker=False)
+    results = asyncio.run(drive(batcher, schedule))
+    for (_, prepared, beam, max_len, *rules), got in zip(schedule, results):
+        assert_same_result(got, runtime.caption([prepared], beam, max_len, *rules)[0])
+        tokens = got.hypothesis.token_ids
+        doubles = any(a == b for a, b in zip(tokens, tokens[1:]))
+        # the model doubles words unless it is kept from it
+        assert doubles != (bool(rules) and rules[0].block_doubled_words), tokens
+
+
 def test_rows_joining_mid_table_never_end_on_their_first_token(encoder):
     """A model that would end every caption at once: rows joining a table whose other rows are mid-caption still
     choose a word first (the rule that keeps a beam search's caption from being empty holds row by row)."""

@@ -222,6 +222,10 @@ def test_without_reports_nothing_needs_the_data_set(tmp_path):
     (lambda r: write_results(r, "xlan", GENERIC, beam_size=5), r"xlan\.json was decoded with beam 5, not 3"),
     (lambda r: write_results(r, "xlan", GENERIC, decoding={"length_penalty": 1.0, "block_trigrams": False}),
      r"xlan\.json was decoded with .*not the checkpoint's defaults"),
+    # a report decoded with a rule the checkpoint's defaults leave off
+    (lambda r: write_results(r, "xlan", GENERIC, decoding={"length_penalty": 0.0, "block_trigrams": False,
+                                                           "block_doubled_words": True}),
+     r"xlan\.json was decoded with .*not the checkpoint's defaults"),
     (lambda r: (r / "captions" / "xlan.json").write_text(json.dumps([{"image_id": i, "caption": EXACT[i]}
                                                                       for i in TEST_IDS])),
      r"xlan\.json scores CIDEr-D .* not the captions of that report"),
