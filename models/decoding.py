@@ -76,9 +76,9 @@ class DecodingRules:
     def overridden(self, length_penalty: float | None = None, block_trigrams: bool | None = None,
                    block_doubled_words: bool | None = None) -> "DecodingRules":
         """These rules with the values a request or a command line names (None: keep this one)."""
-        return DecodingRules(self.length_penalty if length_penalty is None else length_penalty,
-                             self.block_trigrams if block_trigrams is None else block_trigrams,
-                             self.block_doubled_words if block_doubled_words is None else block_doubled_words)
+        named = {"length_penalty": length_penalty, "block_trigrams": block_trigrams,
+                 "block_doubled_words": block_doubled_words}
+        return replace(self, **{name: value for name, value in named.items() if value is not None})
 
 
 NO_RULES = DecodingRules()
