@@ -8,7 +8,7 @@ reordering too (docs/decisions.md#model-protocol-and-alignment-rule).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -73,12 +73,15 @@ class DecodingRules:
         tune-decoding``), else none."""
         return cls(**meta.get("decoding", {}))
 
-    def overridden(self, length_penalty: float | None = None, block_trigrams: bool | None = None,
-                   block_doubled_words: bool | None = None) -> "DecodingRules":
-        """These rules with the values a request or a command line names (None: keep this one)."""
-        named = {"length_penalty": length_penalty, "block_trigrams": block_trigrams,
-                 "block_doubled_words": block_doubled_words}
+    def overridden(self, **named: float | bool | None) -> "DecodingRules":
+        """These rules with the values a request or a command line names, by the rules' names (None: keep this
+        one)."""
         return replace(self, **{name: value for name, value in named.items() if value is not None})
+
+    def overridden_by(self, options: object) -> "DecodingRules":
+        """:meth:`overridden` by the attributes of ``options`` that carry the rules' names: a request's parameters,
+        a command line's arguments, an archive's options.  A rule added here reaches every caller at once."""
+        return self.overridden(**{rule.name: getattr(options, rule.name, None) for rule in fields(self)})
 
 
 NO_RULES = DecodingRules()

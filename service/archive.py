@@ -342,8 +342,7 @@ async def caption_paths(runtime: Runtime, settings: Settings, paths: list[str], 
     warm-up), appending a line to ``output`` as each caption finishes; unreadable files go to ``report_error``.
     ``on_done`` is called once per image, captioned or skipped (the progress bar)."""
     window = in_flight(settings, options.beam_size)
-    rules = runtime.default_rules.overridden(options.length_penalty, options.block_trigrams,
-                                             options.block_doubled_words)
+    rules = runtime.default_rules.overridden_by(options)
     batcher = _started_batcher(runtime, settings, window)
     feed = None
     # everything after the start is inside the try, the feed's own set-up (its --heatmaps folder) included: a

@@ -144,8 +144,7 @@ def loaded_models(state: ServiceState) -> list[tuple[ModelInfo, bool]]:
 def decoding_rules(runtime: Runtime, options: CaptionParameters) -> DecodingRules:
     """The request's length penalty, trigram and doubled-word blocking, each defaulting to the model's own
     (:attr:`~captioner.models.inference.Runtime.default_rules`)."""
-    return runtime.default_rules.overridden(options.length_penalty, options.block_trigrams,
-                                            options.block_doubled_words)
+    return runtime.default_rules.overridden_by(options)
 
 
 def decode_and_prepare(runtime: Runtime, opened: Image.Image) -> Prepared:

@@ -91,8 +91,8 @@ def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
 
 
 def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_precision: str) -> bool:
-    from captioner.models.export.onnx import export_identity, export_is_current, intact, visual_encoder_path
-    from captioner.models.export.quantize import int8_file
+    from captioner.models.export.onnx import export_identity, export_is_current, intact
+    from captioner.models.export.quantize import visual_encoder_path_at
 
     checksum = recorded_checksum(path)
     if not checksum:
@@ -104,9 +104,7 @@ def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_preci
     identity = export_identity(checksum, spec)
     if backend == "auto" and not reference_record(onnx_dir, identity).is_file():
         return False
-    visual = visual_encoder_path(spec, onnx_dir)
-    if encoder_precision == "int8":
-        visual = visual.with_name(int8_file())
+    visual = visual_encoder_path_at(spec, onnx_dir, encoder_precision)
     export = onnx_dir / name
     # ``auto`` has recorded its references, so what has no folder could not be exported (a TVmax decoder, a CNN
     # the tracer cannot record) and is served without it: only what exists must be intact. A current export of the

@@ -199,8 +199,7 @@ def add_threads_option(parser: argparse.ArgumentParser) -> None:
 def decoding_rules(ckpt, args: argparse.Namespace):
     from ..decoding import DecodingRules
 
-    return DecodingRules.of_checkpoint(ckpt.meta).overridden(args.length_penalty, args.block_trigrams,
-                                                             args.block_doubled_words)
+    return DecodingRules.of_checkpoint(ckpt.meta).overridden_by(args)
 
 
 def load_split(dataset, image_root, split: str, **options) -> list:

@@ -121,7 +121,8 @@ def evaluation_report(checkpoint: str | Path, dataset: str | Path | None = None,
     chosen, image_root = evaluated_dataset(checkpoint, ckpt.meta.get("train_config", {}), dataset, image_root,
                                            for_entities=entities is not None)
     chosen = resolve_dataset(chosen)
-    rules = DecodingRules.of_checkpoint(ckpt.meta).overridden(length_penalty, block_trigrams, block_doubled_words)
+    rules = DecodingRules.of_checkpoint(ckpt.meta).overridden(
+        length_penalty=length_penalty, block_trigrams=block_trigrams, block_doubled_words=block_doubled_words)
     # the weights' sha256 says which checkpoint was scored wherever it is copied to (a card checks it)
     report: dict[str, Any] = {"checkpoint": str(checkpoint), "weights_sha256": ckpt.checksum,
                               "dataset": str(chosen), "beam_size": beam_size,

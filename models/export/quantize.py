@@ -159,18 +159,25 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     return path
 
 
+def visual_encoder_path_at(spec: EncoderSpec, out_dir: str | Path, precision: str = "float32") -> Path:
+    """Where the ONNX CNN of ``spec`` at ``precision`` lives in ``out_dir``, whether or not it is there yet: the
+    float graph, or this CPU's int8 graph beside it (:func:`int8_file`)."""
+    from .onnx import visual_encoder_path
+
+    if precision not in ENCODER_PRECISIONS:
+        raise ValueError(f"encoder precision must be one of {ENCODER_PRECISIONS}, got {precision!r}")
+    path = visual_encoder_path(spec, out_dir)
+    return path.with_name(int8_file()) if precision == "int8" else path
+
+
 def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str = "float32",
                         make_visual: Callable[[], GridEncoder | None] = lambda: None) -> Path:
     """The ONNX CNN of ``spec`` at ``precision`` (``float32`` or ``int8``), exported (and quantized) when missing.
     ``make_visual`` gives the PyTorch encoder to export (None: the exporter builds one); it is called only when
     the file must be made, so a server whose exports exist never builds the PyTorch CNN."""
-    from .onnx import export_visual_encoder, intact, visual_encoder_path
+    from .onnx import export_visual_encoder, intact
 
-    if precision not in ENCODER_PRECISIONS:
-        raise ValueError(f"encoder precision must be one of {ENCODER_PRECISIONS}, got {precision!r}")
-    path = visual_encoder_path(spec, out_dir)
-    if precision == "int8":
-        path = path.with_name(int8_file())
+    path = visual_encoder_path_at(spec, out_dir, precision)
     if intact(path):
         return path
     if precision == "int8":
