@@ -21,12 +21,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, Query, Request
+from fastapi import Query, Request
 from fastapi.dependencies.models import Dependant
-from fastapi.dependencies.utils import is_scalar_field
+from fastapi.dependencies.utils import get_cached_model_fields, is_scalar_field, lenient_issubclass
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pydantic import BeforeValidator, ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 from starlette.datastructures import FormData, UploadFile
 from starlette.concurrency import run_in_threadpool
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -45,46 +45,30 @@ MULTIPART_SLACK = 64 * 1024
 MAX_FORM_FILES, MAX_FORM_FIELDS = 8, 16
 FORM_PARTS = ("file", *CAPTION_OPTIONS)
 
-def _empty_is_none(value: Any) -> Any:
-    # ?beam_size= names no beam size, as an empty form field (curl -F beam_size=) does: not a 422
-    return None if value == "" else value
+class CaptionQuery(CaptionOptions):
+    """:class:`CaptionOptions` as query parameters (FastAPI's query parameter model: each field a parameter of
+    its own, with the field's description and bounds); an empty value names no option."""
 
-
-def _as_query(name: str) -> Any:
-    """CaptionOptions' field ``name`` as a query parameter: its type, description and bounds, read off the field,
-    and an empty value read as none."""
-    field = CaptionOptions.model_fields[name]
-    bounds = {bound: getattr(rule, bound) for rule in field.metadata for bound in ("ge", "gt", "le", "lt",
-                                                                                     "allow_inf_nan")
-              if hasattr(rule, bound)}
-    return Annotated[field.annotation, Query(description=field.description, **bounds),
-                     BeforeValidator(_empty_is_none)]
-
-
-# the options as query parameters (the same names, bounds and meaning as CaptionOptions' fields)
-ModelQuery = _as_query("model")
-BeamQuery = _as_query("beam_size")
-LengthQuery = _as_query("max_len")
-PenaltyQuery = _as_query("length_penalty")
-TrigramQuery = _as_query("block_trigrams")
-DoubledWordQuery = _as_query("block_doubled_words")
-
-
-def _query_options(model: ModelQuery = None, beam_size: BeamQuery = None, max_len: LengthQuery = None,
-                   length_penalty: PenaltyQuery = None, block_trigrams: TrigramQuery = None,
-                   block_doubled_words: DoubledWordQuery = None) -> CaptionOptions:
-    return CaptionOptions(model=model, beam_size=beam_size, max_len=max_len, length_penalty=length_penalty,
-                          block_trigrams=block_trigrams, block_doubled_words=block_doubled_words)
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_is_none(cls, data: Any) -> Any:
+        # ?beam_size= names no beam size, as an empty form field (curl -F beam_size=) does: not a 422
+        return {name: None if value == "" else value for name, value in data.items()} \
+            if isinstance(data, dict) else data
 
 
 #: the caption options given as query parameters, for the endpoints that caption an upload
-QueryOptions = Annotated[CaptionOptions, Depends(_query_options)]
+QueryOptions = Annotated[CaptionQuery, Query()]
 
 
 def _query_params(dependant: Dependant) -> dict[str, bool]:
-    """The query parameters a route (or a dependency) reads, its dependencies' included: name → whether it takes
-    one value."""
-    params = {param.alias: is_scalar_field(param) for param in dependant.query_params}
+    """The query parameters a route (or a dependency) reads, its dependencies' and its query models' fields
+    included: name → whether it takes one value."""
+    params: dict[str, bool] = {}
+    for param in dependant.query_params:
+        model = param.field_info.annotation
+        fields = get_cached_model_fields(model) if lenient_issubclass(model, BaseModel) else [param]
+        params.update({field.alias: is_scalar_field(field) for field in fields})
     for dependency in dependant.dependencies:
         params.update(_query_params(dependency))
     return params

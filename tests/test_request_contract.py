@@ -18,6 +18,7 @@ from skimage import data
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 from captioner.service.middleware import HeadAsGetMiddleware
+from captioner.service.schemas import CaptionOptions
 
 from .serving_helpers import TINY_SPEC, VOCAB, serving_settings, tiny_model
 
@@ -530,6 +531,19 @@ def test_an_empty_form_field_is_no_option_as_an_empty_query_parameter_is(client,
         assert empty.status_code == 200, empty.text
         same_caption(plain.json(), empty.json())
     same_caption(plain.json(), post(client, photo, params={"beam_size": ""}).json())
+
+
+def test_the_caption_routes_query_parameters_are_the_caption_options_fields(client, photo):
+    """The query parameters are :class:`CaptionOptions`' own fields (FastAPI's query parameter model): an option
+    added to the schema is a query parameter of every caption route at once, with its description, and taken."""
+    document = client.get("/openapi.json").json()
+    for path in ("/caption", "/caption/overlay", "/caption/heatmaps"):
+        parameters = {p["name"]: p for p in document["paths"][path]["post"]["parameters"]}
+        for name, field in CaptionOptions.model_fields.items():
+            assert parameters[name]["description"].startswith(field.description), (path, name)
+    answer = post(client, photo, params={"block_doubled_words": "true", "block_trigrams": "false"})
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["block_doubled_words"], answer.json()["block_trigrams"]) == (True, False)
 
 
 def test_each_apps_document_states_its_own_limits(client, tmp_path):
