@@ -12,6 +12,7 @@ from typing import Any
 from ..checkpoint import CARD, WEIGHTS, checkpoint_name, load_checkpoint, read_config, replace_files
 from ..data.datasets import named_by_path, trained_on
 from ..data.scenes import describe_dataset, read_dataset_header
+from ..decoding import DecodingRules
 from ..files import file_checksum
 from .params import count_parameters
 
@@ -129,6 +130,15 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _rules_phrase(decoding: dict[str, Any] | None) -> str:
+    """The card heading's account of the decoding rules a report was measured with (none for an older report)."""
+    if not decoding:
+        return ""
+    rules = DecodingRules(**decoding)
+    return (f", length penalty α = {rules.length_penalty:g}, trigram blocking {'on' if rules.block_trigrams else 'off'}"
+            + (", doubled words blocked" if rules.block_doubled_words else ""))
+
+
 def _storage_lines(storage: str, chosen: dict[str, Any] | None, report: dict[str, Any]) -> list[str]:
     """For weights stored at another precision than the one the decoding rules were chosen with: the chosen
     split's score then and now, so the card shows whether the rounding changed the captions' quality."""
@@ -228,7 +238,6 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     splits = [(name, scores) for name, scores in report.items() if isinstance(scores, dict) and "images" in scores]
     scenes = any("objects_named" in scores for _, scores in splits)
     metrics = (METRICS if scenes else PHOTO_METRICS) + _other_measures(splits)
-    decoding = report.get("decoding") or {}
     chosen = meta.get("decoding_chosen_on")
     lines = [
         f"# {title or checkpoint_name(path)}",  # a run's best/ and last/ are named after their run
@@ -244,9 +253,7 @@ def write_card(checkpoint: str | Path, report: dict[str, Any], title: str | None
     lines += [
         "",
         f"## Measured by `captioner eval` (beam {report.get('beam_size', '?')}"
-        + (f", length penalty α = {decoding.get('length_penalty', 0):g}, trigram blocking "
-           f"{'on' if decoding.get('block_trigrams') else 'off'}" if decoding else "")
-        + (", doubled words blocked" if decoding.get("block_doubled_words") else "") + ")",
+        + _rules_phrase(report.get("decoding")) + ")",
         "",
         *([f"The decoding rules were chosen on the {chosen['split']} split by {chosen['metric']} (`captioner "
            f"tune-decoding`, {chosen['images']} images); they are the checkpoint's defaults.", ""] if chosen else []),
