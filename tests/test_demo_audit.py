@@ -378,6 +378,37 @@ def test_a_320_px_screen_never_scrolls_sideways_whatever_the_model_names(tiny_se
         assert page.evaluate(fits)
 
 
+def with_models_of_other_rules(route):
+    """/models as the service answers it, its model's defaults blocking doubled words, plus a model that blocks
+    nothing (a name the server does not serve: only the page's boxes are checked with it)."""
+    models = route.fetch().json()
+    route.fulfill(json=[{**models[0], "decoding": {**models[0]["decoding"], "block_doubled_words": True,
+                                                   "block_trigrams": False}},
+                        {**models[0], "name": "lenient", "default": False,
+                         "decoding": {**models[0]["decoding"], "block_doubled_words": False,
+                                      "block_trigrams": False}}])
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_repeat_boxes_start_at_the_models_rules_and_every_caption_names_them(tiny_server):
+    """The page had no way to ask for the rules against repeats ("… on a green green"): its two boxes show the
+    chosen model's defaults (GET /models), each caption request names both, and a change captions again."""
+    boxes = ("() => ['block-doubled', 'block-trigrams'].map(id => document.getElementById(id).checked)")
+    with page_of(tiny_server, before_load=lambda page: page.route("**/models", with_models_of_other_rules)) as page:
+        assert page.evaluate(boxes) == [True, False]
+        sent = caption_requests(page)
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        assert "block_doubled_words=true" in sent[0].url and "block_trigrams=false" in sent[0].url
+        with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url,
+                                  timeout=30_000) as again:
+            page.check("#block-trigrams")
+        answer = again.value.json()
+        assert (answer["block_doubled_words"], answer["block_trigrams"]) == (True, True)
+        page.select_option("#model", "lenient")  # another model brings its own rules
+        assert page.evaluate(boxes) == [False, False]
+
+
 @pytest.mark.browser
 @needs_chromium
 def test_a_refused_beam_size_marks_the_box_and_a_refused_upload_names_its_file(captioned):

@@ -5,14 +5,16 @@
 const $ = (id) => document.getElementById(id);
 let current = null;  // the caption on screen: {id, tokens, isEos, attention, geometry, summary}
 let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
-let lastFile = null; // captioned again when the model or the beam size changes
+let lastFile = null; // captioned again when the model, the beam size or a repeat rule changes
 let inflight = null; // the AbortController of the caption request on its way: a newer one cancels it
 let defaultBeam = null;  // the service's default beam size, as its answers to an empty beam box report it
 let settling = 0;    // the timer of a caption waiting for the controls to settle (SETTLE_MS)
 // the current caption's heatmaps by "token:mode": {promise, url}, url (an object URL) once it has arrived; one
 // request per heatmap, however many events (mouseenter, focus, click) ask for it while it is on its way
 const overlays = new Map();
-const models = new Map();    // name → its /models entry (heatmap_modes: the modes it can draw)
+const models = new Map();    // name → its /models entry (heatmap_modes: the modes it can draw; decoding: its rules)
+// the repeat rules' boxes, by the request option each one sets
+const RULE_BOXES = { block_doubled_words: "block-doubled", block_trigrams: "block-trigrams" };
 const MIN_SIDE = 256;  // a smaller image is shown enlarged to this longer side, its heatmap with it
 // A photo the service refuses as too large (413: more pixels or bytes than it takes) is sent again as a copy this
 // long on its longer side, then this one: the model sees a few hundred pixels, the heatmaps at most SHOWN_SIDE.
@@ -66,6 +68,7 @@ async function loadModels() {
       $("model").add(new Option(`${m.name} (${m.architecture}, ${m.attention})`, m.name, m.default, m.default));
     }
     offerModes();
+    showModelRules();
     if (list.length) {
       if ($("status").dataset.models) setStatus("");  // the waiting message, not a caption's
       return;
@@ -86,6 +89,13 @@ function offerModes() {
     option.disabled = option.value !== "" && !drawable.includes(option.value);
   }
   if ($("mode").selectedOptions[0]?.disabled) $("mode").value = "";
+}
+
+// The repeat rules' boxes show the chosen model's defaults (chosen on validation data: GET /models' `decoding`),
+// so that every caption says what it was made with; another model brings its own.
+function showModelRules() {
+  const rules = models.get($("model").value)?.decoding ?? {};
+  for (const [option, box] of Object.entries(RULE_BOXES)) $(box).checked = Boolean(rules[option]);
 }
 
 function clearCaption() {
@@ -188,6 +198,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   if (!file) return;
   clearTimeout(settling);
   const params = new URLSearchParams({ model: $("model").value });
+  for (const [option, box] of Object.entries(RULE_BOXES)) params.set(option, $(box).checked);
   try {  // before anything on screen changes: a beam the box rejects leaves the last caption as it was
     const beam = beamSize();
     if (beam !== null) params.set("beam_size", beam);
@@ -449,7 +460,7 @@ $("mode").addEventListener("change", () => {
   const word = chosenWord();
   if (word !== null) show(word);
 });
-// another model or beam size captions the image on screen again, once the control has settled (holding an arrow
+// another model, beam size or repeat rule captions the image on screen again, once the control has settled (holding an arrow
 // key on either is one change per step); the result stays where it is on the page
 function captionAgain() {
   clearTimeout(settling);
@@ -467,8 +478,10 @@ function captionAgain() {
 }
 $("model").addEventListener("change", () => {
   offerModes();
+  showModelRules();
   captionAgain();
 });
+for (const box of Object.values(RULE_BOXES)) $(box).addEventListener("change", captionAgain);
 $("beam").addEventListener("change", captionAgain);
 // an empty box stands for the service's default: the arrow keys step from it, not from the box's minimum (1)
 $("beam").addEventListener("keydown", (e) => {
