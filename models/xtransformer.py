@@ -25,7 +25,7 @@ Decoder, for caption position ``t`` (input word ``w_t``, BOS first):
 Every quantity at position ``t`` depends only on positions ``≤ t``, so :meth:`XTransformer.forward_xe` is one
 causally masked parallel pass and :meth:`XTransformer.step` is the same computation one position at a time: the
 state holds, per decoder layer, the X-Linear key/value embeddings of the word states so far (``word_keys{i}``,
-``word_values{i}`` ``[B', t, D]``, growing on dim 1) and the running sum of ``x_j`` (``word_sum``), so beam
+``word_values{i}`` ``[B', H, t, D/H]``, growing on dim 2) and the running sum of ``x_j`` (``word_sum``), so beam
 reordering is the generic row selection of the protocol.
 
 Attention export (docs/decisions.md#exported-attention-of-multi-head-models): ``primary`` is the **last** decoder
@@ -184,8 +184,8 @@ class XTransformer(Captioner):
 
     def init_state(self, enc: EncState) -> DecState:
         rows = enc["global"].shape[0]
-        empty = enc["global"].new_zeros(rows, 0, self.dim)
-        state = {f"word_{kind}{i}": empty for i in range(len(self.decoder)) for kind in ("keys", "values")}
+        state = {f"word_{kind}{i}": layer.word_attention.empty_memory(rows, enc["global"])
+                 for i, layer in enumerate(self.decoder) for kind in ("keys", "values")}
         return {**state, "word_sum": enc["global"].new_zeros(rows, self.dim)}
 
     def step(self, prev_tokens: Tensor, state: DecState, enc: EncState) -> tuple[Tensor, DecState, AttnRecord]:
@@ -196,7 +196,7 @@ class XTransformer(Captioner):
         Eq. 2–6), and ``softmax(W_p Dropout(LN(GLU(W_o[q^(0)_t; …; q^(L)_t]))))``.  Only the blocks are the paper's
         equations; the layout is the authors' code (docs/decisions.md#x-transformer-architecture).  Exports the last
         layer's cross ``β^s`` averaged over the heads."""
-        position = state["word_keys0"].shape[1]
+        position = state["word_keys0"].shape[2]
         words = self._embed_words(prev_tokens[:, None], position)  # x_t  [B', 1, D]
         word_sum = state["word_sum"] + words[:, 0]
         query = self._first_query(enc["global"], (word_sum / (position + 1)).unsqueeze(1))
@@ -204,8 +204,8 @@ class XTransformer(Captioner):
         for i, layer in enumerate(self.decoder):
             # append this position's embeddings to the cache: every cached position is in the past, so no mask
             new_keys, new_values = layer.word_attention.embed_memory(words, words)
-            keys = torch.cat([state[f"word_keys{i}"], new_keys], 1)
-            values = torch.cat([state[f"word_values{i}"], new_values], 1)
+            keys = torch.cat([state[f"word_keys{i}"], new_keys], 2)  # [B', H, t + 1, d]: positions are dim 2
+            values = torch.cat([state[f"word_values{i}"], new_values], 2)
             new_state[f"word_keys{i}"], new_state[f"word_values{i}"] = keys, values
             query, words, cross = layer(query, words, (keys, values), None, self._cross(enc, i), enc["mask"])
             queries.append(query)

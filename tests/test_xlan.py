@@ -65,9 +65,12 @@ def test_encoder_stacks_xlinear_layers_from_the_mean_region(shared):
     # separate W^k_m in every layer but the last, whose keys K^(1+M) feed nothing
     assert [layer.key_update is not None for layer in model.encoder] == [not shared, False]
     torch.testing.assert_close(enc["global"], model.global_embed(torch.cat(image_vectors, -1)))  # Eq. 10
-    # the decoder block's keys and values are V^(1+M), embedded once per image
-    torch.testing.assert_close(enc["keys"], model.attention.key_embed(values))
-    torch.testing.assert_close(enc["values"], model.attention.value_embed(values))
+    # the decoder block's keys and values are V^(1+M), embedded once per image and laid out by head [B, H, N, d]
+    def by_head(embedded):
+        return embedded.unflatten(-1, (model.attention.heads, -1)).transpose(1, 2)
+
+    torch.testing.assert_close(enc["keys"], by_head(model.attention.key_embed(values)))
+    torch.testing.assert_close(enc["values"], by_head(model.attention.value_embed(values)))
 
 
 @pytest.mark.parametrize("lstm_input", ["concat", "sum"])

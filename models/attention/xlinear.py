@@ -92,9 +92,9 @@ class _SpatialSqueeze(torch.autograd.Function):
     pairs, a slab of pairs at a time, never holding ``B^k`` or ``B'^k`` whole.
 
     ``W^k_B (q_l ⊙ k_i) + b = (W^k_B diag(q_l)) k_i + b``, so the pre-activation of ``B'^k`` for every item and query
-    of a pair is one matmul: ``[K, 1]`` (``[N, d + 1]``) by a mixer ``[d + 1, L·c]`` with ``M[j, (l, m)] =
-    W^k_B[m, j] q_l[j]`` and the bias as its last row — instead of the ``[L, N, d]`` product ``B^k`` and a linear
-    layer over it.  ``b^s = B'^k W_b`` and ``B̄`` (each query's weighted sum over the items, ``item_weights
+    of a pair is one matmul with the bias added: ``K`` (``[N, d]``) by a mixer ``[d, L·c]`` with ``M[j, (l, m)] =
+    W^k_B[m, j] q_l[j]``, plus ``b`` for every query (``baddbmm``) — instead of the ``[L, N, d]`` product ``B^k`` and
+    a linear layer over it.  ``b^s = B'^k W_b`` and ``B̄`` (each query's weighted sum over the items, ``item_weights
     [G, 1 or L, N]``) are matmuls too.  The backward pass makes ``B'^k`` again from ``K`` and the mixer instead of
     keeping it: with one slab (:data:`SLAB_FLOATS`) in the cache, the passes over it run far faster than over the
     whole tensor (hundreds of MB in a training step of X-Transformer's cross-attention).  ``keep`` is the dropout
@@ -106,7 +106,7 @@ class _SpatialSqueeze(torch.autograd.Function):
     def forward(ctx, keys: Tensor, queries: Tensor, weight: Tensor, bias: Tensor, score_weight: Tensor,
                 item_weights: Tensor, keep: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
         """X-LAN Eq. 2–4 for a slab of (row, head) pairs at a time: ``B^k_i = keys_i ⊙ queries_l`` (Eq. 2, both
-        already ``ρ``-embedded), ``B'^k = ReLU(W^k_B B^k + b)`` (Eq. 3, made by one matmul with the mixer, then the
+        already ``ρ``-embedded), ``B'^k = ReLU(W^k_B B^k + b)`` (Eq. 3, made by one baddbmm with the mixer, then the
         dropout ``keep``), and from it ``b^s = B'^k W_b`` without ``W_b``'s bias (Eq. 3; the caller adds it) and
         ``B̄ = Σ_i item_weights_{l,i} B'^k_i`` (Eq. 4 with ``item_weights`` the mean over the real items)."""
         # autocast would pick a dtype op by op; the arithmetic follows the keys instead
@@ -115,16 +115,17 @@ class _SpatialSqueeze(torch.autograd.Function):
             weight, bias, queries = weight.to(dtype), bias.to(dtype), queries.to(dtype)
             score_weight, item_weights = score_weight.to(dtype) * scale, item_weights.to(dtype) * scale
             pairs, items, length, channels = keys.shape[0], keys.shape[1], queries.shape[1], weight.shape[0]
-            padded = torch.cat([keys, keys.new_ones(pairs, items, 1)], -1)  # [K, 1]: the bias joins the matmul
-            mixer = torch.cat([(queries.unsqueeze(2) * weight).flatten(1, 2),
-                               bias.repeat(length).expand(pairs, -1).unsqueeze(-1)], -1).transpose(1, 2)
-            ctx.save_for_backward(padded, mixer, queries, weight, score_weight, item_weights, keep)
+            # the bias by the baddbmm, not as a column of ones beside the keys: that column made a copy of the keys
+            # at every call, a tenth of an X-LAN decoding step (docs/decisions.md#x-linear-memory-by-head)
+            mixer = (queries.unsqueeze(2) * weight).flatten(1, 2).transpose(1, 2)  # [G, d, L·c]
+            biases = bias.repeat(length)  # b for every query [L·c]
+            ctx.save_for_backward(keys, mixer, biases, queries, weight, score_weight, item_weights, keep)
             ctx.scale, ctx.step = scale, max(1, SLAB_FLOATS // (items * length * channels))
             scores = keys.new_empty(pairs, items, length)
             squeezed = keys.new_empty(pairs, length, channels)
             for start in range(0, pairs, ctx.step):
                 part = slice(start, start + ctx.step)
-                transformed = _transformed(padded[part], mixer[part], keep, part)
+                transformed = _transformed(keys[part], mixer[part], biases, keep, part)
                 torch.matmul(transformed.view(-1, channels), score_weight, out=scores[part].view(-1))
                 squeezed[part] = _weighted_items(transformed.view(-1, items, length, channels), item_weights[part])
             return scores, squeezed
@@ -134,16 +135,16 @@ class _SpatialSqueeze(torch.autograd.Function):
         """The chain rule through Eq. 2–4 (no equation of the paper): ``B'^k`` is made again slab by slab as in
         :meth:`forward`, ``∂B'^k_{i,l} = w_{l,i} ∂B̄_l + ∂b^s_{i,l} W_b`` goes back through the dropout mask and
         Eq. 3's ReLU, and from there to the keys, the queries, ``W^k_B``, its bias and ``W_b``."""
-        padded, mixer, queries, weight, score_weight, item_weights, keep = ctx.saved_tensors
-        with torch.autocast(padded.device.type, enabled=False):
-            dtype = padded.dtype
+        keys, mixer, biases, queries, weight, score_weight, item_weights, keep = ctx.saved_tensors
+        with torch.autocast(keys.device.type, enabled=False):
+            dtype = keys.dtype
             grad_scores, grad_squeezed = grad_scores.to(dtype).contiguous(), grad_squeezed.to(dtype).contiguous()
-            pairs, length, channels = padded.shape[0], queries.shape[1], weight.shape[0]
-            grad_padded, grad_mixer = torch.empty_like(padded), torch.empty_like(mixer)
-            grad_score = torch.zeros_like(score_weight)
+            pairs, length, channels = keys.shape[0], queries.shape[1], weight.shape[0]
+            grad_keys, grad_mixer = torch.empty_like(keys), torch.empty_like(mixer)
+            grad_score, grad_biases = torch.zeros_like(score_weight), torch.zeros_like(biases)
             # ∂(b^s, B̄)/∂B'^k at item i, query l, channel m is w_{l,i} ∂B̄_{l,m} + ∂b^s_{i,l} W_b[m] (both scaled):
             # one matmul of [w_{·,i}, ∂b^s_{i,·}] ([N, L_w + L]) by [∂B̄ rows; W_b on a block diagonal]
-            eye = torch.eye(length, dtype=dtype, device=padded.device)
+            eye = torch.eye(length, dtype=dtype, device=keys.device)
             score_rows = (eye.unsqueeze(-1) * score_weight).flatten(1)  # [L, L·c]
             if item_weights.shape[1] == 1:
                 squeeze_rows = grad_squeezed.view(pairs, 1, -1)
@@ -153,30 +154,31 @@ class _SpatialSqueeze(torch.autograd.Function):
             left = torch.cat([item_weights.transpose(1, 2), grad_scores], -1)
             for start in range(0, pairs, ctx.step):
                 part = slice(start, start + ctx.step)
-                transformed = _transformed(padded[part], mixer[part], keep, part)
+                transformed = _transformed(keys[part], mixer[part], biases, keep, part)
                 grad_score += transformed.view(-1, channels).T @ grad_scores[part].view(-1)
                 # through the dropout mask and the ReLU: zero wherever the kept output is zero (as relu's backward)
                 grad_pre = torch.ops.aten.threshold_backward(torch.bmm(left[part], right[part]), transformed, 0)
-                torch.bmm(grad_pre, mixer[part].transpose(1, 2), out=grad_padded[part])
+                torch.bmm(grad_pre, mixer[part].transpose(1, 2), out=grad_keys[part])
+                grad_biases += grad_pre.sum((0, 1))
                 # ∂M = K^T ∂B'^k, written as (∂B'^k)^T K into ∂M's transpose: ∂M has the mixer's layout, a transposed
                 # view, and a bmm whose out= is not contiguous runs one matmul per (row, head) pair (hundreds a call)
-                torch.bmm(grad_pre.transpose(1, 2), padded[part], out=grad_mixer[part].transpose(1, 2))
-        grad_bias = grad_mixer[:, -1].view(-1, channels).sum(0)
-        by_query = grad_mixer[:, :-1].unflatten(-1, (length, channels))  # ∂M [G, d, L, c]
+                torch.bmm(grad_pre.transpose(1, 2), keys[part], out=grad_mixer[part].transpose(1, 2))
+        grad_bias = grad_biases.view(length, channels).sum(0)
+        by_query = grad_mixer.unflatten(-1, (length, channels))  # ∂M [G, d, L, c]
         grad_queries = (by_query * weight.T.unsqueeze(1)).sum(-1).transpose(1, 2)
         # ∂W^k_B[m, j] = Σ_{g,l} ∂M[g, j, l, m] q_{g,l}[j], over ∂M in its memory order [G, L, c, d]: an einsum over
         # the [G, d, L, c] view ran a bmm batched over j whose items are neither contiguous nor transposed (one
         # matmul per j) and took 2–5 times longer
-        grad_weight = (grad_mixer.transpose(1, 2)[..., :-1].unflatten(1, (length, channels))
+        grad_weight = (grad_mixer.transpose(1, 2).unflatten(1, (length, channels))
                        * queries.unsqueeze(2)).sum((0, 1))
         # b^s = B'^k (scale · W_b) with B'^k unscaled here, so ∂/∂W_b carries the scale once more
         grads = (grad_queries, grad_weight, grad_bias, grad_score * ctx.scale)
-        return (grad_padded[..., :-1], *(grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)), None, None, None)
+        return (grad_keys, *(grad.to(dtype) for grad, dtype in zip(grads, ctx.dtypes)), None, None, None)
 
 
-def _transformed(padded: Tensor, mixer: Tensor, keep: Tensor | None, part: slice) -> Tensor:
+def _transformed(keys: Tensor, mixer: Tensor, biases: Tensor, keep: Tensor | None, part: slice) -> Tensor:
     """``B'^k`` of a slab, ``[g, N, L·c]``, with the dropout mask applied (not yet rescaled)."""
-    transformed = torch.bmm(padded, mixer).relu_()  # (Eq. 2–3)
+    transformed = torch.baddbmm(biases, keys, mixer).relu_()  # (Eq. 2–3)
     return transformed if keep is None else transformed.mul_(keep[part])
 
 
@@ -227,9 +229,20 @@ class XLinearAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def embed_memory(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        """``ρ(W_k k_i)`` and ``ρ(W_v v_i)``, each ``[B, N, D_B]``: they depend only on the items, so a decoder
-        computes them once per image (or appends one position per step) and passes them to :meth:`attend`."""
-        return self.key_embed(keys), self.value_embed(values)
+        """``ρ(W_k k_i)`` and ``ρ(W_v v_i)``, each ``[B, H, N, D_B/H]`` (head-major): they depend only on the items,
+        so a decoder computes them once per image (or appends one position per step, along dim 2) and passes them
+        to :meth:`attend`.  Laid out by head here, once, because every step's matmuls run per (row, head): in the
+        ``[B, N, D_B]`` order each step of a decoder copied both into that layout again
+        (docs/decisions.md#x-linear-memory-by-head)."""
+        return self._by_head(self.key_embed(keys)), self._by_head(self.value_embed(values))
+
+    def _by_head(self, embedded: Tensor) -> Tensor:  # [B, N, D_B] → [B, H, N, D_B/H]
+        return embedded.unflatten(-1, (self.heads, -1)).transpose(1, 2).contiguous()
+
+    def empty_memory(self, rows: int, like: Tensor) -> Tensor:
+        """A memory of no items ``[rows, H, 0, D_B/H]`` (``like``'s dtype and device), for a decoder that appends
+        one item per step (:meth:`embed_memory`)."""
+        return like.new_zeros(rows, self.heads, 0, self.bilinear_embed.in_features)
 
     def forward(self, query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None) -> XLinearOutput:
         """``v̂ = F_X-Linear(K, V, Q)`` (X-LAN Eq. 6) with the spatial attention ``β^s`` (Eq. 2–3) and the channel
@@ -239,7 +252,7 @@ class XLinearAttention(nn.Module):
 
     def attend(self, query: Tensor, key_embedding: Tensor, value_embedding: Tensor,
                mask: Tensor | None = None) -> XLinearOutput:
-        """The block from precomputed item embeddings (see :meth:`embed_memory`)."""
+        """The block from precomputed item embeddings ``[B, H, N, D_B/H]`` (see :meth:`embed_memory`)."""
         single_query = query.dim() == 2
         if single_query:
             query = query.unsqueeze(1)
@@ -253,10 +266,10 @@ class XLinearAttention(nn.Module):
         query_for_values = split(self.query_value_embed(query))  # ρ(W^v_q Q)            [B, L, H, d]
         # an exported graph keeps the broadcast form: a custom autograd function does not trace to ONNX
         pool = self._scores_and_squeeze if torch.jit.is_tracing() else self._scores_and_squeeze_in_slabs
-        scores, squeezed = pool(query_for_keys, split(key_embedding), mask)  # b^s [B, H, L, N], B̄ [B, L, H, c]
+        scores, squeezed = pool(query_for_keys, key_embedding, mask)  # b^s [B, H, L, N], B̄ [B, L, H, c]
         spatial = masked_softmax(scores, None if mask is None else mask.unsqueeze(1))  # β^s          (Eq. 3)
         channel = torch.sigmoid(self.excitation(squeezed))  # β^c  [B, L, H, d]  (Eq. 4–5)
-        pooled_values = torch.einsum("bhln,bnhd->blhd", spatial, split(value_embedding))  # Σ_i β^s_i ρ(W_v v_i)
+        pooled_values = (spatial @ value_embedding).transpose(1, 2)  # Σ_i β^s_i ρ(W_v v_i)  [B, L, H, d]
         attended = (channel * query_for_values * pooled_values).flatten(-2)  # (Eq. 6), efficient form
         channel = channel.flatten(-2)
         if single_query:
@@ -266,8 +279,8 @@ class XLinearAttention(nn.Module):
     def _scores_and_squeeze(self, query_for_keys: Tensor, key_embedding: Tensor,
                             mask: Tensor | None) -> tuple[Tensor, Tensor]:
         """``b^s [B, H, L, N]`` and ``B̄ [B, L, H, c]`` written as Eq. 2–4 read, materialising ``B^k`` and ``B'^k``
-        (``[B, L, N, H, ·]``) from ``query_for_keys [B, L, H, d]`` and ``key_embedding [B, N, H, d]``."""
-        bilinear = query_for_keys.unsqueeze(2) * key_embedding.unsqueeze(1)  # B^k  [B, L, N, H, d]  (Eq. 2)
+        (``[B, L, N, H, ·]``) from ``query_for_keys [B, L, H, d]`` and ``key_embedding [B, H, N, d]``."""
+        bilinear = query_for_keys.unsqueeze(2) * key_embedding.transpose(1, 2).unsqueeze(1)  # B^k [B, L, N, H, d]
         transformed = self.dropout(F.relu(self.bilinear_embed(bilinear)))  # B'^k [B, L, N, H, c]  (Eq. 3)
         scores = self.spatial_score(transformed).squeeze(-1).permute(0, 3, 1, 2)  # b^s  [B, H, L, N]  (Eq. 3)
         return scores, self._squeeze(transformed, mask)  # B̄ (Eq. 4)
@@ -277,7 +290,7 @@ class XLinearAttention(nn.Module):
         """The same ``b^s`` and ``B̄`` as :meth:`_scores_and_squeeze` from :class:`_SpatialSqueeze`, which never
         holds ``B^k`` or ``B'^k`` whole (see there)."""
         batch, queries, heads, _ = query_for_keys.shape
-        items = key_embedding.shape[1]
+        items = key_embedding.shape[2]
         # Eq. 4's mean over each query's real items, as weights [B, 1 or L, N] shared by the heads
         if mask is None:
             weights = key_embedding.new_full((batch, 1, items), 1.0 / items)
@@ -289,7 +302,7 @@ class XLinearAttention(nn.Module):
         keep = None if drop == 0.0 else dropout_keep_mask((batch * heads, items, queries * channels), drop,
                                                           key_embedding.device)
         scores, squeezed = _SpatialSqueeze.apply(
-            key_embedding.transpose(1, 2).flatten(0, 1), query_for_keys.transpose(1, 2).flatten(0, 1),
+            key_embedding.flatten(0, 1), query_for_keys.transpose(1, 2).flatten(0, 1),
             self.bilinear_embed.weight, self.bilinear_embed.bias, self.spatial_score.weight[0],
             weights.unsqueeze(1).expand(-1, heads, -1, -1).flatten(0, 1), keep,
             0.0 if drop >= 1.0 else 1.0 / (1.0 - drop))
