@@ -411,6 +411,27 @@ def test_the_repeat_boxes_start_at_the_models_rules_and_every_caption_names_them
 
 @pytest.mark.browser
 @needs_chromium
+def test_each_repeat_box_is_named_for_its_own_rule_and_captions_again_with_it(tiny_server):
+    """Each box, found by the name a screen reader gives it, sets its own option and captions the photo again: the
+    labels swapped between the boxes (a box named for doubled words that blocked trigrams), or a change listener on
+    only one of them (a click on the other changed nothing until the next caption), passed a test that only
+    clicked the trigram box."""
+    with page_of(tiny_server, before_load=lambda page: page.route("**/models", with_models_of_other_rules)) as page:
+        rules = page.get_by_role("group", name="Never repeat")
+        doubled = rules.get_by_role("checkbox", name="a word right after itself", exact=True)
+        trigrams = rules.get_by_role("checkbox", name="a three-word phrase", exact=True)
+        assert (doubled.is_checked(), trigrams.is_checked()) == (True, False)  # the model's defaults
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        for box, expected in ((doubled, (False, False)), (trigrams, (False, True))):
+            with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url,
+                                      timeout=30_000) as again:
+                box.click()
+            answer = again.value.json()
+            assert (answer["block_doubled_words"], answer["block_trigrams"]) == expected
+
+
+@pytest.mark.browser
+@needs_chromium
 def test_a_refused_beam_size_marks_the_box_and_a_refused_upload_names_its_file(captioned):
     page = captioned
     beam = page.get_by_role("spinbutton", name="Beam size")

@@ -8,15 +8,18 @@ import asyncio
 import base64
 import io
 import logging
+from typing import Annotated
 
 import numpy as np
 import pytest
+from fastapi import Depends, FastAPI, Query
 from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
+from captioner.service.inputs import QueryOptions, known_query_only
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
 
@@ -533,6 +536,17 @@ def test_an_empty_form_field_is_no_option_as_an_empty_query_parameter_is(client,
     same_caption(plain.json(), post(client, photo, params={"beam_size": ""}).json())
 
 
+def test_every_option_given_empty_as_a_query_parameter_names_no_option(client, photo):
+    """An empty query value names no option for every caption option, not only ``beam_size``: an empty-as-none
+    reading that missed a field (``?model=``, ``?block_trigrams=``, as a form submitted with its controls left
+    empty sends them) answered 422 for it where the same empty form field is the default's caption."""
+    plain = post(client, photo)
+    assert plain.status_code == 200, plain.text
+    empty = post(client, photo, params={name: "" for name in CaptionOptions.model_fields})
+    assert empty.status_code == 200, empty.text
+    same_caption(plain.json(), empty.json())
+
+
 def test_the_caption_routes_query_parameters_are_the_caption_options_fields(client, photo):
     """The query parameters are :class:`CaptionOptions`' own fields (FastAPI's query parameter model): an option
     added to the schema is a query parameter of every caption route at once, with its description, and taken."""
@@ -544,6 +558,32 @@ def test_the_caption_routes_query_parameters_are_the_caption_options_fields(clie
     answer = post(client, photo, params={"block_doubled_words": "true", "block_trigrams": "false"})
     assert answer.status_code == 200, answer.text
     assert (answer.json()["block_doubled_words"], answer.json()["block_trigrams"]) == (True, False)
+
+
+def paging(size: Annotated[int, Query(alias="page-size")] = 10,
+           tags: Annotated[list[str], Query()] = []) -> tuple[int, list[str]]:  # a dependency's own parameters
+    return size, tags
+
+
+def test_the_query_check_reads_a_dependencys_parameters_by_alias_and_a_list_may_repeat():
+    """The unknown/repeated check reads every query parameter a route takes, not only its query model's fields:
+    a dependency's parameters (the caption options were one until the query model), by the alias a client
+    sends, and a list parameter may be given many times.  Reading only the route's own parameters, or the
+    Python names, refused a parameter the route takes as unknown; a list read as one value refused its repeats."""
+    app = FastAPI()
+
+    @app.get("/page", dependencies=[Depends(known_query_only)])
+    def page(options: QueryOptions, page: Annotated[tuple[int, list[str]], Depends(paging)]) -> dict:
+        return {"size": page[0], "tags": page[1], "beam_size": options.beam_size}
+
+    with TestClient(app) as client:
+        taken = client.get("/page", params=[("page-size", "2"), ("tags", "a"), ("tags", "b"), ("beam_size", "3")])
+        assert taken.status_code == 200, taken.text
+        assert taken.json() == {"size": 2, "tags": ["a", "b"], "beam_size": 3}
+        unknown = client.get("/page", params={"size": "2"})
+        assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["query", "size"]
+        twice = client.get("/page", params=[("page-size", "2"), ("page-size", "3")])
+        assert twice.status_code == 422 and twice.json()["detail"][0]["type"] == "repeated"
 
 
 def test_each_apps_document_states_its_own_limits(client, tmp_path):
