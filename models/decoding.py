@@ -81,10 +81,12 @@ class DecodingRules:
     def overridden_by(self, options: object) -> "DecodingRules":
         """:meth:`overridden` by the attributes of ``options`` that carry the rules' names: a request's parameters,
         a command line's arguments, an archive's options.  A rule added here reaches every caller at once."""
-        return self.overridden(**{rule.name: getattr(options, rule.name, None) for rule in fields(self)})
+        return self.overridden(**{name: getattr(options, name, None) for name in RULE_NAMES})
 
 
 NO_RULES = DecodingRules()
+#: the rules' names, in their order: as a request, a command line, an answer and a report spell them
+RULE_NAMES = tuple(rule.name for rule in fields(DecodingRules))
 
 
 def gnmt_divisor(length, alpha):

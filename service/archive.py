@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from captioner.models.decoding import DecodingRules
+from captioner.models.decoding import RULE_NAMES, DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import save_picture
@@ -53,8 +53,7 @@ STOP_WAIT_S = 1.0
 FIGURE_PANEL = 224
 #: a line's fields without --attention (CaptionOut's names; ``path`` comes first): the caption, and how it was
 #: decoded (the model, beam and decoding rules)
-SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", "length_penalty", "block_trigrams", "block_doubled_words",
-                  "caption", "tokens", "token_logprobs", "score")
+SUMMARY_FIELDS = ("model", "checkpoint", "beam_size", *RULE_NAMES, "caption", "tokens", "token_logprobs", "score")
 
 
 class ArchiveError(RuntimeError):

@@ -199,14 +199,16 @@ def cmd_caption(args: argparse.Namespace) -> None:
                          "(with --attention or --heatmaps DIR for the attention)")
     if args.checkpoint and len(args.checkpoint) > 1:
         raise SystemExit("error: an archive is captioned by one --checkpoint")
+    from captioner.models.decoding import RULE_NAMES
+
     from .archive import ArchiveError, ArchiveOptions, caption_archive, parse_shard
 
     try:
         settings = read_settings(**{k: v for k, v in {"device": None if args.device == "auto" else args.device,
                                                       "threads": args.threads}.items() if v is not None})
         options = ArchiveOptions(args.beam_size, args.max_len, args.attention,
-                                 Path(args.heatmaps) if args.heatmaps else None, args.readers, args.length_penalty,
-                                 args.block_trigrams, args.block_doubled_words)
+                                 Path(args.heatmaps) if args.heatmaps else None, args.readers,
+                                 **{rule: getattr(args, rule) for rule in RULE_NAMES})
         run = caption_archive(args.images, Path(args.output), Path((args.checkpoint or [DEFAULT_CHECKPOINT])[0]),
                               settings, options, args.resume, parse_shard(args.shard or "0/1"), args.progress)
     except ArchiveError as exc:

@@ -45,20 +45,21 @@ MULTIPART_SLACK = 64 * 1024
 MAX_FORM_FILES, MAX_FORM_FIELDS = 8, 16
 FORM_PARTS = ("file", *CAPTION_OPTIONS)
 
-class CaptionQuery(CaptionOptions):
-    """:class:`CaptionOptions` as query parameters (FastAPI's query parameter model: each field a parameter of
-    its own, with the field's description and bounds); an empty value names no option."""
+class CaptionFields(CaptionOptions):
+    """:class:`CaptionOptions` given as text: query parameters (FastAPI's query parameter model: each field a
+    parameter of its own, with the field's description and bounds) and multipart form fields.  An empty value
+    names no option."""
 
     @model_validator(mode="before")
     @classmethod
     def _empty_is_none(cls, data: Any) -> Any:
-        # ?beam_size= names no beam size, as an empty form field (curl -F beam_size=) does: not a 422
+        # ?beam_size= and an empty form field (curl -F beam_size=) name no beam size: not a 422
         return {name: None if value == "" else value for name, value in data.items()} \
             if isinstance(data, dict) else data
 
 
 #: the caption options given as query parameters, for the endpoints that caption an upload
-QueryOptions = Annotated[CaptionQuery, Query()]
+QueryOptions = Annotated[CaptionFields, Query()]
 
 
 def _query_params(dependant: Dependant) -> dict[str, bool]:
@@ -211,16 +212,13 @@ def form_options(form: FormData) -> tuple[UploadFile, CaptionOptions]:
                                                             "a file part"}])
     if not isinstance(upload, UploadFile):
         raise missing_file()
-    fields: dict[str, str] = {}
-    for name in CAPTION_OPTIONS:
-        value = form.get(name)
+    fields = {name: form[name] for name in CAPTION_OPTIONS if name in form}
+    for name, value in fields.items():
         if isinstance(value, UploadFile):
             raise InvalidRequest(f"{name} must be a form field, not a file",
                                  [{"loc": ["body", name], "msg": "a file part, expected a form field"}])
-        if value:  # an empty field (curl -F model=) is the same as none, as an empty query parameter is
-            fields[name] = value
     try:
-        return upload, CaptionOptions.model_validate(fields)
+        return upload, CaptionFields.model_validate(fields)
     except ValidationError as exc:
         raise _validation_failure(exc) from None
 

@@ -193,8 +193,7 @@ def _caption_fields(result: CaptionResult, result_id: str | None, rows, geometry
     hyp = result.hypothesis
     return dict(
         id=result_id, model=result.model, checkpoint=PurePath(result.checkpoint).name, beam_size=result.beam_size,
-        length_penalty=result.rules.length_penalty, block_trigrams=result.rules.block_trigrams,
-        block_doubled_words=result.rules.block_doubled_words,
+        **dataclasses.asdict(result.rules),
         caption=result.caption, tokens=result.tokens, is_eos=hyp.is_eos,
         token_logprobs=[round(v, LOGPROB_DECIMALS) for v in hyp.token_logprobs],
         score=round(hyp.score, LOGPROB_DECIMALS), geometry=(geometry or GeometryOut.of)(result.geometry),

@@ -18,15 +18,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..decoding import DecodingRules
+from ..decoding import RULE_NAMES, DecodingRules
 from .evaluate import evaluate_checkpoint
 
 # the grid `captioner tune-decoding` tries by default: above 1 the penalty lengthens Flickr8k captions mostly with
 # repeats (docs/decisions.md, "Flickr8k: BLEU-1 and the brevity penalty": α = 2 took REP from 1.5 to 11), not worth
 # a validation pass each
 DEFAULT_PENALTIES = (0.0, 0.5, 1.0)
-#: the rules' names, as a grid row holds them
-DECODING_FIELDS = tuple(asdict(DecodingRules()))
 
 
 def decoding_grid(ckpt, images: Sequence, store, penalties: Sequence[float] = DEFAULT_PENALTIES,
@@ -48,21 +46,25 @@ def decoding_grid(ckpt, images: Sequence, store, penalties: Sequence[float] = DE
 
 def best_row(rows: Sequence[dict[str, Any]], metric: str) -> dict[str, Any]:
     """The grid's row with the highest ``metric``; ties to the smaller penalty, then to no blocking."""
-    return max(rows, key=lambda r: (r[metric], -r["length_penalty"], not r["block_trigrams"],
-                                    not r.get("block_doubled_words")))
+    def preference(row: dict[str, Any]) -> tuple:
+        rules = rules_of(row)
+        return row[metric], -rules.length_penalty, not rules.block_trigrams, not rules.block_doubled_words
+
+    return max(rows, key=preference)
 
 
 def rules_of(row: dict[str, Any]) -> DecodingRules:
     """The decoding rules a grid row was decoded with (a row written before a rule existed: that rule off)."""
-    return DecodingRules(**{name: row[name] for name in DECODING_FIELDS if name in row})
+    return DecodingRules(**{name: row[name] for name in RULE_NAMES if name in row})
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     head = ["length penalty α", "block trigrams", "block doubled words", *columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        values = [f"{row['length_penalty']:g}", "yes" if row["block_trigrams"] else "no",
-                  "yes" if row.get("block_doubled_words") else "no",
+        rules = rules_of(row)
+        values = [f"{rules.length_penalty:g}", "yes" if rules.block_trigrams else "no",
+                  "yes" if rules.block_doubled_words else "no",
                   *(f"{row[c]:.4g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns)]
         lines.append("| " + " | ".join(values) + " |")
     return "\n".join(lines)
