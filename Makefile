@@ -15,6 +15,9 @@ DATA_VARIED_SMALL := .cache/scenes-varied-small
 OOD := .cache/ood
 RESULTS := docs/results
 PYTEST_ARGS ?=
+# make test's pytest-xdist workers: one a core, four at most (PYTEST_WORKERS=0 runs the suite in this process);
+# each module runs in one worker (tests/parallel.py)
+PYTEST_WORKERS ?= auto
 
 .PHONY: help setup cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
 	bench-int8 samples clean
@@ -25,7 +28,7 @@ help:
 	@echo "make cpu-torch     without an NVIDIA driver, CPU-only torch from TORCH_CPU_INDEX (every set-up does it first)"
 	@echo "make serve         set up .venv and serve the real-photo models (weights/flickr8k) on http://$(HOST):$(PORT)"
 	@echo "make serve-scenes  the same plus the generated-scene models of weights/ as scenes-NAME"
-	@echo "make test          set up .venv (and headless chromium) and run the test suite"
+	@echo "make test          set up .venv (and headless chromium) and run the test suite on every core (at most 4)"
 	@echo "make lint          the code's conventions (ruff; also a test of the suite)"
 	@echo "make data          generate the scene dataset in $(DATA)"
 	@echo "make data-ood      the out-of-distribution scene sets in $(OOD)"
@@ -123,7 +126,7 @@ browser-deps:
 	else echo "note: chromium not installed and not root; the browser test will be skipped"; fi
 
 test: $(STAMP) browser-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile $(PYTEST_ARGS)
 
 # pyproject.toml's [tool.ruff]; tests/test_lint.py runs the same check in `make test`
 lint: $(STAMP)

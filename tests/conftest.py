@@ -19,6 +19,8 @@ from captioner.models.data.scenes import generate
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import create
 
+from . import parallel
+
 # the helpers' asserts (every registered model through HTTP, ONNX and batching) say what differed, as a test's do
 pytest.register_assert_rewrite("tests.serving_helpers")
 
@@ -26,7 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
 DEFAULT_CHECKPOINT = WEIGHTS / "sat"
 
-torch.set_num_threads(2)
+# two intra-op threads on a 2-core machine, one each where `make test` runs two xdist workers there
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(parallel.Scheduling(), "captioner-module-scheduling")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    parallel.give_each_item_its_node_id(items)
+    parallel.check_server_modules(items)
 
 
 @pytest.fixture(scope="session", autouse=True)
