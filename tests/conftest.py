@@ -27,6 +27,9 @@ pytest.register_assert_rewrite("tests.serving_helpers")
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = ROOT / "weights"
 DEFAULT_CHECKPOINT = WEIGHTS / "sat"
+#: the real photos the project may read but never commits (Flickr8k, official files and Karpathy JSON): beside the
+#: checkout, as CI places it; tests that need them skip where it is absent
+FLICKR8K_DIR = ROOT.parent / "shared" / "data" / "flickr8k"
 
 # two intra-op threads on a 2-core machine, one each where `make test` runs two xdist workers there
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))

@@ -15,7 +15,7 @@ from PIL import Image
 from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
 from captioner.models.data.flickr import load_flickr
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "flickr8k"
+from .conftest import FLICKR8K_DIR as SHARED
 
 
 @pytest.fixture

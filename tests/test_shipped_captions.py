@@ -4,9 +4,10 @@ the first batch of Flickr8k ``test`` photos, gives each checkpoint of ``weights/
 
 A change to a model, the beam search, the decoding rules, the encoder or the preprocessing that moves a single
 caption of a shipped model fails here, on real photos, where the unit tests' tiny models cannot tell; a change
-that is meant to move them (retrained weights, a new rule) re-runs ``make eval-f8k`` and commits its report,
-card and captions together.  The photos are read from ``../shared/data/flickr8k`` (never committed): without it
-the test skips."""
+that is meant to move them (retrained weights, a new rule) scores them again (``captioner eval … --output
+docs/results/flickr8k/NAME.json --results-json docs/results/flickr8k/captions/NAME.json``, as ``make ship-f8k-NAME``
+does) and commits the report, the card and the captions together.  The photos are read from
+``../shared/data/flickr8k`` (never committed): without it the test skips."""
 
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ import pytest
 
 from captioner.models.evaluation.report import evaluation_report
 
-from .conftest import module_folder
+from .conftest import FLICKR8K_DIR as FLICKR8K, ROOT, module_folder
 
-ROOT = Path(__file__).resolve().parents[1]
-FLICKR8K = ROOT.parent / "shared" / "data" / "flickr8k"
 CAPTIONS = ROOT / "docs" / "results" / "flickr8k" / "captions"
 #: ``captioner eval`` captions 50 photos at a time (models/evaluation/evaluate.py): the first 50 are decoded in the
 #: same batch as when the report was made, so the comparison is exact rather than up to batch-size rounding
