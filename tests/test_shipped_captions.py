@@ -1,6 +1,8 @@
-"""The shipped real-photo checkpoints still write the captions their reports scored: ``captioner eval``'s code, on
-the first batch of Flickr8k ``test`` photos, gives each checkpoint of ``weights/flickr8k/`` the captions committed in
-``docs/results/flickr8k/captions/NAME.json`` (``--results-json`` of the run its card quotes).
+"""The shipped real-photo checkpoints still write the captions their reports scored, and the reports' numbers are
+those captions' scores: ``captioner eval``'s code, on the first batch of Flickr8k ``test`` photos, gives each
+checkpoint of ``weights/flickr8k/`` the captions committed in ``docs/results/flickr8k/captions/NAME.json``
+(``--results-json`` of the run its card quotes), and the 1,000 committed captions score, against the photos'
+references, what ``docs/results/flickr8k/NAME.json`` (the card's test row, tests/test_shipped_cards.py) says.
 
 A change to a model, the beam search, the decoding rules, the encoder or the preprocessing that moves a single
 caption of a shipped model fails here, on real photos, where the unit tests' tiny models cannot tell; a change
@@ -16,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from captioner.models.data.datasets import load_split, train_split_captions
+from captioner.models.evaluation.compare import result_id
+from captioner.models.evaluation.evaluate import score_dataset
 from captioner.models.evaluation.report import evaluation_report
 
 from .conftest import FLICKR8K_DIR as FLICKR8K, ROOT, module_folder
@@ -52,3 +57,23 @@ def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, feat
     differing = [(row["image_id"], row["caption"], committed.get(row["image_id"])) for row in written.coco_results
                  if row["caption"] != committed.get(row["image_id"])]
     assert not differing, f"{checkpoint.name}: (image id, caption now, caption committed) {differing}"
+
+
+@pytest.fixture(scope="module")
+def test_split():
+    """Flickr8k's test photos with their references, and the training captions (for the share of novel ones)."""
+    dataset, images = FLICKR8K / "dataset_flickr8k.json", FLICKR8K / "images"
+    return load_split(dataset, images, "test"), train_split_captions(dataset, images)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
+def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, test_split):
+    images, training_captions = test_split
+    by_id = {row["image_id"]: row["caption"] for row in json.loads((CAPTIONS / f"{checkpoint.name}.json").read_text())}
+    assert sorted(by_id) == sorted(result_id(im) for im in images), "the captions are not one per test photo"
+    captions = {im.image_id: by_id[result_id(im)].split() for im in images}
+    # METEOR is left out: Java scoring 1,000 captions would take longer than the rest together
+    scores = score_dataset(captions, images, ("BLEU", "ROUGE-L", "CIDEr-D"), training_captions)
+    reported = json.loads((ROOT / "docs" / "results" / "flickr8k" / f"{checkpoint.name}.json").read_text())["test"]
+    assert reported["images"] == len(images)
+    assert {name: round(value, 4) for name, value in scores.items()} == {name: reported[name] for name in scores}
