@@ -1,8 +1,9 @@
 """The shipped real-photo checkpoints still write the captions their reports scored, and the reports' numbers are
 those captions' scores: ``captioner eval``'s code, on the first batch of Flickr8k ``test`` photos, gives each
 checkpoint of ``weights/flickr8k/`` the captions committed in ``docs/results/flickr8k/captions/NAME.json``
-(``--results-json`` of the run its card quotes), and the 1,000 committed captions score, against the photos'
-references, what ``docs/results/flickr8k/NAME.json`` (the card's test row, tests/test_shipped_cards.py) says.
+(``--results-json`` of the run its card quotes); the 1,000 committed captions score, against the photos'
+references, what ``docs/results/flickr8k/NAME.json`` (the card's test row, tests/test_shipped_cards.py) says; and
+``docs/model_zoo.md``'s Flickr8k section is what ``make zoo-f8k`` writes from those reports and captions today.
 
 A change to a model, the beam search, the decoding rules, the encoder or the preprocessing that moves a single
 caption of a shipped model fails here, on real photos, where the unit tests' tiny models cannot tell; a change
@@ -14,6 +15,7 @@ does) and commits the report, the card and the captions together.  The photos ar
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from captioner.models.data.datasets import load_split, train_split_captions
 from captioner.models.evaluation.compare import result_id
 from captioner.models.evaluation.evaluate import score_dataset
 from captioner.models.evaluation.report import evaluation_report
+from captioner.models.evaluation.zoo_f8k import write_f8k_section
 
 from .conftest import FLICKR8K_DIR as FLICKR8K, ROOT, module_folder
 
@@ -77,3 +80,14 @@ def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, test_split
     reported = json.loads((ROOT / "docs" / "results" / "flickr8k" / f"{checkpoint.name}.json").read_text())["test"]
     assert reported["images"] == len(images)
     assert {name: round(value, 4) for name, value in scores.items()} == {name: reported[name] for name in scores}
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="the section's PTB table needs Java")
+def test_the_model_zoo_section_is_what_make_zoo_f8k_writes(tmp_path: Path, monkeypatch):
+    document = tmp_path / "model_zoo.md"
+    shutil.copyfile(ROOT / "docs" / "model_zoo.md", document)
+    monkeypatch.chdir(ROOT)  # the section names its reports' folder as the command is given it, from the checkout
+    write_f8k_section(Path("weights/flickr8k"), Path("docs/results/flickr8k"), document,
+                      FLICKR8K / "dataset_flickr8k.json", FLICKR8K / "images")
+    assert document.read_text() == (ROOT / "docs" / "model_zoo.md").read_text(), (
+        "docs/model_zoo.md's Flickr8k section is not what `make zoo-f8k` writes from the committed reports")
