@@ -40,11 +40,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(parallel.Scheduling(), "captioner-module-scheduling")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    parallel.give_each_item_its_node_id(items)
-    parallel.check_server_modules(items)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def onnx_exports_in_a_temporary_folder(tmp_path_factory):
     """Servers made by the tests (in-process or subprocess) export their ONNX graphs under pytest's temporary

@@ -3,7 +3,8 @@ in one worker, so its module fixtures (checkpoints, ONNX graphs, servers) are bu
 the session's shipped-checkpoint :func:`~tests.conftest.server` run in one worker together, so that one worker
 starts that server (a minute of exporting and warming up), not each worker that runs such a module.
 
-Registered by ``tests/conftest.py`` where xdist is installed; without ``--dist loadfile`` it changes nothing."""
+Registered by ``tests/conftest.py`` where xdist is installed; without ``--dist loadfile`` it only checks the
+collected tests."""
 
 from __future__ import annotations
 
@@ -28,11 +29,17 @@ class ModulesWithTheServerTogether(LoadFileScheduling):
 
 
 class Scheduling:
-    """The plugin: xdist asks every plugin for a scheduler; this one answers for ``--dist loadfile``."""
+    """The plugin: xdist asks every plugin for a scheduler, and this one answers for ``--dist loadfile``; the
+    collected tests are checked (and their IDs mended) before xdist hands them out."""
 
     @pytest.hookimpl
     def pytest_xdist_make_scheduler(self, config: pytest.Config, log) -> LoadFileScheduling | None:
         return ModulesWithTheServerTogether(config, log) if config.getvalue("dist") == "loadfile" else None
+
+    @pytest.hookimpl
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        give_each_item_its_node_id(items)
+        check_server_modules(items)
 
 
 def give_each_item_its_node_id(items: list[pytest.Item]) -> None:

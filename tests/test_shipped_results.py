@@ -14,7 +14,6 @@ does) and commits the report, the card and the captions together.  The photos ar
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -23,8 +22,9 @@ import pytest
 from captioner.models.data.datasets import load_split, train_split_captions
 from captioner.models.evaluation.compare import result_id
 from captioner.models.evaluation.evaluate import score_dataset
+from captioner.models.evaluation.metrics import reported
 from captioner.models.evaluation.report import evaluation_report
-from captioner.models.evaluation.zoo_f8k import write_f8k_section
+from captioner.models.evaluation.zoo_f8k import read_captions, read_report, write_f8k_section
 
 from .conftest import FLICKR8K_DIR as FLICKR8K, ROOT, module_folder
 
@@ -52,8 +52,7 @@ def feature_cache(request, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, feature_cache: Path):
-    rows = json.loads((CAPTIONS / f"{checkpoint.name}.json").read_text())
-    committed = {row["image_id"]: row["caption"] for row in rows}
+    committed = read_captions(CAPTIONS / f"{checkpoint.name}.json")
     written = evaluation_report(checkpoint, FLICKR8K / "dataset_flickr8k.json", ["test"],
                                 image_root=FLICKR8K / "images", limit=PHOTOS, meteor=False, cache_dir=feature_cache,
                                 device="cpu", progress=False)
@@ -73,14 +72,14 @@ def test_split():
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, test_split):
     images, training_captions = test_split
-    by_id = {row["image_id"]: row["caption"] for row in json.loads((CAPTIONS / f"{checkpoint.name}.json").read_text())}
+    by_id = read_captions(CAPTIONS / f"{checkpoint.name}.json")
     assert sorted(by_id) == sorted(result_id(im) for im in images), "the captions are not one per test photo"
     captions = {im.image_id: by_id[result_id(im)].split() for im in images}
     # METEOR is left out: it needs Java, which the other scores do not
     scores = score_dataset(captions, images, ("BLEU", "ROUGE-L", "CIDEr-D"), training_captions)
-    reported = json.loads((REPORTS / f"{checkpoint.name}.json").read_text())["test"]
-    assert reported["images"] == len(images)
-    assert {name: round(value, 4) for name, value in scores.items()} == {name: reported[name] for name in scores}
+    report = read_report(REPORTS / f"{checkpoint.name}.json", "test", None)
+    assert report["images"] == len(images)
+    assert reported(scores) == {name: report[name] for name in scores}
 
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="the section's PTB table needs Java")

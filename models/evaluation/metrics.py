@@ -24,6 +24,13 @@ import numpy as np
 
 ALL_METRICS = ("BLEU", "METEOR", "ROUGE-L", "CIDEr-D")
 UNAVAILABLE = {"SPICE": "needs Stanford CoreNLP models that are downloaded at first use; no download is possible here"}
+#: the decimals a report keeps of every score (``captioner eval``, ``tune-decoding``, ``resolution-check``)
+REPORT_DECIMALS = 4
+
+
+def reported(scores: Mapping[str, float]) -> dict[str, float]:
+    """``scores`` as a report writes them: each rounded to :data:`REPORT_DECIMALS`."""
+    return {name: round(value, REPORT_DECIMALS) for name, value in scores.items()}
 
 
 def score_captions(candidates: Mapping[int, str], references: Mapping[int, Sequence[str]],

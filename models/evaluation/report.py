@@ -178,7 +178,7 @@ class _SplitScorer:
         for), its images and their captions."""
         from ..data.datasets import load_split
         from .evaluate import evaluate_checkpoint, score_dataset
-        from .metrics import UNAVAILABLE
+        from .metrics import UNAVAILABLE, reported
 
         images = load_split(self.dataset, self.image_root, split, limit=self.limit)
         store = self._feature_store(images)
@@ -195,7 +195,7 @@ class _SplitScorer:
                                                    self.metrics, device=self.device, progress=self.progress,
                                                    rules=self.rules, training_captions=self.training_captions,
                                                    ptb=self.ptb)
-        section = {"images": len(images), **{k: round(v, 4) for k, v in scores.items()}}
+        section = {"images": len(images), **reported(scores)}
         section["SPICE"] = f"unavailable: {UNAVAILABLE['SPICE']}"
         if self.misses:
             from .metrics import unigram_misses

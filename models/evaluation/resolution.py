@@ -17,7 +17,7 @@ from ..data.karpathy import CaptionedImage
 from ..decoding import DecodingRules
 from ..pipeline import Pipeline
 from .compare import compare_captions, result_id
-from .metrics import reference_texts, score_captions
+from .metrics import reference_texts, reported, score_captions
 
 
 def _caption(pipeline: Pipeline, paths: Sequence[Path], beam_size: int, max_len: int, rules: DecodingRules,
@@ -46,8 +46,7 @@ def resolution_check(pipeline: Pipeline, images: Sequence[CaptionedImage], full_
     refs = dict(zip(ids, reference_texts(matched)))
     report: dict[str, Any] = {"images": len(matched), "same_caption": sum(a == b for a, b in zip(copies, originals))}
     for name, captions in (("copies", copies), ("originals", originals)):
-        report[name] = {k: round(v, 4) for k, v in score_captions(dict(zip(ids, captions)), refs,
-                                                                  ("BLEU", "CIDEr-D")).items()}
+        report[name] = reported(score_captions(dict(zip(ids, captions)), refs, ("BLEU", "CIDEr-D")))
     # CIDEr-D and BLEU-4 differences with their paired-bootstrap intervals
     report["originals_minus_copies"] = compare_captions(dict(zip(ids, originals)), dict(zip(ids, copies)), matched)
     report["examples"] = [{"image": im.path.name, "copy": a, "original": b}

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from ..decoding import RULE_NAMES, DecodingRules
 from .evaluate import evaluate_checkpoint
+from .metrics import reported
 
 # the grid `captioner tune-decoding` tries by default: above 1 the penalty lengthens Flickr8k captions mostly with
 # repeats (docs/decisions.md, "Flickr8k: BLEU-1 and the brevity penalty": α = 2 took REP from 1.5 to 11), not worth
@@ -40,7 +41,7 @@ def decoding_grid(ckpt, images: Sequence, store, penalties: Sequence[float] = DE
         rules = DecodingRules(length_penalty=penalty, block_trigrams=block, block_doubled_words=doubled)
         scores, _ = evaluate_checkpoint(ckpt, images, store, beam_size, max_len, metrics, device=device,
                                         progress=False, rules=rules, training_captions=training_captions)
-        rows.append({**asdict(rules), **{k: round(v, 4) for k, v in scores.items()}})
+        rows.append({**asdict(rules), **reported(scores)})
     return rows
 
 
