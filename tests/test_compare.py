@@ -97,6 +97,8 @@ def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
     b.write_text("not json")
     with pytest.raises(SystemExit, match="not a COCO results file"):
         main(["compare", str(a), str(b), "--dataset", str(data)])
+    with pytest.raises(SystemExit, match=r"none\.json is missing: write the captions with captioner eval"):
+        main(["compare", str(a), str(tmp_path / "none.json"), "--dataset", str(data)])
 
 
 def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tmp_path):

@@ -24,7 +24,8 @@ from captioner.models.evaluation.compare import result_id
 from captioner.models.evaluation.evaluate import score_dataset
 from captioner.models.evaluation.metrics import reported
 from captioner.models.evaluation.report import evaluation_report
-from captioner.models.evaluation.zoo_f8k import read_captions, read_report, write_f8k_section
+from captioner.models.evaluation.compare import read_results
+from captioner.models.evaluation.zoo_f8k import read_report, write_f8k_section
 
 from .conftest import FLICKR8K_DIR as FLICKR8K, ROOT, module_folder
 
@@ -52,7 +53,7 @@ def feature_cache(request, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, feature_cache: Path):
-    committed = read_captions(CAPTIONS / f"{checkpoint.name}.json")
+    committed = read_results(CAPTIONS / f"{checkpoint.name}.json")
     written = evaluation_report(checkpoint, FLICKR8K / "dataset_flickr8k.json", ["test"],
                                 image_root=FLICKR8K / "images", limit=PHOTOS, meteor=False, cache_dir=feature_cache,
                                 device="cpu", progress=False)
@@ -72,7 +73,7 @@ def test_split():
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, test_split):
     images, training_captions = test_split
-    by_id = read_captions(CAPTIONS / f"{checkpoint.name}.json")
+    by_id = read_results(CAPTIONS / f"{checkpoint.name}.json")
     assert sorted(by_id) == sorted(result_id(im) for im in images), "the captions are not one per test photo"
     captions = {im.image_id: by_id[result_id(im)].split() for im in images}
     # METEOR is left out: it needs Java, which the other scores do not

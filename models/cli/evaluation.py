@@ -138,7 +138,7 @@ def _add_resolution_check(sub: argparse._SubParsersAction) -> None:
 
 def cmd_compare(args: argparse.Namespace) -> None:
     from ..data.datasets import resolve_dataset
-    from ..evaluation.compare import compare_captions, markdown
+    from ..evaluation.compare import compare_captions, markdown, read_results
     from ..evaluation.metrics import check_ptb_tokenizer
 
     refuse_input_as_output(args.output, args.results, "--output")
@@ -146,13 +146,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
         check_ptb_tokenizer()
     dataset = resolve_dataset(args.dataset)
     images = load_split(dataset, args.image_root, args.split, check_images=False)
-    sides = []
-    for path in args.results:
-        try:
-            sides.append({int(r["image_id"]): str(r["caption"]) for r in json.loads(Path(path).read_text())})
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise SystemExit(f"error: {path} is not a COCO results file [{{\"image_id\", \"caption\"}}]: {exc}")
     try:
+        sides = [read_results(Path(path)) for path in args.results]
         result = compare_captions(sides[0], sides[1], images, args.resamples, ptb=args.ptb)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")

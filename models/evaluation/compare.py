@@ -16,7 +16,9 @@ once (:func:`bleu_statistics`), a resample sums them over the images it drew, an
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -102,6 +104,18 @@ def bleu_4(totals: np.ndarray) -> np.ndarray:
 def result_id(image: CaptionedImage) -> int:
     """The id ``captioner eval --results-json`` writes for an image: its COCO id where it has one."""
     return int(image.info.get("cocoid", image.image_id))
+
+
+def read_results(path: Path) -> dict[int, str]:
+    """The captions of a COCO results file, as ``captioner eval --results-json`` writes them
+    (``[{"image_id", "caption"}]``): image id → caption.  A missing or malformed file is a :class:`ValueError`
+    naming it."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: write the captions with captioner eval --results-json")
+    try:
+        return {int(r["image_id"]): str(r["caption"]) for r in json.loads(path.read_text())}
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f'{path} is not a COCO results file [{{"image_id", "caption"}}]: {exc!r}') from None
 
 
 def scored_captions(captions: Mapping[int, str], keys: Sequence[int]) -> list[str]:

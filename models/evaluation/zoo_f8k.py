@@ -102,15 +102,6 @@ def read_report(path: Path, split: str, config: dict[str, Any] | None,
     return report[split]
 
 
-def read_captions(path: Path) -> dict[int, str]:
-    if not path.is_file():
-        raise ValueError(f"{path} is missing: the paired bootstrap needs the captions (captioner eval --results-json)")
-    try:
-        return {int(r["image_id"]): str(r["caption"]) for r in _load_json(path)}
-    except (TypeError, KeyError) as exc:
-        raise ValueError(f'{path} is not a COCO results file [{{"image_id", "caption"}}]: {exc!r}') from None
-
-
 def ordered_names(names: set[str]) -> list[str]:
     return [n for n in ROW_ORDER if n in names] + sorted(names - set(ROW_ORDER))
 
@@ -146,7 +137,7 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
 
     from ..data.datasets import load_captioned
     from .bootstrap import percentile_interval, resampled_ratios
-    from .compare import compare_captions, result_id, scored_captions
+    from .compare import compare_captions, read_results, result_id, scored_captions
     from .metrics import cider_d, reference_texts
 
     if dataset is None:
@@ -159,7 +150,7 @@ def add_intervals(rows: list[dict[str, Any]], results: Path, dataset: str | Path
     captions = {}
     for row in rows:
         path = results / "captions" / f"{row['name']}.json"
-        captions[row["name"]] = read_captions(path)
+        captions[row["name"]] = read_results(path)
         missing, extra = set(keys) - set(captions[row["name"]]), set(captions[row["name"]]) - set(keys)
         if missing or extra or row["split"]["images"] != len(images):
             raise ValueError(f"{path}: its image ids do not match the {len(images)} images of the {split!r} split "

@@ -10,7 +10,6 @@ filled in.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -136,22 +135,18 @@ def paired_markdown(results: Path, dataset: Path, baseline: str, split: str = "t
     the paired-bootstrap interval (``captioner compare``), from the captions in ``results/captions/NAME.json``
     (``captioner eval --results-json``).  Empty when the baseline's captions or the dataset are missing."""
     from ..data.karpathy import load_karpathy
-    from .compare import compare_captions
+    from .compare import compare_captions, read_results
 
     folder = results / "captions"
     if not (folder / f"{baseline}.json").exists() or not dataset.exists():
         return []
     images = load_karpathy(dataset, None, (split,))
-
-    def captions(path: Path) -> dict[int, str]:
-        return {int(r["image_id"]): r["caption"] for r in json.loads(path.read_text())}
-
-    want = captions(folder / f"{baseline}.json")
+    want = read_results(folder / f"{baseline}.json")
     lines = [f"| checkpoint | CIDEr-D − {baseline} [95 % CI] | objects_named − {baseline} [95 % CI] |", "|---|---|---|"]
     for path in sorted(folder.glob("*.json")):
         if path.stem == baseline:
             continue
-        result = compare_captions(captions(path), want, images)
+        result = compare_captions(read_results(path), want, images)
         cells = [f"{result[m]['difference']:+.3f} [{result[m]['ci95'][0]:+.3f}, {result[m]['ci95'][1]:+.3f}]"
                  for m in ("CIDEr-D", "objects_named")]
         lines.append(f"| {path.stem} | {' | '.join(cells)} |")
