@@ -40,6 +40,7 @@ A third audit (sixteenth session: axe-core, keyboard only, a screen reader's vie
 from __future__ import annotations
 
 import json
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from fastapi.testclient import TestClient
@@ -379,14 +380,15 @@ def test_a_320_px_screen_never_scrolls_sideways_whatever_the_model_names(tiny_se
 
 
 def with_models_of_other_rules(route):
-    """/models as the service answers it, its model's defaults blocking doubled words, plus a model that blocks
-    nothing (a name the server does not serve: only the page's boxes are checked with it)."""
+    """/models as the service answers it, its model's defaults blocking doubled words with a length penalty of 1,
+    plus a model that blocks nothing and has none (a name the server does not serve: only the page's boxes are
+    checked with it)."""
     models = route.fetch().json()
     route.fulfill(json=[{**models[0], "decoding": {**models[0]["decoding"], "block_doubled_words": True,
-                                                   "block_trigrams": False}},
+                                                   "block_trigrams": False, "length_penalty": 1.0}},
                         {**models[0], "name": "lenient", "default": False,
                          "decoding": {**models[0]["decoding"], "block_doubled_words": False,
-                                      "block_trigrams": False}}])
+                                      "block_trigrams": False, "length_penalty": 0.0}}])
 
 
 @pytest.mark.browser
@@ -428,6 +430,37 @@ def test_each_repeat_box_is_named_for_its_own_rule_and_captions_again_with_it(ti
                 box.click()
             answer = again.value.json()
             assert (answer["block_doubled_words"], answer["block_trigrams"]) == expected
+
+
+@pytest.mark.browser
+@needs_chromium
+def test_the_length_penalty_box_starts_at_the_models_and_captions_again_with_its_value(tiny_server):
+    """The page offered no length penalty, an option of every caption request: its box shows the chosen model's
+    (GET /models' ``decoding``), every request names it, a change captions again with it, a value outside 0..5 is
+    refused before anything is sent, and another model brings its own."""
+    with page_of(tiny_server, before_load=lambda page: page.route("**/models", with_models_of_other_rules)) as page:
+        box = page.get_by_role("spinbutton", name="Length penalty")
+        assert box.input_value() == "1"
+        sent = caption_requests(page)
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        assert "length_penalty=1&" in sent[0].url + "&"
+        with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url,
+                                  timeout=30_000) as again:
+            box.fill("2.25")  # off the arrow keys' 0.1 steps: still a length penalty the service takes
+            box.dispatch_event("change")
+        assert again.value.json()["length_penalty"] == 2.25
+        wait_until(page, "() => document.getElementById('status').textContent.includes('length penalty 2.25')", 10)
+        words = [w.inner_text() for w in page.locator("#caption .word").all()]
+        box.fill("6")
+        box.dispatch_event("change")
+        status = page.locator("#status").inner_text()
+        assert status == "Not sent: the length penalty must be a number from 0 to 5, or empty for the model's default"
+        assert box.get_attribute("aria-invalid") == "true" and box.get_attribute("aria-describedby") == "status"
+        assert page.get_by_role("spinbutton", name="Beam size").get_attribute("aria-invalid") == "false"
+        assert [w.inner_text() for w in page.locator("#caption .word").all()] == words
+        assert len(sent) == 2  # the refused value was never sent
+        page.select_option("#model", "lenient")  # another model brings its own
+        assert box.input_value() == "0" and box.get_attribute("aria-invalid") == "false"
 
 
 @pytest.mark.browser
@@ -538,7 +571,7 @@ def test_arrow_keys_on_the_beam_box_step_from_the_services_default_and_send_one_
             page.keyboard.press("ArrowUp")
     assert got.value.json()["beam_size"] == 6
     page.wait_for_timeout(800)  # longer than the page waits for the box to settle: nothing else is sent
-    assert [r.url.split("beam_size=")[1] for r in sent] == ["6"]
+    assert [parse_qs(urlsplit(r.url).query)["beam_size"] for r in sent] == [["6"]]
     # ...and the result stays where it was: the box being stepped stays in view
     top = page.evaluate("() => document.getElementById('beam').getBoundingClientRect().top")
     assert 0 <= top < 900

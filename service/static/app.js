@@ -5,7 +5,7 @@
 const $ = (id) => document.getElementById(id);
 let current = null;  // the caption on screen: {id, tokens, isEos, attention, geometry, summary}
 let latest = 0;      // number of the newest caption request: an older answer that arrives later is dropped
-let lastFile = null; // captioned again when the model, the beam size or a repeat rule changes
+let lastFile = null; // captioned again when the model, the beam size, the length penalty or a repeat rule changes
 let inflight = null; // the AbortController of the caption request on its way: a newer one cancels it
 let defaultBeam = null;  // the service's default beam size, as its answers to an empty beam box report it
 let settling = 0;    // the timer of a caption waiting for the controls to settle (SETTLE_MS)
@@ -15,6 +15,13 @@ const overlays = new Map();
 const models = new Map();    // name → its /models entry (heatmap_modes: the modes it can draw; decoding: its rules)
 // the repeat rules' boxes, by the request option each one sets
 const RULE_BOXES = { block_doubled_words: "block-doubled", block_trigrams: "block-trigrams" };
+// the number boxes, by the request option each one sets: `id`, and what a value it takes must be (`must`: the box's
+// own bounds; a beam above the service's limit, which the page does not know, is refused by the service)
+const NUMBER_BOXES = {
+  beam_size: { id: "beam", must: (box) => `the beam size must be a whole number from ${box.min} up, or empty for the default` },
+  length_penalty: { id: "length-penalty",
+                    must: (box) => `the length penalty must be a number from ${box.min} to ${box.max}, or empty for the model's default` },
+};
 const MIN_SIDE = 256;  // a smaller image is shown enlarged to this longer side, its heatmap with it
 // A photo the service refuses as too large (413: more pixels or bytes than it takes) is sent again as a copy this
 // long on its longer side, then this one: the model sees a few hundred pixels, the heatmaps at most SHOWN_SIDE.
@@ -42,12 +49,16 @@ async function failure(response) {
   }
 }
 
-// The beam box is marked while a caption was refused for it (by the box itself or by the service): a screen reader
-// says "invalid" on the box and reads the status, which says why, as its description; a red border shows it.
-function markBeam(isRefused) {
-  $("beam").setAttribute("aria-invalid", String(isRefused));
-  if (isRefused) $("beam").setAttribute("aria-describedby", "status");
-  else $("beam").removeAttribute("aria-describedby");
+// A number box is marked while a caption was refused for it (by the box itself or by the service; `refused`: the
+// options blamed): a screen reader says "invalid" on the box and reads the status, which says why, as its
+// description; a red border shows it.
+function markRefused(refused) {
+  for (const [option, { id }] of Object.entries(NUMBER_BOXES)) {
+    const isRefused = refused.includes(option);
+    $(id).setAttribute("aria-invalid", String(isRefused));
+    if (isRefused) $(id).setAttribute("aria-describedby", "status");
+    else $(id).removeAttribute("aria-describedby");
+  }
 }
 
 // A server still loading its models (CAPTIONER_LOAD_IN_BACKGROUND) lists none, or none yet answers: the page asks
@@ -91,11 +102,12 @@ function offerModes() {
   if ($("mode").selectedOptions[0]?.disabled) $("mode").value = "";
 }
 
-// The repeat rules' boxes show the chosen model's defaults (chosen on validation data: GET /models' `decoding`),
-// so that every caption says what it was made with; another model brings its own.
+// The repeat rules' boxes and the length penalty show the chosen model's defaults (chosen on validation data: GET
+// /models' `decoding`), so that every caption says what it was made with; another model brings its own.
 function showModelRules() {
   const rules = models.get($("model").value)?.decoding ?? {};
   for (const [option, box] of Object.entries(RULE_BOXES)) $(box).checked = Boolean(rules[option]);
+  $("length-penalty").value = rules.length_penalty ?? "";
 }
 
 function clearCaption() {
@@ -178,15 +190,36 @@ function isCaption(body) {
     && Array.isArray(body.is_eos) && body.is_eos.length === body.tokens.length;
 }
 
-// The beam box as a number, null when empty (the service's default, CAPTIONER_DEFAULT_BEAM_SIZE); a value the box
-// itself rejects is refused here, and one above the service's maximum by the service, whose answer names it.
-function beamSize() {
-  const box = $("beam");
-  if (box.value === "" && box.validity.valid) return null;
-  if (!box.validity.valid || !Number.isInteger(box.valueAsNumber)) {
-    throw new Error(`the beam size must be a whole number from ${box.min} up, or empty for the default`);
+// The number boxes' values by option, an empty box left out (the default: the service's beam size,
+// CAPTIONER_DEFAULT_BEAM_SIZE, or the model's length penalty); a value a box itself rejects is an error naming its
+// option (`option`), and a beam above the service's maximum is refused by the service, whose answer names it.
+function numberOptions() {
+  const options = {};
+  for (const [option, { id, must }] of Object.entries(NUMBER_BOXES)) {
+    const box = $(id);
+    if (box.value === "" && box.validity.valid) continue;
+    const value = box.valueAsNumber;
+    // the beam box's step (1) refuses a fraction; the length penalty's step (0.1) is only what the arrow keys add
+    const fits = option === "beam_size" ? box.validity.valid
+      : !box.validity.badInput && value >= Number(box.min) && value <= Number(box.max);
+    if (!fits || !Number.isFinite(value)) throw Object.assign(new Error(must(box)), { option });
+    options[option] = value;
   }
-  return box.valueAsNumber;
+  return options;
+}
+
+// The number boxes checked before anything is sent: true when they hold what they take; otherwise the status says
+// why, the box is marked and nothing is sent.
+function numbersAccepted() {
+  try {
+    numberOptions();
+  } catch (err) {
+    setStatus(`Not sent: ${err.message}`, true);
+    markRefused([err.option]);
+    return false;
+  }
+  markRefused([]);
+  return true;
 }
 
 // Caption `file` (the photo on screen from now on). `scroll`: bring the result into view (a new photo; not a change
@@ -199,15 +232,9 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   clearTimeout(settling);
   const params = new URLSearchParams({ model: $("model").value });
   for (const [option, box] of Object.entries(RULE_BOXES)) params.set(option, $(box).checked);
-  try {  // before anything on screen changes: a beam the box rejects leaves the last caption as it was
-    const beam = beamSize();
-    if (beam !== null) params.set("beam_size", beam);
-  } catch (err) {
-    setStatus(`Not sent: ${err.message}`, true);
-    markBeam(true);
-    return;
-  }
-  markBeam(false);
+  // before anything on screen changes: a number a box rejects leaves the last caption as it was
+  if (!numbersAccepted()) return;
+  for (const [option, value] of Object.entries(numberOptions())) params.set(option, value);
   const request = ++latest;
   inflight?.abort();  // its answer would be dropped: the server stops working on it
   const controller = (inflight = new AbortController());
@@ -243,7 +270,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
         if (!keep) hideResult();
         // named, so that the message says which upload failed (a dropped file, a sample, one picked long ago)
         setStatus(`“${file.name}” was not captioned: ${message}`, true);
-        markBeam(fields.includes("beam_size"));
+        markRefused(fields);
         return;
       }
       sent = copy;
@@ -265,6 +292,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
     $("beam").placeholder = `default (${defaultBeam})`;
   }
   const words = body.tokens.filter((_, i) => !body.is_eos[i]);
+  const penalty = body.length_penalty ? `, length penalty ${body.length_penalty}` : "";
   const from = copySide === null ? ""
     : ` (from a smaller copy, at most ${copySide} px on its longer side: the photo was too large)`;
   // the words are replaced: a keyboard focus on one of them (or on the caption, held there) moves to the new word
@@ -272,7 +300,7 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   clearCaption();
   // the live region announces the caption itself, not only that one arrived
   current = { id: body.id, tokens: body.tokens, isEos: body.is_eos, attention: body.attention,
-              geometry: body.geometry, summary: `${body.model}, beam ${body.beam_size}: “${words.join(" ")}”${from}` };
+              geometry: body.geometry, summary: `${body.model}, beam ${body.beam_size}${penalty}: “${words.join(" ")}”${from}` };
   setStatus(current.summary);
   photoFallback();
   body.tokens.forEach((token, i) => {
@@ -460,18 +488,11 @@ $("mode").addEventListener("change", () => {
   const word = chosenWord();
   if (word !== null) show(word);
 });
-// another model, beam size or repeat rule captions the image on screen again, once the control has settled (holding an arrow
-// key on either is one change per step); the result stays where it is on the page
+// another model, beam size, length penalty or repeat rule captions the image on screen again, once the control has
+// settled (holding an arrow key on any is one change per step); the result stays where it is on the page
 function captionAgain() {
   clearTimeout(settling);
-  try {  // a beam size the box rejects is said at once, as it is typed
-    beamSize();
-  } catch (err) {
-    setStatus(`Not sent: ${err.message}`, true);
-    markBeam(true);
-    return;
-  }
-  markBeam(false);
+  if (!numbersAccepted()) return;  // a number a box rejects is said at once, as it is typed
   // the word chosen stays chosen on the new caption
   if (lastFile) settling = setTimeout(() => caption(lastFile, { scroll: false, keep: true, word: chosenWord() }),
                                       SETTLE_MS);
@@ -482,7 +503,7 @@ $("model").addEventListener("change", () => {
   captionAgain();
 });
 for (const box of Object.values(RULE_BOXES)) $(box).addEventListener("change", captionAgain);
-$("beam").addEventListener("change", captionAgain);
+for (const { id } of Object.values(NUMBER_BOXES)) $(id).addEventListener("change", captionAgain);
 // an empty box stands for the service's default: the arrow keys step from it, not from the box's minimum (1)
 $("beam").addEventListener("keydown", (e) => {
   if ((e.key === "ArrowUp" || e.key === "ArrowDown") && $("beam").value === "" && defaultBeam !== null) {
