@@ -70,6 +70,17 @@ def test_resume_continues_exactly(scenes, tmp_path, cache, capsys):
         torch.testing.assert_close(a[key], b[key], msg=f"{key} differs after resume")
 
 
+def test_max_steps_at_an_epochs_end_takes_no_step_of_the_next(scenes, tmp_path, cache):
+    """``max_steps`` was checked only after a step: reached at the end of an epoch, the epoch was validated and the
+    next one took one step more (16 of 15), as did a resume given fewer steps than the run had taken."""
+    train(_config(scenes, tmp_path / "run", cache, max_steps=15))  # 15 steps an epoch
+    state = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]
+    assert (state["epoch"], state["step_in_epoch"], state["global_step"]) == (1, 0, 15)
+    assert len(state["history"]) == 1  # the finished epoch was validated
+    train(_config(scenes, tmp_path / "run", cache, max_steps=10), resume=True)
+    assert json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["global_step"] == 15
+
+
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
     from captioner.models.training.schedules import learning_rate
 

@@ -485,6 +485,11 @@ def _end_epoch(run: Run, record: EpochLog) -> None:
     progress.step_in_epoch = 0
 
 
+def _steps_reached(run: Run) -> bool:
+    """Whether the run has taken its ``max_steps`` (none set: never)."""
+    return bool(run.cfg.max_steps and run.progress.global_step >= run.cfg.max_steps)
+
+
 def _train_epoch(run: Run, stop: _StopFlag) -> float:
     """Train epoch ``progress.epoch`` from step ``progress.step_in_epoch`` to its end, or until a stop is asked for
     or ``max_steps`` is reached, with a snapshot every ``checkpoint_every`` steps; returns the last step's rate."""
@@ -516,8 +521,7 @@ def _train_epoch(run: Run, stop: _StopFlag) -> float:
         if ctx.is_main and cfg.log_every and progress.global_step % cfg.log_every == 0:
             append_record(run.run_dir, StepLog(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob, rate,
                                                run.elapsed()))
-        stopping = ctx.any(stop.raised) or bool(cfg.max_steps and progress.global_step >= cfg.max_steps)
-        if stopping:
+        if ctx.any(stop.raised) or _steps_reached(run):
             break
         if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0 \
                 and progress.step_in_epoch < steps_per_epoch:
@@ -533,7 +537,9 @@ def fit(run: Run) -> Path:
     if ctx.is_main and (progress.global_step or log.exists()):  # a fresh start's log holds no records
         trim_metrics_log(log, progress.global_step)
     with _StopFlag() as stop:
-        while progress.epoch < cfg.epochs and not progress.stopped_early:
+        # max_steps is checked before an epoch too: reached at an epoch's end (or given to a resume that had
+        # already taken them), the next epoch took one step more
+        while progress.epoch < cfg.epochs and not progress.stopped_early and not _steps_reached(run):
             epoch = progress.epoch
             lr = _train_epoch(run, stop)
             if ctx.any(stop.raised):
