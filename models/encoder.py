@@ -379,6 +379,12 @@ def crop_box(spec: EncoderSpec, image_size: tuple[int, int]) -> tuple[float, flo
     width, height = image_size
     if spec.resize == "stretch":
         return 0.0, 0.0, float(width), float(height)
+    if spec.source_side is not None:
+        # the crop is taken of the square copy the photo is first squashed into (as the data set's photos were
+        # before training cropped them): the same share of each side of the photo, not a centred square of it
+        x1, y1, x2, y2 = crop_box(replace(spec, source_side=None), (spec.source_side, spec.source_side))
+        across, down = width / spec.source_side, height / spec.source_side
+        return x1 * across, y1 * down, x2 * across, y2 * down
     # shorter side resized to resize_to, then a centred image_size crop: map the crop back to the original
     scale = spec.resize_to / min(width, height)
     side = spec.image_size / scale
@@ -398,16 +404,16 @@ def grid_geometry(spec: EncoderSpec, image_size: tuple[int, int]) -> Geometry:
 
 def preprocess(image: Image.Image, spec: EncoderSpec) -> tuple[Tensor, Geometry]:
     """RGB image → normalised network input ``[3, S, S]`` and the geometry of its grid cells."""
-    box, geometry = crop_box(spec, image.size), grid_geometry(spec, image.size)  # of the photo the user sent
+    geometry = grid_geometry(spec, image.size)  # of the photo the user sent
     side = spec.image_size
     copy_side = (spec.source_side, spec.source_side)
     if spec.source_side is not None and image.size != copy_side:  # a photo of another size: made into such a copy
-        image, box = image.resize(copy_side, Image.BILINEAR, box=box), None
+        image = image.resize(copy_side, Image.BILINEAR)
         if spec.source_jpeg_quality is not None:
             buffer = io.BytesIO()
             image.save(buffer, format="JPEG", quality=spec.source_jpeg_quality)
             image = Image.open(buffer).convert("RGB")
-    resized = image.resize((side, side), Image.BILINEAR, box=box)
+    resized = image.resize((side, side), Image.BILINEAR, box=crop_box(spec, image.size))
     pixels = torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
     mean, std = spec.normalisation
     pixels = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]

@@ -1,4 +1,5 @@
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ from PIL import Image
 from skimage import data
 
 from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, ImageTooLarge,
-                                      grid_geometry, load_image, picture_size, preprocess)
+                                      crop_box, grid_geometry, load_image, picture_size, preprocess)
 
 
 @pytest.fixture(scope="module")
@@ -275,6 +276,26 @@ def test_a_full_size_photo_reaches_the_network_as_the_data_sets_copies_did():
     assert torch.equal(preprocess(copy, spec)[0], preprocess(copy, plain)[0])  # copies are left alone
     assert not torch.equal(pixels, preprocess(photo, plain)[0])
     assert "source_side" not in plain.to_json() and spec.to_json()["source_jpeg_quality"] == 90
+
+
+def test_a_centre_crop_of_a_full_size_photo_is_the_crop_of_its_copy():
+    """With ``center_crop`` the data set's copies (squashed squares) were cropped; a full-size upload was cropped
+    first and then squashed, a centred square of the photo instead of the copy's share of each side (pixels off by
+    up to 1.2).  It is now made into the copy first and cropped as the copies were, and its grid maps back onto
+    the photo as that crop of the copy."""
+    spec = EncoderSpec(layer="blocks", resize="center_crop", resize_to=64, image_size=56, source_side=80)
+    without_copies = replace(spec, source_side=None)
+    photo = Image.fromarray(data.astronaut()).resize((600, 300), Image.BILINEAR)
+    copy = photo.resize((80, 80), Image.BILINEAR)
+    pixels, geometry = preprocess(photo, spec)
+    assert torch.equal(pixels, preprocess(copy, without_copies)[0])
+    assert torch.equal(preprocess(copy, spec)[0], pixels)  # the copy's own path: the same pixels
+    share = 56 / 64  # the crop keeps this share of each side of the copy, and so of the photo
+    assert crop_box(spec, (600, 300)) == pytest.approx((600 * (1 - share) / 2, 300 * (1 - share) / 2,
+                                                        600 * (1 + share) / 2, 300 * (1 + share) / 2))
+    assert geometry.boxes[0][:2].tolist() == pytest.approx([600 * (1 - share) / 2, 300 * (1 - share) / 2])
+    # without copies, a centred square: 56 of 64 px of the shorter side, 262.5 px of the photo's 300
+    assert crop_box(without_copies, (600, 300)) == pytest.approx((168.75, 18.75, 431.25, 281.25))
 
 
 def _random_lite2_weights(path):
