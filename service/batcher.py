@@ -277,7 +277,10 @@ class Batcher:
                     idle = self.idle
                 if idle and worked and self.on_idle is not None:
                     worked = False
-                    self.on_idle()
+                    try:
+                        self.on_idle()
+                    except Exception:  # memory not given back is no reason to stop captioning
+                        log.exception("%s: the idle hook failed", self.runtime.name)
                 with self._wake:
                     while self.idle and not self._stop_when_idle and not self._abort:
                         self._wake.wait()
@@ -288,7 +291,8 @@ class Batcher:
                     worked = True
                 except Exception as exc:  # a failing step must not kill the worker: fail its requests instead
                     log.exception("%s: decoding failed", self.runtime.name)
-                    self._fail_everything(exc, failed_in="decoding")
+                    # the requests still queued took no part in it: they are captioned when their turn comes
+                    self._fail_in_flight(exc, failed_in="decoding")
             self._fail_everything(NotAccepting("the service is shutting down"))
             if self._encoder is not None:
                 self._encoder.shutdown(wait=False, cancel_futures=True)
@@ -457,9 +461,14 @@ class Batcher:
         """Fail every request the batcher holds; ``failed_in`` names the work that failed, to be logged for each."""
         with self._wake:
             pending, self._pending = list(self._pending), deque()
+        self._fail(pending, error, failed_in)
+        self._fail_in_flight(error, failed_in)
+
+    def _fail_in_flight(self, error: BaseException, failed_in: str | None = None) -> None:
+        """Fail the requests being encoded or decoded (admitted: not the queued ones)."""
         encoding = [job for chunk, _ in self._encoding for job in chunk]
         self._encoding.clear()  # an encoding still running finishes unread
-        self._fail(pending + encoding + [j for t in self._tables for j in t.jobs], error, failed_in)
+        self._fail(encoding + [j for t in self._tables for j in t.jobs], error, failed_in)
         self._tables = []
         self._count_active()
 

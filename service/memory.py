@@ -128,7 +128,7 @@ def freeze_startup_objects() -> int:
 class IdleTrimmer:
     """:func:`release_memory` on request, at most once per ``interval_s``: a request inside the interval is not
     dropped but deferred to its end, so the last one after a burst always runs.  Thread-safe (every batcher's
-    worker calls it when it falls idle); the release itself runs in a short-lived daemon thread."""
+    worker calls it when it falls idle) and never raises; the release itself runs in a short-lived daemon thread."""
 
     def __init__(self, interval_s: float = 5.0):
         self.interval_s = interval_s
@@ -144,7 +144,14 @@ class IdleTrimmer:
             delay = max(0.0, self._last + self.interval_s - time.monotonic())
         timer = threading.Timer(delay, self._release)
         timer.daemon = True
-        timer.start()
+        try:
+            timer.start()
+        except RuntimeError as exc:
+            # no thread to be had now: the memory stays until the next call, which tries again (a caller is a
+            # request finishing or a batcher's worker, neither of which this may fail)
+            with self._lock:
+                self._scheduled = False
+            log.warning("could not start the memory release: %s", exc)
 
     def _release(self) -> None:
         with self._lock:

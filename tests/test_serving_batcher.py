@@ -503,6 +503,64 @@ def test_a_failing_step_fails_its_requests_by_id_and_the_worker_goes_on(encoder)
     assert named == {"first-a", "first-b"}, lines
 
 
+def test_a_failing_step_spares_the_requests_still_queued_and_a_failing_idle_hook_spares_the_worker(encoder):
+    """A step that raised failed every request the batcher held, the queued ones that took no part in it too; and
+    the hook the worker calls when it falls idle (the app's memory release) ran outside the worker's guard, so one
+    that raised ended the worker while the batcher went on taking requests, each left to its deadline."""
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1)[0])
+    real_step, calls, idle_calls = runtime.step, [], []
+
+    def failing_once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a broken kernel")
+        return real_step(*args)
+
+    def failing_hook():
+        idle_calls.append(1)
+        raise RuntimeError("no thread for the release")
+
+    runtime.step = failing_once
+    # rows for one beam of 2: the second request waits in the queue while the first one's step fails
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=2, on_idle=failing_hook)
+
+    async def scenario():
+        batcher.start()
+        try:
+            first, queued = await asyncio.gather(batcher.caption(prepared, 2, 5, 60),
+                                                 batcher.caption(prepared, 2, 5, 60), return_exceptions=True)
+            await asyncio.sleep(0.2)  # the worker has fallen idle and called the hook
+            return first, queued, await asyncio.wait_for(batcher.caption(prepared, 2, 5, 60), 30)
+        finally:
+            await batcher.stop(10)
+
+    first, queued, later = asyncio.run(scenario())
+    assert isinstance(first, RuntimeError)
+    assert queued.words == later.words == solo(runtime, prepared, 2, 5).words
+    assert len(idle_calls) >= 1
+
+
+def test_the_memory_release_never_fails_its_caller_and_is_tried_again(monkeypatch):
+    """A timer that cannot start (no thread to be had) raised into the request or worker that asked for the
+    release, and left it marked as scheduled, so that memory was never given back again."""
+    import threading
+
+    from captioner.service.memory import IdleTrimmer
+
+    started = []
+
+    def no_thread(timer):
+        raise RuntimeError("can't start new thread")
+
+    trimmer = IdleTrimmer(interval_s=0.0)
+    monkeypatch.setattr(threading.Timer, "start", no_thread)
+    trimmer()  # does not raise
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    trimmer()
+    assert len(started) == 1  # asked again, it schedules the release
+
+
 def test_stop_drains_running_and_queued_requests_then_refuses(encoder):
     runtime = runtime_for("sat", encoder)
     batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=3)
