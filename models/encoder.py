@@ -275,6 +275,16 @@ def _within(image: Image.Image, max_pixels: int | None) -> Image.Image:
     return image
 
 
+def _declared_too_large(max_pixels: int | None) -> ImageTooLarge:
+    """The refusal of a header Pillow would not open (more than twice its ``MAX_IMAGE_PIXELS``), in terms of one
+    limit: quoting Pillow's message beside ours named two ("above the limit of 40000000 pixels (… exceeds limit of
+    178956970 pixels, could be decompression bomb …)")."""
+    declared_above = 2 * Image.MAX_IMAGE_PIXELS
+    limit = declared_above if max_pixels is None else min(max_pixels, declared_above)
+    return ImageTooLarge(f"image is above the limit of {limit} pixels (its header declares more than "
+                         f"{declared_above})")
+
+
 def open_image(source: bytes | str | Path, max_pixels: int | None = None, name: str | None = None) -> Image.Image:
     """An image file opened with its header read and not a pixel decoded (:func:`load_image` decodes it): its size
     is known, and checked against ``max_pixels``.  Raises what :func:`load_image` raises for a file that is no
@@ -284,8 +294,7 @@ def open_image(source: bytes | str | Path, max_pixels: int | None = None, name: 
     except FileNotFoundError as exc:  # a path (the CLI), not an upload
         raise ImageDecodeError(f"no such image file: {source}") from exc
     except Image.DecompressionBombError as exc:  # Pillow's own guard fires before ours for gigantic headers
-        limit = max_pixels if max_pixels is not None else Image.MAX_IMAGE_PIXELS
-        raise ImageTooLarge(f"image is above the limit of {limit} pixels ({exc})") from exc
+        raise _declared_too_large(max_pixels) from exc
     except (UnidentifiedImageError, *_DECODE_ERRORS) as exc:
         where = name or ("the upload" if isinstance(source, bytes) else str(source))
         raise ImageDecodeError(f"cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image in {where}") from exc
@@ -367,7 +376,7 @@ def load_image(source: bytes | str | Path | Image.Image | np.ndarray, max_pixels
         image = image.convert("RGB")
         image.load()
     except Image.DecompressionBombError as exc:
-        raise ImageTooLarge(f"image is above the limit of {Image.MAX_IMAGE_PIXELS} pixels ({exc})") from exc
+        raise _declared_too_large(max_pixels) from exc
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"the image data of {where} is truncated or corrupt ({exc.__class__.__name__}: "
                                f"{exc})") from exc

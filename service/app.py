@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import torch
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
@@ -152,7 +152,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   license_info={"name": "MIT", "identifier": "MIT"},
                   # operation ids are the route functions' names (caption, get_overlay, ...): what a generated
                   # client names its methods, kept when a path changes (FastAPI's own join name, path and method)
-                  generate_unique_id_function=lambda route: route.name)
+                  generate_unique_id_function=lambda route: route.name,
+                  # /models/ is a 404 problem like any path the API does not have: Starlette's 307 to /models named
+                  # the host the client sent (an internal name behind a proxy) and made a POST send its upload again
+                  redirect_slashes=False)
     app.state.service = ServiceState(settings=settings)
     app.state.results = ResultStore(settings.results_cache_bytes, settings.results_max_count,
                                     settings.results_max_age_s)
@@ -177,10 +180,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                           "max_len": (settings.default_max_len, settings.max_max_len)}, settings.root_path)
     install_docs(app)
     install_problem_pages(app)
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    static = StaticFiles(directory=STATIC)
+    app.mount("/static", static, name="static")
 
     @app.get("/", include_in_schema=False)
-    async def demo_page() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
+    async def demo_page(request: Request) -> Response:
+        # as the mount answers its files: a browser's If-None-Match or If-Modified-Since gets a 304
+        return await static.get_response("index.html", request.scope)
 
     return app

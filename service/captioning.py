@@ -181,16 +181,16 @@ def slot_deadline(settings: Settings, waiting: str) -> Iterator[None]:
 
 
 async def caption_image(state: ServiceState, request: CaptionRequest, arrived: float | None = None,
-                        check: Callable[[Runtime], None] = lambda runtime: None) -> CaptionResult:
+                        check: Callable[[Runtime, int], None] = lambda runtime, max_len: None) -> CaptionResult:
     """Caption one uploaded image with its model's batcher, within the request deadline counted from ``arrived``
     (the request's arrival, ``time.monotonic()``; default: now).  ``check`` may refuse the request, given the
-    runtime of the model it names, before that model runs."""
+    runtime of the model it names and its caption length limit, before that model runs."""
     started = time.monotonic() if arrived is None else arrived
     settings, options = state.settings, request.options
     ensure_ready(state)
     name = pick_model(state, options.model)
-    check(state.runtimes[name])
     beam, length = search_size(settings, options)
+    check(state.runtimes[name], length)
     rules = decoding_rules(state.runtimes[name], options)
     cache, key = state.result_cache, None
     if cache is not None and cache.enabled:

@@ -151,6 +151,17 @@ async def read_body(request: Request, limit: int, refused_at: int | None = None,
     return b"".join([chunk async for chunk in limited_stream(request, limit, refused_at, budget)])
 
 
+class WholeMultiPartParser(MultiPartParser):
+    """Starlette's parser, which drops a part the body ends in without a word: a cut-off upload came out as a form
+    without its ``file`` ("Field required", though the client sent one).  This one notes the closing boundary
+    (``--BOUNDARY--``), the only proof that the body arrived whole."""
+
+    closed = False
+
+    def on_end(self) -> None:  # called by python-multipart on the closing boundary only
+        self.closed = True
+
+
 @asynccontextmanager
 async def multipart_form(request: Request, limit: int,
                          budget: UploadBudget | UploadHold = UNLIMITED) -> AsyncIterator[FormData]:
@@ -158,13 +169,17 @@ async def multipart_form(request: Request, limit: int,
     leaving.  Starlette's ``request.form()`` spools a chunked body's file parts to disk whatever their size, so the
     parser reads the counted stream instead: past the file limit plus the envelope, the upload is refused while
     it arrives."""
-    parser = MultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK, budget),
-                             max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+    parser = WholeMultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK, budget),
+                                  max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
     try:
         form = await parser.parse()
     except MultiPartException as exc:
         raise InvalidRequest(f"malformed multipart/form-data body: {exc.message}",
                              [{"loc": ["body"], "msg": exc.message}]) from None
+    if not parser.closed:
+        await form.close()
+        message = "the body ended before its closing boundary (--BOUNDARY--): the upload was cut off"
+        raise InvalidRequest(f"malformed multipart/form-data body: {message}", [{"loc": ["body"], "msg": message}])
     try:
         yield form
     finally:
@@ -292,6 +307,11 @@ def _content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
+def _has_body(request: Request) -> bool:
+    declared = request.headers.get("content-length", "").strip()
+    return "transfer-encoding" in request.headers or (declared not in ("", "0"))
+
+
 def _is_json(content_type: str) -> bool:
     return content_type == "application/json" or content_type.endswith("+json")
 
@@ -336,6 +356,10 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
                                budget: UploadBudget | UploadHold = UNLIMITED) -> CaptionRequest:
     """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses,
     its chunks taken from ``budget`` as they arrive."""
+    coding = request.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):  # read as it is, a gzipped image was "not an image" and gzipped JSON "invalid"
+        raise UnsupportedBody(f"a caption request's body cannot be compressed (Content-Encoding: {coding}): send "
+                              "it uncompressed (images are compressed already)")
     content_type = _content_type(request)
     if content_type == "multipart/form-data":
         async with multipart_form(request, limit, budget) as form:
@@ -352,7 +376,10 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
     if content_type.startswith("image/") or content_type == "application/octet-stream":
         return CaptionRequest(checked_image(await read_body(request, limit, budget=budget), limit),
                               caption_parameters(query))
-    if not content_type:
+    if not content_type and not _has_body(request):
         raise missing_file()
+    if not content_type:  # bytes without a (readable) type: what they are is the client's to say
+        raise UnsupportedBody("a caption request's body needs a Content-Type: multipart/form-data with a `file` "
+                              "part, application/json with a base64 `image`, or the image's own (image/jpeg, ...)")
     raise UnsupportedBody(f"a caption request's body cannot be {content_type}: send multipart/form-data with a "
                           "`file` part, JSON with a base64 `image`, or the raw image bytes (image/*)")

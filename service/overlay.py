@@ -37,7 +37,7 @@ FormatQuery = Annotated[PictureFormat | None, Query(description=(
     "png: one word's heatmap (needs token), figure: every word's; default png when a token is given, else figure "
     "(the heatmaps as numbers: the /heatmaps routes)"))]
 CmapQuery = Annotated[str, Query(description="matplotlib colormap name")]
-AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, description="heatmap opacity")]
+AlphaQuery = Annotated[float, Query(ge=0.0, le=1.0, allow_inf_nan=False, description="heatmap opacity")]
 SideQuery = Annotated[int | None, Query(ge=16, le=MAX_RENDER_SIDE, description=(
     f"downscale so the longer side is at most this (default {DEFAULT_RENDER_SIDE})"))]
 HeatSideQuery = Annotated[int | None, Query(ge=16, le=JSON_RENDER_SIDE, description=(
@@ -103,7 +103,8 @@ async def _caption_and_render(request: Request, state: ServiceState, results: Re
     """Caption the upload, keep the result, and render it; what ``render`` could not draw for the model is refused
     before the model runs."""
     data, result = await caption_upload(request, state, options,
-                                        check=lambda runtime: check_render_options(render, runtime))
+                                        check=lambda runtime, max_len: check_render_options(render, runtime,
+                                                                                            max_len))
     result_id = results.put(result, data)
     return await _respond(request, state, results.get(result_id), render, result_id)
 

@@ -42,9 +42,12 @@ PROBLEM_PAGES: dict[str, ProblemPage] = {
         "Correct the fields that <code>errors</code> names. <code>/openapi.json</code> gives every option's "
         "range on this server."),
     "unsupported-media-type": ProblemPage(
-        415, "The body is neither <code>multipart/form-data</code>, JSON nor image bytes.",
+        415, "The body is neither <code>multipart/form-data</code>, JSON nor image bytes, it has no "
+             "<code>Content-Type</code>, or it is compressed (a <code>Content-Encoding</code> other than "
+             "<code>identity</code>).",
         "Send the image as a <code>file</code> part of a form, as base64 in a JSON <code>image</code> field, or "
-        "as the raw bytes with an <code>image/*</code> or <code>application/octet-stream</code> type."),
+        "as the raw bytes with an <code>image/*</code> or <code>application/octet-stream</code> type, "
+        "uncompressed."),
     "upload-too-large": ProblemPage(
         413, "The upload is larger than this server accepts (<code>CAPTIONER_MAX_UPLOAD_BYTES</code>; the "
              "<code>detail</code> gives the limit in bytes). Nothing of it was kept.",
@@ -62,8 +65,10 @@ PROBLEM_PAGES: dict[str, ProblemPage] = {
                      "it under this status (nginx's 499) and sends nothing: nobody is there to read it.",
         "Nothing: no client ever receives this answer."),
     "invalid-render-request": ProblemPage(
-        422, "The heatmap options cannot be drawn: <code>format=png</code> without a <code>token</code>, an "
-             "unknown mode or colormap, or a heat mode the model's attention does not have.",
+        422, "The heatmap options cannot be drawn: <code>format=png</code> without a <code>token</code>, "
+             "<code>format=figure</code> with one, a <code>token</code> past the caption's end (or at or past its "
+             "<code>max_len</code>), an unknown mode or colormap, or a heat mode the model's attention does not "
+             "have.",
         "<code>GET /models</code> lists each model's <code>heatmap_modes</code>."),
     "unknown-model": ProblemPage(
         404, "The request names a model this server has not loaded.",

@@ -80,6 +80,13 @@ async def send_problem(scope: dict, send: Callable[[dict], Awaitable[None]], sta
     await send({"type": "http.response.body", "body": body})
 
 
+def with_head(allow: str) -> str:
+    """A 405's ``Allow`` with ``HEAD`` wherever it has ``GET``: every GET route answers HEAD too
+    (middleware.HeadAsGetMiddleware), and ``Allow`` lists the methods a resource supports (RFC 9110 §10.2.1)."""
+    methods = [m.strip() for m in allow.split(",") if m.strip()]
+    return ", ".join(methods + ["HEAD"] if "GET" in methods and "HEAD" not in methods else methods)
+
+
 def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, str], None] | None = None,
                              on_invalid: Callable[[Request], None] | None = None) -> None:
     """Answer every error as a problem document; ``on_problem(request, status, kind)`` sees each one (metrics), and
@@ -109,7 +116,10 @@ def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, s
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return answer(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405 and "Allow" in headers:
+            headers["Allow"] = with_head(headers["Allow"])
+        return answer(request, exc.status_code, str(exc.detail), headers=headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

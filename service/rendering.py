@@ -45,11 +45,17 @@ class RenderOptions:
     max_side: int | None = None
 
 
-def check_render_options(options: RenderOptions, runtime: Runtime | None = None) -> None:
-    """Refuse what no result could render or, given the ``runtime`` that will caption the upload, what no result of
-    its model could (both before a caption is run for it); the token's range is checked on the result."""
+def check_render_options(options: RenderOptions, runtime: Runtime | None = None, max_len: int | None = None) -> None:
+    """Refuse what no result could render or, given the ``runtime`` that will caption the upload and the caption's
+    length limit ``max_len``, what no result of its model could (both before a caption is run for it); a token
+    within the limit but past the caption's end is refused on the result."""
     if options.format == "png" and options.token is None:
         raise RenderError("format=png needs ?token=i (or use format=figure for the whole caption)")
+    if options.format == "figure" and options.token is not None:
+        raise RenderError("format=figure draws every word: leave out token (or use format=png for one word)")
+    if max_len is not None and options.token is not None and options.token >= max_len:
+        raise RenderError(f"token {options.token} is out of range: a caption of at most max_len={max_len} tokens "
+                          f"has tokens 0 to {max_len - 1}")
     if options.mode is not None:
         check_mode(options.mode)
     if options.format == "json" and options.mode is not None and options.mode not in HEAT_MODES:

@@ -36,17 +36,19 @@ def caption_answer(state: ServiceState, result: CaptionResult, result_id: str | 
 
 
 async def caption_upload(request: Request, state: ServiceState, query: CaptionOptions,
-                         check: Callable[[Runtime | None], None] = lambda runtime: None) -> tuple[bytes, CaptionResult]:
+                         check: Callable[[Runtime | None, int | None], None] = lambda runtime, max_len: None
+                         ) -> tuple[bytes, CaptionResult]:
     """Read and caption the upload of either caption endpoint: the deadline counts from the request's arrival, and
-    a request is refused before its body is parsed when ``check(None)`` (the endpoint's own options) raises, when
-    the service is not ready, or when the model its query names would refuse it anyway; and before its model runs
-    when ``check`` raises given that model's runtime (a form's fields may name the model)."""
+    a request is refused before its body is parsed when ``check(None, None)`` (the endpoint's own options) raises,
+    when the service is not ready, or when the model its query names would refuse it anyway; and before its model
+    runs when ``check`` raises given that model's runtime and the caption's length limit (a form's fields may name
+    the model and the length)."""
     arrived = arrival(request)
     options = query  # the query's, until the body (a form's fields) completes them
     # the upload's bytes count against the service's budget from their arrival until the request ends: they stay
     # in memory while it waits for a decode slot and decodes
     with observed_request(state, arrived, lambda: options.model), state.upload_budget.hold() as hold:
-        given = await _read_upload(request, state, query, lambda: check(None), arrived, hold)
+        given = await _read_upload(request, state, query, lambda: check(None, None), arrived, hold)
         options = given.options
         return given.data, await caption_image(state, given, arrived, check)
 

@@ -173,6 +173,15 @@ def test_bad_images_raise_clear_errors():
     with pytest.raises(ImageTooLarge, match="above the limit"):  # one pixel over is over
         load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300 - 1)
     assert load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300).size == (300, 300)
+    # a header Pillow itself will not open is refused in terms of one limit, not ours beside Pillow's
+    from .hostile_images import _png_declaring
+
+    declared_above = 2 * Image.MAX_IMAGE_PIXELS
+    for max_pixels, limit in ((40_000_000, 40_000_000), (None, declared_above), (10**12, declared_above)):
+        with pytest.raises(ImageTooLarge) as refused:
+            load_image(_png_declaring(100_000, 100_000), max_pixels=max_pixels)
+        assert str(refused.value) == (f"image is above the limit of {limit} pixels (its header declares more than "
+                                      f"{declared_above})")
     with pytest.raises(ImageDecodeError, match="no such image file: /nonexistent/cat.jpg"):
         load_image("/nonexistent/cat.jpg")
 

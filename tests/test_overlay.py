@@ -199,9 +199,20 @@ def test_post_overlay_refuses_what_it_cannot_draw_before_running_the_model(clien
     photo = _png(Image.new("RGB", (90, 60), (9, 9, 9)))
     try:
         for params in ({"format": "png"}, {"format": "png", "token": 0, "mode": "bogus"},
-                       {"format": "figure", "cmap": "nope"}, {"format": "png", "token": 0, "mode": "area_topk"}):
+                       {"format": "figure", "cmap": "nope"}, {"format": "png", "token": 0, "mode": "area_topk"},
+                       {"format": "figure", "token": 2},  # the figure draws every word: a token was dropped
+                       {"token": 20}, {"token": 4, "max_len": 4},  # past any caption of that length limit
+                       {"token": 0, "alpha": "nan"}):
             response = client.post("/caption/overlay", params=params, files={"file": ("x.png", photo, "image/png")})
             assert response.status_code == 422, params
+        too_far = client.post("/caption/overlay", params={"token": 4}, data={"max_len": "4"},
+                              files={"file": ("x.png", photo, "image/png")})  # the form's length, once it is read
+        assert too_far.status_code == 422
+        assert too_far.json()["detail"] == ("token 4 is out of range: a caption of at most max_len=4 tokens has "
+                                            "tokens 0 to 3")
+        nan = client.post("/caption/overlay", params={"token": 0, "alpha": "nan"},
+                          files={"file": ("x.png", photo, "image/png")})
+        assert "finite number" in nan.json()["detail"]
         # the model a form field names is known once the body is read, still before it runs
         named = client.post("/caption/overlay", params={"format": "figure", "mode": "area_topk"},
                             files={"file": ("x.png", photo, "image/png")}, data={"model": "tiny-b"})

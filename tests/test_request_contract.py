@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import logging
 from typing import Annotated
 
@@ -523,6 +524,68 @@ def test_routing_errors_are_problem_documents_with_their_own_status_type_title_a
     assert wrong_method.headers["allow"] == "POST"
     body = problem(client.get("/no/such/page"), 404, "not-found")
     assert body["title"] == "Not Found" and body["instance"] == "/no/such/page"
+
+
+def test_a_gets_405_lists_head_and_a_trailing_slash_is_a_404_not_a_redirect(client, photo):
+    """Every GET route answers HEAD (HeadAsGetMiddleware), so a 405's ``Allow`` says so; and ``/models/`` was a 307
+    to an absolute URL built from the client's ``Host`` (an internal name behind a proxy), which made a POST send
+    its upload again."""
+    assert problem(client.post("/models"), 405, "method-not-allowed") and \
+        client.post("/models").headers["allow"] == "GET, HEAD"
+    assert client.get("/caption").headers["allow"] == "POST"
+    for response in (client.get("/models/", follow_redirects=False),
+                     client.post("/caption/", files={"file": ("c.jpg", photo, "image/jpeg")},
+                                 follow_redirects=False)):
+        assert problem(response, 404, "not-found")["instance"].endswith("/")
+        assert "location" not in response.headers
+
+
+def test_the_page_and_the_docs_files_answer_conditional_requests_as_static_files_do(client):
+    """``/`` and the docs' Swagger UI files carried an ETag but answered every If-None-Match with the whole file
+    (1.5 MB for the bundle), where ``/static/`` answered 304."""
+    for path in ("/", "/docs/assets/swagger-ui-bundle.js", "/static/app.js"):
+        first = client.get(path)
+        assert first.status_code == 200 and first.headers["etag"], path
+        again = client.get(path, headers={"if-none-match": first.headers["etag"]})
+        assert (again.status_code, again.content) == (304, b""), path
+        since = client.get(path, headers={"if-modified-since": first.headers["last-modified"]})
+        assert since.status_code == 304, path
+        assert client.get(path, headers={"if-none-match": '"another"'}).content == first.content, path
+    assert client.get("/").headers["content-type"].startswith("text/html")
+
+
+def test_a_cut_off_multipart_upload_is_named_malformed_not_missing_its_file(client, photo):
+    """Starlette's parser drops a part the body ends in: an upload cut off before its closing boundary was refused
+    as a form without a ``file`` ("Field required"), though the client sent one."""
+    head = (b'--XYZ\r\nContent-Disposition: form-data; name="file"; filename="c.jpg"\r\n'
+            b"Content-Type: image/jpeg\r\n\r\n")
+    headers = {"content-type": "multipart/form-data; boundary=XYZ"}
+    for body in (head + photo, head + photo + b"\r\n--XYZ"):
+        detail = problem(client.post("/caption", content=body, headers=headers))["detail"]
+        assert detail == ("malformed multipart/form-data body: the body ended before its closing boundary "
+                          "(--BOUNDARY--): the upload was cut off")
+    whole = client.post("/caption", content=head + photo + b"\r\n--XYZ--\r\n", headers=headers)
+    assert whole.status_code == 200, whole.text
+
+
+def test_a_compressed_body_or_one_without_a_media_type_is_415(client, photo):
+    """``Content-Encoding: gzip`` was ignored (a gzipped image was "not an image", gzipped JSON "invalid JSON", and
+    an image labelled ``br`` was captioned); bytes without a Content-Type were refused as a form without a file."""
+    import gzip
+
+    body = json.dumps({"image": base64.b64encode(photo).decode()}).encode()
+    zipped = client.post("/caption", content=gzip.compress(body),
+                         headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert "Content-Encoding: gzip" in problem(zipped, 415, "unsupported-media-type")["detail"]
+    labelled = client.post("/caption", content=photo, headers={"content-type": "image/jpeg", "content-encoding": "br"})
+    problem(labelled, 415, "unsupported-media-type")
+    plain = client.post("/caption", content=photo, headers={"content-type": "image/jpeg",
+                                                            "content-encoding": "identity"})
+    assert plain.status_code == 200, plain.text
+    for content_type in ("", ";;;"):
+        untyped = client.post("/caption", content=photo, headers={"content-type": content_type})
+        assert "needs a Content-Type" in problem(untyped, 415, "unsupported-media-type")["detail"]
+    assert "Field required" in problem(client.post("/caption"))["detail"]  # no body at all: no file
 
 
 def test_an_empty_form_field_is_no_option_as_an_empty_query_parameter_is(client, photo):
