@@ -151,12 +151,15 @@ class BeamLayout:
     def groups(self) -> int:
         return len(self.sizes)
 
-    def initial_scores(self) -> Tensor:
-        """Only the first row of each group is live at the start; the others get -inf, so the first top-k of
-        a group picks ``k`` different words from its one live row."""
+    def initial_rows(self, bos_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The rows before the first step: the previous word of each (``bos_id``), its score and whether it has
+        finished.  Only the first row of each group is live at the start; the others get -inf, so the first top-k
+        of a group picks ``k`` different words from its one live row."""
         scores = torch.full((self.rows,), float("-inf"))
         scores[self.offsets] = 0.0
-        return scores.to(self.device, non_blocking=True)
+        prev = torch.full((self.rows,), bos_id, dtype=torch.long, device=self.device)
+        finished = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
+        return prev, scores.to(self.device, non_blocking=True), finished
 
     def groups_done(self, finished: Tensor) -> Tensor:
         """``[groups]`` bool: every row of the group has emitted EOS."""
@@ -381,10 +384,8 @@ def beam_search(
     their final score.  ``rules``: length penalty, trigram and doubled-word blocking (:class:`DecodingRules`).
     ``extras=True`` keeps every extra map the model reports; a tuple keeps only those.
     """
-    check_search([k], max_len, rules)
+    check_search([k], max_len, rules, n_best)
     model.check_visual(vis)
-    if n_best < 1 or n_best > k:
-        raise ValueError(f"need 1 <= n_best <= k, got k={k}, n_best={n_best}")
     enc = expand_rows(model.encode(vis), [k] * vis.feats.shape[0])
     state = model.init_state(enc)
     return search_rows(model.step, model.reorder, enc, state, [k] * vis.feats.shape[0], model.bos_id, model.eos_id,
@@ -395,12 +396,14 @@ def _whole(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def check_search(widths: Sequence[int], max_len: int, rules: DecodingRules) -> None:
+def check_search(widths: Sequence[int], max_len: int, rules: DecodingRules, n_best: int = 1) -> None:
     """Refuse a search that cannot be run, by the option's name: a beam of 0 was an error about ``n_best``, -1
     PyTorch's "repeats can not be negative", ``max_len=0`` a ``KeyError`` (a library user's audit)."""
     bad = [width for width in widths if not _whole(width) or width < 1]
     if bad:
         raise ValueError(f"beam_size must be a whole number of at least 1, got {bad[0]!r}")
+    if n_best < 1 or n_best > min(widths):
+        raise ValueError(f"need 1 <= n_best <= every beam width, got widths={list(widths)}, n_best={n_best}")
     if not _whole(max_len) or max_len < 1:
         raise ValueError(f"max_len must be a whole number of at least 1, got {max_len!r}")
     if not isinstance(rules, DecodingRules):
@@ -422,13 +425,9 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     :class:`~captioner.models.protocol.Captioner` signatures: a PyTorch model's own methods or an exported graph's.
     Returns ``n_best`` hypotheses per image, best first.  Its callers check the widths, the length and the rules
     (:func:`check_search`) before they encode and expand the rows."""
-    if n_best < 1 or n_best > min(widths):
-        raise ValueError(f"need 1 <= n_best <= every beam width, got widths={list(widths)}, n_best={n_best}")
     device = next(iter(enc.values())).device
     layout = BeamLayout(widths, device)
-    scores = layout.initial_scores()
-    prev = torch.full((layout.rows,), bos_id, dtype=torch.long, device=device)
-    finished = torch.zeros(layout.rows, dtype=torch.bool, device=device)
+    prev, scores, finished = layout.initial_rows(bos_id)
     history = RowHistory.start(widths, [rules] * len(widths), max_len, device) if rules.active else None
     records: list[StepRecord] = []
 

@@ -72,9 +72,7 @@ class RowTable:
         # others instead of concatenating (copying) the whole table's image features at every admission
         self._enc_buffers, self.state = dict(enc), state
         self.layout = BeamLayout([j.beam_size for j in jobs], self._device)
-        self.prev = torch.full((self.layout.rows,), bos_id, dtype=torch.long, device=self._device)
-        self.scores = self.layout.initial_scores()
-        self.finished = torch.zeros(self.layout.rows, dtype=torch.bool, device=self._device)
+        self.prev, self.scores, self.finished = self.layout.initial_rows(bos_id)
         # what the jobs' decoding rules need of every row; None while no job of the table has a rule
         self.history = self._history(jobs) if any(j.rules.active for j in jobs) else None
         self.records: list[StepRecord] = []
@@ -130,10 +128,9 @@ class RowTable:
                 self._enc_buffers[key] = buffer = grown
             buffer[rows:needed] = enc[key]
         self.state = {k: torch.cat([v, state[k]]) for k, v in self.state.items()}
-        fresh = BeamLayout([j.beam_size for j in jobs], device)
-        self.prev = torch.cat([self.prev, torch.full((new_rows,), bos_id, dtype=torch.long, device=device)])
-        self.scores = torch.cat([self.scores, fresh.initial_scores()])
-        self.finished = torch.cat([self.finished, torch.zeros(new_rows, dtype=torch.bool, device=device)])
+        fresh = BeamLayout([j.beam_size for j in jobs], device).initial_rows(bos_id)
+        self.prev, self.scores, self.finished = (torch.cat([old, new]) for old, new in
+                                                 zip((self.prev, self.scores, self.finished), fresh))
         if self.history is not None or any(j.rules.active for j in jobs):
             before = self.history if self.history is not None else self._history(self.jobs, rules=False)
             self.history = before.cat(self._history(jobs))

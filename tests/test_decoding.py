@@ -360,3 +360,13 @@ def test_tune_decodings_grid_crosses_every_rules_values_and_its_table_shows_each
     assert table[0] == "| length penalty α | block trigrams | block doubled words | CIDEr-D |"
     assert table[2:] == ["| 0 | yes | no | 0.25 |", "| 0 | yes | yes | 0.5 |", "| 1 | yes | no | 0.75 |",
                          "| 1 | yes | yes | 1 |"]
+
+
+def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
+    from captioner.models.decoding import NO_RULES, check_search
+
+    check_search([3, 2], 5, NO_RULES, n_best=2)
+    for n_best in (0, 3):
+        with pytest.raises(ValueError, match=rf"need 1 <= n_best <= every beam width, got widths=\[3, 2\], "
+                                             rf"n_best={n_best}"):
+            check_search([3, 2], 5, NO_RULES, n_best=n_best)
