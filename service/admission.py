@@ -79,7 +79,7 @@ class AdmissionEstimate:
 
     def expect_work(self, jobs: Iterable[Job]) -> None:
         """The admitted ``jobs`` (decoding or being encoded): the row-steps they still need, as expected."""
-        self._active_work = sum(job.beam_size * max(1.0, self.steps(job.max_len) - job.steps) for job in jobs)
+        self._active_work = sum(job.beam_size * max(1.0, self.expected_steps(job.max_len) - job.steps) for job in jobs)
 
     def forget_rate(self) -> tuple[float | None, float | None]:
         """Drop the step time and rows per step (no request is refused until a step is measured again); returns
@@ -94,7 +94,7 @@ class AdmissionEstimate:
             self.step_time_s, self.rows_per_step = saved
 
     # -- estimates ------------------------------------------------------------------------------------------
-    def steps(self, max_len: int) -> float:
+    def expected_steps(self, max_len: int) -> float:
         """Decoding steps a request of this length limit is expected to take."""
         return max_len if self.steps_per_request is None else min(max_len, self.steps_per_request)
 
@@ -112,8 +112,8 @@ class AdmissionEstimate:
         deadline: the table filled until every request in it missed.)"""
         if self.step_time_s is None or not self.rows_per_step:
             return None
-        queued_work = sum(job.beam_size * self.steps(job.max_len) for job in pending)
-        own = self.steps(max_len)
+        queued_work = sum(job.beam_size * self.expected_steps(job.max_len) for job in pending)
+        own = self.expected_steps(max_len)
         work = self._active_work + queued_work + beam_size * own
         encoding = (len(pending) + 1) * (self.encode_time_s or 0.0)
         return max(own * self.step_time_s, work / self.row_rate) + encoding
@@ -132,7 +132,7 @@ class AdmissionEstimate:
         if self.step_time_s is None:
             return None
         step, encode = self.step_time_s, self.encode_time_s or 0.0
-        return lambda job: encode + self.steps(job.max_len) * step
+        return lambda job: encode + self.expected_steps(job.max_len) * step
 
     # -- decisions (the caller holds the batcher's lock) ------------------------------------------------------
     def check(self, timeout_s: float, beam_size: int, max_len: int, pending: Collection[Job], queue_size: int,
@@ -150,7 +150,7 @@ class AdmissionEstimate:
             return
         expected = self.expected_wait_s(pending, beam_size, max_len)
         if expected is not None and expected > ADMISSION_HEADROOM * timeout_s:
-            alone = self.steps(max_len) * (self.step_time_s or 0.0)
+            alone = self.expected_steps(max_len) * (self.step_time_s or 0.0)
             raise WouldMissDeadline(
                 f"model {self.model!r} would need about {expected:.2f} s for this request ({queued} waiting, "
                 f"{active_jobs} decoding), more than the {timeout_s:.2f} s left to its deadline",

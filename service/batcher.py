@@ -15,8 +15,9 @@ At every step boundary the worker
 3. runs one decoding step over every row of every table (:class:`captioner.service.row_table.RowTable`), then one
    top-k per beam group
    (:func:`captioner.models.decoding.beam_step`, the function :func:`captioner.models.decoding.beam_search` uses);
-4. hands finished requests their result (one backtrack and one device→host copy per table for all requests that
-   finished at this step) and removes their rows.
+4. hands finished requests their result (one backtrack per table for all requests that finished at this step, and
+   one copy to the host of each of its maps: tokens, log-probabilities, attention, each extra, and the scores) and
+   removes their rows.
 
 So a request joins and leaves at step boundaries without waiting for anybody else's caption, each request keeps
 its own beam width and length limit, and an idle worker sleeps on a condition variable: a request arriving at an
@@ -317,7 +318,7 @@ class Batcher:
                 if not finished:
                     continue
                 try:
-                    results = table.finish(finished, self.runtime)
+                    results = table.results_of(finished, self.runtime)
                 except Exception as exc:
                     log.exception("%s: collecting results failed", self.runtime.name)
                     self._fail(finished, exc, "collecting results")

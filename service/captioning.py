@@ -2,9 +2,10 @@
 
 Model choice (the request's, else the service default), option limits, decoding and preprocessing the image in the
 thread pool (never on the event loop), the model's batcher under the request deadline, and the request latency metric
-(:func:`observed_request`, around the whole request).  Every failure leaves as a typed exception of ``errors.py`` (or
-the image decoder's :class:`~captioner.models.encoder.ImageDecodeError`); nothing here knows about HTTP beyond the
-status label of the metric.
+(:func:`observed_request`, around the whole request).  Every failure the client caused or can retry leaves as a
+typed exception of ``errors.py`` (or the image decoder's :class:`~captioner.models.encoder.ImageDecodeError`); an
+error raised by the model itself is a bug and leaves as it is (the app answers it 500 ``internal``).  Nothing here
+knows about HTTP beyond the status label of the metric.
 """
 
 from __future__ import annotations

@@ -114,6 +114,8 @@ def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_preci
     export_current = export_is_current(export, identity)
     if backend == "onnx" and not export_current and _known_unexportable(onnx_dir, identity):
         return True  # served on PyTorch instead (load_runtimes says why): nothing for a child to make
-    if not (intact(visual) or optional and not export_current and not visual.parent.exists()):
+    cnn_left_unexported = optional and not export_current and not visual.parent.exists()
+    if not (intact(visual) or cnn_left_unexported):
         return False
-    return backend == "hybrid" or export_current or optional and not export.exists()
+    decoder_left_unexported = optional and not export.exists()
+    return backend == "hybrid" or export_current or decoder_left_unexported

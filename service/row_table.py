@@ -194,11 +194,12 @@ class RowTable:
             job.steps += 1
         return self.layout.groups_done(self.finished).tolist()  # the one host synchronisation of the step
 
-    def finish(self, jobs: list[Job], runtime: Runtime) -> list[CaptionResult]:
+    def results_of(self, jobs: list[Job], runtime: Runtime) -> list[CaptionResult]:
         """The best hypothesis of each of ``jobs`` (their rows must still be in the table).
 
-        One backtrack over the rows of all of them and one device→host copy, however many finish at this step:
-        a job that joined later simply drops the history columns from before its first step.
+        One backtrack over the rows of all of them and one copy to the host of each map it gives (tokens,
+        log-probabilities, attention, each extra) and of the scores, however many finish at this step: a job
+        that joined later simply drops the history columns from before its first step.
         """
         groups = [self.jobs.index(job) for job in jobs]
         rows = host_index(block_rows((self.layout.offsets[g], self.layout.sizes[g]) for g in groups), self._device)
