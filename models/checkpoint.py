@@ -321,10 +321,45 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+#: loads of a folder that was replaced while it was read, before giving up
+LOAD_ATTEMPTS = 3
+
+
+def _folder_identity(path: Path) -> tuple[int, int, bytes] | None:
+    """What tells one saved folder from the next at ``path``: its inode (a number the file system may give the
+    next folder again) and its manifest, whose digests name the files' contents."""
+    try:
+        status = os.stat(path)
+        manifest = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:  # between the two renames of a swap on a system that cannot exchange folders
+        return None
+    return status.st_dev, status.st_ino, manifest
+
+
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> Checkpoint:
     """Rebuild the model from ``config.json``, load its weights strictly, and put it in eval mode.  With ``verify``
-    every file must first match the sha256 in ``manifest.json`` (see :func:`verify_manifest`)."""
+    every file must first match the sha256 in ``manifest.json`` (see :func:`verify_manifest`).
+
+    A training run replaces its ``best/`` and ``last/`` whole while it goes on (:func:`replace_directory`), and
+    each file is opened by name: a load that a replacement came through could pair one checkpoint's manifest digest
+    with the other's weights.  The folder is the same one before and after a load that is kept; otherwise the load
+    is made again."""
     path, device = Path(path), resolve_device(str(device))
+    for _ in range(LOAD_ATTEMPTS):
+        before = _folder_identity(path)
+        try:
+            checkpoint = _load_once(path, device, verify)
+        except (CheckpointError, OSError):
+            if _folder_identity(path) == before:
+                raise
+            continue  # read across a replacement: what failed may be the mix of two checkpoints
+        if _folder_identity(path) == before:
+            return checkpoint
+    raise CheckpointError(f"{path} was replaced {LOAD_ATTEMPTS} times while it was being loaded (a training run "
+                          "writing it?): load it again once the run has moved on")
+
+
+def _load_once(path: Path, device: torch.device, verify: bool) -> Checkpoint:
     if not (path / CONFIG).is_file():
         raise not_a_checkpoint(path)
     digests = verify_manifest(path) if verify else {}

@@ -36,6 +36,29 @@ def test_overwrite_is_atomic_and_leaves_no_debris(tmp_path, tiny_sat, vocab):
     assert load_checkpoint(tmp_path / "ckpt").encoder.image_size == 128
 
 
+def test_a_folder_replaced_while_it_loads_is_loaded_again_not_mixed(tmp_path, tiny_sat, vocab, monkeypatch):
+    """A training run replaces best/ whole while a server or eval loads it; each file is opened by name, so a load
+    the replacement came through paired the first checkpoint's manifest digest with the second one's weights."""
+    from captioner.models import checkpoint as module
+    from captioner.models.files import file_checksum
+
+    path = save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 1})
+    real_load_file, swaps = module.load_file, []
+
+    def replaced_while_read(file, device="cpu"):
+        if not swaps:  # the run saves its next best/ between the manifest check and the weights
+            swaps.append(save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 2}))
+            for value in tiny_sat.state_dict().values():  # other weights than the first save's
+                value.add_(0.5)
+            save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 3})
+        return real_load_file(file, device=device)
+
+    monkeypatch.setattr(module, "load_file", replaced_while_read)
+    loaded = load_checkpoint(path)
+    assert loaded.meta == {"epoch": 3}
+    assert loaded.checksum == file_checksum(path / "model.safetensors")  # the digest of the weights it holds
+
+
 def test_a_card_added_through_a_link_keeps_the_link_everything_beside_it_and_a_save_in_flight(tmp_path, tiny_sat,
                                                                                                 vocab):
     """``replace_files`` (what ``captioner card`` writes through) swapped the link itself for a copied folder, dropped
