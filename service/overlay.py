@@ -20,8 +20,8 @@ from captioner.models.rendering.heatmaps import HEAT_MODES, MODES
 from .captioning import remaining_s, slot_deadline
 from .inputs import QueryOptions, arrival
 from .openapi import header_doc
-from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, PictureFormat, RenderOptions,
-                        check_render_options, drawn_mode, render_result)
+from .rendering import (DEFAULT_RENDER_SIDE, JSON_RENDER_SIDE, MAX_RENDER_SIDE, Heatmaps, PictureFormat,
+                        RenderOptions, check_render_options, drawn_mode, render_result)
 from .results import Results, StoredResult
 from .schemas import CAPTION_BODY, CaptionOut, HeatmapsOut
 from .state import ServiceState, State
@@ -65,11 +65,11 @@ async def _respond(request: Request, state: ServiceState, stored: StoredResult, 
     settings = state.settings
     options = replace(options, mode=drawn_mode(stored.result, options))  # resolved once: the render and its header
     with slot_deadline(settings, "the overlay waited to be rendered"):
-        body = await render_result(stored, options, result_id, state.render_slots,
-                                   remaining_s(settings, arrival(request)))
+        body = await render_result(stored, options, state.render_slots, remaining_s(settings, arrival(request)))
     headers = {"X-Caption-Id": result_id, "X-Heatmap-Mode": options.mode}
-    if isinstance(body, HeatmapsOut):
-        return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+    if isinstance(body, Heatmaps):
+        return Response(HeatmapsOut.of(body, result_id).model_dump_json(), media_type="application/json",
+                        headers=headers)
     return Response(body, media_type="image/png", headers=headers)
 
 

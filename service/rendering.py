@@ -8,7 +8,6 @@ parameters raise :class:`~captioner.models.rendering.heatmaps.RenderError`.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +20,6 @@ from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, check_
                                                  drawn_heat, png_bytes)
 
 from .results import StoredResult
-from .schemas import HeatmapOut, HeatmapsOut
 from .work_slots import WorkSlots
 
 #: what the overlay routes draw (a picture), and every render format (``json``: the ``/heatmaps`` routes)
@@ -33,6 +31,17 @@ DEFAULT_RENDER_SIDE, MAX_RENDER_SIDE = 2048, 4096
 #: the JSON heatmaps' default and largest side: it encodes one map per token (33 maps at 4,096 px took 20 s of a render
 #: slot and 12 MB, again on every GET of the same result); heat maps are smooth, a client scales them up
 JSON_RENDER_SIDE = 1024
+
+
+@dataclass
+class Heatmaps:
+    """Every word's heat map (format ``json``): ``maps[i]`` is token ``tokens[i]``'s, a grayscale PNG of ``size``
+    (width, height), 255 where its attention peaks."""
+
+    mode: str
+    size: tuple[int, int]
+    tokens: list[str]
+    maps: list[bytes]
 
 
 @dataclass
@@ -81,7 +90,7 @@ def _at_most(picture: Image.Image, side: int) -> Image.Image:
     return picture
 
 
-def _render(stored: StoredResult, options: RenderOptions, result_id: str) -> bytes | HeatmapsOut:
+def _render(stored: StoredResult, options: RenderOptions) -> bytes | Heatmaps:
     check_render_options(options)
     result = stored.result
     side = options.max_side or (JSON_RENDER_SIDE if options.format == "json" else DEFAULT_RENDER_SIDE)
@@ -93,16 +102,15 @@ def _render(stored: StoredResult, options: RenderOptions, result_id: str) -> byt
     if options.format == "png":
         return png_bytes(result.overlay(image, options.token, mode, **style))
     rows = result.drawn_rows(mode)
-    heatmaps = []  # box modes were refused above, and every default mode draws heat
-    for i, word in enumerate(result.tokens):
+    maps = []  # box modes were refused above, and every default mode draws heat
+    for i in range(len(result.tokens)):
         heat = drawn_heat(rows[i], result.geometry, mode, image.size)
-        gray = Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")
-        heatmaps.append(HeatmapOut(token=word, index=i, heat_png=base64.b64encode(png_bytes(gray)).decode()))
-    return HeatmapsOut(id=result_id, mode=mode, size=list(image.size), heatmaps=heatmaps)
+        maps.append(png_bytes(Image.fromarray((heat * 255).round().astype(np.uint8), mode="L")))
+    return Heatmaps(mode, image.size, list(result.tokens), maps)
 
 
-async def render_result(stored: StoredResult, options: RenderOptions, result_id: str, slots: WorkSlots,
-                        timeout: float | None = None) -> bytes | HeatmapsOut:
+async def render_result(stored: StoredResult, options: RenderOptions, slots: WorkSlots,
+                        timeout: float | None = None) -> bytes | Heatmaps:
     """PNG bytes (``png``, ``figure``) or the heatmaps (``json``, the ``/heatmaps`` routes) of a stored result,
     rendered in one of ``slots`` (:class:`TimeoutError` when none frees within ``timeout`` seconds)."""
-    return await slots.run(_render, stored, options, result_id, timeout=timeout)
+    return await slots.run(_render, stored, options, timeout=timeout)

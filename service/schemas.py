@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 from pathlib import PurePath
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 import torch
@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from captioner.models.inference import CaptionResult, ModelInfo
 from captioner.models.protocol import Geometry
+
+if TYPE_CHECKING:  # the overlay use case's answer, which this module only writes
+    from .rendering import Heatmaps
 
 # 6 decimals keep attention rows summing to 1 within 1e-5 while exact zeros (sparsemax, TVmax) stay exactly 0.0
 ATTENTION_DECIMALS = 6
@@ -264,3 +267,9 @@ class HeatmapsOut(Answer):
     mode: str
     size: list[int] = Field(description="(width, height) of the heatmaps")
     heatmaps: list[HeatmapOut]
+
+    @classmethod
+    def of(cls, rendered: Heatmaps, result_id: str) -> "HeatmapsOut":
+        return cls(id=result_id, mode=rendered.mode, size=list(rendered.size),
+                   heatmaps=[HeatmapOut(token=token, index=i, heat_png=base64.b64encode(png).decode())
+                             for i, (token, png) in enumerate(zip(rendered.tokens, rendered.maps))])

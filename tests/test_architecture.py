@@ -83,6 +83,7 @@ def test_the_captioning_use_case_takes_no_wire_model():
     """The use case takes its own parameters (``CaptionParameters``); the HTTP layer translates the wire's
     ``CaptionOptions`` into them (``inputs.caption_parameters``), so a change to the wire format stops there."""
     assert "schemas" not in _service_imports("captioning")
+    assert "schemas" not in _service_imports("rendering")  # the heatmaps, too, are written by the HTTP layer
     from captioner.service.captioning import CaptionParameters
     from captioner.service.inputs import caption_parameters
     from captioner.service.schemas import CAPTION_OPTIONS, CaptionOptions
