@@ -251,6 +251,20 @@ def write_manifest(path: str | Path) -> Path:
     return path / MANIFEST
 
 
+def manifest_changes(path: str | Path) -> list[str] | None:
+    """The files of checkpoint folder ``path`` that differ from what its ``manifest.json`` records (changed, added
+    or gone), by name; None when it has no manifest that can be read."""
+    path = Path(path)
+    try:
+        listed = json.loads((path / MANIFEST).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    present = {f.name: f for f in path.iterdir() if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
+    return sorted(name for name in set(listed) | set(present)
+                  if name not in present or name not in listed
+                  or file_checksum(present[name]) != listed[name].get("sha256"))
+
+
 def verify_manifest(path: str | Path) -> dict[str, str]:
     """Check every file the manifest lists against its sha256 (and the files a checkpoint needs are listed);
     returns the digests.  A torn, foreign or altered file raises :class:`CheckpointError` naming it."""

@@ -444,6 +444,12 @@ def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings
         raise ArchiveError(f"no image files in {', '.join(map(str, sources))} (looked for "
                            f"{' '.join(sorted(IMAGE_SUFFIXES))} files, and paths listed in text files)")
     paths = select_shard(listed, *shard)
+    # an image or list given as the output was answered "already holds captions: … or remove it"
+    read = {os.path.abspath(path) for path in [*sources, *listed]}
+    for written in (output, errors_path(output)):
+        if os.path.abspath(written) in read:
+            raise ArchiveError(f"--output {output} would write {written}, one of the command's inputs: write the "
+                               "captions somewhere else")
     _check_is_an_error_list(errors_path(output))  # before the output is made or cut
     lines = CaptionLines(output, resume)
     errors = None

@@ -171,6 +171,33 @@ def test_manifest_command_checks_every_folder_before_sealing_any(tmp_path, capsy
     assert load_checkpoint(good).checksum
 
 
+def test_manifest_command_reseals_an_edited_card_but_not_changed_weights_unless_forced(tmp_path, capsys):
+    """Resealing is for a card edited beside the model; the command sealed a checkpoint whose weights a flipped
+    byte had changed under their manifest, and the altered weights then loaded as trusted."""
+    from captioner.service.cli import main
+
+    torch.manual_seed(0)
+    folder = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                       attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
+                             EncoderSpec())
+    (folder / "MODEL_CARD.md").write_text("# A card\n")
+    main(["manifest", str(folder)])
+    assert "(changed since the last one: MODEL_CARD.md)" in capsys.readouterr().out
+    weights = folder / "model.safetensors"
+    altered = bytearray(weights.read_bytes())
+    altered[-1] ^= 1  # a bit of the last weight
+    weights.write_bytes(bytes(altered))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        load_checkpoint(folder)
+    sealed = (folder / "manifest.json").read_text()
+    with pytest.raises(SystemExit):
+        main(["manifest", str(folder)])
+    assert f"{weights} changed since {folder / 'manifest.json'} was written" in capsys.readouterr().err
+    assert (folder / "manifest.json").read_text() == sealed
+    main(["manifest", str(folder), "--force"])
+    assert load_checkpoint(folder).checksum
+
+
 def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):
     """``--force`` (storage, import, ensemble) took any folder holding a ``config.json`` for a checkpoint and deleted
     it whole: a project's folder with its own config.json and a thesis in it."""

@@ -683,3 +683,45 @@ def test_export_of_a_training_run_names_the_checkpoints_it_holds(tmp_path, capsy
     assert f"{tmp_path / 'run'} is a training run, not a checkpoint: give {tmp_path / 'run' / 'best'}" \
         in capsys.readouterr().err
     assert not (tmp_path / "onnx").exists()
+
+
+def test_no_output_option_writes_over_what_the_command_reads(tmp_path, capsys):
+    """Only inputs named on the command line were guarded: ``eval --results-json`` wrote over the data set's JSON,
+    ``eval --output`` over the checkpoint's weights, ``tune-decoding --output`` over its config.json (each exiting
+    0), ``eval`` wrote its report and its captions to one file, and the archive answered an input given as its
+    output with "already holds captions: … or remove it"."""
+    import torch
+
+    from captioner.models.checkpoint import save_checkpoint
+    from captioner.models.encoder import EncoderSpec
+    from captioner.models.vocab import Vocabulary
+    from captioner.models.zoo import create
+    from captioner.service.cli import main
+
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                     attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
+                           EncoderSpec())
+    dataset = tmp_path / "scenes" / "dataset_scenes.json"
+    dataset.parent.mkdir()
+    dataset.write_text("{}")
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(data.chelsea()).save(photo)
+    kept = {path: path.read_bytes() for path in [dataset, photo, *ckpt.iterdir()]}
+    report = tmp_path / "report.json"
+    for args, said in [
+        (["eval", ckpt, "--dataset", dataset.parent, "--results-json", dataset], "is one of the command's inputs"),
+        (["eval", ckpt, "--dataset", dataset, "--output", ckpt / "model.safetensors"], f"is a file of {ckpt}"),
+        (["eval", ckpt, "--dataset", dataset, "--output", report, "--results-json", report],
+         f"--output and --results-json both name {report}"),
+        (["tune-decoding", ckpt, "--dataset", dataset, "--output", ckpt / "config.json"], f"is a file of {ckpt}"),
+        (["resolution-check", ckpt, "--dataset", dataset, "--full-root", tmp_path, "--output", ckpt / "vocab.json"],
+         f"is a file of {ckpt}"),
+        (["compare", report, tmp_path / "b.json", "--dataset", dataset, "--output", dataset],
+         "is one of the command's inputs"),
+        (["caption", photo, "--output", photo, "--checkpoint", ckpt], "one of the command's inputs"),
+    ]:
+        with pytest.raises(SystemExit):
+            main([str(arg) for arg in args])
+        assert said in capsys.readouterr().err, args
+        assert {path: path.read_bytes() for path in kept} == kept, args

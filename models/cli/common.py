@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from ..data.datasets import DEFAULT_DATASET
+from ..data.datasets import DEFAULT_DATASET, resolve_dataset
 from ..data.karpathy import DATASET_FORMATS
 from ..placement import default_checkpoint
 
@@ -106,10 +106,34 @@ def refuse_overwrite(out: str | Path, force: bool, what: str = "--out") -> None:
                          "checkpoint there")
 
 
-def refuse_input_as_output(out: str | Path | None, inputs, option: str) -> None:
-    """Stop a command whose ``option`` names one of the files it reads: its result would replace its input."""
-    if out is not None and Path(out).resolve() in {Path(path).resolve() for path in inputs}:
-        raise SystemExit(f"error: {option} {out} is one of the command's inputs: write it somewhere else")
+def refuse_input_as_output(outputs: Mapping[str, str | Path | None], files: Iterable[str | Path | None] = (),
+                           folders: Iterable[str | Path | None] = ()) -> None:
+    """Stop, before any work, a command whose output options (option → path; None: not given) name one of the
+    files it reads (``files``), a file already in a folder it reads (``folders``: a checkpoint, a training run), or
+    the same file twice: its result would replace what it was made from (``eval --results-json`` over the data
+    set's JSON, ``tune-decoding --output`` over the checkpoint's ``config.json``), or one result the other."""
+    named = {option: Path(path) for option, path in outputs.items() if path is not None}
+    read = {Path(path).resolve() for path in files if path is not None}
+    kept = [Path(folder) for folder in folders if folder is not None]
+    written: dict[Path, str] = {}
+    for option, path in named.items():
+        target = path.resolve()
+        holder = next((folder for folder in kept if target.exists() and target.is_relative_to(folder.resolve())),
+                      None)
+        if target in read or holder is not None:
+            what = f"a file of {holder}" if holder is not None else "one of the command's inputs"
+            raise SystemExit(f"error: {option} {path} is {what}: write it somewhere else")
+        if target in written:
+            raise SystemExit(f"error: {written[target]} and {option} both name {path}: give each its own file")
+        written[target] = option
+
+
+def dataset_file(dataset: str | Path | None) -> Path | None:
+    """The file a ``--dataset`` is read from (None: not given, or not there: the command says so itself)."""
+    try:
+        return None if dataset is None else resolve_dataset(dataset)
+    except FileNotFoundError:
+        return None
 
 
 def figure_file(text: str) -> str:

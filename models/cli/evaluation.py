@@ -12,7 +12,7 @@ from ..evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from ..files import write_atomically
 from ..placement import DEFAULT_WEIGHTS_DIR, onnx_dir_from_env
 from .common import (DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
-                     add_dataset_options, add_device_options, add_search_options, count,
+                     add_dataset_options, add_device_options, add_search_options, count, dataset_file,
                      decoding_rules, load_split, output_file, positive_int, refuse_input_as_output)
 
 _group = CommandGroup()
@@ -39,6 +39,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         for im in scored.images[: args.show]:
             print(f"  {im.path.name}: {' '.join(scored.captions[im.image_id])}", file=sys.stderr)
 
+    refuse_input_as_output({"--output": args.output, "--results-json": args.results_json},
+                           [dataset_file(args.dataset or DEFAULT_DATA)], [args.checkpoint])
     set_threads(args.threads)
     evaluation = evaluation_report(
         args.checkpoint, args.dataset, args.split or ["test"], image_root=args.image_root, beam_size=args.beam_size,
@@ -111,6 +113,7 @@ def cmd_resolution_check(args: argparse.Namespace) -> None:
     from ..evaluation.resolution import resolution_check
     from ..pipeline import Pipeline
 
+    refuse_input_as_output({"--output": args.output}, [dataset_file(args.dataset)], [args.checkpoint])
     set_threads(args.threads)
     pipeline = Pipeline(args.checkpoint, resolve_device(args.device))
     images = load_split(resolve_dataset(args.dataset), args.image_root, args.split)
@@ -141,7 +144,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     from ..evaluation.compare import compare_captions, markdown, read_results
     from ..evaluation.metrics import check_ptb_tokenizer
 
-    refuse_input_as_output(args.output, args.results, "--output")
+    refuse_input_as_output({"--output": args.output}, [*args.results, dataset_file(args.dataset)])
     if args.ptb:
         check_ptb_tokenizer()
     dataset = resolve_dataset(args.dataset)

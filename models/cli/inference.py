@@ -39,7 +39,7 @@ def caption_files(args: argparse.Namespace, show: Callable[[str, str, CaptionRes
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
     if args.overlay and len(args.images) != 1:
         raise SystemExit("error: --overlay takes exactly one image")
-    refuse_input_as_output(args.overlay, args.images, "--overlay")
+    refuse_input_as_output({"--overlay": args.overlay}, args.images, checkpoints)
     if args.token is not None and len(checkpoints) > 1:
         raise SystemExit("error: --token renders one checkpoint's word; drop it to compare checkpoints")
     if args.token is not None and not args.overlay:
@@ -246,9 +246,11 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
 
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
-    from ..checkpoint import CheckpointError, is_checkpoint, load_checkpoint, write_manifest
+    from ..checkpoint import (CONFIG, VOCAB, WEIGHTS, CheckpointError, is_checkpoint, load_checkpoint,
+                              manifest_changes, write_manifest)
 
     folders = list(map(Path, args.checkpoints))
+    changes = {}
     for folder in folders:  # every folder checked before any manifest is written: a mistake seals nothing
         if not is_checkpoint(folder):
             raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors); "
@@ -257,8 +259,17 @@ def cmd_manifest(args: argparse.Namespace) -> None:
             load_checkpoint(folder, verify=False)
         except CheckpointError as exc:
             raise SystemExit(f"error: {exc}; no manifest was written") from None
+        changes[folder] = manifest_changes(folder)
+        # a card or a note edited beside the model is what resealing is for; the model's own files changing under
+        # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
+        model_files = [name for name in changes[folder] or () if name in (WEIGHTS, CONFIG, VOCAB)]
+        if model_files and not args.force:
+            raise SystemExit(f"error: {', '.join(str(folder / name) for name in model_files)} changed since "
+                             f"{folder / 'manifest.json'} was written (altered or torn?): pass --force to record "
+                             "the files as they are now; no manifest was written")
     for folder in folders:
-        print(f"wrote {write_manifest(folder)}")
+        changed = f" (changed since the last one: {', '.join(changes[folder])})" if changes[folder] else ""
+        print(f"wrote {write_manifest(folder)}{changed}")
 
 
 @_group.command("manifest")
@@ -266,6 +277,8 @@ def _add_manifest(sub: argparse._SubParsersAction) -> None:
     mf = sub.add_parser("manifest", help="write the sha256 manifest.json that load_checkpoint verifies, for "
                         "checkpoint folders whose files you trust")
     mf.add_argument("checkpoints", nargs="+", help="checkpoint folders")
+    mf.add_argument("--force", action="store_true", help="record the files even where the weights, config.json or "
+                    "vocab.json differ from the manifest already there (without it, that is refused)")
     mf.set_defaults(func=cmd_manifest)
 
 

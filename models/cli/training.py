@@ -15,8 +15,8 @@ from ..attention import NORMALISERS
 from ..evaluation.tuning import DEFAULT_PENALTIES
 from ..files import write_atomically
 from .common import (CommandGroup, add_cache_option, add_dataset_options, add_device_options, add_search_options,
-                     add_threads_option, key_values, length_penalty, output_file,
-                     positive_int, refuse_overwrite, split_with_features, yes_or_no)
+                     add_threads_option, dataset_file, key_values, length_penalty, output_file,
+                     positive_int, refuse_input_as_output, refuse_overwrite, split_with_features, yes_or_no)
 
 _group = CommandGroup()
 #: add_commands (commands.py) calls register(sub, name) for each of this module's subcommands
@@ -192,6 +192,7 @@ def cmd_tune_decoding(args: argparse.Namespace) -> None:
     if args.write and args.split == "test":
         raise SystemExit("error: --write keeps the rules chosen on this split as the checkpoint's defaults: choose "
                          "them on validation data (--split val) and report on test")
+    refuse_input_as_output({"--output": args.output}, [dataset_file(args.dataset)], [args.checkpoint])
     set_threads(args.threads)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint, device)
