@@ -177,7 +177,9 @@ def replace_files(path: str | Path, files: Mapping[str, str | bytes]) -> Path:
 
 def convert_storage(path: str | Path, storage: str, out: str | Path | None = None) -> Path:
     """Write the checkpoint at ``path`` again with its weights stored as ``storage`` (in place, or to ``out``):
-    float16 halves the weights' bytes; whether the rounding changed its captions is for ``captioner eval`` to say."""
+    float16 halves the weights' bytes; whether the rounding changed its captions is for ``captioner eval`` to say.
+    Weights stored otherwise are other weights: the model card, which names their sha256 and what they measured,
+    is left out (``captioner card`` writes one for them)."""
     return _rewrite(path, out or path, storage, {})
 
 
@@ -185,8 +187,10 @@ def _rewrite(path: str | Path, out: str | Path, storage: str | None, fields: dic
     """The checkpoint at ``path`` saved again at ``out``: ``fields`` added to its record, its weights in ``storage``
     (None: as they are), and its extra files (e.g. an imported CNN's weights) carried over."""
     ckpt = load_checkpoint(path)
+    reweighted = storage is not None and storage != ckpt.storage
     extra = {f.name: f.read_bytes() for f in Path(path).iterdir()
-             if f.is_file() and f.name not in OWN_FILES and not f.name.startswith(".")}
+             if f.is_file() and f.name not in OWN_FILES and not f.name.startswith(".")
+             and not (reweighted and f.name == CARD)}
     return save_checkpoint(out, ckpt.model, ckpt.vocab, folder_relative(ckpt.encoder, Path(path)),
                            {**ckpt.meta, **fields}, storage or ckpt.storage, extra)
 

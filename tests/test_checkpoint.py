@@ -155,6 +155,23 @@ def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp
     assert convert_storage(half, "float32").exists() and load_checkpoint(half).storage == "float32"
 
 
+def test_weights_stored_otherwise_leave_the_model_card_behind(tmp_path, tiny_sat, capsys):
+    """The card names the weights' sha256 and what they measured: ``storage --out`` copied it beside float16
+    weights it no longer described; a record change (the same weights) keeps it."""
+    from captioner.models.checkpoint import CARD, convert_storage, update_meta
+    from captioner.service.cli import main
+
+    full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
+    (full / CARD).write_text("# weights sha256 of the float32 ones\n")
+    main(["manifest", str(full)])
+    main(["storage", str(full), "float16", "--out", str(tmp_path / "half")])
+    assert not (tmp_path / "half" / CARD).exists() and "MODEL_CARD.md was left out" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "half").storage == "float16"
+    update_meta(full, note="kept")
+    assert (full / CARD).is_file() and load_checkpoint(full).meta["note"] == "kept"
+    assert convert_storage(full, "float32", tmp_path / "same").joinpath(CARD).is_file()  # the same weights
+
+
 def test_manifest_command_checks_every_folder_before_sealing_any(tmp_path, capsys):
     from captioner.service.cli import main
 

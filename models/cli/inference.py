@@ -225,12 +225,16 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_storage(args: argparse.Namespace) -> None:
-    from ..checkpoint import WEIGHTS, convert_storage
+    from ..checkpoint import CARD, WEIGHTS, convert_storage
 
     if args.out is not None and Path(args.out).resolve() != Path(args.checkpoint).resolve():
         refuse_overwrite(args.out, args.force)
+    had_card = (Path(args.checkpoint) / CARD).is_file()
     out = convert_storage(args.checkpoint, args.dtype, args.out)
     print(f"{out}: weights stored as {args.dtype}, {(out / WEIGHTS).stat().st_size / 2**20:.1f} MiB")
+    if had_card and not (out / CARD).is_file():
+        print(f"{out}: its {CARD} was left out: it named the weights as they were stored and what they measured "
+              f"(captioner card {out} writes one for these)")
 
 
 @_group.command("storage")
