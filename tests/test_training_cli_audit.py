@@ -478,7 +478,12 @@ def test_a_run_whose_data_moved_resumes_from_where_the_command_says(scenes, tmp_
     shutil.copytree(scenes.parent, tmp_path / "data")
     train(_config(tmp_path / "data", tmp_path / "run", tmp_path / "cache", epochs=2, max_steps=1))
     (tmp_path / "data").rename(tmp_path / "moved")
+    from captioner.service.cli import main
+
     capsys.readouterr()
+    with pytest.raises(SystemExit):  # the command names what to pass, where it said only that the file is gone
+        main(["train", "--out", str(tmp_path / "run"), "--resume", "--no-progress"])
+    assert "--resume takes --dataset and --image-root naming where it is now" in capsys.readouterr().err
     train(_config(tmp_path / "moved", tmp_path / "run", tmp_path / "cache", epochs=2), resume=True,
           explicit={"out", "epochs", "dataset"})
     said = capsys.readouterr().out

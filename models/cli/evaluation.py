@@ -12,7 +12,7 @@ from ..evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from ..files import write_atomically
 from ..placement import DEFAULT_WEIGHTS_DIR, onnx_dir_from_env
 from .common import (DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
-                     add_dataset_options, add_device_options, add_search_options, count, dataset_file,
+                     add_dataset_options, add_device_options, add_search_options, count, dataset_file, figure_file,
                      decoding_rules, load_split, output_file, positive_int, refuse_input_as_output)
 
 _group = CommandGroup()
@@ -103,7 +103,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
                          "Entities boxes of real photos (attention correctness, pointing hit, ratio per phrase type; "
                          "references teacher-forced and the model's own captions); 95%% bootstrap intervals and "
                          "chance rows either way")
-    ev.add_argument("--grounding-resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
+    ev.add_argument("--grounding-resamples", type=positive_int, default=2000, help="bootstrap resamples over images "
+                    "(default 2000)")
     ev.set_defaults(func=cmd_eval, split=None)
 
 
@@ -148,7 +149,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if args.ptb:
         check_ptb_tokenizer()
     dataset = resolve_dataset(args.dataset)
-    images = load_split(dataset, args.image_root, args.split, check_images=False)
+    images = load_split(dataset, args.image_root, args.split, check_images=False, limit=args.limit)
     try:
         sides = [read_results(Path(path)) for path in args.results]
         result = compare_captions(sides[0], sides[1], images, args.resamples, ptb=args.ptb)
@@ -172,7 +173,10 @@ def _add_compare(sub: argparse._SubParsersAction) -> None:
     cmp.add_argument("--names", nargs=2, metavar=("A", "B"), help="names for the table (default: the file names)")
     add_dataset_options(cmp)
     cmp.add_argument("--split", default="test", help="split the captions describe (default test)")
-    cmp.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images")
+    cmp.add_argument("--resamples", type=positive_int, default=2000, help="bootstrap resamples over images "
+                     "(default 2000)")
+    cmp.add_argument("--limit", type=positive_int, help="compare the split's first N images only, as captioner eval "
+                     "--limit N captioned them")
     add_ptb_option(cmp)
     cmp.add_argument("--output", type=output_file, help="also write the JSON here")
     cmp.set_defaults(func=cmd_compare)
@@ -217,7 +221,8 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser("plot", help="training curves of runs (metrics.jsonl): loss, learning rate and validation "
                         "metrics per epoch, several runs overlaid, to PNG")
     pl.add_argument("runs", nargs="+", metavar="RUN", help="training run folders (--out of `captioner train`)")
-    pl.add_argument("--out", default="curves.png", help="PNG to write")
+    pl.add_argument("--out", default="curves.png", type=figure_file, help="picture to write (default curves.png; "
+                    "replaced if it exists)")
     pl.add_argument("--label", action="append", help="legend name per run (default: the folder names)")
     pl.set_defaults(func=cmd_plot)
 

@@ -147,6 +147,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
+    except FileNotFoundError as exc:
+        if args.resume and not {"dataset", "image_root"} & given_options(args):  # the run's data has moved?
+            raise SystemExit(f"error: {exc} (the run's data moved? --resume takes --dataset and --image-root naming "
+                             "where it is now)") from None
+        raise
     except KeyboardInterrupt:  # Ctrl-C while the run is prepared (encoding features), or a second one in training
         if (Path(cfg.out) / STATE_JSON).exists():
             print(f"aborted: {cfg.out} keeps its last saved state (--checkpoint-every); rerun with --resume to "
@@ -321,13 +326,14 @@ def _add_tune_decoding(sub: argparse._SubParsersAction) -> None:
     add_dataset_options(td)
     td.add_argument("--split", default="val", help="split to score (default: val; --write refuses test)")
     td.add_argument("--length-penalties", type=length_penalty, nargs="+", default=list(DEFAULT_PENALTIES),
-                    metavar="ALPHA", help="GNMT length penalties to try")
+                    metavar="ALPHA", help="GNMT length penalties to try (default: "
+                    f"{' '.join(f'{alpha:g}' for alpha in DEFAULT_PENALTIES)})")
     td.add_argument("--block-trigrams", type=yes_or_no, nargs="+",
-                    default=[False, True], metavar="BOOL", help="trigram blocking off and/or on")
+                    default=[False, True], metavar="BOOL", help="trigram blocking off and/or on (default: both)")
     td.add_argument("--block-doubled-words", type=yes_or_no, nargs="+", default=[False], metavar="BOOL",
                     help="doubled-word blocking off and/or on (default: off only)")
     td.add_argument("--metric", default="CIDEr-D", choices=("BLEU-1", "BLEU-4", "ROUGE-L", "CIDEr-D"),
-                    help="the score the best combination is chosen by")
+                    help="the score the best combination is chosen by (default CIDEr-D)")
     add_search_options(td, rules=False)
     td.add_argument("--limit", type=positive_int, help="score only the first N images of the split")
     add_cache_option(td)
