@@ -17,7 +17,7 @@ import base64
 import binascii
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -171,15 +171,16 @@ async def multipart_form(request: Request, limit: int,
     it arrives."""
     parser = WholeMultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK, budget),
                                   max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+    def malformed(message: str) -> InvalidRequest:
+        return InvalidRequest(f"malformed multipart/form-data body: {message}", [{"loc": ["body"], "msg": message}])
+
     try:
         form = await parser.parse()
     except MultiPartException as exc:
-        raise InvalidRequest(f"malformed multipart/form-data body: {exc.message}",
-                             [{"loc": ["body"], "msg": exc.message}]) from None
+        raise malformed(exc.message) from None
     if not parser.closed:
         await form.close()
-        message = "the body ended before its closing boundary (--BOUNDARY--): the upload was cut off"
-        raise InvalidRequest(f"malformed multipart/form-data body: {message}", [{"loc": ["body"], "msg": message}])
+        raise malformed("the body ended before its closing boundary (--BOUNDARY--): the upload was cut off")
     try:
         yield form
     finally:
@@ -279,8 +280,7 @@ class UnreadBodyMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         headers = dict(scope.get("headers") or []) if scope["type"] == "http" else {}
         declared = headers.get(b"content-length", b"").strip()
-        if scope["type"] != "http" or (b"transfer-encoding" not in headers and declared in (b"", b"0")) \
-                or (declared.isdigit() and int(declared) > self.limit):
+        if scope["type"] != "http" or not declares_body(headers) or (declared.isdigit() and int(declared) > self.limit):
             await self.app(scope, receive, send)
             return
         waits_for_continue = headers.get(b"expect", b"").lower() == b"100-continue"
@@ -307,9 +307,9 @@ def _content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-def _has_body(request: Request) -> bool:
-    declared = request.headers.get("content-length", "").strip()
-    return "transfer-encoding" in request.headers or (declared not in ("", "0"))
+def declares_body(headers: Mapping[bytes, bytes]) -> bool:
+    """Whether a request's raw headers (ASGI's, lower-case names) announce a body: a length above 0, or chunks."""
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"").strip() not in (b"", b"0")
 
 
 def _is_json(content_type: str) -> bool:
@@ -376,7 +376,7 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
     if content_type.startswith("image/") or content_type == "application/octet-stream":
         return CaptionRequest(checked_image(await read_body(request, limit, budget=budget), limit),
                               caption_parameters(query))
-    if not content_type and not _has_body(request):
+    if not content_type and not declares_body(dict(request.scope["headers"])):
         raise missing_file()
     if not content_type:  # bytes without a (readable) type: what they are is the client's to say
         raise UnsupportedBody("a caption request's body needs a Content-Type: multipart/form-data with a `file` "

@@ -208,18 +208,19 @@ function numberOptions() {
   return options;
 }
 
-// The number boxes checked before anything is sent: true when they hold what they take; otherwise the status says
-// why, the box is marked and nothing is sent.
-function numbersAccepted() {
+// The number boxes checked before anything is sent: their options (numberOptions) when they hold what they take;
+// otherwise null, the status says why, the box is marked and nothing is sent.
+function acceptedNumbers() {
+  let options;
   try {
-    numberOptions();
+    options = numberOptions();
   } catch (err) {
     setStatus(`Not sent: ${err.message}`, true);
     markRefused([err.option]);
-    return false;
+    return null;
   }
   markRefused([]);
-  return true;
+  return options;
 }
 
 // Caption `file` (the photo on screen from now on). `scroll`: bring the result into view (a new photo; not a change
@@ -233,8 +234,9 @@ async function caption(file, { scroll = true, waiting = "Captioning…", word = 
   const params = new URLSearchParams({ model: $("model").value });
   for (const [option, box] of Object.entries(RULE_BOXES)) params.set(option, $(box).checked);
   // before anything on screen changes: a number a box rejects leaves the last caption as it was
-  if (!numbersAccepted()) return;
-  for (const [option, value] of Object.entries(numberOptions())) params.set(option, value);
+  const numbers = acceptedNumbers();
+  if (numbers === null) return;
+  for (const [option, value] of Object.entries(numbers)) params.set(option, value);
   const request = ++latest;
   inflight?.abort();  // its answer would be dropped: the server stops working on it
   const controller = (inflight = new AbortController());
@@ -492,7 +494,7 @@ $("mode").addEventListener("change", () => {
 // settled (holding an arrow key on any is one change per step); the result stays where it is on the page
 function captionAgain() {
   clearTimeout(settling);
-  if (!numbersAccepted()) return;  // a number a box rejects is said at once, as it is typed
+  if (acceptedNumbers() === null) return;  // a number a box rejects is said at once, as it is typed
   // the word chosen stays chosen on the new caption
   if (lastFile) settling = setTimeout(() => caption(lastFile, { scroll: false, keep: true, word: chosenWord() }),
                                       SETTLE_MS);
