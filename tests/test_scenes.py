@@ -3,6 +3,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from captioner.models.data.karpathy import load_karpathy
@@ -143,6 +144,44 @@ def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
     assert not is_current(old, sizes, seed=7)
 
 
+def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it(tmp_path, scenes):
+    """``captioner data generate --only test heldout``: the scenes of those splits, numbered and drawn as in the whole
+    data set (image for image, reference for reference); its header says which splits it holds, so ``--if-stale``
+    neither takes it for the whole data set nor the whole data set for it, and a card names the command."""
+    from captioner.models.data.scenes import generate_arguments, is_current, read_dataset_header
+
+    sizes = {"train": 48, "val": 12, "test": 12, "heldout": 12}
+    part = generate(tmp_path / "part", sizes, seed=7, progress=False, only=("heldout", "test"))
+    whole = {entry["imgid"]: entry for entry in json.loads(scenes.read_text())["images"]}
+    written = json.loads(part.read_text())["images"]
+    assert [entry["imgid"] for entry in written] == list(range(60, 84))
+    assert all(entry == whole[entry["imgid"]] for entry in written)
+    for entry in written[::5]:
+        assert np.array_equal(np.asarray(Image.open(part.parent / "images" / entry["filename"])),
+                              np.asarray(Image.open(scenes.parent / "images" / entry["filename"])))
+    assert sorted(path.name for path in (part.parent / "images").iterdir()) == [e["filename"] for e in written]
+    assert is_current(part.parent, sizes, seed=7, only=("test", "heldout"))
+    assert not is_current(part.parent, sizes, seed=7)
+    assert not is_current(part.parent, sizes, seed=7, only=("test",))
+    assert not is_current(scenes.parent, sizes, seed=7, only=("test", "heldout"))
+    assert generate_arguments(read_dataset_header(part)) == [
+        "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
+
+
+def test_only_some_splits_never_replace_a_whole_data_set(scenes, capsys):
+    """``--only`` into the folder of a whole data set would leave its training split without annotations: refused,
+    the folder untouched."""
+    from captioner.service.cli import main
+
+    before = scenes.read_bytes()
+    common = ["data", "generate", "--out", str(scenes.parent), "--train", "48", "--val", "12", "--test", "12",
+              "--heldout", "12", "--seed", "7", "--workers", "1"]
+    with pytest.raises(SystemExit) as refused:
+        main([*common, "--only", "test", "heldout"])
+    assert refused.value.code == 2 and "more splits than --only test heldout" in capsys.readouterr().err
+    assert scenes.read_bytes() == before
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Varied scenes (training-time augmentation)
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,7 +231,8 @@ def test_small_objects_variation_draws_smaller_objects_and_leaves_the_standard_o
     assert VARIATIONS["standard"] == Variation()
     sizes = {"train": 60, "val": 0, "test": 0, "heldout": 0}
     for name in ("standard", "small-objects"):
-        args = argparse.Namespace(out=tmp_path / name, seed=3, workers=1, varied=name, if_stale=False, **sizes)
+        args = argparse.Namespace(out=tmp_path / name, seed=3, workers=1, varied=name, if_stale=False, only=None,
+                                  **sizes)
         cmd_data_generate(args)
     assert is_current(tmp_path / "standard", sizes, seed=3, variation=Variation())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .common import (DEFAULT_DATA, CommandGroup, add_cache_option, add_dataset_options, add_device_options, count,
                      key_values, positive_int)
@@ -13,14 +14,19 @@ register = _group.register
 
 
 def cmd_data_generate(args: argparse.Namespace) -> None:
-    from ..data.scenes import VARIATIONS, generate, is_current
+    from ..data.scenes import SPLITS, VARIATIONS, generate, is_current, read_dataset_header
 
     sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
     variation = VARIATIONS[args.varied] if args.varied else None
-    if args.if_stale and is_current(args.out, sizes, args.seed, variation):
-        print(f"{args.out} is up to date (same generator version, seed, sizes and variation)")
+    if args.if_stale and is_current(args.out, sizes, args.seed, variation, args.only):
+        print(f"{args.out} is up to date (same generator version, seed, sizes, variation and splits)")
         return
-    path = generate(args.out, sizes, seed=args.seed, workers=args.workers, variation=variation)
+    held = read_dataset_header(Path(args.out) / "dataset_scenes.json")
+    if args.only and held is not None and set(held.get("only") or SPLITS) - set(args.only):
+        # the folder's data set would lose the other splits' annotations (a training run's data, `make data`'s)
+        raise SystemExit(f"error: {args.out} holds a data set with more splits than --only {' '.join(args.only)}: "
+                         "give --out another folder")
+    path = generate(args.out, sizes, seed=args.seed, workers=args.workers, variation=variation, only=args.only)
     print(f"wrote {path}")
 
 
@@ -64,7 +70,7 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
     gen.add_argument("--out", default=DEFAULT_DATA, help=f"folder to write (default {DEFAULT_DATA})")
-    from ..data.scenes import DEFAULT_SIZES, VARIATIONS
+    from ..data.scenes import DEFAULT_SIZES, SPLITS, VARIATIONS
 
     for split, what in (("train", "training"), ("val", "validation"), ("test", "test"),
                         ("heldout", "held-out (colour-shape pairs never seen in training)")):
@@ -77,6 +83,10 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
                      help="varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG): "
                           "the training-time augmentation for robustness; write them to their own --out. NAME: "
                           f"{', '.join(sorted(VARIATIONS))} (default standard)")
+    gen.add_argument("--only", nargs="+", choices=SPLITS, metavar="SPLIT",
+                     help="write these splits alone, each scene the one the whole data set has (the sizes above "
+                          "still number them): `--only test heldout` scores a shipped scene checkpoint without "
+                          "drawing its training scenes")
     gen.add_argument("--if-stale", action="store_true",
                      help="do nothing when --out already holds this generator version's dataset for these settings")
     gen.set_defaults(func=cmd_data_generate)

@@ -19,7 +19,7 @@ import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, Sequence, TypeVar
+from typing import Collection, Protocol, Sequence, TypeVar
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -400,11 +400,28 @@ def _make_image(args: tuple[int, str, int, str, Variation | None]) -> dict:
             "canvas": list(canvas), "objects": [o.to_json() for o in objects]}
 
 
-def dataset_header(seed: int, sizes: dict[str, int], variation: Variation | None) -> dict:
-    """What determines a dataset's content: compared by :func:`is_current` to skip an up-to-date regeneration."""
-    return {"dataset": "scenes", "generator_version": GENERATOR_VERSION, "seed": seed,
-            "sizes": {split: int(sizes.get(split, 0)) for split in SPLITS},
-            "variation": None if variation is None else asdict(variation)}
+def dataset_header(seed: int, sizes: dict[str, int], variation: Variation | None,
+                   only: Collection[str] | None = None) -> dict:
+    """What determines a dataset's content: compared by :func:`is_current` to skip an up-to-date regeneration.
+    ``only`` (the splits written, where not all were) is recorded only where given, so that the header of a whole
+    data set reads as it did before there was a choice."""
+    header = {"dataset": "scenes", "generator_version": GENERATOR_VERSION, "seed": seed,
+              "sizes": {split: int(sizes.get(split, 0)) for split in SPLITS},
+              "variation": None if variation is None else asdict(variation)}
+    if only is not None:
+        header["only"] = [split for split in SPLITS if split in only]
+    return header
+
+
+def split_indices(sizes: dict[str, int]) -> dict[str, range]:
+    """Each split's image indices (``imgid``, and the number in the file name): the splits in :data:`SPLITS` order,
+    each numbered on from the one before.  An image's index seeds its scene, so the same sizes give every split the
+    same images whichever splits are written."""
+    indices, start = {}, 0
+    for split in SPLITS:
+        indices[split] = range(start, start + sizes.get(split, 0))
+        start += sizes.get(split, 0)
+    return indices
 
 
 #: the Makefile's targets that write a scene data set, by the ``captioner data generate`` arguments they give beside
@@ -433,6 +450,8 @@ def generate_arguments(header: dict) -> list[str] | None:
             args += [f"--{split}", str(header["sizes"].get(split, 0))]
     if header.get("seed", 0) != 0:
         args += ["--seed", str(header["seed"])]
+    if header.get("only") is not None:
+        args += ["--only", *header["only"]]
     return args
 
 
@@ -460,38 +479,39 @@ def read_dataset_header(path: str | Path) -> dict | None:
     return {key: value for key, value in data.items() if key != "images"}
 
 
-def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variation: Variation | None = None) -> bool:
-    """Whether ``out_dir`` already holds the dataset this generator version would write for these settings."""
+def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variation: Variation | None = None,
+               only: Collection[str] | None = None) -> bool:
+    """Whether ``out_dir`` already holds the dataset this generator version would write for these settings (``only``
+    as :func:`generate` takes it: a data set of some splits is never taken for the whole one, nor the reverse)."""
     path = Path(out_dir) / "dataset_scenes.json"
     try:
         data = json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
     # through JSON, as it was written: the variation's ranges are tuples in Python and lists in the file
-    header = json.loads(json.dumps(dataset_header(seed, sizes, variation)))
-    return all(data.get(key) == value for key, value in header.items())
+    header = json.loads(json.dumps(dataset_header(seed, sizes, variation, only)))
+    return all(data.get(key) == value for key, value in header.items()) and data.get("only") == header.get("only")
 
 
 def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int = 0, workers: int = 1,
-             progress: bool = True, variation: Variation | None = None) -> Path:
+             progress: bool = True, variation: Variation | None = None, only: Collection[str] | None = None) -> Path:
     """Write images, masks and ``dataset_scenes.json`` to ``out_dir``; returns the JSON path.
 
     The same ``seed``, ``sizes`` and ``variation`` always give byte-identical annotations and identical pixels.
     ``variation`` draws varied scenes (canvas sizes and aspect ratios, colour jitter, noise, anti-aliasing, JPEG):
     the training-time augmentation, written to its own folder so no feature cache mixes the two.
+    ``only`` writes those splits alone, each image the one the whole data set has (:func:`split_indices`): the
+    test scenes of a shipped checkpoint without its 6,000 training scenes.
     """
     sizes = sizes or DEFAULT_SIZES
-    unknown = set(sizes) - set(SPLITS)
+    unknown = (set(sizes) | set(only or ())) - set(SPLITS)
     if unknown:
         raise ValueError(f"unknown split(s) {sorted(unknown)}; choose from {SPLITS}")
     out = Path(out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "masks").mkdir(parents=True, exist_ok=True)
-    jobs, index = [], 0
-    for split in SPLITS:
-        for _ in range(sizes.get(split, 0)):
-            jobs.append((index, split, seed, str(out), variation))
-            index += 1
+    jobs = [(index, split, seed, str(out), variation) for split, indices in split_indices(sizes).items()
+            if only is None or split in only for index in indices]
     bar = dict(total=len(jobs), desc="generating scenes", unit="img", disable=not progress)
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -500,7 +520,7 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
         images = [_make_image(job) for job in tqdm(jobs, **bar)]
     path = out / "dataset_scenes.json"
     # a crash never leaves a half-written annotation file
-    write_atomically(path, json.dumps({**dataset_header(seed, sizes, variation), "images": images}))
+    write_atomically(path, json.dumps({**dataset_header(seed, sizes, variation, only), "images": images}))
     return path
 
 
