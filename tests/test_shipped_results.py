@@ -23,17 +23,14 @@ from captioner.models.data.datasets import load_split, train_split_captions
 from captioner.models.evaluation.compare import result_id
 from captioner.models.evaluation.evaluate import score_dataset
 from captioner.models.evaluation.metrics import reported
-from captioner.models.evaluation.report import evaluation_report
 from captioner.models.evaluation.compare import read_results
 from captioner.models.evaluation.zoo_f8k import read_report, write_f8k_section
 
 from .conftest import FLICKR8K_DIR as FLICKR8K, ROOT, module_folder
+from .shipped_reports import captions_unlike_the_committed
 
 REPORTS = ROOT / "docs" / "results" / "flickr8k"
 CAPTIONS = REPORTS / "captions"
-#: ``captioner eval`` captions 50 photos at a time (models/evaluation/evaluate.py): the first 50 are decoded in the
-#: same batch as when the report was made, so the comparison is exact rather than up to batch-size rounding
-PHOTOS = 50
 CHECKPOINTS = sorted(path.parent for path in (ROOT / "weights" / "flickr8k").glob("*/model.safetensors"))
 
 pytestmark = pytest.mark.skipif(not (FLICKR8K / "dataset_flickr8k.json").is_file(),
@@ -53,13 +50,8 @@ def feature_cache(request, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, feature_cache: Path):
-    committed = read_results(CAPTIONS / f"{checkpoint.name}.json")
-    written = evaluation_report(checkpoint, FLICKR8K / "dataset_flickr8k.json", ["test"],
-                                image_root=FLICKR8K / "images", limit=PHOTOS, meteor=False, cache_dir=feature_cache,
-                                device="cpu", progress=False)
-    assert len(written.coco_results) == PHOTOS
-    differing = [(row["image_id"], row["caption"], committed.get(row["image_id"])) for row in written.coco_results
-                 if row["caption"] != committed.get(row["image_id"])]
+    differing = captions_unlike_the_committed(checkpoint, CAPTIONS / f"{checkpoint.name}.json",
+                                              FLICKR8K / "dataset_flickr8k.json", FLICKR8K / "images", feature_cache)
     assert not differing, f"{checkpoint.name}: (image id, caption now, caption committed) {differing}"
 
 

@@ -9,6 +9,7 @@ scenes `make data` writes.  METEOR is left out (it needs Java); the out-of-distr
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,15 +19,12 @@ from captioner.models.data.scenes import DEFAULT_SIZES, generate
 from captioner.models.evaluation.compare import read_results, result_id
 from captioner.models.evaluation.evaluate import score_dataset
 from captioner.models.evaluation.metrics import reported
-from captioner.models.evaluation.report import evaluation_report
 
 from .conftest import ROOT, module_folder
+from .shipped_reports import captions_unlike_the_committed
 
 REPORTS = ROOT / "docs" / "results"
 CAPTIONS = REPORTS / "captions"
-#: ``captioner eval`` captions 50 images at a time: the first 50 are decoded in the batch the report's run decoded
-#: them in, so the comparison is exact
-SCENES = 50
 CHECKPOINTS = sorted(path.parent for path in (ROOT / "weights").glob("*/model.safetensors"))
 #: what the scene reports score besides METEOR (Java), SPICE (unavailable) and grounding (tests/test_grounding.py)
 MEASURES = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "ROUGE-L", "CIDEr-D", "objects_named")
@@ -54,19 +52,13 @@ def feature_cache(request, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, scenes: Path, feature_cache: Path):
-    committed = read_results(CAPTIONS / f"{checkpoint.name}.json")
-    written = evaluation_report(checkpoint, scenes, ["test"], image_root=scenes.parent, limit=SCENES, meteor=False,
-                                cache_dir=feature_cache, device="cpu", progress=False)
-    assert len(written.coco_results) == SCENES
-    differing = [(row["image_id"], row["caption"], committed.get(row["image_id"])) for row in written.coco_results
-                 if row["caption"] != committed.get(row["image_id"])]
+    differing = captions_unlike_the_committed(checkpoint, CAPTIONS / f"{checkpoint.name}.json", scenes,
+                                              scenes.parent, feature_cache)
     assert not differing, f"{checkpoint.name}: (image id, caption now, caption committed) {differing}"
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
 def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, scenes: Path):
-    import json
-
     report = json.loads((REPORTS / f"{checkpoint.name}.json").read_text())
     by_id = read_results(CAPTIONS / f"{checkpoint.name}.json")
     scored = []
