@@ -434,9 +434,8 @@ def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings
     """The whole command: list the images of ``sources``, keep ``shard``'s, skip those ``output`` already holds
     (``resume``), caption the rest into it.  ``progress``: a progress bar with images/s on stderr (None: when
     stderr is a terminal)."""
-    from tqdm import tqdm
-
     from captioner.models.checkpoint import read_config
+    from captioner.models.progress import progress_bar, write_above
 
     read_config(checkpoint)  # a folder that is no checkpoint is named before the output file is made
     listed = list_images(sources)
@@ -459,9 +458,9 @@ def caption_archive(sources: list[str], output: Path, checkpoint: Path, settings
         if not todo:
             return run
         runtime = load_runtime(checkpoint, settings)
-        with tqdm(total=len(paths), initial=run.already_done, unit="img", desc="captioning", dynamic_ncols=True,
-                  disable=None if progress is None else not progress, file=sys.stderr) as bar:
-            errors = ErrorLog(run.errors_file, say=lambda line: bar.write(line, file=sys.stderr))
+        with progress_bar(total=len(paths), initial=run.already_done, unit="img", desc="captioning",
+                          dynamic_ncols=True, disable=None if progress is None else not progress) as bar:
+            errors = ErrorLog(run.errors_file, say=lambda line: write_above(bar, line))
             run.summary = asyncio.run(caption_paths(runtime, settings, todo, lines, errors, options,
                                                     on_done=lambda: bar.update()))
         return run

@@ -81,6 +81,16 @@ def test_max_steps_at_an_epochs_end_takes_no_step_of_the_next(scenes, tmp_path, 
     assert json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["global_step"] == 15
 
 
+def test_a_runs_progress_in_a_log_is_a_few_lines_with_no_carriage_return(scenes, tmp_path, cache, capsys):
+    """Standard error redirected to a file (``captioner train … > train.log 2>&1``): the epoch's bar is a line at
+    its start and at its end, not a redraw a step joined by carriage returns (models/progress.py)."""
+    train(_config(scenes, tmp_path / "run", cache, epochs=1, max_steps=15, progress=True))
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    bar_lines = [line for line in err.splitlines() if line.startswith("xe epoch 1/1: ")]
+    assert 2 <= len(bar_lines) <= 3 and "15/15" in bar_lines[-1] and "lr=" in bar_lines[-1], err
+
+
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
     from captioner.models.training.schedules import learning_rate
 

@@ -48,14 +48,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..encoder import EncoderSpec, GridEncoder, ImageDecodeError, load_image, preprocess, weights_sha256
 from ..files import is_newer_format, write_atomically
+from ..progress import progress_bar
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
 
-if TYPE_CHECKING:  # the ONNX CNN `captioner eval --encoder-precision int8` extracts with
+if TYPE_CHECKING:  # the ONNX CNN `captioner eval --encoder-precision int8` extracts with, and a shard's bar
+    from tqdm import tqdm
+
     from ..export.sessions import VisualSession
 
 FORMAT = "attention-captioner-features/2"
@@ -365,9 +367,8 @@ def _extract_shards(images: Sequence[CaptionedImage], spec: EncoderSpec, folder:
     if not progress and encoded < len(images):  # without bars (logs, CI), a line per shard: minutes were silent
         print(f"encoding {len(images) - encoded} images{f' ({view})' if view else ''} into {folder}",
               file=sys.stderr, flush=True)
-    with tqdm(total=len(images), initial=encoded,
-              desc=f"encoding images{f' ({view})' if view else ''}",
-              unit="img", disable=not progress) as bar:
+    with progress_bar(total=len(images), initial=encoded, desc=f"encoding images{f' ({view})' if view else ''}",
+                      unit="img", disable=not progress) as bar:
         for number, members in enumerate(shards):
             if done[number]:
                 continue
@@ -399,7 +400,8 @@ def _ready_encoder(encoder: GridEncoder | VisualSession | None, spec: EncoderSpe
 
 
 def _encode_shard(model: GridEncoder | VisualSession, images: Sequence[CaptionedImage], spec: EncoderSpec,
-                  device: str, view: str, batch_size: int, partial: Path, unreadable: list[str], bar: tqdm) -> None:
+                  device: str, view: str, batch_size: int, partial: Path, unreadable: list[str],
+                  bar: tqdm) -> None:
     """Encode the ``images`` of one shard, seen through ``view``, in batches of ``batch_size`` into the new shard
     file ``partial``; a photo that cannot be decoded is encoded as a blank and its error added to ``unreadable``."""
     rows, cols = spec.grid_hw

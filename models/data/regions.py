@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from ..encoder import EncoderSpec, crop_box
 from ..files import write_atomically
+from ..progress import progress_bar
 from ..protocol import Geometry, VisualBatch
 from .features import extract_features
 from .karpathy import CaptionedImage, load_karpathy
@@ -171,7 +171,7 @@ def write_scene_regions(dataset: str | Path, out: str | Path, spec: EncoderSpec 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     store = extract_features(images, spec, cache_dir, device=device, progress=progress)
-    for im in tqdm(images, desc="writing regions", unit="img", disable=not progress):
+    for im in progress_bar(images, desc="writing regions", unit="img", disable=not progress):
         target = out / f"{im.path.stem}.npz"
         if target.exists():
             continue

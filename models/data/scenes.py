@@ -23,9 +23,9 @@ from typing import Collection, Protocol, Sequence, TypeVar
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tqdm import tqdm
 
 from ..files import write_atomically
+from ..progress import progress_bar
 from .karpathy import read_karpathy_json
 
 CANVAS = 256
@@ -515,9 +515,9 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
     bar = dict(total=len(jobs), desc="generating scenes", unit="img", disable=not progress)
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
-            images = list(tqdm(pool.map(_make_image, jobs, chunksize=32), **bar))
+            images = list(progress_bar(pool.map(_make_image, jobs, chunksize=32), **bar))
     else:
-        images = [_make_image(job) for job in tqdm(jobs, **bar)]
+        images = [_make_image(job) for job in progress_bar(jobs, **bar)]
     path = out / "dataset_scenes.json"
     # a crash never leaves a half-written annotation file
     write_atomically(path, json.dumps({**dataset_header(seed, sizes, variation, only), "images": images}))

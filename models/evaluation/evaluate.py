@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
-from tqdm import tqdm
 
 from ..checkpoint import Checkpoint
 from ..data.stores import VisualStore
 from ..data.karpathy import CaptionedImage
 from ..decoding import NO_RULES, DecodingRules, beam_search
+from ..progress import progress_bar
 from .diversity import diversity_scores
 from .metrics import ALL_METRICS, ptb_captions, reference_texts, score_captions
 from ..protocol import Captioner, VisualBatch
@@ -24,7 +24,7 @@ def visual_batches(model: Captioner, images: Sequence[CaptionedImage], store: Vi
     was_training = model.training
     model.eval()
     try:
-        for start in tqdm(range(0, len(images), batch_size), desc=desc, disable=not progress):
+        for start in progress_bar(range(0, len(images), batch_size), desc=desc, disable=not progress):
             chunk = images[start:start + batch_size]
             with torch.no_grad():  # a store with fine-tuned encoder stages would otherwise record their graph
                 yield chunk, store.batch([im.key for im in chunk]).to(device)

@@ -40,9 +40,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..data.entities import PHRASE_TYPES, EntitiesDataset, EntityAnnotation, EntityImage
+from ..progress import progress_bar
 from ..protocol import Geometry
 from .evaluate import visual_batches
 from .grounding import CaptionAttention, interval, item_geometry, normaliser_of, score_rows, summarise
@@ -184,7 +184,8 @@ def score_photos(photos: Sequence[PhotoAttention], annotations: Sequence[EntityA
                  progress: bool = False, desc: str = "scoring phrases") -> list[PhraseScore]:
     """Per phrase: the model's map, the uniform map and another photo's map, each scored on the phrase's boxes."""
     out: list[PhraseScore] = []
-    for index, (photo, annotation) in enumerate(tqdm(list(zip(photos, annotations)), desc=desc, disable=not progress)):
+    pairs = list(zip(photos, annotations))
+    for index, (photo, annotation) in enumerate(progress_bar(pairs, desc=desc, disable=not progress)):
         if not photo.targets:
             continue
         size = photo.geometry.image_size

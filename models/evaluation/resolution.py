@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
 
 from ..data.karpathy import CaptionedImage
 from ..decoding import DecodingRules
 from ..pipeline import Pipeline
+from ..progress import progress_bar
 from .compare import compare_captions, result_id
 from .metrics import reference_texts, reported, score_captions
 
@@ -23,7 +23,7 @@ from .metrics import reference_texts, reported, score_captions
 def _caption(pipeline: Pipeline, paths: Sequence[Path], beam_size: int, max_len: int, rules: DecodingRules,
              batch: int, label: str) -> list[str]:
     captions = []
-    for start in tqdm(range(0, len(paths), batch), desc=label, unit="batch"):
+    for start in progress_bar(range(0, len(paths), batch), desc=label, unit="batch"):
         results = pipeline(list(paths[start:start + batch]), beam_size, max_len, rules)
         captions += [r.caption for r in results]
     return captions

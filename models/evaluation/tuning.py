@@ -16,9 +16,9 @@ from dataclasses import asdict
 from itertools import product
 from typing import Any
 
-from tqdm import tqdm
 
 from ..decoding import RULE_NAMES, DecodingRules
+from ..progress import progress_bar
 from .evaluate import evaluate_checkpoint
 from .metrics import reported
 
@@ -37,7 +37,7 @@ def decoding_grid(ckpt, images: Sequence, store, penalties: Sequence[float] = DE
     …)."""
     rows = []
     combinations = list(product(penalties, trigram_options, doubled_options))
-    for penalty, block, doubled in tqdm(combinations, desc="decoding rules", unit="combination"):
+    for penalty, block, doubled in progress_bar(combinations, desc="decoding rules", unit="combination"):
         rules = DecodingRules(length_penalty=penalty, block_trigrams=block, block_doubled_words=doubled)
         scores, _ = evaluate_checkpoint(ckpt, images, store, beam_size, max_len, metrics, device=device,
                                         progress=False, rules=rules, training_captions=training_captions)

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm import tqdm
 
 from ..data.entities import EntitiesDataset
 from ..data.karpathy import CaptionedImage
 from ..encoder import EncoderSpec, grid_geometry, picture_size
 from ..evaluation.grounding import cell_labels, cell_pixels
 from ..evaluation.phrase_grounding import phrase_mask
+from ..progress import progress_bar
 from ..protocol import Captioner
 from ..registry import MODELS
 
@@ -117,7 +117,7 @@ def entities_attention_targets(images: Sequence[CaptionedImage], entities_dir: s
     entities = EntitiesDataset(entities_dir)
     out = AttentionTargets(items=spec.grid_hw[0] * spec.grid_hw[1])
     labels_of: dict[tuple[int, int], np.ndarray] = {}  # every photo of one size has the same cells
-    for image in tqdm(images, desc="attention targets", disable=not progress):
+    for image in progress_bar(images, desc="attention targets", disable=not progress):
         out.captions += len(image.references)
         entity = entities.load(image.path)
         if entity is None:

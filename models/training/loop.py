@@ -38,7 +38,6 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 from torch import nn
-from tqdm import tqdm
 
 from ..checkpoint import Checkpoint, load_checkpoint, on_meta, remove_debris, save_checkpoint, state_shapes
 from ..data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, resolve_dataset
@@ -49,6 +48,7 @@ from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec, EncoderTail, GridEncoder
 from ..evaluation.evaluate import caption_dataset, score_dataset
+from ..progress import progress_bar
 from ..protocol import Captioner, check_step_contract
 from ..vocab import Vocabulary
 from ..registry import BadOption, UnknownModel
@@ -499,8 +499,8 @@ def _train_epoch(run: Run, stop: _StopFlag) -> float:
     order = run.phase.epoch_order(epoch)
     run.phase.ss_prob = run.schedules.sampling(epoch)
     run.model.train()
-    bar = tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, unit="batch", dynamic_ncols=True,
-               desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", disable=not (cfg.progress and ctx.is_main))
+    bar = progress_bar(total=steps_per_epoch, initial=progress.step_in_epoch, unit="batch", dynamic_ncols=True,
+                       desc=f"{cfg.phase} epoch {epoch + 1}/{cfg.epochs}", disable=not (cfg.progress and ctx.is_main))
     tick, tokens = time.time(), 0
     lr = run.schedules.learning_rate(epoch, progress.global_step)
     for step in range(progress.step_in_epoch, steps_per_epoch):
@@ -516,8 +516,9 @@ def _train_epoch(run: Run, stop: _StopFlag) -> float:
         tokens += batch_tokens * ctx.world
         rate = tokens / max(time.time() - tick, 1e-9)
         bar.update(1)
+        # shown with the bar's next redraw: a redraw of its own at every step would be a line a step in a log
         bar.set_postfix_str(" ".join([*(f"{k}={v:.3f}" for k, v in logs.items()), f"lr={lr:.2e}",
-                                      f"tok/s={rate:.0f}"]))
+                                      f"tok/s={rate:.0f}"]), refresh=False)
         if ctx.is_main and cfg.log_every and progress.global_step % cfg.log_every == 0:
             append_record(run.run_dir, StepLog(epoch + 1, progress.global_step, lr, logs, run.phase.ss_prob, rate,
                                                run.elapsed()))

@@ -1,0 +1,56 @@
+"""Progress bars (models/progress.py): tqdm's on a terminal; in a log, a line of their own at most once a minute,
+with no carriage return, so that a training run's log of hours reads line by line."""
+
+import io
+
+from captioner.models.progress import LOG_INTERVAL_S, progress_bar, write_above
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_in_a_log_a_bar_is_plain_lines_at_most_one_a_minute():
+    log = io.StringIO()
+    with progress_bar(range(5000), desc="xe epoch 1/8", unit="batch", dynamic_ncols=True, file=log) as bar:
+        for _ in bar:  # far less than LOG_INTERVAL_S: the first and the last state only
+            pass
+    assert LOG_INTERVAL_S == 60
+    assert "\r" not in log.getvalue() and log.getvalue().endswith("\n")
+    lines = log.getvalue().splitlines()
+    assert 2 <= len(lines) <= 3 and all(line.startswith("xe epoch 1/8: ") for line in lines)
+    assert "0/5000" in lines[0] and "5000/5000" in lines[-1]
+
+
+def test_in_a_log_every_redraw_is_a_line_and_a_message_is_a_line_between_them():
+    log = io.StringIO()
+    bar = progress_bar(total=4, desc="captioning", mininterval=0, file=log)
+    bar.update(2)
+    write_above(bar, "b.jpg: not an image")
+    bar.update(2)
+    bar.close()
+    lines = log.getvalue().split("\n")
+    assert lines[-1] == "" and "\r" not in log.getvalue()
+    assert [line.split("|")[0] if "|" in line else line for line in lines[:-1]] == [
+        "captioning:   0%", "captioning:  50%", "b.jpg: not an image", "captioning:  50%", "captioning: 100%",
+        "captioning: 100%"]
+    assert all(line == line.rstrip() for line in lines)  # no spaces left from wiping a longer redraw
+
+
+def test_on_a_terminal_the_bar_is_redrawn_in_place():
+    terminal = Terminal()
+    with progress_bar(total=3, desc="encoding images", mininterval=0, file=terminal) as bar:
+        bar.update(3)
+    assert terminal.getvalue().count("\r") >= 2 and terminal.getvalue().count("\n") == 1
+
+
+def test_disable_none_writes_nothing_off_a_terminal_and_a_disabled_bars_message_goes_to_stderr(capsys):
+    log = io.StringIO()
+    with progress_bar(range(10), disable=None, file=log) as bar:
+        for _ in bar:
+            pass
+    assert log.getvalue() == ""
+    bar = progress_bar(total=1, disable=True)
+    write_above(bar, "c.jpg: truncated")
+    assert capsys.readouterr().err == "c.jpg: truncated\n"
