@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # each module runs in one worker (tests/parallel.py)
 PYTEST_WORKERS ?= auto
 
-.PHONY: help setup cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
+.PHONY: help setup lock cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
 	bench-int8 samples clean
 
 help:
@@ -56,6 +56,7 @@ help:
 	@echo "make container     (as root) build the CPU image with buildah, run it and check it serves"
 	@echo "make gpu-wheels    the wheels benchmarks/gpu_session.sh installs on a bare GPU machine, into $(GPU_WHEELS_DIR)"
 	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
+	@echo "make lock          docker/constraints.txt (the releases every set-up installs) from .venv, after make test"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
 # --no-compile: pip would byte-compile every module of every wheel (torch's thousands) one by one, about 30 s of a
@@ -66,10 +67,16 @@ help:
 # setuptools builds an editable install from an egg-info it writes into the project root and leaves there; what
 # Python reads is the dist-info inside the virtual environment, so the leftover goes (the top level holds the
 # project's own files only)
-install_editable = $(BIN)/pip install --quiet --no-compile -e '$(1)' && rm -rf *.egg-info
+install_editable = $(BIN)/pip install --quiet --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '$(1)' && \
+	rm -rf *.egg-info
+# The releases every set-up installs: pyproject.toml's ranges, each pinned to the release `make test` last passed
+# with (docs/decisions.md, "The releases a set-up installs"); `make lock` writes them again from .venv, and
+# CONSTRAINTS= installs the newest releases the ranges allow instead (`make setup CONSTRAINTS=`, then `make test`
+# and `make lock`, is how they move on)
+CONSTRAINTS ?= docker/constraints.txt
 comma := ,
 
-$(RUNTIME_STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml $(wildcard $(CONSTRAINTS))
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@$(MAKE) --no-print-directory cpu-torch
@@ -313,6 +320,14 @@ gpu-wheels: $(STAMP)
 # never runs/: it holds what users trained
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis build *.egg-info
+
+# docker/constraints.txt from what .venv holds (the project and its extras left out): run after `make test` passed
+lock: $(STAMP)
+	{ echo "# The releases \`make setup\` and \`make serve\` install, within pyproject.toml's ranges: \`make lock\` writes"; \
+	  echo "# this file from a virtual environment \`make test\` passed in (docs/decisions.md, \"The releases a set-up"; \
+	  echo "# installs\"). CONSTRAINTS= installs without it."; \
+	  $(BIN)/pip freeze --exclude-editable | LC_ALL=C sort -f; } > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	touch $(RUNTIME_STAMP) $(STAMP)  # .venv holds what the file now says: nothing to install again
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
 # Needs root, nothing from `make setup`; installs buildah and debootstrap (Debian packages) when missing; builds a

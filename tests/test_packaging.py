@@ -156,8 +156,43 @@ def test_every_set_up_takes_cpu_only_torch_before_the_project(tmp_path):
     venv = tmp_path / "venv"
     lines = make("-n", "setup", f"VENV={venv}", "NVIDIA_DRIVER=", "TORCH_CPU_INDEX=file:///cpu-index").splitlines()
     cpu_only = next(i for i, line in enumerate(lines) if '--index-url "file:///cpu-index"' in line)
-    project = next(i for i, line in enumerate(lines) if "install --quiet --no-compile -e '.'" in line)
+    project = next(i for i, line in enumerate(lines) if "-e '.'" in line)
     assert cpu_only < project, lines
+
+
+def test_every_set_up_installs_the_releases_the_constraints_pin():
+    """``make setup`` and ``make serve`` install within docker/constraints.txt (``make lock``), and ``CONSTRAINTS=``
+    installs without it."""
+    installs = [line for line in make("-n", "setup", "VENV=/nowhere", "TORCH_CPU_INDEX=").splitlines()
+                if "pip install" in line and " -e '" in line]
+    assert installs and all("-c docker/constraints.txt -e '" in line for line in installs), installs
+    unpinned = [line for line in make("-n", "setup", "VENV=/nowhere", "TORCH_CPU_INDEX=", "CONSTRAINTS=").splitlines()
+                if "pip install" in line and " -e '" in line]
+    assert unpinned and not any(" -c " in line for line in unpinned), unpinned
+
+
+def test_the_constraints_pin_every_dependency_within_its_range():
+    """docker/constraints.txt holds one ``name==version`` line per release, and pins every dependency of
+    pyproject.toml (the extras' too) to a version its range takes: a range moved past its pin, or a new dependency
+    left unpinned, fails here rather than in a set-up."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pins: dict[str, Version] = {}
+    for line in (ROOT / "docker" / "constraints.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, version = line.partition("==")
+        assert version and canonicalize_name(name) not in pins, f"not one pin a release: {line!r}"
+        pins[canonicalize_name(name)] = Version(version)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [text for extra in project["optional-dependencies"].values() for text in extra]
+    requirements = [Requirement(text) for text in [*project["dependencies"], *extras]]
+    unpinned = [str(r) for r in requirements if canonicalize_name(r.name) not in pins]
+    outside = [f"{r} (pinned {pins[canonicalize_name(r.name)]})" for r in requirements
+               if canonicalize_name(r.name) in pins and pins[canonicalize_name(r.name)] not in r.specifier]
+    assert not unpinned and not outside, (unpinned, outside)
 
 
 def test_an_nvidia_driver_is_found_by_its_nvidia_smi(tmp_path):
