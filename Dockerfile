@@ -34,6 +34,8 @@ FROM runtime-base AS requirements
 ARG DEVICE
 COPY pyproject.toml docker/requirements.py /src/
 RUN python3 /src/requirements.py /src/pyproject.toml "${DEVICE}" /requirements
+# the releases `make setup` installs and the test suite passed with (`make lock`), within pyproject.toml's ranges
+COPY docker/constraints.txt /requirements/constraints.txt
 
 # -- dependencies: a virtual environment with the serving dependencies (rebuilt only when they change) ------------
 FROM runtime-base AS dependencies
@@ -58,7 +60,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mou
            -r /requirements/torch-cpu.txt; then echo "CPU-only torch from ${TORCH_CPU_INDEX}"; \
     else echo "WARNING: no $(tr '\n' ' ' < /requirements/torch-cpu.txt)from ${TORCH_CPU_INDEX} (unreachable?):" \
               "falling back to the default index's torch, which brings its CUDA wheels"; fi; \
-    pip install --no-cache-dir -r /requirements/serving.txt
+    pip install --no-cache-dir -c /requirements/constraints.txt -r /requirements/serving.txt
 
 # -- project: the project's own code alone, in /opt/project, so that editing it makes one small layer -------------
 # (the final image copies /opt/venv and /opt/project separately: a change to the code leaves the multi-GB dependency

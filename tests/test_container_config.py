@@ -218,7 +218,11 @@ def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does(
                           r'-r /requirements/torch-cpu\.txt;'
                           r' then [^;]*; *else echo "WARNING: [^"]*"', install)
     assert first_try and "--no-deps" in first_try.group(0)
-    assert install.index(first_try.group(0)) < install.index("pip install --no-cache-dir -r /requirements/serving.txt")
+    # within the releases `make setup` installs (docker/constraints.txt), which the build context carries
+    rest = "pip install --no-cache-dir -c /requirements/constraints.txt -r /requirements/serving.txt"
+    assert install.index(first_try.group(0)) < install.index(rest)
+    assert ("COPY", "docker/constraints.txt /requirements/constraints.txt") in stage_named(stages, "requirements")
+    assert "!docker/constraints.txt" in (ROOT / ".dockerignore").read_text().splitlines()
     requirements = stage_named(stages, "requirements")
     assert ("ARG", "DEVICE") in requirements
     assert any(i == "RUN" and '"${DEVICE}"' in a and "requirements.py" in a for i, a in requirements)
