@@ -325,8 +325,10 @@ clean:
 lock: $(STAMP)
 	{ echo "# The releases \`make setup\` and \`make serve\` install, within pyproject.toml's ranges: \`make lock\` writes"; \
 	  echo "# this file from a virtual environment \`make test\` passed in (docs/decisions.md, \"The releases a set-up"; \
-	  echo "# installs\"). CONSTRAINTS= installs without it."; \
-	  $(BIN)/pip freeze --exclude-editable | LC_ALL=C sort -f; } > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	  echo "# installs\"). CONSTRAINTS= installs without it. onnxruntime, which the CPU image installs in place of"; \
+	  echo "# onnxruntime-gpu (docker/requirements.py; never beside it), is pinned to onnxruntime-gpu's release."; \
+	  $(BIN)/pip freeze --exclude-editable | sed 's/^onnxruntime-gpu==\(.*\)$$/&\nonnxruntime==\1/' | LC_ALL=C sort -f; \
+	} > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 	touch $(RUNTIME_STAMP) $(STAMP)  # .venv holds what the file now says: nothing to install again
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).

@@ -20,6 +20,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from captioner.service.metrics import Metrics
 from captioner.service.settings import Settings
@@ -655,3 +658,43 @@ def test_the_docker_readme_shows_the_archive_job_commands():
     for command in ("kubectl apply -k docker/k8s/archive", "kubectl apply -k docker/k8s/archive/cpu",
                     "kubectl wait --for=condition=complete job/captioner-archive"):
         assert command in docker_readme, command
+
+
+def constraint_pins() -> dict[str, Version]:
+    """docker/constraints.txt's pins by canonical name, checked to be one ``name==version`` line a release."""
+    pins: dict[str, Version] = {}
+    for line in (DOCKER / "constraints.txt").read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, _, version = line.partition("==")
+        assert version and canonicalize_name(name) not in pins, f"not one pin a release: {line!r}"
+        pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def unpinned_and_outside(requirements: list[str], pins: dict[str, Version]) -> tuple[list[str], list[str]]:
+    parsed = [Requirement(text) for text in requirements]
+    unpinned = [str(r) for r in parsed if canonicalize_name(r.name) not in pins]
+    outside = [f"{r} (pinned {pins[canonicalize_name(r.name)]})" for r in parsed
+               if canonicalize_name(r.name) in pins and pins[canonicalize_name(r.name)] not in r.specifier]
+    return unpinned, outside
+
+
+def test_the_constraints_pin_every_dependency_within_its_range():
+    """docker/constraints.txt (``make lock``; ``make setup`` and the image install within it) pins every dependency
+    of pyproject.toml, the extras' too, to a release its range takes: a range moved past its pin, or a new
+    dependency left unpinned, fails here rather than in a set-up."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [text for extra in project["optional-dependencies"].values() for text in extra]
+    assert unpinned_and_outside([*project["dependencies"], *extras], constraint_pins()) == ([], [])
+
+
+def test_the_cpu_image_installs_the_onnxruntime_release_the_suite_ran():
+    """The CPU image installs ``onnxruntime`` in place of ``onnxruntime-gpu`` (requirements.py): pinned too, to the
+    GPU package's release (the suite runs that one's CPU provider), like every other serving requirement."""
+    pins = constraint_pins()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    serving = load_script("requirements").serving_requirements(pyproject, "cpu")
+    assert any(canonicalize_name(Requirement(r).name) == "onnxruntime" for r in serving)
+    assert unpinned_and_outside(serving, pins) == ([], [])
+    assert pins["onnxruntime"] == pins["onnxruntime-gpu"]

@@ -171,30 +171,6 @@ def test_every_set_up_installs_the_releases_the_constraints_pin():
     assert unpinned and not any(" -c " in line for line in unpinned), unpinned
 
 
-def test_the_constraints_pin_every_dependency_within_its_range():
-    """docker/constraints.txt holds one ``name==version`` line per release, and pins every dependency of
-    pyproject.toml (the extras' too) to a version its range takes: a range moved past its pin, or a new dependency
-    left unpinned, fails here rather than in a set-up."""
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-    from packaging.version import Version
-
-    pins: dict[str, Version] = {}
-    for line in (ROOT / "docker" / "constraints.txt").read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        name, _, version = line.partition("==")
-        assert version and canonicalize_name(name) not in pins, f"not one pin a release: {line!r}"
-        pins[canonicalize_name(name)] = Version(version)
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = [text for extra in project["optional-dependencies"].values() for text in extra]
-    requirements = [Requirement(text) for text in [*project["dependencies"], *extras]]
-    unpinned = [str(r) for r in requirements if canonicalize_name(r.name) not in pins]
-    outside = [f"{r} (pinned {pins[canonicalize_name(r.name)]})" for r in requirements
-               if canonicalize_name(r.name) in pins and pins[canonicalize_name(r.name)] not in r.specifier]
-    assert not unpinned and not outside, (unpinned, outside)
-
-
 def test_an_nvidia_driver_is_found_by_its_nvidia_smi(tmp_path):
     """Unless NVIDIA_DRIVER is given, ``cpu-torch`` looks for the driver itself: ``nvidia-smi`` on the PATH (or the
     kernel module's /proc file) keeps PyPI's CUDA build; without either, the CPU-only wheels are wanted (here with no
