@@ -73,7 +73,8 @@ install_editable = $(BIN)/pip install --quiet --no-compile $(if $(CONSTRAINTS),-
 # with (docs/decisions.md, "The releases a set-up installs"); `make lock` writes them again from .venv, and
 # CONSTRAINTS= installs the newest releases the ranges allow instead (`make setup CONSTRAINTS=`, then `make test`
 # and `make lock`, is how they move on)
-CONSTRAINTS ?= docker/constraints.txt
+LOCK_FILE := docker/constraints.txt
+CONSTRAINTS ?= $(LOCK_FILE)
 comma := ,
 
 $(RUNTIME_STAMP): pyproject.toml $(wildcard $(CONSTRAINTS))
@@ -321,14 +322,14 @@ gpu-wheels: $(STAMP)
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis build *.egg-info
 
-# docker/constraints.txt from what .venv holds (the project and its extras left out): run after `make test` passed
+# docker/constraints.txt from what .venv holds (the project itself left out): run after `make test` passed
 lock: $(STAMP)
 	{ echo "# The releases \`make setup\` and \`make serve\` install, within pyproject.toml's ranges: \`make lock\` writes"; \
 	  echo "# this file from a virtual environment \`make test\` passed in (docs/decisions.md, \"The releases a set-up"; \
 	  echo "# installs\"). CONSTRAINTS= installs without it. onnxruntime, which the CPU image installs in place of"; \
 	  echo "# onnxruntime-gpu (docker/requirements.py; never beside it), is pinned to onnxruntime-gpu's release."; \
 	  $(BIN)/pip freeze --exclude-editable | sed 's/^onnxruntime-gpu==\(.*\)$$/&\nonnxruntime==\1/' | LC_ALL=C sort -f; \
-	} > $(CONSTRAINTS).tmp && mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	} > $(LOCK_FILE).tmp && mv $(LOCK_FILE).tmp $(LOCK_FILE)
 	touch $(RUNTIME_STAMP) $(STAMP)  # .venv holds what the file now says: nothing to install again
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).
