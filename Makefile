@@ -322,14 +322,17 @@ gpu-wheels: $(STAMP)
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis build *.egg-info
 
-# docker/constraints.txt from what .venv holds (the project itself left out): run after `make test` passed
+# docker/constraints.txt from what .venv holds (the project itself left out): run after `make test` passed. A local
+# label goes (the CPU-only wheels' torch==2.14.1+cpu would refuse PyPI's torch==2.14.1 to every GPU set-up), and
+# the freeze is written whole before the file is (a failed one must not leave a file of comments behind)
 lock: $(STAMP)
+	$(BIN)/pip freeze --exclude-editable > $(LOCK_FILE).freeze
 	{ echo "# The releases \`make setup\` and \`make serve\` install, within pyproject.toml's ranges: \`make lock\` writes"; \
 	  echo "# this file from a virtual environment \`make test\` passed in (docs/decisions.md, \"The releases a set-up"; \
 	  echo "# installs\"). CONSTRAINTS= installs without it. onnxruntime, which the CPU image installs in place of"; \
 	  echo "# onnxruntime-gpu (docker/requirements.py; never beside it), is pinned to onnxruntime-gpu's release."; \
-	  $(BIN)/pip freeze --exclude-editable | sed 's/^onnxruntime-gpu==\(.*\)$$/&\nonnxruntime==\1/' | LC_ALL=C sort -f; \
-	} > $(LOCK_FILE).tmp && mv $(LOCK_FILE).tmp $(LOCK_FILE)
+	  sed -e 's/+[^=]*$$//' -e 's/^onnxruntime-gpu==\(.*\)$$/&\nonnxruntime==\1/' $(LOCK_FILE).freeze | LC_ALL=C sort -f; \
+	} > $(LOCK_FILE).tmp && mv $(LOCK_FILE).tmp $(LOCK_FILE) && rm $(LOCK_FILE).freeze
 	touch $(RUNTIME_STAMP) $(STAMP)  # .venv holds what the file now says: nothing to install again
 
 # The service image, really built and run here (not part of `make test`: it installs GBs of wheels the first time).

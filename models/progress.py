@@ -20,7 +20,8 @@ LOG_INTERVAL_S = 60.0
 
 class _Lines:
     """A stream that writes each of tqdm's redraws as a line of its own: the carriage return a redraw starts with
-    becomes a line break (none before the first), and the spaces that wipe a longer previous redraw are dropped."""
+    becomes a line break (none before the first), and the spaces that wipe a longer previous redraw are dropped.
+    One bar at a time: bars open together (none of the project's are) would add tqdm's cursor moves."""
 
     def __init__(self, stream: IO[str]):
         self.stream = stream
@@ -52,6 +53,9 @@ def progress_bar(iterable: Any = None, *, file: IO[str] | None = None, **options
     if _is_terminal(stream) or ("disable" in options and options["disable"] is None):
         return tqdm(iterable, file=stream, **options)
     options.setdefault("mininterval", LOG_INTERVAL_S)
+    # tqdm otherwise raises its redraw stride after each line, and its monitor thread then forces a redraw of a bar
+    # silent for `maxinterval` (10 s): a second line within the minute
+    options.setdefault("miniters", 1)
     options.pop("dynamic_ncols", None)  # a log has no width to follow
     return tqdm(iterable, file=_Lines(stream), **options)
 

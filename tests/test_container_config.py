@@ -668,6 +668,8 @@ def constraint_pins() -> dict[str, Version]:
             continue
         name, _, version = line.partition("==")
         assert version and canonicalize_name(name) not in pins, f"not one pin a release: {line!r}"
+        # a local label (torch's +cpu) would refuse the public release of the same version to other machines
+        assert Version(version).local is None, f"a local version label: {line!r}"
         pins[canonicalize_name(name)] = Version(version)
     return pins
 

@@ -23,6 +23,33 @@ def test_in_a_log_a_bar_is_plain_lines_at_most_one_a_minute():
     assert "0/5000" in lines[0] and "5000/5000" in lines[-1]
 
 
+def test_in_a_log_tqdms_monitor_adds_no_line_between_two(monkeypatch):
+    """tqdm's monitor thread redraws a bar that has not been drawn for ``maxinterval`` once its redraw stride has
+    grown: in a log, a second line within the interval.  Here at a tenth of a second's pace: the bar's lines are its
+    first, one an interval at most, and its last two."""
+    import time
+
+    from tqdm import tqdm
+
+    if tqdm.monitor is not None:  # a monitor started by an earlier bar sleeps 10 s between looks
+        tqdm.monitor.exit()
+    monkeypatch.setattr(tqdm, "monitor_interval", 0.02)
+    log = io.StringIO()
+    try:
+        bar = progress_bar(total=400, desc="xe epoch 1/1", mininterval=0.5, maxinterval=0.05, file=log)
+        start = time.monotonic()
+        for _ in range(400):
+            time.sleep(0.004)
+            bar.update(1)
+        bar.close()
+        elapsed = time.monotonic() - start
+    finally:
+        if tqdm.monitor is not None:
+            tqdm.monitor.exit()
+    lines = log.getvalue().splitlines()
+    assert len(lines) <= 1 + int(elapsed / 0.5) + 2, (elapsed, lines)
+
+
 def test_in_a_log_every_redraw_is_a_line_and_a_message_is_a_line_between_them():
     log = io.StringIO()
     bar = progress_bar(total=4, desc="captioning", mininterval=0, file=log)
