@@ -245,28 +245,36 @@ def _has_checkpoint_config(path: Path) -> bool:
     return True
 
 
-def write_manifest(path: str | Path) -> Path:
+def file_records(path: str | Path) -> dict[str, dict[str, Any]]:
+    """What ``manifest.json`` records of checkpoint folder ``path``: the sha256 and size of each of its files (the
+    manifest itself and hidden files aside), by name."""
+    return {f.name: {"sha256": file_checksum(f), "bytes": f.stat().st_size}
+            for f in sorted(Path(path).iterdir()) if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
+
+
+def write_manifest(path: str | Path, records: dict[str, dict[str, Any]] | None = None) -> Path:
     """Record the sha256 and size of every file in checkpoint folder ``path`` in ``manifest.json`` (written
-    atomically); :func:`load_checkpoint` verifies them."""
+    atomically); :func:`load_checkpoint` verifies them.  ``records``: :func:`file_records` of the folder, where the
+    caller has them already (the files are hashed once)."""
     path = Path(path)
-    files = {f.name: {"sha256": file_checksum(f), "bytes": f.stat().st_size}
-             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
+    files = file_records(path) if records is None else records
     write_atomically(path / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2), durable=True)
     return path / MANIFEST
 
 
-def manifest_changes(path: str | Path) -> list[str] | None:
+def manifest_changes(path: str | Path, records: dict[str, dict[str, Any]] | None = None) -> list[str] | None:
     """The files of checkpoint folder ``path`` that differ from what its ``manifest.json`` records (changed, added
-    or gone), by name; None when it has no manifest that can be read."""
+    or gone), by name; None when it has no manifest that can be read.  ``records``: as :func:`write_manifest`
+    takes them."""
     path = Path(path)
     try:
         listed = json.loads((path / MANIFEST).read_text()).get("files", {})
     except (OSError, ValueError, AttributeError):
         return None
-    present = {f.name: f for f in path.iterdir() if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
+    present = file_records(path) if records is None else records
     return sorted(name for name in set(listed) | set(present)
                   if name not in present or name not in listed
-                  or file_checksum(present[name]) != listed[name].get("sha256"))
+                  or present[name]["sha256"] != listed[name].get("sha256"))
 
 
 def verify_manifest(path: str | Path) -> dict[str, str]:

@@ -250,11 +250,11 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
 
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
-    from ..checkpoint import (CONFIG, VOCAB, WEIGHTS, CheckpointError, is_checkpoint, load_checkpoint,
+    from ..checkpoint import (CONFIG, VOCAB, WEIGHTS, CheckpointError, file_records, is_checkpoint, load_checkpoint,
                               manifest_changes, write_manifest)
 
     folders = list(map(Path, args.checkpoints))
-    changes = {}
+    changes, records = {}, {}
     for folder in folders:  # every folder checked before any manifest is written: a mistake seals nothing
         if not is_checkpoint(folder):
             raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors); "
@@ -263,7 +263,8 @@ def cmd_manifest(args: argparse.Namespace) -> None:
             load_checkpoint(folder, verify=False)
         except CheckpointError as exc:
             raise SystemExit(f"error: {exc}; no manifest was written") from None
-        changes[folder] = manifest_changes(folder)
+        records[folder] = file_records(folder)  # hashed once: compared with the manifest there, then written
+        changes[folder] = manifest_changes(folder, records[folder])
         # a card or a note edited beside the model is what resealing is for; the model's own files changing under
         # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
         model_files = [name for name in changes[folder] or () if name in (WEIGHTS, CONFIG, VOCAB)]
@@ -273,7 +274,7 @@ def cmd_manifest(args: argparse.Namespace) -> None:
                              "the files as they are now; no manifest was written")
     for folder in folders:
         changed = f" (changed since the last one: {', '.join(changes[folder])})" if changes[folder] else ""
-        print(f"wrote {write_manifest(folder)}{changed}")
+        print(f"wrote {write_manifest(folder, records[folder])}{changed}")
 
 
 @_group.command("manifest")

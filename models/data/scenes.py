@@ -490,7 +490,7 @@ def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variat
         return False
     # through JSON, as it was written: the variation's ranges are tuples in Python and lists in the file
     header = json.loads(json.dumps(dataset_header(seed, sizes, variation, only)))
-    return all(data.get(key) == value for key, value in header.items()) and data.get("only") == header.get("only")
+    return all(data.get(key) == header.get(key) for key in {*header, "only"})  # "only": in neither, or alike
 
 
 def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int = 0, workers: int = 1,
