@@ -65,6 +65,24 @@ def temporary_target(name: str) -> str | None:
     return stem[1:] if mark and token and len(stem) > 1 and stem.startswith(".") else None
 
 
+def describe_os_error(exc: OSError) -> str:
+    """An OS error as the shell's tools say it, ``PATH: reason`` (Python's ``[Errno 2] No such file or directory:
+    'PATH'`` leads with the number and quotes the path); a temporary of :func:`temporary_beside` is named as the
+    file or folder it was to become, the one the user asked for."""
+    if not exc.strerror:
+        return str(exc)
+    names = [_shown(name) for name in (exc.filename, exc.filename2) if name is not None]
+    return f"{' → '.join(names)}: {exc.strerror}" if names else exc.strerror
+
+
+def _shown(name: object) -> str:
+    if not isinstance(name, (str, bytes, os.PathLike)):  # a file descriptor
+        return str(name)
+    path = Path(os.fsdecode(name))
+    target = temporary_target(path.name)
+    return str(path.with_name(target) if target is not None else path)
+
+
 def set_aside(path: Path) -> Path:
     """Where :func:`replace_directory` renames an existing folder while it puts the new one in place, on systems
     that cannot swap two folders in one step (``.NAME.old``)."""

@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 
 from captioner.models.decoding import RULE_NAMES, DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
+from captioner.models.files import describe_os_error
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import save_picture
 
@@ -291,7 +292,8 @@ class _ArchiveFeed:
                 image, prepared = await loop.run_in_executor(self.readers, self.read, path)
             except (ImageDecodeError, OSError) as exc:
                 self.summary.skipped += 1
-                self.report_error(path, str(exc) if isinstance(exc, ImageDecodeError) else f"cannot read it ({exc})")
+                self.report_error(path, str(exc) if isinstance(exc, ImageDecodeError)
+                                  else f"cannot read it ({describe_os_error(exc)})")
                 self.on_done()
                 return
             result = await self.batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S,

@@ -22,6 +22,7 @@ from captioner.models.cli.commands import add_commands
 from captioner.models.cli.common import DEFAULT_CHECKPOINT, at_least, positive_int
 from captioner.models.cli.inference import caption_files
 from captioner.models.device import resolve_device
+from captioner.models.files import describe_os_error
 
 
 #: CAPTIONER_* variables the project reads that are not service settings (each read where it is used, by name:
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         # would only bury it (CAPTIONER_DEBUG=1 keeps it for a bug report)
         if os.environ.get("CAPTIONER_DEBUG"):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {describe_os_error(exc) if isinstance(exc, OSError) else exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C in eval, export, caption, …: the shell's status for it, not a traceback
         if os.environ.get("CAPTIONER_DEBUG"):

@@ -436,6 +436,32 @@ def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch)
                                        "cpu)\n")
 
 
+def test_a_file_error_names_the_path_and_the_reason_as_a_shell_tool_would(capsys, monkeypatch):
+    """Python's ``[Errno 2] No such file or directory: '/proc/nope'`` becomes ``/proc/nope: No such file or
+    directory`` (a folder no one can create files in, even the superuser CI runs as)."""
+    import pytest
+
+    from captioner.service import cli
+
+    monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["data", "generate", "--out", "/proc/nope", "--train", "4"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: /proc/nope: No such file or directory\n"
+
+
+def test_an_output_file_in_a_folder_that_cannot_be_written_is_a_usage_error_before_any_work(capsys):
+    import pytest
+
+    from captioner.service import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["plot", "runs/x", "--out", "/proc/curves.png"])
+    assert exit_.value.code == 2
+    assert ("argument --out: the folder of /proc/curves.png cannot be written (No such file or directory)"
+            in capsys.readouterr().err)
+
+
 def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     # uvicorn took 99999 modulo 65536, listened on 34463 and logged 99999
     import pytest

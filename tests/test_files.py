@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from captioner.models.files import (is_newer_format, temporaries_of, temporary_beside, temporary_target,
-                                   write_atomically, write_durably)
+from captioner.models.files import (describe_os_error, is_newer_format, temporaries_of, temporary_beside,
+                                   temporary_target, write_atomically, write_durably)
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -39,6 +39,24 @@ def test_a_temporary_name_is_found_again_and_names_what_it_stands_for(tmp_path):
     (tmp_path / ".card[1].md.old").write_text("not a temporary")
     assert temporaries_of(target) == [left] and temporary_target(left.name) == "card[1].md"
     assert temporary_target("card.md") is None and temporary_target(".tmp-0badf00d") is None
+
+
+def test_an_os_error_reads_as_the_shells_tools_say_it_naming_what_the_user_asked_for(tmp_path):
+    """``[Errno 2] No such file or directory: '/proc/.x.png.tmp-b8aee956'`` was what `caption --overlay` said: the
+    number first, the path quoted, and a hidden name the user never gave."""
+    def raised(action):
+        with pytest.raises(OSError) as caught:
+            action()
+        return describe_os_error(caught.value)
+
+    missing = tmp_path / "gone" / "x.png"
+    assert raised(lambda: write_atomically(missing, b"png")) == f"{missing}: No such file or directory"
+    (tmp_path / "taken").mkdir()
+    assert raised(lambda: (tmp_path / "taken").mkdir()) == f"{tmp_path / 'taken'}: File exists"
+    assert raised(lambda: os.rename(tmp_path / "a", tmp_path / "b")) == (
+        f"{tmp_path / 'a'} → {tmp_path / 'b'}: No such file or directory")
+    assert raised(lambda: os.fstat(987654)) == "Bad file descriptor"  # no file named: the reason alone
+    assert describe_os_error(FileNotFoundError("no checkpoint in runs/x")) == "no checkpoint in runs/x"
 
 
 def test_a_durable_write_the_disk_cannot_hold_leaves_no_torn_file_and_names_it(tmp_path, monkeypatch):

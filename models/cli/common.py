@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -88,12 +89,19 @@ def length_penalty(text: str) -> float:
 
 def output_file(text: str) -> str:
     """argparse type of a file a command writes when its work is done (a report, captions): a folder, or a file in
-    a folder that does not exist, is a usage error at once, not after the captioning it would have recorded."""
+    a folder that does not exist or cannot be written, is a usage error at once, not after the captioning it would
+    have recorded.  Writing is tried (a temporary file, gone at once): permissions alone say nothing of a read-only
+    file system, nor of a superuser's writes."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"the folder of {text} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"the folder of {text} cannot be written ({exc.strerror or exc})") from None
     return text
 
 
