@@ -34,6 +34,8 @@ FROM runtime-base AS requirements
 ARG DEVICE
 COPY pyproject.toml docker/requirements.py /src/
 RUN python3 /src/requirements.py /src/pyproject.toml "${DEVICE}" /requirements
+# the CPU-only torch installer `make setup` runs too
+COPY docker/cpu_torch.sh /requirements/cpu_torch.sh
 # the releases `make setup` installs and the test suite passed with (`make lock`), within pyproject.toml's ranges
 COPY docker/constraints.txt /requirements/constraints.txt
 
@@ -49,17 +51,14 @@ COPY --from=requirements /requirements /requirements
 ARG TORCH_CPU_INDEX
 # The secrets are optional: without them pip uses PyPI. With them it uses the build machine's index settings.
 # A CPU image first tries torch/torchvision from the CPU wheel index (no CUDA wheels); where that index cannot be
-# reached (or TORCH_CPU_INDEX is empty) PyPI's torch comes with the rest, CUDA wheels included, and the build says so.
+# reached (or TORCH_CPU_INDEX is empty) PyPI's torch comes with the rest, CUDA wheels included, and the build says so
+# (docker/cpu_torch.sh; a GPU image's torch-cpu.txt is empty).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=pip-constraints --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/pip.conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip.conf; fi; \
     if [ -s /run/secrets/pip-constraints ]; then export PIP_CONSTRAINT=/run/secrets/pip-constraints; fi; \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi; \
-    if [ ! -s /requirements/torch-cpu.txt ]; then :; \
-    elif [ -z "${TORCH_CPU_INDEX}" ]; then echo "TORCH_CPU_INDEX is empty: torch from the default index"; \
-    elif pip install --no-cache-dir --no-deps --retries 1 --timeout 30 --index-url "${TORCH_CPU_INDEX}" \
-           -r /requirements/torch-cpu.txt; then echo "CPU-only torch from ${TORCH_CPU_INDEX}"; \
-    else echo "WARNING: no $(tr '\n' ' ' < /requirements/torch-cpu.txt)from ${TORCH_CPU_INDEX} (unreachable?):" \
-              "falling back to the default index's torch, which brings its CUDA wheels"; fi; \
+    if [ -s /requirements/torch-cpu.txt ]; then \
+      sh /requirements/cpu_torch.sh pip /requirements/torch-cpu.txt "${TORCH_CPU_INDEX}"; fi; \
     pip install --no-cache-dir -c /requirements/constraints.txt -r /requirements/serving.txt
 
 # -- project: the project's own code alone, in /opt/project, so that editing it makes one small layer -------------

@@ -88,19 +88,15 @@ $(RUNTIME_STAMP): pyproject.toml $(wildcard $(CONSTRAINTS))
 # index (the same pins spelt +cpu, which satisfy pyproject's; about 1 GB installed, where PyPI's build brings 4.3 GB
 # of CUDA wheels a CPU never uses), as the CPU container image does (docs/decisions.md, "make setup: CPU-only torch
 # without an NVIDIA driver"). Where that index cannot be reached, or TORCH_CPU_INDEX= names none, PyPI's torch comes
-# with the rest. The pins come from docker/requirements.py, the image's list; pip then installs torch's own
-# dependencies with the project's.
+# with the rest. The pins come from docker/requirements.py, the image's list, and docker/cpu_torch.sh, which the
+# image runs too, installs them; pip then installs torch's own dependencies with the project's.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NVIDIA_DRIVER ?= $(shell { [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi; } >/dev/null 2>&1 && echo yes)
 cpu-torch:
 	@if [ -n "$(NVIDIA_DRIVER)" ]; then echo "NVIDIA driver found: torch from the default index, with CUDA"; \
-	elif [ -z "$(TORCH_CPU_INDEX)" ]; then echo "TORCH_CPU_INDEX is empty: torch from the default index"; \
 	else $(PYTHON) docker/requirements.py pyproject.toml cpu $(VENV)/requirements && \
-	  if $(BIN)/pip install --quiet --no-deps --only-binary :all: --retries 0 --timeout 15 \
-	       --index-url "$(TORCH_CPU_INDEX)" -r $(VENV)/requirements/torch-cpu.txt > $(VENV)/requirements/pip.log 2>&1; \
-	  then echo "no NVIDIA driver: CPU-only $$(tr '\n' ' ' < $(VENV)/requirements/torch-cpu.txt)from $(TORCH_CPU_INDEX)"; \
-	  else echo "note: no CPU-only torch from $(TORCH_CPU_INDEX) (unreachable? $(VENV)/requirements/pip.log says):" \
-	            "the default index's torch, which brings its CUDA wheels"; fi; fi
+	  docker/cpu_torch.sh $(BIN)/pip $(VENV)/requirements/torch-cpu.txt "$(TORCH_CPU_INDEX)" \
+	    $(VENV)/requirements/pip.log; fi
 
 $(STAMP): $(RUNTIME_STAMP)
 	$(call install_editable,.[dev])

@@ -215,24 +215,50 @@ def test_a_cpu_image_tries_the_cpu_wheel_index_first_and_a_gpu_image_never_does(
     dependencies = stage_named(stages, "dependencies")
     install = next(a for i, a in dependencies if i == "RUN" and "-r /requirements/serving.txt" in a)
     assert ("ARG", "TORCH_CPU_INDEX") in dependencies
-    # the CPU pins from the CPU index first (without dependencies), then everything else from the default index;
-    # a failure of the first (an unreachable index) is a message, not a failed build: the fallback
-    first_try = re.search(r'elif pip install [^;]*--index-url "\$\{TORCH_CPU_INDEX\}"[^;]*'
-                          r'-r /requirements/torch-cpu\.txt;'
-                          r' then [^;]*; *else echo "WARNING: [^"]*"', install)
-    assert first_try and "--no-deps" in first_try.group(0)
+    # the CPU pins from the CPU index first, by the script `make setup` runs (tested with it and below), then
+    # everything else from the default index
+    first_try = 'sh /requirements/cpu_torch.sh pip /requirements/torch-cpu.txt "${TORCH_CPU_INDEX}"'
     # within the releases `make setup` installs (docker/constraints.txt), which the build context carries
     rest = "pip install --no-cache-dir -c /requirements/constraints.txt -r /requirements/serving.txt"
-    assert install.index(first_try.group(0)) < install.index(rest)
-    assert ("COPY", "docker/constraints.txt /requirements/constraints.txt") in stage_named(stages, "requirements")
-    assert "!docker/constraints.txt" in (ROOT / ".dockerignore").read_text().splitlines()
+    assert first_try in install and install.index(first_try) < install.index(rest)
     requirements = stage_named(stages, "requirements")
+    for carried in ("constraints.txt", "cpu_torch.sh"):
+        assert ("COPY", f"docker/{carried} /requirements/{carried}") in requirements
+        assert f"!docker/{carried}" in (ROOT / ".dockerignore").read_text().splitlines()
     assert ("ARG", "DEVICE") in requirements
     assert any(i == "RUN" and '"${DEVICE}"' in a and "requirements.py" in a for i, a in requirements)
     with (DOCKER / "compose.yaml").open() as compose_file:
         services = yaml.safe_load(compose_file)["services"]
     assert services["captioner"]["build"]["args"]["DEVICE"] == "cuda"
     assert services["captioner-cpu"]["build"]["args"]["DEVICE"] == "cpu"
+
+
+def test_the_cpu_torch_installer_never_fails_a_set_up_and_says_which_torch_it_will_be(tmp_path):
+    """docker/cpu_torch.sh, as the image runs it (pip's output in the build log): the pins alone, without their
+    dependencies, from the index named; an index that fails or none named is a line saying the default index's
+    torch (with its CUDA wheels) follows, and exit 0: the set-up goes on.  `make cpu-torch` runs it against a real
+    pip and a wheel index (tests/test_packaging.py)."""
+    pins = tmp_path / "torch-cpu.txt"
+    pins.write_text("torch==2.14.1+cpu\ntorchvision==0.29.1+cpu\n")
+
+    def run(pip_exit: int, index: str) -> tuple[str, str]:
+        pip = tmp_path / "pip"
+        pip.write_text(f'#!/bin/sh\necho "$*" > {tmp_path / "args"}\necho "pip says"\nexit {pip_exit}\n')
+        pip.chmod(0o755)
+        (tmp_path / "args").unlink(missing_ok=True)
+        done = subprocess.run(["sh", str(DOCKER / "cpu_torch.sh"), str(pip), str(pins), index], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0 and done.stderr == "", done
+        args = tmp_path / "args"
+        return done.stdout, args.read_text() if args.exists() else ""
+
+    said, args = run(0, "https://mirror.example/whl/cpu")
+    assert said == "pip says\nCPU-only torch==2.14.1+cpu torchvision==0.29.1+cpu from https://mirror.example/whl/cpu\n"
+    assert "--no-deps" in args.split() and f"--index-url https://mirror.example/whl/cpu -r {pins}" in args
+    said, _ = run(1, "https://mirror.example/whl/cpu")
+    assert said.splitlines()[-1].startswith("note: no CPU-only torch==2.14.1+cpu torchvision==0.29.1+cpu from "
+                                            "https://mirror.example/whl/cpu (unreachable?): the default index's")
+    assert run(0, "") == ("TORCH_CPU_INDEX is empty: torch from the default index\n", "")
 
 
 STDLIB = set(sys.stdlib_module_names)
