@@ -70,6 +70,16 @@ class Checkpoint:
         authors_regions = "region features" in str(self.meta.get("visual_input", ""))
         return self.trained_features.startswith("regions:") or authors_regions
 
+    @property
+    def model_files(self) -> frozenset[str]:
+        """The files of its folder the model is made from, by name: the weights, config and vocabulary, and an
+        encoder weight file kept in the folder (an imported CNN, fine-tuned stages).  ``captioner manifest``
+        reseals anything else (a card) but refuses these changed unless forced."""
+        folder = self.path.resolve() if self.path else None
+        kept = {Path(file).name for file in (getattr(self.encoder, name) for name in WEIGHTS_FILE_FIELDS)
+                if file and Path(file).is_absolute() and Path(file).parent == folder}
+        return frozenset({WEIGHTS, CONFIG, VOCAB} | kept)
+
     def check_reads_images(self) -> None:
         """Refuse (:class:`CheckpointError`) to caption photos with a checkpoint that reads region features."""
         if self.reads_regions:

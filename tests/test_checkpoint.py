@@ -215,6 +215,25 @@ def test_manifest_command_reseals_an_edited_card_but_not_changed_weights_unless_
     assert load_checkpoint(folder).checksum
 
 
+def test_manifest_command_refuses_a_changed_encoder_weight_file_the_folder_keeps(tmp_path, capsys):
+    """An imported CNN's (or fine-tuned stages') weights in the folder make the model as much as its own weights:
+    the command resealed them changed without a word."""
+    from captioner.service.cli import main
+
+    torch.manual_seed(0)
+    folder = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                       attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
+                             EncoderSpec(weights="cnn.safetensors"), files={"cnn.safetensors": b"the CNN"})
+    assert load_checkpoint(folder).model_files == {"model.safetensors", "config.json", "vocab.json",
+                                                   "cnn.safetensors"}
+    (folder / "cnn.safetensors").write_bytes(b"another CNN")
+    with pytest.raises(SystemExit):
+        main(["manifest", str(folder)])
+    assert f"{folder / 'cnn.safetensors'} changed since" in capsys.readouterr().err
+    main(["manifest", str(folder), "--force"])
+    assert load_checkpoint(folder).checksum
+
+
 def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):
     """``--force`` (storage, import, ensemble) took any folder holding a ``config.json`` for a checkpoint and deleted
     it whole: a project's folder with its own config.json and a thesis in it."""

@@ -250,8 +250,8 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
 
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
-    from ..checkpoint import (CONFIG, VOCAB, WEIGHTS, CheckpointError, file_records, is_checkpoint, load_checkpoint,
-                              manifest_changes, write_manifest)
+    from ..checkpoint import (CheckpointError, file_records, is_checkpoint, load_checkpoint, manifest_changes,
+                              write_manifest)
 
     folders = list(map(Path, args.checkpoints))
     changes, records = {}, {}
@@ -260,16 +260,16 @@ def cmd_manifest(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors); "
                              "no manifest was written")
         try:  # a manifest vouches for files that load: truncated or mismatched weights are refused, not sealed
-            load_checkpoint(folder, verify=False)
+            model_files = load_checkpoint(folder, verify=False).model_files
         except CheckpointError as exc:
             raise SystemExit(f"error: {exc}; no manifest was written") from None
         records[folder] = file_records(folder)  # hashed once: compared with the manifest there, then written
         changes[folder] = manifest_changes(folder, records[folder])
         # a card or a note edited beside the model is what resealing is for; the model's own files changing under
         # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
-        model_files = [name for name in changes[folder] or () if name in (WEIGHTS, CONFIG, VOCAB)]
-        if model_files and not args.force:
-            raise SystemExit(f"error: {', '.join(str(folder / name) for name in model_files)} changed since "
+        changed_model = [name for name in changes[folder] or () if name in model_files]
+        if changed_model and not args.force:
+            raise SystemExit(f"error: {', '.join(str(folder / name) for name in changed_model)} changed since "
                              f"{folder / 'manifest.json'} was written (altered or torn?): pass --force to record "
                              "the files as they are now; no manifest was written")
     for folder in folders:
@@ -282,8 +282,9 @@ def _add_manifest(sub: argparse._SubParsersAction) -> None:
     mf = sub.add_parser("manifest", help="write the sha256 manifest.json that load_checkpoint verifies, for "
                         "checkpoint folders whose files you trust")
     mf.add_argument("checkpoints", nargs="+", help="checkpoint folders")
-    mf.add_argument("--force", action="store_true", help="record the files even where the weights, config.json or "
-                    "vocab.json differ from the manifest already there (without it, that is refused)")
+    mf.add_argument("--force", action="store_true", help="record the files even where the model's own (the weights, "
+                    "config.json, vocab.json, an encoder weight file kept in the folder) differ from the manifest "
+                    "already there (without it, that is refused; a card or a note is resealed either way)")
     mf.set_defaults(func=cmd_manifest)
 
 
