@@ -254,6 +254,15 @@ def add_console_caption_arguments(cap: argparse.ArgumentParser) -> None:
     cap.set_defaults(func=cmd_caption)
 
 
+class _DescribedCommands(argparse._SubParsersAction):
+    """Subcommands whose own ``--help`` opens with the line their parent's ``--help`` lists them with (argparse
+    shows a subcommand's ``help`` in that list only: ``captioner storage --help`` said nothing of what it does)."""
+
+    def add_parser(self, name, **kwargs):
+        kwargs.setdefault("description", kwargs.get("help"))
+        return super().add_parser(name, **kwargs)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse without prefix matching, for every subcommand (they inherit the class): ``captioner eval --encoder
     …`` was read as ``--encoder-precision`` and refused with that option's choices; a misspelt option is named as
@@ -262,6 +271,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _DescribedCommands)
 
 
 def build_parser() -> argparse.ArgumentParser:

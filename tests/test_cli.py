@@ -462,6 +462,32 @@ def test_an_output_file_in_a_folder_that_cannot_be_written_is_a_usage_error_befo
             in capsys.readouterr().err)
 
 
+def test_every_subcommands_help_opens_with_what_it_does(capsys):
+    """argparse shows a subcommand's ``help`` only in its parent's list: ``captioner storage --help`` never said
+    that the model card is left out, nor what the command is for."""
+    import argparse
+
+    import pytest
+
+    from captioner.service import cli
+
+    def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                listed = {choice.dest: choice.help for choice in action._choices_actions}
+                for name, child in action.choices.items():
+                    yield (*path, name), listed.get(name), child
+                    yield from commands(child, (*path, name))
+
+    found = list(commands(cli.build_parser()))
+    assert len(found) > 20
+    for path, listed, child in found:
+        assert listed and child.description == listed, path
+    with pytest.raises(SystemExit):
+        cli.main(["storage", "--help"])
+    assert "model card" in capsys.readouterr().out
+
+
 def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     # uvicorn took 99999 modulo 65536, listened on 34463 and logged 99999
     import pytest
