@@ -41,6 +41,7 @@ help:
 	@echo "make eval-default  evaluate the scene SAT checkpoint (weights/sat) on the test and held-out splits"
 	@echo "make bench         run the benchmarks and write their tables to docs/benchmarks/"
 	@echo "make bench-f8k     the decoder table of the real-photo checkpoints → docs/benchmarks/decoder-flickr8k.md"
+	@echo "make bench-training  where a training step's time goes (Flickr8k) → docs/benchmarks/training.md"
 	@echo "make bench-int8    only the int8 CNN accuracy table (captioner eval, float vs int8)"
 	@echo "make bench-int8-f8k  the same for the default real-photo model on Flickr8k test"
 	@echo "make reliability   memory, hostile corpus, fuzz, overload and soak runs → docs/reliability.md (long)"
@@ -71,8 +72,9 @@ install_editable = $(BIN)/pip install --quiet --no-compile $(if $(CONSTRAINTS),-
 	rm -rf *.egg-info
 # The releases every set-up installs: pyproject.toml's ranges, each pinned to the release `make test` last passed
 # with (docs/decisions.md, "The releases a set-up installs"); `make lock` writes them again from .venv, and
-# CONSTRAINTS= installs the newest releases the ranges allow instead (`make setup CONSTRAINTS=`, then `make test`
-# and `make lock`, is how they move on)
+# CONSTRAINTS= installs the newest releases the ranges allow instead, into a new .venv: pip keeps a release already
+# installed, and the set-up is not redone for the variable alone (`rm -rf .venv && make setup CONSTRAINTS=`, then
+# `make test` and `make lock`, is how they move on)
 LOCK_FILE := docker/constraints.txt
 CONSTRAINTS ?= $(LOCK_FILE)
 comma := ,

@@ -423,8 +423,9 @@ def search_rows(step: StepFn, reorder: ReorderFn, enc: EncState, state: DecState
     """The loop of :func:`beam_search` over rows that are already encoded and expanded (image ``g`` owns
     ``widths[g]`` contiguous rows of ``enc`` and ``state``), driven by any ``step`` / ``reorder`` pair with the
     :class:`~captioner.models.protocol.Captioner` signatures: a PyTorch model's own methods or an exported graph's.
-    Returns ``n_best`` hypotheses per image, best first.  Its callers check the widths, the length and the rules
-    (:func:`check_search`) before they encode and expand the rows."""
+    Returns ``n_best`` hypotheses per image, best first.  Its callers check the widths, ``n_best``, the length and
+    the rules (:func:`check_search`) before they encode and expand the rows: a larger ``n_best`` than a width here
+    gives that image fewer hypotheses."""
     device = next(iter(enc.values())).device
     layout = BeamLayout(widths, device)
     prev, scores, finished = layout.initial_rows(bos_id)

@@ -3,8 +3,8 @@ in one worker, so its module fixtures (checkpoints, ONNX graphs, servers) are bu
 the session's shipped-checkpoint :func:`~tests.conftest.server` run in one worker together, so that one worker
 starts that server (a minute of exporting and warming up), not each worker that runs such a module.
 
-Registered by ``tests/conftest.py`` where xdist is installed; without ``--dist loadfile`` it only checks the
-collected tests."""
+Imports pytest-xdist (a dev dependency, which ``make test`` installs); ``tests/conftest.py`` registers it unless
+xdist is disabled (``-p no:xdist``), and without ``--dist loadfile`` it only checks the collected tests."""
 
 from __future__ import annotations
 

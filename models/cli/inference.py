@@ -240,7 +240,9 @@ def cmd_storage(args: argparse.Namespace) -> None:
 @_group.command("storage")
 def _add_storage(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("storage", help="write a checkpoint again with its weights stored as float16 (half the "
-                        "bytes; loading casts them back) or float32; compare `captioner eval` before and after")
+                        "bytes; loading casts them back) or float32; compare `captioner eval` before and after. Its "
+                        "model card, which named the weights as they were, is left out (rewritten in place: "
+                        "removed); `captioner card` writes one for the new weights")
     st.add_argument("checkpoint", help="checkpoint folder to read (and, without --out, to rewrite)")
     st.add_argument("dtype", choices=("float16", "float32"), help="how the weights are stored")
     st.add_argument("--out", help="write the result here instead of in place (a new or empty folder)")
