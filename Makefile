@@ -97,7 +97,7 @@ NVIDIA_DRIVER ?= $(shell { [ -e /proc/driver/nvidia/version ] || command -v nvid
 cpu-torch:
 	@if [ -n "$(NVIDIA_DRIVER)" ]; then echo "NVIDIA driver found: torch from the default index, with CUDA"; \
 	else $(PYTHON) docker/requirements.py pyproject.toml cpu $(VENV)/requirements && \
-	  docker/cpu_torch.sh $(BIN)/pip $(VENV)/requirements/torch-cpu.txt "$(TORCH_CPU_INDEX)" \
+	  $(SHELL) docker/cpu_torch.sh $(BIN)/pip $(VENV)/requirements/torch-cpu.txt "$(TORCH_CPU_INDEX)" \
 	    $(VENV)/requirements/pip.log; fi
 
 $(STAMP): $(RUNTIME_STAMP)

@@ -9,7 +9,8 @@
 #
 #   docker/cpu_torch.sh PIP TORCH_CPU_TXT INDEX_URL [LOG]    # LOG: a file for pip's output (default: this output)
 set -u
-pip=$1 pins_file=$2 index=$3 log=${4:-}
+usage="usage: docker/cpu_torch.sh PIP TORCH_CPU_TXT INDEX_URL [LOG]"
+pip=${1:?$usage} pins_file=${2:?$usage} index=${3?$usage} log=${4:-}
 if [ -z "$index" ]; then
   echo "TORCH_CPU_INDEX is empty: torch from the default index"
   exit 0
@@ -23,6 +24,7 @@ if [ -n "$log" ]; then install > "$log" 2>&1; else install; fi
 if [ $? -eq 0 ]; then
   echo "CPU-only ${pins}from $index"
 else
-  echo "note: no CPU-only ${pins}from $index (unreachable?${log:+ $log says}): the default index's torch," \
-       "which brings its CUDA wheels"
+  where=${log:+$log says}
+  echo "note: no CPU-only ${pins}from $index (unreachable, or no such wheel? ${where:-pip says above}):" \
+       "the default index's torch, which brings its CUDA wheels"
 fi

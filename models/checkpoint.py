@@ -70,16 +70,6 @@ class Checkpoint:
         authors_regions = "region features" in str(self.meta.get("visual_input", ""))
         return self.trained_features.startswith("regions:") or authors_regions
 
-    @property
-    def model_files(self) -> frozenset[str]:
-        """The files of its folder the model is made from, by name: the weights, config and vocabulary, and an
-        encoder weight file kept in the folder (an imported CNN, fine-tuned stages).  ``captioner manifest``
-        reseals anything else (a card) but refuses these changed unless forced."""
-        folder = self.path.resolve() if self.path else None
-        kept = {Path(file).name for file in (getattr(self.encoder, name) for name in WEIGHTS_FILE_FIELDS)
-                if file and Path(file).is_absolute() and Path(file).parent == folder}
-        return frozenset({WEIGHTS, CONFIG, VOCAB} | kept)
-
     def check_reads_images(self) -> None:
         """Refuse (:class:`CheckpointError`) to caption photos with a checkpoint that reads region features."""
         if self.reads_regions:
@@ -314,6 +304,17 @@ def verify_manifest(path: str | Path) -> dict[str, str]:
             raise CheckpointError(f"{file} does not match its sha256 in {MANIFEST}: the file is torn, from another "
                                   "checkpoint or altered; refusing to load it")
     return digests
+
+
+def model_files(path: str | Path) -> frozenset[str]:
+    """The files of checkpoint folder ``path`` its model is made from, by name: the weights, config and vocabulary,
+    and each encoder weight file its config names inside the folder (an imported CNN, fine-tuned stages: a relative
+    name, there or gone, a link or not).  ``captioner manifest`` reseals anything else (a card) but refuses these
+    changed unless forced."""
+    encoder = read_config(path).get("encoder", {})
+    kept = {file for file in (encoder.get(name) for name in WEIGHTS_FILE_FIELDS)
+            if isinstance(file, str) and file and not Path(file).is_absolute()}
+    return frozenset({WEIGHTS, CONFIG, VOCAB} | kept)
 
 
 def recorded_checksum(path: str | Path) -> str | None:

@@ -13,6 +13,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -63,6 +64,16 @@ def temporary_target(name: str) -> str | None:
     """The name a :func:`temporary_beside` name stands for (``.NAME.tmp-XXXXXXXX`` → ``NAME``); None for any other."""
     stem, mark, token = name.rpartition(_TEMPORARY_MARK)
     return stem[1:] if mark and token and len(stem) > 1 and stem.startswith(".") else None
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why no file can be made in ``folder`` (the OS's words), or None when one can.  A file is made and gone at
+    once: permissions alone say nothing of a read-only file system, nor of a superuser's writes."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -13,7 +13,6 @@ import re
 import signal
 import socket
 import sys
-import tempfile
 import traceback
 from collections.abc import Collection
 from pathlib import Path
@@ -22,7 +21,7 @@ from captioner.models.cli.commands import add_commands
 from captioner.models.cli.common import DEFAULT_CHECKPOINT, at_least, positive_int
 from captioner.models.cli.inference import caption_files
 from captioner.models.device import resolve_device
-from captioner.models.files import describe_os_error
+from captioner.models.files import describe_os_error, unwritable
 
 
 #: CAPTIONER_* variables the project reads that are not service settings (each read where it is used, by name:
@@ -107,13 +106,13 @@ def check_onnx_dir_writable(settings) -> None:
     folder = Path(settings.onnx_dir)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        why = unwritable(folder)
     except OSError as exc:
-        raise SystemExit(f"error: CAPTIONER_ONNX_DIR {folder} cannot be written ({exc.strerror or exc}), and the "
+        why = exc.strerror or str(exc)
+    if why is not None:
+        raise SystemExit(f"error: CAPTIONER_ONNX_DIR {folder} cannot be written ({why}), and the "
                          f"ONNX exports of {', '.join(missing)} are made there on this start: give it a writable "
-                         "folder (in a read-only container, a tmpfs or emptyDir on /tmp), or CAPTIONER_BACKEND=torch"
-                         ) from None
+                         "folder (in a read-only container, a tmpfs or emptyDir on /tmp), or CAPTIONER_BACKEND=torch")
 
 
 def check_something_to_serve(settings) -> None:
@@ -259,7 +258,9 @@ class _DescribedCommands(argparse._SubParsersAction):
     shows a subcommand's ``help`` in that list only: ``captioner storage --help`` said nothing of what it does)."""
 
     def add_parser(self, name, **kwargs):
-        kwargs.setdefault("description", kwargs.get("help"))
+        listed = kwargs.get("help")
+        if listed is not None and listed is not argparse.SUPPRESS:  # a help line is %-formatted, a description not
+            kwargs.setdefault("description", listed.replace("%%", "%"))
         return super().add_parser(name, **kwargs)
 
 

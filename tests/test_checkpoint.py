@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from captioner.models.attention import NORMALISERS
-from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from captioner.models.checkpoint import CheckpointError, load_checkpoint, model_files, save_checkpoint
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
@@ -224,14 +224,19 @@ def test_manifest_command_refuses_a_changed_encoder_weight_file_the_folder_keeps
     folder = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
                                                        attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
                              EncoderSpec(weights="cnn.safetensors"), files={"cnn.safetensors": b"the CNN"})
-    assert load_checkpoint(folder).model_files == {"model.safetensors", "config.json", "vocab.json",
-                                                   "cnn.safetensors"}
-    (folder / "cnn.safetensors").write_bytes(b"another CNN")
-    with pytest.raises(SystemExit):
-        main(["manifest", str(folder)])
-    assert f"{folder / 'cnn.safetensors'} changed since" in capsys.readouterr().err
+    assert model_files(folder) == {"model.safetensors", "config.json", "vocab.json", "cnn.safetensors"}
+    sealed = (folder / "manifest.json").read_text()
+    for change in ("altered", "gone"):  # gone: the config still names it, and the encoder would look elsewhere
+        if change == "altered":
+            (folder / "cnn.safetensors").write_bytes(b"another CNN")
+        else:
+            (folder / "cnn.safetensors").unlink()
+        with pytest.raises(SystemExit):
+            main(["manifest", str(folder)])
+        assert f"{folder / 'cnn.safetensors'} changed since" in capsys.readouterr().err
+        assert (folder / "manifest.json").read_text() == sealed
     main(["manifest", str(folder), "--force"])
-    assert load_checkpoint(folder).checksum
+    assert "cnn.safetensors" not in (folder / "manifest.json").read_text()
 
 
 def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):

@@ -129,7 +129,8 @@ def test_setup_takes_cpu_only_torch_where_there_is_no_nvidia_driver(tmp_path):
     assert cpu_torch(index, driver="yes").startswith("NVIDIA driver found") and installed() == []
     assert cpu_torch("").startswith("TORCH_CPU_INDEX is empty") and installed() == []
     nowhere = (tmp_path / "nowhere").as_uri()
-    assert cpu_torch(nowhere).startswith(f"note: no CPU-only {' '.join(pins)} from {nowhere} (unreachable? ")
+    assert cpu_torch(nowhere).startswith(f"note: no CPU-only {' '.join(pins)} from {nowhere} (unreachable, or no "
+                                         f"such wheel? {venv}/requirements/pip.log says)")
     assert installed() == []
     said = cpu_torch(index)
     assert said.startswith(f"CPU-only {' '.join(pins)} from {index}"), said

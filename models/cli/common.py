@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..data.datasets import DEFAULT_DATASET, resolve_dataset
 from ..data.karpathy import DATASET_FORMATS
+from ..files import unwritable
 from ..placement import default_checkpoint
 
 #: the checkpoint of the model `make serve` answers with by default, as a path string: below the working folder, or
@@ -90,18 +90,15 @@ def length_penalty(text: str) -> float:
 def output_file(text: str) -> str:
     """argparse type of a file a command writes when its work is done (a report, captions): a folder, or a file in
     a folder that does not exist or cannot be written, is a usage error at once, not after the captioning it would
-    have recorded.  Writing is tried (a temporary file, gone at once): permissions alone say nothing of a read-only
-    file system, nor of a superuser's writes."""
+    have recorded."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"the folder of {text} does not exist")
-    try:
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"the folder of {text} cannot be written ({exc.strerror or exc})") from None
+    why = unwritable(path.parent)
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"the folder of {text} cannot be written ({why})")
     return text
 
 

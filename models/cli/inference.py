@@ -253,7 +253,7 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
     from ..checkpoint import (CheckpointError, file_records, is_checkpoint, load_checkpoint, manifest_changes,
-                              write_manifest)
+                              model_files, write_manifest)
 
     folders = list(map(Path, args.checkpoints))
     changes, records = {}, {}
@@ -262,14 +262,14 @@ def cmd_manifest(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors); "
                              "no manifest was written")
         try:  # a manifest vouches for files that load: truncated or mismatched weights are refused, not sealed
-            model_files = load_checkpoint(folder, verify=False).model_files
+            load_checkpoint(folder, verify=False)
         except CheckpointError as exc:
             raise SystemExit(f"error: {exc}; no manifest was written") from None
         records[folder] = file_records(folder)  # hashed once: compared with the manifest there, then written
         changes[folder] = manifest_changes(folder, records[folder])
         # a card or a note edited beside the model is what resealing is for; the model's own files changing under
         # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
-        changed_model = [name for name in changes[folder] or () if name in model_files]
+        changed_model = [name for name in changes[folder] or () if name in model_files(folder)]
         if changed_model and not args.force:
             raise SystemExit(f"error: {', '.join(str(folder / name) for name in changed_model)} changed since "
                              f"{folder / 'manifest.json'} was written (altered or torn?): pass --force to record "
