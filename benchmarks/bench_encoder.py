@@ -4,7 +4,9 @@ The encoder of a checkpoint (``--checkpoint``, default: the checkpoint the servi
 names no model, ``weights/flickr8k/sat-supervised``: EfficientNet-Lite0's last stage on an 8×8 grid at 256 px) is
 timed as the service runs it: PyTorch channels-last with its BatchNorms folded into the convolutions
 (``captioner.models.encoder.fold_batch_norm``), and the same network exported alone to ONNX and run by ONNX Runtime
-(CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8 serves it).
+(CPU execution provider here), float and int8 (static quantization, as CAPTIONER_ENCODER_PRECISION=int8 serves it;
+and the int8 weights' type this CPU's service does not choose, for the record: docs/decisions.md, "int8 on CPUs
+without VNNI").
 Configurations are timed in turns, repetition by repetition, so that background load affects each alike; each cell
 is the median of the repetitions' per-image times.  The PyTorch row "unfolded" is the encoder before BatchNorm
 folding (BatchNorms as separate passes), for the record.  ``--also-backbone`` adds the PyTorch and ONNX Runtime rows
@@ -75,18 +77,36 @@ def onnx_encoder(encoder, spec, threads: int, folder: Path, name: str = "encoder
     return run, error
 
 
-def onnx_int8_encoder(encoder, spec, threads: int, folder: Path):
-    """The served int8 CNN (models/export/quantize.py: static quantization of the same network)."""
+def onnx_int8_encoder(encoder, spec, threads: int, folder: Path, kernels: str | None = None):
+    """The served int8 CNN (models/export/quantize.py: static quantization of the same network); ``kernels``: the
+    weights' type this CPU would not choose, for the record."""
     import torch
 
     from captioner.models.export.quantize import quantized_visual_encoder
     from captioner.models.export.sessions import open_session
 
-    session = open_session(quantized_visual_encoder(spec, folder, encoder), torch.device("cpu"), threads)
+    session = open_session(quantized_visual_encoder(spec, folder, encoder, kernels=kernels), torch.device("cpu"),
+                           threads)
 
     def run(pixels):
         session.run(None, {"pixels": pixels.numpy()})
     return run
+
+
+#: the /proc/cpuinfo flags of native reduced-precision arithmetic on x86 (AVX-512 and AMX)
+HALF_PRECISION_FLAGS = frozenset({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"})
+
+
+def half_precision_note() -> str:
+    """What this CPU does with bfloat16/float16, from its flags: the sentence was once written for one machine."""
+    from captioner.models.export.quantize import cpu_info
+
+    native = sorted(HALF_PRECISION_FLAGS & set((cpu_info("flags") or "").split()))
+    if native:
+        return (f"This CPU has native reduced-precision instructions ({', '.join(native)}); only parity is measured "
+                "here, as the option is meant for GPUs.")
+    return ("This CPU has no native bfloat16/float16 arithmetic (it is emulated, and slower than float32), so only "
+            "parity is measured here; the option is meant for GPUs.")
 
 
 def precision_parity(checkpoint: Path, count: int) -> dict[str, tuple[int, int]]:
@@ -128,6 +148,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import checkpoint, command_line, cpu_name, int8_kernels_text, served_default
 
+    from captioner.models.export.quantize import int8_kernels
+
     generated_by = command_line("bench_encoder.py", parser, args)
 
     args.checkpoint = checkpoint(str(args.checkpoint or served_default()))
@@ -148,6 +170,11 @@ def main() -> None:
         runners["onnx runtime"], onnx_error = onnx_encoder(served, spec, args.threads, Path(tmp))
         # accuracy of int8: benchmarks/bench_int8.py (captioner eval), docs/benchmarks/int8.md
         runners["onnx runtime int8"] = onnx_int8_encoder(served, spec, args.threads, Path(tmp))
+        # the weights' type the service does not choose on this CPU: uint8 (u8u8) where int8 is right and fast (VNNI),
+        # int8 where it saturates (docs/decisions.md, "int8 on CPUs without VNNI"), timed in the same turns
+        other = "u8u8" if int8_kernels() == "u8s8" else "u8s8"
+        runners[f"onnx runtime int8, {other} kernels (not served here)"] = onnx_int8_encoder(
+            served, spec, args.threads, Path(tmp), other)
         for backbone, other in others.items():
             runners[f"onnx runtime with `{backbone}`"], _ = onnx_encoder(other, other.spec, args.threads, Path(tmp),
                                                                          backbone)
@@ -184,8 +211,7 @@ def main() -> None:
     lines += ["", "## Caption parity of lower precision (PyTorch autocast on this CPU, beam 3, max_len 20)", "",
               "| CAPTIONER_PRECISION | captions identical to float32 |", "|---|---:|",
               *[f"| {precision} | {same} / {total} |" for precision, (same, total) in parity.items()], "",
-              "This CPU has no native bfloat16/float16 arithmetic (it is emulated, and slower than float32), so "
-              "only parity is measured here; the option is meant for GPUs."]
+              half_precision_note()]
     lines += ["", "The service does not assume the largest batch is the cheapest: each batcher times its encoder at "
               "warm-up over the batch sizes it will use and encodes in chunks of the largest size whose per-image "
               "time is within 5% of the lowest (`Batcher.encode_batch`, logged at start-up and exported as "

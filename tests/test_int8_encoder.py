@@ -57,6 +57,18 @@ def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
     assert not torch.equal(got, want)
 
 
+def test_the_other_kind_of_int8_cnn_is_made_on_request_beside_this_cpus(int8_files):
+    """``kernels=``: the weights' type this CPU would not choose (a benchmark times both kinds side by side)."""
+    import onnx
+
+    float_path, own = int8_files
+    other = "u8u8" if int8_kernels() == "u8s8" else "u8s8"
+    made = quantized_visual_encoder(TINY_SPEC, float_path.parent, calibration=2, kernels=other)
+    assert made.name == int8_file(other) and made != own and own.is_file()
+    weight_type = onnx.TensorProto.INT8 if other == "u8s8" else onnx.TensorProto.UINT8
+    assert any(t.data_type == weight_type and len(t.dims) == 4 for t in onnx.load(str(made)).graph.initializer)
+
+
 def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features(tmp_path, int8_files):
     from captioner.service import runtime as runtime_module
     from captioner.service.onnx_backends import HybridRuntime

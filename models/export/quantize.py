@@ -111,9 +111,10 @@ def float_convolutions(graph) -> list[str]:
 
 
 def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEncoder | None = None,
-                             calibration: int = CALIBRATION_IMAGES) -> Path:
+                             calibration: int = CALIBRATION_IMAGES, kernels: str | None = None) -> Path:
     """Path of the int8 CNN of ``spec`` in ``out_dir`` (beside its float ``visual.onnx``), made when missing
-    (``calibration``: generated scenes that set the activation ranges)."""
+    (``calibration``: generated scenes that set the activation ranges; ``kernels``: ``u8s8`` or ``u8u8``, the
+    weights' type, :func:`int8_kernels`'s choice for this CPU unless given: a benchmark times the other too)."""
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 
@@ -122,7 +123,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     import onnx
 
     float_path = export_visual_encoder(spec, out_dir, visual)
-    kernels = int8_kernels()
+    kernels = kernels or int8_kernels()
     path = float_path.with_name(int8_file(kernels))
     if intact(path):
         return path
