@@ -16,9 +16,10 @@ const models = new Map();    // name → its /models entry (heatmap_modes: the m
 // the repeat rules' boxes, by the request option each one sets
 const RULE_BOXES = { block_doubled_words: "block-doubled", block_trigrams: "block-trigrams" };
 // the number boxes, by the request option each one sets: `id`, and what a value it takes must be (`must`: the box's
-// own bounds; a beam above the service's limit, which the page does not know, is refused by the service)
+// own bounds; the beam box's maximum is the service's, once its OpenAPI document has said it: loadBeamLimit)
 const NUMBER_BOXES = {
-  beam_size: { id: "beam", must: (box) => `the beam size must be a whole number from ${box.min} up, or empty for the default` },
+  beam_size: { id: "beam", must: (box) => `the beam size must be a whole number from ${box.min}` +
+                                          `${box.max ? ` to ${box.max}` : " up"}, or empty for the default` },
   length_penalty: { id: "length-penalty",
                     must: (box) => `the length penalty must be a number from ${box.min} to ${box.max}, or empty for the model's default` },
 };
@@ -100,6 +101,21 @@ function offerModes() {
     option.disabled = option.value !== "" && !drawable.includes(option.value);
   }
   if ($("mode").selectedOptions[0]?.disabled) $("mode").value = "";
+}
+
+// The service's widest beam (CAPTIONER_MAX_BEAM_SIZE) as its OpenAPI document states it, so that the beam box
+// refuses a wider one before anything is sent. Without the document (a proxy that does not pass it) the box has no
+// maximum, and the service's refusal names its limit.
+async function loadBeamLimit() {
+  try {
+    const response = await fetch("openapi.json");
+    if (!response.ok) return;
+    const option = (await response.json()).components?.schemas?.CaptionForm?.properties?.beam_size ?? {};
+    const widest = (option.anyOf ?? [option]).find((branch) => branch.type === "integer")?.maximum;
+    if (Number.isInteger(widest)) $("beam").max = widest;
+  } catch {
+    // no maximum on the box: the service still refuses a beam above its limit, and its answer says which
+  }
 }
 
 // The repeat rules' boxes and the length penalty show the chosen model's defaults (chosen on validation data: GET
@@ -192,7 +208,8 @@ function isCaption(body) {
 
 // The number boxes' values by option, an empty box left out (the default: the service's beam size,
 // CAPTIONER_DEFAULT_BEAM_SIZE, or the model's length penalty); a value a box itself rejects is an error naming its
-// option (`option`), and a beam above the service's maximum is refused by the service, whose answer names it.
+// option (`option`); a beam above the service's maximum is refused by the box once the page knows it
+// (loadBeamLimit), by the service otherwise, whose answer names it.
 function numberOptions() {
   const options = {};
   for (const [option, { id, must }] of Object.entries(NUMBER_BOXES)) {
@@ -517,3 +534,4 @@ document.querySelectorAll("#samples button[data-sample]").forEach((button) => {
   button.addEventListener("click", () => captionSample(button.dataset.sample, button.textContent.trim()));
 });
 loadModels();
+loadBeamLimit();
