@@ -9,6 +9,8 @@ and :class:`~captioner.models.rendering.heatmaps.RenderError` (overlay parameter
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge
 from captioner.models.rendering.heatmaps import RenderError
 
@@ -28,6 +30,15 @@ class InvalidRequest(ServiceError):
     def __init__(self, detail: str, errors: list[dict] | None = None):
         super().__init__(detail)
         self.errors = errors
+
+    def located(self, sources: Mapping[str, str]) -> InvalidRequest:
+        """The same refusal with each error that names an option alone (``loc: [option]``: the use case's, which
+        knows nothing of HTTP) placed where the request gave it, as FastAPI's own errors are (``sources``: option →
+        ``query`` or ``body``)."""
+        errors = [{**error, "loc": [sources[error["loc"][0]], *error["loc"]]}
+                  if len(error.get("loc", ())) == 1 and error["loc"][0] in sources else error
+                  for error in self.errors or ()]
+        return InvalidRequest(str(self), errors or self.errors)
 
 
 class InvalidImage(ServiceError):

@@ -326,6 +326,13 @@ def caption_parameters(options: CaptionOptions) -> CaptionParameters:
     return CaptionParameters(**{name: getattr(options, name) for name in CAPTION_OPTIONS})
 
 
+def option_sources(query: CaptionOptions, given: CaptionOptions | CaptionParameters) -> dict[str, str]:
+    """Where each option a request gives came from, by name: ``query``, or ``body`` (a form field, a JSON member)
+    where the query did not give that value; a refusal by the use case is placed there (InvalidRequest.located)."""
+    return {name: "query" if getattr(query, name) == value else "body"
+            for name in CAPTION_OPTIONS if (value := getattr(given, name)) is not None}
+
+
 def options_before_body(request: Request, query: CaptionOptions) -> CaptionParameters | None:
     """The options the query gives, when the body cannot change them: None for a JSON body (whose fields override
     the query); a form field must agree with the query, and a raw image body has no options."""

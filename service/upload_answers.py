@@ -14,8 +14,8 @@ from fastapi.responses import Response
 from captioner.models.inference import CaptionResult, Runtime
 
 from .captioning import CaptionRequest, caption_image, observed_request, refuse_early, remaining_s
-from .errors import UploadTimeout
-from .inputs import arrival, options_before_body, read_caption_request
+from .errors import InvalidRequest, UploadTimeout
+from .inputs import arrival, option_sources, options_before_body, read_caption_request
 from .schemas import AttentionFormat, CaptionOptions, CaptionOut, caption_json
 from .state import ServiceState
 from .work_slots import UploadHold
@@ -48,9 +48,12 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
     # the upload's bytes count against the service's budget from their arrival until the request ends: they stay
     # in memory while it waits for a decode slot and decodes
     with observed_request(state, arrived, lambda: options.model), state.upload_budget.hold() as hold:
-        given = await _read_upload(request, state, query, lambda: check(None, None), arrived, hold)
-        options = given.options
-        return given.data, await caption_image(state, given, arrived, check)
+        try:
+            given = await _read_upload(request, state, query, lambda: check(None, None), arrived, hold)
+            options = given.options
+            return given.data, await caption_image(state, given, arrived, check)
+        except InvalidRequest as refusal:  # a beam above the limit: in the query or in the body, as HTTP says it
+            raise refusal.located(option_sources(query, options)) from None
 
 
 async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],

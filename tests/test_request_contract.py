@@ -81,10 +81,28 @@ def test_form_fields_have_the_query_parameters_bounds(client, photo):
         body = problem(post(client, photo, fields=fields))
         assert [e["loc"] for e in body["errors"]] == [["body", field]], body
     too_wide = problem(post(client, photo, fields={"beam_size": "9"}))
-    assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["beam_size"]
+    assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["body", "beam_size"]
     assert "above the limit of 12" in problem(post(client, photo, fields={"max_len": "13"}))["detail"]
     assert "unknown model 'nope'" in problem(post(client, photo, fields={"model": "nope"}), 404, "unknown-model")[
         "detail"]
+
+
+def test_a_limit_refusal_says_where_the_request_gave_the_option(client, photo):
+    """The use case checks the limits on the options as merged, and said ``loc: ["beam_size"]`` wherever it came
+    from; FastAPI's own errors say ``["query", …]`` or ``["body", …]``, and so do these now."""
+    import base64
+
+    image = base64.b64encode(photo).decode()
+
+    def where(response) -> list[str]:
+        return problem(response)["errors"][0]["loc"]
+
+    assert where(post(client, photo, params={"beam_size": 9})) == ["query", "beam_size"]  # checked after the body
+    assert where(client.post("/caption", json={"image": image, "beam_size": 9})) == ["body", "beam_size"]
+    # a JSON member overrides the query: the refused value is the body's
+    assert where(client.post("/caption", params={"beam_size": 2}, json={"image": image, "beam_size": 9})) == [
+        "body", "beam_size"]
+    assert where(client.post("/caption", params={"max_len": 13}, json={"image": image})) == ["query", "max_len"]
 
 
 def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):
@@ -99,9 +117,9 @@ def test_query_options_above_the_limits_are_refused_before_the_body_is_read(clie
         refuse_early(client.app.state.service, CaptionParameters(model="tiny-b", beam_size=9), time.monotonic())
     refuse_early(client.app.state.service, CaptionParameters(model="tiny-b", beam_size=4), time.monotonic())
     too_wide = problem(post(client, photo, params={"model": "tiny-b", "beam_size": 9}))
-    assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["beam_size"]
+    assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["query", "beam_size"]
     too_long = problem(post(client, photo, params={"model": "tiny-a", "max_len": 13}))
-    assert "above the limit of 12" in too_long["detail"] and too_long["errors"][0]["loc"] == ["max_len"]
+    assert "above the limit of 12" in too_long["detail"] and too_long["errors"][0]["loc"] == ["query", "max_len"]
     assert post(client, photo, params={"model": "tiny-b", "beam_size": 4}).status_code == 200
 
 
