@@ -292,8 +292,9 @@ class _ArchiveFeed:
                 image, prepared = await loop.run_in_executor(self.readers, self.read, path)
             except (ImageDecodeError, OSError) as exc:
                 self.summary.skipped += 1
+                # the record and the line name the file: the OS's reason alone (Python's text quotes the path again)
                 self.report_error(path, str(exc) if isinstance(exc, ImageDecodeError)
-                                  else f"cannot read it ({describe_os_error(exc)})")
+                                  else f"cannot read it ({exc.strerror or describe_os_error(exc)})")
                 self.on_done()
                 return
             result = await self.batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S,
