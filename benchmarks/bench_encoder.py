@@ -93,20 +93,23 @@ def onnx_int8_encoder(encoder, spec, threads: int, folder: Path, kernels: str | 
     return run
 
 
-#: the /proc/cpuinfo flags of native reduced-precision arithmetic on x86 (AVX-512 and AMX)
-HALF_PRECISION_FLAGS = frozenset({"avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"})
+#: the /proc/cpuinfo flags of native bfloat16 and float16 arithmetic: x86's (AVX-512, AMX) and Arm's ("Features")
+NATIVE_FLAGS = {"bfloat16": frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
+                "float16": frozenset({"avx512_fp16", "amx_fp16", "fphp", "asimdhp"})}
 
 
 def half_precision_note() -> str:
-    """What this CPU does with bfloat16/float16, from its flags: the sentence was once written for one machine."""
+    """What this CPU does with bfloat16 and float16, from its flags: the sentence was once written for one machine
+    ("no native bfloat16/float16 arithmetic"), and a later machine had avx512_bf16."""
     from captioner.models.export.quantize import cpu_info
 
-    native = sorted(HALF_PRECISION_FLAGS & set((cpu_info("flags") or "").split()))
-    if native:
-        return (f"This CPU has native reduced-precision instructions ({', '.join(native)}); only parity is measured "
-                "here, as the option is meant for GPUs.")
-    return ("This CPU has no native bfloat16/float16 arithmetic (it is emulated, and slower than float32), so only "
-            "parity is measured here; the option is meant for GPUs.")
+    listed = cpu_info("flags") or cpu_info("Features")
+    if listed is None:
+        return "This CPU's flags cannot be read; only parity is measured here, as the option is meant for GPUs."
+    flags = set(listed.split())
+    said = [f"{kind} natively ({', '.join(sorted(flags & names))})" if flags & names else f"{kind} emulated"
+            for kind, names in NATIVE_FLAGS.items()]
+    return f"This CPU runs {' and '.join(said)}; only parity is measured here, as the option is meant for GPUs."
 
 
 def precision_parity(checkpoint: Path, count: int) -> dict[str, tuple[int, int]]:
@@ -172,9 +175,9 @@ def main() -> None:
         runners["onnx runtime int8"] = onnx_int8_encoder(served, spec, args.threads, Path(tmp))
         # the weights' type the service does not choose on this CPU: uint8 (u8u8) where int8 is right and fast (VNNI),
         # int8 where it saturates (docs/decisions.md, "int8 on CPUs without VNNI"), timed in the same turns
-        other = "u8u8" if int8_kernels() == "u8s8" else "u8s8"
-        runners[f"onnx runtime int8, {other} kernels (not served here)"] = onnx_int8_encoder(
-            served, spec, args.threads, Path(tmp), other)
+        other_kernels = "u8u8" if int8_kernels() == "u8s8" else "u8s8"
+        runners[f"onnx runtime int8, {other_kernels} kernels (not served here)"] = onnx_int8_encoder(
+            served, spec, args.threads, Path(tmp), other_kernels)
         for backbone, other in others.items():
             runners[f"onnx runtime with `{backbone}`"], _ = onnx_encoder(other, other.spec, args.threads, Path(tmp),
                                                                          backbone)

@@ -33,7 +33,6 @@ from typing import Callable, Iterable
 
 from captioner.models.decoding import RULE_NAMES, DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
-from captioner.models.files import describe_os_error
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import save_picture
 
@@ -294,7 +293,7 @@ class _ArchiveFeed:
                 self.summary.skipped += 1
                 # the record and the line name the file: the OS's reason alone (Python's text quotes the path again)
                 self.report_error(path, str(exc) if isinstance(exc, ImageDecodeError)
-                                  else f"cannot read it ({exc.strerror or describe_os_error(exc)})")
+                                  else f"cannot read it ({exc.strerror or exc})")
                 self.on_done()
                 return
             result = await self.batcher.submit(prepared, options.beam_size, options.max_len, NO_DEADLINE_S,

@@ -31,14 +31,13 @@ class InvalidRequest(ServiceError):
         super().__init__(detail)
         self.errors = errors
 
-    def located(self, sources: Mapping[str, str]) -> InvalidRequest:
-        """The same refusal with each error that names an option alone (``loc: [option]``: the use case's, which
-        knows nothing of HTTP) placed where the request gave it, as FastAPI's own errors are (``sources``: option →
-        ``query`` or ``body``)."""
-        errors = [{**error, "loc": [sources[error["loc"][0]], *error["loc"]]}
-                  if len(error.get("loc", ())) == 1 and error["loc"][0] in sources else error
-                  for error in self.errors or ()]
-        return InvalidRequest(str(self), errors or self.errors)
+    def place(self, sources: Mapping[str, str]) -> None:
+        """Put each error that names an option alone (``loc: [option]``: the use case's, which knows nothing of
+        HTTP) where the request gave it, as FastAPI's own errors are (``sources``: option → ``query`` or ``body``)."""
+        if self.errors:
+            self.errors = [{**error, "loc": [sources[error["loc"][0]], *error["loc"]]}
+                           if len(error.get("loc", ())) == 1 and error["loc"][0] in sources else error
+                           for error in self.errors]
 
 
 class InvalidImage(ServiceError):

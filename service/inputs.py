@@ -326,11 +326,13 @@ def caption_parameters(options: CaptionOptions) -> CaptionParameters:
     return CaptionParameters(**{name: getattr(options, name) for name in CAPTION_OPTIONS})
 
 
-def option_sources(query: CaptionOptions, given: CaptionOptions | CaptionParameters) -> dict[str, str]:
-    """Where each option a request gives came from, by name: ``query``, or ``body`` (a form field, a JSON member)
-    where the query did not give that value; a refusal by the use case is placed there (InvalidRequest.located)."""
-    return {name: "query" if getattr(query, name) == value else "body"
-            for name in CAPTION_OPTIONS if (value := getattr(given, name)) is not None}
+def option_sources(query: CaptionOptions, body: CaptionOptions | None) -> dict[str, str]:
+    """Where each option a request gives came from, by name: ``body`` where its body gave it (a form field, which
+    must agree with the query; a JSON member, which overrides it), else ``query``; a refusal by the use case is
+    placed there (InvalidRequest.place)."""
+    return {name: "body" if body is not None and getattr(body, name) is not None else "query"
+            for name in CAPTION_OPTIONS
+            if getattr(query, name) is not None or (body is not None and getattr(body, name) is not None)}
 
 
 def options_before_body(request: Request, query: CaptionOptions) -> CaptionParameters | None:
@@ -360,9 +362,11 @@ def _json_image(body: bytes) -> tuple[bytes, CaptionJSON]:
 
 
 async def read_caption_request(request: Request, query: CaptionOptions, limit: int,
-                               budget: UploadBudget | UploadHold = UNLIMITED) -> CaptionRequest:
+                               budget: UploadBudget | UploadHold = UNLIMITED
+                               ) -> tuple[CaptionRequest, CaptionOptions | None]:
     """The image (at most ``limit`` bytes) and options of a caption request, from whichever body format it uses,
-    its chunks taken from ``budget`` as they arrive."""
+    its chunks taken from ``budget`` as they arrive; and the options its body gave (a form's fields, JSON's
+    members; None for raw image bytes), for :func:`option_sources`."""
     coding = request.headers.get("content-encoding", "").strip().lower()
     if coding not in ("", "identity"):  # read as it is, a gzipped image was "not an image" and gzipped JSON "invalid"
         raise UnsupportedBody(f"a caption request's body cannot be compressed (Content-Encoding: {coding}): send "
@@ -372,17 +376,18 @@ async def read_caption_request(request: Request, query: CaptionOptions, limit: i
         async with multipart_form(request, limit, budget) as form:
             upload, options = form_options(form)
             merged = caption_parameters(merge_form_options(query, options))
-            return CaptionRequest(await read_upload(upload, limit), merged)
+            return CaptionRequest(await read_upload(upload, limit), merged), options
     if _is_json(content_type):
         body = await read_body(request, limit, json_body_bytes(limit), budget)
         # parsing megabytes and decoding their base64 take a worker thread, as decoding an image does: on the event
         # loop, a stream of such bodies stalled every other request and the health probes for seconds
         data, parsed = await run_in_threadpool(_json_image, body)
         checked_image(data, limit)
-        return CaptionRequest(data, caption_parameters(overlaid(query, parsed)))  # JSON's override the query's
+        # JSON's members override the query's
+        return CaptionRequest(data, caption_parameters(overlaid(query, parsed))), parsed
     if content_type.startswith("image/") or content_type == "application/octet-stream":
         return CaptionRequest(checked_image(await read_body(request, limit, budget=budget), limit),
-                              caption_parameters(query))
+                              caption_parameters(query)), None
     if not content_type and not declares_body(dict(request.scope["headers"])):
         raise missing_file()
     if not content_type:  # bytes without a (readable) type: what they are is the client's to say

@@ -45,19 +45,21 @@ async def caption_upload(request: Request, state: ServiceState, query: CaptionOp
     the model and the length)."""
     arrived = arrival(request)
     options = query  # the query's, until the body (a form's fields) completes them
+    body = None  # the options the body gave, once it is read
     # the upload's bytes count against the service's budget from their arrival until the request ends: they stay
     # in memory while it waits for a decode slot and decodes
     with observed_request(state, arrived, lambda: options.model), state.upload_budget.hold() as hold:
         try:
-            given = await _read_upload(request, state, query, lambda: check(None, None), arrived, hold)
+            given, body = await _read_upload(request, state, query, lambda: check(None, None), arrived, hold)
             options = given.options
             return given.data, await caption_image(state, given, arrived, check)
         except InvalidRequest as refusal:  # a beam above the limit: in the query or in the body, as HTTP says it
-            raise refusal.located(option_sources(query, options)) from None
+            refusal.place(option_sources(query, body))
+            raise
 
 
 async def _read_upload(request: Request, state: ServiceState, query: CaptionOptions, check: Callable[[], None],
-                       arrived: float, hold: UploadHold) -> CaptionRequest:
+                       arrived: float, hold: UploadHold) -> tuple[CaptionRequest, CaptionOptions | None]:
     settings = state.settings
     # a refusal made before the body is read (429, 503, 404 of a model, 422 of a parameter) leaves the body to
     # inputs.UnreadBodyMiddleware, which reads and drops it before the answer: else the client would see a reset

@@ -99,10 +99,25 @@ def test_a_limit_refusal_says_where_the_request_gave_the_option(client, photo):
 
     assert where(post(client, photo, params={"beam_size": 9})) == ["query", "beam_size"]  # checked after the body
     assert where(client.post("/caption", json={"image": image, "beam_size": 9})) == ["body", "beam_size"]
-    # a JSON member overrides the query: the refused value is the body's
-    assert where(client.post("/caption", params={"beam_size": 2}, json={"image": image, "beam_size": 9})) == [
-        "body", "beam_size"]
+    # a JSON member overrides the query: the refused value is the body's, even where the query gave the same
+    for given in (2, 9):
+        assert where(client.post("/caption", params={"beam_size": given}, json={"image": image, "beam_size": 9})) == [
+            "body", "beam_size"]
     assert where(client.post("/caption", params={"max_len": 13}, json={"image": image})) == ["query", "max_len"]
+
+
+def test_a_refusal_is_placed_by_the_options_the_body_gave():
+    from captioner.service.errors import InvalidRequest
+    from captioner.service.inputs import option_sources
+    from captioner.service.schemas import CaptionOptions
+
+    query, body = CaptionOptions(beam_size=3, max_len=9), CaptionOptions(beam_size=3, model="tiny-a")
+    assert option_sources(query, body) == {"beam_size": "body", "max_len": "query", "model": "body"}
+    assert option_sources(query, None) == {"beam_size": "query", "max_len": "query"}  # raw image bytes
+    refusal = InvalidRequest("three refusals", [{"loc": ["beam_size"], "msg": "above"}, {"loc": ["token"], "msg": "t"},
+                                                {"loc": ["body", "max_len"], "msg": "placed already"}])
+    refusal.place(option_sources(query, body))
+    assert [error["loc"] for error in refusal.errors] == [["body", "beam_size"], ["token"], ["body", "max_len"]]
 
 
 def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):

@@ -122,6 +122,8 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
 
     import onnx
 
+    if kernels not in (None, "u8s8", "u8u8"):
+        raise ValueError(f"kernels must be u8s8 or u8u8, got {kernels!r}")
     float_path = export_visual_encoder(spec, out_dir, visual)
     kernels = kernels or int8_kernels()
     path = float_path.with_name(int8_file(kernels))
