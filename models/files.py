@@ -79,7 +79,7 @@ def unwritable(folder: Path) -> str | None:
 def describe_os_error(exc: OSError) -> str:
     """An OS error as the shell's tools say it, ``PATH: reason`` (Python's ``[Errno 2] No such file or directory:
     'PATH'`` leads with the number and quotes the path); a temporary of :func:`temporary_beside` is named as the
-    file or folder it was to become, the one the user asked for."""
+    file or folder it was to become, the one the user asked for (a file in a temporary folder too)."""
     if not exc.strerror:
         return str(exc)
     names = [_shown(name) for name in (exc.filename, exc.filename2) if name is not None]
@@ -89,9 +89,7 @@ def describe_os_error(exc: OSError) -> str:
 def _shown(name: object) -> str:
     if not isinstance(name, (str, bytes, os.PathLike)):  # a file descriptor
         return str(name)
-    path = Path(os.fsdecode(name))
-    target = temporary_target(path.name)
-    return str(path.with_name(target) if target is not None else path)
+    return str(Path(*(temporary_target(part) or part for part in Path(os.fsdecode(name)).parts)))
 
 
 def set_aside(path: Path) -> Path:

@@ -56,6 +56,9 @@ def test_an_os_error_reads_as_the_shells_tools_say_it_naming_what_the_user_asked
     assert raised(lambda: os.rename(tmp_path / "a", tmp_path / "b")) == (
         f"{tmp_path / 'a'} → {tmp_path / 'b'}: No such file or directory")
     assert raised(lambda: os.fstat(987654)) == "Bad file descriptor"  # no file named: the reason alone
+    checkpoint = temporary_beside(tmp_path / "best")  # a checkpoint's folder while it is written
+    assert raised(lambda: (checkpoint / "model.safetensors").read_bytes()) == (
+        f"{tmp_path / 'best' / 'model.safetensors'}: No such file or directory")
     assert describe_os_error(FileNotFoundError("no checkpoint in runs/x")) == "no checkpoint in runs/x"
 
 
