@@ -330,9 +330,9 @@ def option_sources(query: CaptionOptions, body: CaptionOptions | None) -> dict[s
     """Where each option a request gives came from, by name: ``body`` where its body gave it (a form field, which
     must agree with the query; a JSON member, which overrides it), else ``query``; a refusal by the use case is
     placed there (InvalidRequest.place)."""
-    return {name: "body" if body is not None and getattr(body, name) is not None else "query"
-            for name in CAPTION_OPTIONS
-            if getattr(query, name) is not None or (body is not None and getattr(body, name) is not None)}
+    in_body = {name for name in CAPTION_OPTIONS if body is not None and getattr(body, name) is not None}
+    return {name: "body" if name in in_body else "query"
+            for name in CAPTION_OPTIONS if name in in_body or getattr(query, name) is not None}
 
 
 def options_before_body(request: Request, query: CaptionOptions) -> CaptionParameters | None:

@@ -170,11 +170,25 @@ def tiny_server(tmp_path_factory):
         yield url
 
 
+def captioned_page(url, before_load=None):
+    """The demo page at ``url`` showing the caption of a 160×120 gradient (``before_load``: as :func:`page_of`)."""
+    from .demo_pages import image_bytes, page_of, upload
+
+    with page_of(url, before_load=before_load) as page:
+        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
+        yield page
+
+
 @pytest.fixture
 def captioned(tiny_server):
     """The demo page showing the caption of a 160×120 gradient."""
-    from .demo_pages import image_bytes, page_of, upload
+    yield from captioned_page(tiny_server)
 
-    with page_of(tiny_server) as page:
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        yield page
+
+@pytest.fixture
+def captioned_without_openapi(tiny_server):
+    """:func:`captioned`, on a page that cannot read the service's OpenAPI document (``without_openapi``): its beam
+    box has no maximum, so the service refuses a beam above its limit."""
+    from .demo_pages import without_openapi
+
+    yield from captioned_page(tiny_server, before_load=without_openapi)

@@ -1,5 +1,6 @@
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,11 +227,9 @@ def test_manifest_command_refuses_a_changed_encoder_weight_file_the_folder_keeps
                              EncoderSpec(weights="cnn.safetensors"), files={"cnn.safetensors": b"the CNN"})
     assert model_files(folder) == {"model.safetensors", "config.json", "vocab.json", "cnn.safetensors"}
     sealed = (folder / "manifest.json").read_text()
-    for change in ("altered", "gone"):  # gone: the config still names it, and the encoder would look elsewhere
-        if change == "altered":
-            (folder / "cnn.safetensors").write_bytes(b"another CNN")
-        else:
-            (folder / "cnn.safetensors").unlink()
+    # altered, then gone (the config still names it, and the encoder would look elsewhere)
+    for change in (lambda cnn: cnn.write_bytes(b"another CNN"), Path.unlink):
+        change(folder / "cnn.safetensors")
         with pytest.raises(SystemExit):
             main(["manifest", str(folder)])
         assert f"{folder / 'cnn.safetensors'} changed since" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """The ``captioner`` console script, run as a user would."""
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -10,6 +11,17 @@ from PIL import Image
 from skimage import data
 
 from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
+
+
+def command_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """Every subcommand below ``parser``, depth first, as (its words, the help line its parent lists it with, its
+    parser)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            listed = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, child in action.choices.items():
+                yield (*path, name), listed.get(name), child
+                yield from command_parsers(child, (*path, name))
 
 
 def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -439,8 +451,6 @@ def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch)
 def test_a_file_error_names_the_path_and_the_reason_as_a_shell_tool_would(capsys, monkeypatch):
     """Python's ``[Errno 2] No such file or directory: '/proc/nope'`` becomes ``/proc/nope: No such file or
     directory`` (a folder no one can create files in, even the superuser CI runs as)."""
-    import pytest
-
     from captioner.service import cli
 
     monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
@@ -451,8 +461,6 @@ def test_a_file_error_names_the_path_and_the_reason_as_a_shell_tool_would(capsys
 
 
 def test_an_output_file_in_a_folder_that_cannot_be_written_is_a_usage_error_before_any_work(capsys):
-    import pytest
-
     from captioner.service import cli
 
     with pytest.raises(SystemExit) as exit_:
@@ -465,21 +473,9 @@ def test_an_output_file_in_a_folder_that_cannot_be_written_is_a_usage_error_befo
 def test_every_subcommands_help_opens_with_what_it_does(capsys):
     """argparse shows a subcommand's ``help`` only in its parent's list: ``captioner storage --help`` never said
     that the model card is left out, nor what the command is for."""
-    import argparse
-
-    import pytest
-
     from captioner.service import cli
 
-    def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                listed = {choice.dest: choice.help for choice in action._choices_actions}
-                for name, child in action.choices.items():
-                    yield (*path, name), listed.get(name), child
-                    yield from commands(child, (*path, name))
-
-    found = list(commands(cli.build_parser()))
+    found = list(command_parsers(cli.build_parser()))
     assert len(found) > 20
     for path, listed, child in found:  # as the list prints it: argparse %-formats a help line
         assert listed and child.description == listed.replace("%%", "%"), path
@@ -575,23 +571,15 @@ def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(m
 
 def test_every_command_and_argument_says_what_it_is_for():
     # `captioner eval --help` listed `checkpoint`, `--image-root`, `--cache-dir` and 26 others with no word of help
-    import argparse
-
     from captioner.service.cli import build_parser
 
-    silent = []
-
-    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
-        for action in parser._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                helped = {choice.dest for choice in action._choices_actions if choice.help}
-                silent.extend(" ".join([*path, name]) for name in action.choices if name not in helped)
-                for name, sub in action.choices.items():
-                    walk(sub, [*path, name])
-            elif not action.help:
-                silent.append(" ".join([*path, action.option_strings[0] if action.option_strings else action.dest]))
-
-    walk(build_parser(), ["captioner"])
+    parser = build_parser()
+    commands = list(command_parsers(parser))
+    silent = [" ".join(["captioner", *words]) for words, listed, _ in commands if not listed]
+    for words, _, command in [((), None, parser), *commands]:
+        silent += [" ".join(["captioner", *words, action.option_strings[0] if action.option_strings else action.dest])
+                   for action in command._actions
+                   if not isinstance(action, argparse._SubParsersAction) and not action.help]
     assert not silent, silent
 
 

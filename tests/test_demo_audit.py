@@ -50,7 +50,7 @@ from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-from .demo_pages import OVERLAY_SHOWN, image_bytes, needs_chromium, page_of, upload, wait_until, without_openapi
+from .demo_pages import OVERLAY_SHOWN, image_bytes, needs_chromium, page_of, upload, wait_until
 
 PHOTO_BOX = "() => { const r = document.getElementById('photo').getBoundingClientRect(); return [r.width, r.height]; }"
 OVERLAY_BOX = ("() => { const r = document.getElementById('overlay').getBoundingClientRect(); "
@@ -465,55 +465,53 @@ def test_the_length_penalty_box_starts_at_the_models_and_captions_again_with_its
 
 @pytest.mark.browser
 @needs_chromium
-def test_the_beam_box_refuses_a_beam_wider_than_the_services_before_sending_it(tiny_server):
+def test_the_beam_box_refuses_a_beam_wider_than_the_services_before_sending_it(captioned):
     """The box had no maximum: a beam above CAPTIONER_MAX_BEAM_SIZE went to the service to be refused.  The page
     reads the limit from the service's OpenAPI document."""
-    with page_of(tiny_server) as page:
-        wait_until(page, "() => document.getElementById('beam').max === '12'", 10)  # tiny_server's limit
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        sent = []
-        page.on("request", lambda request: sent.append(request.url) if "/caption?" in request.url else None)
-        beam = page.get_by_role("spinbutton", name="Beam size")
-        page.fill("#beam", "13")
+    page = captioned
+    wait_until(page, "() => document.getElementById('beam').max === '12'", 10)  # tiny_server's limit
+    sent = []
+    page.on("request", lambda request: sent.append(request.url) if "/caption?" in request.url else None)
+    beam = page.get_by_role("spinbutton", name="Beam size")
+    page.fill("#beam", "13")
+    beam.dispatch_event("change")
+    assert page.locator("#status").inner_text() == ("Not sent: the beam size must be a whole number from 1 to 12, "
+                                                    "or empty for the default")
+    assert beam.get_attribute("aria-invalid") == "true"
+    with page.expect_response(lambda r: "/caption?" in r.url, timeout=30_000) as widest:
+        page.fill("#beam", "12")
         beam.dispatch_event("change")
-        assert page.locator("#status").inner_text() == ("Not sent: the beam size must be a whole number from 1 to 12, "
-                                                        "or empty for the default")
-        assert beam.get_attribute("aria-invalid") == "true"
-        with page.expect_response(lambda r: "/caption?" in r.url, timeout=30_000) as widest:
-            page.fill("#beam", "12")
-            beam.dispatch_event("change")
-        assert widest.value.json()["beam_size"] == 12 and len(sent) == 1  # 13 was never sent
+    assert widest.value.json()["beam_size"] == 12 and len(sent) == 1  # 13 was never sent
 
 
 @pytest.mark.browser
 @needs_chromium
-def test_a_refused_beam_size_marks_the_box_and_a_refused_upload_names_its_file(tiny_server):
-    with page_of(tiny_server, before_load=without_openapi) as page:  # the service refuses 13, not the box
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        beam = page.get_by_role("spinbutton", name="Beam size")
-        assert beam.get_attribute("aria-invalid") != "true"
-        with page.expect_response(lambda r: "/caption?" in r.url, timeout=30_000):
-            page.fill("#beam", "13")  # above the service's CAPTIONER_MAX_BEAM_SIZE (12): the service refuses it
-            beam.dispatch_event("change")
-        wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
-        assert "beam_size 13 is above the limit of 12" in page.locator("#status").inner_text()
-        assert beam.get_attribute("aria-invalid") == "true"
-        assert beam.get_attribute("aria-describedby") == "status"  # the box, focused, is read with the reason
-        page.fill("#beam", "0")  # one the box itself refuses
+def test_a_refused_beam_size_marks_the_box_and_a_refused_upload_names_its_file(captioned_without_openapi):
+    page = captioned_without_openapi  # the service refuses 13, not the box
+    beam = page.get_by_role("spinbutton", name="Beam size")
+    assert beam.get_attribute("aria-invalid") != "true"
+    with page.expect_response(lambda r: "/caption?" in r.url, timeout=30_000):
+        page.fill("#beam", "13")  # above the service's CAPTIONER_MAX_BEAM_SIZE (12): the service refuses it
         beam.dispatch_event("change")
-        assert page.locator("#status").inner_text().startswith("Not sent")
-        assert beam.get_attribute("aria-invalid") == "true"
-        page.fill("#beam", "2")
-        beam.dispatch_event("change")
-        page.wait_for_selector("#caption .word", timeout=30_000)
-        assert beam.get_attribute("aria-invalid") == "false" and beam.get_attribute("aria-describedby") is None
-        page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"not a photo"}])
-        wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
-        status = page.get_by_role("status")
-        # the problem's detail, without its title (an HTTP reason phrase: "Unprocessable Entity")
-        assert status.inner_text().startswith("“notes.txt” was not captioned: cannot identify a JPEG")
-        assert "cannot identify a JPEG" in status.inner_text()
-        assert beam.get_attribute("aria-invalid") == "false"  # the upload, not the beam size, was at fault
+    wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
+    assert "beam_size 13 is above the limit of 12" in page.locator("#status").inner_text()
+    assert beam.get_attribute("aria-invalid") == "true"
+    assert beam.get_attribute("aria-describedby") == "status"  # the box, focused, is read with the reason
+    page.fill("#beam", "0")  # one the box itself refuses
+    beam.dispatch_event("change")
+    assert page.locator("#status").inner_text().startswith("Not sent")
+    assert beam.get_attribute("aria-invalid") == "true"
+    page.fill("#beam", "2")
+    beam.dispatch_event("change")
+    page.wait_for_selector("#caption .word", timeout=30_000)
+    assert beam.get_attribute("aria-invalid") == "false" and beam.get_attribute("aria-describedby") is None
+    page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"not a photo"}])
+    wait_until(page, "() => document.getElementById('status').className === 'error'", 30)
+    status = page.get_by_role("status")
+    # the problem's detail, without its title (an HTTP reason phrase: "Unprocessable Entity")
+    assert status.inner_text().startswith("“notes.txt” was not captioned: cannot identify a JPEG")
+    assert "cannot identify a JPEG" in status.inner_text()
+    assert beam.get_attribute("aria-invalid") == "false"  # the upload, not the beam size, was at fault
 
 
 def axe_violations(page) -> list[str]:

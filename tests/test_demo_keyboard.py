@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from .demo_pages import OVERLAY_SHOWN, image_bytes, needs_chromium, page_of, upload, wait_until, without_openapi
+from .demo_pages import OVERLAY_SHOWN, image_bytes, needs_chromium, page_of, upload, wait_until
 
 FOCUSED_WORD = "() => document.activeElement.classList.contains('word') ? document.activeElement.dataset.index : null"
 
@@ -82,20 +82,19 @@ def test_home_and_end_move_to_the_first_and_last_word(captioned):
 
 @pytest.mark.browser
 @needs_chromium
-def test_a_beam_size_the_service_refuses_leaves_the_caption_and_its_photo_on_screen(tiny_server):
-    with page_of(tiny_server, before_load=without_openapi) as page:
-        upload(page, "photo.png", image_bytes((160, 120), "PNG"), "image/png")
-        words = page.locator("#caption .word").all_inner_texts()
-        alt = page.get_attribute("#photo", "alt")
-        with caption_answered(page):
-            set_beam_without_focus(page, "13")  # above the service's CAPTIONER_MAX_BEAM_SIZE (12)
-        wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
-        assert "beam_size 13 is above the limit of 12" in page.locator("#status").inner_text()
-        assert not page.evaluate("() => document.getElementById('result').hidden")
-        assert page.locator("#caption .word").all_inner_texts() == words
-        assert page.get_attribute("#photo", "alt") == alt
-        page.locator("#caption .word").nth(1).hover()  # the caption on screen still shows its heatmaps
-        wait_until(page, OVERLAY_SHOWN, timeout_s=30)
+def test_a_beam_size_the_service_refuses_leaves_the_caption_and_its_photo_on_screen(captioned_without_openapi):
+    page = captioned_without_openapi
+    words = page.locator("#caption .word").all_inner_texts()
+    alt = page.get_attribute("#photo", "alt")
+    with caption_answered(page):
+        set_beam_without_focus(page, "13")  # above the service's CAPTIONER_MAX_BEAM_SIZE (12)
+    wait_until(page, "() => document.getElementById('status').className === 'error'", 10)
+    assert "beam_size 13 is above the limit of 12" in page.locator("#status").inner_text()
+    assert not page.evaluate("() => document.getElementById('result').hidden")
+    assert page.locator("#caption .word").all_inner_texts() == words
+    assert page.get_attribute("#photo", "alt") == alt
+    page.locator("#caption .word").nth(1).hover()  # the caption on screen still shows its heatmaps
+    wait_until(page, OVERLAY_SHOWN, timeout_s=30)
 
 
 def attention_on_cells(cells):

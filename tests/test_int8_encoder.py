@@ -63,12 +63,13 @@ def test_the_other_kind_of_int8_cnn_is_made_on_request_beside_this_cpus(int8_fil
 
     float_path, own = int8_files
     other = "u8u8" if int8_kernels() == "u8s8" else "u8s8"
-    made = quantized_visual_encoder(TINY_SPEC, float_path.parent, calibration=2, kernels=other)
+    out = float_path.parent.parent  # the fixture's CAPTIONER_ONNX_DIR: the CNN's folder is below it
+    made = quantized_visual_encoder(TINY_SPEC, out, calibration=2, kernels=other)
     assert made.name == int8_file(other) and own.is_file()  # this CPU's kind stays
     weight_type = onnx.TensorProto.INT8 if other == "u8s8" else onnx.TensorProto.UINT8
     assert any(t.data_type == weight_type and len(t.dims) == 4 for t in onnx.load(str(made)).graph.initializer)
     with pytest.raises(ValueError, match="u8s8 or u8u8"):
-        quantized_visual_encoder(TINY_SPEC, float_path.parent, calibration=2, kernels="s8s8")
+        quantized_visual_encoder(TINY_SPEC, out, calibration=2, kernels="s8s8")
 
 
 def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features(tmp_path, int8_files):

@@ -90,8 +90,6 @@ def test_form_fields_have_the_query_parameters_bounds(client, photo):
 def test_a_limit_refusal_says_where_the_request_gave_the_option(client, photo):
     """The use case checks the limits on the options as merged, and said ``loc: ["beam_size"]`` wherever it came
     from; FastAPI's own errors say ``["query", …]`` or ``["body", …]``, and so do these now."""
-    import base64
-
     image = base64.b64encode(photo).decode()
 
     def where(response) -> list[str]:

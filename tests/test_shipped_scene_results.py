@@ -38,10 +38,16 @@ def test_every_shipped_scene_checkpoint_has_its_report_and_captions():
 
 
 @pytest.fixture(scope="module")
-def scenes(request, tmp_path_factory) -> Path:
+def drawn_scenes(request, tmp_path_factory) -> Path:
     """The test and held-out scenes of `make data`'s data set (its default sizes and seed), drawn again."""
     return generate(module_folder(request, tmp_path_factory, "scenes"), DEFAULT_SIZES, only=("test", "heldout"),
                     progress=False)
+
+
+@pytest.fixture(scope="module")
+def scene_splits(drawn_scenes: Path) -> dict[str, list]:
+    """Those scenes by split, read once for every checkpoint."""
+    return {split: load_split(drawn_scenes, drawn_scenes.parent, split) for split in ("test", "heldout")}
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +57,19 @@ def feature_cache(request, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
-def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, scenes: Path, feature_cache: Path):
-    differing = captions_unlike_the_committed(checkpoint, CAPTIONS / f"{checkpoint.name}.json", scenes,
-                                              scenes.parent, feature_cache)
+def test_the_checkpoint_writes_the_captions_of_its_report(checkpoint: Path, drawn_scenes: Path,
+                                                          feature_cache: Path):
+    differing = captions_unlike_the_committed(checkpoint, CAPTIONS / f"{checkpoint.name}.json", drawn_scenes,
+                                              drawn_scenes.parent, feature_cache)
     assert not differing, f"{checkpoint.name}: (image id, caption now, caption committed) {differing}"
 
 
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[path.name for path in CHECKPOINTS])
-def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, scenes: Path):
+def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, scene_splits: dict[str, list]):
     report = json.loads((REPORTS / f"{checkpoint.name}.json").read_text())
     by_id = read_results(CAPTIONS / f"{checkpoint.name}.json")
-    scored = []
-    for split in ("test", "heldout"):
-        images = load_split(scenes, scenes.parent, split)
+    scored = 0
+    for split, images in scene_splits.items():
         covered = [result_id(im) in by_id for im in images]
         if split == "heldout" and not any(covered):
             continue  # this run wrote the test split's captions only
@@ -72,6 +78,5 @@ def test_the_reports_scores_are_its_captions_scores(checkpoint: Path, scenes: Pa
         scores = reported(score_dataset(captions, images, ("BLEU", "ROUGE-L", "CIDEr-D")))
         assert report[split]["images"] == len(images)
         assert {name: scores[name] for name in MEASURES} == {name: report[split][name] for name in MEASURES}, split
-        scored.append(split)
-    assert len(by_id) == sum(len(load_split(scenes, scenes.parent, split)) for split in scored), \
-        "the captions hold scenes of no split the report scores"
+        scored += len(images)
+    assert len(by_id) == scored, "the captions hold scenes of no split the report scores"

@@ -14,14 +14,15 @@ register = _group.register
 
 
 def cmd_data_generate(args: argparse.Namespace) -> None:
-    from ..data.scenes import SPLITS, VARIATIONS, generate, is_current, read_dataset_header
+    from ..data.scenes import SPLITS, VARIATIONS, describes, generate, read_dataset_header
 
     sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
     variation = VARIATIONS[args.varied] if args.varied else None
-    if args.if_stale and is_current(args.out, sizes, args.seed, variation, args.only):
+    # the data set already there, read once and only where asked about (the whole JSON is parsed)
+    held = read_dataset_header(Path(args.out) / "dataset_scenes.json") if args.if_stale or args.only else None
+    if args.if_stale and describes(held, sizes, args.seed, variation, args.only):
         print(f"{args.out} is up to date (same generator version, seed, sizes, variation and splits)")
         return
-    held = read_dataset_header(Path(args.out) / "dataset_scenes.json")
     if args.only and held is not None and set(held.get("only") or SPLITS) - set(args.only):
         # the folder's data set would lose the other splits' annotations (a training run's data, `make data`'s)
         raise SystemExit(f"error: {args.out} holds a data set with more splits than --only {' '.join(args.only)}: "

@@ -269,7 +269,7 @@ def cmd_manifest(args: argparse.Namespace) -> None:
         changes[folder] = manifest_changes(folder, records[folder])
         # a card or a note edited beside the model is what resealing is for; the model's own files changing under
         # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
-        changed_model = [name for name in changes[folder] or () if name in model_files(folder)]
+        changed_model = sorted(set(changes[folder] or ()) & model_files(folder))
         if changed_model and not args.force:
             raise SystemExit(f"error: {', '.join(str(folder / name) for name in changed_model)} changed since "
                              f"{folder / 'manifest.json'} was written (altered or torn?): pass --force to record "

@@ -483,14 +483,18 @@ def is_current(out_dir: str | Path, sizes: dict[str, int], seed: int = 0, variat
                only: Collection[str] | None = None) -> bool:
     """Whether ``out_dir`` already holds the dataset this generator version would write for these settings (``only``
     as :func:`generate` takes it: a data set of some splits is never taken for the whole one, nor the reverse)."""
-    path = Path(out_dir) / "dataset_scenes.json"
-    try:
-        data = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    return describes(read_dataset_header(Path(out_dir) / "dataset_scenes.json"), sizes, seed, variation, only)
+
+
+def describes(held: dict | None, sizes: dict[str, int], seed: int = 0, variation: Variation | None = None,
+              only: Collection[str] | None = None) -> bool:
+    """Whether a data set's header (:func:`read_dataset_header`; None: no data set) is the one :func:`generate`
+    writes for these settings (:func:`is_current`, for a header already read)."""
+    if held is None:
         return False
     # through JSON, as it was written: the variation's ranges are tuples in Python and lists in the file
     header = json.loads(json.dumps(dataset_header(seed, sizes, variation, only)))
-    return all(data.get(key) == header.get(key) for key in {*header, "only"})  # "only": in neither, or alike
+    return all(held.get(key) == header.get(key) for key in {*header, "only"})  # "only": in neither, or alike
 
 
 def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int = 0, workers: int = 1,

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
 from ..data.karpathy import CaptionedImage
 from ..decoding import DecodingRules
 from ..pipeline import Pipeline

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from itertools import product
 from typing import Any
 
-
 from ..decoding import RULE_NAMES, DecodingRules
 from ..progress import progress_bar
 from .evaluate import evaluate_checkpoint

@@ -63,6 +63,10 @@ def _cpu_flags() -> frozenset[str] | None:
     return None if flags is None else frozenset(flags.split())
 
 
+#: the int8 CNN's kinds, by their kernels: int8 weights (u8s8) or uint8 weights (u8u8)
+INT8_KERNELS = ("u8s8", "u8u8")
+
+
 def int8_kernels(machine: str | None = None, flags: frozenset[str] | None = None) -> str:
     """``u8s8`` (uint8 activations, int8 weights) or ``u8u8``: the weights' type that computes the quantized graph
     faithfully on this CPU (``machine``/``flags``: another's, for tests).  Without VNNI an x86 CPU runs ONNX
@@ -122,7 +126,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
 
     import onnx
 
-    if kernels not in (None, "u8s8", "u8u8"):
+    if kernels not in (None, *INT8_KERNELS):
         raise ValueError(f"kernels must be u8s8 or u8u8, got {kernels!r}")
     float_path = export_visual_encoder(spec, out_dir, visual)
     kernels = kernels or int8_kernels()
@@ -150,7 +154,7 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
                         calibrate_method=CalibrationMethod.Percentile, extra_options={"CalibPercentile": PERCENTILE})
         seal(path, written=tmp)
         os.replace(tmp, path)  # a concurrent reader sees the whole file or none
-        current = {name + suffix for name in map(int8_file, ("u8s8", "u8u8")) for suffix in ("", SEAL_SUFFIX)}
+        current = {name + suffix for name in map(int8_file, INT8_KERNELS) for suffix in ("", SEAL_SUFFIX)}
         for earlier in path.parent.glob("visual-int8-*"):  # an earlier recipe's graph and seal: asked for no more
             if earlier.name not in current:
                 earlier.unlink(missing_ok=True)

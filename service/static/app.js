@@ -110,8 +110,7 @@ async function loadBeamLimit() {
   try {
     const response = await fetch("openapi.json");
     if (!response.ok) return;
-    const option = (await response.json()).components?.schemas?.CaptionForm?.properties?.beam_size ?? {};
-    const widest = (option.anyOf ?? [option]).find((branch) => branch.type === "integer")?.maximum;
+    const widest = (await response.json()).components?.schemas?.CaptionForm?.properties?.beam_size?.maximum;
     if (Number.isInteger(widest)) $("beam").max = widest;
   } catch {
     // no maximum on the box: the service still refuses a beam above its limit, and its answer says which
