@@ -277,16 +277,17 @@ def manifest_changes(path: str | Path, records: dict[str, dict[str, Any]] | None
                   or present[name]["sha256"] != listed[name].get("sha256"))
 
 
-def verify_manifest(path: str | Path) -> dict[str, str]:
+def verify_manifest(path: str | Path, recorded: bytes | None = None) -> dict[str, str]:
     """Check every file the manifest lists against its sha256 (and the files a checkpoint needs are listed);
-    returns the digests.  A torn, foreign or altered file raises :class:`CheckpointError` naming it."""
+    returns the digests.  A torn, foreign or altered file raises :class:`CheckpointError` naming it.
+    ``recorded``: the manifest's bytes where the caller has read them already."""
     path = Path(path)
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = json.loads(recorded if recorded is not None else (path / MANIFEST).read_bytes())
     except FileNotFoundError:
         raise CheckpointError(f"{path} has no {MANIFEST}: it was not written by save_checkpoint; if you trust its "
                               f"files, record them with `captioner manifest {path}`") from None
-    except json.JSONDecodeError:
+    except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{path / MANIFEST} is not valid JSON (torn or altered)") from None
     if manifest.get("format") != MANIFEST_FORMAT:
         raise CheckpointError(f"{path / MANIFEST}: unknown manifest format {manifest.get('format')!r}")
@@ -384,8 +385,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
     path, device = Path(path), resolve_device(str(device))
     for _ in range(LOAD_ATTEMPTS):
         before = _folder_identity(path)
-        try:
-            checkpoint = _load_once(path, device, verify)
+        try:  # the manifest read for the folder's identity is the one verified
+            checkpoint = _load_once(path, device, verify, before[2] if before else None)
         except (CheckpointError, OSError):
             if _folder_identity(path) == before:
                 raise
@@ -396,12 +397,12 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
                           "writing it?): load it again once the run has moved on")
 
 
-def _load_once(path: Path, device: torch.device, verify: bool) -> Checkpoint:
+def _load_once(path: Path, device: torch.device, verify: bool, manifest: bytes | None) -> Checkpoint:
     if not (path / CONFIG).is_file():
         raise not_a_checkpoint(path)
-    digests = verify_manifest(path) if verify else {}
+    digests = verify_manifest(path, manifest) if verify else {}
     config = read_config(path)
-    vocab = Vocabulary.load(path / VOCAB)
+    vocab = _read_vocabulary(path / VOCAB)
     build = _builder(config)
     _check_shapes(path, config["arch"], build)
     model = build()
@@ -414,6 +415,16 @@ def _load_once(path: Path, device: torch.device, verify: bool) -> Checkpoint:
     return Checkpoint(model=model, vocab=vocab, encoder=resolve_encoder_weights(config["encoder"], path), path=path,
                       meta=config.get("meta", {}), checksum=digests.get(WEIGHTS) or file_checksum(path / WEIGHTS),
                       storage=config.get("storage", "float32"))
+
+
+def _read_vocabulary(file: Path) -> Vocabulary:
+    """The vocabulary ``file`` holds; one that is not (torn, or another file's JSON) is a :class:`CheckpointError`
+    naming it, where it was a parser's message, or a ``KeyError`` traceback, about no file in particular."""
+    try:
+        return Vocabulary.load(file)
+    except (ValueError, KeyError, TypeError) as exc:  # ValueError: JSON's, UTF-8's and the specials' own check
+        reason = f"no {exc} list" if isinstance(exc, KeyError) else str(exc)
+        raise CheckpointError(f"{file} is not a vocabulary ({reason})") from None
 
 
 class _NoFilling(TorchFunctionMode):

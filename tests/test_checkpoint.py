@@ -95,6 +95,20 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
     (path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
         load_checkpoint(path, verify=False)
+    for torn in (b'{"format": "attention', b'{"files": "\x80\x81"}'):  # cut off; bytes that are not UTF-8
+        (path / "manifest.json").write_bytes(torn)
+        with pytest.raises(CheckpointError, match="manifest.json is not valid JSON"):
+            load_checkpoint(path)
+
+
+@pytest.mark.parametrize("text", ['{"itos": ["a"]}', "{not json", "{}", "[1]", '{"itos": 3}', '"\\ud800"'])
+def test_a_file_that_is_not_a_vocabulary_is_a_checkpoint_error_naming_it(tmp_path, tiny_sat, vocab, text):
+    """Read without the manifest (what `captioner manifest` checks a folder with), a torn vocabulary was a parser's
+    message about no file, or a KeyError traceback."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / "vocab.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"{path / 'vocab.json'} is not a vocabulary"):
+        load_checkpoint(path, verify=False)
 
 
 def test_unreadable_or_foreign_weights_are_checkpoint_errors(tmp_path, tiny_sat, vocab):
