@@ -67,9 +67,11 @@ help:
 # imported here (torch's testing/_internal/py312_intrinsics.py), and a file left uncompiled only costs its first import
 # setuptools builds an editable install from an egg-info it writes into the project root and leaves there; what
 # Python reads is the dist-info inside the virtual environment, so the leftover goes (the top level holds the
-# project's own files only)
-install_editable = $(BIN)/pip install --quiet --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '$(1)' && \
-	rm -rf *.egg-info
+# project's own files only). Its finder maps captioner.models and captioner.service onto models/ and service/, and it
+# says so in ten lines of "Editable installation" on every set-up (setuptools' InformationOnly warning,
+# from its editable_wheel command): that one warning is filtered, by its text, for the build it comes from
+install_editable = PYTHONWARNINGS='ignore:Editable installation' \
+	$(BIN)/pip install --quiet --no-compile $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '$(1)' && rm -rf *.egg-info
 # The releases every set-up installs: pyproject.toml's ranges, each pinned to the release `make test` last passed
 # with (docs/decisions.md, "The releases a set-up installs"); `make lock` writes them again from .venv, and
 # CONSTRAINTS= installs the newest releases the ranges allow instead, into a new .venv: pip keeps a release already
