@@ -168,18 +168,21 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
         "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
 
 
-def test_only_some_splits_never_replace_a_whole_data_set(scenes, capsys):
+def test_only_some_splits_never_replace_a_whole_data_set(tmp_path, scenes, capsys):
     """``--only`` into the folder of a whole data set would leave its training split without annotations: refused,
-    the folder untouched."""
+    the folder untouched.  A copy of the session's data set, which a regression would otherwise overwrite for every
+    test after this one."""
     from captioner.service.cli import main
 
-    before = scenes.read_bytes()
-    common = ["data", "generate", "--out", str(scenes.parent), "--train", "48", "--val", "12", "--test", "12",
+    whole, before = tmp_path / "whole", scenes.read_bytes()
+    whole.mkdir()
+    (whole / scenes.name).write_bytes(before)
+    common = ["data", "generate", "--out", str(whole), "--train", "48", "--val", "12", "--test", "12",
               "--heldout", "12", "--seed", "7", "--workers", "1"]
     with pytest.raises(SystemExit) as refused:
         main([*common, "--only", "test", "heldout"])
     assert refused.value.code == 2 and "more splits than --only test heldout" in capsys.readouterr().err
-    assert scenes.read_bytes() == before
+    assert [path.name for path in whole.iterdir()] == [scenes.name] and (whole / scenes.name).read_bytes() == before
 
 
 # ---------------------------------------------------------------------------------------------------------------
