@@ -75,11 +75,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+#: the sizes and seed of the session's scene data set (:func:`scenes`), for tests that draw it again
+SCENE_SIZES, SCENE_SEED = {"train": 48, "val": 12, "test": 12, "heldout": 12}, 7
+
+
 @pytest.fixture(scope="session")
 def scenes(tmp_path_factory) -> Path:
     """A small scene dataset (images, masks, Karpathy JSON), generated once per test session."""
     out = tmp_path_factory.mktemp("scenes")
-    return generate(out, {"train": 48, "val": 12, "test": 12, "heldout": 12}, seed=7, progress=False)
+    return generate(out, SCENE_SIZES, seed=SCENE_SEED, progress=False)
 
 
 @pytest.fixture

@@ -10,9 +10,11 @@ from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import (COLOURS, HELDOUT_COMBOS, SHAPES, generate, named_objects,
                                           object_naming_accuracy)
 
+from .conftest import SCENE_SEED, SCENE_SIZES
+
 
 def test_generation_is_deterministic(tmp_path, scenes):
-    again = generate(tmp_path / "again", {"train": 48, "val": 12, "test": 12, "heldout": 12}, seed=7, progress=False)
+    again = generate(tmp_path / "again", SCENE_SIZES, seed=SCENE_SEED, progress=False)
     first, second = json.loads(scenes.read_text()), json.loads(again.read_text())
     assert first == second
     for entry in first["images"][:10]:
@@ -133,15 +135,15 @@ def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
 
     data = json.loads(scenes.read_text())
     assert data["generator_version"] == GENERATOR_VERSION
-    sizes = {"train": 48, "val": 12, "test": 12, "heldout": 12}
-    assert is_current(scenes.parent, sizes, seed=7)
-    assert not is_current(scenes.parent, sizes, seed=8)
-    assert not is_current(scenes.parent, {**sizes, "train": 49}, seed=7)
+    sizes, seed = SCENE_SIZES, SCENE_SEED
+    assert is_current(scenes.parent, sizes, seed=seed)
+    assert not is_current(scenes.parent, sizes, seed=seed + 1)
+    assert not is_current(scenes.parent, {**sizes, "train": 49}, seed=seed)
     # a dataset written by the previous generator (no version recorded) is stale
     old = tmp_path / "old"
     old.mkdir()
     (old / "dataset_scenes.json").write_text(json.dumps({"dataset": "scenes", "seed": 7, "images": []}))
-    assert not is_current(old, sizes, seed=7)
+    assert not is_current(old, sizes, seed=seed)
 
 
 def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it(tmp_path, scenes):
@@ -150,8 +152,8 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
     neither takes it for the whole data set nor the whole data set for it, and a card names the command."""
     from captioner.models.data.scenes import generate_arguments, is_current, read_dataset_header
 
-    sizes = {"train": 48, "val": 12, "test": 12, "heldout": 12}
-    part = generate(tmp_path / "part", sizes, seed=7, progress=False, only=("heldout", "test"))
+    sizes, seed = SCENE_SIZES, SCENE_SEED
+    part = generate(tmp_path / "part", sizes, seed=seed, progress=False, only=("heldout", "test"))
     whole = {entry["imgid"]: entry for entry in json.loads(scenes.read_text())["images"]}
     written = json.loads(part.read_text())["images"]
     assert [entry["imgid"] for entry in written] == list(range(60, 84))
@@ -160,10 +162,10 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
         assert np.array_equal(np.asarray(Image.open(part.parent / "images" / entry["filename"])),
                               np.asarray(Image.open(scenes.parent / "images" / entry["filename"])))
     assert sorted(path.name for path in (part.parent / "images").iterdir()) == [e["filename"] for e in written]
-    assert is_current(part.parent, sizes, seed=7, only=("test", "heldout"))
-    assert not is_current(part.parent, sizes, seed=7)
-    assert not is_current(part.parent, sizes, seed=7, only=("test",))
-    assert not is_current(scenes.parent, sizes, seed=7, only=("test", "heldout"))
+    assert is_current(part.parent, sizes, seed=seed, only=("test", "heldout"))
+    assert not is_current(part.parent, sizes, seed=seed)
+    assert not is_current(part.parent, sizes, seed=seed, only=("test",))
+    assert not is_current(scenes.parent, sizes, seed=seed, only=("test", "heldout"))
     assert generate_arguments(read_dataset_header(part)) == [
         "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
 
@@ -177,8 +179,8 @@ def test_only_some_splits_never_replace_a_whole_data_set(tmp_path, scenes, capsy
     whole, before = tmp_path / "whole", scenes.read_bytes()
     whole.mkdir()
     (whole / scenes.name).write_bytes(before)
-    common = ["data", "generate", "--out", str(whole), "--train", "48", "--val", "12", "--test", "12",
-              "--heldout", "12", "--seed", "7", "--workers", "1"]
+    common = ["data", "generate", "--out", str(whole), "--seed", str(SCENE_SEED), "--workers", "1",
+              *(arg for split, size in SCENE_SIZES.items() for arg in (f"--{split}", str(size)))]
     with pytest.raises(SystemExit) as refused:
         main([*common, "--only", "test", "heldout"])
     assert refused.value.code == 2 and "more splits than --only test heldout" in capsys.readouterr().err
