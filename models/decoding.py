@@ -68,10 +68,19 @@ class DecodingRules:
         return self.block_trigrams or self.block_doubled_words
 
     @classmethod
-    def of_checkpoint(cls, meta: dict) -> "DecodingRules":
+    def of_checkpoint(cls, meta: dict, source: str = "the checkpoint's record") -> "DecodingRules":
         """The rules stored with a checkpoint as its defaults (chosen on validation by ``captioner
-        tune-decoding``), else none."""
-        return cls(**meta.get("decoding", {}))
+        tune-decoding``), else none; also a ``captioner eval`` report's (``meta``: the report).  A ``decoding``
+        that is not an object of these rules' names and kinds is a :class:`ValueError` naming ``source`` (the file
+        it was read from), not a TypeError from the constructor."""
+        decoding = meta.get("decoding", {})
+        kinds = {"length_penalty": (int, float), "block_trigrams": (bool,), "block_doubled_words": (bool,)}
+        if not isinstance(decoding, dict) or any(not isinstance(value, kinds.get(name, ())) or
+                                                 (isinstance(value, bool) and name == "length_penalty")
+                                                 for name, value in decoding.items()):
+            raise ValueError(f"{source}: its 'decoding' is {decoding!r}, not an object of the decoding rules "
+                             f"({', '.join(kinds)})")
+        return cls(**decoding)
 
     def overridden(self, **named: float | bool | None) -> "DecodingRules":
         """These rules with the values a request or a command line names, by the rules' names (None: keep this

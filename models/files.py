@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -161,3 +162,30 @@ def is_newer_format(name: object, current: str) -> bool:
 def _format_version(name: object, current: str) -> int:
     family, _, version = str(name).rpartition("/")
     return int(version) if family == current.rpartition("/")[0] and version.isdigit() else -1
+
+
+def read_text_file(path: str | Path) -> str:
+    """A text file the user gave (a report, notes, a document, a log), read as UTF-8: a file that is another
+    encoding's bytes is a :class:`ValueError` naming the file and its line, not the codec's message alone (which
+    names no file).  OS errors (missing, a folder, unreadable) are raised as they are: they name the file."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
+def read_json_file(path: str | Path, what: str = "JSON", kind: type = dict) -> object:
+    """The JSON value of ``path``, of Python type ``kind`` (an object, by default): a file that is not UTF-8, not
+    JSON (empty, truncated) or holds another kind of value is a :class:`ValueError` naming the file and saying it
+    is not ``what``."""
+    text = read_text_file(path)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not {what} (not JSON: {exc})") from None
+    if not isinstance(value, kind):
+        expected = {dict: "an object", list: "a list"}.get(kind, kind.__name__)
+        raise ValueError(f"{path} is not {what} (its JSON is {type(value).__name__}, not {expected})")
+    return value

@@ -31,6 +31,16 @@ DEFAULT_CHECKPOINT = WEIGHTS / "sat"
 #: checkout, as CI places it; tests that need them skip where it is absent
 FLICKR8K_DIR = ROOT.parent / "shared" / "data" / "flickr8k"
 
+
+def cli_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
+    """What ``captioner ARGV`` prints when it refuses (exit status 2, asserted), stripped."""
+    from captioner.service.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(list(argv))
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip()
+
 # two intra-op threads on a 2-core machine, one each where `make test` runs two xdist workers there
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 

@@ -170,13 +170,18 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
         "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
 
 
-def test_only_some_splits_never_replace_a_whole_data_set(tmp_path, scenes, capsys):
+@pytest.mark.parametrize("only_held", [None, 5, [["test"]]], ids=["whole", "altered", "altered-list"])
+def test_only_some_splits_never_replace_a_whole_data_set(only_held, tmp_path, scenes, capsys):
     """``--only`` into the folder of a whole data set would leave its training split without annotations: refused,
     the folder untouched.  A copy of the session's data set, which a regression would otherwise overwrite for every
-    test after this one."""
+    test after this one.  A header whose "only" is not a list of splits (altered by hand) reads as the whole set's
+    (it was a TypeError traceback)."""
     from captioner.service.cli import main
 
-    whole, before = tmp_path / "whole", scenes.read_bytes()
+    before = scenes.read_bytes()
+    if only_held is not None:
+        before = json.dumps({**json.loads(before), "only": only_held}).encode()
+    whole = tmp_path / "whole"
     whole.mkdir()
     (whole / scenes.name).write_bytes(before)
     common = ["data", "generate", "--out", str(whole), "--seed", str(SCENE_SEED), "--workers", "1",

@@ -229,7 +229,7 @@ def test_without_reports_nothing_needs_the_data_set(tmp_path):
     (lambda r: (r / "captions" / "xlan.json").write_text(json.dumps([{"image_id": i, "caption": EXACT[i]}
                                                                       for i in TEST_IDS])),
      r"xlan\.json scores CIDEr-D .* not the captions of that report"),
-    (lambda r: (r / "xlan.json").write_text("{not json"), r"xlan\.json is not JSON"),
+    (lambda r: (r / "xlan.json").write_text("{not json"), r"xlan\.json is not a `captioner eval` report \(not JSON"),
 ])
 def test_bad_input_is_a_one_line_error(zoo, break_it, message):
     args, _, results, _ = zoo

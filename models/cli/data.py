@@ -14,7 +14,7 @@ register = _group.register
 
 
 def cmd_data_generate(args: argparse.Namespace) -> None:
-    from ..data.scenes import SPLITS, VARIATIONS, describes, generate, read_dataset_header
+    from ..data.scenes import VARIATIONS, describes, generate, read_dataset_header
 
     sizes = {"train": args.train, "val": args.val, "test": args.test, "heldout": args.heldout}
     variation = VARIATIONS[args.varied] if args.varied else None
@@ -23,12 +23,23 @@ def cmd_data_generate(args: argparse.Namespace) -> None:
     if args.if_stale and describes(held, sizes, args.seed, variation, args.only):
         print(f"{args.out} is up to date (same generator version, seed, sizes, variation and splits)")
         return
-    if args.only and held is not None and set(held.get("only") or SPLITS) - set(args.only):
+    if args.only and held is not None and set(_splits_held(held)) - set(args.only):
         # the folder's data set would lose the other splits' annotations (a training run's data, `make data`'s)
         raise SystemExit(f"error: {args.out} holds a data set with more splits than --only {' '.join(args.only)}: "
                          "give --out another folder")
     path = generate(args.out, sizes, seed=args.seed, workers=args.workers, variation=variation, only=args.only)
     print(f"wrote {path}")
+
+
+def _splits_held(header: dict) -> list[str]:
+    """The splits a data set's header says it holds: its "only", else all; an "only" that is not a list of names
+    (an altered header) reads as all, so the folder is never replaced by fewer splits."""
+    only = header.get("only")
+    if isinstance(only, list) and only and all(isinstance(split, str) for split in only):
+        return only
+    from ..data.scenes import SPLITS
+
+    return list(SPLITS)
 
 
 def cmd_data_ood(args: argparse.Namespace) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..data.karpathy import DATASET_FORMATS
 from ..evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
-from ..files import write_atomically
+from ..files import read_text_file, write_atomically
 from ..placement import DEFAULT_WEIGHTS_DIR, onnx_dir_from_env
 from .common import (DEFAULT_DATA, IMAGE_ROOT_HELP, CommandGroup, add_cache_option,
                      add_dataset_options, add_device_options, add_search_options, count, dataset_file, figure_file,
@@ -186,7 +186,7 @@ def cmd_card(args: argparse.Namespace) -> None:
     """Write a checkpoint's MODEL_CARD.md from its training record and a `captioner eval --output` report."""
     from ..evaluation.card import check_report_scores, load_report, merge_reports, write_card
 
-    notes = Path(args.notes).read_text() if args.notes else ""
+    notes = read_text_file(args.notes) if args.notes else ""
     reports = [load_report(path) for path in args.report]
     for path, report in zip(args.report, reports):
         check_report_scores(report, path, args.checkpoint)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..files import read_text_file
 from ..vocab import tokenize
 
 #: the coarse phrase types of Flickr30k Entities (arXiv:1505.04870, §3), "notvisual" aside
@@ -174,7 +175,7 @@ class EntitiesDataset:
         self.unrelated: set[tuple[str, int]] = set()
         listing = self.root / "UNRELATED_CAPTIONS"
         if listing.exists():
-            for line in listing.read_text(encoding="utf-8").splitlines():
+            for line in read_text_file(listing).splitlines():
                 parts = line.split()
                 if len(parts) == 2 and parts[1].isdigit():  # the first line is a "# format:" comment
                     self.unrelated.add((parts[0], int(parts[1]) - 1))
@@ -191,6 +192,6 @@ class EntitiesDataset:
         annotation_file = self.root / "Annotations" / f"{flickr_id}.xml"
         if not (sentences_file.exists() and annotation_file.exists()):
             return None
-        sentences = parse_sentences(sentences_file.read_text(encoding="utf-8"), str(sentences_file))
+        sentences = parse_sentences(read_text_file(sentences_file), str(sentences_file))
         kept = [s for index, s in enumerate(sentences) if (flickr_id, index) not in self.unrelated]
         return EntityImage(flickr_id, kept, parse_annotation(annotation_file.read_bytes(), str(annotation_file)))

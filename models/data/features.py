@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from ..encoder import EncoderSpec, GridEncoder, ImageDecodeError, load_image, preprocess, weights_sha256
-from ..files import is_newer_format, write_atomically
+from ..files import is_newer_format, read_json_file, write_atomically
 from ..progress import progress_bar
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage
@@ -103,18 +103,23 @@ class FeatureStore:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         try:
-            index = json.loads((self.folder / INDEX).read_text())
+            index = read_json_file(self.folder / INDEX, "a feature store's index")
         except FileNotFoundError:
             raise FeatureStoreError(f"{self.folder} is not a finished feature store: {INDEX} is missing") from None
+        except ValueError as exc:  # torn or altered: extracted again in its place, as a store of another format
+            raise FeatureStoreError(str(exc)) from None
         if index.get("format") != FORMAT:
             if is_newer_format(index.get("format"), FORMAT):
                 raise NewerFeatureStore(f"{self.folder} was written by a newer version of the project (format "
                                         f"{index['format']!r}; this one reads {FORMAT!r}): give this version "
                                         "another cache folder, or upgrade it")
             raise FeatureStoreError(f"{self.folder}: unknown feature store format {index.get('format')!r}")
-        self.item_shape = tuple(index["item_shape"])
-        self.shard_files = [self.folder / name for name in index["shards"]]
-        self.location: dict[str, tuple[int, int]] = {key: (s, r) for key, (s, r) in index["index"].items()}
+        try:
+            self.item_shape = tuple(index["item_shape"])
+            self.shard_files = [self.folder / name for name in index["shards"]]
+            self.location: dict[str, tuple[int, int]] = {key: (s, r) for key, (s, r) in index["index"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FeatureStoreError(f"{self.folder / INDEX} is not a feature store's index ({exc!r})") from None
         self.encoder = index.get("encoder")
         # the sha256 of each weights file of the spec (:func:`weights_sha256`); a store written before local ImageNet
         # files were known by content recorded the fine-tuned stages' alone
@@ -143,7 +148,11 @@ class FeatureStore:
 
     def shard(self, number: int) -> np.ndarray:
         if self._shards[number] is None:  # mapped on first use; nothing is read until rows are indexed
-            self._shards[number] = np.load(self.shard_files[number], mmap_mode="r", allow_pickle=False)
+            try:
+                self._shards[number] = np.load(self.shard_files[number], mmap_mode="r", allow_pickle=False)
+            except ValueError as exc:  # cut short or overwritten since its index was written
+                raise ValueError(f"{self.shard_files[number]} is not a whole feature shard ({exc}): remove "
+                                 f"{self.folder} and run again to extract it anew") from None
         return self._shards[number]
 
     def get_numpy(self, keys: Sequence[str]) -> np.ndarray:
@@ -313,7 +322,11 @@ def _finished_shards(folder: Path, shards: Sequence[Sequence[int]], shard_size: 
     under one shard size, so the shards of a run started with another size (``--shard-size``) are discarded, not
     read as if they held other images."""
     layout = folder / LAYOUT
-    if layout.exists() and json.loads(layout.read_text()).get("shard_size") != shard_size:
+    try:
+        recorded = read_json_file(layout, "a shard layout").get("shard_size") if layout.exists() else shard_size
+    except ValueError:  # torn: the shards' size cannot be told, so they are not kept
+        recorded = None
+    if recorded != shard_size:
         for stale in folder.glob("shard-*.npy"):
             stale.unlink()
     _write_json_atomically(layout, {"shard_size": shard_size})

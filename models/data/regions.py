@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import json
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 from PIL import Image
 
 from ..encoder import EncoderSpec, crop_box
-from ..files import write_atomically
+from ..files import read_json_file, write_atomically
 from ..progress import progress_bar
 from ..protocol import Geometry, VisualBatch
 from .features import extract_features
@@ -55,8 +56,11 @@ def save_regions(path: str | Path, features: np.ndarray, boxes: np.ndarray, imag
 def read_regions(path: str | Path) -> tuple[np.ndarray, Geometry]:
     """One image's features ``[N, D]`` and its ``Geometry(kind="regions")``."""
     path = Path(path)
-    with np.load(path) as data:
-        features, boxes, size = data["features"], data["boxes"].astype(np.float32), data["image_size"]
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            features, boxes, size = data["features"], data["boxes"].astype(np.float32), data["image_size"]
+    except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # not an .npz, cut short, an array missing
+        raise ValueError(f"{path} is not a region file (an .npz of features, boxes and image_size: {exc})") from None
     _check(path, features, boxes, size)
     return features, Geometry(kind="regions", image_size=(int(size[0]), int(size[1])), grid_hw=None, boxes=boxes)
 
@@ -78,7 +82,7 @@ class RegionStore:
         if not self.folder.is_dir():
             raise FileNotFoundError(f"region feature folder {self.folder} does not exist")
         manifest = self.folder / MANIFEST
-        self.manifest = json.loads(manifest.read_text()) if manifest.exists() else {}
+        self.manifest = read_json_file(manifest, "a region folder's manifest") if manifest.exists() else {}
         self.file_of: dict[str, Path] = {}
         missing = []
         for im in images:
@@ -95,7 +99,10 @@ class RegionStore:
             raise FileNotFoundError(f"{len(missing)} image(s) have no region file in {self.folder}, e.g. "
                                     f"{', '.join(missing[:3])} (named after the image file, the image id or COCO's id)")
         if "feat_dim" in self.manifest:
-            self.feat_dim = int(self.manifest["feat_dim"])
+            feat_dim = self.manifest["feat_dim"]
+            if not isinstance(feat_dim, int) or isinstance(feat_dim, bool) or feat_dim < 1:
+                raise ValueError(f"{manifest}: feat_dim is {feat_dim!r}, not a feature width")
+            self.feat_dim = feat_dim
         else:
             first = next(iter(self.file_of.values()), None)
             self.feat_dim = int(read_regions(first)[0].shape[1]) if first is not None else 0

@@ -13,7 +13,7 @@ from ..checkpoint import CARD, WEIGHTS, checkpoint_name, load_checkpoint, read_c
 from ..data.datasets import named_by_path, trained_on
 from ..data.scenes import describe_dataset, read_dataset_header
 from ..decoding import DecodingRules
-from ..files import file_checksum
+from ..files import file_checksum, read_json_file
 from .params import count_parameters
 
 METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D", "objects_named", "SPICE")
@@ -100,13 +100,17 @@ def _row(name: str, scores: dict[str, Any], metrics: tuple[str, ...] = METRICS) 
 def load_report(path: str | Path) -> dict[str, Any]:
     """A ``captioner eval --output`` report, refused (ValueError naming the file) when the file is something else,
     such as the captions of ``--results-json``: a card written from it would hold an empty table."""
-    try:
-        report = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not JSON ({exc})") from None
+    report = read_json_file(path, "a report of `captioner eval --output`", kind=object)
     if not isinstance(report, dict) or not any(isinstance(v, dict) and "images" in v for v in report.values()):
         raise ValueError(f"{path} is not a report of `captioner eval --output` (it holds no scored split; "
                          "--results-json writes captions, not scores)")
+    DecodingRules.of_checkpoint(report, str(path))  # its rules are printed on the card
+    for split, scores in report.items():
+        if isinstance(scores, dict) and "images" in scores:
+            wrong = next((m for m in METRICS if not isinstance(scores.get(m), (int, float, str, type(None)))
+                          or isinstance(scores.get(m), bool)), None)
+            if wrong is not None:
+                raise ValueError(f"{path}: the {split} split's {wrong} is {scores[wrong]!r}, not a score")
     return report
 
 

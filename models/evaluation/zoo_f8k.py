@@ -10,7 +10,6 @@ a number no report holds is "—", never filled in.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.datasets import CITATIONS
+from ..files import read_json_file
 from ..protocol import configured_normaliser
 from .zoo_table import write_between_markers
 
@@ -72,10 +72,7 @@ def title(name: str, config: dict[str, Any] | None) -> str:
 
 
 def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{path} is not JSON: {exc}") from None
+    return read_json_file(path, "a `captioner eval` report", kind=object)
 
 
 def read_report(path: Path, split: str, config: dict[str, Any] | None,
@@ -94,7 +91,7 @@ def read_report(path: Path, split: str, config: dict[str, Any] | None,
     if config is not None and "decoding" in report:
         # compared as rules: a report written before a rule existed names no value for it, which is its default
         own = DecodingRules.of_checkpoint(config.get("meta", {}))
-        if DecodingRules.of_checkpoint(report) != own:
+        if DecodingRules.of_checkpoint(report, str(path)) != own:
             raise ValueError(f"{path} was decoded with {report['decoding']}, not the checkpoint's defaults "
                              f"{asdict(own)}")
     if checkpoint is not None:

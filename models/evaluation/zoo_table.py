@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import checkpoint_children, described_model, read_config
+from ..files import read_text_file
 from ..protocol import configured_normaliser
 from .card import load_report, merge_reports, total_train_seconds
 from .params import count_parameters
@@ -180,9 +181,12 @@ def write_between_markers(document: Path, block: list[str]) -> str:
     """Put ``block`` (its first and last lines are the markers) in place of the document's text between those
     markers, or append it once when the document has none; the prose around it stays."""
     start, end = block[0], block[-1]
-    text = document.read_text() if document.exists() else ""
+    text = read_text_file(document) if document.exists() else ""
     if start in text and end in text:
         before, rest = text.split(start, 1)
+        if end not in rest:  # the markers in the wrong order: which text is the generated part cannot be told
+            raise ValueError(f"{document}: {end} comes before {start}: put the markers in order (the text between "
+                             "them is replaced)")
         text = before + "\n".join(block) + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(block) + "\n"

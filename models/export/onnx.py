@@ -48,8 +48,8 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint
-from ..files import (file_checksum, is_newer_format, replace_directory, temporary_beside, temporary_target,
-                     write_atomically)
+from ..files import (file_checksum, is_newer_format, read_json_file, replace_directory, temporary_beside,
+                     temporary_target, write_atomically)
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
 from .sessions import open_session
@@ -106,7 +106,7 @@ def intact(path: Path) -> bool:
 def _matches_seal(path: str, stamps: tuple) -> bool:  # ``stamps`` keys the cache: a rewritten file misses it
     try:
         return file_checksum(Path(path)) == Path(path + SEAL_SUFFIX).read_text().strip()
-    except OSError:
+    except (OSError, ValueError):  # a seal that is not text (UnicodeDecodeError) seals nothing
         return False
 
 
@@ -285,10 +285,14 @@ class GraphSpec:
 
     @classmethod
     def load(cls, folder: Path) -> "GraphSpec":
-        data = json.loads((Path(folder) / SPEC_FILE).read_text())
+        path = Path(folder) / SPEC_FILE
+        data = read_json_file(path, "an ONNX export's record")
         if data.get("format") != FORMAT:
             raise ValueError(f"{folder}: unknown ONNX export format {data.get('format')!r}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a field missing or unknown
+            raise ValueError(f"{path} is not an ONNX export's record ({exc})") from None
 
 
 class EncoderGraph(nn.Module):
@@ -634,6 +638,8 @@ def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Pa
             try:
                 recorded = json.loads(record.read_text())
             except (OSError, ValueError):
+                continue
+            if not isinstance(recorded, dict):  # not a record this exporter wrote: its folder is not removed
                 continue
             same_spec = recorded.get("spec") == _spec_record(spec)["spec"]
             if same_spec and not is_newer_format(recorded.get("format"), FORMAT) and _holds_only_export_files(folder):

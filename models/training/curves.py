@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from .run_log import METRICS_LOG, iter_records
+from .run_log import METRICS_LOG, is_number, iter_records
 
 #: training losses drawn when a run logs them (XE, SCST), and the validation metrics drawn per epoch
 LOSS_KEYS = ("xe", "scst", "reward")
@@ -21,6 +21,9 @@ def read_metrics(run: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
         raise FileNotFoundError(f"{path} does not exist: is {run} a training run folder?")
     steps, epochs = [], []
     for _, record in iter_records(path, strict=False):
+        # only the numbers a curve can draw: a field of another kind (a log edited by hand) is left out, not a
+        # matplotlib traceback
+        record = {key: value for key, value in record.items() if is_number(value) or key == "kind"}
         (epochs if record.get("kind") == "epoch" else steps).append(record)
     return steps, epochs
 
@@ -45,14 +48,14 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path, labels: Sequence[str]
     for ax, (kind, keys) in zip(axes[0], panels):
         for color, label, (steps, epochs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 10, labels, data):
             if kind == "score":
-                points = [(e["epoch"], e[keys[0]]) for e in epochs if keys[0] in e]
+                points = [(e["epoch"], e[keys[0]]) for e in epochs if keys[0] in e and "epoch" in e]
                 if points:
                     ax.plot(*zip(*points), marker="o", color=color, label=label)
                 ax.set_xlabel("epoch")
                 ax.set_title(f"validation {keys[0]}")
                 continue
             for style, key in zip(("-", "--", ":"), keys):
-                points = [(s["step"], s[key]) for s in steps if key in s]
+                points = [(s["step"], s[key]) for s in steps if key in s and "step" in s]
                 if points:
                     ax.plot(*zip(*points), style, color=color, label=f"{label} {key}" if len(keys) > 1 else label)
             ax.set_xlabel("step")

@@ -151,7 +151,7 @@ def _open_run_dir(run_dir: Path, cfg: TrainConfig, ctx: DistContext, resume: boo
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"--out {run_dir} is a file; a run is a folder (best/, last/, {METRICS_LOG}, "
                               "train_state.*): choose another --out")
-    saved = load_state(run_dir) if resume else None
+    saved = load_state(run_dir, objects=("config", "progress", "model", "optimizer")) if resume else None
     if resume and saved is None:  # a mistyped --out: it trained a new run from scratch (or stopped on a data set
         # error about the default --dataset, where the command named none)
         raise FileNotFoundError(f"nothing to resume in {run_dir} (no {STATE_JSON}): check --out, or drop --resume "

@@ -15,6 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from ..files import read_text_file
+
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 PHASE_TABLES = ("xe", "scst")
 
@@ -38,15 +40,21 @@ def load_recipe(name: str, phase: str | None = None) -> dict[str, Any]:
     ``xe``), with ``recipe`` and ``phase`` filled in.  Unknown keys are an error, so a typo cannot pass silently."""
     from .config import TrainConfig
 
-    with open(recipe_path(name), "rb") as handle:
-        data = tomllib.load(handle)
+    path = recipe_path(name)
+    try:
+        data = tomllib.loads(read_text_file(path))
+    except tomllib.TOMLDecodeError as exc:  # its message names a line, not the file
+        raise ValueError(f"{path} is not a recipe (not TOML: {exc})") from None
     phase = phase or data.get("phase", "xe")
+    if not isinstance(phase, str):
+        raise ValueError(f"{path}: phase is {phase!r}, not a stage's name ({', '.join(PHASE_TABLES)})")
     if phase not in data and phase in PHASE_TABLES and any(t in data for t in PHASE_TABLES):
         raise ValueError(f"recipe {name!r} has no [{phase}] stage (it has: "
                          f"{', '.join(t for t in PHASE_TABLES if t in data)})")
     values = {k: v for k, v in data.items() if k not in PHASE_TABLES}
-    stage = data.get(phase, {})
-    model_args = {**values.pop("model_args", {}), **stage.get("model_args", {})}
+    stage = _table(path, data, phase)
+    model_args = {**_table(path, values, "model_args"), **_table(path, stage, "model_args", f"{phase}.")}
+    values.pop("model_args", None)
     values.update({k: v for k, v in stage.items() if k != "model_args"})
     if model_args:
         values["model_args"] = model_args
@@ -55,6 +63,15 @@ def load_recipe(name: str, phase: str | None = None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"recipe {name!r}: unknown setting(s) {', '.join(unknown)}")
     return {**values, "recipe": name, "phase": phase}
+
+
+def _table(path: Path, within: dict[str, Any], key: str, prefix: str = "") -> dict[str, Any]:
+    """The table ``key`` of a recipe (empty when absent): a value where a table belongs is a ValueError naming the
+    file, where merging it would be a TypeError naming none."""
+    value = within.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: {prefix}{key} is {value!r}, not a table ([{prefix}{key}] or {key} = {{...}})")
+    return value
 
 
 #: fields that only say how a run is watched, not what it trains

@@ -61,8 +61,9 @@ def iter_records(path: Path, strict: bool) -> Iterator[tuple[str, Any]]:
     ``strict``: every line is one of this loop's records (a JSON object of a kind in :data:`KINDS`), except at most
     the start of one more after the last newline (a write that was killed), which is passed over; any other line
     raises ValueError.  Any file can be checked: undecodable bytes are read as U+FFFD, not raised.
-    Otherwise a line that is not JSON (torn by a kill) is passed over and every other is yielded as it parses."""
-    text = path.read_text(errors="replace" if strict else None)
+    Otherwise a line that is not JSON (torn by a kill), not UTF-8 or not a JSON object is passed over and every
+    other is yielded as it parses (the loop writes ASCII JSON: a U+FFFD stands for bytes that were not UTF-8)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
     lines = text.splitlines()
     if strict and lines and not text.endswith("\n"):
         torn = lines.pop()
@@ -74,6 +75,8 @@ def iter_records(path: Path, strict: bool) -> Iterator[tuple[str, Any]]:
         except json.JSONDecodeError:
             if strict:
                 raise ValueError(f"{path}, line {number}: not JSON") from None
+            continue
+        if not strict and (not isinstance(record, dict) or "\ufffd" in line):
             continue
         if strict and not (isinstance(record, dict) and record.get("kind") in KINDS):
             raise ValueError(f"{path}, line {number}: not a record of this loop")
@@ -96,12 +99,17 @@ def append_record(run_dir: Path, record: StepLog | EpochLog) -> None:
         handle.write(json.dumps(record.to_json()) + "\n")
 
 
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def trim_metrics_log(path: Path, last_step: int) -> None:
     """On resume, drop records of steps after ``last_step``, the snapshot's (they will be trained again), and a torn
     last line."""
     if not path.exists():
         return
-    keep = [line for line, record in iter_records(path, strict=False) if record.get("step", 0) <= last_step]
+    keep = [line for line, record in iter_records(path, strict=False)
+            if not (is_number(record.get("step")) and record["step"] > last_step)]
     # a new file renamed over the old one: a crash in the middle leaves the whole log, never half of it
     trimmed = path.with_name(f".{path.name}.trimmed")
     trimmed.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from ..checkpoint import CheckpointError
-from ..files import file_checksum, temporaries_of, write_atomically, write_durably
+from ..files import file_checksum, read_json_file, temporaries_of, write_atomically, write_durably
 
 STATE_TENSORS, STATE_JSON = "train_state.safetensors", "train_state.json"
 TENSORS_KEY = "__tensors__"
@@ -32,13 +33,17 @@ def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _join(obj: Any, tensors: dict[str, torch.Tensor], source: Path | None = None) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {"__tensor__"}:
-            return tensors[obj["__tensor__"]]
-        return {k: _join(v, tensors) for k, v in obj.items()}
+            try:
+                return tensors[obj["__tensor__"]]
+            except (KeyError, TypeError):
+                raise CheckpointError(f"{source} names a tensor {obj['__tensor__']!r} its tensor file does not hold "
+                                      "(altered): refusing to resume from it") from None
+        return {k: _join(v, tensors, source) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
+        return [_join(v, tensors, source) for v in obj]
     return obj
 
 
@@ -59,25 +64,34 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     (run_dir / STATE_TENSORS).unlink(missing_ok=True)  # the single-file layout of older runs
 
 
-def load_state(run_dir: Path) -> dict[str, Any] | None:
+def load_state(run_dir: Path, objects: Sequence[str] = ()) -> dict[str, Any] | None:
     """The saved state, or None; a state whose tensor file does not match the sha256 its JSON records (torn,
-    foreign, altered) is refused with :class:`~captioner.models.checkpoint.CheckpointError`."""
-    if not (run_dir / STATE_JSON).exists():
+    foreign, altered), or that lacks one of the ``objects`` its reader takes from it (each a JSON object), is refused
+    with :class:`~captioner.models.checkpoint.CheckpointError`."""
+    path = run_dir / STATE_JSON
+    if not path.exists():
         return None
     try:
-        skeleton = json.loads((run_dir / STATE_JSON).read_text())
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{run_dir / STATE_JSON} is not valid JSON (torn or altered)") from None
+        skeleton = read_json_file(path, "a training run's state")
+    except ValueError as exc:
+        raise CheckpointError(f"{exc} (torn or altered): refusing to resume from it") from None
+    # what the reader takes from the JSON itself (the tensors are checked by their sha256 below)
+    wrong = [key for key in objects if not isinstance(skeleton.get(key), dict)]
     ref = skeleton.pop(TENSORS_KEY, None)
+    if wrong or not (ref is None or isinstance(ref, dict) and isinstance(ref.get("file"), str)
+                     and isinstance(ref.get("sha256"), str)):
+        raise CheckpointError(f"{path} is not a training run's state (altered: "
+                              f"{', '.join(wrong) or TENSORS_KEY} missing or of the wrong kind): refusing to resume "
+                              "from it")
     if ref is None:  # written before the state carried its own checksum
-        return _join(skeleton, load_file(run_dir / STATE_TENSORS))
+        return _join(skeleton, load_file(run_dir / STATE_TENSORS), path)
     tensor_file = run_dir / ref["file"]
     if not tensor_file.is_file():
         raise CheckpointError(f"{tensor_file}, named by {STATE_JSON}, is missing")
     if file_checksum(tensor_file) != ref["sha256"]:
         raise CheckpointError(f"{tensor_file} does not match the sha256 in {STATE_JSON}: torn, foreign or altered; "
                               "refusing to resume from it")
-    return _join(skeleton, load_file(tensor_file))
+    return _join(skeleton, load_file(tensor_file), path)
 
 
 def restore_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
