@@ -289,9 +289,12 @@ def verify_manifest(path: str | Path, recorded: bytes | None = None) -> dict[str
                               f"files, record them with `captioner manifest {path}`") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(f"{path / MANIFEST} is not valid JSON (torn or altered)") from None
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise CheckpointError(f"{path / MANIFEST}: unknown manifest format {manifest.get('format')!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path / MANIFEST}: unknown manifest format {found!r}")
     listed = manifest.get("files", {})
+    if not isinstance(listed, dict) or not all(isinstance(entry, dict) for entry in listed.values()):
+        raise CheckpointError(f"{path / MANIFEST}: its files are not a manifest's records (altered)")
     for name in (WEIGHTS, CONFIG, VOCAB):
         if name not in listed:
             raise CheckpointError(f"{path / MANIFEST} does not list {name}")
@@ -354,8 +357,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise not_a_checkpoint(path) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / CONFIG} is not valid JSON ({exc})") from None
-    if config.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {config.get('format')!r} (expected {FORMAT})")
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise CheckpointError(f"{path}: unknown checkpoint format {found!r} (expected {FORMAT})")
     return config
 
 

@@ -101,6 +101,22 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
             load_checkpoint(path)
 
 
+@pytest.mark.parametrize("file, damage, message", [
+    ("manifest.json", "[1]", "manifest.json: unknown manifest format 'list'"),
+    ("manifest.json", "files", "manifest.json: its files are not a manifest's records"),
+    ("config.json", "[1]", "unknown checkpoint format 'list'")])
+def test_json_of_another_shape_is_a_checkpoint_error(file, damage, message, tmp_path, tiny_sat, vocab):
+    """A manifest or config that is JSON but not an object, or a manifest whose records are not (altered): named,
+    where they were an AttributeError traceback."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    if damage == "files":
+        manifest = json.loads((path / file).read_text())
+        damage = json.dumps({**manifest, "files": {**manifest["files"], "config.json": 5}})
+    (path / file).write_text(damage)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(path, verify=file == "manifest.json")
+
+
 @pytest.mark.parametrize("text", ['{"itos": ["a"]}', "{not json", "{}", "[1]", '{"itos": 3}', '"\\ud800"'])
 def test_a_file_that_is_not_a_vocabulary_is_a_checkpoint_error_naming_it(tmp_path, tiny_sat, vocab, text):
     """Read without the manifest (what `captioner manifest` checks a folder with), a torn vocabulary was a parser's
