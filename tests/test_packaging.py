@@ -167,11 +167,13 @@ def test_every_set_up_takes_cpu_only_torch_before_the_project(tmp_path):
 def test_every_set_up_installs_the_releases_the_constraints_pin():
     """``make setup`` and ``make serve`` install within docker/constraints.txt (``make lock``), and ``CONSTRAINTS=``
     installs without it."""
-    installs = [line for line in make("-n", "setup", "VENV=/nowhere", "TORCH_CPU_INDEX=").splitlines()
-                if "pip install" in line and " -e '" in line]
+    def project_installs(*settings: str) -> list[str]:
+        printed = make("-n", "setup", "VENV=/nowhere", "TORCH_CPU_INDEX=", *settings).splitlines()
+        return [line for line in printed if "pip install" in line and " -e '" in line]
+
+    installs = project_installs()
     assert installs and all("-c docker/constraints.txt -e '" in line for line in installs), installs
-    unpinned = [line for line in make("-n", "setup", "VENV=/nowhere", "TORCH_CPU_INDEX=", "CONSTRAINTS=").splitlines()
-                if "pip install" in line and " -e '" in line]
+    unpinned = project_installs("CONSTRAINTS=")
     assert unpinned and not any(" -c " in line for line in unpinned), unpinned
 
 
