@@ -158,8 +158,8 @@ def replace_files(path: str | Path, files: Mapping[str, str | bytes]) -> Path:
     os.mkdir(tmp)
     try:
         for entry in path.iterdir():
-            if entry.name in files:
-                continue
+            if entry.name in files or temporary_target(entry.name) is not None:
+                continue  # another writer's file in flight (`captioner manifest`'s): renamed or gone at any moment
             if entry.is_dir() and not entry.is_symlink():
                 shutil.copytree(entry, tmp / entry.name, symlinks=True, copy_function=_link_or_copy)
             else:

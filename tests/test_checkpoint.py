@@ -417,3 +417,51 @@ def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_pat
         assert (folder / "cnn.safetensors").read_bytes() == b"weights"
         assert "cnn.safetensors" in json.loads((folder / "manifest.json").read_text())["files"]
         assert load_checkpoint(folder).meta["note"] == "rewritten"
+
+
+def test_manifest_command_never_seals_a_folder_replaced_while_it_read_its_files(tmp_path, tiny_sat, vocab,
+                                                                                  monkeypatch):
+    """``captioner card`` (or a training run's save) replaces a checkpoint whole; ``captioner manifest`` running at
+    the same time read the old folder's files and wrote their digests into the new folder, which then refused to
+    load ("MODEL_CARD.md does not match its sha256") although both commands had succeeded."""
+    from captioner.models import checkpoint as module
+    from captioner.models.checkpoint import CARD, replace_files
+    from captioner.service.cli import main
+
+    folder = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (folder / CARD).write_text("# edited by hand\n")
+    real_records, cards = module.file_records, []
+
+    def card_written_meanwhile(path):
+        records = real_records(path)
+        if not cards:  # `captioner card` swaps in its folder between the manifest's reading and its writing
+            cards.append(folder)
+            replace_files(folder, {CARD: "# written by captioner card\n"})
+        return records
+
+    monkeypatch.setattr(module, "file_records", card_written_meanwhile)
+    main(["manifest", str(folder)])
+    assert cards and (folder / CARD).read_text() == "# written by captioner card\n"
+    assert load_checkpoint(folder).checksum  # still loads: sealed with the digests of the files it holds
+
+
+def test_a_card_written_while_another_writer_renames_its_temporary_file_is_written(tmp_path, tiny_sat, vocab,
+                                                                                  monkeypatch):
+    """``captioner manifest`` writes ``.manifest.json.tmp-XXXXXXXX`` and renames it; ``captioner card`` at the same
+    time listed it, found it gone when it linked it, and failed with "manifest.json: No such file or directory"."""
+    from captioner.models import checkpoint as module
+    from captioner.models.checkpoint import CARD, replace_files
+
+    folder = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    in_flight = folder / ".manifest.json.tmp-0a1b2c3d"
+    in_flight.write_text((folder / "manifest.json").read_text())
+    real_link = module._link_or_copy
+
+    def renamed_meanwhile(source, target):
+        in_flight.unlink(missing_ok=True)  # the other writer's rename lands between the listing and the link
+        real_link(source, target)
+
+    monkeypatch.setattr(module, "_link_or_copy", renamed_meanwhile)
+    replace_files(folder, {CARD: "# sat\n"})
+    assert (folder / CARD).read_text() == "# sat\n" and load_checkpoint(folder).checksum
+    assert not list(folder.glob(".*"))

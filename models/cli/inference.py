@@ -252,11 +252,10 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
 
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
-    from ..checkpoint import (CheckpointError, file_records, is_checkpoint, load_checkpoint, manifest_changes,
-                              model_files, write_manifest)
+    from ..checkpoint import LOAD_ATTEMPTS, CheckpointError, is_checkpoint, load_checkpoint, write_manifest
 
     folders = list(map(Path, args.checkpoints))
-    changes, records = {}, {}
+    sealing = {}
     for folder in folders:  # every folder checked before any manifest is written: a mistake seals nothing
         if not is_checkpoint(folder):
             raise SystemExit(f"error: {folder} is not a checkpoint folder (needs config.json and model.safetensors); "
@@ -265,18 +264,54 @@ def cmd_manifest(args: argparse.Namespace) -> None:
             load_checkpoint(folder, verify=False)
         except CheckpointError as exc:
             raise SystemExit(f"error: {exc}; no manifest was written") from None
-        records[folder] = file_records(folder)  # hashed once: compared with the manifest there, then written
-        changes[folder] = manifest_changes(folder, records[folder])
-        # a card or a note edited beside the model is what resealing is for; the model's own files changing under
-        # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
-        changed_model = sorted(set(changes[folder] or ()) & model_files(folder))
-        if changed_model and not args.force:
-            raise SystemExit(f"error: {', '.join(str(folder / name) for name in changed_model)} changed since "
-                             f"{folder / 'manifest.json'} was written (altered or torn?): pass --force to record "
-                             "the files as they are now; no manifest was written")
+        sealing[folder] = _what_to_seal(folder, args.force)
     for folder in folders:
-        changed = f" (changed since the last one: {', '.join(changes[folder])})" if changes[folder] else ""
-        print(f"wrote {write_manifest(folder, records[folder])}{changed}")
+        # another process may replace the folder whole meanwhile (`captioner card`, a training run's save): the
+        # digests read from the old folder, written into the new one, stopped it loading; so the folder must be the
+        # one read from until the manifest is in it, else what is there now is read and sealed
+        for _ in range(LOAD_ATTEMPTS):
+            inode, records, changes = sealing[folder]
+            try:
+                written = write_manifest(folder, records)
+            except FileNotFoundError:  # the folder it was writing into was swapped out and removed
+                written = None
+            if written is not None and _inode(folder) == inode:
+                break
+            # forced: the folder there now was sealed by the writer that swapped it in, and its model files differ
+            # from its manifest only where this command's own stale write landed in it
+            sealing[folder] = _what_to_seal(folder, force=True)
+        else:
+            raise SystemExit(f"error: {folder} was replaced {LOAD_ATTEMPTS} times while it was being sealed (a "
+                             "training run or `captioner card` writing it?): run this again once it has moved on")
+        changed = f" (changed since the last one: {', '.join(changes)})" if changes else ""
+        print(f"wrote {written}{changed}")
+
+
+def _inode(folder: Path) -> tuple[int, int] | None:
+    """Which folder ``folder`` names now (None: none, between the two renames of a swap)."""
+    try:
+        status = folder.stat()
+    except FileNotFoundError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+def _what_to_seal(folder: Path, force: bool) -> tuple[tuple[int, int] | None, dict, list[str] | None]:
+    """The folder's identity (:func:`_inode`), its file records (hashed once: compared with the manifest there,
+    then written) and what changed under its manifest, read in that order."""
+    from ..checkpoint import file_records, manifest_changes, model_files
+
+    inode = _inode(folder)
+    records = file_records(folder)
+    changes = manifest_changes(folder, records)
+    # a card or a note edited beside the model is what resealing is for; the model's own files changing under
+    # their manifest is what it exists to catch (a flipped byte then loaded as trusted weights)
+    changed_model = sorted(set(changes or ()) & model_files(folder))
+    if changed_model and not force:
+        raise SystemExit(f"error: {', '.join(str(folder / name) for name in changed_model)} changed since "
+                         f"{folder / 'manifest.json'} was written (altered or torn?): pass --force to record "
+                         "the files as they are now; no manifest was written")
+    return inode, records, changes
 
 
 @_group.command("manifest")
