@@ -16,6 +16,7 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -176,7 +177,7 @@ def read_text_file(path: str | Path) -> str:
         raise ValueError(f"{path}:{line} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
-def read_json_file(path: str | Path, what: str = "JSON", kind: type = dict) -> object:
+def read_json_file(path: str | Path, what: str = "JSON", kind: type = dict) -> Any:
     """The JSON value of ``path``, of Python type ``kind`` (an object, by default): a file that is not UTF-8, not
     JSON (empty, truncated) or holds another kind of value is a :class:`ValueError` naming the file and saying it
     is not ``what``."""
