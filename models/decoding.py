@@ -74,13 +74,19 @@ class DecodingRules:
         that is not an object of these rules' names and kinds is a :class:`ValueError` naming ``source`` (the file
         it was read from), not a TypeError from the constructor."""
         decoding = meta.get("decoding", {})
-        kinds = {"length_penalty": (int, float), "block_trigrams": (bool,), "block_doubled_words": (bool,)}
-        if not isinstance(decoding, dict) or any(not isinstance(value, kinds.get(name, ())) or
-                                                 (isinstance(value, bool) and name == "length_penalty")
-                                                 for name, value in decoding.items()):
+        defaults = {rule.name: rule.default for rule in fields(cls)}
+
+        def fits(name: str, value: object) -> bool:  # of its default's kind: a switch, or a number that is not one
+            return (name in defaults and isinstance(value, (int, float))
+                    and isinstance(value, bool) == isinstance(defaults[name], bool))
+
+        if not isinstance(decoding, dict) or not all(fits(name, value) for name, value in decoding.items()):
             raise ValueError(f"{source}: its 'decoding' is {decoding!r}, not an object of the decoding rules "
-                             f"({', '.join(kinds)})")
-        return cls(**decoding)
+                             f"({', '.join(defaults)})")
+        try:
+            return cls(**decoding)
+        except ValueError as exc:  # a value out of its range
+            raise ValueError(f"{source}: {exc}") from None
 
     def overridden(self, **named: float | bool | None) -> "DecodingRules":
         """These rules with the values a request or a command line names, by the rules' names (None: keep this

@@ -47,7 +47,7 @@ def test_a_document_that_is_not_utf8_is_named(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("change", [{"decoding": [1]}, {"decoding": {"beam": 3}}, {"decoding": {"length_penalty": "1"}},
-                                    {"test": {"CIDEr-D": [1]}}])
+                                    {"decoding": {"length_penalty": 9}}, {"test": {"CIDEr-D": [1]}}])
 def test_a_card_from_a_report_of_the_wrong_shape_names_it(change, tmp_path, capsys):
     checkpoint = shutil.copytree(ROOT / "weights" / "sat", tmp_path / "sat")
     report = json.loads(REPORT.read_text())
