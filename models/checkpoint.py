@@ -101,25 +101,29 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     remove_debris(path)
     tmp = temporary_beside(path)
     os.mkdir(tmp)  # not tempfile.mkdtemp: that makes the folder 0700 whatever the umask says
-    state = {k: (v.to(STORAGE_DTYPES[storage]) if v.is_floating_point() else v).detach().cpu().contiguous()
-             for k, v in model.state_dict().items()}
-    write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
-    for name, data in (files or {}).items():
-        if Path(name).name != name or name in OWN_FILES:
-            raise ValueError(f"{name!r} cannot be an extra file of a checkpoint folder")
-        write_durably(tmp / name, data)
-    config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
-              "special_ids": {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id},
-              "meta": meta or {}}
-    if storage != "float32":  # written only when it differs, so float32 checkpoints stay byte-identical
-        config["storage"] = storage
-    (tmp / CONFIG).write_text(json.dumps(config, indent=2))
-    vocab.save(tmp / VOCAB)
-    for name in (CONFIG, VOCAB):
-        fsync_path(tmp / name)
-    write_manifest(tmp)
-    fsync_path(tmp)
-    replace_directory(tmp, path)
+    try:
+        state = {k: (v.to(STORAGE_DTYPES[storage]) if v.is_floating_point() else v).detach().cpu().contiguous()
+                 for k, v in model.state_dict().items()}
+        write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
+        for name, data in (files or {}).items():
+            if Path(name).name != name or name in OWN_FILES:
+                raise ValueError(f"{name!r} cannot be an extra file of a checkpoint folder")
+            write_durably(tmp / name, data)
+        config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
+                  "special_ids": {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id},
+                  "meta": meta or {}}
+        if storage != "float32":  # written only when it differs, so float32 checkpoints stay byte-identical
+            config["storage"] = storage
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2))
+        vocab.save(tmp / VOCAB)
+        for name in (CONFIG, VOCAB):
+            fsync_path(tmp / name)
+        write_manifest(tmp)
+        fsync_path(tmp)
+        replace_directory(tmp, path)
+    except BaseException:  # a full disk: the half-written folder gives back its space (replace_files does the same)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 

@@ -32,9 +32,17 @@ def write_durably(path: Path, data: bytes) -> None:
         os.close(fd)
         path.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.filename is None:  # os.write's error names no file: this one does
-            raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+            raise naming(exc, path) from None
         raise
     os.close(fd)
+
+
+def naming(exc: OSError, path: str | Path) -> OSError:
+    """``exc`` naming ``path`` when it names no file (the error of a ``write`` or ``flush``: a full disk, a read-only
+    file system), so that :func:`describe_os_error` says ``PATH: reason`` and not the OS's reason alone."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, str(path))
 
 
 def fsync_path(path: Path) -> None:
@@ -137,6 +145,9 @@ def write_atomically(path: Path, data: bytes | str, durable: bool = False) -> No
         else:
             tmp.write_bytes(payload)
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk: Path.write_bytes's error names no file, and the CLI said only the reason
+        tmp.unlink(missing_ok=True)
+        raise naming(exc, path) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

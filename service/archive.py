@@ -27,12 +27,14 @@ import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from captioner.models.decoding import RULE_NAMES, DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
+from captioner.models.files import naming
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import save_picture
 
@@ -177,8 +179,11 @@ class CaptionLines:
 
     def write(self, record: dict) -> None:
         # one write call per complete line, flushed at once: a process killed after it loses nothing of it
-        self._file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk: the flush's error names no file (the CLI said only the reason)
+            raise naming(exc, self.path) from None
         self.done.add(record["path"])
         if time.monotonic() - self._synced >= self.fsync_every_s:
             self.sync()
@@ -188,10 +193,16 @@ class CaptionLines:
         self._synced = time.monotonic()
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file.closed:
+            return
+        try:
             self._file.flush()
             self.sync()
-            self._file.close()
+        except OSError as exc:  # the rest of a line a full disk cut short: its error names no file either
+            raise naming(exc, self.path) from None
+        finally:
+            with suppress(OSError):  # the same flush again, failing the same way; the descriptor is closed anyway
+                self._file.close()
 
 
 def caption_record(path: str, result: CaptionResult, attention: bool) -> dict:

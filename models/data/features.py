@@ -312,7 +312,10 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
             _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, sizes, files,
                             view)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
-            _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
+            try:
+                _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
+            except OSError:  # the disk that is full, or read-only, for the shards is for this record too: the
+                pass  # error that stopped the extraction is the one to tell, not this one's
             raise
     return FeatureStore(folder)
 
@@ -339,9 +342,10 @@ def _new_shard(path: Path, shape: tuple[int, ...]) -> np.memmap:
     """A float16 ``.npy`` file of ``shape`` mapped in memory, its bytes reserved on the disk first: the mapped file
     is otherwise sparse, and a write into it that the disk cannot hold is a SIGBUS (the process died with "Bus
     error" and no word of the full disk); a reservation that fails is an ``OSError`` naming the shard."""
-    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
-    size = path.stat().st_size
-    try:
+    array, size = None, int(np.prod(shape)) * np.dtype(np.float16).itemsize
+    try:  # the header open_memmap writes first can find the disk full too: the same error, naming the shard
+        array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float16, shape=shape)
+        size = path.stat().st_size
         if hasattr(os, "posix_fallocate"):  # Linux; elsewhere the sparse file stays
             with open(path, "r+b") as handle:
                 os.posix_fallocate(handle.fileno(), 0, size)

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint import Checkpoint
-from ..files import (file_checksum, is_newer_format, read_json_file, replace_directory, temporary_beside,
+from ..files import (file_checksum, is_newer_format, naming, read_json_file, replace_directory, temporary_beside,
                      temporary_target, write_atomically)
 from ..encoder import EncoderSpec, GridEncoder, grid_geometry, weights_sha256
 from ..protocol import Captioner, VisualBatch, index_rows
@@ -438,6 +438,12 @@ def _step_axes(spec: GraphSpec) -> dict[str, dict[int, str]]:
     return axes
 
 
+def _is_system_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the operating system's (it carries an errno: ENOSPC, EROFS, …), not an OSError a tracer
+    raises without one (``inspect``'s "could not get source code")."""
+    return isinstance(exc, OSError) and exc.errno is not None
+
+
 def _trace_graphs(arch: str, graphs: list[tuple], folder: Path) -> list[str]:
     """Trace each ``(what, module, inputs, file, input names, output names, axes)`` into ``folder``; returns the
     code sites whose tracer warnings say a Python value was frozen into a graph (for :func:`_verify` to name).
@@ -449,6 +455,8 @@ def _trace_graphs(arch: str, graphs: list[tuple], folder: Path) -> list[str]:
                 torch.onnx.export(graph.eval(), args, str(folder / file), input_names=names_in,
                                   output_names=names_out, dynamic_axes=axes, opset_version=OPSET, dynamo=False)
             except Exception as exc:  # the tracer's errors have many types; all mean "cannot be expressed"
+                if _is_system_error(exc):  # ... but a full disk's or a read-only folder's: expressed, not written
+                    raise naming(exc, folder / file) from None
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 raise ExportUnsupported(
                     f"{arch}: the TorchScript tracer cannot record the {what} "
@@ -674,6 +682,8 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
                                   dynamic_axes={"pixels": {0: "batch"}, "features": {0: "batch"}},
                                   opset_version=OPSET, dynamo=False)
             except Exception as exc:
+                if _is_system_error(exc):  # a full disk, a read-only folder: not a CNN the tracer cannot record
+                    raise naming(exc, tmp / VISUAL_FILE) from None
                 raise ExportUnsupported(f"visual encoder {spec.backbone}: the tracer cannot record it "
                                         f"({exc.__class__.__name__})") from exc
         onnx.checker.check_model(str(tmp / VISUAL_FILE))

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..checkpoint import check_replaceable, is_checkpoint
-from ..files import write_durably
+from ..files import naming, write_durably
 
 METRICS_LOG = "metrics.jsonl"
 #: the kinds of record this loop writes, and how every one of them starts (json.dumps of ``to_json()``)
@@ -95,8 +95,11 @@ def is_run_log(path: Path) -> bool:
 
 
 def append_record(run_dir: Path, record: StepLog | EpochLog) -> None:
-    with open(run_dir / METRICS_LOG, "a") as handle:
-        handle.write(json.dumps(record.to_json()) + "\n")
+    try:
+        with open(run_dir / METRICS_LOG, "a") as handle:
+            handle.write(json.dumps(record.to_json()) + "\n")
+    except OSError as exc:  # a full disk: the write's error names no file (a torn line is dropped on --resume)
+        raise naming(exc, run_dir / METRICS_LOG) from None
 
 
 def is_number(value: object) -> bool:

@@ -1,0 +1,128 @@
+"""A full disk (ENOSPC) while the project writes: the error names the file (the CLI's ``error: PATH: reason``), is an
+OS error and not another failure's (an ONNX graph "the tracer cannot record"), and leaves no half-written folder or
+file behind taking the space that ran out."""
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import captioner.models.checkpoint as checkpoint_module
+import captioner.models.data.features as features_module
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.encoder import EncoderSpec
+from captioner.models.export.onnx import _trace_graphs, export_visual_encoder
+from captioner.models.files import describe_os_error, write_atomically
+from captioner.models.training import run_log
+from captioner.models.vocab import Vocabulary
+from captioner.service.archive import CaptionLines
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = Vocabulary([f"w{i}" for i in range(19)])
+
+
+def full_disk(*args, **kwargs):
+    """What ``write``/``flush`` raise on a full disk: the reason, and no file name."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_one_and_leaves_no_folder_behind(
+        tmp_path, tiny_sat, monkeypatch):
+    path = save_checkpoint(tmp_path / "last", tiny_sat, VOCAB, EncoderSpec(image_size=128))
+    monkeypatch.setattr(checkpoint_module, "write_manifest", full_disk)  # after the weights: a folder to leave
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(path, tiny_sat, VOCAB, EncoderSpec())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]  # no .last.tmp-* holding the weights' bytes
+    assert load_checkpoint(path).encoder.image_size == 128
+
+
+def test_an_atomic_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(Path, "write_bytes", full_disk)
+    with pytest.raises(OSError) as caught:
+        write_atomically(tmp_path / "report.md", "text\n")
+    assert describe_os_error(caught.value) == f"{tmp_path / 'report.md'}: No space left on device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_tracing_is_an_os_error_naming_the_graph_not_an_unexportable_model(tmp_path, monkeypatch):
+    """Taken for ExportUnsupported, ``captioner export`` said "the tracer cannot record" (exit 0, or a traceback for
+    the CNN's graph) and the service recorded the weights as unexportable."""
+    monkeypatch.setattr(torch.onnx, "export", full_disk)
+    graph = ("encoder", torch.nn.Linear(2, 2), (torch.zeros(1, 2),), "encoder.onnx", ["x"], ["y"], {})
+    with pytest.raises(OSError) as caught:
+        _trace_graphs("sat", [graph], tmp_path)
+    assert describe_os_error(caught.value) == f"{tmp_path / 'encoder.onnx'}: No space left on device"
+    with pytest.raises(OSError) as caught:
+        export_visual_encoder(EncoderSpec(image_size=64), tmp_path / "onnx")
+    assert describe_os_error(caught.value).endswith("visual.onnx: No space left on device")
+    assert list((tmp_path / "onnx").iterdir()) == []
+
+
+def test_a_full_disk_for_a_shard_header_names_the_shard(tmp_path, monkeypatch):
+    monkeypatch.setattr(np.lib.format, "open_memmap", full_disk)
+    shard = tmp_path / "shard-00000.partial.npy"
+    with pytest.raises(OSError, match=f"no room for the feature shard {shard}"):
+        features_module._new_shard(shard, (8, 9, 320))
+
+
+def test_the_failure_record_of_an_extraction_does_not_hide_why_it_failed(tmp_path, monkeypatch):
+    def shards_on_a_full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "no room for the feature shard shard-00000.partial.npy")
+
+    def record(path, data):
+        if path.name == features_module.FAILED:
+            full_disk()
+
+    monkeypatch.setattr(features_module, "_extract_shards", shards_on_a_full_disk)
+    monkeypatch.setattr(features_module, "_write_json_atomically", record)
+    with pytest.raises(OSError, match="no room for the feature shard"):
+        features_module.extract_features([], EncoderSpec(), tmp_path, progress=False, rank=0)
+
+
+class FullDiskFile:
+    """A caption file whose disk filled: every flush fails as a write does, naming no file."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def flush(self):
+        full_disk()
+
+
+def test_a_caption_line_on_a_full_disk_names_the_output_file(tmp_path):
+    out = tmp_path / "captions.jsonl"
+    lines = CaptionLines(out, resume=False)
+    lines._file = FullDiskFile(lines._file)
+    with pytest.raises(OSError) as caught:
+        lines.write({"path": "a.jpg", "caption": "a dog"})
+    assert describe_os_error(caught.value) == f"{out}: No space left on device"
+    with pytest.raises(OSError) as caught:  # what the command's `finally` runs next: the same words, not bare ones
+        lines.close()
+    assert describe_os_error(caught.value) == f"{out}: No space left on device"
+
+
+def test_a_metrics_record_on_a_full_disk_names_the_log(tmp_path, monkeypatch):
+    """`captioner train` said "error: No space left on device" and no file when the metrics log filled the disk."""
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        write = staticmethod(full_disk)
+
+    monkeypatch.setattr(run_log, "open", FullDisk, raising=False)
+    with pytest.raises(OSError) as caught:
+        run_log.append_record(tmp_path, run_log.EpochLog(epoch=1, step=3, lr=0.1, losses={}, scores={}, seconds=0.5))
+    assert describe_os_error(caught.value) == f"{tmp_path / run_log.METRICS_LOG}: No space left on device"
