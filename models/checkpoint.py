@@ -402,7 +402,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify
         if _folder_identity(path) == before:
             return checkpoint
     raise CheckpointError(f"{path} was replaced {LOAD_ATTEMPTS} times while it was being loaded (a training run "
-                          "writing it?): load it again once the run has moved on")
+                          "or `captioner card` writing it?): load it again once the writer has moved on")
 
 
 def _load_once(path: Path, device: torch.device, verify: bool, manifest: bytes | None) -> Checkpoint:

@@ -36,6 +36,7 @@ from pathlib import Path
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
 from captioner.models.device import resolve_device
 from captioner.models.export.quantize import int8_kernels
+from captioner.models.files import describe_os_error
 from captioner.models.inference import Runtime, TorchRuntime
 from captioner.models.placement import DEFAULT_ONNX_DIR
 
@@ -119,7 +120,9 @@ def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: Shared
         drop_torch_weights(runtime)
         return runtime
     except (ExportUnsupported, NoCudaProvider, OSError) as exc:  # OSError: an ONNX folder it cannot write
-        log.error("%s: ONNX Runtime cannot run %s (%s); serving it with PyTorch", name, part, exc)
+        # an OS error as the CLI says it: the file it was to become, not an export's temporary folder
+        reason = describe_os_error(exc) if isinstance(exc, OSError) else exc
+        log.error("%s: ONNX Runtime cannot run %s (%s); serving it with PyTorch", name, part, reason)
     except Exception:  # noqa: BLE001 — ONNX Runtime's errors derive from Exception alone (see fastest_verified)
         log.error("%s: ONNX Runtime failed to load %s; serving it with PyTorch", name, part, exc_info=True)
     return None

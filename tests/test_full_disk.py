@@ -126,3 +126,31 @@ def test_a_metrics_record_on_a_full_disk_names_the_log(tmp_path, monkeypatch):
     with pytest.raises(OSError) as caught:
         run_log.append_record(tmp_path, run_log.EpochLog(epoch=1, step=3, lr=0.1, losses={}, scores={}, seconds=0.5))
     assert describe_os_error(caught.value) == f"{tmp_path / run_log.METRICS_LOG}: No space left on device"
+
+
+def test_the_servers_log_names_the_graph_a_full_disk_stopped_not_its_temporary_folder(tmp_path, monkeypatch, caplog):
+    """The model is served with PyTorch, and the log line says which file could not be written as the CLI would."""
+    from captioner.service import runtime
+
+    def export_on_a_full_disk(encoders, name, ckpt):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / ".sat.tmp-0badf00d" / "encoder.onnx"))
+
+    monkeypatch.setattr(runtime, "onnx_folder", export_on_a_full_disk)
+    with caplog.at_level("ERROR", logger=runtime.log.name):
+        assert runtime._on_onnx_runtime("sat", None, "onnx", None, 1) is None
+    assert f"({tmp_path / 'sat' / 'encoder.onnx'}: No space left on device); serving it with PyTorch" in caplog.text
+
+
+def test_a_resume_trims_the_metrics_log_through_a_temporary_named_as_the_log(tmp_path, monkeypatch):
+    """A run folder that cannot be written: the error names metrics.jsonl, not a ``.metrics.jsonl.trimmed``."""
+    log = tmp_path / run_log.METRICS_LOG
+    log.write_text('{"kind": "step", "step": 1}\n{"kind": "step", "step": 2}\n')
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+
+    monkeypatch.setattr(os, "replace", read_only)
+    with pytest.raises(OSError) as caught:
+        run_log.trim_metrics_log(log, 1)
+    assert describe_os_error(caught.value).startswith(f"{log}")
+    assert list(tmp_path.iterdir()) == [log] and log.read_text().count('"step":') == 2  # whole, and alone

@@ -7,13 +7,12 @@ and ``captioner plot`` (:func:`captioner.models.training.curves.read_metrics`), 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..checkpoint import check_replaceable, is_checkpoint
-from ..files import naming, write_durably
+from ..files import naming, write_atomically
 
 METRICS_LOG = "metrics.jsonl"
 #: the kinds of record this loop writes, and how every one of them starts (json.dumps of ``to_json()``)
@@ -114,10 +113,7 @@ def trim_metrics_log(path: Path, last_step: int) -> None:
     keep = [line for line, record in iter_records(path, strict=False)
             if not (is_number(record.get("step")) and record["step"] > last_step)]
     # a new file renamed over the old one: a crash in the middle leaves the whole log, never half of it
-    trimmed = path.with_name(f".{path.name}.trimmed")
-    trimmed.unlink(missing_ok=True)
-    write_durably(trimmed, "".join(f"{line}\n" for line in keep).encode())
-    os.replace(trimmed, path)
+    write_atomically(path, "".join(f"{line}\n" for line in keep), durable=True)
 
 
 def check_new_run_folder(run_dir: Path, announce: bool) -> None:
