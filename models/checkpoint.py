@@ -371,15 +371,25 @@ def read_config(path: str | Path) -> dict[str, Any]:
 LOAD_ATTEMPTS = 3
 
 
+def folder_inode(path: Path) -> tuple[int, int] | None:
+    """Which folder ``path`` names now (device and inode; None: none, between the two renames of a swap on a
+    system that cannot exchange folders): a writer that replaces a checkpoint whole puts another one there."""
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return status.st_dev, status.st_ino
+
+
 def _folder_identity(path: Path) -> tuple[int, int, bytes] | None:
     """What tells one saved folder from the next at ``path``: its inode (a number the file system may give the
     next folder again) and its manifest, whose digests name the files' contents."""
+    inode = folder_inode(path)
     try:
-        status = os.stat(path)
         manifest = (path / MANIFEST).read_bytes()
     except FileNotFoundError:  # between the two renames of a swap on a system that cannot exchange folders
         return None
-    return status.st_dev, status.st_ino, manifest
+    return None if inode is None else (*inode, manifest)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", verify: bool = True) -> Checkpoint:

@@ -145,11 +145,10 @@ def write_atomically(path: Path, data: bytes | str, durable: bool = False) -> No
         else:
             tmp.write_bytes(payload)
         os.replace(tmp, path)
-    except OSError as exc:  # a full disk: Path.write_bytes's error names no file, and the CLI said only the reason
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        raise naming(exc, path) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # a full disk: Path.write_bytes's error names no file (the CLI said the reason)
+            raise naming(exc, path) from None
         raise
     if durable:
         fsync_path(path.parent)

@@ -12,11 +12,16 @@ import pytest
 from captioner.service.cli import main
 
 
+def extract(scenes, cache):
+    """``captioner data features`` of the session's scene data set's val split into ``cache``."""
+    main(["data", "features", "--dataset", str(scenes.parent), "--split", "val", "--cache-dir", str(cache),
+          "--device", "cpu", "--threads", "1", "--no-progress"])
+
+
 @pytest.fixture(scope="module")
 def extracted(scenes, tmp_path_factory):
     cache = tmp_path_factory.mktemp("features")
-    main(["data", "features", "--dataset", str(scenes.parent), "--split", "val", "--cache-dir", str(cache),
-          "--device", "cpu", "--threads", "1", "--no-progress"])
+    extract(scenes, cache)
     (store,) = cache.iterdir()
     return cache, store.name
 
@@ -34,8 +39,7 @@ def test_a_damaged_store_is_extracted_again(file, content, extracted, scenes, tm
         del index["shards"]
         content = json.dumps(index).encode()
     (store / file).write_bytes(content)
-    main(["data", "features", "--dataset", str(scenes.parent), "--split", "val", "--cache-dir", str(cache),
-          "--device", "cpu", "--threads", "1", "--no-progress"])
+    extract(scenes, cache)
     assert json.loads((store / "index.json").read_text())["shards"]
 
 

@@ -252,7 +252,8 @@ def _add_storage(sub: argparse._SubParsersAction) -> None:
 
 def cmd_manifest(args: argparse.Namespace) -> None:
     """(Re)write the sha256 manifest of checkpoint folders whose files you trust (e.g. made before manifests)."""
-    from ..checkpoint import LOAD_ATTEMPTS, CheckpointError, is_checkpoint, load_checkpoint, write_manifest
+    from ..checkpoint import (LOAD_ATTEMPTS, CheckpointError, folder_inode, is_checkpoint, load_checkpoint,
+                              write_manifest)
 
     folders = list(map(Path, args.checkpoints))
     sealing = {}
@@ -275,7 +276,7 @@ def cmd_manifest(args: argparse.Namespace) -> None:
                 written = write_manifest(folder, records)
             except FileNotFoundError:  # the folder it was writing into was swapped out and removed
                 written = None
-            if written is not None and _inode(folder) == inode:
+            if written is not None and folder_inode(folder) == inode:
                 break
             # forced: the folder there now was sealed by the writer that swapped it in, and its model files differ
             # from its manifest only where this command's own stale write landed in it
@@ -287,21 +288,12 @@ def cmd_manifest(args: argparse.Namespace) -> None:
         print(f"wrote {written}{changed}")
 
 
-def _inode(folder: Path) -> tuple[int, int] | None:
-    """Which folder ``folder`` names now (None: none, between the two renames of a swap)."""
-    try:
-        status = folder.stat()
-    except FileNotFoundError:
-        return None
-    return status.st_dev, status.st_ino
-
-
 def _what_to_seal(folder: Path, force: bool) -> tuple[tuple[int, int] | None, dict, list[str] | None]:
-    """The folder's identity (:func:`_inode`), its file records (hashed once: compared with the manifest there,
-    then written) and what changed under its manifest, read in that order."""
-    from ..checkpoint import file_records, manifest_changes, model_files
+    """The folder's identity (:func:`~captioner.models.checkpoint.folder_inode`), its file records (hashed once:
+    compared with the manifest there, then written) and what changed under its manifest, read in that order."""
+    from ..checkpoint import file_records, folder_inode, manifest_changes, model_files
 
-    inode = _inode(folder)
+    inode = folder_inode(folder)
     records = file_records(folder)
     changes = manifest_changes(folder, records)
     # a card or a note edited beside the model is what resealing is for; the model's own files changing under

@@ -71,10 +71,6 @@ def title(name: str, config: dict[str, Any] | None) -> str:
     return f"{text} `{name}`"
 
 
-def _load_json(path: Path) -> Any:
-    return read_json_file(path, "a `captioner eval` report", kind=object)
-
-
 def read_report(path: Path, split: str, config: dict[str, Any] | None,
                 checkpoint: Path | None = None) -> dict[str, Any]:
     """The ``split`` section of a ``captioner eval`` report, checked to be beam 3 with the checkpoint's own
@@ -83,7 +79,7 @@ def read_report(path: Path, split: str, config: dict[str, Any] | None,
     from ..decoding import DecodingRules
     from .card import check_report_scores
 
-    report = _load_json(path)
+    report = read_json_file(path, "a `captioner eval` report", kind=object)
     if not isinstance(report, dict) or not isinstance(report.get(split), dict) or "images" not in report[split]:
         raise ValueError(f"{path} is not a `captioner eval` report with a {split!r} split")
     if report.get("beam_size") != BEAM_SIZE:

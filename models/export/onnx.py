@@ -643,11 +643,9 @@ def remove_replaced_encoders(out_dir: str | Path, spec: EncoderSpec, current: Pa
             folder = record.parent
             if folder.name == current.name:
                 continue
-            try:
-                recorded = json.loads(record.read_text())
+            try:  # a record that is not an object this exporter wrote: its folder is not removed
+                recorded = read_json_file(record)
             except (OSError, ValueError):
-                continue
-            if not isinstance(recorded, dict):  # not a record this exporter wrote: its folder is not removed
                 continue
             same_spec = recorded.get("spec") == _spec_record(spec)["spec"]
             if same_spec and not is_newer_format(recorded.get("format"), FORMAT) and _holds_only_export_files(folder):

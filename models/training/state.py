@@ -33,18 +33,24 @@ def _split(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _join(obj: Any, tensors: dict[str, torch.Tensor], source: Path | None = None) -> Any:
+def _join(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict):
         if set(obj) == {"__tensor__"}:
-            try:
-                return tensors[obj["__tensor__"]]
-            except (KeyError, TypeError):
-                raise CheckpointError(f"{source} names a tensor {obj['__tensor__']!r} its tensor file does not hold "
-                                      "(altered): refusing to resume from it") from None
-        return {k: _join(v, tensors, source) for k, v in obj.items()}
+            return tensors[obj["__tensor__"]]
+        return {k: _join(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_join(v, tensors, source) for v in obj]
+        return [_join(v, tensors) for v in obj]
     return obj
+
+
+def _joined(skeleton: dict[str, Any], tensor_file: Path, path: Path) -> dict[str, Any]:
+    """:func:`_join` of the state ``path`` holds with ``tensor_file``'s tensors; a tensor name the file does not hold
+    (the JSON altered) is a :class:`CheckpointError` naming ``path``."""
+    try:
+        return _join(skeleton, load_file(tensor_file))
+    except (KeyError, TypeError) as exc:  # TypeError: a name that is not one (a list, an object)
+        raise CheckpointError(f"{path} names a tensor its tensor file does not hold ({exc}; altered): refusing to "
+                              "resume from it") from None
 
 
 def save_state(run_dir: Path, state: dict[str, Any]) -> None:
@@ -84,14 +90,14 @@ def load_state(run_dir: Path, objects: Sequence[str] = ()) -> dict[str, Any] | N
                               f"{', '.join(wrong) or TENSORS_KEY} missing or of the wrong kind): refusing to resume "
                               "from it")
     if ref is None:  # written before the state carried its own checksum
-        return _join(skeleton, load_file(run_dir / STATE_TENSORS), path)
+        return _joined(skeleton, run_dir / STATE_TENSORS, path)
     tensor_file = run_dir / ref["file"]
     if not tensor_file.is_file():
         raise CheckpointError(f"{tensor_file}, named by {STATE_JSON}, is missing")
     if file_checksum(tensor_file) != ref["sha256"]:
         raise CheckpointError(f"{tensor_file} does not match the sha256 in {STATE_JSON}: torn, foreign or altered; "
                               "refusing to resume from it")
-    return _join(skeleton, load_file(tensor_file), path)
+    return _joined(skeleton, tensor_file, path)
 
 
 def restore_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
