@@ -7,7 +7,9 @@ flushed to disk before the rename, and the folder's entry after it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import glob
 import hashlib
 import json
@@ -16,7 +18,7 @@ import secrets
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def write_durably(path: Path, data: bytes) -> None:
@@ -200,3 +202,33 @@ def read_json_file(path: str | Path, what: str = "JSON", kind: type = dict) -> A
         expected = {dict: "an object", list: "a list"}.get(kind, kind.__name__)
         raise ValueError(f"{path} is not {what} (its JSON is {type(value).__name__}, not {expected})")
     return value
+
+
+class FolderInUse(OSError):
+    """Another process is writing the folder (:func:`held_alone`)."""
+
+
+@contextlib.contextmanager
+def held_alone(folder: Path, refusal: FolderInUse) -> Iterator[None]:
+    """Hold ``folder`` (made if missing) for this process while the block runs; where another process holds it,
+    raise ``refusal`` before anything is written.  The lock is the folder's own ``flock``: a killed holder leaves
+    nothing behind, and no file is added to the folder.  (On a file system without ``flock`` the block runs
+    unlocked, as it did before there was a lock.)"""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise refusal from None
+        except OSError:  # no flock here (some network file systems)
+            pass
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def being_written(folder: Path, command: str) -> FolderInUse:
+    """The refusal of a second writer of a data set's ``folder`` (:func:`held_alone`)."""
+    return FolderInUse(f"{folder} is being written by another `{command}`: wait for it to end, or give --out "
+                       "another folder; nothing was written")

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..files import read_json_file, write_atomically
+from ..files import being_written, held_alone, read_json_file, write_atomically
 from .scenes import COLOURS, HELDOUT_COMBOS, SHAPES, SceneObject, captions_for
 
 OOD_VERSION = 1
@@ -211,15 +211,16 @@ def generate_ood(out_dir: str | Path = ".cache/ood", images: int = 500, seed: in
     out = Path(out_dir)
     path = out / "dataset_scenes.json"
     header = {"dataset": "ood", "ood_version": OOD_VERSION, "seed": seed, "size": images}
-    if path.exists() or path.is_symlink():
-        existing = read_json_file(path, "a data set's JSON")
-        if all(existing.get(k) == v for k, v in header.items()):
-            return path
-        if existing.get("dataset") != "ood":  # the generated scenes (the default --dataset), a user's own set
-            raise ValueError(f"{path} holds another data set ({existing.get('dataset') or 'unnamed'}), not an OOD "
-                             "set: nothing was written; give --out a folder of its own")
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "masks").mkdir(parents=True, exist_ok=True)
-    entries = [_ood_image(index, seed, out) for index in range(images)]
-    write_atomically(path, json.dumps({**header, "images": entries}))
+    with held_alone(out, being_written(out, "captioner data ood")):
+        if path.exists() or path.is_symlink():
+            existing = read_json_file(path, "a data set's JSON")
+            if all(existing.get(k) == v for k, v in header.items()):
+                return path
+            if existing.get("dataset") != "ood":  # the generated scenes (the default --dataset), a user's own set
+                raise ValueError(f"{path} holds another data set ({existing.get('dataset') or 'unnamed'}), not an "
+                                 "OOD set: nothing was written; give --out a folder of its own")
+        (out / "images").mkdir(parents=True, exist_ok=True)
+        (out / "masks").mkdir(parents=True, exist_ok=True)
+        entries = [_ood_image(index, seed, out) for index in range(images)]
+        write_atomically(path, json.dumps({**header, "images": entries}))
     return path

@@ -24,7 +24,7 @@ from typing import Collection, Protocol, Sequence, TypeVar
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..files import write_atomically
+from ..files import being_written, held_alone, write_atomically
 from ..progress import progress_bar
 from .karpathy import read_karpathy_json
 
@@ -512,19 +512,21 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
     if unknown:
         raise ValueError(f"unknown split(s) {sorted(unknown)}; choose from {SPLITS}")
     out = Path(out_dir)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "masks").mkdir(parents=True, exist_ok=True)
-    jobs = [(index, split, seed, str(out), variation) for split, indices in split_indices(sizes).items()
-            if only is None or split in only for index in indices]
-    bar = dict(total=len(jobs), desc="generating scenes", unit="img", disable=not progress)
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as pool:
-            images = list(progress_bar(pool.map(_make_image, jobs, chunksize=32), **bar))
-    else:
-        images = [_make_image(job) for job in progress_bar(jobs, **bar)]
-    path = out / "dataset_scenes.json"
-    # a crash never leaves a half-written annotation file
-    write_atomically(path, json.dumps({**dataset_header(seed, sizes, variation, only), "images": images}))
+    # images are written in place: a second run at once (another seed) would mix its images into this one's
+    with held_alone(out, being_written(out, "captioner data generate")):
+        (out / "images").mkdir(parents=True, exist_ok=True)
+        (out / "masks").mkdir(parents=True, exist_ok=True)
+        jobs = [(index, split, seed, str(out), variation) for split, indices in split_indices(sizes).items()
+                if only is None or split in only for index in indices]
+        bar = dict(total=len(jobs), desc="generating scenes", unit="img", disable=not progress)
+        if workers > 1:
+            with ProcessPoolExecutor(workers) as pool:
+                images = list(progress_bar(pool.map(_make_image, jobs, chunksize=32), **bar))
+        else:
+            images = [_make_image(job) for job in progress_bar(jobs, **bar)]
+        path = out / "dataset_scenes.json"
+        # a crash never leaves a half-written annotation file
+        write_atomically(path, json.dumps({**dataset_header(seed, sizes, variation, only), "images": images}))
     return path
 
 

@@ -23,7 +23,6 @@ order.  Under ``torchrun`` every rank trains its share of each batch and only ra
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import math
@@ -47,6 +46,7 @@ from ..data.scenes import read_dataset_header
 from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec, EncoderTail, GridEncoder
+from ..files import FolderInUse, held_alone
 from ..evaluation.evaluate import caption_dataset, score_dataset
 from ..progress import progress_bar
 from ..protocol import Captioner, check_step_contract
@@ -555,7 +555,7 @@ def fit(run: Run) -> Path:
     return run.run_dir / "best"
 
 
-class RunInUse(OSError):
+class RunInUse(FolderInUse):
     """The run's folder is being trained by another process."""
 
 
@@ -563,22 +563,13 @@ class RunInUse(OSError):
 def _sole_trainer(run_dir: Path) -> Iterator[None]:
     """Hold the run's folder for this process (its main rank) while it trains: a second ``train`` into the same
     ``--out`` (a ``--resume`` typed while the run still went on, say) interleaved its steps into the metrics log and
-    its checkpoints into ``best/``. The lock is the folder's own (``flock``), so nothing is left behind by a killed
-    run, and no file is added to the folder."""
+    its checkpoints into ``best/``."""
     if distributed_rank() != 0 or (run_dir.exists() and not run_dir.is_dir()):
         yield  # other ranks follow the main one; a file given as --out is refused by the run itself
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = os.open(run_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunInUse(f"{run_dir} is being trained by another process: wait for it to end (or stop it) before "
-                           "--resume, or choose another --out") from None
+    with held_alone(run_dir, RunInUse(f"{run_dir} is being trained by another process: wait for it to end (or stop "
+                                      "it) before --resume, or choose another --out")):
         yield
-    finally:
-        os.close(handle)  # releases the lock
 
 
 def train(cfg: TrainConfig, resume: bool = False, explicit: Collection[str] | None = None) -> Path:
