@@ -8,6 +8,7 @@
 * Every relative link in README.md, docker/README.md and docs/ points at an existing file (and heading, when it has
   an anchor), and every repository path they name exists.
 * The README names every problem type and metric the service has; docs/architecture.md places every module.
+* Every ``make TARGET`` the docs give is a target of the Makefile (their ``captioner`` flags: tests/test_cli.py).
 * Cross-references name the installed packages (``captioner.models.…``), not the folders.
 """
 
@@ -206,6 +207,25 @@ def test_repository_paths_named_in_the_docs_exist():
                 if not (ROOT / found).exists() and not (document.parent / found).exists():
                     broken.append(f"{document.relative_to(ROOT)}:{number}: {found}")
     assert not broken, "\n".join(broken)
+
+
+def user_documents() -> list[Path]:
+    """What a user reads for commands: the READMEs, docs/ (decisions.md included: its commands reproduce its runs)
+    and the model cards."""
+    return [ROOT / "README.md", ROOT / "docker" / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+            *sorted((ROOT / "weights").rglob("*.md"))]
+
+
+def test_make_targets_named_in_the_docs_exist():
+    """``make NAME`` in the docs is a Makefile target, or matches one of its pattern rules (``train-%``); the docs'
+    placeholders (``make train-NAME``) match the pattern."""
+    rules = re.findall(r"^([\w.%-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    patterns = [re.compile(re.escape(rule).replace("%", ".+")) for rule in rules]
+    unknown = {f"{document.relative_to(ROOT)}: make {target}"
+               for document in user_documents()
+               for target in re.findall(r"`make ([\w.-]*\w)", document.read_text(encoding="utf-8"))
+               if not any(pattern.fullmatch(target) for pattern in patterns)}
+    assert not unknown, "\n".join(sorted(unknown))
 
 
 @pytest.mark.parametrize("script", ["benchmarks/gpu_session.sh", "docker/build_and_check.sh"])
