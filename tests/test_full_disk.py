@@ -12,11 +12,13 @@ import torch
 
 import captioner.models.checkpoint as checkpoint_module
 import captioner.models.data.features as features_module
+import captioner.models.training.state as state_module
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
 from captioner.models.export.onnx import _trace_graphs, export_visual_encoder
 from captioner.models.files import describe_os_error, write_atomically
 from captioner.models.training import run_log
+from captioner.models.training.state import load_state, save_state
 from captioner.models.vocab import Vocabulary
 from captioner.service.archive import CaptionLines
 
@@ -38,6 +40,17 @@ def test_a_full_disk_during_a_checkpoint_save_keeps_the_previous_one_and_leaves_
         save_checkpoint(path, tiny_sat, VOCAB, EncoderSpec())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]  # no .last.tmp-* holding the weights' bytes
     assert load_checkpoint(path).encoder.image_size == 128
+
+
+def test_a_full_disk_while_a_training_state_commits_keeps_the_previous_state_and_leaves_no_tensor_file(
+        tmp_path, monkeypatch):
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.zeros(2)}})
+    before = sorted(path.name for path in tmp_path.iterdir())
+    monkeypatch.setattr(state_module, "write_atomically", full_disk)  # the new tensors are written, the JSON is not
+    with pytest.raises(OSError, match="No space left"):
+        save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
+    assert sorted(path.name for path in tmp_path.iterdir()) == before  # no orphaned tensor file taking the space
+    assert load_state(tmp_path)["progress"]["global_step"] == 1
 
 
 def test_an_atomic_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):

@@ -63,11 +63,25 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     name = f"train_state.{secrets.token_hex(4)}.safetensors"
     write_durably(run_dir / name, save_tensors(tensors))
     skeleton[TENSORS_KEY] = {"file": name, "sha256": file_checksum(run_dir / name)}
-    write_atomically(run_dir / STATE_JSON, json.dumps(skeleton), durable=True)
+    try:
+        write_atomically(run_dir / STATE_JSON, json.dumps(skeleton), durable=True)
+    except BaseException:
+        if name not in _committed_tensor_file(run_dir):  # the previous state stands: its tensors, not these
+            (run_dir / name).unlink(missing_ok=True)
+        raise
     for stale in [*run_dir.glob("train_state.*.safetensors"), *temporaries_of(run_dir / STATE_JSON)]:
         if stale.name != name:  # older states and what a killed writer left
             stale.unlink(missing_ok=True)
     (run_dir / STATE_TENSORS).unlink(missing_ok=True)  # the single-file layout of older runs
+
+
+def _committed_tensor_file(run_dir: Path) -> str:
+    """The tensor file the state's JSON names now ("" where it cannot be read): after a failed commit, whether the
+    rename happened (a failure after it, flushing the folder, leaves the new state committed)."""
+    try:
+        return str(json.loads((run_dir / STATE_JSON).read_bytes())[TENSORS_KEY]["file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def load_state(run_dir: Path, objects: Sequence[str] = ()) -> dict[str, Any] | None:
