@@ -278,7 +278,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="captioner", description="Attention image captioning: data, training, "
                                      "evaluation and an HTTP service with per-word attention heatmaps.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_commands(sub)
     add_console_caption_arguments(sub.choices["caption"])
     serve = sub.add_parser("serve", help="run the HTTP service (settings from CAPTIONER_* variables; flags win)")

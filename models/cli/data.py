@@ -79,7 +79,8 @@ def cmd_data_features(args: argparse.Namespace) -> None:
 
 @_group.command("data")
 def _add_data(sub: argparse._SubParsersAction) -> None:
-    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
+    data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True,
+                                                                  metavar="COMMAND")
     gen = data.add_parser("generate", help="write the generated-scene dataset (Karpathy JSON + images + masks)")
     gen.add_argument("--out", default=DEFAULT_DATA, help=f"folder to write (default {DEFAULT_DATA})")
     from ..data.scenes import DEFAULT_SIZES, SPLITS, VARIATIONS
