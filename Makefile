@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # each module runs in one worker (tests/parallel.py)
 PYTEST_WORKERS ?= auto
 
-.PHONY: help setup lock cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
+.PHONY: help setup lock check-floors cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
 	bench-int8 samples clean
 
 help:
@@ -58,6 +58,7 @@ help:
 	@echo "make gpu-wheels    the wheels benchmarks/gpu_session.sh installs on a bare GPU machine, into $(GPU_WHEELS_DIR)"
 	@echo "make clean         remove .venv, the caches and test artifacts (never runs/: your training runs)"
 	@echo "make lock          docker/constraints.txt (the releases every set-up installs) from .venv, after make test"
+	@echo "make check-floors  the suite's dependency-facing modules at the lowest releases pyproject.toml allows"
 	@echo "make samples       the demo page's sample photos (scikit-image's chelsea, astronaut, coffee) as JPEGs"
 
 # --no-compile: pip would byte-compile every module of every wheel (torch's thousands) one by one, about 30 s of a
@@ -325,6 +326,30 @@ clean:
 # docker/constraints.txt from what .venv holds (the project itself left out): run after `make test` passed. A local
 # label goes (the CPU-only wheels' torch==2.14.1+cpu would refuse PyPI's torch==2.14.1 to every GPU set-up), and
 # the freeze is written whole before the file is (a failed one must not leave a file of comments behind)
+# The lowest releases pyproject.toml's ranges allow, installed and tested (docs/decisions.md, "The declared floors,
+# audited"): a virtual environment of its own, each dependency pinned to its floor (docker/requirements.py's
+# floors.txt), dev extras at their newest, then the suite's modules that reach those dependencies (HTTP and
+# multipart, image decoding, ONNX Runtime and int8, matplotlib, safetensors, entmax, metrics). Downloads those
+# releases; not part of `make test`. Run it after raising a floor, or before lowering one.
+FLOORS_VENV ?= .cache/venv-floors
+FLOORS_TESTS ?= tests/test_checkpoint.py tests/test_decoding.py tests/test_cider.py tests/test_service.py \
+	tests/test_serving_http.py tests/test_serving_wire.py tests/test_serving_onnx.py tests/test_security.py \
+	tests/test_render.py tests/test_sparsemax.py tests/test_sparsecap.py tests/test_encoder.py \
+	tests/test_request_contract.py tests/test_pressure_metrics.py tests/test_overlay.py tests/test_int8_encoder.py \
+	tests/test_hostile_images.py tests/test_ood.py tests/test_curves.py tests/test_metrics.py
+check-floors: BIN = $(FLOORS_VENV)/bin
+check-floors: CONSTRAINTS = $(FLOORS_VENV)/requirements/floors.txt
+check-floors:
+	$(PYTHON) -m venv $(FLOORS_VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(PYTHON) docker/requirements.py pyproject.toml cpu $(FLOORS_VENV)/requirements
+	@if [ -z "$(NVIDIA_DRIVER)" ]; then $(SHELL) docker/cpu_torch.sh $(BIN)/pip \
+	  $(FLOORS_VENV)/requirements/torch-cpu.txt "$(TORCH_CPU_INDEX)" $(FLOORS_VENV)/requirements/pip.log; fi
+	$(call install_editable,.[dev])
+	$(BIN)/pip check
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile -m "not slow and not browser" \
+	  $(FLOORS_TESTS) $(PYTEST_ARGS)
+
 lock: $(STAMP)
 	$(BIN)/pip freeze --exclude-editable > $(LOCK_FILE).freeze
 	{ echo "# The releases \`make setup\` and \`make serve\` install, within pyproject.toml's ranges: \`make lock\` writes"; \

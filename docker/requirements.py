@@ -2,13 +2,16 @@
 
     python3 requirements.py PYPROJECT DEVICE OUT_DIR
 
-writes two pip requirement files into OUT_DIR:
+writes three pip requirement files into OUT_DIR:
 
 * ``serving.txt``: ``[project] dependencies`` less ``[tool.captioner.container] not-served`` (packages that
   `captioner serve` never imports), and for DEVICE ``cpu`` ``onnxruntime`` in place of ``onnxruntime-gpu`` (same
   version specifier; the two must never be installed side by side);
 * ``torch-cpu.txt``: the ``torch`` / ``torchvision`` pins spelt as the PyTorch CPU wheel index spells them
-  (``torch==2.14.1+cpu``), for the Dockerfile's first try; empty for DEVICE ``cuda``.
+  (``torch==2.14.1+cpu``), for the Dockerfile's first try; empty for DEVICE ``cuda``;
+* ``floors.txt``: every ``[project] dependencies`` range pinned to its lowest release (``fastapi>=0.157`` →
+  ``fastapi==0.157``), the constraints ``make check-floors`` installs and tests (docs/decisions.md, "The declared
+  floors, audited").
 
 Standard library only: it runs on the base image's python3 before any package is installed.
 """
@@ -58,13 +61,27 @@ def cpu_wheel_pins(requirements: list[str]) -> list[str]:
     return pins
 
 
+def floor_pins(requirements: list[str]) -> list[str]:
+    """Each requirement at the lowest release its specifier allows: ``name>=V`` (or ``name==V``, an upper bound
+    beside it or not) → ``name==V``; extras dropped, as a constraints file takes none."""
+    pins = []
+    for requirement in requirements:
+        spec = re.fullmatch(r"\s*([A-Za-z0-9._-]+)(?:\[[^\]]*\])?\s*(?:>=|==)\s*([0-9][0-9.]*)\s*(?:,.*)?", requirement)
+        if spec is None:
+            raise ValueError(f"{requirement!r}: no lowest release to test (write name>=version or name==version)")
+        pins.append(f"{spec.group(1)}=={spec.group(2)}")
+    return pins
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[1] not in DEVICES:
         print(f"usage: requirements.py PYPROJECT {{{'|'.join(DEVICES)}}} OUT_DIR", file=sys.stderr)
         return 2
     pyproject_path, device, out = Path(argv[0]), argv[1], Path(argv[2])
-    serving = serving_requirements(tomllib.loads(pyproject_path.read_text()), device)
+    pyproject = tomllib.loads(pyproject_path.read_text())
+    serving = serving_requirements(pyproject, device)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "floors.txt").write_text("".join(f"{r}\n" for r in floor_pins(pyproject["project"]["dependencies"])))
     (out / "serving.txt").write_text("".join(f"{r}\n" for r in serving))
     (out / "torch-cpu.txt").write_text("".join(f"{r}\n" for r in cpu_wheel_pins(serving)) if device == "cpu" else "")
     return 0

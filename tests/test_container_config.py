@@ -722,6 +722,20 @@ def test_the_constraints_pin_every_dependency_within_its_range():
     assert unpinned_and_outside([*project["dependencies"], *extras], constraint_pins()) == ([], [])
 
 
+def test_every_dependency_has_a_floor_that_make_check_floors_pins():
+    """``make check-floors`` installs each dependency at the lowest release its range allows (requirements.py's
+    floors.txt): every dependency has one, and the pin is that range's lowest release."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = load_script("requirements").floor_pins(dependencies)
+    assert [canonicalize_name(Requirement(pin).name) for pin in floors] == [
+        canonicalize_name(Requirement(d).name) for d in dependencies]
+    for pin, dependency in zip(floors, dependencies):
+        lowest = Requirement(pin).specifier
+        assert len(lowest) == 1 and next(iter(lowest)).version in Requirement(dependency).specifier, (pin, dependency)
+    with pytest.raises(ValueError, match="no lowest release"):
+        load_script("requirements").floor_pins(["numpy"])
+
+
 def test_the_cpu_image_installs_the_onnxruntime_release_the_suite_ran():
     """The CPU image installs ``onnxruntime`` in place of ``onnxruntime-gpu`` (requirements.py): pinned too, to the
     GPU package's release (the suite runs that one's CPU provider), like every other serving requirement."""

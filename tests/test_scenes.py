@@ -14,7 +14,8 @@ from .conftest import SCENE_SEED, SCENE_SIZES
 
 
 def test_generation_is_deterministic(tmp_path, scenes):
-    again = generate(tmp_path / "again", SCENE_SIZES, seed=SCENE_SEED, progress=False)
+    # the session's data set is drawn in this process; two spawned worker processes draw the same scenes
+    again = generate(tmp_path / "again", SCENE_SIZES, seed=SCENE_SEED, progress=False, workers=2)
     first, second = json.loads(scenes.read_text()), json.loads(again.read_text())
     assert first == second
     for entry in first["images"][:10]:

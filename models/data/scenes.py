@@ -15,6 +15,7 @@ from __future__ import annotations
 import colorsys
 import json
 import math
+import multiprocessing
 import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -520,7 +521,10 @@ def generate(out_dir: str | Path, sizes: dict[str, int] | None = None, seed: int
                 if only is None or split in only for index in indices]
         bar = dict(total=len(jobs), desc="generating scenes", unit="img", disable=not progress)
         if workers > 1:
-            with ProcessPoolExecutor(workers) as pool:
+            # spawned, not forked: the caller may hold threads (PyTorch's, a test runner's), and a forked child of a
+            # threaded process can deadlock (Python 3.12 warns so; 3.14 no longer forks by default on Linux). A
+            # script that calls this with workers > 1 needs the `if __name__ == "__main__":` guard spawning asks for
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
                 images = list(progress_bar(pool.map(_make_image, jobs, chunksize=32), **bar))
         else:
             images = [_make_image(job) for job in progress_bar(jobs, **bar)]
