@@ -53,6 +53,20 @@ def test_a_full_disk_while_a_training_state_commits_keeps_the_previous_state_and
     assert load_state(tmp_path)["progress"]["global_step"] == 1
 
 
+def test_a_state_committed_before_its_write_failed_keeps_its_tensor_file(tmp_path, monkeypatch):
+    # the rename happened, flushing the folder's entry did not: the JSON names the new tensors, which must stay
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.zeros(2)}})
+
+    def committed_then_failed(*args, **kwargs):
+        write_atomically(*args, **kwargs)
+        full_disk()
+
+    monkeypatch.setattr(state_module, "write_atomically", committed_then_failed)
+    with pytest.raises(OSError, match="No space left"):
+        save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
+    assert load_state(tmp_path)["progress"]["global_step"] == 2
+
+
 def test_an_atomic_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_bytes", full_disk)
     with pytest.raises(OSError) as caught:

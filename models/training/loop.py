@@ -46,8 +46,8 @@ from ..data.scenes import read_dataset_header
 from ..data.stores import TunedStore, VisualStore, open_feature_store
 from ..device import describe_hardware, resolve_device, set_threads
 from ..encoder import EncoderSpec, EncoderTail, GridEncoder
-from ..files import FolderInUse, held_alone
 from ..evaluation.evaluate import caption_dataset, score_dataset
+from ..files import FolderInUse, held_alone
 from ..progress import progress_bar
 from ..protocol import Captioner, check_step_contract
 from ..vocab import Vocabulary

@@ -66,7 +66,7 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     try:
         write_atomically(run_dir / STATE_JSON, json.dumps(skeleton), durable=True)
     except BaseException:
-        if name not in _committed_tensor_file(run_dir):  # the previous state stands: its tensors, not these
+        if _committed_tensor_file(run_dir) != name:  # the previous state stands: its tensors, not these
             (run_dir / name).unlink(missing_ok=True)
         raise
     for stale in [*run_dir.glob("train_state.*.safetensors"), *temporaries_of(run_dir / STATE_JSON)]:
