@@ -98,12 +98,12 @@ def load_state(run_dir: Path, objects: Sequence[str] = ()) -> dict[str, Any] | N
     # what the reader takes from the JSON itself (the tensors are checked by their sha256 below)
     wrong = [key for key in objects if not isinstance(skeleton.get(key), dict)]
     ref = skeleton.pop(TENSORS_KEY, None)
-    if wrong or not (ref is None or isinstance(ref, dict) and isinstance(ref.get("file"), str)
-                     and isinstance(ref.get("sha256"), str)):
+    names_its_tensors = isinstance(ref, dict) and all(isinstance(ref.get(key), str) for key in ("file", "sha256"))
+    if wrong or not (ref is None or names_its_tensors):  # None: a state written before it named its tensor file
         raise CheckpointError(f"{path} is not a training run's state (altered: "
                               f"{', '.join(wrong) or TENSORS_KEY} missing or of the wrong kind): refusing to resume "
                               "from it")
-    if ref is None:  # written before the state carried its own checksum
+    if ref is None:
         return _joined(skeleton, run_dir / STATE_TENSORS, path)
     tensor_file = run_dir / ref["file"]
     if not tensor_file.is_file():
