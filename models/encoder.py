@@ -362,6 +362,9 @@ def load_image(source: bytes | str | Path | Image.Image | np.ndarray, max_pixels
                         f"{type(source).__name__}")
     # what an error calls it: named, because among thousands of photos of a data set the torn one must be findable
     where = name or getattr(image, "filename", "") or "the upload"
+    # a file this call opened, closed when done: Pillow keeps a GIF's or TIFF's file open for its other frames, and
+    # a torn file's after the failed decode (an archive of many thousands of photos held them until collected)
+    opened = image if isinstance(source, (str, Path)) else None
     width, height = image.size
     try:
         if reduce_to is not None and max(width, height) > reduce_to:
@@ -380,6 +383,9 @@ def load_image(source: bytes | str | Path | Image.Image | np.ndarray, max_pixels
     except _DECODE_ERRORS as exc:
         raise ImageDecodeError(f"the image data of {where} is truncated or corrupt ({exc.__class__.__name__}: "
                                f"{exc})") from exc
+    finally:
+        if opened is not None:  # never the picture returned: convert() makes a new one, even of an RGB picture
+            opened.close()
     return image
 
 

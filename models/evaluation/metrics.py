@@ -66,9 +66,14 @@ def score_captions(candidates: Mapping[int, str], references: Mapping[int, Seque
             raise RuntimeError("METEOR needs Java on PATH")
         from pycocoevalcap.meteor.meteor import Meteor
 
-        scorer = Meteor()  # its __del__ stops the Java process
-        scores["METEOR"] = float(scorer.compute_score(gts, res)[0])
-        del scorer
+        scorer = Meteor()
+        java = scorer.meteor_p
+        try:
+            scores["METEOR"] = float(scorer.compute_score(gts, res)[0])
+        finally:
+            del scorer  # its __del__ closes Java's input, stops it and waits for it; its output pipes it leaves open
+            for stream in (java.stdout, java.stderr):
+                stream.close()
     if "ROUGE-L" in metrics:
         from pycocoevalcap.rouge.rouge import Rouge
 
