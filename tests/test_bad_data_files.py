@@ -4,6 +4,8 @@ pickle refusal or the codec's message alone, none naming it)."""
 
 from __future__ import annotations
 
+import gc
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +32,12 @@ def test_a_damaged_region_file_is_named(damage, tmp_path):
         path.write_bytes(whole[: len(whole) // 2])
     else:
         np.savez(path, features=np.zeros((3, 4)), boxes=np.zeros((3, 4)))
-    with pytest.raises(ValueError, match=f"{path} is not a region file"):
-        read_regions(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(ValueError, match=f"{path} is not a region file"):
+            read_regions(path)
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []  # numpy left a torn zip open
 
 
 @pytest.mark.parametrize("manifest, reason", [(b"{torn", "not JSON"), (b"[4]", "not an object"),

@@ -57,7 +57,8 @@ def read_regions(path: str | Path) -> tuple[np.ndarray, Geometry]:
     """One image's features ``[N, D]`` and its ``Geometry(kind="regions")``."""
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as data:
+        # the file opened here, not by np.load: numpy leaves its own open when the zip is torn (BadZipFile)
+        with open(path, "rb") as file, np.load(file, allow_pickle=False) as data:
             features, boxes, size = data["features"], data["boxes"].astype(np.float32), data["image_size"]
     except (ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:  # not an .npz, cut short, an array missing
         raise ValueError(f"{path} is not a region file (an .npz of features, boxes and image_size: {exc})") from None
