@@ -180,6 +180,10 @@ async def multipart_form(request: Request, limit: int,
         raise malformed(exc.message) from None
     if not parser.closed:
         await form.close()
+        # the part the body ended in is not in the form (Starlette drops it), but its spooled file is open; Starlette
+        # lists every part's file here (it closes them on its own errors, not on this one)
+        for file in getattr(parser, "_files_to_close_on_error", ()):
+            file.close()
         raise malformed("the body ended before its closing boundary (--BOUNDARY--): the upload was cut off")
     try:
         yield form
