@@ -47,6 +47,16 @@ def naming(exc: OSError, path: str | Path) -> OSError:
     return type(exc)(exc.errno, exc.strerror, str(path))
 
 
+@contextlib.contextmanager
+def naming_errors(path: str | Path) -> Iterator[None]:
+    """Raise an OS error of the block as :func:`naming` ``path``: a ``write`` or ``flush`` to a full disk says the
+    reason alone, and the CLI then named no file."""
+    try:
+        yield
+    except OSError as exc:
+        raise naming(exc, path) from None
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's or a folder's (its entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -34,7 +34,7 @@ from typing import Callable, Iterable
 
 from captioner.models.decoding import RULE_NAMES, DecodingRules
 from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
-from captioner.models.files import naming
+from captioner.models.files import naming_errors
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import save_picture
 
@@ -179,11 +179,9 @@ class CaptionLines:
 
     def write(self, record: dict) -> None:
         # one write call per complete line, flushed at once: a process killed after it loses nothing of it
-        try:
+        with naming_errors(self.path):
             self._file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
             self._file.flush()
-        except OSError as exc:  # a full disk: the flush's error names no file (the CLI said only the reason)
-            raise naming(exc, self.path) from None
         self.done.add(record["path"])
         if time.monotonic() - self._synced >= self.fsync_every_s:
             self.sync()
@@ -196,10 +194,9 @@ class CaptionLines:
         if self._file.closed:
             return
         try:
-            self._file.flush()
-            self.sync()
-        except OSError as exc:  # the rest of a line a full disk cut short: its error names no file either
-            raise naming(exc, self.path) from None
+            with naming_errors(self.path):  # the rest of a line a full disk cut short
+                self._file.flush()
+                self.sync()
         finally:
             with suppress(OSError):  # the same flush again, failing the same way; the descriptor is closed anyway
                 self._file.close()

@@ -312,10 +312,10 @@ def extract_features(images: Sequence[CaptionedImage], spec: EncoderSpec, cache_
             _extract_shards(images, spec, folder, batch_size, device, encoder, progress, shard_size, sizes, files,
                             view)
         except BaseException as error:  # KeyboardInterrupt too: waiting ranks must not wait forever
-            try:
+            # the disk that is full, or read-only, for the shards is for this record too: the error that stopped
+            # the extraction is the one to tell, not this one's
+            with suppress(OSError):
                 _write_json_atomically(folder / FAILED, {"error": f"{type(error).__name__}: {error}"})
-            except OSError:  # the disk that is full, or read-only, for the shards is for this record too: the
-                pass  # error that stopped the extraction is the one to tell, not this one's
             raise
     return FeatureStore(folder)
 

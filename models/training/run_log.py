@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..checkpoint import check_replaceable, is_checkpoint
-from ..files import naming, write_atomically
+from ..files import naming_errors, write_atomically
 
 METRICS_LOG = "metrics.jsonl"
 #: the kinds of record this loop writes, and how every one of them starts (json.dumps of ``to_json()``)
@@ -94,11 +94,9 @@ def is_run_log(path: Path) -> bool:
 
 
 def append_record(run_dir: Path, record: StepLog | EpochLog) -> None:
-    try:
-        with open(run_dir / METRICS_LOG, "a") as handle:
-            handle.write(json.dumps(record.to_json()) + "\n")
-    except OSError as exc:  # a full disk: the write's error names no file (a torn line is dropped on --resume)
-        raise naming(exc, run_dir / METRICS_LOG) from None
+    # a full disk's torn line is dropped on --resume
+    with naming_errors(run_dir / METRICS_LOG), open(run_dir / METRICS_LOG, "a") as handle:
+        handle.write(json.dumps(record.to_json()) + "\n")
 
 
 def is_number(value: object) -> bool:

@@ -79,7 +79,7 @@ def _committed_tensor_file(run_dir: Path) -> str:
     """The tensor file the state's JSON names now ("" where it cannot be read): after a failed commit, whether the
     rename happened (a failure after it, flushing the folder, leaves the new state committed)."""
     try:
-        return str(json.loads((run_dir / STATE_JSON).read_bytes())[TENSORS_KEY]["file"])
+        return str(read_json_file(run_dir / STATE_JSON)[TENSORS_KEY]["file"])
     except (OSError, ValueError, KeyError, TypeError):
         return ""
 
