@@ -33,24 +33,10 @@ def caption_files(args: argparse.Namespace, show: Callable[[str, str, CaptionRes
     from ..device import resolve_device, set_threads
     from ..encoder import ImageDecodeError, load_image
     from ..pipeline import Pipeline
-    from ..rendering.heatmaps import RenderError, check_mode, colormap, comparison_figure, save_picture
 
     set_threads(args.threads)
     checkpoints = args.checkpoint or [DEFAULT_CHECKPOINT]
-    if args.overlay and len(args.images) != 1:
-        raise SystemExit("error: --overlay takes exactly one image")
-    refuse_input_as_output({"--overlay": args.overlay}, args.images, checkpoints)
-    if args.token is not None and len(checkpoints) > 1:
-        raise SystemExit("error: --token renders one checkpoint's word; drop it to compare checkpoints")
-    if args.token is not None and not args.overlay:
-        raise SystemExit("error: --token picks the word --overlay draws: add --overlay FILE.png")
-    if args.overlay:  # before any model is loaded
-        try:
-            if args.mode is not None:
-                check_mode(args.mode)
-            colormap(args.cmap)
-        except RenderError as exc:
-            raise SystemExit(f"error: {exc}") from None
+    _check_overlay_options(args, checkpoints)  # before any model is loaded
     device = resolve_device(args.device)
     try:  # decoded once: captioned by every checkpoint, and drawn on
         images = [load_image(path) for path in args.images]
@@ -67,16 +53,44 @@ def caption_files(args: argparse.Namespace, show: Callable[[str, str, CaptionRes
         runs.append((name, results))
         for path, result in zip(args.images, results):
             show(str(path), name if len(checkpoints) > 1 else "", result)
+    if args.overlay:
+        _draw_overlay(args, images[0], runs)
+
+
+def _check_overlay_options(args: argparse.Namespace, checkpoints: list[str]) -> None:
+    """Refuse ``--overlay``/``--token``/``--mode``/``--cmap`` combinations that cannot draw, in one line each."""
+    from ..rendering.heatmaps import RenderError, check_mode, colormap
+
+    if args.overlay and len(args.images) != 1:
+        raise SystemExit("error: --overlay takes exactly one image")
+    refuse_input_as_output({"--overlay": args.overlay}, args.images, checkpoints)
+    if args.token is not None and len(checkpoints) > 1:
+        raise SystemExit("error: --token renders one checkpoint's word; drop it to compare checkpoints")
+    if args.token is not None and not args.overlay:
+        raise SystemExit("error: --token picks the word --overlay draws: add --overlay FILE.png")
     if not args.overlay:
         return
+    try:
+        if args.mode is not None:
+            check_mode(args.mode)
+        colormap(args.cmap)
+    except RenderError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+def _draw_overlay(args: argparse.Namespace, image, runs: list[tuple[str, list[CaptionResult]]]) -> None:
+    """Write ``--overlay``: every word's heatmap (one row per checkpoint when several are compared), or the one word
+    ``--token`` picks."""
+    from ..rendering.heatmaps import RenderError, comparison_figure, save_picture
+
     style = {"cmap": args.cmap, "alpha": args.alpha}
     try:
         if len(runs) > 1:
-            picture = comparison_figure(images[0], [r.figure_row(name, args.mode) for name, (r,) in runs], **style)
+            picture = comparison_figure(image, [r.figure_row(name, args.mode) for name, (r,) in runs], **style)
         elif args.token is None:
-            picture = runs[0][1][0].figure(images[0], args.mode, **style)
+            picture = runs[0][1][0].figure(image, args.mode, **style)
         else:
-            picture = runs[0][1][0].overlay(images[0], args.token, args.mode, **style)
+            picture = runs[0][1][0].overlay(image, args.token, args.mode, **style)
     except RenderError as exc:
         raise SystemExit(f"error: {exc}") from None
     save_picture(picture, args.overlay)
