@@ -106,6 +106,32 @@ def find_image_root(text_dir: Path, some_images: list[str], layout: FlickrLayout
                             f"listed in {tried}): pass --image-root DIR")
 
 
+def _read_captions(token_path: Path, layout: FlickrLayout) -> dict[str, list[tuple[int, str]]]:
+    """Each photo's ``(n, caption)`` pairs from the token file's ``<image>#<n>\\t<caption>`` lines."""
+    captions: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    line_of: dict[str, int] = {}  # "name#n" → the line that gave it
+    for number, line in _read_lines(token_path, layout):
+        key, _, caption = line.partition("\t")
+        name, _, index = key.rpartition("#")
+        if not name or not index.isdigit():
+            raise ValueError(f"{token_path}:{number}: not a '<image>#<n>\\t<caption>' line: {line[:80]!r}")
+        if key in line_of:  # a file concatenated twice would otherwise give each photo its first captions twice
+            raise ValueError(f"{token_path}:{number}: {key} is already on line {line_of[key]}")
+        line_of[key] = number
+        captions[name].append((int(index), caption))
+    return captions
+
+
+def _refuse_shared_photos(lists: dict[str, list[tuple[str, str]]]) -> None:
+    """Refuse a photo listed twice, in one split or two: it would be trained on and tested on."""
+    listed_at: dict[str, str] = {}
+    for entries in lists.values():
+        for name, where in entries:
+            if name in listed_at:
+                raise ValueError(f"{where}: {name} is already listed at {listed_at[name]}")
+            listed_at[name] = where
+
+
 def load_flickr(path: str | Path, image_root: str | Path | None = None, splits: tuple[str, ...] | None = None,
                 max_refs: int = 5, limit: int | None = None) -> list[CaptionedImage]:
     """The photos of the requested splits (all three by default) with at most ``max_refs`` references each, in the
@@ -123,24 +149,9 @@ def load_flickr(path: str | Path, image_root: str | Path | None = None, splits: 
         raise ValueError(f"{layout.name} has the splits {', '.join(layout.split_files)}, "
                          f"not {', '.join(sorted(unknown))}")
     token_path = text_dir / layout.token_file
-    captions: dict[str, list[tuple[int, str]]] = defaultdict(list)
-    line_of: dict[str, int] = {}  # "name#n" → the line that gave it
-    for number, line in _read_lines(token_path, layout):
-        key, _, caption = line.partition("\t")
-        name, _, index = key.rpartition("#")
-        if not name or not index.isdigit():
-            raise ValueError(f"{token_path}:{number}: not a '<image>#<n>\\t<caption>' line: {line[:80]!r}")
-        if key in line_of:  # a file concatenated twice would otherwise give each photo its first captions twice
-            raise ValueError(f"{token_path}:{number}: {key} is already on line {line_of[key]}")
-        line_of[key] = number
-        captions[name].append((int(index), caption))
+    captions = _read_captions(token_path, layout)
     lists = {split: _split_list(text_dir, split, layout) for split in layout.split_files}
-    listed_at: dict[str, str] = {}
-    for entries in lists.values():
-        for name, where in entries:  # a photo in two splits would be trained on and tested on
-            if name in listed_at:
-                raise ValueError(f"{where}: {name} is already listed at {listed_at[name]}")
-            listed_at[name] = where
+    _refuse_shared_photos(lists)
     wanted = [name for split, entries in lists.items() if not splits or split in splits for name, _ in entries]
     root = Path(image_root) if image_root else find_image_root(text_dir, wanted[:PROBED_PHOTOS], layout)
     out = []
