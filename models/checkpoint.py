@@ -271,9 +271,8 @@ def manifest_changes(path: str | Path, records: dict[str, dict[str, Any]] | None
     or gone), by name; None when it has no manifest that can be read.  ``records``: as :func:`write_manifest`
     takes them."""
     path = Path(path)
-    try:
-        listed = json.loads((path / MANIFEST).read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
+    listed = _manifest_entries(path)
+    if listed is None:
         return None
     present = file_records(path) if records is None else records
     return sorted(name for name in set(listed) | set(present)
@@ -335,11 +334,17 @@ def recorded_checksum(path: str | Path) -> str | None:
 def listed_files(path: Path) -> dict[str, Any]:
     """The entries ``manifest.json`` lists, read leniently for questions that verify nothing (no manifest, or a torn
     one, lists none); :func:`verify_manifest` is the strict reader that loading goes through."""
+    return _manifest_entries(path) or {}
+
+
+def _manifest_entries(path: Path) -> dict[str, Any] | None:
+    """The ``files`` entries of ``path``'s manifest, or None where there is no manifest or it cannot be read as one
+    (torn, not JSON, not an object, its ``files`` not an object)."""
     try:
         files = json.loads((path / MANIFEST).read_text()).get("files", {})
     except (OSError, ValueError, AttributeError):  # AttributeError: JSON that is not an object
-        return {}
-    return files if isinstance(files, dict) else {}
+        return None
+    return files if isinstance(files, dict) else None
 
 
 def not_a_checkpoint(path: Path) -> CheckpointError:
