@@ -1,5 +1,6 @@
 import functools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -465,3 +466,48 @@ def test_a_card_written_while_another_writer_renames_its_temporary_file_is_writt
     replace_files(folder, {CARD: "# sat\n"})
     assert (folder / CARD).read_text() == "# sat\n" and load_checkpoint(folder).checksum
     assert not list(folder.glob(".*"))
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "config.json", "vocab.json", "MODEL_CARD.md"])
+def test_a_listed_file_altered_in_place_or_gone_is_refused_naming_it(file, tmp_path, tiny_sat, vocab):
+    """One byte changed (the size the manifest records unchanged: a flipped bit, an edit of the same length) is
+    refused as surely as a torn file, for the model's files and for an extra file the manifest lists; so is a
+    listed file that is gone, and a manifest that no longer lists one of the model's files."""
+    from captioner.models.checkpoint import replace_files
+
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    replace_files(path, {"MODEL_CARD.md": "# a card\n"})
+    assert load_checkpoint(path).checksum  # sealed whole
+    original = (path / file).read_bytes()
+    middle = len(original) // 2
+    (path / file).write_bytes(original[:middle] + bytes([original[middle] ^ 1]) + original[middle + 1:])
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / file} does not match its sha256")):
+        load_checkpoint(path)
+    (path / file).unlink()
+    gone = f"{path / file} is listed in manifest.json but missing"
+    if file == "config.json":  # no config at all: not a checkpoint, before the manifest is read
+        gone = "config.json is missing"
+    with pytest.raises(CheckpointError, match=re.escape(gone)):
+        load_checkpoint(path)
+    (path / file).write_bytes(original)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"][file]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    if file == "MODEL_CARD.md":  # an extra file the manifest does not list is not the model's: it loads
+        load_checkpoint(path)
+    else:
+        with pytest.raises(CheckpointError, match=re.escape(f"manifest.json does not list {file}")):
+            load_checkpoint(path)
+
+
+def test_a_loaded_model_is_in_eval_mode_and_deterministic(tmp_path, random_visuals, vocab):
+    """A model saved while training (dropout on) loads ready to caption: every module in eval mode, so the same
+    visuals give the same caption and scores every time."""
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, dropout=0.5)
+    assert model.train().training
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "ckpt", model, vocab, EncoderSpec())).model
+    assert not any(module.training for module in loaded.modules())
+    first, second = (beam_search(loaded, random_visuals, k=3, max_len=8) for _ in range(2))
+    for a, b in zip(first, second):
+        assert a[0].token_ids == b[0].token_ids and a[0].score == b[0].score

@@ -343,6 +343,76 @@ def test_cancelled_request_frees_its_rows_at_the_next_step_boundary(encoder):
     assert_same_result(result, solo(runtime, prepared[0], 3, 30))
 
 
+def test_rows_freed_by_a_cancellation_go_to_a_waiting_request_at_that_same_boundary(encoder):
+    """A client that leaves between two boundaries: at the next one its rows are dropped before anyone is admitted
+    and before the step, so a request waiting for rows gets them there and the step runs on the staying rows and the
+    newcomer's, never on the cancelled ones; every row is then counted freed once, by its reason."""
+    runtime = runtime_for("sat", encoder)
+    stepped: list[int] = []
+    step = runtime.step
+
+    def counting_step(prev, state, enc):
+        stepped.append(prev.shape[0])
+        return step(prev, state, enc)
+
+    runtime.step = counting_step
+    metrics = Metrics()
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=7, metrics=metrics)
+    batcher.start(worker=False)
+    prepared = [runtime.prepare(image) for image in random_images(3, seed=5)]
+
+    async def scenario():
+        stay = batcher.submit(prepared[0], 3, 30, 60)
+        leave = batcher.submit(prepared[1], 4, 30, 60)
+        waiting = batcher.submit(prepared[2], 4, 30, 60)
+        batcher.run_once()
+        batcher.run_once()
+        assert batcher.active_rows == 7 and batcher.queued == 1  # no room for the third
+        batcher.cancel(leave)
+        stepped.clear()
+        batcher.run_once()
+        assert batcher.queued == 0 and batcher.active_rows == 7 and stepped == [7]  # 3 staying + 4 newcomer
+        while not batcher.idle:
+            batcher.run_once()
+        await asyncio.sleep(0)
+        return await stay.future, await waiting.future
+
+    stayed, waited = asyncio.run(scenario())
+    assert_same_result(stayed, solo(runtime, prepared[0], 3, 30))
+    assert_same_result(waited, solo(runtime, prepared[2], 4, 30))
+    assert metrics.freed.labels("sat", "cancelled")._value.get() == 4
+    assert metrics.freed.labels("sat", "finished")._value.get() == 3 + 4
+
+
+def test_a_request_whose_client_leaves_while_it_waits_leaves_the_queue_and_is_never_encoded(encoder):
+    """Cancelled while waiting for rows: it leaves the queue at the next boundary (the queue limit counts it no
+    more) and no encoding or decoding is spent on it, while the request decoding meanwhile is unaffected."""
+    runtime = runtime_for("sat", encoder)
+    encoded: list = []
+    watch_encodes(runtime, encoded.append)
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=3)
+    batcher.start(worker=False)
+    prepared = [runtime.prepare(image) for image in random_images(2, seed=6)]
+
+    async def scenario():
+        running = batcher.submit(prepared[0], 3, 12, 60)
+        gone = batcher.submit(prepared[1], 3, 12, 60)
+        batcher.run_once()
+        assert batcher.queued == 1  # no rows for it yet
+        batcher.cancel(gone)
+        batcher.run_once()
+        assert batcher.queued == 0
+        while not batcher.idle:
+            batcher.run_once()
+        await asyncio.sleep(0)
+        assert not gone.future.done()
+        return await running.future
+
+    result = asyncio.run(scenario())
+    assert [len(batch) for batch in encoded] == [1] and encoded[0][0] is prepared[0]
+    assert_same_result(result, solo(runtime, prepared[0], 3, 12))
+
+
 def test_a_caller_that_leaves_or_times_out_frees_its_rows_under_its_own_label(encoder):
     """``caption()`` is what the routes await: a handler cancelled (its client left) and a wait that outlasts the
     deadline must both give the job's rows back at the next boundary, counted as "cancelled" and "deadline"."""

@@ -97,3 +97,46 @@ def test_the_cache_evicts_the_least_recently_used_entry():
     assert cache.get(a) == "A"  # a is now the most recently used
     cache.put(c, "C")  # type: ignore[arg-type]
     assert cache.get(b) is None and cache.get(a) == "A" and cache.get(c) == "C"
+
+
+@pytest.mark.parametrize("entries", [0, 1, 3])
+def test_the_cache_holds_the_most_recently_used_entries_up_to_its_size_and_none_when_off(entries):
+    """Against a plain list of the most recently used keys: random puts and gets, with repeated keys, keep exactly
+    the ``entries`` most recently used ones (a cache of one entry keeps the last); ``0`` is the off switch
+    (``CAPTIONER_RESULT_CACHE_ENTRIES=0``): the use case never consults it, and it keeps nothing."""
+    import random
+
+    from captioner.models.decoding import DecodingRules
+    from captioner.service.result_cache import CacheKey, ResultCache
+
+    cache, recent = ResultCache(entries), []  # recent: the reference, most recently used last
+    assert cache.enabled == (entries > 0)
+    keys = [CacheKey(digest, "sat", 3, 20, DecodingRules()) for digest in "abcde"]
+    rng = random.Random(entries)
+    for _ in range(200):
+        key = rng.choice(keys)
+        if rng.random() < 0.5:
+            cache.put(key, key.digest.upper())  # type: ignore[arg-type]
+            recent = [k for k in recent if k != key] + [key]
+            recent = recent[-entries:] if entries else []
+        else:
+            expected = key.digest.upper() if key in recent else None
+            assert cache.get(key) == expected
+            if expected is not None:
+                recent = [k for k in recent if k != key] + [key]
+        assert len(cache) == len(recent)
+
+
+def test_with_the_cache_off_identical_uploads_run_the_model_and_no_lookup_is_counted(tmp_path_factory):
+    """The default (``result_cache_entries=0``): every upload runs the model, and /metrics counts no cache lookups
+    (the upload is not even hashed)."""
+    weights = tmp_path_factory.mktemp("weights")
+    (weights / "sat").symlink_to(ROOT / "weights" / "sat")
+    settings = serving_settings(weights_dir=weights, default_model="sat", release_memory=False)
+    with TestClient(create_app(settings)) as client:
+        calls = count_encodes(client.app.state.service.runtimes["sat"])
+        image = jpeg(4)
+        first = caption(client, image, beam_size=2, max_len=8)
+        assert caption(client, image, beam_size=2, max_len=8) == first
+        assert len(calls) == 2
+        assert "captioner_result_cache_lookups_total{" not in client.get("/metrics").text
