@@ -153,3 +153,33 @@ def test_reward_equals_the_authors_cider_d_with_training_document_frequencies(se
     captions[2] = "never seen " + captions[2]
     ours = CiderD(corpus).score(captions, references)
     np.testing.assert_allclose(ours, _authors_cider_d(captions, references, corpus), rtol=0, atol=1e-9)
+
+
+def test_a_vocabulary_past_eight_thousand_words_keeps_every_4_gram_apart():
+    """Word ids run past 2^13 in a large corpus (Flickr8k's references hold about 8,900 words): 4-grams that differ
+    only in a word of a high id stay different n-grams, as pycocoevalcap's string n-grams are; the caption's
+    "a b c d" must not match the reference's "z b c d" (z's id 2^13 + 1, a's 1)."""
+    fillers = " ".join(f"f{i}" for i in range(8184))  # ids 9 … 8192, after the captions' eight words
+    captions = ["a b c d", "p q r s"]
+    references = [[fillers, "z b c d"], ["p q r s", "p q"]]
+    _, theirs = Cider().compute_score({i: r for i, r in enumerate(references)},
+                                      {i: [c] for i, c in enumerate(captions)})
+    np.testing.assert_allclose(cider_d(captions, references), theirs, rtol=0, atol=1e-6)
+
+
+def test_document_frequencies_from_a_one_image_corpus_weigh_every_n_gram_zero():
+    """log |corpus| − log df(ω) = log 1 − log 1 for a corpus of one image: every caption scores 0, as pycocoevalcap
+    scores a one-image set, not the log 2 of a corpus counted as two."""
+    references = [["a dog runs on the grass", "a brown dog"]]
+    _, theirs = Cider().compute_score({0: references[0]}, {0: ["a dog runs"]})
+    assert CiderD(references).score(["a dog runs"], references)[0] == pytest.approx(theirs[0], abs=1e-12) == 0.0
+
+
+def test_a_corpus_without_4_grams_still_scores_captions_that_have_some():
+    """References of two or three words hold no 4-gram (nor, here, any 3-gram): their document frequencies are
+    empty tables, and a longer caption's 3- and 4-grams get df 0, as in pycocoevalcap, not an IndexError."""
+    references = [["a dog", "a brown dog"], ["two cats", "cats"]]
+    captions = ["a brown dog runs fast", "two cats"]
+    _, theirs = Cider().compute_score({i: r for i, r in enumerate(references)},
+                                      {i: [c] for i, c in enumerate(captions)})
+    np.testing.assert_allclose(CiderD(references).score(captions, references), theirs, rtol=0, atol=1e-6)

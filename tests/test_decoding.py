@@ -370,3 +370,30 @@ def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
         with pytest.raises(ValueError, match=rf"need 1 <= n_best <= every beam width, got widths=\[3, 2\], "
                                              rf"n_best={n_best}"):
             check_search([3, 2], 5, NO_RULES, n_best=n_best)
+
+
+def test_a_caption_cut_at_the_length_limit_is_not_flagged_as_ended(tiny_sat, random_visuals):
+    """A caption that ran to ``max_len`` without EOS holds no end token and says so (``ended_with_eos`` False, no
+    ``is_eos`` flag), in every one of the ``n_best`` beams, as greedy's do; one that emitted EOS says it did."""
+    with torch.no_grad():
+        tiny_sat.out_word.bias[tiny_sat.eos_id] -= 50.0  # EOS never wins: every caption runs to the limit
+    for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=5, n_best=3):
+        for hyp in hyps:
+            assert len(hyp.token_ids) == 5 and tiny_sat.eos_id not in hyp.token_ids
+            assert not hyp.ended_with_eos and hyp.is_eos == [False] * 5
+    assert not any(h.ended_with_eos for h in greedy(tiny_sat, random_visuals, 5))
+    with torch.no_grad():
+        tiny_sat.out_word.bias[tiny_sat.eos_id] += 100.0  # EOS wins as soon as it may (after the first word)
+    for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=5, n_best=3):
+        for hyp in hyps:
+            assert hyp.ended_with_eos and hyp.token_ids[-1] == tiny_sat.eos_id and hyp.is_eos[-1]
+
+
+@pytest.mark.parametrize("n_best", [1, 2, 4])
+def test_n_best_returns_that_many_hypotheses_the_best_of_the_beam(tiny_sat, random_visuals, n_best):
+    """``n_best`` hypotheses per image, no more: the first ``n_best`` of the whole beam's, best first."""
+    every = beam_search(tiny_sat, random_visuals, k=4, max_len=8, n_best=4)
+    for hyps, all_of_them in zip(beam_search(tiny_sat, random_visuals, k=4, max_len=8, n_best=n_best), every):
+        assert len(hyps) == n_best
+        assert [h.token_ids for h in hyps] == [h.token_ids for h in all_of_them[:n_best]]
+        assert [h.score for h in all_of_them] == sorted((h.score for h in all_of_them), reverse=True)

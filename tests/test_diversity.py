@@ -97,3 +97,14 @@ def test_novel_share_and_distinct_words():
     scores = diversity_scores(captions, {1: ["a dog".split()], 2: ["a dog".split()]}, train)
     assert scores["distinct_words"] == 4 and scores["novel_captions"] == 0.5 and scores["mean_length"] == 3
     assert scores["REP"] == 0.0
+
+
+def test_one_caption_and_no_caption_score_as_themselves():
+    """A set of one caption: its own length is the mean length and its own REP the score; an empty set (no
+    captions, so no reference words) repeats nothing and has no words, not a division by zero."""
+    one = {7: "a dog a dog runs".split()}
+    scores = diversity_scores(one, {7: ["a dog runs".split()]})
+    assert scores["mean_length"] == 5 and scores["distinct_words"] == 3
+    assert scores["REP"] == pytest.approx(100 * 1 / 3)  # "a dog" once beyond the reference's one, over 3 words
+    assert diversity_scores({}, {}) == {"REP": 0.0, "distinct_words": 0.0, "mean_length": 0.0}
+    assert rep_score({}, {}) == 0.0 and novel_share([], ["a dog".split()]) == 0.0

@@ -186,3 +186,31 @@ def test_the_reward_counts_the_end_token_only_when_asked(tmp_path, with_end):
     assert cut_short[-1] == vocab.eos_id
     assert phase.reward_text(cut_short) == "a dog runs through the" + end
     assert phase.reward_text(cut_short[:-1] + [vocab.pad_id]) == "a dog runs through the"  # never ended
+
+
+def test_the_greedy_baseline_is_decoded_in_eval_mode_and_the_model_is_left_training():
+    """Rennie et al.'s baseline is the test-time (greedy, dropout off) caption: with dropout in the model, the
+    logged greedy reward is that of the eval-mode greedy captions, whatever mode the model came in, and the
+    samples (and the step after) see the model in train mode."""
+    from captioner.models.decoding import greedy
+
+    vis, targets, _ = memorisation_task()
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.5)
+    train_to_memorise(model, vis, targets, steps=25, stop_loss=0.0)
+    model.eval()
+    texts = [_words(h.token_ids) for h in greedy(model, vis, max_len=12)]
+    refs = [[text] for text in texts]  # the eval-mode greedy captions are the references: they score the most
+    cider = CiderD(refs)
+    expected = float(cider.score(texts, refs).mean())
+    model.train()
+    torch.manual_seed(1)
+    with torch.random.fork_rng():
+        noisy = [_words(h.token_ids) for h in greedy(model, vis, max_len=12)]
+    assert noisy != texts, "dropout changes the train-mode greedy captions (else this test tells nothing)"
+    _, logs = scst_batch_loss(model, vis, refs, cider, _words, samples=2, max_len=12)
+    assert logs["greedy_reward"] == pytest.approx(expected)
+    assert model.training
+    model.eval()
+    scst_batch_loss(model, vis, refs, cider, _words, samples=2, max_len=12)
+    assert model.training

@@ -40,3 +40,17 @@ def test_gradcheck_and_no_gradient_through_masked_scores():
     empty = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)  # a padded row of a batch: no NaN leaks back
     (masked_softmax(empty, torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)) * 2.0).sum().backward()
     assert torch.isfinite(empty.grad).all() and (empty.grad[1] == 0).all()
+
+
+def test_batched_scores_are_normalised_over_their_last_dim_masked_or_not():
+    """Attention calls it on ``[B, heads, queries, items]`` scores with a mask broadcast over heads and queries:
+    every row of the last dim is the naive softmax of its own unmasked items, whatever the leading dims."""
+    generator = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, 3, 4, 5, generator=generator, dtype=torch.float64) * 2
+    mask = torch.rand(2, 1, 1, 5, generator=generator) > 0.3
+    mask[:, ..., 0] = True
+    rows = scores.reshape(-1, 5)
+    full = torch.ones_like(rows, dtype=torch.bool)
+    torch.testing.assert_close(masked_softmax(scores), naive(rows, full).view_as(scores))
+    torch.testing.assert_close(masked_softmax(scores, mask), naive(rows, mask.expand_as(scores).reshape(-1, 5))
+                               .view_as(scores))

@@ -111,3 +111,19 @@ def test_batched_over_leading_dims_and_registered():
     for index in np.ndindex(2, 3, 4):
         torch.testing.assert_close(together[index], sparsemax(z[index][None])[0])
     assert NORMALISERS["sparsemax"] is sparsemax and get_normaliser("sparsemax") is sparsemax
+
+
+def test_masked_items_never_enter_the_support_whatever_their_scores_and_the_rows_scales():
+    """The masked scores are replaced by a value below every real item's reach, found from each row's own real
+    scores: rows of very different scales (one far below zero), batched over leading dims, with masked scores far
+    above the real ones, give each row the sparsemax of its real items alone (Martins & Astudillo's bisection)."""
+    rng = np.random.default_rng(6)
+    z = rng.normal(size=(2, 3, 8)) * np.array([0.3, 4.0, 1.0])[:, None] + np.array([-40.0, 0.0, 25.0])[:, None]
+    mask = rng.random(size=(2, 3, 8)) > 0.5
+    mask[..., 0] = True
+    z = np.where(mask, z, 60.0)  # the masked scores would take all the weight were they ever compared
+    p = sparsemax(torch.tensor(z), torch.tensor(mask)).numpy()
+    for index in np.ndindex(2, 3):
+        expected = np.zeros(8)
+        expected[mask[index]] = _bisection_sparsemax(z[index][mask[index]])
+        np.testing.assert_allclose(p[index], expected, atol=1e-12)
