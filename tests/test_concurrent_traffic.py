@@ -116,8 +116,10 @@ def test_a_budget_lets_small_pieces_run_together_and_a_large_one_alone_in_arriva
         await asyncio.sleep(0.2)
         assert sorted(order) == ["start a", "start b"]  # together: their threads start in either order
         gates["a"].set()
+        await a
+        assert slots.waiting == 2  # b still runs: the big one is not granted its share, and c stays behind it
         gates["b"].set()
-        await asyncio.gather(a, b)
+        await b
         await asyncio.sleep(0.2)
         assert order[2:] == ["start big"]
         gates["big"].set()
@@ -126,6 +128,127 @@ def test_a_budget_lets_small_pieces_run_together_and_a_large_one_alone_in_arriva
         assert order[3:] == ["start c"] and slots.running == 0
 
     asyncio.run(scenario())
+
+
+def test_waiters_that_leave_together_give_back_nothing_they_did_not_take_and_the_budget_still_binds():
+    """Two waiters cancelled at once: the first one's clean-up wakes the queue while the second, cancelled too, has
+    not run its own yet; neither is granted a share, neither gives one back, and the running piece's share still
+    bounds what starts next."""
+    async def scenario():
+        slots, release = WorkSlots(2), threading.Event()
+        running = asyncio.create_task(slots.run(release.wait, 10))  # 1 of 2 units
+        while slots.running == 0:
+            await asyncio.sleep(0.01)
+        wide = asyncio.create_task(slots.run(lambda: "wide", cost=2))  # does not fit beside it: waits
+        narrow = asyncio.create_task(slots.run(lambda: "narrow", cost=1))  # would fit, but arrived after it
+        await asyncio.sleep(0)
+        assert slots.waiting == 2
+        wide.cancel()
+        narrow.cancel()
+        for task in (wide, narrow):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert slots.waiting == 0 and slots.running == 1
+        # the running piece's unit is still taken, and only it: a piece of 1 runs at once beside it, one of 2 waits
+        assert await slots.run(lambda: "fits", cost=1, timeout=5) == "fits"
+        again = asyncio.create_task(slots.run(lambda: "again", cost=2))
+        await asyncio.sleep(0)
+        assert slots.waiting == 1 and slots.running == 1
+        release.set()
+        assert await running and await again == "again"
+        assert slots.running == 0 and slots.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_on_idle_is_called_once_the_last_running_piece_ends_and_not_before():
+    async def scenario():
+        idle: list[int] = []
+        slots = WorkSlots(2, on_idle=lambda: idle.append(slots.running))
+        gates = [threading.Event(), threading.Event()]
+        pieces = [asyncio.create_task(slots.run(gate.wait, 10)) for gate in gates]
+        while slots.running < 2:
+            await asyncio.sleep(0.01)
+        gates[0].set()
+        assert await pieces[0]
+        assert idle == []  # the other piece still runs
+        gates[1].set()
+        assert await pieces[1]
+        assert idle == [0]
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_back():
+    """The share is granted (by the piece that ends) before the waiter's task resumes; cancelled in between, the
+    waiter never runs and must hand the share back, or the budget shrinks for good."""
+    async def scenario():
+        waiter: list[asyncio.Task] = []
+        slots, release = WorkSlots(2, on_idle=lambda: waiter[0].cancel()), threading.Event()
+        first = asyncio.create_task(slots.run(release.wait, 10, cost=2))
+        while slots.running == 0:
+            await asyncio.sleep(0.01)
+        waiter.append(asyncio.create_task(slots.run(lambda: "never", cost=2)))
+        await asyncio.sleep(0)
+        assert slots.waiting == 1
+        release.set()  # the first piece ends: its release grants the waiter, then on_idle cancels it
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await waiter[0]
+        assert slots.waiting == 0 and slots.running == 0
+        # the whole budget is free again: a piece of all of it starts without waiting
+        assert await slots.run(lambda: "whole", cost=2, timeout=5) == "whole"
+
+    asyncio.run(scenario())
+
+
+def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_share_back():
+    """A piece that has its share can still wait for a thread of Starlette's pool (all of them busy elsewhere);
+    cancelled there it never runs, and its caller gives back its share and its count as running."""
+    import anyio.to_thread
+    from starlette.concurrency import run_in_threadpool
+
+    async def scenario():
+        threads = anyio.to_thread.current_default_thread_limiter()  # this event loop's pool
+        threads.total_tokens = 1
+        slots, release, ran = WorkSlots(2), threading.Event(), []
+        busy = asyncio.create_task(run_in_threadpool(release.wait, 10))  # the pool's one thread, outside the slots
+        while threads.borrowed_tokens == 0:
+            await asyncio.sleep(0.01)
+        piece = asyncio.create_task(slots.run(ran.append, "ran", cost=2))
+        while slots.running == 0:
+            await asyncio.sleep(0.01)
+        piece.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await piece
+        assert slots.running == 0 and ran == []
+        release.set()
+        assert await busy
+        assert await slots.run(lambda: "whole", cost=2, timeout=5) == "whole"  # all of the budget is free
+        assert ran == []
+
+    asyncio.run(scenario())
+
+
+def test_an_upload_budget_holds_exactly_its_capacity_and_a_request_gives_back_all_it_took():
+    from captioner.service.errors import UploadsBusy
+    from captioner.service.work_slots import UploadBudget
+
+    budget = UploadBudget(1000, retry_after_s=3)
+    with budget.hold() as share:
+        share.take(600)
+        share.take(400)  # exactly the capacity: held
+        assert budget.held == share.size == 1000
+        with pytest.raises(UploadsBusy) as refused:
+            share.take(1)
+        assert refused.value.retry_after_s == 3 and budget.held == share.size == 1000  # the refused chunk is not held
+    assert budget.held == 0
+    with pytest.raises(UploadsBusy):
+        budget.take(1001)
+    unlimited = UploadBudget(None)
+    with unlimited.hold() as share:
+        share.take(10**12)
+    assert unlimited.held == 0
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +296,29 @@ def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(ti
     assert not starved, "the caption waited for the renders"
     assert caption["response"].status_code == 200
     assert not more_than_two, "only two renders may run while the others wait"
+
+
+def test_a_body_announced_above_the_limit_is_refused_before_any_of_it_is_read():
+    """A Content-Length above the upload limit is a 413 at once: none of the body is read or taken from the upload
+    budget (a body without a length is counted as it arrives); a body of exactly the limit is read."""
+    from captioner.service.errors import UploadTooLarge
+    from captioner.service.work_slots import UploadBudget
+
+    received = []
+
+    async def receive():
+        received.append(True)
+        return {"type": "http.request", "body": b"x" * 1000, "more_body": False}
+
+    def request(length: int) -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/caption",
+                        "headers": [(b"content-length", str(length).encode())]}, receive)
+
+    budget = UploadBudget(10_000)
+    with pytest.raises(UploadTooLarge):
+        asyncio.run(read_body(request(1001), 1000, budget=budget))
+    assert received == [] and budget.held == 0
+    assert asyncio.run(read_body(request(1000), 1000, budget=budget)) == b"x" * 1000 and received == [True]
 
 
 def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights):

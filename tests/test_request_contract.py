@@ -700,3 +700,13 @@ def test_each_apps_document_states_its_own_limits(client, tmp_path):
             beam = schemas[body]["properties"]["beam_size"]
             integer = next(branch for branch in beam.get("anyOf", [beam]) if branch.get("type") == "integer")
             assert integer["maximum"] == largest and beam["description"].count("on this server") == 1, (body, beam)
+
+
+def test_an_empty_image_is_refused_as_empty_in_every_body_format(client):
+    """Zero bytes of image are named as such (422 invalid-image), whichever way they come, not handed to the
+    decoder to fail as an unreadable image."""
+    answers = [client.post("/caption", content=b"", headers={"content-type": "image/jpeg"}),
+               client.post("/caption", files={"file": ("c.jpg", b"", "image/jpeg")}),
+               client.post("/caption", json={"image": ""})]
+    for answer in answers:
+        assert problem(answer, 422, "invalid-image")["detail"] == "the uploaded image is empty"

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.service.admission import ADMISSION_HEADROOM, WouldMissDeadline
+from captioner.service.admission import ADMISSION_HEADROOM, RATE_SMOOTHING, AdmissionEstimate, WouldMissDeadline
 from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
-from captioner.service.row_table import fill_holes
+from captioner.service.row_table import Job, fill_holes
 from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
@@ -841,6 +841,86 @@ def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(e
         batcher.check_admission(10, 3, 4)
 
     asyncio.run(scenario())
+
+
+def _estimate_job(beam: int, max_len: int, steps: int = 0, deadline: float = 100.0,
+                  typical_length: bool = True) -> Job:
+    """A job as admission control sees it (no image, no event loop: the estimate reads none)."""
+    return Job(None, beam, max_len, deadline, None, None, enqueued=0.0, steps=steps, typical_length=typical_length)
+
+
+def test_the_estimate_averages_measured_samples_and_counts_a_decoding_job_at_least_one_step():
+    """AdmissionEstimate alone, on numbers worked by hand: moving averages weighted by RATE_SMOOTHING, in which a
+    step or an encoding that took no measurable time and a warm-up's artificial caption length are no samples; the
+    work of a decoding job past its expected length is still one step of its rows; calibration's forget_rate and
+    restore_rate."""
+    estimate, r = AdmissionEstimate("m"), RATE_SMOOTHING
+    estimate.measure_step(4, 0.0, [])
+    estimate.measure_encode(0.0)
+    assert (estimate.step_time_s, estimate.rows_per_step, estimate.encode_time_s) == (None, None, None)
+    assert estimate.expected_wait_s([], 1, 5) is None and estimate.own_time_s is None
+    warm_up = _estimate_job(1, 20, steps=99, typical_length=False)
+    estimate.measure_step(4, 2.0, [_estimate_job(1, 20, steps=10), warm_up])
+    assert (estimate.step_time_s, estimate.rows_per_step, estimate.steps_per_request) == (2.0, 4, 10)
+    assert estimate.expected_wait_s([], 1, 5) == 5 * 2.0  # nothing admitted yet: its own 5 steps
+    estimate.measure_step(8, 1.0, [_estimate_job(1, 20, steps=15)])
+    estimate.measure_encode(0.5)
+    estimate.measure_encode(1.5)
+    assert estimate.step_time_s == pytest.approx((1 - r) * 2.0 + r * 1.0)
+    assert estimate.rows_per_step == pytest.approx((1 - r) * 4 + r * 8)
+    assert estimate.steps_per_request == pytest.approx((1 - r) * 10 + r * 15)
+    assert estimate.encode_time_s == pytest.approx((1 - r) * 0.5 + r * 1.5)
+    step, expected_len = estimate.step_time_s, estimate.steps_per_request
+    assert estimate.row_rate == pytest.approx(estimate.rows_per_step / step)
+    assert estimate.own_time_s(_estimate_job(1, 20)) == pytest.approx(estimate.encode_time_s + expected_len * step)
+
+    # decoding: 3 rows 4 steps in, and 2 rows already past the expected length (still one step of work each)
+    estimate.expect_work([_estimate_job(3, 20, steps=4), _estimate_job(2, 20, steps=int(expected_len) + 5)])
+    waiting = [_estimate_job(1, 20)]
+    work = 3 * (expected_len - 4) + 2 * 1 + 1 * expected_len + 2 * 5  # decoding, waiting, its own (beam 2, 5 steps)
+    assert estimate.expected_wait_s(waiting, 2, 5) == pytest.approx(
+        max(5 * step, work / estimate.row_rate) + 2 * estimate.encode_time_s)
+
+    saved = estimate.forget_rate()  # calibration: no request is refused until a step is measured again
+    assert (estimate.step_time_s, estimate.rows_per_step) == (None, None)
+    assert estimate.expected_wait_s(waiting, 2, 5) is None
+    estimate.restore_rate(saved)  # nothing measured meanwhile: the rate it had
+    assert (estimate.step_time_s, estimate.rows_per_step) == (step, pytest.approx((1 - r) * 4 + r * 8))
+    saved = estimate.forget_rate()
+    estimate.measure_step(2, 0.5, [])
+    estimate.restore_rate(saved)  # a step measured meanwhile is newer: kept
+    assert (estimate.step_time_s, estimate.rows_per_step) == (0.5, 2)
+
+
+def test_refusals_retry_after_the_work_ahead_at_least_one_second_and_a_waiting_job_is_kept_while_it_can_finish():
+    estimate = AdmissionEstimate("m")
+    estimate.measure_step(10, 0.125, [])  # 80 rows per second; no caption length learnt: max_len steps
+    estimate.expect_work([_estimate_job(1, 4)])
+    # one decoding request of 4 steps: a new one alone needs its 4 steps (0.5 s), about all it is expected to wait
+    estimate.check(0.55 / ADMISSION_HEADROOM, 1, 4, [], queue_size=4, active_jobs=1)  # in time: admitted
+    with pytest.raises(WouldMissDeadline) as refused:
+        estimate.check(0.45 / ADMISSION_HEADROOM, 1, 4, [], queue_size=4, active_jobs=1)
+    assert refused.value.retry_after_s == 1  # nothing ahead of it to wait for: the least Retry-After
+    crowded = AdmissionEstimate("m")
+    crowded.measure_step(10, 0.125, [])
+    crowded.expect_work([_estimate_job(1, 4) for _ in range(100)])  # 400 row-steps decoding: 5 s at 80 rows/s
+    with pytest.raises(WouldMissDeadline) as refused:
+        crowded.check(1.0, 1, 4, [], queue_size=4, active_jobs=100)
+    # when the work ahead of it is done: its expected 5.05 s less the 0.5 s of its own steps
+    assert refused.value.retry_after_s == math.ceil((400 + 4) / 80 - 4 * 0.125) == 5
+
+    waiting = _estimate_job(1, 4, deadline=10.0)
+    # a deadline passed before anything was measured: shed, with the least Retry-After
+    assert AdmissionEstimate("m").shed(waiting, 10.5, None, [waiting]).retry_after_s == 1
+    queue = [waiting] + [_estimate_job(1, 4) for _ in range(40)]
+    own = estimate.own_time_s  # 0.5 s
+    assert estimate.shed(waiting, 9.25, own, queue) is None  # 0.75 s left: it can finish
+    assert estimate.shed(waiting, 9.5, None, queue) is None  # no step time to judge by: kept until its deadline
+    for now, need in ((9.75, own), (10.5, None)):  # cannot finish in the 0.25 s left; its deadline has passed
+        refusal = estimate.shed(waiting, now, need, queue)
+        assert isinstance(refusal, WouldMissDeadline)
+        wait = estimate.expected_wait_s(queue, 1, 4)
+        assert wait > 1 and refusal.retry_after_s == math.ceil(wait)  # retry when the queue ahead has been served
 
 
 def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
