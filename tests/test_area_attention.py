@@ -226,3 +226,12 @@ def test_attending_per_image_equals_copying_the_areas_to_every_caption():
     query = torch.randn(5, 4, 16, dtype=torch.float64)
     expected, _ = attn.attend(query, area_k[rows], area_v[rows], allowed[rows])
     torch.testing.assert_close(attn.attend_rows(query, area_k, area_v, allowed, rows), expected)
+
+
+@pytest.mark.parametrize("rows,cols,max_h,max_w", [(0, 4, 1, 1), (3, 0, 1, 2), (3, 4, 0, 2), (3, 4, 2, 0)])
+def test_an_empty_grid_or_maximum_area_is_refused_by_name(rows, cols, max_h, max_w):
+    # a zero size enumerates no area at all: the caller hears which sizes are wrong, not that a list was empty
+    with pytest.raises(ValueError, match="must all be positive"):
+        enumerate_areas_2d(rows, cols, max_h, max_w)
+    with pytest.raises(ValueError, match="must all be positive"):
+        area_sums(torch.zeros(2, rows * cols, 3), rows, cols, max_h, max_w)

@@ -216,6 +216,19 @@ def test_jacobians_are_symmetric_group_averages():
     torch.testing.assert_close(jacobian, expected, atol=1e-14, rtol=0)
 
 
+@pytest.mark.parametrize("z,grid_hw", [([0.0, 0.5], (1, 2)), ([0.0, 0.5, 0.5, 1.0], (2, 2))])
+def test_neighbours_that_meet_exactly_at_the_box_face_are_one_group(z, grid_hw):
+    # a jump of exactly 2λ (λ = 1/4, exact in binary) closes exactly: |u_e| = λ with no jump left, the degenerate
+    # point where the dual sits on the box's face; Algorithm 1's groups are the connected components of equal
+    # values, so the cells are one group and J_TV averages over it (SparseCap Eq. 9)
+    z = torch.tensor([z], dtype=torch.float64, requires_grad=True)
+    w, labels = tv2d_prox(z, grid_hw, lam=0.25, return_groups=True)
+    assert torch.all(w == w[0, 0]) and torch.all(labels == 0)
+    jacobian = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, grid_hw, lam=0.25), z)[0, :, 0]
+    torch.testing.assert_close(jacobian, torch.full((z.shape[1], z.shape[1]), 1.0 / z.shape[1], dtype=torch.float64),
+                               atol=1e-15, rtol=0)
+
+
 # -- registry -----------------------------------------------------------------------------------------------------
 def test_normaliser_entry_infers_a_square_grid():
     z = _random_scores(2, 13).float()

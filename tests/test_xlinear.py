@@ -83,6 +83,23 @@ def test_padded_items_get_exactly_zero_attention_and_change_nothing():
     torch.testing.assert_close(attention(query, keys, values, full).attended, attention(query, keys, values).attended)
 
 
+def test_an_image_without_any_real_item_gets_nothing_and_stays_finite():
+    # Eq. 4's mean over no item is the empty sum (docs/decisions.md#masked-items): B̄ = 0, so β^c = sigmoid(b_e);
+    # a 0/0 there would put NaN in the row, and into every gradient of the batch
+    attention = block(heads=2)
+    query, keys, values, mask = inputs()
+    mask[0] = False
+    query, keys, values = (x.requires_grad_() for x in (query, keys, values))
+    out = attention(query, keys, values, mask)
+    assert torch.all(out.spatial[0] == 0) and torch.all(out.attended[0] == 0)
+    torch.testing.assert_close(out.channel[0], torch.sigmoid(attention.excitation.bias).repeat(2))
+    for b in (1, 2):
+        torch.testing.assert_close(out.attended[b], naive(attention, query[b], keys[b], values[b], mask[b])[0])
+    sum(part.sum() for part in out).backward()
+    for x in (query, keys, values, *attention.parameters()):
+        assert torch.isfinite(x.grad).all()
+
+
 def test_many_queries_with_per_query_masks_equal_one_query_at_a_time():
     attention = block(heads=2)
     _, keys, values, _ = inputs()
