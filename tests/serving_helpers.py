@@ -148,6 +148,19 @@ def count_encodes(runtime) -> list[int]:
     return calls
 
 
+def count_step_rows(runtime) -> list[int]:
+    """Wraps ``runtime.step`` so that each decoding step appends its number of rows to the returned list."""
+    rows: list[int] = []
+    step = runtime.step
+
+    def counting_step(prev, state, enc):
+        rows.append(prev.shape[0])
+        return step(prev, state, enc)
+
+    runtime.step = counting_step
+    return rows
+
+
 async def drive(batcher, schedule: list[tuple], timeout_s: float = 60.0) -> list:
     """Run a batcher started with ``worker=False`` step by step; ``schedule`` holds ``(step, prepared, beam,
     max_len)`` or ``(step, prepared, beam, max_len, rules)``: each request is submitted just before step boundary

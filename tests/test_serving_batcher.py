@@ -19,8 +19,8 @@ from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
 
-from .serving_helpers import (all_architectures, assert_same_result, count_encodes, drive, random_images,
-                              shared_encoder, tiny_checkpoint, watch_encodes)
+from .serving_helpers import (all_architectures, assert_same_result, count_encodes, count_step_rows, drive,
+                              random_images, shared_encoder, tiny_checkpoint, watch_encodes)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -120,14 +120,7 @@ def test_rows_joining_mid_table_never_end_on_their_first_token(encoder):
 
 def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
     runtime = runtime_for("sat", encoder)
-    seen: list[int] = []
-    step = runtime.step
-
-    def counting_step(prev, state, enc):
-        seen.append(prev.shape[0])
-        return step(prev, state, enc)
-
-    runtime.step = counting_step
+    seen = count_step_rows(runtime)
     encoded = count_encodes(runtime)
     images = [runtime.prepare(image) for image in random_images(6, seed=3)]
     schedule = [(0, images[i], 2, 5) for i in range(6)]
@@ -200,20 +193,16 @@ def test_rows_being_encoded_count_against_the_row_budget(encoder):
     from concurrent.futures import ThreadPoolExecutor
 
     runtime = runtime_for("sat", encoder)
-    rows_stepped: list[int] = []
-    step, begin = runtime.step, runtime.begin
+    rows_stepped = count_step_rows(runtime)
+    begin = runtime.begin
     release = threading.Event()
-
-    def counting_step(prev, state, enc):
-        rows_stepped.append(prev.shape[0])
-        return step(prev, state, enc)
 
     def held_begin(batch, widths):
         if sum(widths) == 2:  # the request admitted while the first decodes: its encoding waits to be released
             assert release.wait(30)
         return begin(batch, widths)
 
-    runtime.step, runtime.begin = counting_step, held_begin
+    runtime.begin = held_begin
     images = [runtime.prepare(image) for image in random_images(3, seed=9)]
     batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=4)
     batcher.start(worker=False)
@@ -314,48 +303,12 @@ def test_a_drain_that_times_out_fails_the_queued_requests_too(encoder):
         release.set()
 
 
-def test_cancelled_request_frees_its_rows_at_the_next_step_boundary(encoder):
-    runtime = runtime_for("sat", encoder)
-    metrics = Metrics()
-    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=64, metrics=metrics)
-    batcher.start(worker=False)
-    prepared = [runtime.prepare(image) for image in random_images(2, seed=5)]
-
-    async def scenario():
-        stay = batcher.submit(prepared[0], 3, 30, 60)
-        leave = batcher.submit(prepared[1], 4, 30, 60)
-        batcher.run_once()
-        batcher.run_once()
-        assert batcher.active_rows == 7
-        batcher.cancel(leave)  # what the route does when the client disconnects
-        steps = batcher.steps
-        batcher.run_once()
-        # the very next boundary dropped it before stepping: that step ran on the 3 remaining rows only
-        assert batcher.steps == steps + 1 and batcher.active_rows == 3
-        assert metrics.freed.labels("sat", "cancelled")._value.get() == 4
-        while not batcher.idle:
-            batcher.run_once()
-        await asyncio.sleep(0)
-        assert not leave.future.done()  # nobody waits for it; it is never resolved
-        return await stay.future
-
-    result = asyncio.run(scenario())
-    assert_same_result(result, solo(runtime, prepared[0], 3, 30))
-
-
 def test_rows_freed_by_a_cancellation_go_to_a_waiting_request_at_that_same_boundary(encoder):
     """A client that leaves between two boundaries: at the next one its rows are dropped before anyone is admitted
     and before the step, so a request waiting for rows gets them there and the step runs on the staying rows and the
     newcomer's, never on the cancelled ones; every row is then counted freed once, by its reason."""
     runtime = runtime_for("sat", encoder)
-    stepped: list[int] = []
-    step = runtime.step
-
-    def counting_step(prev, state, enc):
-        stepped.append(prev.shape[0])
-        return step(prev, state, enc)
-
-    runtime.step = counting_step
+    stepped = count_step_rows(runtime)
     metrics = Metrics()
     batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=7, metrics=metrics)
     batcher.start(worker=False)
@@ -368,13 +321,14 @@ def test_rows_freed_by_a_cancellation_go_to_a_waiting_request_at_that_same_bound
         batcher.run_once()
         batcher.run_once()
         assert batcher.active_rows == 7 and batcher.queued == 1  # no room for the third
-        batcher.cancel(leave)
+        batcher.cancel(leave)  # what the route does when the client disconnects
         stepped.clear()
         batcher.run_once()
         assert batcher.queued == 0 and batcher.active_rows == 7 and stepped == [7]  # 3 staying + 4 newcomer
         while not batcher.idle:
             batcher.run_once()
         await asyncio.sleep(0)
+        assert not leave.future.done()  # nobody waits for it; it is never resolved
         return await stay.future, await waiting.future
 
     stayed, waited = asyncio.run(scenario())
