@@ -123,7 +123,7 @@ def _read_captions(token_path: Path, layout: FlickrLayout) -> dict[str, list[tup
 
 
 def _refuse_shared_photos(lists: dict[str, list[tuple[str, str]]]) -> None:
-    """Refuse a photo listed twice, in one split or two: it would be trained on and tested on."""
+    """Refuse a photo listed twice: in two splits it would be trained on and tested on, in one it would count twice."""
     listed_at: dict[str, str] = {}
     for entries in lists.values():
         for name, where in entries:
