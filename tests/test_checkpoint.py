@@ -10,7 +10,7 @@ from captioner.models.attention import NORMALISERS
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, model_files, save_checkpoint
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
-from captioner.models.vocab import Vocabulary
+from captioner.models.vocab import SPECIALS, Vocabulary
 from captioner.models.zoo import create
 
 
@@ -163,6 +163,16 @@ def test_vocabulary_keeps_the_most_frequent_words_first_within_max_size():
     # max_size counts the special tokens: 6 entries in all
     assert Vocabulary.build(captions, max_size=6).itos == ["<pad>", "<bos>", "<eos>", "<unk>", "c", "a"]
     assert Vocabulary.build(captions).stoi["<unk>"] == Vocabulary.unk_id
+
+
+def test_the_special_ids_name_the_special_tokens_and_a_foreign_vocabulary_is_refused():
+    vocab = Vocabulary.build([["a", "b"]])
+    # the ids every model and interop mapping is built with are the positions of the special tokens
+    assert [vocab.itos[i] for i in (vocab.pad_id, vocab.bos_id, vocab.eos_id, vocab.unk_id)] == list(SPECIALS)
+    assert len(vocab) == 6 == len(vocab.itos)
+    # a word list without the special tokens first would shift every id: refused, showing what it starts with
+    with pytest.raises(ValueError, match=r"must start with .*, got \['a', '<pad>', '<bos>', '<eos>'\]$"):
+        Vocabulary.from_json({"itos": ["a", *SPECIALS]})
 
 
 def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, random_visuals):

@@ -78,7 +78,7 @@ def test_formats_and_modes_become_rgb(fmt, mode):
 
 @pytest.mark.parametrize("fmt,dtype,full_scale", [("PNG", np.uint16, 65535), ("TIFF", np.uint16, 65535),
                                                    ("TIFF", np.int32, 65535), ("TIFF", np.float32, 1.0),
-                                                   ("TIFF", np.float32, 255.0)])
+                                                   ("TIFF", np.float32, 255.0), ("TIFF", np.float32, 65535.0)])
 def test_deep_greyscale_is_scaled_to_eight_bits_not_clipped(fmt, dtype, full_scale):
     # convert("RGB") alone clips at 255: a 16-bit photo came out nearly white, a [0, 1] float one black
     grey = data.camera()[::8, ::8]
@@ -87,6 +87,36 @@ def test_deep_greyscale_is_scaled_to_eight_bits_not_clipped(fmt, dtype, full_sca
     assert loaded.shape == (*grey.shape, 3)
     np.testing.assert_allclose(loaded[..., 0], grey, atol=1)
     assert (loaded[..., 0] == loaded[..., 2]).all()
+
+
+def test_every_sixteen_bit_value_is_rescaled_to_the_nearest_eight_bit_one():
+    # the PNG specification's sample depth rescaling (12.5): round(v * 255 / 65535), i.e. round(v / 257); e.g.
+    # 65406 is 254.498 of 255, so 254, and 32767 is 127.498, so 127 (a full scale off by one rounds both up)
+    every = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    loaded = np.asarray(load_image(_encode(Image.fromarray(every), "PNG")))[..., 0]
+    np.testing.assert_array_equal(loaded, (every.astype(np.int64) * 2 + 257) // 514)
+    assert loaded.reshape(-1)[65406] == 254 and loaded.reshape(-1)[32767] == 127
+
+
+def test_negative_values_of_a_float_picture_are_black_not_wrapped_to_white():
+    # a float image below 0 (a filter's output) is clipped at black; an 8-bit cast of -1 would wrap to 255
+    floats = np.tile(np.linspace(-0.5, 1.0, 16, dtype=np.float32), (4, 1))
+    loaded = np.asarray(load_image(_encode(Image.fromarray(floats, "F"), "TIFF")))[..., 0]
+    assert (loaded[floats < 0] == 0).all() and loaded[0, -1] == 255
+    np.testing.assert_allclose(loaded[floats >= 0], floats[floats >= 0] * 255, atol=0.5)
+
+
+def test_decoded_arrays_grey_rgb_and_rgba_are_images_and_other_shapes_are_refused():
+    # what scikit-image and OpenCV hold: HxW grey, HxWx3 RGB, HxWx4 RGBA (its transparent pixels laid on white)
+    rgba = np.zeros((4, 6, 4), np.uint8)
+    rgba[:, :3] = (200, 10, 10, 255)
+    grey, rgb = np.full((4, 6), 77, np.uint8), np.ascontiguousarray(rgba[..., :3])
+    assert np.asarray(load_image(grey)).tolist() == np.full((4, 6, 3), 77).tolist()
+    assert np.asarray(load_image(rgb)).tolist() == rgb.tolist()
+    assert load_image(rgba).getpixel((0, 0)) == (200, 10, 10) and load_image(rgba).getpixel((5, 3)) == (255,) * 3
+    for shape in [(4, 6, 2), (4, 6, 3, 1), (6,)]:
+        with pytest.raises(TypeError, match="HxW, HxWx3 or HxWx4 uint8"):
+            load_image(np.zeros(shape, np.uint8))
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
@@ -151,6 +181,8 @@ def test_a_sixteen_bit_grey_png_with_a_transparent_value_is_laid_on_white():
     grey[:, :20] = 0
     loaded = load_image(_encode(Image.fromarray(grey), "PNG", transparency=0))
     assert loaded.getpixel((5, 5)) == (255, 255, 255) and loaded.getpixel((39, 5))[0] > 200
+    # every other value stays opaque: its own grey (60000 of 65535 is 233.46 of 255), not the white under it
+    assert loaded.getpixel((39, 5)) == (233, 233, 233)
     assert load_image(_encode(Image.fromarray(grey), "PNG")).getpixel((5, 5)) == (0, 0, 0)  # opaque: black
 
 
