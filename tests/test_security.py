@@ -283,6 +283,43 @@ def test_the_unread_rest_of_a_body_is_read_before_the_answer_unless_reading_it_c
     assert DISCARD_SECONDS <= time.monotonic() - started < 3
 
 
+def test_a_body_declared_at_exactly_the_limit_is_read_before_the_answer():
+    """``limit`` is what may be read: a body declared at exactly that many bytes can be read to its end (and its
+    connection closed without a reset), so it is read; only one declared larger is left alone."""
+    chunks = [b"a" * 1000, b"b" * 1000, b"c"]
+    length = {b"content-length": b"2001"}
+    assert _unread_body(length, chunks, limit=2001) == chunks
+    assert _unread_body(length, chunks, limit=2000) == []
+
+
+def test_a_body_the_app_read_to_its_end_is_not_read_again_before_the_answer():
+    """A body the app read to its last chunk has nothing left to drop: asking for more before the answer would wait
+    for a message that never comes (the server has none until the answer is sent) for ``DISCARD_SECONDS`` on
+    every request that read its body."""
+    chunks = [b"a" * 1000, b"b" * 1000, b"c"]
+    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                for i, chunk in enumerate(chunks)]
+    statuses = []
+
+    async def receive():
+        assert messages, "asked for more than the whole body"
+        return messages.pop(0)
+
+    async def app(scope, receive, send):
+        while (await receive())["more_body"]:
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = {"type": "http", "method": "POST", "path": "/caption", "headers": [(b"content-length", b"2001")]}
+    asyncio.run(asyncio.wait_for(UnreadBodyMiddleware(app)(scope, receive, send), 5))
+    assert statuses == [200] and not messages
+
+
 def test_a_root_path_is_read_as_the_prefix_it_names():
     for given, read in (("", ""), ("/", ""), ("captioner", "/captioner"), ("/captioner/", "/captioner"),
                         (" /a/b ", "/a/b")):
