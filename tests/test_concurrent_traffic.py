@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -27,6 +28,15 @@ from captioner.service.settings import Settings
 from captioner.service.work_slots import WorkSlots
 
 from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, tiny_model
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    """Wait until ``condition()`` holds (a piece's thread has started), failing after ``timeout_s`` rather than
+    hanging the suite."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        await asyncio.sleep(0.01)
 
 
 def _png(size=(64, 48)) -> bytes:
@@ -137,8 +147,7 @@ def test_waiters_that_leave_together_give_back_nothing_they_did_not_take_and_the
     async def scenario():
         slots, release = WorkSlots(2), threading.Event()
         running = asyncio.create_task(slots.run(release.wait, 10))  # 1 of 2 units
-        while slots.running == 0:
-            await asyncio.sleep(0.01)
+        await _until(lambda: slots.running > 0)
         wide = asyncio.create_task(slots.run(lambda: "wide", cost=2))  # does not fit beside it: waits
         narrow = asyncio.create_task(slots.run(lambda: "narrow", cost=1))  # would fit, but arrived after it
         await asyncio.sleep(0)
@@ -167,8 +176,7 @@ def test_on_idle_is_called_once_the_last_running_piece_ends_and_not_before():
         slots = WorkSlots(2, on_idle=lambda: idle.append(slots.running))
         gates = [threading.Event(), threading.Event()]
         pieces = [asyncio.create_task(slots.run(gate.wait, 10)) for gate in gates]
-        while slots.running < 2:
-            await asyncio.sleep(0.01)
+        await _until(lambda: slots.running == 2)
         gates[0].set()
         assert await pieces[0]
         assert idle == []  # the other piece still runs
@@ -186,8 +194,7 @@ def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_bac
         waiter: list[asyncio.Task] = []
         slots, release = WorkSlots(2, on_idle=lambda: waiter[0].cancel()), threading.Event()
         first = asyncio.create_task(slots.run(release.wait, 10, cost=2))
-        while slots.running == 0:
-            await asyncio.sleep(0.01)
+        await _until(lambda: slots.running > 0)
         waiter.append(asyncio.create_task(slots.run(lambda: "never", cost=2)))
         await asyncio.sleep(0)
         assert slots.waiting == 1
@@ -213,11 +220,9 @@ def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_sha
         threads.total_tokens = 1
         slots, release, ran = WorkSlots(2), threading.Event(), []
         busy = asyncio.create_task(run_in_threadpool(release.wait, 10))  # the pool's one thread, outside the slots
-        while threads.borrowed_tokens == 0:
-            await asyncio.sleep(0.01)
+        await _until(lambda: threads.borrowed_tokens > 0)
         piece = asyncio.create_task(slots.run(ran.append, "ran", cost=2))
-        while slots.running == 0:
-            await asyncio.sleep(0.01)
+        await _until(lambda: slots.running > 0)
         piece.cancel()
         with pytest.raises(asyncio.CancelledError):
             await piece
