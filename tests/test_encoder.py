@@ -10,6 +10,8 @@ from skimage import data
 from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, ImageTooLarge,
                                       crop_box, grid_geometry, load_image, picture_size, preprocess)
 
+from .leaks import nothing_left_open
+
 
 @pytest.fixture(scope="module")
 def encoder():
@@ -197,19 +199,13 @@ def test_a_torn_image_file_is_named(tmp_path):
 def test_an_image_file_is_closed_once_read_whole_or_torn(tmp_path):
     # Pillow keeps a GIF's file open for its other frames, and a torn file's after the failed decode: an archive
     # of many thousands of photos held them open until collected
-    import gc
-    import warnings
-
     frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
     frames[0].save(tmp_path / "two.gif", save_all=True, append_images=frames[1:])
     (tmp_path / "torn.jpg").write_bytes(_encode(Image.fromarray(data.astronaut()), "JPEG")[:5000])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
+    with nothing_left_open():
         assert load_image(tmp_path / "two.gif").size == (10, 10)
         with pytest.raises(ImageDecodeError):
             load_image(tmp_path / "torn.jpg")
-        gc.collect()
-    assert [str(warning.message) for warning in caught if warning.category is ResourceWarning] == []
 
 
 def test_bad_images_raise_clear_errors():

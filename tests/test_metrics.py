@@ -5,6 +5,9 @@ import pytest
 
 from captioner.models.evaluation.metrics import score_captions
 
+from .leaks import nothing_left_open
+
+
 REFS = {1: ["a red circle and a blue square", "a red circle next to a blue square", "two shapes a red circle"],
         2: ["a green star on a striped background", "a green star", "one green star in the centre"]}
 
@@ -35,16 +38,10 @@ def test_inputs_that_scored_wrongly_in_silence_are_refused_by_name():
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="METEOR needs Java")
 def test_meteor_runs_offline():
-    import gc
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ResourceWarning)
-        scores = score_captions({1: "a red circle and a blue square", 2: "a green star"}, REFS, ("METEOR",))
-        gc.collect()
-    assert 0.3 < scores["METEOR"] <= 1.0
     # pycocoevalcap's scorer stops Java but leaves its output pipes open: every evaluation leaked two
-    assert [str(warning.message) for warning in caught if warning.category is ResourceWarning] == []
+    with nothing_left_open():
+        scores = score_captions({1: "a red circle and a blue square", 2: "a green star"}, REFS, ("METEOR",))
+    assert 0.3 < scores["METEOR"] <= 1.0
 
 
 def test_unigram_misses_are_what_bleu1_does_not_credit():
