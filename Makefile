@@ -19,7 +19,7 @@ PYTEST_ARGS ?=
 # each module runs in one worker (tests/parallel.py)
 PYTEST_WORKERS ?= auto
 
-.PHONY: help setup lock check-floors cpu-torch serve serve-scenes test lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
+.PHONY: help setup lock check-floors cpu-torch serve serve-scenes test test-space lint browser-deps data train-default train-shipped eval-default bench bench-f8k bench-int8-f8k \
 	bench-int8 samples clean
 
 help:
@@ -134,8 +134,20 @@ browser-deps:
 	  || echo "warning: could not install chromium; the browser test will be skipped"; \
 	else echo "note: chromium not installed and not root; the browser test will be skipped"; fi
 
-test: $(STAMP) browser-deps
+test: $(STAMP) browser-deps test-space
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile $(PYTEST_ARGS)
+
+# The suite writes about 2 GB under the temporary folder (checkpoints, ONNX graphs, features), up to about 500 MB at
+# once: each test's and each large module fixture's files go when it passes. On a full disk pytest stops before its first test with a traceback that does not say why
+# (it cannot create its capture files), so the free space is printed first, and too little is refused by name
+TEST_TMP := $(or $(TMPDIR),/tmp)
+TEST_TMP_MIN_MB ?= 1000
+test-space:
+	@free=$$(df -Pm "$(TEST_TMP)" | awk 'NR == 2 {print $$4}'); \
+	echo "make test: $$free MB free in $(TEST_TMP), where the suite keeps up to about 500 MB at once"; \
+	if [ "$$free" -lt $(TEST_TMP_MIN_MB) ]; then \
+	  echo "error: under $(TEST_TMP_MIN_MB) MB free in $(TEST_TMP): free some, or set TMPDIR to a folder on a disk with more" >&2; \
+	  exit 1; fi
 
 # pyproject.toml's [tool.ruff]; tests/test_lint.py runs the same check in `make test`
 lint: $(STAMP)
