@@ -2,6 +2,7 @@
 
 import io
 
+import matplotlib
 import numpy as np
 import pytest
 from PIL import Image
@@ -306,6 +307,11 @@ def test_a_heatmap_at_another_size_is_placed_by_that_size(mode):
     assert half.max() == pytest.approx(1.0) and np.unravel_index(half.argmax(), half.shape)[1] > 225 / 2
 
 
+def test_a_heatmap_given_only_a_scale_is_the_originals_size_times_it_rounded():
+    geometry = grid_geometry(EncoderSpec(), (451, 300))
+    assert heatmap(one_hot(63), geometry, "grid_blocks", scale=0.5).shape == (150, 226)  # 225.5 rounded, not cut
+
+
 @pytest.mark.parametrize("mode", ["top1_box", "area_topk", "nope"])
 def test_a_heatmap_in_a_mode_without_heat_is_refused_by_the_modes_that_have_it(mode):
     geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
@@ -383,3 +389,77 @@ def test_a_peaked_row_is_drawn_relative_to_its_peak_as_before():
     heat = drawn_heat(row, geometry, "grid_blocks")
     centres = heat[16::32, 16::32]
     np.testing.assert_allclose(centres, row.reshape(8, 8) / row.max(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("original, copy, drawn", [((451, 300), (226, 151), True), ((451, 300), (226, 152), False),
+                                                   ((2000, 1000), (2000, 1010), True),
+                                                   ((2000, 1000), (2000, 1011), False)])
+def test_a_copy_is_drawn_on_within_a_pixel_and_a_half_or_1_percent_of_the_originals_shape(original, copy, drawn):
+    """226x151 is a 451x300 photo halved (150.4 px tall, rounded); 226x152 is 1.6 px off, another shape.  A large
+    copy may be 1 % off (a JPEG's reduced decode rounds each side): 10 px of 1000, not 11."""
+    geometry = grid_geometry(EncoderSpec(), original)
+    weights = np.full(64, 1 / 64)
+    if drawn:
+        assert overlay(Image.new("RGB", copy), weights, geometry).size == copy
+    else:
+        with pytest.raises(RenderError, match="draw on that picture"):
+            overlay(Image.new("RGB", copy), weights, geometry)
+
+
+def test_top1_box_outlines_only_the_heaviest_item_in_the_colormaps_top_colour():
+    """Its outline is the colormap at 1 (the item's weight over the top one's), a hundredth of the picture's
+    shorter side wide (4 px on a 350-px picture, rounded from 3.5), and nothing else is drawn."""
+    boxes = np.array([[0, 0, 100, 100], [50, 20, 180, 80], [200, 200, 300, 300]], np.float32)
+    geometry = Geometry("regions", (350, 350), None, boxes)
+    out = np.asarray(overlay(Image.new("RGB", (350, 350)), [0.3, 0.6, 0.1], geometry, "top1_box"))
+    outline = np.zeros((350, 350), bool)
+    outline[20:81, 50:181] = True
+    outline[24:77, 54:177] = False
+    np.testing.assert_array_equal(out.any(-1), outline)
+    np.testing.assert_array_equal(out[outline], np.broadcast_to((127, 0, 0), (outline.sum(), 3)))  # jet at 1
+
+
+def test_area_topk_draws_each_area_in_the_colour_of_its_weight_over_the_top_ones():
+    geometry = grid_geometry(EncoderSpec(), (256, 256))
+    areas = np.array([[0, 0, 1, 1], [4, 4, 4, 4], [6, 0, 7, 2]])
+    out = np.asarray(overlay(Image.new("RGB", (256, 256)), [0.2, 0.7, 0.1], geometry, "area_topk", area_boxes=areas,
+                             top_k=2)).astype(int)
+    jet = matplotlib.colormaps["jet"]
+    np.testing.assert_allclose(out[48, 0], jet(0.2 / 0.7, bytes=True)[:3], atol=1)  # the left side of area 0
+    np.testing.assert_allclose(out[150, 128], jet(1.0, bytes=True)[:3], atol=1)  # the left side of area 1
+
+
+def test_region_sum_adds_each_weight_over_the_pixels_whose_centres_its_box_holds():
+    """A reference from the mode's definition, with boxes at fractions of a pixel, one reaching past the picture's
+    top-left corner and one of no weight."""
+    boxes = np.array([[-7.3, -2.8, 60.2, 40.7], [30.6, 20.2, 99.0, 80.0], [10.0, 55.4, 45.8, 70.1],
+                      [0.0, 0.0, 100.0, 80.0]], np.float32)
+    weights = np.array([0.5, 0.3, 0.2, 0.0])
+    xs, ys = np.arange(100) + 0.5, np.arange(80) + 0.5
+    expected = sum(w * np.outer((ys >= y1) & (ys < y2), (xs >= x1) & (xs < x2))
+                   for w, (x1, y1, x2, y2) in zip(weights, boxes))
+    heat = heatmap(weights, Geometry("regions", (100, 80), None, boxes), "region_sum")
+    np.testing.assert_allclose(heat, expected / expected.max(), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["grid_blocks", "grid_smooth"])
+def test_an_overlay_blends_the_heats_colour_into_the_photo_by_alpha(mode):
+    """Each pixel is the photo's × (1 − alpha) + the colormap's colour of its drawn heat × alpha: everywhere for
+    grid_smooth, only where there is heat for grid_blocks (half the cells here have none)."""
+    photo = Image.fromarray(np.random.default_rng(2).integers(0, 256, (200, 300, 3), dtype=np.uint8))
+    geometry = grid_geometry(EncoderSpec(), photo.size)
+    row = np.random.default_rng(3).dirichlet(np.full(64, 0.3)) * np.tile([0, 1], 32)
+    heat = drawn_heat(row, geometry, mode)
+    colour = matplotlib.colormaps["viridis"](heat, bytes=True)[..., :3].astype(float)
+    alpha = np.where(heat > 0, 0.3, 0.3 if mode == "grid_smooth" else 0.0)[..., None]
+    expected = np.asarray(photo) * (1 - alpha) + colour * alpha
+    out = np.asarray(overlay(photo, row, geometry, mode, "viridis", 0.3)).astype(float)
+    np.testing.assert_allclose(out, expected, atol=1)
+
+
+def test_a_figures_panels_are_thumbnails_of_at_most_twice_the_panel_size(laid_out):
+    photo = Image.new("RGB", (1000, 600), (200, 200, 200))
+    geometry = grid_geometry(EncoderSpec(), photo.size)
+    caption_figure(photo, ["a"], [np.full(64, 1 / 64)], geometry, panel_size=100)
+    caption_figure(photo, ["a"], [np.full(64, 1 / 64)], geometry)  # 224 px panels by default
+    assert [[picture.size for _, picture in grid[0]] for grid, _ in laid_out] == [[(200, 120)] * 2, [(448, 269)] * 2]
