@@ -5,6 +5,7 @@ import io
 import matplotlib
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
@@ -463,3 +464,38 @@ def test_a_figures_panels_are_thumbnails_of_at_most_twice_the_panel_size(laid_ou
     caption_figure(photo, ["a"], [np.full(64, 1 / 64)], geometry, panel_size=100)
     caption_figure(photo, ["a"], [np.full(64, 1 / 64)], geometry)  # 224 px panels by default
     assert [[picture.size for _, picture in grid[0]] for grid, _ in laid_out] == [[(200, 120)] * 2, [(448, 269)] * 2]
+
+
+def test_a_captions_overlay_draws_the_tokens_row_and_refuses_a_negative_token():
+    """Token i is tokens[i], ``<eos>`` last when the caption ended with it; a negative index is out of range, not
+    the caption's last token counted from the end."""
+    from captioner.models.decoding import Hypothesis
+    from captioner.models.inference import CaptionResult
+
+    geometry = grid_geometry(EncoderSpec(), (256, 256))
+    rows = np.stack([one_hot(0), one_hot(27), one_hot(63)])
+    result = CaptionResult("m", "m", "soft", 1, ["a", "dog"], Hypothesis([4, 5, 2], [-0.5] * 3, torch.from_numpy(rows),
+                                                                          ended_with_eos=True), geometry)
+    photo = Image.new("RGB", (256, 256), (90, 120, 150))
+    assert result.tokens == ["a", "dog", "<eos>"]
+    assert result.overlay(photo, 2).tobytes() == overlay(photo, rows[2], geometry, "grid_smooth").tobytes()
+    with pytest.raises(RenderError, match="token -1 is out of range"):
+        result.overlay(photo, -1)
+
+
+def test_a_caption_draws_its_areas_weights_in_area_topk_only_and_keeps_its_area_boxes_in_a_figure_row():
+    """A caption cut at max_len has no ``<eos>`` token; an area model's ``area_topk`` draws the areas' weights (the
+    ``areas`` extra) with its area boxes, every other mode the attention over the cells."""
+    from captioner.models.decoding import Hypothesis
+    from captioner.models.inference import CaptionResult
+
+    attention, areas = torch.arange(128.0).reshape(2, 64), torch.arange(10.0).reshape(2, 5)
+    boxes = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [2, 2, 4, 5], [7, 7, 7, 7], [0, 0, 7, 7]])
+    hypothesis = Hypothesis([4, 5], [-0.5] * 2, attention, {"areas": areas})
+    result = CaptionResult("m", "m", "area", 1, ["a", "dog"], hypothesis, grid_geometry(EncoderSpec(), (256, 256)),
+                           boxes)
+    assert result.tokens == ["a", "dog"]
+    assert np.array_equal(result.drawn_rows("area_topk"), areas.numpy())
+    assert np.array_equal(result.drawn_rows("grid_blocks"), attention.numpy())
+    row = result.figure_row("area", "area_topk")
+    assert row.area_boxes is boxes and np.array_equal(row.attention, areas.numpy()) and row.mode == "area_topk"
