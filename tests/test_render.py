@@ -8,7 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner.models.decoding import Hypothesis
 from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
+from captioner.models.inference import CaptionResult
 from captioner.models.protocol import Geometry
 from captioner.models.rendering.heatmaps import RenderError, caption_figure, drawn_heat, heatmap, overlay
 
@@ -469,9 +471,6 @@ def test_a_figures_panels_are_thumbnails_of_at_most_twice_the_panel_size(laid_ou
 def test_a_captions_overlay_draws_the_tokens_row_and_refuses_a_negative_token():
     """Token i is tokens[i], ``<eos>`` last when the caption ended with it; a negative index is out of range, not
     the caption's last token counted from the end."""
-    from captioner.models.decoding import Hypothesis
-    from captioner.models.inference import CaptionResult
-
     geometry = grid_geometry(EncoderSpec(), (256, 256))
     rows = np.stack([one_hot(0), one_hot(27), one_hot(63)])
     result = CaptionResult("m", "m", "soft", 1, ["a", "dog"], Hypothesis([4, 5, 2], [-0.5] * 3, torch.from_numpy(rows),
@@ -486,9 +485,6 @@ def test_a_captions_overlay_draws_the_tokens_row_and_refuses_a_negative_token():
 def test_a_caption_draws_its_areas_weights_in_area_topk_only_and_keeps_its_area_boxes_in_a_figure_row():
     """A caption cut at max_len has no ``<eos>`` token; an area model's ``area_topk`` draws the areas' weights (the
     ``areas`` extra) with its area boxes, every other mode the attention over the cells."""
-    from captioner.models.decoding import Hypothesis
-    from captioner.models.inference import CaptionResult
-
     attention, areas = torch.arange(128.0).reshape(2, 64), torch.arange(10.0).reshape(2, 5)
     boxes = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [2, 2, 4, 5], [7, 7, 7, 7], [0, 0, 7, 7]])
     hypothesis = Hypothesis([4, 5], [-0.5] * 2, attention, {"areas": areas})
