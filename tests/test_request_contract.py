@@ -9,6 +9,8 @@ import base64
 import io
 import json
 import logging
+import time
+import types
 from typing import Annotated
 
 import numpy as np
@@ -17,10 +19,12 @@ from fastapi import Depends, FastAPI, Query
 from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
+from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
+from captioner.service import middleware
 from captioner.service.app import create_app
-from captioner.service.inputs import QueryOptions, known_query_only
+from captioner.service.inputs import QueryOptions, arrival, known_query_only
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
 
@@ -706,3 +710,21 @@ def test_an_empty_image_is_refused_as_empty_in_every_body_format(client):
                client.post("/caption", json={"image": ""})]
     for answer in answers:
         assert problem(answer, 422, "invalid-image")["detail"] == "the uploaded image is empty"
+
+
+def test_a_requests_arrival_is_the_time_the_middleware_noted_else_now():
+    assert arrival(Request({"type": "http", "state": {middleware.ARRIVED: 12.5}})) == 12.5
+    before = time.monotonic()
+    for scope in ({"type": "http"}, {"type": "http", "state": {}}):  # no middleware: the deadline counts from now
+        assert before <= arrival(Request(scope)) <= time.monotonic()
+
+
+def test_the_deadline_counts_from_the_requests_arrival_not_from_when_the_route_asks(client, photo, monkeypatch):
+    timeout = client.app.state.service.settings.request_timeout_s
+    # the middleware notes an arrival a deadline and a minute ago; the route runs now, well within a deadline of its
+    # own, so only the time noted at arrival can spend it (reading and waiting for the event loop count too)
+    monkeypatch.setattr(middleware, "time", types.SimpleNamespace(
+        perf_counter=time.perf_counter, monotonic=lambda: time.monotonic() - timeout - 60))
+    late = problem(client.post("/caption", files={"file": ("coffee.jpg", photo, "image/jpeg")}), 504, "deadline")
+    assert f"the {timeout:g} s request deadline passed" in late["detail"]
+
