@@ -24,6 +24,8 @@ from starlette.requests import Request
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service import middleware
 from captioner.service.app import create_app
+from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image
+from captioner.service.errors import DeadlinePassed
 from captioner.service.inputs import QueryOptions, arrival, known_query_only
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
@@ -728,3 +730,56 @@ def test_the_deadline_counts_from_the_requests_arrival_not_from_when_the_route_a
     late = problem(client.post("/caption", files={"file": ("coffee.jpg", photo, "image/jpeg")}), 504, "deadline")
     assert f"the {timeout:g} s request deadline passed" in late["detail"]
 
+
+def test_the_use_case_counts_the_deadline_from_the_arrival_it_is_given(client, photo):
+    state = client.app.state.service
+    arrived = time.monotonic() - state.settings.request_timeout_s - 60
+    with pytest.raises(DeadlinePassed):
+        client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters()), arrived)
+    assert client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters())).tokens  # default: now
+
+
+def test_a_request_its_named_models_batcher_would_refuse_is_refused_before_its_body_is_read(client, monkeypatch):
+    from captioner.service.admission import QueueFull
+
+    def full(timeout_s, beam_size, max_len):
+        raise QueueFull("the queue of 'tiny-a' is full")
+
+    monkeypatch.setattr(client.app.state.service.batchers["tiny-a"], "check_admission", full)
+    # a body no caption request may have: read, it would have been refused 415
+    answer = client.post("/caption", params={"model": "tiny-a"}, content=b"x", headers={"content-type": "text/plain"})
+    assert problem(answer, 429, "overloaded")["detail"] == "the queue of 'tiny-a' is full"
+
+
+def test_an_upload_its_models_batcher_would_refuse_is_refused_before_its_image_is_decoded(client, monkeypatch):
+    from captioner.service.admission import QueueFull
+
+    def full(timeout_s, beam_size, max_len):
+        raise QueueFull("the queue of 'tiny-a' is full")
+
+    monkeypatch.setattr(client.app.state.service.batchers["tiny-a"], "check_admission", full)
+    # no image at all: opened, it would have been refused 422 invalid-image (JSON's options come with its body)
+    answer = client.post("/caption", json={"image": base64.b64encode(b"not an image").decode(), "model": "tiny-a"})
+    assert problem(answer, 429, "overloaded")["detail"] == "the queue of 'tiny-a' is full"
+
+
+def test_the_decode_slot_and_the_batcher_are_given_what_is_left_of_the_deadline(client, photo, monkeypatch):
+    state = client.app.state.service
+    timeouts, slots, batcher = {}, state.decode_slots, state.batchers["tiny-a"]
+    run, caption = slots.run, batcher.caption
+
+    async def noting_run(*args, timeout, **kwargs):
+        timeouts["slot"] = timeout
+        return await run(*args, timeout=timeout, **kwargs)
+
+    async def noting_caption(prepared, beam_size, max_len, timeout_s, rules):
+        timeouts["batcher"] = timeout_s
+        return await caption(prepared, beam_size, max_len, timeout_s, rules)
+
+    monkeypatch.setattr(slots, "run", noting_run)
+    monkeypatch.setattr(batcher, "caption", noting_caption)
+    # arrived 20 s ago: each wait may take at most what is left, not a whole deadline
+    arrived = time.monotonic() - 20
+    client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters(max_len=3)), arrived)
+    assert set(timeouts) == {"slot", "batcher"}
+    assert all(0 < left <= state.settings.request_timeout_s - 20 for left in timeouts.values()), timeouts
