@@ -783,3 +783,9 @@ def test_the_decode_slot_and_the_batcher_are_given_what_is_left_of_the_deadline(
     client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters(max_len=3)), arrived)
     assert set(timeouts) == {"slot", "batcher"}
     assert all(0 < left <= state.settings.request_timeout_s - 20 for left in timeouts.values()), timeouts
+
+
+def test_an_option_sent_as_a_file_part_is_refused_naming_it(client, photo):
+    # curl -F beam_size=@three.txt: said so, not left to the option's validation to call "3" an invalid integer
+    refused = problem(post(client, photo, extra_files=[("beam_size", ("three.txt", b"3", "text/plain"))]))
+    assert refused["detail"] == "beam_size must be a form field, not a file"
