@@ -23,6 +23,7 @@ from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service import middleware
+from captioner.service.admission import QueueFull
 from captioner.service.app import create_app
 from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image
 from captioner.service.errors import DeadlinePassed
@@ -739,25 +740,24 @@ def test_the_use_case_counts_the_deadline_from_the_arrival_it_is_given(client, p
     assert client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters())).tokens  # default: now
 
 
-def test_a_request_its_named_models_batcher_would_refuse_is_refused_before_its_body_is_read(client, monkeypatch):
-    from captioner.service.admission import QueueFull
-
+@pytest.fixture
+def tiny_a_full(client, monkeypatch):
+    """tiny-a's batcher refuses every request at admission, as with its queue full."""
     def full(timeout_s, beam_size, max_len):
         raise QueueFull("the queue of 'tiny-a' is full")
 
     monkeypatch.setattr(client.app.state.service.batchers["tiny-a"], "check_admission", full)
+
+
+@pytest.mark.usefixtures("tiny_a_full")
+def test_a_request_its_named_models_batcher_would_refuse_is_refused_before_its_body_is_read(client):
     # a body no caption request may have: read, it would have been refused 415
     answer = client.post("/caption", params={"model": "tiny-a"}, content=b"x", headers={"content-type": "text/plain"})
     assert problem(answer, 429, "overloaded")["detail"] == "the queue of 'tiny-a' is full"
 
 
-def test_an_upload_its_models_batcher_would_refuse_is_refused_before_its_image_is_decoded(client, monkeypatch):
-    from captioner.service.admission import QueueFull
-
-    def full(timeout_s, beam_size, max_len):
-        raise QueueFull("the queue of 'tiny-a' is full")
-
-    monkeypatch.setattr(client.app.state.service.batchers["tiny-a"], "check_admission", full)
+@pytest.mark.usefixtures("tiny_a_full")
+def test_an_upload_its_models_batcher_would_refuse_is_refused_before_its_image_is_decoded(client):
     # no image at all: opened, it would have been refused 422 invalid-image (JSON's options come with its body)
     answer = client.post("/caption", json={"image": base64.b64encode(b"not an image").decode(), "model": "tiny-a"})
     assert problem(answer, 429, "overloaded")["detail"] == "the queue of 'tiny-a' is full"
