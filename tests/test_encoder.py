@@ -252,6 +252,46 @@ def test_stride_16_hypercolumns_give_a_16x16_grid_of_the_same_stages(encoder):
     assert grid_geometry(fine_encoder.spec, (512, 512)).boxes[17].tolist() == [32, 32, 64, 64]
 
 
+def _naive_input(picture: Image.Image, mean, std) -> torch.Tensor:
+    """The network input worked out with NumPy: 8-bit RGB → [0, 1] → (x − mean) / std, channels first."""
+    values = np.asarray(picture, dtype=np.float64) / 255.0
+    return torch.from_numpy((values - np.array(mean)) / np.array(std)).permute(2, 0, 1).float()
+
+
+def test_preprocess_is_a_bilinear_resize_normalised_per_channel_in_rgb_order():
+    """Against a naive reference: Pillow's bilinear resize of the whole (not square) photo, then each channel by
+    its own mean and deviation, R first (ImageNet's for a ResNet; EfficientNet-Lite's 0.5 for every channel)."""
+    photo = Image.fromarray(data.astronaut()).resize((300, 200), Image.BILINEAR)  # distinct channels, no symmetry
+    resnet = EncoderSpec(backbone="resnet18", layer="layer4", weights="random", image_size=64)
+    pixels, _ = preprocess(photo, resnet)
+    want = _naive_input(photo.resize((64, 64), Image.BILINEAR), (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    torch.testing.assert_close(pixels, want, atol=1e-5, rtol=0)
+    pixels, _ = preprocess(photo, EncoderSpec(image_size=64))
+    torch.testing.assert_close(pixels, _naive_input(photo.resize((64, 64), Image.BILINEAR), (0.5,) * 3, (0.5,) * 3),
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("size,box", [((512, 256), (144, 16, 368, 240)), ((256, 512), (16, 144, 240, 368))])
+def test_a_centre_crop_is_the_centred_square_of_the_photo_scaled_by_its_shorter_side(size, box):
+    """Shorter side 256 = resize_to (scale 1), so the 224 crop is a whole-pixel box of the photo: its pixels are
+    the network's input exactly, for a wide and a tall photo."""
+    photo = Image.fromarray(data.astronaut()).resize(size, Image.BILINEAR)
+    spec = EncoderSpec(resize="center_crop", resize_to=256, image_size=224)
+    pixels, geometry = preprocess(photo, spec)
+    torch.testing.assert_close(pixels, _naive_input(photo.crop(box), (0.5,) * 3, (0.5,) * 3), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(geometry.boxes[[0, -1]], [[box[0], box[1], box[0] + 32, box[1] + 32],
+                                                         [box[2] - 32, box[3] - 32, box[2], box[3]]])
+
+
+def test_a_side_that_is_not_a_multiple_of_the_stride_gives_the_networks_rounded_up_grid(encoder):
+    """The network pads ("same"), so 100 px give a ⌈100/32⌉ = 4-cell side: the spec's grid, its geometry and the
+    features agree on 16 cells (a side rounded down would lay 9 boxes on 16 feature vectors)."""
+    spec = EncoderSpec(image_size=100)
+    pixels, geometry = preprocess(Image.fromarray(data.coffee()), spec)
+    assert spec.grid_hw == (4, 4) and geometry.boxes.shape == (16, 4)
+    assert encoder(pixels[None]).shape == (1, 16, 320)
+
+
 @pytest.mark.parametrize("kwargs", [dict(grid_stride=8, layer="hypercolumn"), dict(grid_stride=16)])
 def test_unsupported_grid_strides_are_refused(kwargs):
     with pytest.raises(ValueError, match="grid_stride"):
@@ -271,14 +311,20 @@ def test_resnet_gives_sat_14x14_grid_from_a_local_torchvision_state_dict(tmp_pat
                        pooled_grid=14)
     assert spec.grid_hw == (14, 14) and EncoderSpec.from_json(spec.to_json()) == spec
     encoder = GridEncoder(spec)
+
+    @torch.no_grad()
+    def pooled_layer4(pixels):  # the same weights: torchvision's own layer4, pooled the same way
+        x = reference.maxpool(reference.relu(reference.bn1(reference.conv1(pixels))))
+        fmap = reference.layer4(reference.layer3(reference.layer2(reference.layer1(x))))
+        return torch.nn.functional.adaptive_avg_pool2d(fmap, 14).flatten(2).transpose(1, 2)
+
     pixels = torch.randn(2, 3, 256, 256)
     feats = encoder(pixels)
     assert feats.shape == (2, 196, 512)
-    with torch.no_grad():  # the same weights: torchvision's own layer4, pooled the same way
-        x = reference.maxpool(reference.relu(reference.bn1(reference.conv1(pixels))))
-        fmap = reference.layer4(reference.layer3(reference.layer2(reference.layer1(x))))
-        want = torch.nn.functional.adaptive_avg_pool2d(fmap, 14).flatten(2).transpose(1, 2)
-    torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(feats, pooled_layer4(pixels), atol=1e-4, rtol=1e-4)
+    # the pooling matrices are made for 256 px: a 320-px input (a 10×10 layer4) is pooled from its own map
+    other = torch.randn(1, 3, 320, 320)
+    torch.testing.assert_close(encoder(other), pooled_layer4(other), atol=1e-4, rtol=1e-4)
     assert grid_geometry(spec, (640, 480)).boxes.shape == (196, 4)
     with pytest.raises(ValueError):
         EncoderSpec(layer="hypercolumn", grid_stride=16, pooled_grid=14)
