@@ -12,7 +12,8 @@ from captioner.models.decoding import Hypothesis
 from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
 from captioner.models.inference import CaptionResult
 from captioner.models.protocol import Geometry
-from captioner.models.rendering.heatmaps import RenderError, caption_figure, drawn_heat, heatmap, overlay
+from captioner.models.rendering.heatmaps import (RenderError, caption_figure, default_mode, drawn_heat, heat_strength,
+                                                 heatmap, overlay)
 
 
 def one_hot(index: int, n: int = 64) -> np.ndarray:
@@ -230,7 +231,7 @@ def test_a_thumbnail_is_scaled_by_its_longer_side_whichever_side_that_is(origina
 
 
 @pytest.mark.parametrize("shape, sigma", [((375, 500), 8.3), ((64, 40), 0.4), ((224, 224), 3.5), ((5, 7), 3.0),
-                                          ((1, 9), 1.2)])
+                                          ((1, 9), 1.2), ((64, 40), 0.3), ((5, 7), 0.0)])
 def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):
     from scipy.ndimage import gaussian_filter
 
@@ -495,3 +496,65 @@ def test_a_caption_draws_its_areas_weights_in_area_topk_only_and_keeps_its_area_
     assert np.array_equal(result.drawn_rows("grid_blocks"), attention.numpy())
     row = result.figure_row("area", "area_topk")
     assert row.area_boxes is boxes and np.array_equal(row.attention, areas.numpy()) and row.mode == "area_topk"
+
+
+def test_an_all_zero_row_has_no_heat_strength():
+    assert heat_strength(np.zeros(64)) == 0.0
+    assert heat_strength([0.0, 0.0]) == 0.0
+
+
+def test_a_comparison_figure_draws_its_overlays_in_the_default_style_unless_told(laid_out):
+    """Without a colormap, alpha or panel size the panels are the overlay's defaults (jet, half the photo) on
+    thumbnails of at most 448 px, as a caption figure's are."""
+    from captioner.models.rendering.heatmaps import FigureRow, comparison_figure
+
+    photo = Image.new("RGB", (1000, 600), (120, 160, 200))
+    geometry = grid_geometry(EncoderSpec(), photo.size)
+    comparison_figure(photo, [FigureRow("sat", ["a"], [one_hot(9)], geometry, mode="grid_blocks")])
+    ((grid, _),) = laid_out
+    (_, thumb), (_, panel) = grid[0]
+    assert thumb.size == (448, 269)
+    assert panel.tobytes() == overlay(thumb, one_hot(9), geometry, "grid_blocks").tobytes()
+
+
+def test_smooth_heat_of_a_large_photo_mirrors_with_its_row():
+    """Computed small and resized up, the smooth heat of a row turned end over end is the map turned end over end:
+    the small map's pixel centres sit where the full map's do, not a pixel aside."""
+    geometry = grid_geometry(EncoderSpec(), (1600, 1200))
+    row = np.random.default_rng(4).dirichlet(np.full(64, 0.3))
+    heat = heatmap(row, geometry, "grid_smooth")
+    np.testing.assert_allclose(heatmap(row[::-1], geometry, "grid_smooth"), heat[::-1, ::-1], atol=1e-4)
+
+
+def test_a_copy_too_small_for_any_pixel_centre_in_the_crop_has_no_heat():
+    # a 512x256 photo's centre crop is x ∈ [144, 368): on a 2x1 copy it misses both pixel centres, a column of none
+    geometry = grid_geometry(EncoderSpec(image_size=224, resize="center_crop", resize_to=256), (512, 256))
+    for mode in ("grid_blocks", "grid_smooth"):
+        heat = heatmap(one_hot(0, 49), geometry, mode, size=(2, 1))
+        assert heat.shape == (1, 2) and not heat.any(), mode
+
+
+def test_a_one_column_grid_lights_its_own_cell():
+    geometry = Geometry("grid", (100, 200), (2, 1), np.array([[0, 0, 100, 100], [0, 100, 100, 200]], np.float32))
+    heat = heatmap([0.0, 1.0], geometry, "grid_blocks")
+    assert not heat[:100].any() and (heat[100:] == 1).all()
+
+
+@pytest.mark.parametrize("size, resize", [((2048, 121), "stretch"), ((2000, 1000), "center_crop")])
+def test_smooth_heat_computed_small_matches_the_full_size_map(monkeypatch, size, resize):
+    """2048x121: the cells are 15 px tall, half a cell 7.56 px, at the working size 1.89 px (not cut to 1); a centre
+    crop 500 px from the left edge is cut in cells of the crop's width, not of its right edge's position."""
+    from captioner.models.rendering import heatmaps
+
+    geometry = grid_geometry(EncoderSpec(resize=resize), size)
+    weights = np.random.default_rng(5).dirichlet(np.full(64, 0.3)).astype(np.float32)
+    resized = heatmap(weights, geometry, "grid_smooth")
+    monkeypatch.setattr(heatmaps, "SMOOTH_WORK_SIDE", 4096)
+    np.testing.assert_allclose(resized, heatmap(weights, geometry, "grid_smooth"), atol=0.02)
+
+
+def test_region_features_are_drawn_summed_unless_a_mode_is_given():
+    regions = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
+    assert default_mode(regions) == default_mode(regions, "output_attention") == "region_sum"
+    photo = Image.new("RGB", (200, 100), (90, 120, 150))
+    assert overlay(photo, [0.1, 0.9], regions).tobytes() == overlay(photo, [0.1, 0.9], regions, "region_sum").tobytes()
