@@ -1,3 +1,4 @@
+import copy
 import io
 from dataclasses import replace
 
@@ -5,10 +6,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+import torchvision
 from skimage import data
 
 from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, ImageTooLarge,
-                                      crop_box, grid_geometry, load_image, picture_size, preprocess)
+                                      crop_box, fold_batch_norm, grid_geometry, load_image, picture_size,
+                                      preprocess)
 
 from .leaks import nothing_left_open
 
@@ -490,3 +493,78 @@ def test_every_whole_number_field_of_the_spec_refuses_other_kinds_of_value():
         for value in ("7", 7.0, True):
             with pytest.raises(ValueError, match=f"encoder {name} must be a whole number"):
                 EncoderSpec(**{name: value})
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(pooled_grid=0), "pooled_grid"), (dict(stop_stages=-1), "stop_stages"),
+    (dict(tuned_weights="tuned.safetensors", layer="hypercolumn"), "layer=blocks"),
+    (dict(backbone="resnet18", layer="blocks", stop_stages=1), "EfficientNet-Lite backbone"),
+    (dict(image_size=31), "at least 32"), (dict(resize="crop"), "resize must be"),
+    (dict(backbone="vgg16"), "unknown encoder backbone"), (dict(layer="conv_head"), "unknown encoder layer")])
+def test_a_spec_outside_what_the_encoder_computes_is_refused_when_made(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EncoderSpec(**kwargs)
+    assert EncoderSpec(image_size=32).grid_hw == (1, 1)  # the smallest side: one cell
+
+
+def test_a_specs_json_leaves_out_the_later_fields_at_their_defaults_and_round_trips():
+    """A checkpoint written before a field existed keeps its exact ``encoder`` entry; a spec that sets them comes
+    back equal."""
+    assert EncoderSpec().to_json() == {"backbone": "efficientnet_lite0", "image_size": 256, "resize": "stretch",
+                                       "resize_to": 256, "layer": "blocks", "weights": None, "grid_stride": 32}
+    tuned = EncoderSpec(tuned_weights="tuned.safetensors", stop_stages=1, source_side=224, source_jpeg_quality=90)
+    assert tuned.to_json()["tuned_weights"] == "tuned.safetensors" and tuned.to_json()["stop_stages"] == 1
+    assert EncoderSpec.from_json(tuned.to_json()) == tuned
+
+
+def test_folding_matches_batch_norms_formula_with_a_large_eps_and_without_affine_parameters():
+    """y = γ(x − μ)/√(σ² + ε) + β worked out by hand on the convolution's output (γ = 1, β = 0 without affine
+    parameters); a large ε, so that one left out shows."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    for affine in (True, False):
+        bn = torch.nn.BatchNorm2d(4, eps=0.5, affine=affine).eval()
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        gamma, beta = (torch.randn(4), torch.randn(4)) if affine else (torch.ones(4), torch.zeros(4))
+        if affine:
+            bn.weight.data.copy_(gamma)
+            bn.bias.data.copy_(beta)
+        net = torch.nn.Sequential(copy.deepcopy(conv), bn)
+        x = torch.randn(2, 3, 5, 5)
+        with torch.no_grad():
+            y = conv(x)
+            want = (gamma[:, None, None] * (y - bn.running_mean[:, None, None])
+                    / torch.sqrt(bn.running_var[:, None, None] + 0.5) + beta[:, None, None])
+            assert fold_batch_norm(net) == 1
+            torch.testing.assert_close(net(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_head_layer_is_timms_conv_head_and_its_batch_norm_and_activation(tmp_path):
+    """``layer=head``: the 1280-d features timm's ``forward_features`` gives (conv_head, bn2 and its ReLU6), on the
+    unfolded reference network."""
+    path = tmp_path / "lite2.pth"
+    reference = _random_lite2_weights(path)
+    encoder = GridEncoder(EncoderSpec(backbone="efficientnet_lite2", weights=str(path), layer="head", image_size=64))
+    pixels = torch.randn(1, 3, 64, 64)
+    feats = encoder(pixels)
+    with torch.no_grad():
+        want = reference.forward_features(pixels).flatten(2).transpose(1, 2)
+    assert encoder.feat_dim == 1280 and feats.shape == (1, 4, 1280)
+    torch.testing.assert_close(feats, want, atol=1e-3, rtol=1e-3)
+
+
+def test_a_resnet_file_with_weights_missing_or_foreign_is_refused_and_the_trunk_alone_loads(tmp_path):
+    """Only the classifier (``fc.*``, as a whole) may be absent: a file missing a stage or half the classifier, or
+    with a weight ResNet does not have, is not ResNet-18's."""
+    state = torchvision.models.resnet18(weights=None).state_dict()
+    path = tmp_path / "resnet18.pth"
+    spec = EncoderSpec(backbone="resnet18", layer="layer4", image_size=64, weights=str(path))
+    extra = {**state, "head.weight": state["fc.bias"]}
+    for bad in ({k: v for k, v in state.items() if not k.startswith("layer4.")}, extra,
+                {k: v for k, v in state.items() if k != "fc.weight"}):
+        torch.save(bad, path)
+        with pytest.raises(ValueError, match="does not hold resnet18's weights"):
+            GridEncoder(spec)
+    torch.save({k: v for k, v in state.items() if not k.startswith("fc.")}, path)
+    assert GridEncoder(spec)(torch.randn(1, 3, 64, 64)).shape == (1, 4, 512)

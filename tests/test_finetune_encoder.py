@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from captioner.models.checkpoint import convert_storage, load_checkpoint
 from captioner.models.data.stores import TunedStore
@@ -81,8 +81,9 @@ def test_bad_specs_are_refused():
         EncoderSpec(layer="hypercolumn", stop_stages=1)
     with pytest.raises(ValueError, match="stop_stages"):
         EncoderSpec(stop_stages=7)
-    with pytest.raises(ValueError, match="fine-tune 1"):
-        EncoderTail(GridEncoder(SPEC), 0)
+    for stages in (0, 7):  # 7: every stage, none left for a cache
+        with pytest.raises(ValueError, match="fine-tune 1"):
+            EncoderTail(GridEncoder(SPEC), stages)
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +273,23 @@ def test_weights_sha256_names_each_weights_file_of_a_spec_and_no_other(tmp_path)
     with pytest.raises(FileNotFoundError):
         weights_sha256(missing)
     assert weights_sha256(missing, missing_ok=True) == {"weights": ""}
+
+
+def test_a_tuned_weights_file_that_holds_no_stage_of_this_encoder_is_refused(tmp_path):
+    """Every tensor must name one of the network's, with its shape: an empty file, another layout's name or another
+    width would leave ImageNet's weights serving under a fine-tuned checkpoint's name."""
+    width = GridEncoder(SPEC).net.state_dict()["blocks.6.0.conv_pw.weight"].shape
+    for name, state in [("empty", {}), ("foreign", {"blocks.9.0.conv_pw.weight": torch.zeros(width)}),
+                        ("misshapen", {"blocks.6.0.conv_pw.weight": torch.zeros(1)})]:
+        save_file(state, tmp_path / f"{name}.safetensors")
+        with pytest.raises(ValueError, match="does not hold stages of this encoder"):
+            GridEncoder(replace(SPEC, tuned_weights=str(tmp_path / f"{name}.safetensors")))
+
+
+def test_a_tails_state_loads_back_only_whole(frozen):
+    tail = EncoderTail(frozen, 1)
+    state = tail.tuned_state()
+    with pytest.raises(RuntimeError, match="Missing key"):
+        tail.load_tuned_state(dict(list(state.items())[1:]))
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        tail.load_tuned_state({**state, "blocks.6.9.conv_pw.weight": torch.zeros(1)})
