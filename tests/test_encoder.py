@@ -5,8 +5,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 import torchvision
+from PIL import Image
 from skimage import data
 
 from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, ImageTooLarge,
@@ -504,7 +504,10 @@ def test_every_whole_number_field_of_the_spec_refuses_other_kinds_of_value():
 def test_a_spec_outside_what_the_encoder_computes_is_refused_when_made(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EncoderSpec(**kwargs)
-    assert EncoderSpec(image_size=32).grid_hw == (1, 1)  # the smallest side: one cell
+
+
+def test_the_smallest_image_side_is_one_cell():
+    assert EncoderSpec(image_size=32).grid_hw == (1, 1)
 
 
 def test_a_specs_json_leaves_out_the_later_fields_at_their_defaults_and_round_trips():
