@@ -789,3 +789,34 @@ def test_an_option_sent_as_a_file_part_is_refused_naming_it(client, photo):
     # curl -F beam_size=@three.txt: said so, not left to the option's validation to call "3" an invalid integer
     refused = problem(post(client, photo, extra_files=[("beam_size", ("three.txt", b"3", "text/plain"))]))
     assert refused["detail"] == "beam_size must be a form field, not a file"
+
+
+def test_a_query_option_a_json_body_overrides_is_not_refused_before_the_body_is_read(client, photo):
+    # the query names its model and a beam above the limit; the JSON body's beam replaces it, so nothing is refused
+    answer = client.post("/caption", params={"model": "tiny-a", "beam_size": 9},
+                         json={"image": base64.b64encode(photo).decode(), "beam_size": 2})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["beam_size"] == 2
+
+
+def test_media_types_and_content_codings_are_case_insensitive_and_raw_bytes_may_be_octet_stream(client, photo):
+    # RFC 9110: a media type's type and subtype, and a content coding, are case-insensitive
+    plain = post(client, photo).json()
+    for headers in ({"content-type": "Image/JPEG"}, {"content-type": "application/octet-stream"},
+                    {"content-type": "image/jpeg", "content-encoding": "Identity"}):
+        answer = client.post("/caption", content=photo, headers=headers)
+        assert answer.status_code == 200, (headers, answer.text)
+        same_caption(plain, answer.json())
+
+
+def test_a_json_lookalike_media_type_is_not_read_as_json(client, photo):
+    # newline-delimited JSON ends in "json" but is no JSON document (not application/json, not a +json suffix)
+    body = json.dumps({"image": base64.b64encode(photo).decode()})
+    answer = client.post("/caption", content=body, headers={"content-type": "application/x-ndjson"})
+    assert "application/x-ndjson" in problem(answer, 415, "unsupported-media-type")["detail"]
+
+
+def test_base64_that_begins_with_data_is_not_taken_for_a_data_url(client):
+    # "dataAAEC" is the base64 of six bytes (no image): decoded and refused as such, not cut to nothing at a comma
+    answer = client.post("/caption", json={"image": base64.b64encode(b"u\xabZ\x00\x01\x02").decode()})
+    assert problem(answer, 422, "invalid-image")["detail"] != "the uploaded image is empty"
