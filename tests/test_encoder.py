@@ -1,18 +1,23 @@
 import copy
 import io
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
+import timm
 import torch
 import torchvision
 from PIL import Image
 from skimage import data
+from timm.layers import BatchNormAct2d
+from torch import nn
 
-from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, GridEncoder, ImageDecodeError, ImageTooLarge,
-                                      crop_box, fold_batch_norm, grid_geometry, load_image, picture_size,
-                                      preprocess)
+from captioner.models import encoder as encoder_module
+from captioner.models.encoder import (CAT_CLASSES, EncoderSpec, EncoderTail, GridEncoder, ImageDecodeError,
+                                      ImageTooLarge, crop_box, decode_cost, fold_batch_norm, grid_geometry,
+                                      load_image, open_image, picture_size, preprocess)
 
+from .hostile_images import _png_declaring
 from .leaks import nothing_left_open
 
 
@@ -223,8 +228,6 @@ def test_bad_images_raise_clear_errors():
         load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300 - 1)
     assert load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300).size == (300, 300)
     # a header Pillow itself will not open is refused in terms of one limit, not ours beside Pillow's
-    from .hostile_images import _png_declaring
-
     declared_above = 2 * Image.MAX_IMAGE_PIXELS
     for max_pixels, limit in ((40_000_000, 40_000_000), (None, declared_above), (10**12, declared_above)):
         with pytest.raises(ImageTooLarge) as refused:
@@ -304,9 +307,6 @@ def test_unsupported_grid_strides_are_refused(kwargs):
 def test_resnet_gives_sat_14x14_grid_from_a_local_torchvision_state_dict(tmp_path):
     """A user's torchvision ResNet weights (here a locally saved random state dict: nothing can be downloaded) load
     strictly, and layer4 is adaptive-pooled onto SAT's 14×14 grid at 256 px."""
-    import torch
-    import torchvision
-
     path = tmp_path / "resnet18.pth"
     reference = torchvision.models.resnet18(weights=None).eval()
     torch.save(reference.state_dict(), path)
@@ -336,14 +336,6 @@ def test_resnet_gives_sat_14x14_grid_from_a_local_torchvision_state_dict(tmp_pat
 def test_folding_batch_norm_into_the_convolution_changes_no_output():
     """w' = w·γ/σ, b' = β − μ·γ/σ: a conv + BatchNorm (+ activation, timm's BatchNormAct2d) computes the same after
     folding, with random running statistics, with and without a conv bias; a BatchNorm after a non-conv stays."""
-    import copy
-
-    import torch
-    from timm.layers import BatchNormAct2d
-    from torch import nn
-
-    from captioner.models.encoder import fold_batch_norm
-
     torch.manual_seed(0)
 
     def randomise(bn):
@@ -362,6 +354,30 @@ def test_folding_batch_norm_into_the_convolution_changes_no_output():
     x = torch.randn(2, 3, 9, 9)
     with torch.no_grad():
         torch.testing.assert_close(folded(x), net(x), atol=1e-5, rtol=1e-5)
+
+
+class _NormThenConv(nn.Module):
+    """A convolution registered just before a batch norm that never sees its output (registration order is not
+    data flow): the norm normalises the input's 3 channels, the convolution makes 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+        self.norm = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.conv(self.norm(x))
+
+
+def test_a_batch_norm_of_another_width_than_the_convolution_before_it_is_not_folded():
+    torch.manual_seed(0)
+    net = _NormThenConv().eval()
+    net.norm.running_mean.normal_()
+    x = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        want = net(x)
+        assert fold_batch_norm(net) == 0
+        torch.testing.assert_close(net(x), want)
 
 
 def test_a_full_size_photo_reaches_the_network_as_the_data_sets_copies_did():
@@ -405,8 +421,6 @@ def test_a_centre_crop_of_a_full_size_photo_is_the_crop_of_its_copy():
 def _random_lite2_weights(path):
     """timm's EfficientNet-Lite2 with random weights and BatchNorm statistics, saved as the weights package lays its
     file out (the same tensors in the same order, under other names: the loader maps them by position)."""
-    import timm
-
     torch.manual_seed(0)
     reference = timm.create_model("tf_efficientnet_lite2", pretrained=False).eval()
     for module in reference.modules():
@@ -421,8 +435,6 @@ def test_efficientnet_lite2_has_its_own_stage_widths_and_computes_timms_network(
     """The Lite2 backbone (docs/decisions.md, "Flickr8k: a stronger ImageNet encoder"): its last stage is 352-d on
     the same 8×8 grid, its hypercolumns stack its own 48 + 120 + 352 channels, the folded network computes timm's
     unfolded one, and a fine-tuning tail over it outputs its width."""
-    from captioner.models.encoder import EncoderTail
-
     path = tmp_path / "lite2.pth"
     reference = _random_lite2_weights(path)
     spec = EncoderSpec(backbone="efficientnet_lite2", weights=str(path))
@@ -443,8 +455,6 @@ def test_efficientnet_lite2_has_its_own_stage_widths_and_computes_timms_network(
 
 
 def test_a_backbone_whose_weights_package_is_missing_names_the_extra_that_installs_it(monkeypatch):
-    from captioner.models import encoder as encoder_module
-
     missing = encoder_module.EfficientNetLite("tf_efficientnet_lite2", "no_such_weights_package", "ModelFile", "lite2",
                                               (16, 24, 48, 88, 120, 208, 352))
     monkeypatch.setitem(encoder_module.EFFICIENTNET_LITE, "efficientnet_lite2", missing)
@@ -469,8 +479,6 @@ def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_ha
     """The decode slots counted width × height: a strip one pixel wide (24 bytes a pixel decoded) and a 16-bit
     picture (15) passed for square 8-bit photos (7), and two strips of 39 million pixels took 2 GB (the security
     audit)."""
-    from captioner.models.encoder import decode_cost, open_image
-
     def opened(size, mode):
         buffer = io.BytesIO()
         Image.new(mode, size).save(buffer, format="PNG")
@@ -485,8 +493,6 @@ def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_ha
 def test_every_whole_number_field_of_the_spec_refuses_other_kinds_of_value():
     """``--encoder KEY=VALUE`` values reach the spec as JSON; a string or a float in a whole-number field was a
     ``TypeError`` minutes into feature extraction."""
-    from dataclasses import fields
-
     whole = [f.name for f in fields(EncoderSpec) if f.type in ("int", "int | None")]
     assert {"image_size", "grid_stride", "stop_stages", "source_side"} <= set(whole)
     for name in whole:
