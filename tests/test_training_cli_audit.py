@@ -3,11 +3,13 @@ logs of killed starts, Ctrl-C before training, malformed data sets; and at the c
 figures and reports over what is already there (docs/decisions.md, "Training and evaluation commands, audited")."""
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 
-from captioner.models.training import TrainConfig, train
+from captioner.models.training import TrainConfig, TrainingInterrupted, fit, prepare_run, train
 
 from .conftest import DEFAULT_CHECKPOINT
 
@@ -259,9 +261,6 @@ def test_ctrl_c_while_the_run_is_prepared_is_one_line(scenes, tmp_path, cache, c
 def test_a_kill_while_the_run_is_prepared_is_one_line_and_leaves_no_folder(scenes, tmp_path, cache, capsys,
                                                                            monkeypatch):
     # SIGTERM's default ended the process mid-extraction: no word, and an empty --out folder left behind
-    import os
-    import signal
-
     from captioner.models.training import loop
 
     def killed_while_encoding(*args, **kwargs):
@@ -394,11 +393,6 @@ def test_a_run_resumes_from_another_folder(scenes, tmp_path, monkeypatch, capsys
 
 def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
     # the resumed run validated the epoch with the losses of a loop that had no step left to train: none
-    import os
-    import signal
-
-    from captioner.models.training import TrainingInterrupted, fit, prepare_run
-
     cfg = _config(scenes, tmp_path / "run", cache, train_limit=16)  # two steps of 8 captions
     run = prepare_run(cfg)
     trainer, calls = run.trainer, []
@@ -415,6 +409,76 @@ def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scene
     train(cfg, resume=True)
     (epoch,) = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["history"]
     assert {"xe", "doubly_stochastic"} <= set(epoch)
+
+
+def _signalled_in_the_first_step(run, *signals):
+    """Make ``run``'s first step send this process ``signals`` (as a user or a service manager would, while it
+    trains); returns the list of the steps' calls."""
+    trainer, calls = run.trainer, []
+
+    def step(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+        return trainer(*args)
+
+    run.trainer = step
+    return calls
+
+
+def _outer_handler(signum, frame):  # what the process had installed before the run (pytest's, a server's)
+    raise RuntimeError(f"signal {signum} reached the handler the run replaced")
+
+
+def test_sigterm_inside_an_epoch_stops_after_that_step_saves_it_and_gives_back_the_handlers(scenes, tmp_path,
+                                                                                              cache):
+    """SIGTERM (a service manager's or a cluster scheduler's stop) is honoured between steps like Ctrl-C, not at the
+    epoch's end: an epoch of an hour went on to its end (or to the scheduler's SIGKILL) before it stopped, saved at
+    the step the signal came in.  The handlers the run replaced are the process's again once it returns: with
+    SIG_DFL in their place, a later Ctrl-C in a notebook or a server ended the whole process."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, epochs=2))
+    assert run.steps_per_epoch >= 2
+    calls = _signalled_in_the_first_step(run, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _outer_handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(TrainingInterrupted, match="epoch 1, step 1;"):
+            fit(run)
+        assert {sig: signal.getsignal(sig) for sig in previous} == dict.fromkeys(previous, _outer_handler)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert len(calls) == 1
+    progress = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]
+    assert (progress["epoch"], progress["step_in_epoch"], progress["global_step"]) == (0, 1, 1)
+
+
+def test_a_second_ctrl_c_aborts_at_once_without_saving(scenes, tmp_path, cache):
+    """The first Ctrl-C waits for the step (or a whole validation) to end, as the line it prints says; pressed
+    again it aborts at once, saving nothing, and the process's own handlers are back."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache))
+    _signalled_in_the_first_step(run, signal.SIGINT, signal.SIGINT)
+    previous = signal.signal(signal.SIGINT, _outer_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fit(run)
+        assert signal.getsignal(signal.SIGINT) is _outer_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not (tmp_path / "run" / "train_state.json").exists()
+
+
+def test_a_run_that_fails_before_its_first_step_keeps_an_empty_out_folder_it_did_not_make(scenes, tmp_path, cache):
+    """A failed start removes the empty ``--out`` folder it made itself, not one that was there before it (a mount
+    point, a folder made with its permissions set): that one is the user's."""
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(ValueError, match="METEOR"):
+        train(_config(scenes, out, cache, select_metric="METEOR"))
+    assert out.is_dir()
+    with pytest.raises(ValueError, match="METEOR"):
+        train(_config(scenes, tmp_path / "new", cache, select_metric="METEOR"))
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsys):
