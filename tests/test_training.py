@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from captioner.models.checkpoint import load_checkpoint
-from captioner.models.training import TrainConfig, train
+from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.loop import RunInUse
+from captioner.models.training.schedules import learning_rate
 
 SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
 
@@ -92,8 +93,6 @@ def test_a_runs_progress_in_a_log_is_a_few_lines_with_no_carriage_return(scenes,
 
 
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
-    from captioner.models.training.schedules import learning_rate
-
     scheduled = _config(scenes, tmp_path / "scheduled", cache, lr_drops=[1], lr_drop_factor=0.5)
     assert [learning_rate(scheduled, e) for e in range(3)] == [3e-3, 1.5e-3, 1.5e-3]
     train(scheduled)
@@ -112,7 +111,6 @@ def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start
 def _scripted_validation(monkeypatch, scores):
     """Validation that gives epoch ``e`` the score ``scores[e - 1]`` (on every metric) without captioning: the run's
     bookkeeping (best/, the plateau, early stopping) then takes a known course."""
-    from captioner.models.training import loop
     from captioner.models.training.run_log import EpochLog
 
     def validate(run, epoch, lr, logs):
@@ -129,8 +127,6 @@ def test_a_resumed_run_keeps_its_best_checkpoint_plateau_early_stop_log_and_cloc
     and scale, that the run stopped early (a finished run trained on), the log without the steps a killed process
     logged after its last snapshot, and the training time (each snapshot adds the time since the one before).
     The scores make best/ epoch 2, halve the rate after epoch 3 and stop the run after epoch 4."""
-    from captioner.models.training import fit, prepare_run
-
     _scripted_validation(monkeypatch, [0.5, 0.7, 0.6, 0.6, 0.9, 0.9])
     # 8 photos × 5 captions in batches of 16: 3 steps an epoch; a snapshot after every step
     common = dict(train_limit=8, val_limit=2, epochs=6, early_stop=2, plateau_factor=0.5, plateau_patience=1,
@@ -168,6 +164,58 @@ def test_a_resumed_run_keeps_its_best_checkpoint_plateau_early_stop_log_and_cloc
     a, b = (load_file(tmp_path / name / "best" / "model.safetensors") for name in ("straight", "resumed"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=f"best/ {key} differs after resume")
+
+
+def test_snapshots_and_step_records_count_the_runs_steps_and_an_epochs_end_is_saved_once(scenes, tmp_path, cache,
+                                                                                          monkeypatch):
+    """``--checkpoint-every`` and ``--log-every`` count the run's steps, not the epoch's (a kill loses at most that
+    many steps, and the log's records fall every that many steps, however the epochs divide them), and an epoch's
+    last step is saved once, by the epoch's end: a periodic snapshot there as well wrote the whole state (weights
+    and optimiser: gigabytes for a large model) twice in a row."""
+    _scripted_validation(monkeypatch, [0.5, 0.6])
+    saved, real_save_state = [], loop.save_state
+
+    def save_state(run_dir, state):
+        saved.append(tuple(state["progress"][k] for k in ("epoch", "step_in_epoch", "global_step")))
+        real_save_state(run_dir, state)
+
+    monkeypatch.setattr(loop, "save_state", save_state)
+    # 8 photos × 5 captions in batches of 16: 3 steps an epoch, 6 in all
+    train(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, checkpoint_every=2, log_every=2))
+    assert saved == [(0, 2, 2), (1, 0, 3), (1, 1, 4), (2, 0, 6)]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["epoch"], r["step"]) for r in records if r["kind"] == "step"] == [(1, 2), (2, 4), (2, 6)]
+
+
+def test_each_step_updates_the_weights_with_one_optimiser_step(scenes, tmp_path, cache):
+    """Every step the loop takes is one optimiser step: the checks on a run's course (the loss falls, a resume
+    ends where the straight run does) also held for a loop that computed the losses and never stepped."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, max_steps=2))
+    before = run.model.embed.weight.detach().clone()
+    fit(run)
+    assert {float(state["step"]) for state in run.optimizer.state.values()} == {2.0}
+    assert not torch.equal(run.model.embed.weight, before)
+
+
+def test_a_warm_up_gives_every_step_its_own_rate(scenes, tmp_path, cache, monkeypatch):
+    """Under a Noam warm-up the rate changes at every step, so the loop sets it before each step, not once an
+    epoch: each step of an epoch took its first step's rate, a warm-up rising in steps of whole epochs."""
+    _scripted_validation(monkeypatch, [0.5, 0.6])
+    cfg = _config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, warmup_steps=4, noam_dim=64,
+                  log_every=1)  # 3 steps an epoch
+    run = prepare_run(cfg)
+    trainer, rates = run.trainer, []
+
+    def recorded(*args):
+        rates.append(run.optimizer.param_groups[0]["lr"])
+        return trainer(*args)
+
+    run.trainer = recorded
+    fit(run)
+    expected = [learning_rate(cfg, step // 3, step) for step in range(6)]
+    assert len(set(expected)) == 6 and rates == expected
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records if r["kind"] == "step"] == expected
 
 
 def test_a_learning_rate_drop_in_an_epoch_the_run_has_begun_is_refused(scenes, tmp_path, cache):
@@ -257,6 +305,25 @@ def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_togethe
         range(max(len(im.references) for im in images)))
     plain = XEPhase(_config(scenes, tmp_path, cache), None, vocab, None, images, "cpu")
     assert len({plain.pairs[i][0] for i in plain.epoch_order(0)[:5]}) > 1  # default: pairs shuffled one by one
+
+
+def test_each_epoch_trains_on_its_own_shuffle_of_the_data(scenes, tmp_path, cache, monkeypatch):
+    """Every epoch takes its batches in the order its phase draws for that epoch: with the first epoch's order
+    reused, each epoch met the same batches in the same sequence, and the model learnt the order's quirks."""
+    _scripted_validation(monkeypatch, [0.5, 0.6])
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2))  # 3 steps an epoch
+    trainer, batches = run.trainer, []
+
+    def recorded(shard, global_batch):
+        batches.append(global_batch.tolist())
+        return trainer(shard, global_batch)
+
+    run.trainer = recorded
+    fit(run)
+    steps = run.steps_per_epoch
+    taken = [sum(batches[epoch * steps:(epoch + 1) * steps], []) for epoch in range(2)]
+    assert taken == [run.phase.epoch_order(epoch).tolist() for epoch in range(2)]
+    assert taken[0] != taken[1]
 
 
 @pytest.mark.parametrize("arch, args", [("aoanet", dict(d_model=32, embed_dim=32, ffn_dim=64, heads=4,
@@ -424,7 +491,6 @@ def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, ex
 def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_from_it(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from captioner.models.training import loop
     from captioner.models.training.config import Progress
     from captioner.models.training.run_log import EpochLog
 
