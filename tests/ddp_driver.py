@@ -1,9 +1,12 @@
 """Run by ``torchrun`` in tests/test_distributed.py: one rank of a training run, then this rank's weights to
-``OUT/rank{R}.safetensors`` so the test can compare the ranks (only rank 0 writes the run's own files)."""
+``OUT/rank{R}.safetensors`` so the test can compare the ranks (only rank 0 writes the run's own files), and the seed
+of its random numbers when the run was prepared to ``OUT/rank{R}.seed``."""
 
 import json
 import sys
+from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from captioner.models.training import TrainConfig, fit, prepare_run
@@ -16,6 +19,7 @@ def main(config: str, resume: bool) -> None:
     cfg = TrainConfig(**json.loads(config))
     run = prepare_run(cfg, resume=resume)
     assert run.dist.world == 2, "expected to run under torchrun --nproc_per_node 2"
+    Path(cfg.out, f"rank{run.dist.rank}.seed").write_text(str(torch.initial_seed()))
     fit(run)
     save_file({k: v.contiguous() for k, v in run.model.state_dict().items()},
               f"{cfg.out}/rank{run.dist.rank}.safetensors")

@@ -60,6 +60,9 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch_and_resume(
     ddp = tmp_path / "ddp"
     _torchrun(_config(scenes, cache, ddp, max_steps=2, epochs=2))  # stops mid-epoch 1 ...
     assert load_state(ddp)["progress"]["global_step"] == 2
+    # each rank seeded apart: with one seed, every rank drew the same random numbers for its share of a batch (the
+    # same dropout masks, SCST's samples drawn alike), correlating what should be independent draws
+    assert (ddp / "rank0.seed").read_text() != (ddp / "rank1.seed").read_text()
     _torchrun(_config(scenes, cache, ddp, max_steps=4, epochs=2), "resume")  # ... and resumes under torchrun
     assert load_state(ddp)["progress"]["global_step"] == 4
 

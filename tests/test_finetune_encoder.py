@@ -13,7 +13,7 @@ from captioner.models.checkpoint import convert_storage, load_checkpoint
 from captioner.models.data.stores import TunedStore
 from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder
 from captioner.models.protocol import VisualBatch
-from captioner.models.training import TrainConfig, train
+from captioner.models.training import TrainConfig, fit, prepare_run, train
 
 from .conftest import module_folder
 
@@ -173,6 +173,22 @@ def test_resume_continues_the_fine_tuned_stage_exactly(scenes, tmp_path, cache):
         assert a.keys() == b.keys()
         for key in a:
             torch.testing.assert_close(a[key], b[key], msg=f"{name}: {key} differs after resume")
+
+
+def test_the_tuned_stages_step_at_the_encoder_lr_factor_times_the_decoders_rate(scenes, tmp_path, cache):
+    """``--encoder-lr-factor`` scales the stages' rate at every step, where the schedule sets each group's rate
+    anew: set without it, the pretrained stages took the steps of a decoder trained from scratch."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, encoder_lr_factor=0.1, max_steps=2, train_limit=8,
+                              val_limit=2))
+    trainer, rates = run.trainer, []
+
+    def recorded(*args):
+        rates.append([group["lr"] for group in run.optimizer.param_groups])
+        return trainer(*args)
+
+    run.trainer = recorded
+    fit(run)
+    assert rates == [pytest.approx([3e-3, 3e-4])] * 2
 
 
 def test_fine_tuning_needs_the_grid_encoder(scenes, tmp_path, cache):
