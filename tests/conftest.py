@@ -32,6 +32,19 @@ DEFAULT_CHECKPOINT = WEIGHTS / "sat"
 FLICKR8K_DIR = ROOT.parent / "shared" / "data" / "flickr8k"
 
 
+def before_each_step(run, note) -> None:
+    """Make ``note(*args)`` run before each of ``run``'s training steps, with the step's arguments (its shard and
+    global batch): what a test records of the steps (their batches, the optimiser's rates) or does in one (a signal
+    sent in the middle of an epoch)."""
+    step = run.trainer
+
+    def noted(*args):
+        note(*args)
+        return step(*args)
+
+    run.trainer = noted
+
+
 def cli_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
     """What ``captioner ARGV`` prints when it refuses (exit status 2, asserted), stripped."""
     from captioner.service.cli import main

@@ -15,7 +15,7 @@ from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, prepare_run, train
 
-from .conftest import module_folder
+from .conftest import before_each_step, module_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -180,13 +180,8 @@ def test_the_tuned_stages_step_at_the_encoder_lr_factor_times_the_decoders_rate(
     anew: set without it, the pretrained stages took the steps of a decoder trained from scratch."""
     run = prepare_run(_config(scenes, tmp_path / "run", cache, encoder_lr_factor=0.1, max_steps=2, train_limit=8,
                               val_limit=2))
-    trainer, rates = run.trainer, []
-
-    def recorded(*args):
-        rates.append([group["lr"] for group in run.optimizer.param_groups])
-        return trainer(*args)
-
-    run.trainer = recorded
+    rates = []
+    before_each_step(run, lambda *_: rates.append([group["lr"] for group in run.optimizer.param_groups]))
     fit(run)
     assert rates == [pytest.approx([3e-3, 3e-4])] * 2
 

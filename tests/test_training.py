@@ -17,6 +17,8 @@ from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.loop import RunInUse
 from captioner.models.training.schedules import learning_rate
 
+from .conftest import before_each_step
+
 SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
 
 
@@ -204,13 +206,8 @@ def test_a_warm_up_gives_every_step_its_own_rate(scenes, tmp_path, cache, monkey
     cfg = _config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, warmup_steps=4, noam_dim=64,
                   log_every=1)  # 3 steps an epoch
     run = prepare_run(cfg)
-    trainer, rates = run.trainer, []
-
-    def recorded(*args):
-        rates.append(run.optimizer.param_groups[0]["lr"])
-        return trainer(*args)
-
-    run.trainer = recorded
+    rates = []
+    before_each_step(run, lambda *_: rates.append(run.optimizer.param_groups[0]["lr"]))
     fit(run)
     expected = [learning_rate(cfg, step // 3, step) for step in range(6)]
     assert len(set(expected)) == 6 and rates == expected
@@ -312,13 +309,8 @@ def test_each_epoch_trains_on_its_own_shuffle_of_the_data(scenes, tmp_path, cach
     reused, each epoch met the same batches in the same sequence, and the model learnt the order's quirks."""
     _scripted_validation(monkeypatch, [0.5, 0.6])
     run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2))  # 3 steps an epoch
-    trainer, batches = run.trainer, []
-
-    def recorded(shard, global_batch):
-        batches.append(global_batch.tolist())
-        return trainer(shard, global_batch)
-
-    run.trainer = recorded
+    batches = []
+    before_each_step(run, lambda shard, global_batch: batches.append(global_batch.tolist()))
     fit(run)
     steps = run.steps_per_epoch
     taken = [sum(batches[epoch * steps:(epoch + 1) * steps], []) for epoch in range(2)]

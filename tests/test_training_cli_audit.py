@@ -11,7 +11,7 @@ import pytest
 
 from captioner.models.training import TrainConfig, TrainingInterrupted, fit, prepare_run, train
 
-from .conftest import DEFAULT_CHECKPOINT
+from .conftest import DEFAULT_CHECKPOINT, before_each_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -395,15 +395,14 @@ def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scene
     # the resumed run validated the epoch with the losses of a loop that had no step left to train: none
     cfg = _config(scenes, tmp_path / "run", cache, train_limit=16)  # two steps of 8 captions
     run = prepare_run(cfg)
-    trainer, calls = run.trainer, []
+    calls = []
 
     def interrupted_in_the_last_step(*args):
         calls.append(args)
         if len(calls) == run.steps_per_epoch:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the step finishes, and its state is saved
-        return trainer(*args)
 
-    run.trainer = interrupted_in_the_last_step
+    before_each_step(run, interrupted_in_the_last_step)
     with pytest.raises(TrainingInterrupted, match=f"step {run.steps_per_epoch};"):
         fit(run)
     train(cfg, resume=True)
@@ -414,16 +413,15 @@ def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scene
 def _signalled_in_the_first_step(run, *signals):
     """Make ``run``'s first step send this process ``signals`` (as a user or a service manager would, while it
     trains); returns the list of the steps' calls."""
-    trainer, calls = run.trainer, []
+    calls = []
 
-    def step(*args):
+    def first_step_signalled(*args):
         calls.append(args)
         if len(calls) == 1:
             for sig in signals:
                 os.kill(os.getpid(), sig)
-        return trainer(*args)
 
-    run.trainer = step
+    before_each_step(run, first_step_signalled)
     return calls
 
 
