@@ -12,6 +12,7 @@ from skimage import data
 
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoding import DecodingRules
+from captioner.models.inference import torch_runtime
 from captioner.models.pipeline import Pipeline
 
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
@@ -65,6 +66,14 @@ def test_decoding_options_are_refused_by_name(pipeline, options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         pipeline([data.astronaut()], **options)
     assert pipeline([data.astronaut()], beam_size=2, max_len=4, rules=DecodingRules(block_trigrams=True))
+
+
+def test_captions_name_the_model_they_came_from(pipeline, folder):
+    """A library user's results say which model made them: a runtime is named after its checkpoint folder, unless
+    ``torch_runtime`` is given a name (as the service names each model it serves)."""
+    (result,) = pipeline([data.astronaut()], beam_size=1, max_len=3)
+    assert result.model == folder.name == "tiny"
+    assert torch_runtime(folder, name="mine").name == "mine"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")

@@ -9,9 +9,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
+from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 
-from .serving_helpers import count_encodes, serving_settings
+from .serving_helpers import TINY_SPEC, VOCAB, count_encodes, serving_settings, tiny_model
 from .test_service import _png, tiny_weights  # noqa: F401  (fixture)
 
 
@@ -157,10 +158,6 @@ def test_demo_page_is_served_without_external_resources(client):
 
 
 def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
-    from captioner.models.checkpoint import save_checkpoint
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     save_checkpoint(tmp_path / "area", tiny_model("area-transformer"), VOCAB, TINY_SPEC)
     with TestClient(create_app(serving_settings(weights_dir=tmp_path, default_model="area"))) as client:
         photo = _png(Image.fromarray(data.coffee()), "JPEG")
@@ -174,6 +171,23 @@ def test_area_model_returns_area_boxes_and_renders_its_top_areas(tmp_path):
         top = _image(client.get(f"/captions/{body['id']}/overlay", params={"token": 0, "mode": "area_topk"}))
         assert top.size == plain.size == (600, 400)
         assert top.tobytes() != plain.tobytes()
+
+
+def test_an_area_model_offers_area_topk_for_an_upload_and_a_model_without_areas_does_not(tmp_path):
+    """``GET /models`` lists ``area_topk`` among the heatmap modes of a model whose decoder attends over areas
+    (``Runtime.reports_areas``), and ``POST /caption/overlay`` draws it for an upload; a model without areas lists
+    it nowhere and is refused it (every model refusing it, and listing it nowhere, agreed with itself too)."""
+    for name, arch in (("area", "area-transformer"), ("sat", "sat")):
+        save_checkpoint(tmp_path / name, tiny_model(arch), VOCAB, TINY_SPEC)
+    with TestClient(create_app(serving_settings(weights_dir=tmp_path, default_model="sat"))) as client:
+        modes = {m["name"]: m["heatmap_modes"] for m in client.get("/models").json()}
+        assert "area_topk" in modes["area"] and "area_topk" not in modes["sat"]
+        photo = _png(Image.new("RGB", (90, 60), (9, 9, 9)))
+        for name, status in (("area", 200), ("sat", 422)):
+            response = client.post("/caption/overlay", params={"model": name, "mode": "area_topk", "token": 0,
+                                                               "max_len": 2},
+                                   files={"file": ("x.png", photo, "image/png")})
+            assert response.status_code == status, (name, response.text)
 
 
 def test_json_heatmaps_refuse_box_modes_and_what_only_pictures_take_and_name_their_result(client, result):

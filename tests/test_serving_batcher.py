@@ -14,7 +14,7 @@ import torch
 
 from captioner.service.admission import ADMISSION_HEADROOM, RATE_SMOOTHING, AdmissionEstimate, WouldMissDeadline
 from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
-from captioner.service.row_table import Job, fill_holes
+from captioner.service.row_table import Job, RowTable, fill_holes
 from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
@@ -1029,6 +1029,36 @@ def test_fill_holes_tiles_the_compacted_rows_or_declines(seed):
         if old + size <= total:
             assert new == old  # blocks inside the compacted length keep their rows
     assert cursor == total
+
+
+def test_the_encoder_buffers_double_as_jobs_join_one_by_one():
+    """The rows of joining jobs are written into encoder buffers with room to grow, which double when full: 31 jobs
+    of one row joining a one-row table one at a time reallocate them 5 times (to 2, 4, 8, 16 and 32 rows), each row
+    copied O(1) times on average, not at every admission (the whole table's image features copied per boundary)
+    nor when the new rows fit exactly; every row keeps its features."""
+    def job() -> Job:
+        return Job(prepared=None, beam_size=1, max_len=5, deadline=0.0, loop=None, future=None)
+
+    table = RowTable([job()], {"feats": torch.zeros(1, 3)}, {"h": torch.zeros(1, 2)}, bos_id=1)
+    buffers = [table._enc_buffers["feats"]]
+    for i in range(1, 32):
+        table.add([job()], {"feats": torch.full((1, 3), float(i))}, {"h": torch.zeros(1, 2)}, bos_id=1)
+        if table._enc_buffers["feats"] is not buffers[-1]:
+            buffers.append(table._enc_buffers["feats"])
+    assert [len(buffer) for buffer in buffers] == [1, 2, 4, 8, 16, 32]
+    assert torch.equal(table.enc["feats"], torch.arange(32.0)[:, None].expand(32, 3))
+
+
+def test_begin_and_step_called_outside_inference_mode_run_inside_one(encoder):
+    """The batcher's worker runs every step inside ``torch.inference_mode()`` and the runtime opens none there
+    (``in_inference_mode``); any other caller of ``begin`` and ``step`` (a benchmark, a library user) still gets one
+    around the call: no autograd graph over the encoder's features and the decoder's states, whose tensors are
+    inference tensors."""
+    runtime = runtime_for("sat", encoder)
+    assert not torch.is_inference_mode_enabled()
+    enc, state = runtime.begin([runtime.prepare(random_images(1)[0])], [2])
+    logprobs, state, attn = runtime.step(torch.full((2,), runtime.bos_id), state, enc)
+    assert all(tensor.is_inference() for tensor in (*enc.values(), *state.values(), logprobs, attn.primary))
 
 
 def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch):

@@ -5,6 +5,7 @@ runtime and through the HTTP service; ``captioner export`` writes what the servi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import logging
@@ -543,10 +544,35 @@ def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
         plain = runtime.caption(prepared, 3, 8)
         runtime.pad_batches = True
         assert runtime.pixels(prepared).shape[0] == 4
-        # a CNN with several outputs (the ONNX encoder graph's) loses its padding rows from each of them
-        assert [len(rows) for rows in runtime.run_cnn(prepared, lambda pixels: [pixels, pixels[:, :1]])] == [3, 3]
+        # a CNN with several outputs (the ONNX encoder graph's) is given the padded batch and loses its padding rows
+        # from each of them
+        given = []
+        outputs = runtime.run_cnn(prepared, lambda pixels: given.append(len(pixels)) or [pixels, pixels[:, :1]])
+        assert given == [4] and [len(rows) for rows in outputs] == [3, 3]
         for got, want in zip(runtime.caption(prepared, 3, 8), plain, strict=True):
             assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
+
+
+def test_a_runtime_on_the_cpu_runs_its_cnn_batches_unpadded():
+    """Padding pays only on a GPU, where a new input shape costs cuDNN seconds; on the CPU each padding row would be
+    one more image's convolutions for nothing, so the batch runs as it is."""
+    runtime = TorchRuntime("sat", tiny_checkpoint("sat"), shared_encoder(), CPU)
+    prepared = [runtime.prepare(image) for image in random_images(3)]
+    assert not runtime.pad_batches
+    assert runtime.pixels(prepared).shape[0] == 3
+    given = []
+    runtime.run_cnn(prepared, lambda pixels: given.append(len(pixels)) or pixels)
+    assert given == [3]
+
+
+def test_a_runtimes_description_is_made_once_and_cannot_be_changed():
+    """``GET /models`` answers every request with the one ``ModelInfo`` a runtime makes when first asked (a loaded
+    runtime does not change): were it mutable, one caller assigning to it would change what every later request
+    is told."""
+    info = TorchRuntime("sat", tiny_checkpoint("sat"), shared_encoder(), CPU).info()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.name = "renamed"
+    assert info.name == "sat"
 
 
 def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_path, caplog):
