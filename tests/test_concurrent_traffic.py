@@ -390,6 +390,23 @@ def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weigh
     assert count.get('captioner_request_latency_seconds_count{model="tiny",status="422"}') == 3, count
 
 
+def test_the_latency_metric_observes_how_long_each_request_took(tiny_weights):
+    """A caption request's latency (the use case's ``observed_request``) and that of one FastAPI refused before the
+    use case saw it (``observe_invalid``) are each the seconds since it arrived: within the wall time around the
+    requests, not a reading of the clock."""
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
+                        backend="torch")
+    with TestClient(create_app(settings)) as client:
+        started = time.monotonic()
+        assert client.post("/caption", params={"max_len": 2}, content=_png(),
+                           headers={"content-type": "image/png"}).status_code == 200
+        assert client.post("/caption", params={"beam_size": 0}, content=b"x").status_code == 422
+        elapsed = time.monotonic() - started
+        samples = parse_metrics(client.get("/metrics").text)
+    for status in (200, 422):
+        seconds = samples[f'captioner_request_latency_seconds_sum{{model="tiny",status="{status}"}}']
+        assert 0 < seconds <= elapsed, (status, seconds, elapsed)
+
 def _drain_scenario(app, messages):
     """Run ``app`` behind a draining gate: the messages the client sends, and what it is answered.  The client
     stays connected: once its messages are read, ``receive`` waits, as uvicorn's does until a disconnect."""

@@ -19,6 +19,9 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.zoo import create
 from captioner.models.vocab import Vocabulary
 from captioner.service.app import create_app
+from captioner.service.batcher import BeamTooWide, DeadlineExceeded, NotAccepting
+from captioner.service.captioning import batcher_errors
+from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady
 from captioner.service.settings import Settings
 
 from .conftest import WEIGHTS, module_folder
@@ -458,3 +461,16 @@ def test_a_refusals_retry_after_is_never_below_the_configured_one():
             with batcher_errors(Settings(retry_after_s=5)):
                 raise QueueFull("busy", retry_after_s=estimate)
         assert refused.value.retry_after_s == expected
+
+
+@pytest.mark.parametrize("refusal,typed", [
+    (NotAccepting("model 'tiny' is not accepting requests"), NotReady),
+    (DeadlineExceeded("captioning took longer than 1 s"), DeadlinePassed),
+    (BeamTooWide("beam_size 9 is above the row budget of 8"), InvalidRequest),
+])
+def test_the_batchers_other_refusals_leave_the_use_case_as_the_services_typed_errors(refusal, typed):
+    """A batcher that is stopping, a caption past its deadline and a beam wider than the row budget are the app's
+    503, 504 and 422: let through as they are they would be 500s, and swallowed the use case would answer None."""
+    with pytest.raises(typed):
+        with batcher_errors(Settings()):
+            raise refusal
