@@ -88,20 +88,23 @@ def test_a_save_killed_between_renames_is_recovered(tmp_path, tiny_sat):
     assert load_checkpoint(path).encoder.image_size == 128
 
 
-def test_a_resume_puts_back_the_best_checkpoint_a_save_killed_between_renames_set_aside(scenes, tmp_path):
-    """A run killed while it replaced best/ (between the two renames) left best/ only as ``.best.old``; the resume
-    puts it back before it trains, not only at the next save of best/, which comes only with a better epoch (never,
-    for a run that has passed its best): its best checkpoint was missing while its state said it had one."""
+@pytest.mark.parametrize("name", ["best", "last"])
+def test_a_resume_puts_back_the_checkpoint_a_save_killed_between_renames_set_aside(scenes, tmp_path, name):
+    """A run killed while it replaced best/ or last/ (between the two renames) left it only as ``.best.old`` or
+    ``.last.old``; the resume puts it back before it trains, not only at the next save, which for best/ comes only
+    with a better epoch (never, for a run that has passed its best): its checkpoint was missing while its state said
+    it had one.  Both folders: the resume cleared only best/'s debris, and last/ stayed missing until the epoch's
+    end (for ever, had the run been stopped before it)."""
     out = tmp_path / "run"
     cfg = dict(dataset=str(scenes), out=str(out), cache_dir=str(tmp_path / "features"), encoder={"image_size": 96},
                model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16), train_limit=8, val_limit=2, batch_size=16,
                epochs=2, progress=False, threads=1)
-    train(TrainConfig(**cfg, max_steps=4))  # 3 steps an epoch: epoch 1 saved best/, then one step of epoch 2
-    os.replace(out / "best", out / ".best.old")
-    (out / ".best.tmp-0badf00d").mkdir()  # the new best/, half written
+    train(TrainConfig(**cfg, max_steps=4))  # 3 steps an epoch: epoch 1 saved best/ and last/, then one step of 2
+    os.replace(out / name, out / f".{name}.old")
+    (out / f".{name}.tmp-0badf00d").mkdir()  # the new checkpoint, half written
     train(TrainConfig(**cfg, max_steps=5), resume=True)  # still inside epoch 2: no checkpoint is saved
-    assert load_checkpoint(out / "best").meta["best_epoch"] == 1
-    assert not list(out.glob(".best*"))
+    assert load_checkpoint(out / name).meta["history"][-1]["epoch"] == 1
+    assert not list(out.glob(f".{name}*"))
 
 
 def test_saved_files_respect_the_umask(tmp_path, tiny_sat):

@@ -7,14 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.files import FolderInUse, held_alone
 from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
-from captioner.models.training.loop import RunInUse
+from captioner.models.training.loop import RunInUse, _optimizer_step
 from captioner.models.training.schedules import learning_rate
 
 from .conftest import before_each_step
@@ -478,6 +480,55 @@ def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, ex
                           optimizer=torch.optim.SGD([weight], lr=1.0))
     _optimizer_step(run, (torch.tensor([30.0, 40.0]) * weight).sum())  # gradient (30, 40): norm 50
     torch.testing.assert_close(weight.detach(), torch.tensor(expected))
+
+
+def test_a_scaled_step_clips_the_true_gradient_and_skips_an_overflow_halving_the_scale():
+    """Under fp16's gradient scaler the clip applies to the unscaled gradient (clipped while scaled by 1024, the
+    step was 1024 times too small), and the scaler is updated after each step: an overflowing step is skipped and
+    the scale halved, or every later step overflowed as well."""
+    weight = torch.nn.Parameter(torch.zeros(2))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    run = SimpleNamespace(cfg=SimpleNamespace(grad_clip=0.5, grad_clip_mode="norm"), scaler=scaler,
+                          optimizer=torch.optim.SGD([weight], lr=1.0))
+    _optimizer_step(run, (torch.tensor([30.0, 40.0]) * weight).sum())  # gradient (30, 40): norm 50
+    torch.testing.assert_close(weight.detach(), torch.tensor([-0.3, -0.4]))
+    _optimizer_step(run, (torch.tensor([float("inf"), 40.0]) * weight).sum())
+    torch.testing.assert_close(weight.detach(), torch.tensor([-0.3, -0.4]))
+    assert scaler.get_scale() == 512.0
+
+
+def test_a_runs_clock_adds_this_sessions_time_to_what_its_earlier_sessions_trained(monkeypatch):
+    """``elapsed`` is the seconds of the saved sessions plus this one's, to 0.1 s: a resumed run's card reported only
+    the time since its last resume."""
+    run = SimpleNamespace(progress=SimpleNamespace(train_seconds=90.0), started=100.0)
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: 112.34))  # 12.34 s since this session began
+    assert loop.Run.elapsed(run) == 102.3
+
+
+def test_a_folder_another_trainer_holds_is_refused_before_anything_is_written(scenes, tmp_path, cache):
+    """The one-trainer lock, without a second process: a folder held (as a running ``train`` holds its ``--out``)
+    refuses the run, which writes nothing into it; a new folder is held as well, not only one that existed."""
+    out = tmp_path / "run"
+    with held_alone(out, FolderInUse("held by a running train")):
+        with pytest.raises(RunInUse, match="is being trained by another process"):
+            train(_config(scenes, out, cache, train_limit=8, val_limit=2, max_steps=1))
+        assert out.is_dir() and not any(out.iterdir())
+    train(_config(scenes, out, cache, train_limit=8, val_limit=2, max_steps=1))  # free again once let go
+    assert (out / "train_state.json").exists()
+
+
+def test_only_the_main_rank_holds_the_run_folder(tmp_path, monkeypatch):
+    """Under torchrun rank 0 holds ``--out`` and the other ranks follow it: were every rank to take the lock, each
+    rank after the first was refused as "another process" while rank 0 trained."""
+    out = tmp_path / "run"
+    with held_alone(out, FolderInUse("held by rank 0")):
+        monkeypatch.setattr(loop, "distributed_rank", lambda: 1)
+        with loop._sole_trainer(out):  # no RunInUse
+            pass
+        monkeypatch.setattr(loop, "distributed_rank", lambda: 0)
+        with pytest.raises(RunInUse):
+            with loop._sole_trainer(out):
+                pass
 
 
 def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_from_it(tmp_path, monkeypatch):

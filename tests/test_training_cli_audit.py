@@ -479,6 +479,25 @@ def test_a_run_that_fails_before_its_first_step_keeps_an_empty_out_folder_it_did
     assert not (tmp_path / "new").exists()
 
 
+def test_a_failed_start_keeps_a_new_out_folder_that_something_was_written_into(scenes, tmp_path, cache,
+                                                                              monkeypatch):
+    """Only an empty ``--out`` folder is removed after a failed start: one that was written into before the failure
+    is kept with what it holds, and the failure is the one raised (removing it whole was an ``OSError`` "directory
+    not empty" in its place)."""
+    from captioner.models.training import loop
+
+    out = tmp_path / "new"
+
+    def written_then_failed(*args, **kwargs):
+        (out / "notes.txt").write_text("mine")
+        raise ValueError("the features could not be read")
+
+    monkeypatch.setattr(loop, "open_feature_store", written_then_failed)  # the run's folder exists by then
+    with pytest.raises(ValueError, match="the features could not be read"):
+        train(_config(scenes, out, cache))
+    assert (out / "notes.txt").read_text() == "mine"
+
+
 def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsys):
     # `captioner eval weights/sat --output r.json` then `captioner card runs/sat/best --report r.json` (the README's
     # two lines, run in order) printed weights/sat's scores on the card of runs/sat/best
@@ -532,6 +551,26 @@ def test_a_mistyped_encoder_option_or_a_min_count_that_keeps_no_word_is_refused_
     err = _fails(capsys, _argv(scenes, tmp_path / "run", cache, "--min-count", "100000"))
     assert "--min-count 100000 keeps none of the training captions'" in err and "distinct words" in err
     assert not (tmp_path / "run").exists() and not list(cache.glob("*/*.npy"))
+
+
+def test_prepare_run_makes_a_new_run_folder_with_its_parents(scenes, tmp_path, cache):
+    """:func:`prepare_run` (the library's way in, without :func:`train`'s lock) makes ``--out`` and the folders
+    above it: a run prepared into ``runs/sat`` had no folder to save its state in."""
+    out = tmp_path / "runs" / "sat"
+    run = prepare_run(_config(scenes, out, cache, max_steps=1))
+    assert out.is_dir()
+    fit(run)
+    assert (out / "train_state.json").exists()
+
+
+def test_a_resume_takes_only_the_options_the_command_named(scenes, tmp_path, cache):
+    """``explicit`` reaches the resume: an option the command did not name (here ``epochs``, which a resume may
+    change) keeps the run's value, though the config passed holds another; without it, every value off the defaults
+    counted as given."""
+    out = tmp_path / "run"
+    train(_config(scenes, out, cache, epochs=2, max_steps=1))
+    train(_config(scenes, out, cache, epochs=3), resume=True, explicit={"out", "max_steps"})
+    assert json.loads((out / "train_state.json").read_text())["progress"]["epoch"] == 2
 
 
 def test_a_run_whose_data_moved_resumes_from_where_the_command_says(scenes, tmp_path, capsys):
