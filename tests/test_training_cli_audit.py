@@ -9,7 +9,19 @@ import signal
 
 import pytest
 
-from captioner.models.training import TrainConfig, TrainingInterrupted, fit, prepare_run, train
+from captioner.models import training
+from captioner.models.checkpoint import load_checkpoint, recorded_checksum, save_checkpoint
+from captioner.models.data.datasets import load_captioned
+from captioner.models.data.features import extract_features, find_covering_store, photo_file_bytes
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.data.scenes import generate
+from captioner.models.encoder import EncoderSpec
+from captioner.models.protocol import AttnRecord
+from captioner.models.registry import MODELS
+from captioner.models.sat import ShowAttendTell
+from captioner.models.sparsecap import SparseCap
+from captioner.models.training import TrainConfig, TrainingInterrupted, fit, loop, prepare_run, train
+from captioner.service.cli import main
 
 from .conftest import DEFAULT_CHECKPOINT, before_each_step
 
@@ -37,8 +49,6 @@ def _argv(scenes, out, cache, *extra):
 
 
 def _main(argv) -> None:
-    from captioner.service.cli import main
-
     main(argv)
 
 
@@ -87,10 +97,6 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
                                                                                      monkeypatch):
     """An unknown model or option failed after the features were extracted, a model without config() after its
     first epoch (at the save): each is a one-line error before any data is read."""
-    from captioner.models import training
-    from captioner.models.registry import MODELS
-    from captioner.models.sat import ShowAttendTell
-
     def never(*args, **kwargs):
         raise AssertionError("the data was read")
 
@@ -106,8 +112,6 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
     monkeypatch.setitem(MODELS, "forgetful", Forgetful)
     err = _fails(capsys, _argv(scenes, tmp_path / "c", cache, "--model", "forgetful"))
     assert "config() must return every constructor argument" in err
-    from captioner.models.sparsecap import SparseCap
-
     class Unshaped(SparseCap):  # forgets an argument that changes no shape: its checkpoints would reload as softmax
         def config(self):
             return {k: v for k, v in super().config().items() if k != "attention"}
@@ -124,11 +128,6 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
     Python error that named no rule: at the first load (no **ids), in reorder after an epoch (a state that is no
     tensor with rows), or never (attention rows that are no distribution, served as they were)."""
     import torch
-
-    from captioner.models import training
-    from captioner.models.protocol import AttnRecord
-    from captioner.models.registry import MODELS
-    from captioner.models.sat import ShowAttendTell
 
     monkeypatch.setattr(training.loop, "load_captioned", lambda *a, **k: pytest.fail("the data was read"))
 
@@ -247,8 +246,6 @@ def test_a_start_killed_before_its_first_snapshot_is_not_logged_twice(scenes, tm
 
 
 def test_ctrl_c_while_the_run_is_prepared_is_one_line(scenes, tmp_path, cache, capsys, monkeypatch):
-    from captioner.models.training import loop
-
     def encoding_features(*args, **kwargs):
         raise KeyboardInterrupt  # what Ctrl-C raises while the frozen CNN encodes the photos
 
@@ -261,8 +258,6 @@ def test_ctrl_c_while_the_run_is_prepared_is_one_line(scenes, tmp_path, cache, c
 def test_a_kill_while_the_run_is_prepared_is_one_line_and_leaves_no_folder(scenes, tmp_path, cache, capsys,
                                                                            monkeypatch):
     # SIGTERM's default ended the process mid-extraction: no word, and an empty --out folder left behind
-    from captioner.models.training import loop
-
     def killed_while_encoding(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -316,11 +311,6 @@ def test_evaluation_options_are_checked_before_the_captioning(tmp_path, capsys):
 def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
     import numpy as np
 
-    from captioner.models.data.datasets import load_captioned
-    from captioner.models.data.features import extract_features, find_covering_store, photo_file_bytes
-    from captioner.models.data.scenes import generate
-    from captioner.models.encoder import EncoderSpec
-
     spec, sizes = EncoderSpec(image_size=64), {"train": 3, "val": 1, "test": 0, "heldout": 0}
     generate(tmp_path / "scenes", sizes, seed=0, progress=False)
     images = load_captioned(tmp_path / "scenes", None, ("train",))
@@ -341,8 +331,6 @@ def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
 
 
 def test_commands_never_write_over_a_checkpoint_or_their_own_input_unasked(tmp_path, capsys):
-    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
-
     from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
     trained = save_checkpoint(tmp_path / "trained", tiny_model("sat"), VOCAB, TINY_SPEC)
@@ -484,8 +472,6 @@ def test_a_failed_start_keeps_a_new_out_folder_that_something_was_written_into(s
     """Only an empty ``--out`` folder is removed after a failed start: one that was written into before the failure
     is kept with what it holds, and the failure is the one raised (removing it whole was an ``OSError`` "directory
     not empty" in its place)."""
-    from captioner.models.training import loop
-
     out = tmp_path / "new"
 
     def written_then_failed(*args, **kwargs):
@@ -502,8 +488,6 @@ def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsy
     # `captioner eval weights/sat --output r.json` then `captioner card runs/sat/best --report r.json` (the README's
     # two lines, run in order) printed weights/sat's scores on the card of runs/sat/best
     import shutil
-
-    from captioner.models.checkpoint import recorded_checksum
 
     from .conftest import ROOT
 
@@ -523,11 +507,6 @@ def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsy
 
 def test_encoding_without_progress_bars_says_how_far_it_is(tmp_path, capsys):
     # --no-progress ("for logs and CI") printed nothing while the photos were encoded: minutes of silence
-    from captioner.models.data.features import extract_features
-    from captioner.models.data.karpathy import load_karpathy
-    from captioner.models.data.scenes import generate
-    from captioner.models.encoder import EncoderSpec
-
     images = load_karpathy(generate(tmp_path, {"train": 5, "val": 1, "test": 1, "heldout": 1}, seed=1,
                                     progress=False))
     extract_features(images, EncoderSpec(image_size=96), tmp_path / "cache", progress=False, shard_size=3)
@@ -579,8 +558,6 @@ def test_a_run_whose_data_moved_resumes_from_where_the_command_says(scenes, tmp_
     shutil.copytree(scenes.parent, tmp_path / "data")
     train(_config(tmp_path / "data", tmp_path / "run", tmp_path / "cache", epochs=2, max_steps=1))
     (tmp_path / "data").rename(tmp_path / "moved")
-    from captioner.service.cli import main
-
     capsys.readouterr()
     with pytest.raises(SystemExit):  # the command names what to pass, where it said only that the file is gone
         main(["train", "--out", str(tmp_path / "run"), "--resume", "--no-progress"])
