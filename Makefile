@@ -138,8 +138,9 @@ test: $(STAMP) browser-deps test-space
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --maxprocesses=4 --dist loadfile $(PYTEST_ARGS)
 
 # The suite writes about 2 GB under the temporary folder (checkpoints, ONNX graphs, features), up to about 500 MB at
-# once: each test's and each large module fixture's files go when it passes. On a full disk pytest stops before its first test with a traceback that does not say why
-# (it cannot create its capture files), so the free space is printed first, and too little is refused by name
+# once: each test's and each large module fixture's files go when it passes. On a full disk pytest stops before its
+# first test with a traceback that does not say why (it cannot create its capture files), so the free space is
+# printed first, and too little is refused by name
 TEST_TMP := $(or $(TMPDIR),/tmp)
 TEST_TMP_MIN_MB ?= 1000
 test-space:
