@@ -83,21 +83,6 @@ def test_work_slots_bound_the_work_and_free_a_slot_however_it_ends():
     asyncio.run(scenario())
 
 
-def test_a_batcher_refusal_suggests_its_own_wait_in_whole_seconds_never_below_the_settings():
-    from captioner.service.admission import QueueFull, WouldMissDeadline
-    from captioner.service.captioning import batcher_errors
-    from captioner.service.errors import Overloaded
-
-    settings = Settings(retry_after_s=2)
-    # no suggestion: the settings'; a longer one: its whole seconds; a shorter one: the settings' floor
-    for refusal, retry_after in ((QueueFull("full"), 2), (WouldMissDeadline("late", 7.9), 7),
-                                 (QueueFull("full", 0.5), 2)):
-        with pytest.raises(Overloaded) as refused:
-            with batcher_errors(settings):
-                raise refusal
-        assert refused.value.retry_after_s == retry_after and str(refused.value) == str(refusal)
-
-
 def test_a_wait_for_a_slot_past_the_deadline_is_the_services_504_naming_what_waited():
     from captioner.service.captioning import slot_deadline
     from captioner.service.errors import PROBLEM_TYPES, DeadlinePassed

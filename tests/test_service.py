@@ -1,5 +1,8 @@
 """HTTP end to end: real image bytes through FastAPI, problem responses, and a real uvicorn process."""
 
+import asyncio
+import base64
+import gc
 import io
 import json
 import os
@@ -11,20 +14,28 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
+from pydantic import ValidationError
 from skimage import data
+from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate, named_objects
 from captioner.models.encoder import EncoderSpec
-from captioner.models.zoo import create
 from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
+from captioner.service import app as app_module
+from captioner.service import captioning, inputs
+from captioner.service.admission import WouldMissDeadline
 from captioner.service.app import create_app
-from captioner.service.batcher import BeamTooWide, DeadlineExceeded, NotAccepting
+from captioner.service.batcher import Batcher, BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
 from captioner.service.captioning import batcher_errors
-from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady
-from captioner.service.settings import Settings
+from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded
+from captioner.service.inputs import drain_body
+from captioner.service.problems import problem_of
+from captioner.service.settings import Settings, json_body_bytes
 
 from .conftest import WEIGHTS, module_folder
+from .serving_helpers import assert_every_architecture_round_trips
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -184,8 +195,6 @@ def test_every_registered_architecture_round_trips_through_a_checkpoint_and_post
     """On PyTorch: each architecture's ONNX graphs are compared with PyTorch in test_serving_onnx.py, and the HTTP
     layers above the runtime are the same for every backend (exporting eight models here took two thirds of the
     test's time)."""
-    from .serving_helpers import assert_every_architecture_round_trips
-
     assert_every_architecture_round_trips(tmp_path, _png(Image.fromarray(data.astronaut()), "JPEG"), backend="torch")
 
 
@@ -193,8 +202,6 @@ def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(tiny_wei
     """A full garbage collection holds the GIL while it walks every tracked object (about 400,000 after the
     imports and weights: 0.2 s on the 2-core CI machine), stalling every request; the app freezes what start-up
     left so that later collections walk only what serving allocated, and unfreezes at shutdown."""
-    import gc
-
     gc.unfreeze()
     with TestClient(create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False))) as client:
         assert client.get("/readyz").status_code == 200
@@ -206,8 +213,6 @@ def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(tiny_wei
 def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights, monkeypatch, caplog):
     """With load_in_background the server listens before loading; a load that fails must not leave a process
     that is live and never ready without a word: the error is logged at once and /healthz answers 503."""
-    from captioner.service import app as app_module
-
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory while loading")
 
@@ -229,9 +234,6 @@ def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights,
 def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weights, monkeypatch):
     """Every refusal made before the body is read drains it (a connection closed with unread data in it is reset,
     and the client sees the reset instead of the answer): the 503 of a server not ready was left unread."""
-    from captioner.service import app as app_module
-    from captioner.service import inputs
-
     drained = []
 
     async def drain(request, limit):
@@ -256,8 +258,6 @@ def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weight
 def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights, monkeypatch):
     """Only the batcher's own refusal of a too-wide beam is the client's 422: any other ValueError from the worker
     (a bug in decoding) reached the client as 422 invalid-request, with the internal message in it."""
-    from captioner.service.batcher import Batcher
-
     async def broken(*args, **kwargs):
         raise ValueError("need 1 <= n_best <= k")
 
@@ -271,8 +271,6 @@ def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights,
 def test_a_start_that_fails_in_the_foreground_stops_the_batchers_it_started(tiny_weights, monkeypatch):
     """A warm-up that fails (out of memory, say) ended the start before the lifespan's yield, and its shutdown
     code, after the yield, never ran: the batchers' threads and models stayed alive in the process."""
-    from captioner.service import app as app_module
-
     async def failing_warm_up(batcher, settings):
         raise RuntimeError("out of memory while warming up")
 
@@ -287,10 +285,6 @@ def test_a_start_that_fails_in_the_foreground_stops_the_batchers_it_started(tiny
 def test_the_batchers_stop_within_what_is_left_of_the_drain_budget(tiny_weights, monkeypatch):
     """After a SIGTERM drain that used its budget, stopping the batchers waited the budget again (30 + 30 s against a
     pod's 45-s grace period): they get what is left of it."""
-    import time
-
-    from captioner.service.batcher import Batcher
-
     given = []
     original = Batcher.stop
 
@@ -312,12 +306,6 @@ def test_the_batchers_stop_within_what_is_left_of_the_drain_budget(tiny_weights,
 def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_trickles():
     """A request refused before its body is read (429, 503, a bad overlay option) read the body to its end whatever
     its pace: one byte every few seconds held the connection and an in-flight request open without limit."""
-    import asyncio
-
-    from starlette.requests import Request
-
-    from captioner.service.inputs import drain_body
-
     async def trickle():
         await asyncio.sleep(0.2)
         return {"type": "http.request", "body": b"x", "more_body": True}  # never the last chunk
@@ -332,10 +320,6 @@ def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_tr
 def test_an_uploads_header_is_parsed_off_the_event_loop(tiny_weights, monkeypatch):
     """The pixel count that budgets decoding was read on the event loop: a JPEG of millions of empty markers takes
     Pillow seconds to scan, and every other request (the liveness probe too) waited for it."""
-    import asyncio
-
-    from captioner.service import captioning
-
     on_loop = []
     open_image = captioning.open_image
 
@@ -358,18 +342,17 @@ def test_an_uploads_header_is_parsed_once(tiny_weights, monkeypatch):
     """The pixel count that budgets decoding came from one parse of the upload's header and the decode from a
     second (a hostile JPEG's seconds-long marker scan, paid twice, the second time holding a decode slot): the
     image is opened once, and decoded from that."""
-    import PIL.Image
 
     upload = _png(Image.fromarray(data.coffee()), "JPEG")
     opened_upload = []
-    pillow_open = PIL.Image.open
+    pillow_open = Image.open
 
     def counting(fp, *args, **kwargs):
         if isinstance(fp, io.BytesIO) and fp.getvalue() == upload:
             opened_upload.append(True)
         return pillow_open(fp, *args, **kwargs)
 
-    monkeypatch.setattr(PIL.Image, "open", counting)
+    monkeypatch.setattr(Image, "open", counting)
     app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False))
     with TestClient(app) as client:
         assert _post(client, upload, beam_size=2, max_len=4).status_code == 200
@@ -380,11 +363,6 @@ def test_uploads_share_one_byte_budget_until_their_requests_end(tiny_weights, mo
     """Each upload was bounded alone (size, deadline) but many at once by nothing: a thousand trickling 10-MB bodies
     held gigabytes. A request's bytes count against one budget from their arrival until it ends (they wait for a
     decode slot and decode in memory), however it ends; a budget too small for one upload is refused at start."""
-    from pydantic import ValidationError
-
-    from captioner.service import captioning
-    from captioner.service.settings import json_body_bytes
-
     with pytest.raises(ValidationError, match="must hold at least one largest upload"):
         Settings(max_upload_bytes=12_000, upload_budget_bytes=12_000)
     settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False,
@@ -413,8 +391,6 @@ def test_uploads_share_one_byte_budget_until_their_requests_end(tiny_weights, mo
 
 
 def test_settings_refuse_defaults_and_row_budgets_outside_their_limits():
-    from pydantic import ValidationError
-
     for bad in ({"default_max_len": 51}, {"default_beam_size": 11}, {"default_max_len": 8, "max_max_len": 7}):
         with pytest.raises(ValidationError, match="must not exceed max_beam_size and max_max_len"):
             Settings(**bad)
@@ -428,12 +404,6 @@ def test_the_upload_budget_holds_the_largest_json_request():
     """A JSON request carries the image in base64 (4 bytes for 3) beside its options: the budget's floor
     (json_body_bytes) must hold the largest one the upload limit allows, or that request is told "429, retry" for
     ever."""
-    import base64
-
-    from pydantic import ValidationError
-
-    from captioner.service.settings import json_body_bytes
-
     for size in (1, 2, 3, 12_000, 10 * 1024 * 1024):
         body = json.dumps({"image": base64.b64encode(b"\xff" * size).decode(), "model": "m" * 200, "beam_size": 10,
                            "max_len": 50, "length_penalty": 1.5, "block_trigrams": True})
@@ -444,23 +414,23 @@ def test_the_upload_budget_holds_the_largest_json_request():
 
 def test_a_retry_after_of_zero_is_still_sent():
     """CAPTIONER_RETRY_AFTER_S may be 0 ("retry at once"): the header says so rather than vanishing."""
-    from captioner.service.errors import Overloaded
-    from captioner.service.problems import problem_of
-
     assert problem_of(Overloaded("busy", 0)).headers == {"Retry-After": "0"}
     assert problem_of(Overloaded("busy", 3)).headers == {"Retry-After": "3"}
 
 
-def test_a_refusals_retry_after_is_never_below_the_configured_one():
-    from captioner.service.batcher import QueueFull
-    from captioner.service.captioning import batcher_errors
-    from captioner.service.errors import Overloaded
-
-    for estimate, expected in ((2.0, 5), (None, 5), (9.0, 9)):
-        with pytest.raises(Overloaded) as refused:
-            with batcher_errors(Settings(retry_after_s=5)):
-                raise QueueFull("busy", retry_after_s=estimate)
-        assert refused.value.retry_after_s == expected
+@pytest.mark.parametrize("refusal,retry_after", [
+    (QueueFull("busy"), 5),  # no estimate: the settings'
+    (QueueFull("busy", retry_after_s=9.0), 9),  # a longer one: its own
+    (WouldMissDeadline("would miss its deadline", 7.9), 7),  # in whole seconds
+    (QueueFull("busy", retry_after_s=2.0), 5),  # a shorter one: never below the settings'
+    (QueueFull("busy", retry_after_s=0.5), 5),
+])
+def test_a_batcher_refusal_is_a_429_suggesting_its_own_wait_in_whole_seconds_never_below_the_settings(
+        refusal, retry_after):
+    with pytest.raises(Overloaded) as refused:
+        with batcher_errors(Settings(retry_after_s=5)):
+            raise refusal
+    assert refused.value.retry_after_s == retry_after and str(refused.value) == str(refusal)
 
 
 @pytest.mark.parametrize("refusal,typed", [
