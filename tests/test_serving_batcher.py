@@ -1072,7 +1072,12 @@ def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch)
     schedule = [(0, images[0], 3, 9), (0, images[1], 3, 2), (0, images[2], 3, 9), (0, images[3], 3, 9),
                 (0, images[4], 3, 9)]
     selections = []
-    monkeypatch.setattr(row_table_module, "index_rows", lambda state, index: selections.append(index) or state)
+
+    def index_rows(state, index):
+        selections.append(index)
+        return state
+
+    monkeypatch.setattr(row_table_module, "index_rows", index_rows)
     results = asyncio.run(drive(batcher, schedule))
     assert selections == []  # the encoder state was never selected row by row, only the moved blocks copied
     for (_, prepared, beam, max_len), got in zip(schedule, results):

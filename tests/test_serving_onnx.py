@@ -547,7 +547,12 @@ def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
         # a CNN with several outputs (the ONNX encoder graph's) is given the padded batch and loses its padding rows
         # from each of them
         given = []
-        outputs = runtime.run_cnn(prepared, lambda pixels: given.append(len(pixels)) or [pixels, pixels[:, :1]])
+
+        def two_outputs(pixels):
+            given.append(len(pixels))
+            return [pixels, pixels[:, :1]]
+
+        outputs = runtime.run_cnn(prepared, two_outputs)
         assert given == [4] and [len(rows) for rows in outputs] == [3, 3]
         for got, want in zip(runtime.caption(prepared, 3, 8), plain, strict=True):
             assert_same_result(got, want, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
@@ -561,7 +566,12 @@ def test_a_runtime_on_the_cpu_runs_its_cnn_batches_unpadded():
     assert not runtime.pad_batches
     assert runtime.pixels(prepared).shape[0] == 3
     given = []
-    runtime.run_cnn(prepared, lambda pixels: given.append(len(pixels)) or pixels)
+
+    def cnn(pixels):
+        given.append(len(pixels))
+        return pixels
+
+    runtime.run_cnn(prepared, cnn)
     assert given == [3]
 
 
