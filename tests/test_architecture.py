@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from captioner.service.captioning import CaptionParameters
+from captioner.service.inputs import caption_parameters
+from captioner.service.schemas import CAPTION_OPTIONS, CaptionOptions
+
 from .conftest import ROOT
 
 #: the service's modules by layer, top first; a module may import its own layer's and the layers below it.
@@ -84,10 +88,6 @@ def test_the_captioning_use_case_takes_no_wire_model():
     ``CaptionOptions`` into them (``inputs.caption_parameters``), so a change to the wire format stops there."""
     assert "schemas" not in _service_imports("captioning")
     assert "schemas" not in _service_imports("rendering")  # the heatmaps, too, are written by the HTTP layer
-    from captioner.service.captioning import CaptionParameters
-    from captioner.service.inputs import caption_parameters
-    from captioner.service.schemas import CAPTION_OPTIONS, CaptionOptions
-
     given = {"model": "m", "beam_size": 2, "max_len": 9, "length_penalty": 0.5, "block_trigrams": True,
              "block_doubled_words": True}
     assert set(given) == set(CAPTION_OPTIONS)  # every wire option is carried over, with its value

@@ -12,13 +12,23 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.pipeline import Pipeline
-from captioner.service.archive import (ArchiveError, ArchiveOptions, CaptionLines, caption_archive, list_images,
-                                      select_shard, shard_of)
+from captioner.service import archive
+from captioner.service.archive import (
+    ArchiveError,
+    ArchiveOptions,
+    CaptionLines,
+    caption_archive,
+    list_images,
+    load_runtime,
+    select_shard,
+    shard_of,
+)
 from captioner.service.cli import main
 from captioner.service.settings import Settings
 
@@ -311,10 +321,6 @@ def test_archive_mistakes_are_one_line_errors(tmp_path, argv, message):
 def test_the_archive_loads_its_checkpoint_with_the_servers_settings(tiny_checkpoint_folder, tmp_path, monkeypatch):
     """README: the archive loads the checkpoint "as `captioner serve` loads it"; CAPTIONER_INTEROP_THREADS was
     read by the server only, and a prefixed folder of the server's must not add its models to the archive's one."""
-    import torch
-
-    from captioner.service.archive import load_runtime
-
     interop = []
     monkeypatch.setattr(torch, "set_num_interop_threads", interop.append)
     other = save_checkpoint(tmp_path / "scenes" / "other", tiny_model("sat", seed=1), VOCAB, TINY_SPEC)
@@ -327,8 +333,6 @@ def test_a_heatmaps_folder_that_cannot_be_made_stops_the_batcher(tmp_path, tiny_
                                                                  monkeypatch):
     """The --heatmaps folder was made after the batcher had started and outside the block that stops it: a folder
     under a file raised, and the batcher's worker thread went on running in the caller's process."""
-    from captioner.service import archive
-
     batchers = []
     started_batcher = archive._started_batcher
 

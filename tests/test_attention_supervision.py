@@ -13,9 +13,13 @@ import torch
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec
-from captioner.models.training.attention_supervision import (attention_supervision_loss, checked_entities_folder,
-                                                            entities_attention_targets)
+from captioner.models.training.attention_supervision import (
+    attention_supervision_loss,
+    checked_entities_folder,
+    entities_attention_targets,
+)
 from captioner.models.training.config import TrainConfig
+from captioner.models.training.xe import train
 
 from .entities_photos import circle_photos
 from .test_cli import captioner
@@ -148,8 +152,6 @@ def test_the_command_refuses_them_in_one_line_before_any_work(tmp_path):
 # A run
 # ---------------------------------------------------------------------------------------------------------------
 def test_a_supervised_run_moves_the_attention_into_the_boxes(tmp_path):
-    from captioner.models.training.xe import train
-
     cfg = _config(tmp_path, epochs=25, batch_size=9, lr=1e-2, attention_supervision_weight=5.0, log_every=1,
                   val_beam=1, min_count=1)
     train(cfg)

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from captioner.models.data.features import FeatureStore
 from captioner.service.cli import main
 
 
@@ -44,8 +45,6 @@ def test_a_damaged_store_is_extracted_again(file, content, extracted, scenes, tm
 
 
 def test_a_shard_cut_short_is_named(extracted, scenes, tmp_path, capsys):
-    from captioner.models.data.features import FeatureStore
-
     store = FeatureStore(shutil.copytree(extracted[0], tmp_path / "cache") / extracted[1])
     shard = store.shard_files[0]
     shard.write_bytes(shard.read_bytes()[:1000])

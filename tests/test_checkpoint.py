@@ -1,17 +1,41 @@
 import functools
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import captioner.models.checkpoint as checkpoint
+from captioner.models import checkpoint as module
 from captioner.models.attention import NORMALISERS
-from captioner.models.checkpoint import CheckpointError, load_checkpoint, model_files, save_checkpoint
+from captioner.models.checkpoint import (
+    CARD,
+    WEIGHTS,
+    CheckpointError,
+    checkpoint_name,
+    convert_storage,
+    find_checkpoints,
+    load_checkpoint,
+    model_files,
+    on_meta,
+    replace_files,
+    save_checkpoint,
+    update_meta,
+)
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
-from captioner.models.vocab import SPECIALS, Vocabulary
-from captioner.models.zoo import create
+from captioner.models.files import file_checksum
+from captioner.models.protocol import check_step_contract
+from captioner.models.registry import MODELS
+from captioner.models.sat import ShowAttendTell
+from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
+from captioner.models.zoo import available, create
+from captioner.service.cli import main
+
+from .serving_helpers import tiny_model
 
 
 @pytest.fixture
@@ -41,9 +65,6 @@ def test_overwrite_is_atomic_and_leaves_no_debris(tmp_path, tiny_sat, vocab):
 def test_a_folder_replaced_while_it_loads_is_loaded_again_not_mixed(tmp_path, tiny_sat, vocab, monkeypatch):
     """A training run replaces best/ whole while a server or eval loads it; each file is opened by name, so a load
     the replacement came through paired the first checkpoint's manifest digest with the second one's weights."""
-    from captioner.models import checkpoint as module
-    from captioner.models.files import file_checksum
-
     path = save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 1})
     real_load_file, swaps = module.load_file, []
 
@@ -65,8 +86,6 @@ def test_a_card_added_through_a_link_keeps_the_link_everything_beside_it_and_a_s
                                                                                                 vocab):
     """``replace_files`` (what ``captioner card`` writes through) swapped the link itself for a copied folder, dropped
     a checkpoint's subfolders and dot-files, and removed the temporary folder of a save in flight beside it."""
-    from captioner.models.checkpoint import CARD, replace_files
-
     real = save_checkpoint(tmp_path / "store" / "sat", tiny_sat, vocab, EncoderSpec())
     (real / "notes").mkdir()
     (real / "notes" / "run.txt").write_text("how it was trained")
@@ -143,8 +162,6 @@ def test_unreadable_or_foreign_weights_are_checkpoint_errors(tmp_path, tiny_sat,
 
 
 def test_vocabulary_round_trip_and_tokenizer(tmp_path):
-    from captioner.models.vocab import tokenize
-
     assert tokenize("A Dog, running!  Fast.") == ["a", "dog", "running", "fast"]
     vocab = Vocabulary.build([["a", "b", "a"], ["c", "a", "b"]], min_count=2)
     assert vocab.itos == ["<pad>", "<bos>", "<eos>", "<unk>", "a", "b"]
@@ -176,8 +193,6 @@ def test_the_special_ids_name_the_special_tokens_and_a_foreign_vocabulary_is_ref
 
 
 def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, random_visuals):
-    from captioner.models.checkpoint import WEIGHTS, convert_storage, update_meta
-
     full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
     half = convert_storage(full, "float16", tmp_path / "half")
     assert (half / WEIGHTS).stat().st_size < 0.6 * (full / WEIGHTS).stat().st_size
@@ -200,9 +215,6 @@ def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp
 def test_weights_stored_otherwise_leave_the_model_card_behind(tmp_path, tiny_sat, capsys):
     """The card names the weights' sha256 and what they measured: ``storage --out`` copied it beside float16
     weights it no longer described; a record change (the same weights) keeps it."""
-    from captioner.models.checkpoint import CARD, convert_storage, update_meta
-    from captioner.service.cli import main
-
     full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
     (full / CARD).write_text("# weights sha256 of the float32 ones\n")
     main(["manifest", str(full)])
@@ -215,8 +227,6 @@ def test_weights_stored_otherwise_leave_the_model_card_behind(tmp_path, tiny_sat
 
 
 def test_manifest_command_checks_every_folder_before_sealing_any(tmp_path, capsys):
-    from captioner.service.cli import main
-
     torch.manual_seed(0)
     good = save_checkpoint(tmp_path / "good", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
                                                      attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
@@ -233,8 +243,6 @@ def test_manifest_command_checks_every_folder_before_sealing_any(tmp_path, capsy
 def test_manifest_command_reseals_an_edited_card_but_not_changed_weights_unless_forced(tmp_path, capsys):
     """Resealing is for a card edited beside the model; the command sealed a checkpoint whose weights a flipped
     byte had changed under their manifest, and the altered weights then loaded as trusted."""
-    from captioner.service.cli import main
-
     torch.manual_seed(0)
     folder = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
                                                        attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
@@ -260,8 +268,6 @@ def test_manifest_command_reseals_an_edited_card_but_not_changed_weights_unless_
 def test_manifest_command_refuses_a_changed_encoder_weight_file_the_folder_keeps(tmp_path, capsys):
     """An imported CNN's (or fine-tuned stages') weights in the folder make the model as much as its own weights:
     the command resealed them changed without a word."""
-    from captioner.service.cli import main
-
     torch.manual_seed(0)
     folder = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
                                                        attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
@@ -282,8 +288,6 @@ def test_manifest_command_refuses_a_changed_encoder_weight_file_the_folder_keeps
 def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):
     """``--force`` (storage, import, ensemble) took any folder holding a ``config.json`` for a checkpoint and deleted
     it whole: a project's folder with its own config.json and a thesis in it."""
-    from captioner.service.cli import main
-
     torch.manual_seed(0)
     source = save_checkpoint(tmp_path / "source", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
                                                          attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
@@ -314,8 +318,6 @@ def test_a_config_describing_a_far_larger_model_is_refused_before_it_is_built(tm
     """A served folder's config.json with hidden_dim=12000 beside megabytes of weights made loading allocate 6 GB
     before the weights were compared: the description is built on the meta device and checked against the
     safetensors header first, and the real model is never built."""
-    import captioner.models.checkpoint as checkpoint
-
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     config = json.loads((path / "config.json").read_text())
     config["model"]["hidden_dim"] = 12000
@@ -336,9 +338,6 @@ def test_a_config_describing_a_far_larger_model_is_refused_before_it_is_built(tm
 def test_the_shape_check_costs_a_server_no_memory_of_its_own(tmp_path, tiny_sat, vocab):
     """Built on the meta device, a model's initialisers ran through torch._refs, whose first use imports
     torch._dynamo and sympy: 155 MB more resident in every server, past its 1 GiB aim. They are skipped."""
-    import subprocess
-    import sys
-
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     code = ("import sys; from captioner.models.checkpoint import load_checkpoint; "
             f"load_checkpoint({str(path)!r}); print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
@@ -351,11 +350,6 @@ def test_the_shape_check_costs_a_server_no_memory_of_its_own(tmp_path, tiny_sat,
 def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
     """``captioner train`` runs one step of every model on random features before reading data
     (``check_step_contract``): a model of the project's own that broke a rule it checks could not be trained."""
-    from captioner.models.protocol import check_step_contract
-    from captioner.models.zoo import available
-
-    from .serving_helpers import tiny_model
-
     for arch in available():
         model = tiny_model(arch, attention=normaliser) if arch == "sparsecap" else tiny_model(arch)
         check_step_contract(model)
@@ -364,11 +358,6 @@ def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
 def test_every_registered_model_builds_on_the_meta_device():
     """Loading builds each model on the meta device first (the shape check): a constructor that cannot run there
     would make its checkpoints unloadable."""
-    from captioner.models.checkpoint import on_meta
-    from captioner.models.zoo import available
-
-    from .serving_helpers import tiny_model
-
     for arch in available():
         model = tiny_model(arch)
         described = on_meta(lambda: create(arch, **model.config(), **_ids(model)))
@@ -377,9 +366,6 @@ def test_every_registered_model_builds_on_the_meta_device():
 
 
 def test_a_constructor_that_reads_tensor_values_is_refused_with_the_rule(tmp_path, monkeypatch, tiny_sat, vocab):
-    from captioner.models.registry import MODELS
-    from captioner.models.sat import ShowAttendTell
-
     class ScaledSat(ShowAttendTell):
         @functools.wraps(ShowAttendTell.__init__)  # the options create() checks are SAT's
         def __init__(self, *args, **options):
@@ -400,8 +386,6 @@ def _ids(model) -> dict[str, int]:
 
 def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypatch, tiny_sat, vocab):
     """Two runs' best/ were both served, exported and reported as "best" (the second not served at all)."""
-    from captioner.models.checkpoint import checkpoint_name, find_checkpoints
-
     paths = [save_checkpoint(tmp_path / run / kind, tiny_sat, vocab, EncoderSpec())
              for run in ("sat", "aoanet") for kind in ("best", "last")]
     paths.append(save_checkpoint(tmp_path / "weights" / "best", tiny_sat, vocab, EncoderSpec()))
@@ -419,8 +403,6 @@ def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypat
 
 
 def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_path, tiny_sat, vocab):
-    from captioner.models.checkpoint import convert_storage, update_meta
-
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), files={"cnn.safetensors": b"weights"})
     update_meta(path, note="rewritten")
     convert_storage(path, "float16", tmp_path / "half")
@@ -435,10 +417,6 @@ def test_manifest_command_never_seals_a_folder_replaced_while_it_read_its_files(
     """``captioner card`` (or a training run's save) replaces a checkpoint whole; ``captioner manifest`` running at
     the same time read the old folder's files and wrote their digests into the new folder, which then refused to
     load ("MODEL_CARD.md does not match its sha256") although both commands had succeeded."""
-    from captioner.models import checkpoint as module
-    from captioner.models.checkpoint import CARD, replace_files
-    from captioner.service.cli import main
-
     folder = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     (folder / CARD).write_text("# edited by hand\n")
     real_records, cards = module.file_records, []
@@ -460,9 +438,6 @@ def test_a_card_written_while_another_writer_renames_its_temporary_file_is_writt
                                                                                   monkeypatch):
     """``captioner manifest`` writes ``.manifest.json.tmp-XXXXXXXX`` and renames it; ``captioner card`` at the same
     time listed it, found it gone when it linked it, and failed with "manifest.json: No such file or directory"."""
-    from captioner.models import checkpoint as module
-    from captioner.models.checkpoint import CARD, replace_files
-
     folder = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     in_flight = folder / ".manifest.json.tmp-0a1b2c3d"
     in_flight.write_text((folder / "manifest.json").read_text())
@@ -483,8 +458,6 @@ def test_a_listed_file_altered_in_place_or_gone_is_refused_naming_it(file, tmp_p
     """One byte changed (the size the manifest records unchanged: a flipped bit, an edit of the same length) is
     refused as surely as a torn file, for the model's files and for an extra file the manifest lists; so is a
     listed file that is gone, and a manifest that no longer lists one of the model's files."""
-    from captioner.models.checkpoint import replace_files
-
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     replace_files(path, {"MODEL_CARD.md": "# a card\n"})
     assert load_checkpoint(path).checksum  # sealed whole

@@ -1,5 +1,8 @@
 """The vectorised CIDEr-D against ``pycocoevalcap``'s ``Cider`` (coco-caption's CIDEr-D) on a fixed set."""
 
+import math
+from collections import defaultdict
+
 import numpy as np
 import pytest
 from pycocoevalcap.cider.cider import Cider
@@ -86,9 +89,6 @@ def _precook(s, n=4):
 
 
 def _authors_cider_d(captions, references, corpus, n=4, sigma=6.0):
-    import math
-    from collections import defaultdict
-
     document_frequency = defaultdict(float)
     for refs in [[_precook(r, n) for r in refs] for refs in corpus]:  # get_doc_freq → compute_doc_freq
         for ngram in set([ngram for ref in refs for (ngram, count) in ref.items()]):

@@ -2,15 +2,43 @@
 
 import argparse
 import json
+import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 from PIL import Image
 from skimage import data
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
+from captioner.models.checkpoint import convert_storage, load_checkpoint, recorded_checksum, save_checkpoint
+from captioner.models.cli.common import checkpoint_labels
+from captioner.models.data import datasets
+from captioner.models.data.karpathy import load_karpathy
+from captioner.models.data.scenes import (
+    GENERATOR_VERSION,
+    generate,
+    is_current,
+    object_naming_accuracy,
+    read_dataset_header,
+)
+from captioner.models.encoder import EncoderSpec
+from captioner.models.evaluation.card import write_card
+from captioner.models.evaluation.metrics import score_captions
+from captioner.models.evaluation.report import evaluation_report
+from captioner.models.pipeline import Pipeline
+from captioner.models.rendering.heatmaps import overlay
+from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
+from captioner.service import app as service_app
+from captioner.service import cli
+from captioner.service.cli import build_parser, main, read_settings
+
+from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS, free_port
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 
 def command_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -35,8 +63,6 @@ def captioner(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_caption_with_overlay_figure_and_single_token(tmp_path):
     """The console script once; the same command's other forms in-process (``main``), sparing two starts."""
-    from captioner.service.cli import main
-
     photo = tmp_path / "cat.jpg"
     Image.fromarray(data.chelsea()).save(photo)
     done = captioner("caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT),
@@ -59,8 +85,6 @@ def test_caption_with_overlay_figure_and_single_token(tmp_path):
 def test_compared_checkpoints_of_one_name_are_told_apart_in_json_lines(tmp_path, capsys):
     # the label that tells weights/sat from weights/flickr8k/sat was printed in text mode and dropped from --json,
     # whose two lines then both said "model": "sat"
-    from captioner.service.cli import main
-
     photo = tmp_path / "cat.jpg"
     Image.fromarray(data.chelsea()).save(photo)
     compared = [str(WEIGHTS / "sat"), str(WEIGHTS / "flickr8k" / "sat")]
@@ -89,8 +113,6 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
                      str(tmp_path / "cache"), "--output", str(out), "--results-json", str(tmp_path / "results.json"),
                      "--no-progress")
     assert "it/s" not in done.stderr  # no bars in a log (train had --no-progress, eval had no way to say it)
-    from captioner.models.checkpoint import recorded_checksum
-
     # which weights were scored, wherever the checkpoint is copied (captioner card checks it)
     assert json.loads(out.read_text())["weights_sha256"] == recorded_checksum(DEFAULT_CHECKPOINT)
     report = json.loads(out.read_text())["test"]
@@ -102,10 +124,6 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
         assert metric in report
     assert report["SPICE"].startswith("unavailable")
     # the scores are those of the captions it wrote, against the test split's references (not only present)
-    from captioner.models.data.karpathy import load_karpathy
-    from captioner.models.data.scenes import object_naming_accuracy
-    from captioner.models.evaluation.metrics import score_captions
-
     test = {im.image_id: im for im in load_karpathy(scenes, splits=("test",))}
     captions = {r["image_id"]: r["caption"] for r in results}
     again = score_captions(captions, {i: [" ".join(ref) for ref in im.references] for i, im in test.items()},
@@ -119,8 +137,6 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
 def test_eval_writes_the_report_the_library_call_returns(tmp_path, scenes, one_thread):
     """``captioner eval`` is flags and printing around ``evaluation_report``: a Python user who calls it gets the
     report (and the COCO results) the command writes, byte for byte."""
-    from captioner.models.evaluation.report import evaluation_report
-
     out, results = tmp_path / "report.json", tmp_path / "results.json"
     captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "val", "--split", "test",
               "--limit", "3", "--no-meteor", "--misses", "2", "--block-trigrams", "--threads", "1", "--cache-dir",
@@ -138,9 +154,6 @@ def test_eval_shows_a_splits_captions_before_the_next_split_is_captioned(tmp_pat
                                                                         capsys):
     """``--show`` prints each split's captions as soon as it is scored: on a long split, a user sees the first
     split's captions without waiting for every other split."""
-    from captioner.models.data import datasets
-    from captioner.service.cli import main
-
     loaded = datasets.load_split
 
     def announced(dataset, image_root, split, **options):  # marks on stderr where each split's work begins
@@ -171,10 +184,6 @@ def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
 
 
 def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_path, scenes, capsys):
-    import shutil
-
-    from captioner.models.checkpoint import load_checkpoint
-
     ckpt = tmp_path / "sat"
     shutil.copytree(DEFAULT_CHECKPOINT, ckpt)
     rows = tmp_path / "rows.json"
@@ -193,8 +202,6 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
     assert stored["decoding_chosen_on"]["split"] == "val" and "best by CIDEr-D" in done.stdout
     assert stored["decoding_chosen_on"]["score"] == best["CIDEr-D"]
     # doubled-word blocking is an axis of the grid where it is asked for (in-process, on two images, one combination)
-    from captioner.service.cli import main
-
     main(["tune-decoding", str(ckpt), "--split", "val", "--limit", "2", "--dataset", str(scenes), "--cache-dir",
           str(tmp_path / "cache"), "--length-penalties", "0", "--block-trigrams", "no", "--block-doubled-words", "yes",
           "--output", str(tmp_path / "doubled.json")])
@@ -204,9 +211,6 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
     assert "| 0 | no | yes |" in printed and "block_trigrams=False, block_doubled_words=True" in printed
 
     # stored as float16 afterwards: the card sets the val score of what ships beside the one the rules were chosen on
-    from captioner.models.checkpoint import convert_storage
-    from captioner.models.evaluation.card import write_card
-
     half = convert_storage(ckpt, "float16", tmp_path / "sat16")
     card = write_card(half, {"beam_size": 3, "decoding": stored["decoding"],
                              "val": {"images": 4, "CIDEr-D": 1.2345}}).read_text()
@@ -217,11 +221,6 @@ def test_tune_decoding_scores_the_grid_and_stores_the_best_as_the_defaults(tmp_p
 
 
 def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path, capsys):
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.service.cli import main  # in this process: the console script itself is run by the tests above
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     area = tmp_path / "area-transformer"
     save_checkpoint(area, tiny_model("area-transformer"), VOCAB, TINY_SPEC)
     photo = tmp_path / "coffee.png"
@@ -244,18 +243,12 @@ def test_caption_compares_checkpoints_side_by_side_with_area_boxes(tmp_path, cap
 def test_caption_draws_a_sparse_models_attention_in_its_own_mode_by_default(tmp_path):
     """Without --mode the figure is drawn as the service draws it: a sparse model's attention in grid_blocks,
     whose exact zeros grid_smooth would blur away (it was drawn by the geometry alone, in grid_smooth)."""
-    from captioner.models.checkpoint import save_checkpoint
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     sparse = tmp_path / "sparsecap"
     save_checkpoint(sparse, tiny_model("sparsecap", attention="sparsemax"), VOCAB, TINY_SPEC)
     photo = tmp_path / "coffee.png"
     Image.fromarray(data.coffee()).save(photo)
 
     def drawn(*mode: str) -> bytes:  # in this process: the console script itself is run by the tests above
-        from captioner.service.cli import main
-
         out = tmp_path / f"{'-'.join(mode) or 'default'}.png"
         main(["caption", str(photo), "--checkpoint", str(sparse), "--overlay", str(out), "--token", "0", *mode])
         return Image.open(out).tobytes()
@@ -267,12 +260,6 @@ def test_caption_draws_a_sparse_models_attention_in_its_own_mode_by_default(tmp_
 def test_caption_draws_area_topk_from_the_areas_weights(tmp_path):
     """area_topk's boxes are the top areas of the ``areas`` extra, as the service draws them (the command drew the
     top cells' attention against the first area boxes, the single cells)."""
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.models.pipeline import Pipeline
-    from captioner.models.rendering.heatmaps import overlay
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     area = tmp_path / "area-transformer"
     save_checkpoint(area, tiny_model("area-transformer"), VOCAB, TINY_SPEC)
     photo = tmp_path / "coffee.png"
@@ -288,10 +275,6 @@ def test_caption_draws_area_topk_from_the_areas_weights(tmp_path):
 
 
 def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
-    from captioner.models.checkpoint import save_checkpoint
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
         "dataset": "scenes/dataset_scenes.json", "phase": "xe", "selected_by": "BLEU-4", "best_epoch": 1,
         "train_seconds": 90.0, "history": [{"epoch": 1, "xe": 1.25, "CIDEr-D": 0.5}],
@@ -323,15 +306,6 @@ def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tm
     """The card names generated scenes by what their own dataset_scenes.json records: the generator's version and
     the `captioner data generate` command that writes the same data set again (here no Makefile target's: another
     seed and sizes); a data set that is not on this machine is named without them, and said so."""
-    import re
-    import shlex
-
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.models.data.scenes import GENERATOR_VERSION, generate, is_current, read_dataset_header
-    from captioner.service.cli import main
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     drawn = generate(tmp_path / "scenes", {"train": 2, "val": 1, "test": 0, "heldout": 0}, seed=3, progress=False)
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"beam_size": 1, "test": {"images": 1, "objects_named": 0.5}}))
@@ -354,10 +328,6 @@ def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tm
 def _one_line_error(capsys, argv: list[str]) -> str:
     """``captioner ARGV`` as a user runs it, in this process: it must stop with a non-zero status and a short
     message on stderr, never a traceback."""
-    import pytest
-
-    from captioner.service.cli import main
-
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2, argv  # the README's status for a mistake in the command
@@ -409,12 +379,6 @@ def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, mon
 def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
     """Ctrl-C in a command without its own message (eval, export, …): the shell's status for an interrupt and one
     line, not a KeyboardInterrupt traceback (training and archive captioning say what they kept: their tests)."""
-    import argparse
-
-    import pytest
-
-    from captioner.service import cli
-
     def interrupted(args):
         raise KeyboardInterrupt
 
@@ -433,11 +397,6 @@ def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
 def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch):
     """``captioner serve --device cuda`` without a GPU: a one-line error before the server starts, not a lifespan
     traceback and uvicorn's "Application startup failed"."""
-    import pytest
-    import torch
-
-    from captioner.service import cli
-
     if torch.cuda.is_available():
         pytest.skip("this machine has the GPU the test asks for")
     monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
@@ -451,8 +410,6 @@ def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch)
 def test_a_file_error_names_the_path_and_the_reason_as_a_shell_tool_would(capsys, monkeypatch):
     """Python's ``[Errno 2] No such file or directory: '/proc/nope'`` becomes ``/proc/nope: No such file or
     directory`` (a folder no one can create files in, even the superuser CI runs as)."""
-    from captioner.service import cli
-
     monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["data", "generate", "--out", "/proc/nope", "--train", "4"])
@@ -461,8 +418,6 @@ def test_a_file_error_names_the_path_and_the_reason_as_a_shell_tool_would(capsys
 
 
 def test_an_output_file_in_a_folder_that_cannot_be_written_is_a_usage_error_before_any_work(capsys):
-    from captioner.service import cli
-
     with pytest.raises(SystemExit) as exit_:
         cli.main(["plot", "runs/x", "--out", "/proc/curves.png"])
     assert exit_.value.code == 2
@@ -473,8 +428,6 @@ def test_an_output_file_in_a_folder_that_cannot_be_written_is_a_usage_error_befo
 def test_every_subcommands_help_opens_with_what_it_does(capsys):
     """argparse shows a subcommand's ``help`` only in its parent's list: ``captioner storage --help`` never said
     that the model card is left out, nor what the command is for."""
-    from captioner.service import cli
-
     found = list(command_parsers(cli.build_parser()))
     assert len(found) > 20
     for path, listed, child in found:  # as the list prints it: argparse %-formats a help line
@@ -489,10 +442,6 @@ def test_every_subcommands_help_opens_with_what_it_does(capsys):
 
 def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     # uvicorn took 99999 modulo 65536, listened on 34463 and logged 99999
-    import pytest
-
-    from captioner.service import cli
-
     with pytest.raises(SystemExit) as exit_:
         cli.main(["serve", "--port", "99999"])
     assert exit_.value.code == 2 and "must be at most 65535, got 99999" in capsys.readouterr().err
@@ -501,11 +450,6 @@ def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
 def test_a_host_this_machine_cannot_listen_on_is_one_line_before_any_model_loads(monkeypatch, capsys):
     # a mistyped CAPTIONER_HOST loaded and warmed every model, then stopped with uvicorn's "[Errno -2] Name or
     # service not known" and status 3, naming no setting (the operator audit)
-    from captioner.service import app as service_app
-    from captioner.service.cli import main
-
-    from .conftest import free_port
-
     monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
     port = str(free_port())
     with pytest.raises(SystemExit) as stopped:
@@ -519,8 +463,6 @@ def test_a_host_this_machine_cannot_listen_on_is_one_line_before_any_model_loads
 def test_a_log_level_either_logger_would_refuse_is_a_settings_error(monkeypatch):
     # "warn" (Python's logging knows it) stopped uvicorn with a KeyError traceback after the settings were read;
     # "trace" (uvicorn knows it) stopped the server with "error: Unknown level: 'TRACE'", naming no setting
-    from captioner.service.cli import read_settings
-
     for level in ("warn", "trace", "verbose"):
         monkeypatch.setenv("CAPTIONER_LOG_LEVEL", level)
         with pytest.raises(SystemExit) as stopped:
@@ -535,14 +477,6 @@ def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(m
     # a read-only container without a writable /tmp: every export failed twice (the preparing child, then the
     # server) with a traceback apiece, and the models were served by PyTorch, slower to start and larger than the
     # memory limit was sized for, while the log said only "the onnx backend failed to load or run" (operator audit)
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.service import app as service_app
-    from captioner.service import cli
-    from captioner.service.cli import main
-
-    from .conftest import free_port
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
     (tmp_path / "a-file").write_text("not a folder")
     monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "a-file" / "onnx"))  # unwritable even by root
@@ -571,8 +505,6 @@ def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(m
 
 def test_every_command_and_argument_says_what_it_is_for():
     # `captioner eval --help` listed `checkpoint`, `--image-root`, `--cache-dir` and 26 others with no word of help
-    from captioner.service.cli import build_parser
-
     parser = build_parser()
     commands = list(command_parsers(parser))
     silent = [" ".join(["captioner", *words]) for words, listed, _ in commands if not listed]
@@ -587,8 +519,6 @@ def documented_command_flags() -> list[tuple[str, list[str], str]]:
     """Every ``captioner SUBCOMMAND … --flag`` written in the README, docs/, docker/, the Makefile and CI, as
     (file, the subcommand's words, flag): continuation lines joined, a command ending at its code span, a pipe, ``&&``
     or ``;``."""
-    import re
-
     files = [ROOT / "README.md", ROOT / "Makefile", ROOT / "Dockerfile",
              *(path for top in ("docs", "docker", ".ci") for path in sorted((ROOT / top).rglob("*")) if path.is_file())]
     found = []
@@ -608,10 +538,6 @@ def documented_command_flags() -> list[tuple[str, list[str], str]]:
 def test_every_flag_the_docs_give_a_command_is_one_it_takes():
     """A flag renamed in argparse but not in the docs, the Makefile or CI sends users an argparse error (or, in a
     Makefile recipe, fails a target nobody runs in CI)."""
-    import argparse
-
-    from captioner.service.cli import build_parser
-
     def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
         return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
 
@@ -633,8 +559,6 @@ def test_every_flag_the_docs_give_a_command_is_one_it_takes():
 
 def test_checkpoints_whose_folders_share_a_name_are_labelled_by_their_paths():
     # `caption --checkpoint weights/sat --checkpoint weights/flickr8k/sat` printed "[sat]" twice
-    from captioner.models.cli.common import checkpoint_labels
-
     assert checkpoint_labels(["weights/sat", "weights/flickr8k/sat", "runs/x/best", "runs/x/last"]) == [
         "weights/sat", "weights/flickr8k/sat", "x", "x-last"]
     assert checkpoint_labels(["weights/sat", "weights/aoanet"]) == ["sat", "aoanet"]
@@ -643,11 +567,6 @@ def test_checkpoints_whose_folders_share_a_name_are_labelled_by_their_paths():
 def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, capsys):
     # uvicorn binds after the app's start-up: every model was loaded and warmed up, then "address already in use"
     # came in uvicorn's own format with exit status 3
-    import socket
-
-    from captioner.service import app as service_app
-    from captioner.service.cli import main
-
     monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -662,11 +581,6 @@ def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, c
 def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypatch, capsys, tmp_path):
     # a mistyped weights folder started a server that stayed live and never ready: a container's health check (on
     # liveness) called it healthy, and every caption got 503 (the operator audit)
-    from captioner.service import app as service_app
-    from captioner.service.cli import main
-
-    from .conftest import free_port
-
     monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
     (tmp_path / "notes").mkdir()
     port = str(free_port())
@@ -704,8 +618,6 @@ def test_caption_with_the_default_checkpoint_works_from_any_folder(tmp_path):
 
 def test_an_option_is_never_read_as_a_longer_one_it_begins(capsys):
     # `captioner eval CKPT --encoder image_size=512` was read as --encoder-precision and refused with its choices
-    from captioner.service.cli import main
-
     with pytest.raises(SystemExit) as stopped:
         main(["eval", str(DEFAULT_CHECKPOINT), "--encoder", "image_size=512"])
     assert stopped.value.code == 2
@@ -717,8 +629,6 @@ def test_an_option_is_never_read_as_a_longer_one_it_begins(capsys):
 
 def test_export_of_a_training_run_names_the_checkpoints_it_holds(tmp_path, capsys):
     # "not a checkpoint folder: runs/karp" where eval and caption say which of the run's checkpoints to give
-    from captioner.service.cli import main
-
     shutil.copytree(DEFAULT_CHECKPOINT, tmp_path / "run" / "best")
     with pytest.raises(SystemExit) as stopped:
         main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "onnx")])
@@ -733,14 +643,6 @@ def test_no_output_option_writes_over_what_the_command_reads(tmp_path, capsys):
     ``eval --output`` over the checkpoint's weights, ``tune-decoding --output`` over its config.json (each exiting
     0), ``eval`` wrote its report and its captions to one file, and the archive answered an input given as its
     output with "already holds captions: … or remove it"."""
-    import torch
-
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.models.encoder import EncoderSpec
-    from captioner.models.vocab import Vocabulary
-    from captioner.models.zoo import create
-    from captioner.service.cli import main
-
     torch.manual_seed(0)
     ckpt = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
                                                      attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),

@@ -12,6 +12,8 @@ import pytest
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.evaluation.compare import compare_captions, paired_difference
 from captioner.models.evaluation.metrics import cider_d
+from captioner.models.evaluation.zoo_table import paired_markdown
+from captioner.service.cli import main
 
 
 def scene(image_id: int, objects: list[tuple[str, str]], reference: str) -> CaptionedImage:
@@ -83,8 +85,6 @@ def write_dataset(folder: Path) -> Path:
 
 
 def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
-    from captioner.service.cli import main
-
     data = write_dataset(tmp_path / "scenes").parent
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]))
@@ -102,8 +102,6 @@ def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
 
 
 def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tmp_path):
-    from captioner.models.evaluation.zoo_table import paired_markdown
-
     dataset = write_dataset(tmp_path / "scenes")
     folder = tmp_path / "results" / "captions"
     assert paired_markdown(tmp_path / "results", dataset, "sat") == []  # no captions yet: no section

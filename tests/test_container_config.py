@@ -24,6 +24,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from captioner.service.cli import build_parser
 from captioner.service.metrics import Metrics
 from captioner.service.settings import Settings
 
@@ -659,8 +660,6 @@ def archive_jobs() -> dict[str, dict]:
 
 
 def test_the_archive_jobs_validate_and_give_each_completion_index_its_own_shard():
-    from captioner.service.cli import build_parser
-
     for variant, job in archive_jobs().items():
         kubernetes_validate.validate(job, KUBERNETES_VERSION, strict=True)
         spec = job["spec"]

@@ -12,14 +12,19 @@ import time
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
+from skimage import data
 
-from captioner.models.checkpoint import (CheckpointError, load_checkpoint, remove_debris, save_checkpoint,
-                                         write_manifest)
+from captioner.models.checkpoint import CheckpointError, load_checkpoint, remove_debris, save_checkpoint, write_manifest
 from captioner.models.encoder import EncoderSpec
 from captioner.models.training import TrainConfig, train
 from captioner.models.training.state import load_state, save_state
 from captioner.models.vocab import Vocabulary
+from captioner.service.cli import main
+
+from .conftest import DEFAULT_CHECKPOINT
+from .test_compare import IMAGES, write_dataset
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -189,8 +194,6 @@ def _captioner_on_a_full_disk(argv: list[str], limit_bytes: int) -> subprocess.C
 def test_a_card_written_on_a_full_disk_leaves_the_checkpoint_loadable_with_its_previous_card(tmp_path, tiny_sat):
     """The card is listed in the manifest: written in place, a card cut short (or a crash before the manifest was
     rewritten) left a checkpoint every later load refused."""
-    from captioner.service.cli import main
-
     ckpt = save_checkpoint(tmp_path / "ckpt", tiny_sat, VOCAB, EncoderSpec(), meta={"dataset": "scenes.json"})
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.25, "CIDEr-D": 1.5}}))
@@ -209,10 +212,6 @@ def test_a_card_written_on_a_full_disk_leaves_the_checkpoint_loadable_with_its_p
 def test_a_report_written_on_a_full_disk_leaves_the_previous_report_whole(tmp_path):
     """``captioner compare --output`` (and eval's, and the decoding search's): a report someone waited for is replaced
     whole or not at all; written in place, a failed write had already emptied the previous one."""
-    from captioner.service.cli import main
-
-    from .test_compare import IMAGES, write_dataset
-
     data = write_dataset(tmp_path / "scenes").parent
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "report.json"
     a.write_text(json.dumps([{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]))
@@ -230,13 +229,6 @@ def test_a_report_written_on_a_full_disk_leaves_the_previous_report_whole(tmp_pa
 def test_an_overlay_written_on_a_full_disk_leaves_the_previous_figure_whole(tmp_path):
     """``captioner caption --overlay``: Pillow wrote the figure in place, so a failed write had already cut the
     previous one short."""
-    from PIL import Image
-    from skimage import data
-
-    from captioner.service.cli import main
-
-    from .conftest import DEFAULT_CHECKPOINT
-
     photo, figure = tmp_path / "cat.jpg", tmp_path / "figure.png"
     Image.fromarray(data.chelsea()).save(photo)
     main(["caption", str(photo), "--checkpoint", str(DEFAULT_CHECKPOINT), "--overlay", str(figure),

@@ -19,11 +19,18 @@ from captioner.models.data.scenes import generate
 from captioner.models.decoding import NO_RULES, DecodingRules, expand_rows
 from captioner.models.inference import torch_runtime
 from captioner.models.protocol import VisualBatch
+from captioner.models.training import TrainConfig, fit, prepare_run
 from captioner.service.batcher import Batcher
 
 from .conftest import DEFAULT_CHECKPOINT
-from .serving_helpers import FEAT_DIM, TINY_SPEC, all_architectures, assert_every_architecture_round_trips, \
-    assert_same_result, tiny_model
+from .serving_helpers import (
+    FEAT_DIM,
+    TINY_SPEC,
+    all_architectures,
+    assert_every_architecture_round_trips,
+    assert_same_result,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = torch.device("cuda")
@@ -122,8 +129,6 @@ def test_http_service_on_the_gpu_captions_every_architecture(tmp_path):
 
 def test_training_steps_on_the_gpu_under_its_mixed_precision(scenes, tmp_path):
     pytest.importorskip("pycocoevalcap")  # validation's BLEU (a dependency of the project, not of every GPU image)
-    from captioner.models.training import TrainConfig, fit, prepare_run
-
     config = TrainConfig(dataset=str(scenes), cache_dir=str(tmp_path / "features"), encoder={"image_size": 96},
                          model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0), train_limit=8,
                          val_limit=4, batch_size=4, epochs=1, progress=False, log_every=1, device="cuda",

@@ -1,9 +1,24 @@
 """Decoding invariants (docs/decisions.md#model-protocol-and-alignment-rule) on a tiny random SAT."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from captioner.models.decoding import DecodingRules, beam_search, greedy, never_emitted, sample, search_rows
+from captioner.models.decoding import (
+    NO_RULES,
+    ROW_FIELDS,
+    DecodingRules,
+    RowHistory,
+    beam_search,
+    check_search,
+    greedy,
+    never_emitted,
+    sample,
+    search_rows,
+)
+from captioner.models.evaluation import tuning
+from captioner.models.evaluation.tuning import best_row, rules_of
 from captioner.models.protocol import AttnRecord, VisualBatch, index_rows
 from captioner.models.vocab import Vocabulary
 
@@ -311,8 +326,6 @@ def test_search_rows_equals_a_naive_beam_search_on_scripted_models(alpha, block)
 def test_tune_decodings_choice_prefers_the_simpler_rules_on_a_tie_and_reads_rows_older_than_a_rule():
     """``best_row`` breaks a tie towards no penalty, then no trigram blocking, then no doubled-word blocking; a row
     written before doubled-word blocking existed (no such field) is read with it off."""
-    from captioner.models.evaluation.tuning import best_row, rules_of
-
     def row(alpha, trigrams, doubled, cider):
         return {"length_penalty": alpha, "block_trigrams": trigrams, "block_doubled_words": doubled, "CIDEr-D": cider}
 
@@ -327,10 +340,6 @@ def test_tune_decodings_choice_prefers_the_simpler_rules_on_a_tie_and_reads_rows
 def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
     """``RowHistory.select`` and ``cat`` go through ``ROW_FIELDS``: a per-row field left out of it would keep the
     rows of the table before the step (or before a request joined), and the next rule would read another row's."""
-    import dataclasses
-
-    from captioner.models.decoding import ROW_FIELDS, RowHistory
-
     assert ROW_FIELDS == tuple(f.name for f in dataclasses.fields(RowHistory) if f.type == "Tensor")
     first = RowHistory.start([2], [DecodingRules(0.5, True, False)], 4, "cpu")
     second = RowHistory.start([1], [DecodingRules(1.0, False, True)], 6, "cpu")
@@ -343,8 +352,6 @@ def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
 def test_tune_decodings_grid_crosses_every_rules_values_and_its_table_shows_each(monkeypatch):
     """``decoding_grid`` scores every combination of the values it is given, doubled-word blocking included (each
     row records the rules it was decoded with), and ``markdown_table`` has a column for each rule."""
-    from captioner.models.evaluation import tuning
-
     decoded = []
 
     def scores(ckpt, images, store, beam_size, max_len, metrics, *, rules, **options):
@@ -363,8 +370,6 @@ def test_tune_decodings_grid_crosses_every_rules_values_and_its_table_shows_each
 
 
 def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
-    from captioner.models.decoding import NO_RULES, check_search
-
     check_search([3, 2], 5, NO_RULES, n_best=2)
     for n_best in (0, 3):
         with pytest.raises(ValueError, match=rf"need 1 <= n_best <= every beam width, got widths=\[3, 2\], "

@@ -43,14 +43,15 @@ import json
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from axe_playwright_python.sync_playwright import Axe
 from fastapi.testclient import TestClient
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
-from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 from .demo_pages import OVERLAY_SHOWN, image_bytes, needs_chromium, page_of, upload, wait_until
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 PHOTO_BOX = "() => { const r = document.getElementById('photo').getBoundingClientRect(); return [r.width, r.height]; }"
 OVERLAY_BOX = ("() => { const r = document.getElementById('overlay').getBoundingClientRect(); "
@@ -519,8 +520,6 @@ def axe_violations(page) -> list[str]:
     and AA, best practices) and label-content-name-mismatch, which this axe-core release still calls experimental.
     axe-core comes in the axe-playwright-python wheel (a dev extra, so ``make test`` installs it) and runs under
     the page's own Content-Security-Policy."""
-    from axe_playwright_python.sync_playwright import Axe
-
     results = Axe().run(page, options={"rules": {"label-content-name-mismatch": {"enabled": True}}})
     return [f"{rule['id']}: {node['target']}" for rule in results.response["violations"] for node in rule["nodes"]]
 

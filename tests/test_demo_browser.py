@@ -7,10 +7,11 @@ import json
 
 import httpx
 from PIL import Image
+from playwright.sync_api import sync_playwright
 
 from captioner.models.data.scenes import generate
 
-from .conftest import ROOT
+from .conftest import ROOT, tiny_demo_server
 from .demo_pages import CHROMIUM, OVERLAY_SHOWN, needs_chromium, page_of, wait_until
 
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
@@ -87,8 +88,6 @@ def test_the_sample_photos_are_served_as_jpegs(server):
 def test_the_api_docs_render_with_no_request_leaving_the_server(server):
     """/docs is Swagger UI served by the app itself: with every request to another host refused (as on a machine
     without internet access), the page still lists the caption endpoint."""
-    from playwright.sync_api import sync_playwright
-
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
@@ -166,8 +165,6 @@ def test_the_page_and_the_docs_work_behind_a_proxys_path_prefix(tmp_path_factory
     every request stays below the prefix, a sample is captioned and a word's heatmap shown, and the docs page loads
     its spec and assets from below the prefix and names it as the server. The proxy is the test's route handler:
     it sends each request on to the server without the prefix, as nginx's ``proxy_pass http://server/;`` does."""
-    from .conftest import tiny_demo_server
-
     public = "http://proxy.test/captioner"
     outside = []
     with tiny_demo_server(tmp_path_factory, CAPTIONER_ROOT_PATH="/captioner") as server:

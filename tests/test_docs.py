@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from .serving_helpers import sent_problem_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 DECISIONS = ROOT / "docs" / "decisions.md"
@@ -153,8 +156,6 @@ def _paragraph(markdown: str, start: str) -> str:
 def test_readme_lists_every_problem_type():
     """The README's list of error answers names every problem type the service can send (the table of
     service/errors.py, the handlers' own kinds, the API-key refusal) and what Starlette's 404/405 become."""
-    from .serving_helpers import sent_problem_kinds
-
     kinds = sent_problem_kinds()
     listed = _paragraph((ROOT / "README.md").read_text(encoding="utf-8"), "Errors are RFC 9457 problem documents")
     missing = sorted(kind for kind in kinds if f"`{kind}`" not in listed)
@@ -231,8 +232,6 @@ def test_make_targets_named_in_the_docs_exist():
 @pytest.mark.parametrize("script", ["benchmarks/gpu_session.sh", "docker/build_and_check.sh"])
 def test_the_python_that_shell_scripts_run_imports_names_that_exist(script):
     # gpu_session.sh imported a function renamed long before: its GPU session would have stopped at its first step
-    import importlib
-
     text = (ROOT / script).read_text()
     imports = re.findall(r"from (captioner(?:\.\w+)+) import ([\w, ]+)", text)
     for module, names in imports:

@@ -3,6 +3,7 @@ decoding through the one beam search, the checkpoint format, the members' checks
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoding import beam_search
 from captioner.models.ensemble import Ensemble, build_ensemble, select_members
+from captioner.models.evaluation.card import write_card
 from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -119,8 +121,6 @@ def test_members_must_share_words_and_visual_items():
 
 def test_members_named_the_same_are_told_apart_by_their_folders():
     # "error: sat has another vocabulary than sat" said nothing of which was which
-    from pathlib import Path
-
     a, b = members("sat", "sat")
     scenes, photos = replace(a, path=Path("weights/sat")), replace(b, path=Path("weights/flickr8k/sat"))
     with pytest.raises(ValueError, match="^weights/flickr8k/sat has another vocabulary than weights/sat "):
@@ -181,8 +181,6 @@ def test_the_command_selects_members_on_val_and_writes_a_checkpoint_that_says_wh
     assert members_meta[0]["name"] == "sat" and ckpt.meta["members_chosen_on"]["split"] == "val"
     assert "an ensemble of sat (" in ckpt.meta["trained_on"]
     assert members_meta[0]["checksum"] == load_checkpoint(WEIGHTS / "sat").checksum
-
-    from captioner.models.evaluation.card import write_card
 
     card = write_card(out, {"beam_size": 3, "val": {"images": 6, "CIDEr-D": 1.5}}).read_text()
     assert "## Members" in card and "## Training" not in card and "greedy forward selection on the val split" in card

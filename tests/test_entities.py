@@ -12,15 +12,35 @@ import torch
 from PIL import Image
 
 from captioner.models.checkpoint import write_manifest
-from captioner.models.data.entities import (EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage,
-                                            parse_annotation, parse_sentences)
+from captioner.models.data.entities import (
+    EntitiesDataset,
+    EntitiesFormatError,
+    EntityAnnotation,
+    EntityImage,
+    parse_annotation,
+    parse_sentences,
+)
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.evaluation.grounding import pixel_distribution, score_map
+from captioner.models.evaluation.grounding import pixel_distribution, score_map, summarise
+from captioner.models.evaluation.grounding_doc import (
+    is_real_photo,
+    ordering_sentence,
+    real_photo_checkpoints,
+    write_grounding_doc,
+)
 from captioner.models.evaluation.phrase_grounding import (
-    PhotoAttention, PhraseTarget, best_word, box_mask, generated_targets, reference_targets, score_photos,
-    summary_table, teacher_forced_rows, type_table)
-from captioner.models.evaluation.grounding import summarise
+    PhotoAttention,
+    PhraseTarget,
+    best_word,
+    box_mask,
+    generated_targets,
+    reference_targets,
+    score_photos,
+    summary_table,
+    teacher_forced_rows,
+    type_table,
+)
 from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -262,8 +282,6 @@ def test_cli_bad_grounding_is_one_line(tmp_path, value, extra, message):
 # docs/grounding.md
 # ---------------------------------------------------------------------------------------------------------------
 def test_ordering_sentence_reads_the_intervals():
-    from captioner.models.evaluation.grounding_doc import ordering_sentence
-
     def stat(mean, half=0.01):
         return {"mean": mean, "ci95": [mean - half, mean + half]}
 
@@ -284,8 +302,6 @@ def test_ordering_sentence_reads_the_intervals():
 
 
 def test_grounding_doc_from_reports_of_real_photo_checkpoints(tmp_path):
-    from captioner.models.evaluation.grounding_doc import real_photo_checkpoints, write_grounding_doc
-
     weights = tmp_path / "weights"
     real = weights / "f8k-sat"
     shutil.copytree(DEFAULT_CHECKPOINT, real)
@@ -326,8 +342,6 @@ def test_grounding_doc_from_reports_of_real_photo_checkpoints(tmp_path):
 def test_real_photo_checkpoints_are_named_by_their_data_set_not_their_folder(tmp_path, dataset, real):
     """Flickr8k or Flickr30k in Karpathy's JSON or the publishers' token file (a path of another machine: never
     read) are the photos Flickr30k Entities annotate; COCO and the scenes are not."""
-    from captioner.models.evaluation.grounding_doc import is_real_photo
-
     checkpoint = tmp_path / "ckpt"
     shutil.copytree(DEFAULT_CHECKPOINT, checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())

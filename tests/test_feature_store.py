@@ -1,7 +1,11 @@
 """The sharded float16 feature store: reads equal the encoder's output, an interrupted extraction resumes from
 its finished shards and ends byte-identical to an uninterrupted one, and non-zero DDP ranks wait for rank 0."""
 
+import errno
+import hashlib
 import json
+import os
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -12,8 +16,17 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.models.data.features import (INDEX, FeatureStore, FeatureStoreError, _cache_name,
-                                            extract_features, shard_name)
+from captioner.models.data.features import (
+    INDEX,
+    FeatureStore,
+    FeatureStoreError,
+    NewerFeatureStore,
+    UnreadablePhotos,
+    _cache_name,
+    extract_features,
+    find_covering_store,
+    shard_name,
+)
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
 
@@ -144,12 +157,6 @@ def test_a_store_of_a_local_weights_file_is_found_again_only_while_its_content_i
                                                                                            tmp_path):
     """A store is taken for another set of images only when its weights files have the spec's content: one of a
     local ImageNet file was found again after the file was rewritten (its index recorded the path alone)."""
-    import hashlib
-    import os
-    from dataclasses import replace
-
-    from captioner.models.data.features import find_covering_store
-
     weights = tmp_path / "imagenet.pth"
     weights.write_bytes(b"first weights")
     written = weights.stat()
@@ -187,8 +194,6 @@ def test_a_store_another_version_wrote_is_extracted_again_in_its_place(images, e
 
 def test_a_store_a_newer_version_wrote_is_refused_not_extracted_again(images, encoder, tmp_path):
     """Two versions sharing a cache folder would otherwise each extract the other's store again, for good."""
-    from captioner.models.data.features import NewerFeatureStore
-
     store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
     index = json.loads((store.folder / INDEX).read_text())
     newer = {**index, "format": "attention-captioner-features/99"}
@@ -227,9 +232,6 @@ def test_one_photo_has_one_key_however_its_data_set_is_spelt(images, encoder, tm
 def test_a_disk_too_full_for_a_shard_is_an_error_naming_it_not_a_bus_error(images, encoder, tmp_path, monkeypatch):
     """The shard was a sparse memory-mapped file: a disk too full for it killed the process with SIGBUS, no
     message, on the first write it could not hold. Its bytes are reserved first; a failed reservation is said."""
-    import errno
-    import os
-
     def full(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -243,10 +245,6 @@ def test_every_torn_photo_is_named_in_one_run_and_the_shards_without_one_are_kep
     """A torn photo stopped the extraction at the first: hours of a large data set could pass between finding one
     and the next.  The extraction goes on past each, names them all, keeps every shard holding none, and a run after
     they are mended encodes only the other shards."""
-    import shutil
-
-    from captioner.models.data.features import UnreadablePhotos
-
     fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=2, encoder=encoder, progress=False,
                              shard_size=2)
     copies = []

@@ -1,7 +1,10 @@
 """Fine-tuning the encoder's last stages (``captioner train --finetune-stages``): the tail over cached features is
 the frozen network before training, and what a run trains is what serving, evaluation and storage rewrites use."""
 
+import hashlib
 import json
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -9,11 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from captioner.models.checkpoint import convert_storage, load_checkpoint
+from captioner.models.checkpoint import convert_storage, load_checkpoint, write_manifest
+from captioner.models.data.datasets import load_captioned
+from captioner.models.data.features import _cache_name, extract_features, find_covering_store
 from captioner.models.data.stores import TunedStore
-from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder
+from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder, weights_sha256
+from captioner.models.evaluation.card import write_card
+from captioner.models.export.onnx import GraphSpec, export_identity, export_visual_encoder, visual_encoder_key
+from captioner.models.export.sessions import VisualSession
+from captioner.models.inference import torch_runtime
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, prepare_run, train
+from captioner.service import runtime as runtime_module
+from captioner.service.onnx_exports import unprepared
 
 from .conftest import before_each_step, module_folder
 
@@ -114,9 +125,6 @@ def test_a_run_trains_the_stage_and_its_checkpoint_serves_the_trained_weights(tu
 
 
 def test_the_onnx_encoder_of_a_tuned_checkpoint_computes_the_trained_stage(tuned_best, tmp_path, frozen):
-    from captioner.models.export.onnx import export_visual_encoder, visual_encoder_key
-    from captioner.models.export.sessions import VisualSession
-
     spec = load_checkpoint(tuned_best).encoder
     assert visual_encoder_key(spec) != visual_encoder_key(SPEC)  # never the frozen network's cached export
     path = export_visual_encoder(spec, tmp_path)
@@ -129,15 +137,6 @@ def test_an_export_is_stale_once_the_tuned_stage_changes_though_the_decoder_did_
     """The model's own ``encoder.onnx`` holds the fine-tuned CNN, and the check set's reference captions come from
     it: an export made before the stage's file changed (the decoder's weights untouched, the manifest resealed) is
     stale, is listed as still to prepare, and is made again, rather than serving the old stage under the name."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from captioner.models.checkpoint import write_manifest
-    from captioner.models.export.onnx import GraphSpec, export_identity
-    from captioner.service import runtime as runtime_module
-    from captioner.service.onnx_exports import unprepared
-
     weights, onnx_dir = tmp_path / "weights", tmp_path / "onnx"
     shutil.copytree(tuned_best, weights / "a")
     settings = dict(device_name="cpu", default_backend="auto", onnx_dir=onnx_dir, threads=1)
@@ -159,8 +158,6 @@ def test_an_export_is_stale_once_the_tuned_stage_changes_though_the_decoder_did_
 def test_an_encoder_that_names_no_weights_file_keeps_the_checksum_as_its_export_identity():
     """Exports made before the identity covered the encoder's files stay current for the checkpoints without any
     (every shipped checkpoint but the fine-tuned X-LAN)."""
-    from captioner.models.export.onnx import export_identity
-
     assert export_identity("0" * 64, SPEC) == "0" * 64
 
 
@@ -192,8 +189,6 @@ def test_fine_tuning_needs_the_grid_encoder(scenes, tmp_path, cache):
 
 
 def test_a_warm_start_from_a_tuned_checkpoint_keeps_its_stages(scenes, tmp_path, cache, tuned_best):
-    from captioner.models.evaluation.card import write_card
-
     frozen_run = train(_config(scenes, tmp_path / "next", cache, epochs=1, encoder={}, init=str(tuned_best),
                                finetune_stages=0))
     carried = load_file(frozen_run / "encoder_tuned.safetensors")
@@ -204,8 +199,6 @@ def test_a_warm_start_from_a_tuned_checkpoint_keeps_its_stages(scenes, tmp_path,
 
 
 def test_the_models_endpoint_names_the_tuned_stages_by_file_not_by_the_servers_path(tuned_best):
-    from captioner.models.inference import torch_runtime
-
     runtime = torch_runtime(tuned_best, "cpu")
     assert runtime.info().encoder["tuned_weights"] == "encoder_tuned.safetensors"
     assert Path(runtime.spec.tuned_weights).is_absolute()  # what the runtime itself loads from
@@ -213,13 +206,6 @@ def test_the_models_endpoint_names_the_tuned_stages_by_file_not_by_the_servers_p
 
 def test_a_feature_store_of_tuned_stages_is_found_again_only_while_their_file_is_unchanged(scenes, tuned_best,
                                                                                           tmp_path):
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from captioner.models.data.datasets import load_captioned
-    from captioner.models.data.features import extract_features, find_covering_store
-
     copy = shutil.copytree(tuned_best, tmp_path / "ckpt")
     spec = load_checkpoint(copy).encoder
     images = load_captioned(str(scenes), None, ("val",))[:3]
@@ -239,11 +225,6 @@ def test_a_weights_file_is_known_by_its_content_to_the_feature_cache_and_the_onn
     ``cp -p``) or another file put at the same path makes a new feature store and a new export. The export's key
     used to be a local ImageNet file's size and mtime, and the feature cache's name its path alone, so both kept
     serving the old network."""
-    import os
-
-    from captioner.models.data.features import _cache_name
-    from captioner.models.export.onnx import visual_encoder_key
-
     path = tmp_path / "encoder.safetensors"
     path.write_bytes(b"first weights")
     spec = EncoderSpec(**{field: str(path)})
@@ -269,10 +250,6 @@ def test_a_weights_file_is_known_by_its_content_to_the_feature_cache_and_the_onn
 
 
 def test_weights_sha256_names_each_weights_file_of_a_spec_and_no_other(tmp_path):
-    import hashlib
-
-    from captioner.models.encoder import weights_sha256
-
     (tmp_path / "imagenet.pth").write_bytes(b"imagenet")
     (tmp_path / "tuned.safetensors").write_bytes(b"tuned")
     spec = EncoderSpec(weights=str(tmp_path / "imagenet.pth"), tuned_weights=str(tmp_path / "tuned.safetensors"))

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
 from captioner.models.data.flickr import load_flickr
+from captioner.service.cli import main
 
 from .conftest import FLICKR8K_DIR as SHARED
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 
 @pytest.fixture
@@ -191,11 +194,6 @@ def test_an_image_root_that_is_not_a_folder_says_what_it_should_be(official):
 
 def test_eval_without_a_dataset_names_the_one_the_checkpoint_was_trained_on(official, tmp_path, monkeypatch,
                                                                             capsys):
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.service.cli import main
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     trained = save_checkpoint(tmp_path / "trained", tiny_model("sat"), VOCAB, TINY_SPEC,
                               meta={"train_config": {"dataset": str(official)}})
     monkeypatch.chdir(tmp_path)  # where the default scene set was never generated

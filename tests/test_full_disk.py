@@ -20,6 +20,7 @@ from captioner.models.files import describe_os_error, write_atomically
 from captioner.models.training import run_log
 from captioner.models.training.state import load_state, save_state
 from captioner.models.vocab import Vocabulary
+from captioner.service import runtime
 from captioner.service.archive import CaptionLines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -157,8 +158,6 @@ def test_a_metrics_record_on_a_full_disk_names_the_log(tmp_path, monkeypatch):
 
 def test_the_servers_log_names_the_graph_a_full_disk_stopped_not_its_temporary_folder(tmp_path, monkeypatch, caplog):
     """The model is served with PyTorch, and the log line says which file could not be written as the CLI would."""
-    from captioner.service import runtime
-
     def export_on_a_full_disk(encoders, name, ckpt):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / ".sat.tmp-0badf00d" / "encoder.onnx"))
 

@@ -9,12 +9,25 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation.grounding import (
-    CaptionAttention, bootstrap_mean, grounded_words, markdown_table, pixel_distribution, score_images, score_map,
-    score_rows, summarise)
+    CaptionAttention,
+    bootstrap_mean,
+    grounded_words,
+    markdown_table,
+    pixel_distribution,
+    score_images,
+    score_map,
+    score_rows,
+    summarise,
+)
+from captioner.models.evaluation.params import count_parameters
+from captioner.models.evaluation.zoo_table import parameter_count, write_zoo
 from captioner.models.protocol import Geometry
+
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 
 def two_by_two(size=(8, 8), resize="stretch") -> Geometry:
@@ -174,12 +187,6 @@ def test_score_images_with_chance_controls(tmp_path):
 
 
 def test_zoo_table_from_records_and_reports(tmp_path):
-    from captioner.models.checkpoint import load_checkpoint, save_checkpoint
-    from captioner.models.evaluation.params import count_parameters
-    from captioner.models.evaluation.zoo_table import parameter_count, write_zoo
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     checkpoint = save_checkpoint(tmp_path / "weights" / "toy", tiny_model("sparsecap", attention="tvmax"), VOCAB,
                                  TINY_SPEC, meta={"train_seconds": 600, "hardware": "a test CPU"})
     hard = save_checkpoint(tmp_path / "hard", tiny_model("sat-hard"), VOCAB, TINY_SPEC)

@@ -4,6 +4,7 @@ whose log-probabilities equal a reference forward pass rebuilt here from the aut
 pickle is read with an allow-list, never with plain ``pickle.load``; what the model cannot express is refused."""
 
 import argparse
+import io
 import math
 import os
 import pickle
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.interop.aoanet import ConversionError, convert_aoanet
 from captioner.models.interop.safe_pickle import UnsafePickleError, restricted_load
+from captioner.models.interop.sgrvinod import TutorialUnpickler
 from captioner.models.protocol import VisualBatch
+from captioner.models.zoo import create
 from captioner.service.cli import main as captioner_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -219,10 +222,6 @@ def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):
     """BUILD sets attributes on the object it is given: a pickle naming argparse.Namespace with a state set
     ``argparse.Namespace.polluted`` for the whole process (the security audit), and a function's ``__defaults__``
     could be replaced the same way. Each load gets its own subclasses and wrappers."""
-    import io
-
-    from captioner.models.interop.sgrvinod import TutorialUnpickler
-
     polluting = tmp_path / "polluting.pkl"
     polluting.write_bytes(b"\x80\x02cargparse\nNamespace\nN}Vpolluted\nVyes\ns\x86b.")
     restricted_load(polluting)
@@ -313,8 +312,6 @@ def test_import_never_replaces_what_it_was_not_asked_to(authors_files, tmp_path,
 
 
 def test_compatibility_flags_default_to_the_paper_and_change_the_model_only_when_set():
-    from captioner.models.zoo import create
-
     plain = create("aoanet", vocab_size=9, feat_dim=FEAT, d_model=D, embed_dim=E, heads=HEADS, refine_layers=1)
     assert not {"query_norm", "word_embedding", "aoa_query", "projection_bias", "layer_norm"} & set(plain.config())
     assert plain.logit.bias is None and isinstance(plain.query_norm, torch.nn.Identity)

@@ -18,6 +18,7 @@ from captioner.models.interop.xlan import convert_xlan, convert_xtransformer, re
 from captioner.service.cli import main as captioner
 
 from .test_interop import WORDS, assert_same_distribution, linear, our_logprobs
+from .test_interop import authors_state as aoanet_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -316,8 +317,6 @@ def save(tmp_path, state, name="bad.pth"):
 
 
 def test_foreign_truncated_or_unsupported_weights_are_refused(tmp_path):
-    from .test_interop import authors_state as aoanet_state
-
     vocabulary = write_vocabulary(tmp_path / "v.txt")
     with pytest.raises(ConversionError, match="not an X-LAN .*lacks word_embed.0.weight"):
         convert_xlan(save(tmp_path, aoanet_state()), vocabulary)

@@ -1,14 +1,17 @@
 """The loader on a COCO-style Karpathy fixture (filepath folders, restval, raw-only sentences)."""
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.models.data.features import extract_features
+from captioner.models.cli.common import load_split
+from captioner.models.data.features import _cache_name, extract_features
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec
+from captioner.models.vocab import tokenize
 
 
 @pytest.fixture
@@ -60,10 +63,6 @@ def test_missing_file_and_bad_layout(tmp_path):
 
 
 def test_feature_cache_key_is_unchanged_by_fields_added_at_their_old_value():
-    import hashlib
-
-    from captioner.models.data.features import _cache_name
-
     keys = ["a.jpg", "b.jpg"]
     before = {"backbone": "efficientnet_lite0", "image_size": 256, "resize": "stretch", "resize_to": 256,
               "layer": "hypercolumn", "weights": None}  # EncoderSpec before grid_stride existed
@@ -110,15 +109,11 @@ def test_ids_are_unique_and_restval_is_asked_for_as_train(coco_fixture):
 
 
 def test_a_split_the_data_set_lacks_is_named_with_the_ones_it_has(coco_fixture):
-    from captioner.models.cli.common import load_split
-
     with pytest.raises(SystemExit, match="split 'dev' of .* is empty; its splits are test, train, val"):
         load_split(coco_fixture, None, "dev")
 
 
 def test_accented_letters_keep_their_word():
-    from captioner.models.vocab import tokenize
-
     assert tokenize("A café, naïve dog’s Straße") == ["a", "cafe", "naive", "dog", "s", "strasse"]
 
 

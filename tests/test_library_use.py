@@ -11,11 +11,12 @@ from PIL import Image
 from skimage import data
 
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
-from captioner.models.decoding import DecodingRules
+from captioner.models.decoding import DecodingRules, beam_search
 from captioner.models.inference import torch_runtime
 from captioner.models.pipeline import Pipeline
+from captioner.models.protocol import VisualBatch
 
-from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, shared_encoder, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,8 +85,6 @@ def test_a_gpu_this_machine_lacks_is_said_in_one_line(folder):
 
 
 def test_the_encoder_takes_a_batch_of_float_pixels():
-    from .serving_helpers import shared_encoder
-
     encoder = shared_encoder()
     side = encoder.spec.image_size
     with pytest.raises(ValueError, match=rf"\[batch, 3, height, width\] float pixels .*got \[3, {side}, {side}\]"):
@@ -96,9 +95,6 @@ def test_the_encoder_takes_a_batch_of_float_pixels():
 
 
 def test_features_of_another_shape_or_width_are_refused_by_name():
-    from captioner.models.decoding import beam_search
-    from captioner.models.protocol import VisualBatch
-
     model = tiny_model("sat")
     with pytest.raises(ValueError, match=r"\[batch, items, channels\] .*got \[64, 32\]"):
         VisualBatch.from_features(torch.rand(64, 32))  # one image's features, without the batch axis

@@ -2,11 +2,16 @@ import os
 import shutil
 
 import pytest
+from pycocoevalcap.bleu.bleu import Bleu
+from pycocoevalcap.cider.cider import Cider
+from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
-from captioner.models.evaluation.metrics import score_captions
+from captioner.models.data.karpathy import CaptionedImage
+from captioner.models.evaluation.evaluate import score_dataset
+from captioner.models.evaluation.metrics import ptb_tokenize, score_captions, unigram_misses
+from captioner.models.vocab import tokenize
 
 from .leaks import nothing_left_open
-
 
 REFS = {1: ["a red circle and a blue square", "a red circle next to a blue square", "two shapes a red circle"],
         2: ["a green star on a striped background", "a green star", "one green star in the centre"]}
@@ -47,8 +52,6 @@ def test_meteor_runs_offline():
 def test_unigram_misses_are_what_bleu1_does_not_credit():
     """Clipped counts: a word beyond the most times one reference holds it is a miss; with captions no shorter than
     their closest references (no brevity penalty), 1 − misses / words is coco-caption's BLEU-1."""
-    from captioner.models.evaluation.metrics import unigram_misses
-
     captions = {1: "a dog a dog a dog runs fast".split(), 2: "the man in a red shirt is sitting on grass".split()}
     references = {1: ["a dog runs".split(), "a dog a dog".split()],
                   2: ["a man in a blue coat sits on the grass".split(), "a person sits outside".split()]}
@@ -66,15 +69,6 @@ def test_unigram_misses_are_what_bleu1_does_not_credit():
 def test_ptb_scoring_is_coco_captions_own_pipeline():
     """``--ptb``: the scores coco-caption's own pipeline gives (pycocoevalcap's PTBTokenizer over the raw references
     and the captions, then Bleu and Cider), not the project's tokenizer's, which differ on "T-shirt" and "cannot"."""
-    from pycocoevalcap.bleu.bleu import Bleu
-    from pycocoevalcap.cider.cider import Cider
-    from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
-
-    from captioner.models.data.karpathy import CaptionedImage
-    from captioner.models.evaluation.evaluate import score_dataset
-    from captioner.models.evaluation.metrics import ptb_tokenize
-    from captioner.models.vocab import tokenize
-
     raw = {1: ["A man in a T-shirt cannot sit.", "A man, in a red T-shirt, stands.", "Someone's standing."],
            2: ["Two dogs play in the snow.", "Dogs' game: in the snow!", "Two close-up dogs."],
            3: ["A café by the road.", "People outside a cafe .", "A little café."]}
@@ -98,8 +92,6 @@ def test_ptb_scoring_is_coco_captions_own_pipeline():
 def test_a_failed_ptb_tokenizer_run_is_an_error_not_empty_references(tmp_path, monkeypatch):
     """pycocoevalcap's wrapper checks neither Java's exit status nor the lines it returns: a failed run scored the
     captions against empty references, or failed later with an IndexError."""
-    from captioner.models.evaluation.metrics import ptb_tokenize
-
     fake = tmp_path / "java"
     fake.write_text("#!/bin/sh\necho 'Error: could not find or load main class' >&2\nexit 1\n")
     fake.chmod(0o755)

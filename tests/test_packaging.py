@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import ast
+import base64
+import hashlib
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -76,10 +81,6 @@ def fake_wheel_index(root: Path, pins: list[str]) -> str:
     """A PEP 503 index (a folder, as ``file://``) holding an empty pure-Python wheel for each ``name==version`` pin:
     what the PyTorch CPU index serves, as far as pip's choice goes.  Each names a dependency the index lacks, as
     torch's own (filelock, sympy, …) are left to the default index, with the project's."""
-    import base64
-    import hashlib
-    import zipfile
-
     for pin in pins:
         name, version = pin.split("==")
         dist, folder = f"{name}-{version}", root / name
@@ -104,8 +105,6 @@ def test_setup_takes_cpu_only_torch_where_there_is_no_nvidia_driver(tmp_path):
     from the CPU wheel index as pyproject's pins spelt ``+cpu``; with a driver, with no index, or where the index
     cannot be reached, nothing is installed and the set-up goes on to the default index's torch.  One venv (with
     its own pip: the host's would see the host's torch) for the four cases, those that install nothing first."""
-    import shutil
-
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
     venv = tmp_path / "venv"
@@ -140,9 +139,6 @@ def test_setup_takes_cpu_only_torch_where_there_is_no_nvidia_driver(tmp_path):
 
 def make(*args: str, path: str | None = None) -> str:
     """``make ARGS`` in the project, with the environment's own NVIDIA_DRIVER left out (and ``path`` as PATH)."""
-    import os
-    import shutil
-
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
     env = {k: v for k, v in os.environ.items() if k != "NVIDIA_DRIVER"} | ({"PATH": path} if path else {})

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 from captioner.service.errors import PROBLEM_TYPES
+from captioner.service.paths import uri_path
 from captioner.service.problem_pages import PROBLEM_PAGES
 
 from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, sent_problem_kinds, serving_settings, tiny_model
@@ -99,8 +100,6 @@ def test_a_path_is_spelt_as_a_uri_reference_and_in_markup_without_what_html_or_a
     """``uri_path``: RFC 3986's sub-delims, ":" and "@" stay as they are in a problem's JSON; written into HTML or a
     script's quoted string, "&" (an entity's start) and "'" (the docs page's string delimiter) are encoded too, and
     "%" always (a decoded "%" is data, not an escape)."""
-    from captioner.service.paths import uri_path
-
     path = "/a:b@c!$&'()*+,;=d/e f%g\"ûø"
     assert uri_path(path) == "/a:b@c!$&'()*+,;=d/e%20f%25g%22%C3%BB%C3%B8"
     assert uri_path(path, in_markup=True) == "/a:b@c!$%26%27()*+,;=d/e%20f%25g%22%C3%BB%C3%B8"

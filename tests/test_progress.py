@@ -2,6 +2,9 @@
 with no carriage return, so that a training run's log of hours reads line by line."""
 
 import io
+import time
+
+from tqdm import tqdm
 
 from captioner.models.progress import LOG_INTERVAL_S, progress_bar, write_above
 
@@ -27,10 +30,6 @@ def test_in_a_log_tqdms_monitor_adds_no_line_between_two(monkeypatch):
     """tqdm's monitor thread redraws a bar that has not been drawn for ``maxinterval`` once its redraw stride has
     grown: in a log, a second line within the interval.  Here at a tenth of a second's pace: the bar's lines are its
     first, one an interval at most, and its last two."""
-    import time
-
-    from tqdm import tqdm
-
     if tqdm.monitor is not None:  # a monitor started by an earlier bar sleeps 10 s between looks
         tqdm.monitor.exit()
     monkeypatch.setattr(tqdm, "monitor_interval", 0.02)

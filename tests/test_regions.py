@@ -8,12 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from captioner.models.checkpoint import load_checkpoint
+from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import CaptionedImage, load_karpathy
 from captioner.models.data.regions import RegionStore, read_regions, save_regions, write_scene_regions
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
+from captioner.models.export.onnx import ExportUnsupported, export_checkpoints
+from captioner.models.inference import torch_runtime
 from captioner.models.training import TrainConfig, train
+from captioner.service.runtime import load_runtimes
+
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,12 +123,6 @@ def test_sat_trains_on_regions_and_never_attends_to_padding(scenes, scene_region
 def test_a_checkpoint_trained_on_regions_refuses_to_caption_photos(tmp_path):
     """A photo gives grid features: a region checkpoint would caption them without complaint, and wrongly, so the
     photo-captioning paths (the CLI's caption, the service) refuse it and say how to evaluate it instead."""
-    from captioner.models.checkpoint import CheckpointError, save_checkpoint
-    from captioner.models.inference import torch_runtime
-    from captioner.service.runtime import load_runtimes
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     save_checkpoint(tmp_path / "weights" / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
     save_checkpoint(tmp_path / "weights" / "regions", tiny_model("sat"), VOCAB, TINY_SPEC,
                     meta={"train_config": {"features": "regions:/data/bottom-up"}})
@@ -135,11 +134,6 @@ def test_a_checkpoint_trained_on_regions_refuses_to_caption_photos(tmp_path):
 def test_export_refuses_a_checkpoint_trained_on_region_features_and_goes_on_with_the_others(tmp_path):
     """``captioner export`` crashed on one (a matrix shape error from the grid its graph was traced on), and stopped
     the whole batch (the ONNX audit)."""
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.models.export.onnx import ExportUnsupported, export_checkpoints
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     save_checkpoint(tmp_path / "regions", tiny_model("sat"), VOCAB, TINY_SPEC,
                     meta={"train_config": {"features": "regions:/data/bottom-up"}})
     save_checkpoint(tmp_path / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)

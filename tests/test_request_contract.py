@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import gzip
 import io
 import json
 import logging
@@ -22,12 +24,13 @@ from skimage import data
 from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
-from captioner.service import middleware
+from captioner.models.decoding import DecodingRules
+from captioner.service import inputs, middleware
 from captioner.service.admission import QueueFull
-from captioner.service.app import create_app
-from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image
-from captioner.service.errors import DeadlinePassed
-from captioner.service.inputs import QueryOptions, arrival, known_query_only
+from captioner.service.app import CAPTION_PATHS, create_app
+from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, refuse_early
+from captioner.service.errors import DeadlinePassed, InvalidRequest
+from captioner.service.inputs import QueryOptions, arrival, known_query_only, option_sources
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
 
@@ -113,10 +116,6 @@ def test_a_limit_refusal_says_where_the_request_gave_the_option(client, photo):
 
 
 def test_a_refusal_is_placed_by_the_options_the_body_gave():
-    from captioner.service.errors import InvalidRequest
-    from captioner.service.inputs import option_sources
-    from captioner.service.schemas import CaptionOptions
-
     query, body = CaptionOptions(beam_size=3, max_len=9), CaptionOptions(beam_size=3, model="tiny-a")
     assert option_sources(query, body) == {"beam_size": "body", "max_len": "query", "model": "body"}
     assert option_sources(query, None) == {"beam_size": "query", "max_len": "query"}  # raw image bytes
@@ -127,11 +126,6 @@ def test_a_refusal_is_placed_by_the_options_the_body_gave():
 
 
 def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):
-    import time
-
-    from captioner.service.captioning import CaptionParameters, refuse_early
-    from captioner.service.errors import InvalidRequest
-
     # a query naming its model is checked before the body is read (refuse_early clamped the values to the limits
     # and let the body be read first); over HTTP, the same 422 naming the option
     with pytest.raises(InvalidRequest, match="beam_size 9 is above the limit of 4"):
@@ -345,10 +339,6 @@ def test_json_base64_may_be_wrapped_with_whitespace_and_nothing_else(client, pho
 def test_a_json_body_is_parsed_off_the_event_loop(client, photo, monkeypatch):
     """Parsing megabytes of JSON and base64 on the event loop stalled every other request (the concurrency
     audit): it runs in a worker thread, where no event loop runs."""
-    import asyncio
-
-    from captioner.service import inputs
-
     parsed_on_loop = []
     real = inputs._json_image
 
@@ -389,8 +379,6 @@ def test_openapi_documents_the_form_fields(client):
         assert {"model", "beam_size", "max_len"} <= query
     # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice), with
     # this server's largest values (the fixture's CAPTIONER_MAX_BEAM_SIZE=4, CAPTIONER_MAX_MAX_LEN=12) stated in each
-    from captioner.service.schemas import CaptionOptions
-
     def bounds(schema: dict) -> list[dict]:
         return [{k: v for k, v in option.items() if k in ("minimum", "maximum")} for option in schema["anyOf"]]
 
@@ -463,10 +451,6 @@ def test_openapi_serves_generated_clients(client):
     assert schemas["HeatMode"]["enum"] == ["grid_smooth", "grid_blocks", "region_sum"]
     # maps of a fixed shape are typed: a model's decoding rules (as many fields as DecodingRules has, so that one
     # added there is not dropped from the answer) and a problem's per-field errors
-    import dataclasses
-
-    from captioner.models.decoding import DecodingRules
-
     assert schemas["ModelOut"]["properties"]["decoding"]["$ref"] == "#/components/schemas/DecodingOut"
     assert set(schemas["DecodingOut"]["properties"]) == {f.name for f in dataclasses.fields(DecodingRules)}
     assert schemas["Problem"]["properties"]["errors"]["items"]["required"] == ["loc", "msg"]
@@ -515,8 +499,6 @@ def test_a_body_of_another_media_type_is_415_and_an_unknown_model_gets_no_metric
 def test_every_route_that_captions_an_upload_is_counted_by_the_latency_metric(client):
     """CAPTION_PATHS names the routes whose invalid requests the caption metrics count; a caption route added
     without it (POST /caption/heatmaps) would have its refusals go uncounted."""
-    from captioner.service.app import CAPTION_PATHS
-
     paths = client.get("/openapi.json").json()["paths"]
     captioning = {path for path, operations in paths.items() for operation in operations.values()
                   if "requestBody" in operation}  # the routes that take an upload
@@ -612,8 +594,6 @@ def test_a_cut_off_multipart_upload_is_named_malformed_not_missing_its_file(clie
 def test_a_compressed_body_or_one_without_a_media_type_is_415(client, photo):
     """``Content-Encoding: gzip`` was ignored (a gzipped image was "not an image", gzipped JSON "invalid JSON", and
     an image labelled ``br`` was captioned); bytes without a Content-Type were refused as a form without a file."""
-    import gzip
-
     body = json.dumps({"image": base64.b64encode(photo).decode()}).encode()
     zipped = client.post("/caption", content=gzip.compress(body),
                          headers={"content-type": "application/json", "content-encoding": "gzip"})

@@ -1,14 +1,35 @@
 import argparse
+import colorsys
 import json
 import math
+import random
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from captioner.models.cli.data import cmd_data_generate
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.data.scenes import (COLOURS, HELDOUT_COMBOS, SHAPES, generate, named_objects,
-                                          object_naming_accuracy)
+from captioner.models.data.scenes import (
+    BACKGROUNDS,
+    COLOURS,
+    GENERATOR_VERSION,
+    HELDOUT_COMBOS,
+    SHAPES,
+    SIZES,
+    VARIATIONS,
+    Variation,
+    article,
+    captions_for,
+    generate,
+    generate_arguments,
+    is_current,
+    named_objects,
+    object_naming_accuracy,
+    read_dataset_header,
+    sample_scene,
+)
+from captioner.service.cli import main
 
 from .conftest import SCENE_SEED, SCENE_SIZES
 
@@ -91,8 +112,6 @@ def test_object_naming_accuracy():
 # Wording: articles
 # ---------------------------------------------------------------------------------------------------------------
 def test_article_for_every_word_that_can_follow_one():
-    from captioner.models.data.scenes import BACKGROUNDS, SIZES, article
-
     vowel_sound = {"orange"}  # the only generator word that starts with a vowel sound
     for word in [*COLOURS, *SHAPES, *SIZES, *BACKGROUNDS]:
         assert article(word) == ("an" if word in vowel_sound else "a"), word
@@ -101,10 +120,6 @@ def test_article_for_every_word_that_can_follow_one():
 
 
 def test_references_use_an_before_vowel_sounds():
-    import random
-
-    from captioner.models.data.scenes import captions_for, sample_scene
-
     rng = random.Random(3)
     seen_an = 0
     for index in range(300):
@@ -132,8 +147,6 @@ def test_written_dataset_has_no_a_before_orange(scenes):
 
 
 def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
-    from captioner.models.data.scenes import GENERATOR_VERSION, is_current
-
     data = json.loads(scenes.read_text())
     assert data["generator_version"] == GENERATOR_VERSION
     sizes, seed = SCENE_SIZES, SCENE_SEED
@@ -151,8 +164,6 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
     """``captioner data generate --only test heldout``: the scenes of those splits, numbered and drawn as in the whole
     data set (image for image, reference for reference); its header says which splits it holds, so ``--if-stale``
     neither takes it for the whole data set nor the whole data set for it, and a card names the command."""
-    from captioner.models.data.scenes import generate_arguments, is_current, read_dataset_header
-
     sizes, seed = SCENE_SIZES, SCENE_SEED
     part = generate(tmp_path / "part", sizes, seed=seed, progress=False, only=("heldout", "test"))
     whole = {entry["imgid"]: entry for entry in json.loads(scenes.read_text())["images"]}
@@ -177,8 +188,6 @@ def test_only_some_splits_never_replace_a_whole_data_set(only_held, tmp_path, sc
     the folder untouched.  A copy of the session's data set, which a regression would otherwise overwrite for every
     test after this one.  A header whose "only" is not a list of splits (altered by hand) reads as the whole set's
     (it was a TypeError traceback)."""
-    from captioner.service.cli import main
-
     before = scenes.read_bytes()
     if only_held is not None:
         before = json.dumps({**json.loads(before), "only": only_held}).encode()
@@ -201,10 +210,6 @@ def circular(a: float, b: float) -> float:
 
 
 def test_varied_scenes_vary_and_stay_consistent(tmp_path):
-    import colorsys
-
-    from captioner.models.data.scenes import Variation, is_current
-
     path = generate(tmp_path / "v", {"train": 24, "test": 4}, seed=1, progress=False, variation=Variation())
     again = generate(tmp_path / "w", {"train": 24, "test": 4}, seed=1, progress=False, variation=Variation())
     data = json.loads(path.read_text())
@@ -236,9 +241,6 @@ def test_varied_scenes_vary_and_stay_consistent(tmp_path):
 def test_small_objects_variation_draws_smaller_objects_and_leaves_the_standard_one_alone(tmp_path):
     """``--varied small-objects`` draws "small" objects below the standard variation's 4.5 % of the shorter side,
     down to 3 %; ``--varied`` alone still writes exactly the set the shipped checkpoints trained on."""
-    from captioner.models.cli.data import cmd_data_generate
-    from captioner.models.data.scenes import VARIATIONS, Variation, is_current
-
     assert VARIATIONS["standard"] == Variation()
     sizes = {"train": 60, "val": 0, "test": 0, "heldout": 0}
     for name in ("standard", "small-objects"):

@@ -1,12 +1,23 @@
 """Paper schedules against hand-computed values, and the recipes that use them."""
 
+import argparse
 import math
+import shlex
 
 import pytest
 
+from captioner.models.cli.training import add_train_config_arguments, train_config_from_args
 from captioner.models.training import TrainConfig, available_recipes, load_recipe
-from captioner.models.training.schedules import build_schedules, learning_rate
-from captioner.models.training.schedules import NoamWarmup, PlateauDecay, ScheduledSampling, StepDecay
+from captioner.models.training.recipes import command_line, recipe_path
+from captioner.models.training.schedules import (
+    NoamWarmup,
+    PlateauDecay,
+    ScheduledSampling,
+    StepDecay,
+    build_schedules,
+    learning_rate,
+)
+from captioner.service.cli import build_parser
 
 
 def test_step_decay_aoanet_every_3_epochs_by_0_8():
@@ -75,8 +86,6 @@ def test_config_schedules_combine_noam_epoch_decay_and_plateau():
 
 
 def test_every_recipe_loads_into_a_config_and_states_its_sources():
-    from captioner.models.training.recipes import recipe_path
-
     assert set(available_recipes()) == {"sat", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap",
                                         "area-transformer"}
     for name in available_recipes():
@@ -98,9 +107,6 @@ def test_every_recipe_loads_into_a_config_and_states_its_sources():
 
 
 def test_cli_flags_override_single_recipe_values():
-    from captioner.models.cli.training import train_config_from_args
-    from captioner.service.cli import build_parser
-
     args = build_parser().parse_args(["train", "--recipe", "aoanet", "--out", "x", "--lr", "1e-3", "--set",
                                       "d_model=256", "--ss-every", "1", "--no-progress"])
     cfg = train_config_from_args(args)
@@ -119,12 +125,6 @@ def test_cli_flags_override_single_recipe_values():
     ["--model", "sat", "--out", "runs/s", "--lr-drop", "5", "--lr-drop", "7", "--attention", "tvmax", "--no-progress"],
 ])
 def test_the_command_a_card_prints_gives_back_the_same_config(argv):
-    import argparse
-    import shlex
-
-    from captioner.models.cli.training import add_train_config_arguments, train_config_from_args
-    from captioner.models.training.recipes import command_line
-
     def parse(args):
         parser = argparse.ArgumentParser()
         add_train_config_arguments(parser)

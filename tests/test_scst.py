@@ -3,6 +3,7 @@ advantages and loss against naive code; SCST raises training CIDEr-D; the phase 
 and resumes exactly."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +11,13 @@ from pycocoevalcap.cider.cider import Cider
 from safetensors.torch import load_file
 
 from captioner.models.checkpoint import load_checkpoint
-from captioner.models.decoding import sample
+from captioner.models.data.karpathy import CaptionedImage
+from captioner.models.decoding import greedy, sample
 from captioner.models.evaluation.metrics import CiderD
-from captioner.models.zoo import create
 from captioner.models.training import TrainConfig, train
-from captioner.models.training.scst import scst_advantages, scst_batch_loss, scst_loss
+from captioner.models.training.scst import SCSTPhase, scst_advantages, scst_batch_loss, scst_loss
+from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
 
 from .model_checks import VOCAB, memorisation_task, train_to_memorise
 
@@ -168,12 +171,6 @@ def test_the_reward_counts_the_end_token_only_when_asked(tmp_path, with_end):
     """``--scst-reward-eos`` (self-critical.pytorch's ``array_to_str`` keeps the trailing 0, and its references hold
     it): the references and a caption that ended get the end token; one that ran to the length limit does not.
     Without the flag both are their words alone."""
-    from pathlib import Path
-
-    from captioner.models.data.karpathy import CaptionedImage
-    from captioner.models.training.scst import SCSTPhase
-    from captioner.models.vocab import Vocabulary
-
     references = [["a", "dog", "runs", "through", "the", "grass"], ["a", "brown", "dog", "runs"]]
     vocab = Vocabulary.build(references)
     images = [CaptionedImage(1, Path("p.jpg"), "train", references)]
@@ -192,8 +189,6 @@ def test_the_greedy_baseline_is_decoded_in_eval_mode_and_the_model_is_left_train
     """Rennie et al.'s baseline is the test-time (greedy, dropout off) caption: with dropout in the model, the
     logged greedy reward is that of the eval-mode greedy captions, whatever mode the model came in, and the
     samples (and the step after) see the model in train mode."""
-    from captioner.models.decoding import greedy
-
     vis, targets, _ = memorisation_task()
     torch.manual_seed(0)
     model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=32, hidden_dim=64, attn_dim=32, dropout=0.5)

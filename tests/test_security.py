@@ -17,18 +17,24 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service.app import create_app
+from captioner.service.cli import main
 from captioner.service.errors import UnknownResult
 from captioner.service.inputs import DISCARD_SECONDS, UnreadBodyMiddleware
+from captioner.service.middleware import JsonFormatter, TextFormatter
+from captioner.service.paths import app_path
 from captioner.service.results import ResultStore
 from captioner.service.security import key_matches
 from captioner.service.settings import Settings
 
+from .conftest import tiny_demo_server
 from .serving_helpers import ROOT, serving_settings
 
 KEYS = ["first-key-0123456789", "second-key-abcdefghij"]
@@ -171,8 +177,6 @@ def test_an_answer_given_before_the_body_is_read_reaches_a_proxy_speaking_http_1
     rest of an unread body in it, the connection was reset, and nginx answered its own 502 instead (about half of
     the 401s without a key, the 413s refused from the Content-Length, the 404s of a path). The body is now read
     and dropped before the answer starts; a client that waits for ``100 Continue`` is answered without it."""
-    from .conftest import tiny_demo_server
-
     key = f"Authorization: Bearer {KEYS[0]}\r\n"
     with tiny_demo_server(tmp_path_factory, CAPTIONER_ROOT_PATH="/vision", CAPTIONER_API_KEYS=json.dumps(KEYS),
                           CAPTIONER_MAX_UPLOAD_BYTES=str(2**20)) as server:
@@ -194,8 +198,6 @@ def test_the_path_within_the_app_is_the_one_its_router_routes(weights):
     router ran ``/caption``, while the key check read ``//caption``, no protected path, and captioned without a
     key.  The prefix itself is the app's ``/``, and a path that only begins with the prefix's letters is not under
     it."""
-    from captioner.service.paths import app_path
-
     for path, root, within in (("/vision/caption", "/vision", "/caption"), ("/vision//caption", "/vision/", "/caption"),
                                ("/vision/caption", "/vision/", "/caption"), ("/vision", "/vision", "/"),
                                ("/vision/", "/vision/", "/"), ("/visionary/caption", "/vision", "/visionary/caption"),
@@ -215,9 +217,6 @@ def test_an_app_mounted_in_another_checks_keys_under_its_mount_and_names_its_pag
     """Mounted in another app (``Mount("/vision", app=create_app(...))``), Starlette's ``app_root_path`` is the
     outer app's, ``""``: the key check read ``/vision/caption`` as an unprotected path and ran the route without a
     key, and problem types lost the prefix. The app records its own prefix as a request enters it."""
-    from starlette.applications import Starlette
-    from starlette.routing import Mount
-
     inner = create_app(serving_settings(weights_dir=weights, default_model="tiny", default_beam_size=1,
                                         default_max_len=4, api_keys=KEYS))
     with TestClient(Starlette(routes=[Mount("/vision", app=inner)],
@@ -393,8 +392,6 @@ def test_the_api_documentation_cannot_be_framed_and_serves_only_its_own_files(op
 
 
 def test_request_ids_are_echoed_and_logged(open_client, jpeg):
-    from captioner.service.middleware import JsonFormatter
-
     with access_log(lambda record: json.loads(JsonFormatter().format(record))) as lines:
         answer = open_client.post("/caption", files={"file": ("x.jpg", jpeg, "image/jpeg")},
                                   headers={"X-Request-ID": "trace-abc-123"})
@@ -470,8 +467,6 @@ def test_no_answer_leaks_a_stack_trace_or_a_server_path(weights, jpeg):
 def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     """With CAPTIONER_LOG_FORMAT=text, the access log wrote the URL-decoded path as it came: ``%0A`` then a made-up
     timestamp and level started a second line that looked like the server's own."""
-    from captioner.service.middleware import TextFormatter
-
     with access_log(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s").format) as lines:
         assert open_client.get("/caption%0A2026-11-30 16:00:00,000 INFO captioner.app: FORGED").status_code in (
             404, 405)
@@ -497,8 +492,6 @@ def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
 
 def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
     """pydantic's own error quoted the input: an API key mistyped as a JSON object was printed whole at start-up."""
-    from captioner.service.cli import main
-
     monkeypatch.setenv("CAPTIONER_API_KEYS", '{"client": "topsecret-key"}')
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--port", "8791"])
@@ -517,8 +510,6 @@ def test_a_variable_that_is_no_setting_stops_the_server_and_a_plain_value_for_a_
     """pydantic-settings ignores a CAPTIONER_* name it does not know: a misspelt CAPTIONER_API_KEY served without
     keys, in silence (the operator audit). And a key given bare where a JSON list is read was "error parsing value
     for field "api_keys" from source "EnvSettingsSource"", naming neither the variable nor what it takes."""
-    from captioner.service.cli import main
-
     def refused(*argv: str) -> str:
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--port", "8791", *argv])
@@ -539,8 +530,6 @@ def test_a_variable_that_is_no_setting_stops_the_server_and_a_plain_value_for_a_
 
 def test_a_blank_api_key_stops_the_server_rather_than_opening_it(monkeypatch, capsys):
     # '["${KEY}"]' with KEY unset: the empty key was dropped and the service served everyone (the security audit)
-    from captioner.service.cli import main
-
     for blank in ('[""]', '["  "]', '["real-key", ""]'):
         monkeypatch.setenv("CAPTIONER_API_KEYS", blank)
         with pytest.raises(SystemExit) as exc:

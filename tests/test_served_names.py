@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -16,8 +17,11 @@ from PIL import Image
 from pydantic import ValidationError
 
 from captioner.models.checkpoint import find_checkpoints, save_checkpoint
+from captioner.models.export import onnx
 from captioner.models.placement import checkpoints_from_env, prefixed_dirs_from_env
 from captioner.service.app import create_app
+from captioner.service.cli import main
+from captioner.service.runtime import load_runtimes
 from captioner.service.settings import Settings
 
 from .conftest import ROOT, WEIGHTS
@@ -139,9 +143,6 @@ def test_export_writes_what_the_service_serves_and_nothing_outside_its_folder(we
     """``captioner export`` exports the checkpoints the service would serve, ``CAPTIONER_CHECKPOINTS`` included
     (it read the prefixes but not the extra folders); a prefix such as ``../x-`` is refused before anything is
     written (export took it, and would have written ``OUT/../x-sat``)."""
-    from captioner.models.export import onnx
-    from captioner.service.cli import main
-
     exported = {}
     monkeypatch.setattr(onnx, "export_checkpoints", lambda found, out, log: exported.update(found) or {})
     extra = tmp_path / "mine"
@@ -171,10 +172,6 @@ def test_a_checkpoint_replaced_by_one_named_the_same_is_reported(weights):
 def test_extra_folders_that_hold_no_checkpoint_are_named_in_the_log(tmp_path, caplog):
     # CAPTIONER_CHECKPOINTS='["runs/mine"]' (the run, not runs/mine/best) or a typo was dropped without a word,
     # and the model's requests got 404
-    import logging
-
-    from captioner.service.runtime import load_runtimes
-
     run = tmp_path / "mine"
     save_tiny(run / "best", PHOTOS_DATASET)
     with caplog.at_level(logging.ERROR, logger="captioner.runtime"):

@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.attention import NORMALISERS as REGISTERED, get_normaliser
+from captioner.models import attention
+from captioner.models.attention import NORMALISERS as REGISTERED
+from captioner.models.attention import get_normaliser
 from captioner.models.decoding import beam_search
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
@@ -49,8 +51,6 @@ def test_registered_with_config_round_trip():
 
 
 def test_a_normaliser_added_to_the_table_is_one_sparsecap_can_take(monkeypatch):
-    from captioner.models import attention
-
     # an unknown name is a ValueError (the CLI's one-line error), for either of SparseCap's normalisers
     for option in ("attention", "input_attention_normalizer"):
         with pytest.raises(ValueError, match="nope"):
@@ -103,9 +103,9 @@ def test_initial_state_is_zero_and_masks_are_respected():
     state = model.init_state(enc)
     assert torch.all(state["h"] == 0) and torch.all(state["c"] == 0)
     _, _, record = model.step(torch.tensor([1, 1]), state, enc)
-    for attention in (record.primary, record.extras["input_attention"]):
-        assert torch.all(attention[1, 48:] == 0)
-        torch.testing.assert_close(attention.sum(-1), torch.ones(2))
+    for weights in (record.primary, record.extras["input_attention"]):
+        assert torch.all(weights[1, 48:] == 0)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2))
 
 
 @torch.no_grad()

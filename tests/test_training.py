@@ -3,21 +3,35 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from captioner.models.checkpoint import load_checkpoint
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.data.karpathy import CaptionedImage, load_karpathy
+from captioner.models.data.scenes import describe_dataset, generate, read_dataset_header
+from captioner.models.encoder import EncoderSpec
+from captioner.models.evaluation.card import write_card
 from captioner.models.files import FolderInUse, held_alone
+from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
+from captioner.models.training.config import Progress
 from captioner.models.training.loop import RunInUse, _optimizer_step
+from captioner.models.training.resume import merge_resume
+from captioner.models.training.run_log import EpochLog
 from captioner.models.training.schedules import learning_rate
+from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage
+from captioner.models.training.xe import XEPhase, xe_loss
+from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
 
 from .conftest import before_each_step
 
@@ -115,8 +129,6 @@ def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start
 def _scripted_validation(monkeypatch, scores):
     """Validation that gives epoch ``e`` the score ``scores[e - 1]`` (on every metric) without captioning: the run's
     bookkeeping (best/, the plateau, early stopping) then takes a known course."""
-    from captioner.models.training.run_log import EpochLog
-
     def validate(run, epoch, lr, logs):
         return EpochLog(epoch=epoch + 1, step=run.progress.global_step, lr=lr, losses=logs,
                         scores={"BLEU-4": scores[epoch], "CIDEr-D": scores[epoch]}, seconds=run.elapsed())
@@ -281,10 +293,6 @@ def test_ctrl_c_saves_state_and_resume_finishes_and_no_second_trainer_gets_in(sc
 
 
 def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_together(scenes, tmp_path, cache):
-    from captioner.models.data.karpathy import load_karpathy
-    from captioner.models.training.xe import XEPhase
-    from captioner.models.vocab import Vocabulary
-
     images = load_karpathy(scenes, splits=("train",))
     vocab = Vocabulary.build([ref for im in images for ref in im.references])
     grouped = XEPhase(_config(scenes, tmp_path, cache, group_by_image=True), None, vocab, None, images, "cpu")
@@ -327,9 +335,6 @@ def test_each_epoch_trains_on_its_own_shuffle_of_the_data(scenes, tmp_path, cach
                                         ("area-transformer", dict(d_model=32, n_heads=4, ffn_dim=64, caption_area=2)),
                                         ("sat", SMALL)])
 def test_captions_sharing_an_image_get_the_same_log_probs_as_when_it_is_encoded_per_caption(arch, args):
-    from captioner.models.protocol import VisualBatch
-    from captioner.models.zoo import create
-
     torch.manual_seed(0)
     model = create(arch, vocab_size=17, feat_dim=12, **args).eval()
     images = VisualBatch.from_features(torch.randn(2, 9, 12))
@@ -353,7 +358,6 @@ def test_another_architecture_starts_from_a_checkpoint_whose_weights_it_fits(sce
     assert set(soft_weights) - set(hard_weights) == {"gate.weight", "gate.bias"}  # the β gate, dropped
     assert all(torch.equal(hard_weights[k], soft_weights[k]) for k in hard_weights if not k.startswith("baseline"))
     # the card names what the warm start began from and counts its training time
-    from captioner.models.evaluation.card import write_card
     card = write_card(hard, {}).read_text()
     assert f"- Started from `{soft}`: sat, epoch 1 of its xe run (its best)" in card
     assert "with the runs it started from" in card
@@ -377,15 +381,6 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
     words gave the checkpoint's rows to other words, in silence where the count agreed), its sizes with the
     command's ``--set`` values over them, its encoder and the features it was trained on unless the command names
     others, ``--extend-vocab``'s new words once each after its own, and for the card what it began from in turn."""
-    from pathlib import Path
-
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.models.data.karpathy import CaptionedImage
-    from captioner.models.encoder import EncoderSpec
-    from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage
-    from captioner.models.vocab import Vocabulary
-    from captioner.models.zoo import create
-
     vocab = Vocabulary(["a", "red", "circle"])
     torch.manual_seed(0)
     model = create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL)
@@ -411,8 +406,6 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
 
 
 def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_path, cache, capsys):
-    from captioner.models.training.resume import merge_resume
-
     saved = _config(scenes, tmp_path / "run", cache, model="sat")
     capsys.readouterr()
     merged = merge_resume(_config(scenes, tmp_path / "run", cache, model="xlan", epochs=4),
@@ -424,8 +417,6 @@ def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_pa
 def test_resume_changes_only_what_the_command_gave(scenes, tmp_path, cache):
     """``captioner train --out RUN --resume`` without --epochs keeps the run's epochs (and early stopping, the
     recipe's); what belongs to the process (--max-steps, threads, device) is the command's, given or not."""
-    from captioner.models.training.resume import merge_resume
-
     saved = _config(scenes, tmp_path / "run", cache, model="sat", epochs=2, early_stop=5, max_steps=3)
     command = _config(scenes, tmp_path / "run", cache, model="sat", epochs=20, early_stop=0)  # the defaults
     merged = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit={"out"})
@@ -443,11 +434,6 @@ def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone
     """A scene checkpoint records its data set's header at train time, so its card's Data line (the generator's
     version and the command that draws the set again) does not depend on the set being here when the card is
     written."""
-    import shutil
-
-    from captioner.models.data.scenes import describe_dataset, generate, read_dataset_header
-    from captioner.models.evaluation.card import write_card
-
     dataset = generate(tmp_path / "scenes", {"train": 16, "val": 4, "test": 0, "heldout": 0}, seed=11, progress=False)
     described = describe_dataset(read_dataset_header(dataset))
     best = train(_config(dataset, tmp_path / "run", tmp_path / "features", epochs=1, batch_size=8))
@@ -459,8 +445,6 @@ def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone
 
 @pytest.mark.parametrize("eps", [0.0, 0.2])
 def test_xe_loss_is_the_token_mean_over_non_pad_targets_with_label_smoothing_towards_uniform(eps):
-    from captioner.models.training.xe import xe_loss
-
     logprobs = torch.log_softmax(torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)), -1)
     targets = torch.tensor([[4, 2, 0], [1, 3, 2]])  # pad id 0: one padded position
     terms = [(1 - eps) * -logprobs[b, t, targets[b, t]] + eps * -logprobs[b, t].mean()
@@ -471,10 +455,6 @@ def test_xe_loss_is_the_token_mean_over_non_pad_targets_with_label_smoothing_tow
 
 @pytest.mark.parametrize("mode, expected", [("norm", [-0.3, -0.4]), ("value", [-0.5, -0.5])])
 def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, expected):
-    from types import SimpleNamespace
-
-    from captioner.models.training.loop import _optimizer_step
-
     weight = torch.nn.Parameter(torch.zeros(2))
     run = SimpleNamespace(cfg=SimpleNamespace(grad_clip=0.5, grad_clip_mode=mode), scaler=None,
                           optimizer=torch.optim.SGD([weight], lr=1.0))
@@ -532,11 +512,6 @@ def test_only_the_main_rank_holds_the_run_folder(tmp_path, monkeypatch):
 
 
 def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_from_it(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
-    from captioner.models.training.config import Progress
-    from captioner.models.training.run_log import EpochLog
-
     saved = []
     monkeypatch.setattr(loop, "_encoder_files", lambda run: (None, {}))
     monkeypatch.setattr(loop, "save_checkpoint", lambda path, model, vocab, spec, meta, files: saved.append(

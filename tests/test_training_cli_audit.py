@@ -7,7 +7,9 @@ import os
 import shutil
 import signal
 
+import numpy as np
 import pytest
+import torch
 
 from captioner.models import training
 from captioner.models.checkpoint import load_checkpoint, recorded_checksum, save_checkpoint
@@ -23,7 +25,8 @@ from captioner.models.sparsecap import SparseCap
 from captioner.models.training import TrainConfig, TrainingInterrupted, fit, loop, prepare_run, train
 from captioner.service.cli import main
 
-from .conftest import DEFAULT_CHECKPOINT, before_each_step
+from .conftest import DEFAULT_CHECKPOINT, ROOT, before_each_step
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,8 +130,6 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
     """What a researcher adding a model meets (README, "Adding a model"): each of these trained, then failed with a
     Python error that named no rule: at the first load (no **ids), in reorder after an epoch (a state that is no
     tensor with rows), or never (attention rows that are no distribution, served as they were)."""
-    import torch
-
     monkeypatch.setattr(training.loop, "load_captioned", lambda *a, **k: pytest.fail("the data was read"))
 
     class NoIds(ShowAttendTell):
@@ -213,8 +214,6 @@ def test_a_trained_model_without_its_run_state_is_never_trained_over(scenes, tmp
     """A folder whose best/ (or last/) holds a checkpoint but which has no state to resume (a finished run whose
     train_state.* was removed, a checkpoint copied into best/): a new run replaced the model, its card and its log
     at its first validation, saying the folder held "a start that stopped before its first snapshot"."""
-    import shutil
-
     for name in ("best", "last"):
         out = tmp_path / name
         shutil.copytree(DEFAULT_CHECKPOINT, out / name)
@@ -309,8 +308,6 @@ def test_evaluation_options_are_checked_before_the_captioning(tmp_path, capsys):
 
 
 def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
-    import numpy as np
-
     spec, sizes = EncoderSpec(image_size=64), {"train": 3, "val": 1, "test": 0, "heldout": 0}
     generate(tmp_path / "scenes", sizes, seed=0, progress=False)
     images = load_captioned(tmp_path / "scenes", None, ("train",))
@@ -331,8 +328,6 @@ def test_a_data_set_regenerated_in_place_is_encoded_again(tmp_path):
 
 
 def test_commands_never_write_over_a_checkpoint_or_their_own_input_unasked(tmp_path, capsys):
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     trained = save_checkpoint(tmp_path / "trained", tiny_model("sat"), VOCAB, TINY_SPEC)
     other = save_checkpoint(tmp_path / "other", tiny_model("sparsecap"), VOCAB, TINY_SPEC)
     for argv in (["storage", str(trained), "float16", "--out", str(other)],
@@ -487,10 +482,6 @@ def test_a_failed_start_keeps_a_new_out_folder_that_something_was_written_into(s
 def test_a_card_is_never_written_from_another_checkpoints_report(tmp_path, capsys):
     # `captioner eval weights/sat --output r.json` then `captioner card runs/sat/best --report r.json` (the README's
     # two lines, run in order) printed weights/sat's scores on the card of runs/sat/best
-    import shutil
-
-    from .conftest import ROOT
-
     mine = shutil.copytree(ROOT / "weights" / "flickr8k" / "sat", tmp_path / "mine")
     report = json.loads((ROOT / "docs" / "results" / "flickr8k" / "sat.json").read_text())
     other = tmp_path / "other.json"

@@ -10,8 +10,9 @@ from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components as scipy_components
 
 from captioner.models.attention import NORMALISERS, get_normaliser
+from captioner.models.attention import tvmax as module
 from captioner.models.attention.sparsemax import sparsemax
-from captioner.models.attention.tvmax import connected_components, grid_edges, tv2d_prox, tvmax
+from captioner.models.attention.tvmax import _Grid, connected_components, grid_edges, tv2d_prox, tvmax
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -251,8 +252,6 @@ def test_cuda_matches_cpu_and_is_deterministic():
 def test_grid_operators_as_shifted_differences_equal_the_difference_matrix(grid_hw):
     """On a CPU the solver applies D, Dᵀ, |D|ᵀ and the FISTA matrix K = I − DDᵀ/L as shifted differences of the
     grid; on accelerators as products with the dense matrices. Both against the matrix built from the edge list."""
-    from captioner.models.attention.tvmax import _Grid
-
     h, w = grid_hw
     diff = torch.from_numpy(_difference_matrix(h, w))
     stencil = _Grid(grid_hw, torch.device("cpu"), torch.float64, dense=False)
@@ -275,8 +274,6 @@ def test_grid_operators_as_shifted_differences_equal_the_difference_matrix(grid_
 
 def test_the_dense_operators_of_accelerators_give_the_same_prox(monkeypatch):
     """The accelerator path (dense products), run on the CPU, certifies the same prox as the CPU path."""
-    from captioner.models.attention import tvmax as module
-
     scores = torch.randn(24, 256, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 0.05
     mask = torch.rand(24, 256, generator=torch.Generator().manual_seed(5)) > 0.1
     shifted = [module.tv2d_prox(scores, (16, 16), 0.01, m, return_groups=True) for m in (None, mask)]

@@ -4,8 +4,10 @@ written straight from X-LAN Eq. 2–6 and Eq. 8, masking, heads, and gradients."
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
-from captioner.models.attention.xlinear import ItemUpdate, XLinearAttention, XLinearLayer
+from captioner.models.attention import xlinear
+from captioner.models.attention.xlinear import ItemUpdate, XLinearAttention, XLinearLayer, dropout_keep_mask
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -177,8 +179,6 @@ class _Mask(torch.nn.Module):
 def test_slab_form_equals_the_broadcast_form_with_dropout_and_gradients(monkeypatch, queries, masking):
     """The training path (b^s and B̄ as matmuls, a few (row, head) slabs at a time, B'^k rebuilt in the backward
     pass) against Eq. 2–4 written with B^k and B'^k materialised, dropout mask included, values and gradients."""
-    from captioner.models.attention import xlinear
-
     attention = block(heads=2).train()
     attention.dropout.p = 0.3
     query, keys, values, mask = inputs()
@@ -221,8 +221,6 @@ def test_slab_form_equals_the_broadcast_form_with_dropout_and_gradients(monkeypa
 
 
 def test_dropout_keep_mask_keeps_each_element_with_the_asked_probability():
-    from captioner.models.attention.xlinear import dropout_keep_mask
-
     torch.manual_seed(0)
     keep = dropout_keep_mask((1000, 1000), 0.1)
     assert keep.dtype == torch.bool and keep.shape == (1000, 1000)
@@ -238,8 +236,6 @@ def test_the_slab_backward_runs_each_bmm_over_all_pairs_at_once():
     transposed (an einsum over that gradient's ``[G, d, L, c]`` view), as one matmul per batch item, with a
     ``select`` of each operand per item: some 150,000 of them in one X-Transformer SCST step (docs/decisions.md,
     "Training steps, profiled"). The values are the broadcast form's (the test above)."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
     # matrices past ATen's small-product kernel (it loops over the pairs anyway): 17 × 24 outputs per pair
     attention = XLinearAttention(QUERY, KEY, VALUE, 64, 32, heads=4, dropout=0.1).train()

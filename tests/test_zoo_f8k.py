@@ -9,13 +9,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pycocoevalcap.bleu.bleu import Bleu
 
 from captioner.models.checkpoint import FORMAT
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.evaluation.bootstrap import percentile_interval, resample_counts, resampled_ratios
-from captioner.models.evaluation.compare import (bleu_4, bleu_statistics, compare_captions, corpus_bleu,
-                                                 paired_corpus_difference)
+from captioner.models.evaluation.compare import (
+    bleu_4,
+    bleu_statistics,
+    compare_captions,
+    corpus_bleu,
+    paired_corpus_difference,
+)
 from captioner.models.evaluation.metrics import score_captions
+from captioner.models.evaluation.zoo_f8k import title
 from captioner.service.cli import main
 
 # invented photos: five references each
@@ -97,8 +104,6 @@ def zoo(tmp_path):
 
 # -- BLEU-4 from per-caption statistics --------------------------------------------------------------------------
 def test_corpus_bleu_of_summed_statistics_is_pycocoevalcaps_bleu():
-    from pycocoevalcap.bleu.bleu import Bleu
-
     captions = ["a dog runs on the grass", "a man", "two children play in the water at the beach", "<empty>",
                 "a dog a dog a dog", "a cat sits"]  # a short one (brevity), a repeat (clipping), no 4-gram match
     references = [["a dog is running on the grass", "the brown dog runs through grass"],
@@ -195,8 +200,6 @@ def test_without_java_the_ptb_scores_are_said_to_be_missing(zoo, monkeypatch):
 
 
 def test_a_checkpoint_title_comes_from_its_config():
-    from captioner.models.evaluation.zoo_f8k import title
-
     config = {"arch": "sparsecap", "model": {"attention": "tvmax"}, "meta": {"phase": "scst"}}
     assert title("sparsecap-tvmax", config) == "SparseCap (TVmax) + SCST `sparsecap-tvmax`"
     assert title("sat", {"arch": "sat"}) == "SAT soft `sat`"
