@@ -276,20 +276,25 @@ def test_smooth_heat_of_a_large_photo_is_computed_small_and_resized_up(monkeypat
     assert np.abs(resized - full).max() < 0.02
 
 
-def test_a_long_thin_strip_renders_at_its_own_size():
-    geometry = grid_geometry(EncoderSpec(), (20000, 3))  # its blur matrix alone used to be 20000² floats: 3.2 GB
+@pytest.mark.parametrize("size", [(20000, 3), (3, 20000)])
+def test_a_long_thin_strip_renders_at_its_own_size(size):
+    # its blur matrix alone used to be 20000² floats: 3.2 GB; lying or standing, its short side is computed at
+    # one pixel of the working size, not none
+    geometry = grid_geometry(EncoderSpec(), size)
     heat = heatmap(one_hot(27), geometry, "grid_smooth")
-    assert heat.shape == (3, 20000) and 0.0 <= heat.min() and heat.max() == pytest.approx(1.0)
+    assert heat.shape == size[::-1] and 0.0 <= heat.min() and heat.max() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("size", [(640, 480), (300, 500)])
-def test_smooth_heat_of_the_crop_alone_equals_the_whole_image_blurred_then_cut(size):
+@pytest.mark.parametrize("size, resize", [((640, 480), "center_crop"), ((300, 500), "center_crop"),
+                                          ((480, 360), "stretch")])
+def test_smooth_heat_of_the_crop_alone_equals_the_whole_image_blurred_then_cut(size, resize):
     """A reference written from the mode's definition: bilinear between cell centres over the whole image (edges
     clamped), scipy's Gaussian of half a cell with edges extended, zero outside the crop the network saw; the
-    renderer computes the crop alone, which must give the same map."""
+    renderer computes the crop alone, which must give the same map.  A stretched 480x360 photo has cells of 60x45
+    px: half a cell is half the shorter side, 22.5 px."""
     from scipy.ndimage import gaussian_filter
 
-    geometry = grid_geometry(EncoderSpec(resize="center_crop"), size)
+    geometry = grid_geometry(EncoderSpec(resize=resize), size)
     weights = np.random.default_rng(1).dirichlet(np.full(64, 0.3))
     grid = weights.reshape(8, 8)
     x1, y1, x2, y2 = geometry.boxes[0][0], geometry.boxes[0][1], geometry.boxes[-1][2], geometry.boxes[-1][3]
@@ -427,6 +432,27 @@ def test_top1_box_outlines_only_the_heaviest_item_in_the_colormaps_top_colour():
     np.testing.assert_array_equal(out[outline], np.broadcast_to((127, 0, 0), (outline.sum(), 3)))  # jet at 1
 
 
+def test_area_topk_finds_an_areas_cells_in_a_grid_that_is_not_square():
+    """Area (r1, c1)..(r2, c2) runs from cell r1 · cols + c1 to cell r2 · cols + c2 of the row-major cells: on a
+    2x4 grid of 100-px cells, area (1, 2)..(1, 3) is the bottom row's right half (counting rows of cols cells)."""
+    boxes = np.array([[x, y, x + 100, y + 100] for y in (0, 100) for x in (0, 100, 200, 300)], np.float32)
+    geometry = Geometry("grid", (400, 200), (2, 4), boxes)
+    out = np.asarray(overlay(Image.new("RGB", (400, 200)), [1.0], geometry, "area_topk",
+                             area_boxes=np.array([[1, 2, 1, 3]]), top_k=1))
+    ys, xs = np.nonzero(out.any(-1))
+    assert (xs.min(), xs.max(), ys.min(), ys.max()) == (200, 399, 100, 199)
+
+
+def test_a_small_pictures_box_is_outlined_two_pixels_wide():
+    """A hundredth of the shorter side is 1 px on a 100-px picture: the outline is kept 2 px wide, no wider."""
+    geometry = Geometry("regions", (100, 100), None, np.array([[10, 10, 60, 60], [50, 50, 90, 90]], np.float32))
+    out = np.asarray(overlay(Image.new("RGB", (100, 100)), [0.7, 0.3], geometry, "top1_box"))
+    outline = np.zeros((100, 100), bool)
+    outline[10:61, 10:61] = True
+    outline[12:59, 12:59] = False
+    np.testing.assert_array_equal(out.any(-1), outline)
+
+
 def test_area_topk_draws_each_area_in_the_colour_of_its_weight_over_the_top_ones():
     geometry = grid_geometry(EncoderSpec(), (256, 256))
     areas = np.array([[0, 0, 1, 1], [4, 4, 4, 4], [6, 0, 7, 2]])
@@ -463,6 +489,19 @@ def test_an_overlay_blends_the_heats_colour_into_the_photo_by_alpha(mode):
     expected = np.asarray(photo) * (1 - alpha) + colour * alpha
     out = np.asarray(overlay(photo, row, geometry, mode, "viridis", 0.3)).astype(float)
     np.testing.assert_allclose(out, expected, atol=1)
+
+
+@pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks", "region_sum"])
+def test_an_overlay_of_no_opacity_is_the_photo_itself_black_and_white_pixels_included(mode):
+    pixels = np.zeros((200, 300, 3), np.uint8)
+    pixels[:, 1::2] = 255  # black and white columns: the blend's clip keeps both ends of the range
+    photo = Image.fromarray(pixels)
+    if mode == "region_sum":
+        geometry = Geometry("regions", (300, 200), None, np.array([[0, 0, 150, 200], [100, 0, 300, 100]], np.float32))
+        weights = [0.1, 0.9]
+    else:
+        geometry, weights = grid_geometry(EncoderSpec(), photo.size), one_hot(27)
+    assert overlay(photo, weights, geometry, mode, alpha=0.0).tobytes() == photo.tobytes()
 
 
 def test_a_figures_panels_are_thumbnails_of_at_most_twice_the_panel_size(laid_out):
@@ -536,6 +575,18 @@ def test_a_copy_too_small_for_any_pixel_centre_in_the_crop_has_no_heat():
     for mode in ("grid_blocks", "grid_smooth"):
         heat = heatmap(one_hot(0, 49), geometry, mode, size=(2, 1))
         assert heat.shape == (1, 2) and not heat.any(), mode
+
+
+@pytest.mark.parametrize("mode", ["grid_blocks", "grid_smooth"])
+def test_a_pixel_whose_centre_is_on_the_crops_edge_is_inside_it(mode):
+    """The crop holds the pixel centres in [x1, x2) × [y1, y2), as a cell's rectangle does: a 512x256 photo's centre
+    crop x ∈ [144, 368), y ∈ [16, 240) is x ∈ [4.5, 11.5), y ∈ [0.5, 7.5) on a 16x8 copy, whose first column and
+    row of the crop have their centres on its left and top edges."""
+    geometry = grid_geometry(EncoderSpec(image_size=224, resize="center_crop", resize_to=256), (512, 256))
+    heat = heatmap(np.full(49, 1 / 49), geometry, mode, size=(16, 8))
+    xs, ys = np.arange(16) + 0.5, np.arange(8) + 0.5
+    expected = np.outer((ys >= 0.5) & (ys < 7.5), (xs >= 4.5) & (xs < 11.5))
+    np.testing.assert_allclose(heat, expected, atol=1e-5)
 
 
 def test_a_one_column_grid_lights_its_own_cell():
