@@ -462,6 +462,22 @@ def test_a_backbone_whose_weights_package_is_missing_names_the_extra_that_instal
         GridEncoder(EncoderSpec(backbone="efficientnet_lite2"))
 
 
+def test_an_efficientnet_file_of_another_layout_is_refused_naming_the_misfit(tmp_path):
+    """The file's tensors are mapped onto timm's by position, so one tensor more or fewer, or one of another shape
+    where timm's is, is refused as a ValueError that says so (not torch's RuntimeError about names the file does
+    not use, and never a network loaded from shifted tensors)."""
+    values = list(timm.create_model("tf_efficientnet_lite0", pretrained=False).state_dict().values())
+    path = tmp_path / "lite0.pth"
+    spec = EncoderSpec(weights=str(path))
+    torch.save({f"w{i}": value for i, value in enumerate(values[:-1])}, path)
+    with pytest.raises(ValueError, match=rf"weights have {len(values) - 1} tensors, expected {len(values)}"):
+        GridEncoder(spec)
+    values[0] = values[0][:, :2]  # the stem's kernel over two input channels instead of three
+    torch.save({f"w{i}": value for i, value in enumerate(values)}, path)
+    with pytest.raises(ValueError, match=r"weight w0 \(32, 2, 3, 3\) does not fit conv_stem.weight \(32, 3, 3, 3\)"):
+        GridEncoder(spec)
+
+
 def test_packaged_lite2_weights_are_real_imagenet_weights():
     # the dev extras install the lite2 extra's package: this runs in `make test` (it used to skip there)
     encoder = GridEncoder(EncoderSpec(backbone="efficientnet_lite2"))
@@ -576,4 +592,11 @@ def test_a_resnet_file_with_weights_missing_or_foreign_is_refused_and_the_trunk_
         with pytest.raises(ValueError, match="does not hold resnet18's weights"):
             GridEncoder(spec)
     torch.save({k: v for k, v in state.items() if not k.startswith("fc.")}, path)
+    assert GridEncoder(spec)(torch.randn(1, 3, 64, 64)).shape == (1, 4, 512)
+
+
+def test_a_resnet_of_random_weights_is_built_without_reading_a_file():
+    """``weights=random`` names no file (tests of the plumbing: nothing is downloaded, nothing written first): the
+    ResNet keeps torchvision's initialisation, and no file called ``random`` is looked for."""
+    spec = EncoderSpec(backbone="resnet18", layer="layer4", weights="random", image_size=64)
     assert GridEncoder(spec)(torch.randn(1, 3, 64, 64)).shape == (1, 4, 512)
