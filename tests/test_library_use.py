@@ -47,6 +47,18 @@ def test_a_numpy_array_is_an_image_and_other_objects_are_named(pipeline):
         pipeline([torch.from_numpy(cat)])
 
 
+def test_each_caption_of_a_batch_lies_on_its_own_photo(pipeline):
+    """The photos of one call run through the network as one batch of equal inputs; each result's geometry is still
+    that of its own photo, in the order given (a wide, a tall and a square one): its size, and its last cell's box
+    reaching that photo's far corner."""
+    wide = data.chelsea()  # 451 × 300
+    results = pipeline([wide, wide.transpose(1, 0, 2), data.astronaut()])
+    sizes = [(451, 300), (300, 451), (512, 512)]
+    assert [result.geometry.image_size for result in results] == sizes
+    for result, size in zip(results, sizes, strict=True):
+        np.testing.assert_allclose(result.geometry.boxes[-1][2:], size)
+
+
 def test_a_single_image_for_the_list_and_an_empty_list(pipeline, tmp_path):
     photo = tmp_path / "cat.jpg"
     Image.fromarray(data.chelsea()).save(photo)
