@@ -333,6 +333,18 @@ def test_resnet_gives_sat_14x14_grid_from_a_local_torchvision_state_dict(tmp_pat
         EncoderSpec(layer="hypercolumn", grid_stride=16, pooled_grid=14)
 
 
+@pytest.mark.parametrize("pooled", [3, 4, 10, 14])
+def test_a_pooled_grid_averages_adaptive_poolings_windows_onto_a_coarser_grid_as_onto_a_finer_one(pooled):
+    """The pooling matrices (``P X Pᵀ``, which ONNX can export) average the windows ``adaptive_avg_pool2d`` does, onto
+    a grid coarser than the layer's map as well as a finer one, dividing its side or not (layer4 at 320 px: 10×10;
+    the test above pools 8×8 onto a finer 14×14 only, where no window is wider than two cells)."""
+    spec = EncoderSpec(backbone="resnet18", layer="layer4", weights="random", image_size=320, pooled_grid=pooled)
+    encoder = GridEncoder(spec)
+    pixels = torch.randn(1, 3, 320, 320)
+    want = torch.nn.functional.adaptive_avg_pool2d(encoder.feature_map(pixels), pooled).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(encoder(pixels), want, atol=1e-5, rtol=1e-5)
+
+
 def test_folding_batch_norm_into_the_convolution_changes_no_output():
     """w' = w·γ/σ, b' = β − μ·γ/σ: a conv + BatchNorm (+ activation, timm's BatchNormAct2d) computes the same after
     folding, with random running statistics, with and without a conv bias; a BatchNorm after a non-conv stays."""
