@@ -274,6 +274,14 @@ def test_a_tuned_weights_file_that_holds_no_stage_of_this_encoder_is_refused(tmp
             GridEncoder(replace(SPEC, tuned_weights=str(tmp_path / f"{name}.safetensors")))
 
 
+def test_a_tuned_weights_file_that_is_missing_is_named_as_the_specs_tuned_weights(tmp_path):
+    """A folder, or a file that is gone, is said to be the fine-tuned stages' file (the field that names it), not
+    only an OS error about a path."""
+    for path in (tmp_path / "gone.safetensors", tmp_path):
+        with pytest.raises(FileNotFoundError, match=r"fine-tuned encoder weights .* not found \(EncoderSpec.tuned_w"):
+            GridEncoder(replace(SPEC, tuned_weights=str(path)))
+
+
 def test_a_tails_state_loads_back_only_whole(frozen):
     tail = EncoderTail(frozen, 1)
     state = tail.tuned_state()
