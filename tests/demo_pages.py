@@ -10,6 +10,7 @@ import time
 
 import pytest
 from PIL import Image
+from playwright.sync_api import sync_playwright
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
@@ -31,8 +32,6 @@ def wait_until(page, predicate: str, timeout_s: float) -> None:
 def page_of(url, viewport=(1000, 900), before_load=None):
     """The demo page at ``url`` once its model list has arrived (a caption request needs a model to name);
     ``before_load(page)`` runs before it is opened (routes that stand in for the server)."""
-    from playwright.sync_api import sync_playwright
-
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

@@ -9,15 +9,28 @@ import json
 import platform
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.export import quantize
-from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
-    int8_recipe, quantized_visual_encoder, visual_encoder_file
+from captioner.models.export.quantize import (
+    FLOAT_PREFIXES,
+    RECIPE,
+    calibration_pixels,
+    int8_file,
+    int8_kernels,
+    int8_recipe,
+    quantized_visual_encoder,
+    visual_encoder_file,
+)
 from captioner.models.export.sessions import VisualSession
+from captioner.service import runtime as runtime_module
+from captioner.service.cli import main as captioner
+from captioner.service.onnx_backends import HybridRuntime
 
 from .conftest import ROOT, module_folder
 from .serving_helpers import TINY_SPEC, random_images, tiny_checkpoint
@@ -33,8 +46,6 @@ def int8_files(request, tmp_path_factory):
 
 
 def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
-    import onnx
-
     float_path, int8_path = int8_files
     assert int8_path.name == int8_file() and int8_path.parent == float_path.parent
     model = onnx.load(str(int8_path))
@@ -59,8 +70,6 @@ def test_quantized_cnn_holds_int8_weights_and_stays_close_to_float(int8_files):
 
 def test_the_other_kind_of_int8_cnn_is_made_on_request_beside_this_cpus(int8_files):
     """``kernels=``: the weights' type this CPU would not choose (a benchmark times both kinds side by side)."""
-    import onnx
-
     float_path, own = int8_files
     other = "u8u8" if int8_kernels() == "u8s8" else "u8s8"
     out = float_path.parent.parent  # the fixture's CAPTIONER_ONNX_DIR: the CNN's folder is below it
@@ -73,9 +82,6 @@ def test_the_other_kind_of_int8_cnn_is_made_on_request_beside_this_cpus(int8_fil
 
 
 def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features(tmp_path, int8_files):
-    from captioner.service import runtime as runtime_module
-    from captioner.service.onnx_backends import HybridRuntime
-
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "sat", ckpt.model, ckpt.vocab, ckpt.encoder)
     onnx_dir = int8_files[0].parent.parent
@@ -90,8 +96,6 @@ def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features
 
 
 def test_eval_scores_the_int8_cnn(tmp_path, int8_files, capsys):
-    from captioner.service.cli import main as captioner
-
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "ckpt", ckpt.model, ckpt.vocab, ckpt.encoder)
     generate(tmp_path / "scenes", {"test": 3}, seed=3, progress=False)
@@ -208,8 +212,6 @@ def test_the_int8_cnn_computes_its_quantized_graph_on_this_cpu(int8_files):
     off runs each QuantizeLinear/DequantizeLinear pair in float: quantization's error without the kernels'). With
     int8 weights on an AVX2 CPU the fused kernels saturate and miss the reference by more than the quantization
     itself misses the float CNN."""
-    import onnxruntime as ort
-
     float_path, int8_path = int8_files
     pixels = calibration_pixels(TINY_SPEC, 6)[4:]
 
@@ -229,8 +231,6 @@ def test_the_int8_cnn_computes_its_quantized_graph_on_this_cpu(int8_files):
 
 @pytest.mark.parametrize("kernels", ["u8s8", "u8u8"])
 def test_serving_int8_on_a_cpu_without_vnni_says_it_may_not_pay(tmp_path, monkeypatch, caplog, kernels):
-    from captioner.service import runtime as runtime_module
-
     monkeypatch.setattr(runtime_module, "int8_kernels", lambda: kernels)
     with caplog.at_level("WARNING", logger="captioner.runtime"):
         runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="int8")

@@ -1,15 +1,19 @@
 """Overlay endpoints: valid PNGs of the right size, every mode, reuse without re-running the model."""
 
 import base64
+import dataclasses
 import io
 
 import numpy as np
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
+from captioner.models.encoder import grid_geometry, load_image
+from captioner.models.rendering.heatmaps import drawn_heat, overlay
 from captioner.service.app import create_app
 
 from .serving_helpers import TINY_SPEC, VOCAB, count_encodes, serving_settings, tiny_model
@@ -75,9 +79,6 @@ def test_an_overlay_without_a_format_is_a_words_png_given_a_token_else_the_figur
 def test_each_words_overlay_is_its_own_attention_row_drawn(client, result):
     """Every token's overlay is the library's drawing of that token's row on the decoded photo (every test asked for
     token 0: one that drew row 0 for every word passed them all)."""
-    from captioner.models.encoder import grid_geometry, load_image
-    from captioner.models.rendering.heatmaps import overlay
-
     photo = load_image(_png(Image.fromarray(data.coffee()), "JPEG"))
     geometry = grid_geometry(client.app.state.service.runtimes["tiny-a"].spec, photo.size)
     drawn = []
@@ -263,10 +264,6 @@ def test_a_uniform_attention_row_is_drawn_without_heat_in_every_format(client):
     """A word whose row is uniform (its model attended to nothing in particular) shows no heat: the JSON map is
     black and a block overlay is the photo itself, where peak normalisation drew full heat over the whole photo
     (the demo page shows the PNG overlay, so it agrees as well)."""
-    import dataclasses
-
-    import torch
-
     photo = Image.new("RGB", (120, 80), (40, 90, 160))
     answer = client.post("/caption", params={"max_len": 3}, files={"file": ("p.png", _png(photo), "image/png")})
     stored = client.app.state.results.get(answer.json()["id"])
@@ -284,8 +281,6 @@ def test_a_uniform_attention_row_is_drawn_without_heat_in_every_format(client):
 def test_each_json_heatmap_draws_its_own_tokens_attention(client, result):
     """Heatmap i is token i's attention row drawn as heat (a map shifted by one token would show every word where
     its neighbour looked)."""
-    from captioner.models.rendering.heatmaps import drawn_heat
-
     body = client.get(f"/captions/{result['id']}/heatmaps", params={"max_side": 300}).json()
     geometry = client.app.state.results.get(result["id"]).result.geometry
     got = [np.asarray(Image.open(io.BytesIO(base64.b64decode(h["heat_png"]))), dtype=float) for h in body["heatmaps"]]

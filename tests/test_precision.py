@@ -5,8 +5,13 @@ import json
 import pytest
 import torch
 
+from captioner.models.cli.training import train_config_from_args
 from captioner.models.training import TrainConfig, fit, prepare_run
+from captioner.models.training.loop import _snapshot
 from captioner.models.training.precision import resolve_precision
+from captioner.models.training.resume import restore
+from captioner.models.training.state import load_state
+from captioner.service.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,8 +62,6 @@ def test_bf16_autocast_trains_on_cpu_close_to_fp32(scenes, tmp_path):
 def test_a_run_started_with_precision_fp32_still_resumes(scenes, tmp_path):
     """Before the precisions took torch's dtype names, ``--precision fp32`` was recorded as ``fp32`` in the run's
     state: such a run resumes, with the old flag given again or with none, and continues as float32."""
-    from captioner.service.cli import main
-
     out, state = tmp_path / "run", tmp_path / "run" / "train_state.json"
     main(["train", "--dataset", str(scenes), "--out", str(out), "--cache-dir", str(tmp_path / "features"),
           "--encoder", "image_size=96", "--set", "embed_dim=16", "--set", "hidden_dim=24", "--set", "attn_dim=16",
@@ -75,9 +78,6 @@ def test_a_run_started_with_precision_fp32_still_resumes(scenes, tmp_path):
 
 
 def test_the_command_line_takes_the_dtype_names_and_the_earlier_ones(capsys):
-    from captioner.models.cli.training import train_config_from_args
-    from captioner.service.cli import build_parser
-
     for given, taken in (("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("auto", "auto"),
                          ("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32")):
         args = build_parser().parse_args(["train", "--out", "run", "--precision", given])
@@ -91,10 +91,6 @@ def test_the_gradient_scalers_state_is_saved_and_put_back_on_resume(scenes, tmp_
     """A float16 run's loss scale, grown or backed off over its steps, is part of its state: started again at its
     initial value, a resumed run skipped (or underflowed in) other steps than the uninterrupted one.  Float16 needs
     CUDA; the scaler's state is saved and restored the same way on CPU."""
-    from captioner.models.training.loop import _snapshot
-    from captioner.models.training.resume import restore
-    from captioner.models.training.state import load_state
-
     run = prepare_run(TrainConfig(out=str(tmp_path / "run"), dataset=str(scenes), cache_dir=str(tmp_path / "features"),
                                   encoder={"image_size": 96}, model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16),
                                   train_limit=4, val_limit=2, progress=False, device="cpu"))

@@ -7,13 +7,31 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from scipy.ndimage import gaussian_filter
+from skimage import data
 
+from captioner.models.checkpoint import Checkpoint
 from captioner.models.decoding import Hypothesis
 from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
-from captioner.models.inference import CaptionResult
+from captioner.models.inference import CaptionResult, torch_runtime
 from captioner.models.protocol import Geometry
-from captioner.models.rendering.heatmaps import (RenderError, caption_figure, default_mode, drawn_heat, heat_strength,
-                                                 heatmap, overlay)
+from captioner.models.rendering import heatmaps
+from captioner.models.rendering.heatmaps import (
+    FigureRow,
+    RenderError,
+    _blur_matrix,
+    _figure,
+    caption_figure,
+    comparison_figure,
+    default_mode,
+    drawn_heat,
+    gaussian_blur,
+    heat_strength,
+    heatmap,
+    overlay,
+)
+
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 
 def one_hot(index: int, n: int = 64) -> np.ndarray:
@@ -160,8 +178,6 @@ def test_each_panel_of_a_caption_figure_draws_its_own_words_row():
 def laid_out(monkeypatch):
     """The panels a figure lays out (rows of (title, picture)) and its column count, instead of the rendered
     figure: what the layout is, without reading it back from matplotlib's pixels."""
-    from captioner.models.rendering import heatmaps
-
     figures = []
     monkeypatch.setattr(heatmaps, "_figure", lambda grid, columns: figures.append((grid, columns)))
     return figures
@@ -189,8 +205,6 @@ def test_a_comparison_figure_has_a_labelled_row_per_captioner_each_drawn_in_its_
     """SparseCap's Figure 1 layout: one row per captioner, its label over the photo, then its words, each in that
     row's own mode (with its area boxes for area_topk) and the figure's style; as many columns as the longest row
     (a row longer than the first lost its last words)."""
-    from captioner.models.rendering.heatmaps import FigureRow, comparison_figure
-
     image = Image.new("RGB", (300, 200), (120, 160, 200))
     geometry = grid_geometry(EncoderSpec(), image.size)
     areas = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [2, 2, 4, 5]])
@@ -209,8 +223,6 @@ def test_a_comparison_figure_has_a_labelled_row_per_captioner_each_drawn_in_its_
 
 
 def test_each_panel_of_a_figure_is_titled_with_its_word():
-    from captioner.models.rendering.heatmaps import _figure
-
     picture = Image.new("RGB", (64, 48), (200, 200, 200))
 
     def drawn(*titles):
@@ -233,10 +245,6 @@ def test_a_thumbnail_is_scaled_by_its_longer_side_whichever_side_that_is(origina
 @pytest.mark.parametrize("shape, sigma", [((375, 500), 8.3), ((64, 40), 0.4), ((224, 224), 3.5), ((5, 7), 3.0),
                                           ((1, 9), 1.2), ((64, 40), 0.3), ((5, 7), 0.0)])
 def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):
-    from scipy.ndimage import gaussian_filter
-
-    from captioner.models.rendering.heatmaps import gaussian_blur
-
     image = np.random.default_rng(0).random(shape).astype(np.float32)
     np.testing.assert_allclose(gaussian_blur(image, sigma), gaussian_filter(image, sigma=sigma, mode="nearest"),
                                atol=1e-6)
@@ -245,8 +253,6 @@ def test_the_numpy_blur_equals_scipys_gaussian_filter(shape, sigma):
 def test_the_blur_keeps_its_matrices_unchanged_between_maps():
     """A figure blurs every word's map with the same matrices, made once and kept: a later map is blurred exactly
     as it is alone, and no caller can write into a kept matrix."""
-    from captioner.models.rendering.heatmaps import _blur_matrix, gaussian_blur
-
     first, second = np.random.default_rng(1).random((2, 96, 128)).astype(np.float32)
     alone = gaussian_blur(second, 5.5)
     _blur_matrix.cache_clear()
@@ -265,8 +271,6 @@ def test_smooth_heat_of_a_large_photo_is_computed_small_and_resized_up(monkeypat
     Gaussian of half a cell holds nothing finer, so the result matches the full-resolution computation.  2048x121:
     the cells are 15 px tall, half a cell 7.56 px, at the working size 1.89 px (not cut to 1); a centre crop 500 px
     from the left edge is cut in cells of the crop's width, not of its right edge's position."""
-    from captioner.models.rendering import heatmaps
-
     geometry = grid_geometry(EncoderSpec(resize=resize), size)
     weights = np.random.default_rng(0).dirichlet(np.full(64, 0.3)).astype(np.float32)
     resized = heatmap(weights, geometry, "grid_smooth")
@@ -292,8 +296,6 @@ def test_smooth_heat_of_the_crop_alone_equals_the_whole_image_blurred_then_cut(s
     clamped), scipy's Gaussian of half a cell with edges extended, zero outside the crop the network saw; the
     renderer computes the crop alone, which must give the same map.  A stretched 480x360 photo has cells of 60x45
     px: half a cell is half the shorter side, 22.5 px."""
-    from scipy.ndimage import gaussian_filter
-
     geometry = grid_geometry(EncoderSpec(resize=resize), size)
     weights = np.random.default_rng(1).dirichlet(np.full(64, 0.3))
     grid = weights.reshape(8, 8)
@@ -335,13 +337,6 @@ def test_a_heatmap_in_a_mode_without_heat_is_refused_by_the_modes_that_have_it(m
 def test_a_caption_draws_itself_in_its_models_mode():
     """From Python, ``overlay()`` and ``caption_figure()`` without a mode know only the geometry (grid_smooth for a
     grid), which blurs a sparse model's exact zeros; a caption's own ``figure``/``overlay`` use its model's mode."""
-    from skimage import data
-
-    from captioner.models.checkpoint import Checkpoint
-    from captioner.models.inference import torch_runtime
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     photo = Image.fromarray(data.chelsea())
     sparse = tiny_model("sparsecap", attention="sparsemax")
     runtime = torch_runtime(Checkpoint(sparse, VOCAB, TINY_SPEC, checksum="tiny"), "cpu")
@@ -549,8 +544,6 @@ def test_an_all_zero_row_has_no_heat_strength():
 def test_a_comparison_figure_draws_its_overlays_in_the_default_style_unless_told(laid_out):
     """Without a colormap, alpha or panel size the panels are the overlay's defaults (jet, half the photo) on
     thumbnails of at most 448 px, as a caption figure's are."""
-    from captioner.models.rendering.heatmaps import FigureRow, comparison_figure
-
     photo = Image.new("RGB", (1000, 600), (120, 160, 200))
     geometry = grid_geometry(EncoderSpec(), photo.size)
     comparison_figure(photo, [FigureRow("sat", ["a"], [one_hot(9)], geometry, mode="grid_blocks")])

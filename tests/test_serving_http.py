@@ -26,7 +26,7 @@ from captioner.models.data.scenes import generate
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
-from .serving_helpers import scrape
+from .serving_helpers import ROOT, scrape
 
 CONCURRENT_CLIENTS = 24
 PARAMS = [{"beam_size": 3, "max_len": 20}, {"beam_size": 1, "max_len": 12}, {"beam_size": 5, "max_len": 16}]
@@ -287,8 +287,6 @@ def test_not_ready_answers_503_with_retry_after(tmp_path):
 
 def test_readme_settings_table_matches_the_settings_class():
     """Every CAPTIONER_* variable is documented with its real default, and nothing else is."""
-    from .serving_helpers import ROOT
-
     documented: dict[str, str] = {}
     for line in (ROOT / "README.md").read_text().splitlines():
         if line.startswith("| `CAPTIONER_"):

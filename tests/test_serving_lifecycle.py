@@ -13,6 +13,7 @@ import asyncio
 import io
 import json
 import signal
+import socket
 import time
 
 import httpx
@@ -22,8 +23,8 @@ from PIL import Image
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import EncoderSpec
-from captioner.models.zoo import create
 from captioner.models.vocab import Vocabulary
+from captioner.models.zoo import create
 
 from .conftest import module_folder
 from .serving_helpers import ServerProcess, scrape
@@ -202,8 +203,6 @@ def test_an_upload_slower_than_the_deadline_is_cut_off_with_408_and_never_decode
 def test_a_stalled_upload_gets_its_408_at_the_deadline_not_after_waiting_for_the_rest(servers, png):
     """An answer given before the body is read waits while the rest is read and dropped (so that a proxy speaking
     HTTP/1.0 gets it, not a reset), but not the 408 of an upload that stopped arriving: its rest may never come."""
-    import socket
-
     port = int(servers[1].url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
         started = time.monotonic()
@@ -239,8 +238,6 @@ def test_graceful_shutdown_finishes_in_flight_requests(servers, png):
 def test_a_second_signal_skips_the_rest_of_the_drain(servers):
     """An upload that never finishes holds the drain for its whole budget (30 s); a second SIGTERM ends the wait
     at once, where uvicorn's own handling of it waited its graceful-shutdown timeout, longer than the drain."""
-    import socket
-
     process = servers[2]
     with socket.create_connection(("127.0.0.1", process.port), timeout=10) as sock:
         sock.sendall(b"POST /caption HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n"

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
+import functools
 import io
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -20,19 +29,48 @@ from skimage import data
 
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.scenes import generate
-from captioner.models.encoder import GridEncoder, preprocess
-from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
-    export_graphs, export_is_current, intact, seal
+from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
+from captioner.models.export import onnx as exporter
+from captioner.models.export import sessions
+from captioner.models.export.onnx import (
+    ENCODER_FILE,
+    HEAD_FILE,
+    STEP_FILE,
+    ExportUnsupported,
+    GraphSpec,
+    export_graphs,
+    export_is_current,
+    export_visual_encoder,
+    intact,
+    seal,
+)
+from captioner.models.export.sessions import cuda_provider_available, session_options
+from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
+from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders
+from captioner.service import runtime as runtime_module
 from captioner.service.app import create_app
+from captioner.service.backend_choice import fastest_verified
 from captioner.service.batcher import Batcher
 from captioner.service.cli import main as captioner
-from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
+from captioner.service.middleware import configure_logging
 from captioner.service.onnx_backends import OnnxRuntime
+from captioner.service.onnx_exports import unprepared
+from captioner.service.runtime import load_runtimes
 from captioner.service.settings import Settings
+from captioner.service.shared_encoders import SharedEncoders
 
 from .conftest import DEFAULT_CHECKPOINT, module_folder
-from .serving_helpers import all_architectures, assert_same_result, drive, random_images, shared_encoder, \
-    tiny_checkpoint
+from .serving_helpers import (
+    TINY_SPEC,
+    VOCAB,
+    all_architectures,
+    assert_same_result,
+    drive,
+    random_images,
+    shared_encoder,
+    tiny_checkpoint,
+    tiny_model,
+)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -130,8 +168,6 @@ def test_a_step_that_reads_what_encode_kept_on_the_model_is_refused_naming_only_
     """A model that keeps the batch's mean on ``self`` in ``encode`` and reads it in ``step`` (what README's
     protocol forbids) exports a graph with that mean frozen in: refused, and the message no longer lists the input
     checks of the project's own code, which the tracer had reported as frozen values ahead of the real cause."""
-    import types
-
     ckpt = tiny_checkpoint("sat")
     model = ckpt.model
     plain_encode, plain_step = model.encode, model.step
@@ -232,8 +268,6 @@ def test_captioner_export_writes_every_model_and_reports_the_ones_it_cannot(tmp_
 
 def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
     """... and its first start records that, so later starts spawn no child to try the export again."""
-    from captioner.service.onnx_exports import unprepared
-
     ckpt = tiny_checkpoint("sparsecap", attention="tvmax")
     save_checkpoint(tmp_path / "weights" / "tvmax", ckpt.model, ckpt.vocab, ckpt.encoder)
     settings = Settings(weights_dir=tmp_path / "weights", default_model="tvmax", backend="onnx",
@@ -254,8 +288,6 @@ def test_an_onnx_folder_that_cannot_be_written_is_named_in_one_line_and_pytorch_
     """A read-only (or full) ``CAPTIONER_ONNX_DIR`` with nothing current in it: each ONNX backend is given up with
     the file and the reason in one line, not a traceback that reads like a bug.  (A path under a regular file
     stands in for a read-only folder: the tests may run as root, whom permission bits do not stop.)"""
-    from captioner.service import runtime as runtime_module
-
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     (tmp_path / "not-a-folder").write_text("")
@@ -298,9 +330,6 @@ def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decode
 def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, monkeypatch):
     """A backend whose captions disagree with PyTorch's on the check set is not used (here ONNX Runtime's step is
     made to return wrong log-probs): the next candidate, the hybrid, is verified and chosen instead."""
-    from captioner.service.backend_choice import fastest_verified
-    from captioner.service.shared_encoders import SharedEncoders
-
     ckpt = tiny_checkpoint("sat")
     step = OnnxRuntime.step
 
@@ -318,9 +347,6 @@ def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch
     """Where the order is not known in advance (a GPU: ``measure``), every backend whose captions equal PyTorch's
     is timed on the check set beside PyTorch, and the fastest serves; only ONNX Runtime alone drops the PyTorch
     weights.  The timings are made up (a CPU here): what is tested is the choice made from them."""
-    from captioner.service import backend_choice
-    from captioner.service.shared_encoders import SharedEncoders
-
     timed = []
 
     def made_up_seconds(runtime, prepared, repeats=2):
@@ -338,8 +364,6 @@ def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch
 
 
 def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
-    import onnxruntime as ort
-
     ckpt, _, onnx_dir, _, _ = shipped
     runtime = OnnxRuntime("sat", ckpt, onnx_dir / "sat", CPU, threads=1)
     assert runtime.providers == ["CPUExecutionProvider"] and not runtime.on_gpu
@@ -353,8 +377,6 @@ def test_onnx_runtime_sessions_neither_spin_nor_keep_an_arena(shipped):
     """Every session the project opens (the service's CNN, heads and steps, eval's CNN, the export's check) has
     idle intra-op threads sleep: spinning, ONNX Runtime's default, made a caption four times slower on two busy
     cores and halved the throughput at 8 clients (docs/decisions.md#onnx-runtime-threads-that-do-not-spin)."""
-    from captioner.models.export.sessions import session_options
-
     ckpt, _, onnx_dir, _, _ = shipped
     runtime = OnnxRuntime("sat", ckpt, onnx_dir / "sat", CPU, threads=1)
     for options in (session_options(), session_options(2, quiet=True), runtime.step_session.get_session_options(),
@@ -366,10 +388,6 @@ def test_onnx_runtime_sessions_neither_spin_nor_keep_an_arena(shipped):
 def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     """``auto`` asks whether ONNX Runtime offers CUDA before timing it on a GPU: the question compared the provider
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
-    import onnxruntime as ort
-
-    from captioner.models.export.sessions import cuda_provider_available
-
     assert cuda_provider_available(torch.device("cuda")) == ("CUDAExecutionProvider" in ort.get_available_providers())
     assert not cuda_provider_available(CPU)
 
@@ -377,10 +395,6 @@ def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
 def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
     """On a CUDA device, ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU:
     ``auto`` serves PyTorch on the GPU instead, without exporting anything."""
-    from captioner.models.export import sessions
-    from captioner.service.backend_choice import fastest_verified
-    from captioner.service.shared_encoders import SharedEncoders
-
     monkeypatch.setattr(sessions, "execution_providers", lambda device: ["CPUExecutionProvider"])
     encoders = SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1, "float32")
     gpu_encoder = object()  # stands for the PyTorch CNN on the GPU: nothing here may run on a device this CPU lacks
@@ -395,10 +409,6 @@ def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorc
     """``CAPTIONER_BACKEND=onnx`` on a CUDA device where ONNX Runtime has no CUDA provider: a whole-model ONNX
     runtime would be handed GPU tensors by the batcher, so it refuses to be made, and the loader serves the model
     with PyTorch on that device, saying why in the log."""
-    from captioner.models.export import sessions
-    from captioner.service import onnx_backends
-    from captioner.service import runtime as runtime_module
-
     ckpt, _, onnx_dir, _, _ = shipped
     monkeypatch.setattr(sessions, "execution_providers", lambda device: ["CPUExecutionProvider"])
     with pytest.raises(onnx_backends.NoCudaProvider, match="onnxruntime-gpu"):
@@ -424,9 +434,6 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     """Two models of one encoder spec on ``auto``: one ONNX Runtime session of the CNN serves both, neither keeps
     PyTorch weights, and they caption exactly like PyTorch.  A second start, with the exports and the check set's
     reference captions recorded by the first, never builds a PyTorch encoder."""
-    from captioner.service import runtime as runtime_module
-    from captioner.service import shared_encoders
-
     # "reference": the folder name the check set's records took beside the exports, where a checkpoint of that
     # name could then never be exported (the ONNX audit)
     for name, seed in (("a", 0), ("reference", 1)):
@@ -456,10 +463,6 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
 def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pytorch_encoder(tmp_path, monkeypatch):
     """The first start's exports and reference captions are made by a spawned child (``prepare_in_child``), so the
     server's own load is a later start: it builds no PyTorch encoder, and nothing is left unprepared."""
-    from captioner.service import runtime as runtime_module
-    from captioner.service import shared_encoders
-    from captioner.service.onnx_exports import unprepared
-
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
@@ -480,11 +483,6 @@ def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
     """The spawned child started with Python's default logging: its progress ("exporting …", minutes on a first
     start) was dropped and its warnings came with their tracebacks as plain lines in the server's JSON log (the
     operator audit). Given the service's format, each of its lines is one JSON record."""
-    import functools
-
-    from captioner.service import runtime as runtime_module
-    from captioner.service.middleware import configure_logging
-
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     capfd.readouterr()
@@ -501,11 +499,6 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     or the folder removed): ``auto`` still has it to prepare, because a current export proves the CNN exports, so
     the missing graph is work for the preparing child, not a CNN the tracer cannot record (which the server's own
     load would then export, building the PyTorch CNN in the serving process)."""
-    import shutil
-
-    from captioner.service import runtime as runtime_module
-    from captioner.service.onnx_exports import unprepared
-
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
@@ -521,9 +514,6 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
 def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, monkeypatch):
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
     without loading the others (``only``)."""
-    from captioner.service import runtime as runtime_module
-    from captioner.service.onnx_exports import unprepared
-
     for name, seed in (("a", 0), ("b", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
@@ -588,8 +578,6 @@ def test_a_runtimes_description_is_made_once_and_cannot_be_changed():
 def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_path, caplog):
     """ONNX Runtime's own errors (here InvalidProtobuf, from a step graph damaged on disk) derive from Exception
     alone; ``auto`` logs them with their traceback and serves the next verified backend."""
-    from captioner.service import runtime as runtime_module
-
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
@@ -609,9 +597,6 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     """A graph cut short after it was written (its seal no longer matches): the model's and the shared CNN's are
     made again at the next start, which then serves on ONNX Runtime as before; the ``onnx`` backend's start knows
     it has something to prepare."""
-    from captioner.service import onnx_exports
-    from captioner.service import runtime as runtime_module
-
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="onnx",
@@ -668,9 +653,6 @@ def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replac
     """An upgrade that changes the export format (or new weights behind the same spec) gives the CNN a new key: the
     folder it replaces goes, instead of a CNN's worth of graphs left behind at every change; another spec's stays.
     A folder written before specs were recorded is made identifiable the next time it is used."""
-    from captioner.models.encoder import EncoderSpec
-    from captioner.models.export import onnx as exporter
-
     spec, other = EncoderSpec(image_size=64), EncoderSpec(image_size=96)
     old = exporter.export_visual_encoder(spec, tmp_path).parent
     kept = exporter.export_visual_encoder(other, tmp_path).parent
@@ -690,12 +672,6 @@ def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replac
 
 def test_replaced_cnn_exports_stay_while_another_export_writes_in_the_folder(tmp_path, monkeypatch):
     """Another process may be quantizing into the folder the pruning would remove: it waits for a start alone."""
-    import fcntl
-    import os
-
-    from captioner.models.encoder import EncoderSpec
-    from captioner.models.export import onnx as exporter
-
     spec = EncoderSpec(image_size=64)
     old = exporter.export_visual_encoder(spec, tmp_path).parent
     family, _, version = exporter.FORMAT.rpartition("/")
@@ -714,16 +690,6 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
     """SIGKILL (or the OOM killer) mid-export runs no ``finally``: its temporary folder, a model's worth of graphs,
     stays.  The next export into that folder removes it, unless another export holds the folder (it may be that
     export's own), and leaves anything that is not an export's alone."""
-    import fcntl
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from captioner.models.encoder import EncoderSpec
-    from captioner.models.export.onnx import export_visual_encoder
-
     # the child stops for good once its graph is written (at the check against PyTorch), so it is killed mid-export
     # however slowly this test polls
     child = subprocess.Popen([sys.executable, "-c", "import time, torch; torch.set_num_threads(1)\n"
@@ -764,11 +730,6 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
 def test_an_export_folder_gets_the_usual_permissions_so_another_user_can_read_it(tmp_path):
     """The umask decides, as for checkpoints: ``tempfile.mkdtemp`` made every export folder 0700, so a service
     running as another user than the one who exported could not open the graphs."""
-    import os
-
-    from captioner.models.encoder import EncoderSpec
-    from captioner.models.export.onnx import export_visual_encoder
-
     old = os.umask(0o022)
     try:
         folder = export_visual_encoder(EncoderSpec(image_size=64), tmp_path).parent
@@ -782,13 +743,6 @@ def test_an_export_folder_gets_the_usual_permissions_so_another_user_can_read_it
 def test_a_backend_named_for_a_model_no_checkpoint_is_called_is_said(tmp_path, caplog):
     """CAPTIONER_BACKENDS='{"nosuch": "onnx"}' (a misspelt model) left the model meant on the default backend, in
     silence (the ONNX audit)."""
-    import logging
-
-    from captioner.models.checkpoint import save_checkpoint
-    from captioner.service.runtime import load_runtimes
-
-    from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
     save_checkpoint(tmp_path / "weights" / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
     with caplog.at_level(logging.WARNING, logger="captioner"):
         load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",

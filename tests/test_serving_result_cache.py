@@ -4,12 +4,15 @@ without the model and with the same caption; other options or other bytes miss; 
 from __future__ import annotations
 
 import io
+import random
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from captioner.models.decoding import DecodingRules
 from captioner.service.app import create_app
+from captioner.service.result_cache import CacheKey, ResultCache
 
 from .serving_helpers import count_encodes, random_images, serving_settings
 
@@ -87,9 +90,6 @@ def test_another_model_or_other_decoding_rules_are_a_miss(cached_app):
 
 
 def test_the_cache_evicts_the_least_recently_used_entry():
-    from captioner.service.result_cache import CacheKey, ResultCache
-    from captioner.models.decoding import DecodingRules
-
     cache = ResultCache(2)
     a, b, c = (CacheKey(digest, "sat", 3, 20, DecodingRules()) for digest in "abc")
     cache.put(a, "A")  # type: ignore[arg-type]
@@ -104,11 +104,6 @@ def test_the_cache_holds_the_most_recently_used_entries_up_to_its_size_and_none_
     """Against a plain list of the most recently used keys: random puts and gets, with repeated keys, keep exactly
     the ``entries`` most recently used ones (a cache of one entry keeps the last); ``0`` is the off switch
     (``CAPTIONER_RESULT_CACHE_ENTRIES=0``): the use case never consults it, and it keeps nothing."""
-    import random
-
-    from captioner.models.decoding import DecodingRules
-    from captioner.service.result_cache import CacheKey, ResultCache
-
     cache, recent = ResultCache(entries), []  # recent: the reference, most recently used last
     assert cache.enabled == (entries > 0)
     keys = [CacheKey(digest, "sat", 3, 20, DecodingRules()) for digest in "abcde"]
