@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from captioner.service.row_table import Job, RowTable, fill_holes
 from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
+from captioner.models.protocol import index_rows
 
 from .serving_helpers import (all_architectures, assert_same_result, count_encodes, count_step_rows, drive,
                               random_images, shared_encoder, tiny_checkpoint, watch_encodes)
@@ -1082,3 +1084,47 @@ def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch)
     assert selections == []  # the encoder state was never selected row by row, only the moved blocks copied
     for (_, prepared, beam, max_len), got in zip(schedule, results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
+
+
+def test_a_leaving_job_costs_a_copy_of_the_rows_that_move_and_no_others(monkeypatch):
+    """Four jobs of two rows each and the second leaves: only the last job's rows are written, into the hole it
+    left (rows 2-3); the first and third keep their rows and are not copied onto themselves (a quarter of a
+    96-row step, under load at almost every boundary)."""
+    jobs = [_estimate_job(2, 5) for _ in range(4)]
+    table = RowTable(jobs, {"feats": torch.arange(8.0)[:, None]}, {"h": torch.zeros(8, 1)}, bos_id=1)
+    written, index_copy = [], torch.Tensor.index_copy_
+
+    def noting_copy(buffer, dim, index, source):
+        written.append(index.tolist())
+        return index_copy(buffer, dim, index, source)
+
+    monkeypatch.setattr(torch.Tensor, "index_copy_", noting_copy)
+    table.remove({jobs[1]}, types.SimpleNamespace(reorder=index_rows))
+    assert written == [[2, 3]]
+    assert table.jobs == [jobs[0], jobs[3], jobs[2]] and table.enc["feats"][:, 0].tolist() == [0, 1, 6, 7, 4, 5]
+
+
+def test_jobs_that_leave_in_two_removals_at_one_boundary_keep_the_others_histories(encoder):
+    """At one step boundary the batcher can drop rows twice (the jobs that finished, then those cancelled or expired
+    meanwhile) before the next step: the rows moved by the second removal must continue the rows the first one
+    moved there, so every job still decoding gets the caption it gets alone."""
+    runtime = runtime_for("sat", encoder)
+    prepared = [runtime.prepare(image) for image in random_images(5, seed=5)]
+    jobs = [Job(p, 2, 8, math.inf, None, None) for p in prepared]
+    results = {}
+    with torch.inference_mode():  # as in the batcher's worker: its buffers are written in place
+        enc, state = runtime.begin(prepared, [2] * len(jobs))
+        table = RowTable(jobs, enc, state, runtime.bos_id)
+        table.step(runtime)
+        table.step(runtime)
+        table.remove({jobs[0]}, runtime)  # the last job's rows move into the first one's
+        table.remove({jobs[1]}, runtime)  # and the fourth's into the second's
+        assert table.jobs == [jobs[4], jobs[3], jobs[2]]
+        while table.jobs:
+            done = table.step(runtime)
+            finished = [job for job, all_eos in zip(table.jobs, done) if all_eos or job.steps >= job.max_len]
+            if finished:
+                results.update(zip(finished, table.results_of(finished, runtime)))
+                table.remove(set(finished), runtime)
+    for job in jobs[2:]:
+        assert_same_result(results[job], solo(runtime, job.prepared, 2, 8))
