@@ -20,6 +20,7 @@ from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import load_image
 from captioner.service import rendering
 from captioner.service.app import create_app
+from captioner.service.captioning import observed_request
 from captioner.service.errors import ClientGone
 from captioner.service.inputs import read_body
 from captioner.service.lifecycle import DrainMiddleware, ShutdownGate
@@ -353,6 +354,19 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
     statuses = {key for key in samples if key.startswith("captioner_request_latency_seconds_count")}
     assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
 
+
+def test_a_request_whose_task_is_cancelled_is_in_the_latency_metric_as_the_clients_499(tiny_weights):
+    """A client that leaves while its request waits (its task cancelled: no exception of the service's own) is the
+    client's 499 in the latency metric, not a 200 that was never answered."""
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
+                        backend="torch")
+    with TestClient(create_app(settings)) as client:
+        with pytest.raises(asyncio.CancelledError):
+            with observed_request(client.app.state.service, time.monotonic(), lambda: "tiny"):
+                raise asyncio.CancelledError
+        samples = parse_metrics(client.get("/metrics").text)
+    statuses = {key for key in samples if key.startswith("captioner_request_latency_seconds_count")}
+    assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
 
 @pytest.mark.parametrize("root_path", ["", "/vision"])
 def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights, root_path):

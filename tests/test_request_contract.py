@@ -29,7 +29,7 @@ from captioner.service import inputs, middleware
 from captioner.service.admission import QueueFull
 from captioner.service.app import CAPTION_PATHS, create_app
 from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, refuse_early
-from captioner.service.errors import DeadlinePassed, InvalidRequest
+from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady
 from captioner.service.inputs import QueryOptions, arrival, known_query_only, option_sources
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
@@ -719,6 +719,35 @@ def test_the_use_case_counts_the_deadline_from_the_arrival_it_is_given(client, p
         client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters()), arrived)
     assert client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters())).tokens  # default: now
 
+
+def test_the_use_case_refuses_a_request_read_after_the_service_stopped_being_ready(client, photo, monkeypatch):
+    """The readiness checked before the body is read is checked again after it: a request whose upload arrived once
+    the service stopped being ready (shutting down) gets the 503, although its model's batcher still accepts."""
+    state = client.app.state.service
+    monkeypatch.setattr(state, "ready", False)
+    with pytest.raises(NotReady):
+        client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters()))
+
+
+def test_admission_is_asked_with_the_requests_beam_length_and_what_is_left_of_its_deadline(client, photo,
+                                                                                            monkeypatch):
+    """Before the body is read and again before the image is decoded, the batcher is asked whether it would take
+    this request: its own beam and length (not swapped), and what is left of its deadline, not a whole one."""
+    state = client.app.state.service
+    batcher = state.batchers["tiny-b"]
+    asked, check_admission = [], batcher.check_admission
+
+    def noting_check(timeout_s, beam_size, max_len):
+        asked.append((timeout_s, beam_size, max_len))
+        return check_admission(timeout_s, beam_size, max_len)
+
+    monkeypatch.setattr(batcher, "check_admission", noting_check)
+    arrived = time.monotonic() - 20
+    options = CaptionParameters(model="tiny-b", beam_size=2, max_len=5)
+    refuse_early(state, options, arrived)
+    client.portal.call(caption_image, state, CaptionRequest(photo, options), arrived)
+    assert [(beam, length) for _, beam, length in asked] == [(2, 5), (2, 5)]
+    assert all(0 < left <= state.settings.request_timeout_s - 20 for left, _, _ in asked), asked
 
 @pytest.fixture
 def tiny_a_full(client, monkeypatch):
