@@ -19,16 +19,8 @@ from skimage import data
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.pipeline import Pipeline
 from captioner.service import archive
-from captioner.service.archive import (
-    ArchiveError,
-    ArchiveOptions,
-    CaptionLines,
-    caption_archive,
-    list_images,
-    load_runtime,
-    select_shard,
-    shard_of,
-)
+from captioner.service.archive import ArchiveError, ArchiveOptions, CaptionLines, caption_archive, list_images, \
+    load_runtime, select_shard, shard_of
 from captioner.service.cli import main
 from captioner.service.settings import Settings
 

@@ -13,11 +13,8 @@ import torch
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec
-from captioner.models.training.attention_supervision import (
-    attention_supervision_loss,
-    checked_entities_folder,
-    entities_attention_targets,
-)
+from captioner.models.training.attention_supervision import attention_supervision_loss, checked_entities_folder, \
+    entities_attention_targets
 from captioner.models.training.config import TrainConfig
 from captioner.models.training.xe import train
 

@@ -11,20 +11,8 @@ import torch
 import captioner.models.checkpoint as checkpoint
 from captioner.models import checkpoint as module
 from captioner.models.attention import NORMALISERS
-from captioner.models.checkpoint import (
-    CARD,
-    WEIGHTS,
-    CheckpointError,
-    checkpoint_name,
-    convert_storage,
-    find_checkpoints,
-    load_checkpoint,
-    model_files,
-    on_meta,
-    replace_files,
-    save_checkpoint,
-    update_meta,
-)
+from captioner.models.checkpoint import CARD, WEIGHTS, CheckpointError, checkpoint_name, convert_storage, \
+    find_checkpoints, load_checkpoint, model_files, on_meta, replace_files, save_checkpoint, update_meta
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.files import file_checksum

@@ -18,13 +18,8 @@ from captioner.models.checkpoint import convert_storage, load_checkpoint, record
 from captioner.models.cli.common import checkpoint_labels
 from captioner.models.data import datasets
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.data.scenes import (
-    GENERATOR_VERSION,
-    generate,
-    is_current,
-    object_naming_accuracy,
-    read_dataset_header,
-)
+from captioner.models.data.scenes import GENERATOR_VERSION, generate, is_current, object_naming_accuracy, \
+    read_dataset_header
 from captioner.models.encoder import EncoderSpec
 from captioner.models.evaluation.card import write_card
 from captioner.models.evaluation.metrics import score_captions

@@ -11,22 +11,23 @@ import json
 import threading
 import time
 
+import anyio.to_thread
 import pytest
-from fastapi.testclient import TestClient
-from PIL import Image
-from starlette.requests import Request
-
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import load_image
 from captioner.service import rendering
 from captioner.service.app import create_app
-from captioner.service.captioning import observed_request
-from captioner.service.errors import ClientGone
+from captioner.service.captioning import observed_request, slot_deadline
+from captioner.service.errors import PROBLEM_TYPES, ClientGone, DeadlinePassed, UploadsBusy, UploadTooLarge
 from captioner.service.inputs import read_body
 from captioner.service.lifecycle import DrainMiddleware, ShutdownGate
 from captioner.service.middleware import RequestContextMiddleware
 from captioner.service.settings import Settings
-from captioner.service.work_slots import WorkSlots
+from captioner.service.work_slots import UploadBudget, WorkSlots
+from fastapi.testclient import TestClient
+from PIL import Image
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 
 from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, tiny_model
 
@@ -85,9 +86,6 @@ def test_work_slots_bound_the_work_and_free_a_slot_however_it_ends():
 
 
 def test_a_wait_for_a_slot_past_the_deadline_is_the_services_504_naming_what_waited():
-    from captioner.service.captioning import slot_deadline
-    from captioner.service.errors import PROBLEM_TYPES, DeadlinePassed
-
     async def scenario():
         slots, release = WorkSlots(1), threading.Event()
         busy = asyncio.create_task(slots.run(release.wait, 10))
@@ -213,9 +211,6 @@ def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_bac
 def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_share_back():
     """A piece that has its share can still wait for a thread of Starlette's pool (all of them busy elsewhere);
     cancelled there it never runs, and its caller gives back its share and its count as running."""
-    import anyio.to_thread
-    from starlette.concurrency import run_in_threadpool
-
     async def scenario():
         threads = anyio.to_thread.current_default_thread_limiter()  # this event loop's pool
         threads.total_tokens = 1
@@ -237,9 +232,6 @@ def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_sha
 
 
 def test_an_upload_budget_holds_exactly_its_capacity_and_a_request_gives_back_all_it_took():
-    from captioner.service.errors import UploadsBusy
-    from captioner.service.work_slots import UploadBudget
-
     budget = UploadBudget(1000, retry_after_s=3)
     with budget.hold() as share:
         share.take(600)
@@ -307,9 +299,6 @@ def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(ti
 def test_a_body_announced_above_the_limit_is_refused_before_any_of_it_is_read():
     """A Content-Length above the upload limit is a 413 at once: none of the body is read or taken from the upload
     budget (a body without a length is counted as it arrives); a body of exactly the limit is read."""
-    from captioner.service.errors import UploadTooLarge
-    from captioner.service.work_slots import UploadBudget
-
     received = []
 
     async def receive():

@@ -23,14 +23,8 @@ from captioner.models.training import TrainConfig, fit, prepare_run
 from captioner.service.batcher import Batcher
 
 from .conftest import DEFAULT_CHECKPOINT
-from .serving_helpers import (
-    FEAT_DIM,
-    TINY_SPEC,
-    all_architectures,
-    assert_every_architecture_round_trips,
-    assert_same_result,
-    tiny_model,
-)
+from .serving_helpers import FEAT_DIM, TINY_SPEC, all_architectures, assert_every_architecture_round_trips, \
+    assert_same_result, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = torch.device("cuda")

@@ -5,18 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from captioner.models.decoding import (
-    NO_RULES,
-    ROW_FIELDS,
-    DecodingRules,
-    RowHistory,
-    beam_search,
-    check_search,
-    greedy,
-    never_emitted,
-    sample,
-    search_rows,
-)
+from captioner.models.decoding import NO_RULES, ROW_FIELDS, DecodingRules, RowHistory, beam_search, check_search, \
+    greedy, never_emitted, sample, search_rows
 from captioner.models.evaluation import tuning
 from captioner.models.evaluation.tuning import best_row, rules_of
 from captioner.models.protocol import AttnRecord, VisualBatch, index_rows

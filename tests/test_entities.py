@@ -9,41 +9,21 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
+from captioner.models import attention
 from captioner.models.checkpoint import write_manifest
-from captioner.models.data.entities import (
-    EntitiesDataset,
-    EntitiesFormatError,
-    EntityAnnotation,
-    EntityImage,
-    parse_annotation,
-    parse_sentences,
-)
+from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage, \
+    parse_annotation, parse_sentences
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation.grounding import pixel_distribution, score_map, summarise
-from captioner.models.evaluation.grounding_doc import (
-    is_real_photo,
-    ordering_sentence,
-    real_photo_checkpoints,
-    write_grounding_doc,
-)
-from captioner.models.evaluation.phrase_grounding import (
-    PhotoAttention,
-    PhraseTarget,
-    best_word,
-    box_mask,
-    generated_targets,
-    reference_targets,
-    score_photos,
-    summary_table,
-    teacher_forced_rows,
-    type_table,
-)
+from captioner.models.evaluation.grounding_doc import is_real_photo, ordering_sentence, real_photo_checkpoints, \
+    write_grounding_doc
+from captioner.models.evaluation.phrase_grounding import PhotoAttention, PhraseTarget, best_word, box_mask, \
+    generated_targets, reference_targets, score_photos, summary_table, teacher_forced_rows, type_table
 from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
+from PIL import Image
 
 from .conftest import DEFAULT_CHECKPOINT
 from .entities_photos import circle_photos
@@ -296,7 +276,6 @@ def test_ordering_sentence_reads_the_intervals():
     # a normaliser added to the table is no part of the study's ordering (the verdict compared against the whole
     # table, and turned to "does not hold" as soon as a fourth normaliser was registered: the extension audit)
     with pytest.MonkeyPatch.context() as patch:
-        from captioner.models import attention
         patch.setitem(attention.NORMALISERS, "entmax15", attention.NORMALISERS["sparsemax"])
         assert ordering_sentence({"softmax": stat(0.3), "sparsemax": stat(0.4), "tvmax": stat(0.5)}) == held
 

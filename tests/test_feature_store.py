@@ -16,17 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.models.data.features import (
-    INDEX,
-    FeatureStore,
-    FeatureStoreError,
-    NewerFeatureStore,
-    UnreadablePhotos,
-    _cache_name,
-    extract_features,
-    find_covering_store,
-    shard_name,
-)
+from captioner.models.data.features import INDEX, FeatureStore, FeatureStoreError, NewerFeatureStore, \
+    UnreadablePhotos, _cache_name, extract_features, find_covering_store, shard_name
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
 

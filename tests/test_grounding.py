@@ -12,17 +12,8 @@ from PIL import Image
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.evaluation.grounding import (
-    CaptionAttention,
-    bootstrap_mean,
-    grounded_words,
-    markdown_table,
-    pixel_distribution,
-    score_images,
-    score_map,
-    score_rows,
-    summarise,
-)
+from captioner.models.evaluation.grounding import CaptionAttention, bootstrap_mean, grounded_words, markdown_table, \
+    pixel_distribution, score_images, score_map, score_rows, summarise
 from captioner.models.evaluation.params import count_parameters
 from captioner.models.evaluation.zoo_table import parameter_count, write_zoo
 from captioner.models.protocol import Geometry

@@ -17,16 +17,8 @@ import torch
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.export import quantize
-from captioner.models.export.quantize import (
-    FLOAT_PREFIXES,
-    RECIPE,
-    calibration_pixels,
-    int8_file,
-    int8_kernels,
-    int8_recipe,
-    quantized_visual_encoder,
-    visual_encoder_file,
-)
+from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
+    int8_recipe, quantized_visual_encoder, visual_encoder_file
 from captioner.models.export.sessions import VisualSession
 from captioner.service import runtime as runtime_module
 from captioner.service.cli import main as captioner

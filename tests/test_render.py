@@ -16,20 +16,8 @@ from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, pre
 from captioner.models.inference import CaptionResult, torch_runtime
 from captioner.models.protocol import Geometry
 from captioner.models.rendering import heatmaps
-from captioner.models.rendering.heatmaps import (
-    FigureRow,
-    RenderError,
-    _blur_matrix,
-    _figure,
-    caption_figure,
-    comparison_figure,
-    default_mode,
-    drawn_heat,
-    gaussian_blur,
-    heat_strength,
-    heatmap,
-    overlay,
-)
+from captioner.models.rendering.heatmaps import FigureRow, RenderError, _blur_matrix, _figure, caption_figure, \
+    comparison_figure, default_mode, drawn_heat, gaussian_blur, heat_strength, heatmap, overlay
 
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 

@@ -10,25 +10,9 @@ from PIL import Image
 
 from captioner.models.cli.data import cmd_data_generate
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.data.scenes import (
-    BACKGROUNDS,
-    COLOURS,
-    GENERATOR_VERSION,
-    HELDOUT_COMBOS,
-    SHAPES,
-    SIZES,
-    VARIATIONS,
-    Variation,
-    article,
-    captions_for,
-    generate,
-    generate_arguments,
-    is_current,
-    named_objects,
-    object_naming_accuracy,
-    read_dataset_header,
-    sample_scene,
-)
+from captioner.models.data.scenes import BACKGROUNDS, COLOURS, GENERATOR_VERSION, HELDOUT_COMBOS, SHAPES, SIZES, \
+    VARIATIONS, Variation, article, captions_for, generate, generate_arguments, is_current, named_objects, \
+    object_naming_accuracy, read_dataset_header, sample_scene
 from captioner.service.cli import main
 
 from .conftest import SCENE_SEED, SCENE_SIZES

@@ -9,14 +9,8 @@ import pytest
 from captioner.models.cli.training import add_train_config_arguments, train_config_from_args
 from captioner.models.training import TrainConfig, available_recipes, load_recipe
 from captioner.models.training.recipes import command_line, recipe_path
-from captioner.models.training.schedules import (
-    NoamWarmup,
-    PlateauDecay,
-    ScheduledSampling,
-    StepDecay,
-    build_schedules,
-    learning_rate,
-)
+from captioner.models.training.schedules import NoamWarmup, PlateauDecay, ScheduledSampling, StepDecay, \
+    build_schedules, learning_rate
 from captioner.service.cli import build_parser
 
 

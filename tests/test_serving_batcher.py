@@ -6,23 +6,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 
+import captioner.service.row_table as row_table_module
 import numpy as np
 import pytest
 import torch
-
-from captioner.service.admission import ADMISSION_HEADROOM, RATE_SMOOTHING, AdmissionEstimate, WouldMissDeadline
-from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
-from captioner.service.row_table import Job, RowTable, fill_holes
-from captioner.service.metrics import Metrics
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
 from captioner.models.protocol import index_rows
+from captioner.service.admission import ADMISSION_HEADROOM, RATE_SMOOTHING, AdmissionEstimate, WouldMissDeadline
+from captioner.service.batcher import Batcher, DeadlineExceeded, NotAccepting, QueueFull
+from captioner.service.memory import IdleTrimmer
+from captioner.service.metrics import Metrics
+from captioner.service.middleware import JsonFormatter, request_id_var
+from captioner.service.row_table import Job, RowTable, fill_holes
 
-from .serving_helpers import (all_architectures, assert_same_result, count_encodes, count_step_rows, drive,
-                              random_images, shared_encoder, tiny_checkpoint, watch_encodes)
+from .serving_helpers import all_architectures, assert_same_result, count_encodes, count_step_rows, drive, \
+    random_images, shared_encoder, tiny_checkpoint, watch_encodes
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,9 +196,6 @@ def test_a_wide_beam_at_the_head_of_the_queue_is_not_overtaken_by_narrower_ones(
 def test_rows_being_encoded_count_against_the_row_budget(encoder):
     """With overlapped encoding, admitted requests are encoded while the table decodes: their rows are promised
     already, so a request arriving meanwhile must wait rather than push the table past ``max_rows``."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     runtime = runtime_for("sat", encoder)
     rows_stepped = count_step_rows(runtime)
     begin = runtime.begin
@@ -268,8 +270,6 @@ def test_a_failed_encoding_fails_every_request_of_its_batch_and_the_next_ones_ar
 def test_a_drain_that_times_out_fails_the_queued_requests_too(encoder):
     """After the drain timeout nothing will run again: the requests still waiting for rows must fail
     (:class:`NotAccepting`, the 503 of a stopping service) like the decoding ones, not wait for ever."""
-    import threading
-
     runtime = runtime_for("sat", encoder)
     step = runtime.step
     stepping, release = threading.Event(), threading.Event()
@@ -481,10 +481,6 @@ def test_worker_thread_with_concurrent_callers_matches_solo(arch, encoder):
 def test_a_failing_step_fails_its_requests_by_id_and_the_worker_goes_on(encoder):
     """A step that raises fails the requests in its table, each logged with its request id (the worker thread's
     traceback names none: the operator audit), and the next request is captioned as usual."""
-    import logging
-
-    from captioner.service.middleware import JsonFormatter, request_id_var
-
     runtime = runtime_for("sat", encoder)
     prepared = runtime.prepare(random_images(1)[0])
     real_step, broken = runtime.step, [True]
@@ -572,10 +568,6 @@ def test_a_failing_step_spares_the_requests_still_queued_and_a_failing_idle_hook
 def test_the_memory_release_never_fails_its_caller_and_is_tried_again(monkeypatch):
     """A timer that cannot start (no thread to be had) raised into the request or worker that asked for the
     release, and left it marked as scheduled, so that memory was never given back again."""
-    import threading
-
-    from captioner.service.memory import IdleTrimmer
-
     started = []
 
     def no_thread(timer):
@@ -1064,8 +1056,6 @@ def test_begin_and_step_called_outside_inference_mode_run_inside_one(encoder):
 
 
 def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch):
-    import captioner.service.row_table as row_table_module
-
     runtime = runtime_for("sat", encoder)
     images = [runtime.prepare(image) for image in random_images(5, seed=4)]
     batcher = Batcher(runtime, max_batch=8, queue_size=8, max_rows=64)

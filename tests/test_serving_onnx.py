@@ -32,18 +32,8 @@ from captioner.models.data.scenes import generate
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.export import onnx as exporter
 from captioner.models.export import sessions
-from captioner.models.export.onnx import (
-    ENCODER_FILE,
-    HEAD_FILE,
-    STEP_FILE,
-    ExportUnsupported,
-    GraphSpec,
-    export_graphs,
-    export_is_current,
-    export_visual_encoder,
-    intact,
-    seal,
-)
+from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
+    export_graphs, export_is_current, export_visual_encoder, intact, seal
 from captioner.models.export.sessions import cuda_provider_available, session_options
 from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
 from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders
@@ -60,17 +50,8 @@ from captioner.service.settings import Settings
 from captioner.service.shared_encoders import SharedEncoders
 
 from .conftest import DEFAULT_CHECKPOINT, module_folder
-from .serving_helpers import (
-    TINY_SPEC,
-    VOCAB,
-    all_architectures,
-    assert_same_result,
-    drive,
-    random_images,
-    shared_encoder,
-    tiny_checkpoint,
-    tiny_model,
-)
+from .serving_helpers import TINY_SPEC, VOCAB, all_architectures, assert_same_result, drive, random_images, \
+    shared_encoder, tiny_checkpoint, tiny_model
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,13 +14,8 @@ from pycocoevalcap.bleu.bleu import Bleu
 from captioner.models.checkpoint import FORMAT
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.evaluation.bootstrap import percentile_interval, resample_counts, resampled_ratios
-from captioner.models.evaluation.compare import (
-    bleu_4,
-    bleu_statistics,
-    compare_captions,
-    corpus_bleu,
-    paired_corpus_difference,
-)
+from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
+    paired_corpus_difference
 from captioner.models.evaluation.metrics import score_captions
 from captioner.models.evaluation.zoo_f8k import title
 from captioner.service.cli import main
