@@ -802,7 +802,8 @@ def test_the_estimate_averages_measured_samples_and_counts_a_decoding_job_at_lea
     step or an encoding that took no measurable time and a warm-up's artificial caption length are no samples; the
     work of a decoding job past its expected length is still one step of its rows; calibration's forget_rate and
     restore_rate."""
-    estimate, r = AdmissionEstimate("m"), RATE_SMOOTHING
+    assert RATE_SMOOTHING == 0.2  # the numbers below are worked with it: a new sample weighs a fifth
+    estimate = AdmissionEstimate("m")
     estimate.measure_step(4, 0.0, [])
     estimate.measure_encode(0.0)
     assert (estimate.step_time_s, estimate.rows_per_step, estimate.encode_time_s) == (None, None, None)
@@ -814,26 +815,25 @@ def test_the_estimate_averages_measured_samples_and_counts_a_decoding_job_at_lea
     estimate.measure_step(8, 1.0, [_estimate_job(1, 20, steps=15)])
     estimate.measure_encode(0.5)
     estimate.measure_encode(1.5)
-    assert estimate.step_time_s == pytest.approx((1 - r) * 2.0 + r * 1.0)
-    assert estimate.rows_per_step == pytest.approx((1 - r) * 4 + r * 8)
-    assert estimate.steps_per_request == pytest.approx((1 - r) * 10 + r * 15)
-    assert estimate.encode_time_s == pytest.approx((1 - r) * 0.5 + r * 1.5)
-    step, expected_len = estimate.step_time_s, estimate.steps_per_request
-    assert estimate.row_rate == pytest.approx(estimate.rows_per_step / step)
-    assert estimate.own_time_s(_estimate_job(1, 20)) == pytest.approx(estimate.encode_time_s + expected_len * step)
+    assert estimate.step_time_s == pytest.approx(1.8)  # 0.8 · 2.0 + 0.2 · 1.0
+    assert estimate.rows_per_step == pytest.approx(4.8)  # 0.8 · 4 + 0.2 · 8
+    assert estimate.steps_per_request == pytest.approx(11.0)  # 0.8 · 10 + 0.2 · 15
+    assert estimate.encode_time_s == pytest.approx(0.7)  # the first sample as it is, then 0.8 · 0.5 + 0.2 · 1.5
+    assert estimate.row_rate == pytest.approx(4.8 / 1.8)  # the ratio of the averages
+    assert estimate.own_time_s(_estimate_job(1, 20)) == pytest.approx(20.5)  # encoding 0.7 s, then 11 steps of 1.8 s
 
     # decoding: 3 rows 4 steps in, and 2 rows already past the expected length (still one step of work each)
-    estimate.expect_work([_estimate_job(3, 20, steps=4), _estimate_job(2, 20, steps=int(expected_len) + 5)])
+    estimate.expect_work([_estimate_job(3, 20, steps=4), _estimate_job(2, 20, steps=16)])
     waiting = [_estimate_job(1, 20)]
-    work = 3 * (expected_len - 4) + 2 * 1 + 1 * expected_len + 2 * 5  # decoding, waiting, its own (beam 2, 5 steps)
-    assert estimate.expected_wait_s(waiting, 2, 5) == pytest.approx(
-        max(5 * step, work / estimate.row_rate) + 2 * estimate.encode_time_s)
+    # 3 · (11 - 4) + 2 · 1 decoding, 1 · 11 waiting, 2 · 5 its own (beam 2, 5 steps): 44 row-steps at 8/3 rows a
+    # second, 16.5 s (longer than its own 5 steps of 1.8 s), after two encodings of 0.7 s (the waiting one's, its own)
+    assert estimate.expected_wait_s(waiting, 2, 5) == pytest.approx(17.9)
 
     saved = estimate.forget_rate()  # calibration: no request is refused until a step is measured again
     assert (estimate.step_time_s, estimate.rows_per_step) == (None, None)
     assert estimate.expected_wait_s(waiting, 2, 5) is None
     estimate.restore_rate(saved)  # nothing measured meanwhile: the rate it had
-    assert (estimate.step_time_s, estimate.rows_per_step) == (step, pytest.approx((1 - r) * 4 + r * 8))
+    assert (estimate.step_time_s, estimate.rows_per_step) == (pytest.approx(1.8), pytest.approx(4.8))
     saved = estimate.forget_rate()
     estimate.measure_step(2, 0.5, [])
     estimate.restore_rate(saved)  # a step measured meanwhile is newer: kept
