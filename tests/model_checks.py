@@ -100,3 +100,16 @@ def memorisation_cider(model: Captioner, vis: VisualBatch, captions: list[list[i
                             {i: [words(c)] for i, c in enumerate(captions)}, metrics=("CIDEr-D",))
     exact = sum(h.token_ids == c for h, c in zip(hyps, captions))
     return scores["CIDEr-D"], exact, hyps
+
+
+class RecordingDropout(torch.nn.Module):
+    """An identity that keeps every tensor it is given: put in place of a model's dropout, it shows which tensors the
+    model regularises (in eval mode, or with dropout 0, a misplaced dropout changes no output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inputs: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x)
+        return x

@@ -15,7 +15,8 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
-                          memorisation_cider, memorisation_task, rescored_beams, train_to_memorise)
+                          RecordingDropout, memorisation_cider, memorisation_task, rescored_beams,
+                          train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,6 +164,47 @@ def test_step_matches_naive_equations(heads):
             torch.testing.assert_close(record.extras["heads"][b], weights)
         else:
             assert record.extras == {}
+
+
+def test_step_drops_out_the_fed_back_and_the_output_context():
+    """The authors' code's decoder dropout (docs/decisions.md#aoanet-dropout): on ``c_{t−1}`` fed back into Eq. 12
+    and on ``c_t`` before ``W_p``, nothing else."""
+    model, vis = tiny(), padded_visuals()
+    enc = model.encode(vis)
+    state = {name: torch.randn(3, 16) for name in ("h", "m", "context")}
+    model.drop = RecordingDropout()
+    _, new_state, _ = model.step(torch.tensor([1, 5, 7]), state, enc)
+    assert len(model.drop.inputs) == 2
+    assert model.drop.inputs[0] is state["context"] and model.drop.inputs[1] is new_state["context"]
+
+
+@pytest.mark.parametrize("context", ["linear", "lstm"])
+def test_context_ablations_follow_figure_7(context):
+    """Table 4's context ablations: Fig. 7a ``c_t = W[â_t; h_t] + b``; Fig. 7b ``c_t`` is the hidden state of a
+    second LSTM on ``[â_t; h_t]`` that carries its own state (h_ctx, m_ctx), not the first LSTM's."""
+    model, vis = tiny(torch.float64, context=context), padded_visuals(torch.float64)
+    enc = model.encode(vis)
+    generator = torch.Generator().manual_seed(3)
+    state = {name: torch.randn(3, 16, generator=generator, dtype=torch.float64) for name in model.init_state(enc)}
+    logprobs, new_state, _ = model.step(torch.tensor([1, 5, 7]), state, enc)
+    attended, _, _ = model.attend(new_state["h"], enc)
+    both = torch.cat([attended, new_state["h"]], 1)  # [â_t; h_t]
+    if context == "linear":
+        context_t = both @ model.context_linear.weight.T + model.context_linear.bias
+    else:
+        context_t, memory = model.context_lstm(both, (state["h_ctx"], state["m_ctx"]))
+        torch.testing.assert_close(new_state["m_ctx"], memory)
+    torch.testing.assert_close(model.previous_context(new_state), context_t)
+    torch.testing.assert_close(logprobs, (context_t @ model.logit.weight.T).log_softmax(-1))
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_transformer_refiner_ablation_follows_pre_norm(pre_norm):
+    """The "Refine w/o AoA" ablation (Fig. 6a) takes the AoA refiner's residual style: pre-norm layers and a final
+    LN with ``pre_norm``, post-norm layers and no final LN without."""
+    model = tiny(refiner="transformer", pre_norm=pre_norm)
+    assert [layer.norm_first for layer in model.refine] == [pre_norm] * 2
+    assert isinstance(model.refine_norm, torch.nn.LayerNorm) == pre_norm
 
 
 @pytest.mark.parametrize("name", ["full", "refine-without-aoa", "base"])
