@@ -12,7 +12,8 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
-                          memorisation_cider, memorisation_task, rescored_beams, stepwise, train_to_memorise)
+                          RecordingDropout, memorisation_cider, memorisation_task, rescored_beams, stepwise,
+                          train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -96,6 +97,20 @@ def test_step_matches_the_decoder_equations(lstm_input):
     torch.testing.assert_close(record.extras["heads"], block.spatial)
     torch.testing.assert_close(record.extras["channel_attn"], block.channel)
     assert record.extras["heads"].shape == (3, 4, ITEMS) and record.extras["channel_attn"].shape == (3, 32)
+
+
+def test_step_drops_out_the_fed_back_context_the_block_output_and_c_t():
+    """The authors' code's decoder dropout (docs/decisions.md#x-lan--x-transformer): on ``c_{t−1}`` fed back, on the
+    block output ``v̂_d`` before the GLU and on ``c_t`` before ``W_p``, in that order and nowhere else."""
+    model, vis = tiny(), regions()
+    enc = model.encode(vis)
+    state = {name: torch.randn(3, 24) for name in ("h", "m", "context")}
+    model.drop = RecordingDropout()
+    _, new_state, _ = model.step(torch.tensor([1, 5, 7]), state, enc)
+    block = model.attention.attend(new_state["h"], enc["keys"], enc["values"], enc["mask"])
+    previous, attended, context = model.drop.inputs
+    assert previous is state["context"] and context is new_state["context"]
+    torch.testing.assert_close(attended, block.attended)
 
 
 def test_initial_state_is_zero():
