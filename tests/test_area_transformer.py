@@ -2,11 +2,13 @@
 alignment, attention export, masking, and a memorisation smoke test."""
 
 import json
+import math
 
 import pytest
 import torch
 
 from captioner.models.attention.area import areas_to_cells, enumerate_areas_2d
+from captioner.models.layers import sinusoid_positions
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
@@ -69,6 +71,36 @@ def test_incremental_step_equals_parallel_forward(name, visuals):
     model32 = tiny(**CONFIGS[name])
     torch.testing.assert_close(stepwise(model32, visuals, captions)[0], model32.forward_xe(visuals, captions)[0],
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_encoder_and_first_step_follow_vaswani_layout(pre_norm, visuals):
+    """The step-vs-parallel check cannot see a change both passes share, so the Transformer around the area
+    attention is written out here: cell ``(r, c)`` gets ``row_embed[r] + col_embed[c]`` (row-major), each sublayer
+    is ``LN(x + f(x))`` (post-norm) or ``x + f(LN(x))`` with a final LN (pre-norm), words are ``√d E w + PE(t)``."""
+    model = tiny(**CONFIGS["2x2-basic"], pre_norm=pre_norm)
+    grid = (4, 4)
+
+    def sublayer(sub, x, fn):
+        return x + fn(sub.norm(x)) if pre_norm else sub.norm(x + fn(x))
+
+    pos = torch.stack([model.row_embed.weight[r] + model.col_embed.weight[c] for r in range(4) for c in range(4)])
+    x = model.proj(visuals.feats) + pos
+    for layer in model.encoder:
+        x = sublayer(layer.sub1, x, lambda y, layer=layer: layer.attn(y, y, grid)[0])
+        x = sublayer(layer.sub2, x, layer.ffn)
+    memory = model.enc_norm(x)
+    bos = torch.full((3,), model.bos_id)
+    y = model.embed(bos)[:, None] * math.sqrt(32) + sinusoid_positions(torch.tensor([0]), 32)
+    for layer in model.decoder:
+        y = sublayer(layer.subs[0], y, lambda z, layer=layer: layer.self_attn(z, z)[0])  # only itself in the past
+        y = sublayer(layer.subs[1], y, lambda z, layer=layer: layer.cross(z, memory, grid)[0])
+        y = sublayer(layer.subs[2], y, layer.ffn)
+    expected = model.out(model.dec_norm(y[:, 0])).log_softmax(-1)
+    enc = model.encode(visuals)
+    torch.testing.assert_close(enc["memory"], memory)
+    logprobs, _, _ = model.step(bos, model.init_state(enc), enc)
+    torch.testing.assert_close(logprobs, expected)
 
 
 def test_beam_search_attention_lines_up_with_tokens(visuals):
