@@ -83,7 +83,7 @@ def test_encoder_and_first_step_follow_the_reference_structure():
     words = model.word_norm(model.embed_words(torch.full((3,), model.bos_id)) * math.sqrt(32)
                             + sinusoid_positions(torch.tensor([0]), 32))
     query = model.query_image(enc["global"]) * model.query_words(words)  # x̄_0 = x_0
-    queries, cross_maps = [query], []
+    queries, cross_maps, channel_maps = [query], [], []
     for i, layer in enumerate(model.decoder):
         words_seen = layer.word_attention(query, words[:, None], words[:, None]).attended  # only itself in the past
         mixed = words + words_seen
@@ -91,6 +91,7 @@ def test_encoder_and_first_step_follow_the_reference_structure():
         query = layer.output_norm(mixed + cross.attended)
         queries.append(query)
         cross_maps.append(cross.spatial)
+        channel_maps.append(cross.channel)
         if layer.feed_forward is not None:
             words = layer.feed_forward(layer.word_update(query, words))
     expected = model.logit(model.output_norm(F.glu(model.output_embed(torch.cat(queries, -1)), -1))).log_softmax(-1)
@@ -100,6 +101,7 @@ def test_encoder_and_first_step_follow_the_reference_structure():
     torch.testing.assert_close(record.primary, cross_maps[-1].mean(1))
     torch.testing.assert_close(record.extras["heads"], cross_maps[-1])
     torch.testing.assert_close(record.extras["layer1"], cross_maps[0].mean(1))
+    torch.testing.assert_close(record.extras["channel_attn"], channel_maps[-1])  # the last layer's β^c
     assert set(record.extras) == {"heads", "layer1", "layer2", "channel_attn"}
 
 
