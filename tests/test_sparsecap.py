@@ -108,6 +108,22 @@ def test_initial_state_is_zero_and_masks_are_respected():
         torch.testing.assert_close(weights.sum(-1), torch.ones(2))
 
 
+def test_dropout_acts_only_where_h_feeds_the_word_predictor():
+    """docs/decisions.md#sparsecap-dropout: the dropout is on ``h_t`` in Eq. 10 only, so the recurrent state (and
+    the attentions computed from it) are the same in training and evaluation mode; the word distribution is not."""
+    model, vis = _tiny("softmax", dropout=0.5), _visuals()
+    enc = model.encode(vis)
+    torch.manual_seed(2)
+    state = {"h": torch.randn(3, 20), "c": torch.randn(3, 20)}
+    prev = torch.tensor([1, 5, 7])
+    logprobs, evaluated, _ = model.step(prev, state, enc)
+    torch.manual_seed(3)
+    trained_logprobs, trained, _ = model.train().step(prev, state, enc)
+    assert not torch.allclose(trained_logprobs, logprobs)  # the dropout is active
+    torch.testing.assert_close(trained["h"], evaluated["h"])
+    torch.testing.assert_close(trained["c"], evaluated["c"])
+
+
 @torch.no_grad()
 def _teacher_forced(model, vis, token_ids, row):
     single = VisualBatch(vis.feats[row:row + 1], vis.mask[row:row + 1])
