@@ -60,6 +60,35 @@ def test_masked_items_get_no_attention(tiny_sat):
     assert torch.all(alpha[1, 5:] == 0) and torch.allclose(alpha.sum(-1), torch.ones(2))
 
 
+def test_initial_state_is_from_the_mean_of_the_real_annotations_only(tiny_sat):
+    """h_0 = tanh(f_init,h(ā)), c_0 = tanh(f_init,c(ā)) with ā the mean of the image's real items: padding
+    (a shorter region set in a batch) must not move the initial state."""
+    feats = torch.randn(2, 9, 16)
+    feats[1, 5:] = 50.0
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 5:] = False
+    state = tiny_sat.init_state(tiny_sat.encode(VisualBatch(feats, mask)))
+    mean = torch.stack([feats[0].mean(0), feats[1, :5].mean(0)])
+    torch.testing.assert_close(state["h"], torch.tanh(tiny_sat.init_h(mean)))
+    torch.testing.assert_close(state["c"], torch.tanh(tiny_sat.init_c(mean)))
+
+
+def test_training_drops_out_the_deep_output_sum_before_l_o(random_visuals):
+    """Dropout sits on h_t *and* on E y_{t-1} + L_h h_t + L_z ẑ_t before L_o (our placement, §4.3 names no place):
+    with L_h zeroed, h_t's dropout cannot reach the words, so any randomness left is the sum's."""
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, dropout=0.5)
+    with torch.no_grad():
+        model.out_h.weight.zero_()
+    enc = model.encode(random_visuals)
+    state = model.init_state(enc)
+    prev = torch.full((3,), model.bos_id)
+    first, second = (model.step(prev, state, enc)[0] for _ in range(2))
+    assert not torch.allclose(first, second)
+    model.eval()
+    torch.testing.assert_close(model.step(prev, state, enc)[0], model.step(prev, state, enc)[0])
+
+
 def test_doubly_stochastic_penalty_is_eq14_per_word(tiny_sat):
     attention = torch.rand(2, 5, 9).softmax(-1)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
