@@ -11,7 +11,7 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import create
 from captioner.models.training.xe import xe_loss
 
-from .model_checks import VOCAB, memorisation_cider, memorisation_task, train_to_memorise
+from .model_checks import VOCAB, memorisation_cider, memorisation_task, stepwise, train_to_memorise
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,6 +86,19 @@ def test_evaluation_can_use_the_argmax_location_and_exports_alpha():
         h = hyps[0]  # every emitted token: α is the heatmap, its arg-max cell is the chosen location
         assert torch.equal(h.extras["location"].argmax(-1), h.attention.argmax(-1))
         torch.testing.assert_close(h.attention.sum(-1), torch.ones(len(h.token_ids)))
+
+
+def test_evaluation_forward_xe_is_the_step_loop_with_no_terms_and_leaves_the_baseline():
+    """Outside training (a validation loss) nothing is sampled: the log-probs are the decode-location step loop's,
+    there is no REINFORCE or entropy term, and the training baseline b_k does not move."""
+    model = _model().eval()
+    vis = VisualBatch.from_features(torch.randn(2, 5, 6))
+    captions = torch.tensor([[5, 6, 2], [8, 2, 0]])
+    model.baseline.fill_(-1.3)
+    logprobs, aux = model.forward_xe(vis, captions)
+    torch.testing.assert_close(logprobs, stepwise(model, vis, captions)[0])
+    assert aux == {}
+    assert model.baseline.item() == pytest.approx(-1.3) and int(model.baseline_batches) == 0
 
 
 def test_reinforce_gradient_is_unbiased_for_the_lower_bound():
