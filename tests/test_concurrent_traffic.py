@@ -10,9 +10,15 @@ import io
 import json
 import threading
 import time
+from pathlib import Path
 
 import anyio.to_thread
 import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import load_image
 from captioner.service import rendering
@@ -24,12 +30,8 @@ from captioner.service.lifecycle import DrainMiddleware, ShutdownGate
 from captioner.service.middleware import RequestContextMiddleware
 from captioner.service.settings import Settings
 from captioner.service.work_slots import UploadBudget, WorkSlots
-from fastapi.testclient import TestClient
-from PIL import Image
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
 
-from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, serving_settings, tiny_model
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:
@@ -256,6 +258,11 @@ def tiny_weights(tmp_path_factory):
     return root
 
 
+def _tiny_settings(weights_dir: Path, **settings) -> Settings:
+    """An in-process server of the module's one tiny model, on the CPU in one thread."""
+    return serving_settings(weights_dir=weights_dir, default_model="tiny", device="cpu", threads=1, **settings)
+
+
 def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(tiny_weights, monkeypatch):
     """More renders outstanding than the thread pool has threads (40): they wait for their two slots on the event
     loop, so a caption still gets a thread for its decode.  Before, every render took a pool thread and the
@@ -269,8 +276,7 @@ def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(ti
         return real_render(*args)
 
     monkeypatch.setattr(rendering, "_render", slow_render)
-    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
-                        render_concurrency=2, backend="torch")
+    settings = _tiny_settings(tiny_weights, render_concurrency=2)
     renders, caption = [], {}
     with TestClient(create_app(settings)) as client:
         try:
@@ -326,8 +332,7 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
     with pytest.raises(ClientGone, match="closed the connection"):
         asyncio.run(read_body(request, 1000))
     # and through the app: counted as the client's 499 (an unmapped ClientGone would be a 500)
-    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
-                        backend="torch")
+    settings = _tiny_settings(tiny_weights)
     with TestClient(create_app(settings)) as client:
         messages.append({"type": "http.request", "body": b"half of it", "more_body": True})
         sent = []
@@ -347,8 +352,7 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
 def test_a_request_whose_task_is_cancelled_is_in_the_latency_metric_as_the_clients_499(tiny_weights):
     """A client that leaves while its request waits (its task cancelled: no exception of the service's own) is the
     client's 499 in the latency metric, not a 200 that was never answered."""
-    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
-                        backend="torch")
+    settings = _tiny_settings(tiny_weights)
     with TestClient(create_app(settings)) as client:
         with pytest.raises(asyncio.CancelledError):
             with observed_request(client.app.state.service, time.monotonic(), lambda: "tiny"):
@@ -360,8 +364,7 @@ def test_a_request_whose_task_is_cancelled_is_in_the_latency_metric_as_the_clien
 @pytest.mark.parametrize("root_path", ["", "/vision"])
 def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights, root_path):
     """Behind a proxy's prefix too: the caption routes are told by the path without it (paths.py)."""
-    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
-                        backend="torch", root_path=root_path)
+    settings = _tiny_settings(tiny_weights, root_path=root_path)
     with TestClient(create_app(settings), root_path=root_path) as client:
         assert client.post(f"{root_path}/caption", content=b"x", headers={"content-type": "text/plain"}
                            ).status_code == 415
@@ -382,8 +385,7 @@ def test_the_latency_metric_observes_how_long_each_request_took(tiny_weights):
     """A caption request's latency (the use case's ``observed_request``) and that of one FastAPI refused before the
     use case saw it (``observe_invalid``) are each the seconds since it arrived: within the wall time around the
     requests, not a reading of the clock."""
-    settings = Settings(weights_dir=tiny_weights, default_model="tiny", device="cpu", warmup=False, threads=1,
-                        backend="torch")
+    settings = _tiny_settings(tiny_weights)
     with TestClient(create_app(settings)) as client:
         started = time.monotonic()
         assert client.post("/caption", params={"max_len": 2}, content=_png(),

@@ -9,6 +9,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from PIL import Image
+
 from captioner.models import attention
 from captioner.models.checkpoint import write_manifest
 from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage, \
@@ -23,7 +25,6 @@ from captioner.models.evaluation.phrase_grounding import PhotoAttention, PhraseT
 from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
-from PIL import Image
 
 from .conftest import DEFAULT_CHECKPOINT
 from .entities_photos import circle_photos

@@ -17,6 +17,12 @@ from typing import Annotated
 
 import numpy as np
 import pytest
+from fastapi import Depends, FastAPI, Query
+from fastapi.testclient import TestClient
+from PIL import Image
+from skimage import data
+from starlette.requests import Request
+
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.decoding import DecodingRules
 from captioner.service import inputs, middleware
@@ -27,11 +33,6 @@ from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady
 from captioner.service.inputs import QueryOptions, arrival, known_query_only, option_sources
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
-from fastapi import Depends, FastAPI, Query
-from fastapi.testclient import TestClient
-from PIL import Image
-from skimage import data
-from starlette.requests import Request
 
 from .leaks import nothing_left_open
 from .serving_helpers import TINY_SPEC, VOCAB, serving_settings, tiny_model

@@ -8,8 +8,8 @@ import torch
 
 from captioner.models.decoding import beam_search, expand_rows
 from captioner.models.protocol import VisualBatch
-from captioner.models.zoo import create
 from captioner.models.training.xe import xe_loss
+from captioner.models.zoo import create
 
 from .model_checks import VOCAB, memorisation_cider, memorisation_task, stepwise, train_to_memorise
 

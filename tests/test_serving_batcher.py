@@ -12,10 +12,11 @@ import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
 
-import captioner.service.row_table as row_table_module
 import numpy as np
 import pytest
 import torch
+
+import captioner.service.row_table as row_table_module
 from captioner.models.decoding import DecodingRules
 from captioner.models.inference import TorchRuntime
 from captioner.models.protocol import index_rows
@@ -1055,7 +1056,7 @@ def test_begin_and_step_called_outside_inference_mode_run_inside_one(encoder):
     assert all(tensor.is_inference() for tensor in (*enc.values(), *state.values(), logprobs, attn.primary))
 
 
-def test_a_leaving_job_costs_a_copy_of_the_moved_rows_only(encoder, monkeypatch):
+def test_a_leaving_jobs_rows_are_filled_by_whole_blocks_never_selected_row_by_row(encoder, monkeypatch):
     runtime = runtime_for("sat", encoder)
     images = [runtime.prepare(image) for image in random_images(5, seed=4)]
     batcher = Batcher(runtime, max_batch=8, queue_size=8, max_rows=64)

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.layers import sinusoid_positions
-from captioner.models.layers import masked_mean
+from captioner.models.layers import masked_mean, sinusoid_positions
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
