@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from captioner.models.encoder import EncoderSpec
-from captioner.models.export.onnx import (SEAL_SUFFIX, SPEC_FILE, VISUAL_SPEC_FILE, GraphSpec, export_is_current,
-                                          intact, remove_replaced_encoders)
+from captioner.models.export.onnx import (ENCODER_FILE, HEAD_FILE, SEAL_SUFFIX, SPEC_FILE, STEP_FILE, VISUAL_SPEC_FILE,
+                                          GraphSpec, export_is_current, intact, remove_replaced_encoders, seal)
 
 
 @pytest.mark.parametrize("content", [b"[1]", b"\xff", b'{"format": ', b"{}"])
@@ -17,6 +17,19 @@ def test_a_damaged_export_record_is_not_current(content, tmp_path):
     (tmp_path / SPEC_FILE).write_bytes(content)
     assert export_is_current(tmp_path, "abc") is False
     with pytest.raises(ValueError, match=str(tmp_path)):
+        GraphSpec.load(tmp_path)
+
+
+def test_an_export_record_of_another_format_is_not_current(tmp_path):
+    """A record with every field this version reads, written by another version (another export format): its graphs
+    are not taken for this version's, even sealed and made from the same weights."""
+    GraphSpec(arch="sat", checksum="abc", encoder={}, enc_keys=[], state_keys=[], extra_keys=[],
+              format="attention-captioner-onnx/99").save(tmp_path)
+    for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
+        (tmp_path / name).write_bytes(b"graph")
+        seal(tmp_path / name)
+    assert export_is_current(tmp_path, "abc") is False
+    with pytest.raises(ValueError, match="unknown ONNX export format 'attention-captioner-onnx/99'"):
         GraphSpec.load(tmp_path)
 
 
