@@ -33,7 +33,7 @@ from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.export import onnx as exporter
 from captioner.models.export import sessions
 from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
-    export_graphs, export_is_current, export_visual_encoder, intact, seal
+    export_graphs, export_identity, export_is_current, export_visual_encoder, intact, seal
 from captioner.models.export.sessions import cuda_provider_available, session_options
 from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
 from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders
@@ -102,7 +102,8 @@ def export_or_skip(arch: str, ckpt, folder, encoder) -> GraphSpec:
 def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encoder, tmp_path):
     ckpt = tiny_checkpoint(arch)
     spec = export_or_skip(arch, ckpt, tmp_path / arch, encoder)
-    assert export_is_current(tmp_path / arch, ckpt.checksum) and spec.arch == arch
+    # a str names the folder as well as a Path (what the signature says)
+    assert export_is_current(str(tmp_path / arch), ckpt.checksum) and spec.arch == arch
     assert max(spec.max_abs_diff.values()) < 1e-3
     onnx_rt = OnnxRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
     assert_backends_agree(TorchRuntime(arch, ckpt, encoder, CPU), onnx_rt, random_images(6, seed=2))
@@ -114,6 +115,21 @@ def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encode
     step.write_bytes(step.read_bytes()[:-100])
     with pytest.raises(ValueError, match="step.onnx not as its export wrote it"):
         OnnxRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
+
+
+@pytest.mark.parametrize("graph", [ENCODER_FILE, HEAD_FILE])
+def test_an_encoder_graph_damaged_since_its_export_is_refused_at_load(graph, encoder, tmp_path):
+    """The seal is checked of the graph a runtime loads to encode, as of its step: ``encoder.onnx`` on its own,
+    ``head.onnx`` behind a shared CNN (a graph cut short or copied in from another model captioned, or failed,
+    under this model's name)."""
+    ckpt = tiny_checkpoint("sat")
+    export_graphs(ckpt, tmp_path / "sat", encoder)
+    visual = sessions.VisualSession(export_visual_encoder(ckpt.encoder, tmp_path, encoder)) if graph == HEAD_FILE \
+        else None
+    damaged = tmp_path / "sat" / graph
+    damaged.write_bytes(damaged.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{graph} not as its export wrote it"):
+        OnnxRuntime("sat", ckpt, tmp_path / "sat", CPU, threads=1, visual=visual)
 
 
 @pytest.mark.parametrize("arch,config", [
@@ -168,6 +184,73 @@ def test_a_step_that_reads_what_encode_kept_on_the_model_is_refused_naming_only_
     message = str(refused.value)
     assert not [name for name in ("encoder.py:", "protocol.py:", "layers.py:", "sat.py:") if name in message], message
     assert not (tmp_path / "kept").exists()
+
+
+@pytest.mark.parametrize("method,refusal", [("init_state", "cannot run the encoder graph on a new batch size"),
+                                            ("step", "cannot run the step graph on new row counts")])
+def test_a_row_count_taken_as_a_python_int_is_refused_naming_the_line(method, refusal, encoder, tmp_path):
+    """``int()`` of a tensor's size is a constant of the traced graph, which then runs only at the example's row
+    count: the export runs its graphs on a batch size and beam width the trace never saw, refuses, and names the
+    line (here, in the encoder graph's ``init_state`` and in the step graph)."""
+    ckpt = tiny_checkpoint("sat")
+    model = ckpt.model
+    plain = getattr(model, method)
+
+    def padded(first: torch.Tensor) -> torch.Tensor:
+        return first + torch.zeros(int(first.shape[0]), 1)
+
+    def init_state(self, enc):
+        return {key: padded(value) for key, value in plain(enc).items()}
+
+    def step(self, prev, state, enc):
+        logprobs, state, attention = plain(prev, state, enc)
+        return padded(logprobs), state, attention
+
+    setattr(model, method, types.MethodType(init_state if method == "init_state" else step, model))
+    with pytest.raises(ExportUnsupported, match=refusal) as refused:
+        export_graphs(ckpt, tmp_path / "frozen", encoder)
+    assert "the tracer froze Python values at" in str(refused.value) and "test_serving_onnx.py:" in str(refused.value)
+    assert not (tmp_path / "frozen").exists()
+
+
+def test_a_step_that_decides_on_the_previous_tokens_in_python_is_refused(encoder, tmp_path):
+    """A value read from ``prev_tokens`` in Python is frozen at the traced step's tokens: the export checks its
+    step graph on other tokens than the trace's (as a beam search feeds it), so such a graph is refused."""
+    ckpt = tiny_checkpoint("sat")
+    model = ckpt.model
+    plain_step = model.step
+
+    def step(self, prev, state, enc):
+        logprobs, state, attention = plain_step(prev, state, enc)
+        tilt = float(prev.max()) * torch.linspace(0, 1, logprobs.shape[-1])
+        return (logprobs + tilt).log_softmax(-1), state, attention
+
+    model.step = types.MethodType(step, model)
+    with pytest.raises(ExportUnsupported, match="ONNX Runtime disagrees with PyTorch"):
+        export_graphs(ckpt, tmp_path / "tokens", encoder)
+    assert not (tmp_path / "tokens").exists()
+
+
+@pytest.mark.parametrize("graph,named", [(ENCODER_FILE, "(encoder)"), (HEAD_FILE, "(encoder head)"),
+                                         (STEP_FILE, "at step 0")])
+def test_a_graph_that_computes_another_models_weights_is_refused_whichever_it_is(graph, named, encoder, tmp_path,
+                                                                                 monkeypatch):
+    """Every graph written is checked against PyTorch, ``head.onnx`` too (the one the service runs after the
+    shared CNN, which no caption test through ``encoder.onnx`` reaches): one swapped for another checkpoint's right
+    after tracing is refused, and the message names it."""
+    export_graphs(tiny_checkpoint("sat", seed=1), tmp_path / "other", encoder)
+    trace = exporter._trace_graphs
+
+    def swapped(arch, graphs, folder):
+        frozen = trace(arch, graphs, folder)
+        shutil.copyfile(tmp_path / "other" / graph, folder / graph)
+        return frozen
+
+    monkeypatch.setattr(exporter, "_trace_graphs", swapped)
+    with pytest.raises(ExportUnsupported, match="ONNX Runtime disagrees with PyTorch") as refused:
+        export_graphs(tiny_checkpoint("sat"), tmp_path / "model", encoder)
+    assert named in str(refused.value)
+    assert not (tmp_path / "model").exists()
 
 
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------
@@ -264,6 +347,19 @@ def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
     assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == []
 
 
+def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_only(tmp_path):
+    """A model recorded as unexportable is not sent to the preparing child again on ``onnx``, but only while the
+    record is of this export format: code writing another format may export what that code could not."""
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    identity = export_identity(load_checkpoint(tmp_path / "weights" / "a").checksum, ckpt.encoder)
+    record = onnx_exports.unexportable_record(tmp_path / "onnx", identity)
+    record.parent.mkdir(parents=True)
+    for written_by, left in (("attention-captioner-onnx/1", ["a"]), (exporter.FORMAT, [])):
+        record.write_text(json.dumps({"format": written_by, "why": "a step the tracer cannot record"}))
+        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == left
+
+
 @pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
 def test_an_onnx_folder_that_cannot_be_written_is_named_in_one_line_and_pytorch_serves(tmp_path, caplog, backend):
     """A read-only (or full) ``CAPTIONER_ONNX_DIR`` with nothing current in it: each ONNX backend is given up with
@@ -302,6 +398,8 @@ def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decode
                                        headers={"content-type": "image/png"})
                 assert response.status_code == 200, response.text
                 answers[backend, name] = response.json()
+    # the next start has nothing to make: a decoder that cannot be exported has no folder, and needs none
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
     for name in ("sat", "tvmax"):
         assert answers["auto", name]["caption"] == answers["torch", name]["caption"]
         np.testing.assert_allclose(answers["auto", name]["attention"], answers["torch", name]["attention"],
@@ -447,6 +545,9 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    # nothing to make for a model PyTorch serves: by its own backend, or under autocast, which serves every model so
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", backends={"a": "torch"}) == []
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", precision="bfloat16") == []
     runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                     onnx_dir=tmp_path / "onnx", threads=1)
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
@@ -490,6 +591,10 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     shutil.rmtree(visual)
     assert export_is_current(tmp_path / "onnx" / "a", load_checkpoint(tmp_path / "weights" / "a").checksum)
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    # without a current export of its own either, no CNN graph is a CNN the tracer could not record: served without
+    # it, and no child is sent to try again at every start
+    shutil.rmtree(tmp_path / "onnx" / "a")
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
 def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, monkeypatch):
@@ -628,6 +733,34 @@ def test_export_replaces_an_export_but_never_a_folder_of_anything_else(tmp_path,
     for _ in range(2):  # the second run replaces the first's export
         captioner(["export", str(tmp_path / "runs" / "best"), "--out", str(tmp_path / "onnx"), "--threads", "1"])
         assert export_is_current(tmp_path / "onnx" / "runs", checksum)
+
+
+def test_an_export_given_no_cnn_builds_its_checkpoints_own(tmp_path):
+    """``export_graphs(ckpt, out)``, as a library user calls it: the CNN of the checkpoint's encoder spec is built
+    for the trace (every caller in the service hands it a shared one)."""
+    ckpt = tiny_checkpoint("sat")
+    spec = export_graphs(ckpt, tmp_path / "sat")
+    assert export_is_current(tmp_path / "sat", ckpt.checksum) and spec.encoder == ckpt.encoder.to_json()
+
+
+def test_an_export_into_a_path_that_is_a_file_is_refused_and_the_file_kept(encoder, tmp_path):
+    """Where the export's folder would go there is a file: refused before any work, never swapped for the export."""
+    target = tmp_path / "notes"
+    target.write_text("not an export")
+    with pytest.raises(FileExistsError, match="is a file, not an ONNX export folder"):
+        export_graphs(tiny_checkpoint("sat"), target, encoder)
+    assert target.read_text() == "not an export"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]
+
+
+def test_what_a_killed_quantization_left_in_a_cnns_folder_does_not_stop_its_export_again(tmp_path):
+    """An int8 CNN is written under a hidden temporary name before it is renamed into place; one left by a killed
+    quantization is the export's own file, so the folder is still replaced, not refused as someone else's."""
+    spec = EncoderSpec(image_size=64)
+    path = export_visual_encoder(spec, tmp_path)
+    (path.parent / ".visual-int8-u8s8.onnx.tmp-0123abcd").write_bytes(b"half a graph")
+    path.write_bytes(path.read_bytes()[:1000])  # damaged: made again
+    assert export_visual_encoder(spec, tmp_path) == path and intact(path)
 
 
 def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replaces(tmp_path, monkeypatch):
