@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from PIL import Image
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
-from captioner.models.data.flickr import load_flickr
+from captioner.models.data.flickr import flickr_layout, load_flickr
 from captioner.service.cli import main
 
 from .conftest import FLICKR8K_DIR as SHARED
@@ -56,6 +57,57 @@ def test_official_files_give_splits_references_and_photos(official):
     test_only = load_flickr(official / "Flickr8k.token.txt", splits=("test",))
     assert [im.image_id for im in test_only] == [3] and [im.image_id for im in images] == [0, 1, 2, 3]
     assert len(load_flickr(official, limit=2)) == 2
+
+
+def test_max_refs_keeps_each_photos_first_captions_by_number(official):
+    images = load_flickr(official, max_refs=2)
+    assert [[r[-1] for r in im.references] for im in images] == [["0", "1"]] * 4
+    assert images[0].raw_references == ["A Dog, number 0 caption 0 .", "A Dog, number 0 caption 1 ."]
+
+
+def test_the_photos_folder_is_found_from_the_photos_of_the_asked_splits(official):
+    """Only the test photos copied over (to evaluate): the folder is found from them, not from the first photos of a
+    train list longer than the probe."""
+    for name in ("10_a.jpg", "11_b.jpg", "20_c.jpg"):
+        (official.parent / "Flicker8k_Dataset" / name).unlink()
+    (official / "Flickr_8k.trainImages.txt").write_text("".join(f"1{i}_x.jpg\n" for i in range(10)))
+    images = load_flickr(official, splits=("test",))
+    assert [im.path for im in images] == [(official.parent / "Flicker8k_Dataset" / "30_d.jpg").resolve()]
+
+
+def test_of_two_folders_holding_the_photos_the_first_place_of_the_layout_wins(official):
+    # images/ beside the token file comes before ../Flicker8k_Dataset in FLICKR8K's list of places
+    shutil.copytree(official.parent / "Flicker8k_Dataset", official / "images")
+    assert load_flickr(official)[0].path == (official / "images" / "10_a.jpg").resolve()
+
+
+def test_names_and_lines_are_read_without_the_spaces_around_them(official):
+    # a hand-edited list with trailing spaces: "10_a.jpg " would be a photo with no caption
+    train = official / "Flickr_8k.trainImages.txt"
+    train.write_text("10_a.jpg \n  11_b.jpg\t\n")
+    token = official / "Flickr8k.token.txt"
+    token.write_text("".join(f" {line}  \n" for line in token.read_text().splitlines()))
+    images = load_flickr(official, splits=("train",))
+    assert [im.path.name for im in images] == ["10_a.jpg", "11_b.jpg"]
+    assert images[0].raw_references[0] == "A Dog, number 0 caption 0 ."
+
+
+def test_a_photo_name_holding_a_hash_keeps_its_captions(official):
+    """The caption number is what follows the key's last ``#``."""
+    photos = official.parent / "Flicker8k_Dataset"
+    (photos / "30_d.jpg").rename(photos / "30#d.jpg")
+    token = official / "Flickr8k.token.txt"
+    token.write_text(token.read_text().replace("30_d.jpg#", "30#d.jpg#"))
+    (official / "Flickr_8k.testImages.txt").write_text("30#d.jpg\n")
+    image = load_flickr(official, splits=("test",))[0]
+    assert image.path.name == "30#d.jpg" and [r[-1] for r in image.references] == ["0", "1", "2", "3", "4"]
+
+
+def test_a_file_that_is_no_flickr_token_file_is_refused_by_name(official, tmp_path):
+    assert flickr_layout(str(official / "Flickr8k.token.txt")).name == "flickr8k"  # a string path too
+    assert flickr_layout(str(official)).name == "flickr8k" and flickr_layout(tmp_path) is None
+    with pytest.raises(ValueError, match="dataset_coco.json is neither Flickr8k.token.txt nor results_20130124.token"):
+        load_flickr(tmp_path / "dataset_coco.json")
 
 
 def test_errors_name_what_is_missing(official, tmp_path):
