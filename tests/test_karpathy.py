@@ -82,9 +82,25 @@ def test_an_image_without_a_caption_is_named_when_the_data_is_read(coco_fixture,
     assert len(load_karpathy(coco_fixture, splits=("train",))) == 2  # the other splits' images are still read
 
 
+def test_captions_without_a_word_do_not_count_towards_max_refs(coco_fixture):
+    data = json.loads(coco_fixture.read_text())
+    data["images"][0]["sentences"][:0] = [{"raw": "!!!"}, {"tokens": []}]  # two empty captions first, six after
+    coco_fixture.write_text(json.dumps(data))
+    image = load_karpathy(coco_fixture, splits=("train",))[0]
+    assert len(image.references) == 5 and image.references[0] == ["a", "dog", "running"]
+    assert image.raw_references[0] == "A Dog, running!" and len(image.raw_references) == 5
+
+
 def test_a_byte_order_mark_is_ignored(coco_fixture):
     coco_fixture.write_bytes("\ufeff".encode() + coco_fixture.read_bytes())  # as Windows editors save it
     assert len(load_karpathy(coco_fixture)) == 4
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path):
+    path = tmp_path / "dataset_coco.json"
+    path.write_bytes(b'\n{"images": [\n{"filename": "caf\xe9.jpg"}]}')  # Latin-1, on the third line
+    with pytest.raises(ValueError, match=r"dataset_coco.json:3 is not UTF-8 text \(byte 31: invalid"):
+        load_karpathy(path)
 
 
 def test_tokens_must_be_words_and_follow_the_one_tokenizer(coco_fixture):
@@ -108,6 +124,21 @@ def test_ids_are_unique_and_restval_is_asked_for_as_train(coco_fixture):
         load_karpathy(coco_fixture)
 
 
+def test_the_same_photo_listed_twice_is_refused(coco_fixture):
+    # in two splits a test photo would be trained on; in one it would count twice
+    data = json.loads(coco_fixture.read_text())
+    data["images"][3].update(filepath=data["images"][2]["filepath"], filename=data["images"][2]["filename"])
+    coco_fixture.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"images 2 and 3 are the same photo \(.*COCO_val2014_000000000002.jpg\)"):
+        load_karpathy(coco_fixture)
+
+
+def test_a_folder_given_as_the_json_is_named_for_what_it_is(tmp_path):
+    (tmp_path / "dataset_coco.json").mkdir()
+    with pytest.raises(ValueError, match="dataset_coco.json is a folder, not a captions file"):
+        load_karpathy(tmp_path / "dataset_coco.json")
+
+
 def test_a_split_the_data_set_lacks_is_named_with_the_ones_it_has(coco_fixture):
     with pytest.raises(SystemExit, match="split 'dev' of .* is empty; its splits are test, train, val"):
         load_split(coco_fixture, None, "dev")
@@ -128,6 +159,16 @@ def test_an_entry_without_imgid_takes_its_cocoid_then_its_position(tmp_path):
               {"filename": "b.jpg", "split": "train", "sentences": sentences}]
     (tmp_path / "dataset_coco.json").write_text(json.dumps({"images": images}))
     assert [im.image_id for im in load_karpathy(tmp_path / "dataset_coco.json")] == [391895, 1]
+
+
+def test_a_sentence_of_tokens_alone_has_them_joined_as_its_raw_text(tmp_path):
+    # the raw texts are what coco-caption's PTB tokenizer reads (eval --ptb): an empty one would score nothing
+    sentences = [{"tokens": ["a", "black", "cat"]}, {"tokens": ["a", "cat"], "raw": "A cat."}]
+    (tmp_path / "dataset_coco.json").write_text(json.dumps({"images": [
+        {"filename": "a.jpg", "split": "train", "sentences": sentences}]}))
+    image = load_karpathy(tmp_path / "dataset_coco.json")[0]
+    assert image.raw_references == ["a black cat", "A cat."]
+    assert image.references == [["a", "black", "cat"], ["a", "cat"]]
 
 
 def test_an_image_root_replaces_the_json_folder_below_the_filepath(coco_fixture, tmp_path):
