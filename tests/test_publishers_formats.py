@@ -82,6 +82,24 @@ def test_coco_files_read_as_the_same_photos_and_references(coco, karpathy):
     assert len(load_captioned(coco, splits=("train",), limit=3)) == 3
 
 
+def test_coco_2017_files_read_their_photos_from_the_2017_folders(coco):
+    for split in ("train", "val"):
+        captions = coco / "annotations" / f"captions_{split}2014.json"
+        captions.rename(captions.with_name(f"captions_{split}2017.json"))
+        (coco / f"{split}2014").rename(coco / f"{split}2017")
+    images = load_captioned(coco)
+    assert [im.path.parent for im in images] == [coco / f"{im.split}2017" for im in images]
+    assert {im.split for im in images} == {"train", "val"}
+
+
+def test_captions_files_beside_the_photo_folders_find_them_there(coco):
+    # not in an annotations/ folder: the photos' folders are looked for beside the captions files themselves
+    for captions in (coco / "annotations").iterdir():
+        captions.rename(coco / captions.name)
+    images = load_captioned(coco / "captions_val2014.json", splits=("val",))
+    assert images and all(im.path.parent == coco / "val2014" for im in images)
+
+
 def test_coco_refuses_what_it_does_not_have(coco, tmp_path):
     with pytest.raises(ValueError, match="no test split .*dataset_coco.json"):
         load_captioned(coco, splits=("test",))
@@ -172,3 +190,46 @@ def test_entries_missing_a_field_or_repeated_are_named(tmp_path):
     instances.write_text(json.dumps({"images": images, "annotations": [{"image_id": 1, "id": 3, "bbox": [0, 0, 1]}]}))
     with pytest.raises(ValueError, match="COCO annotations file without captions"):
         load_karpathy(instances)
+
+
+def test_an_id_of_true_is_not_read_as_the_number_one(tmp_path):
+    # JSON's true is a Python bool, an int: it would give the caption to the photo of id 1
+    images = [{"id": 1, "file_name": "a.jpg"}]
+    notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": True, "id": 11, "caption": "A cat."}]
+    (tmp_path / "captions_val2014.json").write_text(json.dumps({"images": images, "annotations": notes}))
+    with pytest.raises(ValueError, match="captions_val2014.json: annotation 1 has no int 'image_id'"):
+        load_coco(tmp_path, splits=("val",))
+
+
+@pytest.mark.parametrize("text, reason", [("{torn", r"\(Expecting"), ('{"images": []}', ": it needs 'images' and"),
+                                          ('{"annotations": []}', ": it needs"), ("[]", ": it needs"),
+                                          ('{"images": {}, "annotations": []}', ": it needs")])
+def test_a_captions_file_that_is_not_coco_json_is_named(tmp_path, text, reason):
+    captions = tmp_path / "captions_val2014.json"
+    captions.write_text(text)
+    with pytest.raises(ValueError, match=f"captions_val2014.json is not COCO's captions JSON ?{reason}"):
+        load_coco(captions, splits=("val",))
+
+
+def test_the_first_captions_by_annotation_id_are_kept(tmp_path):
+    # a few COCO photos have six or seven captions; max_refs keeps the first by annotation id, not by file order
+    notes = [{"image_id": 1, "id": n, "caption": f"A dog {n}."} for n in range(17, 10, -1)]
+    (tmp_path / "captions_val2014.json").write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg"}],
+                                                                "annotations": notes}))
+    image = load_coco(tmp_path, splits=("val",))[0]
+    assert [r[-1] for r in image.references] == ["11", "12", "13", "14", "15"]
+    assert load_coco(tmp_path, splits=("val",), max_refs=2)[0].raw_references == ["A dog 11.", "A dog 12."]
+
+
+def test_a_photo_without_a_caption_is_named(tmp_path):
+    # it would be kept without references, and BLEU stop at it after an epoch of training
+    images = [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": "b.jpg"}]
+    notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": 2, "id": 11, "caption": "..."}]
+    (tmp_path / "captions_train2014.json").write_text(json.dumps({"images": images, "annotations": notes}))
+    with pytest.raises(ValueError, match=r"image 2 \(b.jpg\) of .*captions_train2014.json has no caption"):
+        load_coco(tmp_path, splits=("train",))
+
+
+def test_a_split_coco_does_not_have_is_named_with_the_ones_it_has(coco):
+    with pytest.raises(ValueError, match="COCO has the splits train, val, not dev, restval"):
+        load_coco(coco, splits=("train", "dev", "restval"))
