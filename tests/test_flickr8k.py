@@ -14,7 +14,8 @@ import pytest
 from PIL import Image
 
 from captioner.models.checkpoint import save_checkpoint
-from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
+from captioner.models.data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset, \
+    train_split_captions, trained_on
 from captioner.models.data.flickr import flickr_layout, load_flickr
 from captioner.service.cli import main
 
@@ -151,12 +152,34 @@ def test_the_data_set_is_named_by_what_the_karpathy_loader_reads(tmp_path):
     assert dataset_name(karpathy) == "captions"
 
 
+def test_a_karpathy_json_without_a_dataset_field_is_named_by_its_file_name(tmp_path):
+    karpathy = tmp_path / "dataset_flickr30k.json"
+    karpathy.write_text(json.dumps({"images": []}))
+    assert dataset_name(karpathy) == "flickr30k"
+    karpathy.write_text("{torn")  # nor when it does not parse
+    assert dataset_name(karpathy) == "flickr30k"
+
+
 def test_trained_on_names_the_data_set_with_its_citation():
     assert trained_on({"trained_on": "X, train split"}) == "X, train split"
     assert trained_on({"dataset": ".cache/scenes-varied/dataset_scenes.json"}).startswith("generated scenes")
     assert trained_on({"dataset": "data/dataset_flickr8k.json"}).startswith("Flickr8k (Hodosh")
     assert trained_on({"dataset": "f8k/Flickr8k_text/Flickr8k.token.txt"}).startswith("Flickr8k (Hodosh")
     assert "AoANet" in trained_on({"imported_from": {"code": "github.com/husthuaan/AoANet"}})
+
+
+def test_a_scene_set_is_cited_without_a_split():
+    assert trained_on({"dataset": ".cache/scenes/dataset_scenes.json"}) == CITATIONS["scenes"]
+
+
+def test_the_training_captions_are_the_train_splits_read_without_its_photos(official):
+    """The captions the share of novel ones is counted against: the train split's alone, and read when only the
+    evaluated photos are on disk."""
+    for name in ("10_a.jpg", "11_b.jpg"):
+        (official.parent / "Flicker8k_Dataset" / name).unlink()
+    captions = train_split_captions(official, official.parent / "Flicker8k_Dataset")
+    # "a dog number <photo> caption <n>": the five of each of photos 0 and 1
+    assert sorted((c[3], c[5]) for c in captions) == [(photo, n) for photo in "01" for n in "01234"]
 
 
 @pytest.mark.skipif(not (SHARED / "Flickr8k.token.txt").is_file(), reason="../shared/data/flickr8k is not here")
