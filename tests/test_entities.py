@@ -68,6 +68,18 @@ def test_sentences_markup_chains_types_and_tokens():
     assert spans == [(0, 3), (3, 4), (5, 6)]
 
 
+def test_a_phrase_that_ends_the_caption_spans_to_its_last_token():
+    (sentence,) = parse_sentences("[/EN#1/people A man] rides [/EN#2/animals a horse]")
+    assert sentence.tokenized() == (["a", "man", "rides", "a", "horse"], [(0, 2), (3, 5)])
+
+
+def test_every_caption_line_is_read_past_blank_lines():
+    text = "\n\n".join(f"[/EN#{n}/people A man] rides ." for n in range(1, 6)) + "\n"
+    assert [sentence.phrases[0].chain for sentence in parse_sentences(text)] == ["1", "2", "3", "4", "5"]
+    with pytest.raises(EntitiesFormatError, match="line 11: phrase \\[/EN#6 is never closed"):
+        parse_sentences(text + "\n[/EN#6/people A man rides .\n")
+
+
 @pytest.mark.parametrize("line", ["[/EN#x/people a dog] runs", "a [/EN#3/people dog runs", "[EN#3/people a dog]"])
 def test_bad_markup_is_a_format_error(line):
     with pytest.raises(EntitiesFormatError):
@@ -84,6 +96,22 @@ def test_annotation_boxes_every_name_and_flags():
                 ANNOTATION.replace("<xmin>301</xmin>", "<xmin>0</xmin>")):
         with pytest.raises(EntitiesFormatError):
             parse_annotation(bad)
+
+
+@pytest.mark.parametrize("width, height", [(0, 200), (400, 0)])
+def test_an_annotation_of_no_width_or_height_is_a_format_error(width, height):
+    # boxes_on divides by it
+    size = f"<width>{width}</width><height>{height}</height>"
+    bad = ANNOTATION.replace("<width>400</width><height>200</height>", size)
+    with pytest.raises(EntitiesFormatError, match=f"size {width}×{height}"):
+        parse_annotation(bad)
+
+
+def test_an_empty_name_is_no_chain():
+    annotation = parse_annotation(ANNOTATION.replace("<name>32</name><name>33</name>", "<name/><name>33</name>"))
+    assert "32" not in annotation.boxes and annotation.boxes["33"] == [(201, 1, 400, 100)]
+    with pytest.raises(EntitiesFormatError, match="an <object> without a <name>"):
+        parse_annotation(ANNOTATION.replace("<name>32</name><name>33</name>", "<name/><name> </name>"))
 
 
 def test_boxes_on_a_squashed_copy_scale_each_axis_on_its_own():
@@ -116,6 +144,8 @@ def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
     assert entity.flickr_id == "1000" and len(entity.sentences) == 1  # sentence 1 is unrelated
     assert entity.sentences[0].phrases[0].types == ("people", "other")
     assert dataset.load("images/999_x.jpg") is None
+    (tmp_path / "Sentences" / "1001.txt").write_text(SENTENCES)  # its annotation not downloaded: no entities either
+    assert dataset.load("images/1001_x.jpg") is None
     with pytest.raises(FileNotFoundError, match="not a Flickr30k Entities folder"):
         EntitiesDataset(tmp_path / "Sentences")
 
