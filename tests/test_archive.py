@@ -3,13 +3,17 @@ real ``kill -9``, with unreadable files reported and skipped and ``--shard`` par
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,12 +23,13 @@ from skimage import data
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.pipeline import Pipeline
 from captioner.service import archive
-from captioner.service.archive import ArchiveError, ArchiveOptions, CaptionLines, caption_archive, list_images, \
-    load_runtime, select_shard, shard_of
+from captioner.service.archive import ArchiveError, ArchiveOptions, ArchiveSummary, CaptionLines, caption_archive, \
+    in_flight, list_images, load_runtime, select_shard, shard_of
 from captioner.service.cli import main
 from captioner.service.settings import Settings
 
 from .conftest import DEFAULT_CHECKPOINT, ROOT
+from .leaks import nothing_left_open
 from .serving_helpers import TINY_SPEC, VOCAB, random_images, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -187,6 +192,11 @@ def test_shards_partition_the_input_deterministically(tmp_path, tiny_checkpoint_
     # a file added to the archive moves no other file to another shard (an index-based split would)
     grown = sorted([*names, "photos/00000a.jpg"])
     assert all(p in select_shard(grown, shard_of(p, 3), 3) for p in names)
+    # the rule README states (a user's own script, or another version resuming a shard, picks the same files): the
+    # SHA-256 of the path as listed, UTF-8, its first 8 bytes read as a big-endian number, modulo the count
+    for path in [*names, "fotos/café/Ünïcode.jpg"]:
+        digest = hashlib.sha256(path.encode("utf-8")).digest()
+        assert shard_of(path, 1000) == int.from_bytes(digest[:8], "big") % 1000
     outputs = []
     for index in range(3):
         run = caption_archive([str(tmp_path / "archive")], tmp_path / f"shard{index}.jsonl", tiny_checkpoint_folder,
@@ -218,8 +228,26 @@ def test_archive_captions_equal_the_single_image_command_and_carry_attention_on_
         assert len(record["attention"]) == len(record["tokens"]) == len(record["is_eos"])
         assert all(abs(sum(row) - 1) < 1e-4 for row in record["attention"])
         assert record["geometry"]["grid_hw"] and Image.open(record["heatmap"]).format == "PNG"
+        assert None not in record.values()  # a field the model has not (area boxes) is left out, not null
     assert len(list((tmp_path / "figures").iterdir())) == len(records)  # no partial files left behind
 
+
+
+def test_the_figures_of_an_archive_are_drawn_on_one_thread(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                             monkeypatch):
+    """pyplot's figure registry is not thread-safe: the figures of captions that finish together (one batch) are
+    drawn one after another on the one figure thread, never on two at once."""
+    threads = set()
+    draw = archive.write_figure
+
+    def recorded(image, result, out):
+        threads.add(threading.get_ident())
+        draw(image, result, out)
+
+    monkeypatch.setattr(archive, "write_figure", recorded)
+    caption_archive(small_archive, tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(max_batch_images=4),
+                    ArchiveOptions(max_len=4, heatmaps=tmp_path / "figures"), progress=False)
+    assert len(list((tmp_path / "figures").iterdir())) == len(small_archive) and len(threads) == 1
 
 def test_captions_follow_the_decoding_flags_over_the_checkpoints_defaults(tmp_path, small_archive, capsys):
     """``captioner caption`` decodes with the rules its flags name in place of the checkpoint's defaults, rule by
@@ -262,6 +290,39 @@ def test_an_output_is_never_overwritten_or_resumed_from_a_foreign_file(tmp_path,
     assert list_images([str(tmp_path / "archive")]) == small_archive
 
 
+def test_caption_lines_reach_the_disk_every_interval_and_at_close(tmp_path, monkeypatch):
+    """A killed process loses no line written (each is flushed); a machine crash loses at most ``fsync_every_s`` of
+    them: the file is synced with the first line written that long after the last sync, and when it is closed."""
+    clock, synced = [0.0], []
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(archive, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(archive.os, "fsync", lambda fd: synced.append(out.read_bytes().count(b"\n")))
+    lines = CaptionLines(out, resume=False, fsync_every_s=2.0)
+    for now, path in ((1.0, "a.jpg"), (2.5, "b.jpg"), (3.0, "c.jpg"), (4.6, "d.jpg")):
+        clock[0] = now
+        lines.write({"path": path, "caption": "a cat"})
+    lines.close()
+    assert synced == [2, 4, 4]  # at 2.5 s (2 lines), 2.1 s later (4), and at close
+    assert lines.done == {"a.jpg", "b.jpg", "c.jpg", "d.jpg"}
+
+
+def test_a_refused_output_closes_the_file_it_opened(tmp_path):
+    """The output is opened (and locked) before it is checked: a refusal, a second writer's or a foreign file's on
+    resume, must close it then, not leave it to the garbage collector (a library caller's process holds the file,
+    and on resume its lock, for as long as the error's traceback lives)."""
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_text('{"note": 1}\n')
+    writing = CaptionLines(tmp_path / "shard.jsonl", resume=True)
+    try:
+        with nothing_left_open():
+            with pytest.raises(ArchiveError, match="another process is writing"):
+                CaptionLines(tmp_path / "shard.jsonl", resume=True)
+            with pytest.raises(ArchiveError, match="line 1"):
+                CaptionLines(foreign, resume=True)
+    finally:
+        writing.close()
+
+
 def test_a_users_files_beside_the_output_are_never_cut_or_emptied(tmp_path, tiny_checkpoint_folder,
                                                                      small_archive):
     """The security audit: --resume took a one-line file of somebody else's for a crash's torn tail and replaced
@@ -291,16 +352,101 @@ def test_a_users_files_beside_the_output_are_never_cut_or_emptied(tmp_path, tiny
     lines = CaptionLines(torn, resume=True)
     lines.close()
     assert lines.done == {"x.jpg"} and torn.read_text() == '{"path": "x.jpg", "caption": "a cat"}\n'
+    assert lines.dropped_tail == len('{"path": "y.jp')  # the bytes cut, which the command reports
+    torn.write_text('{"path": "x.jpg", "caption": "a cat"}\n{"pa')  # torn before its first field was whole
+    CaptionLines(torn, resume=True).close()
+    assert torn.read_text() == '{"path": "x.jpg", "caption": "a cat"}\n'
     alone = tmp_path / "alone.jsonl"  # killed while writing its first line
     alone.write_text('{"path": "x.j')
     CaptionLines(alone, resume=True).close()
     assert alone.read_text() == ""
 
 
+
+def test_an_image_the_folder_walk_found_is_never_taken_for_the_output(tmp_path, tiny_checkpoint_folder,
+                                                                        small_archive):
+    """An image reached through a folder (or a list), not named itself, given as the output is one of the inputs:
+    it was answered "already holds captions: add --resume to continue it, or remove it"."""
+    photo = Path(small_archive[0])
+    kept = photo.read_bytes()
+    for resume in (False, True):
+        with pytest.raises(ArchiveError, match="one of the command's inputs"):
+            caption_archive([str(tmp_path / "archive")], photo, tiny_checkpoint_folder, settings(), ArchiveOptions(),
+                            resume=resume, progress=False)
+    assert photo.read_bytes() == kept
+
+def test_a_link_in_place_of_the_errors_list_is_refused_before_anything_is_written(tmp_path, tiny_checkpoint_folder,
+                                                                                    small_archive):
+    """A link is refused for what it is, even to an earlier run's list of errors or to nothing yet: rewriting through
+    it would empty the file it names, and opening it without following it failed only once the output was made."""
+    earlier = tmp_path / "kept.errors.jsonl"
+    earlier.write_text(json.dumps({"path": "x.jpg", "error": "not a regular file"}) + "\n")
+    (tmp_path / "run.errors.jsonl").symlink_to(earlier)
+    (tmp_path / "new.errors.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    for output in (tmp_path / "run.jsonl", tmp_path / "new.jsonl"):
+        with pytest.raises(ArchiveError, match="is a link: the list of errors is not written through one"):
+            caption_archive(small_archive, output, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
+                            progress=False)
+        assert not output.exists()
+    assert read_lines(earlier) == [{"path": "x.jpg", "error": "not a regular file"}]
+    assert not (tmp_path / "nowhere.jsonl").exists()
+
+
+def test_a_run_with_unreadable_files_leaves_no_file_open(tmp_path, tiny_checkpoint_folder, small_archive):
+    """The output and the list of errors are closed when the run ends, not left to the garbage collector."""
+    with nothing_left_open():
+        run = caption_archive([small_archive[0], str(tmp_path / "gone.jpg")], tmp_path / "out.jsonl",
+                              tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4), progress=False)
+    assert (run.summary.captioned, run.summary.skipped) == (1, 1)
+    assert read_lines(tmp_path / "out.errors.jsonl")[0]["path"] == str(tmp_path / "gone.jpg")
+
+
+def test_the_images_read_ahead_fill_the_rows_and_one_encoder_batch():
+    """More images in flight than the batcher's rows take (``max_rows`` / beam) plus one encoder batch waiting would
+    only hold decoded images in memory; at least one image is always read."""
+    assert in_flight(Settings(max_rows=12, max_batch_images=4), beam_size=3) == 4 + 4
+    assert in_flight(Settings(max_rows=5, max_beam_size=5, max_batch_images=2), beam_size=5) == 1 + 2
+    assert in_flight(Settings(max_rows=5, max_beam_size=5, max_batch_images=2), beam_size=3) == 1 + 2
+
+
+def test_the_rate_of_a_run_is_images_per_second():
+    assert ArchiveSummary(captioned=10, seconds=4.0).images_per_s == 2.5
+    assert ArchiveSummary(captioned=0, skipped=3).images_per_s == 0.0  # a run that captioned nothing took no time
+
+
+def test_a_failure_while_writing_stops_the_run_and_is_raised(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                             monkeypatch):
+    """A line the disk cannot hold is not an unreadable image: the run stops (no more images are read once the
+    captions in flight are done) and the error reaches the caller, where a run that went on would end "captioned"
+    with lines missing."""
+    attempts = []
+
+    def full_disk(self, record):
+        attempts.append(record["path"])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(CaptionLines, "write", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        caption_archive(small_archive, tmp_path / "out.jsonl", tiny_checkpoint_folder,
+                        settings(max_rows=3, max_beam_size=3, max_batch_images=1), ArchiveOptions(max_len=4),
+                        progress=False)
+    assert 1 <= len(attempts) < len(small_archive)
+
+
+def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_folder, small_archive):
+    out = tmp_path / "out.jsonl"
+    caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4), progress=False)
+    written = out.read_bytes()
+    run = caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
+                          resume=True, progress=False)
+    assert (run.total, run.already_done, run.summary.captioned, run.dropped_tail) == (len(small_archive),) * 2 + (0, 0)
+    assert out.read_bytes() == written
+
 @pytest.mark.parametrize("argv, message", [
     (["caption", "DIR", "--resume"], "--resume needs --output"),
     (["caption", "DIR"], "is a folder: caption an archive with --output"),
     (["caption", "DIR", "--output", "o.jsonl", "--shard", "2/2"], "0 <= INDEX < COUNT"),
+    (["caption", "DIR", "--output", "o.jsonl", "--shard", "one/2"], "0 <= INDEX < COUNT"),
     (["caption", "DIR", "--output", "o.jsonl", "--overlay", "f.png"], "--overlay, --token and --json"),
     (["caption", "DIR/missing", "--output", "o.jsonl"], "no such folder, image or list file"),
 ])
@@ -319,6 +465,32 @@ def test_the_archive_loads_its_checkpoint_with_the_servers_settings(tiny_checkpo
     settings = Settings(interop_threads=2, threads=1, backend="torch", prefixed_weights_dirs={"x-": other.parent})
     runtime = load_runtime(tiny_checkpoint_folder, settings)
     assert interop == [2] and runtime.name == "tiny" and runtime.backend == "torch"
+
+
+def test_the_archive_warms_its_batcher_up_as_the_server_does(tiny_checkpoint_folder, small_archive, tmp_path,
+                                                             monkeypatch):
+    """CAPTIONER_WARMUP is read as the server reads it: the batcher is warmed up (its encoder batches measured)
+    when it is on, and not at all when it is off."""
+    warmed = []
+
+    async def recorded(batcher, settings):
+        warmed.append(settings.warmup)
+
+    monkeypatch.setattr(archive, "warm_up", recorded)
+    for warmup in (True, False):
+        caption_archive(small_archive[:2], tmp_path / f"{warmup}.jsonl", tiny_checkpoint_folder,
+                        Settings(backend="torch", warmup=warmup, threads=1), ArchiveOptions(max_len=4),
+                        progress=False)
+    assert warmed == [True]
+
+
+def test_a_checkpoint_that_fails_to_load_is_a_one_line_archive_error(tiny_checkpoint_folder, tmp_path):
+    """The loader logs why and skips the folder (as the server does); the archive then has no model, and says so
+    naming it, where ``next()`` of nothing raised a bare StopIteration."""
+    altered = save_checkpoint(tmp_path / "altered", tiny_model("sat"), VOCAB, TINY_SPEC)
+    (altered / "vocab.json").write_text((altered / "vocab.json").read_text() + " ")
+    with pytest.raises(ArchiveError, match=f"{altered} is not a loadable checkpoint"):
+        load_runtime(altered, settings())
 
 
 def test_a_heatmaps_folder_that_cannot_be_made_stops_the_batcher(tmp_path, tiny_checkpoint_folder, small_archive,
