@@ -1,5 +1,6 @@
 import functools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import captioner.models.checkpoint as checkpoint
 from captioner.models import checkpoint as module
 from captioner.models.attention import NORMALISERS
 from captioner.models.checkpoint import CARD, WEIGHTS, CheckpointError, checkpoint_name, convert_storage, \
-    find_checkpoints, load_checkpoint, model_files, on_meta, replace_files, save_checkpoint, update_meta
+    described_model, find_checkpoints, load_checkpoint, model_files, on_meta, replace_files, save_checkpoint, \
+    update_meta
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.files import file_checksum
@@ -35,7 +37,9 @@ def test_round_trip_gives_identical_captions(tmp_path, tiny_sat, random_visuals,
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), {"note": "test"})
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "manifest.json", "model.safetensors", "vocab.json"]
     loaded = load_checkpoint(path)
-    assert loaded.meta == {"note": "test"} and loaded.vocab.itos == vocab.itos and len(loaded.checksum) == 64
+    assert loaded.meta == {"note": "test"} and loaded.vocab.itos == vocab.itos
+    # the weights' sha256, verified or (without the manifest's check) computed
+    assert loaded.checksum == load_checkpoint(path, verify=False).checksum == file_checksum(path / WEIGHTS)
     before = beam_search(tiny_sat, random_visuals, k=3, max_len=8)
     after = beam_search(loaded.model, random_visuals, k=3, max_len=8)
     for a, b in zip(before, after):
@@ -49,6 +53,12 @@ def test_overwrite_is_atomic_and_leaves_no_debris(tmp_path, tiny_sat, vocab):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     assert load_checkpoint(tmp_path / "ckpt").encoder.image_size == 128
 
+
+def test_a_checkpoint_is_saved_into_an_empty_folder_made_for_it(tmp_path, tiny_sat, vocab):
+    """A checkpoint replaces a checkpoint or an empty folder (``mkdir weights/sat`` first): only a folder holding
+    something else is refused."""
+    (tmp_path / "ckpt").mkdir()
+    assert load_checkpoint(save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())).checksum
 
 def test_a_folder_replaced_while_it_loads_is_loaded_again_not_mixed(tmp_path, tiny_sat, vocab, monkeypatch):
     """A training run replaces best/ whole while a server or eval loads it; each file is opened by name, so a load
@@ -87,8 +97,34 @@ def test_a_card_added_through_a_link_keeps_the_link_everything_beside_it_and_a_s
     assert (real / "notes" / "run.txt").read_text() == "how it was trained"
     assert (real / ".gitattributes").exists() and in_flight.exists()
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [".sat.tmp-12345", "sat"]
-    assert CARD in json.loads((real / "manifest.json").read_text())["files"]
+    listed = json.loads((real / "manifest.json").read_text())["files"]
+    assert CARD in listed and ".gitattributes" not in listed  # a hidden file is not the checkpoint's
 
+
+def test_a_card_added_to_a_folder_keeps_a_linked_file_a_link(tmp_path, tiny_sat, vocab):
+    """A file of the folder that is a symbolic link (an encoder's weights shared between checkpoints) stays a link
+    to the same place, neither copied nor dropped, when ``replace_files`` builds the folder again."""
+    shared = tmp_path / "shared-cnn.safetensors"
+    shared.write_bytes(b"the CNN")
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / "cnn.safetensors").symlink_to(shared)
+    replace_files(path, {CARD: "# sat\n"})
+    assert (path / "cnn.safetensors").is_symlink() and os.readlink(path / "cnn.safetensors") == str(shared)
+    assert load_checkpoint(path).checksum
+
+def test_a_save_or_a_replacement_refuses_what_would_not_be_an_extra_file(tmp_path, tiny_sat, vocab):
+    """Extra files are plain names beside the model's own: a path would be written outside the folder, and one of
+    the checkpoint's own names would replace its weights, config or manifest behind the manifest's back."""
+    with pytest.raises(ValueError, match="storage must be one of float32, float16, got 'bfloat16'"):
+        save_checkpoint(tmp_path / "half", tiny_sat, vocab, EncoderSpec(), storage="bfloat16")
+    for name in ("config.json", "../escape.txt", "sub/notes.txt"):
+        with pytest.raises(ValueError, match="cannot be an extra file of a checkpoint folder"):
+            save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), files={name: b"x"})
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    for name in ("model.safetensors", "manifest.json", "../escape.txt"):
+        with pytest.raises(ValueError, match="cannot be replaced in a checkpoint folder"):
+            replace_files(path, {name: "x"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and load_checkpoint(path).checksum
 
 def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
     with pytest.raises(CheckpointError, match="config.json is missing"):
@@ -108,6 +144,18 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
         with pytest.raises(CheckpointError, match="manifest.json is not valid JSON"):
             load_checkpoint(path)
 
+
+
+def test_a_config_no_model_can_be_built_from_is_named_for_what_it_is(tmp_path, tiny_sat, vocab):
+    """A size no tensor can have (a negative dimension) is the constructor's own error, not the meta device's rule
+    about reading tensor values, which would send the reader to the wrong place."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    config = json.loads((path / "config.json").read_text())
+    config["model"]["hidden_dim"] = -5
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"the model cannot be built \(.*negative dimension") as refused:
+        load_checkpoint(path, verify=False)
+    assert "meta device" not in str(refused.value)
 
 @pytest.mark.parametrize("file, damage, message", [
     ("manifest.json", "[1]", "manifest.json: unknown manifest format 'list'"),
@@ -353,6 +401,14 @@ def test_every_registered_model_builds_on_the_meta_device():
                {n: p.shape for n, p in model.state_dict().items()}, arch
 
 
+def test_the_model_a_checkpoint_describes_is_built_on_the_meta_device(tmp_path, tiny_sat, vocab):
+    """What the zoo table counts parameters on: the model of the checkpoint's config.json, without memory."""
+    described = described_model(save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec()))
+    assert {n: p.shape for n, p in described.state_dict().items()} == \
+           {n: p.shape for n, p in tiny_sat.state_dict().items()}
+    assert {p.device.type for p in described.parameters()} == {"meta"}
+
+
 def test_a_constructor_that_reads_tensor_values_is_refused_with_the_rule(tmp_path, monkeypatch, tiny_sat, vocab):
     class ScaledSat(ShowAttendTell):
         @functools.wraps(ShowAttendTell.__init__)  # the options create() checks are SAT's
@@ -391,13 +447,23 @@ def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypat
 
 
 def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_path, tiny_sat, vocab):
-    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), files={"cnn.safetensors": b"weights"})
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(weights="cnn.safetensors"),
+                           files={"cnn.safetensors": b"weights"})
+    (path / ".MODEL_CARD.md.tmp-1a2b3c4d").write_text("# ca")  # a card's write killed half-way: not carried over
     update_meta(path, note="rewritten")
     convert_storage(path, "float16", tmp_path / "half")
     for folder in (path, tmp_path / "half"):
         assert (folder / "cnn.safetensors").read_bytes() == b"weights"
         assert "cnn.safetensors" in json.loads((folder / "manifest.json").read_text())["files"]
-        assert load_checkpoint(folder).meta["note"] == "rewritten"
+        assert not list(folder.glob(".*"))
+        loaded = load_checkpoint(folder)
+        assert loaded.meta["note"] == "rewritten"
+        # the encoder's file named by its name in the folder, not by the path of the folder it was written from
+        assert json.loads((folder / "config.json").read_text())["encoder"]["weights"] == "cnn.safetensors"
+        assert loaded.encoder.weights == str((folder / "cnn.safetensors").resolve())
+    # a relative name the folder does not hold is left as it is, to be found where the encoder looks for it
+    elsewhere = save_checkpoint(tmp_path / "elsewhere", tiny_sat, vocab, EncoderSpec(weights="cnn.safetensors"))
+    assert load_checkpoint(elsewhere).encoder.weights == "cnn.safetensors"
 
 
 def test_manifest_command_never_seals_a_folder_replaced_while_it_read_its_files(tmp_path, tiny_sat, vocab,

@@ -91,6 +91,12 @@ def test_a_save_killed_between_renames_is_recovered(tmp_path, tiny_sat):
     remove_debris(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
     assert load_checkpoint(path).encoder.image_size == 128
+    # a crash after the second rename: the new checkpoint is in place and the old one, still set aside, is removed
+    (tmp_path / ".last.old").mkdir()
+    (tmp_path / ".last.old" / "model.safetensors").write_bytes(b"\0" * 10)
+    remove_debris(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    assert load_checkpoint(path).encoder.image_size == 128
 
 
 @pytest.mark.parametrize("name", ["best", "last"])
