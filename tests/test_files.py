@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from captioner.models.files import (describe_os_error, is_newer_format, temporaries_of, temporary_beside,
-                                   temporary_target, write_atomically, write_durably)
+from captioner.models.files import (describe_os_error, is_newer_format, read_text_file, replace_directory,
+                                   temporaries_of, temporary_beside, temporary_target, write_atomically, write_durably)
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -39,6 +39,7 @@ def test_a_temporary_name_is_found_again_and_names_what_it_stands_for(tmp_path):
     (tmp_path / ".card[1].md.old").write_text("not a temporary")
     assert temporaries_of(target) == [left] and temporary_target(left.name) == "card[1].md"
     assert temporary_target("card.md") is None and temporary_target(".tmp-0badf00d") is None
+    assert temporary_target("..tmp-0badf00d") is None  # a mark with no name before it stands for nothing
 
 
 def test_an_os_error_reads_as_the_shells_tools_say_it_naming_what_the_user_asked_for(tmp_path):
@@ -98,6 +99,31 @@ def test_a_durable_write_flushes_the_file_before_the_rename_and_the_folder_after
     write_atomically(tmp_path / "state.json", "{}")  # not durable: nothing flushed
     assert events == [("replace", "state.json")]
 
+
+
+def test_a_replaced_folder_is_flushed_in_its_parent_after_the_swap(tmp_path, monkeypatch):
+    """A checkpoint or an export folder put in place survives a machine crash: the parent's entry is flushed once
+    the new folder is there."""
+    (tmp_path / "ckpt").mkdir()
+    new = tmp_path / ".ckpt.tmp-0badf00d"
+    new.mkdir()
+    (new / "config.json").write_text("{}")
+    real_fsync, flushed = os.fsync, []
+
+    def fsync(fd):
+        flushed.append((os.readlink(f"/proc/self/fd/{fd}"), sorted(os.listdir(tmp_path))))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    replace_directory(new, tmp_path / "ckpt")
+    assert flushed == [(str(tmp_path), ["ckpt"])] and (tmp_path / "ckpt" / "config.json").is_file()
+
+
+def test_a_file_that_is_not_utf8_is_named_with_the_line_of_its_first_bad_byte(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"first line\nsecond \xff line\nthird\nfourth\n")
+    with pytest.raises(ValueError, match=r"notes.txt:2 is not UTF-8 text \(byte 18: invalid start byte\)"):
+        read_text_file(notes)
 
 def test_only_a_higher_version_of_the_same_family_is_a_newer_format():
     assert is_newer_format("store/3", "store/2") and not is_newer_format("store/2", "store/2")
