@@ -248,6 +248,17 @@ def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp
     assert convert_storage(half, "float32").exists() and load_checkpoint(half).storage == "float32"
 
 
+def test_float16_storage_rounds_floating_point_weights_only(tmp_path):
+    """A count kept in the state (hard attention's baseline has seen 5,001 batches) is an integer, stored as one:
+    float16 holds integers exactly only up to 2,048."""
+    model = tiny_model("sat-hard")
+    model.baseline_batches.fill_(5001)
+    half = save_checkpoint(tmp_path / "half", model, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec(),
+                           storage="float16")
+    loaded = load_checkpoint(half).model.baseline_batches
+    assert loaded.dtype == torch.int64 and loaded.item() == 5001
+
+
 def test_weights_stored_otherwise_leave_the_model_card_behind(tmp_path, tiny_sat, capsys):
     """The card names the weights' sha256 and what they measured: ``storage --out`` copied it beside float16
     weights it no longer described; a record change (the same weights) keeps it."""
