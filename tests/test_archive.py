@@ -232,7 +232,6 @@ def test_archive_captions_equal_the_single_image_command_and_carry_attention_on_
     assert len(list((tmp_path / "figures").iterdir())) == len(records)  # no partial files left behind
 
 
-
 def test_the_figures_of_an_archive_are_drawn_on_one_thread(tmp_path, tiny_checkpoint_folder, small_archive,
                                                              monkeypatch):
     """pyplot's figure registry is not thread-safe: the figures of captions that finish together (one batch) are
@@ -248,6 +247,7 @@ def test_the_figures_of_an_archive_are_drawn_on_one_thread(tmp_path, tiny_checkp
     caption_archive(small_archive, tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(max_batch_images=4),
                     ArchiveOptions(max_len=4, heatmaps=tmp_path / "figures"), progress=False)
     assert len(list((tmp_path / "figures").iterdir())) == len(small_archive) and len(threads) == 1
+
 
 def test_captions_follow_the_decoding_flags_over_the_checkpoints_defaults(tmp_path, small_archive, capsys):
     """``captioner caption`` decodes with the rules its flags name in place of the checkpoint's defaults, rule by
@@ -362,7 +362,6 @@ def test_a_users_files_beside_the_output_are_never_cut_or_emptied(tmp_path, tiny
     assert alone.read_text() == ""
 
 
-
 def test_an_image_the_folder_walk_found_is_never_taken_for_the_output(tmp_path, tiny_checkpoint_folder,
                                                                         small_archive):
     """An image reached through a folder (or a list), not named itself, given as the output is one of the inputs:
@@ -374,6 +373,7 @@ def test_an_image_the_folder_walk_found_is_never_taken_for_the_output(tmp_path, 
             caption_archive([str(tmp_path / "archive")], photo, tiny_checkpoint_folder, settings(), ArchiveOptions(),
                             resume=resume, progress=False)
     assert photo.read_bytes() == kept
+
 
 def test_a_link_in_place_of_the_errors_list_is_refused_before_anything_is_written(tmp_path, tiny_checkpoint_folder,
                                                                                     small_archive):
@@ -441,6 +441,7 @@ def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_f
                           resume=True, progress=False)
     assert (run.total, run.already_done, run.summary.captioned, run.dropped_tail) == (len(small_archive),) * 2 + (0, 0)
     assert out.read_bytes() == written
+
 
 @pytest.mark.parametrize("argv, message", [
     (["caption", "DIR", "--resume"], "--resume needs --output"),

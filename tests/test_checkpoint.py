@@ -60,6 +60,7 @@ def test_a_checkpoint_is_saved_into_an_empty_folder_made_for_it(tmp_path, tiny_s
     (tmp_path / "ckpt").mkdir()
     assert load_checkpoint(save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())).checksum
 
+
 def test_a_folder_replaced_while_it_loads_is_loaded_again_not_mixed(tmp_path, tiny_sat, vocab, monkeypatch):
     """A training run replaces best/ whole while a server or eval loads it; each file is opened by name, so a load
     the replacement came through paired the first checkpoint's manifest digest with the second one's weights."""
@@ -112,6 +113,7 @@ def test_a_card_added_to_a_folder_keeps_a_linked_file_a_link(tmp_path, tiny_sat,
     assert (path / "cnn.safetensors").is_symlink() and os.readlink(path / "cnn.safetensors") == str(shared)
     assert load_checkpoint(path).checksum
 
+
 def test_a_save_or_a_replacement_refuses_what_would_not_be_an_extra_file(tmp_path, tiny_sat, vocab):
     """Extra files are plain names beside the model's own: a path would be written outside the folder, and one of
     the checkpoint's own names would replace its weights, config or manifest behind the manifest's back."""
@@ -125,6 +127,7 @@ def test_a_save_or_a_replacement_refuses_what_would_not_be_an_extra_file(tmp_pat
         with pytest.raises(ValueError, match="cannot be replaced in a checkpoint folder"):
             replace_files(path, {name: "x"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and load_checkpoint(path).checksum
+
 
 def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
     with pytest.raises(CheckpointError, match="config.json is missing"):
@@ -145,7 +148,6 @@ def test_bad_checkpoints_fail_clearly(tmp_path, tiny_sat, vocab):
             load_checkpoint(path)
 
 
-
 def test_a_config_no_model_can_be_built_from_is_named_for_what_it_is(tmp_path, tiny_sat, vocab):
     """A size no tensor can have (a negative dimension) is the constructor's own error, not the meta device's rule
     about reading tensor values, which would send the reader to the wrong place."""
@@ -156,6 +158,7 @@ def test_a_config_no_model_can_be_built_from_is_named_for_what_it_is(tmp_path, t
     with pytest.raises(CheckpointError, match=r"the model cannot be built \(.*negative dimension") as refused:
         load_checkpoint(path, verify=False)
     assert "meta device" not in str(refused.value)
+
 
 @pytest.mark.parametrize("file, damage, message", [
     ("manifest.json", "[1]", "manifest.json: unknown manifest format 'list'"),

@@ -100,7 +100,6 @@ def test_a_durable_write_flushes_the_file_before_the_rename_and_the_folder_after
     assert events == [("replace", "state.json")]
 
 
-
 def test_a_replaced_folder_is_flushed_in_its_parent_after_the_swap(tmp_path, monkeypatch):
     """A checkpoint or an export folder put in place survives a machine crash: the parent's entry is flushed once
     the new folder is there."""
@@ -124,6 +123,7 @@ def test_a_file_that_is_not_utf8_is_named_with_the_line_of_its_first_bad_byte(tm
     notes.write_bytes(b"first line\nsecond \xff line\nthird\nfourth\n")
     with pytest.raises(ValueError, match=r"notes.txt:2 is not UTF-8 text \(byte 18: invalid start byte\)"):
         read_text_file(notes)
+
 
 def test_only_a_higher_version_of_the_same_family_is_a_newer_format():
     assert is_newer_format("store/3", "store/2") and not is_newer_format("store/2", "store/2")
