@@ -123,7 +123,7 @@ def small_archive(tmp_path) -> list[str]:
 
 
 def settings(**overrides) -> Settings:
-    return Settings(backend="torch", warmup=False, threads=1, **overrides)
+    return Settings(**{"backend": "torch", "warmup": False, "threads": 1, **overrides})
 
 
 def test_unreadable_files_are_reported_skipped_and_tried_again_on_resume(tmp_path, tiny_checkpoint_folder,
@@ -480,7 +480,7 @@ def test_the_archive_warms_its_batcher_up_as_the_server_does(tiny_checkpoint_fol
     monkeypatch.setattr(archive, "warm_up", recorded)
     for warmup in (True, False):
         caption_archive(small_archive[:2], tmp_path / f"{warmup}.jsonl", tiny_checkpoint_folder,
-                        Settings(backend="torch", warmup=warmup, threads=1), ArchiveOptions(max_len=4),
+                        settings(warmup=warmup), ArchiveOptions(max_len=4),
                         progress=False)
     assert warmed == [True]
 

@@ -231,8 +231,9 @@ def test_the_special_ids_name_the_special_tokens_and_a_foreign_vocabulary_is_ref
         Vocabulary.from_json({"itos": ["a", *SPECIALS]})
 
 
-def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, random_visuals):
-    full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
+def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, vocab,
+                                                                            random_visuals):
+    full = save_checkpoint(tmp_path / "full", tiny_sat, vocab, EncoderSpec())
     half = convert_storage(full, "float16", tmp_path / "half")
     assert (half / WEIGHTS).stat().st_size < 0.6 * (full / WEIGHTS).stat().st_size
     loaded = load_checkpoint(half)  # its manifest verifies, and the model is float32 again
@@ -251,21 +252,20 @@ def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp
     assert convert_storage(half, "float32").exists() and load_checkpoint(half).storage == "float32"
 
 
-def test_float16_storage_rounds_floating_point_weights_only(tmp_path):
+def test_float16_storage_rounds_floating_point_weights_only(tmp_path, vocab):
     """A count kept in the state (hard attention's baseline has seen 5,001 batches) is an integer, stored as one:
     float16 holds integers exactly only up to 2,048."""
     model = tiny_model("sat-hard")
     model.baseline_batches.fill_(5001)
-    half = save_checkpoint(tmp_path / "half", model, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec(),
-                           storage="float16")
+    half = save_checkpoint(tmp_path / "half", model, vocab, EncoderSpec(), storage="float16")
     loaded = load_checkpoint(half).model.baseline_batches
     assert loaded.dtype == torch.int64 and loaded.item() == 5001
 
 
-def test_weights_stored_otherwise_leave_the_model_card_behind(tmp_path, tiny_sat, capsys):
+def test_weights_stored_otherwise_leave_the_model_card_behind(tmp_path, tiny_sat, vocab, capsys):
     """The card names the weights' sha256 and what they measured: ``storage --out`` copied it beside float16
     weights it no longer described; a record change (the same weights) keeps it."""
-    full = save_checkpoint(tmp_path / "full", tiny_sat, Vocabulary([f"w{i}" for i in range(19)]), EncoderSpec())
+    full = save_checkpoint(tmp_path / "full", tiny_sat, vocab, EncoderSpec())
     (full / CARD).write_text("# weights sha256 of the float32 ones\n")
     main(["manifest", str(full)])
     main(["storage", str(full), "float16", "--out", str(tmp_path / "half")])

@@ -173,21 +173,26 @@ def test_a_captions_file_in_another_encoding_is_named(coco, flickr30k, scenes, t
             load_captioned(dataset, splits=("val",))
 
 
+def write_coco_json(path: Path, images: list[dict], annotations: list[dict]) -> Path:
+    """A COCO annotations file (captions or instances) of these entries."""
+    path.write_text(json.dumps({"images": images, "annotations": annotations}))
+    return path
+
+
 def test_entries_missing_a_field_or_repeated_are_named(tmp_path):
     annotations = tmp_path / "annotations"
     annotations.mkdir()
     images = [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": "b.jpg"}]
     notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": 2, "id": 11, "caption": None}]
-    captions = annotations / "captions_val2014.json"
-    captions.write_text(json.dumps({"images": images, "annotations": notes}))
+    captions = write_coco_json(annotations / "captions_val2014.json", images, notes)
     with pytest.raises(ValueError, match="captions_val2014.json: annotation 1 has no str 'caption'"):
         load_coco(annotations, splits=("val",))  # a null caption was the reference "none"
     notes[1]["caption"] = "A cat."
-    captions.write_text(json.dumps({"images": images + [images[0]], "annotations": notes}))
+    write_coco_json(captions, images + [images[0]], notes)
     with pytest.raises(ValueError, match="image 2 repeats the id 1"):
         load_coco(annotations, splits=("val",))
-    instances = tmp_path / "instances_val2014.json"
-    instances.write_text(json.dumps({"images": images, "annotations": [{"image_id": 1, "id": 3, "bbox": [0, 0, 1]}]}))
+    instances = write_coco_json(tmp_path / "instances_val2014.json", images,
+                                [{"image_id": 1, "id": 3, "bbox": [0, 0, 1]}])
     with pytest.raises(ValueError, match="COCO annotations file without captions"):
         load_karpathy(instances)
 
@@ -196,7 +201,7 @@ def test_an_id_of_true_is_not_read_as_the_number_one(tmp_path):
     # JSON's true is a Python bool, an int: it would give the caption to the photo of id 1
     images = [{"id": 1, "file_name": "a.jpg"}]
     notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": True, "id": 11, "caption": "A cat."}]
-    (tmp_path / "captions_val2014.json").write_text(json.dumps({"images": images, "annotations": notes}))
+    write_coco_json(tmp_path / "captions_val2014.json", images, notes)
     with pytest.raises(ValueError, match="captions_val2014.json: annotation 1 has no int 'image_id'"):
         load_coco(tmp_path, splits=("val",))
 
@@ -214,8 +219,7 @@ def test_a_captions_file_that_is_not_coco_json_is_named(tmp_path, text, reason):
 def test_the_first_captions_by_annotation_id_are_kept(tmp_path):
     # a few COCO photos have six or seven captions; max_refs keeps the first by annotation id, not by file order
     notes = [{"image_id": 1, "id": n, "caption": f"A dog {n}."} for n in range(17, 10, -1)]
-    (tmp_path / "captions_val2014.json").write_text(json.dumps({"images": [{"id": 1, "file_name": "a.jpg"}],
-                                                                "annotations": notes}))
+    write_coco_json(tmp_path / "captions_val2014.json", [{"id": 1, "file_name": "a.jpg"}], notes)
     image = load_coco(tmp_path, splits=("val",))[0]
     assert [r[-1] for r in image.references] == ["11", "12", "13", "14", "15"]
     assert load_coco(tmp_path, splits=("val",), max_refs=2)[0].raw_references == ["A dog 11.", "A dog 12."]
@@ -225,7 +229,7 @@ def test_a_photo_without_a_caption_is_named(tmp_path):
     # it would be kept without references, and BLEU stop at it after an epoch of training
     images = [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "file_name": "b.jpg"}]
     notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": 2, "id": 11, "caption": "..."}]
-    (tmp_path / "captions_train2014.json").write_text(json.dumps({"images": images, "annotations": notes}))
+    write_coco_json(tmp_path / "captions_train2014.json", images, notes)
     with pytest.raises(ValueError, match=r"image 2 \(b.jpg\) of .*captions_train2014.json has no caption"):
         load_coco(tmp_path, splits=("train",))
 
