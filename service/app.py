@@ -25,6 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.device import set_threads
+from captioner.models.inference import Runtime
 
 from .batcher import Batcher
 from .captioning import observe_invalid
@@ -38,7 +39,7 @@ from .problem_pages import install_problem_pages
 from .problems import install_problem_handlers
 from .results import ResultStore
 from .routes import router
-from .runtime import load_runtimes, prepare_in_child
+from .runtime import PreparingChild, iter_runtimes
 from .onnx_exports import unprepared
 from .openapi import install_docs, install_openapi
 from .security import install_security
@@ -63,12 +64,26 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     found = (settings.weights_dir, settings.checkpoints)
     placed, run = settings.model_placement(), settings.model_loading()
     missing = unprepared(*found, **placed)
+    child = None
     if missing:
         log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
-        await run_in_threadpool(prepare_in_child, *found, only=missing,
-                                set_up_logging=functools.partial(configure_logging, settings.log_format,
-                                                                 settings.log_level), **run)
-    runtimes = await run_in_threadpool(load_runtimes, *found, **run)
+        child = await run_in_threadpool(functools.partial(
+            PreparingChild, *found, only=missing,
+            set_up_logging=functools.partial(configure_logging, settings.log_format, settings.log_level), **run))
+    # each model is loaded and warmed up as soon as the child is done with it, while it prepares the next
+    loading = iter_runtimes(*found, before_each=child.wait_for if child else lambda name: None, **run)
+    runtimes: dict[str, Runtime] = {}
+    try:
+        while (loaded := await run_in_threadpool(next, loading, None)) is not None:
+            name, runtime = loaded
+            runtimes[name] = runtime
+            await _start_batcher(state, settings, name, runtime)
+    except BaseException:  # a failed warm-up, or a shutdown during start-up: the child's work is not waited for
+        if child is not None:
+            child.stop()
+        raise
+    if child is not None:
+        await run_in_threadpool(child.join)
     if not runtimes:
         log.error("no checkpoint found in %s: every caption request will get 503",
                   ", ".join(settings.checkpoint_folders()))
@@ -77,13 +92,6 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
         log.warning("default model %r not found; using %r", settings.default_model, fallback)
         state.default_model = fallback
     state.runtimes = runtimes
-    for name, runtime in runtimes.items():
-        batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics,
-                          on_idle=state.on_idle, overlap_encoding=settings.overlap_encoding)
-        batcher.start()
-        state.batchers[name] = batcher  # before warm-up, so that shutdown stops it even when warm-up fails
-        if settings.warmup:
-            await warm_up(batcher, settings)
     # frozen first, so that release_memory's own collection walks only what is left (next to nothing)
     log.info("%d start-up objects frozen out of the garbage collector", freeze_startup_objects())
     if settings.release_memory:  # hand warm-up's freed activations back to the system (memory.py)
@@ -94,6 +102,16 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")
+
+
+async def _start_batcher(state: ServiceState, settings: Settings, name: str, runtime: Runtime) -> None:
+    """Start the batcher of model ``name`` and warm it up (when the settings say so)."""
+    batcher = Batcher(runtime, settings.max_batch_images, settings.queue_size, settings.max_rows, state.metrics,
+                      on_idle=state.on_idle, overlap_encoding=settings.overlap_encoding)
+    batcher.start()
+    state.batchers[name] = batcher  # before warm-up, so that shutdown stops it even when warm-up fails
+    if settings.warmup:
+        await warm_up(batcher, settings)
 
 
 def _note_load_failure(state: ServiceState, loading: asyncio.Task) -> None:

@@ -3,7 +3,7 @@
 (:class:`~captioner.service.shared_encoders.SharedEncoders` makes it), and the ``auto`` check set's reference
 captions (:func:`reference_record`), or the record that the model cannot be exported (:func:`unexportable_record`).
 :func:`unprepared` tells from disk alone, without loading a checkpoint, which models still have something to make,
-so that :func:`~captioner.service.runtime.prepare_in_child` makes it in a child process before the server's own
+so that :class:`~captioner.service.runtime.PreparingChild` makes it in a child process before the server's own
 load.
 """
 

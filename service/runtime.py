@@ -1,5 +1,5 @@
 """Runtimes of the served checkpoints: :func:`load_runtimes` loads every checkpoint and serves it with the backend
-chosen for it; :func:`prepare_in_child` runs that load in a child process on a first start.
+chosen for it; :class:`PreparingChild` runs that load in a child process on a first start.
 
 Every model is served through the :class:`~captioner.models.inference.Runtime` interface the batcher drives, with
 either backend, chosen per model name:
@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Callable, Collection
+from multiprocessing.connection import Connection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
-from captioner.models.device import resolve_device
+from captioner.models.device import resolve_device, set_threads
 from captioner.models.export.quantize import int8_kernels
 from captioner.models.files import describe_os_error
 from captioner.models.inference import Runtime, TorchRuntime
@@ -48,19 +49,29 @@ from .shared_encoders import SharedEncoders
 log = logging.getLogger("captioner.runtime")
 
 
-def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: str = "auto",
+def load_runtimes(weights_dir: Path | None, extra: list[Path], **settings) -> dict[str, Runtime]:
+    """Every checkpoint as a runtime, by name (:func:`iter_runtimes`, whose keywords it takes)."""
+    return dict(iter_runtimes(weights_dir, extra, **settings))
+
+
+def iter_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: str = "auto",
                   backends: dict[str, str] | None = None, default_backend: str = "torch",
                   onnx_dir: Path = DEFAULT_ONNX_DIR, threads: int | None = None, precision: str = "float32",
                   encoder_precision: str = "float32", prefixed: dict[str, Path] | None = None,
-                  only: Collection[str] | None = None) -> dict[str, Runtime]:
-    """Every checkpoint as a runtime, named as :func:`find_checkpoints` names them (``prefixed``: name prefix → folder
-    of checkpoints; ``only``: just these names); ``backends`` picks ``torch``, ``onnx``, ``hybrid`` or ``auto`` per
-    model name (``default_backend`` for the rest).  A model that cannot be exported falls back to the PyTorch backend
-    with an error in the log (``auto`` picks quietly: see :func:`~captioner.service.backend_choice.fastest_verified`).
-    A ``precision`` other than float32 is a PyTorch autocast option: those models run on PyTorch whatever their
-    backend setting.  ``encoder_precision`` ``int8`` runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``;
-    PyTorch models keep their float CNN).  The settings are keywords: several are strings, which a call by position
-    could swap in silence."""
+                  only: Collection[str] | None = None, before_each: Callable[[str], None] = lambda name: None,
+                  after_each: Callable[[str], None] = lambda name: None) -> Iterator[tuple[str, Runtime]]:
+    """Every checkpoint as a runtime, one at a time, named as :func:`find_checkpoints` names them (``prefixed``: name
+    prefix → folder of checkpoints; ``only``: just these names); ``backends`` picks ``torch``, ``onnx``, ``hybrid``
+    or ``auto`` per model name (``default_backend`` for the rest).  A model that cannot be exported falls back to the
+    PyTorch backend with an error in the log (``auto`` picks quietly: see
+    :func:`~captioner.service.backend_choice.fastest_verified`).  A ``precision`` other than float32 is a PyTorch
+    autocast option: those models run on PyTorch whatever their backend setting.  ``encoder_precision`` ``int8``
+    runs the ONNX CNN quantized (``onnx``, ``hybrid`` and ``auto``; PyTorch models keep their float CNN).  The
+    settings are keywords: several are strings, which a call by position could swap in silence.
+
+    ``before_each(name)`` runs before a model loads (the server waits there for the preparing child's work on it:
+    :class:`PreparingChild`), ``after_each(name)`` once it has loaded or been skipped (the child reports it there).
+    One at a time, so that the server warms up each model while the child still prepares the next."""
     device = resolve_device(device_name)
     if encoder_precision == "int8" and device.type == "cpu" and int8_kernels() == "u8u8":
         # an operator opts into int8 for speed; on such a CPU it was measured no faster than float32
@@ -68,7 +79,6 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
                     "weights saturate here) and int8 may be no faster than float32 (docs/decisions.md, \"int8 on "
                     "CPUs without VNNI\"; benchmarks/bench_encoder.py measures it)")
     encoders = SharedEncoders(device, onnx_dir, threads, encoder_precision)
-    runtimes: dict[str, Runtime] = {}
 
     def replaced(name: str, winner: Path, loser: Path) -> None:
         log.warning("model %r is %s; %s, named the same, is not served", name, winner, loser)
@@ -86,12 +96,14 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
     for name, path in found.items():
         if only is not None and name not in only:
             continue
+        before_each(name)
         try:
             ckpt = load_checkpoint(path, device)
             ckpt.check_reads_images()
         except (CheckpointError, KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:
             # a damaged folder is named in one line; anything else may be a bug, so its traceback comes along
             log.error("skipping checkpoint %s: %s", path, exc, exc_info=not isinstance(exc, CheckpointError))
+            after_each(name)
             continue
         backend = chosen_backend(name, (backends or {}).get(name, default_backend), precision, encoder_precision)
         if backend == "auto":
@@ -99,10 +111,10 @@ def load_runtimes(weights_dir: Path | None, extra: list[Path], *, device_name: s
         else:
             runtime = _on_onnx_runtime(name, ckpt, backend, encoders, threads) if backend != "torch" else None
             runtime = runtime or TorchRuntime(name, ckpt, encoders.pytorch(ckpt.encoder), device, precision)
-        runtimes[name] = runtime
         log.info("loaded %s (%s) from %s: %s backend on %s (%s)", name, ckpt.model.arch, path, runtime.backend, device,
                  ", ".join(runtime.providers or [precision]))
-    return runtimes
+        after_each(name)
+        yield name, runtime
 
 
 def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: SharedEncoders,
@@ -128,31 +140,91 @@ def _on_onnx_runtime(name: str, ckpt: Checkpoint, backend: str, encoders: Shared
     return None
 
 
-def prepare_in_child(weights_dir: Path | None, extra: list[Path], *, only: Collection[str] | None = None,
-                     set_up_logging: Callable[[], None] | None = None, **settings) -> None:
-    """:func:`load_runtimes` with these arguments in a spawned child process, for the models ``only`` names (the
+class PreparingChild:
+    """:func:`iter_runtimes` with these arguments in a spawned child process, for the models ``only`` names (the
     :func:`~captioner.service.onnx_exports.unprepared` ones; all where None), which makes their ONNX exports and
-    reference records and exits: the server's own process then starts as on any later start, without the PyTorch
-    CNN, the exporter's tracing or the heap they leave fragmented (six Flickr8k models: 1,097 MiB resident after
-    warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a child
-    process").  A child that fails leaves the work to the server's own load, as before.  ``set_up_logging`` (a
-    picklable callable: the server's own logging set-up with its format and level) runs first in the child, so that
-    it logs as the server does: a spawned process starts with Python's default logging, which dropped the child's
-    progress ("exporting …", minutes on a first start) and wrote its warnings with their tracebacks as plain lines
-    into the server's JSON log.  Taken as a callable, not as the format and level: logging's set-up is the HTTP
-    layer's (middleware.py), which this layer does not import."""
-    child = multiprocessing.get_context("spawn").Process(target=_prepare, args=(weights_dir, extra, set_up_logging),
-                                                         kwargs={**settings, "only": only}, name="captioner-prepare")
-    child.start()
-    child.join()
-    if child.exitcode != 0:
-        log.warning("preparing the ONNX exports in a child process failed (exit code %s); preparing them here",
-                    child.exitcode)
+    reference records and exits: the server's own process then loads them as on any later start, without the
+    PyTorch CNN, the exporter's tracing or the heap they leave fragmented (six Flickr8k models: 1,097 MiB resident
+    after warm-up on a first start in the process, 847 MiB on later starts; docs/decisions.md, "First start in a
+    child process").
+
+    The child reports each model as it is done with it, and :meth:`wait_for` returns once it has: the server loads
+    and warms up a model while the child prepares the next, in the order both take them (the checkpoints' order),
+    instead of after the last (docs/decisions.md, "The first start's exports and warm-up side by side").  A child
+    that fails leaves what it had not done to the server's own load, as before.
+
+    ``set_up_logging`` (a picklable callable: the server's own logging set-up with its format and level) runs first
+    in the child, so that it logs as the server does: a spawned process starts with Python's default logging, which
+    dropped the child's progress ("exporting …", minutes on a first start) and wrote its warnings with their
+    tracebacks as plain lines into the server's JSON log.  Taken as a callable, not as the format and level:
+    logging's set-up is the HTTP layer's (middleware.py), which this layer does not import."""
+
+    #: how often a wait looks whether the child has died without a word (seconds)
+    POLL_S = 0.2
+    #: the child's threads (PyTorch's and ONNX Runtime's): its work is mostly tracing, in one thread, and its kernels
+    #: run on a few check images, where more threads cost more than they give, while the server warms up the models
+    #: already prepared beside it (11 Flickr8k models on 2 cores: a first start of 47 s, against 65 s with the
+    #: child on every core; docs/decisions.md, "The first start's exports and warm-up side by side")
+    THREADS = 1
+
+    def __init__(self, weights_dir: Path | None, extra: list[Path], *, only: Collection[str] | None = None,
+                 set_up_logging: Callable[[], None] | None = None, **settings) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._reports, sender = context.Pipe(duplex=False)
+        self._only = None if only is None else frozenset(only)
+        self._done: set[str] = set()
+        self._failure_told = False
+        self._process = context.Process(target=_prepare, args=(weights_dir, extra, set_up_logging, sender),
+                                        kwargs={**settings, "only": only, "threads": self.THREADS},
+                                        name="captioner-prepare")
+        self._process.start()
+        sender.close()  # the child's copy is the only one left: its exit ends the pipe
+
+    def wait_for(self, name: str) -> None:
+        """Return once the child is done with model ``name`` (loaded or skipped), or has exited without it (the
+        server's own load then makes what it left); at once for a model it was not given."""
+        if self._only is not None and name not in self._only:
+            return
+        while name not in self._done:
+            if self._reports.poll(self.POLL_S):
+                try:
+                    self._done.add(self._reports.recv())
+                    continue
+                except EOFError:  # the child has exited, and every report is read: this one will not come
+                    pass
+            elif self._process.is_alive() or self._reports.poll():
+                continue
+            self._tell_failure()
+            return
+
+    def join(self) -> None:
+        """Wait for the child to exit (once :meth:`wait_for` has had its last model, it is exiting)."""
+        self._process.join()
+        self._tell_failure()
+        self._reports.close()
+
+    def stop(self) -> None:
+        """End the child now (the server stops before its start-up is done): what it was exporting is left in a
+        temporary folder that the next export removes."""
+        self._process.terminate()
+        self._process.join()
+        self._failure_told = True  # ended here, not failed
+        self._reports.close()
+
+    def _tell_failure(self) -> None:
+        self._process.join()
+        if self._process.exitcode != 0 and not self._failure_told:
+            self._failure_told = True
+            log.warning("preparing the ONNX exports in a child process failed (exit code %s); preparing the rest "
+                        "here", self._process.exitcode)
 
 
 def _prepare(weights_dir: Path | None, extra: list[Path], set_up_logging: Callable[[], None] | None,
-             **settings) -> None:
-    """The preparing child's work (:func:`prepare_in_child`): its logging set up as the server's, then the load."""
+             reports: Connection, **settings) -> None:
+    """The preparing child's work (:class:`PreparingChild`): its logging set up as the server's, then the load,
+    each model reported as it is done."""
     if set_up_logging is not None:
         set_up_logging()
-    load_runtimes(weights_dir, extra, **settings)
+    set_threads(settings["threads"])
+    for _ in iter_runtimes(weights_dir, extra, after_each=reports.send, **settings):
+        pass  # each runtime goes as soon as it is made: the child keeps only what it has made on disk

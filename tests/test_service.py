@@ -216,7 +216,7 @@ def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights,
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory while loading")
 
-    monkeypatch.setattr(app_module, "load_runtimes", broken)
+    monkeypatch.setattr(app_module, "iter_runtimes", broken)
     settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, warmup=False,
                         backend="torch")
     with caplog.at_level("ERROR", logger="captioner.app"), TestClient(create_app(settings)) as client:
@@ -243,7 +243,7 @@ def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weight
         raise RuntimeError("out of memory while loading")
 
     monkeypatch.setattr(inputs, "drain_body", drain)  # UnreadBodyMiddleware's, for every such answer
-    monkeypatch.setattr(app_module, "load_runtimes", broken)
+    monkeypatch.setattr(app_module, "iter_runtimes", broken)
     settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, warmup=False,
                         backend="torch")
     with TestClient(create_app(settings)) as client:

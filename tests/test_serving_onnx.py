@@ -540,25 +540,45 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
 
 
 def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pytorch_encoder(tmp_path, monkeypatch):
-    """The first start's exports and reference captions are made by a spawned child (``prepare_in_child``), so the
-    server's own load is a later start: it builds no PyTorch encoder, and nothing is left unprepared."""
-    ckpt = tiny_checkpoint("sat", seed=0)
-    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    """The first start's exports and reference captions are made by a spawned child (``PreparingChild``), and the
+    server loads each model once the child is done with it, while the child prepares the next: each of the server's
+    loads is a later start, which builds no PyTorch encoder, and nothing is left unprepared."""
+    for name, seed in (("a", 0), ("b", 1)):
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a", "b"]
     # nothing to make for a model PyTorch serves: by its own backend, or under autocast, which serves every model so
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", backends={"a": "torch"}) == []
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", backends={"a": "torch"}) == ["b"]
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", precision="bfloat16") == []
-    runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
-                                    onnx_dir=tmp_path / "onnx", threads=1)
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
     def no_pytorch_encoder(*args, **kwargs):
         raise AssertionError("the server's own load built a PyTorch encoder")
 
-    monkeypatch.setattr(shared_encoders, "grid_encoder", no_pytorch_encoder)
-    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
-                                          onnx_dir=tmp_path / "onnx", threads=1)
-    assert loaded["a"].backend == "onnx"
+    monkeypatch.setattr(shared_encoders, "grid_encoder", no_pytorch_encoder)  # in the server; the child is spawned
+    settings = Settings(weights_dir=tmp_path / "weights", onnx_dir=tmp_path / "onnx", device="cpu", threads=1,
+                        default_model="a", warmup=False)
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/readyz").status_code == 200
+        assert {model["name"]: model["backend"] for model in client.get("/models").json()} == \
+            {"a": "onnx", "b": "onnx"}
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+
+
+def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
+    """A child that exits without reporting a model (killed, out of memory) does not leave the server waiting for
+    it: the wait returns, the failure is logged once, and the server's own load prepares the model."""
+    ckpt = tiny_checkpoint("sat", seed=0)
+    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    with caplog.at_level("WARNING", logger="captioner.runtime"):
+        child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a"], device_name="cpu",
+                                              default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
+                                              set_up_logging=functools.partial(os._exit, 3))
+        child.wait_for("a")
+        child.wait_for("not-given")  # a model the child was not given is never waited for
+        child.join()
+    assert [r.getMessage() for r in caplog.records] == [
+        "preparing the ONNX exports in a child process failed (exit code 3); preparing the rest here"]
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
 
 
 def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
@@ -568,9 +588,9 @@ def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
     ckpt = tiny_checkpoint("sat", seed=0)
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
     capfd.readouterr()
-    runtime_module.prepare_in_child(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
-                                    onnx_dir=tmp_path / "onnx", threads=1,
-                                    set_up_logging=functools.partial(configure_logging, "json", "info"))
+    runtime_module.PreparingChild(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
+                                  onnx_dir=tmp_path / "onnx", threads=1,
+                                  set_up_logging=functools.partial(configure_logging, "json", "info")).join()
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # a plain line fails here
     assert any(r["logger"] == "captioner.runtime" and r["msg"].startswith("exporting a to ONNX") for r in records)
@@ -606,7 +626,7 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, mo
     settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
     assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], **settings)) == {"a"}
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
-    runtime_module.prepare_in_child(tmp_path / "weights", [], only=["b"], **settings)
+    runtime_module.PreparingChild(tmp_path / "weights", [], only=["b"], **settings).join()
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
