@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from multiprocessing.connection import Connection
 from collections.abc import Callable, Collection, Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from captioner.models.checkpoint import Checkpoint, CheckpointError, find_checkpoints, load_checkpoint
