@@ -11,6 +11,7 @@ import functools
 import io
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -37,6 +38,7 @@ from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, Exp
 from captioner.models.export.sessions import cuda_provider_available, session_options
 from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
 from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders
+from captioner.service import app as app_module
 from captioner.service import runtime as runtime_module
 from captioner.service.app import create_app
 from captioner.service.backend_choice import fastest_verified
@@ -562,6 +564,24 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
         assert {model["name"]: model["backend"] for model in client.get("/models").json()} == \
             {"a": "onnx", "b": "onnx"}
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+
+
+def test_a_start_up_that_fails_ends_the_preparing_child_instead_of_waiting_for_it(tmp_path, monkeypatch):
+    """The server warms up each model while the child prepares the next: a warm-up that fails ends the start-up at
+    once, and the child with it (a server that will not serve has no use for its exports)."""
+    for seed, name in enumerate("abcd"):  # models left for the child to prepare when the first one's warm-up fails
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+
+    async def failing_warm_up(batcher, settings):
+        raise RuntimeError("warm-up failed")
+
+    monkeypatch.setattr(app_module, "warm_up", failing_warm_up)
+    settings = Settings(weights_dir=tmp_path / "weights", onnx_dir=tmp_path / "onnx", device="cpu", threads=1,
+                        default_model="a")
+    with pytest.raises(RuntimeError, match="warm-up failed"), TestClient(create_app(settings)):
+        pass
+    assert not [child for child in multiprocessing.active_children() if child.name == "captioner-prepare"]
 
 
 def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
