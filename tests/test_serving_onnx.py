@@ -584,6 +584,22 @@ def test_a_start_up_that_fails_ends_the_preparing_child_instead_of_waiting_for_i
     assert not [child for child in multiprocessing.active_children() if child.name == "captioner-prepare"]
 
 
+def test_every_model_is_reported_after_its_load_or_its_skip(tmp_path):
+    """``iter_runtimes`` calls ``before_each`` before and ``after_each`` after every model it is given, a damaged
+    one too: the preparing child reports through ``after_each``, and a model it skipped without a word would keep
+    the server waiting for it until the child exits."""
+    for seed, name in enumerate("ab"):
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    (tmp_path / "weights" / "a" / "model.safetensors").write_bytes(b"damaged")
+    calls = []
+    loaded = dict(runtime_module.iter_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
+                                               threads=1, before_each=lambda name: calls.append(("before", name)),
+                                               after_each=lambda name: calls.append(("after", name))))
+    assert set(loaded) == {"b"}
+    assert calls == [("before", "a"), ("after", "a"), ("before", "b"), ("after", "b")]
+
+
 def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
     """A child that exits without reporting a model (killed, out of memory) does not leave the server waiting for
     it: the wait returns, the failure is logged once, and the server's own load prepares the model."""
