@@ -1,8 +1,9 @@
 """App factory: ``create_app(settings)`` loads checkpoints in the lifespan handler and wires the layers
 routes → use case (captioning) → batcher → runtime → model.
 
-Start-up: set thread counts, load every checkpoint (PyTorch or ONNX Runtime per model), start one batcher per
-model, warm it up over the encoder batch sizes it will use, then report ready.  With
+Start-up: set thread counts, then for each checkpoint in turn load it (PyTorch or ONNX Runtime per model; on a first
+start, once the preparing child has made its ONNX exports, while the child goes on to the next), start its batcher
+and warm it up over the encoder batch sizes it will use; then report ready.  With
 ``load_in_background`` this happens after the server starts listening, so ``/healthz`` answers at once while
 ``/readyz`` and caption requests answer 503 until the models are warm.  Shutdown: stop reporting ready, let
 every batcher drain its queued and running requests (up to ``drain_timeout_s``), then stop.
