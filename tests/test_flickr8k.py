@@ -44,11 +44,17 @@ def official(tmp_path) -> Path:
     return text
 
 
-def test_official_files_give_splits_references_and_photos(official):
+@pytest.fixture
+def photos(official) -> Path:
+    """:func:`official`'s photo folder."""
+    return official.parent / "Flicker8k_Dataset"
+
+
+def test_official_files_give_splits_references_and_photos(official, photos):
     images = load_flickr(official)
     assert [(im.split, im.path.name) for im in images] == [("train", "10_a.jpg"), ("train", "11_b.jpg"),
                                                            ("val", "20_c.jpg"), ("test", "30_d.jpg")]
-    assert images[0].path == (official.parent / "Flicker8k_Dataset" / "10_a.jpg").resolve()
+    assert images[0].path == (photos / "10_a.jpg").resolve()
     # five references in caption-number order, tokenised like the Karpathy JSON (lower case, no punctuation)
     assert [r[-1] for r in images[1].references] == ["0", "1", "2", "3", "4"]
     assert images[1].references[0] == ["a", "dog", "number", "1", "caption", "0"]
@@ -66,19 +72,19 @@ def test_max_refs_keeps_each_photos_first_captions_by_number(official):
     assert images[0].raw_references == ["A Dog, number 0 caption 0 .", "A Dog, number 0 caption 1 ."]
 
 
-def test_the_photos_folder_is_found_from_the_photos_of_the_asked_splits(official):
+def test_the_photos_folder_is_found_from_the_photos_of_the_asked_splits(official, photos):
     """Only the test photos copied over (to evaluate): the folder is found from them, not from the first photos of a
     train list longer than the probe."""
     for name in ("10_a.jpg", "11_b.jpg", "20_c.jpg"):
-        (official.parent / "Flicker8k_Dataset" / name).unlink()
+        (photos / name).unlink()
     (official / "Flickr_8k.trainImages.txt").write_text("".join(f"1{i}_x.jpg\n" for i in range(10)))
     images = load_flickr(official, splits=("test",))
-    assert [im.path for im in images] == [(official.parent / "Flicker8k_Dataset" / "30_d.jpg").resolve()]
+    assert [im.path for im in images] == [(photos / "30_d.jpg").resolve()]
 
 
-def test_of_two_folders_holding_the_photos_the_first_place_of_the_layout_wins(official):
+def test_of_two_folders_holding_the_photos_the_first_place_of_the_layout_wins(official, photos):
     # images/ beside the token file comes before ../Flicker8k_Dataset in FLICKR8K's list of places
-    shutil.copytree(official.parent / "Flicker8k_Dataset", official / "images")
+    shutil.copytree(photos, official / "images")
     assert load_flickr(official)[0].path == (official / "images" / "10_a.jpg").resolve()
 
 
@@ -93,9 +99,8 @@ def test_names_and_lines_are_read_without_the_spaces_around_them(official):
     assert images[0].raw_references[0] == "A Dog, number 0 caption 0 ."
 
 
-def test_a_photo_name_holding_a_hash_keeps_its_captions(official):
+def test_a_photo_name_holding_a_hash_keeps_its_captions(official, photos):
     """The caption number is what follows the key's last ``#``."""
-    photos = official.parent / "Flicker8k_Dataset"
     (photos / "30_d.jpg").rename(photos / "30#d.jpg")
     token = official / "Flickr8k.token.txt"
     token.write_text(token.read_text().replace("30_d.jpg#", "30#d.jpg#"))
@@ -111,8 +116,8 @@ def test_a_file_that_is_no_flickr_token_file_is_refused_by_name(official, tmp_pa
         load_flickr(tmp_path / "dataset_coco.json")
 
 
-def test_errors_name_what_is_missing(official, tmp_path):
-    (official.parent / "Flicker8k_Dataset").rename(tmp_path / "elsewhere")
+def test_errors_name_what_is_missing(official, photos, tmp_path):
+    photos.rename(tmp_path / "elsewhere")
     with pytest.raises(FileNotFoundError, match="pass --image-root"):
         load_flickr(official)
     assert load_flickr(official, image_root=tmp_path / "elsewhere")[0].path.parent == tmp_path / "elsewhere"
@@ -123,7 +128,7 @@ def test_errors_name_what_is_missing(official, tmp_path):
         load_flickr(official, image_root=tmp_path / "elsewhere")
 
 
-def test_one_entry_point_reads_every_kind_of_data_set(official, tmp_path):
+def test_one_entry_point_reads_every_kind_of_data_set(official, photos, tmp_path):
     assert resolve_dataset(official).name == "Flickr8k.token.txt" and dataset_name(official) == "flickr8k"
     assert [im.split for im in load_captioned(official, splits=("val", "test"))] == ["val", "test"]
     karpathy = tmp_path / "dataset_flickr8k.json"
@@ -133,7 +138,7 @@ def test_one_entry_point_reads_every_kind_of_data_set(official, tmp_path):
     # a Karpathy JSON away from its photos is refused at once, naming the photo and the option
     with pytest.raises(FileNotFoundError, match="10_a.jpg .*--image-root"):
         load_captioned(karpathy)
-    assert load_captioned(karpathy, official.parent / "Flicker8k_Dataset")[0].path.is_file()
+    assert load_captioned(karpathy, photos)[0].path.is_file()
     assert load_captioned(karpathy, check_images=False)[0].references == [["a", "dog"]]
     with pytest.raises(FileNotFoundError, match="neither dataset_scenes.json"):
         resolve_dataset(tmp_path / "Flicker8k_Dataset")
@@ -172,12 +177,12 @@ def test_a_scene_set_is_cited_without_a_split():
     assert trained_on({"dataset": ".cache/scenes/dataset_scenes.json"}) == CITATIONS["scenes"]
 
 
-def test_the_training_captions_are_the_train_splits_read_without_its_photos(official):
+def test_the_training_captions_are_the_train_splits_read_without_its_photos(official, photos):
     """The captions the share of novel ones is counted against: the train split's alone, and read when only the
     evaluated photos are on disk."""
     for name in ("10_a.jpg", "11_b.jpg"):
-        (official.parent / "Flicker8k_Dataset" / name).unlink()
-    captions = train_split_captions(official, official.parent / "Flicker8k_Dataset")
+        (photos / name).unlink()
+    captions = train_split_captions(official, photos)
     # "a dog number <photo> caption <n>": the five of each of photos 0 and 1
     assert sorted((c[3], c[5]) for c in captions) == [(photo, n) for photo in "01" for n in "01234"]
 
@@ -248,8 +253,7 @@ def test_a_listed_photo_without_captions_names_its_list_and_line(official):
         load_flickr(official)
 
 
-def test_one_missing_photo_does_not_hide_the_folder_that_holds_the_rest(official):
-    photos = official.parent / "Flicker8k_Dataset"
+def test_one_missing_photo_does_not_hide_the_folder_that_holds_the_rest(official, photos):
     (photos / "10_a.jpg").unlink()  # the first training photo, which alone decided the folder before
     assert load_flickr(official)[1].path == (photos / "11_b.jpg").resolve()
     with pytest.raises(FileNotFoundError, match=r"10_a.jpg of .* does not exist"):
