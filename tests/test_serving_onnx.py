@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -62,6 +63,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ATOL_ATTENTION, ATOL_LOGPROB = 1e-4, 1e-3
 SCHEDULE = [(0, 0, 3, 6), (0, 1, 1, 4), (1, 2, 4, 9), (2, 3, 2, 3), (4, 4, 3, 7), (6, 5, 2, 5)]
 CPU = torch.device("cpu")
+
+
+def save_tiny_sats(weights: Path, names: list[str]) -> None:
+    """A tiny SAT checkpoint in ``weights`` under each name, each with weights of its own (its position's seed)."""
+    for seed, name in enumerate(names):
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(weights / name, ckpt.model, ckpt.vocab, ckpt.encoder)
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +375,7 @@ def test_an_onnx_folder_that_cannot_be_written_is_named_in_one_line_and_pytorch_
     """A read-only (or full) ``CAPTIONER_ONNX_DIR`` with nothing current in it: each ONNX backend is given up with
     the file and the reason in one line, not a traceback that reads like a bug.  (A path under a regular file
     stands in for a read-only folder: the tests may run as root, whom permission bits do not stop.)"""
-    ckpt = tiny_checkpoint("sat", seed=0)
-    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a"])
     (tmp_path / "not-a-folder").write_text("")
     with caplog.at_level(logging.INFO, logger="captioner"):
         loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
@@ -545,9 +552,7 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     """The first start's exports and reference captions are made by a spawned child (``PreparingChild``), and the
     server loads each model once the child is done with it, while the child prepares the next: each of the server's
     loads is a later start, which builds no PyTorch encoder, and nothing is left unprepared."""
-    for name, seed in (("a", 0), ("b", 1)):
-        ckpt = tiny_checkpoint("sat", seed=seed)
-        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a", "b"]
     # nothing to make for a model PyTorch serves: by its own backend, or under autocast, which serves every model so
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", backends={"a": "torch"}) == ["b"]
@@ -569,9 +574,8 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
 def test_a_start_up_that_fails_ends_the_preparing_child_instead_of_waiting_for_it(tmp_path, monkeypatch):
     """The server warms up each model while the child prepares the next: a warm-up that fails ends the start-up at
     once, and the child with it (a server that will not serve has no use for its exports)."""
-    for seed, name in enumerate("abcd"):  # models left for the child to prepare when the first one's warm-up fails
-        ckpt = tiny_checkpoint("sat", seed=seed)
-        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    # models left for the child to prepare when the first one's warm-up fails
+    save_tiny_sats(tmp_path / "weights", ["a", "b", "c", "d"])
 
     async def failing_warm_up(batcher, settings):
         raise RuntimeError("warm-up failed")
@@ -588,9 +592,7 @@ def test_every_model_is_reported_after_its_load_or_its_skip(tmp_path):
     """``iter_runtimes`` calls ``before_each`` before and ``after_each`` after every model it is given, a damaged
     one too: the preparing child reports through ``after_each``, and a model it skipped without a word would keep
     the server waiting for it until the child exits."""
-    for seed, name in enumerate("ab"):
-        ckpt = tiny_checkpoint("sat", seed=seed)
-        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
     (tmp_path / "weights" / "a" / "model.safetensors").write_bytes(b"damaged")
     calls = []
     loaded = dict(runtime_module.iter_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
@@ -603,8 +605,7 @@ def test_every_model_is_reported_after_its_load_or_its_skip(tmp_path):
 def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
     """A child that exits without reporting a model (killed, out of memory) does not leave the server waiting for
     it: the wait returns, the failure is logged once, and the server's own load prepares the model."""
-    ckpt = tiny_checkpoint("sat", seed=0)
-    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a"])
     with caplog.at_level("WARNING", logger="captioner.runtime"):
         child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a"], device_name="cpu",
                                               default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
@@ -621,8 +622,7 @@ def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
     """The spawned child started with Python's default logging: its progress ("exporting …", minutes on a first
     start) was dropped and its warnings came with their tracebacks as plain lines in the server's JSON log (the
     operator audit). Given the service's format, each of its lines is one JSON record."""
-    ckpt = tiny_checkpoint("sat", seed=0)
-    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a"])
     capfd.readouterr()
     runtime_module.PreparingChild(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                   onnx_dir=tmp_path / "onnx", threads=1,
@@ -637,8 +637,7 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     or the folder removed): ``auto`` still has it to prepare, because a current export proves the CNN exports, so
     the missing graph is work for the preparing child, not a CNN the tracer cannot record (which the server's own
     load would then export, building the PyTorch CNN in the serving process)."""
-    ckpt = tiny_checkpoint("sat", seed=0)
-    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a"])
     loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
                                           onnx_dir=tmp_path / "onnx", threads=1)
     assert loaded["a"].backend == "onnx"
@@ -656,9 +655,7 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
 def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, monkeypatch):
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
     without loading the others (``only``)."""
-    for name, seed in (("a", 0), ("b", 1)):
-        ckpt = tiny_checkpoint("sat", seed=seed)
-        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
     settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
     assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], **settings)) == {"a"}
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
@@ -720,8 +717,7 @@ def test_a_runtimes_description_is_made_once_and_cannot_be_changed():
 def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_path, caplog):
     """ONNX Runtime's own errors (here InvalidProtobuf, from a step graph damaged on disk) derive from Exception
     alone; ``auto`` logs them with their traceback and serves the next verified backend."""
-    ckpt = tiny_checkpoint("sat")
-    save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
+    save_tiny_sats(tmp_path / "weights", ["a"])
     load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
                 onnx_dir=tmp_path / "onnx", threads=1)
     assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
