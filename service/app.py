@@ -17,7 +17,7 @@ import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -64,27 +64,14 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     state: ServiceState = app.state.service
     found = (settings.weights_dir, settings.checkpoints)
     placed, run = settings.model_placement(), settings.model_loading()
-    missing = unprepared(*found, **placed)
-    child = None
-    if missing:
-        log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
-        child = await run_in_threadpool(functools.partial(
-            PreparingChild, *found, only=missing,
-            set_up_logging=functools.partial(configure_logging, settings.log_format, settings.log_level), **run))
-    # each model is loaded and warmed up as soon as the child is done with it, while it prepares the next
-    loading = iter_runtimes(*found, before_each=child.wait_for if child else lambda name: None, **run)
     runtimes: dict[str, Runtime] = {}
-    try:
+    async with _prepared_first(settings, unprepared(*found, **placed)) as wait_for:
+        # each model is loaded and warmed up as soon as the child is done with it, while it prepares the next
+        loading = iter_runtimes(*found, before_each=wait_for, **run)
         while (loaded := await run_in_threadpool(next, loading, None)) is not None:
             name, runtime = loaded
             runtimes[name] = runtime
             await _start_batcher(state, settings, name, runtime)
-    except BaseException:  # a failed warm-up, or a shutdown during start-up: the child's work is not waited for
-        if child is not None:
-            child.stop()
-        raise
-    if child is not None:
-        await run_in_threadpool(child.join)
     if not runtimes:
         log.error("no checkpoint found in %s: every caption request will get 503",
                   ", ".join(settings.checkpoint_folders()))
@@ -103,6 +90,27 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     state.ready = True
     state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(f"{n} ({r.backend})" for n, r in runtimes.items()) or "no models")
+
+
+@asynccontextmanager
+async def _prepared_first(settings: Settings, missing: list[str]) -> AsyncIterator[Callable[[str], None]]:
+    """The wait for a model's first-start preparation: the models ``missing`` names are prepared by a
+    :class:`~.runtime.PreparingChild` (its ``wait_for``), the others need no wait.  When the block fails (a
+    warm-up, a shutdown during start-up) the child is ended, not waited for."""
+    if not missing:
+        yield lambda name: None
+        return
+    log.info("first start of %s: their ONNX exports are made in a child process", ", ".join(missing))
+    child = await run_in_threadpool(functools.partial(
+        PreparingChild, settings.weights_dir, settings.checkpoints, only=missing,
+        set_up_logging=functools.partial(configure_logging, settings.log_format, settings.log_level),
+        **settings.model_loading()))
+    try:
+        yield child.wait_for
+    except BaseException:
+        child.stop()
+        raise
+    await run_in_threadpool(child.join)
 
 
 async def _start_batcher(state: ServiceState, settings: Settings, name: str, runtime: Runtime) -> None:

@@ -199,7 +199,6 @@ class PreparingChild:
 
     def join(self) -> None:
         """Wait for the child to exit (once :meth:`wait_for` has had its last model, it is exiting)."""
-        self._process.join()
         self._tell_failure()
         self._reports.close()
 
@@ -208,10 +207,10 @@ class PreparingChild:
         temporary folder that the next export removes."""
         self._process.terminate()
         self._process.join()
-        self._failure_told = True  # ended here, not failed
         self._reports.close()
 
     def _tell_failure(self) -> None:
+        """Wait for the child to exit; an exit that failed is logged, once."""
         self._process.join()
         if self._process.exitcode != 0 and not self._failure_told:
             self._failure_told = True
