@@ -241,6 +241,47 @@ def test_a_step_that_decides_on_the_previous_tokens_in_python_is_refused(encoder
     assert not (tmp_path / "tokens").exists()
 
 
+@pytest.mark.parametrize("complaint,shown", [
+    ("Unsupported: prim::PythonOp", "(RuntimeError: Unsupported: prim::PythonOp)"),
+    ("first line\nsecond line", "(RuntimeError: first line)"),
+    ("", "(RuntimeError: )"),
+])
+def test_a_graph_the_tracer_cannot_record_is_refused_with_the_tracers_first_line(complaint, shown, encoder, tmp_path,
+                                                                                 monkeypatch):
+    """No model here makes the tracer fail, so it is made to, on the step graph alone: the refusal names the graph
+    and the first line of the tracer's complaint, whether it has one line, several or none."""
+    plain_export = torch.onnx.export
+
+    def export(graph, args, file, **options):
+        if file.endswith(STEP_FILE):
+            raise RuntimeError(complaint)
+        return plain_export(graph, args, file, **options)
+
+    monkeypatch.setattr(torch.onnx, "export", export)
+    with pytest.raises(ExportUnsupported, match="cannot record the decoder step") as refused:
+        export_graphs(tiny_checkpoint("sat"), tmp_path / "sat", encoder)
+    assert shown in str(refused.value) and "second line" not in str(refused.value)
+    assert not (tmp_path / "sat").exists()
+
+
+def test_a_step_graph_onnx_runtime_cannot_load_is_refused_naming_the_node(encoder, tmp_path, monkeypatch):
+    """No graph here fails to load, so ONNX Runtime is made to refuse the step graph alone, with a complaint of its
+    own form: the refusal says which graph, its first line's complaint and the node, and nothing is written."""
+    plain_session = exporter._session
+
+    def session(path):
+        if path.name == STEP_FILE:
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Node (/decoder/Reshape) Name:'/decoder/Reshape' "
+                               "Status Message: the shape does not fit\n  the C++ stack it was raised from")
+        return plain_session(path)
+
+    monkeypatch.setattr(exporter, "_session", session)
+    with pytest.raises(ExportUnsupported, match="sat: ONNX Runtime cannot load the step graph: the shape does not "
+                                                r"fit at node /decoder/Reshape \(module decoder\)"):
+        export_graphs(tiny_checkpoint("sat"), tmp_path / "sat", encoder)
+    assert not (tmp_path / "sat").exists()
+
+
 @pytest.mark.parametrize("graph,named", [(ENCODER_FILE, "(encoder)"), (HEAD_FILE, "(encoder head)"),
                                          (STEP_FILE, "at step 0")])
 def test_a_graph_that_computes_another_models_weights_is_refused_whichever_it_is(graph, named, encoder, tmp_path,
