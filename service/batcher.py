@@ -313,8 +313,7 @@ class Batcher:
             self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
             finished_now: list[Job] = []
             for table, flags in zip(self._tables, done):
-                finished = [job for job, all_eos in zip(table.jobs, flags)
-                            if not job.cancelled and (all_eos or job.steps >= job.max_len)]
+                finished = table.finished_jobs(flags)
                 if not finished:
                     continue
                 try:

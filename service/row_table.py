@@ -194,6 +194,12 @@ class RowTable:
             job.steps += 1
         return self.layout.groups_done(self.finished).tolist()  # the one host synchronisation of the step
 
+    def finished_jobs(self, done: list[bool]) -> list[Job]:
+        """The jobs a step (its ``done`` flags) has finished: every beam has emitted EOS or the job has run its
+        ``max_len`` steps.  A cancelled job is not among them: its rows leave without a result."""
+        return [job for job, all_eos in zip(self.jobs, done)
+                if not job.cancelled and (all_eos or job.steps >= job.max_len)]
+
     def results_of(self, jobs: list[Job], runtime: Runtime) -> list[CaptionResult]:
         """The best hypothesis of each of ``jobs`` (their rows must still be in the table).
 

@@ -1095,6 +1095,22 @@ def test_a_leaving_job_costs_a_copy_of_the_rows_that_move_and_no_others(monkeypa
     assert table.jobs == [jobs[0], jobs[3], jobs[2]] and table.enc["feats"][:, 0].tolist() == [0, 1, 6, 7, 4, 5]
 
 
+def test_a_step_finishes_the_jobs_whose_beams_all_ended_or_that_ran_their_length_but_not_a_cancelled_one(encoder):
+    """A job cancelled while a step ran leaves as cancelled (its rows freed under that reason at the boundary), not
+    as finished: nothing collects a result nobody waits for."""
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1, seed=5)[0])
+    jobs = [Job(prepared, 2, max_len, math.inf, None, None) for max_len in (8, 8, 2, 2)]
+    with torch.inference_mode():
+        enc, state = runtime.begin([prepared] * len(jobs), [2] * len(jobs))
+        table = RowTable(jobs, enc, state, runtime.bos_id)
+        table.step(runtime)
+        table.step(runtime)
+    jobs[3].cancelled = True
+    assert table.finished_jobs([True, False, False, True]) == [jobs[0], jobs[2]]
+    assert table.finished_jobs([False, False, False, False]) == [jobs[2]]
+
+
 def test_jobs_that_leave_in_two_removals_at_one_boundary_keep_the_others_histories(encoder):
     """At one step boundary the batcher can drop rows twice (the jobs that finished, then those cancelled or expired
     meanwhile) before the next step: the rows moved by the second removal must continue the rows the first one
@@ -1112,8 +1128,7 @@ def test_jobs_that_leave_in_two_removals_at_one_boundary_keep_the_others_histori
         table.remove({jobs[1]}, runtime)  # and the fourth's into the second's
         assert table.jobs == [jobs[4], jobs[3], jobs[2]]
         while table.jobs:
-            done = table.step(runtime)
-            finished = [job for job, all_eos in zip(table.jobs, done) if all_eos or job.steps >= job.max_len]
+            finished = table.finished_jobs(table.step(runtime))
             if finished:
                 results.update(zip(finished, table.results_of(finished, runtime)))
                 table.remove(set(finished), runtime)
