@@ -56,11 +56,10 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
-def headings(markdown: Path) -> tuple[set[str], set[str]]:
-    """(anchors, heading texts in lower case) of a markdown file, outside code fences; repeated headings get
-    GitHub's ``-1``, ``-2`` suffixes."""
-    anchors: set[str] = set()
-    texts: set[str] = set()
+def heading_list(markdown: Path) -> list[tuple[int, str, str]]:
+    """(level, text, anchor) of each heading of a markdown file in order, outside code fences; repeated headings
+    get GitHub's ``-1``, ``-2`` suffixes."""
+    found: list[tuple[int, str, str]] = []
     counts: dict[str, int] = {}
     fenced = False
     for line in markdown.read_text(encoding="utf-8").splitlines():
@@ -70,16 +69,30 @@ def headings(markdown: Path) -> tuple[set[str], set[str]]:
         match = None if fenced else HEADING.match(line)
         if match:
             anchor = github_anchor(match.group(1))
-            anchors.add(anchor if anchor not in counts else f"{anchor}-{counts[anchor]}")
+            found.append((len(line) - len(line.lstrip("#")), match.group(1).strip(),
+                          anchor if anchor not in counts else f"{anchor}-{counts[anchor]}"))
             counts[anchor] = counts.get(anchor, 0) + 1
-            texts.add(match.group(1).strip().lower())
-    return anchors, texts
+    return found
+
+
+def headings(markdown: Path) -> tuple[set[str], set[str]]:
+    """(anchors, heading texts in lower case) of a markdown file (:func:`heading_list`)."""
+    found = heading_list(markdown)
+    return {anchor for _, _, anchor in found}, {text.lower() for _, text, _ in found}
 
 
 def test_anchor_rule_matches_github():
     assert github_anchor("SCST samples and reward statistics") == "scst-samples-and-reward-statistics"
     assert github_anchor("X-LAN / X-Transformer") == "x-lan--x-transformer"
     assert github_anchor("The `grid_smooth` mode, σ") == "the-grid_smooth-mode-σ"
+
+
+def test_the_decisions_contents_link_every_section_in_order():
+    """docs/decisions.md is long: its contents list links each of its ``##`` sections, in their order, so that a
+    section added or renamed without its line fails here rather than going missing from the list."""
+    listed = re.findall(r"^- \[(.+)\]\(#([\w-]+)\)$", DECISIONS.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    sections = [(text, anchor) for level, text, anchor in heading_list(DECISIONS) if level == 2]
+    assert listed == sections
 
 
 def test_no_citations_that_do_not_resolve_inside_the_repository():
