@@ -1,12 +1,17 @@
 """models/files.py: a file is replaced whole or not at all, and a failed write leaves nothing beside it."""
 
+import ctypes
 import errno
+import hashlib
 import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from captioner.models.files import (describe_os_error, is_newer_format, read_text_file, replace_directory,
-                                   temporaries_of, temporary_beside, temporary_target, write_atomically, write_durably)
+from captioner.models.files import (FolderInUse, describe_os_error, file_checksum, held_alone, is_newer_format,
+                                   naming_errors, read_text_file, replace_directory, temporaries_of,
+                                   temporary_beside, temporary_target, write_atomically, write_durably)
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -40,6 +45,7 @@ def test_a_temporary_name_is_found_again_and_names_what_it_stands_for(tmp_path):
     assert temporaries_of(target) == [left] and temporary_target(left.name) == "card[1].md"
     assert temporary_target("card.md") is None and temporary_target(".tmp-0badf00d") is None
     assert temporary_target("..tmp-0badf00d") is None  # a mark with no name before it stands for nothing
+    assert temporary_target(temporary_beside(tmp_path / "a").name) == "a"  # a name of one letter is a name
 
 
 def test_an_os_error_reads_as_the_shells_tools_say_it_naming_what_the_user_asked_for(tmp_path):
@@ -57,6 +63,7 @@ def test_an_os_error_reads_as_the_shells_tools_say_it_naming_what_the_user_asked
     assert raised(lambda: os.rename(tmp_path / "a", tmp_path / "b")) == (
         f"{tmp_path / 'a'} → {tmp_path / 'b'}: No such file or directory")
     assert raised(lambda: os.fstat(987654)) == "Bad file descriptor"  # no file named: the reason alone
+    assert raised(lambda: os.stat(987654)) == "987654: Bad file descriptor"  # a descriptor named: as its number
     checkpoint = temporary_beside(tmp_path / "best")  # a checkpoint's folder while it is written
     assert raised(lambda: (checkpoint / "model.safetensors").read_bytes()) == (
         f"{tmp_path / 'best' / 'model.safetensors'}: No such file or directory")
@@ -77,6 +84,50 @@ def test_a_durable_write_the_disk_cannot_hold_leaves_no_torn_file_and_names_it(t
         write_durably(target, b"x" * 100)
     assert raised.value.filename == str(target) and raised.value.errno == errno.ENOSPC
     assert not list(tmp_path.iterdir())
+
+
+def test_an_interrupt_during_a_write_stays_an_interrupt_and_leaves_no_torn_file(tmp_path, monkeypatch):
+    """Ctrl-C mid-write: the partial file is removed, the old one kept, and the interrupt goes on as itself, not as
+    an error about the file (only an OS error is given the file's name)."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    target = tmp_path / "record.json"
+    target.write_text("old")
+    monkeypatch.setattr(os, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_durably(tmp_path / "train_state.0123abcd.safetensors", b"x" * 100)
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(target, b"new")
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["record.json"]
+
+
+def test_durable_writes_leave_no_file_open_whether_they_succeed_or_fail(tmp_path, monkeypatch):
+    """Training and the service write files for as long as they run: a descriptor left open by each write (the
+    file's, or its folder's, opened to flush them) ends in "Too many open files"."""
+    before = sorted(os.listdir("/proc/self/fd"))
+    write_atomically(tmp_path / "state.json", "{}", durable=True)  # the file, then its folder, flushed
+    new = tmp_path / ".ckpt.tmp-0badf00d"
+    new.mkdir()
+    replace_directory(new, tmp_path / "ckpt")
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_durably(tmp_path / "torn.json", b"{}")
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_durable_write_never_overwrites_a_file_that_is_there(tmp_path):
+    """It creates its file: one already at that name (another writer's) is an error, not written over."""
+    target = tmp_path / "train_state.0123abcd.safetensors"
+    target.write_bytes(b"another writer's")
+    with pytest.raises(FileExistsError):
+        write_durably(target, b"mine")
+    assert target.read_bytes() == b"another writer's"
 
 
 def test_a_durable_write_flushes_the_file_before_the_rename_and_the_folder_after_it(tmp_path, monkeypatch):
@@ -118,14 +169,79 @@ def test_a_replaced_folder_is_flushed_in_its_parent_after_the_swap(tmp_path, mon
     assert flushed == [(str(tmp_path), ["ckpt"])] and (tmp_path / "ckpt" / "config.json").is_file()
 
 
+def test_an_existing_folder_is_exchanged_for_the_new_one_in_one_step(tmp_path, monkeypatch):
+    """Linux swaps the two names at once (renameat2): a crash while a checkpoint is replaced never finds its name
+    missing, nor the old folder set aside, for neither is ever renamed on its own."""
+    monkeypatch.chdir(tmp_path)  # names relative to the working folder, as `--out runs/x` gives them
+    ckpt, new = Path("ckpt"), Path(".ckpt.tmp-0badf00d")
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("old")
+    new.mkdir()
+    (new / "config.json").write_text("new")
+
+    def rename(src, dst):
+        raise AssertionError(f"{src} renamed to {dst}: the folder's name was missing for a moment")
+
+    monkeypatch.setattr(os, "replace", rename)
+    replace_directory(new, ckpt)
+    assert (ckpt / "config.json").read_text() == "new" and os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_where_folders_cannot_be_exchanged_the_old_one_is_set_aside_replaced_and_removed(tmp_path, monkeypatch):
+    """A C library without renameat2 (macOS, an old glibc): the old folder is renamed aside (a crash between the two
+    renames leaves it as ``.NAME.old``, which a resume puts back), the new one takes its name, and the old one goes."""
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, use_errno: SimpleNamespace())  # a libc with no renameat2
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("old")
+    new = tmp_path / ".ckpt.tmp-0badf00d"
+    new.mkdir()
+    (new / "config.json").write_text("new")
+    replace_directory(new, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "config.json").read_text() == "new" and os.listdir(tmp_path) == ["ckpt"]
+
+
 def test_a_file_that_is_not_utf8_is_named_with_the_line_of_its_first_bad_byte(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_bytes(b"first line\nsecond \xff line\nthird\nfourth\n")
     with pytest.raises(ValueError, match=r"notes.txt:2 is not UTF-8 text \(byte 18: invalid start byte\)"):
         read_text_file(notes)
+    notes.write_bytes(b"\nsecond \xff line\n")  # an empty first line is a line too
+    with pytest.raises(ValueError, match=r"notes.txt:2 is not UTF-8 text \(byte 8: invalid start byte\)"):
+        read_text_file(notes)
+
+
+def test_a_files_checksum_is_the_sha256_of_all_its_bytes(tmp_path):
+    """Manifests, ONNX seals and weights identities written by earlier versions hold sha256 digests: any other
+    digest, or one of part of a file read in blocks, refuses every checkpoint and export already on disk."""
+    data = os.urandom(3 * 2**20 + 5)  # three whole blocks and part of a fourth
+    (tmp_path / "model.safetensors").write_bytes(data)
+    assert file_checksum(tmp_path / "model.safetensors") == hashlib.sha256(data).hexdigest()
 
 
 def test_only_a_higher_version_of_the_same_family_is_a_newer_format():
     assert is_newer_format("store/3", "store/2") and not is_newer_format("store/2", "store/2")
     assert not is_newer_format("store/1", "store/2") and not is_newer_format("other/9", "store/2")
     assert not is_newer_format(None, "store/2") and not is_newer_format("store/x", "store/2")
+
+
+def test_an_error_that_names_its_own_file_keeps_it_and_one_without_a_number_is_left_as_it_is(tmp_path):
+    """``naming_errors(PATH)`` names PATH only in an error that names no file (a write to a full disk): an error about
+    another file, or a message of the project's own, is not made to point at PATH."""
+    with pytest.raises(FileNotFoundError) as raised:
+        with naming_errors(tmp_path / "metrics.jsonl"):
+            (tmp_path / "gone.json").read_text()
+    assert raised.value.filename == str(tmp_path / "gone.json")
+    assert describe_os_error(raised.value) == f"{tmp_path / 'gone.json'}: No such file or directory"
+    own = OSError("the archive was closed")
+    with pytest.raises(OSError) as raised:
+        with naming_errors(tmp_path / "captions.jsonl"):
+            raise own
+    assert raised.value is own
+
+
+def test_a_folder_held_alone_is_made_with_its_missing_parents(tmp_path):
+    """``captioner data generate --out data/new/scenes`` and ``train --out runs/new/x`` name folders whose parents
+    need not exist yet: the lock makes the folder before anything else does."""
+    folder = tmp_path / "data" / "new" / "scenes"
+    with held_alone(folder, FolderInUse("busy")):
+        assert folder.is_dir()
