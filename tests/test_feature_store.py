@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from captioner.models.data.features import INDEX, FeatureStore, FeatureStoreError, NewerFeatureStore, \
-    UnreadablePhotos, _cache_name, extract_features, find_covering_store, shard_name
+    UnreadablePhotos, _cache_name, distributed_rank, extract_features, find_covering_store, shard_name
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
 
@@ -114,6 +114,43 @@ def test_resuming_with_another_shard_size_re_encodes_rather_than_misplacing_imag
     assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
 
 
+def test_a_resume_with_another_shard_size_discards_a_shard_that_holds_as_many_images_as_its_place(images, encoder,
+                                                                                                 tmp_path):
+    """Shard 2 of one image each (the third photo) and shard 2 of three each (the seventh, alone) hold as many
+    images: their row counts cannot tell them apart, the shard size the first run recorded (layout.json) does."""
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=3)
+    with pytest.raises(RuntimeError, match="simulated crash"):  # shards 0, 1 and 2 of one image done, then a crash
+        extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=CountingEncoder(encoder, 3),
+                         progress=False, shard_size=1)
+    resuming = CountingEncoder(encoder)
+    resumed = extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=resuming,
+                               progress=False, shard_size=3)
+    assert resuming.images == len(images)
+    keys = [im.key for im in images]
+    assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
+
+
+def test_shards_an_extraction_begun_without_a_layout_record_left_are_kept_only_where_they_fit(images, encoder,
+                                                                                              tmp_path):
+    """An extraction an earlier version began recorded no shard size (no layout.json): a finished shard is kept
+    where it holds as many images as its place under this run's size (its work is not lost), and not read as if
+    it held other images where it does not."""
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=3)
+    keys = [im.key for im in images]
+    for cache, shard_size, encoded in (("same", 2, 3), ("other", 3, len(images))):
+        with pytest.raises(RuntimeError, match="simulated crash"):  # shards of 2 done, then a crash
+            extract_features(images, SPEC, tmp_path / cache, batch_size=1, encoder=CountingEncoder(encoder, 5),
+                             progress=False, shard_size=2)
+        (tmp_path / cache / _cache_name(SPEC, keys) / "layout.json").unlink()
+        resuming = CountingEncoder(encoder)
+        resumed = extract_features(images, SPEC, tmp_path / cache, batch_size=1, encoder=resuming,
+                                   progress=False, shard_size=shard_size)
+        assert resuming.images == encoded, f"resumed with shards of {shard_size}"
+        assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
+
+
 def test_other_ranks_wait_for_rank_zero(images, encoder, tmp_path):
     results = {}
 
@@ -130,6 +167,17 @@ def test_other_ranks_wait_for_rank_zero(images, encoder, tmp_path):
     assert np.array_equal(results["store"].get_numpy([images[5].key]), mine.get_numpy([images[5].key]))
 
 
+def test_the_rank_is_the_process_groups_once_it_is_up(tmp_path, monkeypatch):
+    """Under torchrun the process group says which rank extracts: a rank it did not give (none) would make rank 0
+    wait for itself, for good."""
+    monkeypatch.delenv("RANK", raising=False)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        assert distributed_rank() == 0
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_waiting_rank_stops_when_rank_zero_fails(images, encoder, tmp_path):
     with pytest.raises(RuntimeError):
         extract_features(images, SPEC, tmp_path, rank=0, progress=False, encoder=CountingEncoder(encoder, 0))
@@ -142,6 +190,35 @@ def test_a_store_of_all_images_serves_any_subset(images, encoder, tmp_path):
     subset = extract_features(images[2:5], SPEC, tmp_path, progress=False, encoder=object())  # nothing to encode
     assert subset.folder == everything.folder
     assert np.array_equal(subset.get_numpy([images[3].key]), everything.get_numpy([images[3].key]))
+
+
+def test_stores_of_other_photos_in_one_cache_are_kept_apart(images, encoder, tmp_path):
+    """A store's folder is named by its photos too: the validation split's store is not the training split's,
+    which holds none of its photos."""
+    first = extract_features(images[:3], SPEC, tmp_path, encoder=encoder, progress=False)
+    second = extract_features(images[3:], SPEC, tmp_path, encoder=encoder, progress=False)
+    assert second.folder != first.folder and all(im.key in second for im in images[3:])
+
+
+def test_a_store_of_photos_since_replaced_at_their_paths_is_extracted_again_and_not_waited_on(images, encoder,
+                                                                                             tmp_path):
+    """A data set regenerated in place keeps its photos' paths, which name its store: that store held the old
+    photos' features.  Its index records each photo's size, so a store whose photos now have other sizes is
+    encoded again in its place, and a waiting rank does not take it for the new one."""
+    (tmp_path / "photos").mkdir()
+    copies = []
+    for image in images:
+        shutil.copy(image.path, tmp_path / "photos" / image.path.name)
+        copies.append(replace(image, path=tmp_path / "photos" / image.path.name))
+    store = extract_features(copies, SPEC, tmp_path / "cache", encoder=encoder, progress=False)
+    assert store.file_bytes[copies[0].key] == images[0].path.stat().st_size
+    shutil.copy(images[6].path, copies[0].path)  # another photo, of another size, at the first one's path
+    with pytest.raises(FeatureStoreError, match="waited 0 s for rank 0"):
+        extract_features(copies, SPEC, tmp_path / "cache", rank=1, progress=False, wait_timeout_s=0)
+    counting = CountingEncoder(encoder)
+    again = extract_features(copies, SPEC, tmp_path / "cache", encoder=counting, progress=False)
+    assert again.folder == store.folder and counting.images == len(copies)
+    assert np.array_equal(again.get_numpy([copies[0].key]), again.get_numpy([copies[6].key]))  # one photo now
 
 
 def test_a_store_of_a_local_weights_file_is_found_again_only_while_its_content_is_unchanged(images, encoder,
@@ -160,6 +237,15 @@ def test_a_store_of_a_local_weights_file_is_found_again_only_while_its_content_i
     assert find_covering_store(tmp_path / "cache", spec, keys) is None
     assert extract_features(images, spec, tmp_path / "cache", encoder=encoder, progress=False).folder != store.folder
     assert FeatureStore(store.folder).weights_sha256 == {"weights": hashlib.sha256(b"first weights").hexdigest()}
+
+
+def test_a_store_of_the_same_network_fed_another_way_never_stands_in(images, encoder, tmp_path):
+    """Stores are looked through by backbone, layer and input size alone (their folders' names): one whose photos
+    reached the network another way (a centre crop here) holds other features under the same keys."""
+    extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    assert find_covering_store(tmp_path, SPEC, [im.key for im in images[:3]]) is not None
+    cropped = replace(SPEC, resize="center_crop", resize_to=72)
+    assert find_covering_store(tmp_path, cropped, [im.key for im in images[:3]]) is None
 
 
 def test_a_store_written_before_local_weights_files_were_known_by_content_keeps_its_tuned_stages(images, encoder,
@@ -230,6 +316,30 @@ def test_a_disk_too_full_for_a_shard_is_an_error_naming_it_not_a_bus_error(image
     with pytest.raises(OSError, match=r"no room for the feature shard .*shard-00000\.partial\.npy .*No space left"):
         extract_features(images, SPEC, tmp_path, batch_size=4, encoder=encoder, progress=False)
     assert not list(tmp_path.rglob("*.partial.npy"))
+
+
+def test_a_shards_every_byte_is_reserved_on_the_disk_before_it_is_written(images, encoder, tmp_path, monkeypatch):
+    """A write into the mapped shard past what was reserved can still find the disk full: a SIGBUS."""
+    reserved, real_fallocate = [], os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        reserved.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    store = extract_features(images, SPEC, tmp_path, batch_size=4, encoder=encoder, progress=False, shard_size=4)
+    shards = [store.folder / shard_name(j) for j in range(2)]
+    assert [(Path(path).name, offset, length) for path, offset, length in reserved] == [
+        (f"shard-{j:05d}.partial.npy", 0, shard.stat().st_size) for j, shard in enumerate(shards)]
+
+
+def test_unreadable_photos_are_named_ten_at_most_and_the_rest_counted():
+    failures = [f"photo{i}.jpg: truncated" for i in range(12)]
+    message = str(UnreadablePhotos(failures, encoded=0, total=12))
+    assert "12 photo(s) could not be read" in message and "photo9.jpg" in message and "photo10.jpg" not in message
+    assert "\n  and 2 more\n" in message
+    assert "\n  and 1 more\n" in str(UnreadablePhotos(failures[:11], encoded=0, total=11))
+    assert "more" not in str(UnreadablePhotos(failures[:10], encoded=0, total=10))  # all ten named
 
 
 def test_every_torn_photo_is_named_in_one_run_and_the_shards_without_one_are_kept(images, encoder, tmp_path):
