@@ -11,6 +11,7 @@ import torch
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import CaptionedImage, load_karpathy
 from captioner.models.data.regions import RegionStore, read_regions, save_regions, write_scene_regions
+from captioner.models.data.stores import open_feature_store
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.export.onnx import ExportUnsupported, export_checkpoints
@@ -82,6 +83,15 @@ def test_missing_and_malformed_region_files_are_reported(tmp_path):
     store = RegionStore(tmp_path, [_image(0), _image(1)])
     with pytest.raises(ValueError, match="6-d features"):
         store.batch([_image(0).key, _image(1).key])
+
+
+def test_a_features_value_that_is_neither_grid_nor_a_region_folder_is_refused(tmp_path):
+    """``--features`` is ``grid`` or ``regions:DIR``: another word, a folder after ``grid`` or none after ``regions``
+    is a mistake to say, not a run on the grid features (extracted first, for hours on COCO)."""
+    for value in ("bogus", "grid:/data/bottom-up", "regions:"):
+        with pytest.raises(ValueError, match=f"--features must be 'grid' or 'regions:DIR', got '{value}'"):
+            open_feature_store(value, [], REGION_ENCODER, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_scene_stand_in_has_one_region_per_object_plus_background(scenes, scene_regions_dir):
