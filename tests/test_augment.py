@@ -72,6 +72,14 @@ def test_the_mixed_store_answers_each_key_from_its_own_view_in_the_order_asked()
     assert store.batch(["c"]).feats[0, 0, 0] == 99.0 and flipped.asked == [["b", "a"]]
 
 
+def test_a_mixed_store_of_mirror_images_with_features_of_another_width_is_refused():
+    """The photos' and their mirror images' features go into one batch: stores of two encoders cannot."""
+    wide = _Constant(1000.0)
+    wide.feat_dim = 3
+    with pytest.raises(ValueError, match="the mirrored store's features are 3-d, the photos' 2-d"):
+        MirroredStore(_Constant(0.0), wide)
+
+
 def test_mirroring_a_caption_swaps_left_and_right_only():
     assert mirror_words("a dog on the left of a man holding a right glove".split()) == \
         "a dog on the right of a man holding a left glove".split()
