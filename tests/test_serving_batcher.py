@@ -26,6 +26,8 @@ from captioner.service.memory import IdleTrimmer
 from captioner.service.metrics import Metrics
 from captioner.service.middleware import JsonFormatter, request_id_var
 from captioner.service.row_table import Job, RowTable, fill_holes
+from captioner.service.settings import Settings
+from captioner.service.warmup import WARMUP_TIMEOUT_S, warm_up, warmup_sizes
 
 from .serving_helpers import all_architectures, assert_same_result, count_encodes, count_step_rows, drive, \
     random_images, shared_encoder, tiny_checkpoint, watch_encodes
@@ -951,6 +953,33 @@ def test_calibration_learns_caption_lengths_from_its_calibration_request_only(en
     assert calibrated.admission.steps_per_request == 7
     # alone, a 7-step request is expected to take its 7 steps at the measured step time (1 s of fake time each)
     assert calibrated.expected_wait_s(3, 7) == pytest.approx(7.0)
+
+
+def test_warm_up_runs_each_power_of_two_encoder_batch_and_the_largest_once():
+    assert warmup_sizes(1) == [1]
+    assert warmup_sizes(4) == [1, 2, 4]
+    assert warmup_sizes(6) == [1, 2, 4, 6]
+
+
+@pytest.mark.parametrize(("limits", "sizes"), [
+    (dict(max_batch_images=16, max_rows=13, queue_size=64), [1, 2, 4]),  # 13 rows hold 4 beams of 3
+    (dict(max_batch_images=2, max_rows=64, queue_size=64), [1, 2]),
+    (dict(max_batch_images=16, max_rows=64, queue_size=3), [1, 2, 3]),
+    (dict(max_batch_images=16, max_rows=5, queue_size=64, max_beam_size=5), [1]),  # one beam of 3 fits, not two
+])
+def test_warm_up_requests_are_shaped_by_the_settings_and_never_larger_than_the_worker_encodes(encoder, limits, sizes):
+    """Warm-up pays first-use costs for the batches the worker will encode: the default beam and caption length,
+    and encoder batches up to the most images the rows, the batch limit and the queue let it take at once; under
+    the warm-up's own deadline, not a request's (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start)."""
+    calls = []
+
+    async def calibrate(_prepared, beam_size, batch_sizes, **options):
+        calls.append((beam_size, batch_sizes, options))
+
+    runtime = runtime_for("sat", encoder)
+    settings = Settings(default_beam_size=3, default_max_len=7, request_timeout_s=0.01, **limits)
+    asyncio.run(warm_up(types.SimpleNamespace(runtime=runtime, calibrate=calibrate), settings))
+    assert calls == [(3, sizes, dict(timeout_s=WARMUP_TIMEOUT_S, calibrate_len=7))]
 
 
 def test_the_worker_reports_idle_once_it_runs_out_of_work(encoder):
