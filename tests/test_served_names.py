@@ -169,6 +169,15 @@ def test_a_checkpoint_replaced_by_one_named_the_same_is_reported(weights):
     assert found["sat"] == photo_sat and replaced == [("sat", photo_sat, weights / "sat")]  # aoanet is itself
 
 
+def test_the_server_names_the_checkpoint_it_does_not_serve_for_one_named_the_same(weights, caplog):
+    """The server's log is where an operator learns that one of two checkpoints named the same is not served."""
+    photo_sat = weights / "flickr8k" / "sat"
+    with caplog.at_level(logging.WARNING, logger="captioner.runtime"):
+        runtimes = load_runtimes(weights, [photo_sat], default_backend="torch", only=["sat"])
+    assert set(runtimes) == {"sat"}
+    assert f"model 'sat' is {photo_sat}; {weights / 'sat'}, named the same, is not served" in caplog.text
+
+
 def test_extra_folders_that_hold_no_checkpoint_are_named_in_the_log(tmp_path, caplog):
     # CAPTIONER_CHECKPOINTS='["runs/mine"]' (the run, not runs/mine/best) or a typo was dropped without a word,
     # and the model's requests got 404
