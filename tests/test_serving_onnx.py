@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import fcntl
 import functools
 import io
@@ -29,7 +30,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from skimage import data
 
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_manifest
 from captioner.models.data.scenes import generate
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.export import onnx as exporter
@@ -426,6 +427,36 @@ def test_an_onnx_folder_that_cannot_be_written_is_named_in_one_line_and_pytorch_
     assert any("not-a-folder" in record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING)
 
 
+@pytest.mark.parametrize("backend", ["onnx", "hybrid"])
+def test_a_backend_named_in_the_settings_serves_its_models_with_the_cnn_their_spec_shares(tmp_path, backend):
+    """``CAPTIONER_BACKEND=onnx`` or ``hybrid`` (not ``auto``): each model is served so, through one ONNX Runtime
+    session of its spec's CNN, and captions like PyTorch; only ONNX Runtime alone drops the PyTorch weights.  A model
+    ``CAPTIONER_BACKENDS`` names keeps the backend given there."""
+    save_tiny_sats(tmp_path / "weights", ["a", "b", "c"])
+    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
+                                          backends={"c": "torch"}, onnx_dir=tmp_path / "onnx", threads=1)
+    assert {name: r.backend for name, r in loaded.items()} == {"a": backend, "b": backend, "c": "torch"}
+    assert loaded["a"].visual is loaded["b"].visual is not None
+    for name in ("a", "b"):
+        on_meta = all(p.is_meta for p in loaded[name].ckpt.model.parameters())
+        assert on_meta == (backend == "onnx")
+    prepared = [loaded["c"].prepare(image) for image in random_images(2, seed=5)]
+    want = torch_runtime_of(tmp_path / "weights" / "a").caption(prepared, 2, 6)
+    for got, expected in zip(loaded["a"].caption(prepared, 2, 6), want):
+        assert_same_result(got, expected, atol_attention=ATOL_ATTENTION, atol_logprob=ATOL_LOGPROB)
+
+
+@pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
+def test_an_autocast_precision_serves_every_model_on_pytorch_in_that_precision(tmp_path, backend):
+    """``CAPTIONER_PRECISION=bfloat16`` is PyTorch's autocast: whatever backend is asked for, the model runs on
+    PyTorch in that precision, and nothing is exported for it."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
+                                          precision="bfloat16", onnx_dir=tmp_path / "onnx", threads=1)
+    assert (loaded["a"].backend, loaded["a"].precision) == ("torch", "bfloat16")
+    assert not (tmp_path / "onnx").exists()
+
+
 def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decoder_cannot_be_exported(tmp_path):
     """The default backend: a tiny SAT runs wholly on ONNX Runtime, a tiny SparseCap-TVmax (no exportable step)
     gets the hybrid (ONNX Runtime CNN, PyTorch decoder), and both answer exactly like PyTorch over HTTP."""
@@ -490,6 +521,26 @@ def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch
     assert on_meta == (fastest == "onnx")
     assert chosen.caption([Prepared(*preprocess(image, chosen.spec)) for image in backend_choice.check_images(1)],
                           beam_size=2, max_len=5)[0].words
+
+
+def test_a_backends_time_on_the_check_set_is_its_best_timed_run_between_device_synchronisations(monkeypatch):
+    """What ``auto`` on a GPU compares: the seconds a runtime takes to caption the check set, the best of its timed
+    runs, each timed between device synchronisations (a GPU runs its kernels after the call has returned).  A made-up
+    clock: the runs take 2 s, then 1.5 s."""
+    clock, events = [0.0], []
+
+    class Timed:
+        def synchronize(self):
+            events.append("synchronize")
+
+        def caption(self, prepared, beam_size, max_len):
+            events.append("caption")
+            clock[0] += 2.0 if events.count("caption") == 1 else 1.5
+            return []
+
+    monkeypatch.setattr(backend_choice, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert backend_choice.check_seconds(Timed(), [], repeats=2) == 1.5
+    assert events == ["synchronize", "caption", "synchronize"] * 2
 
 
 def test_onnx_runtime_picks_cuda_only_when_the_device_is_cuda(shipped):
@@ -589,6 +640,54 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     assert {r.backend for r in later.values()} == {"onnx"}
 
 
+def test_a_model_shares_the_cnn_of_its_own_encoder_spec_never_another_specs(tmp_path):
+    """Models of one encoder spec share one CNN, on ONNX Runtime and on PyTorch alike; a model of another spec (here
+    a larger input) gets its own: a CNN shared across specs would encode its images at the other spec's size."""
+    larger = dataclasses.replace(TINY_SPEC, image_size=128)
+    for name, seed, spec in (("a", 0, TINY_SPEC), ("b", 1, TINY_SPEC), ("c", 2, larger)):
+        ckpt = tiny_checkpoint("sat", seed=seed)
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, spec)
+    load = dict(device_name="cpu", onnx_dir=tmp_path / "onnx", threads=1)
+    on_onnx = runtime_module.load_runtimes(tmp_path / "weights", [], default_backend="auto", **load)
+    assert {r.backend for r in on_onnx.values()} == {"onnx"}
+    assert on_onnx["a"].visual is on_onnx["b"].visual and on_onnx["c"].visual is not on_onnx["a"].visual
+    on_torch = runtime_module.load_runtimes(tmp_path / "weights", [], default_backend="torch", **load)
+    assert on_torch["a"].encoder is on_torch["b"].encoder and on_torch["c"].encoder is not on_torch["a"].encoder
+    assert on_torch["c"].encoder.spec == larger
+
+
+def test_a_reference_recorded_under_another_torch_device_or_check_set_is_computed_again(tmp_path, monkeypatch):
+    """The check set's recorded PyTorch captions hold only for the torch version, device type and check images they
+    were taken with: a stale record (here wrong captions under an older torch) is not what backends are verified
+    against, a check set changed since (one image of it, here) is captioned again, and a record taken on the CPU is
+    not reused on a GPU, whose PyTorch may caption otherwise."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    load = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
+    assert runtime_module.load_runtimes(tmp_path / "weights", [], **load)["a"].backend == "onnx"
+    (record,) = (tmp_path / "onnx" / ".reference").glob("*.json")
+    current = json.loads(record.read_text())
+    stale = {"key": {**current["key"], "torch": "1.0.0"}, "token_ids": [[1, 2]] * len(current["token_ids"])}
+    record.write_text(json.dumps(stale))
+    assert runtime_module.load_runtimes(tmp_path / "weights", [], **load)["a"].backend == "onnx"
+    assert json.loads(record.read_text()) == current
+    images = backend_choice.check_images()
+    monkeypatch.setattr(backend_choice, "check_images",
+                        lambda: [*images[:-1], images[-1].transpose(Image.Transpose.FLIP_LEFT_RIGHT)])
+    runtime_module.load_runtimes(tmp_path / "weights", [], **load)
+    assert json.loads(record.read_text())["key"]["images"] != current["key"]["images"]
+
+    ckpt = load_checkpoint(tmp_path / "weights" / "a")
+    on_gpu = SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1)
+
+    def computed(spec):  # stands for the PyTorch CNN on the GPU, which this CPU may lack
+        raise LookupError("computed again")
+
+    monkeypatch.setattr(on_gpu, "pytorch", computed)
+    prepared = [Prepared.of(image, ckpt.encoder) for image in backend_choice.check_images()]
+    with pytest.raises(LookupError, match="computed again"):
+        backend_choice.reference_captions("a", ckpt, on_gpu, prepared)
+
+
 def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pytorch_encoder(tmp_path, monkeypatch):
     """The first start's exports and reference captions are made by a spawned child (``PreparingChild``), and the
     server loads each model once the child is done with it, while the child prepares the next: each of the server's
@@ -629,6 +728,19 @@ def test_a_start_up_that_fails_ends_the_preparing_child_instead_of_waiting_for_i
     assert not [child for child in multiprocessing.active_children() if child.name == "captioner-prepare"]
 
 
+def test_a_preparing_child_stopped_is_ended_not_waited_for(tmp_path):
+    """A server stopped during its first start ends the child at once (SIGTERM) rather than waiting for the exports
+    it would still make; here the child is still busy in its set-up, and nothing is made."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a"], device_name="cpu",
+                                          default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
+                                          set_up_logging=functools.partial(time.sleep, 30))
+    (process,) = [c for c in multiprocessing.active_children() if c.name == "captioner-prepare"]
+    child.stop()
+    assert process.exitcode == -signal.SIGTERM
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+
+
 def test_every_model_is_reported_after_its_load_or_its_skip(tmp_path):
     """``iter_runtimes`` calls ``before_each`` before and ``after_each`` after every model it is given, a damaged
     one too: the preparing child reports through ``after_each``, and a model it skipped without a word would keep
@@ -641,6 +753,55 @@ def test_every_model_is_reported_after_its_load_or_its_skip(tmp_path):
                                                after_each=lambda name: calls.append(("after", name))))
     assert set(loaded) == {"b"}
     assert calls == [("before", "a"), ("after", "a"), ("before", "b"), ("after", "b")]
+
+
+@pytest.mark.parametrize("edit", [lambda config: config.pop("arch"),  # KeyError
+                                  lambda config: config.update(encoder="efficientnet_lite0"),  # TypeError
+                                  lambda config: config["encoder"].update(image_size="big")],  # ValueError
+                         ids=["no-arch", "encoder-not-a-mapping", "image-size-not-a-number"])
+def test_a_foreign_checkpoint_the_loader_fails_on_is_skipped_with_its_traceback_and_the_others_start(tmp_path, caplog,
+                                                                                                    edit):
+    """A config.json the loader was not written for (made by hand or by another tool, its manifest written after)
+    fails inside the loader: that checkpoint is skipped, named in the log with the traceback (it may be a bug),
+    and the other models start."""
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
+    folder = tmp_path / "weights" / "a"
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    write_manifest(folder)
+    with caplog.at_level(logging.ERROR, logger="captioner.runtime"):
+        loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
+                                              threads=1)
+    assert set(loaded) == {"b"}
+    (skipped,) = [r for r in caplog.records if r.getMessage().startswith(f"skipping checkpoint {folder}: ")]
+    assert skipped.exc_info
+
+
+@pytest.mark.parametrize(("failure", "traceback"), [
+    (CheckpointError("model.safetensors is cut short"), False),  # a damaged folder: its one line says it all
+    (OSError(errno.EIO, "Input/output error"), True),
+    (RuntimeError("CUDA out of memory"), True),
+])
+def test_a_checkpoint_that_fails_to_load_is_skipped_and_the_others_start(tmp_path, monkeypatch, caplog, failure,
+                                                                         traceback):
+    """A disk that fails under one checkpoint, or a device without room for it, costs that model, not the start."""
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
+    load = runtime_module.load_checkpoint
+
+    def failing_for_a(path, device):
+        if path.name == "a":
+            raise failure
+        return load(path, device)
+
+    monkeypatch.setattr(runtime_module, "load_checkpoint", failing_for_a)
+    with caplog.at_level(logging.ERROR, logger="captioner.runtime"):
+        loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
+                                              threads=1)
+    assert set(loaded) == {"b"}
+    (skipped,) = [r for r in caplog.records if r.getMessage().startswith("skipping checkpoint")]
+    assert skipped.getMessage() == f"skipping checkpoint {tmp_path / 'weights' / 'a'}: {failure}"
+    assert bool(skipped.exc_info) == traceback
 
 
 def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
@@ -657,6 +818,39 @@ def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, c
     assert [r.getMessage() for r in caplog.records] == [
         "preparing the ONNX exports in a child process failed (exit code 3); preparing the rest here"]
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+
+
+def gate_model_b(gate: Path) -> None:
+    """A preparing child's ``set_up_logging`` (it runs in the child): the child's load of model ``b`` waits until
+    ``gate`` exists (a minute at most), and writes beside it whether it was opened."""
+    load = runtime_module.load_checkpoint
+
+    def gated(path, device):
+        if path.name == "b":
+            for _ in range(600):
+                if gate.exists():
+                    break
+                time.sleep(0.1)
+            (gate.parent / "b-gate-opened").write_text(str(gate.exists()))
+        return load(path, device)
+
+    runtime_module.load_checkpoint = gated
+
+
+def test_the_wait_for_a_model_returns_while_the_child_still_prepares_the_next(tmp_path):
+    """The wait for a model returns once the child reports it, not once the child exits: here the child holds
+    model b until the server, done waiting for a, opens its gate."""
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
+    gate = tmp_path / "gate"
+    child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a", "b"], device_name="cpu",
+                                          default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
+                                          set_up_logging=functools.partial(gate_model_b, gate))
+    child.wait_for("a")
+    gate.touch()
+    child.wait_for("b")
+    child.join()
+    assert (tmp_path / "b-gate-opened").read_text() == "True"
+    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
 def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
@@ -693,14 +887,18 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
-def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, monkeypatch):
+def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, capfd):
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
-    without loading the others (``only``)."""
+    without loading the others (``only``): its log says which it loaded."""
     save_tiny_sats(tmp_path / "weights", ["a", "b"])
     settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
     assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], **settings)) == {"a"}
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
-    runtime_module.PreparingChild(tmp_path / "weights", [], only=["b"], **settings).join()
+    capfd.readouterr()
+    runtime_module.PreparingChild(tmp_path / "weights", [], only=["b"], **settings,
+                                  set_up_logging=functools.partial(configure_logging, "json", "info")).join()
+    records = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert [r["msg"].split()[1] for r in records if r["msg"].startswith("loaded ")] == ["b"]
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
@@ -769,7 +967,23 @@ def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_pa
         later = runtime_module.load_runtimes(**load)
     assert later["a"].backend == "hybrid"
     failure = next(r for r in caplog.records if "onnx backend failed" in r.getMessage())
-    assert failure.exc_info is not None
+    assert failure.exc_info  # False, not None, where the traceback is left out
+
+
+def test_an_export_onnx_runtime_cannot_load_serves_its_model_with_pytorch_and_says_why(tmp_path, caplog):
+    """``CAPTIONER_BACKEND=onnx`` and a step graph ONNX Runtime refuses although the export wrote it (sealed): its
+    error (an exception of ONNX Runtime's own) is logged with the traceback, and PyTorch serves the model."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="onnx",
+                onnx_dir=tmp_path / "onnx", threads=1)
+    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")
+    seal(tmp_path / "onnx" / "a" / "step.onnx")
+    with caplog.at_level("ERROR", logger=runtime_module.log.name):
+        assert runtime_module.load_runtimes(**load)["a"].backend == "torch"
+    failure = next(r for r in caplog.records if r.getMessage() == "a: ONNX Runtime failed to load it; serving it with "
+                   "PyTorch")
+    assert failure.exc_info
 
 
 def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
