@@ -20,6 +20,7 @@ from captioner.models.export import quantize
 from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
     int8_recipe, quantized_visual_encoder, visual_encoder_file
 from captioner.models.export.sessions import VisualSession
+from captioner.service import backend_choice
 from captioner.service import runtime as runtime_module
 from captioner.service.cli import main as captioner
 from captioner.service.onnx_backends import HybridRuntime
@@ -85,6 +86,23 @@ def test_service_serves_the_int8_cnn_and_verifies_decoder_graphs_on_its_features
     hybrid = HybridRuntime("sat", tiny_checkpoint("sat"), runtime.visual, torch.device("cpu"))
     got = [r.hypothesis.token_ids for r in runtime.caption(prepared, 2, 6)]
     assert got == [r.hypothesis.token_ids for r in hybrid.caption(prepared, 2, 6)]
+
+
+def test_int8_backends_are_verified_on_the_int8_features_not_against_pytorchs_float_captions(tmp_path, int8_files,
+                                                                                               monkeypatch):
+    """An int8 CNN changes the features, so PyTorch's float captions are no reference for its decoder graphs: they
+    are verified against PyTorch's decoder on the same int8 features, and serve even where the float captions
+    differ (made to here)."""
+    ckpt = tiny_checkpoint("sat")
+    save_checkpoint(tmp_path / "weights" / "sat", ckpt.model, ckpt.vocab, ckpt.encoder)
+
+    def float_captions_that_differ(name, ckpt, encoders, prepared):
+        return [[0]] * len(prepared)
+
+    monkeypatch.setattr(backend_choice, "reference_captions", float_captions_that_differ)
+    runtimes = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
+                                            onnx_dir=int8_files[0].parent.parent, threads=1, encoder_precision="int8")
+    assert runtimes["sat"].backend == "onnx" and runtimes["sat"].visual.path == int8_files[1]
 
 
 def test_eval_scores_the_int8_cnn(tmp_path, int8_files, capsys):
@@ -224,8 +242,12 @@ def test_the_int8_cnn_computes_its_quantized_graph_on_this_cpu(int8_files):
 @pytest.mark.parametrize("kernels", ["u8s8", "u8u8"])
 def test_serving_int8_on_a_cpu_without_vnni_says_it_may_not_pay(tmp_path, monkeypatch, caplog, kernels):
     monkeypatch.setattr(runtime_module, "int8_kernels", lambda: kernels)
+
+    def warned():
+        return [r.getMessage() for r in caplog.records if "without VNNI" in r.getMessage()]
+
     with caplog.at_level("WARNING", logger="captioner.runtime"):
-        runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="int8")
         runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="float32")
-    warned = [r.getMessage() for r in caplog.records if "without VNNI" in r.getMessage()]
-    assert len(warned) == (kernels == "u8u8")
+        assert not warned()  # one load of each, in one log, let a warning on the float32 load pass for the int8 one
+        runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="int8")
+    assert len(warned()) == (kernels == "u8u8")
