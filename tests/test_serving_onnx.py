@@ -953,37 +953,26 @@ def test_a_runtimes_description_is_made_once_and_cannot_be_changed():
     assert info.name == "sat"
 
 
-def test_auto_backend_skips_a_corrupt_export_instead_of_failing_the_start(tmp_path, caplog):
+@pytest.mark.parametrize("asked,served,logged", [
+    ("auto", "hybrid", "onnx backend failed"),
+    ("onnx", "torch", "a: ONNX Runtime failed to load it; serving it with PyTorch"),
+])
+def test_an_export_onnx_runtime_cannot_load_is_logged_with_its_traceback_and_the_next_backend_serves(
+        tmp_path, caplog, asked, served, logged):
     """ONNX Runtime's own errors (here InvalidProtobuf, from a step graph damaged on disk) derive from Exception
-    alone; ``auto`` logs them with their traceback and serves the next verified backend."""
+    alone: rather than failing the start, ``auto`` logs them with their traceback and serves the next verified
+    backend, and ``CAPTIONER_BACKEND=onnx`` serves the model with PyTorch, saying why."""
     save_tiny_sats(tmp_path / "weights", ["a"])
-    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
+    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend=asked,
                 onnx_dir=tmp_path / "onnx", threads=1)
     assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
     # a graph ONNX Runtime refuses although it is the file the export wrote (sealed: not damaged since)
     (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")
     seal(tmp_path / "onnx" / "a" / "step.onnx")
     with caplog.at_level("WARNING", logger=runtime_module.log.name):
-        later = runtime_module.load_runtimes(**load)
-    assert later["a"].backend == "hybrid"
-    failure = next(r for r in caplog.records if "onnx backend failed" in r.getMessage())
+        assert runtime_module.load_runtimes(**load)["a"].backend == served
+    failure = next(r for r in caplog.records if logged in r.getMessage())
     assert failure.exc_info  # False, not None, where the traceback is left out
-
-
-def test_an_export_onnx_runtime_cannot_load_serves_its_model_with_pytorch_and_says_why(tmp_path, caplog):
-    """``CAPTIONER_BACKEND=onnx`` and a step graph ONNX Runtime refuses although the export wrote it (sealed): its
-    error (an exception of ONNX Runtime's own) is logged with the traceback, and PyTorch serves the model."""
-    save_tiny_sats(tmp_path / "weights", ["a"])
-    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="onnx",
-                onnx_dir=tmp_path / "onnx", threads=1)
-    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
-    (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")
-    seal(tmp_path / "onnx" / "a" / "step.onnx")
-    with caplog.at_level("ERROR", logger=runtime_module.log.name):
-        assert runtime_module.load_runtimes(**load)["a"].backend == "torch"
-    failure = next(r for r in caplog.records if r.getMessage() == "a: ONNX Runtime failed to load it; serving it with "
-                   "PyTorch")
-    assert failure.exc_info
 
 
 def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
