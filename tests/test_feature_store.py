@@ -100,33 +100,35 @@ def test_interrupted_extraction_resumes_and_matches_a_fresh_store(images, encode
     assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
 
 
-def test_resuming_with_another_shard_size_re_encodes_rather_than_misplacing_images(images, encoder, tmp_path):
-    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
-                             shard_size=3)
-    with pytest.raises(RuntimeError, match="simulated crash"):  # shards of 2 done, then a crash
-        extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=CountingEncoder(encoder, 5),
-                         progress=False, shard_size=2)
+def resumed_after_a_crash(images, encoder, cache: Path, crashed_shard_size: int, fail_after: int, shard_size: int,
+                          between=lambda: None) -> tuple[FeatureStore, int]:
+    """An extraction into ``cache`` with shards of ``crashed_shard_size`` that crashes after ``fail_after`` images,
+    then (after ``between``) resumed with shards of ``shard_size``: the store, and how many images the resume
+    encoded."""
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        extract_features(images, SPEC, cache, batch_size=1, encoder=CountingEncoder(encoder, fail_after),
+                         progress=False, shard_size=crashed_shard_size)
+    between()
     resuming = CountingEncoder(encoder)
-    resumed = extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=resuming,
-                               progress=False, shard_size=3)
-    assert resuming.images == len(images), "the shards of size 2 hold other images than shards of size 3"
-    keys = [im.key for im in images]
-    assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
+    resumed = extract_features(images, SPEC, cache, batch_size=1, encoder=resuming, progress=False,
+                               shard_size=shard_size)
+    return resumed, resuming.images
 
 
-def test_a_resume_with_another_shard_size_discards_a_shard_that_holds_as_many_images_as_its_place(images, encoder,
-                                                                                                 tmp_path):
-    """Shard 2 of one image each (the third photo) and shard 2 of three each (the seventh, alone) hold as many
-    images: their row counts cannot tell them apart, the shard size the first run recorded (layout.json) does."""
+@pytest.mark.parametrize("crashed_shard_size,fail_after", [
+    (2, 5),  # shards of 2 done, then a crash
+    # shards 0, 1 and 2 of one image done: shard 2 of one image each (the third photo) and shard 2 of three each (the
+    # seventh, alone) hold as many images, so their row counts cannot tell them apart; the shard size the first
+    # run recorded (layout.json) does
+    (1, 3),
+])
+def test_resuming_with_another_shard_size_re_encodes_rather_than_misplacing_images(images, encoder, tmp_path,
+                                                                                   crashed_shard_size, fail_after):
     fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
                              shard_size=3)
-    with pytest.raises(RuntimeError, match="simulated crash"):  # shards 0, 1 and 2 of one image done, then a crash
-        extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=CountingEncoder(encoder, 3),
-                         progress=False, shard_size=1)
-    resuming = CountingEncoder(encoder)
-    resumed = extract_features(images, SPEC, tmp_path / "resumed", batch_size=1, encoder=resuming,
-                               progress=False, shard_size=3)
-    assert resuming.images == len(images)
+    resumed, encoded = resumed_after_a_crash(images, encoder, tmp_path / "resumed", crashed_shard_size, fail_after,
+                                             shard_size=3)
+    assert encoded == len(images), f"the shards of size {crashed_shard_size} hold other images than shards of size 3"
     keys = [im.key for im in images]
     assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
 
@@ -140,14 +142,10 @@ def test_shards_an_extraction_begun_without_a_layout_record_left_are_kept_only_w
                              shard_size=3)
     keys = [im.key for im in images]
     for cache, shard_size, encoded in (("same", 2, 3), ("other", 3, len(images))):
-        with pytest.raises(RuntimeError, match="simulated crash"):  # shards of 2 done, then a crash
-            extract_features(images, SPEC, tmp_path / cache, batch_size=1, encoder=CountingEncoder(encoder, 5),
-                             progress=False, shard_size=2)
-        (tmp_path / cache / _cache_name(SPEC, keys) / "layout.json").unlink()
-        resuming = CountingEncoder(encoder)
-        resumed = extract_features(images, SPEC, tmp_path / cache, batch_size=1, encoder=resuming,
-                                   progress=False, shard_size=shard_size)
-        assert resuming.images == encoded, f"resumed with shards of {shard_size}"
+        layout = tmp_path / cache / _cache_name(SPEC, keys) / "layout.json"
+        resumed, resumed_images = resumed_after_a_crash(images, encoder, tmp_path / cache, 2, 5, shard_size,
+                                                        between=layout.unlink)  # shards of 2 done, then a crash
+        assert resumed_images == encoded, f"resumed with shards of {shard_size}"
         assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
 
 
