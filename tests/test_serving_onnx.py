@@ -73,6 +73,13 @@ def save_tiny_sats(weights: Path, names: list[str]) -> None:
         save_checkpoint(weights / name, ckpt.model, ckpt.vocab, ckpt.encoder)
 
 
+def preparing_child(folder: Path, set_up_logging=None, only: list[str] | None = None) -> runtime_module.PreparingChild:
+    """The preparing child of a first start of the checkpoints in ``folder/weights`` (``only`` those where given),
+    exporting into ``folder/onnx`` on the CPU; ``set_up_logging`` runs first in it."""
+    return runtime_module.PreparingChild(folder / "weights", [], only=only, device_name="cpu", default_backend="auto",
+                                         onnx_dir=folder / "onnx", threads=1, set_up_logging=set_up_logging)
+
+
 @pytest.fixture(scope="module")
 def encoder():
     return shared_encoder()
@@ -732,9 +739,7 @@ def test_a_preparing_child_stopped_is_ended_not_waited_for(tmp_path):
     """A server stopped during its first start ends the child at once (SIGTERM) rather than waiting for the exports
     it would still make; here the child is still busy in its set-up, and nothing is made."""
     save_tiny_sats(tmp_path / "weights", ["a"])
-    child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a"], device_name="cpu",
-                                          default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
-                                          set_up_logging=functools.partial(time.sleep, 30))
+    child = preparing_child(tmp_path, functools.partial(time.sleep, 30), only=["a"])
     (process,) = [c for c in multiprocessing.active_children() if c.name == "captioner-prepare"]
     child.stop()
     assert process.exitcode == -signal.SIGTERM
@@ -809,9 +814,7 @@ def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, c
     it: the wait returns, the failure is logged once, and the server's own load prepares the model."""
     save_tiny_sats(tmp_path / "weights", ["a"])
     with caplog.at_level("WARNING", logger="captioner.runtime"):
-        child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a"], device_name="cpu",
-                                              default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
-                                              set_up_logging=functools.partial(os._exit, 3))
+        child = preparing_child(tmp_path, functools.partial(os._exit, 3), only=["a"])
         child.wait_for("a")
         child.wait_for("not-given")  # a model the child was not given is never waited for
         child.join()
@@ -842,9 +845,7 @@ def test_the_wait_for_a_model_returns_while_the_child_still_prepares_the_next(tm
     model b until the server, done waiting for a, opens its gate."""
     save_tiny_sats(tmp_path / "weights", ["a", "b"])
     gate = tmp_path / "gate"
-    child = runtime_module.PreparingChild(tmp_path / "weights", [], only=["a", "b"], device_name="cpu",
-                                          default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1,
-                                          set_up_logging=functools.partial(gate_model_b, gate))
+    child = preparing_child(tmp_path, functools.partial(gate_model_b, gate), only=["a", "b"])
     child.wait_for("a")
     gate.touch()
     child.wait_for("b")
@@ -859,9 +860,7 @@ def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
     operator audit). Given the service's format, each of its lines is one JSON record."""
     save_tiny_sats(tmp_path / "weights", ["a"])
     capfd.readouterr()
-    runtime_module.PreparingChild(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
-                                  onnx_dir=tmp_path / "onnx", threads=1,
-                                  set_up_logging=functools.partial(configure_logging, "json", "info")).join()
+    preparing_child(tmp_path, functools.partial(configure_logging, "json", "info")).join()
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     records = [json.loads(line) for line in lines]  # a plain line fails here
     assert any(r["logger"] == "captioner.runtime" and r["msg"].startswith("exporting a to ONNX") for r in records)
@@ -891,12 +890,11 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, ca
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
     without loading the others (``only``): its log says which it loaded."""
     save_tiny_sats(tmp_path / "weights", ["a", "b"])
-    settings = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
-    assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], **settings)) == {"a"}
+    assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], device_name="cpu",
+                                            default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)) == {"a"}
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
     capfd.readouterr()
-    runtime_module.PreparingChild(tmp_path / "weights", [], only=["b"], **settings,
-                                  set_up_logging=functools.partial(configure_logging, "json", "info")).join()
+    preparing_child(tmp_path, functools.partial(configure_logging, "json", "info"), only=["b"]).join()
     records = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert [r["msg"].split()[1] for r in records if r["msg"].startswith("loaded ")] == ["b"]
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
