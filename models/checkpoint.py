@@ -26,7 +26,7 @@ from safetensors.torch import save as save_tensors
 from .device import resolve_device
 from .encoder import WEIGHTS_FILE_FIELDS, EncoderSpec
 from .files import (file_checksum, fsync_path, replace_directory, set_aside, temporaries_of, temporary_beside,
-                    temporary_target, write_atomically, write_durably)
+                    temporary_target, write_atomically, create_durably)
 from .placement import check_name_prefixes
 from .protocol import Captioner
 from .zoo import create
@@ -104,11 +104,11 @@ def save_checkpoint(path: str | Path, model: Captioner, vocab: Vocabulary, encod
     try:
         state = {k: (v.to(STORAGE_DTYPES[storage]) if v.is_floating_point() else v).detach().cpu().contiguous()
                  for k, v in model.state_dict().items()}
-        write_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
+        create_durably(tmp / WEIGHTS, save_tensors(state, metadata={"format": FORMAT, "arch": model.arch}))
         for name, data in (files or {}).items():
             if Path(name).name != name or name in OWN_FILES:
                 raise ValueError(f"{name!r} cannot be an extra file of a checkpoint folder")
-            write_durably(tmp / name, data)
+            create_durably(tmp / name, data)
         config = {"format": FORMAT, "arch": model.arch, "model": model.config(), "encoder": encoder.to_json(),
                   "special_ids": {"pad_id": model.pad_id, "bos_id": model.bos_id, "eos_id": model.eos_id},
                   "meta": meta or {}}
@@ -169,7 +169,7 @@ def replace_files(path: str | Path, files: Mapping[str, str | bytes]) -> Path:
             else:
                 _link_or_copy(entry, tmp / entry.name)
         for name, data in files.items():
-            write_durably(tmp / name, data.encode("utf-8") if isinstance(data, str) else data)
+            create_durably(tmp / name, data.encode("utf-8") if isinstance(data, str) else data)
         write_manifest(tmp)
         fsync_path(tmp)
         replace_directory(tmp, path)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def write_durably(path: Path, data: bytes) -> None:
+def create_durably(path: Path, data: bytes) -> None:
     """Create ``path`` with ``data``, flushed to disk.  Mode 0666 minus the umask, like ``open(path, "w")``
     (``safetensors.save_file`` makes its files 0600, unreadable to a service running as another user)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -153,7 +153,7 @@ def write_atomically(path: Path, data: bytes | str, durable: bool = False) -> No
     payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
         if durable:
-            write_durably(tmp, payload)
+            create_durably(tmp, payload)
         else:
             tmp.write_bytes(payload)
         os.replace(tmp, path)

@@ -12,7 +12,7 @@ import pytest
 
 from captioner.models.files import (FolderInUse, describe_os_error, file_checksum, held_alone, is_newer_format,
                                    naming_errors, read_text_file, replace_directory, temporaries_of,
-                                   temporary_beside, temporary_target, write_atomically, write_durably)
+                                   temporary_beside, temporary_target, write_atomically, create_durably)
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -82,7 +82,7 @@ def test_a_durable_write_the_disk_cannot_hold_leaves_no_torn_file_and_names_it(t
     monkeypatch.setattr(os, "write", full)
     target = tmp_path / "train_state.0123abcd.safetensors"
     with pytest.raises(OSError, match="No space left on device") as raised:
-        write_durably(target, b"x" * 100)
+        create_durably(target, b"x" * 100)
     assert raised.value.filename == str(target) and raised.value.errno == errno.ENOSPC
     assert not list(tmp_path.iterdir())
 
@@ -97,7 +97,7 @@ def test_an_interrupt_during_a_write_stays_an_interrupt_and_leaves_no_torn_file(
     target.write_text("old")
     monkeypatch.setattr(os, "write", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        write_durably(tmp_path / "train_state.0123abcd.safetensors", b"x" * 100)
+        create_durably(tmp_path / "train_state.0123abcd.safetensors", b"x" * 100)
     monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
         write_atomically(target, b"new")
@@ -119,7 +119,7 @@ def test_durable_writes_leave_no_file_open_whether_they_succeed_or_fail(tmp_path
 
     monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
-        write_durably(tmp_path / "torn.json", b"{}")
+        create_durably(tmp_path / "torn.json", b"{}")
     assert set(os.listdir("/proc/self/fd")) <= before
 
 
@@ -128,7 +128,7 @@ def test_a_durable_write_never_overwrites_a_file_that_is_there(tmp_path):
     target = tmp_path / "train_state.0123abcd.safetensors"
     target.write_bytes(b"another writer's")
     with pytest.raises(FileExistsError):
-        write_durably(target, b"mine")
+        create_durably(target, b"mine")
     assert target.read_bytes() == b"another writer's"
 
 

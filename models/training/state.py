@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from ..checkpoint import CheckpointError
-from ..files import file_checksum, read_json_file, temporaries_of, write_atomically, write_durably
+from ..files import file_checksum, read_json_file, temporaries_of, write_atomically, create_durably
 
 STATE_TENSORS, STATE_JSON = "train_state.safetensors", "train_state.json"
 TENSORS_KEY = "__tensors__"
@@ -61,7 +61,7 @@ def save_state(run_dir: Path, state: dict[str, Any]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _split(state, "s", tensors)
     name = f"train_state.{secrets.token_hex(4)}.safetensors"
-    write_durably(run_dir / name, save_tensors(tensors))
+    create_durably(run_dir / name, save_tensors(tensors))
     skeleton[TENSORS_KEY] = {"file": name, "sha256": file_checksum(run_dir / name)}
     try:
         write_atomically(run_dir / STATE_JSON, json.dumps(skeleton), durable=True)
