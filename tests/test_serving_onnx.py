@@ -38,7 +38,7 @@ from captioner.models.export import sessions
 from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
     export_graphs, export_identity, export_is_current, export_visual_encoder, intact, seal
 from captioner.models.export.sessions import cuda_provider_available, session_options
-from captioner.models.inference import Prepared, TorchRuntime, padded_batch, torch_runtime
+from captioner.models.inference import Prepared, Runtime, TorchRuntime, padded_batch, torch_runtime
 from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders
 from captioner.service import app as app_module
 from captioner.service import runtime as runtime_module
@@ -49,7 +49,6 @@ from captioner.service.cli import main as captioner
 from captioner.service.middleware import configure_logging
 from captioner.service.onnx_backends import OnnxRuntime
 from captioner.service.onnx_exports import unprepared
-from captioner.service.runtime import load_runtimes
 from captioner.service.settings import Settings
 from captioner.service.shared_encoders import SharedEncoders
 
@@ -71,6 +70,13 @@ def save_tiny_sats(weights: Path, names: list[str]) -> None:
     for seed, name in enumerate(names):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(weights / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+
+
+def load_on_cpu(tmp_path: Path, backend: str, **settings) -> dict[str, Runtime]:
+    """``load_runtimes`` as the tests here start a server: the checkpoints in ``tmp_path/weights`` on the CPU with one
+    thread, exports in ``tmp_path/onnx``; ``settings`` add to those or replace them."""
+    return runtime_module.load_runtimes(tmp_path / "weights", [], **{
+        "device_name": "cpu", "default_backend": backend, "onnx_dir": tmp_path / "onnx", "threads": 1, **settings})
 
 
 def preparing_child(folder: Path, set_up_logging=None, only: list[str] | None = None) -> runtime_module.PreparingChild:
@@ -427,8 +433,7 @@ def test_an_onnx_folder_that_cannot_be_written_is_named_in_one_line_and_pytorch_
     save_tiny_sats(tmp_path / "weights", ["a"])
     (tmp_path / "not-a-folder").write_text("")
     with caplog.at_level(logging.INFO, logger="captioner"):
-        loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
-                                              onnx_dir=tmp_path / "not-a-folder" / "onnx", threads=1)
+        loaded = load_on_cpu(tmp_path, backend, onnx_dir=tmp_path / "not-a-folder" / "onnx")
     assert loaded["a"].backend == "torch"
     assert not [record.getMessage() for record in caplog.records if record.exc_info]
     assert any("not-a-folder" in record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING)
@@ -440,8 +445,7 @@ def test_a_backend_named_in_the_settings_serves_its_models_with_the_cnn_their_sp
     session of its spec's CNN, and captions like PyTorch; only ONNX Runtime alone drops the PyTorch weights.  A model
     ``CAPTIONER_BACKENDS`` names keeps the backend given there."""
     save_tiny_sats(tmp_path / "weights", ["a", "b", "c"])
-    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
-                                          backends={"c": "torch"}, onnx_dir=tmp_path / "onnx", threads=1)
+    loaded = load_on_cpu(tmp_path, backend, backends={"c": "torch"})
     assert {name: r.backend for name, r in loaded.items()} == {"a": backend, "b": backend, "c": "torch"}
     assert loaded["a"].visual is loaded["b"].visual is not None
     for name in ("a", "b"):
@@ -458,8 +462,7 @@ def test_an_autocast_precision_serves_every_model_on_pytorch_in_that_precision(t
     """``CAPTIONER_PRECISION=bfloat16`` is PyTorch's autocast: whatever backend is asked for, the model runs on
     PyTorch in that precision, and nothing is exported for it."""
     save_tiny_sats(tmp_path / "weights", ["a"])
-    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend=backend,
-                                          precision="bfloat16", onnx_dir=tmp_path / "onnx", threads=1)
+    loaded = load_on_cpu(tmp_path, backend, precision="bfloat16")
     assert (loaded["a"].backend, loaded["a"].precision) == ("torch", "bfloat16")
     assert not (tmp_path / "onnx").exists()
 
@@ -611,8 +614,7 @@ def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorc
     tiny = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "tiny", tiny.model, tiny.vocab, tiny.encoder)
     with caplog.at_level("ERROR", logger="captioner.runtime"):
-        runtimes = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="onnx",
-                                                onnx_dir=tmp_path / "onnx", threads=1)
+        runtimes = load_on_cpu(tmp_path, "onnx")
     assert made == ["tiny"] and runtimes["tiny"].backend == "torch"
     assert "no working CUDA execution provider" in caplog.text
 
@@ -626,9 +628,7 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     for name, seed in (("a", 0), ("reference", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
-    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="auto",
-                onnx_dir=tmp_path / "onnx", threads=1)
-    first = runtime_module.load_runtimes(**load)
+    first = load_on_cpu(tmp_path, "auto")
     assert {r.backend for r in first.values()} == {"onnx"}
     assert first["a"].visual is first["reference"].visual
     assert all(p.is_meta for r in first.values() for p in r.ckpt.model.parameters())
@@ -643,7 +643,7 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
         raise AssertionError("a later start built a PyTorch encoder")
 
     monkeypatch.setattr(shared_encoders, "grid_encoder", no_pytorch_encoder)
-    later = runtime_module.load_runtimes(**load)
+    later = load_on_cpu(tmp_path, "auto")
     assert {r.backend for r in later.values()} == {"onnx"}
 
 
@@ -654,11 +654,10 @@ def test_a_model_shares_the_cnn_of_its_own_encoder_spec_never_another_specs(tmp_
     for name, seed, spec in (("a", 0, TINY_SPEC), ("b", 1, TINY_SPEC), ("c", 2, larger)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, spec)
-    load = dict(device_name="cpu", onnx_dir=tmp_path / "onnx", threads=1)
-    on_onnx = runtime_module.load_runtimes(tmp_path / "weights", [], default_backend="auto", **load)
+    on_onnx = load_on_cpu(tmp_path, "auto")
     assert {r.backend for r in on_onnx.values()} == {"onnx"}
     assert on_onnx["a"].visual is on_onnx["b"].visual and on_onnx["c"].visual is not on_onnx["a"].visual
-    on_torch = runtime_module.load_runtimes(tmp_path / "weights", [], default_backend="torch", **load)
+    on_torch = load_on_cpu(tmp_path, "torch")
     assert on_torch["a"].encoder is on_torch["b"].encoder and on_torch["c"].encoder is not on_torch["a"].encoder
     assert on_torch["c"].encoder.spec == larger
 
@@ -669,18 +668,17 @@ def test_a_reference_recorded_under_another_torch_device_or_check_set_is_compute
     against, a check set changed since (one image of it, here) is captioned again, and a record taken on the CPU is
     not reused on a GPU, whose PyTorch may caption otherwise."""
     save_tiny_sats(tmp_path / "weights", ["a"])
-    load = dict(device_name="cpu", default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)
-    assert runtime_module.load_runtimes(tmp_path / "weights", [], **load)["a"].backend == "onnx"
+    assert load_on_cpu(tmp_path, "auto")["a"].backend == "onnx"
     (record,) = (tmp_path / "onnx" / ".reference").glob("*.json")
     current = json.loads(record.read_text())
     stale = {"key": {**current["key"], "torch": "1.0.0"}, "token_ids": [[1, 2]] * len(current["token_ids"])}
     record.write_text(json.dumps(stale))
-    assert runtime_module.load_runtimes(tmp_path / "weights", [], **load)["a"].backend == "onnx"
+    assert load_on_cpu(tmp_path, "auto")["a"].backend == "onnx"
     assert json.loads(record.read_text()) == current
     images = backend_choice.check_images()
     monkeypatch.setattr(backend_choice, "check_images",
                         lambda: [*images[:-1], images[-1].transpose(Image.Transpose.FLIP_LEFT_RIGHT)])
-    runtime_module.load_runtimes(tmp_path / "weights", [], **load)
+    load_on_cpu(tmp_path, "auto")
     assert json.loads(record.read_text())["key"]["images"] != current["key"]["images"]
 
     ckpt = load_checkpoint(tmp_path / "weights" / "a")
@@ -776,8 +774,7 @@ def test_a_foreign_checkpoint_the_loader_fails_on_is_skipped_with_its_traceback_
     (folder / "config.json").write_text(json.dumps(config))
     write_manifest(folder)
     with caplog.at_level(logging.ERROR, logger="captioner.runtime"):
-        loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
-                                              threads=1)
+        loaded = load_on_cpu(tmp_path, "torch")
     assert set(loaded) == {"b"}
     (skipped,) = [r for r in caplog.records if r.getMessage().startswith(f"skipping checkpoint {folder}: ")]
     assert skipped.exc_info
@@ -801,8 +798,7 @@ def test_a_checkpoint_that_fails_to_load_is_skipped_and_the_others_start(tmp_pat
 
     monkeypatch.setattr(runtime_module, "load_checkpoint", failing_for_a)
     with caplog.at_level(logging.ERROR, logger="captioner.runtime"):
-        loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
-                                              threads=1)
+        loaded = load_on_cpu(tmp_path, "torch")
     assert set(loaded) == {"b"}
     (skipped,) = [r for r in caplog.records if r.getMessage().startswith("skipping checkpoint")]
     assert skipped.getMessage() == f"skipping checkpoint {tmp_path / 'weights' / 'a'}: {failure}"
@@ -872,8 +868,7 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     the missing graph is work for the preparing child, not a CNN the tracer cannot record (which the server's own
     load would then export, building the PyTorch CNN in the serving process)."""
     save_tiny_sats(tmp_path / "weights", ["a"])
-    loaded = runtime_module.load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="auto",
-                                          onnx_dir=tmp_path / "onnx", threads=1)
+    loaded = load_on_cpu(tmp_path, "auto")
     assert loaded["a"].backend == "onnx"
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
     (visual,) = (tmp_path / "onnx").glob("visual-*")
@@ -890,8 +885,7 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, ca
     """A model added beside prepared ones: ``unprepared`` names only it, and the child given that name prepares it
     without loading the others (``only``): its log says which it loaded."""
     save_tiny_sats(tmp_path / "weights", ["a", "b"])
-    assert set(runtime_module.load_runtimes(tmp_path / "weights", [], only=["a"], device_name="cpu",
-                                            default_backend="auto", onnx_dir=tmp_path / "onnx", threads=1)) == {"a"}
+    assert set(load_on_cpu(tmp_path, "auto", only=["a"])) == {"a"}
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
     capfd.readouterr()
     preparing_child(tmp_path, functools.partial(configure_logging, "json", "info"), only=["b"]).join()
@@ -961,14 +955,12 @@ def test_an_export_onnx_runtime_cannot_load_is_logged_with_its_traceback_and_the
     alone: rather than failing the start, ``auto`` logs them with their traceback and serves the next verified
     backend, and ``CAPTIONER_BACKEND=onnx`` serves the model with PyTorch, saying why."""
     save_tiny_sats(tmp_path / "weights", ["a"])
-    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend=asked,
-                onnx_dir=tmp_path / "onnx", threads=1)
-    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    assert load_on_cpu(tmp_path, asked)["a"].backend == "onnx"
     # a graph ONNX Runtime refuses although it is the file the export wrote (sealed: not damaged since)
     (tmp_path / "onnx" / "a" / "step.onnx").write_bytes(b"not a graph")
     seal(tmp_path / "onnx" / "a" / "step.onnx")
     with caplog.at_level("WARNING", logger=runtime_module.log.name):
-        assert runtime_module.load_runtimes(**load)["a"].backend == served
+        assert load_on_cpu(tmp_path, asked)["a"].backend == served
     failure = next(r for r in caplog.records if logged in r.getMessage())
     assert failure.exc_info  # False, not None, where the traceback is left out
 
@@ -979,15 +971,13 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     it has something to prepare."""
     ckpt = tiny_checkpoint("sat")
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
-    load = dict(weights_dir=tmp_path / "weights", extra=[], device_name="cpu", default_backend="onnx",
-                onnx_dir=tmp_path / "onnx", threads=1)
 
     def unprepared(backend: str = "auto") -> list[str]:
         return onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx",
                                        default_backend=backend)
 
     assert unprepared("onnx") == ["a"]
-    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     assert unprepared("onnx") == []
     assert unprepared("torch") == []
     step, (visual,) = tmp_path / "onnx" / "a" / STEP_FILE, list((tmp_path / "onnx").glob("visual-*/visual.onnx"))
@@ -995,10 +985,10 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
         graph.write_bytes(graph.read_bytes()[:1000])
     assert not export_is_current(tmp_path / "onnx" / "a", ckpt.checksum) and not intact(visual)
     assert unprepared("onnx") == ["a"]
-    assert runtime_module.load_runtimes(**load)["a"].backend == "onnx"
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     assert intact(step) and intact(visual) and step.stat().st_size > 1000
     # auto, once its references are recorded, sends a damaged graph to the preparing child too
-    assert runtime_module.load_runtimes(**{**load, "default_backend": "auto"})["a"].backend == "onnx"
+    assert load_on_cpu(tmp_path, "auto")["a"].backend == "onnx"
     assert unprepared() == []
     folder = tmp_path / "onnx" / "a"
     identity = GraphSpec.load(folder).checksum  # what the start asked the export to be made from
@@ -1153,6 +1143,5 @@ def test_a_backend_named_for_a_model_no_checkpoint_is_called_is_said(tmp_path, c
     silence (the ONNX audit)."""
     save_checkpoint(tmp_path / "weights" / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
     with caplog.at_level(logging.WARNING, logger="captioner"):
-        load_runtimes(tmp_path / "weights", [], device_name="cpu", default_backend="torch",
-                      backends={"gird": "torch", "grid": "torch"})
+        load_on_cpu(tmp_path, "torch", backends={"gird": "torch", "grid": "torch"})
     assert "CAPTIONER_BACKENDS names 'gird', which no checkpoint is called (they are: grid)" in caplog.text
