@@ -5,6 +5,7 @@ overlay wait past its deadline (the concurrency audit)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -17,10 +18,11 @@ def _scope(method: str) -> dict:
 
 
 class _Client:
-    """An ASGI client: its one request message, then (once ``leave`` is set) the disconnect; what it was sent."""
+    """An ASGI client: its one request message, then (once ``leave`` is set) the disconnect; what it was sent.
+    ``says_last``: the message says ``more_body: False``; the ASGI spec lets a server leave it out (default False)."""
 
-    def __init__(self, body: bytes = b""):
-        self.first = {"type": "http.request", "body": body, "more_body": False}
+    def __init__(self, body: bytes = b"", says_last: bool = True):
+        self.first = {"type": "http.request", "body": body, **({"more_body": False} if says_last else {})}
         self.leave = asyncio.Event()
         self.sent: list[dict] = []
 
@@ -35,11 +37,16 @@ class _Client:
         self.sent.append(message)
 
 
+def _access_log_fields(caplog) -> list[dict]:
+    return [record.fields for record in caplog.records if record.name == "captioner.access"]
+
+
+@pytest.mark.parametrize("says_last", [True, False])
 @pytest.mark.parametrize("method", ["GET", "POST"])
-def test_a_handler_is_cancelled_when_its_client_leaves(method):
+def test_a_handler_is_cancelled_when_its_client_leaves(method, says_last, caplog):
     async def scenario() -> tuple[bool, list]:
         cancelled, started = asyncio.Event(), asyncio.Event()
-        client = _Client(b"x" if method == "POST" else b"")
+        client = _Client(b"x" if method == "POST" else b"", says_last)
 
         async def slow_app(scope, receive, send):
             if method == "POST":
@@ -53,18 +60,45 @@ def test_a_handler_is_cancelled_when_its_client_leaves(method):
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"done"})
 
-        call = asyncio.create_task(RequestContextMiddleware(slow_app, log_requests=False)(
-            _scope(method), client.receive, client.send))
+        call = asyncio.create_task(RequestContextMiddleware(slow_app)(_scope(method), client.receive, client.send))
         await asyncio.wait_for(started.wait(), 5)
         client.leave.set()
         await asyncio.wait_for(call, 5)
         return cancelled.is_set(), client.sent
 
-    cancelled, sent = asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="captioner.access"):
+        cancelled, sent = asyncio.run(scenario())
     assert cancelled and sent == []
+    # never answered: logged as nginx's 499, marked as a disconnect
+    assert [(f["status"], f["disconnected"], f["bytes_out"]) for f in _access_log_fields(caplog)] == [(499, True, 0)]
 
 
-def test_a_get_that_stays_is_answered_and_may_read_its_empty_body():
+def test_a_handler_whose_answer_has_started_is_not_cancelled_when_its_client_leaves():
+    """Once the answer has started the handler runs to its end (it is told of the disconnect if it asks): only work
+    nobody has been answered for yet is cancelled."""
+    async def scenario() -> list:
+        started = asyncio.Event()
+        client = _Client()
+
+        async def streaming_app(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            started.set()
+            await receive()  # the (empty) body, then the disconnect, as a streaming response listens for it
+            await receive()
+            await send({"type": "http.response.body", "body": b"end"})
+
+        call = asyncio.create_task(RequestContextMiddleware(streaming_app, log_requests=False)(
+            _scope("GET"), client.receive, client.send))
+        await asyncio.wait_for(started.wait(), 5)
+        client.leave.set()
+        await asyncio.wait_for(call, 5)
+        return client.sent
+
+    sent = asyncio.run(scenario())
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"end"
+
+
+def test_a_get_that_stays_is_answered_and_may_read_its_empty_body(caplog):
     async def scenario() -> list:
         client = _Client()
 
@@ -74,17 +108,22 @@ def test_a_get_that_stays_is_answered_and_may_read_its_empty_body():
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
 
-        await asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(
-            _scope("GET"), client.receive, client.send), 5)
+        await asyncio.wait_for(RequestContextMiddleware(app)(_scope("GET"), client.receive, client.send), 5)
         return client.sent
 
-    sent = asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="captioner.access"):
+        sent = asyncio.run(scenario())
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"ok"
+    assert [(f["status"], f["disconnected"], f["bytes_out"]) for f in _access_log_fields(caplog)] == [(200, False, 2)]
 
 
-def test_a_get_announcing_a_body_that_never_comes_is_still_answered():
+@pytest.mark.parametrize("method,announced", [("GET", [(b"content-length", b"5")]),
+                                              ("POST", [(b"content-length", b"5")]),
+                                              ("GET", [(b"transfer-encoding", b"chunked")]), ("PATCH", [])])
+def test_a_request_announcing_a_body_that_never_comes_is_still_answered(method, announced):
     """Pre-reading the first message of a GET that announces a body waited for it without a deadline (review):
-    ``GET /healthz`` with ``Content-Length: 5`` and no body went unanswered."""
+    ``GET /healthz`` with ``Content-Length: 5`` and no body went unanswered; so would any request with a body, left
+    to an app that may answer without reading it (over HTTP/2 a body needs no length: a PATCH may have one)."""
     async def scenario() -> list:
         sent: list[dict] = []
 
@@ -98,7 +137,7 @@ def test_a_get_announcing_a_body_that_never_comes_is_still_answered():
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})
 
-        scope = {**_scope("GET"), "headers": [(b"content-length", b"5")]}
+        scope = {**_scope(method), "headers": announced}
         await asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(scope, never_sends_the_body, send), 5)
         return sent
 
