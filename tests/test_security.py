@@ -116,6 +116,8 @@ def test_keys_guard_captioning_and_results_but_not_probes_or_the_page(keyed, jpe
     # the scheme's name is case-insensitive (RFC 9110, 11.1), the key is not
     assert caption(keyed, jpeg, Authorization=f"bearer {KEYS[0]}").status_code == 200
     assert caption(keyed, jpeg, Authorization=f"Bearer {KEYS[0].upper()}").status_code == 401
+    # the key is the token after the scheme and its spaces (RFC 9110, 11.4: 1*SP), not those spaces and the key
+    assert caption(keyed, jpeg, Authorization=f"Bearer  {KEYS[0]}").status_code == 200
     assert keyed.get(f"/captions/{result_id}").status_code == 401
     assert keyed.get(f"/captions/{result_id}", headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
     overlay = keyed.post("/caption/overlay", files={"file": ("x.jpg", jpeg, "image/jpeg")})
@@ -355,11 +357,21 @@ def test_cors_is_closed_by_default_and_opens_only_to_configured_origins(open_cli
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "https://app.example"
     assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    assert allowed.headers["access-control-max-age"] == "600"
+    # the API takes GET and POST only: a pre-flight for anything else is refused, from a listed origin too
+    assert keyed.options("/caption", headers={**preflight, "Origin": "https://app.example",
+                                              "Access-Control-Request-Method": "DELETE"}).status_code == 400
+    # a browser script reads only the headers exposed to it: the request id, the result's and the wait's
+    exposed = keyed.get("/healthz", headers={"Origin": "https://app.example"}).headers["access-control-expose-headers"]
+    assert {"x-request-id", "x-caption-id", "x-heatmap-mode", "retry-after"} <= \
+        {name.strip().lower() for name in exposed.split(",")}
     # a pre-flight from an origin not on the list was answered "Disallowed CORS origin" in plain text
     refused = keyed.options("/caption", headers=preflight)
     assert refused.status_code == 400 and refused.headers["content-type"] == "application/problem+json"
     assert refused.json()["type"] == "/problems/cors-refused" and "origin" in refused.json()["detail"]
     assert refused.json()["instance"] == "/caption" and "x-request-id" in refused.headers
+    # the length of the problem document alone (the refusal's plain-text answer had a length of its own)
+    assert refused.headers.get_list("content-length") == [str(len(refused.content))]
 
 
 def test_the_demo_page_has_a_strict_csp_and_no_inline_script(open_client):
@@ -403,6 +415,9 @@ def test_request_ids_are_echoed_and_logged(open_client, jpeg):
     too_long = open_client.get("/healthz", headers={"X-Request-ID": "a" * 65}).headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", too_long)  # a client cannot write lines of any length into the log
     assert open_client.get("/healthz", headers={"X-Request-ID": "a" * 64}).headers["x-request-id"] == "a" * 64
+    # nor a space, which would end the id's field in a text log line and start a made-up one
+    spaced = open_client.get("/healthz", headers={"X-Request-ID": "trace forged"}).headers["x-request-id"]
+    assert re.fullmatch(r"[0-9a-f]{32}", spaced)
 
 
 def test_result_ids_are_random_and_the_store_is_bounded_in_count_and_age():
@@ -474,6 +489,15 @@ def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     assert "/caption\\n2026-11-30" in lines[-1]
 
 
+def test_a_line_break_in_a_logged_message_cannot_forge_a_text_log_line():
+    """A message can hold what a request sent (a model's name): the text format escapes it too, and keeps the level
+    and logger the line starts with."""
+    record = logging.makeLogRecord({"name": "captioner.app", "levelno": logging.WARNING, "levelname": "WARNING",
+                                    "msg": "unknown model %s", "args": ("x\n2026-11-30 16:00:00,000 INFO FORGED",)})
+    line = TextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+    assert line == "WARNING captioner.app: unknown model x\\n2026-11-30 16:00:00,000 INFO FORGED"
+
+
 def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
     """A result's id is all it takes to read that result and its photo (from any client, with any key): the access
     log wrote it in every line of /captions/{id}, for whoever reads the logs (the security audit), and then still
@@ -484,6 +508,7 @@ def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
         assert open_client.get(f"/captions/{result}/overlay", params={"token": 0}).status_code == 200
         assert keyed.get(f"/captions/{result}").status_code == 401  # no key
         assert keyed.get(f"/captions/{result}/overlay", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert [e["query"] for e in entries] == ["", "", "token=0", "", ""]
     assert [e["path"] for e in entries] == ["/caption", "/captions/{result_id}", "/captions/{result_id}/overlay",
                                             "/captions/{result_id}", "/captions/{result_id}/overlay"]
     assert [e["status"] for e in entries[3:]] == [401, 401]
