@@ -523,7 +523,9 @@ def test_the_upload_limit_admits_exactly_its_bytes_in_every_body_format(tmp_path
     with TestClient(create_app(settings)) as c:
         assert answers(photo) == [200] * 4
         assert answers(over) == [413] * 4
-        problem(c.post("/caption", files={"file": ("c.jpg", over, "image/jpeg")}), 413, "upload-too-large")
+        refused = problem(c.post("/caption", files={"file": ("c.jpg", over, "image/jpeg")}), 413, "upload-too-large")
+        # the limit, in MiB for a person and in bytes for a client that compares sizes
+        assert refused["detail"].endswith(f" MiB ({len(photo)} bytes)"), refused["detail"]
 
 
 def test_a_json_body_of_any_json_media_type_is_read_as_json(client, photo):
@@ -554,6 +556,8 @@ def test_a_gets_405_lists_head_and_a_trailing_slash_is_a_404_not_a_redirect(clie
     assert problem(client.post("/models"), 405, "method-not-allowed") and \
         client.post("/models").headers["allow"] == "GET, HEAD"
     assert client.get("/caption").headers["allow"] == "POST"
+    # Starlette's own routes (the OpenAPI document's) list HEAD already, in the order of a set: HEAD once
+    assert sorted(client.post("/openapi.json").headers["allow"].split(", ")) == ["GET", "HEAD"]
     for response in (client.get("/models/", follow_redirects=False),
                      client.post("/caption/", files={"file": ("c.jpg", photo, "image/jpeg")},
                                  follow_redirects=False)):
