@@ -35,7 +35,7 @@ from captioner.service.problems import problem_of
 from captioner.service.settings import Settings, json_body_bytes
 
 from .conftest import WEIGHTS, module_folder
-from .serving_helpers import assert_every_architecture_round_trips
+from .serving_helpers import assert_every_architecture_round_trips, parse_metrics
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -265,7 +265,10 @@ def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights,
     app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False))
     with TestClient(app, raise_server_exceptions=False) as client:
         response = _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=5)
+        latency = parse_metrics(client.get("/metrics").text)
     assert response.status_code == 500 and "n_best" not in response.text
+    # the latency metric counts it under the status it was answered with
+    assert latency['captioner_request_latency_seconds_count{model="tiny-a",status="500"}'] == 1
 
 
 def test_a_start_that_fails_in_the_foreground_stops_the_batchers_it_started(tiny_weights, monkeypatch):
