@@ -148,6 +148,8 @@ def test_an_opacity_outside_0_to_1_is_refused_as_the_query_parameter_it_is(clien
 def test_unknown_result_is_404(client):
     response = client.get("/captions/does-not-exist/overlay", params={"token": 0})
     assert response.status_code == 404 and response.json()["type"].endswith("unknown-result")
+    # RFC 9457's members and nothing else: a failure without per-field errors has no ``errors`` (not a null one)
+    assert set(response.json()) == {"type", "title", "status", "detail", "instance"}
 
 
 def test_demo_page_is_served_without_external_resources(client):
