@@ -584,6 +584,20 @@ def test_the_memory_release_never_fails_its_caller_and_is_tried_again(monkeypatc
     assert len(started) == 1  # asked again, it schedules the release
 
 
+def test_the_memory_release_runs_once_per_interval_and_the_next_is_deferred_to_the_intervals_end(monkeypatch):
+    """Asked while a release is scheduled, the trimmer schedules no other; once it has run, the next request
+    schedules one again, deferred to the end of the interval that release began (not at once, not later)."""
+    started = []
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    trimmer = IdleTrimmer(interval_s=60.0)
+    trimmer()
+    trimmer()
+    assert [timer.interval for timer in started] == [0.0]  # the first release is not deferred
+    started[0].function()  # the release runs
+    trimmer()
+    assert len(started) == 2 and 0.0 < started[1].interval <= 60.0
+
+
 def test_stop_drains_running_and_queued_requests_then_refuses(encoder):
     runtime = runtime_for("sat", encoder)
     batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=3)
