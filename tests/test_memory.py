@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 
 import pytest
 
-from captioner.service.memory import gpu_library_ranges
+from captioner.service import memory
+from captioner.service.memory import configure_allocator, gpu_library_ranges, page_out_gpu_libraries, release_memory
 
 MAPS = """\
 7f0000000000-7f0000200000 r--p 00000000 00:2a 1001 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libnvrtc.so.13
@@ -68,3 +70,12 @@ def test_the_cuda_libraries_pages_are_handed_back_and_torch_still_runs():
     assert result["advised"] == result["mapped"], "madvise refused some of the CUDA libraries' mappings"
     # every page only this process held is handed back (those shared with another process stay resident)
     assert result["after"] <= result["before"] / 2 or result["before"] < 1024, result
+
+
+def test_the_allocator_is_tuned_and_trimmed_under_glibc_and_left_alone_elsewhere(monkeypatch):
+    """Where glibc is the C library its limits are set and its free pages returned; elsewhere (musl, macOS: no
+    ``mallopt``) each step is a no-op that says so, and the resident set is still reported."""
+    assert configure_allocator() is (platform.libc_ver()[0] == "glibc")
+    assert release_memory() > 0
+    monkeypatch.setattr(memory, "_libc", lambda: None)
+    assert configure_allocator() is False and page_out_gpu_libraries() == 0 and release_memory() > 0
