@@ -23,6 +23,7 @@ from captioner.models.registry import MODELS
 from captioner.models.sat import ShowAttendTell
 from captioner.models.sparsecap import SparseCap
 from captioner.models.training import TrainConfig, TrainingInterrupted, fit, loop, prepare_run, train
+from captioner.models.training.resume import read_from
 from captioner.service.cli import main
 
 from .conftest import DEFAULT_CHECKPOINT, ROOT, before_each_step
@@ -373,6 +374,24 @@ def test_a_run_resumes_from_another_folder(scenes, tmp_path, monkeypatch, capsys
     assert len(list((started / "cache").glob("*/index.json"))) == 1
     assert state["working_dir"] == str(started)  # the folder it was started in, not the last resume's
 
+
+def test_a_resume_reads_the_runs_relative_paths_from_its_folder_and_only_from_another(tmp_path, monkeypatch, capsys):
+    """``regions:DIR`` and ``entities:DIR`` name a folder after its kind: the folder is read from where the run was
+    started, the kind kept; an absolute path stays.  Resumed in that folder, the config is the run's as saved, and
+    nothing is said (rewritten there, its paths became absolute and the line claimed a move that never happened)."""
+    started = tmp_path / "started"
+    config = {"dataset": "data/dataset.json", "cache_dir": str(tmp_path / "cache"), "init": None, "lr": 1e-3,
+              "features": "regions:boxes", "attention_supervision": "entities:entities"}
+    saved = {"working_dir": str(started), "config": config}
+    monkeypatch.chdir(tmp_path)
+    assert read_from(saved, announce=True) == {
+        **config, "dataset": str(started / "data" / "dataset.json"), "features": f"regions:{started / 'boxes'}",
+        "attention_supervision": f"entities:{started / 'entities'}"}
+    assert "its relative paths are read from there" in capsys.readouterr().out
+    started.mkdir()
+    monkeypatch.chdir(started)
+    assert read_from(saved, announce=True) == config
+    assert capsys.readouterr().out == ""
 
 def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
     # the resumed run validated the epoch with the losses of a loop that had no step left to train: none
