@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -430,6 +431,39 @@ def test_resume_changes_only_what_the_command_gave(scenes, tmp_path, cache):
     assert (changed.early_stop, changed.checkpoint_every, changed.log_every, changed.epochs) == (0, 7, 3, 2)
 
 
+def test_a_resume_keeps_the_runs_learning_rate_drops_unless_the_command_adds_some(scenes, tmp_path, cache):
+    """Only drops the command gives replace the run's: a command without any (a config built in code, where
+    ``explicit`` is None and every option counts as given) or one that does not name --lr-drop keeps the run's
+    schedule for the epochs still to come."""
+    saved = json.loads(json.dumps(_config(scenes, tmp_path / "run", cache, lr_drops=[5], lr_drop_factor=0.5).to_json()))
+    for command, explicit in ((_config(scenes, tmp_path / "run", cache), None),
+                              (_config(scenes, tmp_path / "run", cache, lr_drops=[3]), {"out"})):
+        merged = merge_resume(command, saved, 0, explicit=explicit)
+        assert (merged.lr_drops, merged.lr_drop_factor) == ([5], 0.5)
+    added = merge_resume(_config(scenes, tmp_path / "run", cache, lr_drops=[5, 8], lr_drop_factor=0.5), saved, 0,
+                         explicit={"out", "lr_drops"})
+    assert added.lr_drops == [5, 8]
+
+def test_a_resume_that_names_no_data_set_keeps_the_runs_though_the_default_one_is_here(scenes, tmp_path, cache,
+                                                                                    monkeypatch, capsys):
+    """A command without --dataset holds the default, ``.cache/scenes``: it names no data set, so a run whose own is
+    gone is not moved onto the default one found in this folder, and a run whose own is here hears of no ignored
+    one; nor does a command that names the run's data set by another path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "scenes").symlink_to(scenes.parent)
+    command = TrainConfig(out=str(tmp_path / "run"))
+    for explicit in ({"out"}, None):
+        for dataset in (scenes, tmp_path / "gone" / scenes.name):
+            saved = _config(dataset, tmp_path / "run", cache)
+            merged = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit=explicit)
+            assert merged.dataset == str(dataset) and capsys.readouterr().out == "", (explicit, dataset)
+    # the run's own data set named by its folder, where the run recorded its file: the same data, not another
+    saved = _config(scenes, tmp_path / "run", cache)
+    merge_resume(_config(scenes.parent, tmp_path / "run", cache), json.loads(json.dumps(saved.to_json())), 0,
+                 explicit={"out", "dataset"})
+    assert capsys.readouterr().out == ""
+
 def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone(tmp_path):
     """A scene checkpoint records its data set's header at train time, so its card's Data line (the generator's
     version and the command that draws the set again) does not depend on the set being here when the card is
@@ -452,6 +486,32 @@ def test_xe_loss_is_the_token_mean_over_non_pad_targets_with_label_smoothing_tow
     expected = torch.stack(terms).sum() / 5
     torch.testing.assert_close(xe_loss(logprobs, targets, pad_id=0, label_smoothing=eps), expected)
 
+
+def test_a_runs_label_smoothing_reaches_its_xe_loss(scenes, tmp_path, cache):
+    """The xe phase passes --label-smoothing (AoANet's recipe: 0.2) to its loss: the same batch through the same
+    weights costs another XE with it than without it (dropped, a recipe's smoothing went unused, in silence)."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, label_smoothing=0.2,
+                              model_args={**SMALL, "dropout": 0.0}))
+    plain = XEPhase(replace(run.cfg, label_smoothing=0.0), run.model, run.phase.vocab, run.store, run.phase.images,
+                    "cpu")
+    batch = run.phase.epoch_order(0)[:16]
+    smoothed, unsmoothed = run.phase.loss(batch).logs["xe"], plain.loss(batch).logs["xe"]
+    assert smoothed != pytest.approx(unsmoothed, rel=1e-3)
+
+def test_a_ranks_auxiliary_losses_are_weighted_by_its_share_of_the_global_batchs_captions():
+    """Under DDP a rank's loss is scaled so that the ranks' mean is the global batch's: the XE by the rank's share
+    of the target tokens, an auxiliary term (SAT's doubly stochastic penalty, a mean over captions) by its share of
+    the captions, here 3 of 5 on the first of two ranks: 3 · 2 / 5 = 1.2 times the term."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a", "b"][: 1 + (i > 0)]]) for i in range(5)]
+    model = SimpleNamespace(forward_xe=lambda vis, targets, ss, rows: (
+        torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {"penalty": torch.tensor(1.0)}))
+    store = SimpleNamespace(batch=lambda keys: torch.zeros(len(keys), 1))
+    phase = XEPhase(_config("data", "run", "cache"), model, vocab, store, images, "cpu")
+    phase.world = 2
+    out = phase.loss([0, 1, 2], [0, 1, 2, 3, 4])
+    # targets with EOS: 2 for the first caption, 3 for each other; the rank holds 8 of the 14 tokens
+    assert out.loss.item() == pytest.approx(out.logs["xe"] * 8 * 2 / 14 + 1.2)
 
 @pytest.mark.parametrize("mode, expected", [("norm", [-0.3, -0.4]), ("value", [-0.5, -0.5])])
 def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, expected):
