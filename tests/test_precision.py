@@ -7,10 +7,12 @@ import torch
 
 from captioner.models.cli.training import train_config_from_args
 from captioner.models.training import TrainConfig, fit, prepare_run
+from captioner.models.training.config import Progress
+from captioner.models.training.distributed import DistContext
 from captioner.models.training.loop import _snapshot
 from captioner.models.training.precision import resolve_precision
 from captioner.models.training.resume import restore
-from captioner.models.training.state import load_state
+from captioner.models.training.state import load_state, rng_state
 from captioner.service.cli import build_parser, main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,3 +103,34 @@ def test_the_gradient_scalers_state_is_saved_and_put_back_on_resume(scenes, tmp_
     fresh = torch.amp.GradScaler("cpu")
     restore(load_state(run.run_dir), run.cfg, run.run_dir, run.dist, run.model, None, run.optimizer, fresh)
     assert fresh.get_scale() == 2.0 ** 9 and fresh.state_dict() == run.scaler.state_dict()
+    # resumed at another precision (float32, or bfloat16 on a machine without CUDA) the run has no scaler: the saved
+    # scale is passed over, not loaded into the scaler it does not have
+    restore(load_state(run.run_dir), run.cfg, run.run_dir, run.dist, run.model, None, run.optimizer, None)
+
+
+def test_each_rank_resumes_with_its_own_random_stream_or_a_fresh_rank_distinct_one(tmp_path):
+    """The random streams saved per rank go back to their ranks; on another number of processes (a state of one
+    process resumed by two) each rank is seeded afresh, and differently (with one stream, the ranks' dropout masks
+    and samples were the same; indexed by rank, rank 1 of two found no stream saved for it)."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    streams = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        streams.append(rng_state())
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": Progress().to_json(),
+             "rng": streams[0]}
+
+    def draws(rngs, rank, world):
+        torch.manual_seed(0)  # what every process of a resumed run starts from
+        restore({**saved, "rng_ranks": rngs}, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(rank, world),
+                model, None, optimizer, None)
+        return torch.rand(4).tolist()
+
+    expected = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected.append(torch.rand(4).tolist())
+    assert draws(streams, 1, 2) == expected[1]  # rank 1's own stream
+    fresh = [draws(streams[:1], rank, 2) for rank in (0, 1)]
+    assert fresh[0] != fresh[1] and expected[0] not in fresh
