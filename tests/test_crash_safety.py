@@ -19,7 +19,7 @@ from skimage import data
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, remove_debris, save_checkpoint, write_manifest
 from captioner.models.encoder import EncoderSpec
 from captioner.models.training import TrainConfig, train
-from captioner.models.training.state import load_state, save_state
+from captioner.models.training.state import STATE_JSON, STATE_TENSORS, load_state, save_state
 from captioner.models.vocab import Vocabulary
 from captioner.service.cli import main
 
@@ -79,6 +79,27 @@ def test_each_state_save_replaces_the_previous_tensor_file_and_clears_a_killed_w
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["train_state.json", tensors.name])
     assert load_state(tmp_path)["progress"]["global_step"] == 2
 
+
+def test_a_state_keeps_each_tensor_of_its_lists_apart(tmp_path):
+    """Tensors in a list (each rank's random streams, ``rng_ranks``) are named by their place in it: named alike,
+    every rank resumed with one rank's stream."""
+    save_state(tmp_path, {"progress": {"global_step": 1}, "rng_ranks": [{"torch": torch.zeros(3)},
+                                                                       {"torch": torch.ones(3)}]})
+    ranks = load_state(tmp_path)["rng_ranks"]
+    assert [rank["torch"].tolist() for rank in ranks] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_a_state_in_the_single_file_layout_of_older_runs_still_resumes_and_its_next_save_replaces_it(tmp_path):
+    """Runs saved before the state's JSON named its tensor file kept the tensors in ``train_state.safetensors``, with
+    no reference to it in the JSON: such a state loads, and the next save leaves the new layout alone."""
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.ones(2)}})
+    skeleton = json.loads((tmp_path / STATE_JSON).read_text())
+    os.replace(tmp_path / skeleton.pop("__tensors__")["file"], tmp_path / STATE_TENSORS)
+    (tmp_path / STATE_JSON).write_text(json.dumps(skeleton))
+    state = load_state(tmp_path)
+    assert state["progress"]["global_step"] == 1 and torch.equal(state["model"]["w"], torch.ones(2))
+    save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.zeros(2)}})
+    assert not (tmp_path / STATE_TENSORS).exists() and load_state(tmp_path)["progress"]["global_step"] == 2
 
 def test_a_save_killed_between_renames_is_recovered(tmp_path, tiny_sat):
     """Where folders cannot be swapped atomically, the old checkpoint is renamed aside before the new one moves in;
