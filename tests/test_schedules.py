@@ -79,6 +79,15 @@ def test_config_schedules_combine_noam_epoch_decay_and_plateau():
     assert learning_rate(noam, epoch=7, global_step=99) == pytest.approx(64 ** -0.5 * 100 ** -0.5)
 
 
+def test_a_configs_scheduled_sampling_and_noam_factor_reach_the_runs_schedules():
+    """Each of --ss-increase, --ss-every, --ss-start, --ss-max and --noam-factor takes effect: X-LAN's sampling from
+    epoch 6 (+0.05 every 5 epochs), capped here at 0.1, and a Noam rate twice the paper's."""
+    cfg = TrainConfig(out="x", ss_increase=0.05, ss_every=5, ss_start=6, ss_max=0.1, warmup_steps=100, noam_dim=64,
+                      noam_factor=2.0)
+    schedules = build_schedules(cfg)
+    assert [schedules.sampling(e) for e in (5, 10, 11, 16, 40)] == pytest.approx([0, 0, 0.05, 0.1, 0.1])
+    assert learning_rate(cfg, epoch=0, global_step=99) == pytest.approx(2 * 64 ** -0.5 * 100 ** -0.5)
+
 def test_every_recipe_loads_into_a_config_and_states_its_sources():
     assert set(available_recipes()) == {"sat", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap",
                                         "area-transformer"}
@@ -99,6 +108,12 @@ def test_every_recipe_loads_into_a_config_and_states_its_sources():
     with pytest.raises(ValueError, match="unknown recipe"):
         load_recipe("nope")
 
+
+def test_a_recipe_with_a_mistyped_setting_is_refused_naming_it(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('model = "sat"\n[xe]\nlearning_rate = 1e-4\n')
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) learning_rate"):
+        load_recipe(str(path))
 
 def test_cli_flags_override_single_recipe_values():
     args = build_parser().parse_args(["train", "--recipe", "aoanet", "--out", "x", "--lr", "1e-3", "--set",
@@ -130,3 +145,10 @@ def test_the_command_a_card_prints_gives_back_the_same_config(argv):
     assert command.startswith("captioner train ")
     again = parse(shlex.split(command)[2:])
     assert again.to_json() == {**cfg.to_json(), "progress": True}  # how a run is watched is not part of it
+
+
+def test_the_command_a_card_prints_names_only_what_differs_from_the_recipe():
+    """A card's command is the recipe and the run's overrides: every value the recipe sets, listed again as a flag,
+    hid the one change the run made among a dozen that are the paper's."""
+    cfg = TrainConfig(out="runs/a", dataset="d", **{**load_recipe("aoanet"), "lr": 1e-3})
+    assert command_line(cfg.to_json()) == "captioner train --recipe aoanet --dataset d --out runs/a --lr 0.001"
