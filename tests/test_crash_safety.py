@@ -101,6 +101,7 @@ def test_a_state_in_the_single_file_layout_of_older_runs_still_resumes_and_its_n
     save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.zeros(2)}})
     assert not (tmp_path / STATE_TENSORS).exists() and load_state(tmp_path)["progress"]["global_step"] == 2
 
+
 def test_a_save_killed_between_renames_is_recovered(tmp_path, tiny_sat):
     """Where folders cannot be swapped atomically, the old checkpoint is renamed aside before the new one moves in;
     a crash between the two renames leaves it as .NAME.old and a half-written .NAME.tmp-* folder."""

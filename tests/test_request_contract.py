@@ -753,6 +753,7 @@ def test_admission_is_asked_with_the_requests_beam_length_and_what_is_left_of_it
     assert [(beam, length) for _, beam, length in asked] == [(2, 5), (2, 5)]
     assert all(0 < left <= state.settings.request_timeout_s - 20 for left, _, _ in asked), asked
 
+
 @pytest.fixture
 def tiny_a_full(client, monkeypatch):
     """tiny-a's batcher refuses every request at admission, as with its queue full."""

@@ -88,6 +88,7 @@ def test_a_configs_scheduled_sampling_and_noam_factor_reach_the_runs_schedules()
     assert [schedules.sampling(e) for e in (5, 10, 11, 16, 40)] == pytest.approx([0, 0, 0.05, 0.1, 0.1])
     assert learning_rate(cfg, epoch=0, global_step=99) == pytest.approx(2 * 64 ** -0.5 * 100 ** -0.5)
 
+
 def test_every_recipe_loads_into_a_config_and_states_its_sources():
     assert set(available_recipes()) == {"sat", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap",
                                         "area-transformer"}
@@ -114,6 +115,7 @@ def test_a_recipe_with_a_mistyped_setting_is_refused_naming_it(tmp_path):
     path.write_text('model = "sat"\n[xe]\nlearning_rate = 1e-4\n')
     with pytest.raises(ValueError, match=r"unknown setting\(s\) learning_rate"):
         load_recipe(str(path))
+
 
 def test_cli_flags_override_single_recipe_values():
     args = build_parser().parse_args(["train", "--recipe", "aoanet", "--out", "x", "--lr", "1e-3", "--set",

@@ -444,6 +444,7 @@ def test_a_resume_keeps_the_runs_learning_rate_drops_unless_the_command_adds_som
                          explicit={"out", "lr_drops"})
     assert added.lr_drops == [5, 8]
 
+
 def test_a_resume_that_names_no_data_set_keeps_the_runs_though_the_default_one_is_here(scenes, tmp_path, cache,
                                                                                     monkeypatch, capsys):
     """A command without --dataset holds the default, ``.cache/scenes``: it names no data set, so a run whose own is
@@ -463,6 +464,7 @@ def test_a_resume_that_names_no_data_set_keeps_the_runs_though_the_default_one_i
     merge_resume(_config(scenes.parent, tmp_path / "run", cache), json.loads(json.dumps(saved.to_json())), 0,
                  explicit={"out", "dataset"})
     assert capsys.readouterr().out == ""
+
 
 def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone(tmp_path):
     """A scene checkpoint records its data set's header at train time, so its card's Data line (the generator's
@@ -498,6 +500,7 @@ def test_a_runs_label_smoothing_reaches_its_xe_loss(scenes, tmp_path, cache):
     smoothed, unsmoothed = run.phase.loss(batch).logs["xe"], plain.loss(batch).logs["xe"]
     assert smoothed != pytest.approx(unsmoothed, rel=1e-3)
 
+
 def test_a_ranks_auxiliary_losses_are_weighted_by_its_share_of_the_global_batchs_captions():
     """Under DDP a rank's loss is scaled so that the ranks' mean is the global batch's: the XE by the rank's share
     of the target tokens, an auxiliary term (SAT's doubly stochastic penalty, a mean over captions) by its share of
@@ -512,6 +515,7 @@ def test_a_ranks_auxiliary_losses_are_weighted_by_its_share_of_the_global_batchs
     out = phase.loss([0, 1, 2], [0, 1, 2, 3, 4])
     # targets with EOS: 2 for the first caption, 3 for each other; the rank holds 8 of the 14 tokens
     assert out.loss.item() == pytest.approx(out.logs["xe"] * 8 * 2 / 14 + 1.2)
+
 
 @pytest.mark.parametrize("mode, expected", [("norm", [-0.3, -0.4]), ("value", [-0.5, -0.5])])
 def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, expected):

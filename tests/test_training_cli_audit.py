@@ -393,6 +393,7 @@ def test_a_resume_reads_the_runs_relative_paths_from_its_folder_and_only_from_an
     assert read_from(saved, announce=True) == config
     assert capsys.readouterr().out == ""
 
+
 def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
     # the resumed run validated the epoch with the losses of a loop that had no step left to train: none
     cfg = _config(scenes, tmp_path / "run", cache, train_limit=16)  # two steps of 8 captions
