@@ -24,6 +24,7 @@ from .layers import AdditiveAttention
 from .protocol import AttnRecord, Captioner, DecState, EncState, VisualBatch
 from .registry import register
 
+
 @register("sparsecap")
 class SparseCap(Captioner):
     """The captioner of Martins et al., "Sparse and Structured Visual Attention", arXiv:2002.05556 (§3): a softmax

@@ -45,6 +45,7 @@ MULTIPART_SLACK = 64 * 1024
 MAX_FORM_FILES, MAX_FORM_FIELDS = 8, 16
 FORM_PARTS = ("file", *CAPTION_OPTIONS)
 
+
 class CaptionFields(CaptionOptions):
     """:class:`CaptionOptions` given as text: query parameters (FastAPI's query parameter model: each field a
     parameter of its own, with the field's description and bounds) and multipart form fields.  An empty value
@@ -171,6 +172,7 @@ async def multipart_form(request: Request, limit: int,
     it arrives."""
     parser = WholeMultiPartParser(request.headers, limited_stream(request, limit, limit + MULTIPART_SLACK, budget),
                                   max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+
     def malformed(message: str) -> InvalidRequest:
         return InvalidRequest(f"malformed multipart/form-data body: {message}", [{"loc": ["body"], "msg": message}])
 

@@ -21,6 +21,7 @@ from .upload_answers import AttentionFormatQuery, caption_answer, caption_upload
 
 router = APIRouter()
 
+
 @router.post("/caption", response_model=CaptionOut, openapi_extra=CAPTION_BODY,
              summary="Caption an uploaded image, with per-word attention")
 async def caption(request: Request, state: State, results: Results, options: QueryOptions,

@@ -54,6 +54,7 @@ def cli_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
     assert stop.value.code == 2
     return capsys.readouterr().err.strip()
 
+
 # two intra-op threads on a 2-core machine, one each where `make test` runs two xdist workers there
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 

@@ -361,6 +361,7 @@ def test_a_request_whose_task_is_cancelled_is_in_the_latency_metric_as_the_clien
     statuses = {key for key in samples if key.startswith("captioner_request_latency_seconds_count")}
     assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
 
+
 @pytest.mark.parametrize("root_path", ["", "/vision"])
 def test_requests_refused_before_captioning_are_in_the_latency_metric(tiny_weights, root_path):
     """Behind a proxy's prefix too: the caption routes are told by the path without it (paths.py)."""
@@ -396,6 +397,7 @@ def test_the_latency_metric_observes_how_long_each_request_took(tiny_weights):
     for status in (200, 422):
         seconds = samples[f'captioner_request_latency_seconds_sum{{model="tiny",status="{status}"}}']
         assert 0 < seconds <= elapsed, (status, seconds, elapsed)
+
 
 def _drain_scenario(app, messages):
     """Run ``app`` behind a draining gate: the messages the client sends, and what it is answered.  The client

@@ -129,4 +129,3 @@ def test_every_hostile_upload_gets_200_or_a_problem_and_the_worker_survives(serv
     print(f"\nhostile corpus: {len(corpus)} kinds, {len(statuses)} multipart requests, "
           f"peak RSS growth {peak_growth_mib:.0f} MiB")
     assert peak_growth_mib < 400, f"peak RSS grew by {peak_growth_mib:.0f} MiB"
-

@@ -83,6 +83,7 @@ def multi_headed_dot_attention(state, prefix, query, value, key, *, project_k_v,
     nbatches = query.size(0)
     if norm_q is not None:
         query = annotated_layer_norm(query, state[f"{norm_q}.a_2"], state[f"{norm_q}.b_2"])
+
     def split(t):
         return t.view(nbatches, -1, HEADS, D // HEADS).transpose(1, 2)
     if project_k_v == 0:

@@ -379,6 +379,7 @@ def test_openapi_documents_the_form_fields(client):
         assert {"model", "beam_size", "max_len"} <= query
     # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice), with
     # this server's largest values (the fixture's CAPTIONER_MAX_BEAM_SIZE=4, CAPTIONER_MAX_MAX_LEN=12) stated in each
+
     def bounds(schema: dict) -> list[dict]:
         return [{k: v for k, v in option.items() if k in ("minimum", "maximum")} for option in schema["anyOf"]]
 

@@ -55,6 +55,7 @@ def test_a_normaliser_added_to_the_table_is_one_sparsecap_can_take(monkeypatch):
     for option in ("attention", "input_attention_normalizer"):
         with pytest.raises(ValueError, match="nope"):
             create("sparsecap", vocab_size=5, feat_dim=4, **{option: "nope"})
+
     def halved(scores, mask=None):
         return F.softmax(scores / 2, dim=-1)
 

@@ -116,6 +116,7 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
     monkeypatch.setitem(MODELS, "forgetful", Forgetful)
     err = _fails(capsys, _argv(scenes, tmp_path / "c", cache, "--model", "forgetful"))
     assert "config() must return every constructor argument" in err
+
     class Unshaped(SparseCap):  # forgets an argument that changes no shape: its checkpoints would reload as softmax
         def config(self):
             return {k: v for k, v in super().config().items() if k != "attention"}

@@ -67,6 +67,7 @@ def test_encoder_stacks_xlinear_layers_from_the_mean_region(shared):
     assert [layer.key_update is not None for layer in model.encoder] == [not shared, False]
     torch.testing.assert_close(enc["global"], model.global_embed(torch.cat(image_vectors, -1)))  # Eq. 10
     # the decoder block's keys and values are V^(1+M), embedded once per image and laid out by head [B, H, N, d]
+
     def by_head(embedded):
         return embedded.unflatten(-1, (model.attention.heads, -1)).transpose(1, 2)
 

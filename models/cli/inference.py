@@ -136,6 +136,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {', '.join(c for c in args.checkpoints if checkpoint_name(c) in twice)} share the "
                          f"name {', '.join(twice)}, which names their exports: export them one at a time, each "
                          "with its own --out")
+
     def replaced(name: str, winner: Path, loser: Path) -> None:
         print(f"note: {winner} is exported as {name}, not {loser} (the service too serves the checkpoint named last)",
               file=sys.stderr)

@@ -317,4 +317,3 @@ def type_table(reports: Sequence[tuple[str, dict]], mode: str = "references") ->
             lines.append(f"| {name} | {phrase_type} | {model['phrases']} | {interval(model['mass'])} | {chance[0]} | "
                          f"{chance[1]} | {interval(model['pointing'])} | {interval(model['ratio'])} |")
     return "\n".join(lines)
-

@@ -314,4 +314,3 @@ def encoder_file(weights: dict[str, Tensor]) -> bytes:
     from safetensors.torch import save
 
     return save({k: v.contiguous() for k, v in weights.items()}, metadata={"source": CODE})
-
