@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from captioner.models.attention import get_normaliser
@@ -43,6 +44,14 @@ def test_additive_attention_is_sat_eq_4_with_tanh():
                                     (feats.double().requires_grad_(), query.double().requires_grad_()))
 
 
+def test_additive_attention_refuses_an_activation_it_does_not_compute():
+    """Only tanh (SAT) and relu (sgrvinod's tutorial) are computed: any other name would be scored in the tanh form
+    without a word."""
+    with pytest.raises(ValueError, match="activation must be 'tanh' or 'relu', got 'sigmoid'"):
+        AdditiveAttention(feat_dim=4, query_dim=4, attn_dim=4, normalise=get_normaliser("softmax"),
+                          activation="sigmoid")
+
+
 def naive_multi_head(query, key, value, heads, mask):
     """softmax(q_h k_hᵀ/√d) v_h per head, concatenated (Vaswani et al.), one row and one head at a time."""
     d = query.shape[-1] // heads
@@ -69,3 +78,11 @@ def test_one_query_multi_head_attention_equals_the_per_head_computation():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_weights, want_weights, atol=1e-6, rtol=1e-5)
     assert float(got_weights.masked_select(~mask[:, None, None, :]).abs().max()) == 0.0
+
+
+def test_a_width_the_heads_do_not_divide_is_a_value_error_naming_both():
+    """AoANet's constructor does not check ``d_model % heads``: its refiner's first call is where such a model is
+    refused, with a ValueError naming both (without the check, unflatten's RuntimeError named neither)."""
+    query = torch.randn(2, 1, 16)
+    with pytest.raises(ValueError, match="width 16 is not divisible by 3 heads"):
+        multi_head_attention(query, query, query, 3)
