@@ -111,3 +111,26 @@ def test_forward_xe_shapes_and_gradcheck(tiny_sat):
         return out.gather(-1, captions.unsqueeze(-1)).sum() + extra["doubly_stochastic"]
 
     assert torch.autograd.gradcheck(loss_of, (feats.requires_grad_(),), eps=1e-6, atol=1e-5)
+
+
+def test_scheduled_sampling_feeds_the_models_own_word_and_teacher_forcing_the_captions(tiny_sat, random_visuals,
+                                                                                         monkeypatch):
+    """``ss_prob`` (Bengio et al.'s scheduled sampling) in the protocol's ``step`` loop: at 1 every step after the
+    first reads the word the model sampled, and by default (validation, a library caller) every step reads the
+    caption's previous word."""
+    fed, step = [], tiny_sat.step
+
+    def recording_step(prev_tokens, state, enc):
+        fed.append(prev_tokens.tolist())
+        return step(prev_tokens, state, enc)
+
+    monkeypatch.setattr(tiny_sat, "step", recording_step)
+    with torch.no_grad():
+        tiny_sat.out_word.bias[11] = 1e4  # the model is sure of word 11, so its sample is 11
+    captions = torch.tensor([[5, 6, 7, 2]] * 3)
+    bos = tiny_sat.bos_id
+    tiny_sat.forward_xe_attended(random_visuals, captions)
+    assert fed == [[bos] * 3, [5] * 3, [6] * 3, [7] * 3]
+    fed.clear()
+    tiny_sat.forward_xe(random_visuals, captions, ss_prob=1.0)
+    assert fed == [[bos] * 3, [11] * 3, [11] * 3, [11] * 3]
