@@ -18,7 +18,7 @@ from captioner.models.checkpoint import CARD, WEIGHTS, CheckpointError, checkpoi
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.files import file_checksum
-from captioner.models.protocol import check_step_contract
+from captioner.models.protocol import AttnRecord, check_step_contract
 from captioner.models.registry import MODELS
 from captioner.models.sat import ShowAttendTell
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
@@ -403,6 +403,31 @@ def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
     for arch in available():
         model = tiny_model(arch, attention=normaliser) if arch == "sparsecap" else tiny_model(arch)
         check_step_contract(model)
+
+
+@pytest.mark.parametrize("method,broken,message", [
+    ("encode", lambda enc: list(enc.values()), "encode's state must be a dict of tensors, got list"),
+    ("init_state", lambda state: {**state, "h": state["h"][:1]},
+     r"init_state's state 'h' must be a tensor with the \(batch × beam\) rows on dim 0, here 2; got \[1, 32\]"),
+    ("init_state", lambda state: {**state, "t": torch.tensor(0)}, r"init_state's state 't' .* here 2; got \[\]"),
+    ("step", lambda answer: answer[:2], r"step must return \(log-probs, new state, AttnRecord\)"),
+    ("step", lambda answer: (answer[0][:, :-1], *answer[1:]),
+     r"step's log-probs must be \[rows, vocab_size\] = \[2, 23\], got \[2, 22\]"),
+    ("step", lambda answer: (*answer[:2], AttnRecord(answer[2].primary[:, :-1])),
+     r"one weight per visual item, \[rows, items\] = \[2, 9\], got \[2, 8\]"),
+    # rows that still sum to 1 and leave the padding at 0, with one weight below zero
+    ("step", lambda answer: (*answer[:2], AttnRecord(answer[2].primary + torch.tensor([0.5, -0.5] + [0.0] * 7))),
+     "must be a distribution over the items"),
+    ("step", lambda answer: (answer[0], {k: v[:1] for k, v in answer[1].items()}, answer[2]), "step's state 'h'"),
+    ("reorder", lambda state: {k: v[:1] for k, v in state.items()}, "reorder's state 'h'"),
+])
+def test_the_protocol_checks_name_each_rule_a_model_breaks(tiny_sat, monkeypatch, method, broken, message):
+    """``check_step_contract`` on a tiny SAT with one method broken: each rule is refused in its own words, naming
+    the protocol method, the state key and the shapes (the training CLI audit reaches only some of them)."""
+    original = getattr(tiny_sat, method)
+    monkeypatch.setattr(tiny_sat, method, lambda *args: broken(original(*args)))
+    with pytest.raises(ValueError, match=message):
+        check_step_contract(tiny_sat)
 
 
 def test_every_registered_model_builds_on_the_meta_device():
