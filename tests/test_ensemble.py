@@ -140,6 +140,23 @@ def test_an_ensemble_is_built_not_trained():
         ensemble.forward_xe(visuals(1), torch.tensor([[4, 2]]))
 
 
+def test_a_config_whose_members_have_other_sizes_is_refused_naming_the_member():
+    """A config.json edited by hand (or one member's vocabulary regrown) builds members of other sizes than the
+    ensemble's: the mean would mix distributions over different words."""
+    sat = tiny_checkpoint("sat").model
+    members = [{"arch": "sat", "model": sat.config()}, {"arch": "sat", "model": {**sat.config(), "vocab_size": 30}}]
+    with pytest.raises(ValueError, match=f"member sat has 30 words over {FEAT_DIM}-d features; the ensemble has "
+                                         f"{len(VOCAB)} over {FEAT_DIM}"):
+        create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM, members=members)
+
+
+def test_a_member_that_cannot_be_exported_blocks_the_ensemble_naming_it():
+    tvmax = tiny_checkpoint("sparsecap", 1, attention="tvmax")
+    assert build_ensemble(members()).export_blocker() is None
+    blocked = build_ensemble([tiny_checkpoint("sat"), tvmax]).export_blocker()
+    assert blocked == f"member sparsecap: {tvmax.model.export_blocker()}"
+
+
 def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_small(monkeypatch):
     names = ("start", "weak", "strong", "helper", "noise")
     candidates = [SimpleNamespace(name=n, model=SimpleNamespace(member_names=(n,))) for n in names]
@@ -156,6 +173,9 @@ def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_sma
     assert lines[0] == "start: 0.5000" and lines[-1].startswith("stop: the best addition, noise")
     assert len(lines) == 1 + 4 + 3 + 2 + 1  # every trial of every round is reported
     assert [c.name for c in select_members(candidates, score, max_members=2, min_gain=0.0)] == ["start", "strong"]
+    assert [c.name for c in select_members(candidates, score, max_members=1)] == ["start"]  # the start alone
+    with pytest.raises(ValueError, match="max_members >= 1"):
+        select_members(candidates, score, max_members=0)
 
 
 def test_the_command_selects_members_on_val_and_writes_a_checkpoint_that_says_what_it_holds(tmp_path, scenes):
