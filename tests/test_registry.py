@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from captioner.models.registry import MODELS, model_class, register
+from captioner.models.sat import ShowAttendTell
 from captioner.models.zoo import REQUIRED, UnknownModel, available, create, options
 
 
@@ -28,13 +30,42 @@ def test_every_registered_model_is_built_from_its_sizes():
      "model 'sat': option 'embed_dim' takes a whole number \\(default 512\\), got 'abc'"),
     ("sat", {"vocab_size": 12, "feat_dim": 8, "embed_dim": 32.5}, "model 'sat': option 'embed_dim' takes a whole"),
     ("sat", {"vocab_size": 12, "feat_dim": 8, "dropout": True}, "model 'sat': option 'dropout' takes a number"),
+    # true is an int to isinstance: it failed in PyTorch ("empty(): argument 'size' ..."), naming no option
+    ("sat", {"vocab_size": 12, "feat_dim": 8, "hidden_dim": True}, "model 'sat': option 'hidden_dim' takes a whole"),
     ("aoanet", {"vocab_size": 12, "feat_dim": 8, "pre_norm": 1}, "model 'aoanet': option 'pre_norm' takes true or"),
     ("sat", {"vocab_size": 12, "feat_dim": 8, "gate": 3}, "model 'sat': option 'gate' takes a string"),
+    # a sequence option given one name: "string indices must be integers" from inside the ensemble
+    ("ensemble", {"vocab_size": 12, "feat_dim": 8, "members": "sat"},
+     "model 'ensemble': option 'members' takes a list"),
 ])
 def test_a_mistaken_call_is_a_value_error_that_names_what_to_give(name, config, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         create(name, **config)
     assert issubclass(UnknownModel, ValueError)
+
+
+def test_a_name_is_registered_once():
+    """A second model under a taken name (a plugin's, or a copied file's) is refused naming the first: replacing it
+    would change what every checkpoint of that name loads as."""
+    with pytest.raises(ValueError, match="^model 'sat' is already registered by ShowAttendTell$"):
+        register("sat")(type("Copied", (ShowAttendTell,), {}))
+    assert model_class("sat") is ShowAttendTell
+
+
+class MaybeWide(ShowAttendTell):
+    """A plugin's model with an option that may be null: no built-in model annotates a union."""
+
+    def __init__(self, vocab_size: int, feat_dim: int, width: int | None = None, **ids: int):
+        super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, **ids)
+
+
+def test_an_option_that_may_be_null_takes_null_or_its_kind_and_names_both(monkeypatch):
+    monkeypatch.setitem(MODELS, "maybe-wide", MaybeWide)
+    for width in (None, 3):
+        assert isinstance(create("maybe-wide", vocab_size=12, feat_dim=8, width=width), MaybeWide)
+    with pytest.raises(ValueError, match="^model 'maybe-wide': option 'width' takes a whole number or null "
+                                         "\\(default None\\), got 'abc'$"):
+        create("maybe-wide", vocab_size=12, feat_dim=8, width="abc")
 
 
 def test_values_of_the_options_kind_are_taken_and_an_int_is_a_number():
