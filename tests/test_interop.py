@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.interop.aoanet import ConversionError, convert_aoanet
-from captioner.models.interop.safe_pickle import UnsafePickleError, restricted_load
-from captioner.models.interop.sgrvinod import TutorialUnpickler
+from captioner.models.interop.safe_pickle import ALLOWED, UnsafePickleError, restricted_load
+from captioner.models.interop.sgrvinod import PickledModule, TutorialUnpickler
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import create
 from captioner.service.cli import main as captioner_main
@@ -219,6 +219,38 @@ def test_no_global_that_can_run_code_or_reach_one_is_on_the_allow_list(tmp_path,
         restricted_load(evil)
 
 
+def test_the_allow_lists_name_only_data_classes_and_tensor_rebuilders():
+    """Every global a pickle may call, by name: the refused names above are a sample, so a callable added to an
+    allow-list (``setattr`` or ``getattr`` would reach code) shows here and is reviewed. The tutorial's own classes
+    are stand-ins that run nothing (:class:`PickledModule`) and are not listed."""
+    python2 = {("__builtin__", name) for name in ("set", "frozenset", "object")} | {("copy_reg", "_reconstructor")}
+    numpy = {(f"numpy.{core}.multiarray", name) for core in ("core", "_core") for name in ("scalar", "_reconstruct")}
+    assert set(ALLOWED) == python2 | numpy | {
+        ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "object"), ("copyreg", "_reconstructor"),
+        ("argparse", "Namespace"), ("collections", "OrderedDict"), ("_codecs", "encode"), ("numpy", "dtype"),
+        ("numpy", "ndarray")}
+    callables = {key for key, value in TutorialUnpickler.allowed.items()
+                 if not (isinstance(value, type) and issubclass(value, PickledModule))}
+    assert callables == {(module, name) for module in ("builtins", "__builtin__")
+                         for name in ("dict", "set", "list", "tuple")} | {
+        ("collections", "OrderedDict"), ("collections", "defaultdict"), ("torch", "device"),
+        ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
+        ("torch._utils", "_rebuild_parameter"), ("torch.nn.parameter", "Parameter"),
+        ("torch.nn.backends.thnn", "_get_thnn_function_backend")}
+
+
+def test_a_python_2_pickle_of_a_numpy_array_loads(tmp_path):
+    """The authors' infos files were written by Python 2, where a NumPy array's bytes are a ``str``: only latin1
+    reads it back byte for byte (ASCII fails on any byte over 127, as 1.5's 0xf8). The file is Python 2's
+    protocol-2 pickle of ``np.array([1.5, -2.0])``, written opcode by opcode."""
+    raw = np.array([1.5, -2.0], dtype="<f8").tobytes()
+    (tmp_path / "py2.pkl").write_bytes(
+        b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85U\x01b\x87R(K\x01K\x02\x85"
+        b"cnumpy\ndtype\nU\x02f8K\x00K\x01\x87R(K\x03U\x01<NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89U\x10"
+        + raw + b"tb.")
+    assert np.array_equal(restricted_load(tmp_path / "py2.pkl"), [1.5, -2.0])
+
+
 def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):
     """BUILD sets attributes on the object it is given: a pickle naming argparse.Namespace with a state set
     ``argparse.Namespace.polluted`` for the whole process (the security audit), and a function's ``__defaults__``
@@ -256,6 +288,39 @@ def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
     torch.save({**authors_state(), **bn}, tmp_path / "bn.pth")
     with pytest.raises(ConversionError, match="use_bn"):
         convert_aoanet(tmp_path / "bn.pth", authors_files[1])
+
+
+def test_weights_under_any_one_key_of_a_snapshot_import_and_a_file_of_no_dict_is_named(tmp_path, authors_files):
+    """A training snapshot keeps its weights under one key beside its scalars, not always ``state_dict`` or
+    ``model`` (``net`` here); a file holding no dict at all (a list, a bare tensor) is a conversion error naming it,
+    not an AttributeError."""
+    torch.save({"epoch": 3, "net": authors_state()}, tmp_path / "snapshot.pth")
+    snapshot, plain = convert_aoanet(tmp_path / "snapshot.pth", authors_files[1])[0], convert_aoanet(*authors_files)[0]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot.state_dict().values(), plain.state_dict().values()))
+    for name, held in (("list.pth", [torch.zeros(1)]), ("tensor.pth", torch.zeros(1))):
+        torch.save(held, tmp_path / name)
+        with pytest.raises(ConversionError, match=f"{name} does not hold a state dict of tensors"):
+            convert_aoanet(tmp_path / name, authors_files[1])
+
+
+class MakesAFolder:
+    """Pickles as a call of ``os.makedirs``: whether a load ran the file's code shows on disk."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __reduce__(self):
+        return os.makedirs, (str(self.folder),)
+
+
+def test_weights_are_read_as_tensors_and_never_run_as_code(tmp_path, authors_files):
+    """A ``.pth`` is a pickle: the authors' weights are loaded with ``weights_only``, so a file naming a callable is
+    refused in words and the callable never runs."""
+    torch.save({**authors_state(), "extra": MakesAFolder(tmp_path / "ran")}, tmp_path / "evil.pth")
+    with pytest.raises(ConversionError, match="holds pickled Python objects, not only tensors, and is not loaded as "
+                                              "code"):
+        convert_aoanet(tmp_path / "evil.pth", authors_files[1])
+    assert not (tmp_path / "ran").exists()
 
 
 def test_infos_that_are_not_a_readable_pickle_are_named(tmp_path, authors_files):
