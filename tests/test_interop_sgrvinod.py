@@ -8,7 +8,9 @@ batching, and exports to ONNX."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -168,6 +170,21 @@ def test_a_torchscript_archive_is_refused_before_its_code_can_run(files, tmp_pat
     assert str(refused.value).startswith("error: refusing to load ") and not (tmp_path / "o").exists()
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit:FutureWarning")
+def test_a_torchscript_archive_without_its_code_folder_is_refused_too(files, tmp_path, monkeypatch):
+    """torch.load hands any zip holding a ``constants.pkl`` to torch.jit.load, code folder or not: an archive
+    stripped of ``code/`` is refused on its constants alone."""
+    torch.jit.save(torch.jit.script(Scripted()), tmp_path / "scripted.pt")
+    with zipfile.ZipFile(tmp_path / "scripted.pt") as scripted, \
+            zipfile.ZipFile(tmp_path / "BEST_checkpoint_x.pth.tar", "w") as stripped:
+        for name in scripted.namelist():
+            if "/code/" not in name:
+                stripped.writestr(name, scripted.read(name))
+    monkeypatch.setattr(torch.jit, "load", lambda *args, **kwargs: pytest.fail("the archive was loaded"))
+    with pytest.raises(UnsafePickleError, match="is a TorchScript archive"):
+        convert_sgrvinod(tmp_path / "BEST_checkpoint_x.pth.tar", files[1])
+
+
 def test_a_file_of_pytorch_0_4_which_pickled_parameters_by_their_class_imports(modules, tmp_path, monkeypatch):
     """PyTorch 0.4 (the tutorial's released checkpoint) pickled a parameter as Parameter(tensor, requires_grad),
     a class the allow-list refused."""
@@ -192,6 +209,45 @@ def test_foreign_files_are_refused_with_a_reason(files, tmp_path):
     (tmp_path / "torn.pth.tar").write_bytes(files[0].read_bytes()[:5000])
     with pytest.raises(ConversionError, match="cannot be read"):
         convert_sgrvinod(tmp_path / "torn.pth.tar", files[1])
+
+
+def test_a_module_holding_something_else_than_a_tensor_or_a_module_is_refused_naming_it(files, tmp_path):
+    """The pickle is data a crafted file chooses: a list where a module keeps its tensors or its children is named,
+    not an AttributeError from deep in the conversion."""
+    encoder, decoder = tutorial_modules(seed=1)
+    for holder, said in ((decoder.fc._buffers, "fc.odd of the pickled torch.nn.modules.linear.Linear is not a tensor"),
+                         (decoder._modules, "odd of the pickled models.DecoderWithAttention is not a module")):
+        holder["odd"] = [1.0, 2.0]
+        with tutorial.tutorial_module():
+            torch.save({"encoder": encoder, "decoder": decoder}, tmp_path / "odd.pth.tar")
+        del holder["odd"]
+        with pytest.raises(ConversionError, match=f"^{said}$"):
+            convert_sgrvinod(tmp_path / "odd.pth.tar", files[1])
+
+
+def test_a_trunk_of_other_shapes_than_torchvisions_resnet_is_refused_naming_them(files, tmp_path):
+    """A modified ResNet (here a 5×5 first convolution) has torchvision's children but not its shapes: refused at
+    the import, where the encoder's weights file would otherwise fail to load in the service."""
+    encoder, decoder = tutorial_modules(seed=1)
+    encoder.resnet[0] = torch.nn.Conv2d(3, 64, kernel_size=5, stride=2, padding=2, bias=False)
+    with tutorial.tutorial_module():
+        torch.save({"encoder": encoder, "decoder": decoder}, tmp_path / "widened.pth.tar")
+    with pytest.raises(ConversionError, match=r"does not fit torchvision's resnet18 .*: missing \[\], unknown \[\], "
+                                              r"misshapen \['conv1\.weight'\]$"):
+        convert_sgrvinod(tmp_path / "widened.pth.tar", files[1])
+
+
+def test_a_word_map_that_is_not_the_tutorials_is_refused_with_a_reason(files, tmp_path):
+    word_map = tutorial.word_map(WORDS)
+    for name, content, said in (
+            ("list.json", list(word_map), "is not a word map"),
+            ("strings.json", {word: str(index) for word, index in word_map.items()}, "is not a word map"),
+            ("flag.json", {**word_map, "a": True}, "is not a word map"),
+            ("no-unk.json", {word: index for word, index in word_map.items() if word != "<unk>"},
+             r"lacks the tutorial's special token\(s\) \['<unk>'\]")):
+        (tmp_path / name).write_text(json.dumps(content))
+        with pytest.raises(ConversionError, match=said):
+            convert_sgrvinod(files[0], tmp_path / name)
 
 
 def jpeg(image: Image.Image) -> bytes:
