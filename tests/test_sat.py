@@ -134,3 +134,23 @@ def test_scheduled_sampling_feeds_the_models_own_word_and_teacher_forcing_the_ca
     fed.clear()
     tiny_sat.forward_xe(random_visuals, captions, ss_prob=1.0)
     assert fed == [[bos] * 3, [11] * 3, [11] * 3, [11] * 3]
+
+
+def test_captions_grouped_by_image_are_scored_against_their_own_image(tiny_sat, random_visuals):
+    """``rows`` (``captioner train --group-by-image``): each image is encoded once and caption ``i`` reads the
+    encoding of image ``rows[i]``, as if every caption came with its own copy of the image."""
+    captions, rows = torch.tensor([[5, 6, 2], [7, 2, 0], [8, 9, 2]]), torch.tensor([2, 0, 2])
+    grouped, _ = tiny_sat.forward_xe(random_visuals, captions, rows=rows)
+    copied, _ = tiny_sat.forward_xe(VisualBatch(random_visuals.feats[rows], random_visuals.mask[rows]), captions)
+    torch.testing.assert_close(grouped, copied)
+
+
+def test_teacher_forcing_penalises_the_attention_of_every_word_but_the_padding(tiny_sat, random_visuals):
+    """Eq. 14 sums the attention of the words a caption has, its ``<eos>`` included; the padding after it is no
+    word (the token mask is ``captions != pad``)."""
+    tiny_sat.doubly_stochastic = 1.0
+    captions = torch.tensor([[5, 6, 2, 0], [7, 2, 0, 0], [8, 9, 10, 2]])
+    _, aux, attention = tiny_sat.forward_xe_attended(random_visuals, captions)
+    words = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    want = tiny_sat.auxiliary_losses(attention, words)["doubly_stochastic"]
+    torch.testing.assert_close(aux["doubly_stochastic"], want)
