@@ -100,6 +100,15 @@ def test_aoa_glu_equals_two_matrix_form():
     torch.testing.assert_close(aoa(attended, query), gate * information)  # Eq. 5
 
 
+def test_aoa_drops_out_its_input_not_its_output():
+    """``input_dropout`` acts on ``[v̂; q]`` (the authors' refiner): with every entry dropped, the result is what the
+    biases alone give, ``b^i ⊙ σ(b^g)``, not zero."""
+    torch.manual_seed(0)
+    aoa = AttentionOnAttention(4, input_dropout=1.0).train()
+    got = aoa(torch.randn(3, 4), torch.randn(3, 4))
+    torch.testing.assert_close(got, F.glu(aoa.linear.bias, dim=-1).expand(3, 4))
+
+
 # -- encoder -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("pre_norm", [False, True])
 def test_refiner_layer_matches_naive_per_item_computation(pre_norm):
