@@ -13,10 +13,11 @@ from captioner.models.attention.multihead import multi_head_attention
 from captioner.models.layers import CACHE_BLOCK_FLOATS, AdditiveAttention
 
 
-def test_additive_attention_in_blocks_of_rows_equals_the_whole_computation():
+@pytest.mark.parametrize("last", [5, 1])
+def test_additive_attention_in_blocks_of_rows_equals_the_whole_computation(last):
     torch.manual_seed(0)
     items, attn_dim = 64, 64
-    rows = 3 * CACHE_BLOCK_FLOATS // (items * attn_dim) + 5  # several blocks and a partial last one
+    rows = 3 * CACHE_BLOCK_FLOATS // (items * attn_dim) + last  # several blocks and a partial last one (of one row)
     layer = AdditiveAttention(feat_dim=32, query_dim=16, attn_dim=attn_dim, normalise=get_normaliser("softmax"))
     keys = layer.project_keys(torch.randn(rows, items, 32)).detach()
     query, mask = torch.randn(rows, 16), torch.rand(rows, items) > 0.2
@@ -78,6 +79,15 @@ def test_one_query_multi_head_attention_equals_the_per_head_computation():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_weights, want_weights, atol=1e-6, rtol=1e-5)
     assert float(got_weights.masked_select(~mask[:, None, None, :]).abs().max()) == 0.0
+
+
+def test_weight_dropout_mixes_the_values_but_the_returned_weights_are_the_softmax():
+    """What is exported (AoANet's heatmaps) is the attention itself; dropout acts on the weighted sum only."""
+    torch.manual_seed(1)
+    query, key = torch.randn(2, 1, 8), torch.randn(2, 5, 8)
+    attended, weights = multi_head_attention(query, key, key, 2, weight_dropout=torch.zeros_like)
+    assert float(attended.abs().max()) == 0.0
+    torch.testing.assert_close(weights, multi_head_attention(query, key, key, 2)[1])
 
 
 def test_a_width_the_heads_do_not_divide_is_a_value_error_naming_both():
