@@ -4,14 +4,16 @@ captions whose answers are known."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from captioner.models.data.karpathy import CaptionedImage
-from captioner.models.evaluation.compare import compare_captions, paired_difference
-from captioner.models.evaluation.metrics import cider_d
+from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
+    paired_corpus_difference, paired_difference
+from captioner.models.evaluation.metrics import cider_d, score_captions
 from captioner.models.evaluation.zoo_table import paired_markdown
 from captioner.service.cli import main
 
@@ -29,6 +31,9 @@ IMAGES = [scene(0, [("red", "circle"), ("blue", "square")], "a red circle and a 
 
 def test_identical_sides_differ_by_exactly_nothing():
     stat = paired_difference([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1, 1, 1])
+    assert stat["difference"] == 0.0 and stat["ci95"] == [0.0, 0.0] and stat["share_not_above"] == 1.0
+    rows = bleu_statistics(["a red circle", "a blue square"], [["a red circle"], ["a blue circle"]])
+    stat = paired_corpus_difference(rows, rows, bleu_4)  # a tie is "not above" for corpus scores too
     assert stat["difference"] == 0.0 and stat["ci95"] == [0.0, 0.0] and stat["share_not_above"] == 1.0
 
 
@@ -57,6 +62,44 @@ def test_a_difference_that_comes_from_one_image_is_not_certain():
     assert stat["ci95"][0] == 0.0 and stat["share_not_above"] > 0.05
 
 
+def test_nothing_to_compare_is_an_error_not_a_division_by_zero():
+    # scenes with no objects at all: objects_named has no denominator
+    with pytest.raises(ValueError, match="no images"):
+        paired_difference([0.0, 0.0], [0.0, 0.0], [0, 0])
+    with pytest.raises(ValueError, match="no images"):
+        paired_corpus_difference(np.zeros((0, 10)), np.zeros((0, 10)), bleu_4)
+
+
+def test_a_mean_score_gets_the_same_answer_through_either_paired_function():
+    """paired_corpus_difference draws the same images as paired_difference (the same seed through
+    bootstrap.resample_counts), so a score that is a mean of per-image values, given as sums and counts, has one
+    difference, interval and share either way, defaults included; plain lists are accepted as rows."""
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(1.0, 0.5, 30), rng.normal(0.9, 0.5, 30)
+    by_images = paired_difference(a, b, np.ones(30))
+    by_sums = paired_corpus_difference([[x, 1.0] for x in a], [[x, 1.0] for x in b], lambda s: s[..., 0] / s[..., 1])
+    assert by_sums["difference"] == pytest.approx(by_images["difference"])
+    assert by_sums["ci95"] == pytest.approx(by_images["ci95"])
+    assert by_sums["share_not_above"] == by_images["share_not_above"]
+
+
+def test_bleu_from_summed_statistics_is_coco_captions_corpus_bleu():
+    """BLEU is not a mean of per-image scores: summed per-caption statistics must give pycocoevalcap's corpus
+    BLEU-1..4 (what captioner eval reports), brevity penalty included (the short captions) and an empty caption
+    scored as "<empty>"."""
+    captions = {0: "a red circle", 1: "a green triangle", 2: "", 3: "a blue circle on a blue circle"}
+    longer = {0: "a red circle and a blue square on a red circle", 1: "a green triangle on a green triangle",
+              2: "an orange diamond and a red square", 3: "a blue circle"}  # longer than the references: no penalty
+    refs = [[" ".join(r) for r in im.references] for im in IMAGES]
+    wants = [score_captions(given, dict(enumerate(refs)), "BLEU") for given in (captions, longer)]
+    for given, want in zip((captions, longer), wants):
+        rows = bleu_statistics([given[i] or "<empty>" for i in range(4)], refs)
+        assert corpus_bleu(rows.sum(0)) == pytest.approx([want[f"BLEU-{n}"] for n in range(1, 5)])
+    result = compare_captions(captions, longer, IMAGES)["BLEU-4"]
+    assert result["a"] == pytest.approx(wants[0]["BLEU-4"]) and result["b"] == pytest.approx(wants[1]["BLEU-4"])
+    assert result["difference"] == pytest.approx(wants[0]["BLEU-4"] - wants[1]["BLEU-4"])
+
+
 def test_compare_captions_scores_both_sides_on_the_same_references():
     exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
     wrong_colour = {**exact, 0: "a blue circle and a blue square", 2: "a red diamond and a red square"}
@@ -66,8 +109,22 @@ def test_compare_captions_scores_both_sides_on_the_same_references():
     want_b = cider_d([wrong_colour[i] for i in range(4)], refs).mean()
     assert result["CIDEr-D"]["a"] == pytest.approx(want_a) and result["CIDEr-D"]["b"] == pytest.approx(want_b)
     assert result["CIDEr-D"]["difference"] > 0
+    # the interval is the paired bootstrap of the per-image scores, with paired_difference's defaults
+    assert result["CIDEr-D"] == paired_difference(cider_d([exact[i] for i in range(4)], refs),
+                                                  cider_d([wrong_colour[i] for i in range(4)], refs), np.ones(4))
     named = result["objects_named"]
     assert named["a"] == 1.0 and named["b"] == pytest.approx(4 / 6) and named["difference"] == pytest.approx(2 / 6)
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_ptb_comparison_tokenizes_both_sides_as_coco_caption_does():
+    """``ptb``: both sides' captions go through coco-caption's PTB tokenizer before they are scored, so capitals and
+    a final full stop cost nothing there, and do cost on the project's own tokens."""
+    exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
+    written = {k: caption.capitalize() + "." for k, caption in exact.items()}
+    tokenized = compare_captions(written, exact, IMAGES, ptb=True)
+    assert tokenized["CIDEr-D"]["difference"] == 0.0 and tokenized["BLEU-4"]["difference"] == 0.0
+    assert compare_captions(written, exact, IMAGES)["CIDEr-D"]["difference"] < 0
 
 
 def test_a_missing_caption_is_an_error_not_a_silent_drop():
