@@ -86,8 +86,20 @@ def test_regions_spread_each_weight_over_its_own_box():
     assert scores["ratio"] == pytest.approx((0.5 + 0.02) / 0.04)
 
 
+def test_region_boxes_are_placed_axis_by_axis_on_a_wide_image_drawn_at_another_size():
+    """x runs along the width and y down the height, each scaled on its own: a transposed box, axis or scale moves
+    the mass (the square image above cannot tell)."""
+    geometry = Geometry(kind="regions", image_size=(40, 20), grid_hw=None,
+                        boxes=np.array([[0, 0, 10, 20], [20, 4, 40, 12]], np.float32))
+    left = pixel_distribution([1.0, 0.0], geometry, size=(20, 5))  # half the width, a quarter of the height
+    assert left.shape == (5, 20) and left[:, :5] == pytest.approx(np.full((5, 5), 1 / 25)) and left[:, 5:].sum() == 0
+    top_right = pixel_distribution([0.0, 1.0], geometry, size=(20, 5))  # rows 1 and 2 of 5
+    assert top_right[1:3, 10:] == pytest.approx(np.full((2, 10), 1 / 20)) and top_right.sum() == pytest.approx(1.0)
+
+
 @pytest.mark.parametrize("size, resize, grid", [((37, 23), "stretch", 64), ((23, 37), "center_crop", 64),
-                                                ((50, 50), "stretch", 96)])
+                                                ((50, 50), "stretch", 96),
+                                                ((2, 2), "stretch", 96)])  # cells that hold no pixel centre
 def test_cell_scores_equal_the_pixel_scores(size, resize, grid):
     """score_rows counts pixels per cell; score_map of pixel_distribution counts them one by one."""
     geometry = grid_geometry(EncoderSpec(image_size=grid, resize=resize, resize_to=grid), size)
@@ -117,6 +129,8 @@ def test_bad_inputs_are_rejected():
         pixel_distribution([-1, 1, 1, 1], two_by_two())
     with pytest.raises(ValueError):
         score_map(np.ones((4, 4)) / 16, np.zeros((4, 4), bool))
+    with pytest.raises(ValueError, match="differ in shape"):  # a mask of width × height rather than height × width
+        score_map(np.ones((4, 8)) / 32, np.ones((8, 4), bool))
 
 
 def test_grounded_words_only_for_correct_colour_shape_pairs():
@@ -175,6 +189,33 @@ def test_score_images_with_chance_controls(tmp_path):
     assert model_all["words"] == 4 and model_all["images"] == 2 and model_all["mass"]["mean"] == 1.0
     table = markdown_table([("toy", {"normaliser": "softmax", "rows": rows})])
     assert "chance: uniform" in table and "chance: other image" in table and "1.000 [1.000, 1.000]" in table
+
+
+def test_score_images_draws_the_maps_at_each_scenes_own_width_and_height(tmp_path):
+    """Generated scenes vary in aspect ratio (portrait included), so a map is drawn at its label mask's width ×
+    height, through the centre crop of that scene: a wide 16×8 scene with its circle on the left half, a tall 8×16
+    one with its square on the top half; the tall scene's shape word, read over the wide scene (the other-image
+    control), is placed by the wide scene's cells (the top row of its crop: half of the circle's mass)."""
+    (tmp_path / "masks").mkdir()
+    entries = []
+    for index, (colour, shape, size) in enumerate([("red", "circle", (16, 8)), ("blue", "square", (8, 16))]):
+        label = np.zeros(size[::-1], np.uint8)
+        label[:size[1] // 2 if index else size[1], :size[0] // 2 if not index else size[0]] = 1
+        Image.fromarray(label).save(tmp_path / "masks" / f"{index}.png")
+        entries.append({"filename": f"{index}.jpg", "imgid": index, "split": "test", "mask": f"masks/{index}.png",
+                        "objects": [{"colour": colour, "shape": shape}],
+                        "sentences": [{"tokens": ["a", colour, shape]}]})
+    (tmp_path / "d.json").write_text(json.dumps({"images": entries}))
+    left, top = [0.5, 0, 0.5, 0], [0.5, 0.5, 0, 0]
+    results = [CaptionAttention(["a", "red", "circle"], np.array([[0, 0, 0, 1], left, left], float),
+                                two_by_two((16, 8), "center_crop")),
+               CaptionAttention(["a", "blue", "square"], np.array([[0, 0, 0, 1], top, top], float),
+                                two_by_two((8, 16), "center_crop"))]
+    by = {(w.control, w.image, w.word_class): w.scores
+          for w in score_images(load_karpathy(tmp_path / "d.json"), results, tmp_path)}
+    assert by[("model", 0, "shape")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 2.0})
+    assert by[("model", 1, "shape")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 2.0})
+    assert by[("other image", 0, "shape")] == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 1.0})
 
 
 def test_zoo_table_from_records_and_reports(tmp_path):
