@@ -12,8 +12,8 @@ from PIL import Image
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.evaluation.grounding import CaptionAttention, bootstrap_mean, grounded_words, markdown_table, \
-    pixel_distribution, score_images, score_map, score_rows, summarise
+from captioner.models.evaluation.grounding import CaptionAttention, WordScore, bootstrap_mean, grounded_words, \
+    markdown_table, pixel_distribution, score_images, score_map, score_rows, summarise
 from captioner.models.evaluation.params import count_parameters
 from captioner.models.evaluation.zoo_table import parameter_count, write_zoo
 from captioner.models.protocol import Geometry
@@ -152,6 +152,12 @@ def test_bootstrap_interval():
     values = [[v] for v in np.random.default_rng(0).normal(0.5, 0.1, 400)]
     mean, low, high = bootstrap_mean(values)
     assert low < mean < high and high - low == pytest.approx(2 * 1.96 * 0.1 / 20, rel=0.2)
+
+
+def test_summary_statistics_are_reported_to_four_decimals():
+    scores = [WordScore(0, "colour", "model", {"mass": m, "pointing": m, "ratio": 4 * m}) for m in (1.0, 0.0, 0.0)]
+    row = summarise(scores, 1, resamples=10)[0]
+    assert row["mass"] == {"mean": 0.3333, "ci95": [0.3333, 0.3333]} and row["ratio"]["mean"] == 1.3333
 
 
 def _scene(tmp_path: Path) -> list:
