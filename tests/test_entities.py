@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,11 +18,11 @@ from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError,
     parse_annotation, parse_sentences
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.evaluation.grounding import pixel_distribution, score_map, summarise
+from captioner.models.evaluation.grounding import caption_with_attention, pixel_distribution, score_map, summarise
 from captioner.models.evaluation.grounding_doc import is_real_photo, ordering_sentence, real_photo_checkpoints, \
     write_grounding_doc
 from captioner.models.evaluation.phrase_grounding import PhotoAttention, PhraseTarget, best_word, box_mask, \
-    generated_targets, reference_targets, score_photos, summary_table, teacher_forced_rows, type_table
+    generated_targets, head_form, reference_targets, score_photos, summary_table, teacher_forced_rows, type_table
 from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -131,6 +132,11 @@ def test_box_mask_pixel_centres_and_thin_boxes():
                                                                         [False, False, False, False]]
     thin = box_mask(np.array([[1.1, 1.1, 1.3, 1.3]]), (4, 4))  # holds no pixel centre: keeps the one under it
     assert thin.sum() == 1 and thin[1, 1]
+    # a thin box in the last column of a wide image, and a flat one on the bottom edge: the pixel beside each stays
+    last_column = box_mask(np.array([[3.6, 0.0, 3.9, 2.0]]), (4, 2))
+    assert last_column.sum() == 2 and last_column[:, 3].all()
+    bottom_edge = box_mask(np.array([[1.0, 4.0, 2.0, 4.0]]), (4, 4))
+    assert bottom_edge.sum() == 1 and bottom_edge[3, 1]
 
 
 def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
@@ -164,6 +170,10 @@ def test_reference_targets_only_phrases_with_boxes():
     assert [(t.caption, t.positions, t.types, t.chains) for t in targets] == [
         (0, [0, 1, 2], ("people",), ("31",)), (0, [4, 5, 6], ("clothing",), ("32",)),
         (0, [8, 9], ("other",), ("33",)), (1, [0, 1, 2], ("people", "other"), ("31",))]
+    # a boxed phrase of punctuation alone has no word to score: no target (its best word would be a max of nothing)
+    punctuation = EntityImage("1000", parse_sentences("[/EN#31/people A boy] climbs [/EN#33/other ...] .\n"),
+                              parse_annotation(ANNOTATION))
+    assert [t.positions for t in reference_targets(punctuation)[1]] == [[0, 1]]
 
 
 def test_generated_phrases_match_heads_and_extend_over_reference_words():
@@ -173,6 +183,11 @@ def test_generated_phrases_match_heads_and_extend_over_reference_words():
     # words of the reference phrase; "red" is in no reference phrase of "ladder", so the phrase starts after it; no dog
     assert [(t.positions, t.types, t.chains) for t in targets] == [
         ([1], ("people",), ("31",)), ([3, 4, 5], ("clothing",), ("32",)), ([9], ("other",), ("33",))]
+    assert [head_form(w) for w in ("men", "people", "boys", "glass", "bus")] == ["man", "person", "boy", "glass", "bus"]
+    # "smile" (not visual) and "outdoors" (a scene) head reference phrases without boxes: nothing to score
+    assert [t.positions for t in generated_targets("a boy with a smile outdoors".split(), _entity())] == [[0, 1]]
+    # a doubled head (a decoding slip) is a phrase of its own: a phrase never extends over the one before it
+    assert [t.positions for t in generated_targets("a green coat coat".split(), _entity())] == [[0, 1, 2], [3]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,10 +241,35 @@ def test_score_photos_controls_and_summary():
     uniform = next(r for r in rows if r["control"] == "uniform" and r["phrase_type"] == "all")
     assert uniform["phrases"] == 2 and uniform["mass"]["mean"] == pytest.approx(0.25)
     assert uniform["ratio"] == {"mean": 1.0, "ci95": [1.0, 1.0]}
+    # the other photo misses on photo 0 and hits on photo 1: resampling photos spans both
+    other = next(r for r in rows if r["control"] == "other photo" and r["phrase_type"] == "all")
+    assert other["mass"] == {"mean": 0.5, "ci95": [0.0, 1.0]}
     section = {"normaliser": "softmax", "references": {"rows": rows}, "generated": {"rows": []}}
     assert "| toy | softmax | references | chance: uniform | 2 | 2 | 0.250 [0.250, 0.250]" in summary_table(
         [("toy", section)])
     assert "| toy | people | 2 | 1.000 [1.000, 1.000] | 0.250 [0.250, 0.250] | 0.500" in type_table([("toy", section)])
+
+
+def test_a_phrase_is_scored_on_each_of_its_words_and_on_none_outside_it():
+    """The head noun ends a phrase and is often its best word: the phrase's last row counts, the next one does not."""
+    top_left = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})
+    rows = [[0, 0, 0, 1], [1, 0, 0, 0], [0, 0, 0, 1]]  # "a" looks away, "boy" at the box, the word after away
+    photo = _photo([rows], [PhraseTarget(0, [0, 1], ("people",), ("1",))])
+    model = next(s for s in score_photos([photo], [top_left]) if s.control == "model")
+    assert model.scores == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+
+
+def test_another_photos_grid_attention_is_read_through_this_photos_cells():
+    """A grid model sees every photo through the same cells: the other photo's row is placed by this photo's centre
+    crop, not by the donor's (a tall donor's crop lies elsewhere on a wide photo)."""
+    def crop(size):
+        return grid_geometry(EncoderSpec(image_size=64, resize="center_crop", resize_to=64), size)
+
+    annotation = EntityAnnotation((16, 8), {"1": [(5, 1, 8, 4)]})  # the crop's top-left cell of the wide photo
+    row = [np.array([[1.0, 0.0, 0.0, 0.0]])]
+    photo = PhotoAttention(row, crop((16, 8)), [PhraseTarget(0, [0], ("people",), ("1",))], row, crop((8, 16)))
+    other = next(s for s in score_photos([photo], [annotation]) if s.control == "other photo")
+    assert other.scores == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 8.0})
 
 
 def test_teacher_forcing_gives_the_rows_beam_search_aligns_with_its_words():
@@ -245,6 +285,22 @@ def test_teacher_forcing_gives_the_rows_beam_search_aligns_with_its_words():
         assert len(per_image) == 2 and per_image[0].shape == (words, 4)
         np.testing.assert_allclose(per_image[0], hyp.attention[:words].numpy(), atol=1e-5)
         np.testing.assert_allclose(per_image[1], per_image[0], atol=1e-6)
+
+
+def test_beam_search_captions_keep_each_words_own_attention_row():
+    """The generated mode's rows (caption_with_attention) pair each decoded word with the row that fed its
+    prediction: the row teacher forcing gives that word of the same caption."""
+    torch.manual_seed(0)
+    vocab = Vocabulary([f"w{i}" for i in range(16)])
+    model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8).eval()
+    feats, geometry = torch.randn(2, 4, 8), two_by_two()
+    store = SimpleNamespace(batch=lambda keys: VisualBatch.from_features(feats[list(keys)], [geometry] * len(keys)))
+    images = [SimpleNamespace(key=i, path=None) for i in range(2)]
+    captions = caption_with_attention(SimpleNamespace(model=model, vocab=vocab), images, store, max_len=6)
+    rows = teacher_forced_rows(model, vocab, store.batch([0, 1]), [[c.tokens] for c in captions])
+    for caption, per_image in zip(captions, rows):
+        assert caption.tokens and caption.geometry is geometry
+        np.testing.assert_allclose(caption.attention, per_image[0], atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,6 +328,8 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
     assert rows[("model", "all")]["phrases"] == 4 and rows[("model", "other")]["images"] == 2
     assert rows[("uniform", "all")]["mass"]["mean"] == pytest.approx(0.25, abs=0.01)
     assert ("model", "scene") not in rows and rows[("other photo", "all")]["phrases"] == 4
+    # the other-photo chance row reads the same captions over the other photo, not over the photo itself
+    assert rows[("other photo", "all")]["mass"] != rows[("model", "all")]["mass"]
     assert "| sat | softmax | references | attention | 4 | 2 |" in done.stderr
     # the scene model names the red circle: its phrase is matched by head noun against the references'
     generated = {(r["control"], r["phrase_type"]): r for r in section["generated"]["rows"]}
