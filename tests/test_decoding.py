@@ -359,6 +359,22 @@ def test_tune_decodings_grid_crosses_every_rules_values_and_its_table_shows_each
                          "| 1 | yes | yes | 1 |"]
 
 
+def test_tune_decodings_default_grid_leaves_doubled_word_blocking_off(monkeypatch):
+    """Without options the grid is every default penalty × trigram blocking off and on, doubled-word blocking off
+    (docs/decisions.md, "Flickr8k: doubled words"), each decoded with a beam of 3 and at most 20 tokens and scored
+    on BLEU, ROUGE-L and CIDEr-D."""
+    searched = []
+
+    def scores(ckpt, images, store, beam_size, max_len, metrics, *, rules, **options):
+        searched.append((beam_size, max_len, tuple(metrics), rules))
+        return {"CIDEr-D": 1.0}, {}
+
+    monkeypatch.setattr(tuning, "evaluate_checkpoint", scores)
+    tuning.decoding_grid(None, [], None)
+    assert searched == [(3, 20, ("BLEU", "ROUGE-L", "CIDEr-D"), DecodingRules(penalty, block, False))
+                        for penalty in (0.0, 0.5, 1.0) for block in (False, True)]
+
+
 def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
     check_search([3, 2], 5, NO_RULES, n_best=2)
     for n_best in (0, 3):
