@@ -403,6 +403,29 @@ def test_settings_refuse_defaults_and_row_budgets_outside_their_limits():
     assert (limits.max_rows, limits.default_beam_size, limits.default_max_len) == (10, 10, 50)
 
 
+@pytest.mark.parametrize("name, refused, accepted", [
+    ("port", 0, 1), ("port", 65536, 65535), ("max_upload_bytes", 0, 1), ("max_pixels", 0, 1),
+    ("default_beam_size", 0, 1), ("queue_size", 0, 1), ("threads", 0, 1), ("retry_after_s", -1, 0),
+    ("results_cache_bytes", -1, 0), ("result_cache_entries", -1, 0), ("drain_timeout_s", -0.5, 0.0),
+    ("request_timeout_s", 0.0, 0.001), ("keep_alive_s", 0.0, 0.001)])
+def test_a_setting_one_past_its_bound_is_refused_and_the_bound_itself_accepted(name, refused, accepted):
+    """CAPTIONER_* values are checked where they are read: a bound moved by one would start a service that
+    refuses every upload (0 bytes), never times out, or cannot bind; 0 is a meaningful value where it is allowed
+    (no Retry-After wait, no result cache, no drain)."""
+    with pytest.raises(ValidationError, match=name):
+        Settings(**{name: refused})
+    assert getattr(Settings(**{name: accepted}), name) == accepted
+
+
+def test_settings_come_from_the_environment_alone_not_a_dotenv_file(tmp_path, monkeypatch):
+    """A .env file left in the working directory (a developer's, a build context's) does not configure the
+    service: only CAPTIONER_* variables do."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("CAPTIONER_PORT=9999\nCAPTIONER_MAX_BEAM_SIZE=2\n")
+    settings = Settings()
+    assert (settings.port, settings.max_beam_size) == (8000, 10)
+
+
 def test_the_upload_budget_holds_the_largest_json_request():
     """A JSON request carries the image in base64 (4 bytes for 3) beside its options: the budget's floor
     (json_body_bytes) must hold the largest one the upload limit allows, or that request is told "429, retry" for
@@ -410,7 +433,7 @@ def test_the_upload_budget_holds_the_largest_json_request():
     for size in (1, 2, 3, 12_000, 10 * 1024 * 1024):
         body = json.dumps({"image": base64.b64encode(b"\xff" * size).decode(), "model": "m" * 200, "beam_size": 10,
                            "max_len": 50, "length_penalty": 1.5, "block_trigrams": True})
-        assert len(body) <= json_body_bytes(size)
+        assert len(body) <= json_body_bytes(size) <= len(body) + 4096  # and no more: it is the budget's floor
     with pytest.raises(ValidationError, match="must hold at least one largest upload"):
         Settings(max_upload_bytes=12_000, upload_budget_bytes=12_000 + 4096)
 
