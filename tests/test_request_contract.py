@@ -88,7 +88,7 @@ def test_form_fields_choose_the_model_beam_and_length(client, photo):
 
 def test_form_fields_have_the_query_parameters_bounds(client, photo):
     for fields, field in (({"beam_size": "0"}, "beam_size"), ({"beam_size": "three"}, "beam_size"),
-                          ({"max_len": "-1"}, "max_len")):
+                          ({"max_len": "-1"}, "max_len"), ({"max_len": "0"}, "max_len")):
         body = problem(post(client, photo, fields=fields))
         assert [e["loc"] for e in body["errors"]] == [["body", field]], body
     too_wide = problem(post(client, photo, fields={"beam_size": "9"}))
@@ -371,8 +371,8 @@ def test_openapi_documents_the_form_fields(client):
     assert form["required"] == ["file"] and form["additionalProperties"] is False
     assert form["properties"]["file"]["format"] == "binary"
     # a form field is text or absent, never null: a generated client sent None as the text "None" (a model named so)
-    assert [name for name, field in form["properties"].items() if "anyOf" in field or field.get("type") == "null"] \
-        == [], form["properties"]
+    assert [name for name, field in form["properties"].items()
+            if "anyOf" in field or field.get("type") == "null" or "default" in field] == [], form["properties"]
     assert form["properties"]["beam_size"]["type"] == "integer" and form["properties"]["beam_size"]["minimum"] == 1
     for path in ("/caption", "/caption/overlay"):
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
@@ -480,6 +480,8 @@ def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, pho
     off = client.post("/caption", params={"block_trigrams": "true"}, json={"image": encoded, "block_trigrams": False})
     assert off.json()["block_trigrams"] is False
     for fields, field in (({"length_penalty": "-1"}, "length_penalty"), ({"length_penalty": "6"}, "length_penalty"),
+                          ({"length_penalty": "-0.01"}, "length_penalty"),
+                          ({"length_penalty": "5.01"}, "length_penalty"),  # one step past each bound
                           ({"block_trigrams": "maybe"}, "block_trigrams"),
                           ({"block_doubled_words": "2"}, "block_doubled_words")):
         body = problem(post(client, photo, fields=fields))
@@ -495,6 +497,20 @@ def test_a_body_of_another_media_type_is_415_and_an_unknown_model_gets_no_metric
     metrics = client.get("/metrics").text
     assert "made-up" not in metrics
     assert 'captioner_request_latency_seconds_count{model="unknown",status="404"}' in metrics
+
+
+def test_a_model_named_in_the_form_is_the_one_the_latency_metric_counts(client, photo):
+    """A form field names the model as the query does: the request is counted under the model it used, which the
+    query (naming none) did not say."""
+    series = 'captioner_request_latency_seconds_count{model="tiny-b",status="200"} '
+
+    def counted() -> float:
+        return sum(float(line[len(series):]) for line in client.get("/metrics").text.splitlines()
+                   if line.startswith(series))
+
+    before = counted()
+    assert post(client, photo, fields={"model": "tiny-b", "max_len": "2"}).json()["model"] == "tiny-b"
+    assert counted() == before + 1
 
 
 def test_every_route_that_captions_an_upload_is_counted_by_the_latency_metric(client):
