@@ -421,6 +421,8 @@ def test_settings_come_from_the_environment_alone_not_a_dotenv_file(tmp_path, mo
     """A .env file left in the working directory (a developer's, a build context's) does not configure the
     service: only CAPTIONER_* variables do."""
     monkeypatch.chdir(tmp_path)
+    for name in ("CAPTIONER_PORT", "CAPTIONER_MAX_BEAM_SIZE"):
+        monkeypatch.delenv(name, raising=False)  # what the environment says is not what this test asks about
     (tmp_path / ".env").write_text("CAPTIONER_PORT=9999\nCAPTIONER_MAX_BEAM_SIZE=2\n")
     settings = Settings()
     assert (settings.port, settings.max_beam_size) == (8000, 10)
