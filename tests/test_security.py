@@ -561,3 +561,15 @@ def test_a_blank_api_key_stops_the_server_rather_than_opening_it(monkeypatch, ca
             main(["serve", "--port", "8791"])
         assert exc.value.code == 2 and "CAPTIONER_API_KEYS: Value error, an API key is empty or blank" in \
             capsys.readouterr().err
+
+
+def test_options_is_never_asked_for_a_key_and_without_origins_no_cors_layer_answers(open_client, keyed):
+    # with no origins configured there is no CORS layer: a pre-flight meets the routes, which take no OPTIONS (405),
+    # rather than a CORS refusal (400) that would tell a browser the server speaks CORS
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    answer = open_client.options("/caption", headers=preflight)
+    assert answer.status_code == 405 and answer.headers["content-type"] == "application/problem+json"
+    # OPTIONS carries no credentials (a browser's pre-flight never does), so the key check lets it through to the
+    # routes: a plain OPTIONS to a protected path is the route's 405, not a 401
+    plain = keyed.options("/caption")
+    assert plain.status_code == 405 and "www-authenticate" not in plain.headers
