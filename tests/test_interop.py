@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.interop.aoanet import ConversionError, convert_aoanet
+from captioner.models.interop.common import copy_weights
 from captioner.models.interop.safe_pickle import ALLOWED, UnsafePickleError, restricted_load
 from captioner.models.interop.sgrvinod import PickledModule, TutorialUnpickler
 from captioner.models.protocol import VisualBatch
@@ -401,3 +402,15 @@ def test_compatibility_flags_default_to_the_paper_and_change_the_model_only_when
         context = F.glu(torch.cat([v, h], 1) @ projected.context_gate.weight.T + projected.context_gate.bias, -1)
         expected = F.log_softmax(projected.logit(context), -1)
     torch.testing.assert_close(logprobs, expected)
+
+
+def test_a_refusal_names_up_to_six_keys_and_counts_the_rest():
+    # exactly six are all named (no "and 0 more"); a seventh is counted, not named
+    six = {f"ours.{index}": f"theirs.{index}" for index in range(6)}
+    with pytest.raises(ConversionError) as refused:
+        copy_weights({}, six, what="an AoANet")
+    assert str(refused.value).endswith("6 expected weight(s): " + ", ".join(sorted(six.values())))
+    seven = {**six, "ours.6": "theirs.6"}
+    with pytest.raises(ConversionError) as refused:
+        copy_weights({}, seven, what="an AoANet")
+    assert str(refused.value).endswith(", theirs.5 and 1 more") and "theirs.6" not in str(refused.value)
