@@ -18,11 +18,14 @@ from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError,
     parse_annotation, parse_sentences
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.evaluation.grounding import caption_with_attention, pixel_distribution, score_map, summarise
+from captioner.models.evaluation import phrase_grounding
+from captioner.models.evaluation.grounding import CaptionAttention, caption_with_attention, pixel_distribution, \
+    score_map, summarise
 from captioner.models.evaluation.grounding_doc import is_real_photo, ordering_sentence, real_photo_checkpoints, \
     write_grounding_doc
 from captioner.models.evaluation.phrase_grounding import PhotoAttention, PhraseTarget, best_word, box_mask, \
-    generated_targets, head_form, reference_targets, score_photos, summary_table, teacher_forced_rows, type_table
+    entities_grounding, generated_targets, head_form, reference_targets, score_photos, summary_table, \
+    teacher_forced_rows, type_table
 from captioner.models.protocol import VisualBatch
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -335,6 +338,31 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
     generated = {(r["control"], r["phrase_type"]): r for r in section["generated"]["rows"]}
     assert 1 <= generated[("model", "all")]["phrases"] <= 2 and set(generated) <= {
         (c, t) for c in ("model", "uniform", "other photo") for t in ("other", "all")}
+
+
+def test_the_generated_modes_other_photo_row_feeds_the_generated_caption(tmp_path, monkeypatch):
+    """The generated mode's other-photo control is the photo's own generated caption fed over the next photo; a
+    generated caption that shares a reference's first words would hide a reference read in its place."""
+    _, entities = _photos_and_entities(tmp_path)
+    torch.manual_seed(0)
+    vocab = Vocabulary("a red circle on plain background . one".split())
+    model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8).eval()
+    feats, geometry = torch.randn(2, 4, 8), two_by_two((64, 48))
+    store = SimpleNamespace(batch=lambda keys: VisualBatch.from_features(feats[list(keys)], [geometry] * len(keys)))
+    images = [SimpleNamespace(key=key, path=tmp_path / "images" / f"{flickr_id}_x.jpg")
+              for key, flickr_id in enumerate(("111", "222"))]
+    generated = [CaptionAttention(["one", "red", "circle"], np.full((3, 4), 0.25), geometry) for _ in images]
+    attended = []
+    scored = phrase_grounding.score_photos
+    monkeypatch.setattr(phrase_grounding, "score_photos",
+                        lambda photos, *args, **kwargs: attended.append(photos) or scored(photos, *args, **kwargs))
+    entities_grounding(SimpleNamespace(model=model, vocab=vocab), images, store, entities, generated,
+                       resamples=10, progress=False)
+    own = attended[1]
+    expected = teacher_forced_rows(model, vocab, store.batch([1, 0]), [[caption.tokens] for caption in generated])
+    for photo, donor in zip(own, expected):
+        assert len(photo.other_rows) == 1
+        np.testing.assert_allclose(photo.other_rows[0], donor[0], atol=1e-6)
 
 
 @pytest.mark.parametrize("value, extra, message", [
