@@ -5,6 +5,7 @@ joins or leaves around it; cancelled and expired requests free their rows; a ful
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import math
@@ -1182,3 +1183,12 @@ def test_jobs_that_leave_in_two_removals_at_one_boundary_keep_the_others_histori
                 table.remove(set(finished), runtime)
     for job in jobs[2:]:
         assert_same_result(results[job], solo(runtime, job.prepared, 2, 8))
+
+
+def test_a_batcher_built_without_settings_has_the_servers_defaults():
+    # a library user's Batcher(runtime) batches, queues and overlaps as `captioner serve` does by default
+    parameters = inspect.signature(Batcher).parameters
+    fields = Settings.model_fields
+    for argument, setting in (("max_batch", "max_batch_images"), ("queue_size", "queue_size"),
+                              ("max_rows", "max_rows"), ("overlap_encoding", "overlap_encoding")):
+        assert parameters[argument].default == fields[setting].default, argument
