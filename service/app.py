@@ -17,7 +17,7 @@ import gc
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import torch
 from fastapi import Depends, FastAPI, Request
@@ -65,7 +65,7 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
     found = (settings.weights_dir, settings.checkpoints)
     placed, run = settings.model_placement(), settings.model_loading()
     runtimes: dict[str, Runtime] = {}
-    async with _prepared_first(settings, unprepared(*found, **placed)) as wait_for:
+    async with _prepared_first(settings, unprepared(*found, **placed), run) as wait_for:
         # each model is loaded and warmed up as soon as the child is done with it, while it prepares the next
         loading = iter_runtimes(*found, before_each=wait_for, **run)
         while (loaded := await run_in_threadpool(next, loading, None)) is not None:
@@ -93,10 +93,12 @@ async def start_models(app: FastAPI, settings: Settings) -> None:
 
 
 @asynccontextmanager
-async def _prepared_first(settings: Settings, missing: list[str]) -> AsyncIterator[Callable[[str], None]]:
+async def _prepared_first(settings: Settings, missing: list[str],
+                          loading: dict[str, Any]) -> AsyncIterator[Callable[[str], None]]:
     """The wait for a model's first-start preparation: the models ``missing`` names are prepared by a
-    :class:`~.runtime.PreparingChild` (its ``wait_for``), the others need no wait.  When the block fails (a
-    warm-up, a shutdown during start-up) the child is ended, not waited for."""
+    :class:`~.runtime.PreparingChild` (its ``wait_for``) with the ``loading`` options the server loads them with,
+    the others need no wait.  When the block fails (a warm-up, a shutdown during start-up) the child is ended, not
+    waited for."""
     if not missing:
         yield lambda name: None
         return
@@ -104,7 +106,7 @@ async def _prepared_first(settings: Settings, missing: list[str]) -> AsyncIterat
     child = await run_in_threadpool(functools.partial(
         PreparingChild, settings.weights_dir, settings.checkpoints, only=missing,
         set_up_logging=functools.partial(configure_logging, settings.log_format, settings.log_level),
-        **settings.model_loading()))
+        **loading))
     try:
         yield child.wait_for
     except BaseException:
