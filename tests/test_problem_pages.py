@@ -78,6 +78,10 @@ def test_the_index_links_every_page_and_an_unknown_kind_is_a_problem_of_its_own(
         for link in links:
             page = client.get(link)
             assert page.status_code == 200 and 'href="/vision/problems"' in page.text, link
+            # each heading is followed by its own paragraph: what happened, then what to do
+            said = dict(re.findall(r"<h2>(.*?)</h2>\n<p>(.*?)</p>", page.text))
+            described = PROBLEM_PAGES[link.rsplit("/", 1)[1]]
+            assert said == {"What happened": described.meaning, "What to do": described.remedy}, link
             # plain HTML: the API's Content-Security-Policy (no script, no style) applies to it
             assert "<script" not in page.text and "style" not in page.text
             assert page.headers["content-security-policy"].startswith("default-src 'none'")

@@ -29,7 +29,7 @@ from captioner.service.cli import main
 from captioner.service.errors import UnknownResult
 from captioner.service.inputs import DISCARD_SECONDS, UnreadBodyMiddleware
 from captioner.service.middleware import JsonFormatter, TextFormatter
-from captioner.service.paths import app_path
+from captioner.service.paths import ROOT_KEY, AppRootMiddleware, app_path, app_root
 from captioner.service.results import ResultStore
 from captioner.service.security import key_matches
 from captioner.service.settings import Settings
@@ -213,6 +213,19 @@ def test_the_path_within_the_app_is_the_one_its_router_routes(weights):
     with TestClient(app, root_path="/vision/") as client:  # the root_path uvicorn --root-path /vision/ sets
         refused = client.post("/vision//caption", content=b"x", headers={"content-type": "image/png"})
         assert refused.status_code == 401, refused.text
+
+
+def test_the_app_records_its_own_prefix_even_inside_an_app_that_recorded_one():
+    """An app mounted in another that records its prefix too (a second service under one process) is served under
+    the mount's path, not the outer app's: the recorded prefix is this app's wherever the request entered before."""
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append(app_root(scope))
+
+    entered = {"type": "http", "path": "/outer/vision/caption", "root_path": "/outer/vision", ROOT_KEY: "/outer"}
+    asyncio.run(AppRootMiddleware(inner)(entered, None, None))
+    assert seen == ["/outer/vision"]
 
 
 def test_an_app_mounted_in_another_checks_keys_under_its_mount_and_names_its_pages_there(weights, jpeg):
