@@ -398,7 +398,8 @@ def test_openapi_documents_the_form_fields(client):
         assert described.endswith(f"; default {default}, at most {at_most} on this server"), described
     # a render that waits for a slot past the deadline is a 504, with or without a model run before it, and like
     # every error answer it is a problem document (the result route's had no content)
-    for path, method in (("/captions/{result_id}/overlay", "get"), ("/caption/overlay", "post"), ("/caption", "post")):
+    for path, method in (("/captions/{result_id}/overlay", "get"), ("/caption/overlay", "post"), ("/caption", "post"),
+                         ("/captions/{result_id}/heatmaps", "get"), ("/caption/heatmaps", "post")):
         assert "application/problem+json" in paths[path][method]["responses"]["504"]["content"], path
     # one wording of each status for every path (the caption routes had a second, drifted copy)
     reasons = {(status, answer["description"]) for operations in paths.values() for operation in operations.values()
@@ -443,6 +444,9 @@ def test_openapi_serves_generated_clients(client):
         assert operations[(path, method)]["responses"]["200"]["content"] == {
             "application/json": {"schema": {"$ref": "#/components/schemas/HeatmapsOut"}}}, path
     assert document["servers"] == [{"url": "/"}] and document["info"]["license"]["identifier"] == "MIT"
+    # Prometheus text, not the JSON FastAPI declares by default
+    metrics = operations[("/metrics", "get")]["responses"]["200"]["content"]
+    assert metrics == {"text/plain": {"schema": {"type": "string"}}}
     # the modes each route draws: every mode for a picture, the heat modes for the JSON heatmaps
     modes = {path: next(p for p in operation["parameters"] if p["name"] == "mode")["schema"]["anyOf"][0]["$ref"]
              for (path, _), operation in operations.items() if path.endswith(("/overlay", "/heatmaps"))}
@@ -455,6 +459,10 @@ def test_openapi_serves_generated_clients(client):
     assert schemas["ModelOut"]["properties"]["decoding"]["$ref"] == "#/components/schemas/DecodingOut"
     assert set(schemas["DecodingOut"]["properties"]) == {f.name for f in dataclasses.fields(DecodingRules)}
     assert schemas["Problem"]["properties"]["errors"]["items"]["required"] == ["loc", "msg"]
+    # every error answer is a problem with these members and an error status (what the fuzz test checks answers by)
+    problem = schemas["Problem"]
+    assert problem["required"] == ["type", "title", "status", "detail"]
+    assert {k: problem["properties"]["status"][k] for k in ("minimum", "maximum")} == {"minimum": 400, "maximum": 599}
     models = client.get("/models").json()
     assert all(set(m["decoding"]) == {"length_penalty", "block_trigrams", "block_doubled_words"} for m in models)
     assert "area_topk" in schemas["HeatmapMode"]["enum"]
@@ -689,6 +697,12 @@ def test_the_query_check_reads_a_dependencys_parameters_by_alias_and_a_list_may_
         assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["query", "size"]
         twice = client.get("/page", params=[("page-size", "2"), ("page-size", "3")])
         assert twice.status_code == 422 and twice.json()["detail"][0]["type"] == "repeated"
+
+
+def test_behind_a_proxys_prefix_the_document_names_its_server_under_it(tmp_path):
+    """``/`` would name the proxy's root, where no route of this API is."""
+    document = create_app(serving_settings(weights_dir=tmp_path, root_path="/vision")).openapi()
+    assert document["servers"] == [{"url": "/vision"}]
 
 
 def test_each_apps_document_states_its_own_limits(client, tmp_path):
