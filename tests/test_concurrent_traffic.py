@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import signal
 import threading
 import time
+import types
 from pathlib import Path
 
 import anyio.to_thread
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 from PIL import Image
 from starlette.concurrency import run_in_threadpool
@@ -21,12 +24,12 @@ from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import load_image
-from captioner.service import rendering
+from captioner.service import lifecycle, rendering
 from captioner.service.app import create_app
 from captioner.service.captioning import observed_request, slot_deadline
 from captioner.service.errors import PROBLEM_TYPES, ClientGone, DeadlinePassed, UploadsBusy, UploadTooLarge
 from captioner.service.inputs import read_body
-from captioner.service.lifecycle import DrainMiddleware, ShutdownGate
+from captioner.service.lifecycle import DrainingServer, DrainMiddleware, ShutdownGate
 from captioner.service.middleware import RequestContextMiddleware
 from captioner.service.settings import Settings
 from captioner.service.work_slots import UploadBudget, WorkSlots
@@ -420,7 +423,8 @@ def _drain_scenario(app, messages):
 
 def test_a_request_refused_while_draining_has_its_body_read_before_the_503():
     """A connection closed with unread data in it is reset: the client would see the reset, not the 503."""
-    gate = ShutdownGate()
+    refused = []
+    gate = ShutdownGate(retry_after_s=7, on_reject=lambda: refused.append(1))
     gate.begin_drain()
     middleware = DrainMiddleware(lambda *args: None, gate)
     chunks = [{"type": "http.request", "body": b"x" * 65536, "more_body": True} for _ in range(20)]
@@ -429,6 +433,103 @@ def test_a_request_refused_while_draining_has_its_body_read_before_the_503():
     asyncio.run(middleware({"type": "http", "path": "/caption"}, receive, send))
     assert len(consumed) == 21 and consumed[-1]["body"] == b"end"
     assert sent[0]["status"] == 503 and json.loads(sent[1]["body"])["type"] == "/problems/not-ready"
+    # counted as a refusal, retried after the gate's wait, on another connection (a load balancer's next replica)
+    headers = dict(sent[0]["headers"])
+    assert refused == [1] and headers[b"retry-after"] == b"7" and headers[b"connection"] == b"close"
+
+
+def test_while_draining_liveness_and_metrics_reach_the_app_under_its_prefix_and_nothing_else_does():
+    gate = ShutdownGate()
+    gate.begin_drain()
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    middleware = DrainMiddleware(app, gate)
+    for path in ("/healthz", "/metrics", "/vision/metrics", "/readyz", "/models", "/caption"):
+        sent, _, receive, send = _drain_scenario(middleware, [{"type": "http.request", "more_body": False}])
+        root = "/vision" if path.startswith("/vision/") else ""
+        asyncio.run(middleware({"type": "http", "path": path, "root_path": root}, receive, send))
+        assert path in reached or sent[0]["status"] == 503, path
+    assert reached == ["/healthz", "/metrics", "/vision/metrics"]
+
+
+def test_the_drain_clock_starts_at_the_first_signal_and_leaves_at_least_a_second():
+    gate = ShutdownGate()
+    assert gate.time_left(30) == 30  # no drain: the whole budget
+    gate.begin_drain()
+    gate.drain_began -= 100  # the drain began long ago
+    began = gate.drain_began
+    gate.begin_drain()  # a second signal does not restart the clock
+    assert gate.drain_began == began and gate.time_left(30) == 1.0
+
+
+def test_a_drain_says_whether_every_admitted_request_finished_and_tells_its_owner_it_began():
+    began = []
+    gate = ShutdownGate(on_drain=lambda: began.append(1))
+    gate.in_flight = 1
+    assert asyncio.run(gate.drain(0.05)) is False and gate.draining and began == [1]
+    gate.in_flight = 0
+    assert asyncio.run(gate.drain(0.05)) is True
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_after_the_drain_uvicorn_waits_only_what_is_left_of_its_budget(second_signal, monkeypatch):
+    """The pod's grace period counts the drain and uvicorn's wait for connections together; after a second signal
+    there is no wait at all."""
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    server = DrainingServer(uvicorn.Config(app=None), ShutdownGate(), drain_timeout_s=30)
+    server.skip_wait = second_signal
+    server.config.timeout_graceful_shutdown = 0 if second_signal else 35
+
+    async def drain(timeout_s):
+        clock.now += 12  # the admitted requests took 12 s of the 30
+        return True
+
+    monkeypatch.setattr(server.gate, "drain", drain)
+    asyncio.run(server._drain_then_exit(signal.SIGTERM))
+    assert server.should_exit and server.config.timeout_graceful_shutdown == (0 if second_signal else 18)
+
+
+@pytest.mark.parametrize("uvicorn_stopping", [False, True])
+def test_a_second_signal_ends_the_drain_and_uvicorns_wait_at_once(uvicorn_stopping):
+    server = DrainingServer(uvicorn.Config(app=None), ShutdownGate(), drain_timeout_s=30)
+    server.started, server.should_exit = True, uvicorn_stopping
+    server.gate.begin_drain()  # the first signal's
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.skip_wait and server.config.timeout_graceful_shutdown == 0 and server.should_exit
+    assert server.force_exit == uvicorn_stopping
+
+
+@pytest.mark.parametrize("draining, answered", [(False, False), (True, True)])
+def test_a_request_cancelled_outside_a_drain_or_once_answered_stays_cancelled(draining, answered):
+    """A client that leaves (no drain) or a request whose answer has begun is cancelled work: a 503 then would be a
+    second answer, or one nobody asked for."""
+    gate = ShutdownGate()
+    running = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if answered:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        running.set()
+        await asyncio.sleep(3600)
+
+    middleware = DrainMiddleware(app, gate)
+    sent, _, receive, send = _drain_scenario(middleware, [])
+
+    async def scenario():
+        task = asyncio.create_task(middleware({"type": "http", "path": "/caption"}, receive, send))
+        await running.wait()
+        if draining:
+            gate.begin_drain()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert gate.in_flight == 0 and [m["status"] for m in sent if "status" in m] == ([200] if answered else [])
 
 
 @pytest.mark.parametrize("method", ["GET", "POST"])
