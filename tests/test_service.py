@@ -210,6 +210,24 @@ def test_start_up_objects_are_frozen_out_of_the_collector_while_serving(tiny_wei
     assert gc.get_freeze_count() == 0
 
 
+def test_a_default_model_that_is_not_here_is_replaced_by_the_first_by_name(tiny_weights):
+    """A mistyped CAPTIONER_DEFAULT_MODEL serves the first checkpoint by name, not a 404 for every request that
+    names no model."""
+    settings = Settings(weights_dir=tiny_weights, default_model="nobody", warmup=False, backend="torch")
+    with TestClient(create_app(settings)) as client:
+        listed = {model["name"]: model["default"] for model in client.get("/models").json()}
+    assert listed == {"tiny-a": True, "tiny-b": False}
+
+
+def test_an_app_that_has_shut_down_is_not_ready(tiny_weights):
+    """Its batchers are stopped: an app object that outlives its lifespan (a library user's, a mount's) must not
+    answer ready."""
+    with TestClient(create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False,
+                                        backend="torch"))) as client:
+        assert client.get("/readyz").status_code == 200
+    assert client.get("/readyz").status_code == 503
+
+
 def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights, monkeypatch, caplog):
     """With load_in_background the server listens before loading; a load that fails must not leave a process
     that is live and never ready without a word: the error is logged at once and /healthz answers 503."""
