@@ -21,7 +21,7 @@ from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import GENERATOR_VERSION, generate, is_current, object_naming_accuracy, \
     read_dataset_header
 from captioner.models.encoder import EncoderSpec
-from captioner.models.evaluation.card import write_card
+from captioner.models.evaluation.card import total_train_seconds, write_card
 from captioner.models.evaluation.metrics import score_captions
 from captioner.models.evaluation.report import evaluation_report
 from captioner.models.pipeline import Pipeline
@@ -29,7 +29,7 @@ from captioner.models.rendering.heatmaps import overlay
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service import app as service_app
-from captioner.service import cli
+from captioner.service import cli, lifecycle, middleware
 from captioner.service.cli import build_parser, main, read_settings
 
 from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS, free_port
@@ -297,6 +297,15 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — | — |" in card
 
 
+def test_a_checkpoints_training_time_counts_every_run_it_started_from_or_is_not_known():
+    """The card's "min with the runs it started from" and the zoo table's training column: a warm start's time
+    alone understated it, and a run whose time was never recorded cannot be counted as none."""
+    chain = {"train_seconds": 60.0, "started_from": {"train_seconds": 120.0, "started_from": {"train_seconds": 30.0}}}
+    assert total_train_seconds(chain) == 210.0
+    chain["started_from"]["started_from"] = {"checkpoint": "an older run"}
+    assert total_train_seconds(chain) is None
+
+
 def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tmp_path, capsys):
     """The card names generated scenes by what their own dataset_scenes.json records: the generator's version and
     the `captioner data generate` command that writes the same data set again (here no Makefile target's: another
@@ -442,6 +451,25 @@ def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     assert exit_.value.code == 2 and "must be at most 65535, got 99999" in capsys.readouterr().err
 
 
+def test_serves_flags_are_the_settings_they_name_over_the_variables(monkeypatch):
+    seen = []
+
+    def stop(settings):  # before any model loads
+        seen.append(settings)
+        raise SystemExit("error: stopped")
+
+    monkeypatch.setattr(cli, "check_something_to_serve", stop)
+    for name in ("HOST", "WEIGHTS_DIR", "DEFAULT_MODEL", "DEVICE", "LOG_LEVEL", "ROOT_PATH"):
+        monkeypatch.setenv(f"CAPTIONER_{name}", "/from-the-variable" if name == "ROOT_PATH" else "variable")
+    port = free_port()
+    with pytest.raises(SystemExit):
+        main(["serve", "--host", "127.0.0.1", "--port", str(port), "--weights-dir", "w", "--model", "m",
+              "--device", "cpu", "--log-level", "warning", "--root-path", "/vision"])
+    (settings,) = seen
+    assert (settings.host, settings.port, str(settings.weights_dir), settings.default_model, settings.device,
+            settings.log_level, settings.root_path) == ("127.0.0.1", port, "w", "m", "cpu", "warning", "/vision")
+
+
 def test_a_host_this_machine_cannot_listen_on_is_one_line_before_any_model_loads(monkeypatch, capsys):
     # a mistyped CAPTIONER_HOST loaded and warmed every model, then stopped with uvicorn's "[Errno -2] Name or
     # service not known" and status 3, naming no setting (the operator audit)
@@ -570,7 +598,35 @@ def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, c
         with pytest.raises(SystemExit) as stopped:
             main(["serve", "--host", "127.0.0.1", "--port", str(port)])
     assert stopped.value.code == 2
-    assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    err = capsys.readouterr().err  # what to do about a port in use, not about a host
+    assert f"error: cannot listen on 127.0.0.1:{port}" in err and "choose another --port (CAPTIONER_PORT)" in err
+
+
+def test_serve_hands_uvicorn_the_prefix_and_timeouts_and_a_start_that_failed_exits_3(monkeypatch, tmp_path):
+    """uvicorn's wait for connections outlasts the drain it follows; its keep-alive and prefix are the settings'."""
+    handed = {}
+
+    class NeverStarts:
+        def __init__(self, config, gate, drain_timeout_s):
+            handed.update(config=config, drain_timeout_s=drain_timeout_s)
+            self.started = False
+
+        def run(self):  # as uvicorn's when start-up fails (the port taken at the last moment)
+            pass
+
+    monkeypatch.setattr(lifecycle, "DrainingServer", NeverStarts)
+    monkeypatch.setattr(cli, "check_something_to_serve", lambda settings: None)
+    monkeypatch.setattr(cli.faulthandler, "register", lambda *args, **kwargs: None)
+    monkeypatch.setattr(middleware, "configure_logging", lambda *args: None)  # the test process's logging stays
+    monkeypatch.setenv("CAPTIONER_KEEP_ALIVE_S", "7")
+    monkeypatch.setenv("CAPTIONER_DRAIN_TIMEOUT_S", "20")
+    with pytest.raises(SystemExit) as stopped:
+        main(["serve", "--port", str(free_port()), "--root-path", "/vision", "--weights-dir", str(tmp_path),
+              "--device", "cpu"])
+    assert stopped.value.code == 3
+    config = handed["config"]
+    assert (config.root_path, config.timeout_keep_alive, config.timeout_graceful_shutdown) == ("/vision", 7, 25)
+    assert handed["drain_timeout_s"] == 20
 
 
 def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypatch, capsys, tmp_path):

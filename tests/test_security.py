@@ -25,7 +25,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service.app import create_app
-from captioner.service.cli import main
+from captioner.service.cli import main, read_settings
 from captioner.service.errors import UnknownResult
 from captioner.service.inputs import DISCARD_SECONDS, UnreadBodyMiddleware
 from captioner.service.middleware import JsonFormatter, TextFormatter
@@ -564,6 +564,16 @@ def test_a_variable_that_is_no_setting_stops_the_server_and_a_plain_value_for_a_
     monkeypatch.delenv("CAPTIONER_API_KEYS")
     monkeypatch.setenv("CAPTIONER_BACKENDS", "onnx")
     assert "CAPTIONER_BACKENDS must be a JSON object" in refused()
+
+
+def test_a_variable_in_lower_case_is_read_or_refused_as_in_upper_case_and_the_debug_switch_is_no_mistake(monkeypatch):
+    """pydantic-settings reads the variables whatever their case, so a misspelling in lower case was as silent."""
+    monkeypatch.setenv("CAPTIONER_DEBUG", "1")  # the command's own switch (service/cli.py), not a setting
+    monkeypatch.setenv("captioner_default_model", "tiny")
+    assert read_settings().default_model == "tiny"
+    monkeypatch.setenv("captioner_api_key", '["topsecret-key"]')
+    with pytest.raises(SystemExit, match="unknown variable captioner_api_key"):
+        read_settings()
 
 
 def test_a_blank_api_key_stops_the_server_rather_than_opening_it(monkeypatch, capsys):
