@@ -1,0 +1,100 @@
+"""The training configuration (models/training/config.py): each option's bound refused one step past it and accepted
+at it, the intervals as mathematics writes them, lists checked item by item, and saved records read back."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from captioner.models.training.config import BELOW_ONE, NOT_NEGATIVE, POSITIVE, PROBABILITY, Interval, Progress, \
+    TrainConfig, check_bounds
+
+from .conftest import cli_error
+
+#: the least value of each count; 0 where the help says what 0 means ("off", "only at an epoch's end")
+LEAST = {"finetune_stages": 0, "epochs": 1, "batch_size": 1, "lr_drops": 1, "lr_decay_every": 0, "lr_decay_start": 0,
+         "warmup_steps": 0, "noam_dim": 1, "plateau_patience": 1, "ss_every": 1, "ss_start": 0, "min_count": 1,
+         "max_train_len": 1, "max_decode_len": 1, "scst_samples": 1, "val_beam": 1, "val_limit": 1,
+         "train_limit": 1, "early_stop": 0, "threads": 1, "max_steps": 1, "checkpoint_every": 0, "log_every": 0}
+#: the interval of each number, and a value just inside and just outside each of its ends
+WITHIN = {"encoder_lr_factor": "[0, inf)", "lr": "[0, inf)", "adam_betas": "[0, 1)", "adam_eps": "(0, inf)",
+          "lr_drop_factor": "(0, inf)", "lr_decay_factor": "(0, inf)", "noam_factor": "(0, inf)",
+          "plateau_factor": "[0, 1)", "ss_increase": "[0, 1]", "ss_max": "[0, 1]", "grad_clip": "[0, inf)",
+          "label_smoothing": "[0, 1)", "attention_supervision_weight": "[0, inf)"}
+ACCEPTED = {"[0, inf)": [0.0, 1e9], "(0, inf)": [1e-12, 1e9], "[0, 1)": [0.0, 0.999], "[0, 1]": [0.0, 1.0]}
+REFUSED = {"[0, inf)": [-1e-12, math.inf, math.nan], "(0, inf)": [0.0, math.inf], "[0, 1)": [-1e-12, 1.0],
+           "[0, 1]": [-1e-12, 1.0 + 1e-9]}
+
+
+def _flag(name: str) -> str:
+    return {"lr_drops": "--lr-drop"}.get(name, "--" + name.replace("_", "-"))
+
+
+def _with(name: str, value) -> TrainConfig:
+    default = getattr(TrainConfig(out="x"), name)
+    return TrainConfig(out="x", **{name: [*default[:1], value] if isinstance(default, list) else value})
+
+
+@pytest.mark.parametrize("name, least", sorted(LEAST.items()))
+def test_each_count_is_refused_one_below_its_least_and_accepted_at_it(name, least):
+    check_bounds(_with(name, least))
+    with pytest.raises(ValueError, match=f"^{_flag(name)} must be at least {least}, got {least - 1}$"):
+        check_bounds(_with(name, least - 1))
+
+
+@pytest.mark.parametrize("name, interval", sorted(WITHIN.items()))
+def test_each_number_is_refused_just_outside_its_interval_and_accepted_at_its_ends(name, interval):
+    for value in ACCEPTED[interval]:
+        check_bounds(_with(name, value))
+    for value in REFUSED[interval]:
+        with pytest.raises(ValueError, match=f"^{_flag(name)} must lie in {re.escape(interval)}, got "):
+            check_bounds(_with(name, value))
+
+
+def test_every_bounded_option_is_listed_here():
+    bounded = {f for f, meta in TrainConfig.__dataclass_fields__.items()
+               if "least" in meta.metadata or "within" in meta.metadata}
+    assert bounded == set(LEAST) | set(WITHIN)
+
+
+def test_the_intervals_are_written_and_hold_as_mathematics_writes_them():
+    assert [str(i) for i in (POSITIVE, NOT_NEGATIVE, PROBABILITY, BELOW_ONE)] == \
+        ["(0, inf)", "[0, inf)", "[0, 1]", "[0, 1)"]
+    closed, open_ = Interval(-1.5, 2.0, low_open=False, high_open=False), Interval(-1.5, 2.0, True, True)
+    assert (str(closed), str(open_)) == ("[-1.5, 2]", "(-1.5, 2)")
+    assert [closed.holds(v) for v in (-1.5, 2.0, -1.6, 2.1, math.nan)] == [True, True, False, False, False]
+    assert [open_.holds(v) for v in (-1.5, 2.0, -1.4, 1.9)] == [False, False, True, True]
+
+
+def test_none_and_booleans_are_not_counted_and_every_item_of_a_list_is_checked():
+    check_bounds(TrainConfig(out="x", val_limit=None, max_steps=None, progress=False, group_by_image=True))
+    with pytest.raises(ValueError, match=r"^--adam-betas must lie in \[0, 1\), got 1.0$"):
+        check_bounds(TrainConfig(out="x", adam_betas=[0.9, 1.0]))
+    with pytest.raises(ValueError, match="^--lr-drop must be at least 1, got 0$"):
+        check_bounds(TrainConfig(out="x", lr_drops=[3, 5, 0]))
+
+
+def test_a_saved_record_reads_back_with_later_fields_defaulted_and_unknown_ones_dropped():
+    cfg = TrainConfig(out="runs/a", lr=1e-3, lr_drops=[4], precision="bf16")
+    assert cfg.precision == "bfloat16"  # a saved run's old name reads as today's
+    assert TrainConfig.from_json({**cfg.to_json(), "retired_option": 1}) == cfg
+    saved = {k: v for k, v in cfg.to_json().items() if k != "log_every"}  # written before the option existed
+    assert TrainConfig.from_json(saved).log_every == TrainConfig(out="x").log_every
+    progress = Progress.from_json({"epoch": 3, "global_step": 30, "gone": True})
+    assert progress == Progress(epoch=3, global_step=30) and progress.to_json()["history"] == []
+
+
+def test_the_command_asks_for_out(capsys):
+    assert "the following arguments are required: --out" in cli_error(capsys, "train", "--epochs", "1")
+
+
+def test_flags_are_off_unless_given_and_the_encoder_stays_frozen_by_default():
+    # a flag that only turns a setting on (kind "true") could never turn it off again were it on by default
+    cfg = TrainConfig(out="x")
+    for name, meta in TrainConfig.__dataclass_fields__.items():
+        if meta.metadata.get("kind") in ("true", "false"):
+            assert getattr(cfg, name) is (meta.metadata["kind"] == "false"), name
+    # README: images are encoded once by the frozen backbone; --finetune-stages at 0.25 of the rate by default
+    assert (cfg.finetune_stages, cfg.encoder_lr_factor) == (0, 0.25)
