@@ -13,8 +13,8 @@ import torch
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec
-from captioner.models.training.attention_supervision import attention_supervision_loss, checked_entities_folder, \
-    entities_attention_targets
+from captioner.models.training.attention_supervision import AttentionTargets, attention_supervision_loss, \
+    checked_entities_folder, entities_attention_targets
 from captioner.models.training.config import TrainConfig
 from captioner.models.training.xe import train
 
@@ -75,6 +75,15 @@ def test_a_batch_without_supervised_words_adds_zero_and_keeps_the_graph():
     assert float(loss.detach()) == 0.0 and scores.grad is not None and float(scores.grad.abs().sum()) == 0.0
 
 
+def test_a_bfloat16_map_is_scored_in_float32():
+    # bfloat16 keeps 8 bits of mantissa: its logarithms of β and α, subtracted, lose most of each term
+    alpha, beta, supervised = _rows(dtype=torch.float32)
+    alpha, beta = alpha.bfloat16(), beta.bfloat16()
+    want = attention_supervision_loss(alpha.double(), beta.double(), supervised)
+    got = attention_supervision_loss(alpha, beta, supervised)
+    assert got.dtype == torch.float32 and float(got) == pytest.approx(float(want), rel=1e-5)
+
+
 def test_sparse_maps_with_exact_zeros_give_a_finite_loss():
     alpha, beta, supervised = _rows(dtype=torch.float32)
     alpha = torch.where(beta > 0, torch.zeros_like(alpha), alpha)  # all mass outside the boxes: the worst case
@@ -110,6 +119,24 @@ def test_targets_lay_each_phrase_box_on_the_heatmap_cells(tmp_path):
     beta, supervised = targets.batch([(first, 0), (second, 2), (second, 1)], steps=3, device=torch.device("cpu"))
     assert beta.shape == (3, 3, 64) and supervised.tolist() == [[True] * 3, [False] * 3, [True, True, False]]
     np.testing.assert_allclose(beta[2, 0].reshape(8, 8).numpy(), expected, atol=1e-6)
+
+
+def test_a_batch_places_each_row_on_its_own_word_and_leaves_out_words_past_its_steps():
+    first, third = np.full(4, 0.25, np.float32), np.array([1, 0, 0, 0], np.float32)
+    targets = AttentionTargets(rows={("a", 0): {0: first, 2: third}, ("b", 1): {1: third}}, items=4)
+    beta, supervised = targets.batch([("b", 1), ("a", 0), ("a", 1)], steps=2, device=torch.device("cpu"))
+    assert supervised.tolist() == [[False, True], [True, False], [False, False]]
+    assert beta[1, 0].tolist() == first.tolist() and beta[0, 1].tolist() == third.tolist()
+    assert float(beta[0, 0].abs().sum() + beta[1, 1].abs().sum() + beta[2].abs().sum()) == 0.0
+
+
+def test_a_phrase_whose_box_holds_no_pixel_is_left_unsupervised_and_photos_entities_lacks_are_counted(tmp_path):
+    # a box past the photo's edge (an annotation of another copy of it): no cell holds any of its pixels
+    _, entities = circle_photos(tmp_path, [("555", (70, 50, 90, 60), "train")], [CAPTION])
+    images = [CaptionedImage(0, tmp_path / "images" / "555_x.jpg", "train", [CAPTION]),
+              CaptionedImage(1, tmp_path / "images" / "999_x.jpg", "train", [CAPTION, CAPTION])]  # not in Entities
+    targets = entities_attention_targets(images, str(entities), EncoderSpec(layer="blocks"), max_len=16)
+    assert (targets.captions, targets.aligned, targets.words, targets.rows) == (3, 1, 0, {})
 
 
 def _config(tmp_path, **overrides) -> TrainConfig:
