@@ -18,7 +18,7 @@ from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.export import quantize
 from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
-    int8_recipe, quantized_visual_encoder, visual_encoder_file
+    int8_recipe, quantized_visual_encoder, visual_encoder_file, visual_encoder_path_at
 from captioner.models.export.sessions import VisualSession
 from captioner.service import backend_choice
 from captioner.service import runtime as runtime_module
@@ -175,6 +175,14 @@ def test_graphs_made_before_the_weights_type_followed_the_cpu_are_served_only_wh
     one without VNNI must not pick it up and saturate, so its uint8 graph and feature cache are named apart."""
     assert int8_recipe("u8s8") == RECIPE and int8_file("u8s8") == f"visual-int8-{RECIPE}.onnx"
     assert int8_recipe("u8u8") != RECIPE
+
+
+def test_the_int8_cnn_lies_beside_the_float_one_under_this_cpus_name_and_another_precision_is_refused(tmp_path):
+    float_path = visual_encoder_path_at(TINY_SPEC, tmp_path)
+    assert visual_encoder_path_at(TINY_SPEC, tmp_path, "int8") == float_path.with_name(int8_file())
+    with pytest.raises(ValueError, match="encoder precision must be one of .*'float16'"):
+        visual_encoder_path_at(TINY_SPEC, tmp_path, "float16")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # where it would be: nothing made
 
 
 def benchmarks_common():

@@ -23,6 +23,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -573,6 +574,56 @@ def test_onnx_runtime_sessions_neither_spin_nor_keep_an_arena(shipped):
                     runtime.encoder_session.get_session_options()):
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
         assert not options.enable_cpu_mem_arena
+
+
+def test_session_options_take_the_threads_every_optimisation_and_a_quieter_log_on_request(tmp_path):
+    loud, quiet = session_options(), session_options(3, quiet=True)
+    assert (loud.log_severity_level, quiet.log_severity_level) == (3, 4)
+    assert (loud.intra_op_num_threads, quiet.intra_op_num_threads) == (0, 3)  # 0: ONNX Runtime's one per core
+    assert loud.graph_optimization_level == quiet.graph_optimization_level == \
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opened = sessions.open_session(_two_outputs_graph(tmp_path), CPU, threads=2, quiet=True).get_session_options()
+    assert (opened.log_severity_level, opened.intra_op_num_threads) == (4, 2)
+
+
+def _two_outputs_graph(tmp_path) -> Path:
+    """An ONNX graph of ``x`` → ``same`` (x) and ``negated`` (−x)."""
+    tensor = functools.partial(onnx.helper.make_tensor_value_info, elem_type=onnx.TensorProto.FLOAT, shape=[2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["same"]),
+                                    onnx.helper.make_node("Neg", ["x"], ["negated"])], "two",
+                                   [tensor("x")], [tensor("same"), tensor("negated")])
+    path = tmp_path / "two.onnx"
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, str(path))  # IR 9: what ONNX Runtime reads, whichever onnx package wrote it
+    return path
+
+
+def test_a_session_on_the_cpu_answers_the_outputs_asked_for_in_their_order(tmp_path):
+    session = sessions.open_session(_two_outputs_graph(tmp_path), CPU, threads=1)
+    x = torch.tensor([1.0, -2.0])
+    negated, same = sessions.run_session(session, {"x": x}, ["negated", "same"], CPU, on_gpu=False)
+    assert negated.tolist() == [-1.0, 2.0] and same.tolist() == [1.0, -2.0]
+
+
+def test_a_cuda_device_asks_for_its_own_gpu_then_the_cpu_and_counts_as_on_it_only_where_cuda_loaded(monkeypatch):
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert sessions.execution_providers(torch.device("cuda:1")) == [
+        ("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
+    assert sessions.execution_providers(torch.device("cuda"))[0] == ("CUDAExecutionProvider", {"device_id": 0})
+    assert sessions.execution_providers(CPU) == ["CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert sessions.execution_providers(torch.device("cuda:1")) == ["CPUExecutionProvider"]
+    # a session whose CUDA provider failed to load runs on the CPU: its tensors are not bound on the GPU
+    loaded = types.SimpleNamespace(get_providers=lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    fell_back = types.SimpleNamespace(get_providers=lambda: ["CPUExecutionProvider"])
+    assert sessions.runs_on_gpu(loaded, torch.device("cuda:1"))
+    assert not sessions.runs_on_gpu(fell_back, torch.device("cuda:1")) and not sessions.runs_on_gpu(loaded, CPU)
+    # and a session is opened asking for those providers, not for every one this ONNX Runtime has (TensorRT first)
+    opened = {}
+    monkeypatch.setattr(ort, "InferenceSession", lambda path, options, providers: opened.update(providers=providers))
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    sessions.open_session("graph.onnx", torch.device("cuda:1"))
+    assert opened["providers"] == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
 
 
 def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
