@@ -10,7 +10,7 @@ import torch
 
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import CaptionedImage, load_karpathy
-from captioner.models.data.regions import RegionStore, read_regions, save_regions, write_scene_regions
+from captioner.models.data.regions import RegionStore, read_regions, save_regions, scene_regions, write_scene_regions
 from captioner.models.data.stores import open_feature_store
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
@@ -150,3 +150,55 @@ def test_export_refuses_a_checkpoint_trained_on_region_features_and_goes_on_with
     results = export_checkpoints({"regions": tmp_path / "regions", "grid": tmp_path / "grid"}, tmp_path / "onnx")
     assert isinstance(results["regions"], ExportUnsupported) and "trained on region features" in str(results["regions"])
     assert not isinstance(results["grid"], ExportUnsupported) and not (tmp_path / "onnx" / "regions").exists()
+
+
+def test_a_files_own_name_is_found_before_the_image_id_and_a_folders_width_must_be_a_count(tmp_path):
+    save_regions(tmp_path / "img_0.npz", np.ones((2, 4)), np.zeros((2, 4)), (10, 10))
+    save_regions(tmp_path / "100.npz", np.zeros((3, 4)), np.zeros((3, 4)), (10, 10))  # an older layout's, beside it
+    assert RegionStore(tmp_path, [_image(0)]).batch([_image(0).key]).feats.tolist() == [[[1.0] * 4] * 2]
+    for feat_dim in (True, 0):
+        (tmp_path / "regions.json").write_text(json.dumps({"feat_dim": feat_dim}))
+        with pytest.raises(ValueError, match=f"feat_dim is {feat_dim}, not a feature width"):
+            RegionStore(tmp_path, [_image(0)])
+
+
+@pytest.mark.parametrize("features, boxes, size, message", [
+    (np.zeros((0, 4)), np.zeros((0, 4)), (10, 10), r"features must be \[N >= 1, D\]"),
+    (np.zeros((2, 4)), np.zeros((2, 4)), (10, 10, 3), r"image_size must be \(width, height\)")])
+def test_a_region_file_without_regions_or_of_another_size_shape_is_refused(tmp_path, features, boxes, size, message):
+    with pytest.raises(ValueError, match=message):
+        save_regions(tmp_path / "img_0.npz", features, boxes, size)
+
+
+def test_scene_regions_are_each_objects_box_and_features_weighted_by_coverage_then_the_image_and_quadrants():
+    # a 64×32 scene on a 4×4 grid (cells 16×8): object 1 fills cell 0 and half of cell 1, object 2 cell 15
+    labels = np.zeros((32, 64), np.uint8)
+    labels[0:8, 0:24] = 1
+    labels[24:32, 48:64] = 2
+    grid = np.eye(16, dtype=np.float32)  # cell i's feature is the i-th unit vector: a region's feature, its weights
+    features, boxes = scene_regions(labels, grid, EncoderSpec(image_size=128))
+    assert boxes.tolist() == [[0, 0, 24, 8], [48, 24, 64, 32], [0, 0, 64, 32], [0, 0, 32, 16], [32, 0, 64, 16],
+                              [0, 16, 32, 32], [32, 16, 64, 32]]
+    expected = np.zeros((7, 16), np.float32)
+    expected[0, [0, 1]] = [2 / 3, 1 / 3]
+    expected[1, 15] = 1
+    expected[2] = 1 / 16
+    expected[3, [1, 4, 5]] = [0.2, 0.4, 0.4]  # the top-left quadrant's background: around object 1
+    expected[4, [2, 3, 6, 7]] = 0.25
+    expected[5, [8, 9, 12, 13]] = 0.25
+    expected[6, [10, 11, 14]] = 1 / 3  # the bottom-right quadrant's: around object 2
+    np.testing.assert_allclose(features, expected, atol=3e-3)  # coverage is read from an 8-bit resized mask
+    # a centre crop (the middle 32×32) sees neither object 1's cells past x = 16 nor object 2 beyond it: an object
+    # outside what the encoder sees is left out
+    labels[:] = 0
+    labels[0:8, 0:8] = 1
+    labels[24:32, 24:40] = 2
+    _, boxes = scene_regions(labels, grid, EncoderSpec(image_size=128, resize="center_crop", resize_to=128))
+    assert boxes[0].tolist() == [24, 24, 40, 32] and len(boxes) == 1 + 1 + 4
+
+
+def test_writing_a_scene_region_folder_again_keeps_the_files_it_has(scenes, scene_regions_dir, cache):
+    files = sorted(scene_regions_dir.glob("*.npz"))
+    stamps = [path.stat().st_mtime_ns for path in files]
+    write_scene_regions(scenes.parent, scene_regions_dir, REGION_ENCODER, cache, progress=False)  # a rerun resumes
+    assert [path.stat().st_mtime_ns for path in files] == stamps
