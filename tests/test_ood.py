@@ -73,6 +73,37 @@ def test_masks_cover_objects_of_the_recorded_colour(ood):
             assert nearest == obj["colour"], (entry["filename"], obj)
 
 
+def test_triangles_point_up_and_sizes_are_named_by_the_canvas_shorter_side(ood):
+    triangles = 0
+    for entry in json.loads(ood.read_text())["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        short = min(entry["canvas"])
+        for index, obj in enumerate(entry["objects"]):
+            if abs(obj["radius"] / short - 0.105) > 0.001:  # the radius is recorded to a tenth of a pixel
+                assert obj["size"] == ("small" if obj["radius"] / short < 0.105 else "large"), obj
+            if obj["shape"] == "triangle":
+                inside = labels == index + 1
+                rows = np.nonzero(inside.any(axis=1))[0]
+                high, low = (int(rows.min() + share * (rows.max() - rows.min())) for share in (0.2, 0.8))
+                assert inside[high].sum() < inside[low].sum(), (entry["filename"], obj)  # narrow at the top
+                triangles += 1
+    assert triangles >= 3
+
+
+def test_sentence_ids_are_unique_and_every_background_is_called_plain(ood):
+    images = json.loads(ood.read_text())["images"]
+    ids = [s["sentid"] for entry in images for s in entry["sentences"]]
+    assert len(set(ids)) == len(ids)
+    assert {entry["background"] for entry in images} == {"plain", "noisy", "gradient"}
+    assert all(entry["sentences"][1]["raw"].endswith("on a plain background") for entry in images)
+
+
+def test_a_set_of_another_seed_is_written_again(tmp_path):
+    first = json.loads(generate_ood(tmp_path, images=2, seed=1).read_text())
+    second = json.loads(generate_ood(tmp_path, images=2, seed=2).read_text())
+    assert second["seed"] == 2 and second["images"] != first["images"]
+
+
 def test_references_load_and_name_every_object(ood):
     images = load_karpathy(ood, splits=("ood",))
     assert len(images) == 24 and all(len(im.references) == 5 for im in images)
