@@ -13,7 +13,8 @@ import torch
 
 def session_options(threads: int | None = None, quiet: bool = False):
     """``onnxruntime.SessionOptions``: ``threads`` intra-op threads (None: one per core), every graph optimisation,
-    no memory arena, and warnings logged unless ``quiet`` (the export reports a failure itself)."""
+    no memory arena, and ONNX Runtime's errors logged (severity 3: its warnings are not), only fatal ones when
+    ``quiet`` (the export reports a failure itself)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
