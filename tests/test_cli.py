@@ -602,6 +602,20 @@ def test_serve_on_a_taken_port_is_one_line_before_any_model_loads(monkeypatch, c
     assert f"error: cannot listen on 127.0.0.1:{port}" in err and "choose another --port (CAPTIONER_PORT)" in err
 
 
+def test_a_port_a_server_just_stopped_on_is_free_to_serve_on_again():
+    """uvicorn binds with SO_REUSEADDR: a restart finds the last run's connections waiting in TIME_WAIT on its port,
+    which uvicorn takes, so the check must not refuse it."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the last run's uvicorn bound it
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            accepted.close()  # the server closes first: its end of the connection waits out TIME_WAIT
+    cli.check_port_free("127.0.0.1", port)
+
+
 def test_serve_hands_uvicorn_the_prefix_and_timeouts_and_a_start_that_failed_exits_3(monkeypatch, tmp_path):
     """uvicorn's wait for connections outlasts the drain it follows; its keep-alive and prefix are the settings'."""
     handed = {}
