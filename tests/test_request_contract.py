@@ -35,7 +35,7 @@ from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
 
 from .leaks import nothing_left_open
-from .serving_helpers import TINY_SPEC, VOCAB, serving_settings, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, serving_settings, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -510,11 +510,10 @@ def test_a_body_of_another_media_type_is_415_and_an_unknown_model_gets_no_metric
 def test_a_model_named_in_the_form_is_the_one_the_latency_metric_counts(client, photo):
     """A form field names the model as the query does: the request is counted under the model it used, which the
     query (naming none) did not say."""
-    series = 'captioner_request_latency_seconds_count{model="tiny-b",status="200"} '
+    series = 'captioner_request_latency_seconds_count{model="tiny-b",status="200"}'
 
     def counted() -> float:
-        return sum(float(line[len(series):]) for line in client.get("/metrics").text.splitlines()
-                   if line.startswith(series))
+        return parse_metrics(client.get("/metrics").text).get(series, 0.0)
 
     before = counted()
     assert post(client, photo, fields={"model": "tiny-b", "max_len": "2"}).json()["model"] == "tiny-b"
