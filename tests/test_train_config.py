@@ -3,6 +3,7 @@ at it, the intervals as mathematics writes them, lists checked item by item, and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -54,8 +55,8 @@ def test_each_number_is_refused_just_outside_its_interval_and_accepted_at_its_en
 
 
 def test_every_bounded_option_is_listed_here():
-    bounded = {f for f, meta in TrainConfig.__dataclass_fields__.items()
-               if "least" in meta.metadata or "within" in meta.metadata}
+    bounded = {field.name for field in dataclasses.fields(TrainConfig)
+               if "least" in field.metadata or "within" in field.metadata}
     assert bounded == set(LEAST) | set(WITHIN)
 
 
@@ -93,8 +94,8 @@ def test_the_command_asks_for_out(capsys):
 def test_flags_are_off_unless_given_and_the_encoder_stays_frozen_by_default():
     # a flag that only turns a setting on (kind "true") could never turn it off again were it on by default
     cfg = TrainConfig(out="x")
-    for name, meta in TrainConfig.__dataclass_fields__.items():
-        if meta.metadata.get("kind") in ("true", "false"):
-            assert getattr(cfg, name) is (meta.metadata["kind"] == "false"), name
+    for field in dataclasses.fields(TrainConfig):
+        if field.metadata.get("kind") in ("true", "false"):
+            assert getattr(cfg, field.name) is (field.metadata["kind"] == "false"), field.name
     # README: images are encoded once by the frozen backbone; --finetune-stages at 0.25 of the rate by default
     assert (cfg.finetune_stages, cfg.encoder_lr_factor) == (0, 0.25)
