@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from PIL import ExifTags, Image
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec
@@ -119,6 +120,28 @@ def test_targets_lay_each_phrase_box_on_the_heatmap_cells(tmp_path):
     beta, supervised = targets.batch([(first, 0), (second, 2), (second, 1)], steps=3, device=torch.device("cpu"))
     assert beta.shape == (3, 3, 64) and supervised.tolist() == [[True] * 3, [False] * 3, [True, True, False]]
     np.testing.assert_allclose(beta[2, 0].reshape(8, 8).numpy(), expected, atol=1e-6)
+
+
+def test_a_photo_stored_on_its_side_gets_the_targets_of_its_upright_copy(tmp_path):
+    """The boxes are drawn on the photo as it is shown, after its EXIF orientation: under a centre crop the header's
+    unturned size (48 wide, 64 high) lays the grid elsewhere (for a box off the quadrants' lines: a quadrant lands
+    on the same cells either way)."""
+    circle_photos(tmp_path, [("111", (40, 0, 64, 12), "train"), ("112", (40, 0, 64, 12), "train")], [CAPTION])
+    side_on = tmp_path / "images" / "112_x.jpg"
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # turn a quarter clockwise to show
+    with Image.open(side_on) as upright:
+        turned = upright.transpose(Image.Transpose.ROTATE_90)
+    turned.save(side_on, exif=exif.tobytes())
+    images = [CaptionedImage(i, tmp_path / "images" / f"{fid}_x.jpg", "train", [CAPTION])
+              for i, fid in enumerate(("111", "112"))]
+    spec = EncoderSpec(layer="blocks", resize="center_crop", resize_to=256)
+    targets = entities_attention_targets(images, str(tmp_path / "entities"), spec, max_len=16)
+    upright_key, side_on_key = images[0].key, images[1].key
+    assert turned.size == (48, 64) and set(targets.rows) == {(upright_key, 0), (side_on_key, 0)}
+    for position in (0, 1, 2):
+        np.testing.assert_allclose(targets.rows[(side_on_key, 0)][position], targets.rows[(upright_key, 0)][position],
+                                   atol=1e-6)
 
 
 def test_a_batch_places_each_row_on_its_own_word_and_leaves_out_words_past_its_steps():
