@@ -380,22 +380,42 @@ def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, mon
     assert (copy / "MODEL_CARD.md").read_text() == (DEFAULT_CHECKPOINT / "MODEL_CARD.md").read_text()
 
 
-def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
-    """Ctrl-C in a command without its own message (eval, export, …): the shell's status for an interrupt and one
-    line, not a KeyboardInterrupt traceback (training and archive captioning say what they kept: their tests)."""
-    def interrupted(args):
-        raise KeyboardInterrupt
+def _command_that_raises(monkeypatch, error: BaseException) -> None:
+    """``cli.main`` runs a command that stops with ``error``, whatever its arguments."""
+    def command(args):
+        raise error
 
     class Parser:
         def parse_args(self, argv):
-            return argparse.Namespace(func=interrupted)
+            return argparse.Namespace(func=command)
 
     monkeypatch.setattr(cli, "build_parser", Parser)
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_status_130(capsys, monkeypatch):
+    """Ctrl-C in a command without its own message (eval, export, …): the shell's status for an interrupt and one
+    line, not a KeyboardInterrupt traceback (training and archive captioning say what they kept: their tests)."""
+    _command_that_raises(monkeypatch, KeyboardInterrupt())
     monkeypatch.delenv("CAPTIONER_DEBUG", raising=False)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["eval"])
     assert exit_.value.code == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_the_debug_switch_keeps_each_stops_traceback_for_a_bug_report(capsys, monkeypatch):
+    monkeypatch.setenv("CAPTIONER_DEBUG", "1")
+    _command_that_raises(monkeypatch, SystemExit("error: no such split"))  # a command's own message: both
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("Traceback (most recent call last):")
+    assert err.endswith("SystemExit: error: no such split\nerror: no such split\n")
+    for error in (ValueError("bad value"), FileNotFoundError(2, "No such file or directory"), KeyboardInterrupt()):
+        _command_that_raises(monkeypatch, error)  # Python's own stop, as raised
+        with pytest.raises(type(error)):
+            cli.main(["eval"])
+        assert capsys.readouterr().err == ""
 
 
 def test_serving_on_a_device_this_machine_lacks_is_one_line(capsys, monkeypatch):
