@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import CaptionedImage, load_karpathy
 from captioner.models.data.regions import RegionStore, read_regions, save_regions, scene_regions, write_scene_regions
+from captioner.models.data.scenes import Variation, generate
 from captioner.models.data.stores import open_feature_store
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
@@ -195,6 +197,18 @@ def test_scene_regions_are_each_objects_box_and_features_weighted_by_coverage_th
     labels[24:32, 24:40] = 2
     _, boxes = scene_regions(labels, grid, EncoderSpec(image_size=128, resize="center_crop", resize_to=128))
     assert boxes[0].tolist() == [24, 24, 40, 32] and len(boxes) == 1 + 1 + 4
+
+
+def test_a_region_file_records_its_scenes_size_as_width_and_height(tmp_path, cache):
+    # varied scenes have canvases of every aspect ratio, portrait included: a swapped pair would lay the boxes askew
+    dataset = generate(tmp_path / "varied", {"train": 6}, seed=2, progress=False, variation=Variation(classic_share=0))
+    folder = write_scene_regions(dataset.parent, tmp_path / "regions", REGION_ENCODER, cache, progress=False)
+    sizes = []
+    for image in load_karpathy(dataset):
+        with Image.open(image.path) as picture:
+            sizes.append(picture.size)
+        assert read_regions(folder / f"{image.path.stem}.npz")[1].image_size == sizes[-1]
+    assert any(width != height for width, height in sizes)
 
 
 def test_writing_a_scene_region_folder_again_keeps_the_files_it_has(scenes, scene_regions_dir, cache):
