@@ -36,6 +36,22 @@ def test_a_document_with_its_markers_in_the_wrong_order_is_named_and_left_alone(
     assert document.read_text() == text
 
 
+@pytest.mark.parametrize("kept", ["start", "end"])
+def test_a_document_with_one_of_its_markers_is_named_and_left_alone(kept, tmp_path, capsys):
+    """Appending a second table to it would leave two starts (or ends): the next run would then replace the prose
+    between the two tables with the generated text."""
+    document = tmp_path / "zoo.md"
+    text = f"intro\n<!-- zoo-f8k:{kept} -->\nold\n\n## Prose\n\nkept\n"
+    document.write_text(text)
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "results").mkdir()
+    message = cli_error(capsys, "zoo-f8k", "--weights-dir", str(tmp_path / "weights"), "--results",
+                        str(tmp_path / "results"), "--document", str(document))
+    missing = "end" if kept == "start" else "start"
+    assert message.startswith(f"error: {document}: <!-- zoo-f8k:{kept} --> without <!-- zoo-f8k:{missing} -->")
+    assert document.read_text() == text
+
+
 def test_a_document_that_is_not_utf8_is_named(tmp_path, capsys):
     document = tmp_path / "zoo.md"
     document.write_bytes(b"intro \xff\n")

@@ -179,9 +179,15 @@ def write_zoo(weights: Path, results: Path, document: Path, figure: Path, datase
 
 def write_between_markers(document: Path, block: list[str]) -> str:
     """Put ``block`` (its first and last lines are the markers) in place of the document's text between those
-    markers, or append it once when the document has none; the prose around it stays."""
+    markers, or append it once when the document has none; the prose around it stays.  A document with one marker
+    alone, or its end before its start, is a :class:`ValueError`, the document left as it was."""
     start, end = block[0], block[-1]
     text = read_text_file(document) if document.exists() else ""
+    if (start in text) != (end in text):
+        # appending would leave two starts (or ends), and the next run would replace the prose between the two blocks
+        held, missing = (start, end) if start in text else (end, start)
+        raise ValueError(f"{document}: {held} without {missing}: put the missing marker back (the text between them "
+                         "is replaced) or remove this one (the block is appended)")
     if start in text and end in text:
         before, rest = text.split(start, 1)
         if end not in rest:  # the markers in the wrong order: which text is the generated part cannot be told
