@@ -171,5 +171,18 @@ def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tm
     rows = {line.split(" | ")[0].strip("| "): line for line in lines
             if line.startswith("| ") and not line.startswith("| checkpoint") and "] |" in line}
     assert set(rows) == {"same", "short"}
+    assert lines[4:6] == ["| checkpoint | CIDEr-D − sat [95 % CI] | objects_named − sat [95 % CI] |", "|---|---|---|"]
     assert "| +0.000 [+0.000, +0.000] | +0.000 [+0.000, +0.000] |" in rows["same"]
     assert "| -0.833 [" in rows["short"]  # objects_named 1/6 against 6/6
+    for cell in rows["short"].strip("| ").split(" | ")[1:]:  # each interval low to high, around its difference
+        difference, low, high = (float(v) for v in cell.replace(" [", ", ").rstrip("]").split(", "))
+        assert low <= difference <= high and low < high
+    assert paired_markdown(tmp_path / "results", tmp_path / "none.json", "sat") == []  # no data set: no section
+    # `captioner zoo-table` writes the section, given the data set's folder, with no grounding figure to draw
+    (tmp_path / "weights").mkdir()
+    main(["zoo-table", "--weights-dir", str(tmp_path / "weights"), "--results", str(tmp_path / "results"),
+          "--document", str(tmp_path / "zoo.md"), "--figure", str(tmp_path / "grounding.png"),
+          "--dataset", str(dataset.parent)])
+    text = (tmp_path / "zoo.md").read_text()
+    assert "\n".join(lines) in text and "grounding" not in text.split("### Against")[1]
+    assert not (tmp_path / "grounding.png").exists()
