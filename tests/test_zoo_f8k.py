@@ -15,9 +15,10 @@ from captioner.models.checkpoint import FORMAT
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.evaluation.bootstrap import percentile_interval, resample_counts, resampled_ratios
 from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
-    paired_corpus_difference
-from captioner.models.evaluation.metrics import score_captions
-from captioner.models.evaluation.zoo_f8k import title
+    paired_corpus_difference, scored_captions
+from captioner.models.evaluation.metrics import cider_d, reference_texts, score_captions
+from captioner.models.evaluation.zoo_f8k import difference, floor_lines, markdown, model_row, ordered_names, points, \
+    ptb_lines, title
 from captioner.service.cli import main
 
 # invented photos: five references each
@@ -97,6 +98,13 @@ def zoo(tmp_path):
     return args, weights, results, document
 
 
+def edit_split(results: Path, name: str, change) -> None:
+    """``change`` applied to the test split of ``results/NAME.json``."""
+    report = json.loads((results / f"{name}.json").read_text())
+    change(report["test"])
+    (results / f"{name}.json").write_text(json.dumps(report))
+
+
 # -- BLEU-4 from per-caption statistics --------------------------------------------------------------------------
 def test_corpus_bleu_of_summed_statistics_is_pycocoevalcaps_bleu():
     captions = ["a dog runs on the grass", "a man", "two children play in the water at the beach", "<empty>",
@@ -149,7 +157,9 @@ def test_clearly_better_captions_have_a_bleu_4_interval_above_zero(test_images):
 
 # -- the section -------------------------------------------------------------------------------------------------
 def test_the_section_lists_every_checkpoint_with_paper_rows_intervals_and_floors(zoo, capsys):
-    args, _, _, document = zoo
+    args, weights, results, document = zoo
+    (results / "sat.val.json").write_text("{}")  # another report of sat (zoo-table's NAME.SOMETHING.json): no row
+    (weights / "drafts").mkdir()  # a folder without a config.json: no checkpoint
     main(args)
     text = document.read_text()
     assert text.startswith("# Model zoo\n\nintro\n\n## Real photos: Flickr8k\n\n<!-- zoo-f8k:start -->\n")
@@ -160,14 +170,22 @@ def test_the_section_lists_every_checkpoint_with_paper_rows_intervals_and_floors
         "SAT soft `sat`", "*Xu et al. 2015, soft attention (paper)*", "SAT hard `sat-hard`: not measured",
         "*Xu et al. 2015, hard attention (paper)*", "AoANet `aoanet`", "X-LAN `xlan`"]
     assert all(row.count(" | ") == 14 for row in rows)
-    sat, _, _, hard_paper, aoanet, xlan = (row.split(" | ") for row in rows)
+    sat, soft_paper, _, hard_paper, aoanet, xlan = (row.split(" | ") for row in rows)
     assert sat[5] == "24.12" and sat[8] == "unavailable" and sat[9:13] == ["1.23", "17", "87.5 %", "6.2"]
     assert sat[-2:] == ["—", "— |"]  # the baseline has no difference from itself
+    assert soft_paper[1:6] == ["67", "44.8", "29.9", "19.5", "18.93"]
     assert hard_paper[1:6] == ["67", "45.7", "31.4", "21.3", "20.30"]
     assert aoanet[1] == "100.0" and aoanet[-2].endswith("†") and aoanet[-1].endswith("† |")
     assert xlan[-2:] == ["+0.0 [+0.0, +0.0]", "+0.0 [+0.0, +0.0] |"]  # the same captions as sat: no †
     low, high = (float(v) for v in aoanet[7].split(" [")[1].rstrip("]").split(", "))
     assert low <= float(aoanet[7].split(" [")[0]) <= high
+    # the interval over photos and the paired differences, drawn as the command's --resamples 500 draw them
+    images = load_karpathy(Path(args[args.index("--dataset") + 1]), splits=("test",))
+    per_image = cider_d(scored_captions(EXACT, TEST_IDS), reference_texts(images))
+    low, high = percentile_interval(resampled_ratios(per_image, np.ones(len(per_image)), 500, seed=0))
+    assert aoanet[7] == f"{points(per_image.mean())} [{100 * low:.1f}, {100 * high:.1f}]"
+    against = compare_captions(EXACT, GENERIC, images, 500)
+    assert aoanet[-2:] == [difference(against["CIDEr-D"]), f"{difference(against['BLEU-4'])} |"]
     assert "on the 8 test photos of Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013), beam 3" in text
     assert "SPICE is unavailable" in text
     assert "- SAT soft `sat`: **not met (short on BLEU-1, BLEU-2, BLEU-3, BLEU-4)**: " in text
@@ -194,12 +212,97 @@ def test_without_java_the_ptb_scores_are_said_to_be_missing(zoo, monkeypatch):
     assert "its PTB tokenizer): not here, where there is no Java to run it." in document.read_text()
 
 
+def test_the_section_refuses_what_it_cannot_measure(zoo, tmp_path):
+    args, _, _, _ = zoo
+
+    def refused(argv: list[str], message: str) -> None:
+        with pytest.raises(SystemExit, match=r"^error: .*" + message):
+            main(argv)
+
+    at, weights_at = args.index("--dataset"), args.index("--weights-dir")
+    refused(args[:at] + args[at + 2:], "the paired bootstrap scores the captions against the references: pass "
+            "--dataset")
+    empty = tmp_path / "no_test.json"
+    empty.write_text(json.dumps({"dataset": "flickr8k", "images": [
+        {"imgid": 99, "split": "train", "filename": "99.jpg", "sentences": [{"tokens": ["a", "dog"]}]}]}))
+    refused([*args[:at + 1], str(empty), *args[at + 2:]], r"split 'test' of .*no_test\.json is empty")
+    refused([*args[:weights_at + 1], str(tmp_path / "none"), *args[weights_at + 2:]],
+            r"none is not a folder of checkpoints")
+
+
+def test_a_rows_cells_are_its_scores_times_100_and_its_differences_from_the_baseline():
+    split = {"images": 8, "BLEU-1": 0.61234, "BLEU-2": 0.4, "BLEU-3": 0.3, "BLEU-4": 0.2, "METEOR": 0.19876,
+             "ROUGE-L": 0.45, "CIDEr-D": 0.5, "SPICE": 0.123, "REP": 1.5, "distinct_words": 42, "novel_captions": 0.25,
+             "mean_length": 9.04}
+    row = {"name": "xlan", "title": "X-LAN `xlan`", "split": split, "CIDEr-D interval": (0.4, 0.61),
+           "against baseline": {"CIDEr-D": {"difference": 0.0321, "ci95": [0.011, 0.054]},
+                                "BLEU-4": {"difference": -0.03, "ci95": [-0.05, -0.012]}}}
+    assert model_row(row, "sat") == ("| X-LAN `xlan` | 61.2 | 40.0 | 30.0 | 20.0 | 19.88 | 45.0 | 50.0 [40.0, 61.0] | "
+                                     "12.3 | 1.50 | 42 | 25.0 % | 9.0 | +3.2 [+1.1, +5.4] † | -3.0 [-5.0, -1.2] † |")
+    assert model_row({**row, "name": "sat"}, "sat").endswith(" | 9.0 | — | — |")
+    assert difference({"difference": 0.01, "ci95": [-0.01, 0.03]}) == "+1.0 [-1.0, +3.0]"
+    # a report older than a measure says nothing of it
+    assert model_row({"name": "old", "title": "O", "split": {"images": 8}}, "sat") == \
+        "| O | — | — | — | — | — | — | — | unavailable | — | — | — | — | — | — |"
+
+
+def test_the_floors_are_met_at_their_numbers_and_need_both_differences_above_zero():
+    def stat(value, low, high):
+        return {"difference": value, "ci95": [low, high]}
+
+    at_paper = {"BLEU-1": 0.67, "BLEU-2": 0.457, "BLEU-3": 0.314, "BLEU-4": 0.213, "METEOR": 0.2030, "CIDEr-D": 0.6}
+    no_meteor = {key: value for key, value in at_paper.items() if key not in ("METEOR", "CIDEr-D")}
+    rows = [{"name": "sat", "title": "S `sat`", "split": at_paper},
+            {"name": "sat-supervised", "title": "SS `sat-supervised`", "split": no_meteor},
+            {"name": "aoanet", "title": "A `aoanet`", "split": {"CIDEr-D": 0.69, "BLEU-4": 0.3},
+             "against baseline": {"CIDEr-D": stat(0.05, 0.02, 0.08), "BLEU-4": stat(0.01, -0.01, 0.03)}},
+            {"name": "xlan", "title": "X `xlan`", "split": {"CIDEr-D": 0.5, "BLEU-4": 0.2},
+             "against baseline": {"CIDEr-D": stat(-0.05, -0.08, -0.02), "BLEU-4": stat(-0.02, -0.03, -0.01)}},
+            {"name": "xtransformer", "title": "XT `xtransformer`", "split": None},
+            {"name": "ensemble", "title": "E `ensemble`", "split": {"CIDEr-D": 0.70, "BLEU-4": 0.26}}]
+    lines = floor_lines(rows, "sat")
+    bleu = "BLEU-1 67.00 vs 67, BLEU-2 45.70 vs 45.7, BLEU-3 31.40 vs 31.4, BLEU-4 21.30 vs 21.3"
+    assert f"- S `sat`: **met**: {bleu}, METEOR 20.30 vs 20.30" in lines  # at the paper's numbers: met
+    assert f"- SS `sat-supervised`: **not met (short on METEOR)**: {bleu}, METEOR — vs 20.30" in lines
+    assert "- `sat-hard`: not shipped yet" in lines
+    assert "- A `aoanet`: **not met**: ΔCIDEr-D +5.0 [+2.0, +8.0] †, ΔBLEU-4 +1.0 [-1.0, +3.0]" in lines
+    assert "- X `xlan`: **not met**: ΔCIDEr-D -5.0 [-8.0, -2.0] †, ΔBLEU-4 -2.0 [-3.0, -1.0] †" in lines
+    assert "- XT `xtransformer`: not measured" in lines
+    assert lines[-1] == "The best model (by CIDEr-D) at CIDEr-D ≥ 70 and BLEU-4 ≥ 26: E `ensemble`, **met**: CIDEr-D " \
+                        "70.00, BLEU-4 26.00."
+    rows[-1]["split"] = {"CIDEr-D": 0.69951, "BLEU-4": 0.26}  # 69.95 after the reports' rounding: short of 70
+    assert floor_lines(rows, "sat")[-1].endswith("E `ensemble`, **not met**: CIDEr-D 69.95, BLEU-4 26.00.")
+    assert "- A `aoanet`: no baseline to compare with (`sat`: not shipped yet)" in floor_lines(rows[1:], "sat")
+
+
+def test_the_ptb_table_shows_each_rows_shift_from_the_tables_scores():
+    measured = {"name": "xlan", "title": "X `xlan`", "split": {"BLEU-4": 0.2, "CIDEr-D": 1.0},
+                "ptb": {"BLEU-4": 0.25, "CIDEr-D": 0.9}}
+    assert ptb_lines([measured])[-3:] == ["| model | BLEU-4 | CIDEr-D | BLEU-4, PTB − above | CIDEr-D, PTB − above |",
+                                          "|---|---:|---:|---:|---:|", "| X `xlan` | 25.0 | 90.0 | +5.00 | -10.00 |"]
+    assert ptb_lines([{"name": "sat", "title": "S `sat`", "split": None}]) == []
+    assert "no Java to run it" in ptb_lines([{key: measured[key] for key in ("name", "title", "split")}])[0]
+
+
+def test_rows_follow_the_table_order_then_the_others_by_name():
+    shipped = ["sat", "sat-supervised", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap-softmax",
+               "sparsecap-sparsemax", "sparsecap-tvmax", "area-transformer", "ensemble"]
+    others = ["zeta", "alpha", "mu", "beta", "omega", "kappa"]
+    assert ordered_names({*others, *shipped}) == [*shipped, *sorted(others)]
+    table = markdown([{"name": "kappa", "title": "K", "split": None}], "sat", "test", Path("results"))
+    assert [line.split(" | ")[0][2:] for line in table[2:5]] == [
+        "*Xu et al. 2015, soft attention (paper)*", "*Xu et al. 2015, hard attention (paper)*", "K: not measured"]
+
+
 def test_a_checkpoint_title_comes_from_its_config():
     config = {"arch": "sparsecap", "model": {"attention": "tvmax"}, "meta": {"phase": "scst"}}
     assert title("sparsecap-tvmax", config) == "SparseCap (TVmax) + SCST `sparsecap-tvmax`"
     assert title("sat", {"arch": "sat"}) == "SAT soft `sat`"
     supervised = {"arch": "sat", "meta": {"train_config": {"attention_supervision": "entities:DIR"}}}
     assert title("sat-supervised", supervised) == "SAT soft, supervised attention `sat-supervised`"
+    ensemble = {"arch": "ensemble", "meta": {"ensemble_of": [{"name": "sat"}, {"name": "aoanet"}]}}
+    assert title("ensemble", ensemble) == "Ensemble of `sat` + `aoanet` `ensemble`"
+    assert title("old", None) == "`old`"  # a report without its checkpoint
 
 
 def test_without_reports_nothing_needs_the_data_set(tmp_path):
@@ -209,6 +312,8 @@ def test_without_reports_nothing_needs_the_data_set(tmp_path):
           "--document", str(tmp_path / "doc.md")])
     text = (tmp_path / "doc.md").read_text()
     assert "SAT soft `sat`: not measured" in text and "no checkpoint measured yet" in text
+    # the paper's rows stand whether or not their checkpoint is shipped; no measured row, no PTB sentence
+    assert "| *Xu et al. 2015, hard attention (paper)* |" in text and "PTB" not in text
     assert "- AoANet `aoanet`" not in text and "- `aoanet`: not shipped yet" in text
 
 
@@ -228,6 +333,14 @@ def test_without_reports_nothing_needs_the_data_set(tmp_path):
                                                                       for i in TEST_IDS])),
      r"xlan\.json scores CIDEr-D .* not the captions of that report"),
     (lambda r: (r / "xlan.json").write_text("{not json"), r"xlan\.json is not a `captioner eval` report \(not JSON"),
+    (lambda r: (r / "xlan.json").write_text("[1]"), r"xlan\.json is not a `captioner eval` report with a 'test' split"),
+    (lambda r: edit_split(r, "xlan", lambda test: test.pop("images")),
+     r"xlan\.json is not a `captioner eval` report with a 'test' split"),
+    (lambda r: edit_split(r, "xlan", lambda test: test.update(images=7)),
+     r"captions/xlan\.json: its image ids do not match .*\(0 missing, 0 not in it; the report scores 7\)"),
+    # off by more than the report's rounding
+    (lambda r: edit_split(r, "xlan", lambda test: test.update({"CIDEr-D": test["CIDEr-D"] + 0.0008})),
+     r"xlan\.json scores CIDEr-D .* not the captions of that report"),
 ])
 def test_bad_input_is_a_one_line_error(zoo, break_it, message):
     args, _, results, _ = zoo
