@@ -21,9 +21,11 @@ from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import GENERATOR_VERSION, generate, is_current, object_naming_accuracy, \
     read_dataset_header
 from captioner.models.encoder import EncoderSpec
+from captioner.models.evaluation import metrics
 from captioner.models.evaluation.card import total_train_seconds, write_card
 from captioner.models.evaluation.metrics import score_captions
-from captioner.models.evaluation.report import evaluation_report
+from captioner.models.evaluation.report import WORDS_TOKENIZER, evaluated_dataset, evaluation_report, \
+    grounding_benchmark
 from captioner.models.pipeline import Pipeline
 from captioner.models.rendering.heatmaps import overlay
 from captioner.models.vocab import Vocabulary
@@ -145,6 +147,46 @@ def test_eval_writes_the_report_the_library_call_returns(tmp_path, scenes, one_t
         len(words) for words in evaluation.captions["test"].values())
 
 
+def test_eval_grounding_takes_scenes_or_an_entities_folder_with_both_its_parts(tmp_path):
+    assert grounding_benchmark(None) == (None, None) and grounding_benchmark("scenes") == ("scenes", None)
+    entities = tmp_path / "entities"
+    (entities / "Sentences").mkdir(parents=True)
+    with pytest.raises(ValueError, match="is not a Flickr30k Entities folder"):  # no Annotations/
+        grounding_benchmark(f"entities:{entities}")
+    (entities / "Annotations").mkdir()
+    assert grounding_benchmark(f"entities:{entities}") == ("entities", entities)
+    for value in ("entities:", f"boxes:{entities}"):
+        with pytest.raises(ValueError, match="takes no value"):
+            grounding_benchmark(value)
+
+
+def test_eval_scores_the_data_set_given_else_an_entities_checkpoints_own_else_the_scenes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default scene set was never generated
+    trained = tmp_path / "trained.json"
+    training = {"dataset": str(trained), "image_root": "its photos"}
+    assert evaluated_dataset("ckpt", training, "given.json", "root", True) == ("given.json", "root")
+    with pytest.raises(FileNotFoundError, match=r"trained on, .*trained\.json .* is not here"):
+        evaluated_dataset("ckpt", training, None, None, True)
+    trained.write_text("{}")
+    assert evaluated_dataset("ckpt", training, None, None, True) == (str(trained), "its photos")
+    assert evaluated_dataset("ckpt", training, None, "mine", True) == (str(trained), "mine")
+    # not for Entities: the scenes, and where they are missing, the data set to give
+    with pytest.raises(FileNotFoundError, match=r"default \.cache/scenes does not exist \(ckpt was trained on "):
+        evaluated_dataset("ckpt", training, None, None, False)
+    assert evaluated_dataset("ckpt", {}, None, "mine", False) == (datasets.DEFAULT_DATASET, "mine")
+    (tmp_path / datasets.DEFAULT_DATASET).mkdir(parents=True)
+    assert evaluated_dataset("ckpt", training, None, None, False) == (datasets.DEFAULT_DATASET, None)
+
+
+def test_eval_refuses_ptb_scoring_without_java_before_loading_the_checkpoint(monkeypatch):
+    def no_java():
+        raise ValueError("no Java here")
+
+    monkeypatch.setattr(metrics, "check_ptb_tokenizer", no_java)
+    with pytest.raises(ValueError, match="no Java here"):
+        evaluation_report(ROOT / "no such checkpoint", ptb=True)
+
+
 def test_eval_shows_a_splits_captions_before_the_next_split_is_captioned(tmp_path, scenes, one_thread, monkeypatch,
                                                                         capsys):
     """``--show`` prints each split's captions as soon as it is scored: on a long split, a user sees the first
@@ -168,11 +210,13 @@ def test_eval_shows_a_splits_captions_before_the_next_split_is_captioned(tmp_pat
 
 def test_eval_reports_diversity_and_follows_decoding_options(tmp_path, scenes):
     out = tmp_path / "report.json"
-    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "test", "--cache-dir",
+    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes.parent), "--split", "test", "--cache-dir",
               str(tmp_path / "cache"), "--output", str(out), "--no-meteor", "--length-penalty", "1.5",
-              "--block-trigrams", "--block-doubled-words")
+              "--block-trigrams", "--block-doubled-words", "--beam-size", "2")
     report = json.loads(out.read_text())
     assert report["decoding"] == {"length_penalty": 1.5, "block_trigrams": True, "block_doubled_words": True}
+    assert report["beam_size"] == 2 and report["tokenizer"] == WORDS_TOKENIZER
+    assert report["dataset"] == str(scenes)  # the file read, not the folder given
     for measure in ("REP", "distinct_words", "novel_captions", "mean_length"):
         assert measure in report["test"], measure
     assert 0.0 <= report["test"]["novel_captions"] <= 1.0 and report["test"]["REP"] >= 0.0
