@@ -9,10 +9,12 @@ import pytest
 from PIL import Image
 
 from captioner.models.cli.data import cmd_data_generate
+from captioner.models.data import scenes as scenes_module
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.data.scenes import BACKGROUNDS, COLOURS, GENERATOR_VERSION, HELDOUT_COMBOS, SHAPES, SIZES, \
-    VARIATIONS, Variation, article, captions_for, generate, generate_arguments, is_current, named_objects, \
-    object_naming_accuracy, read_dataset_header, sample_scene
+from captioner.models.data.scenes import BACKGROUNDS, COLOURS, DEFAULT_SIZES, GENERATOR_VERSION, HELDOUT_COMBOS, \
+    SHAPES, SIZES, VARIATIONS, SceneObject, Variation, article, captions_for, dataset_header, generate, \
+    generate_arguments, is_current, named_objects, object_naming_accuracy, read_dataset_header, sample_scene
+from captioner.models.files import write_atomically
 from captioner.service.cli import main
 
 from .conftest import SCENE_SEED, SCENE_SIZES
@@ -67,6 +69,31 @@ def test_captions_name_objects_and_ground_words(scenes):
                     if word.rstrip("s").rstrip("e") in SHAPES or word in SHAPES:
                         assert word.startswith(obj["shape"])
         assert all(named_objects(entry["sentences"][0]["tokens"], entry["objects"]))
+        first = 5 * entry["imgid"]  # sentence ids unique over the data set
+        assert entry["sentids"] == [s["sentid"] for s in entry["sentences"]] == list(range(first, first + 5))
+
+
+def test_references_name_counts_places_and_order_as_the_scene_holds_them():
+    def obj(shape, colour, x, y):
+        return SceneObject(shape, colour, "small", x, y, 10.0)
+
+    def texts(objects, canvas=(256, 256)):
+        return [" ".join(w for w, _ in words) for words in captions_for(objects, "plain", random.Random(0), canvas)]
+
+    wide = (300, 150)  # a place is a third of the canvas's own width or height
+    assert texts([obj("circle", "red", 150, 75)], wide)[2] == "a red circle in the centre"
+    assert texts([obj("circle", "red", 30, 75)], wide)[2] == "a red circle on the left"
+    assert texts([obj("circle", "red", 270, 20)], wide)[2] == "a red circle in the top right"
+    # the upper group first, though it is the one further right
+    assert texts([obj("circle", "red", 100, 200), obj("square", "blue", 110, 50)])[2] == \
+        "a blue square above a red circle"
+    crowd = [obj("square", "blue", 20, 128), *(obj("circle", "red", x, 128) for x in (100, 150, 200))]
+    listing = "a blue square and three red circles"
+    wordings = texts(crowd)
+    assert wordings[:4] == [listing, f"{listing} on a plain background",
+                            "a blue square to the left of three red circles", f"there is {listing} in the picture"]
+    assert wordings[4].startswith("four shapes ") and wordings[4].endswith(" a small blue square and three small red "
+                                                                           "circles")
 
 
 def test_heldout_combinations_only_in_heldout_split(scenes):
@@ -90,6 +117,7 @@ def test_object_naming_accuracy():
     assert object_naming_accuracy([("a red circle and two blue squares".split(), objects)]) == 1.0
     assert object_naming_accuracy([("a red square and two blue circles".split(), objects)]) == 0.0
     assert object_naming_accuracy([("a red circle".split(), objects)]) == 1 / 3
+    assert object_naming_accuracy([]) == 0.0  # no objects: nothing named, not a ZeroDivisionError
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,6 +170,8 @@ def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
     old.mkdir()
     (old / "dataset_scenes.json").write_text(json.dumps({"dataset": "scenes", "seed": 7, "images": []}))
     assert not is_current(old, sizes, seed=seed)
+    (old / "dataset_scenes.json").write_text("{not json")  # a torn file: no data set, written again
+    assert read_dataset_header(old / "dataset_scenes.json") is None and not is_current(old, sizes, seed=seed)
 
 
 def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it(tmp_path, scenes):
@@ -164,6 +194,18 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
     assert not is_current(scenes.parent, sizes, seed=seed, only=("test", "heldout"))
     assert generate_arguments(read_dataset_header(part)) == [
         "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
+    assert generate_arguments(dataset_header(0, DEFAULT_SIZES, None)) == []  # `make data`'s set: no flag at all
+
+
+def test_unknown_splits_are_refused_and_the_annotations_written_atomically(tmp_path, monkeypatch):
+    for sizes, only in (({"tset": 1}, None), ({"test": 1}, ("tset",))):
+        with pytest.raises(ValueError, match=r"unknown split\(s\) \['tset'\]"):
+            generate(tmp_path / "refused", sizes, progress=False, only=only)
+    written = []
+    monkeypatch.setattr(scenes_module, "write_atomically",
+                        lambda path, text: written.append(path) or write_atomically(path, text))
+    path = generate(tmp_path / "one", {"test": 1}, progress=False)
+    assert written == [path] and len(json.loads(path.read_text())["images"]) == 1
 
 
 @pytest.mark.parametrize("only_held", [None, 5, [["test"]]], ids=["whole", "altered", "altered-list"])
