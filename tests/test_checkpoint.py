@@ -1,3 +1,4 @@
+import copy
 import functools
 import json
 import os
@@ -363,6 +364,21 @@ def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config
     assert load_checkpoint(old).storage == "float16"
 
 
+def test_storage_rewrites_in_place_when_out_names_the_checkpoint_and_import_never_writes_over_one(tmp_path, capsys):
+    """``--out`` naming the checkpoint itself is the in-place rewrite, not a checkpoint to refuse to replace; an
+    import's ``--out`` over a checkpoint is refused before the authors' files are read (they need not exist)."""
+    torch.manual_seed(0)
+    source = save_checkpoint(tmp_path / "source", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
+                                                         attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
+                             EncoderSpec())
+    main(["storage", str(source), "float16", "--out", str(source)])
+    assert load_checkpoint(source).storage == "float16"
+    with pytest.raises(SystemExit):
+        main(["import", "xlan", "--checkpoint", str(tmp_path / "none.pth"), "--vocab", str(tmp_path / "none.txt"),
+              "--out", str(source)])
+    assert f"{source} already exists: choose another --out, or pass --force" in capsys.readouterr().err
+
+
 def test_a_config_describing_a_far_larger_model_is_refused_before_it_is_built(tmp_path, tiny_sat, vocab,
                                                                               monkeypatch):
     """A served folder's config.json with hidden_dim=12000 beside megabytes of weights made loading allocate 6 GB
@@ -525,6 +541,29 @@ def test_manifest_command_never_seals_a_folder_replaced_while_it_read_its_files(
     main(["manifest", str(folder)])
     assert cards and (folder / CARD).read_text() == "# written by captioner card\n"
     assert load_checkpoint(folder).checksum  # still loads: sealed with the digests of the files it holds
+
+
+def test_manifest_command_seals_other_weights_a_save_swapped_in_while_it_read_the_files(tmp_path, tiny_sat, vocab,
+                                                                                      monkeypatch):
+    """A training run's save replaced the folder with other weights before the manifest was written: they differ
+    from the manifest only by this command's own stale write into the new folder, so that folder is sealed as it
+    is, not refused as altered (which would ask for --force)."""
+    folder = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    retrained = copy.deepcopy(tiny_sat)
+    with torch.no_grad():
+        next(retrained.parameters()).add_(1.0)
+    real_write, saves = module.write_manifest, []
+
+    def saved_meanwhile(path, *records):  # the save lands between the check of the files and the manifest's write
+        if not saves:  # once (a save may write a manifest itself)
+            saves.append(folder)
+            save_checkpoint(folder, retrained, vocab, EncoderSpec())
+        return real_write(path, *records)
+
+    monkeypatch.setattr(module, "write_manifest", saved_meanwhile)
+    main(["manifest", str(folder)])
+    loaded = load_checkpoint(folder)
+    assert saves and torch.equal(next(loaded.model.parameters()), next(retrained.parameters()))
 
 
 def test_a_card_written_while_another_writer_renames_its_temporary_file_is_written(tmp_path, tiny_sat, vocab,

@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from captioner.models.data.karpathy import CaptionedImage
+from captioner.models.evaluation import compare as compare_module
+from captioner.models.evaluation import metrics as metrics_module
 from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
     paired_corpus_difference, paired_difference
 from captioner.models.evaluation.metrics import cider_d, score_captions
+from captioner.models.evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from captioner.models.evaluation.zoo_table import paired_markdown
 from captioner.service.cli import main
 
@@ -156,6 +159,29 @@ def test_cli_reads_coco_results_and_writes_the_report(tmp_path, capsys):
         main(["compare", str(a), str(b), "--dataset", str(data)])
     with pytest.raises(SystemExit, match=r"none\.json is missing: write the captions with captioner eval"):
         main(["compare", str(a), str(tmp_path / "none.json"), "--dataset", str(data)])
+
+
+def test_cli_hands_its_flags_to_the_comparison_and_names_the_sides_and_tokenizer(tmp_path, monkeypatch):
+    """--resamples, --limit and --ptb reach the comparison (stubbed, as is the Java check); the report names A and B
+    by their files' stems, in order, and the tokenizer the scores used."""
+    data = write_dataset(tmp_path / "scenes").parent
+    a, b = tmp_path / "first.json", tmp_path / "second.json"
+    for path in (a, b):
+        path.write_text(json.dumps([{"image_id": im.image_id, "caption": "a red circle"} for im in IMAGES]))
+    calls = []
+
+    def compared(captions_a, captions_b, images, resamples, ptb=False):
+        calls.append((len(images), resamples, ptb))
+        return compare_captions(captions_a, captions_b, images, 20)
+    monkeypatch.setattr(compare_module, "compare_captions", compared)
+    monkeypatch.setattr(metrics_module, "check_ptb_tokenizer", lambda: None)
+    out = tmp_path / "out.json"
+    main(["compare", str(a), str(b), "--dataset", str(data), "--resamples", "7", "--limit", "3", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert (report["a"], report["b"], report["tokenizer"]) == ("first", "second", WORDS_TOKENIZER)
+    main(["compare", str(a), str(b), "--dataset", str(data), "--ptb", "--output", str(out)])
+    assert json.loads(out.read_text())["tokenizer"] == PTB_TOKENIZER
+    assert calls == [(3, 7, False), (4, 2000, True)]
 
 
 def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tmp_path):

@@ -1,0 +1,430 @@
+"""The model-side commands' flags reach the work they name, with their documented defaults, and what the commands
+write; the work itself is stubbed (its own tests run it), so each test is a parse and a call."""
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image
+
+from captioner.models import checkpoint as checkpoint_module
+from captioner.models import pipeline as pipeline_module
+from captioner.models import training as training_module
+from captioner.models import zoo
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.cli import training as training_cli
+from captioner.models.cli.common import at_least, count, figure_file, key_values, output_file, positive_int, \
+    refuse_input_as_output, refuse_overwrite, yes_or_no
+from captioner.models.data import datasets as datasets_module
+from captioner.models.data import features as features_module
+from captioner.models.data import ood as ood_module
+from captioner.models.data import scenes as scenes_module
+from captioner.models.data.scenes import DEFAULT_SIZES, VARIATIONS
+from captioner.models.evaluation import card as card_module
+from captioner.models.evaluation import params as params_module
+from captioner.models.evaluation import report as report_module
+from captioner.models.evaluation import tuning as tuning_module
+from captioner.models.evaluation import zoo_table as zoo_table_module
+from captioner.models.export import onnx as onnx_module
+from captioner.models.training import curves as curves_module
+from captioner.service.cli import build_parser, main
+
+from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _recording_report(calls: list):
+    """An ``evaluation_report`` that records its call, announces one scored split of two images and returns a
+    report and COCO results of its own."""
+    def evaluation_report(checkpoint, dataset, splits, **options):
+        calls.append({"checkpoint": checkpoint, "dataset": dataset, "splits": splits, **options})
+        options["on_split"](SimpleNamespace(images=[SimpleNamespace(path=Path("p/one.png"), image_id=1),
+                                                    SimpleNamespace(path=Path("p/two.png"), image_id=2)],
+                                            captions={1: ["a", "cat"], 2: ["a", "dog"]}, section={}))
+        return SimpleNamespace(report={"test": {"BLEU-1": 0.5}}, coco_results=[{"image_id": 1, "caption": "a cat"}])
+    return evaluation_report
+
+
+def test_eval_hands_every_flag_to_the_report_and_writes_both_files(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(report_module, "evaluation_report", _recording_report(calls))
+    out, results = tmp_path / "report.json", tmp_path / "results.json"
+    for path in (out, results):
+        path.write_text("an earlier run's")
+    earlier = {path: path.stat().st_ino for path in (out, results)}
+    main(["eval", str(tmp_path / "ckpt"), "--dataset", str(tmp_path / "data.json"), "--image-root", "photos",
+          "--split", "val", "--split", "test", "--beam-size", "5", "--max-len", "7", "--length-penalty", "1.5",
+          "--block-trigrams", "--no-block-doubled-words", "--limit", "4", "--no-meteor", "--ptb", "--misses", "3",
+          "--features", "regions:r", "--cache-dir", "c", "--device", "cpu", "--threads", "1",
+          "--encoder-precision", "int8", "--onnx-dir", "o", "--grounding", "--grounding-resamples", "50",
+          "--no-progress", "--show", "1", "--output", str(out), "--results-json", str(results)])
+    (call,) = calls
+    call.pop("on_split")
+    assert call == {"checkpoint": str(tmp_path / "ckpt"), "dataset": str(tmp_path / "data.json"),
+                    "splits": ["val", "test"], "image_root": "photos", "beam_size": 5, "max_len": 7,
+                    "length_penalty": 1.5, "block_trigrams": True, "block_doubled_words": False, "limit": 4,
+                    "meteor": False, "ptb": True, "misses": 3, "features": "regions:r", "cache_dir": "c",
+                    "device": "cpu", "encoder_precision": "int8", "onnx_dir": "o", "threads": 1,
+                    "grounding": "scenes", "grounding_resamples": 50, "progress": False}
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == {"test": {"BLEU-1": 0.5}}
+    # --show 1: the first image's caption only, on stderr (stdout is the report)
+    assert "  one.png: a cat" in printed.err and "two.png" not in printed.err
+    assert out.read_text() == json.dumps({"test": {"BLEU-1": 0.5}}, indent=2) + "\n"
+    assert results.read_text() == json.dumps([{"image_id": 1, "caption": "a cat"}]) + "\n"
+    # each replaced whole (a new file renamed over the old), never rewritten in place: a failed write would leave half
+    assert all(path.stat().st_ino != inode for path, inode in earlier.items())
+
+
+def test_eval_defaults_are_the_documented_ones(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(report_module, "evaluation_report", _recording_report(calls))
+    main(["eval", str(tmp_path / "ckpt")])
+    (call,) = calls
+    assert call["splits"] == ["test"] and call["dataset"] is None
+    assert {key: call[key] for key in ("beam_size", "max_len", "length_penalty", "block_trigrams",
+                                       "block_doubled_words", "limit", "meteor", "ptb", "misses", "features",
+                                       "cache_dir", "device", "encoder_precision", "grounding",
+                                       "grounding_resamples", "progress")} == {
+        "beam_size": 3, "max_len": 20, "length_penalty": None, "block_trigrams": None, "block_doubled_words": None,
+        "limit": None, "meteor": True, "ptb": False, "misses": 0, "features": None, "cache_dir": ".cache/features",
+        "device": "auto", "encoder_precision": "float32", "grounding": None, "grounding_resamples": 2000,
+        "progress": True}
+    assert "one.png" not in capsys.readouterr().err  # no captions shown unless asked
+
+
+#: (a command line, the documented defaults it parses to): each as its help says
+DEFAULTS = [
+    (["caption", "p.png"], {"beam_size": 3, "max_len": 20, "cmap": "jet", "alpha": 0.5, "device": "auto",
+                            "length_penalty": None, "block_trigrams": None, "block_doubled_words": None}),
+    (["eval", "c"], {"show": 0, "misses": 0, "grounding_resamples": 2000, "cache_dir": ".cache/features",
+                     "encoder_precision": "float32"}),
+    (["eval", "c", "--grounding"], {"grounding": "scenes"}),
+    (["resolution-check", "c", "--full-root", "f"], {"split": "test", "beam_size": 3, "max_len": 20}),
+    (["compare", "a.json", "b.json"], {"split": "test", "resamples": 2000}),
+    (["plot", "run"], {"out": "curves.png"}),
+    (["params"], {"vocab_size": 10369}),
+    (["tune-decoding", "c"], {"split": "val", "block_trigrams": [False, True], "block_doubled_words": [False],
+                              "metric": "CIDEr-D", "beam_size": 3, "max_len": 20}),
+    (["ensemble", "out", "a", "b"], {"max_members": 4, "min_gain": 0.005, "beam_size": 3, "storage": "float32"}),
+    (["data", "generate"], {"seed": 0, "workers": 2, **DEFAULT_SIZES}),
+    (["data", "generate", "--varied"], {"varied": "standard"}),
+    (["data", "ood"], {"out": ".cache/ood", "images": 500, "seed": 0}),
+    (["data", "features"], {"batch_size": 32, "shard_size": 1024, "cache_dir": ".cache/features"}),
+]
+
+
+@pytest.mark.parametrize("argv, defaults", DEFAULTS, ids=[" ".join(argv) for argv, _ in DEFAULTS])
+def test_each_option_left_out_takes_the_default_its_help_states(argv, defaults):
+    parsed = vars(build_parser().parse_args(argv))
+    assert {key: parsed[key] for key in defaults} == defaults
+
+
+def test_a_scene_data_set_is_skipped_when_current_and_written_with_the_flags_when_not(tmp_path, monkeypatch, capsys):
+    written, current = [], [True]
+    monkeypatch.setattr(scenes_module, "describes", lambda held, sizes, seed, variation, only: current[0])
+    monkeypatch.setattr(scenes_module, "generate", lambda out, sizes, **options: written.append((sizes, options))
+                        or Path(out) / "dataset_scenes.json")
+    argv = ["data", "generate", "--out", str(tmp_path), "--train", "5", "--val", "1", "--test", "2", "--heldout", "0",
+            "--seed", "3", "--workers", "1", "--varied", "small-objects"]
+    main([*argv, "--if-stale"])
+    assert written == [] and "is up to date" in capsys.readouterr().out
+    main(argv)  # without --if-stale a current data set is written again
+    current[0] = False
+    main([*argv, "--if-stale", "--only", "test"])
+    sizes = {"train": 5, "val": 1, "test": 2, "heldout": 0}
+    assert written == [(sizes, {"seed": 3, "workers": 1, "variation": VARIATIONS["small-objects"], "only": None}),
+                       (sizes, {"seed": 3, "workers": 1, "variation": VARIATIONS["small-objects"], "only": ["test"]})]
+
+
+class Store(list):
+    """What ``extract_features`` returns, as far as ``captioner data features`` reads it."""
+    folder = "c"
+
+
+def test_the_ood_set_and_the_feature_store_get_their_flags(tmp_path, monkeypatch, scenes, capsys):
+    drawn, extracted = [], []
+    monkeypatch.setattr(ood_module, "generate_ood", lambda out, images, seed: drawn.append((out, images, seed)) or out)
+    main(["data", "ood", "--out", str(tmp_path), "--images", "3", "--seed", "4"])
+    assert drawn == [(str(tmp_path), 3, 4)]
+
+    def extract(images, spec, cache_dir, **options):
+        extracted.append(({im.split for im in images}, spec, cache_dir, options))
+        return Store(images)
+    monkeypatch.setattr(features_module, "extract_features", extract)
+    main(["data", "features", "--dataset", str(scenes), "--split", "val", "--split", "test", "--encoder",
+          "image_size=64", "--cache-dir", "c", "--batch-size", "5", "--shard-size", "7", "--no-progress",
+          "--device", "cpu"])
+    ((splits, spec, cache_dir, options),) = extracted
+    assert splits == {"val", "test"} and spec.image_size == 64 and cache_dir == "c"
+    assert options == {"batch_size": 5, "device": "cpu", "shard_size": 7, "progress": False}
+    with pytest.raises(SystemExit) as refused:
+        main(["data", "features", "--dataset", str(scenes), "--split", "nope"])
+    assert refused.value.code == 2 and "no images in split 'nope'" in capsys.readouterr().err
+
+
+def test_card_plot_params_and_zoo_table_hand_on_their_flags(tmp_path, monkeypatch, capsys):
+    cards, plots, tables, zoos = [], [], [], []
+    monkeypatch.setattr(card_module, "load_report", lambda path: {"test": {"BLEU-4": 0.1}})
+    monkeypatch.setattr(card_module, "check_report_scores", lambda report, path, checkpoint: None)
+    monkeypatch.setattr(card_module, "write_card", lambda *args: cards.append(args) or "card")
+    (tmp_path / "notes.md").write_text("measured twice")
+    main(["card", "ckpt", "--report", "r.json", "--title", "Mine", "--notes", str(tmp_path / "notes.md")])
+    assert cards == [("ckpt", {"test": {"BLEU-4": 0.1}}, "Mine", "measured twice")]
+    monkeypatch.setattr(curves_module, "plot_runs", lambda runs, out, labels: plots.append((runs, out, labels)))
+    main(["plot", "a", "b", "--label", "A", "--label", "B", "--out", str(tmp_path / "c.png")])
+    assert plots == [(["a", "b"], str(tmp_path / "c.png"), ["A", "B"])]
+    monkeypatch.setattr(params_module, "parameter_table", lambda vocab_size: tables.append(vocab_size) or {"m": 12})
+    main(["params", "--vocab-size", "9"])
+    assert tables == [9] and capsys.readouterr().out.splitlines()[-1] == "m                            12"
+    monkeypatch.setattr(zoo_table_module, "write_zoo", lambda *args: zoos.append(args) or "table")
+    (tmp_path / "scenes").mkdir()
+    main(["zoo-table", "--dataset", str(tmp_path / "scenes")])
+    assert zoos[0][4] == tmp_path / "scenes" / "dataset_scenes.json"
+
+
+def test_grounding_doc_without_its_checkpoints_folder_is_one_line(tmp_path, capsys):
+    # every file it writes named below tmp_path: a regression must not rewrite the checkout's docs
+    written = {option: str(tmp_path / name) for option, name in (("--results", "results"), ("--document", "g.md"),
+               ("--figure", "g.png"), ("--examples", "e.png"), ("--scene-results", "scene"))}
+    with pytest.raises(SystemExit) as refused:
+        main(["grounding-doc", "--weights-dir", str(tmp_path / "none"), *(x for pair in written.items() for x in pair)])
+    assert refused.value.code == 2 and capsys.readouterr().err.strip() == \
+        f"error: {tmp_path / 'none'} is not a folder of checkpoints"
+
+
+class Captioned:
+    """A ``CaptionResult`` as far as ``captioner caption`` reads it: its caption and what it draws."""
+
+    def __init__(self, drawn: list):
+        self.caption, self.drawn = "a cat", drawn
+
+    def figure(self, image, mode, **style):
+        self.drawn.append(("figure", mode, style))
+        return image
+
+    def overlay(self, image, token, mode, **style):
+        self.drawn.append(("overlay", token, mode, style))
+        return image
+
+
+@pytest.fixture
+def stub_pipeline(monkeypatch):
+    """``Pipeline`` replaced: the checkpoints opened, the searches asked for and the pictures drawn are recorded."""
+    record = SimpleNamespace(opened=[], searched=[], drawn=[])
+
+    class Pipeline:
+        def __init__(self, checkpoint, device):
+            record.opened.append(checkpoint)
+            self.ckpt = SimpleNamespace(meta={})
+
+        def __call__(self, images, beam_size, max_len, rules):
+            record.searched.append((len(images), beam_size, max_len, rules))
+            return [Captioned(record.drawn) for _ in images]
+    monkeypatch.setattr(pipeline_module, "Pipeline", Pipeline)
+    return record
+
+
+def test_caption_hands_its_flags_to_the_search_and_the_figure(tmp_path, stub_pipeline, capsys):
+    photo = tmp_path / "p.png"
+    Image.new("RGB", (4, 4)).save(photo)
+    main(["caption", str(photo), "--checkpoint", "a", "--beam-size", "5", "--max-len", "7", "--length-penalty", "1",
+          "--block-trigrams", "--overlay", str(tmp_path / "f.png"), "--token", "0", "--mode", "grid_blocks",
+          "--cmap", "gray", "--alpha", "0.25", "--device", "cpu"])
+    ((images, beam, longest, rules),) = stub_pipeline.searched
+    assert (images, beam, longest, rules.length_penalty, rules.block_trigrams) == (1, 5, 7, 1.0, True)
+    assert stub_pipeline.drawn == [("overlay", 0, "grid_blocks", {"cmap": "gray", "alpha": 0.25})]
+    assert capsys.readouterr().out == f"{photo}: a cat\n"  # one checkpoint: no label
+    main(["caption", str(photo), "--checkpoint", "x/a", "--checkpoint", "y/a", "--device", "cpu"])
+    assert capsys.readouterr().out.splitlines() == [f"{photo} [x/a]: a cat", f"{photo} [y/a]: a cat"]
+
+
+def test_caption_refuses_what_cannot_draw_before_any_model_loads(tmp_path, stub_pipeline, capsys):
+    photo = tmp_path / "p.png"
+    Image.new("RGB", (4, 4)).save(photo)
+    figure = str(tmp_path / "f.png")
+    for argv, message in (([str(photo), str(photo), "--overlay", figure], "--overlay takes exactly one image"),
+                          ([str(photo), "--overlay", figure, "--token", "0", "--checkpoint", "a", "--checkpoint", "b"],
+                           "--token renders one checkpoint's word"),
+                          ([str(photo), "--overlay", figure, "--mode", "nope"], "nope"),
+                          ([str(photo), "--overlay", figure, "--cmap", "nope"], "colormap 'nope'"),
+                          ([str(photo), "--overlay", str(photo)], "--overlay")):
+        with pytest.raises(SystemExit) as refused:
+            main(["caption", *argv, "--device", "cpu"])
+        assert refused.value.code == 2 and message in capsys.readouterr().err, argv
+    assert stub_pipeline.opened == []
+
+
+@pytest.mark.parametrize("text, value", [("1", True), ("true", True), ("Yes", True), (" ON ", True), ("0", False),
+                                         ("false", False), ("NO", False), ("off", False)])
+def test_a_boolean_of_a_grid_is_read_in_each_spelling_and_any_case(text, value):
+    assert yes_or_no(text) is value
+
+
+def test_counts_take_their_least_and_most_and_refuse_one_beyond():
+    assert (count("0"), positive_int("1"), at_least(1, 3)("3")) == (0, 1, 3)
+    for parse, text, message in ((count, "-1", "at least 0"), (positive_int, "0", "at least 1"),
+                                 (at_least(1, 3), "4", "at most 3"), (yes_or_no, "maybe", "neither on nor off")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)
+
+
+def test_an_output_is_a_file_in_a_folder_that_exists_and_a_figure_has_a_pictures_extension(tmp_path):
+    assert output_file(str(tmp_path / "r.json")) == str(tmp_path / "r.json")
+    assert figure_file(str(tmp_path / "f.PNG")) == str(tmp_path / "f.PNG")
+    for parse, text, message in ((output_file, tmp_path, "is a folder"),
+                                 (output_file, tmp_path / "none" / "r.json", "does not exist"),
+                                 (figure_file, tmp_path / "f.txt", "give a picture's file name")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(str(text))
+
+
+def test_a_checkpoint_is_written_only_into_a_new_or_empty_folder_unless_forced(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    for out in ("new", "empty"):
+        refuse_overwrite(tmp_path / out, force=False)
+    for out in ("full", "file"):
+        with pytest.raises(SystemExit, match="already exists: choose another OUT, or pass --force"):
+            refuse_overwrite(tmp_path / out, force=False, what="OUT")
+        refuse_overwrite(tmp_path / out, force=True)
+
+
+def test_an_output_may_not_be_an_input_a_file_of_a_folder_read_or_another_output(tmp_path):
+    data, checkpoint = tmp_path / "data.json", tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    refuse_input_as_output({"--output": checkpoint / "new.json", "--other": None}, [data], [checkpoint])
+    for outputs, message in (({"--output": data}, "--output .*data.json is one of the command's inputs"),
+                             ({"--output": checkpoint / "config.json"}, "is a file of .*ckpt"),
+                             ({"--output": tmp_path / "r.json", "--results-json": tmp_path / "r.json"},
+                              "--output and --results-json both name")):
+        with pytest.raises(SystemExit, match=message):
+            refuse_input_as_output(outputs, [data], [checkpoint])
+
+
+def test_key_values_read_json_and_python_literals_with_dashes_as_underscores():
+    assert key_values(["pre-norm=False", "d_model=256", "name=sat", "drop=None", "sizes=[1, 2]", "ok=true"]) == {
+        "pre_norm": False, "d_model": 256, "name": "sat", "drop": None, "sizes": [1, 2], "ok": True}
+    with pytest.raises(SystemExit, match="expected KEY=VALUE, got 'd_model'"):
+        key_values(["d_model"])
+
+
+def test_tune_decoding_scores_its_grid_and_stores_the_best_by_the_metric_asked_with_what_it_was_chosen_on(
+        tmp_path, monkeypatch, capsys):
+    """The grid and the checkpoint stubbed: what reaches the grid, and what the command records of its choice."""
+    grids, stored = [], []
+    rows = [{"length_penalty": 0.0, "block_trigrams": False, "block_doubled_words": False, "BLEU-4": 0.3,
+             "CIDEr-D": 0.9},
+            {"length_penalty": 1.0, "block_trigrams": True, "block_doubled_words": False, "BLEU-4": 0.4,
+             "CIDEr-D": 0.8}]
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(storage="float16"))
+    monkeypatch.setattr(checkpoint_module, "update_meta", lambda path, **fields: stored.append((path, fields)))
+    monkeypatch.setattr(datasets_module, "resolve_dataset", lambda dataset: dataset)
+    monkeypatch.setattr(datasets_module, "train_split_captions", lambda dataset, image_root: [["a", "cat"]])
+    monkeypatch.setattr(training_cli, "split_with_features", lambda ckpt, dataset, root, split, limit, cache, device:
+                        (["one", "two", "three"][:limit], "store"))
+
+    def grid(ckpt, images, store, penalties, trigrams, beam, longest, **options):
+        grids.append((images, penalties, trigrams, beam, longest, options))
+        return rows
+    monkeypatch.setattr(tuning_module, "decoding_grid", grid)
+    out = tmp_path / "rows.json"
+    out.write_text("an earlier search's")
+    earlier = out.stat().st_ino
+    main(["tune-decoding", "ckpt", "--dataset", "d.json", "--limit", "5", "--length-penalties", "0", "1",
+          "--block-trigrams", "off", "on", "--block-doubled-words", "no", "--beam-size", "4", "--max-len", "9",
+          "--metric", "BLEU-4", "--device", "cpu", "--output", str(out), "--write"])
+    assert grids == [(["one", "two", "three"], [0.0, 1.0], [False, True], 4, 9,
+                      {"device": "cpu", "training_captions": [["a", "cat"]], "doubled_options": [False]})]
+    best = {"length_penalty": 1.0, "block_trigrams": True, "block_doubled_words": False}
+    assert stored == [("ckpt", {"decoding": best, "decoding_chosen_on": {
+        "dataset": "d.json", "split": "val", "metric": "BLEU-4", "beam_size": 4, "images": 3, "score": 0.4,
+        "storage": "float16"}})]
+    assert json.loads(out.read_text()) == {"checkpoint": "ckpt", "dataset": "d.json", "split": "val", "beam_size": 4,
+                                           "metric": "BLEU-4", "best": best, "rows": rows}
+    assert "best by BLEU-4 on val: length_penalty=1" in capsys.readouterr().out
+    assert out.stat().st_ino != earlier  # replaced whole, not rewritten in place
+
+
+def test_export_searches_the_weights_folder_beside_named_checkpoints_only_with_all(tmp_path, monkeypatch, capsys):
+    searched, found = [], {"a": Path("x/a")}
+    monkeypatch.delenv("CAPTIONER_CHECKPOINTS", raising=False)
+    monkeypatch.delenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", raising=False)
+    monkeypatch.setattr(checkpoint_module, "find_checkpoints", lambda weights_dir, extra, prefixed, on_replaced:
+                        searched.append(weights_dir) or found)
+    monkeypatch.setattr(onnx_module, "export_checkpoints", lambda found, out, log: {})
+    for argv in (["x/a"], ["x/a", "--all"], []):
+        main(["export", *argv, "--weights-dir", "w", "--out", str(tmp_path)])
+    assert searched == [None, "w", "w"]
+    found.clear()
+    with pytest.raises(SystemExit) as refused:
+        main(["export", "--weights-dir", "w", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "error: no checkpoint found in w" in capsys.readouterr().err
+
+
+def test_export_exits_1_for_a_model_it_cannot_export_only_when_strict(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "find_checkpoints", lambda *args, **options: {"a": Path("x/a")})
+    monkeypatch.setattr(onnx_module, "export_checkpoints",
+                        lambda found, out, log: {"a": onnx_module.ExportUnsupported("a loop the graph cannot hold")})
+    main(["export", "--weights-dir", "w", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as failed:
+        main(["export", "--weights-dir", "w", "--out", str(tmp_path), "--strict"])
+    assert failed.value.code == 1
+
+
+def test_models_lists_one_name_a_line_and_a_models_options_with_the_required_ones_said(monkeypatch, capsys):
+    main(["models"])
+    assert capsys.readouterr().out.splitlines() == zoo.available()
+    monkeypatch.setattr(zoo, "options", lambda name: {"vocab_size": zoo.REQUIRED, "depth": zoo.REQUIRED, "width": 8,
+                                                      "norm": "layer", "bias": None})
+    main(["models", "anything"])
+    assert capsys.readouterr().out.splitlines() == [
+        "depth  (required)", "width=8", 'norm="layer"', "bias=null",
+        f"# from the data set and the encoder, not --set: {', '.join(zoo.PROTOCOL_ARGUMENTS)}"]
+
+
+def test_train_takes_attention_as_a_model_option_given_so_a_resume_changes_it():
+    args = build_parser().parse_args(["train", "--out", "x", "--attention", "tvmax", "--lr", "0.1"])
+    assert training_cli.given_options(args) == {"out", "lr", "model_args"}  # no --set: --attention alone counts
+    args = build_parser().parse_args(["train", "--out", "x", "--attention", "tvmax", "--set", "depth=2"])
+    assert training_cli.train_config_from_args(args).model_args == {"depth": 2, "attention": "tvmax"}
+
+
+def test_a_model_option_set_on_the_command_line_wins_over_the_recipes():
+    args = build_parser().parse_args(["train", "--recipe", "sat", "--out", "x", "--set", "dropout=0.1"])
+    assert training_cli.train_config_from_args(args).model_args == {"doubly_stochastic": 1.0, "dropout": 0.1}
+
+
+def test_an_interrupted_run_exits_130_and_a_moved_data_set_is_hinted_only_when_not_given(monkeypatch, capsys):
+    monkeypatch.setattr(training_cli.signal, "signal", lambda signum, handler: None)  # pytest's SIGTERM stays
+
+    def interrupted(cfg, resume, explicit):
+        raise training_module.TrainingInterrupted("stopped after step 3: --resume continues it")
+    monkeypatch.setattr(training_module, "train", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--out", "x"])
+    assert stopped.value.code == 130 and "stopped after step 3" in capsys.readouterr().err
+
+    def data_gone(cfg, resume, explicit):
+        raise FileNotFoundError("photos/1.png")
+    monkeypatch.setattr(training_module, "train", data_gone)
+    for given, hinted in (([], True), (["--dataset", "d.json"], False)):
+        with pytest.raises(SystemExit):
+            main(["train", "--out", "x", "--resume", *given])
+        said = capsys.readouterr().err
+        assert "photos/1.png" in said and ("the run's data moved?" in said) is hinted, given
+
+
+def test_an_ensemble_records_the_data_and_visual_items_its_first_member_was_trained_on(tmp_path, capsys):
+    trained = {"dataset": "d.json", "image_root": "photos", "features": "regions:boxes", "lr": 0.1}
+    members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC,
+                               {"train_config": trained}) for seed, name in enumerate(("a", "b"))]
+    main(["ensemble", str(tmp_path / "both"), *map(str, members)])
+    assert load_checkpoint(tmp_path / "both").meta["train_config"] == {
+        "dataset": "d.json", "image_root": "photos", "features": "regions:boxes"}
