@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import logging
 import re
 import shlex
 import shutil
@@ -33,6 +34,7 @@ from captioner.models.zoo import create
 from captioner.service import app as service_app
 from captioner.service import cli, lifecycle, middleware
 from captioner.service.cli import build_parser, main, read_settings
+from captioner.service.middleware import JsonFormatter, TextFormatter, configure_logging
 
 from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS, free_port
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
@@ -799,3 +801,35 @@ def test_no_output_option_writes_over_what_the_command_reads(tmp_path, capsys):
             main([str(arg) for arg in args])
         assert said in capsys.readouterr().err, args
         assert {path: path.read_bytes() for path in kept} == kept, args
+
+
+@pytest.fixture
+def service_loggers():
+    """The service's loggers as they were before the test configured them."""
+    kept = {name: (logging.getLogger(name).handlers[:], logging.getLogger(name).level,
+                   logging.getLogger(name).propagate) for name in middleware.SERVICE_LOGGERS}
+    yield
+    for name, (handlers, level, propagate) in kept.items():
+        logger = logging.getLogger(name)
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)
+
+
+def test_logging_is_configured_once_in_the_format_and_level_asked_for_uvicorn_too(service_loggers, capsys):
+    for _ in range(2):  # idempotent: a second call leaves one handler, not two
+        configure_logging("text", "warning")
+    assert middleware.SERVICE_LOGGERS == ("captioner", "uvicorn")
+    for name in middleware.SERVICE_LOGGERS:
+        logger = logging.getLogger(name)
+        (handler,) = logger.handlers
+        assert isinstance(handler.formatter, TextFormatter) and not isinstance(handler.formatter, JsonFormatter)
+        assert logger.level == logging.WARNING and logger.propagate is False
+    # loggers of this test's own below each (uvicorn's may keep handlers an earlier test's server gave them)
+    logging.getLogger("uvicorn.test-cli").info("not shown")
+    logging.getLogger("uvicorn.test-cli").warning("shown")
+    (line,) = capsys.readouterr().err.splitlines()  # once: not again through the root logger
+    assert line.endswith(" WARNING uvicorn.test-cli: shown")
+    configure_logging("json", "info")
+    logging.getLogger("captioner.test-cli").info("hello")
+    (record,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert (record["logger"], record["level"], record["msg"]) == ("captioner.test-cli", "info", "hello")

@@ -10,6 +10,7 @@ import pytest
 
 from captioner.models.registry import MODELS, model_class, register
 from captioner.models.sat import ShowAttendTell
+from captioner.models import zoo
 from captioner.models.zoo import REQUIRED, UnknownModel, available, create, options
 
 
@@ -131,3 +132,17 @@ def test_a_broken_plugin_is_named_in_a_warning_and_the_built_in_models_stay(tmp_
     assert "sat" in listed.stdout.split()
     assert "model plugin 'broken' (broken_models, entry-point group captioner.models) failed to load: " \
            "ImportError: needs a package that is missing" in listed.stderr
+
+
+class BrokenEntry:
+    """An entry point whose module raises what a third-party import may raise, not only ImportError."""
+    name, value = "broken", "broken_models"
+
+    def load(self):
+        raise RuntimeError("a GPU library that would not start")
+
+
+def test_a_plugin_failing_with_any_exception_is_returned_and_warned_about(monkeypatch):
+    monkeypatch.setattr(zoo.importlib.metadata, "entry_points", lambda group: [BrokenEntry()])
+    with pytest.warns(RuntimeWarning, match="model plugin 'broken' .* RuntimeError: a GPU library"):
+        assert zoo.load_plugins() == {"broken": "RuntimeError: a GPU library that would not start"}
