@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
+from captioner.models import zoo
 from captioner.models.registry import MODELS, model_class, register
 from captioner.models.sat import ShowAttendTell
-from captioner.models import zoo
 from captioner.models.zoo import REQUIRED, UnknownModel, available, create, options
 
 
