@@ -135,15 +135,25 @@ def test_eval_reports_all_metrics(tmp_path, scenes):
 
 def test_eval_writes_the_report_the_library_call_returns(tmp_path, scenes, one_thread):
     """``captioner eval`` is flags and printing around ``evaluation_report``: a Python user who calls it gets the
-    report (and the COCO results) the command writes, byte for byte."""
+    report (and the COCO results) the command writes, byte for byte.  The scenes are given COCO ids, as a COCO
+    Karpathy JSON holds them: the results are keyed by those, not by the data set's own ids."""
+    dataset = json.loads(scenes.read_text())
+    for entry in dataset["images"]:
+        entry["cocoid"] = 1000 + entry["imgid"]
+    coco = tmp_path / "dataset_coco.json"
+    coco.write_text(json.dumps(dataset))
     out, results = tmp_path / "report.json", tmp_path / "results.json"
-    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(scenes), "--split", "val", "--split", "test",
-              "--limit", "3", "--no-meteor", "--misses", "2", "--block-trigrams", "--threads", "1", "--cache-dir",
-              str(tmp_path / "cache"), "--output", str(out), "--results-json", str(results))
-    evaluation = evaluation_report(str(DEFAULT_CHECKPOINT), scenes, ["val", "test"], limit=3, meteor=False, misses=2,
-                                   block_trigrams=True, cache_dir=tmp_path / "cache", progress=False)
+    captioner("eval", str(DEFAULT_CHECKPOINT), "--dataset", str(coco), "--image-root", str(scenes.parent), "--split",
+              "val", "--split", "test", "--limit", "3", "--no-meteor", "--misses", "2", "--block-trigrams",
+              "--threads", "1", "--cache-dir", str(tmp_path / "cache"), "--output", str(out), "--results-json",
+              str(results))
+    evaluation = evaluation_report(str(DEFAULT_CHECKPOINT), coco, ["val", "test"], image_root=scenes.parent, limit=3,
+                                   meteor=False, misses=2, block_trigrams=True, cache_dir=tmp_path / "cache",
+                                   progress=False)
     assert out.read_text() == json.dumps(evaluation.report, indent=2) + "\n"
     assert results.read_text() == json.dumps(evaluation.coco_results) + "\n"
+    scored = [image for split in ("val", "test") for image in evaluation.images[split]]
+    assert [result["image_id"] for result in evaluation.coco_results] == [1000 + im.image_id for im in scored]
     assert [len(evaluation.captions[split]) for split in ("val", "test")] == [3, 3]
     assert evaluation.report["test"]["BLEU-1 misses"]["caption_words"] == sum(
         len(words) for words in evaluation.captions["test"].values())
