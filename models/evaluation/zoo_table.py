@@ -188,7 +188,7 @@ def write_between_markers(document: Path, block: list[str]) -> str:
         held, missing = (start, end) if start in text else (end, start)
         raise ValueError(f"{document}: {held} without {missing}: put the missing marker back (the text between them "
                          "is replaced) or remove this one (the block is appended)")
-    if start in text and end in text:
+    if start in text:  # and so is the end, by the check above
         before, rest = text.split(start, 1)
         if end not in rest:  # the markers in the wrong order: which text is the generated part cannot be told
             raise ValueError(f"{document}: {end} comes before {start}: put the markers in order (the text between "
