@@ -15,6 +15,7 @@ import captioner.models.data.features as features_module
 import captioner.models.training.state as state_module
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.encoder import EncoderSpec
+from captioner.models.evaluation.zoo_table import write_between_markers
 from captioner.models.export.onnx import _trace_graphs, export_visual_encoder
 from captioner.models.files import describe_os_error, write_atomically
 from captioner.models.training import run_log
@@ -74,6 +75,26 @@ def test_an_atomic_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
         write_atomically(tmp_path / "report.md", "text\n")
     assert describe_os_error(caught.value) == f"{tmp_path / 'report.md'}: No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_generated_table_that_meets_a_full_disk_leaves_the_document_and_its_prose_as_they_were(tmp_path, monkeypatch):
+    """``make zoo-table``/``zoo-f8k``/``grounding-doc`` rewrite a hand-written document around their block: written in
+    place, a write cut off half-way left the prose after the cut gone."""
+    document = tmp_path / "model_zoo.md"
+    prose = "# Model zoo\n\nHand-written prose before.\n\n<!-- start -->\nold table\n<!-- end -->\n\nAnd after.\n"
+    document.write_text(prose)
+    original_write_bytes = Path.write_bytes
+
+    def half_then_full(path, data):
+        original_write_bytes(path, data[:len(data) // 2])  # what reached the disk before it filled
+        full_disk()
+
+    monkeypatch.setattr(Path, "write_bytes", half_then_full)
+    monkeypatch.setattr(Path, "write_text", lambda path, text, *a, **k: half_then_full(path, text.encode()))
+    with pytest.raises(OSError) as caught:
+        write_between_markers(document, ["<!-- start -->", "new table", "<!-- end -->"])
+    assert describe_os_error(caught.value) == f"{document}: No space left on device"
+    assert document.read_bytes() == prose.encode() and list(tmp_path.iterdir()) == [document]
 
 
 def test_a_full_disk_while_tracing_is_an_os_error_naming_the_graph_not_an_unexportable_model(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import checkpoint_children, described_model, read_config
-from ..files import read_text_file
+from ..files import read_text_file, write_atomically
 from ..protocol import configured_normaliser
 from .card import load_report, merge_reports, total_train_seconds
 from .params import count_parameters
@@ -179,8 +179,9 @@ def write_zoo(weights: Path, results: Path, document: Path, figure: Path, datase
 
 def write_between_markers(document: Path, block: list[str]) -> str:
     """Put ``block`` (its first and last lines are the markers) in place of the document's text between those
-    markers, or append it once when the document has none; the prose around it stays.  A document with one marker
-    alone, or its end before its start, is a :class:`ValueError`, the document left as it was."""
+    markers, or append it once when the document has none; the prose around it stays, a failed write included (the
+    document is replaced whole).  A document with one marker alone, or its end before its start, is a
+    :class:`ValueError`, the document left as it was."""
     start, end = block[0], block[-1]
     text = read_text_file(document) if document.exists() else ""
     if (start in text) != (end in text):
@@ -197,5 +198,5 @@ def write_between_markers(document: Path, block: list[str]) -> str:
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(block) + "\n"
     document.parent.mkdir(parents=True, exist_ok=True)
-    document.write_text(text)
+    write_atomically(document, text)  # a full disk half-way would otherwise leave the prose around the block cut off
     return "\n".join(block)
