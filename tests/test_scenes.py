@@ -13,7 +13,8 @@ from captioner.models.data import scenes as scenes_module
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import BACKGROUNDS, COLOURS, DEFAULT_SIZES, GENERATOR_VERSION, HELDOUT_COMBOS, \
     SHAPES, SIZES, VARIATIONS, SceneObject, Variation, article, captions_for, dataset_header, generate, \
-    generate_arguments, is_current, named_objects, object_naming_accuracy, read_dataset_header, sample_scene
+    generate_arguments, is_current, named_objects, object_naming_accuracy, read_dataset_header, sample_scene, \
+    split_indices
 from captioner.models.files import write_atomically
 from captioner.service.cli import main
 
@@ -84,6 +85,7 @@ def test_references_name_counts_places_and_order_as_the_scene_holds_them():
     assert texts([obj("circle", "red", 150, 75)], wide)[2] == "a red circle in the centre"
     assert texts([obj("circle", "red", 30, 75)], wide)[2] == "a red circle on the left"
     assert texts([obj("circle", "red", 270, 20)], wide)[2] == "a red circle in the top right"
+    assert texts([obj("circle", "red", 100, 100)], wide)[2] == "a red circle in the centre"  # on the thirds' lines
     # the upper group first, though it is the one further right
     assert texts([obj("circle", "red", 100, 200), obj("square", "blue", 110, 50)])[2] == \
         "a blue square above a red circle"
@@ -94,6 +96,10 @@ def test_references_name_counts_places_and_order_as_the_scene_holds_them():
                             "a blue square to the left of three red circles", f"there is {listing} in the picture"]
     assert wordings[4].startswith("four shapes ") and wordings[4].endswith(" a small blue square and three small red "
                                                                            "circles")
+    pair = texts([obj("circle", "red", 50, 128), obj("circle", "red", 150, 128)])
+    assert pair[0] == "two red circles" and pair[3] == "there are two red circles in the picture"
+    assert texts([obj("circle", "red", 30, 128), obj("square", "blue", 128, 128), obj("star", "green", 220, 128)])[2] \
+        == "a red circle and a blue square and a green star from left to right"
 
 
 def test_heldout_combinations_only_in_heldout_split(scenes):
@@ -120,6 +126,63 @@ def test_object_naming_accuracy():
     assert object_naming_accuracy([]) == 0.0  # no objects: nothing named, not a ZeroDivisionError
 
 
+def test_the_documented_vocabulary_splits_and_default_sizes():
+    """docs/decisions.md's "Generated scenes": 5 shapes × 6 colours × 2 sizes on four backgrounds, the five
+    held-out pairs, 6000 / 500 / 500 / 500 scenes numbered split after split (a shipped checkpoint's test scenes are
+    6500–6999)."""
+    assert SHAPES == ("circle", "square", "triangle", "star", "diamond")
+    assert list(COLOURS) == ["red", "green", "blue", "yellow", "purple", "orange"] and list(SIZES) == ["small", "large"]
+    assert BACKGROUNDS == ("plain", "striped", "checkered", "dotted")
+    assert HELDOUT_COMBOS == {("red", "triangle"), ("green", "star"), ("blue", "diamond"), ("yellow", "circle"),
+                              ("purple", "square")}
+    assert split_indices(DEFAULT_SIZES) == {"train": range(0, 6000), "val": range(6000, 6500),
+                                            "test": range(6500, 7000), "heldout": range(7000, 7500)}
+
+
+def test_objects_lie_apart_inside_the_canvas_at_their_sizes():
+    """Each object keeps 4 px from the canvas's edges and 8 px beyond its neighbours' circumcircles (its mask whole),
+    on a wide canvas too; scenes hold 1 to 4 objects of both sizes, each radius in its size's range."""
+    rng = random.Random(5)
+    counts, sizes_seen = set(), set()
+    for canvas in ((256, 256), (320, 200)):
+        for index in range(150):
+            objects, _ = sample_scene(rng, heldout=index % 4 == 0, canvas=canvas)
+            counts.add(len(objects))
+            for i, obj in enumerate(objects):
+                sizes_seen.add(obj.size)
+                assert SIZES[obj.size][0] <= obj.radius <= SIZES[obj.size][1]
+                margin = obj.radius + 4
+                assert margin <= obj.x <= canvas[0] - margin and margin <= obj.y <= canvas[1] - margin, (canvas, obj)
+                for other in objects[i + 1:]:
+                    assert math.hypot(obj.x - other.x, obj.y - other.y) > obj.radius + other.radius + 8
+    assert counts == {1, 2, 3, 4} and sizes_seen == set(SIZES)
+
+
+def test_each_image_is_a_karpathy_entry_with_its_mask_and_objects(scenes):
+    for entry in json.loads(scenes.read_text())["images"]:
+        name = f"scene_{entry['imgid']:06d}"
+        assert entry["filepath"] == "images" and entry["filename"] == f"{name}.jpg"
+        assert entry["mask"] == f"masks/{name}.png"
+        for sentence in entry["sentences"]:
+            assert sentence["raw"] == " ".join(sentence["tokens"]) and sentence["imgid"] == entry["imgid"]
+    # places to a tenth of a pixel
+    assert SceneObject("star", "red", "small", 12.34, 200.06, 19.94).to_json() == {
+        "shape": "star", "colour": "red", "size": "small", "center": [12.3, 200.1], "radius": 19.9}
+
+
+def test_each_background_draws_the_pattern_its_references_name():
+    """"on a dotted background": plain is one shade, striped and checkered two shades about half and half, dotted a
+    second shade in small dots (noise off, so the shades are exact)."""
+    for kind in BACKGROUNDS:
+        pixels = np.asarray(scenes_module._background(random.Random(2), kind, noise=(0.0, 0.0))).reshape(-1, 3)
+        counts = np.unique(pixels, axis=0, return_counts=True)[1]
+        share = counts.min() / counts.sum()
+        if kind == "plain":
+            assert len(counts) == 1
+        else:
+            assert len(counts) == 2 and (share < 0.25 if kind == "dotted" else 0.35 < share <= 0.5), (kind, share)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Wording: articles
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,6 +192,7 @@ def test_article_for_every_word_that_can_follow_one():
         assert article(word) == ("an" if word in vowel_sound else "a"), word
     assert article("Orange") == "an" and article("umbrella") == "an"
     assert article("unit") == "a" and article("hour") == "an"  # sound, not spelling
+    assert [article(word) for word in ("one", "unique", "uniform", "user", "honest")] == ["a", "a", "a", "a", "an"]
 
 
 def test_references_use_an_before_vowel_sounds():
@@ -170,6 +234,13 @@ def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
     old.mkdir()
     (old / "dataset_scenes.json").write_text(json.dumps({"dataset": "scenes", "seed": 7, "images": []}))
     assert not is_current(old, sizes, seed=seed)
+    # the same settings from another generator version: stale, and not a set this generator draws again
+    same = read_dataset_header(scenes)
+    (old / "dataset_scenes.json").write_text(json.dumps({**same, "images": []}))
+    assert is_current(old, sizes, seed=seed)
+    older = {**same, "generator_version": GENERATOR_VERSION - 1}
+    (old / "dataset_scenes.json").write_text(json.dumps({**older, "images": []}))
+    assert not is_current(old, sizes, seed=seed) and generate_arguments(older) is None
     (old / "dataset_scenes.json").write_text("{not json")  # a torn file: no data set, written again
     assert read_dataset_header(old / "dataset_scenes.json") is None and not is_current(old, sizes, seed=seed)
 
@@ -195,6 +266,7 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
     assert generate_arguments(read_dataset_header(part)) == [
         "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
     assert generate_arguments(dataset_header(0, DEFAULT_SIZES, None)) == []  # `make data`'s set: no flag at all
+    assert generate_arguments(dataset_header(1, DEFAULT_SIZES, None)) == ["--seed", "1"]
 
 
 def test_unknown_splits_are_refused_and_the_annotations_written_atomically(tmp_path, monkeypatch):
@@ -206,6 +278,13 @@ def test_unknown_splits_are_refused_and_the_annotations_written_atomically(tmp_p
                         lambda path, text: written.append(path) or write_atomically(path, text))
     path = generate(tmp_path / "one", {"test": 1}, progress=False)
     assert written == [path] and len(json.loads(path.read_text())["images"]) == 1
+
+
+def test_a_progress_bar_only_where_asked(tmp_path, capsys):
+    generate(tmp_path / "quiet", {"test": 1}, progress=False)
+    assert capsys.readouterr().err == ""
+    generate(tmp_path / "shown", {"test": 1}, progress=True)
+    assert "generating scenes" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("only_held", [None, 5, [["test"]]], ids=["whole", "altered", "altered-list"])
@@ -242,6 +321,8 @@ def test_varied_scenes_vary_and_stay_consistent(tmp_path):
     assert data == json.loads(again.read_text()) and data["variation"]["hue_jitter"] == 0.02
     canvases = {tuple(e["canvas"]) for e in data["images"]}
     assert len(canvases) > 5 and any(w < h for w, h in canvases) and any(w > h for w, h in canvases)
+    assert (256, 256) in canvases  # a share of them on the classic canvas
+    assert {obj["size"] for entry in data["images"] for obj in entry["objects"]} == set(SIZES)
     for entry in data["images"]:
         image = Image.open(path.parent / "images" / entry["filename"])
         mask = np.asarray(Image.open(path.parent / entry["mask"]))
