@@ -13,12 +13,13 @@ from pycocoevalcap.bleu.bleu import Bleu
 
 from captioner.models.checkpoint import FORMAT
 from captioner.models.data.karpathy import load_karpathy
+from captioner.models.evaluation import zoo_f8k
 from captioner.models.evaluation.bootstrap import percentile_interval, resample_counts, resampled_ratios
 from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
     paired_corpus_difference, scored_captions
 from captioner.models.evaluation.metrics import cider_d, reference_texts, score_captions
-from captioner.models.evaluation.zoo_f8k import difference, floor_lines, markdown, model_row, ordered_names, points, \
-    ptb_lines, title
+from captioner.models.evaluation.zoo_f8k import add_ptb_scores, difference, floor_lines, markdown, model_row, \
+    ordered_names, points, ptb_lines, read_report, title, write_f8k_section
 from captioner.service.cli import main
 
 # invented photos: five references each
@@ -241,6 +242,7 @@ def test_a_rows_cells_are_its_scores_times_100_and_its_differences_from_the_base
                                      "12.3 | 1.50 | 42 | 25.0 % | 9.0 | +3.2 [+1.1, +5.4] † | -3.0 [-5.0, -1.2] † |")
     assert model_row({**row, "name": "sat"}, "sat").endswith(" | 9.0 | — | — |")
     assert difference({"difference": 0.01, "ci95": [-0.01, 0.03]}) == "+1.0 [-1.0, +3.0]"
+    assert difference({"difference": 0.5, "ci95": [0.4, 0.6]}) == "+50.0 [+40.0, +60.0] †"  # × 100, not rounded away
     # a report older than a measure says nothing of it
     assert model_row({"name": "old", "title": "O", "split": {"images": 8}}, "sat") == \
         "| O | — | — | — | — | — | — | — | unavailable | — | — | — | — | — | — |"
@@ -261,6 +263,10 @@ def test_the_floors_are_met_at_their_numbers_and_need_both_differences_above_zer
             {"name": "xtransformer", "title": "XT `xtransformer`", "split": None},
             {"name": "ensemble", "title": "E `ensemble`", "split": {"CIDEr-D": 0.70, "BLEU-4": 0.26}}]
     lines = floor_lines(rows, "sat")
+    assert lines[0] == "Floors (issue): each SAT checkpoint at least the paper's hard-attention row (Xu et al. 2015, " \
+                       "hard attention) on BLEU-1..4 and METEOR:"
+    assert "Each of AoANet, X-LAN and X-Transformer above `sat` on CIDEr-D and BLEU-4, both 95 % intervals excluding " \
+           "0:" in lines
     bleu = "BLEU-1 67.00 vs 67, BLEU-2 45.70 vs 45.7, BLEU-3 31.40 vs 31.4, BLEU-4 21.30 vs 21.3"
     assert f"- S `sat`: **met**: {bleu}, METEOR 20.30 vs 20.30" in lines  # at the paper's numbers: met
     assert f"- SS `sat-supervised`: **not met (short on METEOR)**: {bleu}, METEOR — vs 20.30" in lines
@@ -284,12 +290,27 @@ def test_the_ptb_table_shows_each_rows_shift_from_the_tables_scores():
     assert "no Java to run it" in ptb_lines([{key: measured[key] for key in ("name", "title", "split")}])[0]
 
 
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_the_ptb_scores_are_against_the_raw_references(tmp_path):
+    """coco-caption scores against a data set's raw references (through the PTB tokenizer), not the project's tokens
+    of them: here the tokens say something else, and the captions are the raw texts word for word."""
+    images = [{"imgid": i, "split": "test", "filename": f"{i}.jpg",
+               "sentences": [{"tokens": "a picture of something here".split(), "raw": refs[0]}]}
+              for i, refs in enumerate(SCENES)]
+    (tmp_path / "dataset_flickr8k.json").write_text(json.dumps({"dataset": "flickr8k", "images": images}))
+    rows = [{"name": "exact"}]
+    add_ptb_scores(rows, load_karpathy(tmp_path / "dataset_flickr8k.json", splits=("test",)), TEST_IDS,
+                   {"exact": EXACT})
+    assert rows[0]["ptb"]["BLEU-4"] == pytest.approx(1.0)
+
+
 def test_rows_follow_the_table_order_then_the_others_by_name():
     shipped = ["sat", "sat-supervised", "sat-hard", "aoanet", "xlan", "xtransformer", "sparsecap-softmax",
                "sparsecap-sparsemax", "sparsecap-tvmax", "area-transformer", "ensemble"]
     others = ["zeta", "alpha", "mu", "beta", "omega", "kappa"]
     assert ordered_names({*others, *shipped}) == [*shipped, *sorted(others)]
     table = markdown([{"name": "kappa", "title": "K", "split": None}], "sat", "test", Path("results"))
+    assert table[1] == "|---|" + "---:|" * 14  # Markdown's rule under the head: the model column left, scores right
     assert [line.split(" | ")[0][2:] for line in table[2:5]] == [
         "*Xu et al. 2015, soft attention (paper)*", "*Xu et al. 2015, hard attention (paper)*", "K: not measured"]
 
@@ -297,6 +318,9 @@ def test_rows_follow_the_table_order_then_the_others_by_name():
 def test_a_checkpoint_title_comes_from_its_config():
     config = {"arch": "sparsecap", "model": {"attention": "tvmax"}, "meta": {"phase": "scst"}}
     assert title("sparsecap-tvmax", config) == "SparseCap (TVmax) + SCST `sparsecap-tvmax`"
+    assert [title(name, {"arch": "sparsecap", "model": {"attention": name[10:]}})
+            for name in ("sparsecap-softmax", "sparsecap-sparsemax")] == [
+        "SparseCap (softmax) `sparsecap-softmax`", "SparseCap (sparsemax) `sparsecap-sparsemax`"]
     assert title("sat", {"arch": "sat"}) == "SAT soft `sat`"
     supervised = {"arch": "sat", "meta": {"train_config": {"attention_supervision": "entities:DIR"}}}
     assert title("sat-supervised", supervised) == "SAT soft, supervised attention `sat-supervised`"
@@ -311,7 +335,9 @@ def test_without_reports_nothing_needs_the_data_set(tmp_path):
     main(["zoo-f8k", "--weights-dir", str(weights), "--results", str(tmp_path / "none"),
           "--document", str(tmp_path / "doc.md")])
     text = (tmp_path / "doc.md").read_text()
-    assert "SAT soft `sat`: not measured" in text and "no checkpoint measured yet" in text
+    assert "SAT soft `sat`: not measured" in text
+    assert "\nThe best model (by CIDEr-D) at CIDEr-D ≥ 70 and BLEU-4 ≥ 26: no checkpoint measured yet.\n" in text
+    assert "Every model row is `captioner eval` on the test photos of Flickr8k (" in text  # no report: no count
     # the paper's rows stand whether or not their checkpoint is shipped; no measured row, no PTB sentence
     assert "| *Xu et al. 2015, hard attention (paper)* |" in text and "PTB" not in text
     assert "- AoANet `aoanet`" not in text and "- `aoanet`: not shipped yet" in text
@@ -348,6 +374,27 @@ def test_bad_input_is_a_one_line_error(zoo, break_it, message):
     with pytest.raises(SystemExit, match=r"^error: .*" + message) as raised:
         main(args)
     assert "\n" not in str(raised.value)
+
+
+def test_decoding_rules_are_checked_only_of_a_report_that_records_them_against_its_checkpoint(tmp_path):
+    """A report without its checkpoint has no defaults to hold its rules to, and one written before reports
+    recorded their rules has none to compare: both are read, not refused."""
+    write_results(tmp_path, "xlan", GENERIC, decoding={"length_penalty": 1.0, "block_trigrams": True})
+    assert read_report(tmp_path / "xlan.json", "test", None)["images"] == len(TEST_IDS)
+    report = json.loads((tmp_path / "xlan.json").read_text())
+    del report["decoding"]
+    (tmp_path / "xlan.json").write_text(json.dumps(report))
+    config = {"arch": "xlan", "meta": {"decoding": {"length_penalty": 0.5, "block_trigrams": True}}}
+    assert read_report(tmp_path / "xlan.json", "test", config)["images"] == len(TEST_IDS)
+
+
+def test_the_sections_own_default_is_the_commands_2000_resamples(tmp_path, monkeypatch):
+    """test_shipped_results.py writes the section without a number of resamples to match what `make zoo-f8k` wrote
+    with the command's default: the two are the same 2,000."""
+    drawn = []
+    monkeypatch.setattr(zoo_f8k, "collect_rows", lambda *args: drawn.append(args[-1]) or [])
+    write_f8k_section(tmp_path / "weights", tmp_path / "results", tmp_path / "doc.md")
+    assert drawn == [2000]
 
 
 def test_a_report_of_other_weights_than_the_checkpoints_is_refused(zoo):
