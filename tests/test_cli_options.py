@@ -10,18 +10,21 @@ import pytest
 from PIL import Image
 
 from captioner.models import checkpoint as checkpoint_module
+from captioner.models import device as device_module
 from captioner.models import pipeline as pipeline_module
 from captioner.models import training as training_module
 from captioner.models import zoo
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.cli import training as training_cli
-from captioner.models.cli.common import at_least, count, figure_file, key_values, output_file, positive_int, \
-    refuse_input_as_output, refuse_overwrite, yes_or_no
+from captioner.models.cli.common import DEFAULT_DATA, at_least, count, figure_file, key_values, output_file, \
+    positive_int, refuse_input_as_output, refuse_overwrite, yes_or_no
 from captioner.models.data import datasets as datasets_module
 from captioner.models.data import features as features_module
 from captioner.models.data import ood as ood_module
+from captioner.models.data import regions as regions_module
 from captioner.models.data import scenes as scenes_module
 from captioner.models.data.scenes import DEFAULT_SIZES, VARIATIONS
+from captioner.models.device import resolve_device
 from captioner.models.evaluation import card as card_module
 from captioner.models.evaluation import params as params_module
 from captioner.models.evaluation import report as report_module
@@ -31,6 +34,7 @@ from captioner.models.export import onnx as onnx_module
 from captioner.models.training import curves as curves_module
 from captioner.service.cli import build_parser, main
 
+from .conftest import SCENE_SIZES
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,10 +114,12 @@ DEFAULTS = [
     (["tune-decoding", "c"], {"split": "val", "block_trigrams": [False, True], "block_doubled_words": [False],
                               "metric": "CIDEr-D", "beam_size": 3, "max_len": 20}),
     (["ensemble", "out", "a", "b"], {"max_members": 4, "min_gain": 0.005, "beam_size": 3, "storage": "float32"}),
-    (["data", "generate"], {"seed": 0, "workers": 2, **DEFAULT_SIZES}),
+    (["data", "generate"], {"out": DEFAULT_DATA, "seed": 0, "workers": 2, **DEFAULT_SIZES}),
     (["data", "generate", "--varied"], {"varied": "standard"}),
     (["data", "ood"], {"out": ".cache/ood", "images": 500, "seed": 0}),
     (["data", "features"], {"batch_size": 32, "shard_size": 1024, "cache_dir": ".cache/features"}),
+    (["data", "regions", "--out", "r"], {"dataset": DEFAULT_DATA, "encoder": [], "cache_dir": ".cache/features",
+                                         "device": "auto", "threads": None}),
 ]
 
 
@@ -133,6 +139,7 @@ def test_a_scene_data_set_is_skipped_when_current_and_written_with_the_flags_whe
     main([*argv, "--if-stale"])
     assert written == [] and "is up to date" in capsys.readouterr().out
     main(argv)  # without --if-stale a current data set is written again
+    assert f"wrote {tmp_path / 'dataset_scenes.json'}\n" in capsys.readouterr().out
     current[0] = False
     main([*argv, "--if-stale", "--only", "test"])
     sizes = {"train": 5, "val": 1, "test": 2, "heldout": 0}
@@ -149,21 +156,67 @@ def test_the_ood_set_and_the_feature_store_get_their_flags(tmp_path, monkeypatch
     drawn, extracted = [], []
     monkeypatch.setattr(ood_module, "generate_ood", lambda out, images, seed: drawn.append((out, images, seed)) or out)
     main(["data", "ood", "--out", str(tmp_path), "--images", "3", "--seed", "4"])
-    assert drawn == [(str(tmp_path), 3, 4)]
+    assert drawn == [(str(tmp_path), 3, 4)] and f"wrote {tmp_path}\n" in capsys.readouterr().out
 
     def extract(images, spec, cache_dir, **options):
         extracted.append(({im.split for im in images}, spec, cache_dir, options))
         return Store(images)
     monkeypatch.setattr(features_module, "extract_features", extract)
+    threads = []
+    monkeypatch.setattr(device_module, "set_threads", lambda count, interop=None: threads.append(count))
     main(["data", "features", "--dataset", str(scenes), "--split", "val", "--split", "test", "--encoder",
           "image_size=64", "--cache-dir", "c", "--batch-size", "5", "--shard-size", "7", "--no-progress",
-          "--device", "cpu"])
+          "--device", "cpu", "--threads", "2"])
     ((splits, spec, cache_dir, options),) = extracted
-    assert splits == {"val", "test"} and spec.image_size == 64 and cache_dir == "c"
+    assert splits == {"val", "test"} and spec.image_size == 64 and cache_dir == "c" and threads == [2]
     assert options == {"batch_size": 5, "device": "cpu", "shard_size": 7, "progress": False}
+    counted = SCENE_SIZES["val"] + SCENE_SIZES["test"]
+    assert capsys.readouterr().out == f"{counted} images in c\n"
     with pytest.raises(SystemExit) as refused:
-        main(["data", "features", "--dataset", str(scenes), "--split", "nope"])
-    assert refused.value.code == 2 and "no images in split 'nope'" in capsys.readouterr().err
+        main(["data", "features", "--dataset", str(scenes), "--split", "nope", "--split", "nah"])
+    assert refused.value.code == 2
+    assert f"error: no images in split 'nope' or 'nah' of {scenes}\n" in capsys.readouterr().err
+    empty = tmp_path / "dataset_empty.json"
+    empty.write_text(json.dumps({"images": []}))
+    with pytest.raises(SystemExit) as refused:
+        main(["data", "features", "--dataset", str(empty)])
+    assert refused.value.code == 2 and f"error: {empty} holds no images\n" in capsys.readouterr().err
+
+
+def test_region_features_get_their_flags_and_say_how_to_train_on_them(tmp_path, monkeypatch, capsys):
+    written, threads = [], []
+    monkeypatch.setattr(device_module, "set_threads", lambda count, interop=None: threads.append(count))
+    monkeypatch.setattr(regions_module, "write_scene_regions", lambda dataset, out, spec, cache_dir, **options:
+                        written.append((dataset, out, spec, cache_dir, options)) or Path(out))
+    main(["data", "regions", "--dataset", "d", "--out", str(tmp_path), "--encoder", "image_size=64", "--cache-dir",
+          "c", "--threads", "2"])
+    ((dataset, out, spec, cache_dir, options),) = written
+    # the device named, not "auto": the writer takes a torch device's name
+    assert (dataset, out, spec.image_size, cache_dir, options, threads) == (
+        "d", str(tmp_path), 64, "c", {"device": str(resolve_device("auto"))}, [2])
+    assert capsys.readouterr().out == (f"wrote region features to {tmp_path}; train on them with --features "
+                                       f"regions:{tmp_path}\n")
+    with pytest.raises(SystemExit) as refused:  # no folder of its own: the .npz files would go nowhere known
+        main(["data", "regions"])
+    assert refused.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_data_without_its_command_unknown_names_or_counts_below_one_are_usage_errors(tmp_path, capsys):
+    one_scene = ["data", "generate", "--out", str(tmp_path), "--train", "0", "--val", "0", "--heldout", "0", "--test",
+                 "1"]  # where a mutant takes what it should refuse, it draws one scene, not thousands
+    for argv, said in ((["data"], "required: COMMAND"),
+                       (["data", "generate", "--varied", "nope"], "invalid choice: 'nope'"),
+                       (["data", "generate", "--out", str(tmp_path), "--only", "tset"], "invalid choice: 'tset'"),
+                       (["data", "ood", "--out", str(tmp_path), "--images", "0"], "argument --images"),
+                       (["data", "features", "--dataset", str(tmp_path), "--batch-size", "0"],
+                        "argument --batch-size"),
+                       ([*one_scene, "--workers", "0"], "argument --workers"),
+                       ([*one_scene, "--only"], "argument --only: expected at least one argument")):
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        assert refused.value.code == 2 and said in capsys.readouterr().err, argv
+    # while a seed of 0 is one to give, as the Makefile's commands do
+    assert build_parser().parse_args(["data", "generate", "--seed", "0"]).seed == 0
 
 
 def test_card_plot_params_and_zoo_table_hand_on_their_flags(tmp_path, monkeypatch, capsys):

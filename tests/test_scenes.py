@@ -3,6 +3,7 @@ import colorsys
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,7 +288,8 @@ def test_a_progress_bar_only_where_asked(tmp_path, capsys):
     assert "generating scenes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("only_held", [None, 5, [["test"]]], ids=["whole", "altered", "altered-list"])
+@pytest.mark.parametrize("only_held", [None, 5, [["test"]], []],
+                         ids=["whole", "altered", "altered-list", "altered-empty"])
 def test_only_some_splits_never_replace_a_whole_data_set(only_held, tmp_path, scenes, capsys):
     """``--only`` into the folder of a whole data set would leave its training split without annotations: refused,
     the folder untouched.  A copy of the session's data set, which a regression would otherwise overwrite for every
@@ -303,8 +305,32 @@ def test_only_some_splits_never_replace_a_whole_data_set(only_held, tmp_path, sc
               *(arg for split, size in SCENE_SIZES.items() for arg in (f"--{split}", str(size)))]
     with pytest.raises(SystemExit) as refused:
         main([*common, "--only", "test", "heldout"])
-    assert refused.value.code == 2 and "more splits than --only test heldout" in capsys.readouterr().err
+    assert refused.value.code == 2
+    assert (f"error: {whole} holds a data set with more splits than --only test heldout: give --out another folder\n"
+            in capsys.readouterr().err)
     assert [path.name for path in whole.iterdir()] == [scenes.name] and (whole / scenes.name).read_bytes() == before
+
+
+def test_the_splits_a_folder_holds_alone_are_written_into_it_again_as_is_the_whole_set(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A folder of ``--only test heldout``'s scenes takes the same command again (another seed, in any order) and
+    the whole data set, --if-stale or not: only a split the folder holds beyond --only's is refused.  A folder whose
+    header is the whole set's for these settings is left alone with --if-stale, and drawn again for another seed."""
+    part, whole = tmp_path / "part", tmp_path / "whole"
+    for folder, header in ((part, {"only": ["test", "heldout"]}), (whole, dataset_header(0, DEFAULT_SIZES, None))):
+        folder.mkdir()
+        (folder / "dataset_scenes.json").write_text(json.dumps({**header, "images": []}))
+    written = []
+    monkeypatch.setattr(scenes_module, "generate", lambda out, sizes, **options: written.append(options["only"])
+                        or Path(out) / "dataset_scenes.json")
+    main(["data", "generate", "--out", str(part), "--seed", "1", "--only", "heldout", "test"])
+    main(["data", "generate", "--out", str(part), "--if-stale"])
+    main(["data", "generate", "--out", str(whole), "--if-stale"])
+    main(["data", "generate", "--out", str(whole), "--if-stale", "--seed", "1"])  # another seed's: drawn again
+    assert written == [["heldout", "test"], None, None]
+    assert capsys.readouterr().out == (f"wrote {part / 'dataset_scenes.json'}\n" * 2
+                                       + f"{whole} is up to date (same generator version, seed, sizes, variation "
+                                       f"and splits)\nwrote {whole / 'dataset_scenes.json'}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
