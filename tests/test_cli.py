@@ -520,6 +520,15 @@ def test_every_subcommands_help_opens_with_what_it_does(capsys):
     assert "95% interval" in capsys.readouterr().out
 
 
+def test_the_help_lists_every_command_once_in_the_order_users_know():
+    """The order of ``captioner --help`` is older than the commands' split into modules (models/cli/commands.py
+    gathers them back into it); ``serve`` comes last, from the service."""
+    listed = [path[0] for path, _, _ in command_parsers(cli.build_parser()) if len(path) == 1]
+    assert listed == ["data", "train", "eval", "tune-decoding", "ensemble", "resolution-check", "compare", "caption",
+                      "export", "card", "plot", "manifest", "storage", "params", "zoo-table", "zoo-f8k",
+                      "grounding-doc", "models", "import", "serve"]
+
+
 def test_a_port_outside_1_to_65535_is_a_usage_error(capsys):
     # uvicorn took 99999 modulo 65536, listened on 34463 and logged 99999
     with pytest.raises(SystemExit) as exit_:
