@@ -9,22 +9,33 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from PIL import Image
 from skimage import data
 
+from captioner.models import checkpoint as checkpoint_module
 from captioner.models.checkpoint import convert_storage, load_checkpoint, recorded_checksum, save_checkpoint
 from captioner.models.cli.common import checkpoint_labels
 from captioner.models.data import datasets
+from captioner.models.data import features as features_module
+from captioner.models.data import stores as stores_module
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import GENERATOR_VERSION, generate, is_current, object_naming_accuracy, \
     read_dataset_header
 from captioner.models.encoder import EncoderSpec
+from captioner.models.evaluation import evaluate as evaluate_module
+from captioner.models.evaluation import grounding as grounding_module
 from captioner.models.evaluation import metrics
+from captioner.models.evaluation import phrase_grounding as phrase_grounding_module
 from captioner.models.evaluation.card import total_train_seconds, write_card
 from captioner.models.evaluation.metrics import score_captions
+from captioner.models.export import quantize as quantize_module
+from captioner.models.export import sessions as sessions_module
+from captioner.models.export.quantize import int8_recipe
 from captioner.models.evaluation.report import WORDS_TOKENIZER, evaluated_dataset, evaluation_report, \
     grounding_benchmark
 from captioner.models.pipeline import Pipeline
@@ -186,6 +197,8 @@ def test_eval_scores_the_data_set_given_else_an_entities_checkpoints_own_else_th
     with pytest.raises(FileNotFoundError, match=r"default \.cache/scenes does not exist \(ckpt was trained on "):
         evaluated_dataset("ckpt", training, None, None, False)
     assert evaluated_dataset("ckpt", {}, None, "mine", False) == (datasets.DEFAULT_DATASET, "mine")
+    # an Entities grounding of a checkpoint that recorded no data set: the scenes too
+    assert evaluated_dataset("ckpt", {}, None, "mine", True) == (datasets.DEFAULT_DATASET, "mine")
     (tmp_path / datasets.DEFAULT_DATASET).mkdir(parents=True)
     assert evaluated_dataset("ckpt", training, None, None, False) == (datasets.DEFAULT_DATASET, None)
 
@@ -197,6 +210,91 @@ def test_eval_refuses_ptb_scoring_without_java_before_loading_the_checkpoint(mon
     monkeypatch.setattr(metrics, "check_ptb_tokenizer", no_java)
     with pytest.raises(ValueError, match="no Java here"):
         evaluation_report(ROOT / "no such checkpoint", ptb=True)
+
+
+def test_eval_hands_its_options_to_its_parts_and_reports_the_words_bleu1_most_often_leaves_uncredited(tmp_path,
+                                                                                                     monkeypatch):
+    """``evaluation_report`` with its parts stubbed: the split read with its limit and image root, the features the
+    checkpoint was trained on, the training captions of the data set scored; ``misses`` N: the N caption words BLEU-1
+    most often leaves uncredited, each image's counted against its own references."""
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    images = [SimpleNamespace(image_id=1, references=[["a", "red", "circle"]], info={}),
+              SimpleNamespace(image_id=2, references=[["a", "blue", "square"]], info={})]
+    calls = {}
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
+        meta={}, checksum="sum", trained_features="regions:r", encoder="its encoder"))
+    monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: calls.setdefault("training", (path, root)))
+    monkeypatch.setattr(datasets, "load_split", lambda path, root, split, limit=None:
+                        calls.setdefault("split", (path, root, split, limit)) and images)
+    monkeypatch.setattr(stores_module, "open_feature_store", lambda features, imgs, encoder, cache_dir, **options:
+                        calls.setdefault("store", (features, encoder, cache_dir)))
+    captions = {1: ["a", "red", "square", "square"], 2: ["a", "blue", "square", "star"]}
+    # the beam's width and the caption's most words, when not given: captioner eval's defaults
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda ckpt, images, store, beam_size, max_len, *args,
+                        **options: calls.setdefault("decode", (beam_size, max_len)) and ({}, captions))
+    evaluation = evaluation_report("ckpt", dataset, ["test"], image_root=tmp_path, limit=2, misses=1, cache_dir="c",
+                                   device="cpu", progress=False)
+    assert calls == {"training": (dataset, tmp_path), "split": (dataset, tmp_path, "test", 2),
+                     "store": ("regions:r", "its encoder", "c"), "decode": (3, 20)}
+    # "square" twice beyond image 1's references and "star" once beyond image 2's (whose "square" is credited)
+    assert evaluation.report["test"]["BLEU-1 misses"] == {"caption_words": 8, "uncredited": 3,
+                                                         "most_uncredited": {"square": 2}}
+    assert evaluation.report["encoder_precision"] == "float32" and evaluation.report["dataset"] == str(dataset)
+    # the words' tokenizer named as the shipped reports name it
+    shipped = json.loads((ROOT / "docs" / "results" / "flickr8k" / "sat.json").read_text())
+    assert evaluation.report["tokenizer"] == shipped["tokenizer"]
+    assert evaluation.coco_results == [{"image_id": 1, "caption": "a red square square"},
+                                       {"image_id": 2, "caption": "a blue square star"}]
+
+
+def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_apart_from_the_float_features(
+        tmp_path, monkeypatch):
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    calls = {}
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
+        meta={}, checksum="sum", trained_features="grid", encoder="its encoder"))
+    monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: None)
+    monkeypatch.setattr(datasets, "load_split", lambda *args, **options: [
+        SimpleNamespace(image_id=1, references=[["a"]], info={})])
+    monkeypatch.setattr(quantize_module, "visual_encoder_file", lambda encoder, out_dir, precision:
+                        calls.setdefault("graph", (encoder, out_dir, precision)) and "graph.onnx")
+    monkeypatch.setattr(sessions_module, "VisualSession", lambda path, device, threads:
+                        calls.setdefault("session", (path, device, threads)))
+    monkeypatch.setattr(features_module, "extract_features", lambda images, spec, cache_dir, **options:
+                        calls.setdefault("features", (spec, cache_dir, options)))
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *args, **options: ({}, {1: ["a"]}))
+    evaluation = evaluation_report("ckpt", dataset, encoder_precision="int8", onnx_dir="o", threads=2, cache_dir="c",
+                                   device="cpu", progress=False)
+    session = ("graph.onnx", "cpu", 2)
+    assert calls == {"graph": ("its encoder", "o", "int8"), "session": session,
+                     "features": ("its encoder", Path("c") / f"onnx-int8-{int8_recipe()}",
+                                  {"encoder": session})}
+    assert evaluation.report["encoder_precision"] == "int8"
+
+
+def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, monkeypatch):
+    entities, dataset = tmp_path / "entities", tmp_path / "dataset_x.json"
+    for part in ("Sentences", "Annotations"):
+        (entities / part).mkdir(parents=True)
+    dataset.write_text("{}")
+    calls = {}
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
+        meta={}, checksum="sum", trained_features="grid", encoder="its encoder"))
+    monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: None)
+    monkeypatch.setattr(datasets, "load_split", lambda *args, **options: [
+        SimpleNamespace(image_id=1, references=[["a"]], info={})])
+    monkeypatch.setattr(stores_module, "open_feature_store", lambda *args, **options: "store")
+    monkeypatch.setattr(grounding_module, "caption_with_attention", lambda *args, **options: [
+        SimpleNamespace(tokens=["a"])])
+    monkeypatch.setattr(evaluate_module, "score_dataset", lambda *args: {})
+    monkeypatch.setattr(phrase_grounding_module, "entities_grounding", lambda ckpt, images, store, folder, results,
+                        **options: calls.setdefault("entities", (store, folder, options)) and {"boxes": 1})
+    evaluation = evaluation_report("ckpt", dataset, grounding=f"entities:{entities}", grounding_resamples=7,
+                                   device="cpu", progress=False)
+    assert calls == {"entities": ("store", entities, {"resamples": 7, "device": "cpu", "progress": False})}
+    assert evaluation.report["test"]["grounding"] == {"boxes": 1}
 
 
 def test_eval_shows_a_splits_captions_before_the_next_split_is_captioned(tmp_path, scenes, one_thread, monkeypatch,
