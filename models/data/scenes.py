@@ -85,16 +85,11 @@ class SceneObject:
 # ---------------------------------------------------------------------------------------------------------------
 def _sample_combos(rng: random.Random, heldout: bool) -> list[tuple[str, str]]:
     """Distinct (colour, shape) groups with counts, expanded to one entry per object (1–4 objects)."""
-    allowed = [(c, s) for c in COLOURS for s in SHAPES if ((c, s) in HELDOUT_COMBOS) == heldout or not heldout]
-    if not heldout:
-        allowed = [cs for cs in allowed if cs not in HELDOUT_COMBOS]
+    # a held-out scene draws from the held-out pairs alone, any other scene from all the rest
+    allowed = [(c, s) for c in COLOURS for s in SHAPES if ((c, s) in HELDOUT_COMBOS) == heldout]
     n_objects = rng.randint(1, 4)
     n_groups = rng.randint(max(1, math.ceil(n_objects / 2)), min(3, n_objects))
     groups = rng.sample(allowed, n_groups)
-    if heldout and not any(g in HELDOUT_COMBOS for g in groups):
-        groups[0] = rng.choice(sorted(HELDOUT_COMBOS))
-        if len(set(groups)) < len(groups):
-            groups = list(dict.fromkeys(groups))
     counts = [1] * len(groups)
     for _ in range(n_objects - len(groups)):
         counts[rng.randrange(len(groups))] += 1
