@@ -46,8 +46,8 @@ PAPER_FLOOR, PAPER_FLOOR_MODELS = "sat-hard", ("sat", "sat-supervised", "sat-har
 ABOVE_BASELINE_MODELS = ("aoanet", "xlan", "xtransformer")
 BEST_FLOORS = {"CIDEr-D": 70.0, "BLEU-4": 26.0}
 
-COLUMNS = (("BLEU-1", "B-1"), ("BLEU-2", "B-2"), ("BLEU-3", "B-3"), ("BLEU-4", "B-4"), ("METEOR", "METEOR"),
-           ("ROUGE-L", "ROUGE-L"))
+#: the scores of the table's first cells, in its order (the head row is written out in ``markdown``)
+COLUMNS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L")
 
 
 def title(name: str, config: dict[str, Any] | None) -> str:
@@ -201,7 +201,7 @@ def model_row(row: dict[str, Any], baseline: str) -> str:
     split = row["split"]
     if split is None:
         return f"| {row['title']}: not measured |" + " — |" * 14
-    cells = [points(split.get(key), 2 if key == "METEOR" else 1) for key, _ in COLUMNS]
+    cells = [points(split.get(key), 2 if key == "METEOR" else 1) for key in COLUMNS]
     cider = points(split.get("CIDEr-D"))
     if "CIDEr-D interval" in row:
         low, high = row["CIDEr-D interval"]
@@ -224,7 +224,7 @@ def paper_score(key: str, value: float) -> str:
 
 def paper_row(name: str) -> str:
     source, scores = PAPER_ROWS[name]
-    cells = [paper_score(key, scores[key]) if key in scores else "—" for key, _ in COLUMNS]
+    cells = [paper_score(key, scores[key]) if key in scores else "—" for key in COLUMNS]
     return f"| *{source} (paper)* | " + " | ".join(cells) + " |" + " — |" * 8
 
 
