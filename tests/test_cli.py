@@ -248,16 +248,22 @@ def test_eval_hands_its_options_to_its_parts_and_reports_the_words_bleu1_most_of
                                        {"image_id": 2, "caption": "a blue square star"}]
 
 
-def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_apart_from_the_float_features(
-        tmp_path, monkeypatch):
-    dataset = tmp_path / "dataset_x.json"
-    dataset.write_text("{}")
-    calls = {}
+def stub_a_checkpoint_and_one_test_image(monkeypatch) -> None:
+    """``evaluation_report``'s checkpoint (trained on grid features) and data set (one test image) stubbed, for the
+    tests of what it hands on to its work."""
     monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
         meta={}, checksum="sum", trained_features="grid", encoder="its encoder"))
     monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: None)
     monkeypatch.setattr(datasets, "load_split", lambda *args, **options: [
         SimpleNamespace(image_id=1, references=[["a"]], info={})])
+
+
+def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_apart_from_the_float_features(
+        tmp_path, monkeypatch):
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    calls = {}
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
     monkeypatch.setattr(quantize_module, "visual_encoder_file", lambda encoder, out_dir, precision:
                         calls.setdefault("graph", (encoder, out_dir, precision)) and "graph.onnx")
     monkeypatch.setattr(sessions_module, "VisualSession", lambda path, device, threads:
@@ -280,11 +286,7 @@ def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, 
         (entities / part).mkdir(parents=True)
     dataset.write_text("{}")
     calls = {}
-    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
-        meta={}, checksum="sum", trained_features="grid", encoder="its encoder"))
-    monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: None)
-    monkeypatch.setattr(datasets, "load_split", lambda *args, **options: [
-        SimpleNamespace(image_id=1, references=[["a"]], info={})])
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
     monkeypatch.setattr(stores_module, "open_feature_store", lambda *args, **options: "store")
     monkeypatch.setattr(grounding_module, "caption_with_attention", lambda *args, **options: [
         SimpleNamespace(tokens=["a"])])
