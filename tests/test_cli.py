@@ -33,11 +33,11 @@ from captioner.models.evaluation import metrics
 from captioner.models.evaluation import phrase_grounding as phrase_grounding_module
 from captioner.models.evaluation.card import total_train_seconds, write_card
 from captioner.models.evaluation.metrics import score_captions
+from captioner.models.evaluation.report import WORDS_TOKENIZER, evaluated_dataset, evaluation_report, \
+    grounding_benchmark
 from captioner.models.export import quantize as quantize_module
 from captioner.models.export import sessions as sessions_module
 from captioner.models.export.quantize import int8_recipe
-from captioner.models.evaluation.report import WORDS_TOKENIZER, evaluated_dataset, evaluation_report, \
-    grounding_benchmark
 from captioner.models.pipeline import Pipeline
 from captioner.models.rendering.heatmaps import overlay
 from captioner.models.vocab import Vocabulary
