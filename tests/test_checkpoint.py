@@ -364,13 +364,11 @@ def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config
     assert load_checkpoint(old).storage == "float16"
 
 
-def test_storage_rewrites_in_place_when_out_names_the_checkpoint_and_import_never_writes_over_one(tmp_path, capsys):
+def test_storage_rewrites_in_place_when_out_names_the_checkpoint_and_import_never_writes_over_one(tmp_path, tiny_sat,
+                                                                                                 vocab, capsys):
     """``--out`` naming the checkpoint itself is the in-place rewrite, not a checkpoint to refuse to replace; an
     import's ``--out`` over a checkpoint is refused before the authors' files are read (they need not exist)."""
-    torch.manual_seed(0)
-    source = save_checkpoint(tmp_path / "source", create("sat", vocab_size=9, feat_dim=8, embed_dim=8, hidden_dim=8,
-                                                         attn_dim=8), Vocabulary(["a", "b", "c", "d", "e"]),
-                             EncoderSpec())
+    source = save_checkpoint(tmp_path / "source", tiny_sat, vocab, EncoderSpec())
     main(["storage", str(source), "float16", "--out", str(source)])
     assert load_checkpoint(source).storage == "float16"
     with pytest.raises(SystemExit):
