@@ -35,13 +35,14 @@ class OnnxRuntime(Runtime):
     """The :class:`~captioner.models.inference.Runtime` interface on ONNX Runtime sessions of the exported graphs
     (the PyTorch model is used only for its vocabulary ids and :meth:`info`).  With a shared ``visual`` session the
     images go through it and then this model's ``head.onnx``; without one, through the self-contained
-    ``encoder.onnx``."""
+    ``encoder.onnx``, which a server's own exports leave out (:func:`~captioner.service.onnx_exports.onnx_folder`)."""
 
     backend = "onnx"
 
     def __init__(self, name: str, ckpt: Checkpoint, folder: str | Path, device: torch.device | str,
                  threads: int | None = None, visual: VisualSession | None = None):
-        from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, GraphSpec, export_identity, intact
+        from captioner.models.export.onnx import (ENCODER_FILE, SERVED_GRAPHS, STEP_FILE, GraphSpec, export_identity,
+                                                  intact)
 
         folder, device = Path(folder), torch.device(device)
         super().__init__(name, ckpt, device)
@@ -50,14 +51,18 @@ class OnnxRuntime(Runtime):
         if self.graphs.checksum != identity:  # the graphs would caption, under this checkpoint's name
             raise ValueError(f"{folder} was exported from other weights ({self.graphs.checksum}) than {ckpt.path} "
                              f"({identity}): export this checkpoint (captioner export)")
-        graphs = (ENCODER_FILE if visual is None else HEAD_FILE, STEP_FILE)
+        graphs = (ENCODER_FILE, STEP_FILE) if visual is None else SERVED_GRAPHS
+        if visual is None and not (folder / ENCODER_FILE).exists():
+            raise ValueError(f"{folder} holds no {ENCODER_FILE} (the service's exports leave it out: they run the "
+                             "CNN's shared graph): export this checkpoint with captioner export for a self-contained "
+                             "one")
         damaged = [graph for graph in graphs if not intact(folder / graph)]
         if damaged:  # another model's graph copied in, or one cut short, captioned (or failed) under this name
             raise ValueError(f"{folder}: {' and '.join(damaged)} not as its export wrote it (its seal does not "
                              "match: damaged or replaced since): export this checkpoint again (captioner export)")
         self.folder = folder
         self.visual = visual
-        self.encoder_session = open_session(folder / (ENCODER_FILE if visual is None else HEAD_FILE), device, threads)
+        self.encoder_session = open_session(folder / graphs[0], device, threads)
         self.step_session = open_session(folder / STEP_FILE, device, threads)
         self.providers = self.step_session.get_providers()
         # the tracer drops inputs a graph never reads (e.g. an encoder summary used only by init_state)

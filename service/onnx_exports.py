@@ -1,5 +1,6 @@
 """The files a model's start on ONNX Runtime needs, under the ONNX folder (``CAPTIONER_ONNX_DIR``): the model's export
-(:func:`onnx_folder` finds it, or exports it when missing, stale or damaged), the shared CNN's ``visual.onnx``
+(:func:`onnx_folder` finds it, or exports it when missing, stale or damaged: its ``head.onnx`` and ``step.onnx``,
+the graphs a server loads), the shared CNN's ``visual.onnx``
 (:class:`~captioner.service.shared_encoders.SharedEncoders` makes it), and the ``auto`` check set's reference
 captions (:func:`reference_record`), or the record that the model cannot be exported (:func:`unexportable_record`).
 :func:`unprepared` tells from disk alone, without loading a checkpoint, which models still have something to make,
@@ -37,19 +38,24 @@ def unexportable_record(onnx_dir: Path, identity: str) -> Path:
 
 
 def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
-    """Where the ONNX export of checkpoint ``name`` lives (exported now when missing or made from other weights).
-    Raises :class:`~captioner.models.export.onnx.ExportUnsupported` where it cannot be, and records that."""
-    from captioner.models.export.onnx import (FORMAT, ExportUnsupported, check_exportable, export_graphs,
-                                              export_identity, export_is_current)
+    """Where the ONNX export of checkpoint ``name`` lives (exported now when missing or made from other weights),
+    without the self-contained ``encoder.onnx``: the server runs the CNN's shared graph, made first, then the
+    model's head.  Raises :class:`~captioner.models.export.onnx.ExportUnsupported` where it cannot be, and records
+    that."""
+    from captioner.models.export.onnx import (FORMAT, SERVED_GRAPHS, ExportUnsupported, check_exportable,
+                                              export_graphs, export_identity, export_is_current)
 
     folder = encoders.onnx_dir / name
     identity = export_identity(ckpt.checksum, ckpt.encoder)
-    if not export_is_current(folder, identity):
+    if not export_is_current(folder, identity, SERVED_GRAPHS):
         try:
             check_exportable(ckpt.model)  # before the PyTorch encoder is built for nothing
+            # the CNN's graph before the model's: a current export then means that its CNN exported too, as it
+            # did when the export held the CNN itself (encoder.onnx), and unprepared() relies on that
+            encoders.onnx(ckpt.encoder)
             log.info("exporting %s to ONNX in %s", name, folder)
             cpu = load_checkpoint(ckpt.path, "cpu") if next(ckpt.model.parameters()).device.type != "cpu" else ckpt
-            export_graphs(cpu, folder, encoders.for_export(ckpt.encoder))
+            export_graphs(cpu, folder, encoders.for_export(ckpt.encoder), self_contained=False)
         except ExportUnsupported as exc:
             record = unexportable_record(encoders.onnx_dir, identity)
             # under the export format: code that writes another format may export what this code could not
@@ -91,7 +97,7 @@ def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
 
 
 def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_precision: str) -> bool:
-    from captioner.models.export.onnx import export_identity, export_is_current, intact
+    from captioner.models.export.onnx import SERVED_GRAPHS, export_identity, export_is_current, intact
     from captioner.models.export.quantize import visual_encoder_path_at
 
     checksum = recorded_checksum(path)
@@ -108,10 +114,10 @@ def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_preci
     export = onnx_dir / name
     # ``auto`` has recorded its references, so what has no folder could not be exported (a TVmax decoder, a CNN
     # the tracer cannot record) and is served without it: only what exists must be intact. A current export of the
-    # model's own is the exception: its ``encoder.onnx`` holds the CNN, so the CNN exports, and a missing CNN graph
-    # (its key changed with an upgrade, or the folder was removed) is still to make, in the child
+    # model's own is the exception: onnx_folder made the CNN's graph first, so the CNN exports, and a missing CNN
+    # graph (its key changed with an upgrade, or the folder was removed) is still to make, in the child
     optional = backend == "auto"
-    export_current = export_is_current(export, identity)
+    export_current = export_is_current(export, identity, SERVED_GRAPHS)
     if backend == "onnx" and not export_current and _known_unexportable(onnx_dir, identity):
         return True  # served on PyTorch instead (load_runtimes says why): nothing for a child to make
     cnn_left_unexported = optional and not export_current and not visual.parent.exists()

@@ -36,8 +36,8 @@ from captioner.models.data.scenes import generate
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.export import onnx as exporter
 from captioner.models.export import sessions
-from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, GraphSpec, \
-    export_graphs, export_identity, export_is_current, export_visual_encoder, intact, seal
+from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, SERVED_GRAPHS, STEP_FILE, ExportUnsupported, \
+    GraphSpec, export_graphs, export_identity, export_is_current, export_visual_encoder, intact, seal
 from captioner.models.export.sessions import cuda_provider_available, session_options
 from captioner.models.inference import Prepared, Runtime, TorchRuntime, padded_batch, torch_runtime
 from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders
@@ -78,6 +78,11 @@ def load_on_cpu(tmp_path: Path, backend: str, **settings) -> dict[str, Runtime]:
     thread, exports in ``tmp_path/onnx``; ``settings`` add to those or replace them."""
     return runtime_module.load_runtimes(tmp_path / "weights", [], **{
         "device_name": "cpu", "default_backend": backend, "onnx_dir": tmp_path / "onnx", "threads": 1, **settings})
+
+
+def file_stamps(folder: Path) -> dict[str, tuple[int, int]]:
+    """Each file in ``folder`` by name: its inode and modification time, which a file made again changes."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.iterdir()}
 
 
 def preparing_child(folder: Path, set_up_logging=None, only: list[str] | None = None) -> runtime_module.PreparingChild:
@@ -924,7 +929,8 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
     (visual,) = (tmp_path / "onnx").glob("visual-*")
     shutil.rmtree(visual)
-    assert export_is_current(tmp_path / "onnx" / "a", load_checkpoint(tmp_path / "weights" / "a").checksum)
+    assert export_is_current(tmp_path / "onnx" / "a", load_checkpoint(tmp_path / "weights" / "a").checksum,
+                             SERVED_GRAPHS)
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
     # without a current export of its own either, no CNN graph is a CNN the tracer could not record: served without
     # it, and no child is sent to try again at every start
@@ -1034,7 +1040,7 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     step, (visual,) = tmp_path / "onnx" / "a" / STEP_FILE, list((tmp_path / "onnx").glob("visual-*/visual.onnx"))
     for graph in (step, visual):
         graph.write_bytes(graph.read_bytes()[:1000])
-    assert not export_is_current(tmp_path / "onnx" / "a", ckpt.checksum) and not intact(visual)
+    assert not export_is_current(tmp_path / "onnx" / "a", ckpt.checksum, SERVED_GRAPHS) and not intact(visual)
     assert unprepared("onnx") == ["a"]
     assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     assert intact(step) and intact(visual) and step.stat().st_size > 1000
@@ -1043,14 +1049,74 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     assert unprepared() == []
     folder = tmp_path / "onnx" / "a"
     identity = GraphSpec.load(folder).checksum  # what the start asked the export to be made from
-    for name in (None, ENCODER_FILE, HEAD_FILE, STEP_FILE):  # each of the model's three graphs, damaged alone
+    for name in (None, *SERVED_GRAPHS):  # each of the graphs the service loads, damaged alone
         copy = tmp_path / f"copy-{name}"
         shutil.copytree(folder, copy)
         if name is not None:
             (copy / name).write_bytes((copy / name).read_bytes()[:1000])
-        assert export_is_current(copy, identity) == (name is None), name
+        assert export_is_current(copy, identity, SERVED_GRAPHS) == (name is None), name
     step.write_bytes(step.read_bytes()[:1000])
     assert unprepared() == ["a"]
+
+
+def test_the_services_exports_leave_out_the_self_contained_encoder_graph(tmp_path):
+    """A server runs every image through the CNN's shared ``visual.onnx``, then the model's ``head.onnx``: its exports
+    leave out ``encoder.onnx`` (the CNN again, with the head), whose trace and verification were most of a small
+    model's export.  The head is still verified against PyTorch, and a library user who opens such a folder for its
+    self-contained graph is told how to make one."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    folder = tmp_path / "onnx" / "a"
+    written = file_stamps(folder)
+    assert sorted(written) == ["head.onnx", "head.onnx.sha256", "onnx.json", "step.onnx", "step.onnx.sha256"]
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    assert file_stamps(folder) == written  # current for the next start: nothing made again
+    assert {"enc", "state", "logprobs", "attention"} <= set(GraphSpec.load(folder).max_abs_diff)
+    ckpt = load_checkpoint(tmp_path / "weights" / "a")
+    assert export_is_current(folder, ckpt.checksum, SERVED_GRAPHS) and not export_is_current(folder, ckpt.checksum)
+    with pytest.raises(ValueError, match=r"holds no encoder\.onnx .* captioner export for a self-contained one"):
+        OnnxRuntime("a", ckpt, folder, CPU, threads=1)
+
+
+def test_an_export_from_captioner_export_is_served_as_it_is(tmp_path):
+    """``captioner export`` into the service's ONNX folder writes the self-contained graph as well: the service
+    takes that export as current (its head and step are what a server loads) instead of making it again."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    captioner(["export", "--weights-dir", str(tmp_path / "weights"), "--out", str(tmp_path / "onnx"),
+               "--threads", "1"])
+    before = file_stamps(tmp_path / "onnx" / "a")
+    assert ENCODER_FILE in before
+    assert onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == []
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    assert file_stamps(tmp_path / "onnx" / "a") == before
+
+
+def test_a_cnn_the_tracer_cannot_record_leaves_no_export_to_pass_for_proof_that_it_can(tmp_path, monkeypatch):
+    """The service makes the CNN's graph before the model's own: where the tracer cannot record the CNN, no export of
+    the model is left behind to pass for proof that the CNN exports, so ``auto`` serves the model on PyTorch and
+    the next start has nothing to send to the preparing child (which would trace the CNN in vain at every start)."""
+    def untraceable(spec, *args, **kwargs):
+        raise ExportUnsupported(f"visual encoder {spec.backbone}: the tracer cannot record it (TracingCheckError)")
+
+    monkeypatch.setattr(exporter, "export_visual_encoder", untraceable)
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "auto")["a"].backend == "torch"
+    assert not (tmp_path / "onnx" / "a").exists()
+    assert onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+
+
+def test_a_self_contained_export_is_current_only_with_each_of_its_graphs_intact(encoder, tmp_path):
+    """``export_is_current`` asks by default for every graph ``captioner export`` writes, and a server only for the
+    two it loads: a damaged ``encoder.onnx`` is no reason for a server to make the export again."""
+    ckpt = tiny_checkpoint("sat")
+    export_graphs(ckpt, tmp_path / "sat", encoder)
+    for name in (None, ENCODER_FILE, HEAD_FILE, STEP_FILE):
+        copy = tmp_path / f"copy-{name}"
+        shutil.copytree(tmp_path / "sat", copy)
+        if name is not None:
+            (copy / name).write_bytes((copy / name).read_bytes()[:1000])
+        assert export_is_current(copy, ckpt.checksum) == (name is None), name
+        assert export_is_current(copy, ckpt.checksum, SERVED_GRAPHS) == (name in (None, ENCODER_FILE)), name
 
 
 def test_export_replaces_an_export_but_never_a_folder_of_anything_else(tmp_path, capsys):

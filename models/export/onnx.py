@@ -1,7 +1,8 @@
 """ONNX export of a captioner: an encoder graph and a decoder-step graph, both with dynamic row axes.
 
 * ``encoder.onnx``: ``pixels [B, 3, S, S]`` → the model's encoder state followed by its initial decoder state
-  (the frozen CNN, ``Captioner.encode`` and ``Captioner.init_state`` in one graph).
+  (the frozen CNN, ``Captioner.encode`` and ``Captioner.init_state`` in one graph; left out of a server's exports,
+  :data:`SERVED_GRAPHS`).
 * ``head.onnx``: the same without the CNN, ``features [B, N, F]`` → encoder state and initial decoder state.  A
   server runs the CNN once per :class:`~captioner.models.encoder.EncoderSpec` (``visual.onnx`` of
   :func:`export_visual_encoder`, shared by every model with that spec) and then each model's head, instead of
@@ -58,6 +59,9 @@ from .sessions import open_session
 FORMAT = "attention-captioner-onnx/2"
 ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
 HEAD_FILE = "head.onnx"
+#: every graph :func:`export_graphs` writes by default, and those a server loads: it runs each image through the
+#: CNN's shared ``visual.onnx``, then the model's head, so its exports leave out the self-contained ``encoder.onnx``
+ALL_GRAPHS, SERVED_GRAPHS = (ENCODER_FILE, HEAD_FILE, STEP_FILE), (HEAD_FILE, STEP_FILE)
 VISUAL_FILE = "visual.onnx"
 #: beside ``visual.onnx``: the spec the CNN was exported from, so that a later export of that spec from other weights
 #: or in another format (another key) can tell which folder it replaces
@@ -376,10 +380,13 @@ def check_exportable(model: Captioner) -> None:
         raise ExportUnsupported(f"{model.arch}: {blocker}")
 
 
-def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None = None) -> GraphSpec:
+def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None = None, *,
+                  self_contained: bool = True) -> GraphSpec:
     """Write ``encoder.onnx``, ``head.onnx``, ``step.onnx``, their ``.sha256`` seals and ``onnx.json`` for ``ckpt``
     into ``out`` (atomically). ``visual`` is the frozen CNN the encoder graph is traced with (the checkpoint's
-    encoder spec's, built here when not given).
+    encoder spec's, built here when not given).  Without ``self_contained``, ``encoder.onnx`` is left out
+    (:data:`SERVED_GRAPHS`): a server never loads it, and tracing, checking and verifying the CNN inside it again
+    is most of a small model's export (docs/onnx.md, "What the service exports").
 
     Raises :class:`ExportUnsupported`, saying why, when the model declares that it cannot be exported, when
     tracing fails, or when the graphs disagree with PyTorch on shapes the trace never saw.
@@ -416,12 +423,13 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
         ("decoder step", StepGraph(model, spec.enc_keys, spec.state_keys, spec.extra_keys), step_inputs, STEP_FILE,
          spec.step_inputs, spec.step_outputs, _step_axes(spec)),
     ]
+    files = ALL_GRAPHS if self_contained else SERVED_GRAPHS
     with _folder_swapped_in(Path(out)) as tmp:
-        frozen = _trace_graphs(model.arch, graphs, tmp)
-        for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
+        frozen = _trace_graphs(model.arch, [graph for graph in graphs if graph[3] in files], tmp)
+        for name in files:
             onnx.checker.check_model(str(tmp / name))
-        spec.max_abs_diff = _verify(tmp, spec, visual, model, spec_enc, frozen)
-        for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE):
+        spec.max_abs_diff = _verify(tmp, files, spec, visual, model, spec_enc, frozen)
+        for name in files:
             seal(tmp / name)
         spec.save(tmp)
     return spec
@@ -525,10 +533,10 @@ def _close(name: str, output: str, got: np.ndarray, want: Tensor, frozen: list[s
                                 "depends on its arguments alone: models/protocol.py)")
 
 
-def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner, spec_enc: EncoderSpec,
-            frozen: list[str]) -> dict[str, float]:
-    """Run the encoder, head and step graphs on a batch size, beam width and step count the trace never saw;
-    compare with PyTorch.
+def _verify(folder: Path, files: tuple[str, ...], spec: GraphSpec, visual: GridEncoder, model: Captioner,
+            spec_enc: EncoderSpec, frozen: list[str]) -> dict[str, float]:
+    """Run the graphs ``files`` names in ``folder`` (the encoder, head and step graphs, or the last two) on a batch
+    size, beam width and step count the trace never saw; compare with PyTorch.
     Returns the largest absolute difference per output kind."""
     batch, k = 3, 3
     pixels, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4, seed=5)
@@ -538,6 +546,8 @@ def _verify(folder: Path, spec: GraphSpec, visual: GridEncoder, model: Captioner
         features = visual(pixels)
     for graph, file, feed in (("encoder", ENCODER_FILE, {"pixels": pixels.numpy()}),
                               ("encoder head", HEAD_FILE, {"features": features.numpy()})):
+        if file not in files:
+            continue
         try:
             outputs = _session(folder / file).run(spec.encoder_outputs, feed)
         except Exception as exc:
@@ -582,15 +592,16 @@ def export_identity(checksum: str, encoder: EncoderSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def export_is_current(folder: str | Path, identity: str) -> bool:
-    """True when ``folder`` holds a complete export made from the weights ``identity`` names
-    (:func:`export_identity`), each graph as it was written (:func:`intact`)."""
+def export_is_current(folder: str | Path, identity: str, graphs: tuple[str, ...] = ALL_GRAPHS) -> bool:
+    """True when ``folder`` holds an export made from the weights ``identity`` names (:func:`export_identity`) with
+    each of ``graphs`` as it was written (:func:`intact`): all three by default, :data:`SERVED_GRAPHS` for a server,
+    which never loads ``encoder.onnx``."""
     folder = Path(folder)
     try:
         spec = GraphSpec.load(folder)
     except (OSError, ValueError, TypeError):
         return False
-    return spec.checksum == identity and all(intact(folder / name) for name in (ENCODER_FILE, HEAD_FILE, STEP_FILE))
+    return spec.checksum == identity and all(intact(folder / name) for name in graphs)
 
 
 def visual_encoder_key(spec: EncoderSpec) -> str:
