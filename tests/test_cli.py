@@ -18,6 +18,7 @@ from PIL import Image
 from skimage import data
 
 from captioner.models import checkpoint as checkpoint_module
+from captioner.models import device as device_module
 from captioner.models.checkpoint import convert_storage, load_checkpoint, recorded_checksum, save_checkpoint
 from captioner.models.cli.common import checkpoint_labels
 from captioner.models.data import datasets
@@ -168,14 +169,21 @@ def test_eval_writes_the_report_the_library_call_returns(tmp_path, scenes, one_t
     assert [len(evaluation.captions[split]) for split in ("val", "test")] == [3, 3]
     assert evaluation.report["test"]["BLEU-1 misses"]["caption_words"] == sum(
         len(words) for words in evaluation.captions["test"].values())
+    # what a card and the zoo tables read to say which checkpoint, data set and decoding a report scored
+    assert {key: evaluation.report[key] for key in ("checkpoint", "weights_sha256", "dataset", "beam_size",
+                                                    "tokenizer", "encoder_precision")} == {
+        "checkpoint": str(DEFAULT_CHECKPOINT), "weights_sha256": recorded_checksum(DEFAULT_CHECKPOINT),
+        "dataset": str(coco), "beam_size": 3, "tokenizer": WORDS_TOKENIZER, "encoder_precision": "float32"}
 
 
 def test_eval_grounding_takes_scenes_or_an_entities_folder_with_both_its_parts(tmp_path):
     assert grounding_benchmark(None) == (None, None) and grounding_benchmark("scenes") == ("scenes", None)
-    entities = tmp_path / "entities"
+    entities, boxes_alone = tmp_path / "entities", tmp_path / "boxes-alone"
     (entities / "Sentences").mkdir(parents=True)
-    with pytest.raises(ValueError, match="is not a Flickr30k Entities folder"):  # no Annotations/
-        grounding_benchmark(f"entities:{entities}")
+    (boxes_alone / "Annotations").mkdir(parents=True)
+    for folder in (entities, boxes_alone):  # no Annotations/, then no Sentences/
+        with pytest.raises(ValueError, match="is not a Flickr30k Entities folder"):
+            grounding_benchmark(f"entities:{folder}")
     (entities / "Annotations").mkdir()
     assert grounding_benchmark(f"entities:{entities}") == ("entities", entities)
     for value in ("entities:", f"boxes:{entities}"):
@@ -220,7 +228,7 @@ def test_eval_hands_its_options_to_its_parts_and_reports_the_words_bleu1_most_of
     dataset = tmp_path / "dataset_x.json"
     dataset.write_text("{}")
     images = [SimpleNamespace(image_id=1, references=[["a", "red", "circle"]], info={}),
-              SimpleNamespace(image_id=2, references=[["a", "blue", "square"]], info={})]
+              SimpleNamespace(image_id=2, references=[["a", "blue", "square"], ["a", "star"]], info={})]
     calls = {}
     monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
         meta={}, checksum="sum", trained_features="regions:r", encoder="its encoder"))
@@ -237,8 +245,8 @@ def test_eval_hands_its_options_to_its_parts_and_reports_the_words_bleu1_most_of
                                    device="cpu", progress=False)
     assert calls == {"training": (dataset, tmp_path), "split": (dataset, tmp_path, "test", 2),
                      "store": ("regions:r", "its encoder", "c"), "decode": (3, 20)}
-    # "square" twice beyond image 1's references and "star" once beyond image 2's (whose "square" is credited)
-    assert evaluation.report["test"]["BLEU-1 misses"] == {"caption_words": 8, "uncredited": 3,
+    # "square" twice beyond image 1's references; image 2's credit both "square" and "star", each by one of them
+    assert evaluation.report["test"]["BLEU-1 misses"] == {"caption_words": 8, "uncredited": 2,
                                                          "most_uncredited": {"square": 2}}
     assert evaluation.report["encoder_precision"] == "float32" and evaluation.report["dataset"] == str(dataset)
     # the words' tokenizer named as the shipped reports name it
@@ -278,6 +286,8 @@ def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_ap
                      "features": ("its encoder", Path("c") / f"onnx-int8-{int8_recipe()}",
                                   {"encoder": session})}
     assert evaluation.report["encoder_precision"] == "int8"
+    with pytest.raises(ValueError, match="^--encoder-precision applies to grid features, not regions:r$"):
+        evaluation_report("ckpt", dataset, encoder_precision="int8", features="regions:r", device="cpu", progress=False)
 
 
 def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, monkeypatch):
@@ -297,6 +307,34 @@ def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, 
                                    device="cpu", progress=False)
     assert calls == {"entities": ("store", entities, {"resamples": 7, "device": "cpu", "progress": False})}
     assert evaluation.report["test"]["grounding"] == {"boxes": 1}
+
+
+def test_eval_runs_each_part_on_the_resolved_device_quietly_where_asked(tmp_path, monkeypatch):
+    """The device ``auto`` resolves to reaches the checkpoint, the features, the captioning and a scenes grounding
+    (given the data set's folder, where its masks are), and ``progress=False`` silences each part."""
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    calls = {}
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
+    monkeypatch.setattr(device_module, "resolve_device", lambda device: "cuda:7")
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: calls.setdefault(
+        "checkpoint", device) and SimpleNamespace(meta={}, checksum="sum", trained_features="grid", encoder="e"))
+    monkeypatch.setattr(stores_module, "open_feature_store", lambda features, *args, **options: calls.setdefault(
+        "store", (features, options)))
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *args, device, progress, **options:
+                        calls.setdefault("decode", (args[5], device, progress)) and ({}, {1: ["a"]}))
+    # the features asked for, not the ones the checkpoint was trained on; no METEOR where it is not asked for
+    evaluation_report("ckpt", dataset, meteor=False, progress=False, features="regions:r")
+    assert calls == {"checkpoint": "cuda:7", "store": ("regions:r", {"device": "cuda:7", "progress": False}),
+                     "decode": ([m for m in metrics.ALL_METRICS if m != "METEOR"], "cuda:7", False)}
+    calls.clear()
+    monkeypatch.setattr(grounding_module, "caption_with_attention", lambda *args, device, progress, **options:
+                        calls.setdefault("attend", (device, progress)) and [SimpleNamespace(tokens=["a"])])
+    monkeypatch.setattr(evaluate_module, "score_dataset", lambda *args: {})
+    monkeypatch.setattr(grounding_module, "grounding_report", lambda ckpt, images, results, folder, resamples:
+                        calls.setdefault("grounding", (folder, resamples)))
+    evaluation_report("ckpt", dataset, meteor=False, progress=False, grounding="scenes", grounding_resamples=7)
+    assert calls["attend"] == ("cuda:7", False) and calls["grounding"] == (tmp_path, 7)
 
 
 def test_eval_shows_a_splits_captions_before_the_next_split_is_captioned(tmp_path, scenes, one_thread, monkeypatch,

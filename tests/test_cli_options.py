@@ -2,6 +2,7 @@
 write; the work itself is stubbed (its own tests run it), so each test is a parse and a call."""
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,6 +99,22 @@ def test_eval_defaults_are_the_documented_ones(tmp_path, monkeypatch, capsys):
         "device": "auto", "encoder_precision": "float32", "grounding": None, "grounding_resamples": 2000,
         "progress": True}
     assert "one.png" not in capsys.readouterr().err  # no captions shown unless asked
+
+
+def test_the_library_calls_defaults_are_the_commands(tmp_path, monkeypatch):
+    """evaluation_report's keywords are captioner eval's flags, one for one: a library caller who gives none gets
+    the report the bare command writes."""
+    defaults = {name: parameter.default for name, parameter in
+                inspect.signature(report_module.evaluation_report).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
+    calls = []
+    monkeypatch.setattr(report_module, "evaluation_report", _recording_report(calls))
+    main(["eval", str(tmp_path / "ckpt")])
+    (call,) = calls
+    assert list(defaults.pop("splits")) == call["splits"] and defaults.pop("on_split") is None
+    # the command reads CAPTIONER_ONNX_DIR itself; the library call reads it where it makes the graph
+    assert defaults.pop("onnx_dir") is None
+    assert defaults == {key: call[key] for key in defaults}
 
 
 #: (a command line, the documented defaults it parses to): each as its help says
