@@ -1,5 +1,6 @@
 import argparse
 import colorsys
+import hashlib
 import json
 import math
 import random
@@ -13,9 +14,9 @@ from captioner.models.cli.data import cmd_data_generate
 from captioner.models.data import scenes as scenes_module
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import BACKGROUNDS, COLOURS, DEFAULT_SIZES, GENERATOR_VERSION, HELDOUT_COMBOS, \
-    SHAPES, SIZES, VARIATIONS, SceneObject, Variation, article, captions_for, dataset_header, generate, \
-    generate_arguments, is_current, named_objects, object_naming_accuracy, read_dataset_header, sample_scene, \
-    split_indices
+    SHAPES, SIZES, VARIATIONS, SceneObject, Variation, article, captions_for, dataset_header, describe_dataset, \
+    generate, generate_arguments, is_current, named_objects, object_naming_accuracy, read_dataset_header, \
+    sample_scene, sample_varied_canvas, split_indices
 from captioner.models.files import write_atomically
 from captioner.service.cli import main
 
@@ -101,6 +102,17 @@ def test_references_name_counts_places_and_order_as_the_scene_holds_them():
     assert pair[0] == "two red circles" and pair[3] == "there are two red circles in the picture"
     assert texts([obj("circle", "red", 30, 128), obj("square", "blue", 128, 128), obj("star", "green", 220, 128)])[2] \
         == "a red circle and a blue square and a green star from left to right"
+    assert texts([obj("circle", "red", 90, 75)], wide)[2] == "a red circle on the left"  # within the first third
+    assert texts([obj("circle", "red", 150, 45)], wide)[2] == "a red circle at the top"
+    assert texts([obj("circle", "red", 150, 50)], wide)[2] == "a red circle in the centre"  # on a third's line
+    # the count's wording joins its listing with either word
+    assert {captions_for(crowd, "plain", random.Random(seed))[4][2][0] for seed in range(20)} == {"with", "showing"}
+    # groups in the order of their mean x (the red circles' is 125), not of their leftmost object
+    assert texts([obj("circle", "red", 20, 128), obj("square", "blue", 100, 128), obj("circle", "red", 230, 128)])[0] \
+        == "a blue square and two red circles"
+    # "above" only where the groups lie apart more than 1.5 times as far up as across
+    assert texts([obj("circle", "red", 100, 100), obj("square", "blue", 150, 160)])[2] == \
+        "a red circle to the left of a blue square"
 
 
 def test_heldout_combinations_only_in_heldout_split(scenes):
@@ -125,6 +137,9 @@ def test_object_naming_accuracy():
     assert object_naming_accuracy([("a red square and two blue circles".split(), objects)]) == 0.0
     assert object_naming_accuracy([("a red circle".split(), objects)]) == 1 / 3
     assert object_naming_accuracy([]) == 0.0  # no objects: nothing named, not a ZeroDivisionError
+    # a fraction of all objects, not a mean over images: one named of four
+    assert object_naming_accuracy([("a red circle".split(), objects[:1]), ("nothing".split(), objects)]) == 1 / 4
+    assert named_objects("a circle red".split(), objects[:1]) == [False]  # the colour before the shape
 
 
 def test_the_documented_vocabulary_splits_and_default_sizes():
@@ -225,7 +240,9 @@ def test_written_dataset_has_no_a_before_orange(scenes):
 
 def test_dataset_records_generator_version_and_staleness(tmp_path, scenes):
     data = json.loads(scenes.read_text())
-    assert data["generator_version"] == GENERATOR_VERSION
+    assert data["generator_version"] == GENERATOR_VERSION and data["dataset"] == "scenes"
+    # the header alone: a checkpoint records it, and a card reads it, without the images
+    assert set(read_dataset_header(scenes)) == {"dataset", "generator_version", "seed", "sizes", "variation"}
     sizes, seed = SCENE_SIZES, SCENE_SEED
     assert is_current(scenes.parent, sizes, seed=seed)
     assert not is_current(scenes.parent, sizes, seed=seed + 1)
@@ -268,6 +285,11 @@ def test_some_splits_alone_are_the_whole_data_sets_scenes_and_never_taken_for_it
         "--train", "48", "--val", "12", "--test", "12", "--heldout", "12", "--seed", "7", "--only", "test", "heldout"]
     assert generate_arguments(dataset_header(0, DEFAULT_SIZES, None)) == []  # `make data`'s set: no flag at all
     assert generate_arguments(dataset_header(1, DEFAULT_SIZES, None)) == ["--seed", "1"]
+    # a card names `make data` for its set alone, not for another seed's
+    assert describe_dataset(dataset_header(0, DEFAULT_SIZES, None)).endswith(
+        ": `make data`, that is `captioner data generate`, no download)")
+    assert describe_dataset(dataset_header(1, DEFAULT_SIZES, None)).endswith(
+        ": `captioner data generate --seed 1`, no download)")
 
 
 def test_unknown_splits_are_refused_and_the_annotations_written_atomically(tmp_path, monkeypatch):
@@ -279,12 +301,15 @@ def test_unknown_splits_are_refused_and_the_annotations_written_atomically(tmp_p
                         lambda path, text: written.append(path) or write_atomically(path, text))
     path = generate(tmp_path / "one", {"test": 1}, progress=False)
     assert written == [path] and len(json.loads(path.read_text())["images"]) == 1
+    assert generate(tmp_path / "one", {"test": 2}, progress=False) == path  # drawn again into its folder
 
 
 def test_a_progress_bar_only_where_asked(tmp_path, capsys):
     generate(tmp_path / "quiet", {"test": 1}, progress=False)
     assert capsys.readouterr().err == ""
     generate(tmp_path / "shown", {"test": 1}, progress=True)
+    assert "generating scenes" in capsys.readouterr().err
+    generate(tmp_path / "default", {"test": 1})  # a library caller's default
     assert "generating scenes" in capsys.readouterr().err
 
 
@@ -390,3 +415,54 @@ def test_small_objects_variation_draws_smaller_objects_and_leaves_the_standard_o
     standard, smaller = small_fractions("standard"), small_fractions("small-objects")
     assert min(standard) >= 0.045 and min(smaller) >= 0.03 and max(smaller) <= 0.095
     assert sum(f < 0.045 for f in smaller) > len(smaller) / 20
+
+
+def test_a_varied_scenes_mask_is_its_turned_footprint_and_its_edges_anti_aliased_when_supersampled():
+    """At 1× without noise the pixels of the turned square are its mask's exactly; drawn at 4× and reduced with a
+    box filter, its edges blend its colour into the background's."""
+    square = SceneObject("square", "red", "large", 60.0, 60.0, 35.0)
+    for k in (1, 4):
+        variation = Variation(supersample=(k,), noise=(0.0, 0.0), rotation=30.0)
+        image, mask = scenes_module.render_varied(
+            [square], "plain", random.Random(0), (120, 120), variation)
+        pixels = np.asarray(image)
+        if k == 1:
+            assert np.array_equal((pixels != pixels[0, 0]).any(-1), np.asarray(mask) == 1)
+        else:
+            assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 2
+
+
+def test_a_varied_canvas_is_never_below_64_pixels_a_side():
+    tiny = Variation(classic_share=0.0, side=(20.0, 40.0))
+    assert {sample_varied_canvas(random.Random(seed), tiny) for seed in range(5)} == {(64, 64)}
+
+
+#: sha256 of the annotation files of a few classic and varied scenes of seed 0, by generator version: what a seed draws
+#: changes only with GENERATOR_VERSION (so that `--if-stale` draws a data set again), and a new version records its own
+FINGERPRINTS = {2: ("f13037b48d8508cbaaa673b33dde39716b1bb5526f367566e36fc9b527222180",
+                    "d8b885980a8299548ec1f22a465b5571faeafd0d62e2d0b5338367c42f8dce17")}
+
+
+def test_a_seed_draws_the_scenes_of_the_generator_version(tmp_path):
+    classic = generate(tmp_path / "classic", {"train": 6, "heldout": 2}, progress=False)
+    varied = generate(tmp_path / "varied", {"train": 6}, progress=False, variation=Variation())
+    assert tuple(hashlib.sha256(path.read_bytes()).hexdigest() for path in (classic, varied)) == \
+        FINGERPRINTS[GENERATOR_VERSION]
+
+
+def test_each_shape_is_drawn_as_its_name_says():
+    """An upright square fills its box, a diamond stands taller than wide, a triangle and a star point up (the star's
+    five points fill less than three fifths of its circle)."""
+    shapes = [SceneObject(shape, "red", "large", x, y, 35.0)
+              for shape, x, y in (("square", 45.0, 64.0), ("diamond", 128.0, 64.0), ("triangle", 211.0, 64.0),
+                                  ("star", 128.0, 180.0))]
+    mask = np.asarray(scenes_module.render(shapes, "plain", random.Random(0))[1])
+    square, diamond, triangle, star = (np.argwhere(mask == index + 1) for index in range(4))
+    height, width = np.ptp(square, axis=0) + 1
+    assert len(square) > 0.9 * height * width
+    height, width = np.ptp(diamond, axis=0) + 1
+    assert height > 1.5 * width
+    rows = triangle[:, 0]
+    assert (rows == rows.min()).sum() < (rows == rows.max()).sum() / 5
+    assert len(star) < 0.6 * math.pi * 35.0 ** 2
+    assert np.ptp(star[star[:, 0] <= star[:, 0].min() + 1, 1]) < 5  # one point at the top, not two
