@@ -160,6 +160,24 @@ def test_an_encoder_graph_damaged_since_its_export_is_refused_at_load(graph, enc
     damaged.write_bytes(damaged.read_bytes()[:-100])
     with pytest.raises(ValueError, match=f"{graph} not as its export wrote it"):
         OnnxRuntime("sat", ckpt, tmp_path / "sat", CPU, threads=1, visual=visual)
+    step = tmp_path / "sat" / STEP_FILE  # both graphs damaged: the message names each, not the first alone
+    step.write_bytes(step.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"{graph} and step.onnx not as its export wrote it"):
+        OnnxRuntime("sat", ckpt, tmp_path / "sat", CPU, threads=1, visual=visual)
+
+
+def test_onnx_runtime_begins_each_image_with_its_own_rows_at_mixed_widths(encoder, tmp_path):
+    """One batch of images with beams of different widths: each image's encoder and decoder rows repeated its own
+    width, as on PyTorch (a caption with one width for every image cannot tell)."""
+    ckpt = tiny_checkpoint("sat")
+    export_graphs(ckpt, tmp_path / "sat", encoder)
+    onnx_rt = OnnxRuntime("sat", ckpt, tmp_path / "sat", CPU, threads=1)
+    torch_rt = TorchRuntime("sat", ckpt, encoder, CPU)
+    prepared = [torch_rt.prepare(image) for image in random_images(2, seed=4)]
+    for got, want in zip(onnx_rt.begin(prepared, [1, 3]), torch_rt.begin(prepared, [1, 3])):
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, atol=ATOL_ATTENTION, rtol=1e-3)
 
 
 @pytest.mark.parametrize("arch,config", [
@@ -401,14 +419,14 @@ def test_captioner_export_writes_every_model_and_reports_the_ones_it_cannot(tmp_
         captioner(["export", str(weights / "tiny-tvmax"), "--out", str(tmp_path / "onnx"), "--strict"])
 
 
-def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
-    """... and its first start records that, so later starts spawn no child to try the export again."""
+def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path, caplog):
+    """... saying why, and its first start records that, so later starts spawn no child to try the export again."""
     ckpt = tiny_checkpoint("sparsecap", attention="tvmax")
     save_checkpoint(tmp_path / "weights" / "tvmax", ckpt.model, ckpt.vocab, ckpt.encoder)
     settings = Settings(weights_dir=tmp_path / "weights", default_model="tvmax", backend="onnx",
                         onnx_dir=tmp_path / "onnx", device="cpu", threads=1, warmup=False)
     assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == ["tvmax"]
-    with TestClient(create_app(settings)) as client:
+    with caplog.at_level(logging.INFO, logger="captioner"), TestClient(create_app(settings)) as client:
         assert client.get("/models").json()[0]["backend"] == "torch"
         image = random_images(1)[0]
         buffer = io.BytesIO()
@@ -416,6 +434,10 @@ def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path):
         assert client.post("/caption", content=buffer.getvalue(),
                            headers={"content-type": "image/png"}).status_code == 200
     assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == []
+    assert any("TVmax's 2D TV prox" in record.getMessage() for record in caplog.records
+               if record.levelno >= logging.WARNING)  # the reason, not a folder the export never made
+    # told before the CNN's graph is made: served on PyTorch, it would be traced and verified for nothing
+    assert not list((tmp_path / "onnx").glob("visual-*"))
 
 
 def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_only(tmp_path):
@@ -579,6 +601,9 @@ def test_onnx_runtime_sessions_neither_spin_nor_keep_an_arena(shipped):
                     runtime.encoder_session.get_session_options()):
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
         assert not options.enable_cpu_mem_arena
+    # each of the runtime's sessions with the threads it was given (not one per core beside the others' pools)
+    assert [session.get_session_options().intra_op_num_threads
+            for session in (runtime.encoder_session, runtime.step_session)] == [1, 1]
 
 
 def test_session_options_take_the_threads_every_optimisation_and_a_quieter_log_on_request(tmp_path):
@@ -684,6 +709,11 @@ def test_models_share_one_cnn_and_a_later_start_builds_no_pytorch_encoder(tmp_pa
     for name, seed in (("a", 0), ("reference", 1)):
         ckpt = tiny_checkpoint("sat", seed=seed)
         save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+
+    def own_cnn(*args, **kwargs):
+        raise AssertionError("an export built a PyTorch CNN of its own beside the shared one")
+
+    monkeypatch.setattr(exporter, "GridEncoder", own_cnn)  # the first start's exports trace the shared CNN
     first = load_on_cpu(tmp_path, "auto")
     assert {r.backend for r in first.values()} == {"onnx"}
     assert first["a"].visual is first["reference"].visual
@@ -1059,6 +1089,19 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     assert unprepared() == ["a"]
 
 
+def test_a_damaged_head_graph_is_left_to_prepare_and_made_again(tmp_path):
+    """``head.onnx`` cut short (the graph a server runs after the shared CNN, which the start checks as it checks
+    ``step.onnx``): the model is still to prepare, and its start makes the export again."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    head = tmp_path / "onnx" / "a" / HEAD_FILE
+    head.write_bytes(head.read_bytes()[:1000])
+    left = onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx")
+    assert left == ["a"]
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    assert intact(head) and head.stat().st_size > 1000
+
+
 def test_the_services_exports_leave_out_the_self_contained_encoder_graph(tmp_path):
     """A server runs every image through the CNN's shared ``visual.onnx``, then the model's ``head.onnx``: its exports
     leave out ``encoder.onnx`` (the CNN again, with the head), whose trace and verification were most of a small
@@ -1105,11 +1148,20 @@ def test_a_cnn_the_tracer_cannot_record_leaves_no_export_to_pass_for_proof_that_
     assert onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
 
 
-def test_a_self_contained_export_is_current_only_with_each_of_its_graphs_intact(encoder, tmp_path):
+def test_a_self_contained_export_is_current_only_with_each_of_its_graphs_intact(encoder, tmp_path, monkeypatch):
     """``export_is_current`` asks by default for every graph ``captioner export`` writes, and a server only for the
-    two it loads: a damaged ``encoder.onnx`` is no reason for a server to make the export again."""
+    two it loads: a damaged ``encoder.onnx`` is no reason for a server to make the export again.  Each of the three
+    graphs passed ONNX's checker."""
+    checked, check = [], onnx.checker.check_model
+
+    def recorded(path, *args, **kwargs):
+        checked.append(Path(path).name)
+        return check(path, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.checker, "check_model", recorded)
     ckpt = tiny_checkpoint("sat")
     export_graphs(ckpt, tmp_path / "sat", encoder)
+    assert sorted(checked) == sorted([ENCODER_FILE, HEAD_FILE, STEP_FILE])
     for name in (None, ENCODER_FILE, HEAD_FILE, STEP_FILE):
         copy = tmp_path / f"copy-{name}"
         shutil.copytree(tmp_path / "sat", copy)
