@@ -434,6 +434,9 @@ def test_a_model_that_cannot_be_exported_is_served_with_pytorch(tmp_path, caplog
         assert client.post("/caption", content=buffer.getvalue(),
                            headers={"content-type": "image/png"}).status_code == 200
     assert unprepared(**settings.model_placement(), weights_dir=settings.weights_dir, extra=[]) == []
+    # where docs/onnx.md says the record is, named after the weights' identity
+    identity = export_identity(load_checkpoint(tmp_path / "weights" / "tvmax").checksum, ckpt.encoder)
+    assert [p.name for p in (tmp_path / "onnx" / ".unexportable").iterdir()] == [f"{identity}.json"]
     assert any("TVmax's 2D TV prox" in record.getMessage() for record in caplog.records
                if record.levelno >= logging.WARNING)  # the reason, not a folder the export never made
     # told before the CNN's graph is made: served on PyTorch, it would be traced and verified for nothing
@@ -451,6 +454,46 @@ def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_on
     for written_by, left in (("attention-captioner-onnx/1", ["a"]), (exporter.FORMAT, [])):
         record.write_text(json.dumps({"format": written_by, "why": "a step the tracer cannot record"}))
         assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == left
+    # a record torn, or JSON that is not an object: no record, so the child tries again
+    for damaged in ('{"format": ', json.dumps([exporter.FORMAT])):
+        record.write_text(damaged)
+        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == ["a"]
+
+
+def test_a_checkpoint_whose_config_names_no_readable_encoder_is_left_to_the_loader_not_the_child(tmp_path):
+    """A config.json whose encoder cannot be read (missing, not a mapping, a size that is no number): ``unprepared``
+    does not name it on any ONNX backend, since the server's load skips it and a child would only do the same; the
+    sound model beside it still is."""
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
+    folder = tmp_path / "weights" / "a"
+    sound = json.loads((folder / "config.json").read_text())
+    for edit in (lambda config: config.pop("encoder"), lambda config: config.update(encoder="efficientnet_lite0"),
+                 lambda config: config["encoder"].update(image_size="big")):
+        config = json.loads(json.dumps(sound))
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        write_manifest(folder)
+        for backend in ("auto", "onnx", "hybrid"):
+            assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend=backend) == ["b"]
+
+
+def test_an_int8_cnn_not_yet_made_beside_the_float_one_is_still_to_prepare(tmp_path):
+    """``CAPTIONER_ENCODER_PRECISION=int8`` after float32 starts: the float CNN graph is there, but the int8 one the
+    server loads is not, so the model is still to prepare (the child quantizes it), not counted as prepared."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "hybrid")["a"].backend == "hybrid"
+    for precision, left in (("float32", []), ("int8", ["a"])):
+        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="hybrid",
+                          encoder_precision=precision) == left
+
+
+def test_a_checkpoint_without_a_recorded_checksum_is_left_to_the_preparing_child(tmp_path):
+    """No manifest, so no sha256 to name its export by without hashing the weights: ``unprepared`` cannot tell that
+    its export is current, and names it on every ONNX backend (the child loads it and finds out)."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    (tmp_path / "weights" / "a" / "manifest.json").unlink()
+    for backend in ("auto", "onnx", "hybrid"):
+        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend=backend) == ["a"]
 
 
 @pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
@@ -787,7 +830,8 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a", "b"]
     # nothing to make for a model PyTorch serves: by its own backend, or under autocast, which serves every model so
     assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", backends={"a": "torch"}) == ["b"]
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", precision="bfloat16") == []
+    for autocast in ("bfloat16", "float16"):
+        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", precision=autocast) == []
 
     def no_pytorch_encoder(*args, **kwargs):
         raise AssertionError("the server's own load built a PyTorch encoder")
