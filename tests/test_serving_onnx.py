@@ -80,6 +80,12 @@ def load_on_cpu(tmp_path: Path, backend: str, **settings) -> dict[str, Runtime]:
         "device_name": "cpu", "default_backend": backend, "onnx_dir": tmp_path / "onnx", "threads": 1, **settings})
 
 
+def still_to_prepare(tmp_path: Path, **settings) -> list[str]:
+    """``unprepared`` of the checkpoints in ``tmp_path/weights`` with exports in ``tmp_path/onnx``, as
+    :func:`load_on_cpu` starts them; ``settings`` add to those."""
+    return unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", **settings)
+
+
 def file_stamps(folder: Path) -> dict[str, tuple[int, int]]:
     """Each file in ``folder`` by name: its inode and modification time, which a file made again changes."""
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.iterdir()}
@@ -453,11 +459,11 @@ def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_on
     record.parent.mkdir(parents=True)
     for written_by, left in (("attention-captioner-onnx/1", ["a"]), (exporter.FORMAT, [])):
         record.write_text(json.dumps({"format": written_by, "why": "a step the tracer cannot record"}))
-        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == left
+        assert still_to_prepare(tmp_path, default_backend="onnx") == left
     # a record torn, or JSON that is not an object: no record, so the child tries again
     for damaged in ('{"format": ', json.dumps([exporter.FORMAT])):
         record.write_text(damaged)
-        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == ["a"]
+        assert still_to_prepare(tmp_path, default_backend="onnx") == ["a"]
 
 
 def test_a_checkpoint_whose_config_names_no_readable_encoder_is_left_to_the_loader_not_the_child(tmp_path):
@@ -474,7 +480,7 @@ def test_a_checkpoint_whose_config_names_no_readable_encoder_is_left_to_the_load
         (folder / "config.json").write_text(json.dumps(config))
         write_manifest(folder)
         for backend in ("auto", "onnx", "hybrid"):
-            assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend=backend) == ["b"]
+            assert still_to_prepare(tmp_path, default_backend=backend) == ["b"]
 
 
 def test_an_int8_cnn_not_yet_made_beside_the_float_one_is_still_to_prepare(tmp_path):
@@ -483,7 +489,7 @@ def test_an_int8_cnn_not_yet_made_beside_the_float_one_is_still_to_prepare(tmp_p
     save_tiny_sats(tmp_path / "weights", ["a"])
     assert load_on_cpu(tmp_path, "hybrid")["a"].backend == "hybrid"
     for precision, left in (("float32", []), ("int8", ["a"])):
-        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="hybrid",
+        assert still_to_prepare(tmp_path, default_backend="hybrid",
                           encoder_precision=precision) == left
 
 
@@ -493,7 +499,7 @@ def test_a_checkpoint_without_a_recorded_checksum_is_left_to_the_preparing_child
     save_tiny_sats(tmp_path / "weights", ["a"])
     (tmp_path / "weights" / "a" / "manifest.json").unlink()
     for backend in ("auto", "onnx", "hybrid"):
-        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend=backend) == ["a"]
+        assert still_to_prepare(tmp_path, default_backend=backend) == ["a"]
 
 
 @pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
@@ -561,7 +567,7 @@ def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decode
                 assert response.status_code == 200, response.text
                 answers[backend, name] = response.json()
     # the next start has nothing to make: a decoder that cannot be exported has no folder, and needs none
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
     for name in ("sat", "tvmax"):
         assert answers["auto", name]["caption"] == answers["torch", name]["caption"]
         np.testing.assert_allclose(answers["auto", name]["attention"], answers["torch", name]["attention"],
@@ -827,11 +833,11 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
     server loads each model once the child is done with it, while the child prepares the next: each of the server's
     loads is a later start, which builds no PyTorch encoder, and nothing is left unprepared."""
     save_tiny_sats(tmp_path / "weights", ["a", "b"])
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a", "b"]
+    assert still_to_prepare(tmp_path) == ["a", "b"]
     # nothing to make for a model PyTorch serves: by its own backend, or under autocast, which serves every model so
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", backends={"a": "torch"}) == ["b"]
+    assert still_to_prepare(tmp_path, backends={"a": "torch"}) == ["b"]
     for autocast in ("bfloat16", "float16"):
-        assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", precision=autocast) == []
+        assert still_to_prepare(tmp_path, precision=autocast) == []
 
     def no_pytorch_encoder(*args, **kwargs):
         raise AssertionError("the server's own load built a PyTorch encoder")
@@ -843,7 +849,7 @@ def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pyto
         assert client.get("/readyz").status_code == 200
         assert {model["name"]: model["backend"] for model in client.get("/models").json()} == \
             {"a": "onnx", "b": "onnx"}
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
 
 
 def test_a_start_up_that_fails_ends_the_preparing_child_instead_of_waiting_for_it(tmp_path, monkeypatch):
@@ -871,7 +877,7 @@ def test_a_preparing_child_stopped_is_ended_not_waited_for(tmp_path):
     (process,) = [c for c in multiprocessing.active_children() if c.name == "captioner-prepare"]
     child.stop()
     assert process.exitcode == -signal.SIGTERM
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    assert still_to_prepare(tmp_path) == ["a"]
 
 
 def test_every_model_is_reported_after_its_load_or_its_skip(tmp_path):
@@ -946,7 +952,7 @@ def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, c
         child.join()
     assert [r.getMessage() for r in caplog.records] == [
         "preparing the ONNX exports in a child process failed (exit code 3); preparing the rest here"]
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    assert still_to_prepare(tmp_path) == ["a"]
 
 
 def gate_model_b(gate: Path) -> None:
@@ -977,7 +983,7 @@ def test_the_wait_for_a_model_returns_while_the_child_still_prepares_the_next(tm
     child.wait_for("b")
     child.join()
     assert (tmp_path / "b-gate-opened").read_text() == "True"
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
 
 
 def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
@@ -1000,16 +1006,16 @@ def test_a_current_export_whose_cnn_graph_is_missing_is_prepared_in_the_child(tm
     save_tiny_sats(tmp_path / "weights", ["a"])
     loaded = load_on_cpu(tmp_path, "auto")
     assert loaded["a"].backend == "onnx"
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
     (visual,) = (tmp_path / "onnx").glob("visual-*")
     shutil.rmtree(visual)
     assert export_is_current(tmp_path / "onnx" / "a", load_checkpoint(tmp_path / "weights" / "a").checksum,
                              SERVED_GRAPHS)
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["a"]
+    assert still_to_prepare(tmp_path) == ["a"]
     # without a current export of its own either, no CNN graph is a CNN the tracer could not record: served without
     # it, and no child is sent to try again at every start
     shutil.rmtree(tmp_path / "onnx" / "a")
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
 
 
 def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, capfd):
@@ -1017,12 +1023,12 @@ def test_the_preparing_child_loads_only_the_models_still_to_prepare(tmp_path, ca
     without loading the others (``only``): its log says which it loaded."""
     save_tiny_sats(tmp_path / "weights", ["a", "b"])
     assert set(load_on_cpu(tmp_path, "auto", only=["a"])) == {"a"}
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == ["b"]
+    assert still_to_prepare(tmp_path) == ["b"]
     capfd.readouterr()
     preparing_child(tmp_path, functools.partial(configure_logging, "json", "info"), only=["b"]).join()
     records = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert [r["msg"].split()[1] for r in records if r["msg"].startswith("loaded ")] == ["b"]
-    assert unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
 
 
 def test_padded_cnn_batches_caption_exactly_like_unpadded_ones(shipped):
@@ -1104,8 +1110,7 @@ def test_graphs_damaged_on_disk_are_made_again_not_loaded(tmp_path):
     save_checkpoint(tmp_path / "weights" / "a", ckpt.model, ckpt.vocab, ckpt.encoder)
 
     def unprepared(backend: str = "auto") -> list[str]:
-        return onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx",
-                                       default_backend=backend)
+        return still_to_prepare(tmp_path, default_backend=backend)
 
     assert unprepared("onnx") == ["a"]
     assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
@@ -1140,7 +1145,7 @@ def test_a_damaged_head_graph_is_left_to_prepare_and_made_again(tmp_path):
     assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     head = tmp_path / "onnx" / "a" / HEAD_FILE
     head.write_bytes(head.read_bytes()[:1000])
-    left = onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx")
+    left = still_to_prepare(tmp_path, default_backend="onnx")
     assert left == ["a"]
     assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     assert intact(head) and head.stat().st_size > 1000
@@ -1173,7 +1178,7 @@ def test_an_export_from_captioner_export_is_served_as_it_is(tmp_path):
                "--threads", "1"])
     before = file_stamps(tmp_path / "onnx" / "a")
     assert ENCODER_FILE in before
-    assert onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx", default_backend="onnx") == []
+    assert still_to_prepare(tmp_path, default_backend="onnx") == []
     assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     assert file_stamps(tmp_path / "onnx" / "a") == before
 
@@ -1189,7 +1194,7 @@ def test_a_cnn_the_tracer_cannot_record_leaves_no_export_to_pass_for_proof_that_
     save_tiny_sats(tmp_path / "weights", ["a"])
     assert load_on_cpu(tmp_path, "auto")["a"].backend == "torch"
     assert not (tmp_path / "onnx" / "a").exists()
-    assert onnx_exports.unprepared(tmp_path / "weights", [], onnx_dir=tmp_path / "onnx") == []
+    assert still_to_prepare(tmp_path) == []
 
 
 def test_a_self_contained_export_is_current_only_with_each_of_its_graphs_intact(encoder, tmp_path, monkeypatch):
