@@ -347,7 +347,8 @@ def _rows(batch: int, k: int) -> Tensor:
 @torch.inference_mode(False)
 @torch.no_grad()
 def _probe(visual: GridEncoder, model: Captioner, spec: EncoderSpec, batch: int, k: int, steps: int, seed: int):
-    """Run the protocol in PyTorch: the encoder outputs, and (inputs, outputs) of every step."""
+    """Run the protocol in PyTorch: the example pixels, their CNN features, the encoder outputs, and (inputs,
+    outputs) of every step."""
     pixels = _example_pixels(spec, batch, seed)
     feats = visual(pixels)
     geometry = grid_geometry(spec, (spec.image_size, spec.image_size))
@@ -363,7 +364,7 @@ def _probe(visual: GridEncoder, model: Captioner, spec: EncoderSpec, batch: int,
         # follow random but valid back-pointers and tokens, as a beam search would
         state = index_rows(new_state, torch.randint(0, batch * k, (batch * k,), generator=generator))
         prev = torch.randint(3, logprobs.shape[1], (batch * k,), generator=generator)
-    return pixels, enc, state0, enc_rows, trace
+    return pixels, feats, enc, state0, enc_rows, trace
 
 
 def _growing_dims(trace) -> dict[str, list[int]]:
@@ -401,15 +402,12 @@ def export_graphs(ckpt: Checkpoint, out: str | Path, visual: GridEncoder | None 
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("export from a CPU checkpoint (load_checkpoint(path, 'cpu'))")
     k = 2
-    _, enc, state0, _, trace = _probe(visual, model, spec_enc, batch=2, k=k, steps=3, seed=0)
+    pixels, features, enc, state0, _, trace = _probe(visual, model, spec_enc, batch=2, k=k, steps=3, seed=0)
     spec = GraphSpec(arch=model.arch, checksum=export_identity(ckpt.checksum, spec_enc), encoder=spec_enc.to_json(),
                      enc_keys=sorted(enc), state_keys=sorted(state0), extra_keys=sorted(trace[0][1][2].extras),
                      growing_dims=_growing_dims(trace))
     spec.dtypes = {**{f"enc.{key}": str(v.dtype) for key, v in enc.items()},
                    **{f"state.{key}": str(v.dtype) for key, v in state0.items()}}
-    pixels = _example_pixels(spec_enc, 2, 0)
-    with torch.no_grad():
-        features = visual(pixels)
     # the step is traced at step 1 (not 0) so that growing dimensions are non-empty in the example
     (prev, state), _ = trace[1]
     enc_rows = index_rows(enc, _rows(2, k))
@@ -539,11 +537,10 @@ def _verify(folder: Path, files: tuple[str, ...], spec: GraphSpec, visual: GridE
     size, beam width and step count the trace never saw; compare with PyTorch.
     Returns the largest absolute difference per output kind."""
     batch, k = 3, 3
-    pixels, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4, seed=5)
+    pixels, features, enc, state0, enc_rows, trace = _probe(visual, model, spec_enc, batch=batch, k=k, steps=4,
+                                                           seed=5)
     diffs: dict[str, float] = {}
     prefix = f"{model.arch}: "
-    with torch.no_grad():
-        features = visual(pixels)
     for graph, file, feed in (("encoder", ENCODER_FILE, {"pixels": pixels.numpy()}),
                               ("encoder head", HEAD_FILE, {"features": features.numpy()})):
         if file not in files:
