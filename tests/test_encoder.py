@@ -467,8 +467,7 @@ def test_efficientnet_lite2_has_its_own_stage_widths_and_computes_timms_network(
 
 
 def test_a_backbone_whose_weights_package_is_missing_names_the_extra_that_installs_it(monkeypatch):
-    missing = encoder_module.EfficientNetLite("tf_efficientnet_lite2", "no_such_weights_package", "ModelFile", "lite2",
-                                              (16, 24, 48, 88, 120, 208, 352))
+    missing = replace(encoder_module.EFFICIENTNET_LITE["efficientnet_lite2"], package="no_such_weights_package")
     monkeypatch.setitem(encoder_module.EFFICIENTNET_LITE, "efficientnet_lite2", missing)
     with pytest.raises(ImportError, match=r"attention-captioner\[lite2\]"):
         GridEncoder(EncoderSpec(backbone="efficientnet_lite2"))
