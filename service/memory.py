@@ -1,8 +1,7 @@
 """Keeping the server's resident set small: glibc allocator limits and returning freed memory after warm-up.
 
 Where a server's memory goes (measured in docs/benchmarks/memory.md and docs/decisions.md): the libraries
-(``import torch`` maps its CUDA libraries even on a CPU-only machine; timm, only imported when a PyTorch encoder is
-built, brings torchvision and ``torch._dynamo``), the weights (one frozen CNN per distinct
+(``import torch`` maps its CUDA libraries even on a CPU-only machine), the weights (one frozen CNN per distinct
 :class:`~captioner.models.encoder.EncoderSpec`, shared, and a few MB to a few tens of MB per model:
 ``service/shared_encoders.py``), and — the part this module addresses — memory the allocator keeps after it was
 freed.  Warm-up

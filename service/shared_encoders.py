@@ -20,8 +20,7 @@ class SharedEncoders:
     """The frozen encoder of each :class:`~captioner.models.encoder.EncoderSpec`, made on first use and shared by
     every model with that spec: the PyTorch module (``torch`` backend, exports, the check set's reference) and the
     ONNX Runtime session of its ``visual.onnx`` (``onnx`` and ``hybrid`` backends).  A server whose models all run
-    their CNN on ONNX Runtime, with current exports, never builds the PyTorch one — nor imports timm, which brings
-    torchvision and ``torch._dynamo`` (about 190 MB resident)."""
+    their CNN on ONNX Runtime, with current exports, never builds the PyTorch one."""
 
     def __init__(self, device: torch.device, onnx_dir: Path, threads: int | None, precision: str = "float32"):
         self.device, self.onnx_dir, self.threads = device, Path(onnx_dir), threads
