@@ -12,12 +12,13 @@ from .settings import Settings
 WARMUP_TIMEOUT_S = 600.0
 
 
-def warmup_sizes(max_batch: int) -> list[int]:
-    """Encoder batch sizes to run once before serving: powers of two up to ``max_batch``, and ``max_batch``."""
+def warmup_sizes(max_batch: int, factor: int = 2) -> list[int]:
+    """Encoder batch sizes to run once before serving: the powers of ``factor`` below ``max_batch``, and
+    ``max_batch``."""
     sizes, n = [], 1
     while n < max_batch:
         sizes.append(n)
-        n *= 2
+        n *= factor
     return sizes + [max_batch]
 
 
@@ -31,6 +32,10 @@ async def warm_up(batcher: Batcher, settings: Settings) -> None:
     beam = min(settings.default_beam_size, settings.max_rows)
     # the worker never encodes more images at once than fit the rows, the batch limit or the queue
     largest = min(settings.max_batch_images, max(1, settings.max_rows // beam), settings.queue_size)
+    # A runtime that pads its CNN's batches to powers of two (a GPU's) meets each as a new shape, whose first run must
+    # not be a client's (cuDNN's kernel choice, about 2 s each). One that does not pad (a CPU's) meets no such stall,
+    # and its warm-up only chooses the encoder batch, for which every other power of two is enough: each size is run
+    # twice, and the sizes are most of a start's time per model (docs/decisions.md, "A CPU's warm-up at powers of four")
+    sizes = warmup_sizes(largest, 2 if runtime.pad_batches else 4)
     # the request deadline does not apply (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start-up)
-    await batcher.calibrate(prepared, beam, warmup_sizes(largest), timeout_s=WARMUP_TIMEOUT_S,
-                            calibrate_len=settings.default_max_len)
+    await batcher.calibrate(prepared, beam, sizes, timeout_s=WARMUP_TIMEOUT_S, calibrate_len=settings.default_max_len)

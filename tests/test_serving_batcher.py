@@ -970,28 +970,38 @@ def test_calibration_learns_caption_lengths_from_its_calibration_request_only(en
     assert calibrated.expected_wait_s(3, 7) == pytest.approx(7.0)
 
 
-def test_warm_up_runs_each_power_of_two_encoder_batch_and_the_largest_once():
+def test_warm_up_runs_each_power_of_the_factor_below_the_largest_encoder_batch_and_the_largest_once():
     assert warmup_sizes(1) == [1]
     assert warmup_sizes(4) == [1, 2, 4]
     assert warmup_sizes(6) == [1, 2, 4, 6]
+    assert warmup_sizes(16, 4) == [1, 4, 16]
+    assert warmup_sizes(8, 4) == [1, 4, 8]
+    assert warmup_sizes(4, 4) == [1, 4]
 
 
-@pytest.mark.parametrize(("limits", "sizes"), [
-    (dict(max_batch_images=16, max_rows=13, queue_size=64), [1, 2, 4]),  # 13 rows hold 4 beams of 3
-    (dict(max_batch_images=2, max_rows=64, queue_size=64), [1, 2]),
-    (dict(max_batch_images=16, max_rows=64, queue_size=3), [1, 2, 3]),
-    (dict(max_batch_images=16, max_rows=5, queue_size=64, max_beam_size=5), [1]),  # one beam of 3 fits, not two
+@pytest.mark.parametrize("pads", [True, False])
+@pytest.mark.parametrize(("limits", "padded_sizes", "unpadded_sizes"), [
+    (dict(max_batch_images=16, max_rows=64, queue_size=64), [1, 2, 4, 8, 16], [1, 4, 16]),
+    (dict(max_batch_images=16, max_rows=13, queue_size=64), [1, 2, 4], [1, 4]),  # 13 rows hold 4 beams of 3
+    (dict(max_batch_images=2, max_rows=64, queue_size=64), [1, 2], [1, 2]),
+    (dict(max_batch_images=16, max_rows=64, queue_size=3), [1, 2, 3], [1, 3]),
+    (dict(max_batch_images=16, max_rows=5, queue_size=64, max_beam_size=5), [1], [1]),  # one beam of 3 fits
 ])
-def test_warm_up_requests_are_shaped_by_the_settings_and_never_larger_than_the_worker_encodes(encoder, limits, sizes):
+def test_warm_up_requests_are_shaped_by_the_settings_and_never_larger_than_the_worker_encodes(
+        encoder, limits, padded_sizes, unpadded_sizes, pads):
     """Warm-up pays first-use costs for the batches the worker will encode: the default beam and caption length,
     and encoder batches up to the most images the rows, the batch limit and the queue let it take at once; under
-    the warm-up's own deadline, not a request's (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start)."""
+    the warm-up's own deadline, not a request's (a tiny CAPTIONER_REQUEST_TIMEOUT_S must not fail the start).  A
+    runtime that pads its CNN batches to powers of two (a GPU's) is warmed at each of them; one that does not (a
+    CPU's), at every other one."""
     calls = []
 
     async def calibrate(_prepared, beam_size, batch_sizes, **options):
         calls.append((beam_size, batch_sizes, options))
 
     runtime = runtime_for("sat", encoder)
+    runtime.pad_batches = pads
+    sizes = padded_sizes if pads else unpadded_sizes
     settings = Settings(default_beam_size=3, default_max_len=7, request_timeout_s=0.01, **limits)
     asyncio.run(warm_up(types.SimpleNamespace(runtime=runtime, calibrate=calibrate), settings))
     assert calls == [(3, sizes, dict(timeout_s=WARMUP_TIMEOUT_S, calibrate_len=7))]
