@@ -315,7 +315,7 @@ bench-int8-f8k: $(STAMP)
 
 # The wheels benchmarks/gpu_session.sh unpacks on a bare GPU machine (Python 3.12, torch 2.11 cu130, numpy, pillow,
 # httpx, safetensors, prometheus-client, no web stack): the service's imports it lacks, at the versions this venv
-# tests, into .whl/ (ignored by git; about 32 MB, carried with the device call). torchvision matches torch 2.11 cu130
+# tests, into .whl/ (ignored by git; about 29 MB, carried with the device call). torchvision matches torch 2.11 cu130
 # and is unpacked only where the machine has none. GPU_PYTHON=3.11 makes the set for a CPU rehearsal in a 3.11 venv.
 GPU_PYTHON ?= 3.12
 GPU_WHEELS_DIR ?= .whl
