@@ -1,4 +1,4 @@
-"""EfficientNet-Lite (Tan & Le, arXiv:1905.11946, §3.2's MBConv network with the Lite changes of TensorFlow's
+"""EfficientNet-Lite (Tan & Le, arXiv:1905.11946, §4 and Table 1's MBConv network with the Lite changes of TensorFlow's
 ``efficientnet/lite``: no squeeze-and-excitation, ReLU6, the stem and head left unscaled), laid out module for
 module as timm's ``tf_efficientnet_lite*``: the packaged ImageNet weights load onto it by position, and the names
 of a fine-tuned stage's weights (``blocks.6.0.conv_pw.weight``) are timm's.
