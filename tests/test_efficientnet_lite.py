@@ -74,6 +74,10 @@ def test_the_same_padding_keeps_ceil_of_size_over_stride_cells_and_pads_the_odd_
     assert even.shape == (1, 1, 2, 2) and even[0, 0].tolist() == [[9.0, 6.0], [6.0, 4.0]]
     with pytest.raises(ValueError, match="kernel 1 smaller than stride 2"):
         SameConv2d(1, 1, 1, 2)
+    # a kernel as large as its stride is refused by nothing: its windows tile the image, the odd pixel padded after
+    tiling = SameConv2d(1, 1, 2, 2)
+    torch.nn.init.ones_(tiling.weight)
+    assert tiling(torch.ones(1, 1, 3, 3))[0, 0].tolist() == [[4.0, 2.0], [2.0, 1.0]]
 
 
 def test_a_grid_encoder_imports_neither_timm_nor_torchvision():

