@@ -893,21 +893,27 @@ def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(enco
     clock = FakeClock()
     # fake encoder cost per call: 1.0 s/image alone, 0.8 at 2, 1.5 at 4 (a large batch leaving the cache)
     runtime, encoded = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 1.6, 4: 6.0})
-    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    metrics = Metrics()
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock, metrics=metrics)
     batcher.start()
     prepared = runtime.prepare(random_images(1, seed=6)[0])
 
     async def scenario():
         await batcher.calibrate(prepared, 1, [1, 2, 4], max_len=2, timeout_s=60)
         assert batcher.encode_batch == 2
+        assert metrics.encode_batch.labels(runtime.name)._value.get() == 2  # the gauge says what was chosen
         encoded.clear()
         with batcher._wake:  # four requests arriving together: admitted together, encoded two by two
             jobs = [batcher.submit(prepared, 1, 2, 60) for _ in range(4)]
         await asyncio.gather(*(job.future for job in jobs))
+        assert encoded == [2, 2]
+        # calibrated again, each size is still one batch, not the chunks of the encoder batch chosen before
+        encoded.clear()
+        await batcher.calibrate(prepared, 1, [4], max_len=2, timeout_s=60)
+        assert encoded == [4, 4] and batcher.encode_batch == 4
         await batcher.stop()
 
     asyncio.run(scenario())
-    assert encoded == [2, 2]
 
 
 def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
@@ -928,6 +934,45 @@ def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
 
     asyncio.run(scenario())
     assert batcher.encode_batch == 4
+
+
+def _failing_on_begin(runtime, calls: int):
+    """``runtime`` with its ``calls``-th encoding (1-based) raising, as an encoder that runs out of memory would."""
+    begin, count = runtime.begin, []
+
+    def failing(batch, widths):
+        count.append(len(batch))
+        if len(count) == calls:
+            raise RuntimeError("the encoder failed")
+        return begin(batch, widths)
+
+    runtime.begin = failing
+    return runtime
+
+
+@pytest.mark.parametrize("failing_call", [1, 4])  # before any step is measured; in the timed round (sizes 1, 2)
+def test_a_failed_calibration_leaves_the_batcher_measuring_as_before(encoder, failing_call):
+    """A warm-up that fails must not leave the batcher without the step time it had, deaf to caption lengths, or
+    timing every encoding from then on."""
+    clock = FakeClock()
+    runtime = _failing_on_begin(slow_runtime(encoder, clock, step_s=1.0)[0], failing_call)
+    batcher = Batcher(runtime, max_batch=2, queue_size=16, max_rows=64, clock=clock)
+    batcher.admission.restore_rate((0.5, 4.0))
+    prepared = runtime.prepare(random_images(1, seed=6)[0])
+
+    async def scenario():
+        batcher.start()
+        try:
+            with pytest.raises(RuntimeError, match="the encoder failed"):
+                await batcher.calibrate(prepared, 1, [1, 2], max_len=2, timeout_s=60, calibrate_len=5)
+            if failing_call == 1:  # nothing measured: the estimate it had before
+                assert (batcher.admission.step_time_s, batcher.admission.rows_per_step) == (0.5, 4.0)
+            assert batcher._encode_timings is None
+            assert batcher.submit(prepared, 1, 2, 60).typical_length
+        finally:
+            await batcher.stop()
+
+    asyncio.run(scenario())
 
 
 def test_the_estimate_counts_the_new_requests_own_encoding(encoder):
