@@ -460,6 +460,8 @@ def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_on
     for written_by, left in (("attention-captioner-onnx/1", ["a"]), (exporter.FORMAT, [])):
         record.write_text(json.dumps({"format": written_by, "why": "a step the tracer cannot record"}))
         assert still_to_prepare(tmp_path, default_backend="onnx") == left
+    # hybrid runs the CNN's graph whatever the decoder: a record of this format does not excuse a CNN graph not made
+    assert still_to_prepare(tmp_path, default_backend="hybrid") == ["a"]
     # a record torn, or JSON that is not an object: no record, so the child tries again
     for damaged in ('{"format": ', json.dumps([exporter.FORMAT])):
         record.write_text(damaged)
@@ -500,6 +502,21 @@ def test_a_checkpoint_without_a_recorded_checksum_is_left_to_the_preparing_child
     (tmp_path / "weights" / "a" / "manifest.json").unlink()
     for backend in ("auto", "onnx", "hybrid"):
         assert still_to_prepare(tmp_path, default_backend=backend) == ["a"]
+
+
+def test_models_found_under_a_prefix_or_given_alone_are_still_to_prepare_by_their_served_names(tmp_path):
+    """``unprepared`` names the models the server serves: a prefixed folder's under prefix + name, and a checkpoint
+    given alone; each one's backend is the one the settings name for it under that name."""
+    for folder, name in (("weights", "a"), ("other", "b"), ("alone", "c")):
+        save_tiny_sats(tmp_path / folder, [name])
+
+    def left(backends: dict[str, str]) -> list[str]:
+        return unprepared(tmp_path / "weights", [tmp_path / "alone" / "c"], onnx_dir=tmp_path / "onnx",
+                          prefixed={"p-": tmp_path / "other"}, backends=backends, default_backend="onnx")
+
+    assert left({}) == ["a", "p-b", "c"]
+    assert left({"p-b": "torch"}) == ["a", "c"]
+    assert left({"a": "torch", "c": "torch"}) == ["p-b"]
 
 
 @pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
@@ -1149,6 +1166,19 @@ def test_a_damaged_head_graph_is_left_to_prepare_and_made_again(tmp_path):
     assert left == ["a"]
     assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
     assert intact(head) and head.stat().st_size > 1000
+
+
+def test_a_damaged_cnn_graph_alone_is_left_to_prepare_and_made_again(tmp_path):
+    """The shared CNN's ``visual.onnx`` cut short beside an intact export of the model's own: the model is still to
+    prepare on ``onnx`` and ``hybrid``, and its start makes the CNN's graph again."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    (visual,) = (tmp_path / "onnx").glob("visual-*/visual.onnx")
+    visual.write_bytes(visual.read_bytes()[:1000])
+    for backend in ("onnx", "hybrid"):
+        assert still_to_prepare(tmp_path, default_backend=backend) == ["a"], backend
+    assert load_on_cpu(tmp_path, "hybrid")["a"].backend == "hybrid"
+    assert intact(visual) and still_to_prepare(tmp_path, default_backend="onnx") == []
 
 
 def test_the_services_exports_leave_out_the_self_contained_encoder_graph(tmp_path):
