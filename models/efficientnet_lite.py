@@ -59,28 +59,41 @@ class BatchNormAct(nn.BatchNorm2d):
         return self.act(super().forward(x))
 
 
-class DepthwiseSeparable(nn.Module):
+class _Block(nn.Module):
+    """A block of a stage: its layers (:meth:`transform`), and the input added back where they keep its shape."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.residual = stride == 1 and in_channels == out_channels
+
+    def transform(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.transform(x)
+        return out + x if self.residual else out
+
+
+class DepthwiseSeparable(_Block):
     """The first stage's block (expansion 1): depthwise convolution, then a linear pointwise one."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
-        super().__init__()
+        super().__init__(in_channels, out_channels, stride)
         self.conv_dw = _conv(in_channels, in_channels, kernel_size, stride, groups=in_channels)
         self.bn1 = BatchNormAct(in_channels)
         self.conv_pw = _conv(in_channels, out_channels, 1)
         self.bn2 = BatchNormAct(out_channels, activation=False)
-        self.residual = stride == 1 and in_channels == out_channels
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.bn2(self.conv_pw(self.bn1(self.conv_dw(x))))
-        return out + x if self.residual else out
+    def transform(self, x: Tensor) -> Tensor:
+        return self.bn2(self.conv_pw(self.bn1(self.conv_dw(x))))
 
 
-class InvertedResidual(nn.Module):
-    """MBConv (Sandler et al., arXiv:1801.04381, Table 1): pointwise expansion, depthwise convolution, a linear
-    pointwise projection, and the input added back where the shape is kept."""
+class InvertedResidual(_Block):
+    """MBConv (Sandler et al., arXiv:1801.04381, Table 1): pointwise expansion, depthwise convolution and a linear
+    pointwise projection."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int, expansion: int):
-        super().__init__()
+        super().__init__(in_channels, out_channels, stride)
         hidden = in_channels * expansion
         self.conv_pw = _conv(in_channels, hidden, 1)
         self.bn1 = BatchNormAct(hidden)
@@ -88,11 +101,9 @@ class InvertedResidual(nn.Module):
         self.bn2 = BatchNormAct(hidden)
         self.conv_pwl = _conv(hidden, out_channels, 1)
         self.bn3 = BatchNormAct(out_channels, activation=False)
-        self.residual = stride == 1 and in_channels == out_channels
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.bn3(self.conv_pwl(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x))))))
-        return out + x if self.residual else out
+    def transform(self, x: Tensor) -> Tensor:
+        return self.bn3(self.conv_pwl(self.bn2(self.conv_dw(self.bn1(self.conv_pw(x))))))
 
 
 class EfficientNetLiteNet(nn.Module):
