@@ -55,8 +55,13 @@ def cli_error(capsys: pytest.CaptureFixture, *argv: str) -> str:
     return capsys.readouterr().err.strip()
 
 
-# two intra-op threads on a 2-core machine, one each where `make test` runs two xdist workers there
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+# two intra-op threads on a 2-core machine, one each where `make test` runs two xdist workers there; the processes
+# the tests start (`captioner train`, `captioner serve`, ...) get the same share through OMP_NUM_THREADS, which torch
+# reads at start-up: with torch's default of one thread per core, a child of each worker kept two threads on two busy
+# cores, and its OpenMP threads' spin-waits made a tiny model's training step five times slower
+INTRA_OP_THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+torch.set_num_threads(INTRA_OP_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(INTRA_OP_THREADS))
 
 
 def pytest_configure(config: pytest.Config) -> None:
