@@ -78,6 +78,16 @@ def onnx_exports_in_a_temporary_folder(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_browser_a_module():
+    """The browser tests' pages share one Chromium per module (``demo_pages.shared_browser``): closed here, so that
+    no Playwright driver outlives the module whose pages started it."""
+    yield
+    pages = sys.modules.get(f"{__package__}.demo_pages")  # imported only where there are pages (it loads playwright)
+    if pages is not None:
+        pages.close_shared_browser()
+
+
 def module_folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A temporary folder for a module-scoped fixture, removed when its module ends unless a test failed meanwhile
     (kept for the post-mortem, as a failing test's ``tmp_path`` is).  pytest keeps ``tmp_path_factory``'s folders

@@ -28,23 +28,53 @@ def wait_until(page, predicate: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-@contextlib.contextmanager
-def page_of(url, viewport=(1000, 900), before_load=None):
-    """The demo page at ``url`` once its model list has arrived (a caption request needs a model to name);
-    ``before_load(page)`` runs before it is opened (routes that stand in for the server)."""
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+#: the Playwright driver and Chromium the pages of the module being run share (:func:`shared_browser`), once started
+_shared: dict[str, object] = {}
+
+
+def shared_browser():
+    """One Chromium for the test module being run, started by its first page (Playwright's driver and the browser
+    took about 2 s a page to start) and closed by :func:`close_shared_browser` when the module ends.  Each page
+    still opens in a context of its own: cookies, storage and cache start empty, as in a new browser."""
+    if not _shared:
+        driver = sync_playwright().start()
+        _shared["driver"] = driver
+        _shared["browser"] = driver.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
             "--disable-component-update", "--disable-sync"])
+    return _shared["browser"]
+
+
+def close_shared_browser() -> None:
+    """End :func:`shared_browser`'s Chromium and driver, if a page started them (tests/conftest.py, per module)."""
+    if _shared:
         try:
-            page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
-            if before_load is not None:
-                before_load(page)
-            page.goto(url)
-            page.locator("#model option").first.wait_for(state="attached", timeout=30_000)
-            yield page
+            _shared["browser"].close()
         finally:
-            browser.close()
+            _shared.pop("driver").stop()
+            _shared.clear()
+
+
+@contextlib.contextmanager
+def blank_page(viewport=(1000, 900)):
+    """A blank page in a new browser context of the module's Chromium (:func:`shared_browser`), closed after."""
+    context = shared_browser().new_context(viewport={"width": viewport[0], "height": viewport[1]})
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@contextlib.contextmanager
+def page_of(url, viewport=(1000, 900), before_load=None):
+    """The demo page at ``url`` once its model list has arrived (a caption request needs a model to name), in a
+    :func:`blank_page`; ``before_load(page)`` runs before it is opened (routes that stand in for the server)."""
+    with blank_page(viewport) as page:
+        if before_load is not None:
+            before_load(page)
+        page.goto(url)
+        page.locator("#model option").first.wait_for(state="attached", timeout=30_000)
+        yield page
 
 
 def without_openapi(page) -> None:

@@ -7,12 +7,11 @@ import json
 
 import httpx
 from PIL import Image
-from playwright.sync_api import sync_playwright
 
 from captioner.models.data.scenes import generate
 
 from .conftest import ROOT, tiny_demo_server
-from .demo_pages import CHROMIUM, OVERLAY_SHOWN, needs_chromium, page_of, wait_until
+from .demo_pages import OVERLAY_SHOWN, blank_page, needs_chromium, page_of, wait_until
 
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
 
@@ -88,26 +87,21 @@ def test_the_sample_photos_are_served_as_jpegs(server):
 def test_the_api_docs_render_with_no_request_leaving_the_server(server):
     """/docs is Swagger UI served by the app itself: with every request to another host refused (as on a machine
     without internet access), the page still lists the caption endpoint."""
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-        try:
-            page = browser.new_page()
-            elsewhere = []
+    with blank_page() as page:
+        elsewhere = []
 
-            def only_the_server(route):
-                if route.request.url.startswith(server):
-                    route.continue_()
-                else:
-                    elsewhere.append(route.request.url)
-                    route.abort()
+        def only_the_server(route):
+            if route.request.url.startswith(server):
+                route.continue_()
+            else:
+                elsewhere.append(route.request.url)
+                route.abort()
 
-            page.route("**/*", only_the_server)
-            page.goto(f"{server}/docs")
-            page.locator(".opblock-summary-path", has_text="/caption").first.wait_for(timeout=30_000)
-            assert "Attention captioner" in page.locator(".info .title").inner_text()
-            assert elsewhere == []
-        finally:
-            browser.close()
+        page.route("**/*", only_the_server)
+        page.goto(f"{server}/docs")
+        page.locator(".opblock-summary-path", has_text="/caption").first.wait_for(timeout=30_000)
+        assert "Attention captioner" in page.locator(".info .title").inner_text()
+        assert elsewhere == []
 
 
 @needs_chromium
