@@ -18,9 +18,10 @@ from pydantic import ValidationError
 
 from captioner.models.checkpoint import find_checkpoints, save_checkpoint
 from captioner.models.export import onnx
-from captioner.models.placement import checkpoints_from_env, prefixed_dirs_from_env
+from captioner.models.placement import (checkpoints_from_env, default_checkpoint, onnx_dir_from_env,
+                                        prefixed_dirs_from_env, weights_dir_from_env)
 from captioner.service.app import create_app
-from captioner.service.cli import main
+from captioner.service.cli import build_parser, main
 from captioner.service.runtime import load_runtimes
 from captioner.service.settings import Settings
 
@@ -188,3 +189,30 @@ def test_extra_folders_that_hold_no_checkpoint_are_named_in_the_log(tmp_path, ca
     assert set(runtimes) == {"mine"}
     assert f"skipping checkpoint {run}: {run} is a training run, not a checkpoint: give {run / 'best'}" in caplog.text
     assert f"skipping checkpoint {tmp_path / 'typo'}: {tmp_path / 'typo'} does not exist" in caplog.text
+
+
+def test_the_model_side_commands_folders_follow_the_variables_and_an_empty_one_counts_as_unset(monkeypatch):
+    monkeypatch.setenv("CAPTIONER_WEIGHTS_DIR", "mine/weights")
+    monkeypatch.setenv("CAPTIONER_ONNX_DIR", "mine/onnx")
+    assert (weights_dir_from_env(), onnx_dir_from_env()) == (Path("mine/weights"), Path("mine/onnx"))
+    export = build_parser().parse_args(["export"])
+    assert (export.weights_dir, export.out) == ("mine/weights", "mine/onnx")
+    assert build_parser().parse_args(["eval", "c"]).onnx_dir == "mine/onnx"
+    # a variable set to nothing (``CAPTIONER_ONNX_DIR= captioner export``) is the default, not the working folder
+    for name in ("CAPTIONER_WEIGHTS_DIR", "CAPTIONER_ONNX_DIR", "CAPTIONER_PREFIXED_WEIGHTS_DIRS",
+                 "CAPTIONER_CHECKPOINTS"):
+        monkeypatch.setenv(name, "")
+    assert (weights_dir_from_env(), onnx_dir_from_env()) == (Path("weights/flickr8k"), Path(".cache/onnx"))
+    assert prefixed_dirs_from_env() == {} and checkpoints_from_env() == []
+    for bad, reason in (('"runs/mine/best"', "must be a JSON list"), ("[3]", "must be a JSON list"),
+                        ("[runs/mine]", r"is not JSON \(.+\): '\[runs/mine\]'$")):  # the error, then the value
+        monkeypatch.setenv("CAPTIONER_CHECKPOINTS", bad)
+        with pytest.raises(ValueError, match=f"^CAPTIONER_CHECKPOINTS {reason}"):
+            checkpoints_from_env()
+
+
+def test_the_default_checkpoint_is_the_working_folders_or_else_this_checkouts(monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    assert default_checkpoint() == Path("weights/flickr8k/sat-supervised")
+    monkeypatch.chdir(tmp_path)  # a folder without weights/: the checkout's own, wherever the command runs
+    assert default_checkpoint() == WEIGHTS / "flickr8k" / "sat-supervised" and default_checkpoint().is_dir()
