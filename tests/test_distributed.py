@@ -1,20 +1,26 @@
 """Data-parallel training under torchrun: 2 CPU processes (gloo) on a tiny run hold identical weights after their
-steps, equal the single-process run with the same global batch, resume under torchrun, and only rank 0 writes."""
+steps, equal the single-process run with the same global batch, resume under torchrun, and only rank 0 writes.
+The context's own rules (a rank's share of a batch, torchrun's variables, what each collective answers on every rank,
+leaving the group) are held in-process with stand-ins for the collectives."""
 
+import gc
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.stores import open_feature_store
 from captioner.models.encoder import EncoderSpec
 from captioner.models.training import TrainConfig, train
+from captioner.models.training.distributed import DistContext, init_distributed, shutdown_distributed
 from captioner.models.training.state import load_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,3 +88,108 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch_and_resume(
               if json.loads(line)["kind"] == "epoch"]
     assert [e["epoch"] for e in epochs] == [1] and (ddp / "best" / "manifest.json").exists()
     assert single.exists()
+
+
+def test_a_rank_takes_every_nth_example_of_the_global_batch_from_its_own_index_on():
+    batch = np.arange(10, 20)
+    shares = [DistContext(rank, 3).shard(batch) for rank in range(3)]
+    assert [share.tolist() for share in shares] == [[10, 13, 16, 19], [11, 14, 17], [12, 15, 18]]
+    assert DistContext(1, 2).shard(batch).tolist() == [11, 13, 15, 17, 19]
+    assert DistContext() == DistContext(rank=0, world=1, local_rank=0) and DistContext().is_main
+    assert DistContext().shard(batch).tolist() == batch.tolist()  # one process: the whole batch
+    # the main rank is rank 0 of the run, not of its node: a second node's first process writes nothing
+    assert not DistContext(rank=2, world=4, local_rank=0).is_main and DistContext(0, 4, local_rank=1).is_main
+
+
+def test_torchruns_variables_give_the_rank_and_the_device_chooses_gloo_or_nccl(monkeypatch):
+    joined = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", joined.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert init_distributed("cuda:1") == (DistContext(), "cuda:1")  # not under torchrun: nothing joined or moved
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_distributed("cpu") == (DistContext(), "cpu") and joined == []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # two nodes of one process each
+    assert init_distributed("cpu") == (DistContext(rank=1, world=2, local_rank=0), "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the second process of the second node
+    assert init_distributed("auto") == (DistContext(rank=3, world=4, local_rank=1), "cpu")
+    assert joined == ["gloo", "gloo"]
+    # with a GPU, a rank asked for CUDA joins NCCL on its node's GPU; one asked for the CPU stays on gloo
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert init_distributed("cuda") == (DistContext(rank=3, world=4, local_rank=1), "cuda:1")
+    assert init_distributed("cpu")[1] == "cpu" and joined[2:] == ["nccl", "gloo"] and chosen == [1]
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a group already joined is not joined again
+    assert init_distributed("cpu") == (DistContext(rank=3, world=4, local_rank=0), "cpu") and len(joined) == 4
+
+
+def test_each_collective_gives_every_rank_the_same_answer(monkeypatch):
+    """Stand-ins for gloo's collectives on rank 1 of 3, the other ranks' values given: a stop flag seen by any rank
+    stops all, rank 0's object reaches every rank, and the gathered objects are in rank order."""
+    others = {}
+
+    def all_reduce(value, op=dist.ReduceOp.SUM):
+        assert value.device.type == "cpu"
+        for flag in others["flags"]:
+            theirs = torch.tensor([float(flag)])
+            value.copy_(torch.maximum(value, theirs) if op == dist.ReduceOp.MAX else
+                        torch.minimum(value, theirs) if op == dist.ReduceOp.MIN else value + theirs)
+
+    sent = []
+
+    def broadcast_object_list(box, src, device):
+        assert device.type == "cpu"
+        sent.append(box[0])
+        box[0] = {0: "rank 0's", 2: "rank 2's"}[src]
+
+    def all_gather_object(out, obj):
+        out[:] = ["rank 0's", obj, "rank 2's"]
+
+    met = []
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "barrier", lambda: met.append(True))
+    ctx = DistContext(rank=1, world=3)
+    for mine, theirs, stop in [(False, (False, False), False), (False, (True, False), True),
+                               (True, (False, False), True), (True, (True, True), True)]:
+        others["flags"] = theirs
+        assert ctx.any(mine) is stop
+    assert ctx.from_main("rank 1's") == "rank 0's"
+    assert DistContext(rank=0, world=3).from_main("rank 0's") == "rank 0's" and sent[-1] == "rank 0's"
+    assert ctx.gather("rank 1's") == ["rank 0's", "rank 1's", "rank 2's"]
+    ctx.barrier()
+    assert met == [True]
+    # one process: no collective is called, and each answers with this process's own value
+    for name in ("all_reduce", "broadcast_object_list", "all_gather_object", "barrier"):
+        monkeypatch.setattr(dist, name, lambda *args, name=name, **kwargs: pytest.fail(f"{name} on one process"))
+    alone = DistContext()
+    assert alone.any(True) is True and alone.any(False) is False
+    assert alone.from_main("mine") == "mine" and alone.gather("mine") == ["mine"]
+    alone.barrier()
+
+
+def test_leaving_the_group_meets_only_after_a_normal_end_and_collects_garbage_first(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(gc, "collect", lambda: calls.append("collect"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    shutdown_distributed()  # an error path: a rank may be gone, so no barrier
+    assert calls == ["collect", "destroy"]
+    calls.clear()
+    shutdown_distributed(meet_first=True)
+    assert calls == ["barrier", "collect", "destroy"]
+    calls.clear()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    shutdown_distributed(meet_first=True)  # not in a group: nothing to leave
+    assert calls == []
