@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from captioner.models.placement import DEFAULT_MODEL, DEFAULT_ONNX_DIR, DEFAULT_WEIGHTS_DIR, check_name_prefixes
 
@@ -24,8 +24,35 @@ def json_body_bytes(image_bytes: int) -> int:
     return (image_bytes * 4 + 2) // 3 + 4096
 
 
+#: the settings the model-side commands read too (models/placement.py, for ``captioner export``, ``eval``,
+#: ``caption``), which take an empty variable for an unset one
+PLACEMENT_FIELDS = frozenset({"weights_dir", "prefixed_weights_dirs", "checkpoints", "onnx_dir"})
+
+
+class _EmptyPlacementIsUnset(EnvSettingsSource):
+    """The environment, with an empty placement variable read as unset, as models/placement.py reads it: with
+    ``CAPTIONER_ONNX_DIR=`` (a compose file's ``${ONNX_DIR}`` left unset) ``captioner export`` wrote to the default
+    folder and the service looked in the working folder, and ``CAPTIONER_CHECKPOINTS=`` stopped the service but not
+    the export.  The other settings keep pydantic-settings' reading (an empty ``CAPTIONER_API_KEYS`` is refused, never
+    an open service)."""
+
+    def get_field_value(self, field, field_name: str) -> tuple[Any, str, bool]:
+        value, key, is_complex = super().get_field_value(field, field_name)
+        return (None if field_name in PLACEMENT_FIELDS and value == "" else value), key, is_complex
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTIONER_", env_file=None)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # pydantic-settings' own order, with the environment read as above
+        return init_settings, _EmptyPlacementIsUnset(settings_cls), dotenv_settings, file_secret_settings
 
     # -- models -------------------------------------------------------------------------------------------------
     weights_dir: Path = Field(DEFAULT_WEIGHTS_DIR, description="every checkpoint folder below it is served "

@@ -21,7 +21,7 @@ from captioner.models.export import onnx
 from captioner.models.placement import (checkpoints_from_env, default_checkpoint, onnx_dir_from_env,
                                         prefixed_dirs_from_env, weights_dir_from_env)
 from captioner.service.app import create_app
-from captioner.service.cli import build_parser, main
+from captioner.service.cli import build_parser, main, read_settings
 from captioner.service.runtime import load_runtimes
 from captioner.service.settings import Settings
 
@@ -209,6 +209,26 @@ def test_the_model_side_commands_folders_follow_the_variables_and_an_empty_one_c
         monkeypatch.setenv("CAPTIONER_CHECKPOINTS", bad)
         with pytest.raises(ValueError, match=f"^CAPTIONER_CHECKPOINTS {reason}"):
             checkpoints_from_env()
+
+
+def test_the_service_reads_an_empty_placement_variable_as_the_model_side_does_and_nothing_else_so(monkeypatch):
+    """`captioner serve` and `captioner export` agree where the exports are: an empty placement variable is unset to
+    both (the service took the working folder for an empty CAPTIONER_ONNX_DIR, and refused an empty
+    CAPTIONER_CHECKPOINTS that the export took for none)."""
+    for name in ("CAPTIONER_WEIGHTS_DIR", "CAPTIONER_ONNX_DIR", "CAPTIONER_PREFIXED_WEIGHTS_DIRS",
+                 "CAPTIONER_CHECKPOINTS"):
+        monkeypatch.setenv(name, "")
+    settings = Settings()
+    assert (settings.weights_dir, settings.onnx_dir) == (weights_dir_from_env(), onnx_dir_from_env()) == (
+        Path("weights/flickr8k"), Path(".cache/onnx"))
+    assert settings.prefixed_weights_dirs == prefixed_dirs_from_env() == {}
+    assert settings.checkpoints == checkpoints_from_env() == []
+    monkeypatch.setenv("CAPTIONER_ONNX_DIR", "mine/onnx")  # a value is read as before
+    assert Settings().onnx_dir == onnx_dir_from_env() == Path("mine/onnx")
+    # another setting left empty is still refused: an empty CAPTIONER_API_KEYS never serves without keys
+    monkeypatch.setenv("CAPTIONER_API_KEYS", "")
+    with pytest.raises(SystemExit, match="api_keys|API_KEYS"):
+        read_settings()
 
 
 def test_the_default_checkpoint_is_the_working_folders_or_else_this_checkouts(monkeypatch, tmp_path):
