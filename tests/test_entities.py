@@ -12,21 +12,22 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.models import attention
-from captioner.models.checkpoint import write_manifest
+from captioner.models import attention, pipeline
+from captioner.models.checkpoint import FORMAT, write_manifest
 from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage, \
     parse_annotation, parse_sentences
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec, grid_geometry
-from captioner.models.evaluation import phrase_grounding
+from captioner.models.evaluation import figures, phrase_grounding
 from captioner.models.evaluation.grounding import CaptionAttention, caption_with_attention, pixel_distribution, \
     score_map, summarise
-from captioner.models.evaluation.grounding_doc import is_real_photo, ordering_sentence, real_photo_checkpoints, \
-    write_grounding_doc
+from captioner.models.evaluation.grounding_doc import closing_note, examples_figure, heatmap_checkpoints, \
+    is_real_photo, normaliser, ordering_sentence, real_photo_checkpoints, results_figure, write_grounding_doc
 from captioner.models.evaluation.phrase_grounding import PhotoAttention, PhraseTarget, best_word, box_mask, \
     entities_grounding, generated_targets, head_form, reference_targets, score_photos, summary_table, \
     teacher_forced_rows, type_table
 from captioner.models.protocol import VisualBatch
+from captioner.models.rendering import heatmaps
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 
@@ -387,9 +388,14 @@ def test_ordering_sentence_reads_the_intervals():
     tied = ordering_sentence({"softmax": stat(0.3), "sparsemax": stat(0.305), "tvmax": stat(0.5)})
     assert "softmax 0.300 [0.290, 0.310] ≈ sparsemax" in tied and tied.endswith("does not hold (as a strict, "
                                                                                  "interval-separated ordering)")
+    # intervals that share an end overlap: not an interval-separated step
+    touching = ordering_sentence({"softmax": {"mean": 0.3, "ci95": [0.25, 0.35]},
+                                  "sparsemax": {"mean": 0.4, "ci95": [0.35, 0.45]}, "tvmax": stat(0.5)})
+    assert "softmax 0.300 [0.250, 0.350] ≈ sparsemax" in touching and "does not hold" in touching
     reversed_ = ordering_sentence({"softmax": stat(0.5), "sparsemax": stat(0.4), "tvmax": stat(0.3)})
     assert reversed_.startswith("tvmax") and "does not hold" in reversed_
-    assert "fewer than two" in ordering_sentence({"softmax": stat(0.5)})
+    assert ordering_sentence({"softmax": stat(0.5)}) == ("fewer than two of softmax, sparsemax and TVmax were "
+                                                         "measured: no ordering to read")
     # a normaliser added to the table is no part of the study's ordering (the verdict compared against the whole
     # table, and turned to "does not hold" as soon as a fourth normaliser was registered: the extension audit)
     with pytest.MonkeyPatch.context() as patch:
@@ -422,8 +428,15 @@ def test_grounding_doc_from_reports_of_real_photo_checkpoints(tmp_path):
                                 photos=("chelsea",))
     assert "| f8k-sat | softmax | generated | chance: other photo | 3 | 2 | 0.500 [0.400, 0.600]" in block
     assert "| f8k-sat | people | 3 | 0.500 [0.400, 0.600]" in block and "![" in block
+    assert "Flickr8k `test` split (2 photos with Flickr30k Entities annotations;" in block
     assert (figures / "g.png").stat().st_size > 1000 and Image.open(figures / "h.png").height > 200
-    assert "fewer than two of softmax, sparsemax and TVmax" in block  # one softmax model, no scene reports
+    assert "\n### Heatmaps on scikit-image photos\n" in block and "one row per checkpoint (softmax: `f8k-sat`)" in block
+    assert "![softmax, sparsemax and TVmax heatmaps](figures/h.png)" in block
+    for mode in ("references", "generated"):  # one softmax model, no scene reports
+        assert f"\n- real photos, {mode}: attention correctness fewer than two of softmax, sparsemax and TVmax" in block
+    # one block per photo, stacked, in a folder made for it
+    two = examples_figure([real], tmp_path / "new" / "deeper" / "two.png", photos=("chelsea", "chelsea"))
+    assert Image.open(two).size == (Image.open(figures / "h.png").width, 2 * Image.open(figures / "h.png").height)
     write_grounding_doc(weights, results, document, figures / "g.png", figures / "h.png", tmp_path, photos=())
     text = document.read_text()
     assert text.startswith("# Grounding\n\nprose stays\n") and text.count("grounding:start") == 1
@@ -445,3 +458,119 @@ def test_real_photo_checkpoints_are_named_by_their_data_set_not_their_folder(tmp
     config["meta"].pop("dataset", None)
     (checkpoint / "config.json").write_text(json.dumps(config))
     assert is_real_photo(checkpoint) is real
+
+
+def _configured(folder, arch="sparsecap", attention="softmax", dataset="../data/flickr8k/dataset_flickr8k.json"):
+    """A checkpoint folder as far as the grounding page reads it: its config (arch, normaliser, data set)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"format": FORMAT, "arch": arch, "model": {"attention": attention},
+                                                    "meta": {"train_config": {"dataset": dataset}}}))
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def _interval(mean):
+    return {"mean": mean, "ci95": [round(mean - 0.01, 3), round(mean + 0.01, 3)]}
+
+
+def _entities_section(normaliser, mass):
+    """Every mode's rows in an order a reader by position would misread: the chance rows and a phrase type first."""
+    rows = [{"control": "uniform", "phrase_type": "all", "mass": _interval(0.05)},
+            {"control": "model", "phrase_type": "people", "mass": _interval(0.95)},
+            {"control": "other photo", "phrase_type": "all", "mass": _interval(mass - 0.2)},
+            {"control": "model", "phrase_type": "all", "mass": _interval(mass)}]
+    return {"normaliser": normaliser, "photos": 2, "references": {"rows": rows}, "generated": {"rows": rows}}
+
+
+def test_closing_note_reads_sparsecaps_model_rows_against_other_photo_chance_and_the_scenes(tmp_path):
+    weights, scenes = tmp_path / "weights", tmp_path / "scenes"
+    masses = {"softmax": 0.3, "sparsemax": 0.5, "tvmax": 0.7}
+    reports = [(f"sc-{norm}", _entities_section(norm, mass)) for norm, mass in masses.items()]
+    for norm in masses:
+        _configured(weights / f"sc-{norm}", attention=norm)
+    _configured(weights / "sat", arch="sat")  # softmax too, not SparseCap: no part of the ordering
+    reports.append(("sat", _entities_section("softmax", 0.9)))
+    scenes.mkdir()
+    for norm, mass in (("softmax", 0.6), ("tvmax", 0.4)):
+        rows = [{"control": "model", "word_class": "noun", "mass": _interval(0.99)},
+                {"control": "uniform", "word_class": "all", "mass": _interval(0.01)},
+                {"control": "model", "word_class": "all", "mass": _interval(mass)}]
+        (scenes / f"sparsecap-{norm}.json").write_text(json.dumps({"test": {"images": 2, "grounding": {"rows": rows}}}))
+    lines = closing_note(reports, weights, scenes)
+    held = ("softmax 0.300 [0.290, 0.310] < sparsemax 0.500 [0.490, 0.510] < tvmax 0.700 [0.690, 0.710]: the "
+            "ordering of the human study of Martins et al. (arXiv:2002.05556), softmax < sparsemax < TVmax, holds.")
+    chance = "  Above the other-photo chance row (which"
+    assert lines[1:] == [
+        f"- real photos, references: attention correctness {held}", lines[2],
+        f"- real photos, generated: attention correctness {held}", lines[2],
+        "- generated scenes (`docs/model_zoo.md`), mass in object: tvmax 0.400 [0.390, 0.410] < softmax 0.600 "
+        "[0.590, 0.610]: the ordering of the human study of Martins et al. (arXiv:2002.05556), softmax < "
+        "sparsemax < TVmax, does not hold (as a strict, interval-separated ordering)."]
+    assert lines[2].startswith(chance) and lines[2].endswith(": softmax +0.200, sparsemax +0.200, tvmax +0.200.")
+
+
+def test_a_page_without_entities_reports_says_which_checkpoints_lack_one(tmp_path):
+    weights, results = tmp_path / "weights", tmp_path / "results"
+    results.mkdir()
+    document = tmp_path / "grounding.md"
+    _configured(weights / "f8k-sat", arch="sat")
+    _configured(weights / "scenes-sat", arch="sat", dataset=".cache/scenes/dataset_scenes.json")
+    # a scene benchmark's grounding (no references mode), and Entities on another split: neither is this page's
+    scene = {"rows": [{"control": "model", "word_class": "all", "mass": _interval(0.5)}]}
+    (results / "f8k-sat.json").write_text(json.dumps({"test": {"images": 2, "grounding": scene},
+                                                      "val": {"images": 2, "grounding": _entities_section("s", 0.5)}}))
+    args = (results, document, tmp_path / "g.png", tmp_path / "h.png", tmp_path)
+    assert "No real-photo checkpoint has an Entities report yet: f8k-sat.\n" in write_grounding_doc(weights, *args)
+    assert not (tmp_path / "g.png").exists()
+    shutil.rmtree(weights / "f8k-sat")
+    assert f"yet: no checkpoint in {weights} was trained on Flickr photos.\n" in write_grounding_doc(weights, *args)
+
+
+def test_the_heatmaps_show_sparsecaps_checkpoint_of_each_normaliser_in_the_tables_order(tmp_path):
+    weights = tmp_path / "weights"
+    chosen = [_configured(weights / "b-tvmax", attention="tvmax"), _configured(weights / "c-softmax")]
+    _configured(weights / "a-sat", arch="sat")  # softmax, listed first by name: SparseCap's is shown
+    _configured(weights / "d-scenes", attention="sparsemax", dataset=".cache/scenes/dataset_scenes.json")
+    assert heatmap_checkpoints(weights) == chosen[::-1]
+
+
+def test_the_results_figure_draws_both_modes_statistics_against_the_two_chance_rows(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(figures, "control_bars", lambda *args, **options: drawn.append((args, options)) or args[3])
+    section = _entities_section("sparsemax", 0.5)
+    section["references"] = {"rows": [{**row, "pointing": row["mass"]} for row in section["references"]["rows"]]}
+    section["generated"] = {"rows": section["references"]["rows"][:2]}  # no chance rows, no "all" model row
+    assert results_figure([("sc", section)], tmp_path / "g.png") == tmp_path / "g.png"
+    ((panels, controls, labels, out), options) = drawn[0]
+    stats = {"model": _interval(0.5), "other photo": _interval(0.3), "uniform": _interval(0.05)}
+    assert panels == [("attention correctness, references", [("sc\n(sparsemax)", stats)]),
+                      ("pointing hit, references", [("sc\n(sparsemax)", stats)]),
+                      ("attention correctness, generated", [("sc\n(sparsemax)", {"model": None, "other photo": None,
+                                                                                  "uniform": _interval(0.05)})]),
+                      ("pointing hit, generated", [("sc\n(sparsemax)", {"model": None, "other photo": None,
+                                                                         "uniform": _interval(0.05)})])]
+    assert controls == ("model", "other photo", "uniform") and options == {"columns": 2}
+    assert labels == {"model": "attention", "other photo": "chance: other photo",
+                      "uniform": "chance: uniform (boxes' share)"}
+
+
+def test_the_heatmap_figure_stacks_a_block_per_photo_grid_maps_as_blocks(tmp_path, monkeypatch):
+    """Each checkpoint's caption is one row of every photo's block; a grid's maps drawn as ``grid_blocks`` (a sparse
+    map's exact zeros show), a region model's in its own way."""
+    rows, kinds = [], {"softmax": "grid", "sparsemax": "regions"}
+
+    class Captioned:
+        def __init__(self, kind):
+            self.geometry = SimpleNamespace(kind=kind)
+
+        def figure_row(self, label, mode):
+            rows.append((label, mode))
+            return label
+
+    monkeypatch.setattr(pipeline, "Pipeline", lambda checkpoint, device: lambda photos: [
+        Captioned(kinds[normaliser(checkpoint)])])
+    monkeypatch.setattr(heatmaps, "comparison_figure", lambda photo, labels: Image.new("RGB", (photo.width // 10, 7)))
+    checkpoints = [_configured(tmp_path / "soft"), _configured(tmp_path / "sparse", attention="sparsemax")]
+    out = examples_figure(checkpoints, tmp_path / "new" / "deeper" / "h.png", photos=("chelsea", "coffee"))
+    assert rows == [("softmax", "grid_blocks"), ("sparsemax", None)] * 2
+    assert Image.open(out).size == (60, 14)  # coffee is 600 px wide, chelsea 451
