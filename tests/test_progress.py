@@ -69,6 +69,10 @@ def test_on_a_terminal_the_bar_is_redrawn_in_place():
     with progress_bar(total=3, desc="encoding images", mininterval=0, file=terminal) as bar:
         bar.update(3)
     assert terminal.getvalue().count("\r") >= 2 and terminal.getvalue().count("\n") == 1
+    # a terminal's bar follows its width when asked to; a log has none to follow
+    for stream, follows in ((Terminal(), True), (io.StringIO(), False)):
+        with progress_bar(total=1, dynamic_ncols=True, file=stream) as bar:
+            assert bool(bar.dynamic_ncols) is follows
 
 
 def test_disable_none_writes_nothing_off_a_terminal_and_a_disabled_bars_message_goes_to_stderr(capsys):
@@ -80,3 +84,37 @@ def test_disable_none_writes_nothing_off_a_terminal_and_a_disabled_bars_message_
     bar = progress_bar(total=1, disable=True)
     write_above(bar, "c.jpg: truncated")
     assert capsys.readouterr().err == "c.jpg: truncated\n"
+
+
+class Closed(io.StringIO):
+    """A stream whose ``isatty`` raises as a closed file's does, while it can still be written."""
+
+    def isatty(self) -> bool:
+        raise ValueError("I/O operation on closed file")
+
+
+class Flushes(io.StringIO):
+    def __init__(self):
+        super().__init__()
+        self.flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+def test_a_stream_that_cannot_say_it_is_a_terminal_gets_lines(capsys):
+    log = Closed()
+    with progress_bar(total=2, desc="encoding", mininterval=0, file=log) as bar:
+        bar.update(2)
+    assert "\r" not in log.getvalue() and log.getvalue().splitlines()[-1].startswith("encoding: 100%")
+
+
+def test_a_bar_writes_to_standard_error_by_default_and_flushes_each_line(capsys):
+    with progress_bar(total=2, desc="scoring", mininterval=0) as bar:
+        bar.update(2)
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines()[-1].startswith("scoring: 100%")
+    log = Flushes()
+    with progress_bar(total=2, mininterval=0, file=log) as bar:  # a log file is read while the run goes on
+        bar.update(1)
+        assert log.flushes >= 2  # the first line and this one
