@@ -14,6 +14,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from PIL import Image
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from skimage import data
 from starlette.requests import Request
@@ -118,9 +119,27 @@ def test_bad_parameters_get_problem_responses(client):
 
 
 def test_health_and_readiness(client):
-    assert client.get("/healthz").json()["status"] == "ok"
-    assert client.get("/readyz").json()["models"] == ["tiny-a", "tiny-b"]
+    assert client.get("/healthz").json() == {"status": "ok", "models": []}
+    assert client.get("/readyz").json() == {"status": "ready", "models": ["tiny-a", "tiny-b"]}
+    assert client.get("/metrics").headers["content-type"] == CONTENT_TYPE_LATEST
     assert "/caption" in client.get("/openapi.json").json()["paths"]
+
+
+def test_the_routes_are_documented_with_their_summaries_and_answers(client):
+    """What /docs and a generated client read: each route's summary and the schema of its 200 answer."""
+    paths = client.get("/openapi.json").json()["paths"]
+    documented = {path: (operation["summary"], operation["responses"]["200"]["content"])
+                  for path in ("/caption", "/models", "/healthz", "/readyz", "/metrics")
+                  for operation in paths[path].values()}
+    health = {"application/json": {"schema": {"$ref": "#/components/schemas/Health"}}}
+    assert documented == {
+        "/caption": ("Caption an uploaded image, with per-word attention",
+                     {"application/json": {"schema": {"$ref": "#/components/schemas/CaptionOut"}}}),
+        "/models": ("Models this service can caption with", {"application/json": {"schema": {
+            "items": {"$ref": "#/components/schemas/ModelOut"}, "type": "array", "title": "Response List Models"}}}),
+        "/healthz": ("Liveness: the process answers (503 once loading failed)", health),
+        "/readyz": ("Readiness: models are loaded and warm", health),
+        "/metrics": ("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})}
 
 
 def test_every_reference_in_the_openapi_document_resolves(client):

@@ -281,6 +281,8 @@ def test_not_ready_answers_503_with_retry_after(tmp_path):
                                                           headers={"content-type": "image/png"})):
         assert response.status_code == 503 and response.headers["retry-after"] == "5"
         assert response.json()["type"] == "/problems/not-ready"
+    # not loaded yet, and nothing loaded either: still loading is what it says
+    assert client.get("/readyz").json()["detail"] == "models are still loading (or the service is shutting down)"
     assert client.get("/healthz").status_code == 200
     with TestClient(create_app(Settings(weights_dir=tmp_path, warmup=False))) as empty:  # loaded: nothing found
         not_ready = empty.get("/readyz")
