@@ -28,6 +28,11 @@ from captioner.service.settings import Settings
 from .conftest import ROOT, WEIGHTS
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
+#: the variables that say where the models are, read by the model-side commands and the service alike (written out,
+#: not taken from the code's own list, so that a variable the code forgets still fails here)
+PLACEMENT_VARIABLES = ("CAPTIONER_WEIGHTS_DIR", "CAPTIONER_ONNX_DIR", "CAPTIONER_PREFIXED_WEIGHTS_DIRS",
+                       "CAPTIONER_CHECKPOINTS")
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PHOTOS_DATASET = "data/flickr8k/dataset_flickr8k.json"
@@ -199,8 +204,7 @@ def test_the_model_side_commands_folders_follow_the_variables_and_an_empty_one_c
     assert (export.weights_dir, export.out) == ("mine/weights", "mine/onnx")
     assert build_parser().parse_args(["eval", "c"]).onnx_dir == "mine/onnx"
     # a variable set to nothing (``CAPTIONER_ONNX_DIR= captioner export``) is the default, not the working folder
-    for name in ("CAPTIONER_WEIGHTS_DIR", "CAPTIONER_ONNX_DIR", "CAPTIONER_PREFIXED_WEIGHTS_DIRS",
-                 "CAPTIONER_CHECKPOINTS"):
+    for name in PLACEMENT_VARIABLES:
         monkeypatch.setenv(name, "")
     assert (weights_dir_from_env(), onnx_dir_from_env()) == (Path("weights/flickr8k"), Path(".cache/onnx"))
     assert prefixed_dirs_from_env() == {} and checkpoints_from_env() == []
@@ -215,8 +219,7 @@ def test_the_service_reads_an_empty_placement_variable_as_the_model_side_does_an
     """`captioner serve` and `captioner export` agree where the exports are: an empty placement variable is unset to
     both (the service took the working folder for an empty CAPTIONER_ONNX_DIR, and refused an empty
     CAPTIONER_CHECKPOINTS that the export took for none)."""
-    for name in ("CAPTIONER_WEIGHTS_DIR", "CAPTIONER_ONNX_DIR", "CAPTIONER_PREFIXED_WEIGHTS_DIRS",
-                 "CAPTIONER_CHECKPOINTS"):
+    for name in PLACEMENT_VARIABLES:
         monkeypatch.setenv(name, "")
     settings = Settings()
     assert (settings.weights_dir, settings.onnx_dir) == (weights_dir_from_env(), onnx_dir_from_env()) == (
