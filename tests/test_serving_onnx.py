@@ -391,7 +391,7 @@ def test_service_serves_a_model_on_onnx_runtime_by_config(shipped, tmp_path):
         (weights / name).symlink_to(DEFAULT_CHECKPOINT.resolve(), target_is_directory=True)
         (onnx_dir / name).symlink_to((onnx_dir / "sat").resolve(), target_is_directory=True)
     settings = Settings(weights_dir=weights, default_model="sat-torch", backend="torch", backends={"sat-onnx": "onnx"},
-                        onnx_dir=onnx_dir, device="cpu", threads=1, max_batch_images=2, queue_size=8)
+                        onnx_dir=onnx_dir, device="cpu", threads=1, max_batch_images=2, queue_size=8, warmup=False)
     with TestClient(create_app(settings)) as client:
         models = {m["name"]: m for m in client.get("/models").json()}
         assert models["sat-onnx"]["backend"] == "onnx" and models["sat-torch"]["backend"] == "torch"
