@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from captioner.models.decoding import NO_RULES, ROW_FIELDS, DecodingRules, RowHistory, beam_search, check_search, \
-    greedy, never_emitted, sample, search_rows
+from captioner.models.decoding import NO_RULES, ROW_FIELDS, BeamLayout, DecodingRules, RowHistory, beam_search, \
+    check_search, greedy, never_emitted, sample, search_rows
 from captioner.models.evaluation import tuning
 from captioner.models.evaluation.tuning import best_row, rules_of
 from captioner.models.protocol import AttnRecord, VisualBatch, index_rows
@@ -92,6 +92,8 @@ def test_greedy_score_sums_the_log_probs_of_its_own_tokens_only(tiny_sat, random
     hyps = greedy(tiny_sat, vis, max_len=12)
     assert len({len(h.token_ids) for h in hyps}) > 1 and all(h.ended_with_eos for h in hyps), "rows end apart"
     for row, hyp in enumerate(hyps):
+        # its words stop at its own EOS: none of the steps the later rows went on for
+        assert hyp.token_ids.index(tiny_sat.eos_id) == len(hyp.token_ids) - 1
         logps, _ = _teacher_forced(tiny_sat, vis, hyp, row)
         assert hyp.score == pytest.approx(sum(logps), abs=1e-4)
 
@@ -337,6 +339,16 @@ def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
     assert joined.tokens.shape == (2, 7) and joined.blocking and joined.penalised
     assert joined.alpha.tolist() == [1.0, 0.5] and joined.trigrams.tolist() == [False, True]
     assert joined.doubles.tolist() == [True, False]
+
+
+def test_a_group_is_done_only_when_every_one_of_its_rows_has_ended():
+    """``groups_done`` (the service's step boundary) counts a group's ended rows against its width: a group with a
+    row still live goes on, and groups of different widths in one table are counted apart."""
+    layout = BeamLayout([2, 3, 1])
+    finished = torch.tensor([True, True, True, False, True, False])
+    assert layout.groups_done(finished).tolist() == [True, False, False]
+    assert layout.groups_done(torch.ones(6, dtype=torch.bool)).tolist() == [True, True, True]
+    assert layout.groups_done(torch.zeros(6, dtype=torch.bool)).tolist() == [False, False, False]
 
 
 def test_tune_decodings_grid_crosses_every_rules_values_and_its_table_shows_each(monkeypatch):
