@@ -235,3 +235,33 @@ def test_an_empty_grid_or_maximum_area_is_refused_by_name(rows, cols, max_h, max
         enumerate_areas_2d(rows, cols, max_h, max_w)
     with pytest.raises(ValueError, match="must all be positive"):
         area_sums(torch.zeros(2, rows * cols, 3), rows, cols, max_h, max_w)
+
+
+def test_a_memory_of_another_item_count_than_the_grid_is_refused_by_name():
+    # 15 items unflatten into 3 rows as well as 12 do: without the check they would be summed as a 3×5 grid
+    with pytest.raises(ValueError, match="memory has 15 items, not a 3×4 grid"):
+        area_sums(torch.zeros(2, 15, 3), 3, 4, 2, 2)
+
+
+def test_cells_that_do_not_fill_the_grid_the_boxes_span_are_refused_by_name():
+    boxes = enumerate_areas_2d(4, 5, 2, 2)
+    with pytest.raises(ValueError, match="21 cells do not form a grid 5 wide"):
+        areas_to_cells(torch.rand(1, len(boxes)), boxes, 21)
+
+
+def test_the_causal_mask_is_made_on_the_device_asked_for():
+    # the meta device stands in for a GPU: a mask left on the CPU would meet cuda scores in the decoder
+    assert causal_area_mask(5, 2, device="meta").device.type == "meta"
+
+
+def test_a_prefix_of_a_memory_gets_the_same_spread_to_the_bit_as_its_spans_in_the_whole():
+    """σ is taken of the memory minus its first item, which a prefix shares: a decoder's cached steps then see
+    exactly what the whole caption's pass sees (centring on the mean would move with the length)."""
+    x = torch.randn(2, 7, 16, dtype=torch.float64) * 0.01 + 50.0  # a large offset: centring shows in the last bits
+
+    def spreads(memory, length):
+        std = area_features_1d(memory, 3)[1]
+        return {tuple(span): std[..., i, :] for i, span in enumerate(enumerate_areas_1d(length, 3).tolist())}
+
+    whole, prefix = spreads(x, 7), spreads(x[:, :4], 4)
+    assert all(torch.equal(whole[span], prefix[span]) for span in prefix)
