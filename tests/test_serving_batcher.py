@@ -1015,6 +1015,80 @@ def test_calibration_learns_caption_lengths_from_its_calibration_request_only(en
     assert calibrated.expected_wait_s(3, 7) == pytest.approx(7.0)
 
 
+def test_the_calibration_requests_step_time_is_measured_afresh_not_averaged_with_the_timed_rounds(encoder):
+    """Where a step costs more with more rows, the timed rounds' steps (two requests of three beams) are slower than
+    a lone request's: averaged in, they would make admission control expect a lone request to be slower than it is."""
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock, step_s=0.0)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # every caption runs to its length limit
+    step = runtime.step
+
+    def step_by_rows(prev, state, enc):
+        clock.now += 0.25 * prev.shape[0]  # a quarter of a second of fake time a row
+        return step(prev, state, enc)
+
+    runtime.step = step_by_rows
+    prepared = runtime.prepare(random_images(1, seed=6)[0])
+
+    async def warm(batch_sizes):
+        batcher = Batcher(runtime, max_batch=2, queue_size=16, max_rows=64, clock=clock)
+        batcher.start()
+        await batcher.calibrate(prepared, 3, batch_sizes, max_len=2, timeout_s=60, calibrate_len=7)
+        await batcher.stop()
+        return batcher.admission
+
+    alone, calibrated = asyncio.run(warm([])), asyncio.run(warm([1, 2]))
+    assert alone.step_time_s is not None
+    assert (calibrated.step_time_s, calibrated.rows_per_step) == (alone.step_time_s, alone.rows_per_step)
+
+
+class _KnowsItsHolders(threading.Condition):
+    """A condition that counts, per thread, the ``with`` blocks holding it."""
+
+    def __init__(self):
+        super().__init__()
+        self.depth: dict[int, int] = {}
+
+    def __enter__(self):
+        entered = super().__enter__()
+        self.depth[threading.get_ident()] = self.depth.get(threading.get_ident(), 0) + 1
+        return entered
+
+    def __exit__(self, *exc):
+        self.depth[threading.get_ident()] -= 1
+        return super().__exit__(*exc)
+
+
+def test_a_calibration_size_is_queued_under_the_workers_lock_so_the_worker_takes_it_whole(encoder):
+    """Between two of a size's requests the worker must not be able to take the first: that size would be encoded
+    in pieces and timed as a smaller batch.  Whether it could depends on thread timing, so the test asks instead
+    whether the lock the worker takes work under is still held when each request has been queued."""
+    clock = FakeClock()
+    runtime, encoded = slow_runtime(encoder, clock, step_s=0.0)
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher._wake = _KnowsItsHolders()
+    prepared = runtime.prepare(random_images(1, seed=6)[0])
+    submit, held_after = batcher.submit, []
+
+    def submit_and_look(*args, **kwargs):
+        job = submit(*args, **kwargs)
+        held_after.append(batcher._wake.depth.get(threading.get_ident(), 0) > 0)
+        return job
+
+    batcher.submit = submit_and_look
+
+    async def scenario():
+        batcher.start()
+        try:
+            await batcher.calibrate(prepared, 1, [1, 3], max_len=2, timeout_s=60)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(scenario())
+    assert held_after == [True] * 8  # two rounds of 1 + 3 requests
+    assert encoded == [1, 3, 1, 3]
+
+
 def test_warm_up_runs_each_power_of_the_factor_below_the_largest_encoder_batch_and_the_largest_once():
     assert warmup_sizes(1) == [1]
     assert warmup_sizes(4) == [1, 2, 4]
