@@ -545,6 +545,8 @@ def test_a_backend_named_in_the_settings_serves_its_models_with_the_cnn_their_sp
     for name in ("a", "b"):
         on_meta = all(p.is_meta for p in loaded[name].ckpt.model.parameters())
         assert on_meta == (backend == "onnx")
+        # /models names ONNX Runtime's providers for either backend (the hybrid's: its CNN session's)
+        assert loaded[name].info().providers == ["CPUExecutionProvider"]
     prepared = [loaded["c"].prepare(image) for image in random_images(2, seed=5)]
     want = torch_runtime_of(tmp_path / "weights" / "a").caption(prepared, 2, 6)
     for got, expected in zip(loaded["a"].caption(prepared, 2, 6), want):
@@ -722,6 +724,17 @@ def test_a_cuda_device_asks_for_its_own_gpu_then_the_cpu_and_counts_as_on_it_onl
     assert opened["providers"] == [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]
 
 
+def test_a_hybrid_runtime_is_where_its_cnn_session_runs_and_names_that_sessions_providers():
+    """``auto`` on a GPU refuses a backend that is not on it: the hybrid is on the GPU exactly when its CNN session
+    is (its decoder follows the device), and ``/models`` names that session's providers."""
+    visual = types.SimpleNamespace(providers=["CUDAExecutionProvider", "CPUExecutionProvider"], on_gpu=True)
+    hybrid = onnx_backends.HybridRuntime("sat", tiny_checkpoint("sat"), visual, CPU)
+    assert hybrid.on_gpu is True
+    assert hybrid.providers == hybrid.info().providers == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    visual.on_gpu = False
+    assert hybrid.on_gpu is False
+
+
 def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     """``auto`` asks whether ONNX Runtime offers CUDA before timing it on a GPU: the question compared the provider
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
@@ -750,6 +763,9 @@ def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorc
     monkeypatch.setattr(sessions, "execution_providers", lambda device: ["CPUExecutionProvider"])
     with pytest.raises(onnx_backends.NoCudaProvider, match="onnxruntime-gpu"):
         OnnxRuntime("sat", ckpt, onnx_dir / "sat", torch.device("cuda"), threads=1)
+    # where the CUDA provider did load, the same runtime is made (its sessions here are the CPU's, never run)
+    monkeypatch.setattr(onnx_backends, "runs_on_gpu", lambda session, device: True)
+    assert OnnxRuntime("sat", ckpt, onnx_dir / "sat", torch.device("cuda"), threads=1).on_gpu
 
     made = []
 
