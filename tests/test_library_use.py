@@ -67,6 +67,34 @@ def test_a_single_image_for_the_list_and_an_empty_list(pipeline, tmp_path):
     assert pipeline([]) == []
 
 
+@pytest.mark.parametrize("single", ["path", "bytes", "pil", "array"])
+def test_each_kind_of_single_image_for_the_list_is_refused(pipeline, tmp_path, single):
+    photo = tmp_path / "cat.png"
+    Image.fromarray(data.chelsea()).save(photo)
+    image = {"path": photo, "bytes": photo.read_bytes(), "pil": Image.open(photo), "array": data.chelsea()}[single]
+    with pytest.raises(TypeError, match=r"^Pipeline captions a list of images: pipeline\(\[image\]\)$"):
+        pipeline(image)
+
+
+def test_a_call_searches_three_beams_of_twenty_steps_under_the_checkpoints_rules_unless_told(pipeline, monkeypatch):
+    """The defaults of ``captioner caption`` and of the README's example; the rules are those the checkpoint was
+    tuned to (``captioner tune-decoding``), or those given."""
+    searched = []
+    caption = pipeline.runtime.caption
+
+    def caption_and_record(batch, beam_size, max_len, rules):
+        searched.append((len(batch), beam_size, max_len, rules))
+        return caption(batch, beam_size, max_len, rules)
+
+    monkeypatch.setattr(pipeline.runtime, "caption", caption_and_record)
+    monkeypatch.setitem(pipeline.ckpt.meta, "decoding", {"block_trigrams": True})
+    assert pipeline.ckpt is pipeline.runtime.ckpt
+    pipeline([data.astronaut(), data.chelsea()])
+    given = DecodingRules(block_doubled_words=True)
+    pipeline([data.astronaut()], beam_size=2, max_len=5, rules=given)
+    assert searched == [(2, 3, 20, DecodingRules(block_trigrams=True)), (1, 2, 5, given)]
+
+
 @pytest.mark.parametrize("options,message", [
     (dict(beam_size=0), "beam_size must be a whole number of at least 1, got 0"),
     (dict(beam_size=-1), "beam_size .* got -1"),
