@@ -4,8 +4,10 @@ X-Transformer."""
 from pathlib import Path
 
 import pytest
+import torch
 
-from captioner.models.evaluation.params import PAPER_SIZES, parameter_table
+from captioner.models.evaluation import params
+from captioner.models.evaluation.params import PAPER_SIZES, count_parameters, parameter_table
 from captioner.models.zoo import available
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "parameters.md"
@@ -98,3 +100,38 @@ def test_document_shows_the_command_output():
     for name, count in parameter_table(10369).items():
         if name in ("sat", "aoanet", "xlan", "xtransformer"):
             assert f"{name:16s} {count:>14,d}" in text  # the exact line `captioner params` prints
+
+
+def test_document_lists_every_model_in_table_order_as_the_command_prints_it():
+    """The hand counts cover four models; the document's block is the command's whole output, the other three
+    models' rows (SAT-hard, SparseCap, the area Transformer) and the order included."""
+    text = DOC.read_text()
+    block = text[text.index("$ captioner params\n") + len("$ captioner params\n"):]
+    block = block[:block.index("```")]
+    assert block == "".join(f"{name:16s} {count:>14,d}\n" for name, count in parameter_table(10369).items())
+
+
+def test_a_shared_tensor_and_a_frozen_one_are_each_counted_once():
+    shared = torch.nn.Linear(3, 4)  # 16 parameters
+    frozen = torch.nn.Linear(2, 1)  # 3
+    frozen.requires_grad_(False)
+    assert count_parameters(torch.nn.Sequential(shared, shared, frozen)) == 16 + 3
+
+
+def test_models_are_built_on_the_meta_device_allocating_no_weights(monkeypatch):
+    devices = []
+    create = params.create
+
+    def create_and_look(*args, **kwargs):
+        model = create(*args, **kwargs)
+        devices.extend({p.device.type for p in model.parameters()})
+        return model
+
+    monkeypatch.setattr(params, "create", create_and_look)
+    assert parameter_table(57) and set(devices) == {"meta"}
+
+
+def test_an_entry_left_as_none_or_naming_no_registered_model_is_skipped(monkeypatch):
+    """Every shipped entry has sizes and a registered model, so the skip was never taken."""
+    monkeypatch.setattr(params, "PAPER_SIZES", {"sparsecap": None, "not-a-model": {}, "sat": PAPER_SIZES["sat"]})
+    assert list(parameter_table(57)) == ["sat"]
