@@ -1,6 +1,7 @@
 """The grounding bar charts (models/evaluation/figures.py): what each panel draws, from the figure itself."""
 
 import math
+from pathlib import Path
 
 import matplotlib.figure
 import matplotlib.pyplot as plt
@@ -127,13 +128,13 @@ def test_labels_longer_than_twelve_letters_on_a_line_are_slanted(tmp_path, monke
 
 def test_the_figure_is_written_in_the_format_its_suffix_names_into_a_folder_made_for_it(tmp_path):
     png = control_bars(_panels(), CONTROLS, LABELS, tmp_path / "new" / "deeper" / "g.png")
-    assert Image.open(png).format == "PNG"
-    # 110 dpi: (2 + 0.8 × 2) × 2 inches wide, 3.6 high
-    assert Image.open(png).size == (round(7.2 * 110), round(3.6 * 110))
+    with Image.open(png) as image:  # 110 dpi: (2 + 0.8 × 2) × 2 inches wide, 3.6 high
+        assert image.format == "PNG" and image.size == (round(7.2 * 110), round(3.6 * 110))
     svg = control_bars(_panels(), CONTROLS, LABELS, tmp_path / "g.svg")
     assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
     bare = control_bars(_panels(), CONTROLS, LABELS, tmp_path / "g")
-    assert Image.open(bare).format == "PNG"
+    with Image.open(bare) as image:
+        assert image.format == "PNG"
 
 
 def test_a_figure_that_fails_to_render_leaves_the_previous_one(tmp_path, monkeypatch):
@@ -141,7 +142,10 @@ def test_a_figure_that_fails_to_render_leaves_the_previous_one(tmp_path, monkeyp
     out.write_bytes(b"the previous figure")
 
     def half_written(figure, target, **options):
-        target.write(b"half") if hasattr(target, "write") else open(target, "wb").write(b"half")
+        if hasattr(target, "write"):  # a file object, or the path to one
+            target.write(b"half")
+        else:
+            Path(target).write_bytes(b"half")
         raise RuntimeError("rendering failed")
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", half_written)
