@@ -531,6 +531,35 @@ def test_a_failing_step_fails_its_requests_by_id_and_the_worker_goes_on(encoder)
     assert named == {"first-a", "first-b"}, lines
 
 
+def test_a_caption_made_before_its_steps_bookkeeping_failed_still_goes_out(encoder, monkeypatch):
+    """The results of a step go out after the step is measured, and also when what follows their collection fails
+    (here freeing their rows): the request gets the caption that was made, not the error, nor a wait to its
+    deadline; the worker goes on."""
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1)[0])
+    real_remove, broken = RowTable.remove, [True]
+
+    def failing_once(table, jobs, runtime):
+        if broken[0]:
+            broken[0] = False
+            raise RuntimeError("freeing the rows failed")
+        return real_remove(table, jobs, runtime)
+
+    monkeypatch.setattr(RowTable, "remove", failing_once)
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=16)
+
+    async def scenario():
+        batcher.start()
+        try:
+            return await batcher.caption(prepared, 2, 5, 60), await batcher.caption(prepared, 2, 5, 60)
+        finally:
+            await batcher.stop(10)
+
+    first, later = asyncio.run(scenario())
+    assert not broken[0], "the bookkeeping never failed: the test checked nothing"
+    assert first.words == later.words == solo(runtime, prepared, 2, 5).words
+
+
 def test_a_failing_step_spares_the_requests_still_queued_and_a_failing_idle_hook_spares_the_worker(encoder):
     """A step that raised failed every request the batcher held, the queued ones that took no part in it too; and
     the hook the worker calls when it falls idle (the app's memory release) ran outside the worker's guard, so one
