@@ -5,6 +5,7 @@ Bounded: a fixed number of examples per operation, derandomised, so the test tak
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,6 +36,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def _app():
     root = Path(tempfile.mkdtemp(prefix="fuzz-weights-"))
+    # made at collection, which every xdist worker does and one runs the tests of: each process removes its own
+    # when it ends (the fixture's removal left one folder in /tmp a run)
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     torch.manual_seed(0)
     vocab = Vocabulary(["a", "red", "circle"])
     save_checkpoint(root / "tiny", create("sat", vocab_size=len(vocab), feat_dim=320, embed_dim=8, hidden_dim=8,
@@ -54,7 +58,6 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 def client():
     with TestClient(APP, raise_server_exceptions=False) as running:
         yield running
-    shutil.rmtree(APP.state.service.settings.weights_dir, ignore_errors=True)
 
 
 @schema.parametrize()
