@@ -46,8 +46,10 @@ def _config(scenes, cache, out, **overrides):
     return cfg
 
 
-def _torchrun(cfg: dict, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _torchrun(cfg: dict, temporary: Path, *extra: str) -> subprocess.CompletedProcess:
+    # torchrun keeps its workers' logs in a folder of its own under the temporary folder, and never removes it:
+    # the test's, which pytest does
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(temporary)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(DRIVER), json.dumps(cfg), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
@@ -64,12 +66,12 @@ def test_two_gloo_ranks_equal_one_process_with_the_same_global_batch_and_resume(
     # 6 images × 5 captions = 30 captions: 3 steps of 10 per epoch, 5 captions per rank per step
     single = train(TrainConfig(**_config(scenes, cache, tmp_path / "single", max_steps=4, epochs=2)))
     ddp = tmp_path / "ddp"
-    _torchrun(_config(scenes, cache, ddp, max_steps=2, epochs=2))  # stops mid-epoch 1 ...
+    _torchrun(_config(scenes, cache, ddp, max_steps=2, epochs=2), tmp_path)  # stops mid-epoch 1 ...
     assert load_state(ddp)["progress"]["global_step"] == 2
     # each rank seeded apart: with one seed, every rank drew the same random numbers for its share of a batch (the
     # same dropout masks, SCST's samples drawn alike), correlating what should be independent draws
     assert (ddp / "rank0.seed").read_text() != (ddp / "rank1.seed").read_text()
-    _torchrun(_config(scenes, cache, ddp, max_steps=4, epochs=2), "resume")  # ... and resumes under torchrun
+    _torchrun(_config(scenes, cache, ddp, max_steps=4, epochs=2), tmp_path, "resume")  # ... and resumes under torchrun
     assert load_state(ddp)["progress"]["global_step"] == 4
 
     rank0, rank1 = load_file(ddp / "rank0.safetensors"), load_file(ddp / "rank1.safetensors")
