@@ -28,11 +28,11 @@ def _panels():
     return [("mass", first), ("pointing", second)]
 
 
-def _drawn(monkeypatch, panels, out, **options):
+def _drawn(monkeypatch, panels, out, controls=CONTROLS, **options):
     """The figure ``control_bars`` draws, kept from ``plt.close``."""
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
-    assert control_bars(panels, CONTROLS, LABELS, out, **options) == out
+    assert control_bars(panels, controls, LABELS, out, **options) == out
     (figure,) = figures
     monkeypatch.undo()
     plt.close(figure)  # its artists stay readable
@@ -81,13 +81,9 @@ def test_each_control_is_a_bar_per_model_side_by_side_with_its_interval_as_error
 
 
 def test_an_even_number_of_controls_sits_either_side_of_its_models_tick(tmp_path, monkeypatch):
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    control_bars([("mass", [("a", {"model": _stat(0.5, 0.4, 0.6), "other": _stat(0.2, 0.1, 0.3)})])],
-                 CONTROLS[:2], LABELS, tmp_path / "g.png")
-    monkeypatch.undo()
-    plt.close(figures[0])
-    assert [bars[0][0] for bars in _bars(figures[0].axes[0])] == pytest.approx([-0.2, 0.2])  # width 0.4 each
+    figure = _drawn(monkeypatch, [("mass", [("a", {"model": _stat(0.5, 0.4, 0.6), "other": _stat(0.2, 0.1, 0.3)})])],
+                    tmp_path / "g.png", CONTROLS[:2])
+    assert [bars[0][0] for bars in _bars(figure.axes[0])] == pytest.approx([-0.2, 0.2])  # width 0.4 each
 
 
 def test_panels_fill_rows_of_the_given_columns_and_the_slots_left_over_are_blank(tmp_path, monkeypatch):

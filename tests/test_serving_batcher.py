@@ -665,14 +665,15 @@ class StepCost:
 
 
 def slow_runtime(encoder, clock: FakeClock, step_s: float | StepCost = 1.0,
-                 encode_s: dict[int, float] | None = None):
-    """A real tiny SAT runtime whose steps (and encodings) take ``step_s`` (``encode_s[batch]``) of fake time."""
+                 encode_s: dict[int, float] | None = None, row_s: float = 0.0):
+    """A real tiny SAT runtime whose steps (and encodings) take ``step_s`` plus ``row_s`` a row (``encode_s[batch]``)
+    of fake time."""
     runtime = runtime_for("sat", encoder)
     step, begin = runtime.step, runtime.begin
     encoded: list[int] = []
 
     def slow_step(prev, state, enc):
-        clock.now += step_s.seconds if isinstance(step_s, StepCost) else step_s
+        clock.now += (step_s.seconds if isinstance(step_s, StepCost) else step_s) + row_s * prev.shape[0]
         return step(prev, state, enc)
 
     def slow_begin(batch, widths):
@@ -1048,15 +1049,8 @@ def test_the_calibration_requests_step_time_is_measured_afresh_not_averaged_with
     """Where a step costs more with more rows, the timed rounds' steps (two requests of three beams) are slower than
     a lone request's: averaged in, they would make admission control expect a lone request to be slower than it is."""
     clock = FakeClock()
-    runtime, _ = slow_runtime(encoder, clock, step_s=0.0)
+    runtime, _ = slow_runtime(encoder, clock, step_s=0.0, row_s=0.25)
     runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # every caption runs to its length limit
-    step = runtime.step
-
-    def step_by_rows(prev, state, enc):
-        clock.now += 0.25 * prev.shape[0]  # a quarter of a second of fake time a row
-        return step(prev, state, enc)
-
-    runtime.step = step_by_rows
     prepared = runtime.prepare(random_images(1, seed=6)[0])
 
     async def warm(batch_sizes):
@@ -1071,23 +1065,6 @@ def test_the_calibration_requests_step_time_is_measured_afresh_not_averaged_with
     assert (calibrated.step_time_s, calibrated.rows_per_step) == (alone.step_time_s, alone.rows_per_step)
 
 
-class _KnowsItsHolders(threading.Condition):
-    """A condition that counts, per thread, the ``with`` blocks holding it."""
-
-    def __init__(self):
-        super().__init__()
-        self.depth: dict[int, int] = {}
-
-    def __enter__(self):
-        entered = super().__enter__()
-        self.depth[threading.get_ident()] = self.depth.get(threading.get_ident(), 0) + 1
-        return entered
-
-    def __exit__(self, *exc):
-        self.depth[threading.get_ident()] -= 1
-        return super().__exit__(*exc)
-
-
 def test_a_calibration_size_is_queued_under_the_workers_lock_so_the_worker_takes_it_whole(encoder):
     """Between two of a size's requests the worker must not be able to take the first: that size would be encoded
     in pieces and timed as a smaller batch.  Whether it could depends on thread timing, so the test asks instead
@@ -1095,13 +1072,12 @@ def test_a_calibration_size_is_queued_under_the_workers_lock_so_the_worker_takes
     clock = FakeClock()
     runtime, encoded = slow_runtime(encoder, clock, step_s=0.0)
     batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
-    batcher._wake = _KnowsItsHolders()
     prepared = runtime.prepare(random_images(1, seed=6)[0])
     submit, held_after = batcher.submit, []
 
     def submit_and_look(*args, **kwargs):
         job = submit(*args, **kwargs)
-        held_after.append(batcher._wake.depth.get(threading.get_ident(), 0) > 0)
+        held_after.append(batcher._wake._is_owned())  # by this thread: the condition's lock is an RLock
         return job
 
     batcher.submit = submit_and_look
