@@ -50,7 +50,7 @@ from captioner.models.checkpoint import save_checkpoint
 from captioner.service.app import create_app
 from captioner.service.settings import Settings
 
-from .demo_pages import OVERLAY_SHOWN, image_bytes, needs_chromium, page_of, upload, wait_until
+from .demo_pages import OVERLAY_SHOWN, blank_page, image_bytes, needs_chromium, page_of, upload, wait_until
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 PHOTO_BOX = "() => { const r = document.getElementById('photo').getBoundingClientRect(); return [r.width, r.height]; }"
@@ -219,7 +219,8 @@ def test_json_heatmaps_default_to_the_models_mode_as_png_overlays_do(tmp_path):
 @needs_chromium
 def test_a_page_opened_while_the_models_load_asks_again_until_it_has_one(tiny_server):
     """A server loading its models in the background lists none at first (then a proxy may fail the request): the
-    page said "No model is loaded" and never asked again."""
+    page said "No model is loaded" and never asked again.  The page runs on Playwright's clock, moved on by the
+    page's own retry interval each time it says it will ask again, instead of waiting it out twice."""
     answers = iter(["empty", "down"])
     seen = []
 
@@ -233,10 +234,14 @@ def test_a_page_opened_while_the_models_load_asks_again_until_it_has_one(tiny_se
         else:
             route.continue_()
 
-    def waiting(page):
+    with blank_page() as page:
+        page.clock.install()
         page.route("**/models", models_route)
-
-    with page_of(tiny_server, before_load=waiting) as page:
+        page.goto(tiny_server)
+        for problem in ("No model is loaded", "Could not list models"):
+            wait_until(page, f"() => document.getElementById('status').textContent.startsWith({problem!r})", 10)
+            page.clock.run_for(page.evaluate("MODELS_RETRY_S") * 1000)
+        page.locator("#model option").first.wait_for(state="attached", timeout=30_000)
         assert seen == ["empty", "down", "real"]
         wait_until(page, "() => document.getElementById('status').textContent === ''", timeout_s=10)
         assert page.locator("#model").input_value() == "tiny"
