@@ -4,6 +4,7 @@ and resumes exactly."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,3 +210,62 @@ def test_the_greedy_baseline_is_decoded_in_eval_mode_and_the_model_is_left_train
     model.eval()
     scst_batch_loss(model, vis, refs, cider, _words, samples=2, max_len=12)
     assert model.training
+
+
+@pytest.mark.parametrize("baseline", ["greedy", "mean"])
+def test_the_loss_is_eq_9_against_each_images_own_baseline(baseline, monkeypatch):
+    """Rennie et al.'s Eq. 9 from the samples the model draws in train mode, each sample's advantage taken against
+    its own image's greedy caption's reward, or (``--scst-baseline mean``, which decodes no greedy caption and logs
+    none) against the mean reward of its image's other samples: here the one other, the fewest it takes."""
+    vis, targets, captions = memorisation_task()
+    refs = [[_words(c)] for c in captions]
+    cider = CiderD(refs)
+    model = _little_xe_sat(vis, targets)
+    baselines = None
+    if baseline == "greedy":
+        model.eval()
+        baselines = torch.from_numpy(cider.score([_words(h.token_ids) for h in greedy(model, vis, max_len=12)], refs))
+        assert baselines.unique().numel() > 2, "the images' greedy rewards differ (else their order tells nothing)"
+    else:
+        monkeypatch.setattr("captioner.models.training.scst.greedy", lambda *args, **kwargs: pytest.fail("decoded"))
+    torch.manual_seed(3)
+    loss, logs = scst_batch_loss(model, vis, refs, cider, _words, samples=2, max_len=12, baseline=baseline)
+    assert ("greedy_reward" in logs) == (baseline == "greedy")
+    model.train()
+    torch.manual_seed(3)
+    drawn = sample(model, vis, n=2, max_len=12)
+    rewards = torch.from_numpy(cider.score([_words(row) for row in drawn.tokens.tolist()],
+                                           [refs[r // 2] for r in range(20)])).view(10, 2)
+    expected = scst_loss(drawn.logprobs, drawn.mask, scst_advantages(rewards, baselines).flatten().float())
+    torch.testing.assert_close(loss, expected)
+    assert logs["reward"] == pytest.approx(float(rewards.mean()))
+
+
+def test_an_unknown_baseline_or_a_lone_sample_against_the_mean_is_refused():
+    """A misspelt baseline is an error, not the mean baseline in silence; and the mean of an image's other samples
+    needs another sample (with one it is 0/0, NaN advantages that would poison every weight)."""
+    vis, targets, captions = memorisation_task()
+    refs = [[_words(c)] for c in captions]
+    model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=8, hidden_dim=8, attn_dim=8)
+    with pytest.raises(ValueError, match="unknown SCST baseline 'Greedy'"):
+        scst_batch_loss(model, vis, refs, CiderD(refs), _words, samples=2, max_len=4, baseline="Greedy")
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        scst_advantages(torch.rand(3, 1), None)
+
+
+def test_a_ranks_scst_loss_is_weighted_by_its_share_of_the_global_batchs_images(tmp_path, monkeypatch):
+    """Under DDP a rank's SCST loss is scaled by its share of the global batch's images times the ranks (3 of 5 on
+    the first of two ranks: 1.2 times); on one process, with or without the global batch, it is the loss itself."""
+    references = [["a", "dog"], ["a", "cat"]]
+    vocab = Vocabulary.build(references)
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", references) for i in range(5)]
+    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    monkeypatch.setattr("captioner.models.training.scst.scst_batch_loss",
+                        lambda *args: (torch.tensor(2.0), {"scst": 2.0, "tokens": 7.0}))
+    phase = SCSTPhase(TrainConfig(out=str(tmp_path), phase="scst"), None, vocab, store, images, torch.device("cpu"))
+    everything = [0, 1, 2, 3, 4]
+    for shard, global_batch in ((everything, everything), (everything, None)):
+        out = phase.loss(shard, global_batch)
+        assert (out.loss.item(), out.tokens) == (2.0, 7)
+    phase.world = 2
+    assert phase.loss([0, 1, 2], everything).loss.item() == pytest.approx(2.0 * 3 * 2 / 5)
