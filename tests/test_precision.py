@@ -34,6 +34,16 @@ def test_precision_is_selected_by_device():
         assert resolve_precision("auto", gpu).name == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
 
 
+@pytest.mark.parametrize("bf16", [True, False])
+def test_auto_on_a_gpu_is_bfloat16_where_it_runs_else_scaled_float16(bf16, monkeypatch):
+    """``auto`` on a CUDA device asks the GPU whether it runs bfloat16 (A100, H100) or not (V100, T4, which take
+    float16 with a gradient scaler); the answer is mocked so that the choice is held on a machine without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    chosen = resolve_precision("auto", torch.device("cuda"))
+    assert (chosen.name, chosen.dtype, chosen.scaled) == \
+        (("bfloat16", torch.bfloat16, False) if bf16 else ("float16", torch.float16, True))
+
+
 def test_bf16_autocast_trains_on_cpu_close_to_fp32(scenes, tmp_path):
     common = dict(dataset=str(scenes), cache_dir=str(tmp_path / "features"), encoder={"image_size": 96},
                   model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0), train_limit=4, val_limit=2,
