@@ -8,7 +8,7 @@ import pytest
 
 from captioner.models.cli.training import add_train_config_arguments, train_config_from_args
 from captioner.models.training import TrainConfig, available_recipes, load_recipe
-from captioner.models.training.recipes import command_line, recipe_path
+from captioner.models.training.recipes import RECIPES_DIR, command_line, recipe_path
 from captioner.models.training.schedules import NoamWarmup, PlateauDecay, ScheduledSampling, StepDecay, \
     build_schedules, learning_rate
 from captioner.service.cli import build_parser
@@ -154,3 +154,33 @@ def test_the_command_a_card_prints_names_only_what_differs_from_the_recipe():
     hid the one change the run made among a dozen that are the paper's."""
     cfg = TrainConfig(out="runs/a", dataset="d", **{**load_recipe("aoanet"), "lr": 1e-3})
     assert command_line(cfg.to_json()) == "captioner train --recipe aoanet --dataset d --out runs/a --lr 0.001"
+
+
+def test_the_command_a_card_prints_sets_only_the_model_args_the_run_changed_written_as_json():
+    """The recipe's own model args (the area Transformer's sizes) are not listed again, and a changed value is
+    written as ``--set`` reads it back, in JSON (``true``, not Python's ``True``)."""
+    recipe = load_recipe("area-transformer")
+    cfg = TrainConfig(out="runs/a", dataset="d", **{**recipe, "model_args": {**recipe["model_args"], "dropout": 0.3,
+                                                                              "pre_norm": True}})
+    assert command_line(cfg.to_json()) == ("captioner train --recipe area-transformer --dataset d --out runs/a "
+                                           "--set dropout=0.3 --set pre_norm=true")
+
+
+def test_a_recipe_files_phase_key_picks_its_stage_whose_model_args_win_over_the_shared_ones(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('model = "sat"\nphase = "scst"\n[model_args]\ndropout = 0.5\nhidden_dim = 64\n'
+                    '[xe]\nlr = 1e-3\n[scst]\nlr = 2e-5\n[scst.model_args]\ndropout = 0.0\n')
+    assert load_recipe(str(path)) == {"model": "sat", "lr": 2e-5, "model_args": {"dropout": 0.0, "hidden_dim": 64},
+                                      "recipe": str(path), "phase": "scst"}
+    assert load_recipe(str(path), "xe")["model_args"] == {"dropout": 0.5, "hidden_dim": 64}
+    # a recipe without stage tables: its keys serve every stage
+    path.write_text('model = "sat"\nlr = 1e-3\n')
+    assert load_recipe(str(path), "scst") == {"model": "sat", "lr": 1e-3, "recipe": str(path), "phase": "scst"}
+
+
+def test_a_file_in_the_working_folder_named_like_a_recipe_is_not_read_as_it(tmp_path, monkeypatch):
+    """Only a ``.toml`` path is a recipe file of one's own: ``--recipe sat`` in a folder holding a file ``sat``
+    (a run's log, say) is still the shipped recipe."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sat").write_text("not a recipe")
+    assert recipe_path("sat") == RECIPES_DIR / "sat.toml"
