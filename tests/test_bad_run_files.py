@@ -75,8 +75,8 @@ def test_plot_draws_a_log_with_a_line_of_another_kind(tmp_path, capsys):
 
 @pytest.mark.parametrize("recipe, reason", [
     (b"lr = [", "is not a recipe \\(not TOML"), (b"lr = 1e-4\n\xff", ":2 is not UTF-8"),
-    (b"model_args = 5", "model_args is 5, not a table"), (b"xe = 5", "xe is 5, not a table"),
-    (b"[xe]\nmodel_args = 'wide'", "xe.model_args is 'wide', not a table"), (b"phase = 2", "phase is 2")])
+    (b"model_args = 5", ": model_args is 5, not a table"), (b"xe = 5", ": xe is 5, not a table"),
+    (b"[xe]\nmodel_args = 'wide'", ": xe.model_args is 'wide', not a table"), (b"phase = 2", ": phase is 2")])
 def test_a_recipe_file_that_is_not_one_is_named(recipe, reason, tmp_path, capsys):
     path = tmp_path / "mine.toml"
     path.write_bytes(recipe)
