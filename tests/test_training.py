@@ -26,6 +26,7 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.config import Progress
 from captioner.models.training.loop import RunInUse, _optimizer_step
+from captioner.models.training.phase import PhaseModule
 from captioner.models.training.resume import merge_resume
 from captioner.models.training.run_log import EpochLog
 from captioner.models.training.schedules import learning_rate
@@ -406,6 +407,33 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
     assert (began["arch"], began["epochs"], began["best_epoch"], began["started_from"]) == ("sat", 2, 2, first)
 
 
+def test_a_warm_starts_vocabulary_encoder_and_lineage_where_the_run_or_the_checkpoint_is_unusual(tmp_path):
+    """A resumed run's vocabulary is the one it saved (its rows are trained to those words), whatever its --init
+    checkpoint or its data would give now; --extend-vocab may add no word; an --encoder other than the checkpoint's
+    is refused; and a checkpoint whose meta lacks its train config (one saved in code) names no command in the
+    lineage."""
+    vocab = Vocabulary(["a", "red", "circle"])
+    torch.manual_seed(0)
+    path = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
+                           EncoderSpec(image_size=96), {"phase": "xe"})
+    init = load_checkpoint(path)
+    photos = [CaptionedImage(1, Path("p.jpg"), "train", [["a", "blue", "square"]])]
+    saved = {"vocab": Vocabulary(["a", "red", "circle", "green", "square"]).to_json()}
+    for cfg, given in ((TrainConfig(out="run", init=str(path), extend_vocab=True), init),
+                       (TrainConfig(out="run", min_count=1), None)):
+        assert choose_vocab(cfg, saved, given, photos).itos == Vocabulary.from_json(saved["vocab"]).itos
+    # --extend-vocab with a --min-count that keeps none of the data's words: the checkpoint's words, no error
+    extend = TrainConfig(out="run", init=str(path), extend_vocab=True, min_count=5)
+    assert choose_vocab(extend, None, init, photos).itos == vocab.itos
+    # the encoder the checkpoint was trained with is the run's: another one given is refused, the same one taken
+    with pytest.raises(ValueError, match="--encoder differs from the encoder"):
+        adopt_init(TrainConfig(out="run", init=str(path), encoder={"image_size": 128}), init)
+    assert EncoderSpec.of(adopt_init(TrainConfig(out="run", init=str(path), encoder={"image_size": 96}),
+                                     init).encoder).image_size == 96
+    began = lineage(str(path), init)
+    assert (began["command"], began["epochs"], began["started_from"]) == (None, 0, None)
+
+
 def test_resume_says_which_given_values_the_runs_recipe_overrides(scenes, tmp_path, cache, capsys):
     saved = _config(scenes, tmp_path / "run", cache, model="sat")
     capsys.readouterr()
@@ -482,11 +510,15 @@ def test_a_scene_checkpoints_card_names_its_data_alike_once_the_data_set_is_gone
 @pytest.mark.parametrize("eps", [0.0, 0.2])
 def test_xe_loss_is_the_token_mean_over_non_pad_targets_with_label_smoothing_towards_uniform(eps):
     logprobs = torch.log_softmax(torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)), -1)
+    logprobs.requires_grad_()
     targets = torch.tensor([[4, 2, 0], [1, 3, 2]])  # pad id 0: one padded position
     terms = [(1 - eps) * -logprobs[b, t, targets[b, t]] + eps * -logprobs[b, t].mean()
              for b in range(2) for t in range(3) if targets[b, t] != 0]
     expected = torch.stack(terms).sum() / 5
-    torch.testing.assert_close(xe_loss(logprobs, targets, pad_id=0, label_smoothing=eps), expected)
+    loss = xe_loss(logprobs, targets, pad_id=0, label_smoothing=eps)
+    torch.testing.assert_close(loss, expected)
+    # and its gradient: the smoothing term pulls every word's log-probability up, not only the value's
+    torch.testing.assert_close(torch.autograd.grad(loss, logprobs)[0], torch.autograd.grad(expected, logprobs)[0])
 
 
 def test_a_runs_label_smoothing_reaches_its_xe_loss(scenes, tmp_path, cache):
@@ -504,17 +536,62 @@ def test_a_runs_label_smoothing_reaches_its_xe_loss(scenes, tmp_path, cache):
 def test_a_ranks_auxiliary_losses_are_weighted_by_its_share_of_the_global_batchs_captions():
     """Under DDP a rank's loss is scaled so that the ranks' mean is the global batch's: the XE by the rank's share
     of the target tokens, an auxiliary term (SAT's doubly stochastic penalty, a mean over captions) by its share of
-    the captions, here 3 of 5 on the first of two ranks: 3 · 2 / 5 = 1.2 times the term."""
+    the captions, here 3 of 5 on the first of two ranks: 3 · 2 / 5 = 1.2 times the term.  On one process both
+    are their plain sum (a doubled XE went unseen: Adam barely feels the scale, but gradient clipping does)."""
     vocab = Vocabulary(["a", "b"])
     images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a", "b"][: 1 + (i > 0)]]) for i in range(5)]
     model = SimpleNamespace(forward_xe=lambda vis, targets, ss, rows: (
         torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {"penalty": torch.tensor(1.0)}))
     store = SimpleNamespace(batch=lambda keys: torch.zeros(len(keys), 1))
     phase = XEPhase(_config("data", "run", "cache"), model, vocab, store, images, "cpu")
+    alone = phase.loss([0, 1, 2, 3, 4], [0, 1, 2, 3, 4])  # one process: the loss itself, unweighted
+    assert alone.loss.item() == pytest.approx(alone.logs["xe"] + 1.0)
     phase.world = 2
     out = phase.loss([0, 1, 2], [0, 1, 2, 3, 4])
     # targets with EOS: 2 for the first caption, 3 for each other; the rank holds 8 of the 14 tokens
     assert out.loss.item() == pytest.approx(out.logs["xe"] * 8 * 2 / 14 + 1.2)
+
+
+def test_each_caption_of_a_batch_reads_its_own_images_row():
+    """A batch's distinct images are read and encoded once, each caption pointing at its image's row: in a batch of
+    pairs of interleaved images (a shuffled epoch), no caption may be paired with another photo."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a"], ["b"]]) for i in range(3)]
+    read = {}
+
+    def forward_xe(vis, targets, ss, rows):
+        read["keys"] = [vis[row] for row in rows.tolist()]  # the store below hands back the keys as the batch
+        return torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}
+
+    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    phase = XEPhase(_config("data", "run", "cache"), SimpleNamespace(forward_xe=forward_xe), vocab, store, images,
+                    "cpu")
+    batch = [5, 0, 4, 2, 1]  # pairs of images 2, 0, 2, 1, 0
+    phase.loss(batch)
+    assert read["keys"] == [phase.pairs[i][0] for i in batch]
+
+
+def test_the_module_ddp_wraps_holds_the_models_and_the_fine_tuned_stages_parameters():
+    """DistributedDataParallel averages the gradients of the parameters its module holds: the model's, and those of
+    the fine-tuned encoder stages, whose copies on the ranks would otherwise drift apart (no DDP test fine-tunes)."""
+    model, tail = torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
+    module = PhaseModule(model, SimpleNamespace(), tail)
+    assert {id(p) for p in module.parameters()} == {id(p) for p in [*model.parameters(), *tail.parameters()]}
+
+
+def test_the_xe_of_bfloat16_log_probs_is_taken_in_float32():
+    """Under bfloat16 autocast (on CPU too) a model's log-probabilities come out in bfloat16; the phase takes their
+    XE in float32, whose logged value and gradient keep the digits a bfloat16 mean rounds away."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a", "b", "a"], ["b"]]) for i in range(3)]
+    logprobs = torch.log_softmax(torch.randn(6, 4, len(vocab), generator=torch.Generator().manual_seed(0)), -1)
+    model = SimpleNamespace(forward_xe=lambda vis, targets, ss, rows: (logprobs[:, :targets.shape[1]].bfloat16(), {}))
+    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    phase = XEPhase(_config("data", "run", "cache"), model, vocab, store, images, "cpu")
+    out = phase.loss(range(6))
+    targets = torch.tensor([ids + [vocab.pad_id] * (4 - len(ids)) for _, ids in phase.pairs])
+    expected = xe_loss(logprobs.bfloat16().float(), targets, vocab.pad_id)
+    assert out.loss.dtype == torch.float32 and out.logs["xe"] == pytest.approx(expected.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("mode, expected", [("norm", [-0.3, -0.4]), ("value", [-0.5, -0.5])])
