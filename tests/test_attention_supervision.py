@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.training.attention_supervision import AttentionTargets, attention_supervision_loss, \
     checked_entities_folder, entities_attention_targets
 from captioner.models.training.config import TrainConfig
-from captioner.models.training.xe import train
+from captioner.models.training.xe import XEPhase, train
+from captioner.models.vocab import Vocabulary
 
 from .entities_photos import circle_photos
 from .test_cli import captioner
@@ -94,6 +96,27 @@ def test_sparse_maps_with_exact_zeros_give_a_finite_loss():
 # ---------------------------------------------------------------------------------------------------------------
 # The targets
 # ---------------------------------------------------------------------------------------------------------------
+def test_the_xe_phase_adds_the_term_times_its_weight(tmp_path):
+    """The phase's term is ``--attention-supervision-weight`` times the KL of the steps' attention against their
+    caption's target rows.  A run's falling log of the term did not hold it: the weight divided by the KL falls too,
+    as training drives the KL up and the attention out of the boxes."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, tmp_path / f"{i}.jpg", "train", [["a", "b"]]) for i in range(2)]
+    attention = torch.softmax(torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)), -1)
+    model = SimpleNamespace(forward_xe_attended=lambda vis, targets, ss, rows: (
+        torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}, attention))
+    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    phase = XEPhase(TrainConfig(out=str(tmp_path), attention_supervision_weight=5.0), model, vocab, store, images,
+                    "cpu")
+    phase.supervise_attention(AttentionTargets(rows={(images[1].key, 0): {1: np.array([0.7, 0.1, 0.1, 0.1],
+                                                                                    dtype=np.float32)}}, items=4))
+    out = phase.loss([0, 1])
+    target, supervised = phase.attention_targets.batch([(images[0].key, 0), (images[1].key, 0)], 3, "cpu")
+    expected = 5.0 * attention_supervision_loss(attention, target, supervised).item()
+    assert expected > 0 and out.logs["attention_supervision"] == pytest.approx(expected)
+    assert out.loss.item() == pytest.approx(out.logs["xe"] + expected)
+
+
 def test_targets_lay_each_phrase_box_on_the_heatmap_cells(tmp_path):
     _, entities = _photos(tmp_path)
     images = [CaptionedImage(i, tmp_path / "images" / f"{fid}_x.jpg", "train",
