@@ -134,6 +134,8 @@ def test_cli_flags_override_single_recipe_values():
      "--lr", "0.0001", "--train-limit", "3000"],
     ["--recipe", "xlan", "--out", "runs/x", "--warmup-steps", "1000", "--group-by-image", "--adam-betas", "0.8", "0.9"],
     ["--model", "sat", "--out", "runs/s", "--lr-drop", "5", "--lr-drop", "7", "--attention", "tvmax", "--no-progress"],
+    # values a shell would split: a folder with a space, a JSON list (the card's command is pasted into one)
+    ["--model", "sat", "--dataset", "my photos/dataset.json", "--out", "runs/a b", "--set", "sizes=[1, 2]"],
 ])
 def test_the_command_a_card_prints_gives_back_the_same_config(argv):
     def parse(args):

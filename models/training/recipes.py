@@ -9,6 +9,7 @@ recipe's shared keys and its phase table, then the flags given on the command li
 from __future__ import annotations
 
 import json
+import shlex
 
 import tomllib
 from dataclasses import fields
@@ -81,23 +82,24 @@ _NOT_IN_COMMAND = ("out", "dataset", "recipe", "phase", "progress", "log_every",
 def command_line(config: dict[str, Any]) -> str:
     """The ``captioner train`` command that gives the saved ``train_config`` ``config``: its recipe (and phase), then
     a flag for every value that differs from what the recipe (or, without one, the config defaults) sets.  Model
-    cards print it, so a card names every override a run used."""
+    cards print it, so a card names every override a run used; a value a shell would split or expand (a folder with
+    a space, a JSON list) is quoted, so the command can be pasted as it is."""
     from dataclasses import replace
 
     from .config import TrainConfig
 
     cfg = TrainConfig.from_json(config)
     base = TrainConfig(out=cfg.out)
-    parts = ["captioner train"]
+    argv = ["captioner", "train"]
     if cfg.recipe:
         try:
             base = replace(base, **load_recipe(cfg.recipe, cfg.phase))
-            parts.append(f"--recipe {cfg.recipe}")
+            argv += ["--recipe", cfg.recipe]
         except (ValueError, OSError):  # a recipe file of one's own that is gone: list every non-default value
             pass
     if cfg.phase != "xe":
-        parts.append(f"--phase {cfg.phase}")
-    parts += [f"--dataset {cfg.dataset}", f"--out {cfg.out}"]
+        argv += ["--phase", cfg.phase]
+    argv += ["--dataset", str(cfg.dataset), "--out", str(cfg.out)]
     for f in fields(TrainConfig):
         if f.name in _NOT_IN_COMMAND or not f.metadata.get("cli", True):
             continue
@@ -107,14 +109,16 @@ def command_line(config: dict[str, Any]) -> str:
         flag, kind = f.metadata.get("flag") or "--" + f.name.replace("_", "-"), f.metadata.get("kind")
         if kind == "keyvalue":
             # values as --set reads them back (JSON: false, not Python's False, which would be the string "False")
-            parts += [f"{flag} {key}={item if isinstance(item, str) else json.dumps(item)}"
-                      for key, item in value.items() if default.get(key) != item]
+            for key, item in value.items():
+                if default.get(key) != item:
+                    argv += [flag, f"{key}={item if isinstance(item, str) else json.dumps(item)}"]
         elif kind == "append":
-            parts += [f"{flag} {item}" for item in value]
+            for item in value:
+                argv += [flag, str(item)]
         elif kind == "pair":
-            parts.append(f"{flag} {value[0]} {value[1]}")
+            argv += [flag, str(value[0]), str(value[1])]
         elif kind in ("true", "false"):
-            parts.append(flag)
+            argv.append(flag)
         else:
-            parts.append(f"{flag} {value}")
-    return " ".join(parts)
+            argv += [flag, str(value)]
+    return shlex.join(argv)
