@@ -127,3 +127,20 @@ def test_masked_items_never_enter_the_support_whatever_their_scores_and_the_rows
         expected = np.zeros(8)
         expected[mask[index]] = _bisection_sparsemax(z[index][mask[index]])
         np.testing.assert_allclose(p[index], expected, atol=1e-12)
+
+
+def test_a_row_with_one_item_in_its_support_passes_no_gradient():
+    """A one-hot row (a lead of more than 1, or a single real item under the mask) has ``s`` with one non-zero, so
+    SparseCap Eq. 15's ``J = diag(s) − s sᵀ/‖s‖₁`` is zero there: the weight stays 1 whatever the scores do nearby.
+    A decoder's attention is often one-hot once trained; the other rows keep their usual Jacobian."""
+    z = torch.tensor([[4.0, 0.5, 0.0, -1.0], [0.3, 0.2, 0.1, 0.0], [2.0, 7.0, 1.5, 1.0]], dtype=torch.float64,
+                     requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)  # row 2: one real item
+    p = sparsemax(z, mask)
+    assert torch.equal(p[0], torch.tensor([1.0, 0, 0, 0], dtype=torch.float64)) and p[2, 0] == 1
+    grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (z_grad,) = torch.autograd.grad(p, z, grad)
+    assert torch.equal(z_grad[[0, 2]], torch.zeros(2, 4, dtype=torch.float64))
+    s = (p[1] > 0).to(z.dtype)
+    torch.testing.assert_close(z_grad[1], s * (grad[1] - (grad[1] * s).sum() / s.sum()), atol=1e-15, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: sparsemax(x, mask), (z,), eps=1e-6, atol=1e-8)
