@@ -52,6 +52,13 @@ def test_lambda_zero_is_exactly_sparsemax():
     assert torch.equal(tv2d_prox(z, (8, 8), lam=0.0), z)
 
 
+def test_a_negative_lambda_is_refused():
+    """Eq. 5 with λ < 0 rewards jumps: the box |u_e| ≤ λ of the solver's dual would be empty. A model configured with
+    ``tvmax_lambda < 0`` must fail at its first attention, not train on what the solver returns."""
+    with pytest.raises(ValueError, match="λ >= 0"):
+        tvmax(_random_scores(2, 0), (8, 8), lam=-0.01)
+
+
 def test_lambda_convention_is_eq5_with_the_half():
     # two cells, one edge: argmin ½‖w − z‖² + λ|w₁ − w₂| moves each end by exactly λ while |z₁ − z₂| > 2λ
     # (Eq. 6 without the ½ would move them by λ/2): docs/decisions.md#tvmax-lambda-convention
@@ -112,6 +119,37 @@ def test_warm_started_solve_agrees_with_a_cold_one(lam, scale):
     warm = tv2d_prox(z, (8, 8), lam=lam)
     for check_every in (1, 200):
         torch.testing.assert_close(tv2d_prox(z, (8, 8), lam=lam, check_every=check_every), warm, atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("lam", [0.1, 0.3])
+def test_out_of_iterations_returns_the_point_with_the_smaller_proven_bound(monkeypatch, lam):
+    """With ``max_iter`` spent before every grid is certified, each grid gets whichever of the active-set point
+    (its certificate's bound) and FISTA's iterate ``z − Dᵀu`` (bound ``√(2·gap)``, the duality gap computed here
+    from the primal and dual objectives) has the smaller proven bound, and lies within that bound of the exact
+    prox. Two iterations leave some of these grids uncertified at either λ."""
+    z = _random_scores(16, 5)
+    seen = {}
+
+    def recording(w, error, z_r, u, bound, grid):
+        seen.update(error=error, u=u, z=z_r)
+        return module._best_proven_point.__wrapped__(w, error, z_r, u, bound, grid)
+
+    recording.__wrapped__ = module._best_proven_point
+    monkeypatch.setattr(module, "_best_proven_point", recording)
+    got = tv2d_prox(z, (8, 8), lam=lam, max_iter=2, check_every=1).numpy()
+    assert seen["z"].shape == z.shape, "the budget was not spent: the fallback was not reached"
+    diff = _difference_matrix(8, 8)
+    u, error = seen["u"].numpy(), seen["error"].numpy()
+    iterate = z.numpy() - u @ diff
+    primal = 0.5 * ((iterate - z.numpy()) ** 2).sum(1) + lam * np.abs(iterate @ diff.T).sum(1)
+    dual = 0.5 * (z.numpy() ** 2).sum(1) - 0.5 * (iterate ** 2).sum(1)
+    fista_bound = np.sqrt(2 * np.maximum(primal - dual, 0.0))
+    assert np.isfinite(fista_bound).all() and (fista_bound > 0).all()
+    for row in range(16):
+        expected, _ = _reference_prox(z[row].numpy(), 8, 8, lam)
+        assert np.linalg.norm(got[row] - expected) <= min(error[row], fista_bound[row]) + 1e-9
+        if error[row] > fista_bound[row] * (1 + 1e-6):  # clearly the iterate's turn (not a rounding tie)
+            np.testing.assert_allclose(got[row], iterate[row], atol=1e-12, rtol=0)
 
 
 def test_prox_on_non_square_and_chain_grids():
@@ -191,6 +229,26 @@ def test_masked_cells_are_removed_from_the_grid():
     torch.testing.assert_close(p[:, :56], tvmax(z[:, :56], (7, 8), lam=0.05), atol=1e-12, rtol=0)
     none_real = tvmax(z[:1], (8, 8), torch.zeros(1, 64, dtype=torch.bool))
     assert torch.all(none_real == 0)
+
+
+def test_masked_cells_leave_the_prox_at_zero_whatever_their_scores():
+    """tv2d_prox's contract: a masked cell is no cell of the grid and its output is 0, however large its score
+    (tvmax's sparsemax masks it again, but the prox is public), and the real 7×8 cells get the 7×8 grid's prox."""
+    z = _random_scores(3, 10, scale=0.3)
+    mask = torch.ones(3, 64, dtype=torch.bool)
+    mask[:, 56:] = False
+    w = tv2d_prox(z.masked_fill(~mask, 1e9), (8, 8), lam=0.05, mask=mask)
+    assert torch.all(w[:, 56:] == 0)
+    torch.testing.assert_close(w[:, :56], tv2d_prox(z[:, :56], (7, 8), lam=0.05), atol=1e-12, rtol=0)
+
+
+def test_float32_scores_are_solved_in_float64():
+    """docs/decisions.md#tvmax-solver-precision: the prox runs in float64 by default whatever the scores' dtype, so
+    float32 scores give the float64 solve's weights rounded once (fused groups exactly flat)."""
+    z = _random_scores(8, 16, scale=0.3).float()
+    expected = tvmax(z.double(), (8, 8), lam=0.05).float()
+    assert torch.equal(tvmax(z, (8, 8), lam=0.05), expected)
+    assert not torch.equal(tvmax(z, (8, 8), lam=0.05, dtype=None), expected)  # the float32 solve is not it
 
 
 # -- backward ------------------------------------------------------------------------------------------------------
