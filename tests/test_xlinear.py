@@ -142,6 +142,17 @@ def test_shapes_must_split_into_heads():
         XLinearAttention(4, 4, 4, bilinear_dim=8, channel_dim=4, heads=2, activation="elu")
 
 
+def test_defaults_are_the_papers_block():
+    """A library user's ``XLinearAttention(query, key, value)`` has the paper's widths (D_B = 1024, D_c = 512, as the
+    class documents), the "+ELU" embeddings, 8 heads and the authors' 0.1 dropout on B'^k; every model of the zoo
+    passes its own sizes, so only this test holds them."""
+    attention = XLinearAttention(QUERY, KEY, VALUE)
+    assert attention.heads == 8 and attention.key_embed[0].out_features == 1024
+    assert (attention.bilinear_embed.in_features, attention.bilinear_embed.out_features) == (1024 // 8, 512 // 8)
+    assert isinstance(attention.key_embed[1], torch.nn.CELU) and attention.key_embed[1].alpha == 1.3
+    assert attention.dropout.p == 0.1 and len(attention.key_embed) == 2  # no GroupNorm
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_stacked_layer_is_eq7_then_eq8(shared):
     torch.manual_seed(0)
@@ -218,6 +229,19 @@ def test_slab_form_equals_the_broadcast_form_with_dropout_and_gradients(monkeypa
     for got, expected in zip(slab_grads, broadcast_grads):
         torch.testing.assert_close(got, expected)
     assert 0.0 < made["keep"].to(torch.float64).mean() < 1.0
+
+
+def test_a_dropout_of_one_drops_all_of_b_prime_k():
+    """``nn.Dropout(1.0)`` is allowed and zeroes its input; the slab form's rescaling ``1/(1 − p)`` must not divide
+    by zero. With all of B'^k dropped, b^s is W_b's bias alone (uniform spatial attention over the real items) and
+    B̄ = 0 (β^c = sigmoid of W_e's bias)."""
+    attention = block(heads=2).train()
+    attention.dropout.p = 1.0
+    query, keys, values, mask = inputs()
+    out = attention(query, keys, values, mask)
+    real = mask.to(torch.float64)
+    torch.testing.assert_close(out.spatial, (real / real.sum(-1, keepdim=True))[:, None].expand(-1, 2, -1))
+    torch.testing.assert_close(out.channel, torch.sigmoid(attention.excitation.bias).repeat(2).expand(3, -1))
 
 
 def test_dropout_keep_mask_keeps_each_element_with_the_asked_probability():
