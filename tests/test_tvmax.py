@@ -275,6 +275,44 @@ def test_jacobians_are_symmetric_group_averages():
     torch.testing.assert_close(jacobian, expected, atol=1e-14, rtol=0)
 
 
+def _authors_backward(y: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """The backward of the authors' layer (deep-spin/TVmax, ``core/model/tv2d_layer.py``: ``back``, called by
+    ``TV2DFunction.backward`` on the output rounded to ``int(-log10(tol)) // 2`` digits), in plain Python: from each
+    cell not yet grouped, in row-major order, a flood fill over the 4-neighbours (right, down, left, up) holding
+    the seed's value; each cell's gradient is the mean of ``dy`` over its group."""
+    rows, cols = y.shape
+    dx, grouped = np.zeros_like(dy), np.zeros(y.shape, dtype=bool)
+    for seed in np.ndindex(rows, cols):
+        if grouped[seed]:
+            continue
+        group, queue = [], [seed]
+        grouped[seed] = True
+        while queue:
+            a, b = queue.pop(0)
+            group.append((a, b))
+            for c, d in ((a, b + 1), (a + 1, b), (a, b - 1), (a - 1, b)):
+                if 0 <= c < rows and 0 <= d < cols and not grouped[c, d] and y[c, d] == y[seed]:
+                    grouped[c, d] = True
+                    queue.append((c, d))
+        for cell in group:
+            dx[cell] = np.mean([dy[other] for other in group])
+    return dx
+
+
+@pytest.mark.parametrize("lam", [0.05, 0.2])
+def test_backward_is_the_authors_group_average(lam):
+    """The prox's vector-Jacobian product against the authors' layer's backward (SparseCap Eq. 9 as they coded it):
+    the same groups, the same averages.  Their forward rounds its output to 6 digits (tol 1e-12) before grouping."""
+    z = _random_scores(1, 14, scale=0.5)[0].view(8, 8).requires_grad_()
+    w = tv2d_prox(z.flatten(), (8, 8), lam=lam).view(8, 8)
+    dy = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    (grad,) = torch.autograd.grad(w, z, dy)
+    fused = len(np.unique(w.detach().numpy().round(6)))
+    assert 1 < fused < 64, "a point with fused groups and more than one group"
+    np.testing.assert_allclose(grad.numpy(), _authors_backward(w.detach().numpy().round(6), dy.numpy()),
+                               rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("z,grid_hw", [([0.0, 0.5], (1, 2)), ([0.0, 0.5, 0.5, 1.0], (2, 2))])
 def test_neighbours_that_meet_exactly_at_the_box_face_are_one_group(z, grid_hw):
     # a jump of exactly 2λ (λ = 1/4, exact in binary) closes exactly: |u_e| = λ with no jump left, the degenerate
