@@ -1326,3 +1326,289 @@ def test_a_batcher_built_without_settings_has_the_servers_defaults():
     for argument, setting in (("max_batch", "max_batch_images"), ("queue_size", "queue_size"),
                               ("max_rows", "max_rows"), ("overlap_encoding", "overlap_encoding")):
         assert parameters[argument].default == fields[setting].default, argument
+
+
+def test_one_row_one_image_and_one_waiting_request_are_budgets_a_batcher_accepts_and_zero_is_refused(encoder):
+    """The settings allow ``max_rows``, ``max_batch_images`` and ``queue_size`` of 1 (a beam-1 service on the
+    smallest machine); a batcher must caption with them, and refuse a budget of 0, which could never admit anyone."""
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1)[0])
+    for budgets in (dict(max_rows=0), dict(max_batch=0), dict(queue_size=0)):
+        with pytest.raises(ValueError, match="must be positive"):
+            Batcher(runtime, **{"max_rows": 1, "max_batch": 1, "queue_size": 1, **budgets})
+    batcher = Batcher(runtime, max_batch=1, queue_size=1, max_rows=1)
+    batcher.start(worker=False)
+
+    async def scenario():
+        return await _finish(batcher, batcher.submit(prepared, 1, 5, 60))
+
+    assert_same_result(asyncio.run(scenario()), solo(runtime, prepared, 1, 5))
+
+
+def _held_encodings(runtime, held) -> tuple[threading.Event, threading.Event]:
+    """Hold the encoding of image ``held`` until the first event is set (5 s at most, so that a worker that waits for
+    it goes on and the test fails on what it checks); the second is set once that encoding is done."""
+    begin = runtime.begin
+    release, encoded = threading.Event(), threading.Event()
+
+    def held_begin(batch, widths):
+        if not any(prepared is held for prepared in batch):
+            return begin(batch, widths)
+        release.wait(5)
+        try:
+            return begin(batch, widths)
+        finally:
+            encoded.set()
+
+    runtime.begin = held_begin
+    return release, encoded
+
+
+def test_an_idle_worker_waits_for_the_oldest_encoding_only_and_decodes_on_while_the_next_is_encoded(encoder):
+    """With the encoder thread (``overlap_encoding``), a boundary with nothing to decode waits for the oldest
+    encoding (not spinning, not stepping an empty table), then decodes its rows at once without waiting for the
+    chunks encoded after it; and later boundaries step on while an image is still being encoded."""
+    runtime = runtime_for("sat", encoder)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # captions run to their length limit
+    stepped = count_step_rows(runtime)
+    images = [runtime.prepare(image) for image in random_images(2, seed=12)]
+    release, encoded = _held_encodings(runtime, images[1])
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16)
+    batcher.start(worker=False)
+    batcher.encode_batch = 1  # the two admitted together are encoded one by one: two chunks
+    batcher._encoder = ThreadPoolExecutor(1)  # the encoder thread that start() gives a worker
+
+    async def scenario():
+        jobs = [batcher.submit(images[0], 2, 6, 60), batcher.submit(images[1], 1, 6, 60)]
+        batcher.run_once()
+        assert stepped == [2] and not encoded.is_set()  # the first image's rows decode; the second is held
+        batcher.run_once()
+        assert stepped == [2, 2] and not encoded.is_set()
+        release.set()
+        while not batcher.idle:
+            batcher.run_once()
+        await asyncio.sleep(0)
+        return [await job.future for job in jobs]
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        release.set()
+        batcher._encoder.shutdown()
+    for prepared, beam, got in zip(images, (2, 1), results):
+        assert_same_result(got, solo(runtime, prepared, beam, 6))
+
+
+def test_the_encoder_keeps_one_chunk_queued_behind_the_one_it_encodes_and_no_more(encoder):
+    """A request admitted while an image is encoded is queued for the encoder behind it, so that the encoder
+    thread never idles until the worker's next boundary; a third chunk waits in the queue (it could start no
+    sooner, and admitted early it would hold rows and escape the queue's shedding)."""
+    runtime = runtime_for("sat", encoder)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)
+    images = [runtime.prepare(image) for image in random_images(4, seed=13)]
+    release, _ = _held_encodings(runtime, images[1])
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=16)  # one request admitted per boundary
+    batcher.start(worker=False)
+    batcher._encoder = ThreadPoolExecutor(1)
+
+    async def scenario():
+        first = batcher.submit(images[0], 1, 8, 60)
+        batcher.run_once()  # encoded, waited for (nothing else to decode), decoding
+        later = [batcher.submit(prepared, 1, 3, 60) for prepared in images[1:]]
+        batcher.run_once()  # the second is admitted; its encoding is held
+        assert batcher.queued == 2
+        batcher.run_once()  # the third is admitted and queued for the encoder behind it
+        assert batcher.queued == 1
+        batcher.run_once()  # two chunks at the encoder: the fourth waits
+        assert batcher.queued == 1
+        release.set()
+        while not batcher.idle:
+            batcher.run_once()
+        await asyncio.sleep(0)
+        return [await job.future for job in (first, *later)]
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        release.set()
+        batcher._encoder.shutdown()
+    for prepared, max_len, got in zip(images, (8, 3, 3, 3), results):
+        assert_same_result(got, solo(runtime, prepared, 1, max_len))
+
+
+def test_requests_leaving_the_queue_count_as_decoding_before_they_reach_the_encoder(encoder):
+    """Between leaving the queue and being handed to the encoder, admitted requests are neither waiting nor in a
+    table: admission control must count them as decoding all along, or a request arriving in that window would
+    find the model idle and be let in whatever the estimate says."""
+    runtime = runtime_for("sat", encoder)
+    counted: list[int] = []
+
+    class Watching(Metrics):
+        def observe_queue(self, model, seconds):  # called for each admitted request, before its encoding
+            counted.append(batcher.active_jobs)
+            super().observe_queue(model, seconds)
+
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=16, metrics=Watching())
+    batcher.start(worker=False)
+    prepared = [runtime.prepare(image) for image in random_images(3, seed=14)]
+
+    async def scenario():
+        running = batcher.submit(prepared[0], 2, 8, 60)
+        batcher.run_once()
+        jobs = [batcher.submit(p, 2, 8, 60) for p in prepared[1:]]
+        batcher.run_once()
+        await asyncio.sleep(0)
+        return [await _finish(batcher, job) for job in (running, *jobs)]
+
+    asyncio.run(scenario())
+    assert counted == [1, 3, 3]  # the one decoding and the two being admitted
+
+
+def test_an_encodings_time_includes_the_wait_for_the_device(encoder):
+    """On a GPU ``begin`` only queues kernels: the encoding's cost shows once the device is synchronised, and
+    admission control must learn that cost (without the wait, encodings would look nearly free)."""
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock, step_s=0.1)
+
+    def device_wait():  # what a CUDA device's synchronize costs after an encoding's kernels were queued
+        clock.now += 0.5
+
+    runtime.synchronize = device_wait
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1, seed=5)[0])
+
+    async def scenario():
+        await _finish(batcher, batcher.submit(prepared, 1, 6, 1000))
+
+    asyncio.run(scenario())
+    assert batcher.admission.encode_time_s == 0.5
+
+
+def test_a_failed_steps_requests_leave_with_it_whether_decoding_or_being_encoded(encoder):
+    """A step that raises fails the requests decoding and those whose images are being encoded: their rows are
+    neither decoded again nor joined to a table when the encoding ends, and never counted as freed by a client
+    that left (they have their error already)."""
+    runtime = runtime_for("sat", encoder)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # the first request decodes until the failure
+    stepped = count_step_rows(runtime)
+    images = [runtime.prepare(image) for image in random_images(3, seed=15)]
+    release, _ = _held_encodings(runtime, images[1])
+    holding = threading.Event()
+    held_begin, counted_step, failed_at = runtime.begin, runtime.step, []
+
+    def noting_begin(batch, widths):
+        if any(prepared is images[1] for prepared in batch):
+            holding.set()
+        return held_begin(batch, widths)
+
+    def failing_once_held(*args):
+        if holding.is_set() and not failed_at:  # the second image is being encoded: this step fails
+            failed_at.append(len(stepped))
+            raise RuntimeError("a broken kernel")
+        return counted_step(*args)
+
+    runtime.begin, runtime.step = noting_begin, failing_once_held
+    metrics = Metrics()
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=16, metrics=metrics)
+
+    async def scenario():
+        batcher.start()
+        try:
+            decoding = asyncio.ensure_future(batcher.caption(images[0], 2, 60, 60))
+            while not stepped:
+                await asyncio.sleep(0.001)
+            encoding = asyncio.ensure_future(batcher.caption(images[1], 3, 60, 60))
+            for job in (decoding, encoding):
+                with pytest.raises(RuntimeError, match="a broken kernel"):
+                    await job
+            release.set()
+            return await batcher.caption(images[2], 1, 4, 60)
+        finally:
+            release.set()
+            await batcher.stop(10)
+
+    later = asyncio.run(scenario())
+    assert later.words == solo(runtime, images[2], 1, 4).words
+    assert failed_at and set(stepped[failed_at[0]:]) == {1}, stepped  # only the later request's row decoded since
+    assert metrics.freed.labels("sat", "cancelled")._value.get() == 0
+    assert metrics.freed.labels("sat", "finished")._value.get() == 1
+
+
+def test_run_once_refuses_a_batcher_whose_worker_thread_runs_the_steps(encoder):
+    """Two threads stepping one batcher would run its tables at once: ``run_once`` is for ``start(worker=False)``."""
+    batcher = Batcher(runtime_for("sat", encoder), max_batch=1, queue_size=8, max_rows=4)
+
+    async def scenario():
+        batcher.start()
+        try:
+            with pytest.raises(RuntimeError, match="without a worker thread"):
+                batcher.run_once()
+        finally:
+            await batcher.stop(10)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_images_are_encoded_in_the_encoder_thread_only_when_encoding_overlaps(encoder, overlap):
+    """``overlap_encoding`` (CAPTIONER_OVERLAP_ENCODING): a worker encodes admitted images in a thread of its own,
+    so that on a CPU the CNN and the decoding steps use two cores; without, the worker encodes them itself."""
+    runtime = runtime_for("sat", encoder)
+    threads: list[str] = []
+    watch_encodes(runtime, lambda batch: threads.append(threading.current_thread().name))
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, overlap_encoding=overlap)
+    prepared = runtime.prepare(random_images(1)[0])
+
+    async def scenario():
+        batcher.start()
+        try:
+            await batcher.caption(prepared, 2, 4, 60)
+        finally:
+            await batcher.stop(10)
+
+    asyncio.run(scenario())
+    assert [name.split("_")[0] for name in threads] == ["encoder-sat" if overlap else "batcher-sat"]
+
+
+def test_a_stopped_batcher_leaves_no_encoder_thread_behind_and_a_workerless_one_stops_too(encoder):
+    """An app made and closed in a longer process (a test run, a library user) must not keep an idle encoder thread
+    per model it served; and ``stop()`` on a batcher driven by ``run_once`` just stops taking requests."""
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1)[0])
+    batcher, workerless = (Batcher(runtime, max_batch=1, queue_size=8, max_rows=4) for _ in range(2))
+    before = set(threading.enumerate())
+
+    async def scenario():
+        batcher.start()
+        await batcher.caption(prepared, 1, 4, 60)
+        await batcher.stop(10)
+        workerless.start(worker=False)
+        await workerless.stop()
+        with pytest.raises(NotAccepting):
+            workerless.submit(prepared, 1, 4, 60)
+
+    asyncio.run(scenario())
+    started = [thread for thread in threading.enumerate() if thread not in before
+               and thread.name.startswith(("batcher-sat", "encoder-sat"))]
+    for thread in started:  # the worker is joined by stop(); the encoder thread ends soon after it
+        thread.join(5)
+    assert not [thread.name for thread in started if thread.is_alive()]
+
+
+def test_the_queue_time_metric_is_the_wait_from_submission_to_admission(encoder):
+    """``captioner_queue_time_seconds``: how long each request waited for rows, on the batcher's clock."""
+    clock = FakeClock()
+    metrics = Metrics()
+    runtime = runtime_for("sat", encoder)
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=16, metrics=metrics, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1)[0])
+
+    async def scenario():
+        job = batcher.submit(prepared, 1, 4, 60)
+        clock.now += 2.5
+        return await _finish(batcher, job)
+
+    asyncio.run(scenario())
+    assert metrics.queue_time.labels("sat")._sum.get() == 2.5
