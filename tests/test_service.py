@@ -6,6 +6,7 @@ import gc
 import io
 import json
 import os
+import threading
 import time
 
 import httpx
@@ -341,6 +342,125 @@ def test_the_batchers_stop_within_what_is_left_of_the_drain_budget(tiny_weights,
         gate.drain_began = time.monotonic() - (settings.drain_timeout_s - 2)  # the drain took all but 2 s
     assert given and all(1.0 <= t <= 2.5 for t in given), given
     assert create_app(settings).state.shutdown_gate.time_left(settings.drain_timeout_s) == settings.drain_timeout_s
+
+
+def test_a_shutdown_while_the_models_load_in_the_background_cancels_the_load_first(tiny_weights, monkeypatch):
+    """A stop during a background start (a rollout that gives up, ``docker stop``) ends the load where it is, then
+    stops the batchers: it neither waits for every model to be loaded and warmed up, nor stops the batchers while
+    the load goes on (it could start another after them, left running)."""
+    warming, events = threading.Event(), []
+    original_stop = Batcher.stop
+
+    async def endless_warm_up(batcher, settings):
+        warming.set()
+        try:
+            await asyncio.sleep(5)  # far longer than the test; a shutdown that waits for it is the bug
+        except asyncio.CancelledError:
+            events.append(f"load of {batcher.runtime.name} cancelled")
+            raise
+
+    async def recording_stop(self, timeout_s: float = 30.0):
+        events.append(f"batcher {self.runtime.name} stopped")
+        await original_stop(self, timeout_s)
+
+    monkeypatch.setattr(app_module, "warm_up", endless_warm_up)
+    monkeypatch.setattr(Batcher, "stop", recording_stop)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, backend="torch")
+    app = create_app(settings)
+    with TestClient(app) as client:
+        assert warming.wait(30)
+        assert client.get("/readyz").status_code == 503
+    assert events == ["load of tiny-a cancelled", "batcher tiny-a stopped"]
+    assert not any(batcher._thread.is_alive() for batcher in app.state.service.batchers.values())
+
+
+def test_the_ready_gauge_is_one_while_serving_and_zero_once_the_app_has_shut_down(tiny_weights):
+    """``captioner_ready`` follows ``/readyz``: set once the models are warm, cleared by the shutdown (an app object
+    that outlives its lifespan answers its metrics too)."""
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False, backend="torch")
+    with TestClient(create_app(settings)) as client:
+        assert parse_metrics(client.get("/metrics").text)["captioner_ready"] == 1
+    assert parse_metrics(client.get("/metrics").text)["captioner_ready"] == 0
+
+
+@pytest.mark.parametrize("missing, warm_up_fails", [([], False), (["tiny-a"], False), (["tiny-a"], True)])
+def test_a_first_starts_export_child_runs_only_for_missing_exports_and_is_stopped_when_the_start_fails(
+        tiny_weights, monkeypatch, missing, warm_up_fails):
+    """Models whose exports are made already need no child; otherwise the child that prepares them is joined once
+    every model is served, and when the start fails (a warm-up out of memory, say) it is stopped at once, not
+    waited for while it exports the models still to come, and the failure is the start's."""
+    made = []
+
+    class FakePreparingChild:  # the child process that makes a first start's ONNX exports: how the start ends it
+        def __init__(self, weights_dir, checkpoints, only, **options):
+            self.only, self.ended = only, []
+            made.append(self)
+
+        def wait_for(self, name: str) -> None:
+            pass
+
+        def stop(self) -> None:
+            self.ended.append("stop")
+
+        def join(self) -> None:
+            self.ended.append("join")
+
+    async def failing_warm_up(batcher, settings):
+        raise RuntimeError("out of memory while warming up")
+
+    monkeypatch.setattr(app_module, "PreparingChild", FakePreparingChild)
+    monkeypatch.setattr(app_module, "unprepared", lambda *found, **placed: missing)
+    if warm_up_fails:
+        monkeypatch.setattr(app_module, "warm_up", failing_warm_up)
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=warm_up_fails))
+    if warm_up_fails:
+        with pytest.raises(RuntimeError, match="warming up"), TestClient(app):
+            pass
+    else:
+        with TestClient(app) as client:
+            assert client.get("/readyz").status_code == 200
+    assert [(child.only, child.ended) for child in made] == (
+        [] if not missing else [(missing, ["stop"] if warm_up_fails else ["join"])])
+
+
+def test_a_background_load_that_succeeds_leaves_the_server_live_and_ready(tiny_weights):
+    """Only a load that failed turns ``/healthz`` 503 (an orchestrator then restarts the process): one that
+    succeeded, in the background, must leave it live for good."""
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, warmup=False,
+                        backend="torch")
+    with TestClient(create_app(settings)) as client:
+        for _ in range(600):
+            if client.get("/readyz").status_code == 200:
+                break
+            time.sleep(0.05)
+        assert client.get("/readyz").status_code == 200
+        assert client.get("/healthz").status_code == 200
+        assert client.app.state.service.load_failure is None
+
+
+def test_the_app_sets_the_thread_counts_of_its_settings_before_loading(tiny_weights, monkeypatch):
+    """CAPTIONER_THREADS and CAPTIONER_INTEROP_THREADS reach PyTorch when the app starts."""
+    given = []
+    monkeypatch.setattr(app_module, "set_threads", lambda threads, interop: given.append((threads, interop)))
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False, backend="torch", threads=1,
+                        interop_threads=2)
+    with TestClient(create_app(settings)):
+        pass
+    assert given == [(1, 2)]
+
+
+@pytest.mark.parametrize("page_out", [False, True])
+def test_the_gpu_libraries_are_paged_out_only_when_asked_and_no_gpu_can_use_them(tiny_weights, monkeypatch, page_out):
+    """CAPTIONER_PAGE_OUT_GPU_LIBRARIES: after warm-up, the CUDA libraries' pages are given back on a machine that
+    cannot run them, and left alone when the setting is off."""
+    paged = []
+    monkeypatch.setattr(app_module, "page_out_gpu_libraries", lambda: paged.append(1))
+    monkeypatch.setattr(app_module, "release_memory", lambda: 0)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False, backend="torch",
+                        release_memory=True, page_out_gpu_libraries=page_out)
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/readyz").status_code == 200
+    assert paged == ([1] if page_out and not torch.cuda.is_available() else [])
 
 
 def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_trickles():
