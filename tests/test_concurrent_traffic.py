@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import signal
 import threading
 import time
@@ -501,6 +502,22 @@ def test_a_second_signal_ends_the_drain_and_uvicorns_wait_at_once(uvicorn_stoppi
     server.handle_exit(signal.SIGTERM, None)
     assert server.skip_wait and server.config.timeout_graceful_shutdown == 0 and server.should_exit
     assert server.force_exit == uvicorn_stopping
+
+
+def test_a_request_refused_while_draining_is_logged_with_its_request_id_and_the_metrics_say_not_ready(tiny_weights,
+                                                                                                     caplog):
+    """The drain's 503s pass through the request-context middleware: the access log records them (how an operator
+    sees that a load balancer still sends traffic to a stopping replica) and each answer names its request id; the
+    drain clears ``captioner_ready`` and counts each refusal as ``not-ready``."""
+    app = create_app(_tiny_settings(tiny_weights))
+    with TestClient(app) as client, caplog.at_level(logging.INFO, logger="captioner.access"):
+        assert asyncio.run(app.state.shutdown_gate.drain(0)) is True  # nothing in flight: what SIGTERM starts
+        refused = client.get("/models", headers={"x-request-id": "draining-1"})
+        samples = parse_metrics(client.get("/metrics").text)
+    assert refused.status_code == 503 and refused.headers["x-request-id"] == "draining-1"
+    logged = [record.fields for record in caplog.records if record.name == "captioner.access"]
+    assert [(fields["path"], fields["status"]) for fields in logged][0] == ("/models", 503)
+    assert samples["captioner_ready"] == 0 and samples['captioner_rejects_total{reason="not-ready"}'] == 1
 
 
 @pytest.mark.parametrize("draining, answered", [(False, False), (True, True)])
