@@ -14,6 +14,7 @@ from skimage import data
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.encoder import grid_geometry, load_image
 from captioner.models.rendering.heatmaps import drawn_heat, overlay
+from captioner.service import rendering
 from captioner.service.app import create_app
 
 from .serving_helpers import TINY_SPEC, VOCAB, count_encodes, serving_settings, tiny_model
@@ -293,3 +294,112 @@ def test_each_json_heatmap_draws_its_own_tokens_attention(client, result):
         assert np.abs(heat - want).max() <= 1.5  # 8-bit levels; the answer's attention is rounded to 6 decimals
     # neighbours differ by more than twice the tolerance: a map shifted by one token would fail the check
     assert any(np.abs(a - b).max() > 4 for a, b in zip(got, got[1:]))
+
+
+def test_an_overlay_is_drawn_in_the_colormap_and_opacity_it_asks_for(client, result):
+    """``cmap`` and ``alpha`` reach the drawing on both overlay routes (every test drew the default jet at 0.5, or
+    asked for a bad one: a route that dropped them passed)."""
+    photo = load_image(_png(Image.fromarray(data.coffee()), "JPEG"))
+    geometry = grid_geometry(client.app.state.service.runtimes["tiny-a"].spec, photo.size)
+    row = np.array(result["attention"][0], np.float32)
+    style = {"cmap": "viridis", "alpha": 0.8}
+    params = {"token": 0, "mode": "grid_blocks", **style}
+    served = np.asarray(_image(client.get(f"/captions/{result['id']}/overlay", params=params)), np.int16)
+    expected = np.asarray(overlay(photo, row, geometry, "grid_blocks", **style), np.int16)
+    assert np.abs(served - expected).max() <= 1
+    assert np.abs(expected - np.asarray(overlay(photo, row, geometry, "grid_blocks"), np.int16)).max() > 10
+    upload = {"file": ("x.png", _png(Image.new("RGB", (90, 60), (9, 9, 9))), "image/png")}
+    posted = client.post("/caption/overlay", params=params, files=upload)
+    stored = f"/captions/{posted.headers['x-caption-id']}/overlay"
+    assert _image(posted).tobytes() == _image(client.get(stored, params=params)).tobytes()
+    assert _image(posted).tobytes() != _image(client.get(stored, params={"token": 0, "mode": "grid_blocks"})).tobytes()
+
+
+def test_post_heatmaps_captions_and_answers_the_stored_results_heatmaps(client):
+    """``POST /caption/heatmaps`` keeps its result and answers what ``GET /captions/{id}/heatmaps`` answers for it,
+    in the mode and at the side it names."""
+    upload = {"file": ("x.png", _png(Image.new("RGB", (90, 60), (9, 9, 9))), "image/png")}
+    params = {"mode": "grid_blocks", "max_side": 45}
+    posted = client.post("/caption/heatmaps", params=params, files=upload)
+    assert posted.status_code == 200 and posted.headers["content-type"] == "application/json", posted.text
+    body = posted.json()
+    assert body["mode"] == posted.headers["x-heatmap-mode"] == "grid_blocks" and body["size"] == [45, 30]
+    assert body["id"] == posted.headers["x-caption-id"]
+    stored = client.get(f"/captions/{posted.headers['x-caption-id']}/heatmaps", params=params)
+    assert stored.json() == body and len(body["heatmaps"]) == len(client.get(
+        f"/captions/{posted.headers['x-caption-id']}").json()["tokens"])
+    runtime = client.app.state.service.runtimes["tiny-a"]
+    calls = count_encodes(runtime)
+    try:  # a box mode draws no heat: refused before the model runs, not after
+        refused = client.post("/caption/heatmaps", params={"mode": "top1_box"}, files=upload)
+    finally:
+        del runtime.begin
+    assert refused.status_code == 422 and calls == []
+
+
+def test_post_overlay_refuses_an_option_no_result_could_draw_before_reading_the_upload(client):
+    """What no caption could be drawn with is refused before the body is read: the answer names the option, not
+    the upload (a body that is no image at all is never looked at, so it is not its 415 that comes back)."""
+    response = client.post("/caption/overlay", params={"format": "png"}, content=b"x",
+                           headers={"content-type": "text/plain"})
+    assert response.status_code == 422 and response.json()["type"] == "/problems/invalid-render-request"
+    assert "token" in response.json()["detail"]
+
+
+@pytest.mark.parametrize("route,largest", [("overlay", 4096), ("heatmaps", 1024)])
+def test_max_side_is_taken_from_16_pixels_to_the_documented_largest(client, result, route, largest):
+    """The bounds the document states for ``max_side`` are the ones kept, at both ends (only far-off values were
+    tried: a bound moved by one passed)."""
+    url = f"/captions/{result['id']}/{route}"
+    extra = {"token": 0} if route == "overlay" else {}
+    for side, status in ((15, 422), (16, 200), (largest, 200), (largest + 1, 422)):
+        assert client.get(url, params={**extra, "max_side": side}).status_code == status, side
+
+
+def test_a_json_heatmap_is_255_where_a_peaked_row_looks_and_0_elsewhere(client):
+    """The documented scale of the JSON maps (``Heatmaps``): full white at the attention's peak (every other check
+    allowed a grey level or so, and a scale of 254 passed them)."""
+    photo = Image.new("RGB", (120, 80), (40, 90, 160))
+    answer = client.post("/caption", params={"max_len": 3}, files={"file": ("p.png", _png(photo), "image/png")})
+    stored = client.app.state.results.get(answer.json()["id"])
+    attention = torch.zeros_like(stored.result.hypothesis.attention)
+    attention[:, 0] = 1.0  # every word looks at the first cell alone
+    peaked = dataclasses.replace(stored.result.hypothesis, attention=attention)
+    result_id = client.app.state.results.put(dataclasses.replace(stored.result, hypothesis=peaked), stored.upload)
+    body = client.get(f"/captions/{result_id}/heatmaps", params={"mode": "grid_blocks"}).json()
+    for word in body["heatmaps"]:
+        heat = np.asarray(Image.open(io.BytesIO(base64.b64decode(word["heat_png"]))))
+        assert heat.max() == 255 and heat[0, 0] == 255 and heat[-1, -1] == 0, word["token"]
+
+
+def test_the_figure_is_drawn_in_the_mode_it_names(client, result):
+    """``mode`` reaches the figure as it reaches one word's overlay (the header named the mode asked for while
+    the figure was drawn in the model's own)."""
+    url = f"/captions/{result['id']}/overlay"
+    blocks = client.get(url, params={"format": "figure", "mode": "grid_blocks"})
+    assert blocks.headers["x-heatmap-mode"] == "grid_blocks"
+    assert _image(blocks).tobytes() != _image(client.get(url, params={"format": "figure"})).tobytes()
+
+
+def test_an_overlay_asks_for_a_reduced_decode_of_the_upload(client, result, monkeypatch):
+    """The render decodes the upload at the fraction of its size the picture needs (``reduce_to``: a 40-megapixel
+    JPEG is decoded at 1/2 to 1/8 of its size for an overlay of at most 2,048 px); a full decode costs gigabytes."""
+    asked = []
+
+    def recording(data, *args, **kwargs):
+        asked.append(kwargs.get("reduce_to"))
+        return load_image(data, *args, **kwargs)
+
+    monkeypatch.setattr(rendering, "load_image", recording)
+    _image(client.get(f"/captions/{result['id']}/overlay", params={"token": 0, "max_side": 300}))
+    _image(client.get(f"/captions/{result['id']}/overlay", params={"token": 0}))
+    assert client.get(f"/captions/{result['id']}/heatmaps").status_code == 200
+    assert asked == [300, 2048, 1024]
+
+
+def test_the_heatmaps_routes_document_the_headers_of_their_answer(client):
+    """Both ``/heatmaps`` routes document the result id and the drawn mode they send with their 200, as the overlay
+    routes do (a generated client reads its headers off the document)."""
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, method in (("/captions/{result_id}/heatmaps", "get"), ("/caption/heatmaps", "post")):
+        assert {"X-Caption-Id", "X-Heatmap-Mode"} <= set(paths[path][method]["responses"]["200"]["headers"]), path
