@@ -459,6 +459,37 @@ def test_the_result_store_counts_the_bytes_it_gives_back_and_always_keeps_the_ne
     assert store.get(larger).upload == b"y" * 100 and len(store) == 1  # above the bound alone, and still kept
 
 
+def test_reading_a_result_does_not_extend_its_life_in_the_store():
+    """Eviction is by creation order, not by last use: a result read again still goes first when the store is full,
+    and expires at its own age behind a younger one (kept as least recently used, a polled result lived for ever)."""
+    now = [0.0]
+    store = ResultStore(max_bytes=10_000, max_count=2, max_age_s=60, clock=lambda: now[0])
+    first = store.put(object(), b"x")  # type: ignore[arg-type]
+    now[0] = 30.0
+    second = store.put(object(), b"y")  # type: ignore[arg-type]
+    assert store.get(first)
+    now[0] = 61.0
+    with pytest.raises(UnknownResult):
+        store.get(first)  # 61 s old, though it was read after the second was made
+    assert store.get(second)
+    full = ResultStore(max_bytes=10_000, max_count=2, max_age_s=60)
+    ids = [full.put(object(), b"x") for _ in range(2)]  # type: ignore[arg-type]
+    assert full.get(ids[0])
+    ids.append(full.put(object(), b"z"))  # type: ignore[arg-type]
+    with pytest.raises(UnknownResult):
+        full.get(ids[0])  # the oldest made goes first by count, though it was read last
+    assert full.get(ids[1]) and full.get(ids[2])
+
+
+def test_the_result_store_keeps_uploads_that_fill_its_bytes_exactly():
+    """``max_bytes`` is the most kept, not one byte less: the oldest go once the uploads exceed it."""
+    store = ResultStore(max_bytes=20, max_count=10, max_age_s=60)
+    ids = [store.put(object(), b"x" * 10) for _ in range(2)]  # type: ignore[arg-type]
+    assert len(store) == 2 and all(store.get(i) for i in ids)
+    store.put(object(), b"y")  # type: ignore[arg-type]
+    assert len(store) == 2 and store.get(ids[1])
+
+
 def test_an_upload_larger_than_the_results_cache_is_still_rendered_and_readable(weights, jpeg):
     """POST /caption/overlay stores the result, then renders it from the store: an upload above
     CAPTIONER_RESULTS_CACHE_BYTES must not be evicted by its own arrival (a 404 for a caption just made)."""
