@@ -2,9 +2,11 @@
 options are (``captioner models NAME``), and models that another installed package adds by its entry points."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,19 @@ def test_every_registered_model_is_built_from_its_sizes():
     for name in available():
         if name != "ensemble":  # built from its members' checkpoints (build_ensemble)
             assert create(name, vocab_size=12, feat_dim=8).arch == name
+
+
+def test_importing_the_zoo_alone_registers_every_model_file_of_the_project():
+    """In a fresh process, as a command or the ONNX export child starts: every ``@register`` of the project's own
+    model files is known once ``captioner.models.zoo`` is imported (here every test module has imported the model
+    files itself, so a file the zoo forgot to import would still be registered in this process)."""
+    folder = Path(zoo.__file__).parent
+    declared = {name for path in folder.glob("*.py")
+                for name in re.findall(r'^@register\("([^"]+)"\)', path.read_text(), flags=re.MULTILINE)}
+    listed = subprocess.run([sys.executable, "-c", "from captioner.models.zoo import available; "
+                             "print(' '.join(available()))"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert len(declared) >= 8 and set(listed.stdout.split()) == declared
 
 
 @pytest.mark.parametrize("name, config, message", [
