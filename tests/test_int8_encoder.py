@@ -7,15 +7,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import platform
+import shutil
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnxruntime import quantization
+from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 
 from captioner.models.checkpoint import save_checkpoint
+from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import generate
+from captioner.models.encoder import load_image, preprocess
 from captioner.models.export import quantize
 from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
     int8_recipe, quantized_visual_encoder, visual_encoder_file, visual_encoder_path_at
@@ -259,3 +264,55 @@ def test_serving_int8_on_a_cpu_without_vnni_says_it_may_not_pay(tmp_path, monkey
         assert not warned()  # one load of each, in one log, let a warning on the float32 load pass for the int8 one
         runtime_module.load_runtimes(tmp_path, [], device_name="cpu", encoder_precision="int8")
     assert len(warned()) == (kernels == "u8u8")
+
+
+def test_an_existing_cnn_is_served_without_building_the_pytorch_encoder(int8_files):
+    """``make_visual`` builds the PyTorch CNN (the encoder's ImageNet weights): a server whose exports exist must not
+    pay for it, whatever the precision."""
+    float_path, int8_path = int8_files
+    out = float_path.parent.parent  # the folder both were exported into: each spec's graphs are in a folder of it
+
+    def must_not_build():
+        raise AssertionError("the PyTorch CNN was built though its ONNX graph exists")
+
+    assert visual_encoder_file(TINY_SPEC, out, "float32", must_not_build) == float_path
+    assert visual_encoder_file(TINY_SPEC, out, "int8", must_not_build) == int8_path
+
+
+def test_the_quantizer_is_handed_every_calibration_scene_percentile_ranges_and_the_layers_kept_float(tmp_path,
+                                                                                                     monkeypatch):
+    """What ONNX Runtime's ``quantize_static`` is given (its own work is not repeated here): every calibration scene
+    once, in batches of 8; the 99.99th-percentile activation ranges; per-channel weights of the kind asked for; and
+    the stem, the first two stages and the depthwise convolutions left float, every other convolution quantized."""
+    float_path = visual_encoder_file(TINY_SPEC, tmp_path)
+    pixels = np.random.default_rng(0).random((20, 3, 4, 4), dtype=np.float32)
+    monkeypatch.setattr(quantize, "calibration_pixels", lambda spec, count: pixels[:count])
+    handed = []
+
+    def quantize_static(model_input, model_output, reader, **options):
+        handed.append(([batch["pixels"] for batch in iter(reader.get_next, None)], options))
+        shutil.copyfile(model_input, model_output)
+
+    monkeypatch.setattr(quantization, "quantize_static", quantize_static)
+    convolutions = [node for node in onnx.load(str(float_path)).graph.node if node.op_type == "Conv"]
+    early = {node.name for node in convolutions if node.name.startswith(FLOAT_PREFIXES)}
+    depthwise = {node.name for node in convolutions if any(a.name == "group" and a.i > 1 for a in node.attribute)}
+    assert early and depthwise - early and {node.name for node in convolutions} - early - depthwise
+    for kernels, weights in (("u8s8", QuantType.QInt8), ("u8u8", QuantType.QUInt8)):
+        quantized_visual_encoder(TINY_SPEC, tmp_path, calibration=20, kernels=kernels)
+        batches, options = handed.pop()
+        assert [len(batch) for batch in batches] == [8, 8, 4] and np.array_equal(np.concatenate(batches), pixels)
+        assert options["calibrate_method"] == CalibrationMethod.Percentile
+        assert options["extra_options"] == {"CalibPercentile": 99.99}
+        assert options["per_channel"] and options["quant_format"] == QuantFormat.QDQ
+        assert options["weight_type"] == weights and options["activation_type"] == QuantType.QUInt8
+        assert set(options["nodes_to_exclude"]) == early | depthwise
+
+
+def test_the_calibration_scenes_are_not_the_default_data_sets_training_images(tmp_path):
+    """Calibrated on a seed of its own: scenes the default data set (seed 0) trains on would tune the ranges to
+    images the model has seen."""
+    index = generate(tmp_path, {"train": 2}, progress=False)
+    trained = np.stack([preprocess(load_image(im.path), TINY_SPEC)[0].numpy() for im in load_karpathy(index)])
+    calibration = calibration_pixels(TINY_SPEC, 2)
+    assert calibration.shape == trained.shape and not np.allclose(calibration, trained)
