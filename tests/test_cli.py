@@ -32,7 +32,7 @@ from captioner.models.evaluation import evaluate as evaluate_module
 from captioner.models.evaluation import grounding as grounding_module
 from captioner.models.evaluation import metrics
 from captioner.models.evaluation import phrase_grounding as phrase_grounding_module
-from captioner.models.evaluation.card import total_train_seconds, write_card
+from captioner.models.evaluation.card import load_report, merge_reports, total_train_seconds, write_card
 from captioner.models.evaluation.metrics import score_captions
 from captioner.models.evaluation.report import WORDS_TOKENIZER, evaluated_dataset, evaluation_report, \
     grounding_benchmark
@@ -499,6 +499,23 @@ def test_a_checkpoints_training_time_counts_every_run_it_started_from_or_is_not_
     assert total_train_seconds(chain) == 210.0
     chain["started_from"]["started_from"] = {"checkpoint": "an older run"}
     assert total_train_seconds(chain) is None
+
+
+def test_a_later_reports_split_replaces_an_earlier_ones_of_the_same_name_under_the_first_reports_settings():
+    """``captioner card --report A --report B``: B's splits are added to A's, and one B also scored (a re-run)
+    replaces A's; the heading's settings stay A's."""
+    first = {"beam_size": 3, "test": {"images": 10, "BLEU-4": 0.1}, "val": {"images": 5, "BLEU-4": 0.2}}
+    later = {"beam_size": 5, "test": {"images": 10, "BLEU-4": 0.3}, "ood": {"images": 4, "BLEU-4": 0.4}}
+    assert merge_reports([first, later]) == {"beam_size": 3, "test": later["test"], "val": first["val"],
+                                             "ood": later["ood"]}
+
+
+def test_a_report_whose_score_is_a_boolean_is_refused_naming_its_split_and_measure(tmp_path):
+    """json's true is an int to isinstance: a card would print it as the score 1.0000."""
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"beam_size": 3, "test": {"images": 2, "CIDEr-D": True}}))
+    with pytest.raises(ValueError, match="the test split's CIDEr-D is True, not a score"):
+        load_report(report)
 
 
 def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tmp_path, capsys):
