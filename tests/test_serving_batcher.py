@@ -5,6 +5,7 @@ joins or leaves around it; cancelled and expired requests free their rows; a ful
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -197,6 +198,19 @@ def test_a_wide_beam_at_the_head_of_the_queue_is_not_overtaken_by_narrower_ones(
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
 
 
+@contextlib.contextmanager
+def _driven_with_an_encoder_thread(batcher, release: threading.Event):
+    """``batcher`` driven one boundary at a time (``run_once``) with the encoder thread that ``start()`` gives a
+    worker; afterwards the held encodings are released (``release``) and the thread is shut down."""
+    batcher.start(worker=False)
+    batcher._encoder = ThreadPoolExecutor(1)
+    try:
+        yield
+    finally:
+        release.set()
+        batcher._encoder.shutdown()
+
+
 def test_rows_being_encoded_count_against_the_row_budget(encoder):
     """With overlapped encoding, admitted requests are encoded while the table decodes: their rows are promised
     already, so a request arriving meanwhile must wait rather than push the table past ``max_rows``."""
@@ -213,9 +227,6 @@ def test_rows_being_encoded_count_against_the_row_budget(encoder):
     runtime.begin = held_begin
     images = [runtime.prepare(image) for image in random_images(3, seed=9)]
     batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=4)
-    batcher.start(worker=False)
-    # the encoder thread that start() gives a worker, driven here one boundary at a time
-    batcher._encoder = ThreadPoolExecutor(1)
 
     async def scenario():
         first = batcher.submit(images[0], 1, 40, 60)
@@ -231,11 +242,8 @@ def test_rows_being_encoded_count_against_the_row_budget(encoder):
         await asyncio.sleep(0)
         return [await job.future for job in (first, encoding, late)]
 
-    try:
+    with _driven_with_an_encoder_thread(batcher, release):
         results = asyncio.run(scenario())
-    finally:
-        release.set()
-        batcher._encoder.shutdown()
     assert max(rows_stepped) <= 4
     for prepared, beam, max_len, got in zip(images, (1, 2, 2), (40, 3, 3), results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
@@ -1374,9 +1382,7 @@ def test_an_idle_worker_waits_for_the_oldest_encoding_only_and_decodes_on_while_
     images = [runtime.prepare(image) for image in random_images(2, seed=12)]
     release, encoded = _held_encodings(runtime, images[1])
     batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16)
-    batcher.start(worker=False)
     batcher.encode_batch = 1  # the two admitted together are encoded one by one: two chunks
-    batcher._encoder = ThreadPoolExecutor(1)  # the encoder thread that start() gives a worker
 
     async def scenario():
         jobs = [batcher.submit(images[0], 2, 6, 60), batcher.submit(images[1], 1, 6, 60)]
@@ -1390,11 +1396,8 @@ def test_an_idle_worker_waits_for_the_oldest_encoding_only_and_decodes_on_while_
         await asyncio.sleep(0)
         return [await job.future for job in jobs]
 
-    try:
+    with _driven_with_an_encoder_thread(batcher, release):
         results = asyncio.run(scenario())
-    finally:
-        release.set()
-        batcher._encoder.shutdown()
     for prepared, beam, got in zip(images, (2, 1), results):
         assert_same_result(got, solo(runtime, prepared, beam, 6))
 
@@ -1408,8 +1411,6 @@ def test_the_encoder_keeps_one_chunk_queued_behind_the_one_it_encodes_and_no_mor
     images = [runtime.prepare(image) for image in random_images(4, seed=13)]
     release, _ = _held_encodings(runtime, images[1])
     batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=16)  # one request admitted per boundary
-    batcher.start(worker=False)
-    batcher._encoder = ThreadPoolExecutor(1)
 
     async def scenario():
         first = batcher.submit(images[0], 1, 8, 60)
@@ -1427,11 +1428,8 @@ def test_the_encoder_keeps_one_chunk_queued_behind_the_one_it_encodes_and_no_mor
         await asyncio.sleep(0)
         return [await job.future for job in (first, *later)]
 
-    try:
+    with _driven_with_an_encoder_thread(batcher, release):
         results = asyncio.run(scenario())
-    finally:
-        release.set()
-        batcher._encoder.shutdown()
     for prepared, max_len, got in zip(images, (8, 3, 3, 3), results):
         assert_same_result(got, solo(runtime, prepared, 1, max_len))
 
