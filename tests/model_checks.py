@@ -1,7 +1,9 @@
-"""Checks shared by the model tests: the step loop as a reference for parallel training passes, and the memorisation
-smoke test (memorise 10 random feature maps with fixed random captions)."""
+"""Checks shared by the model tests: the step loop as a reference for parallel training passes, the memorisation
+smoke test (memorise 10 random feature maps with fixed random captions), and a stand-in feature store."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -113,3 +115,9 @@ class RecordingDropout(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.inputs.append(x)
         return x
+
+
+def keys_store() -> SimpleNamespace:
+    """A stand-in feature store whose batch, moved to any device, is the keys it was asked for: a training phase's
+    loss then hands the model the image keys it read, which a test can check."""
+    return SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))

@@ -22,6 +22,7 @@ from captioner.models.training.xe import XEPhase, train
 from captioner.models.vocab import Vocabulary
 
 from .entities_photos import circle_photos
+from .model_checks import keys_store
 from .test_cli import captioner
 
 CAPTION = ["a", "red", "circle", "on", "a", "plain", "background"]
@@ -105,7 +106,7 @@ def test_the_xe_phase_adds_the_term_times_its_weight(tmp_path):
     attention = torch.softmax(torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)), -1)
     model = SimpleNamespace(forward_xe_attended=lambda vis, targets, ss, rows: (
         torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}, attention))
-    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    store = keys_store()
     phase = XEPhase(TrainConfig(out=str(tmp_path), attention_supervision_weight=5.0), model, vocab, store, images,
                     "cpu")
     phase.supervise_attention(AttentionTargets(rows={(images[1].key, 0): {1: np.array([0.7, 0.1, 0.1, 0.1],

@@ -4,7 +4,6 @@ and resumes exactly."""
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from captioner.models.training.scst import SCSTPhase, scst_advantages, scst_batc
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 
-from .model_checks import VOCAB, memorisation_task, train_to_memorise
+from .model_checks import VOCAB, keys_store, memorisation_task, train_to_memorise
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -259,7 +258,7 @@ def test_a_ranks_scst_loss_is_weighted_by_its_share_of_the_global_batchs_images(
     references = [["a", "dog"], ["a", "cat"]]
     vocab = Vocabulary.build(references)
     images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", references) for i in range(5)]
-    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    store = keys_store()
     monkeypatch.setattr("captioner.models.training.scst.scst_batch_loss",
                         lambda *args: (torch.tensor(2.0), {"scst": 2.0, "tokens": 7.0}))
     phase = SCSTPhase(TrainConfig(out=str(tmp_path), phase="scst"), None, vocab, store, images, torch.device("cpu"))

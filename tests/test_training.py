@@ -36,6 +36,7 @@ from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 
 from .conftest import before_each_step
+from .model_checks import keys_store
 
 SMALL = dict(embed_dim=32, hidden_dim=48, attn_dim=32, dropout=0.3)
 
@@ -563,7 +564,7 @@ def test_each_caption_of_a_batch_reads_its_own_images_row():
         read["keys"] = [vis[row] for row in rows.tolist()]  # the store below hands back the keys as the batch
         return torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}
 
-    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    store = keys_store()
     phase = XEPhase(_config("data", "run", "cache"), SimpleNamespace(forward_xe=forward_xe), vocab, store, images,
                     "cpu")
     batch = [5, 0, 4, 2, 1]  # pairs of images 2, 0, 2, 1, 0
@@ -586,7 +587,7 @@ def test_the_xe_of_bfloat16_log_probs_is_taken_in_float32():
     images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a", "b", "a"], ["b"]]) for i in range(3)]
     logprobs = torch.log_softmax(torch.randn(6, 4, len(vocab), generator=torch.Generator().manual_seed(0)), -1)
     model = SimpleNamespace(forward_xe=lambda vis, targets, ss, rows: (logprobs[:, :targets.shape[1]].bfloat16(), {}))
-    store = SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+    store = keys_store()
     phase = XEPhase(_config("data", "run", "cache"), model, vocab, store, images, "cpu")
     out = phase.loss(range(6))
     targets = torch.tensor([ids + [vocab.pad_id] * (4 - len(ids)) for _, ids in phase.pairs])
