@@ -216,16 +216,8 @@ def test_rows_being_encoded_count_against_the_row_budget(encoder):
     already, so a request arriving meanwhile must wait rather than push the table past ``max_rows``."""
     runtime = runtime_for("sat", encoder)
     rows_stepped = count_step_rows(runtime)
-    begin = runtime.begin
-    release = threading.Event()
-
-    def held_begin(batch, widths):
-        if sum(widths) == 2:  # the request admitted while the first decodes: its encoding waits to be released
-            assert release.wait(30)
-        return begin(batch, widths)
-
-    runtime.begin = held_begin
     images = [runtime.prepare(image) for image in random_images(3, seed=9)]
+    release, _ = _held_encodings(runtime, images[1])  # admitted while the first decodes, encoded once released
     batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=4)
 
     async def scenario():
