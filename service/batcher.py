@@ -306,38 +306,43 @@ class Batcher:
         # encoded images join the tables; with nothing to decode, wait for the oldest encoding instead of spinning
         self._join_encoded(wait_for_one=not self._tables)
         if self._tables:
-            started = time.perf_counter()
-            rows = sum(t.rows for t in self._tables)
-            done = [table.step(self.runtime) for table in self._tables]
-            self.steps += 1
-            self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
-            finished_now: list[Job] = []
-            results_now: list[CaptionResult] = []
-            try:
-                for table, flags in zip(self._tables, done):
-                    finished = table.finished_jobs(flags)
-                    if not finished:
-                        continue
-                    try:
-                        results_now += table.results_of(finished, self.runtime)
-                    except Exception as exc:
-                        log.exception("%s: collecting results failed", self.runtime.name)
-                        self._fail(finished, exc, "collecting results")
-                    else:
-                        finished_now += finished
-                    self.metrics.rows_freed(self.runtime.name, "finished", sum(j.beam_size for j in finished))
-                    table.remove(set(finished), self.runtime)
-                self._tables = [t for t in self._tables if t.jobs]
-                self.admission.measure_step(rows, self.clock() - now, finished_now)
-            finally:
-                # the results go out once their step is measured: a caller that acts on one at once (calibration
-                # forgets the step time before its own request) must not have the step measured after it did.  And
-                # they go out whatever fails after they were collected, never left to wait for their deadline
-                for job, result in zip(finished_now, results_now):
-                    job.resolve(result)
+            self._step_tables(now)
         # cancellations and deadlines that arrived during the step free their rows now, not one step later
         self._drop_leavers(self.clock())
         self.metrics.set_load(self.runtime.name, self.active_rows, len(self._pending))
+
+    def _step_tables(self, now: float) -> None:
+        """One decoding step of every table; the requests it finished leave their tables with their captions, and
+        admission control learns the step's time (``now``: when this iteration began)."""
+        started = time.perf_counter()
+        rows = sum(t.rows for t in self._tables)
+        done = [table.step(self.runtime) for table in self._tables]
+        self.steps += 1
+        self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
+        finished_now: list[Job] = []
+        results_now: list[CaptionResult] = []
+        try:
+            for table, flags in zip(self._tables, done):
+                finished = table.finished_jobs(flags)
+                if not finished:
+                    continue
+                try:
+                    results_now += table.results_of(finished, self.runtime)
+                except Exception as exc:
+                    log.exception("%s: collecting results failed", self.runtime.name)
+                    self._fail(finished, exc, "collecting results")
+                else:
+                    finished_now += finished
+                self.metrics.rows_freed(self.runtime.name, "finished", sum(j.beam_size for j in finished))
+                table.remove(set(finished), self.runtime)
+            self._tables = [t for t in self._tables if t.jobs]
+            self.admission.measure_step(rows, self.clock() - now, finished_now)
+        finally:
+            # the results go out once their step is measured: a caller that acts on one at once (calibration
+            # forgets the step time before its own request) must not have the step measured after it did.  And
+            # they go out whatever fails after they were collected, never left to wait for their deadline
+            for job, result in zip(finished_now, results_now):
+                job.resolve(result)
 
     def _drop_leavers(self, now: float) -> None:
         """Remove the rows of jobs whose client is gone or whose deadline has passed (no device work)."""
