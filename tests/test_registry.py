@@ -60,6 +60,12 @@ def test_a_mistaken_call_is_a_value_error_that_names_what_to_give(name, config, 
     assert issubclass(UnknownModel, ValueError)
 
 
+def test_an_unknown_name_is_told_every_registered_one():
+    with pytest.raises(UnknownModel) as unknown:
+        model_class("nosuch")
+    assert f"registered: {', '.join(available())} (" in str(unknown.value) and "aoanet, " in str(unknown.value)
+
+
 def test_a_name_is_registered_once():
     """A second model under a taken name (a plugin's, or a copied file's) is refused naming the first: replacing it
     would change what every checkpoint of that name loads as."""
@@ -82,6 +88,38 @@ def test_an_option_that_may_be_null_takes_null_or_its_kind_and_names_both(monkey
     with pytest.raises(ValueError, match="^model 'maybe-wide': option 'width' takes a whole number or null "
                                          "\\(default None\\), got 'abc'$"):
         create("maybe-wide", vocab_size=12, feat_dim=8, width="abc")
+
+
+class KeywordWide(ShowAttendTell):
+    """A plugin's model whose option is keyword-only (after ``*``): no built-in model has one."""
+
+    def __init__(self, vocab_size: int, feat_dim: int, *, width: int = 3, **ids: int):
+        super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, **ids)
+        self.width = width
+
+
+def test_a_keyword_only_option_is_an_option_listed_checked_and_taken(monkeypatch):
+    monkeypatch.setitem(MODELS, "keyword-wide", KeywordWide)
+    assert options("keyword-wide")["width"] == 3
+    assert create("keyword-wide", vocab_size=12, feat_dim=8, width=5).width == 5
+    with pytest.raises(ValueError, match="^model 'keyword-wide': option 'width' takes a whole number"):
+        create("keyword-wide", vocab_size=12, feat_dim=8, width="abc")
+
+
+def test_a_plugin_whose_annotations_cannot_be_resolved_is_built_with_its_options_unchecked(monkeypatch):
+    """A plugin may annotate with a name its module imports only for type checkers: its annotations cannot be
+    resolved at run time, so nothing is checked, but the model is built (a None in place of no annotations was
+    an AttributeError from ``create``)."""
+    class Width:  # not a name of the module's globals, where the annotation is looked up
+        pass
+
+    class Unresolved(ShowAttendTell):
+        def __init__(self, vocab_size: int, feat_dim: int, width: "Width | None" = None, **ids: int):
+            super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, **ids)
+            self.width = width
+
+    monkeypatch.setitem(MODELS, "unresolved", Unresolved)
+    assert create("unresolved", vocab_size=12, feat_dim=8, width="wide").width == "wide"
 
 
 def test_values_of_the_options_kind_are_taken_and_an_int_is_a_number():
