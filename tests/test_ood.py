@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import colorsys
 import json
+import math
 import shutil
 
 import numpy as np
@@ -42,9 +43,22 @@ def test_canvases_backgrounds_and_jpeg_vary(ood):
     assert any(w < h for w, h in canvases) and any(w > h for w, h in canvases) and len(set(canvases)) > 10
     assert {e["background"] for e in data["images"]} == {"plain", "noisy", "gradient"}
     assert len({e["jpeg_quality"] for e in data["images"]}) > 5
+    assert all(30 <= e["jpeg_quality"] <= 90 for e in data["images"])  # the docstring's qualities
     for entry in data["images"]:
         image = Image.open(ood.parent / "images" / entry["filename"])
         assert image.format == "JPEG" and image.size == tuple(entry["canvas"])
+
+
+def test_canvases_take_every_documented_aspect_ratio_and_no_other(ood):
+    """The module's docstring: aspect ratios 9:16 to 16:9 (width / height); 24 images of seed 3 draw all seven."""
+    documented = (9 / 16, 2 / 3, 3 / 4, 1.0, 4 / 3, 3 / 2, 16 / 9)
+    drawn = set()
+    for entry in json.loads(ood.read_text())["images"]:
+        width, height = entry["canvas"]
+        nearest = min(documented, key=lambda aspect: abs(width / height / aspect - 1))
+        assert width / height == pytest.approx(nearest, rel=0.01), entry["canvas"]  # sides rounded to pixels
+        drawn.add(nearest)
+    assert drawn == set(documented)
 
 
 def test_masks_cover_objects_of_the_recorded_colour(ood):
@@ -88,6 +102,39 @@ def test_triangles_point_up_and_sizes_are_named_by_the_canvas_shorter_side(ood):
                 assert inside[high].sum() < inside[low].sum(), (entry["filename"], obj)  # narrow at the top
                 triangles += 1
     assert triangles >= 3
+
+
+def test_objects_are_3_to_22_percent_of_the_shorter_side_and_never_touch(ood):
+    """The docstring's sizes (circumradius 3 % to 22 % of the shorter side, wider than the generator's 6.6 % to
+    15.6 %), and shapes that never touch, since each lies inside its circumcircle."""
+    shares = []
+    for entry in json.loads(ood.read_text())["images"]:
+        objects = entry["objects"]
+        shares += [obj["radius"] / min(entry["canvas"]) for obj in objects]
+        for i, a in enumerate(objects):
+            for b in objects[i + 1:]:
+                assert math.dist(a["center"], b["center"]) > a["radius"] + b["radius"], (entry["filename"], a, b)
+    assert 0.03 <= min(shares) < 0.05 and 0.2 < max(shares) <= 0.22
+
+
+def test_each_shapes_mask_has_the_area_of_its_geometry_for_its_radius(ood):
+    """Area / radius² of the exact shapes (the star's inner depth 0.38–0.55, the rhombus's half width 0.55–0.75 of
+    the radius): a square drawn with three corners, or a star whose inner points collapse on its centre, is still
+    captioned by its name."""
+    star = 5 * math.sin(math.pi / 5)  # ten triangles between the outer and the inner points
+    ranges = {"circle": (math.pi, math.pi), "square": (2.0, 2.0), "triangle": (3 * math.sqrt(3) / 4,) * 2,
+              "diamond": (2 * 0.55, 2 * 0.75), "star": (0.38 * star, 0.55 * star)}
+    shapes = set()
+    for entry in json.loads(ood.read_text())["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        for index, obj in enumerate(entry["objects"]):
+            if obj["radius"] < 12:
+                continue  # a small shape's pixel count is too coarse a measure of its area
+            low, high = ranges[obj["shape"]]
+            area = (labels == index + 1).sum() / obj["radius"] ** 2
+            assert low * 0.97 < area < high * 1.03, (entry["filename"], obj)
+            shapes.add(obj["shape"])
+    assert shapes == set(ranges)
 
 
 def test_sentence_ids_are_unique_and_every_background_is_called_plain(ood):
