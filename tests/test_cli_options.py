@@ -2,6 +2,7 @@
 write; the work itself is stubbed (its own tests run it), so each test is a parse and a call."""
 
 import argparse
+import dataclasses
 import inspect
 import json
 from pathlib import Path
@@ -12,6 +13,7 @@ from PIL import Image
 
 from captioner.models import checkpoint as checkpoint_module
 from captioner.models import device as device_module
+from captioner.models import ensemble as ensemble_module
 from captioner.models import pipeline as pipeline_module
 from captioner.models import training as training_module
 from captioner.models import zoo
@@ -128,8 +130,9 @@ DEFAULTS = [
     (["compare", "a.json", "b.json"], {"split": "test", "resamples": 2000}),
     (["plot", "run"], {"out": "curves.png"}),
     (["params"], {"vocab_size": 10369}),
-    (["tune-decoding", "c"], {"split": "val", "block_trigrams": [False, True], "block_doubled_words": [False],
-                              "metric": "CIDEr-D", "beam_size": 3, "max_len": 20}),
+    # the grid docs/decisions.md gives: α ∈ {0, 0.5, 1} × trigram blocking off and on
+    (["tune-decoding", "c"], {"split": "val", "length_penalties": [0.0, 0.5, 1.0], "block_trigrams": [False, True],
+                              "block_doubled_words": [False], "metric": "CIDEr-D", "beam_size": 3, "max_len": 20}),
     (["ensemble", "out", "a", "b"], {"max_members": 4, "min_gain": 0.005, "beam_size": 3, "storage": "float32"}),
     (["data", "generate"], {"out": DEFAULT_DATA, "seed": 0, "workers": 2, **DEFAULT_SIZES}),
     (["data", "generate", "--varied"], {"varied": "standard"}),
@@ -448,6 +451,18 @@ def test_export_exits_1_for_a_model_it_cannot_export_only_when_strict(tmp_path, 
     assert failed.value.code == 1
 
 
+def test_export_refuses_named_checkpoints_that_share_a_name_before_exporting_any(tmp_path, monkeypatch, capsys):
+    """Exports are named after the checkpoint: the second of two folders named alike would replace the first's."""
+    folders = [save_checkpoint(tmp_path / place / "sat", tiny_model("sat"), VOCAB, TINY_SPEC) for place in "xy"]
+    exported = []
+    monkeypatch.setattr(onnx_module, "export_checkpoints", lambda found, out, log: exported.append(found) or {})
+    with pytest.raises(SystemExit) as refused:
+        main(["export", *map(str, folders), "--out", str(tmp_path / "onnx")])
+    assert refused.value.code == 2 and exported == []
+    assert capsys.readouterr().err.strip() == (f"error: {folders[0]}, {folders[1]} share the name sat, which names "
+                                               "their exports: export them one at a time, each with its own --out")
+
+
 def test_models_lists_one_name_a_line_and_a_models_options_with_the_required_ones_said(monkeypatch, capsys):
     main(["models"])
     assert capsys.readouterr().out.splitlines() == zoo.available()
@@ -464,6 +479,20 @@ def test_train_takes_attention_as_a_model_option_given_so_a_resume_changes_it():
     assert training_cli.given_options(args) == {"out", "lr", "model_args"}  # no --set: --attention alone counts
     args = build_parser().parse_args(["train", "--out", "x", "--attention", "tvmax", "--set", "depth=2"])
     assert training_cli.train_config_from_args(args).model_args == {"depth": 2, "attention": "tvmax"}
+
+
+def test_trains_help_states_each_options_default_the_training_config_has_its_factorys_included():
+    """Each flag's help says the TrainConfig default it leaves standing (a field made by a factory, such as
+    ``adam_betas``, included); a switch's help says none."""
+    (train,) = [action.choices["train"] for action in build_parser()._actions
+                if isinstance(action, argparse._SubParsersAction)]
+    helps = {action.dest: action.help for action in train._actions}
+    assert helps["epochs"].endswith("(default: 20)") and helps["adam_betas"].endswith("(default: [0.9, 0.999])")
+    for field in dataclasses.fields(training_module.TrainConfig):
+        if field.name in helps and field.metadata.get("kind") not in ("false", "true"):
+            default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+            stated = f"(default: {default})"
+            assert helps[field.name].endswith(stated) == (default not in (None, [], {})), (field.name, stated)
 
 
 def test_a_model_option_set_on_the_command_line_wins_over_the_recipes():
@@ -491,6 +520,16 @@ def test_an_interrupted_run_exits_130_and_a_moved_data_set_is_hinted_only_when_n
         assert "photos/1.png" in said and ("the run's data moved?" in said) is hinted, given
 
 
+def test_under_torchrun_only_the_main_process_reports_the_runs_outcome(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(training_cli.signal, "signal", lambda signum, handler: None)  # pytest's SIGTERM stays
+    monkeypatch.setattr(training_module, "train", lambda cfg, resume, explicit: tmp_path / "run" / "best")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)  # torchrun's, read where no process group is up
+        main(["train", "--out", str(tmp_path / "run")])
+        said = capsys.readouterr().out
+        assert said.startswith("no checkpoint yet: the run stopped") if rank == "0" else said == "", (rank, said)
+
+
 def test_an_ensemble_records_the_data_and_visual_items_its_first_member_was_trained_on(tmp_path, capsys):
     trained = {"dataset": "d.json", "image_root": "photos", "features": "regions:boxes", "lr": 0.1}
     members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC,
@@ -498,3 +537,25 @@ def test_an_ensemble_records_the_data_and_visual_items_its_first_member_was_trai
     main(["ensemble", str(tmp_path / "both"), *map(str, members)])
     assert load_checkpoint(tmp_path / "both").meta["train_config"] == {
         "dataset": "d.json", "image_root": "photos", "features": "regions:boxes"}
+
+
+def test_an_ensemble_records_what_each_member_cost_to_train_with_the_runs_it_started_from(tmp_path, capsys):
+    """Its card's members table reads it: each member's training time, its warm start's runs counted, or none."""
+    metas = [{"train_seconds": 60.0, "started_from": {"train_seconds": 120.0}}, {}]
+    members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC, meta)
+               for seed, (name, meta) in enumerate(zip(("a", "b"), metas))]
+    main(["ensemble", str(tmp_path / "both"), *map(str, members)])
+    recorded = load_checkpoint(tmp_path / "both").meta["ensemble_of"]
+    assert [member["train_seconds"] for member in recorded] == [180.0, None]
+
+
+def test_an_ensembles_member_selection_scores_on_the_threads_asked_for(tmp_path, monkeypatch, capsys):
+    members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC)
+               for seed, name in enumerate(("a", "b"))]
+    threads = []
+    monkeypatch.setattr(device_module, "set_threads", threads.append)
+    monkeypatch.setattr(datasets_module, "resolve_dataset", lambda dataset: dataset)
+    monkeypatch.setattr(training_cli, "split_with_features", lambda *args: ([], None))
+    monkeypatch.setattr(ensemble_module, "select_members", lambda candidates, *args, **options: candidates)
+    main(["ensemble", str(tmp_path / "both"), *map(str, members), "--select-on", "val", "--threads", "3"])
+    assert threads == [3]
