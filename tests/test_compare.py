@@ -20,6 +20,8 @@ from captioner.models.evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from captioner.models.evaluation.zoo_table import paired_markdown
 from captioner.service.cli import main
 
+from .conftest import cli_error
+
 
 def scene(image_id: int, objects: list[tuple[str, str]], reference: str) -> CaptionedImage:
     return CaptionedImage(image_id, Path(f"{image_id}.png"), "test", [reference.split()] * 5,
@@ -182,6 +184,17 @@ def test_cli_hands_its_flags_to_the_comparison_and_names_the_sides_and_tokenizer
     main(["compare", str(a), str(b), "--dataset", str(data), "--ptb", "--output", str(out)])
     assert json.loads(out.read_text())["tokenizer"] == PTB_TOKENIZER
     assert calls == [(3, 7, False), (4, 2000, True)]
+
+
+def test_cli_refuses_ptb_scoring_without_java_in_one_line_before_comparing(tmp_path, monkeypatch, capsys):
+    data = write_dataset(tmp_path / "scenes").parent
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps([{"image_id": im.image_id, "caption": "a red circle"} for im in IMAGES]))
+    calls = []
+    monkeypatch.setattr(compare_module, "compare_captions", lambda *args, **kwargs: calls.append(args))
+    monkeypatch.setattr(metrics_module.shutil, "which", lambda name: None)  # no Java on PATH
+    message = cli_error(capsys, "compare", str(a), str(a), "--dataset", str(data), "--ptb")
+    assert "PTB tokenizer needs Java" in message and calls == []
 
 
 def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tmp_path):
