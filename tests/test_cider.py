@@ -183,3 +183,33 @@ def test_a_corpus_without_4_grams_still_scores_captions_that_have_some():
     _, theirs = Cider().compute_score({i: r for i, r in enumerate(references)},
                                       {i: [c] for i, c in enumerate(captions)})
     np.testing.assert_allclose(CiderD(references).score(captions, references), theirs, rtol=0, atol=1e-6)
+
+
+def test_the_corpus_scorer_refuses_references_that_do_not_pair_with_the_captions():
+    """``captioner eval``'s path (``cider_d``, frequencies from the scored references) refuses what the reward's
+    ``CiderD.score`` refuses: fewer captions than reference lists (the last images' references would weigh the
+    document frequencies and score nothing) and an empty reference list (a division by zero references)."""
+    with pytest.raises(ValueError, match="1 captions but 2 reference lists"):
+        cider_d(["a dog"], [["a dog"], ["a cat"]])
+    with pytest.raises(ValueError, match="at least one reference"):
+        cider_d(["a dog", "a cat"], [["a dog"], []])
+
+
+def test_every_16_bit_word_id_is_scored_and_a_larger_vocabulary_is_refused():
+    """N-gram codes hold four 16-bit word ids (id 0 is the sentence separator): 65,535 distinct words score as
+    pycocoevalcap scores them, the next word is refused instead of overflowing into another n-gram's code."""
+    words = [f"w{i}" for i in range((1 << 16) - 1)]
+    corpus = [[" ".join(words[:len(words) // 2])], [" ".join(words[len(words) // 2:])]]
+    captions, references = [" ".join(words[-5:])], [[" ".join(words[-6:]), " ".join(words[:3])]]
+    _, theirs = Cider().compute_score({0: corpus[1]}, {0: [captions[0]]})
+    np.testing.assert_allclose(cider_d(captions, [corpus[1]]), theirs, rtol=0, atol=1e-6)
+    assert CiderD(corpus).score(captions, references)[0] > 0
+    with pytest.raises(ValueError, match="more than 65535 distinct words"):
+        CiderD(corpus + [["one more word"]])
+
+
+def test_the_reward_takes_its_corpus_as_any_iterable_of_reference_lists():
+    """``CiderD(corpus)`` reads its corpus once: a generator of each image's references (a data set streamed by a
+    library user) gives the document frequencies of the same corpus as a list."""
+    captions, refs = _fixed_set(images=30, seed=5)
+    np.testing.assert_array_equal(CiderD(iter(refs)).score(captions, refs), CiderD(refs).score(captions, refs))
