@@ -291,6 +291,32 @@ def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
         convert_aoanet(tmp_path / "bn.pth", authors_files[1])
 
 
+def test_other_attention_or_decoder_layouts_are_refused_naming_their_training_flag(tmp_path, authors_files):
+    """Layouts the authors' options build and this model cannot express are refused by the option's name: a
+    ``ctx2att`` of 4·D rows (``--multi_head_scale 2``; split in halves of D it was a ValueError traceback), no query
+    projection (``--use_multi_head 1``) and the ``base`` decoder's ``att2ctx`` (``Linear(2D, D)`` → ReLU)."""
+    scaled = {**authors_state(), "ctx2att.weight": torch.zeros(4 * D, D), "ctx2att.bias": torch.zeros(4 * D)}
+    single = {k: v for k, v in authors_state().items() if not k.startswith("core.attention.linears.")}
+    base = {**authors_state(), "core.att2ctx.0.weight": torch.zeros(D, 2 * D), "core.att2ctx.0.bias": torch.zeros(D)}
+    for name, state, flag in (("scaled", scaled, "use_multi_head 2 with --multi_head_scale 1"),
+                              ("single", single, "use_multi_head 2 with --multi_head_scale 1"),
+                              ("base", base, "decoder_type AoA")):
+        torch.save(state, tmp_path / f"{name}.pth")
+        with pytest.raises(ConversionError, match=flag):
+            convert_aoanet(tmp_path / f"{name}.pth", authors_files[1])
+
+
+def test_an_infos_file_of_another_vocabulary_is_refused_counting_both(tmp_path, authors_files):
+    """The weights' embedding has a row per word + 1 (index 0, the start and end token): infos of another run, whose
+    vocabulary is one word short, would map the rows to the wrong words."""
+    infos = {"opt": argparse.Namespace(num_heads=HEADS), "vocab": {str(i + 1): w for i, w in enumerate(WORDS[:-1])}}
+    with open(tmp_path / "infos_other.pkl", "wb") as handle:
+        pickle.dump(infos, handle, protocol=2)
+    with pytest.raises(ConversionError, match=f"embedding has {len(WORDS) + 1} rows but the vocabulary "
+                                              f"{len(WORDS) - 1} words"):
+        convert_aoanet(authors_files[0], tmp_path / "infos_other.pkl")
+
+
 def test_weights_under_any_one_key_of_a_snapshot_import_and_a_file_of_no_dict_is_named(tmp_path, authors_files):
     """A training snapshot keeps its weights under one key beside its scalars, not always ``state_dict`` or
     ``model`` (``net`` here); a file holding no dict at all (a list, a bare tensor) is a conversion error naming it,
