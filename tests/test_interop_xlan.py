@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.interop.common import ConversionError
-from captioner.models.interop.xlan import convert_xlan, convert_xtransformer, read_vocabulary
+from captioner.models.interop.xlan import MAX_VOCABULARY_BYTES, convert_xlan, convert_xtransformer, read_vocabulary
 from captioner.service.cli import main as captioner
 
 from .test_interop import WORDS, assert_same_distribution, linear, our_logprobs
@@ -341,6 +341,10 @@ def test_foreign_truncated_or_unsupported_weights_are_refused(tmp_path):
     with pytest.raises(ConversionError, match="does not understand .*encoder_layers.extra.weight"):
         convert_xlan(save(tmp_path, state), vocabulary)
 
+    state = xlan_state()  # their LSTM adds c_(t-1) to the image vector: RNN_SIZE must be the block's width
+    state["att_lstm.weight_hh"] = torch.zeros(4 * (D + 8), D + 8)
+    with pytest.raises(ConversionError, match=f"LSTM width {D + 8} differs from the block width {D}"):
+        convert_xlan(save(tmp_path, state), vocabulary)
     state = xlan_state()
     state.update({k.replace("layers.0", "layers.1"): v for k, v in state.items() if k.startswith("attention.layers.0")})
     with pytest.raises(ConversionError, match="one-layer decoder block"):
@@ -354,6 +358,20 @@ def test_foreign_truncated_or_unsupported_weights_are_refused(tmp_path):
         convert_xtransformer(save(tmp_path, xtransformer_state()), write_vocabulary(tmp_path / "v5.txt", WORDS[:5]))
 
 
+def test_scatt_blocks_of_another_depth_are_refused_by_name(tmp_path):
+    """``ATT_MID_DIM`` of two sizes (SCAtt with no hidden layer ``W^k_B``, Eq. 3) or of four (two hidden layers) is
+    a layout the model cannot express: refused naming it, not a KeyError on the missing layer or a list of keys
+    the converter does not understand."""
+    vocabulary = write_vocabulary(tmp_path / "v.txt")
+    shallow = {k: v for k, v in xlan_state().items() if ".attn_net.attention_basic." not in k}
+    with pytest.raises(ConversionError, match="SCAtt without a hidden layer"):
+        convert_xlan(save(tmp_path, shallow), vocabulary)
+    block = "attention.layers.0.encoder_attn.attn_net.attention_basic"
+    deeper = {**xlan_state(), f"{block}.3.weight": torch.zeros(MID, MID), f"{block}.3.bias": torch.zeros(MID)}
+    with pytest.raises(ConversionError, match=f"more than one hidden layer is not supported \\({block}.3.bias\\)"):
+        convert_xlan(save(tmp_path, deeper), vocabulary)
+
+
 class Exploit:
     def __init__(self, marker):
         self.marker = marker
@@ -364,6 +382,7 @@ class Exploit:
 
 def test_vocabulary_file_is_read_as_checked_text(tmp_path):
     assert read_vocabulary(write_vocabulary(tmp_path / "crlf.txt", end="\r\n")) == WORDS
+    assert read_vocabulary(write_vocabulary(tmp_path / "cr.txt", end="\r")) == WORDS  # as Python's text mode reads
     (tmp_path / "spaced.txt").write_text("  a \n\tdog\nUNK\non\ngrass\nred")  # no final newline
     assert read_vocabulary(tmp_path / "spaced.txt") == WORDS
     refused = {"blank.txt": (b"a\ndog\n\non\n", "line 3 is blank"),
@@ -375,6 +394,11 @@ def test_vocabulary_file_is_read_as_checked_text(tmp_path):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ConversionError, match=message):
             read_vocabulary(tmp_path / name)
+    # a file past the limit is refused by its size before any of it is read (a sparse file: no disk is used)
+    with open(tmp_path / "huge.txt", "wb") as huge:
+        huge.truncate(MAX_VOCABULARY_BYTES + 1)
+    with pytest.raises(ConversionError, match=f"{MAX_VOCABULARY_BYTES + 1:,} bytes: not a vocabulary file"):
+        read_vocabulary(tmp_path / "huge.txt")
     # a well-formed file whose word is one of our special tokens: refused by the remapping, not silently merged
     special = write_vocabulary(tmp_path / "special.txt", ["a", "dog", "<pad>", "on", "grass", "red"])
     with pytest.raises(ConversionError, match="special tokens"):
