@@ -2,13 +2,16 @@
 by the service's own preprocessing and scored against the same references."""
 
 import json
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 from skimage import data
 
-from captioner.models.data.karpathy import load_karpathy
+from captioner.models.data.karpathy import CaptionedImage, load_karpathy
+from captioner.models.decoding import DecodingRules
 from captioner.models.evaluation.resolution import resolution_check
 from captioner.models.pipeline import Pipeline
 
@@ -54,3 +57,51 @@ def test_originals_are_matched_by_name_and_scored_beside_their_copies(tmp_path):
     same = resolution_check(pipeline, images, copies, beam_size=2, max_len=5)
     assert same["same_caption"] == same["images"] == 3 and same["originals_minus_copies"]["BLEU-4"]["difference"] == 0
     assert np.isclose(same["originals_minus_copies"]["CIDEr-D"]["difference"], 0.0)
+
+
+def test_a_folder_holding_none_of_the_originals_is_refused_before_anything_is_captioned(tmp_path):
+    """A wrong ``--full-root`` (or one whose files are named otherwise) would score nothing against nothing: it is
+    refused naming the folder, before any photo is captioned."""
+    images = [SimpleNamespace(path=tmp_path / "copies" / name) for name in ("cat.jpg", "dog.jpg")]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "cat.png").write_bytes(b"")  # the same photo under another name is not its original
+    pipeline = SimpleNamespace(runtime=SimpleNamespace(default_rules=None))  # not callable: it captions nothing
+    refusal = re.escape(f"none of the 2 photos has an original in {tmp_path / 'full'}")
+    with pytest.raises(FileNotFoundError, match=refusal):
+        resolution_check(pipeline, images, tmp_path / "full")
+
+
+class RecordingPipeline:
+    """A pipeline that records how it is called and captions an original by its file's name, a copy as a blur."""
+
+    runtime = SimpleNamespace(default_rules=DecodingRules())
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, paths, beam_size, max_len, rules):
+        self.calls.append(([f"{path.parent.name}/{path.name}" for path in paths], beam_size, max_len, rules))
+        return [SimpleNamespace(caption=f"a {path.stem}" if path.parent.name == "full" else "a blur") for path in paths]
+
+
+def test_each_side_is_captioned_as_asked_in_batches_and_the_difference_is_originals_minus_copies(tmp_path):
+    """``captioner resolution-check`` passes the checkpoint's rules or the ones asked for on the command line
+    (``--length-penalty``, ``--block-trigrams``): each side is captioned with them, the beam and length asked for,
+    and every photo once, in batches of ``batch`` (three photos in batches of two); the difference reported is
+    the originals' score minus the copies'."""
+    (tmp_path / "copies").mkdir()
+    (tmp_path / "full").mkdir()
+    names = ("cat.jpg", "dog.jpg", "owl.jpg")
+    images = [CaptionedImage(i, tmp_path / "copies" / name, "test", [["a", name[:-4]]]) for i, name in enumerate(names)]
+    for name in names:
+        (tmp_path / "full" / name).write_bytes(b"")
+    asked, pipeline = DecodingRules(length_penalty=0.5, block_trigrams=True), RecordingPipeline()
+    report = resolution_check(pipeline, images, tmp_path / "full", beam_size=4, max_len=7, rules=asked, batch=2)
+    assert pipeline.calls == [(["copies/cat.jpg", "copies/dog.jpg"], 4, 7, asked), (["copies/owl.jpg"], 4, 7, asked),
+                              (["full/cat.jpg", "full/dog.jpg"], 4, 7, asked), (["full/owl.jpg"], 4, 7, asked)]
+    assert report["images"] == 3 and report["same_caption"] == 0 and len(report["examples"]) == 3
+    # originals − copies, not the other way round: the originals' captions name the photos, the copies' do not
+    cider = report["originals_minus_copies"]["CIDEr-D"]
+    assert cider["difference"] > 0 and report["originals"]["CIDEr-D"] > report["copies"]["CIDEr-D"]
+    assert cider["difference"] == pytest.approx(report["originals"]["CIDEr-D"] - report["copies"]["CIDEr-D"],
+                                                abs=1e-4)
