@@ -387,6 +387,24 @@ def test_tune_decodings_default_grid_leaves_doubled_word_blocking_off(monkeypatc
                         for penalty in (0.0, 0.5, 1.0) for block in (False, True)]
 
 
+def test_tune_decodings_grid_decodes_every_combination_as_asked_and_rounds_its_scores_as_reports_do(monkeypatch):
+    """``captioner tune-decoding --beam-size/--max-len/--device`` (and the training captions its novelty column
+    needs) reach every combination's evaluation, not only the first or the defaults; its scores are rounded as a
+    report's."""
+    searched, training = [], [["a", "dog"], ["two", "cats"]]
+
+    def scores(ckpt, images, store, beam_size, max_len, metrics, *, rules, **options):
+        searched.append((beam_size, max_len, tuple(metrics), options["device"], options["training_captions"]))
+        return {"CIDEr-D": 1.234567, "REP": 0.00012}, {}
+
+    monkeypatch.setattr(tuning, "evaluate_checkpoint", scores)
+    rows = tuning.decoding_grid(None, [], None, (0.0, 1.0), (False,), beam_size=5, max_len=9, metrics=("CIDEr-D",),
+                                device="cuda:1", training_captions=training)
+    assert searched == [(5, 9, ("CIDEr-D",), "cuda:1", training)] * 2
+    # each row's scores as every report writes them, to four decimals (the grid's table and the stored choice)
+    assert [(row["CIDEr-D"], row["REP"]) for row in rows] == [(1.2346, 0.0001)] * 2
+
+
 def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
     check_search([3, 2], 5, NO_RULES, n_best=2)
     for n_best in (0, 3):
