@@ -78,6 +78,13 @@ def test_an_ensemble_of_one_model_twice_decodes_as_that_model():
         torch.testing.assert_close(torch.tensor(alone[0].token_logprobs), torch.tensor(twice[0].token_logprobs))
 
 
+def test_a_built_ensemble_is_in_eval_mode_as_a_loaded_checkpoint_is():
+    """A library user decodes what ``build_ensemble`` returns directly (``beam_search``): a new module is in
+    training mode, and its members' dropout would make two searches of one photo disagree."""
+    ensemble = build_ensemble(members())
+    assert not [name for name, module in ensemble.named_modules() if module.training]
+
+
 def test_beam_search_keeps_the_attention_rows_with_their_tokens():
     ensemble = build_ensemble(members())
     vis = visuals(2)
@@ -129,7 +136,11 @@ def test_members_named_the_same_are_told_apart_by_their_folders():
 
 def test_its_attention_is_named_by_its_members():
     sparse = tiny_checkpoint("sparsecap", 1, attention="sparsemax")
-    assert build_ensemble([tiny_checkpoint("sat"), sparse]).attention_name == "mean of softmax and sparsemax"
+    ensemble = build_ensemble([tiny_checkpoint("sat"), sparse])
+    assert ensemble.attention_name == "mean of softmax and sparsemax"
+    # the kind that /models and every caption result name: a mean of maps, not the protocol's generic "attention"
+    # nor a member's own (a sparsecap member's "output_attention" would draw its heatmaps in blocks)
+    assert ensemble.attention_kind == "ensemble_mean_attention"
 
 
 def test_an_ensemble_is_built_not_trained():
