@@ -684,6 +684,13 @@ def test_session_options_take_the_threads_every_optimisation_and_a_quieter_log_o
     assert (opened.log_severity_level, opened.intra_op_num_threads) == (4, 2)
 
 
+def test_a_session_opened_without_quiet_logs_onnx_runtimes_errors(tmp_path):
+    """The service's and eval's sessions (``VisualSession`` and the runtime's, opened without ``quiet``) log ONNX
+    Runtime's errors (severity 3); only the export's own check, which reports a failure itself, asks for less."""
+    opened = sessions.open_session(_two_outputs_graph(tmp_path), CPU, threads=1).get_session_options()
+    assert opened.log_severity_level == 3
+
+
 def _two_outputs_graph(tmp_path) -> Path:
     """An ONNX graph of ``x`` → ``same`` (x) and ``negated`` (−x)."""
     tensor = functools.partial(onnx.helper.make_tensor_value_info, elem_type=onnx.TensorProto.FLOAT, shape=[2])
