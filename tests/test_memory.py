@@ -6,11 +6,14 @@ import json
 import platform
 import subprocess
 import sys
+import threading
+from types import SimpleNamespace
 
 import pytest
 
 from captioner.service import memory
-from captioner.service.memory import configure_allocator, gpu_library_ranges, page_out_gpu_libraries, release_memory
+from captioner.service.memory import IdleTrimmer, configure_allocator, gpu_library_ranges, page_out_gpu_libraries, \
+    release_memory, resident_bytes
 
 MAPS = """\
 7f0000000000-7f0000200000 r--p 00000000 00:2a 1001 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libnvrtc.so.13
@@ -20,12 +23,17 @@ MAPS = """\
 7f0000600000-7f0000700000 r-xp 00000000 00:2a 1003 /venv/lib/python3.11/site-packages/torch/lib/libtorch_cpu.so
 7f0000700000-7f0000800000 rw-p 00000000 00:00 0                          [heap]
 """
+#: a library in a folder whose name holds a space, replaced on disk since it was mapped (the kernel's " (deleted)")
+SPACED = "7f0000900000-7f0000a00000 r-xp 00000000 00:2a 1004 /home/me/my env/site-packages/nvidia/cublas/lib/" \
+         "libcublas.so.13 (deleted)\n"
 
 
 def test_only_the_cuda_libraries_mappings_are_chosen():
     assert gpu_library_ranges(MAPS) == [(0x7F0000000000, 0x7F0000200000), (0x7F0000200000, 0x7F0000400000),
                                         (0x7F0000500000, 0x7F0000600000)]
     assert gpu_library_ranges("") == []
+    # the file is the rest of the line after five fields, spaces and all
+    assert gpu_library_ranges(SPACED) == [(0x7F0000900000, 0x7F0000A00000)]
 
 
 PROBE = r"""
@@ -79,3 +87,89 @@ def test_the_allocator_is_tuned_and_trimmed_under_glibc_and_left_alone_elsewhere
     assert release_memory() > 0
     monkeypatch.setattr(memory, "_libc", lambda: None)
     assert configure_allocator() is False and page_out_gpu_libraries() == 0 and release_memory() > 0
+
+
+class RecordingLibc:
+    """glibc's allocator calls recorded instead of made, each accepted but the madvise of ``refused`` starts."""
+
+    def __init__(self, refused: tuple[int, ...] = ()):
+        self.calls: list[tuple] = []
+        self.refused = refused
+
+        def madvise(start, length, advice):  # a function, so that the code may set its argtypes
+            self.calls.append(("madvise", start.value, length.value, advice))
+            return -1 if start.value in refused else 0
+
+        self.madvise = madvise
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append(("mallopt", param, value))
+        return 1
+
+    def malloc_trim(self, pad: int) -> int:
+        self.calls.append(("malloc_trim", pad))
+        return 1
+
+
+def test_the_allocator_is_tuned_and_trimmed_by_glibcs_own_parameter_numbers(monkeypatch):
+    """mallopt takes a parameter number (malloc.h: M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3, M_ARENA_MAX -8): a
+    wrong one tunes something else and still answers success, so only the calls themselves tell. The heap top is
+    trimmed at twice the mmap threshold, and a release trims every arena to nothing (pad 0)."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    assert configure_allocator(mmap_threshold=3 << 20, arena_max=2) is True
+    assert sorted(libc.calls) == [("mallopt", -8, 2), ("mallopt", -3, 3 << 20), ("mallopt", -1, 6 << 20)]
+    libc.calls.clear()
+    assert release_memory() > 0 and libc.calls == [("malloc_trim", 0)]
+
+
+def test_each_cuda_mapping_is_advised_whole_to_page_out_and_only_the_accepted_ones_are_counted(monkeypatch):
+    """MADV_PAGEOUT is advice 21 (Linux's mman-common.h; 20, MADV_COLD, only ages the pages), over each mapping's
+    own length; a mapping the kernel refuses is not counted as handed back."""
+    libc = RecordingLibc(refused=(0x7F0000500000,))
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=lambda: MAPS))
+    assert page_out_gpu_libraries() == 0x400000
+    assert libc.calls == [("madvise", 0x7F0000000000, 0x200000, 21), ("madvise", 0x7F0000200000, 0x200000, 21),
+                          ("madvise", 0x7F0000500000, 0x100000, 21)]
+
+
+def test_the_resident_set_is_read_in_bytes_from_the_kibibytes_proc_gives(monkeypatch):
+    status = "Name:\tcaptioner\nVmHWM:\t  999 kB\nVmRSS:\t  1234 kB\nThreads:\t4\n"
+    monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=lambda: status))
+    assert resident_bytes() == 1234 * 1024
+
+    def no_proc():
+        raise FileNotFoundError("/proc/self/status")
+
+    monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=no_proc))
+    assert resident_bytes() == 0  # a number still (the app logs it in MiB), where there is no /proc
+
+
+def test_the_idle_trimmers_release_gives_the_memory_back_and_defers_the_next_to_the_end_of_its_interval(monkeypatch):
+    """The release a trimmer schedules calls release_memory; the next is deferred to the end of the interval the
+    last release began (here 100 s + 60 s, asked at 130 s: 30 s), not a whole interval from the asking; and a request
+    that comes while a release runs (the work it freed is not in that release) schedules the next, never dropped."""
+    now, released, started = [100.0], [], []
+    trimmer = IdleTrimmer(interval_s=60.0)
+
+    def release():
+        released.append(now[0])
+        trimmer()  # a batcher falls idle again while the release runs
+
+    monkeypatch.setattr(memory, "release_memory", release)
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    trimmer()
+    assert released == [] and [timer.interval for timer in started] == [0.0]  # scheduled, not yet run
+    assert started[0].daemon  # a release still pending never holds up the process's exit
+    started[0].function()
+    assert released == [100.0] and len(started) == 2 and started[1].interval == 60.0
+    now[0] = 130.0
+    trimmer()  # already scheduled: nothing more
+    assert len(started) == 2
+    monkeypatch.setattr(memory, "release_memory", lambda: released.append(now[0]))
+    started[1].function()
+    now[0] = 145.0
+    trimmer()
+    assert released == [100.0, 130.0] and started[2].interval == 45.0  # 130 + 60 - 145
