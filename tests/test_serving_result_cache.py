@@ -89,6 +89,18 @@ def test_another_model_or_other_decoding_rules_are_a_miss(cached_app):
     assert len(calls) == before + 2  # each set of rules ran the model
 
 
+def test_a_caption_made_under_one_length_limit_is_a_miss_under_another(cached_app):
+    """The key holds ``max_len``: a caption cut at 4 tokens is never the answer to a request allowing 12 (nor the
+    other way round), whatever else the two requests share."""
+    client, calls = cached_app
+    image = jpeg(5)
+    short = caption(client, image, beam_size=2, max_len=4)
+    before = len(calls)
+    longer = caption(client, image, beam_size=2, max_len=12)
+    assert len(calls) == before + 1  # the model ran again
+    assert len(short["tokens"]) <= 4 and longer["tokens"] != short["tokens"]
+
+
 def test_the_cache_evicts_the_least_recently_used_entry():
     cache = ResultCache(2)
     a, b, c = (CacheKey(digest, "sat", 3, 20, DecodingRules()) for digest in "abc")
