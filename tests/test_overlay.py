@@ -290,6 +290,8 @@ def test_each_json_heatmap_draws_its_own_tokens_attention(client, result):
     expected = [drawn_heat(np.asarray(row, dtype=np.float32), geometry, body["mode"], tuple(body["size"])) * 255
                 for row in result["attention"]]
     assert len(got) == len(expected) == len(result["tokens"])
+    # each names its token and that token's place in the caption (from 0, as the answer's rows count)
+    assert [(h["index"], h["token"]) for h in body["heatmaps"]] == list(enumerate(result["tokens"]))
     for heat, want in zip(got, expected):
         assert np.abs(heat - want).max() <= 1.5  # 8-bit levels; the answer's attention is rounded to 6 decimals
     # neighbours differ by more than twice the tolerance: a map shifted by one token would fail the check
