@@ -468,6 +468,28 @@ def test_the_archive_loads_its_checkpoint_with_the_servers_settings(tiny_checkpo
     assert interop == [2] and runtime.name == "tiny" and runtime.backend == "torch"
 
 
+def test_captions_threads_and_device_flags_reach_the_archives_settings_over_the_variables(tmp_path, monkeypatch):
+    """``--threads`` and ``--device`` are the settings the archive loads its checkpoint with, the flags winning over
+    CAPTIONER_*; ``--device``'s default (auto) is no flag given, so CAPTIONER_DEVICE holds then."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def stop(images, output, checkpoint, settings, *args):  # before any model loads
+        seen.append(settings)
+        raise Stop
+
+    monkeypatch.setattr(archive, "caption_archive", stop)
+    monkeypatch.setenv("CAPTIONER_THREADS", "3")
+    monkeypatch.setenv("CAPTIONER_DEVICE", "cpu")
+    command = ["caption", str(tmp_path), "--output", str(tmp_path / "o.jsonl")]
+    for flags in ([], ["--threads", "2", "--device", "cuda:1"]):
+        with pytest.raises(Stop):
+            main(command + flags)
+    assert [(s.threads, s.device) for s in seen] == [(3, "cpu"), (2, "cuda:1")]
+
+
 def test_the_archive_warms_its_batcher_up_as_the_server_does(tiny_checkpoint_folder, small_archive, tmp_path,
                                                              monkeypatch):
     """CAPTIONER_WARMUP is read as the server reads it: the batcher is warmed up (its encoder batches measured)
