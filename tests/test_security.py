@@ -607,6 +607,19 @@ def test_a_variable_in_lower_case_is_read_or_refused_as_in_upper_case_and_the_de
         read_settings()
 
 
+def test_a_variable_short_of_its_settings_last_word_is_told_the_setting_and_a_name_like_none_is_told_nothing(
+        monkeypatch):
+    """The suggestion reaches a name that dropped a setting's last word (CAPTIONER_MAX_BEAM for ..._MAX_BEAM_SIZE, as
+    alike as most misspellings), not only one letter off; a name like no setting gets none rather than a guess."""
+    monkeypatch.setenv("CAPTIONER_MAX_BEAM", "4")
+    with pytest.raises(SystemExit, match=r"CAPTIONER_MAX_BEAM \(did you mean CAPTIONER_MAX_BEAM_SIZE\?\)"):
+        read_settings()
+    monkeypatch.delenv("CAPTIONER_MAX_BEAM")
+    monkeypatch.setenv("CAPTIONER_XYZZY", "1")
+    with pytest.raises(SystemExit, match=r"unknown variable CAPTIONER_XYZZY: unset it"):
+        read_settings()
+
+
 def test_a_blank_api_key_stops_the_server_rather_than_opening_it(monkeypatch, capsys):
     # '["${KEY}"]' with KEY unset: the empty key was dropped and the service served everyone (the security audit)
     for blank in ('[""]', '["  "]', '["real-key", ""]'):
