@@ -31,7 +31,7 @@ from captioner.service.admission import WouldMissDeadline
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher, BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
 from captioner.service.captioning import batcher_errors
-from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded
+from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownResult
 from captioner.service.inputs import drain_body
 from captioner.service.problems import problem_of
 from captioner.service.settings import Settings, json_body_bytes
@@ -245,7 +245,10 @@ def test_an_app_that_has_shut_down_is_not_ready(tiny_weights):
     with TestClient(create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False,
                                         backend="torch"))) as client:
         assert client.get("/readyz").status_code == 200
-    assert client.get("/readyz").status_code == 503
+    not_ready = client.get("/readyz")
+    # a 503 says when to ask again: the 5 s the settings' table gives for 503 answers
+    assert not_ready.status_code == 503 and not_ready.headers["retry-after"] == "5"
+    assert not_ready.json()["type"] == "/problems/not-ready"
 
 
 def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights, monkeypatch, caplog):
@@ -595,6 +598,14 @@ def test_the_upload_budget_holds_the_largest_json_request():
         assert len(body) <= json_body_bytes(size) <= len(body) + 4096  # and no more: it is the budget's floor
     with pytest.raises(ValidationError, match="must hold at least one largest upload"):
         Settings(max_upload_bytes=12_000, upload_budget_bytes=12_000 + 4096)
+
+
+def test_a_typed_problem_has_an_errors_member_only_when_it_names_fields():
+    """RFC 9457's members and no others for a failure without per-field errors (not ``"errors": null``)."""
+    assert problem_of(UnknownResult("no result 'x'")).extra == {}
+    assert problem_of(InvalidRequest("bad options")).extra == {}
+    errors = [{"loc": ["beam_size"], "msg": "above the limit of 4"}]
+    assert problem_of(InvalidRequest("beam_size 9 is above the limit of 4", errors)).extra == {"errors": errors}
 
 
 def test_a_retry_after_of_zero_is_still_sent():
