@@ -29,7 +29,7 @@ from captioner.service import inputs, middleware
 from captioner.service.admission import QueueFull
 from captioner.service.app import CAPTION_PATHS, create_app
 from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, refuse_early
-from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady
+from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, UploadTooLarge
 from captioner.service.inputs import QueryOptions, arrival, known_query_only, option_sources
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
@@ -520,6 +520,19 @@ def test_a_model_named_in_the_form_is_the_one_the_latency_metric_counts(client, 
     assert counted() == before + 1
 
 
+def test_a_query_option_fastapi_refuses_is_counted_by_the_latency_metric_under_the_model_it_names(client, photo):
+    """A query option that does not validate is FastAPI's own 422, before the use case (which observes every other
+    answer) runs: the problem handler counts it, under the model the query names."""
+    series = 'captioner_request_latency_seconds_count{model="tiny-b",status="422"}'
+
+    def counted() -> float:
+        return parse_metrics(client.get("/metrics").text).get(series, 0.0)
+
+    before = counted()
+    problem(post(client, photo, params={"model": "tiny-b", "beam_size": 0}))
+    assert counted() == before + 1
+
+
 def test_every_route_that_captions_an_upload_is_counted_by_the_latency_metric(client):
     """CAPTION_PATHS names the routes whose invalid requests the caption metrics count; a caption route added
     without it (POST /caption/heatmaps) would have its refusals go uncounted."""
@@ -550,6 +563,11 @@ def test_the_upload_limit_admits_exactly_its_bytes_in_every_body_format(tmp_path
         refused = problem(c.post("/caption", files={"file": ("c.jpg", over, "image/jpeg")}), 413, "upload-too-large")
         # the limit, in MiB for a person and in bytes for a client that compares sizes
         assert refused["detail"].endswith(f" MiB ({len(photo)} bytes)"), refused["detail"]
+
+
+def test_an_uploads_limit_is_said_in_mebibytes_to_three_digits_beside_its_bytes():
+    assert str(UploadTooLarge(10 * 2**20)) == "upload is larger than the limit of 10 MiB (10485760 bytes)"
+    assert str(UploadTooLarge(1_500_000)).endswith(" 1.43 MiB (1500000 bytes)")  # 1,500,000 / 1,048,576
 
 
 def test_a_json_body_of_any_json_media_type_is_read_as_json(client, photo):
