@@ -35,7 +35,7 @@ from captioner.models.checkpoint import CheckpointError, load_checkpoint, save_c
 from captioner.models.data.scenes import generate
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.export import onnx as exporter
-from captioner.models.export import sessions
+from captioner.models.export import quantize, sessions
 from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, SERVED_GRAPHS, STEP_FILE, ExportUnsupported, \
     GraphSpec, export_graphs, export_identity, export_is_current, export_visual_encoder, intact, seal
 from captioner.models.export.sessions import cuda_provider_available, session_options
@@ -835,6 +835,22 @@ def test_a_model_shares_the_cnn_of_its_own_encoder_spec_never_another_specs(tmp_
     on_torch = load_on_cpu(tmp_path, "torch")
     assert on_torch["a"].encoder is on_torch["b"].encoder and on_torch["c"].encoder is not on_torch["a"].encoder
     assert on_torch["c"].encoder.spec == larger
+
+
+def test_the_shared_onnx_cnn_is_made_in_its_precision_and_threads_and_the_exporter_gets_no_gpu_module(tmp_path,
+                                                                                                     monkeypatch):
+    """The ONNX CNN's file is the one of CAPTIONER_ENCODER_PRECISION (int8: the quantized graph) and its session
+    takes CAPTIONER_THREADS; on a GPU the exporter, which traces on the CPU, is handed no PyTorch CNN (it builds its
+    own), and none is built for it."""
+    made, built = [], []
+    monkeypatch.setattr(quantize, "visual_encoder_file", lambda spec, folder, precision, encoder: (
+        made.append((folder, precision)) or tmp_path / "visual.onnx"))
+    monkeypatch.setattr(shared_encoders, "VisualSession", lambda path, device, threads: ("session", path, threads))
+    monkeypatch.setattr(shared_encoders, "grid_encoder", lambda spec, device: built.append(device))
+    encoders = SharedEncoders(CPU, tmp_path / "onnx", 3, "int8")
+    assert encoders.onnx(TINY_SPEC) == ("session", tmp_path / "visual.onnx", 3)
+    assert made == [(tmp_path / "onnx", "int8")]
+    assert SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1).for_export(TINY_SPEC) is None and built == []
 
 
 def test_a_reference_recorded_under_another_torch_device_or_check_set_is_computed_again(tmp_path, monkeypatch):
