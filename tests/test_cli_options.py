@@ -30,6 +30,7 @@ from captioner.models.data.scenes import DEFAULT_SIZES, VARIATIONS
 from captioner.models.device import resolve_device
 from captioner.models.evaluation import card as card_module
 from captioner.models.evaluation import params as params_module
+from captioner.models.evaluation import phrase_grounding as phrase_grounding_module
 from captioner.models.evaluation import report as report_module
 from captioner.models.evaluation import tuning as tuning_module
 from captioner.models.evaluation import zoo_table as zoo_table_module
@@ -43,14 +44,14 @@ from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _recording_report(calls: list):
-    """An ``evaluation_report`` that records its call, announces one scored split of two images and returns a
-    report and COCO results of its own."""
+def _recording_report(calls: list, section: dict | None = None):
+    """An ``evaluation_report`` that records its call, announces one scored split of two images (whose report
+    section is ``section``) and returns a report and COCO results of its own."""
     def evaluation_report(checkpoint, dataset, splits, **options):
         calls.append({"checkpoint": checkpoint, "dataset": dataset, "splits": splits, **options})
         options["on_split"](SimpleNamespace(images=[SimpleNamespace(path=Path("p/one.png"), image_id=1),
                                                     SimpleNamespace(path=Path("p/two.png"), image_id=2)],
-                                            captions={1: ["a", "cat"], 2: ["a", "dog"]}, section={}))
+                                            captions={1: ["a", "cat"], 2: ["a", "dog"]}, section=section or {}))
         return SimpleNamespace(report={"test": {"BLEU-1": 0.5}}, coco_results=[{"image_id": 1, "caption": "a cat"}])
     return evaluation_report
 
@@ -101,6 +102,23 @@ def test_eval_defaults_are_the_documented_ones(tmp_path, monkeypatch, capsys):
         "device": "auto", "encoder_precision": "float32", "grounding": None, "grounding_resamples": 2000,
         "progress": True}
     assert "one.png" not in capsys.readouterr().err  # no captions shown unless asked
+
+
+def test_an_entities_grounding_prints_its_tables_on_stderr_as_each_split_is_scored(tmp_path, monkeypatch, capsys):
+    """``--grounding entities:DIR`` shows the checkpoint's Flickr30k Entities tables under its name; stdout stays
+    the JSON report, and the scenes' grounding (in the report alone) prints no tables."""
+    grounding = {"photos": 2}
+    monkeypatch.setattr(report_module, "evaluation_report", _recording_report([], {"grounding": grounding}))
+    monkeypatch.setattr(phrase_grounding_module, "summary_table", lambda reports: f"summary of {reports}")
+    monkeypatch.setattr(phrase_grounding_module, "type_table", lambda reports: f"types of {reports}")
+    main(["eval", str(tmp_path / "ckpt"), "--grounding", f"entities:{tmp_path}"])
+    printed = capsys.readouterr()
+    assert json.loads(printed.out) == {"test": {"BLEU-1": 0.5}}
+    tables = [("ckpt", grounding)]
+    assert "Flickr30k Entities (Plummer et al., arXiv:1505.04870), 2 photos" in printed.err
+    assert f"summary of {tables}" in printed.err and f"types of {tables}" in printed.err
+    main(["eval", str(tmp_path / "ckpt"), "--grounding"])
+    assert "summary of" not in capsys.readouterr().err
 
 
 def test_the_library_calls_defaults_are_the_commands(tmp_path, monkeypatch):
@@ -451,6 +469,36 @@ def test_export_exits_1_for_a_model_it_cannot_export_only_when_strict(tmp_path, 
     assert failed.value.code == 1
 
 
+def test_export_reports_each_models_files_and_differences_or_why_not_and_which_of_two_names_it_took(
+        tmp_path, monkeypatch, capsys):
+    def found(weights_dir, extra, prefixed, on_replaced):
+        on_replaced("a", Path("y/a"), Path("x/a"))
+        return {"a": Path("y/a"), "b": Path("x/b")}
+
+    def export_checkpoints(found, out, log):
+        (out / "a").mkdir(parents=True)
+        for name, size in ((onnx_module.ENCODER_FILE, 1_500_000), (onnx_module.HEAD_FILE, 250_000),
+                           (onnx_module.STEP_FILE, 40_000)):
+            (out / "a" / name).write_bytes(bytes(size))
+        results = {"a": SimpleNamespace(max_abs_diff={"step": 1e-6, "head": 2e-5}, growing_dims={"h": [1], "c": []}),
+                   "b": onnx_module.ExportUnsupported("a loop the graph cannot hold")}
+        for name, result in results.items():
+            log(name, result)
+        return results
+
+    monkeypatch.setattr(checkpoint_module, "find_checkpoints", found)
+    monkeypatch.setattr(onnx_module, "export_checkpoints", export_checkpoints)
+    main(["export", "--weights-dir", "w", "--out", str(tmp_path)])
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == [
+        f"a: {tmp_path / 'a'} ({onnx_module.ENCODER_FILE} 1.5 MB, {onnx_module.HEAD_FILE} 0.2 MB, "
+        f"{onnx_module.STEP_FILE} 0.0 MB); verified against PyTorch, max |diff|: head 2.0e-05, step 1.0e-06; "
+        "growing state dims {'h': [1]}",
+        "b: NOT EXPORTED: a loop the graph cannot hold"]
+    assert printed.err.strip() == (f"note: {Path('y/a')} is exported as a, not {Path('x/a')} (the service too serves "
+                                   "the checkpoint named last)")
+
+
 def test_export_refuses_named_checkpoints_that_share_a_name_before_exporting_any(tmp_path, monkeypatch, capsys):
     """Exports are named after the checkpoint: the second of two folders named alike would replace the first's."""
     folders = [save_checkpoint(tmp_path / place / "sat", tiny_model("sat"), VOCAB, TINY_SPEC) for place in "xy"]
@@ -461,6 +509,22 @@ def test_export_refuses_named_checkpoints_that_share_a_name_before_exporting_any
     assert refused.value.code == 2 and exported == []
     assert capsys.readouterr().err.strip() == (f"error: {folders[0]}, {folders[1]} share the name sat, which names "
                                                "their exports: export them one at a time, each with its own --out")
+
+
+#: each importer's command line in full: the authors' files it reads and the folder it writes
+IMPORTS = {"aoanet": ["--weights", "w.pth", "--infos", "i.pkl", "--out", "o"],
+           "xlan": ["--checkpoint", "c.pth", "--vocab", "v.txt", "--out", "o"],
+           "xtransformer": ["--checkpoint", "c.pth", "--vocab", "v.txt", "--out", "o"]}
+
+
+@pytest.mark.parametrize("kind, flag", [(kind, flag) for kind, argv in IMPORTS.items() for flag in argv[::2]])
+def test_an_import_without_a_file_it_reads_or_writes_is_a_usage_error_naming_the_flag(kind, flag, capsys):
+    """Not a traceback from the converter opening ``None``."""
+    argv = IMPORTS[kind]
+    at = argv.index(flag)
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["import", kind, *argv[:at], *argv[at + 2:]])
+    assert refused.value.code == 2 and f"the following arguments are required: {flag}" in capsys.readouterr().err
 
 
 def test_models_lists_one_name_a_line_and_a_models_options_with_the_required_ones_said(monkeypatch, capsys):
