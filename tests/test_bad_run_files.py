@@ -73,6 +73,18 @@ def test_plot_draws_a_log_with_a_line_of_another_kind(tmp_path, capsys):
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
+def test_plot_of_a_folder_that_is_no_run_or_with_a_label_too_few_is_one_line_and_draws_nothing(tmp_path, capsys):
+    """Not a silent exit 0 with no picture: a mistyped run folder must say so."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / METRICS_LOG).write_text('{"kind": "step", "step": 10, "lr": 0.1, "xe": 2.0}\n')
+    out = tmp_path / "curves.png"
+    run, nothing = str(tmp_path / "run"), tmp_path / "nothing"
+    for argv, reason in (([str(nothing)], f"error: {nothing} does not exist"),
+                         ([run, run, "--label", "A"], "error: 1 --label for 2 runs")):
+        assert cli_error(capsys, "plot", *argv, "--out", str(out)).startswith(reason)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("recipe, reason", [
     (b"lr = [", "is not a recipe \\(not TOML"), (b"lr = 1e-4\n\xff", ":2 is not UTF-8"),
     (b"model_args = 5", ": model_args is 5, not a table"), (b"xe = 5", ": xe is 5, not a table"),
