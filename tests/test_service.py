@@ -577,6 +577,21 @@ def test_a_setting_one_past_its_bound_is_refused_and_the_bound_itself_accepted(n
     assert getattr(Settings(**{name: accepted}), name) == accepted
 
 
+@pytest.mark.parametrize("name, refused, accepted, others", [
+    ("default_max_len", 0, 1, {}), ("max_max_len", 0, 1, {"default_max_len": 1}),
+    ("max_beam_size", 0, 1, {"default_beam_size": 1}), ("max_batch_images", 0, 1, {}),
+    ("max_rows", 0, 1, {"max_beam_size": 1, "default_beam_size": 1}), ("decode_pixels", 0, 1, {}),
+    ("render_concurrency", 0, 1, {}), ("results_max_count", 0, 1, {}), ("results_max_age_s", 0.0, 0.001, {}),
+    ("interop_threads", 0, 1, {})])
+def test_the_other_bounds_are_refused_one_past_and_accepted_at_themselves(name, refused, accepted, others):
+    """The other bounded settings, each with the settings its lowest value must agree with (the widest beam fits the
+    rows, the defaults fit their limits): a bound moved by one refused ``CAPTIONER_MAX_BATCH_IMAGES=1``, the
+    batch-size-1 serving the README gives, or ``CAPTIONER_DEFAULT_MAX_LEN=1``."""
+    with pytest.raises(ValidationError, match=name):
+        Settings(**{name: refused, **others})
+    assert getattr(Settings(**{name: accepted, **others}), name) == accepted
+
+
 def test_settings_come_from_the_environment_alone_not_a_dotenv_file(tmp_path, monkeypatch):
     """A .env file left in the working directory (a developer's, a build context's) does not configure the
     service: only CAPTIONER_* variables do."""
