@@ -449,6 +449,8 @@ def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_f
     (["caption", "DIR", "--output", "o.jsonl", "--shard", "2/2"], "0 <= INDEX < COUNT"),
     (["caption", "DIR", "--output", "o.jsonl", "--shard", "one/2"], "0 <= INDEX < COUNT"),
     (["caption", "DIR", "--output", "o.jsonl", "--overlay", "f.png"], "--overlay, --token and --json"),
+    (["caption", "DIR", "--output", "o.jsonl", "--checkpoint", "a", "--checkpoint", "b"],
+     "an archive is captioned by one --checkpoint"),  # not the first of them in silence
     (["caption", "DIR/missing", "--output", "o.jsonl"], "no such folder, image or list file"),
 ])
 def test_archive_mistakes_are_one_line_errors(tmp_path, argv, message):
