@@ -573,6 +573,12 @@ def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "8791"])
     assert "error: settings: the settings together: Value error, max_rows (2)" in capsys.readouterr().err
+    # a bad value inside a JSON setting is named by its variable, not by the key or index that holds it
+    monkeypatch.delenv("CAPTIONER_MAX_ROWS")
+    monkeypatch.setenv("CAPTIONER_BACKENDS", '{"sat": "tpu"}')
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "8791"])
+    assert "error: settings: CAPTIONER_BACKENDS: Input should be 'torch'" in capsys.readouterr().err
 
 
 def test_a_variable_that_is_no_setting_stops_the_server_and_a_plain_value_for_a_list_is_named(monkeypatch, capsys):
@@ -612,7 +618,8 @@ def test_a_variable_short_of_its_settings_last_word_is_told_the_setting_and_a_na
     """The suggestion reaches a name that dropped a setting's last word (CAPTIONER_MAX_BEAM for ..._MAX_BEAM_SIZE, as
     alike as most misspellings), not only one letter off; a name like no setting gets none rather than a guess."""
     monkeypatch.setenv("CAPTIONER_MAX_BEAM", "4")
-    with pytest.raises(SystemExit, match=r"CAPTIONER_MAX_BEAM \(did you mean CAPTIONER_MAX_BEAM_SIZE\?\)"):
+    # one suggestion, the closest: CAPTIONER_MAX_PIXELS and CAPTIONER_MAX_ROWS are near enough to be guessed too
+    with pytest.raises(SystemExit, match=r"CAPTIONER_MAX_BEAM \(did you mean CAPTIONER_MAX_BEAM_SIZE\?\): unset it"):
         read_settings()
     monkeypatch.delenv("CAPTIONER_MAX_BEAM")
     monkeypatch.setenv("CAPTIONER_XYZZY", "1")
