@@ -761,6 +761,11 @@ def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(m
     err = capsys.readouterr().err
     assert err.startswith(f"error: CAPTIONER_ONNX_DIR {tmp_path / 'a-file' / 'onnx'} cannot be written (")
     assert "ONNX exports of tiny" in err and "CAPTIONER_BACKEND=torch" in err and err.count("\n") == 1
+    # a writable folder that is already there (onnx/ after an earlier start) is no mistake, exports still to make
+    (tmp_path / "onnx").mkdir()
+    monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "onnx"))
+    with pytest.raises(PastTheChecks):
+        main(serve)
     # nothing to export, nothing to write: PyTorch models start with the same folder
     monkeypatch.setenv("CAPTIONER_BACKEND", "torch")
     with pytest.raises(PastTheChecks):
