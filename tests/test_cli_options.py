@@ -594,10 +594,15 @@ def test_under_torchrun_only_the_main_process_reports_the_runs_outcome(tmp_path,
         assert said.startswith("no checkpoint yet: the run stopped") if rank == "0" else said == "", (rank, said)
 
 
+def _two_members(folder: Path, metas: tuple[dict, dict] = ({}, {})) -> list[Path]:
+    """Two tiny SAT checkpoints of different seeds, ``a`` and ``b`` in ``folder``, each saved with its meta."""
+    return [save_checkpoint(folder / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC, meta)
+            for seed, (name, meta) in enumerate(zip(("a", "b"), metas))]
+
+
 def test_an_ensemble_records_the_data_and_visual_items_its_first_member_was_trained_on(tmp_path, capsys):
     trained = {"dataset": "d.json", "image_root": "photos", "features": "regions:boxes", "lr": 0.1}
-    members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC,
-                               {"train_config": trained}) for seed, name in enumerate(("a", "b"))]
+    members = _two_members(tmp_path, ({"train_config": trained},) * 2)
     main(["ensemble", str(tmp_path / "both"), *map(str, members)])
     assert load_checkpoint(tmp_path / "both").meta["train_config"] == {
         "dataset": "d.json", "image_root": "photos", "features": "regions:boxes"}
@@ -605,17 +610,14 @@ def test_an_ensemble_records_the_data_and_visual_items_its_first_member_was_trai
 
 def test_an_ensemble_records_what_each_member_cost_to_train_with_the_runs_it_started_from(tmp_path, capsys):
     """Its card's members table reads it: each member's training time, its warm start's runs counted, or none."""
-    metas = [{"train_seconds": 60.0, "started_from": {"train_seconds": 120.0}}, {}]
-    members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC, meta)
-               for seed, (name, meta) in enumerate(zip(("a", "b"), metas))]
+    members = _two_members(tmp_path, ({"train_seconds": 60.0, "started_from": {"train_seconds": 120.0}}, {}))
     main(["ensemble", str(tmp_path / "both"), *map(str, members)])
     recorded = load_checkpoint(tmp_path / "both").meta["ensemble_of"]
     assert [member["train_seconds"] for member in recorded] == [180.0, None]
 
 
 def test_an_ensembles_member_selection_scores_on_the_threads_asked_for(tmp_path, monkeypatch, capsys):
-    members = [save_checkpoint(tmp_path / name, tiny_model("sat", seed=seed), VOCAB, TINY_SPEC)
-               for seed, name in enumerate(("a", "b"))]
+    members = _two_members(tmp_path)
     threads = []
     monkeypatch.setattr(device_module, "set_threads", threads.append)
     monkeypatch.setattr(datasets_module, "resolve_dataset", lambda dataset: dataset)
