@@ -910,10 +910,14 @@ def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypa
         main(["serve", "--port", port])
     assert f"is read from the working folder ({tmp_path}), which has none: run from the checkout" \
         in capsys.readouterr().err
+    # the message names every folder looked in, the prefixed ones and CAPTIONER_CHECKPOINTS's too: naming only the
+    # weights folder sent the operator to the one setting that was right
     monkeypatch.setenv("CAPTIONER_CHECKPOINTS", f'["{tmp_path / "notes"}"]')
+    monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", f'{{"scenes-": "{tmp_path / "scenes"}"}}')
     with pytest.raises(SystemExit):
         main(["serve", "--weights-dir", str(tmp_path), "--port", port])
-    assert "no checkpoint found in" in capsys.readouterr().err
+    assert f"no checkpoint found in {tmp_path}, {tmp_path / 'scenes'}, {tmp_path / 'notes'}: nothing to serve" \
+        in capsys.readouterr().err
 
 
 def test_caption_with_the_default_checkpoint_works_from_any_folder(tmp_path):
