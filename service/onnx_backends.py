@@ -41,8 +41,8 @@ class OnnxRuntime(Runtime):
 
     def __init__(self, name: str, ckpt: Checkpoint, folder: str | Path, device: torch.device | str,
                  threads: int | None = None, visual: VisualSession | None = None):
-        from captioner.models.export.onnx import (ENCODER_FILE, SERVED_GRAPHS, STEP_FILE, GraphSpec, export_identity,
-                                                  intact)
+        from captioner.models.export.folder import ENCODER_FILE, SERVED_GRAPHS, STEP_FILE, intact
+        from captioner.models.export.onnx import GraphSpec, export_identity
 
         folder, device = Path(folder), torch.device(device)
         super().__init__(name, ckpt, device)

@@ -42,8 +42,9 @@ def onnx_folder(encoders: SharedEncoders, name: str, ckpt: Checkpoint) -> Path:
     without the self-contained ``encoder.onnx``: the server runs the CNN's shared graph, made first, then the
     model's head.  Raises :class:`~captioner.models.export.onnx.ExportUnsupported` where it cannot be, and records
     that."""
-    from captioner.models.export.onnx import (FORMAT, SERVED_GRAPHS, ExportUnsupported, check_exportable,
-                                              export_graphs, export_identity, export_is_current)
+    from captioner.models.export.folder import SERVED_GRAPHS
+    from captioner.models.export.onnx import (FORMAT, ExportUnsupported, check_exportable, export_graphs,
+                                              export_identity, export_is_current)
 
     folder = encoders.onnx_dir / name
     identity = export_identity(ckpt.checksum, ckpt.encoder)
@@ -97,7 +98,8 @@ def unprepared(weights_dir: Path | None, extra: list[Path], *, onnx_dir: Path,
 
 
 def _prepared(name: str, path: Path, backend: str, onnx_dir: Path, encoder_precision: str) -> bool:
-    from captioner.models.export.onnx import SERVED_GRAPHS, export_identity, export_is_current, intact
+    from captioner.models.export.folder import SERVED_GRAPHS, intact
+    from captioner.models.export.onnx import export_identity, export_is_current
     from captioner.models.export.quantize import visual_encoder_path_at
 
     checksum = recorded_checksum(path)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from captioner.models.encoder import EncoderSpec
-from captioner.models.export.onnx import (ENCODER_FILE, HEAD_FILE, SEAL_SUFFIX, SPEC_FILE, STEP_FILE, VISUAL_SPEC_FILE,
-                                          GraphSpec, export_is_current, intact, remove_replaced_encoders, seal)
+from captioner.models.export.folder import (ENCODER_FILE, HEAD_FILE, SEAL_SUFFIX, SPEC_FILE, STEP_FILE,
+                                            VISUAL_SPEC_FILE, intact, seal)
+from captioner.models.export.onnx import GraphSpec, export_is_current, remove_replaced_encoders
 
 
 @pytest.mark.parametrize("content", [b"[1]", b"\xff", b'{"format": ', b"{}"])

@@ -36,8 +36,9 @@ from captioner.models.data.scenes import generate
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.export import onnx as exporter
 from captioner.models.export import quantize, sessions
-from captioner.models.export.onnx import ENCODER_FILE, HEAD_FILE, SERVED_GRAPHS, STEP_FILE, ExportUnsupported, \
-    GraphSpec, export_graphs, export_identity, export_is_current, export_visual_encoder, intact, seal
+from captioner.models.export.folder import ENCODER_FILE, HEAD_FILE, SERVED_GRAPHS, STEP_FILE, intact, seal
+from captioner.models.export.onnx import ExportUnsupported, GraphSpec, export_graphs, export_identity, \
+    export_is_current, export_visual_encoder
 from captioner.models.export.sessions import cuda_provider_available, session_options
 from captioner.models.inference import Prepared, Runtime, TorchRuntime, padded_batch, torch_runtime
 from captioner.service import backend_choice, onnx_backends, onnx_exports, shared_encoders

@@ -122,7 +122,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     """Export every checkpoint (of ``--weights-dir`` plus the named folders) to ONNX, one folder per model."""
     from ..checkpoint import checkpoint_name, find_checkpoints, not_a_checkpoint
     from ..device import set_threads
-    from ..export.onnx import ENCODER_FILE, HEAD_FILE, STEP_FILE, ExportUnsupported, export_checkpoints
+    from ..export.folder import ENCODER_FILE, HEAD_FILE, STEP_FILE
+    from ..export.onnx import ExportUnsupported, export_checkpoints
 
     set_threads(args.threads)
     weights_dir = None if args.checkpoints and not args.all else args.weights_dir

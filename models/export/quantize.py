@@ -122,7 +122,8 @@ def quantized_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: Gri
     from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
                                           quantize_static)
 
-    from .onnx import SEAL_SUFFIX, export_visual_encoder, intact, seal
+    from .folder import SEAL_SUFFIX, intact, seal
+    from .onnx import export_visual_encoder
 
     import onnx
 
@@ -182,7 +183,8 @@ def visual_encoder_file(spec: EncoderSpec, out_dir: str | Path, precision: str =
     """The ONNX CNN of ``spec`` at ``precision`` (``float32`` or ``int8``), exported (and quantized) when missing.
     ``make_visual`` gives the PyTorch encoder to export (None: the exporter builds one); it is called only when
     the file must be made, so a server whose exports exist never builds the PyTorch CNN."""
-    from .onnx import export_visual_encoder, intact
+    from .folder import intact
+    from .onnx import export_visual_encoder
 
     path = visual_encoder_path_at(spec, out_dir, precision)
     if intact(path):
