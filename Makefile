@@ -347,7 +347,7 @@ clean:
 FLOORS_VENV ?= .cache/venv-floors
 FLOORS_TESTS ?= tests/test_checkpoint.py tests/test_decoding.py tests/test_cider.py tests/test_service.py \
 	tests/test_serving_http.py tests/test_serving_wire.py tests/test_serving_onnx.py tests/test_security.py \
-	tests/test_render.py tests/test_sparsemax.py tests/test_sparsecap.py tests/test_encoder.py \
+	tests/test_render.py tests/test_sparsemax.py tests/test_sparsecap.py tests/test_encoder.py tests/test_images.py \
 	tests/test_request_contract.py tests/test_pressure_metrics.py tests/test_overlay.py tests/test_int8_encoder.py \
 	tests/test_hostile_images.py tests/test_ood.py tests/test_curves.py tests/test_metrics.py
 check-floors: BIN = $(FLOORS_VENV)/bin

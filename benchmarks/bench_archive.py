@@ -33,7 +33,7 @@ from servers import Server  # noqa: E402
 def per_image_loop(runtime, paths: list[Path], beam: int, max_len: int) -> float:
     """Seconds to caption ``paths`` one at a time: read, decode, preprocess, encode and beam-search each image alone
     (``Runtime.caption`` of a batch of one: what a script looping over files with the library does)."""
-    from captioner.models.encoder import load_image
+    from captioner.models.images import load_image
 
     started = time.perf_counter()
     for path in paths:

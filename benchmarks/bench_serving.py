@@ -104,7 +104,8 @@ def tutorial_app(checkpoint: Path, threads: int, device: str = "cpu"):
 
     from captioner.models.checkpoint import load_checkpoint
     from captioner.models.decoding import beam_search
-    from captioner.models.encoder import GridEncoder, load_image, preprocess
+    from captioner.models.encoder import GridEncoder, preprocess
+    from captioner.models.images import load_image
     from captioner.models.protocol import VisualBatch
 
     torch.set_num_threads(threads)

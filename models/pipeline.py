@@ -15,7 +15,7 @@ from PIL import Image
 
 from .checkpoint import Checkpoint
 from .decoding import DecodingRules
-from .encoder import load_image
+from .images import load_image
 from .inference import CaptionResult, torch_runtime
 
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from captioner.models.decoding import RULE_NAMES, DecodingRules
-from captioner.models.encoder import ImageDecodeError, ImageTooLarge, load_image
 from captioner.models.files import naming_errors
+from captioner.models.images import ImageDecodeError, ImageTooLarge, load_image
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import save_picture
 

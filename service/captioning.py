@@ -3,7 +3,7 @@
 Model choice (the request's, else the service default), option limits, decoding and preprocessing the image in the
 thread pool (never on the event loop), the model's batcher under the request deadline, and the request latency metric
 (:func:`observed_request`, around the whole request).  Every failure the client caused or can retry leaves as a
-typed exception of ``errors.py`` (or the image decoder's :class:`~captioner.models.encoder.ImageDecodeError`); an
+typed exception of ``errors.py`` (or the image decoder's :class:`~captioner.models.images.ImageDecodeError`); an
 error raised by the model itself is a bug and leaves as it is (the app answers it 500 ``internal``).  Nothing here
 knows about HTTP beyond the status label of the metric.
 """
@@ -21,7 +21,7 @@ from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from captioner.models.decoding import DecodingRules
-from captioner.models.encoder import decode_cost, load_image, open_image
+from captioner.models.images import decode_cost, load_image, open_image
 from captioner.models.inference import CaptionResult, ModelInfo, Prepared, Runtime
 
 from .batcher import BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
@@ -149,7 +149,7 @@ def decoding_rules(runtime: Runtime, options: CaptionParameters) -> DecodingRule
 
 
 def decode_and_prepare(runtime: Runtime, opened: Image.Image) -> Prepared:
-    """Runs in the thread pool: decoding the pixels of an upload :func:`~captioner.models.encoder.open_image`
+    """Runs in the thread pool: decoding the pixels of an upload :func:`~captioner.models.images.open_image`
     opened, and preprocessing them, never block the event loop."""
     return runtime.prepare(load_image(opened))
 

@@ -3,7 +3,7 @@
 builds the answer from it; the captioning use case labels its latency metric with the same status).
 
 Failures raised below the service keep their own types and are listed too:
-:class:`~captioner.models.encoder.ImageDecodeError` / :class:`~captioner.models.encoder.ImageTooLarge` (image decoding)
+:class:`~captioner.models.images.ImageDecodeError` / :class:`~captioner.models.images.ImageTooLarge` (image decoding)
 and :class:`~captioner.models.rendering.heatmaps.RenderError` (overlay parameters).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from captioner.models.encoder import ImageDecodeError, ImageTooLarge
+from captioner.models.images import ImageDecodeError, ImageTooLarge
 from captioner.models.rendering.heatmaps import RenderError
 
 #: seconds a client should wait before retrying while the service starts or stops

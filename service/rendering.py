@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image
 
-from captioner.models.encoder import load_image
+from captioner.models.images import load_image
 from captioner.models.inference import CaptionResult, Runtime
 from captioner.models.rendering.heatmaps import (HEAT_MODES, RenderError, check_mode, colormap,
                                                  drawn_heat, png_bytes)

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from captioner.models.data.features import FeatureStore, extract_features
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.stores import MirroredStore, mirrored_key
-from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
+from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
+from captioner.models.images import load_image
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, train
 from captioner.models.training.loop import prepare_run

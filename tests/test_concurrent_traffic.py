@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
-from captioner.models.encoder import load_image
+from captioner.models.images import load_image
 from captioner.service import lifecycle, rendering
 from captioner.service.app import create_app
 from captioner.service.captioning import observed_request, slot_deadline

@@ -19,7 +19,8 @@ from PIL import Image
 from captioner.models.data.features import INDEX, FeatureStore, FeatureStoreError, NewerFeatureStore, \
     UnreadablePhotos, _cache_name, distributed_rank, extract_features, find_covering_store, shard_name
 from captioner.models.data.karpathy import CaptionedImage
-from captioner.models.encoder import EncoderSpec, GridEncoder, load_image, preprocess
+from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
+from captioner.models.images import load_image
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

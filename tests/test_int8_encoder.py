@@ -20,11 +20,12 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import generate
-from captioner.models.encoder import load_image, preprocess
+from captioner.models.encoder import preprocess
 from captioner.models.export import quantize
 from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
     int8_recipe, quantized_visual_encoder, visual_encoder_file, visual_encoder_path_at
 from captioner.models.export.sessions import VisualSession
+from captioner.models.images import load_image
 from captioner.service import backend_choice
 from captioner.service import runtime as runtime_module
 from captioner.service.cli import main as captioner

@@ -12,7 +12,8 @@ from PIL import Image
 from skimage import data
 
 from captioner.models.checkpoint import save_checkpoint
-from captioner.models.encoder import grid_geometry, load_image
+from captioner.models.encoder import grid_geometry
+from captioner.models.images import load_image
 from captioner.models.rendering.heatmaps import drawn_heat, overlay
 from captioner.service import rendering
 from captioner.service.app import create_app

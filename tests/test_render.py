@@ -12,7 +12,8 @@ from skimage import data
 
 from captioner.models.checkpoint import Checkpoint
 from captioner.models.decoding import Hypothesis
-from captioner.models.encoder import EncoderSpec, grid_geometry, load_image, preprocess
+from captioner.models.encoder import EncoderSpec, grid_geometry, preprocess
+from captioner.models.images import load_image
 from captioner.models.inference import CaptionResult, torch_runtime
 from captioner.models.protocol import Geometry
 from captioner.models.rendering import heatmaps

@@ -31,7 +31,7 @@ def caption_files(args: argparse.Namespace, show: Callable[[str, str, CaptionRes
     """Caption images with one checkpoint or several (``--checkpoint`` repeated: a side-by-side comparison).
     ``show(path, label, result)`` prints each result (the console script's ``--json`` passes its own)."""
     from ..device import resolve_device, set_threads
-    from ..encoder import ImageDecodeError, load_image
+    from ..images import ImageDecodeError, load_image
     from ..pipeline import Pipeline
 
     set_threads(args.threads)

@@ -49,8 +49,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..encoder import EncoderSpec, GridEncoder, ImageDecodeError, load_image, preprocess, weights_sha256
+from ..encoder import EncoderSpec, GridEncoder, preprocess, weights_sha256
 from ..files import is_newer_format, read_json_file, write_atomically
+from ..images import ImageDecodeError, load_image
 from ..progress import progress_bar
 from ..protocol import VisualBatch
 from .karpathy import CaptionedImage

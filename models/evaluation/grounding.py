@@ -270,7 +270,8 @@ def item_geometry(ckpt, vis, row: int, image_path: Path) -> Geometry:
     """Where the visual items of row ``row`` of ``vis`` sit on the image file the model saw: the store's own
     geometry (regions), or the encoder grid's on the picture's size (read from its header only, after its EXIF
     orientation, as the model saw it)."""
-    from ..encoder import grid_geometry, picture_size
+    from ..encoder import grid_geometry
+    from ..images import picture_size
 
     if vis.geometry:
         return vis.geometry[row]

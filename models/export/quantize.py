@@ -97,7 +97,7 @@ def calibration_pixels(spec: EncoderSpec, count: int = CALIBRATION_IMAGES) -> np
     """``count`` generated scenes (seed :data:`CALIBRATION_SEED`), preprocessed for ``spec``: ``[count, 3, S, S]``."""
     from ..data.karpathy import load_karpathy
     from ..data.scenes import generate
-    from ..encoder import load_image
+    from ..images import load_image
 
     with tempfile.TemporaryDirectory() as tmp:
         # the train split's generator under a seed of its own: images no dataset made with another seed contains

@@ -23,9 +23,10 @@ from torch import Tensor
 
 from ..data.entities import EntitiesDataset
 from ..data.karpathy import CaptionedImage
-from ..encoder import EncoderSpec, grid_geometry, picture_size
+from ..encoder import EncoderSpec, grid_geometry
 from ..evaluation.grounding import cell_labels, cell_pixels
 from ..evaluation.phrase_grounding import phrase_mask
+from ..images import picture_size
 from ..progress import progress_bar
 from ..protocol import Captioner
 from ..registry import MODELS
