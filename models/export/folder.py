@@ -25,7 +25,7 @@ from ..files import file_checksum, replace_directory, temporary_beside, temporar
 
 ENCODER_FILE, STEP_FILE, SPEC_FILE = "encoder.onnx", "step.onnx", "onnx.json"
 HEAD_FILE = "head.onnx"
-#: every graph :func:`export_graphs` writes by default, and those a server loads: it runs each image through the
+#: every graph :func:`~.onnx.export_graphs` writes by default, and those a server loads: it runs each image through the
 #: CNN's shared ``visual.onnx``, then the model's head, so its exports leave out the self-contained ``encoder.onnx``
 ALL_GRAPHS, SERVED_GRAPHS = (ENCODER_FILE, HEAD_FILE, STEP_FILE), (HEAD_FILE, STEP_FILE)
 VISUAL_FILE = "visual.onnx"
