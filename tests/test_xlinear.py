@@ -153,6 +153,28 @@ def test_defaults_are_the_papers_block():
     assert attention.dropout.p == 0.1 and len(attention.key_embed) == 2  # no GroupNorm
 
 
+def test_the_blocks_celu_alpha_reaches_all_four_embeddings():
+    """``ρ`` is CELU with the α asked for (docs/decisions.md#x-lan-activation) in the embeddings of the keys, the
+    values and both of the query's: a block that kept 1.3 whatever it was given matches every test at the default."""
+    attention = block(heads=2, celu_alpha=0.5)
+    query, keys, values, _ = inputs()
+    for embed, x in [(attention.key_embed, keys), (attention.value_embed, values),
+                     (attention.query_key_embed, query), (attention.query_value_embed, query)]:
+        torch.testing.assert_close(embed(x), F.celu(embed[0](x), alpha=0.5))
+
+
+def test_stacked_layer_defaults_are_the_papers():
+    """A library user's ``XLinearLayer(dim, channels, heads)``: the "+ELU" embeddings with α = 1.3, the authors'
+    0.1 dropout on B'^k, no dropout on v̂ or in Eq. 8 (the paper states none), and one update for keys and values
+    (docs/decisions.md#x-lan-key-and-value-update). The models of the zoo pass all of them, so only this holds them."""
+    layer = XLinearLayer(8, 4, heads=2)
+    rho = layer.attention.key_embed[1]
+    assert isinstance(rho, torch.nn.CELU) and rho.alpha == 1.3 and len(layer.attention.key_embed) == 2
+    assert layer.attention.dropout.p == 0.1 and layer.output_dropout.p == 0.0 and layer.value_update.dropout.p == 0.0
+    assert layer.key_update is None
+    assert ItemUpdate(8).dropout.p == 0.0
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_stacked_layer_is_eq7_then_eq8(shared):
     torch.manual_seed(0)
@@ -173,6 +195,18 @@ def test_stacked_layer_is_eq7_then_eq8(shared):
     torch.testing.assert_close(new_values, eq8(layer.value_update, values))
     torch.testing.assert_close(new_keys, new_values if shared else eq8(layer.key_update, keys))
     assert (layer.key_update is None) == shared
+
+
+def test_stacked_layer_updates_the_items_with_the_dropped_out_attended_vector():
+    """Eq. 8 refines the keys and values with v̂^(m) as the layer returns it, after its output dropout (as the
+    authors' encoder does): with all of v̂ dropped the items are updated with zeros, not with the block's output."""
+    torch.manual_seed(0)
+    layer = XLinearLayer(8, 4, heads=2, attention_dropout=0.0, output_dropout=1.0).double().train()
+    _, _, _, mask = inputs()
+    keys, values = torch.randn(2, 3, ITEMS, 8, dtype=torch.float64)
+    attended, _, new_values, block_out = layer(torch.randn(3, 8, dtype=torch.float64), keys, values, mask)
+    assert torch.all(attended == 0) and block_out.attended.abs().sum() > 0
+    torch.testing.assert_close(new_values, layer.value_update(torch.zeros_like(attended), values))
 
 
 class _Mask(torch.nn.Module):
