@@ -79,6 +79,16 @@ def test_float32_std_is_accurate_and_single_items_have_none():
     assert seq_mean.shape == (2, area_count_1d(64, 3), 8) and seq_sizes[:, 0].eq(1).all()
 
 
+def test_equal_items_have_no_spread_and_no_nan_without_the_guard():
+    """σ = sqrt(|E[x²] − μ²| + ε) (Eq. 12 with tensor2tensor's absolute value): over equal items E[x²] − μ² can
+    round below zero (here, spans of 0.1 after a first item of 0), and with ``eps=0`` (the plain formula) its square
+    root would be NaN."""
+    x = torch.tensor([0.0] + [0.1] * 6, dtype=torch.float64).view(1, 7, 1)
+    std = area_features_1d(x, 3, eps=0.0)[1][0, :, 0]
+    equal = enumerate_areas_1d(7, 3)[:, 0] >= 1
+    assert torch.isfinite(std).all() and torch.all(std[equal] < 1e-8)
+
+
 def test_area_features_gradcheck():
     x = torch.randn(1, 12, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: area_features_2d(v, 3, 4, 2, 3)[:3], (x,))
@@ -112,6 +122,16 @@ def test_max_area_1x1_is_ordinary_multi_head_attention():
     torch.testing.assert_close(mean, memory)
     torch.testing.assert_close(total, memory)
     assert torch.equal(area_mask(mask, 3, 4, 1, 1), mask)
+
+
+def test_the_default_module_is_ordinary_multi_head_attention():
+    """``AreaMultiHeadAttention(d_model, heads)`` of a library user attends over single items with mean keys: every
+    model of the zoo passes its own area and key mode, so only this test holds the defaults."""
+    attn = AreaMultiHeadAttention(16, 4).double()
+    assert attn.max_area == (1, 1) and attn.key_mode == "mean" and not attn.uses_areas
+    query, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 12, 16, dtype=torch.float64)
+    ref, _ = _copy_to_torch_mha(attn, 16, 4)(query, memory, memory)
+    torch.testing.assert_close(attn(query, memory)[0], ref)
 
 
 def test_mean_area_attention_matches_eq_1_to_4():
@@ -151,6 +171,13 @@ def test_combined_key_is_eq_9():
         torch.testing.assert_close(area_k[:, h], hidden @ comb.out.weight.T + comb.out.bias, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("d_model,heads,depth", [(6, 2, 1), (4, 2, 1), (2, 2, 1), (16, 2, 4)])
+def test_combined_key_size_embeddings_are_half_the_head_size_and_at_least_one(d_model, heads, depth):
+    # tensor2tensor's S_e = d // 2 (docs/decisions.md#area-key-network), kept at 1 for a head of one dimension
+    comb = AreaMultiHeadAttention(d_model, heads, (2, 3), key_mode="combined").combiner
+    assert comb.height.weight.shape == (2, depth) and comb.width.weight.shape == (3, depth)
+
+
 def test_area_to_cell_coefficients():
     rows, cols = 4, 5
     boxes = enumerate_areas_2d(rows, cols, 3, 2)
@@ -187,6 +214,20 @@ def test_causal_1d_areas_never_include_future_positions():
         changed[:, 4:] = torch.randn(2, length - 4, 8, dtype=torch.float64)
         torch.testing.assert_close(attn(changed, changed, causal=True)[0][:, :4], out[:, :4])
         assert torch.all(weights[:, :, ~allowed] == 0)
+
+
+def test_causal_areas_of_a_padded_memory_are_both_past_and_real():
+    """With ``causal`` and a ``key_mask`` together, an area is used only if it holds no later position *and* no
+    padded item: either mask alone would let a query see the future or the padding."""
+    length, span = 6, 3
+    attn = AreaMultiHeadAttention(8, 2, (1, span)).double()
+    x = torch.randn(2, length, 8, dtype=torch.float64)
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, 4:] = False
+    _, weights = attn(x, x, key_mask=mask, causal=True)
+    allowed = causal_area_mask(length, span) & area_mask(mask, 1, length, 1, span).unsqueeze(1)  # [B, T, |R|]
+    assert torch.all(weights.masked_select(~allowed.unsqueeze(1)) == 0)
+    assert torch.all(weights.masked_select(allowed.unsqueeze(1)) > 0)
 
 
 def test_areas_holding_a_masked_item_get_zero_weight():
