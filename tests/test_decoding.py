@@ -59,6 +59,18 @@ def test_rows_sum_to_one_and_eos_is_flagged(tiny_sat, random_visuals):
         assert "beta_gate" in hyp.extras and hyp.extras["beta_gate"].shape == (len(hyp.token_ids), 1)
 
 
+def test_extras_keeps_only_the_extra_maps_asked_for(tiny_sat, random_visuals):
+    """``extras=True`` keeps every extra map the model reports, a tuple only those it names: evaluation and
+    grounding pass ``()`` and keep none, instead of a map per token of every hypothesis."""
+    every = beam_search(tiny_sat, random_visuals, k=2, max_len=4, extras=True)
+    assert all("beta_gate" in hyps[0].extras for hyps in every)
+    assert all(hyps[0].extras == {} for hyps in beam_search(tiny_sat, random_visuals, k=2, max_len=4, extras=()))
+    named = beam_search(tiny_sat, random_visuals, k=2, max_len=4, extras=("beta_gate",))
+    assert all(set(hyps[0].extras) == {"beta_gate"} for hyps in named)
+    assert all(hyps[0].extras == {} for hyps in beam_search(tiny_sat, random_visuals, k=2, max_len=4,
+                                                            extras=("not_reported",)))
+
+
 def test_beam_search_beats_or_equals_greedy_score(tiny_sat, random_visuals):
     for beam, single in zip(beam_search(tiny_sat, random_visuals, k=5, max_len=8), greedy(tiny_sat, random_visuals, 8)):
         if single.ended_with_eos and beam[0].ended_with_eos:
@@ -246,6 +258,10 @@ def test_a_caption_is_never_empty_whatever_the_beam(tiny_sat, random_visuals):
 def test_rules_are_validated():
     with pytest.raises(ValueError, match="length_penalty"):
         DecodingRules(length_penalty=-1.0)
+    # both ends of [0, 5] are rules (the service's schema takes α = 5 and passes it on), one step past is not
+    assert [DecodingRules(length_penalty=alpha).length_penalty for alpha in (0.0, 5.0)] == [0.0, 5.0]
+    with pytest.raises(ValueError, match=r"length_penalty must lie in \[0, 5\], got 5.01"):
+        DecodingRules(length_penalty=5.01)
 
 
 def test_the_rules_a_request_names_replace_the_checkpoints_one_by_one():
@@ -413,6 +429,16 @@ def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
             check_search([3, 2], 5, NO_RULES, n_best=n_best)
 
 
+def test_a_one_token_limit_is_a_search_and_a_limit_of_zero_is_refused(tiny_sat, random_visuals):
+    """``max_len=1`` is the least a search may be asked (``beam_search`` and a library user's runtime check it
+    here): one word, cut there, since EOS cannot come first; 0 is refused by the option's name."""
+    check_search([3], 1, NO_RULES)
+    for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=1):
+        assert len(hyps[0].token_ids) == 1 and not hyps[0].ended_with_eos
+    with pytest.raises(ValueError, match="max_len must be a whole number of at least 1, got 0"):
+        check_search([3], 0, NO_RULES)
+
+
 def test_a_caption_cut_at_the_length_limit_is_not_flagged_as_ended(tiny_sat, random_visuals):
     """A caption that ran to ``max_len`` without EOS holds no end token and says so (``ended_with_eos`` False, no
     ``is_eos`` flag), in every one of the ``n_best`` beams, as greedy's do; one that emitted EOS says it did."""
@@ -422,7 +448,8 @@ def test_a_caption_cut_at_the_length_limit_is_not_flagged_as_ended(tiny_sat, ran
         for hyp in hyps:
             assert len(hyp.token_ids) == 5 and tiny_sat.eos_id not in hyp.token_ids
             assert not hyp.ended_with_eos and hyp.is_eos == [False] * 5
-    assert not any(h.ended_with_eos for h in greedy(tiny_sat, random_visuals, 5))
+    # greedy stops at the limit too: five words, not a sixth after them
+    assert all(len(h.token_ids) == 5 and not h.ended_with_eos for h in greedy(tiny_sat, random_visuals, 5))
     with torch.no_grad():
         tiny_sat.out_word.bias[tiny_sat.eos_id] += 100.0  # EOS wins as soon as it may (after the first word)
     for hyps in beam_search(tiny_sat, random_visuals, k=3, max_len=5, n_best=3):
