@@ -115,6 +115,25 @@ def test_doubled_word_blocking_holds_for_requests_joining_a_table_whose_rows_blo
         assert doubles != (bool(rules) and rules[0].block_doubled_words), tokens
 
 
+def test_a_length_penalty_holds_for_a_request_that_starts_a_table_with_one_that_has_none(encoder):
+    """Two requests taken together, one with a length penalty and one without: the table ranks the penalised
+    request's rows by their penalty (a table whose rows have no penalty skips that arithmetic, so it must ask
+    whether any of its requests has one, not whether all do), and each gets its solo caption."""
+    runtime = runtime_for("sat", encoder)
+    with torch.no_grad():  # captions that end at various lengths: ranking by the penalty at every step matters
+        runtime.ckpt.model.out_word.bias[runtime.eos_id] += 1.0
+    images = [runtime.prepare(image) for image in random_images(3, seed=5)]
+    long = DecodingRules(length_penalty=2.0)
+    schedule = [(0, images[0], 2, 12), (0, images[2], 2, 12, long)]
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
+    batcher.start(worker=False)
+    results = asyncio.run(drive(batcher, schedule))
+    for (_, prepared, beam, max_len, *rules), got in zip(schedule, results):
+        assert_same_result(got, runtime.caption([prepared], beam, max_len, *rules)[0])
+    # the penalty does change that caption, so the comparison above says something
+    assert results[1].hypothesis.token_ids != solo(runtime, images[2], 2, 12).hypothesis.token_ids
+
+
 def test_rows_joining_mid_table_never_end_on_their_first_token(encoder):
     """A model that would end every caption at once: rows joining a table whose other rows are mid-caption still
     choose a word first (the rule that keeps a beam search's caption from being empty holds row by row)."""
