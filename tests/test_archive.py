@@ -154,13 +154,30 @@ def test_unreadable_files_are_reported_skipped_and_tried_again_on_resume(tmp_pat
                                                               "error": errors[str(tmp_path / "gone.jpg")]}]
 
 
+def test_an_unreadable_file_is_in_the_errors_list_as_soon_as_it_is_reported(tmp_path, tiny_checkpoint_folder,
+                                                                             small_archive, monkeypatch):
+    """The list of errors is flushed line by line, like the captions: a run killed later (or a user watching a long
+    one) still finds there every file stderr named, not only once the run has ended."""
+    seen = []
+    close = CaptionLines.close
+
+    def recorded(self):  # the output is closed before the list of errors
+        seen.append(read_lines(tmp_path / "out.errors.jsonl"))
+        close(self)
+
+    monkeypatch.setattr(CaptionLines, "close", recorded)
+    caption_archive([small_archive[0], str(tmp_path / "gone.jpg")], tmp_path / "out.jsonl", tiny_checkpoint_folder,
+                    settings(), ArchiveOptions(max_len=4), progress=False)
+    assert [[r["path"] for r in errors] for errors in seen] == [[str(tmp_path / "gone.jpg")]]
+
+
 def test_a_list_naming_a_fifo_a_device_or_a_huge_file_skips_them(tmp_path, tiny_checkpoint_folder, small_archive,
                                                                    monkeypatch):
     """A FIFO in a list blocked its reader for ever (and Ctrl-C with it), and /dev/zero was read until memory ran
     out: only regular files within the service's upload limit are read."""
     fifo = tmp_path / "pipe.jpg"
     os.mkfifo(fifo)
-    limit = Path(small_archive[0]).stat().st_size + 100
+    limit = Path(small_archive[0]).stat().st_size  # a file of exactly the limit is read, as the service's body is
     huge = tmp_path / "huge.jpg"
     huge.write_bytes(b"\xff" * (limit + 1))
     monkeypatch.setenv("CAPTIONER_MAX_UPLOAD_BYTES", str(limit))
@@ -232,6 +249,31 @@ def test_archive_captions_equal_the_single_image_command_and_carry_attention_on_
     assert len(list((tmp_path / "figures").iterdir())) == len(records)  # no partial files left behind
 
 
+def test_a_lines_fields_come_in_the_readmes_order(tmp_path, tiny_checkpoint_folder, small_archive):
+    """README lists a line's fields in the order they are written, ``path`` first: a reader of a huge archive (or a
+    person paging it) finds the file a caption is of at the start of its line."""
+    caption_archive(small_archive[:1], tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
+                    ArchiveOptions(max_len=4), progress=False)
+    (record,) = read_lines(tmp_path / "out.jsonl")
+    assert list(record) == ["path", "model", "checkpoint", "beam_size", "length_penalty", "block_trigrams",
+                            "block_doubled_words", "caption", "tokens", "token_logprobs", "score"]
+
+
+def test_a_figure_that_cannot_be_written_leaves_no_line_naming_it(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                                  monkeypatch):
+    """A figure is written before its caption line: a run stopped by a figure it could not write (a full disk) has
+    no line pointing at a missing figure, and ``--resume`` captions that image again."""
+    def full_disk(image, result, out):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    monkeypatch.setattr(archive, "write_figure", full_disk)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(OSError, match="No space left on device"):
+        caption_archive(small_archive, out, tiny_checkpoint_folder, settings(),
+                        ArchiveOptions(max_len=4, heatmaps=tmp_path / "figures"), progress=False)
+    assert out.read_text() == ""
+
+
 def test_the_figures_of_an_archive_are_drawn_on_one_thread(tmp_path, tiny_checkpoint_folder, small_archive,
                                                              monkeypatch):
     """pyplot's figure registry is not thread-safe: the figures of captions that finish together (one batch) are
@@ -288,6 +330,16 @@ def test_an_output_is_never_overwritten_or_resumed_from_a_foreign_file(tmp_path,
         writing.close()
     CaptionLines(tmp_path / "shard.jsonl", resume=True).close()  # the lock goes with the file
     assert list_images([str(tmp_path / "archive")]) == small_archive
+
+
+def test_a_folder_named_like_an_image_is_walked_not_listed(tmp_path, small_archive):
+    """A folder whose name ends in ``.jpg`` (an album, say) is no image: listed, it was reported unreadable ("Is a
+    directory") on every run and every resume; the photos inside it are listed."""
+    album = tmp_path / "archive" / "b" / "summer.jpg"
+    album.mkdir()
+    inside = album / "beach.png"
+    Image.open(small_archive[0]).save(inside)
+    assert list_images([str(tmp_path / "archive")]) == sorted([*small_archive, str(inside)])
 
 
 def test_caption_lines_reach_the_disk_every_interval_and_at_close(tmp_path, monkeypatch):
@@ -401,6 +453,19 @@ def test_a_run_with_unreadable_files_leaves_no_file_open(tmp_path, tiny_checkpoi
     assert read_lines(tmp_path / "out.errors.jsonl")[0]["path"] == str(tmp_path / "gone.jpg")
 
 
+def test_the_progress_bar_counts_skipped_images_and_those_done_before_a_resume(tmp_path, tiny_checkpoint_folder,
+                                                                              small_archive, capsys):
+    """The bar ends at the shard's total: an unreadable file counts once it is skipped, and a resumed run's bar
+    starts at the images the output already holds (either bar ended short of its total)."""
+    out, gone = tmp_path / "out.jsonl", str(tmp_path / "gone.jpg")
+    for images in (small_archive[:5], small_archive):
+        caption_archive([*images, gone], out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
+                        resume=True, progress=True)
+        bar = [line for line in capsys.readouterr().err.splitlines() if line.startswith("captioning")]
+        total = len(images) + 1
+        assert f"| {total}/{total} [" in bar[-1]
+
+
 def test_the_images_read_ahead_fill_the_rows_and_one_encoder_batch():
     """More images in flight than the batcher's rows take (``max_rows`` / beam) plus one encoder batch waiting would
     only hold decoded images in memory; at least one image is always read."""
@@ -433,10 +498,56 @@ def test_a_failure_while_writing_stops_the_run_and_is_raised(tmp_path, tiny_chec
     assert 1 <= len(attempts) < len(small_archive)
 
 
-def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_folder, small_archive):
+def test_an_interrupted_run_keeps_its_lines_and_resumes_at_once_in_the_same_process(tmp_path, tiny_checkpoint_folder,
+                                                                                   small_archive, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt) keeps every line written and closes the output, its lock with it: a library
+    caller (a notebook) resuming at once, the interrupt's traceback still held, was told another process wrote it."""
+    write = CaptionLines.write
+
+    def interrupted(self, record):
+        write(self, record)
+        if len(self.done) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(CaptionLines, "write", interrupted)
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
+                        progress=False)
+    written = out.read_bytes()
+    assert len(written.splitlines()) == 3 and stopped.type is KeyboardInterrupt  # `stopped` holds the traceback
+    monkeypatch.setattr(CaptionLines, "write", write)
+    run = caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
+                          resume=True, progress=False)
+    assert out.read_bytes().startswith(written) and sorted(r["path"] for r in read_lines(out)) == small_archive
+    assert (run.already_done, run.summary.captioned) == (3, len(small_archive) - 3)
+
+
+def test_a_stopped_run_leaves_no_reader_thread_running(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                       monkeypatch):
+    """A run stopped by a failure shuts its reader threads down, the reads not yet begun cancelled: they waited on
+    in a library caller's process (reading on, even) for as long as the error's traceback lived."""
+    readers = set()
+
+    def full_disk(self, record):
+        readers.update(t for t in threading.enumerate() if t.name.startswith("archive-reader"))
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(CaptionLines, "write", full_disk)
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        caption_archive(small_archive, tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
+                        ArchiveOptions(max_len=4), progress=False)
+    for thread in readers:
+        thread.join(timeout=10)
+    assert readers and not [t.name for t in readers if t.is_alive()], failed.value  # the traceback is still held
+
+
+def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_folder, small_archive, monkeypatch):
     out = tmp_path / "out.jsonl"
     caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4), progress=False)
     written = out.read_bytes()
+    # nor loads the model (and warms it up: tens of seconds) for nothing to caption
+    monkeypatch.setattr(archive, "load_runtime", lambda *args: pytest.fail("a finished archive loaded its model"))
     run = caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
                           resume=True, progress=False)
     assert (run.total, run.already_done, run.summary.captioned, run.dropped_tail) == (len(small_archive),) * 2 + (0, 0)
