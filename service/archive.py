@@ -396,7 +396,7 @@ class ErrorLog:
     def __init__(self, path: Path, say: Callable[[str], None] = lambda line: print(line, file=sys.stderr)):
         _check_is_an_error_list(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.say, self.count = path, say, 0
+        self.path, self.say = path, say
         try:  # never through a link: it emptied the file the link named
             self._file = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "w")
         except OSError as exc:
@@ -406,7 +406,6 @@ class ErrorLog:
         self.say(f"skipped {image}: {reason}")
         self._file.write(json.dumps({"path": image, "error": reason}, ensure_ascii=False) + "\n")
         self._file.flush()
-        self.count += 1
 
     def close(self) -> None:
         self._file.close()
