@@ -476,6 +476,28 @@ def test_full_queue_refuses_and_wide_beams_are_rejected(encoder):
     asyncio.run(scenario())
 
 
+def test_the_check_ahead_of_an_upload_refuses_as_submit_would_while_the_batcher_is_not_accepting(encoder):
+    """``check_admission`` runs before a request's image is decoded and must raise what ``submit`` would: a batcher
+    not started or stopping refuses with NotAccepting (the service's 503), not with its queue's or its estimate's
+    refusal (a 429 telling the client to retry a server that is going away), and never lets it through."""
+    runtime = runtime_for("sat", encoder)
+    batcher = Batcher(runtime, max_batch=4, queue_size=1, max_rows=4)
+    prepared = runtime.prepare(random_images(1)[0])
+
+    async def scenario():
+        with pytest.raises(NotAccepting):
+            batcher.check_admission(10, 1, 5)  # not started
+        batcher.start(worker=False)
+        batcher.submit(prepared, 1, 5, 10)
+        with pytest.raises(QueueFull):
+            batcher.check_admission(10, 1, 5)
+        await batcher.stop()
+        with pytest.raises(NotAccepting):
+            batcher.check_admission(10, 1, 5)  # the queue is still full, but the batcher is stopping
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("arch", ["sat", "area-transformer"])
 def test_worker_thread_with_concurrent_callers_matches_solo(arch, encoder):
     """The real worker thread, requests arriving whenever asyncio gets to them (timing-dependent joins)."""
@@ -577,6 +599,43 @@ def test_a_caption_made_before_its_steps_bookkeeping_failed_still_goes_out(encod
     first, later = asyncio.run(scenario())
     assert not broken[0], "the bookkeeping never failed: the test checked nothing"
     assert first.words == later.words == solo(runtime, prepared, 2, 5).words
+
+
+def test_a_table_whose_results_cannot_be_collected_fails_its_requests_and_the_other_tables_get_theirs(
+        encoder, monkeypatch):
+    """Two requests of a Transformer finish at one step in two tables (each cohort has its own): when copying one
+    table's results fails, its request fails with the error at that boundary, not at its deadline, its rows are
+    freed there as a finished request's are, and the other table's request gets its own caption, never one shifted
+    from the failed table's results."""
+    runtime = runtime_for("area-transformer", encoder)
+    images = [runtime.prepare(image) for image in random_images(2, seed=7)]
+    real_results_of, jobs = RowTable.results_of, []
+
+    def failing_for_the_first_request(table, finished, runtime):
+        if jobs[0] in finished:
+            raise RuntimeError("copying the results failed")
+        return real_results_of(table, finished, runtime)
+
+    monkeypatch.setattr(RowTable, "results_of", failing_for_the_first_request)
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=16)
+    batcher.start(worker=False)
+
+    async def scenario():
+        jobs.append(batcher.submit(images[0], 2, 4, 60))
+        batcher.run_once()
+        jobs.append(batcher.submit(images[1], 2, 3, 60))  # a step later: a cohort of its own, ending at one step
+        while not batcher.idle:
+            batcher.run_once()
+            # both tables decode until one step finishes both, and that boundary frees every row, the failed table's
+            # too (left in it, they would be decoded and fail again at every step)
+            assert len(batcher._tables) in (0, 2)
+        await asyncio.sleep(0)
+        assert all(job.future.done() for job in jobs)
+        return await asyncio.gather(*(job.future for job in jobs), return_exceptions=True)
+
+    failed, second = asyncio.run(scenario())
+    assert isinstance(failed, RuntimeError) and "copying the results failed" in str(failed)
+    assert_same_result(second, solo(runtime, images[1], 2, 3))
 
 
 def test_a_failing_step_spares_the_requests_still_queued_and_a_failing_idle_hook_spares_the_worker(encoder):
@@ -1578,6 +1637,37 @@ def test_images_are_encoded_in_the_encoder_thread_only_when_encoding_overlaps(en
 
     asyncio.run(scenario())
     assert [name.split("_")[0] for name in threads] == ["encoder-sat" if overlap else "batcher-sat"]
+
+
+def test_a_drain_that_finishes_ends_the_worker_without_waiting_out_its_timeout(encoder):
+    """``stop()`` ends the worker as soon as the drained batcher is idle: a worker that waited for more work instead
+    would hold every shutdown of the service for its whole drain timeout, then log that the drain timed out and
+    failed the remaining requests, when none remained."""
+    runtime = runtime_for("sat", encoder)
+    prepared = runtime.prepare(random_images(1)[0])
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=4)
+    warnings = []
+
+    class Kept(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    batcher_log, handler = logging.getLogger("captioner.batcher"), Kept(logging.WARNING)
+
+    async def scenario():
+        batcher.start()
+        running = asyncio.ensure_future(batcher.caption(prepared, 1, 4, 60))
+        await asyncio.sleep(0)
+        await batcher.stop(10)
+        return await running
+
+    batcher_log.addHandler(handler)
+    try:
+        result = asyncio.run(scenario())
+    finally:
+        batcher_log.removeHandler(handler)
+    assert result.words == solo(runtime, prepared, 1, 4).words
+    assert not [line for line in warnings if "drain timed out" in line]
 
 
 def test_a_stopped_batcher_leaves_no_encoder_thread_behind_and_a_workerless_one_stops_too(encoder):
