@@ -121,7 +121,6 @@ class Batcher:
         self._abort = False
         self.active_rows = 0
         self.active_jobs = 0  # admitted requests whose rows are in a table (written by the worker only)
-        self.steps = 0
 
     # -- event-loop side ------------------------------------------------------------------------------------
     def start(self, worker: bool = True) -> None:
@@ -317,7 +316,6 @@ class Batcher:
         started = time.perf_counter()
         rows = sum(t.rows for t in self._tables)
         done = [table.step(self.runtime) for table in self._tables]
-        self.steps += 1
         self.metrics.observe_step(self.runtime.name, rows, time.perf_counter() - started)
         finished_now: list[Job] = []
         results_now: list[CaptionResult] = []
