@@ -492,6 +492,37 @@ def test_card_is_written_from_the_training_record_and_an_eval_report(tmp_path):
     assert "| ood (4 images) | — | — | — | — | — | — | — | 0.7500 | — | — |" in card
 
 
+def test_a_cards_heading_is_the_title_asked_for_or_else_the_name_the_checkpoint_is_served_under(tmp_path):
+    """``captioner card --title`` (the Makefile titles every shipped card); without one, a run's ``best/`` is named
+    after its run, as the service names it."""
+    best = save_checkpoint(tmp_path / "sat-run" / "best", tiny_model("sat"), VOCAB, TINY_SPEC)
+    assert write_card(best, {}, title="Tiny SAT").read_text().startswith("# Tiny SAT\n")
+    assert write_card(best, {}).read_text().startswith("# sat-run\n")
+
+
+def test_a_cards_epoch_table_marks_a_score_an_epoch_lacks_and_an_unrecorded_validation_beam_is_greedy(tmp_path):
+    """An epoch without one of the table's columns shows "—", as the score table does, not "None"; a training record
+    without ``val_beam`` (an older run's) validated greedily, TrainConfig's default, not with a beam of 0."""
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
+        "history": [{"epoch": 1, "xe": 1.5}, {"epoch": 2, "xe": 1.25, "CIDEr-D": 0.5}]})
+    card = write_card(tmp_path / "ckpt", {}).read_text()
+    assert "| epoch | xe | CIDEr-D |\n|---|---|---|\n| 1 | 1.5 | — |\n| 2 | 1.25 | 0.5 |\n" in card
+    assert "then validation scores (greedy decoding, the numbers the run selected on):" in card
+
+
+def test_a_float32_checkpoints_card_compares_no_storage_but_a_float16_copys_does(tmp_path):
+    """float32 checkpoints record no ``storage`` (their config stays byte-identical), so the card reads its absence
+    as float32: a card claiming float16 weights, set against the float32 ones, would describe other weights."""
+    chosen = {"dataset": "d.json", "split": "val", "metric": "CIDEr-D", "beam_size": 3, "images": 4, "score": 1.5,
+              "storage": "float32"}  # what `tune-decoding --write` records
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"decoding_chosen_on": chosen})
+    report = {"beam_size": 3, "val": {"images": 4, "CIDEr-D": 1.25}}
+    assert "Weights stored as" not in write_card(tmp_path / "ckpt", report).read_text()
+    half = convert_storage(tmp_path / "ckpt", "float16", tmp_path / "half")
+    assert ("Weights stored as float16: val CIDEr-D 1.2500, against 1.5000 with the float32 weights"
+            in write_card(half, report).read_text())
+
+
 def test_a_checkpoints_training_time_counts_every_run_it_started_from_or_is_not_known():
     """The card's "min with the runs it started from" and the zoo table's training column: a warm start's time
     alone understated it, and a run whose time was never recorded cannot be counted as none."""
