@@ -614,6 +614,9 @@ def test_an_ensemble_records_what_each_member_cost_to_train_with_the_runs_it_sta
     main(["ensemble", str(tmp_path / "both"), *map(str, members)])
     recorded = load_checkpoint(tmp_path / "both").meta["ensemble_of"]
     assert [member["train_seconds"] for member in recorded] == [180.0, None]
+    rows = [line.split(" | ") for line in card_module.write_card(tmp_path / "both", {}).read_text().splitlines()
+            if line.startswith("| `")]
+    assert [row[3] for row in rows] == ["3.0 min", "not recorded"]  # the members table's training time column
 
 
 def test_an_ensembles_member_selection_scores_on_the_threads_asked_for(tmp_path, monkeypatch, capsys):
