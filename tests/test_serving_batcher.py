@@ -1711,3 +1711,30 @@ def test_the_queue_time_metric_is_the_wait_from_submission_to_admission(encoder)
 
     asyncio.run(scenario())
     assert metrics.queue_time.labels("sat")._sum.get() == 2.5
+
+
+def test_the_load_gauges_are_the_rows_decoding_and_the_requests_waiting_for_rows(encoder):
+    """``captioner_active_rows`` and ``captioner_queued_requests`` (what docker/k8s/base/hpa.yaml scales on) are set
+    at each boundary from the batcher's own counts, and are back at 0 once it is idle."""
+    metrics = Metrics()
+    runtime = runtime_for("sat", encoder)
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=4, metrics=metrics)
+    batcher.start(worker=False)
+    prepared = [runtime.prepare(image) for image in random_images(2, seed=5)]
+
+    def gauges() -> tuple[float, float]:
+        return metrics.active_rows.labels("sat")._value.get(), metrics.queued.labels("sat")._value.get()
+
+    async def scenario():
+        jobs = [batcher.submit(one, 4, 30, 60) for one in prepared]
+        batcher.run_once()
+        batcher.run_once()
+        assert (batcher.active_rows, batcher.queued) == (4, 1)  # no room for the second
+        during = gauges()
+        while not batcher.idle:
+            batcher.run_once()
+        await asyncio.gather(*(job.future for job in jobs))
+        return during
+
+    assert asyncio.run(scenario()) == (4, 1)
+    assert gauges() == (0, 0)
