@@ -24,10 +24,12 @@ def test_pressure_gauges_follow_the_slots_and_the_upload_budget():
         waiting = [asyncio.create_task(slots.run(lambda: None)) for _ in range(3)]
         while slots.running == 0 or slots.waiting < 3:
             await asyncio.sleep(0.01)
-        budget.take(600)
-        in_flight[0] = 4
-        during = parse_metrics(metrics.render().decode())
-        release.set()
+        try:
+            budget.take(600)
+            in_flight[0] = 4
+            during = parse_metrics(metrics.render().decode())
+        finally:  # a failure above must not leave the pool's thread waiting: the test process would never exit
+            release.set()
         await asyncio.gather(first, *waiting)
         return during
 
