@@ -1,6 +1,5 @@
 """Reading a photo (models/images.py): every format and mode becomes 8-bit RGB as a browser shows it, the header
 alone gives the picture's size, and what cannot be read is refused with an error that names it."""
-import io
 
 import numpy as np
 import pytest
@@ -9,21 +8,15 @@ from skimage import data
 
 from captioner.models.images import ImageDecodeError, ImageTooLarge, decode_cost, load_image, open_image, picture_size
 
-from .hostile_images import _png_declaring
+from .hostile_images import _png_declaring, _save
 from .leaks import nothing_left_open
-
-
-def _encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **kwargs)
-    return buffer.getvalue()
 
 
 @pytest.mark.parametrize("fmt,mode", [("JPEG", "RGB"), ("PNG", "RGBA"), ("PNG", "L"), ("PNG", "P"), ("WEBP", "RGB"),
                                       ("GIF", "P"), ("BMP", "RGB"), ("TIFF", "CMYK")])
 def test_formats_and_modes_become_rgb(fmt, mode):
     image = Image.new("RGB", (30, 20), (200, 10, 10)).convert(mode)
-    loaded = load_image(_encode(image, fmt))
+    loaded = load_image(_save(image, fmt))
     assert loaded.mode == "RGB" and loaded.size == (30, 20)
 
 
@@ -34,7 +27,7 @@ def test_deep_greyscale_is_scaled_to_eight_bits_not_clipped(fmt, dtype, full_sca
     # convert("RGB") alone clips at 255: a 16-bit photo came out nearly white, a [0, 1] float one black
     grey = data.camera()[::8, ::8]
     deep = Image.fromarray((grey.astype(np.float64) * (full_scale / 255.0)).astype(dtype))
-    loaded = np.asarray(load_image(_encode(deep, fmt)))
+    loaded = np.asarray(load_image(_save(deep, fmt)))
     assert loaded.shape == (*grey.shape, 3)
     np.testing.assert_allclose(loaded[..., 0], grey, atol=1)
     assert (loaded[..., 0] == loaded[..., 2]).all()
@@ -44,7 +37,7 @@ def test_every_sixteen_bit_value_is_rescaled_to_the_nearest_eight_bit_one():
     # the PNG specification's sample depth rescaling (12.5): round(v * 255 / 65535), i.e. round(v / 257); e.g.
     # 65406 is 254.498 of 255, so 254, and 32767 is 127.498, so 127 (a full scale off by one rounds both up)
     every = np.arange(65536, dtype=np.uint16).reshape(256, 256)
-    loaded = np.asarray(load_image(_encode(Image.fromarray(every), "PNG")))[..., 0]
+    loaded = np.asarray(load_image(_save(Image.fromarray(every), "PNG")))[..., 0]
     np.testing.assert_array_equal(loaded, (every.astype(np.int64) * 2 + 257) // 514)
     assert loaded.reshape(-1)[65406] == 254 and loaded.reshape(-1)[32767] == 127
 
@@ -52,7 +45,7 @@ def test_every_sixteen_bit_value_is_rescaled_to_the_nearest_eight_bit_one():
 def test_negative_values_of_a_float_picture_are_black_not_wrapped_to_white():
     # a float image below 0 (a filter's output) is clipped at black; an 8-bit cast of -1 would wrap to 255
     floats = np.tile(np.linspace(-0.5, 1.0, 16, dtype=np.float32), (4, 1))
-    loaded = np.asarray(load_image(_encode(Image.fromarray(floats, "F"), "TIFF")))[..., 0]
+    loaded = np.asarray(load_image(_save(Image.fromarray(floats, "F"), "TIFF")))[..., 0]
     assert (loaded[floats < 0] == 0).all() and loaded[0, -1] == 255
     np.testing.assert_allclose(loaded[floats >= 0], floats[floats >= 0] * 255, atol=0.5)
 
@@ -80,7 +73,7 @@ def test_transparent_pixels_are_white_not_the_colours_they_hide(mode):
     elif mode == "P":
         image = image.convert("P", palette=Image.Palette.ADAPTIVE)
         image.info["transparency"] = image.getpixel((15, 5))
-    loaded = load_image(_encode(image, "PNG", **({"transparency": image.info["transparency"]} if mode == "P" else {})))
+    loaded = load_image(_save(image, "PNG", **({"transparency": image.info["transparency"]} if mode == "P" else {})))
     assert loaded.getpixel((15, 5)) == (255, 255, 255)
     opaque = loaded.getpixel((5, 5))
     assert opaque != (255, 255, 255) and (mode == "LA" or opaque[0] > 150)
@@ -90,22 +83,18 @@ def test_exif_orientation_is_applied():
     image = Image.new("RGB", (40, 20), (0, 0, 0))
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90° clockwise for display
-    loaded = load_image(_encode(image, "JPEG", exif=exif))
+    loaded = load_image(_save(image, "JPEG", exif=exif))
     assert loaded.size == (20, 40)
 
 
 def test_gif_first_frame():
     frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
-    buffer = io.BytesIO()
-    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
-    assert load_image(buffer.getvalue()).getpixel((5, 5))[0] > 200
+    assert load_image(_save(frames[0], "GIF", save_all=True, append_images=frames[1:])).getpixel((5, 5))[0] > 200
 
 
 def test_a_cameras_two_view_jpeg_is_read_as_its_first_view():
     views = [Image.new("RGB", (12, 8), colour) for colour in [(255, 0, 0), (0, 0, 255)]]
-    buffer = io.BytesIO()
-    views[0].save(buffer, format="MPO", save_all=True, append_images=views[1:])
-    assert load_image(buffer.getvalue()).getpixel((5, 5))[0] > 200
+    assert load_image(_save(views[0], "MPO", save_all=True, append_images=views[1:])).getpixel((5, 5))[0] > 200
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -123,24 +112,24 @@ def test_the_size_read_from_a_header_is_the_size_of_the_picture_the_model_sees(t
 def test_formats_outside_the_documented_list_are_not_an_image(fmt):
     # Pillow reads these, but a valid SPIDER file failed inside Pillow (EOFError) and reached the service as a 500
     with pytest.raises(ImageDecodeError, match="cannot identify a JPEG, PNG, WebP, GIF, BMP or TIFF image"):
-        load_image(_encode(Image.new("L" if fmt == "SPIDER" else "RGB", (40, 30)), fmt))
+        load_image(_save(Image.new("L" if fmt == "SPIDER" else "RGB", (40, 30)), fmt))
 
 
 def test_a_sixteen_bit_grey_png_with_a_transparent_value_is_laid_on_white():
     # scaling to 8 bits dropped its tRNS value, so its transparent pixels were captioned and drawn black
     grey = np.tile(np.linspace(1000, 60000, 40), (20, 1)).astype(np.uint16)
     grey[:, :20] = 0
-    loaded = load_image(_encode(Image.fromarray(grey), "PNG", transparency=0))
+    loaded = load_image(_save(Image.fromarray(grey), "PNG", transparency=0))
     assert loaded.getpixel((5, 5)) == (255, 255, 255) and loaded.getpixel((39, 5))[0] > 200
     # every other value stays opaque: its own grey (60000 of 65535 is 233.46 of 255), not the white under it
     assert loaded.getpixel((39, 5)) == (233, 233, 233)
-    assert load_image(_encode(Image.fromarray(grey), "PNG")).getpixel((5, 5)) == (0, 0, 0)  # opaque: black
+    assert load_image(_save(Image.fromarray(grey), "PNG")).getpixel((5, 5)) == (0, 0, 0)  # opaque: black
 
 
 def test_a_torn_image_file_is_named(tmp_path):
     # among thousands of photos of a data set, "the image data is truncated" did not say which
     torn = tmp_path / "torn.jpg"
-    torn.write_bytes(_encode(Image.fromarray(data.astronaut()), "JPEG")[:5000])
+    torn.write_bytes(_save(Image.fromarray(data.astronaut()), "JPEG")[:5000])
     with pytest.raises(ImageDecodeError, match=f"the image data of {torn} is truncated or corrupt"):
         load_image(torn)
 
@@ -150,7 +139,7 @@ def test_an_image_file_is_closed_once_read_whole_or_torn(tmp_path):
     # of many thousands of photos held them open until collected
     frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
     frames[0].save(tmp_path / "two.gif", save_all=True, append_images=frames[1:])
-    (tmp_path / "torn.jpg").write_bytes(_encode(Image.fromarray(data.astronaut()), "JPEG")[:5000])
+    (tmp_path / "torn.jpg").write_bytes(_save(Image.fromarray(data.astronaut()), "JPEG")[:5000])
     with nothing_left_open():
         assert load_image(tmp_path / "two.gif").size == (10, 10)
         with pytest.raises(ImageDecodeError):
@@ -160,14 +149,14 @@ def test_an_image_file_is_closed_once_read_whole_or_torn(tmp_path):
 def test_bad_images_raise_clear_errors():
     with pytest.raises(ImageDecodeError, match="cannot identify"):
         load_image(b"not an image at all")
-    truncated = _encode(Image.fromarray(data.astronaut()), "JPEG")[:2000]
+    truncated = _save(Image.fromarray(data.astronaut()), "JPEG")[:2000]
     with pytest.raises(ImageDecodeError):
         load_image(truncated)
     with pytest.raises(ImageDecodeError, match="above the limit"):
-        load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 299)
+        load_image(_save(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 299)
     with pytest.raises(ImageTooLarge, match="above the limit"):  # one pixel over is over
-        load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300 - 1)
-    assert load_image(_encode(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300).size == (300, 300)
+        load_image(_save(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300 - 1)
+    assert load_image(_save(Image.new("RGB", (300, 300)), "PNG"), max_pixels=300 * 300).size == (300, 300)
     # a header Pillow itself will not open is refused in terms of one limit, not ours beside Pillow's
     declared_above = 2 * Image.MAX_IMAGE_PIXELS
     for max_pixels, limit in ((40_000_000, 40_000_000), (None, declared_above), (10**12, declared_above)):
@@ -184,9 +173,7 @@ def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_ha
     picture (15) passed for square 8-bit photos (7), and two strips of 39 million pixels took 2 GB (the security
     audit)."""
     def opened(size, mode):
-        buffer = io.BytesIO()
-        Image.new(mode, size).save(buffer, format="PNG")
-        return open_image(buffer.getvalue())
+        return open_image(_save(Image.new(mode, size), "PNG"))
 
     square, strip = opened((300, 300), "RGB"), opened((1, 90_000), "RGB")
     deep = opened((300, 300), "I;16")
