@@ -161,6 +161,20 @@ def count_step_rows(runtime) -> list[int]:
     return rows
 
 
+# far above any scenario's own time, even on a slow machine, and far below pytest-timeout's 600 s
+SCENARIO_TIMEOUT_S = 120.0
+
+
+def run_bounded(coroutine, timeout_s: float = SCENARIO_TIMEOUT_S):
+    """``asyncio.run`` with a bound on the whole scenario: a result that never arrives (a future the batcher lost)
+    fails its test in ``timeout_s`` with a TimeoutError raised at the wait that hung, where a bare ``await
+    job.future`` held the test until pytest-timeout's 600 s stopped the whole run."""
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coroutine
+    return asyncio.run(bounded())
+
+
 async def drive(batcher, schedule: list[tuple], timeout_s: float = 60.0) -> list:
     """Run a batcher started with ``worker=False`` step by step; ``schedule`` holds ``(step, prepared, beam,
     max_len)`` or ``(step, prepared, beam, max_len, rules)``: each request is submitted just before step boundary

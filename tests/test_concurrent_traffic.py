@@ -35,7 +35,7 @@ from captioner.service.middleware import RequestContextMiddleware
 from captioner.service.settings import Settings
 from captioner.service.work_slots import UploadBudget, WorkSlots
 
-from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, serving_settings, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, run_bounded, serving_settings, tiny_model
 
 
 async def _until(condition, timeout_s: float = 10.0) -> None:
@@ -88,7 +88,7 @@ def test_work_slots_bound_the_work_and_free_a_slot_however_it_ends():
         release.set()
         assert await asyncio.gather(*both) == [0, 1]
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_a_wait_for_a_slot_past_the_deadline_is_the_services_504_naming_what_waited():
@@ -105,7 +105,7 @@ def test_a_wait_for_a_slot_past_the_deadline_is_the_services_504_naming_what_wai
         release.set()
         await busy
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert PROBLEM_TYPES[DeadlinePassed][0] == 504
 
 
@@ -142,7 +142,7 @@ def test_a_budget_lets_small_pieces_run_together_and_a_large_one_alone_in_arriva
         assert await asyncio.gather(big, c) == ["big", "c"]
         assert order[3:] == ["start c"] and slots.running == 0
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_waiters_that_leave_together_give_back_nothing_they_did_not_take_and_the_budget_still_binds():
@@ -172,7 +172,7 @@ def test_waiters_that_leave_together_give_back_nothing_they_did_not_take_and_the
         assert await running and await again == "again"
         assert slots.running == 0 and slots.waiting == 0
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_on_idle_is_called_once_the_last_running_piece_ends_and_not_before():
@@ -189,7 +189,7 @@ def test_on_idle_is_called_once_the_last_running_piece_ends_and_not_before():
         assert await pieces[1]
         assert idle == [0]
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_back():
@@ -211,7 +211,7 @@ def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_bac
         # the whole budget is free again: a piece of all of it starts without waiting
         assert await slots.run(lambda: "whole", cost=2, timeout=5) == "whole"
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_share_back():
@@ -234,7 +234,7 @@ def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_sha
         assert await slots.run(lambda: "whole", cost=2, timeout=5) == "whole"  # all of the budget is free
         assert ran == []
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_an_upload_budget_holds_exactly_its_capacity_and_a_request_gives_back_all_it_took():
@@ -321,9 +321,9 @@ def test_a_body_announced_above_the_limit_is_refused_before_any_of_it_is_read():
 
     budget = UploadBudget(10_000)
     with pytest.raises(UploadTooLarge):
-        asyncio.run(read_body(request(1001), 1000, budget=budget))
+        run_bounded(read_body(request(1001), 1000, budget=budget))
     assert received == [] and budget.held == 0
-    assert asyncio.run(read_body(request(1000), 1000, budget=budget)) == b"x" * 1000 and received == [True]
+    assert run_bounded(read_body(request(1000), 1000, budget=budget)) == b"x" * 1000 and received == [True]
 
 
 def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights):
@@ -334,7 +334,7 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
 
     request = Request({"type": "http", "method": "POST", "path": "/caption", "headers": []}, receive)
     with pytest.raises(ClientGone, match="closed the connection"):
-        asyncio.run(read_body(request, 1000))
+        run_bounded(read_body(request, 1000))
     # and through the app: counted as the client's 499 (an unmapped ClientGone would be a 500)
     settings = _tiny_settings(tiny_weights)
     with TestClient(create_app(settings)) as client:
@@ -431,7 +431,7 @@ def test_a_request_refused_while_draining_has_its_body_read_before_the_503():
     chunks = [{"type": "http.request", "body": b"x" * 65536, "more_body": True} for _ in range(20)]
     chunks.append({"type": "http.request", "body": b"end", "more_body": False})
     sent, consumed, receive, send = _drain_scenario(middleware, chunks)
-    asyncio.run(middleware({"type": "http", "path": "/caption"}, receive, send))
+    run_bounded(middleware({"type": "http", "path": "/caption"}, receive, send))
     assert len(consumed) == 21 and consumed[-1]["body"] == b"end"
     assert sent[0]["status"] == 503 and json.loads(sent[1]["body"])["type"] == "/problems/not-ready"
     # counted as a refusal, retried after the gate's wait, on another connection (a load balancer's next replica)
@@ -451,7 +451,7 @@ def test_while_draining_liveness_and_metrics_reach_the_app_under_its_prefix_and_
     for path in ("/healthz", "/metrics", "/vision/metrics", "/readyz", "/models", "/caption"):
         sent, _, receive, send = _drain_scenario(middleware, [{"type": "http.request", "more_body": False}])
         root = "/vision" if path.startswith("/vision/") else ""
-        asyncio.run(middleware({"type": "http", "path": path, "root_path": root}, receive, send))
+        run_bounded(middleware({"type": "http", "path": path, "root_path": root}, receive, send))
         assert path in reached or sent[0]["status"] == 503, path
     assert reached == ["/healthz", "/metrics", "/vision/metrics"]
 
@@ -470,9 +470,9 @@ def test_a_drain_says_whether_every_admitted_request_finished_and_tells_its_owne
     began = []
     gate = ShutdownGate(on_drain=lambda: began.append(1))
     gate.in_flight = 1
-    assert asyncio.run(gate.drain(0.05)) is False and gate.draining and began == [1]
+    assert run_bounded(gate.drain(0.05)) is False and gate.draining and began == [1]
     gate.in_flight = 0
-    assert asyncio.run(gate.drain(0.05)) is True
+    assert run_bounded(gate.drain(0.05)) is True
 
 
 @pytest.mark.parametrize("second_signal", [False, True])
@@ -490,7 +490,7 @@ def test_after_the_drain_uvicorn_waits_only_what_is_left_of_its_budget(second_si
         return True
 
     monkeypatch.setattr(server.gate, "drain", drain)
-    asyncio.run(server._drain_then_exit(signal.SIGTERM))
+    run_bounded(server._drain_then_exit(signal.SIGTERM))
     assert server.should_exit and server.config.timeout_graceful_shutdown == (0 if second_signal else 18)
 
 
@@ -511,7 +511,7 @@ def test_a_request_refused_while_draining_is_logged_with_its_request_id_and_the_
     drain clears ``captioner_ready`` and counts each refusal as ``not-ready``."""
     app = create_app(_tiny_settings(tiny_weights))
     with TestClient(app) as client, caplog.at_level(logging.INFO, logger="captioner.access"):
-        assert asyncio.run(app.state.shutdown_gate.drain(0)) is True  # nothing in flight: what SIGTERM starts
+        assert run_bounded(app.state.shutdown_gate.drain(0)) is True  # nothing in flight: what SIGTERM starts
         refused = client.get("/models", headers={"x-request-id": "draining-1"})
         samples = parse_metrics(client.get("/metrics").text)
     assert refused.status_code == 503 and refused.headers["x-request-id"] == "draining-1"
@@ -545,7 +545,7 @@ def test_a_request_cancelled_outside_a_drain_or_once_answered_stays_cancelled(dr
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert gate.in_flight == 0 and [m["status"] for m in sent if "status" in m] == ([200] if answered else [])
 
 
@@ -570,7 +570,7 @@ def test_a_request_cancelled_when_the_drain_time_is_up_is_answered_with_the_503_
         await task  # answered, and ended without re-raising into uvicorn's "Exception in ASGI application"
         assert gate.in_flight == 0
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert sent[0]["status"] == 503 and dict(sent[0]["headers"])[b"content-type"] == b"application/problem+json"
     assert "shut down before the request finished" in json.loads(sent[1]["body"])["detail"]
 

@@ -24,7 +24,7 @@ from captioner.service.batcher import Batcher
 
 from .conftest import DEFAULT_CHECKPOINT
 from .serving_helpers import FEAT_DIM, TINY_SPEC, all_architectures, assert_every_architecture_round_trips, \
-    assert_same_result, tiny_model
+    assert_same_result, run_bounded, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 GPU = torch.device("cuda")
@@ -88,7 +88,7 @@ def test_batcher_with_its_encoder_thread_on_the_gpu_gives_the_fixed_batch_result
         finally:
             await batcher.stop()
 
-    for got, expected in zip(asyncio.run(run()), want):
+    for got, expected in zip(run_bounded(run()), want):
         assert_same_result(got, expected, **CLOSE)
 
 
@@ -109,7 +109,7 @@ def test_decoding_rules_on_the_gpu_give_the_cpus_captions(scene_images):
         finally:
             await batcher.stop()
 
-    for got, expected in zip(asyncio.run(run()), want, strict=True):
+    for got, expected in zip(run_bounded(run()), want, strict=True):
         assert (got.rules.length_penalty, got.rules.block_trigrams) == (expected.rules.length_penalty,
                                                                        expected.rules.block_trigrams)
         assert_same_result(got, expected, **CLOSE)

@@ -9,7 +9,7 @@ import threading
 from captioner.service.metrics import Metrics
 from captioner.service.work_slots import UploadBudget, WorkSlots
 
-from .serving_helpers import parse_metrics
+from .serving_helpers import parse_metrics, run_bounded
 
 
 def test_pressure_gauges_follow_the_slots_and_the_upload_budget():
@@ -22,9 +22,9 @@ def test_pressure_gauges_follow_the_slots_and_the_upload_budget():
         release = threading.Event()
         first = asyncio.create_task(slots.run(release.wait))
         waiting = [asyncio.create_task(slots.run(lambda: None)) for _ in range(3)]
-        while slots.running == 0 or slots.waiting < 3:
-            await asyncio.sleep(0.01)
         try:
+            while slots.running == 0 or slots.waiting < 3:
+                await asyncio.sleep(0.01)
             budget.take(600)
             in_flight[0] = 4
             during = parse_metrics(metrics.render().decode())
@@ -33,7 +33,7 @@ def test_pressure_gauges_follow_the_slots_and_the_upload_budget():
         await asyncio.gather(first, *waiting)
         return during
 
-    during = asyncio.run(scenario())
+    during = run_bounded(scenario())
     assert during['captioner_work_running{pool="render"}'] == 1
     assert during['captioner_work_waiting{pool="render"}'] == 3
     assert during["captioner_upload_bytes_held"] == 600 and during["captioner_requests_in_flight"] == 4

@@ -32,7 +32,7 @@ from captioner.service.settings import Settings
 from captioner.service.warmup import WARMUP_TIMEOUT_S, warm_up, warmup_sizes
 
 from .serving_helpers import all_architectures, assert_same_result, count_encodes, count_step_rows, drive, \
-    random_images, shared_encoder, tiny_checkpoint, watch_encodes
+    random_images, run_bounded, shared_encoder, tiny_checkpoint, watch_encodes
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,7 +64,7 @@ def test_batched_captions_equal_solo_beam_search(arch, encoder):
     schedule = [(step, images[i], beam, max_len) for step, i, beam, max_len in SCHEDULE]
     batcher = Batcher(runtime, max_batch=3, queue_size=16, max_rows=256)
     batcher.start(worker=False)
-    results = asyncio.run(drive(batcher, schedule))
+    results = run_bounded(drive(batcher, schedule))
     for (step, prepared, beam, max_len), got in zip(schedule, results):
         assert got.beam_size == beam and len(got.hypothesis.token_ids) <= max_len
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
@@ -84,7 +84,7 @@ def test_requests_with_their_own_decoding_rules_get_what_they_would_get_alone(en
                 (9, images[2], 3, 14, doubled)]
     batcher = Batcher(runtime, max_batch=2, queue_size=16, max_rows=256)
     batcher.start(worker=False)
-    results = asyncio.run(drive(batcher, schedule))
+    results = run_bounded(drive(batcher, schedule))
     changed = 0
     for (_, prepared, beam, max_len, *rules), got in zip(schedule, results):
         assert_same_result(got, runtime.caption([prepared], beam, max_len, *rules)[0])
@@ -106,7 +106,7 @@ def test_doubled_word_blocking_holds_for_requests_joining_a_table_whose_rows_blo
                 (4, images[3], 2, 10, DecodingRules(length_penalty=1.0, block_doubled_words=True))]
     batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
     batcher.start(worker=False)
-    results = asyncio.run(drive(batcher, schedule))
+    results = run_bounded(drive(batcher, schedule))
     for (_, prepared, beam, max_len, *rules), got in zip(schedule, results):
         assert_same_result(got, runtime.caption([prepared], beam, max_len, *rules)[0])
         tokens = got.hypothesis.token_ids
@@ -127,7 +127,7 @@ def test_a_length_penalty_holds_for_a_request_that_starts_a_table_with_one_that_
     schedule = [(0, images[0], 2, 12), (0, images[2], 2, 12, long)]
     batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
     batcher.start(worker=False)
-    results = asyncio.run(drive(batcher, schedule))
+    results = run_bounded(drive(batcher, schedule))
     for (_, prepared, beam, max_len, *rules), got in zip(schedule, results):
         assert_same_result(got, runtime.caption([prepared], beam, max_len, *rules)[0])
     # the penalty does change that caption, so the comparison above says something
@@ -144,9 +144,24 @@ def test_rows_joining_mid_table_never_end_on_their_first_token(encoder):
     schedule = [(0, images[0], 3, 6), (1, images[1], 2, 6), (2, images[2], 4, 6)]
     batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
     batcher.start(worker=False)
-    for (_, prepared, beam, max_len), got in zip(schedule, asyncio.run(drive(batcher, schedule))):
+    for (_, prepared, beam, max_len), got in zip(schedule, run_bounded(drive(batcher, schedule))):
         assert got.tokens[-1] == "<eos>" and len(got.words) == 1, got.tokens
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
+
+
+def test_a_result_that_never_arrives_fails_its_scenario_instead_of_holding_the_run(encoder):
+    """The bound every scenario here runs under (``run_bounded``): a request's future that is never resolved, as a
+    batcher that lost a row would leave it, ends in a TimeoutError rather than in pytest-timeout's 600 s."""
+    runtime = runtime_for("sat", encoder)
+    batcher = Batcher(runtime, max_batch=2, queue_size=2, max_rows=8)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1, seed=9)[0])
+
+    async def scenario():
+        await batcher.submit(prepared, 1, 3, 60).future  # nobody steps this batcher
+
+    with pytest.raises(TimeoutError):
+        run_bounded(scenario(), timeout_s=0.2)
 
 
 def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
@@ -157,7 +172,7 @@ def test_row_budget_is_respected_and_waiting_requests_join_later(encoder):
     schedule = [(0, images[i], 2, 5) for i in range(6)]
     batcher = Batcher(runtime, max_batch=16, queue_size=16, max_rows=5)
     batcher.start(worker=False)
-    results = asyncio.run(drive(batcher, schedule))
+    results = run_bounded(drive(batcher, schedule))
     assert max(seen) <= 5 and 4 in seen  # two requests of beam 2 at a time: the third waits for rows
     assert encoded[0] == 2 and sum(encoded) == 6  # the two admitted together are encoded together
     for (_, prepared, beam, max_len), got in zip(schedule, results):
@@ -186,7 +201,7 @@ def test_waiting_requests_are_admitted_in_arrival_order_at_most_max_batch_per_bo
         await asyncio.sleep(0)
         return [await job.future for job in jobs]
 
-    results = asyncio.run(scenario())
+    results = run_bounded(scenario())
     assert encoded == [id(prepared) for prepared in images]
     for prepared, got in zip(images, results):
         assert_same_result(got, solo(runtime, prepared, 1, 3))
@@ -212,7 +227,7 @@ def test_a_wide_beam_at_the_head_of_the_queue_is_not_overtaken_by_narrower_ones(
         await asyncio.sleep(0)
         return [await job.future for job in (running, wide, narrow)]
 
-    results = asyncio.run(scenario())
+    results = run_bounded(scenario())
     for prepared, beam, max_len, got in zip(images, (2, 4, 1), (30, 3, 3), results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
 
@@ -254,7 +269,7 @@ def test_rows_being_encoded_count_against_the_row_budget(encoder):
         return [await job.future for job in (first, encoding, late)]
 
     with _driven_with_an_encoder_thread(batcher, release):
-        results = asyncio.run(scenario())
+        results = run_bounded(scenario())
     assert max(rows_stepped) <= 4
     for prepared, beam, max_len, got in zip(images, (1, 2, 2), (40, 3, 3), results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
@@ -285,7 +300,7 @@ def test_a_failed_encoding_fails_every_request_of_its_batch_and_the_next_ones_ar
                 job.future.result()
         return await _finish(batcher, batcher.submit(images[2], 2, 4, 60))
 
-    result = asyncio.run(scenario())
+    result = run_bounded(scenario())
     assert calls == [2, 1] and batcher.idle
     assert_same_result(result, solo(runtime, images[2], 2, 4))
 
@@ -323,7 +338,7 @@ def test_a_drain_that_times_out_fails_the_queued_requests_too(encoder):
                 job.future.result()
 
     try:
-        asyncio.run(scenario())
+        run_bounded(scenario())
     finally:
         release.set()
 
@@ -356,7 +371,7 @@ def test_rows_freed_by_a_cancellation_go_to_a_waiting_request_at_that_same_bound
         assert not leave.future.done()  # nobody waits for it; it is never resolved
         return await stay.future, await waiting.future
 
-    stayed, waited = asyncio.run(scenario())
+    stayed, waited = run_bounded(scenario())
     assert_same_result(stayed, solo(runtime, prepared[0], 3, 30))
     assert_same_result(waited, solo(runtime, prepared[2], 4, 30))
     assert metrics.freed.labels("sat", "cancelled")._value.get() == 4
@@ -387,7 +402,7 @@ def test_a_request_whose_client_leaves_while_it_waits_leaves_the_queue_and_is_ne
         assert not gone.future.done()
         return await running.future
 
-    result = asyncio.run(scenario())
+    result = run_bounded(scenario())
     assert [len(batch) for batch in encoded] == [1] and encoded[0][0] is prepared[0]
     assert_same_result(result, solo(runtime, prepared[0], 3, 12))
 
@@ -420,7 +435,7 @@ def test_a_caller_that_leaves_or_times_out_frees_its_rows_under_its_own_label(en
         assert batcher.active_rows == 0 and batcher.idle
         assert metrics.freed.labels("sat", "deadline")._value.get() == 2
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_deadline_fails_the_request_and_frees_its_rows(encoder):
@@ -452,7 +467,7 @@ def test_deadline_fails_the_request_and_frees_its_rows(encoder):
         assert refused.value.retry_after_s >= 1
         assert batcher.idle
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_full_queue_refuses_and_wide_beams_are_rejected(encoder):
@@ -473,7 +488,7 @@ def test_full_queue_refuses_and_wide_beams_are_rejected(encoder):
         batcher.run_once()  # both admitted: the queue has room again
         batcher.submit(prepared, 1, 5, 10)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_the_check_ahead_of_an_upload_refuses_as_submit_would_while_the_batcher_is_not_accepting(encoder):
@@ -495,7 +510,7 @@ def test_the_check_ahead_of_an_upload_refuses_as_submit_would_while_the_batcher_
         with pytest.raises(NotAccepting):
             batcher.check_admission(10, 1, 5)  # the queue is still full, but the batcher is stopping
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 @pytest.mark.parametrize("arch", ["sat", "area-transformer"])
@@ -518,7 +533,7 @@ def test_worker_thread_with_concurrent_callers_matches_solo(arch, encoder):
         finally:
             await batcher.stop(10)
 
-    results = asyncio.run(scenario())
+    results = run_bounded(scenario())
     for (prepared, beam, max_len), got in zip(requests, results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
 
@@ -563,7 +578,7 @@ def test_a_failing_step_fails_its_requests_by_id_and_the_worker_goes_on(encoder)
             await batcher.stop(10)
 
     try:
-        failed, later = asyncio.run(scenario())
+        failed, later = run_bounded(scenario())
     finally:
         batcher_log.removeHandler(handler)
     assert [type(f).__name__ for f in failed] == ["RuntimeError", "RuntimeError"]
@@ -596,7 +611,7 @@ def test_a_caption_made_before_its_steps_bookkeeping_failed_still_goes_out(encod
         finally:
             await batcher.stop(10)
 
-    first, later = asyncio.run(scenario())
+    first, later = run_bounded(scenario())
     assert not broken[0], "the bookkeeping never failed: the test checked nothing"
     assert first.words == later.words == solo(runtime, prepared, 2, 5).words
 
@@ -633,7 +648,7 @@ def test_a_table_whose_results_cannot_be_collected_fails_its_requests_and_the_ot
         assert all(job.future.done() for job in jobs)
         return await asyncio.gather(*(job.future for job in jobs), return_exceptions=True)
 
-    failed, second = asyncio.run(scenario())
+    failed, second = run_bounded(scenario())
     assert isinstance(failed, RuntimeError) and "copying the results failed" in str(failed)
     assert_same_result(second, solo(runtime, images[1], 2, 3))
 
@@ -670,7 +685,7 @@ def test_a_failing_step_spares_the_requests_still_queued_and_a_failing_idle_hook
         finally:
             await batcher.stop(10)
 
-    first, queued, later = asyncio.run(scenario())
+    first, queued, later = run_bounded(scenario())
     assert isinstance(first, RuntimeError)
     assert queued.words == later.words == solo(runtime, prepared, 2, 5).words
     assert len(idle_calls) >= 1
@@ -721,7 +736,7 @@ def test_stop_drains_running_and_queued_requests_then_refuses(encoder):
             batcher.submit(prepared, 1, 5, 10)
         return results
 
-    results = asyncio.run(scenario())
+    results = run_bounded(scenario())
     assert len(results) == 3 and all(r.words == results[0].words for r in results)
 
 
@@ -800,7 +815,7 @@ def test_admission_refuses_requests_that_would_miss_their_deadline_and_admitted_
         for job in admitted:  # no DeadlineExceeded: the refused third one would have ended past its deadline
             assert (await _finish(batcher, job)).words
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_admission_counts_the_requests_already_decoding_as_ahead(encoder):
@@ -834,7 +849,7 @@ def test_admission_counts_the_requests_already_decoding_as_ahead(encoder):
         assert batcher.active_jobs == 0
         batcher.check_admission(timeout, 3, 6)  # the table is empty again: admitted
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_a_slower_step_raises_the_estimate_before_any_request_finishes(encoder):
@@ -854,7 +869,7 @@ def test_a_slower_step_raises_the_estimate_before_any_request_finishes(encoder):
         batcher.cancel(slow)
         batcher.run_once()
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def _variable_speed_batcher(encoder, cost: StepCost, max_rows: int = 64):
@@ -894,7 +909,7 @@ def test_waiting_requests_that_cannot_finish_in_time_are_shed_before_getting_row
         assert not first.future.done() and batcher.active_jobs == 1  # the decoding request is untouched
         assert (await _finish(batcher, first)).words
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(encoder):
@@ -914,7 +929,7 @@ def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(e
         assert batcher.active_jobs == 1 and batcher.expected_wait_s(3, 4) < 10 * ADMISSION_HEADROOM
         batcher.check_admission(10, 3, 4)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def _estimate_job(beam: int, max_len: int, steps: int = 0, deadline: float = 100.0,
@@ -1021,7 +1036,7 @@ def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(enco
         assert encoded == [4, 4] and batcher.encode_batch == 4
         await batcher.stop()
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
@@ -1040,7 +1055,7 @@ def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
         finally:
             await batcher.stop()
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert batcher.encode_batch == 4
 
 
@@ -1080,7 +1095,7 @@ def test_a_failed_calibration_leaves_the_batcher_measuring_as_before(encoder, fa
         finally:
             await batcher.stop()
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_the_estimate_counts_the_new_requests_own_encoding(encoder):
@@ -1098,7 +1113,7 @@ def test_the_estimate_counts_the_new_requests_own_encoding(encoder):
         # alone on an idle model: its 6 steps at the measured step time, after its image is encoded
         assert batcher.expected_wait_s(1, 6) == pytest.approx(6 * estimate.step_time_s + 0.5)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 def test_calibration_learns_caption_lengths_from_its_calibration_request_only(encoder):
@@ -1116,7 +1131,7 @@ def test_calibration_learns_caption_lengths_from_its_calibration_request_only(en
         await batcher.stop()
         return batcher
 
-    plain, calibrated = asyncio.run(warm(None)), asyncio.run(warm(7))
+    plain, calibrated = run_bounded(warm(None)), run_bounded(warm(7))
     assert plain.admission.steps_per_request is None
     assert calibrated.admission.steps_per_request == 7
     # alone, a 7-step request is expected to take its 7 steps at the measured step time (1 s of fake time each)
@@ -1138,7 +1153,7 @@ def test_the_calibration_requests_step_time_is_measured_afresh_not_averaged_with
         await batcher.stop()
         return batcher.admission
 
-    alone, calibrated = asyncio.run(warm([])), asyncio.run(warm([1, 2]))
+    alone, calibrated = run_bounded(warm([])), run_bounded(warm([1, 2]))
     assert alone.step_time_s is not None
     assert (calibrated.step_time_s, calibrated.rows_per_step) == (alone.step_time_s, alone.rows_per_step)
 
@@ -1167,7 +1182,7 @@ def test_a_calibration_size_is_queued_under_the_workers_lock_so_the_worker_takes
         finally:
             await batcher.stop()
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert held_after == [True] * 8  # two rounds of 1 + 3 requests
     assert encoded == [1, 3, 1, 3]
 
@@ -1205,7 +1220,7 @@ def test_warm_up_requests_are_shaped_by_the_settings_and_never_larger_than_the_w
     runtime.pad_batches = pads
     sizes = padded_sizes if pads else unpadded_sizes
     settings = Settings(default_beam_size=3, default_max_len=7, request_timeout_s=0.01, **limits)
-    asyncio.run(warm_up(types.SimpleNamespace(runtime=runtime, calibrate=calibrate), settings))
+    run_bounded(warm_up(types.SimpleNamespace(runtime=runtime, calibrate=calibrate), settings))
     assert calls == [(3, sizes, dict(timeout_s=WARMUP_TIMEOUT_S, calibrate_len=7))]
 
 
@@ -1226,7 +1241,7 @@ def test_the_worker_reports_idle_once_it_runs_out_of_work(encoder):
             await asyncio.sleep(0.01)
         await batcher.stop()
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert idle == [True]  # once per stretch of work, when the queue and the tables are empty
 
 
@@ -1240,7 +1255,7 @@ def test_lower_precision_runs_through_the_batcher_with_float32_scores(encoder, p
     images = [runtime.prepare(image) for image in random_images(3, seed=8)]
     batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=64)
     batcher.start(worker=False)
-    results = asyncio.run(drive(batcher, [(0, images[0], 3, 6), (1, images[1], 2, 5), (2, images[2], 3, 7)]))
+    results = run_bounded(drive(batcher, [(0, images[0], 3, 6), (1, images[1], 2, 5), (2, images[2], 3, 7)]))
     for prepared, beam, max_len, got in zip(images, (3, 2, 3), (6, 5, 7), results):
         want = runtime.caption([prepared], beam, max_len)[0]
         assert got.words == want.words
@@ -1332,7 +1347,7 @@ def test_a_leaving_jobs_rows_are_filled_by_whole_blocks_never_selected_row_by_ro
         return state
 
     monkeypatch.setattr(row_table_module, "index_rows", index_rows)
-    results = asyncio.run(drive(batcher, schedule))
+    results = run_bounded(drive(batcher, schedule))
     assert selections == []  # the encoder state was never selected row by row, only the moved blocks copied
     for (_, prepared, beam, max_len), got in zip(schedule, results):
         assert_same_result(got, solo(runtime, prepared, beam, max_len))
@@ -1420,7 +1435,7 @@ def test_one_row_one_image_and_one_waiting_request_are_budgets_a_batcher_accepts
     async def scenario():
         return await _finish(batcher, batcher.submit(prepared, 1, 5, 60))
 
-    assert_same_result(asyncio.run(scenario()), solo(runtime, prepared, 1, 5))
+    assert_same_result(run_bounded(scenario()), solo(runtime, prepared, 1, 5))
 
 
 def _held_encodings(runtime, held) -> tuple[threading.Event, threading.Event]:
@@ -1467,7 +1482,7 @@ def test_an_idle_worker_waits_for_the_oldest_encoding_only_and_decodes_on_while_
         return [await job.future for job in jobs]
 
     with _driven_with_an_encoder_thread(batcher, release):
-        results = asyncio.run(scenario())
+        results = run_bounded(scenario())
     for prepared, beam, got in zip(images, (2, 1), results):
         assert_same_result(got, solo(runtime, prepared, beam, 6))
 
@@ -1499,7 +1514,7 @@ def test_the_encoder_keeps_one_chunk_queued_behind_the_one_it_encodes_and_no_mor
         return [await job.future for job in (first, *later)]
 
     with _driven_with_an_encoder_thread(batcher, release):
-        results = asyncio.run(scenario())
+        results = run_bounded(scenario())
     for prepared, max_len, got in zip(images, (8, 3, 3, 3), results):
         assert_same_result(got, solo(runtime, prepared, 1, max_len))
 
@@ -1528,7 +1543,7 @@ def test_requests_leaving_the_queue_count_as_decoding_before_they_reach_the_enco
         await asyncio.sleep(0)
         return [await _finish(batcher, job) for job in (running, *jobs)]
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert counted == [1, 3, 3]  # the one decoding and the two being admitted
 
 
@@ -1549,7 +1564,7 @@ def test_an_encodings_time_includes_the_wait_for_the_device(encoder):
     async def scenario():
         await _finish(batcher, batcher.submit(prepared, 1, 6, 1000))
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert batcher.admission.encode_time_s == 0.5
 
 
@@ -1596,7 +1611,7 @@ def test_a_failed_steps_requests_leave_with_it_whether_decoding_or_being_encoded
             release.set()
             await batcher.stop(10)
 
-    later = asyncio.run(scenario())
+    later = run_bounded(scenario())
     assert later.words == solo(runtime, images[2], 1, 4).words
     assert failed_at and set(stepped[failed_at[0]:]) == {1}, stepped  # only the later request's row decoded since
     assert metrics.freed.labels("sat", "cancelled")._value.get() == 0
@@ -1615,7 +1630,7 @@ def test_run_once_refuses_a_batcher_whose_worker_thread_runs_the_steps(encoder):
         finally:
             await batcher.stop(10)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -1635,7 +1650,7 @@ def test_images_are_encoded_in_the_encoder_thread_only_when_encoding_overlaps(en
         finally:
             await batcher.stop(10)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert [name.split("_")[0] for name in threads] == ["encoder-sat" if overlap else "batcher-sat"]
 
 
@@ -1663,7 +1678,7 @@ def test_a_drain_that_finishes_ends_the_worker_without_waiting_out_its_timeout(e
 
     batcher_log.addHandler(handler)
     try:
-        result = asyncio.run(scenario())
+        result = run_bounded(scenario())
     finally:
         batcher_log.removeHandler(handler)
     assert result.words == solo(runtime, prepared, 1, 4).words
@@ -1687,7 +1702,7 @@ def test_a_stopped_batcher_leaves_no_encoder_thread_behind_and_a_workerless_one_
         with pytest.raises(NotAccepting):
             workerless.submit(prepared, 1, 4, 60)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     started = [thread for thread in threading.enumerate() if thread not in before
                and thread.name.startswith(("batcher-sat", "encoder-sat"))]
     for thread in started:  # the worker is joined by stop(); the encoder thread ends soon after it
@@ -1709,7 +1724,7 @@ def test_the_queue_time_metric_is_the_wait_from_submission_to_admission(encoder)
         clock.now += 2.5
         return await _finish(batcher, job)
 
-    asyncio.run(scenario())
+    run_bounded(scenario())
     assert metrics.queue_time.labels("sat")._sum.get() == 2.5
 
 
@@ -1736,5 +1751,5 @@ def test_the_load_gauges_are_the_rows_decoding_and_the_requests_waiting_for_rows
         await asyncio.gather(*(job.future for job in jobs))
         return during
 
-    assert asyncio.run(scenario()) == (4, 1)
+    assert run_bounded(scenario()) == (4, 1)
     assert gauges() == (0, 0)

@@ -4,7 +4,6 @@ runtime and through the HTTP service; ``captioner export`` writes what the servi
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import errno
 import fcntl
@@ -56,7 +55,7 @@ from captioner.service.shared_encoders import SharedEncoders
 
 from .conftest import DEFAULT_CHECKPOINT, module_folder
 from .serving_helpers import TINY_SPEC, VOCAB, all_architectures, assert_same_result, drive, random_images, \
-    shared_encoder, tiny_checkpoint, tiny_model
+    run_bounded, shared_encoder, tiny_checkpoint, tiny_model
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,7 +107,7 @@ def run_schedule(runtime, images, schedule=SCHEDULE):
     batcher = Batcher(runtime, max_batch=3, queue_size=16, max_rows=64)
     batcher.start(worker=False)
     prepared = [runtime.prepare(image) for image in images]
-    return asyncio.run(drive(batcher, [(step, prepared[i], beam, n) for step, i, beam, n in schedule]))
+    return run_bounded(drive(batcher, [(step, prepared[i], beam, n) for step, i, beam, n in schedule]))
 
 
 def assert_backends_agree(torch_rt, onnx_rt, images, schedule=SCHEDULE):
