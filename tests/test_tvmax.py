@@ -122,34 +122,98 @@ def test_warm_started_solve_agrees_with_a_cold_one(lam, scale):
 
 
 @pytest.mark.parametrize("lam", [0.1, 0.3])
-def test_out_of_iterations_returns_the_point_with_the_smaller_proven_bound(monkeypatch, lam):
+@pytest.mark.parametrize("masked", [False, True])
+def test_out_of_iterations_returns_the_point_with_the_smaller_proven_bound(monkeypatch, lam, masked):
     """With ``max_iter`` spent before every grid is certified, each grid gets whichever of the active-set point
     (its certificate's bound) and FISTA's iterate ``z − Dᵀu`` (bound ``√(2·gap)``, the duality gap computed here
     from the primal and dual objectives) has the smaller proven bound, and lies within that bound of the exact
-    prox. Two iterations leave some of these grids uncertified at either λ."""
+    prox. Two iterations leave some of these grids uncertified at either λ. Masked, the last row is no part of the
+    grid: its cells meet each other with no jump and a dual pinned at 0 (a gap of 0·∞ if taken carelessly), and the
+    real cells are a 7×8 grid."""
     z = _random_scores(16, 5)
+    mask = torch.ones(64, dtype=torch.bool)
+    if masked:
+        mask[56:] = False
     seen = {}
 
     def recording(w, error, z_r, u, bound, grid):
-        seen.update(error=error, u=u, z=z_r)
+        seen.update(w=w, error=error, u=u, z=z_r)
         return module._best_proven_point.__wrapped__(w, error, z_r, u, bound, grid)
 
     recording.__wrapped__ = module._best_proven_point
     monkeypatch.setattr(module, "_best_proven_point", recording)
-    got = tv2d_prox(z, (8, 8), lam=lam, max_iter=2, check_every=1).numpy()
+    got = tv2d_prox(z, (8, 8), lam=lam, mask=mask if masked else None, max_iter=2, check_every=1).numpy()
     assert seen["z"].shape == z.shape, "the budget was not spent: the fallback was not reached"
-    diff = _difference_matrix(8, 8)
-    u, error = seen["u"].numpy(), seen["error"].numpy()
-    iterate = z.numpy() - u @ diff
-    primal = 0.5 * ((iterate - z.numpy()) ** 2).sum(1) + lam * np.abs(iterate @ diff.T).sum(1)
-    dual = 0.5 * (z.numpy() ** 2).sum(1) - 0.5 * (iterate ** 2).sum(1)
+    first, second = grid_edges((8, 8))
+    kept = (mask[first] & mask[second]).numpy()  # the edges between real cells
+    diff, scores, real = _difference_matrix(8, 8)[kept], z.numpy() * mask.numpy(), 56 if masked else 64
+    u, error = seen["u"].numpy()[:, kept], seen["error"].numpy()
+    iterate = scores - u @ diff
+    primal = 0.5 * ((iterate - scores) ** 2).sum(1) + lam * np.abs(iterate @ diff.T).sum(1)
+    dual = 0.5 * (scores ** 2).sum(1) - 0.5 * (iterate ** 2).sum(1)
     fista_bound = np.sqrt(2 * np.maximum(primal - dual, 0.0))
     assert np.isfinite(fista_bound).all() and (fista_bound > 0).all()
+    picked = {"active set": 0, "iterate": 0}
     for row in range(16):
-        expected, _ = _reference_prox(z[row].numpy(), 8, 8, lam)
+        expected = np.zeros(64)
+        expected[:real], _ = _reference_prox(scores[row, :real], real // 8, 8, lam)
         assert np.linalg.norm(got[row] - expected) <= min(error[row], fista_bound[row]) + 1e-9
-        if error[row] > fista_bound[row] * (1 + 1e-6):  # clearly the iterate's turn (not a rounding tie)
+        # where one bound is clearly the smaller (not a rounding tie), its point is the one returned
+        if error[row] > fista_bound[row] * (1 + 1e-6):
             np.testing.assert_allclose(got[row], iterate[row], atol=1e-12, rtol=0)
+            picked["iterate"] += 1
+        elif error[row] < fista_bound[row] * (1 - 1e-6):
+            np.testing.assert_array_equal(got[row], seen["w"][row].numpy())
+            picked["active set"] += 1
+    assert all(picked.values()), f"both kinds of grid: {picked}"
+
+
+def test_a_loose_tolerance_still_bounds_the_error():
+    """``tol`` is a proven bound, not a stopping heuristic: with ``tol=1e-3`` and a check after every iteration the
+    solver may return before the exact prox (one of these grids does), but each result lies within
+    ``tol · max(1, max|z|)`` of it."""
+    z = _random_scores(16, 9)
+    got = tv2d_prox(z, (8, 8), lam=0.3, tol=1e-3, check_every=1).numpy()
+    inexact = 0
+    for row in range(16):
+        expected, certified = _reference_prox(z[row].numpy(), 8, 8, 0.3)
+        error = np.linalg.norm(got[row] - expected)
+        assert error <= 1e-3 * max(1.0, z[row].abs().max().item()) + certified
+        inexact += error > 1e-9
+    assert inexact, "every grid came out exact: the tolerance was never used"
+
+
+def test_the_certificate_asks_for_tol_times_the_scores_scale(monkeypatch):
+    """The documented bound: ``tol`` in L2 times ``max(1, max|z|)`` per grid (absolute below |z| = 1, relative above),
+    and never below ``1e3·eps`` of the dtype. What the active-set steps are asked to certify, per grid."""
+    asked = []
+
+    def recording(z, u, inner, bound, lam, grid, tol, groups):
+        asked.append(tol.clone())
+        return recording.__wrapped__(z, u, inner, bound, lam, grid, tol, groups)
+
+    recording.__wrapped__ = module._active_set_steps
+    monkeypatch.setattr(module, "_active_set_steps", recording)
+    z = _random_scores(2, 17) * torch.tensor([[0.3], [5.0]], dtype=torch.float64)
+    tv2d_prox(z, (8, 8), lam=0.1, tol=1e-4)
+    scale = torch.stack([torch.tensor(1.0, dtype=torch.float64), z[1].abs().max()])
+    assert torch.equal(asked[0], 1e-4 * scale)
+    asked.clear()
+    tv2d_prox(z, (8, 8), lam=0.1, tol=0.0)
+    assert torch.equal(asked[0], 1e3 * torch.finfo(torch.float64).eps * scale)
+
+
+def test_an_active_set_step_that_corrects_the_first_guess_certifies_the_grid():
+    """Two cells 1 apart at λ = 0.1, from a dual of 0 (every edge free: one group at 0.5): the first step's flow
+    overloads the edge (error √2·0.4), the second pins it and is exact. The grid is certified with the second step's
+    point and error 0; kept uncertified, the solver would run on for it, and with the budget spent hand back FISTA's
+    iterate instead of this exact point."""
+    grid = _Grid((1, 2), torch.device("cpu"), torch.float64)
+    z, u = torch.tensor([[1.0, 0.0]], dtype=torch.float64), torch.zeros(1, 1, dtype=torch.float64)
+    tol = torch.full((1,), 1e-9, dtype=torch.float64)
+    w, labels, error, done, all_done = module._active_set_steps(z, u, 0.099, 0.1, 0.1, grid, tol, True)
+    torch.testing.assert_close(w, torch.tensor([[0.9, 0.1]], dtype=torch.float64), atol=1e-15, rtol=0)
+    assert labels.tolist() == [[0, 1]] and error.tolist() == [0.0] and done.tolist() == [True] and all_done
 
 
 def test_prox_on_non_square_and_chain_grids():
@@ -206,6 +270,21 @@ def test_connected_components_on_a_snake():
     split[0, (first == 27) & (second == 28)] = False
     labels = connected_components(split, first, second, 64)
     assert len(labels.unique()) == 2
+
+
+def test_explicit_flow_carries_a_demand_around_cycles_and_trees():
+    """The certificate's explicit flow (``_flow``) on the free edges: leaf peeling settles the edges outside cycles,
+    conjugate gradients those on them. Row 0: the whole 3×3 grid free (four 2×2 cycles); row 1: a comb with no
+    cycle (the rows' edges and the first column's). Each row's demand sums to 0, so the flow carries all of it."""
+    grid = _Grid((3, 3), torch.device("cpu"), torch.float64)
+    first, second = grid_edges((3, 3))
+    free = torch.stack([torch.ones_like(first, dtype=torch.bool), (second == first + 1) | (first % 3 == 0)])
+    demand = torch.randn(2, 9, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    demand -= demand.mean(1, keepdim=True)
+    flow, left = module._flow(demand, free, grid, torch.full((2,), 1e-12, dtype=torch.float64))
+    assert torch.all(flow[~free] == 0), "a flow on a pinned edge"
+    torch.testing.assert_close(grid.spread(flow), demand, atol=1e-12, rtol=0)
+    torch.testing.assert_close(left, torch.zeros_like(left), atol=1e-12, rtol=0)
 
 
 # -- batching, masks, determinism ----------------------------------------------------------------------------------
@@ -326,12 +405,24 @@ def test_neighbours_that_meet_exactly_at_the_box_face_are_one_group(z, grid_hw):
                                atol=1e-15, rtol=0)
 
 
+def test_neighbours_that_almost_meet_at_the_box_face_stay_two_groups():
+    # a jump of 2λ + 2⁻⁴⁰ leaves 2⁻⁴⁰ between the cells: two groups, each its own Jacobian block. The groups are
+    # those of equal values, with no tolerance (a 1e-12 one would merge these and average across the jump)
+    z = torch.tensor([[0.0, 0.5 + 2**-40]], dtype=torch.float64, requires_grad=True)
+    w, labels = tv2d_prox(z, (1, 2), lam=0.25, return_groups=True)
+    assert w[0, 1] - w[0, 0] == 2**-40 and labels.tolist() == [[0, 1]]
+    jacobian = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, (1, 2), lam=0.25), z)[0, :, 0]
+    assert torch.equal(jacobian, torch.eye(2, dtype=torch.float64))
+
+
 # -- registry -----------------------------------------------------------------------------------------------------
 def test_normaliser_entry_infers_a_square_grid():
     z = _random_scores(2, 13).float()
     mask = torch.ones(2, 64, dtype=torch.bool)
     torch.testing.assert_close(NORMALISERS["tvmax"](z, mask), tvmax(z, (8, 8), mask, lam=0.01))
     torch.testing.assert_close(get_normaliser("tvmax", lam=0.3)(z, None), tvmax(z, (8, 8), lam=0.3))
+    # scores [..., N], as every normaliser takes them (heads or beams in front): the grid is read off the last dim
+    torch.testing.assert_close(NORMALISERS["tvmax"](z.view(1, 2, 64), None), tvmax(z, (8, 8), lam=0.01).view(1, 2, 64))
     with pytest.raises(ValueError, match="square"):
         NORMALISERS["tvmax"](torch.randn(2, 10), None)
 
@@ -378,3 +469,12 @@ def test_the_dense_operators_of_accelerators_give_the_same_prox(monkeypatch):
         got, got_groups = module.tv2d_prox(scores, (16, 16), 0.01, m, return_groups=True)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
         assert torch.equal(got_groups, groups)
+
+
+def test_accelerators_always_take_the_dense_products():
+    """docs/tvmax.md: on an accelerator every launch costs more than the arithmetic, so a grid of any size takes the
+    dense products there (a 16×16 grid at three rows does not on a CPU); an explicit choice holds on any device.
+    The meta device stands in for an accelerator: only the device type decides."""
+    meta = torch.device("meta")
+    assert _Grid((16, 16), meta, torch.float64).dense_rows == math.inf
+    assert _Grid((16, 16), meta, torch.float64, dense=False).dense_rows == 0
