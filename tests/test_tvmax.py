@@ -321,6 +321,19 @@ def test_masked_cells_leave_the_prox_at_zero_whatever_their_scores():
     torch.testing.assert_close(w[:, :56], tv2d_prox(z[:, :56], (7, 8), lam=0.05), atol=1e-12, rtol=0)
 
 
+def test_masked_cells_pass_back_no_gradient():
+    """A masked cell's prox is 0 whatever its score, so its row and column of the prox's Jacobian are 0 (the
+    public tv2d_prox's backward; tvmax's sparsemax gives masked cells no gradient anyway), and the real 2×3 cells
+    get the 2×3 grid's group averages (SparseCap Eq. 9)."""
+    z = _random_scores(1, 18, scale=0.3)[:, :9].requires_grad_()
+    mask = torch.tensor([True] * 6 + [False] * 3)
+    jacobian = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, (3, 3), lam=0.05, mask=mask), z)[0, :, 0]
+    expected = torch.zeros(9, 9, dtype=torch.float64)
+    expected[:6, :6] = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, (2, 3), lam=0.05), z[:, :6])[0, :, 0]
+    assert expected[:6, :6].count_nonzero() > 6, "a point with a fused group"
+    torch.testing.assert_close(jacobian, expected, atol=1e-15, rtol=0)
+
+
 def test_float32_scores_are_solved_in_float64():
     """docs/decisions.md#tvmax-solver-precision: the prox runs in float64 by default whatever the scores' dtype, so
     float32 scores give the float64 solve's weights rounded once (fused groups exactly flat)."""

@@ -483,15 +483,17 @@ class TV2DProxFunction(torch.autograd.Function):
     def forward(ctx, z: Tensor, grid_hw: tuple[int, int], lam: float, mask: Tensor | None, tol: float,
                 max_iter: int, check_every: int) -> tuple[Tensor, Tensor]:
         w, labels = _tv2d_solve(z, grid_hw, lam, mask, tol, max_iter, check_every)
-        ctx.save_for_backward(labels)
+        ctx.save_for_backward(labels, mask)
         ctx.mark_non_differentiable(labels)
         return w, labels
 
     @staticmethod
     def backward(ctx, grad_w: Tensor, _grad_labels: Tensor | None):
-        (labels,) = ctx.saved_tensors
-        # J_TV is symmetric (SparseCap Eq. 9), so J_TVᵀ dw is again "average dw over each fused group"
-        return group_means(grad_w, labels), None, None, None, None, None, None
+        labels, mask = ctx.saved_tensors
+        # J_TV is symmetric (SparseCap Eq. 9), so J_TVᵀ dw is again "average dw over each fused group"; a masked
+        # cell is a group of its own whose output is 0 whatever its score: no gradient
+        grad_z = group_means(grad_w, labels)
+        return (grad_z if mask is None else grad_z.masked_fill(~mask, 0.0)), None, None, None, None, None, None
 
 
 def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, mask: Tensor | None = None, *,
@@ -504,7 +506,7 @@ def tv2d_prox(z: Tensor, grid_hw: tuple[int, int], lam: float = DEFAULT_LAMBDA, 
     iterations run out first (then the candidate with the smaller proven bound is returned); fused groups are
     exactly flat.  The solver looks for a certificate every ``check_every`` iterations.  With ``return_groups``
     also returns the group label (smallest cell index of the group) of every cell.  Masked cells (False) are
-    removed from the grid graph; their output is 0.
+    removed from the grid graph; their output is 0, and so is the gradient they get back.
     """
     h, w = grid_hw
     if z.shape[-1] != h * w:
