@@ -164,6 +164,20 @@ def test_a_files_own_name_is_found_before_the_image_id_and_a_folders_width_must_
             RegionStore(tmp_path, [_image(0)])
 
 
+def test_a_photo_that_records_its_coco_id_takes_that_file_never_the_one_its_karpathy_number_names(tmp_path):
+    """Karpathy's dataset_coco.json numbers its photos 0..123286 (``imgid``) beside COCO's id (``cocoid``), and a
+    bottom-up folder names its files after COCO's id: there about one Karpathy number in five is another photo's COCO
+    id, whose regions were loaded in silence."""
+    photo = _image(0)  # Karpathy's number 100
+    photo.info["cocoid"] = 391895
+    save_regions(tmp_path / "100.npz", np.zeros((2, 4)), np.zeros((2, 4)), (10, 10))  # COCO's photo 100: another
+    save_regions(tmp_path / "391895.npz", np.ones((3, 4)), np.zeros((3, 4)), (10, 10))
+    assert RegionStore(tmp_path, [photo]).batch([photo.key]).feats.tolist() == [[[1.0] * 4] * 3]
+    (tmp_path / "391895.npz").unlink()
+    with pytest.raises(FileNotFoundError, match="1 image"):  # missing, rather than another photo's
+        RegionStore(tmp_path, [photo])
+
+
 @pytest.mark.parametrize("features, boxes, size, message", [
     (np.zeros((0, 4)), np.zeros((0, 4)), (10, 10), r"features must be \[N >= 1, D\]"),
     (np.zeros((2, 4)), np.zeros((2, 4)), (10, 10, 3), r"image_size must be \(width, height\)")])

@@ -3,7 +3,8 @@ Faster R-CNN regions per image, each with its box in original-image pixels).
 
 On-disk format: one folder holding one ``.npz`` per image, named after the image file without its extension
 (Karpathy JSON ``filename``: ``COCO_val2014_000000391895.npz``, ``scene_000042.npz``) or, failing that, after
-the numeric image id (``391895.npz``, the layout of the common bottom-up conversions)::
+the numeric image id, COCO's where the data set records it (``391895.npz``, the layout of the common bottom-up
+conversions)::
 
     features    [N, D] float16 / float32   one feature vector per region
     boxes       [N, 4] float               x1, y1, x2, y2 of each region in original-image pixels
@@ -87,10 +88,11 @@ class RegionStore:
         self.file_of: dict[str, Path] = {}
         missing = []
         for im in images:
-            # the image file's stem, the data set's image id, or COCO's id where the data set records it: the
-            # bottom-up TSVs key their rows on COCO's id, and Karpathy's JSON numbers its photos otherwise
-            ids = (im.image_id, *([im.info["cocoid"]] if "cocoid" in im.info else []))
-            candidates = (self.folder / f"{Path(im.path).stem}.npz", *(self.folder / f"{i}.npz" for i in ids))
+            # the image file's stem, or its id: COCO's where the data set records it, since the bottom-up TSVs key
+            # their rows on COCO's id, and never then Karpathy's number (imgid 0..123286), which names another
+            # photo's file in such a folder about one time in five
+            number = im.info.get("cocoid", im.image_id)
+            candidates = (self.folder / f"{Path(im.path).stem}.npz", self.folder / f"{number}.npz")
             found = next((c for c in candidates if c.exists()), None)
             if found is None:
                 missing.append(candidates[0].name)
