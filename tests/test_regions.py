@@ -85,6 +85,9 @@ def test_missing_and_malformed_region_files_are_reported(tmp_path):
     store = RegionStore(tmp_path, [_image(0), _image(1)])
     with pytest.raises(ValueError, match="6-d features"):
         store.batch([_image(0).key, _image(1).key])
+    # a mistyped regions:DIR is said to be missing, not taken for a folder of which every file is missing
+    with pytest.raises(FileNotFoundError, match=f"region feature folder {tmp_path / 'bottom-up'} does not exist"):
+        RegionStore(tmp_path / "bottom-up", [_image(0)])
 
 
 def test_a_features_value_that_is_neither_grid_nor_a_region_folder_is_refused(tmp_path):
@@ -162,6 +165,9 @@ def test_a_files_own_name_is_found_before_the_image_id_and_a_folders_width_must_
         (tmp_path / "regions.json").write_text(json.dumps({"feat_dim": feat_dim}))
         with pytest.raises(ValueError, match=f"feat_dim is {feat_dim}, not a feature width"):
             RegionStore(tmp_path, [_image(0)])
+    save_regions(tmp_path / "img_1.npz", np.ones((2, 1)), np.zeros((2, 4)), (10, 10))
+    (tmp_path / "regions.json").write_text(json.dumps({"feat_dim": 1}))  # the least width: one number a region
+    assert RegionStore(tmp_path, [_image(1)]).batch([_image(1).key]).feats.shape == (1, 2, 1)
 
 
 def test_a_photo_that_records_its_coco_id_takes_that_file_never_the_one_its_karpathy_number_names(tmp_path):
@@ -223,6 +229,22 @@ def test_a_region_file_records_its_scenes_size_as_width_and_height(tmp_path, cac
             sizes.append(picture.size)
         assert read_regions(folder / f"{image.path.stem}.npz")[1].image_size == sizes[-1]
     assert any(width != height for width, height in sizes)
+
+
+def test_a_data_set_without_object_masks_is_refused_before_any_feature_is_extracted(scenes, tmp_path):
+    """Flickr8k or COCO given to ``captioner data regions``: refused at once, not after extracting every photo's
+    features (hours on COCO) to fail then at the first photo's mask."""
+    data = json.loads(scenes.read_text())
+    data["images"] = data["images"][:4]
+    for entry in data["images"]:
+        del entry["mask"]
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "images").symlink_to(scenes.parent / "images")
+    dataset = tmp_path / "photos" / "dataset_scenes.json"
+    dataset.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{dataset} has no object masks"):
+        write_scene_regions(dataset, tmp_path / "regions", REGION_ENCODER, tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "regions").exists()
 
 
 def test_writing_a_scene_region_folder_again_keeps_the_files_it_has(scenes, scene_regions_dir, cache, capsys):
