@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_rgb
 from PIL import Image
-from scipy.ndimage import binary_erosion
+from scipy.ndimage import binary_dilation, binary_erosion
 
 from captioner.models.checkpoint import write_manifest
+from captioner.models.data import ood as ood_module
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.ood import SHADES, generate_ood
 from captioner.models.data.scenes import HELDOUT_COMBOS, named_objects
@@ -87,21 +88,21 @@ def test_masks_cover_objects_of_the_recorded_colour(ood):
             assert nearest == obj["colour"], (entry["filename"], obj)
 
 
-def test_triangles_point_up_and_sizes_are_named_by_the_canvas_shorter_side(ood):
-    triangles = 0
+def test_triangles_and_stars_point_up_and_sizes_are_named_by_the_canvas_shorter_side(ood):
+    pointing = {"triangle": 0, "star": 0}  # a star's one point at the top, its two legs below, as its code draws it
     for entry in json.loads(ood.read_text())["images"]:
         labels = np.asarray(Image.open(ood.parent / entry["mask"]))
         short = min(entry["canvas"])
         for index, obj in enumerate(entry["objects"]):
             if abs(obj["radius"] / short - 0.105) > 0.001:  # the radius is recorded to a tenth of a pixel
                 assert obj["size"] == ("small" if obj["radius"] / short < 0.105 else "large"), obj
-            if obj["shape"] == "triangle":
+            if obj["shape"] in pointing:
                 inside = labels == index + 1
                 rows = np.nonzero(inside.any(axis=1))[0]
                 high, low = (int(rows.min() + share * (rows.max() - rows.min())) for share in (0.2, 0.8))
                 assert inside[high].sum() < inside[low].sum(), (entry["filename"], obj)  # narrow at the top
-                triangles += 1
-    assert triangles >= 3
+                pointing[obj["shape"]] += 1
+    assert min(pointing.values()) >= 3
 
 
 def test_objects_are_3_to_22_percent_of_the_shorter_side_and_never_touch(ood):
@@ -111,10 +112,52 @@ def test_objects_are_3_to_22_percent_of_the_shorter_side_and_never_touch(ood):
     for entry in json.loads(ood.read_text())["images"]:
         objects = entry["objects"]
         shares += [obj["radius"] / min(entry["canvas"]) for obj in objects]
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        for index, obj in enumerate(objects):  # inside its circumcircle (a sheared star reached 8 pixels past it)
+            rows, columns = np.nonzero(labels == index + 1)
+            reach = np.hypot(columns + 0.5 - obj["center"][0], rows + 0.5 - obj["center"][1]).max()
+            assert reach < obj["radius"] + 0.5, (entry["filename"], obj)  # the centre and radius are rounded
         for i, a in enumerate(objects):
             for b in objects[i + 1:]:
                 assert math.dist(a["center"], b["center"]) > a["radius"] + b["radius"], (entry["filename"], a, b)
     assert 0.03 <= min(shares) < 0.05 and 0.2 < max(shares) <= 0.22
+
+
+def test_scenes_hold_one_to_four_objects(ood):
+    """The docstring's 1–4 objects: a lone object ("a red circle") among them."""
+    counts = {len(entry["objects"]) for entry in json.loads(ood.read_text())["images"]}
+    assert min(counts) == 1 and max(counts) == 4
+
+
+def test_masks_take_the_pixels_whose_centres_the_shape_covers(ood):
+    """Pixel centres, not corners (a mask half a pixel down and right of what is drawn): a circle's mask is centred on
+    its recorded centre (to the tenth of a pixel it is recorded to)."""
+    circles = 0
+    for entry in json.loads(ood.read_text())["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        for index, obj in enumerate(entry["objects"]):
+            if obj["shape"] == "circle" and obj["radius"] >= 12:
+                rows, columns = np.nonzero(labels == index + 1)
+                centroid = (columns.mean() + 0.5, rows.mean() + 0.5)  # pixel i spans [i, i + 1)
+                assert centroid == pytest.approx(obj["center"], abs=0.2), (entry["filename"], obj)
+                circles += 1
+    assert circles >= 5
+
+
+def test_gradient_backgrounds_run_across_the_canvas_without_clipping(ood):
+    """A gradient runs from one muted colour to another: a ramp left unnormalised (0 to the canvas's extent squared
+    rather than 0 to 1) clipped the whole background to flat black, white or a saturated colour."""
+    gradients = 0
+    for entry in json.loads(ood.read_text())["images"]:
+        if entry["background"] != "gradient":
+            continue
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        pixels = np.asarray(Image.open(ood.parent / "images" / entry["filename"])).astype(float)
+        background = pixels[~binary_dilation(labels > 0, iterations=4)]  # clear of the objects' rims and ringing
+        low, high = np.percentile(background.mean(axis=1), [5, 95])
+        assert high - low > 5, entry["filename"]  # seed 3's least: 8 grey levels
+        gradients += 1
+    assert gradients >= 3
 
 
 def test_each_shapes_mask_has_the_area_of_its_geometry_for_its_radius(ood):
@@ -145,10 +188,34 @@ def test_sentence_ids_are_unique_and_every_background_is_called_plain(ood):
     assert all(entry["sentences"][1]["raw"].endswith("on a plain background") for entry in images)
 
 
-def test_a_set_of_another_seed_is_written_again(tmp_path):
+def test_a_set_of_another_seed_or_size_is_written_again(tmp_path):
     first = json.loads(generate_ood(tmp_path, images=2, seed=1).read_text())
     second = json.loads(generate_ood(tmp_path, images=2, seed=2).read_text())
     assert second["seed"] == 2 and second["images"] != first["images"]
+    # each seed draws its own scenes: not the neighbouring seed's shifted by one
+    assert second["images"][0]["objects"] != first["images"][1]["objects"]
+    third = json.loads(generate_ood(tmp_path, images=3, seed=2).read_text())
+    assert third["size"] == 3 and len(third["images"]) == 3 and third["images"][:2] == second["images"]
+
+
+def test_a_run_interrupted_half_way_leaves_no_set_and_the_next_writes_it_whole(tmp_path, monkeypatch):
+    """The JSON is written once every image is: one written first (or kept from the killed run) would have the next
+    run take the folder for an up-to-date set of images that are not there."""
+    drawn = ood_module._ood_image
+
+    def interrupted(index, seed, out):
+        if index == 1:
+            raise KeyboardInterrupt
+        return drawn(index, seed, out)
+
+    monkeypatch.setattr(ood_module, "_ood_image", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate_ood(tmp_path, images=2, seed=1)
+    assert not (tmp_path / "dataset_scenes.json").exists()
+    monkeypatch.undo()
+    images = json.loads(generate_ood(tmp_path, images=2, seed=1).read_text())["images"]
+    assert [entry["filename"] for entry in images] == ["ood_000000.jpg", "ood_000001.jpg"]
+    assert all((tmp_path / "images" / entry["filename"]).exists() for entry in images)
 
 
 def test_references_load_and_name_every_object(ood):
