@@ -1412,6 +1412,28 @@ def test_jobs_that_leave_in_two_removals_at_one_boundary_keep_the_others_histori
         assert_same_result(results[job], solo(runtime, job.prepared, 2, 8))
 
 
+def test_a_table_that_never_empties_keeps_only_the_steps_its_remaining_jobs_took_part_in(encoder):
+    """Under steady load a table may never empty: each step's record (its tokens, back-pointers and attention over
+    every row) goes once no job left in the table took part in it, or a server's memory grows with every step it
+    runs. The job that stays still gets the caption it gets alone."""
+    runtime = runtime_for("sat", encoder)
+    prepared = [runtime.prepare(image) for image in random_images(2, seed=6)]
+    first, second = (Job(p, 2, 8, math.inf, None, None) for p in prepared)
+    with torch.inference_mode():  # as in the batcher's worker: its buffers are written in place
+        table = RowTable([first], *runtime.begin(prepared[:1], [2]), runtime.bos_id)
+        for _ in range(3):
+            table.step(runtime)
+        table.add([second], *runtime.begin(prepared[1:], [2]), runtime.bos_id)  # it takes part from record 3 on
+        table.step(runtime)
+        table.remove({first}, runtime)
+        assert (table.records_base, len(table.records)) == (3, 1)
+        while not (finished := table.finished_jobs(table.step(runtime))):
+            pass
+        (result,) = table.results_of(finished, runtime)
+    assert finished == [second]
+    assert_same_result(result, solo(runtime, second.prepared, 2, 8))
+
+
 def test_a_batcher_built_without_settings_has_the_servers_defaults():
     # a library user's Batcher(runtime) batches, queues and overlaps as `captioner serve` does by default
     parameters = inspect.signature(Batcher).parameters
