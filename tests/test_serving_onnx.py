@@ -997,6 +997,16 @@ def test_a_checkpoint_that_fails_to_load_is_skipped_and_the_others_start(tmp_pat
     assert bool(skipped.exc_info) == traceback
 
 
+def test_the_device_setting_places_every_model_even_where_auto_would_pick_the_gpu(tmp_path, monkeypatch):
+    """``CAPTIONER_DEVICE=cpu`` on a machine with a GPU (an operator keeping the GPU for something else) serves on the
+    CPU: the setting, not ``auto``'s choice, places the models. CUDA is made to look available here, so a model
+    placed by ``auto`` would go to a GPU this machine does not have and fail to load."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    loaded = load_on_cpu(tmp_path, "torch")
+    assert list(loaded) == ["a"] and loaded["a"].device == CPU
+
+
 def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
     """A child that exits without reporting a model (killed, out of memory) does not leave the server waiting for
     it: the wait returns, the failure is logged once, and the server's own load prepares the model."""
@@ -1040,6 +1050,30 @@ def test_the_wait_for_a_model_returns_while_the_child_still_prepares_the_next(tm
     child.join()
     assert (tmp_path / "b-gate-opened").read_text() == "True"
     assert still_to_prepare(tmp_path) == []
+
+
+def hold_until(gate: Path) -> None:
+    """A preparing child's ``set_up_logging`` (it runs in the child): the child waits until ``gate`` exists (a minute
+    at most), writes beside it whether it was opened, and exits without preparing anything."""
+    for _ in range(600):
+        if gate.exists():
+            break
+        time.sleep(0.1)
+    (gate.parent / "gate-opened").write_text(str(gate.exists()))
+    os._exit(0)
+
+
+def test_the_wait_for_a_model_the_child_was_not_given_returns_while_the_child_still_works(tmp_path):
+    """The server waits for the child only on the models it gave it: a model already prepared loads at once, not
+    once the child has done all the others (here the child holds on until the server, done waiting for a, opens
+    its gate; a wait for a until the child exits would find the gate still closed a minute later)."""
+    save_tiny_sats(tmp_path / "weights", ["a", "b"])
+    gate = tmp_path / "gate"
+    child = preparing_child(tmp_path, functools.partial(hold_until, gate), only=["b"])
+    child.wait_for("a")
+    gate.touch()
+    child.join()
+    assert (tmp_path / "gate-opened").read_text() == "True"
 
 
 def test_the_preparing_child_logs_as_the_server_does(tmp_path, capfd):
