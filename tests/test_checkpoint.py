@@ -1,4 +1,5 @@
 import copy
+import errno
 import functools
 import json
 import os
@@ -13,9 +14,9 @@ import torch
 import captioner.models.checkpoint as checkpoint
 from captioner.models import checkpoint as module
 from captioner.models.attention import NORMALISERS
-from captioner.models.checkpoint import CARD, WEIGHTS, CheckpointError, checkpoint_name, convert_storage, \
-    described_model, find_checkpoints, load_checkpoint, model_files, on_meta, replace_files, save_checkpoint, \
-    update_meta
+from captioner.models.checkpoint import CARD, WEIGHTS, Checkpoint, CheckpointError, checkpoint_name, \
+    convert_storage, described_model, find_checkpoints, load_checkpoint, manifest_changes, model_files, on_meta, \
+    replace_files, save_checkpoint, update_meta
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.files import file_checksum
@@ -62,6 +63,15 @@ def test_a_checkpoint_is_saved_into_an_empty_folder_made_for_it(tmp_path, tiny_s
     assert load_checkpoint(save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())).checksum
 
 
+def test_a_file_where_the_checkpoint_would_go_is_refused_and_kept(tmp_path, tiny_sat, vocab):
+    """``--out weights/sat`` naming a file (a typo, an archive of the same name): refused before anything is
+    written, and the file is left as it was."""
+    (tmp_path / "sat").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError, match="sat is a file, not a checkpoint folder: nothing was written there"):
+        save_checkpoint(tmp_path / "sat", tiny_sat, vocab, EncoderSpec())
+    assert (tmp_path / "sat").read_text() == "not a checkpoint" and [p.name for p in tmp_path.iterdir()] == ["sat"]
+
+
 def test_a_folder_replaced_while_it_loads_is_loaded_again_not_mixed(tmp_path, tiny_sat, vocab, monkeypatch):
     """A training run replaces best/ whole while a server or eval loads it; each file is opened by name, so a load
     the replacement came through paired the first checkpoint's manifest digest with the second one's weights."""
@@ -80,6 +90,23 @@ def test_a_folder_replaced_while_it_loads_is_loaded_again_not_mixed(tmp_path, ti
     loaded = load_checkpoint(path)
     assert loaded.meta == {"epoch": 3}
     assert loaded.checksum == file_checksum(path / "model.safetensors")  # the digest of the weights it holds
+
+
+def test_a_folder_replaced_at_every_load_is_refused_not_loaded_mixed(tmp_path, tiny_sat, vocab, monkeypatch):
+    """A writer that replaces the folder during every attempt (a run saving ``best/`` again and again): after
+    ``LOAD_ATTEMPTS`` loads the caller is told so, not handed a model whose weights may be another save's than the
+    digest it reports."""
+    path = save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 0})
+    real_load_file, saves = module.load_file, []
+
+    def replaced_while_read(file, device="cpu"):
+        saves.append(save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": len(saves) + 1}))
+        return real_load_file(file, device=device)
+
+    monkeypatch.setattr(module, "load_file", replaced_while_read)
+    with pytest.raises(CheckpointError, match=f"was replaced {module.LOAD_ATTEMPTS} times while it was being loaded"):
+        load_checkpoint(path)
+    assert len(saves) == module.LOAD_ATTEMPTS
 
 
 def test_a_card_added_through_a_link_keeps_the_link_everything_beside_it_and_a_save_in_flight(tmp_path, tiny_sat,
@@ -113,6 +140,25 @@ def test_a_card_added_to_a_folder_keeps_a_linked_file_a_link(tmp_path, tiny_sat,
     replace_files(path, {CARD: "# sat\n"})
     assert (path / "cnn.safetensors").is_symlink() and os.readlink(path / "cnn.safetensors") == str(shared)
     assert load_checkpoint(path).checksum
+
+
+def test_a_card_added_where_hard_links_are_refused_copies_the_folder_instead(tmp_path, tiny_sat, vocab, monkeypatch):
+    """On a file system without hard links (a network share, a folder on another mount) ``replace_files`` copies
+    what it would have linked: a file it neither linked nor copied was missing from the new folder, whose manifest
+    then no longer listed the weights, and ``captioner card`` left a checkpoint that no longer loads."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / "notes").mkdir()
+    (path / "notes" / "run.txt").write_text("how it was trained")
+    checksum = load_checkpoint(path).checksum
+
+    def refused(source, target):
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(source))
+
+    monkeypatch.setattr(os, "link", refused)
+    replace_files(path, {CARD: "# sat\n"})
+    assert load_checkpoint(path).checksum == checksum and (path / CARD).read_text() == "# sat\n"
+    assert (path / "notes" / "run.txt").read_text() == "how it was trained"
+    assert (path / WEIGHTS).stat().st_nlink == 1  # a copy, not a link
 
 
 def test_a_save_or_a_replacement_refuses_what_would_not_be_an_extra_file(tmp_path, tiny_sat, vocab):
@@ -336,6 +382,17 @@ def test_manifest_command_refuses_a_changed_encoder_weight_file_the_folder_keeps
     assert "cnn.safetensors" not in (folder / "manifest.json").read_text()
 
 
+def test_manifest_changes_read_the_folder_when_not_given_its_records(tmp_path, tiny_sat, vocab):
+    """``captioner manifest`` passes the records it read once; a library caller passes none, and the folder is read
+    (it was compared against ``None``, a TypeError)."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    assert manifest_changes(path) == []
+    (path / CARD).write_text("# sat\n")
+    assert manifest_changes(path) == [CARD]
+    (path / "manifest.json").unlink()
+    assert manifest_changes(path) is None
+
+
 def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):
     """``--force`` (storage, import, ensemble) took any folder holding a ``config.json`` for a checkpoint and deleted
     it whole: a project's folder with its own config.json and a thesis in it."""
@@ -499,6 +556,19 @@ def test_a_training_runs_checkpoints_are_named_after_the_run(tmp_path, monkeypat
     assert checkpoint_name(tmp_path / "sat" / "best-f16") == "best-f16"  # any other folder: its own name
 
 
+def test_a_folder_with_a_config_or_weights_alone_is_not_found_as_a_checkpoint(tmp_path, tiny_sat, vocab):
+    """A served weights folder may hold other things: another tool's model folder (a ``config.json`` and no
+    ``model.safetensors``), or a checkpoint whose copy has not finished. Neither is listed, so neither is served
+    or exported under a name that cannot load."""
+    sat = save_checkpoint(tmp_path / "weights" / "sat", tiny_sat, vocab, EncoderSpec())
+    (tmp_path / "weights" / "bert").mkdir()
+    (tmp_path / "weights" / "bert" / "config.json").write_text('{"model_type": "bert"}')
+    (tmp_path / "weights" / "copying").mkdir()
+    (tmp_path / "weights" / "copying" / WEIGHTS).write_bytes((sat / WEIGHTS).read_bytes())
+    assert find_checkpoints(tmp_path / "weights") == {"sat": sat}
+    assert find_checkpoints(None, [tmp_path / "weights" / "bert", tmp_path / "weights" / "copying"]) == {}
+
+
 def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_path, tiny_sat, vocab):
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(weights="cnn.safetensors"),
                            files={"cnn.safetensors": b"weights"})
@@ -624,3 +694,14 @@ def test_a_loaded_model_is_in_eval_mode_and_deterministic(tmp_path, random_visua
     first, second = (beam_search(loaded, random_visuals, k=3, max_len=8) for _ in range(2))
     for a, b in zip(first, second):
         assert a[0].token_ids == b[0].token_ids and a[0].score == b[0].score
+
+
+def test_a_region_checkpoint_refused_for_photos_is_named_by_its_folder(tmp_path, tiny_sat, vocab):
+    """The refusal names the folder the user gave (``runs/sat/best``, whose model is named ``sat``), or the model's
+    name where the checkpoint was never on disk."""
+    regions = {"train_config": {"features": "regions:feats"}}
+    on_disk = Checkpoint(tiny_sat, vocab, EncoderSpec(), path=tmp_path / "runs" / "sat" / "best", meta=regions)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(tmp_path / 'runs' / 'sat' / 'best'))} was trained"):
+        on_disk.check_reads_images()
+    with pytest.raises(CheckpointError, match="^sat was trained on region features"):
+        Checkpoint(tiny_sat, vocab, EncoderSpec(), meta=regions).check_reads_images()
