@@ -97,8 +97,9 @@ def test_sample_masks_after_eos(tiny_sat, random_visuals):
             assert all(token == tiny_sat.pad_id for token in ids[end + 1:])  # padded after EOS
 
 
-def test_greedy_score_sums_the_log_probs_of_its_own_tokens_only(tiny_sat, random_visuals):
-    """Rows of a batch end at different steps; a row's score stops at its EOS while the others go on."""
+def test_greedy_score_and_attention_are_those_of_its_own_tokens_only(tiny_sat, random_visuals):
+    """Rows of a batch end at different steps; a row's score and its attention rows stop at its EOS while the
+    others go on (one attention row per token, as every :class:`Hypothesis` holds, not the batch's longest)."""
     tiny_sat.out_word.bias.data[tiny_sat.eos_id] -= 0.2
     vis = VisualBatch.from_features(random_visuals.feats * torch.tensor([0.1, 1.0, 4.0])[:, None, None])
     hyps = greedy(tiny_sat, vis, max_len=12)
@@ -106,8 +107,9 @@ def test_greedy_score_sums_the_log_probs_of_its_own_tokens_only(tiny_sat, random
     for row, hyp in enumerate(hyps):
         # its words stop at its own EOS: none of the steps the later rows went on for
         assert hyp.token_ids.index(tiny_sat.eos_id) == len(hyp.token_ids) - 1
-        logps, _ = _teacher_forced(tiny_sat, vis, hyp, row)
+        logps, attention = _teacher_forced(tiny_sat, vis, hyp, row)
         assert hyp.score == pytest.approx(sum(logps), abs=1e-4)
+        torch.testing.assert_close(hyp.attention, attention, atol=1e-5, rtol=1e-5)
 
 
 def test_pad_and_bos_are_never_emitted(tiny_sat, random_visuals):
@@ -427,6 +429,23 @@ def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
         with pytest.raises(ValueError, match=rf"need 1 <= n_best <= every beam width, got widths=\[3, 2\], "
                                              rf"n_best={n_best}"):
             check_search([3, 2], 5, NO_RULES, n_best=n_best)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(k=0), "beam_size must be a whole number of at least 1, got 0"),
+    (dict(k=-1), "beam_size must be a whole number of at least 1, got -1"),
+    (dict(k=3, n_best=4), r"need 1 <= n_best <= every beam width, got widths=\[3\], n_best=4"),
+    (dict(n_best=0), r"need 1 <= n_best <= every beam width, got widths=\[3\], n_best=0"),
+    (dict(max_len=0), "max_len must be a whole number of at least 1, got 0"),
+    (dict(rules={"block_trigrams": True}), "rules must be DecodingRules"),
+])
+def test_beam_search_itself_refuses_options_it_cannot_run_by_their_names(tiny_sat, random_visuals, options,
+                                                                        message):
+    """A library user who calls ``beam_search`` directly is told which option is wrong, as the pipeline's users
+    are: unchecked, ``n_best`` above the beam gave fewer hypotheses and ``n_best=0`` none, in silence, a beam of
+    -1 was PyTorch's "repeats can not be negative" and ``max_len=0`` a ``KeyError``."""
+    with pytest.raises((ValueError, TypeError), match=message):
+        beam_search(tiny_sat, random_visuals, **options)
 
 
 def test_a_one_token_limit_is_a_search_and_a_limit_of_zero_is_refused(tiny_sat, random_visuals):
