@@ -326,6 +326,30 @@ def test_a_body_announced_above_the_limit_is_refused_before_any_of_it_is_read():
     assert run_bounded(read_body(request(1000), 1000, budget=budget)) == b"x" * 1000 and received == [True]
 
 
+def test_a_body_without_a_length_is_refused_as_soon_as_it_passes_the_limit():
+    """A chunked body (no Content-Length) is counted as it arrives: it is refused at the chunk that takes it past
+    ``refused_at``, the rest never read, and one of exactly ``refused_at`` bytes is read whole.  Without the count,
+    such an upload was held in memory whole, however large, and refused only afterwards by the image's size check."""
+    def request(sizes: list[int], received: list[int]) -> Request:
+        messages = [{"type": "http.request", "body": b"x" * size, "more_body": i < len(sizes) - 1}
+                    for i, size in enumerate(sizes)]
+
+        async def receive():
+            received.append(len(messages[len(received)]["body"]))
+            return messages[len(received) - 1]
+
+        return Request({"type": "http", "method": "POST", "path": "/caption",
+                        "headers": [(b"transfer-encoding", b"chunked")]}, receive)
+
+    whole: list[int] = []
+    assert run_bounded(read_body(request([500, 500, 500], whole), 1000, refused_at=1500)) == b"x" * 1500
+    assert whole == [500, 500, 500]
+    over: list[int] = []
+    with pytest.raises(UploadTooLarge) as refused:
+        run_bounded(read_body(request([500, 500, 501, *[500] * 100], over), 1000, refused_at=1500))
+    assert over == [500, 500, 501] and refused.value.limit == 1000  # named by the image's limit, not refused_at
+
+
 def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights):
     messages = [{"type": "http.request", "body": b"half of it", "more_body": True}]
 
