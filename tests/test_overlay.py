@@ -147,6 +147,19 @@ def test_an_opacity_outside_0_to_1_is_refused_as_the_query_parameter_it_is(clien
     assert [error["loc"] for error in response.json()["errors"]] == [["query", "alpha"]]
 
 
+def test_a_negative_token_is_refused_as_the_query_parameter_it_is_on_both_overlay_routes(client, result):
+    """``token`` is bounded at 0 where the query is read, as the document states: a bound moved to -1 let
+    ``token=-1`` through to the renderer, whose 422 is another problem type and names no query parameter."""
+    photo = {"file": ("x.png", _png(Image.new("RGB", (90, 60), (9, 9, 9))), "image/png")}
+    for response in (client.get(f"/captions/{result['id']}/overlay", params={"token": -1}),
+                     client.post("/caption/overlay", params={"token": -1}, files=photo)):
+        assert response.status_code == 422 and response.json()["type"] == "/problems/invalid-request"
+        assert [error["loc"] for error in response.json()["errors"]] == [["query", "token"]]
+    parameters = client.get("/openapi.json").json()["paths"]["/captions/{result_id}/overlay"]["get"]["parameters"]
+    token = next(parameter for parameter in parameters if parameter["name"] == "token")
+    assert token["schema"]["anyOf"][0]["minimum"] == 0
+
+
 def test_unknown_result_is_404(client):
     response = client.get("/captions/does-not-exist/overlay", params={"token": 0})
     assert response.status_code == 404 and response.json()["type"].endswith("unknown-result")
@@ -406,3 +419,17 @@ def test_the_heatmaps_routes_document_the_headers_of_their_answer(client):
     paths = client.get("/openapi.json").json()["paths"]
     for path, method in (("/captions/{result_id}/heatmaps", "get"), ("/caption/heatmaps", "post")):
         assert {"X-Caption-Id", "X-Heatmap-Mode"} <= set(paths[path][method]["responses"]["200"]["headers"]), path
+
+
+def test_the_result_and_picture_routes_are_documented_with_their_summaries(client):
+    """What /docs and a generated client show for each route of a stored result or a picture (the caption, model
+    and health routes' summaries are held in test_service; these could be dropped in silence)."""
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {(path, method): paths[path][method]["summary"] for path, method in (
+        ("/captions/{result_id}", "get"), ("/captions/{result_id}/overlay", "get"), ("/caption/overlay", "post"),
+        ("/captions/{result_id}/heatmaps", "get"), ("/caption/heatmaps", "post"))} == {
+        ("/captions/{result_id}", "get"): "A previous caption result (JSON), by id",
+        ("/captions/{result_id}/overlay", "get"): "Render a previous result's attention (no model run)",
+        ("/caption/overlay", "post"): "Caption an image and render its attention in one call",
+        ("/captions/{result_id}/heatmaps", "get"): "A previous result's per-word heatmaps as JSON (no model run)",
+        ("/caption/heatmaps", "post"): "Caption an image and return its per-word heatmaps as JSON in one call"}
