@@ -452,6 +452,17 @@ def test_the_app_sets_the_thread_counts_of_its_settings_before_loading(tiny_weig
     assert given == [(1, 2)]
 
 
+def test_the_app_loads_its_models_with_the_precision_of_its_settings(tiny_weights):
+    """CAPTIONER_PRECISION reaches the models the app loads: dropped on the way, a server asked for bfloat16 served
+    float32, at float32's speed and memory, and said nothing."""
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False, backend="torch",
+                        precision="bfloat16")
+    with TestClient(create_app(settings)) as client:
+        runtimes = client.app.state.service.runtimes
+        assert sorted(runtimes) == ["tiny-a", "tiny-b"]
+        assert {runtime.precision for runtime in runtimes.values()} == {"bfloat16"}
+
+
 @pytest.mark.parametrize("page_out", [False, True])
 def test_the_gpu_libraries_are_paged_out_only_when_asked_and_no_gpu_can_use_them(tiny_weights, monkeypatch, page_out):
     """CAPTIONER_PAGE_OUT_GPU_LIBRARIES: after warm-up, the CUDA libraries' pages are given back on a machine that
@@ -557,8 +568,8 @@ def test_settings_refuse_defaults_and_row_budgets_outside_their_limits():
     for bad in ({"default_max_len": 51}, {"default_beam_size": 11}, {"default_max_len": 8, "max_max_len": 7}):
         with pytest.raises(ValidationError, match="must not exceed max_beam_size and max_max_len"):
             Settings(**bad)
-    with pytest.raises(ValidationError, match="max_rows"):
-        Settings(max_rows=9)  # a request of the widest beam could never get its rows
+    with pytest.raises(ValidationError, match=r"max_rows \(9\) must be at least max_beam_size \(10\)"):
+        Settings(max_rows=9)  # a request of the widest beam could never get its rows; the operator is told both
     limits = Settings(max_rows=10, default_beam_size=10, default_max_len=50)  # at the limits: accepted
     assert (limits.max_rows, limits.default_beam_size, limits.default_max_len) == (10, 10, 50)
 
@@ -611,8 +622,12 @@ def test_the_upload_budget_holds_the_largest_json_request():
         body = json.dumps({"image": base64.b64encode(b"\xff" * size).decode(), "model": "m" * 200, "beam_size": 10,
                            "max_len": 50, "length_penalty": 1.5, "block_trigrams": True})
         assert len(body) <= json_body_bytes(size) <= len(body) + 4096  # and no more: it is the budget's floor
-    with pytest.raises(ValidationError, match="must hold at least one largest upload"):
+    with pytest.raises(ValidationError, match="must hold at least one largest upload") as refused:
         Settings(max_upload_bytes=12_000, upload_budget_bytes=12_000 + 4096)
+    # the floor the operator is told to give is the one that is then accepted, not the upload limit itself
+    assert f"as base64 JSON: {json_body_bytes(12_000)} bytes" in str(refused.value)
+    assert Settings(max_upload_bytes=12_000, upload_budget_bytes=json_body_bytes(12_000)).upload_budget_bytes == \
+        json_body_bytes(12_000)
 
 
 def test_a_typed_problem_has_an_errors_member_only_when_it_names_fields():
