@@ -766,6 +766,8 @@ def test_a_log_level_either_logger_would_refuse_is_a_settings_error(monkeypatch)
         assert "critical, error, warning, info, debug" in str(stopped.value.code)
     monkeypatch.setenv("CAPTIONER_LOG_LEVEL", "DEBUG")
     assert read_settings().log_level == "debug"  # any case, as both loggers are given it
+    monkeypatch.setenv("CAPTIONER_LOG_LEVEL", " Warning ")  # and spaces around it (a quoted YAML value's) are no part
+    assert read_settings().log_level == "warning"
 
 
 def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(monkeypatch, capsys, tmp_path):
