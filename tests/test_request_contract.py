@@ -35,7 +35,7 @@ from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
 
 from .leaks import nothing_left_open
-from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, serving_settings, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, run_bounded, serving_settings, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,7 @@ def asgi_messages(app, method: str, path: str, headers: list[tuple[bytes, bytes]
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
              "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": list(headers),
              "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
-    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    run_bounded(app(scope, receive, send), 10)
     return sent
 
 

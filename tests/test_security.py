@@ -35,7 +35,7 @@ from captioner.service.security import key_matches
 from captioner.service.settings import Settings
 
 from .conftest import tiny_demo_server
-from .serving_helpers import ROOT, serving_settings
+from .serving_helpers import ROOT, run_bounded, serving_settings
 
 KEYS = ["first-key-0123456789", "second-key-abcdefghij"]
 
@@ -224,7 +224,7 @@ def test_the_app_records_its_own_prefix_even_inside_an_app_that_recorded_one():
         seen.append(app_root(scope))
 
     entered = {"type": "http", "path": "/outer/vision/caption", "root_path": "/outer/vision", ROOT_KEY: "/outer"}
-    asyncio.run(AppRootMiddleware(inner)(entered, None, None))
+    run_bounded(AppRootMiddleware(inner)(entered, None, None), 5)
     assert seen == ["/outer/vision"]
 
 
@@ -271,7 +271,7 @@ def _unread_body(headers: dict[bytes, bytes], chunks: list[bytes], *, status: in
             read_when_answered.extend(read)
 
     scope = {"type": "http", "method": "POST", "path": "/caption", "headers": list(headers.items())}
-    asyncio.run(asyncio.wait_for(UnreadBodyMiddleware(app, limit)(scope, receive, send), 5))
+    run_bounded(UnreadBodyMiddleware(app, limit)(scope, receive, send), 5)
     return read_when_answered
 
 
@@ -330,7 +330,7 @@ def test_a_body_the_app_read_to_its_end_is_not_read_again_before_the_answer():
             statuses.append(message["status"])
 
     scope = {"type": "http", "method": "POST", "path": "/caption", "headers": [(b"content-length", b"2001")]}
-    asyncio.run(asyncio.wait_for(UnreadBodyMiddleware(app)(scope, receive, send), 5))
+    run_bounded(UnreadBodyMiddleware(app)(scope, receive, send), 5)
     assert statuses == [200] and not messages
 
 
