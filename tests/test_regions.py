@@ -75,6 +75,26 @@ def test_loader_pads_and_masks_varying_region_counts(tmp_path):
     assert again.feats.shape == (2, 3, 4) and torch.equal(again.feats[0], vis.feats[2, :3])
 
 
+def test_a_save_interrupted_mid_write_leaves_the_old_region_file_whole(tmp_path, monkeypatch):
+    """save_regions's promise ("an interrupted writer never leaves half a file"): a save killed half-way through its
+    bytes (Ctrl-C, a full disk) leaves the file it was replacing readable, and no temporary file beside it."""
+    path = tmp_path / "img_0.npz"
+    save_regions(path, np.ones((3, 4)), np.zeros((3, 4)), (10, 10))
+
+    def half_then_interrupted(self, data):
+        with open(self, "wb") as file:
+            file.write(data[: len(data) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_bytes", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_regions(path, np.zeros((5, 4)), np.zeros((5, 4)), (20, 20))
+    monkeypatch.undo()
+    features, geometry = read_regions(path)
+    assert np.array_equal(features, np.ones((3, 4))) and geometry.image_size == (10, 10)
+    assert [p.name for p in tmp_path.iterdir()] == ["img_0.npz"]
+
+
 def test_missing_and_malformed_region_files_are_reported(tmp_path):
     with pytest.raises(ValueError, match="boxes must be"):
         save_regions(tmp_path / "img_0.npz", np.zeros((3, 4)), np.zeros((2, 4)), (10, 10))
