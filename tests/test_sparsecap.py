@@ -1,6 +1,8 @@
 """SparseCap (Martins et al., arXiv:2002.05556, §3): equations, the shared decoder's alignment rule with sparse maps,
 memorisation."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from captioner.models.attention import NORMALISERS as REGISTERED
 from captioner.models.attention import get_normaliser
 from captioner.models.decoding import beam_search
 from captioner.models.protocol import VisualBatch
+from captioner.models.training import load_recipe
 from captioner.models.zoo import available, create
 
 from .model_checks import VOCAB, assert_beam_one_is_greedy, memorisation_cider, memorisation_task, train_to_memorise
@@ -37,6 +40,11 @@ def _visuals(batch: int = 3, seed: int = 1) -> VisualBatch:
     return VisualBatch.from_features(torch.randn(batch, 64, 16))
 
 
+def _scores(att, feats, h):
+    """``z_i = wᵀ tanh(affine([v_i; h]))`` of one of the two attentions, before its normaliser."""
+    return att.score(torch.tanh(att.key(feats) + att.query(h).unsqueeze(1))).squeeze(-1)
+
+
 def test_registered_with_config_round_trip():
     assert "sparsecap" in available()
     model = _tiny("tvmax", tvmax_lambda=0.05)
@@ -48,6 +56,46 @@ def test_registered_with_config_round_trip():
     clone.load_state_dict(model.state_dict())
     with pytest.raises(ValueError):
         create("sparsecap", vocab_size=5, feat_dim=4, attention="entmax")
+
+
+def test_every_option_given_is_in_the_config_a_checkpoint_is_rebuilt_from():
+    """A checkpoint is rebuilt from ``config()``: an option it leaves out comes back as its default (a model trained
+    with ``--set dropout=0.3`` would fine-tune with 0.5), so every one given, none at its default, is there."""
+    options = dict(embed_dim=6, hidden_dim=7, visual_dim=8, attn_dim=9, dropout=0.3, attention="sparsemax",
+                   tvmax_lambda=0.05, input_attention_normalizer="tvmax")
+    config = create("sparsecap", vocab_size=5, feat_dim=4, **options).config()
+    assert {name: config[name] for name in options} == options
+    assert create("sparsecap", **config).config() == config
+
+
+def test_built_bare_or_from_its_recipe_it_has_the_papers_sizes():
+    """SparseCap §4: word embeddings of 256, an LSTM of d = 512, λ = 0.01 for TVmax; §3's projection to g = 512
+    (docs/decisions.md#sparsecap-visual-projection) and our dropout of 0.5 (docs/decisions.md#sparsecap-dropout).
+    The recipe names only some of them, so the constructor's defaults are the rest of what ``captioner train
+    --recipe sparsecap`` trains, and all of what a library user's ``create("sparsecap", ...)`` builds."""
+    papers = dict(embed_dim=256, hidden_dim=512, visual_dim=512, dropout=0.5, tvmax_lambda=0.01)
+    for model_args in ({}, load_recipe("sparsecap")["model_args"]):
+        config = create("sparsecap", vocab_size=5, feat_dim=4, **model_args).config()
+        assert {name: config[name] for name in papers} == papers, model_args
+
+
+@pytest.mark.parametrize("option", ["attention", "input_attention_normalizer"])
+def test_tvmax_lambda_is_the_strength_either_tvmax_attention_runs_with(option):
+    """``--set tvmax_lambda=0.005`` trains with the authors' strength (docs/decisions.md#tvmax-lambda-convention):
+    the λ given is the one TVmax runs with, in the output attention and in an input attention set to TVmax.  The
+    other tests use the default λ, which a normaliser built without it would use too."""
+    lam = 0.2
+    model, vis = _tiny(**{"attention": "softmax", option: "tvmax"}, tvmax_lambda=lam), _visuals()
+    enc = model.encode(vis)
+    torch.manual_seed(2)
+    state = {"h": torch.randn(3, 20), "c": torch.randn(3, 20)}
+    _, new_state, record = model.step(torch.tensor([1, 5, 7]), state, enc)
+    if option == "attention":  # from h_t
+        weights, scores = record.primary, _scores(model.output_attention, enc["feats"], new_state["h"])
+    else:  # from h_{t−1}
+        weights, scores = record.extras["input_attention"], _scores(model.input_attention, enc["feats"], state["h"])
+    torch.testing.assert_close(weights, get_normaliser("tvmax", lam=lam)(scores, None))
+    assert not torch.allclose(weights, get_normaliser("tvmax")(scores, None), atol=1e-3)  # λ matters here
 
 
 def test_a_normaliser_added_to_the_table_is_one_sparsecap_can_take(monkeypatch):
@@ -64,6 +112,16 @@ def test_a_normaliser_added_to_the_table_is_one_sparsecap_can_take(monkeypatch):
     assert model.config()["attention"] == "halved" and model.attention_name == "halved"
 
 
+@pytest.mark.parametrize("option", ["attention", "input_attention_normalizer"])
+def test_a_tvmax_attention_on_either_side_blocks_the_export_naming_the_prox(option):
+    """TVmax's prox iterates until a certificate holds: a trace would freeze the count that certified the example's
+    scores, and the graph pass its checks while returning an uncertified attention on other images.  That holds
+    for an input attention set to TVmax as much as for the output one."""
+    blocker = _tiny(**{"attention": "softmax", option: "tvmax"}).export_blocker()
+    assert re.search(r"TVmax's 2D TV prox \(models/attention/tvmax\.py:\d+\) iterates", blocker or ""), blocker
+    assert _tiny("sparsemax", input_attention_normalizer="sparsemax").export_blocker() is None
+
+
 @pytest.mark.parametrize("attention", NORMALISERS)
 def test_step_matches_the_equations(attention):
     model, vis = _tiny(attention), _visuals()
@@ -76,18 +134,14 @@ def test_step_matches_the_equations(attention):
 
     feats = F.relu(model.project(vis.feats))  # V, g-dimensional
     torch.testing.assert_close(enc["feats"], feats)
-
-    def scores(att, h):  # z_i = wᵀ tanh(affine([v_i; h]))
-        return att.score(torch.tanh(att.key(feats) + att.query(h).unsqueeze(1))).squeeze(-1)
-
-    alpha = scores(model.input_attention, state["h"]).softmax(-1)  # from h_{t−1}, always softmax
+    alpha = _scores(model.input_attention, feats, state["h"]).softmax(-1)  # from h_{t−1}, always softmax
     torch.testing.assert_close(record.extras["input_attention"], alpha)
     h, c = model.lstm(torch.cat([model.embed(prev), torch.einsum("bn,bnd->bd", alpha, feats)], 1),
                       (state["h"], state["c"]))
     torch.testing.assert_close(new_state["h"], h)
     torch.testing.assert_close(new_state["c"], c)
     normalise = get_normaliser(attention, lam=0.01) if attention == "tvmax" else get_normaliser(attention)
-    alpha_out = normalise(scores(model.output_attention, h), None)  # from h_t, with the normaliser under test
+    alpha_out = normalise(_scores(model.output_attention, feats, h), None)  # from h_t, with the normaliser under test
     torch.testing.assert_close(record.primary, alpha_out)
     readout = torch.tanh(model.readout(torch.einsum("bn,bnd->bd", alpha_out, feats)))
     torch.testing.assert_close(logprobs, model.out_word(torch.cat([readout, h], 1)).log_softmax(-1))
@@ -119,7 +173,9 @@ def test_dropout_acts_only_where_h_feeds_the_word_predictor():
     prev = torch.tensor([1, 5, 7])
     logprobs, evaluated, _ = model.step(prev, state, enc)
     torch.manual_seed(3)
-    trained_logprobs, trained, _ = model.train().step(prev, state, enc)
+    model.train()
+    torch.testing.assert_close(model.encode(vis)["feats"], enc["feats"])  # V is not dropped out either
+    trained_logprobs, trained, _ = model.step(prev, state, enc)
     assert not torch.allclose(trained_logprobs, logprobs)  # the dropout is active
     torch.testing.assert_close(trained["h"], evaluated["h"])
     torch.testing.assert_close(trained["c"], evaluated["c"])
