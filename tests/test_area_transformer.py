@@ -4,12 +4,14 @@ alignment, attention export, masking, and a memorisation smoke test."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from captioner.models.attention.area import areas_to_cells, enumerate_areas_2d
 from captioner.models.layers import sinusoid_positions
-from captioner.models.protocol import VisualBatch
+from captioner.models.protocol import Geometry, VisualBatch
 from captioner.models.zoo import available, create
 
 from .model_checks import (assert_beam_one_is_greedy, memorisation_cider, memorisation_task, rescored_beams,
@@ -44,10 +46,20 @@ def visuals():
 def test_registered_and_config_round_trips():
     assert "area-transformer" in available()
     model = tiny(**CONFIGS["3x3-combined+2"], grid_hw=[4, 4])
+    assert model.arch == "area-transformer" and model.attention_kind == "area_attention"  # GET /models, the card
     config = json.loads(json.dumps(model.config()))
     again = create("area-transformer", **config)
     assert again.config() == model.config()
     assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+
+
+def test_defaults_are_the_documented_small_model():
+    """docs/area_attention.md: a library user's ``create("area-transformer", vocab_size=V, feat_dim=D)`` is a small
+    CPU model with the paper's best image setting, 3×3* in the first 2 layers (the recipe names every size)."""
+    model = create("area-transformer", vocab_size=VOCAB, feat_dim=FEAT)
+    assert model.config() == dict(vocab_size=VOCAB, feat_dim=FEAT, d_model=256, n_heads=4, enc_layers=2, dec_layers=2,
+                                  ffn_dim=1024, dropout=0.1, encoder_area=3, decoder_area=3, caption_area=None,
+                                  area_key="combined", area_layers=2, pre_norm=False, grid_hw=None, max_grid=32)
 
 
 def test_areas_only_in_the_first_area_layers():
@@ -55,7 +67,10 @@ def test_areas_only_in_the_first_area_layers():
     assert [layer.attn.max_area for layer in model.encoder] == [(3, 3)] * 2 + [(1, 1)] * 4
     assert [layer.cross.max_area for layer in model.decoder] == [(3, 3)] * 2 + [(1, 1)] * 4
     assert [layer.self_attn.max_area for layer in model.decoder] == [(1, 2)] * 2 + [(1, 1)] * 4
-    assert [layer.cross.combiner is not None for layer in model.decoder] == [True] * 2 + [False] * 4
+    # area_key covers every area layer (docs/area_attention.md): the encoder's and the caption's too
+    for attention in ("attn", "cross", "self_attn"):
+        layers = model.encoder if attention == "attn" else model.decoder
+        assert [getattr(layer, attention).combiner is not None for layer in layers] == [True] * 2 + [False] * 4
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -77,8 +92,16 @@ def test_incremental_step_equals_parallel_forward(name, visuals):
 def test_encoder_and_first_step_follow_vaswani_layout(pre_norm, visuals):
     """The step-vs-parallel check cannot see a change both passes share, so the Transformer around the area
     attention is written out here: cell ``(r, c)`` gets ``row_embed[r] + col_embed[c]`` (row-major), each sublayer
-    is ``LN(x + f(x))`` (post-norm) or ``x + f(LN(x))`` with a final LN (pre-norm), words are ``√d E w + PE(t)``."""
+    is ``LN(x + f(x))`` (post-norm) or ``x + f(LN(x))`` with a final LN (pre-norm), words are ``√d E w + PE(t)``.
+    The LayerNorms are given trained-looking scales and shifts: at their initial 1 and 0 a sublayer using another's
+    norm, or a second LN after a post-norm one, changes nothing.  The exported ``areas`` are the last layer's
+    cross-attention weights averaged over the heads (no head alone)."""
     model = tiny(**CONFIGS["2x2-basic"], pre_norm=pre_norm)
+    with torch.no_grad():
+        for norm in (module for module in model.modules() if isinstance(module, nn.LayerNorm)):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    assert isinstance(model.enc_norm, nn.LayerNorm) == isinstance(model.dec_norm, nn.LayerNorm) == pre_norm
     grid = (4, 4)
 
     def sublayer(sub, x, fn):
@@ -89,18 +112,26 @@ def test_encoder_and_first_step_follow_vaswani_layout(pre_norm, visuals):
     for layer in model.encoder:
         x = sublayer(layer.sub1, x, lambda y, layer=layer: layer.attn(y, y, grid)[0])
         x = sublayer(layer.sub2, x, layer.ffn)
-    memory = model.enc_norm(x)
+    memory = model.enc_norm(x) if pre_norm else x
     bos = torch.full((3,), model.bos_id)
     y = model.embed(bos)[:, None] * math.sqrt(32) + sinusoid_positions(torch.tensor([0]), 32)
+    area_maps = []
+
+    def cross(z, layer):
+        out, weights = layer.cross(z, memory, grid)
+        area_maps.append(weights[:, :, 0].mean(1))  # [B, heads, |R|] at the one position, over the heads
+        return out
+
     for layer in model.decoder:
         y = sublayer(layer.subs[0], y, lambda z, layer=layer: layer.self_attn(z, z)[0])  # only itself in the past
-        y = sublayer(layer.subs[1], y, lambda z, layer=layer: layer.cross(z, memory, grid)[0])
+        y = sublayer(layer.subs[1], y, lambda z, layer=layer: cross(z, layer))
         y = sublayer(layer.subs[2], y, layer.ffn)
-    expected = model.out(model.dec_norm(y[:, 0])).log_softmax(-1)
+    expected = model.out(model.dec_norm(y[:, 0]) if pre_norm else y[:, 0]).log_softmax(-1)
     enc = model.encode(visuals)
     torch.testing.assert_close(enc["memory"], memory)
-    logprobs, _, _ = model.step(bos, model.init_state(enc), enc)
+    logprobs, _, record = model.step(bos, model.init_state(enc), enc)
     torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(record.extras["areas"], area_maps[-1])
 
 
 def test_beam_search_attention_lines_up_with_tokens(visuals):
@@ -128,6 +159,24 @@ def test_beam_one_equals_greedy(visuals):
     assert_beam_one_is_greedy(model, visuals, max_len=8)
 
 
+def test_paper_layout_exports_the_last_area_layers_areas_and_the_last_layers_cells(visuals):
+    """With areas in the first layers only (the paper's 6 layers: areas in 1–2), ``areas`` is the last area layer's
+    weights, over the boxes ``area_boxes`` lists, while ``primary`` is the last layer's plain cell attention; that
+    has no area mass, so there is no ``cell_mass``."""
+    model = tiny(dec_layers=2, area_layers=1)
+    boxes = model.area_boxes((4, 4))
+    assert torch.equal(boxes, enumerate_areas_2d(4, 4, 3, 3))
+    assert torch.equal(model.area_boxes(), enumerate_areas_2d(8, 8, 3, 3))  # no grid given or configured: 8×8
+    _, records = stepwise(model, visuals, torch.tensor([[5, 6]] * 3))
+    for record in records:
+        assert set(record.extras) == {"areas", "layer1", "layer2"}
+        assert record.extras["areas"].shape == (3, len(boxes))
+        cells = areas_to_cells(record.extras["areas"], boxes, 16)
+        torch.testing.assert_close(record.extras["layer1"], cells / cells.sum(-1, keepdim=True))
+        torch.testing.assert_close(record.primary, record.extras["layer2"])
+        torch.testing.assert_close(record.primary.sum(-1), torch.ones(3))
+
+
 def test_regular_model_exports_plain_cell_attention(visuals):
     model = tiny(**CONFIGS["regular"])
     assert model.area_boxes() is None
@@ -151,12 +200,42 @@ def test_masked_cells_get_no_attention(visuals):
                                stepwise(model, vis, torch.tensor([[5, 6, 7]] * 3))[0])
 
 
+def test_an_image_without_a_real_cell_gets_a_zero_map_not_nan(visuals):
+    """Every area of such an image is masked, so no cell gets mass: the renormalised map stays 0 (0/0 is guarded)
+    while the other images' maps still sum to 1."""
+    model = tiny(**CONFIGS["3x3-combined+2"])
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    mask[1] = False
+    logprobs, records = stepwise(model, VisualBatch(visuals.feats, mask), torch.tensor([[5, 6]] * 3))
+    assert torch.isfinite(logprobs).all()
+    for record in records:
+        assert torch.equal(record.primary[1], torch.zeros(16)) and record.extras["cell_mass"][1].item() == 0.0
+        torch.testing.assert_close(record.primary[[0, 2]].sum(-1), torch.ones(2))
+
+
 def test_grid_comes_from_geometry_or_config():
     model = tiny(grid_hw=[3, 5])
     enc = model.encode(VisualBatch.from_features(torch.randn(2, 15, FEAT)))
     assert enc["grid_hw"].tolist() == [[3, 5], [3, 5]]
     with pytest.raises(ValueError, match="grid"):
         tiny().encode(VisualBatch.from_features(torch.randn(1, 15, FEAT)))
+    # the features' own geometry wins over the configured grid: a portrait photo's 5×3 cells are not laid out 3×5
+    portrait = Geometry("grid", (30, 50), (5, 3), np.zeros((15, 4), np.float32))
+    enc = model.encode(VisualBatch.from_features(torch.randn(2, 15, FEAT), [portrait, portrait]))
+    assert enc["grid_hw"].tolist() == [[5, 3], [5, 3]]
+
+
+def test_grid_of_max_grid_rows_is_taken_and_a_larger_one_refused():
+    # the learned cell positions hold max_grid rows and columns (docs/area_attention.md): all of them are usable
+    model = tiny(max_grid=4)
+    assert model.encode(VisualBatch.from_features(torch.randn(1, 16, FEAT)))["grid_hw"].tolist() == [[4, 4]]
+    with pytest.raises(ValueError, match="max_grid=4"):
+        model.encode(VisualBatch.from_features(torch.randn(1, 25, FEAT)))  # a 5×5 grid
+
+
+def test_forward_xe_refuses_scheduled_sampling(visuals):
+    with pytest.raises(ValueError, match="scheduled sampling"):
+        tiny().forward_xe(visuals, torch.tensor([[5, 6, 2]] * 3), ss_prob=0.1)
 
 
 def test_memorises_ten_captions():
