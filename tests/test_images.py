@@ -1,6 +1,8 @@
 """Reading a photo (models/images.py): every format and mode becomes 8-bit RGB as a browser shows it, the header
 alone gives the picture's size, and what cannot be read is refused with an error that names it."""
 
+import re
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -33,11 +35,14 @@ def test_deep_greyscale_is_scaled_to_eight_bits_not_clipped(fmt, dtype, full_sca
     assert (loaded[..., 0] == loaded[..., 2]).all()
 
 
-def test_every_sixteen_bit_value_is_rescaled_to_the_nearest_eight_bit_one():
+@pytest.mark.parametrize("fmt,dtype", [("PNG", np.uint16), ("TIFF", np.int32)])
+def test_every_sixteen_bit_value_is_rescaled_to_the_nearest_eight_bit_one(fmt, dtype):
     # the PNG specification's sample depth rescaling (12.5): round(v * 255 / 65535), i.e. round(v / 257); e.g.
-    # 65406 is 254.498 of 255, so 254, and 32767 is 127.498, so 127 (a full scale off by one rounds both up)
-    every = np.arange(65536, dtype=np.uint16).reshape(256, 256)
-    loaded = np.asarray(load_image(_save(Image.fromarray(every), "PNG")))[..., 0]
+    # 65406 is 254.498 of 255, so 254, and 32767 is 127.498, so 127 (a full scale off by one rounds both up); a
+    # 32-bit integer picture whose brightest pixel fits 16 bits is scaled from 65,535 too (65,536 rounded 51,529,
+    # 200.502 of 255, down)
+    every = np.arange(65536, dtype=dtype).reshape(256, 256)
+    loaded = np.asarray(load_image(_save(Image.fromarray(every), fmt)))[..., 0]
     np.testing.assert_array_equal(loaded, (every.astype(np.int64) * 2 + 257) // 514)
     assert loaded.reshape(-1)[65406] == 254 and loaded.reshape(-1)[32767] == 127
 
@@ -50,7 +55,23 @@ def test_negative_values_of_a_float_picture_are_black_not_wrapped_to_white():
     np.testing.assert_allclose(loaded[floats >= 0], floats[floats >= 0] * 255, atol=0.5)
 
 
-def test_decoded_arrays_grey_rgb_and_rgba_are_images_and_other_shapes_are_refused():
+def test_values_of_a_float_picture_above_its_largest_full_scale_are_white_not_wrapped_to_black():
+    # past 2³²−1 a float picture is scaled from 2³²−1 and its brighter pixels clipped at white; a cast of 256 wraps
+    floats = np.array([[0.0, 2.0**30, 2.0**33]], np.float32)
+    loaded = np.asarray(load_image(_save(Image.fromarray(floats, "F"), "TIFF")))[..., 0]
+    assert loaded.tolist() == [[0, 64, 255]]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
+def test_a_deep_picture_holding_eight_bit_values_keeps_each_of_them(dtype):
+    # its brightest pixel fits 255, so it is scaled from 255 and each value is its own 8-bit value (a full scale of
+    # 256 turned white into 254, which the ±1 of the scaling test above lets through)
+    every = np.arange(256, dtype=dtype).reshape(16, 16)
+    loaded = np.asarray(load_image(_save(Image.fromarray(every), "TIFF")))[..., 0]
+    np.testing.assert_array_equal(loaded, every.astype(np.uint8))
+
+
+def test_decoded_arrays_grey_rgb_and_rgba_are_images_and_other_shapes_or_types_are_refused():
     # what scikit-image and OpenCV hold: HxW grey, HxWx3 RGB, HxWx4 RGBA (its transparent pixels laid on white)
     rgba = np.zeros((4, 6, 4), np.uint8)
     rgba[:, :3] = (200, 10, 10, 255)
@@ -61,6 +82,11 @@ def test_decoded_arrays_grey_rgb_and_rgba_are_images_and_other_shapes_are_refuse
     for shape in [(4, 6, 2), (4, 6, 3, 1), (6,)]:
         with pytest.raises(TypeError, match="HxW, HxWx3 or HxWx4 uint8"):
             load_image(np.zeros(shape, np.uint8))
+    # another type is refused as clearly (a float grey array passed, a float RGB one got Pillow's "Cannot handle
+    # this data type: (1, 1, 3), <f8")
+    for array in [np.zeros((4, 6), np.float32), np.zeros((4, 6, 3)), np.zeros((4, 6), np.uint16)]:
+        with pytest.raises(TypeError, match="HxW, HxWx3 or HxWx4 uint8"):
+            load_image(array)
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
@@ -92,6 +118,14 @@ def test_gif_first_frame():
     assert load_image(_save(frames[0], "GIF", save_all=True, append_images=frames[1:])).getpixel((5, 5))[0] > 200
 
 
+def test_a_picture_left_on_a_later_frame_is_read_from_its_first():
+    # a library caller's PIL image (or one open_image opened) that a viewer turned to its second frame
+    frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
+    gif = open_image(_save(frames[0], "GIF", save_all=True, append_images=frames[1:]))
+    gif.seek(1)
+    assert load_image(gif).getpixel((5, 5))[0] > 200
+
+
 def test_a_cameras_two_view_jpeg_is_read_as_its_first_view():
     views = [Image.new("RGB", (12, 8), colour) for colour in [(255, 0, 0), (0, 0, 255)]]
     assert load_image(_save(views[0], "MPO", save_all=True, append_images=views[1:])).getpixel((5, 5))[0] > 200
@@ -106,6 +140,13 @@ def test_the_size_read_from_a_header_is_the_size_of_the_picture_the_model_sees(t
     path = tmp_path / "turned.jpg"
     Image.new("RGB", (40, 30)).save(path, exif=exif.tobytes())
     assert picture_size(path) == load_image(path).size == ((30, 40) if orientation >= 5 else (40, 30))
+
+
+def test_the_size_read_from_a_header_leaves_no_file_open(tmp_path):
+    # grounding and attention supervision read the size of every photo of a data set
+    Image.new("RGB", (40, 30)).save(tmp_path / "photo.jpg")
+    with nothing_left_open():
+        assert picture_size(tmp_path / "photo.jpg") == (40, 30)
 
 
 @pytest.mark.parametrize("fmt", ["SPIDER", "PPM", "ICO"])
@@ -124,6 +165,13 @@ def test_a_sixteen_bit_grey_png_with_a_transparent_value_is_laid_on_white():
     # every other value stays opaque: its own grey (60000 of 65535 is 233.46 of 255), not the white under it
     assert loaded.getpixel((39, 5)) == (233, 233, 233)
     assert load_image(_save(Image.fromarray(grey), "PNG")).getpixel((5, 5)) == (0, 0, 0)  # opaque: black
+
+
+def test_only_the_transparent_sixteen_bit_value_itself_is_see_through():
+    # tRNS names one 16-bit value: the near-black values that scale to the same 8-bit 0 stay opaque black
+    grey = np.array([[0, 100, 128, 60000]], np.uint16)
+    loaded = load_image(_save(Image.fromarray(grey), "PNG", transparency=0))
+    assert [loaded.getpixel((x, 0)) for x in range(4)] == [(255, 255, 255), (0, 0, 0), (0, 0, 0), (233, 233, 233)]
 
 
 def test_a_torn_image_file_is_named(tmp_path):
@@ -146,6 +194,17 @@ def test_an_image_file_is_closed_once_read_whole_or_torn(tmp_path):
             load_image(tmp_path / "torn.jpg")
 
 
+def test_a_file_that_is_no_image_is_named_as_the_upload_or_by_its_path(tmp_path):
+    # the service opens an upload, and picture_size a data set's photo, without a name: the 422's detail says "the
+    # upload", and grounding's error the path
+    with pytest.raises(ImageDecodeError, match="image in the upload$"):
+        open_image(b"not an image at all")
+    notes = tmp_path / "notes.jpg"
+    notes.write_bytes(b"not an image at all")
+    with pytest.raises(ImageDecodeError, match=f"image in {re.escape(str(notes))}$"):
+        picture_size(notes)
+
+
 def test_bad_images_raise_clear_errors():
     with pytest.raises(ImageDecodeError, match="cannot identify"):
         load_image(b"not an image at all")
@@ -164,6 +223,9 @@ def test_bad_images_raise_clear_errors():
             load_image(_png_declaring(100_000, 100_000), max_pixels=max_pixels)
         assert str(refused.value) == (f"image is above the limit of {limit} pixels (its header declares more than "
                                       f"{declared_above})")
+    # a picture opened already (a library caller's, or open_image's without a limit) is held to it before decoding
+    with pytest.raises(ImageTooLarge, match="above the limit"):
+        load_image(open_image(_save(Image.new("RGB", (300, 300)), "PNG")), max_pixels=300 * 300 - 1)
     with pytest.raises(ImageDecodeError, match="no such image file: /nonexistent/cat.jpg"):
         load_image("/nonexistent/cat.jpg")
 
@@ -179,3 +241,12 @@ def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_ha
     deep = opened((300, 300), "I;16")
     assert decode_cost(square) == 90_000 + 3 * 300
     assert decode_cost(strip) == 4 * 90_000 and decode_cost(deep) == 2 * 90_000 + 3 * 300
+    for mode in ("I", "F"):  # 32-bit integer and float pictures are made 8-bit through a copy of themselves too
+        assert decode_cost(open_image(_save(Image.new(mode, (300, 300)), "TIFF"))) == 2 * 90_000 + 3 * 300
+
+
+def test_a_reduced_decode_of_a_jpeg_strip_keeps_its_one_row():
+    # an overlay of a panorama strip: its short side, scaled to under half a pixel, asked Pillow for a decode 0
+    # pixels high (a ZeroDivisionError, the overlay route's 500)
+    strip = _save(Image.new("RGB", (6000, 2), (10, 20, 30)), "JPEG")
+    assert load_image(strip, reduce_to=100).size == (3000, 1)
