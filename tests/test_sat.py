@@ -1,9 +1,23 @@
 """SAT soft attention: equations against naive references, gradients, auxiliary loss."""
 
+import pytest
 import torch
 
+from captioner.models.evaluation.params import PAPER_SIZES
 from captioner.models.protocol import VisualBatch
-from captioner.models.zoo import create
+from captioner.models.zoo import create, options
+
+from .model_checks import RecordingDropout
+
+
+@pytest.mark.parametrize("name", ["sat", "sat-hard"])
+def test_default_sizes_are_the_documented_ones(name):
+    """``captioner train --model sat`` with no model options builds the sizes of docs/decisions.md#sat-sizes (word
+    embedding 512, LSTM 1024, attention MLP 512), the ones the parameter table counts."""
+    sizes = dict(embed_dim=512, hidden_dim=1024, attn_dim=512)
+    defaults = options(name)
+    assert {key: defaults[key] for key in sizes} == sizes
+    assert {key: PAPER_SIZES[name][key] for key in sizes} == sizes
 
 
 def test_attention_matches_naive_equation(tiny_sat, random_visuals):
@@ -87,6 +101,19 @@ def test_training_drops_out_the_deep_output_sum_before_l_o(random_visuals):
     assert not torch.allclose(first, second)
     model.eval()
     torch.testing.assert_close(model.step(prev, state, enc)[0], model.step(prev, state, enc)[0])
+
+
+def test_hidden_output_drops_out_h_t_before_fc_and_nothing_else(random_visuals):
+    """``output="hidden"`` is sgrvinod's ``fc(dropout(h))``: in training the dropout sits on ``h_t`` and on nothing
+    else (an imported tutorial checkpoint fine-tuned here is regularised as the tutorial trained it)."""
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, dropout=0.5,
+                   init_activation="none", attention_score="relu", gate="channel", output="hidden")
+    model.drop = RecordingDropout()
+    enc = model.encode(random_visuals)
+    logprobs, state, _ = model.step(torch.full((3,), model.bos_id), model.init_state(enc), enc)
+    assert len(model.drop.inputs) == 1 and model.drop.inputs[0] is state["h"]
+    torch.testing.assert_close(logprobs, model.out_word(state["h"]).log_softmax(-1))
 
 
 def test_doubly_stochastic_penalty_is_eq14_per_word(tiny_sat):
