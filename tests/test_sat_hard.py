@@ -69,6 +69,20 @@ def test_evaluation_uses_the_expected_context_by_default_as_the_authors_generato
         _model(decode_location="mode")
 
 
+@pytest.mark.parametrize("option", [dict(location_samples=0), dict(expectation_prob=-0.1),
+                                    dict(expectation_prob=1.1), dict(baseline_decay=-0.1), dict(baseline_decay=1.0)])
+def test_options_outside_their_ranges_are_refused(option):
+    """§4.1's moving average ``b_k = d b_{k-1} + (1 - d) r_k`` needs ``d < 1``: at ``d = 1`` the baseline would stay
+    the first mini-batch's mean for the whole run, so it is refused with the range the message states."""
+    with pytest.raises(ValueError, match="0 <= baseline_decay < 1"):
+        _model(**option)
+
+
+@pytest.mark.parametrize("option", [dict(expectation_prob=0.0), dict(expectation_prob=1.0), dict(baseline_decay=0.0)])
+def test_options_at_the_ends_of_their_ranges_are_taken(option):
+    assert _model(**option).config()[next(iter(option))] == next(iter(option.values()))
+
+
 def test_evaluation_can_use_the_argmax_location_and_exports_alpha():
     model = _model(decode_location="argmax").eval()
     vis = VisualBatch.from_features(torch.randn(3, 5, 6))
@@ -184,6 +198,20 @@ def test_terms_and_moving_average_baseline_match_the_learning_rule():
     clone = create("sat-hard", **TINY)
     clone.load_state_dict(model.state_dict())
     assert torch.equal(clone.baseline, model.baseline) and int(clone.baseline_batches) == 2
+
+
+def test_padded_regions_give_finite_terms_and_gradients():
+    """Region features come padded (α = 0 on the padding): H(α_t) takes 0 · log 0 as 0, not NaN, so the entropy
+    term, the REINFORCE term and every gradient stay finite."""
+    model = _model(expectation_prob=0.0).train()
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    vis = VisualBatch(torch.randn(2, 5, 6), mask)
+    captions = torch.tensor([[5, 6, 2], [8, 2, 0]])
+    logprobs, aux = model.forward_xe(vis, captions)
+    assert set(aux) == {"reinforce", "entropy"} and all(torch.isfinite(term) for term in aux.values())
+    (xe_loss(logprobs, captions, model.pad_id) + sum(aux.values())).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_several_location_samples_average_the_xe_term():
