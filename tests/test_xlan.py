@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from captioner.models.layers import masked_mean
 from captioner.models.protocol import VisualBatch
-from captioner.models.zoo import available, create
+from captioner.models.zoo import available, create, options
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
                           RecordingDropout, memorisation_cider, memorisation_task, rescored_beams, stepwise,
@@ -48,6 +48,21 @@ def test_registered_and_config_round_trips():
         tiny(lstm_input="gru")
     with pytest.raises(ValueError, match="hidden_dim"):
         tiny(lstm_input="sum")  # ṽ + c_{t−1} needs equal widths
+
+
+def test_defaults_are_the_papers_sizes_and_the_authors_celu():
+    """``captioner train --model xlan`` with no model options builds X-LAN §4.1's sizes and the "+ELU" block's
+    CELU with the authors' α = 1.3 (docs/decisions.md#x-lan-activation) on the region and word embeddings and in
+    every X-Linear block."""
+    defaults = options("xlan")
+    assert {key: defaults[key] for key in ("dim", "hidden_dim", "embed_dim", "channel_dim", "heads",
+                                           "encoder_layers", "activation", "celu_alpha")} == dict(
+        dim=1024, hidden_dim=1024, embed_dim=1024, channel_dim=512, heads=8, encoder_layers=4, activation="celu",
+        celu_alpha=1.3)
+    model = create("xlan", vocab_size=VOCAB, feat_dim=FEAT, dim=32, hidden_dim=24, embed_dim=12, channel_dim=16,
+                   heads=4, encoder_layers=2)
+    alphas = [module.alpha for module in model.modules() if isinstance(module, torch.nn.CELU)]
+    assert len(alphas) >= 2 + 4 * 3 and set(alphas) == {1.3}
 
 
 @pytest.mark.parametrize("shared", [True, False])
