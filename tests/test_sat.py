@@ -9,6 +9,10 @@ from captioner.models.zoo import create, options
 
 from .model_checks import RecordingDropout
 
+# tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates (the gradcheck
+# below took 170 s, not 1 s, while other test processes held both cores)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.mark.parametrize("name", ["sat", "sat-hard"])
 def test_default_sizes_are_the_documented_ones(name):
