@@ -25,6 +25,10 @@ from .entities_photos import circle_photos
 from .model_checks import keys_store
 from .test_cli import captioner
 
+# tiny models: a second thread gains nothing, and on a busy machine waiting for it dominates (the supervised run
+# took 12.5 s, not 6.1 s, beside two busy loops)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CAPTION = ["a", "red", "circle", "on", "a", "plain", "background"]
 #: (flickr id, the red circle's box on the 64×48 copy, its split)
 PHOTOS = [("111", (0, 0, 32, 24), "train"), ("222", (32, 24, 64, 48), "train"), ("333", (32, 0, 64, 24), "train"),
