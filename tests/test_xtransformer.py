@@ -2,7 +2,6 @@
 parallel teacher-forced pass, the decoder structure, masking, the shared decoder's alignment rule, checkpoint round
 trip and the memorisation smoke test."""
 
-import inspect
 import json
 import math
 
@@ -15,8 +14,7 @@ from captioner.models.attention.xlinear import ItemUpdate, XLinearAttention
 from captioner.models.evaluation.params import PAPER_SIZES
 from captioner.models.layers import masked_mean, sinusoid_positions
 from captioner.models.protocol import VisualBatch
-from captioner.models.xtransformer import XTransformer
-from captioner.models.zoo import available, create
+from captioner.models.zoo import available, create, options
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
                           memorisation_cider, memorisation_task, rescored_beams, stepwise, train_to_memorise)
@@ -77,7 +75,7 @@ def test_default_sizes_are_the_authors():
     """The defaults are documented as the authors' sizes, which ``captioner params`` counts (PAPER_SIZES, held
     against a hand count by test_params); the table passes every size, and the recipe names none, so only this
     holds what ``captioner train --recipe xtransformer`` builds."""
-    defaults = {name: parameter.default for name, parameter in inspect.signature(XTransformer).parameters.items()}
+    defaults = options("xtransformer")
     sizes = {name: size for name, size in PAPER_SIZES["xtransformer"].items() if name != "feat_dim"}
     assert {name: defaults[name] for name in sizes} == sizes
 
