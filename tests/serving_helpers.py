@@ -4,7 +4,6 @@ deterministic driver for the batcher, result comparison, and real ``captioner se
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import re
 import subprocess
@@ -20,8 +19,7 @@ from torch import nn
 
 from captioner.models.checkpoint import Checkpoint
 from captioner.models.encoder import EncoderSpec, GridEncoder
-from captioner.models.registry import MODELS
-from captioner.models.zoo import available, create
+from captioner.models.zoo import REQUIRED, available, create, options
 from captioner.models.vocab import Vocabulary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +38,8 @@ TINY_CONFIGS: dict[str, dict] = {
 def generic_tiny_config(arch: str) -> dict:
     """Shrink a constructor's integer sizes: widths → 32, heads → ≤ 2, layer counts → 1 (best effort)."""
     config: dict = {}
-    available()  # imports the built-in models into the registry
-    for name, param in inspect.signature(MODELS[arch].__init__).parameters.items():
-        default = param.default
-        if name in ("self", "vocab_size", "feat_dim") or default is inspect.Parameter.empty:
+    for name, default in options(arch).items():
+        if name in ("vocab_size", "feat_dim") or default is REQUIRED:
             continue
         if isinstance(default, bool):
             continue
