@@ -9,10 +9,12 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from torch import nn
@@ -169,6 +171,20 @@ def run_bounded(coroutine, timeout_s: float = SCENARIO_TIMEOUT_S):
         async with asyncio.timeout(timeout_s):
             return await coroutine
     return asyncio.run(bounded())
+
+
+def call_bounded(timeout_s: float, function, *args):
+    """``function(*args)`` in a thread of its own, failing the test after ``timeout_s`` rather than holding it until
+    pytest-timeout's 600 s stop the whole run: an export that took its folder's lock exclusively, where a shared
+    lock belongs, would wait forever on the shared one the test holds.  Once the test's failure releases that lock,
+    the thread finishes."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(function, *args).result(timeout=timeout_s)
+    except TimeoutError:
+        pytest.fail(f"{function.__name__} was still waiting after {timeout_s} s: on a lock the test holds?")
+    finally:
+        pool.shutdown(wait=False)
 
 
 async def drive(batcher, schedule: list[tuple], timeout_s: float = 60.0) -> list:

@@ -54,8 +54,8 @@ from captioner.service.settings import Settings
 from captioner.service.shared_encoders import SharedEncoders
 
 from .conftest import DEFAULT_CHECKPOINT, module_folder
-from .serving_helpers import TINY_SPEC, VOCAB, all_architectures, assert_same_result, drive, random_images, \
-    run_bounded, shared_encoder, tiny_checkpoint, tiny_model
+from .serving_helpers import TINY_SPEC, VOCAB, all_architectures, assert_same_result, call_bounded, drive, \
+    random_images, run_bounded, shared_encoder, tiny_checkpoint, tiny_model
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -1398,7 +1398,7 @@ def test_replaced_cnn_exports_stay_while_another_export_writes_in_the_folder(tmp
     in_flight = os.open(tmp_path, os.O_RDONLY)
     try:
         fcntl.flock(in_flight, fcntl.LOCK_SH)
-        new = exporter.export_visual_encoder(spec, tmp_path).parent
+        new = call_bounded(120, exporter.export_visual_encoder, spec, tmp_path).parent
         assert old.is_dir() and new.is_dir()
     finally:
         os.close(in_flight)
@@ -1435,7 +1435,7 @@ def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next_export_b
     in_flight = os.open(tmp_path, os.O_RDONLY)
     try:
         fcntl.flock(in_flight, fcntl.LOCK_SH)  # another process's export, writing here
-        export_visual_encoder(EncoderSpec(image_size=96), tmp_path)
+        call_bounded(120, export_visual_encoder, EncoderSpec(image_size=96), tmp_path)
         assert left.is_dir() and earlier.is_dir()
     finally:
         os.close(in_flight)
