@@ -306,6 +306,11 @@ def test_renders_waiting_for_their_slots_never_hold_the_threads_captions_need(ti
     assert not more_than_two, "only two renders may run while the others wait"
 
 
+def _caption_request(receive, headers: list[tuple[bytes, bytes]] | None = None) -> Request:
+    """A bare ``POST /caption`` whose body comes from ``receive``, for ``read_body`` outside the app."""
+    return Request({"type": "http", "method": "POST", "path": "/caption", "headers": headers or []}, receive)
+
+
 def test_a_body_announced_above_the_limit_is_refused_before_any_of_it_is_read():
     """A Content-Length above the upload limit is a 413 at once: none of the body is read or taken from the upload
     budget (a body without a length is counted as it arrives); a body of exactly the limit is read."""
@@ -316,8 +321,7 @@ def test_a_body_announced_above_the_limit_is_refused_before_any_of_it_is_read():
         return {"type": "http.request", "body": b"x" * 1000, "more_body": False}
 
     def request(length: int) -> Request:
-        return Request({"type": "http", "method": "POST", "path": "/caption",
-                        "headers": [(b"content-length", str(length).encode())]}, receive)
+        return _caption_request(receive, [(b"content-length", str(length).encode())])
 
     budget = UploadBudget(10_000)
     with pytest.raises(UploadTooLarge):
@@ -338,8 +342,7 @@ def test_a_body_without_a_length_is_refused_as_soon_as_it_passes_the_limit():
             received.append(len(messages[len(received)]["body"]))
             return messages[len(received) - 1]
 
-        return Request({"type": "http", "method": "POST", "path": "/caption",
-                        "headers": [(b"transfer-encoding", b"chunked")]}, receive)
+        return _caption_request(receive, [(b"transfer-encoding", b"chunked")])
 
     whole: list[int] = []
     assert run_bounded(read_body(request([500, 500, 500], whole), 1000, refused_at=1500)) == b"x" * 1500
@@ -356,7 +359,7 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
     async def receive():
         return messages.pop(0) if messages else {"type": "http.disconnect"}
 
-    request = Request({"type": "http", "method": "POST", "path": "/caption", "headers": []}, receive)
+    request = _caption_request(receive)
     with pytest.raises(ClientGone, match="closed the connection"):
         run_bounded(read_body(request, 1000))
     # and through the app: counted as the client's 499 (an unmapped ClientGone would be a 500)
