@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from captioner.models.attention.aoa import AttentionOnAttention
+from captioner.models.attention.multihead import multi_head_attention
 from captioner.models.decoding import beam_search
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
@@ -142,6 +143,49 @@ def test_encoder_stacks_refiner_layers_and_masked_mean():
         torch.testing.assert_close(merged_heads(enc["values"][b])[real], items[b, real] @ model.value.weight.T)
 
 
+def test_encoder_drops_out_the_embedded_items():
+    """The authors' code's 0.5 on ``a_i = ReLU(W_r r_i + b_r)`` before refining (docs/decisions.md#aoanet-dropout);
+    the refiner layers have dropouts of their own."""
+    model, vis = tiny(), padded_visuals()
+    model.drop = RecordingDropout()
+    model.encode(vis)
+    assert len(model.drop.inputs) == 1
+    torch.testing.assert_close(model.drop.inputs[0], F.relu(model.embed_items(vis.feats)))
+
+
+def test_refiner_drops_out_its_attention_weights_its_residual_branch_and_its_aoa_input():
+    """The authors' refiner (docs/decisions.md#aoanet-dropout): 0.1 on the attention weights of the weighted sum
+    and on the branch added to the residual, 0.3 on AoA's input ``[v̂; Q]``. Tests build their models with dropout
+    0, where a dropout moved or dropped changes no output."""
+    model, vis = tiny(), padded_visuals()
+    layer = model.refine[0]
+    layer.drop, layer.aoa.input_dropout = RecordingDropout(), RecordingDropout()
+    items = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(4))
+    out = layer(items, vis.mask)
+    query = layer.query(items)
+    attended, weights = multi_head_attention(query, layer.key(items), layer.value(items), 4, vis.mask)
+    aoa_input = torch.cat([attended, query], -1)
+    branch = F.glu(layer.aoa.linear(aoa_input), dim=-1)
+    assert len(layer.drop.inputs) == 2 and len(layer.aoa.input_dropout.inputs) == 1
+    torch.testing.assert_close(layer.drop.inputs[0], weights)
+    torch.testing.assert_close(layer.aoa.input_dropout.inputs[0], aoa_input)
+    torch.testing.assert_close(layer.drop.inputs[1], branch)
+    torch.testing.assert_close(out, layer.norm(items + branch))
+
+
+def test_each_dropout_rate_reaches_its_own_places():
+    """``dropout``, ``attention_dropout`` and ``aoa_dropout`` (0.5, 0.1, 0.3: docs/decisions.md#aoanet-dropout) each
+    reach the dropouts the authors' code gives them, and AoA^D's input is not dropped out; the "Refine w/o AoA"
+    ablation's layers take ``attention_dropout`` too."""
+    model = tiny(dropout=0.25, attention_dropout=0.125, aoa_dropout=0.375)
+    assert (model.drop.p, model.attention_drop.p, model.aoa.input_dropout.p) == (0.25, 0.125, 0.0)
+    assert [(layer.drop.p, layer.aoa.input_dropout.p) for layer in model.refine] == [(0.125, 0.375)] * 2
+    transformer = tiny(refiner="transformer", attention_dropout=0.125)
+    for layer in transformer.refine:
+        assert layer.self_attn.dropout == 0.125
+        assert {m.p for m in layer.modules() if isinstance(m, torch.nn.Dropout)} == {0.125}
+
+
 # -- decoder -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("heads", [1, 4])
 def test_step_matches_naive_equations(heads):
@@ -177,14 +221,17 @@ def test_step_matches_naive_equations(heads):
 
 def test_step_drops_out_the_fed_back_and_the_output_context():
     """The authors' code's decoder dropout (docs/decisions.md#aoanet-dropout): on ``c_{t−1}`` fed back into Eq. 12
-    and on ``c_t`` before ``W_p``, nothing else."""
+    and on ``c_t`` before ``W_p``, nothing else; the attention weights have their own."""
     model, vis = tiny(), padded_visuals()
     enc = model.encode(vis)
     state = {name: torch.randn(3, 16) for name in ("h", "m", "context")}
-    model.drop = RecordingDropout()
-    _, new_state, _ = model.step(torch.tensor([1, 5, 7]), state, enc)
+    model.drop, model.attention_drop = RecordingDropout(), RecordingDropout()
+    _, new_state, record = model.step(torch.tensor([1, 5, 7]), state, enc)
     assert len(model.drop.inputs) == 2
     assert model.drop.inputs[0] is state["context"] and model.drop.inputs[1] is new_state["context"]
+    # and the attention_dropout (0.1) on the weights of the weighted sum, [B', H, 1, N]: the exported heads
+    assert len(model.attention_drop.inputs) == 1
+    torch.testing.assert_close(model.attention_drop.inputs[0].squeeze(2), record.extras["heads"])
 
 
 @pytest.mark.parametrize("context", ["linear", "lstm"])
