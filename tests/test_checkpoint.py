@@ -489,6 +489,12 @@ def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
     # rows that still sum to 1 and leave the padding at 0, with one weight below zero
     ("step", lambda answer: (*answer[:2], AttnRecord(answer[2].primary + torch.tensor([0.5, -0.5] + [0.0] * 7))),
      "must be a distribution over the items"),
+    # non-negative rows, zero on the padding, summing to 0.9
+    ("step", lambda answer: (*answer[:2], AttnRecord(answer[2].primary * 0.9)),
+     "must be a distribution over the items"),
+    # rows uniform over all nine items: distributions, but the second image's last two items are its padding
+    ("step", lambda answer: (*answer[:2], AttnRecord(torch.full_like(answer[2].primary, 1 / 9))),
+     "must put no weight on masked items"),
     ("step", lambda answer: (answer[0], {k: v[:1] for k, v in answer[1].items()}, answer[2]), "step's state 'h'"),
     ("reorder", lambda state: {k: v[:1] for k, v in state.items()}, "reorder's state 'h'"),
 ])
