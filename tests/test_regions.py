@@ -73,6 +73,11 @@ def test_loader_pads_and_masks_varying_region_counts(tmp_path):
     # the same batch in another order: every image keeps its own regions
     again = store.batch([images[2].key, images[0].key])
     assert again.feats.shape == (2, 3, 4) and torch.equal(again.feats[0], vis.feats[2, :3])
+    # moved to the evaluation's device (captioner eval, grounding), the batch keeps its boxes: without them
+    # grounding placed the regions' weights on the encoder's grid cells
+    moved = vis.to("cpu")
+    assert [(g.kind, g.image_size) for g in moved.geometry] == [("regions", size) for _, _, size in saved]
+    assert all(np.array_equal(g.boxes, boxes) for g, (_, boxes, _) in zip(moved.geometry, saved))
 
 
 def test_a_save_interrupted_mid_write_leaves_the_old_region_file_whole(tmp_path, monkeypatch):
