@@ -138,8 +138,12 @@ def test_features_of_another_shape_or_width_are_refused_by_name():
     model = tiny_model("sat")
     with pytest.raises(ValueError, match=r"\[batch, items, channels\] .*got \[64, 32\]"):
         VisualBatch.from_features(torch.rand(64, 32))  # one image's features, without the batch axis
+    with pytest.raises(ValueError, match=r"\[batch, items\] mask, got \[2, 9, 32\] and \[2, 8\]"):
+        VisualBatch(torch.rand(2, 9, 32), torch.ones(2, 8, dtype=torch.bool))  # a mask cut to another count
+    for width in (model.feat_dim + 1, model.feat_dim - 1):  # wider or narrower: another encoder's either way
+        wrong_width = VisualBatch.from_features(torch.rand(2, 9, width))
+        with pytest.raises(ValueError, match=rf"sat takes {model.feat_dim}-channel features, got {width}"):
+            beam_search(model, wrong_width)
     wrong_width = VisualBatch.from_features(torch.rand(2, 9, model.feat_dim + 1))
-    with pytest.raises(ValueError, match=rf"sat takes {model.feat_dim}-channel features, got {model.feat_dim + 1}"):
-        beam_search(model, wrong_width)
     with pytest.raises(ValueError, match="channel features"):
         model.forward_xe(wrong_width, torch.ones(2, 3, dtype=torch.long))
