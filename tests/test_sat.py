@@ -165,6 +165,14 @@ def test_scheduled_sampling_feeds_the_models_own_word_and_teacher_forcing_the_ca
     fed.clear()
     tiny_sat.forward_xe(random_visuals, captions, ss_prob=1.0)
     assert fed == [[bos] * 3, [11] * 3, [11] * 3, [11] * 3]
+    # words 11 and 12 equally likely, their logits equal: what is fed is a sample of the model's distribution, not
+    # its most likely word (argmax takes the first of a tie)
+    with torch.no_grad():
+        tiny_sat.out_word.weight[12], tiny_sat.out_word.bias[12] = tiny_sat.out_word.weight[11], 1e4
+    fed.clear()
+    torch.manual_seed(0)
+    tiny_sat.forward_xe(random_visuals, captions, ss_prob=1.0)
+    assert {token for tokens in fed[1:] for token in tokens} == {11, 12}
 
 
 def test_captions_grouped_by_image_are_scored_against_their_own_image(tiny_sat, random_visuals):
