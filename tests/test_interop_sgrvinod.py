@@ -25,7 +25,7 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.encoder import GridEncoder, preprocess
 from captioner.models.interop.common import ConversionError
 from captioner.models.interop.safe_pickle import UnsafePickleError
-from captioner.models.interop.sgrvinod import ENCODER_FILE, convert_sgrvinod
+from captioner.models.interop.sgrvinod import ENCODER_FILE, TutorialUnpickler, _trunk, convert_sgrvinod
 from captioner.models.protocol import VisualBatch
 from captioner.service.app import create_app
 from captioner.service.cli import main as captioner
@@ -113,7 +113,7 @@ def test_imported_checkpoint_equals_the_tutorials_forward_pass(modules, imported
 
 
 def test_a_decoder_trained_with_data_parallel_imports_the_same(modules, files, tmp_path):
-    wrapped = tutorial.save_checkpoint(tmp_path, modules[0], torch.nn.DataParallel(modules[1]), WORDS)
+    wrapped = tutorial.save_checkpoint(tmp_path, *map(torch.nn.DataParallel, modules), WORDS)
     plain, parallel = convert_sgrvinod(*files)[0], convert_sgrvinod(*wrapped)[0]
     for (name, mine), theirs in zip(plain.state_dict().items(), parallel.state_dict().values()):
         assert torch.equal(mine, theirs), name
@@ -237,6 +237,68 @@ def test_a_trunk_of_other_shapes_than_torchvisions_resnet_is_refused_naming_them
         convert_sgrvinod(tmp_path / "widened.pth.tar", files[1])
 
 
+def stand_ins(module):
+    """The :class:`~captioner.models.interop.sgrvinod.PickledModule` stand-ins the tutorial's unpickler makes of
+    ``module``, built without a pickle (a pickle may not hold the meta tensors that keep a ResNet-152 free)."""
+    cls = TutorialUnpickler.allowed[(type(module).__module__, type(module).__name__)]
+    stand_in = cls.__new__(cls)
+    stand_in.__setstate__({**vars(module), "_modules": {name: stand_ins(child)
+                                                         for name, child in module._modules.items()}})
+    return stand_in
+
+
+@pytest.mark.parametrize("resnet", ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152"])
+def test_every_torchvision_resnet_trunk_is_recognised_by_its_blocks(resnet):
+    """The released checkpoint's trunk is a ResNet-101, the tests' files hold a ResNet-18: each of torchvision's
+    ResNets is named from its blocks per stage and its keys and shapes checked (on the meta device: no weights)."""
+    with torch.device("meta"), tutorial.tutorial_module():
+        encoder = stand_ins(tutorial.Encoder(7, getattr(torchvision.models, resnet)(weights=None)))
+        backbone, grid, weights = _trunk(encoder)
+    assert (backbone, grid) == (resnet, 7) and "layer4.0.conv1.weight" in weights and "fc.weight" not in weights
+
+
+def test_a_trunk_pooled_onto_a_grid_that_is_not_square_is_refused():
+    """The encoder spec has one side (``pooled_grid``): a 7×5 pooling would be served as 7×7, attention misplaced."""
+    with torch.device("meta"), tutorial.tutorial_module():
+        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
+        encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d((7, 5))
+        with pytest.raises(ConversionError, match=r"pools onto \(7, 5\): only a square grid is supported"):
+            _trunk(stand_ins(encoder))
+
+
+def test_a_checkpoint_whose_encoder_and_decoder_are_swapped_is_refused_naming_both(modules, files, tmp_path):
+    with tutorial.tutorial_module():
+        torch.save({"encoder": modules[1], "decoder": modules[0]}, tmp_path / "swapped.pth.tar")
+    with pytest.raises(ConversionError, match="'encoder' is a models.DecoderWithAttention, not the tutorial's "
+                                              "models.Encoder"):
+        convert_sgrvinod(tmp_path / "swapped.pth.tar", files[1])
+
+
+def test_a_decoder_without_a_tensor_of_the_tutorials_is_refused_naming_it(files, tmp_path):
+    encoder, decoder = tutorial_modules(seed=1)
+    del decoder.embedding
+    with tutorial.tutorial_module():
+        torch.save({"encoder": encoder, "decoder": decoder}, tmp_path / "no-embedding.pth.tar")
+    with pytest.raises(ConversionError, match="^the decoder lacks 'embedding.weight': not the tutorial's "
+                                              "DecoderWithAttention$"):
+        convert_sgrvinod(tmp_path / "no-embedding.pth.tar", files[1])
+
+
+def test_a_checkpoint_of_the_released_proportions_imports_the_same(tmp_path):
+    """The released checkpoint's attention and decoder widths are equal (512 and 512): a ``decoder_att`` weight
+    read transposed would load without a shape error. Its grid may be other than 14×14 and its dropout other than
+    0.5 (``encoded_image_size`` and ``dropout`` are the tutorial's options): each reaches the imported model."""
+    torch.manual_seed(2)
+    encoder = tutorial.randomise(tutorial.Encoder(7, torchvision.models.resnet18(weights=None)), 2)
+    decoder = tutorial.randomise(tutorial.DecoderWithAttention(DECODER_DIM, EMBED_DIM, DECODER_DIM, len(WORDS) + 4,
+                                                               encoder_dim=512, dropout=0.3), 3, scale=0.6)
+    model, vocab, spec, trunk, _ = convert_sgrvinod(*tutorial.save_checkpoint(tmp_path, encoder, decoder, WORDS))
+    assert spec.pooled_grid == 7 and model.config()["dropout"] == 0.3
+    torch.save(trunk, tmp_path / "trunk.pth")
+    spec = spec.__class__(**{**spec.to_json(), "weights": str(tmp_path / "trunk.pth")})
+    assert_same_as_the_tutorial((encoder, decoder), model, vocab, spec)
+
+
 def test_a_word_map_that_is_not_the_tutorials_is_refused_with_a_reason(files, tmp_path):
     word_map = tutorial.word_map(WORDS)
     for name, content, said in (
@@ -244,10 +306,17 @@ def test_a_word_map_that_is_not_the_tutorials_is_refused_with_a_reason(files, tm
             ("strings.json", {word: str(index) for word, index in word_map.items()}, "is not a word map"),
             ("flag.json", {**word_map, "a": True}, "is not a word map"),
             ("no-unk.json", {word: index for word, index in word_map.items() if word != "<unk>"},
-             r"lacks the tutorial's special token\(s\) \['<unk>'\]")):
+             r"lacks the tutorial's special token\(s\) \['<unk>'\]"),
+            # as many words as rows, but two on one row and none on another: "sofa" would score as "cat"
+            ("repeated.json", {**word_map, "sofa": word_map["cat"]}, r"repeats or skips an index"),
+            ("ours.json", {("<bos>" if word == "sofa" else word): index for word, index in word_map.items()},
+             r"holds \['<bos>'\], which are this project's special tokens")):
         (tmp_path / name).write_text(json.dumps(content))
         with pytest.raises(ConversionError, match=said):
             convert_sgrvinod(files[0], tmp_path / name)
+    (tmp_path / "torn.json").write_text(json.dumps(word_map)[:-9])  # a copy cut short: a reason, not a traceback
+    with pytest.raises(ConversionError, match="torn.json is not a JSON word map"):
+        convert_sgrvinod(files[0], tmp_path / "torn.json")
 
 
 def jpeg(image: Image.Image) -> bytes:
