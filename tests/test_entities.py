@@ -141,6 +141,17 @@ def test_box_mask_pixel_centres_and_thin_boxes():
     assert last_column.sum() == 2 and last_column[:, 3].all()
     bottom_edge = box_mask(np.array([[1.0, 4.0, 2.0, 4.0]]), (4, 4))
     assert bottom_edge.sum() == 1 and bottom_edge[3, 1]
+    # a thin box keeps the pixel under its centre (2.1, 1.2), not the one its left or top edge starts in
+    assert np.argwhere(box_mask(np.array([[1.9, 0.9, 2.3, 1.5]]), (4, 4))).tolist() == [[1, 2]]
+
+
+def test_box_mask_edges_are_half_open_on_a_halved_photo():
+    """Scaled by ½, an odd edge lands on a pixel centre (201 px → 100.5): a centre on the right or bottom edge is
+    outside, on the left or top one inside, so boxes that meet share no pixel."""
+    assert np.argwhere(box_mask(np.array([[0.5, 0.5, 2.5, 2.5]]), (4, 4))).tolist() == [[0, 0], [0, 1], [1, 0],
+                                                                                         [1, 1]]
+    halves = [box_mask(np.array([box]), (4, 4)) for box in ([0.0, 0.0, 1.5, 1.5], [1.5, 1.5, 4.0, 4.0])]
+    assert halves[0].sum() == 1 and halves[1].sum() == 9 and not (halves[0] & halves[1]).any()
 
 
 def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
@@ -206,6 +217,9 @@ def test_best_word_of_a_phrase_and_its_pointing_and_ratio():
                      [0.8, 0.0, 0.0, 0.2]])  # "boy": the best word
     assert best_word(rows, geometry, mask) == pytest.approx({"mass": 0.8, "pointing": 1.0, "ratio": 3.2})
     assert best_word(rows[:2], geometry, mask) == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 2.0})
+    # a tie on the mass: the first word's pointing hit, whichever order the rows come in
+    assert best_word(np.array([rows[1], [0.5, 0.25, 0.25, 0.0]]), geometry, mask)["pointing"] == pytest.approx(0.5)
+    assert best_word(np.array([[0.5, 0.25, 0.25, 0.0], rows[1]]), geometry, mask)["pointing"] == pytest.approx(1.0)
 
 
 def test_uniform_map_scores_the_boxes_share_on_a_squashed_photo():
@@ -291,6 +305,14 @@ def test_teacher_forcing_gives_the_rows_beam_search_aligns_with_its_words():
         np.testing.assert_allclose(per_image[1], per_image[0], atol=1e-6)
 
 
+def test_a_batch_of_photos_without_reference_captions_is_fed_nothing():
+    """A photo keeps no caption when UNRELATED_CAPTIONS lists all of its own: a batch of only such photos (a split's
+    last, say) gets no rows, not a maximum of no caption lengths."""
+    vocab = Vocabulary([f"w{i}" for i in range(4)])
+    model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8).eval()
+    assert teacher_forced_rows(model, vocab, VisualBatch.from_features(torch.zeros(2, 4, 8)), [[], []]) == [[], []]
+
+
 def test_beam_search_captions_keep_each_words_own_attention_row():
     """The generated mode's rows (caption_with_attention) pair each decoded word with the row that fed its
     prediction: the row teacher forcing gives that word of the same caption."""
@@ -341,9 +363,9 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
         (c, t) for c in ("model", "uniform", "other photo") for t in ("other", "all")}
 
 
-def test_the_generated_modes_other_photo_row_feeds_the_generated_caption(tmp_path, monkeypatch):
-    """The generated mode's other-photo control is the photo's own generated caption fed over the next photo; a
-    generated caption that shares a reference's first words would hide a reference read in its place."""
+def _tiny_sat_over_circle_photos(tmp_path):
+    """A tiny SAT over random features of the two circle photos, with their Entities folder: ``(ckpt, images,
+    store, entities, geometry)`` for :func:`entities_grounding`."""
     _, entities = _photos_and_entities(tmp_path)
     torch.manual_seed(0)
     vocab = Vocabulary("a red circle on plain background . one".split())
@@ -352,18 +374,36 @@ def test_the_generated_modes_other_photo_row_feeds_the_generated_caption(tmp_pat
     store = SimpleNamespace(batch=lambda keys: VisualBatch.from_features(feats[list(keys)], [geometry] * len(keys)))
     images = [SimpleNamespace(key=key, path=tmp_path / "images" / f"{flickr_id}_x.jpg")
               for key, flickr_id in enumerate(("111", "222"))]
+    return SimpleNamespace(model=model, vocab=vocab), images, store, entities, geometry
+
+
+def test_the_generated_modes_other_photo_row_feeds_the_generated_caption(tmp_path, monkeypatch):
+    """The generated mode's other-photo control is the photo's own generated caption fed over the next photo; a
+    generated caption that shares a reference's first words would hide a reference read in its place."""
+    ckpt, images, store, entities, geometry = _tiny_sat_over_circle_photos(tmp_path)
+    model, vocab = ckpt.model, ckpt.vocab
     generated = [CaptionAttention(["one", "red", "circle"], np.full((3, 4), 0.25), geometry) for _ in images]
     attended = []
     scored = phrase_grounding.score_photos
     monkeypatch.setattr(phrase_grounding, "score_photos",
                         lambda photos, *args, **kwargs: attended.append(photos) or scored(photos, *args, **kwargs))
-    entities_grounding(SimpleNamespace(model=model, vocab=vocab), images, store, entities, generated,
-                       resamples=10, progress=False)
+    entities_grounding(ckpt, images, store, entities, generated, resamples=10, progress=False)
     own = attended[1]
     expected = teacher_forced_rows(model, vocab, store.batch([1, 0]), [[caption.tokens] for caption in generated])
     for photo, donor in zip(own, expected):
         assert len(photo.other_rows) == 1
         np.testing.assert_allclose(photo.other_rows[0], donor[0], atol=1e-6)
+
+
+def test_a_generated_caption_naming_nothing_boxed_leaves_its_photo_in_the_resampled_photos(tmp_path):
+    """A caption often names nothing Entities boxed: its photo has no phrase to score, yet the phrases of the photos
+    after it keep their places (the bootstrap is over every annotated photo, those without phrases included)."""
+    ckpt, images, store, entities, geometry = _tiny_sat_over_circle_photos(tmp_path)
+    generated = [CaptionAttention(tokens, np.full((len(tokens), 4), 0.25), geometry)
+                 for tokens in (["plain", "background"], ["one", "red", "circle"])]
+    section = entities_grounding(ckpt, images, store, entities, generated, resamples=10, progress=False)
+    model = next(r for r in section["generated"]["rows"] if (r["control"], r["phrase_type"]) == ("model", "all"))
+    assert (model["phrases"], model["images"], section["generated"]["captions"]) == (1, 1, 1)
 
 
 @pytest.mark.parametrize("value, extra, message", [
