@@ -113,6 +113,19 @@ def test_a_runs_progress_in_a_log_is_a_few_lines_with_no_carriage_return(scenes,
     assert 2 <= len(bar_lines) <= 3 and "15/15" in bar_lines[-1] and "lr=" in bar_lines[-1], err
 
 
+def test_a_resumed_epochs_bar_counts_on_from_the_step_it_resumes_at(scenes, tmp_path, cache, capsys):
+    """A run resumed inside an epoch shows that epoch's bar, numbered among the run's epochs, from its saved step:
+    counted from 0, the bar of an epoch resumed after its first step began at 0/3 and ended at 2/3, an epoch that
+    looked cut short (a fresh run's first epoch, the only bar tested, looks alike either way)."""
+    small = dict(train_limit=8, val_limit=2)  # 8 photos × 5 captions in batches of 16: 3 steps an epoch, 2 epochs
+    train(_config(scenes, tmp_path / "run", cache, max_steps=4, **small))  # one step into epoch 2
+    capsys.readouterr()
+    train(_config(scenes, tmp_path / "run", cache, progress=True, **small), resume=True)
+    err = capsys.readouterr().err
+    bar_lines = [line for line in err.splitlines() if line.startswith("xe epoch 2/2: ")]
+    assert bar_lines and "| 1/3 " in bar_lines[0] and "| 3/3 " in bar_lines[-1], err
+
+
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):
     scheduled = _config(scenes, tmp_path / "scheduled", cache, lr_drops=[1], lr_drop_factor=0.5)
     assert [learning_rate(scheduled, e) for e in range(3)] == [3e-3, 1.5e-3, 1.5e-3]
@@ -216,6 +229,16 @@ def test_each_step_updates_the_weights_with_one_optimiser_step(scenes, tmp_path,
     assert not torch.equal(run.model.embed.weight, before)
 
 
+def test_the_optimiser_is_the_one_the_run_names_with_its_betas_and_epsilon(scenes, tmp_path, cache):
+    """--optimizer, --adam-betas and --adam-eps reach the optimiser: the recipes take them from their papers (the
+    area Transformer's β2 0.98 and ε 1e-9, SparseCap's β1 0.8), and every run in the tests trained with the
+    defaults, which any of them dropped would have given in silence."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, optimizer="radam",
+                              adam_betas=[0.8, 0.98], adam_eps=1e-9))
+    assert type(run.optimizer) is torch.optim.RAdam
+    assert {(group["betas"], group["eps"]) for group in run.optimizer.param_groups} == {((0.8, 0.98), 1e-9)}
+
+
 def test_a_warm_up_gives_every_step_its_own_rate(scenes, tmp_path, cache, monkeypatch):
     """Under a Noam warm-up the rate changes at every step, so the loop sets it before each step, not once an
     epoch: each step of an epoch took its first step's rate, a warm-up rising in steps of whole epochs."""
@@ -252,6 +275,15 @@ def test_checkpoints_can_be_selected_on_object_naming_but_not_on_unmeasured_metr
     with pytest.raises(ValueError, match="METEOR"):
         train(_config(scenes, tmp_path / "other", cache, select_metric="METEOR"))
     assert not (tmp_path / "other" / "train_state.json").exists()
+
+
+def test_checkpoints_are_selected_on_the_val_split_and_the_test_split_is_never_read(scenes, tmp_path, cache):
+    """Validation, which picks best/ and drives early stopping and the plateau, captions the val split alone: a
+    model chosen on the test split reports a test score tuned to it. The scenes' val and test splits are the same
+    size, so only the photos' own split tells them apart."""
+    train_images, val_images = loop._load_splits(_config(scenes, tmp_path / "run", cache))
+    assert {im.split for im in train_images} == {"train"}
+    assert {im.split for im in val_images} == {"val"} and len(val_images) == 12
 
 
 def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
@@ -617,6 +649,27 @@ def test_a_scaled_step_clips_the_true_gradient_and_skips_an_overflow_halving_the
     _optimizer_step(run, (torch.tensor([float("inf"), 40.0]) * weight).sum())
     torch.testing.assert_close(weight.detach(), torch.tensor([-0.3, -0.4]))
     assert scaler.get_scale() == 512.0
+
+
+def test_validation_captions_the_val_split_with_the_runs_beam_and_length(monkeypatch):
+    """--val-beam and --max-decode-len reach the captions validation scores (every run in the tests validated with
+    the default greedy decoding, so a beam given for validation went unused in silence), and the epoch's record
+    carries their scores."""
+    seen = {}
+
+    def caption_dataset(model, vocab, images, store, beam, max_len, device):
+        seen.update(images=images, beam=beam, max_len=max_len)
+        return ["a red circle"] * len(images)
+
+    monkeypatch.setattr(loop, "caption_dataset", caption_dataset)
+    monkeypatch.setattr(loop, "score_dataset", lambda captions, images, metrics: {"BLEU-4": 0.25, "CIDEr-D": 0.5})
+    val_images = [SimpleNamespace(key="a"), SimpleNamespace(key="b")]
+    run = SimpleNamespace(dist=SimpleNamespace(is_main=True, from_main=lambda scores: scores), model=None, vocab=None,
+                          val_images=val_images, store=None, cfg=SimpleNamespace(val_beam=3, max_decode_len=7),
+                          device=torch.device("cpu"), progress=SimpleNamespace(global_step=12), elapsed=lambda: 1.0)
+    record = loop._validate(run, 1, 1e-3, {"xe": 2.0})
+    assert seen == {"images": val_images, "beam": 3, "max_len": 7}
+    assert (record.epoch, record.step, record.scores) == (2, 12, {"BLEU-4": 0.25, "CIDEr-D": 0.5})
 
 
 def test_a_runs_clock_adds_this_sessions_time_to_what_its_earlier_sessions_trained(monkeypatch):
