@@ -10,11 +10,11 @@ import torch
 from pycocoevalcap.cider.cider import Cider
 from safetensors.torch import load_file
 
-from captioner.models.checkpoint import load_checkpoint
+from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.decoding import greedy, sample
 from captioner.models.evaluation.metrics import CiderD
-from captioner.models.training import TrainConfig, train
+from captioner.models.training import TrainConfig, prepare_run, train
 from captioner.models.training.scst import SCSTPhase, scst_advantages, scst_batch_loss, scst_loss
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -140,6 +140,22 @@ def test_scst_phase_from_an_xe_checkpoint_saves_and_resumes(scenes, tmp_path, ca
         torch.testing.assert_close(a[key], b[key], msg=f"{key} differs after resume")
     began = load_checkpoint(tmp_path / "resumed" / "last").meta["started_from"]
     assert began == ckpt.meta["started_from"] and began["checkpoint"] == str(xe) and began["phase"] == "xe"
+
+
+def test_the_scst_phase_begins_from_its_init_checkpoints_weights(scenes, tmp_path, cache):
+    """SCST improves the model it samples from (its XE stage, given as --init): a run that built fresh weights
+    instead sampled from a random model, whose samples all score about 0, and nothing said so (the phase's other
+    tests train on, and a resume takes its weights from its own state)."""
+    common = dict(dataset=str(scenes), cache_dir=str(cache), train_limit=8, val_limit=2, progress=False)
+    xe = prepare_run(TrainConfig(out=str(tmp_path / "xe"), model_args=SMALL, encoder={"image_size": 128}, seed=5,
+                                 **common))  # another seed: the SCST run's own fresh weights are other ones
+    init = save_checkpoint(tmp_path / "xe" / "best", xe.model, xe.vocab, xe.spec, {"phase": "xe"})
+    scst = prepare_run(TrainConfig(out=str(tmp_path / "scst"), phase="scst", init=str(init), **common))
+    trained = load_checkpoint(init).model.state_dict()
+    began = scst.model.state_dict()
+    assert began.keys() == trained.keys()
+    for key in began:
+        torch.testing.assert_close(began[key], trained[key], rtol=0, atol=0, msg=f"{key} is not --init's")
 
 
 def test_scst_pushes_down_the_tokens_the_beam_search_never_emits():
