@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import time
 
 import pytest
@@ -540,6 +541,29 @@ def test_a_line_break_in_a_logged_message_cannot_forge_a_text_log_line():
                                     "msg": "unknown model %s", "args": ("x\n2026-11-30 16:00:00,000 INFO FORGED",)})
     line = TextFormatter("%(levelname)s %(name)s: %(message)s").format(record)
     assert line == "WARNING captioner.app: unknown model x\\n2026-11-30 16:00:00,000 INFO FORGED"
+
+
+def test_every_control_character_in_a_logged_message_is_escaped_not_only_line_breaks():
+    """An escape sequence (``ESC [2J`` clears the terminal of whoever tails the log) and DEL are control characters
+    too: the text format writes them escaped, as it writes ``\\n``."""
+    record = logging.makeLogRecord({"name": "captioner.app", "levelno": logging.WARNING, "levelname": "WARNING",
+                                    "msg": "unknown model %s", "args": ("a\x1b[2Jb\x7fc\td",)})
+    line = TextFormatter("%(message)s").format(record)
+    assert line == "unknown model a\\x1b[2Jb\\x7fc\\td"
+
+
+def test_a_json_log_line_of_an_error_carries_its_traceback():
+    """``log.exception`` (an unhandled error's 500, a model skipped at start-up) is read from the JSON log: its
+    traceback is the line's ``exc``, or the one thing an operator needs to find the cause is not written at all."""
+    try:
+        raise ValueError("the cause")
+    except ValueError:
+        record = logging.makeLogRecord({"name": "captioner.app", "levelno": logging.ERROR, "levelname": "ERROR",
+                                        "msg": "unhandled error", "exc_info": sys.exc_info()})
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["msg"] == "unhandled error" and entry["level"] == "error"
+    assert entry["exc"].startswith("Traceback (most recent call last):")
+    assert entry["exc"].endswith("ValueError: the cause")
 
 
 def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
