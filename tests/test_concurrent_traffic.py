@@ -602,6 +602,31 @@ def test_a_request_cancelled_when_the_drain_time_is_up_is_answered_with_the_503_
     assert "shut down before the request finished" in json.loads(sent[1]["body"])["detail"]
 
 
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_a_request_the_server_cancels_before_any_answer_stays_cancelled_under_the_request_context(method):
+    """With nothing answered on the way out (no drain to answer 503), the request-context middleware passes the
+    server's cancellation on rather than ending as if the request had been answered, with nothing sent."""
+    running = asyncio.Event()
+
+    async def endless(scope, receive, send):
+        running.set()
+        await asyncio.sleep(3600)
+
+    middleware = RequestContextMiddleware(endless, log_requests=False)
+    sent, _, receive, send = _drain_scenario(middleware, [{"type": "http.request", "body": b"", "more_body": False}])
+
+    async def scenario():
+        task = asyncio.create_task(middleware({"type": "http", "method": method, "path": "/caption", "headers": []},
+                                              receive, send))
+        await running.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run_bounded(scenario())
+    assert sent == []
+
+
 def test_overlays_decode_a_large_jpeg_at_a_fraction_of_its_size():
     """``reduce_to``: what an overlay of at most 2,048 px needs of a 6,000-px JPEG is its half-size decode (a
     quarter of the memory); the caption path never passes it."""
