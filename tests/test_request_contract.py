@@ -716,6 +716,31 @@ def test_the_query_check_reads_a_dependencys_parameters_by_alias_and_a_list_may_
         assert twice.status_code == 422 and twice.json()["detail"][0]["type"] == "repeated"
 
 
+def test_each_route_documents_the_error_statuses_it_can_answer_and_no_others(client):
+    """A generated client (or a reader of /docs) learns from the document what to handle: an upload's statuses
+    (408, 413, 415, 429) only on the routes that take an upload, not on ``/captions/{result_id}``, whose path also
+    starts with ``/caption``; a render's 504 only where something is rendered."""
+    paths = client.get("/openapi.json").json()["paths"]
+    errors = {path: sorted(int(status) for status in operation["responses"] if status != "200")
+              for path, operations in paths.items() for operation in operations.values()}
+    every, result, render = [404, 405, 422, 500, 503], [401], [504]
+    upload = [401, 408, 413, 415, 429, 504]
+    assert errors == {
+        **{path: every for path in ("/models", "/healthz", "/readyz", "/metrics")},
+        "/captions/{result_id}": sorted(every + result),
+        **{path: sorted(every + result + render)
+           for path in ("/captions/{result_id}/overlay", "/captions/{result_id}/heatmaps")},
+        **{path: sorted(every + upload) for path in ("/caption", "/caption/overlay", "/caption/heatmaps")}}
+
+
+def test_the_document_keeps_no_schema_of_fastapis_own_422(client):
+    """Every 422 is a problem document (``Problem``): FastAPI's ``HTTPValidationError`` and ``ValidationError``,
+    referenced by no answer once replaced, would still be classes of a generated client, for answers that never come."""
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    assert "Problem" in schemas
+    assert not {"HTTPValidationError", "ValidationError"} & set(schemas)
+
+
 def test_behind_a_proxys_prefix_the_document_names_its_server_under_it(tmp_path):
     """``/`` would name the proxy's root, where no route of this API is."""
     document = create_app(serving_settings(weights_dir=tmp_path, root_path="/vision")).openapi()
