@@ -563,6 +563,24 @@ def test_an_autocast_precision_serves_every_model_on_pytorch_in_that_precision(t
     assert not (tmp_path / "onnx").exists()
 
 
+@pytest.mark.parametrize("asked, precision, encoder_precision, served, warned", [
+    ("auto", "bfloat16", "float32", "torch", None),  # the default backend: nothing was asked that cannot apply
+    ("torch", "float16", "float32", "torch", None),
+    ("onnx", "bfloat16", "float32", "torch", "precision bfloat16 runs on PyTorch (the onnx backend is float32 only)"),
+    ("torch", "float32", "int8", "torch",
+     "encoder precision int8 applies to the ONNX Runtime CNN; the torch backend keeps float32"),
+    ("onnx", "float32", "int8", "onnx", None),
+    ("auto", "float32", "int8", "auto", None)])
+def test_a_backend_setting_that_cannot_apply_is_said_and_only_then(caplog, asked, precision, encoder_precision,
+                                                                   served, warned):
+    """``chosen_backend``: an autocast precision serves PyTorch, and a setting that cannot apply (an ONNX backend
+    asked with autocast, an int8 CNN on the torch backend, which has no ONNX CNN) is one warning naming the model;
+    a default left alone or a setting that applies is not warned about."""
+    with caplog.at_level(logging.INFO, logger="captioner.runtime"):
+        assert backend_choice.chosen_backend("m", asked, precision, encoder_precision) == served
+    assert caplog.messages == ([f"m: {warned}"] if warned else [])
+
+
 def test_auto_backend_serves_onnx_where_verified_and_the_hybrid_where_the_decoder_cannot_be_exported(tmp_path):
     """The default backend: a tiny SAT runs wholly on ONNX Runtime, a tiny SparseCap-TVmax (no exportable step)
     gets the hybrid (ONNX Runtime CNN, PyTorch decoder), and both answer exactly like PyTorch over HTTP."""
@@ -609,10 +627,11 @@ def test_auto_backend_refuses_a_backend_whose_captions_differ(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("fastest", ["onnx", "hybrid", "torch"])
-def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch, fastest):
+def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch, caplog, fastest):
     """Where the order is not known in advance (a GPU: ``measure``), every backend whose captions equal PyTorch's
-    is timed on the check set beside PyTorch, and the fastest serves; only ONNX Runtime alone drops the PyTorch
-    weights.  The timings are made up (a CPU here): what is tested is the choice made from them."""
+    is timed on the check set beside PyTorch, and the fastest serves, as the log says with every backend's time;
+    only ONNX Runtime alone drops the PyTorch weights.  The timings are made up (a CPU here): what is tested is the
+    choice made from them."""
     timed = []
 
     def made_up_seconds(runtime, prepared, repeats=2):
@@ -621,8 +640,11 @@ def test_auto_on_a_gpu_serves_the_fastest_verified_backend(tmp_path, monkeypatch
 
     monkeypatch.setattr(backend_choice, "check_seconds", made_up_seconds)
     encoders = SharedEncoders(CPU, tmp_path / "onnx", 1)
-    chosen = backend_choice.fastest_verified("sat", tiny_checkpoint("sat"), encoders, 1, measure=True)
+    with caplog.at_level(logging.INFO, logger="captioner.runtime"):
+        chosen = backend_choice.fastest_verified("sat", tiny_checkpoint("sat"), encoders, 1, measure=True)
     assert chosen.backend == fastest and sorted(timed) == ["hybrid", "onnx", "torch"]
+    times = ", ".join(f"{backend} {100 if backend == fastest else 1000} ms" for backend in ("onnx", "hybrid", "torch"))
+    assert f"sat: {fastest} backend, the fastest on the check set ({times})" in caplog.messages
     on_meta = next(chosen.ckpt.model.parameters()).device.type == "meta"
     assert on_meta == (fastest == "onnx")
     assert chosen.caption([Prepared(*preprocess(image, chosen.spec)) for image in backend_choice.check_images(1)],
@@ -759,6 +781,69 @@ def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkey
     chosen = fastest_verified("sat", tiny_checkpoint("sat"), encoders, threads=1)
     assert chosen.backend == "torch" and chosen.encoder is gpu_encoder
     assert not (tmp_path / "onnx").exists()
+
+
+@pytest.mark.parametrize("device, timed", [("cuda", ["onnx", "hybrid"]), ("cpu", None)])
+def test_auto_times_the_verified_backends_by_default_on_a_gpu_only(monkeypatch, tmp_path, device, timed):
+    """``measure`` defaults to the device: on a GPU every verified backend is timed against PyTorch (no order is
+    known there in advance), on a CPU the first verified one serves untimed (the measured order).  The backends are
+    stand-ins, verified by construction: what is tested is which choice the device leads to."""
+    class Made:
+        def __init__(self, backend):
+            self.backend = backend
+
+    compared = []
+
+    def fastest(name, verified, pytorch, prepared):
+        compared.append([runtime.backend for runtime in verified])
+        return pytorch
+
+    encoders = SharedEncoders(torch.device(device), tmp_path / "onnx", 1, "float32")
+    monkeypatch.setattr(encoders, "pytorch", lambda spec: object())  # no CNN on a device this CPU may lack
+    monkeypatch.setattr(backend_choice, "cuda_provider_available", lambda device: True)
+    monkeypatch.setattr(backend_choice, "_wanted_captions", lambda *args: [])
+    monkeypatch.setattr(backend_choice, "_verified", lambda name, backend, *args: Made(backend))
+    monkeypatch.setattr(backend_choice, "TorchRuntime", lambda *args: Made("torch"))
+    monkeypatch.setattr(backend_choice, "_fastest", fastest)
+    monkeypatch.setattr(backend_choice, "drop_torch_weights", lambda runtime: None)
+    chosen = fastest_verified("sat", tiny_checkpoint("sat"), encoders, threads=1)
+    assert compared == ([timed] if timed else [])
+    assert chosen.backend == ("torch" if timed else "onnx")
+
+
+def test_a_backend_made_for_a_gpu_whose_sessions_fell_back_to_the_cpu_is_not_verified(caplog):
+    """A CUDA device whose ONNX Runtime CUDA provider failed to load (cuDNN missing) leaves the sessions on the CPU:
+    such a backend is given up with a warning that says so, even where its captions agree; on a CPU device the same
+    runtime is what was asked for.  A stand-in runtime: no GPU is needed to hold the choice."""
+    class Sessions:
+        on_gpu = False
+
+        def caption(self, prepared, beam_size, max_len):
+            return []
+
+    made = Sessions()
+    with caplog.at_level(logging.INFO, logger="captioner.runtime"):
+        assert backend_choice._verified("sat", "onnx", lambda: made, torch.device("cuda"), [], []) is None
+    assert caplog.messages == ["sat: ONNX Runtime fell back to its CPU provider; no onnx backend"]
+    assert backend_choice._verified("sat", "onnx", lambda: made, CPU, [], []) is made
+
+
+def test_auto_with_no_backend_verified_serves_pytorch_without_timing_it(monkeypatch, tmp_path):
+    """Nothing to compare PyTorch with: it serves at once, not after captioning the check set three more times to be
+    logged as the fastest of one."""
+    timed = []
+
+    def seconds(runtime, prepared, repeats=2):
+        timed.append(runtime.backend)
+        return 1.0
+
+    monkeypatch.setattr(backend_choice, "_wanted_captions", lambda *args: [])
+    monkeypatch.setattr(backend_choice, "_verified", lambda *args: None)
+    monkeypatch.setattr(backend_choice, "check_seconds", seconds)
+    monkeypatch.setattr(backend_choice, "check_captions", lambda runtime, prepared: timed.append("untimed") or [])
+    chosen = fastest_verified("sat", tiny_checkpoint("sat"), SharedEncoders(CPU, tmp_path / "onnx", 1), 1,
+                              measure=True)
+    assert chosen.backend == "torch" and timed == []
 
 
 def test_onnx_backend_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(shipped, monkeypatch, tmp_path,
