@@ -564,7 +564,8 @@ def test_a_model_option_set_on_the_command_line_wins_over_the_recipes():
     assert training_cli.train_config_from_args(args).model_args == {"doubly_stochastic": 1.0, "dropout": 0.1}
 
 
-def test_an_interrupted_run_exits_130_and_a_moved_data_set_is_hinted_only_when_not_given(monkeypatch, capsys):
+def test_an_interrupted_run_exits_130_a_diverged_one_errs_and_moved_data_is_hinted_only_when_not_given(monkeypatch,
+                                                                                                   capsys):
     monkeypatch.setattr(training_cli.signal, "signal", lambda signum, handler: None)  # pytest's SIGTERM stays
 
     def interrupted(cfg, resume, explicit):
@@ -573,6 +574,13 @@ def test_an_interrupted_run_exits_130_and_a_moved_data_set_is_hinted_only_when_n
     with pytest.raises(SystemExit) as stopped:
         main(["train", "--out", "x"])
     assert stopped.value.code == 130 and "stopped after step 3" in capsys.readouterr().err
+
+    def diverged(cfg, resume, explicit):
+        raise training_module.TrainingDiverged("the loss became nan at epoch 2, step 5")
+    monkeypatch.setattr(training_module, "train", diverged)
+    with pytest.raises(SystemExit) as stopped:  # said as an error, without a traceback
+        main(["train", "--out", "x"])
+    assert stopped.value.code == 2 and str(stopped.value) == "error: the loss became nan at epoch 2, step 5"
 
     def data_gone(cfg, resume, explicit):
         raise FileNotFoundError("photos/1.png")

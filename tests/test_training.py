@@ -25,7 +25,7 @@ from captioner.models.files import FolderInUse, held_alone
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.config import Progress
-from captioner.models.training.loop import RunInUse, _optimizer_step
+from captioner.models.training.loop import RunInUse, TrainingDiverged, _optimizer_step
 from captioner.models.training.phase import PhaseModule
 from captioner.models.training.resume import merge_resume
 from captioner.models.training.run_log import EpochLog
@@ -124,6 +124,29 @@ def test_a_resumed_epochs_bar_counts_on_from_the_step_it_resumes_at(scenes, tmp_
     err = capsys.readouterr().err
     bar_lines = [line for line in err.splitlines() if line.startswith("xe epoch 2/2: ")]
     assert bar_lines and "| 1/3 " in bar_lines[0] and "| 3/3 " in bar_lines[-1], err
+
+
+def test_a_loss_that_is_not_a_number_stops_the_run_before_its_update_and_keeps_the_state_saved_last(
+        scenes, tmp_path, cache, monkeypatch):
+    """A NaN loss, once stepped on, is NaN in every weight, and each later snapshot (the epoch's end, best/ when
+    validation happens to score it well) would keep it: the run stops before the update, saying where it stopped,
+    and last/ still holds the finite weights of the step before."""
+    small = dict(train_limit=8, val_limit=2)  # 3 steps an epoch
+    train(_config(scenes, tmp_path / "run", cache, epochs=1, **small))
+    finite_loss, calls = XEPhase.loss, []
+
+    def nan_after_one_step(self, batch, global_batch=None):
+        out = finite_loss(self, batch, global_batch)
+        calls.append(True)
+        return out if len(calls) == 1 else replace(out, loss=out.loss * float("nan"))
+
+    monkeypatch.setattr(XEPhase, "loss", nan_after_one_step)
+    with pytest.raises(TrainingDiverged, match=r"the loss became nan at epoch 2, step 2, .* --resume"):
+        train(_config(scenes, tmp_path / "run", cache, epochs=2, checkpoint_every=1, **small), resume=True)
+    state = json.loads((tmp_path / "run" / "train_state.json").read_text())
+    assert state["progress"]["global_step"] == 4  # epoch 1's three steps and the one before the NaN
+    weights = load_file(tmp_path / "run" / "last" / "model.safetensors")
+    assert all(torch.isfinite(value).all() for value in weights.values())
 
 
 def test_a_learning_rate_drop_added_on_resume_equals_the_schedule_from_the_start(scenes, tmp_path, cache):

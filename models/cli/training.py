@@ -129,7 +129,7 @@ def train_config_from_args(args: argparse.Namespace):
 def cmd_train(args: argparse.Namespace) -> None:
     from ..checkpoint import read_config
     from ..data.features import DEFAULT_SHARD_SIZE, distributed_rank
-    from ..training import TrainingInterrupted, train
+    from ..training import TrainingDiverged, TrainingInterrupted, train
     from ..training.distributed import shutdown_distributed
     from ..training.state import STATE_JSON
 
@@ -147,6 +147,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(130) from None
+    except TrainingDiverged as exc:
+        raise SystemExit(f"error: {exc}") from None
     except FileNotFoundError as exc:
         if args.resume and not {"dataset", "image_root"} & given_options(args):  # the run's data has moved?
             raise SystemExit(f"error: {exc} (the run's data moved? --resume takes --dataset and --image-root naming "

@@ -6,9 +6,9 @@ SAT-hard's REINFORCE objective) and self-critical CIDEr-D optimisation (:mod:`.s
 
 from . import scst, xe  # noqa: F401  (importing a phase registers it)
 from .config import Progress, TrainConfig
-from .loop import Run, TrainingInterrupted, fit, prepare_run, train
+from .loop import Run, TrainingDiverged, TrainingInterrupted, fit, prepare_run, train
 from .phase import PHASES
 from .recipes import RECIPES_DIR, available_recipes, load_recipe
 
-__all__ = ["PHASES", "Progress", "Run", "TrainConfig", "TrainingInterrupted", "fit", "prepare_run", "train",
-           "RECIPES_DIR", "available_recipes", "load_recipe"]
+__all__ = ["PHASES", "Progress", "Run", "TrainConfig", "TrainingDiverged", "TrainingInterrupted", "fit", "prepare_run",
+           "train", "RECIPES_DIR", "available_recipes", "load_recipe"]

@@ -65,7 +65,7 @@ from .schedules import Schedules, build_schedules
 from .state import STATE_JSON, load_state, rng_state, save_state
 from .warm_start import adopt_init, choose_vocab, lineage, load_init_weights
 
-__all__ = ["Run", "TrainingInterrupted", "fit", "prepare_run", "train"]
+__all__ = ["Run", "TrainingDiverged", "TrainingInterrupted", "fit", "prepare_run", "train"]
 
 #: the fine-tuned encoder stages' weights in a checkpoint folder (EncoderSpec.tuned_weights)
 TUNED_WEIGHTS = "encoder_tuned.safetensors"
@@ -104,6 +104,10 @@ class _StopFlag:
 
 class TrainingInterrupted(RuntimeError):
     pass
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss stopped being a number: the run stopped before that step's update, keeping the state it saved last."""
 
 
 @dataclass
@@ -510,6 +514,14 @@ def _train_epoch(run: Run, stop: _StopFlag) -> float:
         global_batch = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         with run.precision.autocast(run.device):
             loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
+        # a NaN or infinite loss (a rate too high, a log of zero) would write NaN into every weight, and every later
+        # snapshot would keep it: the run stops before the update, its saved state untouched.  Under float16 the
+        # gradient scaler skips such a step and lowers its scale instead, so only runs without one stop here
+        if run.scaler is None and ctx.any(not bool(torch.isfinite(loss.detach()).all())):
+            raise TrainingDiverged(
+                f"the loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}, and "
+                f"the run stopped before the update: {run.run_dir} keeps the state it saved last (--checkpoint-every, "
+                "or the last epoch's end); rerun with --resume and a lower --lr (or --grad-clip) to go on from it")
         _optimizer_step(run, loss)
         progress.losses = logs
         progress.step_in_epoch, progress.global_step = step + 1, progress.global_step + 1
