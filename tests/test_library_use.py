@@ -134,6 +134,13 @@ def test_the_encoder_takes_a_batch_of_float_pixels():
     assert encoder(torch.rand(2, 3, side, side)).shape[0] == 2
 
 
+def test_a_batch_made_from_features_has_its_mask_on_the_features_device():
+    """A library caller's GPU features get a GPU mask: one made on the default device (the CPU) would fail the first
+    masked attention on a GPU.  The meta device stands in for another device, so no GPU is needed to hold it."""
+    batch = VisualBatch.from_features(torch.empty(2, 9, 32, device="meta"))
+    assert batch.mask.device.type == "meta" and batch.mask.shape == (2, 9) and batch.mask.dtype == torch.bool
+
+
 def test_features_of_another_shape_or_width_are_refused_by_name():
     model = tiny_model("sat")
     with pytest.raises(ValueError, match=r"\[batch, items, channels\] .*got \[64, 32\]"):
