@@ -126,22 +126,29 @@ def test_a_resumed_epochs_bar_counts_on_from_the_step_it_resumes_at(scenes, tmp_
     assert bar_lines and "| 1/3 " in bar_lines[0] and "| 3/3 " in bar_lines[-1], err
 
 
-def test_a_loss_that_is_not_a_number_stops_the_run_before_its_update_and_keeps_the_state_saved_last(
-        scenes, tmp_path, cache, monkeypatch):
-    """A NaN loss, once stepped on, is NaN in every weight, and each later snapshot (the epoch's end, best/ when
-    validation happens to score it well) would keep it: the run stops before the update, saying where it stopped,
-    and last/ still holds the finite weights of the step before."""
+@pytest.mark.parametrize("broken, said", [("loss", r"the loss became nan \(its gradients' norm nan\)"),
+                                           ("gradient", r"the loss became \d+\.\d+ \(its gradients' norm nan\)")])
+def test_a_loss_or_gradient_that_is_not_a_number_stops_the_run_before_its_update_and_keeps_the_state_saved_last(
+        scenes, tmp_path, cache, monkeypatch, broken, said):
+    """A NaN loss or gradient, once stepped on, is NaN in every weight, and each later snapshot (the epoch's end,
+    best/ when validation happens to score it well) would keep it: the run stops before the update, saying where it
+    stopped, and last/ still holds the finite weights of the step before.  A finite loss may have a NaN gradient
+    (√x at 0 is 0, its slope infinite): the loss alone would let that step through."""
     small = dict(train_limit=8, val_limit=2)  # 3 steps an epoch
     train(_config(scenes, tmp_path / "run", cache, epochs=1, **small))
     finite_loss, calls = XEPhase.loss, []
 
-    def nan_after_one_step(self, batch, global_batch=None):
+    def broken_after_one_step(self, batch, global_batch=None):
         out = finite_loss(self, batch, global_batch)
         calls.append(True)
-        return out if len(calls) == 1 else replace(out, loss=out.loss * float("nan"))
+        if len(calls) == 1:
+            return out
+        if broken == "loss":
+            return replace(out, loss=out.loss * float("nan"))
+        return replace(out, loss=out.loss + torch.sqrt(next(self.model.parameters()).sum() * 0))
 
-    monkeypatch.setattr(XEPhase, "loss", nan_after_one_step)
-    with pytest.raises(TrainingDiverged, match=r"the loss became nan at epoch 2, step 2, .* --resume"):
+    monkeypatch.setattr(XEPhase, "loss", broken_after_one_step)
+    with pytest.raises(TrainingDiverged, match=said + r" at epoch 2, step 2, .* --resume"):
         train(_config(scenes, tmp_path / "run", cache, epochs=2, checkpoint_every=1, **small), resume=True)
     state = json.loads((tmp_path / "run" / "train_state.json").read_text())
     assert state["progress"]["global_step"] == 4  # epoch 1's three steps and the one before the NaN
@@ -654,7 +661,7 @@ def test_the_xe_of_bfloat16_log_probs_is_taken_in_float32():
 def test_an_optimiser_step_clips_the_gradient_by_its_norm_or_each_value(mode, expected):
     weight = torch.nn.Parameter(torch.zeros(2))
     run = SimpleNamespace(cfg=SimpleNamespace(grad_clip=0.5, grad_clip_mode=mode), scaler=None,
-                          optimizer=torch.optim.SGD([weight], lr=1.0))
+                          optimizer=torch.optim.SGD([weight], lr=1.0), dist=SimpleNamespace(any=bool))
     _optimizer_step(run, (torch.tensor([30.0, 40.0]) * weight).sum())  # gradient (30, 40): norm 50
     torch.testing.assert_close(weight.detach(), torch.tensor(expected))
 

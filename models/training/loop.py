@@ -427,6 +427,7 @@ def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
         run.scaler.unscale_(run.optimizer)  # clip the true gradients
     else:
         loss.backward()
+        _stop_if_diverged(run, loss, params)
     if cfg.grad_clip:
         if cfg.grad_clip_mode == "value":
             torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
@@ -437,6 +438,20 @@ def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
         run.scaler.update()
     else:
         run.optimizer.step()
+
+
+def _stop_if_diverged(run: Run, loss: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """Raise :class:`TrainingDiverged` where the loss or a gradient is NaN or infinite (a rate too high, a log of
+    zero), before the update: stepped on, it is NaN in every weight, and every later snapshot (``last/``, ``best/``
+    if validation happens to score it well) keeps it.  Under float16 the gradient scaler skips such a step and lowers
+    its scale instead, so runs with a scaler do not come here."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if run.dist.any(not bool(torch.isfinite(loss.detach()) & torch.isfinite(norm))):
+        raise TrainingDiverged(
+            f"the loss became {loss.item()} (its gradients' norm {norm.item()}) at epoch {run.progress.epoch + 1}, "
+            f"step {run.progress.step_in_epoch + 1}, and the run stopped before the update: {run.run_dir} keeps the "
+            "state it saved last (--checkpoint-every, or the last epoch's end); rerun with --resume and a lower --lr "
+            "(or --grad-clip) to go on from it")
 
 
 def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochLog:
@@ -514,14 +529,6 @@ def _train_epoch(run: Run, stop: _StopFlag) -> float:
         global_batch = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         with run.precision.autocast(run.device):
             loss, logs, batch_tokens = run.trainer(ctx.shard(global_batch), global_batch)
-        # a NaN or infinite loss (a rate too high, a log of zero) would write NaN into every weight, and every later
-        # snapshot would keep it: the run stops before the update, its saved state untouched.  Under float16 the
-        # gradient scaler skips such a step and lowers its scale instead, so only runs without one stop here
-        if run.scaler is None and ctx.any(not bool(torch.isfinite(loss.detach()).all())):
-            raise TrainingDiverged(
-                f"the loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}, and "
-                f"the run stopped before the update: {run.run_dir} keeps the state it saved last (--checkpoint-every, "
-                "or the last epoch's end); rerun with --resume and a lower --lr (or --grad-clip) to go on from it")
         _optimizer_step(run, loss)
         progress.losses = logs
         progress.step_in_epoch, progress.global_step = step + 1, progress.global_step + 1
