@@ -107,7 +107,8 @@ class TrainingInterrupted(RuntimeError):
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss stopped being a number: the run stopped before that step's update, keeping the state it saved last."""
+    """The loss or a gradient stopped being a number: the run stopped before that step's update, keeping the state
+    it saved last."""
 
 
 @dataclass
