@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from captioner.models.evaluation.params import PAPER_SIZES
 from captioner.models.layers import masked_mean
 from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create, options
@@ -55,10 +56,9 @@ def test_defaults_are_the_papers_sizes_and_the_authors_celu():
     CELU with the authors' α = 1.3 (docs/decisions.md#x-lan-activation) on the region and word embeddings and in
     every X-Linear block."""
     defaults = options("xlan")
-    assert {key: defaults[key] for key in ("dim", "hidden_dim", "embed_dim", "channel_dim", "heads",
-                                           "encoder_layers", "activation", "celu_alpha")} == dict(
-        dim=1024, hidden_dim=1024, embed_dim=1024, channel_dim=512, heads=8, encoder_layers=4, activation="celu",
-        celu_alpha=1.3)
+    sizes = {name: size for name, size in PAPER_SIZES["xlan"].items() if name != "feat_dim"}  # held by test_params
+    assert {key: defaults[key] for key in [*sizes, "activation", "celu_alpha"]} == dict(
+        **sizes, activation="celu", celu_alpha=1.3)
     model = create("xlan", vocab_size=VOCAB, feat_dim=FEAT, dim=32, hidden_dim=24, embed_dim=12, channel_dim=16,
                    heads=4, encoder_layers=2)
     alphas = [module.alpha for module in model.modules() if isinstance(module, torch.nn.CELU)]

@@ -428,12 +428,15 @@ def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
         run.scaler.unscale_(run.optimizer)  # clip the true gradients
     else:
         loss.backward()
-        _stop_if_diverged(run, loss, params)
+    # one norm serves the divergence check and the clipping by norm (clip_grad_norm_ would compute it again)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if run.scaler is None:
+        _stop_if_diverged(run, loss, norm)
     if cfg.grad_clip:
         if cfg.grad_clip_mode == "value":
             torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
         else:
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
     if run.scaler is not None:
         run.scaler.step(run.optimizer)
         run.scaler.update()
@@ -441,12 +444,11 @@ def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
         run.optimizer.step()
 
 
-def _stop_if_diverged(run: Run, loss: torch.Tensor, params: list[torch.Tensor]) -> None:
-    """Raise :class:`TrainingDiverged` where the loss or a gradient is NaN or infinite (a rate too high, a log of
-    zero), before the update: stepped on, it is NaN in every weight, and every later snapshot (``last/``, ``best/``
-    if validation happens to score it well) keeps it.  Under float16 the gradient scaler skips such a step and lowers
-    its scale instead, so runs with a scaler do not come here."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+def _stop_if_diverged(run: Run, loss: torch.Tensor, norm: torch.Tensor) -> None:
+    """Raise :class:`TrainingDiverged` where the loss or the gradients' ``norm`` is NaN or infinite (a rate too
+    high, a log of zero), before the update: stepped on, it is NaN in every weight, and every later snapshot
+    (``last/``, ``best/`` if validation happens to score it well) keeps it.  Under float16 the gradient scaler
+    skips such a step and lowers its scale instead, so runs with a scaler do not come here."""
     if run.dist.any(not bool(torch.isfinite(loss.detach()) & torch.isfinite(norm))):
         raise TrainingDiverged(
             f"the loss became {loss.item()} (its gradients' norm {norm.item()}) at epoch {run.progress.epoch + 1}, "
