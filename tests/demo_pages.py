@@ -61,11 +61,14 @@ def blank_page(viewport=(1000, 900)):
     context = shared_browser().new_context(viewport={"width": viewport[0], "height": viewport[1]})
     try:
         page = context.new_page()
-        yield page
-        # a route handler still answering one of the page's last requests (the docs page's favicon, fetched through
-        # a test's proxy route) failed as the page closed under it ("Fetch response has been disposed"), an error
-        # at teardown of a test that had passed; unrouted so, what such a handler raises afterwards is dropped
-        page.unroute_all(behavior="ignoreErrors")
+        try:
+            yield page
+        finally:
+            # a route handler still answering one of the page's last requests (the docs page's favicon, fetched
+            # through a test's proxy route) failed as the page closed under it ("Fetch response has been disposed"),
+            # an error at teardown; unrouted so, what such a handler raises afterwards is dropped, after a test that
+            # failed as after one that passed (its own failure is then the one reported)
+            page.unroute_all(behavior="ignoreErrors")
     finally:
         context.close()
 
