@@ -40,13 +40,18 @@ def test_a_name_without_an_extension_is_written_and_reported_as_png(tmp_path):
     assert out == tmp_path / "curves.png" and out.is_file()
 
 
-def _drawn(monkeypatch, runs, out, labels=None):
-    """The figure ``plot_runs`` draws, kept from ``plt.close``: {title: (x label, [(legend label, xs, ys, style)])}."""
+def _figure(monkeypatch, runs, out, labels=None):
+    """The figure ``plot_runs`` draws (and saves), kept from ``plt.close``."""
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     assert plot_runs(runs, out, labels) == out  # a name with its suffix is written as given
     (figure,) = figures
-    axes = {ax.get_title(): ax for ax in figure.axes}
+    return figure
+
+
+def _drawn(monkeypatch, runs, out, labels=None):
+    """The figure ``plot_runs`` draws: {title: (x label, [(legend label, xs, ys, style)])}."""
+    axes = {ax.get_title(): ax for ax in _figure(monkeypatch, runs, out, labels).axes}
     # learning rates of 1e-4 read as 2 ×1e−4 on the axis, not 0.00020 (the figure is drawn: saved)
     assert axes["learning rate"].yaxis.get_offset_text().get_text() != ""
     assert axes["learning rate"].xaxis.get_offset_text().get_text() == ""  # the steps are not
@@ -87,3 +92,53 @@ def test_scsts_losses_share_a_panel_in_their_own_styles_and_labels_are_given_per
                                                                                                    "-")]
     with pytest.raises(ValueError, match="1 --label for 2 runs"):
         plot_runs([run, run], tmp_path / "two.png", ["mine"])
+
+
+def _log(folder, records):
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+def test_runs_of_every_kind_are_labelled_as_given_in_their_order_in_each_panels_legend(tmp_path, monkeypatch):
+    """An XE run, one killed before its first validation and an SCST run that validates CIDEr-D alone, overlaid:
+    a loss or score is drawn when any run logs it, the others are passed over, not a KeyError."""
+    xe = _write_run(tmp_path / "xe", 1.0)
+    early = _log(tmp_path / "early", [{"kind": "step", "step": s, "lr": 1e-4, "xe": 4.0} for s in (1, 2)])
+    scst = _log(tmp_path / "scst", [{"kind": "step", "step": 3, "lr": 1e-5, "scst": -0.5},
+                                     {"kind": "epoch", "epoch": 1, "step": 3, "CIDEr-D": 0.9}])
+    figure = _figure(monkeypatch, [xe, early, scst], tmp_path / "curves.png", ["XE", "early", "SCST"])
+    axes = {ax.get_title(): ax for ax in figure.axes}
+    assert list(axes) == ["training loss", "learning rate", "validation CIDEr-D", "validation BLEU-4"]
+    drawn = {title: [(line.get_label(), line.get_linestyle(), line.get_marker()) for line in ax.get_lines()]
+             for title, ax in axes.items()}
+    assert drawn["training loss"] == [("XE xe", "-", "None"), ("early xe", "-", "None"), ("SCST scst", "--", "None")]
+    assert drawn["learning rate"] == [("XE", "-", "None"), ("early", "-", "None"), ("SCST", "-", "None")]
+    # a validation score is a point per epoch: marked, since a run validated once draws no line at all
+    assert drawn["validation CIDEr-D"] == [("XE", "-", "o"), ("SCST", "-", "o")]
+    assert drawn["validation BLEU-4"] == [("XE", "-", "o")]
+    for title, ax in axes.items():  # the legend names every line of its panel, which is the only key to the colours
+        assert [text.get_text() for text in ax.get_legend().get_texts()] == [label for label, *_ in drawn[title]]
+    # a run alone that never validated: its two step panels, not an empty score panel
+    assert [ax.get_title() for ax in _figure(monkeypatch, [early], tmp_path / "early.png").axes] == [
+        "training loss", "learning rate"]
+
+
+def test_every_panels_titles_and_axis_labels_lie_inside_the_picture(tmp_path, monkeypatch):
+    """The layout pass keeps the x axis' "step" and "epoch" in the picture: without it they are cut off at its
+    bottom edge."""
+    figure = _figure(monkeypatch, [_write_run(tmp_path / "a", 1.0)], tmp_path / "curves.png")
+    renderer = figure.canvas.get_renderer()
+    width, height = figure.bbox.width, figure.bbox.height
+    for ax in figure.axes:
+        box = ax.get_tightbbox(renderer)
+        assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height, (ax.get_title(), box)
+
+
+def test_more_runs_than_the_colour_cycle_holds_are_each_drawn(tmp_path, monkeypatch):
+    """A sweep's runs overlaid (``captioner plot runs/*``): an eleventh run is drawn in a colour used again, not
+    left out."""
+    runs = [_log(tmp_path / f"run{i:02d}", [{"kind": "step", "step": 1, "lr": 1e-4, "xe": float(i)}])
+            for i in range(11)]
+    lines = _drawn(monkeypatch, runs, tmp_path / "curves.png")["training loss"][1]
+    assert [(label, ys) for label, _, ys, _ in lines] == [(f"run{i:02d}", [float(i)]) for i in range(11)]
