@@ -67,8 +67,12 @@ def test_log_lines_that_are_not_objects_or_not_utf8_are_passed_over(tmp_path):
 
 
 def test_plot_draws_a_log_with_a_line_of_another_kind(tmp_path, capsys):
+    # a loss or a score whose step or epoch is not a number is left out, not looked up (a KeyError traceback)
     (tmp_path / METRICS_LOG).write_text('{"kind": "step", "step": 10, "lr": 0.1, "xe": 2.0}\n[1]\n'
-                                        '{"kind": "step", "step": 20, "lr": "high", "xe": 1.5}\n')
+                                        '{"kind": "step", "step": 20, "lr": "high", "xe": 1.5}\n'
+                                        '{"kind": "step", "step": "x", "xe": 1.0}\n'
+                                        '{"kind": "epoch", "epoch": 1, "CIDEr-D": 0.4}\n'
+                                        '{"kind": "epoch", "epoch": "two", "CIDEr-D": 0.5}\n')
     main(["plot", str(tmp_path), "--out", str(tmp_path / "curves.png")])
     assert (tmp_path / "curves.png").stat().st_size > 0
 
