@@ -513,13 +513,28 @@ def _interval(mean):
     return {"mean": mean, "ci95": [round(mean - 0.01, 3), round(mean + 0.01, 3)]}
 
 
-def _entities_section(normaliser, mass):
-    """Every mode's rows in an order a reader by position would misread: the chance rows and a phrase type first."""
-    rows = [{"control": "uniform", "phrase_type": "all", "mass": _interval(0.05)},
-            {"control": "model", "phrase_type": "people", "mass": _interval(0.95)},
-            {"control": "other photo", "phrase_type": "all", "mass": _interval(mass - 0.2)},
-            {"control": "model", "phrase_type": "all", "mass": _interval(mass)}]
-    return {"normaliser": normaliser, "photos": 2, "references": {"rows": rows}, "generated": {"rows": rows}}
+def _entities_section(normaliser, mass, generated=None):
+    """Every mode's rows in an order a reader by position would misread: the chance rows and a phrase type first; the
+    generated mode's model and other-photo rows from ``generated`` where it is given, else the same as the
+    references'."""
+    def rows(mass):
+        return [{"control": "uniform", "phrase_type": "all", "mass": _interval(0.05)},
+                {"control": "model", "phrase_type": "people", "mass": _interval(0.95)},
+                {"control": "other photo", "phrase_type": "all", "mass": _interval(mass - 0.2)},
+                {"control": "model", "phrase_type": "all", "mass": _interval(mass)}]
+
+    return {"normaliser": normaliser, "photos": 2, "references": {"rows": rows(mass)},
+            "generated": {"rows": rows(mass if generated is None else generated)}}
+
+
+def test_a_checkpoint_whose_training_config_names_no_data_set_is_named_by_its_meta(tmp_path):
+    """An ensemble records its first member's training config, which may name no data set: the data set its meta
+    records (the one ``GET /models`` names) says whether it was trained on Flickr photos."""
+    checkpoint = _configured(tmp_path / "ckpt", dataset=None)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["meta"]["dataset"] = "../data/flickr8k/dataset_flickr8k.json"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert is_real_photo(checkpoint)
 
 
 def test_closing_note_reads_sparsecaps_model_rows_against_other_photo_chance_and_the_scenes(tmp_path):
@@ -547,6 +562,67 @@ def test_closing_note_reads_sparsecaps_model_rows_against_other_photo_chance_and
         "[0.590, 0.610]: the ordering of the human study of Martins et al. (arXiv:2002.05556), softmax < "
         "sparsemax < TVmax, does not hold (as a strict, interval-separated ordering)."]
     assert lines[2].startswith(chance) and lines[2].endswith(": softmax +0.200, sparsemax +0.200, tvmax +0.200.")
+
+
+def test_closing_note_reads_each_mode_off_its_own_rows(tmp_path):
+    """The generated captions' ordering and their gap above chance come from the generated mode's rows: with the
+    same rows in both modes, as above, a note that read the references twice passed."""
+    weights = tmp_path / "weights"
+    masses = {"softmax": (0.3, 0.7), "sparsemax": (0.5, 0.5), "tvmax": (0.7, 0.3)}  # references, generated
+    for norm in masses:
+        _configured(weights / f"sc-{norm}", attention=norm)
+    reports = [(f"sc-{norm}", _entities_section(norm, ref, gen)) for norm, (ref, gen) in masses.items()]
+    lines = closing_note(reports, weights, tmp_path / "no scene reports")
+    assert lines[1].startswith("- real photos, references: attention correctness softmax 0.300 [0.290, 0.310] < "
+                               "sparsemax") and lines[1].endswith(", holds.")
+    assert lines[3].startswith("- real photos, generated: attention correctness tvmax 0.300 [0.290, 0.310] < "
+                               "sparsemax") and lines[3].endswith("does not hold (as a strict, interval-separated "
+                                                                  "ordering).")
+    # each model row against its own mode's chance row (0.2 below it in both modes)
+    assert lines[2].endswith(": softmax +0.200, sparsemax +0.200, tvmax +0.200.") and lines[4] == lines[2]
+
+
+def test_the_ordering_ranks_the_normalisers_by_their_means_whatever_their_intervals_widths():
+    """A checkpoint scored on fewer photos has a wider interval: its low end below another's says nothing of which
+    mean is higher."""
+    wide, narrow = {"mean": 0.5, "ci95": [0.2, 0.8]}, {"mean": 0.45, "ci95": [0.44, 0.46]}
+    assert ordering_sentence({"softmax": wide, "sparsemax": narrow}).startswith(
+        "sparsemax 0.450 [0.440, 0.460] ≈ softmax 0.500 [0.200, 0.800]: ")
+
+
+def test_two_normalisers_apart_in_the_studys_order_are_not_said_to_hold_its_ordering_of_three():
+    """Without a TVmax checkpoint the study's softmax < sparsemax < TVmax is not measured: never said to hold."""
+    two = ordering_sentence({"softmax": _interval(0.3), "sparsemax": _interval(0.5)})
+    assert two.startswith("softmax 0.300 [0.290, 0.310] < sparsemax 0.500 [0.490, 0.510]: ")
+    assert two.endswith("does not hold (as a strict, interval-separated ordering)")
+
+
+def test_the_page_writes_each_modes_type_table_between_the_markers_and_links_a_figure_by_its_path(tmp_path,
+                                                                                                 monkeypatch):
+    """The generated mode's per-type table is read off its own rows; a figure saved outside the document's folder is
+    linked by the path it was given (no relative one leads there); what lies between docs/grounding.md's own markers
+    is replaced in place, the prose before and after them kept; a checkpoint not evaluated yet is left out."""
+    monkeypatch.setattr(figures, "control_bars", lambda *args, **options: args[3])  # the figure: a test above
+    weights, results, figure = tmp_path / "weights", tmp_path / "results", tmp_path / "elsewhere" / "g.png"
+    _configured(weights / "sc")
+    _configured(weights / "sc-unevaluated")  # trained on Flickr8k, no report yet
+    section = _entities_section("softmax", 0.3, 0.6)
+    for mode in ("references", "generated"):  # what the tables print besides the mass
+        section[mode]["rows"] = [{**row, "phrases": 3, "images": 2, "pointing": row["mass"], "ratio": row["mass"]}
+                                 for row in section[mode]["rows"]]
+    results.mkdir()
+    (results / "sc.json").write_text(json.dumps({"test": {"images": 2, "grounding": section}}))
+    document = tmp_path / "docs" / "grounding.md"
+    document.parent.mkdir()
+    before, after = "# Grounding\n\nprose before\n\n", "\n\nprose after\n"
+    document.write_text(f"{before}<!-- grounding:start -->\nlast run's results\n<!-- grounding:end -->{after}")
+    block = write_grounding_doc(weights, results, document, figure, tmp_path / "h.png", tmp_path, photos=())
+    assert document.read_text() == before + block + after
+    references, generated = block.split("### Per phrase type, references")[1].split("### Per phrase type, generated")
+    assert "| sc | all | 3 | 0.300 [0.290, 0.310] |" in references
+    generated = generated.split("### Closing note")[0]
+    assert "| sc | all | 3 | 0.600 [0.590, 0.610] |" in generated and "0.300 [0.290, 0.310]" not in generated
+    assert f"![grounding on Flickr30k Entities]({figure})" in block and "sc-unevaluated" not in block
 
 
 def test_a_page_without_entities_reports_says_which_checkpoints_lack_one(tmp_path):
