@@ -9,7 +9,7 @@ import pytest
 import timm
 import torch
 
-from captioner.models.efficientnet_lite import EfficientNetLiteNet, SameConv2d
+from captioner.models.efficientnet_lite import DepthwiseSeparable, EfficientNetLiteNet, InvertedResidual, SameConv2d
 from captioner.models.encoder import EFFICIENTNET_LITE
 
 
@@ -78,6 +78,19 @@ def test_the_same_padding_keeps_ceil_of_size_over_stride_cells_and_pads_the_odd_
     tiling = SameConv2d(1, 1, 2, 2)
     torch.nn.init.ones_(tiling.weight)
     assert tiling(torch.ones(1, 1, 3, 3))[0, 0].tolist() == [[4.0, 2.0], [2.0, 1.0]]
+
+
+@pytest.mark.parametrize("block, residual", [
+    (InvertedResidual(8, 8, 3, 1, 6), True), (InvertedResidual(8, 8, 3, 2, 6), False),
+    (InvertedResidual(8, 16, 3, 1, 6), False), (DepthwiseSeparable(8, 8, 3, 1), True),
+    (DepthwiseSeparable(8, 8, 3, 2), False)])
+def test_a_block_adds_its_input_back_only_where_it_keeps_the_inputs_shape(block, residual):
+    """MBConv's skip needs stride 1 and as many channels out as in.  Every strided stage of the variants the encoder
+    ships also widens, so the network tests cannot tell a skip that ignores the stride; a block built alone can."""
+    pixels = torch.randn(1, 8, 10, 10, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, transformed = block.eval()(pixels), block.transform(pixels)
+    torch.testing.assert_close(out, transformed + pixels if residual else transformed)
 
 
 def test_a_grid_encoder_imports_neither_timm_nor_torchvision():
