@@ -3,6 +3,7 @@
 import io
 
 import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ from captioner.models.inference import CaptionResult, torch_runtime
 from captioner.models.protocol import Geometry
 from captioner.models.rendering import heatmaps
 from captioner.models.rendering.heatmaps import FigureRow, RenderError, _blur_matrix, _figure, caption_figure, \
-    comparison_figure, default_mode, drawn_heat, gaussian_blur, heat_strength, heatmap, overlay
+    comparison_figure, default_mode, drawn_heat, gaussian_blur, heat_strength, heatmap, overlay, save_picture
 
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
@@ -493,7 +494,10 @@ def test_a_figures_panels_are_thumbnails_of_at_most_twice_the_panel_size(laid_ou
     geometry = grid_geometry(EncoderSpec(), photo.size)
     caption_figure(photo, ["a"], [np.full(64, 1 / 64)], geometry, panel_size=100)
     caption_figure(photo, ["a"], [np.full(64, 1 / 64)], geometry)  # 224 px panels by default
-    assert [[picture.size for _, picture in grid[0]] for grid, _ in laid_out] == [[(200, 120)] * 2, [(448, 269)] * 2]
+    portrait = photo.transpose(Image.Transpose.TRANSPOSE)  # bounded by its height, which a landscape never tests
+    caption_figure(portrait, ["a"], [np.full(64, 1 / 64)], grid_geometry(EncoderSpec(), portrait.size))
+    assert [[picture.size for _, picture in grid[0]] for grid, _ in laid_out] == [[(200, 120)] * 2, [(448, 269)] * 2,
+                                                                                  [(269, 448)] * 2]
 
 
 def test_a_captions_overlay_draws_the_tokens_row_and_refuses_a_negative_token():
@@ -582,3 +586,76 @@ def test_region_features_are_drawn_summed_unless_a_mode_is_given():
     assert default_mode(regions) == default_mode(regions, "output_attention") == "region_sum"
     photo = Image.new("RGB", (200, 100), (90, 120, 150))
     assert overlay(photo, [0.1, 0.9], regions).tobytes() == overlay(photo, [0.1, 0.9], regions, "region_sum").tobytes()
+
+
+def test_a_thumbnails_overlay_lights_the_attended_cell_scaled_to_the_thumbnail():
+    """A figure's panels and the service's reduced decodes are drawn on a smaller copy: the geometry's boxes are in
+    the original's pixels and must be scaled by the copy's size, or a 640x480 photo's cell (1, 1) is drawn on its
+    160x120 thumbnail four times too far from the corner."""
+    image = Image.new("RGB", (640, 480), (128, 128, 128))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    thumbnail = image.resize((160, 120))
+    out = np.asarray(overlay(thumbnail, one_hot(9), geometry, "grid_blocks", alpha=0.6)).astype(int)
+    ys, xs = np.nonzero(np.any(out != 128, axis=-1))
+    assert (xs.min(), xs.max(), ys.min(), ys.max()) == (20, 39, 15, 29)  # the original's (80, 159, 60, 119) / 4
+
+
+def test_a_caption_figure_has_five_panels_a_row_unless_told(laid_out):
+    """The default layout every figure of ``captioner caption --overlay``, an archive and the service is drawn in."""
+    image = Image.new("RGB", (300, 200), (200, 200, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    caption_figure(image, ["a", "red", "circle", "on", "the"], [one_hot(i) for i in range(5)], geometry)
+    ((grid, columns),) = laid_out
+    assert columns == 5 and [len(row) for row in grid] == [5, 1]
+
+
+def test_a_drawn_figure_is_closed_in_pyplot():
+    """pyplot keeps every figure it makes until it is closed: a service drawing a figure per request, or an archive
+    one per photo, would hold each of them in memory for good."""
+    image = Image.new("RGB", (300, 200), (200, 200, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    open_before = plt.get_fignums()
+    caption_figure(image, ["a"], [one_hot(0)], geometry)
+    assert plt.get_fignums() == open_before
+
+
+@pytest.mark.parametrize("name, signature", [("figure.png", b"\x89PNG\r\n\x1a\n"), ("figure.jpg", b"\xff\xd8\xff"),
+                                             ("FIGURE.JPEG", b"\xff\xd8\xff"), ("figure.Png", b"\x89PNG\r\n\x1a\n")])
+def test_a_picture_is_saved_in_the_format_its_extension_names_in_any_case(tmp_path, name, signature):
+    """``--overlay figure.jpg`` writes a JPEG, not PNG bytes under a JPEG's name; a camera's ``.JPG`` is a JPEG too."""
+    path = save_picture(Image.new("RGB", (8, 6), (200, 30, 30)), tmp_path / name)
+    assert path == tmp_path / name and path.read_bytes().startswith(signature)
+    with Image.open(path) as saved:
+        assert saved.size == (8, 6)
+
+
+def test_a_picture_path_whose_extension_names_no_format_is_refused_and_nothing_is_written(tmp_path):
+    with pytest.raises(ValueError, match="the extension names no picture format"):
+        save_picture(Image.new("RGB", (8, 6)), tmp_path / "figure.txt")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_figures_panels_fill_their_cells():
+    """The panels are laid out tight: with matplotlib's default margins each photo was drawn about a fifth narrower,
+    in a frame of white (a quarter of the figure's pixels for a square one in rows of two)."""
+    red = Image.new("RGB", (100, 100), (255, 0, 0))
+    out = np.asarray(_figure([[("a", red), ("b", red)], [("c", red)]], 2)).astype(int)
+    red_pixels = (out[..., 0] > 200) & (out[..., 1] < 50) & (out[..., 2] < 50)
+    assert red_pixels.sum() / 3 > (0.8 * out.shape[1] / 2) ** 2  # each panel over 80 % of its cell's width
+
+
+def test_a_region_overlay_leaves_the_pixels_outside_every_box_untouched():
+    """As grid_blocks, region_sum colours only where its heat is: grid_smooth alone covers the whole photo."""
+    photo = Image.new("RGB", (200, 100), (90, 120, 150))
+    geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
+    out = np.asarray(overlay(photo, [0.1, 0.9], geometry, "region_sum"))
+    assert (out[50:, 100:] == (90, 120, 150)).all() and (out[:50, 50:] != (90, 120, 150)).any(-1).all()
+
+
+def test_an_all_zero_rows_box_is_outlined_in_the_colormaps_lowest_colour():
+    """An all-zero row's top box has a weight of 0 over a top weight of 0: drawn at 0, not at NaN, which the colormap
+    draws black (and which warns)."""
+    boxes = np.array([[0, 0, 100, 100], [50, 20, 180, 80]], np.float32)
+    geometry = Geometry("regions", (350, 350), None, boxes)
+    out = np.asarray(overlay(Image.new("RGB", (350, 350)), [0.0, 0.0], geometry, "top1_box"))
+    assert tuple(out[50, 0]) == (0, 0, 127)  # jet at 0, on the first box's left edge
