@@ -1,6 +1,7 @@
 """Paper schedules against hand-computed values, and the recipes that use them."""
 
 import argparse
+import json
 import math
 import shlex
 
@@ -51,6 +52,24 @@ def test_plateau_decay_halves_after_patience_checks_without_improvement_and_roun
     assert fresh.best == -math.inf
 
 
+def test_plateau_decays_count_of_checks_without_a_gain_survives_a_resume():
+    """A state saved after two of three checks without a gain resumes with that count: started again at 0, the
+    resumed run waited three more validations for its decay, where the run trained straight decayed at the next."""
+    plateau = PlateauDecay(factor=0.5, patience=3)
+    for score in (1.0, 0.9, 0.9):
+        plateau.update(score)
+    resumed = PlateauDecay(factor=0.5, patience=3)
+    resumed.load_state_dict(json.loads(json.dumps(plateau.state_dict())))
+    assert resumed.bad_checks == 2
+    assert resumed.update(0.9) == plateau.update(0.9) == 0.5
+
+
+def test_a_plateau_state_without_a_score_yet_is_strict_json():
+    """A snapshot before the first validation holds no best score: written as ``-Infinity``, train_state.json was
+    no longer JSON to any reader but Python's."""
+    assert json.loads(json.dumps(PlateauDecay().state_dict(), allow_nan=False))["best"] is None
+
+
 def test_plateau_decay_never_goes_below_its_floor_and_a_gain_within_the_threshold_is_no_gain():
     floored = PlateauDecay(factor=0.5, patience=1, min_scale=0.3)
     assert [floored.update(s) for s in (1.0, 0.9, 0.9, 0.9)] == [1, 0.5, 0.3, 0.3]
@@ -77,6 +96,16 @@ def test_config_schedules_combine_noam_epoch_decay_and_plateau():
     assert schedules.learning_rate(3, 0) == pytest.approx(0.8e-4)
     noam = TrainConfig(out="x", warmup_steps=100, noam_dim=64)
     assert learning_rate(noam, epoch=7, global_step=99) == pytest.approx(64 ** -0.5 * 100 ** -0.5)
+
+
+def test_a_plateau_decay_scales_a_noam_warm_up_too():
+    """The plateau's scale multiplies whichever base rate the run has: under a warm-up it was left out, and a run
+    with both schedules never slowed down on a plateau."""
+    cfg = TrainConfig(out="x", warmup_steps=100, noam_dim=64, plateau_factor=0.5, plateau_patience=1)
+    schedules = build_schedules(cfg)
+    for score in (1.0, 0.9):
+        schedules.plateau.update(score)
+    assert schedules.learning_rate(7, 99) == pytest.approx(0.5 * 64 ** -0.5 * 100 ** -0.5)
 
 
 def test_a_configs_scheduled_sampling_and_noam_factor_reach_the_runs_schedules():
