@@ -522,6 +522,39 @@ def test_resume_changes_only_what_the_command_gave(scenes, tmp_path, cache):
     assert (changed.early_stop, changed.checkpoint_every, changed.log_every, changed.epochs) == (0, 7, 3, 2)
 
 
+def test_a_resume_runs_on_this_processs_device_threads_and_progress_whatever_the_run_had(scenes, tmp_path, cache):
+    """What belongs to the process is the command's, given or not: a GPU run resumed on a CPU machine asked for the
+    GPU it had, and a run started with --threads 4 or --no-progress kept them on a machine that wants others."""
+    saved = _config(scenes, tmp_path / "run", cache, device="cuda", threads=4, progress=False)
+    command = _config(scenes, tmp_path / "run", cache, device="cpu", threads=None, progress=True)
+    for explicit in ({"out"}, None):
+        merged = merge_resume(command, json.loads(json.dumps(saved.to_json())), 0, explicit=explicit)
+        assert (merged.device, merged.threads, merged.progress) == ("cpu", None, True), explicit
+
+
+def test_a_resume_that_changes_the_drop_factor_of_a_drop_already_passed_is_refused(scenes, tmp_path, cache):
+    """``--lr-drop-factor`` is part of the schedule the finished epochs were trained with: the same drop after epoch
+    1 given a factor of 0.1 where the run's was 0.5 changes epoch 2's rate, and is refused like a new drop there."""
+    saved = json.loads(json.dumps(_config(scenes, tmp_path / "run", cache, lr_drops=[1], lr_drop_factor=0.5).to_json()))
+    command = _config(scenes, tmp_path / "run", cache, lr_drops=[1], lr_drop_factor=0.1)
+    with pytest.raises(ValueError, match="epoch 2, which this run has already trained"):
+        merge_resume(command, saved, 2, explicit={"out", "lr_drops", "lr_drop_factor"})
+    assert merge_resume(command, saved, 1, explicit={"out", "lr_drops", "lr_drop_factor"}).lr_drop_factor == 0.1
+
+
+def test_a_run_whose_photo_folder_moved_resumes_from_where_the_command_says_recorded_absolute(scenes, tmp_path,
+                                                                                           cache, monkeypatch):
+    """``--image-root`` moves like ``--dataset`` (the photos on another disk than the captions), and a moved place
+    given relative is recorded absolute: a later resume reads the run's relative paths from the folder the run was
+    started in, not this one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "photos").mkdir()
+    saved = _config(scenes, tmp_path / "run", cache, image_root=str(tmp_path / "gone"))
+    merged = merge_resume(_config(scenes, tmp_path / "run", cache, image_root="photos"),
+                          json.loads(json.dumps(saved.to_json())), 0, explicit={"out", "image_root"})
+    assert merged.image_root == str((tmp_path / "photos").resolve())
+
+
 def test_a_resume_keeps_the_runs_learning_rate_drops_unless_the_command_adds_some(scenes, tmp_path, cache):
     """Only drops the command gives replace the run's: a command without any (a config built in code, where
     ``explicit`` is None and every option counts as given) or one that does not name --lr-drop keeps the run's
