@@ -23,7 +23,10 @@ from captioner.models.registry import MODELS
 from captioner.models.sat import ShowAttendTell
 from captioner.models.sparsecap import SparseCap
 from captioner.models.training import TrainConfig, TrainingInterrupted, fit, loop, prepare_run, train
-from captioner.models.training.resume import read_from
+from captioner.models.training.config import Progress
+from captioner.models.training.distributed import DistContext
+from captioner.models.training.resume import read_from, restore
+from captioner.models.training.state import rng_state
 from captioner.service.cli import main
 
 from .conftest import DEFAULT_CHECKPOINT, ROOT, before_each_step
@@ -393,6 +396,30 @@ def test_a_resume_reads_the_runs_relative_paths_from_its_folder_and_only_from_an
     monkeypatch.chdir(started)
     assert read_from(saved, announce=True) == config
     assert capsys.readouterr().out == ""
+    # --init's checkpoint is read from there too
+    monkeypatch.chdir(tmp_path)
+    warm = {"working_dir": str(started), "config": {**config, "init": "runs/a/best"}}
+    assert read_from(warm, announce=False)["init"] == str(started / "runs" / "a" / "best")
+
+
+@pytest.mark.parametrize("epoch, stopped_early, said", [
+    (1, False, "resuming {run} at epoch 2, step 3"),
+    (2, False, "{run} has finished (2 epochs): nothing to train; --epochs N with N > 2 continues it"),
+])
+def test_a_resume_says_the_epoch_and_step_it_goes_on_from_or_that_the_run_has_finished(tmp_path, capsys, epoch,
+                                                                                       stopped_early, said):
+    """The one line a resume prints: a run saved after one of its two epochs (and three steps into the next) goes on
+    at epoch 2, step 3; a run that has trained all its epochs says so and how to continue it (it said it was
+    resuming, or a run with epochs left was told it had finished)."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    progress = Progress(epoch=epoch, step_in_epoch=3, global_step=5 * epoch + 3, stopped_early=stopped_early)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": progress.to_json(),
+             "rng": rng_state()}
+    capsys.readouterr()
+    assert restore(saved, TrainConfig(out=str(tmp_path), epochs=2), tmp_path, DistContext(0, 1), model, None, optimizer,
+                   None) == progress
+    assert capsys.readouterr().out == said.format(run=tmp_path) + "\n"
 
 
 def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
