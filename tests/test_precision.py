@@ -144,3 +144,18 @@ def test_each_rank_resumes_with_its_own_random_stream_or_a_fresh_rank_distinct_o
     assert draws(streams, 1, 2) == expected[1]  # rank 1's own stream
     fresh = [draws(streams[:1], rank, 2) for rank in (0, 1)]
     assert fresh[0] != fresh[1] and expected[0] not in fresh
+
+
+def test_a_state_saved_with_one_random_stream_resumes_with_it(tmp_path):
+    """A state written before the streams were kept per rank holds one, ``rng``, and no ``rng_ranks``: resumed by one
+    process it goes on with that stream (seeded afresh instead, its dropout masks and samples were not the ones an
+    unbroken run draws)."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": Progress().to_json(),
+             "rng": rng_state()}
+    expected = torch.rand(4).tolist()
+    torch.manual_seed(0)
+    restore(saved, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(0, 1), model, None, optimizer, None)
+    assert torch.rand(4).tolist() == expected
