@@ -405,12 +405,15 @@ def test_a_resume_reads_the_runs_relative_paths_from_its_folder_and_only_from_an
 @pytest.mark.parametrize("epoch, stopped_early, said", [
     (1, False, "resuming {run} at epoch 2, step 3"),
     (2, False, "{run} has finished (2 epochs): nothing to train; --epochs N with N > 2 continues it"),
+    # early stopping is final (the loop never trains a run that stopped early on): no --epochs continues it
+    (1, True, "{run} has finished (stopped early): nothing to train"),
 ])
 def test_a_resume_says_the_epoch_and_step_it_goes_on_from_or_that_the_run_has_finished(tmp_path, capsys, epoch,
                                                                                        stopped_early, said):
     """The one line a resume prints: a run saved after one of its two epochs (and three steps into the next) goes on
     at epoch 2, step 3; a run that has trained all its epochs says so and how to continue it (it said it was
-    resuming, or a run with epochs left was told it had finished)."""
+    resuming, or a run with epochs left was told it had finished); a run that stopped early says so, where it was
+    told that a larger --epochs would continue it, which trained nothing."""
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     progress = Progress(epoch=epoch, step_in_epoch=3, global_step=5 * epoch + 3, stopped_early=stopped_early)

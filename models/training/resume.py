@@ -135,10 +135,11 @@ def restore(saved: dict[str, Any], cfg: TrainConfig, run_dir: Path, ctx: DistCon
     if scaler is not None and saved.get("scaler"):
         scaler.load_state_dict(saved["scaler"])
     if ctx.is_main:
-        if progress.epoch >= cfg.epochs or progress.stopped_early:
-            how = "stopped early" if progress.stopped_early else f"{progress.epoch} epochs"
-            print(f"{run_dir} has finished ({how}): nothing to train; --epochs N with N > {progress.epoch} "
-                  "continues it")
+        if progress.stopped_early:  # final: no --epochs trains a run that stopped early on
+            print(f"{run_dir} has finished (stopped early): nothing to train")
+        elif progress.epoch >= cfg.epochs:
+            print(f"{run_dir} has finished ({progress.epoch} epochs): nothing to train; --epochs N with "
+                  f"N > {progress.epoch} continues it")
         else:
             print(f"resuming {run_dir} at epoch {progress.epoch + 1}, step {progress.step_in_epoch}")
     return progress
