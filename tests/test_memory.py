@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import subprocess
 import sys
 import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
 
 from captioner.service import memory
-from captioner.service.memory import IdleTrimmer, configure_allocator, gpu_library_ranges, page_out_gpu_libraries, \
-    release_memory, resident_bytes
+from captioner.service.memory import IdleTrimmer, configure_allocator, freeze_startup_objects, gpu_library_ranges, \
+    page_out_gpu_libraries, release_memory, resident_bytes
 
 MAPS = """\
 7f0000000000-7f0000200000 r--p 00000000 00:2a 1001 /venv/lib/python3.11/site-packages/nvidia/cu13/lib/libnvrtc.so.13
@@ -89,6 +91,20 @@ def test_the_allocator_is_tuned_and_trimmed_under_glibc_and_left_alone_elsewhere
     assert configure_allocator() is False and page_out_gpu_libraries() == 0 and release_memory() > 0
 
 
+def test_a_c_library_without_glibcs_allocator_calls_or_none_at_all_leaves_the_server_running(monkeypatch):
+    """musl's and macOS's C libraries have no ``mallopt``: one loaded without it, or none that loads, is taken for
+    no glibc, so that the server starts and serves without the tuning rather than stopping on an AttributeError."""
+    monkeypatch.setattr(memory.ctypes, "CDLL", lambda name: SimpleNamespace(malloc_trim=lambda pad: 1))
+    assert memory._libc() is None
+    assert configure_allocator() is False and page_out_gpu_libraries() == 0 and release_memory() > 0
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(memory.ctypes, "CDLL", no_library)
+    assert memory._libc() is None and configure_allocator() is False
+
+
 class RecordingLibc:
     """glibc's allocator calls recorded instead of made, each accepted but the madvise of ``refused`` starts."""
 
@@ -134,16 +150,31 @@ def test_each_cuda_mapping_is_advised_whole_to_page_out_and_only_the_accepted_on
                           ("madvise", 0x7F0000500000, 0x100000, 21)]
 
 
+def test_without_a_readable_proc_nothing_is_advised_and_start_up_goes_on(monkeypatch):
+    """``/proc/self/maps`` unreadable (no /proc, or access denied): nothing is advised and 0 bytes are counted,
+    rather than an error that would stop the server's start after its warm-up."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+
+    def denied():
+        raise PermissionError("/proc/self/maps")
+
+    monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=denied))
+    assert page_out_gpu_libraries() == 0 and libc.calls == []
+
+
 def test_the_resident_set_is_read_in_bytes_from_the_kibibytes_proc_gives(monkeypatch):
     status = "Name:\tcaptioner\nVmHWM:\t  999 kB\nVmRSS:\t  1234 kB\nThreads:\t4\n"
     monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=lambda: status))
     assert resident_bytes() == 1234 * 1024
 
-    def no_proc():
-        raise FileNotFoundError("/proc/self/status")
+    for missing in (FileNotFoundError, PermissionError):  # no /proc, or one this process may not read
 
-    monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=no_proc))
-    assert resident_bytes() == 0  # a number still (the app logs it in MiB), where there is no /proc
+        def no_proc(missing=missing):
+            raise missing("/proc/self/status")
+
+        monkeypatch.setattr(memory, "Path", lambda path, no_proc=no_proc: SimpleNamespace(read_text=no_proc))
+        assert resident_bytes() == 0  # a number still (the app logs it in MiB), where there is no /proc
 
 
 def test_the_idle_trimmers_release_gives_the_memory_back_and_defers_the_next_to_the_end_of_its_interval(monkeypatch):
@@ -173,3 +204,41 @@ def test_the_idle_trimmers_release_gives_the_memory_back_and_defers_the_next_to_
     now[0] = 145.0
     trimmer()
     assert released == [100.0, 130.0] and started[2].interval == 45.0  # 130 + 60 - 145
+
+
+def test_start_up_garbage_is_collected_before_the_rest_is_frozen():
+    """What start-up left unreachable (a reference cycle) is collected first: frozen, it could never be freed
+    while the server runs. The count returned is the collector's own."""
+    class Node:
+        pass
+
+    node = Node()
+    node.itself = node
+    gone = weakref.ref(node)
+    del node
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection between here and the freeze: only the function's own may free it
+    gc.unfreeze()
+    try:
+        frozen = freeze_startup_objects()
+        assert gone() is None, "an unreachable cycle was frozen with the living"
+        assert frozen == gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+
+
+def test_the_apps_idle_trimmer_releases_at_most_every_five_seconds(monkeypatch):
+    """The app makes its trimmer with the default interval, the 5 s docs/decisions.md gives ("Memory after a
+    burst"): asked 1 s after a release, the next waits the 4 s left."""
+    now, started = [100.0], []
+    monkeypatch.setattr(memory, "release_memory", lambda: 0)
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    trimmer = IdleTrimmer()
+    trimmer()
+    started[0].function()
+    now[0] = 101.0
+    trimmer()
+    assert [timer.interval for timer in started] == [0.0, 4.0]
