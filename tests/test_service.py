@@ -296,18 +296,21 @@ def test_an_upload_refused_before_its_body_is_read_has_it_read_first(tiny_weight
     assert refused.status_code == 503 and drained
 
 
-def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights, monkeypatch):
+def test_a_value_error_while_decoding_is_a_500_not_the_clients_422(tiny_weights, monkeypatch, caplog):
     """Only the batcher's own refusal of a too-wide beam is the client's 422: any other ValueError from the worker
-    (a bug in decoding) reached the client as 422 invalid-request, with the internal message in it."""
+    (a bug in decoding) reached the client as 422 invalid-request, with the internal message in it. The 500 tells
+    the client nothing; the log tells whoever runs the server, traceback and all."""
     async def broken(*args, **kwargs):
         raise ValueError("need 1 <= n_best <= k")
 
     monkeypatch.setattr(Batcher, "caption", broken)
     app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with caplog.at_level("ERROR", logger="captioner.app"), TestClient(app, raise_server_exceptions=False) as client:
         response = _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=5)
         latency = parse_metrics(client.get("/metrics").text)
     assert response.status_code == 500 and "n_best" not in response.text
+    assert [str(r.exc_info[1]) for r in caplog.records if r.name == "captioner.app" and r.exc_info] == [
+        "need 1 <= n_best <= k"]
     # the latency metric counts it under the status it was answered with
     assert latency['captioner_request_latency_seconds_count{model="tiny-a",status="500"}'] == 1
 
@@ -642,6 +645,14 @@ def test_a_retry_after_of_zero_is_still_sent():
     """CAPTIONER_RETRY_AFTER_S may be 0 ("retry at once"): the header says so rather than vanishing."""
     assert problem_of(Overloaded("busy", 0)).headers == {"Retry-After": "0"}
     assert problem_of(Overloaded("busy", 3)).headers == {"Retry-After": "3"}
+
+
+def test_a_failure_without_a_wait_sends_no_retry_after():
+    """Only a failure that names a wait (429, 503) has the header: a 404 or a 422 has none, not ``Retry-After:
+    None``."""
+    assert problem_of(UnknownResult("no result 'x'")).headers is None
+    assert problem_of(InvalidRequest("bad options")).headers is None
+    assert problem_of(DeadlinePassed("captioning took longer than 10 s")).headers is None
 
 
 @pytest.mark.parametrize("refusal,retry_after", [
