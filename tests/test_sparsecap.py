@@ -70,10 +70,11 @@ def test_every_option_given_is_in_the_config_a_checkpoint_is_rebuilt_from():
 
 def test_built_bare_or_from_its_recipe_it_has_the_papers_sizes():
     """SparseCap §4: word embeddings of 256, an LSTM of d = 512, λ = 0.01 for TVmax; §3's projection to g = 512
-    (docs/decisions.md#sparsecap-visual-projection) and our dropout of 0.5 (docs/decisions.md#sparsecap-dropout).
-    The recipe names only some of them, so the constructor's defaults are the rest of what ``captioner train
-    --recipe sparsecap`` trains, and all of what a library user's ``create("sparsecap", ...)`` builds."""
-    papers = dict(embed_dim=256, hidden_dim=512, visual_dim=512, dropout=0.5, tvmax_lambda=0.01)
+    (docs/decisions.md#sparsecap-visual-projection), our dropout of 0.5 (docs/decisions.md#sparsecap-dropout) and
+    our attention size of 512, which docs/parameters.md counts.  The recipe names only some of them, so the
+    constructor's defaults are the rest of what ``captioner train --recipe sparsecap`` trains, and all of what a
+    library user's ``create("sparsecap", ...)`` builds."""
+    papers = dict(embed_dim=256, hidden_dim=512, visual_dim=512, attn_dim=512, dropout=0.5, tvmax_lambda=0.01)
     for model_args in ({}, load_recipe("sparsecap")["model_args"]):
         config = create("sparsecap", vocab_size=5, feat_dim=4, **model_args).config()
         assert {name: config[name] for name in papers} == papers, model_args
@@ -179,6 +180,22 @@ def test_dropout_acts_only_where_h_feeds_the_word_predictor():
     assert not torch.allclose(trained_logprobs, logprobs)  # the dropout is active
     torch.testing.assert_close(trained["h"], evaluated["h"])
     torch.testing.assert_close(trained["c"], evaluated["c"])
+
+
+def test_dropout_leaves_the_visual_readout_of_eq_10_whole():
+    """Eq. 10's ``affine([r_t; h_t])`` gets the dropout on ``h_t`` only (docs/decisions.md#sparsecap-dropout): with
+    the word predictor reading ``r_t = tanh(affine(s̃_t))`` alone, training and evaluation give the same words."""
+    model, vis = _tiny("softmax", dropout=0.5), _visuals()
+    with torch.no_grad():
+        model.out_word.weight[:, 20:] = 0  # the columns of h_t (hidden_dim 20) after those of r_t
+    enc = model.encode(vis)
+    torch.manual_seed(2)
+    state = {"h": torch.randn(3, 20), "c": torch.randn(3, 20)}
+    prev = torch.tensor([1, 5, 7])
+    logprobs, _, _ = model.step(prev, state, enc)
+    torch.manual_seed(3)
+    model.train()
+    torch.testing.assert_close(model.step(prev, state, enc)[0], logprobs)
 
 
 @torch.no_grad()
