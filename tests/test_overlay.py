@@ -160,6 +160,21 @@ def test_a_negative_token_is_refused_as_the_query_parameter_it_is_on_both_overla
     assert token["schema"]["anyOf"][0]["minimum"] == 0
 
 
+def test_a_heat_map_side_past_1024_is_refused_as_the_query_parameter_it_is_on_both_heatmaps_routes(client, result):
+    """``max_side`` of the JSON heat maps is bounded at 1024 where the query is read, as the document states: a
+    bound of the overlay's 4096 there was still a 422 from the renderer, but another problem type naming no query
+    parameter, and the document offered sides up to 4096."""
+    photo = {"file": ("x.png", _png(Image.new("RGB", (90, 60), (9, 9, 9))), "image/png")}
+    for response in (client.get(f"/captions/{result['id']}/heatmaps", params={"max_side": 1025}),
+                     client.post("/caption/heatmaps", params={"max_side": 1025}, files=photo)):
+        assert response.status_code == 422 and response.json()["type"] == "/problems/invalid-request"
+        assert [error["loc"] for error in response.json()["errors"]] == [["query", "max_side"]]
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, method in (("/captions/{result_id}/heatmaps", "get"), ("/caption/heatmaps", "post")):
+        side = next(parameter for parameter in paths[path][method]["parameters"] if parameter["name"] == "max_side")
+        assert side["schema"]["anyOf"][0]["maximum"] == 1024, path
+
+
 def test_unknown_result_is_404(client):
     response = client.get("/captions/does-not-exist/overlay", params={"token": 0})
     assert response.status_code == 404 and response.json()["type"].endswith("unknown-result")
