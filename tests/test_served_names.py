@@ -123,6 +123,17 @@ def test_the_service_lists_and_captions_with_prefixed_models(weights):
                            files={"file": ("scene.png", image.getvalue(), "image/png")}).status_code == 404
 
 
+def test_readiness_lists_the_served_models_by_name_not_in_the_order_they_loaded(weights):
+    """``/readyz`` names its models sorted; they load in folder order (``weights_dir`` first, then each prefixed
+    folder), so a prefix that sorts first shows whether the list was sorted or only loaded in order."""
+    settings = Settings(weights_dir=weights / "flickr8k", prefixed_weights_dirs={"a-": weights}, default_model="sat",
+                        device="cpu", backend="torch", warmup=False, release_memory=False)
+    with TestClient(create_app(settings)) as client:
+        loaded = [model["name"] for model in client.get("/models").json()]
+        assert loaded != sorted(loaded)  # this layout loads them out of name order
+        assert client.get("/readyz").json() == {"status": "ready", "models": ["a-aoanet", "a-sat", "sat"]}
+
+
 def test_export_reads_the_same_variables_and_refuses_a_malformed_one(monkeypatch):
     """The model-side commands read the service's variables in models/placement.py (models/ never imports
     service/); a value that is not a JSON object of folders, or a prefix with a path in it, is refused with the
