@@ -164,19 +164,25 @@ def test_initial_state_is_zero_and_masks_are_respected():
         torch.testing.assert_close(weights.sum(-1), torch.ones(2))
 
 
-def test_dropout_acts_only_where_h_feeds_the_word_predictor():
-    """docs/decisions.md#sparsecap-dropout: the dropout is on ``h_t`` in Eq. 10 only, so the recurrent state (and
-    the attentions computed from it) are the same in training and evaluation mode; the word distribution is not."""
-    model, vis = _tiny("softmax", dropout=0.5), _visuals()
+def _step_evaluated_then_trained(model, vis):
+    """One step of ``model`` (hidden size 20) from the same state and words, in evaluation mode and then in training
+    mode, where its dropout acts; the model is left in training mode."""
     enc = model.encode(vis)
     torch.manual_seed(2)
     state = {"h": torch.randn(3, 20), "c": torch.randn(3, 20)}
     prev = torch.tensor([1, 5, 7])
-    logprobs, evaluated, _ = model.step(prev, state, enc)
+    evaluated = model.step(prev, state, enc)
     torch.manual_seed(3)
     model.train()
-    torch.testing.assert_close(model.encode(vis)["feats"], enc["feats"])  # V is not dropped out either
-    trained_logprobs, trained, _ = model.step(prev, state, enc)
+    return evaluated, model.step(prev, state, enc)
+
+
+def test_dropout_acts_only_where_h_feeds_the_word_predictor():
+    """docs/decisions.md#sparsecap-dropout: the dropout is on ``h_t`` in Eq. 10 only, so the recurrent state (and
+    the attentions computed from it) are the same in training and evaluation mode; the word distribution is not."""
+    model, vis = _tiny("softmax", dropout=0.5), _visuals()
+    (logprobs, evaluated, _), (trained_logprobs, trained, _) = _step_evaluated_then_trained(model, vis)
+    torch.testing.assert_close(model.encode(vis)["feats"], model.eval().encode(vis)["feats"])  # nor V
     assert not torch.allclose(trained_logprobs, logprobs)  # the dropout is active
     torch.testing.assert_close(trained["h"], evaluated["h"])
     torch.testing.assert_close(trained["c"], evaluated["c"])
@@ -188,14 +194,8 @@ def test_dropout_leaves_the_visual_readout_of_eq_10_whole():
     model, vis = _tiny("softmax", dropout=0.5), _visuals()
     with torch.no_grad():
         model.out_word.weight[:, 20:] = 0  # the columns of h_t (hidden_dim 20) after those of r_t
-    enc = model.encode(vis)
-    torch.manual_seed(2)
-    state = {"h": torch.randn(3, 20), "c": torch.randn(3, 20)}
-    prev = torch.tensor([1, 5, 7])
-    logprobs, _, _ = model.step(prev, state, enc)
-    torch.manual_seed(3)
-    model.train()
-    torch.testing.assert_close(model.step(prev, state, enc)[0], logprobs)
+    evaluated, trained = _step_evaluated_then_trained(model, vis)
+    torch.testing.assert_close(trained[0], evaluated[0])
 
 
 @torch.no_grad()
