@@ -12,7 +12,7 @@ import pytest
 
 from captioner.models.checkpoint import read_config
 from captioner.models.data.datasets import dataset_name, load_captioned, resolve_dataset, trained_on
-from captioner.models.data.coco import load_coco
+from captioner.models.data.coco import coco_captions_file, load_coco
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.training import TrainConfig, train
 from captioner.service.cli import main
@@ -80,6 +80,8 @@ def test_coco_files_read_as_the_same_photos_and_references(coco, karpathy):
     both = load_captioned(coco / "annotations" / "captions_val2014.json")
     assert [im.split for im in both] == ["train"] * len(karpathy["train"]) + ["val"] * len(karpathy["val"])
     assert len(load_captioned(coco, splits=("train",), limit=3)) == 3
+    # the limit counts the photos of every split read, not of each split alone
+    assert [im.split for im in load_captioned(coco, limit=3)] == ["train"] * 3
 
 
 def test_coco_2017_files_read_their_photos_from_the_2017_folders(coco):
@@ -90,6 +92,33 @@ def test_coco_2017_files_read_their_photos_from_the_2017_folders(coco):
     images = load_captioned(coco)
     assert [im.path.parent for im in images] == [coco / f"{im.split}2017" for im in images]
     assert {im.split for im in images} == {"train", "val"}
+
+
+def test_a_folder_holding_both_years_reads_the_2014_files(coco):
+    """2014 comes first, as coco_captions_file's docstring lists it: 2017's train holds most of val2014's photos, so
+    a folder with both years read as 2017 would silently be another split."""
+    for split in ("train", "val"):
+        shutil.copy(coco / "annotations" / f"captions_{split}2014.json",
+                    coco / "annotations" / f"captions_{split}2017.json")
+    assert coco_captions_file(coco) == coco / "annotations" / "captions_train2014.json"
+    assert {im.path.parent.name for im in load_coco(coco)} == {"train2014", "val2014"}
+
+
+def test_a_path_given_as_text_reads_and_a_folder_without_captions_files_is_refused(coco, tmp_path):
+    assert coco_captions_file(str(coco)) == coco / "annotations" / "captions_train2014.json"
+    images = load_coco(str(coco / "annotations" / "captions_val2014.json"), splits=("val",))
+    assert images and all(im.path.parent == coco / "val2014" for im in images)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty is not COCO's captions_train2014.json / captions_val2014.json nor a "
+                                         "folder holding them"):
+        load_coco(tmp_path / "empty")
+
+
+def test_a_relative_image_root_is_read_from_the_working_folder(coco, tmp_path, monkeypatch):
+    # as the command line gives it (--image-root coco), not from the captions files' folder
+    monkeypatch.chdir(tmp_path)
+    images = load_captioned(coco / "annotations", image_root="coco", splits=("val",))
+    assert images and all(im.path.parent == Path("coco", "val2014") for im in images)
 
 
 def test_captions_files_beside_the_photo_folders_find_them_there(coco):
@@ -136,8 +165,19 @@ def test_flickr30k_files_read_as_the_same_photos_and_references(flickr30k, karpa
 
 def test_flickr30k_without_split_lists_says_where_they_come_from(flickr30k):
     (flickr30k / "flickr30k_entities" / "val.txt").unlink()
-    with pytest.raises(FileNotFoundError, match="no val list for flickr30k .*Flickr30k Entities' split lists"):
+    # every place a list is looked for is named
+    with pytest.raises(FileNotFoundError, match=r"no val list for flickr30k \(looked for \S+/val.txt, \S+/"
+                                                r"flickr30k_entities/val.txt, \S+/flickr30k_entities-master/val.txt"
+                                                r"\): .*Flickr30k Entities' split lists"):
         load_captioned(flickr30k)
+
+
+def test_a_flickr30k_split_list_beside_the_token_file_comes_first(flickr30k):
+    """Of the places a split's list may be, the first that holds one wins: a list copied beside the token file (here
+    naming the first test photo alone) is read rather than Flickr30k Entities' own."""
+    entities = (flickr30k / "flickr30k_entities" / "test.txt").read_text().split()
+    (flickr30k / "test.txt").write_text(entities[0] + "\n")
+    assert [im.path.stem for im in load_captioned(flickr30k, splits=("test",))] == entities[:1]
 
 
 def test_a_run_trained_from_coco_files_records_coco(coco, tmp_path, capsys):
@@ -223,6 +263,14 @@ def test_the_first_captions_by_annotation_id_are_kept(tmp_path):
     image = load_coco(tmp_path, splits=("val",))[0]
     assert [r[-1] for r in image.references] == ["11", "12", "13", "14", "15"]
     assert load_coco(tmp_path, splits=("val",), max_refs=2)[0].raw_references == ["A dog 11.", "A dog 12."]
+
+
+def test_the_captions_of_photos_cut_from_the_images_list_are_left_out(tmp_path):
+    """A smaller COCO made by cutting the ``images`` list keeps the cut photos' annotations: they are not read."""
+    images = [{"id": 2, "file_name": "b.jpg"}]
+    notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": 2, "id": 11, "caption": "A cat."}]
+    write_coco_json(tmp_path / "captions_val2014.json", images, notes)
+    assert [(im.image_id, im.raw_references) for im in load_coco(tmp_path, splits=("val",))] == [(2, ["A cat."])]
 
 
 def test_a_photo_without_a_caption_is_named(tmp_path):
