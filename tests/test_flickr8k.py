@@ -118,7 +118,7 @@ def test_a_file_that_is_no_flickr_token_file_is_refused_by_name(official, tmp_pa
 
 def test_errors_name_what_is_missing(official, photos, tmp_path):
     photos.rename(tmp_path / "elsewhere")
-    with pytest.raises(FileNotFoundError, match="pass --image-root"):
+    with pytest.raises(FileNotFoundError, match="looked for 10_a.jpg and the next listed in .*: pass --image-root"):
         load_flickr(official)
     assert load_flickr(official, image_root=tmp_path / "elsewhere")[0].path.parent == tmp_path / "elsewhere"
     with pytest.raises(ValueError, match="not test2"):
@@ -251,6 +251,60 @@ def test_a_listed_photo_without_captions_names_its_list_and_line(official):
     (official / "Flickr_8k.devImages.txt").write_text("20_c.jpg\n77_none.jpg\n")
     with pytest.raises(ValueError, match=r"devImages.txt:2: 77_none.jpg is in the val list but has no caption"):
         load_flickr(official)
+
+
+def test_a_caption_number_that_is_not_a_number_is_refused_with_its_line(official):
+    token = official / "Flickr8k.token.txt"
+    text = token.read_text()
+    token.write_text(text + "10_a.jpg#x\tA Dog with a letter for its number .\n")
+    # int("x") raised "invalid literal for int()", naming neither the file nor the line
+    line = len(text.splitlines()) + 1
+    with pytest.raises(ValueError, match=rf"Flickr8k.token.txt:{line}: not a '<image>#<n>\\t<caption>' line"):
+        load_flickr(official)
+
+
+def test_a_photos_captions_are_kept_in_number_order_whatever_their_text(official):
+    # the fixture's texts sort as their numbers do; here caption #0 comes last alphabetically
+    token = official / "Flickr8k.token.txt"
+    text = token.read_text()
+    for n in range(5):
+        text = text.replace(f"10_a.jpg#{n}\tA Dog, number 0 caption {n} .", f"10_a.jpg#{n}\t{'edcba'[n]} dog")
+    token.write_text(text)
+    assert load_flickr(official, splits=("train",))[0].raw_references == ["e dog", "d dog", "c dog", "b dog", "a dog"]
+
+
+def test_a_caption_without_a_word_is_not_a_reference(official):
+    token = official / "Flickr8k.token.txt"
+    token.write_text(token.read_text().replace("30_d.jpg#0\tA Dog, number 3 caption 0 .", "30_d.jpg#0\t..."))
+    # kept, it would be an empty reference in the place of caption #0
+    image = load_flickr(official, splits=("test",))[0]
+    assert image.raw_references == [f"A Dog, number 3 caption {n} ." for n in range(1, 5)]
+
+
+def test_a_test_photo_listed_for_training_too_is_refused_when_only_test_is_read(official):
+    # evaluating alone must not hide that the model was trained on the photo it is scored on
+    test_list = official / "Flickr_8k.testImages.txt"
+    test_list.write_text(test_list.read_text() + "10_a.jpg\n")
+    with pytest.raises(ValueError, match=r"testImages.txt:2: 10_a.jpg is already listed at .*trainImages.txt:1"):
+        load_flickr(official, splits=("test",))
+
+
+def test_the_photos_folder_is_found_from_the_first_listed_photos(official, photos):
+    """Only the first training photos copied over (to try a run with --limit): the folder is found from the
+    first photos of the list, not its last."""
+    names = ["10_a.jpg", *(f"1{i}_x.jpg" for i in range(1, 10))]
+    (official / "Flickr_8k.trainImages.txt").write_text("".join(f"{name}\n" for name in names))
+    token = official / "Flickr8k.token.txt"
+    token.write_text(token.read_text() + "".join(f"{name}#0\tA photo not copied .\n" for name in names[1:]))
+    images = load_flickr(official, splits=("train",), limit=1)
+    assert [im.path for im in images] == [(photos / "10_a.jpg").resolve()]
+
+
+def test_a_relative_image_root_is_read_from_the_working_folder(official, photos, monkeypatch):
+    # as the command line gives it (--image-root Flicker8k_Dataset), not from the token file's folder
+    monkeypatch.chdir(photos.parent)
+    images = load_captioned(official, image_root="Flicker8k_Dataset", splits=("test",))
+    assert [im.path for im in images] == [Path("Flicker8k_Dataset", "30_d.jpg")]
 
 
 def test_one_missing_photo_does_not_hide_the_folder_that_holds_the_rest(official, photos):
