@@ -237,6 +237,65 @@ def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_sha
     run_bounded(scenario())
 
 
+def test_a_waiter_that_leaves_the_head_of_the_queue_lets_the_ones_behind_it_in():
+    """A waiter that gives up (its deadline, its client gone) wakes the queue: a smaller piece behind it that fits
+    beside the running one starts at once, rather than waiting for the running piece to end (or for its own
+    deadline: a 504 while the budget had room)."""
+    async def scenario():
+        slots, release = WorkSlots(2), threading.Event()
+        running = asyncio.create_task(slots.run(release.wait, 10))  # 1 of 2 units
+        await _until(lambda: slots.running > 0)
+        wide = asyncio.create_task(slots.run(lambda: "wide", cost=2))  # does not fit beside it: waits
+        narrow = asyncio.create_task(slots.run(lambda: "narrow", cost=1))  # fits, but queued behind the wide one
+        try:
+            await asyncio.sleep(0)
+            assert slots.waiting == 2
+            wide.cancel()
+            assert await asyncio.wait_for(narrow, 2) == "narrow"  # while the first piece still runs
+            assert slots.running == 1
+        finally:  # a failure above must not leave the pool's thread waiting: the test process would never exit
+            release.set()
+        assert await running
+        with pytest.raises(asyncio.CancelledError):
+            await wide
+
+    run_bounded(scenario())
+
+
+def test_a_piece_that_ends_lets_in_every_waiter_its_share_makes_room_for():
+    """A large piece's end frees room for several small ones: all of them start together (a burst of ordinary
+    photos decodes at once, as the module says), not one per release."""
+    async def scenario():
+        slots, release = WorkSlots(3), threading.Event()
+        together = threading.Barrier(3, timeout=5)  # broken unless all three small pieces run at once
+
+        def small(name):
+            together.wait()
+            return name
+
+        large = asyncio.create_task(slots.run(release.wait, 10, cost=3))
+        await _until(lambda: slots.running > 0)
+        smalls = [asyncio.create_task(slots.run(small, i)) for i in range(3)]
+        await asyncio.sleep(0)
+        assert slots.waiting == 3
+        release.set()
+        assert await large
+        assert await asyncio.gather(*smalls) == [0, 1, 2]
+
+    run_bounded(scenario())
+
+
+def test_a_piece_that_got_its_share_in_time_runs_to_its_end_past_the_timeout():
+    """``timeout`` bounds the wait for a share, not the work: a render or decode that started in time answers,
+    rather than being abandoned at the deadline while its thread goes on anyway."""
+    async def scenario():
+        slots = WorkSlots(1)
+        assert await slots.run(lambda: time.sleep(0.3) or "done", timeout=0.1) == "done"
+        assert slots.running == 0
+
+    run_bounded(scenario())
+
+
 def test_an_upload_budget_holds_exactly_its_capacity_and_a_request_gives_back_all_it_took():
     budget = UploadBudget(1000, retry_after_s=3)
     with budget.hold() as share:
@@ -253,6 +312,16 @@ def test_an_upload_budget_holds_exactly_its_capacity_and_a_request_gives_back_al
     with unlimited.hold() as share:
         share.take(10**12)
     assert unlimited.held == 0
+
+
+def test_a_request_that_fails_after_taking_bytes_gives_them_back():
+    """A request refused after its body arrived (no image, a deadline passed) still ends: its bytes go back to the
+    budget, or each such failure shrinks it for good until every upload is refused with 429."""
+    budget = UploadBudget(1000)
+    with pytest.raises(ValueError, match="no image"), budget.hold() as share:
+        share.take(600)
+        raise ValueError("the upload is no image")
+    assert budget.held == 0
 
 
 @pytest.fixture(scope="module")
