@@ -90,7 +90,8 @@ def with_head(allow: str) -> str:
 def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, str], None] | None = None,
                              on_invalid: Callable[[Request], None] | None = None) -> None:
     """Answer every error as a problem document; ``on_problem(request, status, kind)`` sees each one (metrics), and
-    ``on_invalid(request)`` each request refused by FastAPI's own validation, before its endpoint ran."""
+    ``on_invalid(request)`` each request refused by FastAPI's own validation, before its endpoint ran.  Call it
+    before adding the app's middleware: an unexpected error is answered inside them all."""
 
     def answer(request: Request, status: int, detail: str, title: str | None = None, kind: str | None = None,
                headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
@@ -125,3 +126,35 @@ def install_problem_handlers(app: FastAPI, on_problem: Callable[[Request, int, s
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logging.getLogger("captioner.app").error("unhandled error", exc_info=exc)
         return answer(request, 500, "internal error; the request was not processed", kind="internal")
+
+    # Starlette answers the handler of Exception from its outermost layer, outside every middleware of the app: the
+    # 500 went out without the security headers and the request id, and the access log wrote it as a client that
+    # left (499). Answered from inside them, it is an answer like any other; the handler above still answers an
+    # error raised outside this layer
+    app.add_middleware(UnexpectedErrorMiddleware, answer=_unexpected)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an error no handler took (``answer``: the 500 problem) where it is raised, inside the app's other
+    middleware; an error raised once the answer has started is passed on, since nothing more can be answered."""
+
+    def __init__(self, app: Any, answer: Callable[[Request, Exception], Awaitable[JSONResponse]]):
+        self.app, self.answer = app, answer
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_noting_start(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as exc:
+            if started:
+                raise
+            await (await self.answer(Request(scope), exc))(scope, receive, send)

@@ -524,6 +524,25 @@ def test_no_answer_leaks_a_stack_trace_or_a_server_path(weights, jpeg):
         assert str(ROOT) not in text and str(weights) not in text and "/tmp" not in text, text
 
 
+def test_an_unexpected_error_is_answered_inside_the_apps_layers_with_their_headers_and_its_log_line(weights):
+    """Starlette answers the handler of ``Exception`` from its outermost layer, outside the app's middleware: the
+    500 went out without the security headers and the request id, and the access log wrote a 499 whose client had
+    left."""
+    app = create_app(serving_settings(weights_dir=weights, default_model="tiny"))
+
+    @app.get("/boom", include_in_schema=False)
+    async def boom():
+        raise RuntimeError("a bug")
+
+    with access_log(lambda record: record.fields) as entries, TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.get("/boom", headers={"X-Request-ID": "trace-500"})
+    assert answer.status_code == 500 and answer.json()["type"] == "/problems/internal"
+    assert answer.headers["x-content-type-options"] == "nosniff"
+    assert answer.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"
+    assert answer.headers["x-request-id"] == "trace-500"
+    assert [(e["path"], e["status"], e["disconnected"]) for e in entries] == [("/boom", 500, False)]
+
+
 def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     """With CAPTIONER_LOG_FORMAT=text, the access log wrote the URL-decoded path as it came: ``%0A`` then a made-up
     timestamp and level started a second line that looked like the server's own."""
