@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import io
 import json
 import logging
@@ -360,17 +361,57 @@ def test_key_comparison_is_exact():
     assert key_matches("ключ", ["ключ"])
 
 
+def test_a_valid_key_sent_under_another_scheme_than_bearer_is_refused(keyed, jpeg):
+    """Only ``Authorization: Bearer <key>`` carries a key: the same key as Basic credentials, or as the token of some
+    other scheme, is refused as an invalid token."""
+    for scheme in ("Basic", "Token", "Digest"):
+        refused = caption(keyed, jpeg, Authorization=f"{scheme} {KEYS[0]}")
+        assert refused.status_code == 401 and "invalid_token" in refused.headers["www-authenticate"], scheme
+
+
+def test_every_configured_key_is_compared_in_constant_time_even_after_one_matched(monkeypatch):
+    """The answer time must not tell whether, or how much of, a key was right: each configured key is compared with
+    :func:`hmac.compare_digest`, and a match ends nothing (an early exit, or ``==``, which stops at the first byte
+    that differs, passed every test of the result)."""
+    compared, compare = [], hmac.compare_digest
+
+    def recording(given, key):
+        compared.append((given, key))
+        return compare(given, key)
+
+    monkeypatch.setattr(hmac, "compare_digest", recording)
+    assert key_matches("abc", ["abc", "xyz", "abd"])
+    assert not key_matches("abx", ["abc"])
+    assert compared == [(b"abc", b"abc"), (b"abc", b"xyz"), (b"abc", b"abd"), (b"abx", b"abc")]
+
+
+def test_refusals_and_errors_carry_the_security_headers_too(keyed, open_client):
+    """The hardening headers go on every answer, not only the successful ones: a 401 of the key check (which answers
+    before the routes, so the headers' layer must wrap it), a 404 and a 405."""
+    api_headers = {"x-content-type-options": "nosniff", "referrer-policy": "no-referrer", "x-frame-options": "DENY",
+                   "content-security-policy": "default-src 'none'; frame-ancestors 'none'"}
+    answers = {401: keyed.post("/caption", content=b"x", headers={"content-type": "image/png"}),
+               404: open_client.get("/no/such/path"), 405: open_client.get("/caption"),
+               200: open_client.get("/healthz")}
+    for status, answer in answers.items():
+        assert answer.status_code == status, answer.text
+        assert {name: answer.headers.get(name) for name in api_headers} == api_headers, status
+
+
 def test_cors_is_closed_by_default_and_opens_only_to_configured_origins(open_client, keyed):
     preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
     for client in (open_client, keyed):
         answer = client.options("/caption", headers=preflight)
         assert "access-control-allow-origin" not in answer.headers
         assert "access-control-allow-origin" not in client.get("/healthz", headers={"Origin": "https://evil.example"}).headers
+    # the headers a browser script sends: its key, its upload's type, and its own request id (echoed and logged)
     allowed = keyed.options("/caption", headers={**preflight, "Origin": "https://app.example",
-                                                 "Access-Control-Request-Headers": "authorization"})
+                                                 "Access-Control-Request-Headers": "authorization, content-type, "
+                                                                                   "x-request-id"})
     assert allowed.status_code == 200
     assert allowed.headers["access-control-allow-origin"] == "https://app.example"
-    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    assert {"authorization", "content-type", "x-request-id"} <= \
+        {name.strip().lower() for name in allowed.headers["access-control-allow-headers"].split(",")}
     assert allowed.headers["access-control-max-age"] == "600"
     # the API takes GET and POST only: a pre-flight for anything else is refused, from a listed origin too
     assert keyed.options("/caption", headers={**preflight, "Origin": "https://app.example",
