@@ -75,6 +75,11 @@ def test_none_and_booleans_are_not_counted_and_every_item_of_a_list_is_checked()
         check_bounds(TrainConfig(out="x", adam_betas=[0.9, 1.0]))
     with pytest.raises(ValueError, match="^--lr-drop must be at least 1, got 0$"):
         check_bounds(TrainConfig(out="x", lr_drops=[3, 5, 0]))
+    # the first item too, not only the last
+    with pytest.raises(ValueError, match="^--lr-drop must be at least 1, got 0$"):
+        check_bounds(TrainConfig(out="x", lr_drops=[0, 3]))
+    with pytest.raises(ValueError, match=r"^--adam-betas must lie in \[0, 1\), got -0.5$"):
+        check_bounds(TrainConfig(out="x", adam_betas=[-0.5, 0.999]))
 
 
 def test_a_saved_record_reads_back_with_later_fields_defaulted_and_unknown_ones_dropped():
@@ -99,3 +104,28 @@ def test_flags_are_off_unless_given_and_the_encoder_stays_frozen_by_default():
             assert getattr(cfg, field.name) is (field.metadata["kind"] == "false"), field.name
     # README: images are encoded once by the frozen backbone; --finetune-stages at 0.25 of the rate by default
     assert (cfg.finetune_stages, cfg.encoder_lr_factor) == (0, 0.25)
+
+
+def test_a_new_runs_first_validation_is_its_best_whatever_it_scores():
+    # a first short epoch often scores a BLEU-4 or CIDEr-D of 0: it must still write best/ (a score beats the best
+    # only when above it), so a new run's best starts below every score
+    assert Progress().best_score < 0.0 and Progress.from_json({}).best_score < 0.0
+
+
+def test_the_documented_lengths_beam_and_sample_count_are_the_defaults():
+    # docs/decisions.md: training captions are cut to 16 words and decoding allows 20 steps ("Tokenizer and caption
+    # length"), the runs log validation scores of greedy decoding ("The default checkpoint"); README: SCST samples 5
+    # captions per image by default. No recipe restates them.
+    cfg = TrainConfig(out="x")
+    assert (cfg.max_train_len, cfg.max_decode_len, cfg.val_beam, cfg.scst_samples) == (16, 20, 1, 5)
+
+
+def test_the_techniques_a_recipe_turns_on_are_off_by_default():
+    """A recipe states only what its paper does (the SAT recipe says nothing of scheduled sampling, label smoothing,
+    warm-up or decays), so each must be off unless a recipe or a flag turns it on; docs/decisions.md: the learning
+    rate is "constant by default", and each `--lr-drop` multiplies it by `--lr-drop-factor` (0.1)."""
+    cfg = TrainConfig(out="x")
+    assert (cfg.ss_increase, cfg.label_smoothing, cfg.plateau_factor, cfg.warmup_steps, cfg.lr_decay_every,
+            cfg.early_stop, cfg.lr_drops, cfg.attention_supervision) == (0.0, 0.0, 0.0, 0, 0, 0, [], None)
+    assert cfg.lr_drop_factor == 0.1 and 0.0 < cfg.lr_decay_factor < 1.0  # a drop and a decay shrink the rate
+    assert cfg.noam_factor == 1.0  # --warmup-steps alone: Vaswani et al.'s Eq. 3, which has no factor
