@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from captioner.models import files as files_module
 from captioner.models.training.run_log import METRICS_LOG, EpochLog, StepLog, append_record, check_new_run_folder, \
     is_run_log, iter_records, trim_metrics_log
 
@@ -85,3 +86,33 @@ def test_a_new_run_over_a_killed_starts_log_says_so_only_when_asked_and_not_for_
     assert capsys.readouterr().out == ""
     check_new_run_folder(tmp_path, announce=True)
     assert "holds the log of a start that stopped before its first snapshot" in capsys.readouterr().out
+
+
+def test_a_log_holding_only_the_start_of_its_first_record_is_a_run_log(tmp_path):
+    # a run killed while it wrote its first record: it must be able to start again in the same folder
+    log = tmp_path / METRICS_LOG
+    for torn in ('{"kind": "st', "{"):
+        log.write_text(torn)
+        assert is_run_log(log), torn
+    log.write_text("x")
+    assert not is_run_log(log)
+
+
+def test_a_resumes_trim_of_the_log_is_flushed_to_disk(tmp_path, monkeypatch):
+    """The trim rewrites the whole log: unflushed, a machine crash after the rename can leave it empty."""
+    log = tmp_path / METRICS_LOG
+    _log(tmp_path, STEP, EPOCH)
+    synced = []
+    monkeypatch.setattr(files_module.os, "fsync", lambda fd: synced.append(fd))
+    trim_metrics_log(log, 7)
+    assert len(synced) >= 2  # the new file, then its folder
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [7]
+
+
+def test_a_torn_line_after_the_last_record_a_resume_keeps_is_dropped_too(tmp_path):
+    # the snapshot at the last whole record: the torn line after it is no record of its own to keep
+    log = tmp_path / METRICS_LOG
+    kept = _log(tmp_path, STEP)
+    log.write_text(kept + '{"kind": "epoch", "ep')
+    trim_metrics_log(log, STEP.step)
+    assert log.read_text() == kept
