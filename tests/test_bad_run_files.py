@@ -101,3 +101,15 @@ def test_a_recipe_file_that_is_not_one_is_named(recipe, reason, tmp_path, capsys
     message = cli_error(capsys, "train", "--recipe", str(path), "--out", str(tmp_path / "run"), "--device", "cpu")
     assert message.startswith(f"error: {path}")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_log_line_that_was_not_utf8_is_passed_over_even_where_it_parses(tmp_path):
+    # a byte that is not UTF-8 inside a string still parses once read as U+FFFD: the line is damaged all the same,
+    # so it is neither drawn nor kept (kept, the resume's trim would write it back with other bytes)
+    log = tmp_path / METRICS_LOG
+    good = '{"kind": "step", "step": 10, "lr": 0.1, "xe": 2.0}'
+    log.write_bytes(f"{good}\n".encode() + b'{"kind": "step", "step": 5, "lr": 0.1, "xe": 9.0, "note": "\xff"}\n')
+    steps, _ = read_metrics(tmp_path)
+    assert steps == [json.loads(good)]
+    trim_metrics_log(log, 10)
+    assert log.read_text() == f"{good}\n"
