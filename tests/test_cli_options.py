@@ -38,7 +38,7 @@ from captioner.models.export import onnx as onnx_module
 from captioner.models.training import curves as curves_module
 from captioner.service.cli import build_parser, main
 
-from .conftest import SCENE_SIZES
+from .conftest import SCENE_SIZES, cli_error
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -543,6 +543,24 @@ def test_train_takes_attention_as_a_model_option_given_so_a_resume_changes_it():
     assert training_cli.given_options(args) == {"out", "lr", "model_args"}  # no --set: --attention alone counts
     args = build_parser().parse_args(["train", "--out", "x", "--attention", "tvmax", "--set", "depth=2"])
     assert training_cli.train_config_from_args(args).model_args == {"depth": 2, "attention": "tvmax"}
+
+
+def test_train_reads_an_earlier_precision_name_as_todays_and_refuses_an_unknown_one_as_a_usage_error(capsys):
+    # README: "fp32, bf16, fp16 still read"; the choices list today's names only, so the name is read before them
+    args = build_parser().parse_args(["train", "--out", "x", "--precision", "bf16"])
+    assert training_cli.train_config_from_args(args).precision == "bfloat16"
+    assert "argument --precision: invalid choice: 'fp8'" in cli_error(capsys, "train", "--out", "x", "--precision",
+                                                                      "fp8")
+
+
+def test_each_switch_of_train_takes_no_value_and_turns_its_default_around():
+    # `--extend-vocab` and the other switches are kind "true" or "false": without the kind each would ask for a value
+    switches = [f for f in dataclasses.fields(training_module.TrainConfig) if isinstance(f.default, bool)]
+    assert len(switches) >= 4
+    for field in switches:
+        flag = field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+        args = build_parser().parse_args(["train", "--out", "x", flag])
+        assert getattr(training_cli.train_config_from_args(args), field.name) is (not field.default), flag
 
 
 def test_trains_help_states_each_options_default_the_training_config_has_its_factorys_included():
