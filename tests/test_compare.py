@@ -14,7 +14,7 @@ from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.evaluation import compare as compare_module
 from captioner.models.evaluation import metrics as metrics_module
 from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
-    paired_corpus_difference, paired_difference
+    markdown, paired_corpus_difference, paired_difference
 from captioner.models.evaluation.metrics import cider_d, score_captions
 from captioner.models.evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from captioner.models.evaluation.zoo_table import paired_markdown
@@ -105,6 +105,28 @@ def test_bleu_from_summed_statistics_is_coco_captions_corpus_bleu():
     assert result["difference"] == pytest.approx(wants[0]["BLEU-4"] - wants[1]["BLEU-4"])
 
 
+def test_bleu_4_of_a_corpus_without_four_grams_is_coco_captions_smoothed_value():
+    """No caption has four words, so BLEU-4's 4-gram precision is pycocoevalcap's smoothing, 1e-15 / 1e-9, not 0:
+    BLEU-4 is about 0.03 here, as captioner eval reports it, and each constant moves it."""
+    captions = {0: "a red circle", 1: "a green triangle", 2: "an orange diamond", 3: "a blue circle"}
+    refs = [[" ".join(r) for r in im.references] for im in IMAGES]
+    want = score_captions(captions, dict(enumerate(refs)), "BLEU")
+    rows = bleu_statistics([captions[i] for i in range(4)], refs)
+    assert corpus_bleu(rows.sum(0)) == pytest.approx([want[f"BLEU-{n}"] for n in range(1, 5)])
+    assert 0.01 < want["BLEU-4"] < 0.1
+
+
+def test_a_karpathy_coco_splits_references_are_cooked_once_for_both_sides():
+    """Each image's cooked references are kept for the other side's captions, for a whole Karpathy COCO split
+    (5,000 images): a cache one image smaller, read in the same order, evicts every image before it is read again
+    and cooks each twice."""
+    references = [[f"image{i} a red circle"] for i in range(5000)]
+    compare_module._cooked_references.cache_clear()
+    bleu_statistics(["a red circle"] * 5000, references)
+    bleu_statistics(["a blue square"] * 5000, references)
+    assert compare_module._cooked_references.cache_info().misses == 5000
+
+
 def test_compare_captions_scores_both_sides_on_the_same_references():
     exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
     wrong_colour = {**exact, 0: "a blue circle and a blue square", 2: "a red diamond and a red square"}
@@ -132,10 +154,33 @@ def test_ptb_comparison_tokenizes_both_sides_as_coco_caption_does():
     assert compare_captions(written, exact, IMAGES)["CIDEr-D"]["difference"] < 0
 
 
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_ptb_comparison_scores_each_side_on_its_own_captions_against_the_raw_references():
+    """With ``ptb`` the references are the data set's raw texts through the PTB tokenizer, not the project's tokens
+    of them (which here say something else), and each side is scored on its own tokenized captions: A writes the
+    raw texts word for word (BLEU-4 of 1), B one short caption for every image."""
+    images = [CaptionedImage(im.image_id, im.path, "test", ["a picture of something here".split()] * 5, im.info,
+                             [" ".join(im.references[0]).capitalize() + "."] * 5) for im in IMAGES]
+    raw = {im.image_id: im.raw_references[0] for im in images}
+    short = {im.image_id: "a red circle" for im in images}
+    result = compare_captions(raw, short, images, ptb=True)
+    assert result["BLEU-4"]["a"] == pytest.approx(1.0) and result["BLEU-4"]["b"] < 0.5
+    assert result["CIDEr-D"]["difference"] > 1
+
+
 def test_a_missing_caption_is_an_error_not_a_silent_drop():
     exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
-    with pytest.raises(ValueError, match="no caption"):
+    with pytest.raises(ValueError, match=r"^1 of 4 images have no caption on one side \(first: id 2\)$"):
         compare_captions(exact, {k: v for k, v in exact.items() if k != 2}, IMAGES)
+
+
+def test_the_table_prints_each_interval_low_to_high():
+    result = {"images": {"count": 4}, "CIDEr-D": {"a": 1.0, "b": 0.5, "difference": 0.5, "ci95": [-0.25, 1.5],
+                                                  "share_not_above": 0.125}}
+    assert markdown(result, "A", "B").splitlines() == [
+        "| measure (4 images) | A | B | difference [95 % CI] | resamples with A not above |",
+        "|---|---:|---:|---|---:|",
+        "| CIDEr-D | 1.000 | 0.500 | +0.500 [-0.250, +1.500] | 12.5% |"]
 
 
 def write_dataset(folder: Path) -> Path:
