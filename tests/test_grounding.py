@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation import figures
 from captioner.models.evaluation.grounding import CaptionAttention, WordScore, bootstrap_mean, grounded_words, \
-    markdown_table, pixel_distribution, score_images, score_map, score_rows, summarise
+    markdown_table, normaliser_of, pixel_distribution, score_images, score_map, score_rows, summarise
 from captioner.models.evaluation.params import count_parameters
 from captioner.models.evaluation.zoo_table import END, START, grounding_figure, markdown, merged_reports, \
     normaliser_label, parameter_count, write_between_markers, write_zoo
@@ -100,6 +101,29 @@ def test_region_boxes_are_placed_axis_by_axis_on_a_wide_image_drawn_at_another_s
     assert top_right[1:3, 10:] == pytest.approx(np.full((2, 10), 1 / 20)) and top_right.sum() == pytest.approx(1.0)
 
 
+def test_a_region_box_holds_the_pixels_whose_centres_fall_inside_it():
+    """Box edges between pixel boundaries (a detector's boxes, or boxes scaled onto the image) take the pixels
+    whose centres they hold, as :func:`naive_distribution` does: an edge at 0.7 leaves out pixel 0 (centre 0.5)
+    and one at 3.6 takes in pixel 3 (centre 3.5).  Each box's weight is spread evenly over those pixels."""
+    geometry = Geometry(kind="regions", image_size=(8, 8), grid_hw=None,
+                        boxes=np.array([[0.7, 1.6, 3.6, 5.4], [4.4, 0.2, 7.7, 2.4]], np.float32))
+    dist = pixel_distribution([0.75, 0.25], geometry)
+    assert np.array_equal(dist > 0, naive_distribution([0.75, 0.25], geometry) > 0)
+    assert dist[2:5, 1:4] == pytest.approx(np.full((3, 3), 0.75 / 9))  # rows 2–4, columns 1–3
+    assert dist[0:2, 4:8] == pytest.approx(np.full((2, 4), 0.25 / 8))  # rows 0–1, columns 4–7
+
+
+def test_region_rows_are_scored_per_pixel_as_score_map_scores_them():
+    """score_rows counts grid cells; overlapping region boxes have no cells and take the pixel path."""
+    geometry = Geometry(kind="regions", image_size=(10, 10), grid_hw=None,
+                        boxes=np.array([[0, 0, 10, 10], [0, 0, 2, 2], [1, 1, 6, 4]], np.float32))
+    rows = np.array([[0.5, 0.5, 0.0], [0.0, 0.2, 0.8], [1.0, 1.0, 1.0]])
+    mask = np.zeros((10, 10), bool)
+    mask[:3, :3] = True
+    for row, scores in zip(rows, score_rows(rows, geometry, mask)):
+        assert scores == pytest.approx(score_map(pixel_distribution(row, geometry), mask))
+
+
 @pytest.mark.parametrize("size, resize, grid", [((37, 23), "stretch", 64), ((23, 37), "center_crop", 64),
                                                 ((50, 50), "stretch", 96),
                                                 ((2, 2), "stretch", 96)])  # cells that hold no pixel centre
@@ -134,6 +158,9 @@ def test_bad_inputs_are_rejected():
         score_map(np.ones((4, 4)) / 16, np.zeros((4, 4), bool))
     with pytest.raises(ValueError, match="differ in shape"):  # a mask of width × height rather than height × width
         score_map(np.ones((4, 8)) / 32, np.ones((8, 4), bool))
+    # the per-cell path of Entities phrases refuses an empty box mask as score_map does (not a ZeroDivisionError)
+    with pytest.raises(ValueError, match="the object mask is empty"):
+        score_rows(np.ones((1, 4)), two_by_two(), np.zeros((8, 8), bool))
 
 
 def test_grounded_words_only_for_correct_colour_shape_pairs():
@@ -155,6 +182,18 @@ def test_bootstrap_interval():
     values = [[v] for v in np.random.default_rng(0).normal(0.5, 0.1, 400)]
     mean, low, high = bootstrap_mean(values)
     assert low < mean < high and high - low == pytest.approx(2 * 1.96 * 0.1 / 20, rel=0.2)
+
+
+def test_summary_intervals_take_the_resamples_asked_for_and_repeat_run_after_run():
+    """--grounding-resamples reaches every interval of the table (7 resamples give another interval than the default
+    2000), and the bootstrap's seed is fixed, so the same scores give the same interval on every run."""
+    values = np.random.default_rng(0).random(6)
+    scores = [WordScore(i, "colour", "model", {"mass": v, "pointing": v, "ratio": v}) for i, v in enumerate(values)]
+    mean, low, high = bootstrap_mean([[v] for v in values], resamples=7)
+    assert summarise(scores, 6, resamples=7)[0]["mass"] == {"mean": round(mean, 4),
+                                                           "ci95": [round(low, 4), round(high, 4)]}
+    assert bootstrap_mean([[v] for v in values], resamples=7) == (mean, low, high)
+    assert bootstrap_mean([[v] for v in values])[1:] != (low, high)
 
 
 def test_summary_statistics_are_reported_to_four_decimals():
@@ -198,6 +237,72 @@ def test_score_images_with_chance_controls(tmp_path):
     assert model_all["words"] == 4 and model_all["images"] == 2 and model_all["mass"]["mean"] == 1.0
     table = markdown_table([("toy", {"normaliser": "softmax", "rows": rows})])
     assert "chance: uniform" in table and "chance: other image" in table and "1.000 [1.000, 1.000]" in table
+
+
+def test_each_named_word_is_scored_on_its_own_attention_row(tmp_path):
+    """The row aligned with a word is the one that fed its prediction: each scene's colour word looks at its
+    object and its shape word (the next row) away from it, so the colour words hit and the shape words miss, and the
+    other-image control reads the other scene's colour row, not its shape row."""
+    images = _scene(tmp_path)
+    geometry = two_by_two()
+    results = [CaptionAttention(["a", "red", "circle"], np.array([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]], float),
+                                geometry),
+               CaptionAttention(["a", "blue", "square"], np.array([[0, 1, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]], float),
+                                geometry)]
+    by = {(w.control, w.image, w.word_class): w.scores["mass"] for w in score_images(images, results, tmp_path)}
+    assert [by[("model", image, word)] for image in (0, 1) for word in ("colour", "shape")] == [1.0, 0.0, 1.0, 0.0]
+    assert [by[("other image", image, word)] for image in (0, 1) for word in ("colour", "shape")] == [0.0, 1.0,
+                                                                                                     0.0, 1.0]
+
+
+def test_another_scenes_region_row_is_placed_by_that_scenes_own_boxes(tmp_path):
+    """Region boxes belong to their image: the other-image control reads the other scene's row through that
+    scene's boxes, scaled onto this one (here drawn at twice the size, item 0 in the other corner), not through
+    this scene's box of the same index."""
+    images = _scene(tmp_path)
+    quadrants = np.array([[0, 0, 4, 4], [4, 4, 8, 8]], np.float32)
+    first = Geometry(kind="regions", image_size=(8, 8), grid_hw=None, boxes=quadrants)
+    second = Geometry(kind="regions", image_size=(16, 16), grid_hw=None, boxes=quadrants[::-1] * 2)
+    rows = np.array([[0, 1], [1, 0], [1, 0]], float)  # each scene's words look at item 0, its own object's box
+    results = [CaptionAttention(["a", "red", "circle"], rows, first),
+               CaptionAttention(["a", "blue", "square"], rows, second)]
+    by = {(w.control, w.image, w.word_class): w.scores["mass"] for w in score_images(images, results, tmp_path)}
+    assert by[("model", 0, "shape")] == by[("model", 1, "shape")] == 1.0
+    assert by[("other image", 0, "shape")] == by[("other image", 1, "colour")] == 0.0
+
+
+def test_the_uniform_control_spreads_over_the_items_the_encoder_saw(tmp_path):
+    """Chance is attention spread evenly over the visual items, so on a centre-cropped 16×8 scene nothing falls
+    outside the middle 8×8 the encoder saw: an object on columns 0–5 holds 2 of the crop's 8 columns (0.25),
+    not 6 of the image's 16 (0.375)."""
+    (tmp_path / "masks").mkdir()
+    label = np.zeros((8, 16), np.uint8)
+    label[:, :6] = 1
+    Image.fromarray(label).save(tmp_path / "masks" / "0.png")
+    (tmp_path / "d.json").write_text(json.dumps({"images": [
+        {"filename": "0.jpg", "imgid": 0, "split": "test", "mask": "masks/0.png",
+         "objects": [{"colour": "red", "shape": "circle"}], "sentences": [{"tokens": ["a", "red", "circle"]}]}]}))
+    results = [CaptionAttention(["a", "red", "circle"], np.eye(4)[:3], two_by_two((16, 8), "center_crop"))]
+    by = {(w.control, w.word_class): w.scores for w in score_images(load_karpathy(tmp_path / "d.json"), results,
+                                                                      tmp_path)}
+    assert by[("uniform", "shape")] == pytest.approx({"mass": 0.25, "pointing": 0.25, "ratio": 0.25 / 0.375})
+
+
+def test_a_data_set_without_object_masks_is_refused_naming_the_image(tmp_path):
+    """Scenes grounding needs the generated scenes' label masks: an image without one is a ValueError naming it
+    (``captioner eval`` prints it in one line), not a KeyError."""
+    images = _scene(tmp_path)
+    del images[1].info["mask"]
+    results = [CaptionAttention(["a", "red", "circle"], np.eye(4)[:3], two_by_two()) for _ in images]
+    with pytest.raises(ValueError, match=r"^1\.jpg has no object mask: grounding needs generated scenes$"):
+        score_images(images, results, tmp_path)
+
+
+def test_an_ensembles_normaliser_names_each_members_map_as_the_table_does():
+    """The grounding report names an ensemble's map as the mean of its members' maps, each named as a model of its
+    kind is: the area Transformer's as its softmax over areas spread onto cells, not its own attention name."""
+    ensemble = SimpleNamespace(model=tiny_model("ensemble"))  # SAT and the area Transformer
+    assert normaliser_of(ensemble) == "mean of softmax and softmax over areas → cells"
 
 
 def test_score_images_draws_the_maps_at_each_scenes_own_width_and_height(tmp_path):
