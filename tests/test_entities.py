@@ -16,7 +16,7 @@ from captioner.models import attention, pipeline
 from captioner.models.checkpoint import FORMAT, write_manifest
 from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage, \
     parse_annotation, parse_sentences
-from captioner.models.decoding import beam_search
+from captioner.models.decoding import DecodingRules, beam_search
 from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation import figures, phrase_grounding
 from captioner.models.evaluation.grounding import CaptionAttention, caption_with_attention, pixel_distribution, \
@@ -313,20 +313,40 @@ def test_a_batch_of_photos_without_reference_captions_is_fed_nothing():
     assert teacher_forced_rows(model, vocab, VisualBatch.from_features(torch.zeros(2, 4, 8)), [[], []]) == [[], []]
 
 
-def test_beam_search_captions_keep_each_words_own_attention_row():
-    """The generated mode's rows (caption_with_attention) pair each decoded word with the row that fed its
-    prediction: the row teacher forcing gives that word of the same caption."""
+def _tiny_sat_on_two_images():
+    """An untrained SAT of 16 words (seed 0) and a store of two images' 2×2 grid features: (checkpoint, store,
+    images, geometry)."""
     torch.manual_seed(0)
     vocab = Vocabulary([f"w{i}" for i in range(16)])
     model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8).eval()
     feats, geometry = torch.randn(2, 4, 8), two_by_two()
     store = SimpleNamespace(batch=lambda keys: VisualBatch.from_features(feats[list(keys)], [geometry] * len(keys)))
     images = [SimpleNamespace(key=i, path=None) for i in range(2)]
-    captions = caption_with_attention(SimpleNamespace(model=model, vocab=vocab), images, store, max_len=6)
-    rows = teacher_forced_rows(model, vocab, store.batch([0, 1]), [[c.tokens] for c in captions])
+    return SimpleNamespace(model=model, vocab=vocab), store, images, geometry
+
+
+def test_beam_search_captions_keep_each_words_own_attention_row():
+    """The generated mode's rows (caption_with_attention) pair each decoded word with the row that fed its
+    prediction: the row teacher forcing gives that word of the same caption."""
+    ckpt, store, images, geometry = _tiny_sat_on_two_images()
+    captions = caption_with_attention(ckpt, images, store, max_len=6)
+    rows = teacher_forced_rows(ckpt.model, ckpt.vocab, store.batch([0, 1]), [[c.tokens] for c in captions])
     for caption, per_image in zip(captions, rows):
         assert caption.tokens and caption.geometry is geometry
         np.testing.assert_allclose(caption.attention, per_image[0], atol=1e-5)
+
+
+def test_beam_search_captions_follow_the_decoding_rules_given():
+    """``captioner eval --grounding`` scores the captions its grounding search gives, so that search takes the
+    decoding rules asked for (--block-doubled-words here, which changes both of these captions), as the same eval
+    without --grounding would."""
+    ckpt, store, images, _ = _tiny_sat_on_two_images()
+    rules = DecodingRules(block_doubled_words=True)
+    captions = [c.tokens for c in caption_with_attention(ckpt, images, store, max_len=6, rules=rules)]
+    want = beam_search(ckpt.model, store.batch([0, 1]), k=3, max_len=6, rules=rules)
+    assert captions == [ckpt.vocab.decode(hyps[0].token_ids) for hyps in want]
+    unruled = [c.tokens for c in caption_with_attention(ckpt, images, store, max_len=6)]
+    assert all(caption != other for caption, other in zip(captions, unruled))
 
 
 # ---------------------------------------------------------------------------------------------------------------
