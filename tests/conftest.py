@@ -17,6 +17,8 @@ import torch
 
 from captioner.models.data.scenes import generate
 from captioner.models.protocol import VisualBatch
+from captioner.models.training.config import Progress
+from captioner.models.training.state import rng_state
 from captioner.models.zoo import create
 
 from . import parallel
@@ -43,6 +45,17 @@ def before_each_step(run, note) -> None:
         return step(*args)
 
     run.trainer = noted
+
+
+def saved_linear_run(progress=None, rng=None) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    """A one-layer model, its optimiser and the state a snapshot of them holds (``progress`` a
+    :class:`~captioner.models.training.config.Progress`, ``rng`` the saved random stream, this process's by
+    default): what a test hands ``restore`` without training a run."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "progress": (progress or Progress()).to_json(), "rng": rng_state() if rng is None else rng}
+    return model, optimizer, saved
 
 
 def cli_error(capsys: pytest.CaptureFixture, *argv: str) -> str:

@@ -7,13 +7,14 @@ import torch
 
 from captioner.models.cli.training import train_config_from_args
 from captioner.models.training import TrainConfig, fit, prepare_run
-from captioner.models.training.config import Progress
 from captioner.models.training.distributed import DistContext
 from captioner.models.training.loop import _snapshot
 from captioner.models.training.precision import resolve_precision
 from captioner.models.training.resume import restore
 from captioner.models.training.state import load_state, rng_state
 from captioner.service.cli import build_parser, main
+
+from .conftest import saved_linear_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,14 +123,11 @@ def test_each_rank_resumes_with_its_own_random_stream_or_a_fresh_rank_distinct_o
     """The random streams saved per rank go back to their ranks; on another number of processes (a state of one
     process resumed by two) each rank is seeded afresh, and differently (with one stream, the ranks' dropout masks
     and samples were the same; indexed by rank, rank 1 of two found no stream saved for it)."""
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     streams = []
     for seed in (1, 2):
         torch.manual_seed(seed)
         streams.append(rng_state())
-    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": Progress().to_json(),
-             "rng": streams[0]}
+    model, optimizer, saved = saved_linear_run(rng=streams[0])
 
     def draws(rngs, rank, world):
         torch.manual_seed(0)  # what every process of a resumed run starts from
@@ -150,11 +148,8 @@ def test_a_state_saved_with_one_random_stream_resumes_with_it(tmp_path):
     """A state written before the streams were kept per rank holds one, ``rng``, and no ``rng_ranks``: resumed by one
     process it goes on with that stream (seeded afresh instead, its dropout masks and samples were not the ones an
     unbroken run draws)."""
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(1)
-    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": Progress().to_json(),
-             "rng": rng_state()}
+    model, optimizer, saved = saved_linear_run()
     expected = torch.rand(4).tolist()
     torch.manual_seed(0)
     restore(saved, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(0, 1), model, None, optimizer, None)

@@ -26,10 +26,9 @@ from captioner.models.training import TrainConfig, TrainingInterrupted, fit, loo
 from captioner.models.training.config import Progress
 from captioner.models.training.distributed import DistContext
 from captioner.models.training.resume import read_from, restore
-from captioner.models.training.state import rng_state
 from captioner.service.cli import main
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT, before_each_step
+from .conftest import DEFAULT_CHECKPOINT, ROOT, before_each_step, saved_linear_run
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -414,11 +413,8 @@ def test_a_resume_says_the_epoch_and_step_it_goes_on_from_or_that_the_run_has_fi
     at epoch 2, step 3; a run that has trained all its epochs says so and how to continue it (it said it was
     resuming, or a run with epochs left was told it had finished); a run that stopped early says so, where it was
     told that a larger --epochs would continue it, which trained nothing."""
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     progress = Progress(epoch=epoch, step_in_epoch=3, global_step=5 * epoch + 3, stopped_early=stopped_early)
-    saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "progress": progress.to_json(),
-             "rng": rng_state()}
+    model, optimizer, saved = saved_linear_run(progress)
     capsys.readouterr()
     assert restore(saved, TrainConfig(out=str(tmp_path), epochs=2), tmp_path, DistContext(0, 1), model, None, optimizer,
                    None) == progress
