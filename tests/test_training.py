@@ -714,6 +714,27 @@ def test_a_scaled_step_clips_the_true_gradient_and_skips_an_overflow_halving_the
     assert scaler.get_scale() == 512.0
 
 
+@pytest.mark.parametrize("scaled, grad_clip, mode, norms", [
+    (False, 0.0, "norm", 1), (False, 0.5, "value", 1),  # the divergence check reads it
+    (True, 0.5, "norm", 1),  # the clip reads it
+    (True, 0.5, "value", 0), (True, 0.0, "norm", 0),  # nothing reads it: the scaler skips a step that overflows
+])
+def test_an_optimiser_step_takes_the_gradients_norm_only_where_something_reads_it(monkeypatch, scaled, grad_clip,
+                                                                                     mode, norms):
+    """The total norm is one more pass over every gradient: a float16 run clipping by value, or not clipping, has
+    no divergence check and no clip by norm to read it."""
+    taken = []
+    total_norm = torch.nn.utils.get_total_norm
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm",
+                        lambda *args, **kw: taken.append(1) or total_norm(*args, **kw))
+    weight = torch.nn.Parameter(torch.zeros(2))
+    run = SimpleNamespace(cfg=SimpleNamespace(grad_clip=grad_clip, grad_clip_mode=mode),
+                          scaler=torch.amp.GradScaler("cpu") if scaled else None,
+                          optimizer=torch.optim.SGD([weight], lr=1.0), dist=SimpleNamespace(any=bool))
+    _optimizer_step(run, (torch.tensor([30.0, 40.0]) * weight).sum())
+    assert len(taken) == norms and weight.detach().abs().sum() > 0
+
+
 def test_validation_captions_the_val_split_with_the_runs_beam_and_length(monkeypatch):
     """--val-beam and --max-decode-len reach the captions validation scores (every run in the tests validated with
     the default greedy decoding, so a beam given for validation went unused in silence), and the epoch's record

@@ -428,15 +428,17 @@ def _optimizer_step(run: Run, loss: torch.Tensor) -> None:
         run.scaler.unscale_(run.optimizer)  # clip the true gradients
     else:
         loss.backward()
-    # one norm serves the divergence check and the clipping by norm (clip_grad_norm_ would compute it again)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    # one norm serves the divergence check and the clipping by norm (clip_grad_norm_ would compute it again); a
+    # float16 run clipping by value, or not at all, needs neither
+    clip_by_norm = bool(cfg.grad_clip) and cfg.grad_clip_mode != "value"
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]) \
+        if run.scaler is None or clip_by_norm else None
     if run.scaler is None:
         _stop_if_diverged(run, loss, norm)
-    if cfg.grad_clip:
-        if cfg.grad_clip_mode == "value":
-            torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
-        else:
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
+    if clip_by_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
+    elif cfg.grad_clip:
+        torch.nn.utils.clip_grad_value_(params, cfg.grad_clip)
     if run.scaler is not None:
         run.scaler.step(run.optimizer)
         run.scaler.update()
