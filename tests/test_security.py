@@ -32,6 +32,7 @@ from captioner.service.errors import UnknownResult
 from captioner.service.inputs import DISCARD_SECONDS, UnreadBodyMiddleware
 from captioner.service.middleware import JsonFormatter, TextFormatter
 from captioner.service.paths import ROOT_KEY, AppRootMiddleware, app_path, app_root
+from captioner.service.problems import UnexpectedErrorMiddleware
 from captioner.service.results import ResultStore
 from captioner.service.security import key_matches
 from captioner.service.settings import Settings
@@ -582,6 +583,28 @@ def test_an_unexpected_error_is_answered_inside_the_apps_layers_with_their_heade
     assert answer.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'"
     assert answer.headers["x-request-id"] == "trace-500"
     assert [(e["path"], e["status"], e["disconnected"]) for e in entries] == [("/boom", 500, False)]
+
+
+def test_an_error_raised_once_the_answer_has_started_is_passed_on_not_answered_twice():
+    """Once the response's start has gone out nothing more can be answered: a second start (the 500's) is an ASGI
+    protocol error, and the server's own handling (closing the connection) needs the original error."""
+    async def streams_then_fails(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("a bug mid-stream")
+
+    async def answer(request, exc):
+        raise AssertionError("answered after the start")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message["type"])
+
+    layer = UnexpectedErrorMiddleware(streams_then_fails, answer=answer)
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(RuntimeError, match="mid-stream"):
+        asyncio.run(layer(scope, None, send))
+    assert sent == ["http.response.start"]
 
 
 def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
