@@ -276,9 +276,11 @@ def test_a_piece_that_ends_lets_in_every_waiter_its_share_makes_room_for():
         large = asyncio.create_task(slots.run(release.wait, 10, cost=3))
         await _until(lambda: slots.running > 0)
         smalls = [asyncio.create_task(slots.run(small, i)) for i in range(3)]
-        await asyncio.sleep(0)
-        assert slots.waiting == 3
-        release.set()
+        try:
+            await asyncio.sleep(0)
+            assert slots.waiting == 3
+        finally:  # as above: a failure must not leave the large piece's thread waiting
+            release.set()
         assert await large
         assert await asyncio.gather(*smalls) == [0, 1, 2]
 
