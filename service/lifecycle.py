@@ -33,7 +33,7 @@ from starlette.requests import Request
 from .errors import NOT_READY_RETRY_AFTER_S
 from .inputs import DISCARD_BYTES, drain_body
 from .paths import app_path
-from .problems import send_problem
+from .problems import StartNotingSend, send_problem
 
 log = logging.getLogger("captioner.lifecycle")
 
@@ -95,17 +95,11 @@ class DrainMiddleware:
             await self._reject(scope, receive, send)
             return
         self.gate.in_flight += 1
-        started = False
-
-        async def tracked_send(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        noted = StartNotingSend(send)
         try:
-            await self.app(scope, receive, tracked_send)
+            await self.app(scope, receive, noted)
         except asyncio.CancelledError:
-            if not self.gate.draining or started:
+            if not self.gate.draining or noted.started:
                 raise
             # the drain time is up and uvicorn cancels what still runs: the client gets the drain's 503 problem
             # rather than uvicorn's plain-text 500, and the task ends here as cancelled work should

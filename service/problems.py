@@ -80,6 +80,18 @@ async def send_problem(scope: dict, send: Callable[[dict], Awaitable[None]], sta
     await send({"type": "http.response.body", "body": body})
 
 
+class StartNotingSend:
+    """An ASGI ``send`` that notes whether the response has started: once it has, a middleware can answer nothing
+    more (a second start is a protocol error) and must pass an error on instead."""
+
+    def __init__(self, send: Callable[[dict], Awaitable[None]]):
+        self.send, self.started = send, False
+
+    async def __call__(self, message: dict) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 def with_head(allow: str) -> str:
     """A 405's ``Allow`` with ``HEAD`` wherever it has ``GET``: every GET route answers HEAD too
     (middleware.HeadAsGetMiddleware), and ``Allow`` lists the methods a resource supports (RFC 9110 §10.2.1)."""
@@ -145,16 +157,10 @@ class UnexpectedErrorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def send_noting_start(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        noted = StartNotingSend(send)
         try:
-            await self.app(scope, receive, send_noting_start)
+            await self.app(scope, receive, noted)
         except Exception as exc:
-            if started:
+            if noted.started:
                 raise
             await (await self.answer(Request(scope), exc))(scope, receive, send)
