@@ -933,9 +933,10 @@ def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(e
 
 
 def _estimate_job(beam: int, max_len: int, steps: int = 0, deadline: float = 100.0,
-                  typical_length: bool = True) -> Job:
+                  typical_length: bool = True, enqueued: float = 0.0) -> Job:
     """A job as admission control sees it (no image, no event loop: the estimate reads none)."""
-    return Job(None, beam, max_len, deadline, None, None, enqueued=0.0, steps=steps, typical_length=typical_length)
+    return Job(None, beam, max_len, deadline, None, None, enqueued=enqueued, steps=steps,
+               typical_length=typical_length)
 
 
 def test_the_estimate_averages_measured_samples_and_counts_a_decoding_job_at_least_one_step():
@@ -1010,6 +1011,45 @@ def test_refusals_retry_after_the_work_ahead_at_least_one_second_and_a_waiting_j
         assert isinstance(refusal, WouldMissDeadline)
         wait = estimate.expected_wait_s(queue, 1, 4)
         assert wait > 1 and refusal.retry_after_s == math.ceil(wait)  # retry when the queue ahead has been served
+
+
+def test_a_request_that_would_just_make_its_deadline_is_admitted_and_one_just_past_it_refused():
+    """Admitted when its expected finish is *within* the headroom's share of its time (a tie is admitted), refused
+    just past it; Retry-After is rounded up to whole seconds, never down (a client told 4 s for 4.35 s of work ahead
+    would come back too early and be refused again)."""
+    estimate = AdmissionEstimate("m")
+    estimate.measure_step(10, 0.125, [])  # 80 rows per second
+    # 72 steps of 0.125 s alone: 9 s, exactly ADMISSION_HEADROOM of 10 s (0.9 · 10.0 == 9.0 in floating point)
+    assert estimate.expected_wait_s([], 1, 72) == 9.0 == ADMISSION_HEADROOM * 10.0
+    estimate.check(10.0, 1, 72, [], queue_size=4, active_jobs=1)
+    with pytest.raises(WouldMissDeadline):
+        estimate.check(9.99, 1, 72, [], queue_size=4, active_jobs=1)
+    estimate.expect_work([_estimate_job(1, 4) for _ in range(96)])  # 384 row-steps decoding
+    with pytest.raises(WouldMissDeadline) as refused:
+        estimate.check(1.0, 1, 4, [], queue_size=4, active_jobs=96)
+    # (384 + 4) / 80 = 4.85 s expected, less its own 4 steps of 0.125 s: 4.35 s of work ahead, so 5 s, not 4
+    assert refused.value.retry_after_s == 5
+
+
+def test_a_fresh_estimate_counts_no_decoding_work_before_anything_is_admitted():
+    """Until the worker admits something, the work ahead of a newcomer is only the waiting requests' and its own:
+    behind four waiting requests of one row and 5 steps, at one row a second, it waits 20 + 5 row-steps."""
+    estimate = AdmissionEstimate("m")
+    estimate.measure_step(1, 1.0, [])
+    assert estimate.expected_wait_s([_estimate_job(1, 5) for _ in range(4)], 1, 5) == 25.0
+
+
+def test_a_shed_requests_refusal_says_how_long_it_waited_and_never_a_negative_time_left():
+    """The refusal's text is the 429's detail the client reads: the wait counts from when the request was queued,
+    and a deadline already passed leaves 0 s, not a negative time."""
+    estimate = AdmissionEstimate("m")
+    estimate.measure_step(10, 0.125, [])
+    waiting = _estimate_job(1, 4, deadline=10.0, enqueued=4.0)
+    assert str(estimate.shed(waiting, 9.75, estimate.own_time_s, [waiting])) == (
+        "model 'm' is overloaded: this request waited 5.75 s and cannot be captioned in the 0.25 s left to its "
+        "deadline")
+    assert "waited 6.50 s and cannot be captioned in the 0.00 s left" in str(estimate.shed(waiting, 10.5, None,
+                                                                                             [waiting]))
 
 
 def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
