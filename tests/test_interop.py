@@ -4,6 +4,7 @@ whose log-probabilities equal a reference forward pass rebuilt here from the aut
 pickle is read with an allow-list, never with plain ``pickle.load``; what the model cannot express is refused."""
 
 import argparse
+import collections
 import io
 import math
 import os
@@ -226,6 +227,7 @@ def test_the_allow_lists_name_only_data_classes_and_tensor_rebuilders():
     are stand-ins that run nothing (:class:`PickledModule`) and are not listed."""
     python2 = {("__builtin__", name) for name in ("set", "frozenset", "object")} | {("copy_reg", "_reconstructor")}
     numpy = {(f"numpy.{core}.multiarray", name) for core in ("core", "_core") for name in ("scalar", "_reconstruct")}
+    numpy |= {(f"numpy.{core}.numeric", "_frombuffer") for core in ("core", "_core")}
     assert set(ALLOWED) == python2 | numpy | {
         ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "object"), ("copyreg", "_reconstructor"),
         ("argparse", "Namespace"), ("collections", "OrderedDict"), ("_codecs", "encode"), ("numpy", "dtype"),
@@ -250,6 +252,23 @@ def test_a_python_2_pickle_of_a_numpy_array_loads(tmp_path):
         b"cnumpy\ndtype\nU\x02f8K\x00K\x01\x87R(K\x03U\x01<NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89U\x10"
         + raw + b"tb.")
     assert np.array_equal(restricted_load(tmp_path / "py2.pkl"), [1.5, -2.0])
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_infos_data_pickled_with_any_protocol_loads(tmp_path, protocol):
+    """Protocol 5 (``pickle.HIGHEST_PROTOCOL``) spells a contiguous NumPy array as ``numpy._core.numeric._frombuffer``
+    over its bytes: an infos file re-saved with it is data as much as the authors' protocol-2 one, and was refused
+    naming ``_frombuffer``."""
+    infos = {"opt": argparse.Namespace(beam_size=3), "scores": np.arange(6.0).reshape(2, 3),
+             "fortran": np.asfortranarray(np.ones((2, 3), np.float32)), "best": np.float32(1.5),
+             "order": collections.OrderedDict(a=1), "seen": {1, 2}, "frozen": frozenset("ab"), "raw": b"\xff\x00"}
+    path = tmp_path / "infos.pkl"
+    path.write_bytes(pickle.dumps(infos, protocol=protocol))
+    loaded = restricted_load(path)
+    assert vars(loaded["opt"]) == {"beam_size": 3} and loaded["order"] == {"a": 1} and loaded["raw"] == b"\xff\x00"
+    assert loaded["seen"] == {1, 2} and loaded["frozen"] == frozenset("ab") and loaded["best"] == np.float32(1.5)
+    for key in ("scores", "fortran"):
+        assert loaded[key].dtype == infos[key].dtype and np.array_equal(loaded[key], infos[key])
 
 
 def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 _NUMPY_CORE = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # type: ignore[attr-defined]
+_NUMPY_NUMERIC = np._core.numeric if hasattr(np, "_core") else np.core.numeric  # type: ignore[attr-defined]
 
 #: (module, name) → the object; Python 2 spellings (``__builtin__``, ``copy_reg``) and NumPy 1/2 module paths
 ALLOWED: dict[tuple[str, str], Any] = {
@@ -36,6 +37,9 @@ ALLOWED: dict[tuple[str, str], Any] = {
     ("numpy.core.multiarray", "scalar"): _NUMPY_CORE.scalar, ("numpy._core.multiarray", "scalar"): _NUMPY_CORE.scalar,
     ("numpy.core.multiarray", "_reconstruct"): _NUMPY_CORE._reconstruct,
     ("numpy._core.multiarray", "_reconstruct"): _NUMPY_CORE._reconstruct,
+    # protocol 5 spells a contiguous array as numeric._frombuffer(its bytes, dtype, shape, order): data only
+    ("numpy.core.numeric", "_frombuffer"): _NUMPY_NUMERIC._frombuffer,
+    ("numpy._core.numeric", "_frombuffer"): _NUMPY_NUMERIC._frombuffer,
 }
 
 
