@@ -221,6 +221,17 @@ def test_no_global_that_can_run_code_or_reach_one_is_on_the_allow_list(tmp_path,
         restricted_load(evil)
 
 
+@pytest.mark.parametrize("module,name", [("numpy.evil", "ndarray"), ("builtins2", "set"), ("os", "set"),
+                                         ("argparse.sub", "Namespace"), ("numpy", "scalar")])
+def test_an_allowed_name_under_another_module_is_refused(tmp_path, module, name):
+    """The allow-list holds (module, name) pairs: a look-alike module, or an allowed name under another allowed
+    module, is refused by its full name, not resolved to the allowed object."""
+    lookalike = tmp_path / "lookalike.pkl"
+    lookalike.write_bytes(f"c{module}\n{name}\n.".encode())
+    with pytest.raises(UnsafePickleError, match=f"refusing to load {module}.{name}"):
+        restricted_load(lookalike)
+
+
 def test_the_allow_lists_name_only_data_classes_and_tensor_rebuilders():
     """Every global a pickle may call, by name: the refused names above are a sample, so a callable added to an
     allow-list (``setattr`` or ``getattr`` would reach code) shows here and is reviewed. The tutorial's own classes
@@ -252,6 +263,14 @@ def test_a_python_2_pickle_of_a_numpy_array_loads(tmp_path):
         b"cnumpy\ndtype\nU\x02f8K\x00K\x01\x87R(K\x03U\x01<NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89U\x10"
         + raw + b"tb.")
     assert np.array_equal(restricted_load(tmp_path / "py2.pkl"), [1.5, -2.0])
+
+
+def test_a_python_2_infos_file_reads_its_text_as_str(tmp_path):
+    """Python 2 writes its ``str`` keys and words as byte strings (``U``): latin1 reads them as ``str``, so
+    ``infos["opt"]`` and the vocabulary's words are found (``encoding="bytes"`` reads arrays too but keys as bytes).
+    The file is Python 2's protocol-2 pickle of ``{"opt": 1, "vocab": {"1": "dog"}}``, written opcode by opcode."""
+    (tmp_path / "py2.pkl").write_bytes(b"\x80\x02}(U\x03optK\x01U\x05vocab}U\x011U\x03dogsu.")
+    assert restricted_load(tmp_path / "py2.pkl") == {"opt": 1, "vocab": {"1": "dog"}}
 
 
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
@@ -286,6 +305,7 @@ def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):
     options.write_bytes(pickle.dumps(argparse.Namespace(beam_size=3, rnn_size=512), protocol=2))
     loaded = restricted_load(options)
     assert isinstance(loaded, argparse.Namespace) and vars(loaded) == {"beam_size": 3, "rnn_size": 512}
+    assert not hasattr(loaded, "polluted")  # nor on the next load's subclass: the copies are not shared
 
 
 def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
