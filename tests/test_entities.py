@@ -4,6 +4,7 @@ files, hand-built maps and boxes whose answers are known."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -85,7 +86,8 @@ def test_every_caption_line_is_read_past_blank_lines():
         parse_sentences(text + "\n[/EN#6/people A man rides .\n")
 
 
-@pytest.mark.parametrize("line", ["[/EN#x/people a dog] runs", "a [/EN#3/people dog runs", "[EN#3/people a dog]"])
+@pytest.mark.parametrize("line", ["[/EN#x/people a dog] runs", "a [/EN#3/people dog runs", "[EN#3/people a dog]",
+                                  "[/EN#3/ a dog] runs"])
 def test_bad_markup_is_a_format_error(line):
     with pytest.raises(EntitiesFormatError):
         parse_sentences(line)
@@ -169,6 +171,87 @@ def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
     assert dataset.load("images/1001_x.jpg") is None
     with pytest.raises(FileNotFoundError, match="not a Flickr30k Entities folder"):
         EntitiesDataset(tmp_path / "Sentences")
+
+
+def _authors_sentence(line):
+    """The rules of the dataset's own ``get_sentence_data`` (flickr30k_entities_utils.py), restated: outside a
+    phrase a token starting with ``[`` opens one (its id after ``EN#``, its types after that); inside one every
+    token is a word and the first ending in ``]`` closes it."""
+    words, phrases, open_phrase = [], [], None
+    for token in line.split():
+        if open_phrase is None and token[0] == "[":
+            parts = token.split("/")
+            open_phrase = (parts[1][3:], tuple(parts[2:]), len(words))
+            continue
+        if open_phrase is not None and token[-1] == "]":
+            token = token[:-1]
+            words.append(token)
+            chain, types, first = open_phrase
+            phrases.append((chain, types, first, tuple(words[first:])))
+            open_phrase = None
+            continue
+        words.append(token)
+    return words, phrases
+
+
+@pytest.mark.parametrize("line", [*SENTENCES.splitlines(),
+                                  "[/EN#7/people/clothing A man 's] hat] and [/EN#8/other one] more ]",
+                                  "[/EN#1/people a [/EN#2/other dog] runs] off"])
+def test_sentences_are_read_by_the_rules_of_the_datasets_own_parser(line):
+    """A word ending in ``]`` outside a phrase stays a word; the published captions nest no phrases, and a bracket
+    inside an open phrase is one of its words, as the authors' reader has it, not a phrase of its own."""
+    (sentence,) = parse_sentences(line)
+    words, phrases = _authors_sentence(line)
+    assert sentence.words == words
+    assert [(p.chain, p.types, p.first_word, p.words) for p in sentence.phrases] == phrases
+
+
+@pytest.mark.parametrize("edges", [(0, 101, 200, 200), (1, 0, 200, 200), (201, 101, 200, 200), (1, 101, 200, 100)])
+def test_a_box_off_the_one_based_grid_or_with_a_far_edge_before_its_near_one_is_a_format_error(edges):
+    """Boxes are 1-based inclusive: an edge at 0 (a 0-based file) or a max below its min is refused on either axis."""
+    tags = "".join(f"<{tag}>{value}</{tag}>" for tag, value in zip(("xmin", "ymin", "xmax", "ymax"), edges))
+    bad = ANNOTATION.replace("<xmin>1</xmin><ymin>101</ymin><xmax>200</xmax><ymax>200</ymax>", tags)
+    with pytest.raises(EntitiesFormatError, match="is not 1-based with min ≤ max"):
+        parse_annotation(bad)
+    one_pixel = ANNOTATION.replace("<xmax>200</xmax><ymax>200</ymax>", "<xmax>1</xmax><ymax>101</ymax>")
+    assert parse_annotation(one_pixel).boxes["31"][0] == (1, 101, 1, 101)
+
+
+def _entities_folder(root, sentences=SENTENCES, annotation=ANNOTATION):
+    for part in ("Sentences", "Annotations"):
+        (root / part).mkdir(exist_ok=True)
+    (root / "Sentences" / "1000.txt").write_text(sentences)
+    (root / "Annotations" / "1000.xml").write_text(annotation)
+    return root / "Sentences" / "1000.txt", root / "Annotations" / "1000.xml"
+
+
+@pytest.mark.parametrize("part, damage, message", [
+    ("Sentences", lambda text: text + "[/EN#6/people A man rides .\n", "line 3: phrase \\[/EN#6 is never closed"),
+    ("Sentences", lambda text: text.replace("[/EN#33/other", "[/EN#33"), "line 1: bad phrase markup"),
+    ("Annotations", lambda text: text[:-20], "not XML"),
+    ("Annotations", lambda text: text.replace("<xmin>301</xmin>", "<xmin>0</xmin>"), "box .* is not 1-based")],
+    ids=["unclosed phrase", "bad markup", "torn XML", "0-based box"])
+def test_a_format_error_in_a_photos_files_names_the_file(tmp_path, part, damage, message):
+    """A damaged file is found by its name among the 31,783 photos': the dataset gives each file's path as the
+    source of its errors."""
+    files = dict(zip(("Sentences", "Annotations"), _entities_folder(tmp_path)))
+    files[part].write_text(damage(files[part].read_text()))
+    with pytest.raises(EntitiesFormatError, match=f"{re.escape(str(files[part]))}(, |: ){message}"):
+        EntitiesDataset(tmp_path).load("images/1000_abcdef.jpg")
+
+
+def test_a_photo_with_an_annotation_but_no_sentences_has_no_entities(tmp_path):
+    sentences, _ = _entities_folder(tmp_path)
+    sentences.unlink()
+    assert EntitiesDataset(tmp_path).load("images/1000_abcdef.jpg") is None
+
+
+def test_the_flags_of_an_object_with_a_box_are_not_read():
+    """As in the dataset's ``get_annotations``: an object is boxed, or else flagged as the scene or as having no box."""
+    flagged = ANNOTATION.replace("<ymax>100</ymax></bndbox>",
+                                 "<ymax>100</ymax></bndbox><scene>1</scene><nobndbox>1</nobndbox>")
+    annotation = parse_annotation(flagged)
+    assert annotation.boxes["32"] == [(201, 1, 400, 100)] and annotation.scene == {"34"} and annotation.nobox == {"35"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
