@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -174,3 +175,39 @@ def test_a_sentence_of_tokens_alone_has_them_joined_as_its_raw_text(tmp_path):
 def test_an_image_root_replaces_the_json_folder_below_the_filepath(coco_fixture, tmp_path):
     val = load_karpathy(coco_fixture, image_root=tmp_path / "photos", splits=("val",))
     assert [im.path for im in val] == [tmp_path / "photos" / "val2014" / "COCO_val2014_000000000002.jpg"]
+
+
+@pytest.mark.parametrize("text, reason", [("{torn", "is not a data set's JSON"),
+                                          ('{"images": {}}', "is not a Karpathy-split JSON")])
+def test_a_file_that_is_not_karpathy_json_is_refused_with_its_path(tmp_path, text, reason):
+    # --dataset may be any of several files: the error says which one it could not read
+    path = tmp_path / "captions" / "dataset_coco.json"
+    path.parent.mkdir()
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{path} {reason}")):
+        load_karpathy(path)
+
+
+def test_a_relative_image_root_is_read_from_the_working_folder(coco_fixture, tmp_path, monkeypatch):
+    # as the command line gives it (--image-root photos), not from the JSON's folder
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    val = load_karpathy(coco_fixture, image_root="photos", splits=("val",))
+    assert [im.key for im in val] == [str((tmp_path / "work" / "photos" / "val2014" / "COCO_val2014_000000000002.jpg")
+                                          .resolve())]
+
+
+def test_an_empty_split_is_named_when_the_other_splits_cannot_be_listed(coco_fixture):
+    # listing the splits reads them all: a caption-less photo in one must not hide the empty split behind a crash
+    data = json.loads(coco_fixture.read_text())
+    data["images"][3]["sentences"] = []
+    coco_fixture.write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match=r"split 'dev' of .* is empty$"):
+        load_split(coco_fixture, None, "dev")
+
+
+def test_an_empty_split_lists_the_splits_whose_photos_are_not_all_here(coco_fixture):
+    # only some photos copied over: the splits are still listed, read without looking for their photos
+    (coco_fixture.parent / "train2014" / "COCO_train2014_000000000000.jpg").unlink()
+    with pytest.raises(SystemExit, match="split 'dev' of .* is empty; its splits are test, train, val"):
+        load_split(coco_fixture, None, "dev")
