@@ -177,6 +177,14 @@ def test_a_scene_set_is_cited_without_a_split():
     assert trained_on({"dataset": ".cache/scenes/dataset_scenes.json"}) == CITATIONS["scenes"]
 
 
+def test_a_recorded_path_is_cited_as_its_train_split_and_no_path_as_not_recorded():
+    # a checkpoint saved before runs recorded "trained_on": GET /models and the cards read its dataset path
+    assert trained_on({"dataset": "coco/annotations/captions_train2014.json"}) == f"{CITATIONS['coco']}, train split"
+    assert trained_on({"dataset": "f30k/results_20130124.token"}) == f"{CITATIONS['flickr30k']}, train split"
+    assert trained_on({"dataset": "data/my_captions.json"}) == "my_captions.json, train split"
+    assert trained_on({}) == trained_on({"dataset": None}) == "not recorded"
+
+
 def test_the_training_captions_are_the_train_splits_read_without_its_photos(official, photos):
     """The captions the share of novel ones is counted against: the train split's alone, and read when only the
     evaluated photos are on disk."""
@@ -312,6 +320,19 @@ def test_one_missing_photo_does_not_hide_the_folder_that_holds_the_rest(official
     assert load_flickr(official)[1].path == (photos / "11_b.jpg").resolve()
     with pytest.raises(FileNotFoundError, match=r"10_a.jpg of .* does not exist"):
         load_captioned(official)
+
+
+def test_a_missing_photo_after_the_first_is_named_before_anything_slow(official, photos):
+    # every photo is looked for, not the first alone: training would otherwise stop at it mid-extraction
+    (photos / "30_d.jpg").unlink()
+    with pytest.raises(FileNotFoundError, match=r"30_d.jpg of .* does not exist"):
+        load_captioned(official)
+
+
+def test_a_folder_holding_the_scenes_and_a_token_file_is_read_as_the_scenes(official):
+    # resolve_dataset's order: dataset_scenes.json first, then the Flickr token files, then COCO's
+    (official / "dataset_scenes.json").write_text(json.dumps({"dataset": "scenes", "images": []}))
+    assert resolve_dataset(official) == official / "dataset_scenes.json"
 
 
 def test_the_folder_holding_both_unpacked_archives_is_read(official):
