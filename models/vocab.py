@@ -40,6 +40,9 @@ class Vocabulary:
         # most frequent first, ties broken alphabetically so the vocabulary is deterministic
         kept = sorted((w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w))
         if max_size is not None:
+            if max_size < len(SPECIALS):  # a negative bound would cut from the end, keeping more words, not fewer
+                raise ValueError(f"max_size counts the {len(SPECIALS)} special tokens: at least {len(SPECIALS)}, "
+                                 f"got {max_size}")
             kept = kept[: max_size - len(SPECIALS)]
         return cls(kept)
 

@@ -268,6 +268,13 @@ def test_vocabulary_keeps_the_most_frequent_words_first_within_max_size():
     assert Vocabulary.build(captions).stoi["<unk>"] == Vocabulary.unk_id
 
 
+def test_a_max_size_below_the_special_tokens_is_refused():
+    # the words' share of it, max_size - 4, cut from the end when negative: max_size=2 kept all but two words
+    with pytest.raises(ValueError, match="max_size counts the 4 special tokens: at least 4, got 3"):
+        Vocabulary.build([["a", "b", "c", "d", "e"]], max_size=3)
+    assert Vocabulary.build([["a", "b"]], max_size=4).itos == list(SPECIALS)
+
+
 def test_the_special_ids_name_the_special_tokens_and_a_foreign_vocabulary_is_refused():
     vocab = Vocabulary.build([["a", "b"]])
     # the ids every model and interop mapping is built with are the positions of the special tokens
