@@ -259,6 +259,12 @@ def test_vocabulary_round_trip_and_tokenizer(tmp_path):
     assert Vocabulary.load(tmp_path / "v.json").itos == vocab.itos
 
 
+def test_encode_without_max_len_keeps_every_word():
+    # the grounding measure's teacher-forced rows encode whole captions this way (phrase_grounding.py)
+    vocab = Vocabulary(["a", "b"])
+    assert vocab.encode(["a", "b", "a", "c"]) == [4, 5, 4, 3, 2]
+
+
 def test_vocabulary_keeps_the_most_frequent_words_first_within_max_size():
     captions = [["c", "b", "a", "d"], ["c", "a", "b"], ["c", "<unk>", "e"]]  # c ×3; a, b ×2 (a tie); d, e, <unk> ×1
     # most frequent first, ties alphabetical; a special token met in the data is not a second entry
