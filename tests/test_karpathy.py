@@ -149,6 +149,12 @@ def test_accented_letters_keep_their_word():
     assert tokenize("A café, naïve dog’s Straße") == ["a", "cafe", "naive", "dog", "s", "strasse"]
 
 
+def test_digits_are_words_and_compatibility_forms_fold_to_their_letters():
+    # numbers are words, not punctuation ("2 dogs"); full-width letters and ligatures (text typed through an input
+    # method, or copied from typeset pages) are the plain letters they stand for, not dropped as non-letters
+    assert tokenize("2 dogs on 5th Ａｖｅｎｕｅ, ﬁghting") == ["2", "dogs", "on", "5th", "avenue", "fighting"]
+
+
 def test_limit_keeps_exactly_that_many_images_of_the_asked_splits(coco_fixture):
     assert [im.image_id for im in load_karpathy(coco_fixture, limit=2)] == [0, 1]
     assert [im.image_id for im in load_karpathy(coco_fixture, splits=("val", "test"), limit=1)] == [2]
