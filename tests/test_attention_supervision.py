@@ -239,3 +239,35 @@ def test_a_supervised_run_moves_the_attention_into_the_boxes(tmp_path):
     train(replace(cfg, out=str(tmp_path / "plain"), attention_supervision=None, epochs=1))
     plain = (tmp_path / "plain" / "metrics.jsonl").read_text()
     assert "attention_supervision" not in plain and '"xe"' in plain
+
+
+def test_each_cell_weighs_its_share_of_the_boxes_pixels_and_every_photo_size_has_its_own_cells(tmp_path):
+    """β_t holds each cell's share of the box's pixels: a box off the cells' lines weighs the cells it cuts by the
+    part they hold (the quadrant boxes above fill whole cells, where an even spread over the cells touched agrees).
+    Photos of another size are laid on cells of their own: Flickr's photos come in many sizes."""
+    circle_photos(tmp_path, [("111", (36, 0, 64, 9), "train"), ("222", (32, 24, 64, 48), "train")], [CAPTION])
+    with Image.open(tmp_path / "images" / "222_x.jpg") as photo:
+        photo.resize((32, 24)).save(tmp_path / "images" / "222_x.jpg")
+    images = [CaptionedImage(i, tmp_path / "images" / f"{fid}_x.jpg", "train", [CAPTION])
+              for i, fid in enumerate(("111", "222"))]
+    targets = entities_attention_targets(images, str(tmp_path / "entities"), EncoderSpec(layer="blocks"), max_len=16)
+    # the 64×48 photo's 8×8 cells are 8×6 pixels: the box (x 36-64, y 0-9) holds half of column 4's cells and
+    # half of row 1's, so its cells weigh 1 (whole), 1/2 or 1/4 of a whole one, 28×9 pixels in all
+    expected = np.zeros((8, 8), np.float32)
+    expected[0, 4:], expected[1, 4:] = [24, 48, 48, 48], [12, 24, 24, 24]
+    np.testing.assert_allclose(targets.rows[(images[0].key, 0)][1].reshape(8, 8), expected / (28 * 9), atol=1e-6)
+    expected = np.zeros((8, 8), np.float32)
+    expected[4:, 4:] = 1 / 16  # the half-size photo's bottom-right quadrant, on its own 4×3-pixel cells
+    np.testing.assert_allclose(targets.rows[(images[1].key, 0)][0].reshape(8, 8), expected, atol=1e-6)
+
+
+def test_a_box_of_one_pixel_supervises_the_cell_under_it(tmp_path):
+    # a small object on a small copy of its photo (the grounding measure keeps a pixel even for a thinner box): its
+    # words are trained towards that pixel's cell, not left out as a box that holds none is
+    circle_photos(tmp_path, [("111", (10, 10, 11, 11), "train")], [CAPTION])
+    images = [CaptionedImage(0, tmp_path / "images" / "111_x.jpg", "train", [CAPTION])]
+    targets = entities_attention_targets(images, str(tmp_path / "entities"), EncoderSpec(layer="blocks"), max_len=16)
+    expected = np.zeros(64, np.float32)
+    expected[1 * 8 + 1] = 1  # pixel (10, 10) is in the cell of column 10 // 8, row 10 // 6
+    assert sorted(targets.rows[(images[0].key, 0)]) == [0, 1, 2]
+    np.testing.assert_allclose(targets.rows[(images[0].key, 0)][0], expected)
