@@ -178,3 +178,19 @@ def test_the_page_of_each_problem_names_the_status_it_is_sent_with(weights):
         assert answer.json()["type"] == f"/problems/{kind}", answer.text
         page = client.get(answer.json()["type"])
         assert heading(page) == f"<code>{kind}</code>: {answer.status_code} {HTTPStatus(answer.status_code).phrase}"
+
+
+def test_each_page_is_a_whole_document_titled_as_its_heading(weights):
+    """A browser names the tab after the ``<title>`` and shows only what follows ``<body>``: a page whose head was
+    left open shows blank, all its text read as the title."""
+    document = re.compile(r'<!doctype html>\n<html lang="en"><head><meta charset="utf-8"><title>([^<]*)</title>'
+                          r"</head>\n<body>\n<h1>(.*?)</h1>\n.*\n</body></html>\n", re.DOTALL)
+    with serve(weights) as client:
+        index = document.fullmatch(client.get("/problems").text)
+        assert index is not None and index.groups() == ("Problem types", "Problem types")
+        for kind, described in PROBLEM_PAGES.items():
+            page = document.fullmatch(client.get(f"/problems/{kind}").text)
+            assert page is not None, kind
+            title, heading_html = page.groups()
+            assert title.startswith(f"{kind}: {described.status} "), title
+            assert heading_html.replace("<code>", "").replace("</code>", "") == title, kind
