@@ -231,6 +231,18 @@ def test_the_app_records_its_own_prefix_even_inside_an_app_that_recorded_one():
     assert seen == ["/outer/vision"]
 
 
+def test_a_request_whose_server_gave_no_root_path_is_served_at_the_root():
+    """The ASGI spec makes ``root_path`` optional, ``""`` when left out: a server that sends none serves the app at
+    the root, so the recorded prefix is ``""`` and problem types are ``/problems/...``, not under a made-up one."""
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append((app_root(scope), app_path(scope)))
+
+    run_bounded(AppRootMiddleware(inner)({"type": "http", "path": "/caption"}, None, None), 5)
+    assert seen == [("", "/caption")]
+
+
 def test_an_app_mounted_in_another_checks_keys_under_its_mount_and_names_its_pages_there(weights, jpeg):
     """Mounted in another app (``Mount("/vision", app=create_app(...))``), Starlette's ``app_root_path`` is the
     outer app's, ``""``: the key check read ``/vision/caption`` as an unprotected path and ran the route without a
