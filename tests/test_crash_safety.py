@@ -89,6 +89,29 @@ def test_a_state_keeps_each_tensor_of_its_lists_apart(tmp_path):
     assert [rank["torch"].tolist() for rank in ranks] == [[0.0] * 3, [1.0] * 3]
 
 
+def test_a_state_of_nested_lists_and_dicts_of_tensors_reads_back_equal(tmp_path):
+    """Every tensor's name spells its whole path with a separator at each level: run together, the first list's
+    twelfth item (``1`` then ``1``) and the twelfth list's first (``11``) would share a name, and one would be lost."""
+    grid = [[torch.tensor([10.0 * row + col]) for col in range(12)] for row in range(12)]
+    state = {"progress": {"global_step": 1}, "grid": grid, "mixed": [{"a": [torch.zeros(2), {"b": torch.ones(1)}]}],
+             "plain": [1, [2, "three"], {"four": None}]}
+    save_state(tmp_path, state)
+    loaded = load_state(tmp_path)
+    assert [[float(t) for t in row] for row in loaded["grid"]] == [[float(t) for t in row] for row in grid]
+    assert loaded["plain"] == state["plain"]
+    (mixed,) = loaded["mixed"]
+    assert torch.equal(mixed["a"][0], torch.zeros(2)) and torch.equal(mixed["a"][1]["b"], torch.ones(1))
+
+
+def test_a_state_holding_a_transposed_tensor_and_a_parameter_saves_and_reads_back_equal(tmp_path):
+    """safetensors refuses a non-contiguous tensor (an optimizer's moment of a transposed weight, say): the state
+    stores a contiguous copy rather than failing the save."""
+    transposed, parameter = torch.arange(12.0).reshape(3, 4).t(), torch.nn.Parameter(torch.ones(2))
+    save_state(tmp_path, {"progress": {"global_step": 1}, "optimizer": {"m": transposed, "p": parameter}})
+    loaded = load_state(tmp_path)["optimizer"]
+    assert torch.equal(loaded["m"], transposed) and torch.equal(loaded["p"], torch.ones(2))
+
+
 def test_a_state_in_the_single_file_layout_of_older_runs_still_resumes_and_its_next_save_replaces_it(tmp_path):
     """Runs saved before the state's JSON named its tensor file kept the tensors in ``train_state.safetensors``, with
     no reference to it in the JSON: such a state loads, and the next save leaves the new layout alone."""
