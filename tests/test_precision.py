@@ -11,7 +11,7 @@ from captioner.models.training.distributed import DistContext
 from captioner.models.training.loop import _snapshot
 from captioner.models.training.precision import resolve_precision
 from captioner.models.training.resume import restore
-from captioner.models.training.state import load_state, rng_state
+from captioner.models.training.state import load_state, rng_state, set_rng_state
 from captioner.service.cli import build_parser, main
 
 from .conftest import saved_linear_run
@@ -154,3 +154,17 @@ def test_a_state_saved_with_one_random_stream_resumes_with_it(tmp_path):
     torch.manual_seed(0)
     restore(saved, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(0, 1), model, None, optimizer, None)
     assert torch.rand(4).tolist() == expected
+
+
+def test_the_cuda_generators_are_saved_and_set_back_where_cuda_is_available(monkeypatch):
+    """On a GPU, multinomial sampling (SCST, SAT-hard) draws from the CUDA generators: left out of the saved streams,
+    a resumed run samples other captions than the unbroken one. The CUDA calls are stood in for on a CPU machine."""
+    generators, set_back = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3], dtype=torch.uint8)], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: generators)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_back.append)
+    state = rng_state()
+    assert state["cuda"] is generators
+    set_rng_state({**state, "cuda": tuple(state["cuda"])})  # as it reads back from the saved state
+    (restored,) = set_back
+    assert [id(g) for g in restored] == [id(g) for g in generators]
