@@ -89,6 +89,22 @@ def test_plot_of_a_folder_that_is_no_run_or_with_a_label_too_few_is_one_line_and
     assert not out.exists()
 
 
+@pytest.mark.parametrize("damage, named", [("no progress", "progress missing"),
+                                           ("reference", "__tensors__ missing")])
+def test_a_refused_state_says_which_part_is_missing_or_of_the_wrong_kind(damage, named, tmp_path):
+    """The refusal names what was altered: the reader's own object where that is missing, the tensor file's
+    reference only where that is the fault (one name for both sends the user to the wrong part of the file)."""
+    run = saved_run(tmp_path / "run")
+    state = skeleton(run)
+    if damage == "no progress":
+        del state["progress"]
+    else:
+        state["__tensors__"] = "x"
+    (run / STATE_JSON).write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=f"altered: {named} or of the wrong kind"):
+        load_state(run, objects=("progress",))
+
+
 @pytest.mark.parametrize("recipe, reason", [
     (b"lr = [", "is not a recipe \\(not TOML"), (b"lr = 1e-4\n\xff", ":2 is not UTF-8"),
     (b"model_args = 5", ": model_args is 5, not a table"), (b"xe = 5", ": xe is 5, not a table"),
