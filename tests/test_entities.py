@@ -156,11 +156,16 @@ def test_box_mask_edges_are_half_open_on_a_halved_photo():
     assert halves[0].sum() == 1 and halves[1].sum() == 9 and not (halves[0] & halves[1]).any()
 
 
+def _entities_folder(root, sentences=SENTENCES, annotation=ANNOTATION):
+    for part in ("Sentences", "Annotations"):
+        (root / part).mkdir(exist_ok=True)
+    (root / "Sentences" / "1000.txt").write_text(sentences)
+    (root / "Annotations" / "1000.xml").write_text(annotation)
+    return root / "Sentences" / "1000.txt", root / "Annotations" / "1000.xml"
+
+
 def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
-    (tmp_path / "Sentences").mkdir()
-    (tmp_path / "Annotations").mkdir()
-    (tmp_path / "Sentences" / "1000.txt").write_text(SENTENCES)
-    (tmp_path / "Annotations" / "1000.xml").write_text(ANNOTATION)
+    _entities_folder(tmp_path)
     (tmp_path / "UNRELATED_CAPTIONS").write_text("# format: <imageID> <sentence number>\n1000 1\n")
     dataset = EntitiesDataset(tmp_path)
     entity = dataset.load("images/1000_abcdef.jpg")
@@ -215,14 +220,6 @@ def test_a_box_off_the_one_based_grid_or_with_a_far_edge_before_its_near_one_is_
         parse_annotation(bad)
     one_pixel = ANNOTATION.replace("<xmax>200</xmax><ymax>200</ymax>", "<xmax>1</xmax><ymax>101</ymax>")
     assert parse_annotation(one_pixel).boxes["31"][0] == (1, 101, 1, 101)
-
-
-def _entities_folder(root, sentences=SENTENCES, annotation=ANNOTATION):
-    for part in ("Sentences", "Annotations"):
-        (root / part).mkdir(exist_ok=True)
-    (root / "Sentences" / "1000.txt").write_text(sentences)
-    (root / "Annotations" / "1000.xml").write_text(annotation)
-    return root / "Sentences" / "1000.txt", root / "Annotations" / "1000.xml"
 
 
 @pytest.mark.parametrize("part, damage, message", [

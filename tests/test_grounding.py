@@ -218,14 +218,17 @@ def _scene(tmp_path: Path) -> list:
     return load_karpathy(tmp_path / "d.json")
 
 
+def _scene_captions(red_circle_rows, blue_square_rows):
+    """The two scenes' captions ("a red circle", "a blue square") with the given attention rows over a 2×2 grid."""
+    geometry = two_by_two()
+    return [CaptionAttention(["a", "red", "circle"], np.array(red_circle_rows, float), geometry),
+            CaptionAttention(["a", "blue", "square"], np.array(blue_square_rows, float), geometry)]
+
+
 def test_score_images_with_chance_controls(tmp_path):
     images = _scene(tmp_path)
-    geometry = two_by_two()
     # each caption's colour and shape words attend to their own object's cell; the article attends elsewhere
-    results = [CaptionAttention(["a", "red", "circle"], np.array([[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]], float),
-                                geometry),
-               CaptionAttention(["a", "blue", "square"], np.array([[1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]], float),
-                                geometry)]
+    results = _scene_captions([[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]], [[1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]])
     scores = score_images(images, results, tmp_path)
     by = {(w.control, w.image, w.word_class): w.scores for w in scores}
     assert by[("model", 0, "colour")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
@@ -244,11 +247,7 @@ def test_each_named_word_is_scored_on_its_own_attention_row(tmp_path):
     object and its shape word (the next row) away from it, so the colour words hit and the shape words miss, and the
     other-image control reads the other scene's colour row, not its shape row."""
     images = _scene(tmp_path)
-    geometry = two_by_two()
-    results = [CaptionAttention(["a", "red", "circle"], np.array([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]], float),
-                                geometry),
-               CaptionAttention(["a", "blue", "square"], np.array([[0, 1, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]], float),
-                                geometry)]
+    results = _scene_captions([[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]], [[0, 1, 0, 0], [0, 0, 0, 1], [1, 0, 0, 0]])
     by = {(w.control, w.image, w.word_class): w.scores["mass"] for w in score_images(images, results, tmp_path)}
     assert [by[("model", image, word)] for image in (0, 1) for word in ("colour", "shape")] == [1.0, 0.0, 1.0, 0.0]
     assert [by[("other image", image, word)] for image in (0, 1) for word in ("colour", "shape")] == [0.0, 1.0,

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-_NUMPY_CORE = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # type: ignore[attr-defined]
-_NUMPY_NUMERIC = np._core.numeric if hasattr(np, "_core") else np.core.numeric  # type: ignore[attr-defined]
+_NUMPY = np._core if hasattr(np, "_core") else np.core  # type: ignore[attr-defined]  # NumPy 2 renamed numpy.core
+_NUMPY_CORE, _NUMPY_NUMERIC = _NUMPY.multiarray, _NUMPY.numeric
 
 #: (module, name) → the object; Python 2 spellings (``__builtin__``, ``copy_reg``) and NumPy 1/2 module paths
 ALLOWED: dict[tuple[str, str], Any] = {
