@@ -131,12 +131,13 @@ def serve_recorded_rows(argv: list[str]) -> None:
     from captioner.service import app
     from captioner.service.cli import main as captioner
 
-    load_runtimes = app.load_runtimes
+    iter_runtimes = app.iter_runtimes
 
     def recorded(*args, **kwargs):
-        return {name: recorded_rows_runtime(runtime) for name, runtime in load_runtimes(*args, **kwargs).items()}
+        for name, runtime in iter_runtimes(*args, **kwargs):
+            yield name, recorded_rows_runtime(runtime)
 
-    app.load_runtimes = recorded
+    app.iter_runtimes = recorded
     captioner(["serve", *argv])
 
 
@@ -187,8 +188,9 @@ def cpu_per_request(server: Server, bodies: list[bytes], clients: int, seconds: 
     return spent / (len(measured["latencies"]) + sum(measured["failures"].values()) + clients)
 
 
-def stage_shares(collapsed: Path) -> dict[str, float]:
-    """Share of the samples (lock held) by :data:`STAGES`, from py-spy's collapsed stacks."""
+def stage_shares(collapsed: Path) -> tuple[dict[str, float], int]:
+    """Share of the samples (lock held) by :data:`STAGES`, from py-spy's collapsed stacks, and how many samples
+    there were (none where py-spy never saw a thread of the server holding the lock)."""
     counts: collections.Counter = collections.Counter()
     total = 0
     for line in collapsed.read_text().splitlines():
@@ -199,12 +201,12 @@ def stage_shares(collapsed: Path) -> dict[str, float]:
         total += n
         counts[next((stage for frame in frames for stage, marks in STAGES if any(m in frame for m in marks)),
                     "other")] += n
-    return {stage: counts[stage] / total for stage, _ in [*STAGES, ("other", ())]} if total else {}
+    return {stage: counts[stage] / total if total else 0.0 for stage, _ in [*STAGES, ("other", ())]}, total
 
 
 # -- report ---------------------------------------------------------------------------------------------------------
 def report(args, host: str, started: datetime.datetime, names: list[str], latency: dict, results: dict,
-           costs: dict[str, float], profiles: dict[str, dict[str, float]], checks: dict[str, bool],
+           costs: dict[str, float], profiles: dict[str, tuple[dict[str, float], int]], checks: dict[str, bool],
            seconds: float) -> list[str]:
     top = max(args.clients)
 
@@ -258,10 +260,15 @@ def report(args, host: str, started: datetime.datetime, names: list[str], latenc
         shown = [name for name in names if name in profiles]
         lines += ["", f"## Where the interpreter lock goes ({top} clients, py-spy `--gil`, {args.profile_s:g} s each)",
                   "", "Share of the samples taken while a thread of the server held the lock, by the innermost frame "
-                  "that marks a stage (benchmarks/bench_serving_overhead.py's `STAGES`).", "",
-                  "| stage | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
-        for stage in profiles[shown[0]]:
-            lines.append(f"| {stage} | " + " | ".join(f"{profiles[n][stage]:.0%}" for n in shown) + " |")
+                  "that marks a stage (benchmarks/bench_serving_overhead.py's `STAGES`).", ""]
+        if any(profiles[n][1] for n in shown):
+            lines += ["| stage | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown),
+                      "| samples | " + " | ".join(str(profiles[n][1]) for n in shown) + " |"]
+            for stage in profiles[shown[0]][0]:
+                lines.append(f"| {stage} | " + " | ".join(f"{profiles[n][0][stage]:.0%}" for n in shown) + " |")
+        else:  # an empty table read as "nothing held the lock"; it means py-spy saw nothing
+            lines.append("No samples: py-spy attached to each server but never saw one of its threads holding the "
+                         "lock, so there are no shares to report.")
     lines += ["", "## Checks", "",
               *[f"- {label}: {'same answers' if ok else '**answers differ**'} on 4 test scenes (every field; "
                 f"attention maps as {'float16' if label.startswith(PACKED_ROW) else 'float32'})"
