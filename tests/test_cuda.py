@@ -1,6 +1,7 @@
-"""The CUDA code paths on a real GPU (skipped without one): every architecture's step against the CPU, the shipped
-default's captions on the GPU, the batcher with its encoder thread on the GPU, the HTTP service with
-``CAPTIONER_DEVICE=cuda``, and a few training steps under the GPU's mixed precision.  What they select and how is
+"""The CUDA code paths on a real GPU (skipped without one): every architecture's step against the CPU, the scene
+checkpoint's captions and the served default's captions of the demo photos on the GPU, the batcher with its encoder
+thread on the GPU, the runtimes' placement and the HTTP service with ``CAPTIONER_DEVICE=cuda``, and a few training
+steps under the GPU's mixed precision.  What they select and how is
 tested on CPU elsewhere (test_precision.py, test_serving_onnx.py); these run where a GPU is (docs/benchmarks/
 serving-gpu.md records the machine they last ran on)."""
 
@@ -18,11 +19,13 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.decoding import NO_RULES, DecodingRules, expand_rows
 from captioner.models.inference import torch_runtime
+from captioner.models.placement import DEFAULT_MODEL
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, prepare_run
 from captioner.service.batcher import Batcher
+from captioner.service.runtime import iter_runtimes
 
-from .conftest import DEFAULT_CHECKPOINT
+from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
 from .serving_helpers import FEAT_DIM, TINY_SPEC, all_architectures, assert_every_architecture_round_trips, \
     assert_same_result, run_bounded, tiny_model
 
@@ -31,6 +34,9 @@ GPU = torch.device("cuda")
 # the same words, and numbers within what cuDNN's TF32 convolutions (PyTorch's default for them) and other kernels
 # for other row counts move a log-prob: 2e-3 was the largest difference seen on an H200
 CLOSE = dict(atol_attention=1e-2, atol_logprob=1e-2)
+#: what a request that names no model gets (Flickr8k), and the photos the demo page offers it
+SERVED_DEFAULT = WEIGHTS / "flickr8k" / DEFAULT_MODEL
+DEMO_PHOTOS = sorted((ROOT / "service" / "static" / "samples").glob("*.jpg"))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,30 @@ def test_shipped_default_captions_on_the_gpu_as_on_the_cpu(scene_images):
     for g, w in zip(got, want, strict=True):
         assert len(g.hypothesis.attention) == len(g.tokens)
         assert_same_result(g, w, **CLOSE)
+
+
+def test_served_default_captions_the_demo_photos_on_the_gpu_as_on_the_cpu():
+    """The real-photo default with the decoding rules chosen for it (its length penalty, trigram blocking): the same
+    words on the GPU, one attention row per token, and no ``<unk>`` (never emitted, on either device)."""
+    assert len(DEMO_PHOTOS) == 3, DEMO_PHOTOS
+    photos = [Image.open(path).convert("RGB") for path in DEMO_PHOTOS]
+    cpu, gpu = torch_runtime(SERVED_DEFAULT, "cpu"), torch_runtime(SERVED_DEFAULT, GPU)
+    rules = gpu.default_rules
+    assert rules != NO_RULES  # chosen on Flickr8k's val split, so this compares the rules' GPU path too
+    want = cpu.caption([cpu.prepare(photo) for photo in photos], 3, 20, rules)
+    got = gpu.caption([gpu.prepare(photo) for photo in photos], 3, 20, rules)
+    for g, w in zip(got, want, strict=True):
+        assert len(g.hypothesis.attention) == len(g.tokens) and "<unk>" not in g.tokens, g.tokens
+        assert_same_result(g, w, **CLOSE)
+
+
+def test_runtimes_load_their_checkpoints_and_encoder_onto_the_gpu():
+    """``CAPTIONER_DEVICE=cuda``: the service's runtimes hold the model's weights and its CNN on the GPU (the
+    checkpoint loaded where the device setting says, not where a default would put it)."""
+    ((name, runtime),) = iter_runtimes(WEIGHTS, [], device_name="cuda", only=[DEFAULT_CHECKPOINT.name])
+    assert runtime.backend == "torch" and runtime.device.type == "cuda"
+    assert {p.device.type for p in runtime.ckpt.model.parameters()} == {"cuda"}
+    assert {p.device.type for p in runtime.encoder.parameters()} == {"cuda"}
 
 
 def test_batcher_with_its_encoder_thread_on_the_gpu_gives_the_fixed_batch_results(scene_images):
