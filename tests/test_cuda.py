@@ -1,9 +1,9 @@
 """The CUDA code paths on a real GPU (skipped without one): every architecture's step against the CPU, the scene
 checkpoint's captions and the served default's captions of the demo photos on the GPU, the batcher with its encoder
 thread on the GPU, the runtimes' placement and the HTTP service with ``CAPTIONER_DEVICE=cuda``, and a few training
-steps under the GPU's mixed precision.  What they select and how is
-tested on CPU elsewhere (test_precision.py, test_serving_onnx.py); these run where a GPU is (docs/benchmarks/
-serving-gpu.md records the machine they last ran on)."""
+steps under the GPU's mixed precision.  What they select and how is tested on CPU elsewhere (test_precision.py,
+test_serving_onnx.py); these run where a GPU is (docs/benchmarks/serving-gpu.md records the machine they last ran
+on)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_served_default_captions_the_demo_photos_on_the_gpu_as_on_the_cpu():
 def test_runtimes_load_their_checkpoints_and_encoder_onto_the_gpu():
     """``CAPTIONER_DEVICE=cuda``: the service's runtimes hold the model's weights and its CNN on the GPU (the
     checkpoint loaded where the device setting says, not where a default would put it)."""
-    ((name, runtime),) = iter_runtimes(WEIGHTS, [], device_name="cuda", only=[DEFAULT_CHECKPOINT.name])
+    ((_, runtime),) = iter_runtimes(WEIGHTS, [], device_name="cuda", only=[DEFAULT_CHECKPOINT.name])
     assert runtime.backend == "torch" and runtime.device.type == "cuda"
     assert {p.device.type for p in runtime.ckpt.model.parameters()} == {"cuda"}
     assert {p.device.type for p in runtime.encoder.parameters()} == {"cuda"}
