@@ -118,3 +118,42 @@ def test_a_bar_writes_to_standard_error_by_default_and_flushes_each_line(capsys)
     with progress_bar(total=2, mininterval=0, file=log) as bar:  # a log file is read while the run goes on
         bar.update(1)
         assert log.flushes >= 2  # the first line and this one
+
+
+class WriteOnly:
+    """A stream with ``write`` and ``flush`` alone (a logging adapter, say): it has no ``isatty`` to ask."""
+
+    def __init__(self):
+        self.text = ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_stream_without_isatty_gets_lines():
+    log = WriteOnly()
+    with progress_bar(total=2, desc="encoding", mininterval=0, file=log) as bar:
+        bar.update(2)
+    assert "\r" not in log.text and log.text.splitlines()[-1].startswith("encoding: 100%")
+
+
+def test_on_a_terminal_the_bar_keeps_tqdms_own_redraw_pace():
+    """The once-a-minute pace and the fixed stride are a log's: a terminal's bar is redrawn as tqdm's own is."""
+    own = tqdm(total=3, file=Terminal())
+    with progress_bar(total=3, file=Terminal()) as bar:
+        assert (bar.mininterval, bar.miniters, bar.dynamic_miniters) == (
+            own.mininterval, own.miniters, own.dynamic_miniters)
+    own.close()
+
+
+def test_in_a_log_a_message_before_the_bars_first_line_has_no_blank_line_above_it():
+    """A bar with ``delay`` draws nothing at first: the message is the log's first line (tqdm's wipe of the bar
+    before it is empty and must not count as a line begun)."""
+    log = io.StringIO()
+    bar = progress_bar(total=4, desc="captioning", delay=30, file=log)
+    write_above(bar, "a.jpg: not an image")
+    bar.close()
+    assert log.getvalue().split("\n")[0] == "a.jpg: not an image"
