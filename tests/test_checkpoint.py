@@ -16,10 +16,10 @@ from captioner.models import checkpoint as module
 from captioner.models.attention import NORMALISERS
 from captioner.models.checkpoint import CARD, WEIGHTS, Checkpoint, CheckpointError, checkpoint_name, \
     convert_storage, described_model, find_checkpoints, load_checkpoint, manifest_changes, model_files, on_meta, \
-    replace_files, save_checkpoint, update_meta
+    recorded_checksum, replace_files, save_checkpoint, update_meta
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
-from captioner.models.files import file_checksum
+from captioner.models.files import file_checksum, temporary_target
 from captioner.models.protocol import AttnRecord, check_step_contract
 from captioner.models.registry import MODELS
 from captioner.models.sat import ShowAttendTell
@@ -724,3 +724,87 @@ def test_a_region_checkpoint_refused_for_photos_is_named_by_its_folder(tmp_path,
         on_disk.check_reads_images()
     with pytest.raises(CheckpointError, match="^sat was trained on region features"):
         Checkpoint(tiny_sat, vocab, EncoderSpec(), meta=regions).check_reads_images()
+
+
+def test_a_save_clears_what_a_crash_of_an_earlier_save_left_beside_it(tmp_path, tiny_sat, vocab):
+    """A save killed half-way leaves its temporary folder, and one killed between the two renames of a swap leaves
+    the previous checkpoint set aside (``.NAME.old``): the next save of the folder clears both, or each crash would
+    keep a whole checkpoint's bytes beside it for good."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (tmp_path / ".ckpt.tmp-0badf00d").mkdir()
+    (tmp_path / ".ckpt.tmp-0badf00d" / WEIGHTS).write_bytes(b"half written")
+    save_checkpoint(tmp_path / ".ckpt.old", tiny_sat, vocab, EncoderSpec())
+    save_checkpoint(path, tiny_sat, vocab, EncoderSpec(image_size=128))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert load_checkpoint(path).encoder.image_size == 128
+
+
+def test_debris_a_save_cannot_remove_does_not_stop_the_save(tmp_path, tiny_sat, vocab):
+    """Clearing an earlier crash's debris is a courtesy: what cannot be removed as a folder (here a file under a
+    temporary folder's name) is left where it is, and the checkpoint is saved all the same."""
+    (tmp_path / ".ckpt.tmp-0badf00d").write_text("not a folder")
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    assert load_checkpoint(path).checksum
+
+
+def test_a_save_flushes_each_file_and_then_the_folder_before_it_takes_the_checkpoints_place(tmp_path, tiny_sat, vocab,
+                                                                                          monkeypatch):
+    """Written but not flushed, a file may be empty after a power cut while the rename that put its folder in place
+    survived: a checkpoint the manifest then refuses, with the previous one gone."""
+    real_fsync_path, flushed = module.fsync_path, []
+
+    def fsync_path(file):
+        flushed.append((Path(file).name, (Path(file) / "manifest.json").is_file()))
+        real_fsync_path(file)
+
+    monkeypatch.setattr(module, "fsync_path", fsync_path)
+    save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    assert {("config.json", False), ("vocab.json", False)} <= set(flushed)  # the weights are created durably
+    # the temporary folder, once it holds its manifest, before its rename
+    assert any(temporary_target(name) == "ckpt" and sealed for name, sealed in flushed)
+
+
+def test_a_card_added_keeps_a_link_to_a_folder_inside_a_subfolder_a_link(tmp_path, tiny_sat, vocab):
+    """``replace_files`` copies subfolders with their links as links, as it does the folder's own files: a link to a
+    folder of shared data is not replaced by a copy of that folder."""
+    shared = tmp_path / "shared-data"
+    shared.mkdir()
+    (shared / "rows.txt").write_text("shared")
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / "notes").mkdir()
+    (path / "notes" / "data").symlink_to(shared, target_is_directory=True)
+    replace_files(path, {CARD: "# sat\n"})
+    assert (path / "notes" / "data").is_symlink() and os.readlink(path / "notes" / "data") == str(shared)
+
+
+def test_a_folder_whose_files_vanish_in_a_replacement_while_it_loads_is_loaded_again(tmp_path, tiny_sat, vocab,
+                                                                                       monkeypatch):
+    """Between the two renames of a swap (where the OS cannot exchange folders) a file opened by name is not there:
+    that ``OSError`` is the replacement's, and the load is made again from the new folder, not refused."""
+    path = save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 1})
+    real_file_checksum, swaps = module.file_checksum, []
+
+    def gone_while_hashed(file):  # the manifest's check found the file, then the swap took it away
+        if not swaps:
+            swaps.append(file)  # first, as the save below hashes its files through this too
+            save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"epoch": 2})
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(file))
+        return real_file_checksum(file)
+
+    monkeypatch.setattr(module, "file_checksum", gone_while_hashed)
+    assert load_checkpoint(path).meta == {"epoch": 2}
+
+
+def test_the_recorded_checksum_is_the_manifests_without_hashing_and_none_without_one(tmp_path, tiny_sat, vocab):
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    assert recorded_checksum(path) == load_checkpoint(path).checksum == file_checksum(path / WEIGHTS)
+    (path / "manifest.json").unlink()
+    assert recorded_checksum(path) is None
+
+
+def test_a_float32_checkpoints_config_names_no_storage(tmp_path, tiny_sat, vocab):
+    """The storage is written only where it is not float32, so a float32 checkpoint's ``config.json`` (and its
+    recorded sha256) is the same as before storages existed."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    assert "storage" not in json.loads((path / "config.json").read_text())
+    assert load_checkpoint(path).storage == "float32"
