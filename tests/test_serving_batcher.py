@@ -1099,6 +1099,26 @@ def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
     assert batcher.encode_batch == 4
 
 
+def test_calibration_keeps_the_smaller_batch_when_the_larger_is_more_than_five_percent_slower(encoder):
+    """The tolerance is the 5 % that docs/decisions.md and docs/benchmarks/encoder-without-vnni.md state: a larger
+    batch 7 % slower per image is a real cost, not a near tie, and the smaller batch is kept."""
+    clock = FakeClock()
+    # per image: 1.0 s alone, 1.0 at 2, 1.07 at 4
+    runtime, _ = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 2.0, 4: 4.28})
+    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
+    batcher.start()
+    prepared = runtime.prepare(random_images(1, seed=6)[0])
+
+    async def scenario():
+        try:
+            await batcher.calibrate(prepared, 1, [1, 2, 4], max_len=2, timeout_s=60)
+        finally:
+            await batcher.stop()
+
+    run_bounded(scenario())
+    assert batcher.encode_batch == 2
+
+
 def _failing_on_begin(runtime, calls: int):
     """``runtime`` with its ``calls``-th encoding (1-based) raising, as an encoder that runs out of memory would."""
     begin, count = runtime.begin, []
@@ -1358,6 +1378,18 @@ def test_the_encoder_buffers_double_as_jobs_join_one_by_one():
             buffers.append(buffer_rows(table))
     assert [rows for _, rows in buffers] == [1, 2, 4, 8, 16, 32]
     assert torch.equal(table.enc["feats"], torch.arange(32.0)[:, None].expand(32, 3))
+
+
+def test_rows_share_a_table_only_when_their_tensors_agree_in_shape_past_the_row_axis_and_in_dtype():
+    """The row count may differ (rows of any number of jobs join one table), but a tensor of another dtype may not:
+    ``torch.cat`` would promote the table's state in silence rather than refuse."""
+    def signature(rows: int, feats_dtype=torch.float32, state_width: int = 2) -> tuple:
+        return RowTable.signature({"feats": torch.zeros(rows, 3, dtype=feats_dtype)},
+                                  {"h": torch.zeros(rows, state_width)})
+
+    assert signature(1) == signature(7)
+    assert signature(1) != signature(1, feats_dtype=torch.float16)
+    assert signature(1) != signature(1, state_width=3)
 
 
 def test_begin_and_step_called_outside_inference_mode_run_inside_one(encoder):
