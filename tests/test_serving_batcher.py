@@ -1357,6 +1357,19 @@ def test_fill_holes_tiles_the_compacted_rows_or_declines(seed):
     assert cursor == total
 
 
+def test_a_job_whose_event_loop_has_closed_is_resolved_without_an_error():
+    """A library user's ``asyncio.run`` can end while one of its requests still decodes on the worker thread, so its
+    result has no loop left to go to. Resolving it must not raise: the worker thread resolves it, and would die there
+    (and again in its failure handler, which resolves every job in flight), leaving later requests unanswered."""
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    loop.close()
+    job = Job(prepared=None, beam_size=1, max_len=5, deadline=math.inf, loop=loop, future=future)
+    job.resolve("a caption")
+    job.resolve(error=RuntimeError("the step failed"))
+    assert not future.done()
+
+
 def test_the_encoder_buffers_double_as_jobs_join_one_by_one():
     """The rows of joining jobs are written into encoder buffers with room to grow, which double when full: 31 jobs
     of one row joining a one-row table one at a time reallocate them 5 times (to 2, 4, 8, 16 and 32 rows), each row
