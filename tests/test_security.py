@@ -349,6 +349,33 @@ def test_a_body_the_app_read_to_its_end_is_not_read_again_before_the_answer():
     assert statuses == [200] and not messages
 
 
+def test_a_last_body_message_without_more_body_is_taken_for_the_last():
+    """The ASGI spec lets a server leave ``more_body`` out of a body's last message (it defaults to False): such a
+    body, read by the app, is whole, and asking for more before the answer would hold every answer for
+    ``DISCARD_SECONDS`` waiting for a message that never comes."""
+    messages = [{"type": "http.request", "body": b"a" * 1000, "more_body": True},
+                {"type": "http.request", "body": b"b"}]
+    statuses = []
+
+    async def receive():
+        assert messages, "asked for more than the whole body"
+        return messages.pop(0)
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body", False):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    scope = {"type": "http", "method": "POST", "path": "/caption", "headers": [(b"content-length", b"1001")]}
+    run_bounded(UnreadBodyMiddleware(app)(scope, receive, send), 5)
+    assert statuses == [200] and not messages
+
+
 def test_a_root_path_is_read_as_the_prefix_it_names():
     for given, read in (("", ""), ("/", ""), ("captioner", "/captioner"), ("/captioner/", "/captioner"),
                         (" /a/b ", "/a/b")):
