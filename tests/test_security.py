@@ -783,6 +783,13 @@ def test_a_blank_api_key_stops_the_server_rather_than_opening_it(monkeypatch, ca
             capsys.readouterr().err
 
 
+def test_the_settings_written_out_never_show_the_api_keys():
+    # settings end up in logs and tracebacks (a debugger's locals, an operator's print): the keys stay out of them
+    settings = Settings(api_keys=["topsecret-key"])
+    assert settings.api_keys == ["topsecret-key"]
+    assert "topsecret" not in repr(settings) and "topsecret" not in str(settings)
+
+
 def test_options_is_never_asked_for_a_key_and_without_origins_no_cors_layer_answers(open_client, keyed):
     # with no origins configured there is no CORS layer: a pre-flight meets the routes, which take no OPTIONS (405),
     # rather than a CORS refusal (400) that would tell a browser the server speaks CORS

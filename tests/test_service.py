@@ -455,6 +455,15 @@ def test_the_app_sets_the_thread_counts_of_its_settings_before_loading(tiny_weig
     assert given == [(1, 2)]
 
 
+def test_the_models_are_loaded_with_the_thread_count_and_device_of_the_settings():
+    """CAPTIONER_THREADS reaches the ONNX Runtime sessions the models run in (``model_loading``), not only PyTorch's
+    own count (test above): dropped on the way, an ONNX-served model took one thread per core whatever was set."""
+    settings = Settings(threads=3, device="cpu", precision="bfloat16", encoder_precision="int8")
+    loading = settings.model_loading()
+    assert (loading["threads"], loading["device_name"]) == (3, "cpu")
+    assert {name: loading[name] for name in settings.model_placement()} == settings.model_placement()
+
+
 def test_the_app_loads_its_models_with_the_precision_of_its_settings(tiny_weights):
     """CAPTIONER_PRECISION reaches the models the app loads: dropped on the way, a server asked for bfloat16 served
     float32, at float32's speed and memory, and said nothing."""
