@@ -97,6 +97,15 @@ def test_sample_masks_after_eos(tiny_sat, random_visuals):
             assert all(token == tiny_sat.pad_id for token in ids[end + 1:])  # padded after EOS
 
 
+def test_sample_draws_one_caption_per_image_unless_told_more(tiny_sat, random_visuals):
+    """``sample(model, vis)`` as a library caller writes it: one caption per image, row ``b`` for image ``b``
+    (every caller in the project names ``n``, so only this call holds the default)."""
+    torch.manual_seed(0)
+    drawn = sample(tiny_sat, random_visuals, max_len=5)
+    assert drawn.tokens.shape[0] == random_visuals.feats.shape[0] == drawn.mask.shape[0]
+    assert bool(drawn.mask[:, 0].all())  # every image's caption has its first word
+
+
 def test_greedy_score_and_attention_are_those_of_its_own_tokens_only(tiny_sat, random_visuals):
     """Rows of a batch end at different steps; a row's score and its attention rows stop at its EOS while the
     others go on (one attention row per token, as every :class:`Hypothesis` holds, not the batch's longest)."""
