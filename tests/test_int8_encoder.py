@@ -267,6 +267,16 @@ def test_serving_int8_on_a_cpu_without_vnni_says_it_may_not_pay(tmp_path, monkey
     assert len(warned()) == (kernels == "u8u8")
 
 
+def test_serving_int8_on_a_gpu_says_nothing_of_the_hosts_cpu_kernels(tmp_path, monkeypatch, caplog):
+    """The VNNI warning is about the CPU's int8 kernels: a server whose CNN runs on a GPU does not run them, so a host
+    CPU without VNNI is no reason to warn there (CUDA is made to look available; no checkpoint loads)."""
+    monkeypatch.setattr(runtime_module, "int8_kernels", lambda: "u8u8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with caplog.at_level("WARNING", logger="captioner.runtime"):
+        runtime_module.load_runtimes(tmp_path, [], device_name="cuda", encoder_precision="int8")
+    assert not [r.getMessage() for r in caplog.records if "without VNNI" in r.getMessage()]
+
+
 def test_an_existing_cnn_is_served_without_building_the_pytorch_encoder(int8_files):
     """``make_visual`` builds the PyTorch CNN (the encoder's ImageNet weights): a server whose exports exist must not
     pay for it, whatever the precision."""
