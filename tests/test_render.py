@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 from scipy.ndimage import gaussian_filter
 from skimage import data
 
@@ -106,6 +106,23 @@ def test_area_topk_draws_rectangles_and_needs_areas():
     assert not out[192:256, 0:96][10:50, 10:50].any()
     with pytest.raises(RenderError, match="area"):
         overlay(Image.new("RGB", (64, 64)), [1.0], grid_geometry(EncoderSpec(), (64, 64)), "area_topk")
+
+
+def test_area_topk_labels_the_three_heaviest_areas_with_their_weights_to_two_places(monkeypatch):
+    """Without a ``top_k`` (the CLI, the service and the figures pass none) the three heaviest areas are drawn, each
+    labelled with its weight to two places, heaviest first: weights of 0.34 and 0.32 written to one place would both
+    read 0.3."""
+    written, text = [], ImageDraw.ImageDraw.text
+
+    def recording(self, xy, words, *args, **kwargs):
+        written.append(words)
+        return text(self, xy, words, *args, **kwargs)
+
+    monkeypatch.setattr(ImageDraw.ImageDraw, "text", recording)
+    geometry = grid_geometry(EncoderSpec(), (256, 256))
+    areas = np.array([[0, 0, 1, 1], [4, 4, 4, 4], [6, 0, 7, 2], [2, 5, 3, 7]])
+    overlay(Image.new("RGB", (256, 256)), [0.25, 0.34, 0.09, 0.32], geometry, "area_topk", area_boxes=areas)
+    assert written == ["0.34", "0.32", "0.25"]
 
 
 def test_area_topk_weights_are_written_legibly_on_dark_and_on_light_photos():
@@ -322,6 +339,16 @@ def test_a_heatmap_in_a_mode_without_heat_is_refused_by_the_modes_that_have_it(m
     geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
     with pytest.raises(RenderError, match="choose from grid_smooth, grid_blocks, region_sum$"):
         heatmap([0.5, 0.5], geometry, mode)
+
+
+@pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks"])
+@pytest.mark.parametrize("kind, grid_hw", [("grid", None), ("regions", (1, 2))])
+def test_a_grid_mode_is_refused_without_both_a_grid_kind_and_its_shape(mode, kind, grid_hw):
+    """A grid mode needs a grid and its rows × columns: a geometry built by hand (``Geometry`` is the models'
+    protocol) that lacks either is refused by name, not met by a TypeError unpacking ``None`` deep in the renderer."""
+    geometry = Geometry(kind, (200, 100), grid_hw, np.array([[0, 0, 100, 100], [100, 0, 200, 100]], np.float32))
+    with pytest.raises(RenderError, match=f"mode {mode} needs grid features; this model attends over {kind}"):
+        heatmap([0.7, 0.3], geometry, mode)
 
 
 def test_a_caption_draws_itself_in_its_models_mode():
