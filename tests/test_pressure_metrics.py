@@ -42,3 +42,42 @@ def test_pressure_gauges_follow_the_slots_and_the_upload_budget():
     after = parse_metrics(metrics.render().decode())
     assert after['captioner_work_running{pool="render"}'] == 0 and after['captioner_work_waiting{pool="render"}'] == 0
     assert after["captioner_upload_bytes_held"] == 0 and after["captioner_requests_in_flight"] == 0
+
+
+def test_each_recording_lands_under_the_readmes_name_and_labels():
+    """Every recording method of ``Metrics`` puts its own value under the series README's ``GET /metrics`` row names,
+    with the labels it lists (``{model,status}``, ``{reason}``, ``{model,reason}``, ``{model,outcome}``) and ``model``
+    on each per-model series: dashboards and the HPA's adapter read these, so a label renamed or filled from another
+    argument, or a value taken from the wrong one, would break them in silence. The latency histogram resolves
+    requests up to the default 60-s deadline (``CAPTIONER_REQUEST_TIMEOUT_S``) in a finite bucket."""
+    metrics = Metrics()
+    metrics.observe_request("sat", 504, 45.0)
+    metrics.observe_queue("sat", 1.5)
+    metrics.observe_step("sat", rows=12, seconds=0.25)
+    metrics.observe_encode("sat", 3)
+    metrics.rows_freed("sat", "deadline", 5)
+    metrics.set_load("sat", rows=7, queued=2)
+    metrics.set_load("sat", rows=6, queued=1)  # gauges say what is now, not what has been
+    metrics.set_encode_batch("sat", 4)
+    metrics.result_cache_lookup("sat", hit=True)
+    for _ in range(2):
+        metrics.result_cache_lookup("sat", hit=False)
+    metrics.rejected("queue-full")
+    samples = parse_metrics(metrics.render().decode())
+    expected = {
+        'captioner_request_latency_seconds_count{model="sat",status="504"}': 1.0,
+        'captioner_request_latency_seconds_sum{model="sat",status="504"}': 45.0,
+        'captioner_request_latency_seconds_bucket{le="60.0",model="sat",status="504"}': 1.0,
+        'captioner_queue_time_seconds_sum{model="sat"}': 1.5,
+        'captioner_rows_per_step_sum{model="sat"}': 12.0,
+        'captioner_step_time_seconds_sum{model="sat"}': 0.25,
+        'captioner_encoder_batch_size_sum{model="sat"}': 3.0,
+        'captioner_rows_freed_total{model="sat",reason="deadline"}': 5.0,
+        'captioner_active_rows{model="sat"}': 6.0,
+        'captioner_queued_requests{model="sat"}': 1.0,
+        'captioner_encoder_batch_limit{model="sat"}': 4.0,
+        'captioner_result_cache_lookups_total{model="sat",outcome="hit"}': 1.0,
+        'captioner_result_cache_lookups_total{model="sat",outcome="miss"}': 2.0,
+        'captioner_rejects_total{reason="queue-full"}': 1.0,
+    }
+    assert {key: samples.get(key) for key in expected} == expected
