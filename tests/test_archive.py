@@ -648,3 +648,79 @@ def test_a_heatmaps_folder_that_cannot_be_made_stops_the_batcher(tmp_path, tiny_
                         ArchiveOptions(heatmaps=not_a_folder / "figures"), progress=False)
     (batcher,) = batchers
     assert batcher._thread is not None and not batcher._thread.is_alive(), "the batcher's worker is still running"
+
+
+def test_a_folder_walk_takes_every_format_the_readme_names_whatever_the_case_of_its_suffix(tmp_path):
+    """README: folders are walked for ``.jpg .jpeg .png .webp .gif .bmp .tif .tiff`` files, and a camera's
+    ``IMG_0001.JPG`` is a JPEG too; the other files of the folder are passed over."""
+    suffixes = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".JPG", ".TIFF", ".Png")
+    images = [tmp_path / "walked" / f"photo{i}{suffix}" for i, suffix in enumerate(suffixes)]
+    for path in images:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"")  # only the names are listed: a file that is no image is reported when it is read
+    (tmp_path / "walked" / "notes.txt").write_text("not an image")
+    (tmp_path / "walked" / "raw.cr2").write_bytes(b"")
+    assert list_images([str(tmp_path / "walked")]) == sorted(map(str, images))
+
+
+def test_a_lists_lines_are_read_without_the_spaces_around_them(tmp_path, small_archive):
+    """A list written by hand or by a script (``find … | sed 's/^/  /'``) may indent its paths and comments or leave
+    spaces at their ends: the paths are the lines' stripped text, and an indented ``#`` line is a comment."""
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"  # the first two\n  {small_archive[0]}  \n\t{small_archive[1]}\t\n   \n")
+    assert list_images([str(listing)]) == small_archive[:2]
+
+
+def test_the_errors_list_of_an_output_without_a_suffix_is_a_json_lines_file_beside_it(tmp_path):
+    """``captions.jsonl`` → ``captions.errors.jsonl``, and an output named without a suffix still gets a
+    ``.jsonl`` list (not ``captions.errors``, a name that says nothing of what it holds)."""
+    assert archive.errors_path(tmp_path / "captions.jsonl") == tmp_path / "captions.errors.jsonl"
+    assert archive.errors_path(tmp_path / "captions") == tmp_path / "captions.errors.jsonl"
+
+
+def test_an_empty_output_file_is_written_without_resume(tmp_path):
+    """README: "Without ``--resume`` an existing non-empty output is refused": an empty one (made by ``touch``, or
+    by a run stopped before its first caption) holds nothing to lose, and is written."""
+    out = tmp_path / "out.jsonl"
+    out.touch()
+    lines = CaptionLines(out, resume=False)
+    lines.write({"path": "x.jpg", "caption": "a cat"})
+    lines.close()
+    assert read_lines(out) == [{"path": "x.jpg", "caption": "a cat"}]
+
+
+def test_a_file_with_one_error_line_among_a_users_lines_is_not_taken_for_an_errors_list(
+        tmp_path, tiny_checkpoint_folder, small_archive):
+    """Every line of the file must be an earlier run's ``{"path", "error"}`` record before a run rewrites it: one such
+    line copied into a user's own notes does not make the file an errors list to empty."""
+    kept = json.dumps({"path": "x.jpg", "error": "not a regular file"}) + "\n" + json.dumps({"note": "mine"}) + "\n"
+    (tmp_path / "run.errors.jsonl").write_text(kept)
+    with pytest.raises(ArchiveError, match="is not a list of errors an earlier run wrote"):
+        caption_archive(small_archive, tmp_path / "run.jsonl", tiny_checkpoint_folder, settings(), ArchiveOptions(),
+                        progress=False)
+    assert (tmp_path / "run.errors.jsonl").read_text() == kept and not (tmp_path / "run.jsonl").exists()
+
+
+def test_an_archives_figure_is_the_picture_caption_overlay_draws(tmp_path, tiny_checkpoint_folder, capsys):
+    """README: ``--heatmaps DIR`` writes each image's per-word figure, ``--overlay``'s. The archive keeps only a
+    thumbnail of a decoded image in memory; drawn from it, at the panel size ``--overlay`` draws at, the figure is
+    the same picture as the one drawn from the whole photo."""
+    photo = tmp_path / "astronaut.png"
+    Image.fromarray(data.astronaut()).save(photo)  # 512 × 512: larger than the panels' thumbnail, so it decides
+    caption_archive([str(photo)], tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
+                    ArchiveOptions(max_len=4, heatmaps=tmp_path / "figures"), progress=False)
+    (record,) = read_lines(tmp_path / "out.jsonl")
+    overlay = tmp_path / "overlay.png"
+    main(["caption", str(photo), "--checkpoint", str(tiny_checkpoint_folder), "--threads", "1", "--max-len", "4",
+          "--overlay", str(overlay)])
+    assert record["caption"] in capsys.readouterr().out
+    assert Image.open(record["heatmap"]).tobytes() == Image.open(overlay).tobytes()
+
+
+def test_a_runs_seconds_are_the_time_its_captioning_took(tmp_path, tiny_checkpoint_folder, small_archive):
+    """The command's last line gives the rate, images captioned over the run's seconds: those are the time from the
+    first image to the last, a part of the call's wall clock (not a clock reading added to its start)."""
+    began = time.perf_counter()
+    run = caption_archive(small_archive[:2], tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
+                          ArchiveOptions(max_len=4), progress=False)
+    assert 0 < run.summary.seconds <= time.perf_counter() - began
