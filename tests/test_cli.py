@@ -32,7 +32,8 @@ from captioner.models.evaluation import evaluate as evaluate_module
 from captioner.models.evaluation import grounding as grounding_module
 from captioner.models.evaluation import metrics
 from captioner.models.evaluation import phrase_grounding as phrase_grounding_module
-from captioner.models.evaluation.card import load_report, merge_reports, total_train_seconds, write_card
+from captioner.models.evaluation.card import check_report_scores, load_report, merge_reports, total_train_seconds, \
+    write_card
 from captioner.models.evaluation.metrics import score_captions
 from captioner.models.evaluation.report import WORDS_TOKENIZER, evaluated_dataset, evaluation_report, \
     grounding_benchmark
@@ -570,6 +571,78 @@ def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tm
         else:
             assert data_line.startswith("- Data: generated scenes (this project's generator): `")
             assert "gone/dataset_scenes.json is not here" in capsys.readouterr().err
+
+
+def _tables(card: str) -> list[list[str]]:
+    """Each Markdown table of ``card``: its lines, header first."""
+    tables, table = [], []
+    for line in [*card.splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            tables, table = [*tables, table], []
+    return tables
+
+
+def test_a_warm_started_runs_card_gives_its_lineage_times_threads_and_epoch_numbers_as_recorded(tmp_path):
+    """The training section of a run that started from another checkpoint: the ancestor's line with its own minutes,
+    this run's time and the total with the runs it started from (a minute exactly is "1.0 min"), the threads asked
+    for, and each epoch's numbers to four decimals, a learning rate below 1e-3 in full; every table's separator row
+    has as many cells as its header, or Markdown shows no table."""
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={
+        "train_seconds": 60.0, "train_config": {"threads": 2},
+        "started_from": {"checkpoint": "runs/a/best", "arch": "sat", "epochs": 2, "phase": "xe", "dataset": "d.json",
+                         "train_seconds": 600.0, "command": "captioner train --out runs/a"},
+        "history": [{"epoch": 1, "xe": 2.345678, "lr": 0.00025}]})
+    card = write_card(tmp_path / "ckpt", {"beam_size": 3, "test": {"images": 2, "BLEU-4": 0.25}}).read_text()
+    assert ("- Started from `runs/a/best`: sat, epoch 2 of its xe run (its best) on `d.json`, 10.0 min to reach it: "
+            "`captioner train --out runs/a`\n- Training time: 1.0 min of wall clock (11.0 min with the runs it started "
+            "from)\n  on a ") in card
+    assert "CPU, no GPU, 2 intra-op thread(s) (`--threads 2`)." in card
+    assert "| epoch | xe | lr |\n|---|---|---|\n| 1 | 2.3457 | 0.00025 |\n" in card
+    tables = _tables(card)
+    assert len(tables) == 2 and all(table[1].count("|---") == table[0].count("|") - 1 for table in tables)
+    # a run that started from nothing says nothing of other runs
+    save_checkpoint(tmp_path / "alone", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"train_seconds": 45.0})
+    assert "- Training time: 45 s of wall clock\n" in write_card(tmp_path / "alone", {}).read_text()
+
+
+def test_a_cards_storage_line_reads_an_unrecorded_storage_as_float32_and_says_what_was_not_measured_again(tmp_path):
+    """A ``decoding_chosen_on`` record without ``storage`` (tune-decoding's before it recorded one) was chosen on
+    float32 weights: a float32 card compares nothing, and a float16 copy's card whose reports lack the split the
+    rules were chosen on says it was not measured again, rather than printing nothing or another split's score."""
+    chosen = {"dataset": "d.json", "split": "val", "metric": "CIDEr-D", "beam_size": 3, "images": 4, "score": 1.5}
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"decoding_chosen_on": chosen})
+    report = {"beam_size": 3, "test": {"images": 4, "CIDEr-D": 1.25}}
+    assert "Weights stored as" not in write_card(tmp_path / "ckpt", report).read_text()
+    half = convert_storage(tmp_path / "ckpt", "float16", tmp_path / "half")
+    assert "\nWeights stored as float16; not re-measured on val.\n" in write_card(half, report).read_text()
+
+
+def test_a_report_of_other_weights_is_refused_and_one_for_a_checkpoint_without_a_manifest_passes(tmp_path):
+    """``captioner card`` prints a report's numbers under the checkpoint's name only when the report scored its
+    weights; a report (or a checkpoint) that records no sha256 cannot be compared, and passes."""
+    ckpt = save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC)
+    own = recorded_checksum(ckpt)
+    assert own
+    check_report_scores({"weights_sha256": own}, "r.json", ckpt)
+    check_report_scores({}, "r.json", ckpt)
+    with pytest.raises(ValueError, match="whose weights are not"):
+        check_report_scores({"weights_sha256": "0" * 64, "checkpoint": "other"}, "r.json", ckpt)
+    (ckpt / "manifest.json").unlink()
+    check_report_scores({"weights_sha256": "0" * 64}, "r.json", ckpt)
+
+
+def test_a_boolean_in_a_report_gets_no_column_and_merging_reports_leaves_them_as_they_were(tmp_path):
+    """A flag a report holds beside its scores is no measure: the card adds columns for numbers it does not know,
+    not for true or false. Merging (``captioner card --report A --report B``) builds a new report: A is unchanged."""
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC)
+    report = {"beam_size": 3, "test": {"images": 2, "BLEU-4": 0.25, "ptb_tokenized": True, "length_ratio": 0.5}}
+    header = _tables(write_card(tmp_path / "ckpt", report).read_text())[-1][0]
+    assert header.endswith("| length_ratio |") and "ptb_tokenized" not in header
+    first, later = {"beam_size": 3, "test": {"images": 1}}, {"beam_size": 5, "val": {"images": 2}}
+    merge_reports([first, later])
+    assert first == {"beam_size": 3, "test": {"images": 1}}
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
