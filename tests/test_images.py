@@ -230,6 +230,16 @@ def test_bad_images_raise_clear_errors():
         load_image("/nonexistent/cat.jpg")
 
 
+def test_pillows_own_refusal_while_decoding_is_an_image_too_large(monkeypatch):
+    """Pillow checks a TIFF's size again when it decodes (``load_prepare``): a picture opened under a looser
+    ``MAX_IMAGE_PIXELS`` than the one in force when it is decoded is refused there, and that refusal is ours
+    (an :class:`ImageTooLarge`, a 413 for the service), not Pillow's own ``DecompressionBombError``."""
+    opened = open_image(_save(Image.new("RGB", (300, 300)), "TIFF"))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(ImageTooLarge, match="above the limit of 2000 pixels"):
+        load_image(opened)
+
+
 def test_a_decodes_cost_counts_the_rows_and_the_depth_a_square_photo_does_not_have():
     """The decode slots counted width × height: a strip one pixel wide (24 bytes a pixel decoded) and a 16-bit
     picture (15) passed for square 8-bit photos (7), and two strips of 39 million pixels took 2 GB (the security
