@@ -969,6 +969,20 @@ def test_a_reference_recorded_under_another_torch_device_or_check_set_is_compute
         backend_choice.reference_captions("a", ckpt, on_gpu, prepared)
 
 
+def test_a_torn_or_foreign_reference_record_is_captioned_again(tmp_path):
+    """A record that is not the JSON the cache writes (torn by a disk filling up before writes were atomic, or
+    another file under its name) is no reference and no reason to fail the start: the check set is captioned
+    again and the record written whole."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "auto")["a"].backend == "onnx"
+    (record,) = (tmp_path / "onnx" / ".reference").glob("*.json")
+    current = json.loads(record.read_text())
+    for foreign in (record.read_text()[:25], "[1, 2]", "{}"):
+        record.write_text(foreign)
+        assert load_on_cpu(tmp_path, "auto")["a"].backend == "onnx"
+        assert json.loads(record.read_text()) == current
+
+
 def test_a_first_start_prepares_in_a_child_process_and_the_server_builds_no_pytorch_encoder(tmp_path, monkeypatch):
     """The first start's exports and reference captions are made by a spawned child (``PreparingChild``), and the
     server loads each model once the child is done with it, while the child prepares the next: each of the server's
