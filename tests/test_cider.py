@@ -213,3 +213,10 @@ def test_the_reward_takes_its_corpus_as_any_iterable_of_reference_lists():
     library user) gives the document frequencies of the same corpus as a list."""
     captions, refs = _fixed_set(images=30, seed=5)
     np.testing.assert_array_equal(CiderD(iter(refs)).score(captions, refs), CiderD(refs).score(captions, refs))
+
+
+def test_the_reward_of_no_captions_is_an_empty_array():
+    """A batch with no captions (an empty last batch, a filter that kept none) scores as an empty array, which sums
+    and concatenates like the others, not None."""
+    scores = CiderD([["a dog runs"], ["a cat"]]).score([], [])
+    assert isinstance(scores, np.ndarray) and scores.shape == (0,)

@@ -8,7 +8,8 @@ from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.evaluation.evaluate import score_dataset
-from captioner.models.evaluation.metrics import ptb_tokenize, score_captions, unigram_misses
+from captioner.models.evaluation.metrics import (ptb_captions, ptb_tokenize, reference_texts, reported,
+                                                score_captions, unigram_misses)
 from captioner.models.vocab import tokenize
 
 from .leaks import nothing_left_open
@@ -101,3 +102,48 @@ def test_a_failed_ptb_tokenizer_run_is_an_error_not_empty_references(tmp_path, m
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     with pytest.raises(ChildProcessError, match="needs Java on PATH"):
         ptb_tokenize({1: ["A dog runs."]})
+
+
+def test_a_report_keeps_four_decimals_of_every_score():
+    """``captioner eval``, ``tune-decoding`` and ``resolution-check`` write scores through ``reported``: four
+    decimals, the precision docs/model_zoo.md's tables (scores × 100, two decimals) are made from."""
+    assert reported({"BLEU-4": 0.123456, "CIDEr-D": 1.00004, "ROUGE-L": 0.5}) == {
+        "BLEU-4": 0.1235, "CIDEr-D": 1.0, "ROUGE-L": 0.5}
+
+
+def test_references_are_the_projects_tokens_unless_ptb_is_asked_for():
+    """The default is the project's tokens joined by spaces, never the raw texts through Java's PTB tokenizer:
+    ``resolution-check`` and the Flickr8k zoo score the project's tokenized captions against them, and a PTB
+    reference keeps "t-shirt" one word where the caption has "t shirt"."""
+    image = CaptionedImage(1, "1.jpg", "test", [tokenize("A T-shirt, red.")], raw_references=["A T-shirt, red."])
+    assert reference_texts([image]) == [["a t shirt red"]]
+
+
+def test_an_empty_caption_is_scored_as_the_one_word_empty():
+    """docs/decisions.md: an empty caption is scored as the word ``<empty>`` by every measure (METEOR's Java process
+    is never given an empty line); coco-caption's no words would give BLEU one word less of caption length."""
+    empty = score_captions({1: "", 2: "a green star"}, REFS, ("BLEU", "ROUGE-L", "CIDEr-D"))
+    assert empty == score_captions({1: "<empty>", 2: "a green star"}, REFS, ("BLEU", "ROUGE-L", "CIDEr-D"))
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_ptb_references_fall_back_to_the_tokens_and_an_image_without_texts_keeps_none():
+    """A data set that gives tokens alone (no ``raw_references``) is scored with ``--ptb`` on its joined tokens, not
+    on no references at all; a key with no texts comes back with none, not with a made-up ``<empty>``."""
+    tokens_only = CaptionedImage(2, "2.jpg", "test", [["a", "dog", "runs"], ["two", "dogs"]])
+    raw = CaptionedImage(1, "1.jpg", "test", [tokenize("A T-shirt.")], raw_references=["A T-shirt."])
+    assert reference_texts([raw, tokens_only], ptb=True) == [["a t-shirt"], ["a dog runs", "two dogs"]]
+    assert ptb_tokenize({"none": [], "one": ["Two dogs."]}) == {"none": [], "one": ["two dogs"]}
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_a_caption_of_punctuation_alone_is_the_word_empty_after_ptb():
+    """``compare --ptb`` scores ``ptb_captions``' output directly (no ``or "<empty>"`` after it): a caption the PTB
+    tokenizer empties must still be the one word ``<empty>``, as ``captioner eval`` scores it."""
+    assert ptb_captions({1: ". , !", 2: "A dog."}) == {1: "<empty>", 2: "a dog"}
+
+
+def test_meteor_without_java_is_refused_by_name(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    with pytest.raises(RuntimeError, match="METEOR needs Java on PATH"):
+        score_captions({1: "a red circle"}, REFS, ("METEOR",))
