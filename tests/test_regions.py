@@ -279,3 +279,18 @@ def test_writing_a_scene_region_folder_again_keeps_the_files_it_has(scenes, scen
     write_scene_regions(str(scenes.parent), str(scene_regions_dir), REGION_ENCODER, cache, progress=False)
     assert [path.stat().st_mtime_ns for path in files] == stamps  # a rerun resumes
     assert capsys.readouterr().err == ""
+
+
+def test_a_region_file_written_by_another_tool_is_checked_when_read(tmp_path):
+    """A bottom-up conversion writes its .npz itself, not through save_regions: a file whose boxes do not pair with
+    its regions is refused when read, not padded into a batch whose heatmaps take the wrong boxes."""
+    np.savez(tmp_path / "img_0.npz", features=np.zeros((3, 4), np.float16), boxes=np.zeros((2, 4)),
+             image_size=np.array([10, 10]))
+    with pytest.raises(ValueError, match=r"boxes must be \[N, 4\] = \[3, 4\], got \(2, 4\)"):
+        read_regions(tmp_path / "img_0.npz")
+
+
+def test_images_without_region_files_are_counted_and_the_first_three_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^4 image\(s\) have no region file in .*, e\.g\. img_0\.npz, "
+                                                r"img_1\.npz, img_2\.npz \(named"):
+        RegionStore(tmp_path, [_image(i) for i in range(4)])
