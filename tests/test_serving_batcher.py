@@ -1079,12 +1079,15 @@ def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(enco
     run_bounded(scenario())
 
 
-def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
+@pytest.mark.parametrize("four_images_s, chosen", [(4.1, 4), (4.28, 2)], ids=["2.5 % slower", "7 % slower"])
+def test_calibration_prefers_the_larger_batch_among_near_ties_only(encoder, four_images_s, chosen):
     """Within ``ENCODE_TOLERANCE`` of the lowest time per image a larger batch wins: it also shares per-call costs,
-    and a near tie is measurement noise."""
+    and a near tie is measurement noise. The tolerance is the 5 % that docs/decisions.md and
+    docs/benchmarks/encoder-without-vnni.md state: a batch 7 % slower per image is a real cost, and the smaller
+    batch is kept."""
     clock = FakeClock()
-    # per image: 1.0 s alone, 1.0 at 2, 1.025 at 4 (2.5 % slower: a tie)
-    runtime, _ = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 2.0, 4: 4.1})
+    # per image: 1.0 s alone, 1.0 at 2, 1.025 or 1.07 at 4
+    runtime, _ = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 2.0, 4: four_images_s})
     batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
     batcher.start()
     prepared = runtime.prepare(random_images(1, seed=6)[0])
@@ -1096,27 +1099,7 @@ def test_calibration_prefers_the_larger_batch_among_near_ties(encoder):
             await batcher.stop()
 
     run_bounded(scenario())
-    assert batcher.encode_batch == 4
-
-
-def test_calibration_keeps_the_smaller_batch_when_the_larger_is_more_than_five_percent_slower(encoder):
-    """The tolerance is the 5 % that docs/decisions.md and docs/benchmarks/encoder-without-vnni.md state: a larger
-    batch 7 % slower per image is a real cost, not a near tie, and the smaller batch is kept."""
-    clock = FakeClock()
-    # per image: 1.0 s alone, 1.0 at 2, 1.07 at 4
-    runtime, _ = slow_runtime(encoder, clock, step_s=0.0, encode_s={1: 1.0, 2: 2.0, 4: 4.28})
-    batcher = Batcher(runtime, max_batch=4, queue_size=16, max_rows=64, clock=clock)
-    batcher.start()
-    prepared = runtime.prepare(random_images(1, seed=6)[0])
-
-    async def scenario():
-        try:
-            await batcher.calibrate(prepared, 1, [1, 2, 4], max_len=2, timeout_s=60)
-        finally:
-            await batcher.stop()
-
-    run_bounded(scenario())
-    assert batcher.encode_batch == 2
+    assert batcher.encode_batch == chosen
 
 
 def _failing_on_begin(runtime, calls: int):
