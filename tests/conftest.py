@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import socket
@@ -32,6 +33,16 @@ DEFAULT_CHECKPOINT = WEIGHTS / "sat"
 #: the real photos the project may read but never commits (Flickr8k, official files and Karpathy JSON): beside the
 #: checkout, as CI places it; tests that need them skip where it is absent
 FLICKR8K_DIR = ROOT.parent / "shared" / "data" / "flickr8k"
+#: the demo page's sample photos (scikit-image's chelsea, astronaut, coffee as JPEGs: service/demo_samples.py)
+DEMO_SAMPLES = ROOT / "service" / "static" / "samples"
+
+
+def script_module(path: Path):
+    """A script that is no module of the package (docker/, benchmarks/) loaded as a module, to test its functions."""
+    spec = importlib.util.spec_from_file_location(f"script_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def before_each_step(run, note) -> None:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from captioner.service import app, cli
 from captioner.service.settings import Settings
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT
+from .conftest import DEFAULT_CHECKPOINT, DEMO_SAMPLES, ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("bench_*.py"))
@@ -54,7 +54,7 @@ def test_the_overhead_benchmarks_servers_answer_from_recorded_rows(monkeypatch, 
         settings = Settings(weights_dir=weights, default_model=DEFAULT_CHECKPOINT.name, device="cpu", backend="torch",
                             onnx_dir=tmp_path / "onnx")  # as the benchmark's servers run
         with TestClient(app.create_app(settings)) as client:
-            photo = (ROOT / "service" / "static" / "samples" / "chelsea.jpg").read_bytes()
+            photo = (DEMO_SAMPLES / "chelsea.jpg").read_bytes()
             answers.append(client.post("/caption", files={"file": ("chelsea.jpg", photo, "image/jpeg")}))
             answers.append(client.app.state.service.runtimes)
 

@@ -49,7 +49,7 @@ from captioner.service import cli, lifecycle, middleware
 from captioner.service.cli import build_parser, main, read_settings
 from captioner.service.middleware import JsonFormatter, TextFormatter, configure_logging
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS, free_port
+from .conftest import DEFAULT_CHECKPOINT, DEMO_SAMPLES, ROOT, WEIGHTS, free_port
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
 
 
@@ -657,7 +657,7 @@ def _one_line_error(capsys, argv: list[str]) -> str:
 
 
 def test_mistakes_in_a_command_are_one_line_errors(tmp_path, capsys, scenes, monkeypatch):
-    sample = str(ROOT / "service" / "static" / "samples" / "chelsea.jpg")
+    sample = str(DEMO_SAMPLES / "chelsea.jpg")
     monkeypatch.chdir(ROOT)
     expected = [
         (["caption", sample, "--max-len", "0"], "--max-len: must be at least 1"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import importlib.util
 import json
 import re
 import shlex
@@ -27,6 +26,8 @@ from packaging.version import Version
 from captioner.service.cli import build_parser
 from captioner.service.metrics import Metrics
 from captioner.service.settings import Settings
+
+from .conftest import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -282,10 +283,7 @@ def top_level_imports(code: str) -> set[str]:
 
 def load_script(name: str):
     """A script of docker/ (not a package) as a module, to test its functions."""
-    spec = importlib.util.spec_from_file_location(f"docker_{name}", DOCKER / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(DOCKER / f"{name}.py")
 
 
 def test_the_image_requirements_leave_out_what_serving_never_imports(tmp_path):

@@ -19,13 +19,13 @@ from captioner.models.checkpoint import load_checkpoint
 from captioner.models.data.scenes import generate
 from captioner.models.decoding import NO_RULES, DecodingRules, expand_rows
 from captioner.models.inference import torch_runtime
-from captioner.models.placement import DEFAULT_MODEL
+from captioner.models.placement import DEFAULT_CHECKPOINT as SERVED_CHECKPOINT
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, prepare_run
 from captioner.service.batcher import Batcher
 from captioner.service.runtime import iter_runtimes
 
-from .conftest import DEFAULT_CHECKPOINT, ROOT, WEIGHTS
+from .conftest import DEFAULT_CHECKPOINT, DEMO_SAMPLES, ROOT, WEIGHTS
 from .serving_helpers import FEAT_DIM, TINY_SPEC, all_architectures, assert_every_architecture_round_trips, \
     assert_same_result, run_bounded, tiny_model
 
@@ -35,8 +35,8 @@ GPU = torch.device("cuda")
 # for other row counts move a log-prob: 2e-3 was the largest difference seen on an H200
 CLOSE = dict(atol_attention=1e-2, atol_logprob=1e-2)
 #: what a request that names no model gets (Flickr8k), and the photos the demo page offers it
-SERVED_DEFAULT = WEIGHTS / "flickr8k" / DEFAULT_MODEL
-DEMO_PHOTOS = sorted((ROOT / "service" / "static" / "samples").glob("*.jpg"))
+SERVED_DEFAULT = ROOT / SERVED_CHECKPOINT
+DEMO_PHOTOS = sorted(DEMO_SAMPLES.glob("*.jpg"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from PIL import Image
 
 from captioner.models.data.scenes import generate
 
-from .conftest import ROOT, tiny_demo_server
+from .conftest import DEMO_SAMPLES, ROOT, tiny_demo_server
 from .demo_pages import OVERLAY_SHOWN, blank_page, needs_chromium, page_of, wait_until
 
 ARTIFACTS = ROOT / ".cache" / "test-artifacts"
@@ -41,7 +41,7 @@ def test_a_sample_photo_is_captioned_like_an_upload(server):
     """Clicking "Try a sample" (chelsea) sends that JPEG as the upload would: one multipart POST /caption, and its
     words rendered with one word per attention row; focusing the first word (the keyboard path) shows its overlay.
     The server's checkpoints are scene models, so the words themselves are not checked."""
-    sample = (ROOT / "service" / "static" / "samples" / "chelsea.jpg").read_bytes()
+    sample = (DEMO_SAMPLES / "chelsea.jpg").read_bytes()
     with page_of(server) as page:
         button = page.get_by_role("button", name="Caption the sample photo: a cat (scikit-image chelsea)")
         with page.expect_response(lambda r: r.request.method == "POST" and "/caption?" in r.url,

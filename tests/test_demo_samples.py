@@ -12,9 +12,9 @@ from skimage import data
 
 from captioner.service import demo_samples
 
-from .conftest import ROOT
+from .conftest import DEMO_SAMPLES, ROOT
 
-COMMITTED = ROOT / "service" / "static" / "samples"
+COMMITTED = DEMO_SAMPLES
 
 
 def test_the_samples_are_the_committed_jpegs_of_the_three_photos(tmp_path):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import script_module
 from .serving_helpers import sent_problem_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,9 +248,10 @@ def test_every_dependency_reaches_a_gpu_machine_from_its_image_or_the_gpu_wheels
     """benchmarks/gpu_session.sh serves on a machine that holds its own image and what `make gpu-wheels` downloads:
     a dependency of the service in neither stopped a lent GPU call at the app's first import."""
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    project_name = script_module(ROOT / "docker" / "requirements.py").project_name  # what the image build reads
 
     def names(requirements: list[str]) -> set[str]:
-        return {re.split(r"[=<>\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
+        return {project_name(requirement) for requirement in requirements}
 
     def variable(name: str) -> set[str]:
         value = re.search(rf"^{name} :=((?:.*\\\n)*.*)$", makefile, re.M)

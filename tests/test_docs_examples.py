@@ -10,9 +10,9 @@ import pytest
 from captioner.models.pipeline import Pipeline
 from captioner.service.settings import Settings
 
-from .conftest import ROOT
+from .conftest import DEMO_SAMPLES, ROOT
 
-SAMPLE = ROOT / "service" / "static" / "samples" / "chelsea.jpg"
+SAMPLE = DEMO_SAMPLES / "chelsea.jpg"
 #: the model the service answers with when a request names none
 DEFAULT = ROOT / Settings.model_fields["weights_dir"].default / Settings.model_fields["default_model"].default
 

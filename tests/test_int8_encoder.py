@@ -4,7 +4,6 @@ against the PyTorch decoder on the same features), and ``captioner eval --encode
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import platform
 import shutil
@@ -31,7 +30,7 @@ from captioner.service import runtime as runtime_module
 from captioner.service.cli import main as captioner
 from captioner.service.onnx_backends import HybridRuntime
 
-from .conftest import ROOT, module_folder
+from .conftest import ROOT, module_folder, script_module
 from .serving_helpers import TINY_SPEC, random_images, tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -193,10 +192,7 @@ def test_the_int8_cnn_lies_beside_the_float_one_under_this_cpus_name_and_another
 
 def benchmarks_common():
     """benchmarks/common.py, which its scripts import as ``common`` from their own folder."""
-    spec = importlib.util.spec_from_file_location("benchmarks_common", ROOT / "benchmarks" / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(ROOT / "benchmarks" / "common.py")
 
 
 CPUINFO = ("processor\t: {n}\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon {n}: test\n"
