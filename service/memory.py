@@ -27,12 +27,12 @@ The allocator functions are no-ops where glibc is not the C library (musl, macOS
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("captioner.memory")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
@@ -43,9 +43,10 @@ ARENA_MAX = 4
 
 
 def _libc():
-    name = ctypes.util.find_library("c")
+    # the symbols already loaded into this process, libc's among them (models/files.py reaches renameat2 so):
+    # ctypes.util.find_library would run ldconfig in a child process at every release (about 10 ms)
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
+        libc = ctypes.CDLL(None)
         libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc only: raise AttributeError elsewhere
         return libc
     except (OSError, AttributeError):
@@ -127,10 +128,16 @@ def freeze_startup_objects() -> int:
 class IdleTrimmer:
     """:func:`release_memory` on request, at most once per ``interval_s``: a request inside the interval is not
     dropped but deferred to its end, so the last one after a burst always runs.  Thread-safe (every batcher's
-    worker calls it when it falls idle) and never raises; the release itself runs in a short-lived daemon thread."""
+    worker calls it when it falls idle) and never raises; the release itself runs in a short-lived daemon thread.
 
-    def __init__(self, interval_s: float = 5.0):
+    ``busy`` says whether work is running (the app's: a batcher or a thread-pool slot at work).  A deferred release
+    that comes due while it is skips: ``malloc_trim`` holds each arena's lock while it returns that arena's pages,
+    so a request allocating beside it would wait (docs/decisions.md, "Memory after a burst").  The work's own end
+    asks again, so the last release after a burst still runs."""
+
+    def __init__(self, interval_s: float = 5.0, busy: Callable[[], bool] = lambda: False):
         self.interval_s = interval_s
+        self._busy = busy
         self._lock = threading.Lock()
         self._last = float("-inf")
         self._scheduled = False
@@ -155,6 +162,8 @@ class IdleTrimmer:
     def _release(self) -> None:
         with self._lock:
             self._scheduled = False
+            if self._busy():
+                return
             self._last = time.monotonic()
         release_memory()
 

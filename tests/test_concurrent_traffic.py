@@ -618,6 +618,24 @@ def test_a_request_refused_while_draining_is_logged_with_its_request_id_and_the_
     assert samples["captioner_ready"] == 0 and samples['captioner_rejects_total{reason="not-ready"}'] == 1
 
 
+def test_the_apps_idle_trimmer_counts_a_running_batcher_or_thread_pool_slot_as_work(tiny_weights):
+    """The release the app's trimmer defers skips while work runs (memory.py): a slot's piece of work running in
+    the thread pool, or a batcher with requests, is work; the app at rest is not."""
+    app = create_app(_tiny_settings(tiny_weights))
+    with TestClient(app) as client:
+        state = app.state.service
+        busy = state.on_idle._busy
+        assert busy() is False
+        assert client.portal.call(state.decode_slots.run, busy) is True
+        assert client.portal.call(state.render_slots.run, busy) is True
+        state.batchers["at work"] = types.SimpleNamespace(idle=False)
+        try:
+            assert busy() is True
+        finally:
+            del state.batchers["at work"]  # the app's shutdown stops every batcher it holds
+        assert busy() is False
+
+
 @pytest.mark.parametrize("draining, answered", [(False, False), (True, True)])
 def test_a_request_cancelled_outside_a_drain_or_once_answered_stays_cancelled(draining, answered):
     """A client that leaves (no drain) or a request whose answer has begun is cancelled work: a 503 then would be a

@@ -206,6 +206,25 @@ def test_the_idle_trimmers_release_gives_the_memory_back_and_defers_the_next_to_
     assert released == [100.0, 130.0] and started[2].interval == 45.0  # 130 + 60 - 145
 
 
+def test_a_release_that_comes_due_while_work_runs_skips_and_the_works_end_asks_again(monkeypatch):
+    """A deferred release that finds work running (a burst began within the interval) skips it: malloc_trim holds
+    each arena's lock while it returns that arena's pages, under the work.  Skipped, it moves no interval on, so
+    the work's end (the next call) schedules a release at once, and that one runs."""
+    now, released, started, busy = [100.0], [], [], [True]
+    monkeypatch.setattr(memory, "release_memory", lambda: released.append(now[0]))
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    trimmer = IdleTrimmer(interval_s=60.0, busy=lambda: busy[0])
+    trimmer()
+    started[0].function()
+    assert released == []
+    now[0], busy[0] = 103.0, False
+    trimmer()
+    assert [timer.interval for timer in started] == [0.0, 0.0]
+    started[1].function()
+    assert released == [103.0]
+
+
 def test_start_up_garbage_is_collected_before_the_rest_is_frozen():
     """What start-up left unreachable (a reference cycle) is collected first: frozen, it could never be freed
     while the server runs. The count returned is the collector's own."""
