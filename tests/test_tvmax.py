@@ -428,6 +428,77 @@ def test_neighbours_that_almost_meet_at_the_box_face_stay_two_groups():
     assert torch.equal(jacobian, torch.eye(2, dtype=torch.float64))
 
 
+def test_the_default_lambda_is_the_papers():
+    """SparseCap §4: "For TVMAX, we set λ = 0.01", in Eq. 5 with the ½ (docs/decisions.md#tvmax-lambda-convention):
+    what a call without λ and the registered normaliser use. Two cells 1 apart each move by exactly λ."""
+    z = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    expected = torch.tensor([[0.99, 0.01]], dtype=torch.float64)
+    torch.testing.assert_close(tv2d_prox(z, (1, 2)), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(tvmax(z, (1, 2)), expected, atol=1e-12, rtol=0)
+    grid = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)  # 2×2: the 1 loses λ to each of two neighbours
+    torch.testing.assert_close(NORMALISERS["tvmax"](grid, None), tvmax(grid, (2, 2), lam=0.01), atol=1e-12, rtol=0)
+
+
+def test_scores_that_do_not_fill_the_grid_are_refused_by_name():
+    # two rows of 32 scores would reshape into one 8×8 grid and be solved as a single grid without the check
+    with pytest.raises(ValueError, match="last dim 32 does not match the 8x8 grid"):
+        tv2d_prox(torch.zeros(2, 32, dtype=torch.float64), (8, 8))
+    with pytest.raises(ValueError, match="last dim 32 does not match the 8x8 grid"):
+        tvmax(torch.zeros(2, 32, dtype=torch.float64), (8, 8), torch.ones(2, 32, dtype=torch.bool))
+
+
+def test_a_mask_broadcasts_over_the_heads_in_front_of_the_scores():
+    """Scores ``[B, heads, N]`` with a mask ``[B, 1, N]`` (one mask per image, as the region features give it): each
+    head's grid is solved with its own image's mask, as if the mask had been expanded to the scores."""
+    z = _random_scores(6, 18, scale=0.3).view(2, 3, 64)
+    mask = torch.ones(2, 1, 64, dtype=torch.bool)
+    mask[0, 0, 56:] = False  # image 0: the last row is padding; image 1: the last two
+    mask[1, 0, 48:] = False
+    for function in (tv2d_prox, tvmax):
+        got = function(z, (8, 8), mask=mask, lam=0.05)
+        torch.testing.assert_close(got, function(z, (8, 8), mask=mask.expand(2, 3, 64), lam=0.05), atol=1e-12, rtol=0)
+        assert torch.all(got[0, :, 56:] == 0) and torch.all(got[1, :, 48:] == 0)
+
+
+def test_masked_cells_join_no_group_even_at_the_real_cells_value():
+    """A masked cell's prox is 0, and so is that of real cells whose scores are all 0 (all fused): equal neighbours,
+    but no edge joins them (the masked cell's edges are dropped, their dual pinned at 0), so the masked cells stay
+    groups of their own and the real cells' Jacobian averages over the six real cells only (SparseCap Eq. 9)."""
+    mask = torch.tensor([True] * 6 + [False] * 3)
+    z = torch.zeros(1, 9, dtype=torch.float64, requires_grad=True)
+    w, labels = tv2d_prox(z, (3, 3), lam=0.05, mask=mask, return_groups=True)
+    assert torch.all(w == 0) and labels.tolist() == [[0] * 6 + [6, 7, 8]]
+    jacobian = torch.autograd.functional.jacobian(lambda x: tv2d_prox(x, (3, 3), lam=0.05, mask=mask), z)[0, :, 0]
+    expected = torch.zeros(9, 9, dtype=torch.float64)
+    expected[:6, :6] = 1.0 / 6
+    torch.testing.assert_close(jacobian, expected, atol=1e-15, rtol=0)
+
+
+def test_without_autograd_the_returned_groups_are_still_those_of_equal_values():
+    """``return_groups`` outside autograd (the no-grad solve, as grounding and evaluation call it) gives Algorithm 1's
+    groups too: two cells meeting exactly at the box's face are one group, as with a backward pass to prepare."""
+    z = torch.tensor([[0.0, 0.5]], dtype=torch.float64)
+    with torch.no_grad():
+        w, labels = tv2d_prox(z, (1, 2), lam=0.25, return_groups=True)
+    assert torch.all(w == 0.25) and labels.tolist() == [[0, 0]]
+
+
+def test_the_default_tolerance_is_one_in_a_billion(monkeypatch):
+    """tv2d_prox's default ``tol=1e-9`` (times ``max(1, max|z|)``): what the active-set steps are asked to certify when
+    the caller (tvmax, every model) passes none."""
+    asked = []
+
+    def recording(z, u, inner, bound, lam, grid, tol, groups):
+        asked.append(tol.clone())
+        return recording.__wrapped__(z, u, inner, bound, lam, grid, tol, groups)
+
+    recording.__wrapped__ = module._active_set_steps
+    monkeypatch.setattr(module, "_active_set_steps", recording)
+    z = _random_scores(2, 17) * torch.tensor([[0.3], [5.0]], dtype=torch.float64)
+    tvmax(z, (8, 8), lam=0.1)
+    assert torch.equal(asked[0], 1e-9 * torch.stack([torch.tensor(1.0, dtype=torch.float64), z[1].abs().max()]))
+
+
 # -- registry -----------------------------------------------------------------------------------------------------
 def test_normaliser_entry_infers_a_square_grid():
     z = _random_scores(2, 13).float()
