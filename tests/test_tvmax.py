@@ -499,6 +499,20 @@ def test_the_default_tolerance_is_one_in_a_billion(monkeypatch):
     assert torch.equal(asked[0], 1e-9 * torch.stack([torch.tensor(1.0, dtype=torch.float64), z[1].abs().max()]))
 
 
+def test_the_tree_certificate_bounds_the_error_by_what_its_flow_leaves():
+    """_tree_certificate's proven bound is ‖ρ‖₂ with ρ the group means of the remainder ``r`` (the part of the demand
+    no flow inside a group can carry): a demand of 1.5 and 0.5 on one fused pair (which a flow could carry only if it
+    summed to 0; here rounding is played by a whole 2) leaves ρ = (1, 1), a bound of √2, not the 1 of a size
+    counted twice. Both the cells of the group and the pair's edge inside the box: ``carried``."""
+    grid = _Grid((1, 2), torch.device("cpu"), torch.float64)
+    demand = torch.tensor([[1.5, 0.5]], dtype=torch.float64)
+    carried, error = module._tree_certificate(demand, torch.tensor([[True]]), torch.zeros(1, 1, dtype=torch.float64),
+                                              torch.tensor([[0, 0]]), torch.tensor([[2.0, 1.0]], dtype=torch.float64),
+                                              10.0, grid)
+    assert carried.tolist() == [True]
+    torch.testing.assert_close(error, torch.tensor([math.sqrt(2.0)], dtype=torch.float64), atol=1e-15, rtol=0)
+
+
 # -- registry -----------------------------------------------------------------------------------------------------
 def test_normaliser_entry_infers_a_square_grid():
     z = _random_scores(2, 13).float()
