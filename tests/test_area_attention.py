@@ -306,3 +306,55 @@ def test_a_prefix_of_a_memory_gets_the_same_spread_to_the_bit_as_its_spans_in_th
 
     whole, prefix = spreads(x, 7), spreads(x[:, :4], 4)
     assert all(torch.equal(whole[span], prefix[span]) for span in prefix)
+
+
+def test_items_sharing_a_large_offset_keep_their_spread():
+    """σ is taken of the items minus the first one (area_features_2d's docstring): with an offset of 10⁴ and a spread
+    of 10⁻³, E[x²] − μ² of the raw items loses about a percent of the variance to float64 rounding; centred, the
+    spread is exact to the last digits."""
+    x = torch.randn(2, 12, 4, dtype=torch.float64) * 1e-3 + 1e4
+    std = area_features_2d(x, 3, 4, 2, 2, eps=0.0)[1]
+    _, naive_std, _ = _naive_features(x - 1e4, enumerate_areas_2d(3, 4, 2, 2), 4)
+    torch.testing.assert_close(std, naive_std, rtol=1e-6, atol=0)
+
+
+def test_an_unknown_value_mode_is_refused_by_name():
+    # a typo such as "means" must not give the sum coefficients in silence
+    boxes = enumerate_areas_2d(2, 2, 1, 2)
+    with pytest.raises(ValueError, match="unknown value mode 'means'"):
+        areas_to_cells(torch.rand(1, len(boxes)), boxes, (2, 2), value_mode="means")
+
+
+def test_a_module_of_an_unknown_key_mode_or_an_uneven_head_width_is_refused_by_name():
+    # an unknown key mode would otherwise build mean keys in silence (no combiner), and 10 dimensions over 3 heads
+    # would fail only at the first forward, in a reshape
+    with pytest.raises(ValueError, match="unknown area key mode 'concat'"):
+        AreaMultiHeadAttention(8, 2, (2, 2), key_mode="concat")
+    with pytest.raises(ValueError, match="d_model 10 is not divisible by 3 heads"):
+        AreaMultiHeadAttention(10, 3)
+
+
+def test_causal_attention_over_a_2d_memory_or_misaligned_queries_is_refused():
+    """``causal`` is defined for a 1D memory whose positions are the queries': over a grid, or with fewer queries than
+    items, the span mask would compare areas with the wrong positions."""
+    attn = AreaMultiHeadAttention(8, 2, (1, 2)).double()
+    memory = torch.randn(1, 6, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="causal area attention needs a 1D memory"):
+        attn(memory, memory, (2, 3), causal=True)
+    with pytest.raises(ValueError, match="causal area attention needs a 1D memory"):
+        attn(memory[:, :4], memory, causal=True)
+
+
+def test_padded_items_may_hold_anything_even_nan():
+    """Padded items are zeroed before any area sum (memory_areas), so what they hold reaches no real area: not even
+    a NaN (uninitialised padding), which a zero weight would not cancel (0·NaN = NaN), nor one in a padded first
+    item, on which σ is centred."""
+    attn = AreaMultiHeadAttention(8, 2, (2, 3), key_mode="combined")
+    memory, query = torch.randn(2, 16, 8), torch.randn(2, 3, 8)
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[0, [0, 5]] = False
+    mask[1, 8:] = False
+    out, weights = attn(query, memory, (4, 4), mask)
+    got, got_weights = attn(query, memory.masked_fill(~mask.unsqueeze(-1), float("nan")), (4, 4), mask)
+    torch.testing.assert_close(got, out)
+    torch.testing.assert_close(got_weights, weights)
