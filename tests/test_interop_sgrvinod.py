@@ -112,6 +112,15 @@ def test_imported_checkpoint_equals_the_tutorials_forward_pass(modules, imported
     assert_same_as_the_tutorial(modules, ckpt.model, ckpt.vocab, ckpt.encoder)
 
 
+def test_the_metadata_names_the_source_files_and_keeps_the_checkpoints_numbers(files):
+    """The model card shows where the weights came from: the code, the two files' names (never a path of the
+    importing machine) and the checkpoint's own epoch and BLEU-4."""
+    meta = convert_sgrvinod(*files)[4]
+    assert meta["imported_from"] == {"code": "github.com/sgrvinod/a-PyTorch-Tutorial-to-Image-Captioning",
+                                     "checkpoint": files[0].name, "word_map": files[1].name, "epoch": 7,
+                                     "epochs_since_improvement": 2, "bleu-4": 0.2315}
+
+
 def test_a_decoder_trained_with_data_parallel_imports_the_same(modules, files, tmp_path):
     wrapped = tutorial.save_checkpoint(tmp_path, *map(torch.nn.DataParallel, modules), WORDS)
     plain, parallel = convert_sgrvinod(*files)[0], convert_sgrvinod(*wrapped)[0]
@@ -264,6 +273,25 @@ def test_a_trunk_pooled_onto_a_grid_that_is_not_square_is_refused():
         encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d((7, 5))
         with pytest.raises(ConversionError, match=r"pools onto \(7, 5\): only a square grid is supported"):
             _trunk(stand_ins(encoder))
+
+
+def test_a_trunk_that_kept_the_resnets_average_pool_is_refused():
+    """The tutorial's trunk is the ResNet's children but the last two: one that kept ``avgpool`` (no weights of its
+    own) would pool layer4 to 1×1 before the grid pooling, features the imported model would never be served."""
+    with torch.device("meta"), tutorial.tutorial_module():
+        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
+        encoder.resnet = torch.nn.Sequential(*list(torchvision.models.resnet18(weights=None).children())[:-1])
+        with pytest.raises(ConversionError, match=r"not a torchvision ResNet-18/34/50/101/152 \(9 children"):
+            _trunk(stand_ins(encoder))
+
+
+def test_a_grid_pooling_given_as_one_number_is_read_as_square():
+    """``nn.AdaptiveAvgPool2d(7)`` keeps ``output_size`` as the int 7, which means 7×7 (a tutorial edited to pool
+    so imports as it would run)."""
+    with torch.device("meta"), tutorial.tutorial_module():
+        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
+        encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d(7)
+        assert _trunk(stand_ins(encoder))[:2] == ("resnet18", 7)
 
 
 def test_a_checkpoint_whose_encoder_and_decoder_are_swapped_is_refused_naming_both(modules, files, tmp_path):
