@@ -14,8 +14,8 @@ from captioner.models.layers import sinusoid_positions
 from captioner.models.protocol import Geometry, VisualBatch
 from captioner.models.zoo import available, create
 
-from .model_checks import (assert_beam_one_is_greedy, memorisation_cider, memorisation_task, rescored_beams,
-                          stepwise, train_to_memorise)
+from .model_checks import (RecordingDropout, assert_beam_one_is_greedy, memorisation_cider, memorisation_task,
+                          rescored_beams, stepwise, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -247,3 +247,54 @@ def test_memorises_ten_captions():
     loss = train_to_memorise(model, vis, targets, steps=100, lr=3e-3, stop_loss=0.0)
     cider, exact, _ = memorisation_cider(model, vis, captions)
     assert exact >= 8 and cider > 2.0, (exact, cider, loss)
+
+
+def test_a_grid_wider_than_max_grid_is_refused_by_name():
+    """The row and column embeddings both hold ``max_grid`` positions: a 2×5 grid under ``max_grid=4`` is refused
+    naming the limit, not met as an embedding's IndexError."""
+    model = tiny(max_grid=4, grid_hw=[2, 5])
+    with pytest.raises(ValueError, match="max_grid=4"):
+        model.encode(VisualBatch.from_features(torch.randn(1, 10, FEAT)))
+
+
+def test_dropout_sits_on_the_summed_inputs_and_on_every_sublayers_output(visuals):
+    """Vaswani et al. §5.4: dropout on the sums of the cells' projections and positions and of the words'
+    embeddings and positions, and on each sublayer's output before the residual add (and inside the FFN), all at
+    the model's ``dropout``.  Every other test runs with dropout 0 or in eval mode, where a dropout moved, dropped
+    or given another rate changes no output; recording stand-ins show which tensors reach it."""
+    model = tiny(**CONFIGS["3x3-combined+2"], dropout=0.3)
+    dropouts = [module for module in model.modules() if isinstance(module, nn.Dropout)]
+    # the model's own, 2 + the FFN's per encoder layer, 3 + the FFN's per decoder layer: each at the model's rate
+    assert len(dropouts) == 1 + 2 * 3 + 2 * 4 and {module.p for module in dropouts} == {0.3}
+    model.drop = RecordingDropout()
+    subs = [sub for layer in model.encoder for sub in (layer.sub1, layer.sub2)]
+    subs += [sub for layer in model.decoder for sub in layer.subs]
+    for sub in subs:
+        sub.drop = RecordingDropout()
+    captions = torch.tensor([[5, 6, 2], [7, 2, 0], [8, 9, 10]])
+    model.forward_xe(visuals, captions)
+    cells, words = model.drop.inputs
+    pos = torch.stack([model.row_embed.weight[r] + model.col_embed.weight[c] for r in range(4) for c in range(4)])
+    torch.testing.assert_close(cells, model.proj(visuals.feats) + pos)
+    tokens = torch.cat([torch.full((3, 1), model.bos_id), captions[:, :-1]], 1)
+    torch.testing.assert_close(words, model.embed(tokens) * math.sqrt(32) + sinusoid_positions(torch.arange(3), 32))
+    assert [len(sub.drop.inputs) for sub in subs] == [1] * len(subs)  # each sublayer's output, once
+
+
+def test_a_configured_grid_that_does_not_fit_the_features_gives_way_to_a_square_one():
+    """``grid_hw`` is taken only when it holds the features' count: a model configured for 3×5 given the 16 cells
+    of a 4×4 grid lays them out 4×4, rather than failing on 15 positions for 16 cells."""
+    model = tiny(grid_hw=[3, 5])
+    enc = model.encode(VisualBatch.from_features(torch.randn(2, 16, FEAT)))
+    assert enc["grid_hw"].tolist() == [[4, 4], [4, 4]]
+
+
+def test_forward_xe_reads_each_captions_image_through_rows(visuals):
+    """Training encodes each image once and passes ``rows`` (caption → image): the log-probabilities are those of
+    the images repeated per caption, in the rows' order (every other test has one caption per image, in order)."""
+    model = tiny(**CONFIGS["3x3-combined+2"])
+    captions = torch.tensor([[5, 6, 2], [7, 2, 0], [8, 9, 10], [11, 2, 0]])
+    rows = torch.tensor([2, 0, 2, 1])
+    repeated = VisualBatch.from_features(visuals.feats[rows])
+    torch.testing.assert_close(model.forward_xe(visuals, captions, rows=rows)[0],
+                               model.forward_xe(repeated, captions)[0])
