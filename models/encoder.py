@@ -143,6 +143,9 @@ class EncoderSpec:
         if self.backbone in EFFICIENTNET_LITE and self.layer not in EFFICIENTNET_LAYERS:
             raise ValueError(f"unknown encoder layer {self.layer!r} for {self.backbone}: "
                              f"{', '.join(EFFICIENTNET_LAYERS)}")
+        # a ResNet's grid is always layer4's: another name would be recorded in the checkpoint and never used
+        if self.backbone not in EFFICIENTNET_LITE and self.layer != "layer4":
+            raise ValueError(f"unknown encoder layer {self.layer!r} for {self.backbone}: layer4")
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> "EncoderSpec":

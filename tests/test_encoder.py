@@ -368,7 +368,8 @@ def test_every_whole_number_field_of_the_spec_refuses_other_kinds_of_value():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(pooled_grid=0), "pooled_grid"), (dict(stop_stages=-1), "stop_stages"),
     (dict(tuned_weights="tuned.safetensors", layer="hypercolumn"), "layer=blocks"),
-    (dict(backbone="resnet18", layer="blocks", stop_stages=1), "EfficientNet-Lite backbone"),
+    (dict(backbone="resnet18", layer="layer4", stop_stages=1), "EfficientNet-Lite backbone"),
+    (dict(backbone="resnet18", layer="layer3"), "unknown encoder layer 'layer3' for resnet18: layer4"),
     (dict(image_size=31), "at least 32"), (dict(resize="crop"), "resize must be"),
     (dict(backbone="vgg16"), "unknown encoder backbone"), (dict(layer="conv_head"), "unknown encoder layer")])
 def test_a_spec_outside_what_the_encoder_computes_is_refused_when_made(kwargs, message):
