@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -724,3 +725,70 @@ def test_a_runs_seconds_are_the_time_its_captioning_took(tmp_path, tiny_checkpoi
     run = caption_archive(small_archive[:2], tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
                           ArchiveOptions(max_len=4), progress=False)
     assert 0 < run.summary.seconds <= time.perf_counter() - began
+
+
+def test_an_archive_has_no_deadline_however_long_its_captions_wait(tmp_path, tiny_checkpoint_folder, small_archive,
+                                                                     monkeypatch):
+    """An archive job has no request deadline: an image that waits hours behind the rest of a huge archive on a slow
+    machine is still captioned (a deadline that expired failed the whole run). The batcher's clock here moves an
+    hour each time it is read."""
+    started_batcher = archive._started_batcher
+
+    def hours_pass(*args):
+        batcher = started_batcher(*args)
+        clock = itertools.count(0.0, 3600.0)
+        batcher.clock = lambda: next(clock)
+        return batcher
+
+    monkeypatch.setattr(archive, "_started_batcher", hours_pass)
+    run = caption_archive(small_archive[:3], tmp_path / "out.jsonl", tiny_checkpoint_folder, settings(),
+                          ArchiveOptions(max_len=4), progress=False)
+    assert run.summary.captioned == 3 and len(read_lines(tmp_path / "out.jsonl")) == 3
+
+
+def test_a_binary_file_among_the_inputs_is_a_one_line_archive_error(tmp_path):
+    """A file that is neither an image (by its suffix) nor a text list, a model's weights given by mistake, say, is
+    refused by name, not met as a UnicodeDecodeError's traceback."""
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"\x80\x02\xff\xfe binary")
+    with pytest.raises(ArchiveError, match="model.pt is neither an image nor a text list of image paths"):
+        list_images([str(weights)])
+
+
+def test_a_resumed_run_writes_its_figures_into_the_folder_the_first_run_made(tmp_path, tiny_checkpoint_folder,
+                                                                             small_archive):
+    """``--resume`` with the same ``--heatmaps DIR`` finds the folder there: it adds the missing figures to it."""
+    out, figures = tmp_path / "out.jsonl", tmp_path / "figures"
+    for images in (small_archive[:1], small_archive[:2]):
+        caption_archive(images, out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4, heatmaps=figures),
+                        resume=True, progress=False)
+    assert sorted(Path(r["heatmap"]).parent for r in read_lines(out)) == [figures, figures]
+    assert len(list(figures.iterdir())) == 2
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_folder_given_as_the_output_is_refused_as_a_folder(tmp_path, resume):
+    """``--output photos/`` (the folder rather than the file to write) is named for what it is, with or without
+    ``--resume``: not "already holds captions", nor an OS error about opening a directory."""
+    with pytest.raises(ArchiveError, match="is a folder: --output names the JSON Lines file to write"):
+        CaptionLines(tmp_path, resume=resume)
+
+
+def test_a_lines_text_is_utf_8_as_listed_not_json_escapes(tmp_path):
+    """A path (or caption) outside ASCII is written as its UTF-8 text, as the service answers it: ``grep café`` finds
+    its line, where ``\\u00e9`` escapes would hide it."""
+    out = tmp_path / "out.jsonl"
+    lines = CaptionLines(out, resume=False)
+    lines.write({"path": "fotos/café/Ünïcode.jpg", "caption": "a cat"})
+    lines.close()
+    assert out.read_bytes() == '{"path": "fotos/café/Ünïcode.jpg", "caption": "a cat"}\n'.encode()
+
+
+def test_an_output_in_a_folder_not_yet_made_is_written_there(tmp_path):
+    """``--output results/run1/captions.jsonl`` makes the folders it names (a shard's first run on a fresh volume),
+    as the list of errors beside it does."""
+    out = tmp_path / "results" / "run1" / "captions.jsonl"
+    lines = CaptionLines(out, resume=False)
+    lines.write({"path": "x.jpg", "caption": "a cat"})
+    lines.close()
+    assert read_lines(out) == [{"path": "x.jpg", "caption": "a cat"}]
