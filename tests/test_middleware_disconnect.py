@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
+from captioner.service import middleware
 from captioner.service.middleware import RequestContextMiddleware
 
 
@@ -142,3 +144,29 @@ def test_a_request_announcing_a_body_that_never_comes_is_still_answered(method, 
         return sent
 
     assert [m.get("status") for m in asyncio.run(scenario())] == [200, None]
+
+
+def test_an_access_log_line_holds_the_whole_answers_bytes_its_query_client_and_milliseconds(caplog, monkeypatch):
+    """The access line of a streamed answer: its bytes are every chunk's, not the last one's; the query as sent; the
+    client as ``host:port``; the duration in milliseconds (a clock read at the start and the end, here 0.25 s
+    apart)."""
+    clock = iter([10.0, 10.25])
+    monkeypatch.setattr(middleware, "time", SimpleNamespace(perf_counter=lambda: next(clock), monotonic=lambda: 0.0))
+
+    async def scenario() -> None:
+        client = _Client()
+
+        async def streaming(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for chunk in (b"ab", b"cde"):
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"f"})
+
+        scope = {**_scope("GET"), "query_string": b"token=0&alpha=0.5"}
+        await asyncio.wait_for(RequestContextMiddleware(streaming)(scope, client.receive, client.send), 5)
+
+    with caplog.at_level(logging.INFO, logger="captioner.access"):
+        asyncio.run(scenario())
+    assert _access_log_fields(caplog) == [{
+        "method": "GET", "path": "/slow", "query": "token=0&alpha=0.5", "status": 200, "duration_ms": 250.0,
+        "bytes_out": 6, "client": "127.0.0.1:5000", "disconnected": False}]
