@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from captioner.models.attention import xlinear
-from captioner.models.attention.xlinear import ItemUpdate, XLinearAttention, XLinearLayer, dropout_keep_mask
+from captioner.models.attention.xlinear import (ItemUpdate, XLinearAttention, XLinearLayer, dropout_keep_mask,
+                                               embedding_activation)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,6 +101,29 @@ def test_an_image_without_any_real_item_gets_nothing_and_stays_finite():
     sum(part.sum() for part in out).backward()
     for x in (query, keys, values, *attention.parameters()):
         assert torch.isfinite(x.grad).all()
+
+
+def test_the_embedding_activations_default_is_celu_with_alpha_1_3():
+    """``embedding_activation("celu")`` alone is the "+ELU" block's ρ, CELU with α = 1.3
+    (docs/decisions.md#x-lan-activation). X-LAN and X-Transformer pass their own α, so only this holds the default
+    a library user's call gets."""
+    rho = embedding_activation("celu")
+    assert isinstance(rho, torch.nn.CELU) and rho.alpha == 1.3
+    assert isinstance(embedding_activation("relu"), torch.nn.ReLU)
+
+
+def test_the_traced_form_of_an_image_without_any_real_item_stays_finite(monkeypatch):
+    """An ONNX export traces the broadcast form (``_scores_and_squeeze``), whose squeeze is a masked mean of its own
+    (``_squeeze``): over no real item it must be the empty sum as in the slab form (B̄ = 0, so β^c = sigmoid(b_e)),
+    not 0/0, which would put NaN in the exported graph's row."""
+    monkeypatch.setattr(XLinearAttention, "_scores_and_squeeze_in_slabs", XLinearAttention._scores_and_squeeze)
+    attention = block(heads=2)
+    query, keys, values, mask = inputs()
+    mask[0] = False
+    out = attention(query, keys, values, mask)
+    assert torch.all(out.spatial[0] == 0) and torch.all(out.attended[0] == 0)
+    torch.testing.assert_close(out.channel[0], torch.sigmoid(attention.excitation.bias).repeat(2))
+    torch.testing.assert_close(out.attended[1], naive(attention, query[1], keys[1], values[1], mask[1])[0])
 
 
 def test_many_queries_with_per_query_masks_equal_one_query_at_a_time():
