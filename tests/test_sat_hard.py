@@ -8,8 +8,9 @@ import torch
 
 from captioner.models.decoding import beam_search, expand_rows
 from captioner.models.protocol import VisualBatch
+from captioner.models.training.recipes import load_recipe
 from captioner.models.training.xe import xe_loss
-from captioner.models.zoo import create
+from captioner.models.zoo import create, options
 
 from .model_checks import VOCAB, memorisation_cider, memorisation_task, stepwise, train_to_memorise
 
@@ -244,3 +245,37 @@ def test_memorises_ten_images_with_reinforce():
     cider, exact, hyps = memorisation_cider(model, vis, captions)
     assert cider > 2.0, (cider, exact, loss)
     assert int(model.baseline_batches) > 0 and model.baseline.item() < 0
+
+
+def test_the_hard_model_has_no_beta_gate():
+    """The β gate is the soft model's (§4.2.1; docs/decisions.md#sat-hard-decoding): the hard model's context never
+    reads it, so a gate built anyway would be weights no step trains, saved in every checkpoint and counted in the
+    zoo table's parameters, and a checkpoint saved without it would no longer load."""
+    model = _model()
+    assert model.gate is None
+    assert not [name for name in model.state_dict() if name.startswith("gate.")]
+    assert "gate" not in model.config()
+
+
+def test_default_training_weights_are_the_documented_ones_and_the_recipes():
+    """``captioner train --model sat-hard`` with no model options trains with the docstring's λ_r = 1, λ_e = 0.002,
+    N_s = 1, §4.1's expectation coin of 0.5 and baseline decay of 0.9, and decodes with the expected context (the
+    authors' generator); the paper recipe states the same numbers, so the two ways to train agree."""
+    documented = dict(reinforce_weight=1.0, entropy_weight=0.002, location_samples=1, expectation_prob=0.5,
+                      baseline_decay=0.9, decode_location="expectation")
+    defaults = options("sat-hard")
+    assert {key: defaults[key] for key in documented} == documented
+    recipe = load_recipe("sat-hard")["model_args"]
+    assert recipe == {key: documented[key] for key in recipe}
+
+
+def test_the_options_are_kept_in_the_config_a_checkpoint_rebuilds_from():
+    """A checkpoint rebuilds the model from ``config()``: every option of the hard model must be there (a resumed
+    run sampling one path where it had three), and the soft model's ``doubly_stochastic``, which it does not take,
+    must not."""
+    chosen = dict(reinforce_weight=0.5, entropy_weight=0.01, location_samples=3, expectation_prob=0.25,
+                  baseline_decay=0.8, decode_location="argmax")
+    config = _model(**chosen).config()
+    assert {key: config[key] for key in chosen} == chosen and "doubly_stochastic" not in config
+    rebuilt = create("sat-hard", **config)
+    assert {key: getattr(rebuilt, key) for key in chosen} == chosen
