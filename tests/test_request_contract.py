@@ -25,6 +25,7 @@ from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.decoding import DecodingRules
+from captioner.models.rendering.heatmaps import MODES
 from captioner.service import inputs, middleware
 from captioner.service.admission import QueueFull
 from captioner.service.app import CAPTION_PATHS, create_app
@@ -739,6 +740,36 @@ def test_the_document_keeps_no_schema_of_fastapis_own_422(client):
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     assert "Problem" in schemas
     assert not {"HTTPValidationError", "ValidationError"} & set(schemas)
+
+
+def test_every_closed_set_parameter_refers_to_its_shared_enum_on_every_route(client):
+    """A generated client makes one enum class per inline enum: each closed-set query parameter (the attention
+    format, the overlay format, the heatmap mode) refers to its one component on every route. A parameter that
+    is never null (``attention_format``, default ``json``) wraps the reference in ``allOf``, keeping its default
+    and description beside it, not an inline ``enum`` of its own."""
+    document = client.get("/openapi.json").json()
+    schemas, found = document["components"]["schemas"], {}
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                if parameter["name"] not in ("attention_format", "format", "mode"):
+                    continue
+                schema = parameter["schema"]
+                assert "enum" not in schema and "type" not in schema, (path, schema)
+                branches = schema.get("anyOf") or schema["allOf"]
+                refs = [branch["$ref"].rsplit("/", 1)[1] for branch in branches if "$ref" in branch]
+                found[(path, parameter["name"])] = refs
+                assert [branch for branch in branches if "$ref" not in branch] in ([], [{"type": "null"}]), schema
+    assert found[("/caption", "attention_format")] == found[("/captions/{result_id}", "attention_format")] == [
+        "AttentionFormat"]
+    assert {refs[0] for (_, name), refs in found.items() if name == "format"} == {"OverlayFormat"}
+    attention = next(p for p in document["paths"]["/captions/{result_id}"]["get"]["parameters"]
+                     if p["name"] == "attention_format")["schema"]
+    assert attention["default"] == "json" and "PackedRows" in attention["description"]
+    assert schemas["AttentionFormat"] == {"type": "string", "enum": ["json", "float16-base64"],
+                                          "title": "AttentionFormat"}
+    assert schemas["OverlayFormat"]["enum"] == ["png", "figure"]
+    assert schemas["HeatmapMode"]["enum"] == list(MODES)
 
 
 def test_behind_a_proxys_prefix_the_document_names_its_server_under_it(tmp_path):
