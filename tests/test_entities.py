@@ -201,7 +201,8 @@ def _authors_sentence(line):
 
 @pytest.mark.parametrize("line", [*SENTENCES.splitlines(),
                                   "[/EN#7/people/clothing A man 's] hat] and [/EN#8/other one] more ]",
-                                  "[/EN#1/people a [/EN#2/other dog] runs] off"])
+                                  "[/EN#1/people a [/EN#2/other dog] runs] off",
+                                  "[/EN#1/people A  man]\trides  off ."])  # runs of blanks, a tab: str.split()
 def test_sentences_are_read_by_the_rules_of_the_datasets_own_parser(line):
     """A word ending in ``]`` outside a phrase stays a word; the published captions nest no phrases, and a bracket
     inside an open phrase is one of its words, as the authors' reader has it, not a phrase of its own."""
@@ -249,6 +250,44 @@ def test_the_flags_of_an_object_with_a_box_are_not_read():
                                  "<ymax>100</ymax></bndbox><scene>1</scene><nobndbox>1</nobndbox>")
     annotation = parse_annotation(flagged)
     assert annotation.boxes["32"] == [(201, 1, 400, 100)] and annotation.scene == {"34"} and annotation.nobox == {"35"}
+
+
+def test_an_unrelated_caption_is_dropped_from_its_own_photo_only(tmp_path):
+    """``UNRELATED_CAPTIONS`` names a photo and a sentence number: another photo's caption of the same number stays."""
+    _entities_folder(tmp_path)
+    (tmp_path / "Sentences" / "1001.txt").write_text(SENTENCES)
+    (tmp_path / "Annotations" / "1001.xml").write_text(ANNOTATION)
+    (tmp_path / "UNRELATED_CAPTIONS").write_text("# format: <imageID> <sentence number>\n1000 1\n")
+    dataset = EntitiesDataset(tmp_path)
+    assert len(dataset.load("images/1000_abcdef.jpg").sentences) == 1
+    assert len(dataset.load("images/1001_abcdef.jpg").sentences) == 2
+
+
+def test_a_flickr30k_photo_named_by_its_id_alone_is_found():
+    """Flickr30k names its photos ``<id>.jpg`` (Flickr8k ``<id>_<secret>.jpg``): both give the id, without suffix."""
+    assert EntitiesDataset.flickr_id("flickr30k-images/1000.jpg") == "1000"
+    assert EntitiesDataset.flickr_id("Flicker8k_Dataset/1000_abcdef.jpg") == "1000"
+
+
+def test_an_objects_one_flag_is_read_without_the_other():
+    """An object without a box may carry ``<scene>`` or ``<nobndbox>`` alone: the missing one is not set."""
+    flags = "<name>34</name><scene>1</scene><nobndbox>0</nobndbox>"
+    annotation = parse_annotation(ANNOTATION.replace(flags, "<name>34</name><scene>1</scene>")
+                                  .replace("<scene>0</scene><nobndbox>1</nobndbox>", "<nobndbox>1</nobndbox>"))
+    assert annotation.scene == {"34"} and annotation.nobox == {"35"}
+
+
+def test_a_chain_name_is_read_without_the_whitespace_around_it():
+    """An indented file (``<name>\\n  32\\n</name>``) names chain ``32``, the id its sentences give."""
+    annotation = parse_annotation(ANNOTATION.replace("<name>32</name>", "<name>\n  32\n</name>"))
+    assert annotation.boxes["32"] == [(201, 1, 400, 100)]
+
+
+def test_a_one_pixel_photo_is_a_size_not_a_format_error():
+    """Only a width or height of 0 or less is refused (``boxes_on`` divides by it): 1×1 is the smallest photo."""
+    size = "<width>400</width><height>200</height>"
+    one = ANNOTATION.replace(size, "<width>1</width><height>1</height>").split("  <object>")[0] + "</annotation>"
+    assert parse_annotation(one).size == (1, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
