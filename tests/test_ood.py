@@ -17,7 +17,7 @@ from captioner.models.checkpoint import write_manifest
 from captioner.models.data import ood as ood_module
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.ood import SHADES, generate_ood
-from captioner.models.data.scenes import HELDOUT_COMBOS, named_objects
+from captioner.models.data.scenes import HELDOUT_COMBOS, NUMBER_WORDS, named_objects
 
 from .conftest import DEFAULT_CHECKPOINT
 from .test_cli import captioner
@@ -186,6 +186,87 @@ def test_sentence_ids_are_unique_and_every_background_is_called_plain(ood):
     assert len(set(ids)) == len(ids)
     assert {entry["background"] for entry in images} == {"plain", "noisy", "gradient"}
     assert all(entry["sentences"][1]["raw"].endswith("on a plain background") for entry in images)
+
+
+def test_some_scenes_repeat_a_colour_and_shape(ood):
+    """The docstring's "some share their colour and shape" ("two red circles"): about a third of the scenes of several
+    objects draw their second object as their first's kind, on top of the chance repeats. Without that draw, seed 3's
+    19 scenes of several objects hold 3 repeats by chance; with it, 8."""
+    scenes = [entry["objects"] for entry in json.loads(ood.read_text())["images"] if len(entry["objects"]) > 1]
+    repeated = [objects for objects in scenes if len({(o["colour"], o["shape"]) for o in objects}) < len(objects)]
+    assert len(repeated) / len(scenes) > 0.3, (len(repeated), len(scenes))
+
+
+def test_the_karpathy_fields_match_the_generators_ids_and_word_groundings(ood):
+    """The same Karpathy layout as the generated scenes (test_scenes holds theirs): each sentence names its image's
+    ``imgid``, ``sentids`` lists the five unique sentence ids, and ``token_objects`` says which objects each word
+    names, aligned with the tokens."""
+    for entry in json.loads(ood.read_text())["images"]:
+        first = 5 * entry["imgid"]
+        assert entry["sentids"] == [s["sentid"] for s in entry["sentences"]] == list(range(first, first + 5))
+        assert all(s["imgid"] == entry["imgid"] for s in entry["sentences"])
+        named = set()
+        counts = {"an": 1, **{word: n for n, word in NUMBER_WORDS.items()}}  # "a", "an", "two"... name a group
+        for sentence in entry["sentences"]:
+            assert len(sentence["tokens"]) == len(sentence["token_objects"])
+            for word, ids in zip(sentence["tokens"], sentence["token_objects"]):
+                for i in ids:
+                    obj = entry["objects"][i]
+                    if word in counts:
+                        assert counts[word] == len(ids), (word, ids)
+                    else:
+                        assert word in (obj["colour"], obj["size"]) or word.startswith(obj["shape"]), (word, obj)
+                    named.add(i)
+        assert named == set(range(len(entry["objects"]))), entry["filename"]  # every object is named by some word
+
+
+def test_a_scene_of_one_kind_is_placed_by_the_thirds_of_its_own_canvas(ood):
+    """The third reference places a lone group ("in the bottom right", "at the top") by the thirds of the image's own
+    width and height (scenes.captions_for's ``canvas``), not of the generator's 256×256 square or of the canvas
+    turned a quarter."""
+    placed = 0
+    for entry in json.loads(ood.read_text())["images"]:
+        objects = entry["objects"]
+        if len({(o["colour"], o["shape"]) for o in objects}) > 1:
+            continue
+        (width, height), x, y = entry["canvas"], *np.mean([o["center"] for o in objects], axis=0)
+        vertical = "top" if y < height / 3 else "bottom" if y > 2 * height / 3 else "middle"
+        horizontal = "left" if x < width / 3 else "right" if x > 2 * width / 3 else "centre"
+        if vertical == "middle":
+            place = "in the centre" if horizontal == "centre" else f"on the {horizontal}"
+        else:
+            place = f"at the {vertical}" if horizontal == "centre" else f"in the {vertical} {horizontal}"
+        assert entry["sentences"][2]["raw"].endswith(place), (entry["filename"], entry["canvas"], x, y)
+        placed += 1
+    assert placed >= 4
+
+
+def test_each_objects_colour_is_a_shade_of_its_word_jittered_again():
+    """The docstring's colours: one of the word's named shades, "jittered again per object" (by at most 0.05 of
+    each channel), so twenty objects of one word show more colours than the word has shades."""
+    rng = np.random.default_rng(0)
+    for word, shades in SHADES.items():
+        bases = np.array([to_rgb(shade) for shade in shades])
+        colours = [ood_module._shade(rng, word) for _ in range(20)]
+        for colour in colours:
+            assert np.abs(bases - np.array(colour)).max(axis=1).min() <= 0.05 + 1e-9, (word, colour)
+        assert len(set(colours)) > len(shades), word
+
+
+def test_squares_stand_on_a_side_and_diamonds_on_a_point(ood):
+    """A square is turned at most 12° from upright, so its mask fills most of its bounding box (at least
+    1 / (cos 12° + sin 12°)² ≈ 0.71); a diamond, on its point, fills half. A square turned 45° (an orientation off
+    by π/4) is a diamond to the eye and to its references' readers, though its area is a square's."""
+    fills = {"square": [], "diamond": []}
+    for entry in json.loads(ood.read_text())["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        for index, obj in enumerate(entry["objects"]):
+            if obj["shape"] in fills and obj["radius"] >= 12:
+                rows, columns = np.nonzero(labels == index + 1)
+                box = (rows.max() - rows.min() + 1) * (columns.max() - columns.min() + 1)
+                fills[obj["shape"]].append(len(rows) / box)
+    assert fills["square"] and fills["diamond"], fills
+    assert min(fills["square"]) > 0.65 and max(fills["diamond"]) < 0.6, fills
 
 
 def test_a_set_of_another_seed_or_size_is_written_again(tmp_path):
