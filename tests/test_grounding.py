@@ -14,6 +14,7 @@ from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation import figures
+from captioner.models.evaluation.bootstrap import resampled_ratios
 from captioner.models.evaluation.grounding import CaptionAttention, WordScore, bootstrap_mean, grounded_words, \
     markdown_table, normaliser_of, pixel_distribution, score_images, score_map, score_rows, summarise
 from captioner.models.evaluation.params import count_parameters
@@ -172,6 +173,12 @@ def test_grounded_words_only_for_correct_colour_shape_pairs():
     assert grounded_words("a red square".split(), objects) == []  # wrong pairing names nothing
 
 
+def test_a_shape_ending_in_s_is_named_in_the_plural_with_es():
+    """No generated shape ends in "s" yet, but grounded_words takes any scene's objects: "crosses", not "crosss"."""
+    crosses = [{"colour": "green", "shape": "cross"}] * 2
+    assert grounded_words("two green crosses".split(), crosses) == [(1, "colour", [0, 1]), (2, "shape", [0, 1])]
+
+
 def test_bootstrap_interval():
     mean, low, high = bootstrap_mean([[1.0, 1.0], [1.0]])
     assert (mean, low, high) == (1.0, 1.0, 1.0)
@@ -202,12 +209,15 @@ def test_summary_statistics_are_reported_to_four_decimals():
     assert row["mass"] == {"mean": 0.3333, "ci95": [0.3333, 0.3333]} and row["ratio"]["mean"] == 1.3333
 
 
-def _scene(tmp_path: Path) -> list:
-    """Two 8×8 scenes with one object each: a red circle in the top-left quadrant, a blue square bottom-right."""
+TWO_SCENES = (("red", "circle", slice(0, 4), slice(0, 4)), ("blue", "square", slice(4, 8), slice(4, 8)))
+
+
+def _scene(tmp_path: Path, scenes=TWO_SCENES) -> list:
+    """8×8 scenes with one object each, ``(colour, shape, rows, columns)``; by default two: a red circle in the
+    top-left quadrant, a blue square bottom-right."""
     (tmp_path / "masks").mkdir()
     entries = []
-    for index, (colour, shape, rows, cols) in enumerate([("red", "circle", slice(0, 4), slice(0, 4)),
-                                                         ("blue", "square", slice(4, 8), slice(4, 8))]):
+    for index, (colour, shape, rows, cols) in enumerate(scenes):
         label = np.zeros((8, 8), np.uint8)
         label[rows, cols] = 1
         Image.fromarray(label).save(tmp_path / "masks" / f"{index}.png")
@@ -216,6 +226,19 @@ def _scene(tmp_path: Path) -> list:
                         "sentences": [{"tokens": ["a", colour, shape]}]})
     (tmp_path / "d.json").write_text(json.dumps({"images": entries}))
     return load_karpathy(tmp_path / "d.json")
+
+
+def test_a_grounding_table_row_holds_its_counts_and_statistics_in_the_headers_order():
+    """Each column under its own header: words before images, then mass, pointing and ratio (the scenes' test has
+    one mean for all three)."""
+    def stat(mean):
+        return {"mean": mean, "ci95": [mean - 0.25, mean + 0.25]}
+
+    row = {"control": "uniform", "word_class": "colour", "words": 7, "images": 3, "mass": stat(0.5),
+           "pointing": stat(0.625), "ratio": stat(1.5)}
+    assert markdown_table([("toy", {"normaliser": "softmax", "rows": [row]})]).splitlines()[2] == (
+        "| toy | softmax | chance: uniform, colour | 7 | 3 | 0.500 [0.250, 0.750] | 0.625 [0.375, 0.875] | "
+        "1.500 [1.250, 1.750] |")
 
 
 def _scene_captions(red_circle_rows, blue_square_rows):
@@ -329,6 +352,41 @@ def test_score_images_draws_the_maps_at_each_scenes_own_width_and_height(tmp_pat
     assert by[("model", 0, "shape")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 2.0})
     assert by[("model", 1, "shape")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 2.0})
     assert by[("other image", 0, "shape")] == pytest.approx({"mass": 0.5, "pointing": 0.5, "ratio": 1.0})
+
+
+@pytest.mark.parametrize("row", [[-0.5, 1.0, 0.25, 0.25], [np.inf, 0.0, 0.0, 0.0], [np.nan, 1.0, 0.0, 0.0]])
+def test_the_per_cell_path_refuses_weights_the_pixel_path_refuses(row):
+    """score_rows (the Entities phrases' path) checks the weights itself, as pixel_distribution does: a negative
+    weight would otherwise score a mass outside [0, 1]."""
+    mask = np.ones((8, 8), bool)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        score_rows(np.array([row]), two_by_two(), mask)
+
+
+def test_bootstrap_interval_is_the_95_percent_percentile_interval():
+    """The tables' ci95: the 2.5th and 97.5th percentiles of the resampled pooled means (seed 0), not another
+    level's."""
+    values = [[v] for v in np.random.default_rng(3).random(30)]
+    sums, counts = np.array([v[0] for v in values]), np.ones(30)
+    ratios = resampled_ratios(sums, counts, 2000, 0)
+    _, low, high = bootstrap_mean(values)
+    assert (low, high) == pytest.approx(tuple(np.percentile(ratios, [2.5, 97.5])))
+
+
+def test_the_other_image_control_takes_the_next_image_with_a_word_of_the_class_and_its_first_such_row(tmp_path):
+    """With three scenes the "next image" is not the previous one (two scenes cannot tell them apart): each scene's
+    words look at the previous scene's object, so every other-image row lands on this scene's object.  Scene 1
+    names its square twice, the second time looking elsewhere: the control reads its first row of each class."""
+    images = _scene(tmp_path, (*TWO_SCENES, ("green", "star", slice(0, 4), slice(4, 8))))  # the star top right
+    top_left, top_right, bottom_left, bottom_right = np.eye(4)
+    results = [CaptionAttention(["a", "red", "circle"], np.array([top_left, top_right, top_right]), two_by_two()),
+               CaptionAttention("a blue square by a blue square".split(),
+                                np.array([top_left, top_left, top_left, top_left, top_left, bottom_left,
+                                          bottom_left]), two_by_two()),
+               CaptionAttention(["a", "green", "star"], np.array([top_left, bottom_right, bottom_right]),
+                                two_by_two())]
+    by = {(w.control, w.image, w.word_class): w.scores["mass"] for w in score_images(images, results, tmp_path)}
+    assert [by[("other image", image, word)] for image in range(3) for word in ("colour", "shape")] == [1.0] * 6
 
 
 def test_zoo_table_from_records_and_reports(tmp_path):
