@@ -27,7 +27,7 @@ from captioner.models.evaluation.grounding_doc import closing_note, examples_fig
 from captioner.models.evaluation.phrase_grounding import PhotoAttention, PhraseTarget, best_word, box_mask, \
     entities_grounding, generated_targets, head_form, reference_targets, score_photos, summary_table, \
     teacher_forced_rows, type_table
-from captioner.models.protocol import VisualBatch
+from captioner.models.protocol import Geometry, VisualBatch
 from captioner.models.rendering import heatmaps
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -145,6 +145,13 @@ def test_box_mask_pixel_centres_and_thin_boxes():
     assert bottom_edge.sum() == 1 and bottom_edge[3, 1]
     # a thin box keeps the pixel under its centre (2.1, 1.2), not the one its left or top edge starts in
     assert np.argwhere(box_mask(np.array([[1.9, 0.9, 2.3, 1.5]]), (4, 4))).tolist() == [[1, 2]]
+
+
+def test_a_flat_box_on_the_right_edge_keeps_the_last_column():
+    """The columns' twin of the bottom-edge case above: a box of no width on the image's right edge (x = width)
+    keeps the last column's pixel rather than one past the image, so the object does not vanish."""
+    right_edge = box_mask(np.array([[4.0, 1.0, 4.0, 2.0]]), (4, 4))
+    assert np.argwhere(right_edge).tolist() == [[1, 3]]
 
 
 def test_box_mask_edges_are_half_open_on_a_halved_photo():
@@ -324,6 +331,19 @@ def test_generated_phrases_match_heads_and_extend_over_reference_words():
     assert [t.positions for t in generated_targets("a green coat coat".split(), _entity())] == [[0, 1, 2], [3]]
 
 
+def test_generated_phrases_extend_over_plural_words_and_up_to_the_phrase_before():
+    """A phrase's words are matched in their head form, as its head is ("the kids toy" → "kid"); a phrase extends
+    left up to the one before it, not one word short of it; and a one-letter head ("the boy 's" → "s") names
+    nothing."""
+    entity = EntityImage("1000", parse_sentences("[/EN#31/people A little boy] holds [/EN#33/other the kids toy] "
+                                                 "and [/EN#32/clothing a green coat] .\n"
+                                                 "[/EN#31/people/other The boy 's] [/EN#0/notvisual smile] .\n"),
+                         parse_annotation(ANNOTATION))
+    assert [t.positions for t in generated_targets("a boy holds kids toy".split(), entity)] == [[0, 1], [3, 4]]
+    assert [t.positions for t in generated_targets("a boy a green coat".split(), entity)] == [[0, 1], [2, 3, 4]]
+    assert [t.positions for t in generated_targets("a boy s smile".split(), entity)] == [[0, 1]]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measures
 # ---------------------------------------------------------------------------------------------------------------
@@ -387,6 +407,20 @@ def test_score_photos_controls_and_summary():
     assert "| toy | people | 2 | 1.000 [1.000, 1.000] | 0.250 [0.250, 0.250] | 0.500" in type_table([("toy", section)])
 
 
+def test_the_summary_table_shows_each_controls_row_over_all_phrases_only():
+    """The per-type rows are type_table's: the summary holds one row per mode and control, that over all phrases."""
+    def stat(mean):
+        return {"mean": mean, "ci95": [mean - 0.25, mean + 0.25]}
+
+    rows = [{"control": "model", "phrase_type": phrase_type, "phrases": phrases, "images": images, "mass": stat(mass),
+             "pointing": stat(0.625), "ratio": stat(1.5)}
+            for phrase_type, phrases, images, mass in (("people", 1, 1, 0.75), ("all", 3, 2, 0.5))]
+    section = {"normaliser": "softmax", "references": {"rows": rows}, "generated": {"rows": []}}
+    assert summary_table([("toy", section)]).splitlines()[2:] == [
+        "| toy | softmax | references | attention | 3 | 2 | 0.500 [0.250, 0.750] | 0.625 [0.375, 0.875] | "
+        "1.500 [1.250, 1.750] |"]
+
+
 def test_a_phrase_is_scored_on_each_of_its_words_and_on_none_outside_it():
     """The head noun ends a phrase and is often its best word: the phrase's last row counts, the next one does not."""
     top_left = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})
@@ -407,6 +441,36 @@ def test_another_photos_grid_attention_is_read_through_this_photos_cells():
     photo = PhotoAttention(row, crop((16, 8)), [PhraseTarget(0, [0], ("people",), ("1",))], row, crop((8, 16)))
     other = next(s for s in score_photos([photo], [annotation]) if s.control == "other photo")
     assert other.scores == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 8.0})
+
+
+def test_a_phrase_naming_two_chains_is_scored_on_the_union_of_their_boxes():
+    """A generated head that several reference chains share ("two men") names the boxes of all of them: a word
+    looking at the second chain's box is inside."""
+    annotation = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)], "2": [(5, 5, 8, 8)]})
+    photo = _photo([[[0, 0, 0, 1]]], [PhraseTarget(0, [0], ("people",), ("1", "2"))])
+    by = {s.control: s.scores for s in score_photos([photo], [annotation])}
+    assert by["model"] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 2.0})
+    assert by["uniform"]["mass"] == pytest.approx(0.5)
+
+
+def test_another_photos_region_attention_is_placed_by_that_photos_own_boxes():
+    """Region boxes belong to their photo: the other-photo row is read through the donor's boxes, scaled onto this
+    photo (here a donor drawn at twice the size, its item 0 in the other corner), not this photo's box of the same
+    index."""
+    quadrants = np.array([[0, 0, 4, 4], [4, 4, 8, 8]], np.float32)
+    own = Geometry(kind="regions", image_size=(8, 8), grid_hw=None, boxes=quadrants)
+    donor = Geometry(kind="regions", image_size=(16, 16), grid_hw=None, boxes=quadrants[::-1] * 2)
+    row = [np.array([[1.0, 0.0]])]  # item 0: this photo's top-left box, the donor's bottom-right one
+    photo = PhotoAttention(row, own, [PhraseTarget(0, [0], ("people",), ("1",))], row, donor)
+    by = {s.control: s.scores["mass"] for s in score_photos([photo], [EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})])}
+    assert (by["model"], by["other photo"]) == (1.0, 0.0)
+
+
+def test_scoring_phrases_shows_no_progress_unless_asked(capsys):
+    """score_photos is a library function too: its bar is the command's (``progress=True``), off by default."""
+    photo = _photo([[[1, 0, 0, 0]]], [PhraseTarget(0, [0], ("people",), ("1",))])
+    score_photos([photo], [EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})])
+    assert capsys.readouterr().err == ""
 
 
 def test_teacher_forcing_gives_the_rows_beam_search_aligns_with_its_words():
@@ -471,10 +535,13 @@ def test_beam_search_captions_follow_the_decoding_rules_given():
 # ---------------------------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------------------------
-def _photos_and_entities(tmp_path):
-    """Two 64×48 copies of 128×96 photos, each a red circle in one quadrant, with their Entities files."""
-    return circle_photos(tmp_path, [("111", (0, 0, 32, 24), "test"), ("222", (32, 24, 64, 48), "test")],
-                         [["a", "red", "circle"]])
+CIRCLES = [("111", (0, 0, 32, 24), "test"), ("222", (32, 24, 64, 48), "test"), ("333", (0, 24, 32, 48), "test")]
+
+
+def _photos_and_entities(tmp_path, count=2):
+    """``count`` (two or three) 64×48 copies of 128×96 photos, each a red circle in one quadrant, with their
+    Entities files."""
+    return circle_photos(tmp_path, CIRCLES[:count], [["a", "red", "circle"]])
 
 
 def test_cli_eval_grounding_entities_both_modes(tmp_path):
@@ -502,17 +569,17 @@ def test_cli_eval_grounding_entities_both_modes(tmp_path):
         (c, t) for c in ("model", "uniform", "other photo") for t in ("other", "all")}
 
 
-def _tiny_sat_over_circle_photos(tmp_path):
-    """A tiny SAT over random features of the two circle photos, with their Entities folder: ``(ckpt, images,
+def _tiny_sat_over_circle_photos(tmp_path, count=2):
+    """A tiny SAT over random features of ``count`` circle photos, with their Entities folder: ``(ckpt, images,
     store, entities, geometry)`` for :func:`entities_grounding`."""
-    _, entities = _photos_and_entities(tmp_path)
+    _, entities = _photos_and_entities(tmp_path, count)
     torch.manual_seed(0)
     vocab = Vocabulary("a red circle on plain background . one".split())
     model = create("sat", vocab_size=len(vocab), feat_dim=8, embed_dim=16, hidden_dim=16, attn_dim=8).eval()
-    feats, geometry = torch.randn(2, 4, 8), two_by_two((64, 48))
+    feats, geometry = torch.randn(count, 4, 8), two_by_two((64, 48))
     store = SimpleNamespace(batch=lambda keys: VisualBatch.from_features(feats[list(keys)], [geometry] * len(keys)))
     images = [SimpleNamespace(key=key, path=tmp_path / "images" / f"{flickr_id}_x.jpg")
-              for key, flickr_id in enumerate(("111", "222"))]
+              for key, (flickr_id, _, _) in enumerate(CIRCLES[:count])]
     return SimpleNamespace(model=model, vocab=vocab), images, store, entities, geometry
 
 
@@ -543,6 +610,27 @@ def test_a_generated_caption_naming_nothing_boxed_leaves_its_photo_in_the_resamp
     section = entities_grounding(ckpt, images, store, entities, generated, resamples=10, progress=False)
     model = next(r for r in section["generated"]["rows"] if (r["control"], r["phrase_type"]) == ("model", "all"))
     assert (model["phrases"], model["images"], section["generated"]["captions"]) == (1, 1, 1)
+
+
+def test_the_other_photo_is_the_next_one_and_photos_without_annotation_are_counted(tmp_path, monkeypatch):
+    """Two photos cannot tell the next photo from the previous one: of three, photo i's reference captions are
+    fed over photo i + 1 (the last over the first).  A fourth photo without an Entities annotation is left out and
+    counted."""
+    ckpt, images, store, entities, geometry = _tiny_sat_over_circle_photos(tmp_path, 3)
+    images.append(SimpleNamespace(key=3, path=tmp_path / "images" / "999_x.jpg"))  # no Entities files
+    generated = [CaptionAttention(["one", "red", "circle"], np.full((3, 4), 0.25), geometry) for _ in images]
+    attended = []
+    scored = phrase_grounding.score_photos
+    monkeypatch.setattr(phrase_grounding, "score_photos",
+                        lambda photos, *args, **kwargs: attended.append(photos) or scored(photos, *args, **kwargs))
+    section = entities_grounding(ckpt, images, store, entities, generated, resamples=10, progress=False)
+    assert (section["photos"], section["photos_without_annotation"]) == (3, 1)
+    references = attended[0]  # every photo has the same reference captions: its donor's own rows are its other rows
+    for index, photo in enumerate(references):
+        donor = references[(index + 1) % 3]
+        assert len(photo.other_rows) == len(donor.rows) == 2
+        for other, rows in zip(photo.other_rows, donor.rows):
+            np.testing.assert_allclose(other, rows, atol=1e-6)
 
 
 @pytest.mark.parametrize("value, extra, message", [
