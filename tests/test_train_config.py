@@ -129,3 +129,11 @@ def test_the_techniques_a_recipe_turns_on_are_off_by_default():
             cfg.early_stop, cfg.lr_drops, cfg.attention_supervision) == (0.0, 0.0, 0.0, 0, 0, 0, [], None)
     assert cfg.lr_drop_factor == 0.1 and 0.0 < cfg.lr_decay_factor < 1.0  # a drop and a decay shrink the rate
     assert cfg.noam_factor == 1.0  # --warmup-steps alone: Vaswani et al.'s Eq. 3, which has no factor
+
+
+def test_a_new_runs_progress_starts_at_its_first_step_with_no_time_trained():
+    # fit() trains from progress.step_in_epoch, and the run's clock (its card's training time) adds
+    # progress.train_seconds to this session's: a new run must skip no step and count no time it did not train
+    progress = Progress()
+    assert (progress.epoch, progress.step_in_epoch, progress.global_step) == (0, 0, 0)
+    assert progress.train_seconds == 0.0 and progress.history == [] and not progress.stopped_early
