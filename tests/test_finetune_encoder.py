@@ -7,10 +7,11 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 from captioner.models.checkpoint import convert_storage, load_checkpoint, write_manifest
 from captioner.models.data.datasets import load_captioned
@@ -22,7 +23,7 @@ from captioner.models.export.onnx import GraphSpec, export_identity, export_visu
 from captioner.models.export.sessions import VisualSession
 from captioner.models.inference import torch_runtime
 from captioner.models.protocol import VisualBatch
-from captioner.models.training import TrainConfig, fit, prepare_run, train
+from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.service import runtime as runtime_module
 from captioner.service.onnx_exports import unprepared
 
@@ -200,6 +201,19 @@ def test_a_warm_start_from_a_tuned_checkpoint_keeps_its_stages(scenes, tmp_path,
     assert carried.keys() == original.keys() and all(torch.equal(carried[k], original[k]) for k in carried)
     assert "the fine-tuned stages of the checkpoint it started from" in write_card(frozen_run, {}).read_text()
     assert "its last stage fine-tuned by this run" in write_card(tuned_best, {}).read_text()
+
+
+def test_a_warm_start_that_tunes_on_saves_the_stages_it_trained_over_those_its_init_brought(tmp_path):
+    """A run with both ``--init`` of a tuned checkpoint and ``--finetune-stages`` carries the weights it trained: the
+    init's file only fills in the stages this run did not tune (the test above tunes nothing further)."""
+    brought = tmp_path / "init_tuned.safetensors"
+    save_file({"stage.w": torch.zeros(2), "earlier.w": torch.full((2,), 3.0)}, brought)
+    run = SimpleNamespace(spec=EncoderSpec(tuned_weights=str(brought)),
+                          tail=SimpleNamespace(tuned_state=lambda: {"stage.w": torch.ones(2)}))
+    spec, files = loop._encoder_files(run)
+    carried = load(files[spec.tuned_weights])
+    assert spec.tuned_weights == loop.TUNED_WEIGHTS and set(carried) == {"stage.w", "earlier.w"}
+    assert torch.equal(carried["stage.w"], torch.ones(2)) and torch.equal(carried["earlier.w"], torch.full((2,), 3.0))
 
 
 def test_the_models_endpoint_names_the_tuned_stages_by_file_not_by_the_servers_path(tuned_best):

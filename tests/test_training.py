@@ -806,3 +806,22 @@ def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_fro
     assert [name for name, _ in saved].count("last") == 4
     assert (run.progress.best_epoch, run.progress.best_score, run.progress.epoch) == (2, 0.7, 4)
     assert stopped == [False, False, False, True]  # two epochs without a better score after epoch 2
+
+
+def test_each_checkpoint_carries_the_runs_history_time_and_its_own_epochs_scores(tmp_path, monkeypatch):
+    """The meta of ``last/`` and ``best/`` (what the model card and ``captioner plot`` read) holds the run's
+    validation history up to that epoch and its training time, and ``best/`` the scores of the epoch it keeps."""
+    saved = []
+    monkeypatch.setattr(loop, "_encoder_files", lambda run: (None, {}))
+    monkeypatch.setattr(loop, "save_checkpoint", lambda path, model, vocab, spec, meta, files: saved.append(
+        (path.name, [row["epoch"] for row in meta["history"]], meta["train_seconds"], meta.get("val_scores"))))
+    run = SimpleNamespace(progress=Progress(), cfg=SimpleNamespace(early_stop=0), select="CIDEr-D",
+                          dist=SimpleNamespace(is_main=True), run_dir=tmp_path, meta={}, model=None, vocab=None,
+                          schedules=SimpleNamespace(plateau=None), elapsed=lambda: 42.5)
+    for epoch, score in enumerate([0.5, 0.7, 0.6], 1):
+        loop._end_epoch(run, EpochLog(epoch, 10 * epoch, 1e-3, {"xe": 1.0}, {"CIDEr-D": score, "BLEU-4": 0.1}, 0.0))
+    assert [(name, epochs, seconds) for name, epochs, seconds, _ in saved] == [
+        ("last", [1], 42.5), ("best", [1], 42.5), ("last", [1, 2], 42.5), ("best", [1, 2], 42.5),
+        ("last", [1, 2, 3], 42.5)]
+    assert [(scores["epoch"], scores["CIDEr-D"]) for name, _, _, scores in saved if name == "best"] == \
+        [(1, 0.5), (2, 0.7)]

@@ -438,6 +438,8 @@ def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scene
     train(cfg, resume=True)
     (epoch,) = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]["history"]
     assert {"xe", "doubly_stochastic"} <= set(epoch)
+    # and the rate its steps were trained at: the resumed loop trains no step, so the rate comes from before it
+    assert epoch["lr"] == cfg.lr
 
 
 def _signalled_in_the_first_step(run, *signals):
