@@ -183,9 +183,14 @@ def test_a_loose_tolerance_still_bounds_the_error():
     assert inexact, "every grid came out exact: the tolerance was never used"
 
 
-def test_the_certificate_asks_for_tol_times_the_scores_scale(monkeypatch):
+@pytest.mark.parametrize("solve, tol", [
+    (lambda z: tv2d_prox(z, (8, 8), lam=0.1, tol=1e-4), 1e-4),
+    (lambda z: tv2d_prox(z, (8, 8), lam=0.1, tol=0.0), 1e3 * torch.finfo(torch.float64).eps),
+    (lambda z: tvmax(z, (8, 8), lam=0.1), 1e-9)], ids=["asked", "floor", "default"])
+def test_the_certificate_asks_for_tol_times_the_scores_scale(monkeypatch, solve, tol):
     """The documented bound: ``tol`` in L2 times ``max(1, max|z|)`` per grid (absolute below |z| = 1, relative above),
-    and never below ``1e3·eps`` of the dtype. What the active-set steps are asked to certify, per grid."""
+    never below ``1e3·eps`` of the dtype, and ``tol=1e-9`` where the caller (tvmax, every model) passes none. What
+    the active-set steps are asked to certify, per grid."""
     asked = []
 
     def recording(z, u, inner, bound, lam, grid, tol, groups):
@@ -195,12 +200,8 @@ def test_the_certificate_asks_for_tol_times_the_scores_scale(monkeypatch):
     recording.__wrapped__ = module._active_set_steps
     monkeypatch.setattr(module, "_active_set_steps", recording)
     z = _random_scores(2, 17) * torch.tensor([[0.3], [5.0]], dtype=torch.float64)
-    tv2d_prox(z, (8, 8), lam=0.1, tol=1e-4)
-    scale = torch.stack([torch.tensor(1.0, dtype=torch.float64), z[1].abs().max()])
-    assert torch.equal(asked[0], 1e-4 * scale)
-    asked.clear()
-    tv2d_prox(z, (8, 8), lam=0.1, tol=0.0)
-    assert torch.equal(asked[0], 1e3 * torch.finfo(torch.float64).eps * scale)
+    solve(z)
+    assert torch.equal(asked[0], tol * torch.stack([torch.tensor(1.0, dtype=torch.float64), z[1].abs().max()]))
 
 
 def test_an_active_set_step_that_corrects_the_first_guess_certifies_the_grid():
@@ -481,22 +482,6 @@ def test_without_autograd_the_returned_groups_are_still_those_of_equal_values():
     with torch.no_grad():
         w, labels = tv2d_prox(z, (1, 2), lam=0.25, return_groups=True)
     assert torch.all(w == 0.25) and labels.tolist() == [[0, 0]]
-
-
-def test_the_default_tolerance_is_one_in_a_billion(monkeypatch):
-    """tv2d_prox's default ``tol=1e-9`` (times ``max(1, max|z|)``): what the active-set steps are asked to certify when
-    the caller (tvmax, every model) passes none."""
-    asked = []
-
-    def recording(z, u, inner, bound, lam, grid, tol, groups):
-        asked.append(tol.clone())
-        return recording.__wrapped__(z, u, inner, bound, lam, grid, tol, groups)
-
-    recording.__wrapped__ = module._active_set_steps
-    monkeypatch.setattr(module, "_active_set_steps", recording)
-    z = _random_scores(2, 17) * torch.tensor([[0.3], [5.0]], dtype=torch.float64)
-    tvmax(z, (8, 8), lam=0.1)
-    assert torch.equal(asked[0], 1e-9 * torch.stack([torch.tensor(1.0, dtype=torch.float64), z[1].abs().max()]))
 
 
 def test_the_tree_certificate_bounds_the_error_by_what_its_flow_leaves():
