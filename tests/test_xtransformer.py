@@ -2,6 +2,7 @@
 parallel teacher-forced pass, the decoder structure, masking, the shared decoder's alignment rule, checkpoint round
 trip and the memorisation smoke test."""
 
+import inspect
 import json
 import math
 
@@ -17,7 +18,8 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create, options
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
-                          memorisation_cider, memorisation_task, rescored_beams, stepwise, train_to_memorise)
+                          RecordingDropout, memorisation_cider, memorisation_task, rescored_beams, stepwise,
+                          train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -185,3 +187,43 @@ def test_memorises_ten_captions():
     cider, exact, hyps = memorisation_cider(model, vis, captions)
     assert exact >= 9 and cider > 2.0, (exact, cider, loss)
     assert all(torch.allclose(h.attention.sum(-1), torch.ones(len(h.token_ids))) for h in hyps)
+
+
+def test_dropouts_sit_where_the_authors_code_puts_them():
+    """The module docstring's dropouts: on the embedded regions, on the word states ``x_t``, on ``q^(0)``, on each
+    decoder layer's word and cross attention outputs, inside and after each FFN block, and on the hidden vector
+    before ``W_p``.  The other tests build their models with dropout 0, where a dropout dropped or moved changes no
+    output, so each is replaced here by an identity that records what it is given."""
+    model, vis = tiny(decoder_layers=2), regions()
+    model.embed_items[3] = items_drop = RecordingDropout()
+    model.word_drop, model.drop = RecordingDropout(), RecordingDropout()
+    blocks = [*model.encoder_ffn, model.decoder[0].feed_forward]
+    for block in blocks:
+        block.drop, block.ffn[2] = RecordingDropout(), RecordingDropout()
+    for layer in model.decoder:
+        layer.drop = RecordingDropout()
+    enc = model.encode(vis)
+    torch.testing.assert_close(items_drop.inputs, [model.embed_items[:3](vis.feats)])
+    assert [len(block.drop.inputs) for block in model.encoder_ffn] == [1, 1]
+    assert [len(block.ffn[2].inputs) for block in model.encoder_ffn] == [1, 1]
+    bos = torch.full((3,), model.bos_id)
+    model.step(bos, model.init_state(enc), enc)
+    words = model.word_norm(model.embed_words(bos) * math.sqrt(32) + sinusoid_positions(torch.tensor([0]), 32))
+    torch.testing.assert_close(model.word_drop.inputs, [words[:, None]])
+    first_query, hidden = model.drop.inputs  # q^(0), then LN(GLU(W_o [q^(0); …; q^(L)])) before W_p
+    expected_query = model.query_image(enc["global"])[:, None] * model.query_words(words[:, None])
+    torch.testing.assert_close(first_query, expected_query)
+    assert hidden.shape == (3, 1, 32)
+    assert [len(layer.drop.inputs) for layer in model.decoder] == [2, 2]  # word attention, cross attention
+    assert (len(blocks[-1].drop.inputs), len(blocks[-1].ffn[2].inputs)) == (1, 1)
+
+
+def test_config_holds_every_constructor_argument():
+    """A checkpoint rebuilds its model from ``config()``: an argument missing there comes back at its default, so a
+    model trained with ``--set celu_alpha=1.0`` (or any other non-default) would reload as another model."""
+    model = tiny(celu_alpha=1.0, update_dropout=0.2, attention_dropout=0.05, word_dropout=0.15, dropout=0.25,
+                 activation="relu", group_norm=True)
+    arguments = set(inspect.signature(type(model).__init__).parameters) - {"self", "ids"}
+    assert set(model.config()) == arguments
+    again = create("xtransformer", **json.loads(json.dumps(model.config())))
+    assert {name: again.config()[name] for name in arguments} == {name: model.config()[name] for name in arguments}
