@@ -2,6 +2,7 @@
 against AoANet Eq. 11–14, masking, the shared decoder's alignment rule, checkpoints, gradients, ablation flags and
 memorisation."""
 
+import inspect
 import json
 import math
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from captioner.models.aoanet import StdLayerNorm
 from captioner.models.attention.aoa import AttentionOnAttention
 from captioner.models.attention.multihead import multi_head_attention
 from captioner.models.decoding import beam_search
@@ -397,3 +399,69 @@ def test_memorises_ten_images():
     loss = train_to_memorise(model, vis, targets)
     cider, exact, _ = memorisation_cider(model, vis, captions)
     assert exact == 10 and cider > 2.0, (exact, cider, loss)
+
+
+def test_word_embedding_relu_dropout_drops_out_the_embedded_word():
+    """``word_embedding="relu_dropout"`` is the authors' Embedding → ReLU → Dropout
+    (docs/decisions.md#aoanet-reference-compatibility-flags): with it, the decoder's ``dropout`` also reaches
+    ``ReLU(W_e Π_t)``, between the fed-back and the output context."""
+    model, vis = tiny(word_embedding="relu_dropout"), padded_visuals()
+    enc = model.encode(vis)
+    state = {name: torch.randn(3, 16) for name in ("h", "m", "context")}
+    model.drop = RecordingDropout()
+    prev = torch.tensor([1, 5, 7])
+    model.step(prev, state, enc)
+    assert len(model.drop.inputs) == 3
+    torch.testing.assert_close(model.drop.inputs[1], F.relu(model.embed_words(prev)))
+
+
+def test_pre_norm_without_refiner_layers_adds_no_final_norm():
+    """The final LN closes a pre-norm stack's un-normalised residual stream; with ``refiner="none"`` there is no
+    stack, and the items go to the decoder as embedded."""
+    model, vis = tiny(refiner="none", pre_norm=True), padded_visuals()
+    enc = model.encode(vis)
+    items = F.relu(model.embed_items(vis.feats))
+    torch.testing.assert_close(enc["mean"], torch.stack([items[b, vis.mask[b]].mean(0) for b in range(3)]))
+
+
+def test_additive_attention_weighs_the_refined_items_themselves():
+    """The ablations' single attention (docs/decisions.md#aoanet-ablation-attention): ``w^T tanh(U a_i + W h_t)``
+    scores the items, and ``â_t = Σ_i α_i a_i`` sums the items themselves, not their projections ``U a_i``."""
+    model, vis = tiny(**ABLATIONS["base"]), padded_visuals()
+    enc = model.encode(vis)
+    h = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+    attended, query, weights = model.attend(h, enc)
+    items = F.relu(model.embed_items(vis.feats))  # refiner "none": the embedded items
+    assert query is h and weights.shape == (3, 1, 7)
+    torch.testing.assert_close(attended, (weights[:, 0, :, None] * items).sum(1))
+
+
+@pytest.mark.parametrize("option", ["word_embedding", "aoa_query", "layer_norm"])
+def test_reference_compatibility_options_refuse_unknown_values(option):
+    """A misspelt value must not select a variant in silence (``layer_norm="Torch"`` would otherwise build the
+    authors' StdLayerNorm, ``word_embedding="relu-dropout"`` the plain embedding)."""
+    with pytest.raises(ValueError, match=option):
+        create("aoanet", vocab_size=5, feat_dim=4, **{option: "unknown"})
+
+
+def test_config_holds_every_constructor_argument():
+    """A checkpoint rebuilds its model from ``config()``: an argument missing there comes back at its default (a
+    "Refine w/o AoA" model with another ``ffn_dim`` would not even load its weights).  The compatibility flags are
+    recorded only when set, so all of them are set here."""
+    model = tiny(refiner="transformer", ffn_dim=20, query_norm=True, word_embedding="relu_dropout",
+                 projection_bias=True, aoa_query="input", layer_norm="std")
+    arguments = set(inspect.signature(type(model).__init__).parameters) - {"self", "ids"}
+    assert set(model.config()) == arguments
+    again = create("aoanet", **json.loads(json.dumps(model.config())))
+    assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+
+
+def test_std_layer_norm_is_the_authors_with_epsilon_outside_the_root():
+    """``layer_norm="std"``: the authors' ``a_2 ⊙ (x − mean) / (std + 1e-6) + b_2`` with the unbiased deviation.
+    Checkpoints converted from their code agree to 2e-5 on ordinary activations, where ε is invisible; a row of
+    nearly equal values shows it."""
+    norm = StdLayerNorm(4).double()
+    x = torch.tensor([[0.0, 1e-6, 2e-6, 3e-6], [1.0, -2.0, 0.5, 4.0]], dtype=torch.float64)
+    centred = x - x.mean(-1, keepdim=True)
+    deviation = (centred.square().sum(-1, keepdim=True) / 3).sqrt()  # unbiased: D − 1 = 3
+    torch.testing.assert_close(norm(x), centred / (deviation + 1e-6))
