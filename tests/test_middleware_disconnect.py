@@ -170,3 +170,20 @@ def test_an_access_log_line_holds_the_whole_answers_bytes_its_query_client_and_m
     assert _access_log_fields(caplog) == [{
         "method": "GET", "path": "/slow", "query": "token=0&alpha=0.5", "status": 200, "duration_ms": 250.0,
         "bytes_out": 6, "client": "127.0.0.1:5000", "disconnected": False}]
+
+
+def test_an_answer_cut_off_after_it_started_is_logged_with_its_status_not_as_a_disconnect(caplog):
+    """``disconnected`` marks the requests never answered (the 499s): one whose answer started and then stopped
+    before its last chunk was answered, and its line keeps its status and the bytes that went out."""
+    async def scenario() -> None:
+        client = _Client()
+
+        async def cut_off(scope, receive, send):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"abc", "more_body": True})
+
+        await asyncio.wait_for(RequestContextMiddleware(cut_off)(_scope("GET"), client.receive, client.send), 5)
+
+    with caplog.at_level(logging.INFO, logger="captioner.access"):
+        asyncio.run(scenario())
+    assert [(f["status"], f["disconnected"], f["bytes_out"]) for f in _access_log_fields(caplog)] == [(200, False, 3)]

@@ -30,7 +30,7 @@ from captioner.service.app import create_app
 from captioner.service.cli import main, read_settings
 from captioner.service.errors import UnknownResult
 from captioner.service.inputs import DISCARD_SECONDS, UnreadBodyMiddleware
-from captioner.service.middleware import JsonFormatter, TextFormatter
+from captioner.service.middleware import JsonFormatter, TextFormatter, request_id_var
 from captioner.service.paths import ROOT_KEY, AppRootMiddleware, app_path, app_root
 from captioner.service.problems import UnexpectedErrorMiddleware
 from captioner.service.results import ResultStore
@@ -676,6 +676,27 @@ def test_a_json_log_line_of_an_error_carries_its_traceback():
     assert entry["msg"] == "unhandled error" and entry["level"] == "error"
     assert entry["exc"].startswith("Traceback (most recent call last):")
     assert entry["exc"].endswith("ValueError: the cause")
+
+
+def test_a_json_log_lines_time_writes_its_milliseconds_in_three_digits():
+    """5 ms past a second is ``.005``: unpadded it read ``.5``, half a second later than the event."""
+    record = logging.makeLogRecord({"name": "captioner.app", "levelno": logging.INFO, "levelname": "INFO",
+                                    "msg": "ready", "created": 1_700_000_000.005, "msecs": 5.0})
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.005", json.loads(JsonFormatter().format(record))["ts"])
+
+
+def test_a_json_log_line_carries_the_request_id_its_record_was_given_before_the_current_one():
+    """A line logged for a request outside its context (``extra={"request_id": ...}``, from a thread or task that
+    does not carry the context variable) names that request, not the one whose context is current, if any."""
+    record = logging.makeLogRecord({"name": "captioner.app", "levelno": logging.INFO, "levelname": "INFO",
+                                    "msg": "done", "request_id": "given-id"})
+    token = request_id_var.set("current-id")
+    try:
+        assert json.loads(JsonFormatter().format(record))["request_id"] == "given-id"
+    finally:
+        request_id_var.reset(token)
+    plain = logging.makeLogRecord({"name": "captioner.app", "levelno": logging.INFO, "levelname": "INFO", "msg": "x"})
+    assert "request_id" not in json.loads(JsonFormatter().format(plain))
 
 
 def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
