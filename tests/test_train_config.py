@@ -131,6 +131,18 @@ def test_the_techniques_a_recipe_turns_on_are_off_by_default():
     assert cfg.noam_factor == 1.0  # --warmup-steps alone: Vaswani et al.'s Eq. 3, which has no factor
 
 
+def test_the_documented_vocabulary_scst_optimiser_and_supervision_defaults():
+    """docs/decisions.md: words are kept "if they occur at least `--min-count` times (default 1 for the small scene
+    vocabulary)", and gradients are clipped "by global norm" where the authors' code does not clip by value; README:
+    SCST takes "the greedy caption's CIDEr-D as baseline" (`--scst-baseline mean` is the other), `--encoder-lr-factor`
+    0.25 is "1e-4 against 4e-4" of the decoder's Adam, and `--attention-supervision-weight` is 1 by default.
+    Each default is what `captioner train` does without a recipe (the default model, SAT, trained with Adam)."""
+    cfg = TrainConfig(out="x")
+    assert (cfg.min_count, cfg.scst_baseline, cfg.grad_clip_mode) == (1, "greedy", "norm")
+    assert (cfg.optimizer, cfg.lr, cfg.attention_supervision_weight) == ("adam", 4e-4, 1.0)
+    assert cfg.augment == "none"  # README: mirror images are what `--augment hflip` asks for
+
+
 def test_a_new_runs_progress_starts_at_its_first_step_with_no_time_trained():
     # fit() trains from progress.step_in_epoch, and the run's clock (its card's training time) adds
     # progress.train_seconds to this session's: a new run must skip no step and count no time it did not train
