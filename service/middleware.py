@@ -20,7 +20,7 @@ from .paths import app_path
 REQUEST_ID_HEADER = "x-request-id"
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 access_log = logging.getLogger("captioner.access")
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 #: key of the request's arrival time (``time.monotonic()``) in ``request.state``
 ARRIVED = "arrived"
 
@@ -65,13 +65,13 @@ class RequestContextMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         given = headers.get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
-        request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        request_id = given if _SAFE_ID.fullmatch(given) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
         started = time.perf_counter()
         # a request's deadline counts from here (captioning.py): reading its body, or waiting for a busy event loop,
         # is time its client waits too
         scope.setdefault("state", {})[ARRIVED] = time.monotonic()
-        response: dict[str, Any] = {"status": None, "complete": False, "bytes": 0}
+        response: dict[str, Any] = {"status": None, "bytes": 0}
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -80,7 +80,6 @@ class RequestContextMiddleware:
                                                   (REQUEST_ID_HEADER.encode(), request_id.encode())]}
             elif message["type"] == "http.response.body":
                 response["bytes"] += len(message.get("body", b""))
-                response["complete"] = not message.get("more_body", False)
             await send(message)
 
         try:

@@ -187,3 +187,19 @@ def test_an_answer_cut_off_after_it_started_is_logged_with_its_status_not_as_a_d
     with caplog.at_level(logging.INFO, logger="captioner.access"):
         asyncio.run(scenario())
     assert [(f["status"], f["disconnected"], f["bytes_out"]) for f in _access_log_fields(caplog)] == [(200, False, 3)]
+
+
+@pytest.mark.parametrize("given, kept", [("trace-7", True), ("trace-7\n", False), ("a" * 64, True)])
+def test_a_request_id_is_kept_only_when_the_whole_value_is_safe(given, kept):
+    """``$`` also matches before a final newline: the id pattern must hold the whole value, or ``trace-7\\n`` would
+    reach a text log line and end it there.  (Uvicorn refuses such a header; an ASGI server need not.)"""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    client = _Client()
+    scope = {**_scope("GET"), "headers": [(b"x-request-id", given.encode())]}
+    asyncio.run(asyncio.wait_for(RequestContextMiddleware(app, log_requests=False)(scope, client.receive, client.send),
+                                 5))
+    echoed = dict(client.sent[0]["headers"])[b"x-request-id"].decode()
+    assert (echoed == given) is kept and (kept or len(echoed) == 32)
