@@ -69,6 +69,8 @@ def test_extras_keeps_only_the_extra_maps_asked_for(tiny_sat, random_visuals):
     assert all(set(hyps[0].extras) == {"beta_gate"} for hyps in named)
     assert all(hyps[0].extras == {} for hyps in beam_search(tiny_sat, random_visuals, k=2, max_len=4,
                                                             extras=("not_reported",)))
+    # extras=False (the annotation's other switch) keeps none too, rather than asking whether a name is "in" False
+    assert all(hyps[0].extras == {} for hyps in beam_search(tiny_sat, random_visuals, k=2, max_len=4, extras=False))
 
 
 def test_beam_search_beats_or_equals_greedy_score(tiny_sat, random_visuals):
@@ -446,6 +448,9 @@ def test_n_best_is_checked_with_the_other_options_before_anything_is_encoded():
     (dict(k=3, n_best=4), r"need 1 <= n_best <= every beam width, got widths=\[3\], n_best=4"),
     (dict(n_best=0), r"need 1 <= n_best <= every beam width, got widths=\[3\], n_best=0"),
     (dict(max_len=0), "max_len must be a whole number of at least 1, got 0"),
+    # a switch is no number of beams, nor a fraction a number of steps
+    (dict(k=True), "beam_size must be a whole number of at least 1, got True"),
+    (dict(max_len=2.5), "max_len must be a whole number of at least 1, got 2.5"),
     (dict(rules={"block_trigrams": True}), "rules must be DecodingRules"),
 ])
 def test_beam_search_itself_refuses_options_it_cannot_run_by_their_names(tiny_sat, random_visuals, options,
@@ -493,3 +498,42 @@ def test_n_best_returns_that_many_hypotheses_the_best_of_the_beam(tiny_sat, rand
         assert len(hyps) == n_best
         assert [h.token_ids for h in hyps] == [h.token_ids for h in all_of_them[:n_best]]
         assert [h.score for h in all_of_them] == sorted((h.score for h in all_of_them), reverse=True)
+
+
+def _stuttering_table(vocab=9):
+    """A scripted model that wants the same words whatever came before: word 4 far above 5, 5 above 6 and so on
+    down to EOS, so that a plain search stutters ("4 4 4 …") and each blocking rule has something to block."""
+    preference = torch.tensor([0.0, 0.0, 1.0, 0.0, 40.0, 30.0, 20.0, 10.0, 5.0])[:vocab]
+    return preference.log_softmax(-1).expand(vocab, vocab, vocab).contiguous()
+
+
+@pytest.mark.parametrize("trigrams,doubled,expected", [
+    (False, False, [4, 4, 4, 4, 4, 4, 4]),
+    # the last complete trigram counts too: "4 4 4" blocks a fourth 4 at once; doubled words stay allowed
+    (True, False, [4, 4, 4, 5, 4, 4, 6]),
+    # no word after itself, and nothing else: "4 5 4 5 …" repeats its trigrams freely
+    (False, True, [4, 5, 4, 5, 4, 5, 4]),
+    (True, True, [4, 5, 4, 5, 6, 4, 5]),
+])
+def test_each_blocking_rule_blocks_what_it_names_and_nothing_else(trigrams, doubled, expected):
+    """A row decoded with one blocking rule is held to that rule only (the batcher's rows each carry their own), and
+    trigram blocking covers the caption's last trigram, not only the earlier ones."""
+    # one row per caption: a wider beam finds captions of the same words in another order, tied in score
+    table, widths = _stuttering_table(), [1, 1]
+    start = {"before": torch.full((sum(widths),), BOS)}
+    found = search_rows(_scripted_step(table), index_rows, {"rows": torch.zeros(sum(widths), 1)}, start, widths, BOS,
+                        EOS, (PAD, BOS, UNK), 7, DecodingRules(block_trigrams=trigrams, block_doubled_words=doubled))
+    assert [hyps[0].token_ids for hyps in found] == [expected, expected]
+    naive = _naive_search(lambda tokens: table[0, 0].double(), {PAD, BOS, UNK}, EOS, 1, 7, 0.0, trigrams, doubled)
+    assert naive[0][0] == expected
+
+
+@pytest.mark.parametrize("decoding", [None, {"length_penalty": True}, {"block_trigrams": 1},
+                                      {"block_doubled_words": 0.0}, {"length_penalty": 9}])
+def test_a_checkpoints_decoding_of_the_wrong_kind_is_refused_naming_its_file(decoding):
+    """``of_checkpoint`` takes only an object of the rules' names with each of its default's kind: a switch written
+    as a number, a number written as a switch, or ``null`` in place of the object is a hand edit to report (by the
+    file it was read from), not rules to decode with in silence; a value out of its range is named the same way."""
+    with pytest.raises(ValueError, match=r"^meta\.json: "):
+        DecodingRules.of_checkpoint({"decoding": decoding}, "meta.json")
+    assert DecodingRules.of_checkpoint({}) == NO_RULES  # a checkpoint without rules has none
