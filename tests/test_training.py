@@ -1,5 +1,6 @@
 """XE training smoke tests: the loss falls, checkpoints load, and an interrupted run resumes exactly."""
 
+import itertools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from captioner.models.files import FolderInUse, held_alone
 from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.config import Progress
+from captioner.models.training.distributed import DistContext
 from captioner.models.training.loop import RunInUse, TrainingDiverged, _optimizer_step
 from captioner.models.training.phase import PhaseModule
 from captioner.models.training.resume import merge_resume
@@ -391,6 +393,31 @@ def test_each_epoch_trains_on_its_own_shuffle_of_the_data(scenes, tmp_path, cach
     taken = [sum(batches[epoch * steps:(epoch + 1) * steps], []) for epoch in range(2)]
     assert taken == [run.phase.epoch_order(epoch).tolist() for epoch in range(2)]
     assert taken[0] != taken[1]
+
+
+def test_each_epoch_samples_at_its_own_scheduled_rate_and_logs_its_last_steps_losses(scenes, tmp_path, cache,
+                                                                                      monkeypatch):
+    """Scheduled sampling's probability rises at the start of the epoch the schedule gives it (one epoch early, the
+    first epoch already fed the model its own words), and an epoch's record holds the losses of its last step
+    (``EpochLog``), not of its first one: with the first, a falling loss looked flat across the epochs."""
+    _scripted_validation(monkeypatch, [0.5, 0.6])
+    # 8 photos × 5 captions in batches of 16: 3 steps an epoch; +0.05 every epoch
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, ss_increase=0.05,
+                              ss_every=1))
+    step, rates, losses = run.trainer, [], []
+
+    def noted(*args):
+        rates.append(run.phase.ss_prob)
+        loss, logs, tokens = step(*args)
+        losses.append({k: round(float(v), 4) for k, v in logs.items()})
+        return loss, logs, tokens
+
+    run.trainer = noted
+    fit(run)
+    assert rates == [0.0] * 3 + [0.05] * 3
+    history = run.progress.history
+    assert [{k: row[k] for k in losses[0]} for row in history] == [losses[2], losses[5]]
+    assert losses[2] != losses[0]  # the first step's losses differ, or the check above proved nothing
 
 
 @pytest.mark.parametrize("arch, args", [("aoanet", dict(d_model=32, embed_dim=32, ffn_dim=64, heads=4,
@@ -788,6 +815,53 @@ def test_only_the_main_rank_holds_the_run_folder(tmp_path, monkeypatch):
         with pytest.raises(RunInUse):
             with loop._sole_trainer(out):
                 pass
+
+
+class _RankOfTwo(DistContext):
+    """Rank ``rank`` of a two-process run, played by this one process: each collective answers with its own value,
+    and the rank trains the whole global batch (what the loop does with the rank and the world is all that shows)."""
+
+    def shard(self, batch):
+        return batch
+
+    def barrier(self):
+        pass
+
+    def any(self, flag):
+        return bool(flag)
+
+    def from_main(self, obj):
+        return obj
+
+    def gather(self, obj):
+        return [obj]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_only_rank_0_logs_steps_and_it_counts_every_ranks_tokens(scenes, tmp_path, cache, monkeypatch,
+                                                                              rank):
+    """A step record's ``tokens_per_s`` is the whole run's throughput: each rank trains its share of the global
+    batch, so rank 0's tokens count ``world`` times (the one-process tests read the same rate either way), and the
+    other ranks write no record (every rank appending to ``metrics.jsonl`` logged each step twice)."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, max_steps=1, log_every=1))
+    run.dist = _RankOfTwo(rank=rank, world=2)
+    clock = itertools.count(1000.0)  # one second a reading: the first step takes one second
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: float(next(clock))))
+    step, tokens = run.trainer, []
+
+    def noted(*args):
+        loss, logs, batch_tokens = step(*args)
+        tokens.append(batch_tokens)
+        return loss, logs, batch_tokens
+
+    run.trainer = noted
+    fit(run)
+    log = tmp_path / "run" / "metrics.jsonl"
+    if rank == 1:
+        assert not log.exists() or not log.read_text()
+        return
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert tokens[0] > 0 and record["tokens_per_s"] == 2 * tokens[0]
 
 
 def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_from_it(tmp_path, monkeypatch):

@@ -572,6 +572,20 @@ def test_a_mistyped_encoder_option_or_a_min_count_that_keeps_no_word_is_refused_
     assert not (tmp_path / "run").exists() and not list(cache.glob("*/*.npy"))
 
 
+@pytest.mark.parametrize("empty", ["train", "val"])
+def test_a_data_set_with_an_empty_train_or_val_split_is_refused_by_name(scenes, tmp_path, cache, monkeypatch, empty):
+    """Either split alone empty is refused before any work, naming both counts: only both empty were refused, and an
+    empty val split met an IndexError, an empty train split a run that trains nothing."""
+    real = loop.load_captioned
+
+    def one_split_empty(dataset, image_root, splits, limit=None):
+        return [] if splits == (empty,) else real(dataset, image_root, splits, limit=limit)
+
+    monkeypatch.setattr(loop, "load_captioned", one_split_empty)
+    with pytest.raises(ValueError, match="needs non-empty 'train' and 'val' splits"):
+        prepare_run(_config(scenes, tmp_path / "run", cache))
+
+
 def test_prepare_run_makes_a_new_run_folder_with_its_parents(scenes, tmp_path, cache):
     """:func:`prepare_run` (the library's way in, without :func:`train`'s lock) makes ``--out`` and the folders
     above it: a run prepared into ``runs/sat`` had no folder to save its state in."""
