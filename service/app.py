@@ -135,13 +135,6 @@ def _note_load_failure(state: ServiceState, loading: asyncio.Task) -> None:
     log.error("%s; /healthz now answers 503", state.load_failure, exc_info=exc)
 
 
-def _work_running(state: ServiceState) -> bool:
-    """Whether a batcher or a thread-pool slot is at work: the idle trimmer's release waits for none (memory.py).
-    Read from the trimmer's thread, so the batchers are copied first (one C call: a model starting adds one)."""
-    return (state.decode_slots.running > 0 or state.render_slots.running > 0
-            or any(not batcher.idle for batcher in tuple(state.batchers.values())))
-
-
 @asynccontextmanager
 async def _lifespan(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
     """The app's lifespan (module docstring): the work limits, thread counts and models on start-up, in the
@@ -149,7 +142,7 @@ async def _lifespan(app: FastAPI, settings: Settings) -> AsyncIterator[None]:
     state: ServiceState = app.state.service
     # made here, in the loop that serves: what a burst of captions, decodes or renders leaves in the allocator
     # goes back to the system once that work runs out (memory.py)
-    state.on_idle = IdleTrimmer(busy=functools.partial(_work_running, state)) if settings.release_memory else None
+    state.on_idle = IdleTrimmer(busy=state.at_work) if settings.release_memory else None
     state.decode_slots = WorkSlots(settings.decode_pixels, state.on_idle)
     state.render_slots = WorkSlots(settings.render_concurrency, state.on_idle)
     state.upload_budget = UploadBudget(settings.upload_budget_bytes, settings.retry_after_s)

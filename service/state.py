@@ -44,6 +44,12 @@ class ServiceState:
         if self.result_cache is None:
             self.result_cache = ResultCache(self.settings.result_cache_entries)
 
+    def at_work(self) -> bool:
+        """Whether a batcher or a thread-pool slot is at work: the idle trimmer's release waits for none (memory.py).
+        Read from the trimmer's thread, so the batchers are copied first (one C call: a model starting adds one)."""
+        return (self.decode_slots.running > 0 or self.render_slots.running > 0
+                or any(not batcher.idle for batcher in tuple(self.batchers.values())))
+
 
 def get_state(request: Request) -> ServiceState:
     return request.app.state.service

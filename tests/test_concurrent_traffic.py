@@ -624,7 +624,8 @@ def test_the_apps_idle_trimmer_counts_a_running_batcher_or_thread_pool_slot_as_w
     app = create_app(_tiny_settings(tiny_weights))
     with TestClient(app) as client:
         state = app.state.service
-        busy = state.on_idle._busy
+        busy = state.at_work
+        assert state.on_idle._busy == busy  # the app's trimmer asks the state
         assert busy() is False
         assert client.portal.call(state.decode_slots.run, busy) is True
         assert client.portal.call(state.render_slots.run, busy) is True
