@@ -3,6 +3,7 @@ smoke test (memorise 10 random feature maps with fixed random captions), and a s
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -102,6 +103,12 @@ def memorisation_cider(model: Captioner, vis: VisualBatch, captions: list[list[i
                             {i: [words(c)] for i, c in enumerate(captions)}, metrics=("CIDEr-D",))
     exact = sum(h.token_ids == c for h, c in zip(hyps, captions))
     return scores["CIDEr-D"], exact, hyps
+
+
+def constructor_arguments(model: Captioner) -> set[str]:
+    """The arguments a model's class takes, all of which its ``config()`` must give back for a checkpoint to rebuild
+    it (``ids``, the special tokens' ids, come from the checkpoint's vocabulary instead)."""
+    return set(inspect.signature(type(model).__init__).parameters) - {"self", "ids"}
 
 
 class RecordingDropout(torch.nn.Module):

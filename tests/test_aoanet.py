@@ -2,7 +2,6 @@
 against AoANet Eq. 11–14, masking, the shared decoder's alignment rule, checkpoints, gradients, ablation flags and
 memorisation."""
 
-import inspect
 import json
 import math
 
@@ -18,8 +17,8 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
-                          RecordingDropout, memorisation_cider, memorisation_task, rescored_beams,
-                          train_to_memorise)
+                          constructor_arguments, RecordingDropout, memorisation_cider, memorisation_task,
+                          rescored_beams, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -450,7 +449,7 @@ def test_config_holds_every_constructor_argument():
     recorded only when set, so all of them are set here."""
     model = tiny(refiner="transformer", ffn_dim=20, query_norm=True, word_embedding="relu_dropout",
                  projection_bias=True, aoa_query="input", layer_norm="std")
-    arguments = set(inspect.signature(type(model).__init__).parameters) - {"self", "ids"}
+    arguments = constructor_arguments(model)
     assert set(model.config()) == arguments
     again = create("aoanet", **json.loads(json.dumps(model.config())))
     assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}

@@ -2,7 +2,6 @@
 parallel teacher-forced pass, the decoder structure, masking, the shared decoder's alignment rule, checkpoint round
 trip and the memorisation smoke test."""
 
-import inspect
 import json
 import math
 
@@ -18,8 +17,8 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.zoo import available, create, options
 
 from .model_checks import (VOCAB as MEMO_VOCAB, assert_beam_one_is_greedy, assert_checkpoint_round_trip,
-                          RecordingDropout, memorisation_cider, memorisation_task, rescored_beams, stepwise,
-                          train_to_memorise)
+                          constructor_arguments, RecordingDropout, memorisation_cider, memorisation_task,
+                          rescored_beams, stepwise, train_to_memorise)
 
 # tiny tensors gain nothing from a second thread, and on a busy machine waiting for it dominates
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -223,7 +222,7 @@ def test_config_holds_every_constructor_argument():
     model trained with ``--set celu_alpha=1.0`` (or any other non-default) would reload as another model."""
     model = tiny(celu_alpha=1.0, update_dropout=0.2, attention_dropout=0.05, word_dropout=0.15, dropout=0.25,
                  activation="relu", group_norm=True)
-    arguments = set(inspect.signature(type(model).__init__).parameters) - {"self", "ids"}
+    arguments = constructor_arguments(model)
     assert set(model.config()) == arguments
     again = create("xtransformer", **json.loads(json.dumps(model.config())))
     assert {name: again.config()[name] for name in arguments} == {name: model.config()[name] for name in arguments}
