@@ -679,14 +679,19 @@ def test_the_errors_list_of_an_output_without_a_suffix_is_a_json_lines_file_besi
     assert archive.errors_path(tmp_path / "captions") == tmp_path / "captions.errors.jsonl"
 
 
+def _write_one_line(out: Path, record: dict) -> None:
+    """A new run's output (no ``--resume``) given one line, then closed."""
+    lines = CaptionLines(out, resume=False)
+    lines.write(record)
+    lines.close()
+
+
 def test_an_empty_output_file_is_written_without_resume(tmp_path):
     """README: "Without ``--resume`` an existing non-empty output is refused": an empty one (made by ``touch``, or
     by a run stopped before its first caption) holds nothing to lose, and is written."""
     out = tmp_path / "out.jsonl"
     out.touch()
-    lines = CaptionLines(out, resume=False)
-    lines.write({"path": "x.jpg", "caption": "a cat"})
-    lines.close()
+    _write_one_line(out, {"path": "x.jpg", "caption": "a cat"})
     assert read_lines(out) == [{"path": "x.jpg", "caption": "a cat"}]
 
 
@@ -778,9 +783,7 @@ def test_a_lines_text_is_utf_8_as_listed_not_json_escapes(tmp_path):
     """A path (or caption) outside ASCII is written as its UTF-8 text, as the service answers it: ``grep café`` finds
     its line, where ``\\u00e9`` escapes would hide it."""
     out = tmp_path / "out.jsonl"
-    lines = CaptionLines(out, resume=False)
-    lines.write({"path": "fotos/café/Ünïcode.jpg", "caption": "a cat"})
-    lines.close()
+    _write_one_line(out, {"path": "fotos/café/Ünïcode.jpg", "caption": "a cat"})
     assert out.read_bytes() == '{"path": "fotos/café/Ünïcode.jpg", "caption": "a cat"}\n'.encode()
 
 
@@ -788,7 +791,5 @@ def test_an_output_in_a_folder_not_yet_made_is_written_there(tmp_path):
     """``--output results/run1/captions.jsonl`` makes the folders it names (a shard's first run on a fresh volume),
     as the list of errors beside it does."""
     out = tmp_path / "results" / "run1" / "captions.jsonl"
-    lines = CaptionLines(out, resume=False)
-    lines.write({"path": "x.jpg", "caption": "a cat"})
-    lines.close()
+    _write_one_line(out, {"path": "x.jpg", "caption": "a cat"})
     assert read_lines(out) == [{"path": "x.jpg", "caption": "a cat"}]

@@ -17,7 +17,7 @@ from captioner.models.checkpoint import write_manifest
 from captioner.models.data import ood as ood_module
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.ood import SHADES, generate_ood
-from captioner.models.data.scenes import HELDOUT_COMBOS, NUMBER_WORDS, named_objects
+from captioner.models.data.scenes import HELDOUT_COMBOS, NUMBER_WORDS, _place_phrase, named_objects
 
 from .conftest import DEFAULT_CHECKPOINT
 from .test_cli import captioner
@@ -232,10 +232,7 @@ def test_a_scene_of_one_kind_is_placed_by_the_thirds_of_its_own_canvas(ood):
         (width, height), x, y = entry["canvas"], *np.mean([o["center"] for o in objects], axis=0)
         vertical = "top" if y < height / 3 else "bottom" if y > 2 * height / 3 else "middle"
         horizontal = "left" if x < width / 3 else "right" if x > 2 * width / 3 else "centre"
-        if vertical == "middle":
-            place = "in the centre" if horizontal == "centre" else f"on the {horizontal}"
-        else:
-            place = f"at the {vertical}" if horizontal == "centre" else f"in the {vertical} {horizontal}"
+        place = _place_phrase(vertical, horizontal)  # the wording, which test_scenes holds
         assert entry["sentences"][2]["raw"].endswith(place), (entry["filename"], entry["canvas"], x, y)
         placed += 1
     assert placed >= 4
