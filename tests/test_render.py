@@ -686,3 +686,65 @@ def test_an_all_zero_rows_box_is_outlined_in_the_colormaps_lowest_colour():
     geometry = Geometry("regions", (350, 350), None, boxes)
     out = np.asarray(overlay(Image.new("RGB", (350, 350)), [0.0, 0.0], geometry, "top1_box"))
     assert tuple(out[50, 0]) == (0, 0, 127)  # jet at 0, on the first box's left edge
+
+
+def test_a_small_copy_is_drawn_on_within_a_pixel_and_a_half_where_1_percent_is_less():
+    """Under 150 px a side's 1 % is under a pixel and a half: a 57-px-wide copy of a 451x300 photo (an eighth, as a
+    JPEG's reduced decode makes it) is 37.9 px tall, so 39 px is 1.1 px off and still its shape, 40 px is not."""
+    geometry = grid_geometry(EncoderSpec(), (451, 300))
+    weights = np.full(64, 1 / 64)
+    assert overlay(Image.new("RGB", (57, 39)), weights, geometry).size == (57, 39)
+    with pytest.raises(RenderError, match="draw on that picture"):
+        overlay(Image.new("RGB", (57, 40)), weights, geometry)
+
+
+def test_a_wide_pictures_boxes_and_labels_are_sized_by_its_shorter_side(monkeypatch):
+    """The outline is a hundredth of the shorter side wide and the label's font a 24th of it: a 1200x300 panorama's
+    are 3 px and 12 px, as a 300-px square's, not 12 px and 50 px from its width."""
+    sizes, load_default = [], heatmaps.ImageFont.load_default
+
+    def recording(size=None):
+        sizes.append(size)
+        return load_default(size=size)
+
+    monkeypatch.setattr(heatmaps.ImageFont, "load_default", recording)
+    geometry = grid_geometry(EncoderSpec(), (1200, 300))  # 150x37.5-px cells
+    out = np.asarray(overlay(Image.new("RGB", (1200, 300)), [1.0], geometry, "area_topk",
+                             area_boxes=np.array([[0, 0, 1, 1]]), top_k=1))
+    assert sizes == [12]
+    lit = out[60].any(-1)  # a row of the box below its label: its left outline, then its dark inside
+    assert lit[:3].all() and not lit[3:20].any()
+
+
+def test_an_area_label_is_written_inside_its_box_right_of_its_outline():
+    """The weight is written in the box's top-left corner inside the outline, not across it: on an area in the middle
+    of a dark photo, every white pixel of the label lies inside the box's outline."""
+    geometry = grid_geometry(EncoderSpec(), (512, 512))  # 64-px cells; the outline is 5 px wide
+    out = np.asarray(overlay(Image.new("RGB", (512, 512)), [1.0], geometry, "area_topk",
+                             area_boxes=np.array([[2, 2, 5, 5]]), top_k=1)).astype(int)
+    ys, xs = np.nonzero(out.min(-1) >= 240)
+    assert len(xs) >= 40
+    assert xs.min() >= 128 + 5 and ys.min() >= 128 + 5 and xs.max() < 384 - 5 and ys.max() < 384 - 5
+
+
+@pytest.mark.parametrize("picture_mode", ["L", "RGBA", "P"])
+@pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks", "top1_box"])
+def test_an_overlay_of_a_picture_in_another_colour_mode_is_rgb(picture_mode, mode):
+    """A library caller may pass a greyscale, transparent or palette picture as Pillow opened it: the overlay is RGB,
+    drawn on the picture's RGB conversion, in every mode."""
+    photo = Image.fromarray(np.random.default_rng(5).integers(0, 256, (200, 300, 3), dtype=np.uint8))
+    picture = photo.convert(picture_mode)
+    geometry = grid_geometry(EncoderSpec(), photo.size)
+    out = overlay(picture, one_hot(27), geometry, mode)
+    assert out.mode == "RGB" and out.size == photo.size
+    assert out.tobytes() == overlay(picture.convert("RGB"), one_hot(27), geometry, mode).tobytes()
+
+
+def test_a_greyscale_photos_figure_shows_it_in_grey_first(laid_out):
+    """The figure's first panel is the photo converted to RGB: a greyscale one given as it is would be drawn by
+    matplotlib through a colormap (viridis), its greys turned green and purple."""
+    grey = Image.fromarray(np.random.default_rng(6).integers(0, 256, (200, 300), dtype=np.uint8))
+    caption_figure(grey, ["a"], [one_hot(9)], grid_geometry(EncoderSpec(), grey.size))
+    ((grid, _),) = laid_out
+    (_, thumb), (_, panel) = grid[0]
+    assert thumb.mode == panel.mode == "RGB" and thumb.tobytes() == grey.convert("RGB").tobytes()
