@@ -1,6 +1,8 @@
 """Pixel-level checks of the heatmap renderer (docs/decisions.md#heatmap-modes)."""
 
+import errno
 import io
+from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -748,3 +750,60 @@ def test_a_greyscale_photos_figure_shows_it_in_grey_first(laid_out):
     ((grid, _),) = laid_out
     (_, thumb), (_, panel) = grid[0]
     assert thumb.mode == panel.mode == "RGB" and thumb.tobytes() == grey.convert("RGB").tobytes()
+
+
+def test_a_caption_figure_in_area_topk_hands_its_area_boxes_to_every_panel(laid_out):
+    """An area model's figure in area_topk (``result.figure(photo, "area_topk")``, the service's figure in that mode)
+    draws each word's areas with the caption's area boxes: without them every panel was refused."""
+    image = Image.new("RGB", (300, 200), (120, 160, 200))
+    geometry = grid_geometry(EncoderSpec(), image.size)
+    areas = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [2, 2, 4, 5]])
+    rows = np.eye(3, dtype=np.float32) * 0.6 + 0.1
+    caption_figure(image, ["a", "red", "dog"], rows, geometry, "area_topk", area_boxes=areas)
+    ((grid, _),) = laid_out
+    panels = [picture for row in grid for _, picture in row][1:]
+    assert len(panels) == 3
+    for row, picture in zip(rows, panels):
+        assert picture.tobytes() == overlay(image, row, geometry, "area_topk", area_boxes=areas).tobytes()
+
+
+@pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks"])
+def test_an_overlay_of_full_opacity_is_the_heats_colours_where_it_draws(mode):
+    """``alpha`` runs over [0, 1], both ends included: at 1 the heat's colours replace the photo wherever heat is
+    drawn (the whole photo for grid_smooth, the lit cell alone for grid_blocks)."""
+    photo = Image.fromarray(np.random.default_rng(7).integers(0, 256, (200, 300, 3), dtype=np.uint8))
+    geometry = grid_geometry(EncoderSpec(), photo.size)
+    heat = drawn_heat(one_hot(27), geometry, mode)
+    out = np.asarray(overlay(photo, one_hot(27), geometry, mode, alpha=1.0))
+    colours = matplotlib.colormaps["jet"](heat, bytes=True)[..., :3]
+    drawn = np.ones(heat.shape, bool) if mode == "grid_smooth" else heat > 0
+    np.testing.assert_array_equal(out[drawn], colours[drawn])
+    np.testing.assert_array_equal(out[~drawn], np.asarray(photo)[~drawn])
+
+
+@pytest.mark.parametrize("mode, hint", [("top1_box", True), ("area_topk", True), ("nope", False)])
+def test_a_heatmap_asked_of_a_box_mode_points_to_overlay(mode, hint):
+    """A box mode draws no heat map, but it is a mode: its refusal says where it is drawn; an unknown name's does
+    not."""
+    geometry = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
+    with pytest.raises(RenderError) as refused:
+        heatmap([0.5, 0.5], geometry, mode)
+    assert ("(it draws boxes: see overlay)" in str(refused.value)) == hint
+
+
+def test_a_picture_that_fails_to_save_leaves_the_one_there_before_whole(tmp_path, monkeypatch):
+    """A full disk part-way through a figure leaves the figure that was there before, never half of the new one,
+    and no temporary file beside it (``save_picture``'s promise)."""
+    path = tmp_path / "figure.png"
+    save_picture(Image.new("RGB", (8, 6), (10, 20, 30)), path)
+    before = path.read_bytes()
+
+    def half_then_full(self, data):
+        with open(self, "wb") as handle:
+            handle.write(data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", half_then_full)
+    with pytest.raises(OSError):
+        save_picture(Image.new("RGB", (64, 48), (200, 30, 30)), path)
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
