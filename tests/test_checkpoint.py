@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 
 import captioner.models.checkpoint as checkpoint
 from captioner.models import checkpoint as module
+from captioner.models import files
 from captioner.models.attention import NORMALISERS
 from captioner.models.checkpoint import CARD, WEIGHTS, Checkpoint, CheckpointError, checkpoint_name, \
     convert_storage, described_model, find_checkpoints, load_checkpoint, manifest_changes, model_files, on_meta, \
@@ -808,3 +811,76 @@ def test_a_float32_checkpoints_config_names_no_storage(tmp_path, tiny_sat, vocab
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
     assert "storage" not in json.loads((path / "config.json").read_text())
     assert load_checkpoint(path).storage == "float32"
+
+
+def test_a_save_that_dies_moving_its_folder_in_leaves_the_previous_checkpoint(tmp_path, tiny_sat, vocab, monkeypatch):
+    """The previous checkpoint is swapped out, or (where the OS cannot exchange folders, forced here) set aside and
+    put back by the next save or resume: never removed before the new folder is in place, so a save that dies at
+    the last rename (a full disk, a kill) still leaves a checkpoint to load."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), {"epoch": 1})
+    real_replace = os.replace
+
+    def dies_moving_in(source, target, **options):
+        if Path(target) == path:
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        real_replace(source, target, **options)
+
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "replace", dies_moving_in)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_checkpoint(path, tiny_sat, vocab, EncoderSpec(), {"epoch": 2})
+    monkeypatch.undo()
+    module.remove_debris(path)  # what the next save of the folder, or a training run's resume, does first
+    assert load_checkpoint(path).meta == {"epoch": 1}
+
+
+@pytest.mark.parametrize("file, newer", [("config.json", "attention-captioner/2"),
+                                         ("manifest.json", "attention-captioner-manifest/2")])
+def test_a_checkpoint_of_a_newer_format_is_refused_not_read_as_this_one(file, newer, tmp_path, tiny_sat, vocab):
+    """A later version of the format may mean its files otherwise: only this version is read, not any of the same
+    name (the config is sealed again, so that the refusal is the format's and not the manifest's digest)."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / file).write_text(json.dumps({**json.loads((path / file).read_text()), "format": newer}))
+    if file == "config.json":
+        module.write_manifest(path)
+    kind = "checkpoint" if file == "config.json" else "manifest"
+    with pytest.raises(CheckpointError, match=f"unknown {kind} format '{re.escape(newer)}'"):
+        load_checkpoint(path)
+
+
+def test_weights_lacking_a_tensor_holding_another_or_of_another_model_are_refused_naming_them(tmp_path, tiny_sat,
+                                                                                               vocab):
+    """The shape check compares the tensors' names as well as their shapes: weights without one of the model's
+    tensors, with one it has not, or of another architecture reached ``load_state_dict`` and its RuntimeError, not
+    a :class:`CheckpointError` naming the folder's weights."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    state = load_file(path / WEIGHTS)
+    dropped = sorted(state)[0]
+    other = save_checkpoint(tmp_path / "aoanet", tiny_model("aoanet"), vocab, EncoderSpec())
+    for weights, named in ((save_tensors({k: v for k, v in state.items() if k != dropped}),
+                            f"missing {re.escape(dropped)}$"),
+                           (save_tensors({**state, "extra.weight": torch.zeros(2)}), "unexpected extra.weight$"),
+                           ((other / WEIGHTS).read_bytes(), r"; and \d+ more$")):
+        (path / WEIGHTS).write_bytes(weights)
+        with pytest.raises(CheckpointError, match=f"does not hold the weights of the sat model its config.json "
+                                                  f"describes: .*{named}"):
+            load_checkpoint(path, verify=False)
+
+
+def test_a_model_built_with_other_special_ids_loads_with_them(tmp_path, vocab):
+    """``config.json`` records the special ids the model was built with and loading passes them to its constructor:
+    without them a model built with other ids came back with the defaults, starting and ending its captions at
+    other words."""
+    model = create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, pad_id=3, bos_id=4,
+                   eos_id=5)
+    loaded = load_checkpoint(save_checkpoint(tmp_path / "ckpt", model, vocab, EncoderSpec())).model
+    assert (loaded.pad_id, loaded.bos_id, loaded.eos_id) == (3, 4, 5)
+
+
+def test_a_record_field_written_again_replaces_the_old_value_and_keeps_the_others(tmp_path, tiny_sat, vocab):
+    """``captioner tune`` writes a checkpoint's decoding rules with ``update_meta``; tuned again, the new rules are
+    the ones kept (the older record must not win), and the rest of the record stays."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), {"name": "sat"})
+    update_meta(path, decoding={"length_penalty": 0.5})
+    update_meta(path, decoding={"length_penalty": 1.0})
+    assert load_checkpoint(path).meta == {"name": "sat", "decoding": {"length_penalty": 1.0}}
