@@ -884,3 +884,21 @@ def test_a_record_field_written_again_replaces_the_old_value_and_keeps_the_other
     update_meta(path, decoding={"length_penalty": 0.5})
     update_meta(path, decoding={"length_penalty": 1.0})
     assert load_checkpoint(path).meta == {"name": "sat", "decoding": {"length_penalty": 1.0}}
+
+
+def test_a_training_run_given_for_a_checkpoint_names_each_checkpoint_it_holds(tmp_path, tiny_sat, vocab):
+    """``captioner eval runs/sat`` means one of the run's checkpoints: the error offers each it holds, ``last/`` too
+    (a run stopped before its first validation has no ``best/``)."""
+    run = tmp_path / "sat"
+    save_checkpoint(run / "last", tiny_sat, vocab, EncoderSpec())
+    with pytest.raises(CheckpointError, match=f"is a training run, not a checkpoint: give {re.escape(str(run))}/last$"):
+        load_checkpoint(run)
+    save_checkpoint(run / "best", tiny_sat, vocab, EncoderSpec())
+    with pytest.raises(CheckpointError, match=re.escape(f"not a checkpoint: give {run / 'best'} or {run / 'last'}")):
+        load_checkpoint(run)
+
+
+def test_a_name_recorded_in_a_checkpoint_is_the_name_it_reports(tmp_path, tiny_sat, vocab):
+    """``meta["name"]`` (a library caller's own name for a model) comes before its folder's name in the reports."""
+    path = save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"name": "sat-baseline"})
+    assert load_checkpoint(path).name == "sat-baseline"
