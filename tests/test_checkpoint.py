@@ -902,3 +902,38 @@ def test_a_name_recorded_in_a_checkpoint_is_the_name_it_reports(tmp_path, tiny_s
     """``meta["name"]`` (a library caller's own name for a model) comes before its folder's name in the reports."""
     path = save_checkpoint(tmp_path / "best", tiny_sat, vocab, EncoderSpec(), {"name": "sat-baseline"})
     assert load_checkpoint(path).name == "sat-baseline"
+
+
+def test_a_replacement_flushes_its_files_and_then_the_folder_before_it_takes_the_checkpoints_place(tmp_path, tiny_sat,
+                                                                                                   vocab, monkeypatch):
+    """As a save's: a card written but not flushed may be empty after a power cut while the rename that put its
+    folder in place survived, and the manifest that lists it then refuses the checkpoint."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    real_create_durably, real_fsync_path, flushed = module.create_durably, module.fsync_path, []
+
+    def create_durably(file, data):
+        flushed.append((Path(file).name, False))
+        real_create_durably(file, data)
+
+    def fsync_path(folder):
+        flushed.append((Path(folder).name, CARD in module.listed_files(Path(folder))))
+        real_fsync_path(folder)
+
+    monkeypatch.setattr(module, "create_durably", create_durably)
+    monkeypatch.setattr(module, "fsync_path", fsync_path)
+    replace_files(path, {CARD: "# sat\n"})
+    assert (CARD, False) in flushed
+    # the temporary folder, once its manifest lists the card, before its rename
+    assert any(temporary_target(name) == "ckpt" and sealed for name, sealed in flushed)
+
+
+def test_a_rewritten_checkpoint_keeps_an_encoder_file_outside_its_folder_by_its_full_path(tmp_path, tiny_sat, vocab):
+    """Only a file inside the folder is named by its name alone when the checkpoint is written again: a CNN's weights
+    kept elsewhere (an absolute path) would otherwise be looked for beside the working directory."""
+    cnn = tmp_path / "shared" / "cnn.safetensors"
+    cnn.parent.mkdir()
+    cnn.write_bytes(b"the CNN")
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(weights=str(cnn)))
+    update_meta(path, note="rewritten")
+    assert json.loads((path / "config.json").read_text())["encoder"]["weights"] == str(cnn)
+    assert load_checkpoint(path).encoder.weights == str(cnn)
