@@ -220,3 +220,10 @@ def test_the_reward_of_no_captions_is_an_empty_array():
     and concatenates like the others, not None."""
     scores = CiderD([["a dog runs"], ["a cat"]]).score([], [])
     assert isinstance(scores, np.ndarray) and scores.shape == (0,)
+
+
+def test_the_corpus_score_of_no_captions_is_an_empty_array():
+    """``cider_d([], [])`` (a split filtered to no images) is an empty array, as ``CiderD.score([], [])`` is, not the
+    math domain error of the log of a corpus of no images."""
+    scores = cider_d([], [])
+    assert isinstance(scores, np.ndarray) and scores.shape == (0,)

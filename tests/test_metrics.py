@@ -28,6 +28,21 @@ def test_perfect_and_wrong_captions():
     assert good["ROUGE-L"] > bad["ROUGE-L"]
 
 
+def test_scores_are_raw_fractions_not_percentages():
+    """docs: raw scores, not ×100 (docs/model_zoo.md's tables multiply them): captions that are references score
+    BLEU-1..4 and ROUGE-L of 1, not 100."""
+    exact = score_captions({1: "a red circle and a blue square", 2: "a green star"}, REFS, ("BLEU", "ROUGE-L"))
+    assert exact == pytest.approx({"BLEU-1": 1.0, "BLEU-2": 1.0, "BLEU-3": 1.0, "BLEU-4": 1.0, "ROUGE-L": 1.0},
+                                  abs=1e-6)
+
+
+def test_captions_are_scored_as_given_without_lower_casing():
+    """``score_captions`` splits at spaces and nothing more (``captioner eval`` tokenises first): "A" is not "a",
+    "circle." is not "circle", so of "A red circle." only "red" is a reference's word."""
+    given = score_captions({1: "A red circle."}, {1: ["a red circle"]}, "BLEU")
+    assert given["BLEU-1"] == pytest.approx(1 / 3, abs=1e-6)
+
+
 def test_inputs_that_scored_wrongly_in_silence_are_refused_by_name():
     # a library user's audit: a reference given as a string was scored as its characters (BLEU-1 0.5 for an exact
     # match), "BLEU-4" returned {}, a missing reference was a bare KeyError
@@ -117,6 +132,9 @@ def test_references_are_the_projects_tokens_unless_ptb_is_asked_for():
     reference keeps "t-shirt" one word where the caption has "t shirt"."""
     image = CaptionedImage(1, "1.jpg", "test", [tokenize("A T-shirt, red.")], raw_references=["A T-shirt, red."])
     assert reference_texts([image]) == [["a t shirt red"]]
+    # every reference of an image, in order (tests/test_compare.py's images repeat one reference five times)
+    two = CaptionedImage(2, "2.jpg", "test", [["a", "dog"], ["two", "dogs", "run"]])
+    assert reference_texts([image, two]) == [["a t shirt red"], ["a dog", "two dogs run"]]
 
 
 def test_an_empty_caption_is_scored_as_the_one_word_empty():
