@@ -1,5 +1,6 @@
 import os
 import shutil
+import threading
 
 import pytest
 from pycocoevalcap.bleu.bleu import Bleu
@@ -165,3 +166,27 @@ def test_meteor_without_java_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     with pytest.raises(RuntimeError, match="METEOR needs Java on PATH"):
         score_captions({1: "a red circle"}, REFS, ("METEOR",))
+
+
+def test_a_java_that_stops_makes_meteor_an_error_not_a_hang(tmp_path, monkeypatch):
+    """A Java that stops at once (a 2 GB heap it cannot reserve, a crash) broke pycocoevalcap's METEOR wrapper while
+    it held its lock: the caller got a bare BrokenPipeError or ValueError, and the scorer's ``__del__``, which takes
+    the same lock, then waited forever wherever the scorer was collected (``captioner eval --meteor`` never ended)."""
+    fake = tmp_path / "java"
+    fake.write_text("#!/bin/sh\necho 'Error: Could not reserve enough space for object heap' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    raised = []
+
+    def score():
+        try:
+            score_captions({1: "a red circle", 2: "a green star"}, REFS, ("METEOR",))
+        except ChildProcessError as error:
+            raised.append(str(error))
+        # leaving the except block frees the traceback and with it the scorer: its __del__ runs in this thread
+
+    worker = threading.Thread(target=score, daemon=True)
+    worker.start()
+    worker.join(timeout=60)  # a bound on a hang, not a timing: the run takes well under a second
+    assert not worker.is_alive(), "the METEOR scorer's __del__ waits for the lock that compute_score kept"
+    assert len(raised) == 1 and "METEOR (Java) stopped before scoring: Error: Could not reserve" in raised[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections import Counter, defaultdict
+from contextlib import suppress
 from itertools import count
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -70,7 +71,17 @@ def score_captions(candidates: Mapping[int, str], references: Mapping[int, Seque
         java = scorer.meteor_p
         try:
             scores["METEOR"] = float(scorer.compute_score(gts, res)[0])
+        except (OSError, ValueError) as error:  # Java stopped: a closed pipe written to, an empty line read
+            java.kill()
+            with suppress(OSError):  # the unwritten rest of its input goes nowhere (__del__'s close would raise)
+                java.stdin.close()
+            message = java.stderr.read().decode(errors="replace").strip() or f"exit status {java.wait()}"
+            raise ChildProcessError(f"coco-caption's METEOR (Java) stopped before scoring: {message}") from error
         finally:
+            # compute_score keeps the scorer's lock when it fails, and __del__ takes that lock: it would wait forever
+            # wherever the scorer was collected
+            if scorer.lock.locked():
+                scorer.lock.release()
             del scorer  # its __del__ closes Java's input, stops it and waits for it; its output pipes it leaves open
             for stream in (java.stdout, java.stderr):
                 stream.close()
