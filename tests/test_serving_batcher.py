@@ -932,6 +932,43 @@ def test_an_idle_model_admits_despite_an_old_estimate_and_its_steps_correct_it(e
     run_bounded(scenario())
 
 
+def test_a_failed_step_leaves_no_phantom_work_for_admission_control_to_count(encoder):
+    """After a failing step the worker falls idle with no request left; admission control must see an idle model
+    too.  Left counting the failed request as decoding, it would judge the next request by the old estimate with
+    work ahead of it that nobody will do, and refuse a request an idle model serves at once."""
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # every request runs to its length limit
+    real_step, steps = runtime.step, []
+
+    def failing_at_the_second_requests_second_step(*args):
+        steps.append(1)
+        if len(steps) == 6:  # the first request took steps 1-4; the second one's first step succeeds
+            raise RuntimeError("a broken kernel")
+        return real_step(*args)
+
+    runtime.step = failing_at_the_second_requests_second_step
+    idle_calls = threading.Semaphore(0)  # the worker calls the hook after cleaning up a stretch of work
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=16, clock=clock, on_idle=idle_calls.release)
+    prepared = runtime.prepare(random_images(1, seed=5)[0])
+
+    async def scenario():
+        batcher.start()
+        try:
+            await batcher.caption(prepared, 3, 4, 1000)
+            assert await asyncio.to_thread(idle_calls.acquire, timeout=10)
+            assert batcher.expected_wait_s(3, 4) > 1  # an estimate that would refuse a deadline of 1 s
+            with pytest.raises(RuntimeError, match="a broken kernel"):
+                await batcher.caption(prepared, 3, 4, 1000)
+            assert await asyncio.to_thread(idle_calls.acquire, timeout=10)
+            assert batcher.idle and batcher.active_jobs == 0
+            batcher.check_admission(1 / ADMISSION_HEADROOM, 3, 4)  # idle: admitted whatever the old estimate says
+        finally:
+            await batcher.stop(10)
+
+    run_bounded(scenario())
+
+
 def _estimate_job(beam: int, max_len: int, steps: int = 0, deadline: float = 100.0,
                   typical_length: bool = True, enqueued: float = 0.0) -> Job:
     """A job as admission control sees it (no image, no event loop: the estimate reads none)."""
@@ -1742,6 +1779,48 @@ def test_images_are_encoded_in_the_encoder_thread_only_when_encoding_overlaps(en
 
     run_bounded(scenario())
     assert [name.split("_")[0] for name in threads] == ["encoder-sat" if overlap else "batcher-sat"]
+
+
+def test_a_worker_encodes_its_chunks_one_at_a_time_in_a_single_encoder_thread(encoder):
+    """The encoder is one thread beside the worker (the CNN on one core, the steps on another): two chunks admitted
+    at one boundary are encoded one after the other, never at once.  A second encoding thread would take a third
+    core from a server sized for two, and calibration would time the encoder batches while they compete."""
+    runtime = runtime_for("sat", encoder)
+    images = [runtime.prepare(image) for image in random_images(2, seed=15)]
+    begin, lock = runtime.begin, threading.Lock()
+    inside, most_at_once, second_started = [0], [0], threading.Event()
+
+    def counted_begin(batch, widths):
+        with lock:
+            inside[0] += 1
+            most_at_once[0] = max(most_at_once[0], inside[0])
+            if batch[0] is images[1]:
+                second_started.set()
+        try:
+            if batch[0] is images[0]:  # held until the second chunk starts, or 1 s: long enough for a free thread
+                second_started.wait(1)
+            return begin(batch, widths)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    runtime.begin = counted_begin
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16)
+    batcher.encode_batch = 1  # the two admitted together are two chunks
+
+    async def scenario():
+        batcher.start()
+        try:
+            with batcher._wake:  # the worker takes both at its first boundary
+                jobs = [batcher.submit(prepared, 1, 3, 60) for prepared in images]
+            return [await job.future for job in jobs]
+        finally:
+            await batcher.stop(10)
+
+    results = run_bounded(scenario())
+    assert most_at_once[0] == 1
+    for prepared, got in zip(images, results):
+        assert_same_result(got, solo(runtime, prepared, 1, 3))
 
 
 def test_a_drain_that_finishes_ends_the_worker_without_waiting_out_its_timeout(encoder):
