@@ -241,7 +241,8 @@ def test_start_up_garbage_is_collected_before_the_rest_is_frozen():
     try:
         frozen = freeze_startup_objects()
         assert gone() is None, "an unreachable cycle was frozen with the living"
-        assert frozen == gc.get_freeze_count() > 0
+        # threads other tests left may free frozen objects meanwhile: the count can only fall, and only a little
+        assert 0 <= frozen - gc.get_freeze_count() <= frozen // 100 and frozen > 0
     finally:
         gc.unfreeze()
         if enabled:
