@@ -262,9 +262,9 @@ def test_an_app_mounted_in_another_checks_keys_under_its_mount_and_names_its_pag
 
 
 def _unread_body(headers: dict[bytes, bytes], chunks: list[bytes], *, status: int = 401, reads: int = 0,
-                 limit: int = 1 << 20, stalls: bool = False) -> list[bytes]:
-    """The chunks of a body that :class:`UnreadBodyMiddleware` (at most ``limit`` bytes) had read when an app that
-    read ``reads`` of them answered ``status``; a client that ``stalls`` sends no last chunk."""
+                 limit: int | None = 1 << 20, stalls: bool = False) -> list[bytes]:
+    """The chunks of a body that :class:`UnreadBodyMiddleware` (at most ``limit`` bytes; None: its default) had read
+    when an app that read ``reads`` of them answered ``status``; a client that ``stalls`` sends no last chunk."""
     messages = [{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
                 for i, chunk in enumerate(chunks)]
     read, read_when_answered = [], []
@@ -286,7 +286,8 @@ def _unread_body(headers: dict[bytes, bytes], chunks: list[bytes], *, status: in
             read_when_answered.extend(read)
 
     scope = {"type": "http", "method": "POST", "path": "/caption", "headers": list(headers.items())}
-    run_bounded(UnreadBodyMiddleware(app, limit)(scope, receive, send), 5)
+    middleware = UnreadBodyMiddleware(app) if limit is None else UnreadBodyMiddleware(app, limit)
+    run_bounded(middleware(scope, receive, send), 5)
     return read_when_answered
 
 
@@ -319,6 +320,14 @@ def test_a_body_declared_at_exactly_the_limit_is_read_before_the_answer():
     length = {b"content-length": b"2001"}
     assert _unread_body(length, chunks, limit=2001) == chunks
     assert _unread_body(length, chunks, limit=2000) == []
+
+
+def test_the_middleware_reads_a_body_of_up_to_64_mib_by_default():
+    """docs/decisions.md promises the rest of a body is read "up to 64 MiB" before an answer: a body declared at
+    exactly that is read (its connection then closes without a reset), one byte more is left alone."""
+    chunks = [b"a" * 1000, b"b"]
+    assert _unread_body({b"content-length": str(64 * 2**20).encode()}, chunks, limit=None) == chunks
+    assert _unread_body({b"content-length": str(64 * 2**20 + 1).encode()}, chunks, limit=None) == []
 
 
 def _answers_after_the_app_reads(messages: list[dict]) -> list[int]:
