@@ -638,6 +638,17 @@ def test_a_cut_off_multipart_upload_is_named_malformed_not_missing_its_file(clie
     assert whole.status_code == 200, whole.text
 
 
+def test_a_forms_file_spooled_to_disk_is_closed_when_its_request_ends(client, photo):
+    """A file part over Starlette's spooling threshold (1 MiB) is written to a temporary file on disk: the form
+    closes it when the request ends, captioned or refused, rather than leaving it to the garbage collector (a file
+    descriptor held until then)."""
+    large = photo + b"\0" * (1536 * 1024)  # a JPEG with bytes after its end still decodes
+    with nothing_left_open():
+        captioned = post(client, large)
+        assert captioned.status_code == 200, captioned.text
+        problem(post(client, large, fields={"beam_sise": "2"}))  # refused after the form was parsed
+
+
 def test_a_compressed_body_or_one_without_a_media_type_is_415(client, photo):
     """``Content-Encoding: gzip`` was ignored (a gzipped image was "not an image", gzipped JSON "invalid JSON", and
     an image labelled ``br`` was captioned); bytes without a Content-Type were refused as a form without a file."""
