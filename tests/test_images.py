@@ -260,3 +260,45 @@ def test_a_reduced_decode_of_a_jpeg_strip_keeps_its_one_row():
     # pixels high (a ZeroDivisionError, the overlay route's 500)
     strip = _save(Image.new("RGB", (6000, 2), (10, 20, 30)), "JPEG")
     assert load_image(strip, reduce_to=100).size == (3000, 1)
+
+
+def test_a_picture_above_the_limit_is_refused_naming_its_size_its_pixels_and_the_limit():
+    # the 413's detail: an operator compares the picture's pixels with CAPTIONER_MAX_PIXELS
+    with pytest.raises(ImageTooLarge) as refused:
+        load_image(_save(Image.new("RGB", (300, 200)), "PNG"), max_pixels=59_999)
+    assert str(refused.value) == "image is 300x200 = 60000 pixels, above the limit of 59999"
+
+
+@pytest.mark.parametrize("source", [42, [b"\x89PNG"], None])
+def test_a_source_of_another_type_is_refused_by_name(source):
+    # without its own refusal, such a source reached the decoding with no image and failed there (UnboundLocalError)
+    with pytest.raises(TypeError, match=f"an image must be a path, .* got {type(source).__name__}$"):
+        load_image(source)
+
+
+def test_a_reduced_decode_of_a_colour_jpeg_keeps_its_colours():
+    # the overlay's reduced decode (libjpeg's DCT scaling) is asked for the picture's own mode, not a greyscale one
+    photo = _save(Image.new("RGB", (800, 600), (200, 30, 40)), "JPEG")
+    reduced = load_image(photo, reduce_to=100)
+    assert reduced.size == (100, 75)
+    red, green, blue = reduced.getpixel((50, 37))
+    assert red > 180 and green < 60 and blue < 60
+
+
+def test_a_big_endian_sixteen_bit_tiff_is_scaled_to_eight_bits_too():
+    # Pillow opens a Motorola-order 16-bit TIFF as I;16B, which convert("RGB") would clip at 255 (almost white)
+    grey = data.camera()[::8, ::8]
+    deep = Image.fromarray((grey.astype(np.uint16) * 257).astype(">u2"))
+    assert deep.mode == "I;16B"
+    loaded = np.asarray(load_image(_save(deep, "TIFF")))
+    np.testing.assert_array_equal(loaded[..., 0], grey)
+
+
+def test_a_named_image_is_called_by_its_name_in_every_error():
+    # captioner caption --output reads each file's bytes and names it: the error list says which file failed, not
+    # "the upload"
+    with pytest.raises(ImageDecodeError, match="image in IMG_0001.JPG$"):
+        load_image(b"not an image at all", name="IMG_0001.JPG")
+    torn = _save(Image.fromarray(data.astronaut()), "JPEG")[:5000]
+    with pytest.raises(ImageDecodeError, match="^the image data of IMG_0002.JPG is truncated or corrupt"):
+        load_image(torn, name="IMG_0002.JPG")
