@@ -1589,3 +1589,13 @@ def test_the_preparing_child_runs_on_its_own_threads_not_the_servers(tmp_path):
                                   onnx_dir=tmp_path / "onnx", threads=2,
                                   set_up_logging=functools.partial(record_threads, record)).join()
     assert runtime_module.PreparingChild.THREADS == 1 and record.read_text() == "1"
+
+
+def test_a_model_served_on_onnx_runtime_runs_its_sessions_on_the_threads_setting(tmp_path):
+    """``CAPTIONER_THREADS`` reaches the decoder's own sessions, not only the shared CNN's (one left on ONNX Runtime's
+    one thread per core would contend with the batchers of the other models)."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    runtime = load_on_cpu(tmp_path, "onnx", threads=2)["a"]
+    assert runtime.backend == "onnx"
+    for session in (runtime.encoder_session, runtime.step_session):
+        assert session.get_session_options().intra_op_num_threads == 2
