@@ -100,3 +100,12 @@ def test_a_grid_encoder_imports_neither_timm_nor_torchvision():
             "print(sorted(m for m in ('timm', 'torchvision', 'torch._dynamo') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("channels, repeats", [((16, 24, 40, 80, 112, 192), (1, 2, 2, 3, 3, 4)),
+                                               ((16, 24, 40, 80, 112, 192, 320), (1, 2, 2, 3, 3, 4))])
+def test_a_variant_table_without_seven_stages_is_refused_not_built_short(channels, repeats):
+    """Every variant has the seven stages of the kernel, stride and expansion tables: a table one stage short
+    would otherwise build a network without its last stage (and a grid of other features) in silence."""
+    with pytest.raises(ValueError):
+        EfficientNetLiteNet(channels, repeats)

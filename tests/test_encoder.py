@@ -42,6 +42,23 @@ def test_grid_features_shape_and_frozen(encoder):
     assert not encoder.training, "the backbone stays in eval mode (frozen BatchNorm)"
 
 
+def test_a_new_grid_encoder_is_frozen_and_in_eval_mode_in_every_module():
+    """Frozen from construction, not only after a ``train()`` call: in eval mode, no BatchNorm left (folded into its
+    convolution, so no batch statistics could be taken) and no parameter that takes a gradient.  (The activations
+    folding puts in a BatchNorm's place are new modules in training mode, which changes nothing they compute.)"""
+    encoder = GridEncoder(EncoderSpec())
+    assert not encoder.training and not encoder.net.training and not encoder.net.blocks[0][0].conv_dw.training
+    assert not [name for name, module in encoder.named_modules() if isinstance(module, nn.BatchNorm2d)]
+    assert not [name for name, parameter in encoder.named_parameters() if parameter.requires_grad]
+
+
+def test_a_grid_cut_stages_early_says_the_width_of_the_stage_it_ends_on():
+    """``stop_stages``: the grid of a fine-tuning run's cache ends that many stages early, and ``feat_dim``, which
+    sizes what reads it, is that stage's width (Lite0: 112 two stages before the last), not the last stage's."""
+    cut = GridEncoder(EncoderSpec(stop_stages=2))
+    assert cut.feat_dim == 112 and cut(torch.zeros(1, 3, 64, 64)).shape[-1] == 112
+
+
 def test_hypercolumns_stack_pooled_early_stages_with_the_last_stage(encoder):
     pixels, _ = preprocess(Image.fromarray(data.coffee()), EncoderSpec())
     hyper = GridEncoder(EncoderSpec(layer="hypercolumn"))
