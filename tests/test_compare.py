@@ -13,8 +13,9 @@ import pytest
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.evaluation import compare as compare_module
 from captioner.models.evaluation import metrics as metrics_module
+from captioner.models.evaluation.bootstrap import percentile_interval, resample_counts
 from captioner.models.evaluation.compare import bleu_4, bleu_statistics, compare_captions, corpus_bleu, \
-    markdown, paired_corpus_difference, paired_difference
+    markdown, paired_corpus_difference, paired_difference, read_results
 from captioner.models.evaluation.metrics import cider_d, score_captions
 from captioner.models.evaluation.report import PTB_TOKENIZER, WORDS_TOKENIZER
 from captioner.models.evaluation.zoo_table import paired_markdown
@@ -166,6 +167,63 @@ def test_ptb_comparison_scores_each_side_on_its_own_captions_against_the_raw_ref
     result = compare_captions(raw, short, images, ptb=True)
     assert result["BLEU-4"]["a"] == pytest.approx(1.0) and result["BLEU-4"]["b"] < 0.5
     assert result["CIDEr-D"]["difference"] > 1
+
+
+def test_the_interval_and_the_draws_follow_the_level_seed_and_resamples_asked_for():
+    """Both paired functions name their interval by ``level`` and take it at that level, from ``resamples`` draws
+    made with ``seed`` (the same draws ``bootstrap.resample_counts`` makes), not at the defaults."""
+    rng = np.random.default_rng(2)
+    a, b = rng.normal(1.0, 0.5, 30), rng.normal(0.9, 0.5, 30)
+    counts = resample_counts(30, 50, 7)
+    want = percentile_interval(counts @ a / 30 - counts @ b / 30, 0.5)
+    stat = paired_difference(a, b, np.ones(30), resamples=50, seed=7, level=0.5)
+    assert stat["ci50"] == pytest.approx(list(want))
+    assert stat["share_not_above"] == np.mean(counts @ a <= counts @ b)
+    by_sums = paired_corpus_difference([[x, 1.0] for x in a], [[x, 1.0] for x in b], lambda s: s[..., 0] / s[..., 1],
+                                       resamples=50, seed=7, level=0.5)
+    assert by_sums["ci50"] == pytest.approx(list(want))
+    assert by_sums["share_not_above"] == stat["share_not_above"]
+
+
+def test_compare_captions_hands_its_resamples_and_seed_to_every_measure():
+    exact = {im.image_id: " ".join(im.references[0]) for im in IMAGES}
+    short = {im.image_id: "a red circle" for im in IMAGES}
+    refs = [[" ".join(r) for r in im.references] for im in IMAGES]
+    sides = [[given[i] for i in range(4)] for given in (exact, short)]
+    result = compare_captions(exact, short, IMAGES, resamples=40, seed=5)
+    assert result["CIDEr-D"] == paired_difference(cider_d(sides[0], refs), cider_d(sides[1], refs), np.ones(4),
+                                                  resamples=40, seed=5)
+    assert result["BLEU-4"] == paired_corpus_difference(bleu_statistics(sides[0], refs),
+                                                        bleu_statistics(sides[1], refs), bleu_4, resamples=40, seed=5)
+    assert result["objects_named"] == paired_difference([2, 1, 2, 1], [1, 0, 0, 0], [2, 1, 2, 1], resamples=40,
+                                                        seed=5)
+
+
+def test_captions_are_looked_up_by_an_images_coco_id_where_it_has_one():
+    """``captioner eval --results-json`` writes a COCO image's ``cocoid``, not the data set's own id."""
+    images = [CaptionedImage(im.image_id, im.path, "test", im.references, {**im.info, "cocoid": 1000 + im.image_id})
+              for im in IMAGES]
+    exact = {1000 + im.image_id: " ".join(im.references[0]) for im in IMAGES}
+    assert compare_captions(exact, exact, images, resamples=10)["objects_named"]["a"] == 1.0
+
+
+def test_objects_named_is_pooled_over_a_scene_set_that_holds_a_scene_without_objects():
+    """A scene with nothing in it adds no object to either side's count; the measure is still reported."""
+    images = [*IMAGES, scene(4, [], "an empty picture")]
+    exact = {im.image_id: " ".join(im.references[0]) for im in images}
+    named = compare_captions(exact, {**exact, 0: "a red circle"}, images, resamples=10)["objects_named"]
+    assert named["a"] == 1.0 and named["b"] == pytest.approx(5 / 6)
+
+
+@pytest.mark.parametrize("content", ['{"image_id": 1, "caption": "a cat"}', "[1, 2]", '[{"caption": "a cat"}]',
+                                     '[{"image_id": "one", "caption": "a cat"}]'])
+def test_a_results_file_of_another_shape_is_a_value_error_naming_it(tmp_path, content):
+    """An object, a list of numbers, a record without its id or with a word for one: each the one-line refusal
+    the CLI prints, never a TypeError or KeyError from inside the reader."""
+    path = tmp_path / "results.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=r"results\.json is not a COCO results file"):
+        read_results(path)
 
 
 def test_a_missing_caption_is_an_error_not_a_silent_drop():
