@@ -358,8 +358,9 @@ def fold_batch_norm(net: nn.Module) -> int:
             bias = shift if conv.bias is None else conv.bias * scale + shift
             conv.weight = nn.Parameter((conv.weight * scale[:, None, None, None]).detach(), requires_grad=False)
             conv.bias = nn.Parameter(bias.detach(), requires_grad=False)
+            # in the BatchNorm's mode: a frozen encoder's modules all say eval, the new ones too
             act = nn.Sequential(getattr(bn, "drop", nn.Identity()), getattr(bn, "act", nn.Identity()))
-            setattr(parent, bn_name, act)
+            setattr(parent, bn_name, act.train(bn.training))
             folded += 1
     return folded
 
