@@ -3,6 +3,7 @@
 import asyncio
 import base64
 import gc
+import inspect
 import io
 import json
 import os
@@ -33,6 +34,7 @@ from captioner.service.batcher import Batcher, BeamTooWide, DeadlineExceeded, No
 from captioner.service.captioning import batcher_errors
 from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownResult
 from captioner.service.inputs import drain_body
+from captioner.service.onnx_exports import unprepared
 from captioner.service.problems import problem_of
 from captioner.service.settings import Settings, json_body_bytes
 
@@ -462,6 +464,20 @@ def test_the_models_are_loaded_with_the_thread_count_and_device_of_the_settings(
     loading = settings.model_loading()
     assert (loading["threads"], loading["device_name"]) == (3, "cpu")
     assert {name: loading[name] for name in settings.model_placement()} == settings.model_placement()
+
+
+def test_the_placement_the_models_start_with_is_every_placement_setting_under_its_loaders_keyword(tmp_path):
+    """``model_placement`` hands the settings to ``onnx_exports.unprepared`` and ``runtime.load_runtimes`` by
+    keyword, and both default a keyword left out: a setting dropped on the way (CAPTIONER_ENCODER_PRECISION=int8)
+    served float32 in silence.  Each is given a value other than its default here, so a dropped one shows."""
+    settings = Settings(onnx_dir=tmp_path / "onnx", prefixed_weights_dirs={"p-": tmp_path / "w"},
+                        backends={"a": "onnx"}, backend="hybrid", encoder_precision="int8", precision="bfloat16")
+    assert settings.model_placement() == dict(onnx_dir=tmp_path / "onnx", prefixed={"p-": tmp_path / "w"},
+                                              backends={"a": "onnx"}, default_backend="hybrid",
+                                              encoder_precision="int8", precision="bfloat16")
+    keywords = {name for name, parameter in inspect.signature(unprepared).parameters.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert set(settings.model_placement()) == keywords
 
 
 def test_the_app_loads_its_models_with_the_precision_of_its_settings(tiny_weights):
