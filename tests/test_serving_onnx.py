@@ -969,6 +969,62 @@ def test_a_reference_recorded_under_another_torch_device_or_check_set_is_compute
         backend_choice.reference_captions("a", ckpt, on_gpu, prepared)
 
 
+def test_a_backends_time_is_the_best_of_two_timed_runs_unless_asked_otherwise(monkeypatch):
+    """``_fastest`` calls ``check_seconds`` without ``repeats``: its default is the "best of two" docs/decisions.md
+    states, so that one slow run (a collection, a kernel chosen on first use) does not pick the backend."""
+    clock, captions = [0.0], []
+
+    class Timed:
+        def synchronize(self):
+            pass
+
+        def caption(self, prepared, beam_size, max_len):
+            captions.append(len(captions))
+            clock[0] += 2.0 if len(captions) == 1 else 1.5
+            return []
+
+    monkeypatch.setattr(backend_choice, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert backend_choice.check_seconds(Timed(), []) == 1.5 and len(captions) == 2
+
+
+def test_pytorch_captions_the_check_set_once_untimed_before_the_backends_are_timed(monkeypatch):
+    """The verified backends have run the check set once already (their verification), PyTorch not: its first run
+    (kernel selection, allocator growth) is made untimed first, so each backend is timed warm."""
+    class Made:
+        def __init__(self, backend):
+            self.backend = backend
+
+    events = []
+    seconds = {"onnx": 0.2, "hybrid": 0.3, "torch": 0.1}
+    monkeypatch.setattr(backend_choice, "check_captions",
+                        lambda runtime, prepared: events.append(("untimed", runtime.backend)) or [])
+    monkeypatch.setattr(backend_choice, "check_seconds",
+                        lambda runtime, prepared: events.append(("timed", runtime.backend)) or seconds[runtime.backend])
+    chosen = backend_choice._fastest("sat", [Made("onnx"), Made("hybrid")], Made("torch"), [])
+    assert chosen.backend == "torch"
+    assert events == [("untimed", "torch"), ("timed", "onnx"), ("timed", "hybrid"), ("timed", "torch")]
+
+
+def test_a_reference_recorded_under_another_torch_version_is_computed_again(tmp_path, monkeypatch):
+    """The record's key holds the torch version (docs/decisions.md): after an upgrade, whose PyTorch may caption
+    otherwise, the older version's captions are no reference.  The record made by a start is read back while the
+    version is the same, and is computed again (the PyTorch CNN asked for) once it is another."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "auto")["a"].backend == "onnx"
+    ckpt = load_checkpoint(tmp_path / "weights" / "a")
+    encoders = SharedEncoders(CPU, tmp_path / "onnx", 1)
+
+    def computed(spec):
+        raise LookupError("computed again")
+
+    monkeypatch.setattr(encoders, "pytorch", computed)
+    prepared = [Prepared.of(image, ckpt.encoder) for image in backend_choice.check_images()]
+    assert backend_choice.reference_captions("a", ckpt, encoders, prepared)  # the record, read back
+    monkeypatch.setattr(backend_choice.torch, "__version__", "99.0.0")
+    with pytest.raises(LookupError, match="computed again"):
+        backend_choice.reference_captions("a", ckpt, encoders, prepared)
+
+
 def test_a_torn_or_foreign_reference_record_is_captioned_again(tmp_path):
     """A record that is not the JSON the cache writes (torn by a disk filling up before writes were atomic, or
     another file under its name) is no reference and no reason to fail the start: the check set is captioned
