@@ -607,6 +607,23 @@ def test_a_warm_started_runs_card_gives_its_lineage_times_threads_and_epoch_numb
     assert "- Training time: 45 s of wall clock\n" in write_card(tmp_path / "alone", {}).read_text()
 
 
+def test_a_photo_cards_table_has_the_caption_columns_spice_included_then_the_diversity_measures(tmp_path):
+    """A report of real photos (no ``objects_named``) gets the Flickr8k cards' columns: the caption metrics with
+    SPICE among them (its cell says "unavailable" where the report says why it was not measured), then what
+    diversity.py measures, ``distinct_words`` a whole count. No test regenerates the Flickr8k cards
+    (test_card_regeneration covers the scene cards only), so these columns are pinned here."""
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC)
+    scores = {"BLEU-1": 0.6, "BLEU-2": 0.4, "BLEU-3": 0.3, "BLEU-4": 0.2, "METEOR": 0.19, "ROUGE-L": 0.45,
+              "CIDEr-D": 0.5, "SPICE": "unavailable: no CoreNLP models", "REP": 1.5, "distinct_words": 42,
+              "novel_captions": 0.25, "mean_length": 6.5}
+    header, separator, row = _tables(write_card(tmp_path / "ckpt", {"beam_size": 3,
+                                                                   "test": {"images": 2, **scores}}).read_text())[-1]
+    assert header == ("| split | BLEU-1 | BLEU-2 | BLEU-3 | BLEU-4 | METEOR | ROUGE-L | CIDEr-D | SPICE | REP | "
+                      "distinct_words | novel_captions | mean_length |")
+    assert row == ("| test (2 images) | 0.6000 | 0.4000 | 0.3000 | 0.2000 | 0.1900 | 0.4500 | 0.5000 | unavailable | "
+                   "1.5000 | 42 | 0.2500 | 6.5000 |")
+
+
 def test_a_cards_storage_line_reads_an_unrecorded_storage_as_float32_and_says_what_was_not_measured_again(tmp_path):
     """A ``decoding_chosen_on`` record without ``storage`` (tune-decoding's before it recorded one) was chosen on
     float32 weights: a float32 card compares nothing, and a float16 copy's card whose reports lack the split the
