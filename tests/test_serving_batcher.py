@@ -1390,6 +1390,29 @@ def test_a_job_whose_event_loop_has_closed_is_resolved_without_an_error():
     assert not future.done()
 
 
+def test_a_job_resolved_again_or_after_its_caller_left_keeps_its_first_outcome_and_logs_no_loop_error():
+    """The worker may resolve a job whose future is already done: its caller left (the request's task cancelled, and
+    the future with it) before a failing step resolves every job in flight, or a result went out before the
+    bookkeeping failed. The first outcome stands, and the event loop meets no ``InvalidStateError`` in the callback
+    (which asyncio logs at ERROR as "Exception in callback")."""
+    async def scenario() -> tuple[list[dict], asyncio.Future, asyncio.Future]:
+        loop = asyncio.get_running_loop()
+        errors = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        answered, left = loop.create_future(), loop.create_future()
+        left.cancel()  # its caller went away
+        for future in (answered, left):
+            job = Job(prepared=None, beam_size=1, max_len=5, deadline=math.inf, loop=loop, future=future)
+            job.resolve("a caption")
+            job.resolve(error=RuntimeError("the step failed"))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the callbacks run
+        return errors, answered, left
+
+    errors, answered, left = asyncio.run(scenario())
+    assert errors == [] and answered.result() == "a caption" and left.cancelled()
+
+
 def test_the_encoder_buffers_double_as_jobs_join_one_by_one():
     """The rows of joining jobs are written into encoder buffers with room to grow, which double when full: 31 jobs
     of one row joining a one-row table one at a time reallocate them 5 times (to 2, 4, 8, 16 and 32 rows), each row
