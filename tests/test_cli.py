@@ -607,6 +607,33 @@ def test_a_warm_started_runs_card_gives_its_lineage_times_threads_and_epoch_numb
     assert "- Training time: 45 s of wall clock\n" in write_card(tmp_path / "alone", {}).read_text()
 
 
+def test_a_cards_lineage_gives_each_ancestor_its_own_data_set_epochs_and_time_nearest_first(tmp_path):
+    """A run that started from a checkpoint that itself started from another (say Flickr8k fine-tuning of a COCO run
+    warm-started from scenes): each line describes its own ancestor, not the nearest one's data set or numbers, and
+    the nearest comes first. The shipped chains all trained on one data set, so a line borrowing another's would
+    pass there."""
+    chain = {"checkpoint": "runs/coco/best", "arch": "sat", "epochs": 4, "phase": "scst", "dataset": "coco.json",
+             "train_seconds": 1200.0,
+             "started_from": {"checkpoint": "runs/scenes/best", "arch": "sat", "epochs": 2, "phase": "xe",
+                              "dataset": "scenes.json", "train_seconds": 300.0}}
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"started_from": chain})
+    assert ("`\n- Started from `runs/coco/best`: sat, epoch 4 of its scst run (its best) on `coco.json`, 20.0 min to "
+            "reach it\n"
+            "- Started from `runs/scenes/best`: sat, epoch 2 of its xe run (its best) on `scenes.json`, 5.0 min to "
+            "reach it\n- Training time: not recorded\n") in write_card(tmp_path / "ckpt", {}).read_text()
+
+
+def test_a_card_names_the_split_measure_and_image_count_its_decoding_rules_were_chosen_on(tmp_path):
+    """The line under the score table's heading is ``tune-decoding``'s record, not the report's: the rules were chosen
+    on 4 val images, though the report below scored 250."""
+    chosen = {"dataset": "d.json", "split": "val", "metric": "CIDEr-D", "beam_size": 3, "images": 4, "score": 1.5,
+              "storage": "float32"}
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"decoding_chosen_on": chosen})
+    card = write_card(tmp_path / "ckpt", {"beam_size": 3, "val": {"images": 250, "CIDEr-D": 1.25}}).read_text()
+    assert ("\nThe decoding rules were chosen on the val split by CIDEr-D (`captioner tune-decoding`, 4 images); they "
+            "are the checkpoint's defaults.\n") in card
+
+
 def test_a_photo_cards_table_has_the_caption_columns_spice_included_then_the_diversity_measures(tmp_path):
     """A report of real photos (no ``objects_named``) gets the Flickr8k cards' columns: the caption metrics with
     SPICE among them (its cell says "unavailable" where the report says why it was not measured), then what
