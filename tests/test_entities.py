@@ -852,6 +852,42 @@ def test_the_page_writes_each_modes_type_table_between_the_markers_and_links_a_f
     assert f"![grounding on Flickr30k Entities]({figure})" in block and "sc-unevaluated" not in block
 
 
+def test_the_pages_tables_list_the_checkpoints_by_name(tmp_path, monkeypatch):
+    """Every table of the page lists the evaluated checkpoints in their folders' name order, whatever order the
+    reports were written in."""
+    monkeypatch.setattr(figures, "control_bars", lambda *args, **options: args[3])
+    weights, results = tmp_path / "weights", tmp_path / "results"
+    results.mkdir()
+    for name, mass in (("b-sc", 0.6), ("a-sc", 0.3)):
+        _configured(weights / name)
+        section = _entities_section("softmax", mass)
+        for mode in ("references", "generated"):
+            section[mode]["rows"] = [{**row, "phrases": 3, "images": 2, "pointing": row["mass"], "ratio": row["mass"]}
+                                     for row in section[mode]["rows"]]
+        (results / f"{name}.json").write_text(json.dumps({"test": {"images": 2, "grounding": section}}))
+    block = write_grounding_doc(weights, results, tmp_path / "grounding.md", tmp_path / "g.png", tmp_path / "h.png",
+                                tmp_path, photos=())
+    names = re.findall(r"^\| ([ab]-sc) \|", block, flags=re.MULTILINE)
+    # the summary table: each checkpoint's two modes × three controls; each per-type table: its people and all rows
+    assert names == ["a-sc"] * 6 + ["b-sc"] * 6 + (["a-sc"] * 2 + ["b-sc"] * 2) * 2
+
+
+def test_the_closing_note_says_no_gap_above_chance_without_other_photo_rows(tmp_path):
+    """A split with a single annotated photo has no other photo to feed the caption over, so no other-photo chance
+    row: the note then says nothing of a gap above it (not an empty list after a colon)."""
+    weights = tmp_path / "weights"
+    reports = []
+    for norm, mass in (("softmax", 0.3), ("sparsemax", 0.5)):
+        _configured(weights / f"sc-{norm}", attention=norm)
+        section = _entities_section(norm, mass)
+        for mode in ("references", "generated"):
+            section[mode]["rows"] = [row for row in section[mode]["rows"] if row["control"] != "other photo"]
+        reports.append((f"sc-{norm}", section))
+    lines = closing_note(reports, weights, tmp_path / "no scene reports")
+    assert [line.split(":")[0] for line in lines[1:]] == ["- real photos, references", "- real photos, generated",
+                                                          "- generated scenes (`docs/model_zoo.md`), mass in object"]
+
+
 def test_a_page_without_entities_reports_says_which_checkpoints_lack_one(tmp_path):
     weights, results = tmp_path / "weights", tmp_path / "results"
     results.mkdir()
@@ -917,3 +953,7 @@ def test_the_heatmap_figure_stacks_a_block_per_photo_grid_maps_as_blocks(tmp_pat
     out = examples_figure(checkpoints, tmp_path / "new" / "deeper" / "h.png", photos=("chelsea", "coffee"))
     assert rows == [("softmax", "grid_blocks"), ("sparsemax", None)] * 2
     assert Image.open(out).size == (60, 14)  # coffee is 600 px wide, chelsea 451
+    # the blocks (black here) are pasted from the canvas's top-left corner, one under the other with no gap: the
+    # first row of the first block and the last row of the last one are drawn, not left white
+    picture = np.asarray(Image.open(out).convert("RGB"))
+    assert (picture[:, :45] == 0).all() and (picture[7:] == 0).all() and (picture[:7, 45:] == 255).all()
