@@ -872,6 +872,33 @@ def test_the_pages_tables_list_the_checkpoints_by_name(tmp_path, monkeypatch):
     assert names == ["a-sc"] * 6 + ["b-sc"] * 6 + (["a-sc"] * 2 + ["b-sc"] * 2) * 2
 
 
+def test_the_closing_note_reads_the_studys_three_normalisers_in_its_order_whatever_the_checkpoints_names(tmp_path):
+    """Checkpoints named out of the study's order are still listed softmax, sparsemax, TVmax in the gap above
+    chance; a SparseCap checkpoint of a normaliser the study did not test (one added to models/attention later) is
+    in neither the ordering nor the gaps."""
+    weights = tmp_path / "weights"
+    masses = {"a-tv": ("tvmax", 0.7), "b-soft": ("softmax", 0.3), "c-sparse": ("sparsemax", 0.5),
+              "d-entmax": ("entmax15", 0.9)}
+    reports = []
+    for name, (norm, mass) in masses.items():
+        _configured(weights / name, attention=norm)
+        reports.append((name, _entities_section(norm, mass)))
+    lines = closing_note(reports, weights, tmp_path / "no scene reports")
+    assert lines[1].startswith("- real photos, references: attention correctness softmax 0.300 [0.290, 0.310] < "
+                               "sparsemax 0.500 [0.490, 0.510] < tvmax 0.700 [0.690, 0.710]: ")
+    assert lines[1].endswith(", holds.") and "entmax15" not in "".join(lines)
+    assert lines[2].endswith(": softmax +0.200, sparsemax +0.200, tvmax +0.200.")
+
+
+def test_normalisers_of_the_same_mean_are_said_in_the_studys_order():
+    """A tie is an overlap, never the study's strict ordering; the tied normalisers keep the study's order, so the
+    sentence does not read as if one ranked below the other."""
+    sentence = ordering_sentence({"tvmax": _interval(0.5), "sparsemax": _interval(0.5), "softmax": _interval(0.3)})
+    assert sentence.startswith("softmax 0.300 [0.290, 0.310] < sparsemax 0.500 [0.490, 0.510] ≈ tvmax 0.500 "
+                               "[0.490, 0.510]: ")
+    assert sentence.endswith("does not hold (as a strict, interval-separated ordering)")
+
+
 def test_the_closing_note_says_no_gap_above_chance_without_other_photo_rows(tmp_path):
     """A split with a single annotated photo has no other photo to feed the caption over, so no other-photo chance
     row: the note then says nothing of a gap above it (not an empty list after a colon)."""
