@@ -10,7 +10,7 @@ from PIL import Image
 
 from captioner.models.cli.common import load_split
 from captioner.models.data.features import _cache_name, extract_features
-from captioner.models.data.karpathy import load_karpathy
+from captioner.models.data.karpathy import karpathy_dataset_name, load_karpathy
 from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import tokenize
 
@@ -158,6 +158,8 @@ def test_digits_are_words_and_compatibility_forms_fold_to_their_letters():
 def test_limit_keeps_exactly_that_many_images_of_the_asked_splits(coco_fixture):
     assert [im.image_id for im in load_karpathy(coco_fixture, limit=2)] == [0, 1]
     assert [im.image_id for im in load_karpathy(coco_fixture, splits=("val", "test"), limit=1)] == [2]
+    # the limit counts the images kept, not the entries read: val's photo is the JSON's third entry
+    assert [im.image_id for im in load_karpathy(coco_fixture, splits=("val", "test"), limit=2)] == [2, 3]
 
 
 def test_an_entry_without_imgid_takes_its_cocoid_then_its_position(tmp_path):
@@ -217,3 +219,22 @@ def test_an_empty_split_lists_the_splits_whose_photos_are_not_all_here(coco_fixt
     (coco_fixture.parent / "train2014" / "COCO_train2014_000000000000.jpg").unlink()
     with pytest.raises(SystemExit, match="split 'dev' of .* is empty; its splits are test, train, val"):
         load_split(coco_fixture, None, "dev")
+
+
+def test_an_entrys_extra_fields_are_kept_in_its_info(coco_fixture):
+    # the generated scenes' objects and masks (object naming, grounding) and COCO's id (compare.py) are read from here
+    data = json.loads(coco_fixture.read_text())
+    data["images"][2].update(objects=["red circle"], mask="masks/2.png")
+    coco_fixture.write_text(json.dumps(data))
+    info = load_karpathy(coco_fixture, splits=("val",))[0].info
+    assert info["objects"] == ["red circle"] and info["mask"] == "masks/2.png" and info["cocoid"] == 1002
+    assert not {"filename", "filepath", "split"} & info.keys()
+
+
+def test_the_data_sets_name_is_read_as_text(tmp_path):
+    # a name that JSON writes as a number (a year's release) is still a name: it goes into file names and messages
+    path = tmp_path / "captions.json"
+    path.write_text(json.dumps({"dataset": 2017, "images": []}))
+    assert karpathy_dataset_name(path) == "2017"
+    path.write_text(json.dumps({"dataset": "", "images": []}))
+    assert karpathy_dataset_name(path) is None
