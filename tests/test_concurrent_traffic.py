@@ -33,6 +33,7 @@ from captioner.service.inputs import read_body
 from captioner.service.lifecycle import DrainingServer, DrainMiddleware, ShutdownGate
 from captioner.service.middleware import RequestContextMiddleware
 from captioner.service.settings import Settings
+from captioner.service.state import ServiceState
 from captioner.service.work_slots import UploadBudget, WorkSlots
 
 from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, run_bounded, serving_settings, tiny_model
@@ -87,6 +88,26 @@ def test_work_slots_bound_the_work_and_free_a_slot_however_it_ends():
         assert running[0] == 2
         release.set()
         assert await asyncio.gather(*both) == [0, 1]
+
+    run_bounded(scenario())
+
+
+def test_a_piece_that_raises_gives_its_share_back_and_ends_like_any_other():
+    """A decode that fails (a torn upload, a 4xx) or a render that raises ends like a piece that answers: its share
+    goes back and ``on_idle`` runs, or each failure shrinks the budget for good until every upload waits out its
+    deadline (a 504 with nothing running)."""
+    async def scenario():
+        idle: list[int] = []
+        slots = WorkSlots(2, on_idle=lambda: idle.append(slots.running))
+
+        def torn():
+            raise ValueError("a torn upload")
+
+        with pytest.raises(ValueError, match="a torn upload"):
+            await slots.run(torn, cost=2)
+        await _until(lambda: slots.running == 0, timeout_s=2)  # the thread posts its release to the loop
+        assert idle == [0]
+        assert await slots.run(lambda: "whole", cost=2, timeout=5) == "whole"  # all of the budget is free
 
     run_bounded(scenario())
 
@@ -188,6 +209,33 @@ def test_on_idle_is_called_once_the_last_running_piece_ends_and_not_before():
         gates[1].set()
         assert await pieces[1]
         assert idle == [0]
+
+    run_bounded(scenario())
+
+
+def test_on_idle_is_called_when_the_last_piece_ends_even_with_waiters_still_queued():
+    """Nothing running is the trimmer's cue, whatever still waits: a waiter left queued (behind a large piece just
+    granted) may give up at its deadline, and then no piece would end to give the cue later."""
+    async def scenario():
+        queued: list[int] = []
+        slots = WorkSlots(2, on_idle=lambda: queued.append(slots.waiting))
+        gates = [threading.Event(), threading.Event()]
+        first = asyncio.create_task(slots.run(gates[0].wait, 10, cost=2))
+        await _until(lambda: slots.running == 1)
+        second = asyncio.create_task(slots.run(gates[1].wait, 10, cost=2))
+        small = asyncio.create_task(slots.run(lambda: "small", cost=1))
+        try:
+            await asyncio.sleep(0)
+            assert slots.waiting == 2
+            gates[0].set()
+            assert await first
+            await _until(lambda: queued, timeout_s=2)
+            assert queued == [1]  # the second piece was granted the whole budget, the small one still waits
+        finally:  # a failure above must not leave a pool thread waiting
+            for gate in gates:
+                gate.set()
+        assert await second and await small == "small"
+        assert queued[-1] == 0 and slots.running == 0
 
     run_bounded(scenario())
 
@@ -635,6 +683,23 @@ def test_the_apps_idle_trimmer_counts_a_running_batcher_or_thread_pool_slot_as_w
         finally:
             del state.batchers["at work"]  # the app's shutdown stops every batcher it holds
         assert busy() is False
+
+
+def test_the_trimmers_look_at_the_batchers_survives_a_model_starting_meanwhile():
+    """``at_work`` runs on the trimmer's thread while a model starting on the event loop adds its batcher: read from
+    the live dict, the look fails with "dictionary changed size during iteration" (state.py copies it first). Here
+    the first batcher's ``idle`` is read at the moment another one is added."""
+    state = ServiceState(settings=Settings())
+
+    class Starting:
+        @property
+        def idle(self) -> bool:
+            state.batchers["started meanwhile"] = types.SimpleNamespace(idle=True)
+            return True
+
+    state.batchers["first"] = Starting()
+    assert state.at_work() is False
+    assert list(state.batchers) == ["first", "started meanwhile"]
 
 
 @pytest.mark.parametrize("draining, answered", [(False, False), (True, True)])
