@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 from captioner.service.metrics import Metrics
 from captioner.service.work_slots import UploadBudget, WorkSlots
@@ -49,7 +50,8 @@ def test_each_recording_lands_under_the_readmes_name_and_labels():
     with the labels it lists (``{model,status}``, ``{reason}``, ``{model,reason}``, ``{model,outcome}``) and ``model``
     on each per-model series: dashboards and the HPA's adapter read these, so a label renamed or filled from another
     argument, or a value taken from the wrong one, would break them in silence. The latency histogram resolves
-    requests up to the default 60-s deadline (``CAPTIONER_REQUEST_TIMEOUT_S``) in a finite bucket."""
+    requests up to the default 60-s deadline (``CAPTIONER_REQUEST_TIMEOUT_S``) in a finite bucket, and so does the queue
+    time histogram: a request waits for rows at most until that deadline."""
     metrics = Metrics()
     metrics.observe_request("sat", 504, 45.0)
     metrics.observe_queue("sat", 1.5)
@@ -58,6 +60,7 @@ def test_each_recording_lands_under_the_readmes_name_and_labels():
     metrics.rows_freed("sat", "deadline", 5)
     metrics.set_load("sat", rows=7, queued=2)
     metrics.set_load("sat", rows=6, queued=1)  # gauges say what is now, not what has been
+    metrics.set_encode_batch("sat", 8)  # the batcher's max_batch at construction, then warm-up's choice
     metrics.set_encode_batch("sat", 4)
     metrics.result_cache_lookup("sat", hit=True)
     for _ in range(2):
@@ -69,6 +72,7 @@ def test_each_recording_lands_under_the_readmes_name_and_labels():
         'captioner_request_latency_seconds_sum{model="sat",status="504"}': 45.0,
         'captioner_request_latency_seconds_bucket{le="60.0",model="sat",status="504"}': 1.0,
         'captioner_queue_time_seconds_sum{model="sat"}': 1.5,
+        'captioner_queue_time_seconds_bucket{le="60.0",model="sat"}': 1.0,
         'captioner_rows_per_step_sum{model="sat"}': 12.0,
         'captioner_step_time_seconds_sum{model="sat"}': 0.25,
         'captioner_encoder_batch_size_sum{model="sat"}': 3.0,
@@ -81,3 +85,15 @@ def test_each_recording_lands_under_the_readmes_name_and_labels():
         'captioner_rejects_total{reason="queue-full"}': 1.0,
     }
     assert {key: samples.get(key) for key in expected} == expected
+
+
+def test_each_pool_gauge_reads_its_own_pool():
+    """The app watches two pools (``decode`` and ``render``): each series must read its own pool's counts. A
+    closure over the loop variable would make every pool report the last one's, hiding a decode backlog behind
+    idle renders."""
+    metrics = Metrics()
+    pools = {"decode": SimpleNamespace(running=2, waiting=5), "render": SimpleNamespace(running=0, waiting=1)}
+    metrics.watch_pressure(lambda: 0, lambda: 0, pools)
+    samples = parse_metrics(metrics.render().decode())
+    assert [samples[f'captioner_work_{kind}{{pool="{pool}"}}'] for pool in pools for kind in ("running", "waiting")] \
+        == [2, 5, 0, 1]
