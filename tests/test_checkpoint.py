@@ -284,6 +284,17 @@ def test_a_max_size_below_the_special_tokens_is_refused():
     assert Vocabulary.build([["a", "b"]], max_size=4).itos == list(SPECIALS)
 
 
+def test_a_max_size_of_zero_is_refused_not_taken_for_no_limit():
+    # 0 is a size, not "unset": only None means no limit
+    with pytest.raises(ValueError, match="at least 4, got 0"):
+        Vocabulary.build([["a", "b"]], max_size=0)
+
+
+def test_min_count_counts_a_words_occurrences_not_the_captions_holding_it():
+    # "kept if it occurs at least min_count times in the training captions": twice in one caption is twice
+    assert Vocabulary.build([["a", "dog", "and", "a", "cat"]], min_count=2).itos == [*SPECIALS, "a"]
+
+
 def test_the_special_ids_name_the_special_tokens_and_a_foreign_vocabulary_is_refused():
     vocab = Vocabulary.build([["a", "b"]])
     # the ids every model and interop mapping is built with are the positions of the special tokens
@@ -292,6 +303,9 @@ def test_the_special_ids_name_the_special_tokens_and_a_foreign_vocabulary_is_ref
     # a word list without the special tokens first would shift every id: refused, showing what it starts with
     with pytest.raises(ValueError, match=r"must start with .*, got \['a', '<pad>', '<bos>', '<eos>'\]$"):
         Vocabulary.from_json({"itos": ["a", *SPECIALS]})
+    # each of the four in its place: a list without <unk> fourth would shift every word's id by one
+    with pytest.raises(ValueError, match="must start with"):
+        Vocabulary.from_json({"itos": ["<pad>", "<bos>", "<eos>", "a", "<unk>", "b"]})
 
 
 def test_float16_storage_halves_the_weights_and_loads_into_the_float32_model(tmp_path, tiny_sat, vocab,
