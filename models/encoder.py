@@ -140,12 +140,10 @@ class EncoderSpec:
         if self.backbone not in EFFICIENTNET_LITE and not str(self.backbone).startswith("resnet"):
             raise ValueError(f"unknown encoder backbone {self.backbone!r}: {', '.join(EFFICIENTNET_LITE)}, or a "
                              "torchvision ResNet (resnet50, …)")
-        if self.backbone in EFFICIENTNET_LITE and self.layer not in EFFICIENTNET_LAYERS:
-            raise ValueError(f"unknown encoder layer {self.layer!r} for {self.backbone}: "
-                             f"{', '.join(EFFICIENTNET_LAYERS)}")
         # a ResNet's grid is always layer4's: another name would be recorded in the checkpoint and never used
-        if self.backbone not in EFFICIENTNET_LITE and self.layer != "layer4":
-            raise ValueError(f"unknown encoder layer {self.layer!r} for {self.backbone}: layer4")
+        layers = EFFICIENTNET_LAYERS if self.backbone in EFFICIENTNET_LITE else ("layer4",)
+        if self.layer not in layers:
+            raise ValueError(f"unknown encoder layer {self.layer!r} for {self.backbone}: {', '.join(layers)}")
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> "EncoderSpec":
