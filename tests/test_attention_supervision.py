@@ -18,7 +18,8 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.training.attention_supervision import AttentionTargets, attention_supervision_loss, \
     checked_entities_folder, entities_attention_targets
 from captioner.models.training.config import TrainConfig
-from captioner.models.training.xe import XEPhase, train
+from captioner.models.training.loop import train
+from captioner.models.training.xe import XEPhase
 from captioner.models.vocab import Vocabulary
 
 from .entities_photos import circle_photos

@@ -15,11 +15,9 @@ import torch.nn.functional as F
 
 from ..data.stores import mirrored_key
 from .attention_supervision import AttentionTargets, attention_supervision_loss
-from .config import TrainConfig
-from .loop import TrainingInterrupted, train
 from .phase import BatchLoss, Phase, register_phase
 
-__all__ = ["TrainConfig", "TrainingInterrupted", "XEPhase", "mirror_words", "train", "xe_loss"]
+__all__ = ["XEPhase", "mirror_words", "xe_loss"]
 
 #: the words a mirror image swaps (``--augment hflip``): 127 of Flickr8k's 30,000 training captions hold one
 MIRRORED_WORDS = {"left": "right", "right": "left"}
