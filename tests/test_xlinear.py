@@ -199,6 +199,19 @@ def test_stacked_layer_defaults_are_the_papers():
     assert ItemUpdate(8).dropout.p == 0.0
 
 
+def test_stacked_layer_passes_its_options_to_its_block_and_updates():
+    """``XLinearLayer``'s dropouts and GroupNorm reach the parts that use them: X-LAN and X-Transformer build their
+    encoder layers from their own ``attention_dropout``, ``update_dropout`` and ``group_norm``, and a layer that kept
+    the block's 0.1, no Eq. 8 dropout or no GroupNorm matched every test, which build models with dropout 0."""
+    layer = XLinearLayer(8, 4, heads=2, shared_kv_update=False, attention_dropout=0.2, output_dropout=0.4,
+                         update_dropout=0.3, group_norm=True)
+    assert layer.attention.dropout.p == 0.2 and layer.output_dropout.p == 0.4
+    assert layer.value_update.dropout.p == layer.key_update.dropout.p == 0.3
+    for embed in (layer.attention.key_embed, layer.attention.value_embed, layer.attention.query_key_embed,
+                  layer.attention.query_value_embed):
+        assert isinstance(embed[-1], torch.nn.GroupNorm) and embed[-1].num_groups == 2  # one group per head
+
+
 @pytest.mark.parametrize("shared", [True, False])
 def test_stacked_layer_is_eq7_then_eq8(shared):
     torch.manual_seed(0)
