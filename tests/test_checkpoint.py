@@ -525,6 +525,9 @@ def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
     # rows uniform over all nine items: distributions, but the second image's last two items are its padding
     ("step", lambda answer: (*answer[:2], AttnRecord(torch.full_like(answer[2].primary, 1 / 9))),
      "must put no weight on masked items"),
+    # the check pads the second image's last two items: weight on the first of them, none on the last, is refused
+    ("step", lambda answer: (*answer[:2], AttnRecord(torch.tensor([[1 / 9] * 9, [1 / 8] * 8 + [0.0]]))),
+     "must put no weight on masked items"),
     ("step", lambda answer: (answer[0], {k: v[:1] for k, v in answer[1].items()}, answer[2]), "step's state 'h'"),
     ("reorder", lambda state: {k: v[:1] for k, v in state.items()}, "reorder's state 'h'"),
 ])

@@ -18,6 +18,7 @@ from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.export.onnx import ExportUnsupported, export_checkpoints
 from captioner.models.inference import torch_runtime
+from captioner.models.protocol import Geometry
 from captioner.models.training import TrainConfig, train
 from captioner.service.runtime import load_runtimes
 
@@ -78,6 +79,15 @@ def test_loader_pads_and_masks_varying_region_counts(tmp_path):
     moved = vis.to("cpu")
     assert [(g.kind, g.image_size) for g in moved.geometry] == [("regions", size) for _, _, size in saved]
     assert all(np.array_equal(g.boxes, boxes) for g, (_, boxes, _) in zip(moved.geometry, saved))
+
+
+def test_a_region_geometry_says_it_has_no_grid_in_json():
+    """A region batch's geometry has no grid: its JSON (the answers' ``geometry``) says ``"grid_hw": null``, the
+    value a client tests to tell regions from a grid, not an empty list."""
+    boxes = np.array([[1.0, 2.0, 30.5, 40.25]], dtype=np.float32)
+    assert Geometry("regions", (64, 48), None, boxes).to_json() == {
+        "kind": "regions", "image_size": [64, 48], "grid_hw": None, "boxes": [[1.0, 2.0, 30.5, 40.25]]}
+    assert Geometry("grid", (64, 48), (2, 3), boxes).to_json()["grid_hw"] == [2, 3]
 
 
 def test_a_save_interrupted_mid_write_leaves_the_old_region_file_whole(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from captioner.models import attention
 from captioner.models.attention import NORMALISERS as REGISTERED
 from captioner.models.attention import get_normaliser
 from captioner.models.decoding import beam_search
-from captioner.models.protocol import VisualBatch
+from captioner.models.protocol import VisualBatch, configured_normaliser
 from captioner.models.training import load_recipe
 from captioner.models.zoo import available, create
 
@@ -111,6 +111,15 @@ def test_a_normaliser_added_to_the_table_is_one_sparsecap_can_take(monkeypatch):
     monkeypatch.setitem(attention.NORMALISERS, "halved", halved)
     model = create("sparsecap", vocab_size=5, feat_dim=4, attention="halved", input_attention_normalizer="halved")
     assert model.config()["attention"] == "halved" and model.attention_name == "halved"
+
+
+def test_a_configured_attention_that_is_not_a_normaliser_name_reads_as_softmax():
+    """``configured_normaliser`` reads a checkpoint's ``config.json`` for the zoo tables and ``GET /models``: only a
+    string ``attention`` names a normaliser (SparseCap's); a model of a library user whose ``attention`` option is a
+    switch or a number takes none, so it is softmax, not ``True`` in the table."""
+    assert configured_normaliser({"attention": "sparsemax"}) == "sparsemax"
+    for config in ({}, {"attention": None}, {"attention": True}, {"attention": 4}):
+        assert configured_normaliser(config) == "softmax"
 
 
 @pytest.mark.parametrize("option", ["attention", "input_attention_normalizer"])
