@@ -52,6 +52,16 @@ def test_lambda_zero_is_exactly_sparsemax():
     assert torch.equal(tv2d_prox(z, (8, 8), lam=0.0), z)
 
 
+def test_lambda_zero_with_a_mask_is_the_masked_sparsemax():
+    """λ = 0 takes sparsemax's shortcut rather than the solver: padded cells must still get exactly zero weight there,
+    however large their scores, as they do at any λ > 0."""
+    mask = torch.ones(4, 64, dtype=torch.bool)
+    mask[:, 56:] = False
+    z = _random_scores(4, 6).masked_fill(~mask, 50.0)
+    p = tvmax(z, (8, 8), mask, lam=0.0)
+    assert torch.equal(p, sparsemax(z, mask)) and torch.all(p[:, 56:] == 0)
+
+
 def test_a_negative_lambda_is_refused():
     """Eq. 5 with λ < 0 rewards jumps: the box |u_e| ≤ λ of the solver's dual would be empty. A model configured with
     ``tvmax_lambda < 0`` must fail at its first attention, not train on what the solver returns."""
@@ -181,6 +191,17 @@ def test_a_loose_tolerance_still_bounds_the_error():
         assert error <= 1e-3 * max(1.0, z[row].abs().max().item()) + certified
         inexact += error > 1e-9
     assert inexact, "every grid came out exact: the tolerance was never used"
+
+
+def test_tvmax_forwards_the_solver_options_to_the_prox():
+    """tvmax's ``solver`` keywords (``tol``, ``max_iter``, ``check_every``) reach tv2d_prox: with a budget of two
+    iterations and a check after each, some of these grids come back uncertified, so the weights are those of that
+    budget's prox (0.2 away from the exact prox's), not those of the default solve."""
+    z = _random_scores(16, 5)
+    budget = {"max_iter": 2, "check_every": 1}
+    got = tvmax(z, (8, 8), lam=0.3, **budget)
+    assert torch.equal(got, sparsemax(tv2d_prox(z, (8, 8), lam=0.3, **budget)))
+    assert not torch.allclose(got, tvmax(z, (8, 8), lam=0.3), atol=1e-2, rtol=0)
 
 
 @pytest.mark.parametrize("solve, tol", [
@@ -320,6 +341,18 @@ def test_masked_cells_leave_the_prox_at_zero_whatever_their_scores():
     w = tv2d_prox(z.masked_fill(~mask, 1e9), (8, 8), lam=0.05, mask=mask)
     assert torch.all(w[:, 56:] == 0)
     torch.testing.assert_close(w[:, :56], tv2d_prox(z[:, :56], (7, 8), lam=0.05), atol=1e-12, rtol=0)
+
+
+def test_a_mask_of_zeros_and_ones_in_any_dtype_is_read_as_true_and_false():
+    """Padding masks often come as integers (a tokenizer's attention mask) or floats (a collate's): tv2d_prox and tvmax
+    read any 0/1 mask as the boolean one, rather than failing inside the solver."""
+    z = _random_scores(3, 10, scale=0.3)
+    mask = torch.ones(3, 64, dtype=torch.bool)
+    mask[:, 56:] = False
+    for function in (tv2d_prox, tvmax):
+        expected = function(z, (8, 8), mask=mask, lam=0.05)
+        for dtype in (torch.long, torch.int32, torch.float32):
+            torch.testing.assert_close(function(z, (8, 8), mask=mask.to(dtype), lam=0.05), expected, atol=0, rtol=0)
 
 
 def test_masked_cells_pass_back_no_gradient():
