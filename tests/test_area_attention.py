@@ -79,6 +79,15 @@ def test_float32_std_is_accurate_and_single_items_have_none():
     assert seq_mean.shape == (2, area_count_1d(64, 3), 8) and seq_sizes[:, 0].eq(1).all()
 
 
+def test_a_sequences_features_are_its_one_row_grids_with_the_same_default_guard():
+    """area_features_1d is area_features_2d of the ``1 × L`` grid with ``1 × S`` areas, default ε = 1e-6
+    (tensor2tensor's guard) included: a lone item's σ is √ε, as on a grid, whichever function a caller takes it from."""
+    x = torch.randn(2, 10, 4)
+    for got, expected in zip(area_features_1d(x, 3), area_features_2d(x, 1, 10, 1, 3)):
+        assert torch.equal(got, expected)
+    assert torch.all(area_features_1d(x, 3)[1][:, :10] == math.sqrt(1e-6))  # the first ten areas are single items
+
+
 def test_equal_items_have_no_spread_and_no_nan_without_the_guard():
     """σ = sqrt(|E[x²] − μ²| + ε) (Eq. 12 with tensor2tensor's absolute value): over equal items E[x²] − μ² can
     round below zero (here, spans of 0.1 after a first item of 0), and with ``eps=0`` (the plain formula) its square
