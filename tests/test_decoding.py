@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from captioner.models.decoding import NO_RULES, ROW_FIELDS, BeamLayout, DecodingRules, RowHistory, beam_search, \
-    check_search, greedy, never_emitted, sample, search_rows
+    check_search, collect_hypotheses, greedy, never_emitted, sample, search_rows
 from captioner.models.evaluation import tuning
 from captioner.models.evaluation.tuning import best_row, rules_of
 from captioner.models.protocol import AttnRecord, VisualBatch, index_rows
@@ -537,3 +537,50 @@ def test_a_checkpoints_decoding_of_the_wrong_kind_is_refused_naming_its_file(dec
     with pytest.raises(ValueError, match=r"^meta\.json: "):
         DecodingRules.of_checkpoint({"decoding": decoding}, "meta.json")
     assert DecodingRules.of_checkpoint({}) == NO_RULES  # a checkpoint without rules has none
+
+
+def test_a_row_history_gives_each_group_of_a_table_its_own_rules():
+    """``RowHistory.start`` over several groups (the batcher starts the rows of every request admitted at one step
+    together): each group's rows carry that group's rules, in the groups' order, not another request's."""
+    history = RowHistory.start([2, 1], [DecodingRules(0.5, True, False), DecodingRules(1.0, False, True)], 4, "cpu")
+    assert history.alpha.tolist() == [0.5, 0.5, 1.0]
+    assert history.trigrams.tolist() == [True, True, False] and history.doubles.tolist() == [False, False, True]
+    assert history.tokens.shape == (3, 5) and history.penalised and history.blocking
+
+
+def test_a_row_history_joined_by_a_shorter_one_keeps_every_word_of_its_own():
+    """``RowHistory.cat`` pads the narrower histories to the wider one's columns, whichever comes first: a table of
+    long captions (``max_len`` 8) joined by a request with a shorter limit keeps its rows' words, which the
+    blocking rules read at every later step."""
+    long = RowHistory.start([1], [DecodingRules(block_trigrams=True)], 8, "cpu")
+    long.tokens[0] = torch.arange(4, 13)
+    joined = long.cat(RowHistory.start([2], [NO_RULES], 3, "cpu"))
+    assert joined.tokens.shape == (3, 9)
+    assert joined.tokens[0].tolist() == list(range(4, 13)) and not joined.tokens[1:].any()
+
+
+@pytest.mark.parametrize("sizes", [[], [2, 0], [0]])
+def test_a_layout_refuses_a_beam_group_without_rows(sizes):
+    """A group of no rows has no first row to start from: refused by name, not a top-k of none over a ``view`` of
+    zero columns further on."""
+    with pytest.raises(ValueError, match=r"every beam group needs at least one row, got \["):
+        BeamLayout(sizes)
+    assert BeamLayout([1]).rows == 1
+
+
+def test_a_groups_hypotheses_come_best_first_whatever_the_order_of_its_rows():
+    """``collect_hypotheses`` (which the batcher's row table calls too) promises a group's ``n_best`` best, best
+    first, from rows in any order: the search's top-k happens to hand its rows over sorted, so no search test tells
+    a missing sort, or ``n_best`` cut before it, from the right one.  Each caption ends at its first EOS, keeps the
+    attention rows of its own tokens and is scored over its own length."""
+    history = {"tokens": torch.tensor([[4, 5, EOS, EOS], [4, 6, 7, 8], [5, EOS, EOS, EOS]]),
+               "logprobs": torch.tensor([[-1.0, -1.0, -1.0, 0.0], [-0.5, -0.5, -0.5, -0.5], [-0.2, -0.3, 0.0, 0.0]]),
+               "attention": torch.arange(12.0).view(3, 4, 1)}
+    hyps = collect_hypotheses(history, torch.tensor([-3.0, -2.0, -0.5]), EOS, 2, None)
+    assert [h.token_ids for h in hyps] == [[5, EOS], [4, 6, 7, 8]] and [h.score for h in hyps] == [-0.5, -2.0]
+    assert [h.ended_with_eos for h in hyps] == [True, False]
+    assert [h.attention.flatten().tolist() for h in hyps] == [[8.0, 9.0], [4.0, 5.0, 6.0, 7.0]]
+    assert hyps[0].token_logprobs == pytest.approx([-0.2, -0.3]) and hyps[1].token_logprobs == [-0.5] * 4
+    # with a length penalty, each over ((5 + its length) / 6)^α: 2 words for the best, 4 for the next
+    penalised = collect_hypotheses(history, torch.tensor([-3.0, -2.0, -0.5]), EOS, 3, 1.0)
+    assert [h.score for h in penalised] == pytest.approx([-0.5 / (7 / 6), -2.0 / (9 / 6), -3.0 / (8 / 6)])
