@@ -318,6 +318,62 @@ def test_checkpoints_are_selected_on_the_val_split_and_the_test_split_is_never_r
     assert {im.split for im in val_images} == {"val"} and len(val_images) == 12
 
 
+def test_a_run_selects_on_its_models_own_measure_unless_the_command_names_one(scenes, tmp_path, cache):
+    """``best/`` of a SAT run is picked on BLEU-4, SAT's early-stopping measure, not the protocol's CIDEr-D
+    default, and ``--select-metric`` overrides it (the scripted validations score every measure alike, so only the
+    run's own ``select`` shows which one it reads)."""
+    small = dict(train_limit=8, val_limit=2)
+    assert prepare_run(_config(scenes, tmp_path / "sat", cache, **small)).select == "BLEU-4"
+    assert prepare_run(_config(scenes, tmp_path / "chosen", cache, select_metric="CIDEr-D", **small)).select == \
+        "CIDEr-D"
+
+
+def test_every_measure_validation_takes_can_select_and_objects_named_only_where_the_data_lists_objects(
+        scenes, tmp_path, cache, monkeypatch):
+    """``--select-metric`` takes BLEU-1 to 4 and CIDEr-D on any data set, and ``objects_named`` on generated scenes
+    alone: photos list no objects, so a run selecting on it met a KeyError at its first epoch's end, an epoch of
+    training lost."""
+    for metric in ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "objects_named"):  # a val split of one too
+        loop._load_splits(_config(scenes, tmp_path / "run", cache, select_metric=metric, train_limit=8, val_limit=1))
+    real = loop.load_captioned
+
+    def photos(dataset, image_root, splits, limit=None):  # the scenes without their object lists, as photos are
+        return [replace(im, info={k: v for k, v in im.info.items() if k != "objects"})
+                for im in real(dataset, image_root, splits, limit=limit)]
+
+    monkeypatch.setattr(loop, "load_captioned", photos)
+    with pytest.raises(ValueError, match=r"--select-metric 'objects_named' cannot select .* CIDEr-D \("):
+        loop._load_splits(_config(scenes, tmp_path / "run", cache, select_metric="objects_named", train_limit=8,
+                                  val_limit=2))
+
+
+def test_the_runs_seed_draws_its_initial_weights(scenes, tmp_path, cache):
+    """``--seed`` picks a new run's initial weights: the same seed the same weights, another seed others."""
+    weights = [prepare_run(_config(scenes, tmp_path / name, cache, train_limit=8, val_limit=2, seed=seed)).model
+               .embed.weight for name, seed in [("a", 3), ("b", 3), ("c", 4)]]
+    assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
+
+
+def test_a_diverged_step_leaves_the_weights_and_the_count_of_the_step_before(scenes, tmp_path, cache, monkeypatch):
+    """:class:`TrainingDiverged` says the run stopped *before* that step's update: a library caller that catches it
+    (to save, or to lower the rate and go on) holds the last good step's weights and count, not weights stepped on a
+    NaN gradient or a step counted that never trained (the CLI tests read only the state saved before it)."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, epochs=1, batch_size=4))
+    finite_loss, weights = XEPhase.loss, []
+
+    def nan_in_the_second_step(self, batch, global_batch=None):
+        out = finite_loss(self, batch, global_batch)
+        weights.append({key: value.clone() for key, value in self.model.state_dict().items()})
+        return out if len(weights) == 1 else replace(out, loss=out.loss * float("nan"))
+
+    monkeypatch.setattr(XEPhase, "loss", nan_in_the_second_step)
+    with pytest.raises(TrainingDiverged, match="at epoch 1, step 2,"):
+        fit(run)
+    assert (run.progress.epoch, run.progress.step_in_epoch, run.progress.global_step) == (0, 1, 1)
+    for key, value in run.model.state_dict().items():
+        torch.testing.assert_close(value, weights[1][key], rtol=0, atol=0, msg=f"{key} was stepped on")
+
+
 def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
     train(_config(scenes, tmp_path / "run", cache, max_steps=2))
     with pytest.raises(FileExistsError, match="--resume"):
@@ -783,6 +839,20 @@ def test_validation_captions_the_val_split_with_the_runs_beam_and_length(monkeyp
     assert (record.epoch, record.step, record.scores) == (2, 12, {"BLEU-4": 0.25, "CIDEr-D": 0.5})
 
 
+def test_validation_records_every_measure_a_run_can_select_by(scenes, monkeypatch):
+    """``--select-metric`` offers BLEU-1 to 4, CIDEr-D and, on scenes, ``objects_named``, as "what validation
+    measures": an epoch's record holds each (scored BLEU alone, a run selecting on CIDEr-D, every model's default
+    but SAT's, met a KeyError at its first epoch's end; the other tests of validation stand in for its scoring)."""
+    val_images = load_karpathy(scenes, splits=("val",))[:3]
+    monkeypatch.setattr(loop, "caption_dataset", lambda model, vocab, images, store, beam, max_len, device: {
+        im.image_id: im.references[0] for im in images})
+    run = SimpleNamespace(dist=SimpleNamespace(is_main=True, from_main=lambda scores: scores), model=None, vocab=None,
+                          val_images=val_images, store=None, cfg=SimpleNamespace(val_beam=1, max_decode_len=7),
+                          device=torch.device("cpu"), progress=SimpleNamespace(global_step=3), elapsed=lambda: 1.0)
+    record = loop._validate(run, 0, 1e-3, {"xe": 2.0})
+    assert {"BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr-D", "objects_named"} <= set(record.scores)
+
+
 def test_a_runs_clock_adds_this_sessions_time_to_what_its_earlier_sessions_trained(monkeypatch):
     """``elapsed`` is the seconds of the saved sessions plus this one's, to 0.1 s: a resumed run's card reported only
     the time since its last resume."""
@@ -899,3 +969,52 @@ def test_each_checkpoint_carries_the_runs_history_time_and_its_own_epochs_scores
         ("last", [1, 2, 3], 42.5)]
     assert [(scores["epoch"], scores["CIDEr-D"]) for name, _, _, scores in saved if name == "best"] == \
         [(1, 0.5), (2, 0.7)]
+
+
+def _end_epochs_run(tmp_path, monkeypatch, *, select, is_main=True, early_stop=0):
+    """A run for :func:`loop._end_epoch` alone, whose checkpoints are noted (folder, best epoch, measure) rather than
+    written; returns it and the notes."""
+    saved = []
+    monkeypatch.setattr(loop, "_encoder_files", lambda run: (None, {}))
+    monkeypatch.setattr(loop, "save_checkpoint", lambda path, model, vocab, spec, meta, files: saved.append(
+        (path.name, meta.get("best_epoch"), meta.get("selected_by"))))
+    run = SimpleNamespace(progress=Progress(), cfg=SimpleNamespace(early_stop=early_stop), select=select,
+                          dist=SimpleNamespace(is_main=is_main), run_dir=tmp_path, meta={}, model=None, vocab=None,
+                          schedules=SimpleNamespace(plateau=None), elapsed=lambda: 0.0)
+    return run, saved
+
+
+def test_best_follows_the_runs_own_selection_measure_where_the_measures_disagree(tmp_path, monkeypatch):
+    """SAT selects on BLEU-4 (docs/decisions.md, "Flickr8k: which stage ships"), other models on CIDEr-D, and
+    ``--select-metric`` on what it names: every other test scored all measures alike, so best/ picked on CIDEr-D
+    whatever the run selected by, while its meta still said BLEU-4, went unseen."""
+    run, saved = _end_epochs_run(tmp_path, monkeypatch, select="BLEU-4")
+    for epoch, (bleu, cider) in enumerate([(0.2, 0.9), (0.3, 0.5), (0.25, 1.2)], 1):
+        loop._end_epoch(run, EpochLog(epoch, 10 * epoch, 1e-3, {"xe": 1.0}, {"BLEU-4": bleu, "CIDEr-D": cider}, 0.0))
+    assert [(best, by) for name, best, by in saved if name == "best"] == [(1, "BLEU-4"), (2, "BLEU-4")]
+    assert (run.progress.best_epoch, run.progress.best_score) == (2, 0.3)
+
+
+def test_a_rank_that_writes_no_checkpoint_keeps_the_same_best_epoch_and_stops_early_with_rank_0(tmp_path,
+                                                                                              monkeypatch):
+    """Under torchrun only rank 0 writes best/ and last/, but every rank keeps the best score and epoch: early
+    stopping counts from them on each rank, and a rank that counted from epoch 0 stopped while rank 0 trained on
+    (its next collective then waited for good)."""
+    run, saved = _end_epochs_run(tmp_path, monkeypatch, select="CIDEr-D", is_main=False, early_stop=2)
+    stopped = []
+    for epoch, score in enumerate([0.5, 0.7, 0.6, 0.6], 1):
+        loop._end_epoch(run, EpochLog(epoch, 10 * epoch, 1e-3, {"xe": 1.0}, {"CIDEr-D": score}, 0.0))
+        stopped.append(run.progress.stopped_early)
+    assert saved == []
+    assert (run.progress.best_epoch, run.progress.best_score) == (2, 0.7)
+    assert stopped == [False, False, False, True]
+
+
+def test_an_epochs_history_row_is_its_log_record_without_the_kind(tmp_path, monkeypatch):
+    """The history a state and each checkpoint keep (what ``captioner plot`` and the card read) holds the epoch's
+    log records as ``metrics.jsonl`` has them, less their ``kind``: only a three-epoch run on the whole data set,
+    left out of quick runs, compared the two."""
+    run, _ = _end_epochs_run(tmp_path, monkeypatch, select="CIDEr-D")
+    loop._end_epoch(run, EpochLog(1, 10, 1e-3, {"xe": 1.0}, {"CIDEr-D": 0.5}, 2.0))
+    (logged,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert logged.pop("kind") == "epoch" and run.progress.history == [logged]

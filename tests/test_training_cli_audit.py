@@ -130,6 +130,21 @@ def test_a_model_or_option_that_cannot_be_trained_is_refused_before_the_data_is_
     assert not cache.exists()
 
 
+def test_an_unknown_phase_or_fine_tuned_stages_over_region_features_are_refused_before_the_data_is_read(
+        scenes, tmp_path, cache, monkeypatch):
+    """A library caller's unknown phase failed as a ``KeyError`` once the features were extracted (the command line's
+    choices never let one through), and ``--finetune-stages`` over region features, which have no grid encoder to
+    tune, went on to read the data: both are refused by name first."""
+    def never(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(training.loop, "load_captioned", never)
+    with pytest.raises(ValueError, match="unknown phase 'nope'; choose from scst, xe"):
+        prepare_run(_config(scenes, tmp_path / "a", cache, phase="nope"))
+    with pytest.raises(ValueError, match="--finetune-stages fine-tunes the grid encoder"):
+        prepare_run(_config(scenes, tmp_path / "b", cache, finetune_stages=1, features="regions:/nowhere"))
+
+
 def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scenes, tmp_path, capsys, monkeypatch):
     """What a researcher adding a model meets (README, "Adding a model"): each of these trained, then failed with a
     Python error that named no rule: at the first load (no **ids), in reorder after an epoch (a state that is no
@@ -496,6 +511,18 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(scenes, tmp_path, cache):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert not (tmp_path / "run" / "train_state.json").exists()
+
+
+def test_the_first_ctrl_c_is_answered_at_once_by_the_main_rank_alone(monkeypatch, capfd):
+    """The line saying the run stops after this step is written when the signal comes, by rank 0 alone: torchrun
+    hands the signal to every rank, each of which repeated it (and only a slow subprocess test, on one process, read
+    the line at all)."""
+    for rank, said in [(0, True), (1, False)]:
+        monkeypatch.setattr(loop, "distributed_rank", lambda rank=rank: rank)
+        flag = loop._StopFlag()
+        flag._handle(signal.SIGINT, None)
+        assert flag.raised
+        assert ("stopping after this step to save the run" in capfd.readouterr().err) is said, rank
 
 
 def test_a_run_that_fails_before_its_first_step_keeps_an_empty_out_folder_it_did_not_make(scenes, tmp_path, cache):
