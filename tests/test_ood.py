@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import colorsys
+import io
 import json
 import math
 import shutil
 
 import numpy as np
 import pytest
+from matplotlib import patches
 from matplotlib.colors import to_rgb
 from PIL import Image
 from scipy.ndimage import binary_dilation, binary_erosion
@@ -324,3 +326,77 @@ def test_cli_generates_and_eval_scores_objects_named_and_grounding(tmp_path):
         assert 0.0 <= row["mass"]["mean"] <= 1.0 and row["mass"]["ci95"][0] <= row["mass"]["mean"]
         if row["control"] == "uniform":
             assert row["ratio"]["mean"] == pytest.approx(1.0)
+
+
+def test_only_noisy_backgrounds_carry_per_pixel_noise(ood):
+    """Each entry's ``background`` says how it was drawn: "noisy" ones strong per-pixel noise, "plain" and "gradient"
+    ones none. Measured as the mean step between neighbouring background pixels clear of the objects: seed 3's least
+    noisy (JPEG quality 35, which smooths it) steps 2.9 grey levels, the roughest smooth one 0.7."""
+    for entry in json.loads(ood.read_text())["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        pixels = np.asarray(Image.open(ood.parent / "images" / entry["filename"])).astype(float)
+        background = ~binary_dilation(labels > 0, iterations=4)
+        pairs = background[:, 1:] & background[:, :-1]
+        step = np.abs(np.diff(pixels, axis=1))[pairs].mean()
+        if entry["background"] == "noisy":
+            assert step > 2, (entry["filename"], step)
+        else:
+            assert step < 1.5, (entry["filename"], entry["background"], step)
+
+
+def test_backgrounds_are_greys_with_a_pale_tint_so_object_colours_stay_nameable(ood):
+    """``_background``'s promise, "unpatterned and unsaturated": a grey with each channel moved at most 18 levels
+    (a gradient runs between two such), so the background's median colour spreads its channels less than 36 levels;
+    seed 3's widest spread is 27. A saturated background would make a red object on red unnameable."""
+    for entry in json.loads(ood.read_text())["images"]:
+        labels = np.asarray(Image.open(ood.parent / entry["mask"]))
+        pixels = np.asarray(Image.open(ood.parent / "images" / entry["filename"])).astype(float)
+        median = np.median(pixels[~binary_dilation(labels > 0, iterations=4)], axis=0)
+        assert np.ptp(median) < 40, (entry["filename"], median)
+
+
+def test_each_jpeg_is_written_at_its_recorded_quality_from_30_to_90(ood):
+    """``jpeg_quality`` is the quality the image was saved at (its quantisation tables are those PIL writes for that
+    quality), and the qualities span the docstring's 30–90: seed 3 draws 32 to 89."""
+    qualities = []
+    for entry in json.loads(ood.read_text())["images"]:
+        reference = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(reference, format="JPEG", quality=entry["jpeg_quality"])
+        image = Image.open(ood.parent / "images" / entry["filename"])
+        assert image.quantization == Image.open(reference).quantization, entry["filename"]
+        qualities.append(entry["jpeg_quality"])
+    assert min(qualities) < 40 and max(qualities) > 80, qualities
+
+
+def test_every_object_is_placed_inside_its_canvas_clear_of_the_edges():
+    """An object cut by the canvas's edge would show less than its shape (a circle cut straight is not a circle): each
+    circumcircle stays at least 2 pixels inside every edge. Drawn on a small canvas many times, where a placement
+    reaching past an edge by a few pixels would be met."""
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        width, height = 100, 80
+        for _, _, x, y, r in ood_module._sample_objects(rng, width, height):
+            assert 2 <= x - r and x + r <= width - 2 and 2 <= y - r and y + r <= height - 2, (x, y, r)
+
+
+def test_the_renderer_draws_anti_aliased_edges_and_no_axes():
+    """The docstring's renderer: Agg with anti-aliased edges (a circle's rim takes in-between shades, unlike the
+    generator's aliased fill), over the background alone: no axes frame or ticks round the canvas."""
+    white = np.full((64, 48, 3), 255.0)
+    blank, masks = ood_module._draw(white, [])
+    assert masks == [] and (blank == 255).all()
+    circle = patches.Circle((24, 32), 15, facecolor=(0, 0, 0), edgecolor="none")
+    pixels, (mask,) = ood_module._draw(white, [circle])
+    rim = (pixels > 0) & (pixels < 255)
+    assert rim.any(axis=2).sum() > 40
+    assert (pixels[mask] < 128).all() and (pixels[0] == 255).all() and (pixels[:, -1] == 255).all()
+
+
+def test_reference_wordings_are_drawn_from_every_option():
+    """The caption templates' choices (``_PythonChoice``) take each option, not always the first, and the same seed
+    draws the same ones."""
+    chooser = ood_module._PythonChoice(np.random.default_rng(0))
+    drawn = [chooser.choice(("with", "showing", "holding")) for _ in range(60)]
+    assert set(drawn) == {"with", "showing", "holding"}
+    again = ood_module._PythonChoice(np.random.default_rng(0))
+    assert [again.choice(("with", "showing", "holding")) for _ in range(60)] == drawn
