@@ -86,6 +86,14 @@ def test_every_caption_line_is_read_past_blank_lines():
         parse_sentences(text + "\n[/EN#6/people A man rides .\n")
 
 
+def test_a_line_of_blanks_alone_is_no_caption():
+    """The docstring's "every non-empty line": a line of spaces or a tab (a trailing one in an edited file) is skipped
+    like an empty one, so it neither adds a caption without words nor moves the numbers ``UNRELATED_CAPTIONS`` gives
+    the captions after it."""
+    text = "[/EN#1/people A man] rides .\n   \n\t\n[/EN#2/people A woman] walks .\n"
+    assert [sentence.phrases[0].chain for sentence in parse_sentences(text)] == ["1", "2"]
+
+
 @pytest.mark.parametrize("line", ["[/EN#x/people a dog] runs", "a [/EN#3/people dog runs", "[EN#3/people a dog]",
                                   "[/EN#3/ a dog] runs"])
 def test_bad_markup_is_a_format_error(line):
@@ -183,6 +191,15 @@ def test_dataset_folder_ids_and_unrelated_captions(tmp_path):
     assert dataset.load("images/1001_x.jpg") is None
     with pytest.raises(FileNotFoundError, match="not a Flickr30k Entities folder"):
         EntitiesDataset(tmp_path / "Sentences")
+
+
+@pytest.mark.parametrize("present, missing", [("Sentences", "Annotations"), ("Annotations", "Sentences")])
+def test_a_folder_with_half_of_the_download_is_not_an_entities_folder(tmp_path, present, missing):
+    """Both halves are needed: a folder holding ``Sentences/`` alone (the annotations not yet unpacked) would answer
+    None for every photo, read as photos without entities, rather than naming what is missing."""
+    (tmp_path / present).mkdir()
+    with pytest.raises(FileNotFoundError, match=f"not a Flickr30k Entities folder: no {missing}/ in it"):
+        EntitiesDataset(tmp_path)
 
 
 def _authors_sentence(line):
