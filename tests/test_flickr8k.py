@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from captioner.models.checkpoint import save_checkpoint
-from captioner.models.data.datasets import CITATIONS, dataset_name, load_captioned, resolve_dataset, \
-    train_split_captions, trained_on
+from captioner.models.data.datasets import CITATIONS, ENTITIES_CITATION, dataset_name, load_captioned, \
+    named_by_path, resolve_dataset, train_split_captions, trained_on
 from captioner.models.data.flickr import flickr_layout, load_flickr
 from captioner.service.cli import main
 
@@ -157,6 +157,23 @@ def test_the_data_set_is_named_by_what_the_karpathy_loader_reads(tmp_path):
     assert dataset_name(karpathy) == "captions"
 
 
+def test_a_karpathy_jsons_dataset_field_wins_over_its_file_name(tmp_path):
+    """The docstring's order: the JSON's own ``dataset`` field first, the file's name only without one (a Flickr8k
+    file saved under another data set's Karpathy name is still Flickr8k)."""
+    karpathy = tmp_path / "dataset_coco.json"
+    karpathy.write_text(json.dumps({"dataset": "flickr8k", "images": []}))
+    assert dataset_name(karpathy) == "flickr8k"
+
+
+def test_a_missing_data_set_file_is_named_as_missing(tmp_path):
+    # not left to a reader's bare "No such file or directory" further on
+    for missing in (tmp_path / "dataset_flickr8k.json", tmp_path / "Flickr8k.token.txt"):
+        with pytest.raises(FileNotFoundError, match=r"dataset .*" + missing.name + " does not exist"):
+            resolve_dataset(missing)
+        with pytest.raises(FileNotFoundError, match=r"dataset .*" + missing.name + " does not exist"):
+            load_captioned(missing, check_images=False)
+
+
 def test_a_karpathy_json_without_a_dataset_field_is_named_by_its_file_name(tmp_path):
     karpathy = tmp_path / "dataset_flickr30k.json"
     karpathy.write_text(json.dumps({"images": []}))
@@ -173,6 +190,24 @@ def test_trained_on_names_the_data_set_with_its_citation():
     assert "AoANet" in trained_on({"imported_from": {"code": "github.com/husthuaan/AoANet"}})
 
 
+def test_a_run_record_wins_over_the_import_it_started_from_and_an_import_without_its_code_points_to_the_card():
+    """``trained_on``'s order: a training run's own record first (a model fine-tuned from imported weights was
+    trained on its run's data), then where imported weights came from, with the card as the fallback source."""
+    imported = {"code": "github.com/husthuaan/AoANet"}
+    assert trained_on({"trained_on": "X, train split", "imported_from": imported}) == "X, train split"
+    assert trained_on({"imported_from": {}}) == "the authors' released weights (see its model card)"
+
+
+def test_the_citations_are_the_papers_the_shipped_cards_cite():
+    """Each data set's citation as the shipped Flickr8k cards print it: Entities' venue is IJCV 2017 (its arXiv
+    number alone stays the same across versions, so it does not show a wrong venue)."""
+    card = (Path(__file__).parents[1] / "docs" / "cards" / "flickr8k" / "sat-supervised.md").read_text()
+    flat = " ".join(card.split())
+    assert CITATIONS["flickr8k"] in flat and "Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013)" in flat
+    assert ENTITIES_CITATION == "Flickr30k Entities (Plummer et al., IJCV 2017, arXiv:1505.04870)"
+    assert "(Plummer et al., IJCV 2017, arXiv:1505.04870" in flat
+
+
 def test_a_scene_set_is_cited_without_a_split():
     assert trained_on({"dataset": ".cache/scenes/dataset_scenes.json"}) == CITATIONS["scenes"]
 
@@ -183,6 +218,10 @@ def test_a_recorded_path_is_cited_as_its_train_split_and_no_path_as_not_recorded
     assert trained_on({"dataset": "f30k/results_20130124.token"}) == f"{CITATIONS['flickr30k']}, train split"
     assert trained_on({"dataset": "data/my_captions.json"}) == "my_captions.json, train split"
     assert trained_on({}) == trained_on({"dataset": None}) == "not recorded"
+    # COCO's own file names, matched whole: a Karpathy JSON or a backup whose name holds one is not COCO's file
+    assert named_by_path("data/my_captions_train2014.json") is None
+    assert named_by_path("coco/annotations/captions_val2014.json.bak") is None
+    assert trained_on({"dataset": "data/my_captions_train2014.json"}) == "my_captions_train2014.json, train split"
 
 
 def test_the_training_captions_are_the_train_splits_read_without_its_photos(official, photos):
