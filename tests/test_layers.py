@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from captioner.models.layers import masked_mean, sinusoid_positions
+from captioner.models.layers import FeedForward, masked_mean, sinusoid_positions
 
 
 def test_sinusoid_positions_are_sin_on_even_and_cos_on_odd_dimensions_with_base_10000():
@@ -37,3 +37,22 @@ def test_masked_mean_is_the_mean_of_the_real_items_and_zero_for_a_row_with_none(
     torch.testing.assert_close(got[1], feats[1].mean(0))
     assert torch.equal(got[2], torch.zeros(6))
     torch.testing.assert_close(got[3], feats[3, 1])
+
+
+def test_feed_forward_is_linear_relu_dropout_linear():
+    """Vaswani et al.'s FFN(x) = max(0, xW₁ + b₁)W₂ + b₂ (Eq. 2), with its dropout on the hidden layer in training:
+    the models' tests build it with dropout 0 and compare the models with themselves, so neither the ReLU nor the
+    dropout was held."""
+    torch.manual_seed(0)
+    ffn = FeedForward(d_model=6, ffn_dim=32, dropout=0.5)
+    first, second = ffn[0], ffn[3]
+    x = torch.randn(5, 6) * 3
+    ffn.eval()
+    torch.testing.assert_close(ffn(x), second(torch.clamp_min(first(x), 0.0)))
+    ffn.train()
+    torch.manual_seed(1)
+    got = ffn(x)
+    torch.manual_seed(1)  # the same draw: each hidden unit kept and scaled by 1 / (1 - p), or zeroed
+    kept = torch.nn.functional.dropout(torch.ones(5, 32), 0.5, training=True)
+    torch.testing.assert_close(got, second(torch.clamp_min(first(x), 0.0) * kept))
+    assert (kept == 0).any()
