@@ -1,6 +1,7 @@
 """Paper schedules against hand-computed values, and the recipes that use them."""
 
 import argparse
+import dataclasses
 import json
 import math
 import shlex
@@ -116,6 +117,31 @@ def test_a_configs_scheduled_sampling_and_noam_factor_reach_the_runs_schedules()
     schedules = build_schedules(cfg)
     assert [schedules.sampling(e) for e in (5, 10, 11, 16, 40)] == pytest.approx([0, 0, 0.05, 0.1, 0.1])
     assert learning_rate(cfg, epoch=0, global_step=99) == pytest.approx(2 * 64 ** -0.5 * 100 ** -0.5)
+
+
+def test_a_configs_drop_factor_reaches_its_milestones():
+    """--lr-drop-factor is the factor of each --lr-drop: a run asking for ×0.5 got StepDecay's own ×0.1."""
+    cfg = TrainConfig(out="x", lr=1e-3, lr_drops=[2], lr_drop_factor=0.5)
+    assert [learning_rate(cfg, e) for e in (1, 2, 3)] == pytest.approx([1e-3, 5e-4, 5e-4])
+
+
+def test_the_rate_of_an_epoch_under_a_warm_up_is_its_first_steps_by_default():
+    """``learning_rate(cfg, epoch)`` without a step is the rate of optimiser step 1 (global step 0)."""
+    cfg = TrainConfig(out="x", warmup_steps=100, noam_dim=64)
+    assert learning_rate(cfg, epoch=3) == pytest.approx(NoamWarmup(dim=64, warmup=100)(1))
+
+
+def test_scheduled_sampling_every_0_epochs_counts_as_every_epoch():
+    # the config refuses --ss-every 0; a schedule built in code with it rises each epoch rather than dividing by 0
+    assert [ScheduledSampling(increase=0.05, every=0)(e) for e in (0, 1, 3)] == pytest.approx([0, 0.05, 0.15])
+
+
+def test_the_schedules_are_immutable_values():
+    """The epoch, warm-up and sampling schedules are pure functions of where training is: one shared between a run's
+    parts cannot be changed by any of them."""
+    for schedule in (StepDecay(1e-3), NoamWarmup(dim=64, warmup=10), ScheduledSampling()):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            schedule.lr = 0.5
 
 
 def test_every_recipe_loads_into_a_config_and_states_its_sources():
