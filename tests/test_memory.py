@@ -262,3 +262,73 @@ def test_the_apps_idle_trimmer_releases_at_most_every_five_seconds(monkeypatch):
     now[0] = 101.0
     trimmer()
     assert [timer.interval for timer in started] == [0.0, 4.0]
+
+
+@pytest.mark.parametrize("path", ["/opt/conda/lib/libcublasLt.so.12", "/opt/conda/lib/libcublas.so.12",
+                                  "/usr/local/cuda/lib64/libnvJitLink.so.12", "/opt/conda/lib/libnvrtc.so.12",
+                                  "/usr/lib/x86_64-linux-gnu/libcudnn.so.9", "/usr/lib/x86_64-linux-gnu/libnccl.so.2",
+                                  "/opt/conda/lib/libcusparseLt.so.0",
+                                  "/opt/conda/lib/python3.11/site-packages/torch/lib/libc10_cuda.so"])
+def test_a_cuda_library_outside_nvidias_wheels_is_chosen_by_its_own_name(path):
+    """A torch from conda or on a system CUDA maps the same libraries from outside ``site-packages/nvidia/``: each is
+    known by its own name, not only by the wheel's folder."""
+    assert gpu_library_ranges(f"7f0000000000-7f0000200000 r-xp 00000000 00:2a 1001 {path}\n") == \
+        [(0x7F0000000000, 0x7F0000200000)]
+
+
+def test_the_default_mmap_threshold_lies_between_a_decoding_steps_tensors_and_an_encoders_activations(monkeypatch):
+    """The pinned threshold is above a decoding step's small tensors (a batch of 16 over a 10,000-word vocabulary:
+    640 KB), below the encoder's per-layer activations (tens of MB), and at most glibc's 32 MiB limit; a few bytes
+    would map every allocation."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    assert configure_allocator() is True
+    threshold = dict((param, value) for _, param, value in libc.calls)[memory.M_MMAP_THRESHOLD]
+    assert 1 << 20 <= threshold <= 16 << 20
+
+
+@pytest.mark.parametrize("refused", [memory.M_MMAP_THRESHOLD, memory.M_ARENA_MAX, memory.M_TRIM_THRESHOLD])
+def test_the_allocator_is_said_untuned_when_glibc_refuses_any_one_setting(monkeypatch, refused):
+    """mallopt answers 0 for a value it refuses: the tuning is reported done only when all three took."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(libc, "mallopt", lambda param, value: int(param != refused))
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    assert configure_allocator() is False
+
+
+def test_a_release_collects_unreachable_cycles_before_trimming(monkeypatch):
+    """Memory held only by reference cycles (a finished request's objects, say) goes back too: the collection runs
+    first, so malloc_trim finds their blocks free."""
+    class Node:
+        pass
+
+    node = Node()
+    node.itself = node
+    gone = weakref.ref(node)
+    del node
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection before the release: only its own may free the cycle
+    try:
+        release_memory()
+        assert gone() is None and libc.calls == [("malloc_trim", 0)]
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_a_trimmer_that_cannot_start_its_thread_neither_raises_nor_stops_trying(monkeypatch):
+    """``Timer.start`` raises RuntimeError when no thread can be had: the caller (a request finishing, a batcher's
+    worker) is not failed, and the next call tries again rather than finding a release still 'scheduled'."""
+    started = []
+
+    def no_thread(timer):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Timer, "start", no_thread)
+    trimmer = IdleTrimmer(interval_s=60.0)
+    trimmer()
+    monkeypatch.setattr(threading.Timer, "start", lambda timer: started.append(timer))
+    trimmer()
+    assert len(started) == 1
