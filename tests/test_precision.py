@@ -144,6 +144,22 @@ def test_each_rank_resumes_with_its_own_random_stream_or_a_fresh_rank_distinct_o
     assert fresh[0] != fresh[1] and expected[0] not in fresh
 
 
+def test_a_state_of_two_ranks_resumed_by_one_process_is_seeded_afresh(tmp_path):
+    """Two saved streams and one process: neither rank's stream is the run's own any longer, so it is seeded afresh
+    (taking rank 0's, the process drew what an unbroken rank 0 would, in a run of another shape)."""
+    streams = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        streams.append(rng_state())
+    torch.manual_seed(1)
+    rank_0 = torch.rand(4).tolist()
+    model, optimizer, saved = saved_linear_run(rng=streams[0])
+    torch.manual_seed(0)
+    restore({**saved, "rng_ranks": streams}, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(0, 1), model, None,
+            optimizer, None)
+    assert torch.rand(4).tolist() != rank_0
+
+
 def test_a_state_saved_with_one_random_stream_resumes_with_it(tmp_path):
     """A state written before the streams were kept per rank holds one, ``rng``, and no ``rng_ranks``: resumed by one
     process it goes on with that stream (seeded afresh instead, its dropout masks and samples were not the ones an

@@ -625,6 +625,25 @@ def test_a_resume_that_changes_the_drop_factor_of_a_drop_already_passed_is_refus
     assert merge_resume(command, saved, 1, explicit={"out", "lr_drops", "lr_drop_factor"}).lr_drop_factor == 0.1
 
 
+def test_resume_does_not_call_a_given_value_equal_to_the_runs_ignored(scenes, tmp_path, cache, capsys):
+    # a command repeating the run's own recipe value (its --model) changes nothing, so nothing is said ignored
+    saved = _config(scenes, tmp_path / "run", cache, model="sat")
+    capsys.readouterr()
+    merge_resume(_config(scenes, tmp_path / "run", cache, model="sat"), json.loads(json.dumps(saved.to_json())), 0,
+                 explicit={"out", "model"})
+    assert "ignored" not in capsys.readouterr().out
+
+
+def test_a_moved_data_location_that_does_not_exist_either_is_not_taken(scenes, tmp_path, cache, monkeypatch):
+    """The command's place replaces the run's gone one only where it exists: a mistyped one is said ignored, and the
+    run keeps its own (so its error names the place the run had)."""
+    monkeypatch.chdir(tmp_path)
+    saved = _config(scenes, tmp_path / "run", cache, image_root=str(tmp_path / "gone"))
+    merged = merge_resume(_config(scenes, tmp_path / "run", cache, image_root="typo"),
+                          json.loads(json.dumps(saved.to_json())), 0, explicit={"out", "image_root"})
+    assert merged.image_root == str(tmp_path / "gone")
+
+
 def test_a_run_whose_photo_folder_moved_resumes_from_where_the_command_says_recorded_absolute(scenes, tmp_path,
                                                                                            cache, monkeypatch):
     """``--image-root`` moves like ``--dataset`` (the photos on another disk than the captions), and a moved place

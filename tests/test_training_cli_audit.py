@@ -416,6 +416,17 @@ def test_a_resume_reads_the_runs_relative_paths_from_its_folder_and_only_from_an
     assert read_from(warm, announce=False)["init"] == str(started / "runs" / "a" / "best")
 
 
+def test_a_resume_reads_a_relative_cache_from_the_runs_folder_and_says_so_only_when_asked(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """``--cache-dir`` is a path the run read relative to its folder like the data set (encoded again elsewhere,
+    otherwise); ``announce=False`` (every rank but the first) says nothing."""
+    started = tmp_path / "started"
+    saved = {"working_dir": str(started), "config": {"dataset": "/data/dataset.json", "cache_dir": ".cache/features"}}
+    monkeypatch.chdir(tmp_path)
+    assert read_from(saved, announce=False)["cache_dir"] == str(started / ".cache" / "features")
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("epoch, stopped_early, said", [
     (1, False, "resuming {run} at epoch 2, step 3"),
     (2, False, "{run} has finished (2 epochs): nothing to train; --epochs N with N > 2 continues it"),
@@ -434,6 +445,14 @@ def test_a_resume_says_the_epoch_and_step_it_goes_on_from_or_that_the_run_has_fi
     assert restore(saved, TrainConfig(out=str(tmp_path), epochs=2), tmp_path, DistContext(0, 1), model, None, optimizer,
                    None) == progress
     assert capsys.readouterr().out == said.format(run=tmp_path) + "\n"
+
+
+def test_only_the_first_rank_says_where_a_resume_goes_on(tmp_path, capsys):
+    # under torchrun every rank restores; the line is printed once, not once per process
+    model, optimizer, saved = saved_linear_run(Progress(epoch=1, step_in_epoch=3, global_step=8))
+    capsys.readouterr()
+    restore(saved, TrainConfig(out=str(tmp_path), epochs=2), tmp_path, DistContext(1, 2), model, None, optimizer, None)
+    assert capsys.readouterr().out == ""
 
 
 def test_an_epoch_interrupted_after_its_last_step_still_reports_its_losses(scenes, tmp_path, cache):
