@@ -72,6 +72,17 @@ def test_default_dropouts_and_celu_are_the_authors():
     assert {celu.alpha for celu in model.modules() if isinstance(celu, nn.CELU)} == {1.3}
 
 
+def test_each_dropout_rate_reaches_its_own_places():
+    """The sublayer ``dropout`` (0.5 in the authors' code) also sits on the embedded regions and inside and after
+    every FFN block, encoder and decoder; the default test cannot tell it from the others there, so each rate is set
+    apart here."""
+    model = tiny(dropout=0.25, word_dropout=0.125, attention_dropout=0.0625, update_dropout=0.375)
+    assert model.embed_items[3].p == 0.25
+    blocks = [*model.encoder_ffn, *(layer.feed_forward for layer in model.decoder if layer.feed_forward is not None)]
+    assert len(blocks) == 4
+    assert {(block.drop.p, block.ffn[2].p) for block in blocks} == {(0.25, 0.25)}
+
+
 def test_default_sizes_are_the_authors():
     """The defaults are documented as the authors' sizes, which ``captioner params`` counts (PAPER_SIZES, held
     against a hand count by test_params); the table passes every size, and the recipe names none, so only this
