@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
@@ -136,6 +137,16 @@ def test_files_of_pytorch_before_1_6_import_too(modules, tmp_path):
                                                                          "weights": str(tmp_path / "trunk.pth")}))
 
 
+def test_importing_a_file_of_pytorch_before_1_6_warns_of_nothing(modules, tmp_path):
+    """A file of PyTorch before 1.6 holds the source of every class it pickled, and torch.load compares it with the
+    class it reads it into (our stand-ins, never the same): a SourceChangeWarning per class, noise to whoever runs
+    ``captioner import sgrvinod`` on the released checkpoint."""
+    files = tutorial.save_checkpoint(tmp_path, *modules, WORDS, legacy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_sgrvinod(*files)
+
+
 class Exploit:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
@@ -207,6 +218,20 @@ def test_a_file_of_pytorch_0_4_which_pickled_parameters_by_their_class_imports(m
                                                                          "weights": str(tmp_path / "trunk.pth")}))
 
 
+def test_a_stand_in_keeps_the_state_pickle_builds_it_with_dict_or_slots():
+    """pickle's BUILD hands ``__setstate__`` an object's ``__dict__``, or a ``(__dict__, slots)`` pair for a class
+    with ``__slots__`` (either half may be None): a stand-in keeps every attribute of both halves, and a dict of
+    two entries is a dict, not a pair."""
+    linear = TutorialUnpickler.allowed[("torch.nn.modules.linear", "Linear")]
+    for state, kept in ((({"_parameters": {}}, {"in_features": 3}), {"_parameters": {}, "in_features": 3}),
+                        ((None, {"in_features": 3}), {"in_features": 3}), (({"training": False}, None),
+                                                                           {"training": False}),
+                        ({"training": False, "in_features": 3}, {"training": False, "in_features": 3})):
+        stand_in = linear.__new__(linear)
+        stand_in.__setstate__(state)
+        assert stand_in.state == kept, state
+
+
 def test_foreign_files_are_refused_with_a_reason(files, tmp_path):
     word_map = tutorial.word_map(WORDS[:-1])
     (tmp_path / "short.json").write_text(__import__("json").dumps(word_map))
@@ -244,6 +269,18 @@ def test_a_trunk_of_other_shapes_than_torchvisions_resnet_is_refused_naming_them
     with pytest.raises(ConversionError, match=r"does not fit torchvision's resnet18 .*: missing \[\], unknown \[\], "
                                               r"misshapen \['conv1\.weight'\]$"):
         convert_sgrvinod(tmp_path / "widened.pth.tar", files[1])
+
+
+def test_a_trunk_without_some_of_torchvisions_tensors_is_refused_naming_them(files, tmp_path):
+    """A BatchNorm without running statistics (``track_running_stats=False``) leaves the trunk short of tensors
+    torchvision's ResNet has: refused at the import, not when the service loads the encoder's weights file."""
+    encoder, decoder = tutorial_modules(seed=1)
+    encoder.resnet[1].running_mean = None
+    with tutorial.tutorial_module():
+        torch.save({"encoder": encoder, "decoder": decoder}, tmp_path / "no-statistics.pth.tar")
+    with pytest.raises(ConversionError, match=r"does not fit torchvision's resnet18 .*: missing "
+                                              r"\['bn1\.running_mean'\], unknown \[\], misshapen \[\]$"):
+        convert_sgrvinod(tmp_path / "no-statistics.pth.tar", files[1])
 
 
 def stand_ins(module):
@@ -338,7 +375,10 @@ def test_a_word_map_that_is_not_the_tutorials_is_refused_with_a_reason(files, tm
             # as many words as rows, but two on one row and none on another: "sofa" would score as "cat"
             ("repeated.json", {**word_map, "sofa": word_map["cat"]}, r"repeats or skips an index"),
             ("ours.json", {("<bos>" if word == "sofa" else word): index for word, index in word_map.items()},
-             r"holds \['<bos>'\], which are this project's special tokens")):
+             r"holds \['<bos>'\], which are this project's special tokens"),
+            # a word spelled <eos> would be read as our <eos>, in place of the tutorial's <end>
+            ("eos.json", {("<eos>" if word == "sofa" else word): index for word, index in word_map.items()},
+             r"holds \['<eos>'\], which are this project's special tokens")):
         (tmp_path / name).write_text(json.dumps(content))
         with pytest.raises(ConversionError, match=said):
             convert_sgrvinod(files[0], tmp_path / name)
