@@ -438,6 +438,24 @@ def test_the_summary_table_shows_each_controls_row_over_all_phrases_only():
         "1.500 [1.250, 1.750] |"]
 
 
+def test_the_type_table_ends_each_model_with_its_row_over_all_phrases():
+    """type_table's rows are the phrase types in Entities' order, then "all" (every phrase once); a chance map
+    missing for a type shows as a dash."""
+    def stat(mean):
+        return {"mean": mean, "ci95": [mean, mean]}
+
+    rows = [{"control": control, "phrase_type": phrase_type, "phrases": phrases, "images": 1, "mass": stat(mass),
+             "pointing": stat(0.5), "ratio": stat(2.0)}
+            for control, phrase_type, phrases, mass in (("model", "all", 3, 0.75), ("uniform", "all", 3, 0.25),
+                                                         ("model", "people", 1, 1.0), ("model", "clothing", 2, 0.5))]
+    section = {"normaliser": "softmax", "references": {"rows": rows}, "generated": {"rows": []}}
+    assert type_table([("toy", section)]).splitlines()[2:] == [
+        "| toy | people | 1 | 1.000 [1.000, 1.000] | — | — | 0.500 [0.500, 0.500] | 2.000 [2.000, 2.000] |",
+        "| toy | clothing | 2 | 0.500 [0.500, 0.500] | — | — | 0.500 [0.500, 0.500] | 2.000 [2.000, 2.000] |",
+        "| toy | all | 3 | 0.750 [0.750, 0.750] | 0.250 [0.250, 0.250] | — | 0.500 [0.500, 0.500] | "
+        "2.000 [2.000, 2.000] |"]
+
+
 def test_a_phrase_is_scored_on_each_of_its_words_and_on_none_outside_it():
     """The head noun ends a phrase and is often its best word: the phrase's last row counts, the next one does not."""
     top_left = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})
@@ -648,6 +666,40 @@ def test_the_other_photo_is_the_next_one_and_photos_without_annotation_are_count
         assert len(photo.other_rows) == len(donor.rows) == 2
         for other, rows in zip(photo.other_rows, donor.rows):
             np.testing.assert_allclose(other, rows, atol=1e-6)
+
+
+def test_photos_past_the_first_batch_keep_their_own_caption_entities_and_donor(tmp_path, monkeypatch):
+    """Photos are fed ``batch_size`` at a time, and the generated captions come for every photo of the split, those
+    without an annotation too: a photo of a later batch is matched against its own Entities phrases, its
+    other-photo row is read over the next photo of the whole list (the last over the first), and a photo without an
+    annotation before the others shifts no one's caption onto its neighbour."""
+    ckpt, images, store, entities, geometry = _tiny_sat_over_circle_photos(tmp_path, 3)
+    (entities / "Sentences" / "333.txt").write_text("[/EN#1/other a red ball] .\n")  # the last photo's own words
+    images.insert(0, SimpleNamespace(key=3, path=tmp_path / "images" / "999_x.jpg"))  # no Entities files
+    tokens = (["plain", "background"], ["one", "red", "circle"], ["one", "red", "circle"], ["a", "red", "ball"])
+    generated = [CaptionAttention(list(words), np.full((len(words), 4), 0.25), geometry) for words in tokens]
+    attended = []
+    scored = phrase_grounding.score_photos
+    monkeypatch.setattr(phrase_grounding, "score_photos",
+                        lambda photos, *args, **kwargs: attended.append(photos) or scored(photos, *args, **kwargs))
+    section = entities_grounding(ckpt, images, store, entities, generated, batch_size=2, resamples=10,
+                                 progress=False)
+    model = next(r for r in section["generated"]["rows"] if (r["control"], r["phrase_type"]) == ("model", "all"))
+    assert (model["phrases"], model["images"]) == (3, 3)  # each photo's caption names its own boxed object
+    expected = teacher_forced_rows(ckpt.model, ckpt.vocab, store.batch([1, 2, 0]), [[list(t)] for t in tokens[1:]])
+    for photo, donor in zip(attended[1], expected):
+        np.testing.assert_allclose(photo.other_rows[0], donor[0], atol=1e-6)
+
+
+def test_a_split_without_any_annotated_photo_is_refused_naming_the_folder(tmp_path):
+    """An Entities folder that annotates none of the split's photos (another split's download, say) is a mistake to
+    name, not a report of zero phrases."""
+    ckpt, _, store, entities, geometry = _tiny_sat_over_circle_photos(tmp_path)
+    photos = [SimpleNamespace(key=0, path=tmp_path / "images" / "999_x.jpg")]
+    generated = [CaptionAttention(["one", "red", "circle"], np.full((3, 4), 0.25), geometry)]
+    with pytest.raises(ValueError, match=f"^none of the 1 photos has a Flickr30k Entities annotation in "
+                                         f"{re.escape(str(entities))}$"):
+        entities_grounding(ckpt, photos, store, entities, generated, resamples=10, progress=False)
 
 
 @pytest.mark.parametrize("value, extra, message", [
