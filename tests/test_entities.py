@@ -361,6 +361,18 @@ def test_generated_phrases_extend_over_plural_words_and_up_to_the_phrase_before(
     assert [t.positions for t in generated_targets("a boy s smile".split(), entity)] == [[0, 1]]
 
 
+def test_a_phrases_types_are_its_visual_ones_in_entities_order_and_a_shared_head_carries_every_phrases():
+    """A reference phrase's types are read through the eight coarse types, in their order (a file may list them
+    otherwise); a generated head that several boxed phrases share names all their chains and carries all their types
+    (generated_targets' docstring), not only the first phrase's."""
+    entity = EntityImage("1000", parse_sentences("[/EN#31/people A boy] climbs [/EN#33/other/clothing a ladder]"
+                                                 " .\n[/EN#33/other The boy] waves .\n"), parse_annotation(ANNOTATION))
+    assert [(t.caption, t.types) for t in reference_targets(entity)[1]] == [
+        (0, ("people",)), (0, ("clothing", "other")), (1, ("other",))]
+    assert [(t.positions, t.types, t.chains) for t in generated_targets("a boy on a ladder".split(), entity)] == [
+        ([0, 1], ("people", "other"), ("31", "33")), ([3, 4], ("clothing", "other"), ("33",))]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measures
 # ---------------------------------------------------------------------------------------------------------------
