@@ -1050,6 +1050,23 @@ def test_refusals_retry_after_the_work_ahead_at_least_one_second_and_a_waiting_j
         assert wait > 1 and refusal.retry_after_s == math.ceil(wait)  # retry when the queue ahead has been served
 
 
+def test_a_waiting_job_that_needs_exactly_the_time_it_has_left_is_kept_and_its_retry_after_counts_its_beam():
+    """A waiting job is shed only when it *cannot* finish in the time it has left: one that needs exactly that time
+    is kept, as a tie is admitted at the door. And a shed job's Retry-After is the wait of a request like it, its
+    own beam's rows included: a wide request told to come back after a one-row request's wait is refused again."""
+    estimate = AdmissionEstimate("m")
+    estimate.measure_step(10, 0.125, [])  # 80 rows per second, 0.125 s a step; no caption length learnt: max_len
+    waiting = _estimate_job(1, 4, deadline=10.0)
+    # alone it needs 4 steps of 0.125 s, exactly the 0.5 s left at 9.5 (binary fractions: no rounding)
+    assert estimate.own_time_s(waiting) == 0.5 == 10.0 - 9.5
+    assert estimate.shed(waiting, 9.5, estimate.own_time_s, [waiting]) is None
+    wide = _estimate_job(40, 4, deadline=10.0)
+    refusal = estimate.shed(wide, 10.5, None, [wide])
+    # 40 rows · 4 steps waiting and the same again for a request like it: 320 row-steps at 80 a second, 4 s (a beam
+    # of one would have made it 164 row-steps, 3 s)
+    assert isinstance(refusal, WouldMissDeadline) and refusal.retry_after_s == 4
+
+
 def test_a_request_that_would_just_make_its_deadline_is_admitted_and_one_just_past_it_refused():
     """Admitted when its expected finish is *within* the headroom's share of its time (a tie is admitted), refused
     just past it; Retry-After is rounded up to whole seconds, never down (a client told 4 s for 4.35 s of work ahead
