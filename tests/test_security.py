@@ -408,6 +408,19 @@ def test_a_valid_key_sent_under_another_scheme_than_bearer_is_refused(keyed, jpe
         assert refused.status_code == 401 and "invalid_token" in refused.headers["www-authenticate"], scheme
 
 
+def test_a_refused_key_is_repeated_neither_in_the_answer_nor_in_the_access_log(keyed, jpeg):
+    """A refused key is often a real one a character off, or another service's: the 401 must not echo it back (a
+    page or a proxy may show or keep the answer), nor the access log write it, in either format (logs are read by
+    more people than hold keys)."""
+    near = KEYS[0][:-1] + "x"
+    text = TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with access_log(lambda record: JsonFormatter().format(record) + "\n" + text.format(record)) as lines:
+        refused = caption(keyed, jpeg, Authorization=f"Bearer {near}")
+    assert refused.status_code == 401 and "invalid_token" in refused.headers["www-authenticate"]
+    assert near not in refused.text and all(near not in value for value in refused.headers.values())
+    assert len(lines) == 1 and near not in lines[0] and "401" in lines[0]
+
+
 def test_every_configured_key_is_compared_in_constant_time_even_after_one_matched(monkeypatch):
     """The answer time must not tell whether, or how much of, a key was right: each configured key is compared with
     :func:`hmac.compare_digest`, and a match ends nothing (an early exit, or ``==``, which stops at the first byte
@@ -466,6 +479,26 @@ def test_cors_is_closed_by_default_and_opens_only_to_configured_origins(open_cli
     assert refused.json()["instance"] == "/caption" and "x-request-id" in refused.headers
     # the length of the problem document alone (the refusal's plain-text answer had a length of its own)
     assert refused.headers.get_list("content-length") == [str(len(refused.content))]
+
+
+def test_a_refused_preflight_keeps_the_cors_headers_a_cache_and_a_browser_read():
+    """The refused pre-flight, turned into a problem document, keeps Starlette's CORS headers: ``Vary: Origin`` above
+    all, so that no cache hands one origin's refusal to another, and the methods the API takes."""
+    client = TestClient(create_app(serving_settings(cors_origins=["https://app.example"])))  # no lifespan: no model
+    refused = client.options("/caption", headers={"Origin": "https://evil.example",
+                                                  "Access-Control-Request-Method": "POST"})
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/problem+json"
+    assert "Origin" in [name.strip() for name in refused.headers["vary"].split(",")]
+    assert refused.headers["access-control-allow-methods"] == "GET, POST"
+
+
+def test_only_the_page_and_its_static_folder_get_the_pages_policy_not_a_path_that_merely_starts_alike(open_client):
+    """``/static/`` is the page's folder; an unknown ``/static-old`` or ``/staticx`` is an API 404 with the strictest
+    policy, not the page's (which allows scripts and images from the origin)."""
+    for path in ("/static-old", "/staticx/app.js"):
+        answer = open_client.get(path)
+        assert answer.status_code == 404, path
+        assert answer.headers["content-security-policy"] == "default-src 'none'; frame-ancestors 'none'", path
 
 
 def test_the_demo_page_has_a_strict_csp_and_no_inline_script(open_client):
