@@ -100,6 +100,34 @@ def test_a_handler_whose_answer_has_started_is_not_cancelled_when_its_client_lea
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"] and sent[1]["body"] == b"end"
 
 
+@pytest.mark.parametrize("cancelled_by", ["the handler's own work", "the server's shutdown"])
+def test_a_cancellation_the_client_did_not_cause_is_passed_on_when_nothing_was_answered(cancelled_by):
+    """Only a client's leaving ends a request quietly. A handler cancelled by anything else (its own work cancelled,
+    or the server cancelling the request at its shutdown timeout) that has answered nothing passes the cancellation
+    on to the server: swallowed, the request is logged as a disconnect that never happened and the server, seeing no
+    answer, sends the client a plain-text 500."""
+    async def scenario() -> tuple[bool, list]:
+        started = asyncio.Event()
+        client = _Client()
+
+        async def app(scope, receive, send):
+            started.set()
+            if cancelled_by == "the handler's own work":
+                raise asyncio.CancelledError
+            await asyncio.sleep(30)  # cancelled below; it ends without answering
+
+        call = asyncio.create_task(RequestContextMiddleware(app, log_requests=False)(
+            _scope("GET"), client.receive, client.send))
+        await asyncio.wait_for(started.wait(), 5)
+        if cancelled_by == "the server's shutdown":
+            call.cancel()
+        await asyncio.wait([call], timeout=5)
+        return call.cancelled(), client.sent
+
+    passed_on, sent = asyncio.run(scenario())
+    assert passed_on and sent == []
+
+
 def test_a_get_that_stays_is_answered_and_may_read_its_empty_body(caplog):
     async def scenario() -> list:
         client = _Client()
