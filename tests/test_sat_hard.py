@@ -201,6 +201,49 @@ def test_terms_and_moving_average_baseline_match_the_learning_rule():
     assert torch.equal(clone.baseline, model.baseline) and int(clone.baseline_batches) == 2
 
 
+def _coin(model, expected):
+    """Fix §4.1's expectation coin: caption ``i`` takes the expected context where ``expected[i]``."""
+    encode_rows = model.encode_rows
+
+    def fixed(vis, rows=None):
+        enc = encode_rows(vis, rows)
+        enc["expected"] = torch.tensor(expected)
+        return enc
+    model.encode_rows = fixed
+
+
+def test_a_mixed_batch_gives_the_same_terms_and_baseline_as_its_sampled_captions_alone():
+    """Captions that took the expectation are not part of REINFORCE: in a mini-batch where some did, the baseline
+    (the first mini-batch's own mean included) and the advantages come from the sampled captions' rewards alone,
+    so the summed REINFORCE term is the one of a batch of only those captions (the terms are divided by all target
+    tokens, hence the rescaling)."""
+    vis = VisualBatch.from_features(torch.randn(3, 5, 6))
+    captions = torch.tensor([[5, 6, 7, 2], [8, 9, 2, 0], [4, 2, 0, 0]])
+    mixed = _model(entropy_weight=0.0).train()
+    _coin(mixed, [False, True, False])
+    alone = _model(entropy_weight=0.0).train()
+    _coin(alone, [False, False])
+    for model in (mixed, alone):
+        _force(model, lambda alpha, t: alpha.argmin(-1))
+    for batch in range(2):  # the first mini-batch (its own mean as b) and the second (b_1)
+        _, aux_mixed = mixed.forward_xe(vis, captions)
+        _, aux_alone = alone.forward_xe(vis, captions[[0, 2]], rows=torch.tensor([0, 2]))
+        torch.testing.assert_close(aux_mixed["reinforce"] * 9, aux_alone["reinforce"] * 6, msg=f"batch {batch}")
+        torch.testing.assert_close(mixed.baseline, alone.baseline)
+        assert aux_alone["reinforce"].item() != 0  # two different rewards: the advantages are not all zero
+
+
+def test_a_first_mini_batch_with_nothing_sampled_leaves_the_baseline_unset():
+    """If every caption of the first mini-batch took the expectation there are no rewards to average: the REINFORCE
+    term is zero (not the NaN of an empty mean) and the next mini-batch is still the first to set b."""
+    model = _model(expectation_prob=1.0).train()
+    vis = VisualBatch.from_features(torch.randn(2, 5, 6))
+    captions = torch.tensor([[5, 6, 2], [8, 2, 0]])
+    _, aux = model.forward_xe(vis, captions)
+    assert aux["reinforce"].item() == 0 and torch.isfinite(aux["entropy"])
+    assert model.baseline.item() == 0 and int(model.baseline_batches) == 0
+
+
 def test_padded_regions_give_finite_terms_and_gradients():
     """Region features come padded (α = 0 on the padding): H(α_t) takes 0 · log 0 as 0, not NaN, so the entropy
     term, the REINFORCE term and every gradient stay finite."""
