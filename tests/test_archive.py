@@ -793,3 +793,54 @@ def test_an_output_in_a_folder_not_yet_made_is_written_there(tmp_path):
     out = tmp_path / "results" / "run1" / "captions.jsonl"
     _write_one_line(out, {"path": "x.jpg", "caption": "a cat"})
     assert read_lines(out) == [{"path": "x.jpg", "caption": "a cat"}]
+
+
+def test_a_torn_tail_of_one_byte_is_cut_too(tmp_path):
+    """A crash may leave any piece of a line after the last newline, its first byte alone included: kept, it began
+    the next line appended (``{"path": …``), and the following resume refused the whole file as not an archive's."""
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"path": "x.jpg", "caption": "a cat"}\n{')
+    lines = CaptionLines(torn, resume=True)
+    lines.write({"path": "y.jpg", "caption": "a dog"})
+    lines.close()
+    assert lines.dropped_tail == 1
+    assert [r["path"] for r in read_lines(torn)] == ["x.jpg", "y.jpg"]
+
+
+def test_a_json_line_that_is_no_object_is_a_foreign_file_on_resume(tmp_path):
+    """A JSON Lines file of arrays or strings (somebody else's data) is refused as not an archive's output, as one of
+    objects without a path is, not met as a TypeError's traceback."""
+    for text in ('[1, 2]\n', '"x.jpg"\n'):
+        foreign = tmp_path / "data.jsonl"
+        foreign.write_text(text)
+        with pytest.raises(ArchiveError, match="line 1, is not a caption line"):
+            CaptionLines(foreign, resume=True)
+        assert foreign.read_text() == text
+
+
+def test_more_unreadable_files_than_images_in_flight_do_not_stall_the_run(tmp_path, tiny_checkpoint_folder,
+                                                                           small_archive):
+    """A skipped file frees its place in flight as a captioned one does: an archive with more broken files than the
+    window holds (two here: one row of beam 3 and one encoder batch) goes on to the images after them."""
+    broken = [tmp_path / f"broken{i}.jpg" for i in range(5)]
+    for path in broken:
+        path.write_bytes(b"not an image")
+    paths = [*map(str, broken), *small_archive[:2]]
+    assert in_flight(settings(max_rows=3, max_beam_size=3, max_batch_images=1), beam_size=3) == 2
+    run = caption_archive(paths, tmp_path / "out.jsonl", tiny_checkpoint_folder,
+                          settings(max_rows=3, max_beam_size=3, max_batch_images=1), ArchiveOptions(max_len=4),
+                          progress=False)
+    assert (run.summary.captioned, run.summary.skipped) == (2, 5)
+    assert sorted(r["path"] for r in read_lines(tmp_path / "out.jsonl")) == small_archive[:2]
+
+
+def test_a_torn_tail_cut_on_resume_is_synced_before_a_line_is_appended(tmp_path, monkeypatch):
+    """The cut is synced at once: a machine crash after the next lines reached the disk must not bring the torn
+    piece back in front of them (a line of two halves, which the following resume would refuse)."""
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text('{"path": "x.jpg", "caption": "a cat"}\n{"pa')
+    synced = []
+    monkeypatch.setattr(archive.os, "fsync", lambda fd: synced.append(torn.read_text()))
+    lines = CaptionLines(torn, resume=True)
+    assert synced == ['{"path": "x.jpg", "caption": "a cat"}\n']
+    lines.close()
