@@ -225,16 +225,21 @@ def test_a_release_that_comes_due_while_work_runs_skips_and_the_works_end_asks_a
     assert released == [103.0]
 
 
+class _Node:
+    pass
+
+
+def _unreachable_cycle() -> weakref.ref:
+    """A weak reference to an object that refers to itself and nothing else does: only a collection frees it."""
+    node = _Node()
+    node.itself = node
+    return weakref.ref(node)
+
+
 def test_start_up_garbage_is_collected_before_the_rest_is_frozen():
     """What start-up left unreachable (a reference cycle) is collected first: frozen, it could never be freed
     while the server runs. The count returned is the collector's own."""
-    class Node:
-        pass
-
-    node = Node()
-    node.itself = node
-    gone = weakref.ref(node)
-    del node
+    gone = _unreachable_cycle()
     enabled = gc.isenabled()
     gc.disable()  # no automatic collection between here and the freeze: only the function's own may free it
     gc.unfreeze()
@@ -299,13 +304,7 @@ def test_the_allocator_is_said_untuned_when_glibc_refuses_any_one_setting(monkey
 def test_a_release_collects_unreachable_cycles_before_trimming(monkeypatch):
     """Memory held only by reference cycles (a finished request's objects, say) goes back too: the collection runs
     first, so malloc_trim finds their blocks free."""
-    class Node:
-        pass
-
-    node = Node()
-    node.itself = node
-    gone = weakref.ref(node)
-    del node
+    gone = _unreachable_cycle()
     libc = RecordingLibc()
     monkeypatch.setattr(memory, "_libc", lambda: libc)
     enabled = gc.isenabled()
