@@ -346,8 +346,9 @@ def test_only_noisy_backgrounds_carry_per_pixel_noise(ood):
 
 def test_backgrounds_are_greys_with_a_pale_tint_so_object_colours_stay_nameable(ood):
     """``_background``'s promise, "unpatterned and unsaturated": a grey with each channel moved at most 18 levels
-    (a gradient runs between two such), so the background's median colour spreads its channels less than 36 levels;
-    seed 3's widest spread is 27. A saturated background would make a red object on red unnameable."""
+    (a gradient runs between two such), so the background's median colour spreads its channels by at most 36 levels,
+    under 40 after JPEG's rounding; seed 3's widest spread is 27. A saturated background would make a red object on
+    red unnameable."""
     for entry in json.loads(ood.read_text())["images"]:
         labels = np.asarray(Image.open(ood.parent / entry["mask"]))
         pixels = np.asarray(Image.open(ood.parent / "images" / entry["filename"])).astype(float)
