@@ -99,6 +99,20 @@ def test_sample_masks_after_eos(tiny_sat, random_visuals):
             assert all(token == tiny_sat.pad_id for token in ids[end + 1:])  # padded after EOS
 
 
+def test_sample_masks_are_laid_out_like_its_tokens_up_to_each_rows_first_eos(tiny_sat, random_visuals):
+    """``Samples.mask`` is ``[R, T]`` like ``tokens`` and ``logprobs`` (SCST's loss multiplies them): True up to and
+    including each row's EOS.  The EOS bias makes rows end at different steps, which the tiny SAT alone too seldom
+    does within ``max_len``."""
+    with torch.no_grad():
+        tiny_sat.out_word.bias[tiny_sat.eos_id] += 3.0
+    torch.manual_seed(0)
+    drawn = sample(tiny_sat, random_visuals, n=4, max_len=10)
+    assert drawn.mask.shape == drawn.tokens.shape == drawn.logprobs.shape
+    ended = (drawn.tokens == tiny_sat.eos_id).long()
+    assert len({row.index(1) for row in ended.tolist() if 1 in row}) > 1, "rows end at different steps"
+    assert torch.equal(drawn.mask, ended.cumsum(1) - ended == 0)
+
+
 def test_sample_draws_one_caption_per_image_unless_told_more(tiny_sat, random_visuals):
     """``sample(model, vis)`` as a library caller writes it: one caption per image, row ``b`` for image ``b``
     (every caller in the project names ``n``, so only this call holds the default)."""
@@ -344,6 +358,30 @@ def test_search_rows_equals_a_naive_beam_search_on_scripted_models(alpha, block)
                 assert hyp.extras["before"].argmax(-1).tolist() == prefix[:-2]
 
 
+def test_search_rows_keeps_each_group_to_its_own_rows_when_several_groups_share_a_width():
+    """Groups of equal width are ranked together in one top-k (``BeamLayout.by_width``), and with several widths in
+    the table each group's back-pointers are offset by its own first row: a group pointing into another group of its
+    width would continue that image's captions.  Each group here is scored by its own table (read through ``enc``,
+    which the search never reorders), so a group's captions are the naive search's over its table alone."""
+    widths, max_len, vocab = [2, 3, 2, 3], 6, 9
+    generator = torch.Generator().manual_seed(11)
+    tables = (torch.randn(len(widths), vocab, vocab, vocab, generator=generator) * 2.5).log_softmax(-1)
+    tables[..., EOS] += torch.rand(len(widths), vocab, vocab, generator=generator) * 3.0 - 1.0
+    tables = tables.log_softmax(-1)
+
+    def step(prev, state, enc):
+        record = AttnRecord(torch.nn.functional.one_hot(prev, vocab).float(), {})
+        return tables[enc["group"], state["before"], prev], {"before": prev}, record
+
+    group = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))
+    start = {"before": torch.full((sum(widths),), BOS)}
+    found = search_rows(step, index_rows, {"group": group}, start, widths, BOS, EOS, (PAD, BOS, UNK), max_len,
+                        NO_RULES, n_best=2)
+    for g, (width, hyps) in enumerate(zip(widths, found)):
+        expected = _naive_table_beam(tables[g].double(), width, max_len, 0.0, False)[:2]
+        assert [h.token_ids for h in hyps] == [tokens for tokens, _ in expected], g
+
+
 def test_tune_decodings_choice_prefers_the_simpler_rules_on_a_tie_and_reads_rows_older_than_a_rule():
     """``best_row`` breaks a tie towards no penalty, then no trigram blocking, then no doubled-word blocking; a row
     written before doubled-word blocking existed (no such field) is read with it off."""
@@ -368,6 +406,18 @@ def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
     assert joined.tokens.shape == (2, 7) and joined.blocking and joined.penalised
     assert joined.alpha.tolist() == [1.0, 0.5] and joined.trigrams.tolist() == [False, True]
     assert joined.doubles.tolist() == [True, False]
+
+
+def test_a_table_without_rules_joined_by_rows_with_rules_applies_them():
+    """``RowHistory.cat``'s ``penalised`` and ``blocking`` flags tell ``beam_step`` whether to apply any row's rules
+    at all: a server's table whose rows have none, joined by a request with a length penalty or a blocking rule,
+    must take the joining rows' flags, or their rules would be skipped for as long as they share that table."""
+    plain = RowHistory.start([2], [NO_RULES], 4, "cpu")
+    assert not plain.penalised and not plain.blocking
+    for rules in (DecodingRules(length_penalty=0.5), DecodingRules(block_trigrams=True),
+                  DecodingRules(block_doubled_words=True)):
+        joined = plain.cat(RowHistory.start([1], [rules], 4, "cpu"))
+        assert (joined.penalised, joined.blocking) == (bool(rules.length_penalty), rules.blocks), rules
 
 
 def test_a_group_is_done_only_when_every_one_of_its_rows_has_ended():
