@@ -144,3 +144,21 @@ def test_a_row_with_one_item_in_its_support_passes_no_gradient():
     s = (p[1] > 0).to(z.dtype)
     torch.testing.assert_close(z_grad[1], s * (grad[1] - (grad[1] * s).sum() / s.sum()), atol=1e-15, rtol=0)
     assert torch.autograd.gradcheck(lambda x: sparsemax(x, mask), (z,), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.uint8, torch.float32])
+def test_a_zero_one_mask_of_another_dtype_masks_like_the_boolean_one(dtype):
+    """``mask`` is read as True = real item whatever its dtype (a 0/1 padding mask is often long or float): taken
+    as it comes, ``~mask`` of a long or a byte mask is a bitwise not (1 → -2 or 254, every item still "real") and
+    ``masked_fill`` refuses it; the mask is made boolean first, as TVmax's prox does."""
+    generator = torch.Generator().manual_seed(8)
+    z = torch.randn(4, 7, generator=generator, dtype=torch.float64) + 3.0
+    mask = torch.rand(4, 7, generator=generator) > 0.4
+    mask[:, 0] = True
+    expected = sparsemax(z, mask)
+    assert torch.equal(sparsemax(z, mask.to(dtype)), expected)
+    z = z.requires_grad_()
+    weights = torch.randn(4, 7, generator=generator, dtype=torch.float64)
+    (z_grad,) = torch.autograd.grad((sparsemax(z, mask.to(dtype)) * weights).sum(), z)  # the autograd Function's path
+    (expected_grad,) = torch.autograd.grad((sparsemax(z, mask) * weights).sum(), z)
+    assert torch.equal(z_grad, expected_grad) and torch.all(z_grad[~mask] == 0)
