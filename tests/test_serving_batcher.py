@@ -1714,6 +1714,37 @@ def test_requests_leaving_the_queue_count_as_decoding_before_they_reach_the_enco
     assert counted == [1, 3, 3]  # the one decoding and the two being admitted
 
 
+def test_requests_whose_images_are_being_encoded_count_as_decoding_until_they_join_a_table(encoder):
+    """With the encoder thread, an admitted request whose image is still being encoded is neither waiting nor in a
+    table: every boundary's recount must keep counting it as decoding (``active_jobs``, and the work admission
+    control expects), or a request arriving while a slow image is encoded would be judged against too little work."""
+    runtime = runtime_for("sat", encoder)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # the first caption runs to its length limit
+    images = [runtime.prepare(image) for image in random_images(2, seed=15)]
+    release, encoded = _held_encodings(runtime, images[1])
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=16)
+
+    async def scenario():
+        first = batcher.submit(images[0], 1, 8, 60)
+        batcher.run_once()  # encoded, waited for (nothing else to decode), decoding
+        held = batcher.submit(images[1], 2, 3, 60)
+        batcher.run_once()  # admitted; its encoding is held while the first decodes on
+        during = batcher.active_jobs, encoded.is_set()
+        batcher.run_once()  # a boundary with the encoding still held recounts the same
+        during_next = batcher.active_jobs, encoded.is_set()
+        release.set()
+        while not batcher.idle:
+            batcher.run_once()
+        await asyncio.sleep(0)
+        await asyncio.gather(first.future, held.future)
+        return during, during_next
+
+    with _driven_with_an_encoder_thread(batcher, release):
+        during, during_next = run_bounded(scenario())
+    assert during == (2, False) and during_next == (2, False)
+    assert batcher.active_jobs == 0
+
+
 def test_an_encodings_time_includes_the_wait_for_the_device(encoder):
     """On a GPU ``begin`` only queues kernels: the encoding's cost shows once the device is synchronised, and
     admission control must learn that cost (without the wait, encodings would look nearly free)."""
@@ -1962,3 +1993,21 @@ def test_the_load_gauges_are_the_rows_decoding_and_the_requests_waiting_for_rows
 
     assert run_bounded(scenario()) == (4, 1)
     assert gauges() == (0, 0)
+
+
+def test_every_decoding_step_is_observed_with_the_rows_it_decoded(encoder):
+    """``captioner_rows_per_step`` and ``captioner_step_time_seconds``: one observation per decoding step the
+    batcher runs, of all the rows of all its tables (how full the steps run is what a dashboard reads from them)."""
+    metrics = Metrics()
+    runtime = runtime_for("sat", encoder)
+    stepped = count_step_rows(runtime)
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, metrics=metrics)
+    batcher.start(worker=False)
+    images = [runtime.prepare(image) for image in random_images(2, seed=16)]
+    run_bounded(drive(batcher, [(0, images[0], 3, 6), (2, images[1], 2, 5)]))
+
+    def count(histogram) -> float:
+        return sum(bucket.get() for bucket in histogram.labels("sat")._buckets)
+
+    assert stepped and metrics.rows_per_step.labels("sat")._sum.get() == sum(stepped)
+    assert count(metrics.rows_per_step) == count(metrics.step_time) == len(stepped)
