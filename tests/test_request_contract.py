@@ -26,7 +26,7 @@ from starlette.requests import Request
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.decoding import DecodingRules
 from captioner.models.rendering.heatmaps import MODES
-from captioner.service import inputs, middleware
+from captioner.service import inputs, middleware, upload_answers
 from captioner.service.admission import QueueFull
 from captioner.service.app import CAPTION_PATHS, create_app
 from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, refuse_early
@@ -829,6 +829,25 @@ def test_the_deadline_counts_from_the_requests_arrival_not_from_when_the_route_a
         perf_counter=time.perf_counter, monotonic=lambda: time.monotonic() - timeout - 60))
     late = problem(client.post("/caption", files={"file": ("coffee.jpg", photo, "image/jpeg")}), 504, "deadline")
     assert f"the {timeout:g} s request deadline passed" in late["detail"]
+
+
+def test_an_upload_still_arriving_at_the_deadline_counted_from_arrival_is_cut_off_as_a_408(client, photo,
+                                                                                           monkeypatch):
+    """A slow or stalled upload is cut off when the request's deadline passes, counted from its arrival (not a
+    whole deadline from when the route starts reading), and answered 408 ``upload-timeout``. The middleware notes an
+    arrival a second short of the deadline ago; the body never arrives (its read would give up only after 20 s, far
+    past the deadline, failing the request otherwise)."""
+    timeout = client.app.state.service.settings.request_timeout_s
+    monkeypatch.setattr(middleware, "time", types.SimpleNamespace(
+        perf_counter=time.perf_counter, monotonic=lambda: time.monotonic() - timeout + 1))
+
+    async def stalled_read(*args, **kwargs):
+        await asyncio.sleep(20)
+        raise AssertionError("the upload's read was not cut off at the deadline")
+
+    monkeypatch.setattr(upload_answers, "read_caption_request", stalled_read)
+    cut = problem(client.post("/caption", files={"file": ("coffee.jpg", photo, "image/jpeg")}), 408, "upload-timeout")
+    assert f"within the {timeout:g} s request deadline" in cut["detail"]
 
 
 def test_the_use_case_counts_the_deadline_from_the_arrival_it_is_given(client, photo):

@@ -3,6 +3,7 @@ without the model and with the same caption; other options or other bytes miss; 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 from pathlib import Path
@@ -12,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from captioner.models.decoding import DecodingRules
 from captioner.service.app import create_app
-from captioner.service.result_cache import CacheKey, ResultCache
+from captioner.service.result_cache import CacheKey, ResultCache, content_digest
 
 from .serving_helpers import count_encodes, random_images, serving_settings
 
@@ -109,6 +110,15 @@ def test_the_cache_evicts_the_least_recently_used_entry():
     assert cache.get(a) == "A"  # a is now the most recently used
     cache.put(c, "C")  # type: ignore[arg-type]
     assert cache.get(b) is None and cache.get(a) == "A" and cache.get(c) == "C"
+
+
+def test_the_key_digest_is_the_sha256_of_every_byte_of_the_upload():
+    """The key's digest is the upload's SHA-256 (module docstring, ``CAPTIONER_RESULT_CACHE_ENTRIES``' description),
+    taken over all of its bytes: two photos that differ only far into the file (the bottom rows of a large JPEG)
+    must never share an answer."""
+    upload = bytes(range(256)) * 4096  # 1 MiB
+    assert content_digest(upload) == hashlib.sha256(upload).hexdigest()
+    assert content_digest(upload[:-1] + b"\x00") != content_digest(upload)
 
 
 @pytest.mark.parametrize("entries", [0, 1, 3])
