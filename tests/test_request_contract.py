@@ -378,6 +378,7 @@ def test_openapi_documents_the_form_fields(client):
     for path in ("/caption", "/caption/overlay"):
         query = {p["name"] for p in paths[path]["post"]["parameters"] if p["in"] == "query"}
         assert {"model", "beam_size", "max_len"} <= query
+        assert paths[path]["post"]["requestBody"]["required"] is True  # an upload without a body is refused
     # the query parameters have the JSON and form fields' bounds, read off CaptionOptions (not typed twice), with
     # this server's largest values (the fixture's CAPTIONER_MAX_BEAM_SIZE=4, CAPTIONER_MAX_MAX_LEN=12) stated in each
 

@@ -7,7 +7,9 @@ unchanged."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
+from pathlib import PurePath
 
 import numpy as np
 import pytest
@@ -114,3 +116,37 @@ def test_both_encoders_answer_the_same_over_http(tmp_path):
     assert schema["components"]["schemas"]["AttentionFormat"]["enum"] == ["json", "float16-base64"]
     assert "PackedRows" in parameter["description"]
     assert set(schema["components"]["schemas"]["PackedRows"]["properties"]) == {"encoding", "shape", "data"}
+
+
+def test_the_answer_rounds_attention_to_6_decimals_and_log_probabilities_to_5():
+    """The rounding the answer's field descriptions state: attention weights to 6 decimals (which keep a row's sum
+    within 1e-5 of 1 and exact zeros at 0.0), token log-probabilities and the score to 5, in both writers; and
+    ``area_boxes`` is null for a model without area attention."""
+    ckpt = tiny_checkpoint("sat")
+    runtime = TorchRuntime("sat", ckpt, shared_encoder(), torch.device("cpu"))
+    result = runtime.caption([runtime.prepare(random_images(1, seed=7)[0])], beam_size=2, max_len=8)[0]
+    hyp = result.hypothesis
+    attention = hyp.attention.float()
+    assert not torch.equal(torch.round(attention, decimals=6), torch.round(attention, decimals=5))
+    for answer in (json.loads(CaptionOut.of(result).model_dump_json()), json.loads(caption_json(result))):
+        np.testing.assert_array_equal(np.asarray(answer["attention"], dtype=np.float32),
+                                      torch.round(attention, decimals=6).numpy())
+        assert answer["token_logprobs"] == [round(v, 5) for v in hyp.token_logprobs]
+        assert answer["score"] == round(hyp.score, 5)
+        assert answer["area_boxes"] is None  # null for a model without area attention, not an empty list
+    properties = CaptionOut.model_json_schema()["properties"]
+    assert "(6 decimals)" in properties["attention"]["description"]
+    assert "(5 decimals)" in properties["token_logprobs"]["description"]
+
+
+def test_the_answer_names_the_checkpoint_folder_never_its_path_on_the_server():
+    """``checkpoint`` is the folder's name (its description says so): the server's directories never reach a
+    client, from either writer."""
+    ckpt = tiny_checkpoint("sat")
+    runtime = TorchRuntime("sat", ckpt, shared_encoder(), torch.device("cpu"))
+    result = runtime.caption([runtime.prepare(random_images(1, seed=8)[0])], beam_size=1, max_len=4)[0]
+    folder = PurePath("/srv/captioner/weights/sat")  # where a server loaded it from
+    result = dataclasses.replace(result, checkpoint=str(folder))
+    for text in (CaptionOut.of(result).model_dump_json(), caption_json(result).decode()):
+        assert json.loads(text)["checkpoint"] == folder.name
+        assert str(folder.parent) not in text
