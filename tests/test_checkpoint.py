@@ -608,6 +608,29 @@ def test_a_folder_with_a_config_or_weights_alone_is_not_found_as_a_checkpoint(tm
     assert find_checkpoints(None, [tmp_path / "weights" / "bert", tmp_path / "weights" / "copying"]) == {}
 
 
+def test_a_checkpoint_found_twice_under_one_name_is_not_reported_as_replacing_itself(tmp_path, tiny_sat, vocab):
+    """``CAPTIONER_WEIGHTS=weights`` and ``CAPTIONER_CHECKPOINTS=weights/sat`` name one folder twice: only another
+    folder under the same name is a replacement to report (the service warns that the loser is not served)."""
+    sat = save_checkpoint(tmp_path / "weights" / "sat", tiny_sat, vocab, EncoderSpec())
+    other = save_checkpoint(tmp_path / "other" / "sat", tiny_sat, vocab, EncoderSpec())
+    replaced = []
+    found = find_checkpoints(tmp_path / "weights", [tmp_path / "weights" / ".." / "weights" / "sat"],
+                             on_replaced=lambda *heard: replaced.append(heard))
+    assert list(found) == ["sat"] and replaced == []
+    assert find_checkpoints(tmp_path / "weights", [other], on_replaced=lambda *heard: replaced.append(heard)) == {
+        "sat": other}
+    assert replaced == [("sat", other, sat)]
+
+
+def test_a_config_that_is_not_utf8_is_a_checkpoint_error_naming_it(tmp_path, tiny_sat, vocab):
+    """A config.json of bytes that are not UTF-8 (another tool's binary file, a torn copy) is named like one that
+    is not JSON, where it was a UnicodeDecodeError traceback."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / "config.json").write_bytes(b'{"format": "\xff\xfe"}')
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(path / 'config.json'))} is not valid JSON"):
+        load_checkpoint(path, verify=False)
+
+
 def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_path, tiny_sat, vocab):
     path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(weights="cnn.safetensors"),
                            files={"cnn.safetensors": b"weights"})
@@ -882,6 +905,31 @@ def test_weights_lacking_a_tensor_holding_another_or_of_another_model_are_refuse
         with pytest.raises(CheckpointError, match=f"does not hold the weights of the sat model its config.json "
                                                   f"describes: .*{named}"):
             load_checkpoint(path, verify=False)
+
+
+def test_a_shape_check_names_five_problems_and_counts_the_rest(tmp_path, tiny_sat, vocab):
+    """Weights far from their config (another model's, say) list five problems and say how many more there are:
+    the count is what tells a reader whether the weights are close to the model or another one altogether."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    extra = {f"extra{i}.weight": torch.zeros(2) for i in range(7)}
+    (path / WEIGHTS).write_bytes(save_tensors({**load_file(path / WEIGHTS), **extra}))
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(path, verify=False)
+    assert str(refused.value).endswith(": " + "; ".join(f"unexpected extra{i}.weight" for i in range(5))
+                                       + "; and 2 more")
+
+
+def test_a_constructor_chaining_an_in_place_fill_keeps_its_tensor_on_the_meta_device():
+    """On the meta device the in-place fills are skipped but still return their tensor, as PyTorch's do: a
+    constructor that writes ``nn.Parameter(torch.empty(3, 4).uniform_())`` gets a (3, 4) parameter there, not the
+    empty one ``nn.Parameter(None)`` makes, which the shape check would then refuse against the stored weights."""
+    def build():
+        model = torch.nn.Module()
+        model.scale = torch.nn.Parameter(torch.empty(3, 4).uniform_(-0.1, 0.1))
+        model.register_buffer("offset", torch.zeros(5).fill_(1.0))
+        return model
+
+    assert module.state_shapes(on_meta(build)) == {"scale": (3, 4), "offset": (5,)}
 
 
 def test_a_model_built_with_other_special_ids_loads_with_them(tmp_path, vocab):
