@@ -1,11 +1,13 @@
 """``create(name, **config)``, the registry's one way to build a model: what a mistaken call is told, what a model's
 options are (``captioner models NAME``), and models that another installed package adds by its entry points."""
 
+import inspect
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,11 @@ def test_a_mistaken_call_is_a_value_error_that_names_what_to_give(name, config, 
     assert issubclass(UnknownModel, ValueError)
 
 
+def test_the_registered_names_are_listed_sorted_whatever_order_they_were_registered_in(monkeypatch):
+    monkeypatch.setitem(MODELS, "aaa-registered-last", ShowAttendTell)
+    assert available()[0] == "aaa-registered-last" and available() == sorted(MODELS)
+
+
 def test_an_unknown_name_is_told_every_registered_one():
     with pytest.raises(UnknownModel) as unknown:
         model_class("nosuch")
@@ -106,6 +113,24 @@ def test_a_keyword_only_option_is_an_option_listed_checked_and_taken(monkeypatch
         create("keyword-wide", vocab_size=12, feat_dim=8, width="abc")
 
 
+class Layered(ShowAttendTell):
+    """A plugin's model with a sequence option whose default is a tuple: no built-in model has one."""
+
+    def __init__(self, vocab_size: int, feat_dim: int, widths: Sequence[int] = (8, 8), **ids: int):
+        super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, **ids)
+        self.widths = widths
+
+
+def test_a_sequence_option_takes_a_list_or_a_tuple_and_refuses_one_string(monkeypatch):
+    """JSON brings a list, a library caller may pass a tuple (the default ``options`` reports is one): both are the
+    sequence the annotation names; a lone string, a sequence to Python, is refused as not a list."""
+    monkeypatch.setitem(MODELS, "layered", Layered)
+    for widths in ([4, 4], (4, 4), options("layered")["widths"]):
+        assert list(create("layered", vocab_size=12, feat_dim=8, widths=widths).widths) == list(widths)
+    with pytest.raises(ValueError, match="^model 'layered': option 'widths' takes a list"):
+        create("layered", vocab_size=12, feat_dim=8, widths="44")
+
+
 def test_a_plugin_whose_annotations_cannot_be_resolved_is_built_with_its_options_unchecked(monkeypatch):
     """A plugin may annotate with a name its module imports only for type checkers: its annotations cannot be
     resolved at run time, so nothing is checked, but the model is built (a None in place of no annotations was
@@ -141,6 +166,27 @@ def test_a_models_options_are_its_constructors_with_their_defaults():
     assert "dim=1024" in lines or any(line.startswith("dim=") for line in lines)
     assert 'activation="celu"' in lines and lines[-1].startswith("# from the data set and the encoder, not --set:")
     assert not [line for line in lines if line.startswith(("vocab_size", "bos_id"))]
+
+
+def test_a_models_options_list_its_own_parameters_first_then_the_protocols_special_ids():
+    """The order ``captioner models NAME`` prints them in: the constructor's own, then the special token ids the
+    model passes on to ``Captioner.__init__``."""
+    names = list(options("sat"))
+    own = [name for name in inspect.signature(ShowAttendTell).parameters if name != "ids"]
+    assert names[:len(own)] == own and names[len(own):] == ["pad_id", "bos_id", "eos_id"]
+
+
+class Unresolvable(ShowAttendTell):
+    """A plugin's model whose annotation names something that is not a type: resolving it is a TypeError."""
+
+    def __init__(self, vocab_size: int, feat_dim: int, width: "print | None" = None, **ids: int):
+        super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, **ids)
+        self.width = width
+
+
+def test_annotations_that_fail_to_resolve_for_any_reason_leave_the_options_unchecked(monkeypatch):
+    monkeypatch.setitem(MODELS, "unresolvable", Unresolvable)
+    assert create("unresolvable", vocab_size=12, feat_dim=8, width="wide").width == "wide"
 
 
 PLUGIN = textwrap.dedent("""
