@@ -4,6 +4,7 @@ runtime and through the HTTP service; ``captioner export`` writes what the servi
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -769,6 +770,76 @@ def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
     assert cuda_provider_available(torch.device("cuda")) == ("CUDAExecutionProvider" in ort.get_available_providers())
     assert not cuda_provider_available(CPU)
+
+
+def test_the_cuda_provider_is_seen_on_any_cuda_device_where_onnx_runtime_offers_it(monkeypatch):
+    """The same question where ONNX Runtime offers CUDA (a CPU machine's package does not): the provider asked for
+    first is CUDA's, named in its (name, options) entry, on an indexed device too."""
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert cuda_provider_available(torch.device("cuda")) and cuda_provider_available(torch.device("cuda:1"))
+    assert not cuda_provider_available(CPU)
+
+
+def test_a_visual_session_names_its_sessions_providers_and_is_on_the_gpu_only_where_cuda_loaded(monkeypatch):
+    """A CNN session on a CUDA device whose CUDA provider failed to load (cuDNN missing) runs on the CPU: it says so
+    (its providers, ``on_gpu``), so its pixels are not bound on the GPU, and it runs on the threads it was given."""
+    opened = []
+
+    def loading(providers_loaded):
+        def open_session(path, options, providers):
+            opened.append((path, options.intra_op_num_threads, providers))
+            return types.SimpleNamespace(get_providers=lambda: providers_loaded)
+        return open_session
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(ort, "InferenceSession", loading(["CUDAExecutionProvider", "CPUExecutionProvider"]))
+    loaded = sessions.VisualSession(Path("visual.onnx"), "cuda:1", threads=2)
+    assert loaded.device == torch.device("cuda:1") and loaded.on_gpu
+    assert loaded.providers == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "InferenceSession", loading(["CPUExecutionProvider"]))
+    fell_back = sessions.VisualSession(Path("visual.onnx"), "cuda:1", threads=2)
+    assert not fell_back.on_gpu and fell_back.providers == ["CPUExecutionProvider"]
+    assert opened == [("visual.onnx", 2, [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"])] * 2
+
+
+@pytest.mark.parametrize("device, index", [("cuda:1", 1), ("cuda", 0)])
+def test_a_session_on_the_gpu_binds_contiguous_copies_after_draining_pytorchs_stream(device, index, monkeypatch):
+    """The I/O binding path, on a CPU machine with a session and a stream that record what they are asked: PyTorch's
+    stream is drained before anything is bound, each input is bound on the device's GPU as a contiguous copy of its
+    own dtype (a transposed one by its copy's address, which still holds the transposed values when the session
+    runs), every output asked for is bound there, and the bound outputs come back as torch tensors."""
+    events = []
+
+    def run(binding):
+        bound = [event[-1] for event in events if event[:2] == ("input", "pixels")]
+        assert bound, "the session ran before its pixels were bound"  # no address to read the copy at
+        copy = (ctypes.c_char * 12).from_address(bound[0])  # the bound copy of the 3 × 2 float16 pixels
+        events.append(("run", np.frombuffer(bytes(copy), dtype=np.float16).tolist()))
+
+    class Binding:
+        def bind_input(self, name, device_type, device_id, dtype, shape, pointer):
+            events.append(("input", name, device_type, device_id, dtype, shape, pointer))
+
+        def bind_output(self, name, device_type, device_id):
+            events.append(("output", name, device_type, device_id))
+
+        def get_outputs(self):
+            return [torch.tensor([0.5]), torch.tensor([2, 3])]
+
+    drained = types.SimpleNamespace(synchronize=lambda: events.append(("synchronize",)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda on: drained if on == torch.device(device) else None)
+    session = types.SimpleNamespace(io_binding=Binding, run_with_iobinding=run)
+    pixels = torch.arange(6, dtype=torch.float16).reshape(2, 3).t()  # not contiguous
+    ids = torch.tensor([4, 5])
+    scores, words = sessions.run_session(session, {"pixels": pixels, "ids": ids}, ["scores", "words"],
+                                         torch.device(device), on_gpu=True)
+    assert scores.tolist() == [0.5] and words.tolist() == [2, 3]
+    assert len(events) == 6 and events[1][-1] != pixels.data_ptr()
+    assert events == [("synchronize",),
+                      ("input", "pixels", "cuda", index, np.float16, (3, 2), events[1][-1]),
+                      ("input", "ids", "cuda", index, np.int64, (2,), ids.data_ptr()),
+                      ("output", "scores", "cuda", index), ("output", "words", "cuda", index),
+                      ("run", pixels.flatten().tolist())]
 
 
 def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
