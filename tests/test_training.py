@@ -437,6 +437,21 @@ def test_grouped_epochs_visit_every_caption_once_with_an_images_captions_togethe
     assert len({plain.pairs[i][0] for i in plain.epoch_order(0)[:5]}) > 1  # default: pairs shuffled one by one
 
 
+def test_the_runs_seed_draws_its_data_order_and_the_same_seed_draws_it_again():
+    """An epoch's order is seeded by (seed, epoch) (``Phase.epoch_order``): the same seed gives a resumed run the same
+    batches, and another ``--seed`` another order; seeded by the epoch alone, every seed trained on the same batches,
+    so runs meant to differ in their data order (to gauge a result's spread) differed only in their weights."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a"], ["b"]]) for i in range(20)]
+
+    def order(seed, epoch):
+        return XEPhase(_config("data", "run", "cache", seed=seed), None, vocab, None, images, "cpu").epoch_order(epoch)
+
+    assert order(1, 0).tolist() == order(1, 0).tolist()
+    assert order(1, 0).tolist() != order(2, 0).tolist()
+    assert order(1, 1).tolist() != order(2, 1).tolist()
+
+
 def test_each_epoch_trains_on_its_own_shuffle_of_the_data(scenes, tmp_path, cache, monkeypatch):
     """Every epoch takes its batches in the order its phase draws for that epoch: with the first epoch's order
     reused, each epoch met the same batches in the same sequence, and the model learnt the order's quirks."""
@@ -775,6 +790,21 @@ def test_the_module_ddp_wraps_holds_the_models_and_the_fine_tuned_stages_paramet
     model, tail = torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
     module = PhaseModule(model, SimpleNamespace(), tail)
     assert {id(p) for p in module.parameters()} == {id(p) for p in [*model.parameters(), *tail.parameters()]}
+
+
+def test_the_module_ddp_wraps_hands_the_phase_this_ranks_share_and_the_whole_batch():
+    """A rank's loss is weighted by its share of the global batch (``Phase.loss``): the module DDP calls must pass the
+    whole batch on, not the rank's share again (each rank's loss then counted as the whole batch's, ``world`` times
+    too heavy) nor nothing (no weighting at all); one process never tells the two apart."""
+    seen = []
+
+    def loss(batch, global_batch=None):
+        seen.append((batch, global_batch))
+        return SimpleNamespace(loss=torch.tensor(1.5), logs={"xe": 1.5}, tokens=7)
+
+    module = PhaseModule(torch.nn.Linear(2, 2), SimpleNamespace(loss=loss))
+    assert module([3, 1], [3, 1, 4, 0]) == (torch.tensor(1.5), {"xe": 1.5}, 7)
+    assert seen == [([3, 1], [3, 1, 4, 0])]
 
 
 def test_the_xe_of_bfloat16_log_probs_is_taken_in_float32():
