@@ -35,6 +35,14 @@ def test_precision_is_selected_by_device():
         assert resolve_precision("auto", gpu).name == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
 
 
+def test_float16_is_refused_on_every_device_but_cuda():
+    """Float16 runs with a gradient scaler only on CUDA: a device torch knows but that is not CUDA (``mps``, ``xpu``,
+    which ``--device`` takes) is refused like the CPU, not only the CPU itself."""
+    for name in ("cpu", "mps", "xpu", "meta"):
+        with pytest.raises(ValueError, match="float16 needs a CUDA device"):
+            resolve_precision("float16", torch.device(name))
+
+
 @pytest.mark.parametrize("bf16", [True, False])
 def test_auto_on_a_gpu_is_bfloat16_where_it_runs_else_scaled_float16(bf16, monkeypatch):
     """``auto`` on a CUDA device asks the GPU whether it runs bfloat16 (A100, H100) or not (V100, T4, which take
