@@ -380,6 +380,15 @@ def test_existing_run_is_never_overwritten(scenes, tmp_path, cache):
         train(_config(scenes, tmp_path / "run", cache, max_steps=2))
 
 
+def test_a_new_scst_run_without_init_is_refused_before_any_data_is_read(scenes, tmp_path, cache, monkeypatch):
+    """Self-critical training samples from the model it improves: a new ``--phase scst`` run from random weights
+    scores 0 on every sample and learns nothing, so it needs ``--init``; only a resumed run (whose recipe gives its
+    ``init`` back) goes on without one.  The refusal comes before the data is read."""
+    monkeypatch.setattr(loop, "_load_splits", lambda cfg: pytest.fail("the data was read before the refusal"))
+    with pytest.raises(ValueError, match="--phase scst starts from a trained model: give --init"):
+        prepare_run(_config(scenes, tmp_path / "run", cache, phase="scst"))
+
+
 def test_ctrl_c_saves_state_and_resume_finishes_and_no_second_trainer_gets_in(scenes, tmp_path, cache):
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "captioner.service.cli", "train", "--dataset", str(scenes), "--out", str(out),
@@ -1067,3 +1076,17 @@ def test_an_epochs_history_row_is_its_log_record_without_the_kind(tmp_path, monk
     loop._end_epoch(run, EpochLog(1, 10, 1e-3, {"xe": 1.0}, {"CIDEr-D": 0.5}, 2.0))
     (logged,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged.pop("kind") == "epoch" and run.progress.history == [logged]
+
+
+def test_an_epochs_end_prints_its_row_and_hands_the_plateau_this_epochs_score(tmp_path, monkeypatch, capsys):
+    """The main rank prints each epoch's row (its scores, losses and rate: all a run says between progress bars), and
+    the plateau decay is fed the epoch's own score, not the best so far, which never falls and so would count an
+    epoch that scored worse as one that held level (no test ran a plateau through a score that fell)."""
+    run, _ = _end_epochs_run(tmp_path, monkeypatch, select="CIDEr-D")
+    fed = []
+    run.schedules = SimpleNamespace(plateau=SimpleNamespace(update=fed.append))
+    for epoch, score in enumerate([0.5, 0.7, 0.6], 1):
+        loop._end_epoch(run, EpochLog(epoch, 10 * epoch, 1e-3, {"xe": 1.0}, {"CIDEr-D": score}, 2.0))
+    assert fed == [0.5, 0.7, 0.6]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == run.progress.history and [row["epoch"] for row in printed] == [1, 2, 3]
