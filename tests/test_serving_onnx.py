@@ -733,6 +733,18 @@ def test_a_session_on_the_cpu_answers_the_outputs_asked_for_in_their_order(tmp_p
     assert negated.tolist() == [-1.0, 2.0] and same.tolist() == [1.0, -2.0]
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_session_on_the_cpu_reads_a_strided_view_or_a_tensor_that_needs_gradients_by_its_values(requires_grad,
+                                                                                                   tmp_path):
+    """Callers hand over what PyTorch gives them: a column of a batch is a strided view (its values are not the
+    next ones in memory), and a tensor may carry gradients (``.numpy()`` refuses it)."""
+    session = sessions.open_session(_two_outputs_graph(tmp_path), CPU, threads=1)
+    batch = torch.tensor([[1.0, 5.0], [-2.0, 6.0]], requires_grad=requires_grad)
+    column = batch[:, 0]  # [1, -2], every other float of the batch's memory
+    (same,) = sessions.run_session(session, {"x": column}, ["same"], CPU, on_gpu=False)
+    assert same.tolist() == [1.0, -2.0]
+
+
 def test_a_cuda_device_asks_for_its_own_gpu_then_the_cpu_and_counts_as_on_it_only_where_cuda_loaded(monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert sessions.execution_providers(torch.device("cuda:1")) == [
