@@ -108,3 +108,36 @@ def test_one_caption_and_no_caption_score_as_themselves():
     assert scores["REP"] == pytest.approx(100 * 1 / 3)  # "a dog" once beyond the reference's one, over 3 words
     assert diversity_scores({}, {}) == {"REP": 0.0, "distinct_words": 0.0, "mean_length": 0.0}
     assert rep_score({}, {}) == 0.0 and novel_share([], ["a dog".split()]) == 0.0
+
+
+def test_a_caption_whose_image_has_no_references_adds_no_reference_words():
+    """An image listed with an empty reference list (a split entry without sentences) counts its caption's repeats
+    but adds nothing to the normaliser: no division by its zero references."""
+    captions = {1: "a dog a dog".split(), 2: "a cat".split()}
+    references = {1: ["a b c d".split()], 2: []}
+    assert rep_score(captions, references) == pytest.approx(100 * 2 / 4)
+
+
+def test_a_reference_repeating_a_bigram_more_often_than_the_caption_excuses_it_without_a_credit():
+    """A bigram the caption repeats less often than a reference does counts 0, not a negative amount that would
+    cancel another bigram's repeats (the script's ``max(0, …)``)."""
+    caption = "a dog a dog and the ball and the ball".split()  # "a dog" ×2, "and the" ×2, "the ball" ×2
+    assert repetition_count(caption, ["a dog a dog a dog".split()]) == 4
+
+
+def test_scores_cover_the_captions_given_not_every_image_of_the_references():
+    """References may hold a whole split while the captions are a subset: the mean length and REP's normaliser are
+    over the captions' images only."""
+    captions = {1: "a dog a dog".split()}
+    references = {1: ["a b c d".split()], 2: ["x y z w v u".split()], 3: ["p q".split()]}
+    scores = diversity_scores(captions, references)
+    assert scores["mean_length"] == 4
+    assert scores["REP"] == pytest.approx(100 * 2 / 4)
+
+
+def test_a_novel_caption_differs_from_every_training_caption_word_for_word_in_order():
+    """Novelty is word for word: the training caption's words in another order are a new caption; and against an
+    empty training set (given, but empty) every caption is new, not the column left out."""
+    train = ["a dog runs".split()]
+    assert novel_share(["dog a runs".split(), "a dog runs".split()], train) == 0.5
+    assert diversity_scores({1: "a dog".split()}, {1: ["a dog".split()]}, [])["novel_captions"] == 1.0
