@@ -634,3 +634,20 @@ def test_a_groups_hypotheses_come_best_first_whatever_the_order_of_its_rows():
     # with a length penalty, each over ((5 + its length) / 6)^α: 2 words for the best, 4 for the next
     penalised = collect_hypotheses(history, torch.tensor([-3.0, -2.0, -0.5]), EOS, 3, 1.0)
     assert [h.score for h in penalised] == pytest.approx([-0.5 / (7 / 6), -2.0 / (9 / 6), -3.0 / (8 / 6)])
+
+
+def test_tune_decodings_table_is_a_markdown_table_of_four_digit_scores_and_one_progress_bar(monkeypatch):
+    """The grid's table renders as Markdown only with one ``---|`` cell per heading; its scores keep four
+    significant digits; and the grid draws one progress bar (its own), not a bar per combination's evaluation."""
+    progress = []
+
+    def scores(ckpt, images, store, beam_size, max_len, metrics, *, rules, **options):
+        progress.append(options["progress"])
+        return {"CIDEr-D": 1.2346}, {}
+
+    monkeypatch.setattr(tuning, "evaluate_checkpoint", scores)
+    rows = tuning.decoding_grid(None, [], None, (0.5,), (False,))
+    assert progress == [False]
+    table = tuning.markdown_table(rows, ["CIDEr-D", "distinct_words"]).splitlines()
+    assert table[1] == "|---|---|---|---|---|"
+    assert table[2] == "| 0.5 | no | no | 1.235 |  |"  # a column a row lacks is left empty
