@@ -105,3 +105,24 @@ def test_each_side_is_captioned_as_asked_in_batches_and_the_difference_is_origin
     assert cider["difference"] > 0 and report["originals"]["CIDEr-D"] > report["copies"]["CIDEr-D"]
     assert cider["difference"] == pytest.approx(report["originals"]["CIDEr-D"] - report["copies"]["CIDEr-D"],
                                                 abs=1e-4)
+
+
+def test_a_photo_without_an_original_before_the_others_leaves_their_references_in_place(tmp_path):
+    """The references are the matched photos' own: a photo left out for want of an original, listed first, must
+    not shift every later photo onto its neighbour's references.  Originals are matched by the whole file name,
+    whatever its suffix, and only captions that differ are examples."""
+    (tmp_path / "copies").mkdir()
+    (tmp_path / "full").mkdir()
+    names = ("cat.jpg", "dog.png", "owl.jpg")
+    images = [CaptionedImage(i, tmp_path / "copies" / name, "test", [["a", name[:-4]]]) for i, name in enumerate(names)]
+    for name in names:
+        (tmp_path / "copies" / name).write_bytes(b"")
+    for name in names[1:]:
+        (tmp_path / "full" / name).write_bytes(b"")
+    report = resolution_check(RecordingPipeline(), images, tmp_path / "full", beam_size=2, max_len=5)
+    assert report["images"] == 2
+    # each original is captioned "a <its name>", which is its reference word for word
+    assert report["originals"]["BLEU-1"] == pytest.approx(1.0) and report["copies"]["BLEU-1"] == pytest.approx(0.5)
+    # the copies given as their own originals: the same captions on both sides, so no examples
+    same = resolution_check(RecordingPipeline(), images, tmp_path / "copies")
+    assert same["same_caption"] == 3 and same["examples"] == []
