@@ -807,3 +807,12 @@ def test_a_picture_that_fails_to_save_leaves_the_one_there_before_whole(tmp_path
     with pytest.raises(OSError):
         save_picture(Image.new("RGB", (64, 48), (200, 30, 30)), path)
     assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+
+def test_png_bytes_are_a_lossless_png_of_the_picture():
+    """The service answers every overlay and every JSON heat map with these bytes (service/rendering.py)."""
+    picture = Image.fromarray(np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3))
+    encoded = heatmaps.png_bytes(picture)
+    assert encoded.startswith(b"\x89PNG\r\n\x1a\n")
+    with Image.open(io.BytesIO(encoded)) as decoded:
+        assert decoded.size == (6, 4) and np.array_equal(np.asarray(decoded), np.asarray(picture))
