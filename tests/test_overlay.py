@@ -2,7 +2,10 @@
 
 import base64
 import dataclasses
+import functools
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -448,3 +451,27 @@ def test_the_result_and_picture_routes_are_documented_with_their_summaries(clien
         ("/caption/overlay", "post"): "Caption an image and render its attention in one call",
         ("/captions/{result_id}/heatmaps", "get"): "A previous result's per-word heatmaps as JSON (no model run)",
         ("/caption/heatmaps", "post"): "Caption an image and return its per-word heatmaps as JSON in one call"}
+
+
+def test_an_overlay_waiting_past_the_request_deadline_for_a_render_slot_is_a_504(client, result, monkeypatch):
+    """A render waits for its slot only as long as the request deadline leaves (docs: 504 when it passes); given no
+    time limit, a request behind a stuck render waited for as long as that render ran."""
+    state = client.app.state.service
+    monkeypatch.setattr(state, "settings", state.settings.model_copy(update={"request_timeout_s": 0.5}))
+    release = threading.Event()
+    slots = state.render_slots
+    busy = client.portal.start_task_soon(functools.partial(slots.run, release.wait, 30, cost=slots.capacity))
+    timer = threading.Timer(10, release.set)  # what a request with no time limit would wait for
+    timer.start()
+    try:
+        for _ in range(500):  # the slots are all taken before the request arrives
+            if slots.running == slots.capacity:
+                break
+            time.sleep(0.01)
+        response = client.get(f"/captions/{result['id']}/overlay", params={"token": 0})
+    finally:
+        release.set()
+        timer.cancel()
+        busy.result(timeout=30)
+    assert response.status_code == 504, response.status_code
+    assert "deadline passed while the overlay waited to be rendered" in response.json()["detail"]
