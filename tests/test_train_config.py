@@ -149,3 +149,15 @@ def test_a_new_runs_progress_starts_at_its_first_step_with_no_time_trained():
     progress = Progress()
     assert (progress.epoch, progress.step_in_epoch, progress.global_step) == (0, 0, 0)
     assert progress.train_seconds == 0.0 and progress.history == [] and not progress.stopped_early
+
+
+def test_a_plain_run_trains_cross_entropy_and_the_recipes_sampling_and_decay_numbers_are_the_defaults():
+    """README: SCST starts from a cross-entropy checkpoint (`--phase scst --init runs/xe/best`), so a run that names
+    no phase trains XE. docs/decisions.md ("Paper recipes"): scheduled sampling is "capped at 0.5 (both codes)", the
+    periodic decay is AoANet's ×0.8 and a plateau waits 3 validations (the X-LAN code); both recipes raise the sampling
+    probability every 5 epochs (AoANet §3.4, X-LAN's INC_EVERY_EPOCH). A run that turns these on by flag alone gets
+    the authors' numbers."""
+    cfg = TrainConfig(out="x")
+    assert cfg.phase == "xe"
+    assert (cfg.ss_max, cfg.ss_every, cfg.lr_decay_factor, cfg.plateau_patience) == (0.5, 5, 0.8, 3)
+
