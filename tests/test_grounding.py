@@ -16,7 +16,7 @@ from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation import figures
 from captioner.models.evaluation.bootstrap import resampled_ratios
 from captioner.models.evaluation.grounding import CaptionAttention, WordScore, bootstrap_mean, grounded_words, \
-    markdown_table, normaliser_of, pixel_distribution, score_images, score_map, score_rows, summarise
+    grounding_report, markdown_table, normaliser_of, pixel_distribution, score_images, score_map, score_rows, summarise
 from captioner.models.evaluation.params import count_parameters
 from captioner.models.evaluation.zoo_table import END, START, grounding_figure, markdown, merged_reports, \
     normaliser_label, parameter_count, write_between_markers, write_zoo
@@ -503,3 +503,40 @@ def test_zoo_table_markers_are_the_ones_docs_model_zoo_holds(tmp_path):
     document = tmp_path / "new" / "docs" / "zoo.md"
     write_between_markers(document, [START, "table", END])
     assert document.read_text() == f"\n\n{START}\ntable\n{END}\n"
+
+
+def test_a_zero_one_mask_of_another_dtype_scores_as_the_boolean_mask():
+    # a label mask compared with an id, or read from a PNG, is 0/1 of an integer dtype: used as an index it would
+    # pick rows 0 and 1 rather than the masked pixels
+    distribution = pixel_distribution(np.arange(1.0, 5.0), two_by_two())
+    mask = np.zeros((8, 8), bool)
+    mask[:4, 4:] = True
+    expected = score_map(distribution, mask)
+    assert expected["mass"] == pytest.approx(0.2)
+    for dtype in (np.uint8, np.int64, np.float32):
+        assert score_map(distribution, mask.astype(dtype)) == pytest.approx(expected)
+
+
+def test_a_mean_over_no_values_is_nan_with_a_nan_interval():
+    assert all(np.isnan(v) for v in bootstrap_mean([[], []], resamples=10))
+
+
+def test_the_grounding_report_names_its_map_and_holds_the_summary_of_every_word(tmp_path):
+    """The section `captioner eval --grounding` writes (test_cli replaces it with a stub)."""
+    images = _scene(tmp_path)
+    results = _scene_captions([[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]], [[1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]])
+    ckpt = SimpleNamespace(model=tiny_model("sat"))
+    report = grounding_report(ckpt, images, results, tmp_path, resamples=50)
+    assert (report["normaliser"], report["attention_kind"]) == ("softmax", ckpt.model.attention_kind)
+    assert report["rows"] == summarise(score_images(images, results, tmp_path), len(images), 50)
+    assert "grid cells / region boxes" in report["map"]
+
+
+def test_a_near_tie_within_a_millionth_is_one_plateau_on_both_paths():
+    """Two cells a millionth apart (float noise of a softmax) share the maximum: the per-pixel path counts the
+    plateau as the per-cell path does, so pointing is half a hit for a mask on one of them."""
+    row = np.array([1.0, 1.0 - 5e-7, 0.0, 0.0])  # apart in float32 too, which the pixel path renders in
+    mask = np.zeros((8, 8), bool)
+    mask[:4, :4] = True
+    assert score_map(pixel_distribution(row, two_by_two()), mask)["pointing"] == pytest.approx(0.5)
+    assert score_rows(row[None], two_by_two(), mask)[0]["pointing"] == pytest.approx(0.5)
