@@ -10,7 +10,7 @@ import re
 import pytest
 
 from captioner.models.training.config import BELOW_ONE, NOT_NEGATIVE, POSITIVE, PROBABILITY, Interval, Progress, \
-    TrainConfig, check_bounds
+    TrainConfig, check_values
 
 from .conftest import cli_error
 
@@ -30,7 +30,7 @@ REFUSED = {"[0, inf)": [-1e-12, math.inf, math.nan], "(0, inf)": [0.0, math.inf]
 
 
 def _flag(name: str) -> str:
-    return {"lr_drops": "--lr-drop"}.get(name, "--" + name.replace("_", "-"))
+    return {"lr_drops": "--lr-drop", "model_args": "--set"}.get(name, "--" + name.replace("_", "-"))
 
 
 def _with(name: str, value) -> TrainConfig:
@@ -40,18 +40,18 @@ def _with(name: str, value) -> TrainConfig:
 
 @pytest.mark.parametrize("name, least", sorted(LEAST.items()))
 def test_each_count_is_refused_one_below_its_least_and_accepted_at_it(name, least):
-    check_bounds(_with(name, least))
+    check_values(_with(name, least))
     with pytest.raises(ValueError, match=f"^{_flag(name)} must be at least {least}, got {least - 1}$"):
-        check_bounds(_with(name, least - 1))
+        check_values(_with(name, least - 1))
 
 
 @pytest.mark.parametrize("name, interval", sorted(WITHIN.items()))
 def test_each_number_is_refused_just_outside_its_interval_and_accepted_at_its_ends(name, interval):
     for value in ACCEPTED[interval]:
-        check_bounds(_with(name, value))
+        check_values(_with(name, value))
     for value in REFUSED[interval]:
         with pytest.raises(ValueError, match=f"^{_flag(name)} must lie in {re.escape(interval)}, got "):
-            check_bounds(_with(name, value))
+            check_values(_with(name, value))
 
 
 def test_every_bounded_option_is_listed_here():
@@ -70,16 +70,16 @@ def test_the_intervals_are_written_and_hold_as_mathematics_writes_them():
 
 
 def test_none_and_booleans_are_not_counted_and_every_item_of_a_list_is_checked():
-    check_bounds(TrainConfig(out="x", val_limit=None, max_steps=None, progress=False, group_by_image=True))
+    check_values(TrainConfig(out="x", val_limit=None, max_steps=None, progress=False, group_by_image=True))
     with pytest.raises(ValueError, match=r"^--adam-betas must lie in \[0, 1\), got 1.0$"):
-        check_bounds(TrainConfig(out="x", adam_betas=[0.9, 1.0]))
+        check_values(TrainConfig(out="x", adam_betas=[0.9, 1.0]))
     with pytest.raises(ValueError, match="^--lr-drop must be at least 1, got 0$"):
-        check_bounds(TrainConfig(out="x", lr_drops=[3, 5, 0]))
+        check_values(TrainConfig(out="x", lr_drops=[3, 5, 0]))
     # the first item too, not only the last
     with pytest.raises(ValueError, match="^--lr-drop must be at least 1, got 0$"):
-        check_bounds(TrainConfig(out="x", lr_drops=[0, 3]))
+        check_values(TrainConfig(out="x", lr_drops=[0, 3]))
     with pytest.raises(ValueError, match=r"^--adam-betas must lie in \[0, 1\), got -0.5$"):
-        check_bounds(TrainConfig(out="x", adam_betas=[-0.5, 0.999]))
+        check_values(TrainConfig(out="x", adam_betas=[-0.5, 0.999]))
 
 
 def test_a_saved_record_reads_back_with_later_fields_defaulted_and_unknown_ones_dropped():
@@ -161,3 +161,38 @@ def test_a_plain_run_trains_cross_entropy_and_the_recipes_sampling_and_decay_num
     assert cfg.phase == "xe"
     assert (cfg.ss_max, cfg.ss_every, cfg.lr_decay_factor, cfg.plateau_patience) == (0.5, 5, 0.8, 3)
 
+
+@pytest.mark.parametrize("name, value, problem", [
+    ("epochs", False, "must be a whole number, got false"),  # False counts as 0: a run that trains nothing
+    ("epochs", "10", 'must be a whole number, got "10"'),
+    ("epochs", 10.0, "must be a whole number, got 10.0"),
+    ("lr", "4e-4", 'must be a number, got "4e-4"'),
+    ("lr", True, "must be a number, got true"),
+    ("group_by_image", 1, "must be true or false, got 1"),
+    ("optimizer", 3, "must be text, got 3"),
+    ("val_limit", "5", 'must be a whole number, got "5"'),
+    ("model_args", [1], "must be a table, got [1]"),
+    ("adam_betas", [0.9, "0.999"], 'must be a list, each item a number, got [0.9, "0.999"]'),
+    ("lr_drops", 3, "must be a list, each item a whole number, got 3"),
+])
+def test_a_value_not_of_its_fields_type_is_refused_as_a_recipe_writes_it(name, value, problem):
+    """A recipe's TOML values reach the config unchecked by argparse: a string where a number belongs was a
+    TypeError traceback from the bounds' comparison, and ``epochs = false`` passed as a run of no epochs."""
+    with pytest.raises(ValueError, match=f"^{_flag(name)} {re.escape(problem)}$"):
+        check_values(TrainConfig(out="x", **{name: value}))
+
+
+def test_values_of_the_types_a_caller_in_code_hands_over_are_accepted(tmp_path):
+    # a whole number for a rate (TOML's `lr = 1`), a path for a folder, tuples for lists, no value for an optional
+    check_values(TrainConfig(out=tmp_path, dataset=tmp_path / "data", lr=1, adam_betas=(0.9, 0.98), lr_drops=(3, 5),
+                             val_limit=None, model_args={"hidden": 8}))
+    with pytest.raises(ValueError, match="^--lr-drop must be at least 1, got 0$"):  # a tuple's items are bounded too
+        check_values(TrainConfig(out="x", lr_drops=(3, 0)))
+
+
+def test_a_recipe_with_a_value_of_the_wrong_type_is_a_usage_error_before_anything_is_written(capsys, tmp_path):
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text('epochs = "ten"\n')
+    said = cli_error(capsys, "train", "--recipe", str(recipe), "--dataset", str(tmp_path), "--out",
+                     str(tmp_path / "run"))
+    assert said.endswith('error: --epochs must be a whole number, got "ten"') and not (tmp_path / "run").exists()

@@ -4,7 +4,11 @@ and :class:`Progress` (where a run is), both saved as JSON in every snapshot."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+import os
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
@@ -17,7 +21,7 @@ def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | 
     may hold ``flag`` (another option name), ``kind`` (``append``, ``keyvalue``, ``pair``), ``choices``,
     ``parse`` (what turns the text into the value, before ``choices`` are checked), ``metavar``, ``least`` (the
     smallest value a count may take), ``within`` (the :class:`Interval` a number must lie in; both are checked by
-    argparse and by :func:`check_bounds`, for each item of a list) and ``cli=False`` (not on the command line)."""
+    argparse and by :func:`check_values`, for each item of a list) and ``cli=False`` (not on the command line)."""
     meta = {"help": help, **cli}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
@@ -184,25 +188,63 @@ class Progress(_SavedRecord):
     stopped_early: bool = False
 
 
-def check_bounds(cfg: TrainConfig) -> None:
-    """Every count of ``cfg`` at least its field's ``least`` and every number within its field's ``within``
-    (argparse checks the flags; this covers recipes and configs built in code), so that a batch size of 0, a
-    negative epoch count or gradient clip, or label smoothing of 2 is named before any work, not met as a division
-    by zero, a run that trains nothing (or backwards) and reports success, or the optimiser's refusal once every
-    photo has been encoded."""
+def check_values(cfg: TrainConfig) -> None:
+    """Every field of ``cfg`` of its declared type, every count at least its field's ``least`` and every number
+    within its field's ``within`` (argparse checks the flags; this covers recipes, whose TOML values nothing else
+    checks, and configs built in code), so that a batch size of 0, a negative epoch count or gradient clip, label
+    smoothing of 2, ``epochs = "10"`` or ``epochs = false`` (False counts as 0) is named before any work, not met as
+    a traceback, a division by zero, a run that trains nothing (or backwards) and reports success, or the
+    optimiser's refusal once every photo has been encoded."""
+    types = _declared_types()
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
-        for item in value if isinstance(value, list) else [value]:
-            problem = bound_problem(f.metadata, item)
-            if problem:
-                flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-                raise ValueError(f"{flag} {problem}")
+        problem = type_problem(types[f.name], value)
+        if problem is None:
+            items = value if isinstance(value, (list, tuple)) else [value]
+            problem = next(filter(None, (bound_problem(f.metadata, item) for item in items)), None)
+        if problem:
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            raise ValueError(f"{flag} {problem}")
+
+
+@functools.cache
+def _declared_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+#: what a value of each declared type is called, and which values are of it (True is no whole number, though
+#: Python counts it as 1; a path given in code is text)
+_KINDS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    str: ("text", lambda v: isinstance(v, (str, os.PathLike))),
+    dict: ("a table", lambda v: isinstance(v, Mapping)),
+}
+
+
+def type_problem(declared: Any, value: Any) -> str | None:
+    """What is wrong with ``value`` for a field declared ``declared`` (``int``, ``str | None``, ``list[float]``,
+    ``dict[str, Any]``), or None; the value is shown as a recipe writes it."""
+    optional = type(None) in typing.get_args(declared)
+    if value is None and optional:
+        return None
+    if optional:
+        (declared,) = [a for a in typing.get_args(declared) if a is not type(None)]
+    shown = json.dumps(value, default=str)
+    if typing.get_origin(declared) is list:
+        name, holds = _KINDS[typing.get_args(declared)[0]]
+        if isinstance(value, (list, tuple)) and all(holds(item) for item in value):
+            return None
+        return f"must be a list, each item {name}, got {shown}"
+    name, holds = _KINDS[typing.get_origin(declared) or declared]
+    return None if holds(value) else f"must be {name}, got {shown}"
 
 
 def bound_problem(metadata: Mapping[str, Any], value: Any) -> str | None:
     """What is wrong with ``value`` for a field with this metadata (``least``, ``within``), or None."""
     least, within = metadata.get("least"), metadata.get("within")
-    if value is None or isinstance(value, bool):
+    if value is None:
         return None
     if least is not None and value < least:
         return f"must be at least {least}, got {value}"

@@ -55,7 +55,7 @@ from ..registry import BadOption, UnknownModel
 from ..zoo import create
 from .attention_supervision import checked_entities_folder
 from .attention_supervision import entities_attention_targets
-from .config import Progress, TrainConfig, check_bounds
+from .config import Progress, TrainConfig, check_values
 from .distributed import DistContext, init_distributed
 from .phase import PHASES, Phase, PhaseModule
 from .precision import Precision, resolve_precision
@@ -185,7 +185,7 @@ def _resolve_config(cfg: TrainConfig, saved: dict[str, Any] | None) -> tuple[Tra
     """The config the run trains with, and the ``--init`` checkpoint of a new warm-started run (else None): the data
     set resolved, the phase known, the model, sizes, encoder and features taken from ``--init``, else the
     defaults."""
-    check_bounds(cfg)
+    check_values(cfg)
     cfg = replace(cfg, dataset=str(resolve_dataset(cfg.dataset)))
     if cfg.phase not in PHASES:
         raise ValueError(f"unknown phase {cfg.phase!r}; choose from {', '.join(sorted(PHASES))}")
