@@ -156,6 +156,14 @@ def test_ptb_references_fall_back_to_the_tokens_and_an_image_without_texts_keeps
 
 
 @pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
+def test_a_blank_text_is_the_word_empty_after_ptb_as_score_captions_scores_it():
+    """A blank reference (or caption) given to ``ptb_tokenize`` comes back as the one word ``<empty>``, as
+    ``score_captions`` scores an empty caption, not as no words: an empty reference would score BLEU's brevity
+    penalty and CIDEr-D against a length of 0 under ``--ptb`` and of 1 without it."""
+    assert ptb_tokenize({1: ["", "  \t", "A dog."]}) == {1: ["<empty>", "<empty>", "a dog"]}
+
+
+@pytest.mark.skipif(shutil.which("java") is None, reason="the PTB tokenizer needs Java")
 def test_a_caption_of_punctuation_alone_is_the_word_empty_after_ptb():
     """``compare --ptb`` scores ``ptb_captions``' output directly (no ``or "<empty>"`` after it): a caption the PTB
     tokenizer empties must still be the one word ``<empty>``, as ``captioner eval`` scores it."""
