@@ -195,6 +195,17 @@ def test_the_corpus_scorer_refuses_references_that_do_not_pair_with_the_captions
         cider_d(["a dog", "a cat"], [["a dog"], []])
 
 
+def test_the_reward_refuses_captions_and_reference_lists_that_do_not_pair():
+    """``CiderD.score`` pairs ``captions[i]`` with ``references[i]``: unchecked, one reference list too few leaves a
+    caption's set an uninitialised index (an IndexError, or a score against whatever set it names) and one too many
+    an IndexError, where the error should say why."""
+    scorer = CiderD([["a dog runs"], ["a cat"]])
+    with pytest.raises(ValueError, match="2 captions but 1 reference lists"):
+        scorer.score(["a dog", "a cat"], [["a dog"]])
+    with pytest.raises(ValueError, match="1 captions but 2 reference lists"):
+        scorer.score(["a dog"], [["a dog"], ["a cat"]])
+
+
 def test_every_16_bit_word_id_is_scored_and_a_larger_vocabulary_is_refused():
     """N-gram codes hold four 16-bit word ids (id 0 is the sentence separator): 65,535 distinct words score as
     pycocoevalcap scores them, the next word is refused instead of overflowing into another n-gram's code."""
