@@ -84,17 +84,22 @@ class RecordingPipeline:
         return [SimpleNamespace(caption=f"a {path.stem}" if path.parent.name == "full" else "a blur") for path in paths]
 
 
+def _copies_with_originals(tmp_path, names: tuple[str, ...], originals: tuple[str, ...] | None = None) -> list:
+    """Test photos ``names`` as empty files under ``copies/``, each referenced as "a <its name>", and the originals
+    ``originals`` (default: every one) under ``full/``."""
+    for folder, present in (("copies", names), ("full", names if originals is None else originals)):
+        (tmp_path / folder).mkdir()
+        for name in present:
+            (tmp_path / folder / name).write_bytes(b"")
+    return [CaptionedImage(i, tmp_path / "copies" / name, "test", [["a", name[:-4]]]) for i, name in enumerate(names)]
+
+
 def test_each_side_is_captioned_as_asked_in_batches_and_the_difference_is_originals_minus_copies(tmp_path):
     """``captioner resolution-check`` passes the checkpoint's rules or the ones asked for on the command line
     (``--length-penalty``, ``--block-trigrams``): each side is captioned with them, the beam and length asked for,
     and every photo once, in batches of ``batch`` (three photos in batches of two); the difference reported is
     the originals' score minus the copies'."""
-    (tmp_path / "copies").mkdir()
-    (tmp_path / "full").mkdir()
-    names = ("cat.jpg", "dog.jpg", "owl.jpg")
-    images = [CaptionedImage(i, tmp_path / "copies" / name, "test", [["a", name[:-4]]]) for i, name in enumerate(names)]
-    for name in names:
-        (tmp_path / "full" / name).write_bytes(b"")
+    images = _copies_with_originals(tmp_path, ("cat.jpg", "dog.jpg", "owl.jpg"))
     asked, pipeline = DecodingRules(length_penalty=0.5, block_trigrams=True), RecordingPipeline()
     report = resolution_check(pipeline, images, tmp_path / "full", beam_size=4, max_len=7, rules=asked, batch=2)
     assert pipeline.calls == [(["copies/cat.jpg", "copies/dog.jpg"], 4, 7, asked), (["copies/owl.jpg"], 4, 7, asked),
@@ -111,14 +116,7 @@ def test_a_photo_without_an_original_before_the_others_leaves_their_references_i
     """The references are the matched photos' own: a photo left out for want of an original, listed first, must
     not shift every later photo onto its neighbour's references.  Originals are matched by the whole file name,
     whatever its suffix, and only captions that differ are examples."""
-    (tmp_path / "copies").mkdir()
-    (tmp_path / "full").mkdir()
-    names = ("cat.jpg", "dog.png", "owl.jpg")
-    images = [CaptionedImage(i, tmp_path / "copies" / name, "test", [["a", name[:-4]]]) for i, name in enumerate(names)]
-    for name in names:
-        (tmp_path / "copies" / name).write_bytes(b"")
-    for name in names[1:]:
-        (tmp_path / "full" / name).write_bytes(b"")
+    images = _copies_with_originals(tmp_path, ("cat.jpg", "dog.png", "owl.jpg"), originals=("dog.png", "owl.jpg"))
     report = resolution_check(RecordingPipeline(), images, tmp_path / "full", beam_size=2, max_len=5)
     assert report["images"] == 2
     # each original is captioned "a <its name>", which is its reference word for word
