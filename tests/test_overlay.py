@@ -464,8 +464,8 @@ def test_an_overlay_waiting_past_the_request_deadline_for_a_render_slot_is_a_504
     timer = threading.Timer(10, release.set)  # what a request with no time limit would wait for
     timer.start()
     try:
-        for _ in range(500):  # the slots are all taken before the request arrives
-            if slots.running == slots.capacity:
+        for _ in range(500):  # the slots are all taken before the request arrives: by one job, holding every unit
+            if slots.running == 1:
                 break
             time.sleep(0.01)
         response = client.get(f"/captions/{result['id']}/overlay", params={"token": 0})
