@@ -25,11 +25,11 @@ register = _group.register
 
 def _config_fields():
     from dataclasses import fields
-    from typing import get_type_hints
 
     from ..training import TrainConfig
+    from ..training.config import declared_types
 
-    hints = get_type_hints(TrainConfig)
+    hints = declared_types()
     return [(f, hints[f.name]) for f in fields(TrainConfig) if f.metadata.get("cli", True)]
 
 

@@ -195,7 +195,7 @@ def check_values(cfg: TrainConfig) -> None:
     smoothing of 2, ``epochs = "10"`` or ``epochs = false`` (False counts as 0) is named before any work, not met as
     a traceback, a division by zero, a run that trains nothing (or backwards) and reports success, or the
     optimiser's refusal once every photo has been encoded."""
-    types = _declared_types()
+    types = declared_types()
     for f in fields(TrainConfig):
         value = getattr(cfg, f.name)
         problem = type_problem(types[f.name], value)
@@ -208,7 +208,9 @@ def check_values(cfg: TrainConfig) -> None:
 
 
 @functools.cache
-def _declared_types() -> dict[str, Any]:
+def declared_types() -> dict[str, Any]:
+    """Each :class:`TrainConfig` field's declared type (``int``, ``str | None``, ``list[float]``, ...), resolved
+    once (the annotations are strings under ``from __future__ import annotations``)."""
     return typing.get_type_hints(TrainConfig)
 
 
