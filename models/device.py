@@ -23,8 +23,9 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """``auto`` → CUDA when available, else CPU; an explicit ``cuda`` without a GPU, or a name torch does not know,
-    is a :class:`ValueError` (a mistake in the command, which the CLI answers in one line)."""
+    """``auto`` → CUDA when available, else CPU; an explicit ``cuda`` without a GPU, a ``cuda:N`` past the last GPU,
+    or a name torch does not know, is a :class:`ValueError` (a mistake in the command, which the CLI answers in one
+    line)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -33,6 +34,11 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise ValueError(f"unknown device {name!r}: use auto, cpu or cuda (cuda:N for the N-th GPU)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was requested but no CUDA GPU is available (use auto or cpu)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        # torch accepts any index here and fails only at the first tensor moved, with "invalid device ordinal"
+        count = torch.cuda.device_count()
+        raise ValueError(f"device {name!r} was requested but this machine has {count} CUDA GPU{'s' * (count != 1)} "
+                         f"(cuda:0 to cuda:{count - 1})")
     return device
 
 

@@ -13,6 +13,7 @@ from captioner.models.device import PRECISIONS, autocast, describe_hardware, res
 
 def test_auto_takes_the_gpu_when_there_is_one_and_an_absent_one_is_refused_by_any_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda", 1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device() == resolve_device("cpu") == torch.device("cpu")
@@ -21,6 +22,18 @@ def test_auto_takes_the_gpu_when_there_is_one_and_an_absent_one_is_refused_by_an
             resolve_device(name)
     with pytest.raises(ValueError, match="^unknown device 'gpu': use auto, cpu or cuda"):
         resolve_device("gpu")
+
+
+def test_a_gpu_index_past_the_last_gpu_is_refused_by_name_rather_than_at_the_first_tensor_moved(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ValueError, match=r"^device 'cuda:1' was requested but this machine has 1 CUDA GPU \(cuda:0 to"):
+        resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"^device 'cuda:2' was requested but this machine has 2 CUDA GPUs \(cuda:0 "
+                                         r"to cuda:1\)"):
+        resolve_device("cuda:2")
 
 
 def test_each_precision_name_autocasts_to_its_dtype_and_float32_to_nothing():
