@@ -298,6 +298,22 @@ def test_a_long_thin_strip_renders_at_its_own_size(size):
     assert heat.shape == size[::-1] and 0.0 <= heat.min() and heat.max() == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("size", [(20000, 3), (3, 20000), (1800, 600)])
+def test_smooth_heat_is_blurred_with_its_longer_side_at_most_the_working_side(monkeypatch, size):
+    """The working size bounds the longer side (SMOOTH_WORK_SIDE): the blur's cost grows with the cube of the side.
+    Bounding the shorter one instead draws the same heat, so only the size blurred tells them apart: a 20000x3 strip
+    was blurred whole (a 20000² matrix, gigabytes) and a 1800x600 photo at 1536x512."""
+    blurred = []
+
+    def recording(image, sigma, truncate=4.0):  # the shape alone: a mutant's 20000² blur would cost gigabytes
+        blurred.append(image.shape)
+        return image
+
+    monkeypatch.setattr(heatmaps, "gaussian_blur", recording)
+    heatmap(one_hot(27), grid_geometry(EncoderSpec(), size), "grid_smooth")
+    assert len(blurred) == 1 and max(blurred[0]) == heatmaps.SMOOTH_WORK_SIDE
+
+
 @pytest.mark.parametrize("size, resize", [((640, 480), "center_crop"), ((300, 500), "center_crop"),
                                           ((480, 360), "stretch")])
 def test_smooth_heat_of_the_crop_alone_equals_the_whole_image_blurred_then_cut(size, resize):
