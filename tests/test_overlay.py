@@ -475,3 +475,48 @@ def test_an_overlay_waiting_past_the_request_deadline_for_a_render_slot_is_a_504
         busy.result(timeout=30)
     assert response.status_code == 504, response.status_code
     assert "deadline passed while the overlay waited to be rendered" in response.json()["detail"]
+
+
+def test_a_figure_is_drawn_in_the_colormap_and_opacity_it_asks_for(client, result):
+    """``cmap`` and ``alpha`` reach the per-word figure as they reach one word's overlay (a figure drawn in the
+    default jet at 0.5 whatever it asked for passed every test)."""
+    url = f"/captions/{result['id']}/overlay"
+    params = {"format": "figure", "mode": "grid_blocks", "max_side": 400}
+    plain = _image(client.get(url, params=params)).tobytes()
+    assert _image(client.get(url, params=params)).tobytes() == plain  # the figure is drawn the same each time
+    assert _image(client.get(url, params={**params, "cmap": "viridis"})).tobytes() != plain
+    assert _image(client.get(url, params={**params, "alpha": 0.9})).tobytes() != plain
+
+
+def test_render_options_default_to_the_overlay_routes_style(client, result):
+    """A library caller's ``RenderOptions`` draws what the routes draw when a request names no style (jet at half
+    opacity): the routes pass their own defaults, so only a direct caller meets the dataclass's."""
+    stored = client.app.state.results.get(result["id"])
+    served = _image(client.get(f"/captions/{result['id']}/overlay", params={"token": 0, "mode": "grid_blocks"}))
+    rendered = Image.open(io.BytesIO(rendering._render(stored, rendering.RenderOptions("png", 0, "grid_blocks"))))
+    assert np.array_equal(np.asarray(rendered), np.asarray(served))
+
+
+@pytest.mark.parametrize("side, refused", [(rendering.JSON_RENDER_SIDE, False), (rendering.JSON_RENDER_SIDE + 1, True),
+                                           (rendering.MAX_RENDER_SIDE, True)])
+def test_the_json_heatmaps_bound_on_max_side_is_the_use_cases_own(side, refused):
+    """The render refuses JSON heatmaps past 1,024 px itself, not only the routes' query check: a library caller
+    (or a route whose check moved) would otherwise encode a 4,096-px map per token."""
+    options = rendering.RenderOptions("json", max_side=side)
+    if refused:
+        with pytest.raises(rendering.RenderError, match="1024"):
+            rendering.check_render_options(options)
+    else:
+        rendering.check_render_options(options)
+
+
+def test_each_json_heatmap_is_its_drawn_heat_rounded_to_8_bits(client, result):
+    """Each map is its token's drawn heat × 255 rounded to the nearest level, exactly (the other checks read the
+    answer's attention, rounded to 6 decimals, so they allow a level either way: truncating every level passed)."""
+    body = client.get(f"/captions/{result['id']}/heatmaps", params={"max_side": 300}).json()
+    stored = client.app.state.results.get(result["id"]).result
+    rows = stored.drawn_rows(body["mode"])
+    for i, word in enumerate(body["heatmaps"]):
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(word["heat_png"]))))
+        heat = drawn_heat(rows[i], stored.geometry, body["mode"], tuple(body["size"]))
+        assert np.array_equal(got, (heat * 255).round().astype(np.uint8)), word["token"]
