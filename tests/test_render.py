@@ -231,6 +231,16 @@ def test_a_comparison_figure_has_a_labelled_row_per_captioner_each_drawn_in_its_
             assert picture.tobytes() == expected.tobytes(), (row.label, i)
 
 
+def test_a_comparison_row_without_a_mode_is_drawn_in_its_geometrys_default(laid_out):
+    """A row that names no mode draws in its features' default (region features' boxes summed): a row of region
+    features defaulting to a grid mode had every panel refused, and the other tests named each row's mode."""
+    image = Image.new("RGB", (200, 100), (120, 160, 200))
+    regions = Geometry("regions", (200, 100), None, np.array([[0, 0, 100, 100], [50, 0, 200, 50]], np.float32))
+    comparison_figure(image, [FigureRow("up-down", ["a"], [[0.1, 0.9]], regions)])
+    ((grid, _),) = laid_out
+    assert np.array_equal(np.asarray(grid[0][1][1]), np.asarray(overlay(image, [0.1, 0.9], regions, "region_sum")))
+
+
 def test_each_panel_of_a_figure_is_titled_with_its_word():
     picture = Image.new("RGB", (64, 48), (200, 200, 200))
 
