@@ -699,6 +699,13 @@ def test_a_figures_panels_fill_their_cells():
     assert red_pixels.sum() / 3 > (0.8 * out.shape[1] / 2) ** 2  # each panel over 80 % of its cell's width
 
 
+def test_a_figure_is_220_by_240_pixels_a_panel():
+    """Each panel's cell is 2.2 × 2.4 inches at 100 dpi: the figure of a 2x3 layout is 660x480 pixels (a lower dpi
+    drew every panel smaller and blurrier, and the only size check was 'wider than 400')."""
+    red = Image.new("RGB", (100, 100), (255, 0, 0))
+    assert _figure([[("a", red), ("b", red), ("c", red)], [("d", red)]], 3).size == (660, 480)
+
+
 def test_a_region_overlay_leaves_the_pixels_outside_every_box_untouched():
     """As grid_blocks, region_sum colours only where its heat is: grid_smooth alone covers the whole photo."""
     photo = Image.new("RGB", (200, 100), (90, 120, 150))
