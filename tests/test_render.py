@@ -598,7 +598,8 @@ def test_a_comparison_figure_draws_its_overlays_in_the_default_style_unless_told
     ((grid, _),) = laid_out
     (_, thumb), (_, panel) = grid[0]
     assert thumb.size == (448, 269)
-    assert panel.tobytes() == overlay(thumb, one_hot(9), geometry, "grid_blocks").tobytes()
+    # pixels compared as arrays: a failing bytes comparison of a 448-px panel took pytest minutes to explain
+    assert np.array_equal(np.asarray(panel), np.asarray(overlay(thumb, one_hot(9), geometry, "grid_blocks")))
 
 
 def test_smooth_heat_of_a_large_photo_mirrors_with_its_row():
