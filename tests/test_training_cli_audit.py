@@ -191,6 +191,33 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
     assert not (tmp_path / "run").exists()
 
 
+def test_the_protocol_probe_builds_the_model_with_the_vocabularys_own_special_ids(scenes, tmp_path, cache,
+                                                                                  monkeypatch):
+    """The probe before the data is read builds the model with the special ids training and every load hand it (the
+    vocabulary's, which a checkpoint's ``special_ids`` records): probed with other ids (``bos_id`` equal to
+    ``eos_id``, say) it checked a model that no run builds, and refused one whose constructor checks its ids."""
+    built, create = [], loop.create
+
+    def recording(name, **kwargs):
+        built.append({key: kwargs[key] for key in ("pad_id", "bos_id", "eos_id") if key in kwargs})
+        return create(name, **kwargs)
+
+    monkeypatch.setattr(loop, "create", recording)
+    loop._check_model(_config(scenes, tmp_path / "run", cache, model="sat"))
+    vocabulary = {"pad_id": VOCAB.pad_id, "bos_id": VOCAB.bos_id, "eos_id": VOCAB.eos_id}
+    assert vocabulary == {"pad_id": 0, "bos_id": 1, "eos_id": 2}
+    probes = [ids for ids in built if ids]
+    assert probes and all(ids == vocabulary for ids in probes), built
+
+
+def test_extend_vocab_without_init_is_refused_before_the_data_is_read(scenes, tmp_path, cache, monkeypatch):
+    """``--extend-vocab`` adds the data's new words to ``--init``'s vocabulary: without ``--init`` there is none to
+    extend, and the run is refused by name before any data is read (only the warm start that extends had a test)."""
+    monkeypatch.setattr(training.loop, "load_captioned", lambda *a, **k: pytest.fail("the data was read"))
+    with pytest.raises(ValueError, match="--extend-vocab adds the data's new words to the vocabulary of --init"):
+        prepare_run(_config(scenes, tmp_path / "run", cache, extend_vocab=True))
+
+
 def test_a_model_option_of_the_wrong_kind_or_size_is_named(scenes, tmp_path, cache, capsys):
     # --set hidden_dim=abc was a TypeError traceback (exit 1), then PyTorch's words ("must be tuple of ints");
     # -5 blamed the model's code for reading tensor values
