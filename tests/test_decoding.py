@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from captioner.models.decoding import NO_RULES, ROW_FIELDS, BeamLayout, DecodingRules, RowHistory, beam_search, \
-    check_search, collect_hypotheses, greedy, never_emitted, sample, search_rows
+from captioner.models.decoding import NO_RULES, ROW_FIELDS, BeamLayout, DecodingRules, RowHistory, backtrack, \
+    beam_search, beam_step, check_search, collect_hypotheses, greedy, never_emitted, record_step, sample, search_rows
 from captioner.models.evaluation import tuning
 from captioner.models.evaluation.tuning import best_row, rules_of
 from captioner.models.protocol import AttnRecord, VisualBatch, index_rows
@@ -651,3 +651,82 @@ def test_tune_decodings_table_is_a_markdown_table_of_four_digit_scores_and_one_p
     table = tuning.markdown_table(rows, ["CIDEr-D", "distinct_words"]).splitlines()
     assert table[1] == "|---|---|---|---|---|"
     assert table[2] == "| 0.5 | no | no | 1.235 |  |"  # a column a row lacks is left empty
+
+
+def _search_with_each_groups_rules(step, widths, rules, max_len):
+    """:func:`search_rows`'s loop over a table whose groups each keep their own rules (a row history started over
+    ``rules[g]`` per group, as the service's row table starts it): every group's hypotheses, best first."""
+    layout = BeamLayout(widths)
+    prev, scores, finished = layout.initial_rows(BOS)
+    history = RowHistory.start(widths, rules, max_len, "cpu")
+    state, records = {"before": torch.full((sum(widths),), BOS)}, []
+    for _ in range(max_len):
+        logprobs, state, attn = step(prev, state, None)
+        beam = beam_step(logprobs, scores, finished, layout, prev, BOS, EOS, (PAD, BOS, UNK), history)
+        history = history.after(beam, finished)
+        records.append(record_step(beam, attn))
+        state = index_rows(state, beam.pointer)
+        scores, finished, prev = beam.scores, beam.finished, beam.tokens
+    rows = backtrack(records, torch.arange(layout.rows))
+    return [collect_hypotheses({name: value[first:first + width] for name, value in rows.items()},
+                               scores[first:first + width], EOS, width, group_rules.length_penalty)
+            for first, width, group_rules in zip(layout.offsets, widths, rules)]
+
+
+def test_groups_with_different_rules_in_one_table_each_get_their_own_caption():
+    """A server's table holds requests with different rules side by side: each group's captions must be those of a
+    search with its rules alone, whatever its neighbour asks and whichever of the two comes first, so a rule set by
+    one request (or left out) never reaches the other."""
+    widths, max_len, vocab = [3, 3], 7, 9
+    generator = torch.Generator().manual_seed(7)
+    table = (torch.randn(vocab, vocab, vocab, generator=generator) * 2.5).log_softmax(-1)
+    table[:, :, EOS] += torch.rand(vocab, vocab, generator=generator) * 3.0 - 1.0  # captions end at various lengths
+    table = table.log_softmax(-1)
+    ruled = DecodingRules(2.5, True)
+    for rules in ([ruled, NO_RULES], [NO_RULES, ruled]):
+        found = _search_with_each_groups_rules(_scripted_step(table), widths, rules, max_len)
+        for group, (width, hyps) in enumerate(zip(widths, found)):
+            expected = _naive_table_beam(table.double(), width, max_len, rules[group].length_penalty,
+                                         rules[group].block_trigrams)
+            assert [h.token_ids for h in hyps] == [tokens for tokens, _ in expected], (rules, group)
+            assert [h.score for h in hyps] == pytest.approx([score for _, score in expected], abs=1e-4)
+    # the random table seldom repeats a trigram: the stuttering one always does, unless its row blocks them
+    blocking, stutter = [4, 4, 4, 5, 4, 4, 6], [4] * 7
+    for rules, expected in (([DecodingRules(block_trigrams=True), NO_RULES], [blocking, stutter]),
+                            ([NO_RULES, DecodingRules(block_trigrams=True)], [stutter, blocking])):
+        found = _search_with_each_groups_rules(_scripted_step(_stuttering_table()), [1, 1], rules, 7)
+        assert [hyps[0].token_ids for hyps in found] == expected, rules
+
+
+def test_a_checkpoints_decoding_naming_an_unknown_rule_is_refused_naming_its_file():
+    """A rule name the decoder does not know (a typo, or a rule of a newer version) is the same hand edit to report
+    by its file as a rule of the wrong kind, not a KeyError from the kind check."""
+    with pytest.raises(ValueError, match=r"^meta\.json: .*block_trigram"):
+        DecodingRules.of_checkpoint({"decoding": {"block_trigram": True}}, "meta.json")
+
+
+def test_options_that_carry_only_some_rules_override_those_and_keep_the_others():
+    """``overridden_by`` reads the rules' names off any object (a request's parameters, a command line's arguments,
+    an archive's options): one that carries only some of them keeps the others, rather than failing on the first
+    it lacks."""
+    stored = DecodingRules(0.5, True, True)
+    assert stored.overridden_by(dataclasses.make_dataclass("Options", ["block_trigrams"])(False)) == \
+        DecodingRules(0.5, False, True)
+    assert stored.overridden_by(object()) == stored
+
+
+def test_the_search_leaves_the_models_log_probs_as_it_returned_them():
+    """``step`` may hand back a view it keeps (a cached row, here one row broadcast to every row of the table): the
+    search forbids words on its own copy, so the model's tensor is neither written into nor refused as a broadcast
+    one that cannot be written in place."""
+    preference = _stuttering_table()[0, 0]
+    kept = preference.clone()
+
+    def step(prev, state, enc):
+        return preference.expand(len(prev), -1), state, AttnRecord(torch.ones(len(prev), 1), {})
+
+    widths = [2, 1]
+    found = search_rows(step, index_rows, {"rows": torch.zeros(3, 1)}, {"rows": torch.zeros(3, 1)}, widths, BOS, EOS,
+                        (PAD, BOS, UNK), 4, NO_RULES)
+    assert [hyps[0].token_ids for hyps in found] == [[4, 4, 4, 4], [4, 4, 4, 4]]
+    assert torch.equal(preference, kept)
