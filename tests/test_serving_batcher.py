@@ -2011,3 +2011,70 @@ def test_every_decoding_step_is_observed_with_the_rows_it_decoded(encoder):
 
     assert stepped and metrics.rows_per_step.labels("sat")._sum.get() == sum(stepped)
     assert count(metrics.rows_per_step) == count(metrics.step_time) == len(stepped)
+
+
+def test_calibrations_timed_rounds_decode_two_steps_unless_told_otherwise(encoder):
+    """The warm-up leaves the timed rounds' length to ``calibrate``'s default: two steps, a few only, as
+    docs/decisions.md ("A calibration request at warm-up") states; the calibration request that follows has its own
+    length. A longer default would make every model's start-up decode steps that measure nothing more."""
+    runtime = runtime_for("sat", encoder)
+    batcher = Batcher(runtime, max_batch=2, queue_size=16, max_rows=64)
+    lengths, submit = [], batcher.submit
+
+    def noting_submit(prepared, beam_size, max_len, timeout_s, *rules):
+        lengths.append(max_len)
+        return submit(prepared, beam_size, max_len, timeout_s, *rules)
+
+    batcher.submit = noting_submit
+    batcher.start()
+    prepared = runtime.prepare(random_images(1, seed=6)[0])
+
+    async def scenario():
+        try:
+            await batcher.calibrate(prepared, 1, [1, 2], timeout_s=60, calibrate_len=5)
+        finally:
+            await batcher.stop()
+
+    run_bounded(scenario())
+    assert lengths == [2] * 6 + [5]  # two rounds of one and two requests, then the calibration request
+
+
+def test_every_encoding_is_observed_with_the_images_it_encoded_together(encoder):
+    """``captioner_encoder_batch_size``: one observation per encoder call, of the images it encoded together (how
+    often the chosen encoder batch fills is what a dashboard reads from it)."""
+    metrics = Metrics()
+    runtime = runtime_for("sat", encoder)
+    encoded = count_encodes(runtime)
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, metrics=metrics)
+    batcher.start(worker=False)
+    images = [runtime.prepare(image) for image in random_images(3, seed=17)]
+    run_bounded(drive(batcher, [(0, images[0], 2, 4), (0, images[1], 1, 4), (0, images[2], 2, 4)]))
+    histogram = metrics.encoder_batch.labels("sat")
+    assert encoded == [2, 1]  # two arrive together, the third waits for the next boundary
+    assert histogram._sum.get() == 3 and sum(bucket.get() for bucket in histogram._buckets) == 2
+
+
+def test_a_deadline_that_passes_during_a_step_frees_its_rows_at_the_end_of_that_step(encoder):
+    """Deadlines that pass while a step runs free their rows when it ends, not at the next boundary: until then the
+    load gauge, and admission control's count of requests decoding ahead of a new one, would hold a request whose
+    time is up, and its client would wait for its 504 one step longer."""
+    clock = FakeClock()
+    runtime, _ = slow_runtime(encoder, clock, step_s=1.0)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # the caption cannot end before its deadline
+    metrics = Metrics()
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, metrics=metrics, clock=clock)
+    batcher.start(worker=False)
+    prepared = runtime.prepare(random_images(1, seed=18)[0])
+
+    async def scenario():
+        job = batcher.submit(prepared, 3, 20, 1.5)
+        batcher.run_once()  # its first step ends at 1 s of fake time, within its deadline
+        assert batcher.active_rows == 3 and not job.future.done()
+        batcher.run_once()  # its second ends at 2 s, past it
+        assert batcher.active_rows == batcher.active_jobs == 0
+        assert metrics.active_rows.labels("sat")._value.get() == 0
+        assert metrics.freed.labels("sat", "deadline")._value.get() == 3
+        with pytest.raises(DeadlineExceeded):
+            await job.future
+
+    run_bounded(scenario())
