@@ -25,6 +25,7 @@ from starlette.requests import Request
 
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.decoding import DecodingRules
+from captioner.models.images import decode_cost, open_image
 from captioner.models.rendering.heatmaps import MODES
 from captioner.service import inputs, middleware, upload_answers
 from captioner.service.admission import QueueFull
@@ -969,3 +970,22 @@ def test_base64_that_begins_with_data_is_not_taken_for_a_data_url(client):
     # "dataAAEC" is the base64 of six bytes (no image): decoded and refused as such, not cut to nothing at a comma
     answer = client.post("/caption", json={"image": base64.b64encode(b"u\xabZ\x00\x01\x02").decode()})
     assert problem(answer, 422, "invalid-image")["detail"] != "the uploaded image is empty"
+
+
+def test_the_use_cases_check_reads_the_requests_caption_length_and_the_decode_slot_weighs_its_pixels(
+        client, photo, monkeypatch):
+    """``check`` (the overlay's: a token past a caption's last is refused before the model runs) is given the
+    request's length limit, not its beam; the decode slot is asked for the image's own decode cost, so that the
+    decode budget lets small uploads decode together and a huge one alone, not a share of one per upload."""
+    state = client.app.state.service
+    checked, costs, run = [], [], state.decode_slots.run
+
+    async def noting_run(*args, cost, **kwargs):
+        costs.append(cost)
+        return await run(*args, cost=cost, **kwargs)
+
+    monkeypatch.setattr(state.decode_slots, "run", noting_run)
+    client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters(beam_size=2, max_len=5)), None,
+                       lambda runtime, max_len: checked.append((runtime.name, max_len)))
+    assert checked == [(state.default_model, 5)]
+    assert costs == [decode_cost(open_image(photo, state.settings.max_pixels))] and costs[0] > 1
