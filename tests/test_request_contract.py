@@ -30,8 +30,8 @@ from captioner.models.rendering.heatmaps import MODES
 from captioner.service import inputs, middleware, upload_answers
 from captioner.service.admission import QueueFull
 from captioner.service.app import CAPTION_PATHS, create_app
-from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, refuse_early
-from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, UploadTooLarge
+from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, pick_model, refuse_early
+from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, UnknownModel, UploadTooLarge
 from captioner.service.inputs import QueryOptions, arrival, known_query_only, option_sources
 from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
@@ -989,3 +989,14 @@ def test_the_use_cases_check_reads_the_requests_caption_length_and_the_decode_sl
                        lambda runtime, max_len: checked.append((runtime.name, max_len)))
     assert checked == [(state.default_model, 5)]
     assert costs == [decode_cost(open_image(photo, state.settings.max_pixels))] and costs[0] > 1
+
+
+def test_a_service_ready_with_no_model_loaded_answers_a_caption_request_503_not_404():
+    """A start that found no checkpoint still ends ready (``/readyz`` says why it takes no traffic); a caption
+    request sent there anyway is the 503 "no model is loaded", retryable, not a 404 for a model it did not name."""
+    empty = types.SimpleNamespace(batchers={}, default_model=None)
+    for name in (None, "sat"):
+        with pytest.raises(NotReady, match="no model is loaded"):
+            pick_model(empty, name)
+    with pytest.raises(UnknownModel, match="available: sat"):
+        pick_model(types.SimpleNamespace(batchers={"sat": object()}, default_model="sat"), "other")
