@@ -913,6 +913,17 @@ def test_an_upload_its_models_batcher_would_refuse_is_refused_before_its_image_i
     assert problem(answer, 429, "overloaded")["detail"] == "the queue of 'tiny-a' is full"
 
 
+@pytest.mark.usefixtures("tiny_a_full")
+def test_an_upload_whose_query_names_no_model_is_not_judged_early_by_the_default_models_batcher(client, photo):
+    """The query names no model, so the early check has no batcher to ask: a form field may still name one (here
+    tiny-b, while the default tiny-a would refuse), and the request is judged once its body has said which."""
+    answer = post(client, photo, fields={"model": "tiny-b", "beam_size": "2"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "tiny-b"
+    refused = post(client, photo)  # the default model, judged after the body is read: its own refusal
+    assert problem(refused, 429, "overloaded")["detail"] == "the queue of 'tiny-a' is full"
+
+
 def test_the_decode_slot_and_the_batcher_are_given_what_is_left_of_the_deadline(client, photo, monkeypatch):
     state = client.app.state.service
     timeouts, slots, batcher = {}, state.decode_slots, state.batchers["tiny-a"]
