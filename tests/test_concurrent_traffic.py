@@ -31,7 +31,7 @@ from captioner.service.captioning import observed_request, slot_deadline
 from captioner.service.errors import PROBLEM_TYPES, ClientGone, DeadlinePassed, UploadsBusy, UploadTooLarge
 from captioner.service.inputs import read_body
 from captioner.service.lifecycle import DrainingServer, DrainMiddleware, ShutdownGate
-from captioner.service.middleware import RequestContextMiddleware
+from captioner.service.middleware import RequestContextMiddleware, request_id_var
 from captioner.service.settings import Settings
 from captioner.service.state import ServiceState
 from captioner.service.work_slots import UploadBudget, WorkSlots
@@ -610,6 +610,54 @@ def test_the_drain_clock_starts_at_the_first_signal_and_leaves_at_least_a_second
     began = gate.drain_began
     gate.begin_drain()  # a second signal does not restart the clock
     assert gate.drain_began == began and gate.time_left(30) == 1.0
+
+
+def test_what_is_left_of_a_drain_budget_counts_from_when_the_drain_began(monkeypatch):
+    """Midway through the budget (not only at its two ends): 12 s after the signal, 18 s of 30 are left."""
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    gate = ShutdownGate()
+    gate.begin_drain()
+    clock.now += 12
+    assert gate.time_left(30) == 18
+
+
+def test_a_first_signal_refuses_new_requests_at_once_and_drains_outside_the_interrupted_requests_context():
+    """The signal handler flips the gate itself (the drain task starts only when the loop next runs), and the drain
+    it schedules must not inherit the request id of the request the signal interrupted: its log lines would name it."""
+    server = DrainingServer(uvicorn.Config(app=None), ShutdownGate(), drain_timeout_s=30)
+    server.started = True
+    drains = []
+    server._start_drain = lambda sig: drains.append((sig, request_id_var.get()))
+
+    async def signal_during_a_request():
+        server._loop = asyncio.get_running_loop()
+        request_id_var.set("interrupted-request")
+        server.handle_exit(signal.SIGTERM, None)
+        draining_at_once = server.gate.draining
+        await asyncio.sleep(0.01)  # the loop runs the scheduled start of the drain
+        return draining_at_once
+
+    assert run_bounded(signal_during_a_request()) is True
+    assert drains == [(signal.SIGTERM, None)] and not server.skip_wait
+
+
+@pytest.mark.parametrize("drain_took_s, left_s", [(12, 18), (45, 1.0)])
+def test_a_drain_after_one_signal_leaves_uvicorn_what_is_left_of_its_budget_and_at_least_a_second(
+        monkeypatch, drain_took_s, left_s):
+    """A server as made, with no second signal (the test above sets ``skip_wait`` itself either way); a drain that
+    overran its budget still leaves uvicorn a second to close the connections."""
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    server = DrainingServer(uvicorn.Config(app=None), ShutdownGate(), drain_timeout_s=30)
+
+    async def drain(timeout_s):
+        clock.now += drain_took_s
+        return True
+
+    monkeypatch.setattr(server.gate, "drain", drain)
+    run_bounded(server._drain_then_exit(signal.SIGTERM))
+    assert server.should_exit and server.config.timeout_graceful_shutdown == left_s
 
 
 def test_a_drain_says_whether_every_admitted_request_finished_and_tells_its_owner_it_began():
