@@ -505,6 +505,24 @@ def test_the_gpu_libraries_are_paged_out_only_when_asked_and_no_gpu_can_use_them
     assert paged == ([1] if page_out and not torch.cuda.is_available() else [])
 
 
+@pytest.mark.parametrize("release", [False, True])
+def test_the_allocator_is_tuned_and_warm_ups_memory_released_only_when_the_settings_ask(tiny_weights, monkeypatch,
+                                                                                       release):
+    """CAPTIONER_RELEASE_MEMORY: the allocator tuned as the app is made (before the batchers' threads exist), what
+    warm-up freed handed back before the app reports ready, and an idle trimmer; none of it when the setting is off."""
+    calls = []
+    monkeypatch.setattr(app_module, "configure_allocator", lambda: calls.append("allocator"))
+    monkeypatch.setattr(app_module, "release_memory", lambda: calls.append("release") or 0)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", warmup=False, backend="torch",
+                        release_memory=release, page_out_gpu_libraries=False)
+    app = create_app(settings)
+    assert calls == (["allocator"] if release else [])
+    with TestClient(app) as client:
+        assert client.get("/readyz").status_code == 200
+        assert calls == (["allocator", "release"] if release else [])
+        assert (client.app.state.service.on_idle is not None) == release
+
+
 def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_trickles():
     """A request refused before its body is read (429, 503, a bad overlay option) read the body to its end whatever
     its pace: one byte every few seconds held the connection and an in-flight request open without limit."""
