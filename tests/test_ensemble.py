@@ -108,6 +108,33 @@ def test_members_may_be_given_by_their_folders(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(from_folders.state_dict().values(), loaded.state_dict().values()))
 
 
+def test_members_may_be_given_as_paths_as_well_as_strings(tmp_path):
+    """The docstring's "or its folder": a ``pathlib.Path`` (what a library user's ``Path("weights") / name``
+    gives) is a folder as much as a string is, not a checkpoint to read ``.name`` from."""
+    for index, member in enumerate(members()):
+        save_checkpoint(tmp_path / f"m{index}", member.model, member.vocab, member.encoder)
+    from_paths, loaded = build_ensemble([tmp_path / "m0", tmp_path / "m1"]), build_ensemble(members())
+    assert all(torch.equal(a, b) for a, b in zip(from_paths.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_an_ensemble_takes_its_members_special_ids():
+    """A checkpoint records its model's pad, bos and eos ids (``special_ids``): the ensemble's beam search starts
+    from its members' bos and stops at their eos, not at the protocol's defaults."""
+    ids = dict(pad_id=2, bos_id=0, eos_id=1)
+    ensemble = build_ensemble([tiny_checkpoint(arch, seed, **ids) for seed, arch in enumerate(ENSEMBLE_MEMBERS)])
+    assert (ensemble.pad_id, ensemble.bos_id, ensemble.eos_id) == (2, 0, 1)
+
+
+def test_fewer_than_two_members_are_refused_by_name_however_the_ensemble_is_built():
+    """No checkpoint at all is the builder's own refusal (it was about to read the first one), and a config of one
+    member does not build: an ensemble of one is that model under another name."""
+    with pytest.raises(ValueError, match="at least two checkpoints"):
+        build_ensemble([])
+    sat = tiny_checkpoint("sat").model
+    with pytest.raises(ValueError, match="at least two members"):
+        create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM, members=[{"arch": "sat", "model": sat.config()}])
+
+
 def test_members_must_share_words_and_visual_items():
     a, b = members("sat", "sparsecap")
     with pytest.raises(ValueError, match="another vocabulary"):
@@ -161,6 +188,16 @@ def test_a_config_whose_members_have_other_sizes_is_refused_naming_the_member():
         create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM, members=members)
 
 
+def test_a_config_whose_members_read_other_features_is_refused_naming_the_member():
+    """The members attend over the ensemble's visual items: one built for features of another width could not read
+    them."""
+    sat = tiny_checkpoint("sat").model
+    members = [{"arch": "sat", "model": sat.config()}, {"arch": "sat", "model": {**sat.config(), "feat_dim": 64}}]
+    with pytest.raises(ValueError, match=f"member sat has {len(VOCAB)} words over 64-d features; the ensemble has "
+                                         f"{len(VOCAB)} over {FEAT_DIM}"):
+        create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM, members=members)
+
+
 def test_a_member_that_cannot_be_exported_blocks_the_ensemble_naming_it():
     tvmax = tiny_checkpoint("sparsecap", 1, attention="tvmax")
     assert build_ensemble(members()).export_blocker() is None
@@ -187,6 +224,17 @@ def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_sma
     assert [c.name for c in select_members(candidates, score, max_members=1)] == ["start"]  # the start alone
     with pytest.raises(ValueError, match="max_members >= 1"):
         select_members(candidates, score, max_members=0)
+
+
+def test_an_addition_that_gains_exactly_the_minimum_joins(monkeypatch):
+    """The docstring's rule: selection stops when the best addition gains *less than* ``min_gain``; a gain of
+    exactly ``min_gain`` (binary fractions here, so the sums are exact) is enough."""
+    candidates = [SimpleNamespace(name=n, model=SimpleNamespace(member_names=(n,))) for n in ("start", "even")]
+    worth = {"start": 0.5, "even": 0.25}
+    monkeypatch.setattr("captioner.models.ensemble.build_ensemble",
+                        lambda chosen: SimpleNamespace(member_names=tuple(c.name for c in chosen)))
+    chosen = select_members(candidates, lambda model: sum(worth[n] for n in model.member_names), min_gain=0.25)
+    assert [c.name for c in chosen] == ["start", "even"]
 
 
 def test_the_command_selects_members_on_val_and_writes_a_checkpoint_that_says_what_it_holds(tmp_path, scenes):
