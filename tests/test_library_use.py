@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from skimage import data
 
-from captioner.models.checkpoint import load_checkpoint, save_checkpoint
+from captioner.models.checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
 from captioner.models.decoding import DecodingRules, beam_search
 from captioner.models.inference import torch_runtime
 from captioner.models.pipeline import Pipeline
@@ -115,6 +115,15 @@ def test_captions_name_the_model_they_came_from(pipeline, folder):
     (result,) = pipeline([data.astronaut()], beam_size=1, max_len=3)
     assert result.model == folder.name == "tiny"
     assert torch_runtime(folder, name="mine").name == "mine"
+
+
+def test_a_runtime_of_a_checkpoint_trained_on_regions_is_refused_before_it_captions_a_photo(folder):
+    """A photo gives grid features: ``torch_runtime`` refuses a region checkpoint by name, rather than handing back
+    a runtime whose captions would read visual items the model was never trained on."""
+    ckpt = load_checkpoint(folder)
+    regions = Checkpoint(ckpt.model, ckpt.vocab, ckpt.encoder, meta={"train_config": {"features": "regions:feats"}})
+    with pytest.raises(CheckpointError, match="trained on region features"):
+        torch_runtime(regions)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")

@@ -1362,6 +1362,15 @@ def test_lower_precision_runs_through_the_batcher_with_float32_scores(encoder, p
         TorchRuntime("sat", ckpt, encoder, torch.device("cpu"), precision="int4")
 
 
+def test_a_lower_precision_step_hands_the_search_float32_log_probs(encoder):
+    """The log-probs beam search accumulates stay float32 under autocast (``TorchRuntime``'s docstring): summed
+    in bfloat16, with its 8-bit mantissa, a caption's score would lose its later words' log-probs."""
+    runtime = TorchRuntime("sat", tiny_checkpoint("sat"), encoder, torch.device("cpu"), precision="bfloat16")
+    enc, state = runtime.begin([runtime.prepare(random_images(1, seed=8)[0])], [2])
+    logprobs, _, attn = runtime.step(torch.full((2,), runtime.bos_id), state, enc)
+    assert logprobs.dtype == attn.primary.dtype == torch.float32
+
+
 def test_fill_holes_moves_only_the_blocks_past_the_new_end():
     # beam 3 everywhere; the job at rows 3-5 left: the last job moves into its place, the others stay
     assert fill_holes([(0, 3), (6, 3), (9, 3)]) == [(0, 0), (2, 3), (1, 6)]
