@@ -2,6 +2,7 @@
 advantages and loss against naive code; SCST raises training CIDEr-D; the phase trains from an XE checkpoint, saves,
 and resumes exactly."""
 
+import inspect
 import json
 from pathlib import Path
 
@@ -199,6 +200,26 @@ def test_the_reward_counts_the_end_token_only_when_asked(tmp_path, with_end):
     assert cut_short[-1] == vocab.eos_id
     assert phase.reward_text(cut_short) == "a dog runs through the" + end
     assert phase.reward_text(cut_short[:-1] + [vocab.pad_id]) == "a dog runs through the"  # never ended
+    # a sampled row is padded after its end: it ended all the same
+    assert phase.reward_text(cut_short + [vocab.pad_id] * 2) == "a dog runs through the" + end
+
+
+def test_the_rewards_document_frequencies_count_the_end_token_the_references_hold(tmp_path):
+    """With ``--scst-reward-eos`` the document frequencies come from the references as they are scored, end token
+    and all (self-critical.pytorch's count the trailing 0 too): the end token, in every image's references, then
+    weighs nothing, as in pycocoevalcap's CIDEr-D of the same strings.  Frequencies taken from the bare words gave
+    it the weight of a word no reference holds."""
+    references = [[["a", "dog", "runs"], ["a", "brown", "dog"]], [["two", "cats", "sleep"], ["cats", "on", "a", "bed"]],
+                  [["a", "red", "ball"]]]
+    vocab = Vocabulary.build([ref for refs in references for ref in refs])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", refs) for i, refs in enumerate(references)]
+    phase = SCSTPhase(TrainConfig(out=str(tmp_path), phase="scst", scst_reward_eos=True), None, vocab, None, images,
+                      torch.device("cpu"))
+    captions = [phase.reward_text(vocab.encode(words)) for words in (["a", "dog"], ["cats", "sleep"], ["a", "ball"])]
+    assert all(caption.endswith(" <eos>") for caption in captions)
+    _, theirs = Cider().compute_score(dict(enumerate(phase.references)), {i: [c] for i, c in enumerate(captions)})
+    torch.testing.assert_close(torch.from_numpy(phase.cider.score(captions, phase.references)),
+                               torch.tensor(theirs, dtype=torch.float64))
 
 
 def test_the_greedy_baseline_is_decoded_in_eval_mode_and_the_model_is_left_training():
@@ -254,6 +275,48 @@ def test_the_loss_is_eq_9_against_each_images_own_baseline(baseline, monkeypatch
     expected = scst_loss(drawn.logprobs, drawn.mask, scst_advantages(rewards, baselines).flatten().float())
     torch.testing.assert_close(loss, expected)
     assert logs["reward"] == pytest.approx(float(rewards.mean()))
+    assert logs["tokens"] == float(drawn.mask.sum())  # the step's token count: the samples' tokens up to their EOS
+
+
+def test_the_loss_takes_the_advantages_as_constants_and_divides_by_the_tokens_however_few():
+    """REINFORCE differentiates the log-probabilities alone: an advantage that carries a gradient (a learned
+    baseline, say) gets none through the loss.  The normaliser is the token count however small: one sample that
+    ended at once (its EOS the one token) weighs that token fully, and no token at all gives 0, not NaN."""
+    logprobs = torch.tensor([[-0.5, -1.0]], requires_grad=True)
+    advantages = torch.tensor([2.0], requires_grad=True)
+    loss = scst_loss(logprobs, torch.tensor([[True, False]]), advantages)
+    torch.testing.assert_close(loss, torch.tensor(1.0))  # -(2 × -0.5) / 1
+    assert torch.autograd.grad(loss, advantages, allow_unused=True) == (None,)
+    torch.testing.assert_close(scst_loss(logprobs, torch.zeros(1, 2, dtype=torch.bool), advantages), torch.tensor(0.0))
+
+
+def test_the_greedy_baseline_and_the_samples_are_decoded_to_the_same_length(monkeypatch):
+    """The baseline is what the model earns greedily under the samples' own length limit: a greedy caption cut
+    shorter scores less, and every sample's advantage grows by the difference."""
+    vis, targets, captions = memorisation_task()
+    refs = [[_words(c)] for c in captions]
+    model = create("sat", vocab_size=VOCAB, feat_dim=32, embed_dim=8, hidden_dim=8, attn_dim=8)
+    lengths = {}
+
+    def spy(name, decode):
+        def decoded(*args, **kwargs):
+            lengths[name] = kwargs["max_len"]
+            return decode(*args, **kwargs)
+        return decoded
+
+    monkeypatch.setattr("captioner.models.training.scst.greedy", spy("greedy", greedy))
+    monkeypatch.setattr("captioner.models.training.scst.sample", spy("sample", sample))
+    scst_batch_loss(model, vis, refs, CiderD(refs), _words, samples=2, max_len=7)
+    assert lengths == {"greedy": 7, "sample": 7}
+
+
+def test_the_batch_losss_defaults_are_the_training_commands():
+    """Code that calls ``scst_batch_loss`` without the run's values samples, decodes and baselines as
+    ``captioner train --phase scst`` does by default (5 samples an image, 20 steps, the greedy baseline)."""
+    defaults = {name: p.default for name, p in inspect.signature(scst_batch_loss).parameters.items()}
+    cfg = TrainConfig(out="run")
+    assert (defaults["samples"], defaults["max_len"], defaults["baseline"]) == \
+        (cfg.scst_samples, cfg.max_decode_len, cfg.scst_baseline) == (5, 20, "greedy")
 
 
 def test_an_unknown_baseline_or_a_lone_sample_against_the_mean_is_refused():
