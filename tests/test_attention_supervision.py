@@ -109,11 +109,13 @@ def test_the_xe_phase_adds_the_term_times_its_weight(tmp_path):
     vocab = Vocabulary(["a", "b"])
     images = [CaptionedImage(i, tmp_path / f"{i}.jpg", "train", [["a", "b"]]) for i in range(2)]
     attention = torch.softmax(torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0)), -1)
+    rates = []
     model = SimpleNamespace(forward_xe_attended=lambda vis, targets, ss, rows: (
-        torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}, attention))
+        rates.append(ss) or torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}, attention))
     store = keys_store()
     phase = XEPhase(TrainConfig(out=str(tmp_path), attention_supervision_weight=5.0), model, vocab, store, images,
                     "cpu")
+    phase.ss_prob = 0.25  # the epoch's scheduled-sampling rate (the loop sets it) reaches the supervised steps too
     phase.supervise_attention(AttentionTargets(rows={(images[1].key, 0): {1: np.array([0.7, 0.1, 0.1, 0.1],
                                                                                     dtype=np.float32)}}, items=4))
     out = phase.loss([0, 1])
@@ -121,6 +123,7 @@ def test_the_xe_phase_adds_the_term_times_its_weight(tmp_path):
     expected = 5.0 * attention_supervision_loss(attention, target, supervised).item()
     assert expected > 0 and out.logs["attention_supervision"] == pytest.approx(expected)
     assert out.loss.item() == pytest.approx(out.logs["xe"] + expected)
+    assert rates == [0.25]
 
 
 def test_targets_lay_each_phrase_box_on_the_heatmap_cells(tmp_path):

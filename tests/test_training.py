@@ -793,6 +793,25 @@ def test_each_caption_of_a_batch_reads_its_own_images_row():
     assert read["keys"] == [phase.pairs[i][0] for i in batch]
 
 
+def test_a_batch_is_taught_at_the_epochs_scheduled_sampling_rate():
+    """The loop sets the phase's scheduled-sampling probability each epoch (Bengio et al. 2015, as AoANet uses it);
+    the phase hands it to the model's teacher-forced pass.  The loop's own test reads the rate off the phase, so a
+    phase that always taught with the ground truth passed it."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a", "b"]]) for i in range(2)]
+    rates = []
+
+    def forward_xe(vis, targets, ss, rows):
+        rates.append(ss)
+        return torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), {}
+
+    phase = XEPhase(_config("data", "run", "cache"), SimpleNamespace(forward_xe=forward_xe), vocab, keys_store(),
+                    images, "cpu")
+    phase.ss_prob = 0.25
+    phase.loss([0, 1])
+    assert rates == [0.25]
+
+
 def test_the_module_ddp_wraps_holds_the_models_and_the_fine_tuned_stages_parameters():
     """DistributedDataParallel averages the gradients of the parameters its module holds: the model's, and those of
     the fine-tuned encoder stages, whose copies on the ranks would otherwise drift apart (no DDP test fine-tunes)."""
