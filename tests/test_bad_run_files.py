@@ -30,7 +30,8 @@ def skeleton(folder) -> dict:
     return json.loads((folder / STATE_JSON).read_text())
 
 
-@pytest.mark.parametrize("damage", ["list", "not utf-8", "no progress", "reference", "tensor name"])
+@pytest.mark.parametrize("damage", ["list", "not utf-8", "no progress", "reference", "tensor name",
+                                    "tensor name not text"])
 def test_a_state_altered_by_hand_is_refused_naming_it(damage, tmp_path, capsys):
     run = saved_run(tmp_path / "run")
     state = skeleton(run)
@@ -43,8 +44,10 @@ def test_a_state_altered_by_hand_is_refused_naming_it(damage, tmp_path, capsys):
             del state["progress"]
         elif damage == "reference":
             state["__tensors__"] = "x"
-        else:
+        elif damage == "tensor name":
             state["model"]["w"] = {"__tensor__": "nowhere"}
+        else:  # a list cannot name a tensor (a TypeError looking it up, not a KeyError)
+            state["model"]["w"] = {"__tensor__": ["s", "model", "w"]}
         text = json.dumps(state).encode()
     (run / STATE_JSON).write_bytes(text)
     with pytest.raises(CheckpointError, match=str(run / STATE_JSON)):
@@ -90,7 +93,8 @@ def test_plot_of_a_folder_that_is_no_run_or_with_a_label_too_few_is_one_line_and
 
 
 @pytest.mark.parametrize("damage, named", [("no progress", "progress missing"),
-                                           ("reference", "__tensors__ missing")])
+                                           ("reference", "__tensors__ missing"),
+                                           ("reference's file a number", "__tensors__ missing")])
 def test_a_refused_state_says_which_part_is_missing_or_of_the_wrong_kind(damage, named, tmp_path):
     """The refusal names what was altered: the reader's own object where that is missing, the tensor file's
     reference only where that is the fault (one name for both sends the user to the wrong part of the file)."""
@@ -98,8 +102,10 @@ def test_a_refused_state_says_which_part_is_missing_or_of_the_wrong_kind(damage,
     state = skeleton(run)
     if damage == "no progress":
         del state["progress"]
-    else:
+    elif damage == "reference":
         state["__tensors__"] = "x"
+    else:  # its sha256 still text: every part of the reference is checked, not any one
+        state["__tensors__"]["file"] = 5
     (run / STATE_JSON).write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match=f"altered: {named} or of the wrong kind"):
         load_state(run, objects=("progress",))

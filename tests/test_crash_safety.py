@@ -16,10 +16,12 @@ from PIL import Image
 from safetensors.torch import load_file
 from skimage import data
 
+from captioner.models import files as files_module
 from captioner.models.checkpoint import CheckpointError, load_checkpoint, remove_debris, save_checkpoint, write_manifest
 from captioner.models.encoder import EncoderSpec
 from captioner.models.training import TrainConfig, train
-from captioner.models.training.state import STATE_JSON, STATE_TENSORS, load_state, save_state
+from captioner.models.training.state import STATE_JSON, STATE_TENSORS, load_state, restore_optimizer_state, \
+    save_state
 from captioner.models.vocab import Vocabulary
 from captioner.service.cli import main
 
@@ -101,6 +103,53 @@ def test_a_state_of_nested_lists_and_dicts_of_tensors_reads_back_equal(tmp_path)
     assert loaded["plain"] == state["plain"]
     (mixed,) = loaded["mixed"]
     assert torch.equal(mixed["a"][0], torch.zeros(2)) and torch.equal(mixed["a"][1]["b"], torch.ones(1))
+
+
+def test_a_state_keeps_apart_dict_keys_that_run_together(tmp_path):
+    """A dict's keys are named with a separator too: without it ``{"ab": ...}`` and ``{"a": {"b": ...}}`` (or an
+    optimizer's parameter 1's ``1x`` and parameter 11's ``x``) would share a name, and one tensor would be lost."""
+    save_state(tmp_path, {"progress": {"global_step": 1}, "ab": torch.zeros(2), "a": {"b": torch.ones(2)}})
+    loaded = load_state(tmp_path)
+    assert torch.equal(loaded["ab"], torch.zeros(2)) and torch.equal(loaded["a"]["b"], torch.ones(2))
+
+
+def test_a_state_holding_a_tuple_of_tensors_saves_and_reads_them_back_as_a_list(tmp_path):
+    # JSON has no tuple: a tuple's tensors are split out as a list's are (left inside it, the save failed on a
+    # tensor that JSON cannot hold)
+    save_state(tmp_path, {"progress": {"global_step": 1}, "rng": {"cuda": (torch.zeros(3), torch.ones(3))}})
+    assert [t.tolist() for t in load_state(tmp_path)["rng"]["cuda"]] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_an_optimizers_state_read_back_from_a_saved_state_puts_back_its_moments(tmp_path):
+    """JSON keeps the optimizer's parameter ids as text; with the ids left as text ``load_state_dict`` matches none of
+    the parameters and a resumed run starts Adam's moments from zero, in silence."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    weight.sum().backward()
+    optimizer.step()
+    save_state(tmp_path, {"progress": {"global_step": 1}, "optimizer": optimizer.state_dict()})
+    resumed = torch.nn.Parameter(torch.ones(3))
+    fresh = torch.optim.Adam([resumed], lr=0.1)
+    fresh.load_state_dict(restore_optimizer_state(load_state(tmp_path)["optimizer"]))
+    # keyed by the parameter itself (an id left as text is kept under that text, where no step looks)
+    assert torch.equal(fresh.state[resumed]["exp_avg"], optimizer.state[weight]["exp_avg"])
+
+
+def test_a_state_whose_tensor_file_is_gone_is_refused_naming_it(tmp_path):
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.ones(2)}})
+    (tensors,) = tmp_path.glob("train_state.*.safetensors")
+    tensors.unlink()
+    with pytest.raises(CheckpointError, match=f"{tensors}, named by {STATE_JSON}, is missing"):
+        load_state(tmp_path)
+
+
+def test_a_states_commit_is_flushed_to_disk(tmp_path, monkeypatch):
+    """The JSON's rename is the commit point: its bytes unflushed, a machine crash after the rename could leave an
+    empty ``train_state.json`` naming no tensors, and the run with nothing to resume from."""
+    synced, real_fsync = [], os.fsync
+    monkeypatch.setattr(files_module.os, "fsync", lambda fd: synced.append(os.fstat(fd).st_ino) or real_fsync(fd))
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.ones(2)}})
+    assert (tmp_path / STATE_JSON).stat().st_ino in synced  # the file renamed into place keeps its inode
 
 
 def test_a_state_holding_a_transposed_tensor_and_a_parameter_saves_and_reads_back_equal(tmp_path):

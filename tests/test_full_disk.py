@@ -69,6 +69,33 @@ def test_a_state_committed_before_its_write_failed_keeps_its_tensor_file(tmp_pat
     assert load_state(tmp_path)["progress"]["global_step"] == 2
 
 
+def test_a_state_commit_interrupted_by_ctrl_c_leaves_no_tensor_file(tmp_path, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt, no Exception) while the JSON is written: the previous state stands, and the new
+    tensors it never named are removed as on any other failure, not left taking a state's worth of space."""
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.zeros(2)}})
+    before = sorted(path.name for path in tmp_path.iterdir())
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state_module, "write_atomically", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+def test_a_full_disk_over_a_state_whose_json_is_damaged_is_the_full_disks_error(tmp_path, monkeypatch):
+    """After a failed commit, the check of which tensor file the JSON names reads a JSON that may not parse (altered
+    by hand, say): that is "not committed", so the disk's error is the one raised and the new tensors go."""
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.zeros(2)}})
+    (tmp_path / "train_state.json").write_text("{")
+    before = sorted(path.name for path in tmp_path.iterdir())
+    monkeypatch.setattr(state_module, "write_atomically", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
 def test_an_atomic_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "write_bytes", full_disk)
     with pytest.raises(OSError) as caught:

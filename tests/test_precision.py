@@ -192,3 +192,15 @@ def test_the_cuda_generators_are_saved_and_set_back_where_cuda_is_available(monk
     set_rng_state({**state, "cuda": tuple(state["cuda"])})  # as it reads back from the saved state
     (restored,) = set_back
     assert [id(g) for g in restored] == [id(g) for g in generators]
+
+
+def test_a_state_saved_without_cuda_streams_resumes_on_a_machine_with_cuda(monkeypatch):
+    """A run saved on a CPU machine (no ``cuda`` streams in its state) and resumed on a GPU one sets back its CPU
+    stream and leaves the CUDA generators to their seeding, rather than failing the resume on the missing key."""
+    set_back = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_back.append)
+    saved = torch.get_rng_state()
+    expected = torch.rand(3)
+    set_rng_state({"torch": saved})
+    assert torch.equal(torch.rand(3), expected) and set_back == []
