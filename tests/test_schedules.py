@@ -10,6 +10,7 @@ import pytest
 
 from captioner.models.cli.training import add_train_config_arguments, train_config_from_args
 from captioner.models.training import TrainConfig, available_recipes, load_recipe
+from captioner.models.training import recipes as recipes_module
 from captioner.models.training.recipes import RECIPES_DIR, command_line, recipe_path
 from captioner.models.training.schedules import NoamWarmup, PlateauDecay, ScheduledSampling, StepDecay, \
     build_schedules, learning_rate
@@ -241,3 +242,61 @@ def test_a_file_in_the_working_folder_named_like_a_recipe_is_not_read_as_it(tmp_
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sat").write_text("not a recipe")
     assert recipe_path("sat") == RECIPES_DIR / "sat.toml"
+
+
+def test_a_recipe_files_own_phase_key_only_picks_the_stage_when_none_is_asked_for(tmp_path):
+    """``phase = "scst"`` in a recipe file is its default stage: ``--phase xe`` still trains XE, and the config says
+    so (were the file's key to win, the XE stage's values would be trained and recorded as an SCST run's)."""
+    path = tmp_path / "mine.toml"
+    path.write_text('model = "sat"\nphase = "scst"\n[xe]\nlr = 1e-3\n[scst]\nlr = 2e-5\n')
+    assert load_recipe(str(path), "xe") == {"model": "sat", "lr": 1e-3, "recipe": str(path), "phase": "xe"}
+
+
+def test_a_recipe_file_of_ones_own_that_does_not_exist_is_an_unknown_recipe(tmp_path):
+    # a mistyped path is a usage error listing the shipped recipes, not an OSError from reading a file that is not there
+    with pytest.raises(ValueError, match="unknown recipe .*mine.toml.*; choose from .*aoanet"):
+        load_recipe(str(tmp_path / "mine.toml"))
+
+
+def test_the_command_a_card_prints_leaves_out_how_the_run_was_watched():
+    """How often a run logged and saved its state, and whether it drew progress bars, do not change what it trained:
+    a card's command lists only what does."""
+    cfg = TrainConfig(out="runs/a", dataset="d", log_every=5, checkpoint_every=50, progress=False, lr=1e-3)
+    assert command_line(cfg.to_json()) == "captioner train --dataset d --out runs/a --lr 0.001"
+
+
+def test_the_command_of_a_run_whose_own_recipe_file_is_gone_names_every_value_it_set(tmp_path):
+    """A card written after the run's own ``.toml`` recipe was moved away cannot say "the recipe, and then these":
+    it names no recipe (pasted, the command would fail on it) and lists each value the recipe had set."""
+    path = tmp_path / "mine.toml"
+    path.write_text('lr = 2e-3\nepochs = 7\n')
+    cfg = TrainConfig(out="runs/a", dataset="d", **load_recipe(str(path)))
+    path.unlink()
+    assert command_line(cfg.to_json()) == "captioner train --dataset d --out runs/a --epochs 7 --lr 0.002"
+
+
+def test_a_recipes_stage_table_wins_over_its_shared_keys(tmp_path):
+    # the shared keys serve every stage, and a stage that sets one itself says otherwise for that stage alone
+    path = tmp_path / "mine.toml"
+    path.write_text('model = "sat"\nlr = 1e-3\nepochs = 20\n[scst]\nlr = 2e-5\n')
+    assert load_recipe(str(path), "scst") == {"model": "sat", "lr": 2e-5, "epochs": 20, "recipe": str(path),
+                                              "phase": "scst"}
+
+
+def test_the_command_of_a_run_without_a_recipe_names_its_phase():
+    cfg = TrainConfig(out="runs/b", dataset="d", phase="scst")
+    assert command_line(cfg.to_json()) == "captioner train --phase scst --dataset d --out runs/b"
+
+
+def test_a_card_for_a_run_whose_own_recipe_file_cannot_be_read_still_gets_its_command(tmp_path, monkeypatch):
+    """A recipe file that is there but cannot be read (no permission, a failing disk) is an OSError: the card still
+    names every value the run set, as for a file that is gone, rather than fail to be written."""
+    path = tmp_path / "mine.toml"
+    path.write_text('lr = 2e-3\nepochs = 7\n')
+    cfg = TrainConfig(out="runs/a", dataset="d", **load_recipe(str(path)))
+
+    def unreadable(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(recipes_module, "read_text_file", unreadable)
+    assert command_line(cfg.to_json()) == "captioner train --dataset d --out runs/a --epochs 7 --lr 0.002"
