@@ -536,6 +536,19 @@ def test_a_query_option_fastapi_refuses_is_counted_by_the_latency_metric_under_t
     assert counted() == before + 1
 
 
+def test_a_query_option_refused_on_a_route_that_captions_nothing_is_not_counted_by_the_latency_metric(client):
+    """Only the caption routes' refusals are caption requests (CAPTION_PATHS): a stored result's overlay asked with
+    an alpha that does not validate is FastAPI's 422 too, but counted it would add a caption answer that never was
+    under the default model."""
+    def counted() -> float:
+        return sum(value for series, value in parse_metrics(client.get("/metrics").text).items()
+                   if series.startswith("captioner_request_latency_seconds_count"))
+
+    before = counted()
+    problem(client.get("/captions/no-such-result/overlay", params={"alpha": "opaque"}))
+    assert counted() == before
+
+
 def test_every_route_that_captions_an_upload_is_counted_by_the_latency_metric(client):
     """CAPTION_PATHS names the routes whose invalid requests the caption metrics count; a caption route added
     without it (POST /caption/heatmaps) would have its refusals go uncounted."""

@@ -163,6 +163,19 @@ def test_behind_a_proxys_path_prefix_the_keys_draining_and_the_log_read_the_path
     assert "/static/app.js" in paths and "/app.js" not in paths
 
 
+def test_a_request_refused_while_draining_is_logged_and_answered_with_its_request_id_and_security_headers(
+        weights, jpeg):
+    """The drain gate sits inside the request-id, access-log and security layers (app.py): a 503 of a draining
+    replica is a line in the access log, carries the id a client traces it by and the same hardening headers."""
+    with access_log(lambda record: record.fields) as entries, make_client(weights) as client:
+        client.app.state.shutdown_gate.begin_drain()
+        refused = caption(client, jpeg, **{"X-Request-ID": "drain-trace-1"})
+    assert refused.status_code == 503 and refused.json()["type"] == "/problems/not-ready"
+    assert refused.headers["x-request-id"] == "drain-trace-1"
+    assert refused.headers["x-content-type-options"] == "nosniff"
+    assert [(entry["path"], entry["status"]) for entry in entries] == [("/caption", 503)]
+
+
 def _answer_over_http_1_0(port: int, path: str, size: int, headers: str = "", body: bool = True) -> str:
     """The status line a POST of ``size`` bytes gets over HTTP/1.0, as nginx forwards requests: the body sent on
     while the answer may already be on its way, as a proxy sends it, and read after; a reset's error otherwise."""
@@ -259,6 +272,19 @@ def test_an_app_mounted_in_another_checks_keys_under_its_mount_and_names_its_pag
         assert ok.status_code == 200, ok.text
         assert "'/vision/openapi.json'" in client.get("/vision/docs").text
         assert "default-src 'self'" in client.get("/vision/").headers["content-security-policy"]
+
+
+def test_an_app_mounted_in_another_writes_the_paths_within_it_in_its_access_log(weights):
+    """The app's prefix is recorded outside the access log's middleware (app.py: the outermost layer): recorded
+    inside it, the log of an app mounted at ``/vision`` read Starlette's outer ``app_root_path`` (``""``) and wrote
+    every path with the mount's prefix, unlike the same app served under uvicorn's ``root_path``."""
+    inner = create_app(serving_settings(weights_dir=weights, default_model="tiny", default_beam_size=1,
+                                        default_max_len=4))
+    with access_log(lambda record: record.fields) as entries, TestClient(Starlette(
+            routes=[Mount("/vision", app=inner)], lifespan=lambda _: inner.router.lifespan_context(inner))) as client:
+        assert client.get("/vision/healthz").status_code == 200
+        assert client.get("/vision/static/app.js").status_code == 200
+    assert [entry["path"] for entry in entries] == ["/healthz", "/static/app.js"]
 
 
 def _unread_body(headers: dict[bytes, bytes], chunks: list[bytes], *, status: int = 401, reads: int = 0,
