@@ -32,7 +32,7 @@ from captioner.models.training.phase import PhaseModule
 from captioner.models.training.resume import merge_resume
 from captioner.models.training.run_log import EpochLog
 from captioner.models.training.schedules import learning_rate
-from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage
+from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage, load_init_weights
 from captioner.models.training.xe import XEPhase, xe_loss
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -560,7 +560,7 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
     trained = TrainConfig(out="runs/second", features="regions:/data/boxes").to_json()
     path = save_checkpoint(tmp_path / "ckpt", model, vocab, EncoderSpec(image_size=96),
                            {"phase": "xe", "history": [{}, {}], "best_epoch": 2, "train_config": trained,
-                            "started_from": first})
+                            "train_seconds": 42.0, "started_from": first})
     init = load_checkpoint(path)
 
     cfg = adopt_init(TrainConfig(out="run", init=str(path), model_args={"dropout": 0.1}), init)
@@ -575,6 +575,58 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
 
     began = lineage(str(path), init)
     assert (began["arch"], began["epochs"], began["best_epoch"], began["started_from"]) == ("sat", 2, 2, first)
+    # the card says which phase the checkpoint ended and counts its training time with the run's own
+    assert (began["phase"], began["train_seconds"]) == ("xe", 42.0)
+
+
+def test_a_warm_start_into_another_architecture_keeps_only_the_sizes_it_takes_and_never_the_data_sizes(tmp_path):
+    """SAT-hard from a soft SAT: the sizes both take are adopted, SAT's own options (its doubly stochastic weight λ)
+    are left out, or building SAT-hard would fail on them; the vocabulary and feature sizes are the new run's (its
+    vocabulary may be extended, its features another source), so they are never adopted."""
+    vocab = Vocabulary(["a", "red", "circle"])
+    path = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
+                           EncoderSpec(image_size=96), {"phase": "xe"})
+    init = load_checkpoint(path)
+    same = adopt_init(TrainConfig(out="run", init=str(path)), init)
+    assert not {"vocab_size", "feat_dim"} & set(same.model_args) and same.model_args["doubly_stochastic"] == 1.0
+    hard = adopt_init(TrainConfig(out="run", init=str(path), model="sat-hard"), init)
+    assert hard.model == "sat-hard" and {k: hard.model_args[k] for k in SMALL} == SMALL
+    assert not {"gate", "output", "doubly_stochastic", "vocab_size", "feat_dim"} & set(hard.model_args)
+    assert create("sat-hard", vocab_size=len(vocab) + 1, feat_dim=8, **hard.model_args).hparams["hidden_dim"] == 48
+
+
+def test_init_weights_fill_an_extended_vocabulary_and_a_related_architecture_and_refuse_other_shapes(tmp_path,
+                                                                                                      capsys):
+    """Without training: ``--extend-vocab``'s rows are the checkpoint's for its words and the new model's fresh ones
+    for the appended words; SAT-hard takes a soft SAT's weights, keeps its own REINFORCE baseline (a buffer the
+    checkpoint lacks) and names the β gate it drops; an embedding of another width is refused by name, not left to
+    fail inside ``torch.cat``."""
+    vocab = Vocabulary(["a", "red", "circle"])
+    torch.manual_seed(0)
+    path = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
+                           EncoderSpec(image_size=96), {"phase": "xe"})
+    init, n = load_checkpoint(path), len(vocab)
+    trained = init.model.state_dict()
+
+    grown = create("sat", vocab_size=n + 2, feat_dim=16, **SMALL)
+    fresh = {k: v.clone() for k, v in grown.state_dict().items()}
+    load_init_weights(grown, init, str(path))
+    for key in ("embed.weight", "out_word.weight", "out_word.bias"):
+        weights = grown.state_dict()[key]
+        assert torch.equal(weights[:n], trained[key]) and torch.equal(weights[n:], fresh[key][n:])
+    assert torch.equal(grown.state_dict()["init_h.weight"], trained["init_h.weight"])
+
+    capsys.readouterr()
+    hard = create("sat-hard", vocab_size=n, feat_dim=16, **SMALL)
+    hard.baseline.fill_(0.25)
+    load_init_weights(hard, init, str(path))
+    assert float(hard.baseline) == 0.25 and torch.equal(hard.state_dict()["embed.weight"], trained["embed.weight"])
+    assert f"--init {path}: sat weights ShowAttendTellHard has no use for: gate.bias, gate.weight" in \
+        capsys.readouterr().out
+
+    wider = create("sat", vocab_size=n + 2, feat_dim=16, **{**SMALL, "embed_dim": 40})
+    with pytest.raises(ValueError, match=r"cannot initialise ShowAttendTell: no weights of the right shape .*embed"):
+        load_init_weights(wider, init, str(path))
 
 
 def test_a_warm_starts_vocabulary_encoder_and_lineage_where_the_run_or_the_checkpoint_is_unusual(tmp_path):
