@@ -2004,16 +2004,23 @@ def test_the_load_gauges_are_the_rows_decoding_and_the_requests_waiting_for_rows
     assert gauges() == (0, 0)
 
 
+def _metered_drive(encoder, counter, seed, plan):
+    """A SAT batcher with its own metrics, driven step by step through ``plan`` (one ``(arrival step, beam, length)``
+    per random image): the metrics, and what ``counter`` noted of the runtime's calls."""
+    metrics = Metrics()
+    runtime = runtime_for("sat", encoder)
+    noted = counter(runtime)
+    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, metrics=metrics)
+    batcher.start(worker=False)
+    images = [runtime.prepare(image) for image in random_images(len(plan), seed=seed)]
+    run_bounded(drive(batcher, [(step, image, beam, length) for image, (step, beam, length) in zip(images, plan)]))
+    return metrics, noted
+
+
 def test_every_decoding_step_is_observed_with_the_rows_it_decoded(encoder):
     """``captioner_rows_per_step`` and ``captioner_step_time_seconds``: one observation per decoding step the
     batcher runs, of all the rows of all its tables (how full the steps run is what a dashboard reads from them)."""
-    metrics = Metrics()
-    runtime = runtime_for("sat", encoder)
-    stepped = count_step_rows(runtime)
-    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, metrics=metrics)
-    batcher.start(worker=False)
-    images = [runtime.prepare(image) for image in random_images(2, seed=16)]
-    run_bounded(drive(batcher, [(0, images[0], 3, 6), (2, images[1], 2, 5)]))
+    metrics, stepped = _metered_drive(encoder, count_step_rows, 16, [(0, 3, 6), (2, 2, 5)])
 
     def count(histogram) -> float:
         return sum(bucket.get() for bucket in histogram.labels("sat")._buckets)
@@ -2051,13 +2058,7 @@ def test_calibrations_timed_rounds_decode_two_steps_unless_told_otherwise(encode
 def test_every_encoding_is_observed_with_the_images_it_encoded_together(encoder):
     """``captioner_encoder_batch_size``: one observation per encoder call, of the images it encoded together (how
     often the chosen encoder batch fills is what a dashboard reads from it)."""
-    metrics = Metrics()
-    runtime = runtime_for("sat", encoder)
-    encoded = count_encodes(runtime)
-    batcher = Batcher(runtime, max_batch=2, queue_size=8, max_rows=16, metrics=metrics)
-    batcher.start(worker=False)
-    images = [runtime.prepare(image) for image in random_images(3, seed=17)]
-    run_bounded(drive(batcher, [(0, images[0], 2, 4), (0, images[1], 1, 4), (0, images[2], 2, 4)]))
+    metrics, encoded = _metered_drive(encoder, count_encodes, 17, [(0, 2, 4), (0, 1, 4), (0, 2, 4)])
     histogram = metrics.encoder_batch.labels("sat")
     assert encoded == [2, 1]  # two arrive together, the third waits for the next boundary
     assert histogram._sum.get() == 3 and sum(bucket.get() for bucket in histogram._buckets) == 2
