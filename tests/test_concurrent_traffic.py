@@ -838,3 +838,16 @@ def test_overlays_decode_a_large_jpeg_at_a_fraction_of_its_size():
     assert load_image(buffer.getvalue(), reduce_to=2048).size == (3000, 2000)
     assert load_image(buffer.getvalue()).size == (6000, 4000)
     assert load_image(_png((300, 200)), reduce_to=100).size == (300, 200)  # PNG: no reduced decode exists
+
+
+def test_a_request_whose_task_is_cancelled_is_counted_among_the_rejects_as_client_gone(tiny_weights):
+    """Besides its 499 in the latency metric, a client leaving while its request waits is one ``client-gone``
+    reject: the counter operators watch for clients giving up (no handler answers it, so only the use case counts
+    it)."""
+    settings = _tiny_settings(tiny_weights)
+    with TestClient(create_app(settings)) as client:
+        with pytest.raises(asyncio.CancelledError):
+            with observed_request(client.app.state.service, time.monotonic(), lambda: "tiny"):
+                raise asyncio.CancelledError
+        samples = parse_metrics(client.get("/metrics").text)
+    assert samples.get('captioner_rejects_total{reason="client-gone"}') == 1, samples

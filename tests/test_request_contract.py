@@ -27,7 +27,7 @@ from captioner.models.checkpoint import save_checkpoint
 from captioner.models.decoding import DecodingRules
 from captioner.models.images import decode_cost, open_image
 from captioner.models.rendering.heatmaps import MODES
-from captioner.service import inputs, middleware, upload_answers
+from captioner.service import captioning, inputs, middleware, upload_answers
 from captioner.service.admission import QueueFull
 from captioner.service.app import CAPTION_PATHS, create_app
 from captioner.service.captioning import CaptionParameters, CaptionRequest, caption_image, pick_model, refuse_early
@@ -1024,3 +1024,37 @@ def test_a_service_ready_with_no_model_loaded_answers_a_caption_request_503_not_
             pick_model(empty, name)
     with pytest.raises(UnknownModel, match="available: sat"):
         pick_model(types.SimpleNamespace(batchers={"sat": object()}, default_model="sat"), "other")
+
+
+def test_a_request_is_refused_503_before_its_body_is_read_while_the_service_is_not_ready(client, monkeypatch):
+    """While starting or shutting down, a caption request is refused before its body is read, whatever its options
+    name (none here, so no batcher is asked): reading an upload only to refuse it takes event-loop time. Read, this
+    body would have been refused 415."""
+    state = client.app.state.service
+    monkeypatch.setattr(state, "ready", False)
+    with pytest.raises(NotReady):
+        refuse_early(state, None, time.monotonic())
+    answer = client.post("/caption", content=b"x", headers={"content-type": "text/plain"})
+    problem(answer, 503, "not-ready")
+
+
+def test_a_request_with_under_a_second_of_its_deadline_left_is_still_given_to_the_batcher(client, photo,
+                                                                                          monkeypatch):
+    """Only a deadline already spent reading and decoding the upload keeps the rows from a request: one with half a
+    second left is captioned within it (the batcher gives up at the deadline itself). The use case's clock is
+    frozen, so every reading of what is left says exactly half a second."""
+    state = client.app.state.service
+    batcher, now = state.batchers["tiny-a"], time.monotonic()
+    given = []
+
+    async def noting_caption(prepared, beam_size, max_len, timeout_s, rules):
+        given.append(timeout_s)
+        return "captioned"
+
+    monkeypatch.setattr(state, "result_cache", None)  # a cached caption would never reach the batcher
+    monkeypatch.setattr(captioning, "time", types.SimpleNamespace(monotonic=lambda: now))
+    monkeypatch.setattr(batcher, "check_admission", lambda timeout_s, beam_size, max_len: None)
+    monkeypatch.setattr(batcher, "caption", noting_caption)
+    arrived = now - state.settings.request_timeout_s + 0.5
+    assert client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters()), arrived) == "captioned"
+    assert given == [0.5]
