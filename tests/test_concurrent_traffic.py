@@ -698,6 +698,26 @@ def test_a_second_signal_ends_the_drain_and_uvicorns_wait_at_once(uvicorn_stoppi
     assert server.force_exit == uvicorn_stopping
 
 
+def test_a_signal_during_start_up_terminates_the_export_child_before_exiting_0(monkeypatch):
+    """The end-to-end test (test_graceful_shutdown) cannot tell a terminated export child from one that dies at its
+    next report into the closed pipe: with tiny models that comes within a second, with real ones after minutes of
+    an ONNX export that holds the CPU and memory of a server already gone."""
+    events = []
+    child = types.SimpleNamespace(terminate=lambda: events.append("terminate"))
+    monkeypatch.setattr(lifecycle.multiprocessing, "active_children", lambda: [child])
+
+    def exit_(status):
+        events.append(("exit", status))
+        raise SystemExit(status)
+
+    monkeypatch.setattr(lifecycle.os, "_exit", exit_)
+    # os._exit skips logging's own flush at exit: the lines that say why the server stopped must be written first
+    monkeypatch.setattr(lifecycle.logging, "shutdown", lambda: events.append("logs flushed"))
+    with pytest.raises(SystemExit):
+        DrainingServer._exit_before_serving(signal.SIGTERM)
+    assert events == ["terminate", "logs flushed", ("exit", 0)]
+
+
 def test_a_request_refused_while_draining_is_logged_with_its_request_id_and_the_metrics_say_not_ready(tiny_weights,
                                                                                                      caplog):
     """The drain's 503s pass through the request-context middleware: the access log records them (how an operator
