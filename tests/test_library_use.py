@@ -4,6 +4,8 @@ work, where they were tracebacks from deep inside PIL, PyTorch or the beam searc
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -109,12 +111,35 @@ def test_decoding_options_are_refused_by_name(pipeline, options, message):
     assert pipeline([data.astronaut()], beam_size=2, max_len=4, rules=DecodingRules(block_trigrams=True))
 
 
+def test_each_result_carries_the_rules_it_was_decoded_with(pipeline):
+    """A result records its decoding rules (the service's answer reports them): those given, else the checkpoint's
+    own, for every image of the batch, not the search's defaults."""
+    given = DecodingRules(length_penalty=0.7, block_trigrams=True)
+    results = pipeline([data.astronaut(), data.chelsea()], beam_size=2, max_len=4, rules=given)
+    assert [result.rules for result in results] == [given, given]
+
+
 def test_captions_name_the_model_they_came_from(pipeline, folder):
     """A library user's results say which model made them: a runtime is named after its checkpoint folder, unless
     ``torch_runtime`` is given a name (as the service names each model it serves)."""
     (result,) = pipeline([data.astronaut()], beam_size=1, max_len=3)
     assert result.model == folder.name == "tiny"
     assert torch_runtime(folder, name="mine").name == "mine"
+
+
+def test_a_runtimes_description_counts_every_parameter_and_is_read_only(folder):
+    """``GET /models``' ``parameters`` is the model's size: a loaded model is not trained, so which of its parameters
+    would take gradients (here a frozen embedding) changes nothing in it."""
+    ckpt = load_checkpoint(folder)
+    total = sum(p.numel() for p in ckpt.model.parameters())
+    next(ckpt.model.parameters()).requires_grad_(False)
+    info = torch_runtime(ckpt).info()
+    assert info.parameters == total
+    # a photo is captioned on the grid, every mode draws it but area_topk, which needs a model that attends over areas
+    assert info.heatmap_modes == ["grid_smooth", "grid_blocks", "region_sum", "top1_box"]
+    # described once and handed to every caller (``GET /models`` and the library): no caller can change it for the next
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.parameters = 0
 
 
 def test_a_runtime_of_a_checkpoint_trained_on_regions_is_refused_before_it_captions_a_photo(folder):

@@ -569,6 +569,21 @@ def test_a_captions_overlay_draws_the_tokens_row_and_refuses_a_negative_token():
         result.overlay(photo, -1)
 
 
+def test_a_captions_figure_has_an_eos_panel_and_its_overlay_refuses_a_token_past_the_last():
+    """The figure draws every token, ``<eos>`` among them (one panel per attention row, as the papers' figures do),
+    not only the words; the overlay's last token is ``<eos>``'s, and the index after it is out of range, not an
+    IndexError from the rows."""
+    geometry = grid_geometry(EncoderSpec(), (256, 256))
+    rows = np.stack([one_hot(0), one_hot(27), one_hot(63)])
+    result = CaptionResult("m", "m", "soft", 1, ["a", "dog"], Hypothesis([4, 5, 2], [-0.5] * 3, torch.from_numpy(rows),
+                                                                          ended_with_eos=True), geometry)
+    photo = Image.new("RGB", (256, 256), (90, 120, 150))
+    want = caption_figure(photo, ["a", "dog", "<eos>"], rows, geometry, "grid_smooth")
+    assert np.array_equal(np.asarray(result.figure(photo)), np.asarray(want))
+    with pytest.raises(RenderError, match="token 3 is out of range: the caption has 3 tokens"):
+        result.overlay(photo, 3)
+
+
 def test_a_caption_draws_its_areas_weights_in_area_topk_only_and_keeps_its_area_boxes_in_a_figure_row():
     """A caption cut at max_len has no ``<eos>`` token; an area model's ``area_topk`` draws the areas' weights (the
     ``areas`` extra) with its area boxes, every other mode the attention over the cells."""

@@ -1371,6 +1371,17 @@ def test_a_lower_precision_step_hands_the_search_float32_log_probs(encoder):
     assert logprobs.dtype == attn.primary.dtype == torch.float32
 
 
+def test_a_lower_precision_step_hands_the_search_float32_extras(encoder):
+    """An area model's ``areas`` extra, like its attention, reaches the search and the result in float32 under
+    autocast: the ``area_topk`` rendering and the answer's weights read it as the float32 the docstring promises."""
+    runtime = TorchRuntime("area", tiny_checkpoint("area-transformer"), encoder, torch.device("cpu"),
+                           precision="bfloat16")
+    enc, state = runtime.begin([runtime.prepare(random_images(1, seed=8)[0])], [2])
+    _, _, attn = runtime.step(torch.full((2,), runtime.bos_id), state, enc)
+    assert attn.extras and {name: extra.dtype for name, extra in attn.extras.items()} == dict.fromkeys(
+        attn.extras, torch.float32)
+
+
 def test_fill_holes_moves_only_the_blocks_past_the_new_end():
     # beam 3 everywhere; the job at rows 3-5 left: the last job moves into its place, the others stay
     assert fill_holes([(0, 3), (6, 3), (9, 3)]) == [(0, 0), (2, 3), (1, 6)]
