@@ -499,9 +499,10 @@ def test_a_client_leaving_mid_upload_is_a_499_not_an_internal_error(tiny_weights
     assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
 
 
-def test_a_request_whose_task_is_cancelled_is_in_the_latency_metric_as_the_clients_499(tiny_weights):
+def test_a_request_whose_task_is_cancelled_is_the_clients_499_and_a_client_gone_reject(tiny_weights):
     """A client that leaves while its request waits (its task cancelled: no exception of the service's own) is the
-    client's 499 in the latency metric, not a 200 that was never answered."""
+    client's 499 in the latency metric, not a 200 that was never answered, and one ``client-gone`` reject: the
+    counter operators watch for clients giving up (no handler answers it, so only the use case counts it)."""
     settings = _tiny_settings(tiny_weights)
     with TestClient(create_app(settings)) as client:
         with pytest.raises(asyncio.CancelledError):
@@ -510,6 +511,7 @@ def test_a_request_whose_task_is_cancelled_is_in_the_latency_metric_as_the_clien
         samples = parse_metrics(client.get("/metrics").text)
     statuses = {key for key in samples if key.startswith("captioner_request_latency_seconds_count")}
     assert statuses == {'captioner_request_latency_seconds_count{model="tiny",status="499"}'}, statuses
+    assert samples.get('captioner_rejects_total{reason="client-gone"}') == 1, samples
 
 
 @pytest.mark.parametrize("root_path", ["", "/vision"])
@@ -858,16 +860,3 @@ def test_overlays_decode_a_large_jpeg_at_a_fraction_of_its_size():
     assert load_image(buffer.getvalue(), reduce_to=2048).size == (3000, 2000)
     assert load_image(buffer.getvalue()).size == (6000, 4000)
     assert load_image(_png((300, 200)), reduce_to=100).size == (300, 200)  # PNG: no reduced decode exists
-
-
-def test_a_request_whose_task_is_cancelled_is_counted_among_the_rejects_as_client_gone(tiny_weights):
-    """Besides its 499 in the latency metric, a client leaving while its request waits is one ``client-gone``
-    reject: the counter operators watch for clients giving up (no handler answers it, so only the use case counts
-    it)."""
-    settings = _tiny_settings(tiny_weights)
-    with TestClient(create_app(settings)) as client:
-        with pytest.raises(asyncio.CancelledError):
-            with observed_request(client.app.state.service, time.monotonic(), lambda: "tiny"):
-                raise asyncio.CancelledError
-        samples = parse_metrics(client.get("/metrics").text)
-    assert samples.get('captioner_rejects_total{reason="client-gone"}') == 1, samples
