@@ -397,9 +397,14 @@ def test_ctrl_c_saves_state_and_resume_finishes_and_no_second_trainer_gets_in(sc
            "--set", "hidden_dim=48", "--set", "attn_dim=32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out / "train_state.json").exists():
-        time.sleep(0.5)  # wait until the first epoch is done, then interrupt mid-epoch
+    # wait until the first epoch is done (its best checkpoint saved), then interrupt mid-epoch; a loaded machine took
+    # over two minutes for that epoch, and a signal sent before it ended found no best checkpoint to keep
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None and not (out / "train_state.json").exists():
+        time.sleep(0.5)
+    if not (out / "train_state.json").exists():
+        proc.kill()
+        pytest.fail(f"no state saved by the first epoch's end (status {proc.wait()}): {proc.stderr.read()[-2000:]}")
     time.sleep(1.0)
     # a --resume typed while the run goes on was a second trainer writing into the same folder
     log = (out / "metrics.jsonl").read_text()
