@@ -37,8 +37,9 @@ def resolve_device(name: str = "auto") -> torch.device:
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         # torch accepts any index here and fails only at the first tensor moved, with "invalid device ordinal"
         count = torch.cuda.device_count()
+        names = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
         raise ValueError(f"device {name!r} was requested but this machine has {count} CUDA GPU{'s' * (count != 1)} "
-                         f"(cuda:0 to cuda:{count - 1})")
+                         f"({names})")
     return device
 
 

@@ -28,7 +28,7 @@ def test_a_gpu_index_past_the_last_gpu_is_refused_by_name_rather_than_at_the_fir
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cuda") == torch.device("cuda")
-    with pytest.raises(ValueError, match=r"^device 'cuda:1' was requested but this machine has 1 CUDA GPU \(cuda:0 to"):
+    with pytest.raises(ValueError, match=r"^device 'cuda:1' was requested but this machine has 1 CUDA GPU \(cuda:0\)$"):
         resolve_device("cuda:1")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"^device 'cuda:2' was requested but this machine has 2 CUDA GPUs \(cuda:0 "
