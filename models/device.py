@@ -32,11 +32,13 @@ def resolve_device(name: str = "auto") -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise ValueError(f"unknown device {name!r}: use auto, cpu or cuda (cuda:N for the N-th GPU)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was requested but no CUDA GPU is available (use auto or cpu)")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
         # torch accepts any index here and fails only at the first tensor moved, with "invalid device ordinal"
-        count = torch.cuda.device_count()
         names = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
         raise ValueError(f"device {name!r} was requested but this machine has {count} CUDA GPU{'s' * (count != 1)} "
                          f"({names})")

@@ -14,6 +14,7 @@ import typing
 from typing import Any, Callable, TypeVar
 
 from .protocol import Captioner
+from .value_kinds import SCALAR_KINDS
 
 MODELS: dict[str, type[Captioner]] = {}
 T = TypeVar("T", bound=type[Captioner])
@@ -80,11 +81,9 @@ def _options(cls: type[Captioner]) -> dict[str, Any]:
     return {**own, **{n: default for n, default in _PROTOCOL_DEFAULTS.items() if n not in own}}
 
 
-#: what a value of each annotated scalar kind is called in an error; JSON brings ints where floats are annotated
+#: what a value of each annotated scalar kind is called in an error
 _SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
-    bool: ("true or false", lambda v: isinstance(v, bool)),
-    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    **SCALAR_KINDS,
     str: ("a string", lambda v: isinstance(v, str)),
 }
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from ..data.karpathy import DATASET_FORMATS
+from ..value_kinds import SCALAR_KINDS
 from .precision import PRECISION_CHOICES, canonical_precision
 
 
@@ -214,12 +215,9 @@ def declared_types() -> dict[str, Any]:
     return typing.get_type_hints(TrainConfig)
 
 
-#: what a value of each declared type is called, and which values are of it (True is no whole number, though
-#: Python counts it as 1; a path given in code is text)
+#: what a value of each declared type is called, and which values are of it (a path given in code is text)
 _KINDS: dict[type, tuple[str, Callable[[Any], bool]]] = {
-    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float: ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
-    bool: ("true or false", lambda v: isinstance(v, bool)),
+    **SCALAR_KINDS,
     str: ("text", lambda v: isinstance(v, (str, os.PathLike))),
     dict: ("a table", lambda v: isinstance(v, Mapping)),
 }
@@ -233,14 +231,13 @@ def type_problem(declared: Any, value: Any) -> str | None:
         return None
     if optional:
         (declared,) = [a for a in typing.get_args(declared) if a is not type(None)]
-    shown = json.dumps(value, default=str)
     if typing.get_origin(declared) is list:
         name, holds = _KINDS[typing.get_args(declared)[0]]
         if isinstance(value, (list, tuple)) and all(holds(item) for item in value):
             return None
-        return f"must be a list, each item {name}, got {shown}"
+        return f"must be a list, each item {name}, got {json.dumps(value, default=str)}"
     name, holds = _KINDS[typing.get_origin(declared) or declared]
-    return None if holds(value) else f"must be {name}, got {shown}"
+    return None if holds(value) else f"must be {name}, got {json.dumps(value, default=str)}"
 
 
 def bound_problem(metadata: Mapping[str, Any], value: Any) -> str | None:
