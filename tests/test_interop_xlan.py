@@ -7,12 +7,14 @@ vocabulary files are refused."""
 import math
 import os
 import pickle
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.interop import xlan as xlan_module
 from captioner.models.interop.common import ConversionError
 from captioner.models.interop.xlan import MAX_VOCABULARY_BYTES, convert_xlan, convert_xtransformer, read_vocabulary
 from captioner.service.cli import main as captioner
@@ -60,17 +62,17 @@ class Weights:
         self.norm(f"{prefix}.layer_norms")
 
 
-def xlan_state(seed=0):
+def xlan_state(seed=0, encoder_layers=XLAN_LAYERS):
     """``XLAN`` of experiments/xlan at small widths (WORD_EMBED_DIM = RNN_SIZE = BILINEAR.DIM, as their LSTM
     input needs)."""
     w = Weights(seed)
     w.state["word_embed.0.weight"] = w.r(len(WORDS) + 1, D)
     w.linear("att_embed.0", D, FEAT)
-    for i in range(XLAN_LAYERS):
+    for i in range(encoder_layers):
         w.lowrank(f"encoder_layers.layers.{i}.encoder_attn")
         w.linear(f"encoder_layers.bifeat_emb.{i}.0", D, 2 * D)
         w.norm(f"encoder_layers.layer_norms.{i}")
-    w.linear("encoder_layers.proj", D, (XLAN_LAYERS + 1) * D)
+    w.linear("encoder_layers.proj", D, (encoder_layers + 1) * D)
     w.norm("encoder_layers.layer_norm")
     w.linear("att_lstm", 4 * D, 2 * D)
     w.state["att_lstm.weight_ih"] = w.state.pop("att_lstm.weight")
@@ -161,12 +163,12 @@ def masked_mean(x, mask):
     return (x * weights).sum(1) / weights.sum(1)
 
 
-def xlan_logprobs(state, feats, mask, tokens):
+def xlan_logprobs(state, feats, mask, tokens, encoder_layers=XLAN_LAYERS):
     """``XLAN`` (``AttBasicModel.preprocess`` + ``XLAN.Forward``) after feeding ``tokens[:, t]`` (0 = start)."""
     att = F.celu(linear(state, "att_embed.0", feats), ALPHA)
     gv = masked_mean(att, mask)
     image_vectors = [gv]
-    for i in range(XLAN_LAYERS):  # LowRankBilinearEncBlock
+    for i in range(encoder_layers):  # LowRankBilinearEncBlock
         gv = lowrank(state, f"encoder_layers.layers.{i}.encoder_attn", gv[:, None], att, mask[:, None], gv[:, None],
                      att)[:, 0]  # layer(gv_feat, att_feats, att_mask, gv_feat, att_feats)
         both = torch.cat([gv[:, None].expand_as(att), att], -1)
@@ -311,6 +313,26 @@ def test_xtransformer_layer_counts_and_ffn_width_are_each_read_from_the_weights(
     assert_same_distribution(our_logprobs(model, vocab, feats, tokens, mask), theirs, vocab)
 
 
+def test_an_xlan_without_encoder_layers_converts(inputs, tmp_path):
+    """``ENCODE_LAYERS 0`` (the refining block left out) stores no ``encoder_layers.layers.*`` key at all: a layer
+    count of none, not one, and the model still equals theirs."""
+    state = xlan_state(encoder_layers=0)
+    torch.save(state, tmp_path / "x.pth")
+    model, vocab, _ = convert_xlan(tmp_path / "x.pth", write_vocabulary(tmp_path / "v.txt"))
+    assert model.config()["encoder_layers"] == 0
+    feats, mask, tokens = inputs
+    with torch.no_grad():
+        theirs = xlan_logprobs(state, feats, mask, tokens, encoder_layers=0)
+    assert_same_distribution(our_logprobs(model, vocab, feats, tokens, mask), theirs, vocab)
+
+
+def test_layer_counts_of_two_digits_are_read_whole(tmp_path):
+    """Layer indices past 9 (``encoder.layers.10.``) count as 10, not as an unknown key beside nine layers."""
+    torch.save(xtransformer_state(encoder_layers=11, decoder_layers=1), tmp_path / "x.pth")
+    model, _, _ = convert_xtransformer(tmp_path / "x.pth", write_vocabulary(tmp_path / "v.txt"))
+    assert (model.config()["encoder_layers"], model.config()["decoder_layers"]) == (11, 1)
+
+
 def save(tmp_path, state, name="bad.pth"):
     torch.save(state, tmp_path / name)
     return tmp_path / name
@@ -372,6 +394,40 @@ def test_scatt_blocks_of_another_depth_are_refused_by_name(tmp_path):
         convert_xlan(save(tmp_path, deeper), vocabulary)
 
 
+def test_positional_encoding_is_checked_over_every_position_a_caption_uses(tmp_path):
+    """Our decoder computes its own sinusoid and drops theirs, so the check is all that stands between another
+    encoding and wrong captions: a buffer that is right for the first positions and wrong at the caption's last
+    (SEQ_LEN 17: position 16) is refused."""
+    vocabulary = write_vocabulary(tmp_path / "v.txt")
+    state = xtransformer_state()
+    state["decoder.embed_positions.pe"] = their_positions()
+    state["decoder.embed_positions.pe"][0, 16] += 0.01
+    with pytest.raises(ConversionError, match="positional encoding is not the base-10000 sinusoid"):
+        convert_xtransformer(save(tmp_path, state), vocabulary)
+
+
+def test_a_positional_buffer_of_another_shape_is_refused_naming_it(tmp_path):
+    """Not ``[1, max_len, D]`` (no batch axis, two of them, or another width): refused naming the shape, not a
+    RuntimeError from comparing it with the sinusoid, nor a wrong diagnosis of its base."""
+    vocabulary = write_vocabulary(tmp_path / "v.txt")
+    pe = their_positions(max_len=100)
+    wider = torch.cat([pe, pe[..., :2]], -1)
+    for buffer in (pe[0], pe.expand(2, -1, -1).clone(), wider):
+        state = {**xtransformer_state(), "decoder.embed_positions.pe": buffer}
+        with pytest.raises(ConversionError, match=re.escape(f"has shape {tuple(buffer.shape)}, not [1, max_len, {D}]")):
+            convert_xtransformer(save(tmp_path, state), vocabulary)
+
+
+def test_a_block_width_the_head_width_does_not_divide_is_refused_naming_both(tmp_path):
+    """The heads are the block width over SCAtt's hidden-layer input width: a width of 5 for D = 16 leaves no whole
+    number of heads, which is named rather than left to the model's constructor."""
+    state = xlan_state()
+    block = "attention.layers.0.encoder_attn.attn_net.attention_basic.0"
+    state[f"{block}.weight"] = torch.zeros(MID, 5)
+    with pytest.raises(ConversionError, match=f"block width {D} is not a multiple of the head width 5"):
+        convert_xlan(save(tmp_path, state), write_vocabulary(tmp_path / "v.txt"))
+
+
 class Exploit:
     def __init__(self, marker):
         self.marker = marker
@@ -410,3 +466,16 @@ def test_vocabulary_file_is_read_as_checked_text(tmp_path):
         with pytest.raises(ConversionError):
             convert_xlan(save(tmp_path, xlan_state()), tmp_path / "evil.txt")
     assert not marker.exists()
+
+
+def test_a_vocabulary_of_cocos_size_reads_and_the_size_limit_binds_only_past_it(tmp_path, monkeypatch):
+    """COCO's vocabulary file is about 70 kB (10,000 words): read in full. The limit itself refuses a file one byte
+    past it and reads one of exactly its size (set small here, so no 16 MiB file is written)."""
+    coco = [f"word{index}" for index in range(10_000)]
+    assert read_vocabulary(write_vocabulary(tmp_path / "coco.txt", coco)) == coco
+    monkeypatch.setattr(xlan_module, "MAX_VOCABULARY_BYTES", 12)
+    (tmp_path / "at.txt").write_bytes(b"a\ndog\nred\nx\n")  # 12 bytes
+    assert read_vocabulary(tmp_path / "at.txt") == ["a", "dog", "red", "x"]
+    (tmp_path / "past.txt").write_bytes(b"a\ndog\nred\nxy\n")  # 13 bytes
+    with pytest.raises(ConversionError, match="is 13 bytes: not a vocabulary file"):
+        read_vocabulary(tmp_path / "past.txt")
