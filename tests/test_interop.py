@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint
 from captioner.models.interop.aoanet import ConversionError, convert_aoanet
-from captioner.models.interop.common import copy_weights
+from captioner.models.interop.common import copy_weights, load_converted, load_torch_weights
 from captioner.models.interop.safe_pickle import ALLOWED, UnsafePickleError, restricted_load
 from captioner.models.interop.sgrvinod import PickledModule, TutorialUnpickler
 from captioner.models.protocol import VisualBatch
@@ -479,3 +479,47 @@ def test_a_refusal_names_up_to_six_keys_and_counts_the_rest():
     with pytest.raises(ConversionError) as refused:
         copy_weights({}, seven, what="an AoANet")
     assert str(refused.value).endswith(", theirs.5 and 1 more") and "theirs.6" not in str(refused.value)
+
+
+def test_weights_that_do_not_fit_the_model_are_refused_counting_every_problem():
+    """Loading is strict: a mapped state that leaves a parameter out is refused, not loaded around it (its random
+    initial values would stay). Each of PyTorch's problem lines is counted and the first three are named."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2))
+    fitting = {key: torch.zeros_like(value) for key, value in model.state_dict().items()}
+    with pytest.raises(ConversionError, match=r"\(1 problem\(s\)\): Missing key\(s\) in state_dict: \"1.bias\""):
+        load_converted(model, {key: value for key, value in fitting.items() if key != "1.bias"})
+    with pytest.raises(ConversionError) as refused:
+        load_converted(model, {key: torch.zeros(1) for key in fitting})
+    message = str(refused.value)
+    assert "(4 problem(s))" in message and message.endswith(" and 1 more")
+    assert all(f"size mismatch for {key}:" in message for key in ("0.weight", "0.bias", "1.weight"))
+    assert "1.bias" not in message
+    load_converted(model, fitting)
+    assert not model.training
+
+
+def test_a_snapshots_weights_are_taken_from_its_known_key_and_never_guessed(tmp_path, authors_files):
+    """A snapshot holding its weights under ``model`` beside another dict of tensors (an EMA copy) imports the
+    ``model`` ones; two such dicts under no known key are refused rather than one of them taken, and so is a file
+    holding an empty dict."""
+    torch.save(authors_state(), tmp_path / "plain.pth")
+    torch.save({"epoch": 3, "ema": authors_state(seed=1), "model": authors_state()}, tmp_path / "ema.pth")
+    plain, with_ema = load_torch_weights(tmp_path / "plain.pth"), load_torch_weights(tmp_path / "ema.pth")
+    assert plain.keys() == with_ema.keys() and all(torch.equal(plain[key], with_ema[key]) for key in plain)
+    torch.save({"ema": authors_state(seed=1), "net": authors_state()}, tmp_path / "two.pth")
+    torch.save({}, tmp_path / "empty.pth")
+    for name in ("two.pth", "empty.pth"):
+        with pytest.raises(ConversionError, match=f"{name} does not hold a state dict of tensors"):
+            convert_aoanet(tmp_path / name, authors_files[1])
+
+
+def test_a_missing_or_truncated_weights_file_is_named_as_what_it_is(tmp_path, authors_files):
+    """A path that is not there is the OS's error (the CLI reports it as such), not a traceback from further on; a
+    truncated download keeps the reader's reason and is not said to hold pickled Python objects."""
+    with pytest.raises(FileNotFoundError):
+        convert_aoanet(tmp_path / "missing.pth", authors_files[1])
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(authors_files[0].read_bytes()[:1000])
+    with pytest.raises(ConversionError, match="cannot be read as a PyTorch state dict") as refused:
+        convert_aoanet(truncated, authors_files[1])
+    assert "pickled Python objects" not in str(refused.value)
