@@ -26,6 +26,22 @@ def test_in_a_log_a_bar_is_plain_lines_at_most_one_a_minute():
     assert "0/5000" in lines[0] and "5000/5000" in lines[-1]
 
 
+def test_in_a_log_a_bar_updated_every_ten_seconds_writes_a_line_a_minute(monkeypatch):
+    """The minute between two lines is the log's own default: tqdm's is a tenth of a second, so a bar of an hour's
+    epoch updated every ten seconds would write a line at each update (tqdm's clock is stood in for here)."""
+    clock = [1000.0]
+    monkeypatch.setattr("tqdm.std.time", lambda: clock[0])
+    log = io.StringIO()
+    bar = progress_bar(total=12, desc="xe epoch 1/8", file=log)
+    for _ in range(12):
+        clock[0] += 10
+        bar.update(1)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split("|")[0] for line in lines] == [
+        "xe epoch 1/8:   0%", "xe epoch 1/8:  50%", "xe epoch 1/8: 100%", "xe epoch 1/8: 100%"], lines
+
+
 def test_in_a_log_tqdms_monitor_adds_no_line_between_two(monkeypatch):
     """tqdm's monitor thread redraws a bar that has not been drawn for ``maxinterval`` once its redraw stride has
     grown: in a log, a second line within the interval.  Here at a tenth of a second's pace: the bar's lines are its
