@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from captioner.models.files import (FolderInUse, describe_os_error, file_checksum, held_alone, is_newer_format,
-                                   naming_errors, read_text_file, replace_directory, temporaries_of,
-                                   temporary_beside, temporary_target, write_atomically, create_durably)
+                                   naming_errors, read_json_file, read_text_file, replace_directory, temporaries_of,
+                                   temporary_beside, temporary_target, unwritable, write_atomically, create_durably)
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -47,6 +47,36 @@ def test_a_temporary_name_is_found_again_and_names_what_it_stands_for(tmp_path):
     assert temporary_target("card.md") is None and temporary_target(".tmp-0badf00d") is None
     assert temporary_target("..tmp-0badf00d") is None  # a mark with no name before it stands for nothing
     assert temporary_target(temporary_beside(tmp_path / "a").name) == "a"  # a name of one letter is a name
+
+
+def test_two_writers_of_one_file_each_get_a_temporary_of_their_own():
+    """Two processes writing one file at once (two runs' `eval --output` to one report) must not write into one
+    temporary: a plain write would mix their bytes, and a durable one would refuse the second as an existing file."""
+    names = {temporary_beside(Path("runs/x/report.json")) for _ in range(20)}
+    assert len(names) == 20
+
+
+def test_a_folder_that_cannot_take_a_file_is_said_so_in_the_oss_words_and_the_probe_leaves_nothing(tmp_path):
+    """`serve` (CAPTIONER_ONNX_DIR) and the output flags check a folder with it before any work, and print its
+    reason in their one line: the reason alone, not Python's ``[Errno 2] ...: 'PATH'``."""
+    assert unwritable(tmp_path) is None and os.listdir(tmp_path) == []
+    assert unwritable(tmp_path / "missing") == "No such file or directory"
+    (tmp_path / "a-file").write_text("not a folder")
+    assert unwritable(tmp_path / "a-file") == "Not a directory"
+
+
+def test_a_json_file_holding_another_kind_of_value_is_refused_naming_the_file_and_what_it_should_be(tmp_path):
+    """A training state, an export's record or a feature index whose JSON is a list (a file of another tool's) is
+    refused in words, not read on into a TypeError or AttributeError far from the file."""
+    path = tmp_path / "index.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"index.json is not a feature store's index \(its JSON is list, not an "
+                                         r"object\)"):
+        read_json_file(path, "a feature store's index")
+    assert read_json_file(path, "a list of ids", kind=list) == [1, 2]
+    path.write_text('"report"')
+    with pytest.raises(ValueError, match=r"index.json is not a list of ids \(its JSON is str, not a list\)"):
+        read_json_file(path, "a list of ids", kind=list)
 
 
 def test_an_os_error_reads_as_the_shells_tools_say_it_naming_what_the_user_asked_for(tmp_path):
