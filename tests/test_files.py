@@ -2,6 +2,7 @@
 
 import ctypes
 import errno
+import fcntl
 import gc
 import hashlib
 import os
@@ -277,3 +278,16 @@ def test_a_folder_held_alone_is_made_with_its_missing_parents(tmp_path):
     folder = tmp_path / "data" / "new" / "scenes"
     with held_alone(folder, FolderInUse("busy")):
         assert folder.is_dir()
+
+
+def test_a_folder_on_a_file_system_without_flock_is_written_unlocked(tmp_path, monkeypatch):
+    """Some network file systems answer ``flock`` with ENOLCK: a data set is then generated there as before the lock
+    existed, not refused as if another writer held the folder (none can be seen to)."""
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    ran = []
+    with held_alone(tmp_path / "scenes", FolderInUse("busy")):
+        ran.append(True)
+    assert ran == [True]
