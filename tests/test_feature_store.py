@@ -2,12 +2,14 @@
 its finished shards and ends byte-identical to an uninterrupted one, and non-zero DDP ranks wait for rank 0."""
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import threading
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +19,8 @@ import torch
 from PIL import Image
 
 from captioner.models.data.features import INDEX, FeatureStore, FeatureStoreError, NewerFeatureStore, \
-    UnreadablePhotos, _cache_name, distributed_rank, extract_features, find_covering_store, shard_name
+    UnreadablePhotos, _cache_name, distributed_rank, extract_features, find_covering_store, photo_file_bytes, \
+    shard_name
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.images import load_image
@@ -370,3 +373,160 @@ def test_every_torn_photo_is_named_in_one_run_and_the_shards_without_one_are_kep
                               shard_size=2)
     assert counting.images == 4, "only the two shards that held a torn photo are encoded again"
     assert np.array_equal(mended.get_numpy([im.key for im in copies]), fresh.get_numpy([im.key for im in images]))
+
+
+def test_a_spec_at_a_later_fields_first_value_names_its_store_as_before_that_field_existed():
+    """Stores extracted before ``grid_stride`` was a field of the spec were named without it: a spec at the stride
+    every one of them was made with must name the same folder, or every existing cache is extracted again.  Any other
+    field of the spec (here the resize) names another store."""
+    whole = SPEC.to_json()
+    earlier = types.SimpleNamespace(backbone=SPEC.backbone, layer=SPEC.layer, image_size=SPEC.image_size,
+                                    to_json=lambda: {k: v for k, v in whole.items() if k != "grid_stride"})
+    assert whole["grid_stride"] == 32
+    assert _cache_name(SPEC, ["photo.jpg"], {}) == _cache_name(earlier, ["photo.jpg"], {})
+    assert _cache_name(replace(SPEC, grid_stride=16, layer="hypercolumn"), ["photo.jpg"], {}) != \
+        _cache_name(replace(SPEC, layer="hypercolumn"), ["photo.jpg"], {})
+    cropped = replace(SPEC, resize="center_crop", resize_to=72)
+    assert _cache_name(cropped, ["photo.jpg"], {}) != _cache_name(SPEC, ["photo.jpg"], {})
+
+
+def test_a_process_extracting_into_a_store_keeps_a_second_one_out_until_it_is_done(images, encoder, tmp_path):
+    """``extract.lock`` is what keeps two unrelated processes (two runs sharing a cache) from writing the same
+    shards: held here as another process would hold it, the extraction does not start encoding."""
+    folder = tmp_path / _cache_name(SPEC, [im.key for im in images])
+    folder.mkdir()
+    started = threading.Event()
+
+    def encoding(pixels):
+        started.set()
+        return encoder(pixels)
+
+    with open(folder / "extract.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker = threading.Thread(target=extract_features, args=(images, SPEC, tmp_path),
+                                  kwargs=dict(encoder=encoding, progress=False))
+        worker.start()
+        assert not started.wait(2.0), "the extraction encoded while another process held the store's lock"
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(timeout=60)
+    assert started.is_set() and (folder / INDEX).exists()
+
+
+def test_an_extraction_without_bars_says_what_it_encodes_shard_by_shard(images, encoder, tmp_path, capsys):
+    """Without progress bars (logs, CI) a line per finished shard says how far it is: minutes passed silent."""
+    extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False, shard_size=4, view="hflip")
+    err = capsys.readouterr().err
+    assert f"encoding 7 images (hflip) into {tmp_path}" in err
+    assert "  4 of 7 images encoded\n" in err and "  7 of 7 images encoded\n" in err
+    extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False, shard_size=4, view="hflip")
+    assert capsys.readouterr().err == "", "a finished store encodes nothing and says nothing"
+
+
+def test_a_store_of_no_images_is_a_finished_empty_store(encoder, tmp_path):
+    """An empty split extracts to a store holding nothing, not an error."""
+    store = extract_features([], SPEC, tmp_path, encoder=encoder, progress=False)
+    assert len(store) == 0 and (store.folder / INDEX).exists() and store.item_shape == (4, 0)
+
+
+def test_a_store_written_before_photo_sizes_were_recorded_is_used_as_before(images, encoder, tmp_path):
+    """Its index has no ``bytes``: it cannot tell a replaced photo, so it is read as it always was rather than
+    extracted again (hours on COCO)."""
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    index = json.loads((store.folder / INDEX).read_text())
+    del index["bytes"]
+    (store.folder / INDEX).write_text(json.dumps(index))
+    counting = CountingEncoder(encoder)
+    again = extract_features(images, SPEC, tmp_path, encoder=counting, progress=False)
+    assert again.folder == store.folder and counting.images == 0
+    assert find_covering_store(tmp_path, SPEC, [im.key for im in images[:3]],
+                               sizes={im.key: 1 for im in images[:3]}).folder == store.folder
+
+
+def test_a_finished_store_serves_photos_no_longer_on_this_machine(images, encoder, tmp_path):
+    """Photos missing here (features extracted, then the photos removed or never copied) have no size to compare:
+    the store that holds them is used, not a FileNotFoundError."""
+    (tmp_path / "photos").mkdir()
+    copies = []
+    for image in images:
+        shutil.copy(image.path, tmp_path / "photos" / image.path.name)
+        copies.append(replace(image, path=tmp_path / "photos" / image.path.name))
+    store = extract_features(copies, SPEC, tmp_path / "cache", encoder=encoder, progress=False)
+    copies[2].path.unlink()
+    counting = CountingEncoder(encoder)
+    again = extract_features(copies, SPEC, tmp_path / "cache", encoder=counting, progress=False)
+    assert again.folder == store.folder and counting.images == 0
+    assert copies[2].key not in photo_file_bytes(copies) and copies[3].key in photo_file_bytes(copies)
+
+
+def test_a_failure_marker_older_than_the_wait_is_not_taken_for_rank_zeros_failure(images, tmp_path):
+    """A ``failed.json`` an earlier run left (rank 0 clears it when it starts again) must not stop the ranks that
+    wait for this run's rank 0."""
+    folder = tmp_path / _cache_name(SPEC, [im.key for im in images])
+    folder.mkdir()
+    (folder / "failed.json").write_text(json.dumps({"error": "RuntimeError: an earlier run"}))
+    old = time.time() - 120
+    os.utime(folder / "failed.json", (old, old))
+    with pytest.raises(FeatureStoreError, match="waited 0 s for rank 0"):
+        extract_features(images, SPEC, tmp_path, rank=1, progress=False, wait_timeout_s=0)
+
+
+def test_an_extraction_stopped_by_ctrl_c_tells_the_waiting_ranks(images, encoder, tmp_path):
+    """A KeyboardInterrupt is no Exception: the waiting ranks must still learn that rank 0 stopped."""
+    def interrupted(pixels):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        extract_features(images, SPEC, tmp_path, rank=0, progress=False, encoder=interrupted)
+    with pytest.raises(FeatureStoreError, match="failed on rank 0: KeyboardInterrupt"):
+        extract_features(images, SPEC, tmp_path, rank=1, progress=False, wait_timeout_s=5)
+
+
+def test_outside_a_process_group_the_rank_is_torchruns_rank_variable(images, tmp_path, monkeypatch):
+    """Before the process group is up (or without one) ``RANK`` says which process extracts: rank 1 waits."""
+    monkeypatch.setenv("RANK", "1")
+    assert distributed_rank() == 1
+    with pytest.raises(FeatureStoreError, match="waited 0 s for rank 0"):
+        extract_features(images, SPEC, tmp_path, progress=False, wait_timeout_s=0)
+
+
+def test_a_resume_whose_layout_record_is_torn_keeps_none_of_its_shards(images, encoder, tmp_path):
+    """A torn ``layout.json`` cannot say which shard size its shards were written with: shards of one image each
+    (the third photo's at place 2) would otherwise be read as shards of three (the seventh photo's at place 2)."""
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=3)
+    layout = tmp_path / "resumed" / _cache_name(SPEC, [im.key for im in images]) / "layout.json"
+    resumed, encoded = resumed_after_a_crash(images, encoder, tmp_path / "resumed", 1, 3, shard_size=3,
+                                             between=lambda: layout.write_text('{"shard'))
+    assert encoded == len(images)
+    keys = [im.key for im in images]
+    assert np.array_equal(fresh.get_numpy(keys), resumed.get_numpy(keys))
+
+
+def test_a_store_another_process_finished_while_this_one_waited_for_the_lock_is_taken_not_encoded_again(
+        images, encoder, tmp_path):
+    """Two runs sharing a cache both find the store missing; the second waits for the first's lock, and then must
+    take the store the first finished rather than remove it and encode every photo again (hours on COCO, with the
+    first run's shards pulled from under it)."""
+    done = extract_features(images, SPEC, tmp_path / "elsewhere", encoder=encoder, progress=False)
+    folder = tmp_path / "cache" / done.folder.name
+    folder.mkdir(parents=True)
+    counting, results = CountingEncoder(encoder), {}
+    with open(folder / "extract.lock", "a+") as held:  # the first run, extracting
+        fcntl.flock(held, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: results.update(store=extract_features(
+            images, SPEC, tmp_path / "cache", encoder=counting, progress=False)))
+        worker.start()
+        time.sleep(0.5)  # the second run finds no store and waits for the lock (if slower, it finds the store)
+        for file in done.folder.iterdir():  # what the first run writes, its index last
+            if file.name not in (INDEX, "extract.lock"):
+                shutil.copy(file, folder / file.name)
+        shutil.copy(done.folder / INDEX, folder / INDEX)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    worker.join(timeout=60)
+    assert results["store"].folder == folder and counting.images == 0
+
+
+def test_a_batch_is_copied_as_float16_the_stores_own_precision(images, encoder, tmp_path):
+    """``get_numpy`` hands back the stored float16 rows (half of float32's memory for a batch of grids)."""
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    assert store.get_numpy([images[1].key, images[0].key]).dtype == np.float16

@@ -228,3 +228,10 @@ def test_a_resume_trims_the_metrics_log_through_a_temporary_named_as_the_log(tmp
         run_log.trim_metrics_log(log, 1)
     assert describe_os_error(caught.value).startswith(f"{log}")
     assert list(tmp_path.iterdir()) == [log] and log.read_text().count('"step":') == 2  # whole, and alone
+
+
+def test_a_full_disk_for_a_shard_says_how_much_room_it_needed_in_mib(tmp_path, monkeypatch):
+    """The size the message gives is what to free: 1,024 images of 16 cells × 320 float16 values are 10 MiB."""
+    monkeypatch.setattr(np.lib.format, "open_memmap", full_disk)
+    with pytest.raises(OSError, match=r"\(10\.0 MiB\): No space left"):
+        features_module._new_shard(tmp_path / "shard-00000.partial.npy", (1024, 16, 320))
