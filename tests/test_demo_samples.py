@@ -46,6 +46,13 @@ def test_make_samples_writes_to_out_and_says_each_file(tmp_path, capsys):
     assert lines[0].endswith(f": 451×300, {size:.1f} KiB")
 
 
+def test_make_samples_makes_the_out_folder_and_its_missing_parents(tmp_path):
+    """``--out`` may name a folder several levels below one that exists (``--out build/demo/samples``)."""
+    out = tmp_path / "build" / "demo" / "samples"
+    assert demo_samples.write_samples(out) == [out / f"{name}.jpg" for name in ("chelsea", "astronaut", "coffee")]
+    assert all(path.is_file() for path in out.iterdir())
+
+
 def test_make_samples_writes_over_the_committed_samples_by_default(monkeypatch, capsys):
     # recorded, not written: the checkout's JPEGs are left alone
     folders, write_samples = [], demo_samples.write_samples
@@ -61,3 +68,15 @@ def test_make_samples_runs_the_module_which_describes_itself():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Writes the demo page's \"Try a sample\" photos (``make samples``)" in " ".join(done.stdout.split())
+    assert "Licences" not in done.stdout  # the docstring's first paragraph only, not its licences and usage
+
+
+def test_make_samples_says_each_files_size_in_kib_of_1024_bytes(tmp_path, monkeypatch, capsys):
+    """100 KiB exactly (a JPEG with bytes after its end, which readers ignore): 1000- or 1025-byte units say
+    otherwise at one decimal."""
+    path = tmp_path / "padded.jpg"
+    Image.new("RGB", (8, 4)).save(path, "JPEG")
+    path.write_bytes(path.read_bytes().ljust(100 * 1024, b"\0"))
+    monkeypatch.setattr(demo_samples, "write_samples", lambda out: [path])
+    demo_samples.main(["--out", str(tmp_path)])
+    assert capsys.readouterr().out == f"{path}: 8×4, 100.0 KiB\n"
