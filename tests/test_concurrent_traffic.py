@@ -32,6 +32,7 @@ from captioner.service.errors import PROBLEM_TYPES, ClientGone, DeadlinePassed, 
 from captioner.service.inputs import read_body
 from captioner.service.lifecycle import DrainingServer, DrainMiddleware, ShutdownGate
 from captioner.service.middleware import RequestContextMiddleware, request_id_var
+from captioner.service.result_cache import ResultCache
 from captioner.service.settings import Settings
 from captioner.service.state import ServiceState
 from captioner.service.work_slots import UploadBudget, WorkSlots
@@ -770,6 +771,17 @@ def test_the_trimmers_look_at_the_batchers_survives_a_model_starting_meanwhile()
     state.batchers["first"] = Starting()
     assert state.at_work() is False
     assert list(state.batchers) == ["first", "started meanwhile"]
+
+
+def test_a_state_keeps_the_default_model_and_result_cache_it_is_given_and_takes_the_settings_otherwise():
+    """The settings fill only what the state was not given: a given default model or result cache (one shared by
+    two apps, say) is kept, not replaced by the settings' own."""
+    settings = Settings(default_model="from-settings", result_cache_entries=3)
+    cache = ResultCache(7)
+    given = ServiceState(settings=settings, default_model="given", result_cache=cache)
+    assert given.default_model == "given" and given.result_cache is cache
+    made = ServiceState(settings=settings)
+    assert made.default_model == "from-settings" and made.result_cache.max_entries == 3
 
 
 @pytest.mark.parametrize("draining, answered", [(False, False), (True, True)])
