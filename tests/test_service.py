@@ -27,7 +27,7 @@ from captioner.models.encoder import EncoderSpec
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
 from captioner.service import app as app_module
-from captioner.service import captioning, inputs
+from captioner.service import captioning, inputs, routes
 from captioner.service.admission import WouldMissDeadline
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher, BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
@@ -37,6 +37,7 @@ from captioner.service.inputs import drain_body
 from captioner.service.onnx_exports import unprepared
 from captioner.service.problems import problem_of
 from captioner.service.settings import Settings, json_body_bytes
+from captioner.service.state import ServiceState
 
 from .conftest import WEIGHTS, module_folder
 from .serving_helpers import assert_every_architecture_round_trips, parse_metrics
@@ -251,6 +252,13 @@ def test_an_app_that_has_shut_down_is_not_ready(tiny_weights):
     # a 503 says when to ask again: the 5 s the settings' table gives for 503 answers
     assert not_ready.status_code == 503 and not_ready.headers["retry-after"] == "5"
     assert not_ready.json()["type"] == "/problems/not-ready"
+
+
+def test_readiness_names_the_loaded_models_sorted_whatever_order_they_were_loaded_in():
+    """The runtimes hold the models in the order they were found (a weights folder's, then the listed checkpoints'),
+    which need not be by name: /readyz lists them by name (the loaded ones here were found b first)."""
+    state = ServiceState(settings=Settings(), ready=True, runtimes={"tiny-b": object(), "tiny-a": object()})
+    assert asyncio.run(routes.readyz(state)).models == ["tiny-a", "tiny-b"]
 
 
 def test_a_failed_background_load_is_logged_and_turns_liveness_503(tiny_weights, monkeypatch, caplog):
