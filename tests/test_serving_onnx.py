@@ -1021,6 +1021,21 @@ def test_the_shared_onnx_cnn_is_made_in_its_precision_and_threads_and_the_export
     assert SharedEncoders(torch.device("cuda"), tmp_path / "onnx", 1).for_export(TINY_SPEC) is None and built == []
 
 
+@pytest.mark.parametrize("device", ["cuda", "mps"])
+def test_on_an_accelerator_the_onnx_cnns_export_is_handed_no_pytorch_module_and_none_is_built(tmp_path, monkeypatch,
+                                                                                                device):
+    """The exporter traces on the CPU: on any device but the CPU (a GPU, Apple's MPS) the ``visual.onnx`` that is
+    missing is exported from a CNN the exporter builds there itself, never from the server's own module on the
+    device (which would also be built for nothing)."""
+    handed, built = [], []
+    monkeypatch.setattr(quantize, "visual_encoder_file", lambda spec, folder, precision, encoder: (
+        handed.append(encoder()) or tmp_path / "visual.onnx"))
+    monkeypatch.setattr(shared_encoders, "VisualSession", lambda path, device, threads: ("session", path, threads))
+    monkeypatch.setattr(shared_encoders, "grid_encoder", lambda spec, device: built.append(device))
+    SharedEncoders(torch.device(device), tmp_path / "onnx", 1).onnx(TINY_SPEC)
+    assert handed == [None] and built == []
+
+
 def test_a_reference_recorded_under_another_torch_device_or_check_set_is_computed_again(tmp_path, monkeypatch):
     """The check set's recorded PyTorch captions hold only for the torch version, device type and check images they
     were taken with: a stale record (here wrong captions under an older torch) is not what backends are verified
