@@ -323,3 +323,61 @@ def test_the_calibration_scenes_are_not_the_default_data_sets_training_images(tm
     trained = np.stack([preprocess(load_image(im.path), TINY_SPEC)[0].numpy() for im in load_karpathy(index)])
     calibration = calibration_pixels(TINY_SPEC, 2)
     assert calibration.shape == trained.shape and not np.allclose(calibration, trained)
+
+
+def test_the_calibration_count_asked_for_is_used_and_only_convolutions_and_matrix_products_are_quantized(
+        tmp_path, monkeypatch):
+    """``calibration=`` sets how many scenes calibrate (the default, decisions.md's 32, otherwise), and the op types
+    handed to ONNX Runtime are the dense convolutions and both kinds of matrix product (a linear layer exports as
+    ``Gemm``), as the module's docstring promises."""
+    visual_encoder_file(TINY_SPEC, tmp_path)
+    asked = []
+
+    def pixels(spec, count):
+        asked.append(count)
+        return np.zeros((count, 3, 4, 4), dtype=np.float32)
+
+    handed = []
+
+    def quantize_static(model_input, model_output, reader, **options):
+        handed.append(options["op_types_to_quantize"])
+        shutil.copyfile(model_input, model_output)
+
+    monkeypatch.setattr(quantize, "calibration_pixels", pixels)
+    monkeypatch.setattr(quantization, "quantize_static", quantize_static)
+    quantized_visual_encoder(TINY_SPEC, tmp_path, calibration=12, kernels="u8s8")
+    quantized_visual_encoder(TINY_SPEC, tmp_path, kernels="u8u8")
+    assert asked == [12, 32]
+    assert [set(types) for types in handed] == [{"Conv", "MatMul", "Gemm"}] * 2
+
+
+def test_the_decisions_record_the_calibration_the_code_runs():
+    """The int8 feature caches are keyed by :data:`RECIPE`, so a calibration changed without the recipe's name would
+    serve caches made the old way; the decisions name the scenes' count and seed, and must change with them."""
+    decisions = (ROOT / "docs" / "decisions.md").read_text(encoding="utf-8")
+    assert (f"Calibration on {quantize.CALIBRATION_IMAGES} generated scenes of their own seed** "
+            f"({quantize.CALIBRATION_SEED}, not a dataset split's)") in decisions
+
+
+def test_a_damaged_int8_cnn_is_quantized_again_not_served(tmp_path, monkeypatch):
+    """An int8 graph cut short on disk (or left without its seal) is made again, as the float one is: loading it
+    would fail every start."""
+    float_path = visual_encoder_file(TINY_SPEC, tmp_path)
+    monkeypatch.setattr(quantize, "calibration_pixels", lambda spec, count: np.zeros((2, 3, 4, 4), np.float32))
+    monkeypatch.setattr(quantization, "quantize_static",
+                        lambda model_input, model_output, reader, **options: shutil.copyfile(model_input, model_output))
+    damaged = visual_encoder_path_at(TINY_SPEC, tmp_path, "int8")
+    damaged.write_bytes(b"half a graph")
+    made = visual_encoder_file(TINY_SPEC, tmp_path, "int8")
+    assert made == damaged and made.read_bytes() == float_path.read_bytes()
+
+
+def test_the_pytorch_cnn_given_is_the_one_quantized(tmp_path, monkeypatch):
+    """``make_visual``'s encoder (the server's own, already built) goes to the exporter, not a second one built from
+    the spec."""
+    given = object()
+    handed = []
+    monkeypatch.setattr(quantize, "quantized_visual_encoder",
+                        lambda spec, out_dir, visual: handed.append(visual) or tmp_path / "int8.onnx")
+    visual_encoder_file(TINY_SPEC, tmp_path, "int8", lambda: given)
+    assert handed == [given]
