@@ -143,3 +143,37 @@ def test_only_what_killed_exports_left_is_cleaned_away_and_named(tmp_path):
         (tmp_path / name / STEP_FILE).write_bytes(b"graph")
     assert sorted(remove_abandoned(tmp_path)) == [".sat.k9x_2abc", ".sat.tmp-0123abcd"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".sat-backup", ".sat.previous_export", "sat.tmp-0123abcd"]
+
+
+def test_what_only_looks_like_a_killed_exports_folder_is_left_alone(tmp_path):
+    """Removed are folders of a temporary name holding an export's files: an empty one may be anyone's, a file of
+    such a name (another writer's temporary file) is no folder to look into, and ``tempfile.mkdtemp``'s names have
+    eight characters after the dot, not fewer."""
+    (tmp_path / ".sat.tmp-0123abcd").mkdir()
+    (tmp_path / ".notes.txt.tmp-0123abcd").write_text("being written")
+    (tmp_path / ".sat.k9x_2ab").mkdir()
+    (tmp_path / ".sat.k9x_2ab" / STEP_FILE).write_bytes(b"graph")
+    assert remove_abandoned(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.txt.tmp-0123abcd", ".sat.k9x_2ab",
+                                                          ".sat.tmp-0123abcd"]
+
+
+def test_only_onnx_files_of_the_int8_cnns_name_are_an_exports_own(tmp_path):
+    """The int8 CNN's name carries its recipe, so any ``visual-int8-*.onnx`` is an export's; a note of that prefix is
+    not, and a folder holding one is refused like any other."""
+    final = _export(tmp_path / "visual-0123", b"graph")
+    (final / "visual-int8-qdq-minmax-1.onnx").write_bytes(b"an earlier recipe's graph")
+    check_replaceable(final)
+    (final / "visual-int8-notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds visual-int8-notes.txt, which no ONNX export writes"):
+        check_replaceable(final)
+
+
+def test_a_seal_ending_in_a_newline_still_seals(tmp_path):
+    """A seal saved with a line end (``sha256sum``'s way, an editor's) holds the same checksum."""
+    graph = tmp_path / STEP_FILE
+    graph.write_bytes(b"graph")
+    seal(graph)
+    seal_path = graph.with_name(graph.name + SEAL_SUFFIX)
+    seal_path.write_text(seal_path.read_text() + "\n")
+    assert intact(graph)
