@@ -6,6 +6,7 @@ read again once either file changes.  test_serving_onnx.py holds the same throug
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -156,6 +157,26 @@ def test_what_only_looks_like_a_killed_exports_folder_is_left_alone(tmp_path):
     assert remove_abandoned(tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.txt.tmp-0123abcd", ".sat.k9x_2ab",
                                                           ".sat.tmp-0123abcd"]
+
+
+def test_a_temporary_folder_this_process_cannot_list_is_left_alone_and_the_cleaning_goes_on(tmp_path, monkeypatch):
+    """Another user's folder of a temporary name, unreadable here, is not ours to remove, and must not stop the
+    export about to run (a PermissionError out of the cleaning did); the killed export's folder beside it still
+    goes.  Tests run as root, who can list any folder, so the refusal is stood in for."""
+    for name in (".theirs.tmp-0123abcd", ".sat.tmp-89abcdef"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / STEP_FILE).write_bytes(b"graph")
+    listing = Path.iterdir
+
+    def unreadable_theirs(folder):
+        if folder.name == ".theirs.tmp-0123abcd":
+            raise PermissionError(13, "Permission denied", str(folder))
+        return listing(folder)
+
+    monkeypatch.setattr(Path, "iterdir", unreadable_theirs)
+    assert remove_abandoned(tmp_path) == [".sat.tmp-89abcdef"]
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == [".theirs.tmp-0123abcd"]
 
 
 def test_only_onnx_files_of_the_int8_cnns_name_are_an_exports_own(tmp_path):

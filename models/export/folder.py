@@ -87,11 +87,14 @@ def check_replaceable(final: Path) -> None:
                               "no ONNX export writes: nothing was exported there; export into another folder (--out)")
 
 
-def holds_only_export_files(folder: Path) -> bool:
+def holds_only_export_files(folder: Path, *, empty: bool = True) -> bool:
+    """Whether every entry of ``folder`` is an export's file (an empty folder counts unless ``empty=False``);
+    False for a folder this process cannot list, such as another user's."""
     try:
-        return all(_is_export_file(entry.name) for entry in folder.iterdir())
+        names = [entry.name for entry in folder.iterdir()]
     except OSError:
         return False
+    return (empty or bool(names)) and all(_is_export_file(name) for name in names)
 
 
 def remove_abandoned(parent: Path) -> list[str]:
@@ -101,9 +104,10 @@ def remove_abandoned(parent: Path) -> list[str]:
     export writes in ``parent`` (:func:`_writing_in` makes sure).  Returns the names removed."""
     removed = []
     for entry in parent.iterdir():
-        # an empty folder of a matching name may be anyone's (".foo.settings"): a killed export's holds its files
+        # an empty folder of a matching name may be anyone's (".foo.settings"): a killed export's holds its files;
+        # one this process cannot list (another user's) is left alone rather than failing the export about to run
         temporary = temporary_target(entry.name) is not None or MKDTEMP_FOLDER.fullmatch(entry.name)
-        if temporary and entry.is_dir() and any(entry.iterdir()) and holds_only_export_files(entry):
+        if temporary and entry.is_dir() and holds_only_export_files(entry, empty=False):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     return removed
