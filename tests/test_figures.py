@@ -1,6 +1,7 @@
 """The grounding bar charts (models/evaluation/figures.py): what each panel draws, from the figure itself."""
 
 import math
+import os
 from pathlib import Path
 
 import matplotlib.figure
@@ -149,3 +150,32 @@ def test_a_figure_that_fails_to_render_leaves_the_previous_one(tmp_path, monkeyp
         control_bars(_panels(), CONTROLS, LABELS, out)
     plt.close("all")  # the failed figure's
     assert out.read_bytes() == b"the previous figure" and [p.name for p in tmp_path.iterdir()] == ["g.png"]
+
+
+def test_a_figure_that_cannot_be_written_whole_leaves_the_previous_one(tmp_path, monkeypatch):
+    """The figure goes to a temporary file first and replaces the old one whole: a full disk at the last step leaves
+    the grounding page's previous chart, not a truncated PNG."""
+    out = tmp_path / "g.png"
+    out.write_bytes(b"the previous figure")
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        control_bars(_panels(), CONTROLS, LABELS, out)
+    assert out.read_bytes() == b"the previous figure" and [p.name for p in tmp_path.iterdir()] == ["g.png"]
+
+
+def test_the_figure_is_drawn_off_screen_whatever_backend_the_process_chose(tmp_path):
+    """Drawn with Agg, not a window's backend: ``captioner grounding-doc`` run on a desktop (or with a stale
+    ``DISPLAY`` over ssh) would otherwise draw through a GUI toolkit."""
+    before = matplotlib.get_backend()  # put back after, for the other tests
+    plt.switch_backend("template")  # stands in for a GUI backend: it draws nothing
+    try:
+        control_bars(_panels(), CONTROLS, LABELS, tmp_path / "g.png")
+        assert matplotlib.get_backend().lower() == "agg"
+    finally:
+        plt.switch_backend(before)
+    with Image.open(tmp_path / "g.png") as image:
+        assert image.format == "PNG"
