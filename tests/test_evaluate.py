@@ -10,7 +10,8 @@ import torch
 from captioner.models.checkpoint import Checkpoint
 from captioner.models.data.karpathy import CaptionedImage
 from captioner.models.decoding import DecodingRules, beam_search
-from captioner.models.evaluation.evaluate import caption_dataset, evaluate_checkpoint, visual_batches
+from captioner.models.evaluation import evaluate as evaluate_module
+from captioner.models.evaluation.evaluate import caption_dataset, evaluate_checkpoint, score_dataset, visual_batches
 from captioner.models.protocol import VisualBatch
 
 from .serving_helpers import FEAT_DIM, TINY_SPEC, VOCAB, tiny_model
@@ -49,6 +50,37 @@ def test_each_image_gets_the_best_hypothesis_of_the_beam_under_the_rules_and_the
     assert captions == best_captions(model, store, RULES) != best_captions(model, store)
 
 
+def test_the_images_are_captioned_with_the_model_in_eval_mode():
+    """A model validated between training steps has dropout on: each batch is captioned with it off (the tiny
+    model has none, so the store records the mode the model is in when each batch is asked for)."""
+    model, modes = tiny_model("sat"), []
+
+    class Recording(Store):
+        def batch(self, keys):
+            modes.append(model.training)
+            return super().batch(keys)
+
+    model.train()
+    caption_dataset(model, VOCAB, IMAGES, Recording(), beam_size=3, max_len=8, batch_size=2)
+    assert modes == [False] * 3 and model.training
+
+
+def test_by_default_three_beams_twenty_words_and_no_progress_bar(capsys):
+    """The training loop's validation and ``captioner select`` rely on the defaults: a model that never ends its
+    captions (its ``<eos>`` scored out) gets twenty words, and nothing is written to the training log."""
+    model, store = tiny_model("sat"), Store()
+    with torch.no_grad():
+        model.out_word.bias[VOCAB.eos_id] = -1e4
+    captions = caption_dataset(model, VOCAB, IMAGES, store)
+    assert capsys.readouterr().err == ""
+    assert {len(caption) for caption in captions.values()} == {20}
+    with torch.no_grad():
+        hyps = beam_search(model, store.batch([im.key for im in IMAGES]), k=3, max_len=20, extras=())
+    assert captions == {im.image_id: VOCAB.decode(best[0].token_ids) for im, best in zip(IMAGES, hyps)}
+    caption_dataset(model, VOCAB, IMAGES, store, progress=True)
+    assert "captioning" in capsys.readouterr().err  # a bar only where asked
+
+
 def test_a_checkpoint_is_evaluated_with_the_rules_given_and_scored_on_its_own_captions():
     model, store = tiny_model("sat"), Store()
     scores, captions = evaluate_checkpoint(Checkpoint(model, VOCAB, TINY_SPEC), IMAGES, store, beam_size=3,
@@ -63,3 +95,58 @@ def test_the_visual_features_are_computed_without_an_autograd_graph():
     batches = list(visual_batches(tiny_model("sat"), IMAGES, Store(), 2, "cpu", "captioning", False))
     assert [len(chunk) for chunk, _ in batches] == [2, 2, 1]
     assert not any(vis.feats.requires_grad for _, vis in batches)
+
+
+def test_scores_count_novel_captions_given_the_training_captions_and_name_a_scenes_objects():
+    """``captioner eval`` on generated scenes reports ``objects_named`` from each image's own caption, and with the
+    training split's captions the share of captions not copied from it; neither is there when its input is not."""
+    scenes = [CaptionedImage(1, Path("/nowhere/1.png"), "test", [["a", "red", "circle"]],
+                             info={"objects": [{"colour": "red", "shape": "circle"}]}),
+              CaptionedImage(2, Path("/nowhere/2.png"), "test", [["two", "squares"]],
+                             info={"objects": [{"colour": "blue", "shape": "square"},
+                                               {"colour": "green", "shape": "square"}]})]
+    # the first image's caption names its object, the second's one of its two (its reference names neither)
+    captions = {1: ["a", "red", "circle"], 2: ["a", "green", "square"]}
+    scores = score_dataset(captions, scenes, ("BLEU",), training_captions=[["a", "red", "circle"]])
+    assert scores["objects_named"] == pytest.approx(2 / 3)
+    assert scores["novel_captions"] == pytest.approx(0.5)
+    assert "novel_captions" not in score_dataset(captions, scenes, ("BLEU",))
+    assert "objects_named" not in score_dataset({0: ["w3"]}, IMAGES[:1], ("BLEU",))  # images without objects
+    assert score_dataset({1: captions[1]}, scenes[:1], ("BLEU",))["objects_named"] == 1.0  # ``--limit 1``
+
+
+def test_a_checkpoint_is_scored_with_the_metrics_training_captions_and_tokenization_given(monkeypatch):
+    """``captioner eval``'s ``--max-len``, ``--ptb`` and the novel-caption share reach the captioning and the scoring
+    (recorded here: the PTB tokenizer needs Java)."""
+    calls = []
+    monkeypatch.setattr(evaluate_module, "score_dataset", lambda *args: calls.append(args) or {})
+    training, model = [["w3", "w4"]], tiny_model("sat")
+    with torch.no_grad():
+        model.out_word.bias[VOCAB.eos_id] = -1e4  # captions that never end: they stop at ``max_len``
+    _, captions = evaluate_checkpoint(Checkpoint(model, VOCAB, TINY_SPEC), IMAGES, Store(), max_len=8,
+                                      metrics=("BLEU",), progress=False, training_captions=training, ptb=True)
+    assert calls == [(captions, IMAGES, ("BLEU",), training, True)]
+    assert {len(caption) for caption in captions.values()} == {8}
+    # without ``ptb`` (``captioner tune`` passes none): the project's own tokens, no Java
+    evaluate_checkpoint(Checkpoint(tiny_model("sat"), VOCAB, TINY_SPEC), IMAGES, Store(), max_len=8, progress=False)
+    assert calls[1][4] is False
+
+
+def test_with_ptb_the_captions_too_are_ptb_tokenized(monkeypatch):
+    """``--ptb`` scores coco-caption's tokenization of both sides, the captions as well as the references (both
+    stood in for here: the tokenizer needs Java)."""
+    monkeypatch.setattr(evaluate_module, "reference_texts", lambda images, ptb: [["w3 w4 w5"] for _ in images])
+    monkeypatch.setattr(evaluate_module, "ptb_captions", lambda captions: {i: "w3 w4 w5" for i in captions})
+    captions = {im.image_id: ["w9"] for im in IMAGES}
+    assert score_dataset(captions, IMAGES, ("BLEU",), ptb=True)["BLEU-1"] == pytest.approx(1.0)
+    assert score_dataset(captions, IMAGES, ("BLEU",))["BLEU-1"] == pytest.approx(0.0)
+
+
+def test_the_model_is_given_back_its_mode_when_the_batches_stop_early():
+    """A caller that stops after some batches (an error in one, a ``break``) leaves the model training as it was."""
+    model = tiny_model("sat").train()
+    batches = visual_batches(model, IMAGES, Store(), 2, "cpu", "captioning", False)
+    next(batches)
+    assert not model.training
+    batches.close()
+    assert model.training
