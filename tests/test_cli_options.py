@@ -221,6 +221,17 @@ def test_the_ood_set_and_the_feature_store_get_their_flags(tmp_path, monkeypatch
     assert refused.value.code == 2 and f"error: {empty} holds no images\n" in capsys.readouterr().err
 
 
+def test_the_feature_store_is_extracted_on_the_device_auto_resolves_to(monkeypatch, scenes, capsys):
+    """``captioner data features`` without --device: the extractor gets the device "auto" stands for, named as torch
+    names it ("cpu", "cuda"), not "auto", which torch.device refuses."""
+    devices = []
+    monkeypatch.setattr(features_module, "extract_features", lambda images, spec, cache_dir, **options:
+                        devices.append(options["device"]) or Store(images))
+    main(["data", "features", "--dataset", str(scenes), "--split", "val", "--cache-dir", "c"])
+    assert devices == [str(resolve_device("auto"))]
+    assert capsys.readouterr().out == f"{SCENE_SIZES['val']} images in c\n"
+
+
 def test_region_features_get_their_flags_and_say_how_to_train_on_them(tmp_path, monkeypatch, capsys):
     written, threads = [], []
     monkeypatch.setattr(device_module, "set_threads", lambda count, interop=None: threads.append(count))

@@ -358,6 +358,22 @@ def test_the_splits_a_folder_holds_alone_are_written_into_it_again_as_is_the_who
                                        f"and splits)\nwrote {whole / 'dataset_scenes.json'}\n")
 
 
+def test_if_stale_with_only_leaves_a_folder_that_holds_those_splits_for_these_settings_alone(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """``--if-stale --only test heldout`` run again (the splits a shipped checkpoint is scored on) into a folder that
+    already holds those splits for these settings: up to date, nothing drawn.  --if-stale weighs the splits asked
+    for, so the folder is not taken for a whole data set and drawn again every time."""
+    header = dataset_header(0, DEFAULT_SIZES, None, only=("test", "heldout"))
+    (tmp_path / "dataset_scenes.json").write_text(json.dumps({**header, "images": []}))
+    written = []
+    monkeypatch.setattr(scenes_module, "generate", lambda out, sizes, **options: written.append(options["only"])
+                        or Path(out) / "dataset_scenes.json")
+    main(["data", "generate", "--out", str(tmp_path), "--if-stale", "--only", "heldout", "test"])
+    assert written == []
+    assert capsys.readouterr().out == (f"{tmp_path} is up to date (same generator version, seed, sizes, variation "
+                                       "and splits)\n")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Varied scenes (training-time augmentation)
 # ---------------------------------------------------------------------------------------------------------------
