@@ -72,3 +72,20 @@ def test_the_hardware_line_names_the_gpu_or_this_processs_share_of_the_cpu(monke
     assert describe_hardware(torch.device("cpu")) == f"3-core {platform.machine()} CPU, no GPU"
     monkeypatch.delattr(os, "sched_getaffinity")  # macOS and Windows have no affinity: every core counts
     assert describe_hardware(torch.device("cpu")) == f"64-core {platform.machine()} CPU, no GPU"
+
+
+def test_the_hardware_line_names_the_gpu_of_a_device_given_without_an_index(monkeypatch):
+    """``resolve_device("auto")`` hands back ``cuda`` with no index: a run on it ran on a GPU, and its model card says
+    so, rather than naming the CPU because the device has no number."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert describe_hardware(resolve_device("auto")) == "Tesla T4 GPU"
+
+
+def test_autocast_is_made_for_the_devices_own_type_whatever_it_is():
+    """``--device`` takes any type torch knows (xpu, mps), not only cpu and cuda: autocasting such a device's work on
+    the CPU's type instead would leave its arithmetic in float32 without a word. Made, not entered: no such device
+    is needed."""
+    for kind in ("xpu", "mps"):
+        assert autocast(torch.device(kind), torch.bfloat16).device == kind
