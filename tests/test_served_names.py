@@ -250,3 +250,13 @@ def test_the_default_checkpoint_is_the_working_folders_or_else_this_checkouts(mo
     assert default_checkpoint() == Path("weights/flickr8k/sat-supervised")
     monkeypatch.chdir(tmp_path)  # a folder without weights/: the checkout's own, wherever the command runs
     assert default_checkpoint() == WEIGHTS / "flickr8k" / "sat-supervised" and default_checkpoint().is_dir()
+
+
+def test_a_json_object_is_not_a_list_of_checkpoint_folders_to_the_model_side_commands_either(monkeypatch):
+    """``CAPTIONER_CHECKPOINTS`` holds a list: the service refuses an object, so ``captioner export`` must too, rather
+    than export its keys as folders the service would never serve."""
+    monkeypatch.setenv("CAPTIONER_CHECKPOINTS", '{"runs/mine/best": "mine"}')
+    with pytest.raises(ValidationError):
+        Settings()
+    with pytest.raises(ValueError, match="^CAPTIONER_CHECKPOINTS must be a JSON list"):
+        checkpoints_from_env()
