@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from captioner.models.data.features import FeatureStore, extract_features
 from captioner.models.data.karpathy import load_karpathy
-from captioner.models.data.stores import MirroredStore, mirrored_key
+from captioner.models.data import stores
+from captioner.models.data.stores import MirroredStore, mirrored_key, open_feature_store
 from captioner.models.encoder import EncoderSpec, GridEncoder, preprocess
 from captioner.models.images import load_image
 from captioner.models.protocol import VisualBatch
@@ -51,17 +52,19 @@ def test_the_mirror_view_is_the_flipped_photo_through_the_same_encoder(scenes, t
 
 
 class _Constant:
-    """A store whose features for key k are all ``value + ord(k[0])``."""
+    """A store whose features for key k are all ``value + ord(k[0])``, in ``dtype``; with ``geometry``, each item's
+    geometry is its key."""
 
     feat_dim = 2
 
-    def __init__(self, value):
-        self.value, self.asked = value, []
+    def __init__(self, value, dtype=torch.float, geometry=False):
+        self.value, self.dtype, self.geometry, self.asked = value, dtype, geometry, []
 
     def batch(self, keys):
         self.asked.append(list(keys))
         rows = [[[self.value + ord(key[0])] * 2] for key in keys]
-        return VisualBatch.from_features(torch.tensor(rows, dtype=torch.float))
+        feats = torch.tensor(rows, dtype=self.dtype).reshape(len(keys), 1, 2)
+        return VisualBatch.from_features(feats, list(keys) if self.geometry else None)
 
 
 def test_the_mixed_store_answers_each_key_from_its_own_view_in_the_order_asked():
@@ -79,6 +82,38 @@ def test_a_mixed_store_of_mirror_images_with_features_of_another_width_is_refuse
     wide.feat_dim = 3
     with pytest.raises(ValueError, match="the mirrored store's features are 3-d, the photos' 2-d"):
         MirroredStore(_Constant(0.0), wide)
+
+
+def test_a_mixed_batch_keeps_the_stores_dtype_and_geometry_only_where_every_item_has_some():
+    """Both views' rows go into one batch as their stores made them: float16 stays float16 and each row keeps its own
+    geometry; stores without geometry give none, not a list of None, which a model that checks for geometry would
+    take for boxes."""
+    store = MirroredStore(_Constant(0.0, torch.float16, geometry=True), _Constant(1000.0, torch.float16, geometry=True))
+    vis = store.batch([mirrored_key("b"), "a", mirrored_key("c")])
+    assert vis.feats.dtype == torch.float16 and vis.feats[:, 0, 0].tolist() == [1098.0, 97.0, 1099.0]
+    assert vis.geometry == ["b", "a", "c"]
+    assert MirroredStore(_Constant(0.0), _Constant(1000.0)).batch(["a", mirrored_key("a")]).geometry == []
+
+
+def test_the_grid_store_is_extracted_as_asked_and_its_mirror_images_as_the_hflip_view(monkeypatch, tmp_path):
+    """``open_feature_store`` hands the extraction the cache, device and progress asked for, shows progress unless told
+    otherwise (``captioner tune-decoding`` asks for nothing, and an extraction of COCO runs for hours), and extracts
+    the mirror images as the ``hflip`` view, never as more photos."""
+    calls = []
+
+    def extracting(images, spec, cache_dir, **options):
+        calls.append((images, spec, cache_dir, options))
+        return _Constant(1000.0 if options.get("view") == "hflip" else 0.0)
+
+    monkeypatch.setattr(stores, "extract_features", extracting)
+    photos, mirrors = ["photos"], ["mirrors"]  # stand-ins, only handed on
+    assert isinstance(open_feature_store(None, photos, SPEC, tmp_path), _Constant)
+    assert calls == [(photos, SPEC, tmp_path, {"device": "cpu", "progress": True})]
+    calls.clear()
+    store = open_feature_store("grid", photos, SPEC, tmp_path, device="cuda:1", progress=False, mirrored=mirrors)
+    assert calls == [(photos, SPEC, tmp_path, {"device": "cuda:1", "progress": False}),
+                     (mirrors, SPEC, tmp_path, {"device": "cuda:1", "progress": False, "view": "hflip"})]
+    assert store.batch(["a", mirrored_key("a")]).feats[:, 0, 0].tolist() == [97.0, 1097.0]
 
 
 def test_mirroring_a_caption_swaps_left_and_right_only():
