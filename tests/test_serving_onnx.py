@@ -469,6 +469,53 @@ def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_on
         assert still_to_prepare(tmp_path, default_backend="onnx") == ["a"]
 
 
+def test_an_export_stopped_by_a_full_disk_is_not_recorded_as_impossible_and_is_prepared_again(tmp_path, monkeypatch):
+    """Only a model that cannot be exported (``ExportUnsupported``) is recorded so: an export a full disk stopped is
+    served with PyTorch this time, and the next start still sends it to the preparing child, rather than counting a
+    failure of the moment as the model's for good."""
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "onnx" / "a" / STEP_FILE))
+
+    monkeypatch.setattr(exporter, "export_graphs", full_disk)
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "torch"
+    assert not (tmp_path / "onnx" / ".unexportable").exists()
+    assert still_to_prepare(tmp_path, default_backend="onnx") == ["a"]
+
+
+def test_every_model_that_cannot_be_exported_is_recorded_and_an_unwritable_record_keeps_the_reason(tmp_path, caplog):
+    """Two models that cannot be exported: each is recorded (the second record goes into the folder the first made),
+    so neither is sent to a child again.  An ONNX folder the record cannot be written to leaves the model to the next
+    start, and the log still gives the real reason, not the folder's error."""
+    for seed, name in enumerate(["t1", "t2"]):
+        ckpt = tiny_checkpoint("sparsecap", seed=seed, attention="tvmax")
+        save_checkpoint(tmp_path / "weights" / name, ckpt.model, ckpt.vocab, ckpt.encoder)
+    assert still_to_prepare(tmp_path, default_backend="onnx") == ["t1", "t2"]
+    assert {name: runtime.backend for name, runtime in load_on_cpu(tmp_path, "onnx").items()} == \
+        {"t1": "torch", "t2": "torch"}
+    assert len(list((tmp_path / "onnx" / ".unexportable").iterdir())) == 2
+    assert still_to_prepare(tmp_path, default_backend="onnx") == []
+    (tmp_path / "not-a-folder").write_text("")  # stands in for a read-only folder, as root may write anywhere
+    caplog.clear()  # the first start's lines gave the reason too
+    with caplog.at_level(logging.INFO, logger="captioner"):
+        assert load_on_cpu(tmp_path, "onnx", onnx_dir=tmp_path / "not-a-folder" / "onnx")["t1"].backend == "torch"
+    reasons = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert any("t1" in reason and "TVmax's 2D TV prox" in reason for reason in reasons), reasons
+
+
+def test_a_damaged_cnn_graph_of_a_model_auto_serves_as_the_hybrid_is_still_to_prepare(tmp_path):
+    """``auto`` serves a model whose decoder cannot be exported as the hybrid, on the shared CNN's graph: the record
+    that the decoder cannot be exported excuses its missing export, never a damaged CNN graph, which the preparing
+    child makes again rather than the server's own load (which would build the PyTorch CNN in the serving process)."""
+    ckpt = tiny_checkpoint("sparsecap", attention="tvmax")
+    save_checkpoint(tmp_path / "weights" / "tvmax", ckpt.model, ckpt.vocab, ckpt.encoder)
+    assert load_on_cpu(tmp_path, "auto")["tvmax"].backend == "hybrid"
+    assert list((tmp_path / "onnx" / ".unexportable").iterdir()) and still_to_prepare(tmp_path) == []
+    (visual,) = (tmp_path / "onnx").glob("visual-*/visual.onnx")
+    visual.write_bytes(visual.read_bytes()[:1000])
+    assert still_to_prepare(tmp_path) == ["tvmax"]
+
+
 def test_a_checkpoint_whose_config_names_no_readable_encoder_is_left_to_the_loader_not_the_child(tmp_path):
     """A config.json whose encoder cannot be read (missing, not a mapping, a size that is no number): ``unprepared``
     does not name it on any ONNX backend, since the server's load skips it and a child would only do the same; the
