@@ -154,6 +154,20 @@ def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encode
         OnnxRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
 
 
+def test_an_export_made_before_the_cnns_weights_changed_is_refused_at_load(encoder, tmp_path):
+    """The export's identity holds the CNN's weight files as well as the checkpoint's own weights
+    (``export_identity``): a checkpoint whose fine-tuned CNN changed while its decoder did not must not load the
+    graphs of the old CNN (``encoder.onnx`` holds it) under its name; comparing the checkpoint's checksum alone let
+    them through."""
+    ckpt = tiny_checkpoint("sat")
+    export_graphs(ckpt, tmp_path / "sat", encoder)
+    tuned = tmp_path / "tuned.safetensors"
+    tuned.write_bytes(b"the CNN's stages as a later fine-tuning run left them")
+    ckpt.encoder = dataclasses.replace(ckpt.encoder, tuned_weights=str(tuned))
+    with pytest.raises(ValueError, match="was exported from other weights"):
+        OnnxRuntime("sat", ckpt, tmp_path / "sat", CPU, threads=1)
+
+
 @pytest.mark.parametrize("graph", [ENCODER_FILE, HEAD_FILE])
 def test_an_encoder_graph_damaged_since_its_export_is_refused_at_load(graph, encoder, tmp_path):
     """The seal is checked of the graph a runtime loads to encode, as of its step: ``encoder.onnx`` on its own,
