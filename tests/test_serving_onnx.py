@@ -1476,6 +1476,25 @@ def test_a_runtime_on_the_cpu_runs_its_cnn_batches_unpadded():
     assert given == [3]
 
 
+def test_pixels_for_a_cnn_on_the_host_stay_there_unpadded_whatever_the_runtime_pads():
+    """``pixels(on_device=False)`` is the input of a CNN on the CPU beside a GPU decoder (the hybrid runtime): the
+    batch as it is, in host memory. A padded one (``pad_batches``, a GPU runtime's) would run blank images through
+    the CPU's convolutions, and one moved to the GPU would not run on a CPU CNN at all."""
+    runtime = TorchRuntime("sat", tiny_checkpoint("sat"), shared_encoder(), CPU)
+    prepared = [runtime.prepare(image) for image in random_images(3)]
+    runtime.pad_batches = True  # as on a GPU
+    host = runtime.pixels(prepared, on_device=False)
+    assert host.shape[0] == 3 and host.device.type == "cpu"
+    assert torch.equal(host, torch.stack([p.pixels for p in prepared]))
+    given = []
+
+    def cnn(pixels):
+        given.append(len(pixels))
+        return pixels
+
+    assert len(runtime.run_cnn(prepared, cnn, on_device=False)) == 3 and given == [3]
+
+
 def test_a_runtimes_description_is_made_once_and_cannot_be_changed():
     """``GET /models`` answers every request with the one ``ModelInfo`` a runtime makes when first asked (a loaded
     runtime does not change): were it mutable, one caller assigning to it would change what every later request
