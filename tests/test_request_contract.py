@@ -127,6 +127,17 @@ def test_a_refusal_is_placed_by_the_options_the_body_gave():
     assert [error["loc"] for error in refusal.errors] == [["body", "beam_size"], ["token"], ["body", "max_len"]]
 
 
+def test_placing_a_refusal_keeps_each_errors_message_and_moves_only_a_loc_naming_an_option_alone():
+    """``place`` rewrites only ``loc``: the message (and any other member) a client shows beside the field is kept;
+    and only an error naming an option alone (``[option]``, the use case's) is placed, never a longer ``loc``
+    that happens to begin with an option's name."""
+    refusal = InvalidRequest("two refusals", [{"loc": ["beam_size"], "msg": "above the limit of 4", "input": 9},
+                                              {"loc": ["max_len", "extra"], "msg": "left alone"}])
+    refusal.place({"beam_size": "body", "max_len": "query"})
+    assert refusal.errors == [{"loc": ["body", "beam_size"], "msg": "above the limit of 4", "input": 9},
+                              {"loc": ["max_len", "extra"], "msg": "left alone"}]
+
+
 def test_query_options_above_the_limits_are_refused_before_the_body_is_read(client, photo):
     # a query naming its model is checked before the body is read (refuse_early clamped the values to the limits
     # and let the body be read first); over HTTP, the same 422 naming the option
