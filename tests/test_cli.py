@@ -677,6 +677,20 @@ def test_a_report_of_other_weights_is_refused_and_one_for_a_checkpoint_without_a
     check_report_scores({"weights_sha256": "0" * 64}, "r.json", ckpt)
 
 
+def test_card_refuses_a_report_of_other_weights_among_several_and_writes_no_card(tmp_path, capsys):
+    """``captioner card`` checks every ``--report`` against the checkpoint, the later ones too: another model's
+    numbers would otherwise reach the card under this one's name."""
+    ckpt = save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC)
+    own, other = tmp_path / "own.json", tmp_path / "other.json"
+    own.write_text(json.dumps({"beam_size": 3, "weights_sha256": recorded_checksum(ckpt),
+                               "test": {"images": 2, "BLEU-4": 0.25}}))
+    other.write_text(json.dumps({"beam_size": 3, "weights_sha256": "0" * 64, "checkpoint": "another",
+                                 "ood": {"images": 1, "BLEU-4": 0.5}}))
+    err = _one_line_error(capsys, ["card", str(ckpt), "--report", str(own), "--report", str(other)])
+    assert f"{other} scores another, whose weights are not {ckpt}'s" in err
+    assert not (ckpt / "MODEL_CARD.md").exists()
+
+
 def test_a_boolean_in_a_report_gets_no_column_and_merging_reports_leaves_them_as_they_were(tmp_path):
     """A flag a report holds beside its scores is no measure: the card adds columns for numbers it does not know,
     not for true or false. Merging (``captioner card --report A --report B``) builds a new report: A is unchanged."""

@@ -29,9 +29,11 @@ from captioner.models.data import scenes as scenes_module
 from captioner.models.data.scenes import DEFAULT_SIZES, VARIATIONS
 from captioner.models.device import resolve_device
 from captioner.models.evaluation import card as card_module
+from captioner.models.evaluation import grounding_doc as grounding_doc_module
 from captioner.models.evaluation import params as params_module
 from captioner.models.evaluation import phrase_grounding as phrase_grounding_module
 from captioner.models.evaluation import report as report_module
+from captioner.models.evaluation import resolution as resolution_module
 from captioner.models.evaluation import tuning as tuning_module
 from captioner.models.evaluation import zoo_table as zoo_table_module
 from captioner.models.export import onnx as onnx_module
@@ -83,6 +85,7 @@ def test_eval_hands_every_flag_to_the_report_and_writes_both_files(tmp_path, mon
     assert "  one.png: a cat" in printed.err and "two.png" not in printed.err
     assert out.read_text() == json.dumps({"test": {"BLEU-1": 0.5}}, indent=2) + "\n"
     assert results.read_text() == json.dumps([{"image_id": 1, "caption": "a cat"}]) + "\n"
+    assert f"wrote 1 captions to {results}\n" in printed.err  # how many captions went where, beside the report
     # each replaced whole (a new file renamed over the old), never rewritten in place: a failed write would leave half
     assert all(path.stat().st_ino != inode for path, inode in earlier.items())
 
@@ -288,6 +291,29 @@ def test_card_plot_params_and_zoo_table_hand_on_their_flags(tmp_path, monkeypatc
     assert zoos[0][4] == tmp_path / "scenes" / "dataset_scenes.json"
 
 
+def test_resolution_check_hands_its_flags_to_the_check_and_writes_its_report(tmp_path, stub_pipeline, scenes,
+                                                                             monkeypatch, capsys):
+    """``captioner resolution-check``: the split's copies, the originals' folder, the beam, length and rules asked
+    for reach the check; its report is printed, and written to ``--output`` only when one is given."""
+    checked = []
+    monkeypatch.setattr(resolution_module, "resolution_check", lambda pipeline, images, full_root, beam, longest,
+                        rules: checked.append(({im.split for im in images}, len(images), full_root, beam, longest,
+                                               rules)) or {"images": len(images)})
+    out = tmp_path / "report.json"
+    argv = ["resolution-check", "ckpt", "--dataset", str(scenes), "--full-root", str(tmp_path / "full"),
+            "--split", "val", "--beam-size", "5", "--max-len", "7", "--length-penalty", "1", "--device", "cpu"]
+    main([*argv, "--output", str(out)])
+    ((splits, images, full_root, beam, longest, rules),) = checked
+    assert stub_pipeline.opened == ["ckpt"] and (splits, images, full_root, beam, longest) == (
+        {"val"}, SCENE_SIZES["val"], tmp_path / "full", 5, 7)
+    assert rules.length_penalty == 1.0
+    report = json.dumps({"images": SCENE_SIZES["val"]}, indent=2)
+    assert capsys.readouterr().out == report + "\n" and out.read_text() == report + "\n"
+    out.unlink()
+    main(argv)
+    assert capsys.readouterr().out == report + "\n" and not out.exists()
+
+
 def test_grounding_doc_without_its_checkpoints_folder_is_one_line(tmp_path, capsys):
     # every file it writes named below tmp_path: a regression must not rewrite the checkout's docs
     written = {option: str(tmp_path / name) for option, name in (("--results", "results"), ("--document", "g.md"),
@@ -296,6 +322,26 @@ def test_grounding_doc_without_its_checkpoints_folder_is_one_line(tmp_path, caps
         main(["grounding-doc", "--weights-dir", str(tmp_path / "none"), *(x for pair in written.items() for x in pair)])
     assert refused.value.code == 2 and capsys.readouterr().err.strip() == \
         f"error: {tmp_path / 'none'} is not a folder of checkpoints"
+
+
+def test_grounding_doc_lists_its_checkpoints_or_writes_the_page_on_the_device_and_threads_asked_for(
+        tmp_path, monkeypatch, capsys):
+    """``--list`` only names the real-photo checkpoints (what ``make grounding`` evaluates first) and writes nothing;
+    otherwise the page is written from the folders given, on the device asked for, or the one "auto" stands for."""
+    monkeypatch.setattr(grounding_doc_module, "real_photo_checkpoints", lambda weights: [weights / "a", weights / "b"])
+    written, threads = [], []
+    monkeypatch.setattr(grounding_doc_module, "write_grounding_doc", lambda *args: written.append(args) or "page")
+    monkeypatch.setattr(device_module, "set_threads", lambda count, interop=None: threads.append(count))
+    folders = {option: tmp_path / name for option, name in (("--results", "results"), ("--document", "g.md"),
+               ("--figure", "g.png"), ("--examples", "e.png"), ("--scene-results", "scene"))}
+    argv = ["grounding-doc", "--weights-dir", str(tmp_path), *(str(x) for pair in folders.items() for x in pair)]
+    main([*argv, "--list"])
+    assert capsys.readouterr().out == f"{tmp_path / 'a'}\n{tmp_path / 'b'}\n" and written == threads == []
+    main([*argv, "--device", "cpu", "--threads", "2"])
+    assert written == [(tmp_path, *folders.values(), "cpu")] and threads == [2]
+    assert capsys.readouterr().out == "page\n"
+    main(argv)  # the writer takes a torch device's name, not "auto"
+    assert written[-1][-1] == str(resolve_device("auto"))
 
 
 class Captioned:
