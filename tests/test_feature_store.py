@@ -503,25 +503,33 @@ def test_a_resume_whose_layout_record_is_torn_keeps_none_of_its_shards(images, e
 
 
 def test_a_store_another_process_finished_while_this_one_waited_for_the_lock_is_taken_not_encoded_again(
-        images, encoder, tmp_path):
+        images, encoder, tmp_path, monkeypatch):
     """Two runs sharing a cache both find the store missing; the second waits for the first's lock, and then must
     take the store the first finished rather than remove it and encode every photo again (hours on COCO, with the
     first run's shards pulled from under it)."""
     done = extract_features(images, SPEC, tmp_path / "elsewhere", encoder=encoder, progress=False)
     folder = tmp_path / "cache" / done.folder.name
     folder.mkdir(parents=True)
-    counting, results = CountingEncoder(encoder), {}
+    counting, results, asked = CountingEncoder(encoder), {}, threading.Event()
+    locking = fcntl.flock
+
+    def flock_noting_the_second_run(handle, operation):
+        if threading.current_thread() is worker and operation == fcntl.LOCK_EX:
+            asked.set()  # it found no store: a lock held elsewhere makes it wait, however late it gets here
+        return locking(handle, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_noting_the_second_run)
     with open(folder / "extract.lock", "a+") as held:  # the first run, extracting
-        fcntl.flock(held, fcntl.LOCK_EX)
+        locking(held, fcntl.LOCK_EX)
         worker = threading.Thread(target=lambda: results.update(store=extract_features(
             images, SPEC, tmp_path / "cache", encoder=counting, progress=False)))
         worker.start()
-        time.sleep(0.5)  # the second run finds no store and waits for the lock (if slower, it finds the store)
+        assert asked.wait(60), "the second run never asked for the extraction lock"
         for file in done.folder.iterdir():  # what the first run writes, its index last
             if file.name not in (INDEX, "extract.lock"):
                 shutil.copy(file, folder / file.name)
         shutil.copy(done.folder / INDEX, folder / INDEX)
-        fcntl.flock(held, fcntl.LOCK_UN)
+        locking(held, fcntl.LOCK_UN)
     worker.join(timeout=60)
     assert results["store"].folder == folder and counting.images == 0
 
