@@ -202,16 +202,22 @@ def test_stores_of_other_photos_in_one_cache_are_kept_apart(images, encoder, tmp
     assert second.folder != first.folder and all(im.key in second for im in images[3:])
 
 
+def _photos_copied(images, folder):
+    """The images, their photos copied into ``folder``: photos a test may replace or remove."""
+    folder.mkdir()
+    copies = []
+    for image in images:
+        shutil.copy(image.path, folder / image.path.name)
+        copies.append(replace(image, path=folder / image.path.name))
+    return copies
+
+
 def test_a_store_of_photos_since_replaced_at_their_paths_is_extracted_again_and_not_waited_on(images, encoder,
                                                                                              tmp_path):
     """A data set regenerated in place keeps its photos' paths, which name its store: that store held the old
     photos' features.  Its index records each photo's size, so a store whose photos now have other sizes is
     encoded again in its place, and a waiting rank does not take it for the new one."""
-    (tmp_path / "photos").mkdir()
-    copies = []
-    for image in images:
-        shutil.copy(image.path, tmp_path / "photos" / image.path.name)
-        copies.append(replace(image, path=tmp_path / "photos" / image.path.name))
+    copies = _photos_copied(images, tmp_path / "photos")
     store = extract_features(copies, SPEC, tmp_path / "cache", encoder=encoder, progress=False)
     assert store.file_bytes[copies[0].key] == images[0].path.stat().st_size
     shutil.copy(images[6].path, copies[0].path)  # another photo, of another size, at the first one's path
@@ -445,11 +451,7 @@ def test_a_store_written_before_photo_sizes_were_recorded_is_used_as_before(imag
 def test_a_finished_store_serves_photos_no_longer_on_this_machine(images, encoder, tmp_path):
     """Photos missing here (features extracted, then the photos removed or never copied) have no size to compare:
     the store that holds them is used, not a FileNotFoundError."""
-    (tmp_path / "photos").mkdir()
-    copies = []
-    for image in images:
-        shutil.copy(image.path, tmp_path / "photos" / image.path.name)
-        copies.append(replace(image, path=tmp_path / "photos" / image.path.name))
+    copies = _photos_copied(images, tmp_path / "photos")
     store = extract_features(copies, SPEC, tmp_path / "cache", encoder=encoder, progress=False)
     copies[2].path.unlink()
     counting = CountingEncoder(encoder)
