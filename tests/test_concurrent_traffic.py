@@ -615,13 +615,29 @@ def test_the_drain_clock_starts_at_the_first_signal_and_leaves_at_least_a_second
     assert gate.drain_began == began and gate.time_left(30) == 1.0
 
 
-def test_what_is_left_of_a_drain_budget_counts_from_when_the_drain_began(monkeypatch):
-    """Midway through the budget (not only at its two ends): 12 s after the signal, 18 s of 30 are left."""
+@pytest.fixture
+def lifecycle_clock(monkeypatch):
+    """lifecycle.py's monotonic clock, at 100 s until the test moves it (``clock.now``)."""
     clock = types.SimpleNamespace(now=100.0)
     monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    return clock
+
+
+def _drain_then_exit_taking(server, clock, monkeypatch, seconds):
+    """Run ``server``'s drain-then-exit after SIGTERM, its admitted requests taking ``seconds`` of the clock."""
+    async def drain(timeout_s):
+        clock.now += seconds
+        return True
+
+    monkeypatch.setattr(server.gate, "drain", drain)
+    run_bounded(server._drain_then_exit(signal.SIGTERM))
+
+
+def test_what_is_left_of_a_drain_budget_counts_from_when_the_drain_began(lifecycle_clock):
+    """Midway through the budget (not only at its two ends): 12 s after the signal, 18 s of 30 are left."""
     gate = ShutdownGate()
     gate.begin_drain()
-    clock.now += 12
+    lifecycle_clock.now += 12
     assert gate.time_left(30) == 18
 
 
@@ -647,19 +663,11 @@ def test_a_first_signal_refuses_new_requests_at_once_and_drains_outside_the_inte
 
 @pytest.mark.parametrize("drain_took_s, left_s", [(12, 18), (45, 1.0)])
 def test_a_drain_after_one_signal_leaves_uvicorn_what_is_left_of_its_budget_and_at_least_a_second(
-        monkeypatch, drain_took_s, left_s):
-    """A server as made, with no second signal (the test above sets ``skip_wait`` itself either way); a drain that
+        lifecycle_clock, monkeypatch, drain_took_s, left_s):
+    """A server as made, with no second signal (the test below sets ``skip_wait`` itself either way); a drain that
     overran its budget still leaves uvicorn a second to close the connections."""
-    clock = types.SimpleNamespace(now=100.0)
-    monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
     server = DrainingServer(uvicorn.Config(app=None), ShutdownGate(), drain_timeout_s=30)
-
-    async def drain(timeout_s):
-        clock.now += drain_took_s
-        return True
-
-    monkeypatch.setattr(server.gate, "drain", drain)
-    run_bounded(server._drain_then_exit(signal.SIGTERM))
+    _drain_then_exit_taking(server, lifecycle_clock, monkeypatch, drain_took_s)
     assert server.should_exit and server.config.timeout_graceful_shutdown == left_s
 
 
@@ -673,21 +681,13 @@ def test_a_drain_says_whether_every_admitted_request_finished_and_tells_its_owne
 
 
 @pytest.mark.parametrize("second_signal", [False, True])
-def test_after_the_drain_uvicorn_waits_only_what_is_left_of_its_budget(second_signal, monkeypatch):
+def test_after_the_drain_uvicorn_waits_only_what_is_left_of_its_budget(second_signal, lifecycle_clock, monkeypatch):
     """The pod's grace period counts the drain and uvicorn's wait for connections together; after a second signal
     there is no wait at all."""
-    clock = types.SimpleNamespace(now=100.0)
-    monkeypatch.setattr(lifecycle, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
     server = DrainingServer(uvicorn.Config(app=None), ShutdownGate(), drain_timeout_s=30)
     server.skip_wait = second_signal
     server.config.timeout_graceful_shutdown = 0 if second_signal else 35
-
-    async def drain(timeout_s):
-        clock.now += 12  # the admitted requests took 12 s of the 30
-        return True
-
-    monkeypatch.setattr(server.gate, "drain", drain)
-    run_bounded(server._drain_then_exit(signal.SIGTERM))
+    _drain_then_exit_taking(server, lifecycle_clock, monkeypatch, 12)  # the admitted requests took 12 s of the 30
     assert server.should_exit and server.config.timeout_graceful_shutdown == (0 if second_signal else 18)
 
 

@@ -249,7 +249,10 @@ def test_a_plugin_failing_with_any_exception_is_returned_and_warned_about(monkey
 
 class LoadedEntry:
     """An entry point whose module loads, recording that it was asked to."""
-    name, value, loaded = "working", "working_models", []
+    name, value = "working", "working_models"
+
+    def __init__(self):
+        self.loaded = []
 
     def load(self):
         self.loaded.append(self.name)
@@ -258,8 +261,8 @@ class LoadedEntry:
 def test_a_broken_plugin_does_not_keep_the_plugins_after_it_from_loading(monkeypatch):
     """Every plugin is loaded whatever one before it raised: a broken package must not take another package's
     models away (their checkpoints would be unknown models)."""
-    monkeypatch.setattr(zoo.importlib.metadata, "entry_points", lambda group: [BrokenEntry(), LoadedEntry()])
-    monkeypatch.setattr(LoadedEntry, "loaded", [])
+    working = LoadedEntry()
+    monkeypatch.setattr(zoo.importlib.metadata, "entry_points", lambda group: [BrokenEntry(), working])
     with pytest.warns(RuntimeWarning, match="model plugin 'broken'"):
         assert zoo.load_plugins() == {"broken": "RuntimeError: a GPU library that would not start"}
-    assert LoadedEntry.loaded == ["working"]
+    assert working.loaded == ["working"]

@@ -265,12 +265,17 @@ def test_the_command_a_card_prints_leaves_out_how_the_run_was_watched():
     assert command_line(cfg.to_json()) == "captioner train --dataset d --out runs/a --lr 0.001"
 
 
+def _run_of_its_own_recipe(tmp_path):
+    """A run's config from a recipe file of the user's own (not a shipped one) setting two values: (path, config)."""
+    path = tmp_path / "mine.toml"
+    path.write_text('lr = 2e-3\nepochs = 7\n')
+    return path, TrainConfig(out="runs/a", dataset="d", **load_recipe(str(path)))
+
+
 def test_the_command_of_a_run_whose_own_recipe_file_is_gone_names_every_value_it_set(tmp_path):
     """A card written after the run's own ``.toml`` recipe was moved away cannot say "the recipe, and then these":
     it names no recipe (pasted, the command would fail on it) and lists each value the recipe had set."""
-    path = tmp_path / "mine.toml"
-    path.write_text('lr = 2e-3\nepochs = 7\n')
-    cfg = TrainConfig(out="runs/a", dataset="d", **load_recipe(str(path)))
+    path, cfg = _run_of_its_own_recipe(tmp_path)
     path.unlink()
     assert command_line(cfg.to_json()) == "captioner train --dataset d --out runs/a --epochs 7 --lr 0.002"
 
@@ -291,9 +296,7 @@ def test_the_command_of_a_run_without_a_recipe_names_its_phase():
 def test_a_card_for_a_run_whose_own_recipe_file_cannot_be_read_still_gets_its_command(tmp_path, monkeypatch):
     """A recipe file that is there but cannot be read (no permission, a failing disk) is an OSError: the card still
     names every value the run set, as for a file that is gone, rather than fail to be written."""
-    path = tmp_path / "mine.toml"
-    path.write_text('lr = 2e-3\nepochs = 7\n')
-    cfg = TrainConfig(out="runs/a", dataset="d", **load_recipe(str(path)))
+    path, cfg = _run_of_its_own_recipe(tmp_path)
 
     def unreadable(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))

@@ -584,13 +584,19 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
     assert (began["phase"], began["train_seconds"]) == ("xe", 42.0)
 
 
+def _saved_small_sat(folder):
+    """A small soft SAT over three words, saved after XE into ``folder``: a warm start's checkpoint (vocab, path)."""
+    vocab = Vocabulary(["a", "red", "circle"])
+    torch.manual_seed(0)
+    return vocab, save_checkpoint(folder, create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
+                                  EncoderSpec(image_size=96), {"phase": "xe"})
+
+
 def test_a_warm_start_into_another_architecture_keeps_only_the_sizes_it_takes_and_never_the_data_sizes(tmp_path):
     """SAT-hard from a soft SAT: the sizes both take are adopted, SAT's own options (its doubly stochastic weight λ)
     are left out, or building SAT-hard would fail on them; the vocabulary and feature sizes are the new run's (its
     vocabulary may be extended, its features another source), so they are never adopted."""
-    vocab = Vocabulary(["a", "red", "circle"])
-    path = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
-                           EncoderSpec(image_size=96), {"phase": "xe"})
+    vocab, path = _saved_small_sat(tmp_path / "ckpt")
     init = load_checkpoint(path)
     same = adopt_init(TrainConfig(out="run", init=str(path)), init)
     assert not {"vocab_size", "feat_dim"} & set(same.model_args) and same.model_args["doubly_stochastic"] == 1.0
@@ -606,10 +612,7 @@ def test_init_weights_fill_an_extended_vocabulary_and_a_related_architecture_and
     for the appended words; SAT-hard takes a soft SAT's weights, keeps its own REINFORCE baseline (a buffer the
     checkpoint lacks) and names the β gate it drops; an embedding of another width is refused by name, not left to
     fail inside ``torch.cat``."""
-    vocab = Vocabulary(["a", "red", "circle"])
-    torch.manual_seed(0)
-    path = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
-                           EncoderSpec(image_size=96), {"phase": "xe"})
+    vocab, path = _saved_small_sat(tmp_path / "ckpt")
     init, n = load_checkpoint(path), len(vocab)
     trained = init.model.state_dict()
 
@@ -639,10 +642,7 @@ def test_a_warm_starts_vocabulary_encoder_and_lineage_where_the_run_or_the_check
     checkpoint or its data would give now; --extend-vocab may add no word; an --encoder other than the checkpoint's
     is refused; and a checkpoint whose meta lacks its train config (one saved in code) names no command in the
     lineage."""
-    vocab = Vocabulary(["a", "red", "circle"])
-    torch.manual_seed(0)
-    path = save_checkpoint(tmp_path / "ckpt", create("sat", vocab_size=len(vocab), feat_dim=16, **SMALL), vocab,
-                           EncoderSpec(image_size=96), {"phase": "xe"})
+    vocab, path = _saved_small_sat(tmp_path / "ckpt")
     init = load_checkpoint(path)
     photos = [CaptionedImage(1, Path("p.jpg"), "train", [["a", "blue", "square"]])]
     saved = {"vocab": Vocabulary(["a", "red", "circle", "green", "square"]).to_json()}

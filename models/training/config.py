@@ -235,9 +235,12 @@ def type_problem(declared: Any, value: Any) -> str | None:
         name, holds = _KINDS[typing.get_args(declared)[0]]
         if isinstance(value, (list, tuple)) and all(holds(item) for item in value):
             return None
-        return f"must be a list, each item {name}, got {json.dumps(value, default=str)}"
-    name, holds = _KINDS[typing.get_origin(declared) or declared]
-    return None if holds(value) else f"must be {name}, got {json.dumps(value, default=str)}"
+        wanted = f"a list, each item {name}"
+    else:
+        wanted, holds = _KINDS[typing.get_origin(declared) or declared]
+        if holds(value):
+            return None
+    return f"must be {wanted}, got {json.dumps(value, default=str)}"
 
 
 def bound_problem(metadata: Mapping[str, Any], value: Any) -> str | None:
