@@ -33,22 +33,12 @@ def _config_fields():
     return [(f, hints[f.name]) for f in fields(TrainConfig) if f.metadata.get("cli", True)]
 
 
-def _scalar_type(hint: Any) -> Any:
-    """``int | None`` → int; ``list[int]`` → int."""
-    import typing
-
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is list:
-        return args[0]
-    return args[0] if args else hint
-
-
 def _bounded(meta: Mapping[str, Any], hint: Any) -> Callable[[str], Any]:
     """argparse type of one value of a field: its scalar type, and the field's bounds (``least``, ``within``:
     :func:`~captioner.models.training.config.bound_problem`) as a usage error naming the option."""
-    from ..training.config import bound_problem
+    from ..training.config import bound_problem, declared_item
 
-    scalar = _scalar_type(hint)
+    scalar, _ = declared_item(hint)
     if meta.get("least") is None and meta.get("within") is None:
         return scalar
 

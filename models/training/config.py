@@ -223,23 +223,28 @@ _KINDS: dict[type, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
+def declared_item(declared: Any) -> tuple[Any, bool]:
+    """A field's declared type as the type of one value and whether a list holds such values: ``int | None`` →
+    ``(int, False)``, ``list[float]`` → ``(float, True)``, ``dict[str, Any]`` → ``(dict, False)``."""
+    if type(None) in typing.get_args(declared):
+        (declared,) = [a for a in typing.get_args(declared) if a is not type(None)]
+    if typing.get_origin(declared) is list:
+        return typing.get_args(declared)[0], True
+    return typing.get_origin(declared) or declared, False
+
+
 def type_problem(declared: Any, value: Any) -> str | None:
     """What is wrong with ``value`` for a field declared ``declared`` (``int``, ``str | None``, ``list[float]``,
     ``dict[str, Any]``), or None; the value is shown as a recipe writes it."""
-    optional = type(None) in typing.get_args(declared)
-    if value is None and optional:
+    if value is None and type(None) in typing.get_args(declared):
         return None
-    if optional:
-        (declared,) = [a for a in typing.get_args(declared) if a is not type(None)]
-    if typing.get_origin(declared) is list:
-        name, holds = _KINDS[typing.get_args(declared)[0]]
-        if isinstance(value, (list, tuple)) and all(holds(item) for item in value):
-            return None
-        wanted = f"a list, each item {name}"
-    else:
-        wanted, holds = _KINDS[typing.get_origin(declared) or declared]
-        if holds(value):
-            return None
+    item, listed = declared_item(declared)
+    name, holds = _KINDS[item]
+    if listed and isinstance(value, (list, tuple)) and all(holds(one) for one in value):
+        return None
+    if not listed and holds(value):
+        return None
+    wanted = f"a list, each item {name}" if listed else name
     return f"must be {wanted}, got {json.dumps(value, default=str)}"
 
 
