@@ -5,6 +5,7 @@ import torch
 
 from captioner.models.evaluation.params import PAPER_SIZES
 from captioner.models.protocol import VisualBatch
+from captioner.models.sat import SAT_OPTIONS
 from captioner.models.zoo import create, options
 
 from .model_checks import RecordingDropout
@@ -22,6 +23,14 @@ def test_default_sizes_are_the_documented_ones(name):
     defaults = options(name)
     assert {key: defaults[key] for key in sizes} == sizes
     assert {key: PAPER_SIZES[name][key] for key in sizes} == sizes
+
+
+@pytest.mark.parametrize("option", sorted(SAT_OPTIONS))
+def test_an_option_outside_its_values_is_refused_naming_them(option):
+    """A mistyped option (``--model-arg gate=chanel``) is refused with the values it takes: taken, any value but
+    the default builds the tutorial's other form silently, and the checkpoint records the typo as its config."""
+    with pytest.raises(ValueError, match=rf"{option} must be one of \(.*\), got 'typo'"):
+        create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, **{option: "typo"})
 
 
 def test_attention_matches_naive_equation(tiny_sat, random_visuals):
@@ -105,6 +114,24 @@ def test_training_drops_out_the_deep_output_sum_before_l_o(random_visuals):
     assert not torch.allclose(first, second)
     model.eval()
     torch.testing.assert_close(model.step(prev, state, enc)[0], model.step(prev, state, enc)[0])
+
+
+def test_deep_output_drops_out_h_t_and_the_sum_and_nothing_else(random_visuals):
+    """The deep output layer's dropout (our placement, §4.3 names no place: :meth:`step`) acts on ``h_t`` before
+    ``L_h`` and on ``E y_{t-1} + L_h h_t + L_z ẑ_t`` before ``L_o``, and on nothing else: with one of them left out,
+    or ``ẑ_t`` dropped too, training regularises another model than the one documented, and no eval-mode output
+    shows it."""
+    torch.manual_seed(0)
+    model = create("sat", vocab_size=23, feat_dim=16, embed_dim=24, hidden_dim=32, attn_dim=20, dropout=0.5)
+    model.drop = RecordingDropout()
+    enc = model.encode(random_visuals)
+    prev, state = torch.full((3,), model.bos_id), model.init_state(enc)
+    z, _ = model.context(model.attention(state, enc), state, enc)
+    logprobs, new_state, _ = model.step(prev, state, enc)
+    deep = model.embed(prev) + model.out_h(new_state["h"]) + model.out_z(z)
+    assert len(model.drop.inputs) == 2 and model.drop.inputs[0] is new_state["h"]
+    torch.testing.assert_close(model.drop.inputs[1], deep)
+    torch.testing.assert_close(logprobs, model.out_word(deep).log_softmax(-1))
 
 
 def test_hidden_output_drops_out_h_t_before_fc_and_nothing_else(random_visuals):
@@ -193,3 +220,14 @@ def test_teacher_forcing_penalises_the_attention_of_every_word_but_the_padding(t
     words = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     want = tiny_sat.auxiliary_losses(attention, words)["doubly_stochastic"]
     torch.testing.assert_close(aux["doubly_stochastic"], want)
+
+
+def test_features_of_another_dtype_are_read_in_the_models_own(tiny_sat, random_visuals):
+    """A library caller's model in float64 (as the gradcheck above uses) reads float32 features, as a float32
+    model reads float16 ones from a user's own store: ``encode`` casts them to the model's dtype rather than
+    failing in the first layer on a dtype mismatch."""
+    model = tiny_sat.double()
+    enc = model.encode(random_visuals)
+    assert enc["feats"].dtype == enc["keys"].dtype == enc["mean"].dtype == torch.float64
+    logprobs, _, _ = model.step(torch.full((3,), model.bos_id), model.init_state(enc), enc)
+    assert logprobs.dtype == torch.float64
