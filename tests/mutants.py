@@ -136,7 +136,8 @@ def generate(source: str) -> list[Mutant]:
                 if value != 0:
                     add(node, f"{value} -> {value - 1}", ast.Constant(value - 1))
             elif isinstance(value, float):
-                add(node, f"{value} -> {value * 2}", ast.Constant(value * 2))
+                other = value * 2 if value else 1.0  # 0.0 doubled is no change
+                add(node, f"{value} -> {other}", ast.Constant(other))
             elif (isinstance(value, str) and value and isinstance(parents.get(id(node)), STRING_PARENTS)
                   and len(value) <= 40 and "\n" not in value):
                 add(node, f"string {value!r} -> {value + 'X'!r}", ast.Constant(value + "X"))

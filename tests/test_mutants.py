@@ -21,7 +21,7 @@ SOURCE = textwrap.dedent('''\
 
 
     def total(items):
-        acc = 0
+        acc = 0.0
         for item in items[1:]:
             acc += item * 2
         return acc
@@ -37,7 +37,7 @@ def test_each_operator_gives_its_mutants_in_source_order():
     assert found == sorted(found, key=lambda row: row[0])
     for expected in [(7, "Lt -> LtE"), (7, "Lt -> Gt"), (7, "And -> Or"), (7, "drop `not`"), (7, "Eq -> NotEq"),
                      (7, "negate `if` condition"), (7, "1 -> 2"), (7, "1 -> 0"), (8, "return None"),
-                     (13, "0 -> 1"), (14, "slice lower bound dropped"), (15, "augmented Add -> Sub"),
+                     (13, "0.0 -> 1.0"), (14, "slice lower bound dropped"), (15, "augmented Add -> Sub"),
                      (15, "Mult -> Div"), (15, "drop statement `AugAssign`"), (16, "drop statement `Return`")]:
         assert expected in found
 
