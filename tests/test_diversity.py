@@ -141,3 +141,18 @@ def test_a_novel_caption_differs_from_every_training_caption_word_for_word_in_or
     train = ["a dog runs".split()]
     assert novel_share(["dog a runs".split(), "a dog runs".split()], train) == 0.5
     assert diversity_scores({1: "a dog".split()}, {1: ["a dog".split()]}, [])["novel_captions"] == 1.0
+
+
+def test_the_mean_length_is_the_mean_of_unequal_lengths_not_rounded_down():
+    """Captions of three and four words are 3.5 words long on average: the card's length column compares models
+    whose captions differ by fractions of a word, which a whole-number mean would hide."""
+    captions = {1: "a dog runs".split(), 2: "a cat sits down".split()}
+    scores = diversity_scores(captions, {1: ["a dog".split()], 2: ["a cat".split()]})
+    assert scores["mean_length"] == 3.5
+
+
+def test_a_caption_is_not_a_training_caption_whose_words_split_it_elsewhere():
+    """Word for word means the same words, not the same letters: "ab c" is not the training caption "a bc" (a key
+    joining the words without a separator would make them one caption and count a new caption as seen)."""
+    assert novel_share(["ab c".split()], ["a bc".split()]) == 1.0
+    assert novel_share(["a bc".split()], ["a bc".split()]) == 0.0
