@@ -396,6 +396,17 @@ def test_tune_decodings_choice_prefers_the_simpler_rules_on_a_tie_and_reads_rows
     assert rules_of({"length_penalty": 0.5, "block_trigrams": True, "CIDEr-D": 0.1}) == DecodingRules(0.5, True)
 
 
+def test_tune_decodings_tie_between_a_penalty_and_a_blocking_rule_goes_to_the_smaller_penalty():
+    """``best_row``'s order of preference is the penalty first, blocking second (its docstring): a tie between a
+    penalty with no blocking and no penalty with trigram blocking stores no penalty, whichever row comes first."""
+    def row(alpha, trigrams, cider):
+        return {"length_penalty": alpha, "block_trigrams": trigrams, "block_doubled_words": False, "CIDEr-D": cider}
+
+    tied = [row(0.5, False, 0.7), row(0.0, True, 0.7)]
+    assert rules_of(best_row(tied, "CIDEr-D")) == DecodingRules(0.0, True)
+    assert rules_of(best_row(tied[::-1], "CIDEr-D")) == DecodingRules(0.0, True)
+
+
 def test_a_row_historys_per_row_tensors_are_all_selected_and_joined():
     """``RowHistory.select`` and ``cat`` go through ``ROW_FIELDS``: a per-row field left out of it would keep the
     rows of the table before the step (or before a request joined), and the next rule would read another row's."""
