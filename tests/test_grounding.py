@@ -505,6 +505,17 @@ def test_zoo_table_markers_are_the_ones_docs_model_zoo_holds(tmp_path):
     assert document.read_text() == f"\n\n{START}\ntable\n{END}\n"
 
 
+def test_zoo_table_keeps_the_prose_after_its_block_that_quotes_the_end_marker(tmp_path):
+    """The block ends at the first end marker after its start: prose further down that quotes the end marker (a
+    note on how the page is generated) stays, word for word, rather than being cut at the quote or swallowed up to
+    it."""
+    document = tmp_path / "zoo.md"
+    after = f"\n\n## How this page is made\n\nThe table ends at `{END}`; below it is written by hand.\n"
+    document.write_text(f"# Zoo\n\n{START}\nold table\n{END}{after}")
+    write_between_markers(document, [START, "new table", END])
+    assert document.read_text() == f"# Zoo\n\n{START}\nnew table\n{END}{after}"
+
+
 def test_a_zero_one_mask_of_another_dtype_scores_as_the_boolean_mask():
     # a label mask compared with an id, or read from a PNG, is 0/1 of an integer dtype: used as an index it would
     # pick rows 0 and 1 rather than the masked pixels
