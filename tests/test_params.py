@@ -8,7 +8,7 @@ import torch
 
 from captioner.models.evaluation import params
 from captioner.models.evaluation.params import PAPER_SIZES, count_parameters, parameter_table
-from captioner.models.zoo import available
+from captioner.models.zoo import available, options
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "parameters.md"
 
@@ -87,6 +87,16 @@ def test_table_equals_hand_count(vocab):
     assert table["aoanet"] == aoanet_by_hand(vocab)
     assert table["xlan"] == xlan_by_hand(vocab)
     assert table["xtransformer"] == xtransformer_by_hand(vocab)
+
+
+@pytest.mark.parametrize("name", ["aoanet", "sparsecap"])
+def test_a_model_built_with_no_options_has_the_sizes_the_table_counts(name):
+    """``captioner train --model aoanet`` (or ``sparsecap``) with no model options builds the sizes the table counts,
+    head count included though it adds no parameters (test_sat, test_xlan and test_xtransformer hold theirs; the
+    area Transformer's defaults are a smaller model, docs/decisions.md)."""
+    sizes = {key: size for key, size in PAPER_SIZES[name].items() if key != "feat_dim"}
+    defaults = options(name)
+    assert {key: defaults[key] for key in sizes} == sizes
 
 
 def test_table_lists_registered_models_with_paper_sizes_only():
