@@ -195,3 +195,31 @@ def test_leaving_the_group_meets_only_after_a_normal_end_and_collects_garbage_fi
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     shutdown_distributed(meet_first=True)  # not in a group: nothing to leave
     assert calls == []
+
+
+def test_a_gpu_rank_run_with_the_default_device_joins_nccl_on_its_nodes_gpu(monkeypatch):
+    """``--device`` defaults to ``auto``: on a GPU node a torchrun rank left at the default must join NCCL on its own
+    GPU, as one asked for ``cuda`` does, not gloo on the CPU (the run would then train on CPU cores beside idle
+    GPUs)."""
+    joined, chosen = [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", joined.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert init_distributed("auto") == (DistContext(rank=3, world=4, local_rank=1), "cuda:1")
+    assert joined == ["nccl"] and chosen == [1]
+
+
+def test_under_nccl_the_objects_collectives_travel_through_this_ranks_own_gpu(monkeypatch):
+    """NCCL moves only CUDA tensors: rank 0's validation scores reach the others through the GPU ``set_device`` gave
+    this rank (here the second of its node), not the first GPU of the node, which every rank would then share, nor
+    the CPU, which NCCL cannot send from."""
+    used = []
+    monkeypatch.setattr(dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src, device: used.append(device))
+    DistContext(rank=3, world=4, local_rank=1).from_main({"CIDEr-D": 0.5})
+    assert used == [torch.device("cuda", 1)]
