@@ -53,6 +53,17 @@ def test_auto_on_a_gpu_is_bfloat16_where_it_runs_else_scaled_float16(bf16, monke
         (("bfloat16", torch.bfloat16, False) if bf16 else ("float16", torch.float16, True))
 
 
+def test_auto_on_a_device_that_is_not_cuda_is_float32_whatever_the_gpu_runs(monkeypatch):
+    """``auto`` asks CUDA about bfloat16 only for a CUDA device: a run on ``mps`` or ``xpu`` (which ``--device``
+    takes) on a machine that also has a GPU trains in float32, as on the CPU, rather than taking the GPU's answer
+    and then being refused float16 or autocast in a dtype its own device was never asked about."""
+    for bf16 in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, bf16=bf16, **kwargs: bf16)
+        for name in ("cpu", "mps", "xpu"):
+            chosen = resolve_precision("auto", torch.device(name))
+            assert (chosen.name, chosen.dtype, chosen.scaled) == ("float32", None, False), (name, bf16)
+
+
 def test_bf16_autocast_trains_on_cpu_close_to_fp32(scenes, tmp_path):
     common = dict(dataset=str(scenes), cache_dir=str(tmp_path / "features"), encoder={"image_size": 96},
                   model_args=dict(embed_dim=16, hidden_dim=24, attn_dim=16, dropout=0.0), train_limit=4, val_limit=2,
