@@ -28,11 +28,12 @@ from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.config import Progress
 from captioner.models.training.distributed import DistContext
 from captioner.models.training.loop import RunInUse, TrainingDiverged, _optimizer_step
-from captioner.models.training.phase import PhaseModule
+from captioner.models.training.phase import PHASES, Phase, PhaseModule, register_phase
 from captioner.models.training.resume import merge_resume
 from captioner.models.training.run_log import EpochLog
 from captioner.models.training.schedules import learning_rate
 from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage, load_init_weights
+from captioner.models.training.scst import SCSTPhase
 from captioner.models.training.xe import XEPhase, xe_loss
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
@@ -466,6 +467,17 @@ def test_the_runs_seed_draws_its_data_order_and_the_same_seed_draws_it_again():
     assert order(1, 1).tolist() != order(2, 1).tolist()
 
 
+def test_an_epoch_of_captions_shuffled_one_by_one_visits_every_caption_once():
+    """Without ``--group-by-image`` an epoch is a permutation of all (image, caption) pairs (``Phase.epoch_order``): a
+    pair left out of it, the last one say, would never be trained on, in any epoch, and no loss would show it."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a"], ["b"], ["a", "b"]][: 1 + i % 3]) for i in range(7)]
+    phase = XEPhase(_config("data", "run", "cache"), None, vocab, None, images, "cpu")
+    assert phase.size == 13
+    for epoch in range(3):
+        assert sorted(phase.epoch_order(epoch).tolist()) == list(range(phase.size)), epoch
+
+
 def test_each_epoch_trains_on_its_own_shuffle_of_the_data(scenes, tmp_path, cache, monkeypatch):
     """Every epoch takes its batches in the order its phase draws for that epoch: with the first epoch's order
     reused, each epoch met the same batches in the same sequence, and the model learnt the order's quirks."""
@@ -890,6 +902,21 @@ def test_the_module_ddp_wraps_hands_the_phase_this_ranks_share_and_the_whole_bat
     module = PhaseModule(torch.nn.Linear(2, 2), SimpleNamespace(loss=loss))
     assert module([3, 1], [3, 1, 4, 0]) == (torch.tensor(1.5), {"xe": 1.5}, 7)
     assert seen == [([3, 1], [3, 1, 4, 0])]
+
+
+def test_a_registered_phase_is_the_one_phase_names_and_knows_its_own_name(monkeypatch):
+    """``--phase`` looks the phase up in :data:`PHASES` under the name :func:`register_phase` gave it, and the class
+    carries that name (``Phase.name``), which a library caller or a phase of a plugin reads to say which phase a run
+    trains."""
+    assert (PHASES["xe"], PHASES["scst"]) == (XEPhase, SCSTPhase)
+    assert (XEPhase.name, SCSTPhase.name) == ("xe", "scst")
+    monkeypatch.setitem(PHASES, "probe", None)  # taken out again after the test
+
+    @register_phase("probe")
+    class ProbePhase(Phase):
+        pass
+
+    assert PHASES["probe"] is ProbePhase and ProbePhase.name == "probe"
 
 
 def test_the_xe_of_bfloat16_log_probs_is_taken_in_float32():
