@@ -9,8 +9,10 @@ import io
 import math
 import os
 import pickle
+import runpy
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint
+from captioner.models.interop import safe_pickle
 from captioner.models.interop.aoanet import ConversionError, convert_aoanet
 from captioner.models.interop.common import copy_weights, load_converted, load_torch_weights
 from captioner.models.interop.safe_pickle import ALLOWED, UnsafePickleError, restricted_load
@@ -306,6 +309,47 @@ def test_a_pickle_cannot_change_the_classes_and_functions_it_may_name(tmp_path):
     loaded = restricted_load(options)
     assert isinstance(loaded, argparse.Namespace) and vars(loaded) == {"beam_size": 3, "rnn_size": 512}
     assert not hasattr(loaded, "polluted")  # nor on the next load's subclass: the copies are not shared
+
+
+def test_the_containers_of_a_loaded_pickle_are_the_built_in_types_themselves(tmp_path):
+    """Only classes written in Python get a load's own subclass (BUILD could change them for the process); ``set``,
+    ``frozenset`` and ``OrderedDict`` are written in C and cannot be changed, so an infos file's sets are plain sets,
+    shown and compared as any other (a subclass prints as ``set({1, 2})`` and fails ``type(x) is set``)."""
+    path = tmp_path / "infos.pkl"
+    infos = {"seen": {1, 2}, "frozen": frozenset("ab"), "order": collections.OrderedDict(a=1)}
+    path.write_bytes(pickle.dumps(infos, protocol=2))
+    loaded = restricted_load(path)
+    assert [type(loaded[key]) for key in ("seen", "frozen", "order")] == [set, frozenset, collections.OrderedDict]
+    assert repr(loaded["seen"]) == "{1, 2}"
+
+
+#: pickles that hand an allowed global data it refuses (``set(1)``; a state set on a plain ``object``), each written
+#: opcode by opcode, under the error they raise
+REFUSED_DATA = {
+    "TypeError": b"\x80\x02c__builtin__\nset\nK\x01\x85R.",
+    "AttributeError": b"\x80\x02ccopyreg\n_reconstructor\ncbuiltins\nobject\ncbuiltins\nobject\nN\x87R}U\x01aK\x01sb.",
+}
+
+
+@pytest.mark.parametrize("error", REFUSED_DATA)
+def test_a_pickle_calling_an_allowed_global_with_data_it_refuses_is_named_as_unreadable(tmp_path, error):
+    """A damaged or foreign file can hand an allowed global data it refuses (``set(1)``; a state set on a plain
+    ``object``, which has no ``__dict__``): one error naming the file and the reason, as for any pickle this cannot
+    read, not a traceback from inside the unpickler."""
+    (tmp_path / "infos.pkl").write_bytes(REFUSED_DATA[error])
+    with pytest.raises(pickle.UnpicklingError, match=f"infos.pkl is not a readable pickle \\({error}: "):
+        restricted_load(tmp_path / "infos.pkl")
+
+
+def test_the_allow_list_takes_numpys_functions_from_numpy_2s_module_without_a_deprecation_warning():
+    """NumPy 2 renamed ``numpy.core`` to ``numpy._core``; the old name warns of its deprecation at each use (and is
+    to go): the allowed NumPy functions are the new module's, so importing the importers warns of nothing (a
+    ``-W error`` run or a library's own test suite stopped at the import). The module's code is run afresh here, as
+    an import would run it, without replacing the classes the other tests hold."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        fresh = runpy.run_path(safe_pickle.__file__)
+    assert fresh["ALLOWED"].keys() == ALLOWED.keys()
 
 
 def test_unsupported_or_foreign_weights_are_refused(tmp_path, authors_files):
