@@ -557,6 +557,10 @@ def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_f
 
 @pytest.mark.parametrize("argv, message", [
     (["caption", "DIR", "--resume"], "--resume needs --output"),
+    # the archive's own options without --output: named, not ignored (no figures written, no attention rows)
+    (["caption", "DIR", "--heatmaps", "figures"], "--heatmaps needs --output"),
+    (["caption", "DIR", "--attention"], "--attention needs --output"),
+    (["caption", "DIR", "--shard", "0/2", "--resume"], "--resume, --shard need --output"),
     (["caption", "DIR"], "is a folder: caption an archive with --output"),
     (["caption", "DIR", "--output", "o.jsonl", "--shard", "2/2"], "0 <= INDEX < COUNT"),
     (["caption", "DIR", "--output", "o.jsonl", "--shard", "one/2"], "0 <= INDEX < COUNT"),
@@ -602,6 +606,22 @@ def test_captions_threads_and_device_flags_reach_the_archives_settings_over_the_
         with pytest.raises(Stop):
             main(command + flags)
     assert [(s.threads, s.device) for s in seen] == [(3, "cpu"), (2, "cuda:1")]
+
+
+def test_ctrl_c_while_captioning_an_archive_says_how_to_finish_it_and_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C stops an archive with the shell's status for an interrupt and one line saying where the captions are
+    and that ``--resume`` finishes them, not a traceback (the lines written so far are kept: the archive's tests)."""
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(archive, "caption_archive", interrupted)
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(SystemExit) as exited:
+        main(["caption", str(tmp_path), "--output", str(out)])
+    assert exited.value.code == 130
+    said = f"interrupted: the captions written so far are in {out}; run the same command with --resume to finish\n"
+    assert capsys.readouterr().err == said
 
 
 def test_the_archive_warms_its_batcher_up_as_the_server_does(tiny_checkpoint_folder, small_archive, tmp_path,

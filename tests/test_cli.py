@@ -936,6 +936,48 @@ def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(m
         main(serve)
 
 
+def test_an_onnx_folder_whose_parents_are_not_there_yet_is_made_at_start_not_refused(monkeypatch, tmp_path):
+    """CAPTIONER_ONNX_DIR is "made when missing" (the settings' description): on a fresh volume its parents may be
+    missing too (``cache/onnx``), and the start-up check makes them, as the exports would, rather than stopping a
+    server whose folder can be written."""
+    save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "cache" / "onnx"))
+    monkeypatch.setenv("CAPTIONER_DEFAULT_MODEL", "tiny")
+
+    class PastTheChecks(Exception):
+        pass
+
+    def past_the_checks(*args, **kwargs):
+        raise PastTheChecks
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    monkeypatch.setattr(cli.faulthandler, "register", past_the_checks)  # what cmd_serve does after its checks
+    with pytest.raises(PastTheChecks):
+        main(["serve", "--weights-dir", str(tmp_path / "weights"), "--port", str(free_port()), "--device", "cpu"])
+    assert (tmp_path / "cache" / "onnx").is_dir()
+
+
+def test_an_onnx_folder_that_cannot_be_written_is_no_mistake_when_there_is_nothing_to_export(monkeypatch, tmp_path):
+    """A read-only container whose exports are all made (or whose models run on PyTorch) never writes the ONNX
+    folder: it starts, rather than being stopped for a folder it has no need to write."""
+    save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "a-file" / "onnx"))  # unwritable even by root
+    monkeypatch.setenv("CAPTIONER_DEFAULT_MODEL", "tiny")
+    monkeypatch.setenv("CAPTIONER_BACKEND", "torch")
+
+    class PastTheChecks(Exception):
+        pass
+
+    def past_the_checks(*args, **kwargs):
+        raise PastTheChecks
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    monkeypatch.setattr(cli.faulthandler, "register", past_the_checks)  # what cmd_serve does after its checks
+    with pytest.raises(PastTheChecks):
+        main(["serve", "--weights-dir", str(tmp_path / "weights"), "--port", str(free_port()), "--device", "cpu"])
+
+
 def test_every_command_and_argument_says_what_it_is_for():
     # `captioner eval --help` listed `checkpoint`, `--image-root`, `--cache-dir` and 26 others with no word of help
     parser = build_parser()
@@ -1082,6 +1124,21 @@ def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypa
         main(["serve", "--weights-dir", str(tmp_path), "--port", port])
     assert f"no checkpoint found in {tmp_path}, {tmp_path / 'scenes'}, {tmp_path / 'notes'}: nothing to serve" \
         in capsys.readouterr().err
+
+
+def test_the_working_folder_is_blamed_only_for_a_relative_weights_folder_not_there(monkeypatch, capsys, tmp_path):
+    """A missing folder given by its full path, or a relative one that is there and holds no checkpoint, gets the
+    general advice: sending the operator to change the working folder would not help either."""
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path)
+    port = str(free_port())
+    for folder in (str(tmp_path / "wieghts"), "empty"):
+        with pytest.raises(SystemExit):
+            main(["serve", "--weights-dir", folder, "--port", port])
+        err = capsys.readouterr().err
+        assert "nothing to serve (set CAPTIONER_WEIGHTS_DIR or --weights-dir to a folder of checkpoints" in err, err
+        assert "working folder" not in err, err
 
 
 def test_caption_with_the_default_checkpoint_works_from_any_folder(tmp_path):
