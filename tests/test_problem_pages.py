@@ -194,3 +194,10 @@ def test_each_page_is_a_whole_document_titled_as_its_heading(weights):
             title, heading_html = page.groups()
             assert title.startswith(f"{kind}: {described.status} "), title
             assert heading_html.replace("<code>", "").replace("</code>", "") == title, kind
+
+
+def test_the_client_gone_page_names_its_status_as_nginx_does(weights):
+    """499 is no status Python's HTTPStatus knows: its page gives nginx's name for it, "Client Closed Request", the
+    title the service's logs and metrics count it under. No lifespan: no model is needed."""
+    page = serve(weights).get("/problems/client-gone")
+    assert page.status_code == 200 and heading(page) == "<code>client-gone</code>: 499 Client Closed Request"
