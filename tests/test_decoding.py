@@ -647,6 +647,28 @@ def test_a_groups_hypotheses_come_best_first_whatever_the_order_of_its_rows():
     assert [h.score for h in penalised] == pytest.approx([-0.5 / (7 / 6), -2.0 / (9 / 6), -3.0 / (8 / 6)])
 
 
+class _OnAnotherDevice(torch.Tensor):
+    """A tensor standing in for one on a GPU, where CI has none: ``.cpu()`` brings it to the host as a plain
+    tensor, and anything cut from it without that stays one of these."""
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor).clone()
+
+
+def test_a_groups_hypotheses_are_brought_to_the_host_from_the_device_the_search_ran_on():
+    """``collect_hypotheses`` moves a group's backtracked history to the host once: on a GPU a hypothesis whose
+    attention or extra maps stayed on the device made ``captioner eval --grounding`` fail at its ``.numpy()``.  On
+    the CPU the copy changes nothing, so the test stands a tensor type in for the device's."""
+    on_the_host = {"tokens": torch.tensor([[4, 5, EOS], [6, EOS, EOS]]), "logprobs": torch.full((2, 3), -0.5),
+                   "attention": torch.rand(2, 3, 4), "extra:gate": torch.rand(2, 3, 1)}
+    history = {name: value.as_subclass(_OnAnotherDevice) for name, value in on_the_host.items()}
+    scores = torch.tensor([-1.5, -1.0]).as_subclass(_OnAnotherDevice)
+    hyps = collect_hypotheses(history, scores, EOS, 2, None)
+    assert [h.token_ids for h in hyps] == [[6, EOS], [4, 5, EOS]]
+    assert [type(h.attention) for h in hyps] == [torch.Tensor] * 2
+    assert [type(h.extras["gate"]) for h in hyps] == [torch.Tensor] * 2
+
+
 def test_tune_decodings_table_is_a_markdown_table_of_four_digit_scores_and_one_progress_bar(monkeypatch):
     """The grid's table renders as Markdown only with one ``---|`` cell per heading; its scores keep four
     significant digits; and the grid draws one progress bar (its own), not a bar per combination's evaluation."""
