@@ -919,6 +919,18 @@ def test_a_shape_check_names_five_problems_and_counts_the_rest(tmp_path, tiny_sa
                                        + "; and 2 more")
 
 
+@pytest.mark.parametrize("stray, counted", [(5, ""), (6, "; and 1 more")])
+def test_a_shape_check_counts_a_sixth_problem_and_nothing_when_five_are_all(stray, counted, tmp_path, tiny_sat, vocab):
+    """At the boundary of the five shown: a sixth problem is counted ("and 1 more"), so a reader never takes five
+    listed problems for all of them, and five are all there is to say."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    extra = {f"extra{i}.weight": torch.zeros(2) for i in range(stray)}
+    (path / WEIGHTS).write_bytes(save_tensors({**load_file(path / WEIGHTS), **extra}))
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(path, verify=False)
+    assert str(refused.value).endswith(": " + "; ".join(f"unexpected extra{i}.weight" for i in range(5)) + counted)
+
+
 def test_a_constructor_chaining_an_in_place_fill_keeps_its_tensor_on_the_meta_device():
     """On the meta device the in-place fills are skipped but still return their tensor, as PyTorch's do: a
     constructor that writes ``nn.Parameter(torch.empty(3, 4).uniform_())`` gets a (3, 4) parameter there, not the
@@ -990,6 +1002,27 @@ def test_a_replacement_flushes_its_files_and_then_the_folder_before_it_takes_the
     assert (CARD, False) in flushed
     # the temporary folder, once its manifest lists the card, before its rename
     assert any(temporary_target(name) == "ckpt" and sealed for name, sealed in flushed)
+
+
+def test_a_card_whose_folder_cannot_be_flushed_once_in_place_reports_that_error(tmp_path, tiny_sat, vocab,
+                                                                                  monkeypatch):
+    """The last step of a replacement flushes the parent folder after the new one took the checkpoint's place, so
+    its temporary folder is gone by then: the clean-up after a failure there must not stumble on that and raise a
+    FileNotFoundError for a folder the user never named, hiding the disk's own error (and the card is in place)."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    real_fsync_path = files.fsync_path
+
+    def parent_cannot_be_flushed(folder):
+        if Path(folder) == tmp_path:
+            raise OSError(errno.EIO, "Input/output error", str(folder))
+        real_fsync_path(folder)
+
+    monkeypatch.setattr(files, "fsync_path", parent_cannot_be_flushed)
+    with pytest.raises(OSError, match="Input/output error") as raised:
+        replace_files(path, {CARD: "# sat\n"})
+    assert raised.value.errno == errno.EIO
+    monkeypatch.undo()
+    assert (path / CARD).read_text() == "# sat\n" and load_checkpoint(path).checksum
 
 
 def test_a_rewritten_checkpoint_keeps_an_encoder_file_outside_its_folder_by_its_full_path(tmp_path, tiny_sat, vocab):
