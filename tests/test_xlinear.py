@@ -166,6 +166,16 @@ def test_shapes_must_split_into_heads():
         XLinearAttention(4, 4, 4, bilinear_dim=8, channel_dim=4, heads=2, activation="elu")
 
 
+def test_an_unknown_activation_is_refused_with_the_names_that_work():
+    """A misspelt ``activation`` is refused with the names ρ may take; every name the error lists must be one that
+    works, or a user who copies a listed name from the message is refused again."""
+    with pytest.raises(ValueError, match="activation") as refused:
+        embedding_activation("elu")
+    assert "('celu', 'relu')" in str(refused.value)
+    for name in xlinear.ACTIVATIONS:
+        embedding_activation(name)
+
+
 def test_defaults_are_the_papers_block():
     """A library user's ``XLinearAttention(query, key, value)`` has the paper's widths (D_B = 1024, D_c = 512, as the
     class documents), the "+ELU" embeddings, 8 heads and the authors' 0.1 dropout on B'^k; every model of the zoo
@@ -244,6 +254,16 @@ def test_stacked_layer_updates_the_items_with_the_dropped_out_attended_vector():
     attended, _, new_values, block_out = layer(torch.randn(3, 8, dtype=torch.float64), keys, values, mask)
     assert torch.all(attended == 0) and block_out.attended.abs().sum() > 0
     torch.testing.assert_close(new_values, layer.value_update(torch.zeros_like(attended), values))
+
+
+def test_item_update_drops_out_only_the_new_part_not_the_residual():
+    """Eq. 8's dropout (``update_dropout``, 0.3 in the authors' code) acts on ``ReLU(W [v̂; x_i] + b)`` before the
+    residual ``x_i`` is added: with all of it dropped, each item is only layer-normalised. A dropout over the sum
+    would drop the items themselves in training, and every encoder layer would lose part of the regions it refines."""
+    torch.manual_seed(0)
+    update = ItemUpdate(8, dropout=1.0).double().train()
+    items = torch.randn(3, ITEMS, 8, dtype=torch.float64)
+    torch.testing.assert_close(update(torch.randn(3, 8, dtype=torch.float64), items), update.norm(items))
 
 
 class _Mask(torch.nn.Module):
