@@ -1,6 +1,8 @@
 """TVmax (SparseCap, arXiv:2002.05556, Definition 1) and its 2D TV prox against generic convex solvers."""
 
+import inspect
 import math
+import typing
 
 import numpy as np
 import pytest
@@ -202,6 +204,18 @@ def test_tvmax_forwards_the_solver_options_to_the_prox():
     got = tvmax(z, (8, 8), lam=0.3, **budget)
     assert torch.equal(got, sparsemax(tv2d_prox(z, (8, 8), lam=0.3, **budget)))
     assert not torch.allclose(got, tvmax(z, (8, 8), lam=0.3), atol=1e-2, rtol=0)
+
+
+def test_the_solver_options_type_every_solver_keyword_of_the_prox():
+    """``SolverOptions`` types tvmax's ``**solver``: a type checker refuses a keyword it does not list, or one of
+    another type, in a library user's ``tvmax(scores, grid, tol=1e-6)``. It must list every solver keyword of
+    tv2d_prox (``return_groups`` is not forwarded) with the prox's own type."""
+    prox_types = typing.get_type_hints(tv2d_prox)
+    parameters = inspect.signature(tv2d_prox).parameters
+    keywords = [name for name in parameters if parameters[name].kind is inspect.Parameter.KEYWORD_ONLY]
+    keywords.remove("return_groups")  # tvmax returns the weights, never the groups
+    assert typing.get_type_hints(module.SolverOptions) == {name: prox_types[name] for name in keywords}
+    assert sorted(keywords) == ["check_every", "max_iter", "tol"]
 
 
 @pytest.mark.parametrize("solve, tol", [
