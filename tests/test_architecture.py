@@ -3,6 +3,7 @@ downwards: routes → use cases → batcher → runtime → model (README, "What
 sources' import statements, so a back-edge fails here before anyone has to find it in a review."""
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,26 @@ def test_blocking_work_leaves_the_event_loop_one_way(path):
     second way was a second pool with its own limit and other cancellation semantics."""
     other = [(node.lineno, way) for node in ast.walk(ast.parse(path.read_text())) if (way := _offloads(node))]
     assert not other, f"use run_in_threadpool: {other}"
+
+
+def _exported_names(path: Path) -> list[str] | None:
+    """The names a module's ``__all__ = [...]`` lists, read from its source (None without one)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return [element.value for element in node.value.elts]
+    return None
+
+
+#: the modules that declare what they export
+EXPORTING = sorted(p for d in ("models", "service") for p in (ROOT / d).rglob("*.py") if "__all__ =" in p.read_text())
+
+
+@pytest.mark.parametrize("path", EXPORTING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_name_a_module_exports_is_defined_there(path):
+    """``from captioner.service.batcher import *`` (and the docs' API listings) take ``__all__`` at its word: a name
+    it lists that the module lacks (a rename that missed it) makes the star import an AttributeError."""
+    exported = _exported_names(path)
+    assert exported
+    name = _package_of(path) if path.name == "__init__.py" else f"{_package_of(path)}.{path.stem}"
+    module = importlib.import_module(name)
+    assert [name for name in exported if not hasattr(module, name)] == []
