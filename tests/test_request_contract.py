@@ -301,8 +301,11 @@ def test_repeated_parts_and_files_in_option_fields_are_refused(client, photo):
     assert problem(only_fields)["errors"] == [{"loc": ["body", "file"], "msg": "Field required"}]
     as_text = client.post("/caption", data={"file": "abc"}, files={"model": (None, "tiny-b")})
     assert "not a file part" in problem(as_text)["detail"]
+    # a client shows each error beside its field: the refusal names `file` and says what came instead
+    assert problem(as_text)["errors"] == [{"loc": ["body", "file"], "msg": "a text field, expected a file part"}]
     no_boundary = client.post("/caption", headers={"content-type": "multipart/form-data"}, content=b"--x--\r\n")
     assert "malformed multipart" in problem(no_boundary)["detail"] and "boundary" in problem(no_boundary)["detail"]
+    assert [(e["loc"], "boundary" in e["msg"]) for e in problem(no_boundary)["errors"]] == [(["body"], True)]
     too_many = post(client, photo, extra_files=[(f"extra{i}", ("x.txt", b"x", "text/plain")) for i in range(10)])
     assert "Too many files" in problem(too_many)["detail"]
 
