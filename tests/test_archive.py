@@ -359,6 +359,28 @@ def test_caption_lines_reach_the_disk_every_interval_and_at_close(tmp_path, monk
     assert lines.done == {"a.jpg", "b.jpg", "c.jpg", "d.jpg"}
 
 
+def test_closing_caption_lines_twice_is_harmless(tmp_path):
+    """``close`` is idempotent, as a file's is: a library caller that closes in an ``except`` and again in a
+    ``finally`` (or in a context manager's exit after an explicit close) must not meet "I/O operation on closed
+    file", a ValueError that would hide the error being handled."""
+    out = tmp_path / "out.jsonl"
+    lines = CaptionLines(out, resume=False)
+    lines.write({"path": "a.jpg", "caption": "a cat"})
+    lines.close()
+    lines.close()
+    assert [r["path"] for r in read_lines(out)] == ["a.jpg"]
+
+
+def test_the_errors_list_makes_its_folder_when_a_library_caller_names_a_new_one(tmp_path):
+    """``ErrorLog`` makes the folder it writes in, as ``CaptionLines`` does: a library caller that lists a run's
+    unreadable files in a folder not yet made must get the list, not "cannot write the list of errors"."""
+    where = tmp_path / "not" / "yet" / "made.errors.jsonl"
+    errors = archive.ErrorLog(where, say=lambda line: None)
+    errors("a.jpg", "not a regular file")
+    errors.close()
+    assert read_lines(where) == [{"path": "a.jpg", "error": "not a regular file"}]
+
+
 def test_a_refused_output_closes_the_file_it_opened(tmp_path):
     """The output is opened (and locked) before it is checked: a refusal, a second writer's or a foreign file's on
     resume, must close it then, not leave it to the garbage collector (a library caller's process holds the file,
@@ -462,7 +484,7 @@ def test_the_progress_bar_counts_skipped_images_and_those_done_before_a_resume(t
     for images in (small_archive[:5], small_archive):
         caption_archive([*images, gone], out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
                         resume=True, progress=True)
-        bar = [line for line in capsys.readouterr().err.splitlines() if line.startswith("captioning")]
+        bar = [line for line in capsys.readouterr().err.splitlines() if line.startswith("captioning: ")]
         total = len(images) + 1
         assert f"| {total}/{total} [" in bar[-1]
 
