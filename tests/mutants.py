@@ -6,7 +6,8 @@ against the test modules that exercise the file, in a git worktree so the checko
     python -m tests.mutants apply FILE ID                      rewrite FILE as that mutant (``git checkout`` it back)
     python -m tests.mutants run --worktree WT --file FILE --tests TESTS... (--ids 1,4-9 | --seed S --count N | --all)
 
-Ids number the mutants in source order, so they are stable for one text of a file; a draw (``--seed``, ``--count``)
+Ids number the mutants in source order, so they are stable for one text of a file (``list`` and ``show`` read the
+file as it is now: not while ``run`` has a mutant written into it); a draw (``--seed``, ``--count``)
 is stable too, which is what lets a round's "not run" list be taken up by a later one. The operators: comparisons
 flipped or moved across their boundary (``<`` against ``<=`` and ``>``), arithmetic swapped, integer constants moved
 by one, floats doubled, booleans swapped, short strings changed, ``not``/unary minus dropped, ``and``/``or`` swapped,
