@@ -407,6 +407,39 @@ def test_a_request_whose_client_leaves_while_it_waits_leaves_the_queue_and_is_ne
     assert_same_result(result, solo(runtime, prepared[0], 3, 12))
 
 
+def test_requests_whose_awaiting_task_is_cancelled_leave_the_queue_and_their_rows_at_the_next_boundary(encoder):
+    """The archive awaits ``job.future`` itself, so interrupting a run cancels the futures of the captions in flight
+    without ``Batcher.cancel``: the next boundary must free the rows of the decoding one and drop the waiting one
+    unencoded, or the interrupted run decodes captions nobody reads and its shutdown waits for them."""
+    runtime = runtime_for("sat", encoder)
+    encoded: list = []
+    watch_encodes(runtime, encoded.append)
+    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=3)
+    batcher.start(worker=False)
+    prepared = [runtime.prepare(image) for image in random_images(2, seed=6)]
+
+    async def scenario():
+        running = batcher.submit(prepared[0], 3, 30, 60)
+        waiting = batcher.submit(prepared[1], 3, 30, 60)
+        batcher.run_once()
+        assert batcher.active_rows == 3 and batcher.queued == 1
+
+        async def awaits(future):  # what the archive's caption_one does
+            return await future
+
+        awaiting = [asyncio.create_task(awaits(job.future)) for job in (running, waiting)]
+        await asyncio.sleep(0)
+        for task in awaiting:
+            task.cancel()
+        await asyncio.gather(*awaiting, return_exceptions=True)
+        assert running.future.cancelled() and waiting.future.cancelled()
+        batcher.run_once()
+        return batcher.active_rows, batcher.queued, batcher.idle
+
+    assert run_bounded(scenario()) == (0, 0, True)
+    assert [len(batch) for batch in encoded] == [1] and encoded[0][0] is prepared[0]
+
+
 def test_a_caller_that_leaves_or_times_out_frees_its_rows_under_its_own_label(encoder):
     """``caption()`` is what the routes await: a handler cancelled (its client left) and a wait that outlasts the
     deadline must both give the job's rows back at the next boundary, counted as "cancelled" and "deadline"."""
