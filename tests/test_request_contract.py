@@ -1010,6 +1010,15 @@ def test_base64_that_begins_with_data_is_not_taken_for_a_data_url(client):
     assert problem(answer, 422, "invalid-image")["detail"] != "the uploaded image is empty"
 
 
+def test_base64_with_a_non_ascii_character_is_refused_as_invalid_base64(client, photo):
+    # a typographic quote or a non-breaking space pasted into the image (base64's decoder raises ValueError, not
+    # binascii.Error, for a str that is not ASCII) is the client's mistake: a 422 naming it, not a 500
+    encoded = base64.b64encode(photo).decode()
+    for stray in ("\u201d", "\u00a0", "\u00e9"):
+        answer = client.post("/caption", json={"image": encoded[:100] + stray + encoded[100:]})
+        assert "not valid base64" in problem(answer, 422, "invalid-image")["detail"]
+
+
 def test_the_use_cases_check_reads_the_requests_caption_length_and_the_decode_slot_weighs_its_pixels(
         client, photo, monkeypatch):
     """``check`` (the overlay's: a token past a caption's last is refused before the model runs) is given the
