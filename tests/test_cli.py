@@ -936,46 +936,40 @@ def test_serving_with_exports_to_make_in_an_unwritable_onnx_folder_is_one_line(m
         main(serve)
 
 
+class _PastTheChecks(Exception):
+    """Raised where ``cmd_serve`` goes on once its start-up checks have passed."""
+
+
+def _serve_past_its_checks(monkeypatch, tmp_path):
+    """``serve`` a tiny checkpoint until its start-up checks have passed, and no further."""
+    save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
+    monkeypatch.setenv("CAPTIONER_DEFAULT_MODEL", "tiny")
+
+    def past_the_checks(*args, **kwargs):
+        raise _PastTheChecks
+
+    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
+    monkeypatch.setattr(cli.faulthandler, "register", past_the_checks)  # what cmd_serve does after its checks
+    with pytest.raises(_PastTheChecks):
+        main(["serve", "--weights-dir", str(tmp_path / "weights"), "--port", str(free_port()), "--device", "cpu"])
+
+
 def test_an_onnx_folder_whose_parents_are_not_there_yet_is_made_at_start_not_refused(monkeypatch, tmp_path):
     """CAPTIONER_ONNX_DIR is "made when missing" (the settings' description): on a fresh volume its parents may be
     missing too (``cache/onnx``), and the start-up check makes them, as the exports would, rather than stopping a
     server whose folder can be written."""
-    save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
     monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "cache" / "onnx"))
-    monkeypatch.setenv("CAPTIONER_DEFAULT_MODEL", "tiny")
-
-    class PastTheChecks(Exception):
-        pass
-
-    def past_the_checks(*args, **kwargs):
-        raise PastTheChecks
-
-    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
-    monkeypatch.setattr(cli.faulthandler, "register", past_the_checks)  # what cmd_serve does after its checks
-    with pytest.raises(PastTheChecks):
-        main(["serve", "--weights-dir", str(tmp_path / "weights"), "--port", str(free_port()), "--device", "cpu"])
+    _serve_past_its_checks(monkeypatch, tmp_path)
     assert (tmp_path / "cache" / "onnx").is_dir()
 
 
 def test_an_onnx_folder_that_cannot_be_written_is_no_mistake_when_there_is_nothing_to_export(monkeypatch, tmp_path):
     """A read-only container whose exports are all made (or whose models run on PyTorch) never writes the ONNX
     folder: it starts, rather than being stopped for a folder it has no need to write."""
-    save_checkpoint(tmp_path / "weights" / "tiny", tiny_model("sat"), VOCAB, TINY_SPEC)
     (tmp_path / "a-file").write_text("not a folder")
     monkeypatch.setenv("CAPTIONER_ONNX_DIR", str(tmp_path / "a-file" / "onnx"))  # unwritable even by root
-    monkeypatch.setenv("CAPTIONER_DEFAULT_MODEL", "tiny")
     monkeypatch.setenv("CAPTIONER_BACKEND", "torch")
-
-    class PastTheChecks(Exception):
-        pass
-
-    def past_the_checks(*args, **kwargs):
-        raise PastTheChecks
-
-    monkeypatch.setattr(service_app, "create_app", lambda settings: pytest.fail("the app was made"))
-    monkeypatch.setattr(cli.faulthandler, "register", past_the_checks)  # what cmd_serve does after its checks
-    with pytest.raises(PastTheChecks):
-        main(["serve", "--weights-dir", str(tmp_path / "weights"), "--port", str(free_port()), "--device", "cpu"])
+    _serve_past_its_checks(monkeypatch, tmp_path)
 
 
 def test_every_command_and_argument_says_what_it_is_for():

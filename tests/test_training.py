@@ -32,8 +32,8 @@ from captioner.models.training.phase import PHASES, Phase, PhaseModule, register
 from captioner.models.training.resume import merge_resume
 from captioner.models.training.run_log import EpochLog
 from captioner.models.training.schedules import learning_rate
-from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage, load_init_weights
 from captioner.models.training.scst import SCSTPhase
+from captioner.models.training.warm_start import adopt_init, choose_vocab, lineage, load_init_weights
 from captioner.models.training.xe import XEPhase, xe_loss
 from captioner.models.vocab import Vocabulary
 from captioner.models.zoo import create
