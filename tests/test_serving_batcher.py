@@ -378,15 +378,21 @@ def test_rows_freed_by_a_cancellation_go_to_a_waiting_request_at_that_same_bound
     assert metrics.freed.labels("sat", "finished")._value.get() == 3 + 4
 
 
-def test_a_request_whose_client_leaves_while_it_waits_leaves_the_queue_and_is_never_encoded(encoder):
-    """Cancelled while waiting for rows: it leaves the queue at the next boundary (the queue limit counts it no
-    more) and no encoding or decoding is spent on it, while the request decoding meanwhile is unaffected."""
+def _two_images_for_three_rows(encoder):
+    """A SAT batcher of three rows without its worker, two prepared images for it, and the list of the batches it
+    encodes: one 3-beam request decodes while the other waits for rows."""
     runtime = runtime_for("sat", encoder)
     encoded: list = []
     watch_encodes(runtime, encoded.append)
     batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=3)
     batcher.start(worker=False)
-    prepared = [runtime.prepare(image) for image in random_images(2, seed=6)]
+    return runtime, batcher, [runtime.prepare(image) for image in random_images(2, seed=6)], encoded
+
+
+def test_a_request_whose_client_leaves_while_it_waits_leaves_the_queue_and_is_never_encoded(encoder):
+    """Cancelled while waiting for rows: it leaves the queue at the next boundary (the queue limit counts it no
+    more) and no encoding or decoding is spent on it, while the request decoding meanwhile is unaffected."""
+    runtime, batcher, prepared, encoded = _two_images_for_three_rows(encoder)
 
     async def scenario():
         running = batcher.submit(prepared[0], 3, 12, 60)
@@ -411,12 +417,7 @@ def test_requests_whose_awaiting_task_is_cancelled_leave_the_queue_and_their_row
     """The archive awaits ``job.future`` itself, so interrupting a run cancels the futures of the captions in flight
     without ``Batcher.cancel``: the next boundary must free the rows of the decoding one and drop the waiting one
     unencoded, or the interrupted run decodes captions nobody reads and its shutdown waits for them."""
-    runtime = runtime_for("sat", encoder)
-    encoded: list = []
-    watch_encodes(runtime, encoded.append)
-    batcher = Batcher(runtime, max_batch=4, queue_size=8, max_rows=3)
-    batcher.start(worker=False)
-    prepared = [runtime.prepare(image) for image in random_images(2, seed=6)]
+    runtime, batcher, prepared, encoded = _two_images_for_three_rows(encoder)
 
     async def scenario():
         running = batcher.submit(prepared[0], 3, 30, 60)
