@@ -240,12 +240,11 @@ def type_problem(declared: Any, value: Any) -> str | None:
         return None
     item, listed = declared_item(declared)
     name, holds = _KINDS[item]
-    if listed and isinstance(value, (list, tuple)) and all(holds(one) for one in value):
-        return None
-    if not listed and holds(value):
-        return None
-    wanted = f"a list, each item {name}" if listed else name
-    return f"must be {wanted}, got {json.dumps(value, default=str)}"
+    if listed:
+        fits, wanted = isinstance(value, (list, tuple)) and all(map(holds, value)), f"a list, each item {name}"
+    else:
+        fits, wanted = holds(value), name
+    return None if fits else f"must be {wanted}, got {json.dumps(value, default=str)}"
 
 
 def bound_problem(metadata: Mapping[str, Any], value: Any) -> str | None:
