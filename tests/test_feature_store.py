@@ -540,3 +540,72 @@ def test_a_batch_is_copied_as_float16_the_stores_own_precision(images, encoder, 
     """``get_numpy`` hands back the stored float16 rows (half of float32's memory for a batch of grids)."""
     store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
     assert store.get_numpy([images[1].key, images[0].key]).dtype == np.float16
+
+
+def test_an_index_torn_on_disk_is_named_as_a_feature_stores_index(images, encoder, tmp_path):
+    """A library caller opening a store whose index.json was cut short learns which file it is and what it should
+    have been, not a bare JSON message (every store this project opens itself is extracted again instead)."""
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False)
+    (store.folder / INDEX).write_text('{"format": ')
+    with pytest.raises(FeatureStoreError, match=rf"{store.folder.name}/index\.json is not a feature store's index \("):
+        FeatureStore(store.folder)
+
+
+def test_a_crashed_extraction_is_not_finished_by_the_same_photos_listed_in_another_order(images, encoder, tmp_path):
+    """Shard ``j`` holds the photos at places ``j·S …`` of the list it was started with: a run given the same photos
+    in another order (a data set read again, a split rebuilt) must not keep those shards, which would hand it other
+    photos' features under every key, silently."""
+    fresh = extract_features(images, SPEC, tmp_path / "fresh", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):  # shards 0 and 1 finished, then a crash
+        extract_features(images, SPEC, tmp_path / "cache", batch_size=1, encoder=CountingEncoder(encoder, 5),
+                         progress=False, shard_size=2)
+    reordered = images[::-1]
+    store = extract_features(reordered, SPEC, tmp_path / "cache", batch_size=1, encoder=encoder, progress=False,
+                             shard_size=2)
+    keys = [im.key for im in images]
+    assert np.array_equal(store.get_numpy(keys), fresh.get_numpy(keys))
+
+
+def test_a_store_maps_its_shards_rather_than_reading_them_into_memory(images, encoder, tmp_path):
+    """Shards are mapped, and only a batch's rows copied: a store of COCO is tens of GB, which every shard read
+    whole (and kept) would hold in each training process's memory."""
+    store = extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False, shard_size=4)
+    store.get_numpy([images[5].key])
+    assert isinstance(store.shard(1), np.memmap)
+
+
+def test_a_crash_while_the_index_is_written_keeps_every_finished_shard(images, encoder, tmp_path, monkeypatch):
+    """The index is the completion marker: one cut short by a crash or a full disk reads as a damaged store, whose
+    shards are all removed and encoded again (hours on COCO).  Written whole or not at all, it is simply missing, and
+    the next run keeps every shard and writes it."""
+    def cut_short(write):
+        def writing(path, data, *args, **kwargs):
+            if INDEX in path.name:
+                half = len(data) // 2
+                write(path, data[:half], *args, **kwargs)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return write(path, data, *args, **kwargs)
+        return writing
+
+    with monkeypatch.context() as patched, pytest.raises(OSError):
+        patched.setattr(Path, "write_bytes", cut_short(Path.write_bytes))
+        patched.setattr(Path, "write_text", cut_short(Path.write_text))
+        extract_features(images, SPEC, tmp_path, encoder=encoder, progress=False, shard_size=4)
+    counting = CountingEncoder(encoder)
+    store = extract_features(images, SPEC, tmp_path, encoder=counting, progress=False, shard_size=4)
+    assert counting.images == 0 and len(store) == len(images)
+
+
+def test_a_fault_that_is_not_a_photos_stops_the_extraction_rather_than_blaming_every_photo(images, encoder, tmp_path,
+                                                                                           monkeypatch):
+    """Only a photo that cannot be decoded is set aside and named at the end: any other error (here the
+    preprocessing's own) would otherwise have every photo encoded as a blank, for hours, and then called unreadable."""
+    def broken(image, spec):
+        raise RuntimeError("a fault in the preprocessing")
+
+    monkeypatch.setattr("captioner.models.data.features.preprocess", broken)
+    counting = CountingEncoder(encoder)
+    with pytest.raises(RuntimeError, match="a fault in the preprocessing"):
+        extract_features(images, SPEC, tmp_path, encoder=counting, progress=False)
+    assert counting.images == 0
