@@ -778,6 +778,24 @@ def test_an_area_label_is_written_inside_its_box_right_of_its_outline():
     assert xs.min() >= 128 + 5 and ys.min() >= 128 + 5 and xs.max() < 384 - 5 and ys.max() < 384 - 5
 
 
+@pytest.mark.parametrize("side, stroke", [(512, 2), (100, 1)])
+def test_an_area_labels_black_outline_is_half_its_boxs_outline_wide(monkeypatch, side, stroke):
+    """The weight's black outline is half the box's outline wide, at least a pixel: enough to read the white digits
+    on a light photo without hiding more of the photo around them (as wide as the box's 5 px on a 512-px picture,
+    each label sat in a black blob more than twice as thick)."""
+    strokes, text = [], ImageDraw.ImageDraw.text
+
+    def recording(self, xy, words, *args, **kwargs):
+        strokes.append(kwargs.get("stroke_width", 0))
+        return text(self, xy, words, *args, **kwargs)
+
+    monkeypatch.setattr(ImageDraw.ImageDraw, "text", recording)
+    geometry = grid_geometry(EncoderSpec(), (side, side))  # outlines of 5 px at 512, 2 px (the least) at 100
+    photo = Image.new("RGB", (side, side), (255, 255, 255))
+    overlay(photo, [1.0], geometry, "area_topk", area_boxes=np.array([[2, 2, 5, 5]]), top_k=1)
+    assert strokes == [stroke]
+
+
 @pytest.mark.parametrize("picture_mode", ["L", "RGBA", "P"])
 @pytest.mark.parametrize("mode", ["grid_smooth", "grid_blocks", "top1_box"])
 def test_an_overlay_of_a_picture_in_another_colour_mode_is_rgb(picture_mode, mode):
