@@ -6,6 +6,7 @@ import functools
 import io
 import threading
 import time
+import typing
 
 import numpy as np
 import pytest
@@ -520,3 +521,23 @@ def test_each_json_heatmap_is_its_drawn_heat_rounded_to_8_bits(client, result):
         got = np.asarray(Image.open(io.BytesIO(base64.b64decode(word["heat_png"]))))
         heat = drawn_heat(rows[i], stored.geometry, body["mode"], tuple(body["size"]))
         assert np.array_equal(got, (heat * 255).round().astype(np.uint8)), word["token"]
+
+
+def test_a_figure_without_max_side_is_bounded_by_the_overlays_2048_pixels_not_the_json_maps_1024(client, result):
+    """A figure's panels have a fixed size (a caption of up to four words is one row of five 220-px panels, 1,100 px
+    wide): a figure bounded by the JSON heatmaps' 1,024 px rather than the pictures' 2,048 was shrunk, every panel
+    blurred, though the request asked for no smaller side."""
+    figure = _image(client.get(f"/captions/{result['id']}/overlay", params={"format": "figure"}))
+    assert len(result["tokens"]) <= 4 and figure.size == (1100, 240)
+
+
+def test_the_render_formats_the_options_are_typed_with_are_the_ones_rendered(client, result):
+    """``RenderOptions.format`` is typed ``Format``: the overlay routes' picture formats and ``json`` (the
+    ``/heatmaps`` routes). A misspelt name in the type had a type checker refuse the heatmaps' own options while the
+    render took them; each format the type names is rendered, into the answer of its kind."""
+    named = {value for arg in typing.get_args(rendering.Format) for value in (typing.get_args(arg) or (arg,))}
+    assert named == set(typing.get_args(rendering.PictureFormat)) | {"json"} == {"png", "figure", "json"}
+    stored = client.app.state.results.get(result["id"])
+    for name in sorted(named):
+        options = rendering.RenderOptions(name, 0 if name == "png" else None, max_side=64)
+        assert isinstance(rendering._render(stored, options), rendering.Heatmaps if name == "json" else bytes), name
