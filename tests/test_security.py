@@ -34,7 +34,7 @@ from captioner.service.middleware import JsonFormatter, TextFormatter, request_i
 from captioner.service.paths import ROOT_KEY, AppRootMiddleware, app_path, app_root
 from captioner.service.problems import UnexpectedErrorMiddleware
 from captioner.service.results import ResultStore
-from captioner.service.security import key_matches
+from captioner.service.security import ApiKeyMiddleware, key_matches
 from captioner.service.settings import Settings
 
 from .conftest import tiny_demo_server
@@ -434,6 +434,40 @@ def test_a_valid_key_sent_under_another_scheme_than_bearer_is_refused(keyed, jpe
         assert refused.status_code == 401 and "invalid_token" in refused.headers["www-authenticate"], scheme
 
 
+def test_a_wrong_key_is_told_apart_from_a_missing_one_in_the_challenge_and_the_detail(keyed, jpeg):
+    """A client library reads the challenge by RFC 6750 (3.1): ``Bearer error="invalid_token"`` exactly, so it
+    knows to stop retrying with that key, where a bare ``Bearer`` asks for one; the person reading the problem is told
+    which of the two went wrong (a check for the word ``invalid_token`` anywhere passed a malformed challenge)."""
+    wrong = caption(keyed, jpeg, Authorization=f"Bearer {KEYS[0][:-1]}x")
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+    assert wrong.json()["detail"] == "the API key is not valid"
+    # a header that names the scheme but no key (an empty variable in a client's configuration) was sent: invalid
+    empty = caption(keyed, jpeg, Authorization="Bearer")
+    assert empty.status_code == 401 and empty.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+    missing = caption(keyed, jpeg)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+    assert missing.json()["detail"] == "this endpoint needs an API key: send `Authorization: Bearer <key>`"
+
+
+def test_a_key_that_is_not_text_is_refused_401_not_answered_500():
+    """A header value may hold any byte (RFC 9110, 5.5: obs-text); a hostile or broken client's key in another encoding
+    than ASCII is an invalid key like any other, not an error of the server.  (The test client re-encodes header
+    values as UTF-8, so the raw bytes go to the key check's layer directly.)"""
+    async def app(scope, receive, send):
+        raise AssertionError("a refused key reached the app")
+
+    for value in (b"Bearer \xff\xfe", "Bearer ключ".encode("cp1251")):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/caption", "headers": [(b"authorization", value)]}
+        run_bounded(ApiKeyMiddleware(app, KEYS)(scope, None, send), 5)
+        assert sent[0]["status"] == 401
+        assert (b"www-authenticate", b'Bearer error="invalid_token"') in sent[0]["headers"]
+
+
 def test_a_refused_key_is_repeated_neither_in_the_answer_nor_in_the_access_log(keyed, jpeg):
     """A refused key is often a real one a character off, or another service's: the 401 must not echo it back (a
     page or a proxy may show or keep the answer), nor the access log write it, in either format (logs are read by
@@ -505,6 +539,16 @@ def test_cors_is_closed_by_default_and_opens_only_to_configured_origins(open_cli
     assert refused.json()["instance"] == "/caption" and "x-request-id" in refused.headers
     # the length of the problem document alone (the refusal's plain-text answer had a length of its own)
     assert refused.headers.get_list("content-length") == [str(len(refused.content))]
+
+
+def test_a_browser_script_from_an_allowed_origin_can_read_the_401_of_a_missing_key(keyed):
+    """The key check runs inside the CORS layer: its 401 carries ``Access-Control-Allow-Origin`` for a listed origin,
+    so the page's script reads the refusal and tells its user to set a key (without the header the browser hands the
+    script an opaque network error)."""
+    headers = {"content-type": "image/png", "Origin": "https://app.example"}
+    refused = keyed.post("/caption", content=b"x", headers=headers)
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == "https://app.example"
 
 
 def test_a_refused_preflight_keeps_the_cors_headers_a_cache_and_a_browser_read():
