@@ -1094,6 +1094,9 @@ def test_a_waiting_job_that_needs_exactly_the_time_it_has_left_is_kept_and_its_r
     # alone it needs 4 steps of 0.125 s, exactly the 0.5 s left at 9.5 (binary fractions: no rounding)
     assert estimate.own_time_s(waiting) == 0.5 == 10.0 - 9.5
     assert estimate.shed(waiting, 9.5, estimate.own_time_s, [waiting]) is None
+    # judged by its deadline alone (an idle worker), it is kept at the deadline itself, which has not yet passed: as
+    # a decoding request keeps its rows until ``now > deadline``
+    assert estimate.shed(waiting, 10.0, None, [waiting]) is None
     wide = _estimate_job(40, 4, deadline=10.0)
     refusal = estimate.shed(wide, 10.5, None, [wide])
     # 40 rows · 4 steps waiting and the same again for a request like it: 320 row-steps at 80 a second, 4 s (a beam
