@@ -231,3 +231,23 @@ def test_a_request_id_is_kept_only_when_the_whole_value_is_safe(given, kept):
                                  5))
     echoed = dict(client.sent[0]["headers"])[b"x-request-id"].decode()
     assert (echoed == given) is kept and (kept or len(echoed) == 32)
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+def test_no_task_of_a_request_outlives_its_answer(method):
+    """The disconnect watcher ends with its request: a POST refused before its body is read (a 429 at the door, a
+    503 while not ready) never lets the watcher start listening, and a watcher left waiting for that body would be
+    a task per refused request, kept until the server stops (or destroyed while pending, with a log line each)."""
+    async def scenario() -> set:
+        client = _Client(body=b"unread")
+
+        async def refuses_unread(scope, receive, send):
+            await send({"type": "http.response.start", "status": 429, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        middleware_call = RequestContextMiddleware(refuses_unread, log_requests=False)
+        await asyncio.wait_for(middleware_call(_scope(method), client.receive, client.send), 5)
+        await asyncio.sleep(0)  # a cancelled task ends at its next turn
+        return {task for task in asyncio.all_tasks() if task is not asyncio.current_task()}
+
+    assert asyncio.run(scenario()) == set()
