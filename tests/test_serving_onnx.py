@@ -618,8 +618,10 @@ def test_a_backend_named_in_the_settings_serves_its_models_with_the_cnn_their_sp
 @pytest.mark.parametrize("backend", ["auto", "onnx", "hybrid"])
 def test_an_autocast_precision_serves_every_model_on_pytorch_in_that_precision(tmp_path, backend):
     """``CAPTIONER_PRECISION=bfloat16`` is PyTorch's autocast: whatever backend is asked for, the model runs on
-    PyTorch in that precision, and nothing is exported for it."""
+    PyTorch in that precision, and nothing is exported for it: so no preparing child is started for it either (it
+    would export, at every start, graphs nothing loads)."""
     save_tiny_sats(tmp_path / "weights", ["a"])
+    assert still_to_prepare(tmp_path, default_backend=backend, precision="bfloat16") == []
     loaded = load_on_cpu(tmp_path, backend, precision="bfloat16")
     assert (loaded["a"].backend, loaded["a"].precision) == ("torch", "bfloat16")
     assert not (tmp_path / "onnx").exists()
@@ -1604,6 +1606,27 @@ def test_the_services_exports_leave_out_the_self_contained_encoder_graph(tmp_pat
     assert export_is_current(folder, ckpt.checksum, SERVED_GRAPHS) and not export_is_current(folder, ckpt.checksum)
     with pytest.raises(ValueError, match=r"holds no encoder\.onnx .* captioner export for a self-contained one"):
         OnnxRuntime("a", ckpt, folder, CPU, threads=1)
+
+
+def test_a_model_on_an_accelerator_is_exported_from_its_weights_loaded_again_on_the_cpu(tmp_path, monkeypatch):
+    """The exporter traces and verifies on the CPU: a server on a GPU (the meta device stands in for it) exports a
+    model from its checkpoint loaded again on the CPU, never from the module on the device, which would fail the
+    export and leave the model on PyTorch at every start; a model already on the CPU is exported as it is, with no
+    second copy of its weights."""
+    handed = []
+    monkeypatch.setattr(exporter, "export_graphs", lambda ckpt, folder, encoder, self_contained: handed.append(ckpt))
+    encoders = types.SimpleNamespace(onnx_dir=tmp_path / "onnx", onnx=lambda spec: None, for_export=lambda spec: None)
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    on_cpu = load_checkpoint(tmp_path / "weights" / "a")
+    on_device = load_checkpoint(tmp_path / "weights" / "a")
+    on_device.model.to("meta")
+    assert onnx_exports.onnx_folder(encoders, "a", on_device) == tmp_path / "onnx" / "a"
+    (exported,) = handed
+    assert {p.device.type for p in exported.model.parameters()} == {"cpu"}
+    weights, loaded = exported.model.state_dict(), on_cpu.model.state_dict()
+    assert all(torch.equal(weights[key], loaded[key]) for key in loaded)
+    onnx_exports.onnx_folder(encoders, "a", on_cpu)
+    assert handed[1] is on_cpu
 
 
 def test_an_export_from_captioner_export_is_served_as_it_is(tmp_path):
