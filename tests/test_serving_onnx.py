@@ -846,6 +846,25 @@ def test_a_hybrid_runtime_is_where_its_cnn_session_runs_and_names_that_sessions_
     assert hybrid.on_gpu is False
 
 
+def test_a_hybrid_on_a_gpu_whose_cnn_runs_on_the_cpu_hands_it_host_pixels_and_its_decoder_device_features():
+    """A GPU server whose ONNX Runtime has no CUDA provider (the meta device stands in for the GPU): the hybrid's CNN
+    session runs on the CPU, so it is handed the batch as it is in host memory (GPU tensors would not run there, and
+    a GPU runtime's padding rows would be convolved for nothing), and its features are moved to the decoder's device
+    (host features would meet GPU weights in the first layer)."""
+    handed = []
+
+    def features(pixels):
+        handed.append((pixels.device.type, len(pixels)))
+        return torch.zeros(len(pixels), 8, 2, 2)
+
+    visual = types.SimpleNamespace(providers=["CPUExecutionProvider"], on_gpu=False, features=features)
+    hybrid = onnx_backends.HybridRuntime("sat", tiny_checkpoint("sat"), visual, torch.device("meta"))
+    hybrid.pad_batches = True  # as on a GPU
+    prepared = [Prepared(torch.zeros(3, 8, 8), (8, 8)) for _ in range(3)]
+    grid = hybrid.grid_features(prepared)
+    assert (grid.device.type, len(grid)) == ("meta", 3) and handed == [("cpu", 3)]
+
+
 def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     """``auto`` asks whether ONNX Runtime offers CUDA before timing it on a GPU: the question compared the provider
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
