@@ -142,7 +142,8 @@ def test_every_architecture_exports_and_matches_pytorch_or_says_why(arch, encode
     # a str names the folder as well as a Path (what the signature says)
     assert export_is_current(str(tmp_path / arch), ckpt.checksum) and spec.arch == arch
     assert max(spec.max_abs_diff.values()) < 1e-3
-    onnx_rt = OnnxRuntime(arch, ckpt, tmp_path / arch, CPU, threads=1)
+    # the folder and the device as a library caller may name them, as str (what the signature says)
+    onnx_rt = OnnxRuntime(arch, ckpt, str(tmp_path / arch), "cpu", threads=1)
     assert_backends_agree(TorchRuntime(arch, ckpt, encoder, CPU), onnx_rt, random_images(6, seed=2))
     # another checkpoint's export captioned under this one's name, in silence (a library user's audit)
     with pytest.raises(ValueError, match="was exported from other weights"):
