@@ -566,6 +566,14 @@ def test_beam_search_captions_keep_each_words_own_attention_row():
         np.testing.assert_allclose(caption.attention, per_image[0], atol=1e-5)
 
 
+def test_captioning_with_attention_shows_no_progress_unless_asked(capsys):
+    """caption_with_attention is a library function too: its "encoding images" bar is ``captioner eval``'s
+    (``progress=True``), off by default, as score_photos' is."""
+    ckpt, store, images, _ = _tiny_sat_on_two_images()
+    assert len(caption_with_attention(ckpt, images, store, max_len=6)) == 2
+    assert capsys.readouterr().err == ""
+
+
 def test_beam_search_captions_follow_the_decoding_rules_given():
     """``captioner eval --grounding`` scores the captions its grounding search gives, so that search takes the
     decoding rules asked for (--block-doubled-words here, which changes both of these captions), as the same eval

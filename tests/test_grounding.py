@@ -127,6 +127,7 @@ def test_region_rows_are_scored_per_pixel_as_score_map_scores_them():
 
 @pytest.mark.parametrize("size, resize, grid", [((37, 23), "stretch", 64), ((23, 37), "center_crop", 64),
                                                 ((50, 50), "stretch", 96),
+                                                ((60, 45), "stretch", 224),  # 7×7 cells: float32 k/49·49 falls below k
                                                 ((2, 2), "stretch", 96)])  # cells that hold no pixel centre
 def test_cell_scores_equal_the_pixel_scores(size, resize, grid):
     """score_rows counts pixels per cell; score_map of pixel_distribution counts them one by one."""
@@ -159,8 +160,8 @@ def test_bad_inputs_are_rejected():
         score_map(np.ones((4, 4)) / 16, np.zeros((4, 4), bool))
     with pytest.raises(ValueError, match="differ in shape"):  # a mask of width × height rather than height × width
         score_map(np.ones((4, 8)) / 32, np.ones((8, 4), bool))
-    # the per-cell path of Entities phrases refuses an empty box mask as score_map does (not a ZeroDivisionError)
-    with pytest.raises(ValueError, match="the object mask is empty"):
+    # the per-cell path of Entities phrases refuses an empty box mask in score_map's words (not a ZeroDivisionError)
+    with pytest.raises(ValueError, match="^the object mask is empty$"):
         score_rows(np.ones((1, 4)), two_by_two(), np.zeros((8, 8), bool))
 
 
@@ -551,3 +552,65 @@ def test_a_near_tie_within_a_millionth_is_one_plateau_on_both_paths():
     mask[:4, :4] = True
     assert score_map(pixel_distribution(row, two_by_two()), mask)["pointing"] == pytest.approx(0.5)
     assert score_rows(row[None], two_by_two(), mask)[0]["pointing"] == pytest.approx(0.5)
+
+
+def test_a_map_whose_weight_partly_falls_on_no_pixel_is_renormalised_over_the_pixels_it_reaches():
+    """Attention on a region box too small to hold a pixel centre (a detector's sliver, or a box scaled onto a
+    small image) reaches no pixel: the rest of the map still sums to 1, so a mask over the whole image holds all the
+    mass (ratio 1) rather than the half the other box got."""
+    geometry = Geometry(kind="regions", image_size=(8, 8), grid_hw=None,
+                        boxes=np.array([[0, 0, 8, 8], [3.1, 3.1, 3.3, 3.3]], np.float32))
+    dist = pixel_distribution([0.5, 0.5], geometry)
+    assert dist.sum() == pytest.approx(1.0) and dist == pytest.approx(np.full((8, 8), 1 / 64))
+    everything = np.ones((8, 8), bool)
+    assert score_rows(np.array([[0.5, 0.5]]), geometry, everything)[0] == pytest.approx(
+        {"mass": 1.0, "pointing": 1.0, "ratio": 1.0})
+
+
+def test_a_word_whose_object_left_no_pixel_in_the_mask_is_skipped_and_the_others_are_scored(tmp_path):
+    """An object named by the caption but absent from its scene's label mask (a scene set drawn by other means than
+    the generator: an object too small to hold a pixel, or hidden) has nothing to score against: its words are left
+    out rather than ending ``eval --grounding`` with "the object mask is empty", and the other scene's are scored."""
+    nothing, corner = slice(0, 0), slice(4, 8)
+    images = _scene(tmp_path, (("red", "circle", nothing, nothing), ("blue", "square", corner, corner)))
+    results = _scene_captions([[0, 0, 0, 1], [1, 0, 0, 0], [1, 0, 0, 0]], [[1, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]])
+    scores = score_images(images, results, tmp_path)
+    assert {w.image for w in scores} == {1}
+    by = {(w.control, w.word_class): w.scores for w in scores}
+    assert by[("model", "shape")] == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+
+
+def test_sat_hards_grounding_report_names_its_map_as_the_sampling_distribution():
+    """SAT-hard's row is α, the distribution its attended location is drawn from, not a soft map: its grounding
+    report names it so (docs/grounding.md and docs/model_zoo.md quote the name), and a soft SAT's is its softmax."""
+    assert normaliser_of(SimpleNamespace(model=tiny_model("sat-hard"))) == "hard (α, the sampling distribution)"
+    assert normaliser_of(SimpleNamespace(model=tiny_model("sat"))) == "softmax"
+
+
+def test_a_grounding_tables_delimiter_row_has_a_cell_under_each_header():
+    """The table is pasted into docs/model_zoo.md: its second line must be GitHub's delimiter row, one ``---`` per
+    header cell and nothing after the last pipe, or the page shows the rows as plain text."""
+    header, delimiter = markdown_table([]).splitlines()
+    assert delimiter == "|" + "---|" * (header.count("|") - 1)
+
+
+def test_grid_cells_are_drawn_at_the_size_asked_for():
+    """A grid map drawn on a copy of the image at twice its size covers the copy as the cells cover the image: a
+    one-hot top-left cell fills the copy's top-left quadrant (8×8 of 16×16), not the original's 4×4 corner."""
+    dist = pixel_distribution([1.0, 0.0, 0.0, 0.0], two_by_two(), size=(16, 16))
+    quadrant = np.zeros((16, 16), bool)
+    quadrant[:8, :8] = True
+    assert dist.shape == (16, 16) and dist[quadrant] == pytest.approx(np.full(64, 1 / 64))
+    assert score_rows(np.array([[1.0, 0.0, 0.0, 0.0]]), two_by_two(), quadrant)[0] == pytest.approx(
+        {"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+
+
+def test_region_boxes_on_a_tall_image_keep_their_rows_and_a_box_past_the_bottom_keeps_its_visible_part():
+    """Rows are clipped at the image's height and columns at its width: on a portrait image (4 wide, 8 tall) a
+    full-height box spreads over all 8 rows, and a box hanging past the bottom spreads its weight over the rows
+    still inside, so the bottom half holds half of the first box's weight and all of the second's."""
+    geometry = Geometry(kind="regions", image_size=(4, 8), grid_hw=None,
+                        boxes=np.array([[0, 0, 4, 8], [0, 4, 4, 12]], np.float32))
+    dist = pixel_distribution([0.5, 0.5], geometry)
+    assert dist[:4] == pytest.approx(np.full((4, 4), 0.5 / 32))
+    assert dist[4:] == pytest.approx(np.full((4, 4), 0.5 / 32 + 0.5 / 16))
