@@ -373,6 +373,15 @@ def test_a_phrases_types_are_its_visual_ones_in_entities_order_and_a_shared_head
         ([0, 1], ("people", "other"), ("31", "33")), ([3, 4], ("clothing", "other"), ("33",))]
 
 
+def test_each_of_the_eight_coarse_types_is_kept_in_the_papers_order_and_notvisual_is_not():
+    """The type table has a row per coarse type (arXiv:1505.04870, §3): a phrase listing all eight, in reverse and
+    with ``notvisual``, carries each of them under its dataset spelling ("bodyparts") and in the paper's order."""
+    entity = EntityImage("1000", parse_sentences("[/EN#31/other/scene/instruments/vehicles/animals/bodyparts/clothing"
+                                                 "/people/notvisual A boy] climbs .\n"), parse_annotation(ANNOTATION))
+    assert [t.types for t in reference_targets(entity)[1]] == [
+        ("people", "clothing", "bodyparts", "animals", "vehicles", "instruments", "scene", "other")]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Measures
 # ---------------------------------------------------------------------------------------------------------------
