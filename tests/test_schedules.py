@@ -126,6 +126,14 @@ def test_a_configs_drop_factor_reaches_its_milestones():
     assert [learning_rate(cfg, e) for e in (1, 2, 3)] == pytest.approx([1e-3, 5e-4, 5e-4])
 
 
+def test_the_sparsecap_recipes_decay_start_reaches_the_runs_schedule():
+    """--lr-decay-start (SparseCap §4: "after the 10th epoch, the learning rate starts decaying") reaches the run's
+    rate: left out of the schedule, a ``--recipe sparsecap`` run decayed ×0.99 from its first epoch on."""
+    cfg = TrainConfig(out="x", **load_recipe("sparsecap"))
+    assert cfg.lr_decay_start == 10
+    assert [learning_rate(cfg, e) for e in (0, 9, 10, 11, 12)] == pytest.approx([1e-4, 1e-4, 1e-4, 0.99e-4, 0.9801e-4])
+
+
 def test_the_rate_of_an_epoch_under_a_warm_up_is_its_first_steps_by_default():
     """``learning_rate(cfg, epoch)`` without a step is the rate of optimiser step 1 (global step 0)."""
     cfg = TrainConfig(out="x", warmup_steps=100, noam_dim=64)
