@@ -727,6 +727,27 @@ def test_resume_does_not_call_a_given_value_equal_to_the_runs_ignored(scenes, tm
     assert "ignored" not in capsys.readouterr().out
 
 
+def test_a_learning_rate_given_on_resume_is_said_ignored_and_the_runs_kept(scenes, tmp_path, cache, capsys):
+    """The learning rate is the recipe's, not one of what a resume may change: taken from ``--resume --lr``, the
+    epochs still to come were trained at a rate no run of the recipe had (or a run one epoch in was refused, told
+    that its --lr-drop schedule changed)."""
+    saved = json.loads(json.dumps(_config(scenes, tmp_path / "run", cache).to_json()))
+    capsys.readouterr()
+    merged = merge_resume(_config(scenes, tmp_path / "run", cache, lr=1e-3), saved, 1, explicit={"out", "lr"})
+    assert merged.lr == 3e-3
+    assert "ignored: lr=0.001 (the run's: 0.003)" in capsys.readouterr().out
+
+
+def test_a_runs_folder_named_by_another_path_is_not_said_ignored(scenes, tmp_path, cache, capsys, monkeypatch):
+    """``--out`` names the run to resume, not a value of its recipe: a run started with ``--out run`` and resumed as
+    ``--out /abs/run`` (from another folder, or by a path of its own) was told its --out had been ignored."""
+    monkeypatch.chdir(tmp_path)
+    saved = json.loads(json.dumps(_config(scenes, "run", cache).to_json()))
+    capsys.readouterr()
+    merge_resume(_config(scenes, tmp_path / "run", cache), saved, 0, explicit={"out"})
+    assert "ignored" not in capsys.readouterr().out
+
+
 def test_a_moved_data_location_that_does_not_exist_either_is_not_taken(scenes, tmp_path, cache, monkeypatch):
     """The command's place replaces the run's gone one only where it exists: a mistyped one is said ignored, and the
     run keeps its own (so its error names the place the run had)."""
