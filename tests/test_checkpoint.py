@@ -1035,3 +1035,24 @@ def test_a_rewritten_checkpoint_keeps_an_encoder_file_outside_its_folder_by_its_
     update_meta(path, note="rewritten")
     assert json.loads((path / "config.json").read_text())["encoder"]["weights"] == str(cnn)
     assert load_checkpoint(path).encoder.weights == str(cnn)
+
+
+@pytest.mark.parametrize("write", ["save", "card"])
+def test_a_write_cut_by_ctrl_c_leaves_no_folder_beside_its_checkpoint(write, tmp_path, tiny_sat, vocab, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt, no Exception) in a training run's save or in ``captioner card`` clears the
+    temporary folder as a full disk does: left, it kept a whole checkpoint's bytes beside the folder (a card's is
+    cleared by no later card, only by a later save), and the previous checkpoint stands."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(), {"epoch": 1})
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "write_manifest", interrupted)  # the weights are written by then: a folder to leave
+    with pytest.raises(KeyboardInterrupt):
+        if write == "save":
+            save_checkpoint(path, tiny_sat, vocab, EncoderSpec(), {"epoch": 2})
+        else:
+            replace_files(path, {CARD: "# sat\n"})
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert load_checkpoint(path).meta == {"epoch": 1} and not (path / CARD).exists()
