@@ -113,6 +113,18 @@ def test_sample_masks_are_laid_out_like_its_tokens_up_to_each_rows_first_eos(tin
     assert torch.equal(drawn.mask, ended.cumsum(1) - ended == 0)
 
 
+def test_sample_stops_at_the_step_every_row_has_ended(tiny_sat, random_visuals):
+    """SCST draws five captions an image each batch: steps past the last row's EOS would change no loss or reward,
+    only run the decoder up to ``max_len`` for padding (about twice the steps of a batch of short captions).  The
+    EOS bias makes every row end well within ``max_len``."""
+    with torch.no_grad():
+        tiny_sat.out_word.bias[tiny_sat.eos_id] += 3.0
+    torch.manual_seed(0)
+    drawn = sample(tiny_sat, random_visuals, n=4, max_len=30)
+    last_step = max(row.index(tiny_sat.eos_id) for row in drawn.tokens.tolist())
+    assert drawn.tokens.shape[1] == last_step + 1 < 30
+
+
 def test_sample_draws_one_caption_per_image_unless_told_more(tiny_sat, random_visuals):
     """``sample(model, vis)`` as a library caller writes it: one caption per image, row ``b`` for image ``b``
     (every caller in the project names ``n``, so only this call holds the default)."""
