@@ -872,3 +872,15 @@ def test_overlays_decode_a_large_jpeg_at_a_fraction_of_its_size():
     assert load_image(buffer.getvalue(), reduce_to=2048).size == (3000, 2000)
     assert load_image(buffer.getvalue()).size == (6000, 4000)
     assert load_image(_png((300, 200)), reduce_to=100).size == (300, 200)  # PNG: no reduced decode exists
+
+
+def test_a_request_refused_while_draining_is_not_counted_as_running():
+    """The drain waits for the admitted requests only: a refused one counted as running would keep every shutdown
+    waiting its whole budget once a single request was refused (and log them as cancelled)."""
+    gate = ShutdownGate()
+    gate.begin_drain()
+    middleware = DrainMiddleware(lambda *args: None, gate)
+    sent, _, receive, send = _drain_scenario(middleware, [{"type": "http.request", "body": b"", "more_body": False}])
+    run_bounded(middleware({"type": "http", "path": "/caption"}, receive, send))
+    assert sent[0]["status"] == 503 and gate.in_flight == 0
+    assert run_bounded(gate.drain(0.05)) is True
