@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 from PIL import Image
+from prometheus_client import generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -884,3 +885,18 @@ def test_a_request_refused_while_draining_is_not_counted_as_running():
     run_bounded(middleware({"type": "http", "path": "/caption"}, receive, send))
     assert sent[0]["status"] == 503 and gate.in_flight == 0
     assert run_bounded(gate.drain(0.05)) is True
+
+
+def test_the_apps_pool_gauges_read_its_own_decode_and_render_slots(tiny_weights):
+    """A dashboard reads ``captioner_work_running`` by the README's pool names: a decode running must show under
+    ``decode`` only, a render under ``render`` only (a swapped or misspelt pool hid which work backs up)."""
+    app = create_app(_tiny_settings(tiny_weights))
+    with TestClient(app) as client:
+        state = app.state.service
+
+        def running():
+            samples = parse_metrics(generate_latest(state.metrics.registry).decode())
+            return {pool: samples[f'captioner_work_running{{pool="{pool}"}}'] for pool in ("decode", "render")}
+
+        assert client.portal.call(state.decode_slots.run, running) == {"decode": 1, "render": 0}
+        assert client.portal.call(state.render_slots.run, running) == {"decode": 0, "render": 1}

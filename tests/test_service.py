@@ -9,6 +9,7 @@ import json
 import os
 import threading
 import time
+import tomllib
 
 import httpx
 import numpy as np
@@ -39,7 +40,7 @@ from captioner.service.problems import problem_of
 from captioner.service.settings import Settings, json_body_bytes
 from captioner.service.state import ServiceState
 
-from .conftest import WEIGHTS, module_folder
+from .conftest import ROOT, WEIGHTS, module_folder
 from .serving_helpers import assert_every_architecture_round_trips, parse_metrics
 
 
@@ -732,3 +733,55 @@ def test_the_batchers_other_refusals_leave_the_use_case_as_the_services_typed_er
     with pytest.raises(typed):
         with batcher_errors(Settings()):
             raise refusal
+
+
+def test_a_shutdown_during_a_background_first_start_stops_the_export_child(tiny_weights, monkeypatch):
+    """A stop while a first start loads in the background cancels the load (test above): the cancellation is no
+    ``Exception``, and the child making the ONNX exports must be stopped with it, not left exporting the models to
+    come (minutes of CPU and memory) for a server that is gone."""
+    warming, ended = threading.Event(), []
+
+    class FakePreparingChild:  # the child process that makes a first start's ONNX exports: how the start ends it
+        def __init__(self, weights_dir, checkpoints, only, **options):
+            pass
+
+        def wait_for(self, name: str) -> None:
+            pass
+
+        def stop(self) -> None:
+            ended.append("stop")
+
+        def join(self) -> None:
+            ended.append("join")
+
+    async def endless_warm_up(batcher, settings):
+        warming.set()
+        await asyncio.sleep(5)  # far longer than the test: the shutdown cancels it
+
+    monkeypatch.setattr(app_module, "PreparingChild", FakePreparingChild)
+    monkeypatch.setattr(app_module, "unprepared", lambda *found, **placed: ["tiny-a"])
+    monkeypatch.setattr(app_module, "warm_up", endless_warm_up)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, backend="torch")
+    with TestClient(create_app(settings)):
+        assert warming.wait(30)
+    assert ended == ["stop"]
+
+
+def test_the_result_store_and_batchers_take_their_bounds_from_the_settings(tiny_weights):
+    """Each bound reaches what it bounds: the count and age of kept results swapped, overlays of a 10-minute-old
+    caption were gone (or kept for hours), and a queue as long as the row budget refused far fewer requests."""
+    kept = {"results_cache_bytes": 5_000, "results_max_count": 7, "results_max_age_s": 90.0}
+    queued = {"max_batch_images": 3, "queue_size": 5, "max_rows": 40, "warmup": False, "backend": "torch"}
+    app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", **kept, **queued))
+    store = app.state.results
+    assert (store.max_bytes, store.max_count, store.max_age_s) == (5_000, 7, 90.0)
+    with TestClient(app):
+        bounds = {(b.max_batch, b.queue_size, b.max_rows) for b in app.state.service.batchers.values()}
+    assert bounds == {(3, 5, 40)}
+
+
+def test_the_api_document_gives_the_packages_own_version():
+    """A generated client and /docs show ``info.version``: it is the release's (pyproject.toml), not a number left
+    behind when the package's moves on."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert create_app(Settings()).openapi()["info"]["version"] == project["version"]
