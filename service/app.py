@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -175,7 +176,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     if settings.release_memory:
         configure_allocator()  # before the batchers' threads exist: arenas are created per thread
-    app = FastAPI(title="Attention captioner", version="0.1.0", docs_url=None, redoc_url=None,
+    # the installed distribution's version (pyproject.toml), so /openapi.json moves with each release
+    app = FastAPI(title="Attention captioner", version=importlib.metadata.version("attention-captioner"),
+                  docs_url=None, redoc_url=None,
                   lifespan=functools.partial(_lifespan, settings=settings),
                   description="Captions with per-word attention heatmaps from published attention captioners.",
                   license_info={"name": "MIT", "identifier": "MIT"},
