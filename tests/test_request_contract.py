@@ -977,6 +977,8 @@ def test_an_option_sent_as_a_file_part_is_refused_naming_it(client, photo):
     # curl -F beam_size=@three.txt: said so, not left to the option's validation to call "3" an invalid integer
     refused = problem(post(client, photo, extra_files=[("beam_size", ("three.txt", b"3", "text/plain"))]))
     assert refused["detail"] == "beam_size must be a form field, not a file"
+    # a client shows each error beside its field: the entry names the option and says what came instead
+    assert refused["errors"] == [{"loc": ["body", "beam_size"], "msg": "a file part, expected a form field"}]
 
 
 def test_a_query_option_a_json_body_overrides_is_not_refused_before_the_body_is_read(client, photo):
