@@ -708,6 +708,25 @@ def test_a_resume_runs_on_this_processs_device_threads_and_progress_whatever_the
         assert (merged.device, merged.threads, merged.progress) == ("cpu", None, True), explicit
 
 
+def test_a_run_trains_on_the_threads_its_command_asks_for(scenes, tmp_path, cache, monkeypatch):
+    """``captioner train --threads 2`` (a shared machine, a container's CPU quota): the run set no thread count of
+    its own, so torch took every core whatever the command said, and no test noticed (the commands' tests stand in
+    for ``device.set_threads``, which the training loop imports under its own name)."""
+    threads = []
+
+    class BeforeTheDevice(Exception):
+        pass
+
+    def no_device(device):
+        raise BeforeTheDevice(device)
+
+    monkeypatch.setattr(loop, "set_threads", threads.append)
+    monkeypatch.setattr(loop, "init_distributed", no_device)  # the threads are set first: nothing more is needed
+    with pytest.raises(BeforeTheDevice):
+        prepare_run(_config(scenes, tmp_path / "run", cache, threads=2))
+    assert threads == [2]
+
+
 def test_a_resume_that_changes_the_drop_factor_of_a_drop_already_passed_is_refused(scenes, tmp_path, cache):
     """``--lr-drop-factor`` is part of the schedule the finished epochs were trained with: the same drop after epoch
     1 given a factor of 0.1 where the run's was 0.5 changes epoch 2's rate, and is refused like a new drop there."""
@@ -1094,7 +1113,9 @@ def test_under_torchrun_only_rank_0_logs_steps_and_it_counts_every_ranks_tokens(
                                                                               rank):
     """A step record's ``tokens_per_s`` is the whole run's throughput: each rank trains its share of the global
     batch, so rank 0's tokens count ``world`` times (the one-process tests read the same rate either way), and the
-    other ranks write no record (every rank appending to ``metrics.jsonl`` logged each step twice)."""
+    other ranks write no record (every rank appending to ``metrics.jsonl`` logged each step twice) and save no state
+    (rank 0 saves every rank's: a second writer of ``train_state.json`` could remove the tensor file rank 0's JSON
+    names, and its state held only its own random streams)."""
     run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, max_steps=1, log_every=1))
     run.dist = _RankOfTwo(rank=rank, world=2)
     clock = itertools.count(1000.0)  # one second a reading: the first step takes one second
@@ -1111,6 +1132,7 @@ def test_under_torchrun_only_rank_0_logs_steps_and_it_counts_every_ranks_tokens(
     log = tmp_path / "run" / "metrics.jsonl"
     if rank == 1:
         assert not log.exists() or not log.read_text()
+        assert not (tmp_path / "run" / "train_state.json").exists()  # max_steps reached mid-epoch: rank 0 saves
         return
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert tokens[0] > 0 and record["tokens_per_s"] == 2 * tokens[0]
