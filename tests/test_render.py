@@ -110,21 +110,27 @@ def test_area_topk_draws_rectangles_and_needs_areas():
         overlay(Image.new("RGB", (64, 64)), [1.0], grid_geometry(EncoderSpec(), (64, 64)), "area_topk")
 
 
-def test_area_topk_labels_the_three_heaviest_areas_with_their_weights_to_two_places(monkeypatch):
-    """Without a ``top_k`` (the CLI, the service and the figures pass none) the three heaviest areas are drawn, each
-    labelled with its weight to two places, heaviest first: weights of 0.34 and 0.32 written to one place would both
-    read 0.3."""
+@pytest.fixture
+def labels(monkeypatch):
+    """The words and the outline's stroke width of every text the overlays write, drawn as usual."""
     written, text = [], ImageDraw.ImageDraw.text
 
     def recording(self, xy, words, *args, **kwargs):
-        written.append(words)
+        written.append((words, kwargs.get("stroke_width", 0)))
         return text(self, xy, words, *args, **kwargs)
 
     monkeypatch.setattr(ImageDraw.ImageDraw, "text", recording)
+    return written
+
+
+def test_area_topk_labels_the_three_heaviest_areas_with_their_weights_to_two_places(labels):
+    """Without a ``top_k`` (the CLI, the service and the figures pass none) the three heaviest areas are drawn, each
+    labelled with its weight to two places, heaviest first: weights of 0.34 and 0.32 written to one place would both
+    read 0.3."""
     geometry = grid_geometry(EncoderSpec(), (256, 256))
     areas = np.array([[0, 0, 1, 1], [4, 4, 4, 4], [6, 0, 7, 2], [2, 5, 3, 7]])
     overlay(Image.new("RGB", (256, 256)), [0.25, 0.34, 0.09, 0.32], geometry, "area_topk", area_boxes=areas)
-    assert written == ["0.34", "0.32", "0.25"]
+    assert [words for words, _ in labels] == ["0.34", "0.32", "0.25"]
 
 
 def test_area_topk_weights_are_written_legibly_on_dark_and_on_light_photos():
@@ -779,21 +785,14 @@ def test_an_area_label_is_written_inside_its_box_right_of_its_outline():
 
 
 @pytest.mark.parametrize("side, stroke", [(512, 2), (100, 1)])
-def test_an_area_labels_black_outline_is_half_its_boxs_outline_wide(monkeypatch, side, stroke):
+def test_an_area_labels_black_outline_is_half_its_boxs_outline_wide(labels, side, stroke):
     """The weight's black outline is half the box's outline wide, at least a pixel: enough to read the white digits
     on a light photo without hiding more of the photo around them (as wide as the box's 5 px on a 512-px picture,
     each label sat in a black blob more than twice as thick)."""
-    strokes, text = [], ImageDraw.ImageDraw.text
-
-    def recording(self, xy, words, *args, **kwargs):
-        strokes.append(kwargs.get("stroke_width", 0))
-        return text(self, xy, words, *args, **kwargs)
-
-    monkeypatch.setattr(ImageDraw.ImageDraw, "text", recording)
     geometry = grid_geometry(EncoderSpec(), (side, side))  # outlines of 5 px at 512, 2 px (the least) at 100
     photo = Image.new("RGB", (side, side), (255, 255, 255))
     overlay(photo, [1.0], geometry, "area_topk", area_boxes=np.array([[2, 2, 5, 5]]), top_k=1)
-    assert strokes == [stroke]
+    assert [width for _, width in labels] == [stroke]
 
 
 @pytest.mark.parametrize("picture_mode", ["L", "RGBA", "P"])

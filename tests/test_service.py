@@ -400,15 +400,13 @@ def test_the_ready_gauge_is_one_while_serving_and_zero_once_the_app_has_shut_dow
     assert parse_metrics(client.get("/metrics").text)["captioner_ready"] == 0
 
 
-@pytest.mark.parametrize("missing, warm_up_fails", [([], False), (["tiny-a"], False), (["tiny-a"], True)])
-def test_a_first_starts_export_child_runs_only_for_missing_exports_and_is_stopped_when_the_start_fails(
-        tiny_weights, monkeypatch, missing, warm_up_fails):
-    """Models whose exports are made already need no child; otherwise the child that prepares them is joined once
-    every model is served, and when the start fails (a warm-up out of memory, say) it is stopped at once, not
-    waited for while it exports the models still to come, and the failure is the start's."""
+@pytest.fixture
+def export_children(monkeypatch):
+    """The child processes a first start makes for its ONNX exports, stood in for: each records the models it was
+    given and how the start ended it (``stop`` or ``join``)."""
     made = []
 
-    class FakePreparingChild:  # the child process that makes a first start's ONNX exports: how the start ends it
+    class RecordingPreparingChild:
         def __init__(self, weights_dir, checkpoints, only, **options):
             self.only, self.ended = only, []
             made.append(self)
@@ -422,10 +420,19 @@ def test_a_first_starts_export_child_runs_only_for_missing_exports_and_is_stoppe
         def join(self) -> None:
             self.ended.append("join")
 
+    monkeypatch.setattr(app_module, "PreparingChild", RecordingPreparingChild)
+    return made
+
+
+@pytest.mark.parametrize("missing, warm_up_fails", [([], False), (["tiny-a"], False), (["tiny-a"], True)])
+def test_a_first_starts_export_child_runs_only_for_missing_exports_and_is_stopped_when_the_start_fails(
+        tiny_weights, monkeypatch, export_children, missing, warm_up_fails):
+    """Models whose exports are made already need no child; otherwise the child that prepares them is joined once
+    every model is served, and when the start fails (a warm-up out of memory, say) it is stopped at once, not
+    waited for while it exports the models still to come, and the failure is the start's."""
     async def failing_warm_up(batcher, settings):
         raise RuntimeError("out of memory while warming up")
 
-    monkeypatch.setattr(app_module, "PreparingChild", FakePreparingChild)
     monkeypatch.setattr(app_module, "unprepared", lambda *found, **placed: missing)
     if warm_up_fails:
         monkeypatch.setattr(app_module, "warm_up", failing_warm_up)
@@ -436,7 +443,7 @@ def test_a_first_starts_export_child_runs_only_for_missing_exports_and_is_stoppe
     else:
         with TestClient(app) as client:
             assert client.get("/readyz").status_code == 200
-    assert [(child.only, child.ended) for child in made] == (
+    assert [(child.only, child.ended) for child in export_children] == (
         [] if not missing else [(missing, ["stop"] if warm_up_fails else ["join"])])
 
 
@@ -735,36 +742,23 @@ def test_the_batchers_other_refusals_leave_the_use_case_as_the_services_typed_er
             raise refusal
 
 
-def test_a_shutdown_during_a_background_first_start_stops_the_export_child(tiny_weights, monkeypatch):
+def test_a_shutdown_during_a_background_first_start_stops_the_export_child(tiny_weights, monkeypatch,
+                                                                           export_children):
     """A stop while a first start loads in the background cancels the load (test above): the cancellation is no
     ``Exception``, and the child making the ONNX exports must be stopped with it, not left exporting the models to
     come (minutes of CPU and memory) for a server that is gone."""
-    warming, ended = threading.Event(), []
-
-    class FakePreparingChild:  # the child process that makes a first start's ONNX exports: how the start ends it
-        def __init__(self, weights_dir, checkpoints, only, **options):
-            pass
-
-        def wait_for(self, name: str) -> None:
-            pass
-
-        def stop(self) -> None:
-            ended.append("stop")
-
-        def join(self) -> None:
-            ended.append("join")
+    warming = threading.Event()
 
     async def endless_warm_up(batcher, settings):
         warming.set()
         await asyncio.sleep(5)  # far longer than the test: the shutdown cancels it
 
-    monkeypatch.setattr(app_module, "PreparingChild", FakePreparingChild)
     monkeypatch.setattr(app_module, "unprepared", lambda *found, **placed: ["tiny-a"])
     monkeypatch.setattr(app_module, "warm_up", endless_warm_up)
     settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, backend="torch")
     with TestClient(create_app(settings)):
         assert warming.wait(30)
-    assert ended == ["stop"]
+    assert [ended for child in export_children for ended in child.ended] == ["stop"]
 
 
 def test_the_result_store_and_batchers_take_their_bounds_from_the_settings(tiny_weights):
