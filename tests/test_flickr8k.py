@@ -88,6 +88,22 @@ def test_of_two_folders_holding_the_photos_the_first_place_of_the_layout_wins(of
     assert load_flickr(official)[0].path == (official / "images" / "10_a.jpg").resolve()
 
 
+#: where FLICKR8K looks for the photos, relative to Flickr8k_text/ (written out here, not read from the layout, so
+#: that a place misspelt in the layout fails): the archive's folder (sic) and its corrected spelling, inside the text
+#: folder or beside it, a common copy's images/, and the text folder itself
+PHOTO_PLACES = ("Flicker8k_Dataset", "Flickr8k_Dataset", "images", "../Flicker8k_Dataset", "../Flickr8k_Dataset", ".")
+
+
+@pytest.mark.parametrize("place", PHOTO_PLACES)
+def test_the_photos_are_found_in_each_place_a_copy_of_the_data_set_puts_them(official, photos, place):
+    # a user who unpacked the archives another way is told to pass --image-root only where no known place holds them
+    where = (official / place).resolve()
+    if where != photos.resolve():
+        shutil.copytree(photos, where, dirs_exist_ok=True)
+        shutil.rmtree(photos)
+    assert [im.path for im in load_flickr(official)][::3] == [where / "10_a.jpg", where / "30_d.jpg"]
+
+
 def test_names_and_lines_are_read_without_the_spaces_around_them(official):
     # a hand-edited list with trailing spaces: "10_a.jpg " would be a photo with no caption
     train = official / "Flickr_8k.trainImages.txt"
@@ -292,6 +308,34 @@ def test_an_empty_split_list_and_a_bad_line_are_named(official):
     (official / "Flickr_8k.trainImages.txt").write_text("")
     with pytest.raises(ValueError, match="trainImages.txt is empty"):
         load_flickr(official, splits=("test",))
+
+
+def test_blank_lines_in_the_split_lists_and_the_token_file_are_skipped(official):
+    # a list or token file hand-edited or pasted together has blank lines: each was a photo named ".jpg" with no
+    # caption, or a token line without its '#<n>', refusing the whole data set
+    test_list = official / "Flickr_8k.testImages.txt"
+    test_list.write_text("\n  \n30_d.jpg\n\n")
+    token = official / "Flickr8k.token.txt"
+    token.write_text("\n" + token.read_text().replace("\n", "\n \n"))
+    images = load_flickr(official)
+    assert [im.path.name for im in images] == ["10_a.jpg", "11_b.jpg", "20_c.jpg", "30_d.jpg"]
+    assert all(len(im.references) == 5 for im in images)
+
+
+def test_a_photo_listed_twice_in_one_split_is_refused_with_both_lines(official):
+    # kept, it would be scored twice in the test split's BLEU and CIDEr
+    (official / "Flickr_8k.testImages.txt").write_text("30_d.jpg\n30_d.jpg\n")
+    with pytest.raises(ValueError, match=r"testImages.txt:2: 30_d.jpg is already listed at .*testImages.txt:1"):
+        load_flickr(official, splits=("test",))
+
+
+def test_caption_numbers_past_nine_are_read_whole_and_ordered_as_numbers(official):
+    # a token file in Flickr's format with more than ten captions a photo: "#10" is caption 10, after caption 9,
+    # not a caption 0 of a photo named "30_d.jpg#1", nor sorted before "#2" as text
+    token = official / "Flickr8k.token.txt"
+    token.write_text(token.read_text() + "".join(f"30_d.jpg#{n}\tcaption {n}\n" for n in range(5, 12)))
+    image = load_flickr(official, splits=("test",), max_refs=12)[0]
+    assert [r[-1] for r in image.references] == [str(n) for n in range(12)]
 
 
 def test_a_listed_photo_without_captions_names_its_list_and_line(official):

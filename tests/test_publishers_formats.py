@@ -180,6 +180,18 @@ def test_a_flickr30k_split_list_beside_the_token_file_comes_first(flickr30k):
     assert [im.path.stem for im in load_captioned(flickr30k, splits=("test",))] == entities[:1]
 
 
+@pytest.mark.parametrize("place", ["flickr30k-images", "images", "../flickr30k-images", "."])
+def test_flickr30k_photos_are_found_in_each_place_a_copy_of_the_data_set_puts_them(flickr30k, place):
+    """The publishers' flickr30k-images/ beside the token file or beside its folder, a copy's images/, or the token
+    file's own folder (written out here, not read from the layout, so that a place misspelt there fails): anywhere
+    else the user is told to pass --image-root."""
+    photos, where = flickr30k / "flickr30k-images", (flickr30k / place).resolve()
+    if where != photos:
+        shutil.copytree(photos, where, dirs_exist_ok=True)
+        shutil.rmtree(photos)
+    assert {im.path.parent for im in load_captioned(flickr30k, splits=("test",))} == {where}
+
+
 def test_a_run_trained_from_coco_files_records_coco(coco, tmp_path, capsys):
     out = tmp_path / "run"
     train(TrainConfig(dataset=str(coco), out=str(out), cache_dir=str(tmp_path / "cache"), epochs=1, batch_size=16,
