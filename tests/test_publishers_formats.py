@@ -5,6 +5,7 @@ Karpathy JSON, and a run trained from COCO's own files must say it was trained o
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -247,6 +248,16 @@ def test_entries_missing_a_field_or_repeated_are_named(tmp_path):
                                 [{"image_id": 1, "id": 3, "bbox": [0, 0, 1]}])
     with pytest.raises(ValueError, match="COCO annotations file without captions"):
         load_karpathy(instances)
+
+
+def test_an_image_entry_without_its_file_name_is_named_as_an_image(tmp_path):
+    # the user is told which entry of which list to mend: the images list's, and the fields each image needs
+    images = [{"id": 1, "file_name": "a.jpg"}, {"id": 2, "filename": "b.jpg"}]
+    notes = [{"image_id": 1, "id": 10, "caption": "A dog."}, {"image_id": 2, "id": 11, "caption": "A cat."}]
+    captions = write_coco_json(tmp_path / "captions_val2014.json", images, notes)
+    named = f"{captions}: image 1 has no str 'file_name' (COCO's images each have 'id', 'file_name')"
+    with pytest.raises(ValueError, match=re.escape(named)):
+        load_coco(tmp_path, splits=("val",))
 
 
 def test_an_id_of_true_is_not_read_as_the_number_one(tmp_path):
