@@ -1040,6 +1040,23 @@ def test_the_use_cases_check_reads_the_requests_caption_length_and_the_decode_sl
     assert costs == [decode_cost(open_image(photo, state.settings.max_pixels))] and costs[0] > 1
 
 
+def test_an_upload_is_prepared_by_the_runtime_of_the_model_it_names(client, photo, monkeypatch):
+    """Each model preprocesses for its own encoder (its input size and normalisation): an upload for tiny-b prepared
+    by the default model's runtime would reach tiny-b's encoder as another model's pixels (wrong features, or a
+    shape error, silently for models that happen to share a preprocessing)."""
+    state = client.app.state.service
+    prepared_by, run = [], state.decode_slots.run
+
+    async def noting_run(work, runtime, *args, **kwargs):
+        prepared_by.append(runtime)
+        return await run(work, runtime, *args, **kwargs)
+
+    monkeypatch.setattr(state.decode_slots, "run", noting_run)
+    assert state.default_model != "tiny-b"
+    client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters(model="tiny-b", max_len=5)))
+    assert prepared_by == [state.runtimes["tiny-b"]]
+
+
 def test_a_service_ready_with_no_model_loaded_answers_a_caption_request_503_not_404():
     """A start that found no checkpoint still ends ready (``/readyz`` says why it takes no traffic); a caption
     request sent there anyway is the 503 "no model is loaded", retryable, not a 404 for a model it did not name."""

@@ -3,6 +3,7 @@ without the model and with the same caption; other options or other bytes miss; 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import random
@@ -12,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from captioner.models.decoding import DecodingRules
+from captioner.service import captioning
 from captioner.service.app import create_app
 from captioner.service.result_cache import CacheKey, ResultCache, content_digest
 
@@ -100,6 +102,25 @@ def test_a_caption_made_under_one_length_limit_is_a_miss_under_another(cached_ap
     longer = caption(client, image, beam_size=2, max_len=12)
     assert len(calls) == before + 1  # the model ran again
     assert len(short["tokens"]) <= 4 and longer["tokens"] != short["tokens"]
+
+
+def test_the_upload_is_hashed_for_its_key_off_the_event_loop(cached_app, monkeypatch):
+    """The key's digest reads every byte of the upload (a SHA-256 of up to 10 MiB, tens of milliseconds): taken on
+    the event loop, every other request and the liveness probe would wait for each upload's hash."""
+    client, _ = cached_app
+    on_loop, digest = [], captioning.content_digest
+
+    def recording(upload: bytes) -> str:
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # a worker thread has no running loop
+            on_loop.append(False)
+        return digest(upload)
+
+    monkeypatch.setattr(captioning, "content_digest", recording)
+    caption(client, jpeg(6), beam_size=2, max_len=4)
+    assert on_loop == [False]
 
 
 def test_the_cache_evicts_the_least_recently_used_entry():
