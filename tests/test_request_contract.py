@@ -1057,6 +1057,21 @@ def test_an_upload_is_prepared_by_the_runtime_of_the_model_it_names(client, phot
     assert prepared_by == [state.runtimes["tiny-b"]]
 
 
+def test_a_decode_wait_past_the_deadline_is_a_504_saying_the_upload_waited_to_be_decoded(client, photo, monkeypatch):
+    """The 504's detail names what waited: an operator reading "waited to be decoded" raises the decode budget,
+    one reading "waited to be rendered" the render pool's."""
+    state = client.app.state.service
+
+    async def slots_full(*args, **kwargs):
+        raise TimeoutError  # what WorkSlots raises when the wait outlasts its timeout
+
+    monkeypatch.setattr(state.decode_slots, "run", slots_full)
+    with pytest.raises(DeadlinePassed) as refused:
+        client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters(max_len=5)))
+    limit = f"{state.settings.request_timeout_s:g}"
+    assert str(refused.value) == f"the {limit} s request deadline passed while the upload waited to be decoded"
+
+
 def test_a_service_ready_with_no_model_loaded_answers_a_caption_request_503_not_404():
     """A start that found no checkpoint still ends ready (``/readyz`` says why it takes no traffic); a caption
     request sent there anyway is the 503 "no model is loaded", retryable, not a 404 for a model it did not name."""
