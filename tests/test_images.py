@@ -302,3 +302,38 @@ def test_a_named_image_is_called_by_its_name_in_every_error():
     torn = _save(Image.fromarray(data.astronaut()), "JPEG")[:5000]
     with pytest.raises(ImageDecodeError, match="^the image data of IMG_0002.JPG is truncated or corrupt"):
         load_image(torn, name="IMG_0002.JPG")
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16L", "I;16B", "I;16N"])
+def test_a_sixteen_bit_picture_a_library_caller_made_is_scaled_in_every_byte_order(mode):
+    # a caller's picture made from raw 16-bit samples (Image.frombuffer with the native order gives I;16N, which no
+    # file opens as): convert("RGB") alone clips it at 255, so a mid-grey 32,896 came out white
+    samples = np.array([[0, 257, 32896, 65535]], np.uint16)
+    raw = samples.astype(">u2" if mode == "I;16B" else "<u2" if mode in ("I;16", "I;16L") else "=u2").tobytes()
+    picture = Image.frombuffer(mode, (4, 1), raw, "raw", mode, 0, 1)
+    assert picture.mode == mode
+    assert np.asarray(load_image(picture))[0, :, 0].tolist() == [0, 1, 128, 255]
+
+
+def test_a_reduced_decode_is_the_smallest_that_still_reaches_the_asked_side():
+    # the overlay at max_side=300 of an 800x600 photo: a 1/2 decode (400x300), not 1/8 (100x75) drawn up to 300 px
+    # and blurred; the smallest of 1, 1/2, 1/4, 1/8 whose longer side is at least the one asked for
+    photo = _save(Image.new("RGB", (800, 600), (200, 30, 40)), "JPEG")
+    decoded = {side: load_image(photo, reduce_to=side).size for side in (300, 200, 100, 800, 900)}
+    assert decoded == {300: (400, 300), 200: (200, 150), 100: (100, 75), 800: (800, 600), 900: (800, 600)}
+
+
+def test_an_image_file_named_by_a_string_is_closed_once_read_too(tmp_path):
+    # a data set's loader and the CLI name photos by str paths as often as by Path objects: a GIF's file, kept open
+    # by Pillow for its other frames, was left open for each one read by a str
+    frames = [Image.new("RGB", (10, 10), c) for c in [(255, 0, 0), (0, 0, 255)]]
+    frames[0].save(tmp_path / "two.gif", save_all=True, append_images=frames[1:])
+    with nothing_left_open():
+        assert load_image(str(tmp_path / "two.gif")).size == (10, 10)
+
+
+def test_a_dark_integer_picture_is_not_scaled_as_if_it_were_a_float_one():
+    # a float picture may hold [0, 1]; a 32-bit integer one whose brightest pixel is 1 is nearly black (scaled from
+    # 255 like any that fits 8 bits), not black and white
+    dark = np.array([[0, 1, 1, 0]], np.int32)
+    assert np.asarray(load_image(_save(Image.fromarray(dark), "TIFF")))[0, :, 0].tolist() == [0, 1, 1, 0]
