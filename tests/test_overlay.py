@@ -440,6 +440,23 @@ def test_the_heatmaps_routes_document_the_headers_of_their_answer(client):
         assert {"X-Caption-Id", "X-Heatmap-Mode"} <= set(paths[path][method]["responses"]["200"]["headers"]), path
 
 
+def test_the_picture_and_heatmaps_routes_document_what_their_answers_are(client):
+    """/docs and a generated client describe each answer from its ``description``: the 200 says what the picture or
+    the JSON holds and the 504 why it came (a misspelt key left FastAPI's "Successful Response" and "Gateway
+    Timeout" in their place, beside a field the OpenAPI schema does not allow, which a strict validator refuses)."""
+    paths = client.get("/openapi.json").json()["paths"]
+    png = "PNG: one word's overlay (format=png) or every word's (format=figure)"
+    maps = "every word's heatmap as a grayscale PNG in JSON"
+    routes = [("/captions/{result_id}/overlay", "get", png), ("/caption/overlay", "post", png)]
+    routes += [("/captions/{result_id}/heatmaps", "get", maps), ("/caption/heatmaps", "post", maps)]
+    for path, method, ok in routes:
+        answers = paths[path][method]["responses"]
+        assert answers["200"]["description"] == ok, path
+        assert answers["504"]["description"] == "deadline passed while waiting for a render slot", path
+        for status in ("200", "504"):  # a Response Object's fields (OpenAPI 3.1, 4.8.17.1)
+            assert set(answers[status]) <= {"description", "headers", "content", "links"}, (path, status)
+
+
 def test_the_result_and_picture_routes_are_documented_with_their_summaries(client):
     """What /docs and a generated client show for each route of a stored result or a picture (the caption, model
     and health routes' summaries are held in test_service; these could be dropped in silence)."""
