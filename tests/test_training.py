@@ -883,6 +883,25 @@ def test_a_ranks_auxiliary_losses_are_weighted_by_its_share_of_the_global_batchs
     assert out.loss.item() == pytest.approx(out.logs["xe"] * 8 * 2 / 14 + 1.2)
 
 
+def test_every_auxiliary_term_the_model_returns_is_added_to_the_loss():
+    """SAT-hard's model returns its REINFORCE and entropy terms beside the doubly stochastic penalty, and
+    ``--attention-supervision`` adds its own to SAT's penalty: the step minimises each of them.  Were only the first
+    term added, the others would still be logged, and the run would seem to train on them while it did not."""
+    vocab = Vocabulary(["a", "b"])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", [["a", "b"]]) for i in range(3)]
+    terms = {"penalty": 1.0, "reinforce": 0.25, "attention_supervision": 2.0}
+
+    def forward_xe(vis, targets, ss, rows):
+        aux = {name: torch.tensor(value) for name, value in terms.items()}
+        return torch.log_softmax(torch.zeros(*targets.shape, len(vocab)), -1), aux
+
+    model = SimpleNamespace(forward_xe=forward_xe)
+    phase = XEPhase(_config("data", "run", "cache"), model, vocab, keys_store(), images, "cpu")
+    out = phase.loss([0, 1, 2])
+    assert out.logs == pytest.approx({"xe": out.logs["xe"], **terms})
+    assert out.loss.item() == pytest.approx(out.logs["xe"] + 3.25)
+
+
 def test_each_caption_of_a_batch_reads_its_own_images_row():
     """A batch's distinct images are read and encoded once, each caption pointing at its image's row: in a batch of
     pairs of interleaved images (a shuffled epoch), no caption may be paired with another photo."""
