@@ -26,6 +26,7 @@ from starlette.requests import Request
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.decoding import DecodingRules
 from captioner.models.images import decode_cost, open_image
+from captioner.models.inference import ModelInfo
 from captioner.models.rendering.heatmaps import MODES
 from captioner.service import captioning, inputs, middleware, upload_answers
 from captioner.service.admission import QueueFull
@@ -381,6 +382,10 @@ def test_openapi_documents_the_form_fields(client):
         content = paths[path]["post"]["requestBody"]["content"]
         assert content["multipart/form-data"]["schema"] == {"$ref": "#/components/schemas/CaptionForm"}, path
         assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/CaptionJSON"}, path
+        # a bare image body is a file to a generated client, as the form's file part is (without the type it is
+        # any JSON value, and the client serialises the bytes rather than sending them)
+        for media_type in ("image/*", "application/octet-stream"):
+            assert content[media_type]["schema"] == {"type": "string", "format": "binary"}, (path, media_type)
     form = components["CaptionForm"]
     assert set(form["properties"]) == {"file", "model", "beam_size", "max_len", "length_penalty", "block_trigrams",
                                        "block_doubled_words"}
@@ -485,6 +490,18 @@ def test_openapi_serves_generated_clients(client):
     assert "area_topk" in schemas["HeatmapMode"]["enum"]
 
 
+def test_the_model_list_gives_every_field_a_loaded_model_has(client):
+    """GET /models is where a client reads what a model attends over, where it runs and on which backend: every
+    field of its ModelInfo is in the answer (a field left out of the answer model was dropped in silence, since
+    ModelOut ignores a keyword it does not declare, and the document then no longer listed it either)."""
+    fields = {field.name for field in dataclasses.fields(ModelInfo)} | {"default"}
+    models = client.get("/models").json()
+    assert [set(model) for model in models] == [fields, fields], models
+    described = [(m["attention_kind"], m["attention"], m["device"], m["backend"], m["default"]) for m in models]
+    served = ("soft_attention", "softmax", "cpu", "torch")  # the tiny SAT models, on the CPU, with PyTorch
+    assert described == [(*served, True), (*served, False)]  # the first by name is the default
+
+
 def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, photo):
     """length_penalty, block_trigrams and block_doubled_words are options like the others: the answer says what was
     used, the model's defaults when the request names none, and the three ways of giving them agree."""
@@ -511,6 +528,19 @@ def test_decoding_rules_arrive_the_same_way_from_query_form_and_json(client, pho
                           ({"block_doubled_words": "2"}, "block_doubled_words")):
         body = problem(post(client, photo, fields=fields))
         assert [e["loc"] for e in body["errors"]] == [["body", field]], body
+
+
+def test_each_options_bound_itself_is_accepted_from_the_form_and_from_json(client, photo):
+    """The bounds are inclusive, as the document says (minimum 1, length penalty 0 to 5): length_penalty 0 is how a
+    client turns off a model's own penalty ("0: none"), 5 the strongest the service allows, and max_len 1 a one-word
+    answer; a bound moved by one refused each with a 422 (only the values one step past were tried)."""
+    encoded = base64.b64encode(photo).decode()
+    for options in ({"length_penalty": 0.0, "max_len": 1}, {"length_penalty": 5.0, "max_len": 1}):
+        by_form = post(client, photo, fields={name: str(value) for name, value in options.items()})
+        by_json = client.post("/caption", json={"image": encoded, **options})
+        for answer in (by_form, by_json):
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["length_penalty"] == options["length_penalty"] and len(answer.json()["tokens"]) == 1
 
 
 def test_a_body_of_another_media_type_is_415_and_an_unknown_model_gets_no_metric_series_of_its_own(client, photo):
