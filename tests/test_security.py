@@ -748,6 +748,31 @@ def test_an_error_raised_once_the_answer_has_started_is_passed_on_not_answered_t
     assert sent == ["http.response.start"]
 
 
+def test_an_error_raised_after_a_first_chunk_of_the_body_is_passed_on_too():
+    """A body message does not make the answer unstarted again: an error after the first chunk of a body (a
+    streamed answer, or a layer failing once the answer went out) is the server's to handle, not answered with a
+    second start."""
+
+    async def streams_a_chunk_then_fails(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{", "more_body": True})
+        raise RuntimeError("a bug after the first chunk")
+
+    async def answer(request, exc):
+        raise AssertionError("answered after the start")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message["type"])
+
+    layer = UnexpectedErrorMiddleware(streams_a_chunk_then_fails, answer=answer)
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(RuntimeError, match="first chunk"):
+        asyncio.run(layer(scope, None, send))
+    assert sent == ["http.response.start", "http.response.body"]
+
+
 def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     """With CAPTIONER_LOG_FORMAT=text, the access log wrote the URL-decoded path as it came: ``%0A`` then a made-up
     timestamp and level started a second line that looked like the server's own."""

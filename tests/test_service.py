@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -33,10 +34,10 @@ from captioner.service.admission import WouldMissDeadline
 from captioner.service.app import create_app
 from captioner.service.batcher import Batcher, BeamTooWide, DeadlineExceeded, NotAccepting, QueueFull
 from captioner.service.captioning import batcher_errors
-from captioner.service.errors import DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownResult
+from captioner.service.errors import ClientGone, DeadlinePassed, InvalidRequest, NotReady, Overloaded, UnknownResult
 from captioner.service.inputs import drain_body
 from captioner.service.onnx_exports import unprepared
-from captioner.service.problems import problem_of
+from captioner.service.problems import install_problem_handlers, problem_of
 from captioner.service.settings import Settings, json_body_bytes
 from captioner.service.state import ServiceState
 
@@ -712,6 +713,23 @@ def test_a_failure_without_a_wait_sends_no_retry_after():
     assert problem_of(UnknownResult("no result 'x'")).headers is None
     assert problem_of(InvalidRequest("bad options")).headers is None
     assert problem_of(DeadlinePassed("captioning took longer than 10 s")).headers is None
+
+
+def test_a_failure_that_names_its_own_title_is_answered_with_it_not_the_reason_phrase():
+    """ClientGone's 499 is nginx's, not a status Python's http module knows: its problem takes the failure's own
+    title.  Taking the reason phrase instead raised on 499, so a client leaving mid-upload became an internal error
+    (a 500 and a traceback in the log) rather than the 499 the access log and the metrics count."""
+    app = FastAPI()
+    install_problem_handlers(app)
+
+    @app.get("/gone")
+    async def gone():
+        raise ClientGone("the client closed the connection before its upload arrived")
+
+    with TestClient(app) as client:
+        answer = client.get("/gone")
+    assert answer.status_code == 499, answer.text
+    assert answer.json()["title"] == "Client Closed Request" and answer.json()["type"] == "/problems/client-gone"
 
 
 @pytest.mark.parametrize("refusal,retry_after", [
