@@ -37,6 +37,7 @@ from captioner.models.evaluation import resolution as resolution_module
 from captioner.models.evaluation import tuning as tuning_module
 from captioner.models.evaluation import zoo_table as zoo_table_module
 from captioner.models.export import onnx as onnx_module
+from captioner.models.placement import DEFAULT_WEIGHTS_DIR
 from captioner.models.training import curves as curves_module
 from captioner.service.cli import build_parser, main
 
@@ -151,6 +152,15 @@ DEFAULTS = [
     (["compare", "a.json", "b.json"], {"split": "test", "resamples": 2000}),
     (["plot", "run"], {"out": "curves.png"}),
     (["params"], {"vocab_size": 10369}),
+    # the pages' generators: `make zoo-f8k` gives only the data set, so the Flickr8k section is read from and written
+    # to where these say; zoo-table and grounding-doc run bare (the pages name the commands) read the same folders
+    (["zoo-table"], {"weights_dir": "weights", "results": "docs/results", "document": "docs/model_zoo.md",
+                     "figure": "docs/figures/grounding.png", "dataset": DEFAULT_DATA, "baseline": "sat"}),
+    (["zoo-f8k"], {"weights_dir": str(DEFAULT_WEIGHTS_DIR), "results": "docs/results/flickr8k",
+                   "document": "docs/model_zoo.md", "baseline": "sat", "split": "test", "resamples": 2000}),
+    (["grounding-doc"], {"weights_dir": str(DEFAULT_WEIGHTS_DIR), "results": "docs/results/grounding",
+                         "document": "docs/grounding.md", "figure": "docs/figures/grounding_entities.png",
+                         "examples": "docs/figures/grounding_entities_heatmaps.png", "scene_results": "docs/results"}),
     # the grid docs/decisions.md gives: α ∈ {0, 0.5, 1} × trigram blocking off and on
     (["tune-decoding", "c"], {"split": "val", "length_penalties": [0.0, 0.5, 1.0], "block_trigrams": [False, True],
                               "block_doubled_words": [False], "metric": "CIDEr-D", "beam_size": 3, "max_len": 20}),

@@ -289,6 +289,17 @@ def test_cli_hands_its_flags_to_the_comparison_and_names_the_sides_and_tokenizer
     assert calls == [(3, 7, False), (4, 2000, True)]
 
 
+def test_the_report_names_the_data_set_file_and_split_whose_references_scored_both_sides(tmp_path):
+    """A comparison's JSON is read long after it was made: it names the data set's file (a folder given resolved to
+    the file read) and the split, so a difference measured on the test split is not taken for one on another."""
+    data = write_dataset(tmp_path / "scenes")
+    a, out = tmp_path / "a.json", tmp_path / "out.json"
+    a.write_text(json.dumps([{"image_id": im.image_id, "caption": "a red circle"} for im in IMAGES]))
+    main(["compare", str(a), str(a), "--dataset", str(data.parent), "--resamples", "5", "--output", str(out)])
+    report = json.loads(out.read_text())
+    assert (report["dataset"], report["split"]) == (str(data), "test")
+
+
 def test_cli_refuses_ptb_scoring_without_java_in_one_line_before_comparing(tmp_path, monkeypatch, capsys):
     data = write_dataset(tmp_path / "scenes").parent
     a = tmp_path / "a.json"
