@@ -279,6 +279,11 @@ def test_weights_sha256_names_each_weights_file_of_a_spec_and_no_other(tmp_path)
     with pytest.raises(FileNotFoundError):
         weights_sha256(missing)
     assert weights_sha256(missing, missing_ok=True) == {"weights": ""}
+    # a missing ImageNet file stops nothing after it: the fine-tuned stages are still named by their content, which
+    # the export identity (``missing_ok``) keys on
+    both = replace(missing, tuned_weights=str(tmp_path / "tuned.safetensors"))
+    tuned = hashlib.sha256(b"tuned").hexdigest()
+    assert weights_sha256(both, missing_ok=True) == {"weights": "", "tuned_weights": tuned}
 
 
 def test_a_tuned_weights_file_that_holds_no_stage_of_this_encoder_is_refused(tmp_path):
