@@ -514,6 +514,9 @@ def test_every_registered_model_keeps_the_protocol_training_checks(normaliser):
     ("step", lambda answer: answer[:2], r"step must return \(log-probs, new state, AttnRecord\)"),
     ("step", lambda answer: (answer[0][:, :-1], *answer[1:]),
      r"step's log-probs must be \[rows, vocab_size\] = \[2, 23\], got \[2, 22\]"),
+    # the bare attention row where its AttnRecord belongs: refused by the rule, not an AttributeError on ``primary``
+    ("step", lambda answer: (*answer[:2], answer[2].primary),
+     r"step's attention must be an AttnRecord \(its primary row and extras\), got Tensor"),
     ("step", lambda answer: (*answer[:2], AttnRecord(answer[2].primary[:, :-1])),
      r"one weight per visual item, \[rows, items\] = \[2, 9\], got \[2, 8\]"),
     # rows that still sum to 1 and leave the padding at 0, with one weight below zero
