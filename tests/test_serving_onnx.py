@@ -866,6 +866,18 @@ def test_a_hybrid_on_a_gpu_whose_cnn_runs_on_the_cpu_hands_it_host_pixels_and_it
     assert (grid.device.type, len(grid)) == ("meta", 3) and handed == [("cpu", 3)]
 
 
+def test_a_hybrid_decodes_on_the_servers_device_whatever_its_cnn_session_runs_on(monkeypatch):
+    """``CAPTIONER_BACKEND=hybrid`` on a GPU server: the hybrid's decoder runs on the device its checkpoint was loaded
+    on, the server's (the meta device stands in for the GPU), not on the CPU its CNN session may run on: PyTorch
+    weights on the GPU fed from a runtime placed on the CPU fail at the first caption, and a decoder moved to the CPU
+    gives up the GPU the backend was chosen for."""
+    made = []
+    monkeypatch.setattr(runtime_module, "HybridRuntime", lambda name, ckpt, visual, device: made.append(device))
+    encoders = types.SimpleNamespace(device=torch.device("meta"), onnx=lambda spec: "visual session")
+    runtime_module._on_onnx_runtime("sat", types.SimpleNamespace(encoder=TINY_SPEC), "hybrid", encoders, 1)
+    assert made == [torch.device("meta")]
+
+
 def test_the_cuda_provider_is_seen_where_onnx_runtime_offers_it():
     """``auto`` asks whether ONNX Runtime offers CUDA before timing it on a GPU: the question compared the provider
     entry (name, options) with a name, so the answer was always no and every GPU served PyTorch."""
@@ -1349,17 +1361,24 @@ def test_the_device_setting_places_every_model_even_where_auto_would_pick_the_gp
     assert list(loaded) == ["a"] and loaded["a"].device == CPU
 
 
-def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog):
+@pytest.mark.parametrize(
+    "death,code",
+    [(functools.partial(os._exit, 3), 3), (functools.partial(signal.raise_signal, signal.SIGKILL), -signal.SIGKILL)],
+    ids=["exits-3", "killed"],
+)
+def test_a_preparing_child_that_dies_leaves_its_models_to_the_server(tmp_path, caplog, death, code):
     """A child that exits without reporting a model (killed, out of memory) does not leave the server waiting for
-    it: the wait returns, the failure is logged once, and the server's own load prepares the model."""
+    it: the wait returns, the failure is logged once, and the server's own load prepares the model. The out-of-memory
+    killer's SIGKILL, the likeliest death of a child tracing exports, is an exit code below zero: the warning is the
+    operator's only word of why the first start took the server's own time."""
     save_tiny_sats(tmp_path / "weights", ["a"])
     with caplog.at_level("WARNING", logger="captioner.runtime"):
-        child = preparing_child(tmp_path, functools.partial(os._exit, 3), only=["a"])
+        child = preparing_child(tmp_path, death, only=["a"])
         child.wait_for("a")
         child.wait_for("not-given")  # a model the child was not given is never waited for
         child.join()
     assert [r.getMessage() for r in caplog.records] == [
-        "preparing the ONNX exports in a child process failed (exit code 3); preparing the rest here"]
+        f"preparing the ONNX exports in a child process failed (exit code {code}); preparing the rest here"]
     assert still_to_prepare(tmp_path) == ["a"]
 
 
