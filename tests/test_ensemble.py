@@ -130,6 +130,10 @@ def test_fewer_than_two_members_are_refused_by_name_however_the_ensemble_is_buil
     member does not build: an ensemble of one is that model under another name."""
     with pytest.raises(ValueError, match="at least two checkpoints"):
         build_ensemble([])
+    # one checkpoint (`captioner ensemble OUT ONE` parses) is the builder's refusal too, not the config's, whose
+    # message sends the user of `captioner ensemble` to `captioner ensemble`
+    with pytest.raises(ValueError, match="^an ensemble needs at least two checkpoints$"):
+        build_ensemble([tiny_checkpoint("sat")])
     sat = tiny_checkpoint("sat").model
     with pytest.raises(ValueError, match="at least two members"):
         create("ensemble", vocab_size=len(VOCAB), feat_dim=FEAT_DIM, members=[{"arch": "sat", "model": sat.config()}])
