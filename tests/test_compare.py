@@ -117,6 +117,16 @@ def test_bleu_4_of_a_corpus_without_four_grams_is_coco_captions_smoothed_value()
     assert 0.01 < want["BLEU-4"] < 0.1
 
 
+def test_bleu_of_many_corpora_at_once_is_each_corpus_bleu():
+    """paired_corpus_difference hands corpus_bleu one row of sums per resample: each row must be scored as its own
+    corpus (the product of precisions taken along n, never across the resamples), or BLEU-4's interval in
+    ``captioner compare`` is of numbers that are no resample's BLEU."""
+    captions = ["a red circle", "a green triangle on a green triangle", "<empty>", "a blue circle on a blue circle"]
+    rows = bleu_statistics(captions, [[" ".join(r) for r in im.references] for im in IMAGES])
+    corpora = np.stack([rows.sum(0), rows[:2].sum(0), rows[1:].sum(0), rows[[0, 0, 3]].sum(0)])
+    assert corpus_bleu(corpora) == pytest.approx(np.stack([corpus_bleu(totals) for totals in corpora]))
+
+
 def test_a_karpathy_coco_splits_references_are_cooked_once_for_both_sides():
     """Each image's cooked references are kept for the other side's captions, for a whole Karpathy COCO split
     (5,000 images): a cache one image smaller, read in the same order, evicts every image before it is read again
