@@ -51,7 +51,9 @@ def test_importing_the_zoo_alone_registers_every_model_file_of_the_project():
     # true is an int to isinstance: it failed in PyTorch ("empty(): argument 'size' ..."), naming no option
     ("sat", {"vocab_size": 12, "feat_dim": 8, "hidden_dim": True}, "model 'sat': option 'hidden_dim' takes a whole"),
     ("aoanet", {"vocab_size": 12, "feat_dim": 8, "pre_norm": 1}, "model 'aoanet': option 'pre_norm' takes true or"),
-    ("sat", {"vocab_size": 12, "feat_dim": 8, "gate": 3}, "model 'sat': option 'gate' takes a string"),
+    # the whole message: the kind is named as the reader would say it, then the default ("a stringX" passed before)
+    ("sat", {"vocab_size": 12, "feat_dim": 8, "gate": 3},
+     "model 'sat': option 'gate' takes a string \\(default 'scalar'\\), got 3$"),
     # a sequence option given one name: "string indices must be integers" from inside the ensemble
     ("ensemble", {"vocab_size": 12, "feat_dim": 8, "members": "sat"},
      "model 'ensemble': option 'members' takes a list"),
