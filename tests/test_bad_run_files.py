@@ -57,6 +57,17 @@ def test_a_state_altered_by_hand_is_refused_naming_it(damage, tmp_path, capsys):
     assert (run / STATE_JSON).read_bytes() == text
 
 
+@pytest.mark.parametrize("text, found", [("[1]", "its JSON is list, not an object"), ("{", "not JSON: ")])
+def test_a_state_that_is_not_a_json_object_is_refused_saying_what_the_file_should_be(tmp_path, text, found):
+    """The message is what ``--resume`` prints: it names the file, what it should hold and what it holds instead."""
+    run = saved_run(tmp_path / "run")
+    (run / STATE_JSON).write_text(text)
+    with pytest.raises(CheckpointError) as refused:
+        load_state(run, objects=("progress",))
+    assert str(refused.value).startswith(f"{run / STATE_JSON} is not a training run's state ({found}")
+    assert str(refused.value).endswith("(torn or altered): refusing to resume from it")
+
+
 def test_log_lines_that_are_not_objects_or_not_utf8_are_passed_over(tmp_path):
     log = tmp_path / METRICS_LOG
     good = '{"kind": "step", "step": 10, "lr": 0.1, "xe": 2.0}'
