@@ -179,6 +179,18 @@ def test_converted_model_equals_the_authors_forward(authors_files):
     assert meta["source_options"]["num_heads"] == HEADS and "<unk>" in vocab.stoi and "UNK" not in vocab.stoi
 
 
+def test_the_authors_dropout_and_where_the_weights_came_from_are_kept(authors_files, tmp_path):
+    """Fine-tuning an imported checkpoint trains with the authors' ``--drop_prob_lm`` (not this model's default 0.5),
+    and ``GET /models`` names their repository as where the weights came from (``meta["imported_from"]``)."""
+    infos = pickle.loads(authors_files[1].read_bytes())
+    infos["opt"].drop_prob_lm = 0.2
+    (tmp_path / "infos_dropout.pkl").write_bytes(pickle.dumps(infos, protocol=2))
+    model, _, meta = convert_aoanet(authors_files[0], tmp_path / "infos_dropout.pkl")
+    assert model.config()["dropout"] == 0.2 and model.drop.p == 0.2
+    source = {"code": "github.com/husthuaan/AoANet", "weights": "model-best.pth", "infos": "infos_dropout.pkl"}
+    assert meta["imported_from"] == source
+
+
 def test_import_command_writes_a_loadable_checkpoint(authors_files, tmp_path):
     out = tmp_path / "imported"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
