@@ -649,6 +649,23 @@ def test_init_weights_fill_an_extended_vocabulary_and_a_related_architecture_and
         load_init_weights(wider, init, str(path))
 
 
+def test_a_refused_warm_start_names_every_misfit_weight_or_says_it_names_only_the_first_eight(tmp_path):
+    """The refusal is what a user reads to choose the ``--set`` sizes that fit the checkpoint: up to eight misfit
+    weights are all named, with nothing after them; more are cut at eight and end in "…", so a user does not take
+    the first eight for all of them (the ellipsis shown for fewer than eight, and none for more, passed every
+    test)."""
+    vocab, path = _saved_small_sat(tmp_path / "ckpt")
+    init = load_checkpoint(path)
+    seven = "embed.weight, lstm.weight_ih, out_h.bias, out_h.weight, out_word.weight, out_z.bias, out_z.weight"
+    wider, taller = ({**SMALL, "embed_dim": 40}, {**SMALL, "hidden_dim": 40})
+    with pytest.raises(ValueError, match=rf"no weights of the right shape for {re.escape(seven)}$"):
+        load_init_weights(create("sat", vocab_size=len(vocab), feat_dim=16, **wider), init, "ckpt")
+    with pytest.raises(ValueError) as refused:
+        load_init_weights(create("sat", vocab_size=len(vocab), feat_dim=16, **taller), init, "ckpt")
+    named = str(refused.value).split("no weights of the right shape for ")[1]
+    assert named.endswith(" …") and len(named.removesuffix(" …").split(", ")) == 8
+
+
 def test_a_warm_starts_vocabulary_encoder_and_lineage_where_the_run_or_the_checkpoint_is_unusual(tmp_path):
     """A resumed run's vocabulary is the one it saved (its rows are trained to those words), whatever its --init
     checkpoint or its data would give now; --extend-vocab may add no word; an --encoder other than the checkpoint's
