@@ -124,3 +124,13 @@ def test_a_photo_without_an_original_before_the_others_leaves_their_references_i
     # the copies given as their own originals: the same captions on both sides, so no examples
     same = resolution_check(RecordingPipeline(), images, tmp_path / "copies")
     assert same["same_caption"] == 3 and same["examples"] == []
+
+
+def test_the_report_shows_the_first_ten_photos_whose_captions_differ_not_every_one(tmp_path):
+    """On a test split of a thousand photos most captions may differ; the printed report (and ``--output``) shows
+    ten of them in the split's order as examples, not a thousand entries that bury the scores above them."""
+    names = tuple(f"photo{i:02d}.jpg" for i in range(12))
+    report = resolution_check(RecordingPipeline(), _copies_with_originals(tmp_path, names), tmp_path / "full")
+    assert report["images"] == 12 and report["same_caption"] == 0
+    shown = [{"image": name, "copy": "a blur", "original": f"a {name[:-4]}"} for name in names[:10]]
+    assert report["examples"] == shown
