@@ -40,6 +40,8 @@ def regions(batch: int = 3, seed: int = 1) -> VisualBatch:
 def test_registered_and_config_round_trips():
     assert "xlan" in available()
     model = tiny(lstm_input="sum", hidden_dim=32, shared_kv_update=False, activation="relu")
+    # GET /models and the model card name how the exported attention was made: the decoder block's spatial β^s
+    assert model.arch == "xlan" and model.attention_kind == "xlinear_spatial_attention"
     config = json.loads(json.dumps(model.config()))
     again = create("xlan", **config)
     assert again.config() == model.config()
