@@ -240,6 +240,12 @@ def test_a_recorded_path_is_cited_as_its_train_split_and_no_path_as_not_recorded
     assert trained_on({"dataset": "data/my_captions_train2014.json"}) == "my_captions_train2014.json, train split"
 
 
+def test_a_karpathy_json_of_a_data_set_without_a_citation_is_cited_by_its_own_name():
+    """A run trained on ``dataset_NAME.json`` of a data set the project has no citation for: ``GET /models`` and the
+    card name the data set (``NAME``), not the JSON's file name."""
+    assert trained_on({"dataset": "data/dataset_vizwiz.json"}) == "vizwiz, train split"
+
+
 def test_the_training_captions_are_the_train_splits_read_without_its_photos(official, photos):
     """The captions the share of novel ones is counted against: the train split's alone, and read when only the
     evaluated photos are on disk."""

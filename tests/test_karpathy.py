@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from captioner.models.cli.common import load_split
+from captioner.models.data.datasets import load_captioned
 from captioner.models.data.features import _cache_name, extract_features
 from captioner.models.data.karpathy import karpathy_dataset_name, load_karpathy
 from captioner.models.encoder import EncoderSpec
@@ -219,6 +220,15 @@ def test_an_empty_split_lists_the_splits_whose_photos_are_not_all_here(coco_fixt
     (coco_fixture.parent / "train2014" / "COCO_train2014_000000000000.jpg").unlink()
     with pytest.raises(SystemExit, match="split 'dev' of .* is empty; its splits are test, train, val"):
         load_split(coco_fixture, None, "dev")
+
+
+def test_of_several_missing_photos_the_first_in_the_data_sets_order_is_named(coco_fixture):
+    """A half-copied photo folder: the error names the first photo the data set lists that is not here, so the user
+    knows where the copy stopped (the photos after it are missing too)."""
+    for name in ("COCO_val2014_000000000001.jpg", "COCO_val2014_000000000003.jpg"):
+        (coco_fixture.parent / "val2014" / name).unlink()
+    with pytest.raises(FileNotFoundError, match=r"image \S*COCO_val2014_000000000001\.jpg of "):
+        load_captioned(coco_fixture)
 
 
 def test_an_entrys_extra_fields_are_kept_in_its_info(coco_fixture):
