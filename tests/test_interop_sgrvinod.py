@@ -113,6 +113,17 @@ def test_imported_checkpoint_equals_the_tutorials_forward_pass(modules, imported
     assert_same_as_the_tutorial(modules, ckpt.model, ckpt.vocab, ckpt.encoder)
 
 
+def test_the_import_says_to_caption_images_with_the_checkpoint_not_to_evaluate_it(files, tmp_path, capsys):
+    """The tutorial's checkpoint takes images, like the shipped ones: the import's closing line tells the user the
+    command that runs it (``captioner caption IMAGE --checkpoint OUT``) and its trunk, never the region-feature
+    ``captioner eval ... --features regions:DIR`` hint of the region-feature importers (features it does not read)."""
+    out = tmp_path / "sat-tutorial"
+    captioner(["import", "sgrvinod", *map(str, files), "--out", str(out)])
+    said = capsys.readouterr().out
+    assert said.startswith(f"wrote {out} (sat, {len(WORDS) + 4} tokens, resnet18 encoder); caption with captioner ")
+    assert said.endswith(f" caption IMAGE --checkpoint {out}, or serve its folder\n") and "captioner eval" not in said
+
+
 def test_the_metadata_names_the_source_files_and_keeps_the_checkpoints_numbers(files):
     """The model card shows where the weights came from: the code, the two files' names (never a path of the
     importing machine) and the checkpoint's own epoch and BLEU-4."""

@@ -275,12 +275,16 @@ def test_converted_model_equals_the_authors_forward(kind, inputs, tmp_path):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_import_command_writes_a_loadable_checkpoint(kind, inputs, tmp_path):
+def test_import_command_writes_a_loadable_checkpoint(kind, inputs, tmp_path, capsys):
     make_state, reference, _ = KINDS[kind]
     torch.save(make_state(), tmp_path / "caption_model_1.pth")
     vocabulary = write_vocabulary(tmp_path / "coco_vocabulary.txt", end="\r\n")
     captioner(["import", kind, "--checkpoint", str(tmp_path / "caption_model_1.pth"), "--vocab", str(vocabulary),
                "--out", str(tmp_path / kind)])
+    # a region-feature model: the closing line's next step is evaluating it on features, not captioning images
+    said = capsys.readouterr().out
+    assert f"evaluate it with captioner eval {tmp_path / kind} --features regions:DIR" in said
+    assert "captioner caption" not in said
     ckpt = load_checkpoint(tmp_path / kind)
     assert ckpt.model.arch == kind and ckpt.meta["imported_from"]["code"] == "github.com/JDAI-CV/image-captioning"
     # their models/__init__.py registers XLAN and XTransformer (XLANTransformer was the first day's name only)
