@@ -122,6 +122,17 @@ def test_a_graph_or_seal_changed_on_disk_since_it_was_found_intact_is_not_intact
     assert not intact(graph)
 
 
+@pytest.mark.parametrize("missing", ["graph", "seal"])
+def test_a_graph_or_seal_that_is_not_there_is_not_intact_rather_than_an_error(tmp_path, missing):
+    """A start asks ``intact`` of graphs not exported yet, and of an older version's graphs written without a seal:
+    each is simply to be made (again), never an exception that stops the server or the export."""
+    graph = tmp_path / STEP_FILE
+    graph.write_bytes(b"graph")
+    seal(graph)
+    (graph if missing == "graph" else graph.with_name(graph.name + SEAL_SUFFIX)).unlink()
+    assert intact(graph) is False
+
+
 def test_a_graph_written_under_another_name_is_sealed_as_written_before_it_is_renamed_into_place(tmp_path):
     """The int8 CNN is quantized into a temporary file, sealed, then renamed over the graph it replaces (a damaged
     one, or none): the seal is the new graph's, so it is intact once in place and not quantized again."""
