@@ -550,6 +550,18 @@ def test_a_report_whose_score_is_a_boolean_is_refused_naming_its_split_and_measu
         load_report(report)
 
 
+def test_a_file_that_is_no_eval_report_is_refused_naming_it_rather_than_carded_as_an_empty_table(tmp_path):
+    """``captioner card --report`` given ``--results-json``'s captions (a list), or a JSON object with no scored
+    split, is refused with an error naming the file: a card written from it would hold a score table with no row."""
+    captions, unscored = tmp_path / "captions.json", tmp_path / "unscored.json"
+    captions.write_text(json.dumps([{"image_id": 1, "caption": "a red circle"}]))
+    unscored.write_text(json.dumps({"beam_size": 3, "checkpoint": "runs/x/best"}))
+    for path in (captions, unscored):
+        refusal = f"{path} is not a report of `captioner eval --output` (it holds no scored split"
+        with pytest.raises(ValueError, match=f"^{re.escape(refusal)}"):
+            load_report(path)
+
+
 def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tmp_path, capsys):
     """The card names generated scenes by what their own dataset_scenes.json records: the generator's version and
     the `captioner data generate` command that writes the same data set again (here no Makefile target's: another
@@ -571,6 +583,34 @@ def test_a_scene_cards_data_line_is_the_command_that_draws_its_data_set_again(tm
         else:
             assert data_line.startswith("- Data: generated scenes (this project's generator): `")
             assert "gone/dataset_scenes.json is not here" in capsys.readouterr().err
+
+
+def test_an_ensembles_card_gives_each_members_data_and_time_or_says_they_were_not_recorded(tmp_path):
+    """The ensemble card's member table: a member's recorded data set and training time, and "not recorded" only
+    where its record has none, so the card neither hides what was recorded nor fills in what was not."""
+    citation = "Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013), train split"
+    members = [
+        {"name": "sat", "arch": "sat", "trained_on": citation, "train_seconds": 120.0, "checksum": "ab" * 32},
+        {"name": "aoanet", "arch": "aoanet", "checksum": "cd" * 32},
+    ]
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"ensemble_of": members})
+    card = write_card(tmp_path / "ckpt", {}).read_text()
+    assert f"\n| `sat` | `sat` | {citation} | 2.0 min | `{'ab' * 8}…` |\n" in card
+    assert f"\n| `aoanet` | `aoanet` | not recorded | not recorded | `{'cd' * 8}…` |\n" in card
+
+
+def test_a_photo_cards_data_line_cites_its_data_set_as_recorded_or_as_its_path_names_it(tmp_path):
+    """A Flickr8k checkpoint's card names its data by citation (what ``GET /models`` says too): the run's own
+    ``trained_on`` record, else, for a checkpoint trained before it was recorded, the data set its path names. A
+    card naming only a path would not say which published data set the scores below are of."""
+    recorded = "Flickr30k (Young, Lai, Hodosh & Hockenmaier, TACL 2014), train split"
+    for meta, cited in (
+        ({"dataset": "data/dataset_flickr8k.json"}, "Flickr8k (Hodosh, Young & Hockenmaier, JAIR 2013), train split"),
+        ({"dataset": "data/dataset_flickr30k.json", "trained_on": recorded}, recorded),
+    ):
+        save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta=meta)
+        card = write_card(tmp_path / "ckpt", {}).read_text()
+        assert f"\n- Data: {cited}: `{meta['dataset']}` (training split;" in card
 
 
 def _tables(card: str) -> list[list[str]]:
