@@ -173,6 +173,24 @@ def run_bounded(coroutine, timeout_s: float = SCENARIO_TIMEOUT_S):
     return asyncio.run(bounded())
 
 
+def record_event_loop_calls(monkeypatch, module, name: str) -> list[bool]:
+    """Replace ``module.name`` by a wrapper that notes, call by call, whether it ran on the event loop (True) or in a
+    worker thread (False, a thread has no running loop): work that blocks for long belongs off the loop, where it
+    holds up no other request and no liveness probe."""
+    on_loop, real = [], getattr(module, name)
+
+    def recording(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recording)
+    return on_loop
+
+
 def call_bounded(timeout_s: float, function, *args):
     """``function(*args)`` in a thread of its own, failing the test after ``timeout_s`` rather than holding it until
     pytest-timeout's 600 s stop the whole run: an export that took its folder's lock exclusively, where a shared

@@ -38,7 +38,8 @@ from captioner.service.middleware import HeadAsGetMiddleware
 from captioner.service.schemas import CaptionOptions
 
 from .leaks import nothing_left_open
-from .serving_helpers import TINY_SPEC, VOCAB, parse_metrics, run_bounded, serving_settings, tiny_model
+from .serving_helpers import (TINY_SPEC, VOCAB, parse_metrics, record_event_loop_calls, run_bounded, serving_settings,
+                              tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -356,18 +357,7 @@ def test_json_base64_may_be_wrapped_with_whitespace_and_nothing_else(client, pho
 def test_a_json_body_is_parsed_off_the_event_loop(client, photo, monkeypatch):
     """Parsing megabytes of JSON and base64 on the event loop stalled every other request (the concurrency
     audit): it runs in a worker thread, where no event loop runs."""
-    parsed_on_loop = []
-    real = inputs._json_image
-
-    def recording(body):
-        try:
-            asyncio.get_running_loop()
-            parsed_on_loop.append(True)
-        except RuntimeError:
-            parsed_on_loop.append(False)
-        return real(body)
-
-    monkeypatch.setattr(inputs, "_json_image", recording)
+    parsed_on_loop = record_event_loop_calls(monkeypatch, inputs, "_json_image")
     response = client.post("/caption", json={"image": base64.b64encode(photo).decode()})
     assert response.status_code == 200, response.text
     assert parsed_on_loop == [False]

@@ -42,7 +42,7 @@ from captioner.service.settings import Settings, json_body_bytes
 from captioner.service.state import ServiceState
 
 from .conftest import ROOT, WEIGHTS, module_folder
-from .serving_helpers import assert_every_architecture_round_trips, parse_metrics
+from .serving_helpers import assert_every_architecture_round_trips, parse_metrics, record_event_loop_calls
 
 
 def _png(image: Image.Image, fmt: str = "PNG") -> bytes:
@@ -557,18 +557,7 @@ def test_a_refused_requests_body_is_drained_for_seconds_not_for_as_long_as_it_tr
 def test_an_uploads_header_is_parsed_off_the_event_loop(tiny_weights, monkeypatch):
     """The pixel count that budgets decoding was read on the event loop: a JPEG of millions of empty markers takes
     Pillow seconds to scan, and every other request (the liveness probe too) waited for it."""
-    on_loop = []
-    open_image = captioning.open_image
-
-    def recording(data: bytes, max_pixels: int):
-        try:
-            asyncio.get_running_loop()
-            on_loop.append(True)
-        except RuntimeError:  # a worker thread has no running loop
-            on_loop.append(False)
-        return open_image(data, max_pixels)
-
-    monkeypatch.setattr(captioning, "open_image", recording)
+    on_loop = record_event_loop_calls(monkeypatch, captioning, "open_image")
     app = create_app(Settings(weights_dir=tiny_weights, default_model="tiny-a", backend="torch", warmup=False))
     with TestClient(app) as client:
         assert _post(client, _png(Image.fromarray(data.coffee()), "PNG"), beam_size=2, max_len=4).status_code == 200

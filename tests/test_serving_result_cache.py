@@ -3,7 +3,6 @@ without the model and with the same caption; other options or other bytes miss; 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import io
 import random
@@ -17,7 +16,7 @@ from captioner.service import captioning
 from captioner.service.app import create_app
 from captioner.service.result_cache import CacheKey, ResultCache, content_digest
 
-from .serving_helpers import count_encodes, random_images, serving_settings
+from .serving_helpers import count_encodes, random_images, record_event_loop_calls, serving_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -108,17 +107,7 @@ def test_the_upload_is_hashed_for_its_key_off_the_event_loop(cached_app, monkeyp
     """The key's digest reads every byte of the upload (a SHA-256 of up to 10 MiB, tens of milliseconds): taken on
     the event loop, every other request and the liveness probe would wait for each upload's hash."""
     client, _ = cached_app
-    on_loop, digest = [], captioning.content_digest
-
-    def recording(upload: bytes) -> str:
-        try:
-            asyncio.get_running_loop()
-            on_loop.append(True)
-        except RuntimeError:  # a worker thread has no running loop
-            on_loop.append(False)
-        return digest(upload)
-
-    monkeypatch.setattr(captioning, "content_digest", recording)
+    on_loop = record_event_loop_calls(monkeypatch, captioning, "content_digest")
     caption(client, jpeg(6), beam_size=2, max_len=4)
     assert on_loop == [False]
 
