@@ -134,6 +134,37 @@ def test_encoder_and_first_step_follow_vaswani_layout(pre_norm, visuals):
     torch.testing.assert_close(record.extras["areas"], area_maps[-1])
 
 
+def test_a_wide_grid_is_read_as_rows_by_columns_in_every_area_attention_and_the_export():
+    """A landscape photo's features come as 3 rows × 5 columns (``grid_hw``), and an area is a rectangle of that grid:
+    the encoder's self-attention, the cross-attention's area keys and values built in :meth:`encode` and the cells
+    that ``primary`` spreads an area's weight onto must all read the grid as rows × columns.  Every other equation
+    test has a square grid, where a grid read as columns × rows gives the same areas; here it joins cells of
+    different rows into one area, and the caption and the heat map shown over the photo change."""
+    model = tiny(encoder_area=[2, 3], decoder_area=[3, 2], area_key="mean", grid_hw=[3, 5])
+    feats = torch.randn(2, 15, FEAT, generator=torch.Generator().manual_seed(2))
+    grid = (3, 5)
+    pos = torch.stack([model.row_embed.weight[r] + model.col_embed.weight[c] for r in range(3) for c in range(5)])
+    x = model.proj(feats) + pos
+    for layer in model.encoder:  # post-norm: LN(x + f(x))
+        x = layer.sub1.norm(x + layer.attn(x, x, grid)[0])
+        x = layer.sub2.norm(x + layer.ffn(x))
+    bos = torch.full((2,), model.bos_id)
+    y = model.embed(bos)[:, None] * math.sqrt(32) + sinusoid_positions(torch.tensor([0]), 32)
+    for layer in model.decoder:
+        y = layer.subs[0].norm(y + layer.self_attn(y, y)[0])
+        out, weights = layer.cross(y, x, grid)
+        y = layer.subs[1].norm(y + out)
+        y = layer.subs[2].norm(y + layer.ffn(y))
+    areas = weights[:, :, 0].mean(1)  # the last layer's, over the heads
+    enc = model.encode(VisualBatch.from_features(feats))
+    torch.testing.assert_close(enc["memory"], x)
+    logprobs, _, record = model.step(bos, model.init_state(enc), enc)
+    torch.testing.assert_close(logprobs, model.out(y[:, 0]).log_softmax(-1))
+    torch.testing.assert_close(record.extras["areas"], areas)
+    cells = areas_to_cells(areas, enumerate_areas_2d(3, 5, 3, 2), grid)
+    torch.testing.assert_close(record.primary, cells / cells.sum(-1, keepdim=True))
+
+
 def test_beam_search_attention_lines_up_with_tokens(visuals):
     model = tiny(**CONFIGS["3x3-combined+2"])
     model.out.bias.data[model.eos_id] += 2.0  # let some captions end inside max_len
