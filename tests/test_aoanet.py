@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from captioner.models.aoanet import StdLayerNorm
+from captioner.models.aoanet import AOA_QUERIES, LAYER_NORMS, WORD_EMBEDDINGS, StdLayerNorm
 from captioner.models.attention.aoa import AttentionOnAttention
 from captioner.models.attention.multihead import multi_head_attention
 from captioner.models.decoding import beam_search
@@ -438,9 +438,12 @@ def test_additive_attention_weighs_the_refined_items_themselves():
 @pytest.mark.parametrize("option", ["word_embedding", "aoa_query", "layer_norm"])
 def test_reference_compatibility_options_refuse_unknown_values(option):
     """A misspelt value must not select a variant in silence (``layer_norm="Torch"`` would otherwise build the
-    authors' StdLayerNorm, ``word_embedding="relu-dropout"`` the plain embedding)."""
-    with pytest.raises(ValueError, match=option):
+    authors' StdLayerNorm, ``word_embedding="relu-dropout"`` the plain embedding).  The message names the option
+    the user mistyped and is held whole: a search for the option's name also finds it inside another name."""
+    choices = dict(word_embedding=WORD_EMBEDDINGS, aoa_query=AOA_QUERIES, layer_norm=LAYER_NORMS)[option]
+    with pytest.raises(ValueError) as refused:
         create("aoanet", vocab_size=5, feat_dim=4, **{option: "unknown"})
+    assert str(refused.value) == f"{option} must be one of {choices}, got 'unknown'"
 
 
 def test_config_holds_every_constructor_argument():
