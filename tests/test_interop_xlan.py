@@ -483,3 +483,13 @@ def test_a_vocabulary_of_cocos_size_reads_and_the_size_limit_binds_only_past_it(
     (tmp_path / "past.txt").write_bytes(b"a\ndog\nred\nxy\n")  # 13 bytes
     with pytest.raises(ConversionError, match="is 13 bytes: not a vocabulary file"):
         read_vocabulary(tmp_path / "past.txt")
+
+
+def test_a_vocabulary_line_refused_for_a_control_character_is_quoted_only_by_its_start(tmp_path):
+    """A user who passes another text file as the vocabulary (a tab-separated export on one line, minified JSON with
+    tabs) is told which line is wrong and shown its start, not handed a message as large as the file."""
+    (tmp_path / "one_line.tsv").write_text("a\tdog\t" + "grass " * 20_000 + "\n", encoding="utf-8")
+    quoted = re.escape(repr("a\tdog\tgrass"))[:-1]  # the line's start, as the message quotes it
+    with pytest.raises(ConversionError, match=f"line 1 holds a non-printable character: {quoted}") as refused:
+        read_vocabulary(tmp_path / "one_line.tsv")
+    assert len(str(refused.value)) < 200 + len(str(tmp_path))
