@@ -333,6 +333,30 @@ def test_a_trunk_that_kept_the_resnets_average_pool_is_refused():
             _trunk(stand_ins(encoder))
 
 
+@pytest.mark.parametrize("pool", ["max-pooled", "no pool"])
+def test_an_encoder_without_the_tutorials_grid_pooling_is_refused_as_not_the_tutorials(pool):
+    """An edited tutorial whose encoder max-pools, or lost its ``adaptive_pool``, is told its encoder is not the
+    tutorial's (trunk + AdaptiveAvgPool2d): not that its grid is not square, nor an AttributeError's traceback."""
+    with torch.device("meta"), tutorial.tutorial_module():
+        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
+        encoder.adaptive_pool = torch.nn.MaxPool2d(2)
+        encoder = stand_ins(encoder)
+        if pool == "no pool":
+            del encoder.state["_modules"]["adaptive_pool"]
+        with pytest.raises(ConversionError, match=r"not the tutorial's \(resnet trunk \+ AdaptiveAvgPool2d\)"):
+            _trunk(encoder)
+
+
+def test_a_trunk_holding_weights_where_a_resnet_has_none_is_refused_naming_the_child():
+    """A ResNet's children 2 and 3 (ReLU, max-pool) hold no weights: an edited tutorial that put a layer there has a
+    trunk the service could not rebuild, and is told which child, not met with a KeyError's traceback."""
+    with torch.device("meta"), tutorial.tutorial_module():
+        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
+        encoder.resnet[3] = torch.nn.BatchNorm2d(64)
+        with pytest.raises(ConversionError, match="holds weights in child 3, which a ResNet has not"):
+            _trunk(stand_ins(encoder))
+
+
 def test_a_grid_pooling_given_as_one_number_is_read_as_square():
     """``nn.AdaptiveAvgPool2d(7)`` keeps ``output_size`` as the int 7, which means 7×7 (a tutorial edited to pool
     so imports as it would run)."""
