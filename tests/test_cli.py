@@ -1229,7 +1229,9 @@ def test_no_output_option_writes_over_what_the_command_reads(tmp_path, capsys):
         (["eval", ckpt, "--dataset", dataset, "--output", ckpt / "model.safetensors"], f"is a file of {ckpt}"),
         (["eval", ckpt, "--dataset", dataset, "--output", report, "--results-json", report],
          f"--output and --results-json both name {report}"),
-        (["tune-decoding", ckpt, "--dataset", dataset, "--output", ckpt / "config.json"], f"is a file of {ckpt}"),
+        # named by its flag as the command spells it: the user is told which option to change
+        (["tune-decoding", ckpt, "--dataset", dataset, "--output", ckpt / "config.json"],
+         f"error: --output {ckpt / 'config.json'} is a file of {ckpt}"),
         (["resolution-check", ckpt, "--dataset", dataset, "--full-root", tmp_path, "--output", ckpt / "vocab.json"],
          f"is a file of {ckpt}"),
         (["compare", report, tmp_path / "b.json", "--dataset", dataset, "--output", dataset],

@@ -39,6 +39,7 @@ from captioner.models.evaluation import zoo_table as zoo_table_module
 from captioner.models.export import onnx as onnx_module
 from captioner.models.placement import DEFAULT_WEIGHTS_DIR
 from captioner.models.training import curves as curves_module
+from captioner.models.training import distributed as distributed_module
 from captioner.service.cli import build_parser, main
 
 from .conftest import SCENE_SIZES, cli_error
@@ -478,7 +479,7 @@ def test_tune_decoding_scores_its_grid_and_stores_the_best_by_the_metric_asked_w
     """The grid and the checkpoint stubbed: what reaches the grid, and what the command records of its choice."""
     grids, stored = [], []
     rows = [{"length_penalty": 0.0, "block_trigrams": False, "block_doubled_words": False, "BLEU-4": 0.3,
-             "CIDEr-D": 0.9},
+             "CIDEr-D": 0.9, "novel_captions": 0.5},
             {"length_penalty": 1.0, "block_trigrams": True, "block_doubled_words": False, "BLEU-4": 0.4,
              "CIDEr-D": 0.8}]
     monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(storage="float16"))
@@ -506,7 +507,13 @@ def test_tune_decoding_scores_its_grid_and_stores_the_best_by_the_metric_asked_w
         "storage": "float16"}})]
     assert json.loads(out.read_text()) == {"checkpoint": "ckpt", "dataset": "d.json", "split": "val", "beam_size": 4,
                                            "metric": "BLEU-4", "best": best, "rows": rows}
-    assert "best by BLEU-4 on val: length_penalty=1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "best by BLEU-4 on val: length_penalty=1" in printed
+    # the printed table has a column for each measure a row may hold, the novelty of the captions included (a
+    # column the rows lack comes out empty, so a misnamed one drops its measure from the table without a word)
+    assert ("| length penalty α | block trigrams | block doubled words | BLEU-1 | BLEU-4 | ROUGE-L | CIDEr-D | REP | "
+            "distinct_words | novel_captions | mean_length |\n") in printed
+    assert "| 0 | no | no |  | 0.3 |  | 0.9 |  |  | 0.5 |  |\n" in printed
     assert out.stat().st_ino != earlier  # replaced whole, not rewritten in place
 
 
@@ -693,6 +700,24 @@ def _two_members(folder: Path, metas: tuple[dict, dict] = ({}, {})) -> list[Path
             for seed, (name, meta) in enumerate(zip(("a", "b"), metas))]
 
 
+def test_a_run_meets_its_other_ranks_before_leaving_their_group_only_if_it_ended_well(tmp_path, monkeypatch, capsys):
+    """Under torchrun a finished run meets its other ranks at a barrier, so none tears its connections down while
+    another is still inside a collective; a failed one must not wait there, since a rank may be gone and the barrier
+    would never open (the run would hang rather than exit with its error)."""
+    monkeypatch.setattr(training_cli.signal, "signal", lambda signum, handler: None)  # pytest's SIGTERM stays
+    met = []
+    monkeypatch.setattr(distributed_module, "shutdown_distributed", lambda meet_first: met.append(meet_first))
+    monkeypatch.setattr(training_module, "train", lambda cfg, resume, explicit: tmp_path / "run" / "best")
+    main(["train", "--out", str(tmp_path / "run")])
+
+    def diverged(cfg, resume, explicit):
+        raise training_module.TrainingDiverged("the loss became nan at epoch 2, step 5")
+    monkeypatch.setattr(training_module, "train", diverged)
+    with pytest.raises(SystemExit):
+        main(["train", "--out", str(tmp_path / "run")])
+    assert met == [True, False]
+
+
 def test_an_ensemble_records_the_data_and_visual_items_its_first_member_was_trained_on(tmp_path, capsys):
     trained = {"dataset": "d.json", "image_root": "photos", "features": "regions:boxes", "lr": 0.1}
     members = _two_members(tmp_path, ({"train_config": trained},) * 2)
@@ -710,6 +735,15 @@ def test_an_ensemble_records_what_each_member_cost_to_train_with_the_runs_it_sta
     rows = [line.split(" | ") for line in card_module.write_card(tmp_path / "both", {}).read_text().splitlines()
             if line.startswith("| `")]
     assert [row[3] for row in rows] == ["3.0 min", "not recorded"]  # the members table's training time column
+
+
+def test_an_ensemble_is_stored_in_either_dtype_storage_names_the_default_spelt_out_included(tmp_path, capsys):
+    """``--storage float32``, the default written out (as a script that names each option does), must be taken as
+    float16 is: a choice list that lost it refused it with a usage error while the default still parsed."""
+    members = _two_members(tmp_path)
+    for storage in ("float32", "float16"):
+        main(["ensemble", str(tmp_path / storage), *map(str, members), "--storage", storage])
+        assert load_checkpoint(tmp_path / storage).storage == storage
 
 
 def test_an_ensembles_member_selection_scores_on_the_threads_asked_for(tmp_path, monkeypatch, capsys):
