@@ -448,6 +448,15 @@ def test_a_varied_scenes_mask_is_its_turned_footprint_and_its_edges_anti_aliased
             assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 2
 
 
+def test_varied_colours_are_darkened_and_brightened_by_the_value_jitter():
+    """``Variation.value`` (×0.85 to 1.1) spreads each shade's brightness, so that a model trained on varied scenes has
+    seen dimmer and brighter reds than the generator's one; a red at full brightness every time would leave it out."""
+    rng = random.Random(0)
+    for name in ("red", "blue"):
+        brightest = [max(scenes_module._jittered_colour(rng, name, Variation())) for _ in range(100)]
+        assert max(brightest) - min(brightest) > 40, (name, min(brightest), max(brightest))
+
+
 def test_a_varied_canvas_is_never_below_64_pixels_a_side():
     tiny = Variation(classic_share=0.0, side=(20.0, 40.0))
     assert {sample_varied_canvas(random.Random(seed), tiny) for seed in range(5)} == {(64, 64)}
