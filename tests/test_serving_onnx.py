@@ -364,6 +364,44 @@ def test_a_graph_that_computes_another_models_weights_is_refused_whichever_it_is
     assert not (tmp_path / "model").exists()
 
 
+def test_a_refusal_names_the_first_four_frozen_sites_and_counts_the_rest():
+    """A deep model's trace can freeze values at many sites, the project's own input checks among them: the refusal
+    names the first four and says how many more there are, so the line a user must change is not lost in the list
+    (and the count it gives is the one left out)."""
+    sites = [f"models/deep.py:{line} (Converting a tensor to a Python integer)" for line in range(1, 7)]
+    why = exporter._why(sites)
+    assert all(site in why for site in sites[:4]) and sites[4] not in why and sites[5] not in why
+    assert why.count("models/deep.py:") == 4 and "; and 2 more" in why and exporter.FROZEN_HINT in why
+    assert "more" not in exporter._why(sites[:4]) and exporter._why([]) == ""
+
+
+# (PyTorch's output, ONNX Runtime's) where a graph computes something else than its model
+OUTPUTS_THAT_DISAGREE = [
+    ([[-1.5, -0.3, -2.0]], [[-1.5, -0.29, -2.0]]),  # a number a hundredth off: another model's, not kernel noise
+    ([[-1.5, -float("inf"), -2.0]], [[-1.5, -30.0, -2.0]]),  # a word PyTorch rules out that the graph allows
+    ([[-1.5, -0.3, -2.0]], [[-1.5, float("nan"), -2.0]]),  # a number the graph loses
+    ([[3, 4, 5]], [[3, 4, 6]]),  # an integer state (a length, a position) one off
+]
+
+
+@pytest.mark.parametrize("want,got", OUTPUTS_THAT_DISAGREE)
+def test_the_exports_check_refuses_a_graph_output_pytorch_does_not_give(want, got):
+    """The export is only written after each graph output matched PyTorch's on new shapes (``_close``): within
+    float noise (relative to the output's size), infinite and NaN exactly where PyTorch's are, integers equal. A
+    check any looser passed a graph that captions differently from the model it was made from."""
+    want_tensor = torch.tensor(want)
+    got_array = np.array(got, dtype=want_tensor.numpy().dtype)
+    with pytest.raises(ExportUnsupported, match="ONNX Runtime disagrees with PyTorch"):
+        exporter._close("sat: logprobs at step 0", "logprobs", got_array, want_tensor, [], {})
+    diffs: dict[str, float] = {}
+    if want_tensor.is_floating_point():
+        # float noise passes, and the largest difference over the steps is what the export records for the kind
+        noisy = want_tensor.numpy() + np.float32(2e-5)
+        exporter._close("sat: logprobs at step 0", "logprobs", noisy, want_tensor, [], diffs)
+    exporter._close("sat: logprobs at step 1", "logprobs", want_tensor.numpy().copy(), want_tensor, [], diffs)
+    assert diffs.get("logprobs", 0.0) == pytest.approx(2e-5 if want_tensor.is_floating_point() else 0.0, rel=0.1)
+
+
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shipped(request, tmp_path_factory):
@@ -1767,6 +1805,18 @@ def test_what_a_killed_quantization_left_in_a_cnns_folder_does_not_stop_its_expo
     (path.parent / ".visual-int8-u8s8.onnx.tmp-0123abcd").write_bytes(b"half a graph")
     path.write_bytes(path.read_bytes()[:1000])  # damaged: made again
     assert export_visual_encoder(spec, tmp_path) == path and intact(path)
+
+
+def test_an_intact_cnn_export_is_kept_as_it_is_and_no_pytorch_cnn_is_built_for_it(tmp_path, monkeypatch):
+    """``captioner export`` run again, and an int8 CNN quantized from the float one, find the float CNN's export
+    intact: it is returned as it is, not traced again (minutes for a large CNN) from a PyTorch CNN built for that
+    and swapped in over the folder the int8 graphs share with it."""
+    spec = EncoderSpec(image_size=64)
+    path = export_visual_encoder(spec, tmp_path)
+    written = file_stamps(path.parent)
+    monkeypatch.setattr(exporter, "GridEncoder", lambda spec: pytest.fail("a PyTorch CNN was built for it"))
+    assert export_visual_encoder(spec, tmp_path) == path
+    assert file_stamps(path.parent) == written
 
 
 def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replaces(tmp_path, monkeypatch):
