@@ -291,6 +291,28 @@ def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_ap
         evaluation_report("ckpt", dataset, encoder_precision="int8", features="regions:r", device="cpu", progress=False)
 
 
+@pytest.mark.parametrize("kernels, suffix", [("u8s8", ""), ("u8u8", "-u8u8")])
+def test_eval_of_the_int8_cnn_caches_its_features_apart_for_each_weights_type(tmp_path, monkeypatch, kernels, suffix):
+    """The int8 CNN's weights' type follows the CPU (``quantize.int8_kernels``: u8u8 without VNNI), and its features'
+    cache is named by it as its graph is: a cache folder shared by machines of both kinds never hands one kind the
+    features the other's graph computed (whichever kind of CPU runs this test)."""
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    caches = []
+
+    def extract_features(images, spec, cache_dir, **options):
+        caches.append(cache_dir)
+
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
+    monkeypatch.setattr(quantize_module, "int8_kernels", lambda: kernels)
+    monkeypatch.setattr(quantize_module, "visual_encoder_file", lambda *args: "graph.onnx")
+    monkeypatch.setattr(sessions_module, "VisualSession", lambda *args: "session")
+    monkeypatch.setattr(features_module, "extract_features", extract_features)
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *args, **options: ({}, {1: ["a"]}))
+    evaluation_report("ckpt", dataset, encoder_precision="int8", cache_dir="c", device="cpu", progress=False)
+    assert caches == [Path("c") / f"onnx-int8-{quantize_module.RECIPE}{suffix}"]
+
+
 def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, monkeypatch):
     entities, dataset = tmp_path / "entities", tmp_path / "dataset_x.json"
     for part in ("Sentences", "Annotations"):
@@ -308,6 +330,32 @@ def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, 
                                    device="cpu", progress=False)
     assert calls == {"entities": ("store", entities, {"resamples": 7, "device": "cpu", "progress": False})}
     assert evaluation.report["test"]["grounding"] == {"boxes": 1}
+
+
+def test_a_grounded_evaluation_scores_its_captions_as_an_ungrounded_one_does(tmp_path, monkeypatch):
+    """With ``--grounding`` the captions come from the beam search that also keeps the attention rows; they are
+    scored with the same metrics, novel-caption share and tokenizer as without it: a ``--ptb`` report that names
+    the PTB tokenizer must not hold scores of the project's own tokens."""
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    scored, captioned = [], [SimpleNamespace(tokens=["a"])]  # (metrics, training captions, ptb) of each split scored
+
+    def evaluate_checkpoint(ckpt, images, store, beam_size, max_len, measures, training_captions, ptb, **options):
+        scored.append((measures, training_captions, ptb))
+        return {}, {1: ["a"]}
+
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
+    monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: [["a", "star"]])
+    monkeypatch.setattr(metrics, "check_ptb_tokenizer", lambda: None)  # stood in for: the tokenizer needs Java
+    monkeypatch.setattr(stores_module, "open_feature_store", lambda *args, **options: "store")
+    monkeypatch.setattr(grounding_module, "caption_with_attention", lambda *args, **options: captioned)
+    monkeypatch.setattr(grounding_module, "grounding_report", lambda *args: {})
+    monkeypatch.setattr(evaluate_module, "score_dataset", lambda captions, images, *args: scored.append(args) or {})
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", evaluate_checkpoint)
+    for grounding in (None, "scenes"):
+        evaluation_report("ckpt", dataset, meteor=False, ptb=True, grounding=grounding, device="cpu", progress=False)
+    asked = ([m for m in metrics.ALL_METRICS if m != "METEOR"], [["a", "star"]], True)
+    assert scored == [asked, asked]
 
 
 def test_eval_runs_each_part_on_the_resolved_device_quietly_where_asked(tmp_path, monkeypatch):
