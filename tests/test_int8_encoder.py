@@ -273,6 +273,19 @@ def test_serving_int8_on_a_gpu_says_nothing_of_the_hosts_cpu_kernels(tmp_path, m
     assert not [r.getMessage() for r in caplog.records if "without VNNI" in r.getMessage()]
 
 
+def test_an_int8_cnn_already_there_is_returned_not_quantized_again(int8_files, monkeypatch):
+    """A second call (a benchmark run again, ``bench_encoder`` opening a session on what it returns) gets the intact
+    graph's path back without calibrating and quantizing once more, not None."""
+    float_path, int8_path = int8_files
+
+    def must_not_quantize(*args, **options):
+        raise AssertionError("an intact int8 CNN was quantized again")
+
+    monkeypatch.setattr(quantization, "quantize_static", must_not_quantize)
+    out = float_path.parent.parent  # the fixture's folder: the CNN's graphs are in a folder of it
+    assert quantized_visual_encoder(TINY_SPEC, out, kernels=int8_kernels()) == int8_path
+
+
 def test_an_existing_cnn_is_served_without_building_the_pytorch_encoder(int8_files):
     """``make_visual`` builds the PyTorch CNN (the encoder's ImageNet weights): a server whose exports exist must not
     pay for it, whatever the precision."""
