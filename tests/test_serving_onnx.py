@@ -1561,6 +1561,28 @@ def test_a_runtime_on_the_cpu_runs_its_cnn_batches_unpadded():
     assert given == [3]
 
 
+@pytest.mark.parametrize("device,pads", [("cuda", True), ("cuda:1", True), ("cpu", False)])
+def test_a_runtime_pads_its_cnn_batches_on_a_gpu_and_only_there(device, pads):
+    """The runtime decides from its device alone (no GPU needed to check it). On a GPU a batch shape the CNN has not
+    met costs about 2 s of cuDNN kernel choice: unpadded, a batch of 3, 5 or 6 images would stall a client's
+    request, and the warm-up (service/warmup.py) would run every power of four rather than of two."""
+    runtime = TorchRuntime("sat", tiny_checkpoint("sat"), None, torch.device(device))
+    assert runtime.pad_batches is pads
+
+
+def test_a_runtime_waits_for_its_gpu_to_finish_and_never_asks_the_cpu_to(monkeypatch):
+    """``synchronize`` ends the batcher's timing of an encoding (admission control's cost per image, the warm-up's
+    choice of encoder batch): on a GPU, whose kernels run asynchronously, without the wait the timing would count
+    only the kernel launches; on the CPU there is nothing to wait for, and CUDA's call would fail without a GPU."""
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", waited.append)
+    TorchRuntime("sat", tiny_checkpoint("sat"), None, CPU).synchronize()
+    assert waited == []
+    gpu = torch.device("cuda:1")
+    TorchRuntime("sat", tiny_checkpoint("sat"), None, gpu).synchronize()
+    assert waited == [gpu]
+
+
 def test_pixels_for_a_cnn_on_the_host_stay_there_unpadded_whatever_the_runtime_pads():
     """``pixels(on_device=False)`` is the input of a CNN on the CPU beside a GPU decoder (the hybrid runtime): the
     batch as it is, in host memory. A padded one (``pad_batches``, a GPU runtime's) would run blank images through
