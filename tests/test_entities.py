@@ -1082,3 +1082,22 @@ def test_the_heatmap_figure_stacks_a_block_per_photo_grid_maps_as_blocks(tmp_pat
     # first row of the first block and the last row of the last one are drawn, not left white
     picture = np.asarray(Image.open(out).convert("RGB"))
     assert (picture[:, :45] == 0).all() and (picture[7:] == 0).all() and (picture[:7, 45:] == 255).all()
+
+
+def test_the_heatmap_figure_by_default_draws_the_three_scikit_image_photos(tmp_path, monkeypatch):
+    """``captioner grounding-doc`` (and ``make grounding``) passes no photos: the default names must each be a
+    photo scikit-image ships, or the page's regeneration stops at the heatmaps with an ``AttributeError``."""
+    seen = []
+
+    def captioned(photos):
+        return [SimpleNamespace(geometry=SimpleNamespace(kind="grid"), figure_row=lambda label, mode: label)]
+
+    def block(photo, rows):
+        seen.append(photo.size)
+        return Image.new("RGB", (photo.width // 10, 7))
+
+    monkeypatch.setattr(pipeline, "Pipeline", lambda checkpoint, device: captioned)
+    monkeypatch.setattr(heatmaps, "comparison_figure", block)
+    out = examples_figure([_configured(tmp_path / "soft")], tmp_path / "h.png")
+    assert seen == [(451, 300), (512, 512), (600, 400)]  # chelsea, astronaut, coffee
+    assert Image.open(out).size == (60, 21)
