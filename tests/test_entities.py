@@ -697,6 +697,17 @@ def test_the_other_photo_is_the_next_one_and_photos_without_annotation_are_count
             np.testing.assert_allclose(other, rows, atol=1e-6)
 
 
+def test_a_split_of_one_annotated_photo_has_no_other_photo_row(tmp_path):
+    """With one annotated photo there is no other photo to feed its captions over: the report has no other-photo
+    chance row rather than one read over the photo itself, which would show chance equal to the attention."""
+    ckpt, images, store, entities, geometry = _tiny_sat_over_circle_photos(tmp_path, 1)
+    generated = [CaptionAttention(["one", "red", "circle"], np.full((3, 4), 0.25), geometry)]
+    section = entities_grounding(ckpt, images, store, entities, generated, resamples=10, progress=False)
+    for mode in ("references", "generated"):
+        controls = {row["control"] for row in section[mode]["rows"]}
+        assert controls == {"model", "uniform"}, mode
+
+
 def test_photos_past_the_first_batch_keep_their_own_caption_entities_and_donor(tmp_path, monkeypatch):
     """Photos are fed ``batch_size`` at a time, and the generated captions come for every photo of the split, those
     without an annotation too: a photo of a later batch is matched against its own Entities phrases, its
