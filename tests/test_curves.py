@@ -142,3 +142,13 @@ def test_more_runs_than_the_colour_cycle_holds_are_each_drawn(tmp_path, monkeypa
             for i in range(11)]
     lines = _drawn(monkeypatch, runs, tmp_path / "curves.png")["training loss"][1]
     assert [(label, ys) for label, _, ys, _ in lines] == [(f"run{i:02d}", [float(i)]) for i in range(11)]
+
+
+def test_every_panel_is_gridded_so_values_can_be_read_off_its_curves(tmp_path, monkeypatch):
+    """A loss or score is read off the figure against its axes (where CIDEr-D levelled out, at which step the loss
+    fell below 2): each panel's grid carries the ticks across to the curves, which are far from the axes in a
+    panel 4.2 inches wide."""
+    figure = _figure(monkeypatch, [_write_run(tmp_path / "a", 1.0)], tmp_path / "curves.png")
+    for ax in figure.axes:
+        lines = ax.get_xgridlines() + ax.get_ygridlines()
+        assert lines and all(line.get_visible() for line in lines), ax.get_title()
