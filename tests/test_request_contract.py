@@ -802,6 +802,21 @@ def test_the_document_keeps_no_schema_of_fastapis_own_422(client):
     assert not {"HTTPValidationError", "ValidationError"} & set(schemas)
 
 
+def test_every_documented_error_answer_is_a_problem_by_its_schema(client):
+    """Each error status of each route names ``Problem`` as its body's schema: a generated client learns the fields
+    it can read (``type``, ``detail``, ``errors``) from it, and the fuzz test (tests/test_fuzz_api.py) checks each
+    answer against it; a media type with no ``schema`` under it types nothing and checks nothing."""
+    paths = client.get("/openapi.json").json()["paths"]
+    documented = {}
+    for path, operations in paths.items():
+        for operation in operations.values():
+            for status, answer in operation["responses"].items():
+                if int(status) >= 400:
+                    documented[path, status] = answer.get("content")
+    problem = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+    assert documented and all(content == problem for content in documented.values()), documented
+
+
 def test_every_closed_set_parameter_refers_to_its_shared_enum_on_every_route(client):
     """A generated client makes one enum class per inline enum: each closed-set query parameter (the attention
     format, the overlay format, the heatmap mode) refers to its one component on every route. A parameter that
