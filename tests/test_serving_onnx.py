@@ -301,6 +301,33 @@ def test_a_step_that_decides_on_the_previous_tokens_in_python_is_refused(encoder
     assert not (tmp_path / "tokens").exists()
 
 
+def test_a_step_that_decides_on_the_decoding_step_in_python_is_refused_at_the_step_it_shows_at(encoder, tmp_path):
+    """A Python value frozen from how far decoding has gone can agree with PyTorch on the first steps and not after
+    (here a tilt that starts at the third word, read from a state that grows a column a step): the export checks its
+    step graph at every step it runs, not the first alone, so such a graph is refused, naming the step it shows at,
+    instead of being served to caption differently from its model after two words."""
+    ckpt = tiny_checkpoint("sat")
+    model = ckpt.model
+    plain_init, plain_step = model.init_state, model.step
+
+    def init_state(self, enc):
+        state = plain_init(enc)
+        return {**state, "words": state["h"][:, :0]}
+
+    def step(self, prev, state, enc):
+        words = state["words"]
+        logprobs, new_state, attention = plain_step(prev, {k: v for k, v in state.items() if k != "words"}, enc)
+        tilt = 50 * float(words.shape[1] >= 2) * torch.linspace(0, 1, logprobs.shape[-1])
+        new_state = {**new_state, "words": torch.cat([words, torch.zeros_like(logprobs[:, :1])], 1)}
+        return (logprobs + tilt).log_softmax(-1), new_state, attention
+
+    model.init_state, model.step = types.MethodType(init_state, model), types.MethodType(step, model)
+    with pytest.raises(ExportUnsupported, match="ONNX Runtime disagrees with PyTorch") as refused:
+        export_graphs(ckpt, tmp_path / "late", encoder)
+    assert "logprobs at step 2" in str(refused.value)
+    assert not (tmp_path / "late").exists()
+
+
 @pytest.mark.parametrize("complaint,shown", [
     ("Unsupported: prim::PythonOp", "(RuntimeError: Unsupported: prim::PythonOp)"),
     ("first line\nsecond line", "(RuntimeError: first line)"),
@@ -1759,6 +1786,25 @@ def test_a_cnn_the_tracer_cannot_record_leaves_no_export_to_pass_for_proof_that_
     assert load_on_cpu(tmp_path, "auto")["a"].backend == "torch"
     assert not (tmp_path / "onnx" / "a").exists()
     assert still_to_prepare(tmp_path) == []
+
+
+def test_a_cnn_whose_features_freeze_the_batch_size_is_refused_and_not_written(encoder, tmp_path):
+    """The shared CNN's graph is checked on a batch size its trace never saw: one that divides by the batch size
+    taken as a Python int (a constant of the traced graph) computes other features for any other batch, so it is
+    refused, and no ``visual.onnx`` is left for every model of its spec to read wrong features from."""
+
+    class BatchCentred(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = encoder
+
+        def forward(self, pixels):
+            feats = self.inner(pixels)
+            return feats - feats.sum(0) / int(feats.shape[0])
+
+    with pytest.raises(ExportUnsupported, match="visual encoder .*ONNX Runtime disagrees with PyTorch"):
+        export_visual_encoder(TINY_SPEC, tmp_path, BatchCentred())
+    assert not exporter.visual_encoder_path(TINY_SPEC, tmp_path).parent.exists()
 
 
 def test_a_self_contained_export_is_current_only_with_each_of_its_graphs_intact(encoder, tmp_path, monkeypatch):
