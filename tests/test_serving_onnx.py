@@ -1788,23 +1788,50 @@ def test_a_cnn_the_tracer_cannot_record_leaves_no_export_to_pass_for_proof_that_
     assert still_to_prepare(tmp_path) == []
 
 
-def test_a_cnn_whose_features_freeze_the_batch_size_is_refused_and_not_written(encoder, tmp_path):
-    """The shared CNN's graph is checked on a batch size its trace never saw: one that divides by the batch size
-    taken as a Python int (a constant of the traced graph) computes other features for any other batch, so it is
-    refused, and no ``visual.onnx`` is left for every model of its spec to read wrong features from."""
+@pytest.mark.parametrize("frozen_by, refusal", [("centring", "ONNX Runtime disagrees with PyTorch"),
+                                                 ("reshaping", "ONNX Runtime cannot run it on a new batch size")])
+def test_a_cnn_whose_graph_freezes_the_batch_size_is_refused_and_not_written(encoder, tmp_path, frozen_by, refusal):
+    """The shared CNN's graph is checked on a batch size its trace never saw.  One that divides by the batch size
+    taken as a Python int (a constant of the traced graph) computes other features for any other batch; one that
+    reshapes to it cannot run at all, and is refused in the same words as a model's graph (`captioner export` prints
+    one line, not ONNX Runtime's exception).  Either way no ``visual.onnx`` is left for every model of its spec."""
 
-    class BatchCentred(torch.nn.Module):
+    class BatchFrozen(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.inner = encoder
 
         def forward(self, pixels):
             feats = self.inner(pixels)
-            return feats - feats.sum(0) / int(feats.shape[0])
+            batch = int(feats.shape[0])
+            if frozen_by == "centring":
+                return feats - feats.sum(0) / batch
+            rows = feats.reshape(batch, int(feats[0].numel()))  # a shape of constants: no other batch fits it
+            return torch.nn.functional.silu(rows).reshape(feats.shape)
 
-    with pytest.raises(ExportUnsupported, match="visual encoder .*ONNX Runtime disagrees with PyTorch"):
-        export_visual_encoder(TINY_SPEC, tmp_path, BatchCentred())
+    with pytest.raises(ExportUnsupported, match=f"visual encoder .*{refusal}"):
+        export_visual_encoder(TINY_SPEC, tmp_path, BatchFrozen())
     assert not exporter.visual_encoder_path(TINY_SPEC, tmp_path).parent.exists()
+
+
+def test_export_refuses_each_model_of_a_cnn_it_cannot_export_in_one_line_and_tries_that_cnn_once(tmp_path,
+                                                                                                 monkeypatch):
+    """A CNN that cannot be exported stopped `captioner export` with a traceback, the models before it reported and
+    those after it never tried; each model on it is reported NOT EXPORTED with the CNN's reason now, and the CNN is
+    not traced again for each."""
+    tried = []
+
+    def unexportable(spec, out_dir, visual=None):
+        tried.append(spec)
+        raise ExportUnsupported(f"visual encoder {spec.backbone}: ONNX Runtime cannot run it on a new batch size")
+
+    monkeypatch.setattr(exporter, "export_visual_encoder", unexportable)
+    for name in ("a", "b"):
+        save_checkpoint(tmp_path / name, tiny_model("sat"), VOCAB, TINY_SPEC)
+    results = exporter.export_checkpoints({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "onnx")
+    assert [str(results[name]) for name in "ab"] == [f"visual encoder {TINY_SPEC.backbone}: ONNX Runtime cannot run "
+                                                     "it on a new batch size"] * 2
+    assert tried == [TINY_SPEC] and not (tmp_path / "onnx" / "a").exists() and not (tmp_path / "onnx" / "b").exists()
 
 
 def test_a_self_contained_export_is_current_only_with_each_of_its_graphs_intact(encoder, tmp_path, monkeypatch):

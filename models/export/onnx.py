@@ -335,11 +335,11 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
                        log=None) -> dict[str, GraphSpec | ExportUnsupported]:
     """Export every named checkpoint into ``out_dir/<name>``, and the CNN of each encoder spec into
     ``out_dir/<visual_encoder_key>`` (what the service's ONNX backend loads); a model that cannot be expressed gets
-    its :class:`ExportUnsupported` instead of a :class:`GraphSpec`."""
+    its :class:`ExportUnsupported` instead of a :class:`GraphSpec` (so does each model of a CNN that cannot be)."""
     from ..checkpoint import load_checkpoint
 
     results: dict[str, GraphSpec | ExportUnsupported] = {}
-    visuals: dict[str, GridEncoder] = {}
+    visuals: dict[str, GridEncoder | ExportUnsupported] = {}
     for name in checkpoints:  # every target before the first export: a refusal leaves nothing half done
         check_replaceable(Path(out_dir) / name)
     for name, path in checkpoints.items():
@@ -351,10 +351,16 @@ def export_checkpoints(checkpoints: dict[str, Path], out_dir: str | Path,
         else:
             key = repr(ckpt.encoder)
             if key not in visuals:
-                visuals[key] = GridEncoder(ckpt.encoder)
-                export_visual_encoder(ckpt.encoder, out_dir, visuals[key])
+                visual = GridEncoder(ckpt.encoder)
+                try:
+                    export_visual_encoder(ckpt.encoder, out_dir, visual)
+                    visuals[key] = visual
+                except ExportUnsupported as exc:  # no graph of this CNN: each model on it is refused with why
+                    visuals[key] = exc
+            visual = visuals[key]
             try:
-                results[name] = export_graphs(ckpt, Path(out_dir) / name, visuals[key])
+                results[name] = visual if isinstance(visual, ExportUnsupported) else \
+                    export_graphs(ckpt, Path(out_dir) / name, visual)
             except ExportUnsupported as exc:
                 results[name] = exc
         if log:
@@ -557,8 +563,13 @@ def export_visual_encoder(spec: EncoderSpec, out_dir: str | Path, visual: GridEn
         pixels = _example_pixels(spec, 3, 7)
         with torch.no_grad():
             want = visual(pixels)
-        got = _session(tmp / VISUAL_FILE).run(["features"], {"pixels": pixels.numpy()})[0]
-        _close(f"visual encoder {spec.backbone}", "features", got, want, _frozen_sites(caught), {})
+        frozen = _frozen_sites(caught)
+        try:
+            got = _session(tmp / VISUAL_FILE).run(["features"], {"pixels": pixels.numpy()})[0]
+        except Exception as exc:  # said as a model graph's is (`captioner export` prints one line), not ORT's own
+            raise ExportUnsupported(f"visual encoder {spec.backbone}: ONNX Runtime cannot run it on a new batch "
+                                    f"size: {_ort_failure(exc, frozen)}") from exc
+        _close(f"visual encoder {spec.backbone}", "features", got, want, frozen, {})
         seal(tmp / VISUAL_FILE)
         _record_spec(tmp, spec)
     remove_replaced_encoders(out_dir, spec, folder)
