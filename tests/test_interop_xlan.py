@@ -384,6 +384,20 @@ def test_foreign_truncated_or_unsupported_weights_are_refused(tmp_path):
         convert_xtransformer(save(tmp_path, xtransformer_state()), write_vocabulary(tmp_path / "v5.txt", WORDS[:5]))
 
 
+def test_a_checkpoint_of_the_other_model_or_of_neither_is_refused_naming_the_models_by_their_names(tmp_path):
+    """The two importers share one reader: each refusal spells the model as its authors do (X-LAN, X-Transformer),
+    so a user told which file they have, or which file was expected, can look it up."""
+    vocabulary = write_vocabulary(tmp_path / "v.txt")
+    with pytest.raises(ConversionError, match=r"is an X-Transformer checkpoint: use `captioner import xtransformer`$"):
+        convert_xlan(save(tmp_path, xtransformer_state()), vocabulary)
+    with pytest.raises(ConversionError, match=r"is an X-LAN checkpoint: use `captioner import xlan`$"):
+        convert_xtransformer(save(tmp_path, xlan_state()), vocabulary)
+    with pytest.raises(ConversionError, match=r"^not an X-Transformer caption_model_\*\.pth \(bad\.pth\): it lacks "):
+        convert_xtransformer(save(tmp_path, aoanet_state()), vocabulary)
+    with pytest.raises(ConversionError, match=r"^not an X-LAN caption_model_\*\.pth \(bad\.pth\): it lacks "):
+        convert_xlan(save(tmp_path, aoanet_state()), vocabulary)
+
+
 def test_scatt_blocks_of_another_depth_are_refused_by_name(tmp_path):
     """``ATT_MID_DIM`` of two sizes (SCAtt with no hidden layer ``W^k_B``, Eq. 3) or of four (two hidden layers) is
     a layout the model cannot express: refused naming it, not a KeyError on the missing layer or a list of keys
