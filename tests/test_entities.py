@@ -334,6 +334,17 @@ def test_reference_targets_only_phrases_with_boxes():
     assert [t.positions for t in reference_targets(punctuation)[1]] == [[0, 1]]
 
 
+def test_a_generated_irregular_plural_grounds_on_the_references_singular_phrase():
+    """One caption says "children" where a reference says "a child": a generated irregular plural must find the
+    boxes of a reference phrase headed by its singular, or some of Flickr's commonest phrases go unscored."""
+    plurals = ("men", "women", "children", "people", "feet", "teeth", "geese", "mice")
+    assert [head_form(w) for w in plurals] == ["man", "woman", "child", "person", "foot", "tooth", "goose", "mouse"]
+    sentences = parse_sentences("[/EN#31/people A little child] climbs [/EN#33/other the ladder] .\n")
+    entity = EntityImage("1000", sentences, parse_annotation(ANNOTATION))
+    targets = generated_targets("two children climb a ladder".split(), entity)
+    assert [(t.positions, t.chains) for t in targets] == [([1], ("31",)), ([4], ("33",))]
+
+
 def test_generated_phrases_match_heads_and_extend_over_reference_words():
     tokens = "two boys in a green coat near a red ladder and a dog".split()
     targets = generated_targets(tokens, _entity())
