@@ -16,7 +16,8 @@ negated and statements inside functions or classes replaced by ``pass``. Docstri
 
 ``run`` imports the package from the worktree through a shim on ``PYTHONPATH`` (``captioner/models`` and
 ``captioner/service`` linked to the worktree's folders) rather than from the editable install, runs ``pytest -x -n 0``
-for each mutant, puts the file back after each and prints one row per mutant: killed, survived, timeout (judge
+(its temporary folders in ``pytest-tmp`` beside the worktree, so audits side by side never clear each other's) for
+each mutant, puts the file back after each and prints one row per mutant: killed, survived, timeout (judge
 whether a user could hit it) or invalid.
 """
 
@@ -214,8 +215,10 @@ def shim_for(worktree: Path) -> Path:
 def run_tests(worktree: Path, tests: list[str], timeout: float, env: dict[str, str]) -> tuple[str, float, str]:
     """(outcome, seconds, the first failing test) of one pytest run; a hung run's whole process group is killed."""
     started = time.monotonic()
+    # a base folder of the worktree's own: under the shared /tmp/pytest-of-<user>, another helper's run removed the
+    # folders of a run still going (pytest keeps only the last few), which failed its baseline for no mutant
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", "--no-header",
-               "-W", "ignore", *tests]
+               "-W", "ignore", "--basetemp", str(worktree.parent / "pytest-tmp"), *tests]
     process = subprocess.Popen(command, cwd=worktree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:

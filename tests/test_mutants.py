@@ -87,7 +87,8 @@ def test_run_reports_a_mutant_the_tests_miss_as_surviving(tmp_path, capsys):
         from captioner.models.clamping import clamp
 
 
-        def test_clamp():
+        def test_clamp(tmp_path):
+            (tmp_path / "ran").write_text("")
             assert clamp(3) == 3 and clamp(20) == 10
     '''))
     generated = mutants.generate((worktree / "models" / "clamping.py").read_text())
@@ -99,3 +100,5 @@ def test_run_reports_a_mutant_the_tests_miss_as_surviving(tmp_path, capsys):
     assert rows[0][:2] == ["baseline", "survived"]
     assert [(row[0], row[3]) for row in rows[1:]] == [(str(chosen[0]), "survived"), (str(chosen[1]), "killed")]
     assert (worktree / "models" / "clamping.py").read_text().count("value < 10") == 1  # put back
+    # the runs' temporary folders are the worktree's own, beside it, not pytest's shared ones other audits clear
+    assert list((tmp_path / "pytest-tmp").glob("*/ran"))
