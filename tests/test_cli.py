@@ -267,12 +267,17 @@ def stub_a_checkpoint_and_one_test_image(monkeypatch) -> None:
         SimpleNamespace(image_id=1, references=[["a"]], info={})])
 
 
+@pytest.mark.parametrize("kernels, suffix", [("u8s8", ""), ("u8u8", "-u8u8")])
 def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_apart_from_the_float_features(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, kernels, suffix):
+    """The int8 CNN's weights' type follows the CPU (``quantize.int8_kernels``: u8u8 without VNNI), and its features'
+    cache is named by it as its graph is: a cache folder shared by machines of both kinds never hands one kind the
+    features the other's graph computed (whichever kind of CPU runs this test)."""
     dataset = tmp_path / "dataset_x.json"
     dataset.write_text("{}")
     calls = {}
     stub_a_checkpoint_and_one_test_image(monkeypatch)
+    monkeypatch.setattr(quantize_module, "int8_kernels", lambda: kernels)
     monkeypatch.setattr(quantize_module, "visual_encoder_file", lambda encoder, out_dir, precision:
                         calls.setdefault("graph", (encoder, out_dir, precision)) and "graph.onnx")
     monkeypatch.setattr(sessions_module, "VisualSession", lambda path, device, threads:
@@ -286,31 +291,10 @@ def test_eval_of_the_int8_cnn_runs_its_graph_from_the_folder_given_and_caches_ap
     assert calls == {"graph": ("its encoder", "o", "int8"), "session": session,
                      "features": ("its encoder", Path("c") / f"onnx-int8-{int8_recipe()}",
                                   {"encoder": session})}
+    assert calls["features"][1] == Path("c") / f"onnx-int8-{quantize_module.RECIPE}{suffix}"
     assert evaluation.report["encoder_precision"] == "int8"
     with pytest.raises(ValueError, match="^--encoder-precision applies to grid features, not regions:r$"):
         evaluation_report("ckpt", dataset, encoder_precision="int8", features="regions:r", device="cpu", progress=False)
-
-
-@pytest.mark.parametrize("kernels, suffix", [("u8s8", ""), ("u8u8", "-u8u8")])
-def test_eval_of_the_int8_cnn_caches_its_features_apart_for_each_weights_type(tmp_path, monkeypatch, kernels, suffix):
-    """The int8 CNN's weights' type follows the CPU (``quantize.int8_kernels``: u8u8 without VNNI), and its features'
-    cache is named by it as its graph is: a cache folder shared by machines of both kinds never hands one kind the
-    features the other's graph computed (whichever kind of CPU runs this test)."""
-    dataset = tmp_path / "dataset_x.json"
-    dataset.write_text("{}")
-    caches = []
-
-    def extract_features(images, spec, cache_dir, **options):
-        caches.append(cache_dir)
-
-    stub_a_checkpoint_and_one_test_image(monkeypatch)
-    monkeypatch.setattr(quantize_module, "int8_kernels", lambda: kernels)
-    monkeypatch.setattr(quantize_module, "visual_encoder_file", lambda *args: "graph.onnx")
-    monkeypatch.setattr(sessions_module, "VisualSession", lambda *args: "session")
-    monkeypatch.setattr(features_module, "extract_features", extract_features)
-    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *args, **options: ({}, {1: ["a"]}))
-    evaluation_report("ckpt", dataset, encoder_precision="int8", cache_dir="c", device="cpu", progress=False)
-    assert caches == [Path("c") / f"onnx-int8-{quantize_module.RECIPE}{suffix}"]
 
 
 def test_an_entities_grounding_is_scored_with_the_resamples_asked_for(tmp_path, monkeypatch):
