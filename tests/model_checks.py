@@ -1,5 +1,6 @@
 """Checks shared by the model tests: the step loop as a reference for parallel training passes, the memorisation
-smoke test (memorise 10 random feature maps with fixed random captions), and a stand-in feature store."""
+smoke test (memorise 10 random feature maps with fixed random captions), a stand-in feature store, and the 2×2
+grid the grounding tests place attention on."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch.nn.functional as F
 
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.decoding import beam_search, greedy
-from captioner.models.encoder import EncoderSpec
+from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.vocab import SPECIALS, Vocabulary
 from captioner.models.evaluation.metrics import score_captions
-from captioner.models.protocol import Captioner, VisualBatch
+from captioner.models.protocol import Captioner, Geometry, VisualBatch
 
 VOCAB = 20  # ids 0..2 are <pad>, <bos>, <eos>; captions use 3..19
 
@@ -128,3 +129,8 @@ def keys_store() -> SimpleNamespace:
     """A stand-in feature store whose batch, moved to any device, is the keys it was asked for: a training phase's
     loss then hands the model the image keys it read, which a test can check."""
     return SimpleNamespace(batch=lambda keys: SimpleNamespace(to=lambda device: keys))
+
+
+def two_by_two(size=(8, 8), resize="stretch") -> Geometry:
+    """A 2×2 grid (64-pixel network input, stride 32) over an image of ``size``, stretched or centre-cropped."""
+    return grid_geometry(EncoderSpec(image_size=64, resize=resize, resize_to=64), size)

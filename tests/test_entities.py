@@ -18,7 +18,6 @@ from captioner.models.checkpoint import FORMAT, write_manifest
 from captioner.models.data.entities import EntitiesDataset, EntitiesFormatError, EntityAnnotation, EntityImage, \
     parse_annotation, parse_sentences
 from captioner.models.decoding import DecodingRules, beam_search
-from captioner.models.encoder import EncoderSpec, grid_geometry
 from captioner.models.evaluation import figures, phrase_grounding
 from captioner.models.evaluation.grounding import CaptionAttention, caption_with_attention, pixel_distribution, \
     score_map, summarise
@@ -34,6 +33,7 @@ from captioner.models.zoo import create
 
 from .conftest import DEFAULT_CHECKPOINT
 from .entities_photos import circle_photos
+from .model_checks import two_by_two
 from .test_cli import captioner
 
 SENTENCES = """[/EN#31/people A little boy] in [/EN#32/clothing a green coat] climbs [/EN#33/other the ladder] .
@@ -51,11 +51,6 @@ ANNOTATION = """<annotation>
   <object><name>35</name><scene>0</scene><nobndbox>1</nobndbox></object>
 </annotation>
 """
-
-
-def two_by_two(size=(8, 8)):
-    """A 2×2 grid (64-pixel network input, stride 32) stretched over an image of ``size``."""
-    return grid_geometry(EncoderSpec(image_size=64), size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -500,12 +495,10 @@ def test_a_phrase_is_scored_on_each_of_its_words_and_on_none_outside_it():
 def test_another_photos_grid_attention_is_read_through_this_photos_cells():
     """A grid model sees every photo through the same cells: the other photo's row is placed by this photo's centre
     crop, not by the donor's (a tall donor's crop lies elsewhere on a wide photo)."""
-    def crop(size):
-        return grid_geometry(EncoderSpec(image_size=64, resize="center_crop", resize_to=64), size)
-
     annotation = EntityAnnotation((16, 8), {"1": [(5, 1, 8, 4)]})  # the crop's top-left cell of the wide photo
     row = [np.array([[1.0, 0.0, 0.0, 0.0]])]
-    photo = PhotoAttention(row, crop((16, 8)), [PhraseTarget(0, [0], ("people",), ("1",))], row, crop((8, 16)))
+    photo = PhotoAttention(row, two_by_two((16, 8), "center_crop"), [PhraseTarget(0, [0], ("people",), ("1",))], row,
+                          two_by_two((8, 16), "center_crop"))
     other = next(s for s in score_photos([photo], [annotation]) if s.control == "other photo")
     assert other.scores == pytest.approx({"mass": 1.0, "pointing": 1.0, "ratio": 8.0})
 

@@ -23,12 +23,8 @@ from captioner.models.evaluation.zoo_table import END, START, grounding_figure, 
 from captioner.models.protocol import Geometry
 
 from .conftest import ROOT
+from .model_checks import two_by_two
 from .serving_helpers import TINY_SPEC, VOCAB, tiny_model
-
-
-def two_by_two(size=(8, 8), resize="stretch") -> Geometry:
-    """A 2×2 grid (64-pixel network input, stride 32) over an image of ``size``."""
-    return grid_geometry(EncoderSpec(image_size=64, resize=resize, resize_to=64), size)
 
 
 def naive_distribution(weights, geometry: Geometry) -> np.ndarray:
