@@ -314,56 +314,54 @@ def test_every_torchvision_resnet_trunk_is_recognised_by_its_blocks(resnet):
     assert (backbone, grid) == (resnet, 7) and "layer4.0.conv1.weight" in weights and "fc.weight" not in weights
 
 
-def test_a_trunk_pooled_onto_a_grid_that_is_not_square_is_refused():
-    """The encoder spec has one side (``pooled_grid``): a 7×5 pooling would be served as 7×7, attention misplaced."""
+@pytest.fixture
+def meta_encoder():
+    """The tutorial's encoder over a ResNet-18 on the meta device (no weights to make), its classes named as the
+    tutorial's module; the test runs inside both, so what it builds is on the meta device too."""
     with torch.device("meta"), tutorial.tutorial_module():
-        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
-        encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d((7, 5))
-        with pytest.raises(ConversionError, match=r"pools onto \(7, 5\): only a square grid is supported"):
-            _trunk(stand_ins(encoder))
+        yield tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
 
 
-def test_a_trunk_that_kept_the_resnets_average_pool_is_refused():
+def test_a_trunk_pooled_onto_a_grid_that_is_not_square_is_refused(meta_encoder):
+    """The encoder spec has one side (``pooled_grid``): a 7×5 pooling would be served as 7×7, attention misplaced."""
+    meta_encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d((7, 5))
+    with pytest.raises(ConversionError, match=r"pools onto \(7, 5\): only a square grid is supported"):
+        _trunk(stand_ins(meta_encoder))
+
+
+def test_a_trunk_that_kept_the_resnets_average_pool_is_refused(meta_encoder):
     """The tutorial's trunk is the ResNet's children but the last two: one that kept ``avgpool`` (no weights of its
     own) would pool layer4 to 1×1 before the grid pooling, features the imported model would never be served."""
-    with torch.device("meta"), tutorial.tutorial_module():
-        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
-        encoder.resnet = torch.nn.Sequential(*list(torchvision.models.resnet18(weights=None).children())[:-1])
-        with pytest.raises(ConversionError, match=r"not a torchvision ResNet-18/34/50/101/152 \(9 children"):
-            _trunk(stand_ins(encoder))
+    meta_encoder.resnet = torch.nn.Sequential(*list(torchvision.models.resnet18(weights=None).children())[:-1])
+    with pytest.raises(ConversionError, match=r"not a torchvision ResNet-18/34/50/101/152 \(9 children"):
+        _trunk(stand_ins(meta_encoder))
 
 
 @pytest.mark.parametrize("pool", ["max-pooled", "no pool"])
-def test_an_encoder_without_the_tutorials_grid_pooling_is_refused_as_not_the_tutorials(pool):
+def test_an_encoder_without_the_tutorials_grid_pooling_is_refused_as_not_the_tutorials(pool, meta_encoder):
     """An edited tutorial whose encoder max-pools, or lost its ``adaptive_pool``, is told its encoder is not the
     tutorial's (trunk + AdaptiveAvgPool2d): not that its grid is not square, nor an AttributeError's traceback."""
-    with torch.device("meta"), tutorial.tutorial_module():
-        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
-        encoder.adaptive_pool = torch.nn.MaxPool2d(2)
-        encoder = stand_ins(encoder)
-        if pool == "no pool":
-            del encoder.state["_modules"]["adaptive_pool"]
-        with pytest.raises(ConversionError, match=r"not the tutorial's \(resnet trunk \+ AdaptiveAvgPool2d\)"):
-            _trunk(encoder)
+    meta_encoder.adaptive_pool = torch.nn.MaxPool2d(2)
+    encoder = stand_ins(meta_encoder)
+    if pool == "no pool":
+        del encoder.state["_modules"]["adaptive_pool"]
+    with pytest.raises(ConversionError, match=r"not the tutorial's \(resnet trunk \+ AdaptiveAvgPool2d\)"):
+        _trunk(encoder)
 
 
-def test_a_trunk_holding_weights_where_a_resnet_has_none_is_refused_naming_the_child():
+def test_a_trunk_holding_weights_where_a_resnet_has_none_is_refused_naming_the_child(meta_encoder):
     """A ResNet's children 2 and 3 (ReLU, max-pool) hold no weights: an edited tutorial that put a layer there has a
     trunk the service could not rebuild, and is told which child, not met with a KeyError's traceback."""
-    with torch.device("meta"), tutorial.tutorial_module():
-        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
-        encoder.resnet[3] = torch.nn.BatchNorm2d(64)
-        with pytest.raises(ConversionError, match="holds weights in child 3, which a ResNet has not"):
-            _trunk(stand_ins(encoder))
+    meta_encoder.resnet[3] = torch.nn.BatchNorm2d(64)
+    with pytest.raises(ConversionError, match="holds weights in child 3, which a ResNet has not"):
+        _trunk(stand_ins(meta_encoder))
 
 
-def test_a_grid_pooling_given_as_one_number_is_read_as_square():
+def test_a_grid_pooling_given_as_one_number_is_read_as_square(meta_encoder):
     """``nn.AdaptiveAvgPool2d(7)`` keeps ``output_size`` as the int 7, which means 7×7 (a tutorial edited to pool
     so imports as it would run)."""
-    with torch.device("meta"), tutorial.tutorial_module():
-        encoder = tutorial.Encoder(7, torchvision.models.resnet18(weights=None))
-        encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d(7)
-        assert _trunk(stand_ins(encoder))[:2] == ("resnet18", 7)
+    meta_encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d(7)
+    assert _trunk(stand_ins(meta_encoder))[:2] == ("resnet18", 7)
 
 
 def test_a_checkpoint_whose_encoder_and_decoder_are_swapped_is_refused_naming_both(modules, files, tmp_path):
