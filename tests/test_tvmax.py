@@ -206,6 +206,20 @@ def test_tvmax_forwards_the_solver_options_to_the_prox():
     assert not torch.allclose(got, tvmax(z, (8, 8), lam=0.3), atol=1e-2, rtol=0)
 
 
+def test_the_solver_options_mean_the_same_under_autograd():
+    """Scores that need a gradient (every training step) take the autograd path of tv2d_prox, which must hand the
+    solver the same budget: ``max_iter`` and ``check_every`` swapped there would run 2·2000 float32 iterations
+    before a first check of every default solve, and read a user's budget the other way round. Two iterations with
+    a check after each leave some grids uncertified, so the weights show which budget ran."""
+    z = _random_scores(16, 5)
+    budget = {"max_iter": 2, "check_every": 1}
+    plain = tv2d_prox(z, (8, 8), lam=0.3, **budget)
+    assert not torch.allclose(plain, tv2d_prox(z, (8, 8), lam=0.3), atol=1e-2, rtol=0)  # the budget binds
+    traced = tv2d_prox(z.clone().requires_grad_(), (8, 8), lam=0.3, **budget)
+    assert traced.requires_grad
+    assert torch.equal(traced.detach(), plain)
+
+
 def test_the_solver_options_type_every_solver_keyword_of_the_prox():
     """``SolverOptions`` types tvmax's ``**solver``: a type checker refuses a keyword it does not list, or one of
     another type, in a library user's ``tvmax(scores, grid, tol=1e-6)``. It must list every solver keyword of
