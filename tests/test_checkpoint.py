@@ -451,6 +451,20 @@ def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config
     assert load_checkpoint(old).storage == "float16"
 
 
+def test_storage_never_replaces_another_checkpoint_at_its_out_unless_forced(tmp_path, tiny_sat, vocab, capsys):
+    """``captioner storage A float16 --out B`` over a checkpoint B already there: refused, B kept as it was, as for
+    every other command that writes a checkpoint (a mistyped --out deleted a trained model); --force replaces it."""
+    source = save_checkpoint(tmp_path / "source", tiny_sat, vocab, EncoderSpec())
+    other = save_checkpoint(tmp_path / "other", tiny_sat, vocab, EncoderSpec())
+    weights = (other / WEIGHTS).read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        main(["storage", str(source), "float16", "--out", str(other)])
+    assert refused.value.code == 2 and f"{other} already exists" in capsys.readouterr().err
+    assert (other / WEIGHTS).read_bytes() == weights
+    main(["storage", str(source), "float16", "--out", str(other), "--force"])
+    assert load_checkpoint(other).storage == "float16"
+
+
 def test_storage_rewrites_in_place_when_out_names_the_checkpoint_and_import_never_writes_over_one(tmp_path, tiny_sat,
                                                                                                  vocab, capsys):
     """``--out`` naming the checkpoint itself is the in-place rewrite, not a checkpoint to refuse to replace; an

@@ -401,6 +401,25 @@ def test_caption_hands_its_flags_to_the_search_and_the_figure(tmp_path, stub_pip
     assert capsys.readouterr().out.splitlines() == [f"{photo} [x/a]: a cat", f"{photo} [y/a]: a cat"]
 
 
+def test_caption_prints_each_images_caption_beside_its_own_path(tmp_path, monkeypatch, capsys):
+    """Several images captioned in one batch: each line's path is the image whose caption it gives (a caption
+    printed beside another file's path is a wrong answer that reads as a right one)."""
+    photos = [tmp_path / f"{width}.png" for width in (4, 6, 8)]
+    for photo in photos:
+        Image.new("RGB", (int(photo.stem), 4)).save(photo)
+
+    class Pipeline:
+        def __init__(self, checkpoint, device):
+            self.ckpt = SimpleNamespace(meta={})
+
+        def __call__(self, images, beam_size, max_len, rules):
+            return [SimpleNamespace(caption=f"{image.width} wide") for image in images]
+
+    monkeypatch.setattr(pipeline_module, "Pipeline", Pipeline)
+    main(["caption", *map(str, photos), "--checkpoint", "a", "--device", "cpu"])
+    assert capsys.readouterr().out.splitlines() == [f"{photo}: {photo.stem} wide" for photo in photos]
+
+
 def test_caption_refuses_what_cannot_draw_before_any_model_loads(tmp_path, stub_pipeline, capsys):
     photo = tmp_path / "p.png"
     Image.new("RGB", (4, 4)).save(photo)
@@ -533,6 +552,25 @@ def test_export_searches_the_weights_folder_beside_named_checkpoints_only_with_a
     assert refused.value.code == 2 and "error: no checkpoint found in w" in capsys.readouterr().err
 
 
+def test_export_of_named_checkpoints_leaves_the_services_other_folders_to_all(tmp_path, monkeypatch):
+    """``captioner export CKPT`` exports that checkpoint: the folders CAPTIONER_PREFIXED_WEIGHTS_DIRS and
+    CAPTIONER_CHECKPOINTS give the service (set in its container, say) join only with --all or no checkpoint named,
+    rather than minutes of exports, and files written, that were not asked for."""
+    searched, mine, scenes = [], tmp_path / "mine", tmp_path / "scenes"
+    monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", json.dumps({"scenes-": str(scenes)}))
+    monkeypatch.setenv("CAPTIONER_CHECKPOINTS", json.dumps([str(mine)]))
+
+    def find_checkpoints(weights_dir, extra, prefixed, on_replaced):
+        searched.append((weights_dir, extra, prefixed))
+        return {"a": Path("x/a")}
+
+    monkeypatch.setattr(checkpoint_module, "find_checkpoints", find_checkpoints)
+    monkeypatch.setattr(onnx_module, "export_checkpoints", lambda found, out, log: {})
+    for argv in (["x/a"], ["x/a", "--all"]):
+        main(["export", *argv, "--weights-dir", "w", "--out", str(tmp_path)])
+    assert searched == [(None, ["x/a"], {}), ("w", ["x/a", str(mine)], {"scenes-": scenes})]
+
+
 def test_export_exits_1_for_a_model_it_cannot_export_only_when_strict(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint_module, "find_checkpoints", lambda *args, **options: {"a": Path("x/a")})
     monkeypatch.setattr(onnx_module, "export_checkpoints",
@@ -599,6 +637,12 @@ def test_an_import_without_a_file_it_reads_or_writes_is_a_usage_error_naming_the
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["import", kind, *argv[:at], *argv[at + 2:]])
     assert refused.value.code == 2 and f"the following arguments are required: {flag}" in capsys.readouterr().err
+
+
+def test_an_import_without_the_authors_kind_is_a_usage_error_naming_it(capsys):
+    """``captioner import`` alone (the user has yet to learn the kinds): argparse's usage error asking for KIND, not
+    an AttributeError traceback from a command that no kind chose."""
+    assert "the following arguments are required: KIND" in cli_error(capsys, "import")
 
 
 def test_models_lists_one_name_a_line_and_a_models_options_with_the_required_ones_said(monkeypatch, capsys):
