@@ -145,7 +145,8 @@ def test_the_library_calls_defaults_are_the_commands(tmp_path, monkeypatch):
 #: (a command line, the documented defaults it parses to): each as its help says
 DEFAULTS = [
     (["caption", "p.png"], {"beam_size": 3, "max_len": 20, "cmap": "jet", "alpha": 0.5, "device": "auto",
-                            "length_penalty": None, "block_trigrams": None, "block_doubled_words": None}),
+                            "length_penalty": None, "block_trigrams": None, "block_doubled_words": None,
+                            "readers": 2}),
     (["eval", "c"], {"show": 0, "misses": 0, "grounding_resamples": 2000, "cache_dir": ".cache/features",
                      "encoder_precision": "float32"}),
     (["eval", "c", "--grounding"], {"grounding": "scenes"}),
