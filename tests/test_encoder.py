@@ -258,6 +258,21 @@ def test_a_full_size_photo_reaches_the_network_as_the_data_sets_copies_did():
     assert "source_side" not in plain.to_json() and spec.to_json()["source_jpeg_quality"] == 90
 
 
+@pytest.mark.parametrize("size", [(224, 300), (300, 224)])
+def test_a_photo_with_one_side_as_the_copies_is_still_made_into_a_copy(size):
+    """Only a photo the size of the data set's copies in both sides is one of them: a 224×300 (or 300×224) upload
+    shares a side with Flickr8k's 224×224 copies but was not squashed into one; skipping the copy step for it would
+    feed the network a photo resampled otherwise than the training photos were."""
+    spec = EncoderSpec(layer="blocks", source_side=224, source_jpeg_quality=90)
+    photo = Image.fromarray(data.astronaut()).resize(size, Image.BILINEAR)
+    buffer = io.BytesIO()
+    photo.resize((224, 224), Image.BILINEAR).save(buffer, format="JPEG", quality=90)
+    copy = Image.open(buffer).convert("RGB")
+    pixels, geometry = preprocess(photo, spec)
+    assert torch.equal(pixels, preprocess(copy, EncoderSpec(layer="blocks"))[0])
+    assert geometry.image_size == size
+
+
 def test_a_centre_crop_of_a_full_size_photo_is_the_crop_of_its_copy():
     """With ``center_crop`` the data set's copies (squashed squares) were cropped; a full-size upload was cropped
     first and then squashed, a centred square of the photo instead of the copy's share of each side (pixels off by
