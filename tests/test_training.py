@@ -27,7 +27,7 @@ from captioner.models.protocol import VisualBatch
 from captioner.models.training import TrainConfig, fit, loop, prepare_run, train
 from captioner.models.training.config import Progress
 from captioner.models.training.distributed import DistContext
-from captioner.models.training.loop import RunInUse, TrainingDiverged, _optimizer_step
+from captioner.models.training.loop import RunInUse, TrainingDiverged, TrainingInterrupted, _optimizer_step
 from captioner.models.training.phase import PHASES, Phase, PhaseModule, register_phase
 from captioner.models.training.resume import merge_resume
 from captioner.models.training.run_log import EpochLog
@@ -1034,6 +1034,21 @@ def test_a_scaled_step_clips_the_true_gradient_and_skips_an_overflow_halving_the
     assert scaler.get_scale() == 512.0
 
 
+def test_a_step_another_rank_found_diverged_is_not_taken_on_this_rank_either():
+    """Under torchrun each rank's loss is its own share's: a rank whose loss and gradients are finite stops with the
+    rank whose are not (``dist.any``), before the update, rather than step on alone and wait for the stopped rank in
+    the next step's collective for ever."""
+    asked = []
+    weight = torch.nn.Parameter(torch.zeros(2))
+    cfg, optimizer = SimpleNamespace(grad_clip=0.0, grad_clip_mode="norm"), torch.optim.SGD([weight], lr=1.0)
+    dist = SimpleNamespace(any=lambda flag: asked.append(flag) or True)  # another rank's loss was NaN
+    run = SimpleNamespace(cfg=cfg, optimizer=optimizer, dist=dist, scaler=None, progress=Progress(), run_dir="run")
+    with pytest.raises(TrainingDiverged, match="at epoch 1, step 1, and the run stopped before the update"):
+        _optimizer_step(run, (torch.tensor([30.0, 40.0]) * weight).sum())
+    assert asked == [False]  # this rank's own step was finite
+    assert torch.equal(weight.detach(), torch.zeros(2))
+
+
 @pytest.mark.parametrize("scaled, grad_clip, mode, norms", [
     (False, 0.0, "norm", 1), (False, 0.5, "value", 1),  # the divergence check reads it
     (True, 0.5, "norm", 1),  # the clip reads it
@@ -1172,6 +1187,65 @@ def test_under_torchrun_only_rank_0_logs_steps_and_it_counts_every_ranks_tokens(
         return
     (record,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert tokens[0] > 0 and record["tokens_per_s"] == 2 * tokens[0]
+
+
+def test_a_stop_asked_of_another_rank_stops_this_one_after_the_same_step(scenes, tmp_path, cache, monkeypatch):
+    """A SIGTERM sent to one worker (a scheduler's, a kill) reaches that rank alone, and each rank asks the others
+    after every step (``dist.any``): all of them stop after the same step, the main rank saves it and the run says it
+    was interrupted. A rank that checked only its own flag trained on alone (to wait for the stopped rank in its next
+    collective) or, once out of the epoch, ended as if its run had finished."""
+    monkeypatch.setattr(loop, "_stop_if_diverged", lambda run, loss, norm: None)  # it asks the ranks too: its own test
+
+    class SignalledElsewhere(_RankOfTwo):
+        def any(self, flag):
+            return True  # the other rank was stopped
+
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2))  # 3 steps an epoch
+    run.dist = SignalledElsewhere(rank=0, world=2)
+    with pytest.raises(TrainingInterrupted, match="interrupted at epoch 1, step 1;"):
+        fit(run)
+    progress = json.loads((tmp_path / "run" / "train_state.json").read_text())["progress"]
+    assert (progress["epoch"], progress["step_in_epoch"], progress["global_step"]) == (0, 1, 1)
+
+
+def test_a_resumed_rank_draws_on_from_the_random_stream_its_state_put_back(scenes, tmp_path, cache, monkeypatch):
+    """A rank of a resumed torchrun run goes on from the random stream the run's state gave it back (rank 0 saves
+    every rank's): seeded afresh after that, as a new run's ranks are, each resume drew the dropout masks and SCST's
+    samples of the run's first steps again, and a resumed run was not the run trained straight."""
+    train(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, max_steps=1))
+    monkeypatch.setattr(loop, "init_distributed", lambda device: (_RankOfTwo(rank=1, world=2), "cpu"))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", lambda module, **options: module)
+    restored, restore = [], loop.restore
+
+    def noted(*args):
+        progress = restore(*args)
+        restored.append(torch.get_rng_state())
+        return progress
+
+    monkeypatch.setattr(loop, "restore", noted)
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2, max_steps=2), resume=True)
+    assert run.dist.active and run.progress.global_step == 1 and len(restored) == 1
+    assert torch.equal(torch.get_rng_state(), restored[0])
+
+
+def test_rank_0_opens_the_feature_store_first_and_alone_draws_its_progress(monkeypatch):
+    """Under torchrun rank 0 extracts what a cold feature cache lacks while the other ranks wait at a barrier, and
+    they then open the finished store without bars of their own: ranks that opened it first each extracted every
+    photo again into the same cache folder (the tests' ranks share a cache filled beforehand, where it never
+    showed), and each rank drew its own bars over rank 0's."""
+    events = []
+
+    def open_feature_store(*args, progress, **options):
+        events.append(("open", progress))
+        return "store"
+
+    monkeypatch.setattr(loop, "open_feature_store", open_feature_store)
+    cfg = _config("data", "run", "cache", progress=True)
+    for rank, expected in [(0, [("open", True), "barrier", "barrier"]), (1, ["barrier", ("open", False), "barrier"])]:
+        events.clear()
+        ctx = SimpleNamespace(is_main=rank == 0, barrier=lambda: events.append("barrier"))
+        assert loop._open_store(cfg, EncoderSpec(image_size=96), [], [], ctx, torch.device("cpu")) == ("store", None)
+        assert events == expected, rank
 
 
 def test_best_is_saved_only_on_a_strictly_better_score_and_early_stop_counts_from_it(tmp_path, monkeypatch):
