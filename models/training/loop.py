@@ -451,12 +451,15 @@ def _stop_if_diverged(run: Run, loss: torch.Tensor, norm: torch.Tensor) -> None:
     high, a log of zero), before the update: stepped on, it is NaN in every weight, and every later snapshot
     (``last/``, ``best/`` if validation happens to score it well) keeps it.  Under float16 the gradient scaler
     skips such a step and lowers its scale instead, so runs with a scaler do not come here."""
-    if run.dist.any(not bool(torch.isfinite(loss.detach()) & torch.isfinite(norm))):
+    finite = bool(torch.isfinite(loss.detach()) & torch.isfinite(norm))
+    if run.dist.any(not finite):
+        # a rank stopped by another's divergence must not present its own finite loss as the one that diverged
+        what = ("another rank's loss or gradients stopped being a number" if finite
+                else f"the loss became {loss.item()} (its gradients' norm {norm.item()})")
         raise TrainingDiverged(
-            f"the loss became {loss.item()} (its gradients' norm {norm.item()}) at epoch {run.progress.epoch + 1}, "
-            f"step {run.progress.step_in_epoch + 1}, and the run stopped before the update: {run.run_dir} keeps the "
-            "state it saved last (--checkpoint-every, or the last epoch's end); rerun with --resume and a lower --lr "
-            "(or --grad-clip) to go on from it")
+            f"{what} at epoch {run.progress.epoch + 1}, step {run.progress.step_in_epoch + 1}, and the run stopped "
+            f"before the update: {run.run_dir} keeps the state it saved last (--checkpoint-every, or the last "
+            "epoch's end); rerun with --resume and a lower --lr (or --grad-clip) to go on from it")
 
 
 def _validate(run: Run, epoch: int, lr: float, logs: dict[str, float]) -> EpochLog:
