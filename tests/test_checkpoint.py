@@ -19,7 +19,7 @@ from captioner.models import files
 from captioner.models.attention import NORMALISERS
 from captioner.models.checkpoint import CARD, WEIGHTS, Checkpoint, CheckpointError, checkpoint_name, \
     convert_storage, described_model, find_checkpoints, load_checkpoint, manifest_changes, model_files, on_meta, \
-    recorded_checksum, replace_files, save_checkpoint, update_meta
+    recorded_checksum, replace_files, save_checkpoint, update_meta, verify_manifest
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.files import file_checksum, temporary_target
@@ -423,6 +423,17 @@ def test_manifest_changes_read_the_folder_when_not_given_its_records(tmp_path, t
     assert manifest_changes(path) is None
 
 
+def test_a_checkpoint_named_by_a_string_is_verified_like_one_named_by_a_path(tmp_path, tiny_sat, vocab):
+    """``verify_manifest`` takes a ``str`` as its signature says (a script checking the shipped folders by name):
+    loading passes a ``Path``, so a string was only ever a library caller's, and ``str / str`` a ``TypeError``
+    rather than the digests or the refusal naming the altered file."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    assert verify_manifest(str(path))[WEIGHTS] == recorded_checksum(path) == file_checksum(path / WEIGHTS)
+    (path / "vocab.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(path / 'vocab.json'))} does not match its sha256"):
+        verify_manifest(str(path))
+
+
 def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config_json(tmp_path, capsys):
     """``--force`` (storage, import, ensemble) took any folder holding a ``config.json`` for a checkpoint and deleted
     it whole: a project's folder with its own config.json and a thesis in it."""
@@ -668,6 +679,18 @@ def test_rewriting_a_checkpoints_record_or_storage_keeps_its_extra_files(tmp_pat
     assert load_checkpoint(elsewhere).encoder.weights == "cnn.safetensors"
 
 
+def test_a_copy_made_from_relative_paths_names_its_encoder_file_by_its_name(tmp_path, tiny_sat, vocab, monkeypatch):
+    """``captioner storage weights/sat float16 --out weights/sat-half`` is given relative paths, while the encoder's
+    file is loaded as an absolute, resolved one: compared with the folder as given, the copy's config.json named the
+    original folder's CNN, so the copy broke once the original was moved or deleted."""
+    cnn = {"cnn.safetensors": b"weights"}
+    save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec(weights="cnn.safetensors"), files=cnn)
+    monkeypatch.chdir(tmp_path)
+    half = convert_storage("ckpt", "float16", "half")
+    assert json.loads((half / "config.json").read_text())["encoder"]["weights"] == "cnn.safetensors"
+    assert load_checkpoint(half).encoder.weights == str((tmp_path / "half" / "cnn.safetensors").resolve())
+
+
 def test_manifest_command_never_seals_a_folder_replaced_while_it_read_its_files(tmp_path, tiny_sat, vocab,
                                                                                   monkeypatch):
     """``captioner card`` (or a training run's save) replaces a checkpoint whole; ``captioner manifest`` running at
@@ -860,6 +883,16 @@ def test_the_recorded_checksum_is_the_manifests_without_hashing_and_none_without
     assert recorded_checksum(path) == load_checkpoint(path).checksum == file_checksum(path / WEIGHTS)
     (path / "manifest.json").unlink()
     assert recorded_checksum(path) is None
+
+
+@pytest.mark.parametrize("manifest", ["[1]", "null", '"files"'])
+def test_a_manifest_of_json_but_no_object_records_no_checksum(manifest, tmp_path, tiny_sat, vocab):
+    """The lenient readers answer None for a manifest they cannot read as one: a server's start asks each checkpoint
+    it serves through ONNX for its recorded sha256 (is the export current?), and an altered manifest.json of other
+    JSON was an AttributeError that stopped the server, where loading names that checkpoint and skips it."""
+    path = save_checkpoint(tmp_path / "ckpt", tiny_sat, vocab, EncoderSpec())
+    (path / "manifest.json").write_text(manifest)
+    assert recorded_checksum(path) is None and manifest_changes(path) is None
 
 
 def test_a_float32_checkpoints_config_names_no_storage(tmp_path, tiny_sat, vocab):
