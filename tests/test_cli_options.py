@@ -182,6 +182,16 @@ def test_each_option_left_out_takes_the_default_its_help_states(argv, defaults):
     assert {key: parsed[key] for key in defaults} == defaults
 
 
+def test_data_features_shards_photos_as_training_does_so_each_resumes_the_others_extraction():
+    """``captioner data features`` and the stores training, evaluation and region features extract (through
+    ``extract_features``'s default) cut shards of one size, 1,024 photos as docs/feature_store.md says: a store cut
+    short by one and extracted again by the other keeps its finished shards only under the same size, so a library
+    default of its own made the second discard every finished shard (hours of COCO's encoding) as another layout's."""
+    parsed = build_parser().parse_args(["data", "features"])
+    library_default = inspect.signature(features_module.extract_features).parameters["shard_size"].default
+    assert parsed.shard_size == library_default == features_module.DEFAULT_SHARD_SIZE
+
+
 def test_a_scene_data_set_is_skipped_when_current_and_written_with_the_flags_when_not(tmp_path, monkeypatch, capsys):
     written, current = [], [True]
     monkeypatch.setattr(scenes_module, "describes", lambda held, sizes, seed, variation, only: current[0])
