@@ -631,6 +631,16 @@ def test_an_ensembles_card_gives_each_members_data_and_time_or_says_they_were_no
     assert f"\n| `aoanet` | `aoanet` | not recorded | not recorded | `{'cd' * 8}…` |\n" in card
 
 
+def test_an_ensembles_card_has_a_members_section_where_a_trained_checkpoints_has_its_training(tmp_path):
+    """A reader finds an ensemble's members under the heading a trained checkpoint's card puts its training, by name:
+    the card's sections are "## Members", then the scores. A substring check passed a heading with more after it."""
+    members = [{"name": "sat", "arch": "sat", "checksum": "ab" * 32}]
+    save_checkpoint(tmp_path / "ckpt", tiny_model("sat"), VOCAB, TINY_SPEC, meta={"ensemble_of": members})
+    card = write_card(tmp_path / "ckpt", {"beam_size": 3}).read_text()
+    headings = [line for line in card.splitlines() if line.startswith("## ")]
+    assert headings == ["## Members", "## Measured by `captioner eval` (beam 3)"]
+
+
 def test_a_photo_cards_data_line_cites_its_data_set_as_recorded_or_as_its_path_names_it(tmp_path):
     """A Flickr8k checkpoint's card names its data by citation (what ``GET /models`` says too): the run's own
     ``trained_on`` record, else, for a checkpoint trained before it was recorded, the data set its path names. A
