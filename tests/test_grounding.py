@@ -458,6 +458,14 @@ def test_zoo_table_cells_say_what_no_record_holds():
     assert lines[5].startswith("Grounding: attention of every word") and len(lines) == 6
 
 
+def test_zoo_table_rounds_a_training_time_to_the_nearest_minute():
+    """The table compares what each checkpoint cost to train: a run of 9 min 50 s is "10 min", not the 9 that
+    dropping the seconds would print (which understates every run that is not a whole number of minutes)."""
+    record = {"train_seconds": 590, "hardware": "a test CPU", "threads": None, "splits": {}}
+    row = {"name": "r", "arch": "sat", "normaliser": "softmax", "parameters": 1_000_000, **record}
+    assert markdown([row]).splitlines()[2].startswith("| r | sat | softmax | 1.0 M | 10 min on a test CPU | — |")
+
+
 def test_zoo_table_merges_a_checkpoints_own_reports_later_files_winning(tmp_path):
     reports = {"toy.json": {"beam_size": 3, "decoding": {"length_penalty": 0.0}, "test": {"images": 2, "BLEU-4": 0.1}},
                "toy.ood.json": {"ood": {"images": 3}, "test": {"images": 2, "BLEU-4": 0.2}},
