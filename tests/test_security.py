@@ -833,6 +833,17 @@ def test_the_access_log_holds_no_result_id(open_client, keyed, jpeg):
     assert all(result not in str(e) for e in entries)
 
 
+def test_the_access_log_writes_any_routed_paths_template_not_only_a_results(open_client):
+    """A request a route answered is logged under that route's template wherever it has parameters, not only the
+    result routes the ``/captions/`` pattern knows: ``/problems/{kind}`` (a problem type's page, and a 404 for a kind
+    that does not exist) is one line shape, whatever kind or text a client put after ``/problems/``, so the lines of
+    one route group together and a client's text is not written into the log."""
+    with access_log(lambda record: record.fields) as entries:
+        assert open_client.get("/problems/invalid-image").status_code == 200
+        assert open_client.get("/problems/no-such-kind").status_code == 404
+    assert [(e["path"], e["status"]) for e in entries] == [("/problems/{kind}", 200), ("/problems/{kind}", 404)]
+
+
 def test_a_malformed_setting_is_named_without_its_value(monkeypatch, capsys):
     """pydantic's own error quoted the input: an API key mistyped as a JSON object was printed whole at start-up."""
     monkeypatch.setenv("CAPTIONER_API_KEYS", '{"client": "topsecret-key"}')
