@@ -322,3 +322,12 @@ def test_the_options_are_kept_in_the_config_a_checkpoint_rebuilds_from():
     assert {key: config[key] for key in chosen} == chosen and "doubly_stochastic" not in config
     rebuilt = create("sat-hard", **config)
     assert {key: getattr(rebuilt, key) for key in chosen} == chosen
+
+
+def test_with_no_dropout_option_the_hard_model_drops_as_the_soft_model_does():
+    """The hard model is the soft decoder with another context (docs/decisions.md#sat-hard-decoding), so
+    ``captioner train --recipe sat-hard``, whose recipe names no dropout, must train with the soft model's 0.5: a
+    default of 1.0 would zero every word predictor's input in training, and the run would learn no words."""
+    assert options("sat-hard")["dropout"] == options("sat")["dropout"] == 0.5
+    model = create("sat-hard", **{key: value for key, value in TINY.items() if key != "dropout"})
+    assert model.drop.p == 0.5
