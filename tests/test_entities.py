@@ -282,6 +282,17 @@ def test_an_unrelated_caption_is_dropped_from_its_own_photo_only(tmp_path):
     assert len(dataset.load("images/1001_abcdef.jpg").sentences) == 2
 
 
+def test_unrelated_captions_lines_other_than_an_id_and_a_number_are_skipped(tmp_path):
+    """An edited ``UNRELATED_CAPTIONS`` (a blank line, a word alone, a two-word note) still loads: only lines of an
+    id and a sentence number name a caption, so the others must neither stop the folder from opening (an
+    ``IndexError`` or ``ValueError`` from a line that is not a pair) nor drop a caption."""
+    _entities_folder(tmp_path)
+    (tmp_path / "UNRELATED_CAPTIONS").write_text("# format: <imageID> <sentence number>\n\n1000 1\n\nnote\n# done\n")
+    dataset = EntitiesDataset(tmp_path)
+    assert dataset.unrelated == {("1000", 0)}
+    assert len(dataset.load("images/1000_abcdef.jpg").sentences) == 1
+
+
 def test_a_flickr30k_photo_named_by_its_id_alone_is_found():
     """Flickr30k names its photos ``<id>.jpg`` (Flickr8k ``<id>_<secret>.jpg``): both give the id, without suffix."""
     assert EntitiesDataset.flickr_id("flickr30k-images/1000.jpg") == "1000"
