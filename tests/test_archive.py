@@ -577,6 +577,21 @@ def test_resuming_a_finished_archive_changes_nothing(tmp_path, tiny_checkpoint_f
     assert out.read_bytes() == written
 
 
+def test_sources_holding_no_image_are_refused_before_an_output_is_made(tmp_path, tiny_checkpoint_folder, monkeypatch):
+    """A wrong folder (or one of formats the service does not read) is an error that names it and the formats looked
+    for: a run that went on ended "0 captioned" with exit 0 and an empty output file, as if the archive were done."""
+    wrong = tmp_path / "holiday"
+    wrong.mkdir()
+    (wrong / "IMG_0001.heic").write_bytes(b"not read")
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(archive, "load_runtime", lambda *args: pytest.fail("loaded a model for no image"))
+    with pytest.raises(ArchiveError, match="no image files in") as refused:
+        caption_archive([str(wrong)], out, tiny_checkpoint_folder, settings(), ArchiveOptions(max_len=4),
+                        progress=False)
+    assert str(wrong) in str(refused.value) and ".jpg" in str(refused.value)
+    assert not out.exists() and not archive.errors_path(out).exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["caption", "DIR", "--resume"], "--resume needs --output"),
     # the archive's own options without --output: named, not ignored (no figures written, no attention rows)
