@@ -182,6 +182,18 @@ def test_each_option_left_out_takes_the_default_its_help_states(argv, defaults):
     assert {key: parsed[key] for key in defaults} == defaults
 
 
+def test_train_without_cache_dir_reads_the_feature_cache_the_other_commands_fill():
+    """docs/feature_store.md: one store serves every command (``captioner data features`` run once "serves training
+    and ``captioner eval``"). A training run given no ``--cache-dir`` must look in the folder ``data features``,
+    ``eval`` and ``tune-decoding`` fill by default, or it encodes every photo again (hours on COCO) into a second copy.
+    ``train`` parses no defaults of its own (its config has them), so the DEFAULTS table above cannot hold it."""
+    parser = build_parser()
+    trained = training_cli.train_config_from_args(parser.parse_args(["train", "--out", "x"])).cache_dir
+    commands = (["data", "features"], ["eval", "c"], ["tune-decoding", "c"], ["data", "regions", "--out", "r"])
+    others = {" ".join(argv): parser.parse_args(argv).cache_dir for argv in commands}
+    assert others == dict.fromkeys(others, trained)
+
+
 def test_data_features_shards_photos_as_training_does_so_each_resumes_the_others_extraction():
     """``captioner data features`` and the stores training, evaluation and region features extract (through
     ``extract_features``'s default) cut shards of one size, 1,024 photos as docs/feature_store.md says: a store cut

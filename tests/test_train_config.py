@@ -139,6 +139,9 @@ def test_the_documented_vocabulary_scst_optimiser_and_supervision_defaults():
     Each default is what `captioner train` does without a recipe (the default model, SAT, trained with Adam)."""
     cfg = TrainConfig(out="x")
     assert (cfg.min_count, cfg.scst_baseline, cfg.grad_clip_mode) == (1, "greedy", "norm")
+    # and clipped at all: at the 5.0 the SAT recipe restates (0 turns clipping off, and a plain run, which names no
+    # recipe, would then train unclipped, the norm mode above bound to nothing)
+    assert cfg.grad_clip == 5.0
     assert (cfg.optimizer, cfg.lr, cfg.attention_supervision_weight) == ("adam", 4e-4, 1.0)
     assert cfg.augment == "none"  # README: mirror images are what `--augment hflip` asks for
 
