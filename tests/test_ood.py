@@ -291,6 +291,23 @@ def test_a_seed_draws_the_ood_scenes_of_the_ood_version(tmp_path):
     assert hashlib.sha256(path.read_bytes()).hexdigest() == OOD_FINGERPRINTS[ood_module.OOD_VERSION]
 
 
+#: sha256 of the decoded label masks of the same three scenes, by ``OOD_VERSION``: the annotations above leave out
+#: what a shape's mask alone records (a square's or triangle's turn, a star's depth, a rhombus's width), and
+#: ``--grounding`` on the OOD set scores attention against these masks. Exact geometry (pixel centres inside each
+#: patch's path, not Agg's coverage) and decoded pixels (not zlib's PNG bytes), so the rasteriser stays out here too
+OOD_MASK_FINGERPRINTS = {1: "50f75647d031c3345d9ba6e6b9af4b28d67d317ae934565e104a4db6417851b4"}
+
+
+def test_a_seed_draws_the_ood_masks_of_the_ood_version(tmp_path):
+    """A turn drawn from another range (squares leaning one way more than the other) keeps every annotation and
+    redraws every polygon: the shipped OOD reports' images and masks could no longer be made again by their seed."""
+    path = generate_ood(tmp_path, images=3, seed=0)
+    digest = hashlib.sha256()
+    for entry in json.loads(path.read_text())["images"]:
+        digest.update(np.ascontiguousarray(np.asarray(Image.open(path.parent / entry["mask"]))).tobytes())
+    assert digest.hexdigest() == OOD_MASK_FINGERPRINTS[ood_module.OOD_VERSION]
+
+
 def test_a_run_interrupted_half_way_leaves_no_set_and_the_next_writes_it_whole(tmp_path, monkeypatch):
     """The JSON is written once every image is: one written first (or kept from the killed run) would have the next
     run take the folder for an up-to-date set of images that are not there."""
