@@ -378,6 +378,13 @@ def test_generated_phrases_extend_over_plural_words_and_up_to_the_phrase_before(
     assert [t.positions for t in generated_targets("a boy s smile".split(), entity)] == [[0, 1]]
 
 
+def test_a_generated_phrase_extends_over_its_reference_phrases_words_only_not_the_rest_of_their_caption():
+    """In "a little boy in a green coat climbs the ladder", "green" follows the phrase "a little boy" but is none of
+    its words, so "a green boy" (a decoding slip) is scored on "boy" alone; a phrase reaching over the caption's
+    later words too would pick its best word among ones that describe something else."""
+    assert [(t.positions, t.chains) for t in generated_targets("a green boy".split(), _entity())] == [([2], ("31",))]
+
+
 def test_a_phrases_types_are_its_visual_ones_in_entities_order_and_a_shared_head_carries_every_phrases():
     """A reference phrase's types are read through the eight coarse types, in their order (a file may list them
     otherwise); a generated head that several boxed phrases share names all their chains and carries all their types
