@@ -97,3 +97,27 @@ def test_each_pool_gauge_reads_its_own_pool():
     samples = parse_metrics(metrics.render().decode())
     assert [samples[f'captioner_work_{kind}{{pool="{pool}"}}'] for pool in pools for kind in ("running", "waiting")] \
         == [2, 5, 0, 1]
+
+
+def test_each_histogram_writes_its_thresholds_once_each_where_they_were():
+    """Dashboards and alerts read a histogram by its ``le`` thresholds (the share of requests answered within 5 ms, of
+    encoder batches of 2): a bound moved onto its neighbour writes that threshold twice and drops the one it left, so
+    a query on it finds no series and the quantiles lose their resolution there, in silence."""
+    metrics = Metrics()
+    metrics.observe_request("sat", 200, 0.2)
+    metrics.observe_queue("sat", 0.2)
+    metrics.observe_step("sat", rows=3, seconds=0.2)
+    metrics.observe_encode("sat", 3)
+    thresholds: dict[str, list[str]] = {}
+    for line in metrics.render().decode().splitlines():
+        name, _, rest = line.partition('_bucket{le="')
+        if not line.startswith("#") and rest:
+            thresholds.setdefault(name, []).append(rest.partition('"')[0])
+    seconds = "0.005 0.01 0.025 0.05 0.1 0.25 0.5 1.0 2.5 5.0 10.0 30.0 60.0 +Inf".split()
+    assert thresholds == {
+        "captioner_request_latency_seconds": seconds,
+        "captioner_queue_time_seconds": seconds,
+        "captioner_rows_per_step": "1.0 2.0 4.0 8.0 16.0 32.0 64.0 128.0 256.0 512.0 1024.0 +Inf".split(),
+        "captioner_step_time_seconds": "0.0005 0.001 0.002 0.005 0.01 0.02 0.05 0.1 0.25 1.0 +Inf".split(),
+        "captioner_encoder_batch_size": "1.0 2.0 4.0 8.0 16.0 32.0 64.0 +Inf".split(),
+    }
