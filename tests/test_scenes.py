@@ -491,3 +491,14 @@ def test_each_shape_is_drawn_as_its_name_says():
     assert (rows == rows.min()).sum() < (rows == rows.max()).sum() / 5
     assert len(star) < 0.6 * math.pi * 35.0 ** 2
     assert np.ptp(star[star[:, 0] <= star[:, 0].min() + 1, 1]) < 5  # one point at the top, not two
+
+
+def test_a_shape_the_generator_cannot_draw_is_refused_by_its_name():
+    """``render`` and ``render_varied`` are the library's drawing calls: a scene built by hand with a shape they do not
+    draw (a typo, a shape of a newer generator) must be refused with that name, not fail inside PIL with "argument
+    must be sequence", which names neither the shape nor the object."""
+    hexagon = [SceneObject("hexagon", "red", "large", 64.0, 64.0, 20.0)]
+    with pytest.raises(ValueError, match="hexagon"):
+        scenes_module.render(hexagon, "plain", random.Random(0))
+    with pytest.raises(ValueError, match="hexagon"):
+        scenes_module.render_varied(hexagon, "plain", random.Random(0), (128, 128), Variation())
