@@ -364,6 +364,17 @@ def test_a_grid_pooling_given_as_one_number_is_read_as_square(meta_encoder):
     assert _trunk(stand_ins(meta_encoder))[:2] == ("resnet18", 7)
 
 
+def test_a_trunk_pooled_onto_one_cell_imports_and_onto_none_is_refused(meta_encoder):
+    """The tutorial's ``encoded_image_size`` may be 1 (the pooled image as one vector, which the encoder spec
+    serves): its checkpoint imports with a 1×1 grid rather than being told its grid is not square; a pooling onto
+    0×0 cells, which gives no features at all, is refused naming it."""
+    meta_encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d(1)
+    assert _trunk(stand_ins(meta_encoder))[:2] == ("resnet18", 1)
+    meta_encoder.adaptive_pool = torch.nn.AdaptiveAvgPool2d((0, 0))
+    with pytest.raises(ConversionError, match=r"pools onto \(0, 0\): only a square grid is supported"):
+        _trunk(stand_ins(meta_encoder))
+
+
 def test_a_checkpoint_whose_encoder_and_decoder_are_swapped_is_refused_naming_both(modules, files, tmp_path):
     with tutorial.tutorial_module():
         torch.save({"encoder": modules[1], "decoder": modules[0]}, tmp_path / "swapped.pth.tar")
