@@ -351,6 +351,24 @@ def test_a_graph_the_tracer_cannot_record_is_refused_with_the_tracers_first_line
     assert not (tmp_path / "sat").exists()
 
 
+def test_a_tracers_os_error_without_an_errno_is_a_refusal_not_a_disk_failure(encoder, tmp_path, monkeypatch):
+    """The tracer reads a model's source with ``inspect``, which raises an OSError of its own ("could not get source
+    code": a model defined in a notebook, a package installed without its .py files). That is a model the tracer
+    cannot record, refused as such (``captioner export`` reports it NOT EXPORTED, a server records it and serves
+    PyTorch), not a full disk or a read-only folder, which stop the export and are tried again at the next start."""
+    plain_export = torch.onnx.export
+
+    def export(graph, args, file, **options):
+        if file.endswith(STEP_FILE):
+            raise OSError("could not get source code")
+        return plain_export(graph, args, file, **options)
+
+    monkeypatch.setattr(torch.onnx, "export", export)
+    with pytest.raises(ExportUnsupported, match=r"cannot record the decoder step \(OSError: could not get source"):
+        export_graphs(tiny_checkpoint("sat"), tmp_path / "sat", encoder)
+    assert not (tmp_path / "sat").exists()
+
+
 def test_a_step_graph_onnx_runtime_cannot_load_is_refused_naming_the_node(encoder, tmp_path, monkeypatch):
     """No graph here fails to load, so ONNX Runtime is made to refuse the step graph alone, with a complaint of its
     own form: the refusal says which graph, its first line's complaint and the node, and nothing is written."""
@@ -367,6 +385,21 @@ def test_a_step_graph_onnx_runtime_cannot_load_is_refused_naming_the_node(encode
                                                 r"fit at node /decoder/Reshape \(module decoder\)"):
         export_graphs(tiny_checkpoint("sat"), tmp_path / "sat", encoder)
     assert not (tmp_path / "sat").exists()
+
+
+def test_onnx_runtimes_complaint_names_the_module_that_holds_a_deeply_nested_node():
+    """A real graph's nodes sit several modules deep (``/decoder/attention/proj/Reshape``): the refusal names the
+    whole module path the failing node belongs to, not just its outermost module, so a user is sent to the layer
+    to change rather than left to search the whole decoder; ONNX Runtime's source location and C++ signature in
+    front of the complaint are dropped."""
+    where = "/onnxruntime_src/onnxruntime/core/providers/cpu/tensor/reshape_helper.h:39"
+    signature = "onnxruntime::ReshapeHelper::ReshapeHelper(const onnxruntime::TensorShape&, bool)"
+    problem = "The input tensor cannot be reshaped to the requested shape."
+    node = "Name:'/decoder/attention/proj/Reshape'"
+    head = "[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while running Reshape node."
+    complaint = f"{head} {node} Status Message: {where} {signature} {problem}"
+    said = exporter._ort_failure(RuntimeError(complaint), [])
+    assert said.startswith(f"{problem} at node /decoder/attention/proj/Reshape (module decoder.attention.proj) — ")
 
 
 @pytest.mark.parametrize("graph,named", [(ENCODER_FILE, "(encoder)"), (HEAD_FILE, "(encoder head)"),
@@ -427,6 +460,21 @@ def test_the_exports_check_refuses_a_graph_output_pytorch_does_not_give(want, go
         exporter._close("sat: logprobs at step 0", "logprobs", noisy, want_tensor, [], diffs)
     exporter._close("sat: logprobs at step 1", "logprobs", want_tensor.numpy().copy(), want_tensor, [], diffs)
     assert diffs.get("logprobs", 0.0) == pytest.approx(2e-5 if want_tensor.is_floating_point() else 0.0, rel=0.1)
+
+
+def test_the_exports_check_allows_float_noise_in_proportion_to_the_outputs_largest_value():
+    """Float32 sums over large values carry noise of those values' size into the small entries they produce too: a
+    state whose cells reach 200 has entries near zero off by a few thousandths in any runtime. The check's absolute
+    tolerance grows with the output's largest value, so such a graph is written (not refused as another model's);
+    a difference ten times that noise is still refused."""
+    want = torch.tensor([[200.0, 0.0, -3.0]])
+    noisy = np.array([[200.001, 0.005, -3.0]], dtype=np.float32)
+    diffs: dict[str, float] = {}
+    exporter._close("sat: next.c at step 0", "next.c", noisy, want, [], diffs)
+    assert diffs["next"] == pytest.approx(0.005, rel=0.01)
+    far = np.array([[200.0, 0.05, -3.0]], dtype=np.float32)
+    with pytest.raises(ExportUnsupported, match="ONNX Runtime disagrees with PyTorch"):
+        exporter._close("sat: next.c at step 0", "next.c", far, want, [], {})
 
 
 # -- the shipped checkpoint -----------------------------------------------------------------------------------------
