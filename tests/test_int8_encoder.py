@@ -175,6 +175,14 @@ def test_the_weights_type_follows_whether_the_cpus_int8_kernels_saturate(machine
     assert int8_file(kernels) != int8_file("u8u8" if kernels == "u8s8" else "u8s8")
 
 
+def test_a_32_bit_x86_cpu_without_vnni_takes_the_kernels_that_do_not_saturate():
+    """32-bit Python names an x86 CPU ``x86`` (Windows) or ``i686``/``i386`` (Linux): its u8×s8 kernels saturate
+    without VNNI just as x86-64's do, so it must get the uint8 weights too, not the int8 ones ARM CPUs get."""
+    for machine in ("x86", "i686", "i386"):
+        assert int8_kernels(machine, frozenset({"sse2", "avx2"})) == "u8u8", machine
+        assert int8_kernels(machine, frozenset({"avx2", "avx512_vnni"})) == "u8s8", machine
+
+
 def test_graphs_made_before_the_weights_type_followed_the_cpu_are_served_only_where_they_were_right():
     """The int8 graphs made before (int8 weights) carry the recipe's name: a VNNI machine keeps serving its own, and
     one without VNNI must not pick it up and saturate, so its uint8 graph and feature cache are named apart."""
