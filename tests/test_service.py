@@ -392,6 +392,34 @@ def test_a_shutdown_while_the_models_load_in_the_background_cancels_the_load_fir
     assert not any(batcher._thread.is_alive() for batcher in app.state.service.batchers.values())
 
 
+def test_a_shutdown_waits_for_the_cancelled_load_to_end_before_it_stops_the_batchers(tiny_weights, monkeypatch):
+    """A load's cancellation can take more than one step of the event loop (a warm-up that cancels its captions in
+    flight and awaits their ends): the shutdown waits for the load to be over before it stops the batchers, which it
+    otherwise stopped while the load still used them (or could still start another after them)."""
+    warming, events = threading.Event(), []
+    original_stop = Batcher.stop
+
+    async def endless_warm_up(batcher, settings):
+        warming.set()
+        try:
+            await asyncio.sleep(5)  # far longer than the test: the shutdown cancels it
+        except asyncio.CancelledError:
+            await asyncio.sleep(0)  # its clean-up awaits, as a warm-up's captions in flight would be awaited
+            events.append(f"load of {batcher.runtime.name} cancelled")
+            raise
+
+    async def recording_stop(self, timeout_s: float = 30.0):
+        events.append(f"batcher {self.runtime.name} stopped")
+        await original_stop(self, timeout_s)
+
+    monkeypatch.setattr(app_module, "warm_up", endless_warm_up)
+    monkeypatch.setattr(Batcher, "stop", recording_stop)
+    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, backend="torch")
+    with TestClient(create_app(settings)):
+        assert warming.wait(30)
+    assert events == ["load of tiny-a cancelled", "batcher tiny-a stopped"]
+
+
 def test_the_ready_gauge_is_one_while_serving_and_zero_once_the_app_has_shut_down(tiny_weights):
     """``captioner_ready`` follows ``/readyz``: set once the models are warm, cleared by the shutdown (an app object
     that outlives its lifespan answers its metrics too)."""
