@@ -111,13 +111,18 @@ def test_a_path_is_spelt_as_a_uri_reference_and_in_markup_without_what_html_or_a
 
 def test_refusals_are_counted_under_the_kind_their_type_names(weights):
     """``captioner_rejects_total`` counts each refusal under its problem type's kind: the 404 and 405 of Starlette's
-    router carry none of their own, and are counted under the kind their status names, as their ``type`` is."""
+    router carry none of their own, and are counted under the kind their status names, as their ``type`` is; a typed
+    failure's 404 (a result id that is not stored) under its own kind, or an operator could not tell clients asking
+    for expired results from clients asking for paths that never existed."""
     with serve(weights) as client:
         assert client.get("/nowhere").json()["type"] == "/problems/not-found"
         assert client.delete("/models").json()["type"] == "/problems/method-not-allowed"
+        expired = client.get("/captions/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
+        assert expired.json()["type"] == "/problems/unknown-result"
         samples = parse_metrics(client.get("/metrics").text)
     assert samples['captioner_rejects_total{reason="not-found"}'] == 1, samples
     assert samples['captioner_rejects_total{reason="method-not-allowed"}'] == 1, samples
+    assert samples['captioner_rejects_total{reason="unknown-result"}'] == 1, samples
 
 
 def heading(page) -> str:

@@ -753,6 +753,29 @@ def test_an_error_raised_once_the_answer_has_started_is_passed_on_not_answered_t
     assert sent == sent_before
 
 
+def test_a_handler_cancelled_because_its_client_left_is_passed_on_not_answered_with_a_500():
+    """The access log's layer cancels the handler when its client leaves before the answer (middleware.py): that
+    cancellation is no bug of the app's. Answered as one, every client that left was logged as an unhandled error
+    with a 500 sent to nobody, and the handler ended as if it had answered, so it was not logged as gone (499)."""
+
+    async def cancelled_handler(scope, receive, send):
+        raise asyncio.CancelledError
+
+    async def answer(request, exc):
+        raise AssertionError("a cancelled handler was answered")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message["type"])
+
+    layer = UnexpectedErrorMiddleware(cancelled_handler, answer=answer)
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""}
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(layer(scope, None, send))
+    assert sent == []
+
+
 def test_a_line_break_in_a_url_cannot_forge_a_text_log_line(open_client):
     """With CAPTIONER_LOG_FORMAT=text, the access log wrote the URL-decoded path as it came: ``%0A`` then a made-up
     timestamp and level started a second line that looked like the server's own."""
