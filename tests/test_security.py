@@ -726,6 +726,21 @@ def test_an_unexpected_error_is_answered_inside_the_apps_layers_with_their_heade
     assert [(e["path"], e["status"], e["disconnected"]) for e in entries] == [("/boom", 500, False)]
 
 
+def _run_behind_the_error_layer(handler, sent: list[str]) -> None:
+    """Run ``handler`` behind :class:`UnexpectedErrorMiddleware` for one GET, the type of each message it sends
+    appended to ``sent``: an error these tests raise must be passed on, so the layer's answer is never called."""
+
+    async def answer(request, exc):
+        raise AssertionError(f"the layer answered {exc!r}, an error it must pass on")
+
+    async def send(message):
+        sent.append(message["type"])
+
+    layer = UnexpectedErrorMiddleware(handler, answer=answer)
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""}
+    asyncio.run(layer(scope, None, send))
+
+
 @pytest.mark.parametrize("sent_before", [["http.response.start"], ["http.response.start", "http.response.body"]],
                          ids=["after-the-start", "after-a-first-chunk"])
 def test_an_error_raised_once_the_answer_has_started_is_passed_on_not_answered_twice(sent_before):
@@ -738,18 +753,9 @@ def test_an_error_raised_once_the_answer_has_started_is_passed_on_not_answered_t
                        else {"type": kind, "body": b"{", "more_body": True})
         raise RuntimeError("a bug mid-stream")
 
-    async def answer(request, exc):
-        raise AssertionError("answered after the start")
-
     sent = []
-
-    async def send(message):
-        sent.append(message["type"])
-
-    layer = UnexpectedErrorMiddleware(streams_then_fails, answer=answer)
-    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""}
     with pytest.raises(RuntimeError, match="mid-stream"):
-        asyncio.run(layer(scope, None, send))
+        _run_behind_the_error_layer(streams_then_fails, sent)
     assert sent == sent_before
 
 
@@ -761,18 +767,9 @@ def test_a_handler_cancelled_because_its_client_left_is_passed_on_not_answered_w
     async def cancelled_handler(scope, receive, send):
         raise asyncio.CancelledError
 
-    async def answer(request, exc):
-        raise AssertionError("a cancelled handler was answered")
-
     sent = []
-
-    async def send(message):
-        sent.append(message["type"])
-
-    layer = UnexpectedErrorMiddleware(cancelled_handler, answer=answer)
-    scope = {"type": "http", "method": "GET", "path": "/", "headers": [], "query_string": b""}
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(layer(scope, None, send))
+        _run_behind_the_error_layer(cancelled_handler, sent)
     assert sent == []
 
 

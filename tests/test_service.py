@@ -362,10 +362,14 @@ def test_the_batchers_stop_within_what_is_left_of_the_drain_budget(tiny_weights,
     assert create_app(settings).state.shutdown_gate.time_left(settings.drain_timeout_s) == settings.drain_timeout_s
 
 
-def test_a_shutdown_while_the_models_load_in_the_background_cancels_the_load_first(tiny_weights, monkeypatch):
+@pytest.mark.parametrize("clean_up_steps", [0, 1], ids=["at-once", "awaiting-its-clean-up"])
+def test_a_shutdown_while_the_models_load_in_the_background_cancels_the_load_first(tiny_weights, monkeypatch,
+                                                                                  clean_up_steps):
     """A stop during a background start (a rollout that gives up, ``docker stop``) ends the load where it is, then
     stops the batchers: it neither waits for every model to be loaded and warmed up, nor stops the batchers while
-    the load goes on (it could start another after them, left running)."""
+    the load goes on (it could start another after them, left running). A load's cancellation can take more than
+    one step of the event loop (a warm-up that cancels its captions in flight and awaits their ends): the shutdown
+    waits for the load to be over, or it stopped the batchers while the load still used them."""
     warming, events = threading.Event(), []
     original_stop = Batcher.stop
 
@@ -374,6 +378,8 @@ def test_a_shutdown_while_the_models_load_in_the_background_cancels_the_load_fir
         try:
             await asyncio.sleep(5)  # far longer than the test; a shutdown that waits for it is the bug
         except asyncio.CancelledError:
+            for _ in range(clean_up_steps):  # its clean-up awaits, as a warm-up's captions in flight would be
+                await asyncio.sleep(0)
             events.append(f"load of {batcher.runtime.name} cancelled")
             raise
 
@@ -390,34 +396,6 @@ def test_a_shutdown_while_the_models_load_in_the_background_cancels_the_load_fir
         assert client.get("/readyz").status_code == 503
     assert events == ["load of tiny-a cancelled", "batcher tiny-a stopped"]
     assert not any(batcher._thread.is_alive() for batcher in app.state.service.batchers.values())
-
-
-def test_a_shutdown_waits_for_the_cancelled_load_to_end_before_it_stops_the_batchers(tiny_weights, monkeypatch):
-    """A load's cancellation can take more than one step of the event loop (a warm-up that cancels its captions in
-    flight and awaits their ends): the shutdown waits for the load to be over before it stops the batchers, which it
-    otherwise stopped while the load still used them (or could still start another after them)."""
-    warming, events = threading.Event(), []
-    original_stop = Batcher.stop
-
-    async def endless_warm_up(batcher, settings):
-        warming.set()
-        try:
-            await asyncio.sleep(5)  # far longer than the test: the shutdown cancels it
-        except asyncio.CancelledError:
-            await asyncio.sleep(0)  # its clean-up awaits, as a warm-up's captions in flight would be awaited
-            events.append(f"load of {batcher.runtime.name} cancelled")
-            raise
-
-    async def recording_stop(self, timeout_s: float = 30.0):
-        events.append(f"batcher {self.runtime.name} stopped")
-        await original_stop(self, timeout_s)
-
-    monkeypatch.setattr(app_module, "warm_up", endless_warm_up)
-    monkeypatch.setattr(Batcher, "stop", recording_stop)
-    settings = Settings(weights_dir=tiny_weights, default_model="tiny-a", load_in_background=True, backend="torch")
-    with TestClient(create_app(settings)):
-        assert warming.wait(30)
-    assert events == ["load of tiny-a cancelled", "batcher tiny-a stopped"]
 
 
 def test_the_ready_gauge_is_one_while_serving_and_zero_once_the_app_has_shut_down(tiny_weights):
