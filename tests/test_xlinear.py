@@ -322,6 +322,29 @@ def test_slab_form_equals_the_broadcast_form_with_dropout_and_gradients(monkeypa
     assert 0.0 < made["keep"].to(torch.float64).mean() < 1.0
 
 
+def test_the_slab_form_runs_under_bfloat16_autocast_close_to_float32():
+    """``captioner train --precision bfloat16`` and a server with ``CAPTIONER_PRECISION=bfloat16`` run the block under
+    autocast: its linear layers hand the slab form bfloat16 keys and queries beside float32 weights, which
+    :class:`_SpatialSqueeze` must bring to one dtype (its matmuls refuse mixed ones). The result and the float32
+    weights' gradients stay close to float32's."""
+    torch.manual_seed(0)
+    attention = XLinearAttention(QUERY, KEY, VALUE, 16, 8, heads=2, dropout=0.0).train()
+    query, keys, values, mask = (x if x.dtype == torch.bool else x.float() for x in inputs())
+    results = {}
+    for precision in (torch.float32, torch.bfloat16):
+        attention.zero_grad()
+        with torch.autocast("cpu", dtype=precision, enabled=precision != torch.float32):
+            out = attention(query, keys, values, mask)
+        assert out.attended.dtype == precision
+        (out.attended.float().square().sum() + out.channel.float().sum()).backward()
+        results[precision] = out.attended.float(), [p.grad.clone() for p in attention.parameters()]
+    (exact, exact_grads), (lower, lower_grads) = results[torch.float32], results[torch.bfloat16]
+    torch.testing.assert_close(lower, exact, atol=0.05, rtol=0.05)
+    for got, expected in zip(lower_grads, exact_grads):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, atol=0.05, rtol=0.05)
+
+
 def test_a_dropout_of_one_drops_all_of_b_prime_k():
     """``nn.Dropout(1.0)`` is allowed and zeroes its input; the slab form's rescaling ``1/(1 − p)`` must not divide
     by zero. With all of B'^k dropped, b^s is W_b's bias alone (uniform spatial attention over the real items) and
