@@ -23,7 +23,7 @@ from captioner.models.checkpoint import CARD, WEIGHTS, Checkpoint, CheckpointErr
 from captioner.models.decoding import beam_search
 from captioner.models.encoder import EncoderSpec
 from captioner.models.files import file_checksum, temporary_target
-from captioner.models.protocol import AttnRecord, check_step_contract
+from captioner.models.protocol import AttnRecord, Geometry, VisualBatch, check_step_contract
 from captioner.models.registry import MODELS
 from captioner.models.sat import ShowAttendTell
 from captioner.models.vocab import SPECIALS, Vocabulary, tokenize
@@ -566,6 +566,24 @@ def test_the_protocol_checks_name_each_rule_a_model_breaks(tiny_sat, monkeypatch
     monkeypatch.setattr(tiny_sat, method, lambda *args: broken(original(*args)))
     with pytest.raises(ValueError, match=message):
         check_step_contract(tiny_sat)
+
+
+def test_every_registered_model_held_in_float64_takes_the_float32_features_it_is_given():
+    """The grid encoder, the feature stores and the region reader hand over float32 features whatever the model's
+    dtype: a model held in float64 (``.double()`` for a gradient check) or float16 casts them to its weights' dtype in
+    ``encode`` rather than failing in its first layer (X-LAN's cast could be dropped with every test passing)."""
+    cell = torch.arange(9.0)
+    boxes = torch.stack([cell % 3, cell // 3, cell % 3 + 1, cell // 3 + 1], 1).numpy() * 8
+    feats = torch.randn(2, 9, tiny_model("sat").feat_dim)
+    vis = VisualBatch.from_features(feats, [Geometry("grid", (24, 24), (3, 3), boxes)] * 2)
+    as_float64 = VisualBatch.from_features(feats.double(), vis.geometry)
+    for arch in available():
+        model = tiny_model(arch).double()
+        with torch.no_grad():
+            given, expected = model.encode(vis), model.encode(as_float64)
+        assert given.keys() == expected.keys(), arch
+        for name, value in given.items():
+            torch.testing.assert_close(value, expected[name], msg=f"{arch}: {name}")
 
 
 def test_every_registered_model_builds_on_the_meta_device():

@@ -162,19 +162,6 @@ def test_beam_one_equals_greedy():
     assert_beam_one_is_greedy(model, vis, max_len=8)
 
 
-def test_a_model_held_in_float64_takes_the_float32_features_it_is_given():
-    """The grid encoder, the feature store and the region reader all hand float32 features; a library user who holds
-    the model in another dtype (``model.double()`` for a gradient check, ``model.half()`` on a GPU) still passes those,
-    and X-LAN, like every model of the zoo, casts them to its weights' dtype rather than failing in its first linear
-    layer."""
-    model, vis = tiny().double(), regions()
-    enc = model.encode(vis)
-    assert enc["global"].dtype == torch.float64
-    as_float64 = model.encode(VisualBatch(vis.feats.double(), vis.mask))
-    for name in ("global", "keys", "values"):
-        torch.testing.assert_close(enc[name], as_float64[name])
-
-
 def test_checkpoint_round_trip(tmp_path):
     model, vis = tiny(lstm_input="sum", hidden_dim=32, group_norm=True), regions()
     assert_checkpoint_round_trip(model, vis, tmp_path / "xlan")
