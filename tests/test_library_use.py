@@ -142,6 +142,16 @@ def test_a_runtimes_description_counts_every_parameter_and_is_read_only(folder):
         info.parameters = 0
 
 
+def test_a_runtimes_description_names_the_data_set_its_checkpoint_was_trained_on(folder):
+    """``GET /models``' ``trained_on`` (what the model card cites) is the checkpoint's own record, and says so where
+    a checkpoint records none: a description naming no data set would leave a user unable to tell a model trained
+    on photographs from one trained on the generated scenes."""
+    assert torch_runtime(folder).info().trained_on == "not recorded"
+    ckpt = load_checkpoint(folder)
+    ckpt.meta["trained_on"] = "Flickr8k (Hodosh et al., 2013), train split"
+    assert torch_runtime(ckpt).info().trained_on == "Flickr8k (Hodosh et al., 2013), train split"
+
+
 def test_a_runtime_of_a_checkpoint_trained_on_regions_is_refused_before_it_captions_a_photo(folder):
     """A photo gives grid features: ``torch_runtime`` refuses a region checkpoint by name, rather than handing back
     a runtime whose captions would read visual items the model was never trained on."""

@@ -605,6 +605,22 @@ def test_a_caption_draws_its_areas_weights_in_area_topk_only_and_keeps_its_area_
     assert row.area_boxes is boxes and np.array_equal(row.attention, areas.numpy()) and row.mode == "area_topk"
 
 
+def test_an_area_models_caption_draws_its_figure_and_overlays_in_area_topk_with_its_area_boxes():
+    """``result.figure(photo, "area_topk")`` and ``result.overlay(photo, i, "area_topk")`` of an area model draw its
+    areas' weights on the rectangles its area boxes name: a render without the boxes cannot place an area, so a
+    library user would meet a RenderError for the one mode that shows what such a model attends to."""
+    photo = Image.new("RGB", (256, 256), (120, 160, 200))
+    attention, areas = torch.full((2, 64), 1 / 64), torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.7, 0.1, 0.1, 0, 0.1]])
+    boxes = np.array([[0, 0, 0, 0], [0, 0, 1, 1], [2, 2, 4, 5], [7, 7, 7, 7], [0, 0, 7, 7]])
+    geometry = grid_geometry(EncoderSpec(), photo.size)
+    hypothesis = Hypothesis([4, 5], [-0.5] * 2, attention, {"areas": areas})
+    result = CaptionResult("m", "m", "area", 1, ["a", "dog"], hypothesis, geometry, boxes)
+    want = caption_figure(photo, ["a", "dog"], areas.numpy(), geometry, "area_topk", area_boxes=boxes)
+    assert np.array_equal(np.asarray(result.figure(photo, "area_topk")), np.asarray(want))
+    want = overlay(photo, areas[1].numpy(), geometry, "area_topk", area_boxes=boxes)
+    assert np.array_equal(np.asarray(result.overlay(photo, 1, "area_topk")), np.asarray(want))
+
+
 def test_an_all_zero_row_has_no_heat_strength():
     assert heat_strength(np.zeros(64)) == 0.0
     assert heat_strength([0.0, 0.0]) == 0.0
