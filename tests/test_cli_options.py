@@ -19,8 +19,8 @@ from captioner.models import training as training_module
 from captioner.models import zoo
 from captioner.models.checkpoint import load_checkpoint, save_checkpoint
 from captioner.models.cli import training as training_cli
-from captioner.models.cli.common import DEFAULT_DATA, at_least, count, figure_file, key_values, output_file, \
-    positive_int, refuse_input_as_output, refuse_overwrite, yes_or_no
+from captioner.models.cli.common import DEFAULT_DATA, at_least, count, figure_file, key_values, length_penalty, \
+    load_split, output_file, positive_int, refuse_input_as_output, refuse_overwrite, yes_or_no
 from captioner.models.data import datasets as datasets_module
 from captioner.models.data import features as features_module
 from captioner.models.data import ood as ood_module
@@ -473,6 +473,19 @@ def test_counts_take_their_least_and_most_and_refuse_one_beyond():
             parse(text)
 
 
+def test_a_count_or_a_length_penalty_that_is_not_a_number_is_a_usage_error_naming_the_text():
+    """``--beam-size three`` or ``--length-penalty high`` is argparse's usage error naming what was typed; a type
+    that let the text through without a value would fail inside itself, which argparse passes on as a traceback."""
+    cases = (
+        (positive_int, "three", "'three' is not a whole number"),
+        (at_least(0, 5), "2.5", "'2.5' is not a whole number"),
+        (length_penalty, "high", "'high' is not a number"),
+    )
+    for parse, text, message in cases:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse(text)
+
+
 def test_an_output_is_a_file_in_a_folder_that_exists_and_a_figure_has_a_pictures_extension(tmp_path):
     assert output_file(str(tmp_path / "r.json")) == str(tmp_path / "r.json")
     assert figure_file(str(tmp_path / "f.PNG")) == str(tmp_path / "f.PNG")
@@ -514,6 +527,20 @@ def test_key_values_read_json_and_python_literals_with_dashes_as_underscores():
         "pre_norm": False, "d_model": 256, "name": "sat", "drop": None, "sizes": [1, 2], "ok": True}
     with pytest.raises(SystemExit, match="expected KEY=VALUE, got 'd_model'"):
         key_values(["d_model"])
+
+
+def test_a_value_holding_an_equals_sign_is_kept_whole():
+    """Only the first ``=`` splits a pair: ``--set cache_dir=runs/lr=0.1`` (a folder named after a sweep's setting)
+    is that folder, not a key ``cache_dir=runs/lr`` that the command would refuse or ignore."""
+    assert key_values(["cache_dir=runs/lr=0.1", "name=a=b"]) == {"cache_dir": "runs/lr=0.1", "name": "a=b"}
+
+
+def test_a_split_the_data_set_lacks_is_a_one_line_error_naming_the_splits_it_has(scenes):
+    """``captioner eval --split nope`` (or tune-decoding's, or any command reading a split) stops with the splits
+    the data set has, not with a traceback from inside the data set reader."""
+    assert len(load_split(scenes, None, "val")) == SCENE_SIZES["val"]
+    with pytest.raises(SystemExit, match="^error: split 'nope' of .* is empty; its splits are heldout, test, train"):
+        load_split(scenes, None, "nope")
 
 
 def test_tune_decoding_scores_its_grid_and_stores_the_best_by_the_metric_asked_with_what_it_was_chosen_on(
