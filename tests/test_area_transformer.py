@@ -88,6 +88,18 @@ def test_incremental_step_equals_parallel_forward(name, visuals):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_a_model_held_in_float64_takes_the_float32_features_it_is_given(visuals):
+    """The grid encoder and the feature store hand float32 features; a library user who holds the model in another
+    dtype (``model.double()`` for a gradient check, ``model.half()`` on a GPU) still passes those, and the model casts
+    them to its weights' dtype rather than failing in its first projection."""
+    model = tiny(**CONFIGS["3x3-combined+2"]).double()
+    enc = model.encode(visuals)
+    assert enc["memory"].dtype == torch.float64
+    as_float64 = model.encode(VisualBatch.from_features(visuals.feats.double()))
+    for name in ("memory", "cross_k0", "cross_v0"):
+        torch.testing.assert_close(enc[name], as_float64[name])
+
+
 @pytest.mark.parametrize("pre_norm", [False, True])
 def test_encoder_and_first_step_follow_vaswani_layout(pre_norm, visuals):
     """The step-vs-parallel check cannot see a change both passes share, so the Transformer around the area
@@ -254,6 +266,15 @@ def test_grid_comes_from_geometry_or_config():
     portrait = Geometry("grid", (30, 50), (5, 3), np.zeros((15, 4), np.float32))
     enc = model.encode(VisualBatch.from_features(torch.randn(2, 15, FEAT), [portrait, portrait]))
     assert enc["grid_hw"].tolist() == [[5, 3], [5, 3]]
+
+
+def test_area_boxes_follow_the_grid_asked_for_over_the_configured_one():
+    """The caption's ``area_boxes`` come from ``area_boxes(geometry.grid_hw)``: a model configured for 3×5 given a
+    portrait photo's 5×3 cells attends over the 5×3 grid's areas (its geometry wins in :meth:`encode`), so the boxes
+    drawn for ``area_topk`` must be that grid's too, not the configured one's (other areas, another count)."""
+    model = tiny(decoder_area=[3, 2], grid_hw=[3, 5])
+    assert torch.equal(model.area_boxes((5, 3)), enumerate_areas_2d(5, 3, 3, 2))
+    assert torch.equal(model.area_boxes(), enumerate_areas_2d(3, 5, 3, 2))  # no grid given: the configured one
 
 
 def test_grid_of_max_grid_rows_is_taken_and_a_larger_one_refused():
