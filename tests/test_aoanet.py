@@ -458,6 +458,31 @@ def test_config_holds_every_constructor_argument():
     assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
 
 
+def test_config_records_a_compatibility_option_only_when_it_is_set():
+    """docs/decisions.md#aoanet-reference-compatibility-flags: a model with the paper's defaults writes the config it
+    wrote before the options existed (a checkpoint's ``config.json`` and card stay as they were, and an earlier
+    release, whose AoANet takes none of these arguments, still loads it); each option set alone adds itself only."""
+    compatibility = {"query_norm", "word_embedding", "projection_bias", "aoa_query", "layer_norm"}
+    paper = tiny().config()
+    assert set(paper) == constructor_arguments(tiny()) - compatibility
+    set_alone = dict(query_norm=True, word_embedding="relu_dropout", projection_bias=True)
+    set_alone.update(aoa_query="input", layer_norm="std")
+    for option, value in set_alone.items():
+        assert tiny(**{option: value}).config() == {**paper, option: value}
+
+
+def test_a_model_held_in_float64_takes_the_float32_features_it_is_given():
+    """The grid encoder, the feature store and the region reader all hand float32 features; a library user who holds
+    the model in another dtype (``model.double()`` for a gradient check, ``model.half()`` on a GPU) still passes those,
+    and the model casts them to its weights' dtype rather than failing in its first linear layer."""
+    model, vis = tiny(torch.float64), padded_visuals()
+    enc = model.encode(vis)
+    assert enc["mean"].dtype == torch.float64
+    as_float64 = model.encode(VisualBatch(vis.feats.double(), vis.mask))
+    for name in ("mean", "keys", "values"):
+        torch.testing.assert_close(enc[name], as_float64[name])
+
+
 def test_std_layer_norm_is_the_authors_with_epsilon_outside_the_root():
     """``layer_norm="std"``: the authors' ``a_2 ⊙ (x − mean) / (std + 1e-6) + b_2`` with the unbiased deviation.
     Checkpoints converted from their code agree to 2e-5 on ordinary activations, where ε is invisible; a row of
