@@ -471,18 +471,6 @@ def test_config_records_a_compatibility_option_only_when_it_is_set():
         assert tiny(**{option: value}).config() == {**paper, option: value}
 
 
-def test_a_model_held_in_float64_takes_the_float32_features_it_is_given():
-    """The grid encoder, the feature store and the region reader all hand float32 features; a library user who holds
-    the model in another dtype (``model.double()`` for a gradient check, ``model.half()`` on a GPU) still passes those,
-    and the model casts them to its weights' dtype rather than failing in its first linear layer."""
-    model, vis = tiny(torch.float64), padded_visuals()
-    enc = model.encode(vis)
-    assert enc["mean"].dtype == torch.float64
-    as_float64 = model.encode(VisualBatch(vis.feats.double(), vis.mask))
-    for name in ("mean", "keys", "values"):
-        torch.testing.assert_close(enc[name], as_float64[name])
-
-
 def test_std_layer_norm_is_the_authors_with_epsilon_outside_the_root():
     """``layer_norm="std"``: the authors' ``a_2 ⊙ (x − mean) / (std + 1e-6) + b_2`` with the unbiased deviation.
     Checkpoints converted from their code agree to 2e-5 on ordinary activations, where ε is invisible; a row of

@@ -88,18 +88,6 @@ def test_incremental_step_equals_parallel_forward(name, visuals):
                                atol=1e-5, rtol=1e-5)
 
 
-def test_a_model_held_in_float64_takes_the_float32_features_it_is_given(visuals):
-    """The grid encoder and the feature store hand float32 features; a library user who holds the model in another
-    dtype (``model.double()`` for a gradient check, ``model.half()`` on a GPU) still passes those, and the model casts
-    them to its weights' dtype rather than failing in its first projection."""
-    model = tiny(**CONFIGS["3x3-combined+2"]).double()
-    enc = model.encode(visuals)
-    assert enc["memory"].dtype == torch.float64
-    as_float64 = model.encode(VisualBatch.from_features(visuals.feats.double()))
-    for name in ("memory", "cross_k0", "cross_v0"):
-        torch.testing.assert_close(enc[name], as_float64[name])
-
-
 @pytest.mark.parametrize("pre_norm", [False, True])
 def test_encoder_and_first_step_follow_vaswani_layout(pre_norm, visuals):
     """The step-vs-parallel check cannot see a change both passes share, so the Transformer around the area
