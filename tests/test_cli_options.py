@@ -584,6 +584,10 @@ def test_tune_decoding_scores_its_grid_and_stores_the_best_by_the_metric_asked_w
             "distinct_words | novel_captions | mean_length |\n") in printed
     assert "| 0 | no | no |  | 0.3 |  | 0.9 |  |  | 0.5 |  |\n" in printed
     assert out.stat().st_ino != earlier  # replaced whole, not rewritten in place
+    # the test split may be scored for a report: only keeping what was chosen on it (--write) is refused
+    main(["tune-decoding", "ckpt", "--dataset", "d.json", "--split", "test", "--limit", "1"])
+    assert len(grids) == 2 and grids[1][0] == ["one"] and len(stored) == 1
+    assert "best by CIDEr-D on test: length_penalty=0" in capsys.readouterr().out
 
 
 def test_export_searches_the_weights_folder_beside_named_checkpoints_only_with_all(tmp_path, monkeypatch, capsys):
@@ -739,10 +743,21 @@ def test_trains_help_states_each_options_default_the_training_config_has_its_fac
     helps = {action.dest: action.help for action in train._actions}
     assert helps["epochs"].endswith("(default: 20)") and helps["adam_betas"].endswith("(default: [0.9, 0.999])")
     for field in dataclasses.fields(training_module.TrainConfig):
-        if field.name in helps and field.metadata.get("kind") not in ("false", "true"):
+        if field.name in helps and field.metadata.get("kind") in ("false", "true"):
+            # a switch takes no value: "(default: False)" in --extend-vocab's help reads as if it took one
+            assert "(default:" not in helps[field.name], field.name
+        elif field.name in helps:
             default = field.default_factory() if field.default is dataclasses.MISSING else field.default
             stated = f"(default: {default})"
             assert helps[field.name].endswith(stated) == (default not in (None, [], {})), (field.name, stated)
+
+
+def test_train_stops_at_a_recipe_it_cannot_read_rather_than_training_without_it():
+    """A misspelt ``--recipe`` is a one-line error: passed over, the run trained the config defaults, hours of a
+    schedule no paper used, under the recipe's name."""
+    args = build_parser().parse_args(["train", "--recipe", "nope", "--out", "x"])
+    with pytest.raises(SystemExit, match="^error: unknown recipe 'nope'; choose from "):
+        training_cli.train_config_from_args(args)
 
 
 def test_a_model_option_set_on_the_command_line_wins_over_the_recipes():
@@ -771,7 +786,8 @@ def test_an_interrupted_run_exits_130_a_diverged_one_errs_and_moved_data_is_hint
     def data_gone(cfg, resume, explicit):
         raise FileNotFoundError("photos/1.png")
     monkeypatch.setattr(training_module, "train", data_gone)
-    for given, hinted in (([], True), (["--dataset", "d.json"], False)):
+    # a resume that named the photos' new folder did what the hint asks: it would send the user in a circle
+    for given, hinted in (([], True), (["--dataset", "d.json"], False), (["--image-root", "photos"], False)):
         with pytest.raises(SystemExit):
             main(["train", "--out", "x", "--resume", *given])
         said = capsys.readouterr().err
@@ -849,3 +865,16 @@ def test_an_ensembles_member_selection_scores_on_the_threads_asked_for(tmp_path,
     monkeypatch.setattr(ensemble_module, "select_members", lambda candidates, *args, **options: candidates)
     main(["ensemble", str(tmp_path / "both"), *map(str, members), "--select-on", "val", "--threads", "3"])
     assert threads == [3]
+
+
+def test_an_ensemble_selection_from_a_single_checkpoint_is_refused_in_one_line(tmp_path, monkeypatch):
+    """``--select-on`` given one checkpoint (a glob that matched one folder) has no candidate to add: the scorer is
+    built on that start, and the command says no ensemble was written, where one built on a second member stopped
+    with an IndexError's traceback."""
+    member, _ = _two_members(tmp_path)
+    monkeypatch.setattr(datasets_module, "resolve_dataset", lambda dataset: dataset)
+    monkeypatch.setattr(training_cli, "split_with_features", lambda *args: ([], None))
+    monkeypatch.setattr(ensemble_module, "select_members", lambda candidates, *args, **options: candidates)
+    with pytest.raises(SystemExit, match="no candidate raised a's val CIDEr-D by --min-gain 0.005; no ensemble"):
+        main(["ensemble", str(tmp_path / "one"), str(member), "--select-on", "val"])
+    assert not (tmp_path / "one").exists()
