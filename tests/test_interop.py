@@ -116,12 +116,15 @@ def authors_logprobs(state, feats, tokens):
     """Log-probabilities ``[B, T, |words| + 1]`` after feeding ``tokens[:, t]`` (0 = start) at each step:
     ``AoAModel._prepare_feature`` once, then ``AttModel.get_logprobs_state`` → ``AoA_Decoder_Core.forward``."""
     a = F.relu(linear(state, "att_embed.0", feats))
-    for i in range(LAYERS):  # AoA_Refiner_Layer: sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
+    refined = "refiner.norm.a_2" in state  # with --refine 0 their refiner is `lambda x, y: x` and has no weights
+    # AoA_Refiner_Layer: sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
+    for i in range(LAYERS if refined else 0):
         p = f"refiner.layers.{i}"
         x = annotated_layer_norm(a, state[f"{p}.sublayer.0.norm.a_2"], state[f"{p}.sublayer.0.norm.b_2"])
         a = a + multi_headed_dot_attention(state, f"{p}.self_attn", x, x, x, project_k_v=1,
                                            aoa=f"{p}.self_attn.aoa_layer.0")
-    a = annotated_layer_norm(a, state["refiner.norm.a_2"], state["refiner.norm.b_2"])
+    if refined:
+        a = annotated_layer_norm(a, state["refiner.norm.a_2"], state["refiner.norm.b_2"])
     mean_feats = a.mean(1)
     p_att_feats = linear(state, "ctx2att", a)
     h_att = c_att = context = torch.zeros(feats.shape[0], D)  # init_hidden: zeros; state[0][1] is the context
@@ -189,6 +192,33 @@ def test_the_authors_dropout_and_where_the_weights_came_from_are_kept(authors_fi
     assert model.config()["dropout"] == 0.2 and model.drop.p == 0.2
     source = {"code": "github.com/husthuaan/AoANet", "weights": "model-best.pth", "infos": "infos_dropout.pkl"}
     assert meta["imported_from"] == source
+
+
+def test_a_checkpoint_trained_without_the_refiner_converts_and_is_recorded_as_having_none(authors_files, tmp_path):
+    """``--refine 0``: their ``AoAModel`` replaces the refiner by ``lambda x, y: x``, so the weights hold no
+    ``refiner.*`` key. The import equals their forward pass, and the checkpoint's config says ``refiner: none``
+    (the Table 4 ablation it is), not an AoA refiner of no layers."""
+    state = {key: value for key, value in authors_state().items() if not key.startswith("refiner.")}
+    torch.save(state, tmp_path / "unrefined.pth")
+    model, vocab, _ = convert_aoanet(tmp_path / "unrefined.pth", authors_files[1])
+    assert (model.config()["refine_layers"], model.config()["refiner"]) == (0, "none")
+    feats, tokens = torch.randn(2, 4, FEAT), torch.tensor([[0, 2, 4, 6], [0, 1, 1, 5]])
+    with torch.no_grad():
+        theirs = authors_logprobs(state, feats, tokens)
+    assert_same_distribution(our_logprobs(model, vocab, feats, tokens), theirs, vocab)
+
+
+def test_options_kept_as_a_plain_dict_are_read_and_unlisted_heads_are_the_authors_default(authors_files, tmp_path):
+    """An infos file whose ``opt`` was saved as a dict (``vars(opt)``) rather than an ``argparse.Namespace`` still
+    gives the model its dropout and heads; an ``opt`` that does not list ``num_heads`` was trained with the
+    default of the authors' ``opts.py``, 8 heads (any other count would split the attention differently)."""
+    infos = pickle.loads(authors_files[1].read_bytes())
+    options = {**vars(infos["opt"]), "drop_prob_lm": 0.2}
+    for name, opt, heads in (("dict", options, HEADS), ("unlisted", {"drop_prob_lm": 0.2}, 8)):
+        (tmp_path / f"infos_{name}.pkl").write_bytes(pickle.dumps({**infos, "opt": opt}, protocol=2))
+        model, _, meta = convert_aoanet(authors_files[0], tmp_path / f"infos_{name}.pkl")
+        assert (model.config()["heads"], model.config()["dropout"]) == (heads, 0.2)
+        assert meta["source_options"] == opt
 
 
 def test_import_command_writes_a_loadable_checkpoint(authors_files, tmp_path):
