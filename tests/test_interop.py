@@ -492,7 +492,8 @@ def test_infos_that_are_not_a_readable_pickle_are_named(tmp_path, authors_files)
     last = str(len(infos["vocab"]))
     skipping = {(str(len(WORDS) + 1) if ix == last else ix): word for ix, word in infos["vocab"].items()}
     for vocab, said in ((skipping, "not numbered 1.."), ({**infos["vocab"], "1": "two words"}, "is not a word"),
-                        ({**infos["vocab"], "1": ""}, "is not a word")):
+                        ({**infos["vocab"], "1": ""}, "is not a word"),
+                        ({**infos["vocab"], last: infos["vocab"]["1"]}, f"holds {infos['vocab']['1']!r} twice")):
         (tmp_path / "bad.pkl").write_bytes(pickle.dumps({**infos, "vocab": vocab}, protocol=2))
         with pytest.raises(ConversionError, match=said):
             convert_aoanet(authors_files[0], tmp_path / "bad.pkl")
@@ -600,10 +601,13 @@ def test_a_snapshots_weights_are_taken_from_its_known_key_and_never_guessed(tmp_
 
 
 def test_a_missing_or_truncated_weights_file_is_named_as_what_it_is(tmp_path, authors_files):
-    """A path that is not there is the OS's error (the CLI reports it as such), not a traceback from further on; a
-    truncated download keeps the reader's reason and is not said to hold pickled Python objects."""
+    """A path that is not there, or a folder (the run's folder given for its .pth), is the OS's error (the CLI
+    reports it as such), not a traceback from further on nor a file said to be truncated; a truncated download
+    keeps the reader's reason and is not said to hold pickled Python objects."""
     with pytest.raises(FileNotFoundError):
         convert_aoanet(tmp_path / "missing.pth", authors_files[1])
+    with pytest.raises(IsADirectoryError):
+        convert_aoanet(tmp_path, authors_files[1])
     truncated = tmp_path / "truncated.pth"
     truncated.write_bytes(authors_files[0].read_bytes()[:1000])
     with pytest.raises(ConversionError, match="cannot be read as a PyTorch state dict") as refused:
