@@ -297,9 +297,11 @@ def test_import_command_writes_a_loadable_checkpoint(kind, inputs, tmp_path, cap
 
 def test_xlan_compatibility_flags_are_recorded(tmp_path):
     torch.save(xlan_state(), tmp_path / "x.pth")
-    model, _, _ = convert_xlan(tmp_path / "x.pth", write_vocabulary(tmp_path / "v.txt"))
+    model, _, meta = convert_xlan(tmp_path / "x.pth", write_vocabulary(tmp_path / "v.txt"))
     config = model.config()
     assert config["lstm_input"] == "sum" and config["block_projection"] and config["celu_alpha"] == ALPHA
+    # the activations are not in the weights: the checkpoint's meta says they were taken from the released configs
+    assert meta["assumed"].startswith(f"CELU(α={ALPHA}) embeddings and ReLU key/value updates")
     assert (config["heads"], config["channel_dim"], config["encoder_layers"]) == (HEADS, HEADS * MID, XLAN_LAYERS)
 
 
