@@ -1030,6 +1030,17 @@ def test_normalisers_of_the_same_mean_are_said_in_the_studys_order():
     assert sentence.endswith("does not hold (as a strict, interval-separated ordering)")
 
 
+def test_normalisers_tied_on_intervals_of_no_width_are_said_to_overlap():
+    """A report of one annotated photo (or maps that all score the same) has an interval of no width; two
+    normalisers with the same such interval are the same number, so the page must say "≈" and not claim the study's
+    ordering: each interval's low end reaching the other's high end is an overlap, whichever of the two it is."""
+    same = {"mean": 1.0, "ci95": [1.0, 1.0]}
+    sentence = ordering_sentence({"softmax": _interval(0.3), "sparsemax": same, "tvmax": dict(same)})
+    said = "softmax 0.300 [0.290, 0.310] < sparsemax 1.000 [1.000, 1.000] ≈ tvmax 1.000 [1.000, 1.000]: "
+    assert sentence.startswith(said)
+    assert sentence.endswith("does not hold (as a strict, interval-separated ordering)")
+
+
 def test_the_closing_note_says_no_gap_above_chance_without_other_photo_rows(tmp_path):
     """A split with a single annotated photo has no other photo to feed the caption over, so no other-photo chance
     row: the note then says nothing of a gap above it (not an empty list after a colon)."""
