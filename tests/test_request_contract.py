@@ -150,6 +150,10 @@ def test_query_options_above_the_limits_are_refused_before_the_body_is_read(clie
     assert "above the limit of 4" in too_wide["detail"] and too_wide["errors"][0]["loc"] == ["query", "beam_size"]
     too_long = problem(post(client, photo, params={"model": "tiny-a", "max_len": 13}))
     assert "above the limit of 12" in too_long["detail"] and too_long["errors"][0]["loc"] == ["query", "max_len"]
+    # each error is the documented {loc, msg} pair (the Problem schema requires both): a form that shows the message
+    # beside the option it names reads ``msg``, under that name
+    assert too_wide["errors"] == [{"loc": ["query", "beam_size"], "msg": "above the limit of 4"}]
+    assert too_long["errors"] == [{"loc": ["query", "max_len"], "msg": "above the limit of 12"}]
     assert post(client, photo, params={"model": "tiny-b", "beam_size": 4}).status_code == 200
 
 
