@@ -887,6 +887,24 @@ def test_a_request_refused_while_draining_is_not_counted_as_running():
     assert run_bounded(gate.drain(0.05)) is True
 
 
+def test_a_request_whose_answer_fails_is_no_longer_counted_as_running():
+    """An error raised once the answer has started reaches the drain's middleware (the app's 500 handler passes it
+    on, nothing more can be answered): counted as running for ever, it would keep every later shutdown waiting its
+    whole drain budget, and log a request as cancelled that had long ended."""
+    gate = ShutdownGate()
+
+    async def failing(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("the answer's body could not be sent")
+
+    middleware = DrainMiddleware(failing, gate)
+    sent, _, receive, send = _drain_scenario(middleware, [{"type": "http.request", "body": b"", "more_body": False}])
+    with pytest.raises(RuntimeError, match="could not be sent"):
+        run_bounded(middleware({"type": "http", "path": "/caption"}, receive, send))
+    assert sent[0]["status"] == 200 and gate.in_flight == 0
+    assert run_bounded(gate.drain(0.05)) is True
+
+
 def test_the_apps_pool_gauges_read_its_own_decode_and_render_slots(tiny_weights):
     """A dashboard reads ``captioner_work_running`` by the README's pool names: a decode running must show under
     ``decode`` only, a render under ``render`` only (a swapped or misspelt pool hid which work backs up)."""
