@@ -3,6 +3,7 @@ OS error and not another failure's (an ONNX graph "the tracer cannot record"), a
 file behind taking the space that ran out."""
 
 import errno
+import json
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from captioner.models.evaluation.zoo_table import write_between_markers
 from captioner.models.export.onnx import _trace_graphs, export_visual_encoder
 from captioner.models.files import describe_os_error, write_atomically
 from captioner.models.training import run_log
-from captioner.models.training.state import load_state, save_state
+from captioner.models.training.state import STATE_JSON, STATE_TENSORS, load_state, save_state
 from captioner.models.vocab import Vocabulary
 from captioner.service import runtime
 from captioner.service.archive import CaptionLines
@@ -94,6 +95,26 @@ def test_a_full_disk_over_a_state_whose_json_is_damaged_is_the_full_disks_error(
     with pytest.raises(OSError, match="No space left"):
         save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
     assert sorted(path.name for path in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("reference", ["left out", None], ids=["no-reference", "null-reference"])
+def test_a_full_disk_over_a_single_file_state_of_older_runs_is_the_full_disks_error(tmp_path, monkeypatch, reference):
+    """A run saved before the state's JSON named its tensor file (no ``__tensors__``, or a null one: both load) and
+    resumed on a full disk: after the failed commit, the check of which tensor file the JSON names finds none, so the
+    user is told the disk is full (not a KeyError or TypeError traceback), the previous state stands and the new
+    tensors do not stay behind taking the space that ran out."""
+    save_state(tmp_path, {"progress": {"global_step": 1}, "model": {"w": torch.zeros(2)}})
+    skeleton = json.loads((tmp_path / STATE_JSON).read_text())
+    os.replace(tmp_path / skeleton.pop("__tensors__")["file"], tmp_path / STATE_TENSORS)
+    if reference is None:
+        skeleton["__tensors__"] = None
+    (tmp_path / STATE_JSON).write_text(json.dumps(skeleton))
+    before = sorted(path.name for path in tmp_path.iterdir())
+    monkeypatch.setattr(state_module, "write_atomically", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        save_state(tmp_path, {"progress": {"global_step": 2}, "model": {"w": torch.ones(2)}})
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+    assert load_state(tmp_path)["progress"]["global_step"] == 1
 
 
 def test_an_atomic_write_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
