@@ -577,7 +577,7 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
     trained = TrainConfig(out="runs/second", features="regions:/data/boxes").to_json()
     path = save_checkpoint(tmp_path / "ckpt", model, vocab, EncoderSpec(image_size=96),
                            {"phase": "xe", "history": [{}, {}], "best_epoch": 2, "train_config": trained,
-                            "train_seconds": 42.0, "started_from": first})
+                            "train_seconds": 42.0, "started_from": first, "dataset": "data/dataset_flickr8k.json"})
     init = load_checkpoint(path)
 
     cfg = adopt_init(TrainConfig(out="run", init=str(path), model_args={"dropout": 0.1}), init)
@@ -594,6 +594,8 @@ def test_a_warm_start_adopts_the_checkpoints_vocabulary_sizes_encoder_features_a
     assert (began["arch"], began["epochs"], began["best_epoch"], began["started_from"]) == ("sat", 2, 2, first)
     # the card says which phase the checkpoint ended and counts its training time with the run's own
     assert (began["phase"], began["train_seconds"]) == ("xe", 42.0)
+    # and which data set it was trained on: the card's "Started from … on `DATASET`" (lost, it read "on `None`")
+    assert began["dataset"] == "data/dataset_flickr8k.json"
 
 
 def _saved_small_sat(folder):
