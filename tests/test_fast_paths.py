@@ -27,6 +27,27 @@ def test_additive_attention_in_blocks_of_rows_equals_the_whole_computation(last)
     torch.testing.assert_close(blocked, whole.detach(), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:FutureWarning")  # the tracer the ONNX export runs
+def test_additive_attention_traced_through_more_rows_than_a_block_runs_on_any_number_of_rows():
+    """The ONNX export traces the step under ``no_grad`` on an example of 2 images × 2 beams, more rows than a block
+    once items × ``attn_dim`` passes 2¹⁷ (a 20 × 20 grid, 640-pixel images, at ``attn_dim`` 512: blocks of 2 rows).
+    Traced through the blocked path, the loop over blocks would freeze the example's block bounds into the graph:
+    the export would be refused as unable to run on a new batch size, or serve a graph that fails on more rows."""
+    torch.manual_seed(3)
+    items, attn_dim = 64, 64
+    block = CACHE_BLOCK_FLOATS // (items * attn_dim)
+    layer = AdditiveAttention(feat_dim=8, query_dim=8, attn_dim=attn_dim, normalise=get_normaliser("softmax")).eval()
+
+    def step_inputs(rows):
+        keys = layer.project_keys(torch.randn(rows, items, 8))
+        return keys, torch.randn(rows, 8), torch.ones(rows, items, dtype=torch.bool)
+
+    with torch.no_grad():
+        traced = torch.jit.trace(layer, step_inputs(block + 2))
+        served = step_inputs(3 * block)
+        torch.testing.assert_close(traced(*served), layer(*served))
+
+
 def test_additive_attention_is_sat_eq_4_with_tanh():
     """The sigmoid form (2σ(2x) − 1 for tanh) computes softmax_i(wᵀ tanh(U_a a_i + U_h h + b) + b_w), item by item."""
     torch.manual_seed(2)
