@@ -206,3 +206,14 @@ def test_the_client_gone_page_names_its_status_as_nginx_does(weights):
     title the service's logs and metrics count it under. No lifespan: no model is needed."""
     page = serve(weights).get("/problems/client-gone")
     assert page.status_code == 200 and heading(page) == "<code>client-gone</code>: 499 Client Closed Request"
+
+
+def test_the_index_names_the_status_each_type_is_sent_with_beside_its_link(weights):
+    """``GET /problems`` is where a reader scans every problem type at once: each row says the status it comes
+    with (``413 Content Too Large``), nginx's 499 under its own title, so telling a client's fault from a server's
+    needs no click. No lifespan: no model is needed."""
+    client = TestClient(create_app(serving_settings(weights_dir=weights, default_model="tiny", api_keys=[KEY])))
+    rows = re.findall(r'<li><a href="/problems/([^"]+)"><code>\1</code></a>: (.*)</li>', client.get("/problems").text)
+    titles = {kind: "Client Closed Request" if page.status == 499 else HTTPStatus(page.status).phrase
+              for kind, page in PROBLEM_PAGES.items()}
+    assert rows == [(kind, f"{page.status} {titles[kind]}") for kind, page in PROBLEM_PAGES.items()]
