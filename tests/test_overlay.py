@@ -558,3 +558,16 @@ def test_the_render_formats_the_options_are_typed_with_are_the_ones_rendered(cli
     for name in sorted(named):
         options = rendering.RenderOptions(name, 0 if name == "png" else None, max_side=64)
         assert isinstance(rendering._render(stored, options), rendering.Heatmaps if name == "json" else bytes), name
+
+
+@pytest.mark.parametrize("max_len", [1, 2])
+def test_post_overlay_draws_the_last_token_a_captions_length_limit_allows(client, max_len):
+    """Token ``max_len - 1`` is a caption's last when it runs to its limit (the limit's own refusal says so: "tokens 0
+    to max_len - 1"): the check made before the model runs refused it one token early, so the last word of such a
+    caption (the only one, at ``max_len=1``) could not be drawn in one call. Each caption here is that long."""
+    photo = _png(Image.new("RGB", (90, 60), (9, 9, 9)))
+    response = client.post("/caption/overlay", params={"token": max_len - 1, "max_len": max_len},
+                           files={"file": ("x.png", photo, "image/png")})
+    assert _image(response).size == (90, 60)
+    drawn = client.get(f"/captions/{response.headers['x-caption-id']}").json()
+    assert len(drawn["tokens"]) == max_len, drawn["tokens"]
