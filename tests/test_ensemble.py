@@ -209,6 +209,15 @@ def test_a_member_that_cannot_be_exported_blocks_the_ensemble_naming_it():
     assert blocked == f"member sparsecap: {tvmax.model.export_blocker()}"
 
 
+def test_a_first_member_that_cannot_be_exported_blocks_the_ensemble_too():
+    """Every member is asked, the first as much as the rest: an ensemble led by a TVmax member would otherwise pass
+    ``captioner export``'s check, and its graph would freeze the prox's iteration count of the example and serve
+    uncertified maps on other photos instead of being refused naming the member."""
+    tvmax = tiny_checkpoint("sparsecap", 1, attention="tvmax")
+    blocked = build_ensemble([tvmax, tiny_checkpoint("sat")]).export_blocker()
+    assert blocked == f"member sparsecap: {tvmax.model.export_blocker()}"
+
+
 def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_small(monkeypatch):
     names = ("start", "weak", "strong", "helper", "noise")
     candidates = [SimpleNamespace(name=n, model=SimpleNamespace(member_names=(n,))) for n in names]
@@ -222,7 +231,9 @@ def test_greedy_forward_selection_adds_the_best_member_until_the_gain_is_too_sma
     lines = []
     chosen = select_members(candidates, score, max_members=4, min_gain=0.005, report=lines.append)
     assert [c.name for c in chosen] == ["start", "strong", "helper"]  # noise's +0.002 is below the bar
-    assert lines[0] == "start: 0.5000" and lines[-1].startswith("stop: the best addition, noise")
+    assert lines[0] == "start: 0.5000"
+    # the stop line gives the gain a user sets --min-gain against, signed as gained: noise adds 0.002, not -0.002
+    assert lines[-1] == "stop: the best addition, noise, gains +0.0020 (< 0.005)"
     assert len(lines) == 1 + 4 + 3 + 2 + 1  # every trial of every round is reported
     assert [c.name for c in select_members(candidates, score, max_members=2, min_gain=0.0)] == ["start", "strong"]
     assert [c.name for c in select_members(candidates, score, max_members=1)] == ["start"]  # the start alone
