@@ -5,13 +5,15 @@ read again once either file changes.  test_serving_onnx.py holds the same throug
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
-from captioner.models.export.folder import (SEAL_SUFFIX, SPEC_FILE, STEP_FILE, check_replaceable, folder_swapped_in,
-                                            intact, remove_abandoned, seal)
+from captioner.models.export.folder import (SEAL_SUFFIX, SPEC_FILE, STEP_FILE, alone_in, check_replaceable,
+                                            folder_swapped_in, intact, remove_abandoned, seal)
 
 from .serving_helpers import call_bounded
 
@@ -105,6 +107,57 @@ def test_two_exports_into_one_folder_leave_each_others_temporary_folders_alone(t
         assert (first / STEP_FILE).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
     assert intact(tmp_path / "a" / STEP_FILE) and intact(tmp_path / "b" / STEP_FILE)
+
+
+def test_an_export_waits_for_another_processs_cleaning_of_its_folder_before_it_writes_there(tmp_path, monkeypatch):
+    """An export starting while another process cleans the folder (what killed exports left, or the CNN exports a
+    newer one replaced: both under the folder's exclusive lock) waits for the cleaning to end and then writes under
+    its shared lock.  Gone on unlocked, it would leave the next export's cleaning finding the folder to itself and
+    removing this export's temporary folder, an export's files and nothing else, while it is written."""
+    real_flock, seen, noticed = fcntl.flock, [], threading.Event()
+
+    def noting_a_wait(fd, operation):
+        if not operation & fcntl.LOCK_NB:
+            try:
+                return real_flock(fd, operation | fcntl.LOCK_NB)
+            except BlockingIOError:
+                seen.append("waiting")
+                noticed.set()
+        return real_flock(fd, operation)
+
+    def export():
+        with folder_swapped_in(tmp_path / "b") as tmp:
+            seen.append("writing")
+            noticed.set()
+            (tmp / STEP_FILE).write_bytes(b"graph b")
+            seal(tmp / STEP_FILE)
+
+    with alone_in(tmp_path) as cleaning:  # the other process's cleaning, here within this one
+        assert cleaning
+        monkeypatch.setattr(fcntl, "flock", noting_a_wait)
+        exporting = threading.Thread(target=export, daemon=True)
+        exporting.start()
+        assert noticed.wait(60)
+        assert seen == ["waiting"]
+    exporting.join(60)
+    assert seen == ["waiting", "writing"] and intact(tmp_path / "b" / STEP_FILE)
+
+
+def test_a_graph_renamed_over_a_sealed_one_of_the_same_size_and_time_is_checked_again(tmp_path):
+    """A start keeps ``intact``'s answer while neither file changes, but a graph renamed into place is another file
+    even with the old one's size and modification time: every graph of one architecture has the same size, and two
+    writes within one clock tick of the file system, or a copy keeping its source's time (``cp -p``, ``rsync -a``),
+    share a time.  Its seal is the old graph's, so it is not intact."""
+    graph = tmp_path / STEP_FILE
+    graph.write_bytes(b"graph a")
+    seal(graph)
+    assert intact(graph)
+    other = tmp_path / "other.onnx"
+    other.write_bytes(b"graph b")
+    stat = graph.stat()
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(other, graph)
+    assert not intact(graph)
 
 
 @pytest.mark.parametrize("damaged", ["graph", "seal"])
