@@ -1068,6 +1068,30 @@ def test_a_session_on_the_gpu_binds_contiguous_copies_after_draining_pytorchs_st
                       ("run", pixels.flatten().tolist())]
 
 
+def test_a_session_on_the_gpu_binds_a_step_graphs_float32_and_boolean_inputs_as_their_own_dtypes(monkeypatch):
+    """Every step graph takes float32 states and the encoder's boolean mask (``enc.mask``) beside its int64 words:
+    ONNX Runtime reads each bound buffer as the dtype it is bound as, so a float32 or boolean input bound as another
+    (half floats, bytes) failed a GPU server's every caption on a type its graph does not take."""
+    bound = {}
+
+    class Binding:
+        def bind_input(self, name, device_type, device_id, dtype, shape, pointer):
+            bound[name] = dtype
+
+        def bind_output(self, name, device_type, device_id):
+            pass
+
+        def get_outputs(self):
+            return []
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda on: types.SimpleNamespace(synchronize=lambda: None))
+    session = types.SimpleNamespace(io_binding=Binding, run_with_iobinding=lambda binding: None)
+    feats, mask, words = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.tensor([1, 2])
+    inputs = {"enc.feats": feats, "enc.mask": mask, "prev_tokens": words}
+    sessions.run_session(session, inputs, [], torch.device("cuda"), on_gpu=True)
+    assert bound == {"enc.feats": np.float32, "enc.mask": np.bool_, "prev_tokens": np.int64}
+
+
 def test_auto_on_a_gpu_without_onnx_runtimes_cuda_provider_serves_pytorch(monkeypatch, tmp_path):
     """On a CUDA device, ONNX Runtime without its CUDA provider would run the CNN on the CPU beside an idle GPU:
     ``auto`` serves PyTorch on the GPU instead, without exporting anything."""
