@@ -66,6 +66,18 @@ def test_plateau_decays_count_of_checks_without_a_gain_survives_a_resume():
     assert resumed.update(0.9) == plateau.update(0.9) == 0.5
 
 
+def test_a_best_score_of_zero_survives_a_resume():
+    """An early validation can score exactly 0 (BLEU-4 before any 4-gram matches): read back as "no score yet", the
+    resumed run counted its next 0 as a gain and decayed a validation later than the run trained straight."""
+    plateau = PlateauDecay(factor=0.5, patience=2)
+    for score in (0.0, 0.0):  # the best is 0, then one check without a gain
+        plateau.update(score)
+    resumed = PlateauDecay(factor=0.5, patience=2)
+    resumed.load_state_dict(json.loads(json.dumps(plateau.state_dict())))
+    assert (resumed.best, resumed.bad_checks) == (0.0, 1)
+    assert resumed.update(0.0) == plateau.update(0.0) == 0.5
+
+
 def test_a_plateau_state_without_a_score_yet_is_strict_json():
     """A snapshot before the first validation holds no best score: written as ``-Infinity``, train_state.json was
     no longer JSON to any reader but Python's."""
