@@ -162,3 +162,17 @@ def test_a_zero_one_mask_of_another_dtype_masks_like_the_boolean_one(dtype):
     (z_grad,) = torch.autograd.grad((sparsemax(z, mask.to(dtype)) * weights).sum(), z)  # the autograd Function's path
     (expected_grad,) = torch.autograd.grad((sparsemax(z, mask) * weights).sum(), z)
     assert torch.equal(z_grad, expected_grad) and torch.all(z_grad[~mask] == 0)
+
+
+@pytest.mark.parametrize("name", sorted(NORMALISERS))
+def test_every_normaliser_gives_the_same_weights_to_a_row_shifted_by_a_constant(name):
+    """The additive attention's sigmoid form drops a score term that is the same for every item of a row (the
+    ``− Σ_j w_j`` of ``2 w^T σ(…) − Σ_j w_j``, models/layers.py): exact only while every normaliser ignores a
+    per-row shift, as softmax, sparsemax and TVmax do. A normaliser that did not would need that term back."""
+    torch.manual_seed(0)
+    scores = torch.randn(3, 16, dtype=torch.float64)
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    mask[1, -3:] = False
+    shift = torch.tensor([[5.0], [-2.5], [0.75]], dtype=torch.float64)
+    normalise = get_normaliser(name)
+    torch.testing.assert_close(normalise(scores + shift, mask), normalise(scores, mask))
