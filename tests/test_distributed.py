@@ -153,7 +153,8 @@ def test_each_collective_gives_every_rank_the_same_answer(monkeypatch):
         box[0] = {0: "rank 0's", 2: "rank 2's"}[src]
 
     def all_gather_object(out, obj):
-        out[:] = ["rank 0's", obj, "rank 2's"]
+        for rank, value in enumerate(["rank 0's", obj, "rank 2's"]):
+            out[rank] = value  # as torch's does: the list must already hold a place for every rank
 
     met = []
     monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
