@@ -36,6 +36,15 @@ def test_a_gpu_index_past_the_last_gpu_is_refused_by_name_rather_than_at_the_fir
         resolve_device("cuda:2")
 
 
+def test_a_device_that_is_not_cuda_is_handed_on_with_the_index_it_was_given():
+    """``--device`` takes any type torch knows: ``xpu:1`` asks for the second such accelerator, and a run moved onto
+    the first one instead would share it with whatever already runs there, without a word. Only CUDA's indices are
+    checked against the GPUs present here; the others are handed on as given (made, not used: no such device is
+    needed)."""
+    for name in ("xpu:1", "mps:0", "xpu", "cpu"):
+        assert resolve_device(name) == torch.device(name), name
+
+
 def test_each_precision_name_autocasts_to_its_dtype_and_float32_to_nothing():
     assert PRECISIONS == {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
     cpu, x = torch.device("cpu"), torch.ones(2, 2)
