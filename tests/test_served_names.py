@@ -81,6 +81,15 @@ def test_the_prefix_setting_is_read_from_the_environment_as_json(monkeypatch):
             Settings(prefixed_weights_dirs={prefix: "weights"})
 
 
+def test_a_prefix_may_hold_every_character_the_refusal_names(monkeypatch):
+    """A prefix may hold letters, digits, '.', '_' and '-', as the refusal of one with a path in it says: ``v1.2_`` (an
+    earlier release's checkpoints served beside today's) is taken by the service and ``captioner export`` alike,
+    not refused as if it left the exports' folder."""
+    for prefix in ("v1.2_", "Run7-", "a.b_c-D9"):
+        monkeypatch.setenv("CAPTIONER_PREFIXED_WEIGHTS_DIRS", json.dumps({prefix: "weights"}))
+        assert Settings().prefixed_weights_dirs == prefixed_dirs_from_env() == {prefix: Path("weights")}, prefix
+
+
 def test_by_default_the_real_photo_checkpoints_take_the_plain_names():
     """The repository as it ships: ``make serve`` serves weights/flickr8k, ``make serve-scenes`` adds weights/ as
     scenes-NAME (names and folders only: nothing is loaded)."""
