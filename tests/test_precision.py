@@ -33,7 +33,8 @@ def test_precision_is_selected_by_device():
     with pytest.raises(ValueError, match="unknown precision 'half'"):
         resolve_precision("half", cpu)
     if torch.cuda.is_available():
-        assert resolve_precision("auto", gpu).name == ("bfloat16" if torch.cuda.is_bf16_supported() else "float16")
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        assert resolve_precision("auto", gpu).name == ("bfloat16" if native else "float16")
 
 
 def test_float16_is_refused_on_every_device_but_cuda():
@@ -54,15 +55,19 @@ def test_an_unknown_precision_is_refused_with_every_name_and_alias_taken():
 
 @pytest.mark.parametrize("bf16", [True, False])
 def test_auto_on_a_gpu_is_bfloat16_where_it_runs_else_scaled_float16(bf16, monkeypatch):
-    """``auto`` on a CUDA device asks the GPU whether it runs bfloat16 (A100, H100) or not (V100, T4, which take
-    float16 with a gradient scaler); the answer is mocked so that the choice is held on a machine without a GPU."""
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
-    chosen = resolve_precision("auto", torch.device("cuda"))
+    """``auto`` on a CUDA device asks the run's GPU whether it runs bfloat16 (A100, H100) or not (V100, T4, which take
+    float16 with a gradient scaler); its compute capability is mocked so that the choice is held on a machine without
+    a GPU, and the device asked is the run's (``cuda:1`` on a machine of mixed GPUs)."""
+    asked = []
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: asked.append(device) or ((8, 0) if bf16 else (7, 5)))
+    chosen = resolve_precision("auto", torch.device("cuda:1"))
+    assert asked == [torch.device("cuda:1")]
     assert (chosen.name, chosen.dtype, chosen.scaled) == \
         (("bfloat16", torch.bfloat16, False) if bf16 else ("float16", torch.float16, True))
 
 
-@pytest.mark.xfail(strict=True, reason="is_bf16_supported() counts emulated bfloat16: auto takes it on a T4 (a bug)")
 def test_auto_on_a_gpu_that_runs_bfloat16_only_by_emulation_is_scaled_float16(monkeypatch):
     """A V100 or T4 (compute capability 7) has no bfloat16 arithmetic, which torch emulates: ``is_bf16_supported()``
     says yes to it unless asked ``including_emulation=False``, and ``auto`` would train such a GPU in emulated
@@ -84,7 +89,7 @@ def test_auto_on_a_device_that_is_not_cuda_is_float32_whatever_the_gpu_runs(monk
     takes) on a machine that also has a GPU trains in float32, as on the CPU, rather than taking the GPU's answer
     and then being refused float16 or autocast in a dtype its own device was never asked about."""
     for bf16 in (True, False):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, bf16=bf16, **kwargs: bf16)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, bf16=bf16: (8, 0) if bf16 else (7, 5))
         for name in ("cpu", "mps", "xpu"):
             chosen = resolve_precision("auto", torch.device(name))
             assert (chosen.name, chosen.dtype, chosen.scaled) == ("float32", None, False), (name, bf16)

@@ -39,6 +39,13 @@ class Precision:
         return autocast(device, self.dtype)
 
 
+def runs_bfloat16_natively(device: torch.device) -> bool:
+    """Whether the CUDA ``device`` has bfloat16 arithmetic: Ampere or newer (compute capability 8), or a ROCm GPU.
+    ``torch.cuda.is_bf16_supported()`` also says yes to a V100 or T4, where torch emulates bfloat16 (its
+    ``including_emulation=True`` default), and asks the current device rather than the run's."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def resolve_precision(name: str, device: torch.device) -> Precision:
     """``auto`` → bfloat16 on a GPU that supports it, float16 (scaled) on older GPUs, float32 on CPU; an explicit
     ``bfloat16`` also runs on CPU (autocast), ``float16`` needs CUDA.  The aliases ``fp32``, ``bf16``, ``fp16`` are
@@ -48,7 +55,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         if device.type != "cuda":
             name = "float32"
         else:
-            name = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+            name = "bfloat16" if runs_bfloat16_natively(device) else "float16"
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {name!r}; choose {', '.join(PRECISION_CHOICES)} "
                          f"(or {', '.join(PRECISION_ALIASES)})")
