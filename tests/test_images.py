@@ -337,3 +337,20 @@ def test_a_dark_integer_picture_is_not_scaled_as_if_it_were_a_float_one():
     # 255 like any that fits 8 bits), not black and white
     dark = np.array([[0, 1, 1, 0]], np.int32)
     assert np.asarray(load_image(_save(Image.fromarray(dark), "TIFF")))[0, :, 0].tolist() == [0, 1, 1, 0]
+
+
+def test_a_torn_upload_is_called_the_upload_whether_given_as_bytes_or_opened_first():
+    # the service opens an upload (open_image) and decodes it later without a name: the 422's detail must say what
+    # was torn, not "the image data of  is truncated" (a BytesIO's picture has an empty filename)
+    torn = _save(Image.fromarray(data.astronaut()), "JPEG")[:5000]
+    for source in (torn, open_image(torn)):
+        with pytest.raises(ImageDecodeError, match="^the image data of the upload is truncated or corrupt"):
+            load_image(source)
+
+
+def test_a_library_callers_own_picture_is_left_open_for_it_to_draw_on():
+    # Pipeline takes a decoded picture so that the caller can draw on it afterwards: closing it along with the files
+    # load_image opened left the caller's picture failing with "Operation on closed image"
+    picture = Image.new("RGB", (30, 20), (200, 10, 10))
+    assert load_image(picture).getpixel((5, 5)) == (200, 10, 10)
+    assert picture.getpixel((5, 5)) == (200, 10, 10)
