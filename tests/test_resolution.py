@@ -1,6 +1,7 @@
 """``captioner resolution-check``: the originals of a split's photos against the data set's small copies, captioned
 by the service's own preprocessing and scored against the same references."""
 
+import inspect
 import json
 import re
 from types import SimpleNamespace
@@ -134,3 +135,33 @@ def test_the_report_shows_the_first_ten_photos_whose_captions_differ_not_every_o
     assert report["images"] == 12 and report["same_caption"] == 0
     shown = [{"image": name, "copy": "a blur", "original": f"a {name[:-4]}"} for name in names[:10]]
     assert report["examples"] == shown
+
+
+def test_a_library_callers_check_captions_as_the_pipeline_and_the_command_do_by_default(tmp_path):
+    """``resolution_check(pipeline, images, root)`` with no beam or length captions each side as ``Pipeline`` and
+    ``captioner resolution-check`` do by default (a beam of 3, at most 20 words): a check of another length scores
+    captions cut elsewhere than the ones the model's other reports score."""
+    defaults = inspect.signature(Pipeline.__call__).parameters
+    pipeline = RecordingPipeline()
+    resolution_check(pipeline, _copies_with_originals(tmp_path, ("cat.jpg",)), tmp_path / "full")
+    asked = {(beam, longest) for _, beam, longest, _ in pipeline.calls}
+    assert asked == {(defaults["beam_size"].default, defaults["max_len"].default)} == {(3, 20)}
+
+
+def test_the_ten_examples_are_ten_differing_photos_even_after_ones_captioned_alike(tmp_path):
+    """The examples are the first ten photos whose captions differ: a photo captioned alike among the first ten
+    (``blur.jpg``'s original is captioned "a blur", as every copy is) must not leave only nine shown."""
+    names = ("blur.jpg", *(f"photo{i:02d}.jpg" for i in range(11)))
+    report = resolution_check(RecordingPipeline(), _copies_with_originals(tmp_path, names), tmp_path / "full")
+    assert report["same_caption"] == 1
+    assert [example["image"] for example in report["examples"]] == list(names[1:11])
+
+
+def test_a_folder_named_like_a_photo_is_not_its_original(tmp_path):
+    """Originals are files: a folder under ``--full-root`` named like a photo (an unpacked archive's folder) is no
+    original, so its photo is left out as one without an original, not captioned and the check stopped on it."""
+    images = _copies_with_originals(tmp_path, ("cat.jpg", "owl.jpg"), originals=("owl.jpg",))
+    (tmp_path / "full" / "cat.jpg").mkdir()
+    pipeline = RecordingPipeline()
+    report = resolution_check(pipeline, images, tmp_path / "full")
+    assert report["images"] == 1 and [paths for paths, *_ in pipeline.calls] == [["copies/owl.jpg"], ["full/owl.jpg"]]
