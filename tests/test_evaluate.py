@@ -81,6 +81,22 @@ def test_by_default_three_beams_twenty_words_and_no_progress_bar(capsys):
     assert "captioning" in capsys.readouterr().err  # a bar only where asked
 
 
+def test_by_default_images_are_captioned_fifty_at_a_time():
+    """The batches ``captioner eval`` captions in are those the shipped reports were made in: tests/shipped_reports.py
+    compares a checkpoint's first fifty captions with the committed ones exactly because they share one batch (a
+    batch of another size rounds the beam's scores otherwise, and a near tie can change a caption)."""
+    images = [CaptionedImage(i, Path(f"/nowhere/{i}.png"), "test", [["w3"]]) for i in range(51)]
+    sizes = []
+
+    class Recording:
+        def batch(self, keys):
+            sizes.append(len(keys))
+            return VisualBatch.from_features(torch.zeros(len(keys), 9, FEAT_DIM))
+
+    captions = caption_dataset(tiny_model("sat"), VOCAB, images, Recording(), beam_size=1, max_len=2)
+    assert sizes == [50, 1] and len(captions) == 51
+
+
 def test_a_checkpoint_is_evaluated_with_the_rules_given_and_scored_on_its_own_captions():
     model, store = tiny_model("sat"), Store()
     scores, captions = evaluate_checkpoint(Checkpoint(model, VOCAB, TINY_SPEC), IMAGES, store, beam_size=3,
@@ -95,6 +111,13 @@ def test_the_visual_features_are_computed_without_an_autograd_graph():
     batches = list(visual_batches(tiny_model("sat"), IMAGES, Store(), 2, "cpu", "captioning", False))
     assert [len(chunk) for chunk, _ in batches] == [2, 2, 1]
     assert not any(vis.feats.requires_grad for _, vis in batches)
+
+
+def test_each_batch_of_visual_features_is_moved_to_the_device_the_model_runs_on():
+    """A feature store keeps its features on the CPU (a cache read from disk) while ``captioner eval --device cuda``
+    runs the model on the GPU: each batch is moved there (``meta`` stands in for the GPU, which the tests lack)."""
+    batches = list(visual_batches(tiny_model("sat"), IMAGES, Store(), 2, "meta", "captioning", False))
+    assert {(vis.feats.device.type, vis.mask.device.type) for _, vis in batches} == {("meta", "meta")}
 
 
 def test_scores_count_novel_captions_given_the_training_captions_and_name_a_scenes_objects():
@@ -140,6 +163,20 @@ def test_with_ptb_the_captions_too_are_ptb_tokenized(monkeypatch):
     captions = {im.image_id: ["w9"] for im in IMAGES}
     assert score_dataset(captions, IMAGES, ("BLEU",), ptb=True)["BLEU-1"] == pytest.approx(1.0)
     assert score_dataset(captions, IMAGES, ("BLEU",))["BLEU-1"] == pytest.approx(0.0)
+
+
+def test_with_ptb_the_references_are_ptb_tokenized_and_without_it_the_projects_own_tokens(monkeypatch):
+    """``--ptb`` scores PTB-tokenized captions against PTB-tokenized references: references left in the project's
+    tokens would score the two tokenizations' differences (punctuation, contractions) as the model's mistakes. Here
+    the stand-in tokenizer turns every text into ``w3 w4 w5`` (it needs Java)."""
+    def references(images, ptb):
+        return [["w3 w4 w5"] if ptb else ["w9"] for _ in images]
+
+    monkeypatch.setattr(evaluate_module, "reference_texts", references)
+    monkeypatch.setattr(evaluate_module, "ptb_captions", lambda captions: {i: "w3 w4 w5" for i in captions})
+    captions = {im.image_id: ["w9"] for im in IMAGES}
+    assert score_dataset(captions, IMAGES, ("BLEU",), ptb=True)["BLEU-1"] == pytest.approx(1.0)
+    assert score_dataset(captions, IMAGES, ("BLEU",))["BLEU-1"] == pytest.approx(1.0)
 
 
 def test_the_model_is_given_back_its_mode_when_the_batches_stop_early():
