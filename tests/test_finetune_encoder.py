@@ -75,15 +75,18 @@ def test_the_tail_passes_gradients_and_its_state_names_the_networks_own_weights(
     assert feats.grad is not None and all(p.grad is not None for p in tail.parameters())
 
 
+class OnesStore:
+    """An inner store of cached 192-d features, all ones, on the CPU as a cache read from disk is."""
+
+    feat_dim = 192
+
+    def batch(self, keys):
+        return VisualBatch.from_features(torch.ones(len(keys), 16, 192))
+
+
 def test_a_tuned_store_runs_the_tail_over_the_inner_stores_features(frozen):
-    class Inner:
-        feat_dim = 192
-
-        def batch(self, keys):
-            return VisualBatch.from_features(torch.ones(len(keys), 16, 192))
-
     tail = EncoderTail(frozen, 1)
-    vis = TunedStore(Inner(), tail).batch(["a", "b"])
+    vis = TunedStore(OnesStore(), tail).batch(["a", "b"])
     assert vis.feats.shape == (2, 16, 320) and vis.mask.all()
     torch.testing.assert_close(vis.feats, tail(torch.ones(2, 16, 192)))
 
@@ -92,15 +95,8 @@ def test_a_tuned_store_hands_the_cached_features_to_the_device_of_the_tuned_stag
     """The feature cache is read on the CPU while ``--finetune-stages`` trains its stages on the run's device (a GPU):
     the store moves each batch to where the stages' weights are, or every fine-tuning run on a GPU stops at its first
     step on a device mismatch.  The meta device stands in for the GPU, so this runs on any machine."""
-
-    class Inner:
-        feat_dim = 192
-
-        def batch(self, keys):
-            return VisualBatch.from_features(torch.ones(len(keys), 16, 192))
-
     tail = EncoderTail(frozen, 1).to("meta")
-    vis = TunedStore(Inner(), tail).batch(["a", "b"])
+    vis = TunedStore(OnesStore(), tail).batch(["a", "b"])
     assert vis.feats.device.type == "meta" and vis.mask.device.type == "meta" and vis.feats.shape == (2, 16, 320)
 
 
