@@ -347,3 +347,27 @@ def test_a_ranks_scst_loss_is_weighted_by_its_share_of_the_global_batchs_images(
         assert (out.loss.item(), out.tokens) == (2.0, 7)
     phase.world = 2
     assert phase.loss([0, 1, 2], everything).loss.item() == pytest.approx(2.0 * 3 * 2 / 5)
+
+
+def test_a_batchs_loss_scores_its_own_images_with_the_runs_samples_length_and_baseline(tmp_path, monkeypatch):
+    """The phase hands the batch loss the features and references of the batch's own images, in the batch's order,
+    and the run's ``--scst-samples``, ``--max-decode-len`` and ``--scst-baseline``: the references of other images
+    reward captions of the wrong picture, and a swapped sample count and length limit still trains, on 8 samples
+    cut at 3 words, with nothing to say so."""
+    references = [[["a", "dog"]], [["a", "cat"]], [["two", "birds"]]]
+    vocab = Vocabulary.build([ref for refs in references for ref in refs])
+    images = [CaptionedImage(i, Path(f"{i}.jpg"), "train", refs) for i, refs in enumerate(references)]
+    calls = []
+
+    def batch_loss(*args):
+        calls.append(args)
+        return torch.tensor(1.0), {"scst": 1.0, "tokens": 4.0}
+
+    monkeypatch.setattr("captioner.models.training.scst.scst_batch_loss", batch_loss)
+    cfg = TrainConfig(out=str(tmp_path), phase="scst", scst_samples=8, max_decode_len=3, scst_baseline="mean")
+    phase = SCSTPhase(cfg, None, vocab, keys_store(), images, torch.device("cpu"))
+    phase.loss([2, 0])
+    ((model, vis, refs, cider, to_text, samples, max_len, baseline),) = calls
+    assert (vis, refs) == ([images[2].key, images[0].key], [["two birds"], ["a dog"]])
+    assert (samples, max_len, baseline) == (8, 3, "mean")
+    assert cider is phase.cider and to_text == phase.reward_text
