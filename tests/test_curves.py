@@ -92,6 +92,10 @@ def test_scsts_losses_share_a_panel_in_their_own_styles_and_labels_are_given_per
                                                                                                    "-")]
     with pytest.raises(ValueError, match="1 --label for 2 runs"):
         plot_runs([run, run], tmp_path / "two.png", ["mine"])
+    # a label too many is refused as well: the runs were not the ones meant (one left off the command line), and
+    # the legend would name them wrongly
+    with pytest.raises(ValueError, match="2 --label for 1 runs"):
+        plot_runs([run], tmp_path / "one.png", ["mine", "yours"])
 
 
 def _log(folder, records):
@@ -105,14 +109,15 @@ def test_runs_of_every_kind_are_labelled_as_given_in_their_order_in_each_panels_
     a loss or score is drawn when any run logs it, the others are passed over, not a KeyError."""
     xe = _write_run(tmp_path / "xe", 1.0)
     early = _log(tmp_path / "early", [{"kind": "step", "step": s, "lr": 1e-4, "xe": 4.0} for s in (1, 2)])
-    scst = _log(tmp_path / "scst", [{"kind": "step", "step": 3, "lr": 1e-5, "scst": -0.5},
+    scst = _log(tmp_path / "scst", [{"kind": "step", "step": 3, "lr": 1e-5, "scst": -0.5, "reward": 0.4},
                                      {"kind": "epoch", "epoch": 1, "step": 3, "CIDEr-D": 0.9}])
     figure = _figure(monkeypatch, [xe, early, scst], tmp_path / "curves.png", ["XE", "early", "SCST"])
     axes = {ax.get_title(): ax for ax in figure.axes}
     assert list(axes) == ["training loss", "learning rate", "validation CIDEr-D", "validation BLEU-4"]
     drawn = {title: [(line.get_label(), line.get_linestyle(), line.get_marker()) for line in ax.get_lines()]
              for title, ax in axes.items()}
-    assert drawn["training loss"] == [("XE xe", "-", "None"), ("early xe", "-", "None"), ("SCST scst", "--", "None")]
+    scsts = [("SCST scst", "--", "None"), ("SCST reward", ":", "None")]  # one colour: told apart by their styles
+    assert drawn["training loss"] == [("XE xe", "-", "None"), ("early xe", "-", "None"), *scsts]
     assert drawn["learning rate"] == [("XE", "-", "None"), ("early", "-", "None"), ("SCST", "-", "None")]
     # a validation score is a point per epoch: marked, since a run validated once draws no line at all
     assert drawn["validation CIDEr-D"] == [("XE", "-", "o"), ("SCST", "-", "o")]
@@ -152,3 +157,16 @@ def test_every_panel_is_gridded_so_values_can_be_read_off_its_curves(tmp_path, m
     for ax in figure.axes:
         lines = ax.get_xgridlines() + ax.get_ygridlines()
         assert lines and all(line.get_visible() for line in lines), ax.get_title()
+
+
+def test_each_panel_keeps_its_width_however_many_panels_the_runs_fill(tmp_path, monkeypatch):
+    """The figure grows by 4.2 inches a panel: a run that logs every score (six panels) is not squeezed into the
+    width of four, its tick labels run together, nor a run of two panels stretched."""
+    records = [
+        {"kind": "step", "step": 1, "lr": 1e-4, "xe": 2.0},
+        {"kind": "epoch", "epoch": 1, "step": 1, "CIDEr-D": 0.5, "BLEU-4": 0.1, "BLEU-1": 0.4, "objects_named": 0.3},
+    ]
+    for run, panels in ((_log(tmp_path / "every", records), 6), (_log(tmp_path / "early", records[:1]), 2)):
+        figure = _figure(monkeypatch, [run], tmp_path / f"{run.name}.png")
+        assert len(figure.axes) == panels
+        assert tuple(figure.get_size_inches()) == pytest.approx((4.2 * panels, 3.4))
