@@ -9,6 +9,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -54,6 +55,8 @@ def test_importing_the_zoo_alone_registers_every_model_file_of_the_project():
     # the whole message: the kind is named as the reader would say it, then the default ("a stringX" passed before)
     ("sat", {"vocab_size": 12, "feat_dim": 8, "gate": 3},
      "model 'sat': option 'gate' takes a string \\(default 'scalar'\\), got 3$"),
+    # a size given as text (a config read from strings): the message names no default, a required size has none
+    ("sat", {"vocab_size": "12", "feat_dim": 8}, "model 'sat': option 'vocab_size' takes a whole number, got '12'$"),
     # a sequence option given one name: "string indices must be integers" from inside the ensemble
     ("ensemble", {"vocab_size": 12, "feat_dim": 8, "members": "sat"},
      "model 'ensemble': option 'members' takes a list"),
@@ -97,6 +100,23 @@ def test_an_option_that_may_be_null_takes_null_or_its_kind_and_names_both(monkey
     with pytest.raises(ValueError, match="^model 'maybe-wide': option 'width' takes a whole number or null "
                                          "\\(default None\\), got 'abc'$"):
         create("maybe-wide", vocab_size=12, feat_dim=8, width="abc")
+
+
+class OptionalWide(ShowAttendTell):
+    """A plugin's model annotated in the older spelling, ``Optional[int]`` (``typing.Union``, not ``int | None``)."""
+
+    def __init__(self, vocab_size: int, feat_dim: int, width: Optional[int] = None, **ids: int):
+        super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, **ids)
+
+
+def test_an_option_annotated_optional_is_checked_as_the_union_it_is(monkeypatch):
+    """``Optional[int]`` is as common in plugins as ``int | None`` and resolves to another kind of union: a string
+    for it must be refused naming the option, not passed on to fail deep in PyTorch."""
+    monkeypatch.setitem(MODELS, "optional-wide", OptionalWide)
+    for width in (None, 3):
+        assert isinstance(create("optional-wide", vocab_size=12, feat_dim=8, width=width), OptionalWide)
+    with pytest.raises(ValueError, match="^model 'optional-wide': option 'width' takes a whole number or null"):
+        create("optional-wide", vocab_size=12, feat_dim=8, width="abc")
 
 
 class KeywordWide(ShowAttendTell):
@@ -176,6 +196,23 @@ def test_a_models_options_list_its_own_parameters_first_then_the_protocols_speci
     names = list(options("sat"))
     own = [name for name in inspect.signature(ShowAttendTell).parameters if name != "ids"]
     assert names[:len(own)] == own and names[len(own):] == ["pad_id", "bos_id", "eos_id"]
+
+
+class OwnEnd(ShowAttendTell):
+    """A plugin's model that names a special token id itself, with a default of its own (its vocabulary ends
+    captions with id 3)."""
+
+    def __init__(self, vocab_size: int, feat_dim: int, eos_id: int = 3, **ids: int):
+        super().__init__(vocab_size, feat_dim, embed_dim=8, hidden_dim=8, attn_dim=8, eos_id=eos_id, **ids)
+
+
+def test_a_special_id_the_model_names_itself_keeps_its_own_default(monkeypatch):
+    """The protocol's defaults fill in only the ids a model passes on through ``**ids``: a model's own default is
+    what ``captioner models NAME`` shows and what a mistaken value is told, not ``Captioner.__init__``'s."""
+    monkeypatch.setitem(MODELS, "own-end", OwnEnd)
+    assert options("own-end")["eos_id"] == 3 and options("own-end")["bos_id"] == 1
+    with pytest.raises(ValueError, match="^model 'own-end': option 'eos_id' takes a whole number \\(default 3\\)"):
+        create("own-end", vocab_size=12, feat_dim=8, eos_id="end")
 
 
 class Unresolvable(ShowAttendTell):
