@@ -219,6 +219,16 @@ def test_settings_it_cannot_serve_are_refused(tmp_path, overrides, message):
         checked_entities_folder(_config(tmp_path, **overrides))
 
 
+def test_a_folder_whose_path_holds_a_colon_is_taken_whole(tmp_path):
+    """Only the first colon ends the kind: a Linux folder may hold colons of its own ("flickr:30k"), and the rest of
+    ``entities:DIR`` is the folder as given, not refused as another kind."""
+    folder = tmp_path / "flickr:30k"
+    folder.mkdir()
+    cfg = _config(folder)
+    assert checked_entities_folder(cfg) == cfg.attention_supervision.removeprefix("entities:")
+    assert ":30k" in checked_entities_folder(cfg)
+
+
 def test_the_command_refuses_them_in_one_line_before_any_work(tmp_path):
     cfg = _config(tmp_path)
     done = captioner("train", "--dataset", cfg.dataset, "--out", cfg.out, "--model", "xtransformer",
