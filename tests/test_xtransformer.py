@@ -71,6 +71,17 @@ def test_default_dropouts_and_celu_are_the_authors():
     assert {celu.alpha for celu in model.modules() if isinstance(celu, nn.CELU)} == {1.3}
 
 
+def test_a_celu_alpha_given_reaches_every_celu():
+    """``--set celu_alpha=1.0`` (docs/decisions.md#x-lan-activation) is the α of every "+ELU" embedding: the regions',
+    both halves of the first query and every X-Linear block's.  The default test cannot tell a CELU built without it
+    from one built with it, since both are then 1.3."""
+    model = tiny(celu_alpha=0.5)
+    celus = [module for module in model.modules() if isinstance(module, nn.CELU)]
+    assert len(celus) == len([m for m in tiny().modules() if isinstance(m, nn.CELU)])
+    assert {celu.alpha for celu in celus} == {0.5}
+    assert model.embed_items[1] in celus and model.query_image[1] in celus and model.query_words[1] in celus
+
+
 def test_each_dropout_rate_reaches_its_own_places():
     """The sublayer ``dropout`` (0.5 in the authors' code) also sits on the embedded regions and inside and after
     every FFN block, encoder and decoder; the default test cannot tell it from the others there, so each rate is set
@@ -227,3 +238,12 @@ def test_config_holds_every_constructor_argument():
     assert set(model.config()) == arguments
     again = create("xtransformer", **json.loads(json.dumps(model.config())))
     assert {name: again.config()[name] for name in arguments} == {name: model.config()[name] for name in arguments}
+
+
+def test_float16_features_are_read_in_the_models_own_dtype():
+    """A float32 model reads the float16 features of a user's own store (``FeatureStore`` keeps float16): ``encode``
+    casts them to the model's dtype rather than failing in the first layer on a dtype mismatch."""
+    model, vis = tiny(), regions()
+    half = VisualBatch(vis.feats.half(), vis.mask)
+    widened = VisualBatch(half.feats.float(), vis.mask)
+    torch.testing.assert_close(model.forward_xe(half, CAPTIONS)[0], model.forward_xe(widened, CAPTIONS)[0])
