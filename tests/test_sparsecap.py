@@ -159,18 +159,6 @@ def test_step_matches_the_equations(attention):
         assert (record.primary == 0).any()
 
 
-def test_float16_features_are_read_in_the_models_own_dtype():
-    """A float32 model reads the float16 features of a user's own store (``FeatureStore`` keeps float16): ``encode``
-    casts them to the model's dtype rather than failing in the projection on a dtype mismatch."""
-    model, vis = _tiny("sparsemax"), _visuals()
-    half = VisualBatch.from_features(vis.feats.half())
-    enc = model.encode(half)
-    assert enc["feats"].dtype == torch.float32
-    torch.testing.assert_close(enc["feats"], model.encode(VisualBatch.from_features(half.feats.float()))["feats"])
-    logprobs, _, _ = model.step(torch.full((3,), model.bos_id), model.init_state(enc), enc)
-    assert logprobs.dtype == torch.float32
-
-
 def test_initial_state_is_zero_and_masks_are_respected():
     model = _tiny("tvmax")
     feats = torch.randn(2, 64, 16)

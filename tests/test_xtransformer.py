@@ -238,12 +238,3 @@ def test_config_holds_every_constructor_argument():
     assert set(model.config()) == arguments
     again = create("xtransformer", **json.loads(json.dumps(model.config())))
     assert {name: again.config()[name] for name in arguments} == {name: model.config()[name] for name in arguments}
-
-
-def test_float16_features_are_read_in_the_models_own_dtype():
-    """A float32 model reads the float16 features of a user's own store (``FeatureStore`` keeps float16): ``encode``
-    casts them to the model's dtype rather than failing in the first layer on a dtype mismatch."""
-    model, vis = tiny(), regions()
-    half = VisualBatch(vis.feats.half(), vis.mask)
-    widened = VisualBatch(half.feats.float(), vis.mask)
-    torch.testing.assert_close(model.forward_xe(half, CAPTIONS)[0], model.forward_xe(widened, CAPTIONS)[0])
