@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from captioner.models.cli.training import train_config_from_args
-from captioner.models.training import TrainConfig, fit, prepare_run
+from captioner.models.training import Progress, TrainConfig, fit, prepare_run
 from captioner.models.training.distributed import DistContext
 from captioner.models.training.loop import _snapshot
 from captioner.models.training.precision import resolve_precision
@@ -169,6 +169,16 @@ def test_the_gradient_scalers_state_is_saved_and_put_back_on_resume(scenes, tmp_
     restore(load_state(run.run_dir), run.cfg, run.run_dir, run.dist, run.model, None, run.optimizer, None)
 
 
+def test_a_state_saved_without_a_gradient_scaler_resumes_with_one(tmp_path):
+    """A float32 or bfloat16 run saves no scaler; resumed with ``--precision float16`` (a run moved onto a GPU) it
+    gets a fresh scaler at its initial scale, rather than failing the resume on the state's missing scale."""
+    model, optimizer, saved = saved_linear_run()
+    fresh = torch.amp.GradScaler("cpu")
+    initial = fresh.state_dict()
+    restore(saved, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(0, 1), model, None, optimizer, fresh)
+    assert fresh.state_dict() == initial
+
+
 def test_each_rank_resumes_with_its_own_random_stream_or_a_fresh_rank_distinct_one(tmp_path):
     """The random streams saved per rank go back to their ranks; on another number of processes (a state of one
     process resumed by two) each rank is seeded afresh, and differently (with one stream, the ranks' dropout masks
@@ -192,6 +202,26 @@ def test_each_rank_resumes_with_its_own_random_stream_or_a_fresh_rank_distinct_o
     assert draws(streams, 1, 2) == expected[1]  # rank 1's own stream
     fresh = [draws(streams[:1], rank, 2) for rank in (0, 1)]
     assert fresh[0] != fresh[1] and expected[0] not in fresh
+
+
+def test_a_fresh_stream_on_another_number_of_processes_differs_with_the_step_resumed_at(tmp_path):
+    """A run resumed on another number of processes again and again (two ranks, then one, then two) is seeded afresh
+    each time: seeded by seed and rank alone, every such resume started the same stream over, and drew the dropout
+    masks and samples of its first steps after the previous resume again."""
+    streams = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        streams.append(rng_state())
+
+    def draws(global_step):
+        model, optimizer, saved = saved_linear_run(progress=Progress(global_step=global_step))
+        torch.manual_seed(0)
+        restore({**saved, "rng_ranks": streams}, TrainConfig(out=str(tmp_path)), tmp_path, DistContext(0, 1), model,
+                None, optimizer, None)
+        return torch.rand(4).tolist()
+
+    assert draws(10) == draws(10)  # the same resume draws alike: the run's seed, not the clock, picks it
+    assert draws(10) != draws(20)
 
 
 def test_a_state_of_two_ranks_resumed_by_one_process_is_seeded_afresh(tmp_path):
