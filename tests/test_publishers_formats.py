@@ -105,6 +105,26 @@ def test_a_folder_holding_both_years_reads_the_2014_files(coco):
     assert {im.path.parent.name for im in load_coco(coco)} == {"train2014", "val2014"}
 
 
+def test_val2014_alone_beside_both_2017_files_is_still_read_as_2014(coco):
+    """The year decides before the split: a folder holding val2014's captions (kept for the Karpathy test photos)
+    and the whole 2017 download evaluates ``--split val`` on val2014, not on val2017, another set of photos."""
+    annotations = coco / "annotations"
+    for split in ("train", "val"):
+        shutil.copy(annotations / f"captions_{split}2014.json", annotations / f"captions_{split}2017.json")
+    (annotations / "captions_train2014.json").unlink()
+    assert coco_captions_file(coco) == annotations / "captions_val2014.json"
+    assert {im.path.parent.name for im in load_coco(coco, splits=("val",))} == {"val2014"}
+
+
+def test_a_file_named_like_a_captions_file_with_more_after_it_is_not_one(coco):
+    # a backup (captions_val2014.json.bak) given by mistake was read as the captions_val2014.json beside it
+    annotations = coco / "annotations"
+    backup = shutil.copy(annotations / "captions_val2014.json", annotations / "captions_val2014.json.bak")
+    assert coco_captions_file(backup) is None
+    with pytest.raises(ValueError, match=r"captions_val2014.json.bak is not COCO's captions_train2014.json"):
+        load_coco(backup, splits=("val",))
+
+
 def test_a_path_given_as_text_reads_and_a_folder_without_captions_files_is_refused(coco, tmp_path):
     assert coco_captions_file(str(coco)) == coco / "annotations" / "captions_train2014.json"
     images = load_coco(str(coco / "annotations" / "captions_val2014.json"), splits=("val",))
