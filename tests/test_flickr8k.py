@@ -125,6 +125,18 @@ def test_a_photo_name_holding_a_hash_keeps_its_captions(official, photos):
     assert image.path.name == "30#d.jpg" and [r[-1] for r in image.references] == ["0", "1", "2", "3", "4"]
 
 
+@pytest.mark.parametrize("suffix", [".png", ".jpeg"])
+def test_a_listed_photo_with_another_extension_keeps_its_name(official, photos, suffix):
+    """Only a name without any extension (Flickr30k Entities' bare ids) gains ``.jpg``: a copy whose photos were saved
+    as ``.png`` or ``.jpeg``, its lists and token file renamed alike, is read, not refused for "30_d.png.jpg"."""
+    (photos / "30_d.jpg").rename(photos / f"30_d{suffix}")
+    token = official / "Flickr8k.token.txt"
+    token.write_text(token.read_text().replace("30_d.jpg#", f"30_d{suffix}#"))
+    (official / "Flickr_8k.testImages.txt").write_text(f"30_d{suffix}\n")
+    image = load_flickr(official, splits=("test",))[0]
+    assert image.path == (photos / f"30_d{suffix}").resolve() and len(image.references) == 5
+
+
 def test_a_file_that_is_no_flickr_token_file_is_refused_by_name(official, tmp_path):
     assert flickr_layout(str(official / "Flickr8k.token.txt")).name == "flickr8k"  # a string path too
     assert flickr_layout(str(official)).name == "flickr8k" and flickr_layout(tmp_path) is None
