@@ -282,6 +282,16 @@ def test_a_data_set_without_object_masks_is_refused_before_any_feature_is_extrac
     assert not (tmp_path / "cache").exists() and not (tmp_path / "regions").exists()
 
 
+def test_a_data_set_without_images_is_refused_as_one_without_object_masks(tmp_path):
+    """An empty data set file (every image filtered out, or one still being written) given to ``captioner data
+    regions`` gets the command's refusal, not an IndexError traceback from looking for its first image's mask."""
+    dataset = tmp_path / "dataset_scenes.json"
+    dataset.write_text(json.dumps({"dataset": "scenes", "images": []}))
+    with pytest.raises(ValueError, match=f"{dataset} has no object masks"):
+        write_scene_regions(tmp_path, tmp_path / "regions", REGION_ENCODER, tmp_path / "cache", progress=False)
+    assert not (tmp_path / "regions").exists()
+
+
 def test_writing_a_scene_region_folder_again_keeps_the_files_it_has(scenes, scene_regions_dir, cache, capsys):
     files = sorted(scene_regions_dir.glob("*.npz"))
     stamps = [path.stat().st_mtime_ns for path in files]
@@ -289,6 +299,13 @@ def test_writing_a_scene_region_folder_again_keeps_the_files_it_has(scenes, scen
     write_scene_regions(str(scenes.parent), str(scene_regions_dir), REGION_ENCODER, cache, progress=False)
     assert [path.stat().st_mtime_ns for path in files] == stamps  # a rerun resumes
     assert capsys.readouterr().err == ""
+
+
+def test_writing_a_scene_region_folder_shows_its_progress_unless_told_not_to(scenes, scene_regions_dir, cache, capsys):
+    """``captioner data regions`` leaves ``progress`` to its default: a run over every scene (or a large generated
+    set) says how far it has come rather than nothing until it ends."""
+    write_scene_regions(scenes.parent, scene_regions_dir, REGION_ENCODER, cache)
+    assert "writing regions" in capsys.readouterr().err
 
 
 def test_a_region_file_written_by_another_tool_is_checked_when_read(tmp_path):
