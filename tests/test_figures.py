@@ -107,16 +107,6 @@ def test_the_figure_is_as_wide_as_its_widest_panel_needs_wherever_that_panel_is(
     assert tuple(figure.get_size_inches()) == pytest.approx(((2 + 0.8 * 2) * 2, 3.6))
 
 
-def test_each_interval_ends_in_caps(tmp_path, monkeypatch):
-    """The intervals' ends are marked: where the bars of neighbouring controls are close, a reader tells by the caps
-    where each interval stops."""
-    figure = _drawn(monkeypatch, _panels(), tmp_path / "g.png")
-    for container in figure.axes[0].containers:
-        if hasattr(container, "errorbar"):
-            caps = container.errorbar.lines[1]
-            assert len(caps) == 2 and all(cap.get_markersize() == 6 for cap in caps)  # capsize 3: 6 points across
-
-
 def test_every_title_and_label_lies_inside_the_figure(tmp_path, monkeypatch):
     """Laid out to fit (``tight_layout``): two rows of panels with slanted two-line labels lose none of their text
     to the figure's edges or under another panel."""
