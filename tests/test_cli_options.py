@@ -269,6 +269,22 @@ def test_the_feature_store_is_extracted_on_the_device_auto_resolves_to(monkeypat
     assert capsys.readouterr().out == f"{SCENE_SIZES['val']} images in c\n"
 
 
+def test_the_feature_store_reads_the_photos_under_image_root(tmp_path, monkeypatch, scenes, capsys):
+    """``captioner data features --dataset JSON --image-root PHOTOS``, as for COCO's or Flickr's photos kept apart
+    from their captions' file: the photos are read under --image-root.  Looked for beside the JSON instead, every
+    photo was said to be missing and no store could be extracted ahead of a multi-machine training run."""
+    captions = tmp_path / "captions" / scenes.name  # the data set's JSON alone, its photos left where they were
+    captions.parent.mkdir()
+    captions.write_bytes(scenes.read_bytes())
+    photos = []
+    monkeypatch.setattr(features_module, "extract_features", lambda images, spec, cache_dir, **options:
+                        photos.extend(im.path for im in images) or Store(images))
+    main(["data", "features", "--dataset", str(captions), "--image-root", str(scenes.parent), "--split", "val",
+          "--cache-dir", "c", "--device", "cpu"])
+    assert len(photos) == SCENE_SIZES["val"] and all(path.is_relative_to(scenes.parent) for path in photos)
+    assert capsys.readouterr().out == f"{SCENE_SIZES['val']} images in c\n"
+
+
 def test_region_features_get_their_flags_and_say_how_to_train_on_them(tmp_path, monkeypatch, capsys):
     written, threads = [], []
     monkeypatch.setattr(device_module, "set_threads", lambda count, interop=None: threads.append(count))

@@ -313,13 +313,13 @@ def test_a_progress_bar_only_where_asked(tmp_path, capsys):
     assert "generating scenes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("only_held", [None, 5, [["test"]], []],
-                         ids=["whole", "altered", "altered-list", "altered-empty"])
+@pytest.mark.parametrize("only_held", [None, 5, [["test"]], [], ["test", ["heldout"]]],
+                         ids=["whole", "altered", "altered-list", "altered-empty", "altered-mixed"])
 def test_only_some_splits_never_replace_a_whole_data_set(only_held, tmp_path, scenes, capsys):
     """``--only`` into the folder of a whole data set would leave its training split without annotations: refused,
     the folder untouched.  A copy of the session's data set, which a regression would otherwise overwrite for every
     test after this one.  A header whose "only" is not a list of splits (altered by hand) reads as the whole set's
-    (it was a TypeError traceback)."""
+    (it was a TypeError traceback), one split name among other values included."""
     before = scenes.read_bytes()
     if only_held is not None:
         before = json.dumps({**json.loads(before), "only": only_held}).encode()
@@ -372,6 +372,26 @@ def test_if_stale_with_only_leaves_a_folder_that_holds_those_splits_for_these_se
     assert written == []
     assert capsys.readouterr().out == (f"{tmp_path} is up to date (same generator version, seed, sizes, variation "
                                        "and splits)\n")
+
+
+def test_if_stale_weighs_the_variation_asked_for_against_the_one_the_folder_holds(tmp_path, monkeypatch, capsys):
+    """``make data-varied`` (``--varied --if-stale``) into its folder of varied scenes, current: left alone, not its
+    13,500 images drawn again every time; into a folder of the standard scenes (the ones the shipped checkpoints
+    trained on) it draws the varied set, which a check blind to the variation took for up to date, so a training
+    run asked for augmented scenes got plain ones."""
+    varied, plain = tmp_path / "varied", tmp_path / "plain"
+    for folder, variation in ((varied, VARIATIONS["standard"]), (plain, None)):
+        folder.mkdir()
+        (folder / "dataset_scenes.json").write_text(json.dumps({**dataset_header(0, DEFAULT_SIZES, variation),
+                                                                "images": []}))
+    written = []
+    monkeypatch.setattr(scenes_module, "generate", lambda out, sizes, **options: written.append(options["variation"])
+                        or Path(out) / "dataset_scenes.json")
+    main(["data", "generate", "--out", str(varied), "--varied", "--if-stale"])
+    main(["data", "generate", "--out", str(plain), "--varied", "--if-stale"])
+    assert written == [VARIATIONS["standard"]]
+    assert capsys.readouterr().out == (f"{varied} is up to date (same generator version, seed, sizes, variation "
+                                       f"and splits)\nwrote {plain / 'dataset_scenes.json'}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------
