@@ -1143,6 +1143,26 @@ def test_a_shed_requests_refusal_says_how_long_it_waited_and_never_a_negative_ti
                                                                                              [waiting]))
 
 
+def test_a_refusal_at_the_door_says_how_many_wait_and_decode_ahead_and_the_time_needed_against_the_time_left():
+    """The door's refusals are the 429's detail too: a client (or the operator reading its complaint) learns from it
+    how many requests are waiting and how many decoding, and how long this one would need against the time it had
+    (the waiting and decoding counts, or the two times, swapped, tell them the wrong load)."""
+    estimate = AdmissionEstimate("m")
+    estimate.measure_step(10, 0.125, [])  # 80 rows per second; no caption length learnt: max_len steps
+    estimate.expect_work([_estimate_job(1, 4) for _ in range(100)])  # 400 row-steps decoding
+    pending = [_estimate_job(1, 4) for _ in range(2)]  # 8 row-steps waiting
+    with pytest.raises(WouldMissDeadline) as refused:
+        estimate.check(1.0, 1, 4, pending, queue_size=4, active_jobs=100)
+    # (400 + 8 + 4) row-steps at 80 a second: 5.15 s
+    assert str(refused.value) == (
+        "model 'm' would need about 5.15 s for this request (2 waiting, 100 decoding), "
+        "more than the 1.00 s left to its deadline"
+    )
+    with pytest.raises(QueueFull) as full:
+        estimate.check(1.0, 1, 4, pending + pending, queue_size=4, active_jobs=100)
+    assert str(full.value) == "model 'm' has 4 requests waiting" and not isinstance(full.value, WouldMissDeadline)
+
+
 def test_calibration_picks_the_encoder_batch_with_the_lowest_time_per_image(encoder):
     clock = FakeClock()
     # fake encoder cost per call: 1.0 s/image alone, 0.8 at 2, 1.5 at 4 (a large batch leaving the cache)
