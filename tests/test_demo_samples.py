@@ -64,6 +64,16 @@ def test_make_samples_writes_over_the_committed_samples_by_default(monkeypatch, 
     assert [folder.resolve() for folder in folders + list(write_samples.__defaults__)] == [COMMITTED, COMMITTED]
 
 
+def test_make_samples_writes_beside_the_module_from_any_working_folder(tmp_path, monkeypatch):
+    """``make samples`` run from another folder (or the module run from wherever the package is installed) still
+    writes the demo page's samples, not a ``service/static/samples`` under the working folder the page never serves."""
+    monkeypatch.chdir(tmp_path)
+    folders = []
+    monkeypatch.setattr(demo_samples, "write_samples", lambda out: folders.append(out) or [])
+    demo_samples.main([])
+    assert [folder.resolve() for folder in folders] == [COMMITTED]
+
+
 def test_make_samples_runs_the_module_which_describes_itself():
     """`make samples` is ``python -m captioner.service.demo_samples``: run so, the module runs ``main``."""
     done = subprocess.run([sys.executable, "-m", "captioner.service.demo_samples", "--help"], cwd=ROOT,
