@@ -381,6 +381,21 @@ def test_post_overlay_refuses_an_option_no_result_could_draw_before_reading_the_
     assert "token" in response.json()["detail"]
 
 
+def test_post_overlay_refuses_an_option_no_result_could_draw_even_while_the_service_is_not_ready(client):
+    """The endpoint's own options are checked before the service's readiness: a request no result could be drawn
+    for is its 422 while the service starts or drains too. Answered 503, a client would send it again after
+    Retry-After, only to learn that the request itself was wrong once the service is ready."""
+    state, text = client.app.state.service, {"content-type": "text/plain"}
+    state.ready = False
+    try:
+        never_drawn = client.post("/caption/overlay", params={"format": "png"}, content=b"x", headers=text)
+        drawable = client.post("/caption/overlay", params={"format": "figure"}, content=b"x", headers=text)
+    finally:
+        state.ready = True
+    assert never_drawn.status_code == 422 and never_drawn.json()["type"] == "/problems/invalid-render-request"
+    assert drawable.status_code == 503  # the service was not ready for any other request
+
+
 @pytest.mark.parametrize("route,largest", [("overlay", 4096), ("heatmaps", 1024)])
 def test_max_side_is_taken_from_16_pixels_to_the_documented_largest(client, result, route, largest):
     """The bounds the document states for ``max_side`` are the ones kept, at both ends (only far-off values were
