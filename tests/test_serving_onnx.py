@@ -597,6 +597,38 @@ def test_a_record_that_a_model_cannot_be_exported_holds_for_its_export_format_on
         assert still_to_prepare(tmp_path, default_backend="onnx") == ["a"]
 
 
+def test_a_model_that_cannot_be_exported_is_recorded_under_the_identity_that_covers_its_cnns_file(tmp_path):
+    """A TVmax decoder behind a fine-tuned CNN (its encoder names a weights file): the record that it cannot be
+    exported is kept under the identity ``unprepared`` looks it up by, which covers the CNN's file, not under the
+    decoder's checksum alone, where no start would find it and each would send the model to a child again."""
+    ckpt = tiny_checkpoint("sparsecap", attention="tvmax")
+    tuned = tmp_path / "tuned.safetensors"
+    tuned.write_bytes(b"the CNN's stages as a fine-tuning run left them")
+    ckpt.encoder = dataclasses.replace(ckpt.encoder, tuned_weights=str(tuned))
+    identity = export_identity(ckpt.checksum, ckpt.encoder)
+    assert identity != ckpt.checksum
+    with pytest.raises(ExportUnsupported, match="TVmax"):
+        onnx_exports.onnx_folder(SharedEncoders(CPU, tmp_path / "onnx", 1), "tvmax", ckpt)
+    assert [p.name for p in (tmp_path / "onnx" / ".unexportable").iterdir()] == [f"{identity}.json"]
+
+
+def test_a_record_that_a_model_cannot_be_exported_excuses_no_damaged_cnn_graph_once_it_has_been_exported(tmp_path):
+    """A model recorded as impossible to export that has a current export since (``captioner export`` into the ONNX
+    folder, or a later start whose export passed the check): the record excuses nothing any more, so its damaged
+    CNN graph still sends it to the preparing child, rather than to the server's own load, which would build the
+    PyTorch CNN in the serving process to make it."""
+    save_tiny_sats(tmp_path / "weights", ["a"])
+    assert load_on_cpu(tmp_path, "onnx")["a"].backend == "onnx"
+    ckpt = load_checkpoint(tmp_path / "weights" / "a")
+    record = onnx_exports.unexportable_record(tmp_path / "onnx", export_identity(ckpt.checksum, ckpt.encoder))
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"format": exporter.FORMAT, "why": "graphs that disagreed with PyTorch once"}))
+    assert still_to_prepare(tmp_path, default_backend="onnx") == []
+    (visual,) = (tmp_path / "onnx").glob("visual-*/visual.onnx")
+    visual.write_bytes(visual.read_bytes()[:1000])
+    assert still_to_prepare(tmp_path, default_backend="onnx") == ["a"]
+
+
 def test_an_export_stopped_by_a_full_disk_is_not_recorded_as_impossible_and_is_prepared_again(tmp_path, monkeypatch):
     """Only a model that cannot be exported (``ExportUnsupported``) is recorded so: an export a full disk stopped is
     served with PyTorch this time, and the next start still sends it to the preparing child, rather than counting a
