@@ -343,6 +343,57 @@ def test_a_drain_that_times_out_fails_the_queued_requests_too(encoder):
         release.set()
 
 
+def test_a_drain_that_times_out_cancels_the_encoding_still_queued_for_the_encoder(encoder):
+    """Once the drain has timed out its requests are failed: a chunk still waiting for the encoder thread is never
+    encoded. Encoded after the worker has gone, it spent the CPU (or GPU) of a stopping server on images nobody
+    will get a caption for, and held the process's exit, which joins the encoder thread, for as long."""
+    runtime = runtime_for("sat", encoder)
+    runtime.never_emitted = (*runtime.never_emitted, runtime.eos_id)  # the first request decodes on throughout
+    images = [runtime.prepare(image) for image in random_images(3, seed=14)]
+    release, _ = _held_encodings(runtime, images[1])
+    held_begin, step = runtime.begin, runtime.step
+    begun: list[int] = []
+
+    def recording_begin(batch, widths):
+        begun.extend(index for index, image in enumerate(images) if any(prepared is image for prepared in batch))
+        return held_begin(batch, widths)
+
+    steps, stepping, release_step = [], threading.Event(), threading.Event()
+
+    def stuck_third_step(prev, state, enc):
+        steps.append(len(steps))
+        if len(steps) == 3:  # the second image is at the encoder (held), the third queued behind it
+            stepping.set()
+            assert release_step.wait(30)
+        return step(prev, state, enc)
+
+    runtime.begin, runtime.step = recording_begin, stuck_third_step
+    batcher = Batcher(runtime, max_batch=1, queue_size=8, max_rows=16)  # one request admitted per boundary
+
+    async def scenario():
+        batcher.start()
+        jobs = [batcher.submit(prepared, 1, 30, 60) for prepared in images]
+        await asyncio.to_thread(stepping.wait, 30)
+        assert len(batcher._encoding) == 2 and batcher.queued == 0
+        stopping = asyncio.ensure_future(batcher.stop(0.01))
+        while not batcher._abort:  # the drain timed out: the worker is told to give up
+            await asyncio.sleep(0.01)
+        release_step.set()
+        await stopping
+        await asyncio.sleep(0)
+        for job in jobs:
+            with pytest.raises(NotAccepting):
+                job.future.result()
+
+    try:
+        run_bounded(scenario())
+    finally:
+        release_step.set()
+        release.set()
+        batcher._encoder.shutdown(wait=True)  # the held encoding ends; a chunk left queued would be encoded now
+    assert begun == [0, 1]
+
+
 def test_rows_freed_by_a_cancellation_go_to_a_waiting_request_at_that_same_boundary(encoder):
     """A client that leaves between two boundaries: at the next one its rows are dropped before anyone is admitted
     and before the step, so a request waiting for rows gets them there and the step runs on the staying rows and the
