@@ -2118,6 +2118,15 @@ def test_a_backend_named_for_a_model_no_checkpoint_is_called_is_said(tmp_path, c
     assert "CAPTIONER_BACKENDS names 'gird', which no checkpoint is called (they are: grid)" in caplog.text
 
 
+def test_a_backend_named_where_no_checkpoint_is_found_says_none_are(tmp_path, caplog):
+    """With no checkpoint found at all (an empty or mistyped weights folder), the warning about a model named in
+    CAPTIONER_BACKENDS says that none are, rather than ending on an empty list the operator has to puzzle over."""
+    (tmp_path / "weights").mkdir()
+    with caplog.at_level(logging.WARNING, logger="captioner"):
+        assert load_on_cpu(tmp_path, "torch", backends={"grid": "onnx"}) == {}
+    assert "CAPTIONER_BACKENDS names 'grid', which no checkpoint is called (they are: none)" in caplog.text
+
+
 def record_threads(record: Path) -> None:
     """A preparing child's ``set_up_logging`` (it runs in the child): each load of a checkpoint writes PyTorch's
     thread count at that moment into ``record``."""
