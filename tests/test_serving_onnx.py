@@ -2109,22 +2109,18 @@ def test_an_export_folder_gets_the_usual_permissions_so_another_user_can_read_it
         assert file.stat().st_mode & 0o777 == 0o644, file.name
 
 
-def test_a_backend_named_for_a_model_no_checkpoint_is_called_is_said(tmp_path, caplog):
+@pytest.mark.parametrize("checkpoints, named, they_are", [(["grid"], "gird", "grid"), ([], "grid", "none")])
+def test_a_backend_named_for_a_model_no_checkpoint_is_called_is_said(tmp_path, caplog, checkpoints, named, they_are):
     """CAPTIONER_BACKENDS='{"nosuch": "onnx"}' (a misspelt model) left the model meant on the default backend, in
-    silence (the ONNX audit)."""
-    save_checkpoint(tmp_path / "weights" / "grid", tiny_model("sat"), VOCAB, TINY_SPEC)
-    with caplog.at_level(logging.WARNING, logger="captioner"):
-        load_on_cpu(tmp_path, "torch", backends={"gird": "torch", "grid": "torch"})
-    assert "CAPTIONER_BACKENDS names 'gird', which no checkpoint is called (they are: grid)" in caplog.text
-
-
-def test_a_backend_named_where_no_checkpoint_is_found_says_none_are(tmp_path, caplog):
-    """With no checkpoint found at all (an empty or mistyped weights folder), the warning about a model named in
-    CAPTIONER_BACKENDS says that none are, rather than ending on an empty list the operator has to puzzle over."""
+    silence (the ONNX audit); with no checkpoint found at all (an empty or mistyped weights folder), the warning says
+    that none are, rather than ending on an empty list the operator has to puzzle over."""
     (tmp_path / "weights").mkdir()
+    for name in checkpoints:
+        save_checkpoint(tmp_path / "weights" / name, tiny_model("sat"), VOCAB, TINY_SPEC)
     with caplog.at_level(logging.WARNING, logger="captioner"):
-        assert load_on_cpu(tmp_path, "torch", backends={"grid": "onnx"}) == {}
-    assert "CAPTIONER_BACKENDS names 'grid', which no checkpoint is called (they are: none)" in caplog.text
+        served = load_on_cpu(tmp_path, "torch", backends={named: "torch", **dict.fromkeys(checkpoints, "torch")})
+    assert sorted(served) == checkpoints
+    assert f"CAPTIONER_BACKENDS names '{named}', which no checkpoint is called (they are: {they_are})" in caplog.text
 
 
 def record_threads(record: Path) -> None:
