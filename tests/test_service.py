@@ -688,6 +688,15 @@ def test_the_upload_budget_holds_the_largest_json_request():
         json_body_bytes(12_000)
 
 
+def test_the_json_bound_counts_the_images_base64_rounded_up():
+    """base64 takes 4 bytes for 3 and 2 or 3 for a last 1 or 2, so the bound counts them rounded up, and the 4,096
+    bytes above them are the other members' whole: rounded down, a byte of theirs went to the image for an upload
+    limit that is no multiple of 3 (the default 10 MiB is one), and a JSON request at the bound was refused 413."""
+    for size in (1, 2, 3, 4, 5, 10 * 1024 * 1024):
+        unpadded = base64.b64encode(b"\xff" * size).rstrip(b"=")
+        assert json_body_bytes(size) == len(unpadded) + 4096, size
+
+
 def test_a_typed_problem_has_an_errors_member_only_when_it_names_fields():
     """RFC 9457's members and no others for a failure without per-field errors (not ``"errors": null``)."""
     assert problem_of(UnknownResult("no result 'x'")).extra == {}
