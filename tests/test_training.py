@@ -129,6 +129,16 @@ def test_a_resumed_epochs_bar_counts_on_from_the_step_it_resumes_at(scenes, tmp_
     assert bar_lines and "| 1/3 " in bar_lines[0] and "| 3/3 " in bar_lines[-1], err
 
 
+def test_a_run_says_what_it_trains_on_before_its_first_epoch(scenes, tmp_path, cache, capsys):
+    """Before the features are read and the first bar is drawn, the run states its model, how many photos and
+    captions it trains on, of which data set, how many it validates on and its vocabulary's size: a wrong --dataset
+    or --train-limit is seen then, not after an epoch (and said by the main rank, the one whose output is read)."""
+    run = prepare_run(_config(scenes, tmp_path / "run", cache, train_limit=8, val_limit=2))
+    line = r"^training sat on 8 photos \((\d+) captions\) of (.+), validating on 2; vocabulary of (\d+) words$"
+    said = re.findall(line, capsys.readouterr().out, re.M)
+    assert said == [("40", str(scenes), str(len(run.vocab)))]
+
+
 @pytest.mark.parametrize("broken, said", [("loss", r"the loss became nan \(its gradients' norm nan\)"),
                                            ("gradient", r"the loss became \d+\.\d+ \(its gradients' norm nan\)")])
 def test_a_loss_or_gradient_that_is_not_a_number_stops_the_run_before_its_update_and_keeps_the_state_saved_last(
