@@ -462,6 +462,18 @@ def test_force_replaces_a_checkpoint_but_never_a_folder_that_merely_has_a_config
     assert load_checkpoint(old).storage == "float16"
 
 
+@pytest.mark.parametrize("strangers, named", [(3, "(a.txt, b.txt, c.txt)"), (4, "(a.txt, b.txt, c.txt, …)")])
+def test_a_refused_folder_names_its_first_three_strangers_and_marks_more(tmp_path, tiny_sat, vocab, strangers, named):
+    """A folder of a user's files under a checkpoint's name is refused by a line naming a few of them, in order, with
+    "…" where there are more: neither a listing of a whole folder nor three names that hide a fourth."""
+    old = save_checkpoint(tmp_path / "old", tiny_sat, vocab, EncoderSpec())
+    for name in "abcd"[:strangers]:
+        (old / f"{name}.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as refused:
+        module.check_replaceable(old)
+    assert f"holds files no checkpoint has {named}: nothing was written there" in str(refused.value)
+
+
 def test_storage_never_replaces_another_checkpoint_at_its_out_unless_forced(tmp_path, tiny_sat, vocab, capsys):
     """``captioner storage A float16 --out B`` over a checkpoint B already there: refused, B kept as it was, as for
     every other command that writes a checkpoint (a mistyped --out deleted a trained model); --force replaces it."""
