@@ -305,6 +305,17 @@ def test_a_failed_encoding_fails_every_request_of_its_batch_and_the_next_ones_ar
     assert_same_result(result, solo(runtime, images[2], 2, 4))
 
 
+async def stop_with_a_drain_that_times_out(batcher: Batcher, stuck: threading.Event) -> None:
+    """Stop ``batcher`` with a drain too short for its work: once the worker is told to give up, the step it is
+    stuck in (waiting on ``stuck``) goes on, and the stop and the failures it sends are done on return."""
+    stopping = asyncio.ensure_future(batcher.stop(0.01))
+    while not batcher._abort:  # the drain timed out: the worker is told to give up
+        await asyncio.sleep(0.01)
+    stuck.set()
+    await stopping
+    await asyncio.sleep(0)
+
+
 def test_a_drain_that_times_out_fails_the_queued_requests_too(encoder):
     """After the drain timeout nothing will run again: the requests still waiting for rows must fail
     (:class:`NotAccepting`, the 503 of a stopping service) like the decoding ones, not wait for ever."""
@@ -326,12 +337,7 @@ def test_a_drain_that_times_out_fails_the_queued_requests_too(encoder):
         decoding = batcher.submit(prepared, 3, 30, 60)
         await asyncio.to_thread(stepping.wait, 30)  # its first step is running (and stuck)
         queued = batcher.submit(prepared, 3, 30, 60)  # no rows left for it
-        stopping = asyncio.ensure_future(batcher.stop(0.01))
-        while not batcher._abort:  # the drain timed out: the worker is told to give up
-            await asyncio.sleep(0.01)
-        release.set()
-        await stopping
-        await asyncio.sleep(0)
+        await stop_with_a_drain_that_times_out(batcher, release)
         for job in (decoding, queued):
             assert job.future.done()
             with pytest.raises(NotAccepting):
@@ -375,12 +381,7 @@ def test_a_drain_that_times_out_cancels_the_encoding_still_queued_for_the_encode
         jobs = [batcher.submit(prepared, 1, 30, 60) for prepared in images]
         await asyncio.to_thread(stepping.wait, 30)
         assert len(batcher._encoding) == 2 and batcher.queued == 0
-        stopping = asyncio.ensure_future(batcher.stop(0.01))
-        while not batcher._abort:  # the drain timed out: the worker is told to give up
-            await asyncio.sleep(0.01)
-        release_step.set()
-        await stopping
-        await asyncio.sleep(0)
+        await stop_with_a_drain_that_times_out(batcher, release_step)
         for job in jobs:
             with pytest.raises(NotAccepting):
                 job.future.result()
