@@ -1060,6 +1060,24 @@ def test_a_visual_session_names_its_sessions_providers_and_is_on_the_gpu_only_wh
     assert opened == [("visual.onnx", 2, [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"])] * 2
 
 
+def recording_session(events: list, outputs: list | None = None, run=lambda binding: None) -> types.SimpleNamespace:
+    """An ONNX Runtime session stood in for on a machine without a GPU: its I/O binding records each input bound
+    (``("input", name, device type, device id, dtype, shape, address)``) and each output into ``events``, and gives
+    back ``outputs``; ``run`` is called in place of the session's run."""
+
+    class Binding:
+        def bind_input(self, name, device_type, device_id, dtype, shape, pointer):
+            events.append(("input", name, device_type, device_id, dtype, shape, pointer))
+
+        def bind_output(self, name, device_type, device_id):
+            events.append(("output", name, device_type, device_id))
+
+        def get_outputs(self):
+            return list(outputs or [])
+
+    return types.SimpleNamespace(io_binding=Binding, run_with_iobinding=run)
+
+
 @pytest.mark.parametrize("device, index", [("cuda:1", 1), ("cuda", 0)])
 def test_a_session_on_the_gpu_binds_contiguous_copies_after_draining_pytorchs_stream(device, index, monkeypatch):
     """The I/O binding path, on a CPU machine with a session and a stream that record what they are asked: PyTorch's
@@ -1074,19 +1092,9 @@ def test_a_session_on_the_gpu_binds_contiguous_copies_after_draining_pytorchs_st
         copy = (ctypes.c_char * 12).from_address(bound[0])  # the bound copy of the 3 × 2 float16 pixels
         events.append(("run", np.frombuffer(bytes(copy), dtype=np.float16).tolist()))
 
-    class Binding:
-        def bind_input(self, name, device_type, device_id, dtype, shape, pointer):
-            events.append(("input", name, device_type, device_id, dtype, shape, pointer))
-
-        def bind_output(self, name, device_type, device_id):
-            events.append(("output", name, device_type, device_id))
-
-        def get_outputs(self):
-            return [torch.tensor([0.5]), torch.tensor([2, 3])]
-
     drained = types.SimpleNamespace(synchronize=lambda: events.append(("synchronize",)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda on: drained if on == torch.device(device) else None)
-    session = types.SimpleNamespace(io_binding=Binding, run_with_iobinding=run)
+    session = recording_session(events, [torch.tensor([0.5]), torch.tensor([2, 3])], run)
     pixels = torch.arange(6, dtype=torch.float16).reshape(2, 3).t()  # not contiguous
     ids = torch.tensor([4, 5])
     scores, words = sessions.run_session(session, {"pixels": pixels, "ids": ids}, ["scores", "words"],
@@ -1104,23 +1112,13 @@ def test_a_session_on_the_gpu_binds_a_step_graphs_float32_and_boolean_inputs_as_
     """Every step graph takes float32 states and the encoder's boolean mask (``enc.mask``) beside its int64 words:
     ONNX Runtime reads each bound buffer as the dtype it is bound as, so a float32 or boolean input bound as another
     (half floats, bytes) failed a GPU server's every caption on a type its graph does not take."""
-    bound = {}
-
-    class Binding:
-        def bind_input(self, name, device_type, device_id, dtype, shape, pointer):
-            bound[name] = dtype
-
-        def bind_output(self, name, device_type, device_id):
-            pass
-
-        def get_outputs(self):
-            return []
-
+    events = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda on: types.SimpleNamespace(synchronize=lambda: None))
-    session = types.SimpleNamespace(io_binding=Binding, run_with_iobinding=lambda binding: None)
+    session = recording_session(events)
     feats, mask, words = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.tensor([1, 2])
     inputs = {"enc.feats": feats, "enc.mask": mask, "prev_tokens": words}
     sessions.run_session(session, inputs, [], torch.device("cuda"), on_gpu=True)
+    bound = {event[1]: event[4] for event in events if event[0] == "input"}
     assert bound == {"enc.feats": np.float32, "enc.mask": np.bool_, "prev_tokens": np.int64}
 
 
