@@ -343,6 +343,20 @@ def test_without_reports_nothing_needs_the_data_set(tmp_path):
     assert "- AoANet `aoanet`" not in text and "- `aoanet`: not shipped yet" in text
 
 
+def test_a_report_without_its_checkpoint_is_a_measured_row_of_its_own(zoo):
+    """``collect_rows``' promise, a row "per report ``NAME.json`` without [a checkpoint]": a model measured and then
+    removed from the weights folder (or never downloaded there) keeps its numbers in the table, under its bare name,
+    rather than leaving the table without a word, its floors then calling it "not shipped yet"."""
+    args, weights, _, document = zoo
+    shutil.rmtree(weights / "xlan")
+    main(args)
+    text = document.read_text()
+    table = text.split("Paper rows:")[0]
+    [row] = [line for line in table.splitlines() if line.startswith("| `xlan` |")]
+    assert "not measured" not in row and row.endswith(" | +0.0 [+0.0, +0.0] | +0.0 [+0.0, +0.0] |")
+    assert "- `xlan`: **not met**: ΔCIDEr-D +0.0 [+0.0, +0.0], ΔBLEU-4 +0.0 [+0.0, +0.0]" in text
+
+
 @pytest.mark.parametrize("break_it, message", [
     (lambda r: (r / "captions" / "xlan.json").write_text(json.dumps([{"image_id": i, "caption": "a man"}
                                                                       for i in TEST_IDS[1:] + [42]])),
