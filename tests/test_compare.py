@@ -349,3 +349,20 @@ def test_zoo_table_compares_every_checkpoint_with_the_baseline_image_by_image(tm
     text = (tmp_path / "zoo.md").read_text()
     assert "\n".join(lines) in text and "grounding" not in text.split("### Against")[1]
     assert not (tmp_path / "grounding.png").exists()
+
+
+def test_the_zoo_tables_comparison_scores_the_split_it_is_asked_for(tmp_path):
+    """``paired_markdown(..., split=...)`` heads its section with that split: a library caller asking for the
+    validation scenes must get differences on them, not on the test split's under the validation split's name."""
+    dataset = write_dataset(tmp_path / "scenes")
+    data = json.loads(dataset.read_text())
+    data["images"][3]["split"] = "val"  # the blue circle alone
+    dataset.write_text(json.dumps(data))
+    folder = tmp_path / "results" / "captions"
+    folder.mkdir(parents=True)
+    exact = [{"image_id": im.image_id, "caption": " ".join(im.references[0])} for im in IMAGES]
+    (folder / "sat.json").write_text(json.dumps(exact))
+    (folder / "short.json").write_text(json.dumps([{**r, "caption": "a red circle"} for r in exact]))
+    lines = paired_markdown(tmp_path / "results", dataset, "sat", split="val")
+    assert lines[0] == "### Against `sat`, image by image (val split, 1 scenes)"
+    assert lines[-1].startswith("| short | ") and "| -1.000 [-1.000, -1.000] |" in lines[-1]  # its one object missed
