@@ -308,6 +308,31 @@ def test_a_seed_draws_the_ood_masks_of_the_ood_version(tmp_path):
     assert digest.hexdigest() == OOD_MASK_FINGERPRINTS[ood_module.OOD_VERSION]
 
 
+#: sha256 of what the renderer is handed for the first four OOD scenes of seed 0 (a plain, a gradient and a noisy
+#: background among them), by ``OOD_VERSION``: each background's pixels as drawn (clipped to bytes) and each object's
+#: jittered shade. The two fingerprints above leave both out: noise of another strength, or centred off zero, draws no
+#: other number from the seed's stream, so it kept every annotation and mask and repainted every noisy scene. Taken
+#: before Agg rasterises and libjpeg compresses, so both stay out here too
+OOD_CANVAS_FINGERPRINTS = {1: "fd68703cb2eb700eed1aaf6248e15c02ba869f80fbe0c3ce0f9bde60b8e02dec"}
+
+
+def test_a_seed_draws_the_ood_backgrounds_and_shades_of_the_ood_version(tmp_path, monkeypatch):
+    """The shipped OOD reports were scored on these pixels: a seed that paints other backgrounds or shades makes
+    images their numbers no longer describe, with the version, the annotations and the masks all unchanged."""
+    digest = hashlib.sha256()
+    draw = ood_module._draw
+
+    def recorded(background, items):
+        digest.update(np.ascontiguousarray(np.clip(background, 0, 255).astype(np.uint8)).tobytes())
+        for patch in items:
+            digest.update(np.round(np.asarray(patch.get_facecolor(), float), 6).tobytes())
+        return draw(background, items)
+
+    monkeypatch.setattr(ood_module, "_draw", recorded)
+    generate_ood(tmp_path, images=4, seed=0)
+    assert digest.hexdigest() == OOD_CANVAS_FINGERPRINTS[ood_module.OOD_VERSION]
+
+
 def test_a_run_interrupted_half_way_leaves_no_set_and_the_next_writes_it_whole(tmp_path, monkeypatch):
     """The JSON is written once every image is: one written first (or kept from the killed run) would have the next
     run take the folder for an up-to-date set of images that are not there."""
