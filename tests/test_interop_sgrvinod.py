@@ -256,6 +256,16 @@ def test_foreign_files_are_refused_with_a_reason(files, tmp_path):
         convert_sgrvinod(tmp_path / "torn.pth.tar", files[1])
 
 
+def test_a_checkpoint_path_that_is_not_there_or_is_a_folder_is_the_os_error(files, tmp_path):
+    """A mistyped path, or the training folder given for its BEST_checkpoint_*.pth.tar, is the OS's error, which
+    ``captioner import`` reports as such: not a file said to be unreadable as a tutorial checkpoint, which sends the
+    user looking at a file's format (as the AoANet importer's test holds for its weights)."""
+    with pytest.raises(FileNotFoundError):
+        convert_sgrvinod(tmp_path / "BEST_checkpoint_missing.pth.tar", files[1])
+    with pytest.raises(IsADirectoryError):
+        convert_sgrvinod(tmp_path, files[1])
+
+
 def test_a_module_holding_something_else_than_a_tensor_or_a_module_is_refused_naming_it(files, tmp_path):
     """The pickle is data a crafted file chooses: a list where a module keeps its tensors or its children is named,
     not an AttributeError from deep in the conversion."""
