@@ -58,6 +58,16 @@ def test_inputs_that_scored_wrongly_in_silence_are_refused_by_name():
     assert score_captions({1: "a red circle"}, REFS, "CIDEr-D").keys() == {"CIDEr-D"}  # one name alone is a name
 
 
+def test_references_of_images_without_a_caption_are_left_out_of_the_scores():
+    """A library user scores the captions of some images against a whole data set's references: the other images'
+    references are not scored (coco-caption's BLEU and ROUGE-L stop with a bare AssertionError when the two sets of
+    keys differ), and the scores are those of the captioned images' references alone."""
+    metrics = ("BLEU", "ROUGE-L", "CIDEr-D")
+    some = {2: "a green star in the centre", 3: "a dog"}
+    references = {**REFS, 3: ["a dog runs", "a brown dog"]}
+    assert score_captions(some, references, metrics) == score_captions(some, {i: references[i] for i in some}, metrics)
+
+
 @pytest.mark.skipif(shutil.which("java") is None, reason="METEOR needs Java")
 def test_meteor_runs_offline():
     # pycocoevalcap's scorer stops Java but leaves its output pipes open: every evaluation leaked two
