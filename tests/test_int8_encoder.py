@@ -19,10 +19,11 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType
 from captioner.models.checkpoint import save_checkpoint
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import generate
-from captioner.models.encoder import preprocess
+from captioner.models.encoder import EncoderSpec, preprocess
 from captioner.models.export import quantize
-from captioner.models.export.quantize import FLOAT_PREFIXES, RECIPE, calibration_pixels, int8_file, int8_kernels, \
-    int8_recipe, quantized_visual_encoder, visual_encoder_file, visual_encoder_path_at
+from captioner.models.export.quantize import FLOAT_PREFIXES, INT8_KERNELS, RECIPE, calibration_pixels, \
+    float_convolutions, int8_file, int8_kernels, int8_recipe, quantized_visual_encoder, visual_encoder_file, \
+    visual_encoder_path_at
 from captioner.models.export.sessions import VisualSession
 from captioner.models.images import load_image
 from captioner.service import backend_choice
@@ -198,6 +199,15 @@ def test_the_int8_cnn_lies_beside_the_float_one_under_this_cpus_name_and_another
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # where it would be: nothing made
 
 
+@pytest.mark.parametrize("kernels", INT8_KERNELS)
+def test_the_int8_cnn_looked_for_is_the_kind_this_cpu_computes_faithfully(tmp_path, monkeypatch, kernels):
+    """On a CPU without VNNI the int8 CNN served is the uint8-weights graph: looking for the int8-weights one there
+    served the graph whose sums saturate, or quantized again at every start a file never looked for (this
+    machine's own kind alone would not tell the two apart)."""
+    monkeypatch.setattr(quantize, "int8_kernels", lambda: kernels)
+    assert visual_encoder_path_at(TINY_SPEC, tmp_path, "int8").name == int8_file(kernels)
+
+
 def benchmarks_common():
     """benchmarks/common.py, which its scripts import as ``common`` from their own folder."""
     return script_module(ROOT / "benchmarks" / "common.py")
@@ -337,6 +347,19 @@ def test_the_quantizer_is_handed_every_calibration_scene_percentile_ranges_and_t
         assert set(options["nodes_to_exclude"]) == early | depthwise
 
 
+def test_a_resnet_cnn_keeps_its_stem_and_first_stage_float_and_quantizes_the_rest(tmp_path):
+    """A torchvision ResNet's int8 CNN leaves its stem (``conv1``) and ``layer1`` float, as the module promises: the
+    high-resolution start is where quantization costs the features most (decisions.md).  Every other test quantizes
+    an EfficientNet, whose graph holds no ``/conv1/`` node, so this reads the names a real ResNet export has."""
+    spec = EncoderSpec(backbone="resnet18", layer="layer4", weights="random", image_size=32)
+    graph = onnx.load(str(visual_encoder_file(spec, tmp_path))).graph
+    convolutions = [node.name for node in graph.node if node.op_type == "Conv"]
+    kept = set(float_convolutions(graph))
+    assert "/conv1/Conv" in kept
+    assert kept == {name for name in convolutions if name == "/conv1/Conv" or name.startswith("/layer1/")}
+    assert any(name.startswith("/layer4/") for name in set(convolutions) - kept)
+
+
 def test_the_calibration_scenes_are_not_the_default_data_sets_training_images(tmp_path):
     """Calibrated on a seed of its own: scenes the default data set (seed 0) trains on would tune the ranges to
     images the model has seen."""
@@ -391,6 +414,24 @@ def test_a_damaged_int8_cnn_is_quantized_again_not_served(tmp_path, monkeypatch)
     damaged.write_bytes(b"half a graph")
     made = visual_encoder_file(TINY_SPEC, tmp_path, "int8")
     assert made == damaged and made.read_bytes() == float_path.read_bytes()
+
+
+def test_a_quantization_that_fails_midway_leaves_no_partial_graph_beside_the_float_cnn(tmp_path, monkeypatch):
+    """The int8 graph is written under a temporary name first; a quantization that fails after writing part of it
+    (ONNX Runtime's error, a full disk, Ctrl-C) removes that file, rather than leaving a CNN's worth of bytes in the
+    export folder for good at every failed start."""
+    float_path = visual_encoder_file(TINY_SPEC, tmp_path)
+    before = sorted(p.name for p in float_path.parent.iterdir())
+    monkeypatch.setattr(quantize, "calibration_pixels", lambda spec, count: np.zeros((2, 3, 4, 4), np.float32))
+
+    def quantize_static(model_input, model_output, reader, **options):
+        shutil.copyfile(model_input, model_output)
+        raise RuntimeError("quantization failed after writing its output")
+
+    monkeypatch.setattr(quantization, "quantize_static", quantize_static)
+    with pytest.raises(RuntimeError, match="quantization failed"):
+        quantized_visual_encoder(TINY_SPEC, tmp_path, calibration=2)
+    assert sorted(p.name for p in float_path.parent.iterdir()) == before
 
 
 def test_the_pytorch_cnn_given_is_the_one_quantized(tmp_path, monkeypatch):
