@@ -2037,6 +2037,21 @@ def test_a_cnn_exported_under_a_new_key_removes_the_export_of_its_spec_it_replac
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([new.name, kept.name, newer.name])
 
 
+def test_a_replaced_cnn_export_holding_a_file_no_export_writes_is_kept_whole(tmp_path):
+    """The pruning removes a replaced CNN's folder only when everything in it is an export's own: a folder of the
+    same spec where the user also keeps a file of their own (notes, a copy of the graph they benchmark) is not
+    deleted with that file in it; its twin holding only the export's files goes."""
+    spec = EncoderSpec(image_size=64)
+    record = json.dumps({**exporter._spec_record(spec), "format": "attention-captioner-onnx/1"})
+    for name in ("visual-older", "visual-older-with-notes"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / exporter.VISUAL_FILE).write_bytes(b"graph")
+        (tmp_path / name / exporter.VISUAL_SPEC_FILE).write_text(record)
+    (tmp_path / "visual-older-with-notes" / "notes.txt").write_text("mine")
+    assert exporter.remove_replaced_encoders(tmp_path, spec, tmp_path / "visual-current") == ["visual-older"]
+    assert (tmp_path / "visual-older-with-notes" / "notes.txt").read_text() == "mine"
+
+
 def test_replaced_cnn_exports_stay_while_another_export_writes_in_the_folder(tmp_path, monkeypatch):
     """Another process may be quantizing into the folder the pruning would remove: it waits for a start alone."""
     spec = EncoderSpec(image_size=64)
