@@ -90,7 +90,7 @@ def test_a_line_of_blanks_alone_is_no_caption():
 
 
 @pytest.mark.parametrize("line", ["[/EN#x/people a dog] runs", "a [/EN#3/people dog runs", "[EN#3/people a dog]",
-                                  "[/EN#3/ a dog] runs"])
+                                  "[/EN#3/ a dog] runs", "[/EN#/people a dog] runs"])
 def test_bad_markup_is_a_format_error(line):
     with pytest.raises(EntitiesFormatError):
         parse_sentences(line)
@@ -305,6 +305,14 @@ def test_an_objects_one_flag_is_read_without_the_other():
     annotation = parse_annotation(ANNOTATION.replace(flags, "<name>34</name><scene>1</scene>")
                                   .replace("<scene>0</scene><nobndbox>1</nobndbox>", "<nobndbox>1</nobndbox>"))
     assert annotation.scene == {"34"} and annotation.nobox == {"35"}
+
+
+def test_a_flag_of_an_object_naming_two_chains_is_every_chains():
+    """As a box belongs to every chain its object names (the README's "one or more name tags"), so does a ``<scene>``
+    or ``<nobndbox>`` flag: the second chain of a flagged object is the whole scene, or has no box, too."""
+    flagged = ANNOTATION.replace("<name>34</name>", "<name>34</name><name>36</name>")
+    annotation = parse_annotation(flagged.replace("<name>35</name>", "<name>35</name><name>37</name>"))
+    assert annotation.scene == {"34", "36"} and annotation.nobox == {"35", "37"}
 
 
 def test_a_chain_name_is_read_without_the_whitespace_around_it():
