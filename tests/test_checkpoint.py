@@ -474,6 +474,15 @@ def test_a_refused_folder_names_its_first_three_strangers_and_marks_more(tmp_pat
     assert f"holds files no checkpoint has {named}: nothing was written there" in str(refused.value)
 
 
+def test_storage_says_where_it_wrote_which_dtype_and_the_weights_size(tmp_path, tiny_sat, vocab, capsys):
+    """``captioner storage`` is run to halve a checkpoint's bytes: its one line names the folder written, the dtype
+    and the new weights' size in MiB, the number the user compares with the old one (a silent run said nothing)."""
+    source = save_checkpoint(tmp_path / "source", tiny_sat, vocab, EncoderSpec())
+    main(["storage", str(source), "float16", "--out", str(tmp_path / "half")])
+    size = (tmp_path / "half" / WEIGHTS).stat().st_size / 2**20
+    assert capsys.readouterr().out == f"{tmp_path / 'half'}: weights stored as float16, {size:.1f} MiB\n"
+
+
 def test_storage_never_replaces_another_checkpoint_at_its_out_unless_forced(tmp_path, tiny_sat, vocab, capsys):
     """``captioner storage A float16 --out B`` over a checkpoint B already there: refused, B kept as it was, as for
     every other command that writes a checkpoint (a mistyped --out deleted a trained model); --force replaces it."""

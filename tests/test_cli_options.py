@@ -475,6 +475,21 @@ def test_caption_refuses_what_cannot_draw_before_any_model_loads(tmp_path, stub_
     assert stub_pipeline.opened == []
 
 
+def test_caption_never_draws_its_overlay_over_a_file_of_a_checkpoint_it_reads(tmp_path, stub_pipeline, capsys):
+    """``--overlay`` naming a file already in a ``--checkpoint`` folder (a figure kept beside the model) is refused
+    before any model loads, as eval's outputs are: written over, the file no longer matched the checkpoint's
+    manifest, and the checkpoint then refused to load."""
+    photo, ckpt = tmp_path / "p.png", tmp_path / "ckpt"
+    Image.new("RGB", (4, 4)).save(photo)
+    ckpt.mkdir()
+    kept = ckpt / "attention.png"
+    kept.write_bytes(b"the figure the checkpoint keeps")
+    with pytest.raises(SystemExit) as refused:
+        main(["caption", str(photo), "--checkpoint", str(ckpt), "--overlay", str(kept), "--device", "cpu"])
+    assert refused.value.code == 2 and f"is a file of {ckpt}" in capsys.readouterr().err
+    assert stub_pipeline.opened == [] and kept.read_bytes() == b"the figure the checkpoint keeps"
+
+
 @pytest.mark.parametrize("text, value", [("1", True), ("true", True), ("Yes", True), (" ON ", True), ("0", False),
                                          ("false", False), ("NO", False), ("off", False)])
 def test_a_boolean_of_a_grid_is_read_in_each_spelling_and_any_case(text, value):
@@ -649,6 +664,14 @@ def test_export_exits_1_for_a_model_it_cannot_export_only_when_strict(tmp_path, 
     with pytest.raises(SystemExit) as failed:
         main(["export", "--weights-dir", "w", "--out", str(tmp_path), "--strict"])
     assert failed.value.code == 1
+
+
+def test_a_strict_export_that_exported_every_model_exits_0(tmp_path, monkeypatch):
+    """``--strict`` is for a script or CI step that must stop when a model was left out: when every model was
+    exported it must succeed, or a deploy gated on it fails for nothing."""
+    monkeypatch.setattr(checkpoint_module, "find_checkpoints", lambda *args, **options: {"a": Path("x/a")})
+    monkeypatch.setattr(onnx_module, "export_checkpoints", lambda found, out, log: {"a": object()})
+    main(["export", "--weights-dir", "w", "--out", str(tmp_path), "--strict"])  # no SystemExit(1)
 
 
 def test_export_reports_each_models_files_and_differences_or_why_not_and_which_of_two_names_it_took(
