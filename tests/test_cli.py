@@ -743,6 +743,10 @@ def test_a_cards_storage_line_reads_an_unrecorded_storage_as_float32_and_says_wh
     assert "Weights stored as" not in write_card(tmp_path / "ckpt", report).read_text()
     half = convert_storage(tmp_path / "ckpt", "float16", tmp_path / "half")
     assert "\nWeights stored as float16; not re-measured on val.\n" in write_card(half, report).read_text()
+    # and where the reports do score that split, the weights it is set against are the float32 ones
+    remeasured = {"beam_size": 3, "val": {"images": 4, "CIDEr-D": 1.25}}
+    compared = "\nWeights stored as float16: val CIDEr-D 1.2500, against 1.5000 with the float32 weights the rules"
+    assert compared + " were chosen on.\n" in write_card(half, remeasured).read_text()
 
 
 def test_a_report_of_other_weights_is_refused_and_one_for_a_checkpoint_without_a_manifest_passes(tmp_path):

@@ -18,7 +18,7 @@ from captioner.models.data.datasets import load_captioned
 from captioner.models.data.features import _cache_name, extract_features, find_covering_store
 from captioner.models.data.stores import TunedStore
 from captioner.models.encoder import EncoderSpec, EncoderTail, GridEncoder, weights_sha256
-from captioner.models.evaluation.card import write_card
+from captioner.models.evaluation.card import _encoder_state, write_card
 from captioner.models.export.onnx import GraphSpec, export_identity, export_visual_encoder, visual_encoder_key
 from captioner.models.export.sessions import VisualSession
 from captioner.models.inference import torch_runtime
@@ -213,6 +213,15 @@ def test_a_warm_start_from_a_tuned_checkpoint_keeps_its_stages(scenes, tmp_path,
     assert carried.keys() == original.keys() and all(torch.equal(carried[k], original[k]) for k in carried)
     assert "the fine-tuned stages of the checkpoint it started from" in write_card(frozen_run, {}).read_text()
     assert "its last stage fine-tuned by this run" in write_card(tuned_best, {}).read_text()
+
+
+def test_a_cards_encoder_line_counts_the_stages_this_run_fine_tuned():
+    """The tiny runs above tune one stage; a run with ``--finetune-stages 2`` tuned two, and a card saying "its last
+    stage" would hide half of what the run changed in the encoder."""
+    tuned = {"tuned_weights": "encoder_tuned.safetensors"}
+    two, one = (_encoder_state(tuned, {"train_config": {"finetune_stages": n}}) for n in (2, 1))
+    assert two == "ImageNet weights, its last 2 stages fine-tuned by this run: `encoder_tuned.safetensors`"
+    assert one == "ImageNet weights, its last stage fine-tuned by this run: `encoder_tuned.safetensors`"
 
 
 def test_a_warm_start_that_tunes_on_saves_the_stages_it_trained_over_those_its_init_brought(tmp_path):
