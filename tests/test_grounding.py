@@ -188,6 +188,15 @@ def test_bootstrap_interval():
     assert low < mean < high and high - low == pytest.approx(2 * 1.96 * 0.1 / 20, rel=0.2)
 
 
+def test_bootstrap_resamples_only_the_images_that_have_words_of_the_class():
+    """summarise hands bootstrap_mean one list per evaluated image, empty for an image with no word of the class (a
+    rare class such as a held-out colour has many): those images are left out of the resampling, so the interval is
+    the same however many wordless images the split holds, and a resample of wordless images only cannot make it
+    0/0."""
+    values = [[v] for v in np.random.default_rng(0).random(5)]
+    assert bootstrap_mean(values + [[]] * 15, resamples=200) == bootstrap_mean(values, resamples=200)
+
+
 def test_summary_intervals_take_the_resamples_asked_for_and_repeat_run_after_run():
     """--grounding-resamples reaches every interval of the table (7 resamples give another interval than the default
     2000), and the bootstrap's seed is fixed, so the same scores give the same interval on every run."""
@@ -607,6 +616,17 @@ def test_grid_cells_are_drawn_at_the_size_asked_for():
     assert dist.shape == (16, 16) and dist[quadrant] == pytest.approx(np.full(64, 1 / 64))
     assert score_rows(np.array([[1.0, 0.0, 0.0, 0.0]]), two_by_two(), quadrant)[0] == pytest.approx(
         {"mass": 1.0, "pointing": 1.0, "ratio": 4.0})
+
+
+def test_a_region_box_past_the_left_and_top_edges_keeps_its_visible_part():
+    """A region file's box may start before the image (a detector's box around an object cut by the edge, or one
+    scaled onto the image): its weight spreads over the pixels still inside, columns 0–3 and rows 0–1 here, rather
+    than a negative edge wrapping round to the far side of the image and the weight being lost."""
+    boxes = np.array([[-4, -2, 4, 2], [0, 0, 8, 8]], np.float32)
+    geometry = Geometry(kind="regions", image_size=(8, 8), grid_hw=None, boxes=boxes)
+    dist = pixel_distribution([0.5, 0.5], geometry)
+    assert dist[0:2, 0:4] == pytest.approx(np.full((2, 4), 0.5 / 8 + 0.5 / 64))
+    assert dist[2:] == pytest.approx(np.full((6, 8), 0.5 / 64)) and dist[0:2, 4:] == pytest.approx(0.5 / 64)
 
 
 def test_region_boxes_on_a_tall_image_keep_their_rows_and_a_box_past_the_bottom_keeps_its_visible_part():
