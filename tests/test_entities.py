@@ -509,6 +509,14 @@ def test_the_type_table_ends_each_model_with_its_row_over_all_phrases():
         "2.000 [2.000, 2.000] |"]
 
 
+def test_both_grounding_tables_have_a_delimiter_cell_under_each_header():
+    """Both tables are written into the grounding page (docs/grounding.md): GitHub draws a table only when its second
+    line is a delimiter row of one ``---`` cell per header, so a malformed one leaves the numbers as a run of text."""
+    for table in (summary_table([]), type_table([])):
+        header, delimiter = table.splitlines()
+        assert delimiter == "|" + "---|" * (header.count("|") - 1)
+
+
 def test_a_phrase_is_scored_on_each_of_its_words_and_on_none_outside_it():
     """The head noun ends a phrase and is often its best word: the phrase's last row counts, the next one does not."""
     top_left = EntityAnnotation((8, 8), {"1": [(1, 1, 4, 4)]})
