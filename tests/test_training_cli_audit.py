@@ -19,7 +19,7 @@ from captioner.models.data.features import extract_features, find_covering_store
 from captioner.models.data.karpathy import load_karpathy
 from captioner.models.data.scenes import generate
 from captioner.models.encoder import EncoderSpec
-from captioner.models.protocol import AttnRecord
+from captioner.models.protocol import AttnRecord, Captioner
 from captioner.models.registry import MODELS
 from captioner.models.sat import ShowAttendTell
 from captioner.models.sparsecap import SparseCap
@@ -149,7 +149,8 @@ def test_an_unknown_phase_or_fine_tuned_stages_over_region_features_are_refused_
 def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scenes, tmp_path, capsys, monkeypatch):
     """What a researcher adding a model meets (README, "Adding a model"): each of these trained, then failed with a
     Python error that named no rule: at the first load (no **ids), in reorder after an epoch (a state that is no
-    tensor with rows), or never (attention rows that are no distribution, served as they were)."""
+    tensor with rows), at the first save (no config() of its own: the protocol's raises NotImplementedError), or
+    never (attention rows that are no distribution, served as they were)."""
     monkeypatch.setattr(training.loop, "load_captioned", lambda *a, **k: pytest.fail("the data was read"))
 
     class NoIds(ShowAttendTell):
@@ -180,11 +181,15 @@ def test_a_model_that_breaks_the_protocol_is_named_before_the_data_is_read(scene
         def config(self):
             return {k: v for k, v in super().config().items() if k not in ("vocab_size", "feat_dim")}
 
+    class NoConfig(ShowAttendTell):  # the protocol's own config(), as a model that never wrote one has
+        config = Captioner.config
+
     for model, said in [(NoIds, "constructor must accept **ids"), (BareTensor, "must be an AttnRecord"),
                         (CountsInState, "step's state 'steps' must be a tensor with the (batch × beam) rows"),
                         (OnesForRows, "must be a distribution over the items"),
                         (UniformOverPadding, "must put no weight on masked items"),
-                        (NoSizes, "config() must return every constructor argument")]:
+                        (NoSizes, "config() must return every constructor argument"),
+                        (NoConfig, "does not implement config()")]:
         monkeypatch.setitem(MODELS, "broken", model)
         err = _fails(capsys, ["train", "--dataset", str(scenes), "--out", str(tmp_path / "run"), "--model", "broken",
                               *(["--set", "embed_dim=16"] if model is not NoIds else [])])
