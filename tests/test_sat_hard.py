@@ -331,3 +331,13 @@ def test_with_no_dropout_option_the_hard_model_drops_as_the_soft_model_does():
     assert options("sat-hard")["dropout"] == options("sat")["dropout"] == 0.5
     model = create("sat-hard", **{key: value for key, value in TINY.items() if key != "dropout"})
     assert model.drop.p == 0.5
+
+
+def test_the_hard_model_is_sized_as_the_soft_model_by_default():
+    """The hard model is the soft decoder with another context (docs/decisions.md#sat-hard-decoding), and neither
+    recipe names a size: ``captioner train --recipe sat-hard`` must build the soft model's word embedding, LSTM and
+    attention layer, or a comparison of the two attentions would also compare two networks of different widths."""
+    hard, soft = options("sat-hard"), options("sat")
+    sizes = ("embed_dim", "hidden_dim", "attn_dim", "dropout")
+    assert {key: hard[key] for key in sizes} == {key: soft[key] for key in sizes}
+    assert not set(load_recipe("sat-hard")["model_args"]) & set(sizes)
