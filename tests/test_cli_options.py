@@ -764,6 +764,15 @@ def test_train_reads_an_earlier_precision_name_as_todays_and_refuses_an_unknown_
                                                                       "fp8")
 
 
+def test_train_collects_each_repeated_lr_drop_into_the_schedules_list():
+    """``--lr-drop`` is repeatable (its help says so), each a milestone of the schedule; taken as one value, the last
+    flag given replaced the others, and a lone drop was a number, not the list the schedule and the card read."""
+    args = build_parser().parse_args(["train", "--out", "x", "--lr-drop", "5", "--lr-drop", "7"])
+    assert training_cli.train_config_from_args(args).lr_drops == [5, 7]
+    args = build_parser().parse_args(["train", "--out", "x", "--lr-drop", "3"])
+    assert training_cli.train_config_from_args(args).lr_drops == [3]
+
+
 def test_each_switch_of_train_takes_no_value_and_turns_its_default_around():
     # `--extend-vocab` and the other switches are kind "true" or "false": without the kind each would ask for a value
     switches = [f for f in dataclasses.fields(training_module.TrainConfig) if isinstance(f.default, bool)]
