@@ -764,6 +764,18 @@ def test_a_file_with_one_error_line_among_a_users_lines_is_not_taken_for_an_erro
     assert (tmp_path / "run.errors.jsonl").read_text() == kept and not (tmp_path / "run.jsonl").exists()
 
 
+def test_caption_lines_in_place_of_the_errors_list_are_not_emptied(tmp_path, tiny_checkpoint_folder, small_archive):
+    """A line is an earlier run's error record only with exactly the keys ``path`` and ``error``: captions written
+    with ``--output run.errors.jsonl`` also have a ``path`` on every line, and a later ``--output run.jsonl`` emptied
+    them as its list of errors."""
+    kept = "".join(json.dumps({"path": f"x{i}.jpg", "caption": "a cat", "score": -1.5}) + "\n" for i in range(2))
+    (tmp_path / "run.errors.jsonl").write_text(kept)
+    out = tmp_path / "run.jsonl"
+    with pytest.raises(ArchiveError, match="is not a list of errors an earlier run wrote"):
+        caption_archive(small_archive, out, tiny_checkpoint_folder, settings(), ArchiveOptions(), progress=False)
+    assert (tmp_path / "run.errors.jsonl").read_text() == kept and not out.exists()
+
+
 def test_an_archives_figure_is_the_picture_caption_overlay_draws(tmp_path, tiny_checkpoint_folder, capsys):
     """README: ``--heatmaps DIR`` writes each image's per-word figure, ``--overlay``'s. The archive keeps only a
     thumbnail of a decoded image in memory; drawn from it, at the panel size ``--overlay`` draws at, the figure is
