@@ -128,6 +128,23 @@ def test_step_drops_out_the_fed_back_context_the_block_output_and_c_t():
     torch.testing.assert_close(attended, block.attended)
 
 
+@pytest.mark.parametrize("lstm_input", ["concat", "sum"])
+def test_a_fed_back_context_dropped_out_whole_feeds_nothing_into_the_lstm(lstm_input):
+    """``c_{t−1}`` reaches the LSTM only through the dropout, whether concatenated beside ṽ or added to it as the
+    authors' code does (``lstm_input="sum"``, the setting ``captioner import xlan`` gives): with that dropout
+    zeroing everything, a step from any context is the step from a zero context.  A sum that took the context
+    from the state rather than the dropped-out one trained the imported models without their decoder dropout."""
+    model, vis = tiny(lstm_input=lstm_input, hidden_dim=32), regions()
+    enc = model.encode(vis)
+    model.drop = torch.nn.Dropout(1.0).train()  # zeroes whatever it is given
+    state = {name: torch.randn(3, 32) for name in ("h", "m", "context")}
+    logprobs, new_state, _ = model.step(torch.tensor([1, 5, 7]), state, enc)
+    zero_context = {**state, "context": torch.zeros(3, 32)}
+    again, again_state, _ = model.step(torch.tensor([1, 5, 7]), zero_context, enc)
+    torch.testing.assert_close(new_state["h"], again_state["h"])
+    torch.testing.assert_close(logprobs, again)
+
+
 def test_initial_state_is_zero():
     model = tiny()
     state = model.init_state(model.encode(regions()))
