@@ -576,6 +576,17 @@ def test_a_query_option_fastapi_refuses_is_counted_by_the_latency_metric_under_t
     assert counted() == before + 1
 
 
+def test_fastapis_own_refusal_of_two_options_sets_each_loc_and_msg_apart_in_the_detail(client, photo):
+    """FastAPI's own 422 (options that do not validate, refused before the route runs) says in ``detail`` what each
+    of its ``errors`` says, as ``loc: msg`` parts set apart by ``; ``: a message can hold a comma itself (pydantic's
+    "Input should be a valid integer, unable to parse string as an integer"), so joined by commas a reader, or a
+    client that shows the detail, could not tell where one option's message ends and the next one's begins."""
+    body = problem(post(client, photo, params={"beam_size": 0, "max_len": "many"}))
+    assert [e["loc"] for e in body["errors"]] == [["query", "beam_size"], ["query", "max_len"]]
+    assert "," in body["errors"][1]["msg"]  # the message the separator must stay apart from
+    assert body["detail"].split("; ") == [f"query.{e['loc'][1]}: {e['msg']}" for e in body["errors"]]
+
+
 def test_a_query_option_refused_on_a_route_that_captions_nothing_is_not_counted_by_the_latency_metric(client):
     """Only the caption routes' refusals are caption requests (CAPTION_PATHS): a stored result's overlay asked with
     an alpha that does not validate is FastAPI's 422 too, but counted it would add a caption answer that never was
