@@ -264,6 +264,30 @@ def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_bac
     run_bounded(scenario())
 
 
+def test_a_share_given_back_by_a_waiter_cancelled_after_its_grant_lets_the_waiters_behind_it_in():
+    """A waiter granted its share just as it gave up (its deadline, its client gone) hands the share back, and the
+    waiters behind it must get it at once: otherwise a smaller decode queued behind it waits, with the whole budget
+    free and nothing running, until its own deadline (a 504 from an idle service)."""
+
+    async def scenario():
+        waiter: list[asyncio.Task] = []
+        slots, release = WorkSlots(2, on_idle=lambda: waiter[0].cancel()), threading.Event()
+        first = asyncio.create_task(slots.run(release.wait, 10, cost=2))
+        await _until(lambda: slots.running > 0)
+        waiter.append(asyncio.create_task(slots.run(lambda: "never", cost=2)))
+        behind = asyncio.create_task(slots.run(lambda: "behind", cost=1))  # queued behind the waiter of 2
+        await asyncio.sleep(0)
+        assert slots.waiting == 2
+        release.set()  # the first piece ends: its release grants the waiter of 2 only, then on_idle cancels it
+        await first
+        with pytest.raises(asyncio.CancelledError):
+            await waiter[0]
+        assert await asyncio.wait_for(behind, 2) == "behind"
+        assert slots.waiting == 0 and slots.running == 0
+
+    run_bounded(scenario())
+
+
 def test_a_piece_cancelled_before_a_thread_takes_it_never_runs_and_gives_its_share_back():
     """A piece that has its share can still wait for a thread of Starlette's pool (all of them busy elsewhere);
     cancelled there it never runs, and its caller gives back its share and its count as running."""
