@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _ctypes
 import gc
 import json
 import platform
@@ -161,6 +162,22 @@ def test_without_a_readable_proc_nothing_is_advised_and_start_up_goes_on(monkeyp
 
     monkeypatch.setattr(memory, "Path", lambda path: SimpleNamespace(read_text=denied))
     assert page_out_gpu_libraries() == 0 and libc.calls == []
+
+
+def test_the_mappings_advised_are_those_this_process_has_mapped(monkeypatch):
+    """The mappings come from the process's own ``/proc/self/maps``: read from anywhere else the page-out finds
+    nothing, advises nothing and the CUDA libraries' 250 MB stay resident, in silence (the test above on the real
+    libraries skips where torch maps none, a CPU-only build).  A library surely mapped here, ctypes' own extension
+    module, stands in for a CUDA library."""
+    libc = RecordingLibc()
+    monkeypatch.setattr(memory, "_libc", lambda: libc)
+    choose = memory.gpu_library_ranges
+    monkeypatch.setattr(memory, "gpu_library_ranges", lambda maps_text: choose(maps_text, (_ctypes.__file__,)))
+    with open("/proc/self/maps") as maps:
+        mapped = choose(maps.read(), (_ctypes.__file__,))
+    assert mapped, "ctypes' extension module is not mapped from its file here"
+    assert page_out_gpu_libraries() == sum(end - start for start, end in mapped)
+    assert [(start, length) for _, start, length, _ in libc.calls] == [(start, end - start) for start, end in mapped]
 
 
 def test_the_resident_set_is_read_in_bytes_from_the_kibibytes_proc_gives(monkeypatch):
