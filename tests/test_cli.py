@@ -1173,6 +1173,9 @@ def test_serve_hands_uvicorn_the_prefix_and_timeouts_and_a_start_that_failed_exi
     config = handed["config"]
     assert (config.root_path, config.timeout_keep_alive, config.timeout_graceful_shutdown) == ("/vision", 7, 25)
     assert handed["drain_timeout_s"] == 20
+    # the app writes the access line itself, with the request id: uvicorn's own would log every request twice, and
+    # its logging config would undo the format configure_logging set (a JSON log's lines in uvicorn's plain text)
+    assert (config.access_log, config.log_config) == (False, None)
 
 
 def test_serve_with_nothing_to_serve_is_one_line_before_any_model_loads(monkeypatch, capsys, tmp_path):
