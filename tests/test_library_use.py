@@ -5,6 +5,7 @@ work, where they were tracebacks from deep inside PIL, PyTorch or the beam searc
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,6 +151,28 @@ def test_a_runtimes_description_names_the_data_set_its_checkpoint_was_trained_on
     ckpt = load_checkpoint(folder)
     ckpt.meta["trained_on"] = "Flickr8k (Hodosh et al., 2013), train split"
     assert torch_runtime(ckpt).info().trained_on == "Flickr8k (Hodosh et al., 2013), train split"
+
+
+def test_a_runtimes_description_offers_the_decoding_rules_its_checkpoint_was_tuned_to(folder):
+    """``GET /models``' ``decoding`` is what a request gets unless it names its own rules: the checkpoint's, chosen
+    on validation by ``captioner tune-decoding``. The demo page and clients show and send these defaults: a
+    description of no rules would tell them the model decodes without the rules every caption of it is given."""
+    assert torch_runtime(folder).info().decoding == dataclasses.asdict(DecodingRules())
+    ckpt = load_checkpoint(folder)
+    ckpt.meta["decoding"] = {"length_penalty": 0.8, "block_trigrams": True}
+    tuned = DecodingRules(length_penalty=0.8, block_trigrams=True)
+    assert torch_runtime(ckpt).info().decoding == dataclasses.asdict(tuned) != dataclasses.asdict(DecodingRules())
+
+
+def test_a_result_names_its_checkpoint_folder_apart_from_the_model_named_after_its_run(tmp_path):
+    """A run's ``best`` is served as the run's model (``runs/sat/best`` → ``sat``), while a result's ``checkpoint``
+    is the folder it came from (the service answers its name, ``best``): which of a run's checkpoints, ``best`` or
+    ``last``, captioned is only told by it."""
+    best = tmp_path / "sat" / "best"
+    save_checkpoint(best, tiny_model("sat"), VOCAB, TINY_SPEC)
+    runtime = torch_runtime(best)
+    (result,) = runtime.caption([runtime.prepare(Image.new("RGB", (64, 48)))], beam_size=1, max_len=3)
+    assert result.model == "sat" and Path(result.checkpoint).name == "best"
 
 
 def test_a_runtime_of_a_checkpoint_trained_on_regions_is_refused_before_it_captions_a_photo(folder):
