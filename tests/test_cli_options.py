@@ -553,6 +553,20 @@ def test_an_output_may_not_be_an_input_a_file_of_a_folder_read_or_another_output
             refuse_input_as_output(outputs, [data], [checkpoint])
 
 
+def test_an_output_given_relative_is_refused_over_an_input_or_a_file_of_a_folder_read(tmp_path, monkeypatch):
+    """``captioner tune-decoding --checkpoint weights/sat --output weights/sat/config.json`` and ``eval --dataset
+    data.json --results-json ./data.json``: paths as typed, relative to the working folder, must meet the same
+    refusal as absolute ones, or the result replaces the checkpoint's config or the data set it was made from."""
+    monkeypatch.chdir(tmp_path)
+    Path("ckpt").mkdir()
+    Path("ckpt/config.json").write_text("{}")
+    Path("data.json").write_text("{}")
+    with pytest.raises(SystemExit, match="--output ckpt/config.json is a file of ckpt"):
+        refuse_input_as_output({"--output": "ckpt/config.json"}, ["data.json"], ["ckpt"])
+    with pytest.raises(SystemExit, match="--results-json data.json is one of the command's inputs"):
+        refuse_input_as_output({"--results-json": "./data.json"}, ["data.json"], ["ckpt"])
+
+
 def test_key_values_read_json_and_python_literals_with_dashes_as_underscores():
     assert key_values(["pre-norm=False", "d_model=256", "name=sat", "drop=None", "sizes=[1, 2]", "ok=true"]) == {
         "pre_norm": False, "d_model": 256, "name": "sat", "drop": None, "sizes": [1, 2], "ok": True}
