@@ -211,13 +211,15 @@ def test_a_checkpoint_trained_without_the_refiner_converts_and_is_recorded_as_ha
 def test_options_kept_as_a_plain_dict_are_read_and_unlisted_heads_are_the_authors_default(authors_files, tmp_path):
     """An infos file whose ``opt`` was saved as a dict (``vars(opt)``) rather than an ``argparse.Namespace`` still
     gives the model its dropout and heads; an ``opt`` that does not list ``num_heads`` was trained with the
-    default of the authors' ``opts.py``, 8 heads (any other count would split the attention differently)."""
+    default of the authors' ``opts.py``, 8 heads (any other count would split the attention differently), and one
+    that lists no ``drop_prob_lm`` their default dropout of 0.5 (a fine-tune then trains as they did)."""
     infos = pickle.loads(authors_files[1].read_bytes())
     options = {**vars(infos["opt"]), "drop_prob_lm": 0.2}
-    for name, opt, heads in (("dict", options, HEADS), ("unlisted", {"drop_prob_lm": 0.2}, 8)):
+    cases = (("dict", options, HEADS, 0.2), ("unlisted", {"drop_prob_lm": 0.2}, 8, 0.2), ("empty", {}, 8, 0.5))
+    for name, opt, heads, dropout in cases:
         (tmp_path / f"infos_{name}.pkl").write_bytes(pickle.dumps({**infos, "opt": opt}, protocol=2))
         model, _, meta = convert_aoanet(authors_files[0], tmp_path / f"infos_{name}.pkl")
-        assert (model.config()["heads"], model.config()["dropout"]) == (heads, 0.2)
+        assert (model.config()["heads"], model.config()["dropout"]) == (heads, dropout)
         assert meta["source_options"] == opt
 
 
@@ -433,13 +435,15 @@ def test_other_attention_or_decoder_layouts_are_refused_naming_their_training_fl
 
 def test_an_infos_file_of_another_vocabulary_is_refused_counting_both(tmp_path, authors_files):
     """The weights' embedding has a row per word + 1 (index 0, the start and end token): infos of another run, whose
-    vocabulary is one word short, would map the rows to the wrong words."""
-    infos = {"opt": argparse.Namespace(num_heads=HEADS), "vocab": {str(i + 1): w for i, w in enumerate(WORDS[:-1])}}
-    with open(tmp_path / "infos_other.pkl", "wb") as handle:
-        pickle.dump(infos, handle, protocol=2)
-    with pytest.raises(ConversionError, match=f"embedding has {len(WORDS) + 1} rows but the vocabulary "
-                                              f"{len(WORDS) - 1} words"):
-        convert_aoanet(authors_files[0], tmp_path / "infos_other.pkl")
+    vocabulary is one word short, would map the rows to the wrong words; one a word longer has words without a row,
+    refused the same way rather than as an IndexError from the remapping."""
+    for name, words in (("short", WORDS[:-1]), ("long", [*WORDS, "zebra"])):
+        infos = {"opt": argparse.Namespace(num_heads=HEADS), "vocab": {str(i + 1): w for i, w in enumerate(words)}}
+        with open(tmp_path / f"infos_{name}.pkl", "wb") as handle:
+            pickle.dump(infos, handle, protocol=2)
+        with pytest.raises(ConversionError, match=f"embedding has {len(WORDS) + 1} rows but the vocabulary "
+                                                  f"{len(words)} words"):
+            convert_aoanet(authors_files[0], tmp_path / f"infos_{name}.pkl")
 
 
 def test_weights_under_any_one_key_of_a_snapshot_import_and_a_file_of_no_dict_is_named(tmp_path, authors_files):
