@@ -604,6 +604,44 @@ def test_a_snapshots_weights_are_taken_from_its_known_key_and_never_guessed(tmp_
             convert_aoanet(tmp_path / name, authors_files[1])
 
 
+@pytest.mark.parametrize("key", ["state_dict", "model_state_dict"])
+def test_a_snapshot_keeping_its_weights_under_another_known_key_beside_an_ema_imports_those(tmp_path, key):
+    """Training scripts save the weights as ``state_dict`` or ``model_state_dict`` as often as ``model``: beside an
+    EMA copy (another dict of tensors) those are the weights imported, not a snapshot refused as ambiguous."""
+    torch.save({"epoch": 3, "ema": authors_state(seed=1), key: authors_state()}, tmp_path / "snapshot.pth")
+    weights, expected = load_torch_weights(tmp_path / "snapshot.pth"), authors_state()
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
+def test_a_weights_file_the_user_may_not_read_is_the_os_error_not_a_truncated_file(tmp_path, monkeypatch):
+    """A ``.pth`` without read permission (another user's download) is the OS's PermissionError, which the CLI
+    reports as such, rather than a file said to be truncated or not a state dict. Simulated: the tests run as root,
+    whom no permission stops."""
+
+    def refuse(path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        load_torch_weights(tmp_path / "theirs.pth")
+
+
+TEXT_AS_WEIGHTS_BUG = (
+    "bug: torch.load's weights_only unpickler reads a text file's bytes as opcodes and raises KeyError or IndexError, "
+    "which load_torch_weights does not turn into a ConversionError: the user gets a traceback"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=TEXT_AS_WEIGHTS_BUG)
+@pytest.mark.parametrize("text", ["a\ndog\nUNK\n", "hello world\n"])
+def test_a_text_file_given_as_the_weights_is_refused_as_no_state_dict(tmp_path, text):
+    """``--checkpoint`` and ``--vocab`` swapped (X-LAN's vocabulary is a text file) is a one-line refusal naming
+    the file, not a traceback from inside PyTorch's unpickler."""
+    (tmp_path / "coco_vocabulary.txt").write_text(text)
+    with pytest.raises(ConversionError, match="coco_vocabulary.txt cannot be read as a PyTorch state dict"):
+        load_torch_weights(tmp_path / "coco_vocabulary.txt")
+
+
 def test_a_missing_or_truncated_weights_file_is_named_as_what_it_is(tmp_path, authors_files):
     """A path that is not there, or a folder (the run's folder given for its .pth), is the OS's error (the CLI
     reports it as such), not a traceback from further on nor a file said to be truncated; a truncated download
