@@ -10,6 +10,7 @@ never win (weight 0, bias −1e9), so the log-probabilities of their tokens are 
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
@@ -32,6 +33,12 @@ def _is_tensor_dict(value: object) -> bool:
     return isinstance(value, dict) and bool(value) and all(isinstance(v, Tensor) for v in value.values())
 
 
+#: How a file that is no pickle at all (a vocabulary's text given for the weights) fails: the unpickler reads its
+#: bytes as opcodes and stops inside its own machinery (KeyError "101", IndexError "pop from empty list",
+#: struct.error on a short operand, met by 3,500 fuzzed files; TypeError and AttributeError as restricted_load meets)
+_UNPICKLER_FAILURES = (KeyError, IndexError, TypeError, AttributeError, struct.error)
+
+
 def load_torch_weights(path: str | Path) -> dict[str, Tensor]:
     """A state dict from a ``.pth`` (``weights_only``: tensors and containers only, never code), held directly or
     under one key of a training snapshot, without DataParallel's ``module.`` prefix."""
@@ -39,10 +46,13 @@ def load_torch_weights(path: str | Path) -> dict[str, Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as error:
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError,
+            *_UNPICKLER_FAILURES) as error:
         # a truncated download fails in the zip reader or the unpickler; an object that needs code to load is
         # refused by weights_only: both are "not a checkpoint we can read", and the reason is kept
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if isinstance(error, _UNPICKLER_FAILURES):  # messages such as "101" or "pop from empty list"
+            reason = f"its bytes are not a pickle ({type(error).__name__}: {reason})"
         if "weights_only" in str(error):  # PyTorch's advice to load it unsafely is not what to tell a user
             reason = "it holds pickled Python objects, not only tensors, and is not loaded as code"
         raise ConversionError(f"{path} cannot be read as a PyTorch state dict (truncated, or not a .pth of "
