@@ -257,6 +257,53 @@ def test_eval_hands_its_options_to_its_parts_and_reports_the_words_bleu1_most_of
                                        {"image_id": 2, "caption": "a blue square star"}]
 
 
+def test_eval_reports_only_the_n_words_bleu1_leaves_uncredited_most_often_and_counts_them_all(tmp_path, monkeypatch):
+    """``--misses N`` lists the N words BLEU-1 most often leaves uncredited, the most frequent first, and no more; the
+    total counts every uncredited word, listed or not."""
+    dataset = tmp_path / "dataset_x.json"
+    dataset.write_text("{}")
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
+    monkeypatch.setattr(datasets, "load_split", lambda *args, **options: [
+        SimpleNamespace(image_id=1, references=[["a", "red", "circle"]], info={})])
+    monkeypatch.setattr(stores_module, "open_feature_store", lambda *args, **options: "store")
+    # "square" twice beyond the references, "star" once
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *args, **options: (
+        {}, {1: ["a", "red", "square", "square", "star"]}))
+    evaluation = evaluation_report("ckpt", dataset, misses=1, device="cpu", progress=False)
+    assert evaluation.report["test"]["BLEU-1 misses"] == {"caption_words": 5, "uncredited": 3,
+                                                         "most_uncredited": {"square": 2}}
+
+
+def test_eval_without_a_dataset_scores_and_names_the_default_scenes_even_with_a_scenes_grounding(tmp_path,
+                                                                                                 monkeypatch):
+    """``captioner eval CKPT`` (and ``--grounding`` of the scenes' masks) without ``--dataset`` scores the generated
+    scenes' file, takes the novel-caption share from their train split and names that file in the report (what a
+    card cites), whatever data set the checkpoint was trained on: only an Entities grounding turns to that one."""
+    monkeypatch.chdir(tmp_path)
+    scenes = tmp_path / datasets.DEFAULT_DATASET
+    scenes.mkdir(parents=True)
+    (scenes / datasets.SCENES_FILE).write_text("{}")
+    resolved = Path(datasets.DEFAULT_DATASET) / datasets.SCENES_FILE
+    calls = {}
+    stub_a_checkpoint_and_one_test_image(monkeypatch)
+    monkeypatch.setattr(checkpoint_module, "load_checkpoint", lambda path, device: SimpleNamespace(
+        meta={"train_config": {"dataset": "elsewhere/dataset_flickr8k.json"}}, checksum="sum",
+        trained_features="grid", encoder="e"))
+    monkeypatch.setattr(datasets, "train_split_captions", lambda path, root: calls.setdefault("training", path))
+    monkeypatch.setattr(stores_module, "open_feature_store", lambda *args, **options: "store")
+    monkeypatch.setattr(evaluate_module, "evaluate_checkpoint", lambda *args, **options: ({}, {1: ["a"]}))
+    monkeypatch.setattr(grounding_module, "caption_with_attention", lambda *args, **options: [
+        SimpleNamespace(tokens=["a"])])
+    monkeypatch.setattr(evaluate_module, "score_dataset", lambda *args: {})
+    monkeypatch.setattr(grounding_module, "grounding_report", lambda ckpt, images, results, folder, resamples:
+                        calls.setdefault("masks", folder) and {})
+    for grounding in (None, "scenes"):
+        calls.clear()
+        evaluation = evaluation_report("ckpt", meteor=False, grounding=grounding, device="cpu", progress=False)
+        assert evaluation.report["dataset"] == str(resolved) and calls["training"] == resolved
+    assert calls["masks"] == resolved.parent
+
+
 def stub_a_checkpoint_and_one_test_image(monkeypatch) -> None:
     """``evaluation_report``'s checkpoint (trained on grid features) and data set (one test image) stubbed, for the
     tests of what it hands on to its work."""
