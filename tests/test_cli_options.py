@@ -929,6 +929,33 @@ def test_an_ensembles_member_selection_scores_on_the_threads_asked_for(tmp_path,
     assert threads == [3]
 
 
+def test_an_ensembles_member_selection_scores_the_images_asked_for_and_records_their_data_set(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """``--limit N`` bounds the selection's captioning to the split's first N images (a whole COCO val split is hours
+    of beam search), and the ensemble records the data set its members were chosen on (its split alone says little:
+    every data set has a val split)."""
+    members = _two_members(tmp_path)
+    read = []
+    monkeypatch.setattr(datasets_module, "resolve_dataset", lambda dataset: dataset)
+    monkeypatch.setattr(training_cli, "split_with_features", lambda first, *args: read.append(args) or ([], None))
+    monkeypatch.setattr(ensemble_module, "select_members", lambda candidates, *args, **options: candidates)
+    main(["ensemble", str(tmp_path / "both"), *map(str, members), "--select-on", "val", "--dataset", "d.json",
+          "--image-root", "photos", "--limit", "5", "--cache-dir", "c"])
+    assert read == [("d.json", "photos", "val", 5, "c")]
+    assert load_checkpoint(tmp_path / "both").meta["members_chosen_on"]["dataset"] == "d.json"
+
+
+def test_an_ensemble_of_runs_named_alike_names_each_member_and_data_set_once(tmp_path, capsys):
+    """Members are often one recipe's run under several seeds (``seed1/sat/best``, ``seed2/sat/best``, both named
+    ``sat``): their ensemble is trained on "an ensemble of sat (that data set)", as ``GET /models`` and its card say,
+    not the same words once a member."""
+    meta = {"trained_on": "Flickr8k, train split"}
+    members = [save_checkpoint(tmp_path / f"seed{seed}" / "sat" / "best", tiny_model("sat", seed=seed), VOCAB,
+                               TINY_SPEC, meta) for seed in (1, 2)]
+    main(["ensemble", str(tmp_path / "both"), *map(str, members)])
+    assert load_checkpoint(tmp_path / "both").meta["trained_on"] == "an ensemble of sat (Flickr8k, train split)"
+
+
 def test_an_ensemble_selection_from_a_single_checkpoint_is_refused_in_one_line(tmp_path, monkeypatch):
     """``--select-on`` given one checkpoint (a glob that matched one folder) has no candidate to add: the scorer is
     built on that start, and the command says no ensemble was written, where one built on a second member stopped
