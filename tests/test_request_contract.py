@@ -1169,3 +1169,26 @@ def test_a_request_with_under_a_second_of_its_deadline_left_is_still_given_to_th
     arrived = now - state.settings.request_timeout_s + 0.5
     assert client.portal.call(caption_image, state, CaptionRequest(photo, CaptionParameters()), arrived) == "captioned"
     assert given == [0.5]
+
+
+def test_the_problem_members_and_every_answer_header_are_typed_in_the_document(tmp_path):
+    """A generated client and a validator take the types from the document: a problem's ``type`` and ``instance``
+    are URI references (its page, the request path), ``detail`` is text, members beyond these are allowed (RFC 9457's
+    extension members: a client made to refuse them breaks on the first one added), and every header an answer is
+    documented with is a string, as the service sends it. A member or header left untyped is any JSON value to a
+    client."""
+    document = create_app(serving_settings(weights_dir=tmp_path)).openapi()
+    members = document["components"]["schemas"]["Problem"]["properties"]
+    formats = {name: member["format"] for name, member in members.items() if "format" in member}
+    assert formats == {"type": "uri-reference", "instance": "uri-reference"}
+    types = [members[name].get("type") for name in ("type", "title", "status", "detail", "instance", "errors")]
+    assert types == ["string", "string", "integer", "string", "string", "array"]
+    assert document["components"]["schemas"]["Problem"]["additionalProperties"] is True
+    documented, untyped, text = 0, [], {"type": "string"}
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            for status, answer in operation["responses"].items():
+                headers = answer.get("headers", {})
+                documented += len(headers)
+                untyped += [(path, status, name) for name in headers if headers[name].get("schema") != text]
+    assert documented and untyped == []
