@@ -705,6 +705,22 @@ def test_a_drain_says_whether_every_admitted_request_finished_and_tells_its_owne
     assert run_bounded(gate.drain(0.05)) is True
 
 
+def test_a_drain_ends_as_soon_as_the_last_admitted_request_finishes_not_at_its_deadline(lifecycle_clock, monkeypatch):
+    """``docker stop`` or a rolling update waits on the drain: an idle replica must exit at once, and a busy one when
+    its last request ends, not after the whole drain budget (30 s a replica, idle, kept the update waiting)."""
+    gate, polls = ShutdownGate(), []
+
+    async def poll(seconds):  # each poll takes its time on the test's clock; the last request ends after the second
+        polls.append(seconds)
+        lifecycle_clock.now += seconds
+        gate.in_flight = 0 if len(polls) == 2 else gate.in_flight
+
+    monkeypatch.setattr(lifecycle, "asyncio", types.SimpleNamespace(sleep=poll))
+    assert run_bounded(gate.drain(30)) is True and polls == []  # nothing in flight: no wait at all
+    gate.in_flight = 1
+    assert run_bounded(gate.drain(30)) is True and len(polls) == 2
+
+
 @pytest.mark.parametrize("second_signal", [False, True])
 def test_after_the_drain_uvicorn_waits_only_what_is_left_of_its_budget(second_signal, lifecycle_clock, monkeypatch):
     """The pod's grace period counts the drain and uvicorn's wait for connections together; after a second signal
