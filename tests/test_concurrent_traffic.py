@@ -242,21 +242,30 @@ def test_on_idle_is_called_when_the_last_piece_ends_even_with_waiters_still_queu
     run_bounded(scenario())
 
 
+async def _a_waiter_to_be_cancelled_once_granted(*behind: int):
+    """A budget of 2 taken whole by a piece that ends when ``release`` is set, a waiter of 2 queued (cancelled by
+    ``on_idle`` as that piece ends, after its release granted the waiter the share), then one piece queued behind
+    it for each cost in ``behind``: ``(slots, release, first, waiter, behind_tasks)``."""
+    waiter: list[asyncio.Task] = []
+    slots, release = WorkSlots(2, on_idle=lambda: waiter[0].cancel()), threading.Event()
+    first = asyncio.create_task(slots.run(release.wait, 10, cost=2))
+    await _until(lambda: slots.running > 0)
+    waiter.append(asyncio.create_task(slots.run(lambda: "never", cost=2)))
+    queued = [asyncio.create_task(slots.run(lambda: "behind", cost=cost)) for cost in behind]
+    await asyncio.sleep(0)
+    return slots, release, first, waiter[0], queued
+
+
 def test_a_waiter_cancelled_just_after_its_share_was_granted_gives_the_share_back():
     """The share is granted (by the piece that ends) before the waiter's task resumes; cancelled in between, the
     waiter never runs and must hand the share back, or the budget shrinks for good."""
     async def scenario():
-        waiter: list[asyncio.Task] = []
-        slots, release = WorkSlots(2, on_idle=lambda: waiter[0].cancel()), threading.Event()
-        first = asyncio.create_task(slots.run(release.wait, 10, cost=2))
-        await _until(lambda: slots.running > 0)
-        waiter.append(asyncio.create_task(slots.run(lambda: "never", cost=2)))
-        await asyncio.sleep(0)
+        slots, release, first, waiter, _ = await _a_waiter_to_be_cancelled_once_granted()
         assert slots.waiting == 1
         release.set()  # the first piece ends: its release grants the waiter, then on_idle cancels it
         await first
         with pytest.raises(asyncio.CancelledError):
-            await waiter[0]
+            await waiter
         assert slots.waiting == 0 and slots.running == 0
         # the whole budget is free again: a piece of all of it starts without waiting
         assert await slots.run(lambda: "whole", cost=2, timeout=5) == "whole"
@@ -270,18 +279,12 @@ def test_a_share_given_back_by_a_waiter_cancelled_after_its_grant_lets_the_waite
     free and nothing running, until its own deadline (a 504 from an idle service)."""
 
     async def scenario():
-        waiter: list[asyncio.Task] = []
-        slots, release = WorkSlots(2, on_idle=lambda: waiter[0].cancel()), threading.Event()
-        first = asyncio.create_task(slots.run(release.wait, 10, cost=2))
-        await _until(lambda: slots.running > 0)
-        waiter.append(asyncio.create_task(slots.run(lambda: "never", cost=2)))
-        behind = asyncio.create_task(slots.run(lambda: "behind", cost=1))  # queued behind the waiter of 2
-        await asyncio.sleep(0)
+        slots, release, first, waiter, (behind,) = await _a_waiter_to_be_cancelled_once_granted(1)
         assert slots.waiting == 2
         release.set()  # the first piece ends: its release grants the waiter of 2 only, then on_idle cancels it
         await first
         with pytest.raises(asyncio.CancelledError):
-            await waiter[0]
+            await waiter
         assert await asyncio.wait_for(behind, 2) == "behind"
         assert slots.waiting == 0 and slots.running == 0
 
